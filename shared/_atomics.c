@@ -1,0 +1,610 @@
+/*
+ * shared._atomics - lock-free quota counters on a shared-memory buffer.
+ *
+ * Why C: a quota check sits on every allocation of every tenant, from several
+ * processes at once (the supervisor and each worker instance of a tenant). A
+ * CAS loop must read the limit, check, and write in one atomic step, which
+ * pure Python cannot do on shared memory; and the call must cost about as much
+ * as calling any C function from Python, because a Python-level wrapper costs
+ * as much again (measured: see docs/PERFORMANCE.md).
+ *
+ * A *counter line* is 64 bytes (one cache line) at an 8-aligned offset:
+ *
+ *     +0   used        bytes currently consumed
+ *     +8   limit       refuse when used + n > limit (UINT64_MAX = no limit)
+ *     +16  high_water  largest value `used` ever reached
+ *     +24  refusals    consumes refused (over the limit or overflow)
+ *     +32  underflows  releases larger than `used` (clamped to 0)
+ *     +40  reserved
+ *
+ * The limit is read from the line inside the CAS loop, never passed in, so an
+ * administrator can change it at run time from another process.
+ *
+ * Two shapes of the same operations:
+ *   - module functions taking (buffer, offset, n): the general form, used by
+ *     the supervisor for snapshots and limit changes;
+ *   - the Counter type, bound once to (buffer, offset) with the callbacks that
+ *     build typed errors: QuotaBlock exposes its bound methods directly, so
+ *     the hot path is one C call with no Python frame. A Counter may also
+ *     keep a *mirror*: one worker instance's share of the line (added on
+ *     consume, subtracted saturating on release), which the supervisor
+ *     reclaims when that instance dies while the others keep running.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define F_USED 0
+#define F_LIMIT 1
+#define F_HIGH_WATER 2
+#define F_REFUSALS 3
+#define F_UNDERFLOWS 4
+#define COUNTER_FIELDS 5
+#define COUNTER_SPAN ((Py_ssize_t)(COUNTER_FIELDS * sizeof(uint64_t)))
+
+#define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define CAS(p, expected, desired) \
+    __atomic_compare_exchange_n((p), (expected), (desired), 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)
+#define FETCH_ADD(p, v) __atomic_fetch_add((p), (v), __ATOMIC_ACQ_REL)
+
+/* ------------------------------------------------------------------ core */
+
+/* Returns 1 when consumed; 0 when refused, with the observed used/limit. */
+static inline int
+core_consume(uint64_t *line, uint64_t n, uint64_t *seen_used, uint64_t *seen_limit)
+{
+    uint64_t cur = LOAD(&line[F_USED]);
+    uint64_t next;
+    for (;;) {
+        uint64_t limit = LOAD(&line[F_LIMIT]);
+        next = cur + n;
+        if (next < cur || next > limit) {
+            FETCH_ADD(&line[F_REFUSALS], 1);
+            *seen_used = cur;
+            *seen_limit = limit;
+            return 0;
+        }
+        if (CAS(&line[F_USED], &cur, next)) {
+            break;
+        }
+    }
+    uint64_t hw = LOAD(&line[F_HIGH_WATER]);
+    while (next > hw && !CAS(&line[F_HIGH_WATER], &hw, next)) {
+    }
+    return 1;
+}
+
+/* Saturating subtract. Returns 1 on an underflow (n > used; clamped to 0). */
+static inline int
+core_release(uint64_t *line, uint64_t n, uint64_t *seen_used)
+{
+    uint64_t cur = LOAD(&line[F_USED]);
+    uint64_t next;
+    do {
+        next = n > cur ? 0 : cur - n;
+    } while (!CAS(&line[F_USED], &cur, next));
+    if (n > cur) {
+        FETCH_ADD(&line[F_UNDERFLOWS], 1);
+        *seen_used = cur;
+        return 1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------- argument checks */
+
+/* A byte count: an int (not bool) in [0, 2**63). Returns -1 with an error set. */
+static int
+parse_amount(PyObject *obj, const char *what, uint64_t *out)
+{
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow > 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be below 2**63", what);
+        return -1;
+    }
+    if (overflow < 0 || v < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must not be negative", what);
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* Acquire `obj` as a buffer and return a pointer to an aligned, in-bounds
+ * region of `span` bytes at `off_obj`. The caller releases `view`. */
+static uint64_t *
+get_region(PyObject *obj, PyObject *off_obj, Py_ssize_t span, int writable, Py_buffer *view)
+{
+    if (!PyLong_Check(off_obj) || PyBool_Check(off_obj)) {
+        PyErr_Format(PyExc_TypeError, "offset must be an int, not %.100s", Py_TYPE(off_obj)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t off = PyLong_AsSsize_t(off_obj);
+    if (off == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (off < 0 || off % 8 != 0 || off > view->len - span) {
+        PyErr_Format(PyExc_ValueError,
+                     "offset %zd out of bounds or not 8-aligned (buffer of %zd bytes, %zd needed)",
+                     off, view->len, span);
+        PyBuffer_Release(view);
+        return NULL;
+    }
+    char *p = (char *)view->buf + off;
+    if (((uintptr_t)p) % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError, "buffer address is not 8-aligned");
+        PyBuffer_Release(view);
+        return NULL;
+    }
+    return (uint64_t *)p;
+}
+
+static int
+check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", name, want, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------ module functions */
+
+PyDoc_STRVAR(consume_doc,
+"consume(buffer, offset, n) -> None | tuple[int, int]\n\n"
+"Add n to the counter line at offset unless used + n would exceed its limit\n"
+"(or overflow). Returns None on success; on refusal nothing is added, the\n"
+"refusal is counted and (used, limit) as observed is returned.");
+
+static PyObject *
+mod_consume(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    uint64_t n, used, limit;
+    Py_buffer view;
+    if (check_nargs("consume", nargs, 3) < 0 || parse_amount(args[2], "n", &n) < 0) {
+        return NULL;
+    }
+    uint64_t *line = get_region(args[0], args[1], COUNTER_SPAN, 1, &view);
+    if (line == NULL) {
+        return NULL;
+    }
+    int ok = core_consume(line, n, &used, &limit);
+    PyBuffer_Release(&view);
+    if (ok) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(KK)", (unsigned long long)used, (unsigned long long)limit);
+}
+
+PyDoc_STRVAR(release_doc,
+"release(buffer, offset, n) -> None | int\n\n"
+"Subtract n from the counter line at offset, saturating at 0. Returns None,\n"
+"or on an underflow (n > used) the used value found; the underflow is counted.");
+
+static PyObject *
+mod_release(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    uint64_t n, used;
+    Py_buffer view;
+    if (check_nargs("release", nargs, 3) < 0 || parse_amount(args[2], "n", &n) < 0) {
+        return NULL;
+    }
+    uint64_t *line = get_region(args[0], args[1], COUNTER_SPAN, 1, &view);
+    if (line == NULL) {
+        return NULL;
+    }
+    int under = core_release(line, n, &used);
+    PyBuffer_Release(&view);
+    if (!under) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromUnsignedLongLong(used);
+}
+
+PyDoc_STRVAR(load_doc, "load(buffer, offset) -> int\n\nAtomic load of the uint64 at offset.");
+
+static PyObject *
+mod_load(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    Py_buffer view;
+    if (check_nargs("load", nargs, 2) < 0) {
+        return NULL;
+    }
+    uint64_t *p = get_region(args[0], args[1], 8, 0, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+    uint64_t v = LOAD(p);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+/* A uint64 value for store(): any int in [0, 2**64). */
+static int
+parse_u64(PyObject *obj, uint64_t *out)
+{
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "value must be an int, not %.100s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "value must be in [0, 2**64)");
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+PyDoc_STRVAR(store_doc, "store(buffer, offset, value) -> None\n\nAtomic store of a uint64 at offset.");
+
+static PyObject *
+mod_store(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    Py_buffer view;
+    uint64_t v;
+    if (check_nargs("store", nargs, 3) < 0 || parse_u64(args[2], &v) < 0) {
+        return NULL;
+    }
+    uint64_t *p = get_region(args[0], args[1], 8, 1, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+    STORE(p, v);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(fetch_add_doc,
+"fetch_add(buffer, offset, n) -> int\n\nAtomically add n (wrapping) to the uint64 at offset; return the old value.");
+
+static PyObject *
+mod_fetch_add(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    Py_buffer view;
+    uint64_t v;
+    if (check_nargs("fetch_add", nargs, 3) < 0 || parse_u64(args[2], &v) < 0) {
+        return NULL;
+    }
+    uint64_t *p = get_region(args[0], args[1], 8, 1, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+    uint64_t old = FETCH_ADD(p, v);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(old);
+}
+
+PyDoc_STRVAR(exchange_doc,
+"exchange(buffer, offset, value) -> int\n\nAtomically replace the uint64 at offset; return the old value.");
+
+static PyObject *
+mod_exchange(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    Py_buffer view;
+    uint64_t v;
+    if (check_nargs("exchange", nargs, 3) < 0 || parse_u64(args[2], &v) < 0) {
+        return NULL;
+    }
+    uint64_t *p = get_region(args[0], args[1], 8, 1, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+    uint64_t old = __atomic_exchange_n(p, v, __ATOMIC_ACQ_REL);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(old);
+}
+
+PyDoc_STRVAR(noop_doc,
+"noop(buffer, offset, n) -> None\n\nDoes nothing: the floor an extension call costs, for benchmarks.");
+
+static PyObject *
+mod_noop(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    (void)args;
+    (void)nargs;
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------- Counter type */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    uint64_t *line;
+    int has_view;
+    PyObject *on_refuse;    /* (n, used, limit) -> BaseException instance */
+    PyObject *on_underflow; /* (n, used) -> object (ignored) */
+    PyObject *on_closed;    /* () -> BaseException instance */
+    uint64_t *mirror;       /* optional per-instance share, or NULL */
+} CounterObject;
+
+static int
+counter_init(CounterObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", "offset", "on_refuse", "on_underflow", "on_closed",
+                             "mirror_offset", NULL};
+    PyObject *buf, *off, *refuse, *under, *closed, *mirror_off = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO|O:Counter", kwlist, &buf, &off, &refuse,
+                                     &under, &closed, &mirror_off)) {
+        return -1;
+    }
+    if (!PyCallable_Check(refuse) || !PyCallable_Check(under) || !PyCallable_Check(closed)) {
+        PyErr_SetString(PyExc_TypeError, "on_refuse, on_underflow and on_closed must be callable");
+        return -1;
+    }
+    if (self->has_view) {
+        PyErr_SetString(PyExc_RuntimeError, "Counter is already initialised");
+        return -1;
+    }
+    uint64_t *line = get_region(buf, off, COUNTER_SPAN, 1, &self->view);
+    if (line == NULL) {
+        return -1;
+    }
+    self->line = line;
+    self->mirror = NULL;
+    if (mirror_off != Py_None) {
+        Py_buffer probe;
+        uint64_t *m = get_region(buf, mirror_off, 8, 1, &probe);
+        if (m == NULL) {
+            PyBuffer_Release(&self->view);
+            return -1;
+        }
+        /* Same exporter, same mapping: the pointer stays valid while self->view is held. */
+        PyBuffer_Release(&probe);
+        self->mirror = m;
+    }
+    self->has_view = 1;
+    Py_INCREF(refuse);
+    Py_XSETREF(self->on_refuse, refuse);
+    Py_INCREF(under);
+    Py_XSETREF(self->on_underflow, under);
+    Py_INCREF(closed);
+    Py_XSETREF(self->on_closed, closed);
+    return 0;
+}
+
+static void
+counter_release_view(CounterObject *self)
+{
+    if (self->has_view) {
+        self->has_view = 0;
+        self->line = NULL;
+        self->mirror = NULL;
+        PyBuffer_Release(&self->view);
+    }
+}
+
+static int
+counter_traverse(CounterObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->on_refuse);
+    Py_VISIT(self->on_underflow);
+    Py_VISIT(self->on_closed);
+    if (self->has_view) {
+        Py_VISIT(self->view.obj);
+    }
+    return 0;
+}
+
+static int
+counter_clear(CounterObject *self)
+{
+    Py_CLEAR(self->on_refuse);
+    Py_CLEAR(self->on_underflow);
+    Py_CLEAR(self->on_closed);
+    counter_release_view(self);
+    return 0;
+}
+
+static void
+counter_dealloc(CounterObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    counter_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Raise the exception instance a callback returned. */
+static PyObject *
+raise_from_callback(PyObject *exc)
+{
+    if (exc == NULL) {
+        return NULL;
+    }
+    if (!PyExceptionInstance_Check(exc)) {
+        PyErr_Format(PyExc_TypeError, "error callback returned %.100s, not an exception",
+                     Py_TYPE(exc)->tp_name);
+        Py_DECREF(exc);
+        return NULL;
+    }
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+static PyObject *
+counter_closed_error(CounterObject *self)
+{
+    if (self->on_closed == NULL) {
+        PyErr_SetString(PyExc_ValueError, "counter is closed");
+        return NULL;
+    }
+    return raise_from_callback(PyObject_CallNoArgs(self->on_closed));
+}
+
+static PyObject *
+counter_consume(CounterObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n, used, limit;
+    if (check_nargs("consume", nargs, 1) < 0 || parse_amount(args[0], "n", &n) < 0) {
+        return NULL;
+    }
+    if (!self->has_view) {
+        return counter_closed_error(self);
+    }
+    if (core_consume(self->line, n, &used, &limit)) {
+        if (self->mirror != NULL) {
+            FETCH_ADD(self->mirror, n);
+        }
+        Py_RETURN_NONE;
+    }
+    PyObject *exc = PyObject_CallFunction(self->on_refuse, "OKK", args[0], (unsigned long long)used,
+                                          (unsigned long long)limit);
+    return raise_from_callback(exc);
+}
+
+static PyObject *
+counter_release(CounterObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n, used;
+    if (check_nargs("release", nargs, 1) < 0 || parse_amount(args[0], "n", &n) < 0) {
+        return NULL;
+    }
+    if (!self->has_view) {
+        return counter_closed_error(self);
+    }
+    int under = core_release(self->line, n, &used);
+    if (self->mirror != NULL) {
+        /* The instance's share shrinks by what was really released, saturating. */
+        uint64_t released = under ? used : n;
+        uint64_t cur = LOAD(self->mirror), next;
+        do {
+            next = released > cur ? 0 : cur - released;
+        } while (!CAS(self->mirror, &cur, next));
+    }
+    if (!under) {
+        Py_RETURN_NONE;
+    }
+    PyObject *r = PyObject_CallFunction(self->on_underflow, "OK", args[0], (unsigned long long)used);
+    if (r == NULL) {
+        return NULL;
+    }
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+counter_load(CounterObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)args;
+    if (check_nargs("load", nargs, 0) < 0) {
+        return NULL;
+    }
+    if (!self->has_view) {
+        return counter_closed_error(self);
+    }
+    return PyLong_FromUnsignedLongLong(LOAD(&self->line[F_USED]));
+}
+
+static PyObject *
+counter_close(CounterObject *self, PyObject *Py_UNUSED(ignored))
+{
+    counter_release_view(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+counter_get_closed(CounterObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(!self->has_view);
+}
+
+static PyMethodDef counter_methods[] = {
+    {"consume", (PyCFunction)(void (*)(void))counter_consume, METH_FASTCALL,
+     "consume(n) -> None; raises on_refuse(n, used, limit) when over the limit."},
+    {"release", (PyCFunction)(void (*)(void))counter_release, METH_FASTCALL,
+     "release(n) -> None; calls on_underflow(n, used) when n > used (clamped to 0)."},
+    {"load", (PyCFunction)(void (*)(void))counter_load, METH_FASTCALL, "load() -> int: bytes in use."},
+    {"close", (PyCFunction)counter_close, METH_NOARGS,
+     "Release the buffer; later calls raise on_closed()."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef counter_getset[] = {
+    {"closed", (getter)counter_get_closed, NULL, "True once close() was called.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CounterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shared._atomics.Counter",
+    .tp_doc = PyDoc_STR("Counter(buffer, offset, on_refuse, on_underflow, on_closed, mirror_offset=None)\n\n"
+                        "A counter line bound to a writable buffer; the fast path of QuotaBlock."),
+    .tp_basicsize = sizeof(CounterObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)counter_init,
+    .tp_dealloc = (destructor)counter_dealloc,
+    .tp_traverse = (traverseproc)counter_traverse,
+    .tp_clear = (inquiry)counter_clear,
+    .tp_methods = counter_methods,
+    .tp_getset = counter_getset,
+};
+
+/* ---------------------------------------------------------------- module */
+
+static PyMethodDef module_methods[] = {
+    {"consume", (PyCFunction)(void (*)(void))mod_consume, METH_FASTCALL, consume_doc},
+    {"release", (PyCFunction)(void (*)(void))mod_release, METH_FASTCALL, release_doc},
+    {"load", (PyCFunction)(void (*)(void))mod_load, METH_FASTCALL, load_doc},
+    {"store", (PyCFunction)(void (*)(void))mod_store, METH_FASTCALL, store_doc},
+    {"fetch_add", (PyCFunction)(void (*)(void))mod_fetch_add, METH_FASTCALL, fetch_add_doc},
+    {"exchange", (PyCFunction)(void (*)(void))mod_exchange, METH_FASTCALL, exchange_doc},
+    {"noop", (PyCFunction)(void (*)(void))mod_noop, METH_FASTCALL, noop_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef atomics_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "shared._atomics",
+    .m_doc = "Lock-free quota counters (GCC/C11 atomics) on a shared-memory buffer.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__atomics(void)
+{
+    if (PyType_Ready(&CounterType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&atomics_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&CounterType);
+    if (PyModule_AddObject(m, "Counter", (PyObject *)&CounterType) < 0 ||
+        PyModule_AddIntConstant(m, "COUNTER_SPAN", COUNTER_SPAN) < 0 ||
+        PyModule_AddIntConstant(m, "F_USED", F_USED * 8) < 0 ||
+        PyModule_AddIntConstant(m, "F_LIMIT", F_LIMIT * 8) < 0 ||
+        PyModule_AddIntConstant(m, "F_HIGH_WATER", F_HIGH_WATER * 8) < 0 ||
+        PyModule_AddIntConstant(m, "F_REFUSALS", F_REFUSALS * 8) < 0 ||
+        PyModule_AddIntConstant(m, "F_UNDERFLOWS", F_UNDERFLOWS * 8) < 0) {
+        Py_DECREF(&CounterType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

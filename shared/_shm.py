@@ -1,0 +1,121 @@
+"""POSIX shared-memory segments with explicit ownership.
+
+Why not plain :class:`multiprocessing.shared_memory.SharedMemory` everywhere:
+on Python 3.11/3.12 *attaching* registers the segment with the resource
+tracker (gh-82300), and spawned/forkserver children share their parent's
+tracker, so a worker that attaches and exits can make the tracker unlink the
+supervisor's segment, or print "leaked shared_memory" warnings. Here:
+
+* :func:`create` is for the one owner (the supervisor, or a test). It uses
+  ``SharedMemory(create=True)``, which *is* tracked: if the owner is killed,
+  its resource tracker unlinks the segment, and a later supervisor removes
+  anything left with :func:`shared.quota.cleanup_stale_segments`.
+* :func:`attach` is for everybody else and never touches the tracker
+  (``track=False`` on 3.13+, ``_posixshmem`` + ``mmap`` before that).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+from multiprocessing import shared_memory
+from typing import Protocol
+
+__all__ = ["Segment", "attach", "create", "list_segments", "unlink"]
+
+_SHM_DIR = "/dev/shm"
+
+
+class Segment(Protocol):
+    """What the quota code needs of a mapped segment."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def buf(self) -> memoryview: ...
+    @property
+    def size(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class _Owned:
+    """A created segment (tracked by the resource tracker of the creating process)."""
+
+    def __init__(self, shm: shared_memory.SharedMemory) -> None:
+        self._shm = shm
+        self.name: str = shm.name
+        self.size: int = shm.size
+        self.buf: memoryview = shm.buf  # type: ignore[assignment]
+
+    def close(self) -> None:
+        self._shm.close()
+
+    def unlink(self) -> None:
+        self._shm.unlink()
+
+
+class _Attached:
+    """An attached segment the resource tracker never hears about."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if sys.version_info >= (3, 13):
+            self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
+                name=name, track=False
+            )
+            self.size = self._shm.size
+            self.buf: memoryview = self._shm.buf  # type: ignore[assignment]
+            self._mmap: mmap.mmap | None = None
+            return
+        self._mmap = None
+        import _posixshmem  # type: ignore[import-not-found]  # CPython's module behind SharedMemory
+
+        self._shm = None
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            if self.size == 0:
+                raise ValueError("segment is empty")
+            mapping = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self._mmap = mapping
+        self.buf = memoryview(mapping)
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            return
+        self.buf.release()
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+
+
+def create(name: str, size: int) -> _Owned:
+    """Create (exclusively) and map a segment of ``size`` bytes, zero-filled."""
+    return _Owned(shared_memory.SharedMemory(name=name, create=True, size=size))
+
+
+def attach(name: str) -> _Attached:
+    """Map an existing segment without registering it anywhere.
+
+    Raises ``FileNotFoundError`` when it does not exist.
+    """
+    return _Attached(name)
+
+
+def unlink(name: str) -> None:
+    """Unlink a segment by name without mapping it (stale-segment cleanup)."""
+    import _posixshmem  # type: ignore[import-not-found]
+
+    _posixshmem.shm_unlink("/" + name)
+
+
+def list_segments(prefix: str) -> list[str]:
+    """Names of the segments in ``/dev/shm`` starting with ``prefix`` (Linux)."""
+    try:
+        return sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []

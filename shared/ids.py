@@ -1,0 +1,67 @@
+"""Validated identifiers: tenant names and worker-instance ids.
+
+Tenant ids end up in shared-memory segment records, log fields, Prometheus
+labels and file names, so they are restricted to a small safe alphabet:
+1-63 characters of lowercase letters, digits, ``-``, ``_`` and ``.``,
+starting with a letter or a digit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["InstanceId", "TenantId"]
+
+_TENANT_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+
+
+class TenantId(str):
+    """A tenant's name, validated on construction (a ``str`` subclass).
+
+    >>> TenantId("acme-prod.1")
+    'acme-prod.1'
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, value: object) -> TenantId:
+        if isinstance(value, TenantId):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"tenant id must be a str, not {type(value).__name__}")
+        if not _TENANT_RE.fullmatch(value):
+            raise ValueError(
+                f"invalid tenant id {value!r}: use 1-63 characters of lowercase letters, "
+                "digits, '-', '_' and '.', starting with a letter or digit"
+            )
+        return super().__new__(cls, value)
+
+    def __repr__(self) -> str:
+        return str.__repr__(self)
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class InstanceId:
+    """One worker instance of a tenant: ``acme/0``, ``acme/1`` ..."""
+
+    tenant: TenantId
+    index: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenant", TenantId(self.tenant))
+        if isinstance(self.index, bool) or not isinstance(self.index, int):
+            raise TypeError(f"instance index must be an int, not {type(self.index).__name__}")
+        if not 0 <= self.index < 1 << 16:
+            raise ValueError(f"instance index {self.index} out of range 0..65535")
+
+    def __str__(self) -> str:
+        return f"{self.tenant}/{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> InstanceId:
+        """Parse ``"tenant/index"``."""
+        tenant, sep, index = text.rpartition("/")
+        if not sep or not index.isdigit():
+            raise ValueError(f"invalid instance id {text!r}: expected 'tenant/index'")
+        return cls(TenantId(tenant), int(index))

@@ -1,0 +1,106 @@
+"""Structured logging for every process: ``twt.*`` loggers, text and JSON output.
+
+Events are logged as a short dotted name plus typed fields, the Python
+rendering of the Rust crate's ``tracing`` spans::
+
+    log_event(logger, logging.INFO, "worker.ready", tenant="acme", instance=0, pid=4242)
+
+renders as ``... INFO twt.supervisor worker.ready tenant=acme instance=0 pid=4242``
+with the text formatter, and as one JSON object per line with the JSON one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import IO, Any, Literal
+
+__all__ = [
+    "JsonFormatter",
+    "LogFormat",
+    "TextFormatter",
+    "configure_logging",
+    "get_logger",
+    "log_event",
+]
+
+LogFormat = Literal["text", "json"]
+_FIELDS_ATTR = "twt_fields"
+_ROOT = "twt"
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The ``twt.<name>`` logger (``twt`` itself for an empty name)."""
+    return logging.getLogger(f"{_ROOT}.{name}" if name else _ROOT)
+
+
+def log_event(logger: logging.Logger, level: int, event: str, /, **fields: Any) -> None:
+    """Log ``event`` with structured ``fields`` (cheap when the level is disabled)."""
+    if logger.isEnabledFor(level):
+        logger.log(level, event, extra={_FIELDS_ATTR: fields}, stacklevel=2)
+
+
+def _fields_of(record: logging.LogRecord) -> dict[str, Any]:
+    fields = getattr(record, _FIELDS_ATTR, None)
+    return fields if isinstance(fields, dict) else {}
+
+
+def _text_value(value: Any) -> str:
+    text = str(value)
+    if not text or any(c.isspace() or c in '"=' for c in text):
+        return json.dumps(text)
+    return text
+
+
+class TextFormatter(logging.Formatter):
+    """``2026-11-29T22:21:41.123Z INFO twt.supervisor worker.ready tenant=acme pid=42``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        parts = [f"{ts}.{int(record.msecs):03d}Z", record.levelname, record.name, record.getMessage()]
+        parts.extend(f"{k}={_text_value(v)}" for k, v in _fields_of(record).items())
+        line = " ".join(parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``event``, ``pid`` and the fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        obj: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+            "pid": record.process,
+        }
+        for key, value in _fields_of(record).items():
+            obj.setdefault(key, value)
+        if record.exc_info:
+            obj["exc"] = self.formatException(record.exc_info)
+        return json.dumps(obj, default=str, separators=(",", ":"))
+
+
+def configure_logging(
+    fmt: LogFormat = "text", level: int | str = logging.INFO, stream: IO[str] | None = None
+) -> None:
+    """Route every ``twt.*`` logger to ``stream`` (stderr) in the given format.
+
+    Idempotent: a second call replaces the handler it installed before.
+    """
+    if fmt not in ("text", "json"):
+        raise ValueError(f"log format must be 'text' or 'json', not {fmt!r}")
+    root = logging.getLogger(_ROOT)
+    for handler in list(root.handlers):
+        if getattr(handler, "_twt_handler", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler._twt_handler = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False

@@ -1,0 +1,614 @@
+"""Per-tenant CPU and GPU byte quotas in one shared-memory segment.
+
+The supervisor creates one :class:`QuotaBlock` per tenant and is its only
+owner (it unlinks it). Every worker instance of that tenant attaches to the
+same block and consumes/releases on it directly, lock-free, through the C
+helper ``shared._atomics``; the supervisor reads it for status and metrics,
+changes limits live, and reclaims a dead instance's share.
+
+Layout (little-endian ``uint64`` fields, each hot counter on its own 64-byte
+cache line; measured: two processes on separate lines scale ~2x, on one line
+they gain nothing)::
+
+    line 0   header   magic | version | kind | owner pid | owner start (ms) |
+                      generation | segment size | max instances
+    line 1   label    tenant id, NUL-padded (<= 63 bytes)
+    line 2   cpu      used | limit | high water | refusals | underflows
+    line 3   gpu      used | limit | high water | refusals | underflows
+    line 4   settings recorded cuda mem pool quota
+    line 5+i instance i's share: cpu bytes | gpu bytes   (i < MAX_INSTANCES)
+
+A limit of ``UINT64_MAX`` means "no limit" (``gpu_memory_bytes_cap=None``:
+operator trust, counted but never refused). The magic is written last, so an
+attacher that sees it sees initialised fields.
+
+Hot path: ``block.consume_gpu_bytes`` *is* the C method of a bound
+``_atomics.Counter`` (set per instance in ``__init__``), so a call costs one C
+call with no Python frame; the typed errors are built by callbacks only when a
+call is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Final
+
+from shared import _atomics, _shm
+from shared.errors import GpuMemoryExhausted, MemoryExhausted, SegmentError
+from shared.ids import TenantId
+from shared.log import get_logger, log_event
+from shared.sizes import MAX_SIZE
+
+__all__ = [
+    "DEFAULT_QUOTA_BYTES",
+    "MAX_INSTANCES",
+    "SEGMENT_PREFIX",
+    "QuotaBlock",
+    "QuotaSnapshot",
+    "SegmentHeader",
+    "cleanup_stale_segments",
+    "read_header",
+]
+
+_log = get_logger("quota")
+
+DEFAULT_QUOTA_BYTES: Final = 8 << 30
+SEGMENT_PREFIX: Final = "twt-"
+MAX_INSTANCES: Final = 64
+UNLIMITED: Final = (1 << 64) - 1
+
+_LINE = 64
+MAGIC: Final = int.from_bytes(b"TWTQUOTA", "little")
+LAYOUT_VERSION: Final = 1
+KIND_TENANT: Final = 1
+KIND_DEVICE: Final = 2
+
+# header fields
+_H_MAGIC, _H_VERSION, _H_KIND, _H_PID, _H_START, _H_GEN, _H_SIZE, _H_MAXINST = (
+    8 * i for i in range(8)
+)
+_LABEL = 1 * _LINE
+_CPU = 2 * _LINE
+_GPU = 3 * _LINE
+_SETTINGS = 4 * _LINE
+_S_POOL_QUOTA = _SETTINGS + 0
+_INSTANCES = 5 * _LINE
+_LAYOUT_BYTES = _INSTANCES + MAX_INSTANCES * _LINE
+SEGMENT_BYTES: Final = (_LAYOUT_BYTES + 4095) // 4096 * 4096
+
+_UNCHANGED: Any = object()
+
+
+def _instance_off(index: int) -> int:
+    return _INSTANCES + index * _LINE
+
+
+def _check_amount(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{what} must not be negative, got {value}")
+    if value > MAX_SIZE:
+        raise ValueError(f"{what} must be below 2**63, got {value}")
+    return value
+
+
+def _limit_to_raw(value: int | None, what: str) -> int:
+    return UNLIMITED if value is None else _check_amount(value, what)
+
+
+def _raw_to_limit(raw: int) -> int | None:
+    return None if raw == UNLIMITED else raw
+
+
+def _process_start_ms(pid: int) -> int:
+    import psutil
+
+    return int(psutil.Process(pid).create_time() * 1000)
+
+
+def _owner_alive(pid: int, start_ms: int) -> bool:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return int(proc.create_time() * 1000) == start_ms
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # cannot tell: never remove what might be live
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """The header of a ``twt-*`` segment, as read by :func:`read_header`."""
+
+    name: str
+    kind: int
+    owner_pid: int
+    owner_start_ms: int
+    generation: int
+    label: str
+
+    def owner_alive(self) -> bool:
+        return _owner_alive(self.owner_pid, self.owner_start_ms)
+
+
+@dataclass(frozen=True)
+class QuotaSnapshot:
+    """Every counter of a block at one moment (each field read atomically)."""
+
+    tenant_id: str
+    name: str
+    generation: int
+    bytes_in_use: int
+    memory_quota_bytes: int
+    cpu_high_water: int
+    cpu_refusals: int
+    cpu_underflows: int
+    gpu_bytes_in_use: int
+    gpu_memory_bytes_cap: int | None
+    gpu_high_water: int
+    gpu_refusals: int
+    gpu_underflows: int
+    cuda_mem_pool_quota_bytes: int | None
+    #: (instance index, cpu bytes, gpu bytes) for every instance holding bytes
+    instance_shares: tuple[tuple[int, int, int], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["instance_shares"] = [list(t) for t in self.instance_shares]
+        return d
+
+
+def write_header(buf: memoryview, kind: int, label: str, generation: int, size: int) -> None:
+    """Initialise a fresh segment's header; the magic goes in last."""
+    pid = os.getpid()
+    _atomics.store(buf, _H_VERSION, LAYOUT_VERSION)
+    _atomics.store(buf, _H_KIND, kind)
+    _atomics.store(buf, _H_PID, pid)
+    _atomics.store(buf, _H_START, _process_start_ms(pid))
+    _atomics.store(buf, _H_GEN, generation)
+    _atomics.store(buf, _H_SIZE, size)
+    _atomics.store(buf, _H_MAXINST, MAX_INSTANCES)
+    raw = label.encode()
+    buf[_LABEL : _LABEL + len(raw)] = raw
+    _atomics.store(buf, _H_MAGIC, MAGIC)
+
+
+def check_header(name: str, buf: memoryview, kind: int) -> str:
+    """Validate a mapped segment's header; return its label. Raises SegmentError."""
+    if len(buf) < _LAYOUT_BYTES:
+        raise SegmentError(name, f"too small for a quota segment ({len(buf)} bytes)")
+    if _atomics.load(buf, _H_MAGIC) != MAGIC:
+        raise SegmentError(name, "not a tensor-wasm-tenant segment (bad magic)")
+    version = _atomics.load(buf, _H_VERSION)
+    if version != LAYOUT_VERSION:
+        raise SegmentError(name, f"layout version {version}, this build reads {LAYOUT_VERSION}")
+    found = _atomics.load(buf, _H_KIND)
+    if found != kind:
+        raise SegmentError(name, f"segment kind {found}, expected {kind}")
+    return bytes(buf[_LABEL : _LABEL + _LINE]).split(b"\0", 1)[0].decode(errors="replace")
+
+
+def new_segment_name(prefix: str | None = None, slot: int | str = 0) -> str:
+    """``twt-<prefix>-<slot>``; a random prefix when none is given."""
+    return f"{SEGMENT_PREFIX}{prefix or secrets.token_hex(6)}-{slot}"
+
+
+class QuotaBlock:
+    """One tenant's CPU and GPU byte quotas, shared by its processes.
+
+    Create with :meth:`create` (the owner) or :meth:`attach` (a worker). The
+    four quota methods are C methods bound per block; they raise
+    :class:`MemoryExhausted` / :class:`GpuMemoryExhausted` on refusal
+    (nothing is consumed then), ``TypeError`` / ``ValueError`` for a bad
+    amount, and :class:`SegmentError` once the block is closed.
+    """
+
+    consume_bytes: Callable[[int], None]
+    release_bytes: Callable[[int], None]
+    consume_gpu_bytes: Callable[[int], None]
+    release_gpu_bytes: Callable[[int], None]
+
+    def __init__(self, segment: _shm.Segment, tenant_id: str, *, owner: bool, instance: int | None) -> None:
+        """Internal: use :meth:`create` or :meth:`attach`."""
+        self._segment = segment
+        self._buf = segment.buf
+        self._owner = owner
+        self._instance = instance
+        self._closed = False
+        self._unlinked = False
+        self.tenant_id = TenantId(tenant_id)
+        name = segment.name
+        mirror_cpu = None if instance is None else _instance_off(instance)
+        mirror_gpu = None if instance is None else _instance_off(instance) + 8
+        tid = self.tenant_id
+
+        def refuse_cpu(n: int, used: int, limit: int) -> BaseException:
+            return MemoryExhausted(tid, n, limit, used)
+
+        def refuse_gpu(n: int, used: int, limit: int) -> BaseException:
+            return GpuMemoryExhausted(tid, n, limit, used)
+
+        def underflow(resource: str) -> Callable[[int, int], None]:
+            def warn(n: int, used: int) -> None:
+                log_event(
+                    _log,
+                    logging.WARNING,
+                    "quota.underflow",
+                    tenant=tid,
+                    resource=resource,
+                    released=n,
+                    in_use=used,
+                    segment=name,
+                )
+
+            return warn
+
+        def closed() -> BaseException:
+            return SegmentError(name, "quota block is closed")
+
+        self._cpu = _atomics.Counter(self._buf, _CPU, refuse_cpu, underflow("cpu"), closed, mirror_cpu)
+        self._gpu = _atomics.Counter(self._buf, _GPU, refuse_gpu, underflow("gpu"), closed, mirror_gpu)
+        self.consume_bytes = self._cpu.consume
+        self.release_bytes = self._cpu.release
+        self.consume_gpu_bytes = self._gpu.consume
+        self.release_gpu_bytes = self._gpu.release
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        if owner:
+            self._finalizer = weakref.finalize(self, _finalize_owned, self._cpu, self._gpu, segment)
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(
+        cls,
+        tenant_id: str,
+        *,
+        memory_quota_bytes: int = DEFAULT_QUOTA_BYTES,
+        gpu_memory_bytes_cap: int | None = None,
+        recorded_cuda_mem_pool_quota: int | None = None,
+        name: str | None = None,
+        generation: int = 0,
+    ) -> QuotaBlock:
+        """Create the tenant's segment; this process owns it and must :meth:`unlink` it.
+
+        ``gpu_memory_bytes_cap=None`` means operator trust: GPU bytes are
+        counted, never refused. ``name`` defaults to a fresh ``twt-<hex>-0``.
+        """
+        tid = TenantId(tenant_id)
+        cpu_limit = _check_amount(memory_quota_bytes, "memory_quota_bytes")
+        gpu_limit = _limit_to_raw(gpu_memory_bytes_cap, "gpu_memory_bytes_cap")
+        pool_quota = _limit_to_raw(recorded_cuda_mem_pool_quota, "recorded_cuda_mem_pool_quota")
+        _check_amount(generation, "generation")
+        seg_name = name or new_segment_name()
+        if not seg_name.startswith(SEGMENT_PREFIX):
+            raise ValueError(f"segment name must start with {SEGMENT_PREFIX!r}: {seg_name!r}")
+        seg = _shm.create(seg_name, SEGMENT_BYTES)
+        try:
+            buf = seg.buf
+            _atomics.store(buf, _CPU + _atomics.F_LIMIT, cpu_limit)
+            _atomics.store(buf, _GPU + _atomics.F_LIMIT, gpu_limit)
+            _atomics.store(buf, _S_POOL_QUOTA, pool_quota)
+            write_header(buf, KIND_TENANT, tid, generation, SEGMENT_BYTES)
+            return cls(seg, tid, owner=True, instance=None)
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
+
+    @classmethod
+    def attach(cls, name: str, *, instance: int | None = None) -> QuotaBlock:
+        """Attach to an existing block without owning it (never unlinks, never warns).
+
+        With ``instance``, this process's consumption is also recorded as that
+        instance's share, which the supervisor reclaims if the process dies.
+        """
+        if instance is not None:
+            if isinstance(instance, bool) or not isinstance(instance, int):
+                raise TypeError(f"instance must be an int, not {type(instance).__name__}")
+            if not 0 <= instance < MAX_INSTANCES:
+                raise ValueError(f"instance {instance} out of range 0..{MAX_INSTANCES - 1}")
+        if not isinstance(name, str) or not name.startswith(SEGMENT_PREFIX) or "/" in name:
+            raise SegmentError(str(name), f"not a quota segment name (expected {SEGMENT_PREFIX}...)")
+        try:
+            seg = _shm.attach(name)
+        except FileNotFoundError:
+            raise SegmentError(name, "does not exist (tenant evicted or supervisor gone?)") from None
+        except (OSError, ValueError) as exc:
+            raise SegmentError(name, f"cannot be mapped: {exc}") from None
+        try:
+            label = check_header(name, seg.buf, KIND_TENANT)
+            return cls(seg, label, owner=False, instance=instance)
+        except BaseException:
+            seg.close()
+            raise
+
+    @property
+    def name(self) -> str:
+        """The segment's name (what workers attach to)."""
+        return self._segment.name
+
+    @property
+    def is_owner(self) -> bool:
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def instance(self) -> int | None:
+        return self._instance
+
+    def close(self) -> None:
+        """Unmap (idempotent). An owner should :meth:`unlink` too; exiting the context does both."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._cpu.close()
+        self._gpu.close()
+        self._buf = memoryview(b"")
+        self._segment.close()
+
+    def unlink(self) -> None:
+        """Remove the segment name (owner only; idempotent). Mappings stay valid until closed."""
+        if not self._owner:
+            raise SegmentError(self.name, "only the creating process unlinks a quota block")
+        if self._unlinked:
+            return
+        self._unlinked = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            if not self._closed:  # keep closing at GC/exit if the caller forgets close()
+                self._finalizer = weakref.finalize(self, _close_only, self._cpu, self._gpu, self._segment)
+        seg = self._segment
+        assert isinstance(seg, _shm._Owned)
+        try:
+            seg.unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> QuotaBlock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._owner:
+                self.unlink()
+        finally:
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        role = "owner" if self._owner else f"attached instance={self._instance}"
+        return f"<QuotaBlock {self.tenant_id!r} {self.name} {role} {state}>"
+
+    # ----------------------------------------------------------------- reads
+
+    def _load(self, off: int) -> int:
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        return _atomics.load(self._buf, off)
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self._load(_CPU)
+
+    @property
+    def gpu_bytes_in_use(self) -> int:
+        return self._load(_GPU)
+
+    @property
+    def memory_quota_bytes(self) -> int:
+        return self._load(_CPU + _atomics.F_LIMIT)
+
+    @property
+    def gpu_memory_bytes_cap(self) -> int | None:
+        return _raw_to_limit(self._load(_GPU + _atomics.F_LIMIT))
+
+    @property
+    def cuda_mem_pool_quota_bytes(self) -> int | None:
+        return _raw_to_limit(self._load(_S_POOL_QUOTA))
+
+    @property
+    def generation(self) -> int:
+        return self._load(_H_GEN)
+
+    def instance_share(self, index: int) -> tuple[int, int]:
+        """(cpu bytes, gpu bytes) currently held by worker instance ``index``."""
+        if not 0 <= index < MAX_INSTANCES:
+            raise ValueError(f"instance {index} out of range 0..{MAX_INSTANCES - 1}")
+        off = _instance_off(index)
+        return self._load(off), self._load(off + 8)
+
+    def snapshot(self) -> QuotaSnapshot:
+        """Every counter, high-water mark, refusal and underflow count."""
+        load = self._load
+        shares = []
+        for i in range(MAX_INSTANCES):
+            cpu, gpu = load(_instance_off(i)), load(_instance_off(i) + 8)
+            if cpu or gpu:
+                shares.append((i, cpu, gpu))
+        return QuotaSnapshot(
+            tenant_id=self.tenant_id,
+            name=self.name,
+            generation=load(_H_GEN),
+            bytes_in_use=load(_CPU),
+            memory_quota_bytes=load(_CPU + _atomics.F_LIMIT),
+            cpu_high_water=load(_CPU + _atomics.F_HIGH_WATER),
+            cpu_refusals=load(_CPU + _atomics.F_REFUSALS),
+            cpu_underflows=load(_CPU + _atomics.F_UNDERFLOWS),
+            gpu_bytes_in_use=load(_GPU),
+            gpu_memory_bytes_cap=_raw_to_limit(load(_GPU + _atomics.F_LIMIT)),
+            gpu_high_water=load(_GPU + _atomics.F_HIGH_WATER),
+            gpu_refusals=load(_GPU + _atomics.F_REFUSALS),
+            gpu_underflows=load(_GPU + _atomics.F_UNDERFLOWS),
+            cuda_mem_pool_quota_bytes=_raw_to_limit(load(_S_POOL_QUOTA)),
+            instance_shares=tuple(shares),
+        )
+
+    # ---------------------------------------------------------------- admin
+
+    def set_limits(
+        self,
+        *,
+        memory_quota_bytes: int = _UNCHANGED,
+        gpu_memory_bytes_cap: int | None = _UNCHANGED,
+        recorded_cuda_mem_pool_quota: int | None = _UNCHANGED,
+    ) -> None:
+        """Change limits live; omitted ones stay. ``None`` removes the GPU cap.
+
+        Lowering a limit below current use refuses further consumption until
+        usage falls under it; nothing already consumed is taken away.
+        """
+        updates: list[tuple[int, int]] = []
+        if memory_quota_bytes is not _UNCHANGED:
+            updates.append((_CPU + _atomics.F_LIMIT, _check_amount(memory_quota_bytes, "memory_quota_bytes")))
+        if gpu_memory_bytes_cap is not _UNCHANGED:
+            updates.append((_GPU + _atomics.F_LIMIT, _limit_to_raw(gpu_memory_bytes_cap, "gpu_memory_bytes_cap")))
+        if recorded_cuda_mem_pool_quota is not _UNCHANGED:
+            updates.append(
+                (_S_POOL_QUOTA, _limit_to_raw(recorded_cuda_mem_pool_quota, "recorded_cuda_mem_pool_quota"))
+            )
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        for off, value in updates:  # validated all first: nothing half-applied
+            _atomics.store(self._buf, off, value)
+
+    def reclaim_instance(self, index: int) -> tuple[int, int]:
+        """Return a dead instance's share to the tenant; (cpu, gpu) bytes reclaimed.
+
+        Called by the supervisor after the instance's process is gone (the
+        driver frees a dead process's GPU memory), so its share cannot change.
+        """
+        if not 0 <= index < MAX_INSTANCES:
+            raise ValueError(f"instance {index} out of range 0..{MAX_INSTANCES - 1}")
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        off = _instance_off(index)
+        cpu = _atomics.exchange(self._buf, off, 0)
+        gpu = _atomics.exchange(self._buf, off + 8, 0)
+        if cpu:
+            self._release_raw(_CPU, cpu, "cpu")
+        if gpu:
+            self._release_raw(_GPU, gpu, "gpu")
+        return cpu, gpu
+
+    def reset_gpu(self, instance: int | None = None) -> int:
+        """Zero GPU usage: of one dead ``instance`` (its share), or all of it; returns bytes reclaimed."""
+        if instance is not None:
+            return self.reclaim_instance_gpu(instance)
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        for i in range(MAX_INSTANCES):
+            _atomics.store(self._buf, _instance_off(i) + 8, 0)
+        return _atomics.exchange(self._buf, _GPU, 0)
+
+    def reclaim_instance_gpu(self, index: int) -> int:
+        """Like :meth:`reclaim_instance` for the GPU share only."""
+        if not 0 <= index < MAX_INSTANCES:
+            raise ValueError(f"instance {index} out of range 0..{MAX_INSTANCES - 1}")
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        gpu = _atomics.exchange(self._buf, _instance_off(index) + 8, 0)
+        if gpu:
+            self._release_raw(_GPU, gpu, "gpu")
+        return gpu
+
+    def _release_raw(self, off: int, n: int, resource: str) -> None:
+        found = _atomics.release(self._buf, off, n)
+        if found is not None:
+            log_event(
+                _log,
+                logging.WARNING,
+                "quota.underflow",
+                tenant=self.tenant_id,
+                resource=resource,
+                released=n,
+                in_use=found,
+                segment=self.name,
+            )
+
+
+def _close_only(cpu: _atomics.Counter, gpu: _atomics.Counter, segment: _shm.Segment) -> None:
+    cpu.close()
+    gpu.close()
+    segment.close()
+
+
+def _finalize_owned(cpu: _atomics.Counter, gpu: _atomics.Counter, segment: _shm.Segment) -> None:
+    """GC / interpreter-exit cleanup of an owned block the caller forgot to close."""
+    _close_only(cpu, gpu, segment)
+    try:
+        assert isinstance(segment, _shm._Owned)
+        segment.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def read_header(name: str) -> SegmentHeader:
+    """Read a ``twt-*`` segment's header without owning or tracking it."""
+    try:
+        seg = _shm.attach(name)
+    except FileNotFoundError:
+        raise SegmentError(name, "does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise SegmentError(name, f"cannot be mapped: {exc}") from None
+    try:
+        buf = seg.buf
+        if len(buf) < _LAYOUT_BYTES or _atomics.load(buf, _H_MAGIC) != MAGIC:
+            raise SegmentError(name, "not a tensor-wasm-tenant segment (bad magic)")
+        kind = _atomics.load(buf, _H_KIND)
+        label = check_header(name, buf, kind)
+        return SegmentHeader(
+            name=name,
+            kind=kind,
+            owner_pid=_atomics.load(buf, _H_PID),
+            owner_start_ms=_atomics.load(buf, _H_START),
+            generation=_atomics.load(buf, _H_GEN),
+            label=label,
+        )
+    finally:
+        seg.close()
+
+
+def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
+    """Unlink ``twt-*`` segments whose recorded owner process is dead; return their names.
+
+    Segments of live owners, and anything that is not our layout, are left
+    alone. Run by a supervisor at start-up (a killed supervisor's blocks).
+    """
+    if not prefix.startswith(SEGMENT_PREFIX):
+        raise ValueError(f"prefix must start with {SEGMENT_PREFIX!r}")
+    removed = []
+    for name in _shm.list_segments(prefix):
+        try:
+            header = read_header(name)
+        except SegmentError:
+            continue
+        if header.owner_alive():
+            continue
+        try:
+            _shm.unlink(name)
+        except FileNotFoundError:
+            continue
+        removed.append(name)
+        log_event(
+            _log,
+            logging.INFO,
+            "quota.stale_segment_removed",
+            segment=name,
+            owner_pid=header.owner_pid,
+            label=header.label,
+        )
+    return removed

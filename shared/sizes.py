@@ -1,0 +1,74 @@
+"""Human byte sizes in and out: ``"512MiB"`` <-> ``536870912``.
+
+Binary suffixes (KiB, MiB, GiB, TiB; also K, M, G, T) are powers of 1024,
+decimal ones (kB/KB, MB, GB, TB) powers of 1000, because operators write both.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["format_size", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "ki": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mi": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gi": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+MAX_SIZE = (1 << 63) - 1
+
+
+def parse_size(value: int | str, *, what: str = "size") -> int:
+    """Bytes from an int or a string like ``"512MiB"``, ``"2GiB"``, ``"1.5G"``, ``"4096"``.
+
+    Raises ``ValueError`` (negative, unknown unit, >= 2**63) or ``TypeError``.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int or a size string, not bool")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = _SIZE_RE.fullmatch(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"invalid {what} {value!r}: expected e.g. 4096, '512MiB', '2GiB', '1.5GB'")
+        number, unit = m.group(1), _UNITS[m.group(2).lower()]
+        if "." in number:
+            whole, frac = number.split(".")
+            n = int(whole) * unit + (int(frac) * unit) // 10 ** len(frac)
+        else:
+            n = int(number) * unit
+    else:
+        raise TypeError(f"{what} must be an int or a size string, not {type(value).__name__}")
+    if n < 0:
+        raise ValueError(f"{what} must not be negative, got {n}")
+    if n > MAX_SIZE:
+        raise ValueError(f"{what} {n} is too large (limit 2**63 - 1 bytes)")
+    return n
+
+
+def format_size(n: int | None) -> str:
+    """``536870912`` -> ``"512MiB"``; exact multiples print without decimals, ``None`` -> ``"-"``."""
+    if n is None:
+        return "-"
+    for suffix, unit in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= unit:
+            if n % unit == 0:
+                return f"{n // unit}{suffix}"
+            return f"{n / unit:.1f}{suffix}"
+    return f"{n}B"

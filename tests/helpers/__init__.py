@@ -1,0 +1,1 @@
+"""Test helpers (import from here, never from a conftest)."""
