@@ -1,0 +1,190 @@
+"""Capability tokens: opaque, immutable, minted by one registry, useless to any other.
+
+Wire format (version 1), all integers big-endian::
+
+    0      1     2                18          26     27            27+n
+    | ver | kind | registry id (16) | generation (8) | n | tenant id (n) | HMAC-SHA256 (32) |
+
+The MAC covers every byte before it and is keyed with the registry's secret,
+which never leaves the registry's process. Parsing (:meth:`from_bytes`) only
+checks the *shape*; whether a token is trusted is decided by the registry
+that holds the secret (``TenantRegistry``), with ``hmac.compare_digest``.
+
+Tokens have no public constructor (trio's ``NoPublicConstructor``): only a
+registry mints them, through :func:`mint`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import struct
+from typing import Any, ClassVar, TypeVar
+
+from shared.errors import TenantIsolationViolation
+
+__all__ = [
+    "CAPABILITY_VERSION",
+    "Capability",
+    "RegistryAdminCapability",
+    "TenantCapability",
+    "capability_from_bytes",
+]
+
+CAPABILITY_VERSION = 1
+KIND_ADMIN = 1
+KIND_TENANT = 2
+REGISTRY_ID_BYTES = 16
+MAC_BYTES = 32
+_FIXED = struct.Struct(">BB16sQB")  # version, kind, registry id, generation, tenant length
+MAX_TOKEN_BYTES = _FIXED.size + 63 + MAC_BYTES
+
+T = TypeVar("T", bound="Capability")
+
+
+class _NoPublicConstructor(type):
+    """Metaclass: ``Cls(...)`` raises; the module mints with ``Cls._create(...)``."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"{cls.__module__}.{cls.__qualname__} has no public constructor: "
+            "capabilities are minted by a TenantRegistry (or parsed with from_bytes)"
+        )
+
+    def _create(cls, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs)
+
+
+def _refuse(detail: str) -> TenantIsolationViolation:
+    return TenantIsolationViolation(None, f"capability: {detail}")
+
+
+class Capability(metaclass=_NoPublicConstructor):
+    """Common shape of both token kinds (immutable; compare and hash by bytes)."""
+
+    __slots__ = ("_raw", "_registry_id", "_generation", "_tenant_id", "_body_len")
+    KIND: ClassVar[int] = 0
+
+    _raw: bytes
+    _registry_id: bytes
+    _generation: int
+    _tenant_id: str
+    _body_len: int
+
+    def __init__(self, raw: bytes, registry_id: bytes, generation: int, tenant_id: str) -> None:
+        object.__setattr__(self, "_raw", raw)
+        object.__setattr__(self, "_registry_id", registry_id)
+        object.__setattr__(self, "_generation", generation)
+        object.__setattr__(self, "_tenant_id", tenant_id)
+        object.__setattr__(self, "_body_len", len(raw) - MAC_BYTES)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    @property
+    def registry_id(self) -> str:
+        """Hex id of the registry that minted this token (public, not a secret)."""
+        return self._registry_id.hex()
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def to_bytes(self) -> bytes:
+        return self._raw
+
+    @classmethod
+    def from_bytes(cls: type[T], data: bytes) -> T:
+        """Parse a token of this kind. Shape only: trust comes from the registry's check.
+
+        Raises :class:`TenantIsolationViolation` for anything malformed,
+        truncated, of another version or of the other kind.
+        """
+        cap = capability_from_bytes(data)
+        if not isinstance(cap, cls):
+            raise _refuse(f"expected a {cls.__name__}, got a {type(cap).__name__}")
+        return cap
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Capability) and hmac.compare_digest(self._raw, other._raw)
+
+    def __hash__(self) -> int:
+        return hash(self._raw)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (capability_from_bytes, (self._raw,))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} registry={self.registry_id[:8]} gen={self._generation}>"
+
+
+class RegistryAdminCapability(Capability):
+    """Grants every admin operation on the one registry that minted it."""
+
+    __slots__ = ()
+    KIND = KIND_ADMIN
+
+
+class TenantCapability(Capability):
+    """Grants one tenant's quota and compute operations, until that tenant is evicted."""
+
+    __slots__ = ()
+    KIND = KIND_TENANT
+
+    @property
+    def tenant_id(self) -> str:
+        return self._tenant_id
+
+    def __repr__(self) -> str:
+        return (
+            f"<TenantCapability {self._tenant_id!r} registry={self.registry_id[:8]} "
+            f"gen={self._generation}>"
+        )
+
+
+_KINDS: dict[int, type[Capability]] = {KIND_ADMIN: RegistryAdminCapability, KIND_TENANT: TenantCapability}
+
+
+def capability_from_bytes(data: bytes) -> RegistryAdminCapability | TenantCapability:
+    """Parse either kind of token (shape only). Malformed -> :class:`TenantIsolationViolation`."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise _refuse(f"expected bytes, got {type(data).__name__}")
+    raw = bytes(data)
+    if len(raw) < _FIXED.size + MAC_BYTES:
+        raise _refuse(f"truncated ({len(raw)} bytes)")
+    version, kind, registry_id, generation, n = _FIXED.unpack_from(raw)
+    if version != CAPABILITY_VERSION:
+        raise _refuse(f"unsupported version {version}")
+    cls = _KINDS.get(kind)
+    if cls is None:
+        raise _refuse(f"unknown kind {kind}")
+    if len(raw) != _FIXED.size + n + MAC_BYTES:
+        raise _refuse(f"length {len(raw)} does not match its tenant field ({n})")
+    if (kind == KIND_ADMIN) != (n == 0):
+        raise _refuse("tenant field does not match the kind")
+    try:
+        tenant = raw[_FIXED.size : _FIXED.size + n].decode("ascii")
+    except UnicodeDecodeError:
+        raise _refuse("tenant id is not ascii") from None
+    cap: RegistryAdminCapability | TenantCapability = cls._create(raw, registry_id, generation, tenant)
+    return cap
+
+
+def mint(
+    cls: type[T], secret: bytes, registry_id: bytes, generation: int, tenant_id: str = ""
+) -> T:
+    """Internal (registries only): build and MAC a token."""
+    tenant = tenant_id.encode("ascii")
+    body = _FIXED.pack(CAPABILITY_VERSION, cls.KIND, registry_id, generation, len(tenant)) + tenant
+    raw = body + hmac.digest(secret, body, "sha256")
+    cap: T = cls._create(raw, registry_id, generation, tenant_id)
+    return cap
+
+
+def mac_ok(cap: Capability, secret: bytes) -> bool:
+    """Internal (registries only): constant-time check of the token's MAC."""
+    raw = cap._raw
+    body_len = cap._body_len
+    return hmac.compare_digest(hmac.digest(secret, raw[:body_len], "sha256"), raw[body_len:])

@@ -1,0 +1,249 @@
+"""What a tenant is allowed: :class:`TenantSpec`, the crate's builder as a frozen dataclass.
+
+    spec = (
+        TenantSpec("acme")
+        .with_memory_quota_bytes(2 << 30)
+        .with_gpu_memory_bytes_cap(512 << 20)
+        .with_isolation(IsolationKind.PROCESS)
+    )
+
+A spec validates itself on construction (a clear ``ValueError`` / ``TypeError``
+naming the field), is immutable (``with_*`` returns a new spec), and loads from
+a TOML ``[[tenant]]`` table or a dict, refusing unknown keys by name. Sizes
+accept ints or strings like ``"512MiB"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from shared.ids import TenantId
+from shared.quota import DEFAULT_QUOTA_BYTES, MAX_INSTANCES
+from shared.sizes import parse_size
+
+__all__ = ["IsolationKind", "RestartPolicy", "TenantSpec"]
+
+
+class IsolationKind(str, enum.Enum):
+    """How a tenant's workers share a GPU.
+
+    PROCESS: one process and CUDA context per instance, no MPS (faults stay in
+    the process). MPS: through the MPS daemon with per-client memory and SM
+    limits (a fatal GPU fault reaches every MPS client on the device). AUTO:
+    MPS when ``mps_or_fallback()`` finds a live daemon, else PROCESS.
+    """
+
+    PROCESS = "process"
+    MPS = "mps"
+    AUTO = "auto"
+
+
+class RestartPolicy(str, enum.Enum):
+    """When a worker that exited is started again (OTP's permanent/transient/temporary)."""
+
+    ALWAYS = "always"
+    ON_FAILURE = "on-failure"
+    NEVER = "never"
+
+
+def _size(value: Any, name: str) -> int:
+    return parse_size(value, what=name)
+
+
+def _opt_size(value: Any, name: str) -> int | None:
+    return None if value is None else parse_size(value, what=name)
+
+
+def _int(value: Any, name: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in {lo}..{hi}, got {value}")
+    return value
+
+
+def _float(value: Any, name: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    number = float(value)
+    if not (math.isfinite(number) and lo <= number <= hi):
+        raise ValueError(f"{name} must be in {lo:g}..{hi:g}, got {number}")
+    return number
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """Everything the supervisor needs to run one tenant.
+
+    Quotas: ``memory_quota_bytes`` (host bytes, default 8 GiB; WASM linear
+    memory counts against it), ``gpu_memory_bytes_cap`` (``None``: counted,
+    never refused - operator trust), ``recorded_cuda_mem_pool_quota`` (reported
+    and set as the pool's release threshold: a retention hint, not a cap).
+    Placement: ``cuda_device_index`` (``None``: the placement policy picks),
+    ``isolation``, ``sm_percentage`` (MPS only). Processes: ``instances``,
+    ``restart`` / ``max_restarts`` within ``restart_window_s``,
+    ``max_in_flight``, ``request_timeout_s``. WASM: ``wasm_fuel`` and
+    ``wasm_timeout_s`` are a run's default and its ceiling,
+    ``wasm_max_memory_bytes`` bounds a guest's linear memory.
+    """
+
+    tenant_id: TenantId
+    memory_quota_bytes: int = DEFAULT_QUOTA_BYTES
+    gpu_memory_bytes_cap: int | None = None
+    recorded_cuda_mem_pool_quota: int | None = None
+    cuda_device_index: int | None = None
+    isolation: IsolationKind = IsolationKind.PROCESS
+    sm_percentage: int | None = None
+    instances: int = 1
+    restart: RestartPolicy = RestartPolicy.ALWAYS
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
+    max_in_flight: int = 64
+    request_timeout_s: float = 30.0
+    wasm_fuel: int = 2_000_000_000
+    wasm_timeout_s: float = 10.0
+    wasm_max_memory_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        s = object.__setattr__
+        s(self, "tenant_id", TenantId(self.tenant_id))
+        s(self, "memory_quota_bytes", _size(self.memory_quota_bytes, "memory_quota_bytes"))
+        s(self, "gpu_memory_bytes_cap", _opt_size(self.gpu_memory_bytes_cap, "gpu_memory_bytes_cap"))
+        s(
+            self,
+            "recorded_cuda_mem_pool_quota",
+            _opt_size(self.recorded_cuda_mem_pool_quota, "recorded_cuda_mem_pool_quota"),
+        )
+        if self.cuda_device_index is not None:
+            _int(self.cuda_device_index, "cuda_device_index", 0, 1023)
+        try:
+            s(self, "isolation", IsolationKind(self.isolation))
+        except ValueError:
+            raise ValueError(
+                f"isolation must be one of {[k.value for k in IsolationKind]}, got {self.isolation!r}"
+            ) from None
+        if self.sm_percentage is not None:
+            _int(self.sm_percentage, "sm_percentage", 1, 100)
+        _int(self.instances, "instances", 0, MAX_INSTANCES)
+        try:
+            s(self, "restart", RestartPolicy(self.restart))
+        except ValueError:
+            raise ValueError(
+                f"restart must be one of {[k.value for k in RestartPolicy]}, got {self.restart!r}"
+            ) from None
+        _int(self.max_restarts, "max_restarts", 0, 1_000_000)
+        s(self, "restart_window_s", _float(self.restart_window_s, "restart_window_s", 0.001, 1e7))
+        _int(self.max_in_flight, "max_in_flight", 1, 1_000_000)
+        s(self, "request_timeout_s", _float(self.request_timeout_s, "request_timeout_s", 0.001, 1e6))
+        _int(self.wasm_fuel, "wasm_fuel", 1, (1 << 63) - 1)
+        s(self, "wasm_timeout_s", _float(self.wasm_timeout_s, "wasm_timeout_s", 0.001, 1e6))
+        s(self, "wasm_max_memory_bytes", _size(self.wasm_max_memory_bytes, "wasm_max_memory_bytes"))
+        if self.wasm_max_memory_bytes < 65536:
+            raise ValueError("wasm_max_memory_bytes must be at least one 64 KiB page")
+
+    # ------------------------------------------------------------ builder
+
+    def _with(self, **changes: Any) -> TenantSpec:
+        return dataclasses.replace(self, **changes)
+
+    def with_memory_quota_bytes(self, n: int | str) -> TenantSpec:
+        return self._with(memory_quota_bytes=n)
+
+    def with_gpu_memory_bytes_cap(self, n: int | str | None) -> TenantSpec:
+        return self._with(gpu_memory_bytes_cap=n)
+
+    def with_recorded_cuda_mem_pool_quota(self, n: int | str | None) -> TenantSpec:
+        return self._with(recorded_cuda_mem_pool_quota=n)
+
+    def with_cuda_device_index(self, index: int | None) -> TenantSpec:
+        return self._with(cuda_device_index=index)
+
+    def with_isolation(self, kind: IsolationKind | str) -> TenantSpec:
+        return self._with(isolation=kind)
+
+    def with_sm_percentage(self, pct: int | None) -> TenantSpec:
+        return self._with(sm_percentage=pct)
+
+    def with_instances(self, n: int) -> TenantSpec:
+        return self._with(instances=n)
+
+    def with_restart(
+        self,
+        policy: RestartPolicy | str,
+        *,
+        max_restarts: int | None = None,
+        restart_window_s: float | None = None,
+    ) -> TenantSpec:
+        changes: dict[str, Any] = {"restart": policy}
+        if max_restarts is not None:
+            changes["max_restarts"] = max_restarts
+        if restart_window_s is not None:
+            changes["restart_window_s"] = restart_window_s
+        return self._with(**changes)
+
+    def with_max_in_flight(self, n: int) -> TenantSpec:
+        return self._with(max_in_flight=n)
+
+    def with_request_timeout_s(self, seconds: float) -> TenantSpec:
+        return self._with(request_timeout_s=seconds)
+
+    def with_wasm_limits(
+        self,
+        *,
+        fuel: int | None = None,
+        timeout_s: float | None = None,
+        max_memory_bytes: int | str | None = None,
+    ) -> TenantSpec:
+        changes: dict[str, Any] = {}
+        if fuel is not None:
+            changes["wasm_fuel"] = fuel
+        if timeout_s is not None:
+            changes["wasm_timeout_s"] = timeout_s
+        if max_memory_bytes is not None:
+            changes["wasm_max_memory_bytes"] = max_memory_bytes
+        return self._with(**changes)
+
+    # -------------------------------------------------------- (de)serialise
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TenantSpec:
+        """Build from a dict / TOML table; unknown keys are refused by name.
+
+        ``name`` is accepted as an alias of ``tenant_id`` (``[[tenant]] name = "acme"``).
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"tenant spec must be a table/dict, not {type(data).__name__}")
+        values = dict(data)
+        if "name" in values:
+            if "tenant_id" in values:
+                raise ValueError("tenant spec has both 'name' and 'tenant_id'; use one")
+            values["tenant_id"] = values.pop("name")
+        known = set(cls.field_names())
+        unknown = sorted(str(k) for k in values if k not in known)
+        if unknown:
+            who = values.get("tenant_id", "?")
+            raise ValueError(
+                f"unknown key(s) in tenant spec {who!r}: {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(sorted(known))}"
+            )
+        if "tenant_id" not in values:
+            raise ValueError("tenant spec needs a 'tenant_id' (or 'name')")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (enums as strings): msgpack/TOML/JSON-able."""
+        out: dict[str, Any] = {}
+        for name in self.field_names():
+            value = getattr(self, name)
+            out[name] = value.value if isinstance(value, enum.Enum) else (
+                str(value) if isinstance(value, TenantId) else value
+            )
+        return out
