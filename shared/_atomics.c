@@ -130,6 +130,11 @@ get_region(PyObject *obj, PyObject *off_obj, Py_ssize_t span, int writable, Py_b
     }
     Py_ssize_t off = PyLong_AsSsize_t(off_obj);
     if (off == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            /* Same error type as any other out-of-bounds offset. */
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "offset out of bounds");
+        }
         return NULL;
     }
     if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {

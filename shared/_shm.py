@@ -52,7 +52,16 @@ class _Owned:
         self._shm.close()
 
     def unlink(self) -> None:
-        self._shm.unlink()
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            # Someone else removed the name (stale cleanup, an operator): still
+            # drop our tracker registration, or the tracker warns about a
+            # "leaked" segment at exit and tries to unlink the name again.
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+            raise
 
 
 class _Attached:

@@ -533,6 +533,8 @@ def error_from_dict(data: Mapping[str, Any]) -> TensorWasmError:
     Untrusted input never raises here: a dict that does not fit its class's
     constructor becomes a root :class:`TensorWasmError` with the message kept.
     """
+    if not isinstance(data, Mapping):
+        return TensorWasmError(f"malformed error record: {data!r:.200}")
     code = data.get("code")
     message = data.get("message")
     fields = data.get("fields")

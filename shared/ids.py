@@ -61,7 +61,10 @@ class InstanceId:
     @classmethod
     def parse(cls, text: str) -> InstanceId:
         """Parse ``"tenant/index"``."""
+        if not isinstance(text, str):
+            raise TypeError(f"instance id must be a str, not {type(text).__name__}")
         tenant, sep, index = text.rpartition("/")
-        if not sep or not index.isdigit():
+        # isascii(): str.isdigit() also accepts e.g. Arabic-Indic digits.
+        if not sep or not (index.isascii() and index.isdigit()):
             raise ValueError(f"invalid instance id {text!r}: expected 'tenant/index'")
         return cls(TenantId(tenant), int(index))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from typing import IO, Any, Literal
@@ -68,7 +69,12 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ``ts``, ``level``, ``logger``, ``event``, ``pid`` and the fields."""
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``event``, ``pid`` and the fields.
+
+    A field named like one of those keys (``pid=4242`` logged by the
+    supervisor about a worker) is kept as ``field_<name>`` instead of being
+    dropped. Values JSON cannot encode are written as ``str(value)``.
+    """
 
     def format(self, record: logging.LogRecord) -> str:
         obj: dict[str, Any] = {
@@ -78,11 +84,22 @@ class JsonFormatter(logging.Formatter):
             "event": record.getMessage(),
             "pid": record.process,
         }
-        for key, value in _fields_of(record).items():
-            obj.setdefault(key, value)
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
-        return json.dumps(obj, default=str, separators=(",", ":"))
+        for key, value in _fields_of(record).items():
+            obj[f"field_{key}" if key in obj else key] = value
+        try:
+            return json.dumps(obj, default=str, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError):  # e.g. a dict with tuple keys, or a NaN
+            return json.dumps({k: _json_safe(v) for k, v in obj.items()}, separators=(",", ":"))
+
+
+def _json_safe(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    return str(value)
 
 
 def configure_logging(

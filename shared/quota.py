@@ -10,7 +10,7 @@ Layout (little-endian ``uint64`` fields, each hot counter on its own 64-byte
 cache line; measured: two processes on separate lines scale ~2x, on one line
 they gain nothing)::
 
-    line 0   header   magic | version | kind | owner pid | owner start (ms) |
+    line 0   header   magic | version | kind | owner pid | owner start (ms since boot) |
                       generation | segment size | max instances
     line 1   label    tenant id, NUL-padded (<= 63 bytes)
     line 2   cpu      used | limit | high water | refusals | underflows
@@ -105,24 +105,47 @@ def _raw_to_limit(raw: int) -> int | None:
     return None if raw == UNLIMITED else raw
 
 
-def _process_start_ms(pid: int) -> int:
-    import psutil
+def _proc_stat(pid: int) -> tuple[bytes, int] | None:
+    """(state, start in ms since boot) of ``pid`` from /proc, or None when it is gone.
 
-    return int(psutil.Process(pid).create_time() * 1000)
+    The start comes from ``starttime`` (clock ticks since boot), not from a
+    wall-clock time: psutil's ``create_time()`` adds the boot time, which the
+    kernel derives from the current wall clock, so it shifts when the clock is
+    stepped and a live owner would look dead (its segments then unlinked).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # fields 3.. of proc(5); comm may hold spaces
+    return fields[0], int(fields[19]) * 1000 // _CLOCK_TICKS
+
+
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
+
+
+def _process_start_ms(pid: int) -> int:
+    found = _proc_stat(pid)
+    if found is None:
+        raise ProcessLookupError(pid)
+    return found[1]
 
 
 def _owner_alive(pid: int, start_ms: int) -> bool:
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return int(proc.create_time() * 1000) == start_ms
-    except psutil.NoSuchProcess:
+    """True when ``pid`` runs and started at ``start_ms`` (ms since boot; not a reused pid)."""
+    if pid <= 0:
         return False
-    except psutil.AccessDenied:
-        return True  # cannot tell: never remove what might be live
+    try:
+        found = _proc_stat(pid)
+    except PermissionError:
+        return True  # cannot tell (hidepid): never remove what might be live
+    except (OSError, ValueError, IndexError):
+        return True
+    if found is None:
+        return False
+    state, started = found
+    return state not in (b"Z", b"X") and started == start_ms
 
 
 @dataclass(frozen=True)
@@ -326,7 +349,11 @@ class QuotaBlock:
             raise SegmentError(name, f"cannot be mapped: {exc}") from None
         try:
             label = check_header(name, seg.buf, KIND_TENANT)
-            return cls(seg, label, owner=False, instance=instance)
+            try:
+                tenant = TenantId(label)
+            except ValueError:
+                raise SegmentError(name, f"header names no valid tenant ({label!r:.80})") from None
+            return cls(seg, tenant, owner=False, instance=instance)
         except BaseException:
             seg.close()
             raise

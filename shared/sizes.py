@@ -30,7 +30,8 @@ _UNITS = {
     "gb": 10**9,
     "tb": 10**12,
 }
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+# [0-9], not \d: \d also matches non-ASCII digits, which int() would accept.
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", re.ASCII)
 MAX_SIZE = (1 << 63) - 1
 
 

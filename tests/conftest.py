@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers import hygiene
 
+hygiene.mark_session()
+
 
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:

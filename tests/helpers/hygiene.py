@@ -4,18 +4,60 @@ A leak is a ``twt-*`` segment in /dev/shm, or a tensor-wasm-tenant process
 (worker processes name themselves ``twt-worker``, supervisors
 ``twt-supervisor``; see ``shared.proctitle``) that appeared during the test
 and is still there after a grace period.
+
+Several test runs may share one machine (and /dev/shm). Only what belongs to
+*this* run counts, so one run never reports, kills or unlinks another run's
+live workers and segments: a process is ours when it is a descendant of this
+one or carries this run's :data:`SESSION_ENV` marker in its environment
+(inherited by spawned children); a segment is ours unless its recorded owner
+is a live process that is not ours. Segments of dead owners and segments not
+of our layout count as ours.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from dataclasses import dataclass
 
 import psutil
 
+from shared.errors import SegmentError
+from shared.quota import read_header
+
 PROCESS_NAMES = ("twt-worker", "twt-supervisor")
 SHM_DIR = "/dev/shm"
+#: Not TWT_-prefixed: that prefix belongs to the product's configuration.
+SESSION_ENV = "PYTEST_TWT_SESSION"
+
+
+def mark_session() -> str:
+    """Tag this test run (inherited by every child process); idempotent."""
+    return os.environ.setdefault(SESSION_ENV, secrets.token_hex(8))
+
+
+def _process_is_ours(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        if any(c.pid == pid for c in psutil.Process().children(recursive=True)):
+            return True
+        env = psutil.Process(pid).environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    marker = os.environ.get(SESSION_ENV)
+    return marker is not None and env.get(SESSION_ENV) == marker
+
+
+def _segment_is_ours(name: str) -> bool:
+    try:
+        header = read_header(name)
+    except SegmentError:
+        return True  # not our layout, or gone already
+    if not header.owner_alive():
+        return True
+    return _process_is_ours(header.owner_pid)
 
 
 def twt_segments() -> set[str]:
@@ -48,8 +90,8 @@ def leaks(before: Baseline, grace_s: float = 5.0) -> tuple[set[str], set[tuple[i
     """Segments and processes new since ``before`` that outlive ``grace_s``."""
     deadline = time.monotonic() + grace_s
     while True:
-        segs = twt_segments() - before.segments
-        procs = twt_processes() - before.processes
+        segs = {n for n in twt_segments() - before.segments if _segment_is_ours(n)}
+        procs = {p for p in twt_processes() - before.processes if _process_is_ours(p[0])}
         if (not segs and not procs) or time.monotonic() >= deadline:
             return segs, procs
         time.sleep(0.05)
