@@ -1,0 +1,272 @@
+"""The error tree: wire codes, retryability, dict and pickle round trips."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+
+import shared
+from shared import errors
+from shared.errors import (
+    AlreadyRegistered,
+    BackendUnavailable,
+    CapabilityFromForeignRegistry,
+    CapabilityRevoked,
+    CudaError,
+    GpuMemoryExhausted,
+    InvalidArgument,
+    KernelTimeout,
+    MemoryExhausted,
+    Overloaded,
+    ProtocolError,
+    RegistryError,
+    RequestTimeout,
+    SegmentError,
+    SupervisorUnavailable,
+    TenantFailed,
+    TenantIsolationViolation,
+    TensorWasmError,
+    UnknownModule,
+    UnknownTenant,
+    WasmCompile,
+    WasmTrap,
+    WorkerLost,
+    error_class_for_code,
+    error_from_dict,
+)
+
+#: One sample per class: its constructor's keyword arguments.
+SAMPLES: dict[type[TensorWasmError], dict[str, Any]] = {
+    MemoryExhausted: {"tenant_id": "acme", "requested": 4096, "limit": 8192, "current": 6000},
+    GpuMemoryExhausted: {"tenant_id": "acme", "requested": 1 << 30, "limit": 1 << 31, "current": 1 << 31},
+    TenantIsolationViolation: {"tenant_id": "acme", "resource": "run_wasm"},
+    CapabilityRevoked: {"tenant_id": "acme", "resource": "alloc"},
+    CudaError: {"call": "cuMemAllocFromPoolAsync", "result_name": "CUDA_ERROR_OUT_OF_MEMORY", "result_code": 2},
+    WasmTrap: {"trap_code": "unreachable", "detail": "at func 3"},
+    WasmCompile: {"detail": "unknown import tensorwasm.nope"},
+    KernelTimeout: {"timeout_s": 2.5, "op": "run_wasm"},
+    WorkerLost: {"tenant_id": "acme", "instance": 1, "exit_code": None, "signal": 9, "reason": "oom"},
+    Overloaded: {"tenant_id": "acme", "in_flight": 64, "limit": 64},
+    ProtocolError: {"detail": "header too large"},
+    InvalidArgument: {"detail": "nbytes must be positive"},
+    BackendUnavailable: {"backend": "cuda", "reason": "no driver"},
+    TenantFailed: {"tenant_id": "acme", "restarts": 5, "window_s": 60.0},
+    RequestTimeout: {"op": "status", "timeout_s": 5.0},
+    SupervisorUnavailable: {"run_dir": "/run/twt", "reason": "no socket"},
+    SegmentError: {"name": "twt-abc-0", "detail": "bad magic"},
+    RegistryError: {"tenant_id": "acme"},
+    AlreadyRegistered: {"tenant_id": "acme"},
+    UnknownTenant: {"tenant_id": "ghost"},
+    UnknownModule: {"tenant_id": "acme", "digest": "ab" * 32},
+    CapabilityFromForeignRegistry: {
+        "tenant_id": "acme",
+        "expected_registry": "r-1111",
+        "actual_registry": "r-2222",
+    },
+}
+
+#: The wire codes are a protocol: changing one breaks old clients.
+PINNED_CODES = {
+    TensorWasmError: "internal",
+    MemoryExhausted: "memory_exhausted",
+    GpuMemoryExhausted: "gpu_memory_exhausted",
+    TenantIsolationViolation: "isolation_violation",
+    CapabilityRevoked: "capability_revoked",
+    CudaError: "cuda_error",
+    WasmTrap: "wasm_trap",
+    WasmCompile: "wasm_compile",
+    KernelTimeout: "kernel_timeout",
+    WorkerLost: "worker_lost",
+    Overloaded: "overloaded",
+    ProtocolError: "protocol_error",
+    InvalidArgument: "invalid_argument",
+    BackendUnavailable: "backend_unavailable",
+    TenantFailed: "tenant_failed",
+    RequestTimeout: "request_timeout",
+    SupervisorUnavailable: "supervisor_unavailable",
+    SegmentError: "segment_error",
+    RegistryError: "registry_error",
+    AlreadyRegistered: "already_registered",
+    UnknownTenant: "unknown_tenant",
+    UnknownModule: "unknown_module",
+    CapabilityFromForeignRegistry: "foreign_capability",
+}
+
+RETRYABLE = {
+    MemoryExhausted,
+    GpuMemoryExhausted,
+    KernelTimeout,
+    WorkerLost,
+    Overloaded,
+    RequestTimeout,
+    SupervisorUnavailable,
+}
+
+
+def _all_subclasses(cls: type[TensorWasmError]) -> set[type[TensorWasmError]]:
+    """Subclasses defined in shared.errors (the one home of the tree; tests define others)."""
+    found = set()
+    for sub in cls.__subclasses__():
+        if sub.__module__ == errors.__name__:
+            found.add(sub)
+        found |= _all_subclasses(sub)
+    return found
+
+
+def _make(cls: type[TensorWasmError]) -> TensorWasmError:
+    return cls(**SAMPLES[cls])
+
+
+def test_samples_cover_every_subclass() -> None:
+    # A new error class must get a sample here (and thereby the round-trip tests).
+    assert _all_subclasses(TensorWasmError) == set(SAMPLES)
+
+
+def test_every_error_is_exported() -> None:
+    for cls in SAMPLES:
+        assert cls.__name__ in errors.__all__
+        assert getattr(shared, cls.__name__) is cls
+    assert set(errors.__all__) <= set(dir(errors))
+
+
+@pytest.mark.parametrize("cls", sorted(SAMPLES, key=lambda c: c.__name__), ids=lambda c: c.__name__)
+def test_dict_round_trip_gives_same_class_and_fields(cls: type[TensorWasmError]) -> None:
+    err = _make(cls)
+    data = err.to_dict()
+    assert set(data) == {"code", "message", "fields"}
+    assert data["code"] == cls.code
+    assert data["fields"] == SAMPLES[cls]
+    back = error_from_dict(data)
+    assert type(back) is cls
+    assert back.fields() == err.fields() == SAMPLES[cls]
+    for name, value in SAMPLES[cls].items():
+        assert getattr(back, name) == value
+    assert back.message == err.message == str(err)
+    assert back == err
+    assert hash(back) == hash(err)
+
+
+@pytest.mark.parametrize("cls", sorted(SAMPLES, key=lambda c: c.__name__), ids=lambda c: c.__name__)
+def test_custom_message_survives_round_trip(cls: type[TensorWasmError]) -> None:
+    err = cls(**SAMPLES[cls], message="custom text")
+    back = error_from_dict(err.to_dict())
+    assert type(back) is cls
+    assert str(back) == "custom text"
+    assert back.fields() == SAMPLES[cls]
+
+
+@pytest.mark.parametrize("cls", sorted(SAMPLES, key=lambda c: c.__name__), ids=lambda c: c.__name__)
+def test_pickle_round_trip(cls: type[TensorWasmError]) -> None:
+    err = _make(cls)
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        back = pickle.loads(pickle.dumps(err, protocol=protocol))
+        assert type(back) is cls
+        assert back == err
+        assert back.fields() == err.fields()
+
+
+def test_root_error_round_trips() -> None:
+    err = TensorWasmError("something internal")
+    data = err.to_dict()
+    assert data == {"code": "internal", "message": "something internal", "fields": {}}
+    back = error_from_dict(data)
+    assert type(back) is TensorWasmError
+    assert back == err
+    assert type(pickle.loads(pickle.dumps(err))) is TensorWasmError
+
+
+@pytest.mark.parametrize("cls", sorted(SAMPLES, key=lambda c: c.__name__), ids=lambda c: c.__name__)
+def test_retryable_exactly_for_transient_kinds(cls: type[TensorWasmError]) -> None:
+    assert _make(cls).is_retryable() is (cls in RETRYABLE)
+
+
+def test_root_is_not_retryable() -> None:
+    assert TensorWasmError("x").is_retryable() is False
+
+
+def test_wire_codes_are_pinned_and_unique() -> None:
+    assert {cls: cls.code for cls in PINNED_CODES} == PINNED_CODES
+    codes = [cls.code for cls in PINNED_CODES]
+    assert len(codes) == len(set(codes))
+    for cls, code in PINNED_CODES.items():
+        assert error_class_for_code(code) is cls
+    assert error_class_for_code("no_such_code") is TensorWasmError
+
+
+def test_a_second_class_cannot_take_a_used_code() -> None:
+    with pytest.raises(TypeError, match="already used"):
+
+        class Duplicate(TensorWasmError):  # noqa: F841 - the class statement is the test
+            code = "memory_exhausted"
+
+
+def test_builtin_bases_match_meaning() -> None:
+    assert issubclass(TenantIsolationViolation, PermissionError)
+    assert issubclass(KernelTimeout, TimeoutError)
+    assert issubclass(RequestTimeout, TimeoutError)
+    assert issubclass(SupervisorUnavailable, ConnectionError)
+    assert issubclass(ProtocolError, ValueError)
+    assert issubclass(InvalidArgument, ValueError)
+    assert issubclass(AlreadyRegistered, ValueError)
+    assert issubclass(UnknownTenant, LookupError)
+    assert issubclass(UnknownModule, LookupError)
+    assert issubclass(GpuMemoryExhausted, MemoryExhausted)
+    assert issubclass(CapabilityFromForeignRegistry, RegistryError)
+    for cls in SAMPLES:
+        assert cls.__doc__, f"{cls.__name__} needs a docstring saying when it is raised"
+
+
+def test_messages_carry_the_numbers() -> None:
+    msg = str(GpuMemoryExhausted("acme", 1 << 30, 1 << 31, 1 << 31))
+    assert "acme" in msg and "1,073,741,824" in msg and "2,147,483,648" in msg
+    assert "signal 9" in str(WorkerLost("acme", 0, signal=9))
+    assert "code 3" in str(WorkerLost("acme", 0, exit_code=3))
+    assert "2.5 s" in str(KernelTimeout(2.5))
+
+
+def test_non_scalar_fields_become_strings_on_the_wire() -> None:
+    err = WasmTrap("trap", detail="x")
+    err.detail = ["not", "scalar"]  # type: ignore[assignment]
+    assert err.to_dict()["fields"]["detail"] == "['not', 'scalar']"
+
+
+MALFORMED: list[Any] = [
+    {},
+    {"code": "memory_exhausted"},
+    {"code": "memory_exhausted", "fields": {}},  # required fields missing
+    {"code": "memory_exhausted", "fields": {"tenant_id": "a"}},
+    {"code": 42, "fields": {}},
+    {"code": None, "message": None, "fields": None},
+    {"code": "memory_exhausted", "fields": ["tenant_id"]},
+    {"code": "memory_exhausted", "fields": "nope"},
+    {"code": "nonexistent_code", "fields": {}, "message": "from the future"},
+    {"code": "kernel_timeout", "fields": {"timeout_s": "soon"}},  # default message cannot format
+    {"code": "kernel_timeout", "fields": {"timeout_s": None}},
+    {"code": "worker_lost", "fields": {"tenant_id": "a", "instance": 0, "bogus": 1}, "message": 7},
+    {"code": ["list"], "fields": {}},
+    None,
+    "memory_exhausted",
+    42,
+    ["code", "fields"],
+]
+
+
+@pytest.mark.parametrize("data", MALFORMED, ids=repr)
+def test_malformed_records_become_root_error_never_raise(data: Any) -> None:
+    err = error_from_dict(data)
+    assert isinstance(err, TensorWasmError)
+    if isinstance(data, dict) and data.get("code") == "worker_lost":
+        # Extra fields are ignored and a non-str message replaced: still a usable WorkerLost.
+        assert type(err) is WorkerLost
+        assert err.fields()["tenant_id"] == "a"
+    else:
+        assert type(err) is TensorWasmError
+    assert isinstance(err.message, str) and err.message
+
+
+def test_unknown_code_keeps_message() -> None:
+    err = error_from_dict({"code": "nonexistent_code", "fields": {}, "message": "from the future"})
+    assert type(err) is TensorWasmError
+    assert str(err) == "from the future"
