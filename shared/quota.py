@@ -461,11 +461,18 @@ class QuotaBlock:
     def snapshot(self) -> QuotaSnapshot:
         """Every counter, high-water mark, refusal and underflow count."""
         load = self._load
-        shares = []
-        for i in range(MAX_INSTANCES):
-            cpu, gpu = load(_instance_off(i)), load(_instance_off(i) + 8)
-            if cpu or gpu:
-                shares.append((i, cpu, gpu))
+        if self._closed:  # before the bulk read below, which bypasses _load's check
+            raise SegmentError(self.name, "quota block is closed")
+        # Instance shares are informational: one bulk read (aligned 8-byte
+        # loads are not torn on x86-64/arm64) instead of 128 atomic calls.
+        raw = self._buf[_INSTANCES:_LAYOUT_BYTES].cast("Q")
+        step = _LINE // 8
+        shares = [
+            (i, raw[i * step], raw[i * step + 1])
+            for i in range(MAX_INSTANCES)
+            if raw[i * step] or raw[i * step + 1]
+        ]
+        raw.release()
         return QuotaSnapshot(
             tenant_id=self.tenant_id,
             name=self.name,

@@ -207,6 +207,17 @@ class TenantRegistry:
             self._tenants[tid] = _Tenant(spec, block, generation)
         return _cap.mint(TenantCapability, self._secret, self._rid, generation, tid)
 
+    def tenant_capability(self, admin_cap: RegistryAdminCapability, tenant_id: str) -> TenantCapability:
+        """The capability of a registered tenant (what register returned), for its current generation.
+
+        How an operator hands out capabilities of tenants registered from a config file.
+        """
+        self._check_admin(admin_cap, False)
+        entry = self._tenants.get(tenant_id)
+        if entry is None:
+            raise UnknownTenant(tenant_id)
+        return _cap.mint(TenantCapability, self._secret, self._rid, entry.generation, entry.spec.tenant_id)
+
     def unregister(self, admin_cap: RegistryAdminCapability, tenant_id: str) -> None:
         """Evict: every capability minted for the tenant so far is refused from now on;
         its block is unlinked. The name may be registered again (with new capabilities)."""

@@ -1,0 +1,206 @@
+"""Wire protocol: frames, headers and their limits (see docs/PROTOCOL.md).
+
+Every message is one small msgpack *header* frame, optionally followed by one
+opaque *body* frame (WASM modules, tensor bytes) that the supervisor forwards
+without decoding or copying.
+
+    client -> supervisor   [header, body?]   header = [VERSION, rid, op, capability|nil, args]
+    supervisor -> client   [header, body?]   header = [VERSION, rid, ok, result | error-dict]
+    supervisor -> worker   [header, body?]   header = [rid, op, args]
+    worker -> supervisor   [header, body?]   header = [rid, ok, result | error-dict]
+    control (both ways)    [header]          header = [kind, args]
+
+Decoding untrusted input (:func:`decode_client_header`) uses a fresh
+unpacker per message with explicit ``max_*_len`` limits and
+``strict_map_key``, then a schema check; anything malformed raises
+:class:`ProtocolError` and never anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgpack
+
+from shared.errors import ProtocolError
+
+__all__ = [
+    "ADMIN_OPS",
+    "CONTROL_KINDS",
+    "MAX_HEADER_BYTES",
+    "PROTOCOL_VERSION",
+    "TENANT_OPS",
+    "decode_client_header",
+    "decode_control",
+    "decode_reply",
+    "decode_worker_request",
+    "encode_control",
+    "encode_reply",
+    "encode_request",
+    "encode_worker_reply",
+    "encode_worker_request",
+    "handle_instance",
+    "make_handle",
+]
+
+PROTOCOL_VERSION: Final = 1
+MAX_HEADER_BYTES: Final = 64 * 1024
+#: ops a tenant capability grants (routed to one of the tenant's workers)
+TENANT_OPS: Final = frozenset(
+    {"ping", "alloc", "free", "write", "read", "run_wasm", "put_module", "quota", "buffers"}
+)
+#: ops the admin capability grants (handled by the supervisor)
+ADMIN_OPS: Final = frozenset(
+    {"register", "evict", "set_quota", "status", "scale", "inject_fault", "tenant_status", "hello", "capability"}
+)
+#: control-channel message kinds (supervisor <-> worker)
+CONTROL_KINDS: Final = frozenset({"hello", "hb", "stop", "fault", "fault_ack", "bye"})
+
+_packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+
+
+def _packb(obj: Any) -> bytes:
+    data: bytes = _packer.pack(obj)
+    return data
+
+
+def _unpack(data: bytes, max_len: int) -> Any:
+    if len(data) > max_len:
+        raise ProtocolError(f"header of {len(data)} bytes exceeds the {max_len}-byte limit")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=max_len,
+            max_bin_len=max_len,
+            max_array_len=4096,
+            max_map_len=1024,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        # ExtraData, FormatError, StackError, OutOfData, UnicodeDecodeError ...
+        raise ProtocolError(f"malformed msgpack header: {type(exc).__name__}") from None
+
+
+def encode_request(rid: int, op: str, capability: bytes | None, args: dict[str, Any]) -> bytes:
+    """A client's request header."""
+    return _packb([PROTOCOL_VERSION, rid, op, capability, args])
+
+
+def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[int, str, bytes | None, dict[str, Any]]:
+    """Validate a client request header: (rid, op, capability, args). Raises ProtocolError."""
+    obj = _unpack(data, max_len)
+    if not isinstance(obj, list) or len(obj) != 5:
+        raise ProtocolError("header must be an array of 5: [version, rid, op, capability, args]")
+    version, rid, op, cap, args = obj
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r} (this supervisor speaks {PROTOCOL_VERSION})")
+    if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 1 << 63:
+        raise ProtocolError("rid must be a non-negative int")
+    if not isinstance(op, str) or (op not in TENANT_OPS and op not in ADMIN_OPS):
+        raise ProtocolError(f"unknown op {op!r}")
+    if cap is not None and not isinstance(cap, bytes):
+        raise ProtocolError("capability must be bytes or nil")
+    if not isinstance(args, dict):
+        raise ProtocolError("args must be a map")
+    return rid, op, cap, args
+
+
+def peek_rid(data: bytes) -> int | None:
+    """Best effort: the rid of a header that failed validation (to answer it)."""
+    try:
+        if len(data) > MAX_HEADER_BYTES:
+            return None
+        obj = msgpack.unpackb(data, raw=False, max_array_len=8,
+                              max_map_len=0, max_str_len=256, max_bin_len=256, max_ext_len=0)
+    except Exception:  # noqa: BLE001 - untrusted bytes; any failure means "no rid"
+        return None
+    if isinstance(obj, list) and len(obj) >= 2 and isinstance(obj[1], int) and not isinstance(obj[1], bool):
+        return obj[1] if 0 <= obj[1] < 1 << 63 else None
+    return None
+
+
+def encode_reply(rid: int, ok: bool, payload: Any) -> bytes:
+    """The supervisor's reply header to a client."""
+    return _packb([PROTOCOL_VERSION, rid, ok, payload])
+
+
+def decode_reply(data: bytes, max_len: int = 16 * MAX_HEADER_BYTES) -> tuple[int, bool, Any]:
+    """A reply header as the client sees it: (rid, ok, result-or-error-dict)."""
+    obj = _unpack(data, max_len)
+    if not isinstance(obj, list) or len(obj) != 4 or obj[0] != PROTOCOL_VERSION:
+        raise ProtocolError("reply must be [version, rid, ok, payload]")
+    _, rid, ok, payload = obj
+    if not isinstance(rid, int) or not isinstance(ok, bool):
+        raise ProtocolError("reply rid/ok of the wrong type")
+    return rid, ok, payload
+
+
+def encode_worker_request(rid: int, op: str, args: dict[str, Any]) -> bytes:
+    return _packb([rid, op, args])
+
+
+def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, Any]]:
+    obj = _unpack(data, 1 << 20)
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise ProtocolError("worker request must be [rid, op, args]")
+    rid, op, args = obj
+    if not isinstance(rid, int) or not isinstance(op, str) or not isinstance(args, dict):
+        raise ProtocolError("worker request fields of the wrong type")
+    return rid, op, args
+
+
+def encode_worker_reply(rid: int, ok: bool, payload: Any) -> bytes:
+    return _packb([rid, ok, payload])
+
+
+def decode_worker_reply(data: bytes, max_len: int = 16 * MAX_HEADER_BYTES) -> tuple[int, bool, Any]:
+    """Workers are semi-trusted (they run tenant code): validate like any input."""
+    obj = _unpack(data, max_len)
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise ProtocolError("worker reply must be [rid, ok, payload]")
+    rid, ok, payload = obj
+    if isinstance(rid, bool) or not isinstance(rid, int) or not isinstance(ok, bool):
+        raise ProtocolError("worker reply rid/ok of the wrong type")
+    return rid, ok, payload
+
+
+def encode_control(kind: str, args: dict[str, Any] | None = None) -> bytes:
+    return _packb([kind, args or {}])
+
+
+def decode_control(data: bytes) -> tuple[str, dict[str, Any]]:
+    obj = _unpack(data, MAX_HEADER_BYTES)
+    if not isinstance(obj, list) or len(obj) != 2:
+        raise ProtocolError("control message must be [kind, args]")
+    kind, args = obj
+    if not isinstance(kind, str) or kind not in CONTROL_KINDS or not isinstance(args, dict):
+        raise ProtocolError(f"bad control message {kind!r}")
+    return kind, args
+
+
+# ------------------------------------------------------------------ handles
+#
+# A buffer handle names a buffer in one incarnation of one worker instance, so
+# the supervisor routes free/write/read to the process that holds it, and a
+# handle from before a restart is refused instead of aliasing a new buffer.
+#     bits 48..55 instance | bits 32..47 incarnation (mod 2**16) | bits 0..31 sequence
+
+_INSTANCE_SHIFT = 48
+_INCARNATION_SHIFT = 32
+
+
+def make_handle(instance: int, incarnation: int, seq: int) -> int:
+    return (instance << _INSTANCE_SHIFT) | ((incarnation & 0xFFFF) << _INCARNATION_SHIFT) | (seq & 0xFFFFFFFF)
+
+
+def handle_instance(handle: int) -> int:
+    return (handle >> _INSTANCE_SHIFT) & 0xFF
+
+
+def handle_incarnation(handle: int) -> int:
+    return (handle >> _INCARNATION_SHIFT) & 0xFFFF

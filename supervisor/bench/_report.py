@@ -1,0 +1,236 @@
+"""Shared helpers of the benchmark programs: timing with medians, a table, targets.
+
+Every benchmark measures its figure *and its baseline in the same run*
+(interleaved, round by round), and reports medians, so a ratio compares like
+with like even on a busy shared machine. A :class:`Target` turns a ratio into
+PASS/MISS; a program exits non-zero when any target is missed.
+
+    loops = {"floor": (noop_loop, 1), "ours": (our_loop, 1)}
+    timings = time_loops(loops, repeat=9)
+    target = Target("ours within 2x of floor", timings["ours"].ns / timings["floor"].ns,
+                    2.0, higher_is_better=False)
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat as _repeat
+from typing import Any, TextIO
+
+__all__ = [
+    "Report",
+    "Target",
+    "Timing",
+    "calibrate",
+    "environment",
+    "format_table",
+    "time_callable",
+    "time_loops",
+]
+
+#: ``loop(n)`` runs the measured operation ``n`` times in its own tight loop,
+#: so no Python call per operation is added by the harness.
+Loop = Callable[[int], object]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Nanoseconds per operation: the median over repeats, and every sample."""
+
+    name: str
+    ns: float
+    samples: tuple[float, ...]
+    number: int  # operations per sample
+
+    @property
+    def best(self) -> float:
+        return min(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the samples: how noisy the figure is."""
+        return (max(self.samples) - min(self.samples)) / self.ns if self.ns else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ns": round(self.ns, 2), "best_ns": round(self.best, 2), "samples": len(self.samples), "number": self.number}
+
+
+def calibrate(loop: Loop, *, target_s: float = 0.03, start: int = 1000, cap: int = 10_000_000) -> int:
+    """How many iterations make one sample of ``loop`` last about ``target_s``."""
+    n = start
+    while True:
+        t0 = time.perf_counter()
+        loop(n)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= target_s / 4 or n >= cap:
+            return max(1, min(cap, int(n * target_s / max(elapsed, 1e-9))))
+        n *= 4
+
+
+def time_loops(
+    loops: Mapping[str, tuple[Loop, int]],
+    *,
+    repeat: int = 9,
+    target_s: float = 0.03,
+) -> dict[str, Timing]:
+    """Median ns per operation of each loop, sampled round-robin (one sample each per round).
+
+    ``loops`` maps a name to ``(loop, ops_per_iteration)``: a loop whose body
+    performs two operations (a consume and a release) passes 2. The garbage
+    collector is off while sampling.
+    """
+    numbers = {name: calibrate(loop, target_s=target_s) for name, (loop, _) in loops.items()}
+    samples: dict[str, list[float]] = {name: [] for name in loops}
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            for name, (loop, ops) in loops.items():
+                n = numbers[name]
+                t0 = time.perf_counter_ns()
+                loop(n)
+                samples[name].append((time.perf_counter_ns() - t0) / (n * ops))
+    finally:
+        if enabled:
+            gc.enable()
+    return {
+        name: Timing(name, statistics.median(s), tuple(s), numbers[name] * loops[name][1])
+        for name, s in samples.items()
+    }
+
+
+def time_callable(fn: Callable[[], object], *, name: str = "", repeat: int = 9, target_s: float = 0.03) -> Timing:
+    """Median ns per call of ``fn()`` (the harness adds one Python call per operation)."""
+
+    def loop(n: int) -> None:
+        for _ in _repeat(None, n):
+            fn()
+
+    return time_loops({name or getattr(fn, "__name__", "fn"): (loop, 1)}, repeat=repeat, target_s=target_s).popitem()[1]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal for one measured figure; prints as PASS or MISS."""
+
+    name: str
+    measured: float
+    limit: float
+    higher_is_better: bool = True
+    unit: str = "x"
+
+    @property
+    def passed(self) -> bool:
+        return self.measured >= self.limit if self.higher_is_better else self.measured <= self.limit
+
+    def line(self) -> str:
+        op = ">=" if self.higher_is_better else "<="
+        verdict = "PASS" if self.passed else "MISS"
+        return f"{verdict}  {self.name}: {self.measured:.2f}{self.unit} (target {op} {self.limit:g}{self.unit})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "measured": round(self.measured, 3),
+            "limit": self.limit,
+            "higher_is_better": self.higher_is_better,
+            "passed": self.passed,
+        }
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(cells[0]), rule, *(fmt(r) for r in cells[1:])])
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        if value >= 1e6:
+            return f"{value:,.0f}"
+        return f"{value:,.1f}"
+    return str(value)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> dict[str, Any]:
+    """Where the figures were measured."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 0
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(terse=True),
+        "cpus": usable,
+        "cpu_model": _cpu_model(),
+    }
+
+
+@dataclass
+class Report:
+    """What one benchmark program prints: text tables, or one JSON object with ``--json``."""
+
+    bench: str
+    sections: list[tuple[str, str]] = field(default_factory=list)  # (title, text)
+    data: dict[str, Any] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
+    env: dict[str, Any] = field(default_factory=environment)
+
+    @property
+    def passed(self) -> bool:
+        return all(t.passed for t in self.targets)
+
+    def emit(self, *, as_json: bool = False, file: TextIO | None = None) -> int:
+        """Print the report; the exit status: 0 when every target passed, else 1."""
+        out = file if file is not None else sys.stdout
+        if as_json:
+            obj = {
+                "bench": self.bench,
+                "env": self.env,
+                **self.data,
+                "targets": [t.to_dict() for t in self.targets],
+                "passed": self.passed,
+            }
+            print(json.dumps(obj, sort_keys=False), file=out)
+        else:
+            env = self.env
+            print(
+                f"twt bench {self.bench} - {env['date']}, Python {env['python']}, "
+                f"{env['cpus']} CPUs ({env['cpu_model']})",
+                file=out,
+            )
+            for title, text in self.sections:
+                print(f"\n{title}\n{text}", file=out)
+            if self.targets:
+                print("\ntargets", file=out)
+                for t in self.targets:
+                    print(f"  {t.line()}", file=out)
+        out.flush()
+        return 0 if self.passed else 1

@@ -1,0 +1,41 @@
+"""Helpers shared by the sub-commands: the run-dir option, JSON output, tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from shared.config import ENV_PREFIX, default_run_dir
+
+__all__ = ["add_run_dir", "print_json", "print_table", "run_dir_of"]
+
+
+def add_run_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        help=f"the supervisor's run directory (default: ${ENV_PREFIX}RUN_DIR or {default_run_dir()})",
+    )
+
+
+def run_dir_of(args: argparse.Namespace) -> str:
+    return str(args.run_dir or os.environ.get(f"{ENV_PREFIX}RUN_DIR") or default_run_dir())
+
+
+def print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
+    sys.stdout.write("\n")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: Any = None) -> None:
+    out = out or sys.stdout
+    cells = [[str(h) for h in headers]] + [[("" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
+        if n == 0:
+            out.write("  ".join("-" * w for w in widths) + "\n")

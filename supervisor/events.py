@@ -1,0 +1,60 @@
+"""Lifecycle events: published on the PUB socket and logged as structured events.
+
+Every event is one msgpack map with at least ``event`` and ``ts``; the topic
+frame is ``event.<name>`` so ``twt events --filter exit`` subscribes to one
+kind. Events: ``spawn``, ``ready``, ``bind``, ``exit`` (with ``exit_code`` or
+``signal`` and ``reason``), ``restart``, ``failed``, ``register``, ``evict``,
+``scale``, ``quota_refusal``, ``fault``, ``kill``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import msgpack
+import zmq
+
+from shared.log import get_logger, log_event
+
+__all__ = ["EventBus", "TOPIC_PREFIX", "decode_event"]
+
+TOPIC_PREFIX = b"event."
+_log = get_logger("supervisor.events")
+_LEVELS = {"exit": logging.WARNING, "failed": logging.ERROR, "kill": logging.WARNING, "quota_refusal": logging.INFO}
+
+
+class EventBus:
+    """Publishes events without ever blocking the supervisor loop."""
+
+    def __init__(self, sock: zmq.Socket[Any] | None) -> None:
+        self.sock = sock
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.published = 0
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "ts": round(time.time(), 6), **fields}
+        level = logging.INFO if fields.get("expected") else _LEVELS.get(event, logging.INFO)
+        log_event(_log, level, f"event.{event}", **fields)
+        for listener in self.listeners:
+            listener(record)
+        if self.sock is not None:
+            try:
+                self.sock.send_multipart(
+                    [TOPIC_PREFIX + event.encode(), msgpack.packb(record, use_bin_type=True, default=str)],
+                    zmq.NOBLOCK,
+                )
+                self.published += 1
+            except zmq.Again:
+                pass  # a slow subscriber loses events, the supervisor never waits
+
+
+def decode_event(frames: list[bytes]) -> dict[str, Any]:
+    """The record of one published event (``[topic, body]``)."""
+    if len(frames[-1]) > 1 << 20:
+        raise ValueError("event body too large")
+    data = msgpack.unpackb(frames[-1], raw=False)
+    if not isinstance(data, dict):
+        raise ValueError("event body is not a map")
+    return data

@@ -1,0 +1,35 @@
+"""Metric hooks of the router loop.
+
+The loop calls these on its hot path, so the default :class:`NullMetrics`
+does nothing; ``--metrics-addr`` swaps in the Prometheus implementation
+(:mod:`supervisor.prometheus`), whose HTTP thread only reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["Metrics", "NullMetrics"]
+
+
+class Metrics:
+    """Interface: what the router reports."""
+
+    def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None:
+        """A client request was answered; ``outcome`` is "ok" or the error code."""
+
+    def worker_exit(self, tenant: str | None, cause: str) -> None:
+        """A worker process ended; ``cause`` is "exit", "signal", "heartbeat", "deadline", "rss", "stop"."""
+
+    def restart(self, tenant: str) -> None:
+        """An instance of ``tenant`` is being restarted."""
+
+    def bind_source(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """Give the exporter a way to read per-tenant gauges at scrape time."""
+
+    def close(self) -> None:
+        """Stop any exporter thread."""
+
+
+class NullMetrics(Metrics):
+    """Metrics switched off (the default)."""

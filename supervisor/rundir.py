@@ -1,0 +1,147 @@
+"""The run directory: ipc sockets, the admin capability, the lock, the ready file.
+
+    <run dir>/            0700, created if missing
+        supervisor.lock   flock()ed by the running supervisor: a second one refuses to start
+        frontend.ipc      clients (ROUTER)
+        backend.ipc       workers' data sockets (ROUTER)
+        control.ipc       workers' control sockets (ROUTER)
+        events.ipc        lifecycle events (PUB)
+        admin.cap         0600, the admin capability for the CLI
+        supervisor.json   written last: pid, version, endpoints - "ready"
+
+The lock is an ``flock`` on an open file, so it disappears with the process
+(even SIGKILL): a restarted supervisor on the same run dir starts at once,
+removing the dead one's stale sockets and files.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import stat
+from typing import Any
+
+from shared.errors import TensorWasmError
+
+__all__ = ["RunDir", "RunDirLocked", "read_admin_capability", "read_ready"]
+
+SOCKETS = ("frontend", "backend", "control", "events")
+READY_FILE = "supervisor.json"
+ADMIN_CAP_FILE = "admin.cap"
+LOCK_FILE = "supervisor.lock"
+
+
+class RunDirLocked(TensorWasmError):
+    """Another supervisor is running on this run directory."""
+
+    code = "run_dir_locked"
+    _fields = ("run_dir", "pid")
+
+    def __init__(self, run_dir: str, pid: int | None, *, message: str | None = None) -> None:
+        self.run_dir = run_dir
+        self.pid = pid
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        who = f" (pid {self.pid})" if self.pid else ""
+        return f"another supervisor{who} is running on {self.run_dir}; stop it or use another --run-dir"
+
+
+class RunDir:
+    """Owns a run directory for the lifetime of one supervisor."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        self._lock_fd: int | None = None
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def endpoint(self, name: str) -> str:
+        return "ipc://" + self.file(f"{name}.ipc")
+
+    def acquire(self) -> None:
+        """Create (0700) and lock the directory; clean what a dead supervisor left."""
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        st = os.stat(self.path)
+        if st.st_uid != os.getuid():
+            raise PermissionError(f"run dir {self.path} belongs to uid {st.st_uid}, not to us")
+        os.chmod(self.path, 0o700)
+        fd = os.open(self.file(LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RunDirLocked(self.path, self._ready_pid()) from None
+            raise
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        for name in (READY_FILE, ADMIN_CAP_FILE, *(f"{s}.ipc" for s in SOCKETS)):
+            try:
+                os.unlink(self.file(name))
+            except FileNotFoundError:
+                pass
+
+    def _ready_pid(self) -> int | None:
+        try:
+            with open(self.file(LOCK_FILE)) as f:
+                return int(f.read().strip() or 0) or None
+        except (OSError, ValueError):
+            return None
+
+    def write_admin_capability(self, raw: bytes) -> None:
+        path = self.file(ADMIN_CAP_FILE)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, raw)
+        finally:
+            os.close(fd)
+
+    def write_ready(self, info: dict[str, Any]) -> None:
+        tmp = self.file(READY_FILE + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(info, f)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.file(READY_FILE))
+
+    def release(self) -> None:
+        """Remove sockets and files, then drop the lock (the directory itself stays)."""
+        if self._lock_fd is None:
+            return  # never acquired: the files belong to someone else
+        for name in (READY_FILE, ADMIN_CAP_FILE, *(f"{s}.ipc" for s in SOCKETS)):
+            try:
+                os.unlink(self.file(name))
+            except FileNotFoundError:
+                pass
+        if self._lock_fd is not None:
+            try:
+                os.unlink(self.file(LOCK_FILE))
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def read_ready(run_dir: str) -> dict[str, Any] | None:
+    """The ready record of a supervisor on ``run_dir``, or None."""
+    try:
+        with open(os.path.join(run_dir, READY_FILE), encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def read_admin_capability(run_dir: str) -> bytes:
+    """The admin capability bytes from ``<run_dir>/admin.cap`` (refuses a world-readable file)."""
+    path = os.path.join(run_dir, ADMIN_CAP_FILE)
+    st = os.stat(path)
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise PermissionError(f"{path} is readable by others (mode {oct(st.st_mode & 0o777)}); refusing to use it")
+    with open(path, "rb") as f:
+        return f.read()

@@ -1,0 +1,140 @@
+"""A registered tenant's runtime state in the supervisor: instances, restarts, waiting requests.
+
+Restart policy (OTP-style): when an instance's worker exits, ``always``
+restarts it, ``on-failure`` only after a non-zero exit or a signal,
+``never`` leaves the slot empty. Restarts back off exponentially (the first
+one within a window is immediate: crash recovery should be instant), and
+more than ``max_restarts`` restarts within ``restart_window_s`` mark the
+tenant ``failed``: its requests are refused with :class:`TenantFailed` until
+an operator evicts and re-registers it.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.quota import QuotaBlock
+from shared.spec import RestartPolicy, TenantSpec
+from supervisor.workers import WorkerHandle, WorkerState
+
+__all__ = ["InstanceSlot", "Parked", "TenantRuntime", "TenantState"]
+
+BACKOFF_BASE_S = 0.05
+BACKOFF_MAX_S = 5.0
+
+
+class TenantState(str, enum.Enum):
+    STARTING = "starting"  # registered, no instance ready yet
+    RUNNING = "running"  # every wanted instance ready
+    DEGRADED = "degraded"  # some instance restarting
+    FAILED = "failed"  # restart intensity exceeded
+    EVICTING = "evicting"
+
+
+@dataclass(eq=False)
+class InstanceSlot:
+    index: int
+    worker: WorkerHandle | None = None
+    incarnation: int = 0
+    restarts: int = 0
+    restart_at: float | None = None  # scheduled restart (monotonic)
+    last_exit: dict[str, Any] | None = None
+    draining: bool = False  # being scaled away
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None and self.worker.state is WorkerState.READY and not self.draining
+
+
+@dataclass(eq=False)
+class Parked:
+    """A request waiting for an instance to become ready (e.g. during a restart)."""
+
+    client: bytes
+    rid: int
+    op: str
+    args: dict[str, Any]
+    body: Any
+    started: float
+    deadline: float
+    instance: int | None  # a handle-bound request must go to this instance
+
+
+@dataclass(eq=False)
+class TenantRuntime:
+    spec: TenantSpec
+    block: QuotaBlock
+    generation: int
+    registered_at: float = field(default_factory=time.time)
+    state: TenantState = TenantState.STARTING
+    slots: list[InstanceSlot] = field(default_factory=list)
+    restart_times: collections.deque[float] = field(default_factory=collections.deque)
+    restarts_total: int = 0
+    in_flight: int = 0
+    parked: collections.deque[Parked] = field(default_factory=collections.deque)
+    failed_reason: str | None = None
+    device: int = 0
+    seen_refusals: int = 0
+    register_waiters: list[Any] = field(default_factory=list)
+    #: modules sent with put_module (digest -> bytes), least recently used first
+    modules: collections.OrderedDict[str, bytes] = field(default_factory=collections.OrderedDict)
+    evict_waiters: list[Any] = field(default_factory=list)
+
+    @property
+    def tenant_id(self) -> str:
+        return self.spec.tenant_id
+
+    def live_slots(self) -> list[InstanceSlot]:
+        return [s for s in self.slots if s.ready]
+
+    def pick_slot(self) -> InstanceSlot | None:
+        """The least-loaded ready instance."""
+        best: InstanceSlot | None = None
+        best_load = 0
+        for slot in self.slots:
+            if slot.ready:
+                assert slot.worker is not None
+                load = len(slot.worker.in_flight)
+                if best is None or load < best_load:
+                    best, best_load = slot, load
+        return best
+
+    def should_restart(self, exit_code: int | None, signal: int | None) -> bool:
+        policy = self.spec.restart
+        if policy is RestartPolicy.ALWAYS:
+            return True
+        if policy is RestartPolicy.ON_FAILURE:
+            return signal is not None or exit_code not in (0, None)
+        return False
+
+    def note_restart(self, now: float) -> bool:
+        """Record a restart; False when the intensity limit is exceeded."""
+        window = self.spec.restart_window_s
+        self.restart_times.append(now)
+        while self.restart_times and now - self.restart_times[0] > window:
+            self.restart_times.popleft()
+        self.restarts_total += 1
+        return len(self.restart_times) <= self.spec.max_restarts
+
+    def backoff_s(self) -> float:
+        """0 for the first restart in the window, then 50 ms, 100 ms, ... up to 5 s."""
+        recent = len(self.restart_times)
+        if recent <= 1:
+            return 0.0
+        return float(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (recent - 2)))
+
+    def refresh_state(self) -> None:
+        if self.state in (TenantState.FAILED, TenantState.EVICTING):
+            return
+        wanted = [s for s in self.slots if not s.draining]
+        ready = [s for s in wanted if s.ready]
+        if len(ready) == len(wanted):
+            self.state = TenantState.RUNNING
+        elif any(s.last_exit is not None for s in wanted):
+            self.state = TenantState.DEGRADED
+        else:
+            self.state = TenantState.STARTING

@@ -1,0 +1,56 @@
+"""Start real supervisors for tests (``launch()`` with fast test settings) and poll for conditions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from supervisor.launch import SupervisorHandle, launch
+
+T = TypeVar("T")
+
+#: fast failure detection for tests; everything else as in production
+FAST = {
+    "heartbeat_interval_s": 0.2,
+    "heartbeat_liveness": 3,
+    "stop_timeout_s": 3.0,
+    "kill_grace_s": 0.5,
+    "pool_size": 0,
+    "backend": "stub",
+}
+
+
+@contextmanager
+def supervisor(tenants: list[dict[str, Any]] | None = None, **settings: Any) -> Iterator[SupervisorHandle]:
+    """A launched supervisor on the stub backend with FAST settings (overridable)."""
+    sup_settings = {**FAST, **settings}
+    start_method = sup_settings.pop("start_method", None)
+    with launch({"supervisor": sup_settings, "tenant": tenants or []}, start_method=start_method) as handle:
+        yield handle
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "") -> T:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate!r} (last: {last!r})")
+
+
+def tenant(status: dict[str, Any], tenant_id: str) -> dict[str, Any]:
+    for record in status["tenants"]:
+        if record["tenant_id"] == tenant_id:
+            return record
+    raise KeyError(tenant_id)
+
+
+def instance_pid(handle: SupervisorHandle, tenant_id: str, index: int = 0) -> int | None:
+    rec = tenant(handle.client.status(), tenant_id)
+    inst = rec["instances"][index]
+    return inst["pid"] if inst["state"] == "ready" else None

@@ -1,0 +1,174 @@
+"""The metered allocator: every GPU byte is counted in shared memory before the backend sees it.
+
+    alloc(n):  block.consume_gpu_bytes(n)      refused -> GpuMemoryExhausted, no backend call
+               budget.consume(n)               (device budget, when present) refused -> roll back
+               backend.alloc(n)                DeviceOutOfMemory -> roll back both, GpuMemoryExhausted
+    free(h):   backend.free(buf); budget.release(n); block.release_gpu_bytes(n)
+
+Handles are ints that name (instance, incarnation, sequence) so the
+supervisor can route a handle to the process holding it, and a handle from a
+previous incarnation of the instance is refused rather than aliasing a new
+buffer (see :func:`shared.protocol.make_handle`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from shared.errors import GpuMemoryExhausted, InvalidArgument
+from shared.log import get_logger, log_event
+from shared.protocol import handle_incarnation, handle_instance, make_handle
+from shared.quota import QuotaBlock
+from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
+from worker.faults import FaultState
+
+__all__ = ["ByteMeter", "MeteredAllocator"]
+
+MAX_BUFFER_BYTES = (1 << 63) - 1
+_log = get_logger("worker.allocator")
+
+
+class ByteMeter(Protocol):
+    """A second counter consumed after the tenant's (the per-device budget)."""
+
+    def consume(self, n: int) -> None: ...
+    def release(self, n: int) -> None: ...
+
+
+class MeteredAllocator:
+    """Buffers of one tenant instance, metered against its quota block."""
+
+    def __init__(
+        self,
+        tenant_id: str,
+        block: QuotaBlock,
+        backend: Backend,
+        *,
+        instance: int = 0,
+        incarnation: int = 0,
+        budget: ByteMeter | None = None,
+        faults: FaultState | None = None,
+    ) -> None:
+        self.tenant_id = tenant_id
+        self.block = block
+        self.backend = backend
+        self.instance = instance
+        self.incarnation = incarnation
+        self.budget = budget
+        self.faults = faults
+        self._buffers: dict[int, DeviceBuffer] = {}
+        self._seq = 0
+
+    # ----------------------------------------------------------- metering
+
+    def alloc_buffer(self, nbytes: int) -> DeviceBuffer:
+        """Metered allocation of a buffer not entered in the handle table (WASM run scope)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise InvalidArgument(f"nbytes must be an int, got {type(nbytes).__name__}")
+        if not 0 < nbytes <= MAX_BUFFER_BYTES:
+            raise InvalidArgument(f"nbytes must be in 1..2**63-1, got {nbytes}")
+        self.block.consume_gpu_bytes(nbytes)  # refusal: nothing else happens
+        if self.budget is not None:
+            try:
+                self.budget.consume(nbytes)
+            except BaseException:
+                self.block.release_gpu_bytes(nbytes)
+                raise
+        try:
+            if self.faults is not None and self.faults.take_oom():
+                raise DeviceOutOfMemory(nbytes, 0, 0, "injected out-of-memory (fault 'oom')")
+            return self.backend.alloc(nbytes)
+        except DeviceOutOfMemory as oom:
+            self._unmeter(nbytes)
+            raise GpuMemoryExhausted(
+                self.tenant_id,
+                nbytes,
+                oom.limit,
+                oom.in_use,
+                message=f"tenant {self.tenant_id!r}: device refused {nbytes:,} B: {oom}",
+            ) from None
+        except BaseException:
+            self._unmeter(nbytes)
+            raise
+
+    def free_buffer(self, buf: DeviceBuffer) -> None:
+        """Free a buffer from :meth:`alloc_buffer` and release its bytes."""
+        try:
+            self.backend.free(buf)
+        finally:
+            self._unmeter(buf.nbytes)
+
+    def _unmeter(self, nbytes: int) -> None:
+        if self.budget is not None:
+            self.budget.release(nbytes)
+        self.block.release_gpu_bytes(nbytes)
+
+    # ------------------------------------------------------------ handles
+
+    def alloc(self, nbytes: int) -> int:
+        buf = self.alloc_buffer(nbytes)
+        self._seq += 1
+        handle = make_handle(self.instance, self.incarnation, self._seq)
+        self._buffers[handle] = buf
+        return handle
+
+    def lookup(self, handle: object) -> DeviceBuffer:
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise InvalidArgument(f"buffer handle must be an int, got {type(handle).__name__}")
+        buf = self._buffers.get(handle)
+        if buf is None:
+            if handle_instance(handle) != self.instance or handle_incarnation(handle) != self.incarnation & 0xFFFF:
+                raise InvalidArgument(
+                    f"buffer handle {handle:#x} belongs to another worker instance or to one that restarted"
+                )
+            raise InvalidArgument(f"unknown buffer handle {handle:#x} (never allocated, or already freed)")
+        return buf
+
+    def free(self, handle: int) -> int:
+        buf = self.lookup(handle)
+        del self._buffers[handle]
+        self.free_buffer(buf)
+        return buf.nbytes
+
+    def check_range(self, buf: DeviceBuffer, offset: object, nbytes: int, what: str = "access") -> int:
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise InvalidArgument(f"offset must be an int, got {type(offset).__name__}")
+        if offset < 0 or nbytes < 0 or offset + nbytes > buf.nbytes:
+            raise InvalidArgument(
+                f"{what} of {nbytes} B at offset {offset} is outside the {buf.nbytes}-byte buffer"
+            )
+        return offset
+
+    def write(self, handle: int, offset: int, data: memoryview) -> int:
+        buf = self.lookup(handle)
+        off = self.check_range(buf, offset, len(data), "write")
+        self.backend.write(buf, off, data)
+        return len(data)
+
+    def read(self, handle: int, offset: int, nbytes: object) -> bytes:
+        buf = self.lookup(handle)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise InvalidArgument(f"nbytes must be an int, got {type(nbytes).__name__}")
+        off = self.check_range(buf, offset, nbytes, "read")
+        return self.backend.read(buf, off, nbytes)
+
+    def handles(self) -> dict[int, int]:
+        """handle -> size of every live buffer."""
+        return {h: b.nbytes for h, b in self._buffers.items()}
+
+    def bytes_held(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def free_all(self) -> int:
+        """Free every buffer (shutdown); returns bytes released. Never raises."""
+        total = 0
+        for handle in list(self._buffers):
+            buf = self._buffers.pop(handle)
+            try:
+                self.free_buffer(buf)
+            except Exception as exc:  # noqa: BLE001 - keep freeing; the bytes were released in finally
+                log_event(_log, logging.WARNING, "buffer.free_failed", tenant=self.tenant_id,
+                          handle=handle, nbytes=buf.nbytes, error=repr(exc))
+            total += buf.nbytes
+        return total

@@ -1,0 +1,92 @@
+"""The backend interface: what a compute backend must do for one tenant process.
+
+The worker's :class:`~worker.context.TenantContext` meters every allocation
+in shared memory *before* calling a backend, validates every handle, offset
+and length, and turns :class:`DeviceOutOfMemory` into a quota refusal after
+rolling the metered bytes back. A backend therefore only moves bytes and runs
+ops on buffers it created, with arguments already known to be in range.
+
+All calls come from the worker's executor thread (CUDA contexts are
+per-thread), never concurrently.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+__all__ = ["Backend", "DeviceBuffer", "DeviceOutOfMemory"]
+
+
+class DeviceOutOfMemory(Exception):
+    """The device (or the driver-level pool cap) refused an allocation.
+
+    Internal to the worker: the allocator releases the metered bytes and
+    raises :class:`shared.errors.GpuMemoryExhausted` with these numbers.
+    """
+
+    def __init__(self, requested: int, limit: int, in_use: int, detail: str = "") -> None:
+        self.requested = requested
+        self.limit = limit
+        self.in_use = in_use
+        self.detail = detail
+        super().__init__(detail or f"device out of memory: requested {requested} with {in_use} of {limit} in use")
+
+
+class DeviceBuffer:
+    """A backend's buffer; ``nbytes`` is its usable size. Subclassed per backend."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+class Backend(abc.ABC):
+    """One tenant process's device state: context, stream, pool (or their simulation)."""
+
+    #: "stub" or "cuda"
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> DeviceBuffer:
+        """Allocate ``nbytes`` (>= 1). Raises :class:`DeviceOutOfMemory`."""
+
+    @abc.abstractmethod
+    def free(self, buf: DeviceBuffer) -> None:
+        """Return a buffer made by :meth:`alloc` (exactly once)."""
+
+    @abc.abstractmethod
+    def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
+        """Copy ``data`` into ``buf`` at ``offset`` (range already checked); complete on return."""
+
+    @abc.abstractmethod
+    def read(self, buf: DeviceBuffer, offset: int, nbytes: int) -> bytes:
+        """Copy ``nbytes`` from ``buf`` at ``offset`` (range already checked)."""
+
+    @abc.abstractmethod
+    def fill_f32(self, buf: DeviceBuffer, value: float, count: int) -> None:
+        """Set the first ``count`` float32 elements of ``buf`` to ``value``."""
+
+    @abc.abstractmethod
+    def axpy_f32(self, n: int, a: float, x: DeviceBuffer, y: DeviceBuffer) -> None:
+        """``y[:n] = a * x[:n] + y[:n]`` in float32."""
+
+    @abc.abstractmethod
+    def sum_f32(self, buf: DeviceBuffer, count: int) -> float:
+        """Sum of the first ``count`` float32 elements."""
+
+    def read_into(self, buf: DeviceBuffer, offset: int, dest: memoryview) -> None:
+        """Copy ``len(dest)`` bytes from ``buf`` at ``offset`` into ``dest`` (a host buffer).
+
+        Backends override this to copy straight into e.g. WASM linear memory.
+        """
+        dest[:] = self.read(buf, offset, len(dest))
+
+    def info(self) -> dict[str, Any]:
+        """What status shows about this backend (device, capacity, pool ...)."""
+        return {"backend": self.name}
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything (buffers still allocated included). Never raises."""

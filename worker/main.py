@@ -1,0 +1,94 @@
+"""Worker process entry point: ``run(boot)`` is what the supervisor starts (spawn/forkserver).
+
+Start-up order matters:
+
+1. ``PR_SET_PDEATHSIG(SIGKILL)`` first, then check the parent is still there
+   (it may have died before the prctl), so no worker outlives its supervisor;
+2. name the process ``twt-worker`` (``ps``, ``top``, the tests' leak check);
+3. connect the data socket (executor, this thread) and start the control
+   thread (heartbeats, faults, stop) - both say hello with the one-time token;
+4. serve until ``stop``; then free every buffer, destroy the context and exit 0.
+
+Heavy imports (numpy, wasmtime, cuda) happen only when a request needs them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+__all__ = ["run"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _set_parent_death_signal() -> None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: heartbeats and the parent check still end the worker
+
+
+def run(boot: dict[str, Any]) -> None:
+    """Serve one tenant instance (or wait in the pool to be bound to one)."""
+    _set_parent_death_signal()
+    expected_parent = boot.get("parent_pid")
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(71)  # the supervisor died while we were starting
+    # A worker ends on SIGTERM like on "stop"; SIGINT (a terminal's ^C) is the supervisor's to handle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    import zmq
+
+    from shared.log import configure_logging, get_logger, log_event
+    from shared.proctitle import set_process_name
+    from worker.control import ControlThread
+    from worker.faults import FaultState
+    from worker.server import WorkerServer
+
+    set_process_name("twt-worker")
+    configure_logging(boot.get("log_format", "text"), boot.get("log_level", "info").upper())
+    log = get_logger("worker")
+
+    zctx: zmq.Context[Any] = zmq.Context()
+    data = zctx.socket(zmq.DEALER)
+    data.setsockopt(zmq.ROUTING_ID, boot["worker_id"].encode())
+    data.setsockopt(zmq.LINGER, 0)
+    data.setsockopt(zmq.MAXMSGSIZE, int(boot.get("max_message_bytes", 256 << 20)))
+    data.setsockopt(zmq.RCVHWM, 1000)
+    data.setsockopt(zmq.SNDHWM, 1000)
+    data.connect(boot["data_endpoint"])
+
+    faults = FaultState()
+    server = WorkerServer(data, faults, boot)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        server.stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    control = ControlThread(zctx, boot, faults, server.stop_event, server)
+    control.start()
+
+    from shared.protocol import encode_worker_reply
+
+    data.send(encode_worker_reply(0, True, {"token": boot["token"], "pid": os.getpid()}))
+    log_event(log, logging.DEBUG, "worker.started", worker=boot["worker_id"], pid=os.getpid())
+    code = 0
+    try:
+        server.serve()
+    except BaseException:
+        log.exception("worker.crashed")
+        code = 1
+    finally:
+        server.close()
+        control.closed.wait(2)
+        data.close(0)  # no zctx.term(): it would wait for the control thread's socket
+        logging.shutdown()
+        sys.stderr.flush()
+    os._exit(code)

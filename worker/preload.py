@@ -1,0 +1,26 @@
+"""Imported once by the forkserver (``--start-method forkserver``) so forked workers start warm.
+
+Only modules that start no threads at import: zmq, msgpack, psutil, wasmtime
+(its engine and compiler threads are created later, in each worker), and
+the worker's own modules. numpy is left out on purpose: its BLAS may start a
+thread pool at import, and threads do not survive a fork.
+"""
+
+from __future__ import annotations
+
+import msgpack  # noqa: F401
+import psutil  # noqa: F401
+import zmq  # noqa: F401
+
+import shared.protocol  # noqa: F401
+import shared.quota  # noqa: F401
+import shared.spec  # noqa: F401
+import worker.context  # noqa: F401
+import worker.control  # noqa: F401
+import worker.main  # noqa: F401
+import worker.server  # noqa: F401
+
+try:
+    import wasmtime  # noqa: F401
+except ImportError:  # pragma: no cover - wasmtime is a dependency; stay startable without it
+    pass

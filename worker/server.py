@@ -1,0 +1,240 @@
+"""The worker's executor: one thread that owns the data socket and the tenant's context.
+
+    supervisor ROUTER (backend) ──[hdr|body]──► DEALER ── executor thread (this module)
+                                                           │ decode [rid, op, args]
+                                                           │ handler(op) on TenantContext
+                                                ◄──────────┘ reply [rid, ok, payload] (+ body)
+    supervisor ROUTER (control) ◄─hb/fault/stop─► DEALER ── control thread (worker.control)
+
+Why the executor owns the data socket instead of an I/O thread handing work
+over a queue: every request would pay two GIL hand-offs (~20-40 us each,
+measured), which alone would break the routing latency target. Heartbeats
+and faults live on their own socket in the control thread, so they keep
+flowing while a long WASM run holds the executor (wasmtime and numpy release
+the GIL; pure-Python work yields it every switch interval).
+
+Handlers return ``(result, body)``; a :class:`TensorWasmError` becomes an
+error reply of the same class, anything else an internal error reply - the
+loop itself never dies of a request.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
+from shared.log import get_logger, log_event
+from shared.protocol import decode_worker_request, encode_worker_reply
+from shared.spec import TenantSpec
+from worker.context import TenantContext
+from worker.faults import FaultState
+
+__all__ = ["Reply", "WorkerServer", "register_op"]
+
+_log = get_logger("worker")
+
+Reply = tuple[Any, "bytes | memoryview | None"]
+Handler = Callable[["WorkerServer", dict[str, Any], "zmq.Frame | None"], Reply]
+
+#: ops implemented outside this module, imported on first use ("module:function")
+_LAZY_OPS: dict[str, str] = {
+    "run_wasm": "worker.wasm.ops:op_run_wasm",
+    "put_module": "worker.wasm.ops:op_put_module",
+}
+_OPS: dict[str, Handler] = {}
+
+
+def register_op(name: str) -> Callable[[Handler], Handler]:
+    """Decorator: make ``fn(server, args, body) -> (result, body)`` the handler of ``name``."""
+
+    def deco(fn: Handler) -> Handler:
+        _OPS[name] = fn
+        return fn
+
+    return deco
+
+
+def _resolve(op: str) -> Handler | None:
+    handler = _OPS.get(op)
+    if handler is None and op in _LAZY_OPS:
+        module, _, attr = _LAZY_OPS[op].partition(":")
+        handler = getattr(importlib.import_module(module), attr)
+        _OPS[op] = handler
+    return handler
+
+
+class WorkerServer:
+    """Serves requests for one tenant instance until told to stop."""
+
+    def __init__(self, sock: zmq.Socket[Any], faults: FaultState, boot: dict[str, Any]) -> None:
+        self.sock = sock
+        self.faults = faults
+        self.boot = boot
+        self.context: TenantContext | None = None
+        self.stop_event = threading.Event()
+        self.started = time.time()
+        self.requests = 0
+
+    # --------------------------------------------------------------- loop
+
+    def serve(self) -> None:
+        sock = self.sock
+        stop = self.stop_event
+        while not stop.is_set():
+            if not sock.poll(200):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            self.requests += 1
+            self.faults.block_if_hung()
+            self.handle(frames)
+
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        try:
+            rid, op, args = decode_worker_request(frames[0].bytes)
+        except ProtocolError as exc:
+            log_event(_log, logging.WARNING, "worker.bad_request", error=str(exc))
+            return
+        body = frames[1] if len(frames) > 1 else None
+        try:
+            handler = _resolve(op)
+            if handler is None:
+                raise InvalidArgument(f"unknown worker op {op!r}")
+            result, out_body = handler(self, args, body)
+        except TensorWasmError as exc:
+            self.reply(rid, False, exc.to_dict())
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug in one request must not kill the worker
+            _log.exception("worker.op_failed op=%s", op)
+            self.reply(rid, False, TensorWasmError(f"internal error in worker op {op!r}: {exc!r}").to_dict())
+            return
+        self.reply(rid, True, result, out_body)
+
+    def reply(self, rid: int, ok: bool, payload: Any, body: bytes | memoryview | None = None) -> None:
+        faults = self.faults
+        if faults.slow_ms:
+            time.sleep(faults.slow_ms / 1000)
+        if faults.drop_next:
+            faults.drop_next -= 1
+            return
+        if faults.corrupt_next:
+            faults.corrupt_next -= 1
+            self.sock.send(b"\xc1corrupt\xff", zmq.NOBLOCK)
+            return
+        header = encode_worker_reply(rid, ok, payload)
+        try:
+            if body is None:
+                self.sock.send(header, zmq.NOBLOCK)
+            else:
+                self.sock.send_multipart([header, body], zmq.NOBLOCK, copy=len(body) < 65536)
+        except zmq.Again:
+            log_event(_log, logging.WARNING, "worker.reply_dropped", rid=rid, reason="send queue full")
+
+    def require_context(self) -> TenantContext:
+        if self.context is None:
+            raise InvalidArgument("worker is not bound to a tenant yet")
+        return self.context
+
+    def close(self) -> None:
+        if self.context is not None:
+            self.context.close()
+            self.context = None
+
+
+# --------------------------------------------------------------------- ops
+
+
+def _int_arg(args: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = args.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+@register_op("bind")
+def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+    """``bind {spec, instance, incarnation, segment, backend, backend_options}`` -> ``{pid, backend...}``.
+
+    Turns an idle (pool) worker into tenant ``spec.tenant_id``'s instance; once only.
+    """
+    if server.context is not None:
+        raise InvalidArgument(f"worker is already bound to {server.context.tenant_id!r}")
+    spec = TenantSpec.from_dict(args["spec"])
+    backend = args.get("backend", "stub")
+    options = dict(args.get("backend_options") or {})
+    budget = None
+    budget_segment = options.pop("budget_segment", None)
+    if budget_segment:
+        from shared.device_budget import DeviceBudget  # type: ignore[import-not-found,unused-ignore]
+
+        budget = DeviceBudget.attach(budget_segment)
+    server.context = TenantContext.create(
+        spec,
+        instance=_int_arg(args, "instance"),
+        incarnation=_int_arg(args, "incarnation", 0),
+        segment=str(args["segment"]),
+        backend=str(backend),
+        backend_options=options,
+        budget=budget,
+        faults=server.faults,
+    )
+    return {"pid": os.getpid(), **server.context.info()}, None
+
+
+@register_op("ping")
+def op_ping(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+    """``ping {}`` -> ``{pid, tenant, instance, requests, uptime_s}`` (works unbound too)."""
+    ctx = server.context
+    return {
+        "pid": os.getpid(),
+        "tenant": ctx.tenant_id if ctx else None,
+        "instance": ctx.instance if ctx else None,
+        "requests": server.requests,
+        "uptime_s": round(time.time() - server.started, 3),
+    }, None
+
+
+@register_op("alloc")
+def op_alloc(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+    """``alloc {nbytes}`` -> ``{handle, nbytes}``; GpuMemoryExhausted when refused (no device call)."""
+    ctx = server.require_context()
+    nbytes = _int_arg(args, "nbytes")
+    return {"handle": ctx.allocator.alloc(nbytes), "nbytes": nbytes}, None
+
+
+@register_op("free")
+def op_free(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+    """``free {handle}`` -> ``{freed: nbytes}``; the bytes are released from the quota."""
+    ctx = server.require_context()
+    return {"freed": ctx.allocator.free(_int_arg(args, "handle"))}, None
+
+
+@register_op("write")
+def op_write(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+    """``write {handle, offset}`` + body -> ``{written}``: copy the body into the buffer."""
+    ctx = server.require_context()
+    data = body.buffer if body is not None else memoryview(b"")
+    n = ctx.allocator.write(_int_arg(args, "handle"), _int_arg(args, "offset", 0), data)
+    return {"written": n}, None
+
+
+@register_op("read")
+def op_read(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+    """``read {handle, offset, nbytes}`` -> ``{nbytes}`` + body with the bytes."""
+    ctx = server.require_context()
+    data = ctx.allocator.read(_int_arg(args, "handle"), _int_arg(args, "offset", 0), _int_arg(args, "nbytes"))
+    return {"nbytes": len(data)}, data
+
+
+@register_op("buffers")
+def op_buffers(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+    """``buffers {}`` -> ``{buffers: [[handle, nbytes], ...], bytes}`` of this instance."""
+    ctx = server.require_context()
+    handles = ctx.allocator.handles()
+    return {"buffers": sorted(handles.items()), "bytes": sum(handles.values())}, None
