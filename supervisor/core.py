@@ -1,0 +1,242 @@
+"""State and plumbing every part of the supervisor loop shares: timers, replies, sends.
+
+The supervisor is one class assembled from one module per concern, each a
+layer on the one below (all run on the single loop thread, no locks)::
+
+    _Core        (core.py)       state, timers, replies, sends to workers
+    _Routing     (routing.py)    tenant requests -> the right worker instance
+    _Lifecycle   (lifecycle.py)  spawn, pool, bind, stop, kill, death, restart
+    _Admin       (admin.py)      register, evict, set_quota, scale, inject_fault
+    Supervisor   (router.py)     sockets, the poll loop, housekeeping, shutdown
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import psutil
+import zmq
+
+from shared import protocol as proto
+from shared.config import SupervisorConfig
+from shared.errors import (
+    Overloaded,
+    TensorWasmError,
+    WorkerLost,
+)
+from shared.log import get_logger, log_event
+from supervisor.events import EventBus
+from supervisor.metrics import Metrics, NullMetrics
+from supervisor.registry import TenantRegistry
+from supervisor.rundir import RunDir
+from supervisor.tenants import InstanceSlot, TenantRuntime
+from supervisor.workers import Pending, Spawner, WorkerHandle
+
+_log = get_logger("supervisor")
+
+TICK_S = 0.05
+FRONTEND_BATCH = 256
+HELLO_TIMEOUT_S = 60.0
+DEADLINE_GRACE_S = 2.0
+RSS_CHECK_INTERVAL_S = 1.0
+MAX_MODULES_PER_TENANT = 32
+MAX_MODULE_BYTES_PER_TENANT = 256 << 20
+#: worker-side ops whose handle argument pins them to one instance
+_HANDLE_OPS = frozenset({"free", "write", "read"})
+
+
+class _Timer:
+    __slots__ = ("when", "seq", "fn", "cancelled")
+
+    def __init__(self, when: float, seq: int, fn: Callable[[], None]) -> None:
+        self.when = when
+        self.seq = seq
+        self.fn = fn
+        self.cancelled = False
+
+    def __lt__(self, other: _Timer) -> bool:
+        return (self.when, self.seq) < (other.when, other.seq)
+
+
+class _Core:
+    """Shared state of the supervisor loop (see the module docstring for the layers)."""
+
+    # set up by Supervisor._setup()
+    frontend: zmq.Socket[Any]
+    backend: zmq.Socket[Any]
+    control: zmq.Socket[Any]
+    poller: zmq.Poller
+    spawner: Spawner
+
+    def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or NullMetrics()
+        self.rundir = RunDir(config.run_dir)
+        self.registry, self.admin = TenantRegistry.new()
+        self.tenants: dict[str, TenantRuntime] = {}
+        self.workers: dict[bytes, WorkerHandle] = {}
+        self.by_token: dict[str, WorkerHandle] = {}
+        self.by_sentinel: dict[int, WorkerHandle] = {}
+        self.pool: list[WorkerHandle] = []  # idle, unbound, ready to bind
+        self.pool_starting = 0
+        self.bind_queue: list[tuple[TenantRuntime, InstanceSlot, WorkerHandle]] = []
+        self.events = EventBus(None)
+        self.backend_name = "stub"
+        self.backend_reason = ""
+        self.backend_options: dict[str, Any] = {}
+        self._rid = 0
+        self._timers: list[_Timer] = []
+        self._timer_seq = 0
+        self._deadlines: list[tuple[float, int, WorkerHandle]] = []
+        self._stopping = False
+        self._stop_started: float | None = None
+        self._started = time.time()
+        self._last_rss_check = 0.0
+        self._last_beat = 0.0
+        self._pool_failures = 0
+        self._pool_retry_at = 0.0
+        self.ready = False
+        self._zctx: zmq.Context[Any] | None = None
+        self.on_ready: Callable[[_Core], None] | None = None
+
+    def _after(self, delay: float, fn: Callable[[], None]) -> _Timer:
+        self._timer_seq += 1
+        timer = _Timer(time.monotonic() + delay, self._timer_seq, fn)
+        heapq.heappush(self._timers, timer)
+        return timer
+
+    def _run_timers(self, now: float) -> None:
+        timers = self._timers
+        while timers and timers[0].when <= now:
+            timer = heapq.heappop(timers)
+            if not timer.cancelled:
+                timer.fn()
+
+    def _reply(self, client: bytes | None, rid: int, result: Any, body: Any = None) -> None:
+        if client is None:
+            return
+        header = proto.encode_reply(rid, True, result)
+        try:
+            if body is None:
+                self.frontend.send_multipart([client, header], zmq.NOBLOCK)
+            else:
+                self.frontend.send_multipart([client, header, body], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH (client gone) / EAGAIN (client not reading)
+            log_event(_log, logging.DEBUG, "supervisor.reply_dropped", rid=rid, error=exc.strerror)
+
+    def _reply_error(self, client: bytes | None, rid: int, exc: TensorWasmError) -> None:
+        self._reply_raw_error(client, rid, exc.to_dict())
+
+    def _reply_raw_error(self, client: bytes | None, rid: int, err: dict[str, Any]) -> None:
+        if client is None:
+            return
+        try:
+            self.frontend.send_multipart([client, proto.encode_reply(rid, False, err)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log_event(_log, logging.DEBUG, "supervisor.reply_dropped", rid=rid, error=exc.strerror)
+
+    def _send_to_worker(self, worker: WorkerHandle, op: str, args: dict[str, Any], body: Any, pending: Pending) -> None:
+        self._rid += 1
+        rid = self._rid
+        header = proto.encode_worker_request(rid, op, args)
+        try:
+            if body is None:
+                self.backend.send_multipart([worker.ident, header], zmq.NOBLOCK)
+            else:
+                self.backend.send_multipart([worker.ident, header, body], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the worker's socket is gone (it is dying); EAGAIN: its queue is full
+            if exc.errno == zmq.EAGAIN:
+                raise Overloaded(pending.tenant, len(worker.in_flight), len(worker.in_flight)) from None
+            raise WorkerLost(pending.tenant, pending.instance, reason=f"worker unreachable: {exc.strerror}") from None
+        worker.in_flight[rid] = pending
+        heapq.heappush(self._deadlines, (pending.deadline, rid, worker))
+
+    def _send_control(self, worker: WorkerHandle, data: bytes) -> None:
+        try:
+            self.control.send_multipart([worker.ident, data], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # dying or flooded: the heartbeat check handles it
+
+    def _hello_info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "registry_id": self.registry.registry_id,
+            "backend": self.backend_name,
+            "backend_reason": self.backend_reason,
+            "start_method": self.config.start_method,
+            "protocol": proto.PROTOCOL_VERSION,
+            "uptime_s": round(time.time() - self._started, 3),
+        }
+
+    def _tenant_record(self, rt: TenantRuntime) -> dict[str, Any]:
+        snap = rt.block.snapshot().to_dict() if not rt.block.closed else {}
+        now = time.monotonic()
+        instances = []
+        for slot in rt.slots:
+            w = slot.worker
+            instances.append(
+                {
+                    "index": slot.index,
+                    "pid": w.pid if w else None,
+                    "state": (w.state.value if w else ("restarting" if slot.restart_at else "down")),
+                    "in_flight": len(w.in_flight) if w else 0,
+                    "incarnation": slot.incarnation,
+                    "restarts": slot.restarts,
+                    "uptime_s": round(now - w.ready_at, 3) if w and w.ready_at else None,
+                    "draining": slot.draining,
+                    "last_exit": slot.last_exit,
+                }
+            )
+        return {
+            "tenant_id": rt.tenant_id,
+            "state": rt.state.value,
+            "generation": rt.generation,
+            "failed_reason": rt.failed_reason,
+            "pids": [i["pid"] for i in instances if i["pid"] is not None],
+            "instances": instances,
+            "restarts": rt.restarts_total,
+            "in_flight": rt.in_flight,
+            "parked": len(rt.parked),
+            "uptime_s": round(time.time() - rt.registered_at, 3),
+            "backend": self.backend_name,
+            "device": rt.device,
+            "spec": rt.spec.to_dict(),
+            "bytes_in_use": snap.get("bytes_in_use", 0),
+            "memory_quota_bytes": snap.get("memory_quota_bytes", rt.spec.memory_quota_bytes),
+            "gpu_bytes_in_use": snap.get("gpu_bytes_in_use", 0),
+            "gpu_memory_bytes_cap": snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
+            "quota": snap,
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "supervisor": {
+                **self._hello_info(),
+                "run_dir": self.rundir.path,
+                "pool": {
+                    "idle": len(self.pool),
+                    "starting": self.pool_starting,
+                    "size": self.config.pool_size,
+                    "pids": [w.pid for w in self.pool],
+                },
+                "workers": len(self.workers),
+                "rss_bytes": psutil.Process().memory_info().rss,
+            },
+            "tenants": [self._tenant_record(rt) for _, rt in sorted(self.tenants.items())],
+        }
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Per-tenant gauges for the exporter (called from its thread: only reads)."""
+        out = {}
+        for tid, rt in list(self.tenants.items()):
+            try:
+                snap = rt.block.snapshot()
+            except TensorWasmError:
+                continue
+            out[tid] = {"quota": snap, "instances_up": len(rt.live_slots()), "state": rt.state.value}
+        return out
