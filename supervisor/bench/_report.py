@@ -32,6 +32,7 @@ __all__ = [
     "calibrate",
     "environment",
     "format_table",
+    "paired_ratio",
     "time_callable",
     "time_loops",
 ]
@@ -105,6 +106,21 @@ def time_loops(
         name: Timing(name, statistics.median(s), tuple(s), numbers[name] * loops[name][1])
         for name, s in samples.items()
     }
+
+
+def paired_ratio(a: Timing, b: Timing, *, minus: Timing | None = None) -> float:
+    """Median over rounds of ``(a - minus) / (b - minus)``, each round's samples paired.
+
+    :func:`time_loops` takes one sample of every loop per round, so samples
+    of the same round saw the same machine state: the median of per-round
+    ratios is far steadier than the ratio of medians on a busy machine.
+    ``minus`` (e.g. the empty loop) is subtracted from both first.
+    """
+    base = minus.samples if minus is not None else (0.0,) * len(a.samples)
+    ratios = [
+        max(x - m, 1e-9) / max(y - m, 1e-9) for x, y, m in zip(a.samples, b.samples, base, strict=True)
+    ]
+    return statistics.median(ratios)
 
 
 def time_callable(fn: Callable[[], object], *, name: str = "", repeat: int = 9, target_s: float = 0.03) -> Timing:

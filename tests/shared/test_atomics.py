@@ -98,6 +98,27 @@ def test_high_water_only_rises(buf: memoryview) -> None:
     assert line(buf)[2] == 600
 
 
+class MyInt(int):
+    pass
+
+
+@pytest.mark.parametrize(
+    "n", [0, 1, (1 << 30) - 1, 1 << 30, (1 << 30) + 1, (1 << 31) + 5, 1 << 60, (1 << 63) - 1], ids=hex
+)
+def test_amounts_exact_across_internal_int_sizes(buf: memoryview, n: int) -> None:
+    # Small ints take a fast path in the C parser (one internal digit); the
+    # rest the general one. Both must read the same value; int subclasses too.
+    _atomics.store(buf, LIMIT, U64)
+    assert _atomics.consume(buf, 0, n) is None
+    assert _atomics.load(buf, USED) == n
+    assert _atomics.consume(buf, 0, MyInt(n)) is None
+    assert _atomics.load(buf, USED) == 2 * n
+    assert _atomics.release(buf, MyInt(0), MyInt(n)) is None
+    assert _atomics.release(buf, 0, n) is None
+    assert _atomics.load(buf, MyInt(0)) == 0
+    assert _atomics.load(buf, HW) == 2 * n
+
+
 def test_load_store_fetch_add_exchange(buf: memoryview) -> None:
     _atomics.store(buf, 64, U64)
     assert _atomics.load(buf, 64) == U64
@@ -229,6 +250,39 @@ def test_buffers_that_are_not_usable(buf: memoryview) -> None:
     with pytest.raises(ValueError):
         _atomics.load(bytearray(4), 0)
     check()
+
+
+def test_memoryview_fast_path_matches_buffer_protocol(buf: memoryview) -> None:
+    # Module functions read a memoryview's buffer in place (no export taken):
+    # slices, casts and every refusal behave as through the buffer protocol.
+    sub = buf[64:]
+    _atomics.store(sub, LIMIT, 10)
+    assert _atomics.consume(sub, 0, 4) is None
+    assert _atomics.load(buf, 64 + USED) == 4
+    q = buf.cast("Q")
+    assert _atomics.consume(q, 64, 6) is None
+    assert _atomics.load(buf, 64 + USED) == 10
+    with pytest.raises(BufferError, match="not writable"):
+        _atomics.consume(sub.toreadonly(), 0, 0)
+    released = buf[128:]
+    released.release()
+    check = _unchanged(buf)
+    with pytest.raises(ValueError, match="released"):
+        _atomics.consume(released, 0, 1)
+    with pytest.raises(ValueError, match="released"):
+        _atomics.load(released, 0)
+    with pytest.raises(BufferError, match="not writable"):
+        _atomics.store(sub.toreadonly(), 0, 1)
+    assert _atomics.load(sub.toreadonly(), 0) == 4 + 6
+    with pytest.raises(BufferError, match="contiguous"):
+        _atomics.load(buf[::16], 0)
+    with pytest.raises(ValueError, match="8-aligned"):
+        _atomics.load(buf[4:], 0)
+    with pytest.raises(ValueError, match="out of bounds"):
+        _atomics.consume(buf[4096 - 32 :], 0, 1)
+    check()
+    q.release()
+    sub.release()
 
 
 def test_wrong_argument_counts(buf: memoryview) -> None:
