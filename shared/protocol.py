@@ -111,16 +111,24 @@ def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[
 
 
 def peek_rid(data: bytes) -> int | None:
-    """Best effort: the rid of a header that failed validation (to answer it)."""
+    """Best effort: the rid of a header that failed validation (so it can be answered).
+
+    Reads only the array header and its first two items, whatever follows.
+    """
+    if len(data) > MAX_HEADER_BYTES:
+        return None
     try:
-        if len(data) > MAX_HEADER_BYTES:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_HEADER_BYTES, max_str_len=256,
+                                    max_bin_len=256, max_array_len=16, max_map_len=16, max_ext_len=0)
+        unpacker.feed(data)
+        if unpacker.read_array_header() < 2:
             return None
-        obj = msgpack.unpackb(data, raw=False, max_array_len=8,
-                              max_map_len=0, max_str_len=256, max_bin_len=256, max_ext_len=0)
+        unpacker.skip()  # version
+        rid = unpacker.unpack()
     except Exception:  # noqa: BLE001 - untrusted bytes; any failure means "no rid"
         return None
-    if isinstance(obj, list) and len(obj) >= 2 and isinstance(obj[1], int) and not isinstance(obj[1], bool):
-        return obj[1] if 0 <= obj[1] < 1 << 63 else None
+    if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 1 << 63:
+        return rid
     return None
 
 
