@@ -97,7 +97,7 @@ core_release(uint64_t *line, uint64_t n, uint64_t *seen_used)
 /* Fast path: an exact int (never a bool) small enough for one internal
  * digit and not negative, read without a call into the runtime; 0 when the
  * general path must decide. Offsets and typical amounts take this path; it
- * saves a few of the ~25 ns an operation costs (see docs/PERFORMANCE.md). */
+ * saves a few of the ~20 ns an operation costs (see docs/PERFORMANCE.md). */
 static inline int
 small_nonneg(PyObject *obj, uint64_t *out)
 {

@@ -1,5 +1,6 @@
 """Benchmark programs (``twt bench NAME``): each prints figures measured against
-baselines in the same run and exits non-zero when it misses a target.
+baselines in the same run and exits 4 when it misses a target (2: bad usage,
+such as an unknown name).
 
 Every benchmark is a module with ``main(argv: list[str] | None = None) -> int``,
 listed in :data:`BENCHES` by name; ``all`` runs each in turn. Modules are

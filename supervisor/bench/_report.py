@@ -26,6 +26,7 @@ from itertools import repeat as _repeat
 from typing import Any, TextIO
 
 __all__ = [
+    "EXIT_MISS",
     "Report",
     "Target",
     "Timing",
@@ -36,6 +37,10 @@ __all__ = [
     "time_callable",
     "time_loops",
 ]
+
+#: Exit status when a target is missed: the CLI's "a check or benchmark target
+#: failed" (``supervisor.cli``); 2 stays "bad usage".
+EXIT_MISS = 4
 
 #: ``loop(n)`` runs the measured operation ``n`` times in its own tight loop,
 #: so no Python call per operation is added by the harness.
@@ -224,7 +229,7 @@ class Report:
         return all(t.passed for t in self.targets)
 
     def emit(self, *, as_json: bool = False, file: TextIO | None = None) -> int:
-        """Print the report; the exit status: 0 when every target passed, else 1."""
+        """Print the report; the exit status: 0 when every target passed, else :data:`EXIT_MISS`."""
         out = file if file is not None else sys.stdout
         if as_json:
             obj = {
@@ -249,4 +254,4 @@ class Report:
                 for t in self.targets:
                     print(f"  {t.line()}", file=out)
         out.flush()
-        return 0 if self.passed else 1
+        return 0 if self.passed else EXIT_MISS
