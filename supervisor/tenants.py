@@ -79,6 +79,7 @@ class TenantRuntime:
     failed_reason: str | None = None
     device: int = 0
     seen_refusals: int = 0
+    rr: int = 0  # round-robin start for pick_slot
     register_waiters: list[Any] = field(default_factory=list)
     #: modules sent with put_module (digest -> bytes), least recently used first
     modules: collections.OrderedDict[str, bytes] = field(default_factory=collections.OrderedDict)
@@ -92,10 +93,15 @@ class TenantRuntime:
         return [s for s in self.slots if s.ready]
 
     def pick_slot(self) -> InstanceSlot | None:
-        """The least-loaded ready instance."""
+        """The least-loaded ready instance; ties go round-robin."""
         best: InstanceSlot | None = None
         best_load = 0
-        for slot in self.slots:
+        n = len(self.slots)
+        if n == 1:
+            return self.slots[0] if self.slots[0].ready else None
+        self.rr = (self.rr + 1) % max(n, 1)
+        for k in range(n):
+            slot = self.slots[(self.rr + k) % n]
             if slot.ready:
                 assert slot.worker is not None
                 load = len(slot.worker.in_flight)
