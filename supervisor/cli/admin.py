@@ -1,0 +1,436 @@
+"""Admin commands (they use ``<run dir>/admin.cap``): register, capability, evict, set-quota, scale, fault.
+
+    twt register acme --memory-quota 2GiB --gpu-cap 512MiB --instances 2 --cap-out acme.cap
+    twt register --file tenants.toml acme        # a [[tenant]] table (flags given as well override it)
+    twt capability acme                          # the capability of a registered tenant, as hex
+    twt set-quota acme --gpu-cap 1GiB            # live; --gpu-cap none removes the cap
+    twt scale acme 3 --wait
+    twt fault acme crash --instance 0
+    twt evict acme
+
+A tenant capability is printed as hex on stdout (``CAP=$(twt register acme)``)
+or written with ``--cap-out FILE`` (hex and a newline, mode 0600);
+``TenantCapability.from_bytes(bytes.fromhex(text))`` reads it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import tomllib
+from typing import Any
+
+from shared.errors import RequestTimeout
+from shared.sizes import format_size, parse_size
+from shared.spec import IsolationKind, RestartPolicy, TenantSpec
+from supervisor.cli._common import add_run_dir, print_json
+from supervisor.cli.status import connect, fetch_status
+
+__all__ = ["FAULT_KINDS", "add_parser", "parse_param", "specs_from_file"]
+
+#: what ``inject_fault`` accepts (docs/RELIABILITY.md describes each)
+FAULT_KINDS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak")
+#: admin calls that may wait for worker processes (register, evict) get at least this long
+ADMIN_TIMEOUT_S = 60.0
+_NONE_WORDS = ("none", "unlimited", "off")
+
+# ---------------------------------------------------------------- arg types
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size_or_none(value: str) -> int | None:
+    return None if value.strip().lower() in _NONE_WORDS else _size(value)
+
+
+def _nonneg_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {n}")
+    return n
+
+
+def _seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not 0 < s < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return s
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    """``k=v`` -> (k, v) with v an int, a float, a size (``64MiB`` -> bytes), a bool or a string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"a parameter is KEY=VALUE, got {text!r}")
+    raw = raw.strip()
+    value: Any
+    try:
+        value = int(raw)
+    except ValueError:
+        try:
+            value = float(raw)
+        except ValueError:
+            try:
+                value = parse_size(raw)
+            except ValueError:
+                value = {"true": True, "false": False}.get(raw.lower(), raw)
+    return key, value
+
+
+# ----------------------------------------------------------------- parsers
+
+#: register flag -> (TenantSpec field, argparse type, metavar, help)
+_SPEC_FLAGS: tuple[tuple[str, str, Any, str, str], ...] = (
+    ("--memory-quota", "memory_quota_bytes", _size, "SIZE", "host memory quota, e.g. 2GiB (default 8GiB)"),
+    ("--gpu-cap", "gpu_memory_bytes_cap", _size_or_none, "SIZE|none", "hard GPU byte cap (default none: counted, never refused)"),
+    ("--pool-quota", "recorded_cuda_mem_pool_quota", _size_or_none, "SIZE|none",
+     "recorded CUDA pool quota (a retention hint, not a cap)"),
+    ("--device", "cuda_device_index", _nonneg_int, "N", "CUDA device index (default: placement policy)"),
+    ("--sm-percentage", "sm_percentage", _nonneg_int, "PCT", "MPS active thread percentage 1..100 (MPS only)"),
+    ("--instances", "instances", _nonneg_int, "N", "worker processes sharing the quota (default 1)"),
+    ("--max-restarts", "max_restarts", _nonneg_int, "N", "restarts allowed within --restart-window (default 5)"),
+    ("--restart-window", "restart_window_s", _seconds, "S", "restart intensity window in seconds (default 60)"),
+    ("--max-in-flight", "max_in_flight", _nonneg_int, "N", "requests in flight before Overloaded (default 64)"),
+    ("--request-timeout", "request_timeout_s", _seconds, "S", "per-request deadline in seconds (default 30)"),
+    ("--wasm-fuel", "wasm_fuel", _nonneg_int, "N", "default and ceiling of a WASM run's fuel"),
+    ("--wasm-timeout", "wasm_timeout_s", _seconds, "S", "default and ceiling of a WASM run's time (default 10)"),
+    ("--wasm-max-memory", "wasm_max_memory_bytes", _size, "SIZE", "largest WASM linear memory (default 256MiB)"),
+)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    _add_register(sub)
+    _add_capability(sub)
+    _add_evict(sub)
+    _add_set_quota(sub)
+    _add_scale(sub)
+    _add_fault(sub)
+
+
+def _add_register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "register",
+        help="register a tenant (flags or a TOML file) and print its capability",
+        description="Register a tenant with the running supervisor and print its capability as hex "
+        "(or write it to --cap-out). Returns once every instance is ready. With --file, the tenant "
+        "comes from a TOML file: one tenant table, or [[tenant]] tables (name the one to register; a "
+        "[supervisor] table is ignored, so the supervisor's own config file works); flags override it.",
+    )
+    p.add_argument("tenant", nargs="?", metavar="TENANT", help="tenant id (optional with --file)")
+    p.add_argument("--file", metavar="TOML", help="read the tenant spec from this TOML file")
+    for flag, dest, typ, metavar, text in _SPEC_FLAGS:
+        p.add_argument(flag, dest=dest, type=typ, metavar=metavar, help=text, default=argparse.SUPPRESS)
+    p.add_argument("--isolation", choices=[k.value for k in IsolationKind], default=argparse.SUPPRESS,
+                   help="process (default), mps, or auto")
+    p.add_argument("--restart", choices=[k.value for k in RestartPolicy], default=argparse.SUPPRESS,
+                   help="restart policy (default always)")
+    _add_cap_out(p)
+    p.add_argument("--json", action="store_true", help="print {tenant, capability} as JSON")
+    add_run_dir(p)
+    p.set_defaults(func=run_register)
+
+
+def _add_cap_out(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cap-out", metavar="FILE",
+                   help="write the capability (hex) to FILE, mode 0600, instead of printing it")
+
+
+def _add_capability(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "capability",
+        help="print the capability of a registered tenant",
+        description="Print (or write with --cap-out) the current capability of a registered tenant, e.g. one "
+        "registered from the supervisor's config file. Capabilities minted before an eviction stay revoked.",
+    )
+    p.add_argument("tenant", metavar="TENANT")
+    _add_cap_out(p)
+    p.add_argument("--json", action="store_true", help="print {tenant, capability} as JSON")
+    add_run_dir(p)
+    p.set_defaults(func=run_capability)
+
+
+def _add_evict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "evict",
+        help="stop a tenant's workers, revoke its capabilities, free its quota block",
+        description="Evict a tenant: its workers are stopped (in-flight requests answered), every capability "
+        "minted for it is revoked, and its shared-memory quota block is unlinked. Returns once the workers exited.",
+    )
+    p.add_argument("tenant", metavar="TENANT")
+    p.add_argument("--json", action="store_true", help="print the supervisor's answer as JSON")
+    add_run_dir(p)
+    p.set_defaults(func=run_evict)
+
+
+def _add_set_quota(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "set-quota",
+        help="change a tenant's limits live",
+        description="Change a tenant's limits while it runs (the limits live in its shared-memory block). "
+        "Lowering a limit below current use refuses new allocations until use falls under it; nothing "
+        "already allocated is taken away. Omitted limits stay as they are.",
+    )
+    p.add_argument("tenant", metavar="TENANT")
+    p.add_argument("--memory-quota", dest="memory_quota_bytes", type=_size, metavar="SIZE",
+                   default=argparse.SUPPRESS, help="host memory quota, e.g. 2GiB")
+    p.add_argument("--gpu-cap", dest="gpu_memory_bytes_cap", type=_size_or_none, metavar="SIZE|none",
+                   default=argparse.SUPPRESS, help="GPU byte cap; none removes it")
+    p.add_argument("--pool-quota", dest="recorded_cuda_mem_pool_quota", type=_size_or_none, metavar="SIZE|none",
+                   default=argparse.SUPPRESS, help="recorded CUDA pool quota (retention hint); none clears it")
+    p.add_argument("--json", action="store_true", help="print the tenant's status record as JSON")
+    add_run_dir(p)
+    p.set_defaults(func=run_set_quota)
+
+
+def _add_scale(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "scale",
+        help="run N worker instances for a tenant (live)",
+        description="Change how many worker processes serve a tenant. New instances share the tenant's quota; "
+        "scaling down drains instances (their in-flight requests finish) before stopping them.",
+    )
+    p.add_argument("tenant", metavar="TENANT")
+    p.add_argument("instances", type=_nonneg_int, metavar="N")
+    p.add_argument("--wait", action="store_true", help="return once exactly N instances are ready")
+    p.add_argument("--timeout", type=_seconds, default=60.0, metavar="S",
+                   help="with --wait: give up (exit 1) after S seconds (default 60)")
+    p.add_argument("--json", action="store_true", help="print the tenant's status record as JSON")
+    add_run_dir(p)
+    p.set_defaults(func=run_scale)
+
+
+def _add_fault(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "fault",
+        help="inject a fault into one of a tenant's workers (testing)",
+        description="Break one worker on purpose. Kinds: crash (SIGKILL), segfault, exit (param code), "
+        "hang, slow (param ms), oom (param count), corrupt (param count), drop (param count), "
+        "leak (param bytes). Returns once the fault is armed, or once the process is gone for "
+        "crash/segfault/exit.",
+    )
+    p.add_argument("tenant", metavar="TENANT")
+    p.add_argument("kind", choices=FAULT_KINDS, metavar="KIND", help=f"one of {', '.join(FAULT_KINDS)}")
+    p.add_argument("--instance", type=_nonneg_int, default=None, metavar="I",
+                   help="instance index (default: the first ready one)")
+    p.add_argument("--param", dest="params", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
+                   help="fault parameter, e.g. --param ms=500, --param bytes=64MiB (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the supervisor's answer as JSON")
+    add_run_dir(p)
+    p.set_defaults(func=run_fault)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def specs_from_file(path: str) -> list[dict[str, Any]]:
+    """Tenant tables from a TOML file: ``[[tenant]]`` tables, or the top level as one tenant table."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    if "tenant" in doc:
+        tables = doc["tenant"]
+        if isinstance(tables, dict):
+            tables = [tables]
+        if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+            raise ValueError(f"{path}: 'tenant' must be [[tenant]] tables")
+        return [dict(t) for t in tables]
+    doc.pop("supervisor", None)
+    return [dict(doc)]
+
+
+def _tenant_name(table: dict[str, Any]) -> str | None:
+    name = table.get("tenant_id", table.get("name"))
+    return None if name is None else str(name)
+
+
+def build_spec(args: argparse.Namespace) -> TenantSpec:
+    """The spec from --file and/or the flags (flags win); ValueError/TypeError name what is wrong."""
+    base: dict[str, Any] = {}
+    tid = args.tenant
+    if args.file:
+        tables = specs_from_file(args.file)
+        have = ", ".join(str(_tenant_name(t)) for t in tables)
+        if args.tenant is None:
+            if len(tables) != 1:
+                raise ValueError(f"{args.file} holds {len(tables)} tenants ({have}); name the one to register")
+            table = tables[0]
+        else:
+            named = [t for t in tables if _tenant_name(t) == args.tenant]
+            if not named and len(tables) == 1 and _tenant_name(tables[0]) is None:
+                named = tables  # one unnamed table: TENANT names it
+            if not named:
+                raise ValueError(f"{args.file} has no tenant {args.tenant!r} (it has: {have})")
+            table = named[0]
+        tid = args.tenant or _tenant_name(table)
+        base = {k: v for k, v in table.items() if k not in ("name", "tenant_id")}
+    if tid is None:
+        raise ValueError("register needs a TENANT id (on the command line, or as name = ... in --file)")
+    for _, dest, _, _, _ in _SPEC_FLAGS:
+        if hasattr(args, dest):
+            base[dest] = getattr(args, dest)
+    for dest in ("isolation", "restart"):
+        if hasattr(args, dest):
+            base[dest] = getattr(args, dest)
+    return TenantSpec.from_dict({**base, "tenant_id": tid})
+
+
+def _check_cap_out(path: str | None) -> None:
+    """Fail before registering when the capability could not be written afterwards."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--cap-out {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"--cap-out {path}: directory {parent} is not writable")
+    if os.path.isdir(path):
+        raise ValueError(f"--cap-out {path} is a directory")
+
+
+def write_cap_file(path: str, hex_cap: str) -> None:
+    """Write ``hex_cap`` + newline with mode 0600 (a new file; never through a symlink)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (hex_cap + "\n").encode())
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+
+
+def _emit_capability(args: argparse.Namespace, tenant_id: str, hex_cap: str) -> None:
+    if args.cap_out:
+        write_cap_file(args.cap_out, hex_cap)
+    if args.json:
+        print_json({"tenant": tenant_id, "capability": None if args.cap_out else hex_cap, "cap_file": args.cap_out})
+    elif args.cap_out:
+        print(f"{tenant_id}: capability written to {args.cap_out}")
+    else:
+        print(hex_cap)
+
+
+def _limits_line(rec: dict[str, Any]) -> str:
+    cap = rec.get("gpu_memory_bytes_cap")
+    pool = (rec.get("quota") or {}).get("cuda_mem_pool_quota_bytes")
+    return (f"{rec.get('tenant_id')}: memory quota {format_size(rec.get('memory_quota_bytes'))}, "
+            f"GPU cap {'none' if cap is None else format_size(cap)}, "
+            f"pool quota {'none' if pool is None else format_size(pool)} "
+            f"(in use: {format_size(rec.get('bytes_in_use', 0))} host, {format_size(rec.get('gpu_bytes_in_use', 0))} GPU)")
+
+
+def _instances_line(rec: dict[str, Any]) -> str:
+    wanted = [i for i in rec.get("instances", []) if not i.get("draining")]
+    ready = [i for i in wanted if i.get("state") == "ready"]
+    pids = ",".join(str(i["pid"]) for i in ready) or "-"
+    return f"{rec.get('tenant_id')}: {len(wanted)} instance(s), {len(ready)} ready (pids {pids}), state {rec.get('state')}"
+
+
+# ----------------------------------------------------------------- commands
+
+
+def run_register(args: argparse.Namespace) -> int:
+    spec = build_spec(args)
+    _check_cap_out(args.cap_out)
+    with connect(args, timeout_s=ADMIN_TIMEOUT_S) as client:
+        cap = client.register(None, spec)
+    _emit_capability(args, str(spec.tenant_id), cap.to_bytes().hex())
+    return 0
+
+
+def run_capability(args: argparse.Namespace) -> int:
+    _check_cap_out(args.cap_out)
+    with connect(args) as client:
+        cap = client.tenant_capability(None, args.tenant)
+    _emit_capability(args, args.tenant, cap.to_bytes().hex())
+    return 0
+
+
+def run_evict(args: argparse.Namespace) -> int:
+    with connect(args, timeout_s=ADMIN_TIMEOUT_S) as client:
+        result = client.evict(None, args.tenant)
+    if args.json:
+        print_json(result)
+    else:
+        pids = ", ".join(str(p) for p in result.get("pids", [])) or "none"
+        print(f"evicted {result.get('evicted', args.tenant)} (workers stopped: {pids})")
+    return 0
+
+
+def run_set_quota(args: argparse.Namespace) -> int:
+    changes = {k: getattr(args, k) for k in ("memory_quota_bytes", "gpu_memory_bytes_cap",
+                                              "recorded_cuda_mem_pool_quota") if hasattr(args, k)}
+    if not changes:
+        raise ValueError("set-quota needs at least one of --memory-quota, --gpu-cap, --pool-quota")
+    with connect(args) as client:
+        rec = client.set_quota(None, args.tenant, **changes)
+    if args.json:
+        print_json(rec)
+    else:
+        print(_limits_line(rec))
+    return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        rec = client.scale(None, args.tenant, args.instances)
+        if args.wait:
+            deadline = time.monotonic() + args.timeout
+            while not _scaled(rec, args.instances):
+                if time.monotonic() >= deadline:
+                    print(_instances_line(rec), file=sys.stderr)
+                    raise RequestTimeout("scale", args.timeout, message=(
+                        f"{args.tenant} did not reach {args.instances} ready instance(s) within {args.timeout:g} s"))
+                time.sleep(0.05)
+                rec = fetch_status(client, args.tenant)
+    if args.json:
+        print_json(rec)
+    else:
+        print(_instances_line(rec))
+    return 0
+
+
+def _scaled(rec: dict[str, Any], n: int) -> bool:
+    instances = rec.get("instances", [])
+    wanted = [i for i in instances if not i.get("draining")]
+    # drained instances must be gone too, so "scale 1 --wait" means one process left
+    return (len(wanted) == n and all(i.get("state") == "ready" for i in wanted)
+            and not any(i.get("draining") and i.get("pid") is not None for i in instances))
+
+
+def run_fault(args: argparse.Namespace) -> int:
+    params = dict(args.params)
+    if len(params) != len(args.params):
+        raise ValueError("a --param key is given twice")
+    with connect(args, timeout_s=ADMIN_TIMEOUT_S) as client:
+        result = client.inject_fault(None, args.tenant, args.kind, instance=args.instance, **params)
+    if args.json:
+        print_json(result)
+    else:
+        where = f"{result.get('tenant', args.tenant)}/{result.get('instance', args.instance)}"
+        extra = " ".join(f"{k}={v}" for k, v in sorted(result.items())
+                         if v is not None and k not in ("tenant", "instance", "kind", "pid", "ok", "ref"))
+        print(f"fault {args.kind} -> {where} (pid {result.get('pid')}){(' ' + extra) if extra else ''}")
+    return 0

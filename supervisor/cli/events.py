@@ -1,0 +1,153 @@
+"""``twt events``: follow the supervisor's lifecycle events, one line each.
+
+    $ twt events --filter exit --filter restart
+    12:01:07.513  exit           acme/0  pid=4250 signal=9(SIGKILL) reason="killed by signal 9" expected=False
+    12:01:07.514  restart        acme/0  delay_s=0.1 restarts=1
+
+``--json`` prints each event record as one JSON object per line (JSON Lines).
+Events are published without back-pressure: a follower that falls far
+behind loses events rather than slowing the supervisor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal as signal_mod
+import sys
+import time
+from typing import Any
+
+from shared.sizes import format_size
+from supervisor.cli._common import add_run_dir
+from supervisor.cli.status import connect
+
+__all__ = ["KINDS", "add_parser", "format_event", "run"]
+
+#: the event kinds the supervisor publishes (see supervisor/events.py and docs/OPERATIONS.md)
+KINDS = ("spawn", "ready", "bind", "exit", "restart", "failed", "register", "evict", "scale", "set_quota",
+         "quota_refusal", "fault", "kill")
+#: fields shown first, in this order; the rest follow alphabetically
+_ORDER = ("worker", "pid", "exit_code", "signal", "reason", "expected", "kind")
+_HIDDEN = {"event", "ts", "tenant", "instance"}
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _kinds(value: str) -> list[str]:
+    kinds = [k.strip() for k in value.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"unknown event kind(s) {', '.join(bad) or repr(value)}; "
+                                         f"known: {', '.join(KINDS)}")
+    return kinds
+
+
+def _count(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "events",
+        help="follow lifecycle events (spawn, ready, exit, restart, failed, evict, quota refusals ...)",
+        description="Print the supervisor's lifecycle events as they happen, one line each, until Ctrl-C, "
+        f"--timeout seconds without an event, or --count events. Kinds: {', '.join(KINDS)}.",
+    )
+    p.add_argument("--filter", dest="kinds", type=_kinds, action="append", default=[], metavar="KIND",
+                   help="only these kinds (repeat, or comma-separate: --filter exit,restart)")
+    p.add_argument("--tenant", dest="tenants", action="append", default=[], metavar="TENANT",
+                   help="only events about this tenant (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON object per event (JSON Lines)")
+    p.add_argument("--timeout", type=_seconds, default=None, metavar="S",
+                   help="stop after S seconds without a (matching) event; default: follow until Ctrl-C")
+    p.add_argument("--count", type=_count, default=None, metavar="N",
+                   help="stop after N events; exit 1 if fewer arrived before --timeout")
+    add_run_dir(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    kinds = sorted({k for group in args.kinds for k in group})
+    tenants = set(args.tenants)
+    seen = 0
+    with connect(args) as client:
+        stream = client.events(kinds, timeout_s=args.timeout)
+        try:
+            for event in stream:
+                # topics are prefixes ("exit" would match "exit_x"): keep exact kinds only
+                if kinds and event.get("event") not in kinds:
+                    continue
+                if tenants and event.get("tenant") not in tenants:
+                    continue
+                line = json.dumps(event, sort_keys=True, default=str) if args.json else format_event(event)
+                print(line, flush=True)
+                seen += 1
+                if args.count is not None and seen >= args.count:
+                    return 0
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            close = getattr(stream, "close", None)  # a generator: closing it closes the SUB socket
+            if close is not None:
+                close()
+    if args.count is not None:
+        print(f"twt: only {seen} of {args.count} event(s) within {args.timeout:g} s of silence", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def _value(key: str, value: Any) -> str:
+    if key == "signal" and isinstance(value, int):
+        try:
+            return f"{value}({signal_mod.Signals(value).name})"
+        except ValueError:
+            return str(value)
+    if isinstance(value, int) and not isinstance(value, bool) and (key.endswith("_bytes") or key.startswith("reclaimed_")):
+        return format_size(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    text = str(value)
+    if not text or any(c.isspace() or c in '"=' for c in text):
+        return json.dumps(text)
+    return text
+
+
+def format_event(event: dict[str, Any]) -> str:
+    """``HH:MM:SS.mmm  kind  tenant/instance  key=value ...`` (``pool`` for unbound workers)."""
+    ts = event.get("ts")
+    if isinstance(ts, (int, float)):
+        stamp = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts * 1000) % 1000:03d}"
+    else:
+        stamp = "--:--:--.---"
+    tenant, instance = event.get("tenant"), event.get("instance")
+    subject = "pool" if tenant is None else (str(tenant) if instance is None else f"{tenant}/{instance}")
+    fields = {k: v for k, v in event.items() if k not in _HIDDEN and v is not None}
+    # a zero reclaim says nothing; a clean exit's code 0 does
+    for key in ("reclaimed_cpu", "reclaimed_gpu"):
+        if fields.get(key) == 0:
+            del fields[key]
+    keys = [k for k in _ORDER if k in fields] + sorted(k for k in fields if k not in _ORDER)
+    parts = [f"{k}={_value(k, fields[k])}" for k in keys]
+    return f"{stamp}  {str(event.get('event', '?')):<13}  {subject:<14}  {' '.join(parts)}".rstrip()

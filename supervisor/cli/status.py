@@ -1,0 +1,174 @@
+"""``twt status``: one table row per tenant, or the raw status record with ``--json``.
+
+    $ twt status
+    supervisor pid 4242  backend stub  start spawn  pool 2/2 idle  workers 5  rss 61.2MiB  up 3h02m
+    TENANT  STATE    INST  PIDS       CPU USED/LIMIT  GPU USED/CAP  HIGH CPU/GPU  REFUSED CPU/GPU  RESTARTS  UPTIME
+    ------  -------  ----  ---------  --------------  ------------  ------------  ---------------  --------  ------
+    acme    running  2/2   4250,4251  0B/8GiB         1MiB/2GiB     0B/1.5MiB     0/3              1         3h01m
+
+``twt top`` refreshes the same table (:func:`render`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from typing import Any
+
+from shared.errors import RequestTimeout, SupervisorUnavailable, UnknownTenant
+from shared.sizes import format_size
+from supervisor.cli._common import add_run_dir, print_json, print_table, run_dir_of
+from supervisor.client import SupervisorClient
+
+__all__ = ["add_parser", "connect", "fetch_status", "format_duration", "render", "run"]
+
+#: seconds a read-only command waits for an answer before calling the supervisor unreachable
+READ_TIMEOUT_S = 10.0
+HEADERS = ("TENANT", "STATE", "INST", "PIDS", "CPU USED/LIMIT", "GPU USED/CAP", "HIGH CPU/GPU",
+           "REFUSED CPU/GPU", "RESTARTS", "UPTIME")
+_MAX_PIDS_SHOWN = 4
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "status",
+        help="show every tenant: state, instances, quotas, restarts",
+        description="Print one row per tenant (state, ready/wanted instances and their pids, host and GPU "
+        "bytes used against their limits, high-water marks, quota refusals, restarts, uptime) under a "
+        "header line about the supervisor. --json prints the raw status record for scripts.",
+    )
+    p.add_argument("tenant", nargs="?", metavar="TENANT", help="show only this tenant")
+    p.add_argument("--json", action="store_true", help="print the raw status record (JSON) instead of a table")
+    add_run_dir(p)
+    p.set_defaults(func=run)
+
+
+def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> SupervisorClient:
+    """A client for ``--run-dir`` (SupervisorUnavailable when nothing runs there)."""
+    return SupervisorClient(run_dir_of(args), timeout_s=timeout_s)
+
+
+def fetch_status(client: SupervisorClient, tenant: str | None = None) -> dict[str, Any]:
+    """The status record; a supervisor that does not answer in time counts as unreachable (exit 3)."""
+    try:
+        if tenant is not None:
+            return client.tenant_status(None, tenant)
+        return client.status()
+    except RequestTimeout:
+        raise SupervisorUnavailable(
+            client.run_dir, f"no answer within {client.timeout_s:g} s (supervisor hung or overloaded?)"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        if args.json:
+            print_json(fetch_status(client, args.tenant))
+            return 0
+        status = fetch_status(client)
+    if args.tenant is not None:
+        status = {**status, "tenants": [t for t in status["tenants"] if t.get("tenant_id") == args.tenant]}
+        if not status["tenants"]:
+            raise UnknownTenant(args.tenant)
+    print(render(status), end="")
+    return 0
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def format_duration(seconds: float | None) -> str:
+    """``3725`` -> ``"1h02m"``; ``None`` -> ``"-"``."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _limit(n: int | None) -> str:
+    return "none" if n is None else format_size(n)
+
+
+def _pids(pids: list[int]) -> str:
+    if not pids:
+        return "-"
+    shown = ",".join(str(p) for p in pids[:_MAX_PIDS_SHOWN])
+    return shown + (f",+{len(pids) - _MAX_PIDS_SHOWN}" if len(pids) > _MAX_PIDS_SHOWN else "")
+
+
+def header_line(sup: dict[str, Any]) -> str:
+    pool = sup.get("pool") or {}
+    parts = [
+        f"supervisor pid {sup.get('pid', '?')}",
+        f"backend {sup.get('backend', '?')}",
+        f"start {sup.get('start_method', '?')}",
+        f"pool {pool.get('idle', 0)}/{pool.get('size', 0)} idle"
+        + (f" ({pool['starting']} starting)" if pool.get("starting") else ""),
+        f"workers {sup.get('workers', 0)}",
+    ]
+    if sup.get("rss_bytes") is not None:
+        parts.append(f"rss {format_size(sup['rss_bytes'])}")
+    parts.append(f"up {format_duration(sup.get('uptime_s'))}")
+    return "  ".join(parts)
+
+
+def tenant_row(t: dict[str, Any]) -> list[str]:
+    quota = t.get("quota") or {}
+    instances = [i for i in t.get("instances", []) if not i.get("draining")]
+    ready = sum(1 for i in instances if i.get("state") == "ready")
+    return [
+        str(t.get("tenant_id")),
+        str(t.get("state")),
+        f"{ready}/{len(instances)}",
+        _pids(list(t.get("pids") or [])),
+        f"{format_size(t.get('bytes_in_use', 0))}/{_limit(t.get('memory_quota_bytes'))}",
+        f"{format_size(t.get('gpu_bytes_in_use', 0))}/{_limit(t.get('gpu_memory_bytes_cap'))}",
+        f"{format_size(quota.get('cpu_high_water', 0))}/{format_size(quota.get('gpu_high_water', 0))}",
+        f"{quota.get('cpu_refusals', 0)}/{quota.get('gpu_refusals', 0)}",
+        str(t.get("restarts", 0)),
+        format_duration(t.get("uptime_s")),
+    ]
+
+
+def _notes(t: dict[str, Any]) -> list[str]:
+    """Why a tenant is not healthy: failure reason, instances down and how they last ended."""
+    notes = []
+    tid = t.get("tenant_id")
+    if t.get("failed_reason"):
+        notes.append(f"{tid}: failed: {t['failed_reason']}")
+    for inst in t.get("instances", []):
+        if inst.get("state") in ("ready", "idle") or inst.get("draining"):
+            continue
+        last = inst.get("last_exit") or {}
+        how = ""
+        if last:
+            how = f" (last exit: {last.get('reason') or _exit_text(last)})"
+        notes.append(f"{tid}/{inst.get('index')}: {inst.get('state')}{how}")
+    return notes
+
+
+def _exit_text(last: dict[str, Any]) -> str:
+    if last.get("signal"):
+        return f"signal {last['signal']}"
+    return f"exit code {last.get('exit_code')}"
+
+
+def render(status: dict[str, Any]) -> str:
+    """The header line, the tenant table and notes on unhealthy tenants, as text."""
+    out = io.StringIO()
+    out.write(header_line(status.get("supervisor") or {}) + "\n")
+    tenants = status.get("tenants") or []
+    if not tenants:
+        out.write("no tenants registered\n")
+        return out.getvalue()
+    print_table(HEADERS, [tenant_row(t) for t in tenants], out)
+    notes = [n for t in tenants for n in _notes(t)]
+    if notes:
+        out.write("\n" + "\n".join(notes) + "\n")
+    return out.getvalue()

@@ -1,0 +1,77 @@
+"""``twt top``: the ``twt status`` table, refreshed in place until Ctrl-C.
+
+On a terminal each frame clears the screen (ANSI ``ESC[H ESC[2J``); piped
+into a file or a test, frames follow each other separated by a blank line.
+``--iterations N`` stops after N frames (scripts, tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from supervisor.cli._common import add_run_dir
+from supervisor.cli.status import connect, fetch_status, render
+
+__all__ = ["add_parser", "run"]
+
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def _positive(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _count(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "top",
+        help="the status table, refreshed live",
+        description="Refresh the `twt status` table every --interval seconds until Ctrl-C (or --iterations "
+        "frames). Clears the screen between frames on a terminal.",
+    )
+    p.add_argument("--interval", type=_positive, default=2.0, metavar="S", help="seconds between frames (default 2)")
+    p.add_argument("--iterations", type=_count, default=None, metavar="N", help="stop after N frames")
+    add_run_dir(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    tty = sys.stdout.isatty()
+    frames = 0
+    try:
+        with connect(args) as client:
+            while True:
+                started = time.monotonic()
+                text = render(fetch_status(client))
+                stamp = time.strftime("%H:%M:%S")
+                head = f"twt top - {stamp} - every {args.interval:g}s (Ctrl-C to quit)\n"
+                if tty:
+                    sys.stdout.write(CLEAR + head + text)
+                else:
+                    sys.stdout.write(("\n" if frames else "") + head + text)
+                sys.stdout.flush()
+                frames += 1
+                if args.iterations is not None and frames >= args.iterations:
+                    return 0
+                time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        if tty:
+            sys.stdout.write("\n")
+        return 0

@@ -1,0 +1,244 @@
+"""Prometheus exporter: ``twt supervise --metrics-addr HOST:PORT`` serves ``/metrics``.
+
+Two kinds of series, both exposed by prometheus-client (no hand-written
+exposition)::
+
+    router loop (one thread) ──inc/observe──► client Counters / Histogram ──┐
+                                                                            ├─► CollectorRegistry ─► HTTP thread
+    quota blocks (shared memory) ◄──read at scrape time── _TenantCollector ─┘         (GET /metrics)
+
+* **Events the loop reports** through the :class:`~supervisor.metrics.Metrics`
+  hooks: requests by tenant, op and outcome, request latency by op, worker
+  exits by cause, restarts. Their children are cached per label set, so the
+  hot path is a dict lookup and one uncontended lock per update.
+* **State read at scrape time** by a custom collector from the snapshot
+  function the supervisor binds (:meth:`PrometheusMetrics.bind_source`):
+  per-tenant CPU/GPU bytes in use, limits, high-water marks, instances up,
+  state, and the refusal/underflow counters kept in each tenant's
+  shared-memory block. Nothing is copied into the exporter between scrapes.
+
+The HTTP server runs on daemon threads and only reads. ``HOST:PORT`` with
+port 0 binds a free port (tests); the bound one is :attr:`PrometheusMetrics.port`
+and is logged as ``metrics.listening``.
+
+The latency histogram is labelled by op only: a per-tenant histogram would
+cost tenants x ops x buckets series (tens of thousands on a node with
+hundreds of tenants); per-tenant request counts are in ``twt_requests_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from shared.log import get_logger, log_event
+from supervisor.metrics import Metrics
+
+__all__ = ["LATENCY_BUCKETS", "PrometheusMetrics", "parse_metrics_addr"]
+
+_log = get_logger("supervisor.metrics")
+
+#: request latency buckets (seconds): a ping is ~100 us, a WASM run may take seconds
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0, 60.0)
+#: a scrape connection that sends nothing is dropped after this many seconds
+_HANDLER_TIMEOUT_S = 10.0
+#: label of events that belong to no tenant (an idle pool worker's exit)
+NO_TENANT = ""
+
+
+def parse_metrics_addr(addr: str) -> tuple[str, int]:
+    """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` / ``":9464"`` -> (host, port); port 0 means any free port."""
+    host, sep, port = str(addr).rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"metrics address must be HOST:PORT (e.g. 127.0.0.1:9464); got {addr!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr (it would break ``--log-format json``); a timeout for idle clients."""
+
+    timeout = _HANDLER_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+def _field(snap: Any, name: str) -> Any:
+    if isinstance(snap, Mapping):
+        return snap.get(name)
+    return getattr(snap, name, None)
+
+
+class _TenantCollector:
+    """Per-tenant gauges and shared-memory counters, read from the bound snapshot at scrape time."""
+
+    def __init__(self, owner: PrometheusMetrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> list[Metric]:
+        return []  # generated at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        source = self._owner._source
+        tenants: Mapping[str, Mapping[str, Any]] = {}
+        if source is not None:
+            try:
+                tenants = source()
+            except Exception as exc:  # noqa: BLE001 - a scrape must never take the exporter down
+                self._owner._snapshot_errors.inc()
+                log_event(_log, logging.WARNING, "metrics.snapshot_failed", error=repr(exc))
+                tenants = {}
+        labels = ["tenant"]
+        g = {
+            "cpu_in_use": GaugeMetricFamily("twt_tenant_cpu_bytes_in_use",
+                                            "Host bytes the tenant holds now (all instances)", labels=labels),
+            "cpu_limit": GaugeMetricFamily("twt_tenant_cpu_limit_bytes",
+                                           "The tenant's host memory quota (memory_quota_bytes)", labels=labels),
+            "cpu_high": GaugeMetricFamily("twt_tenant_cpu_high_water_bytes",
+                                          "Highest host bytes the tenant has held at once", labels=labels),
+            "gpu_in_use": GaugeMetricFamily("twt_tenant_gpu_bytes_in_use",
+                                            "GPU bytes the tenant holds now (all instances)", labels=labels),
+            "gpu_limit": GaugeMetricFamily("twt_tenant_gpu_limit_bytes",
+                                           "The tenant's GPU cap (gpu_memory_bytes_cap); +Inf when uncapped",
+                                           labels=labels),
+            "gpu_high": GaugeMetricFamily("twt_tenant_gpu_high_water_bytes",
+                                          "Highest GPU bytes the tenant has held at once", labels=labels),
+            "up": GaugeMetricFamily("twt_tenant_instances_up",
+                                    "Worker instances of the tenant that are ready to serve", labels=labels),
+        }
+        state = GaugeMetricFamily("twt_tenant_state", "1 for the tenant's current state",
+                                  labels=["tenant", "state"])
+        refusals = CounterMetricFamily("twt_tenant_quota_refusals",
+                                       "Allocations refused by the tenant's quota (shared-memory counter)",
+                                       labels=["tenant", "resource"])
+        underflows = CounterMetricFamily("twt_tenant_quota_underflows",
+                                         "Releases of more bytes than were held (a bug; never wrapped)",
+                                         labels=["tenant", "resource"])
+        count = GaugeMetricFamily("twt_tenants", "Tenants registered with this supervisor")
+        count.add_metric([], len(tenants))
+        for tid, rec in sorted(tenants.items()):
+            snap = rec.get("quota")
+            if snap is None:
+                continue
+            t = [str(tid)]
+            cap = _field(snap, "gpu_memory_bytes_cap")
+            g["cpu_in_use"].add_metric(t, _field(snap, "bytes_in_use") or 0)
+            g["cpu_limit"].add_metric(t, _field(snap, "memory_quota_bytes") or 0)
+            g["cpu_high"].add_metric(t, _field(snap, "cpu_high_water") or 0)
+            g["gpu_in_use"].add_metric(t, _field(snap, "gpu_bytes_in_use") or 0)
+            g["gpu_limit"].add_metric(t, float("inf") if cap is None else cap)
+            g["gpu_high"].add_metric(t, _field(snap, "gpu_high_water") or 0)
+            g["up"].add_metric(t, rec.get("instances_up") or 0)
+            state.add_metric([str(tid), str(rec.get("state", "unknown"))], 1)
+            for resource in ("cpu", "gpu"):
+                refusals.add_metric([str(tid), resource], _field(snap, f"{resource}_refusals") or 0)
+                underflows.add_metric([str(tid), resource], _field(snap, f"{resource}_underflows") or 0)
+        yield count
+        yield from g.values()
+        yield state
+        yield refusals
+        yield underflows
+
+
+class PrometheusMetrics(Metrics):
+    """The :class:`~supervisor.metrics.Metrics` hooks, exported over HTTP at ``addr``.
+
+    The server starts in the constructor, so a bad or busy address fails
+    ``twt supervise`` at once (``OSError`` naming the address).
+    """
+
+    def __init__(self, addr: str, *, registry: CollectorRegistry | None = None, process_metrics: bool = True) -> None:
+        host, port = parse_metrics_addr(addr)
+        self.registry = registry or CollectorRegistry()
+        self._source: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
+        reg = self.registry
+        self._requests = Counter("twt_requests", "Client requests answered, by tenant, op and outcome "
+                                 "(outcome: ok or the error code)", ["tenant", "op", "outcome"], registry=reg)
+        self._latency = Histogram("twt_request_duration_seconds",
+                                  "Time from a request's arrival to its answer, by op", ["op"],
+                                  buckets=LATENCY_BUCKETS, registry=reg)
+        self._exits = Counter("twt_worker_exits", "Worker processes that ended, by tenant and cause "
+                              "(exit, signal, heartbeat, deadline, rss, stop); pool workers have tenant=\"\"",
+                              ["tenant", "cause"], registry=reg)
+        self._restarts = Counter("twt_restarts", "Instance restarts by the restart policy", ["tenant"], registry=reg)
+        # registered before the error counter, so a scrape already shows its own failure
+        reg.register(_TenantCollector(self))
+        self._snapshot_errors = Counter("twt_metrics_snapshot_errors",
+                                        "Scrapes whose per-tenant snapshot could not be read", registry=reg)
+        if process_metrics:
+            ProcessCollector(registry=reg)
+            PlatformCollector(registry=reg)
+        # label children, created once per label set (the loop thread is the only writer)
+        self._req_children: dict[tuple[str, str, str], Any] = {}
+        self._lat_children: dict[str, Any] = {}
+        self._closed = False
+        server_class = _Server6 if ":" in host else _Server
+        try:
+            self._server = make_server(host, port, make_wsgi_app(reg), server_class, handler_class=_QuietHandler)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
+        self.host = host
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="twt-metrics", daemon=True)
+        self._thread.start()
+        log_event(_log, logging.INFO, "metrics.listening", host=host, port=self.port, url=self.url)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    # ------------------------------------------------------ Metrics hooks
+
+    def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None:
+        key = (tenant, op, outcome)
+        child = self._req_children.get(key)
+        if child is None:
+            child = self._req_children[key] = self._requests.labels(tenant, op, outcome)
+        child.inc()
+        lat = self._lat_children.get(op)
+        if lat is None:
+            lat = self._lat_children[op] = self._latency.labels(op)
+        lat.observe(max(0.0, seconds))
+
+    def worker_exit(self, tenant: str | None, cause: str) -> None:
+        self._exits.labels(NO_TENANT if tenant is None else tenant, cause).inc()
+
+    def restart(self, tenant: str) -> None:
+        self._restarts.labels(tenant).inc()
+
+    def bind_source(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._source = snapshot
+
+    def close(self) -> None:
+        """Stop serving and free the port (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5.0)
+        log_event(_log, logging.DEBUG, "metrics.stopped", port=self.port)
