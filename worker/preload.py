@@ -22,5 +22,7 @@ import worker.server  # noqa: F401
 
 try:
     import wasmtime  # noqa: F401
+
+    import worker.wasm.ops  # noqa: F401  (the host and the ABI; no engine or thread until a run)
 except ImportError:  # pragma: no cover - wasmtime is a dependency; stay startable without it
     pass

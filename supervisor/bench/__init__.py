@@ -19,6 +19,7 @@ __all__ = ["BENCHES", "main", "run_bench"]
 #: scale, wasm) add one line here each.
 BENCHES: dict[str, str] = {
     "quota": "supervisor.bench.quota",
+    "wasm": "supervisor.bench.wasm",
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"

@@ -1,0 +1,154 @@
+"""WASM end to end: run_wasm through a real supervisor and worker, ``twt run``, and ``twt demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import wasmtime
+
+from shared.errors import (
+    InvalidArgument,
+    KernelTimeout,
+    UnknownModule,
+    WasmCompile,
+    WasmTrap,
+)
+from shared.spec import TenantSpec
+from supervisor.cli.run import parse_wasm_arg
+from supervisor.demo import guest_path
+from tests.helpers.cluster import instance_pid, supervisor, tenant
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+def twt(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(ROOT))
+
+
+def test_run_wasm_through_the_supervisor() -> None:
+    spec = TenantSpec.from_dict({"tenant_id": "acme", "gpu_memory_bytes_cap": 16 * MiB, "wasm_timeout_s": 0.5,
+                                 "wasm_fuel": 10**12})
+    traps = guest_path("traps").read_bytes()
+    with supervisor() as sup:
+        c = sup.client
+        cap = c.register(None, spec)
+        pid = instance_pid(sup, "acme")
+        assert c.run_wasm(cap, guest_path("probe").read_bytes(), "add", [2, 3])["results"] == [5]
+
+        # every way of failing arrives typed, and the same worker serves the next run
+        with pytest.raises(WasmTrap) as trap:
+            c.run_wasm(cap, traps, "unreachable")
+        assert trap.value.trap_code == "unreachable"
+        with pytest.raises(WasmTrap) as trap:
+            c.run_wasm(cap, traps, "recurse", [0])
+        assert trap.value.trap_code == "stack_overflow"
+        with pytest.raises(WasmTrap) as trap:
+            c.run_wasm(cap, traps, "spin", fuel=1000)
+        assert trap.value.trap_code == "out_of_fuel"
+        with pytest.raises(KernelTimeout) as timeout:
+            c.run_wasm(cap, traps, "spin", timeout_s=60)  # capped to the spec's 0.5 s
+        assert timeout.value.timeout_s == 0.5
+        with pytest.raises(WasmCompile):
+            c.run_wasm(cap, os.urandom(64), "f")
+        with pytest.raises(InvalidArgument):
+            c.run_wasm(cap, traps, "ok", [1])
+        assert c.run_wasm(cap, traps, "grow", [1 << 16])["results"] == [-1]
+        assert c.run_wasm(cap, traps, "ok")["results"] == [42]
+        assert instance_pid(sup, "acme") == pid
+        assert tenant(c.status(), "acme")["restarts"] == 0
+
+        # a module stored once, run by digest
+        digest = c.put_module(cap, traps)
+        reply = c.run_wasm(cap, digest, "ok")
+        assert reply["results"] == [42] and reply["cached"] is True
+        with pytest.raises(UnknownModule):
+            c.run_wasm(cap, "ab" * 32, "ok")
+
+        # client buffers in, results checked against numpy
+        n = 30_000
+        rng = np.random.default_rng(3)
+        x, y = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+        hx, hy = c.alloc(cap, 4 * n), c.alloc(cap, 4 * n)
+        c.write(cap, hx, x.tobytes())
+        c.write(cap, hy, y.tobytes())
+        reply = c.run_wasm(cap, guest_path("axpy_sum").read_bytes(), "run", [{"handle": hx}, {"handle": hy}, n, 2.0])
+        total, status = reply["results"]
+        ref = np.float32(2.0) * x + y
+        assert status == 0
+        np.testing.assert_array_equal(np.frombuffer(c.read(cap, hy, 4 * n), dtype=np.float32), ref)
+        assert np.float32(total) == np.add.reduce(ref, dtype=np.float32)
+        assert c.buffers(cap) == {hx: 4 * n, hy: 4 * n}  # the client's buffers outlive the run
+        c.free(cap, hx)
+        c.free(cap, hy)
+
+        # the guest over its cap gets the error code, and everything is released
+        assert c.run_wasm(cap, guest_path("overcap").read_bytes(), "run", [MiB, 32 * MiB])["results"] == [-5]
+        q = c.quota(cap)
+        assert (q["gpu_bytes_in_use"], q["bytes_in_use"]) == (0, 0)
+        assert q["cpu_high_water"] >= 65536  # linear memory was charged to the host quota while it ran
+
+
+def test_parse_wasm_arg() -> None:
+    assert parse_wasm_arg("42") == 42
+    assert parse_wasm_arg("-0x10") == -16
+    assert parse_wasm_arg("2.5") == 2.5
+    assert parse_wasm_arg("handle=0x100") == {"handle": 256}
+    for bad in ("abc", "1.2.3", "handle=x"):
+        with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+            parse_wasm_arg(bad)
+
+
+def test_twt_run_end_to_end(tmp_path: Path) -> None:
+    wat = tmp_path / "add.wat"
+    wat.write_bytes(guest_path("probe").read_bytes())
+    wasm = tmp_path / "traps.wasm"
+    wasm.write_bytes(bytes(wasmtime.wat2wasm(guest_path("traps").read_text())))
+    with supervisor([{"name": "acme", "wasm_timeout_s": 0.3}]) as sup:
+        rd = sup.run_dir
+        ok = twt("run", "acme", str(wat), "--invoke", "add", "--arg", "2", "--arg", "3", "--run-dir", rd)
+        assert ok.returncode == 0, ok.stderr
+        assert "results: [5]" in ok.stdout and "fuel used" in ok.stdout
+
+        js = twt("run", "acme", str(wasm), "--invoke", "ok", "--json", "--run-dir", rd)
+        assert js.returncode == 0, js.stderr
+        assert json.loads(js.stdout)["results"] == [42]
+
+        trap = twt("run", "acme", str(wasm), "--invoke", "unreachable", "--run-dir", rd)
+        assert trap.returncode == 1
+        assert "WasmTrap" in trap.stderr and "unreachable" in trap.stderr
+
+        slow = twt("run", "acme", str(wasm), "--invoke", "spin", "--timeout", "5", "--run-dir", rd)
+        assert slow.returncode == 1 and "KernelTimeout" in slow.stderr and "0.3 s" in slow.stderr
+
+        unknown = twt("run", "nobody", str(wat), "--invoke", "add", "--run-dir", rd)
+        assert unknown.returncode == 1 and "UnknownTenant" in unknown.stderr
+
+        usage = twt("run", "acme", str(wat), "--run-dir", rd)
+        assert usage.returncode == 2 and "--invoke" in usage.stderr
+        assert tenant(sup.client.status(), "acme")["restarts"] == 0
+    gone = twt("run", "acme", str(wat), "--invoke", "add", "--run-dir", rd)
+    assert gone.returncode == 3
+
+
+def test_twt_demo_exits_zero() -> None:
+    result = twt("demo", "--backend", "stub", timeout=100)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for name in ("alpha", "bravo", "charlie", "delta"):
+        assert name in out
+    assert "GPU_QUOTA" in out and "KernelTimeout" in out and "WorkerLost" in out
+    assert "UNEXPECTED" not in out
+    assert "demo: all 4 outcomes as expected" in out

@@ -1,0 +1,39 @@
+"""The WASM tenant host: untrusted modules that reach the GPU only through metered imports.
+
+:mod:`worker.wasm.host` runs modules (engine, epoch ticker, module cache,
+armed stores), :mod:`worker.wasm.abi` is the ``tensorwasm`` import ABI with
+its error codes, :mod:`worker.wasm.ops` is the worker's ``run_wasm`` op.
+``docs/WASM-ABI.md`` is the guest author's reference; bundled guests live in
+``worker/guests/*.wat`` (see :func:`guest_source`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from worker.wasm.abi import IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun
+from worker.wasm.host import CompiledModule, EpochTicker, WasmHost, WasmSession
+
+__all__ = [
+    "GUEST_DIR",
+    "IMPORTS",
+    "IMPORT_MODULE",
+    "CompiledModule",
+    "EpochTicker",
+    "ErrorCode",
+    "GuestRun",
+    "WasmHost",
+    "WasmSession",
+    "guest_source",
+]
+
+#: the bundled WAT guests (package data of ``worker``)
+GUEST_DIR = Path(__file__).resolve().parent.parent / "guests"
+
+
+def guest_source(name: str) -> bytes:
+    """The text of bundled guest ``name`` (``"axpy_sum"`` or ``"axpy_sum.wat"``)."""
+    path = GUEST_DIR / (name if name.endswith(".wat") else f"{name}.wat")
+    if path.parent != GUEST_DIR:
+        raise ValueError(f"not a bundled guest name: {name!r}")
+    return path.read_bytes()

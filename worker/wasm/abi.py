@@ -1,0 +1,388 @@
+"""The ``tensorwasm`` host ABI: what an untrusted guest may call, and how every call is checked.
+
+    guest (wasm)                 host import (this module)                 tenant
+    ───────────                  ─────────────────────────                 ──────
+    alloc(nbytes)        ──►  GuestRun.alloc     allocator.alloc_buffer ──► GPU quota (shm CAS) -> backend
+    write(h, off, p, n)  ──►  GuestRun.write     guest memory[p:p+n] ─────► buffer[off:off+n]   (one memcpy)
+    read(h, off, p, n)   ──►  GuestRun.read      buffer[off:off+n] ───────► guest memory[p:p+n]
+    fill/axpy/sum_f32    ──►  backend op         one call per tensor, never per element
+    log(p, n)            ──►  bounded, rate-limited log line
+    free(h)              ──►  allocator.free_buffer (run-scoped buffers only)
+
+Every argument is hostile until checked. i32 pointers and lengths arrive
+signed: they are masked to u32 and bounds-checked against the guest's linear
+memory *as it is at the moment of the call* (``memory.grow`` may have moved
+it); i64 offsets and counts are checked against the buffer. A failed check,
+an unknown or freed handle, a quota refusal or a backend failure returns a
+negative :class:`ErrorCode`; nothing ever raises into wasmtime (a Python
+exception there would become a trap, and a bug would look like the guest's
+fault). ``docs/WASM-ABI.md`` is the guest author's copy of this contract.
+
+Handles are i64 values private to one run: 1, 2, 3 ... in the order the run
+made them (client buffers passed as ``{"handle": h}`` arguments are entered
+first). They are never reused within a run, so a double free is reported,
+and they mean nothing to any other run, tenant or worker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shared.errors import GpuMemoryExhausted, InvalidArgument, MemoryExhausted, TensorWasmError
+from shared.log import get_logger, log_event
+from worker.backends.base import DeviceBuffer
+from worker.context import TenantContext
+
+__all__ = [
+    "IMPORTS",
+    "IMPORT_MODULE",
+    "ErrorCode",
+    "GuestRun",
+    "LogLimiter",
+    "NoGuestMemory",
+    "guest_view",
+]
+
+_log = get_logger("worker.wasm")
+
+#: the only module name a guest may import from
+IMPORT_MODULE = "tensorwasm"
+
+#: import name -> (parameter types, result type); the guest's declared type must match exactly
+IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "alloc": (("i64",), "i64"),
+    "free": (("i64",), "i32"),
+    "write": (("i64", "i64", "i32", "i32"), "i32"),
+    "read": (("i64", "i64", "i32", "i32"), "i32"),
+    "fill_f32": (("i64", "f32", "i64"), "i32"),
+    "axpy_f32": (("i64", "f32", "i64", "i64"), "i32"),
+    "sum_f32": (("i64", "i64", "i32"), "i32"),
+    "log": (("i32", "i32"), "i32"),
+}
+
+
+class ErrorCode(enum.IntEnum):
+    """What a host import returns instead of a result (docs/WASM-ABI.md has the table)."""
+
+    OK = 0
+    #: an argument is out of its domain (size <= 0, negative count, NaN-free checks ...)
+    INVALID = -1
+    #: the handle was never issued in this run, or was freed already
+    BAD_HANDLE = -2
+    #: a guest pointer + length reaches past the guest's linear memory
+    MEMORY_BOUNDS = -3
+    #: an offset + length (or a count of elements) reaches past the buffer
+    BUFFER_BOUNDS = -4
+    #: the tenant's GPU byte cap refused the allocation (nothing was allocated)
+    GPU_QUOTA = -5
+    #: the device (or the device-wide budget) had no memory for it
+    DEVICE_OOM = -6
+    #: free() of a buffer the run did not allocate (a client buffer passed in)
+    NOT_OWNED = -7
+    #: the guest exports no linear memory named "memory"
+    NO_MEMORY = -8
+    #: log() dropped the message (per-run or per-worker rate limit)
+    RATE_LIMITED = -9
+    #: the run already holds MAX_LIVE_HANDLES buffers
+    TOO_MANY_HANDLES = -10
+    #: the backend failed the operation (e.g. a CUDA error); the run may go on
+    BACKEND = -11
+    #: a bug in the host; logged with a traceback
+    INTERNAL = -12
+
+
+_OK = int(ErrorCode.OK)
+_INVALID = int(ErrorCode.INVALID)
+_BAD_HANDLE = int(ErrorCode.BAD_HANDLE)
+_MEMORY_BOUNDS = int(ErrorCode.MEMORY_BOUNDS)
+_BUFFER_BOUNDS = int(ErrorCode.BUFFER_BOUNDS)
+_NOT_OWNED = int(ErrorCode.NOT_OWNED)
+_NO_MEMORY = int(ErrorCode.NO_MEMORY)
+_RATE_LIMITED = int(ErrorCode.RATE_LIMITED)
+_TOO_MANY = int(ErrorCode.TOO_MANY_HANDLES)
+_BACKEND = int(ErrorCode.BACKEND)
+_INTERNAL = int(ErrorCode.INTERNAL)
+
+#: live buffers one run may hold at once (the handle table is bounded)
+MAX_LIVE_HANDLES = 4096
+#: longest log line kept; longer messages are truncated (and still count as one)
+MAX_LOG_BYTES = 1024
+#: log lines one run may emit, and how many of them the reply carries
+MAX_LOG_LINES_PER_RUN = 256
+MAX_LOG_LINES_IN_REPLY = 32
+
+_U32 = 0xFFFFFFFF
+
+# A memoryview straight over guest memory: no copy, and no ctypes array type
+# per length (ctypes caches every ``c_ubyte * n`` type it ever made).
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_memory_view.restype = ctypes.py_object
+_PyBUF_READ = 0x100
+_PyBUF_WRITE = 0x200
+
+
+def guest_view(address: int, nbytes: int, *, writable: bool) -> memoryview:
+    """A memoryview of ``nbytes`` at ``address`` (already bounds-checked by the caller)."""
+    view: memoryview = _memory_view(address, nbytes, _PyBUF_WRITE if writable else _PyBUF_READ)
+    return view
+
+
+class NoGuestMemory(Exception):
+    """Internal: the guest has no exported linear memory to read or write."""
+
+
+#: ``span(caller) -> (address, size)`` of the guest's linear memory at this moment
+MemorySpan = Callable[[Any], tuple[int, int]]
+
+
+class LogLimiter:
+    """Token bucket for guest log lines, shared by every run of one worker."""
+
+    def __init__(self, rate_per_s: float = 50.0, burst: int = 100) -> None:
+        self.rate = rate_per_s
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.stamp = time.monotonic()
+        self.dropped = 0
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        self.dropped += 1
+        return False
+
+
+def _printable(raw: bytes) -> str:
+    text = raw.decode("utf-8", errors="replace")
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else "\N{REPLACEMENT CHARACTER}" for ch in text)
+
+
+class GuestRun:
+    """One run's host-side state: the handle table, guest memory access, the log budget.
+
+    Methods named after the imports take ``(caller, *wasm_args)`` and return
+    the import's integer result; they raise only for host bugs, which the
+    adapters in :mod:`worker.wasm.host` turn into :attr:`ErrorCode.INTERNAL`.
+    """
+
+    def __init__(self, ctx: TenantContext, limiter: LogLimiter) -> None:
+        self.ctx = ctx
+        self.tenant_id = ctx.tenant_id
+        self.allocator = ctx.allocator
+        self.backend = ctx.backend
+        self.limiter = limiter
+        #: guest handle -> (buffer, owned by this run)
+        self.buffers: dict[int, tuple[DeviceBuffer, bool]] = {}
+        self.next_handle = 1
+        self.gpu_bytes = 0
+        self.gpu_peak_bytes = 0
+        self.host_calls = 0
+        self.logs: list[str] = []
+        self.log_lines = 0
+        self.span: MemorySpan | None = None
+
+    # ------------------------------------------------------------ helpers
+
+    def _guest(self, caller: Any, ptr: int, length: int) -> int | None:
+        """Address of guest bytes ``[ptr, ptr+length)`` (u32-masked), or None when out of bounds."""
+        if self.span is None:
+            raise NoGuestMemory
+        base, size = self.span(caller)
+        if ptr + length > size:
+            return None
+        return base + ptr
+
+    def add_client_buffer(self, buf: DeviceBuffer) -> int:
+        """Enter a client-allocated buffer (not freed at run end); its guest handle."""
+        handle = self.next_handle
+        self.next_handle += 1
+        self.buffers[handle] = (buf, False)
+        return handle
+
+    def release(self) -> int:
+        """Free every buffer this run allocated (return, trap or timeout); bytes released."""
+        released = 0
+        for handle, (buf, owned) in list(self.buffers.items()):
+            if not owned:
+                continue
+            try:
+                self.allocator.free_buffer(buf)
+            except Exception as exc:  # noqa: BLE001 - the bytes were released in free_buffer's finally
+                log_event(_log, logging.WARNING, "wasm.release_failed", tenant=self.tenant_id,
+                          handle=handle, nbytes=buf.nbytes, error=repr(exc))
+            released += buf.nbytes
+        self.buffers.clear()
+        self.gpu_bytes = 0
+        return released
+
+    # ------------------------------------------------------------ imports
+
+    def alloc(self, caller: Any, nbytes: int) -> int:
+        if nbytes <= 0:
+            return _INVALID
+        if len(self.buffers) >= MAX_LIVE_HANDLES:
+            return _TOO_MANY
+        try:
+            buf = self.allocator.alloc_buffer(nbytes)
+        except GpuMemoryExhausted as exc:
+            return int(self._refusal_code(exc, nbytes))
+        except MemoryExhausted:
+            return int(ErrorCode.DEVICE_OOM)
+        except InvalidArgument:
+            return _INVALID
+        except TensorWasmError as exc:
+            log_event(_log, logging.WARNING, "wasm.alloc_failed", tenant=self.tenant_id, nbytes=nbytes, error=str(exc))
+            return _BACKEND
+        handle = self.next_handle
+        self.next_handle += 1
+        self.buffers[handle] = (buf, True)
+        self.gpu_bytes += nbytes
+        if self.gpu_bytes > self.gpu_peak_bytes:
+            self.gpu_peak_bytes = self.gpu_bytes
+        return handle
+
+    def _refusal_code(self, exc: GpuMemoryExhausted, nbytes: int) -> ErrorCode:
+        """The tenant's own cap (GPU_QUOTA) or the device / device budget (DEVICE_OOM)?"""
+        cap = self.ctx.block.gpu_memory_bytes_cap
+        own = exc.tenant_id == self.tenant_id  # the device budget's refusals name no tenant
+        if own and cap is not None and exc.limit == cap and exc.current + nbytes > cap:
+            return ErrorCode.GPU_QUOTA
+        return ErrorCode.DEVICE_OOM
+
+    def free(self, caller: Any, handle: int) -> int:
+        entry = self.buffers.get(handle)
+        if entry is None:
+            return _BAD_HANDLE
+        buf, owned = entry
+        if not owned:
+            return _NOT_OWNED
+        del self.buffers[handle]
+        self.gpu_bytes -= buf.nbytes
+        try:
+            self.allocator.free_buffer(buf)
+        except Exception as exc:  # noqa: BLE001 - quota already released; report, do not trap
+            log_event(_log, logging.WARNING, "wasm.free_failed", tenant=self.tenant_id, error=repr(exc))
+            return _BACKEND
+        return _OK
+
+    def write(self, caller: Any, handle: int, dst_off: int, src_ptr: int, length: int) -> int:
+        """guest memory[src_ptr : src_ptr+len] -> buffer[dst_off : dst_off+len]."""
+        entry = self.buffers.get(handle)
+        if entry is None:
+            return _BAD_HANDLE
+        buf = entry[0]
+        ptr = src_ptr & _U32
+        n = length & _U32
+        if dst_off < 0 or dst_off + n > buf.nbytes:
+            return _BUFFER_BOUNDS
+        try:
+            address = self._guest(caller, ptr, n)
+        except NoGuestMemory:
+            return _NO_MEMORY
+        if address is None:
+            return _MEMORY_BOUNDS
+        if n:
+            self.backend.write(buf, dst_off, guest_view(address, n, writable=False))
+        return _OK
+
+    def read(self, caller: Any, handle: int, src_off: int, dst_ptr: int, length: int) -> int:
+        """buffer[src_off : src_off+len] -> guest memory[dst_ptr : dst_ptr+len]."""
+        entry = self.buffers.get(handle)
+        if entry is None:
+            return _BAD_HANDLE
+        buf = entry[0]
+        ptr = dst_ptr & _U32
+        n = length & _U32
+        if src_off < 0 or src_off + n > buf.nbytes:
+            return _BUFFER_BOUNDS
+        try:
+            address = self._guest(caller, ptr, n)
+        except NoGuestMemory:
+            return _NO_MEMORY
+        if address is None:
+            return _MEMORY_BOUNDS
+        if n:
+            self.backend.read_into(buf, src_off, guest_view(address, n, writable=True))
+        return _OK
+
+    def fill_f32(self, caller: Any, handle: int, value: float, count: int) -> int:
+        entry = self.buffers.get(handle)
+        if entry is None:
+            return _BAD_HANDLE
+        buf = entry[0]
+        if count < 0:
+            return _INVALID
+        if count * 4 > buf.nbytes:
+            return _BUFFER_BOUNDS
+        if count:
+            self.backend.fill_f32(buf, value, count)
+        return _OK
+
+    def axpy_f32(self, caller: Any, n: int, a: float, x: int, y: int) -> int:
+        """y[:n] = a * x[:n] + y[:n] (float32)."""
+        xe = self.buffers.get(x)
+        ye = self.buffers.get(y)
+        if xe is None or ye is None:
+            return _BAD_HANDLE
+        if n < 0:
+            return _INVALID
+        if n * 4 > xe[0].nbytes or n * 4 > ye[0].nbytes:
+            return _BUFFER_BOUNDS
+        if n:
+            self.backend.axpy_f32(n, a, xe[0], ye[0])
+        return _OK
+
+    def sum_f32(self, caller: Any, handle: int, count: int, out_ptr: int) -> int:
+        """Sum of the first ``count`` floats, stored as a little-endian f32 at ``out_ptr``."""
+        entry = self.buffers.get(handle)
+        if entry is None:
+            return _BAD_HANDLE
+        buf = entry[0]
+        if count < 0:
+            return _INVALID
+        if count * 4 > buf.nbytes:
+            return _BUFFER_BOUNDS
+        try:
+            address = self._guest(caller, out_ptr & _U32, 4)
+        except NoGuestMemory:
+            return _NO_MEMORY
+        if address is None:
+            return _MEMORY_BOUNDS
+        total = self.backend.sum_f32(buf, count) if count else 0.0
+        # the guest is suspended in this call, so its memory cannot have moved meanwhile
+        ctypes.memmove(address, ctypes.byref(ctypes.c_float(total)), 4)
+        return _OK
+
+    def log(self, caller: Any, ptr: int, length: int) -> int:
+        """One bounded log line (truncated to MAX_LOG_BYTES), rate-limited per run and per worker."""
+        p = ptr & _U32
+        n = length & _U32
+        try:
+            address = self._guest(caller, p, n)
+        except NoGuestMemory:
+            return _NO_MEMORY
+        if address is None:
+            return _MEMORY_BOUNDS
+        if self.log_lines >= MAX_LOG_LINES_PER_RUN or not self.limiter.take():
+            return _RATE_LIMITED
+        self.log_lines += 1
+        keep = min(n, MAX_LOG_BYTES)
+        text = _printable(ctypes.string_at(address, keep)) if keep else ""
+        if n > keep:
+            text += " [truncated]"
+        log_event(_log, logging.INFO, "wasm.log", tenant=self.tenant_id, instance=self.ctx.instance, message=text)
+        if len(self.logs) < MAX_LOG_LINES_IN_REPLY:
+            self.logs.append(text)
+        return _OK

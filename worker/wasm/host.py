@@ -1,0 +1,675 @@
+"""The WASM host of one worker: engine, epoch ticker, compiled-module cache, armed stores.
+
+    run_wasm(body, export, args, fuel, timeout_s)
+      │ compile(body)       sha256 -> CompiledModule (LRU); WAT or binary; imports checked:
+      │                     only ``tensorwasm`` functions of the exact ABI types, else WasmCompile
+      │ reserve memory      linear-memory cap = min(spec.wasm_max_memory_bytes, the module's
+      │                     declared max, the tenant's free CPU quota), consumed from the CPU
+      │                     quota for the run (block.consume_bytes) and released after it
+      │ Store               set_limits(memory_size=cap, memories=1, instances=1, tables, elements)
+      │                     set_fuel(fuel); set_epoch_deadline(ticks of the one ticker thread)
+      │ instantiate + call  host imports (worker.wasm.abi) on the tenant's allocator/backend
+      ▼ finally             free the run's buffers, release the reservation, drop the store
+    {results, fuel_used, elapsed_s, ...}  |  WasmCompile / WasmTrap(trap_code) / KernelTimeout
+
+One engine per worker, created here - in the worker, after the spawn or
+fork, never inherited. Nothing is ever deserialized: compiled modules stay
+in memory as ``wasmtime.Module`` objects, keyed by the sha256 of the bytes
+the worker itself received and hashed.
+
+Why reserve the whole linear-memory cap up front: wasmtime-py exposes no
+growth callback (``ResourceLimiter`` is Rust-only), and ``memory.grow`` runs
+inside guest code with no host call to meter it. So the cap *is* the charge:
+the store's limiter makes ``memory.grow`` past it return -1, and the same
+number of bytes is held in the tenant's CPU quota until the run ends. A
+module that declares a maximum (``(memory 1 4)``) is charged only that.
+
+Host imports use wasmtime's *unchecked* function ABI when the binding
+exposes it (one ctypes callback reading raw values: ~0.5 us a call against
+~9 us through ``Linker.define_func``'s generic trampoline, measured on the
+dev box); the public path is the fallback and is tested too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import wasmtime
+
+from shared.errors import (
+    InvalidArgument,
+    KernelTimeout,
+    MemoryExhausted,
+    WasmCompile,
+    WasmTrap,
+)
+from shared.log import get_logger, log_event
+from worker.context import TenantContext
+from worker.wasm.abi import IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun, LogLimiter, NoGuestMemory, guest_view
+
+__all__ = ["CompiledModule", "EpochTicker", "WasmHost", "WasmSession"]
+
+_log = get_logger("worker.wasm")
+
+PAGE = 65536
+#: largest module body the worker compiles (text or binary)
+MAX_MODULE_BYTES = 32 << 20
+#: compiled modules kept per worker (LRU)
+CACHE_ENTRIES = 64
+#: export arguments a run may pass
+MAX_ARGS = 64
+#: per-store limits besides memory: a few tables of bounded size, one instance
+MAX_TABLES = 4
+MAX_TABLE_ELEMENTS = 100_000
+#: default epoch tick: the resolution of deadlines
+TICK_S = 0.01
+_INTERNAL = int(ErrorCode.INTERNAL)
+_KINDS = {"i32", "i64", "f32", "f64"}
+
+
+def _config() -> wasmtime.Config:
+    cfg = wasmtime.Config()
+    cfg.consume_fuel = True
+    cfg.epoch_interruption = True
+    # Only what the ABI needs: 32-bit memories, no shared memory or threads,
+    # no GC heaps (outside the memory limit), one memory per module.
+    cfg.wasm_threads = False
+    cfg.shared_memory = False
+    cfg.wasm_memory64 = False
+    cfg.wasm_multi_memory = False
+    cfg.wasm_gc = False
+    cfg.wasm_function_references = False
+    cfg.wasm_exceptions = False
+    cfg.wasm_stack_switching = False
+    cfg.wasm_component_model = False
+    cfg.wasm_custom_page_sizes = False
+    return cfg
+
+
+# ------------------------------------------------------------------ ticker
+
+
+class EpochTicker:
+    """The worker's one epoch thread: bumps the engine's epoch every ``tick_s`` while a run is active.
+
+    Idle workers pay nothing: the thread sleeps on a condition until a run
+    starts. Deadlines are ``ceil(timeout / tick) + 1`` ticks, so a run is
+    never stopped early; a loaded machine can only make ticks (and the stop)
+    late.
+    """
+
+    def __init__(self, engine: wasmtime.Engine, tick_s: float = TICK_S) -> None:
+        self.engine = engine
+        self.tick_s = tick_s
+        self._cond = threading.Condition()
+        self._active = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.ticks = 0
+
+    def deadline_ticks(self, timeout_s: float) -> int:
+        return max(1, math.ceil(timeout_s / self.tick_s)) + 1
+
+    def acquire(self) -> None:
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("epoch ticker is closed")
+            self._active += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="twt-wasm-epoch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def release(self) -> None:
+        with self._cond:
+            self._active -= 1
+
+    def _loop(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                while self._active == 0 and not self._stopping:
+                    cond.wait()
+                if self._stopping:
+                    return
+                cond.wait(self.tick_s)  # woken early only by close() or another acquire
+                if self._stopping:
+                    return
+                if self._active == 0:
+                    continue  # the run ended during this tick: no trailing tick while idle
+            self.engine.increment_epoch()
+            self.ticks += 1
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=2.0)
+
+
+# ------------------------------------------------------------------ modules
+
+
+@dataclass(frozen=True)
+class CompiledModule:
+    """A validated, linked-ahead module: what the cache holds."""
+
+    digest: str
+    module: wasmtime.Module
+    pre: wasmtime.InstancePre
+    #: (min pages, max pages or None) of the module's own memory; None: no memory
+    memory: tuple[int, int | None] | None
+    nbytes: int
+    compile_s: float
+    exports: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+
+
+def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(data) or shift > 35:
+            raise ValueError("truncated or overlong LEB128")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def memory_limits(wasm: bytes) -> tuple[int, int | None] | None:
+    """(min, max) pages of the module's defined memory, from its memory section (id 5).
+
+    Called only on bytes wasmtime has already validated (32-bit memories,
+    at most one, not shared), so the layout is known good; a malformed
+    section still fails cleanly with ``ValueError``.
+    """
+    pos = 8
+    while pos < len(wasm):
+        section = wasm[pos]
+        size, pos = _leb_u32(wasm, pos + 1)
+        end = pos + size
+        if end > len(wasm):
+            raise ValueError("section runs past the end of the module")
+        if section == 5:
+            count, p = _leb_u32(wasm, pos)
+            if count == 0:
+                return None
+            flags = wasm[p]
+            minimum, p = _leb_u32(wasm, p + 1)
+            maximum = None
+            if flags & 1:
+                maximum, p = _leb_u32(wasm, p)
+            return minimum, maximum
+        pos = end
+    return None
+
+
+def _valtypes(types: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(str(t) for t in types)
+
+
+_NOISE = re.compile(r"^(\d+:\s*)?(wasm trap:\s*)?")
+
+
+def _short(message: str, limit: int = 400) -> str:
+    """The informative line of a wasmtime message (its last non-empty line)."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    text = _NOISE.sub("", lines[-1] if lines else message)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _wat_error(message: str) -> str:
+    """``expected `)` (line 1, column 14)`` from wat2wasm's multi-line report."""
+    first = message.strip().splitlines()[0] if message.strip() else "syntax error"
+    where = re.search(r"-->\s*\S*?:(\d+):(\d+)", message)
+    return f"{first} (line {where[1]}, column {where[2]})" if where else first
+
+
+# ------------------------------------------------------------------ imports
+
+
+def _raw_ffi() -> Any | None:
+    """wasmtime's ctypes bindings, if they have what the unchecked import path needs."""
+    try:
+        from wasmtime import _ffi as ffi
+    except ImportError:  # pragma: no cover - layout of another wasmtime-py version
+        return None
+    needed = (
+        "wasmtime_linker_define_func_unchecked",
+        "wasmtime_func_unchecked_callback_t",
+        "wasmtime_caller_context",
+        "wasmtime_memory_data",
+        "wasmtime_memory_data_size",
+        "wasmtime_val_raw",
+    )
+    return ffi if all(hasattr(ffi, n) for n in needed) else None
+
+
+_VALTYPE = {"i32": wasmtime.ValType.i32, "i64": wasmtime.ValType.i64, "f32": wasmtime.ValType.f32}
+
+
+def _functype(name: str) -> wasmtime.FuncType:
+    params, result = IMPORTS[name]
+    return wasmtime.FuncType([_VALTYPE[p]() for p in params], [_VALTYPE[result]()])
+
+
+# ------------------------------------------------------------------ sessions
+
+
+class WasmSession:
+    """One armed store with one instance: what a run (or a test) calls exports on."""
+
+    def __init__(self, host: WasmHost, compiled: CompiledModule, store: wasmtime.Store,
+                 run: GuestRun, fuel: int, timeout_s: float, reservation: int) -> None:
+        self.host = host
+        self.compiled = compiled
+        self.store = store
+        self.run = run
+        self.fuel = fuel
+        self.timeout_s = timeout_s
+        self.reservation = reservation
+        self.instance: wasmtime.Instance | None = None
+        self.memory: wasmtime.Memory | None = None
+
+    # -- guest memory, for the imports (set as GuestRun.span)
+
+    def _memory_for(self, caller: Any) -> wasmtime.Memory:
+        mem = self.memory
+        if mem is None:
+            # During instantiation (a start function) the exports are not known yet.
+            extern = (caller if isinstance(caller, wasmtime.Caller) else wasmtime.Caller(caller)).get("memory")
+            if not isinstance(extern, wasmtime.Memory):
+                raise NoGuestMemory
+            mem = self.memory = extern
+        return mem
+
+    def span_checked(self, caller: Any) -> tuple[int, int]:
+        mem = self._memory_for(caller)
+        ptr = mem.data_ptr(caller)
+        return ctypes.cast(ptr, ctypes.c_void_p).value or 0, mem.data_len(caller)
+
+    def span_raw(self, caller: Any) -> tuple[int, int]:
+        ffi = self.host._ffi
+        assert ffi is not None
+        raw = ctypes.byref(self._memory_for(caller)._memory)
+        ctx = ffi.wasmtime_caller_context(caller)
+        address = ctypes.cast(ffi.wasmtime_memory_data(ctx, raw), ctypes.c_void_p).value or 0
+        return address, ffi.wasmtime_memory_data_size(ctx, raw)
+
+    # -- calls
+
+    def fuel_used(self) -> int:
+        try:
+            return self.fuel - self.store.get_fuel()
+        except wasmtime.WasmtimeError:
+            return self.fuel
+
+    def guest_memory(self) -> memoryview:
+        """The guest's whole linear memory (tests: canaries, bounds); valid until the next call."""
+        if self.memory is None:
+            raise InvalidArgument("the module exports no memory")
+        size = self.memory.data_len(self.store)
+        address = ctypes.cast(self.memory.data_ptr(self.store), ctypes.c_void_p).value or 0
+        return guest_view(address, size, writable=True)
+
+    def call(self, export: str, args: Sequence[Any] = ()) -> list[Any]:
+        """Call ``export`` with ``args`` (ints, floats, ``{"handle": h}``); its results as a list."""
+        assert self.instance is not None
+        func = self.instance.exports(self.store).get(export)
+        if not isinstance(func, wasmtime.Func):
+            names = sorted(self.compiled.exports)
+            raise InvalidArgument(f"module has no exported function {export!r}; exported functions: {names}")
+        ftype = func.type(self.store)
+        values = self._convert_args(export, _valtypes(ftype.params), args)
+        for kind in _valtypes(ftype.results):
+            if kind not in _KINDS:
+                raise InvalidArgument(f"export {export!r} returns a {kind}; only i32/i64/f32/f64 results are supported")
+        result = self.host._guarded_call(self, lambda: func(self.store, *values))
+        if result is None:
+            return []
+        return list(result) if isinstance(result, list) else [result]
+
+    def _convert_args(self, export: str, kinds: tuple[str, ...], args: Sequence[Any]) -> list[Any]:
+        if len(args) != len(kinds):
+            raise InvalidArgument(
+                f"export {export!r} takes {len(kinds)} argument(s) ({', '.join(kinds) or 'none'}), got {len(args)}"
+            )
+        out: list[Any] = []
+        for i, (kind, value) in enumerate(zip(kinds, args)):
+            where = f"argument {i} of {export!r} ({kind})"
+            if isinstance(value, dict):
+                if set(value) != {"handle"} or kind != "i64":
+                    raise InvalidArgument(f"{where}: a buffer is passed as {{'handle': h}} to an i64 parameter")
+                buf = self.host.ctx.allocator.lookup(value["handle"])
+                out.append(self.run.add_client_buffer(buf))
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidArgument(f"{where}: expected a number, got {type(value).__name__}")
+            elif kind in ("i32", "i64"):
+                bits = 32 if kind == "i32" else 64
+                if not isinstance(value, int) or not -(1 << (bits - 1)) <= value < (1 << bits):
+                    raise InvalidArgument(f"{where}: {value!r} is not a {bits}-bit integer")
+                out.append(value - (1 << bits) if value >= 1 << (bits - 1) else value)
+            elif kind in ("f32", "f64"):
+                out.append(float(value))
+            else:
+                raise InvalidArgument(f"{where}: parameters of type {kind} are not supported")
+        return out
+
+
+# ------------------------------------------------------------------ the host
+
+
+class WasmHost:
+    """Runs untrusted modules for one tenant instance (one per worker; see :meth:`for_context`)."""
+
+    EXTENSION = "wasm"
+
+    def __init__(self, ctx: TenantContext, *, fast_imports: bool | None = None, tick_s: float = TICK_S,
+                 cache_entries: int = CACHE_ENTRIES) -> None:
+        self.ctx = ctx
+        self.engine = wasmtime.Engine(_config())
+        self.linker = wasmtime.Linker(self.engine)
+        self.ticker = EpochTicker(self.engine, tick_s)
+        self.limiter = LogLimiter()
+        self.cache_entries = cache_entries
+        self._cache: OrderedDict[str, CompiledModule] = OrderedDict()
+        self._session: WasmSession | None = None
+        self._keep: list[Any] = []  # ctypes callbacks must outlive the linker
+        self._ffi = _raw_ffi() if fast_imports is not False else None
+        if fast_imports and self._ffi is None:
+            raise RuntimeError("this wasmtime binding has no unchecked host-function API")
+        self.fast_imports = self._ffi is not None
+        for name in IMPORTS:
+            if self._ffi is not None:
+                self._define_raw(name)
+            else:
+                self._define_checked(name)
+        self.stats = {"runs": 0, "compiles": 0, "cache_hits": 0, "traps": 0, "timeouts": 0}
+        self._closed = False
+
+    @classmethod
+    def for_context(cls, ctx: TenantContext) -> WasmHost:
+        """The worker's host, created on first use and closed with the context."""
+        host = ctx.extensions.get(cls.EXTENSION)
+        if not isinstance(host, WasmHost):
+            host = cls(ctx)
+            ctx.extensions[cls.EXTENSION] = host
+        return host
+
+    # -------------------------------------------------------------- imports
+
+    def _current(self) -> GuestRun | None:
+        session = self._session
+        return session.run if session is not None else None
+
+    def _define_checked(self, name: str) -> None:
+        def call(caller: wasmtime.Caller, *args: Any) -> int:
+            run = self._current()
+            if run is None:
+                return _INTERNAL
+            try:
+                result: int = getattr(run, name)(caller, *args)
+                return result
+            except Exception:  # noqa: BLE001 - a host bug must not become the guest's trap
+                _log.exception("wasm.host_import_failed import=%s", name)
+                return _INTERNAL
+
+        self.linker.define_func(IMPORT_MODULE, name, _functype(name), call, access_caller=True)
+
+    def _define_raw(self, name: str) -> None:
+        ffi = self._ffi
+        assert ffi is not None
+        params, result_kind = IMPORTS[name]
+        kinds = tuple(enumerate(params))
+
+        def callback(env: Any, caller: Any, vals: Any, nvals: int) -> int:
+            # Results overwrite the arguments in ``vals``; returning 0 means "no trap".
+            try:
+                run = self._current()
+                if run is None:
+                    result = _INTERNAL
+                else:
+                    result = getattr(run, name)(caller, *[getattr(vals[i], k) for i, k in kinds])
+            except BaseException:  # noqa: BLE001 - nothing may unwind through wasmtime's frames
+                _log.exception("wasm.host_import_failed import=%s", name)
+                result = _INTERNAL
+            setattr(vals[0], result_kind, result)
+            return 0
+
+        cb = ffi.wasmtime_func_unchecked_callback_t(callback)
+        fin = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _env: None)
+        self._keep += [cb, fin]
+        module = IMPORT_MODULE.encode()
+        encoded = name.encode()
+        functype = _functype(name)
+        error = ffi.wasmtime_linker_define_func_unchecked(
+            self.linker.ptr(), ctypes.create_string_buffer(module), len(module),
+            ctypes.create_string_buffer(encoded), len(encoded), functype.ptr(), cb, None, fin,
+        )
+        if error:
+            raise wasmtime.WasmtimeError._from_ptr(error)
+
+    # -------------------------------------------------------------- compile
+
+    def compile(self, body: bytes | bytearray | memoryview) -> CompiledModule:
+        """The compiled module for ``body`` (WAT text or a binary), from the cache when seen before."""
+        if len(body) > MAX_MODULE_BYTES:
+            raise WasmCompile(f"module of {len(body):,} B is larger than the {MAX_MODULE_BYTES:,} B limit")
+        if not len(body):
+            raise WasmCompile("empty module")
+        digest = hashlib.sha256(body).hexdigest()
+        cached = self._cache.get(digest)
+        if cached is not None:
+            self._cache.move_to_end(digest)
+            self.stats["cache_hits"] += 1
+            return cached
+        t0 = time.perf_counter()
+        wasm = bytes(body)
+        if not wasm.startswith(b"\0asm"):
+            try:
+                text = wasm.decode("utf-8")
+            except UnicodeDecodeError:
+                raise WasmCompile("neither a WebAssembly binary (no \\0asm magic) nor UTF-8 WAT text") from None
+            try:
+                wasm = bytes(wasmtime.wat2wasm(text))
+            except wasmtime.WasmtimeError as exc:
+                raise WasmCompile(f"WAT does not parse: {_wat_error(str(exc))}") from None
+        try:
+            module = wasmtime.Module(self.engine, wasm)
+        except wasmtime.WasmtimeError as exc:
+            raise WasmCompile(_short(str(exc))) from None
+        self._check_imports(module)
+        try:
+            pre = self.linker.instantiate_pre(module)
+            memory = memory_limits(wasm)
+        except (wasmtime.WasmtimeError, ValueError) as exc:
+            raise WasmCompile(_short(str(exc))) from None
+        exports = {
+            e.name: (_valtypes(e.type.params), _valtypes(e.type.results))
+            for e in module.exports
+            if isinstance(e.type, wasmtime.FuncType)
+        }
+        compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports)
+        self._cache[digest] = compiled
+        while len(self._cache) > self.cache_entries:
+            self._cache.popitem(last=False)
+        self.stats["compiles"] += 1
+        log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
+                  nbytes=len(wasm), duration_ms=round(compiled.compile_s * 1000, 3))
+        return compiled
+
+    @staticmethod
+    def _check_imports(module: wasmtime.Module) -> None:
+        for imp in module.imports:
+            where = f"import {imp.module}::{imp.name}"
+            if imp.module != IMPORT_MODULE or imp.name not in IMPORTS:
+                raise WasmCompile(
+                    f"{where} is not provided: a guest may import only {IMPORT_MODULE}::"
+                    f"{{{', '.join(IMPORTS)}}} (no WASI, no other modules)"
+                )
+            ty = imp.type
+            params, result = IMPORTS[imp.name]
+            if not isinstance(ty, wasmtime.FuncType):
+                raise WasmCompile(f"{where} must be a function")
+            got = (_valtypes(ty.params), _valtypes(ty.results))
+            if got != (params, (result,)):
+                raise WasmCompile(
+                    f"{where} has type ({', '.join(got[0])}) -> ({', '.join(got[1])}); "
+                    f"the ABI type is ({', '.join(params)}) -> ({result})"
+                )
+
+    # -------------------------------------------------------------- memory
+
+    def _reserve_memory(self, compiled: CompiledModule) -> int:
+        """Consume the run's linear-memory cap from the tenant's CPU quota; returns it."""
+        if compiled.memory is None:
+            return 0
+        spec = self.ctx.spec
+        block = self.ctx.block
+        cap = spec.wasm_max_memory_bytes // PAGE * PAGE
+        min_pages, max_pages = compiled.memory
+        need = min_pages * PAGE
+        want = cap if max_pages is None else min(cap, max_pages * PAGE)
+        if need > cap:
+            raise WasmCompile(
+                f"module needs {need:,} B of linear memory at start; tenant {self.ctx.tenant_id!r} allows "
+                f"{cap:,} B (wasm_max_memory_bytes)"
+            )
+        for _ in range(8):  # another instance of the tenant may race us for the same quota
+            limit = block.memory_quota_bytes
+            used = block.bytes_in_use
+            amount = min(want, max(0, limit - used) // PAGE * PAGE)
+            if amount < need:
+                break
+            try:
+                if amount:
+                    block.consume_bytes(amount)
+                return amount
+            except MemoryExhausted:
+                continue
+        raise MemoryExhausted(
+            self.ctx.tenant_id, need, block.memory_quota_bytes, block.bytes_in_use,
+            message=(
+                f"tenant {self.ctx.tenant_id!r}: no room for the module's {need:,} B of initial linear memory "
+                f"in the host memory quota ({block.bytes_in_use:,} of {block.memory_quota_bytes:,} B in use)"
+            ),
+        )
+
+    # -------------------------------------------------------------- runs
+
+    @contextmanager
+    def session(self, body: bytes | bytearray | memoryview | CompiledModule, *, fuel: int,
+                timeout_s: float) -> Iterator[WasmSession]:
+        """An instantiated, armed store; everything it held is released on exit."""
+        if self._closed:
+            raise InvalidArgument("the WASM host is closed")
+        if self._session is not None:
+            raise InvalidArgument("a WASM run is already in progress in this worker")
+        compiled = body if isinstance(body, CompiledModule) else self.compile(body)
+        reservation = self._reserve_memory(compiled)
+        store: wasmtime.Store | None = None
+        session: WasmSession | None = None
+        ticking = False
+        try:
+            store = wasmtime.Store(self.engine)
+            store.set_limits(
+                memory_size=reservation,
+                table_elements=MAX_TABLE_ELEMENTS,
+                instances=1,
+                tables=MAX_TABLES,
+                memories=0 if compiled.memory is None else 1,
+            )
+            store.set_fuel(fuel)
+            run = GuestRun(self.ctx, self.limiter)
+            session = WasmSession(self, compiled, store, run, fuel, timeout_s, reservation)
+            run.span = session.span_raw if self.fast_imports else session.span_checked
+            self._session = session
+            self.ticker.acquire()
+            ticking = True
+            store.set_epoch_deadline(self.ticker.deadline_ticks(timeout_s))
+            session.instance = self._guarded_call(session, lambda: compiled.pre.instantiate(store), instantiate=True)
+            if session.memory is None:
+                mem = session.instance.exports(store).get("memory")
+                if isinstance(mem, wasmtime.Memory):
+                    session.memory = mem
+            yield session
+        finally:
+            self._session = None
+            if ticking:
+                self.ticker.release()
+            if session is not None:
+                session.run.release()
+            if store is not None:
+                store.close()  # the linear memory goes now, not at some later GC
+            if reservation:
+                self.ctx.block.release_bytes(reservation)
+
+    def _guarded_call(self, session: WasmSession, fn: Any, *, instantiate: bool = False) -> Any:
+        """Run guest code; wasmtime's traps and errors become the typed errors."""
+        try:
+            return fn()
+        except wasmtime.Trap as trap:
+            code = trap.trap_code
+            if code is wasmtime.TrapCode.INTERRUPT:
+                self.stats["timeouts"] += 1
+                raise KernelTimeout(session.timeout_s, "run_wasm") from None
+            self.stats["traps"] += 1
+            name = code.name.lower() if code is not None else "host"
+            raise WasmTrap(name, _short(str(trap))) from None
+        except wasmtime.WasmtimeError as exc:
+            if instantiate:
+                raise WasmCompile(f"instantiation failed: {_short(str(exc))}") from None
+            self.stats["traps"] += 1
+            raise WasmTrap("error", _short(str(exc))) from None
+
+    def run(self, body: bytes | bytearray | memoryview, export: str, args: Sequence[Any] = (), *,
+            fuel: int, timeout_s: float) -> dict[str, Any]:
+        """One complete run: the ``run_wasm`` reply, or a typed error."""
+        t0 = time.perf_counter()
+        self.stats["runs"] += 1
+        hits = self.stats["cache_hits"]
+        compiled = self.compile(body)
+        with self.session(compiled, fuel=fuel, timeout_s=timeout_s) as session:
+            results = session.call(export, args)
+            fuel_used = session.fuel_used()
+            memory_bytes = session.memory.data_len(session.store) if session.memory is not None else 0
+            run = session.run
+        return {
+            "results": results,
+            "fuel_used": fuel_used,
+            "elapsed_s": round(time.perf_counter() - t0, 6),
+            "cached": self.stats["cache_hits"] > hits,
+            "gpu_peak_bytes": run.gpu_peak_bytes,
+            "memory_bytes": memory_bytes,
+            "logs": run.logs,
+        }
+
+    def info(self) -> dict[str, Any]:
+        return {"fast_imports": self.fast_imports, "cached_modules": len(self._cache), **self.stats}
+
+    def close(self) -> None:
+        """Stop the ticker and drop the cache (the context closes its extensions on shutdown)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ticker.close()
+        self._cache.clear()
+
