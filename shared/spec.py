@@ -91,7 +91,7 @@ class TenantSpec:
     ``wasm_max_memory_bytes`` bounds a guest's linear memory.
     """
 
-    tenant_id: TenantId
+    tenant_id: str  # validated into a TenantId
     memory_quota_bytes: int = DEFAULT_QUOTA_BYTES
     gpu_memory_bytes_cap: int | None = None
     recorded_cuda_mem_pool_quota: int | None = None

@@ -20,7 +20,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import psutil
@@ -284,7 +284,7 @@ class SupervisorClient:
 
     # ------------------------------------------------------------- events
 
-    def events(self, kinds: Sequence[str] = (), *, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
+    def events(self, kinds: Sequence[str] = (), *, timeout_s: float | None = None) -> Generator[dict[str, Any], None, None]:
         """Follow lifecycle events (``kinds`` filters; ``timeout_s`` ends quietly after silence)."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)

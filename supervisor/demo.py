@@ -30,12 +30,13 @@ from shared.capability import TenantCapability
 from shared.errors import KernelTimeout, TensorWasmError, WorkerLost
 from shared.ids import TenantId
 from shared.spec import TenantSpec
+from shared.wasm_abi import ErrorCode
 from supervisor.launch import SupervisorHandle, launch
 
 __all__ = ["DEMO_TENANTS", "Outcome", "guest_path", "run_demo"]
 
-#: the guest's code for "the tenant's GPU cap refused the allocation" (docs/WASM-ABI.md; worker.wasm.abi.ErrorCode)
-GPU_QUOTA = -5
+#: the guest's code for "the tenant's GPU cap refused the allocation" (docs/WASM-ABI.md)
+GPU_QUOTA = int(ErrorCode.GPU_QUOTA)
 MiB = 1 << 20
 
 DEMO_TENANTS: tuple[TenantSpec, ...] = (

@@ -34,6 +34,10 @@ from supervisor.core import (
     MAX_MODULES_PER_TENANT,
     _Core,
 )
+
+#: the largest module run_wasm/put_module accept (the worker's own cap too):
+#: compiling is not under the run's deadline, so it must stay bounded
+MAX_MODULE_BYTES = 32 << 20
 from supervisor.tenants import InstanceSlot, Parked, TenantRuntime, TenantState
 from supervisor.workers import (
     Pending,
@@ -43,22 +47,38 @@ _log = get_logger("supervisor")
 
 
 class _Routing(_Core):
+    """Tenant requests to workers (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: raw capability bytes -> the tenant runtime they were verified for
+        self._verified_caps: dict[bytes, TenantRuntime] = {}
+
     def _tenant_request(
         self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any
     ) -> None:
         if cap_raw is None:
             raise TenantIsolationViolation(None, f"op {op!r} (no capability)")
-        cap = TenantCapability.from_bytes(cap_raw)
-        tid = self.registry.verify(cap)
-        rt = self.tenants.get(tid)
-        if rt is None or rt.state is TenantState.EVICTING:
-            raise UnknownTenant(tid)
+        # Fast path: these exact bytes were verified for this very tenant runtime
+        # (an eviction replaces the runtime, so a revoked token misses here).
+        rt = self._verified_caps.get(cap_raw)
+        if rt is None or self.tenants.get(rt.tenant_id) is not rt:
+            tid = self.registry.verify(TenantCapability.from_bytes(cap_raw))
+            rt = self.tenants.get(tid)
+            if rt is None or rt.state is TenantState.EVICTING:
+                raise UnknownTenant(tid)
+            if len(self._verified_caps) >= 65536:
+                self._verified_caps.clear()
+            self._verified_caps[cap_raw] = rt
+        tid = rt.tenant_id
         if op == "quota":
             self._reply(client, rid, rt.block.snapshot().to_dict())
             return
         if op == "put_module":
             self._reply(client, rid, {"digest": self._put_module(rt, body)})
             return
+        if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
+            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         if op == "run_wasm" and body is None:
             digest = args.get("digest")
             stored = rt.modules.get(digest) if isinstance(digest, str) else None

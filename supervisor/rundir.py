@@ -128,7 +128,9 @@ class RunDir:
 
 
 def read_ready(run_dir: str) -> dict[str, Any] | None:
-    """The ready record of a supervisor on ``run_dir``, or None."""
+    """The ready record of a supervisor on ``run_dir``, or None (PermissionError when not ours)."""
+    if os.path.isdir(run_dir) and not os.access(run_dir, os.R_OK | os.X_OK):
+        raise PermissionError(f"run dir {run_dir} is not accessible to this user (it is 0700 and belongs to its supervisor)")
     try:
         with open(os.path.join(run_dir, READY_FILE), encoding="utf-8") as f:
             data = json.load(f)

@@ -46,7 +46,6 @@ Handler = Callable[["WorkerServer", dict[str, Any], "zmq.Frame | None"], Reply]
 #: ops implemented outside this module, imported on first use ("module:function")
 _LAZY_OPS: dict[str, str] = {
     "run_wasm": "worker.wasm.ops:op_run_wasm",
-    "put_module": "worker.wasm.ops:op_put_module",
 }
 _OPS: dict[str, Handler] = {}
 

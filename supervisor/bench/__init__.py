@@ -19,6 +19,7 @@ __all__ = ["BENCHES", "main", "run_bench"]
 #: scale, wasm) add one line here each.
 BENCHES: dict[str, str] = {
     "quota": "supervisor.bench.quota",
+    "route": "supervisor.bench.route",
     "wasm": "supervisor.bench.wasm",
 }
 

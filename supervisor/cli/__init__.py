@@ -28,6 +28,7 @@ COMMANDS = {
     "set-quota": "supervisor.cli.admin",
     "scale": "supervisor.cli.admin",
     "fault": "supervisor.cli.admin",
+    "capability": "supervisor.cli.admin",
     "run": "supervisor.cli.run",
     "demo": "supervisor.cli.demo",
     "chaos": "supervisor.cli.chaos",
