@@ -36,6 +36,7 @@ Backend = Literal["auto", "stub", "cuda"]
 StartMethod = Literal["spawn", "forkserver"]
 
 _BACKENDS = ("auto", "stub", "cuda")
+_PLACEMENTS = ("most-free", "first")
 _START_METHODS = ("spawn", "forkserver")
 _LOG_FORMATS = ("text", "json")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -69,6 +70,9 @@ class SupervisorConfig:
     stub_device_capacity_bytes: int = 16 << 30
     device_reserve_bytes: int = 512 << 20
     devices: tuple[int, ...] | str = "all"
+    placement: str = "most-free"
+    cuda_driver_module: str | None = None
+    cuda_nvrtc_module: str | None = None
     metrics_addr: str | None = None
     register_timeout_s: float = 60.0
     tenants: tuple[TenantSpec, ...] = ()
@@ -100,6 +104,13 @@ class SupervisorConfig:
         if self.max_header_bytes < 1024:
             raise ValueError("max_header_bytes must be at least 1KiB")
         s(self, "devices", _devices(self.devices))
+        _choice(self.placement, _PLACEMENTS, "placement")
+        for name in ("cuda_driver_module", "cuda_nvrtc_module"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, str) and all(p.isidentifier() for p in value.split("."))
+            ):
+                raise ValueError(f"{name} must be a dotted module name; got {value!r}")
         if self.metrics_addr is not None:
             _host_port(self.metrics_addr)
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
@@ -192,6 +203,9 @@ _ENV_FIELDS = (
     "stub_device_capacity_bytes",
     "device_reserve_bytes",
     "devices",
+    "placement",
+    "cuda_driver_module",
+    "cuda_nvrtc_module",
     "metrics_addr",
     "register_timeout_s",
 )

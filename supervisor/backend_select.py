@@ -3,7 +3,10 @@
 The supervisor never initialises CUDA itself (a process that has must not
 fork, and the supervisor starts workers), so the probe runs in a short-lived
 child process: load the driver, ``cuInit``, count devices, read each
-device's name and memory. ``auto`` picks cuda when that works and finds a
+device's name, total and free memory (``cuMemGetInfo`` in a briefly retained
+primary context: what the device budget starts from). The driver module is
+``cuda.bindings.driver`` unless ``cuda_driver_module`` names another (the
+test suite's fake), and the probe and the workers honour the same name. ``auto`` picks cuda when that works and finds a
 device, else stub, and says why; ``cuda`` without a usable driver fails at
 start with :class:`BackendUnavailable` and the reason.
 """
@@ -22,10 +25,10 @@ from shared.errors import BackendUnavailable
 __all__ = ["BackendChoice", "probe_cuda", "select_backend"]
 
 _PROBE = r"""
-import json, sys
+import importlib, json, sys
 out = {"ok": False}
 try:
-    from cuda.bindings import driver as d
+    d = importlib.import_module(sys.argv[1])
 except Exception as e:
     out["reason"] = f"cuda-bindings not importable: {type(e).__name__}: {e}"
     print(json.dumps(out)); sys.exit(0)
@@ -46,7 +49,19 @@ for i in range(n):
     _, dev = d.cuDeviceGet(i)
     _, name = d.cuDeviceGetName(256, dev)
     _, total = d.cuDeviceTotalMem(dev)
-    devices.append({"index": i, "name": name.split(b"\0")[0].decode(errors="replace"), "total_bytes": int(total)})
+    free = None
+    try:
+        err, ctx = d.cuDevicePrimaryCtxRetain(dev)
+        if err == d.CUresult.CUDA_SUCCESS:
+            d.cuCtxSetCurrent(ctx)
+            err, f, _ = d.cuMemGetInfo()
+            free = int(f) if err == d.CUresult.CUDA_SUCCESS else None
+            d.cuCtxSetCurrent(d.CUcontext(0))
+            d.cuDevicePrimaryCtxRelease(dev)
+    except Exception:
+        free = None
+    devices.append({"index": i, "name": name.split(b"\0")[0].decode(errors="replace"), "total_bytes": int(total),
+                    "free_bytes": free})
 _, ver = d.cuDriverGetVersion()
 out.update(ok=True, devices=devices, driver_version=int(ver))
 print(json.dumps(out))
@@ -61,11 +76,12 @@ class BackendChoice:
     devices: tuple[dict[str, Any], ...] = ()
 
 
-def probe_cuda(timeout_s: float = 60.0) -> dict[str, Any]:
+def probe_cuda(timeout_s: float = 60.0, driver_module: str | None = None) -> dict[str, Any]:
     """Run the CUDA probe in a child process; ``{"ok": bool, "reason"?, "devices"?}``."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s, check=False
+            [sys.executable, "-c", _PROBE, driver_module or "cuda.bindings.driver"],
+            capture_output=True, text=True, timeout=timeout_s, check=False,
         )
     except subprocess.TimeoutExpired:
         return {"ok": False, "reason": f"CUDA probe did not finish within {timeout_s:g} s"}
@@ -79,22 +95,40 @@ def probe_cuda(timeout_s: float = 60.0) -> dict[str, Any]:
 
 
 def select_backend(config: SupervisorConfig) -> BackendChoice:
+    cap = config.stub_device_capacity_bytes
+    stub_indexes = config.devices if isinstance(config.devices, tuple) else (0,)
     stub = BackendChoice(
         "stub",
         "",
-        {"capacity_bytes": config.stub_device_capacity_bytes},
-        ({"index": 0, "name": "stub", "total_bytes": config.stub_device_capacity_bytes},),
+        {"capacity_bytes": cap},
+        tuple({"index": i, "name": "stub", "total_bytes": cap, "free_bytes": cap} for i in stub_indexes),
     )
     if config.backend == "stub":
         return BackendChoice("stub", "--backend stub", stub.options, stub.devices)
-    probe = probe_cuda()
+    probe = probe_cuda(driver_module=config.cuda_driver_module)
     if probe.get("ok"):
-        devices = tuple(probe.get("devices") or ())
+        found = tuple(probe.get("devices") or ())
+        devices = found
+        if isinstance(config.devices, tuple):
+            present = {int(d["index"]) for d in found}
+            missing = [i for i in config.devices if i not in present]
+            if missing:
+                raise BackendUnavailable(
+                    "cuda", f"devices {list(config.devices)} configured, but device(s) {missing} do not exist "
+                    f"({len(found)} CUDA device(s) visible)"
+                )
+            devices = tuple(d for d in found if int(d["index"]) in config.devices)
+        options = {
+            k: v
+            for k, v in (("driver_module", config.cuda_driver_module), ("nvrtc_module", config.cuda_nvrtc_module))
+            if v
+        }
+        names = ", ".join(f"{d['index']}: {d.get('name')}" for d in devices)
         return BackendChoice(
             "cuda",
-            f"CUDA driver {probe.get('driver_version')} with {len(devices)} device(s)"
+            f"CUDA driver {probe.get('driver_version')} with {len(found)} device(s), using [{names}]"
             + (" (--backend cuda)" if config.backend == "cuda" else " (auto)"),
-            {},
+            options,
             devices,
         )
     reason = str(probe.get("reason", "unknown"))

@@ -31,6 +31,7 @@ from shared.errors import (
 from shared.log import get_logger, log_event
 from supervisor.events import EventBus
 from supervisor.metrics import Metrics, NullMetrics
+from supervisor.placement import Placement
 from supervisor.registry import TenantRegistry
 from supervisor.rundir import RunDir
 from supervisor.tenants import InstanceSlot, TenantRuntime
@@ -71,6 +72,7 @@ class _Core:
     control: zmq.Socket[Any]
     poller: zmq.Poller
     spawner: Spawner
+    placement: Placement  # devices, budgets, tenant isolation (set by _select_backend)
 
     def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None) -> None:
         self.config = config
@@ -205,6 +207,7 @@ class _Core:
             "uptime_s": round(time.time() - rt.registered_at, 3),
             "backend": self.backend_name,
             "device": rt.device,
+            "isolation": self.placement.isolation_of(rt.tenant_id),
             "spec": rt.spec.to_dict(),
             "bytes_in_use": snap.get("bytes_in_use", 0),
             "memory_quota_bytes": snap.get("memory_quota_bytes", rt.spec.memory_quota_bytes),
@@ -228,7 +231,14 @@ class _Core:
                 "rss_bytes": psutil.Process().memory_info().rss,
             },
             "tenants": [self._tenant_record(rt) for _, rt in sorted(self.tenants.items())],
+            "devices": self.placement.status(self._tenants_by_device()),
         }
+
+    def _tenants_by_device(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for tid, rt in self.tenants.items():
+            out.setdefault(rt.device, []).append(tid)
+        return out
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """Per-tenant gauges for the exporter (called from its thread: only reads)."""

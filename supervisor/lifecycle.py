@@ -73,10 +73,16 @@ class _Lifecycle(_Routing):
             self.on_ready(self)
 
     def _register(self, spec: TenantSpec, client: bytes | None, rid: int | None) -> None:
+        from collections import Counter
+
+        # placement and the MPS check first: a refusal must leave nothing registered
+        device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
+        isolation = self.placement.isolation(spec)
         cap = self.registry.register_with_capability(self.admin, spec)
         block = self.registry.block(self.admin, spec.tenant_id)
         rt = TenantRuntime(spec, block, cap.generation)
-        rt.device = spec.cuda_device_index if spec.cuda_device_index is not None else 0
+        rt.device = device
+        self.placement.add(spec.tenant_id, isolation)
         rt.slots = [InstanceSlot(i) for i in range(spec.instances)]
         self.tenants[spec.tenant_id] = rt
         rt.register_waiters.append((client, rid, cap.to_bytes(), time.monotonic() + self.config.register_timeout_s))
@@ -232,8 +238,8 @@ class _Lifecycle(_Routing):
 
     def _backend_options_for(self, rt: TenantRuntime) -> dict[str, Any]:
         opts = dict(self.backend_options)
-        opts.setdefault("device_index", rt.device)
         opts["device_index"] = rt.device
+        opts.update(self.placement.worker_options(rt.spec, rt.device))  # budget, caps, MPS environment
         return opts
 
     def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: Any) -> None:
@@ -428,6 +434,7 @@ class _Lifecycle(_Routing):
 
     def _after_reclaim(self, rt: TenantRuntime, reclaimed: tuple[int, int]) -> None:
         """Hook for the device budget (bytes of a dead instance come back to its device too)."""
+        self.placement.reclaim_dead()  # by slot owner: exact even if it died mid-alloc
 
     def _restart_due(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
         if (

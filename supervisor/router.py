@@ -118,11 +118,22 @@ class Supervisor(_Admin):
         """Pick the compute backend (``auto``: cuda when a driver and device work, else stub)."""
         from supervisor.backend_select import select_backend
 
+        from supervisor.placement import Placement
+
         choice = select_backend(self.config)
         self.backend_name = choice.name
         self.backend_reason = choice.reason
         self.backend_options = choice.options
-        log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason)
+        self.placement = Placement.create(
+            choice.name,
+            choice.devices,
+            reserve_bytes=self.config.device_reserve_bytes,
+            policy=self.config.placement,
+            segment_prefix=self.registry.segment_prefix,
+            no_mps_dir=os.path.join(self.rundir.path, "no-mps"),
+        )
+        log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
+                  devices=self.placement.indexes)
 
     def request_stop(self) -> None:
         """Begin a graceful stop (safe from a signal handler or another thread)."""
@@ -385,5 +396,8 @@ class Supervisor(_Admin):
                 if fd is not None:
                     os.close(fd)
             self.metrics.close()
+            placement = getattr(self, "placement", None)
+            if placement is not None:
+                placement.close()  # unlink the device budget segments
             self.rundir.release()
             log_event(_log, logging.INFO, "supervisor.stopped")

@@ -1,0 +1,171 @@
+"""The cuda backend on a real NVIDIA GPU (``-m gpu``; run by tests/gpu/check.sh).
+
+Skipped only when no device is present: cuda-bindings missing, libcuda
+missing (the probe's "CUDA driver not loadable"), or no device
+(``CUDA_ERROR_NO_DEVICE`` / zero devices). Any other probe failure runs the
+tests, which then fail: a broken driver must not look like "no GPU".
+
+These tests run CUDA in the pytest process (never forked afterwards:
+supervisors are started with ``launch()``, i.e. fork+exec).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shared.errors import GpuMemoryExhausted
+from shared.quota import QuotaBlock
+from shared.spec import TenantSpec
+from supervisor.backend_select import probe_cuda
+from tests.helpers.cluster import FAST, tenant, wait_for
+from worker.allocator import MeteredAllocator
+from worker.backends.base import DeviceOutOfMemory
+from worker.backends.cuda import CudaBackend
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+
+MiB = 1 << 20
+_NO_DEVICE = ("cuda-bindings not importable", "CUDA driver not loadable", "no CUDA device", "CUDA_ERROR_NO_DEVICE")
+
+
+@functools.cache
+def _probe() -> dict[str, Any]:
+    return probe_cuda()
+
+
+@pytest.fixture(autouse=True)
+def _device_present() -> None:
+    probe = _probe()
+    reason = str(probe.get("reason", ""))
+    if not probe.get("ok") and any(marker in reason for marker in _NO_DEVICE):
+        pytest.skip(f"no NVIDIA GPU here: {reason}")
+
+
+@pytest.fixture
+def cuda_backend() -> Iterator[CudaBackend]:
+    b = CudaBackend(0, gpu_cap_bytes=64 * MiB)
+    yield b
+    b.close()
+
+
+def test_pool_max_size_is_a_hard_cap(cuda_backend: CudaBackend) -> None:
+    assert cuda_backend.pool_max_size == 64 * MiB
+    with pytest.raises(DeviceOutOfMemory, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        cuda_backend.alloc(128 * MiB)
+    bufs = []
+    with pytest.raises(DeviceOutOfMemory):
+        for _ in range(64):
+            bufs.append(cuda_backend.alloc(8 * MiB))
+    assert 0 < len(bufs) <= 8
+    for buf in bufs:
+        cuda_backend.free(buf)
+    cuda_backend.free(cuda_backend.alloc(64 * MiB))  # the whole cap once freed
+
+
+def test_release_threshold_alone_does_not_cap() -> None:
+    b = CudaBackend(0, release_threshold=64 * MiB)
+    try:
+        assert b.pool_max_size == 0
+        bufs = [b.alloc(128 * MiB), b.alloc(256 * MiB)]  # past the threshold: fine
+        assert b.pool_attribute("RELEASE_THRESHOLD") == 64 * MiB
+        for buf in bufs:
+            b.free(buf)
+    finally:
+        b.close()
+
+
+def test_metered_refusal_makes_no_cuda_call() -> None:
+    from tests.gpu.check_gpu import _Counting
+
+    from cuda.bindings import driver
+
+    proxy = _Counting(driver)
+    with QuotaBlock.create("gpu-test", gpu_memory_bytes_cap=64 * MiB) as block:
+        b = CudaBackend(0, gpu_cap_bytes=64 * MiB, driver=proxy)
+        alloc = MeteredAllocator("gpu-test", block, b)
+        try:
+            alloc.alloc(48 * MiB)
+            before = proxy.count
+            with pytest.raises(GpuMemoryExhausted):
+                alloc.alloc(32 * MiB)
+            assert proxy.count == before
+            block.set_limits(gpu_memory_bytes_cap=None)  # now only the pool's maxSize stands
+            with pytest.raises(GpuMemoryExhausted, match="CUDA_ERROR_OUT_OF_MEMORY"):
+                alloc.alloc(32 * MiB)
+            assert block.gpu_bytes_in_use == 48 * MiB  # the driver's refusal was rolled back
+        finally:
+            alloc.free_all()
+            b.close()
+        assert block.gpu_bytes_in_use == 0
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1 << 20, (1 << 22) + 3])
+def test_copies_and_kernels_match_numpy(n: int) -> None:
+    rng = np.random.default_rng(n)
+    xs = rng.standard_normal(n).astype(np.float32)
+    ys = rng.standard_normal(n).astype(np.float32)
+    b = CudaBackend(0, gpu_cap_bytes=256 * MiB)
+    try:
+        x, y = b.alloc(4 * n), b.alloc(4 * n)
+        b.write(x, 0, memoryview(xs.tobytes()))
+        assert b.read(x, 0, 4 * n) == xs.tobytes()
+        b.fill_f32(y, -2.5, n)
+        assert np.all(np.frombuffer(b.read(y, 0, 4 * n), np.float32) == -2.5)
+        b.write(y, 0, memoryview(ys.tobytes()))
+        b.axpy_f32(n, 0.3, x, y)
+        want = ys + np.float32(0.3) * xs
+        assert np.array_equal(np.frombuffer(b.read(y, 0, 4 * n), np.float32), want)
+        b.axpy_f32(n, 2.0, y, y)
+        want = want + np.float32(2.0) * want
+        assert np.array_equal(np.frombuffer(b.read(y, 0, 4 * n), np.float32), want)
+        ref = float(np.add.reduce(want, dtype=np.float32))
+        scale = float(np.abs(want).sum())
+        assert b.sum_f32(y, n) == pytest.approx(ref, abs=max(1e-6, 1e-6 * scale))
+        out = bytearray(8)
+        b.read_into(y, 4, memoryview(out))
+        assert bytes(out) == want.tobytes()[4:12]
+    finally:
+        b.close()
+
+
+def test_close_releases_the_primary_context() -> None:
+    from cuda.bindings import driver
+
+    b = CudaBackend(0, gpu_cap_bytes=8 * MiB)
+    b.alloc(MiB)
+    dev = b._dev
+    err, _, active = driver.cuDevicePrimaryCtxGetState(dev)
+    assert not err and active
+    b.close()
+    err, _, active = driver.cuDevicePrimaryCtxGetState(dev)
+    assert not err and not active  # nothing else in this process holds it
+
+
+def test_supervisor_on_the_gpu_end_to_end() -> None:
+    from supervisor.launch import launch
+
+    with launch({"supervisor": {**FAST, "backend": "cuda"}}) as sup:
+        c = sup.client
+        st = c.status()
+        assert st["supervisor"]["backend"] == "cuda" and "CUDA driver" in st["supervisor"]["backend_reason"]
+        a = c.register(None, TenantSpec("a", gpu_memory_bytes_cap=64 * MiB, restart="never"))
+        b = c.register(None, TenantSpec("b", gpu_memory_bytes_cap=64 * MiB))
+        c.alloc(a, 48 * MiB)
+        with pytest.raises(GpuMemoryExhausted):
+            c.alloc(a, 32 * MiB)
+        hb = c.alloc(b, 48 * MiB)
+        c.write(b, hb, b"fine", offset=0)
+        assert c.read(b, hb, 4) == b"fine"
+        pid = tenant(c.status(), "a")["instances"][0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: tenant(c.status(), "a")["gpu_bytes_in_use"] == 0, timeout_s=30, what="reclaim")
+        wait_for(lambda: c.status()["devices"][0]["budget_used_bytes"] == 48 * MiB, timeout_s=30,
+                 what="device budget back")
+        assert tenant(c.status(), "b")["gpu_bytes_in_use"] == 48 * MiB

@@ -1,0 +1,1148 @@
+"""A fake ``cuda.bindings.driver`` (plus the NVRTC calls the kernels need) for tests without a GPU.
+
+It has the real module's call shapes - every call returns a tuple with the
+result code first, attribute values are ``cuuint64_t``, pools are made from a
+``CUmemPoolProps`` - and behaves like the driver where the cuda backend
+depends on it:
+
+* ``cuInit`` failure modes: libcuda missing (every call raises
+  :class:`DynamicLibNotFoundError`, a ``RuntimeError`` subclass, as
+  cuda.pathfinder does), no device, a driver mismatch;
+* calls before ``cuInit`` fail ``CUDA_ERROR_NOT_INITIALIZED``; calls that
+  need a context fail ``CUDA_ERROR_INVALID_CONTEXT`` on a thread without one;
+* device capacity shared by contexts, pools and ``cuMemAlloc``;
+  ``cuMemGetInfo`` reports what is left;
+* pools: ``maxSize`` enforced (``CUDA_ERROR_OUT_OF_MEMORY`` past it, and
+  ``CUDA_ERROR_INVALID_VALUE`` for a maxSize that is not a multiple of the
+  allocation granularity), memory reserved in granularity chunks, freed
+  memory kept up to ``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`` and trimmed at a
+  synchronize - the threshold never refuses anything;
+* invalid handles (unknown or destroyed stream, pool, pointer, context,
+  module) give the driver's error codes; ``cuGetErrorName`` names them;
+* kernels: ``nvrtcCompileProgram`` reads the ``extern "C" __global__``
+  signatures from the source and ``cuLaunchKernel`` checks the launch's
+  ctypes against them, then runs the kernel *by name* with numpy
+  (``twt_fill_f32``, ``twt_axpy_f32``, ``twt_sum_f32`` - the same
+  grid-stride partition as the CUDA code).
+
+Use it two ways:
+
+* a :class:`FakeDriver` instance is module-shaped: pass it as ``driver=``
+  (and ``nvrtc=``) to :class:`worker.backends.cuda.CudaBackend` and inspect
+  ``calls`` / ``fail_next`` in the test;
+* by name: ``cuda_driver_module = "tests.helpers.fake_cuda"`` (and
+  ``cuda_nvrtc_module``) in the supervisor config, or the ``TWT_CUDA_*``
+  variables. Module attributes then go to one instance per process built
+  from the ``FAKE_CUDA_*`` environment: ``FAKE_CUDA_MODE`` (ok | no-libcuda
+  | no-device | driver-mismatch), ``FAKE_CUDA_DEVICES``,
+  ``FAKE_CUDA_MEMORY`` (bytes per device), ``FAKE_CUDA_CONTEXT_BYTES``,
+  ``FAKE_CUDA_GRANULARITY``, ``FAKE_CUDA_RECORD_DIR`` (each process writes
+  ``<pid>.json`` there: the ``CUDA_MPS_*`` variables it saw at ``cuInit`` and
+  the devices it retained a primary context on).
+
+Not modelled: memory shared between *processes* (each process sees a whole
+device), MPS itself, asynchronous execution (everything completes at once;
+a kernel's bad address is reported at the next synchronize, as on hardware).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import enum
+import json
+import os
+import re
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["DynamicLibNotFoundError", "FakeDriver", "instance", "reset"]
+
+
+# ----------------------------------------------------------------- enums (real values)
+
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_INITIALIZED = 3
+    CUDA_ERROR_DEINITIALIZED = 4
+    CUDA_ERROR_NO_DEVICE = 100
+    CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_INVALID_IMAGE = 200
+    CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_CONTEXT_ALREADY_IN_USE = 216
+    CUDA_ERROR_INVALID_PTX = 218
+    CUDA_ERROR_INVALID_SOURCE = 300
+    CUDA_ERROR_INVALID_HANDLE = 400
+    CUDA_ERROR_NOT_FOUND = 500
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700
+    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
+    CUDA_ERROR_LAUNCH_FAILED = 719
+    CUDA_ERROR_NOT_PERMITTED = 800
+    CUDA_ERROR_NOT_SUPPORTED = 801
+    CUDA_ERROR_SYSTEM_DRIVER_MISMATCH = 803
+    CUDA_ERROR_UNKNOWN = 999
+
+
+class CUmemPool_attribute(enum.IntEnum):
+    CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC = 2
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 3
+    CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5
+    CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6
+    CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7
+    CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8
+
+
+class CUstream_flags(enum.IntEnum):
+    CU_STREAM_DEFAULT = 0
+    CU_STREAM_NON_BLOCKING = 1
+
+
+class CUmemAllocationType(enum.IntEnum):
+    CU_MEM_ALLOCATION_TYPE_INVALID = 0
+    CU_MEM_ALLOCATION_TYPE_PINNED = 1
+    CU_MEM_ALLOCATION_TYPE_MANAGED = 2
+
+
+class CUmemAllocationHandleType(enum.IntEnum):
+    CU_MEM_HANDLE_TYPE_NONE = 0
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+
+
+class CUmemLocationType(enum.IntEnum):
+    CU_MEM_LOCATION_TYPE_INVALID = 0
+    CU_MEM_LOCATION_TYPE_DEVICE = 1
+    CU_MEM_LOCATION_TYPE_HOST = 2
+
+
+class CUmemAllocationGranularity_flags(enum.IntEnum):
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+
+
+class CUdevice_attribute(enum.IntEnum):
+    CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+    CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED = 115
+
+
+class nvrtcResult(enum.IntEnum):
+    NVRTC_SUCCESS = 0
+    NVRTC_ERROR_OUT_OF_MEMORY = 1
+    NVRTC_ERROR_PROGRAM_CREATION_FAILURE = 2
+    NVRTC_ERROR_INVALID_INPUT = 3
+    NVRTC_ERROR_INVALID_PROGRAM = 4
+    NVRTC_ERROR_INVALID_OPTION = 5
+    NVRTC_ERROR_COMPILATION = 6
+
+
+class DynamicLibNotFoundError(RuntimeError):
+    """What cuda.pathfinder raises on the first call when libcuda / libnvrtc cannot be found."""
+
+
+# ----------------------------------------------------------------- handles and structs
+
+
+class _Handle:
+    """An opaque driver handle: compares by value, ``int()`` gives the address."""
+
+    def __init__(self, value: int = 0) -> None:
+        self._value = int(value)
+
+    def __int__(self) -> int:
+        return self._value
+
+    def __index__(self) -> int:
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and int(other) == self._value  # type: ignore[call-overload]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._value))
+
+    def getPtr(self) -> int:  # noqa: N802 - the bindings' name
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._value:#x}>"
+
+
+class CUdevice(_Handle):
+    def __repr__(self) -> str:
+        return f"<CUdevice {self._value}>"
+
+
+class CUcontext(_Handle):
+    pass
+
+
+class CUstream(_Handle):
+    pass
+
+
+class CUmemoryPool(_Handle):
+    pass
+
+
+class CUdeviceptr(_Handle):
+    def __repr__(self) -> str:
+        return f"<CUdeviceptr {self._value}>"
+
+
+class CUmodule(_Handle):
+    pass
+
+
+class CUfunction(_Handle):
+    pass
+
+
+class nvrtcProgram(_Handle):  # noqa: N801
+    pass
+
+
+class cuuint64_t:  # noqa: N801 - the bindings' name
+    def __init__(self, value: int = 0) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+            raise TypeError(f"cuuint64_t takes an int in 0..2**64-1, got {value!r}")
+        self._value = value
+
+    def __int__(self) -> int:
+        return self._value
+
+    def getPtr(self) -> int:  # noqa: N802
+        return id(self)
+
+    def __repr__(self) -> str:
+        return f"<cuuint64_t {self._value}>"
+
+
+class CUmemLocation:
+    def __init__(self) -> None:
+        self.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_INVALID
+        self.id = 0
+
+
+class CUmemPoolProps:
+    def __init__(self) -> None:
+        self.allocType = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID
+        self.handleTypes = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        self.location = CUmemLocation()
+        self.win32SecurityAttributes = 0
+        self.maxSize = 0
+        self.usage = 0
+        self.gpuDirectRDMACapable = 0
+
+
+class CUmemAllocationProp:
+    def __init__(self) -> None:
+        self.type = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID
+        self.requestedHandleTypes = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        self.location = CUmemLocation()
+        self.win32HandleMetaData = 0
+
+
+# ----------------------------------------------------------------- the fake's state
+
+
+def _round_up(n: int, g: int) -> int:
+    return (n + g - 1) // g * g
+
+
+_ALIGN = 512  # pool allocations are aligned (and padded) like this
+
+
+class _Pool:
+    def __init__(self, handle: int, device: int, ctx: int, max_size: int) -> None:
+        self.handle = handle
+        self.device = device
+        self.ctx = ctx
+        self.max_size = max_size
+        self.release_threshold = 0
+        self.used = 0
+        self.used_high = 0
+        self.reserved = 0
+        self.reserved_high = 0
+        self.live = 0  # outstanding allocations
+        self.destroyed = False
+
+
+class _Alloc:
+    __slots__ = ("base", "size", "charged", "pool", "device", "data")
+
+    def __init__(self, base: int, size: int, charged: int, pool: _Pool | None, device: int) -> None:
+        self.base = base
+        self.size = size
+        self.charged = charged
+        self.pool = pool
+        self.device = device
+        self.data: bytearray | None = None  # made on first touch: large fake allocations cost nothing
+
+    def buf(self) -> bytearray:
+        if self.data is None:
+            self.data = bytearray(self.size)
+        return self.data
+
+
+_SIG_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
+_CTYPE_OF = {
+    "pointer": (ctypes.c_void_p,),
+    "float": (ctypes.c_float,),
+    "double": (ctypes.c_double,),
+    "int": (ctypes.c_int,),
+    "unsigned long long": (ctypes.c_uint64, ctypes.c_ulonglong),
+}
+
+
+def _param_kind(decl: str) -> str:
+    decl = re.sub(r"\b(const|__restrict__)\b", " ", decl)
+    if "*" in decl:
+        return "pointer"
+    words = decl.split()[:-1]  # drop the parameter name
+    return " ".join(words)
+
+
+
+
+class FakeDriver:
+    """One fake driver + NVRTC; attribute-compatible with the real modules for what the backend uses."""
+
+    # the module-level names the backend reads from "the module"
+    CUresult = CUresult
+    CUmemPool_attribute = CUmemPool_attribute
+    CUstream_flags = CUstream_flags
+    CUmemAllocationType = CUmemAllocationType
+    CUmemAllocationHandleType = CUmemAllocationHandleType
+    CUmemLocationType = CUmemLocationType
+    CUmemAllocationGranularity_flags = CUmemAllocationGranularity_flags
+    CUdevice_attribute = CUdevice_attribute
+    CUmemPoolProps = CUmemPoolProps
+    CUmemAllocationProp = CUmemAllocationProp
+    CUmemLocation = CUmemLocation
+    cuuint64_t = cuuint64_t
+    CUdevice = CUdevice
+    CUcontext = CUcontext
+    CUstream = CUstream
+    CUmemoryPool = CUmemoryPool
+    CUdeviceptr = CUdeviceptr
+    nvrtcResult = nvrtcResult
+    DynamicLibNotFoundError = DynamicLibNotFoundError
+
+    def __init__(
+        self,
+        *,
+        devices: int = 1,
+        memory_bytes: int = 16 << 30,
+        granularity: int = 2 << 20,
+        context_bytes: int = 0,
+        mode: str = "ok",
+        name: str = "Fake CUDA Device",
+        compute_capability: tuple[int, int] = (9, 0),
+        nvrtc_archs: tuple[str, ...] | None = None,
+        pools_supported: bool = True,
+        record_dir: str | None = None,
+        driver_version: int = 12080,
+    ) -> None:
+        if mode not in ("ok", "no-libcuda", "no-device", "driver-mismatch"):
+            raise ValueError(f"unknown fake CUDA mode {mode!r}")
+        self.__name__ = "tests.helpers.fake_cuda"
+        self.devices = devices
+        self.memory_bytes = memory_bytes
+        self.granularity = granularity
+        self.context_bytes = context_bytes
+        self.mode = mode
+        self.device_name = name
+        self.compute_capability = compute_capability
+        self.nvrtc_archs = nvrtc_archs
+        self.pools_supported = pools_supported
+        self.record_dir = record_dir
+        self.driver_version = driver_version
+        #: every call made, by name, in order (the tests' view of "was the driver called?")
+        self.calls: list[str] = []
+        #: name -> list of results the next calls return instead of running
+        self._fail: dict[str, list[CUresult | nvrtcResult]] = {}
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self.initialized = False
+        self._next = 0x1000
+        self._next_addr = 0x7F00_0000_0000
+        self.ctx_refs: dict[int, int] = {}  # device -> primary context retain count
+        self.ctx_handle = {d: 0xC000 + d for d in range(devices)}
+        self.streams: dict[int, tuple[int, int]] = {}  # handle -> (ctx, flags)
+        self.pools: dict[int, _Pool] = {}
+        self.allocs: dict[int, _Alloc] = {}
+        self._bases: list[int] = []
+        self.raw_reserved = [0] * devices  # cuMemAlloc bytes per device
+        self.modules: dict[int, dict[bytes, list[str]]] = {}
+        self.functions: dict[int, tuple[int, bytes, list[str]]] = {}
+        self.programs: dict[int, dict[str, Any]] = {}
+        self.pending_error: dict[int, CUresult] = {}  # stream -> error reported at its next sync
+        self.launches: list[tuple[bytes, int, int]] = []  # (kernel, grid, block)
+        self.compile_options: list[list[bytes]] = []
+        self.init_environment: dict[str, str] = {}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FakeDriver:
+        env = os.environ if environ is None else environ
+
+        def num(key: str, default: int) -> int:
+            raw = env.get(key)
+            return default if not raw else int(raw)
+
+        return cls(
+            devices=num("FAKE_CUDA_DEVICES", 1),
+            memory_bytes=num("FAKE_CUDA_MEMORY", 16 << 30),
+            granularity=num("FAKE_CUDA_GRANULARITY", 2 << 20),
+            context_bytes=num("FAKE_CUDA_CONTEXT_BYTES", 0),
+            mode=env.get("FAKE_CUDA_MODE") or "ok",
+            record_dir=env.get("FAKE_CUDA_RECORD_DIR") or None,
+        )
+
+    # ------------------------------------------------------------- test controls
+
+    def fail_next(self, name: str, result: CUresult | nvrtcResult, times: int = 1) -> None:
+        """Make the next ``times`` calls of ``name`` return ``result`` without doing anything."""
+        self._fail.setdefault(name, []).extend([result] * times)
+
+    def count(self, name: str) -> int:
+        return self.calls.count(name)
+
+    def device_reserved(self, device: int) -> int:
+        pools = sum(p.reserved for p in self.pools.values() if p.device == device)
+        ctx = self.context_bytes if self.ctx_refs.get(device, 0) > 0 else 0
+        return pools + ctx + self.raw_reserved[device]
+
+    # ------------------------------------------------------------- plumbing
+
+    def _new(self) -> int:
+        self._next += 0x10
+        return self._next
+
+    def _ctx(self) -> int:
+        return int(getattr(self._tls, "ctx", 0))
+
+    def _ctx_device(self, ctx: int) -> int | None:
+        for dev, handle in self.ctx_handle.items():
+            if handle == ctx and self.ctx_refs.get(dev, 0) > 0:
+                return dev
+        return None
+
+    def _enter(self, name: str, *, needs_init: bool = True, needs_ctx: bool = False) -> CUresult | None:
+        """Common entry of every driver call: record, libcuda missing, injected failures, state."""
+        self.calls.append(name)
+        if self.mode == "no-libcuda":
+            raise DynamicLibNotFoundError(
+                'Failure finding "libcuda.so": "cuda" is an NVIDIA driver library and can only be found '
+                "via system search. Ensure the NVIDIA display driver is installed. (fake)"
+            )
+        queued = self._fail.get(name)
+        if queued:
+            return CUresult(queued.pop(0))
+        if needs_init and not self.initialized:
+            return CUresult.CUDA_ERROR_NOT_INITIALIZED
+        if needs_ctx and self._ctx_device(self._ctx()) is None:
+            return CUresult.CUDA_ERROR_INVALID_CONTEXT
+        return None
+
+    def _stream_ok(self, stream: Any) -> bool:
+        h = int(stream) if stream is not None else 0
+        return h == 0 or h in self.streams
+
+    def _resolve(self, addr: int, n: int) -> tuple[_Alloc, int] | None:
+        i = bisect.bisect_right(self._bases, addr) - 1
+        if i < 0:
+            return None
+        a = self.allocs[self._bases[i]]
+        off = addr - a.base
+        if off < 0 or n < 0 or off + n > a.size:
+            return None
+        return a, off
+
+    def _add_alloc(self, size: int, charged: int, pool: _Pool | None, device: int) -> int:
+        base = self._next_addr
+        self._next_addr += _round_up(max(size, 1), 256) + 256  # a gap: off-by-one accesses fault
+        self.allocs[base] = _Alloc(base, size, charged, pool, device)
+        bisect.insort(self._bases, base)
+        return base
+
+    def _drop_alloc(self, base: int) -> _Alloc:
+        a = self.allocs.pop(base)
+        self._bases.remove(base)
+        return a
+
+    def _trim(self, pool: _Pool) -> None:
+        keep = max(_round_up(pool.used, self.granularity), min(pool.reserved, _round_up(pool.release_threshold, self.granularity)))
+        pool.reserved = min(pool.reserved, keep)
+
+    # ------------------------------------------------------------- init and devices
+
+    def cuInit(self, flags: int) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuInit", needs_init=False)
+            if err is not None:
+                return (err,)
+            if self.mode == "no-device":
+                return (CUresult.CUDA_ERROR_NO_DEVICE,)
+            if self.mode == "driver-mismatch":
+                return (CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH,)
+            if flags != 0:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            self.initialized = True
+            self.init_environment = {k: v for k, v in os.environ.items() if k.startswith("CUDA_MPS_")}
+            self._record()
+            return (CUresult.CUDA_SUCCESS,)
+
+    def _record(self) -> None:
+        """``<record dir>/<pid>.json``: the MPS variables seen at cuInit and the devices with a context."""
+        if not self.record_dir:
+            return
+        path = os.path.join(self.record_dir, f"{os.getpid()}.json")
+        doc = {"pid": os.getpid(), "environment": self.init_environment,
+               "devices": sorted(d for d, n in self.ctx_refs.items() if n > 0)}
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(path + ".tmp", path)
+
+    def cuDriverGetVersion(self) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuDriverGetVersion", needs_init=False)
+        return (err, None) if err is not None else (CUresult.CUDA_SUCCESS, self.driver_version)
+
+    def cuDeviceGetCount(self) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuDeviceGetCount")
+        return (err, 0) if err is not None else (CUresult.CUDA_SUCCESS, self.devices)
+
+    def cuDeviceGet(self, ordinal: int) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuDeviceGet")
+        if err is not None:
+            return (err, None)
+        if not 0 <= int(ordinal) < self.devices:
+            return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
+        return (CUresult.CUDA_SUCCESS, CUdevice(int(ordinal)))
+
+    def _dev(self, dev: Any) -> int | None:
+        d = int(dev)
+        return d if 0 <= d < self.devices else None
+
+    def cuDeviceGetName(self, length: int, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuDeviceGetName")
+        if err is not None:
+            return (err, None)
+        if self._dev(dev) is None:
+            return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
+        raw = self.device_name.encode()[: length - 1]
+        return (CUresult.CUDA_SUCCESS, raw + b"\0" * (length - len(raw)))
+
+    def cuDeviceTotalMem(self, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuDeviceTotalMem")
+        if err is not None:
+            return (err, None)
+        if self._dev(dev) is None:
+            return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
+        return (CUresult.CUDA_SUCCESS, self.memory_bytes)
+
+    def cuDeviceGetAttribute(self, attrib: Any, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuDeviceGetAttribute")
+        if err is not None:
+            return (err, None)
+        if self._dev(dev) is None:
+            return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
+        values = {
+            CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132,
+            CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: self.compute_capability[0],
+            CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: self.compute_capability[1],
+            CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: int(self.pools_supported),
+        }
+        if int(attrib) not in values:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        return (CUresult.CUDA_SUCCESS, values[CUdevice_attribute(int(attrib))])
+
+    def cuGetErrorName(self, error: Any) -> tuple[Any, ...]:  # noqa: N802
+        self.calls.append("cuGetErrorName")
+        if self.mode == "no-libcuda":
+            raise DynamicLibNotFoundError("libcuda not found (fake)")
+        try:
+            return (CUresult.CUDA_SUCCESS, CUresult(int(error)).name.encode())
+        except ValueError:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+
+    # ------------------------------------------------------------- contexts
+
+    def cuDevicePrimaryCtxRetain(self, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuDevicePrimaryCtxRetain")
+            if err is not None:
+                return (err, None)
+            d = self._dev(dev)
+            if d is None:
+                return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
+            if self.ctx_refs.get(d, 0) == 0:
+                if self.device_reserved(d) + self.context_bytes > self.memory_bytes:
+                    return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+            self.ctx_refs[d] = self.ctx_refs.get(d, 0) + 1
+            self._record()
+            return (CUresult.CUDA_SUCCESS, CUcontext(self.ctx_handle[d]))
+
+    def cuDevicePrimaryCtxRelease(self, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuDevicePrimaryCtxRelease")
+            if err is not None:
+                return (err,)
+            d = self._dev(dev)
+            if d is None:
+                return (CUresult.CUDA_ERROR_INVALID_DEVICE,)
+            if self.ctx_refs.get(d, 0) <= 0:
+                return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+            self.ctx_refs[d] -= 1
+            if self.ctx_refs[d] == 0:  # the primary context is destroyed with everything in it
+                ctx = self.ctx_handle[d]
+                for h in [h for h, (c, _) in self.streams.items() if c == ctx]:
+                    del self.streams[h]
+                for h in [h for h, p in self.pools.items() if p.ctx == ctx]:
+                    del self.pools[h]
+                for base in [b for b, a in self.allocs.items() if a.device == d]:
+                    self._drop_alloc(base)
+                self.raw_reserved[d] = 0
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuCtxSetCurrent(self, ctx: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuCtxSetCurrent")
+        if err is not None:
+            return (err,)
+        h = 0 if ctx is None else int(ctx)
+        if h != 0 and self._ctx_device(h) is None:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        self._tls.ctx = h
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuCtxGetCurrent(self) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuCtxGetCurrent")
+        if err is not None:
+            return (err, None)
+        return (CUresult.CUDA_SUCCESS, CUcontext(self._ctx()))
+
+    def cuCtxPopCurrent(self) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuCtxPopCurrent")
+        if err is not None:
+            return (err, None)
+        h = self._ctx()
+        if h == 0:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT, None)
+        self._tls.ctx = 0
+        return (CUresult.CUDA_SUCCESS, CUcontext(h))
+
+    def cuMemGetInfo(self) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuMemGetInfo", needs_ctx=True)
+        if err is not None:
+            return (err, None, None)
+        d = self._ctx_device(self._ctx())
+        assert d is not None
+        return (CUresult.CUDA_SUCCESS, max(0, self.memory_bytes - self.device_reserved(d)), self.memory_bytes)
+
+    # ------------------------------------------------------------- streams
+
+    def cuStreamCreate(self, flags: int) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuStreamCreate", needs_ctx=True)
+            if err is not None:
+                return (err, None)
+            if int(flags) not in (0, 1):
+                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            h = self._new()
+            self.streams[h] = (self._ctx(), int(flags))
+            return (CUresult.CUDA_SUCCESS, CUstream(h))
+
+    def cuStreamDestroy(self, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuStreamDestroy")
+            if err is not None:
+                return (err,)
+            if int(stream) not in self.streams:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            del self.streams[int(stream)]
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuStreamSynchronize(self, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuStreamSynchronize", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if not self._stream_ok(stream):
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            for pool in self.pools.values():
+                self._trim(pool)
+            pending = self.pending_error.pop(int(stream), None)
+            return (pending or CUresult.CUDA_SUCCESS,)
+
+    # ------------------------------------------------------------- pools
+
+    def cuMemGetAllocationGranularity(self, prop: Any, option: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuMemGetAllocationGranularity")
+        if err is not None:
+            return (err, None)
+        if not isinstance(prop, CUmemAllocationProp):
+            raise TypeError(f"Argument 'prop' is not instance of type CUmemAllocationProp, got {type(prop)!r}")
+        if (
+            int(prop.type) != CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            or int(prop.location.type) != CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            or self._dev(prop.location.id) is None
+        ):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        return (CUresult.CUDA_SUCCESS, self.granularity)
+
+    def cuMemPoolCreate(self, props: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemPoolCreate", needs_ctx=True)
+            if err is not None:
+                return (err, None)
+            if not isinstance(props, CUmemPoolProps):
+                raise TypeError(f"Argument 'poolProps' is not instance of type CUmemPoolProps, got {type(props)!r}")
+            d = self._dev(props.location.id)
+            if (
+                int(props.allocType) != CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+                or int(props.location.type) != CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                or d is None
+                or not isinstance(props.maxSize, int)
+                or props.maxSize < 0
+                or props.maxSize % self.granularity
+            ):
+                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            if not self.pools_supported:
+                return (CUresult.CUDA_ERROR_NOT_SUPPORTED, None)
+            h = self._new()
+            self.pools[h] = _Pool(h, d, self._ctx(), props.maxSize)
+            return (CUresult.CUDA_SUCCESS, CUmemoryPool(h))
+
+    def cuMemPoolDestroy(self, pool: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemPoolDestroy")
+            if err is not None:
+                return (err,)
+            p = self.pools.get(int(pool))
+            if p is None or p.destroyed:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            p.destroyed = True
+            if p.live == 0:  # else released once the last allocation is freed, like the driver
+                del self.pools[p.handle]
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemPoolSetAttribute(self, pool: Any, attr: Any, value: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemPoolSetAttribute")
+            if err is not None:
+                return (err,)
+            p = self.pools.get(int(pool))
+            if p is None or p.destroyed:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            a = CUmemPool_attribute(int(attr))
+            if a in (
+                CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+                CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            ):
+                if not isinstance(value, cuuint64_t):  # the bindings insist on the type
+                    raise TypeError(f"Argument 'value' for {a.name} must be cuuint64_t, got {type(value)!r}")
+                v = int(value)
+                if a is CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD:
+                    p.release_threshold = v
+                elif v != 0:
+                    return (CUresult.CUDA_ERROR_INVALID_VALUE,)  # the high marks can only be reset
+                elif a is CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+                    p.used_high = p.used
+                else:
+                    p.reserved_high = p.reserved
+                return (CUresult.CUDA_SUCCESS,)
+            if a in (
+                CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+                CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+                CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            ):
+                return (CUresult.CUDA_SUCCESS,)
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+
+    def cuMemPoolGetAttribute(self, pool: Any, attr: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuMemPoolGetAttribute")
+        if err is not None:
+            return (err, None)
+        p = self.pools.get(int(pool))
+        if p is None or p.destroyed:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        a = CUmemPool_attribute(int(attr))
+        values = {
+            CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: p.release_threshold,
+            CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: p.reserved,
+            CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: p.reserved_high,
+            CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_CURRENT: p.used,
+            CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH: p.used_high,
+        }
+        if a not in values:
+            return (CUresult.CUDA_SUCCESS, 1)  # the reuse flags: int
+        return (CUresult.CUDA_SUCCESS, cuuint64_t(values[a]))
+
+    def cuMemAllocFromPoolAsync(self, bytesize: int, pool: Any, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemAllocFromPoolAsync", needs_ctx=True)
+            if err is not None:
+                return (err, None)
+            p = self.pools.get(int(pool))
+            if p is None or p.destroyed or bytesize <= 0:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            if not self._stream_ok(stream):
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE, None)
+            charged = _round_up(bytesize, _ALIGN)
+            used = p.used + charged
+            if p.max_size and used > p.max_size:
+                return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+            need = _round_up(used, self.granularity)
+            grow = need - p.reserved
+            if grow > 0:
+                if self.device_reserved(p.device) + grow > self.memory_bytes:
+                    return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+                p.reserved = need
+                p.reserved_high = max(p.reserved_high, need)
+            p.used = used
+            p.used_high = max(p.used_high, used)
+            p.live += 1
+            return (CUresult.CUDA_SUCCESS, CUdeviceptr(self._add_alloc(bytesize, charged, p, p.device)))
+
+    def cuMemFreeAsync(self, dptr: Any, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemFreeAsync", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            a = self.allocs.get(int(dptr))
+            if a is None or a.pool is None:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            if not self._stream_ok(stream):
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            self._drop_alloc(a.base)
+            p = a.pool
+            p.used -= a.charged
+            p.live -= 1
+            if p.destroyed and p.live == 0:
+                del self.pools[p.handle]
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemAlloc(self, bytesize: int) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemAlloc", needs_ctx=True)
+            if err is not None:
+                return (err, None)
+            d = self._ctx_device(self._ctx())
+            assert d is not None
+            if bytesize <= 0:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            charged = _round_up(bytesize, self.granularity)
+            if self.device_reserved(d) + charged > self.memory_bytes:
+                return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+            self.raw_reserved[d] += charged
+            return (CUresult.CUDA_SUCCESS, CUdeviceptr(self._add_alloc(bytesize, charged, None, d)))
+
+    def cuMemFree(self, dptr: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemFree", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            a = self.allocs.get(int(dptr))
+            if a is None or a.pool is not None:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            self._drop_alloc(a.base)
+            self.raw_reserved[a.device] -= a.charged
+            return (CUresult.CUDA_SUCCESS,)
+
+    # ------------------------------------------------------------- copies
+
+    def cuMemcpyHtoDAsync(self, dst: Any, src: Any, count: int, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemcpyHtoDAsync", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if not self._stream_ok(stream):
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            found = self._resolve(int(dst), count)
+            if found is None:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            a, off = found
+            data = ctypes.string_at(src, count) if isinstance(src, int) else memoryview(src).cast("B")[:count]
+            if len(data) != count:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            a.buf()[off : off + count] = data
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemcpyDtoHAsync(self, dst: Any, src: Any, count: int, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemcpyDtoHAsync", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if not self._stream_ok(stream):
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            found = self._resolve(int(src), count)
+            if found is None:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            a, off = found
+            out = memoryview(dst).cast("B")
+            if out.readonly or len(out) < count:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            out[:count] = a.buf()[off : off + count]
+            return (CUresult.CUDA_SUCCESS,)
+
+    # ------------------------------------------------------------- modules and kernels
+
+    def cuModuleLoadData(self, image: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuModuleLoadData", needs_ctx=True)
+            if err is not None:
+                return (err, None)
+            raw = bytes(image)
+            if not raw.startswith((b"FAKECUBIN\n", b"FAKEPTX\n")):
+                return (CUresult.CUDA_ERROR_INVALID_IMAGE, None)
+            sigs = json.loads(raw.split(b"\n", 1)[1].rstrip(b"\0 ").decode())
+            h = self._new()
+            self.modules[h] = {k.encode(): v for k, v in sigs.items()}
+            return (CUresult.CUDA_SUCCESS, CUmodule(h))
+
+    def cuModuleGetFunction(self, hmod: Any, name: bytes) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuModuleGetFunction", needs_ctx=True)
+        if err is not None:
+            return (err, None)
+        mod = self.modules.get(int(hmod))
+        if mod is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE, None)
+        if name not in mod:
+            return (CUresult.CUDA_ERROR_NOT_FOUND, None)
+        h = self._new()
+        self.functions[h] = (int(hmod), name, mod[name])
+        return (CUresult.CUDA_SUCCESS, CUfunction(h))
+
+    def cuModuleUnload(self, hmod: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuModuleUnload", needs_ctx=True)
+        if err is not None:
+            return (err,)
+        if self.modules.pop(int(hmod), None) is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        for h in [h for h, (m, _, _) in self.functions.items() if m == int(hmod)]:
+            del self.functions[h]
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuLaunchKernel(  # noqa: N802
+        self, f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
+        shared: int, stream: Any, kernel_params: Any, extra: Any,
+    ) -> tuple[Any, ...]:
+        with self._lock:
+            err = self._enter("cuLaunchKernel", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            fn = self.functions.get(int(f))
+            if fn is None:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            if not self._stream_ok(stream):
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            _, name, kinds = fn
+            if (gy, gz, by, bz) != (1, 1, 1, 1) or not 1 <= gx <= 2**31 - 1 or not 1 <= bx <= 1024:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            if not (isinstance(kernel_params, tuple) and len(kernel_params) == 2 and extra in (0, None)):
+                raise TypeError("Argument 'kernelParams' is not a valid type: tuple[tuple[Any, ...], tuple[Any, ...]]")
+            values, types = kernel_params
+            if len(values) != len(types) or len(values) != len(kinds):
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            for kind, t in zip(kinds, types):
+                if t not in _CTYPE_OF.get(kind, ()):
+                    return (CUresult.CUDA_ERROR_INVALID_VALUE,)  # the launch does not match the source
+            self.launches.append((name, gx, bx))
+            if not self._run(name, gx, bx, values):
+                self.pending_error[int(stream)] = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+            return (CUresult.CUDA_SUCCESS,)
+
+    def _f32(self, addr: int, n: int, dtype: str = "float32") -> Any:
+        import numpy as np
+
+        size = np.dtype(dtype).itemsize
+        found = self._resolve(int(addr), n * size)
+        if found is None:
+            return None
+        a, off = found
+        return np.frombuffer(a.buf(), dtype=dtype, count=n, offset=off)
+
+    def _run(self, name: bytes, grid: int, block: int, args: tuple[Any, ...]) -> bool:
+        """Run a kernel by name with numpy; False on an out-of-bounds pointer."""
+        import numpy as np
+
+        if name == b"twt_fill_f32":
+            ptr, value, n = args
+            out = self._f32(ptr, n)
+            if out is None:
+                return False
+            out.fill(np.float32(value))
+        elif name == b"twt_axpy_f32":
+            n, a, x, y = args
+            xv, yv = self._f32(x, n), self._f32(y, n)
+            if xv is None or yv is None:
+                return False
+            t = np.multiply(xv, np.float32(a), dtype=np.float32)  # a copy: x may be y
+            np.add(yv, t, out=yv)
+        elif name == b"twt_sum_f32":
+            ptr, n, partial = args
+            xv, out = self._f32(ptr, n), self._f32(partial, grid, "float64")
+            if xv is None or out is None:
+                return False
+            which = (np.arange(n, dtype=np.int64) // block) % grid  # the grid-stride partition
+            out[:] = np.bincount(which, weights=xv.astype(np.float64), minlength=grid)
+        else:
+            return False
+        return True
+
+    # ------------------------------------------------------------- NVRTC
+
+    def _nvrtc_enter(self, name: str) -> nvrtcResult | None:
+        self.calls.append(name)
+        if self.mode == "no-libcuda":
+            raise DynamicLibNotFoundError('Failure finding "libnvrtc.so" (fake)')
+        queued = self._fail.get(name)
+        if queued:
+            return nvrtcResult(queued.pop(0))
+        return None
+
+    def nvrtcGetErrorString(self, result: Any) -> tuple[Any, ...]:  # noqa: N802
+        self.calls.append("nvrtcGetErrorString")
+        try:
+            return (nvrtcResult.NVRTC_SUCCESS, nvrtcResult(int(result)).name.encode())
+        except ValueError:
+            return (nvrtcResult.NVRTC_SUCCESS, b"NVRTC_ERROR unknown")
+
+    def nvrtcCreateProgram(self, src: bytes, name: bytes, num_headers: int, headers: Any, include_names: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._nvrtc_enter("nvrtcCreateProgram")
+        if err is not None:
+            return (err, None)
+        if not isinstance(src, bytes) or num_headers != len(headers or []):
+            return (nvrtcResult.NVRTC_ERROR_INVALID_INPUT, None)
+        h = self._new()
+        self.programs[h] = {"src": src.decode(), "image": None, "log": b"", "options": []}
+        return (nvrtcResult.NVRTC_SUCCESS, nvrtcProgram(h))
+
+    def nvrtcCompileProgram(self, prog: Any, num_options: int, options: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._nvrtc_enter("nvrtcCompileProgram")
+        if err is not None:
+            return (err,)
+        p = self.programs.get(int(prog))
+        if p is None:
+            return (nvrtcResult.NVRTC_ERROR_INVALID_PROGRAM,)
+        opts = list(options or [])
+        if num_options != len(opts) or not all(isinstance(o, bytes) for o in opts):
+            return (nvrtcResult.NVRTC_ERROR_INVALID_INPUT,)
+        p["options"] = opts
+        self.compile_options.append(opts)
+        arch = next((o.split(b"=", 1)[1].decode() for o in opts if o.startswith(b"--gpu-architecture=")), "compute_52")
+        known = self.nvrtc_archs
+        if known is not None and arch not in known:
+            p["log"] = f"nvrtc: error: invalid value for --gpu-architecture (-arch): {arch}".encode()
+            return (nvrtcResult.NVRTC_ERROR_INVALID_OPTION,)
+        sigs = {m.group(1): [_param_kind(d) for d in m.group(2).split(",") if d.strip()]
+                for m in _SIG_RE.finditer(p["src"])}
+        if not sigs:
+            p["log"] = b"error: no kernels found (fake)"
+            return (nvrtcResult.NVRTC_ERROR_COMPILATION,)
+        kind = b"FAKECUBIN\n" if arch.startswith("sm_") else b"FAKEPTX\n"
+        p["image"] = kind + json.dumps(sigs).encode() + b"\0"
+        p["arch"] = arch
+        return (nvrtcResult.NVRTC_SUCCESS,)
+
+    def _image_size(self, name: str, prog: Any, want: str) -> tuple[Any, ...]:
+        err = self._nvrtc_enter(name)
+        if err is not None:
+            return (err, None)
+        p = self.programs.get(int(prog))
+        if p is None or p["image"] is None or not p["arch"].startswith(want):
+            return (nvrtcResult.NVRTC_ERROR_INVALID_INPUT, None)
+        return (nvrtcResult.NVRTC_SUCCESS, len(p["image"]))
+
+    def _image_get(self, name: str, prog: Any, out: bytes, want: str) -> tuple[Any, ...]:
+        err = self._nvrtc_enter(name)
+        if err is not None:
+            return (err,)
+        p = self.programs.get(int(prog))
+        if p is None or p["image"] is None or not p["arch"].startswith(want):
+            return (nvrtcResult.NVRTC_ERROR_INVALID_INPUT,)
+        _fill_bytes(out, p["image"])
+        return (nvrtcResult.NVRTC_SUCCESS,)
+
+    def nvrtcGetCUBINSize(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
+        return self._image_size("nvrtcGetCUBINSize", prog, "sm_")
+
+    def nvrtcGetCUBIN(self, prog: Any, cubin: bytes) -> tuple[Any, ...]:  # noqa: N802
+        return self._image_get("nvrtcGetCUBIN", prog, cubin, "sm_")
+
+    def nvrtcGetPTXSize(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
+        return self._image_size("nvrtcGetPTXSize", prog, "compute_")
+
+    def nvrtcGetPTX(self, prog: Any, ptx: bytes) -> tuple[Any, ...]:  # noqa: N802
+        return self._image_get("nvrtcGetPTX", prog, ptx, "compute_")
+
+    def nvrtcGetProgramLogSize(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._nvrtc_enter("nvrtcGetProgramLogSize")
+        if err is not None:
+            return (err, None)
+        p = self.programs.get(int(prog))
+        if p is None:
+            return (nvrtcResult.NVRTC_ERROR_INVALID_PROGRAM, None)
+        return (nvrtcResult.NVRTC_SUCCESS, len(p["log"]) + 1)
+
+    def nvrtcGetProgramLog(self, prog: Any, log: bytes) -> tuple[Any, ...]:  # noqa: N802
+        err = self._nvrtc_enter("nvrtcGetProgramLog")
+        if err is not None:
+            return (err,)
+        p = self.programs.get(int(prog))
+        if p is None:
+            return (nvrtcResult.NVRTC_ERROR_INVALID_PROGRAM,)
+        _fill_bytes(log, p["log"] + b"\0")
+        return (nvrtcResult.NVRTC_SUCCESS,)
+
+    def nvrtcDestroyProgram(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._nvrtc_enter("nvrtcDestroyProgram")
+        if err is not None:
+            return (err,)
+        if self.programs.pop(int(prog), None) is None:
+            return (nvrtcResult.NVRTC_ERROR_INVALID_PROGRAM,)
+        return (nvrtcResult.NVRTC_SUCCESS,)
+
+
+def _fill_bytes(out: bytes, data: bytes) -> None:
+    """Write into a caller's ``bytes`` object in place, as the bindings' ``char *`` out-parameters do."""
+    if not isinstance(out, bytes) or len(out) < len(data):
+        raise TypeError("output buffer must be a bytes object of the reported size")
+    addr = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value
+    assert addr is not None
+    ctypes.memmove(addr, data, len(data))
+
+
+# ----------------------------------------------------------------- module-level access
+
+_instance: FakeDriver | None = None
+_instance_lock = threading.Lock()
+
+
+def instance() -> FakeDriver:
+    """This process's fake (built from ``FAKE_CUDA_*`` on first use)."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = FakeDriver.from_env()
+        return _instance
+
+
+def reset(driver: FakeDriver | None = None) -> None:
+    """Replace (or drop) this process's fake - for tests that import the module by name."""
+    global _instance
+    with _instance_lock:
+        _instance = driver
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith(("cu", "nvrtc")) and hasattr(FakeDriver, name):
+        return getattr(instance(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
