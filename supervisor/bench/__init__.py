@@ -19,7 +19,9 @@ __all__ = ["BENCHES", "main", "run_bench"]
 #: scale, wasm) add one line here each.
 BENCHES: dict[str, str] = {
     "quota": "supervisor.bench.quota",
+    "registry": "supervisor.bench.registry",
     "route": "supervisor.bench.route",
+    "scale": "supervisor.bench.scale",
     "wasm": "supervisor.bench.wasm",
 }
 

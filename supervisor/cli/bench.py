@@ -1,0 +1,32 @@
+"""``twt bench NAME|all [options]``: the benchmark programs (see :mod:`supervisor.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from supervisor.bench import BENCHES
+
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark program",
+        description="Measure against a baseline taken in the same run and print ratios with PASS/MISS "
+        f"targets; exit 4 when a target is missed. Benchmarks: {', '.join(BENCHES)}, all.",
+        add_help=False,
+    )
+    p.add_argument("name", nargs="?", help="benchmark name or 'all'")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (e.g. --json)")
+    p.add_argument("-h", "--help", action="store_true", dest="bench_help")
+    p.set_defaults(func=run, parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from supervisor.bench import main as bench_main
+
+    if args.bench_help or not args.name:
+        args.parser.print_help()
+        return 0 if args.bench_help else 2
+    return bench_main([args.name, *args.rest])
