@@ -6,9 +6,10 @@ child process: load the driver, ``cuInit``, count devices, read each
 device's name, total and free memory (``cuMemGetInfo`` in a briefly retained
 primary context: what the device budget starts from). The driver module is
 ``cuda.bindings.driver`` unless ``cuda_driver_module`` names another (the
-test suite's fake), and the probe and the workers honour the same name. ``auto`` picks cuda when that works and finds a
-device, else stub, and says why; ``cuda`` without a usable driver fails at
-start with :class:`BackendUnavailable` and the reason.
+test suite's fake), and the probe and the workers honour the same name.
+``auto`` picks cuda when that works and finds a device, else stub, and says
+why; ``cuda`` without a usable driver fails at start with
+:class:`BackendUnavailable` and the reason.
 """
 
 from __future__ import annotations
