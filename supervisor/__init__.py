@@ -1,0 +1,25 @@
+"""The supervisor: tenants, their capabilities and quota blocks, worker processes, routing.
+
+Public face:
+
+- :class:`TenantRegistry` - the in-process registry with the Rust crate's API names;
+- :class:`SupervisorClient` - typed calls to a running supervisor (``twt supervise``);
+- :func:`launch` - start a supervisor as a child process and get a connected client;
+- :class:`Supervisor` - the supervisor loop itself (what ``twt supervise`` runs).
+"""
+
+from __future__ import annotations
+
+from supervisor.client import SupervisorClient
+from supervisor.launch import SupervisorHandle, launch
+from supervisor.registry import TenantInfo, TenantRegistry
+from supervisor.router import Supervisor
+
+__all__ = [
+    "Supervisor",
+    "SupervisorClient",
+    "SupervisorHandle",
+    "TenantInfo",
+    "TenantRegistry",
+    "launch",
+]

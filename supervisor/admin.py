@@ -22,6 +22,8 @@ from supervisor.workers import (
     WorkerState,
 )
 
+__all__: list[str] = []  # an internal layer of Supervisor (supervisor.router)
+
 _log = get_logger("supervisor")
 
 

@@ -37,6 +37,8 @@ from supervisor.rundir import RunDir
 from supervisor.tenants import InstanceSlot, TenantRuntime
 from supervisor.workers import Pending, Spawner, WorkerHandle
 
+__all__: list[str] = []  # an internal layer of Supervisor (supervisor.router)
+
 _log = get_logger("supervisor")
 
 TICK_S = 0.05

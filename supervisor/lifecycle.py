@@ -39,6 +39,8 @@ from supervisor.workers import (
     kill_tree,
 )
 
+__all__: list[str] = []  # an internal layer of Supervisor (supervisor.router)
+
 _log = get_logger("supervisor")
 
 
@@ -191,7 +193,8 @@ class _Lifecycle(_Routing):
         worker.instance = slot.index
         slot.worker = worker
         self._bind(rt, slot, worker)
-        self._refill_pool()
+        # No refill here: starting a process blocks the loop for a few ms, which
+        # would delay this very registration's reply. Housekeeping refills.
 
     def _on_connected(self, worker: WorkerHandle) -> None:
         if not worker.connected:

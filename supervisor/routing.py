@@ -43,6 +43,8 @@ from supervisor.workers import (
     Pending,
 )
 
+__all__: list[str] = []  # an internal layer of Supervisor (supervisor.router)
+
 _log = get_logger("supervisor")
 
 

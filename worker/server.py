@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import zmq
 
+from shared.device_budget import DeviceBudget  # imported at start, not at bind: binding must be fast
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.log import get_logger, log_event
 from shared.protocol import decode_worker_request, encode_worker_reply
@@ -170,8 +171,6 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
     budget = None
     budget_segment = options.pop("budget_segment", None)
     if budget_segment:
-        from shared.device_budget import DeviceBudget  # type: ignore[import-not-found,unused-ignore]
-
         budget = DeviceBudget.attach(budget_segment)
     server.context = TenantContext.create(
         spec,

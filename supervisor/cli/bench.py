@@ -15,18 +15,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="run a benchmark program",
         description="Measure against a baseline taken in the same run and print ratios with PASS/MISS "
         f"targets; exit 4 when a target is missed. Benchmarks: {', '.join(BENCHES)}, all.",
-        add_help=False,
     )
-    p.add_argument("name", nargs="?", help="benchmark name or 'all'")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (e.g. --json)")
-    p.add_argument("-h", "--help", action="store_true", dest="bench_help")
-    p.set_defaults(func=run, parser=p)
+    p.add_argument("name", help="benchmark name or 'all'")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (e.g. --json, --help)")
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from supervisor.bench import main as bench_main
 
-    if args.bench_help or not args.name:
-        args.parser.print_help()
-        return 0 if args.bench_help else 2
     return bench_main([args.name, *args.rest])
