@@ -180,8 +180,8 @@ def _devices(value: Any) -> tuple[int, ...] | str:
 
 def _host_port(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"metrics_addr must be HOST:PORT; got {addr!r}")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"metrics_addr must be HOST:PORT (port 0: any free port); got {addr!r}")
     return host or "127.0.0.1", int(port)
 
 

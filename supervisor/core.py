@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -73,6 +74,8 @@ class _Core:
     backend: zmq.Socket[Any]
     control: zmq.Socket[Any]
     poller: zmq.Poller
+    _wake_r: int  # a self-pipe in the poller: signals and other threads wake the loop
+    _wake_w: int
     spawner: Spawner
     placement: Placement  # devices, budgets, tenant isolation (set by _select_backend)
 
@@ -81,6 +84,9 @@ class _Core:
         self.metrics = metrics or NullMetrics()
         self.rundir = RunDir(config.run_dir)
         self.registry, self.admin = TenantRegistry.new()
+        self._metrics_cache: dict[str, Any] = {}
+        self._metrics_wanted = threading.Event()
+        self._metrics_done = threading.Event()
         self.tenants: dict[str, TenantRuntime] = {}
         self.workers: dict[bytes, WorkerHandle] = {}
         self.by_token: dict[str, WorkerHandle] = {}
@@ -243,12 +249,28 @@ class _Core:
         return out
 
     def metrics_snapshot(self) -> dict[str, Any]:
-        """Per-tenant gauges for the exporter (called from its thread: only reads)."""
+        """Per-tenant gauges, for the exporter's HTTP thread.
+
+        That thread never touches a quota block itself (closing a block while
+        another thread holds a view of it fails): it asks the loop, which
+        rebuilds the dict (``_refresh_metrics``) and swaps it in; the loop
+        also refreshes it every second. Waits at most 1 s for a fresh one.
+        """
+        self._metrics_done.clear()
+        self._metrics_wanted.set()
+        try:
+            os.write(self._wake_w, b"m")
+        except (OSError, AttributeError):
+            return self._metrics_cache
+        self._metrics_done.wait(1.0)
+        return self._metrics_cache
+
+    def _refresh_metrics(self) -> None:
+        """Loop thread: rebuild the exporter's per-tenant snapshot."""
         out = {}
-        for tid, rt in list(self.tenants.items()):
-            try:
-                snap = rt.block.snapshot()
-            except TensorWasmError:
+        for tid, rt in self.tenants.items():
+            if rt.block.closed:
                 continue
-            out[tid] = {"quota": snap, "instances_up": len(rt.live_slots()), "state": rt.state.value}
-        return out
+            out[tid] = {"quota": rt.block.snapshot(), "instances_up": len(rt.live_slots()), "state": rt.state.value}
+        self._metrics_cache = out
+        self._metrics_done.set()

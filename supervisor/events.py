@@ -2,9 +2,9 @@
 
 Every event is one msgpack map with at least ``event`` and ``ts``; the topic
 frame is ``event.<name>`` so ``twt events --filter exit`` subscribes to one
-kind. Events: ``spawn``, ``ready``, ``bind``, ``exit`` (with ``exit_code`` or
+kind. Events: ``spawn``, ``ready``, ``exit`` (with ``exit_code`` or
 ``signal`` and ``reason``), ``restart``, ``failed``, ``register``, ``evict``,
-``scale``, ``quota_refusal``, ``fault``, ``kill``.
+``scale``, ``set_quota``, ``quota_refusal``, ``fault``, ``kill``.
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ class _Lifecycle(_Routing):
                 "frontend": self.rundir.endpoint("frontend"),
                 "events": self.rundir.endpoint("events"),
                 "started": self._started,
+                "metrics_url": getattr(self.metrics, "url", None),
             }
         )
         log_event(
@@ -301,6 +302,7 @@ class _Lifecycle(_Routing):
         if worker.state is WorkerState.DEAD or worker.killed:
             return
         worker.killed = True
+        worker.kill_cause = cause
         if not worker.expected_exit:
             worker.kill_reason = reason
         log_event(
@@ -375,7 +377,14 @@ class _Lifecycle(_Routing):
             reclaimed = rt.block.reclaim_instance(index)
             self._after_reclaim(rt, reclaimed)
         # 3. tell the world
-        cause = "rss" if worker.rss_exceeded else ("stop" if expected else ("signal" if sig else "exit"))
+        if worker.rss_exceeded:
+            cause = "rss"
+        elif expected:
+            cause = "stop"
+        elif worker.kill_cause:
+            cause = worker.kill_cause  # heartbeat, deadline, protocol, startup, bind
+        else:
+            cause = "signal" if sig else "exit"
         self.metrics.worker_exit(tid, cause)
         self.events.emit(
             "exit",
@@ -497,6 +506,7 @@ class _Lifecycle(_Routing):
                     self._kill(worker, f"RSS {rss:,} B above {limit:,} B (memory quota + allowance)", "rss")
 
     def _scan_refusals(self) -> None:
+        self._refresh_metrics()
         for rt in self.tenants.values():
             if rt.block.closed:
                 continue

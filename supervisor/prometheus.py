@@ -5,7 +5,7 @@ exposition)::
 
     router loop (one thread) ──inc/observe──► client Counters / Histogram ──┐
                                                                             ├─► CollectorRegistry ─► HTTP thread
-    quota blocks (shared memory) ◄──read at scrape time── _TenantCollector ─┘         (GET /metrics)
+    snapshot (loop, every 1 s) ◄──read at scrape time── _TenantCollector ─┘         (GET /metrics)
 
 * **Events the loop reports** through the :class:`~supervisor.metrics.Metrics`
   hooks: requests by tenant, op and outcome, request latency by op, worker
@@ -15,7 +15,7 @@ exposition)::
   function the supervisor binds (:meth:`PrometheusMetrics.bind_source`):
   per-tenant CPU/GPU bytes in use, limits, high-water marks, instances up,
   state, and the refusal/underflow counters kept in each tenant's
-  shared-memory block. Nothing is copied into the exporter between scrapes.
+  shared-memory block, as last refreshed by the loop (every second).
 
 The HTTP server runs on daemon threads and only reads. ``HOST:PORT`` with
 port 0 binds a free port (tests); the bound one is :attr:`PrometheusMetrics.port`

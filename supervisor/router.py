@@ -152,7 +152,7 @@ class Supervisor(_Admin):
             self.request_stop()
 
         self.rundir.acquire()  # RunDirLocked: another supervisor owns it - touch nothing
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             prev[int(sig)] = signal.signal(sig, on_signal)
         try:
             self._setup()
@@ -188,6 +188,9 @@ class Supervisor(_Admin):
                         pass
                 elif sock in by_sentinel:
                     self._on_death(by_sentinel[sock])
+            if self._metrics_wanted.is_set():
+                self._metrics_wanted.clear()
+                self._refresh_metrics()
             now = time.monotonic()
             self._run_timers(now)
             if now >= next_tick:
@@ -283,12 +286,18 @@ class Supervisor(_Admin):
             else:
                 self._admin_request(client, rid, op, cap_raw, args, body)
         except TensorWasmError as exc:
-            self._reply_error(client, rid, exc)
+            self._refused(client, rid, op, exc)
         except (TypeError, ValueError, KeyError) as exc:
-            self._reply_error(client, rid, InvalidArgument(f"{op}: {exc}"))
+            self._refused(client, rid, op, InvalidArgument(f"{op}: {exc}"))
         except Exception as exc:  # noqa: BLE001 - nothing a client sends may crash the loop
-            _log.exception("supervisor.request_failed op=%s", op)
-            self._reply_error(client, rid, TensorWasmError(f"internal error handling {op!r}: {exc!r}"))
+            _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
+            self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"))
+
+    def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError) -> None:
+        """Answer a request the supervisor itself refused (and count it)."""
+        self._reply_error(client, rid, exc)
+        if op in proto.TENANT_OPS:
+            self.metrics.request_done(str(getattr(exc, "tenant_id", None) or ""), op, exc.code, 0.0)
 
     def _on_backend(self) -> None:
         recv = self.backend.recv_multipart

@@ -75,9 +75,11 @@ class _Routing(_Core):
         tid = rt.tenant_id
         if op == "quota":
             self._reply(client, rid, rt.block.snapshot().to_dict())
+            self.metrics.request_done(tid, op, "ok", 0.0)
             return
         if op == "put_module":
             self._reply(client, rid, {"digest": self._put_module(rt, body)})
+            self.metrics.request_done(tid, op, "ok", 0.0)
             return
         if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
             raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")

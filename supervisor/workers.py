@@ -88,6 +88,7 @@ class WorkerHandle:
     #: called once the process is gone
     death_waiters: list[Callable[[WorkerHandle], None]] = field(default_factory=list)
     killed: bool = False  # _kill() ran (SIGTERM sent, SIGKILL scheduled)
+    kill_cause: str | None = None  # why _kill() ran: heartbeat, deadline, protocol, rss ...
     expected_exit: bool = False  # stopped on purpose (evict, scale down, shutdown)
     served: int = 0
 
