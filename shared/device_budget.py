@@ -75,6 +75,22 @@ def _slot_off(i: int) -> int:
     return _SLOTS + i * _LINE
 
 
+def _claimed_slots(buf: memoryview) -> list[int]:
+    """Indexes of the claimed slots, in one bulk read of the claim words.
+
+    The supervisor scans on every death, status and scrape; 1024 atomic-load
+    calls cost ~0.5 ms on the loop, one cast read a few us. A claim seen here
+    is then re-read atomically by the caller, so a torn view cannot matter
+    (aligned 8-byte loads are not torn on x86-64/arm64 anyway).
+    """
+    words = buf[_SLOTS:_LAYOUT_BYTES].cast("Q")
+    try:
+        step = _LINE // 8
+        return [i for i in range(MAX_SLOTS) if words[i * step]]
+    finally:
+        words.release()
+
+
 def _amount(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
@@ -300,7 +316,7 @@ class DeviceBudget:
     def snapshot(self) -> DeviceBudgetSnapshot:
         load = self._load
         holders = []
-        for i in range(MAX_SLOTS):
+        for i in _claimed_slots(self._buf):
             off = _slot_off(i)
             if load(off):
                 holders.append((i, load(off + _S_PID), load(off + _S_SHARE)))
@@ -342,7 +358,7 @@ class DeviceBudget:
             raise SegmentError(self.name, "device budget is closed")
         buf = self._buf
         found = []
-        for i in range(MAX_SLOTS):
+        for i in _claimed_slots(buf):
             off = _slot_off(i)
             if not _atomics.load(buf, off):
                 continue

@@ -125,10 +125,18 @@ def _proc_stat(pid: int) -> tuple[bytes, int] | None:
 _CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
 
 
+_own_start: tuple[int, int] | None = None  # (pid, start): constant for this process
+
+
 def _process_start_ms(pid: int) -> int:
+    global _own_start
+    if _own_start is not None and _own_start[0] == pid:
+        return _own_start[1]
     found = _proc_stat(pid)
     if found is None:
         raise ProcessLookupError(pid)
+    if pid == os.getpid():
+        _own_start = (pid, found[1])
     return found[1]
 
 

@@ -103,7 +103,20 @@ class _Lifecycle(_Routing):
             waiters, rt.register_waiters = rt.register_waiters, []
             for client, rid, cap_raw, _ in waiters:
                 if client is not None:
-                    self._reply(client, rid, {"capability": cap_raw, "tenant": self._tenant_record(rt)})
+                    self._reply(
+                        client,
+                        rid,
+                        {
+                            "capability": cap_raw,
+                            "tenant": {
+                                "tenant_id": rt.tenant_id,
+                                "state": rt.state.value,
+                                "generation": rt.generation,
+                                "device": rt.device,
+                                "pids": [s.worker.pid for s in rt.slots if s.worker],
+                            },
+                        },
+                    )
             self._maybe_ready()
 
     def _register_timeout(self, rt: TenantRuntime) -> None:

@@ -161,7 +161,7 @@ class Placement:
                     f"supervisor manages (managed: {', '.join(map(str, self.indexes))}; see the 'devices' setting)"
                 )
             return spec.cuda_device_index
-        self.reclaim_dead()
+        # (dead workers' shares are reclaimed when their death is seen, not here)
         if self.policy == "first":
             return self.indexes[0]
         # most free budget now; ties (e.g. at start-up) -> fewest tenants -> lowest index
