@@ -256,13 +256,18 @@ class Supervisor(_Admin):
             self._refill_pool()
 
     def _on_frontend(self) -> None:
-        recv = self.frontend.recv_multipart
+        # Drain what is queued, asking ZMQ_EVENTS between messages: a recv that
+        # fails with EAGAIN costs ~5 us here (the exception), the query ~1.6 us.
+        sock = self.frontend
+        recv, events = sock.recv_multipart, sock.getsockopt
         for _ in range(FRONTEND_BATCH):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._handle_client(frames)
+            if not int(events(zmq.EVENTS)) & zmq.POLLIN:
+                return
 
     def _handle_client(self, frames: list[zmq.Frame]) -> None:
         client = frames[0].bytes
@@ -300,8 +305,11 @@ class Supervisor(_Admin):
             self.metrics.request_done(str(getattr(exc, "tenant_id", None) or ""), op, exc.code, 0.0)
 
     def _on_backend(self) -> None:
-        recv = self.backend.recv_multipart
-        for _ in range(FRONTEND_BATCH):
+        sock = self.backend
+        recv, events = sock.recv_multipart, sock.getsockopt
+        for n in range(FRONTEND_BATCH):
+            if n and not int(events(zmq.EVENTS)) & zmq.POLLIN:
+                return
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
