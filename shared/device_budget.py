@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Final
 
 from shared import _atomics, _shm
+from shared._segment import MappedSegment
 from shared.errors import GpuMemoryExhausted, SegmentError
 from shared.log import get_logger, log_event
 from shared.quota import (
@@ -122,7 +122,7 @@ class DeviceBudgetSnapshot:
         return d
 
 
-class DeviceBudget:
+class DeviceBudget(MappedSegment):
     """The shared GPU byte budget of one device; see the module docstring.
 
     :meth:`create` (the supervisor, which unlinks it) or :meth:`attach` (a
@@ -132,17 +132,14 @@ class DeviceBudget:
     :class:`GpuMemoryExhausted` and consumes nothing.
     """
 
+    _what = "device budget"  # a worker's claimed slot stays claimed after close, until its death is seen
     consume: Callable[[int], None]
     release: Callable[[int], None]
 
     def __init__(self, segment: _shm.Segment, device_index: int, *, owner: bool, slot: int | None) -> None:
         """Internal: use :meth:`create` or :meth:`attach`."""
-        self._segment = segment
-        self._buf = segment.buf
-        self._owner = owner
+        self._map(segment, owner=owner)
         self._slot = slot
-        self._closed = False
-        self._unlinked = False
         self.device_index = device_index
         name = segment.name
 
@@ -160,16 +157,11 @@ class DeviceBudget:
             log_event(_log, logging.WARNING, "device_budget.underflow", device=device_index, released=n,
                       in_use=used, segment=name)
 
-        def closed() -> BaseException:
-            return SegmentError(name, "device budget is closed")
-
         mirror = None if slot is None else _slot_off(slot) + _S_SHARE
-        self._counter = _atomics.Counter(self._buf, _COUNTER, refuse, underflow, closed, mirror)
+        self._counter = _atomics.Counter(self._buf, _COUNTER, refuse, underflow, self._on_closed(), mirror)
         self.consume = self._counter.consume
         self.release = self._counter.release
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-        if owner:
-            self._finalizer = weakref.finalize(self, _finalize_owned, self._counter, segment)
+        self._bind_counters(self._counter)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -231,56 +223,9 @@ class DeviceBudget:
             raise
 
     @property
-    def name(self) -> str:
-        return self._segment.name
-
-    @property
     def slot(self) -> int | None:
         """The slot this process claimed (None for the owner and readers)."""
         return self._slot
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Unmap (idempotent). A claimed slot stays claimed until the supervisor sees this process gone."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._counter.close()
-        self._buf = memoryview(b"")
-        self._segment.close()
-
-    def unlink(self) -> None:
-        """Remove the segment name (owner only; idempotent)."""
-        if not self._owner:
-            raise SegmentError(self.name, "only the creating process unlinks a device budget")
-        if self._unlinked:
-            return
-        self._unlinked = True
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            if not self._closed:  # keep closing at GC/exit if the caller forgets close()
-                self._finalizer = weakref.finalize(self, _close_only, self._counter, self._segment)
-        seg = self._segment
-        assert isinstance(seg, _shm._Owned)
-        try:
-            seg.unlink()
-        except FileNotFoundError:
-            pass
-
-    def __enter__(self) -> DeviceBudget:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if self._owner:
-                self.unlink()
-        finally:
-            self.close()
 
     def __repr__(self) -> str:
         role = "owner" if self._owner else f"attached slot={self._slot}"
@@ -393,15 +338,3 @@ def _claim_slot(name: str, buf: memoryview) -> int:
     raise SegmentError(name, f"all {MAX_SLOTS} slots are held by live workers")
 
 
-def _close_only(counter: _atomics.Counter, segment: _shm.Segment) -> None:
-    counter.close()
-    segment.close()
-
-
-def _finalize_owned(counter: _atomics.Counter, segment: _shm.Segment) -> None:
-    _close_only(counter, segment)
-    try:
-        assert isinstance(segment, _shm._Owned)
-        segment.unlink()
-    except FileNotFoundError:
-        pass

@@ -33,11 +33,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Final
 
 from shared import _atomics, _shm
+from shared._segment import MappedSegment
 from shared.errors import GpuMemoryExhausted, MemoryExhausted, SegmentError
 from shared.ids import TenantId
 from shared.log import get_logger, log_event
@@ -233,7 +233,7 @@ def new_segment_name(prefix: str | None = None, slot: int | str = 0) -> str:
     return f"{SEGMENT_PREFIX}{prefix or secrets.token_hex(6)}-{slot}"
 
 
-class QuotaBlock:
+class QuotaBlock(MappedSegment):
     """One tenant's CPU and GPU byte quotas, shared by its processes.
 
     Create with :meth:`create` (the owner) or :meth:`attach` (a worker). The
@@ -243,6 +243,7 @@ class QuotaBlock:
     amount, and :class:`SegmentError` once the block is closed.
     """
 
+    _what = "quota block"
     consume_bytes: Callable[[int], None]
     release_bytes: Callable[[int], None]
     consume_gpu_bytes: Callable[[int], None]
@@ -250,12 +251,8 @@ class QuotaBlock:
 
     def __init__(self, segment: _shm.Segment, tenant_id: str, *, owner: bool, instance: int | None) -> None:
         """Internal: use :meth:`create` or :meth:`attach`."""
-        self._segment = segment
-        self._buf = segment.buf
-        self._owner = owner
+        self._map(segment, owner=owner)
         self._instance = instance
-        self._closed = False
-        self._unlinked = False
         self.tenant_id = TenantId(tenant_id)
         name = segment.name
         mirror_cpu = None if instance is None else _instance_off(instance)
@@ -283,18 +280,14 @@ class QuotaBlock:
 
             return warn
 
-        def closed() -> BaseException:
-            return SegmentError(name, "quota block is closed")
-
+        closed = self._on_closed()
         self._cpu = _atomics.Counter(self._buf, _CPU, refuse_cpu, underflow("cpu"), closed, mirror_cpu)
         self._gpu = _atomics.Counter(self._buf, _GPU, refuse_gpu, underflow("gpu"), closed, mirror_gpu)
         self.consume_bytes = self._cpu.consume
         self.release_bytes = self._cpu.release
         self.consume_gpu_bytes = self._gpu.consume
         self.release_gpu_bytes = self._gpu.release
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-        if owner:
-            self._finalizer = weakref.finalize(self, _finalize_owned, self._cpu, self._gpu, segment)
+        self._bind_counters(self._cpu, self._gpu)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -367,61 +360,8 @@ class QuotaBlock:
             raise
 
     @property
-    def name(self) -> str:
-        """The segment's name (what workers attach to)."""
-        return self._segment.name
-
-    @property
-    def is_owner(self) -> bool:
-        return self._owner
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def instance(self) -> int | None:
         return self._instance
-
-    def close(self) -> None:
-        """Unmap (idempotent). An owner should :meth:`unlink` too; exiting the context does both."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._cpu.close()
-        self._gpu.close()
-        self._buf = memoryview(b"")
-        self._segment.close()
-
-    def unlink(self) -> None:
-        """Remove the segment name (owner only; idempotent). Mappings stay valid until closed."""
-        if not self._owner:
-            raise SegmentError(self.name, "only the creating process unlinks a quota block")
-        if self._unlinked:
-            return
-        self._unlinked = True
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            if not self._closed:  # keep closing at GC/exit if the caller forgets close()
-                self._finalizer = weakref.finalize(self, _close_only, self._cpu, self._gpu, self._segment)
-        seg = self._segment
-        assert isinstance(seg, _shm._Owned)
-        try:
-            seg.unlink()
-        except FileNotFoundError:
-            pass
-
-    def __enter__(self) -> QuotaBlock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if self._owner:
-                self.unlink()
-        finally:
-            self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -580,22 +520,6 @@ class QuotaBlock:
                 in_use=found,
                 segment=self.name,
             )
-
-
-def _close_only(cpu: _atomics.Counter, gpu: _atomics.Counter, segment: _shm.Segment) -> None:
-    cpu.close()
-    gpu.close()
-    segment.close()
-
-
-def _finalize_owned(cpu: _atomics.Counter, gpu: _atomics.Counter, segment: _shm.Segment) -> None:
-    """GC / interpreter-exit cleanup of an owned block the caller forgot to close."""
-    _close_only(cpu, gpu, segment)
-    try:
-        assert isinstance(segment, _shm._Owned)
-        segment.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def read_header(name: str) -> SegmentHeader:

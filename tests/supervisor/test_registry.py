@@ -38,6 +38,7 @@ def test_register_consume_release() -> None:
         cap = registry.register_with_capability(
             admin, TenantSpec("acme").with_memory_quota_bytes(1000).with_gpu_memory_bytes_cap(100)
         )
+        segment = registry.get(admin, "acme").segment
         assert isinstance(cap, TenantCapability) and cap.tenant_id == "acme"
         registry.consume_bytes_with_capability(cap, 600)
         registry.consume_gpu_bytes_with_capability(cap, 100)
@@ -55,7 +56,7 @@ def test_register_consume_release() -> None:
         assert info.quota.cpu_refusals == 1 and info.quota.gpu_refusals == 1
         assert info.quota.cpu_high_water == 600
         assert registry.len() == len(registry) == 1 and "acme" in registry
-    assert not hygiene.twt_segments()
+    assert segment not in hygiene.twt_segments()
 
 
 def test_defaults_and_uncapped_gpu() -> None:
