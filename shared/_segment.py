@@ -12,9 +12,8 @@ are closed before the mapping is.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Self
 
-from typing_extensions import Self
 
 from shared import _atomics, _shm
 from shared.errors import SegmentError
