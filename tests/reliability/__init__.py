@@ -1,0 +1,1 @@
+"""Reliability suite: faults, kills, hostile and slow clients; nothing lost, nothing leaked (docs/RELIABILITY.md)."""

@@ -1,0 +1,204 @@
+"""``twt chaos``: the schedule is a function of the seed, the checks catch violations, short campaigns pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared import protocol as proto
+from supervisor import chaos
+from supervisor.chaos import (
+    Action,
+    ChaosConfig,
+    Fault,
+    Record,
+    build_schedule,
+    reconcile,
+    schedule_hash,
+)
+from supervisor.cli import main
+from tests.helpers.cluster import supervisor
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGETS = [("faulty-0", 2), ("faulty-1", 2)]
+
+
+def _twt(*args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+# ------------------------------------------------------------------ the schedule
+
+
+def test_same_seed_same_schedule_and_hash() -> None:
+    a = build_schedule(7, chaos.DEFAULT_FAULTS, 2.0, 30.0, TARGETS)
+    b = build_schedule(7, chaos.DEFAULT_FAULTS, 2.0, 30.0, TARGETS)
+    assert a == b and schedule_hash(a) == schedule_hash(b)
+    assert schedule_hash(build_schedule(8, chaos.DEFAULT_FAULTS, 2.0, 30.0, TARGETS)) != schedule_hash(a)
+    assert 30 < sum(not f.heal for f in a) < 90  # Poisson at 2/s over 30 s
+    assert all(0 <= f.at_s < 30 and f.tenant in ("faulty-0", "faulty-1") and 0 <= f.instance < 2 for f in a)
+    assert [f.at_s for f in a] == sorted(f.at_s for f in a)
+    # every kind appears, with parameters the worker accepts
+    assert {f.kind for f in a} == set(chaos.DEFAULT_FAULTS)
+    for f in a:
+        params = dict(f.params)
+        if f.kind == "slow":
+            assert (params["ms"] == 0) == f.heal
+        if f.kind == "exit":
+            assert 0 <= params["code"] <= 255
+    # a heal follows its slow fault on the same instance
+    for heal in (f for f in a if f.heal):
+        assert any(not f.heal and f.kind == "slow" and (f.tenant, f.instance) == (heal.tenant, heal.instance)
+                   and f.at_s < heal.at_s for f in a)
+    assert build_schedule(7, chaos.DEFAULT_FAULTS, 0.0, 30.0, TARGETS) == ()
+    assert build_schedule(7, chaos.DEFAULT_FAULTS, 2.0, 30.0, []) == ()  # no faulty tenant, no fault
+
+
+def test_cli_prints_the_schedule_without_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["chaos", "--schedule", "--json", "--seed", "5", "--duration", "20", "--faults", "crash,sigkill"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    cfg = ChaosConfig(duration_s=20, seed=5, faults=("crash", "sigkill"))
+    expected = build_schedule(5, ("crash", "sigkill"), 1.0, cfg.fault_phase, TARGETS)
+    assert doc["hash"] == schedule_hash(expected)
+    assert [Fault(**{**f, "params": tuple(f["params"].items())}) for f in doc["faults"]] == list(expected)
+
+
+def test_config_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="unknown fault"):
+        ChaosConfig(faults=("crash", "meteor"))
+    with pytest.raises(ValueError, match="healthy"):
+        ChaosConfig(tenants=2, faulty=2)
+    with pytest.raises(ValueError, match="duration"):
+        ChaosConfig(duration_s=0)
+    cfg = ChaosConfig(tenants=5)
+    assert [r[1] for r in cfg.roles()] == [False, False, True, True, True]
+    assert cfg.baseline + cfg.fault_phase == cfg.duration_s
+    with pytest.raises(SystemExit) as exc:
+        main(["chaos", "--faults", "crash,meteor"])
+    assert exc.value.code == 2
+
+
+# ------------------------------------------------------------------ the checks
+
+
+def _rec(outcome: str = "ok", latency: float = 0.001, *, healthy: bool = True, phase: str = "faults",
+         deadline: float = 2.0, op: str = "read") -> Record:
+    return Record("healthy-0" if healthy else "faulty-0", healthy, op, phase, 0.0, latency, outcome, deadline)
+
+
+def test_checks_catch_each_kind_of_violation() -> None:
+    good = [_rec(), _rec(phase="baseline"), _rec("worker_lost", healthy=False)]
+    assert chaos._check_answered(good, []).ok
+    assert not chaos._check_answered([*good, _rec("lost", healthy=False)], []).ok
+    assert not chaos._check_answered([*good, _rec("untyped", healthy=False)], []).ok
+    lost_admin = Action(Fault(1.0, "faulty-0", "crash", 0), 0.0, "lost")
+    assert not chaos._check_answered(good, [lost_admin]).ok
+
+    assert chaos._check_deadlines([_rec(latency=2.9)], grace_s=1.0).ok
+    late = chaos._check_deadlines([_rec("kernel_timeout", latency=3.2, healthy=False)], grace_s=1.0)
+    assert not late.ok and "3.200" in late.detail
+
+    assert not chaos._check_data([_rec("wrong_data")]).ok
+
+    healthy = {"healthy-0"}
+    assert chaos._check_healthy(good, [], healthy, until=1e12).ok
+    assert not chaos._check_healthy([*good, _rec("overloaded")], [], healthy, until=1e12).ok
+    death = {"event": "exit", "tenant": "healthy-0", "ts": 5.0, "reason": "killed by signal 9"}
+    assert not chaos._check_healthy(good, [death], healthy, until=10.0).ok
+    assert chaos._check_healthy(good, [death], healthy, until=4.0).ok  # cleanup (evict) is not a disturbance
+
+    base = [_rec(phase="baseline", latency=0.001)] * 100
+    assert chaos._check_latency(chaos.latency_table(base + [_rec(latency=0.0029)] * 100, ["healthy-0"]),
+                                ["healthy-0"], 3.0).ok
+    slow = chaos.latency_table(base + [_rec(latency=0.0031)] * 100, ["healthy-0"])
+    assert not chaos._check_latency(slow, ["healthy-0"], 3.0).ok
+    assert chaos._check_latency(slow, ["healthy-0"], None).ok  # reported, not checked
+
+
+def _record(instances: list[tuple[int, int, str]], shares: list[tuple[int, int]], gpu: int, cpu: int = 0
+            ) -> dict[str, Any]:
+    return {
+        "tenant_id": "faulty-0",
+        "instances": [{"index": i, "incarnation": inc, "state": state, "pid": 100 + i if state == "ready" else None}
+                      for i, inc, state in instances],
+        "gpu_bytes_in_use": gpu,
+        "bytes_in_use": cpu,
+        "quota": {"instance_shares": [[i, 0, g] for i, g in shares]},
+    }
+
+
+def test_reconcile_counts_live_buffers_and_writes_off_dead_incarnations() -> None:
+    h0 = proto.make_handle(0, 3, 1)  # instance 0, incarnation 3 (the running one)
+    h1 = proto.make_handle(1, 2, 7)  # instance 1, incarnation 2: it restarted since (now 4)
+    live = {h0: 4096, h1: 8192}
+    rec = _record([(0, 3, "ready"), (1, 4, "ready")], [(0, 4096)], 4096)
+    r = reconcile(rec, live)
+    assert r.ok and (r.expected_gpu, r.lost_buffers, r.lost_bytes) == (4096, 1, 8192)
+    leak = reconcile(_record([(0, 3, "ready"), (1, 4, "ready")], [(0, 4096), (1, 8192)], 12288), live)
+    assert not leak.ok and "instance 1 share 8,192 B, expected 0 B" in "; ".join(leak.problems)
+    under = reconcile(_record([(0, 3, "ready"), (1, 4, "ready")], [], 0), live)
+    assert not under.ok and "gpu_bytes_in_use 0 B" in under.problems[0]
+    cpu = reconcile(_record([(0, 3, "ready"), (1, 4, "ready")], [(0, 4096)], 4096, cpu=65536), live)
+    assert not cpu.ok
+
+
+def test_cli_exits_4_when_an_invariant_fails(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    def fake(cfg: ChaosConfig, progress: Any = None) -> dict[str, Any]:
+        return {"config": {"seed": cfg.seed, "duration_s": 1, "baseline_s": 0.5, "fault_phase_s": 0.5,
+                           "tenants": 2, "faulty": 1, "clients": 2, "rate": 1},
+                "schedule": {"hash": "0" * 16, "faults": 0, "by_kind": {}},
+                "checks": [{"name": "every request answered", "ok": False, "detail": "1 lost"}],
+                "ok": False, "elapsed_s": 1.0}
+
+    monkeypatch.setattr(chaos, "run_chaos", fake)
+    assert main(["chaos", "--duration", "1"]) == 4
+    assert "FAIL  every request answered: 1 lost" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ campaigns
+
+
+@pytest.mark.slow
+def test_short_campaign_passes_every_invariant() -> None:
+    """``twt chaos --duration 10``: its own supervisor, every fault kind, all invariants."""
+    proc = _twt("chaos", "--duration", "10", "--seed", "3", "--rate", "1.5", "--json")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert not failed and report["ok"]
+    assert {c["name"] for c in report["checks"]} >= {
+        "every request answered", "answered within deadline + grace", "data intact", "healthy tenants undisturbed",
+        "quota counters equal live allocations", "counters zero after cleanup", "no process or segment leaked",
+        "healthy p99 within 3x of baseline"}
+    schedule = _twt("chaos", "--schedule", "--json", "--duration", "10", "--seed", "3", "--rate", "1.5")
+    assert json.loads(schedule.stdout)["hash"] == report["schedule"]["hash"]
+    assert len(report["actions"]) == report["schedule"]["faults"]
+    assert sum(s.get("deaths", 0) for s in report["faults"].values()) >= 1
+    assert all(t["errors"] == {} for t in report["tenants"] if t["healthy"])
+    assert report["requests"]["total"] > 1000
+
+
+@pytest.mark.slow
+def test_campaign_against_a_running_supervisor() -> None:
+    """``--run-dir``: its tenants come and go, the supervisor and its other tenants stay."""
+    with supervisor([{"name": "bystander"}], start_method="forkserver", pool_size=1) as sup:
+        cap = sup.client.tenant_capability(None, "bystander")
+        h = sup.client.alloc(cap, 12345)
+        proc = _twt("chaos", "--run-dir", sup.run_dir, "--duration", "5", "--seed", "11", "--rate", "3",
+                    "--tenants", "3", "--faults", "crash,sigkill,corrupt,oom", "--latency-factor", "0", "--json")
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+        report = json.loads(proc.stdout)
+        assert report["ok"] and not report["supervisor"]["started_here"]
+        assert report["supervisor"]["pid"] == sup.pid
+        status = sup.client.status()
+        assert [t["tenant_id"] for t in status["tenants"]] == ["bystander"]  # the campaign's tenants evicted
+        assert status["tenants"][0]["gpu_bytes_in_use"] == 12345 and sup.client.buffers(cap) == {h: 12345}

@@ -1,0 +1,149 @@
+"""The supervisor SIGKILLed again and again on one run directory, at different moments.
+
+Each time: every process it started (workers, pool, forkserver, workers not
+yet connected) is gone within 2 s, callers waiting on it get a typed error
+(``RequestTimeout``) rather than hanging, and the next supervisor on the same
+run dir starts at once. Its shared-memory segments are removed by its
+resource tracker when only the supervisor is killed; when the whole process
+tree is killed at once (a cgroup kill, the OOM killer taking the group) they
+stay, and the next supervisor removes them before it is ready.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+
+from shared.errors import RequestTimeout, SupervisorUnavailable
+from shared.spec import TenantSpec
+from supervisor.launch import SupervisorHandle, launch
+from tests.helpers import hygiene
+from tests.helpers.cluster import tenant, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+SETTINGS = {"backend": "stub", "pool_size": 2, "heartbeat_interval_s": 0.2, "heartbeat_liveness": 3,
+            "kill_grace_s": 0.5, "stop_timeout_s": 3.0}
+TENANTS = [{"name": "a", "gpu_memory_bytes_cap": "64MiB"}, {"name": "b", "instances": 2}]
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    path = f"/tmp/twt-r{os.getpid()}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _tree(pid: int) -> dict[int, float]:
+    try:
+        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return {}
+
+
+def _alive(pid: int, created: float) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return bool(abs(p.create_time() - created) < 0.01 and p.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _prefix(sup: SupervisorHandle) -> str:
+    """Segment names of this supervisor start with this (its registry id)."""
+    return "twt-" + str(sup.client.hello()["registry_id"])[:8] + "-"
+
+
+# what is going on when the supervisor is killed ------------------------------------------------
+
+
+def _idle(sup: SupervisorHandle) -> Callable[[], None]:
+    return lambda: None
+
+
+def _under_load(sup: SupervisorHandle) -> Callable[[], None]:
+    """Requests in flight (a slow worker) and buffers held when the supervisor dies."""
+    c = sup.client
+    cap = c.tenant_capability(None, "a")
+    c.alloc(cap, 1 << 20)
+    c.inject_fault(None, "a", "slow", ms=2000)
+    waiter = sup.connect(timeout_s=1.5)
+    rids = [waiter.send("ping", cap) for _ in range(5)]
+
+    def after() -> None:
+        # the caller gets a typed timeout, not a hang
+        with pytest.raises(RequestTimeout):
+            waiter.recv()
+        assert rids
+        waiter.close()
+
+    return after
+
+
+def _registering(sup: SupervisorHandle) -> Callable[[], None]:
+    """A 4-instance registration under way: workers spawned, some not yet connected."""
+    spec = TenantSpec("late").with_instances(4)
+    sup.client.send("register", sup.admin_capability, {"spec": spec.to_dict()})
+    time.sleep(0.03)
+    return lambda: None
+
+
+def _stopping(sup: SupervisorHandle) -> Callable[[], None]:
+    """SIGTERM (graceful stop begins), then SIGKILL a moment later."""
+    sup.process.send_signal(signal.SIGTERM)
+    time.sleep(0.02)
+    return lambda: None
+
+
+#: (what is going on, start method, kill the whole tree at once - as a cgroup kill does - or the supervisor only)
+SCENARIOS = [("idle", _idle, "spawn", False), ("under load", _under_load, "forkserver", False),
+             ("registering", _registering, "spawn", False), ("stopping", _stopping, "forkserver", False),
+             ("under load", _under_load, "spawn", True), ("registering", _registering, "forkserver", True),
+             ("idle", _idle, "forkserver", True)]
+
+
+def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) -> None:
+    stale: set[str] = set()
+    for name, scenario, method, whole_tree in SCENARIOS:
+        with launch({"supervisor": {**SETTINGS, "log_level": "warning"}, "tenant": TENANTS}, run_dir=run_dir,
+                    start_method=method) as sup:
+            # the previous supervisor's segments were removed before this one became ready
+            assert not (stale & hygiene.twt_segments()), (name, stale & hygiene.twt_segments())
+            wait_for(lambda: len(sup.client.status()["supervisor"]["pool"]["pids"]) == 2, what="pool full")
+            assert tenant(sup.client.status(), "b")["state"] == "running"
+            prefix = _prefix(sup)
+            procs = _tree(sup.pid)
+            after = scenario(sup)
+            procs.update(_tree(sup.pid))
+            assert len(procs) >= 5, (name, procs)  # 3 instances + 2 pool (+ forkserver, + registering)
+            if whole_tree:
+                # the supervisor's resource tracker dies too: nobody but the next supervisor can clean up
+                for pid in [sup.pid, *procs]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            else:
+                sup.process.kill()
+            sup.process.wait(10)
+            t0 = time.monotonic()
+            wait_for(lambda: not any(_alive(p, t) for p, t in procs.items()), timeout_s=2.0,  # noqa: B023
+                     interval_s=0.01, what=f"{name}: every process of the killed supervisor gone")
+            gone_in = time.monotonic() - t0
+            assert gone_in < 2.0, (name, gone_in)
+            after()
+            stale = {n for n in hygiene.twt_segments() if n.startswith(prefix)}
+            if whole_tree:
+                assert len(stale) >= 3, (name, stale)  # two tenants and the device budget, left behind
+            with pytest.raises(SupervisorUnavailable):
+                type(sup.client)(run_dir)  # a client sees a stale run dir, not a hang
+    # one more start cleans the last one's segments, and a graceful stop leaves nothing
+    with launch({"supervisor": SETTINGS, "tenant": TENANTS}, run_dir=run_dir) as sup:
+        assert not (stale & hygiene.twt_segments())
+        assert sup.client.hello()["pid"] == sup.pid
