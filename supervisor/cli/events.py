@@ -25,7 +25,7 @@ from supervisor.cli.status import connect
 __all__ = ["KINDS", "add_parser", "format_event", "run"]
 
 #: the event kinds the supervisor publishes (see supervisor/events.py and docs/OPERATIONS.md)
-KINDS = ("spawn", "ready", "bind", "exit", "restart", "failed", "register", "evict", "scale", "set_quota",
+KINDS = ("spawn", "ready", "exit", "restart", "failed", "register", "evict", "scale", "set_quota",
          "quota_refusal", "fault", "kill")
 #: fields shown first, in this order; the rest follow alphabetically
 _ORDER = ("worker", "pid", "exit_code", "signal", "reason", "expected", "kind")
