@@ -124,7 +124,7 @@ class ChaosConfig:
     faulty: int | None = None  # default: half of them, rounded down, and at least one healthy
     faults: tuple[str, ...] = DEFAULT_FAULTS
     rate: float = 1.0  # faults per second, all faulty tenants together
-    clients: int | None = None  # client threads (default: two per tenant, at most 12)
+    clients: int | None = None  # client threads (default: two per tenant, at most 12, at least one per tenant)
     baseline_s: float | None = None  # default: a quarter of the duration, 2..15 s
     run_dir: str | None = None  # a running supervisor to use instead of starting one
     backend: str = "stub"
@@ -146,8 +146,8 @@ class ChaosConfig:
             raise ValueError(f"unknown fault kind(s) {', '.join(unknown)}; known: {', '.join(ALL_FAULTS)}")
         if not (math.isfinite(self.rate) and self.rate >= 0):
             raise ValueError(f"rate must be >= 0 faults per second, got {self.rate!r}")
-        if self.clients is not None and not 1 <= self.clients <= 256:
-            raise ValueError(f"clients must be in 1..256, got {self.clients}")
+        if self.clients is not None and not self.tenants <= self.clients <= 256:
+            raise ValueError(f"clients must be in {self.tenants}..256 (one per tenant at least), got {self.clients}")
         if self.baseline_s is not None and not 0 < self.baseline_s < self.duration_s:
             raise ValueError("baseline must be positive and shorter than the duration")
         if self.latency_factor is not None and not self.latency_factor >= 1:
@@ -169,7 +169,7 @@ class ChaosConfig:
 
     @property
     def n_clients(self) -> int:
-        return self.clients if self.clients is not None else min(12, 2 * self.tenants)
+        return self.clients if self.clients is not None else max(self.tenants, min(12, 2 * self.tenants))
 
     def roles(self) -> list[tuple[str, bool, int]]:
         """(role name, healthy, instances) of every tenant, faulty ones first."""

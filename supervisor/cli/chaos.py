@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--rate", type=float, default=1.0, metavar="R",
                    help="faults per second across the faulty tenants (default: 1)")
     p.add_argument("--clients", type=int, default=None, metavar="N",
-                   help="client threads (default: two per tenant, at most 12)")
+                   help="client threads, at least one per tenant (default: two per tenant, at most 12)")
     p.add_argument("--baseline", type=float, default=None, metavar="S",
                    help="seconds of the fault-free phase (default: a quarter of the duration, 2..15)")
     p.add_argument("--latency-factor", type=float, default=3.0, metavar="X",

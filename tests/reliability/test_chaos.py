@@ -190,7 +190,7 @@ def test_short_campaign_passes_every_invariant() -> None:
 @pytest.mark.slow
 def test_campaign_against_a_running_supervisor() -> None:
     """``--run-dir``: its tenants come and go, the supervisor and its other tenants stay."""
-    with supervisor([{"name": "bystander"}], start_method="forkserver", pool_size=1) as sup:
+    with supervisor([{"name": "bystander"}], start_method="forkserver", pool_size=1, log_level="error") as sup:
         cap = sup.client.tenant_capability(None, "bystander")
         h = sup.client.alloc(cap, 12345)
         proc = _twt("chaos", "--run-dir", sup.run_dir, "--duration", "5", "--seed", "11", "--rate", "3",

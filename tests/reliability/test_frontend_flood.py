@@ -164,7 +164,7 @@ def test_hundred_thousand_fuzzed_frames_no_crash_bounded_memory(sup: SupervisorH
     c = sup.client
     cap = c.register(None, TenantSpec("acme"))
     proc = psutil.Process(sup.pid)
-    _flood(sup, Fuzzer(1, cap.to_bytes()), 10_000)  # warm-up: caches, allocator arenas, socket buffers
+    _flood(sup, Fuzzer(1, cap.to_bytes()), 30_000)  # warm-up: caches, allocator arenas, socket buffers
     rss0, fds0 = proc.memory_info().rss, proc.num_fds()
 
     # a well-behaved client keeps being served during the flood

@@ -127,13 +127,13 @@ def test_hundreds_of_sigkills_under_load() -> None:
                 load.join(60)
         assert len(killed) >= KILLS, f"only {len(killed)} kills delivered in 90 s"
         print(f"{len(killed)} kills in {time.monotonic() - deadline + 90:.1f} s;",
-              {name: sum(load.outcomes.values()) for name, load in loads.items()})
+              {name: dict(load.outcomes) for name, load in loads.items()})
         for name, load in loads.items():
             assert not load.is_alive() and not load.problems, (name, load.problems[:5])
         # callers of killed workers were told so, with a typed, retryable error
         lost = sum(n for k, n in loads["victim-a"].outcomes.items() if k.endswith(":worker_lost"))
         lost += sum(n for k, n in loads["victim-b"].outcomes.items() if k.endswith(":worker_lost"))
-        assert lost >= 20, {name: dict(load.outcomes) for name, load in loads.items()}
+        assert lost >= 50, {name: dict(load.outcomes) for name, load in loads.items()}
         assert set(loads["bystander"].outcomes) <= {f"{op}:ok" for op in ("alloc", "free", "write", "read", "ping")}
 
         def settled() -> dict[str, Any] | None:
