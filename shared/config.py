@@ -66,6 +66,7 @@ class SupervisorConfig:
     kill_grace_s: float = 1.0
     max_message_bytes: int = 256 << 20
     max_header_bytes: int = 64 << 10
+    max_client_reply_bytes: int = 32 << 20
     rss_allowance_bytes: int = 512 << 20
     stub_device_capacity_bytes: int = 16 << 30
     device_reserve_bytes: int = 512 << 20
@@ -96,6 +97,7 @@ class SupervisorConfig:
         for name in (
             "max_message_bytes",
             "max_header_bytes",
+            "max_client_reply_bytes",
             "rss_allowance_bytes",
             "stub_device_capacity_bytes",
             "device_reserve_bytes",
@@ -199,6 +201,7 @@ _ENV_FIELDS = (
     "kill_grace_s",
     "max_message_bytes",
     "max_header_bytes",
+    "max_client_reply_bytes",
     "rss_allowance_bytes",
     "stub_device_capacity_bytes",
     "device_reserve_bytes",

@@ -12,6 +12,7 @@ layer on the one below (all run on the single loop thread, no locks)::
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 import os
@@ -48,6 +49,8 @@ HELLO_TIMEOUT_S = 60.0
 DEADLINE_GRACE_S = 2.0
 RSS_CHECK_INTERVAL_S = 1.0
 MAX_MODULES_PER_TENANT = 32
+#: reply bodies from this size on are tracked per client (see _Core._reply)
+_TRACK_BYTES = 64 << 10
 MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: worker-side ops whose handle argument pins them to one instance
 _HANDLE_OPS = frozenset({"free", "write", "read"})
@@ -85,6 +88,8 @@ class _Core:
         self.rundir = RunDir(config.run_dir)
         self.registry, self.admin = TenantRegistry.new()
         self._metrics_cache: dict[str, Any] = {}
+        self.internal_errors = 0  # bugs caught by the loop's safety net (see Supervisor._internal_error)
+        self._reply_queues: dict[bytes, collections.deque[tuple[zmq.MessageTracker, int]]] = {}
         self._metrics_wanted = threading.Event()
         self._metrics_done = threading.Event()
         self.tenants: dict[str, TenantRuntime] = {}
@@ -133,10 +138,37 @@ class _Core:
         try:
             if body is None:
                 self.frontend.send_multipart([client, header], zmq.NOBLOCK)
-            else:
+            elif len(body) < _TRACK_BYTES:
                 self.frontend.send_multipart([client, header, body], zmq.NOBLOCK, copy=False)
+            else:
+                # ZMQ bounds a peer's queue in messages, not bytes: remember big bodies
+                # until libzmq lets go of them, so a client that does not read is refused
+                # more of them (``_queued_reply_bytes``) instead of growing our memory.
+                view = body.buffer if isinstance(body, zmq.Frame) else memoryview(body)
+                tracked = zmq.Frame(view, track=True)  # zero-copy: refers to the received frame
+                tracker = self.frontend.send_multipart([client, header, tracked], zmq.NOBLOCK, copy=False, track=True)
+                if tracker is not None:
+                    queue = self._reply_queues.setdefault(client, collections.deque())
+                    queue.append((tracker, len(body)))
         except zmq.ZMQError as exc:  # EHOSTUNREACH (client gone) / EAGAIN (client not reading)
             log_event(_log, logging.DEBUG, "supervisor.reply_dropped", rid=rid, error=exc.strerror)
+
+    def _queued_reply_bytes(self, client: bytes) -> int:
+        """Bytes of big reply bodies sent to ``client`` that libzmq still holds."""
+        queue = self._reply_queues.get(client)
+        if not queue:
+            return 0
+        while queue and queue[0][0].done:
+            queue.popleft()
+        if not queue:
+            del self._reply_queues[client]
+            return 0
+        return sum(n for _, n in queue)
+
+    def _prune_reply_queues(self) -> None:
+        """Housekeeping: forget clients whose big replies have all left."""
+        for client in list(self._reply_queues):
+            self._queued_reply_bytes(client)
 
     def _reply_error(self, client: bytes | None, rid: int, exc: TensorWasmError) -> None:
         self._reply_raw_error(client, rid, exc.to_dict())
@@ -236,6 +268,7 @@ class _Core:
                     "pids": [w.pid for w in self.pool],
                 },
                 "workers": len(self.workers),
+                "internal_errors": self.internal_errors,
                 "rss_bytes": psutil.Process().memory_info().rss,
             },
             "tenants": [self._tenant_record(rt) for _, rt in sorted(self.tenants.items())],

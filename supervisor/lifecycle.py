@@ -439,7 +439,7 @@ class _Lifecycle(_Routing):
         if rt.register_waiters and worker.ready_at is None:
             self._fail_registration(rt, WorkerLost(rt.tenant_id, index, code, sig, f"died while starting: {reason}"))
             return
-        if not rt.should_restart(code, sig):
+        if not rt.should_restart(code, sig, killed=worker.killed and not expected):
             rt.refresh_state()
             self._fail_parked_for(rt, index, code, sig, reason)
             return

@@ -95,6 +95,9 @@ class Supervisor(_Admin):
             os.chmod(self.rundir.file(f"{name}.ipc"), 0o600)
         self.rundir.write_admin_capability(self.admin.to_bytes())
 
+        # Tracked frames (big reply bodies, see _Core._reply) need pyzmq's garbage-collector
+        # thread and context; start it now so the process's fds are stable from the start.
+        zmq.Frame(bytes(1 << 17), track=True)  # large enough for pyzmq's zero-copy (tracked) path
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
@@ -175,27 +178,33 @@ class Supervisor(_Admin):
             if self._timers:
                 timeout = min(timeout, max(0.0, self._timers[0].when - now))
             for sock, _ in poll(int(timeout * 1000)):
-                if sock is backend:
-                    self._on_backend()
-                elif sock is frontend:
-                    self._on_frontend()
-                elif sock is control:
-                    self._on_control()
-                elif sock == wake:
-                    try:
-                        os.read(wake, 4096)
-                    except BlockingIOError:
-                        pass
-                elif sock in by_sentinel:
-                    self._on_death(by_sentinel[sock])
+                try:
+                    if sock is backend:
+                        self._on_backend()
+                    elif sock is frontend:
+                        self._on_frontend()
+                    elif sock is control:
+                        self._on_control()
+                    elif sock == wake:
+                        try:
+                            os.read(wake, 4096)
+                        except BlockingIOError:
+                            pass
+                    elif sock in by_sentinel:
+                        self._on_death(by_sentinel[sock])
+                except Exception:  # noqa: BLE001 - a bug in one handler must not take every tenant down
+                    self._internal_error("dispatch")
             if self._metrics_wanted.is_set():
                 self._metrics_wanted.clear()
                 self._refresh_metrics()
             now = time.monotonic()
-            self._run_timers(now)
-            if now >= next_tick:
-                next_tick = now + TICK_S
-                self._housekeeping(now)
+            try:
+                self._run_timers(now)
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    self._housekeeping(now)
+            except Exception:  # noqa: BLE001 - as above
+                self._internal_error("housekeeping")
             if self._stopping:
                 if self._stop_started is None:
                     self._stop_started = now
@@ -250,10 +259,16 @@ class Supervisor(_Admin):
         # RSS backstop and quota-refusal events
         if now - self._last_rss_check >= RSS_CHECK_INTERVAL_S:
             self._last_rss_check = now
+            self._prune_reply_queues()
             self._check_rss()
             self._scan_refusals()
         if not self._stopping:
             self._refill_pool()
+
+    def _internal_error(self, where: str) -> None:
+        """Log a bug with its traceback and keep serving (counted in status as internal_errors)."""
+        self.internal_errors += 1
+        _log.error("supervisor.internal_error", exc_info=True, extra={"twt_fields": {"where": where}})
 
     def _on_frontend(self) -> None:
         # Drain what is queued, asking ZMQ_EVENTS between messages: a recv that

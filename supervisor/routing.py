@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -25,6 +25,7 @@ from shared.errors import (
     TensorWasmError,
     UnknownModule,
     UnknownTenant,
+    WorkerLost,
 )
 from shared.log import get_logger
 from supervisor.core import (
@@ -35,6 +36,8 @@ from supervisor.core import (
     _Core,
 )
 
+#: ops whose replies can carry big bodies: refused while a client lets too many pile up
+_BIG_REPLY_OPS = frozenset({"read", "run_wasm"})
 #: the largest module run_wasm/put_module accept (the worker's own cap too):
 #: compiling is not under the run's deadline, so it must stay bounded
 MAX_MODULE_BYTES = 32 << 20
@@ -94,6 +97,17 @@ class _Routing(_Core):
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
         if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
             raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
+        if op in _BIG_REPLY_OPS:
+            queued = self._queued_reply_bytes(client)
+            if queued > self.config.max_client_reply_bytes:
+                raise Overloaded(
+                    tid, rt.in_flight, rt.spec.max_in_flight,
+                    message=f"{queued:,} B of replies to this client are still queued (it is not reading them); "
+                    f"limit max_client_reply_bytes={self.config.max_client_reply_bytes:,}",
+                )
+        if op == "buffers":
+            self._buffers_of_every_instance(rt, client, rid)
+            return
         pinned = self._pinned_instance(rt, op, args)
         slot = self._slot_for(rt, pinned)
         now = time.monotonic()
@@ -104,6 +118,43 @@ class _Routing(_Core):
             rt.parked.append(Parked(client, rid, op, args, body, now, now + self._deadline_s(rt, op, args), pinned))
             return
         self._forward(rt, slot, client, rid, op, args, body, now)
+
+    def _buffers_of_every_instance(self, rt: TenantRuntime, client: bytes, rid: int) -> None:
+        """``buffers`` lists the tenant's buffers on every ready instance (a fan-out, merged)."""
+        slots = rt.live_slots()
+        if not slots:
+            raise WorkerLost(rt.tenant_id, 0, reason="no ready instance to list buffers on")
+        now = time.monotonic()
+        deadline = now + rt.spec.request_timeout_s
+        remaining = {slot.index for slot in slots}
+        merged: list[Any] = []
+        errors: list[Any] = []
+
+        def collect(index: int) -> Callable[[bool, Any], None]:
+            def done(ok: bool, payload: Any) -> None:
+                if index not in remaining:
+                    return
+                remaining.discard(index)
+                if ok and isinstance(payload, dict):
+                    merged.extend(payload.get("buffers") or ())
+                else:
+                    errors.append(payload)
+                if remaining:
+                    return
+                if errors:
+                    self._reply_raw_error(client, rid, errors[0])
+                else:
+                    self._reply(client, rid, {"buffers": sorted(merged), "bytes": sum(n for _, n in merged)})
+
+            return done
+
+        for slot in slots:
+            assert slot.worker is not None
+            pending = Pending(None, 0, "buffers", rt.tenant_id, slot.index, now, deadline, collect(slot.index))
+            try:
+                self._send_to_worker(slot.worker, "buffers", {}, None, pending)
+            except TensorWasmError as exc:
+                pending.callback(False, exc.to_dict())  # type: ignore[misc]
 
     def _put_module(self, rt: TenantRuntime, body: Any) -> str:
         """Keep a tenant's module (bounded LRU) so runs can name it by digest."""
@@ -166,13 +217,24 @@ class _Routing(_Core):
         args: dict[str, Any],
         body: Any,
         now: float,
+        *,
+        started: float | None = None,
+        deadline: float | None = None,
     ) -> None:
+        """Send to the slot's worker. A request that waited (parked) keeps its
+        original start and deadline; a run is shortened to fit what is left."""
         worker = slot.worker
         assert worker is not None
         if op == "run_wasm":
             args = self._with_wasm_limits(rt, args)
-        deadline = now + self._deadline_s(rt, op, args)
-        self._send_to_worker(worker, op, args, body, Pending(client, rid, op, rt.tenant_id, slot.index, now, deadline))
+            if deadline is not None:
+                left = deadline - now - DEADLINE_GRACE_S
+                if left < args["timeout_s"]:
+                    args["timeout_s"] = max(0.001, left)
+        own = now + self._deadline_s(rt, op, args)
+        deadline = own if deadline is None else min(own, deadline)
+        pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline)
+        self._send_to_worker(worker, op, args, body, pending)
         rt.in_flight += 1
 
     def _with_wasm_limits(self, rt: TenantRuntime, args: dict[str, Any]) -> dict[str, Any]:
@@ -203,7 +265,8 @@ class _Routing(_Core):
                 keep.append(p)
                 continue
             try:
-                self._forward(rt, slot, p.client, p.rid, p.op, p.args, p.body, now)
+                self._forward(rt, slot, p.client, p.rid, p.op, p.args, p.body, now,
+                              started=p.started, deadline=p.deadline)
             except TensorWasmError as exc:
                 self._reply_error(p.client, p.rid, exc)
         rt.parked.extend(keep)

@@ -109,12 +109,14 @@ class TenantRuntime:
                     best, best_load = slot, load
         return best
 
-    def should_restart(self, exit_code: int | None, signal: int | None) -> bool:
+    def should_restart(self, exit_code: int | None, signal: int | None, *, killed: bool = False) -> bool:
+        """``killed``: the supervisor ended it (hang, deadline, bad reply, RSS) - a failure
+        even when the worker, asked with SIGTERM, exited 0."""
         policy = self.spec.restart
         if policy is RestartPolicy.ALWAYS:
             return True
         if policy is RestartPolicy.ON_FAILURE:
-            return signal is not None or exit_code not in (0, None)
+            return killed or signal is not None or exit_code not in (0, None)
         return False
 
     def note_restart(self, now: float) -> bool:

@@ -12,8 +12,6 @@ from tests.helpers.cluster import supervisor, tenant
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: the buffers op is answered by one (round-robin) instance, "
-                   "while SupervisorClient.buffers promises every instance; see docs/RELIABILITY.md, known issues")
 def test_buffers_lists_every_instance() -> None:
     with supervisor(log_level="error") as sup:
         c = sup.client

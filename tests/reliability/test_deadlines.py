@@ -43,8 +43,6 @@ def test_parked_request_expires_at_its_deadline() -> None:
         assert REQUEST_TIMEOUT_S - 0.05 <= time.monotonic() - t0 <= REQUEST_TIMEOUT_S + GRACE_S
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: a parked request gets a fresh deadline when it is dispatched "
-                   "(supervisor/routing.py _dispatch_parked -> _forward); see docs/RELIABILITY.md, known issues")
 def test_parked_then_dispatched_request_keeps_its_deadline() -> None:
     """Parked 1.5 s, then sent to a worker that does not answer: still answered by its original deadline."""
     with supervisor(pool_size=1, heartbeat_interval_s=1.0, heartbeat_liveness=10) as sup:

@@ -27,9 +27,6 @@ def test_on_failure_leaves_a_clean_exit_down() -> None:
             c.ping(cap)  # parked until its deadline: no instance is coming back
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: a worker killed by the supervisor (malformed reply, deadline, "
-                   "RSS) that exits 0 on SIGTERM is not restarted under restart='on-failure'; "
-                   "see docs/RELIABILITY.md, known issues")
 def test_on_failure_restarts_a_worker_the_supervisor_killed() -> None:
     with supervisor(log_level="error") as sup:
         c = sup.client

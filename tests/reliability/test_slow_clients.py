@@ -160,8 +160,6 @@ def test_client_with_a_tiny_receive_queue(sup: SupervisorHandle) -> None:
     wait_for(lambda: tenant(c.status(), "rude")["in_flight"] == 0, what="rude tenant idle")
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: replies queued for a client that does not read are bounded "
-                   "in messages (frontend SNDHWM 10,000), not bytes - see docs/RELIABILITY.md, known issues")
 def test_slow_reader_cannot_grow_supervisor_memory(sup: SupervisorHandle) -> None:
     """A client that asks for 1 MiB reads and never reads them must not cost the supervisor 1 MiB each."""
     rude, _ = _caps(sup)
