@@ -12,6 +12,7 @@ import pytest
 
 from shared import protocol as proto
 from supervisor import chaos
+from supervisor.chaos import checks as chaos_checks
 from supervisor.chaos import (
     Action,
     ChaosConfig,
@@ -96,31 +97,31 @@ def _rec(outcome: str = "ok", latency: float = 0.001, *, healthy: bool = True, p
 
 def test_checks_catch_each_kind_of_violation() -> None:
     good = [_rec(), _rec(phase="baseline"), _rec("worker_lost", healthy=False)]
-    assert chaos._check_answered(good, []).ok
-    assert not chaos._check_answered([*good, _rec("lost", healthy=False)], []).ok
-    assert not chaos._check_answered([*good, _rec("untyped", healthy=False)], []).ok
+    assert chaos_checks._check_answered(good, []).ok
+    assert not chaos_checks._check_answered([*good, _rec("lost", healthy=False)], []).ok
+    assert not chaos_checks._check_answered([*good, _rec("untyped", healthy=False)], []).ok
     lost_admin = Action(Fault(1.0, "faulty-0", "crash", 0), 0.0, "lost")
-    assert not chaos._check_answered(good, [lost_admin]).ok
+    assert not chaos_checks._check_answered(good, [lost_admin]).ok
 
-    assert chaos._check_deadlines([_rec(latency=2.9)], grace_s=1.0).ok
-    late = chaos._check_deadlines([_rec("kernel_timeout", latency=3.2, healthy=False)], grace_s=1.0)
+    assert chaos_checks._check_deadlines([_rec(latency=2.9)], grace_s=1.0).ok
+    late = chaos_checks._check_deadlines([_rec("kernel_timeout", latency=3.2, healthy=False)], grace_s=1.0)
     assert not late.ok and "3.200" in late.detail
 
-    assert not chaos._check_data([_rec("wrong_data")]).ok
+    assert not chaos_checks._check_data([_rec("wrong_data")]).ok
 
     healthy = {"healthy-0"}
-    assert chaos._check_healthy(good, [], healthy, until=1e12).ok
-    assert not chaos._check_healthy([*good, _rec("overloaded")], [], healthy, until=1e12).ok
+    assert chaos_checks._check_healthy(good, [], healthy, until=1e12).ok
+    assert not chaos_checks._check_healthy([*good, _rec("overloaded")], [], healthy, until=1e12).ok
     death = {"event": "exit", "tenant": "healthy-0", "ts": 5.0, "reason": "killed by signal 9"}
-    assert not chaos._check_healthy(good, [death], healthy, until=10.0).ok
-    assert chaos._check_healthy(good, [death], healthy, until=4.0).ok  # cleanup (evict) is not a disturbance
+    assert not chaos_checks._check_healthy(good, [death], healthy, until=10.0).ok
+    assert chaos_checks._check_healthy(good, [death], healthy, until=4.0).ok  # cleanup (evict) is not a disturbance
 
     base = [_rec(phase="baseline", latency=0.001)] * 100
-    assert chaos._check_latency(chaos.latency_table(base + [_rec(latency=0.0029)] * 100, ["healthy-0"]),
+    assert chaos_checks._check_latency(chaos.latency_table(base + [_rec(latency=0.0029)] * 100, ["healthy-0"]),
                                 ["healthy-0"], 3.0).ok
     slow = chaos.latency_table(base + [_rec(latency=0.0031)] * 100, ["healthy-0"])
-    assert not chaos._check_latency(slow, ["healthy-0"], 3.0).ok
-    assert chaos._check_latency(slow, ["healthy-0"], None).ok  # reported, not checked
+    assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0).ok
+    assert chaos_checks._check_latency(slow, ["healthy-0"], None).ok  # reported, not checked
 
 
 def _record(instances: list[tuple[int, int, str]], shares: list[tuple[int, int]], gpu: int, cpu: int = 0
