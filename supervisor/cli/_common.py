@@ -11,7 +11,49 @@ from typing import Any
 
 from shared.config import ENV_PREFIX, default_run_dir
 
-__all__ = ["add_run_dir", "print_json", "print_table", "run_dir_of"]
+__all__ = [
+    "add_run_dir",
+    "at_least_one",
+    "non_negative_int",
+    "positive_seconds",
+    "print_json",
+    "print_table",
+    "run_dir_of",
+]
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+
+
+def non_negative_int(value: str) -> int:
+    """argparse type: an int >= 0."""
+    n = _int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {n}")
+    return n
+
+
+def at_least_one(value: str) -> int:
+    """argparse type: an int >= 1 (counts, iterations)."""
+    n = _int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def positive_seconds(value: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def add_run_dir(parser: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from shared.errors import RequestTimeout
 from shared.sizes import format_size, parse_size
 from shared.spec import IsolationKind, RestartPolicy, TenantSpec
-from supervisor.cli._common import add_run_dir, print_json
+from supervisor.cli._common import add_run_dir, non_negative_int, positive_seconds, print_json
 from supervisor.cli.status import connect, fetch_status
 
 __all__ = ["FAULT_KINDS", "add_parser", "parse_param", "specs_from_file"]
@@ -48,26 +48,6 @@ def _size(value: str) -> int:
 
 def _size_or_none(value: str) -> int | None:
     return None if value.strip().lower() in _NONE_WORDS else _size(value)
-
-
-def _nonneg_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {n}")
-    return n
-
-
-def _seconds(value: str) -> float:
-    try:
-        s = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
-    if not 0 < s < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
-    return s
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -99,15 +79,15 @@ _SPEC_FLAGS: tuple[tuple[str, str, Any, str, str], ...] = (
     ("--gpu-cap", "gpu_memory_bytes_cap", _size_or_none, "SIZE|none", "hard GPU byte cap (default none: counted, never refused)"),
     ("--pool-quota", "recorded_cuda_mem_pool_quota", _size_or_none, "SIZE|none",
      "recorded CUDA pool quota (a retention hint, not a cap)"),
-    ("--device", "cuda_device_index", _nonneg_int, "N", "CUDA device index (default: placement policy)"),
-    ("--sm-percentage", "sm_percentage", _nonneg_int, "PCT", "MPS active thread percentage 1..100 (MPS only)"),
-    ("--instances", "instances", _nonneg_int, "N", "worker processes sharing the quota (default 1)"),
-    ("--max-restarts", "max_restarts", _nonneg_int, "N", "restarts allowed within --restart-window (default 5)"),
-    ("--restart-window", "restart_window_s", _seconds, "S", "restart intensity window in seconds (default 60)"),
-    ("--max-in-flight", "max_in_flight", _nonneg_int, "N", "requests in flight before Overloaded (default 64)"),
-    ("--request-timeout", "request_timeout_s", _seconds, "S", "per-request deadline in seconds (default 30)"),
-    ("--wasm-fuel", "wasm_fuel", _nonneg_int, "N", "default and ceiling of a WASM run's fuel"),
-    ("--wasm-timeout", "wasm_timeout_s", _seconds, "S", "default and ceiling of a WASM run's time (default 10)"),
+    ("--device", "cuda_device_index", non_negative_int, "N", "CUDA device index (default: placement policy)"),
+    ("--sm-percentage", "sm_percentage", non_negative_int, "PCT", "MPS active thread percentage 1..100 (MPS only)"),
+    ("--instances", "instances", non_negative_int, "N", "worker processes sharing the quota (default 1)"),
+    ("--max-restarts", "max_restarts", non_negative_int, "N", "restarts allowed within --restart-window (default 5)"),
+    ("--restart-window", "restart_window_s", positive_seconds, "S", "restart intensity window in seconds (default 60)"),
+    ("--max-in-flight", "max_in_flight", non_negative_int, "N", "requests in flight before Overloaded (default 64)"),
+    ("--request-timeout", "request_timeout_s", positive_seconds, "S", "per-request deadline in seconds (default 30)"),
+    ("--wasm-fuel", "wasm_fuel", non_negative_int, "N", "default and ceiling of a WASM run's fuel"),
+    ("--wasm-timeout", "wasm_timeout_s", positive_seconds, "S", "default and ceiling of a WASM run's time (default 10)"),
     ("--wasm-max-memory", "wasm_max_memory_bytes", _size, "SIZE", "largest WASM linear memory (default 256MiB)"),
 )
 
@@ -204,9 +184,9 @@ def _add_scale(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "scaling down drains instances (their in-flight requests finish) before stopping them.",
     )
     p.add_argument("tenant", metavar="TENANT")
-    p.add_argument("instances", type=_nonneg_int, metavar="N")
+    p.add_argument("instances", type=non_negative_int, metavar="N")
     p.add_argument("--wait", action="store_true", help="return once exactly N instances are ready")
-    p.add_argument("--timeout", type=_seconds, default=60.0, metavar="S",
+    p.add_argument("--timeout", type=positive_seconds, default=60.0, metavar="S",
                    help="with --wait: give up (exit 1) after S seconds (default 60)")
     p.add_argument("--json", action="store_true", help="print the tenant's status record as JSON")
     add_run_dir(p)
@@ -224,7 +204,7 @@ def _add_fault(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("tenant", metavar="TENANT")
     p.add_argument("kind", choices=FAULT_KINDS, metavar="KIND", help=f"one of {', '.join(FAULT_KINDS)}")
-    p.add_argument("--instance", type=_nonneg_int, default=None, metavar="I",
+    p.add_argument("--instance", type=non_negative_int, default=None, metavar="I",
                    help="instance index (default: the first ready one)")
     p.add_argument("--param", dest="params", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
                    help="fault parameter, e.g. --param ms=500, --param bytes=64MiB (repeatable)")

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from shared.sizes import format_size
-from supervisor.cli._common import add_run_dir
+from supervisor.cli._common import add_run_dir, at_least_one, positive_seconds
 from supervisor.cli.status import connect
 
 __all__ = ["KINDS", "add_parser", "format_event", "run"]
@@ -32,16 +32,6 @@ _ORDER = ("worker", "pid", "exit_code", "signal", "reason", "expected", "kind")
 _HIDDEN = {"event", "ts", "tenant", "instance"}
 
 
-def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
-    return seconds
-
-
 def _kinds(value: str) -> list[str]:
     kinds = [k.strip() for k in value.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
@@ -49,16 +39,6 @@ def _kinds(value: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"unknown event kind(s) {', '.join(bad) or repr(value)}; "
                                          f"known: {', '.join(KINDS)}")
     return kinds
-
-
-def _count(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,9 +53,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--tenant", dest="tenants", action="append", default=[], metavar="TENANT",
                    help="only events about this tenant (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per event (JSON Lines)")
-    p.add_argument("--timeout", type=_seconds, default=None, metavar="S",
+    p.add_argument("--timeout", type=positive_seconds, default=None, metavar="S",
                    help="stop after S seconds without a (matching) event; default: follow until Ctrl-C")
-    p.add_argument("--count", type=_count, default=None, metavar="N",
+    p.add_argument("--count", type=at_least_one, default=None, metavar="N",
                    help="stop after N events; exit 1 if fewer arrived before --timeout")
     add_run_dir(p)
     p.set_defaults(func=run)

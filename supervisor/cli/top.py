@@ -11,32 +11,12 @@ import argparse
 import sys
 import time
 
-from supervisor.cli._common import add_run_dir
+from supervisor.cli._common import add_run_dir, at_least_one, positive_seconds
 from supervisor.cli.status import connect, fetch_status, render
 
 __all__ = ["add_parser", "run"]
 
 CLEAR = "\x1b[H\x1b[2J"
-
-
-def _positive(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not seconds > 0 or seconds == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
-    return seconds
-
-
-def _count(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Refresh the `twt status` table every --interval seconds until Ctrl-C (or --iterations "
         "frames). Clears the screen between frames on a terminal.",
     )
-    p.add_argument("--interval", type=_positive, default=2.0, metavar="S", help="seconds between frames (default 2)")
-    p.add_argument("--iterations", type=_count, default=None, metavar="N", help="stop after N frames")
+    p.add_argument("--interval", type=positive_seconds, default=2.0, metavar="S", help="seconds between frames (default 2)")
+    p.add_argument("--iterations", type=at_least_one, default=None, metavar="N", help="stop after N frames")
     add_run_dir(p)
     p.set_defaults(func=run)
 
