@@ -248,42 +248,42 @@ class GuestRun:
             return _BACKEND
         return _OK
 
-    def write(self, caller: Any, handle: int, dst_off: int, src_ptr: int, length: int) -> int:
-        """guest memory[src_ptr : src_ptr+len] -> buffer[dst_off : dst_off+len]."""
+    def _span(self, caller: Any, handle: int, off: int, ptr: int, length: int) -> tuple[DeviceBuffer, int, int] | int:
+        """(buffer, guest address, n) of a copy between guest memory and a buffer, or an error code.
+
+        Checks in the ABI's fixed order: handle, buffer range, guest-memory range.
+        """
         entry = self.buffers.get(handle)
         if entry is None:
             return _BAD_HANDLE
         buf = entry[0]
-        ptr = src_ptr & _U32
         n = length & _U32
-        if dst_off < 0 or dst_off + n > buf.nbytes:
+        if off < 0 or off + n > buf.nbytes:
             return _BUFFER_BOUNDS
         try:
-            address = self._guest(caller, ptr, n)
+            address = self._guest(caller, ptr & _U32, n)
         except NoGuestMemory:
             return _NO_MEMORY
         if address is None:
             return _MEMORY_BOUNDS
+        return buf, address, n
+
+    def write(self, caller: Any, handle: int, dst_off: int, src_ptr: int, length: int) -> int:
+        """guest memory[src_ptr : src_ptr+len] -> buffer[dst_off : dst_off+len]."""
+        span = self._span(caller, handle, dst_off, src_ptr, length)
+        if isinstance(span, int):
+            return span
+        buf, address, n = span
         if n:
             self.backend.write(buf, dst_off, guest_view(address, n, writable=False))
         return _OK
 
     def read(self, caller: Any, handle: int, src_off: int, dst_ptr: int, length: int) -> int:
         """buffer[src_off : src_off+len] -> guest memory[dst_ptr : dst_ptr+len]."""
-        entry = self.buffers.get(handle)
-        if entry is None:
-            return _BAD_HANDLE
-        buf = entry[0]
-        ptr = dst_ptr & _U32
-        n = length & _U32
-        if src_off < 0 or src_off + n > buf.nbytes:
-            return _BUFFER_BOUNDS
-        try:
-            address = self._guest(caller, ptr, n)
-        except NoGuestMemory:
-            return _NO_MEMORY
-        if address is None:
-            return _MEMORY_BOUNDS
+        span = self._span(caller, handle, src_off, dst_ptr, length)
+        if isinstance(span, int):
+            return span
+        buf, address, n = span
         if n:
             self.backend.read_into(buf, src_off, guest_view(address, n, writable=True))
         return _OK
