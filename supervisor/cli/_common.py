@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shared.config import ENV_PREFIX, default_run_dir
@@ -14,6 +14,7 @@ from shared.config import ENV_PREFIX, default_run_dir
 __all__ = [
     "add_run_dir",
     "at_least_one",
+    "comma_list",
     "non_negative_int",
     "positive_seconds",
     "print_json",
@@ -27,6 +28,21 @@ def _int(value: str) -> int:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+
+
+def comma_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    """argparse type factory: ``a,b,c`` -> a tuple, each item one of ``choices``."""
+
+    def parse(value: str) -> tuple[str, ...]:
+        items = tuple(k.strip() for k in value.split(",") if k.strip())
+        unknown = [k for k in items if k not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what}(s) {', '.join(unknown) or repr(value)}; known: {', '.join(choices)}"
+            )
+        return items
+
+    return parse
 
 
 def non_negative_int(value: str) -> int:

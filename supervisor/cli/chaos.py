@@ -9,26 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from supervisor.cli._common import print_json
+from supervisor.cli._common import comma_list, print_json
 
 __all__ = ["add_parser", "run"]
 
 EXIT_VIOLATION = 4
 
 
-def _kinds(value: str) -> tuple[str, ...]:
-    from supervisor.chaos import ALL_FAULTS
-
-    kinds = tuple(k.strip() for k in value.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in ALL_FAULTS]
-    if unknown or not kinds:
-        raise argparse.ArgumentTypeError(f"unknown fault kind(s) {', '.join(unknown) or '(none)'}; "
-                                         f"known: {', '.join(ALL_FAULTS)}")
-    return kinds
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from supervisor.chaos import DEFAULT_FAULTS
+    from supervisor.chaos import ALL_FAULTS, DEFAULT_FAULTS
 
     p = sub.add_parser(
         "chaos",
@@ -45,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--tenants", type=int, default=4, metavar="K", help="tenants to register (default: 4)")
     p.add_argument("--faulty", type=int, default=None, metavar="N",
                    help="how many of them get faults (default: half; at least one stays healthy)")
-    p.add_argument("--faults", type=_kinds, default=DEFAULT_FAULTS, metavar="KIND,...",
+    p.add_argument("--faults", type=comma_list(ALL_FAULTS, "fault kind"), default=DEFAULT_FAULTS, metavar="KIND,...",
                    help=f"fault kinds (default: {','.join(DEFAULT_FAULTS)}; also sigkill, sigstop)")
     p.add_argument("--rate", type=float, default=1.0, metavar="R",
                    help="faults per second across the faulty tenants (default: 1)")

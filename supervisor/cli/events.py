@@ -19,7 +19,12 @@ import time
 from typing import Any
 
 from shared.sizes import format_size
-from supervisor.cli._common import add_run_dir, at_least_one, positive_seconds
+from supervisor.cli._common import (
+    add_run_dir,
+    at_least_one,
+    comma_list,
+    positive_seconds,
+)
 from supervisor.cli.status import connect
 
 __all__ = ["KINDS", "add_parser", "format_event", "run"]
@@ -32,15 +37,6 @@ _ORDER = ("worker", "pid", "exit_code", "signal", "reason", "expected", "kind")
 _HIDDEN = {"event", "ts", "tenant", "instance"}
 
 
-def _kinds(value: str) -> list[str]:
-    kinds = [k.strip() for k in value.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in KINDS]
-    if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"unknown event kind(s) {', '.join(bad) or repr(value)}; "
-                                         f"known: {', '.join(KINDS)}")
-    return kinds
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "events",
@@ -48,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Print the supervisor's lifecycle events as they happen, one line each, until Ctrl-C, "
         f"--timeout seconds without an event, or --count events. Kinds: {', '.join(KINDS)}.",
     )
-    p.add_argument("--filter", dest="kinds", type=_kinds, action="append", default=[], metavar="KIND",
+    p.add_argument("--filter", dest="kinds", type=comma_list(KINDS, "event kind"), action="append", default=[], metavar="KIND",
                    help="only these kinds (repeat, or comma-separate: --filter exit,restart)")
     p.add_argument("--tenant", dest="tenants", action="append", default=[], metavar="TENANT",
                    help="only events about this tenant (repeatable)")

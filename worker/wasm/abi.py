@@ -27,13 +27,17 @@ and they mean nothing to any other run, tenant or worker.
 from __future__ import annotations
 
 import ctypes
-import enum
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from shared.errors import GpuMemoryExhausted, InvalidArgument, MemoryExhausted, TensorWasmError
+from shared.errors import (
+    GpuMemoryExhausted,
+    InvalidArgument,
+    MemoryExhausted,
+    TensorWasmError,
+)
 from shared.log import get_logger, log_event
 from shared.wasm_abi import ErrorCode
 from worker.backends.base import DeviceBuffer
@@ -288,15 +292,21 @@ class GuestRun:
             self.backend.read_into(buf, src_off, guest_view(address, n, writable=True))
         return _OK
 
-    def fill_f32(self, caller: Any, handle: int, value: float, count: int) -> int:
+    def _f32_buffer(self, handle: int, count: int) -> DeviceBuffer | int:
+        """The buffer holding ``count`` float32 values, or an error code (handle, domain, range)."""
         entry = self.buffers.get(handle)
         if entry is None:
             return _BAD_HANDLE
-        buf = entry[0]
         if count < 0:
             return _INVALID
-        if count * 4 > buf.nbytes:
+        if count * 4 > entry[0].nbytes:
             return _BUFFER_BOUNDS
+        return entry[0]
+
+    def fill_f32(self, caller: Any, handle: int, value: float, count: int) -> int:
+        buf = self._f32_buffer(handle, count)
+        if isinstance(buf, int):
+            return buf
         if count:
             self.backend.fill_f32(buf, value, count)
         return _OK
@@ -317,14 +327,9 @@ class GuestRun:
 
     def sum_f32(self, caller: Any, handle: int, count: int, out_ptr: int) -> int:
         """Sum of the first ``count`` floats, stored as a little-endian f32 at ``out_ptr``."""
-        entry = self.buffers.get(handle)
-        if entry is None:
-            return _BAD_HANDLE
-        buf = entry[0]
-        if count < 0:
-            return _INVALID
-        if count * 4 > buf.nbytes:
-            return _BUFFER_BOUNDS
+        buf = self._f32_buffer(handle, count)
+        if isinstance(buf, int):
+            return buf
         try:
             address = self._guest(caller, out_ptr & _U32, 4)
         except NoGuestMemory:
