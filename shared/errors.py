@@ -29,6 +29,7 @@ filled by ``__init_subclass__``. Names follow the Rust crate
     +-- RequestTimeout               no reply within the client timeout  retryable (TimeoutError)
     +-- SupervisorUnavailable        no supervisor at that run dir       retryable (ConnectionError)
     +-- SegmentError                 shared-memory segment missing/foreign/closed
+    +-- StateError                   the state database cannot be used as it is
     +-- RegistryError
         +-- AlreadyRegistered        (ValueError)
         +-- UnknownTenant            (LookupError)
@@ -55,6 +56,7 @@ __all__ = [
     "RegistryError",
     "RequestTimeout",
     "SegmentError",
+    "StateError",
     "SupervisorUnavailable",
     "TenantFailed",
     "TenantIsolationViolation",
@@ -452,6 +454,26 @@ class SegmentError(TensorWasmError):
 
     def _default_message(self) -> str:
         return f"shared-memory segment {self.name!r}: {self.detail}"
+
+
+class StateError(TensorWasmError):
+    """The supervisor's state database cannot be used as it is (corrupt, newer schema, in use).
+
+    Raised at start-up; the supervisor stops without touching the file, so the
+    operator can inspect it, restore a backup, or move it away for a first
+    start. ``path`` names the file, ``detail`` the problem.
+    """
+
+    code = "state_error"
+    _fields = ("path", "detail")
+
+    def __init__(self, path: str, detail: str, *, message: str | None = None) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return f"state database {self.path}: {self.detail}"
 
 
 class RegistryError(TensorWasmError):

@@ -21,6 +21,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--config", help="TOML file with a [supervisor] table and [[tenant]] tables")
     p.add_argument("--run-dir", help="directory for sockets, admin.cap and the lock (0700)")
+    p.add_argument("--state-dir", help="directory of the durable state database (default <run dir>/state)")
     p.add_argument("--backend", choices=["auto", "stub", "cuda"], help="compute backend (default auto)")
     p.add_argument("--start-method", choices=["spawn", "forkserver"], help="how workers are started (default spawn)")
     p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each")
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         args.config,
         overrides={
             "run_dir": args.run_dir,
+            "state_dir": args.state_dir,
             "backend": args.backend,
             "start_method": args.start_method,
             "log_format": args.log_format,
