@@ -30,6 +30,7 @@ filled by ``__init_subclass__``. Names follow the Rust crate
     +-- SupervisorUnavailable        no supervisor at that run dir       retryable (ConnectionError)
     +-- SegmentError                 shared-memory segment missing/foreign/closed
     +-- StateError                   the state database cannot be used as it is
+    +-- ConfigError                  the config file cannot be applied (reload)  (ValueError)
     +-- RegistryError
         +-- AlreadyRegistered        (ValueError)
         +-- UnknownTenant            (LookupError)
@@ -46,6 +47,7 @@ __all__ = [
     "BackendUnavailable",
     "CapabilityFromForeignRegistry",
     "CapabilityRevoked",
+    "ConfigError",
     "CudaError",
     "GpuMemoryExhausted",
     "InvalidArgument",
@@ -474,6 +476,25 @@ class StateError(TensorWasmError):
 
     def _default_message(self) -> str:
         return f"state database {self.path}: {self.detail}"
+
+
+class ConfigError(TensorWasmError, ValueError):
+    """The config file cannot be applied (``twt reload``, SIGHUP): nothing was changed.
+
+    ``path`` names the file, ``detail`` every problem found. Fix the file and
+    reload again; the supervisor keeps running with what it had.
+    """
+
+    code = "config_error"
+    _fields = ("path", "detail")
+
+    def __init__(self, path: str, detail: str, *, message: str | None = None) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return f"config {self.path}: {self.detail}; nothing was changed"
 
 
 class RegistryError(TensorWasmError):

@@ -43,7 +43,7 @@ from shared.mps import MpsDecision, detect_mps
 from shared.quota import QuotaBlock, QuotaSnapshot, new_segment_name
 from shared.spec import TenantSpec
 from supervisor.audit import Denial
-from supervisor.state import RegistryKey
+from supervisor.state import RegistryKey, StateStore
 
 __all__ = ["TenantInfo", "TenantRegistry"]
 
@@ -142,6 +142,24 @@ class TenantRegistry:
         registry._generations.update(generations or {})
         registry._retired.update(retired)
         return registry, registry._admin_capability()
+
+    @classmethod
+    def from_state(
+        cls, store: StateStore, *, segment_prefix: str | None = None
+    ) -> tuple[TenantRegistry, RegistryAdminCapability]:
+        """The registry of a supervisor with durable state: the stored identity, or on a
+        first start a fresh one that is stored at once (so the admin capability written
+        for the CLI is the one the next start has too)."""
+        key = store.registry_key()
+        if key is None:
+            key = _fresh_key()
+            store.put_registry_key(key)
+        return cls.new(
+            segment_prefix=segment_prefix,
+            key=key,
+            generations=store.generations(),
+            retired=store.retired_registry_ids(),
+        )
 
     def _admin_capability(self) -> RegistryAdminCapability:
         return _cap.mint(RegistryAdminCapability, self._secret, self._rid, 0)
