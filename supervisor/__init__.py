@@ -15,16 +15,16 @@ from supervisor.client import SupervisorClient
 from supervisor.launch import SupervisorHandle, launch
 from supervisor.registry import TenantInfo, TenantRegistry
 from supervisor.router import Supervisor
-from supervisor.state import RegistryKey, StateStore, TenantRecord
+from supervisor.state import RegistryKey, StateStore, StoredTenant
 
 __all__ = [
     "RegistryKey",
     "StateStore",
+    "StoredTenant",
     "Supervisor",
     "SupervisorClient",
     "SupervisorHandle",
     "TenantInfo",
-    "TenantRecord",
     "TenantRegistry",
     "launch",
 ]

@@ -51,7 +51,7 @@ __all__ = [
     "Origin",
     "RegistryKey",
     "StateStore",
-    "TenantRecord",
+    "StoredTenant",
 ]
 
 STATE_FILE = "state.db"
@@ -98,7 +98,7 @@ class RegistryKey:
 
 
 @dataclass(frozen=True)
-class TenantRecord:
+class StoredTenant:
     """One tenant as stored: what to restore it to after a restart."""
 
     spec: TenantSpec  # as it is now (set_quota, scale, reload applied)
@@ -254,7 +254,7 @@ class StateStore:
 
     # -------------------------------------------------------------- tenants
 
-    def tenants(self) -> list[TenantRecord]:
+    def tenants(self) -> list[StoredTenant]:
         """Every stored tenant, by id. Raises :class:`StateError` for a row that does not parse."""
         out = []
         rows = self._conn.execute(
@@ -263,7 +263,7 @@ class StateStore:
         ).fetchall()
         for tid, spec, registered, origin, gen, failed, reg_at, upd_at in rows:
             try:
-                record = TenantRecord(
+                record = StoredTenant(
                     spec=TenantSpec.from_dict(json.loads(spec)),
                     registered_spec=TenantSpec.from_dict(json.loads(registered)),
                     origin=origin,
@@ -279,14 +279,14 @@ class StateStore:
             out.append(record)
         return out
 
-    def tenant(self, tenant_id: str) -> TenantRecord | None:
+    def tenant(self, tenant_id: str) -> StoredTenant | None:
         return next((r for r in self.tenants() if r.tenant_id == tenant_id), None)
 
     def generations(self) -> dict[str, int]:
         """The last generation issued per tenant id (evicted ones included)."""
         return {str(t): int(g) for t, g in self._conn.execute("SELECT tenant_id, generation FROM generations")}
 
-    def register(self, spec: TenantSpec, generation: int, origin: Origin) -> TenantRecord:
+    def register(self, spec: TenantSpec, generation: int, origin: Origin) -> StoredTenant:
         """A tenant was registered (or restored after an eviction): one transaction."""
         if origin not in _ORIGINS:
             raise ValueError(f"origin must be one of {_ORIGINS}; got {origin!r}")
@@ -302,7 +302,7 @@ class StateStore:
                 "INSERT OR REPLACE INTO generations (tenant_id, generation) VALUES (?, ?)",
                 (spec.tenant_id, generation),
             )
-        return TenantRecord(spec, spec, origin, generation, None, now, now)
+        return StoredTenant(spec, spec, origin, generation, None, now, now)
 
     def update_spec(self, spec: TenantSpec, *, registered_spec: TenantSpec | None = None) -> None:
         """A live change (set_quota, scale, reload); ``registered_spec``: what the file now says."""
