@@ -590,6 +590,6 @@ def error_from_dict(data: Mapping[str, Any]) -> TensorWasmError:
         return TensorWasmError(message or f"unknown error code {code!r}")
     try:
         kwargs = {name: fields[name] for name in cls._fields if name in fields}
-        return cls(**kwargs, message=message)  # type: ignore[call-arg]
+        return cls(**kwargs, message=message)
     except (TypeError, ValueError):
         return TensorWasmError(message or f"error {code!r} with unusable fields")

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["MAX_MODULE_BYTES", "format_size", "parse_size"]
+
+#: the largest WASM module (text or binary) ``run_wasm`` and ``put_module`` accept, in the
+#: supervisor and in the worker: compiling is not under a run's deadline, so it stays bounded
+MAX_MODULE_BYTES = 32 << 20
 
 _UNITS = {
     "": 1,

@@ -7,7 +7,7 @@ fork-safe, and the supervisor must stay free of both anyway. The target is
 :class:`shared.entry.EntryPoint` ("worker.main:run"), so the supervisor never
 imports the worker package.
 
-Each process's ``sentinel`` fd is polled by the router loop next to its
+Each process's ``sentinel`` fd is polled by the supervisor loop next to its
 sockets: a worker's death is seen the moment it happens.
 """
 
@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
@@ -31,7 +31,10 @@ from shared.config import SupervisorConfig
 from shared.entry import EntryPoint
 from shared.log import get_logger, log_event
 
-__all__ = ["Pending", "Spawner", "WorkerHandle", "WorkerState", "kill_tree"]
+if TYPE_CHECKING:
+    from supervisor.pending import Pending
+
+__all__ = ["Spawner", "WorkerHandle", "WorkerState", "kill_tree"]
 
 _log = get_logger("supervisor.workers")
 _WORKER_ENTRY = EntryPoint("worker.main:run")
@@ -50,20 +53,6 @@ class WorkerState(str, enum.Enum):
 
 
 @dataclass(eq=False)
-class Pending:
-    """A request forwarded to a worker and not answered yet."""
-
-    client: bytes | None  # frontend identity; None for the supervisor's own requests
-    client_rid: int
-    op: str
-    tenant: str
-    instance: int
-    started: float
-    deadline: float
-    callback: Callable[[bool, Any], None] | None = None
-
-
-@dataclass(eq=False)
 class WorkerHandle:
     worker_id: str
     token: str
@@ -79,6 +68,7 @@ class WorkerHandle:
     control_hello: bool = False
     ready_at: float | None = None
     last_heartbeat: float = 0.0
+    #: this worker's requests in flight: owned by supervisor.pending.PendingTable (its length is the load)
     in_flight: dict[int, Pending] = field(default_factory=dict)
     kill_reason: str | None = None
     kill_at: float | None = None  # SIGKILL escalation time after SIGTERM
@@ -99,17 +89,6 @@ class WorkerHandle:
     @property
     def connected(self) -> bool:
         return self.data_hello and self.control_hello
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "worker": self.worker_id,
-            "pid": self.pid,
-            "state": self.state.value,
-            "tenant": self.tenant,
-            "instance": self.instance,
-            "in_flight": len(self.in_flight),
-            "served": self.served,
-        }
 
 
 def _detach_main_module() -> None:

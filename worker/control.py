@@ -29,14 +29,15 @@ import zmq
 from shared.errors import ProtocolError, TensorWasmError
 from shared.log import get_logger, log_event
 from shared.protocol import decode_control, encode_control
+from shared.exitcodes import WORKER_PARENT_GONE, WORKER_SUPERVISOR_SILENT
 from worker.faults import FaultState
 
 __all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT", "supervisor_alive"]
 
 _log = get_logger("worker.control")
 
-EXIT_SUPERVISOR_SILENT = 70
-EXIT_PARENT_GONE = 71
+EXIT_SUPERVISOR_SILENT = WORKER_SUPERVISOR_SILENT  # defined in shared.exitcodes
+EXIT_PARENT_GONE = WORKER_PARENT_GONE
 
 
 def supervisor_alive(pid: int | None, started: float | None) -> bool:

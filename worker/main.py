@@ -22,6 +22,8 @@ import signal
 import sys
 from typing import Any
 
+from shared.exitcodes import WORKER_CRASHED, WORKER_PARENT_GONE
+
 __all__ = ["run"]
 
 _PR_SET_PDEATHSIG = 1
@@ -40,7 +42,7 @@ def run(boot: dict[str, Any]) -> None:
     _set_parent_death_signal()
     expected_parent = boot.get("parent_pid")
     if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(71)  # the supervisor died while we were starting
+        os._exit(WORKER_PARENT_GONE)  # the supervisor died while we were starting
     # A worker ends on SIGTERM like on "stop"; SIGINT (a terminal's ^C) is the supervisor's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -84,7 +86,7 @@ def run(boot: dict[str, Any]) -> None:
         server.serve()
     except BaseException:
         log.exception("worker.crashed")
-        code = 1
+        code = WORKER_CRASHED
     finally:
         server.close()
         control.closed.wait(2)

@@ -120,11 +120,9 @@ class WorkerServer:
         faults = self.faults
         if faults.slow_ms:
             time.sleep(faults.slow_ms / 1000)
-        if faults.drop_next:
-            faults.drop_next -= 1
+        if faults.drop_next and faults.take_drop():
             return
-        if faults.corrupt_next:
-            faults.corrupt_next -= 1
+        if faults.corrupt_next and faults.take_corrupt():
             self.sock.send(b"\xc1corrupt\xff", zmq.NOBLOCK)
             return
         header = encode_worker_reply(rid, ok, payload)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.spec import TenantSpec
-from supervisor.core import DEADLINE_GRACE_S
 
 __all__ = [
     "ALL_FAULTS",
@@ -138,11 +137,3 @@ def _spec(name: str, healthy: bool, instances: int, cfg: ChaosConfig) -> TenantS
         max_restarts=1_000_000,
         restart_window_s=1.0,
     )
-
-
-def _deadline_s(spec: TenantSpec, op: str, wasm_timeout_s: float | None = None) -> float:
-    """The deadline the supervisor gives ``op`` (supervisor.routing._deadline_s), from submission."""
-    if op == "run_wasm":
-        run_s = min(wasm_timeout_s, spec.wasm_timeout_s) if wasm_timeout_s else spec.wasm_timeout_s
-        return max(run_s + DEADLINE_GRACE_S, spec.request_timeout_s)
-    return spec.request_timeout_s

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     configure_logging(config.log_format, config.log_level.upper())  # type: ignore[arg-type]
-    from supervisor.router import Supervisor
+    from supervisor.supervisor import Supervisor
 
     metrics = None
     if config.metrics_addr:
