@@ -57,6 +57,8 @@ MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 _VERIFIED_CAP_CACHE = 65536
 
 AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
+#: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
+DenialHook = Callable[["bytes | None", str], None]
 
 
 class Frontend:
@@ -74,6 +76,7 @@ class Frontend:
         registry: TenantRegistry,
         tenants: Mapping[str, TenantRuntime],
         admin: AdminHandler,
+        on_denied: DenialHook | None = None,
     ) -> None:
         self.config = config
         self.clock = loop.clock
@@ -84,6 +87,7 @@ class Frontend:
         self.registry = registry
         self.tenants = tenants
         self.admin = admin
+        self.on_denied = on_denied
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
         loop.register(sock, self._on_readable)
@@ -125,6 +129,10 @@ class Frontend:
                 self.admin(client, rid, op, cap_raw, args, body)
             else:
                 self._tenant_request(client, rid, op, cap_raw, args, body)
+        except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
+            self._refused(client, rid, op, exc)
+            if self.on_denied is not None:
+                self.on_denied(cap_raw, op)
         except TensorWasmError as exc:
             self._refused(client, rid, op, exc)
         except (TypeError, ValueError, KeyError) as exc:
@@ -186,6 +194,10 @@ class Frontend:
             rt.parked.append(Parked(client, rid, op, args, body, now, now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned))
             return
         self._forward(rt, slot, client, rid, op, args, body, now)
+
+    def forget_verified(self) -> None:
+        """Drop the verified-capability cache (the registry key was rotated: nothing verified before counts)."""
+        self._verified_caps.clear()
 
     def _verify(self, cap_raw: bytes) -> TenantRuntime:
         # Fast path: these exact bytes were verified for this very tenant runtime

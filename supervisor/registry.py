@@ -22,7 +22,6 @@ register/unregister/set_quota take one.
 from __future__ import annotations
 
 import functools
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -71,10 +70,6 @@ class TenantInfo:
             "registered_at": self.registered_at,
             "quota": self.quota.to_dict(),
         }
-
-
-def _fresh_key() -> RegistryKey:
-    return RegistryKey(secrets.token_bytes(_cap.REGISTRY_ID_BYTES), secrets.token_bytes(32))
 
 
 class _Tenant:
@@ -133,7 +128,7 @@ class TenantRegistry:
         ):
             raise ValueError(f"segment_prefix must be alphanumeric (plus - _), got {segment_prefix!r}")
         if key is None:
-            key = _fresh_key()
+            key = RegistryKey.fresh()
         elif len(key.registry_id) != _cap.REGISTRY_ID_BYTES or len(key.secret) < 16:
             raise ValueError(
                 f"registry key must have a {_cap.REGISTRY_ID_BYTES}-byte id and a secret of at least 16 bytes"
@@ -152,7 +147,7 @@ class TenantRegistry:
         for the CLI is the one the next start has too)."""
         key = store.registry_key()
         if key is None:
-            key = _fresh_key()
+            key = RegistryKey.fresh()
             store.put_registry_key(key)
         return cls.new(
             segment_prefix=segment_prefix,
@@ -169,15 +164,21 @@ class TenantRegistry:
         self._check_admin(admin_cap, False)
         return RegistryKey(self._rid, self._secret)
 
-    def rotate_key(self, admin_cap: RegistryAdminCapability) -> tuple[RegistryKey, RegistryAdminCapability]:
+    def rotate_key(
+        self, admin_cap: RegistryAdminCapability, key: RegistryKey | None = None
+    ) -> tuple[RegistryKey, RegistryAdminCapability]:
         """Replace the identity: every capability minted so far is refused (as revoked) from now on.
 
         Tenants stay registered (with their quota blocks); their new
-        capabilities come from :meth:`tenant_capability`. Returns the new key
-        (to store) and the new admin capability.
+        capabilities come from :meth:`tenant_capability`. ``key``: the new
+        identity (a caller with durable state stores it *before* rotating, so a
+        crash can never bring the old key back); drawn here when omitted.
+        Returns the new key and the new admin capability.
         """
         self._check_admin(admin_cap, True)
-        key = _fresh_key()
+        key = key or RegistryKey.fresh()
+        if len(key.registry_id) != _cap.REGISTRY_ID_BYTES or key.registry_id == self._rid:
+            raise ValueError("rotate_key needs a new 16-byte registry id")
         with self._lock:
             self._retired.add(self._rid)
             self._rid = key.registry_id

@@ -35,6 +35,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -92,6 +93,11 @@ class RegistryKey:
 
     registry_id: bytes
     secret: bytes
+
+    @classmethod
+    def fresh(cls) -> RegistryKey:
+        """A new random identity (16-byte id, 32-byte secret)."""
+        return cls(secrets.token_bytes(16), secrets.token_bytes(32))
 
     def __repr__(self) -> str:  # never print the secret
         return f"<RegistryKey {self.registry_id.hex()[:8]}>"
