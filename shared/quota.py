@@ -342,12 +342,7 @@ class QuotaBlock(MappedSegment):
                 raise ValueError(f"instance {instance} out of range 0..{MAX_INSTANCES - 1}")
         if not isinstance(name, str) or not name.startswith(SEGMENT_PREFIX) or "/" in name:
             raise SegmentError(str(name), f"not a quota segment name (expected {SEGMENT_PREFIX}...)")
-        try:
-            seg = _shm.attach(name)
-        except FileNotFoundError:
-            raise SegmentError(name, "does not exist (tenant evicted or supervisor gone?)") from None
-        except (OSError, ValueError) as exc:
-            raise SegmentError(name, f"cannot be mapped: {exc}") from None
+        seg = _attach(name, "does not exist (tenant evicted or supervisor gone?)")
         try:
             label = check_header(name, seg.buf, KIND_TENANT)
             try:
@@ -522,14 +517,19 @@ class QuotaBlock(MappedSegment):
             )
 
 
-def read_header(name: str) -> SegmentHeader:
-    """Read a ``twt-*`` segment's header without owning or tracking it."""
+def _attach(name: str, missing: str) -> _shm._Attached:
+    """Map an existing segment; :class:`SegmentError` saying ``missing`` when there is none."""
     try:
-        seg = _shm.attach(name)
+        return _shm.attach(name)
     except FileNotFoundError:
-        raise SegmentError(name, "does not exist") from None
+        raise SegmentError(name, missing) from None
     except (OSError, ValueError) as exc:
         raise SegmentError(name, f"cannot be mapped: {exc}") from None
+
+
+def read_header(name: str) -> SegmentHeader:
+    """Read a ``twt-*`` segment's header without owning or tracking it."""
+    seg = _attach(name, "does not exist")
     try:
         buf = seg.buf
         if len(buf) < _LAYOUT_BYTES or _atomics.load(buf, _H_MAGIC) != MAGIC:

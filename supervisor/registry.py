@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from shared.protocol import QUOTA_KEYS
 from shared import capability as _cap
 from shared.capability import RegistryAdminCapability, TenantCapability
 from shared.errors import (
@@ -339,18 +340,10 @@ class TenantRegistry:
             admin_cap, tenant_id, False, memory_quota_bytes, gpu_memory_bytes_cap, recorded_cuda_mem_pool_quota
         )
 
-    def set_quota_strict(
-        self,
-        admin_cap: RegistryAdminCapability,
-        tenant_id: str,
-        *,
-        memory_quota_bytes: int | str = _UNCHANGED,
-        gpu_memory_bytes_cap: int | str | None = _UNCHANGED,
-        recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED,
-    ) -> TenantInfo:
-        return self._set_quota(
-            admin_cap, tenant_id, True, memory_quota_bytes, gpu_memory_bytes_cap, recorded_cuda_mem_pool_quota
-        )
+    def set_quota_strict(self, admin_cap: RegistryAdminCapability, tenant_id: str, **limits: int | str | None
+                         ) -> TenantInfo:
+        """:meth:`set_quota`, strict about foreign capabilities (keyword arguments as there)."""
+        return self._set_quota(admin_cap, tenant_id, True, *(limits.get(k, _UNCHANGED) for k in QUOTA_KEYS))
 
     def _set_quota(
         self,

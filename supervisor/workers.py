@@ -158,15 +158,8 @@ class Spawner:
             sentinel=proc.sentinel,
             spawned_at=t0,
         )
-        log_event(
-            _log,
-            logging.DEBUG,
-            "worker.process_started",
-            worker=worker_id,
-            pid=proc.pid,
-            method=self.method,
-            start_ms=round((time.monotonic() - t0) * 1000, 3),
-        )
+        log_event(_log, logging.DEBUG, "worker.process_started", worker=worker_id, pid=proc.pid, method=self.method,
+                  start_ms=round((time.monotonic() - t0) * 1000, 3))
         return handle
 
 
