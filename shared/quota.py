@@ -41,7 +41,7 @@ from shared._segment import MappedSegment
 from shared.errors import GpuMemoryExhausted, MemoryExhausted, SegmentError
 from shared.ids import TenantId
 from shared.log import get_logger, log_event
-from shared.sizes import MAX_SIZE
+from shared.sizes import check_size_range
 
 __all__ = [
     "DEFAULT_QUOTA_BYTES",
@@ -90,11 +90,7 @@ def _instance_off(index: int) -> int:
 def _check_amount(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{what} must not be negative, got {value}")
-    if value > MAX_SIZE:
-        raise ValueError(f"{what} must be below 2**63, got {value}")
-    return value
+    return check_size_range(value, what)
 
 
 def _limit_to_raw(value: int | None, what: str) -> int:

@@ -17,7 +17,15 @@ exposition)::
   state, and the refusal/underflow counters kept in each tenant's
   shared-memory block, as last refreshed by the loop (every second).
 
-The HTTP server runs on daemon threads and only reads. ``HOST:PORT`` with
+Threads: the HTTP server runs on daemon threads and only reads. The event
+hooks are called on the loop thread and update prometheus_client's children,
+which take their own locks. The per-tenant snapshot is never built here: a
+scrape asks the loop through :meth:`Supervisor.metrics_snapshot`
+(a :class:`supervisor.loop.Handoff`) and gets immutable
+:class:`~supervisor.metrics.TenantGauges`, so no quota block is touched off
+the loop thread (closing a block while another thread reads it fails).
+
+``HOST:PORT`` with
 port 0 binds a free port (tests); the bound one is :attr:`PrometheusMetrics.port`
 and is logged as ``metrics.listening``.
 

@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shared.protocol import QUOTA_KEYS
 from shared import capability as _cap
 from shared.capability import RegistryAdminCapability, TenantCapability
 from shared.errors import (
@@ -40,6 +39,7 @@ from shared.errors import (
     UnknownTenant,
 )
 from shared.mps import MpsDecision, detect_mps
+from shared.protocol import QUOTA_KEYS
 from shared.quota import QuotaBlock, QuotaSnapshot, new_segment_name
 from shared.spec import TenantSpec
 

@@ -13,11 +13,11 @@ from typing import IO, Any
 
 import psutil
 
-from shared.records import StatusRecord, TenantRecord
 from shared.capability import TenantCapability
 from shared.errors import (
     TensorWasmError,
 )
+from shared.records import StatusRecord, TenantRecord
 from supervisor.chaos.checks import (
     Check,
     _check_answered,

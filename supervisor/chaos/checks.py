@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shared.records import TenantRecord
 from shared import protocol as proto
+from shared.records import TenantRecord
 from supervisor.chaos.config import _DISRUPTIVE, _UNANSWERED, LEAK_BIG
 from supervisor.chaos.nemesis import Action
 from supervisor.chaos.recorder import Record, percentile

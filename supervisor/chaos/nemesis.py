@@ -12,12 +12,12 @@ from typing import Any
 
 import zmq
 
-from shared.records import TenantRecord
 from shared.errors import (
     RequestTimeout,
     TensorWasmError,
     WorkerLost,
 )
+from shared.records import TenantRecord
 from supervisor.chaos.config import SIGNAL_FAULTS
 from supervisor.chaos.schedule import Fault
 from supervisor.client import SupervisorClient

@@ -78,12 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TensorWasmError as exc:
         print(f"twt: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad input (usage) / a file or socket the system refused
         print(f"twt: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"twt: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - a bug: say so, with the trace, never as a usage error

@@ -90,6 +90,12 @@ _SPEC_FLAGS: tuple[tuple[str, str, Any, str, str], ...] = (
     ("--wasm-timeout", "wasm_timeout_s", positive_seconds, "S", "default and ceiling of a WASM run's time (default 10)"),
     ("--wasm-max-memory", "wasm_max_memory_bytes", _size, "SIZE", "largest WASM linear memory (default 256MiB)"),
 )
+#: set-quota's help for each limit it changes (the flags are register's, from _SPEC_FLAGS)
+_SET_QUOTA_HELP = {
+    "memory_quota_bytes": "host memory quota, e.g. 2GiB",
+    "gpu_memory_bytes_cap": "GPU byte cap; none removes it",
+    "recorded_cuda_mem_pool_quota": "recorded CUDA pool quota (retention hint); none clears it",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -165,12 +171,10 @@ def _add_set_quota(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "already allocated is taken away. Omitted limits stay as they are.",
     )
     p.add_argument("tenant", metavar="TENANT")
-    p.add_argument("--memory-quota", dest="memory_quota_bytes", type=_size, metavar="SIZE",
-                   default=argparse.SUPPRESS, help="host memory quota, e.g. 2GiB")
-    p.add_argument("--gpu-cap", dest="gpu_memory_bytes_cap", type=_size_or_none, metavar="SIZE|none",
-                   default=argparse.SUPPRESS, help="GPU byte cap; none removes it")
-    p.add_argument("--pool-quota", dest="recorded_cuda_mem_pool_quota", type=_size_or_none, metavar="SIZE|none",
-                   default=argparse.SUPPRESS, help="recorded CUDA pool quota (retention hint); none clears it")
+    for flag, dest, kind, metavar, _ in _SPEC_FLAGS:  # the register flags of the limits set_quota changes
+        if dest in QUOTA_KEYS:
+            p.add_argument(flag, dest=dest, type=kind, metavar=metavar, default=argparse.SUPPRESS,
+                           help=_SET_QUOTA_HELP[dest])
     p.add_argument("--json", action="store_true", help="print the tenant's status record as JSON")
     add_run_dir(p)
     p.set_defaults(func=run_set_quota)

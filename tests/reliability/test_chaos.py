@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from shared.records import TenantRecord
 from shared import protocol as proto
+from shared.records import TenantRecord
 from supervisor import chaos
 from supervisor.chaos import checks as chaos_checks
 from supervisor.chaos import (
