@@ -57,6 +57,7 @@ __all__ = [
     "ProtocolError",
     "RegistryError",
     "RequestTimeout",
+    "RunDirLocked",
     "SegmentError",
     "StateError",
     "SupervisorUnavailable",
@@ -425,6 +426,22 @@ class RequestTimeout(TensorWasmError, TimeoutError):
 
     def _default_message(self) -> str:
         return f"no reply to {self.op!r} within {self.timeout_s:g} s"
+
+
+class RunDirLocked(TensorWasmError):
+    """Another supervisor is running on this run directory."""
+
+    code = "run_dir_locked"
+    _fields = ("run_dir", "pid")
+
+    def __init__(self, run_dir: str, pid: int | None, *, message: str | None = None) -> None:
+        self.run_dir = run_dir
+        self.pid = pid
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        who = f" (pid {self.pid})" if self.pid else ""
+        return f"another supervisor{who} is running on {self.run_dir}; stop it or use another --run-dir"
 
 
 class SupervisorUnavailable(TensorWasmError, ConnectionError):

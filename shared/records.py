@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 from shared.errors import ProtocolError
 
@@ -36,9 +36,6 @@ R = TypeVar("R", bound="Record")
 
 class Record:
     """Mixin: the one encoder/decoder of every record below."""
-
-    #: field name -> record class of a nested record (or of each item of a tuple of them)
-    _nested: ClassVar[dict[str, type[Record]]] = {}
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -62,7 +59,7 @@ class Record:
                     raise ProtocolError(f"{cls.__name__} lacks {f.name!r}")
                 continue
             value = data[f.name]
-            nested = cls._nested.get(f.name)
+            nested = f.metadata.get("record")
             if nested is not None and value is not None:
                 if isinstance(value, list):
                     value = tuple(nested.from_wire(v) for v in value)
@@ -72,6 +69,11 @@ class Record:
                 value = tuple(value)
             kwargs[f.name] = value
         return cls(**kwargs)
+
+
+def _holds(record: type[Record]) -> dict[str, Any]:
+    """Field metadata: the field holds a ``record`` (or a tuple of them), decoded as one."""
+    return {"record": record}
 
 
 # ------------------------------------------------------------------ supervisor -> worker
@@ -92,6 +94,10 @@ class BootMessage(Record):
     max_message_bytes: int = 256 << 20
     #: spawn: the supervisor's pid; forkserver: None (the worker checks the fork server instead)
     parent_pid: int | None = None
+    #: the supervisor's pid and start time (psutil's clock): a silent supervisor is given up on
+    #: only when this process is gone (worker.control), never because it is slow
+    supervisor_pid: int | None = None
+    supervisor_started: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,14 +147,12 @@ class InstanceRecord(Record):
 class TenantRecord(Record):
     """A tenant as ``status`` and ``tenant_status`` report it (docs/PROTOCOL.md)."""
 
-    _nested: ClassVar[dict[str, type[Record]]] = {"instances": InstanceRecord}
-
     tenant_id: str
     state: str
     generation: int
     failed_reason: str | None = None
     pids: tuple[int, ...] = ()
-    instances: tuple[InstanceRecord, ...] = ()
+    instances: tuple[InstanceRecord, ...] = field(default=(), metadata=_holds(InstanceRecord))
     restarts: int = 0
     in_flight: int = 0
     parked: int = 0
@@ -173,20 +177,11 @@ class PoolRecord(Record):
 
 
 @dataclass(frozen=True, slots=True)
-class SupervisorRecord(Record):
+class SupervisorRecord(HelloInfo):
     """The ``supervisor`` part of a status: hello info, run dir, pool, counts."""
 
-    _nested: ClassVar[dict[str, type[Record]]] = {"pool": PoolRecord}
-
-    pid: int
-    registry_id: str
-    backend: str
-    backend_reason: str
-    start_method: str
-    protocol: int
-    uptime_s: float
     run_dir: str
-    pool: PoolRecord
+    pool: PoolRecord = field(metadata=_holds(PoolRecord))
     workers: int
     internal_errors: int
     rss_bytes: int | None = None
@@ -196,10 +191,8 @@ class SupervisorRecord(Record):
 class StatusRecord(Record):
     """The ``status`` reply."""
 
-    _nested: ClassVar[dict[str, type[Record]]] = {"supervisor": SupervisorRecord, "tenants": TenantRecord}
-
-    supervisor: SupervisorRecord
-    tenants: tuple[TenantRecord, ...] = ()
+    supervisor: SupervisorRecord = field(metadata=_holds(SupervisorRecord))
+    tenants: tuple[TenantRecord, ...] = field(default=(), metadata=_holds(TenantRecord))
     devices: tuple[dict[str, Any], ...] = ()
 
     def tenant(self, tenant_id: str) -> TenantRecord | None:

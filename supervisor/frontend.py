@@ -151,8 +151,8 @@ class Frontend:
     ) -> None:
         if cap_raw is None:
             raise TenantIsolationViolation(None, f"op {op!r} (no capability)")
-        proto.check_args(op, args)
         rt = self._verify(cap_raw)
+        proto.check_args(op, args)
         tid = rt.tenant_id
         if op == "quota":
             self.pending.answer(client, rid, op, rt.block.snapshot().to_dict(), tenant=tid)

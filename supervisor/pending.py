@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from shared import protocol as proto
@@ -64,23 +64,17 @@ class Pending:
     forwarded: bool = False  # in the table (counted in its tenant's in_flight)
 
 
+@dataclass(eq=False)
 class PendingTable:
     """In-flight requests, their deadlines, and the one ``finish`` (see the module docstring)."""
 
-    def __init__(
-        self,
-        replies: Replies,
-        metrics: Metrics,
-        tenants: Mapping[str, TenantRuntime],
-        clock: Clock = time.monotonic,
-    ) -> None:
-        self.replies = replies
-        self.metrics = metrics
-        self.tenants = tenants
-        self.clock = clock
-        self._rid = 0
-        self._live = 0
-        self._deadlines: list[tuple[float, int, WorkerHandle]] = []
+    replies: Replies
+    metrics: Metrics
+    tenants: Mapping[str, TenantRuntime]
+    clock: Clock = time.monotonic
+    _rid: int = field(default=0, init=False)
+    _live: int = field(default=0, init=False)  # requests in flight (the heap also holds answered ones)
+    _deadlines: list[tuple[float, int, WorkerHandle]] = field(default_factory=list, init=False)
 
     # ------------------------------------------------------------ in flight
 

@@ -39,6 +39,7 @@ from shared.errors import (
     UnknownTenant,
 )
 from shared.mps import MpsDecision, detect_mps
+from shared.protocol import QUOTA_KEYS
 from shared.quota import QuotaBlock, QuotaSnapshot, new_segment_name
 from shared.spec import TenantSpec
 from supervisor.audit import Denial
@@ -460,18 +461,10 @@ class TenantRegistry:
             admin_cap, tenant_id, False, memory_quota_bytes, gpu_memory_bytes_cap, recorded_cuda_mem_pool_quota
         )
 
-    def set_quota_strict(
-        self,
-        admin_cap: RegistryAdminCapability,
-        tenant_id: str,
-        *,
-        memory_quota_bytes: int | str = _UNCHANGED,
-        gpu_memory_bytes_cap: int | str | None = _UNCHANGED,
-        recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED,
-    ) -> TenantInfo:
-        return self._set_quota(
-            admin_cap, tenant_id, True, memory_quota_bytes, gpu_memory_bytes_cap, recorded_cuda_mem_pool_quota
-        )
+    def set_quota_strict(self, admin_cap: RegistryAdminCapability, tenant_id: str, **limits: int | str | None
+                         ) -> TenantInfo:
+        """:meth:`set_quota`, strict about foreign capabilities (keyword arguments as there)."""
+        return self._set_quota(admin_cap, tenant_id, True, *(limits.get(k, _UNCHANGED) for k in QUOTA_KEYS))
 
     def _set_quota(
         self,

@@ -45,6 +45,7 @@ import logging
 import os
 import secrets
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,7 @@ from supervisor.audit import DeniedAudit
 from supervisor.events import EventBus
 from supervisor.frontend import Frontend
 from supervisor.loop import Handoff, Loop
-from supervisor.metrics import Metrics, NullMetrics
+from supervisor.metrics import Metrics, NullMetrics, TenantGauges
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
 from supervisor.registry import TenantRegistry
@@ -370,7 +371,7 @@ class Supervisor:
 
     # ------------------------------------------------------------ metrics and quota events
 
-    def metrics_snapshot(self) -> dict[str, Any]:
+    def metrics_snapshot(self) -> Mapping[str, TenantGauges]:
         """Per-tenant gauges, for the exporter's HTTP thread.
 
         That thread never touches a quota block itself (closing a block while
@@ -378,7 +379,7 @@ class Supervisor:
         rebuilds the dict (``_refresh_metrics``) and hands it over; the loop
         also refreshes it every second. Waits at most 1 s for a fresh one.
         """
-        value: dict[str, Any] = self._metrics.request(1.0)
+        value: Mapping[str, TenantGauges] = self._metrics.request(1.0)
         return value
 
     def _refresh_metrics(self) -> None:
@@ -387,7 +388,7 @@ class Supervisor:
         for tid, rt in self.tenants.items():
             if rt.block.closed:
                 continue
-            out[tid] = {"quota": rt.block.snapshot(), "instances_up": len(rt.live_slots()), "state": rt.state.value}
+            out[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value)
         self._metrics.publish(out)
 
     def _scan_refusals(self) -> None:

@@ -30,6 +30,7 @@ import psutil
 from shared.config import SupervisorConfig
 from shared.entry import EntryPoint
 from shared.log import get_logger, log_event
+from shared.records import BootMessage
 
 if TYPE_CHECKING:
     from supervisor.pending import Pending
@@ -133,22 +134,22 @@ class Spawner:
         self._seq += 1
         worker_id = f"w{self._nonce}-{self._seq}"
         token = secrets.token_hex(16)
-        boot = {
-            "worker_id": worker_id,
-            "token": token,
-            "data_endpoint": self.endpoints["backend"],
-            "control_endpoint": self.endpoints["control"],
-            "heartbeat_interval_s": self.config.heartbeat_interval_s,
-            "heartbeat_liveness": self.config.heartbeat_liveness,
-            "log_format": self.config.log_format,
-            "log_level": self.config.log_level,
-            "max_message_bytes": self.config.max_message_bytes,
+        boot = BootMessage(
+            worker_id=worker_id,
+            token=token,
+            data_endpoint=self.endpoints["backend"],
+            control_endpoint=self.endpoints["control"],
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_liveness=self.config.heartbeat_liveness,
+            log_format=self.config.log_format,
+            log_level=self.config.log_level,
+            max_message_bytes=self.config.max_message_bytes,
             # spawn: the parent is us; forkserver: the fork server (checked by the worker)
-            "parent_pid": os.getpid() if self.method == "spawn" else None,
+            parent_pid=os.getpid() if self.method == "spawn" else None,
             # a silent supervisor is only given up on when this process is gone (worker.control)
-            "supervisor_pid": os.getpid(),
-            "supervisor_started": self._started,
-        }
+            supervisor_pid=os.getpid(),
+            supervisor_started=self._started,
+        )
         t0 = time.monotonic()
         process_cls = getattr(self.ctx, "Process")
         proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(boot,), name=f"twt-worker-{worker_id}", daemon=False)
@@ -162,15 +163,8 @@ class Spawner:
             sentinel=proc.sentinel,
             spawned_at=t0,
         )
-        log_event(
-            _log,
-            logging.DEBUG,
-            "worker.process_started",
-            worker=worker_id,
-            pid=proc.pid,
-            method=self.method,
-            start_ms=round((time.monotonic() - t0) * 1000, 3),
-        )
+        log_event(_log, logging.DEBUG, "worker.process_started", worker=worker_id, pid=proc.pid, method=self.method,
+                  start_ms=round((time.monotonic() - t0) * 1000, 3))
         return handle
 
 

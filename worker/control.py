@@ -14,6 +14,13 @@ record), and otherwise keeps serving and logs ``worker.supervisor_slow``
 once per stall. Besides that, it exits (:data:`EXIT_PARENT_GONE`) when its
 parent is no longer the process that started it, and ``PR_SET_PDEATHSIG``
 (see :mod:`worker.main`) kills it with its parent.
+
+Threads: this thread owns its control socket and nothing else. It shares
+with the executor thread (:class:`worker.server.WorkerServer`) only
+``stop_event`` (a ``threading.Event``), the :class:`worker.faults.FaultState`
+(whose counters are changed under its own lock) and a read of the server's
+``requests`` counter for the heartbeat (an int read whole; a stale value is
+harmless). It never touches the data socket: ZMQ sockets are not thread-safe.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from typing import Any
 import zmq
 
 from shared.errors import ProtocolError, TensorWasmError
+from shared.exitcodes import WORKER_PARENT_GONE, WORKER_SUPERVISOR_SILENT
 from shared.log import get_logger, log_event
 from shared.protocol import decode_control, encode_control
-from shared.exitcodes import WORKER_PARENT_GONE, WORKER_SUPERVISOR_SILENT
+from shared.records import BootMessage
 from worker.faults import FaultState
 
 __all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT", "supervisor_alive"]
@@ -66,7 +74,7 @@ class ControlThread(threading.Thread):
     def __init__(
         self,
         zctx: zmq.Context[Any],
-        boot: dict[str, Any],
+        boot: BootMessage,
         faults: FaultState,
         stop_event: threading.Event,
         stats: Any,
@@ -77,24 +85,18 @@ class ControlThread(threading.Thread):
         self.faults = faults
         self.stop_event = stop_event
         self.stats = stats
-        self.interval = float(boot["heartbeat_interval_s"])
-        self.liveness = int(boot["heartbeat_liveness"])
         self.parent_pid = os.getppid()
-        sup_pid = boot.get("supervisor_pid")
-        sup_started = boot.get("supervisor_started")
-        self.supervisor_pid = sup_pid if isinstance(sup_pid, int) else None
-        self.supervisor_started = float(sup_started) if isinstance(sup_started, (int, float)) else None
         self.closed = threading.Event()
 
     def run(self) -> None:
         sock = self.zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self.boot["worker_id"].encode())
+        sock.setsockopt(zmq.ROUTING_ID, self.boot.worker_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         sock.setsockopt(zmq.SNDHWM, 100)
-        sock.connect(self.boot["control_endpoint"])
+        sock.connect(self.boot.control_endpoint)
         try:
-            sock.send(encode_control("hello", {"token": self.boot["token"], "pid": os.getpid()}))
+            sock.send(encode_control("hello", {"token": self.boot.token, "pid": os.getpid()}))
             self._loop(sock)
         finally:
             sock.close(0)
@@ -102,9 +104,12 @@ class ControlThread(threading.Thread):
 
     def _loop(self, sock: zmq.Socket[Any]) -> None:
         last_heard = time.monotonic()
-        next_beat = last_heard + self.interval
+        interval = self.boot.heartbeat_interval_s
+        silent_after = interval * self.boot.heartbeat_liveness
+        next_beat = last_heard + interval
         next_look = last_heard  # when silence is next checked against the supervisor's process
         stalled = False  # logged supervisor_slow for the current silence
+        sup_pid, sup_started = self.boot.supervisor_pid, self.boot.supervisor_started
         while not self.stop_event.is_set():
             now = time.monotonic()
             if sock.poll(max(0, int((next_beat - now) * 1000)) + 1):
@@ -119,19 +124,19 @@ class ControlThread(threading.Thread):
             if now >= next_beat:
                 if not self.faults.hang.is_set():
                     sock.send(encode_control("hb", {"requests": self.stats.requests}), zmq.NOBLOCK)
-                next_beat = now + self.interval
+                next_beat = now + interval
             silent = now - last_heard
-            if silent > self.interval * self.liveness and now >= next_look:
+            if silent > silent_after and now >= next_look:
                 # Silent: gone, or only stalled? Look at the process, at most once per interval.
-                next_look = now + self.interval
-                if not supervisor_alive(self.supervisor_pid, self.supervisor_started):
+                next_look = now + interval
+                if not supervisor_alive(sup_pid, sup_started):
                     log_event(_log, logging.ERROR, "worker.supervisor_silent", silent_s=round(silent, 2))
                     os._exit(EXIT_SUPERVISOR_SILENT)
                 if not stalled:
                     stalled = True
                     log_event(_log, logging.WARNING, "worker.supervisor_slow", silent_s=round(silent, 2),
-                              supervisor=self.supervisor_pid)
-            elif silent <= self.interval * self.liveness:
+                              supervisor=sup_pid)
+            elif silent <= silent_after:
                 stalled = False
             if os.getppid() != self.parent_pid:
                 log_event(_log, logging.ERROR, "worker.parent_gone", parent=self.parent_pid)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shared.protocol import FAULT_KINDS
 from shared.spec import TenantSpec
 
 __all__ = [
@@ -19,8 +20,8 @@ __all__ = [
     "SIGNAL_FAULTS",
 ]
 
-#: faults the worker applies to itself (``inject_fault``)
-DEFAULT_FAULTS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak")
+#: faults the worker applies to itself (``inject_fault``; the kinds are the protocol's)
+DEFAULT_FAULTS: tuple[str, ...] = FAULT_KINDS
 #: faults the nemesis delivers as signals to the worker's pid
 SIGNAL_FAULTS = ("sigkill", "sigstop")
 ALL_FAULTS = DEFAULT_FAULTS + SIGNAL_FAULTS

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from shared import protocol as proto
+from shared.records import TenantRecord
 from supervisor import chaos
 from supervisor.chaos import checks as chaos_checks
 from supervisor.chaos import (
@@ -125,15 +126,18 @@ def test_checks_catch_each_kind_of_violation() -> None:
 
 
 def _record(instances: list[tuple[int, int, str]], shares: list[tuple[int, int]], gpu: int, cpu: int = 0
-            ) -> dict[str, Any]:
-    return {
+            ) -> TenantRecord:
+    return TenantRecord.from_wire({
         "tenant_id": "faulty-0",
-        "instances": [{"index": i, "incarnation": inc, "state": state, "pid": 100 + i if state == "ready" else None}
+        "state": "running",
+        "generation": 1,
+        "instances": [{"index": i, "incarnation": inc, "state": state, "pid": 100 + i if state == "ready" else None,
+                       "in_flight": 0, "restarts": 0, "uptime_s": None, "draining": False, "last_exit": None}
                       for i, inc, state in instances],
         "gpu_bytes_in_use": gpu,
         "bytes_in_use": cpu,
         "quota": {"instance_shares": [[i, 0, g] for i, g in shares]},
-    }
+    })
 
 
 def test_reconcile_counts_live_buffers_and_writes_off_dead_incarnations() -> None:
