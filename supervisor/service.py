@@ -100,10 +100,15 @@ class ServiceOps:
 
         A stored file tenant whose entry changed while the supervisor was down
         comes back with the file's spec; one removed from the file is evicted.
+        Started without a config file, nothing is compared: every stored tenant
+        comes back as it was.
         """
         records = self.state.tenants()
-        plan = plan_reload(self.config.tenants,
-                           {r.tenant_id: TenantNow(r.spec, r.registered_spec, r.origin) for r in records})
+        if self.config.config_file is None:
+            plan = ReloadPlan()
+        else:
+            plan = plan_reload(self.config.tenants,
+                               {r.tenant_id: TenantNow(r.spec, r.registered_spec, r.origin) for r in records})
         changed = {c.tenant_id: c for c in plan.change}
         adopted = {s.tenant_id for s in plan.adopt}
         restored = failed = 0

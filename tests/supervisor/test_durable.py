@@ -19,11 +19,12 @@ from typing import Any
 
 import psutil
 import pytest
+import zmq
 
 from shared.capability import TenantCapability
 from shared.errors import CapabilityRevoked, ConfigError, TenantIsolationViolation
 from shared.spec import TenantSpec
-from supervisor.client import SupervisorClient
+from supervisor.events import TOPIC_PREFIX, decode_event
 from supervisor.launch import SupervisorHandle, launch
 from supervisor.rundir import read_admin_capability
 from tests.helpers.cluster import FAST, tenant, wait_for
@@ -63,22 +64,23 @@ def _gone(pids: list[int]) -> bool:
 
 
 class _Events:
-    """Collects published events on a thread (subscribed before the test acts)."""
+    """Collects published events on a thread, on one SUB socket for the whole test."""
 
     def __init__(self, run_dir: str, kinds: tuple[str, ...]) -> None:
-        self.client = SupervisorClient(run_dir)
         self.seen: list[dict[str, Any]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(kinds,), daemon=True)
+        self._sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        for kind in kinds:
+            self._sock.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX + kind.encode())
+        self._sock.connect("ipc://" + os.path.join(run_dir, "events.ipc"))
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _run(self, kinds: tuple[str, ...]) -> None:
-        for event in self.client.events(kinds, timeout_s=0.2):
-            self.seen.append(event)
-            if self._stop.is_set():
-                return
-        if not self._stop.is_set():
-            self._run(kinds)
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(100):
+                self.seen.append(decode_event(self._sock.recv_multipart()))
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.seen if e.get("event") == kind]
@@ -86,7 +88,7 @@ class _Events:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-        self.client.close()
+        self._sock.close(0)
 
 
 # ----------------------------------------------------------------------- restart
@@ -211,9 +213,11 @@ def test_restart_replaces_every_instance_one_at_a_time_without_spending_the_budg
         c = sup.client
         cap = c.register(None, TenantSpec("acme").with_instances(2).with_restart("always", max_restarts=0))
         before = _pids(sup, "acme")
-        events = _Events(run_dir, ("exit", "ready", "restart", "failed"))
+        events = _Events(run_dir, ("exit", "ready", "restart", "failed", "scale"))
         try:
-            time.sleep(0.3)  # the subscription joins
+            # the subscription joins asynchronously: a harmless admin change shows when it has
+            wait_for(lambda: (c.scale(None, "acme", 2), events.of("scale"))[1], timeout_s=10,
+                     what="the event subscription")
             rec = c.restart_tenant(None, "acme")
             assert rec["state"] == "running" and rec["restarts"] == 0
             after = sorted(rec["pids"])
@@ -338,3 +342,14 @@ def test_sixty_four_tenants_are_restored(run_dir: str) -> None:
         status = sup.client.status()
         assert len(status["tenants"]) == 64 and all(t["state"] == "running" for t in status["tenants"])
         assert all(sup.client.ping(cap)["tenant"] == cap.tenant_id for cap in caps)
+
+
+def test_file_tenants_follow_the_file_across_restarts_but_not_a_start_without_one(run_dir: str) -> None:
+    with _start(run_dir, [{"name": "a"}, {"name": "b"}]):
+        pass
+    with launch(None, run_dir=run_dir, backend="stub", pool_size=0) as sup:  # no --config: nothing compared
+        assert sorted(t["tenant_id"] for t in sup.client.status()["tenants"]) == ["a", "b"]
+    with _start(run_dir, [{"name": "b", "instances": 2}]) as sup:  # the file changed while it was down
+        status = sup.client.status()
+        assert [t["tenant_id"] for t in status["tenants"]] == ["b"]
+        assert tenant(status, "b")["spec"]["instances"] == 2
