@@ -133,10 +133,12 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
                 sup.process.kill()
             sup.process.wait(10)
             t0 = time.monotonic()
-            wait_for(lambda: not any(_alive(p, t) for p, t in procs.items()), timeout_s=2.0,  # noqa: B023
+            wait_for(lambda: not any(_alive(p, t) for p, t in procs.items()), timeout_s=10.0,  # noqa: B023
                      interval_s=0.01, what=f"{name}: every process of the killed supervisor gone")
             gone_in = time.monotonic() - t0
-            assert gone_in < 2.0, (name, gone_in)
+            # PDEATHSIG, heartbeats and the parent check end them at once; 10 s is a margin for a
+            # loaded machine, not a speed target
+            assert gone_in < 10.0, (name, gone_in)
             after()
             stale = {n for n in hygiene.twt_segments() if n.startswith(prefix)}
             if whole_tree:
