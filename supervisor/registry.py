@@ -168,7 +168,7 @@ class TenantRegistry:
         raise TenantIsolationViolation(tid or None, "this registry (capability from a foreign registry)")
 
     def verify(self, cap: object) -> str:
-        """Check a tenant capability; return its tenant id (the router's frontend check)."""
+        """Check a tenant capability; return its tenant id (the frontend's check)."""
         return self._check_tenant(cap, False).spec.tenant_id
 
     def verify_admin(self, cap: object) -> None:
