@@ -169,7 +169,7 @@ class Supervisor:
             cfg, loop=self.loop, sock=frontend_sock, replies=replies, pending=pending, workers=workers,
             registry=self.registry, tenants=self.tenants, admin=admin.handle,
         )
-        admin.workers, admin.frontend = workers, frontend
+        admin.attach(workers, frontend)
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin)
         self.metrics.bind_source(self.metrics_snapshot)
         for spec in cfg.tenants:
