@@ -107,10 +107,28 @@ class AdminOps:
         self._internal_errors = counters
         self._on_settled = on_settled
         self.started = time.time()
-        # wired by the supervisor once every part exists (the parts call each other)
-        self.workers: WorkerSet
-        self.frontend: Frontend
-        self.service: ServiceOps
+        self._workers: WorkerSet | None = None
+        self._frontend: Frontend | None = None
+        self._service: ServiceOps | None = None
+
+    def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceOps) -> None:
+        """The parts this one calls, which are built after it (they call it too); once, at set-up."""
+        self._workers, self._frontend, self._service = workers, frontend, service
+
+    @property
+    def workers(self) -> WorkerSet:
+        assert self._workers is not None, "AdminOps used before Supervisor._setup attached its parts"
+        return self._workers
+
+    @property
+    def frontend(self) -> Frontend:
+        assert self._frontend is not None, "AdminOps used before Supervisor._setup attached its parts"
+        return self._frontend
+
+    @property
+    def service(self) -> ServiceOps:
+        assert self._service is not None, "AdminOps used before Supervisor._setup attached its parts"
+        return self._service
 
     # ------------------------------------------------------------ dispatch
 

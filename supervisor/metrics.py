@@ -1,4 +1,4 @@
-"""Metric hooks of the router loop.
+"""Metric hooks of the supervisor loop.
 
 The loop calls these on its hot path, so the default :class:`NullMetrics`
 does nothing; ``--metrics-addr`` swaps in the Prometheus implementation
@@ -30,7 +30,7 @@ MetricsSource = Callable[[], Mapping[str, TenantGauges]]
 
 
 class Metrics:
-    """Interface: what the router reports."""
+    """Interface: what the supervisor loop reports."""
 
     def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None:
         """A client request was answered; ``outcome`` is "ok" or the error code."""

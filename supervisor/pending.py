@@ -152,9 +152,15 @@ class PendingTable:
         heapq.heapify(self._deadlines)
 
     def abandon(self, workers: Iterable[WorkerHandle], reason: str) -> None:
-        """Shutdown: whatever is still in flight is answered :class:`WorkerLost`."""
+        """Shutdown: every client request still in flight is answered :class:`WorkerLost`; the
+        supervisor's own requests (a bind) are dropped: nothing acts on their outcome any more."""
         for worker in workers:
-            self.fail_worker(worker, lambda p: WorkerLost(p.tenant, p.instance, reason=reason))
+            for rid in list(worker.in_flight):
+                pending = self._take(worker, rid)
+                assert pending is not None
+                if pending.callback is None:
+                    exc = WorkerLost(pending.tenant, pending.instance, reason=reason)
+                    self.finish(pending, False, exc.to_dict())
 
     # ------------------------------------------------------------ answered by the loop itself
 

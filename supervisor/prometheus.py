@@ -3,9 +3,9 @@
 Two kinds of series, both exposed by prometheus-client (no hand-written
 exposition)::
 
-    router loop (one thread) ──inc/observe──► client Counters / Histogram ──┐
-                                                                            ├─► CollectorRegistry ─► HTTP thread
-    snapshot (loop, every 1 s) ◄──read at scrape time── _TenantCollector ─┘         (GET /metrics)
+    supervisor loop (one thread) ──inc/observe──► client Counters / Histogram ──┐
+                                                                                ├─► CollectorRegistry ─► HTTP
+    snapshot (loop, every 1 s) ◄──read at scrape time── _TenantCollector ────────┘    thread (GET /metrics)
 
 * **Events the loop reports** through the :class:`~supervisor.metrics.Metrics`
   hooks: requests by tenant, op and outcome, request latency by op, worker

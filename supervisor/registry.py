@@ -274,7 +274,7 @@ class TenantRegistry:
         return Denial(reason, claimed if authentic else None, None if authentic else claimed)
 
     def verify(self, cap: object) -> str:
-        """Check a tenant capability; return its tenant id (the router's frontend check)."""
+        """Check a tenant capability; return its tenant id (the frontend's check)."""
         return self._check_tenant(cap, False).spec.tenant_id
 
     def verify_admin(self, cap: object) -> None:

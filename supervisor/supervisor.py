@@ -217,7 +217,7 @@ class Supervisor:
             cfg, admin=admin, workers=workers, registry=registry, state=state, placement=placement,
             pending=pending, events=self.events, on_key_rotated=on_key_rotated,
         )
-        admin.workers, admin.frontend, admin.service = workers, frontend, service
+        admin.attach(workers, frontend, service)
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference

@@ -290,3 +290,14 @@ def test_handoff_answers_a_request_with_the_next_publish() -> None:
     t.join(10)
     assert got == [{"new": True}] and not handoff.wanted()
     assert handoff.request(0.0) == {"new": True}  # nobody publishes: the last value
+
+
+def test_shutdown_answers_clients_and_drops_its_own_requests() -> None:
+    table, replies, _, clock, tenants = _table()
+    w = _worker(0)
+    own: list[bool] = []
+    table.add(w, table.new_rid(), Pending(None, 0, "bind", "acme", 0, clock.now, clock.now + 5, own.append))
+    table.add(w, table.new_rid(), Pending(b"c", 3, "alloc", "acme", 0, clock.now, clock.now + 5))
+    table.abandon([w], "the supervisor is stopping")
+    assert own == [] and [(rid, ok, err["code"]) for _, rid, ok, err in replies.sent] == [(3, False, "worker_lost")]
+    assert len(table) == 0 and tenants["acme"].in_flight == 0

@@ -93,7 +93,7 @@ def test_a_simple_run_and_its_reply(env: Env) -> None:
     reply = run(env, PROBE, "add", [2, 40])
     assert reply["results"] == [42]
     assert 0 < reply["fuel_used"] < 100
-    assert 0 < reply["elapsed_s"] < 5
+    assert 0 < reply["elapsed_s"] < 30  # measured and reported, not a speed target
     assert reply["cached"] is False and run(env, PROBE, "add", [1, 1])["cached"] is True
     assert reply["gpu_peak_bytes"] == 0 and reply["memory_bytes"] == PAGE and reply["logs"] == []
 
