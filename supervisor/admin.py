@@ -178,13 +178,16 @@ class AdminOps:
         device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
         isolation = self.placement.isolation(spec)
         cap = self.registry.register_with_capability(self.admin_cap, spec)
+        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
+        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
+        # Written once the binds are out: the fsync of the commit overlaps the workers' binds, and
+        # the reply (sent once they are ready, on a later turn of the loop) follows the commit.
         try:
             self.state.register(spec, cap.generation, "file" if origin == "file" else "runtime")
         except StateError:
-            self.registry.unregister(self.admin_cap, spec.tenant_id)  # not durable: not registered
+            rt.register_waiters.clear()
+            self.evict(spec.tenant_id, None, None)  # not durable: not registered
             raise
-        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
-        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
         self._check_registered(rt)
 
     def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None) -> None:
