@@ -290,6 +290,12 @@ def test_reload_applies_the_difference_and_a_bad_file_changes_nothing(run_dir: s
         after = c.status()["tenants"]
         assert [(t["tenant_id"], t["spec"], t["pids"]) for t in after] == \
             [(t["tenant_id"], t["spec"], t["pids"]) for t in before]
+        # well-formed, but a device this supervisor does not manage: refused before anything changes
+        _write_config(cfg, [{"name": "a", "memory_quota_bytes": "32MiB", "wasm_fuel": 1000}, {"name": "k"},
+                            {"name": "c", "instances": 2}, {"name": "e", "cuda_device_index": 7}])
+        with pytest.raises(ConfigError, match="cuda_device_index=7"):
+            c.reload(None)
+        assert [t["tenant_id"] for t in c.status()["tenants"]] == [t["tenant_id"] for t in before]
 
         # SIGHUP reloads (and never stops the supervisor)
         _write_config(cfg, [{"name": "a", "memory_quota_bytes": "32MiB", "wasm_fuel": 1000, "instances": 2},
