@@ -100,7 +100,7 @@ class _Parts:
 
 
 class Supervisor:
-    """Runs until :meth:`request_stop` (or SIGTERM/SIGINT/SIGHUP in :meth:`run`)."""
+    """Runs until :meth:`request_stop` (or SIGTERM/SIGINT in :meth:`run`; SIGHUP reloads the config file)."""
 
     def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None) -> None:
         self.config = config

@@ -1,4 +1,4 @@
-"""``twt supervise``: run the supervisor in the foreground until SIGTERM/SIGINT."""
+"""``twt supervise``: run the supervisor in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "supervise",
         help="run a supervisor in the foreground",
         description="Run a supervisor: one worker process per tenant instance, ZeroMQ routing, "
-        "crash and hang recovery. Stops gracefully on SIGTERM/SIGINT. Settings: defaults < "
+        "crash and hang recovery. Stops gracefully on SIGTERM/SIGINT; SIGHUP re-reads --config (as twt reload). "
+        "Tenants come back from the state directory after a restart. Settings: defaults < "
         "[supervisor] table of --config < TWT_* environment < these flags.",
     )
     p.add_argument("--config", help="TOML file with a [supervisor] table and [[tenant]] tables")
