@@ -57,10 +57,15 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from shared.exits import STICKY_CUDA_ERRORS
+
 __all__ = ["DynamicLibNotFoundError", "FakeDriver", "instance", "reset"]
 
 
 # ----------------------------------------------------------------- enums (real values)
+
+#: the driver's sticky errors (the same list the worker uses; shared/exits.py)
+STICKY = frozenset(STICKY_CUDA_ERRORS)
 
 
 class CUresult(enum.IntEnum):
@@ -71,7 +76,9 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_DEINITIALIZED = 4
     CUDA_ERROR_NO_DEVICE = 100
     CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_ECC_UNCORRECTABLE = 214
     CUDA_ERROR_INVALID_IMAGE = 200
+    CUDA_ERROR_CONTAINED = 226
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_CONTEXT_ALREADY_IN_USE = 216
     CUDA_ERROR_INVALID_PTX = 218
@@ -79,11 +86,22 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_NOT_FOUND = 500
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701
+    CUDA_ERROR_LAUNCH_TIMEOUT = 702
     CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
+    CUDA_ERROR_ASSERT = 710
+    CUDA_ERROR_HARDWARE_STACK_ERROR = 714
+    CUDA_ERROR_ILLEGAL_INSTRUCTION = 715
+    CUDA_ERROR_MISALIGNED_ADDRESS = 716
+    CUDA_ERROR_INVALID_ADDRESS_SPACE = 717
+    CUDA_ERROR_INVALID_PC = 718
     CUDA_ERROR_LAUNCH_FAILED = 719
+    CUDA_ERROR_TENSOR_MEMORY_LEAK = 721
     CUDA_ERROR_NOT_PERMITTED = 800
     CUDA_ERROR_NOT_SUPPORTED = 801
     CUDA_ERROR_SYSTEM_DRIVER_MISMATCH = 803
+    CUDA_ERROR_MPS_CLIENT_TERMINATED = 810
+    CUDA_ERROR_EXTERNAL_DEVICE = 911
     CUDA_ERROR_UNKNOWN = 999
 
 
@@ -150,10 +168,21 @@ class DynamicLibNotFoundError(RuntimeError):
 
 
 class _Handle:
-    """An opaque driver handle: compares by value, ``int()`` gives the address."""
+    """An opaque driver object handle (context, stream, pool, module, function, program).
+
+    As in cuda.bindings: equal (and hashing equal) to a handle of the same
+    type and value, never to a plain int; ``int()`` and ``__index__`` give the
+    address; the constructor takes an int only.
+    """
+
+    __slots__ = ("_value",)
 
     def __init__(self, value: int = 0) -> None:
-        self._value = int(value)
+        if isinstance(value, _Handle | _Value):
+            value = int(value)
+        if not isinstance(value, int):
+            raise TypeError("an integer is required")
+        self._value = value
 
     def __int__(self) -> int:
         return self._value
@@ -173,45 +202,25 @@ class _Handle:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._value:#x}>"
 
-
-class CUdevice(_Handle):
-    def __repr__(self) -> str:
-        return f"<CUdevice {self._value}>"
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._value,))
 
 
-class CUcontext(_Handle):
-    pass
+class _Value:
+    """A value wrapper (CUdevice, CUdeviceptr, cuuint64_t): as in cuda.bindings, it compares
+    by *identity* (two ``CUdeviceptr(5)`` are not equal and hash apart) and has no ``__index__``;
+    ``int()`` gives the value."""
 
+    __slots__ = ("_value",)
+    _bits = 64
 
-class CUstream(_Handle):
-    pass
-
-
-class CUmemoryPool(_Handle):
-    pass
-
-
-class CUdeviceptr(_Handle):
-    def __repr__(self) -> str:
-        return f"<CUdeviceptr {self._value}>"
-
-
-class CUmodule(_Handle):
-    pass
-
-
-class CUfunction(_Handle):
-    pass
-
-
-class nvrtcProgram(_Handle):  # noqa: N801
-    pass
-
-
-class cuuint64_t:  # noqa: N801 - the bindings' name
     def __init__(self, value: int = 0) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-            raise TypeError(f"cuuint64_t takes an int in 0..2**64-1, got {value!r}")
+        if isinstance(value, _Handle | _Value):
+            value = int(value)
+        if not isinstance(value, int):
+            raise TypeError("an integer is required")
+        if not 0 <= value < 1 << self._bits:
+            raise OverflowError(f"can't convert {value} to an unsigned {self._bits}-bit value")
         self._value = value
 
     def __int__(self) -> int:
@@ -221,32 +230,115 @@ class cuuint64_t:  # noqa: N801 - the bindings' name
         return id(self)
 
     def __repr__(self) -> str:
-        return f"<cuuint64_t {self._value}>"
+        return f"<{type(self).__name__} {self._value}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._value,))
 
 
-class CUmemLocation:
+class CUdevice(_Value):
+    __slots__ = ()
+    _bits = 31
+
+
+class CUdeviceptr(_Value):
+    __slots__ = ()
+
+
+class cuuint64_t(_Value):  # noqa: N801 - the bindings' name
+    __slots__ = ()
+
+
+class CUcontext(_Handle):
+    __slots__ = ()
+
+
+class CUstream(_Handle):
+    __slots__ = ()
+
+
+class CUmemoryPool(_Handle):
+    __slots__ = ()
+
+
+class CUmodule(_Handle):
+    __slots__ = ()
+
+
+class CUfunction(_Handle):
+    __slots__ = ()
+
+
+class nvrtcProgram(_Handle):  # noqa: N801
+    __slots__ = ()
+
+
+class _Struct:
+    """A driver struct as cuda.bindings has them: a fixed set of fields, each typed.
+
+    Unknown fields raise ``AttributeError``; an int field refuses a non-number
+    (``TypeError``) and a negative value (``OverflowError``); an enum field
+    takes a member or an int of a member (``ValueError`` otherwise); a struct
+    field takes only that struct type. ``_fields`` maps name -> int | enum | struct type.
+    """
+
+    __slots__: tuple[str, ...] = ()
+    _fields: dict[str, Any] = {}
+
     def __init__(self) -> None:
-        self.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_INVALID
-        self.id = 0
+        for name, kind in self._fields.items():
+            if kind is int:
+                value: Any = 0
+            elif isinstance(kind, type) and issubclass(kind, enum.IntEnum):
+                value = kind(min(int(m) for m in kind))
+            else:
+                value = kind()
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        kind = type(self)._fields.get(name)
+        if kind is None:
+            raise AttributeError(f"'cuda.bindings.driver.{type(self).__name__}' object has no attribute '{name}'")
+        if kind is int:
+            if isinstance(value, (str, bytes, bytearray)) or not hasattr(value, "__int__"):
+                raise TypeError("an integer is required")
+            value = int(value)
+            if value < 0:
+                raise OverflowError("can't convert negative value to size_t")
+        elif isinstance(kind, type) and issubclass(kind, enum.IntEnum):
+            value = kind(int(value))  # ValueError for a str or an unknown member, like the bindings
+        elif not isinstance(value, kind):
+            raise TypeError(f"Argument '{name}' is not instance of type {kind.__name__}")
+        object.__setattr__(self, name, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_struct, (type(self), {n: getattr(self, n) for n in self._fields}))
 
 
-class CUmemPoolProps:
-    def __init__(self) -> None:
-        self.allocType = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID
-        self.handleTypes = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        self.location = CUmemLocation()
-        self.win32SecurityAttributes = 0
-        self.maxSize = 0
-        self.usage = 0
-        self.gpuDirectRDMACapable = 0
+def _rebuild_struct(cls: type[_Struct], fields: dict[str, Any]) -> _Struct:
+    obj = cls()
+    for name, value in fields.items():
+        setattr(obj, name, value)
+    return obj
 
 
-class CUmemAllocationProp:
-    def __init__(self) -> None:
-        self.type = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID
-        self.requestedHandleTypes = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        self.location = CUmemLocation()
-        self.win32HandleMetaData = 0
+class CUmemLocation(_Struct):
+    __slots__ = ("type", "id")
+    _fields = {"type": CUmemLocationType, "id": int}
+
+
+class CUmemPoolProps(_Struct):
+    __slots__ = ("allocType", "handleTypes", "location", "win32SecurityAttributes", "maxSize", "usage",
+                 "gpuDirectRDMACapable")
+    _fields = {"allocType": CUmemAllocationType, "handleTypes": CUmemAllocationHandleType,
+               "location": CUmemLocation, "win32SecurityAttributes": int, "maxSize": int, "usage": int,
+               "gpuDirectRDMACapable": int}
+
+
+class CUmemAllocationProp(_Struct):
+    __slots__ = ("type", "requestedHandleTypes", "location", "win32HandleMetaData")
+    _fields = {"type": CUmemAllocationType, "requestedHandleTypes": CUmemAllocationHandleType,
+               "location": CUmemLocation, "win32HandleMetaData": int}
 
 
 # ----------------------------------------------------------------- the fake's state
@@ -349,6 +441,7 @@ class FakeDriver:
         pools_supported: bool = True,
         record_dir: str | None = None,
         driver_version: int = 12080,
+        real_nvrtc: bool = True,
     ) -> None:
         if mode not in ("ok", "no-libcuda", "no-device", "driver-mismatch"):
             raise ValueError(f"unknown fake CUDA mode {mode!r}")
@@ -383,10 +476,15 @@ class FakeDriver:
         self.modules: dict[int, dict[bytes, list[str]]] = {}
         self.functions: dict[int, tuple[int, bytes, list[str]]] = {}
         self.programs: dict[int, dict[str, Any]] = {}
-        self.pending_error: dict[int, CUresult] = {}  # stream -> error reported at its next sync
+        #: device -> the sticky error its context hit: every later call in it returns that error,
+        #: until the process ends (cuda.h: "the process must be terminated and relaunched")
+        self.sticky: dict[int, CUresult] = {}
         self.launches: list[tuple[bytes, int, int]] = []  # (kernel, grid, block)
         self.compile_options: list[list[bytes]] = []
         self.init_environment: dict[str, str] = {}
+        #: compile kernel sources for real with NVRTC when it is loadable (a syntax error then fails)
+        self.real_nvrtc = real_nvrtc
+        self.real_compiles = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FakeDriver:
@@ -403,6 +501,7 @@ class FakeDriver:
             context_bytes=num("FAKE_CUDA_CONTEXT_BYTES", 0),
             mode=env.get("FAKE_CUDA_MODE") or "ok",
             record_dir=env.get("FAKE_CUDA_RECORD_DIR") or None,
+            real_nvrtc=env.get("FAKE_CUDA_REAL_NVRTC", "1") != "0",
         )
 
     # ------------------------------------------------------------- test controls
@@ -444,11 +543,20 @@ class FakeDriver:
             )
         queued = self._fail.get(name)
         if queued:
-            return CUresult(queued.pop(0))
+            err = CUresult(queued.pop(0))
+            if err.name in STICKY and needs_ctx:
+                dev = self._ctx_device(self._ctx())
+                if dev is not None:
+                    self.sticky.setdefault(dev, err)
+            return err
         if needs_init and not self.initialized:
             return CUresult.CUDA_ERROR_NOT_INITIALIZED
-        if needs_ctx and self._ctx_device(self._ctx()) is None:
-            return CUresult.CUDA_ERROR_INVALID_CONTEXT
+        if needs_ctx:
+            dev = self._ctx_device(self._ctx())
+            if dev is None:
+                return CUresult.CUDA_ERROR_INVALID_CONTEXT
+            if dev in self.sticky:
+                return self.sticky[dev]
         return None
 
     def _stream_ok(self, stream: Any) -> bool:
@@ -677,8 +785,7 @@ class FakeDriver:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             for pool in self.pools.values():
                 self._trim(pool)
-            pending = self.pending_error.pop(int(stream), None)
-            return (pending or CUresult.CUDA_SUCCESS,)
+            return (CUresult.CUDA_SUCCESS,)
 
     # ------------------------------------------------------------- pools
 
@@ -956,7 +1063,11 @@ class FakeDriver:
                     return (CUresult.CUDA_ERROR_INVALID_VALUE,)  # the launch does not match the source
             self.launches.append((name, gx, bx))
             if not self._run(name, gx, bx, values):
-                self.pending_error[int(stream)] = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+                # the launch itself succeeds; the fault shows at the next call (usually the
+                # synchronize) and at every call after it: the context is lost for good
+                dev = self._ctx_device(self._ctx())
+                assert dev is not None
+                self.sticky.setdefault(dev, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
             return (CUresult.CUDA_SUCCESS,)
 
     def _f32(self, addr: int, n: int, dtype: str = "float32") -> Any:
@@ -1042,6 +1153,15 @@ class FakeDriver:
         if known is not None and arch not in known:
             p["log"] = f"nvrtc: error: invalid value for --gpu-architecture (-arch): {arch}".encode()
             return (nvrtcResult.NVRTC_ERROR_INVALID_OPTION,)
+        if self.real_nvrtc:
+            compiled = compile_with_real_nvrtc(p["src"], opts)
+            if compiled is not None:
+                ok, out = compiled
+                self.real_compiles += 1
+                if not ok:
+                    p["log"] = out
+                    return (nvrtcResult.NVRTC_ERROR_COMPILATION,)
+                p["ptx"] = out
         sigs = {m.group(1): [_param_kind(d) for d in m.group(2).split(",") if d.strip()]
                 for m in _SIG_RE.finditer(p["src"])}
         if not sigs:
@@ -1109,6 +1229,57 @@ class FakeDriver:
         if self.programs.pop(int(prog), None) is None:
             return (nvrtcResult.NVRTC_ERROR_INVALID_PROGRAM,)
         return (nvrtcResult.NVRTC_SUCCESS,)
+
+
+_real_nvrtc_state: list[Any] = []  # [module or None], probed once
+_compiled: dict[tuple[str, tuple[bytes, ...]], tuple[bool, bytes]] = {}
+
+
+def real_nvrtc_module() -> Any | None:
+    """``cuda.bindings.nvrtc`` when libnvrtc loads here (the ``cuda`` extra's wheel), else None."""
+    if not _real_nvrtc_state:
+        try:
+            from cuda.bindings import nvrtc
+
+            err, *_ = nvrtc.nvrtcVersion()
+            _real_nvrtc_state.append(nvrtc if not err else None)
+        except (ImportError, RuntimeError):  # not installed, or libnvrtc not found
+            _real_nvrtc_state.append(None)
+    return _real_nvrtc_state[0]
+
+
+def compile_with_real_nvrtc(src: str, options: list[bytes]) -> tuple[bool, bytes] | None:
+    """Compile ``src`` to PTX with the real NVRTC: (True, ptx) or (False, log); None without NVRTC.
+
+    ``--gpu-architecture=sm_XY`` becomes ``compute_XY`` (PTX is all that can be
+    checked without a device); results are cached per (source, options).
+    """
+    mod = real_nvrtc_module()
+    if mod is None:
+        return None
+    opts = tuple(o.replace(b"=sm_", b"=compute_") for o in options)
+    key = (src, opts)
+    if key in _compiled:
+        return _compiled[key]
+    err, prog = mod.nvrtcCreateProgram(src.encode(), b"twt_fake_check.cu", 0, [], [])
+    if err:
+        return None
+    try:
+        (err,) = mod.nvrtcCompileProgram(prog, len(opts), list(opts))
+        if err:
+            _, size = mod.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            mod.nvrtcGetProgramLog(prog, log)
+            result = (False, log.rstrip(b"\0 "))
+        else:
+            _, size = mod.nvrtcGetPTXSize(prog)
+            ptx = b" " * size
+            mod.nvrtcGetPTX(prog, ptx)
+            result = (True, ptx.rstrip(b"\0"))
+    finally:
+        mod.nvrtcDestroyProgram(prog)
+    _compiled[key] = result
+    return result
 
 
 def _fill_bytes(out: bytes, data: bytes) -> None:

@@ -47,6 +47,16 @@ class Backend(abc.ABC):
 
     #: "stub" or "cuda"
     name: str = "abstract"
+    @property
+    def context_lost(self) -> str | None:
+        """A sticky driver error's name once the device context is unusable (the worker then exits)."""
+        return None
+
+    def inject_kernel_fault(self) -> None:
+        """Make the device fault as a bad kernel would (fault injection ``cuda-fault``)."""
+        from shared.errors import InvalidArgument
+
+        raise InvalidArgument(f"fault 'cuda-fault' needs the cuda backend (this worker runs {self.name!r})")
 
     @abc.abstractmethod
     def alloc(self, nbytes: int) -> DeviceBuffer:

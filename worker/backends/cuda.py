@@ -50,6 +50,8 @@ from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
 __all__ = ["CudaBackend", "CudaBuffer", "round_up"]
 
 _log = get_logger("worker.cuda")
+#: inside the first page: never mapped in any CUDA context, so a write there always faults
+_UNMAPPED_ADDRESS = 0x100
 _get_ident = threading.get_ident
 
 
@@ -301,7 +303,22 @@ class CudaBackend(Backend):
         result: float = self.kernels().sum_f32(buf.addr, count)
         return result
 
+    def inject_kernel_fault(self) -> None:
+        """Launch a kernel that writes through an unmapped address (fault injection ``cuda-fault``).
+
+        On hardware this is a real ``CUDA_ERROR_ILLEGAL_ADDRESS``: sticky, the
+        context is lost and the worker must end. Raises that :class:`CudaError`.
+        """
+        self.kernels().fill_f32(_UNMAPPED_ADDRESS, 0.0, 1)
+        raise CudaError("cuda-fault", "CUDA_SUCCESS", 0,
+                        message="the injected kernel fault did not fault (the address was mapped?)")
+
     # ------------------------------------------------------------- status
+
+    @property
+    def context_lost(self) -> str | None:
+        """The sticky driver error that made this process's context unusable, or None."""
+        return self._drv.context_lost
 
     def pool_attribute(self, name: str) -> int:
         """A ``CU_MEMPOOL_ATTR_<name>`` of the tenant pool (e.g. ``USED_MEM_CURRENT``)."""
@@ -340,6 +357,13 @@ class CudaBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self._drv.context_lost is not None:
+            # every call would return the sticky error again: the process exit frees it all
+            log_event(_log, logging.WARNING, "cuda.context_lost", device=self.device_index,
+                      error=self._drv.context_lost)
+            self._live.clear()
+            self.in_use = 0
+            return
         self._teardown(log_only=True)
 
     def _teardown(self, *, log_only: bool) -> None:
