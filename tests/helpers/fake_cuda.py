@@ -465,7 +465,9 @@ class FakeDriver:
         self._tls = threading.local()
         self.initialized = False
         self._next = 0x1000
-        self._next_addr = 0x7F00_0000_0000
+        # each process its own address range (as its own address space would give it), so an
+        # address handed over from another process is unmapped here, not one of our buffers
+        self._next_addr = 0x7000_0000_0000 + ((os.getpid() & 0xFF) << 36)
         self.ctx_refs: dict[int, int] = {}  # device -> primary context retain count
         self.ctx_handle = {d: 0xC000 + d for d in range(devices)}
         self.streams: dict[int, tuple[int, int]] = {}  # handle -> (ctx, flags)
