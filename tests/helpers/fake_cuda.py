@@ -1300,12 +1300,98 @@ _instance_lock = threading.Lock()
 
 
 def instance() -> FakeDriver:
-    """This process's fake (built from ``FAKE_CUDA_*`` on first use)."""
+    """This process's fake (built from ``FAKE_CUDA_*`` on first use).
+
+    With ``FAKE_CUDA_RECORD_CALLS=<dir>`` it records the arguments of every
+    driver and NVRTC call into ``<dir>/<pid>.calls`` (see :class:`CallRecorder`).
+    """
     global _instance
     with _instance_lock:
         if _instance is None:
             _instance = FakeDriver.from_env()
+            record_dir = os.environ.get("FAKE_CUDA_RECORD_CALLS")
+            if record_dir:
+                _instance = CallRecorder(_instance, record_dir)  # type: ignore[assignment]
         return _instance
+
+
+class Buf:
+    """A recorded data buffer: its kind and a short sample (the replay needs types, not bytes)."""
+
+    def __init__(self, kind: str, data: bytes) -> None:
+        self.kind = kind
+        self.data = data
+
+    def rebuild(self) -> Any:
+        if self.kind == "bytes":
+            return bytes(self.data)
+        if self.kind == "ndarray":
+            import numpy as np
+
+            return np.frombuffer(bytearray(self.data), dtype=np.uint8)
+        if self.kind == "memoryview":
+            return memoryview(bytearray(self.data))
+        return bytearray(self.data)
+
+
+def _snapshot(value: Any) -> Any:
+    """A picklable copy of one call argument (buffers shortened to a sample of their kind)."""
+    if isinstance(value, (bytes, bytearray, memoryview)) or type(value).__name__ == "ndarray":
+        kind = type(value).__name__
+        raw = memoryview(value).cast("B")[:64].tobytes() if not isinstance(value, bytes) else value[:64]
+        return Buf(kind, raw)
+    if isinstance(value, tuple):
+        return tuple(_snapshot(v) for v in value)
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    return value
+
+
+def _shape(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_shape(v) for v in value))
+    return type(value).__name__
+
+
+class CallRecorder:
+    """Wraps a :class:`FakeDriver`: every ``cu*`` / ``nvrtc*`` call's arguments go to a file.
+
+    The replay test (tests/worker/test_replay_bindings.py) feeds them into the
+    real ``cuda.bindings``, whose argument conversion runs before it loads
+    libcuda/libnvrtc: a wrongly typed argument shows there as a ``TypeError``.
+    Each distinct (call, argument types) shape is kept a few times only, and
+    every record is flushed at once (workers end with ``os._exit``).
+    """
+
+    def __init__(self, fake: FakeDriver, record_dir: str) -> None:
+        self._fake = fake
+        self._seen: dict[tuple[Any, ...], int] = {}
+        os.makedirs(record_dir, exist_ok=True)
+        self._file = open(os.path.join(record_dir, f"{os.getpid()}.calls"), "ab")  # noqa: SIM115 - process-long
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._fake, name)
+        if not name.startswith(("cu", "nvrtc")) or not callable(value) or isinstance(value, type):
+            return value
+
+        def recorded(*args: Any) -> Any:
+            self._record(name, args)
+            return value(*args)
+
+        return recorded
+
+    def _record(self, name: str, args: tuple[Any, ...]) -> None:
+        import pickle
+
+        key = (name, _shape(args))
+        with self._lock:
+            n = self._seen.get(key, 0)
+            if n >= 3:
+                return
+            self._seen[key] = n + 1
+            pickle.dump((name, _snapshot(args)), self._file)
+            self._file.flush()
 
 
 def reset(driver: FakeDriver | None = None) -> None:
