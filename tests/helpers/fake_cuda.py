@@ -1121,6 +1121,10 @@ class FakeDriver:
             return nvrtcResult(queued.pop(0))
         return None
 
+    def nvrtcVersion(self) -> tuple[Any, ...]:  # noqa: N802
+        err = self._nvrtc_enter("nvrtcVersion")
+        return (err, 0, 0) if err is not None else (nvrtcResult.NVRTC_SUCCESS, 13, 0)
+
     def nvrtcGetErrorString(self, result: Any) -> tuple[Any, ...]:  # noqa: N802
         self.calls.append("nvrtcGetErrorString")
         try:

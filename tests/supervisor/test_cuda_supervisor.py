@@ -439,3 +439,15 @@ def test_cuda_fault_needs_the_cuda_backend() -> None:
             c.ping(cap)
         c.ping(cap)
         assert instance_pid(sup, "acme") == pid
+
+
+def test_the_probe_names_a_missing_nvrtc_and_the_extra_that_brings_it() -> None:
+    from supervisor.backend_select import nvrtc_note
+
+    probe = probe_cuda(driver_module=FAKE, nvrtc_module="tests.helpers.no_such_nvrtc")
+    assert probe["ok"] is True and probe["nvrtc"] is None
+    assert "ModuleNotFoundError" in probe["nvrtc_reason"]
+    note = nvrtc_note(probe)
+    assert "NVRTC missing" in note and "tensor-wasm-tenant[cuda]" in note
+    present = probe_cuda(driver_module=FAKE, nvrtc_module=FAKE)
+    assert present["nvrtc"] == "13.0" and nvrtc_note(present) == ""

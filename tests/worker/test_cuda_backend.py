@@ -368,6 +368,7 @@ def test_missing_nvrtc_is_backend_unavailable_for_tensor_ops_only() -> None:
         with pytest.raises(BackendUnavailable) as exc:
             b.fill_f32(buf, 1.0, 16)
         assert "NVRTC" in exc.value.reason and "DynamicLibNotFoundError" in exc.value.reason
+        assert "tensor-wasm-tenant[cuda]" in exc.value.reason  # which extra brings it
     finally:
         b.close()
 

@@ -37,14 +37,10 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from shared.errors import BackendUnavailable, CudaError
+from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable, CudaError
 from shared.exits import is_sticky_cuda_error
 
-__all__ = ["DEFAULT_DRIVER_MODULE", "DEFAULT_NVRTC_MODULE", "NVRTC_HINT", "Driver", "Nvrtc", "load_module"]
-
-#: what to do when libnvrtc is missing: the ``cuda`` extra brings it as a pip wheel
-NVRTC_HINT = ("install the 'cuda' extra (pip install 'tensor-wasm-tenant[cuda]', which brings nvidia-cuda-nvrtc "
-              "matching cuda-bindings) or a CUDA toolkit")
+__all__ = ["DEFAULT_DRIVER_MODULE", "DEFAULT_NVRTC_MODULE", "Driver", "Nvrtc", "load_module"]
 
 DEFAULT_DRIVER_MODULE = "cuda.bindings.driver"
 DEFAULT_NVRTC_MODULE = "cuda.bindings.nvrtc"
@@ -134,7 +130,7 @@ class Nvrtc:
         except RuntimeError as exc:  # libnvrtc missing
             raise BackendUnavailable("cuda", (
                 f"NVRTC not loadable ({name}): {type(exc).__name__}: {exc}; the tensor kernels need it: "
-                f"{NVRTC_HINT}")) from None
+                f"{NVRTC_INSTALL_HINT}")) from None
         return _check(name, result, self.error)
 
     def error(self, name: str, err: Any) -> CudaError:
