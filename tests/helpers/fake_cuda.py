@@ -1083,32 +1083,9 @@ class FakeDriver:
         return np.frombuffer(a.buf(), dtype=dtype, count=n, offset=off)
 
     def _run(self, name: bytes, grid: int, block: int, args: tuple[Any, ...]) -> bool:
-        """Run a kernel by name with numpy; False on an out-of-bounds pointer."""
-        import numpy as np
-
-        if name == b"twt_fill_f32":
-            ptr, value, n = args
-            out = self._f32(ptr, n)
-            if out is None:
-                return False
-            out.fill(np.float32(value))
-        elif name == b"twt_axpy_f32":
-            n, a, x, y = args
-            xv, yv = self._f32(x, n), self._f32(y, n)
-            if xv is None or yv is None:
-                return False
-            t = np.multiply(xv, np.float32(a), dtype=np.float32)  # a copy: x may be y
-            np.add(yv, t, out=yv)
-        elif name == b"twt_sum_f32":
-            ptr, n, partial = args
-            xv, out = self._f32(ptr, n), self._f32(partial, grid, "float64")
-            if xv is None or out is None:
-                return False
-            which = (np.arange(n, dtype=np.int64) // block) % grid  # the grid-stride partition
-            out[:] = np.bincount(which, weights=xv.astype(np.float64), minlength=grid)
-        else:
-            return False
-        return True
+        """Run a kernel by name (``KERNELS``) with numpy; False on an out-of-bounds pointer."""
+        run = KERNELS.get(name)
+        return run is not None and run(self, grid, block, args)
 
     # ------------------------------------------------------------- NVRTC
 
@@ -1286,6 +1263,61 @@ def compile_with_real_nvrtc(src: str, options: list[bytes]) -> tuple[bool, bytes
         mod.nvrtcDestroyProgram(prog)
     _compiled[key] = result
     return result
+
+
+# ----------------------------------------------------------------- kernels, by name
+
+#: what each kernel does, in numpy: ``fn(fake, grid, block, args) -> False`` on a bad pointer
+#: (which the launch turns into a sticky CUDA_ERROR_ILLEGAL_ADDRESS). A new kernel in
+#: worker/backends/kernels.py gets its twin here with ``@fake_kernel(b"name")``.
+KERNELS: dict[bytes, Callable[[FakeDriver, int, int, tuple[Any, ...]], bool]] = {}
+
+
+def fake_kernel(name: bytes) -> Callable[[Callable[[FakeDriver, int, int, tuple[Any, ...]], bool]],
+                                         Callable[[FakeDriver, int, int, tuple[Any, ...]], bool]]:
+    def register(fn: Callable[[FakeDriver, int, int, tuple[Any, ...]], bool]) -> Callable[
+            [FakeDriver, int, int, tuple[Any, ...]], bool]:
+        KERNELS[name] = fn
+        return fn
+    return register
+
+
+@fake_kernel(b"twt_fill_f32")
+def _fill_f32(fake: FakeDriver, grid: int, block: int, args: tuple[Any, ...]) -> bool:
+    import numpy as np
+
+    ptr, value, n = args
+    out = fake._f32(ptr, n)
+    if out is None:
+        return False
+    out.fill(np.float32(value))
+    return True
+
+
+@fake_kernel(b"twt_axpy_f32")
+def _axpy_f32(fake: FakeDriver, grid: int, block: int, args: tuple[Any, ...]) -> bool:
+    import numpy as np
+
+    n, a, x, y = args
+    xv, yv = fake._f32(x, n), fake._f32(y, n)
+    if xv is None or yv is None:
+        return False
+    t = np.multiply(xv, np.float32(a), dtype=np.float32)  # a copy: x may be y
+    np.add(yv, t, out=yv)
+    return True
+
+
+@fake_kernel(b"twt_sum_f32")
+def _sum_f32(fake: FakeDriver, grid: int, block: int, args: tuple[Any, ...]) -> bool:
+    import numpy as np
+
+    ptr, n, partial = args
+    xv, out = fake._f32(ptr, n), fake._f32(partial, grid, "float64")
+    if xv is None or out is None:
+        return False
+    which = (np.arange(n, dtype=np.int64) // block) % grid  # the grid-stride partition
+    out[:] = np.bincount(which, weights=xv.astype(np.float64), minlength=grid)
+    return True
 
 
 def _fill_bytes(out: bytes, data: bytes) -> None:

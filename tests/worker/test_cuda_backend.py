@@ -650,3 +650,31 @@ def test_handles_compare_as_the_real_ones_do() -> None:
         for t in (mod.CUstream, mod.CUcontext, mod.CUmemoryPool):
             a, b = t(7), t(7)
             assert a == b and hash(a) == hash(b) and a != t(8) and a != 7 and int(a) == 7
+
+
+def test_kernel_sources_compile_with_the_real_nvrtc_and_a_syntax_error_fails() -> None:
+    """With NVRTC installed (the 'cuda' extra) the fake really compiles: a broken kernel fails the suite."""
+    if fake_cuda.real_nvrtc_module() is None:
+        pytest.skip("NVRTC not loadable here (pip install -e '.[cuda]' brings it)")
+    from worker.backends import kernels
+
+    f, b = backend()
+    try:
+        buf = b.alloc(64)
+        b.fill_f32(buf, 1.0, 16)
+        assert f.real_compiles >= 1  # the kernels went through the real compiler
+    finally:
+        b.close()
+    broken = kernels.KERNEL_SOURCE.replace("p[i] = v;", "p[i] = v +;")
+    f2, b2 = backend()
+    try:
+        original = kernels.KERNEL_SOURCE
+        kernels.KERNEL_SOURCE = broken
+        try:
+            with pytest.raises(CudaError) as exc:
+                b2.kernels()
+        finally:
+            kernels.KERNEL_SOURCE = original
+        assert exc.value.result_name == "NVRTC_ERROR_COMPILATION" and "expected an expression" in str(exc.value)
+    finally:
+        b2.close()
