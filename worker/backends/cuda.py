@@ -250,7 +250,10 @@ class CudaBackend(Backend):
         self.in_use -= buf.nbytes
         (err,) = self._free_async(buf.ptr, self._stream)
         if err:
-            raise self._drv.error("cuMemFreeAsync", err)
+            error = self._drv.error("cuMemFreeAsync", err)
+            if self._drv.context_lost is not None:
+                return  # the context is gone, and its memory goes with the process: nothing to undo
+            raise error
 
     def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
         assert isinstance(buf, CudaBuffer)
