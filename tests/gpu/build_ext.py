@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -29,6 +30,8 @@ def main() -> int:
         print(f"{out.relative_to(ROOT)} is up to date")
         return 0
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "gcc")[:1] or ["gcc"]
+    if shutil.which(cc[0]) is None:
+        cc = ["gcc"]  # the interpreter was built elsewhere (its recorded compiler is not here)
     include = sysconfig.get_paths()["include"]
     cmd = [*cc, *FLAGS, f"-I{include}", str(src), "-o", str(out)]
     print(" ".join(cmd))

@@ -25,11 +25,15 @@ else
 fi
 
 "$PY" tests/gpu/build_ext.py
+"$PY" -c 'import zmq, msgpack, psutil, numpy, cuda.bindings.driver' || {
+    echo "check.sh: a required module is missing (see above); carry its wheel in .whl/ or set PYTHONPATH" >&2
+    exit 2
+}
 
 if command -v nvidia-smi > /dev/null; then
     nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used,compute_mode --format=csv || true
 fi
 "$PY" -c 'import sys; print("python", sys.version.split()[0])'
-"$PY" -m pip list 2> /dev/null | grep -i -E '^(cuda-bindings|cuda-python|numpy|pyzmq|wasmtime) ' || true
+"$PY" -m pip list 2> /dev/null | grep -i -E '^(cuda-bindings|cuda-python|nvidia-cuda-nvrtc.*|numpy|pyzmq|wasmtime) ' || true
 
 exec "$PY" tests/gpu/check_gpu.py "$@"
