@@ -994,7 +994,10 @@ class FakeDriver:
             which = (np.arange(n, dtype=np.int64) // block) % grid  # the grid-stride partition
             out[:] = np.bincount(which, weights=xv.astype(np.float64), minlength=grid)
         else:
-            return False
+            # the WASM ABI's tensor-op kernels (worker.backends.cuda_ops) live in their own fake
+            from tests.helpers.fake_tensor_kernels import run_tensor_kernel
+
+            return run_tensor_kernel(self, name, grid, block, args)
         return True
 
     # ------------------------------------------------------------- NVRTC
