@@ -506,6 +506,11 @@ def main() -> int:
     rows.append(("WASM axpy+sum 1M floats", wasm.get("skipped") or f"{_f(wasm.get('axpy_sum_1m_ms'))} ms, "
                  f"match {wasm.get('matches_numpy')}", "matches numpy",
                  None if "skipped" in wasm else wasm.get("matches_numpy") is True))
+    # issue 18: the WASM ABI's tensor ops (every op vs numpy; GEMM via WASM vs cuBLAS, informative)
+    from tests.gpu.phase_tensor_ops import run_in_child as tensor_ops_phase, table_rows as tensor_ops_rows
+
+    ops = step("tensor_ops", lambda: tensor_ops_phase(quick=args.quick))
+    rows += tensor_ops_rows(ops)
     if args.mps:
         mps = step("mps", mps_check)
         rows.append(("MPS tenant (private daemon)", str(mps.get("mps_tenant_works", mps.get("error"))), "True",
