@@ -320,3 +320,21 @@ def test_the_gpu_phase_script_runs_against_the_fakes() -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] is True and result["gpu_bytes_after"] == 0
     assert len(result["ops"]) == 17 and result["gemm"][0]["verdict"] in ("PASS", "MISS")
+
+
+def test_an_unloadable_libcublas_is_backend_unavailable() -> None:
+    """nvmath imports fine but its loader finds no libcublas: the first call raises a RuntimeError subclass."""
+    fake = FakeDriver(memory_bytes=1 << 30)
+    cub = FakeCublas(fake)
+
+    def no_library() -> int:
+        raise RuntimeError("libcublas.so.13: cannot open shared object file (fake)")
+
+    cub.create = no_library  # type: ignore[method-assign]
+    backend = CudaBackend(driver=fake, nvrtc=fake, cublas=cub)
+    try:
+        a = backend.alloc(16)
+        with pytest.raises(BackendUnavailable, match=r"cuBLAS missing.*libcublas.*tensor-wasm-tenant\[cuda\]"):
+            backend.matmul_f32(a, a, backend.alloc(16), 2, 2, 2)
+    finally:
+        backend.close()

@@ -24,7 +24,7 @@ from shared.errors import BackendUnavailable, KernelTimeout
 from worker.backends.stub import StubBackend
 from worker.wasm import ErrorCode, WasmSession, guest_source
 from worker.wasm.tensor_abi import TENSOR_OPS, UNARY_OPS
-from tests.worker.test_wasm_abi import Env, PAGE, call, make_env, mem, probe
+from tests.helpers.wasm_env import PAGE, Env, call, make_env, mem, probe
 
 pytestmark = pytest.mark.timeout(120)
 

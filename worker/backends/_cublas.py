@@ -83,7 +83,12 @@ class Cublas:
     def load(cls, module: str | Any | None, stream: Any) -> Cublas:
         """Create the handle on ``stream`` (the backend's context must be current)."""
         mod = load_cublas_module(module)
-        handle = _checked(mod, "cublasCreate", mod.create)
+        try:
+            handle = _checked(mod, "cublasCreate", mod.create)
+        except RuntimeError as exc:  # nvmath's loader: libcublas (the nvidia-cublas wheel) not found
+            raise BackendUnavailable(
+                "cuda", f"cuBLAS missing: {type(exc).__name__}: {exc}; {INSTALL_HINT}"
+            ) from None
         try:
             _checked(mod, "cublasSetStream", mod.set_stream, handle, int(stream))
             _checked(mod, "cublasSetPointerMode", mod.set_pointer_mode, handle, int(mod.PointerMode.HOST))
