@@ -338,3 +338,21 @@ def test_an_unloadable_libcublas_is_backend_unavailable() -> None:
             backend.matmul_f32(a, a, backend.alloc(16), 2, 2, 2)
     finally:
         backend.close()
+
+
+def test_each_run_lends_its_own_workspace_and_cublas_is_told() -> None:
+    with cuda_env() as env:
+        seen = []
+        for _ in range(2):
+            with probe(env) as s:
+                ha, hc = put(s, np.ones(4)), put(s, np.zeros(4))
+                assert call(s, "matmul_f32", ha, ha, hc, 2, 2, 2) == 0
+                assert call(s, "matmul_f32", ha, ha, hc, 2, 2, 2) == 0
+                ws = s.run.workspace
+                assert ws is not None
+                ((_, state),) = env.cublas.handles.items()
+                assert state["workspace"] == (int(ws.ptr), ws.nbytes)  # type: ignore[attr-defined]
+                seen.append(int(ws.ptr))  # type: ignore[attr-defined]
+        assert env.cublas.calls.count("set_workspace") >= 1
+        assert env.cublas.default_workspace_gemms == 0
+        assert env.block.gpu_bytes_in_use == 0

@@ -14,12 +14,12 @@ with no transposes at all - swap the operands and the ``m``/``n`` sizes,
 leading dimensions ``n``, ``k``, ``n``. Dimensions beyond ``int32`` use
 ``cublasSgemm_64`` (cuBLAS 12's ILP64 entry point).
 
-Why the workspace is set before every call: cuBLAS would otherwise take its
-default workspace with ``cudaMalloc``, outside the tenant's capped pool and
-its metered quota. The caller (:meth:`worker.wasm.abi.GuestRun.gemm`)
-allocates it through the metered allocator; ``cublasSetStream`` resets the
-workspace to the default one, which is one more reason to set it per call
-(it is a host-side call, no device work). Without a workspace (the quota had
+Why the workspace is set before the first GEMM and whenever it changes
+(each run lends its own): cuBLAS would otherwise take its default workspace
+with ``cudaMalloc``, outside the tenant's capped pool and its metered
+quota. The caller (:meth:`worker.wasm.abi.GuestRun.gemm`) allocates it
+through the metered allocator. ``cublasSetStream`` resets the workspace to
+the default one, so the stream is set once, at creation, before it. Without a workspace (the quota had
 no room) it is set to ``(NULL, 0)``: cuBLAS then only picks algorithms that
 need none. ``cublasCreate`` itself keeps a small fixed state on the device,
 a per-worker overhead like the context and the kernels' scratch.
@@ -77,6 +77,7 @@ class Cublas:
         self._sgemm = mod.sgemm
         self._sgemm_64 = getattr(mod, "sgemm_64", None)
         self._set_workspace = mod.set_workspace
+        self._workspace: tuple[int, int] | None = None  # what cuBLAS holds now (None: its default)
         self.calls = 0
 
     @classmethod
@@ -100,7 +101,9 @@ class Cublas:
     def sgemm_row_major(self, a: int, b: int, c: int, m: int, k: int, n: int, workspace: tuple[int, int]) -> None:
         """``C[m,n] = A[m,k] @ B[k,n]`` for row-major float32 at device addresses (m, n, k >= 1)."""
         mod = self.mod
-        _checked(mod, "cublasSetWorkspace", self._set_workspace, self.handle, workspace[0], workspace[1])
+        if workspace != self._workspace:  # the handle keeps it; set_stream is never called again
+            _checked(mod, "cublasSetWorkspace", self._set_workspace, self.handle, workspace[0], workspace[1])
+            self._workspace = workspace
         big = max(m, n, k) > _I32_MAX
         if big and self._sgemm_64 is None:
             raise CudaError("cublasSgemm", "CUBLAS_STATUS_NOT_SUPPORTED", 15,
