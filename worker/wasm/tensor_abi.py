@@ -13,7 +13,9 @@ and one method per backend::
                ──► guest range   [ptr, ptr + out_bytes) inside linear memory        else MEMORY_BOUNDS
                ──► backend.<name>(buffers, dims, scalars, out view)                  CudaError ... -> BACKEND
 
-Roles: ``buf`` (i64 handle), ``dim`` (i64 count or size, must be >= 0),
+The rule callables (``extents``, ``valid``, ``out_bytes``) take the ``dim``
+and ``op`` parameters positionally, in parameter order (checked when the
+table is built). Roles: ``buf`` (i64 handle), ``dim`` (i64 count or size, must be >= 0),
 ``f32`` (a float32 scalar), ``op`` (an i32 selector checked by ``valid``),
 ``ptr`` (an i32 guest pointer, u32-masked, replaced by a writable memoryview
 of exactly ``out_bytes`` guest bytes). Sizes are Python ints, so
@@ -29,6 +31,7 @@ with cuBLAS and NVRTC kernels) receive arguments already known to be in range.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +82,12 @@ class TensorOp:
     gemm: bool = False
     #: (role, name) per parameter, derived
     roles: tuple[tuple[str, str], ...] = field(init=False)
+    # argument positions, derived: buffers, dims and op, sizes (>= 0), the pointer (-1: none), distinct pairs
+    _bufs: tuple[int, ...] = field(init=False, repr=False)
+    _dims: tuple[int, ...] = field(init=False, repr=False)
+    _sizes: tuple[int, ...] = field(init=False, repr=False)
+    _ptr: int = field(init=False, repr=False)
+    _distinct: tuple[tuple[int, int], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         roles = []
@@ -87,7 +96,19 @@ class TensorOp:
             if role not in _WASM_TYPE:
                 raise ValueError(f"{self.name}: unknown role {role!r}")
             roles.append((role, pname))
-        object.__setattr__(self, "roles", tuple(roles))
+        names = [n for _, n in roles]
+        dims = [n for r, n in roles if r in ("dim", "op")]
+        # the rule callables take the dims (and op) positionally, in parameter order: say so once, here
+        for fn in (self.extents, self.valid, self.out_bytes):
+            if fn is not None and list(inspect.signature(fn).parameters) != dims:
+                raise ValueError(f"{self.name}: a rule takes {list(inspect.signature(fn).parameters)}, not {dims}")
+        set_ = object.__setattr__
+        set_(self, "roles", tuple(roles))
+        set_(self, "_bufs", tuple(i for i, (r, _) in enumerate(roles) if r == "buf"))
+        set_(self, "_dims", tuple(i for i, (r, _) in enumerate(roles) if r in ("dim", "op")))
+        set_(self, "_sizes", tuple(i for i, (r, _) in enumerate(roles) if r == "dim"))
+        set_(self, "_ptr", next((i for i, (r, _) in enumerate(roles) if r == "ptr"), -1))
+        set_(self, "_distinct", tuple((names.index(a), names.index(b)) for a, b in self.distinct))
 
     @property
     def wasm_type(self) -> tuple[tuple[str, ...], str]:
@@ -95,54 +116,43 @@ class TensorOp:
         return tuple(_WASM_TYPE[role] for role, _ in self.roles), "i32"
 
     def call(self, run: GuestRun, caller: Any, *args: Any) -> int:
-        """Check ``args`` in the ABI order, then run the op on the backend; its result code."""
+        """Check ``args`` in the ABI order, then run the op on the backend; its result code.
+
+        The hot path of every tensor import (a GEMM loop calls it per
+        matmul): positions are precomputed, arguments are replaced in place
+        (handles by buffers, the pointer by a guest-memory view).
+        """
         buffers = run.buffers
-        bufs: dict[str, Any] = {}
-        dims: dict[str, int] = {}
-        ptr = -1
-        for (role, pname), value in zip(self.roles, args):
-            if role == "buf":
-                entry = buffers.get(value)
-                if entry is None:
-                    return _BAD_HANDLE
-                bufs[pname] = entry[0]
-            elif role in ("dim", "op"):
-                dims[pname] = value
-            elif role == "ptr":
-                ptr = value & _U32
-        # domain
-        for role, pname in self.roles:
-            if role == "dim" and dims[pname] < 0:
+        a = list(args)
+        for i in self._bufs:
+            entry = buffers.get(a[i])
+            if entry is None:
+                return _BAD_HANDLE
+            a[i] = entry[0]
+        for i in self._sizes:
+            if a[i] < 0:
                 return _INVALID
-        if self.valid is not None and not self.valid(**dims):
+        dims = [a[i] for i in self._dims]
+        if self.valid is not None and not self.valid(*dims):
             return _INVALID
-        for a, b in self.distinct:
-            if bufs[a] is bufs[b]:
+        for i, j in self._distinct:
+            if a[i] is a[j]:
                 return _INVALID
-        # buffer ranges
-        for buf, count in zip(bufs.values(), self.extents(**dims)):
-            if count * 4 > buf.nbytes:
+        for i, count in zip(self._bufs, self.extents(*dims)):
+            if count * 4 > a[i].nbytes:
                 return _BUFFER_BOUNDS
-        out: memoryview | None = None
-        if self.out_bytes is not None:
-            n = self.out_bytes(**dims)
-            got = run.guest_range(caller, ptr, n)
+        p = self._ptr
+        if p >= 0:
+            assert self.out_bytes is not None
+            got = run.guest_range(caller, a[p] & _U32, self.out_bytes(*dims))
             if isinstance(got, int):
                 return got
-            out = got
-        backend_args: list[Any] = []
-        for (role, pname), value in zip(self.roles, args):
-            if role == "buf":
-                backend_args.append(bufs[pname])
-            elif role == "ptr":
-                backend_args.append(out)
-            else:
-                backend_args.append(value)
+            a[p] = got
         try:
             if self.gemm:
-                run.gemm(*backend_args)
+                run.gemm(*a)
             else:
-                getattr(run.backend, self.name)(*backend_args)
+                getattr(run.backend, self.name)(*a)
         except TensorWasmError as exc:  # CudaError, BackendUnavailable (cuBLAS missing) ...
             log_event(_log, logging.WARNING, "wasm.op_failed", tenant=run.tenant_id, op=self.name,
                       error=f"{type(exc).__name__}: {exc}")
