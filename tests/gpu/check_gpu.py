@@ -424,6 +424,26 @@ def phase_wasm(ctx: Context) -> list[Row]:
                   "matches numpy", r["matches_numpy"])]
 
 
+def phase_tensor_ops(ctx: Context) -> list[Row]:
+    """The WASM ABI's tensor ops on the cuda backend (tests/gpu/phase_tensor_ops.py, in a child).
+
+    Every op and the MLP guest equal to numpy decide the exit code; GEMM through
+    the WASM host against cuBLAS called directly is a timing row (target >= 0.8x).
+    """
+    from tests.gpu.phase_tensor_ops import run_in_child, table_rows
+
+    result = ctx.results["tensor_ops"] = run_in_child(quick=ctx.quick)
+    rows: list[Row] = []
+    for name, got, want, ok in table_rows(result):
+        if name.startswith("GEMM"):
+            verdict = got.split(" ", 1)[0]
+            rows.append(timing("tensor_ops", name, got, want, None if verdict not in ("PASS", "MISS")
+                               else verdict == "PASS"))
+        else:
+            rows.append(check("tensor_ops", name, got, want, ok))
+    return rows
+
+
 def phase_mps(ctx: Context) -> list[Row]:
     from shared.spec import TenantSpec
     from supervisor.launch import launch
@@ -464,6 +484,7 @@ PHASES: list[Phase] = [
     Phase("pytest", phase_pytest),
     Phase("timing", phase_timing),
     Phase("wasm", phase_wasm),
+    Phase("tensor_ops", phase_tensor_ops),
 ]
 OPTIONAL_PHASES: dict[str, Phase] = {"mps": Phase("mps", phase_mps)}
 

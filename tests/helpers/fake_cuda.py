@@ -1083,9 +1083,17 @@ class FakeDriver:
         return np.frombuffer(a.buf(), dtype=dtype, count=n, offset=off)
 
     def _run(self, name: bytes, grid: int, block: int, args: tuple[Any, ...]) -> bool:
-        """Run a kernel by name (``KERNELS``) with numpy; False on an out-of-bounds pointer."""
+        """Run a kernel by name (``KERNELS``) with numpy; False on an out-of-bounds pointer.
+
+        Names not in ``KERNELS`` are the WASM ABI's tensor-op kernels
+        (worker.backends.cuda_ops), which live in their own fake module.
+        """
         run = KERNELS.get(name)
-        return run is not None and run(self, grid, block, args)
+        if run is None:
+            from tests.helpers.fake_tensor_kernels import run_tensor_kernel
+
+            return run_tensor_kernel(self, name, grid, block, args)
+        return run(self, grid, block, args)
 
     # ------------------------------------------------------------- NVRTC
 

@@ -13,6 +13,7 @@
     free(b)    cuMemFreeAsync(ptr, stream)
     write/read cuMemcpyHtoDAsync / cuMemcpyDtoHAsync + cuStreamSynchronize
     fill/axpy/sum   NVRTC kernels on the stream (worker.backends.kernels)
+    matmul, softmax ... the WASM ABI's tensor ops: cuBLAS + NVRTC kernels (worker.backends.cuda_ops)
     close()    free every buffer, synchronize, unload kernels, destroy pool, destroy stream,
                restore the previous context (failure: warning ``context.pop_failed``),
                release the primary context - logged, never raised
@@ -46,6 +47,7 @@ from shared.errors import BackendUnavailable, CudaError
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
+from worker.backends.cuda_ops import TensorOpsMixin
 
 __all__ = ["CudaBackend", "CudaBuffer", "round_up"]
 
@@ -75,7 +77,7 @@ class CudaBuffer(DeviceBuffer):
         return int(self.ptr)
 
 
-class CudaBackend(Backend):
+class CudaBackend(TensorOpsMixin, Backend):
     """A CUDA context, non-blocking stream and capped pool on one device, for one tenant process."""
 
     name = "cuda"
@@ -89,6 +91,7 @@ class CudaBackend(Backend):
         driver: Driver | str | Any | None = None,
         nvrtc: Nvrtc | str | Any | None = None,
         environment: dict[str, str] | None = None,
+        cublas: str | Any | None = None,
     ) -> None:
         """Set up context, stream and pool; raises BackendUnavailable / CudaError (nothing held then).
 
@@ -105,6 +108,8 @@ class CudaBackend(Backend):
         self._drv = driver if isinstance(driver, Driver) else Driver(driver)
         self._nvrtc_spec = nvrtc
         self._kernels: Any = None
+        self._cublas_spec = cublas  # cuBLAS bindings module (name or object); imported on the first GEMM
+        self._tensor_ops = None  # the WASM ABI's tensor ops (worker.backends.cuda_ops), on first use
         self._live: set[CudaBuffer] = set()
         self.in_use = 0
         self.alloc_calls = 0  # cuMemAllocFromPoolAsync calls made (the GPU check reads it)
@@ -141,6 +146,7 @@ class CudaBackend(Backend):
             driver=options.get("driver_module"),
             nvrtc=options.get("nvrtc_module"),
             environment=env,
+            cublas=options.get("cublas_module"),
         )
 
     # ------------------------------------------------------------- set-up
@@ -391,6 +397,7 @@ class CudaBackend(Backend):
         if self._kernels is not None:
             self._kernels.close()
             self._kernels = None
+        self._close_tensor_ops()
         if self._pool is not None:
             attempt("cuMemPoolDestroy", self._pool)
             self._pool = None
