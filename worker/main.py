@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from shared.exitcodes import WORKER_CRASHED, WORKER_PARENT_GONE
-from shared.records import BootMessage
+from shared.records import BootMessage, WorkerHello
 
 __all__ = ["run"]
 
@@ -80,7 +80,7 @@ def run(boot: BootMessage) -> None:
 
     from shared.protocol import encode_worker_reply
 
-    data.send(encode_worker_reply(0, True, {"token": boot.token, "pid": os.getpid()}))
+    data.send(encode_worker_reply(0, True, WorkerHello(boot.token, os.getpid()).to_wire()))
     log_event(log, logging.DEBUG, "worker.started", worker=boot.worker_id, pid=os.getpid())
     code = 0
     try:
