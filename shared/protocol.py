@@ -99,7 +99,7 @@ _MAP = (dict,)
 #: the limits set_quota changes live (each a TenantSpec field)
 QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
 #: what inject_fault accepts (docs/RELIABILITY.md describes each)
-FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak")
+FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
 #: worker-side ops whose handle argument pins them to one instance
 HANDLE_OPS: Final = frozenset({"free", "write", "read"})
 

@@ -22,6 +22,9 @@ from shared.errors import ProtocolError
 __all__ = [
     "BindMessage",
     "BootMessage",
+    "FaultAck",
+    "FaultExit",
+    "FaultOrder",
     "HelloInfo",
     "InstanceRecord",
     "PoolRecord",
@@ -29,6 +32,7 @@ __all__ = [
     "StatusRecord",
     "SupervisorRecord",
     "TenantRecord",
+    "WorkerHello",
 ]
 
 R = TypeVar("R", bound="Record")
@@ -110,6 +114,43 @@ class BindMessage(Record):
     segment: str  # the tenant's quota block
     backend: str
     backend_options: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ control channel (both ways)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHello(Record):
+    """A worker's first message on each of its two sockets: the one-time token from its boot message."""
+
+    token: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class FaultOrder(Record):
+    """``fault`` (supervisor -> worker): arm or execute one fault (kinds: ``shared.protocol.FAULT_KINDS``)."""
+
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultAck(Record):
+    """``fault_ack`` (worker -> supervisor): what was armed, or the typed error that refused it."""
+
+    ok: bool
+    armed: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None  # TensorWasmError.to_dict() when not ok
+
+
+@dataclass(frozen=True, slots=True)
+class FaultExit(Record):
+    """The answer to a fault that ended the worker (crash, segfault, exit): how it ended."""
+
+    exit_code: int | None
+    signal: int | None
+    exited: bool = True
 
 
 # ------------------------------------------------------------------ status (admin replies)

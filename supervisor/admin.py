@@ -45,7 +45,17 @@ from shared.errors import (
 )
 from shared.log import get_logger, log_event
 from shared.quota import MAX_INSTANCES
-from shared.records import HelloInfo, InstanceRecord, PoolRecord, StatusRecord, SupervisorRecord, TenantRecord
+from shared.records import (
+    FaultAck,
+    FaultExit,
+    FaultOrder,
+    HelloInfo,
+    InstanceRecord,
+    PoolRecord,
+    StatusRecord,
+    SupervisorRecord,
+    TenantRecord,
+)
 from shared.spec import TenantSpec
 from supervisor.events import EventBus
 from supervisor.frontend import Frontend
@@ -396,19 +406,22 @@ class AdminOps:
         info = {"tenant": tid, "instance": slot.index, "pid": worker.pid, "kind": kind}
         answered = False
 
-        def answer(result: dict[str, Any]) -> None:
+        def answer(result: FaultAck | FaultExit) -> None:
             nonlocal answered
             if answered:
                 return
             answered = True
-            if result.get("ok") is False and isinstance(result.get("error"), dict):
-                self.pending.answer_error(client, rid, "inject_fault", result["error"])
+            if isinstance(result, FaultAck) and not result.ok:
+                err = result.error or TensorWasmError("worker refused the fault without a reason").to_dict()
+                self.pending.answer_error(client, rid, "inject_fault", err)
+            elif isinstance(result, FaultAck):
+                self.pending.answer(client, rid, "inject_fault", {**info, "ok": True, "armed": result.armed})
             else:
-                self.pending.answer(client, rid, "inject_fault", {**info, **result})
+                self.pending.answer(client, rid, "inject_fault", {**info, **result.to_wire()})
 
         self.workers.on_fault_answer(worker, answer)
         self.events.emit("fault", **info, params=params)
-        self.workers.send_control(worker, proto.encode_control("fault", {"kind": kind, "params": params}))
+        self.workers.send_control(worker, proto.encode_control("fault", FaultOrder(kind, params).to_wire()))
 
     # ------------------------------------------------------------ records
 

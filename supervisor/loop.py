@@ -165,9 +165,13 @@ class Handoff:
             return self._value
 
     def wanted(self) -> bool:
-        """Loop thread: has a thread asked since the last publish?"""
-        with self._cond:
-            return self._wanted
+        """Loop thread: has a thread asked since the last publish?
+
+        Read without the lock (it is checked on every loop iteration): a bool read is atomic,
+        and a request sets it before it wakes the loop, so the iteration after the wake-up
+        sees it.
+        """
+        return self._wanted
 
     def publish(self, value: Any) -> None:
         """Loop thread: hand over a new value and wake whoever waits."""

@@ -33,6 +33,7 @@ from shared.log import get_logger, log_event
 from shared.records import BootMessage
 
 if TYPE_CHECKING:
+    from shared.records import FaultAck, FaultExit
     from supervisor.pending import Pending
 
 __all__ = ["Spawner", "WorkerHandle", "WorkerState", "kill_tree"]
@@ -75,7 +76,7 @@ class WorkerHandle:
     kill_at: float | None = None  # SIGKILL escalation time after SIGTERM
     rss_exceeded: tuple[int, int] | None = None  # (rss, limit) when killed by the RSS backstop
     #: answered by the fault's ack, or by the worker's death (process-ending faults)
-    fault_waiters: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+    fault_waiters: list[Callable[[FaultAck | FaultExit], None]] = field(default_factory=list)
     #: called once the process is gone
     death_waiters: list[Callable[[WorkerHandle], None]] = field(default_factory=list)
     killed: bool = False  # _kill() ran (SIGTERM sent, SIGKILL scheduled)

@@ -39,9 +39,9 @@ from shared.errors import (
     WorkerLost,
     error_from_dict,
 )
-from shared.exitcodes import exit_cause
+from shared.exitcodes import exit_cause, exit_reason
 from shared.log import get_logger, log_event
-from shared.records import BindMessage
+from shared.records import BindMessage, FaultAck, FaultExit, WorkerHello
 from supervisor.events import EventBus
 from supervisor.loop import Loop
 from supervisor.metrics import Metrics
@@ -324,7 +324,7 @@ class WorkerSet:
         code, sig = exit_status(worker.process)
         if worker.process.exitcode is not None:
             worker.process.close()
-        reason = worker.kill_reason or ("killed by signal %d" % sig if sig else f"exited with code {code}")
+        reason = worker.kill_reason or exit_reason(code, sig)  # "CUDA context lost: ..." for a sticky error
         tid, index = worker.tenant, worker.instance
         # 1. every in-flight request gets a typed answer
         rt = self.tenants.get(tid) if tid else None
@@ -360,7 +360,7 @@ class WorkerSet:
             signal=sig, reason=reason, expected=expected, reclaimed_cpu=reclaimed[0], reclaimed_gpu=reclaimed[1],
         )
         for waiter in worker.fault_waiters:
-            waiter({"exited": True, "exit_code": code, "signal": sig})
+            waiter(FaultExit(code, sig))
         worker.fault_waiters.clear()
         for on_dead in worker.death_waiters:
             on_dead(worker)
@@ -498,7 +498,7 @@ class WorkerSet:
                 self.stop_worker(worker, "scaled down")
 
     def _on_data_hello(self, worker: WorkerHandle, payload: Any) -> None:
-        if not isinstance(payload, dict) or payload.get("token") != worker.token or worker.data_hello:
+        if not _hello_of(worker, payload) or worker.data_hello:
             self.kill(worker, "bad hello on the data socket", "protocol")
             return
         worker.data_hello = True
@@ -521,7 +521,7 @@ class WorkerSet:
                 continue
             now = self.clock()
             if kind == "hello":
-                if args.get("token") != worker.token or worker.control_hello:
+                if not _hello_of(worker, args) or worker.control_hello:
                     self.kill(worker, "bad hello on the control socket", "protocol")
                     continue
                 worker.control_hello = True
@@ -531,12 +531,25 @@ class WorkerSet:
                 worker.last_heartbeat = now
             elif kind == "fault_ack":
                 worker.last_heartbeat = now
+                try:
+                    ack = FaultAck.from_wire(args)
+                except ProtocolError:
+                    self.kill(worker, "malformed fault_ack", "protocol")
+                    continue
                 if worker.fault_waiters:
-                    worker.fault_waiters.pop(0)(dict(args))
+                    worker.fault_waiters.pop(0)(ack)
 
-    def on_fault_answer(self, worker: WorkerHandle, answer: Callable[[dict[str, Any]], None]) -> None:
+    def on_fault_answer(self, worker: WorkerHandle, answer: Callable[[FaultAck | FaultExit], None]) -> None:
         """``answer`` gets the worker's fault ack, or its exit if the fault ends the process."""
         worker.fault_waiters.append(answer)
+
+
+def _hello_of(worker: WorkerHandle, payload: Any) -> bool:
+    """Is ``payload`` a hello carrying this worker's one-time token?"""
+    try:
+        return WorkerHello.from_wire(payload).token == worker.token
+    except (ProtocolError, TypeError):
+        return False
 
 
 def pool_retry_delay_s(failures: int) -> float:

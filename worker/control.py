@@ -37,7 +37,7 @@ from shared.errors import ProtocolError, TensorWasmError
 from shared.exitcodes import WORKER_PARENT_GONE, WORKER_SUPERVISOR_SILENT
 from shared.log import get_logger, log_event
 from shared.protocol import decode_control, encode_control
-from shared.records import BootMessage
+from shared.records import BootMessage, FaultAck, FaultOrder, WorkerHello
 from worker.faults import FaultState
 
 __all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT", "supervisor_alive"]
@@ -96,7 +96,7 @@ class ControlThread(threading.Thread):
         sock.setsockopt(zmq.SNDHWM, 100)
         sock.connect(self.boot.control_endpoint)
         try:
-            sock.send(encode_control("hello", {"token": self.boot.token, "pid": os.getpid()}))
+            sock.send(encode_control("hello", WorkerHello(self.boot.token, os.getpid()).to_wire()))
             self._loop(sock)
         finally:
             sock.close(0)
@@ -148,10 +148,9 @@ class ControlThread(threading.Thread):
             self.stop_event.set()
         elif kind == "fault":
             try:
-                armed = self.faults.apply(str(args.get("kind")), dict(args.get("params") or {}))
-                sock.send(encode_control("fault_ack", {"ok": True, "armed": armed, "ref": args.get("ref")}), zmq.NOBLOCK)
-            except TensorWasmError as exc:
-                sock.send(
-                    encode_control("fault_ack", {"ok": False, "error": exc.to_dict(), "ref": args.get("ref")}),
-                    zmq.NOBLOCK,
-                )
+                order = FaultOrder.from_wire(args)
+                ack = FaultAck(True, armed=self.faults.apply(str(order.kind), dict(order.params or {})))
+            except (TensorWasmError, TypeError) as exc:  # ProtocolError, InvalidArgument; params not a map
+                err = exc if isinstance(exc, TensorWasmError) else ProtocolError(f"bad fault order: {exc}")
+                ack = FaultAck(False, error=err.to_dict())
+            sock.send(encode_control("fault_ack", ack.to_wire()), zmq.NOBLOCK)

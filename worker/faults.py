@@ -46,6 +46,7 @@ class FaultState:
         self.oom_remaining = 0
         self.corrupt_next = 0
         self.drop_next = 0
+        self.kernel_fault = threading.Event()
         self._leaked: list[bytes] = []
 
     def apply(self, kind: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -73,12 +74,22 @@ class FaultState:
             n = _int_param(params, "count", 1, 1, 1_000_000)
             with self._lock:
                 self.drop_next += n
+        elif kind == "cuda-fault":
+            # armed: the executor launches a faulting kernel before its next request (CUDA
+            # contexts belong to the executor thread), so that request gets the sticky error
+            self.kernel_fault.set()
         elif kind == "leak":
             n = _int_param(params, "bytes", 64 << 20, 1, 1 << 40)
             self._leaked.append(b"\x01" * n)  # written, so resident
         else:
             raise InvalidArgument(f"unknown fault kind {kind!r}; known: {', '.join(FAULT_KINDS)}")
         return {"kind": kind, **params}
+
+    def take_kernel_fault(self) -> bool:
+        if self.kernel_fault.is_set():
+            self.kernel_fault.clear()
+            return True
+        return False
 
     def take_oom(self) -> bool:
         """Executor: consume one armed OOM (True: fail this allocation)."""

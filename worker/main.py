@@ -20,10 +20,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 from shared.exitcodes import WORKER_CRASHED, WORKER_PARENT_GONE
-from shared.records import BootMessage
+from shared.records import BootMessage, WorkerHello
 
 __all__ = ["run"]
 
@@ -80,18 +81,27 @@ def run(boot: BootMessage) -> None:
 
     from shared.protocol import encode_worker_reply
 
-    data.send(encode_worker_reply(0, True, {"token": boot.token, "pid": os.getpid()}))
+    data.send(encode_worker_reply(0, True, WorkerHello(boot.token, os.getpid()).to_wire()))
     log_event(log, logging.DEBUG, "worker.started", worker=boot.worker_id, pid=os.getpid())
     code = 0
     try:
         server.serve()
+        code = server.exit_code if server.exit_code is not None else 0
     except BaseException:
         log.exception("worker.crashed")
         code = WORKER_CRASHED
     finally:
         server.close()
         control.closed.wait(2)
-        data.close(0)  # no zctx.term(): it would wait for the control thread's socket
+        if server.exit_code is not None:
+            # the CudaError reply to the request that lost the context must get out before we exit:
+            # linger, and let term() (bounded: it waits for every socket) flush it
+            data.close(linger=1000)
+            flusher = threading.Thread(target=zctx.term, daemon=True)
+            flusher.start()
+            flusher.join(2.0)
+        else:
+            data.close(0)  # no zctx.term(): it would wait for the control thread's socket
         logging.shutdown()
         sys.stderr.flush()
     os._exit(code)

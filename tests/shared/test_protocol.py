@@ -79,3 +79,16 @@ def test_records_round_trip_and_tolerate_new_keys() -> None:
     assert tenant.to_wire()["instances"][0]["pid"] == 123 and tenant.to_wire()["pids"] == [123]
     with pytest.raises(ProtocolError, match="lacks 'state'"):
         TenantRecord.from_wire({"tenant_id": "a"})
+
+
+def test_control_messages_are_records() -> None:
+    from shared.records import FaultAck, FaultOrder, WorkerHello
+
+    order = FaultOrder("slow", {"ms": 5})
+    assert proto.decode_control(proto.encode_control("fault", order.to_wire())) == ("fault", order.to_wire())
+    assert FaultOrder.from_wire(order.to_wire()) == order
+    assert FaultAck.from_wire({"ok": True, "armed": {"kind": "slow"}}).armed == {"kind": "slow"}
+    with pytest.raises(ProtocolError, match="lacks 'token'"):
+        WorkerHello.from_wire({"pid": 1})
+    with pytest.raises(ProtocolError, match="must be a map"):
+        WorkerHello.from_wire([1, 2])  # type: ignore[arg-type]
