@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from shared.errors import ConfigError
+from shared.exitcodes import EXIT_USAGE
 from supervisor.cli._common import add_run_dir, print_json
 from supervisor.cli.status import connect
 
@@ -23,7 +24,6 @@ __all__ = ["add_parser"]
 
 #: reload, reset and restart wait for worker processes
 SERVICE_TIMEOUT_S = 120.0
-EXIT_BAD_FILE = 2
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -86,7 +86,7 @@ def run_reload(args: argparse.Namespace) -> int:
             result = client.reload(None)
     except ConfigError as exc:
         print(f"twt: reload refused, nothing changed: {exc.detail} (in {exc.path})", file=sys.stderr)
-        return EXIT_BAD_FILE
+        return EXIT_USAGE  # the file is the user's input: nothing was changed
     if args.json:
         print_json(result)
         return 0
