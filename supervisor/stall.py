@@ -8,12 +8,12 @@ heartbeat 10 s old and every deadline passed, while the workers were fine
 and their beats and replies are waiting, unread, in its sockets.
 
 :class:`StallGuard` notices such a gap between two housekeeping ticks and
-gives a grace period of one liveness window after it:
+then judges by time only what the stall did not distort:
 
 * a worker's silence is counted from the later of its last heartbeat and the
   moment the loop resumed (:meth:`silence`), so the queued heartbeats get read
   before anyone is judged;
-* deadline expiries wait until the grace ends (:meth:`in_grace`): a reply
+* deadline expiries wait a few turns of the loop (:meth:`in_grace`): a reply
   that arrived during the stall is answered, not replaced by a timeout.
 
 A worker that really died is still seen at once (its sentinel fires), so the

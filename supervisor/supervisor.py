@@ -81,6 +81,9 @@ __all__ = ["Supervisor"]
 _log = get_logger("supervisor")
 
 TICK_S = 0.05
+#: after a stall of the loop, how long deadline expiries wait (a few turns of the loop, each
+#: reading up to a batch of queued replies per socket)
+STALL_GRACE_S = 0.25
 RSS_CHECK_INTERVAL_S = 1.0
 
 
@@ -119,8 +122,12 @@ class Supervisor:
         self._last_rss_check = 0.0
         self._metrics = Handoff(self.loop.wake, {})
         self._reload_wanted = False
-        self.stall = StallGuard(threshold_s=max(1.0, config.heartbeat_interval_s),
-                                grace_s=config.heartbeat_interval_s * config.heartbeat_liveness)
+        # A gap of a second between housekeeping passes (every 50 ms) is a stall - and always one
+        # that reaches the liveness window, the time after which a worker would be judged hung.
+        # Deadline expiries then wait STALL_GRACE_S: replies that came during the stall are read first.
+        window = config.heartbeat_interval_s * config.heartbeat_liveness
+        self.stall = StallGuard(threshold_s=min(max(1.0, config.heartbeat_interval_s), window),
+                                grace_s=STALL_GRACE_S)
         self.parts: _Parts | None = None
 
     # ------------------------------------------------------------ set up

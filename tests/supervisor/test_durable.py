@@ -320,7 +320,7 @@ def test_a_stopped_supervisor_finds_every_worker_alive_when_continued(run_dir: s
         c = sup.client
         cap = c.register(None, TenantSpec("acme").with_instances(2))
         before = sorted(_pids(sup, "acme"))
-        pool_before = c.status()["supervisor"]["pool"]["pids"]
+        pool_before = wait_for(lambda: c.status()["supervisor"]["pool"]["pids"], timeout_s=30, what="a warm pool")
         os.kill(sup.pid, signal.SIGSTOP)
         try:
             time.sleep(9 * FAST["heartbeat_interval_s"] * FAST["heartbeat_liveness"])  # the stall itself
