@@ -26,54 +26,51 @@ __all__ = ["add_parser"]
 SERVICE_TIMEOUT_S = 120.0
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "reload",
-        help="re-read the config file and apply the difference (as SIGHUP)",
-        description="Re-read the supervisor's --config file and apply the difference: new [[tenant]] tables are "
+#: command -> (help, description, takes TENANT, what --json prints)
+_COMMANDS: dict[str, tuple[str, str, bool, str]] = {
+    "reload": (
+        "re-read the config file and apply the difference (as SIGHUP)",
+        "Re-read the supervisor's --config file and apply the difference: new [[tenant]] tables are "
         "registered, changed ones applied live (quotas at once, instances by scaling, changes that need new "
         "workers by restarting the tenant's instances one at a time), tenants removed from the file are evicted. "
         "Tenants registered at runtime are left alone. A file that cannot be applied changes nothing (exit 2).",
-    )
-    p.add_argument("--json", action="store_true", help="print the supervisor's answer as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_reload)
-
-    p = sub.add_parser(
-        "reset",
-        help="clear a failed tenant and start its instances again (same capability)",
-        description="A tenant that exceeded its restart intensity is marked failed and stays down. reset clears "
+        False, "the supervisor's answer",
+    ),
+    "reset": (
+        "clear a failed tenant and start its instances again (same capability)",
+        "A tenant that exceeded its restart intensity is marked failed and stays down. reset clears "
         "that, forgets its restart history and starts its instances; its capability stays valid. Returns once "
         "every instance is ready.",
-    )
-    p.add_argument("tenant", metavar="TENANT")
-    p.add_argument("--json", action="store_true", help="print the tenant's status record as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_reset)
-
-    p = sub.add_parser(
-        "restart",
-        help="restart a tenant's worker processes, one instance at a time",
-        description="Replace every instance of a tenant with a new worker process, one at a time: each is "
+        True, "the tenant's status record",
+    ),
+    "restart": (
+        "restart a tenant's worker processes, one instance at a time",
+        "Replace every instance of a tenant with a new worker process, one at a time: each is "
         "drained (its in-flight requests finish), stopped and started again before the next. Buffers held by "
         "the old processes are freed. The capability stays valid; no restart is counted against the budget.",
-    )
-    p.add_argument("tenant", metavar="TENANT")
-    p.add_argument("--json", action="store_true", help="print the tenant's status record as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_restart)
-
-    p = sub.add_parser(
-        "rotate-key",
-        help="replace the registry key: every capability is revoked",
-        description="Draw a new registry key and id. Every tenant capability and the old admin capability are "
+        True, "the tenant's status record",
+    ),
+    "rotate-key": (
+        "replace the registry key: every capability is revoked",
+        "Draw a new registry key and id. Every tenant capability and the old admin capability are "
         "refused from now on (as revoked); tenants keep running, and their new capabilities come from "
         "'twt capability TENANT'. The new admin capability is written to admin.cap. Needs --yes.",
-    )
-    p.add_argument("--yes", action="store_true", help="really revoke every capability")
-    p.add_argument("--json", action="store_true", help="print the new registry id as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_rotate_key)
+        False, "the new registry id",
+    ),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    runs = {"reload": run_reload, "reset": run_reset, "restart": run_restart, "rotate-key": run_rotate_key}
+    for name, (help_text, description, takes_tenant, prints) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=description)
+        if takes_tenant:
+            p.add_argument("tenant", metavar="TENANT")
+        if name == "rotate-key":
+            p.add_argument("--yes", action="store_true", help="really revoke every capability")
+        p.add_argument("--json", action="store_true", help=f"print {prints} as JSON")
+        add_run_dir(p)
+        p.set_defaults(func=runs[name])
 
 
 def _names(items: list[Any]) -> str:
@@ -109,18 +106,16 @@ def _tenant_line(rec: dict[str, Any]) -> str:
 
 
 def run_reset(args: argparse.Namespace) -> int:
-    with connect(args, timeout_s=SERVICE_TIMEOUT_S) as client:
-        rec = client.reset(None, args.tenant)
-    if args.json:
-        print_json(rec)
-    else:
-        print(_tenant_line(rec))
-    return 0
+    return _tenant_op(args, "reset")
 
 
 def run_restart(args: argparse.Namespace) -> int:
+    return _tenant_op(args, "restart")
+
+
+def _tenant_op(args: argparse.Namespace, op: str) -> int:
     with connect(args, timeout_s=SERVICE_TIMEOUT_S) as client:
-        rec = client.restart_tenant(None, args.tenant)
+        rec = client.reset(None, args.tenant) if op == "reset" else client.restart_tenant(None, args.tenant)
     if args.json:
         print_json(rec)
     else:
