@@ -207,6 +207,7 @@ class TenantRecord(Record):
     gpu_bytes_in_use: int = 0
     gpu_memory_bytes_cap: int | None = None
     quota: dict[str, Any] = field(default_factory=dict)  # the full QuotaSnapshot
+    origin: str = "runtime"  # "file": managed by the config file (reload); "runtime": by register/evict
 
 
 @dataclass(frozen=True, slots=True)

@@ -473,6 +473,7 @@ class AdminOps:
             gpu_bytes_in_use=snap.get("gpu_bytes_in_use", 0),
             gpu_memory_bytes_cap=snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
             quota=snap,
+            origin=rt.origin,
         )
 
     def status(self) -> StatusRecord:

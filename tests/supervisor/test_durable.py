@@ -265,6 +265,7 @@ def test_reload_applies_the_difference_and_a_bad_file_changes_nothing(run_dir: s
         summary = c.reload(None)
         assert summary["registered"] == ["c"] and summary["evicted"] == ["b"] and summary["unchanged"] == ["k"]
         assert summary["conflicts"] == ["r"] and summary["errors"] == []
+        assert [tenant(c.status(), t)["origin"] for t in ("a", "k", "r")] == ["file", "file", "runtime"]
         assert summary["changed"] == [{"tenant": "a", "fields": ["memory_quota_bytes", "wasm_fuel"],
                                        "restart": True, "scale": False}]
         status = c.status()
