@@ -12,8 +12,8 @@ filled by ``__init_subclass__``. Names follow the Rust crate
 ``tensor-wasm-tenant`` 0.3.8 where it had them.
 
     TensorWasmError
-    +-- MemoryExhausted              host (CPU) byte quota refused       retryable
-    +-- GpuMemoryExhausted           GPU byte quota / driver OOM         retryable
+    +-- MemoryExhausted              host (CPU) byte quota refused       retryable (not when requested > limit)
+    +-- GpuMemoryExhausted           GPU byte quota / driver OOM         retryable (not when requested > limit)
     +-- TenantIsolationViolation     bad, forged or foreign capability   (PermissionError)
     |   +-- CapabilityRevoked        capability of an evicted tenant
     +-- CudaError                    a CUDA driver call failed
@@ -162,6 +162,13 @@ class MemoryExhausted(TensorWasmError):
         self.limit = limit
         self.current = current
         super().__init__(message)
+
+    def is_retryable(self) -> bool:
+        """Retrying helps only when the request fits the limit at all: more than the whole limit never will."""
+        requested, limit = self.requested, self.limit
+        if isinstance(requested, int) and isinstance(limit, int) and requested > limit:
+            return False
+        return self.retryable
 
     def _default_message(self) -> str:
         return (

@@ -14,8 +14,9 @@ import sys
 from collections.abc import Sequence
 
 from shared.errors import SupervisorUnavailable, TensorWasmError
+from supervisor.cli._common import DefaultsHelpFormatter, describe_os_error
 
-__all__ = ["main"]
+__all__ = ["main", "version"]
 
 #: sub-command name -> module (imported only to build the parser)
 COMMANDS = {
@@ -43,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="twt",
         description="tensor-wasm-tenant: run untrusted tenants on shared GPUs with hard quotas.",
+        formatter_class=DefaultsHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     seen: set[str] = set()
     for module_name in dict.fromkeys(COMMANDS.values()):
@@ -56,7 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
         if module_name not in seen:
             seen.add(module_name)
             module.add_parser(sub)
+    for command in sub.choices.values():  # add_parser does not pass the formatter on
+        if command.formatter_class is argparse.HelpFormatter:
+            command.formatter_class = DefaultsHelpFormatter
     return parser
+
+
+def version() -> str:
+    """``twt --version``: the build's version (see :func:`supervisor.metrics.build_version`)."""
+    from supervisor.metrics import build_version
+
+    return build_version()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,8 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TensorWasmError as exc:
         print(f"twt: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except (ValueError, TypeError, OSError) as exc:
+    except OSError as exc:
+        print(f"twt: error: {describe_os_error(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    except (ValueError, TypeError) as exc:
         print(f"twt: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, (ValueError, TypeError)) else EXIT_FAILED
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

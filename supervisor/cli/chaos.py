@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--start-method", choices=("spawn", "forkserver"), default="forkserver",
                    help="how that supervisor starts workers (default: forkserver)")
     p.add_argument("--run-dir", default=None,
-                   help="use the supervisor running on this run directory instead of starting one")
+                   help="use the supervisor running on this run directory instead of starting one (default: start one)")
     p.add_argument("--supervisor-log", default=None, metavar="FILE",
                    help="append the started supervisor's log to FILE (default: discarded)")
     p.add_argument("--schedule", action="store_true",

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shared.capability import TenantCapability
+from shared.capability import TenantCapability, read_capability_file
 from supervisor.cli._common import add_run_dir, print_json, run_dir_of
 from supervisor.client import SupervisorClient
 
-__all__ = ["add_parser", "parse_wasm_arg", "run"]
+__all__ = ["add_parser", "parse_wasm_arg", "run", "tenant_capability_file"]
 
 
 def parse_wasm_arg(text: str) -> Any:
@@ -49,26 +49,41 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "Prints the results, fuel used and time; a trap, timeout or compile error is printed as the typed "
         "error with exit code 1.",
     )
-    p.add_argument("tenant", help="a registered tenant")
-    p.add_argument("module", type=Path, help="FILE.wasm or FILE.wat")
+    p.add_argument("tenant", metavar="TENANT", help="a registered tenant")
+    p.add_argument("module", type=Path, metavar="MODULE", help="the module: FILE.wasm (binary) or FILE.wat (text)")
     p.add_argument("--invoke", required=True, metavar="NAME", help="the exported function to call")
     p.add_argument("--arg", dest="args", action="append", default=[], type=parse_wasm_arg, metavar="V",
-                   help="an argument (repeat, in order): int, float, or handle=N for a client buffer")
-    p.add_argument("--fuel", type=int, default=None, help="fuel for the run (capped by the tenant's wasm_fuel)")
+                   help="an argument (repeat, in order): int, float, or handle=N for a client buffer (default: none)")
+    p.add_argument("--fuel", type=int, default=None, help="fuel for the run (default and ceiling: the tenant's wasm_fuel)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="deadline in seconds (capped by the tenant's wasm_timeout_s)")
+                   help="deadline in seconds (default and ceiling: the tenant's wasm_timeout_s)")
     p.add_argument("--capability", type=Path, default=None, metavar="FILE",
-                   help="the tenant's capability (raw bytes); default: obtained with the run dir's admin.cap")
+                   help="the tenant's capability file (as written by --cap-out: hex text; raw bytes are read "
+                   "too); default: obtained with the run dir's admin.cap")
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
     add_run_dir(p)
     p.set_defaults(func=run)
 
 
+def tenant_capability_file(path: Path, tenant: str) -> TenantCapability:
+    """The tenant capability in ``path``; refuses one that names another tenant, naming both."""
+    cap = read_capability_file(path)
+    if not isinstance(cap, TenantCapability):
+        raise ValueError(f"--capability {path} holds the admin capability, not tenant {tenant!r}'s")
+    if cap.tenant_id != tenant:
+        raise ValueError(
+            f"--capability {path} is the capability of tenant {cap.tenant_id!r}, not of {tenant!r}: "
+            f"run as {cap.tenant_id!r} or give {tenant!r}'s capability (twt capability {tenant} --cap-out FILE)"
+        )
+    return cap
+
+
 def run(args: argparse.Namespace) -> int:
     module = args.module.read_bytes()
+    cap_file = tenant_capability_file(args.capability, args.tenant) if args.capability is not None else None
     with SupervisorClient(run_dir_of(args)) as client:
-        if args.capability is not None:
-            cap = TenantCapability.from_bytes(args.capability.read_bytes())
+        if cap_file is not None:
+            cap = cap_file
         else:
             cap = client.tenant_capability(client.admin, args.tenant)
             if cap.tenant_id != args.tenant:  # pragma: no cover - the supervisor answers for the name asked

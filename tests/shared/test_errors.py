@@ -182,6 +182,14 @@ def test_retryable_exactly_for_transient_kinds(cls: type[TensorWasmError]) -> No
     assert _make(cls).is_retryable() is (cls in RETRYABLE)
 
 
+@pytest.mark.parametrize("cls", [MemoryExhausted, GpuMemoryExhausted])
+def test_more_than_the_whole_limit_is_not_retryable(cls: type[MemoryExhausted]) -> None:
+    assert cls("acme", 1 << 31, 1 << 30, 0).is_retryable() is False  # never fits, whatever is freed
+    assert cls("acme", 1 << 30, 1 << 30, 1).is_retryable() is True  # fits once use falls
+    back = error_from_dict(cls("acme", 1 << 31, 1 << 30, 0).to_dict())
+    assert back.is_retryable() is False  # the client sees the same answer
+
+
 def test_root_is_not_retryable() -> None:
     assert TensorWasmError("x").is_retryable() is False
 
