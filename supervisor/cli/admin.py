@@ -357,7 +357,22 @@ def run_set_quota(args: argparse.Namespace) -> int:
         print_json(rec)
     else:
         print(_limits_line(rec))
+        for note in _over_limit_notes(rec):
+            print(note)
     return 0
+
+
+def _over_limit_notes(rec: dict[str, Any]) -> list[str]:
+    """A limit set below what the tenant holds is accepted; say so, with the numbers."""
+    tid = rec.get("tenant_id")
+    notes = []
+    for what, used, limit in (("host", rec.get("bytes_in_use"), rec.get("memory_quota_bytes")),
+                              ("GPU", rec.get("gpu_bytes_in_use"), rec.get("gpu_memory_bytes_cap"))):
+        if isinstance(used, int) and isinstance(limit, int) and used > limit:
+            notes.append(f"{tid}: note: {format_size(used)} of {what} memory is in use, above the new limit of "
+                         f"{format_size(limit)}; nothing is taken away, new {what} allocations are refused until "
+                         "use falls below it")
+    return notes
 
 
 def run_scale(args: argparse.Namespace) -> int:
