@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from supervisor._progress import progress_stream
 from supervisor.cli._common import comma_list, print_json
 
 __all__ = ["add_parser", "run"]
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{f.at_s:9.3f}  {f.tenant}/{f.instance}  {'heal' if f.heal else f.kind} {params}".rstrip())
             print(f"schedule {schedule_hash(schedule)}: {len(schedule)} faults")
         return 0
-    report = run_chaos(cfg, progress=None if args.json else sys.stderr)
+    report = run_chaos(cfg, progress=None if args.json else sys.stderr, live=progress_stream(args.json))
     if args.json:
         print_json(report)
     else:
