@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 
-class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+class DefaultsHelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default (argparse's ArgumentDefaultsHelpFormatter, minus noise).
 
     Nothing is appended for flags (store_true), for a help text that already

@@ -27,7 +27,7 @@ _DEFAULTS = SupervisorConfig.__dataclass_fields__
 
 
 def _default(name: str) -> str:
-    return f"default: the config file, else ${'TWT_' + name.upper()}, else {_DEFAULTS[name].default}"
+    return f"default: ${'TWT_' + name.upper()}, else the config file, else {_DEFAULTS[name].default}"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--config", metavar="FILE",
                    help="TOML file with a [supervisor] table and [[tenant]] tables (default: none)")
     p.add_argument("--run-dir", help="directory for sockets, admin.cap and the lock, 0700 "
-                   "(default: the config file, else $TWT_RUN_DIR, else $XDG_RUNTIME_DIR/twt or /tmp/twt-<uid>)")
+                   "(default: $TWT_RUN_DIR, else the config file, else $XDG_RUNTIME_DIR/twt or /tmp/twt-<uid>)")
     p.add_argument("--backend", choices=["auto", "stub", "cuda"], help=f"compute backend ({_default('backend')})")
     p.add_argument("--start-method", choices=["spawn", "forkserver"],
                    help=f"how workers are started ({_default('start_method')})")
@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--pool-size", type=int, help=f"idle warm workers kept ready ({_default('pool_size')})")
     p.add_argument("--metrics-addr", metavar="HOST:PORT",
                    help="serve Prometheus /metrics, /healthz and /readyz on HOST:PORT, e.g. 127.0.0.1:9464 "
-                   "(default: the config file, else $TWT_METRICS_ADDR, else off)")
+                   "(default: $TWT_METRICS_ADDR, else the config file, else off)")
     p.set_defaults(func=run)
 
 
