@@ -35,8 +35,9 @@ __all__ = [
 class MetricsSnapshot:
     """What the loop publishes for the exporter; ``None`` means "this loop does not say".
 
-    ``tenants`` maps a tenant id to ``{"quota": QuotaSnapshot, "instances_up": int,
-    "state": str, "wanted": int}``. ``devices`` holds :meth:`Placement.status`
+    ``tenants`` maps a tenant id to its record: ``quota`` (a ``QuotaSnapshot``),
+    ``instances_up``, ``state`` and ``wanted``, as dict keys or as attributes of
+    a typed record (the exporter reads either). ``devices`` holds :meth:`Placement.status`
     records (``index``, ``budget_limit_bytes``, ``budget_used_bytes`` ...).
     """
 

@@ -105,6 +105,7 @@ class _Server6(_Server):
 
 
 def _field(snap: Any, name: str) -> Any:
+    """A field of a dict record or of a typed one (``QuotaSnapshot``, a per-tenant gauges dataclass)."""
     if isinstance(snap, Mapping):
         return snap.get(name)
     return getattr(snap, name, None)
@@ -154,7 +155,7 @@ class _StateCollector:
         count = _gauge("twt_tenants", "Tenants registered with this supervisor", [])
         count.add_metric([], len(tenants))
         for tid, rec in sorted(tenants.items()):
-            quota = rec.get("quota")
+            quota = _field(rec, "quota")
             if quota is None:
                 continue
             who = [str(tid)]
@@ -165,10 +166,11 @@ class _StateCollector:
             g["gpu_in_use"].add_metric(who, _field(quota, "gpu_bytes_in_use") or 0)
             g["gpu_limit"].add_metric(who, float("inf") if cap is None else cap)
             g["gpu_high"].add_metric(who, _field(quota, "gpu_high_water") or 0)
-            g["up"].add_metric(who, rec.get("instances_up") or 0)
-            if rec.get("wanted") is not None:
-                g["wanted"].add_metric(who, rec["wanted"])
-            current = str(rec.get("state", "unknown"))
+            g["up"].add_metric(who, _field(rec, "instances_up") or 0)
+            wanted = _field(rec, "wanted")
+            if wanted is not None:
+                g["wanted"].add_metric(who, wanted)
+            current = str(_field(rec, "state") or "unknown")
             for name in (TENANT_STATES if current in TENANT_STATES else (*TENANT_STATES, current)):
                 state.add_metric([str(tid), name], 1 if name == current else 0)
             for resource, field in (("host", "cpu"), ("gpu", "gpu")):

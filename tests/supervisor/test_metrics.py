@@ -8,6 +8,7 @@ import signal
 import socket
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,15 @@ def _probe(url: str) -> tuple[int, str]:
         return int(err.code), err.read().decode()
 
 
+@dataclass(frozen=True)
+class _Gauges:
+    """A typed per-tenant record, as a loop may publish instead of a dict."""
+
+    quota: Any
+    instances_up: int
+    state: str
+
+
 class _Clock:
     """An injectable monotonic clock: the health policy is tested without sleeping."""
 
@@ -247,7 +257,8 @@ def test_exporter_probes_pool_devices_and_wanted_instances() -> None:
 
         def snapshot() -> MetricsSnapshot:  # a new object per call, as the loop builds them
             return MetricsSnapshot(
-                tenants={"acme": {"quota": block.snapshot(), "instances_up": 1, "wanted": 2, "state": "degraded"}},
+                tenants={"acme": {"quota": block.snapshot(), "instances_up": 1, "wanted": 2, "state": "degraded"},
+                         "typed": _Gauges(block.snapshot(), 3, "running")},
                 pool_idle=pool["idle"], pool_starting=2 - pool["idle"], pool_size=2, backend="stub",
                 devices=({"index": 0, "budget_limit_bytes": 8 << 30, "budget_used_bytes": 4096,
                           "budget_refusals": 3},),
@@ -271,6 +282,10 @@ def test_exporter_probes_pool_devices_and_wanted_instances() -> None:
             assert _get(s, "twt_tenant_instances_up", tenant="acme") == 1
             assert _get(s, "twt_tenant_state", tenant="acme", state="degraded") == 1
             assert _get(s, "twt_tenant_state", tenant="acme", state="running") == 0
+            # a typed per-tenant record (attributes, no "wanted") reads the same way
+            assert _get(s, "twt_tenant_instances_up", tenant="typed") == 3
+            assert _get(s, "twt_tenant_state", tenant="typed", state="running") == 1
+            assert ("twt_tenant_instances_wanted", (("tenant", "typed"),)) not in s
             assert _get(s, "twt_pool_workers", state="idle") == 2
             assert _get(s, "twt_pool_workers", state="starting") == 0
             assert _get(s, "twt_pool_size_workers") == 2
