@@ -123,12 +123,14 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
             procs.update(_tree(sup.pid))
             assert len(procs) >= 5, (name, procs)  # 3 instances + 2 pool (+ forkserver, + registering)
             if whole_tree:
-                # the supervisor's resource tracker dies too: nobody but the next supervisor can clean up
-                for pid in [sup.pid, *procs]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                # the supervisor's resource tracker dies too: nobody but the next supervisor can clean up.
+                # Stop the whole tree first, so no member (the tracker above all) reacts to another's death.
+                for sig in (signal.SIGSTOP, signal.SIGKILL):
+                    for pid in [sup.pid, *procs]:
+                        try:
+                            os.kill(pid, sig)
+                        except ProcessLookupError:
+                            pass
             else:
                 sup.process.kill()
             sup.process.wait(10)
