@@ -3,9 +3,9 @@
 Two kinds of series, both exposed by prometheus-client (no hand-written
 exposition)::
 
-    router loop (one thread) ──inc/observe──► client Counters / Histogram ──┐
-                                                                            ├─► CollectorRegistry ─► HTTP thread
-    snapshot (loop, every 1 s) ◄──read at scrape time── _TenantCollector ─┘         (GET /metrics)
+    supervisor loop (one thread) ──inc/observe──► client Counters / Histogram ──┐
+                                                                                ├─► CollectorRegistry ─► HTTP
+    snapshot (loop, every 1 s) ◄──read at scrape time── _StateCollector ─────────┘    thread (GET /metrics)
 
 * **Events the loop reports** through the :class:`~supervisor.metrics.Metrics`
   hooks: requests by tenant, op and outcome, request latency by op, worker
@@ -13,11 +13,20 @@ exposition)::
   hot path is a dict lookup and one uncontended lock per update.
 * **State read at scrape time** by a custom collector from the snapshot
   function the supervisor binds (:meth:`PrometheusMetrics.bind_source`):
-  per-tenant CPU/GPU bytes in use, limits, high-water marks, instances up,
-  state, and the refusal/underflow counters kept in each tenant's
-  shared-memory block, as last refreshed by the loop (every second).
+  per-tenant host/GPU bytes in use, limits, high-water marks, instances up
+  and wanted, state (one series per state), the refusal/underflow counters
+  kept in each tenant's shared-memory block, the warm pool and the
+  device-wide budgets, as last refreshed by the loop (every second).
 
-The HTTP server runs on daemon threads and only reads. ``HOST:PORT`` with
+Threads: the HTTP server runs on daemon threads and only reads. The event
+hooks are called on the loop thread and update prometheus_client's children,
+which take their own locks. The per-tenant snapshot is never built here: a
+scrape asks the loop through :meth:`Supervisor.metrics_snapshot`
+(a :class:`supervisor.loop.Handoff`) and gets an immutable
+:class:`~supervisor.metrics.MetricsSnapshot` of typed records, so no quota block is touched off
+the loop thread (closing a block while another thread reads it fails).
+
+``HOST:PORT`` with
 port 0 binds a free port (tests); the bound one is :attr:`PrometheusMetrics.port`
 and is logged as ``metrics.listening``.
 
@@ -33,7 +42,7 @@ import logging
 import platform
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -44,10 +53,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from shared.config import parse_host_port
 from shared.log import get_logger, log_event
 from shared.protocol import PROTOCOL_VERSION
 from supervisor.health import Health
-from supervisor.metrics import Metrics, MetricsSnapshot, build_version
+from supervisor.metrics import Metrics, MetricsSnapshot, MetricsSource, build_version
 from supervisor.tenants import TenantState
 
 __all__ = [
@@ -78,12 +88,8 @@ READYZ_PATH = "/readyz"
 
 
 def parse_metrics_addr(addr: str) -> tuple[str, int]:
-    """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` / ``":9464"`` -> (host, port); port 0 means any free port."""
-    host, sep, port = str(addr).rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"metrics address must be HOST:PORT (e.g. 127.0.0.1:9464); got {addr!r}")
-    host = host.strip("[]") or "127.0.0.1"
-    return host, int(port)
+    """``--metrics-addr``: :func:`shared.config.parse_host_port`."""
+    return parse_host_port(addr, "metrics address")
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -102,13 +108,6 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
-
-
-def _field(snap: Any, name: str) -> Any:
-    """A field of a dict record or of a typed one (``QuotaSnapshot``, a per-tenant gauges dataclass)."""
-    if isinstance(snap, Mapping):
-        return snap.get(name)
-    return getattr(snap, name, None)
 
 
 #: every tenant state, one ``twt_tenant_state`` series each (1 for the current one, 0 for the rest)
@@ -155,27 +154,25 @@ class _StateCollector:
         count = _gauge("twt_tenants", "Tenants registered with this supervisor", [])
         count.add_metric([], len(tenants))
         for tid, rec in sorted(tenants.items()):
-            quota = _field(rec, "quota")
-            if quota is None:
-                continue
+            quota = rec.quota
             who = [str(tid)]
-            cap = _field(quota, "gpu_memory_bytes_cap")
-            g["host_in_use"].add_metric(who, _field(quota, "bytes_in_use") or 0)
-            g["host_limit"].add_metric(who, _field(quota, "memory_quota_bytes") or 0)
-            g["host_high"].add_metric(who, _field(quota, "cpu_high_water") or 0)
-            g["gpu_in_use"].add_metric(who, _field(quota, "gpu_bytes_in_use") or 0)
+            cap = quota.gpu_memory_bytes_cap
+            g["host_in_use"].add_metric(who, quota.bytes_in_use)
+            g["host_limit"].add_metric(who, quota.memory_quota_bytes)
+            g["host_high"].add_metric(who, quota.cpu_high_water)
+            g["gpu_in_use"].add_metric(who, quota.gpu_bytes_in_use)
             g["gpu_limit"].add_metric(who, float("inf") if cap is None else cap)
-            g["gpu_high"].add_metric(who, _field(quota, "gpu_high_water") or 0)
-            g["up"].add_metric(who, _field(rec, "instances_up") or 0)
-            wanted = _field(rec, "wanted")
-            if wanted is not None:
-                g["wanted"].add_metric(who, wanted)
-            current = str(_field(rec, "state") or "unknown")
+            g["gpu_high"].add_metric(who, quota.gpu_high_water)
+            g["up"].add_metric(who, rec.instances_up)
+            if rec.wanted is not None:
+                g["wanted"].add_metric(who, rec.wanted)
+            current = rec.state
             for name in (TENANT_STATES if current in TENANT_STATES else (*TENANT_STATES, current)):
                 state.add_metric([str(tid), name], 1 if name == current else 0)
-            for resource, field in (("host", "cpu"), ("gpu", "gpu")):
-                refusals.add_metric([str(tid), resource], _field(quota, f"{field}_refusals") or 0)
-                underflows.add_metric([str(tid), resource], _field(quota, f"{field}_underflows") or 0)
+            for resource, refused, under in (("host", quota.cpu_refusals, quota.cpu_underflows),
+                                             ("gpu", quota.gpu_refusals, quota.gpu_underflows)):
+                refusals.add_metric([str(tid), resource], refused)
+                underflows.add_metric([str(tid), resource], under)
         yield count
         yield from g.values()
         yield state
@@ -201,10 +198,10 @@ class _StateCollector:
             refused = CounterMetricFamily("twt_device_budget_refusals",
                                           "Allocations the device-wide budget refused", labels=d)
             for dev in snap.devices:
-                idx = [str(dev.get("index"))]
-                limit.add_metric(idx, dev.get("budget_limit_bytes") or 0)
-                used.add_metric(idx, dev.get("budget_used_bytes") or 0)
-                refused.add_metric(idx, dev.get("budget_refusals") or 0)
+                idx = [str(dev.index)]
+                limit.add_metric(idx, dev.budget_limit_bytes)
+                used.add_metric(idx, dev.budget_used_bytes)
+                refused.add_metric(idx, dev.budget_refusals)
             yield limit
             yield used
             yield refused
@@ -225,7 +222,7 @@ class PrometheusMetrics(Metrics):
         disable_created_metrics()  # type: ignore[no-untyped-call] # no *_created series: one per counter child, never queried
         self.registry = registry or CollectorRegistry()
         self.health = health or Health()
-        self._source: Callable[[], Any] | None = None
+        self._source: MetricsSource | None = None
         reg = self.registry
         info = Gauge("twt_build_info", "Always 1; the labels say which build is running",
                      ["version", "python", "protocol"], registry=reg)
@@ -320,7 +317,7 @@ class PrometheusMetrics(Metrics):
     def restart(self, tenant: str) -> None:
         self._restarts.labels(tenant).inc()
 
-    def bind_source(self, snapshot: Callable[[], Any]) -> None:
+    def bind_source(self, snapshot: MetricsSource) -> None:
         self._source = snapshot
 
     def mark_ready(self) -> None:

@@ -5,6 +5,13 @@ applies it here. Process-ending faults happen at once; the others arm state
 that the executor consults on its normal path (an injected OOM goes through
 the same rollback as a real driver OOM). The supervisor has no special path
 for any of them.
+
+Threads: the control thread arms faults (:meth:`FaultState.apply`), the
+executor thread consumes them (``take_*``). Every counter is read-modify-
+written under ``_lock``: ``+=`` and ``-=`` on an attribute are not atomic
+in Python, and a lost update would arm one fault too few or too many.
+``hang`` is a ``threading.Event`` and ``slow_ms`` a single assignment read
+whole, so they need no lock.
 """
 
 from __future__ import annotations
@@ -17,10 +24,9 @@ import time
 from typing import Any
 
 from shared.errors import InvalidArgument
+from shared.protocol import FAULT_KINDS
 
 __all__ = ["FAULT_KINDS", "FaultState"]
-
-FAULT_KINDS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak")
 
 
 def _int_param(params: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
@@ -34,11 +40,13 @@ class FaultState:
     """Armed faults of one worker process (read by the executor, set by the control thread)."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards the counters below (see the module docstring)
         self.hang = threading.Event()
         self.slow_ms = 0
         self.oom_remaining = 0
         self.corrupt_next = 0
         self.drop_next = 0
+        self.kernel_fault = threading.Event()
         self._leaked: list[bytes] = []
 
     def apply(self, kind: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -55,11 +63,21 @@ class FaultState:
         elif kind == "slow":
             self.slow_ms = _int_param(params, "ms", 100, 0, 600_000)
         elif kind == "oom":
-            self.oom_remaining += _int_param(params, "count", 1, 1, 1_000_000)
+            n = _int_param(params, "count", 1, 1, 1_000_000)
+            with self._lock:
+                self.oom_remaining += n
         elif kind == "corrupt":
-            self.corrupt_next += _int_param(params, "count", 1, 1, 1_000_000)
+            n = _int_param(params, "count", 1, 1, 1_000_000)
+            with self._lock:
+                self.corrupt_next += n
         elif kind == "drop":
-            self.drop_next += _int_param(params, "count", 1, 1, 1_000_000)
+            n = _int_param(params, "count", 1, 1, 1_000_000)
+            with self._lock:
+                self.drop_next += n
+        elif kind == "cuda-fault":
+            # armed: the executor launches a faulting kernel before its next request (CUDA
+            # contexts belong to the executor thread), so that request gets the sticky error
+            self.kernel_fault.set()
         elif kind == "leak":
             n = _int_param(params, "bytes", 64 << 20, 1, 1 << 40)
             self._leaked.append(b"\x01" * n)  # written, so resident
@@ -67,11 +85,35 @@ class FaultState:
             raise InvalidArgument(f"unknown fault kind {kind!r}; known: {', '.join(FAULT_KINDS)}")
         return {"kind": kind, **params}
 
-    def take_oom(self) -> bool:
-        if self.oom_remaining > 0:
-            self.oom_remaining -= 1
+    def take_kernel_fault(self) -> bool:
+        if self.kernel_fault.is_set():
+            self.kernel_fault.clear()
             return True
         return False
+
+    def take_oom(self) -> bool:
+        """Executor: consume one armed OOM (True: fail this allocation)."""
+        with self._lock:
+            if self.oom_remaining > 0:
+                self.oom_remaining -= 1
+                return True
+            return False
+
+    def take_drop(self) -> bool:
+        """Executor: consume one armed dropped reply."""
+        with self._lock:
+            if self.drop_next > 0:
+                self.drop_next -= 1
+                return True
+            return False
+
+    def take_corrupt(self) -> bool:
+        """Executor: consume one armed corrupt reply."""
+        with self._lock:
+            if self.corrupt_next > 0:
+                self.corrupt_next -= 1
+                return True
+            return False
 
     def block_if_hung(self) -> None:
         """The executor's half of ``hang``: never returns once armed."""

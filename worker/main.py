@@ -20,7 +20,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
+
+from shared.exitcodes import WORKER_CRASHED, WORKER_PARENT_GONE
+from shared.records import BootMessage, WorkerHello
 
 __all__ = ["run"]
 
@@ -35,12 +39,12 @@ def _set_parent_death_signal() -> None:
         pass  # not Linux: heartbeats and the parent check still end the worker
 
 
-def run(boot: dict[str, Any]) -> None:
+def run(boot: BootMessage) -> None:
     """Serve one tenant instance (or wait in the pool to be bound to one)."""
     _set_parent_death_signal()
-    expected_parent = boot.get("parent_pid")
+    expected_parent = boot.parent_pid
     if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(71)  # the supervisor died while we were starting
+        os._exit(WORKER_PARENT_GONE)  # the supervisor died while we were starting
     # A worker ends on SIGTERM like on "stop"; SIGINT (a terminal's ^C) is the supervisor's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -53,20 +57,20 @@ def run(boot: dict[str, Any]) -> None:
     from worker.server import WorkerServer
 
     set_process_name("twt-worker")
-    configure_logging(boot.get("log_format", "text"), boot.get("log_level", "info").upper())
+    configure_logging(boot.log_format, boot.log_level.upper())  # type: ignore[arg-type]
     log = get_logger("worker")
 
     zctx: zmq.Context[Any] = zmq.Context()
     data = zctx.socket(zmq.DEALER)
-    data.setsockopt(zmq.ROUTING_ID, boot["worker_id"].encode())
+    data.setsockopt(zmq.ROUTING_ID, boot.worker_id.encode())
     data.setsockopt(zmq.LINGER, 0)
-    data.setsockopt(zmq.MAXMSGSIZE, int(boot.get("max_message_bytes", 256 << 20)))
+    data.setsockopt(zmq.MAXMSGSIZE, boot.max_message_bytes)
     data.setsockopt(zmq.RCVHWM, 1000)
     data.setsockopt(zmq.SNDHWM, 1000)
-    data.connect(boot["data_endpoint"])
+    data.connect(boot.data_endpoint)
 
     faults = FaultState()
-    server = WorkerServer(data, faults, boot)
+    server = WorkerServer(data, faults)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         server.stop_event.set()
@@ -77,18 +81,27 @@ def run(boot: dict[str, Any]) -> None:
 
     from shared.protocol import encode_worker_reply
 
-    data.send(encode_worker_reply(0, True, {"token": boot["token"], "pid": os.getpid()}))
-    log_event(log, logging.DEBUG, "worker.started", worker=boot["worker_id"], pid=os.getpid())
+    data.send(encode_worker_reply(0, True, WorkerHello(boot.token, os.getpid()).to_wire()))
+    log_event(log, logging.DEBUG, "worker.started", worker=boot.worker_id, pid=os.getpid())
     code = 0
     try:
         server.serve()
+        code = server.exit_code if server.exit_code is not None else 0
     except BaseException:
         log.exception("worker.crashed")
-        code = 1
+        code = WORKER_CRASHED
     finally:
         server.close()
         control.closed.wait(2)
-        data.close(0)  # no zctx.term(): it would wait for the control thread's socket
+        if server.exit_code is not None:
+            # the CudaError reply to the request that lost the context must get out before we exit:
+            # linger, and let term() (bounded: it waits for every socket) flush it
+            data.close(linger=1000)
+            flusher = threading.Thread(target=zctx.term, daemon=True)
+            flusher.start()
+            flusher.join(2.0)
+        else:
+            data.close(0)  # no zctx.term(): it would wait for the control thread's socket
         logging.shutdown()
         sys.stderr.flush()
     os._exit(code)

@@ -16,6 +16,11 @@ the GIL; pure-Python work yields it every switch interval).
 Handlers return ``(result, body)``; a :class:`TensorWasmError` becomes an
 error reply of the same class, anything else an internal error reply - the
 loop itself never dies of a request.
+
+Threads: the executor thread owns the data socket, the tenant context and
+every buffer. It shares with the control thread only the ``stop_event``, the
+:class:`worker.faults.FaultState` (armed there, consumed here with ``take_*``
+under its lock) and ``requests``, which only this thread writes.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import zmq
 from shared.device_budget import DeviceBudget  # imported at start, not at bind: binding must be fast
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.log import get_logger, log_event
+from shared.exitcodes import context_lost_exit_code
 from shared.protocol import decode_worker_request, encode_worker_reply
+from shared.records import BindMessage
 from shared.spec import TenantSpec
 from worker.context import TenantContext
 from worker.faults import FaultState
@@ -73,14 +80,15 @@ def _resolve(op: str) -> Handler | None:
 class WorkerServer:
     """Serves requests for one tenant instance until told to stop."""
 
-    def __init__(self, sock: zmq.Socket[Any], faults: FaultState, boot: dict[str, Any]) -> None:
+    def __init__(self, sock: zmq.Socket[Any], faults: FaultState) -> None:
         self.sock = sock
         self.faults = faults
-        self.boot = boot
         self.context: TenantContext | None = None
         self.stop_event = threading.Event()
         self.started = time.time()
         self.requests = 0
+        #: the process exit code once this worker must end (a lost CUDA context), else None
+        self.exit_code: int | None = None
 
     # --------------------------------------------------------------- loop
 
@@ -103,28 +111,43 @@ class WorkerServer:
             return
         body = frames[1] if len(frames) > 1 else None
         try:
-            handler = _resolve(op)
-            if handler is None:
-                raise InvalidArgument(f"unknown worker op {op!r}")
-            result, out_body = handler(self, args, body)
-        except TensorWasmError as exc:
-            self.reply(rid, False, exc.to_dict())
-            return
-        except Exception as exc:  # noqa: BLE001 - a bug in one request must not kill the worker
-            _log.exception("worker.op_failed op=%s", op)
-            self.reply(rid, False, TensorWasmError(f"internal error in worker op {op!r}: {exc!r}").to_dict())
-            return
-        self.reply(rid, True, result, out_body)
+            try:
+                if self.faults.take_kernel_fault():
+                    self.require_context().backend.inject_kernel_fault()
+                handler = _resolve(op)
+                if handler is None:
+                    raise InvalidArgument(f"unknown worker op {op!r}")
+                result, out_body = handler(self, args, body)
+            except TensorWasmError as exc:
+                self.reply(rid, False, exc.to_dict())
+                return
+            except Exception as exc:  # noqa: BLE001 - a bug in one request must not kill the worker
+                _log.exception("worker.op_failed op=%s", op)
+                self.reply(rid, False, TensorWasmError(f"internal error in worker op {op!r}: {exc!r}").to_dict())
+                return
+            self.reply(rid, True, result, out_body)
+        finally:
+            self._check_context()
+
+    def _check_context(self) -> None:
+        """End the worker after a sticky CUDA error: its context fails every later call.
+
+        The failing request has had its ``CudaError`` reply; the requests still
+        queued get ``WorkerLost`` ("CUDA context lost: ...") from the supervisor.
+        """
+        lost = self.context.backend.context_lost if self.context is not None else None
+        if lost is not None and self.exit_code is None:
+            self.exit_code = context_lost_exit_code(lost)
+            log_event(_log, logging.ERROR, "worker.cuda_context_lost", error=lost, exit_code=self.exit_code)
+            self.stop_event.set()
 
     def reply(self, rid: int, ok: bool, payload: Any, body: bytes | memoryview | None = None) -> None:
         faults = self.faults
         if faults.slow_ms:
             time.sleep(faults.slow_ms / 1000)
-        if faults.drop_next:
-            faults.drop_next -= 1
+        if faults.drop_next and faults.take_drop():
             return
-        if faults.corrupt_next:
-            faults.corrupt_next -= 1
+        if faults.corrupt_next and faults.take_corrupt():
             self.sock.send(b"\xc1corrupt\xff", zmq.NOBLOCK)
             return
         header = encode_worker_reply(rid, ok, payload)
@@ -165,9 +188,9 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
     """
     if server.context is not None:
         raise InvalidArgument(f"worker is already bound to {server.context.tenant_id!r}")
-    spec = TenantSpec.from_dict(args["spec"])
-    backend = args.get("backend", "stub")
-    options = dict(args.get("backend_options") or {})
+    msg = BindMessage.from_wire(args)
+    spec = TenantSpec.from_dict(msg.spec)
+    options = dict(msg.backend_options)
     budget = None
     budget_segment = options.pop("budget_segment", None)
     if budget_segment:
@@ -176,8 +199,8 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
         spec,
         instance=_int_arg(args, "instance"),
         incarnation=_int_arg(args, "incarnation", 0),
-        segment=str(args["segment"]),
-        backend=str(backend),
+        segment=str(msg.segment),
+        backend=str(msg.backend),
         backend_options=options,
         budget=budget,
         faults=server.faults,

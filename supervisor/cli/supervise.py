@@ -81,25 +81,28 @@ def _quiet_resource_tracker() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(
-        args.config,
-        overrides={
-            "run_dir": args.run_dir,
-            "backend": args.backend,
-            "start_method": args.start_method,
-            "log_format": args.log_format,
-            "log_level": args.log_level,
-            "pool_size": args.pool_size,
-            "metrics_addr": args.metrics_addr,
-        },
-    )
+    try:
+        config = load_config(
+            args.config,
+            overrides={
+                "run_dir": args.run_dir,
+                "backend": args.backend,
+                "start_method": args.start_method,
+                "log_format": args.log_format,
+                "log_level": args.log_level,
+                "pool_size": args.pool_size,
+                "metrics_addr": args.metrics_addr,
+            },
+        )
+    except TypeError as exc:  # a wrongly typed value in the config file: the user's input
+        raise ValueError(str(exc)) from None
     configure_logging(config.log_format, config.log_level.upper())  # type: ignore[arg-type]
     warnings.showwarning = _log_warnings
     for name in unknown_env_vars():
         log_event(_log, logging.WARNING, "config.unknown_env", variable=name,
                   hint="not a setting; see docs/OPERATIONS.md#configuration")
     _quiet_resource_tracker()
-    from supervisor.router import Supervisor
+    from supervisor.supervisor import Supervisor
 
     # The lock first: a second supervisor on this run dir must report *that*, not a busy port.
     rundir = RunDir(config.run_dir)
@@ -112,12 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
             metrics = PrometheusMetrics(config.metrics_addr)
             undo.callback(metrics.close)
-        sup = Supervisor(config, metrics=metrics)
-        # Port note: the recomposed loop takes the locked run dir as Supervisor(config, metrics=..., rundir=rundir)
-        sup.rundir = rundir  # acquire() on a locked RunDir is a no-op
-        if metrics is not None:
-            # /readyz: start-up complete (backend chosen, configured tenants up, supervisor.json written)
-            sup.on_ready = lambda _core: metrics.mark_ready()
+        sup = Supervisor(config, metrics=metrics, rundir=rundir)  # acquire() on a locked RunDir is a no-op
         undo.pop_all()
     code: int = sup.run()
     sys.stderr.flush()

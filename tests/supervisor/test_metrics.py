@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import signal
 import socket
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from shared.errors import GpuMemoryExhausted
 from shared.protocol import PROTOCOL_VERSION
 from shared.quota import QuotaBlock
 from supervisor.health import Health
-from supervisor.metrics import MetricsSnapshot, build_version
+from supervisor.metrics import DeviceGauges, MetricsSnapshot, TenantGauges, build_version
 from supervisor.prometheus import TENANT_STATES, PrometheusMetrics, parse_metrics_addr
 from supervisor.rundir import RunDirLocked
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
@@ -68,10 +68,11 @@ def test_exporter_on_port_0_hooks_and_scrape_time_snapshot() -> None:
             block.consume_gpu_bytes(1 << 20)
         state = {"up": 2}
 
-        def snapshot() -> dict[str, Any]:
-            return {"acme": {"quota": block.snapshot(), "instances_up": state["up"], "state": "running"},
-                    "free": {"quota": {"bytes_in_use": 1, "memory_quota_bytes": 2, "gpu_memory_bytes_cap": None},
-                             "instances_up": 0, "state": "failed"}}
+        def snapshot() -> dict[str, TenantGauges]:
+            free = dataclasses.replace(block.snapshot(), tenant_id="free", bytes_in_use=1, memory_quota_bytes=2,
+                                       gpu_memory_bytes_cap=None)
+            return {"acme": TenantGauges(block.snapshot(), state["up"], "running"),
+                    "free": TenantGauges(free, 0, "failed")}
 
         metrics = PrometheusMetrics("127.0.0.1:0", process_metrics=False)
         try:
@@ -175,6 +176,14 @@ def test_supervisor_metrics_endpoint_has_the_tenant_series() -> None:
         assert _get(s, "twt_requests_total", tenant="acme", op="ping", outcome="ok") == 1
         assert _get(s, "twt_request_duration_seconds_count", op="alloc") == 2
         assert _get(s, "process_resident_memory_bytes") > 0  # the supervisor's own process
+        # the loop's full snapshot: wanted instances, the warm pool, the device budget; the probes
+        assert _get(s, "twt_tenant_instances_wanted", tenant="acme") == 1
+        assert _get(s, "twt_pool_size_workers") == sup.client.status()["supervisor"]["pool"]["size"]
+        assert ("twt_pool_workers", (("state", "idle"),)) in s
+        assert _get(s, "twt_device_budget_used_bytes", device="0") >= 512 << 10
+        base = f"http://127.0.0.1:{port}"
+        assert _probe(base + "/healthz") == (200, "ok\n")
+        wait_for(lambda: _probe(base + "/readyz") == (200, "ready\n"), what="/readyz: ready once the pool filled")
         assert not any(name == "twt_restarts_total" for name, _ in s)
         # a SIGKILLed worker: counted as an exit by signal and a restart; its GPU bytes come back
         pid = instance_pid(sup, "acme")
@@ -202,15 +211,6 @@ def _probe(url: str) -> tuple[int, str]:
             return int(resp.status), resp.read().decode()
     except urllib.error.HTTPError as err:
         return int(err.code), err.read().decode()
-
-
-@dataclass(frozen=True)
-class _Gauges:
-    """A typed per-tenant record, as a loop may publish instead of a dict."""
-
-    quota: Any
-    instances_up: int
-    state: str
 
 
 class _Clock:
@@ -245,7 +245,7 @@ def test_health_policy_live_ready_and_stall() -> None:
     live = health.live()
     assert not live.ok and live.status.startswith("503") and "nothing for 11 s" in live.reason
     assert not health.ready().ok and health.ready().reason.startswith("not ready: stalled")
-    health.observe({"acme": {}})  # an older loop's plain tenants dict counts too
+    health.observe({})  # a plain {tenant: TenantGauges} mapping counts too
     assert health.live().ok
     with pytest.raises(ValueError):
         Health(stall_after_s=0)
@@ -257,11 +257,10 @@ def test_exporter_probes_pool_devices_and_wanted_instances() -> None:
 
         def snapshot() -> MetricsSnapshot:  # a new object per call, as the loop builds them
             return MetricsSnapshot(
-                tenants={"acme": {"quota": block.snapshot(), "instances_up": 1, "wanted": 2, "state": "degraded"},
-                         "typed": _Gauges(block.snapshot(), 3, "running")},
+                tenants={"acme": TenantGauges(block.snapshot(), 1, "degraded", wanted=2),
+                         "quiet": TenantGauges(block.snapshot(), 3, "running")},
                 pool_idle=pool["idle"], pool_starting=2 - pool["idle"], pool_size=2, backend="stub",
-                devices=({"index": 0, "budget_limit_bytes": 8 << 30, "budget_used_bytes": 4096,
-                          "budget_refusals": 3},),
+                devices=(DeviceGauges(0, budget_limit_bytes=8 << 30, budget_used_bytes=4096, budget_refusals=3),),
             )
 
         metrics = PrometheusMetrics("127.0.0.1:0", process_metrics=False)
@@ -282,10 +281,10 @@ def test_exporter_probes_pool_devices_and_wanted_instances() -> None:
             assert _get(s, "twt_tenant_instances_up", tenant="acme") == 1
             assert _get(s, "twt_tenant_state", tenant="acme", state="degraded") == 1
             assert _get(s, "twt_tenant_state", tenant="acme", state="running") == 0
-            # a typed per-tenant record (attributes, no "wanted") reads the same way
-            assert _get(s, "twt_tenant_instances_up", tenant="typed") == 3
-            assert _get(s, "twt_tenant_state", tenant="typed", state="running") == 1
-            assert ("twt_tenant_instances_wanted", (("tenant", "typed"),)) not in s
+            # a record that does not say how many instances are wanted has no such series
+            assert _get(s, "twt_tenant_instances_up", tenant="quiet") == 3
+            assert _get(s, "twt_tenant_state", tenant="quiet", state="running") == 1
+            assert ("twt_tenant_instances_wanted", (("tenant", "quiet"),)) not in s
             assert _get(s, "twt_pool_workers", state="idle") == 2
             assert _get(s, "twt_pool_workers", state="starting") == 0
             assert _get(s, "twt_pool_size_workers") == 2
