@@ -319,7 +319,10 @@ def _instances_line(rec: TenantRecord) -> str:
     wanted = [i for i in rec.instances if not i.draining]
     ready = [i for i in wanted if i.state == "ready"]
     pids = ",".join(str(i.pid) for i in ready) or "-"
-    return f"{rec.tenant_id}: {len(wanted)} instance(s), {len(ready)} ready (pids {pids}), state {rec.state}"
+    line = f"{rec.tenant_id}: {len(wanted)} instance(s), {len(ready)} ready (pids {pids}), state {rec.state}"
+    if rec.state == "stopped":
+        line += f"; its requests are refused (TenantStopped) until `twt scale {rec.tenant_id} N`"
+    return line
 
 
 # ----------------------------------------------------------------- commands
