@@ -126,10 +126,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("tenant", metavar="TENANT")
     p.add_argument("handle", metavar="HANDLE")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--from", dest="source", type=Path, metavar="FILE", help="write this file's bytes")
+    source.add_argument("--from", dest="source", type=Path, metavar="FILE", help="write this file's bytes (default: none; give --from or --fill)")
     source.add_argument("--fill", type=float, metavar="V",
-                        help="fill from --offset to the end with float32 V (the WASM tensor ops' element type)")
-    p.add_argument("--offset", type=non_negative_int, default=0, help="byte offset in the buffer")
+                        help="fill from --offset to the end with float32 V, the WASM tensor ops' element type "
+                        "(default: none; give --from or --fill)")
+    p.add_argument("--offset", type=non_negative_int, default=0, help="byte offset in the buffer (default: 0)")
     _common(p, json_help="print {handle, written} as JSON")
     p.set_defaults(func=run_write)
 
@@ -139,7 +140,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("tenant", metavar="TENANT")
     p.add_argument("handle", metavar="HANDLE")
     p.add_argument("--out", type=Path, default=None, metavar="FILE", help="write the bytes here (default: print)")
-    p.add_argument("--offset", type=non_negative_int, default=0, help="byte offset in the buffer")
+    p.add_argument("--offset", type=non_negative_int, default=0, help="byte offset in the buffer (default: 0)")
     p.add_argument("--nbytes", type=non_negative_int, default=None,
                    help="bytes to read (default: to the end of the buffer)")
     _common(p, json_help="print {handle, nbytes, float32: [...]} as JSON")

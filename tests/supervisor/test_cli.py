@@ -397,6 +397,8 @@ def test_operations_doc_covers_every_command_setting_and_event() -> None:
         assert f"| `{kind}` |" in doc, kind
     for command in (*MY_COMMANDS, "supervise", "mps"):
         assert f"### `twt {command}`" in doc, command
+    for command in ("alloc", "free", "buffers", "write", "read"):
+        assert f"`twt {command}`" in doc.split("## Exit codes", 1)[0], command
     sizing = doc.split("## Sizing", 1)[1]
     assert "PLACEHOLDER" not in sizing and "TBD" not in sizing  # measured figures are in
 

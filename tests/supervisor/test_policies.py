@@ -372,3 +372,18 @@ def test_shutdown_answers_clients_and_drops_its_own_requests() -> None:
     table.abandon([w], "the supervisor is stopping")
     assert own == [] and [(rid, ok, err["code"]) for _, rid, ok, err in replies.sent] == [(3, False, "worker_lost")]
     assert len(table) == 0 and tenants["acme"].in_flight == 0
+
+
+def test_a_scale_down_answers_what_waited_for_the_instances_it_took_away() -> None:
+    from supervisor.admin import _scaled_away
+    from supervisor.tenants import Parked
+
+    rt = _runtime(instances=2, ready=False)
+    pinned = Parked(b"c", 1, "read", {"handle": proto.make_handle(1, 1, 1)}, None, 0.0, 5.0, 1)
+    free = Parked(b"c", 2, "ping", {}, None, 0.0, 5.0, None)
+    rt.slots[1].draining = True  # scale 2 -> 1
+    refused = _scaled_away(rt, pinned)
+    assert isinstance(refused, InvalidArgument) and "instance 1 of 'acme'" in str(refused)
+    assert _scaled_away(rt, free) is None  # instance 0 may still come up
+    rt.slots[0].draining = True  # scale 1 -> 0
+    assert isinstance(_scaled_away(rt, free), TenantStopped)
