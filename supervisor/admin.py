@@ -276,6 +276,9 @@ class AdminOps:
         self.registry.update_spec(self.admin_cap, spec)
         rt.spec = spec
         wanted = rt.wanted_slots()
+        for down in wanted[:n] if rt.state is not TenantState.FAILED else ():
+            if down.worker is None and down.restart_at is None:  # down for good (not restarted): start it again
+                self.workers.start_instance(rt, down)
         if n > len(wanted):
             for _ in range(n - len(wanted)):
                 # reuse a scaled-away slot whose worker is gone, else open a new one

@@ -58,6 +58,8 @@ _log = get_logger("supervisor")
 
 #: ops whose replies can carry big bodies: refused while a client lets too many pile up
 _BIG_REPLY_OPS = frozenset({"read", "run_wasm"})
+#: ops that may name an instance, directly (alloc) or through buffer handles
+_PINNING_OPS = proto.HANDLE_OPS | {"alloc", "run_wasm"}
 MAX_MODULES_PER_TENANT = 32
 MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
@@ -374,6 +376,8 @@ def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | N
     InvalidArgument when its buffers live on different instances (naming them),
     or when the instance is not one the tenant runs.
     """
+    if op not in _PINNING_OPS:
+        return None  # the hot path (ping, quota-free ops): nothing to look at
     if op == "alloc":
         pinned = args.get("instance")
         if pinned is not None and (isinstance(pinned, bool) or not isinstance(pinned, int) or pinned < 0):
@@ -423,10 +427,11 @@ def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError
         return TenantStopped(rt.tenant_id)
     gone = rt.slots[pinned] if pinned is not None else max(wanted, key=lambda s: (s.last_exit or {}).get("at", 0.0))
     last = gone.last_exit or {}
-    return WorkerLost(rt.tenant_id, gone.index, last.get("exit_code"), last.get("signal"),
-                      f"{'instance ' + str(gone.index) if pinned is not None else 'no instance'} of {rt.tenant_id!r} "
-                      "is running or restarting "
-                      f"(restart={rt.spec.restart.value}; last exit: {last.get('reason', 'unknown')})")
+    who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
+    reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
+              f"last exit of {rt.tenant_id}/{gone.index}: {last.get('reason', 'unknown')})")
+    return WorkerLost(rt.tenant_id, gone.index, last.get("exit_code"), last.get("signal"), reason,
+                      message=f"{reason}; `twt scale {rt.tenant_id} N` starts instances again")
 
 
 def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:

@@ -309,13 +309,13 @@ def test_requests_never_wait_for_an_instance_that_is_not_coming() -> None:
     fe, cap = _frontend(table, replies, clock, tenants, rt)
     # gone for good (restart=never): answered at once, naming why
     with pytest.raises(WorkerLost, match=r"no instance of 'acme' is running or restarting \(restart=never; "
-                                         r"last exit: exit code 3\)"):
+                                         r"last exit of acme/1: exit code 3\); `twt scale acme N`"):
         fe._tenant_request(b"c", 1, "ping", cap, {}, None)
     # instance 0 is restarting: an unpinned request waits for it, one pinned to instance 1 does not
     rt.slots[0].restart_at = clock.now + 0.1
     fe._tenant_request(b"c", 2, "ping", cap, {}, None)
     assert len(rt.parked) == 1
-    with pytest.raises(WorkerLost, match="instance 1 of 'acme' is running or restarting"):
+    with pytest.raises(WorkerLost, match="instance 1 of 'acme' is not running or restarting"):
         fe._tenant_request(b"c", 3, "alloc", cap, {"nbytes": 1, "instance": 1}, None)
 
 
