@@ -76,6 +76,14 @@ class SupervisorConfig:
     cuda_nvrtc_module: str | None = None
     metrics_addr: str | None = None
     register_timeout_s: float = 60.0
+    #: TCP frontends with CURVE, e.g. ("tcp://10.0.0.5:7700",); port 0 picks a free port
+    listen: tuple[str, ...] = ()
+    #: where durable state lives (the CURVE key pair); default <run_dir>/state
+    state_dir: str | None = None
+    #: allow-list of client public keys (*.key certificates) for the TCP frontend; None: any key
+    client_keys_dir: str | None = None
+    #: admin ops over TCP; refused (TenantIsolationViolation) unless true
+    allow_remote_admin: bool = False
     tenants: tuple[TenantSpec, ...] = ()
 
     def __post_init__(self) -> None:
@@ -115,6 +123,11 @@ class SupervisorConfig:
                 raise ValueError(f"{name} must be a dotted module name; got {value!r}")
         if self.metrics_addr is not None:
             _host_port(self.metrics_addr)
+        s(self, "listen", _listen(self.listen))
+        s(self, "state_dir", os.path.abspath(os.path.expanduser(str(self.state_dir or os.path.join(self.run_dir, "state")))))
+        if self.client_keys_dir is not None:
+            s(self, "client_keys_dir", os.path.abspath(os.path.expanduser(str(self.client_keys_dir))))
+        s(self, "allow_remote_admin", _bool(self.allow_remote_admin, "allow_remote_admin"))
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -139,6 +152,7 @@ class SupervisorConfig:
     def to_dict(self) -> dict[str, Any]:
         out = {f: getattr(self, f) for f in self.field_names() if f != "tenants"}
         out["devices"] = list(self.devices) if isinstance(self.devices, tuple) else self.devices
+        out["listen"] = list(self.listen)
         out["tenants"] = [t.to_dict() for t in self.tenants]
         return out
 
@@ -180,6 +194,30 @@ def _devices(value: Any) -> tuple[int, ...] | str:
     raise ValueError(f"devices must be 'all' or a list of device indexes; got {value!r}")
 
 
+def _listen(value: Any) -> tuple[str, ...]:
+    """``listen``: TCP endpoints ``tcp://HOST:PORT`` (a list, or one comma-separated string)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"listen must be a list of tcp://HOST:PORT endpoints; got {value!r}")
+    out = []
+    for ep in value:
+        host, sep, port = str(ep).removeprefix("tcp://").rpartition(":")
+        if (not isinstance(ep, str) or not ep.startswith("tcp://") or not sep or not host
+                or not port.isdigit() or not 0 <= int(port) < 65536):
+            raise ValueError(f"listen endpoint must be tcp://HOST:PORT (port 0: any free port); got {ep!r}")
+        out.append(ep)
+    return tuple(dict.fromkeys(out))
+
+
+def _bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"{name} must be true or false; got {value!r}")
+
+
 def _host_port(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
@@ -211,6 +249,10 @@ _ENV_FIELDS = (
     "cuda_nvrtc_module",
     "metrics_addr",
     "register_timeout_s",
+    "listen",
+    "state_dir",
+    "client_keys_dir",
+    "allow_remote_admin",
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s"}

@@ -36,6 +36,7 @@ from supervisor.metrics import Metrics, NullMetrics
 from supervisor.placement import Placement
 from supervisor.registry import TenantRegistry
 from supervisor.rundir import RunDir
+from supervisor.tcp_frontend import TcpFrontend
 from supervisor.tenants import InstanceSlot, TenantRuntime
 from supervisor.workers import Pending, Spawner, WorkerHandle
 
@@ -74,6 +75,11 @@ class _Core:
 
     # set up by Supervisor._setup()
     frontend: zmq.Socket[Any]
+    #: client-facing sockets; a client key is one byte (the index here) + the peer's identity,
+    #: so a reply goes back through the socket the request came in on (ipc 0, tcp 1)
+    _frontends: list[zmq.Socket[Any]]
+    #: the CURVE TCP frontend, when ``listen`` names endpoints
+    tcp: TcpFrontend | None = None
     backend: zmq.Socket[Any]
     control: zmq.Socket[Any]
     poller: zmq.Poller
@@ -136,17 +142,18 @@ class _Core:
             return
         header = proto.encode_reply(rid, True, result)
         try:
+            sock, ident = self._frontends[client[0]], client[1:]
             if body is None:
-                self.frontend.send_multipart([client, header], zmq.NOBLOCK)
+                sock.send_multipart([ident, header], zmq.NOBLOCK)
             elif len(body) < _TRACK_BYTES:
-                self.frontend.send_multipart([client, header, body], zmq.NOBLOCK, copy=False)
+                sock.send_multipart([ident, header, body], zmq.NOBLOCK, copy=False)
             else:
                 # ZMQ bounds a peer's queue in messages, not bytes: remember big bodies
                 # until libzmq lets go of them, so a client that does not read is refused
                 # more of them (``_queued_reply_bytes``) instead of growing our memory.
                 view = body.buffer if isinstance(body, zmq.Frame) else memoryview(body)
                 tracked = zmq.Frame(view, track=True)  # zero-copy: refers to the received frame
-                tracker = self.frontend.send_multipart([client, header, tracked], zmq.NOBLOCK, copy=False, track=True)
+                tracker = sock.send_multipart([ident, header, tracked], zmq.NOBLOCK, copy=False, track=True)
                 if tracker is not None:
                     queue = self._reply_queues.setdefault(client, collections.deque())
                     queue.append((tracker, len(body)))
@@ -177,7 +184,7 @@ class _Core:
         if client is None:
             return
         try:
-            self.frontend.send_multipart([client, proto.encode_reply(rid, False, err)], zmq.NOBLOCK)
+            self._frontends[client[0]].send_multipart([client[1:], proto.encode_reply(rid, False, err)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log_event(_log, logging.DEBUG, "supervisor.reply_dropped", rid=rid, error=exc.strerror)
 

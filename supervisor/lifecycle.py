@@ -60,6 +60,9 @@ class _Lifecycle(_Routing):
                 "events": self.rundir.endpoint("events"),
                 "started": self._started,
                 "metrics_url": getattr(self.metrics, "url", None),
+                # the TCP frontend as bound (port 0 resolved) and its CURVE public key (Z85)
+                "listen": list(self.tcp.endpoints) if self.tcp is not None else [],
+                "server_public_key": self.tcp.keys.public_text if self.tcp is not None else None,
             }
         )
         log_event(

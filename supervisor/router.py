@@ -37,6 +37,7 @@ from shared.errors import (
     InvalidArgument,
     KernelTimeout,
     ProtocolError,
+    TenantIsolationViolation,
     TensorWasmError,
 )
 from shared.log import get_logger, log_event
@@ -49,6 +50,7 @@ from supervisor.core import (
     TICK_S,
 )
 from supervisor.events import EventBus
+from supervisor.tcp_frontend import IPC_INDEX, TCP_INDEX, TcpFrontend
 from supervisor.workers import (
     Spawner,
     WorkerHandle,
@@ -57,6 +59,9 @@ from supervisor.workers import (
 )
 
 __all__ = ["Supervisor"]
+
+_IPC_PREFIX = bytes([IPC_INDEX])
+_TCP_PREFIX = bytes([TCP_INDEX])
 
 _log = get_logger("supervisor")
 
@@ -84,6 +89,12 @@ class Supervisor(_Admin):
             return s
 
         self.frontend = router("frontend", cfg.max_message_bytes, 10_000)
+        self._frontends = [self.frontend]
+        if cfg.listen:
+            from supervisor.curve import load_or_create_server_keys
+
+            self.tcp = TcpFrontend(z, cfg, load_or_create_server_keys(cfg.state_dir or cfg.path("state")), 10_000)
+            self._frontends.append(self.tcp.socket)
         self.backend = router("backend", cfg.max_message_bytes, 10_000)
         self.control = router("control", 1 << 20, 10_000)
         pub = z.socket(zmq.PUB)
@@ -103,6 +114,8 @@ class Supervisor(_Admin):
         os.set_blocking(self._wake_r, False)
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
+        if self.tcp is not None:
+            self.poller.register(self.tcp.socket, zmq.POLLIN)
         self.poller.register(self.backend, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
@@ -170,6 +183,7 @@ class Supervisor(_Admin):
     def _loop(self) -> None:
         poll = self.poller.poll
         frontend, backend, control, wake = self.frontend, self.backend, self.control, self._wake_r
+        tcp = self.tcp.socket if self.tcp is not None else None
         by_sentinel = self.by_sentinel
         next_tick = time.monotonic()
         while True:
@@ -182,7 +196,9 @@ class Supervisor(_Admin):
                     if sock is backend:
                         self._on_backend()
                     elif sock is frontend:
-                        self._on_frontend()
+                        self._on_frontend(frontend, _IPC_PREFIX)
+                    elif tcp is not None and sock is tcp:
+                        self._on_frontend(tcp, _TCP_PREFIX)
                     elif sock is control:
                         self._on_control()
                     elif sock == wake:
@@ -270,22 +286,24 @@ class Supervisor(_Admin):
         self.internal_errors += 1
         _log.error("supervisor.internal_error", exc_info=True, extra={"twt_fields": {"where": where}})
 
-    def _on_frontend(self) -> None:
+    def _on_frontend(self, sock: zmq.Socket[Any], prefix: bytes) -> None:
         # Drain what is queued, asking ZMQ_EVENTS between messages: a recv that
         # fails with EAGAIN costs ~5 us here (the exception), the query ~1.6 us.
-        sock = self.frontend
+        # At most FRONTEND_BATCH per wake-up and socket: ipc and tcp take turns.
         recv, events = sock.recv_multipart, sock.getsockopt
         for _ in range(FRONTEND_BATCH):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle_client(frames)
+            self._handle_client(frames, prefix)
             if not int(events(zmq.EVENTS)) & zmq.POLLIN:
                 return
 
-    def _handle_client(self, frames: list[zmq.Frame]) -> None:
-        client = frames[0].bytes
+    def _handle_client(self, frames: list[zmq.Frame], prefix: bytes = b"\0") -> None:
+        # the client key names the socket too (see _Core._frontends): a peer chooses its
+        # identity, never the prefix, so no client can receive another frontend's replies
+        client = prefix + frames[0].bytes
         if len(frames) not in (2, 3):
             rid = proto.peek_rid(frames[1].bytes) if len(frames) > 1 else None
             if rid is not None:
@@ -303,6 +321,8 @@ class Supervisor(_Admin):
         try:
             if op in proto.TENANT_OPS:
                 self._tenant_request(client, rid, op, cap_raw, args, body)
+            elif prefix == _TCP_PREFIX and not self.config.allow_remote_admin:
+                raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
             else:
                 self._admin_request(client, rid, op, cap_raw, args, body)
         except TensorWasmError as exc:
@@ -422,6 +442,8 @@ class Supervisor(_Admin):
         try:
             self.registry.close()
         finally:
+            if self.tcp is not None:
+                self.tcp.close()
             if self._zctx is not None:
                 self._zctx.destroy(linger=0)
             for fd in (getattr(self, "_wake_r", None), getattr(self, "_wake_w", None)):

@@ -27,6 +27,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--pool-size", type=int, help="idle warm workers kept ready (default 2)")
     p.add_argument("--metrics-addr", help="serve Prometheus /metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
+    p.add_argument("--listen", action="append", metavar="tcp://HOST:PORT",
+                   help="also serve clients over TCP with CURVE on this endpoint (repeatable; port 0: any free port)")
+    p.add_argument("--state-dir", help="durable state, e.g. the CURVE key pair (default <run-dir>/state)")
+    p.add_argument("--client-keys-dir", help="allow only the client public keys (*.key certificates) in this directory over TCP")
+    p.add_argument("--allow-remote-admin", action="store_true", default=None,
+                   help="accept admin ops over TCP (refused by default)")
     p.set_defaults(func=run)
 
 
@@ -41,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
             "log_level": args.log_level,
             "pool_size": args.pool_size,
             "metrics_addr": args.metrics_addr,
+            "listen": args.listen,
+            "state_dir": args.state_dir,
+            "client_keys_dir": args.client_keys_dir,
+            "allow_remote_admin": args.allow_remote_admin,
         },
     )
     configure_logging(config.log_format, config.log_level.upper())  # type: ignore[arg-type]
