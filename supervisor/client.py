@@ -98,6 +98,9 @@ class SupervisorClient:
         self._monitor: zmq.Socket[Any] | None = None
         self._link_up = False  # remote: a CURVE handshake succeeded and the link has not dropped since
         self._link_drops = 0  # remote: links lost so far (a request sent before a drop is lost)
+        self._down_since = time.monotonic()  # remote: when the link was last seen down
+        #: remote: the last call failed before any connection took its request (it reached no supervisor)
+        self.last_request_unsent = False
         if keys is not None and server_key is not None:
             self._sock.curve_serverkey = server_key
             self._sock.curve_publickey = keys.public
@@ -112,7 +115,6 @@ class SupervisorClient:
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(endpoint)
-        self._opened_at = time.monotonic()
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
         self._stash: dict[int, tuple[bool, Any, bytes | None]] = {}
@@ -213,6 +215,7 @@ class SupervisorClient:
             elif event == zmq.EVENT_DISCONNECTED:
                 if self._link_up:
                     self._link_drops += 1
+                    self._down_since = time.monotonic()
                 self._link_up = False
             elif event in _HANDSHAKE_FAILED:
                 raise HandshakeFailed(self.endpoint, _HANDSHAKE_FAILED[event])
@@ -220,20 +223,24 @@ class SupervisorClient:
     def _recv_remote(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
         """Remote wait: the reply, or a typed error as soon as the link says it cannot come."""
         drops = self._link_drops
-        connect_by = self._opened_at + self.connect_timeout_s
+        sent_on_link = self._link_up
+        self.last_request_unsent = False
         while True:
             self._watch_link()
             if self._link_drops != drops:
                 raise SupervisorUnavailable(self.endpoint, f"connection lost while waiting for the reply to {op!r}")
             now = time.monotonic()
-            if not self._link_up and self._link_drops == 0 and now >= connect_by:
+            connect_by = self._down_since + self.connect_timeout_s
+            if not self._link_up and now >= connect_by:
+                # the request is still queued in our socket: no supervisor took it
+                self.last_request_unsent = not sent_on_link
                 raise SupervisorUnavailable(
-                    self.endpoint, f"no connection within {self.connect_timeout_s:g} s (refused, unreachable or filtered)"
+                    self.endpoint, f"no connection for {self.connect_timeout_s:g} s (refused, unreachable or filtered)"
                 )
             remaining = deadline - now
             if remaining <= 0:
                 raise RequestTimeout(op, round(self.timeout_s, 3))
-            wait = remaining if self._link_up or self._link_drops else min(remaining, max(0.001, connect_by - now))
+            wait = remaining if self._link_up else min(remaining, max(0.001, connect_by - now))
             ready = dict(self._poller.poll(max(1, int(wait * 1000))))
             if self._sock in ready:
                 frames = self._sock.recv_multipart()
