@@ -23,6 +23,7 @@ BENCHES: dict[str, str] = {
     "route": "supervisor.bench.route",
     "scale": "supervisor.bench.scale",
     "wasm": "supervisor.bench.wasm",
+    "cluster": "supervisor.bench.cluster",
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"

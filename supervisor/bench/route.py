@@ -15,6 +15,9 @@ Measured (round-robin rounds so both see the same machine state):
 * crash detection: SIGKILL a worker -> its quota share reclaimed in shared
   memory (target: p50 <= 20 ms)
 * cold registration: a tenant with no warm pool, spawn to ready (p50/p99)
+* remote ping: the same ping over the CURVE TCP frontend on loopback, next
+  to the local ipc one (target: within 2x of ipc; CURVE's per-message crypto
+  and TCP are the difference)
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("route")
     ctx: zmq.Context[Any] = zmq.Context.instance()
     with tempfile.TemporaryDirectory(prefix="twt-bench-", dir="/tmp") as tmp, launch(
-        {"supervisor": {"pool_size": 0, "log_level": "warning"}, "tenant": []}, backend="stub"
+        {"supervisor": {"pool_size": 0, "log_level": "warning", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
+        backend="stub",
     ) as sup:
         # a tiny restart window keeps the backoff at 0: every kill is a "first" crash
         spec = TenantSpec("bench").with_restart("always", max_restarts=1000, restart_window_s=0.001)
@@ -150,21 +154,31 @@ def main(argv: list[str] | None = None) -> int:
         header = proto.encode_request(1, "ping", cap.to_bytes(), {})
         ours = ctx.socket(zmq.DEALER)
         ours.connect(f"ipc://{sup.run_dir}/frontend.ipc")
+        remote = ctx.socket(zmq.DEALER)
+        remote.curve_serverkey = sup.info["server_public_key"].encode()
+        remote.curve_publickey, remote.curve_secretkey = zmq.curve_keypair()
+        remote.connect(sup.info["listen"][0])
         relay = _RawRelay(tmp)
         raw = ctx.socket(zmq.DEALER)
         raw.connect(relay.frontend)
         try:
             _rtts(ours, header, 200)  # warm both paths up
             _rtts(raw, header, 200)
+            _rtts(remote, header, 200)
             r_ours: list[float] = []
             r_raw: list[float] = []
+            r_remote: list[float] = []
             ratios = []
+            remote_ratios = []
             for _ in range(args.rounds):
                 a = _rtts(raw, header, args.per_round)
                 b = _rtts(ours, header, args.per_round)
+                c = _rtts(remote, header, args.per_round)
                 r_raw += a
                 r_ours += b
+                r_remote += c
                 ratios.append(statistics.median(b) / statistics.median(a))
+                remote_ratios.append(statistics.median(c) / statistics.median(b))
             tp_raw, tp_ours = [], []
             for _ in range(3):
                 tp_raw.append(_pipelined(raw, header, 6000))
@@ -173,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             relay.close(raw)
             raw.close(0)
             ours.close(0)
+            remote.close(0)
 
         # crash detection: SIGKILL -> the instance's bytes are back in shared memory
         client = sup.client
@@ -205,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ["ping RTT raw relay (us)", _pct(r_raw, 0.5), _pct(r_raw, 0.99)],
         ["ping RTT supervisor (us)", _pct(r_ours, 0.5), _pct(r_ours, 0.99)],
+        ["ping RTT supervisor, remote: CURVE over TCP loopback (us)", _pct(r_remote, 0.5), _pct(r_remote, 0.99)],
     ]
     report.sections.append(("round trip, one at a time (p50, p99)", format_table(["path", "p50", "p99"], rows)))
     report.sections.append((
@@ -223,10 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         Target("ping p50 vs raw relay (median of per-round ratios)", p50_ratio, 1.3, higher_is_better=False),
         Target("pipelined throughput vs raw relay", tp_ratio, 0.75),
         Target("crash detection p50", statistics.median(detect_ms), 20.0, higher_is_better=False, unit=" ms"),
+        Target("remote ping p50 (CURVE, TCP loopback) vs local ipc", statistics.median(remote_ratios), 2.0,
+               higher_is_better=False),
     ]
     report.data.update(
         rtt_us={"raw": {"p50": _pct(r_raw, 0.5), "p99": _pct(r_raw, 0.99)},
-                "supervisor": {"p50": _pct(r_ours, 0.5), "p99": _pct(r_ours, 0.99)}},
+                "supervisor": {"p50": _pct(r_ours, 0.5), "p99": _pct(r_ours, 0.99)},
+                "remote": {"p50": _pct(r_remote, 0.5), "p99": _pct(r_remote, 0.99)}},
         throughput={"raw": statistics.median(tp_raw), "supervisor": statistics.median(tp_ours)},
         crash_detect_ms={"p50": statistics.median(detect_ms), "p99": _pct(detect_ms, 0.99)},
         cold_register_ms={"p50": statistics.median(cold_ms), "p99": _pct(cold_ms, 0.99)},

@@ -34,6 +34,8 @@ COMMANDS = {
     "chaos": "supervisor.cli.chaos",
     "bench": "supervisor.cli.bench",
     "mps": "supervisor.cli.mps",
+    "keys": "supervisor.cli.keys",
+    "cluster": "supervisor.cli.cluster",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_CHECK = 0, 1, 2, 3, 4

@@ -363,6 +363,7 @@ class Directory:
                     "supervisor_pid": n.info["pid"], "gpu_ids": n.info["gpu_ids"],
                     "cuda_visible_devices": n.info["cuda_visible_devices"], "backend": n.info["backend"],
                     "capacity_bytes": n.info["capacity_bytes"], "committed_bytes": committed,
+                    "run_dir": n.info.get("run_dir"),
                     "free_bytes": n.info["capacity_bytes"] - committed, "tenants": mine,
                 })
             tenants = []

@@ -21,6 +21,7 @@ cluster "the actor died" is the one signal that a node's supervisor is gone.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -36,12 +37,39 @@ from shared.capability import RegistryAdminCapability
 from shared.errors import SupervisorUnavailable
 from shared.spec import TenantSpec
 from supervisor.client import SupervisorClient
-from supervisor.rundir import read_admin_capability, read_ready
+from supervisor.rundir import LOCK_FILE, read_admin_capability, read_ready
 
 __all__ = ["NodeSupervisor"]
 
 READY_TIMEOUT_S = 60.0
+RUN_DIR_PREFIX = "twt-ray-"
+STALE_AFTER_S = 60.0
 STOP_TIMEOUT_S = 20.0
+
+
+def _remove_stale_run_dirs() -> None:
+    """Remove run dirs of node supervisors that died without cleaning up (killed with their node).
+
+    A run dir is stale when no process holds its ``supervisor.lock`` (an
+    ``flock`` ends with its process, even on SIGKILL) - the same test the
+    supervisor itself uses for a second start on one run dir.
+    """
+    for path in Path("/tmp").glob(RUN_DIR_PREFIX + "*"):
+        lock = path / LOCK_FILE
+        try:
+            st = path.stat()
+            if st.st_uid != os.getuid() or time.time() - st.st_mtime < STALE_AFTER_S:
+                continue  # not ours, or young: a supervisor may be starting there right now
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue  # no lock file: starting right now, or not ours
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: a live supervisor
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class NodeSupervisor:
@@ -55,7 +83,8 @@ class NodeSupervisor:
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self.cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         host = listen_host or ray.util.get_node_ip_address()
-        self.run_dir = tempfile.mkdtemp(prefix="twt-ray-", dir="/tmp")
+        _remove_stale_run_dirs()
+        self.run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir="/tmp")
         sup: dict[str, Any] = dict(config_doc.get("supervisor") or {})
         doc = {"supervisor": sup, "tenant": list(config_doc.get("tenant") or [])}
         for key in ("run_dir", "state_dir", "listen"):
@@ -63,7 +92,7 @@ class NodeSupervisor:
         # the devices Ray gave this actor are 0..n-1 under its CUDA_VISIBLE_DEVICES
         sup.setdefault("devices", list(range(max(1, len(self.gpu_ids)))))
         config_path = os.path.join(self.run_dir, "cluster-node.json")
-        with open(config_path, "w", encoding="utf-8") as f:
+        with open(os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
             json.dump(doc, f)
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
@@ -107,6 +136,7 @@ class NodeSupervisor:
             "cuda_visible_devices": self.cuda_visible_devices,
             "capacity_bytes": self.capacity_bytes,
             "backend": self.info.get("backend"),
+            "run_dir": self.run_dir,
         }
 
     def ping(self) -> int:
