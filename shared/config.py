@@ -80,6 +80,8 @@ class SupervisorConfig:
     listen: tuple[str, ...] = ()
     #: where durable state lives (the CURVE key pair); default <run_dir>/state
     state_dir: str | None = None
+    #: the CURVE key pair as a certificate file (e.g. a mounted Secret); None: made and kept in state_dir
+    server_key_file: str | None = None
     #: allow-list of client public keys (*.key certificates) for the TCP frontend; None: any key
     client_keys_dir: str | None = None
     #: admin ops over TCP; refused (TenantIsolationViolation) unless true
@@ -125,6 +127,8 @@ class SupervisorConfig:
             _host_port(self.metrics_addr)
         s(self, "listen", _listen(self.listen))
         s(self, "state_dir", os.path.abspath(os.path.expanduser(str(self.state_dir or os.path.join(self.run_dir, "state")))))
+        if self.server_key_file is not None:
+            s(self, "server_key_file", os.path.abspath(os.path.expanduser(str(self.server_key_file))))
         if self.client_keys_dir is not None:
             s(self, "client_keys_dir", os.path.abspath(os.path.expanduser(str(self.client_keys_dir))))
         s(self, "allow_remote_admin", _bool(self.allow_remote_admin, "allow_remote_admin"))
@@ -251,6 +255,7 @@ _ENV_FIELDS = (
     "register_timeout_s",
     "listen",
     "state_dir",
+    "server_key_file",
     "client_keys_dir",
     "allow_remote_admin",
 )

@@ -37,6 +37,7 @@ __all__ = [
     "check_client_keys_dir",
     "load_client_keys",
     "load_or_create_server_keys",
+    "load_server_key_file",
     "parse_public_key",
     "write_key_pair",
 ]
@@ -138,6 +139,22 @@ def load_or_create_server_keys(state_dir: str) -> CurveKeyPair:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise PermissionError(f"{path} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
     return _load_pair(path, "server key file")
+
+
+def load_server_key_file(path: str) -> CurveKeyPair:
+    """The key pair from an operator's certificate file (``server_key_file``: e.g. a Kubernetes Secret).
+
+    Never created: a missing file is an error, as is one others can read.
+    """
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except OSError as exc:
+        raise ValueError(f"server_key_file {path}: {exc.strerror}; make one with `twt keys --new-client NAME` "
+                         "and use NAME.key_secret") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise PermissionError(f"{path} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
+    return _load_pair(p, "server key file")
 
 
 def load_client_keys(spec: str | os.PathLike[str] | CurveKeyPair | tuple[bytes | str, bytes | str] | None) -> CurveKeyPair:

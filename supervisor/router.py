@@ -91,9 +91,11 @@ class Supervisor(_Admin):
         self.frontend = router("frontend", cfg.max_message_bytes, 10_000)
         self._frontends = [self.frontend]
         if cfg.listen:
-            from supervisor.curve import load_or_create_server_keys
+            from supervisor.curve import load_or_create_server_keys, load_server_key_file
 
-            self.tcp = TcpFrontend(z, cfg, load_or_create_server_keys(cfg.state_dir or cfg.path("state")), 10_000)
+            keys = (load_server_key_file(cfg.server_key_file) if cfg.server_key_file
+                    else load_or_create_server_keys(cfg.state_dir or cfg.path("state")))
+            self.tcp = TcpFrontend(z, cfg, keys, 10_000)
             self._frontends.append(self.tcp.socket)
         self.backend = router("backend", cfg.max_message_bytes, 10_000)
         self.control = router("control", 1 << 20, 10_000)

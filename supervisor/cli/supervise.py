@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--listen", action="append", metavar="tcp://HOST:PORT",
                    help="also serve clients over TCP with CURVE on this endpoint (repeatable; port 0: any free port)")
     p.add_argument("--state-dir", help="durable state, e.g. the CURVE key pair (default <run-dir>/state)")
+    p.add_argument("--server-key-file", help="the CURVE key pair as a certificate file (default: made in the state dir)")
     p.add_argument("--client-keys-dir", help="allow only the client public keys (*.key certificates) in this directory over TCP")
     p.add_argument("--allow-remote-admin", action="store_true", default=None,
                    help="accept admin ops over TCP (refused by default)")
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
             "metrics_addr": args.metrics_addr,
             "listen": args.listen,
             "state_dir": args.state_dir,
+            "server_key_file": args.server_key_file,
             "client_keys_dir": args.client_keys_dir,
             "allow_remote_admin": args.allow_remote_admin,
         },

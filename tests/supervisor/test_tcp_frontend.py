@@ -197,3 +197,16 @@ def test_bad_listen_and_bad_key_file_stop_the_start_with_one_clear_error(tmp_pat
     err = _start_fails(tmp_path, "--listen", LOOPBACK, "--state-dir", str(state))
     assert "malformed" in err and str(bad) in err
     assert bad.read_text().startswith("curve")  # left as it was, never replaced behind the operator's back
+
+
+def test_server_key_file_from_the_operator(tmp_path: Path) -> None:
+    pair = CurveKeyPair.generate()
+    path = tmp_path / "server.key_secret"
+    write_key_pair(path, pair)
+    with supervisor(listen=[LOOPBACK], server_key_file=str(path)) as sup:
+        assert sup.info["server_public_key"] == pair.public_text
+        cap = sup.client.register(None, TenantSpec("acme"))
+        with SupervisorClient.remote(sup.info["listen"][0], pair.public, timeout_s=10) as rc:
+            assert rc.ping(cap)["tenant"] == "acme"
+    path.chmod(0o644)
+    assert "readable by others" in _start_fails(tmp_path, "--listen", LOOPBACK, "--server-key-file", str(path))
