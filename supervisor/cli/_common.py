@@ -10,10 +10,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shared.config import ENV_PREFIX, default_run_dir
+from supervisor.client import SupervisorClient
 
 __all__ = [
     "add_run_dir",
     "at_least_one",
+    "client_of",
     "comma_list",
     "non_negative_int",
     "positive_seconds",
@@ -73,11 +75,34 @@ def positive_seconds(value: str) -> float:
 
 
 def add_run_dir(parser: argparse.ArgumentParser) -> None:
+    """``--run-dir`` for a local supervisor, and ``--connect`` & co. for a remote one (CurveZMQ TCP)."""
     parser.add_argument(
         "--run-dir",
         default=None,
         help=f"the supervisor's run directory (default: ${ENV_PREFIX}RUN_DIR or {default_run_dir()})",
     )
+    remote = parser.add_argument_group("remote supervisor (its CURVE TCP frontend; docs/CLUSTER.md)")
+    remote.add_argument("--connect", metavar="tcp://HOST:PORT", help="call the supervisor listening there")
+    remote.add_argument("--server-key", metavar="KEY", help="its public key (Z85, from `twt keys` on its host)")
+    remote.add_argument("--client-key", metavar="FILE", help="our key pair (NAME.key_secret), when it has an allow-list")
+    remote.add_argument("--admin-cap", metavar="FILE",
+                        help="the admin capability file (admin ops; the supervisor needs allow_remote_admin)")
+
+
+def client_of(args: argparse.Namespace, timeout_s: float) -> SupervisorClient:
+    """A client of the local supervisor at ``--run-dir``, or of the remote one at ``--connect``."""
+    connect = getattr(args, "connect", None)
+    if connect is None:
+        if getattr(args, "server_key", None) or getattr(args, "admin_cap", None):
+            raise ValueError("--server-key and --admin-cap go with --connect tcp://HOST:PORT")
+        return SupervisorClient(run_dir_of(args), timeout_s=timeout_s)
+    if not args.server_key:
+        raise ValueError("--connect needs --server-key KEY (twt keys prints it on the supervisor's host)")
+    admin = None
+    if args.admin_cap:
+        with open(args.admin_cap, "rb") as f:
+            admin = f.read()
+    return SupervisorClient.remote(connect, args.server_key, args.client_key, timeout_s, admin=admin)
 
 
 def run_dir_of(args: argparse.Namespace) -> str:

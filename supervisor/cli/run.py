@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.capability import TenantCapability
-from supervisor.cli._common import add_run_dir, print_json, run_dir_of
-from supervisor.client import SupervisorClient
+from supervisor.cli._common import add_run_dir, client_of, print_json
 
 __all__ = ["add_parser", "parse_wasm_arg", "run"]
 
@@ -66,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     module = args.module.read_bytes()
-    with SupervisorClient(run_dir_of(args)) as client:
+    with client_of(args, 30.0) as client:
         if args.capability is not None:
             cap = TenantCapability.from_bytes(args.capability.read_bytes())
         else:

@@ -17,7 +17,7 @@ from typing import Any
 
 from shared.errors import RequestTimeout, SupervisorUnavailable, UnknownTenant
 from shared.sizes import format_size
-from supervisor.cli._common import add_run_dir, print_json, print_table, run_dir_of
+from supervisor.cli._common import add_run_dir, client_of, print_json, print_table
 from supervisor.client import SupervisorClient
 
 __all__ = ["add_parser", "connect", "fetch_status", "format_duration", "render", "run"]
@@ -44,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> SupervisorClient:
-    """A client for ``--run-dir`` (SupervisorUnavailable when nothing runs there)."""
-    return SupervisorClient(run_dir_of(args), timeout_s=timeout_s)
+    """A client for ``--run-dir`` or ``--connect`` (SupervisorUnavailable when nothing runs there)."""
+    return client_of(args, timeout_s)
 
 
 def fetch_status(client: SupervisorClient, tenant: str | None = None) -> dict[str, Any]:

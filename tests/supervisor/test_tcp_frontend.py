@@ -210,3 +210,24 @@ def test_server_key_file_from_the_operator(tmp_path: Path) -> None:
             assert rc.ping(cap)["tenant"] == "acme"
     path.chmod(0o644)
     assert "readable by others" in _start_fails(tmp_path, "--listen", LOOPBACK, "--server-key-file", str(path))
+
+
+def _twt(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_cli_connects_to_a_remote_supervisor() -> None:
+    with supervisor([{"name": "acme"}], listen=[LOOPBACK], allow_remote_admin=True) as sup:
+        remote = ["--connect", sup.info["listen"][0], "--server-key", sup.info["server_public_key"]]
+        admin = ["--admin-cap", os.path.join(sup.run_dir, "admin.cap")]
+        out = _twt("status", "--json", *remote, *admin)
+        assert out.returncode == 0, out.stderr
+        assert "acme" in out.stdout
+        no_admin = _twt("status", *remote)
+        assert no_admin.returncode == 1 and "admin" in no_admin.stderr
+        assert _twt("status", "--connect", sup.info["listen"][0]).returncode == 2
+    with supervisor([{"name": "acme"}], listen=[LOOPBACK]) as sup:
+        remote = ["--connect", sup.info["listen"][0], "--server-key", sup.info["server_public_key"]]
+        refused = _twt("status", *remote, "--admin-cap", os.path.join(sup.run_dir, "admin.cap"))
+        assert refused.returncode == 1 and "allow_remote_admin" in refused.stderr
