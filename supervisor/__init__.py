@@ -6,6 +6,10 @@ Public face:
 - :class:`SupervisorClient` - typed calls to a running supervisor (``twt supervise``);
 - :func:`launch` - start a supervisor as a child process and get a connected client;
 - :class:`Supervisor` - the supervisor loop itself (what ``twt supervise`` runs).
+
+Remote supervisors: ``SupervisorClient.remote(endpoint, server_public_key=...)``
+over the CurveZMQ TCP frontend. A supervisor per GPU node of a Ray cluster:
+:mod:`supervisor.cluster` (the optional ``[ray]`` extra; docs/CLUSTER.md).
 """
 
 from __future__ import annotations

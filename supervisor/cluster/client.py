@@ -1,7 +1,7 @@
 """ClusterClient: SupervisorClient's tenant methods for tenants of a cluster, called on their node directly.
 
     client.ping(cc) ──CURVE TCP──► the node supervisor at cc.endpoint      (no Ray on this path)
-        link lost / no connection ──► directory.suspect(node)  (Ray: check that node now)
+        link lost / no connection / handshake refused ──► directory.suspect(node)  (Ray: check that node now)
                                   └─► directory.lookup(tenant, ticket) ──► the current placement
             the request never left us ──► sent again at the new place, once
             it may have been served   ──► NodeLost (retryable); the next call goes to the new place
@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from shared.capability import TenantCapability
 from shared.errors import (
+    HandshakeFailed,
     NodeLost,
     SupervisorUnavailable,
     TenantIsolationViolation,
@@ -105,8 +106,11 @@ class ClusterClient:
             client = self._client(cc)
             try:
                 return fn(client, cc.tenant_capability())
-            except SupervisorUnavailable as exc:
-                unsent = client.last_request_unsent
+            except (SupervisorUnavailable, HandshakeFailed) as exc:
+                # HandshakeFailed too: another supervisor may hold a lost node's port by now
+                if self._directory is None:
+                    raise  # no directory to ask where the tenant went
+                unsent = isinstance(exc, HandshakeFailed) or client.last_request_unsent
                 self._ray_get(self._directory.suspect.remote(cc.node_id))
                 new = self._lookup(cc, settle=True)
                 if new.epoch == cc.epoch:
@@ -118,6 +122,8 @@ class ClusterClient:
                     continue  # no supervisor took the request: send it where the tenant is now
                 raise NodeLost(cc.tenant_id, node_id=cc.node_id, reason=exc.reason) from exc
             except (TenantIsolationViolation, UnknownTenant):
+                if self._directory is None:
+                    raise
                 new = self._lookup(cc, settle=True)
                 if new.epoch == cc.epoch or attempt:
                     raise

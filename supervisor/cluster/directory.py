@@ -54,6 +54,7 @@ NAMESPACE = "twt"
 NODE_START_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 90.0
 NEW_NODE_SCAN_S = 5.0
+NODE_RETRY_S = 60.0
 
 
 def unwrap_ray_error(exc: BaseException) -> BaseException:
@@ -109,6 +110,8 @@ class Directory:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._last_scan = 0.0
+        #: node id -> when a supervisor last failed to start there (retried after NODE_RETRY_S)
+        self._failed: dict[str, float] = {}
 
     # ------------------------------------------------------------ nodes
 
@@ -149,6 +152,8 @@ class Directory:
                 errors.append(f"node {nid[:12]}: {err}")
                 log_event(_log, logging.ERROR, "cluster.node_start_failed", node=nid, error=str(err))
                 ray.kill(actor)
+                with self._lock:
+                    self._failed[nid] = time.monotonic()
                 continue
             with self._lock:
                 self.nodes[nid] = _Node(actor, info)
@@ -197,8 +202,9 @@ class Directory:
     def _scan_new_nodes(self) -> None:
         import ray
 
+        now = time.monotonic()
         with self._lock:
-            known = set(self.nodes)
+            known = set(self.nodes) | {nid for nid, at in self._failed.items() if now - at < NODE_RETRY_S}
         new = [n for n in gpu_nodes(ray.nodes()) if n.node_id not in known]
         if new:
             self._start_nodes([n.node_id for n in new], {n.node_id: n.gpus for n in new})
