@@ -169,7 +169,7 @@ class Directory:
                 with self._lock:
                     alive = {nid: n.actor for nid, n in self.nodes.items() if n.alive}
                 refs = {nid: actor.ping.remote() for nid, actor in alive.items()}
-                ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.ping_timeout_s)
+                ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.ping_timeout_s)[0] if refs else []
                 done = set(ready)
                 for nid, ref in refs.items():
                     if ref in done:
@@ -351,7 +351,7 @@ class Directory:
         if live:
             with self._lock:
                 refs = {nid: n.actor.status.remote() for nid, n in self.nodes.items() if n.alive}
-            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=10.0)
+            ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=10.0)[0] if refs else []
             for nid, ref in refs.items():
                 if ref in ready:
                     try:

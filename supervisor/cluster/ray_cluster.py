@@ -48,7 +48,8 @@ def _ray() -> Any:
 def _init(address: str | None) -> Any:
     ray = _ray()
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
+        # "auto": Ray's own discovery ($RAY_ADDRESS, then the local node's cluster)
+        ray.init(address=address or "auto", namespace=NAMESPACE,
                  logging_level=logging.WARNING, log_to_driver=False)
     return ray
 
