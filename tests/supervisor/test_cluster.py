@@ -9,9 +9,13 @@ address is loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray use
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -167,6 +171,16 @@ def test_node_loss_replaces_tenants_and_old_capabilities_follow(
                 pass
         # a killed node's supervisor cannot clean its run dir (a later deploy removes stale ones)
         shutil.rmtree(before[victim]["run_dir"], ignore_errors=True)
+
+
+def test_cli_cluster_status(deployed: RayCluster, ray_nodes: tuple[Any, dict[str, Any]]) -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-m", "supervisor", "cluster", "status", "--address", ray_nodes[0].address,
+                          "--json"], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    status = json.loads(out.stdout)
+    assert {n["node_id"] for n in status["nodes"]} == {n["node_id"] for n in deployed.status()["nodes"]}
 
 
 def test_shutdown_leaves_no_process_and_no_segment(deployed: RayCluster) -> None:
