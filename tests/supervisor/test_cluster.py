@@ -21,9 +21,10 @@ from typing import Any
 import psutil
 import pytest
 
-from shared.errors import InvalidArgument, NodeLost, WorkerLost
+from shared.errors import BackendUnavailable, InvalidArgument, NodeLost, WorkerLost
 from shared.spec import TenantSpec
 from supervisor.cluster import ClusterCapability, ClusterClient, RayCluster
+from supervisor.cluster.ray_cluster import DEFAULT_NAME
 from tests.helpers import hygiene
 from tests.helpers.cluster import wait_for
 
@@ -37,7 +38,8 @@ FAST = {"backend": "stub", "pool_size": 0, "heartbeat_interval_s": 0.2, "stop_ti
 
 
 @pytest.fixture(scope="module")
-def ray_nodes() -> Iterator[tuple[Any, dict[str, Any]]]:
+def ray_head() -> Iterator[Any]:
+    """A Ray cluster of one head node without GPUs (nodes with GPUs join in ``ray_nodes``)."""
     saved = {k: os.environ.get(k) for k in _RAY_ENV}
     os.environ.update(_RAY_ENV)  # before Ray is imported: its constants are read at import
     import ray
@@ -45,13 +47,9 @@ def ray_nodes() -> Iterator[tuple[Any, dict[str, Any]]]:
 
     cluster = Cluster(initialize_head=True,
                       head_node_args={**_NODE, "num_gpus": 0, "include_dashboard": False})
-    gpu_nodes = {}
     try:
-        for _ in range(3):
-            node = cluster.add_node(num_gpus=1, **_NODE)
-            gpu_nodes[node.node_id] = node
         ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
-        yield cluster, gpu_nodes
+        yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -60,6 +58,16 @@ def ray_nodes() -> Iterator[tuple[Any, dict[str, Any]]]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray_nodes(ray_head: Any) -> tuple[Any, dict[str, Any]]:
+    gpu_nodes = {}
+    for _ in range(3):
+        node = ray_head.add_node(num_gpus=1, **_NODE)
+        gpu_nodes[node.node_id] = node
+    ray_head.wait_for_nodes()
+    return ray_head, gpu_nodes
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +83,29 @@ def deployed(ray_nodes: tuple[Any, dict[str, Any]]) -> Iterator[RayCluster]:
             pass
 
 
+def _no_cluster(name: str) -> bool:
+    try:
+        RayCluster.connect(name=name)
+    except InvalidArgument as exc:
+        return "no cluster named" in str(exc)
+    return False
+
+
 def _spec(name: str, **kw: Any) -> TenantSpec:
     return TenantSpec.from_dict({"tenant_id": name, "gpu_memory_bytes_cap": 256 * MiB, **kw})
 
 
 def _tenant(status: dict[str, Any], tid: str) -> dict[str, Any]:
     return next(t for t in status["tenants"] if t["tenant_id"] == tid)
+
+
+def test_a_cluster_without_gpu_nodes_is_one_clear_error(ray_head: Any) -> None:
+    with pytest.raises(BackendUnavailable, match="has no node with GPUs") as exc:
+        RayCluster.deploy({"supervisor": FAST}, name="twt-no-gpu")
+    assert "ray start --num-gpus" in str(exc.value)
+
+    # the failed deployment's directory actor is killed (asynchronously)
+    wait_for(lambda: _no_cluster("twt-no-gpu"), 20, what="the failed deployment's directory to be gone")
 
 
 def test_deploy_starts_one_supervisor_per_gpu_node(deployed: RayCluster, ray_nodes: tuple[Any, dict[str, Any]]) -> None:
@@ -191,5 +216,4 @@ def test_shutdown_leaves_no_process_and_no_segment(deployed: RayCluster) -> None
     mine = {pid for pid, _ in hygiene.twt_processes() if hygiene._process_is_ours(pid)}
     assert not mine
     assert not {s for s in hygiene.twt_segments() if hygiene._segment_is_ours(s)}
-    with pytest.raises(InvalidArgument, match="no cluster named"):
-        RayCluster.connect()
+    wait_for(lambda: _no_cluster(DEFAULT_NAME), 20, what="the directory actor to be gone")
