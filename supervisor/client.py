@@ -242,13 +242,17 @@ class SupervisorClient:
                 raise RequestTimeout(op, round(self.timeout_s, 3))
             wait = remaining if self._link_up else min(remaining, max(0.001, connect_by - now))
             ready = dict(self._poller.poll(max(1, int(wait * 1000))))
-            if self._sock in ready:
-                frames = self._sock.recv_multipart()
-                try:
-                    rid, ok, payload = proto.decode_reply(frames[0])
-                except ProtocolError:
-                    continue
-                return rid, ok, payload, frames[1] if len(frames) > 1 else None
+            if self._sock in ready and (reply := self._read_reply()) is not None:
+                return reply
+
+    def _read_reply(self) -> tuple[int, bool, Any, bytes | None] | None:
+        """The reply waiting on the socket, or None for a frame that does not decode (dropped)."""
+        frames = self._sock.recv_multipart()
+        try:
+            rid, ok, payload = proto.decode_reply(frames[0])
+        except ProtocolError:
+            return None
+        return rid, ok, payload, frames[1] if len(frames) > 1 else None
 
     def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
         if self._monitor is not None:
@@ -257,12 +261,8 @@ class SupervisorClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
                 raise RequestTimeout(op, round(self.timeout_s, 3))
-            frames = self._sock.recv_multipart()
-            try:
-                rid, ok, payload = proto.decode_reply(frames[0])
-            except ProtocolError:
-                continue
-            return rid, ok, payload, frames[1] if len(frames) > 1 else None
+            if (reply := self._read_reply()) is not None:
+                return reply
 
     def request(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
                 body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[Any, bytes | None]:
