@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                     name="twt-bench", listen_host="127.0.0.1" if local else None)
         try:
             cc = cluster.register(TenantSpec("bench"))
-            echo = ray.remote(_Echo).options(num_cpus=0).remote()  # type: ignore[attr-defined]
+            echo = ray.remote(_Echo).options(num_cpus=0).remote()
             with cluster.client() as client:
                 ping_actor = lambda: ray.get(echo.ping.remote())  # noqa: E731
                 ping_cluster = lambda: client.ping(cc)  # noqa: E731

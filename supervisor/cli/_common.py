@@ -83,7 +83,9 @@ def add_run_dir(parser: argparse.ArgumentParser) -> None:
     )
     remote = parser.add_argument_group("remote supervisor (its CURVE TCP frontend; docs/CLUSTER.md)")
     remote.add_argument("--connect", metavar="tcp://HOST:PORT", help="call the supervisor listening there")
-    remote.add_argument("--server-key", metavar="KEY", help="its public key (Z85, from `twt keys` on its host)")
+    remote.add_argument("--server-key", metavar="KEY",
+                        help="its public key (Z85, from `twt keys` on its host); write --server-key=KEY, as a key "
+                        "may start with '-'")
     remote.add_argument("--client-key", metavar="FILE", help="our key pair (NAME.key_secret), when it has an allow-list")
     remote.add_argument("--admin-cap", metavar="FILE",
                         help="the admin capability file (admin ops; the supervisor needs allow_remote_admin)")

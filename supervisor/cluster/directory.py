@@ -137,7 +137,7 @@ class Directory:
         actor_cls = ray.remote(NodeSupervisor)
         started = {}
         for nid in node_ids:
-            started[nid] = actor_cls.options(  # type: ignore[attr-defined]
+            started[nid] = actor_cls.options(
                 num_gpus=gpus[nid],
                 num_cpus=0,
                 max_restarts=0,

@@ -108,7 +108,7 @@ class RayCluster:
         actor_cls = ray.remote(Directory)
         head = {"node:__internal_head__": 0.001} if any(
             "node:__internal_head__" in (n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")) else {}
-        directory = actor_cls.options(  # type: ignore[attr-defined]
+        directory = actor_cls.options(
             name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
             max_restarts=0, resources=head,
         ).remote(name, doc, address or "auto", listen_host, ping_interval_s, ping_timeout_s)
