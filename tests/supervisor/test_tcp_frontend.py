@@ -25,7 +25,7 @@ from shared.errors import (
 from shared.spec import TenantSpec
 from supervisor.client import SupervisorClient
 from supervisor.curve import SERVER_KEY_FILE, CurveKeyPair, load_or_create_server_keys, write_key_pair
-from tests.helpers.cluster import supervisor
+from tests.helpers.cluster import supervisor, wait_for
 
 LOOPBACK = "tcp://127.0.0.1:0"
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -231,3 +231,64 @@ def test_cli_connects_to_a_remote_supervisor() -> None:
         remote = ["--connect", sup.info["listen"][0], f"--server-key={sup.info['server_public_key']}"]  # Z85 may start with "-"
         refused = _twt("status", *remote, "--admin-cap", os.path.join(sup.run_dir, "admin.cap"))
         assert refused.returncode == 1 and "allow_remote_admin" in refused.stderr
+
+
+def test_remote_client_reconnects_to_a_restarted_supervisor(tmp_path: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    state = str(tmp_path / "state")
+    with supervisor([{"name": "acme"}], listen=[endpoint], state_dir=state) as sup:
+        cap = sup.client.tenant_capability(None, "acme")
+        rc = SupervisorClient.remote(endpoint, sup.info["server_public_key"], timeout_s=10, connect_timeout_s=1.0)
+        assert rc.ping(cap)["tenant"] == "acme"
+    try:
+        with pytest.raises(SupervisorUnavailable):  # down: a typed error after connect_timeout_s, never a hang
+            rc.ping(cap)
+        assert rc.last_request_unsent
+        # the same endpoint and key pair (kept in the state dir): the client's socket reconnects by itself
+        with supervisor([{"name": "acme"}], listen=[endpoint], state_dir=state) as sup:
+            cap = sup.client.tenant_capability(None, "acme")
+            assert wait_for(lambda: _ping_or_none(rc, cap), 10, what="the reconnected client")["tenant"] == "acme"
+    finally:
+        rc.close()
+
+
+def _ping_or_none(client: SupervisorClient, cap: object) -> dict[str, object] | None:
+    try:
+        return client.ping(cap)  # type: ignore[arg-type]
+    except SupervisorUnavailable:
+        return None
+
+
+def test_hostile_frames_over_tcp_get_typed_answers_or_are_dropped() -> None:
+    with supervisor([{"name": "acme"}], listen=[LOOPBACK], max_header_bytes="1KiB") as sup:
+        cap = sup.client.tenant_capability(None, "acme")
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey = sup.info["server_public_key"].encode()
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.connect(sup.info["listen"][0])
+        try:
+            good = proto.encode_request(7, "ping", cap.to_bytes(), {})
+            hostile = [
+                [b"\xc1garbage"],                                   # not msgpack
+                [proto.encode_request(8, "nope", cap.to_bytes(), {})],  # unknown op, rid readable
+                [good, b"body", b"extra"],                          # too many frames
+                [proto.encode_request(9, "ping", b"\x00" * 40, {})],    # forged capability
+                [proto.encode_request(10, "ping", cap.to_bytes(), {"x": "y" * 4000})],  # header over the cap
+            ]
+            for frames in hostile:
+                sock.send_multipart(frames)
+            answered = {}
+            while sock.poll(1000):
+                rid, ok, payload = proto.decode_reply(sock.recv_multipart()[0])
+                answered[rid] = payload["code"] if not ok else "ok"
+            assert answered.get(8) == "protocol_error" and answered.get(9) == "isolation_violation"
+            assert answered.get(7) in (None, "protocol_error")  # the 3-frame message: refused, not served
+            assert "ok" not in answered.values()
+            sock.send(good)
+            assert sock.poll(10_000)
+            rid, ok, _ = proto.decode_reply(sock.recv_multipart()[0])
+            assert (rid, ok) == (7, True)
+            assert sup.client.status()["supervisor"]["internal_errors"] == 0
+        finally:
+            sock.close(0)
