@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MiB = 1 << 20
 _RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-_NODE = {"num_cpus": 1, "object_store_memory": 80 * MiB, "node_ip_address": "127.0.0.1"}
+_NODE: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 * MiB, "node_ip_address": "127.0.0.1"}
 FAST = {"backend": "stub", "pool_size": 0, "heartbeat_interval_s": 0.2, "stop_timeout_s": 3.0,
         "kill_grace_s": 0.5, "stub_device_capacity_bytes": "1GiB", "device_reserve_bytes": 0}
 
@@ -45,6 +46,8 @@ def ray_head() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
+    temp_dir = tempfile.mkdtemp(prefix="twt-rt-", dir="/tmp")  # Ray's sessions and logs; short: socket paths
+    _NODE["temp_dir"] = temp_dir
     cluster = Cluster(initialize_head=True,
                       head_node_args={**_NODE, "num_gpus": 0, "include_dashboard": False})
     try:
@@ -53,6 +56,7 @@ def ray_head() -> Iterator[Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
