@@ -39,6 +39,7 @@ from typing import Any
 from shared.errors import (
     AlreadyRegistered,
     BackendUnavailable,
+    NodeLost,
     TenantIsolationViolation,
     UnknownTenant,
 )
@@ -294,6 +295,8 @@ class Directory:
             nid = choose_node(self._budgets(), node)
             try:
                 cap = ray.get(self.nodes[nid].actor.register.remote(spec), timeout=CALL_TIMEOUT_S)
+            except ray.exceptions.RayActorError as exc:  # the node died under us: retryable elsewhere
+                raise NodeLost(tid, node_id=nid, reason=f"lost while registering ({type(exc).__name__})") from None
             except Exception as exc:  # noqa: BLE001 - hand the typed error back to the caller
                 raise unwrap_ray_error(exc) from None
             ticket = os.urandom(16)
