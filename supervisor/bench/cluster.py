@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from shared.spec import TenantSpec
-from supervisor.bench._report import Report, Target, format_table
+from supervisor.bench._report import Report, Target, format_table, percentile
 
 __all__ = ["main"]
 
@@ -41,11 +41,6 @@ def _rtts(fn: Any, n: int) -> list[float]:
         fn()
         out.append((clock() - t0) / 1000)
     return out
-
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     report.sections.append((
         "round trip, one at a time (us)",
         format_table(["path", "p50", "p99"], [
-            ["trivial Ray actor call", _pct(r_actor, 0.5), _pct(r_actor, 0.99)],
-            ["cluster ping (CURVE TCP -> supervisor -> worker)", _pct(r_cluster, 0.5), _pct(r_cluster, 0.99)],
+            ["trivial Ray actor call", percentile(r_actor, 0.5), percentile(r_actor, 0.99)],
+            ["cluster ping (CURVE TCP -> supervisor -> worker)", percentile(r_cluster, 0.5), percentile(r_cluster, 0.99)],
         ]),
     ))
     report.targets.append(Target("cluster ping faster than a Ray actor call (median of per-round ratios)", ratio, 2.0))
-    report.data.update(rtt_us={"ray_actor": {"p50": _pct(r_actor, 0.5), "p99": _pct(r_actor, 0.99)},
-                               "cluster_ping": {"p50": _pct(r_cluster, 0.5), "p99": _pct(r_cluster, 0.99)}})
+    report.data.update(rtt_us={"ray_actor": {"p50": percentile(r_actor, 0.5), "p99": percentile(r_actor, 0.99)},
+                               "cluster_ping": {"p50": percentile(r_cluster, 0.5), "p99": percentile(r_cluster, 0.99)}})
     return report.emit(as_json=args.json)

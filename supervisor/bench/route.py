@@ -36,7 +36,7 @@ import zmq
 from shared import protocol as proto
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.bench._report import Report, Target, format_table
+from supervisor.bench._report import Report, Target, format_table, percentile
 from supervisor.launch import launch
 
 __all__ = ["main"]
@@ -129,11 +129,6 @@ def _pipelined(sock: zmq.Socket[Any], header: bytes, total: int, depth: int = 64
     return total / (time.perf_counter() - t0)
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench route", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
@@ -218,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p50_ratio = statistics.median(ratios)
     rows = [
-        ["ping RTT raw relay (us)", _pct(r_raw, 0.5), _pct(r_raw, 0.99)],
-        ["ping RTT supervisor (us)", _pct(r_ours, 0.5), _pct(r_ours, 0.99)],
-        ["ping RTT supervisor, remote: CURVE over TCP loopback (us)", _pct(r_remote, 0.5), _pct(r_remote, 0.99)],
+        ["ping RTT raw relay (us)", percentile(r_raw, 0.5), percentile(r_raw, 0.99)],
+        ["ping RTT supervisor (us)", percentile(r_ours, 0.5), percentile(r_ours, 0.99)],
+        ["ping RTT supervisor, remote: CURVE over TCP loopback (us)", percentile(r_remote, 0.5), percentile(r_remote, 0.99)],
     ]
     report.sections.append(("round trip, one at a time (p50, p99)", format_table(["path", "p50", "p99"], rows)))
     report.sections.append((
@@ -230,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     report.sections.append((
         "failure handling (ms)",
         format_table(["what", "p50", "p99", "n"], [
-            ["SIGKILL -> quota reclaimed", statistics.median(detect_ms), _pct(detect_ms, 0.99), len(detect_ms)],
-            ["cold registration (spawn to ready)", statistics.median(cold_ms), _pct(cold_ms, 0.99), len(cold_ms)],
+            ["SIGKILL -> quota reclaimed", statistics.median(detect_ms), percentile(detect_ms, 0.99), len(detect_ms)],
+            ["cold registration (spawn to ready)", statistics.median(cold_ms), percentile(cold_ms, 0.99), len(cold_ms)],
         ]),
     ))
     tp_ratio = statistics.median(tp_ours) / statistics.median(tp_raw)
@@ -243,11 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                higher_is_better=False),
     ]
     report.data.update(
-        rtt_us={"raw": {"p50": _pct(r_raw, 0.5), "p99": _pct(r_raw, 0.99)},
-                "supervisor": {"p50": _pct(r_ours, 0.5), "p99": _pct(r_ours, 0.99)},
-                "remote": {"p50": _pct(r_remote, 0.5), "p99": _pct(r_remote, 0.99)}},
+        rtt_us={"raw": {"p50": percentile(r_raw, 0.5), "p99": percentile(r_raw, 0.99)},
+                "supervisor": {"p50": percentile(r_ours, 0.5), "p99": percentile(r_ours, 0.99)},
+                "remote": {"p50": percentile(r_remote, 0.5), "p99": percentile(r_remote, 0.99)}},
         throughput={"raw": statistics.median(tp_raw), "supervisor": statistics.median(tp_ours)},
-        crash_detect_ms={"p50": statistics.median(detect_ms), "p99": _pct(detect_ms, 0.99)},
-        cold_register_ms={"p50": statistics.median(cold_ms), "p99": _pct(cold_ms, 0.99)},
+        crash_detect_ms={"p50": statistics.median(detect_ms), "p99": percentile(detect_ms, 0.99)},
+        cold_register_ms={"p50": statistics.median(cold_ms), "p99": percentile(cold_ms, 0.99)},
     )
     return report.emit(as_json=args.json)
