@@ -95,6 +95,8 @@ class SupervisorConfig:
     client_keys_dir: str | None = None
     #: admin ops over TCP; refused (TenantIsolationViolation) unless true
     allow_remote_admin: bool = False
+    #: authenticated TCP peers at once; past it new handshakes are refused (ZAP), so fds stay bounded
+    max_tcp_peers: int = 1024
     tenants: tuple[TenantSpec, ...] = ()
 
     def __post_init__(self) -> None:
@@ -134,6 +136,7 @@ class SupervisorConfig:
         if self.client_keys_dir is not None:
             s(self, "client_keys_dir", os.path.abspath(os.path.expanduser(str(self.client_keys_dir))))
         s(self, "allow_remote_admin", _bool(self.allow_remote_admin, "allow_remote_admin"))
+        _int(self.max_tcp_peers, "max_tcp_peers", 1, 1_000_000)
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -256,8 +259,9 @@ _ENV_FIELDS = (
     "server_key_file",
     "client_keys_dir",
     "allow_remote_admin",
+    "max_tcp_peers",
 )
-_INT_FIELDS = {"pool_size", "heartbeat_liveness"}
+_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s"}
 
 

@@ -61,7 +61,8 @@ _HEARTBEAT_TIMEOUT_MS = 6_000
 _HANDSHAKE_FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the server could not decrypt our hello (wrong server public key?)",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol mismatch (the peer does not speak CURVE: a plaintext endpoint?)",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused our client key (not in its client_keys_dir allow-list)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused the handshake (our client key is not in its client_keys_dir "
+    "allow-list, or it serves max_tcp_peers peers already)",
 }
 
 
@@ -203,17 +204,21 @@ class SupervisorClient:
         assert self._monitor is not None
         from zmq.utils.monitor import recv_monitor_message
 
+        failed: int | None = None  # the last handshake failure not followed by a success
         while self._monitor.poll(0):
             event = int(recv_monitor_message(self._monitor)["event"])
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._link_up = True
+                failed = None
             elif event == zmq.EVENT_DISCONNECTED:
                 if self._link_up:
                     self._link_drops += 1
                     self._down_since = time.monotonic()
                 self._link_up = False
             elif event in _HANDSHAKE_FAILED:
-                raise HandshakeFailed(self.endpoint, _HANDSHAKE_FAILED[event])
+                failed = event
+        if failed is not None and not self._link_up:
+            raise HandshakeFailed(self.endpoint, _HANDSHAKE_FAILED[failed])
 
     def _recv_remote(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
         """Remote wait: the reply, or a typed error as soon as the link says it cannot come."""

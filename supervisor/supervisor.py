@@ -184,6 +184,8 @@ class Supervisor:
             control=control_sock, placement=placement, backend_name=choice.name,
             backend_options=choice.options, events=self.events, metrics=self.metrics, hooks=_Hooks(self, admin),
         )
+        if tcp is not None and tcp.monitor is not None:
+            self.loop.register(tcp.monitor, tcp.on_monitor)  # counts authenticated TCP peers
         frontend = Frontend(
             cfg, loop=self.loop, sock=frontend_sock, tcp_sock=tcp.socket if tcp is not None else None,
             replies=replies, pending=pending, workers=workers,

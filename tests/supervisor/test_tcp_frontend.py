@@ -292,3 +292,28 @@ def test_hostile_frames_over_tcp_get_typed_answers_or_are_dropped() -> None:
             assert sup.client.status()["supervisor"]["internal_errors"] == 0
         finally:
             sock.close(0)
+
+
+def test_tcp_peers_are_bounded_by_max_tcp_peers() -> None:
+    with supervisor([{"name": "acme"}], listen=[LOOPBACK], max_tcp_peers=2) as sup:
+        cap = sup.client.tenant_capability(None, "acme")
+        first, second = _remote(sup.info, timeout_s=10), _remote(sup.info, timeout_s=10)
+        try:
+            assert first.ping(cap)["tenant"] == second.ping(cap)["tenant"] == "acme"
+            with _remote(sup.info, timeout_s=10) as third:  # refused by ZAP, not queued or served
+                with pytest.raises(HandshakeFailed, match="max_tcp_peers"):
+                    third.ping(cap)
+            first.close()  # a slot frees once the supervisor sees the disconnect
+
+            def fourth_served() -> bool:
+                with _remote(sup.info, timeout_s=5) as fourth:
+                    try:
+                        return fourth.ping(cap)["tenant"] == "acme"
+                    except HandshakeFailed:
+                        return False
+
+            wait_for(fourth_served, 20, what="a freed TCP peer slot")
+            assert second.ping(cap)["tenant"] == "acme"  # the peers inside the bound never noticed
+        finally:
+            first.close()
+            second.close()
