@@ -227,10 +227,15 @@ class SupervisorClient:
         self.last_request_unsent = False
         while True:
             self._watch_link()
-            if self._link_drops != drops:
-                raise SupervisorUnavailable(self.endpoint, f"connection lost while waiting for the reply to {op!r}")
             now = time.monotonic()
             connect_by = self._down_since + self.connect_timeout_s
+            lost = self._link_drops != drops
+            if (lost or (not self._link_up and now >= connect_by)) and self._sock.poll(0):
+                if (reply := self._read_reply()) is not None:
+                    return reply  # it arrived before the link dropped
+                continue
+            if lost:
+                raise SupervisorUnavailable(self.endpoint, f"connection lost while waiting for the reply to {op!r}")
             if not self._link_up and now >= connect_by:
                 # the request is still queued in our socket: no supervisor took it
                 self.last_request_unsent = not sent_on_link
