@@ -1,23 +1,21 @@
 """CURVE keys for the TCP frontend: the server's key pair, client key pairs, the allow-list.
 
-    <state dir>/                      0700
-        curve_server.key_secret       0600, ZPL certificate (zmq.auth format):
-                                      public-key and secret-key, Z85 (40 chars each)
+    <state dir>/state.db              the supervisor's state database (supervisor.state.StateStore):
+        key material "curve.secret"   Z85 (40 chars); "curve.public" beside it, checked against it
+    server_key_file = PATH            or an operator's ZPL certificate (zmq.auth format; e.g. a
+                                      Kubernetes Secret): public-key and secret-key, 0600 or stricter
 
-    supervisor start ── load_server_keys(state_dir) ── made on first start, kept after
+    supervisor start ── load_or_create_server_keys(store) ── made on first start, kept after
                     └─ published: supervisor.json "server_public_key", printed by `twt keys`
     remote client ──── client_keys=None: a fresh pair per client (no allow-list)
                     └─ client_keys=PATH: a certificate file with our secret key
     allow-list ─────── client_keys_dir: *.key public certificates, checked by ZAP (zmq.auth)
 
 All cryptography is libzmq's (CurveZMQ through pyzmq): this module only
-makes, stores, reads and checks keys. A file that is not a certificate, whose
-keys are not Z85 of 32 bytes, or whose public key does not belong to its
-secret key stops the start with one message naming the file; it is never
-replaced behind the operator's back (remove it on purpose to make a new pair).
-
-Where issue 13's state store lands (named key material in SQLite), the pair
-moves there; until then it is a 0600 file in the state directory.
+makes, stores, reads and checks keys. A key file or stored key that is not
+Z85 of 32 bytes, or whose public key does not belong to its secret key,
+stops the start with one message naming the file; it is never replaced
+behind the operator's back.
 """
 
 from __future__ import annotations
@@ -31,8 +29,12 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from shared.errors import StateError
+from supervisor.state import StateStore
+
 __all__ = [
-    "SERVER_KEY_FILE",
+    "CURVE_PUBLIC",
+    "CURVE_SECRET",
     "CurveKeyPair",
     "check_client_keys_dir",
     "load_client_keys",
@@ -42,7 +44,9 @@ __all__ = [
     "write_key_pair",
 ]
 
-SERVER_KEY_FILE = "curve_server.key_secret"
+#: names of the pair in the state database's key material
+CURVE_SECRET = "curve.secret"
+CURVE_PUBLIC = "curve.public"
 _Z85_LEN = 40
 
 
@@ -120,25 +124,35 @@ def write_key_pair(path: str | os.PathLike[str], pair: CurveKeyPair, *, comment:
     os.replace(tmp, p)
 
 
-def load_or_create_server_keys(state_dir: str) -> CurveKeyPair:
-    """The supervisor's key pair: read from ``state_dir``, or made there on first start.
+def load_or_create_server_keys(store: StateStore) -> CurveKeyPair:
+    """The supervisor's key pair from its state database, made and stored there on first use.
 
-    The directory is created 0700; the file must be ours and 0600 (a key file
-    others can read is refused, as ``admin.cap`` is).
+    Named key material ``curve.secret`` (and ``curve.public``, which must
+    belong to it). A stored value that is not a Z85 key, or a public key of
+    another secret, stops the start with :class:`StateError` naming the
+    database; nothing is replaced (delete both keys on purpose - or restore a
+    backup - to change the pair).
     """
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    st = os.stat(state_dir)
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"state dir {state_dir} belongs to uid {st.st_uid}, not to us")
-    path = Path(state_dir) / SERVER_KEY_FILE
-    if not path.exists():
+    secret = store.get_key(CURVE_SECRET)
+    public = store.get_key(CURVE_PUBLIC)
+    if secret is None:
+        if public is not None:
+            raise StateError(store.path, f"it holds {CURVE_PUBLIC} without {CURVE_SECRET}; restore a backup, "
+                             "or delete both for a new key pair")
         pair = CurveKeyPair.generate()
-        write_key_pair(path, pair, comment="this supervisor")
+        store.put_key(CURVE_SECRET, pair.secret)  # the secret first: alone it still makes the pair
+        store.put_key(CURVE_PUBLIC, pair.public)
         return pair
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PermissionError(f"{path} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
-    return _load_pair(path, "server key file")
+    try:
+        secret = parse_public_key(secret, CURVE_SECRET)
+    except ValueError as exc:
+        raise StateError(store.path, f"its {CURVE_SECRET} is malformed ({exc})") from None
+    derived = zmq.curve_public(secret)
+    if public is None:
+        store.put_key(CURVE_PUBLIC, derived)
+    elif public != derived:
+        raise StateError(store.path, f"its {CURVE_PUBLIC} does not belong to its {CURVE_SECRET}")
+    return CurveKeyPair(derived, secret)
 
 
 def load_server_key_file(path: str) -> CurveKeyPair:

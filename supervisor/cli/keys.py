@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shared.config import ENV_PREFIX
 from supervisor.cli._common import add_run_dir, print_json, run_dir_of
-from supervisor.curve import SERVER_KEY_FILE, CurveKeyPair, load_or_create_server_keys, write_key_pair
+from supervisor.curve import CURVE_PUBLIC, CurveKeyPair, write_key_pair
 from supervisor.rundir import read_ready
 
 __all__ = ["add_parser", "run"]
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "keys",
         help="print the supervisor's CURVE public key, or make a client key pair",
         description="Without options: the server public key (Z85) remote clients pass as --server-key, from the "
-        "running supervisor's supervisor.json, else from its state directory. --new-client PATH writes "
+        "running supervisor's supervisor.json, else from its state database. --new-client PATH writes "
         "PATH.key (the public key, for a supervisor's client_keys_dir) and PATH.key_secret (0600, for "
         "SupervisorClient.remote(client_keys=...) or --client-key).",
     )
@@ -34,6 +34,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--new-client", metavar="PATH", help="write a new client key pair to PATH.key and PATH.key_secret")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
+
+
+def _stored_public_key(state_dir: str, run_dir: str) -> str:
+    """The public key kept in a stopped supervisor's state database (never creates one)."""
+    from supervisor.state import STATE_FILE, StateStore
+
+    public = None
+    if os.path.exists(os.path.join(state_dir, STATE_FILE)):
+        with StateStore.open(state_dir) as store:  # StateError while a supervisor holds it
+            public = store.get_key(CURVE_PUBLIC)
+    if public is None:
+        raise ValueError(f"no server key yet: no running supervisor with listen at {run_dir} and none stored in "
+                         f"{state_dir} (it is made on the first start with --listen)")
+    return public.decode("ascii")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,11 +73,8 @@ def run(args: argparse.Namespace) -> int:
     key = info.get("server_public_key")
     listen = info.get("listen") or []
     if key is None:
-        state_dir = args.state_dir or os.environ.get(f"{ENV_PREFIX}STATE_DIR") or os.path.join(run_dir, "state")
-        if not os.path.exists(os.path.join(state_dir, SERVER_KEY_FILE)):
-            raise ValueError(f"no server key yet: no running supervisor with listen at {run_dir} and no "
-                             f"{SERVER_KEY_FILE} in {state_dir} (it is made on the first start with --listen)")
-        key = load_or_create_server_keys(state_dir).public_text
+        key = _stored_public_key(args.state_dir or os.environ.get(f"{ENV_PREFIX}STATE_DIR")
+                                 or os.path.join(run_dir, "state"), run_dir)
     if args.json:
         print_json({"server_public_key": key, "listen": listen})
     else:

@@ -24,7 +24,8 @@ from shared.errors import (
 )
 from shared.spec import TenantSpec
 from supervisor.client import SupervisorClient
-from supervisor.curve import SERVER_KEY_FILE, CurveKeyPair, load_or_create_server_keys, write_key_pair
+from supervisor.curve import CURVE_PUBLIC, CURVE_SECRET, CurveKeyPair, load_or_create_server_keys, write_key_pair
+from supervisor.state import StateStore
 from tests.helpers.cluster import supervisor, wait_for
 
 LOOPBACK = "tcp://127.0.0.1:0"
@@ -149,17 +150,23 @@ def test_limits_hold_on_tcp_and_are_shared_with_ipc() -> None:
             assert again.ping(cap)["tenant"] == "acme"
 
 
-def test_server_key_is_kept_in_the_state_dir(tmp_path: Path) -> None:
+def test_server_key_is_kept_in_the_state_database(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with supervisor(listen=[LOOPBACK], state_dir=str(state)) as sup:
         first = sup.info["server_public_key"]
-    assert (state / SERVER_KEY_FILE).stat().st_mode & 0o777 == 0o600
-    assert load_or_create_server_keys(str(state)).public_text == first
+        cap = sup.client.register(None, TenantSpec("acme"))
+    with StateStore.open(str(state)) as store:
+        assert store.get_key(CURVE_PUBLIC) == first.encode()
+        assert load_or_create_server_keys(store).public_text == first  # read, not made again
+    offline = _twt("keys", "--state-dir", str(state), "--run-dir", str(tmp_path / "gone"))
+    assert offline.returncode == 0 and first in offline.stdout
     with supervisor(listen=[LOOPBACK], state_dir=str(state)) as sup:
         assert sup.info["server_public_key"] == first
-        out = subprocess.run([sys.executable, "-m", "supervisor", "keys", "--run-dir", sup.run_dir],
-                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        out = _twt("keys", "--run-dir", sup.run_dir)
         assert first in out.stdout and sup.info["listen"][0] in out.stdout
+        # the same key and (durable state) the same capability: a remote client notices no restart
+        with _remote(sup.info, timeout_s=10) as rc:
+            assert rc.ping(cap)["tenant"] == "acme"
 
 
 def _start_fails(tmp_path: Path, *args: str) -> str:
@@ -189,14 +196,19 @@ def test_bad_listen_and_bad_key_file_stop_the_start_with_one_clear_error(tmp_pat
     finally:
         busy.close()
     assert "listen endpoint must be tcp://HOST:PORT" in _start_fails(tmp_path, "--listen", "udp://127.0.0.1:1")
-    state = tmp_path / "bad-state"
-    state.mkdir(mode=0o700)
-    bad = state / SERVER_KEY_FILE
+    bad = tmp_path / "server.key_secret"
     bad.write_text('curve\n    public-key = "not a key"\n    secret-key = "nope"\n')
     bad.chmod(0o600)
-    err = _start_fails(tmp_path, "--listen", LOOPBACK, "--state-dir", str(state))
+    err = _start_fails(tmp_path, "--listen", LOOPBACK, "--server-key-file", str(bad))
     assert "malformed" in err and str(bad) in err
     assert bad.read_text().startswith("curve")  # left as it was, never replaced behind the operator's back
+    state = tmp_path / "bad-state"
+    with StateStore.open(str(state)) as store:
+        store.put_key(CURVE_SECRET, b"not a Z85 key")
+    err = _start_fails(tmp_path, "--listen", LOOPBACK, "--state-dir", str(state))
+    assert "curve.secret is malformed" in err and str(state / "state.db") in err
+    with StateStore.open(str(state)) as store:
+        assert store.get_key(CURVE_SECRET) == b"not a Z85 key"  # untouched
 
 
 def test_server_key_file_from_the_operator(tmp_path: Path) -> None:
