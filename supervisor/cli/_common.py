@@ -135,13 +135,16 @@ def add_run_dir(parser: argparse.ArgumentParser) -> None:
         help=f"the supervisor's run directory (default: ${ENV_PREFIX}RUN_DIR or {default_run_dir()})",
     )
     remote = parser.add_argument_group("remote supervisor (its CURVE TCP frontend; docs/CLUSTER.md)")
-    remote.add_argument("--connect", metavar="tcp://HOST:PORT", help="call the supervisor listening there")
+    remote.add_argument("--connect", metavar="tcp://HOST:PORT",
+                        help="call the supervisor listening there (default: the local one at --run-dir)")
     remote.add_argument("--server-key", metavar="KEY",
                         help="its public key (Z85, from `twt keys` on its host); write --server-key=KEY, as a key "
-                        "may start with '-'")
-    remote.add_argument("--client-key", metavar="FILE", help="our key pair (NAME.key_secret), when it has an allow-list")
+                        "may start with '-' (default: none; required with --connect)")
+    remote.add_argument("--client-key", metavar="FILE",
+                        help="our key pair (NAME.key_secret), when it has an allow-list (default: a fresh pair)")
     remote.add_argument("--admin-cap", metavar="FILE",
-                        help="the admin capability file (admin ops; the supervisor needs allow_remote_admin)")
+                        help="the admin capability file, for admin ops (the supervisor needs allow_remote_admin) "
+                        "(default: none)")
 
 
 def client_of(args: argparse.Namespace, timeout_s: float) -> SupervisorClient:

@@ -31,8 +31,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("action", choices=["up", "status", "down"])
     p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or auto)")
     p.add_argument("--name", default="twt", help="the deployment's name (its directory actor), default twt")
-    p.add_argument("--config", help="TOML config of the node supervisors ([supervisor] and [[tenant]] tables)")
-    p.add_argument("--listen-host", help="listen on this host instead of each node's Ray address (up)")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML config of the node supervisors ([supervisor] and [[tenant]] tables) (default: none)")
+    p.add_argument("--listen-host", metavar="HOST",
+                   help="listen on this host instead of each node's Ray address (up) (default: the node's address)")
     p.add_argument("--json", action="store_true", help="print the raw status record")
     p.set_defaults(func=run)
 

@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_run_dir(p)
     p.add_argument("--state-dir", help=f"the supervisor's state directory (default <run-dir>/state or ${ENV_PREFIX}STATE_DIR)")
-    p.add_argument("--new-client", metavar="PATH", help="write a new client key pair to PATH.key and PATH.key_secret")
+    p.add_argument("--new-client", metavar="PATH",
+                   help="write a new client key pair to PATH.key and PATH.key_secret (default: print the server key)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 

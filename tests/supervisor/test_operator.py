@@ -154,7 +154,8 @@ def test_resource_tracker_warning_never_lands_as_raw_text(tmp_path: Path) -> Non
     with open(log, "wb") as err:
         with launch({"supervisor": {**FAST, "log_format": "json"}, "tenant": [{"name": "acme"}]},
                     stderr=err, log_level="info") as sup:
-            prefix = f"twt-{str(sup.info['registry_id'])[:8]}-"  # this supervisor's segments only
+            # this supervisor's segments only: their prefix is drawn per start (the registry id is durable)
+            prefix = sup.client.tenant_status(None, "acme")["quota"]["name"].rsplit("-", 1)[0] + "-"
             segments = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
             assert segments
             os.kill(sup.pid, signal.SIGKILL)
