@@ -11,6 +11,13 @@ Remote errors are raised as the same classes with the same fields
 :class:`SupervisorUnavailable`. One client is one DEALER socket: use one
 client per thread (calls on one client from several threads are serialised).
 For pipelining, :meth:`send` and :meth:`recv` expose the raw request/reply.
+
+Remote supervisors (their ``listen`` TCP frontend, CURVE-encrypted) are
+reached with :meth:`SupervisorClient.remote`; the methods are the same. A
+wrong server key or a plaintext peer raises :class:`HandshakeFailed`, an
+endpoint that never answers :class:`SupervisorUnavailable` within the
+timeout, and a connection lost while a reply is awaited
+:class:`SupervisorUnavailable` at once (a socket monitor watches the link).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import zmq
 from shared import protocol as proto
 from shared.capability import RegistryAdminCapability, TenantCapability
 from shared.errors import (
+    HandshakeFailed,
     InvalidArgument,
     ProtocolError,
     RequestTimeout,
@@ -37,6 +45,7 @@ from shared.errors import (
     error_from_dict,
 )
 from shared.spec import TenantSpec
+from supervisor.curve import CurveKeyPair, load_client_keys, parse_public_key
 from supervisor.events import TOPIC_PREFIX, decode_event
 from supervisor.rundir import read_admin_capability, read_ready
 
@@ -44,6 +53,17 @@ __all__ = ["SupervisorClient"]
 
 _UNCHANGED: Any = object()
 Capability = TenantCapability | RegistryAdminCapability
+
+
+#: ZMTP heartbeats of a remote client: a silent server is dropped after the timeout
+_HEARTBEAT_IVL_MS = 2_000
+_HEARTBEAT_TIMEOUT_MS = 6_000
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the server could not decrypt our hello (wrong server public key?)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol mismatch (the peer does not speak CURVE: a plaintext endpoint?)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused the handshake (our client key is not in its client_keys_dir "
+    "allow-list, or it serves max_tcp_peers peers already)",
+}
 
 
 def _cap_bytes(cap: Capability | bytes | None) -> bytes | None:
@@ -66,16 +86,82 @@ class SupervisorClient:
             if not isinstance(pid, int) or not psutil.pid_exists(pid):
                 raise SupervisorUnavailable(self.run_dir, f"supervisor pid {pid} is not running (stale run dir)")
         self.info = info or {}
+        self.connect_timeout_s = timeout_s
+        self._open("ipc://" + os.path.join(self.run_dir, "frontend.ipc"), None, None)
+
+    def _open(self, endpoint: str, keys: CurveKeyPair | None, server_key: bytes | None) -> None:
+        self.endpoint = endpoint
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
         self._sock.setsockopt(zmq.SNDHWM, 10_000)
-        self._sock.connect("ipc://" + os.path.join(self.run_dir, "frontend.ipc"))
+        self._monitor: zmq.Socket[Any] | None = None
+        self._link_up = False  # remote: a CURVE handshake succeeded and the link has not dropped since
+        self._link_drops = 0  # remote: links lost so far (a request sent before a drop is lost)
+        self._down_since = time.monotonic()  # remote: when the link was last seen down
+        #: remote: the last call failed before any connection took its request (it reached no supervisor)
+        self.last_request_unsent = False
+        if keys is not None and server_key is not None:
+            self._sock.curve_serverkey = server_key
+            self._sock.curve_publickey = keys.public
+            self._sock.curve_secretkey = keys.secret
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            )
+            self._poller = zmq.Poller()
+            self._poller.register(self._sock, zmq.POLLIN)
+            self._poller.register(self._monitor, zmq.POLLIN)
+        self._sock.connect(endpoint)
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
         self._admin: RegistryAdminCapability | None = None
         self._closed = False
+
+    @classmethod
+    def remote(
+        cls,
+        endpoint: str,
+        server_public_key: str | bytes,
+        client_keys: str | os.PathLike[str] | CurveKeyPair | tuple[bytes | str, bytes | str] | None = None,
+        timeout_s: float = 30.0,
+        *,
+        admin: RegistryAdminCapability | bytes | None = None,
+        connect_timeout_s: float | None = None,
+    ) -> SupervisorClient:
+        """A client of the supervisor listening on ``endpoint`` (``tcp://HOST:PORT``), over CURVE.
+
+        ``server_public_key`` is the Z85 text from the supervisor's ``twt keys``
+        (or ``supervisor.json``); ``client_keys`` a certificate file with our
+        key pair (needed when the supervisor has an allow-list), or None for a
+        fresh pair. ``admin`` is the admin capability for admin ops, which the
+        supervisor accepts over TCP only with ``allow_remote_admin = true``.
+        ``connect_timeout_s`` (default ``timeout_s``) bounds the wait for a
+        first connection before :class:`SupervisorUnavailable`.
+        """
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            raise InvalidArgument(f"remote endpoint must be tcp://HOST:PORT; got {endpoint!r}")
+        try:
+            server_key = parse_public_key(server_public_key)
+            keys = load_client_keys(client_keys)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        self = cls.__new__(cls)
+        self.run_dir = endpoint
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+        self.info = {"frontend": endpoint, "server_public_key": server_key.decode("ascii")}
+        self._open(endpoint, keys, server_key)
+        if admin is not None:
+            self._admin = admin if isinstance(admin, RegistryAdminCapability) else RegistryAdminCapability.from_bytes(admin)
+        return self
+
+    @property
+    def is_remote(self) -> bool:
+        return self._monitor is not None
 
     # ----------------------------------------------------------- plumbing
 
@@ -83,6 +169,10 @@ class SupervisorClient:
     def admin(self) -> RegistryAdminCapability:
         """The admin capability from ``<run_dir>/admin.cap`` (read once)."""
         if self._admin is None:
+            if self.is_remote:
+                raise InvalidArgument(
+                    f"a remote client has no admin.cap: pass admin= to SupervisorClient.remote ({self.endpoint})"
+                )
             try:
                 self._admin = RegistryAdminCapability.from_bytes(read_admin_capability(self.run_dir))
             except FileNotFoundError:
@@ -94,6 +184,8 @@ class SupervisorClient:
         """Send one request without waiting; returns its rid (pair with :meth:`recv`)."""
         rid = next(self._rids)
         header = proto.encode_request(rid, op, _cap_bytes(cap), args or {})
+        if self._monitor is not None:
+            self._watch_link()
         try:
             if body is None:
                 self._sock.send(header, zmq.NOBLOCK)
@@ -107,17 +199,75 @@ class SupervisorClient:
         """The next reply: (rid, ok, result-or-error-dict, body). Raises RequestTimeout."""
         return self._recv_one(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s), "recv")
 
+    def _watch_link(self) -> None:
+        """Remote: read the socket monitor's queued events into the link state (never blocks)."""
+        assert self._monitor is not None
+        from zmq.utils.monitor import recv_monitor_message
+
+        failed: int | None = None  # the last handshake failure not followed by a success
+        while self._monitor.poll(0):
+            event = int(recv_monitor_message(self._monitor)["event"])
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._link_up = True
+                failed = None
+            elif event == zmq.EVENT_DISCONNECTED:
+                if self._link_up:
+                    self._link_drops += 1
+                    self._down_since = time.monotonic()
+                self._link_up = False
+            elif event in _HANDSHAKE_FAILED:
+                failed = event
+        if failed is not None and not self._link_up:
+            raise HandshakeFailed(self.endpoint, _HANDSHAKE_FAILED[failed])
+
+    def _recv_remote(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
+        """Remote wait: the reply, or a typed error as soon as the link says it cannot come."""
+        drops = self._link_drops
+        sent_on_link = self._link_up
+        self.last_request_unsent = False
+        while True:
+            self._watch_link()
+            now = time.monotonic()
+            connect_by = self._down_since + self.connect_timeout_s
+            lost = self._link_drops != drops
+            if (lost or (not self._link_up and now >= connect_by)) and self._sock.poll(0):
+                if (reply := self._read_reply()) is not None:
+                    return reply  # it arrived before the link dropped
+                continue
+            if lost:
+                raise SupervisorUnavailable(self.endpoint, f"connection lost while waiting for the reply to {op!r}")
+            if not self._link_up and now >= connect_by:
+                # the request is still queued in our socket: no supervisor took it
+                self.last_request_unsent = not sent_on_link
+                raise SupervisorUnavailable(
+                    self.endpoint, f"no connection for {self.connect_timeout_s:g} s (refused, unreachable or filtered)"
+                )
+            remaining = deadline - now
+            if remaining <= 0:
+                raise RequestTimeout(op, round(self.timeout_s, 3))
+            wait = remaining if self._link_up else min(remaining, max(0.001, connect_by - now))
+            ready = dict(self._poller.poll(max(1, int(wait * 1000))))
+            if self._sock in ready and (reply := self._read_reply()) is not None:
+                return reply
+
+    def _read_reply(self) -> tuple[int, bool, Any, bytes | None] | None:
+        """The reply waiting on the socket, or None for a frame that does not decode (dropped)."""
+        frames = self._sock.recv_multipart()
+        try:
+            rid, ok, payload = proto.decode_reply(frames[0])
+        except ProtocolError:
+            return None
+        return rid, ok, payload, frames[1] if len(frames) > 1 else None
+
     def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
+        if self._monitor is not None:
+            return self._recv_remote(deadline, op)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
                 raise RequestTimeout(op, round(self.timeout_s, 3))
-            frames = self._sock.recv_multipart()
-            try:
-                rid, ok, payload = proto.decode_reply(frames[0])
-            except ProtocolError:
-                continue
-            return rid, ok, payload, frames[1] if len(frames) > 1 else None
+            if (reply := self._read_reply()) is not None:
+                return reply
 
     def request(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
                 body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[Any, bytes | None]:
@@ -146,6 +296,9 @@ class SupervisorClient:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(0)
             self._sock.close(0)
 
     def __enter__(self) -> SupervisorClient:
@@ -316,7 +469,12 @@ class SupervisorClient:
     # ------------------------------------------------------------- events
 
     def events(self, kinds: Sequence[str] = (), *, timeout_s: float | None = None) -> Generator[dict[str, Any], None, None]:
-        """Follow lifecycle events (``kinds`` filters; ``timeout_s`` ends quietly after silence)."""
+        """Follow lifecycle events (``kinds`` filters; ``timeout_s`` ends quietly after silence).
+
+        Local clients only: events are published on the supervisor's host (``events.ipc``).
+        """
+        if self.is_remote:
+            raise InvalidArgument("events are published on the supervisor's host only (events.ipc); run twt events there")
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         for kind in kinds or [""]:

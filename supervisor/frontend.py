@@ -11,7 +11,10 @@ is starting or restarting, the request is parked, bounded by
 :class:`~shared.errors.TenantStopped`, and one whose instances are gone for
 good :class:`~shared.errors.WorkerLost`, at once.
 
-Owns: the frontend ROUTER socket's *receive* side, the verified-capability
+Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
+one when ``listen`` is set: the same decode, checks and limits for both; at
+most ``BATCH`` messages per socket per wake-up, so they take turns; admin
+ops on TCP refused unless ``allow_remote_admin``), the verified-capability
 cache, the tenants' stored modules (``put_module``) and parked requests.
 May touch: the pending table (every answer goes through it), the worker set
 (to send), the registry (to verify capabilities). Admin ops are handed to
@@ -49,6 +52,7 @@ from supervisor.loop import Loop
 from supervisor.pending import Pending, PendingTable
 from supervisor.registry import TenantRegistry
 from supervisor.replies import Replies
+from supervisor.tcp_frontend import IPC_INDEX, TCP_INDEX
 from supervisor.tenants import InstanceSlot, Parked, TenantRuntime, TenantState
 from supervisor.workerset import BATCH, WorkerSet
 
@@ -65,6 +69,9 @@ MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
+_IPC = bytes([IPC_INDEX])
+_TCP = bytes([TCP_INDEX])
+
 AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
 DenialHook = Callable[["bytes | None", str], None]
@@ -79,6 +86,7 @@ class Frontend:
         *,
         loop: Loop,
         sock: zmq.Socket[Any],
+        tcp_sock: zmq.Socket[Any] | None = None,
         replies: Replies,
         pending: PendingTable,
         workers: WorkerSet,
@@ -99,26 +107,32 @@ class Frontend:
         self.on_denied = on_denied
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
-        loop.register(sock, self._on_readable)
+        loop.register(sock, lambda: self._on_readable(sock, _IPC))
+        if tcp_sock is not None:
+            loop.register(tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
 
     # ------------------------------------------------------------ decode
 
-    def _on_readable(self) -> None:
+    def _on_readable(self, sock: zmq.Socket[Any], prefix: bytes) -> None:
         # Drain what is queued, asking ZMQ_EVENTS between messages: a recv that
         # fails with EAGAIN costs ~5 us here (the exception), the query ~1.6 us.
-        recv, events = self.sock.recv_multipart, self.sock.getsockopt
+        recv, events = sock.recv_multipart, sock.getsockopt
         for _ in range(BATCH):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.handle(frames)
+            self.handle(frames, prefix)
             if not int(events(zmq.EVENTS)) & zmq.POLLIN:
                 return
 
-    def handle(self, frames: list[zmq.Frame]) -> None:
-        """One client message: decode, dispatch by the op table, answer every refusal typed."""
-        client = frames[0].bytes
+    def handle(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> None:
+        """One client message: decode, dispatch by the op table, answer every refusal typed.
+
+        ``prefix`` names the socket it came in on; the client key is it plus the
+        peer's identity (see :mod:`supervisor.replies`).
+        """
+        client = prefix + frames[0].bytes
         if len(frames) not in (2, 3):
             rid = proto.peek_rid(frames[1].bytes) if len(frames) > 1 else None
             if rid is not None:
@@ -135,6 +149,8 @@ class Frontend:
         body = frames[2] if len(frames) == 3 else None
         try:
             if proto.OPS[op].admin:
+                if prefix == _TCP and not self.config.allow_remote_admin:
+                    raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
                 self.admin(client, rid, op, cap_raw, args, body)
             else:
                 self._tenant_request(client, rid, op, cap_raw, args, body)

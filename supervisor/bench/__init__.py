@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "scale": "supervisor.bench.scale",
     "wasm": "supervisor.bench.wasm",
     "restore": "supervisor.bench.restore",
+    "cluster": "supervisor.bench.cluster",
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"
