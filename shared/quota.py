@@ -66,6 +66,7 @@ MAGIC: Final = int.from_bytes(b"TWTQUOTA", "little")
 LAYOUT_VERSION: Final = 1
 KIND_TENANT: Final = 1
 KIND_DEVICE: Final = 2
+KIND_REGION: Final = 3  # a data region (shared.region): header page, then bytes
 
 # header fields
 _H_MAGIC, _H_VERSION, _H_KIND, _H_PID, _H_START, _H_GEN, _H_SIZE, _H_MAXINST = (
