@@ -47,7 +47,9 @@ PROTOCOL_VERSION: Final = 1
 MAX_HEADER_BYTES: Final = 64 * 1024
 #: ops a tenant capability grants (routed to one of the tenant's workers)
 TENANT_OPS: Final = frozenset(
-    {"ping", "alloc", "free", "write", "read", "run_wasm", "put_module", "quota", "buffers"}
+    {"ping", "alloc", "free", "write", "read", "run_wasm", "put_module", "quota", "buffers",
+     # shared-memory regions of local clients (shared.region, supervisor.regions)
+     "region_create", "region_release", "write_region", "read_region"}
 )
 #: ops the admin capability grants (handled by the supervisor)
 ADMIN_OPS: Final = frozenset(

@@ -67,7 +67,7 @@ MAX_REGION_BYTES: Final = 1 << 30
 DEFAULT_CHUNK_BYTES: Final = 4 << 20
 
 
-def round_region_size(nbytes: int) -> int:
+def round_region_size(nbytes: object) -> int:
     """``nbytes`` rounded up to whole pages; InvalidArgument outside the region bounds."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise InvalidArgument(f"region size must be an int, got {type(nbytes).__name__}")

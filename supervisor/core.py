@@ -34,6 +34,7 @@ from shared.log import get_logger, log_event
 from supervisor.events import EventBus
 from supervisor.metrics import Metrics, NullMetrics
 from supervisor.placement import Placement
+from supervisor.regions import RegionTable
 from supervisor.registry import TenantRegistry
 from supervisor.rundir import RunDir
 from supervisor.tenants import InstanceSlot, TenantRuntime
@@ -53,7 +54,7 @@ MAX_MODULES_PER_TENANT = 32
 _TRACK_BYTES = 64 << 10
 MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: worker-side ops whose handle argument pins them to one instance
-_HANDLE_OPS = frozenset({"free", "write", "read"})
+_HANDLE_OPS = frozenset({"free", "write", "read", "write_region", "read_region"})
 
 
 class _Timer:
@@ -87,6 +88,8 @@ class _Core:
         self.metrics = metrics or NullMetrics()
         self.rundir = RunDir(config.run_dir)
         self.registry, self.admin = TenantRegistry.new()
+        #: shared-memory data regions of local clients, each bound to one tenant
+        self.regions = RegionTable(self.registry.segment_prefix)
         self._metrics_cache: dict[str, Any] = {}
         self.internal_errors = 0  # bugs caught by the loop's safety net (see Supervisor._internal_error)
         self._reply_queues: dict[bytes, collections.deque[tuple[zmq.MessageTracker, int]]] = {}
@@ -253,6 +256,7 @@ class _Core:
             "memory_quota_bytes": snap.get("memory_quota_bytes", rt.spec.memory_quota_bytes),
             "gpu_bytes_in_use": snap.get("gpu_bytes_in_use", 0),
             "gpu_memory_bytes_cap": snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
+            "regions": [rec.to_dict() for rec in self.regions.of_tenant(rt.tenant_id)],
             "quota": snap,
         }
 

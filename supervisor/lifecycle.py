@@ -141,6 +141,7 @@ class _Lifecycle(_Routing):
         if rt is None:
             raise UnknownTenant(tid)
         rt.state = TenantState.EVICTING
+        self.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin, tid)  # revokes capabilities, unlinks the block
         del self.tenants[tid]
         for p in rt.parked:

@@ -260,6 +260,7 @@ class Supervisor(_Admin):
         if now - self._last_rss_check >= RSS_CHECK_INTERVAL_S:
             self._last_rss_check = now
             self._prune_reply_queues()
+            self._reap_regions()
             self._check_rss()
             self._scan_refusals()
         if not self._stopping:
@@ -420,6 +421,7 @@ class Supervisor(_Admin):
                 worker.process.close()
         self.workers.clear()
         try:
+            self.regions.close()  # none outlives the supervisor
             self.registry.close()
         finally:
             if self._zctx is not None:

@@ -48,6 +48,10 @@ from supervisor.workers import (
 
 __all__: list[str] = []  # an internal layer of Supervisor (supervisor.router)
 
+
+def _ignore_reply(ok: bool, payload: Any) -> None:
+    """Callback of the supervisor's own fire-and-forget worker requests."""
+
 _log = get_logger("supervisor")
 
 
@@ -84,6 +88,13 @@ class _Routing(_Core):
             self._reply(client, rid, {"digest": self._put_module(rt, body)})
             self.metrics.request_done(tid, op, "ok", 0.0)
             return
+        if op == "region_create" or op == "region_release":
+            self._reply(client, rid, self._region_op(rt, op, args))
+            self.metrics.request_done(tid, op, "ok", 0.0)
+            return
+        if op == "write_region" or op == "read_region":
+            # the tenant's own region or refused; the worker learns its name from us only
+            args = {**args, "region_name": self.regions.resolve(tid, args.get("region")).name}
         if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
             raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         if op == "run_wasm" and body is None:
@@ -155,6 +166,37 @@ class _Routing(_Core):
                 self._send_to_worker(slot.worker, "buffers", {}, None, pending)
             except TensorWasmError as exc:
                 pending.callback(False, exc.to_dict())  # type: ignore[misc]
+
+    def _region_op(self, rt: TenantRuntime, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """``region_create {nbytes, pid}`` -> ``{region, name, nbytes}``;
+        ``region_release {region}`` -> ``{released: nbytes}`` (see supervisor.regions)."""
+        if op == "region_create":
+            rec = self.regions.create(rt.tenant_id, rt.block, args.get("nbytes"), args.get("pid"),
+                                      generation=rt.generation)
+            return {"region": rec.region_id, "name": rec.name, "nbytes": rec.nbytes}
+        rec = self.regions.release(rt.tenant_id, args.get("region"))
+        self._unmap_region(rt, rec.name)
+        return {"released": rec.nbytes}
+
+    def _unmap_region(self, rt: TenantRuntime, name: str) -> None:
+        """Tell the tenant's live workers to unpin and unmap a released region (best effort:
+        a worker that misses it unmaps at exit, and the name is unlinked already)."""
+        now = time.monotonic()
+        for slot in rt.live_slots():
+            assert slot.worker is not None
+            pending = Pending(None, 0, "region_drop", rt.tenant_id, slot.index, now,
+                              now + rt.spec.request_timeout_s, _ignore_reply)
+            try:
+                self._send_to_worker(slot.worker, "region_drop", {"name": name}, None, pending)
+            except TensorWasmError:
+                pass  # dying or flooded: its mapping ends with it
+
+    def _reap_regions(self) -> None:
+        """Housekeeping: reclaim the regions whose client died."""
+        for rec in self.regions.reap():
+            rt = self.tenants.get(rec.tenant_id)
+            if rt is not None:
+                self._unmap_region(rt, rec.name)
 
     def _put_module(self, rt: TenantRuntime, body: Any) -> str:
         """Keep a tenant's module (bounded LRU) so runs can name it by digest."""
