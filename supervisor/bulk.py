@@ -65,10 +65,12 @@ def byte_view(data: Any) -> memoryview:
         view = data if isinstance(data, memoryview) else memoryview(data)
     except TypeError:
         raise InvalidArgument(f"expected bytes-like data or a numpy array, got {type(data).__name__}") from None
+    if view.nbytes == 0:
+        return memoryview(b"")
     if not view.c_contiguous:
         view = memoryview(view.tobytes())
-    if view.ndim == 1 and view.format in ("B", "b", "c"):
-        return view if view.format == "B" else view.cast("B")
+    if view.ndim == 1 and view.format == "B":
+        return view
     return view.cast("B")
 
 

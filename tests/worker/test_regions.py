@@ -175,3 +175,21 @@ def test_mappings_are_bounded(env: tuple[_Server, Region, FakeDriver | None]) ->
         for r in extra:
             r.unlink()
             r.close()
+
+
+def test_gpu_phase_runs_against_the_fake_driver() -> None:
+    """tests/gpu/phase_regions.py (run on the H200 by the GPU check) works end to end here;
+    its timings mean nothing on the fake, its bookkeeping does."""
+    from tests.gpu.phase_regions import TARGET, run
+
+    fake = FakeDriver(memory_bytes=1 << 30)
+    rows = run(fake, sizes_mib=(1, 3), repeat=1, chunk_bytes=MiB)
+    assert [r["name"].split(" ")[0] for r in rows] == ["H2D", "D2H", "H2D"] * 2
+    for row in rows:
+        assert row["region_gbps"] > 0 and row["raw_gbps"] > 0
+        if row["target"] is None:
+            assert row["verdict"] == "INFO"
+        else:
+            assert row["target"] == TARGET and row["verdict"] in ("PASS", "MISS")
+    assert fake.host_registered == {}  # region unregistered, pinned host memory freed
+    assert "cuMemHostRegister" in fake.calls and "cuMemHostUnregister" in fake.calls
