@@ -178,8 +178,29 @@ class BulkPath:
 
     # ---------------------------------------------------------- transfers
 
+    def _retry_stale(self, cap: bytes, transfer: Callable[[], bool]) -> bool:
+        """Run ``transfer``; if the supervisor no longer knows our region (the tenant was
+        evicted and registered again, or the supervisor restarted), forget it and run
+        ``transfer`` once more with a new one."""
+        try:
+            return transfer()
+        except InvalidArgument as exc:
+            staging = self._staging.get(cap)
+            if staging is None or not exc.detail.startswith("unknown region"):
+                raise
+            self._staging.pop(cap, None)
+            staging.region.close()  # nothing to release: the supervisor dropped it
+            return transfer()
+
     def write(self, cap: bytes, handle: int, data: memoryview, offset: int) -> bool:
         """Copy ``data`` into the buffer through the tenant's region; False: use frames."""
+        return self._retry_stale(cap, lambda: self._write(cap, handle, data, offset))
+
+    def read_into(self, cap: bytes, handle: int, out: memoryview, offset: int) -> bool:
+        """Fill ``out`` from the buffer through the tenant's region; False: use frames."""
+        return self._retry_stale(cap, lambda: self._read_into(cap, handle, out, offset))
+
+    def _write(self, cap: bytes, handle: int, data: memoryview, offset: int) -> bool:
         staging = self._staging_for(cap, len(data))
         if staging is None:
             return False
@@ -192,8 +213,7 @@ class BulkPath:
         self._pipeline(staging, "write_region", handle, offset, chunks, before=stage, after=None)
         return True
 
-    def read_into(self, cap: bytes, handle: int, out: memoryview, offset: int) -> bool:
-        """Fill ``out`` from the buffer through the tenant's region; False: use frames."""
+    def _read_into(self, cap: bytes, handle: int, out: memoryview, offset: int) -> bool:
         staging = self._staging_for(cap, len(out))
         if staging is None:
             return False
@@ -208,12 +228,23 @@ class BulkPath:
 
     def read_bytes(self, cap: bytes, handle: int, nbytes: int, offset: int) -> bytes | None:
         """``nbytes`` of the buffer as bytes (one copy of ours when they fit the region); None: frames."""
+        result: list[bytes] = []
+
+        def transfer() -> bool:
+            data = self._read_bytes(cap, handle, nbytes, offset)
+            if data is not None:
+                result.append(data)
+            return data is not None
+
+        return result[0] if self._retry_stale(cap, transfer) else None
+
+    def _read_bytes(self, cap: bytes, handle: int, nbytes: int, offset: int) -> bytes | None:
         staging = self._staging_for(cap, nbytes)
         if staging is None:
             return None
         if nbytes > staging.capacity:
             out = bytearray(nbytes)
-            self.read_into(cap, handle, memoryview(out), offset)
+            self._read_into(cap, handle, memoryview(out), offset)
             return bytes(out)
         # every chunk to its own place in the region: no slot reuse, one copy out at the end
         chunks = plan_chunks(nbytes, staging.capacity, chunk_bytes=self.chunk_bytes, max_slots=1 << 20)

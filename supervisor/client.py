@@ -167,6 +167,13 @@ class SupervisorClient:
     def call(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None, **kw: Any) -> Any:
         return self.request(op, cap, args, **kw)[0]
 
+    def release_regions(self) -> None:
+        """Release this client's shared-memory regions now (they count against their tenants'
+        host quotas; the next bulk transfer makes a new one)."""
+        with self._lock:
+            self._check_open()
+            self._bulk.close()
+
     def close(self) -> None:
         """Release this client's regions, then close its socket."""
         with self._lock:

@@ -284,3 +284,19 @@ def test_worker_killed_mid_copy_leaks_nothing() -> None:
 
 def test_unknown_ops_are_still_protocol_errors() -> None:
     assert {"region_create", "region_release", "write_region", "read_region"} <= proto.TENANT_OPS
+
+
+def test_a_client_recovers_from_a_region_its_supervisor_dropped() -> None:
+    with supervisor() as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("acme"))
+        with _client(sup) as fast:
+            h = fast.alloc(cap, REGION)
+            fast.write(cap, h, _payload(REGION))
+            regions = tenant(c.status(), "acme")["regions"]
+            c.call("region_release", cap, {"region": regions[0]["region"]})  # behind the client's back
+            data = _payload(REGION, 1)
+            fast.write(cap, h, data)  # a new region, made on the spot
+            assert fast.read(cap, h, REGION) == data
+            assert len(tenant(c.status(), "acme")["regions"]) == 1
+        assert c.quota(cap)["bytes_in_use"] == 0
