@@ -294,6 +294,21 @@ class BulkPath:
         """
         client = self._client
         timeout = client.timeout_s
+        if len(chunks) == 1:  # nothing to overlap: one plain request (the common small case)
+            chunk = chunks[0]
+            if before is not None:
+                before(chunk)
+            try:
+                client._request_locked(op, staging.cap, {
+                    "handle": handle, "offset": offset + chunk.position, "region": staging.region_id,
+                    "region_offset": chunk.region_offset, "nbytes": chunk.nbytes})
+            except RequestTimeout:
+                if not own:
+                    self._drop_staging(staging)
+                raise
+            if after is not None:
+                after(chunk)
+            return
         queue = collections.deque(chunks)
         inflight: dict[int, Chunk] = {}  # rid -> chunk
         busy: dict[int, Chunk] = {}  # slot -> the chunk using it until it is answered

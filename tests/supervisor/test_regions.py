@@ -300,3 +300,18 @@ def test_a_client_recovers_from_a_region_its_supervisor_dropped() -> None:
             assert fast.read(cap, h, REGION) == data
             assert len(tenant(c.status(), "acme")["regions"]) == 1
         assert c.quota(cap)["bytes_in_use"] == 0
+
+
+def test_bench_data_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``twt bench data`` as a program (its figures are not judged here: speed is not a test)."""
+    import json
+
+    from supervisor.bench.data import main
+
+    status = main(["--sizes", "1", "--rounds", "1", "--pings", "50", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status in (0, 4) and report["passed"] == (status == 0)
+    assert set(report["gbps"]["1MiB"]) >= {"memcpy", "write regions", "read_into regions", "read regions",
+                                          "write frames", "read frames"}
+    assert all(v > 0 for v in report["gbps"]["1MiB"].values())
+    assert any(t["name"].startswith("ping p50") for t in report["targets"])
