@@ -243,9 +243,17 @@ class BulkPath:
         if staging is None:
             return None
         if nbytes > staging.capacity:
-            out = bytearray(nbytes)
-            self._read_into(cap, handle, memoryview(out), offset)
-            return bytes(out)
+            # chunk by chunk into bytes, joined once: a zeroed bytearray and bytes() of it
+            # would fault in fresh pages twice
+            src = staging.region.data
+            parts: dict[int, bytes] = {}
+
+            def keep(chunk: Chunk) -> None:
+                parts[chunk.position] = bytes(src[chunk.region_offset : chunk.region_offset + chunk.nbytes])
+
+            chunks = plan_chunks(nbytes, staging.capacity, chunk_bytes=self.chunk_bytes)
+            self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=keep)
+            return b"".join(parts[position] for position in sorted(parts))
         # every chunk to its own place in the region: no slot reuse, one copy out at the end
         chunks = plan_chunks(nbytes, staging.capacity, chunk_bytes=self.chunk_bytes, max_slots=1 << 20)
         self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=None)
