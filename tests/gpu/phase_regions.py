@@ -1,10 +1,13 @@
-"""GPU timing phase: host<->device copies through shared-memory regions vs raw pinned copies.
+"""The hardware check's "regions" phase: host<->device copies through shared-memory regions
+against raw pinned copies.
 
-    python3 tests/gpu/phase_regions.py [--sizes 64,256] [--repeat 7] [--fake]
+    python3 tests/gpu/phase_regions.py [--sizes 64,256] [--repeat 7] [--quick] [--fake]
+    tests/gpu/check_gpu.py                                   runs it as the step "regions"
 
 prints one JSON line ``{"phase": "regions", "rows": [...]}``; from Python,
-:func:`run` returns the same rows. It initialises CUDA, so an orchestrator
-that must not (tests/gpu/check_gpu.py) runs it as a child process.
+:func:`run` returns the same rows, :func:`run_in_child` runs it in a fresh
+process (the orchestrator never initialises CUDA) and :func:`table_rows`
+turns the result into check_gpu.py's table rows.
 
 What a tenant's bulk copy does on the cuda backend, measured without the
 supervisor's round trips (``twt bench data`` measures those on any machine):
@@ -39,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-__all__ = ["TARGET", "run"]
+__all__ = ["TARGET", "run", "run_in_child", "table_rows"]
 
 MiB = 1 << 20
 #: region copies at least this fraction of raw pinned copies (issue 15, GPU.md item 7)
@@ -153,13 +156,47 @@ def _one_size(drv: Any, backend: Any, stream: Any, nbytes: int, chunk: int, repe
             "name": f"{direction.upper()} {nbytes // MiB} MiB region ({chunk // MiB} MiB chunks) vs raw pinned",
             "nbytes": nbytes, "region_gbps": gbps(times[f"region_{direction}"]),
             "raw_gbps": gbps(times[f"raw_{direction}"]), "ratio": round(ratio, 3), "target": TARGET,
-            "verdict": ("PASS" if ratio >= TARGET else "MISS") if intact else "MISS (bytes differ)",
+            "verdict": "PASS" if ratio >= TARGET else "MISS", "intact": intact,
         })
     out.append({
         "name": f"H2D {nbytes // MiB} MiB pageable (unregistered) vs raw pinned", "nbytes": nbytes,
         "region_gbps": gbps(times["pageable_h2d"]), "raw_gbps": gbps(times["raw_h2d"]),
         "ratio": round(times["raw_h2d"] / times["pageable_h2d"], 3), "target": None, "verdict": "INFO",
+        "intact": intact,
     })
+    return out
+
+
+def run_in_child(quick: bool = False, timeout_s: float = 600) -> dict[str, Any]:
+    """This phase in a fresh process (on the fake when the check runs with ``--dry-run-fake``)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    fake = os.environ.get("GPU_CHECK_DRIVER_MODULE") == "tests.helpers.fake_cuda"
+    argv = [sys.executable, __file__, *(["--quick"] if quick else []), *(["--fake"] if fake else [])]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return {"phase": "regions", "error": f"regions exit {proc.returncode}: " + " | ".join(tail)}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def table_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None, str]]:
+    """(name, got, want, ok, kind) rows: the bytes intact is a check; the ratios are timings."""
+    if "error" in result:
+        return [("region copies H2D + D2H keep the bytes", result["error"][:120], "intact", False, "check")]
+    rows = result.get("rows", [])
+    intact = bool(rows) and all(r["intact"] for r in rows)
+    out: list[tuple[str, str, str, bool | None, str]] = [
+        ("region copies H2D + D2H keep the bytes", str(intact), "True", intact, "check")]
+    for r in rows:
+        got = f"{r['ratio']:.2f}x ({r['region_gbps']:.1f} vs {r['raw_gbps']:.1f} GB/s)"
+        if r["target"] is None:
+            out.append((r["name"], got, "informative", None, "timing"))
+        else:
+            out.append((r["name"], got, f">= {r['target']}x", r["verdict"] == "PASS", "timing"))
     return out
 
 
@@ -167,10 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="64,256", help="MiB, comma-separated")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="16 and 64 MiB, 3 repetitions")
     parser.add_argument("--fake", action="store_true", help="the fake driver (tests.helpers.fake_cuda): no GPU")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.repeat = "16,64", 3
     driver = "tests.helpers.fake_cuda" if args.fake else os.environ.get("GPU_CHECK_DRIVER_MODULE")
     sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
+    if args.fake:
+        sizes = (1, 4)  # the fake's timings mean nothing: keep it quick
     try:
         rows = run(driver, sizes_mib=sizes, repeat=args.repeat)
     except Exception as exc:  # noqa: BLE001 - one JSON line either way
