@@ -40,7 +40,15 @@ from shared.errors import (
     TensorWasmError,
     error_from_dict,
 )
-from shared.region import DEFAULT_CHUNK_BYTES, MAX_REGION_BYTES, MIN_REGION_BYTES, Chunk, Region, plan_chunks
+from shared.region import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_REGION_BYTES,
+    MIN_REGION_BYTES,
+    Chunk,
+    Region,
+    pipeline_chunk_bytes,
+    plan_chunks,
+)
 
 if TYPE_CHECKING:
     from supervisor.client import SupervisorClient
@@ -178,6 +186,9 @@ class BulkPath:
 
     # ---------------------------------------------------------- transfers
 
+    def _chunk(self, total: int) -> int:
+        return pipeline_chunk_bytes(total, self.chunk_bytes)
+
     def _retry_stale(self, cap: bytes, transfer: Callable[[], bool]) -> bool:
         """Run ``transfer``; if the supervisor no longer knows our region (the tenant was
         evicted and registered again, or the supervisor restarted), forget it and run
@@ -209,7 +220,7 @@ class BulkPath:
         def stage(chunk: Chunk) -> None:
             dest[chunk.region_offset : chunk.region_offset + chunk.nbytes] = data[chunk.position : chunk.position + chunk.nbytes]
 
-        chunks = plan_chunks(len(data), staging.capacity, chunk_bytes=self.chunk_bytes)
+        chunks = plan_chunks(len(data), staging.capacity, chunk_bytes=self._chunk(len(data)))
         self._pipeline(staging, "write_region", handle, offset, chunks, before=stage, after=None)
         return True
 
@@ -222,7 +233,7 @@ class BulkPath:
         def unstage(chunk: Chunk) -> None:
             out[chunk.position : chunk.position + chunk.nbytes] = src[chunk.region_offset : chunk.region_offset + chunk.nbytes]
 
-        chunks = plan_chunks(len(out), staging.capacity, chunk_bytes=self.chunk_bytes)
+        chunks = plan_chunks(len(out), staging.capacity, chunk_bytes=self._chunk(len(out)))
         self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=unstage)
         return True
 
@@ -251,11 +262,11 @@ class BulkPath:
             def keep(chunk: Chunk) -> None:
                 parts[chunk.position] = bytes(src[chunk.region_offset : chunk.region_offset + chunk.nbytes])
 
-            chunks = plan_chunks(nbytes, staging.capacity, chunk_bytes=self.chunk_bytes)
+            chunks = plan_chunks(nbytes, staging.capacity, chunk_bytes=self._chunk(nbytes))
             self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=keep)
             return b"".join(parts[position] for position in sorted(parts))
         # every chunk to its own place in the region: no slot reuse, one copy out at the end
-        chunks = plan_chunks(nbytes, staging.capacity, chunk_bytes=self.chunk_bytes, max_slots=1 << 20)
+        chunks = plan_chunks(nbytes, staging.capacity, chunk_bytes=self._chunk(nbytes), max_slots=1 << 20)
         self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=None)
         return bytes(staging.region.data[:nbytes])
 
@@ -277,7 +288,7 @@ class BulkPath:
             raise
         staging = _Staging(region_id, region, cap)
         try:
-            chunks = plan_chunks(nbytes, region.capacity, chunk_bytes=self.chunk_bytes, max_slots=1 << 20)
+            chunks = plan_chunks(nbytes, region.capacity, chunk_bytes=self._chunk(nbytes), max_slots=1 << 20)
             self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=None, own=True)
         except BaseException:
             region.close()

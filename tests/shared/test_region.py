@@ -149,3 +149,13 @@ def test_byte_view_takes_bytes_and_arrays() -> None:
     with pytest.raises(InvalidArgument):
         byte_view(12)
     assert DATA_OFFSET % mmap.PAGESIZE == 0
+
+
+def test_pipeline_chunk_sizes() -> None:
+    from shared.region import DEFAULT_CHUNK_BYTES, MIN_PIPELINE_CHUNK_BYTES, pipeline_chunk_bytes
+
+    MiB = 1 << 20
+    assert pipeline_chunk_bytes(1 * MiB) == MIN_PIPELINE_CHUNK_BYTES  # one chunk: nothing to overlap
+    assert pipeline_chunk_bytes(16 * MiB) == 4 * MiB  # about four chunks
+    assert pipeline_chunk_bytes(256 * MiB) == DEFAULT_CHUNK_BYTES
+    assert pipeline_chunk_bytes(256 * MiB, largest=MiB) == MiB
