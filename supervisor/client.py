@@ -323,6 +323,30 @@ class SupervisorClient:
         view[: len(data)] = data
         return len(data)
 
+    # ---- regions by hand (Triton's model; write/read/put_array/get_array use them by themselves)
+
+    def region_create(self, cap: TenantCapability, nbytes: int) -> dict[str, Any]:
+        """A shared-memory region of ``nbytes`` for this process, charged to the tenant's host
+        quota: ``{region, name, nbytes}``; map it with ``shared.region.Region.attach(name)``."""
+        result: dict[str, Any] = self.call("region_create", cap, {"nbytes": nbytes, "pid": os.getpid()})
+        return result
+
+    def region_release(self, cap: TenantCapability, region: int) -> int:
+        """Release a region made by :meth:`region_create`; the bytes it held."""
+        return int(self.call("region_release", cap, {"region": region})["released"])
+
+    def write_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
+                     offset: int = 0, region_offset: int = 0) -> int:
+        """Copy ``nbytes`` at ``region_offset`` of the region into the buffer at ``offset``."""
+        return int(self.call("write_region", cap, {"handle": handle, "offset": offset, "region": region,
+                                                   "region_offset": region_offset, "nbytes": nbytes})["written"])
+
+    def read_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
+                    offset: int = 0, region_offset: int = 0) -> int:
+        """Copy ``nbytes`` of the buffer at ``offset`` into the region at ``region_offset``."""
+        return int(self.call("read_region", cap, {"handle": handle, "offset": offset, "region": region,
+                                                  "region_offset": region_offset, "nbytes": nbytes})["nbytes"])
+
     def put_array(self, cap: TenantCapability, array: Any) -> int:
         """A new device buffer holding ``array``'s bytes (C order); returns its handle."""
         view = byte_view(array)

@@ -159,6 +159,27 @@ def test_out_of_range_and_bad_arguments_are_refused() -> None:
         assert c.quota(cap)["bytes_in_use"] == 0
 
 
+def test_regions_by_hand() -> None:
+    """Triton's model through the client's own methods: create, map, write/read by descriptor, release."""
+    with supervisor() as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("acme"))
+        rec = c.region_create(cap, 100_000)
+        assert rec["nbytes"] >= 100_000 and c.quota(cap)["bytes_in_use"] == rec["nbytes"]
+        region = Region.attach(rec["name"], tenant_id="acme")
+        try:
+            h = c.alloc(cap, 4096)
+            region.data[10:15] = b"hello"
+            assert c.write_region(cap, h, rec["region"], 5, offset=100, region_offset=10) == 5
+            assert c.read(cap, h, 5, offset=100) == b"hello"
+            assert c.read_region(cap, h, rec["region"], 5, offset=100, region_offset=5000) == 5
+            assert bytes(region.data[5000:5005]) == b"hello"
+        finally:
+            region.close()
+        assert c.region_release(cap, rec["region"]) == rec["nbytes"]
+        assert c.quota(cap)["bytes_in_use"] == 0
+
+
 def test_another_tenants_region_and_handle_are_refused() -> None:
     with supervisor() as sup:
         c = sup.client
