@@ -270,16 +270,21 @@ class BulkPath:
         self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=None)
         return bytes(staging.region.data[:nbytes])
 
-    def lease(self, cap: bytes, handle: int, nbytes: int, offset: int) -> tuple[memoryview, Callable[[object], None]]:
+    def lease(self, cap: bytes, handle: int, nbytes: int,
+              offset: int) -> tuple[memoryview, Callable[[object], None]] | None:
         """A region of its own holding ``nbytes`` of the buffer, for a zero-copy view.
 
         Returns the bytes' view and ``keep(owner)``: call it with the object
         that exposes the view (an ndarray); the region is released once that
-        object is garbage-collected (at this client's next call).
+        object is garbage-collected (at this client's next call). None when
+        the supervisor grants no region (host quota, region count): copy then.
         """
         self.flush_leases()
-        result = self._client._call_locked(
-            "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()})
+        try:
+            result = self._client._call_locked(
+                "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()})
+        except (MemoryExhausted, InvalidArgument):
+            return None
         region_id = int(result["region"])
         try:
             region = Region.attach(str(result["name"]))

@@ -382,10 +382,12 @@ class SupervisorClient:
         if not copy and nbytes and self._bulk.wants(raw, max(nbytes, self._bulk.threshold)):
             with self._lock:
                 self._check_open()
-                view, keep = self._bulk.lease(raw, handle, nbytes, offset)
-            array = np.frombuffer(view, dtype=dt).reshape(dims)
-            keep(array)
-            return array
+                leased = self._bulk.lease(raw, handle, nbytes, offset)
+            if leased is not None:
+                view, keep = leased
+                array = np.frombuffer(view, dtype=dt).reshape(dims)
+                keep(array)
+                return array
         out = np.empty(dims, dtype=dt)
         if nbytes:
             self.read_into(cap, handle, out, offset)

@@ -336,3 +336,30 @@ def test_bench_data_runs(capsys: pytest.CaptureFixture[str]) -> None:
                                           "write frames", "read frames"}
     assert all(v > 0 for v in report["gbps"]["1MiB"].values())
     assert any(t["name"].startswith("ping p50") for t in report["targets"])
+
+
+def test_chunks_refused_for_max_in_flight_are_sent_again() -> None:
+    """A tenant that allows one request in flight: the pipeline's extra chunks come back
+    Overloaded and are resent once the one before is answered - the transfer still completes."""
+    with supervisor() as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec.from_dict({"name": "narrow", "max_in_flight": 1}))
+        with _client(sup) as fast:
+            h = fast.alloc(cap, 6 * REGION)
+            data = _payload(6 * REGION + 5)[: 6 * REGION]
+            fast.write(cap, h, data)
+            out = bytearray(len(data))
+            fast.read_into(cap, h, out)
+            assert out == data
+
+
+def test_a_view_falls_back_to_a_copy_when_no_region_is_granted() -> None:
+    with supervisor() as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("small").with_memory_quota_bytes(MIN_REGION_BYTES))
+        with _client(sup) as fast:
+            a = np.arange(50_000, dtype=np.int32)  # 200 kB: more than the host quota
+            h = fast.put_array(cap, a)
+            got = fast.get_array(cap, h, np.int32, a.shape, copy=False)
+            np.testing.assert_array_equal(got, a)
+            assert got.flags.owndata  # a copy: the quota grants no region this size
