@@ -26,14 +26,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from shared.errors import InvalidArgument
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock, process_alive, process_start_ms
+from shared.records import RegionRecord
 from shared.region import Region, round_region_size
 
-__all__ = ["MAX_REGIONS_PER_TENANT", "RegionRecord", "RegionTable"]
+__all__ = ["MAX_REGIONS_PER_TENANT", "OwnedRegion", "RegionTable"]
 
 _log = get_logger("supervisor.regions")
 
@@ -42,7 +43,7 @@ MAX_REGIONS_PER_TENANT: Final = 64
 
 
 @dataclass(eq=False)
-class RegionRecord:
+class OwnedRegion:
     """One region: its segment (owned), its tenant and quota block, and the client it serves."""
 
     region_id: int
@@ -62,9 +63,9 @@ class RegionRecord:
         """Bytes charged to the tenant: the data capacity (the header page is ours)."""
         return self.region.capacity
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"region": self.region_id, "nbytes": self.nbytes, "pid": self.client_pid,
-                "age_s": round(time.time() - self.created_at, 3)}
+    def to_record(self) -> RegionRecord:
+        return RegionRecord(region=self.region_id, nbytes=self.nbytes, pid=self.client_pid,
+                            age_s=round(time.time() - self.created_at, 3))
 
 
 class RegionTable:
@@ -73,12 +74,12 @@ class RegionTable:
     def __init__(self, prefix: str, *, max_per_tenant: int = MAX_REGIONS_PER_TENANT) -> None:
         self.prefix = prefix
         self.max_per_tenant = max_per_tenant
-        self._by_id: dict[int, RegionRecord] = {}
-        self._by_tenant: dict[str, dict[int, RegionRecord]] = {}
+        self._by_id: dict[int, OwnedRegion] = {}
+        self._by_tenant: dict[str, dict[int, OwnedRegion]] = {}
         self._next_id = 1
 
     def create(self, tenant_id: str, block: QuotaBlock, nbytes: object, client_pid: object,
-               *, generation: int = 0) -> RegionRecord:
+               *, generation: int = 0) -> OwnedRegion:
         """A new region for ``tenant_id``'s client ``client_pid``.
 
         Raises InvalidArgument (size, pid, too many regions) or MemoryExhausted
@@ -102,7 +103,7 @@ class RegionTable:
         except BaseException:
             block.release_bytes(size)
             raise
-        rec = RegionRecord(self._next_id, tenant_id, region, block, client_pid, start_ms)
+        rec = OwnedRegion(self._next_id, tenant_id, region, block, client_pid, start_ms)
         self._next_id += 1
         self._by_id[rec.region_id] = rec
         self._by_tenant.setdefault(tenant_id, {})[rec.region_id] = rec
@@ -110,7 +111,7 @@ class RegionTable:
                   nbytes=size, pid=client_pid)
         return rec
 
-    def resolve(self, tenant_id: str, region_id: object) -> RegionRecord:
+    def resolve(self, tenant_id: str, region_id: object) -> OwnedRegion:
         """``tenant_id``'s region ``region_id``; another tenant's is as unknown as a released one."""
         if isinstance(region_id, bool) or not isinstance(region_id, int):
             raise InvalidArgument(f"region must be an int id, got {type(region_id).__name__}")
@@ -119,27 +120,27 @@ class RegionTable:
             raise InvalidArgument(f"unknown region {region_id} (never created by this tenant, or released)")
         return rec
 
-    def release(self, tenant_id: str, region_id: object) -> RegionRecord:
+    def release(self, tenant_id: str, region_id: object) -> OwnedRegion:
         """Release one of ``tenant_id``'s regions (the caller tells the workers to unmap it)."""
         rec = self.resolve(tenant_id, region_id)
         self._drop(rec, "released")
         return rec
 
-    def release_tenant(self, tenant_id: str) -> list[RegionRecord]:
+    def release_tenant(self, tenant_id: str) -> list[OwnedRegion]:
         """Every region of a tenant (eviction: before its quota block goes)."""
         recs = list(self._by_tenant.get(tenant_id, {}).values())
         for rec in recs:
             self._drop(rec, "tenant evicted")
         return recs
 
-    def reap(self) -> list[RegionRecord]:
+    def reap(self) -> list[OwnedRegion]:
         """Release the regions whose client process is gone; returns them."""
         dead = [rec for rec in self._by_id.values() if not process_alive(rec.client_pid, rec.client_start_ms)]
         for rec in dead:
             self._drop(rec, "client died")
         return dead
 
-    def of_tenant(self, tenant_id: str) -> list[RegionRecord]:
+    def of_tenant(self, tenant_id: str) -> list[OwnedRegion]:
         return list(self._by_tenant.get(tenant_id, {}).values())
 
     def bytes_of(self, tenant_id: str) -> int:
@@ -156,7 +157,7 @@ class RegionTable:
             except Exception as exc:  # noqa: BLE001 - keep releasing; logged
                 log_event(_log, logging.WARNING, "region.release_failed", region=rec.region_id, error=repr(exc))
 
-    def _drop(self, rec: RegionRecord, reason: str) -> None:
+    def _drop(self, rec: OwnedRegion, reason: str) -> None:
         self._by_id.pop(rec.region_id, None)
         held = self._by_tenant.get(rec.tenant_id)
         if held is not None:

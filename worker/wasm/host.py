@@ -55,6 +55,7 @@ from shared.errors import (
     WasmTrap,
 )
 from shared.log import get_logger, log_event
+from shared.sizes import MAX_MODULE_BYTES  # the largest module body the worker compiles
 from worker.context import TenantContext
 from worker.wasm.abi import HANDLERS, IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun, LogLimiter, NoGuestMemory, guest_view
 
@@ -63,8 +64,6 @@ __all__ = ["CompiledModule", "EpochTicker", "WasmHost", "WasmSession"]
 _log = get_logger("worker.wasm")
 
 PAGE = 65536
-#: largest module body the worker compiles (text or binary)
-MAX_MODULE_BYTES = 32 << 20
 #: compiled modules kept per worker (LRU)
 CACHE_ENTRIES = 64
 #: export arguments a run may pass
