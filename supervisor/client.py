@@ -11,6 +11,11 @@ Remote errors are raised as the same classes with the same fields
 :class:`SupervisorUnavailable`. One client is one DEALER socket: use one
 client per thread (calls on one client from several threads are serialised).
 For pipelining, :meth:`send` and :meth:`recv` expose the raw request/reply.
+
+Bulk bytes: :meth:`write`, :meth:`read`, :meth:`read_into`, :meth:`put_array`
+and :meth:`get_array` move payloads from ``bulk_threshold`` (256 KiB) on
+through a shared-memory region bound to the tenant (``supervisor.bulk``),
+and smaller ones, or all of them with ``regions=False``, in frames.
 """
 
 from __future__ import annotations
@@ -306,6 +311,8 @@ class SupervisorClient:
             raise InvalidArgument(f"read_into needs a writable buffer, got {type(out).__name__}") from None
         if view.readonly or not view.c_contiguous:
             raise InvalidArgument("read_into needs a writable, C-contiguous buffer")
+        if view.nbytes == 0:
+            return 0
         view = view.cast("B")
         raw = cap.to_bytes()
         if self._bulk.wants(raw, len(view)):

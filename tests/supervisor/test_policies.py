@@ -20,6 +20,7 @@ from supervisor.frontend import Frontend, pinned_instance, slot_for, with_wasm_l
 from supervisor.loop import Handoff, Timers
 from supervisor.metrics import Metrics
 from supervisor.pending import Pending, PendingTable
+from supervisor.regions import RegionTable
 from supervisor.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import pool_retry_delay_s
@@ -246,7 +247,7 @@ def test_requests_park_while_no_instance_is_ready_bounded_by_max_in_flight() -> 
     tenants["acme"] = rt
     fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
                   pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
-                  admin=lambda *a: None)
+                  admin=lambda *a: None, regions=RegionTable("policytest"))
     cap = b"x"
     fe._verified_caps[cap] = rt
     for rid in (1, 2, 3):

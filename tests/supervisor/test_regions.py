@@ -363,3 +363,44 @@ def test_a_view_falls_back_to_a_copy_when_no_region_is_granted() -> None:
             got = fast.get_array(cap, h, np.int32, a.shape, copy=False)
             np.testing.assert_array_equal(got, a)
             assert got.flags.owndata  # a copy: the quota grants no region this size
+
+
+# ------------------------------------------------------------------ the table, without processes
+
+
+def test_region_table_binds_each_region_to_one_tenant_and_reaps_dead_clients() -> None:
+    import subprocess
+    import sys
+
+    from shared.quota import QuotaBlock
+    from supervisor.frontend import pinned_instance
+    from supervisor.regions import RegionTable
+
+    table = RegionTable(f"tbl{os.getpid()}", max_per_tenant=2)
+    with QuotaBlock.create("acme", memory_quota_bytes=4 * MiB) as a, QuotaBlock.create("beta") as b:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            mine = table.create("acme", a, MIN_REGION_BYTES, os.getpid())
+            theirs = table.create("beta", b, MIN_REGION_BYTES, child.pid)
+            assert a.bytes_in_use == MIN_REGION_BYTES and b.bytes_in_use == MIN_REGION_BYTES
+            assert table.resolve("acme", mine.region_id) is mine
+            with pytest.raises(InvalidArgument, match="unknown region"):
+                table.resolve("acme", theirs.region_id)  # beta's: as unknown as a released one
+            with pytest.raises(MemoryExhausted):
+                table.create("acme", a, 4 * MiB, os.getpid())
+            table.create("acme", a, MIN_REGION_BYTES, os.getpid())
+            with pytest.raises(InvalidArgument, match="holds 2 regions"):
+                table.create("acme", a, MIN_REGION_BYTES, os.getpid())
+            assert table.reap() == []
+            child.kill()
+            child.wait(10)
+            assert table.reap() == [theirs] and b.bytes_in_use == 0
+            assert not os.path.exists(f"/dev/shm/{theirs.name}")
+            assert [r.region_id for r in table.release_tenant("acme")] == [mine.region_id, mine.region_id + 2]
+            assert a.bytes_in_use == 0 and len(table) == 0
+        finally:
+            child.kill()
+            child.wait(10)
+            table.close()
+    assert pinned_instance("write_region", {"handle": proto.make_handle(3, 1, 7), "region": 1}) == 3
+    assert pinned_instance("read_region", {"handle": proto.make_handle(0, 1, 7), "region": 1}) == 0
