@@ -34,6 +34,7 @@ bounded memory that serves any buffer size).
 from __future__ import annotations
 
 import mmap
+import os
 import secrets
 from dataclasses import dataclass
 from typing import Final
@@ -154,6 +155,19 @@ def plan_chunks(total: int, capacity: int, *, chunk_bytes: int = DEFAULT_CHUNK_B
     return out
 
 
+def _reserve(name: str, size: int) -> None:
+    """Give the segment its memory now: a full /dev/shm (a container's 64 MiB default) then
+    refuses the region here, instead of a SIGBUS at the first write past the space left."""
+    fd = os.open(os.path.join(_shm.SHM_DIR, name), os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise SegmentError(name, f"no room in {_shm.SHM_DIR} for a region of {size:,} B "
+                                 f"({exc.strerror}); free some or enlarge it") from None
+    finally:
+        os.close(fd)
+
+
 class Region(MappedSegment):
     """One mapped region: a header page and :attr:`capacity` bytes of data at :attr:`data`.
 
@@ -180,6 +194,7 @@ class Region(MappedSegment):
         name = region_name(prefix)
         seg = _shm.create(name, DATA_OFFSET + size)
         try:
+            _reserve(name, DATA_OFFSET + size)
             write_header(seg.buf, KIND_REGION, tenant_id, generation, DATA_OFFSET + size)
             return cls(seg, tenant_id, owner=True)
         except BaseException:

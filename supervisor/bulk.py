@@ -37,6 +37,7 @@ from shared.errors import (
     MemoryExhausted,
     Overloaded,
     RequestTimeout,
+    SegmentError,
     TensorWasmError,
     error_from_dict,
 )
@@ -126,7 +127,7 @@ class BulkPath:
         try:
             result = self._client._call_locked(
                 "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()})
-        except (MemoryExhausted, InvalidArgument):
+        except (MemoryExhausted, InvalidArgument, SegmentError):
             self._refused_until[cap] = time.monotonic() + _REFUSED_FOR_S
             return None
         try:
@@ -283,7 +284,7 @@ class BulkPath:
         try:
             result = self._client._call_locked(
                 "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()})
-        except (MemoryExhausted, InvalidArgument):
+        except (MemoryExhausted, InvalidArgument, SegmentError):
             return None
         region_id = int(result["region"])
         try:

@@ -159,3 +159,21 @@ def test_pipeline_chunk_sizes() -> None:
     assert pipeline_chunk_bytes(16 * MiB) == 4 * MiB  # about four chunks
     assert pipeline_chunk_bytes(256 * MiB) == DEFAULT_CHUNK_BYTES
     assert pipeline_chunk_bytes(256 * MiB, largest=MiB) == MiB
+
+
+def test_a_full_dev_shm_refuses_the_region_instead_of_a_later_sigbus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    before = set(os.listdir("/dev/shm"))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(SegmentError, match="no room"):
+        Region.create("acme", MIN_REGION_BYTES, prefix=PREFIX)
+    assert set(os.listdir("/dev/shm")) <= before  # nothing left behind
+
+
+def test_a_created_region_has_its_memory() -> None:
+    with Region.create("acme", 1 << 20, prefix=PREFIX) as owner:
+        assert os.stat(f"/dev/shm/{owner.name}").st_blocks * 512 >= owner.capacity  # allocated, not sparse

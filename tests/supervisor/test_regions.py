@@ -288,7 +288,9 @@ def test_worker_killed_mid_copy_leaks_nothing() -> None:
             killer = threading.Timer(0.05, os.kill, (pid, signal.SIGKILL))
             killer.start()
             try:
-                with pytest.raises(WorkerLost):
+                # killed while a chunk was in flight: WorkerLost; between two requests: the next
+                # one waits for the restart and is refused there (a handle of the dead incarnation)
+                with pytest.raises((WorkerLost, InvalidArgument)):
                     for _ in range(1000):
                         fast.write(cap, h, b"y" * (32 * MiB))
             finally:
