@@ -25,6 +25,7 @@ remembered for a while so a refused client does not pay a refusal per call.
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import time
 import weakref
@@ -62,6 +63,15 @@ DEFAULT_THRESHOLD: Final = 256 << 10
 DEFAULT_REGION_BYTES: Final = 64 << 20
 #: how long a refused region (quota, not local) sends a tenant's transfers to frames
 _REFUSED_FOR_S: Final = 5.0
+
+
+def _address(view: memoryview) -> int:
+    """The address of a writable buffer's first byte (the export ends at once)."""
+    anchor = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
 
 
 def byte_view(data: Any) -> memoryview:
@@ -110,7 +120,9 @@ class BulkPath:
         self.chunk_bytes = max(MIN_REGION_BYTES, chunk_bytes)
         self._staging: dict[bytes, _Staging] = {}
         self._refused_until: dict[bytes, float] = {}
-        #: regions leased to zero-copy arrays that were garbage-collected: released at the next call
+        #: regions behind arrays the caller holds (region id -> (region, its data's address))
+        self._leases: dict[int, tuple[_Staging, int]] = {}
+        #: leases whose array was garbage-collected: released at the next call
         self._released_leases: list[tuple[bytes, int]] = []
 
     # ------------------------------------------------------------ regions
@@ -169,6 +181,7 @@ class BulkPath:
         """Release the regions of zero-copy arrays collected since the last call."""
         while self._released_leases:
             cap, region_id = self._released_leases.pop()
+            self._leases.pop(region_id, None)  # the mapping goes with the last view of it
             self._release_quietly(cap, region_id)
 
     def close(self) -> None:
@@ -178,6 +191,9 @@ class BulkPath:
             self._staging.pop(staging.cap, None)
             staging.region.close()
             self._released_leases.append((staging.cap, staging.region_id))
+        for lease, _ in self._leases.values():  # arrays still alive keep their mapping
+            self._released_leases.append((lease.cap, lease.region_id))
+        self._leases.clear()
         while self._released_leases:
             cap, region_id = self._released_leases.pop()
             try:
@@ -213,6 +229,13 @@ class BulkPath:
         return self._retry_stale(cap, lambda: self._read_into(cap, handle, out, offset))
 
     def _write(self, cap: bytes, handle: int, data: memoryview, offset: int) -> bool:
+        leased = self._leased(cap, data)
+        if leased is not None:  # the bytes lie in a region already: no copy of ours
+            lease, start = leased
+            size = self._chunk(len(data))
+            chunks = [Chunk(p, min(size, len(data) - p), i, start + p) for i, p in enumerate(range(0, len(data), size))]
+            self._pipeline(lease, "write_region", handle, offset, chunks, before=None, after=None, own=True)
+            return True
         staging = self._staging_for(cap, len(data))
         if staging is None:
             return False
@@ -271,9 +294,17 @@ class BulkPath:
         self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=None)
         return bytes(staging.region.data[:nbytes])
 
-    def lease(self, cap: bytes, handle: int, nbytes: int,
-              offset: int) -> tuple[memoryview, Callable[[object], None]] | None:
-        """A region of its own holding ``nbytes`` of the buffer, for a zero-copy view.
+    # ------------------------------------------------------------ leases
+    #
+    # A lease is a region of its own behind one array the caller holds (get_array's
+    # zero-copy view, empty_array): released once that array is garbage-collected.
+    # Writing such an array (or a slice of it) needs no copy of ours: the worker
+    # copies straight from where it lies.
+
+    def lease(self, cap: bytes, handle: int | None, nbytes: int,
+              offset: int = 0) -> tuple[memoryview, Callable[[object], None]] | None:
+        """A region of its own for ``nbytes`` (holding the buffer's bytes at ``offset`` when
+        ``handle`` is given), for an array that lives in it.
 
         Returns the bytes' view and ``keep(owner)``: call it with the object
         that exposes the view (an ndarray); the region is released once that
@@ -294,12 +325,14 @@ class BulkPath:
             raise
         staging = _Staging(region_id, region, cap)
         try:
-            chunks = plan_chunks(nbytes, region.capacity, chunk_bytes=self._chunk(nbytes), max_slots=1 << 20)
-            self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=None, own=True)
+            if handle is not None:
+                chunks = plan_chunks(nbytes, region.capacity, chunk_bytes=self._chunk(nbytes), max_slots=1 << 20)
+                self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=None, own=True)
         except BaseException:
             region.close()
             self._release_quietly(cap, region_id)
             raise
+        self._leases[region_id] = (staging, _address(region.data))
         released = self._released_leases
 
         def keep(owner: object) -> None:
@@ -307,6 +340,16 @@ class BulkPath:
             weakref.finalize(owner, released.append, (cap, region_id))
 
         return region.data[:nbytes], keep
+
+    def _leased(self, cap: bytes, view: memoryview) -> tuple[_Staging, int] | None:
+        """(lease, offset in it) when ``view`` lies inside one of this tenant's leases."""
+        if not self._leases or view.readonly or not len(view):
+            return None
+        addr = _address(view)
+        for staging, base in self._leases.values():
+            if staging.cap == cap and base <= addr and addr + len(view) <= base + staging.capacity:
+                return staging, addr - base
+        return None
 
     def _pipeline(self, staging: _Staging, op: str, handle: int, offset: int, chunks: list[Chunk], *,
                   before: Callable[[Chunk], None] | None, after: Callable[[Chunk], None] | None,

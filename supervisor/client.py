@@ -364,6 +364,30 @@ class SupervisorClient:
             raise
         return handle
 
+    def empty_array(self, cap: TenantCapability, dtype: Any, shape: int | Sequence[int]) -> Any:
+        """A new, uninitialised numpy array that lives in a shared-memory region of its own.
+
+        Writing it (or a C-contiguous slice of it) with :meth:`write` or
+        :meth:`put_array` costs no copy on this side: the worker copies from
+        where it lies. Its region counts against the tenant's host quota until
+        the array is garbage-collected. Without a region (remote client, quota)
+        it is a plain ``numpy.empty``.
+        """
+        import numpy as np
+
+        dt, dims, nbytes = _array_layout(dtype, shape)
+        raw = cap.to_bytes()
+        if nbytes and self._bulk.enabled:
+            with self._lock:
+                self._check_open()
+                leased = self._bulk.lease(raw, None, nbytes)
+            if leased is not None:
+                view, keep = leased
+                array = np.frombuffer(view, dtype=dt).reshape(dims)
+                keep(array)
+                return array
+        return np.empty(dims, dtype=dt)
+
     def get_array(self, cap: TenantCapability, handle: int, dtype: Any, shape: int | Sequence[int], *,
                   copy: bool = True, offset: int = 0) -> Any:
         """The buffer's bytes at ``offset`` as a numpy array of ``dtype`` and ``shape``.
@@ -375,11 +399,7 @@ class SupervisorClient:
         """
         import numpy as np
 
-        dt = np.dtype(dtype)
-        dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        if any(d < 0 for d in dims):
-            raise InvalidArgument(f"shape must not be negative, got {dims}")
-        nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+        dt, dims, nbytes = _array_layout(dtype, shape)
         raw = cap.to_bytes()
         if not copy and nbytes and self._bulk.wants(raw, max(nbytes, self._bulk.threshold)):
             with self._lock:
@@ -446,6 +466,17 @@ class SupervisorClient:
                     continue
         finally:
             sub.close(0)
+
+
+def _array_layout(dtype: Any, shape: int | Sequence[int]) -> tuple[Any, tuple[int, ...], int]:
+    """(numpy dtype, shape tuple, bytes) of an array request; InvalidArgument for a bad shape."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"shape must not be negative, got {dims}")
+    return dt, dims, int(np.prod(dims, dtype=np.int64)) * dt.itemsize
 
 
 def _wasm_arg(value: Any) -> Any:

@@ -10,7 +10,9 @@ device buffer of that size, through
   clients use and what every client used before regions;
 * **regions** - shared-memory regions, chunks pipelined (the default path of
   a local client for payloads >= ``bulk_threshold``): ``write``,
-  ``read_into`` (into a buffer of the caller's), and ``read`` (returns a new
+  ``write from empty_array`` (an array that lives in a region of its own:
+  the worker's copy only), ``read_into`` (into a buffer of the caller's),
+  and ``read`` (returns a new
   ``bytes``: one more copy when the payload exceeds the staging region; its
   baseline is a copy into a new ``bytes``, page faults of the new memory
   included).
@@ -94,10 +96,13 @@ def main(argv: list[str] | None = None) -> int:
                 def memcpy() -> None:
                     out[:] = view
 
+                resident = fast.empty_array(cap, "uint8", size)  # an array living in a region
+                resident[:] = 0x5A
                 cases: dict[str, Callable[[], object]] = {
                     "memcpy": memcpy,
                     "memcpy to new bytes": lambda: bytes(view),
                     "write regions": lambda: fast.write(cap, handle, view),
+                    "write from empty_array": lambda: fast.write(cap, handle, resident),
                     "read_into regions": lambda: fast.read_into(cap, handle, out),
                     "read regions": lambda: fast.read(cap, handle, size),
                 }

@@ -406,3 +406,28 @@ def test_region_table_binds_each_region_to_one_tenant_and_reaps_dead_clients() -
             table.close()
     assert pinned_instance("write_region", {"handle": proto.make_handle(3, 1, 7), "region": 1}) == 3
     assert pinned_instance("read_region", {"handle": proto.make_handle(0, 1, 7), "region": 1}) == 0
+
+
+def test_arrays_that_live_in_a_region_are_written_without_a_staging_copy() -> None:
+    with supervisor() as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("acme"))
+        with _client(sup) as fast:
+            a = fast.empty_array(cap, np.float64, (512, 300))
+            a[:] = np.arange(a.size, dtype=np.float64).reshape(a.shape)
+            assert _region_bytes(sup, "acme")[0] == 1  # the array's own region, nothing else
+            h = fast.put_array(cap, a)
+            assert _region_bytes(sup, "acme")[0] == 1  # written from where it lies: no staging region
+            np.testing.assert_array_equal(fast.get_array(cap, h, np.float64, a.shape), a)
+            fast.write(cap, h, a[100:200], offset=8)  # a contiguous slice, at its place in the region
+            got = fast.get_array(cap, h, np.float64, (100, 300), offset=8)
+            np.testing.assert_array_equal(got, a[100:200])
+            view = fast.get_array(cap, h, np.float64, a.shape, copy=False)  # a lease can be written back
+            h2 = fast.put_array(cap, view)
+            np.testing.assert_array_equal(fast.get_array(cap, h2, np.float64, (512, 300)), view)
+            count = _region_bytes(sup, "acme")[0]
+            del a, view
+            gc.collect()
+            fast.ping(cap)
+            wait_for(lambda: _region_bytes(sup, "acme")[0] == count - 2, what="both arrays' regions released")
+        assert c.quota(cap)["bytes_in_use"] == 0
