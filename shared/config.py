@@ -64,6 +64,8 @@ class SupervisorConfig:
     """Everything ``twt supervise`` needs; see docs/OPERATIONS.md for each field."""
 
     run_dir: str = field(default_factory=default_run_dir)
+    #: where the durable state lives (``None``: ``<run_dir>/state``; see :attr:`state_path`)
+    state_dir: str | None = None
     backend: str = "auto"
     start_method: str = "spawn"
     log_format: str = "text"
@@ -86,12 +88,20 @@ class SupervisorConfig:
     metrics_addr: str | None = None
     register_timeout_s: float = 60.0
     tenants: tuple[TenantSpec, ...] = ()
+    #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`
+    config_file: str | None = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
         s(self, "run_dir", os.path.abspath(os.path.expanduser(str(self.run_dir))))
         if len(os.path.join(self.run_dir, "frontend.ipc")) > 100:
             raise ValueError(f"run_dir {self.run_dir!r} is too long for unix socket paths (keep it under ~80 chars)")
+        if self.state_dir is not None:
+            if not isinstance(self.state_dir, str) or not self.state_dir:
+                raise ValueError(f"state_dir must be a directory path; got {self.state_dir!r}")
+            s(self, "state_dir", os.path.abspath(os.path.expanduser(self.state_dir)))
+        if self.config_file is not None:
+            s(self, "config_file", os.path.abspath(os.fspath(self.config_file)))
         _choice(self.backend, _BACKENDS, "backend")
         _choice(self.start_method, _START_METHODS, "start_method")
         _choice(self.log_format, _LOG_FORMATS, "log_format")
@@ -124,6 +134,11 @@ class SupervisorConfig:
             raise ValueError(f"tenant(s) listed twice in the config: {', '.join(dupes)}")
         s(self, "tenants", tenants)
 
+    @property
+    def state_path(self) -> str:
+        """The state directory: ``state_dir``, else ``<run_dir>/state``."""
+        return self.state_dir if self.state_dir is not None else os.path.join(self.run_dir, "state")
+
     # paths inside the run dir
     def path(self, name: str) -> str:
         return os.path.join(self.run_dir, name)
@@ -139,7 +154,7 @@ class SupervisorConfig:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f: getattr(self, f) for f in self.field_names() if f != "tenants"}
+        out = {f: getattr(self, f) for f in self.field_names() if f not in ("tenants", "config_file")}
         out["devices"] = list(self.devices) if isinstance(self.devices, tuple) else self.devices
         out["tenants"] = [t.to_dict() for t in self.tenants]
         return out
@@ -194,6 +209,7 @@ def parse_host_port(addr: str, what: str = "address") -> tuple[str, int]:
 #: fields settable from the environment as TWT_<FIELD upper-case>
 _ENV_FIELDS = (
     "run_dir",
+    "state_dir",
     "backend",
     "start_method",
     "log_format",
@@ -256,7 +272,7 @@ def config_dict_to_fields(doc: Mapping[str, Any], where: str = "config") -> dict
     sup = doc.get("supervisor", {})
     if not isinstance(sup, Mapping):
         raise ValueError(f"{where}: [supervisor] must be a table")
-    known = set(SupervisorConfig.field_names()) - {"tenants"}
+    known = set(SupervisorConfig.field_names()) - {"tenants", "config_file"}
     bad = sorted(set(sup) - known)
     if bad:
         raise ValueError(f"{where}: unknown [supervisor] key(s) {', '.join(map(repr, bad))}; known: {', '.join(sorted(known))}")
@@ -278,6 +294,7 @@ def load_config(
     fields: dict[str, Any] = {}
     if path is not None:
         fields.update(read_config_file(path))
+        fields["config_file"] = os.fspath(path)
     fields.update(_from_env(os.environ if environ is None else environ))
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return SupervisorConfig(**fields)

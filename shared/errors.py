@@ -29,6 +29,8 @@ filled by ``__init_subclass__``. Names follow the Rust crate
     +-- RequestTimeout               no reply within the client timeout  retryable (TimeoutError)
     +-- SupervisorUnavailable        no supervisor at that run dir       retryable (ConnectionError)
     +-- SegmentError                 shared-memory segment missing/foreign/closed
+    +-- StateError                   the state database cannot be used as it is
+    +-- ConfigError                  the config file cannot be applied (reload)  (ValueError)
     +-- RegistryError
         +-- AlreadyRegistered        (ValueError)
         +-- UnknownTenant            (LookupError)
@@ -45,6 +47,7 @@ __all__ = [
     "BackendUnavailable",
     "CapabilityFromForeignRegistry",
     "CapabilityRevoked",
+    "ConfigError",
     "CudaError",
     "GpuMemoryExhausted",
     "InvalidArgument",
@@ -56,6 +59,7 @@ __all__ = [
     "RequestTimeout",
     "RunDirLocked",
     "SegmentError",
+    "StateError",
     "SupervisorUnavailable",
     "TenantFailed",
     "TenantIsolationViolation",
@@ -474,6 +478,45 @@ class SegmentError(TensorWasmError):
 
     def _default_message(self) -> str:
         return f"shared-memory segment {self.name!r}: {self.detail}"
+
+
+class StateError(TensorWasmError):
+    """The supervisor's state database cannot be used as it is (corrupt, newer schema, in use).
+
+    Raised at start-up; the supervisor stops without touching the file, so the
+    operator can inspect it, restore a backup, or move it away for a first
+    start. ``path`` names the file, ``detail`` the problem.
+    """
+
+    code = "state_error"
+    _fields = ("path", "detail")
+
+    def __init__(self, path: str, detail: str, *, message: str | None = None) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return f"state database {self.path}: {self.detail}"
+
+
+class ConfigError(TensorWasmError, ValueError):
+    """The config file cannot be applied (``twt reload``, SIGHUP): nothing was changed.
+
+    ``path`` names the file, ``detail`` every problem found. Fix the file and
+    reload again; the supervisor keeps running with what it had.
+    """
+
+    code = "config_error"
+    _fields = ("path", "detail")
+
+    def __init__(self, path: str, detail: str, *, message: str | None = None) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return f"config {self.path}: {self.detail}; nothing was changed"
 
 
 class RegistryError(TensorWasmError):

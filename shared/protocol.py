@@ -157,6 +157,16 @@ OPS: Final[dict[str, OpSpec]] = {
                (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
                "{tenant, instance, pid, kind, ...armed}", ("UnknownTenant", "InvalidArgument", "WorkerLost"),
                "inject_fault", "fault"),
+        # ---- service ops (the admin capability; supervisor.service)
+        OpSpec("reload", True, (),
+               "{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "
+               "settings_not_applied, errors}", ("ConfigError",), "reload", "reload"),
+        OpSpec("reset", True, (Arg(_T, _STR, True),), "tenant status record (once it runs)",
+               ("UnknownTenant", "TenantFailed"), "reset", "reset"),
+        OpSpec("restart", True, (Arg(_T, _STR, True),), "tenant status record (once every instance is new)",
+               ("UnknownTenant", "TenantFailed"), "restart_tenant", "restart"),
+        OpSpec("rotate_key", True, (), "{admin_capability, registry_id}", ("StateError",), "rotate_key",
+               "rotate-key"),
     )
 }
 #: ops a tenant capability grants (routed to one of the tenant's workers)

@@ -66,6 +66,8 @@ def _ignore_reply(ok: bool, payload: Any) -> None:
 
 
 AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
+#: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
+DenialHook = Callable[["bytes | None", str], None]
 
 
 class Frontend:
@@ -83,6 +85,7 @@ class Frontend:
         registry: TenantRegistry,
         tenants: Mapping[str, TenantRuntime],
         admin: AdminHandler,
+        on_denied: DenialHook | None = None,
         regions: RegionTable,
     ) -> None:
         self.config = config
@@ -94,6 +97,7 @@ class Frontend:
         self.registry = registry
         self.tenants = tenants
         self.admin = admin
+        self.on_denied = on_denied
         self.regions = regions
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
@@ -136,6 +140,10 @@ class Frontend:
                 self.admin(client, rid, op, cap_raw, args, body)
             else:
                 self._tenant_request(client, rid, op, cap_raw, args, body)
+        except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
+            self._refused(client, rid, op, exc)
+            if self.on_denied is not None:
+                self.on_denied(cap_raw, op)
         except TensorWasmError as exc:
             self._refused(client, rid, op, exc)
         except (TypeError, ValueError, KeyError) as exc:
@@ -203,6 +211,10 @@ class Frontend:
             rt.parked.append(Parked(client, rid, op, args, body, now, now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned))
             return
         self._forward(rt, slot, client, rid, op, args, body, now)
+
+    def forget_verified(self) -> None:
+        """Drop the verified-capability cache (the registry key was rotated: nothing verified before counts)."""
+        self._verified_caps.clear()
 
     def _verify(self, cap_raw: bytes) -> TenantRuntime:
         # Fast path: these exact bytes were verified for this very tenant runtime

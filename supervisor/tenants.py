@@ -6,7 +6,12 @@ restarts it, ``on-failure`` only after a non-zero exit or a signal,
 one within a window is immediate: crash recovery should be instant), and
 more than ``max_restarts`` restarts within ``restart_window_s`` mark the
 tenant ``failed``: its requests are refused with :class:`TenantFailed` until
-an operator evicts and re-registers it.
+an operator resets it (``twt reset``: same capability) or evicts it.
+
+Only exits the supervisor did not ask for count: a worker it stopped on
+purpose (a rolling restart, a reset, a failed tenant's, a scale-down) is
+never restarted by the policy and never spends the budget; a slot marked
+``replace`` gets a new worker when its old one has exited.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class InstanceSlot:
     restart_at: float | None = None  # scheduled restart (monotonic)
     last_exit: dict[str, Any] | None = None
     draining: bool = False  # being scaled away
+    replace: bool = False  # start a new worker when the current one (stopped on purpose) exits
 
     @property
     def ready(self) -> bool:
@@ -84,6 +90,16 @@ class TenantRuntime:
     register_waiters: list[tuple[bytes | None, int | None, bytes]] = field(default_factory=list)
     #: modules sent with put_module (digest -> bytes), least recently used first
     modules: collections.OrderedDict[str, bytes] = field(default_factory=collections.OrderedDict)
+    #: where the tenant came from: the config file ("file") or a register request ("runtime")
+    origin: str = "runtime"
+    #: brought back from the state at start: a failure to start marks it failed, never evicts it
+    restoring: bool = False
+    #: (client, rid, op) of reset/restart requests answered once the tenant runs (ServiceOps)
+    ready_waiters: list[tuple[bytes | None, int, str]] = field(default_factory=list)
+    #: a rolling restart: instance indexes still to replace, and the one being replaced
+    rolling: collections.deque[int] = field(default_factory=collections.deque)
+    rolling_slot: InstanceSlot | None = None
+    rolling_incarnation: int = 0
 
     @property
     def tenant_id(self) -> str:

@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "route": "supervisor.bench.route",
     "scale": "supervisor.bench.scale",
     "wasm": "supervisor.bench.wasm",
+    "restore": "supervisor.bench.restore",
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"

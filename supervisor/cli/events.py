@@ -31,7 +31,8 @@ __all__ = ["KINDS", "add_parser", "format_event", "run"]
 
 #: the event kinds the supervisor publishes (see supervisor/events.py and docs/OPERATIONS.md)
 KINDS = ("spawn", "ready", "exit", "restart", "failed", "register", "evict", "scale", "set_quota",
-         "quota_refusal", "fault", "kill")
+         "quota_refusal", "fault", "kill", "denied", "denied_dropped", "reload", "reload_failed", "reset",
+         "rolling_restart", "rotate_key", "stall", "state_error")
 #: fields shown first, in this order; the rest follow alphabetically
 _ORDER = ("worker", "pid", "exit_code", "signal", "reason", "expected", "kind")
 _HIDDEN = {"event", "ts", "tenant", "instance"}

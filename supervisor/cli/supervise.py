@@ -1,4 +1,4 @@
-"""``twt supervise``: run the supervisor in the foreground until SIGTERM/SIGINT."""
+"""``twt supervise``: run the supervisor in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "supervise",
         help="run a supervisor in the foreground",
         description="Run a supervisor: one worker process per tenant instance, ZeroMQ routing, "
-        "crash and hang recovery. Stops gracefully on SIGTERM/SIGINT. Settings: defaults < "
+        "crash and hang recovery. Stops gracefully on SIGTERM/SIGINT; SIGHUP re-reads --config (as twt reload). "
+        "Tenants come back from the state directory after a restart. Settings: defaults < "
         "[supervisor] table of --config < TWT_* environment < these flags.",
     )
     p.add_argument("--config", help="TOML file with a [supervisor] table and [[tenant]] tables")
     p.add_argument("--run-dir", help="directory for sockets, admin.cap and the lock (0700)")
+    p.add_argument("--state-dir", help="directory of the durable state database (default <run dir>/state)")
     p.add_argument("--backend", choices=["auto", "stub", "cuda"], help="compute backend (default auto)")
     p.add_argument("--start-method", choices=["spawn", "forkserver"], help="how workers are started (default spawn)")
     p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each")
@@ -36,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
             args.config,
             overrides={
                 "run_dir": args.run_dir,
+                "state_dir": args.state_dir,
                 "backend": args.backend,
                 "start_method": args.start_method,
                 "log_format": args.log_format,

@@ -56,8 +56,10 @@ def _alive(pid: int, created: float) -> bool:
 
 
 def _prefix(sup: SupervisorHandle) -> str:
-    """Segment names of this supervisor start with this (its registry id)."""
-    return "twt-" + str(sup.client.hello()["registry_id"])[:8] + "-"
+    """Segment names of this supervisor start with this (a prefix drawn per start: the registry id
+    is the same after a restart, the state being durable)."""
+    name = str(tenant(sup.client.status(), "a")["quota"]["name"])
+    return name.rsplit("-", 1)[0] + "-"
 
 
 # what is going on when the supervisor is killed ------------------------------------------------
