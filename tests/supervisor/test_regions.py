@@ -50,9 +50,14 @@ def _region_bytes(sup: Any, tid: str) -> tuple[int, int]:
     return len(rec["regions"]), sum(r["nbytes"] for r in rec["regions"])
 
 
-def _segments(sup: Any) -> list[str]:
-    prefix = f"{SEGMENT_PREFIX}{sup.client.hello()['registry_id'][:8]}"
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix) and "-r" in n[len(prefix):])
+def _prefix(sup: Any, tid: str) -> str:
+    """``twt-<this supervisor's segment prefix>`` (drawn per start), from a tenant's quota block."""
+    return str(tenant(sup.client.status(), tid)["quota"]["name"]).rsplit("-", 1)[0]
+
+
+def _segments(sup: Any, tid: str = "acme") -> list[str]:
+    prefix = _prefix(sup, tid)
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix + "-r"))
 
 
 def test_round_trips_of_many_sizes_both_paths() -> None:
@@ -208,7 +213,7 @@ def test_another_tenants_region_and_handle_are_refused() -> None:
         assert c.read(b, hb, 13) == b"beta's secret"
         # names are unguessable, under the supervisor's prefix, mode 0600
         for rec in (ra, rb):
-            assert rec["name"].startswith(f"{SEGMENT_PREFIX}{c.hello()['registry_id'][:8]}-r")
+            assert rec["name"].startswith(_prefix(sup, "alpha") + "-r") and rec["name"].startswith(SEGMENT_PREFIX)
             assert len(rec["name"].rsplit("-r", 1)[1]) == 32
             assert os.stat(f"/dev/shm/{rec['name']}").st_mode & 0o777 == 0o600
 
@@ -239,10 +244,12 @@ def test_evict_reclaims_regions_and_shutdown_unlinks_every_one() -> None:
             c.call("region_create", cap, {"nbytes": MIN_REGION_BYTES, "pid": os.getpid()})
         c.call("region_create", other, {"nbytes": MIN_REGION_BYTES, "pid": os.getpid()})
         assert len(_segments(sup)) == 4
+        prefix = _prefix(sup, "other")
         c.evict(None, "acme")
-        assert len(_segments(sup)) == 1
-        prefix = _segments(sup)[0]
-    assert not os.path.exists(f"/dev/shm/{prefix}")  # none outlives the supervisor
+        assert len(_segments(sup, "other")) == 1
+        last = _segments(sup, "other")[0]
+    assert not os.path.exists(f"/dev/shm/{last}")  # none outlives the supervisor
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix + "-")]
 
 
 def _write_forever(run_dir: str, cap: bytes, handle: int, started: Any) -> None:
