@@ -39,6 +39,7 @@ from shared.errors import (
     StateError,
     TenantFailed,
     TenantIsolationViolation,
+    TenantStopped,
     TensorWasmError,
     UnknownTenant,
     WorkerLost,
@@ -65,7 +66,7 @@ from supervisor.placement import Placement
 from supervisor.registry import TenantRegistry
 from supervisor.rundir import RunDir
 from supervisor.state import StateStore
-from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
+from supervisor.tenants import InstanceSlot, Parked, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import WorkerSet
 
@@ -236,7 +237,7 @@ class AdminOps:
 
     def _check_registered(self, rt: TenantRuntime) -> None:
         rt.refresh_state()
-        if not rt.register_waiters or rt.state is not TenantState.RUNNING:
+        if not rt.register_waiters or rt.state not in (TenantState.RUNNING, TenantState.STOPPED):
             return
         waiters, rt.register_waiters = rt.register_waiters, []
         tenant = {
@@ -285,7 +286,7 @@ class AdminOps:
     def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
                                reason: str) -> None:
         """Instance ``index`` is not coming back: answer what can only go there."""
-        restarting = any(s.worker is not None or s.restart_at is not None for s in rt.slots if not s.draining)
+        restarting = rt.coming_up()
         exc = WorkerLost(rt.tenant_id, index, code, sig, f"{reason}; not restarted (restart={rt.spec.restart.value})")
         self.frontend.refuse_all_parked(rt, lambda p: exc if p.instance == index or not restarting else None)
 
@@ -350,7 +351,10 @@ class AdminOps:
         spec = rt.spec.with_instances(n)  # validates the range
         self.registry.update_spec(self.admin_cap, spec)
         rt.spec = spec
-        wanted = [s for s in rt.slots if not s.draining]
+        wanted = rt.wanted_slots()
+        for down in wanted[:n] if rt.state is not TenantState.FAILED else ():
+            if down.worker is None and down.restart_at is None:  # down for good (not restarted): start it again
+                self.workers.start_instance(rt, down)
         if n > len(wanted):
             for _ in range(n - len(wanted)):
                 # reuse a scaled-away slot whose worker is gone, else open a new one
@@ -368,6 +372,7 @@ class AdminOps:
                 slot.restart_at = None
                 if slot.worker is not None:
                     self.workers.drain(slot.worker)
+            self.frontend.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
         self.record(self.state.update_spec, rt.spec)
         self.events.emit("scale", tenant=tid, instances=n)
         rt.refresh_state()
@@ -497,3 +502,13 @@ class AdminOps:
             tenants=tuple(self.tenant_record(rt) for _, rt in sorted(self.tenants.items())),
             devices=tuple(self.placement.status(by_device)),
         )
+
+
+def _scaled_away(rt: TenantRuntime, parked: Parked) -> TensorWasmError | None:
+    """The answer for a request that waits for an instance a scale-down just took away (None: keep waiting)."""
+    if not rt.wanted_slots():
+        return TenantStopped(rt.tenant_id)
+    if parked.instance is not None and rt.slots[parked.instance].draining:
+        return InvalidArgument(f"instance {parked.instance} of {rt.tenant_id!r}, which holds the request's "
+                               "buffer, was scaled away")
+    return None

@@ -297,9 +297,16 @@ class SupervisorClient:
         result: dict[str, Any] = self.call("quota", cap)
         return result
 
-    def alloc(self, cap: TenantCapability, nbytes: int) -> int:
-        """A device buffer of ``nbytes``; returns its handle. GpuMemoryExhausted when refused."""
-        return int(self.call("alloc", cap, {"nbytes": nbytes})["handle"])
+    def alloc(self, cap: TenantCapability, nbytes: int, instance: int | None = None) -> int:
+        """A device buffer of ``nbytes``; returns its handle. GpuMemoryExhausted when refused.
+
+        ``instance``: allocate on that instance of the tenant (buffers a run
+        uses together must live on one instance); default: the least loaded.
+        """
+        args: dict[str, Any] = {"nbytes": nbytes}
+        if instance is not None:
+            args["instance"] = instance
+        return int(self.call("alloc", cap, args)["handle"])
 
     def free(self, cap: TenantCapability, handle: int) -> int:
         return int(self.call("free", cap, {"handle": handle})["freed"])

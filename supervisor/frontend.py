@@ -2,9 +2,14 @@
 
 A request names no worker: the supervisor picks the least-loaded ready
 instance of the capability's tenant, or the instance that holds the buffer
-handle it names. When no instance is ready (a restart is under way) the
-request is parked, bounded by ``max_in_flight`` and its deadline, and sent as
-soon as one is (:meth:`Frontend.dispatch_parked`).
+handles it names (buffer affinity; ``alloc`` may name an instance). A handle
+from an earlier incarnation of its instance is answered
+:class:`~shared.errors.BufferLost` at once. When no instance is ready but one
+is starting or restarting, the request is parked, bounded by
+``max_in_flight`` and its deadline, and sent as soon as one is
+(:meth:`Frontend.dispatch_parked`); a tenant scaled to 0 is answered
+:class:`~shared.errors.TenantStopped`, and one whose instances are gone for
+good :class:`~shared.errors.WorkerLost`, at once.
 
 Owns: the frontend ROUTER socket's *receive* side, the verified-capability
 cache, the tenants' stored modules (``put_module``) and parked requests, and
@@ -29,11 +34,13 @@ from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.config import SupervisorConfig
 from shared.errors import (
+    BufferLost,
     InvalidArgument,
     Overloaded,
     ProtocolError,
     TenantFailed,
     TenantIsolationViolation,
+    TenantStopped,
     TensorWasmError,
     UnknownModule,
     UnknownTenant,
@@ -56,6 +63,8 @@ _log = get_logger("supervisor")
 
 #: ops whose replies can carry big bodies: refused while a client lets too many pile up
 _BIG_REPLY_OPS = frozenset({"read", "run_wasm"})
+#: ops that may name an instance, directly (alloc) or through buffer handles
+_PINNING_OPS = proto.HANDLE_OPS | {"alloc", "run_wasm"}
 MAX_MODULES_PER_TENANT = 32
 MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
@@ -188,6 +197,8 @@ class Frontend:
             body = stored
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
+        if rt.state is TenantState.STOPPED:
+            raise TenantStopped(tid)
         if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
             raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
         if op in _BIG_REPLY_OPS:
@@ -201,13 +212,17 @@ class Frontend:
         if op == "buffers":
             self._buffers_of_every_instance(rt, client, rid)
             return
-        pinned = pinned_instance(op, args)
+        pinned = pinned_instance(rt, op, args)
+        if pinned is not None:
+            lost = lost_buffer(rt, op, args)
+            if lost is not None:
+                raise lost
         slot = slot_for(rt, pinned)
         now = self.clock()
         if slot is None:
-            if pinned is not None and (pinned >= len(rt.slots) or rt.slots[pinned].draining):
-                raise InvalidArgument(f"buffer handle names instance {pinned}, which {tid!r} does not run")
-            # no ready instance (restarting / starting): wait for one, bounded
+            if not (rt.coming_up() if pinned is None else rt.slots[pinned].coming_up):
+                raise _nothing_coming_up(rt, pinned)
+            # no ready instance, but one is starting or restarting: wait for it, bounded
             rt.parked.append(Parked(client, rid, op, args, body, now, now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned))
             return
         self._forward(rt, slot, client, rid, op, args, body, now)
@@ -363,6 +378,10 @@ class Frontend:
             if slot is None:
                 keep.append(p)
                 continue
+            lost = lost_buffer(rt, p.op, p.args) if p.instance is not None else None
+            if lost is not None:  # its instance restarted while it waited: the buffer went with it
+                self.pending.refuse_parked(rt.tenant_id, p, lost)
+                continue
             try:
                 self._forward(rt, slot, p.client, p.rid, p.op, p.args, p.body, now,
                               started=p.started, deadline=p.deadline)
@@ -397,23 +416,84 @@ class Frontend:
 # ------------------------------------------------------------ instance choice (pure policy)
 
 
-def pinned_instance(op: str, args: dict[str, Any]) -> int | None:
-    """The instance a request must go to: the one holding the buffer handle it names, if any."""
+def request_handles(op: str, args: dict[str, Any]) -> list[int]:
+    """The buffer handles a request names (``handle``, or run_wasm's ``{handle}`` arguments)."""
     if op in proto.HANDLE_OPS:
         handle = args.get("handle")
         if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
             raise InvalidArgument("handle must be a non-negative int")
-        return proto.handle_instance(handle)
+        return [handle]
     if op == "run_wasm":
-        found = {
-            proto.handle_instance(a["handle"])
+        return [
+            a["handle"]
             for a in args.get("args") or ()
             if isinstance(a, dict) and isinstance(a.get("handle"), int) and not isinstance(a.get("handle"), bool)
-        }
-        if len(found) > 1:
-            raise InvalidArgument("run_wasm buffer arguments live on different instances")
-        return found.pop() if found else None
+        ]
+    return []
+
+
+def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | None:
+    """The instance a request must go to: the one holding the buffers it names, or ``alloc``'s ``instance``.
+
+    InvalidArgument when its buffers live on different instances (naming them),
+    or when the instance is not one the tenant runs.
+    """
+    if op not in _PINNING_OPS:
+        return None  # the hot path (ping, quota-free ops): nothing to look at
+    if op == "alloc":
+        pinned = args.get("instance")
+        if pinned is not None and (isinstance(pinned, bool) or not isinstance(pinned, int) or pinned < 0):
+            raise InvalidArgument("alloc: instance must be a non-negative int")
+        what = "alloc names"
+    else:
+        handles = request_handles(op, args)
+        where: dict[int, list[str]] = {}
+        for h in handles:
+            where.setdefault(proto.handle_instance(h), []).append(proto.format_handle(h))
+        if len(where) > 1:
+            held = "; ".join(f"{', '.join(names)} on {rt.tenant_id}/{i}" for i, names in sorted(where.items()))
+            raise InvalidArgument(
+                f"{op}: its buffers live on different instances ({held}); a run sees the buffers of one instance: "
+                f"allocate them on one (twt alloc {rt.tenant_id} SIZE --instance N, or alloc(cap, n, instance=N))"
+            )
+        pinned = next(iter(where), None)
+        what = "buffer handle names"
+    if pinned is not None and (pinned >= len(rt.slots) or rt.slots[pinned].draining):
+        running = ", ".join(str(s.index) for s in rt.wanted_slots()) or "none"
+        raise InvalidArgument(f"{what} instance {pinned}, which {rt.tenant_id!r} does not run "
+                              f"(its instances: {running})")
+    return pinned
+
+
+def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, Any]) -> BufferLost | None:
+    """:class:`BufferLost` for the first handle whose instance restarted since (or died with it), else None.
+
+    A handle is alive while its slot's worker is the incarnation that made it;
+    a slot with no worker lost it (a restart is pending), one with a newer
+    incarnation restarted.
+    """
+    for h in request_handles(op, args):
+        index = proto.handle_instance(h)
+        if index >= len(rt.slots):
+            continue  # refused by pinned_instance
+        slot = rt.slots[index]
+        if slot.worker is None or slot.incarnation & 0xFFFF != proto.handle_incarnation(h):
+            return BufferLost(rt.tenant_id, proto.format_handle(h), index, slot.incarnation)
     return None
+
+
+def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError:
+    """The answer when no instance (or not the pinned one) is ready or coming (so waiting is useless)."""
+    wanted = rt.wanted_slots()
+    if not wanted:
+        return TenantStopped(rt.tenant_id)
+    gone = rt.slots[pinned] if pinned is not None else max(wanted, key=lambda s: (s.last_exit or {}).get("at", 0.0))
+    last = gone.last_exit or {}
+    who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
+    reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
+              f"last exit of {rt.tenant_id}/{gone.index}: {last.get('reason', 'unknown')})")
+    return WorkerLost(rt.tenant_id, gone.index, last.get("exit_code"), last.get("signal"), reason,
+                      message=f"{reason}; `twt scale {rt.tenant_id} N` starts instances again")
 
 
 def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:

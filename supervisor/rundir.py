@@ -23,6 +23,7 @@ import os
 import stat
 from typing import Any
 
+from shared.capability import capability_bytes_from_text, capability_from_bytes, capability_to_text
 from shared.errors import RunDirLocked  # raised here; defined with the rest of the error tree
 
 __all__ = ["RunDir", "RunDirLocked", "read_admin_capability", "read_ready"]
@@ -31,8 +32,6 @@ SOCKETS = ("frontend", "backend", "control", "events")
 READY_FILE = "supervisor.json"
 ADMIN_CAP_FILE = "admin.cap"
 LOCK_FILE = "supervisor.lock"
-
-
 
 
 class RunDir:
@@ -48,12 +47,42 @@ class RunDir:
     def endpoint(self, name: str) -> str:
         return "ipc://" + self.file(f"{name}.ipc")
 
+    @property
+    def locked(self) -> bool:
+        """True once :meth:`acquire` succeeded (until :meth:`release`)."""
+        return self._lock_fd is not None
+
     def acquire(self) -> None:
-        """Create (0700) and lock the directory; clean what a dead supervisor left."""
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        st = os.stat(self.path)
+        """Create (0700) and lock the directory; clean what a dead supervisor left.
+
+        Idempotent: ``twt supervise`` locks the run dir before it binds any
+        port and hands the locked one to the loop, whose own call is then a
+        no-op. Each failure is one sentence naming the directory (an
+        ``OSError`` without the ``[Errno N]`` noise, or :class:`RunDirLocked`).
+        """
+        if self._lock_fd is not None:
+            return
+        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"run dir {self.path} exists and is not a directory; remove it or use another --run-dir"
+            )
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            st = os.stat(self.path)
+        except PermissionError:
+            raise PermissionError(
+                errno.EACCES, f"cannot create run dir {self.path}: permission denied; create it for this user "
+                "or use another --run-dir"
+            ) from None
+        except NotADirectoryError:
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"cannot create run dir {self.path}: a part of the path is a file, not a directory"
+            ) from None
         if st.st_uid != os.getuid():
-            raise PermissionError(f"run dir {self.path} belongs to uid {st.st_uid}, not to us")
+            raise PermissionError(
+                errno.EACCES, f"run dir {self.path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
+                "run as its owner or use another --run-dir"
+            )
         os.chmod(self.path, 0o700)
         fd = os.open(self.file(LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -80,11 +109,12 @@ class RunDir:
             return None
 
     def write_admin_capability(self, raw: bytes) -> None:
+        """Write the admin token in the one capability text form (hex and a newline), mode 0600."""
         path = self.file(ADMIN_CAP_FILE)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.fchmod(fd, 0o600)
-            os.write(fd, raw)
+            os.write(fd, (capability_to_text(capability_from_bytes(raw)) + "\n").encode("ascii"))
         finally:
             os.close(fd)
 
@@ -126,10 +156,13 @@ def read_ready(run_dir: str) -> dict[str, Any] | None:
 
 
 def read_admin_capability(run_dir: str) -> bytes:
-    """The admin capability bytes from ``<run_dir>/admin.cap`` (refuses a world-readable file)."""
+    """The admin capability bytes from ``<run_dir>/admin.cap`` (hex text or legacy raw bytes).
+
+    Refuses a file readable by group or others.
+    """
     path = os.path.join(run_dir, ADMIN_CAP_FILE)
     st = os.stat(path)
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise PermissionError(f"{path} is readable by others (mode {oct(st.st_mode & 0o777)}); refusing to use it")
     with open(path, "rb") as f:
-        return f.read()
+        return capability_bytes_from_text(f.read())

@@ -45,7 +45,6 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +62,7 @@ from supervisor.audit import DeniedAudit
 from supervisor.events import EventBus
 from supervisor.frontend import Frontend
 from supervisor.loop import Handoff, Loop
-from supervisor.metrics import Metrics, NullMetrics, TenantGauges
+from supervisor.metrics import DeviceGauges, Metrics, MetricsSnapshot, NullMetrics, TenantGauges
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
 from supervisor.regions import RegionTable
@@ -106,10 +105,12 @@ class _Parts:
 class Supervisor:
     """Runs until :meth:`request_stop` (or SIGTERM/SIGINT in :meth:`run`; SIGHUP reloads the config file)."""
 
-    def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None,
+                 rundir: RunDir | None = None) -> None:
+        """``rundir``: the run dir, possibly already locked (``twt supervise`` locks it before binding anything)."""
         self.config = config
         self.metrics = metrics or NullMetrics()
-        self.rundir = RunDir(config.run_dir)
+        self.rundir = rundir or RunDir(config.run_dir)
         # opened in run(), once the run dir is ours: the registry's identity comes from the state
         self.state: StateStore | None = None
         self.registry: TenantRegistry | None = None
@@ -121,7 +122,6 @@ class Supervisor:
         self._stopping = False
         self._stop_started: float | None = None
         self._last_rss_check = 0.0
-        self._metrics = Handoff(self.loop.wake, {})
         self._reload_wanted = False
         # A gap of a second between housekeeping passes (every 50 ms) is a stall - and always one
         # that reaches the liveness window, the time after which a worker would be judged hung.
@@ -129,6 +129,7 @@ class Supervisor:
         window = config.heartbeat_interval_s * config.heartbeat_liveness
         self.stall = StallGuard(threshold_s=min(max(1.0, config.heartbeat_interval_s), window),
                                 grace_s=STALL_GRACE_S)
+        self._metrics = Handoff(self.loop.wake, MetricsSnapshot())
         self.parts: _Parts | None = None
 
     # ------------------------------------------------------------ set up
@@ -364,6 +365,7 @@ class Supervisor:
         self.ready = True
         set_process_name("twt-supervisor")
         self.rundir.write_ready(self._ready_info(parts.admin))
+        self.metrics.mark_ready()  # /readyz (it also waits for the warm pool, from the snapshot)
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
                   backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
 
@@ -382,7 +384,7 @@ class Supervisor:
 
     # ------------------------------------------------------------ metrics and quota events
 
-    def metrics_snapshot(self) -> Mapping[str, TenantGauges]:
+    def metrics_snapshot(self) -> MetricsSnapshot:
         """Per-tenant gauges, for the exporter's HTTP thread.
 
         That thread never touches a quota block itself (closing a block while
@@ -390,17 +392,27 @@ class Supervisor:
         rebuilds the dict (``_refresh_metrics``) and hands it over; the loop
         also refreshes it every second. Waits at most 1 s for a fresh one.
         """
-        value: Mapping[str, TenantGauges] = self._metrics.request(1.0)
+        value: MetricsSnapshot = self._metrics.request(1.0)
         return value
 
     def _refresh_metrics(self) -> None:
-        """Loop thread: rebuild the exporter's per-tenant snapshot."""
-        out = {}
+        """Loop thread: rebuild the exporter's snapshot (tenants, warm pool, device budgets)."""
+        tenants = {}
         for tid, rt in self.tenants.items():
             if rt.block.closed:
                 continue
-            out[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value)
-        self._metrics.publish(out)
+            tenants[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value,
+                                        wanted=sum(1 for s in rt.slots if not s.draining))
+        parts = self.parts
+        if parts is None:
+            self._metrics.publish(MetricsSnapshot(tenants=tenants))
+            return
+        devices = tuple(DeviceGauges(d["index"], d["budget_limit_bytes"], d["budget_used_bytes"], d["budget_refusals"])
+                        for d in parts.placement.status())
+        self._metrics.publish(MetricsSnapshot(
+            tenants=tenants, pool_idle=len(parts.workers.pool), pool_starting=parts.workers.pool_starting,
+            pool_size=self.config.pool_size, backend=parts.admin.backend_name, devices=devices,
+        ))
 
     def _scan_refusals(self) -> None:
         for rt in self.tenants.values():

@@ -12,6 +12,11 @@ Only exits the supervisor did not ask for count: a worker it stopped on
 purpose (a rolling restart, a reset, a failed tenant's, a scale-down) is
 never restarted by the policy and never spends the budget; a slot marked
 ``replace`` gets a new worker when its old one has exited.
+
+A tenant scaled to 0 instances is ``stopped``: its requests are refused at
+once with :class:`~shared.errors.TenantStopped`. Requests wait (are parked)
+only while a wanted instance is starting or restarting
+(:meth:`TenantRuntime.coming_up`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class TenantState(str, enum.Enum):
     RUNNING = "running"  # every wanted instance ready
     DEGRADED = "degraded"  # some instance restarting
     FAILED = "failed"  # restart intensity exceeded
+    STOPPED = "stopped"  # scaled to 0 instances: requests refused at once (TenantStopped)
     EVICTING = "evicting"
 
 
@@ -54,6 +60,11 @@ class InstanceSlot:
     @property
     def ready(self) -> bool:
         return self.worker is not None and self.worker.state is WorkerState.READY and not self.draining
+
+    @property
+    def coming_up(self) -> bool:
+        """Ready, starting, or due to restart: worth waiting for."""
+        return not self.draining and (self.worker is not None or self.restart_at is not None)
 
 
 @dataclass(eq=False)
@@ -108,6 +119,14 @@ class TenantRuntime:
     def live_slots(self) -> list[InstanceSlot]:
         return [s for s in self.slots if s.ready]
 
+    def wanted_slots(self) -> list[InstanceSlot]:
+        """The instances the tenant should run (not being scaled away)."""
+        return [s for s in self.slots if not s.draining]
+
+    def coming_up(self) -> bool:
+        """Is a wanted instance ready, starting or due to restart? (Only then may a request wait.)"""
+        return any(s.coming_up for s in self.slots)
+
     def pick_slot(self) -> InstanceSlot | None:
         """The least-loaded ready instance; ties go round-robin."""
         best: InstanceSlot | None = None
@@ -154,9 +173,11 @@ class TenantRuntime:
     def refresh_state(self) -> None:
         if self.state in (TenantState.FAILED, TenantState.EVICTING):
             return
-        wanted = [s for s in self.slots if not s.draining]
+        wanted = self.wanted_slots()
         ready = [s for s in wanted if s.ready]
-        if len(ready) == len(wanted):
+        if not wanted:
+            self.state = TenantState.STOPPED
+        elif len(ready) == len(wanted):
             self.state = TenantState.RUNNING
         elif any(s.last_exit is not None for s in wanted):
             self.state = TenantState.DEGRADED

@@ -128,12 +128,14 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
             owned = {n for n in hygiene.twt_segments() if n.startswith(prefix)}
             assert len(owned) >= 3, (name, owned)
             if whole_tree:
-                # the supervisor's resource tracker dies too: nobody but the next supervisor can clean up
-                for pid in [sup.pid, *procs]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                # the supervisor's resource tracker dies too: nobody but the next supervisor can clean up.
+                # Stop the whole tree first, so no member (the tracker above all) reacts to another's death.
+                for sig in (signal.SIGSTOP, signal.SIGKILL):
+                    for pid in [sup.pid, *procs]:
+                        try:
+                            os.kill(pid, sig)
+                        except ProcessLookupError:
+                            pass
             else:
                 sup.process.kill()
             sup.process.wait(10)

@@ -20,7 +20,7 @@ import pytest
 
 from shared import protocol as proto
 from shared.capability import TenantCapability
-from shared.errors import InvalidArgument, MemoryExhausted, WorkerLost
+from shared.errors import BufferLost, InvalidArgument, MemoryExhausted, WorkerLost
 from shared.quota import SEGMENT_PREFIX
 from shared.region import MIN_REGION_BYTES, Region
 from shared.spec import TenantSpec
@@ -296,8 +296,8 @@ def test_worker_killed_mid_copy_leaks_nothing() -> None:
             killer.start()
             try:
                 # killed while a chunk was in flight: WorkerLost; between two requests: the next
-                # one waits for the restart and is refused there (a handle of the dead incarnation)
-                with pytest.raises((WorkerLost, InvalidArgument)):
+                # one names a handle of the dead incarnation (BufferLost)
+                with pytest.raises((WorkerLost, BufferLost)):
                     for _ in range(1000):
                         fast.write(cap, h, b"y" * (32 * MiB))
             finally:
@@ -411,8 +411,12 @@ def test_region_table_binds_each_region_to_one_tenant_and_reaps_dead_clients() -
             child.kill()
             child.wait(10)
             table.close()
-    assert pinned_instance("write_region", {"handle": proto.make_handle(3, 1, 7), "region": 1}) == 3
-    assert pinned_instance("read_region", {"handle": proto.make_handle(0, 1, 7), "region": 1}) == 0
+    from supervisor.tenants import InstanceSlot, TenantRuntime
+
+    rt = TenantRuntime(TenantSpec("acme"), None, 1)  # type: ignore[arg-type]  # no block needed here
+    rt.slots = [InstanceSlot(i) for i in range(4)]
+    assert pinned_instance(rt, "write_region", {"handle": proto.make_handle(3, 1, 7), "region": 1}) == 3
+    assert pinned_instance(rt, "read_region", {"handle": proto.make_handle(0, 1, 7), "region": 1}) == 0
 
 
 def test_arrays_that_live_in_a_region_are_written_without_a_staging_copy() -> None:
