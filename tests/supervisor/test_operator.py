@@ -154,7 +154,9 @@ def test_resource_tracker_warning_never_lands_as_raw_text(tmp_path: Path) -> Non
     with open(log, "wb") as err:
         with launch({"supervisor": {**FAST, "log_format": "json"}, "tenant": [{"name": "acme"}]},
                     stderr=err, log_level="info") as sup:
-            prefix = f"twt-{str(sup.info['registry_id'])[:8]}-"  # this supervisor's segments only
+            # this supervisor's segments only: the prefix is drawn per start (issue 13), see a quota block
+            block = str(sup.client.tenant_status(None, "acme")["quota"]["name"])
+            prefix = block.rsplit("-", 1)[0] + "-"
             segments = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
             assert segments
             os.kill(sup.pid, signal.SIGKILL)
