@@ -18,6 +18,10 @@ wrong server key or a plaintext peer raises :class:`HandshakeFailed`, an
 endpoint that never answers :class:`SupervisorUnavailable` within the
 timeout, and a connection lost while a reply is awaited
 :class:`SupervisorUnavailable` at once (a socket monitor watches the link).
+Bulk bytes: :meth:`write`, :meth:`read`, :meth:`read_into`, :meth:`put_array`
+and :meth:`get_array` move payloads from ``bulk_threshold`` (256 KiB) on
+through a shared-memory region bound to the tenant (``supervisor.bulk``),
+and smaller ones, or all of them with ``regions=False``, in frames.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from shared.errors import (
 )
 from shared.spec import TenantSpec
 from supervisor.curve import CurveKeyPair, load_client_keys, parse_public_key
+from supervisor.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
 from supervisor.events import TOPIC_PREFIX, decode_event
 from supervisor.rundir import read_admin_capability, read_ready
 
@@ -75,7 +80,11 @@ def _cap_bytes(cap: Capability | bytes | None) -> bytes | None:
 class SupervisorClient:
     """A connection to the supervisor whose run directory is ``run_dir``."""
 
-    def __init__(self, run_dir: str, *, timeout_s: float = 30.0, check: bool = True) -> None:
+    def __init__(self, run_dir: str, *, timeout_s: float = 30.0, check: bool = True, regions: bool = True,
+                 bulk_threshold: int = DEFAULT_THRESHOLD, region_bytes: int = DEFAULT_REGION_BYTES) -> None:
+        """``regions``: move payloads of ``bulk_threshold`` bytes and more through shared-memory
+        regions (this client runs on the supervisor's host: it connects over ``ipc://``);
+        ``region_bytes`` bounds the staging region per tenant (charged to its host quota)."""
         self.run_dir = os.path.abspath(run_dir)
         self.timeout_s = timeout_s
         info = read_ready(self.run_dir)
@@ -88,6 +97,7 @@ class SupervisorClient:
         self.info = info or {}
         self.connect_timeout_s = timeout_s
         self._open("ipc://" + os.path.join(self.run_dir, "frontend.ipc"), None, None)
+        self._bulk = BulkPath(self, enabled=regions, threshold=bulk_threshold, region_bytes=region_bytes)
 
     def _open(self, endpoint: str, keys: CurveKeyPair | None, server_key: bytes | None) -> None:
         self.endpoint = endpoint
@@ -155,6 +165,8 @@ class SupervisorClient:
         self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.info = {"frontend": endpoint, "server_public_key": server_key.decode("ascii")}
         self._open(endpoint, keys, server_key)
+        # a remote peer cannot map this host's shared memory: bulk bytes always travel in frames
+        self._bulk = BulkPath(self, enabled=False, threshold=DEFAULT_THRESHOLD, region_bytes=DEFAULT_REGION_BYTES)
         if admin is not None:
             self._admin = admin if isinstance(admin, RegistryAdminCapability) else RegistryAdminCapability.from_bytes(admin)
         return self
@@ -272,34 +284,60 @@ class SupervisorClient:
     def request(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
                 body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[Any, bytes | None]:
         """One call: send, wait for its reply, raise its error. Returns (result, body)."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            if self._closed:
-                raise SupervisorUnavailable(self.run_dir, "client is closed")
-            rid = self.send(op, cap, args, body)
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    got, ok, payload, out_body = self._recv_one(deadline, op)
-                except RequestTimeout:
-                    raise RequestTimeout(op, timeout) from None
-                if got == rid:
-                    break
-                # a late reply to an earlier, timed-out request: drop it
+            self._check_open()
+            self._bulk.flush_leases()
+            return self._request_locked(op, cap, args, body, timeout_s=timeout_s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SupervisorUnavailable(self.run_dir, "client is closed")
+
+    def _request_locked(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
+                        body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[Any, bytes | None]:
+        """:meth:`request` with ``self._lock`` held by the caller."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        rid = self.send(op, cap, args, body)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got, ok, payload, out_body = self._recv_one(deadline, op)
+            except RequestTimeout:
+                raise RequestTimeout(op, timeout) from None
+            if got == rid:
+                break
+            # a late reply to an earlier, timed-out request: drop it
         if not ok:
             raise error_from_dict(payload if isinstance(payload, dict) else {"code": "internal", "message": str(payload), "fields": {}})
         return payload, out_body
 
+    def _call_locked(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
+                     *, timeout_s: float | None = None) -> Any:
+        return self._request_locked(op, cap, args, timeout_s=timeout_s)[0]
+
     def call(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None, **kw: Any) -> Any:
         return self.request(op, cap, args, **kw)[0]
 
+    def release_regions(self) -> None:
+        """Release this client's shared-memory regions now (they count against their tenants'
+        host quotas; the next bulk transfer makes a new one)."""
+        with self._lock:
+            self._check_open()
+            self._bulk.close()
+
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._monitor is not None:
-                self._sock.disable_monitor()
-                self._monitor.close(0)
-            self._sock.close(0)
+        """Release this client's regions, then close its socket (and its link monitor)."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._bulk.close()
+            finally:
+                self._closed = True
+                if self._monitor is not None:
+                    self._sock.disable_monitor()
+                    self._monitor.close(0)
+                self._sock.close(0)
 
     def __enter__(self) -> SupervisorClient:
         return self
@@ -427,12 +465,145 @@ class SupervisorClient:
     def free(self, cap: TenantCapability, handle: int) -> int:
         return int(self.call("free", cap, {"handle": handle})["freed"])
 
-    def write(self, cap: TenantCapability, handle: int, data: bytes | bytearray | memoryview, offset: int = 0) -> int:
-        return int(self.call("write", cap, {"handle": handle, "offset": offset}, body=memoryview(data))["written"])
+    def write(self, cap: TenantCapability, handle: int, data: Any, offset: int = 0) -> int:
+        """Copy ``data`` (bytes-like or a numpy array, in C order) into the buffer at ``offset``.
+
+        Large payloads of a local client go through a shared-memory region
+        (``write_region``), others in a frame (``write``): same result.
+        """
+        view = byte_view(data)
+        raw = cap.to_bytes()
+        if self._bulk.wants(raw, len(view)):
+            with self._lock:
+                self._check_open()
+                if self._bulk.write(raw, handle, view, offset):
+                    return len(view)
+        return int(self.call("write", cap, {"handle": handle, "offset": offset}, body=view)["written"])
 
     def read(self, cap: TenantCapability, handle: int, nbytes: int, offset: int = 0) -> bytes:
+        """``nbytes`` of the buffer at ``offset`` (:meth:`read_into` and :meth:`get_array`
+        spare the copy into a new ``bytes``)."""
+        raw = cap.to_bytes()
+        if isinstance(nbytes, int) and self._bulk.wants(raw, nbytes):
+            with self._lock:
+                self._check_open()
+                data = self._bulk.read_bytes(raw, handle, nbytes, offset)
+            if data is not None:
+                return data
         _, body = self.request("read", cap, {"handle": handle, "offset": offset, "nbytes": nbytes})
         return body or b""
+
+    def read_into(self, cap: TenantCapability, handle: int, out: Any, offset: int = 0) -> int:
+        """Fill ``out`` (a writable, C-contiguous buffer or numpy array) from the buffer at ``offset``."""
+        try:
+            view = memoryview(out)
+        except TypeError:
+            raise InvalidArgument(f"read_into needs a writable buffer, got {type(out).__name__}") from None
+        if view.readonly or not view.c_contiguous:
+            raise InvalidArgument("read_into needs a writable, C-contiguous buffer")
+        if view.nbytes == 0:
+            return 0
+        view = view.cast("B")
+        raw = cap.to_bytes()
+        if self._bulk.wants(raw, len(view)):
+            with self._lock:
+                self._check_open()
+                if self._bulk.read_into(raw, handle, view, offset):
+                    return len(view)
+        _, body = self.request("read", cap, {"handle": handle, "offset": offset, "nbytes": len(view)})
+        data = body or b""
+        view[: len(data)] = data
+        return len(data)
+
+    # ---- regions by hand (Triton's model; write/read/put_array/get_array use them by themselves)
+
+    def region_create(self, cap: TenantCapability, nbytes: int) -> dict[str, Any]:
+        """A shared-memory region of ``nbytes`` for this process, charged to the tenant's host
+        quota: ``{region, name, nbytes}``; map it with ``shared.region.Region.attach(name)``."""
+        result: dict[str, Any] = self.call("region_create", cap, {"nbytes": nbytes, "pid": os.getpid()})
+        return result
+
+    def region_release(self, cap: TenantCapability, region: int) -> int:
+        """Release a region made by :meth:`region_create`; the bytes it held."""
+        return int(self.call("region_release", cap, {"region": region})["released"])
+
+    def write_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
+                     offset: int = 0, region_offset: int = 0) -> int:
+        """Copy ``nbytes`` at ``region_offset`` of the region into the buffer at ``offset``."""
+        return int(self.call("write_region", cap, {"handle": handle, "offset": offset, "region": region,
+                                                   "region_offset": region_offset, "nbytes": nbytes})["written"])
+
+    def read_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
+                    offset: int = 0, region_offset: int = 0) -> int:
+        """Copy ``nbytes`` of the buffer at ``offset`` into the region at ``region_offset``."""
+        return int(self.call("read_region", cap, {"handle": handle, "offset": offset, "region": region,
+                                                  "region_offset": region_offset, "nbytes": nbytes})["nbytes"])
+
+    def put_array(self, cap: TenantCapability, array: Any) -> int:
+        """A new device buffer holding ``array``'s bytes (C order); returns its handle."""
+        view = byte_view(array)
+        handle = self.alloc(cap, max(1, len(view)))
+        try:
+            if len(view):
+                self.write(cap, handle, view)
+        except BaseException:
+            try:
+                self.free(cap, handle)
+            except TensorWasmError:
+                pass
+            raise
+        return handle
+
+    def empty_array(self, cap: TenantCapability, dtype: Any, shape: int | Sequence[int]) -> Any:
+        """A new, uninitialised numpy array that lives in a shared-memory region of its own.
+
+        Writing it (or a C-contiguous slice of it) with :meth:`write` or
+        :meth:`put_array` costs no copy on this side: the worker copies from
+        where it lies. Its region counts against the tenant's host quota until
+        the array is garbage-collected. Without a region (remote client, quota)
+        it is a plain ``numpy.empty``.
+        """
+        import numpy as np
+
+        dt, dims, nbytes = _array_layout(dtype, shape)
+        raw = cap.to_bytes()
+        if nbytes and self._bulk.enabled:
+            with self._lock:
+                self._check_open()
+                leased = self._bulk.lease(raw, None, nbytes)
+            if leased is not None:
+                view, keep = leased
+                array = np.frombuffer(view, dtype=dt).reshape(dims)
+                keep(array)
+                return array
+        return np.empty(dims, dtype=dt)
+
+    def get_array(self, cap: TenantCapability, handle: int, dtype: Any, shape: int | Sequence[int], *,
+                  copy: bool = True, offset: int = 0) -> Any:
+        """The buffer's bytes at ``offset`` as a numpy array of ``dtype`` and ``shape``.
+
+        ``copy=False`` asks for a zero-copy view: the array then lives in a
+        shared-memory region of its own (charged to the tenant's host quota
+        until the array is garbage-collected). A client without the region
+        path (remote, or refused a region) returns a copy either way.
+        """
+        import numpy as np
+
+        dt, dims, nbytes = _array_layout(dtype, shape)
+        raw = cap.to_bytes()
+        if not copy and nbytes and self._bulk.wants(raw, max(nbytes, self._bulk.threshold)):
+            with self._lock:
+                self._check_open()
+                leased = self._bulk.lease(raw, handle, nbytes, offset)
+            if leased is not None:
+                view, keep = leased
+                array = np.frombuffer(view, dtype=dt).reshape(dims)
+                keep(array)
+                return array
+        out = np.empty(dims, dtype=dt)
+        if nbytes:
+            self.read_into(cap, handle, out, offset)
+        return out
 
     def buffers(self, cap: TenantCapability) -> dict[int, int]:
         """handle -> size of the tenant's live buffers (across instances)."""
@@ -490,6 +661,17 @@ class SupervisorClient:
                     continue
         finally:
             sub.close(0)
+
+
+def _array_layout(dtype: Any, shape: int | Sequence[int]) -> tuple[Any, tuple[int, ...], int]:
+    """(numpy dtype, shape tuple, bytes) of an array request; InvalidArgument for a bad shape."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"shape must not be negative, got {dims}")
+    return dt, dims, int(np.prod(dims, dtype=np.int64)) * dt.itemsize
 
 
 def _wasm_arg(value: Any) -> Any:

@@ -15,7 +15,12 @@ Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
 one when ``listen`` is set: the same decode, checks and limits for both; at
 most ``BATCH`` messages per socket per wake-up, so they take turns; admin
 ops on TCP refused unless ``allow_remote_admin``), the verified-capability
-cache, the tenants' stored modules (``put_module``) and parked requests.
+cache, the tenants' stored modules (``put_module``) and parked requests, and
+the shared-memory data regions of local clients (``regions``: a
+:class:`~supervisor.regions.RegionTable`; ``region_create`` /
+``region_release`` are answered here, ``write_region`` / ``read_region`` are
+resolved to the tenant's own region and forwarded; refused on TCP, whose
+peers cannot map this host's shared memory).
 May touch: the pending table (every answer goes through it), the worker set
 (to send), the registry (to verify capabilities). Admin ops are handed to
 :class:`supervisor.admin.AdminOps`. Loop thread only.
@@ -50,6 +55,7 @@ from shared.sizes import MAX_MODULE_BYTES
 from shared.spec import DEADLINE_GRACE_S
 from supervisor.loop import Loop
 from supervisor.pending import Pending, PendingTable
+from supervisor.regions import RegionTable
 from supervisor.registry import TenantRegistry
 from supervisor.replies import Replies
 from supervisor.tcp_frontend import IPC_INDEX, TCP_INDEX
@@ -71,6 +77,11 @@ _VERIFIED_CAP_CACHE = 65536
 
 _IPC = bytes([IPC_INDEX])
 _TCP = bytes([TCP_INDEX])
+#: the ops that name a shared-memory region of this host (refused on TCP)
+_REGION_OPS = frozenset({"region_create", "region_release", "write_region", "read_region"})
+def _ignore_reply(ok: bool, payload: Any) -> None:
+    """Callback of the supervisor's own fire-and-forget worker requests."""
+
 
 AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
@@ -94,6 +105,7 @@ class Frontend:
         tenants: Mapping[str, TenantRuntime],
         admin: AdminHandler,
         on_denied: DenialHook | None = None,
+        regions: RegionTable,
     ) -> None:
         self.config = config
         self.clock = loop.clock
@@ -105,6 +117,7 @@ class Frontend:
         self.tenants = tenants
         self.admin = admin
         self.on_denied = on_denied
+        self.regions = regions
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
@@ -185,6 +198,15 @@ class Frontend:
         if op == "put_module":
             self.pending.answer(client, rid, op, {"digest": self._put_module(rt, body)}, tenant=tid)
             return
+        if op in _REGION_OPS and client[:1] == _TCP:
+            raise InvalidArgument(f"{op}: shared-memory regions serve local (ipc) clients only; "
+                                  "a remote client sends its bytes in frames")
+        if op == "region_create" or op == "region_release":
+            self.pending.answer(client, rid, op, self._region_op(rt, op, args), tenant=tid)
+            return
+        if op == "write_region" or op == "read_region":
+            # the tenant's own region or refused; the worker learns its name from us only
+            args = {**args, "region_name": self.regions.resolve(tid, args.get("region")).name}
         if body is not None and op == "run_wasm" and len(body) > MAX_MODULE_BYTES:
             raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         if op == "run_wasm" and body is None:
@@ -284,6 +306,39 @@ class Frontend:
                 self.workers.send_request(slot.worker, "buffers", {}, None, part)
             except TensorWasmError as exc:
                 done(False, exc.to_dict())
+
+    # ------------------------------------------------------------ regions
+
+    def _region_op(self, rt: TenantRuntime, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """``region_create {nbytes, pid}`` -> ``{region, name, nbytes}``;
+        ``region_release {region}`` -> ``{released: nbytes}`` (see supervisor.regions)."""
+        if op == "region_create":
+            owned = self.regions.create(rt.tenant_id, rt.block, args.get("nbytes"), args.get("pid"),
+                                        generation=rt.generation)
+            return {"region": owned.region_id, "name": owned.name, "nbytes": owned.nbytes}
+        owned = self.regions.release(rt.tenant_id, args.get("region"))
+        self._unmap_region(rt, owned.name)
+        return {"released": owned.nbytes}
+
+    def _unmap_region(self, rt: TenantRuntime, name: str) -> None:
+        """Tell the tenant's live workers to unpin and unmap a released region (best effort:
+        a worker that misses it unmaps at exit, and the name is unlinked already)."""
+        now = self.clock()
+        for slot in rt.live_slots():
+            assert slot.worker is not None
+            part = Pending(None, 0, "region_drop", rt.tenant_id, slot.index, now,
+                           now + rt.spec.request_timeout_s, _ignore_reply)
+            try:
+                self.workers.send_request(slot.worker, "region_drop", {"name": name}, None, part)
+            except TensorWasmError:
+                pass  # dying or flooded: its mapping ends with it
+
+    def reap_regions(self) -> None:
+        """Housekeeping: reclaim the regions whose client process died."""
+        for owned in self.regions.reap():
+            rt = self.tenants.get(owned.tenant_id)
+            if rt is not None:
+                self._unmap_region(rt, owned.name)
 
     def _put_module(self, rt: TenantRuntime, body: Any) -> str:
         """Keep a tenant's module (bounded LRU) so runs can name it by digest."""

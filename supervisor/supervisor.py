@@ -67,6 +67,7 @@ from supervisor.loop import Handoff, Loop
 from supervisor.metrics import DeviceGauges, Metrics, MetricsSnapshot, NullMetrics, TenantGauges
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
+from supervisor.regions import RegionTable
 from supervisor.registry import TenantRegistry
 from supervisor.replies import Replies
 from supervisor.rundir import RunDir
@@ -235,6 +236,7 @@ class Supervisor:
             cfg, loop=self.loop, sock=frontend_sock, tcp_sock=tcp.socket if tcp is not None else None,
             replies=replies, pending=pending, workers=workers,
             registry=registry, tenants=self.tenants, admin=admin.handle, on_denied=on_denied,
+            regions=RegionTable(registry.segment_prefix),
         )
 
         def on_key_rotated(new_admin: RegistryAdminCapability) -> None:
@@ -342,6 +344,7 @@ class Supervisor:
             self._last_rss_check = now
             parts.audit.flush()
             parts.replies.prune()
+            parts.frontend.reap_regions()
             parts.workers.check_rss()
             self._refresh_metrics()
             self._scan_refusals()
@@ -359,6 +362,7 @@ class Supervisor:
             if parts is not None:
                 parts.pending.abandon(list(parts.workers.workers.values()), "the supervisor is stopping")
                 parts.workers.kill_all_now()
+                parts.frontend.regions.close()  # none outlives the supervisor
             if self.registry is not None:
                 self.registry.close()
         finally:

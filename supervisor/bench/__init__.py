@@ -21,6 +21,7 @@ __all__ = ["BENCHES", "main", "run_bench"]
 #: name -> module with ``main(argv) -> int``. Later benches (registry, route,
 #: scale, wasm) add one line here each.
 BENCHES: dict[str, str] = {
+    "data": "supervisor.bench.data",
     "quota": "supervisor.bench.quota",
     "registry": "supervisor.bench.registry",
     "route": "supervisor.bench.route",

@@ -68,6 +68,20 @@ def test_remote_client_runs_tenant_ops_and_admin_is_refused() -> None:
         assert [t["tenant_id"] for t in sup.client.status()["tenants"]] == ["acme"]
 
 
+def test_remote_bulk_bytes_travel_in_frames_and_region_ops_are_refused_on_tcp() -> None:
+    """A remote peer cannot map this host's shared memory: large payloads take the frame path."""
+    with supervisor(listen=[LOOPBACK]) as sup:
+        cap = sup.client.register(None, TenantSpec("acme"))
+        payload = os.urandom(3 << 20)  # above the region threshold of a local client
+        with _remote(sup.info, timeout_s=20) as rc:
+            h = rc.alloc(cap, len(payload))
+            assert rc.write(cap, h, payload) == len(payload)
+            assert rc.read(cap, h, len(payload)) == payload
+            with pytest.raises(InvalidArgument, match="local .ipc. clients only"):
+                rc.call("region_create", cap, {"nbytes": 1 << 20, "pid": os.getpid()})
+        assert sup.client.quota(cap)["bytes_in_use"] == 0  # no region was made for the remote client
+
+
 def test_remote_admin_when_allowed() -> None:
     with supervisor(listen=[LOOPBACK], allow_remote_admin=True) as sup:
         with _remote(sup.info, timeout_s=30, admin=sup.admin_capability.to_bytes()) as rc:
