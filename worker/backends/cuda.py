@@ -276,15 +276,20 @@ class CudaBackend(TensorOpsMixin, Backend):
                 return  # the context is gone, and its memory goes with the process: nothing to undo
             raise error
 
-    def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
-        assert isinstance(buf, CudaBuffer)
-        if not len(data):
+    def _copy(self, call: str, dst: Any, src: Any, nbytes: int) -> None:
+        """One copy on our stream, waited for: the host side (a message frame, or a region the
+        client reuses after the reply) must outlive it."""
+        if not nbytes:
             return
         self._open()
         self._current()
         drv = self._drv
-        drv.call("cuMemcpyHtoDAsync", buf.addr + offset, data, len(data), self._stream)
-        drv.call("cuStreamSynchronize", self._stream)  # data (a message frame) must outlive the copy
+        drv.call(call, dst, src, nbytes, self._stream)
+        drv.call("cuStreamSynchronize", self._stream)
+
+    def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
+        assert isinstance(buf, CudaBuffer)
+        self._copy("cuMemcpyHtoDAsync", buf.addr + offset, data, len(data))
 
     def read(self, buf: DeviceBuffer, offset: int, nbytes: int) -> bytes:
         out = bytearray(nbytes)
@@ -293,13 +298,7 @@ class CudaBackend(TensorOpsMixin, Backend):
 
     def read_into(self, buf: DeviceBuffer, offset: int, dest: memoryview) -> None:
         assert isinstance(buf, CudaBuffer)
-        if not len(dest):
-            return
-        self._open()
-        self._current()
-        drv = self._drv
-        drv.call("cuMemcpyDtoHAsync", dest, buf.addr + offset, len(dest), self._stream)
-        drv.call("cuStreamSynchronize", self._stream)
+        self._copy("cuMemcpyDtoHAsync", dest, buf.addr + offset, len(dest))
 
     # ------------------------------------------------------- pinned staging
 
@@ -336,26 +335,14 @@ class CudaBackend(TensorOpsMixin, Backend):
             self.write(buf, offset, data)
             return
         assert isinstance(buf, CudaBuffer)
-        if not len(data):
-            return
-        self._open()
-        self._current()
-        drv = self._drv
-        drv.call("cuMemcpyHtoDAsync", buf.addr + offset, addr, len(data), self._stream)
-        drv.call("cuStreamSynchronize", self._stream)  # the client reuses the region after the reply
+        self._copy("cuMemcpyHtoDAsync", buf.addr + offset, addr, len(data))
 
     def read_host(self, buf: DeviceBuffer, offset: int, dest: memoryview, addr: int | None) -> None:
         if addr is None:
             self.read_into(buf, offset, dest)
             return
         assert isinstance(buf, CudaBuffer)
-        if not len(dest):
-            return
-        self._open()
-        self._current()
-        drv = self._drv
-        drv.call("cuMemcpyDtoHAsync", addr, buf.addr + offset, len(dest), self._stream)
-        drv.call("cuStreamSynchronize", self._stream)
+        self._copy("cuMemcpyDtoHAsync", addr, buf.addr + offset, len(dest))
 
     # ------------------------------------------------------------ tensor ops
 
