@@ -112,38 +112,34 @@ class WorkerRegions:
             self._unmap(*self._mapped.popitem(last=False))
 
 
-def _region_args(ctx: TenantContext, args: dict[str, Any], what: str) -> tuple[_Mapped, memoryview, int]:
-    """(mapping, region span, region_offset) of a write_region/read_region request."""
+def _copy_region(server: WorkerServer, args: dict[str, Any], what: str) -> int:
+    """Run a write_region (region -> buffer) or read_region (buffer -> region) request;
+    the number of bytes copied."""
+    ctx = server.require_context()
     mapped = WorkerRegions.of(ctx).get(args.get("region_name"))
     region_offset = _int_arg(args, "region_offset", 0)
     nbytes = _int_arg(args, "nbytes")
-    return mapped, mapped.region.span(region_offset, nbytes, what), region_offset
+    span = mapped.region.span(region_offset, nbytes, what)
+    allocator = ctx.allocator
+    buf = allocator.lookup(args.get("handle"))
+    writing = what == "write_region"
+    off = allocator.check_range(buf, args.get("offset", 0), len(span), "write" if writing else "read")
+    addr = None if mapped.addr is None else mapped.addr + region_offset
+    copy = ctx.backend.write_host if writing else ctx.backend.read_host
+    copy(buf, off, span, addr)
+    return len(span)
 
 
 def op_write_region(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
     """``write_region {handle, offset, region_name, region_offset, nbytes}`` -> ``{written}``:
     copy ``nbytes`` of the region at ``region_offset`` into the buffer at ``offset``."""
-    ctx = server.require_context()
-    mapped, span, region_offset = _region_args(ctx, args, "write_region")
-    allocator = ctx.allocator
-    buf = allocator.lookup(args.get("handle"))
-    off = allocator.check_range(buf, args.get("offset", 0), len(span), "write")
-    addr = None if mapped.addr is None else mapped.addr + region_offset
-    ctx.backend.write_host(buf, off, span, addr)
-    return {"written": len(span)}, None
+    return {"written": _copy_region(server, args, "write_region")}, None
 
 
 def op_read_region(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
     """``read_region {handle, offset, region_name, region_offset, nbytes}`` -> ``{nbytes}``:
     copy ``nbytes`` of the buffer at ``offset`` into the region at ``region_offset``."""
-    ctx = server.require_context()
-    mapped, span, region_offset = _region_args(ctx, args, "read_region")
-    allocator = ctx.allocator
-    buf = allocator.lookup(args.get("handle"))
-    off = allocator.check_range(buf, args.get("offset", 0), len(span), "read")
-    addr = None if mapped.addr is None else mapped.addr + region_offset
-    ctx.backend.read_host(buf, off, span, addr)
-    return {"nbytes": len(span)}, None
+    return {"nbytes": _copy_region(server, args, "read_region")}, None
 
 
 def op_region_drop(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
