@@ -226,7 +226,7 @@ class BulkPath:
 
     def read_into(self, cap: bytes, handle: int, out: memoryview, offset: int) -> bool:
         """Fill ``out`` from the buffer through the tenant's region; False: use frames."""
-        return self._retry_stale(cap, lambda: self._read_into(cap, handle, out, offset))
+        return self._retry_stale(cap, lambda: self._staged(cap, "read_region", handle, out, offset))
 
     def _write(self, cap: bytes, handle: int, data: memoryview, offset: int) -> bool:
         leased = self._leased(cap, data)
@@ -236,29 +236,29 @@ class BulkPath:
             chunks = [Chunk(p, min(size, len(data) - p), i, start + p) for i, p in enumerate(range(0, len(data), size))]
             self._pipeline(lease, "write_region", handle, offset, chunks, before=None, after=None, own=True)
             return True
-        staging = self._staging_for(cap, len(data))
+        return self._staged(cap, "write_region", handle, data, offset)
+
+    def _staged(self, cap: bytes, op: str, handle: int, view: memoryview, offset: int) -> bool:
+        """Move ``view`` through the tenant's staging region in chunks: ``write_region`` copies
+        each chunk into its slot before its request, ``read_region`` out of it after the reply.
+        False: no staging region (use frames)."""
+        staging = self._staging_for(cap, len(view))
         if staging is None:
             return False
-        dest = staging.region.data
+        region = staging.region.data
+        writing = op == "write_region"
 
-        def stage(chunk: Chunk) -> None:
-            dest[chunk.region_offset : chunk.region_offset + chunk.nbytes] = data[chunk.position : chunk.position + chunk.nbytes]
+        def copy(chunk: Chunk) -> None:
+            here = slice(chunk.position, chunk.position + chunk.nbytes)
+            there = slice(chunk.region_offset, chunk.region_offset + chunk.nbytes)
+            if writing:
+                region[there] = view[here]
+            else:
+                view[here] = region[there]
 
-        chunks = plan_chunks(len(data), staging.capacity, chunk_bytes=self._chunk(len(data)))
-        self._pipeline(staging, "write_region", handle, offset, chunks, before=stage, after=None)
-        return True
-
-    def _read_into(self, cap: bytes, handle: int, out: memoryview, offset: int) -> bool:
-        staging = self._staging_for(cap, len(out))
-        if staging is None:
-            return False
-        src = staging.region.data
-
-        def unstage(chunk: Chunk) -> None:
-            out[chunk.position : chunk.position + chunk.nbytes] = src[chunk.region_offset : chunk.region_offset + chunk.nbytes]
-
-        chunks = plan_chunks(len(out), staging.capacity, chunk_bytes=self._chunk(len(out)))
-        self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=unstage)
+        chunks = plan_chunks(len(view), staging.capacity, chunk_bytes=self._chunk(len(view)))
+        self._pipeline(staging, op, handle, offset, chunks,
+                       before=copy if writing else None, after=None if writing else copy)
         return True
 
     def read_bytes(self, cap: bytes, handle: int, nbytes: int, offset: int) -> bytes | None:
