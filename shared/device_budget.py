@@ -43,6 +43,7 @@ from shared.log import get_logger, log_event
 from shared.quota import (
     KIND_DEVICE,
     SEGMENT_PREFIX,
+    _attach,
     _owner_alive,
     _process_start_ms,
     check_header,
@@ -205,12 +206,7 @@ class DeviceBudget(MappedSegment):
         the supervisor can return its share if it dies; a reader passes ``claim_slot=False``."""
         if not isinstance(name, str) or not name.startswith(SEGMENT_PREFIX) or "/" in name:
             raise SegmentError(str(name), f"not a device budget segment name (expected {SEGMENT_PREFIX}...)")
-        try:
-            seg = _shm.attach(name)
-        except FileNotFoundError:
-            raise SegmentError(name, "does not exist (supervisor gone?)") from None
-        except (OSError, ValueError) as exc:
-            raise SegmentError(name, f"cannot be mapped: {exc}") from None
+        seg = _attach(name, "does not exist (supervisor gone?)")
         try:
             check_header(name, seg.buf, KIND_DEVICE)
             if len(seg.buf) < _LAYOUT_BYTES or _atomics.load(seg.buf, _I_SLOTS) != MAX_SLOTS:
