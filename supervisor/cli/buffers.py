@@ -165,6 +165,22 @@ def _connect(args: argparse.Namespace) -> tuple[SupervisorClient, TenantCapabili
         raise
 
 
+def _held(client: SupervisorClient, cap: TenantCapability, args: argparse.Namespace) -> tuple[int, int]:
+    """(handle, size) of the buffer ``args.handle`` names, among those the tenant holds now."""
+    held = client.buffers(cap)
+    handle = resolve_handle(args.handle, held, args.tenant)
+    return handle, held[handle]
+
+
+def _report(args: argparse.Namespace, handle: int, text: str, **fields: object) -> int:
+    """A command's result on one buffer: ``{handle, text, **fields}`` as JSON with --json, else ``text``."""
+    if args.json:
+        print_json({"handle": handle, "text": proto.format_handle(handle), **fields})
+    else:
+        print(text)
+    return 0
+
+
 def run_alloc(args: argparse.Namespace) -> int:
     client, cap = _connect(args)
     with client:
@@ -180,13 +196,10 @@ def run_alloc(args: argparse.Namespace) -> int:
 def run_free(args: argparse.Namespace) -> int:
     client, cap = _connect(args)
     with client:
-        handle = resolve_handle(args.handle, client.buffers(cap), args.tenant)
+        handle, _ = _held(client, cap, args)
         freed = client.free(cap, handle)
-    if args.json:
-        print_json({"handle": handle, "text": proto.format_handle(handle), "freed": freed})
-    else:
-        print(f"freed {proto.format_handle(handle)}  {args.tenant}: {format_size(freed)}")
-    return 0
+    return _report(args, handle, f"freed {proto.format_handle(handle)}  {args.tenant}: {format_size(freed)}",
+                   freed=freed)
 
 
 def run_buffers(args: argparse.Namespace) -> int:
@@ -208,9 +221,7 @@ def run_buffers(args: argparse.Namespace) -> int:
 def run_write(args: argparse.Namespace) -> int:
     client, cap = _connect(args)
     with client:
-        held = client.buffers(cap)
-        handle = resolve_handle(args.handle, held, args.tenant)
-        size = held[handle]
+        handle, size = _held(client, cap, args)
         if args.source is not None:
             data = args.source.read_bytes()
         else:
@@ -220,19 +231,15 @@ def run_write(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"{len(data):,} B at offset {args.offset:,} do not fit the {size:,}-byte buffer "
                                   f"{proto.format_handle(handle)}")
         written = client.write(cap, handle, data, offset=args.offset)
-    if args.json:
-        print_json({"handle": handle, "text": proto.format_handle(handle), "written": written})
-    else:
-        print(f"wrote {written:,} B to {proto.format_handle(handle)}  {args.tenant} (offset {args.offset:,})")
-    return 0
+    return _report(args, handle, f"wrote {written:,} B to {proto.format_handle(handle)}  {args.tenant} "
+                   f"(offset {args.offset:,})", written=written)
 
 
 def run_read(args: argparse.Namespace) -> int:
     client, cap = _connect(args)
     with client:
-        held = client.buffers(cap)
-        handle = resolve_handle(args.handle, held, args.tenant)
-        nbytes = args.nbytes if args.nbytes is not None else max(0, held[handle] - args.offset)
+        handle, size = _held(client, cap, args)
+        nbytes = args.nbytes if args.nbytes is not None else max(0, size - args.offset)
         data = client.read(cap, handle, nbytes, offset=args.offset)
     if args.out is not None:
         args.out.write_bytes(data)
