@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from typing import Any
 
 from shared.capability import TenantCapability, capability_to_text, write_capability_file
@@ -101,23 +102,63 @@ _SET_QUOTA_HELP = {
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    _add_register(sub)
-    _add_capability(sub)
-    _add_evict(sub)
-    _add_set_quota(sub)
-    _add_scale(sub)
-    _add_fault(sub)
+    """Every admin command: its own arguments, then ``--json`` and the run-dir options."""
+    for name, help_text, description, arguments, json_help, run in _commands():
+        p = sub.add_parser(name, help=help_text, description=description)
+        arguments(p)
+        p.add_argument("--json", action="store_true", help=json_help)
+        add_run_dir(p)
+        p.set_defaults(func=run)
 
 
-def _add_register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "register",
-        help="register a tenant (flags or a TOML file) and print its capability",
-        description="Register a tenant with the running supervisor and print its capability as hex "
-        "(or write it to --cap-out). Returns once every instance is ready. With --file, the tenant "
-        "comes from a TOML file: one tenant table, or [[tenant]] tables (name the one to register; a "
-        "[supervisor] table is ignored, so the supervisor's own config file works); flags override it.",
+_Command = tuple[str, str, str, Callable[[argparse.ArgumentParser], None], str, Callable[[argparse.Namespace], int]]
+
+
+def _commands() -> tuple[_Command, ...]:
+    """(name, help, description, its own arguments, --json help, what runs it) of each admin command."""
+    return (
+        ("register", "register a tenant (flags or a TOML file) and print its capability",
+         "Register a tenant with the running supervisor and print its capability as hex "
+         "(or write it to --cap-out). Returns once every instance is ready. With --file, the tenant "
+         "comes from a TOML file: one tenant table, or [[tenant]] tables (name the one to register; a "
+         "[supervisor] table is ignored, so the supervisor's own config file works); flags override it.",
+         _register_arguments, "print {tenant, capability} as JSON", run_register),
+        ("capability", "print the capability of a registered tenant",
+         "Print (or write with --cap-out) the current capability of a registered tenant, e.g. one "
+         "registered from the supervisor's config file. Capabilities minted before an eviction stay revoked.",
+         _capability_arguments, "print {tenant, capability} as JSON", run_capability),
+        ("evict", "stop a tenant's workers, revoke its capabilities, free its quota block",
+         "Evict a tenant: its workers are stopped (in-flight requests answered), every capability "
+         "minted for it is revoked, and its shared-memory quota block is unlinked. Returns once the workers exited.",
+         _tenant_argument, "print the supervisor's answer as JSON", run_evict),
+        ("set-quota", "change a tenant's limits live",
+         "Change a tenant's limits while it runs (the limits live in its shared-memory block). "
+         "Lowering a limit below current use refuses new allocations until use falls under it; nothing "
+         "already allocated is taken away. Omitted limits stay as they are.",
+         _set_quota_arguments, "print the tenant's status record as JSON", run_set_quota),
+        ("scale", "run N worker instances for a tenant (live)",
+         "Change how many worker processes serve a tenant. New instances share the tenant's quota; "
+         "scaling down drains instances (their in-flight requests finish) before stopping them.",
+         _scale_arguments, "print the tenant's status record as JSON", run_scale),
+        ("fault", "inject a fault into one of a tenant's workers (testing)",
+         "Break one worker on purpose. Kinds: crash (SIGKILL), segfault, exit (param code), "
+         "hang, slow (param ms), oom (param count), corrupt (param count), drop (param count), "
+         "leak (param bytes). Returns once the fault is armed, or once the process is gone for "
+         "crash/segfault/exit.",
+         _fault_arguments, "print the supervisor's answer as JSON", run_fault),
     )
+
+
+def _tenant_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("tenant", metavar="TENANT")
+
+
+def _add_cap_out(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cap-out", metavar="FILE",
+                   help="write the capability (hex text) to FILE, mode 0600, instead of printing it (default: print it)")
+
+
+def _register_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("tenant", nargs="?", metavar="TENANT", help="tenant id (optional with --file)")
     p.add_argument("--file", metavar="TOML", help="read the tenant spec from this TOML file (default: none, flags only)")
     for flag, dest, typ, metavar, text in _SPEC_FLAGS:
@@ -127,96 +168,36 @@ def _add_register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--restart", choices=[k.value for k in RestartPolicy], default=argparse.SUPPRESS,
                    help="restart policy (default always)")
     _add_cap_out(p)
-    p.add_argument("--json", action="store_true", help="print {tenant, capability} as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_register)
 
 
-def _add_cap_out(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cap-out", metavar="FILE",
-                   help="write the capability (hex text) to FILE, mode 0600, instead of printing it (default: print it)")
-
-
-def _add_capability(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "capability",
-        help="print the capability of a registered tenant",
-        description="Print (or write with --cap-out) the current capability of a registered tenant, e.g. one "
-        "registered from the supervisor's config file. Capabilities minted before an eviction stay revoked.",
-    )
-    p.add_argument("tenant", metavar="TENANT")
+def _capability_arguments(p: argparse.ArgumentParser) -> None:
+    _tenant_argument(p)
     _add_cap_out(p)
-    p.add_argument("--json", action="store_true", help="print {tenant, capability} as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_capability)
 
 
-def _add_evict(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "evict",
-        help="stop a tenant's workers, revoke its capabilities, free its quota block",
-        description="Evict a tenant: its workers are stopped (in-flight requests answered), every capability "
-        "minted for it is revoked, and its shared-memory quota block is unlinked. Returns once the workers exited.",
-    )
-    p.add_argument("tenant", metavar="TENANT")
-    p.add_argument("--json", action="store_true", help="print the supervisor's answer as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_evict)
-
-
-def _add_set_quota(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "set-quota",
-        help="change a tenant's limits live",
-        description="Change a tenant's limits while it runs (the limits live in its shared-memory block). "
-        "Lowering a limit below current use refuses new allocations until use falls under it; nothing "
-        "already allocated is taken away. Omitted limits stay as they are.",
-    )
-    p.add_argument("tenant", metavar="TENANT")
+def _set_quota_arguments(p: argparse.ArgumentParser) -> None:
+    _tenant_argument(p)
     for flag, dest, kind, metavar, _ in _SPEC_FLAGS:  # the register flags of the limits set_quota changes
         if dest in QUOTA_KEYS:
             p.add_argument(flag, dest=dest, type=kind, metavar=metavar, default=argparse.SUPPRESS,
                            help=_SET_QUOTA_HELP[dest])
-    p.add_argument("--json", action="store_true", help="print the tenant's status record as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_set_quota)
 
 
-def _add_scale(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "scale",
-        help="run N worker instances for a tenant (live)",
-        description="Change how many worker processes serve a tenant. New instances share the tenant's quota; "
-        "scaling down drains instances (their in-flight requests finish) before stopping them.",
-    )
-    p.add_argument("tenant", metavar="TENANT")
+def _scale_arguments(p: argparse.ArgumentParser) -> None:
+    _tenant_argument(p)
     p.add_argument("instances", type=non_negative_int, metavar="N")
     p.add_argument("--wait", action="store_true", help="return once exactly N instances are ready")
     p.add_argument("--timeout", type=positive_seconds, default=60.0, metavar="S",
                    help="with --wait: give up (exit 1) after S seconds (default 60)")
-    p.add_argument("--json", action="store_true", help="print the tenant's status record as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_scale)
 
 
-def _add_fault(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "fault",
-        help="inject a fault into one of a tenant's workers (testing)",
-        description="Break one worker on purpose. Kinds: crash (SIGKILL), segfault, exit (param code), "
-        "hang, slow (param ms), oom (param count), corrupt (param count), drop (param count), "
-        "leak (param bytes). Returns once the fault is armed, or once the process is gone for "
-        "crash/segfault/exit.",
-    )
-    p.add_argument("tenant", metavar="TENANT")
+def _fault_arguments(p: argparse.ArgumentParser) -> None:
+    _tenant_argument(p)
     p.add_argument("kind", choices=FAULT_KINDS, metavar="KIND", help=f"one of {', '.join(FAULT_KINDS)}")
     p.add_argument("--instance", type=non_negative_int, default=None, metavar="I",
                    help="instance index (default: the first ready one)")
     p.add_argument("--param", dest="params", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
                    help="fault parameter, e.g. --param ms=500, --param bytes=64MiB (repeatable; default: none, the fault's own defaults)")
-    p.add_argument("--json", action="store_true", help="print the supervisor's answer as JSON")
-    add_run_dir(p)
-    p.set_defaults(func=run_fault)
 
 
 # ------------------------------------------------------------------ helpers
