@@ -283,9 +283,8 @@ class CudaBackend(TensorOpsMixin, Backend):
             return
         self._open()
         self._current()
-        drv = self._drv
-        drv.call(call, dst, src, nbytes, self._stream)
-        drv.call("cuStreamSynchronize", self._stream)
+        self._drv.call(call, dst, src, nbytes, self._stream)
+        self._drv.call("cuStreamSynchronize", self._stream)
 
     def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
         assert isinstance(buf, CudaBuffer)
