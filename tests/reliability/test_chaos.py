@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,17 +22,16 @@ from supervisor.chaos import (
     schedule_hash,
 )
 from supervisor.cli import main
+from tests.helpers.cli import twt
 from tests.helpers.cluster import supervisor
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parents[2]
 TARGETS = [("faulty-0", 2), ("faulty-1", 2)]
 
 
-def _twt(*args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+def _twt(*args: str) -> subprocess.CompletedProcess[str]:
+    return twt(*args, timeout=100)
 
 
 # ------------------------------------------------------------------ the schedule

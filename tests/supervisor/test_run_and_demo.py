@@ -5,37 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import wasmtime
 
-from shared.errors import (
-    InvalidArgument,
-    KernelTimeout,
-    UnknownModule,
-    WasmCompile,
-    WasmTrap,
-)
+from shared.errors import InvalidArgument, KernelTimeout, UnknownModule, WasmCompile, WasmTrap
 from shared.spec import TenantSpec
 from supervisor.cli.run import parse_wasm_arg
 from supervisor.demo import guest_path
+from tests.helpers.cli import twt
 from tests.helpers.cluster import instance_pid, supervisor, tenant
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
-
-
-def twt(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(ROOT))
 
 
 def test_run_wasm_through_the_supervisor() -> None:
