@@ -28,6 +28,7 @@ filled by ``__init_subclass__``. Names follow the Rust crate
     +-- TenantFailed                 tenant exceeded its restart intensity
     +-- RequestTimeout               no reply within the client timeout  retryable (TimeoutError)
     +-- SupervisorUnavailable        no supervisor at that run dir       retryable (ConnectionError)
+    +-- UntrustedRunDir              run dir / socket / file of another uid (PermissionError)
     +-- SegmentError                 shared-memory segment missing/foreign/closed
     +-- RegistryError
         +-- AlreadyRegistered        (ValueError)
@@ -61,6 +62,7 @@ __all__ = [
     "TensorWasmError",
     "UnknownModule",
     "UnknownTenant",
+    "UntrustedRunDir",
     "WasmCompile",
     "WasmTrap",
     "WorkerLost",
@@ -437,6 +439,28 @@ class SupervisorUnavailable(TensorWasmError, ConnectionError):
 
     def _default_message(self) -> str:
         return f"no supervisor at {self.run_dir}: {self.reason}"
+
+
+class UntrustedRunDir(TensorWasmError, PermissionError):
+    """A run directory, socket or file is not owned by the expected user (or is open to others).
+
+    A client refuses it before sending anything: whoever controls that path
+    would receive the capabilities, modules and data sent to it, and could
+    answer with forged results. Check who created the directory (the default
+    ``/tmp/twt-<uid>`` can be pre-created by another user), remove it, and
+    start the supervisor again, or pass a run dir under ``$XDG_RUNTIME_DIR``.
+    """
+
+    code = "untrusted_run_dir"
+    _fields = ("path", "reason")
+
+    def __init__(self, path: str, reason: str, *, message: str | None = None) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return f"refusing {self.path}: {self.reason}"
 
 
 class SegmentError(TensorWasmError):

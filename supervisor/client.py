@@ -38,7 +38,7 @@ from shared.errors import (
 )
 from shared.spec import TenantSpec
 from supervisor.events import TOPIC_PREFIX, decode_event
-from supervisor.rundir import read_admin_capability, read_ready
+from supervisor.rundir import read_admin_capability, read_ready, verify_run_dir
 
 __all__ = ["SupervisorClient"]
 
@@ -55,10 +55,15 @@ def _cap_bytes(cap: Capability | bytes | None) -> bytes | None:
 class SupervisorClient:
     """A connection to the supervisor whose run directory is ``run_dir``."""
 
-    def __init__(self, run_dir: str, *, timeout_s: float = 30.0, check: bool = True) -> None:
+    def __init__(self, run_dir: str, *, timeout_s: float = 30.0, check: bool = True,
+                 expected_uid: int | None = None) -> None:
+        """``expected_uid``: who must own the run dir, its sockets and files (default:
+        this process's uid); anything else is refused with :class:`UntrustedRunDir`
+        before a byte is sent."""
         self.run_dir = os.path.abspath(run_dir)
         self.timeout_s = timeout_s
-        info = read_ready(self.run_dir)
+        self._expected_uid = os.getuid() if expected_uid is None else expected_uid
+        info = read_ready(self.run_dir, self._expected_uid)
         if check:
             if info is None:
                 raise SupervisorUnavailable(self.run_dir, "no supervisor.json (not running, or not ready yet)")
@@ -66,6 +71,7 @@ class SupervisorClient:
             if not isinstance(pid, int) or not psutil.pid_exists(pid):
                 raise SupervisorUnavailable(self.run_dir, f"supervisor pid {pid} is not running (stale run dir)")
         self.info = info or {}
+        verify_run_dir(self.run_dir, self._expected_uid)  # again: the sockets exist now
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -82,12 +88,14 @@ class SupervisorClient:
 
     @property
     def admin(self) -> RegistryAdminCapability:
-        """The admin capability from ``<run_dir>/admin.cap`` (read once)."""
+        """The admin capability from ``<run_dir>/admin/admin.cap`` (read once)."""
         if self._admin is None:
             try:
-                self._admin = RegistryAdminCapability.from_bytes(read_admin_capability(self.run_dir))
+                self._admin = RegistryAdminCapability.from_bytes(
+                    read_admin_capability(self.run_dir, self._expected_uid)
+                )
             except FileNotFoundError:
-                raise SupervisorUnavailable(self.run_dir, "no admin.cap (not running?)") from None
+                raise SupervisorUnavailable(self.run_dir, "no admin/admin.cap (not running, or not the operator?)") from None
         return self._admin
 
     def send(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
@@ -290,6 +298,7 @@ class SupervisorClient:
         sub.setsockopt(zmq.LINGER, 0)
         for kind in kinds or [""]:
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX + kind.encode())
+        verify_run_dir(self.run_dir, self._expected_uid)
         sub.connect("ipc://" + os.path.join(self.run_dir, "events.ipc"))
         try:
             while True:
