@@ -24,6 +24,7 @@ SIGKILL of its process tree) and then handled the same way.
 from __future__ import annotations
 
 import heapq
+import hmac
 import logging
 import os
 import signal
@@ -367,7 +368,7 @@ class Supervisor(_Admin):
                 self._stop_worker(worker, "scaled down")
 
     def _on_data_hello(self, worker: WorkerHandle, payload: Any) -> None:
-        if not isinstance(payload, dict) or payload.get("token") != worker.token or worker.data_hello:
+        if not isinstance(payload, dict) or not _token_ok(payload.get("token"), worker.token) or worker.data_hello:
             self._kill(worker, "bad hello on the data socket", "protocol")
             return
         worker.data_hello = True
@@ -390,7 +391,7 @@ class Supervisor(_Admin):
                 continue
             now = time.monotonic()
             if kind == "hello":
-                if args.get("token") != worker.token or worker.control_hello:
+                if not _token_ok(args.get("token"), worker.token) or worker.control_hello:
                     self._kill(worker, "bad hello on the control socket", "protocol")
                     continue
                 worker.control_hello = True
@@ -433,3 +434,8 @@ class Supervisor(_Admin):
                 placement.close()  # unlink the device budget segments
             self.rundir.release()
             log_event(_log, logging.INFO, "supervisor.stopped")
+
+
+def _token_ok(given: Any, token: str) -> bool:
+    """The worker's proof of its spawn secret, compared in constant time."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())

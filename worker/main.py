@@ -58,7 +58,7 @@ def run(boot: dict[str, Any]) -> None:
 
     zctx: zmq.Context[Any] = zmq.Context()
     data = zctx.socket(zmq.DEALER)
-    data.setsockopt(zmq.ROUTING_ID, boot["worker_id"].encode())
+    data.setsockopt(zmq.ROUTING_ID, boot["routing_id"].encode())
     data.setsockopt(zmq.LINGER, 0)
     data.setsockopt(zmq.MAXMSGSIZE, int(boot.get("max_message_bytes", 256 << 20)))
     data.setsockopt(zmq.RCVHWM, 1000)
