@@ -88,7 +88,13 @@ def run(boot: dict[str, Any]) -> None:
     finally:
         server.close()
         control.closed.wait(2)
-        data.close(0)  # no zctx.term(): it would wait for the control thread's socket
+        if server.exit_after_reply is not None:
+            code = server.exit_after_reply
+            data.close(2000)  # the last reply must leave first: term() waits for it (2 s at most)
+            if control.closed.is_set():
+                zctx.term()
+        else:
+            data.close(0)  # no zctx.term(): it would wait for the control thread's socket
         logging.shutdown()
         sys.stderr.flush()
     os._exit(code)

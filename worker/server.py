@@ -37,9 +37,11 @@ from shared.spec import TenantSpec
 from worker.context import TenantContext
 from worker.faults import FaultState
 
-__all__ = ["Reply", "WorkerServer", "register_op"]
+__all__ = ["EXIT_COMPILE_OVERRUN", "Reply", "WorkerServer", "register_op"]
 
 _log = get_logger("worker")
+#: exit status of a worker that ended itself to stop a runaway WASM compile (a failure: restarted)
+EXIT_COMPILE_OVERRUN = 72
 
 Reply = tuple[Any, "bytes | memoryview | None"]
 Handler = Callable[["WorkerServer", dict[str, Any], "zmq.Frame | None"], Reply]
@@ -81,6 +83,8 @@ class WorkerServer:
         self.stop_event = threading.Event()
         self.started = time.time()
         self.requests = 0
+        #: set by an op that must end the process once its reply is sent (a runaway compile)
+        self.exit_after_reply: int | None = None
 
     # --------------------------------------------------------------- loop
 
@@ -94,6 +98,9 @@ class WorkerServer:
             self.requests += 1
             self.faults.block_if_hung()
             self.handle(frames)
+            if self.exit_after_reply is not None:
+                log_event(_log, logging.WARNING, "worker.exit_after_reply", code=self.exit_after_reply)
+                stop.set()
 
     def handle(self, frames: list[zmq.Frame]) -> None:
         try:

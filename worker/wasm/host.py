@@ -58,7 +58,7 @@ from shared.log import get_logger, log_event
 from worker.context import TenantContext
 from worker.wasm.abi import IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun, LogLimiter, NoGuestMemory, guest_view
 
-__all__ = ["CompiledModule", "EpochTicker", "WasmHost", "WasmSession"]
+__all__ = ["CompileOverrun", "CompiledModule", "EpochTicker", "WasmHost", "WasmSession"]
 
 _log = get_logger("worker.wasm")
 
@@ -67,6 +67,8 @@ PAGE = 65536
 MAX_MODULE_BYTES = 32 << 20
 #: compiled modules kept per worker (LRU)
 CACHE_ENTRIES = 64
+#: the compile-cache budget of a worker (one tenant instance): module bytes cached, LRU beyond
+CACHE_BYTES = 64 << 20
 #: export arguments a run may pass
 MAX_ARGS = 64
 #: per-store limits besides memory: a few tables of bounded size, one instance
@@ -94,7 +96,16 @@ def _config() -> wasmtime.Config:
     cfg.wasm_stack_switching = False
     cfg.wasm_component_model = False
     cfg.wasm_custom_page_sizes = False
+    # A compile bomb (a small module that takes minutes to compile) may use one
+    # core, not all of them; its time is bounded by the run's deadline (compile()).
+    cfg.parallel_compilation = False
     return cfg
+
+
+class CompileOverrun(KernelTimeout):
+    """Compiling took longer than the run's deadline. The compiler cannot be
+    stopped from outside, so the worker answers this and exits (the
+    supervisor restarts the instance): see ``WorkerServer.exit_after_reply``."""
 
 
 # ------------------------------------------------------------------ ticker
@@ -383,8 +394,10 @@ class WasmHost:
     EXTENSION = "wasm"
 
     def __init__(self, ctx: TenantContext, *, fast_imports: bool | None = None, tick_s: float = TICK_S,
-                 cache_entries: int = CACHE_ENTRIES) -> None:
+                 cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES) -> None:
         self.ctx = ctx
+        self.cache_bytes = cache_bytes
+        self._cached_bytes = 0
         self.engine = wasmtime.Engine(_config())
         self.linker = wasmtime.Linker(self.engine)
         self.ticker = EpochTicker(self.engine, tick_s)
@@ -469,8 +482,13 @@ class WasmHost:
 
     # -------------------------------------------------------------- compile
 
-    def compile(self, body: bytes | bytearray | memoryview) -> CompiledModule:
-        """The compiled module for ``body`` (WAT text or a binary), from the cache when seen before."""
+    def compile(self, body: bytes | bytearray | memoryview, *, deadline: float | None = None) -> CompiledModule:
+        """The compiled module for ``body`` (WAT text or a binary), from the cache when seen before.
+
+        ``deadline`` (``time.monotonic()``): compiling past it raises
+        :class:`CompileOverrun` (the compiler thread keeps running until the
+        worker exits; the caller must make it exit).
+        """
         if len(body) > MAX_MODULE_BYTES:
             raise WasmCompile(f"module of {len(body):,} B is larger than the {MAX_MODULE_BYTES:,} B limit")
         if not len(body):
@@ -493,7 +511,7 @@ class WasmHost:
             except wasmtime.WasmtimeError as exc:
                 raise WasmCompile(f"WAT does not parse: {_wat_error(str(exc))}") from None
         try:
-            module = wasmtime.Module(self.engine, wasm)
+            module = self._compile_bounded(wasm, deadline)
         except wasmtime.WasmtimeError as exc:
             raise WasmCompile(_short(str(exc))) from None
         self._check_imports(module)
@@ -508,13 +526,51 @@ class WasmHost:
             if isinstance(e.type, wasmtime.FuncType)
         }
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports)
-        self._cache[digest] = compiled
-        while len(self._cache) > self.cache_entries:
-            self._cache.popitem(last=False)
+        if len(wasm) <= self.cache_bytes:  # the budget: entries and module bytes, LRU beyond
+            self._cache[digest] = compiled
+            self._cached_bytes += len(wasm)
+            while len(self._cache) > self.cache_entries or self._cached_bytes > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.nbytes
         self.stats["compiles"] += 1
         log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
                   nbytes=len(wasm), duration_ms=round(compiled.compile_s * 1000, 3))
         return compiled
+
+    def _compile_bounded(self, wasm: bytes, deadline: float | None) -> wasmtime.Module:
+        """``wasmtime.Module(engine, wasm)``, waited for until ``deadline`` at most.
+
+        Compile time is superlinear in some shapes (one function with 16,000
+        live locals: seconds; a 2 MiB module of them: a minute), outside fuel
+        and epochs. The compile runs on its own thread (wasmtime releases the
+        GIL) while this one waits with the run's deadline.
+        """
+        if deadline is None:
+            return wasmtime.Module(self.engine, wasm)
+        out: list[Any] = []
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                out.append(wasmtime.Module(self.engine, wasm))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                out.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name="twt-wasm-compile", daemon=True).start()
+        left = deadline - time.monotonic()
+        if not done.wait(max(left, 0.0)):
+            self.stats["timeouts"] += 1
+            raise CompileOverrun(
+                round(max(left, 0.0), 3),
+                message=f"compiling the module ({len(wasm):,} B) did not finish within the run's deadline; "
+                "the worker is restarted to stop the compiler",
+            )
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        module: wasmtime.Module = out[0]
+        return module
 
     @staticmethod
     def _check_imports(module: wasmtime.Module) -> None:
@@ -646,8 +702,15 @@ class WasmHost:
         t0 = time.perf_counter()
         self.stats["runs"] += 1
         hits = self.stats["cache_hits"]
-        compiled = self.compile(body)
-        with self.session(compiled, fuel=fuel, timeout_s=timeout_s) as session:
+        # Compiling counts against the run's time: the deadline covers both.
+        deadline = time.monotonic() + timeout_s
+        compiled = self.compile(body, deadline=deadline)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.stats["timeouts"] += 1
+            raise KernelTimeout(timeout_s, message=f"run_wasm: compiling used the whole run time of {timeout_s:g} s")
+        with self.session(compiled, fuel=fuel, timeout_s=left) as session:
+            session.timeout_s = timeout_s  # errors name the run's limit; the epoch deadline has what is left
             results = session.call(export, args)
             fuel_used = session.fuel_used()
             memory_bytes = session.memory.data_len(session.store) if session.memory is not None else 0

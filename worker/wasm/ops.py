@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 
 from shared.errors import InvalidArgument, UnknownModule
-from worker.server import Reply, WorkerServer
-from worker.wasm.host import MAX_ARGS, WasmHost
+from worker.server import EXIT_COMPILE_OVERRUN, Reply, WorkerServer
+from worker.wasm.host import MAX_ARGS, CompileOverrun, WasmHost
 
 __all__ = ["op_run_wasm"]
 
@@ -64,4 +64,8 @@ def op_run_wasm(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | No
     fuel = int(_positive(raw_fuel, "fuel", spec.wasm_fuel, spec.wasm_fuel))
     timeout_s = float(_positive(args.get("timeout_s"), "timeout_s", spec.wasm_timeout_s, spec.wasm_timeout_s))
     host = WasmHost.for_context(ctx)
-    return host.run(module, export, call_args, fuel=fuel, timeout_s=timeout_s), None
+    try:
+        return host.run(module, export, call_args, fuel=fuel, timeout_s=timeout_s), None
+    except CompileOverrun:
+        server.exit_after_reply = EXIT_COMPILE_OVERRUN  # the compiler thread stops with the process
+        raise
