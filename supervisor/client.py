@@ -113,7 +113,9 @@ class SupervisorClient:
         return rid
 
     def recv(self, timeout_s: float | None = None) -> tuple[int, bool, Any, bytes | None]:
-        """The next reply: (rid, ok, result-or-error-dict, body). Raises RequestTimeout."""
+        """The next reply: (rid, ok, result-or-error-dict, body). Raises RequestTimeout, or
+        ProtocolError for a reply that does not decode and names no request (one that
+        names its request comes back as that request's ``protocol_error``)."""
         if self._stash:
             rid = next(iter(self._stash))
             ok, payload, body = self._stash.pop(rid)
@@ -128,8 +130,17 @@ class SupervisorClient:
             frames = self._sock.recv_multipart()
             try:
                 rid, ok, payload = proto.decode_reply(frames[0])
-            except ProtocolError:
-                continue
+            except ProtocolError as exc:
+                # Never silence: the reply is answered as a typed error to whoever waits for it.
+                got = proto.peek_rid(frames[0])
+                error = ProtocolError(
+                    exc.detail,
+                    message=f"a reply{'' if got is None else f' to request {got}'} ({len(frames[0]):,} B) "
+                    f"could not be decoded: {exc.detail}",
+                )
+                if got is None:
+                    raise error from None
+                return got, False, error.to_dict(), None
             return rid, ok, payload, frames[1] if len(frames) > 1 else None
 
     def request(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
@@ -146,6 +157,8 @@ class SupervisorClient:
                     got, ok, payload, out_body = self._recv_one(deadline, op)
                 except RequestTimeout:
                     raise RequestTimeout(op, timeout) from None
+                except ProtocolError as exc:  # undecodable and unattributable: ours is the one waiting
+                    raise ProtocolError(exc.detail, message=f"{op}: {exc.message}") from None
                 if got == rid:
                     break
                 # a late reply to an earlier, timed-out request: drop it
