@@ -50,6 +50,7 @@ from supervisor.core import (
     TICK_S,
 )
 from supervisor.events import EventBus
+from supervisor.fdlimit import raise_fd_limit
 from supervisor.workers import (
     Spawner,
     WorkerHandle,
@@ -67,6 +68,7 @@ class Supervisor(_Admin):
 
     def _setup(self) -> None:
         cfg = self.config
+        self.fd_soft_limit, self.fd_hard_limit = raise_fd_limit()
         removed = cleanup_stale_segments()
         if removed:
             log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))

@@ -1,0 +1,47 @@
+"""File descriptors are a bounded resource, never an abort (issue 12, finding 1)."""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from supervisor.fdlimit import fd_budget, open_fds, raise_fd_limit
+from tests.helpers.cluster import supervisor
+
+
+def _limits(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                soft, hard = line.split()[3:5]
+                return int(soft), int(hard)
+    raise AssertionError("no 'Max open files' line")
+
+
+@contextmanager
+def soft_nofile(soft: int) -> Iterator[None]:
+    """This process's soft RLIMIT_NOFILE lowered (children inherit it), restored after."""
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, open_fds() + 64), old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
+
+
+def test_the_supervisor_raises_its_soft_limit_to_the_hard_limit() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    with soft_nofile(300):
+        with supervisor() as sup:
+            soft_now, hard_now = _limits(sup.pid)
+    assert hard_now == hard or hard == resource.RLIM_INFINITY
+    assert soft_now == hard_now  # raised as far as it may go
+
+
+def test_raise_fd_limit_in_process() -> None:
+    with soft_nofile(300):
+        soft, hard = raise_fd_limit()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)
+        assert soft >= 300
+    assert fd_budget(1024) < 1024 - 256 and fd_budget(10) == 16
