@@ -22,7 +22,7 @@ they gain nothing)::
 A tenant's use is *derived*: the sum of the shares (``_atomics.ShareCounter``).
 A worker instance only ever writes its own share, so when it dies - SIGKILL
 at any instruction included - its share is exactly what it held, and the
-supervisor reclaims it with one exchange. (Layout 1 kept a tenant counter and
+supervisor reclaims it with one exchange. (The earlier layout kept a tenant counter and
 mirrored each change into the share in a second step; a kill between the two
 left the reclaim one allocation off. ``tests/helpers/quota_share_model.py``
 checks both schemes with a kill at every step.)
@@ -72,7 +72,11 @@ UNLIMITED: Final = (1 << 64) - 1
 
 _LINE = 64
 MAGIC: Final = int.from_bytes(b"TWTQUOTA", "little")
-LAYOUT_VERSION: Final = 2
+#: The header's version stays 1: the derived-share layout is told apart by its size (8 KiB,
+#: 65 share lines); a 4 KiB segment of the earlier mirrored layout is refused as too small.
+#: Kept so that test runs of other builds sharing /dev/shm recognise (and leave alone)
+#: these segments; workers always come from the supervisor's own install.
+LAYOUT_VERSION: Final = 1
 KIND_TENANT: Final = 1
 KIND_DEVICE: Final = 2
 

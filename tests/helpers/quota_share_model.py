@@ -5,7 +5,7 @@ what a *tenant* is: several worker instances on one block, any of which may be
 SIGKILLed at any atomic step, after which the supervisor reclaims its share.
 Two algorithms are modelled, step by step as the C helper performs them:
 
-``"shares"`` (``_atomics.ShareCounter``, layout 2): the tenant's use is the
+``"shares"`` (``_atomics.ShareCounter``, the current 8 KiB layout): the tenant's use is the
 sum of per-instance share words; an instance writes only its own::
 
     consume(n): cur = load(mine); CAS(mine, cur -> cur + n)          publish
@@ -16,7 +16,7 @@ sum of per-instance share words; an instance writes only its own::
     release(n): cur = load(mine); CAS(mine, cur -> max(cur - n, 0))
     reclaim(i): exchange(share i, 0)
 
-``"two_step"`` (``_atomics.Counter`` with a mirror, layout 1): a tenant
+``"two_step"`` (``_atomics.Counter`` with a mirror, the earlier 4 KiB layout): a tenant
 counter changed by CAS, then the instance's share changed in a second step;
 reclaim subtracts the share from the tenant counter. A kill between the two
 steps leaves the reclaim off by one allocation, which the checker reports.

@@ -679,7 +679,7 @@ FOREIGN_LAYOUTS: dict[str, tuple[bytes, str]] = {
     "garbage": (b"\xa5" * 8192, "bad magic"),
     "zeros": (bytes(quota.SEGMENT_BYTES), "bad magic"),
     "wrong-magic": (layout_bytes(magic=1), "bad magic"),
-    "wrong-version": (layout_bytes(version=99), "layout version 99"),
+    "wrong-version": (layout_bytes(version=2), "layout version 2"),
     "wrong-kind": (layout_bytes(kind=quota.KIND_DEVICE), "kind"),
     "too-small": (layout_bytes()[:1000], "too small"),
     "one-byte": (b"\x00", "too small"),

@@ -45,3 +45,17 @@ def test_raise_fd_limit_in_process() -> None:
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)
         assert soft >= 300
     assert fd_budget(1024) < 1024 - 256 and fd_budget(10) == 16
+
+
+def test_a_quota_block_costs_the_owner_one_fd_not_two() -> None:
+    from shared.quota import QuotaBlock
+
+    blocks = [QuotaBlock.create("fd-warm")]  # the first may start the resource tracker (a pipe)
+    before = open_fds()
+    blocks += [QuotaBlock.create(f"fd{i}") for i in range(20)]
+    try:
+        assert open_fds() - before <= 20  # the mapping's descriptor only
+    finally:
+        for b in blocks:
+            b.close()
+            b.unlink()
