@@ -1,0 +1,69 @@
+"""The order in which one loop turn serves the client messages it read.
+
+libzmq's ROUTER already takes messages from its peers in turn, but a turn
+reads a batch, and a batch from a flood used to be served in arrival order:
+forged capabilities (an HMAC each), garbage, ``quota`` requests and pings
+past ``max_in_flight``, all before the bystander's one request. Now a turn
+serves:
+
+1. requests carrying a capability already verified (a cache hit), one per
+   tenant in turn (round robin), so each tenant gets the same share of the
+   turn whatever it sends;
+2. then everything else - no capability, a forged or not yet verified one, or
+   a message that does not decode - one per *peer* in turn, at most
+   ``unauthenticated_per_turn`` of them; the rest of them are dropped
+   unanswered (counted), which costs a flooder its own requests only.
+
+A client's first request (its token not yet verified) is in the second
+group; it gets its peer's share of the turn there.
+
+Pure policy (no sockets): :meth:`FairTurn.order` takes ``(group, key,
+item)`` triples and returns the items to serve, in order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+__all__ = ["FairTurn"]
+
+T = TypeVar("T")
+
+
+def _round_robin(groups: OrderedDict[Hashable, deque[T]], limit: int | None) -> tuple[list[T], int]:
+    out: list[T] = []
+    while groups and (limit is None or len(out) < limit):
+        for key in list(groups):
+            queue = groups[key]
+            out.append(queue.popleft())
+            if not queue:
+                del groups[key]
+            if limit is not None and len(out) >= limit:
+                break
+    return out, sum(len(q) for q in groups.values())
+
+
+@dataclass
+class FairTurn(Generic[T]):
+    """Round robin per tenant, then per unauthenticated peer under a budget."""
+
+    unauthenticated_per_turn: int = 64
+    dropped: int = field(default=0, init=False)
+
+    def order(self, messages: Iterable[tuple[bool, Hashable, T]]) -> list[T]:
+        """``(authenticated, key, item)``: key is the tenant when authenticated, else the peer."""
+        known: OrderedDict[Hashable, deque[T]] = OrderedDict()
+        unknown: OrderedDict[Hashable, deque[T]] = OrderedDict()
+        for authenticated, key, item in messages:
+            groups = known if authenticated else unknown
+            queue = groups.get(key)
+            if queue is None:
+                queue = groups[key] = deque()
+            queue.append(item)
+        first, _ = _round_robin(known, None)
+        rest, left_over = _round_robin(unknown, self.unauthenticated_per_turn)
+        self.dropped += left_over
+        return first + rest
