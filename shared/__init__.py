@@ -33,6 +33,16 @@ from shared.errors import (
     WorkerLost,
     error_from_dict,
 )
+from shared.exits import (
+    EXIT_CUDA_CONTEXT_LOST,
+    EXIT_PARENT_GONE,
+    EXIT_SUPERVISOR_SILENT,
+    STICKY_CUDA_ERRORS,
+    context_lost_error,
+    context_lost_exit_code,
+    exit_reason,
+    is_sticky_cuda_error,
+)
 from shared.ids import InstanceId, TenantId
 from shared.log import configure_logging, get_logger, log_event
 from shared.quota import (
@@ -45,6 +55,10 @@ from shared.sizes import format_size, parse_size
 
 __all__ = [
     "DEFAULT_QUOTA_BYTES",
+    "EXIT_CUDA_CONTEXT_LOST",
+    "EXIT_PARENT_GONE",
+    "EXIT_SUPERVISOR_SILENT",
+    "STICKY_CUDA_ERRORS",
     "AlreadyRegistered",
     "BackendUnavailable",
     "CapabilityFromForeignRegistry",
@@ -75,9 +89,13 @@ __all__ = [
     "WorkerLost",
     "cleanup_stale_segments",
     "configure_logging",
+    "context_lost_error",
+    "context_lost_exit_code",
     "error_from_dict",
+    "exit_reason",
     "format_size",
     "get_logger",
+    "is_sticky_cuda_error",
     "log_event",
     "parse_size",
 ]

@@ -370,6 +370,11 @@ class InvalidArgument(TensorWasmError, ValueError):
         return f"invalid argument: {self.detail}"
 
 
+#: what to do when libnvrtc is missing (the worker's tensor ops and the backend probe both say it)
+NVRTC_INSTALL_HINT = ("install the 'cuda' extra (pip install 'tensor-wasm-tenant[cuda]', which brings "
+                      "nvidia-cuda-nvrtc matching cuda-bindings) or a CUDA toolkit")
+
+
 class BackendUnavailable(TensorWasmError):
     """The requested compute backend cannot be used here; ``reason`` says why."""
 

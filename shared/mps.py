@@ -19,12 +19,15 @@ import logging
 import os
 import socket
 import stat
+import threading
+import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from shared.log import get_logger, log_event
 
-__all__ = ["DEFAULT_PIPE_DIR", "Fallback", "Mps", "MpsDecision", "detect_mps"]
+__all__ = ["DEFAULT_PIPE_DIR", "MPS_PROBE_MAX_AGE_S", "Fallback", "Mps", "MpsDecision", "detect_mps",
+           "mps_or_fallback"]
 
 DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
 PID_FILE = "nvidia-cuda-mps-control.pid"
@@ -117,3 +120,29 @@ def detect_mps(environ: Mapping[str, str] | None = None, *, timeout_s: float = 0
     if pid is not None:
         return Mps(pipe_dir, f"MPS control daemon pid {pid} is alive")
     return Fallback(f"stale control socket {control}: no daemon accepts connections and no live pid")
+
+
+#: how long one probe's answer is reused: a daemon started (or stopped) later is seen after this
+MPS_PROBE_MAX_AGE_S = 1.0
+_cache_lock = threading.Lock()
+_cached: tuple[float, MpsDecision] | None = None
+
+
+def mps_or_fallback(*, max_age_s: float = MPS_PROBE_MAX_AGE_S,
+                    clock: Callable[[], float] = time.monotonic) -> MpsDecision:
+    """:func:`detect_mps`, reusing an answer at most ``max_age_s`` old (0: always probe again).
+
+    A probe costs a stat and a unix-socket connect with a short timeout; the
+    short cache only spares callers that ask many times in a burst. It is
+    never cached for the life of the process: an MPS daemon started after
+    the supervisor is seen within ``max_age_s``.
+    """
+    global _cached
+    now = clock()
+    with _cache_lock:
+        if _cached is not None and max_age_s > 0 and 0 <= now - _cached[0] < max_age_s:
+            return _cached[1]
+    decision = detect_mps()
+    with _cache_lock:
+        _cached = (now, decision)
+    return decision

@@ -118,7 +118,7 @@ class _Admin(_Lifecycle):
         if rt is None:
             raise UnknownTenant(tid)
         kind = args.get("kind")
-        if kind not in ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak"):
+        if kind not in ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault"):
             raise InvalidArgument(f"unknown fault kind {kind!r}")
         index = args.get("instance")
         if index is None:

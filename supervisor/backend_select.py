@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.config import SupervisorConfig
-from shared.errors import BackendUnavailable
+from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable
 
-__all__ = ["BackendChoice", "probe_cuda", "select_backend"]
+__all__ = ["BackendChoice", "nvrtc_note", "probe_cuda", "select_backend"]
 
 _PROBE = r"""
 import importlib, json, sys
@@ -65,6 +65,15 @@ for i in range(n):
                     "free_bytes": free})
 _, ver = d.cuDriverGetVersion()
 out.update(ok=True, devices=devices, driver_version=int(ver))
+try:  # NVRTC: only the tensor kernels need it; its own reason when it is missing
+    nv = importlib.import_module(sys.argv[2])
+    err, major, minor = nv.nvrtcVersion()
+    out["nvrtc"] = f"{major}.{minor}" if not err else None
+    if err:
+        out["nvrtc_reason"] = f"nvrtcVersion failed: {err}"
+except Exception as e:  # not installed (ImportError), or libnvrtc not found (a RuntimeError subclass)
+    out["nvrtc"] = None
+    out["nvrtc_reason"] = f"{type(e).__name__}: {e}"
 print(json.dumps(out))
 """
 
@@ -77,11 +86,13 @@ class BackendChoice:
     devices: tuple[dict[str, Any], ...] = ()
 
 
-def probe_cuda(timeout_s: float = 60.0, driver_module: str | None = None) -> dict[str, Any]:
-    """Run the CUDA probe in a child process; ``{"ok": bool, "reason"?, "devices"?}``."""
+def probe_cuda(timeout_s: float = 60.0, driver_module: str | None = None,
+               nvrtc_module: str | None = None) -> dict[str, Any]:
+    """Run the CUDA probe in a child process; ``{"ok": bool, "reason"?, "devices"?, "nvrtc"?, "nvrtc_reason"?}``."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _PROBE, driver_module or "cuda.bindings.driver"],
+            [sys.executable, "-c", _PROBE, driver_module or "cuda.bindings.driver",
+             nvrtc_module or "cuda.bindings.nvrtc"],
             capture_output=True, text=True, timeout=timeout_s, check=False,
         )
     except subprocess.TimeoutExpired:
@@ -95,6 +106,14 @@ def probe_cuda(timeout_s: float = 60.0, driver_module: str | None = None) -> dic
     return result if isinstance(result, dict) else {"ok": False, "reason": "CUDA probe gave no verdict"}
 
 
+def nvrtc_note(probe: dict[str, Any]) -> str:
+    """The backend reason's NVRTC part: empty when NVRTC loads, else why not and what brings it."""
+    if probe.get("nvrtc") or "nvrtc_reason" not in probe:
+        return ""
+    return (f"; NVRTC missing, so fill/axpy/sum are unavailable ({probe['nvrtc_reason']}): "
+            f"{NVRTC_INSTALL_HINT}")
+
+
 def select_backend(config: SupervisorConfig) -> BackendChoice:
     cap = config.stub_device_capacity_bytes
     stub_indexes = config.devices if isinstance(config.devices, tuple) else (0,)
@@ -106,7 +125,7 @@ def select_backend(config: SupervisorConfig) -> BackendChoice:
     )
     if config.backend == "stub":
         return BackendChoice("stub", "--backend stub", stub.options, stub.devices)
-    probe = probe_cuda(driver_module=config.cuda_driver_module)
+    probe = probe_cuda(driver_module=config.cuda_driver_module, nvrtc_module=config.cuda_nvrtc_module)
     if probe.get("ok"):
         found = tuple(probe.get("devices") or ())
         devices = found
@@ -128,7 +147,8 @@ def select_backend(config: SupervisorConfig) -> BackendChoice:
         return BackendChoice(
             "cuda",
             f"CUDA driver {probe.get('driver_version')} with {len(found)} device(s), using [{names}]"
-            + (" (--backend cuda)" if config.backend == "cuda" else " (auto)"),
+            + (" (--backend cuda)" if config.backend == "cuda" else " (auto)")
+            + nvrtc_note(probe),
             options,
             devices,
         )

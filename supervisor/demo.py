@@ -1,10 +1,12 @@
-"""``twt demo``: the main job - a supervisor, four tenants, four bundled WASM guests, checked outcomes.
+"""``twt demo``: the main job - a supervisor, five tenants, five bundled WASM guests, checked outcomes.
 
-    launch(backend=auto) ──► register alpha, bravo, charlie, delta (different quotas)
+    launch(backend=auto) ──► register alpha, bravo, charlie, delta, echo (different quotas)
       alpha    axpy_sum.wat   y = a*x + y and sum(y) on client buffers   -> ok, equal to numpy
       bravo    overcap.wat    asks for 4 MiB under a 1 MiB GPU cap        -> guest gets GPU_QUOTA (-5)
       charlie  runaway.wat    loops forever                               -> KernelTimeout at its deadline
       delta    long_job.wat   its worker is SIGKILLed mid-run             -> WorkerLost, restart, retry ok
+      echo     mlp.wat        a 2-layer MLP on a batch (matmul, bias,     -> ok, probabilities and classes
+                              relu, matmul, bias, softmax)                   equal to numpy
     then: free, check every quota counter is back to zero, evict all, check none is left.
 
 The guests are WAT files in ``worker/guests`` read as plain files (the
@@ -46,7 +48,10 @@ DEMO_TENANTS: tuple[TenantSpec, ...] = (
     TenantSpec(TenantId("charlie"), memory_quota_bytes=64 * MiB, gpu_memory_bytes_cap=16 * MiB,
                wasm_fuel=10**13, wasm_timeout_s=0.5),
     TenantSpec(TenantId("delta"), memory_quota_bytes=256 * MiB, gpu_memory_bytes_cap=32 * MiB),
+    TenantSpec(TenantId("echo"), memory_quota_bytes=256 * MiB, gpu_memory_bytes_cap=32 * MiB),
 )
+#: echo's MLP: a batch of 512 rows of 256 features, 512 hidden units, 10 classes
+MLP_SHAPE = (512, 256, 512, 10)
 
 
 def guest_path(name: str) -> Path:
@@ -94,7 +99,7 @@ class _Demo:
     def register(self) -> None:
         for spec in DEMO_TENANTS:
             self.caps[spec.tenant_id] = self.client.register(self.admin, spec)
-        self.say("registered 4 tenants:")
+        self.say(f"registered {len(DEMO_TENANTS)} tenants:")
         for s in DEMO_TENANTS:
             self.say(f"  {s.tenant_id:<8} GPU cap {_mib(s.gpu_memory_bytes_cap):>9}, host memory {_mib(s.memory_quota_bytes):>9}, "
                      f"wasm deadline {s.wasm_timeout_s:g} s")
@@ -204,6 +209,47 @@ class _Demo:
         row.ok = abs(total - expected) <= 1e-6 * expected and restarts >= 1
         row.outcome = f"WorkerLost ({how}), restart x{restarts}, retry = {total:.0f}"
 
+    def echo(self, row: Outcome) -> None:
+        import numpy as np
+
+        cap = self.caps["echo"]
+        batch, d_in, hidden, d_out = MLP_SHAPE
+        rng = np.random.default_rng(11)
+        params = {
+            "x": rng.standard_normal((batch, d_in), dtype=np.float32),
+            "w1": (rng.standard_normal((d_in, hidden), dtype=np.float32) / np.float32(np.sqrt(d_in))),
+            "b1": rng.standard_normal(hidden, dtype=np.float32) * np.float32(0.1),
+            "w2": (rng.standard_normal((hidden, d_out), dtype=np.float32) / np.float32(np.sqrt(hidden))),
+            "b2": rng.standard_normal(d_out, dtype=np.float32) * np.float32(0.1),
+        }
+        handles: dict[str, int] = {}
+        try:
+            for name, arr in params.items():
+                handles[name] = self.client.alloc(cap, arr.nbytes)
+                self.client.write(cap, handles[name], arr.tobytes())
+            handles["out"] = self.client.alloc(cap, 4 * batch * d_out)
+            module = guest_path("mlp").read_bytes()
+            args = [{"handle": handles[k]} for k in ("x", "w1", "b1", "w2", "b2", "out")]
+            reply = self.client.run_wasm(cap, module, "forward", [*args, batch, d_in, hidden, d_out])
+            got = np.frombuffer(self.client.read(cap, handles["out"], 4 * batch * d_out), dtype=np.float32)
+            classes = self.client.run_wasm(cap, module, "classes", [args[-1], batch, d_out])["results"][0]
+        finally:
+            for h in handles.values():
+                self.client.free(cap, h)
+        hid = np.maximum(params["x"] @ params["w1"] + params["b1"], np.float32(0))
+        logits = hid @ params["w2"] + params["b2"]
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        ref = e / e.sum(axis=1, keepdims=True)
+        status = reply["results"][0]
+        row.fuel = reply["fuel_used"]
+        probs_ok = bool(np.allclose(got.reshape(batch, d_out), ref, rtol=1e-4, atol=1e-6))
+        want_classes = int(ref.argmax(axis=1).sum())
+        row.ok = status == 0 and probs_ok and classes == want_classes
+        row.outcome = (f"{batch}x{d_in} -> {hidden} -> {d_out}: probabilities {'==' if probs_ok else '!='} numpy, "
+                       f"classes {'==' if classes == want_classes else '!='}" if status == 0 else f"status {status}")
+        if status == 0 and classes != want_classes:
+            row.notes.append(f"echo: sum of argmax {classes} != numpy {want_classes}")
+
     # ---------------------------------------------------------- reclaim
 
     def reclaim(self) -> list[str]:
@@ -242,6 +288,7 @@ def run_demo(*, backend: str = "auto", start_method: str | None = None, out: IO[
         Outcome("bravo", "overcap.wat", "alloc -> GPU_QUOTA (-5)"),
         Outcome("charlie", "runaway.wat", "KernelTimeout"),
         Outcome("delta", "long_job.wat", "WorkerLost, retry ok"),
+        Outcome("echo", "mlp.wat", "ok, equal to numpy"),
     ]
     with tempfile.TemporaryFile("w+b", prefix="twt-demo-", suffix=".log") as log:
         config = {"supervisor": {"log_level": "warning", "pool_size": 0}}
@@ -253,7 +300,7 @@ def run_demo(*, backend: str = "auto", start_method: str | None = None, out: IO[
             demo.say(f"twt demo: supervisor pid {sup.pid}, backend {hello.get('backend')}"
                      + (f" ({reason})" if reason else ""))
             demo.register()
-            for row, workload in zip(rows, (demo.alpha, demo.bravo, demo.charlie, demo.delta)):
+            for row, workload in zip(rows, (demo.alpha, demo.bravo, demo.charlie, demo.delta, demo.echo)):
                 demo.measure(row, partial(workload, row))
             demo.say("")
             demo.say(_table(rows))
@@ -267,10 +314,11 @@ def run_demo(*, backend: str = "auto", start_method: str | None = None, out: IO[
             for p in problems:
                 out.write(f"reclaim: {p}\n")
         else:
-            out.write("reclaimed: every run-scoped buffer freed, GPU and host counters back to 0, 4 tenants evicted\n")
+            out.write("reclaimed: every run-scoped buffer freed, GPU and host counters back to 0, "
+                      f"{len(rows)} tenants evicted\n")
         elapsed = time.perf_counter() - t0
         if ok:
-            out.write(f"demo: all 4 outcomes as expected ({elapsed:.1f} s)\n")
+            out.write(f"demo: all {len(rows)} outcomes as expected ({elapsed:.1f} s)\n")
             return 0
         out.write(f"demo: UNEXPECTED outcomes ({elapsed:.1f} s); supervisor log tail:\n")
         log.flush()

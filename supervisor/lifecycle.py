@@ -26,6 +26,7 @@ from shared.errors import (
     UnknownTenant,
     WorkerLost,
 )
+from shared.exits import context_lost_error, exit_reason
 from shared.log import get_logger, log_event
 from shared.proctitle import set_process_name
 from shared.spec import TenantSpec
@@ -359,7 +360,7 @@ class _Lifecycle(_Routing):
         code, sig = exit_status(worker.process)
         if worker.process.exitcode is not None:
             worker.process.close()
-        reason = worker.kill_reason or ("killed by signal %d" % sig if sig else f"exited with code {code}")
+        reason = worker.kill_reason or exit_reason(code, sig)  # "CUDA context lost: ..." for a sticky error
         tid, index = worker.tenant, worker.instance
         # 1. every in-flight request gets a typed answer
         rt = self.tenants.get(tid) if tid else None
@@ -396,6 +397,8 @@ class _Lifecycle(_Routing):
             cause = "stop"
         elif worker.kill_cause:
             cause = worker.kill_cause  # heartbeat, deadline, protocol, startup, bind
+        elif context_lost_error(code) is not None:
+            cause = "cuda"
         else:
             cause = "signal" if sig else "exit"
         self.metrics.worker_exit(tid, cause)

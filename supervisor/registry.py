@@ -21,7 +21,6 @@ register/unregister/set_quota take one.
 
 from __future__ import annotations
 
-import functools
 import secrets
 import threading
 import time
@@ -38,7 +37,7 @@ from shared.errors import (
     TenantIsolationViolation,
     UnknownTenant,
 )
-from shared.mps import MpsDecision, detect_mps
+from shared.mps import MPS_PROBE_MAX_AGE_S, MpsDecision, mps_or_fallback
 from shared.quota import QuotaBlock, QuotaSnapshot, new_segment_name
 from shared.spec import TenantSpec
 
@@ -433,11 +432,6 @@ class TenantRegistry:
         return f"<TenantRegistry {self.registry_id[:8]} tenants={len(self._tenants)}>"
 
     @staticmethod
-    def mps_or_fallback() -> MpsDecision:
-        """Whether NVIDIA MPS is usable here (probed once per process, then cached)."""
-        return _mps_cached()
-
-
-@functools.cache
-def _mps_cached() -> MpsDecision:
-    return detect_mps()
+    def mps_or_fallback(*, max_age_s: float = MPS_PROBE_MAX_AGE_S) -> MpsDecision:
+        """Whether NVIDIA MPS is usable here: probed again once the last answer is ``max_age_s`` old."""
+        return mps_or_fallback(max_age_s=max_age_s)

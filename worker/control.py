@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from shared.errors import ProtocolError, TensorWasmError
+from shared.exits import EXIT_PARENT_GONE, EXIT_SUPERVISOR_SILENT
 from shared.log import get_logger, log_event
 from shared.protocol import decode_control, encode_control
 from worker.faults import FaultState
@@ -28,8 +29,6 @@ __all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT"]
 
 _log = get_logger("worker.control")
 
-EXIT_SUPERVISOR_SILENT = 70
-EXIT_PARENT_GONE = 71
 
 
 class ControlThread(threading.Thread):

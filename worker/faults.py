@@ -20,7 +20,7 @@ from shared.errors import InvalidArgument
 
 __all__ = ["FAULT_KINDS", "FaultState"]
 
-FAULT_KINDS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak")
+FAULT_KINDS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
 
 
 def _int_param(params: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
@@ -39,6 +39,7 @@ class FaultState:
         self.oom_remaining = 0
         self.corrupt_next = 0
         self.drop_next = 0
+        self.kernel_fault = threading.Event()
         self._leaked: list[bytes] = []
 
     def apply(self, kind: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -60,12 +61,22 @@ class FaultState:
             self.corrupt_next += _int_param(params, "count", 1, 1, 1_000_000)
         elif kind == "drop":
             self.drop_next += _int_param(params, "count", 1, 1, 1_000_000)
+        elif kind == "cuda-fault":
+            # armed: the executor launches a faulting kernel before its next request (CUDA
+            # contexts belong to the executor thread), so that request gets the sticky error
+            self.kernel_fault.set()
         elif kind == "leak":
             n = _int_param(params, "bytes", 64 << 20, 1, 1 << 40)
             self._leaked.append(b"\x01" * n)  # written, so resident
         else:
             raise InvalidArgument(f"unknown fault kind {kind!r}; known: {', '.join(FAULT_KINDS)}")
         return {"kind": kind, **params}
+
+    def take_kernel_fault(self) -> bool:
+        if self.kernel_fault.is_set():
+            self.kernel_fault.clear()
+            return True
+        return False
 
     def take_oom(self) -> bool:
         if self.oom_remaining > 0:

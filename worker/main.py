@@ -20,7 +20,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
+
+from shared.exits import EXIT_CRASHED, EXIT_OK, EXIT_PARENT_GONE
 
 __all__ = ["run"]
 
@@ -40,7 +43,7 @@ def run(boot: dict[str, Any]) -> None:
     _set_parent_death_signal()
     expected_parent = boot.get("parent_pid")
     if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(71)  # the supervisor died while we were starting
+        os._exit(EXIT_PARENT_GONE)  # the supervisor died while we were starting
     # A worker ends on SIGTERM like on "stop"; SIGINT (a terminal's ^C) is the supervisor's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -79,20 +82,23 @@ def run(boot: dict[str, Any]) -> None:
 
     data.send(encode_worker_reply(0, True, {"token": boot["token"], "pid": os.getpid()}))
     log_event(log, logging.DEBUG, "worker.started", worker=boot["worker_id"], pid=os.getpid())
-    code = 0
+    code = EXIT_OK
     try:
         server.serve()
+        code = server.exit_code if server.exit_code is not None else EXIT_OK
     except BaseException:
         log.exception("worker.crashed")
-        code = 1
+        code = EXIT_CRASHED
     finally:
         server.close()
         control.closed.wait(2)
-        if server.exit_after_reply is not None:
-            code = server.exit_after_reply
-            data.close(2000)  # the last reply must leave first: term() waits for it (2 s at most)
-            if control.closed.is_set():
-                zctx.term()
+        if server.exit_code is not None:
+            # the CudaError reply to the request that lost the context must get out before we exit:
+            # linger, and let term() (bounded: it waits for every socket) flush it
+            data.close(linger=1000)
+            flusher = threading.Thread(target=zctx.term, daemon=True)
+            flusher.start()
+            flusher.join(2.0)
         else:
             data.close(0)  # no zctx.term(): it would wait for the control thread's socket
         logging.shutdown()

@@ -32,16 +32,15 @@ import zmq
 from shared.device_budget import DeviceBudget  # imported at start, not at bind: binding must be fast
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.log import get_logger, log_event
+from shared.exits import context_lost_exit_code
 from shared.protocol import decode_worker_request, encode_worker_reply
 from shared.spec import TenantSpec
 from worker.context import TenantContext
 from worker.faults import FaultState
 
-__all__ = ["EXIT_COMPILE_OVERRUN", "Reply", "WorkerServer", "register_op"]
+__all__ = ["Reply", "WorkerServer", "register_op"]
 
 _log = get_logger("worker")
-#: exit status of a worker that ended itself to stop a runaway WASM compile (a failure: restarted)
-EXIT_COMPILE_OVERRUN = 72
 
 Reply = tuple[Any, "bytes | memoryview | None"]
 Handler = Callable[["WorkerServer", dict[str, Any], "zmq.Frame | None"], Reply]
@@ -83,8 +82,8 @@ class WorkerServer:
         self.stop_event = threading.Event()
         self.started = time.time()
         self.requests = 0
-        #: set by an op that must end the process once its reply is sent (a runaway compile)
-        self.exit_after_reply: int | None = None
+        #: the process exit code once this worker must end (a lost CUDA context), else None
+        self.exit_code: int | None = None
 
     # --------------------------------------------------------------- loop
 
@@ -98,9 +97,6 @@ class WorkerServer:
             self.requests += 1
             self.faults.block_if_hung()
             self.handle(frames)
-            if self.exit_after_reply is not None:
-                log_event(_log, logging.WARNING, "worker.exit_after_reply", code=self.exit_after_reply)
-                stop.set()
 
     def handle(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -110,18 +106,35 @@ class WorkerServer:
             return
         body = frames[1] if len(frames) > 1 else None
         try:
-            handler = _resolve(op)
-            if handler is None:
-                raise InvalidArgument(f"unknown worker op {op!r}")
-            result, out_body = handler(self, args, body)
-        except TensorWasmError as exc:
-            self.reply(rid, False, exc.to_dict())
-            return
-        except Exception as exc:  # noqa: BLE001 - a bug in one request must not kill the worker
-            _log.exception("worker.op_failed op=%s", op)
-            self.reply(rid, False, TensorWasmError(f"internal error in worker op {op!r}: {exc!r}").to_dict())
-            return
-        self.reply(rid, True, result, out_body)
+            try:
+                if self.faults.take_kernel_fault():
+                    self.require_context().backend.inject_kernel_fault()
+                handler = _resolve(op)
+                if handler is None:
+                    raise InvalidArgument(f"unknown worker op {op!r}")
+                result, out_body = handler(self, args, body)
+            except TensorWasmError as exc:
+                self.reply(rid, False, exc.to_dict())
+                return
+            except Exception as exc:  # noqa: BLE001 - a bug in one request must not kill the worker
+                _log.exception("worker.op_failed op=%s", op)
+                self.reply(rid, False, TensorWasmError(f"internal error in worker op {op!r}: {exc!r}").to_dict())
+                return
+            self.reply(rid, True, result, out_body)
+        finally:
+            self._check_context()
+
+    def _check_context(self) -> None:
+        """End the worker after a sticky CUDA error: its context fails every later call.
+
+        The failing request has had its ``CudaError`` reply; the requests still
+        queued get ``WorkerLost`` ("CUDA context lost: ...") from the supervisor.
+        """
+        lost = self.context.backend.context_lost if self.context is not None else None
+        if lost is not None and self.exit_code is None:
+            self.exit_code = context_lost_exit_code(lost)
+            log_event(_log, logging.ERROR, "worker.cuda_context_lost", error=lost, exit_code=self.exit_code)
+            self.stop_event.set()
 
     def reply(self, rid: int, ok: bool, payload: Any, body: bytes | memoryview | None = None) -> None:
         faults = self.faults

@@ -10,8 +10,13 @@
                    against numpy's ``y += a * x`` on arrays of the same size in this process,
                    interleaved round by round
 
-Target (issue 7): axpy through the host >= 0.5x numpy's throughput on the
-stub backend. Exit status 0 when met, 4 when missed, 2 for bad usage.
+    gemm           ``C = A @ B`` on 512 x 512 float32 client buffers (``matmul_f32`` in a guest
+                   loop of R calls minus a loop of 0, divided by R) against numpy's
+                   ``np.matmul(a, b, out=c)`` on the same sizes in this process, interleaved
+
+Targets: axpy through the host >= 0.5x numpy's throughput on the stub backend
+(issue 7); GEMM through the host >= 0.5x numpy's matmul (issue 18). Exit
+status 0 when met, 4 when missed, 2 for bad usage.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=4, help="axpy calls per guest run (default 4)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds (default 5)")
     parser.add_argument("--calls", type=int, default=200_000, help="host calls per guest run (default 200k)")
+    parser.add_argument("--gemm-n", type=int, default=512, help="GEMM size n (n x n @ n x n, default 512)")
+    parser.add_argument("--gemm-reps", type=int, default=20, help="matmul calls per guest run (default 20)")
     parser.add_argument("--backend", default="stub", help="supervisor backend (default stub)")
     try:
         args = parser.parse_args(argv)
@@ -110,6 +117,32 @@ def main(argv: list[str] | None = None) -> int:
             numpy_s.append((time.perf_counter() - t0) / reps)
         c.free(cap, hx)
         c.free(cap, hy)
+
+        # -- GEMM n x n: through the host vs numpy's matmul here
+        gn, greps = args.gemm_n, args.gemm_reps
+        ga = rng.standard_normal((gn, gn), dtype=np.float32)
+        gb = rng.standard_normal((gn, gn), dtype=np.float32)
+        gc = np.empty((gn, gn), dtype=np.float32)
+        hs = [c.alloc(cap, 4 * gn * gn) for _ in range(3)]
+        c.write(cap, hs[0], ga.tobytes())
+        c.write(cap, hs[1], gb.tobytes())
+        gemm_args = [{"handle": h} for h in hs] + [gn]
+        gemm_host: list[float] = []
+        gemm_numpy: list[float] = []
+        c.run_wasm(cap, digest, "matmul_loop", [*gemm_args, 1])  # warm: BLAS threads, cuBLAS handle
+        np.matmul(ga, gb, out=gc)
+        for _ in range(rounds):
+            zero = _timed(lambda: c.run_wasm(cap, digest, "matmul_loop", [*gemm_args, 0]))
+            t = _timed(lambda: c.run_wasm(cap, digest, "matmul_loop", [*gemm_args, greps]))
+            gemm_host.append(max(t - zero, 1e-9) / greps)
+            t0 = time.perf_counter()
+            for _ in range(greps):
+                np.matmul(ga, gb, out=gc)
+            gemm_numpy.append((time.perf_counter() - t0) / greps)
+        got = np.frombuffer(c.read(cap, hs[2], 4 * gn * gn), dtype=np.float32).reshape(gn, gn)
+        gemm_equal = bool(np.allclose(got, gc, rtol=1e-4, atol=1e-3))
+        for h in hs:
+            c.free(cap, h)
         c.evict(sup.admin_capability, "bench")
     ratios = [ns / hs for ns, hs in zip(numpy_s, host_s)]
     ratio = statistics.median(ratios)
@@ -135,11 +168,29 @@ def main(argv: list[str] | None = None) -> int:
              ["numpy y += a * x (this process)", numpy_axpy * 1e3, moved / numpy_axpy / 1e9]],
         ),
     ))
+    gemm_ratio = statistics.median(gemm_numpy) / statistics.median(gemm_host)
+    gflop = 2.0 * gn**3 / 1e9
+    report.sections.append((
+        f"matmul_f32 {gn}x{gn} @ {gn}x{gn} float32, median of {rounds} rounds x {greps}"
+        f" (result {'==' if gemm_equal else '!='} numpy)",
+        format_table(
+            ["path", "ms per GEMM", "GFLOP/s"],
+            [[f"through the WASM host ({args.backend} backend)", statistics.median(gemm_host) * 1e3,
+              gflop / statistics.median(gemm_host)],
+             ["numpy np.matmul(a, b, out=c) (this process)", statistics.median(gemm_numpy) * 1e3,
+              gflop / statistics.median(gemm_numpy)]],
+        ),
+    ))
     report.data.update({
+        "gemm": {"n": gn, "host_ms": round(statistics.median(gemm_host) * 1e3, 3),
+                 "numpy_ms": round(statistics.median(gemm_numpy) * 1e3, 3), "equal": gemm_equal,
+                 "ratio": round(gemm_ratio, 3)},
         "round_trip_us": {"ping": round(ping_us, 1), "run_wasm_nop": round(wasm_us, 1)},
         "host_call_us": round(host_call_us, 3),
         "axpy": {"floats": n, "host_ms": round(host_axpy * 1e3, 3), "numpy_ms": round(numpy_axpy * 1e3, 3),
                  "ratios": [round(r, 3) for r in ratios]},
     })
     report.targets.append(Target("axpy through the host vs numpy (throughput)", ratio, 0.5))
+    report.targets.append(Target(f"GEMM {gn}^3 through the host vs numpy matmul (throughput)",
+                                 gemm_ratio if gemm_equal else 0.0, 0.5))
     return report.emit(as_json=args.json)

@@ -31,7 +31,7 @@ from supervisor.cli.status import connect, fetch_status
 __all__ = ["FAULT_KINDS", "add_parser", "parse_param", "specs_from_file"]
 
 #: what ``inject_fault`` accepts (docs/RELIABILITY.md describes each)
-FAULT_KINDS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak")
+FAULT_KINDS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
 #: admin calls that may wait for worker processes (register, evict) get at least this long
 ADMIN_TIMEOUT_S = 60.0
 _NONE_WORDS = ("none", "unlimited", "off")

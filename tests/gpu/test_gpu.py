@@ -169,3 +169,36 @@ def test_supervisor_on_the_gpu_end_to_end() -> None:
         wait_for(lambda: c.status()["devices"][0]["budget_used_bytes"] == 48 * MiB, timeout_s=30,
                  what="device budget back")
         assert tenant(c.status(), "b")["gpu_bytes_in_use"] == 48 * MiB
+
+
+def test_a_kernel_fault_is_sticky_for_the_rest_of_the_process() -> None:
+    """In a child process: a sticky error must not reach this pytest process's context."""
+    import subprocess
+    import sys
+
+    code = (
+        "from worker.backends.cuda import CudaBackend\n"
+        "from shared.errors import CudaError\n"
+        "b = CudaBackend(0, gpu_cap_bytes=8 << 20)\n"
+        "buf = b.alloc(1 << 20)\n"
+        "try:\n"
+        "    b.inject_kernel_fault()\n"
+        "except CudaError as exc:\n"
+        "    print('fault', exc.result_name)\n"
+        "try:\n"
+        "    b.write(buf, 0, memoryview(b'x' * 8))\n"
+        "    print('after', 'CUDA_SUCCESS')\n"
+        "except CudaError as exc:\n"
+        "    print('after', exc.result_name)\n"
+        "print('lost', b.context_lost)\n"
+        "b.close()\n"
+    )
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    assert lines["fault"] in ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED")
+    assert lines["after"] == lines["fault"]  # sticky: the next call fails the same way
+    assert lines["lost"] == lines["fault"]

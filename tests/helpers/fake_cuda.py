@@ -57,10 +57,15 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from shared.exits import STICKY_CUDA_ERRORS
+
 __all__ = ["DynamicLibNotFoundError", "FakeDriver", "instance", "reset"]
 
 
 # ----------------------------------------------------------------- enums (real values)
+
+#: the driver's sticky errors (the same list the worker uses; shared/exits.py)
+STICKY = frozenset(STICKY_CUDA_ERRORS)
 
 
 class CUresult(enum.IntEnum):
@@ -71,7 +76,9 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_DEINITIALIZED = 4
     CUDA_ERROR_NO_DEVICE = 100
     CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_ECC_UNCORRECTABLE = 214
     CUDA_ERROR_INVALID_IMAGE = 200
+    CUDA_ERROR_CONTAINED = 226
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_CONTEXT_ALREADY_IN_USE = 216
     CUDA_ERROR_INVALID_PTX = 218
@@ -79,11 +86,22 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_NOT_FOUND = 500
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701
+    CUDA_ERROR_LAUNCH_TIMEOUT = 702
     CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
+    CUDA_ERROR_ASSERT = 710
+    CUDA_ERROR_HARDWARE_STACK_ERROR = 714
+    CUDA_ERROR_ILLEGAL_INSTRUCTION = 715
+    CUDA_ERROR_MISALIGNED_ADDRESS = 716
+    CUDA_ERROR_INVALID_ADDRESS_SPACE = 717
+    CUDA_ERROR_INVALID_PC = 718
     CUDA_ERROR_LAUNCH_FAILED = 719
+    CUDA_ERROR_TENSOR_MEMORY_LEAK = 721
     CUDA_ERROR_NOT_PERMITTED = 800
     CUDA_ERROR_NOT_SUPPORTED = 801
     CUDA_ERROR_SYSTEM_DRIVER_MISMATCH = 803
+    CUDA_ERROR_MPS_CLIENT_TERMINATED = 810
+    CUDA_ERROR_EXTERNAL_DEVICE = 911
     CUDA_ERROR_UNKNOWN = 999
 
 
@@ -150,10 +168,21 @@ class DynamicLibNotFoundError(RuntimeError):
 
 
 class _Handle:
-    """An opaque driver handle: compares by value, ``int()`` gives the address."""
+    """An opaque driver object handle (context, stream, pool, module, function, program).
+
+    As in cuda.bindings: equal (and hashing equal) to a handle of the same
+    type and value, never to a plain int; ``int()`` and ``__index__`` give the
+    address; the constructor takes an int only.
+    """
+
+    __slots__ = ("_value",)
 
     def __init__(self, value: int = 0) -> None:
-        self._value = int(value)
+        if isinstance(value, _Handle | _Value):
+            value = int(value)
+        if not isinstance(value, int):
+            raise TypeError("an integer is required")
+        self._value = value
 
     def __int__(self) -> int:
         return self._value
@@ -173,45 +202,25 @@ class _Handle:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._value:#x}>"
 
-
-class CUdevice(_Handle):
-    def __repr__(self) -> str:
-        return f"<CUdevice {self._value}>"
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._value,))
 
 
-class CUcontext(_Handle):
-    pass
+class _Value:
+    """A value wrapper (CUdevice, CUdeviceptr, cuuint64_t): as in cuda.bindings, it compares
+    by *identity* (two ``CUdeviceptr(5)`` are not equal and hash apart) and has no ``__index__``;
+    ``int()`` gives the value."""
 
+    __slots__ = ("_value",)
+    _bits = 64
 
-class CUstream(_Handle):
-    pass
-
-
-class CUmemoryPool(_Handle):
-    pass
-
-
-class CUdeviceptr(_Handle):
-    def __repr__(self) -> str:
-        return f"<CUdeviceptr {self._value}>"
-
-
-class CUmodule(_Handle):
-    pass
-
-
-class CUfunction(_Handle):
-    pass
-
-
-class nvrtcProgram(_Handle):  # noqa: N801
-    pass
-
-
-class cuuint64_t:  # noqa: N801 - the bindings' name
     def __init__(self, value: int = 0) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-            raise TypeError(f"cuuint64_t takes an int in 0..2**64-1, got {value!r}")
+        if isinstance(value, _Handle | _Value):
+            value = int(value)
+        if not isinstance(value, int):
+            raise TypeError("an integer is required")
+        if not 0 <= value < 1 << self._bits:
+            raise OverflowError(f"can't convert {value} to an unsigned {self._bits}-bit value")
         self._value = value
 
     def __int__(self) -> int:
@@ -221,32 +230,115 @@ class cuuint64_t:  # noqa: N801 - the bindings' name
         return id(self)
 
     def __repr__(self) -> str:
-        return f"<cuuint64_t {self._value}>"
+        return f"<{type(self).__name__} {self._value}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._value,))
 
 
-class CUmemLocation:
+class CUdevice(_Value):
+    __slots__ = ()
+    _bits = 31
+
+
+class CUdeviceptr(_Value):
+    __slots__ = ()
+
+
+class cuuint64_t(_Value):  # noqa: N801 - the bindings' name
+    __slots__ = ()
+
+
+class CUcontext(_Handle):
+    __slots__ = ()
+
+
+class CUstream(_Handle):
+    __slots__ = ()
+
+
+class CUmemoryPool(_Handle):
+    __slots__ = ()
+
+
+class CUmodule(_Handle):
+    __slots__ = ()
+
+
+class CUfunction(_Handle):
+    __slots__ = ()
+
+
+class nvrtcProgram(_Handle):  # noqa: N801
+    __slots__ = ()
+
+
+class _Struct:
+    """A driver struct as cuda.bindings has them: a fixed set of fields, each typed.
+
+    Unknown fields raise ``AttributeError``; an int field refuses a non-number
+    (``TypeError``) and a negative value (``OverflowError``); an enum field
+    takes a member or an int of a member (``ValueError`` otherwise); a struct
+    field takes only that struct type. ``_fields`` maps name -> int | enum | struct type.
+    """
+
+    __slots__: tuple[str, ...] = ()
+    _fields: dict[str, Any] = {}
+
     def __init__(self) -> None:
-        self.type = CUmemLocationType.CU_MEM_LOCATION_TYPE_INVALID
-        self.id = 0
+        for name, kind in self._fields.items():
+            if kind is int:
+                value: Any = 0
+            elif isinstance(kind, type) and issubclass(kind, enum.IntEnum):
+                value = kind(min(int(m) for m in kind))
+            else:
+                value = kind()
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        kind = type(self)._fields.get(name)
+        if kind is None:
+            raise AttributeError(f"'cuda.bindings.driver.{type(self).__name__}' object has no attribute '{name}'")
+        if kind is int:
+            if isinstance(value, (str, bytes, bytearray)) or not hasattr(value, "__int__"):
+                raise TypeError("an integer is required")
+            value = int(value)
+            if value < 0:
+                raise OverflowError("can't convert negative value to size_t")
+        elif isinstance(kind, type) and issubclass(kind, enum.IntEnum):
+            value = kind(int(value))  # ValueError for a str or an unknown member, like the bindings
+        elif not isinstance(value, kind):
+            raise TypeError(f"Argument '{name}' is not instance of type {kind.__name__}")
+        object.__setattr__(self, name, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_struct, (type(self), {n: getattr(self, n) for n in self._fields}))
 
 
-class CUmemPoolProps:
-    def __init__(self) -> None:
-        self.allocType = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID
-        self.handleTypes = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        self.location = CUmemLocation()
-        self.win32SecurityAttributes = 0
-        self.maxSize = 0
-        self.usage = 0
-        self.gpuDirectRDMACapable = 0
+def _rebuild_struct(cls: type[_Struct], fields: dict[str, Any]) -> _Struct:
+    obj = cls()
+    for name, value in fields.items():
+        setattr(obj, name, value)
+    return obj
 
 
-class CUmemAllocationProp:
-    def __init__(self) -> None:
-        self.type = CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID
-        self.requestedHandleTypes = CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        self.location = CUmemLocation()
-        self.win32HandleMetaData = 0
+class CUmemLocation(_Struct):
+    __slots__ = ("type", "id")
+    _fields = {"type": CUmemLocationType, "id": int}
+
+
+class CUmemPoolProps(_Struct):
+    __slots__ = ("allocType", "handleTypes", "location", "win32SecurityAttributes", "maxSize", "usage",
+                 "gpuDirectRDMACapable")
+    _fields = {"allocType": CUmemAllocationType, "handleTypes": CUmemAllocationHandleType,
+               "location": CUmemLocation, "win32SecurityAttributes": int, "maxSize": int, "usage": int,
+               "gpuDirectRDMACapable": int}
+
+
+class CUmemAllocationProp(_Struct):
+    __slots__ = ("type", "requestedHandleTypes", "location", "win32HandleMetaData")
+    _fields = {"type": CUmemAllocationType, "requestedHandleTypes": CUmemAllocationHandleType,
+               "location": CUmemLocation, "win32HandleMetaData": int}
 
 
 # ----------------------------------------------------------------- the fake's state
@@ -349,6 +441,7 @@ class FakeDriver:
         pools_supported: bool = True,
         record_dir: str | None = None,
         driver_version: int = 12080,
+        real_nvrtc: bool = True,
     ) -> None:
         if mode not in ("ok", "no-libcuda", "no-device", "driver-mismatch"):
             raise ValueError(f"unknown fake CUDA mode {mode!r}")
@@ -372,7 +465,9 @@ class FakeDriver:
         self._tls = threading.local()
         self.initialized = False
         self._next = 0x1000
-        self._next_addr = 0x7F00_0000_0000
+        # each process its own address range (as its own address space would give it), so an
+        # address handed over from another process is unmapped here, not one of our buffers
+        self._next_addr = 0x7000_0000_0000 + ((os.getpid() & 0xFF) << 36)
         self.ctx_refs: dict[int, int] = {}  # device -> primary context retain count
         self.ctx_handle = {d: 0xC000 + d for d in range(devices)}
         self.streams: dict[int, tuple[int, int]] = {}  # handle -> (ctx, flags)
@@ -383,10 +478,15 @@ class FakeDriver:
         self.modules: dict[int, dict[bytes, list[str]]] = {}
         self.functions: dict[int, tuple[int, bytes, list[str]]] = {}
         self.programs: dict[int, dict[str, Any]] = {}
-        self.pending_error: dict[int, CUresult] = {}  # stream -> error reported at its next sync
+        #: device -> the sticky error its context hit: every later call in it returns that error,
+        #: until the process ends (cuda.h: "the process must be terminated and relaunched")
+        self.sticky: dict[int, CUresult] = {}
         self.launches: list[tuple[bytes, int, int]] = []  # (kernel, grid, block)
         self.compile_options: list[list[bytes]] = []
         self.init_environment: dict[str, str] = {}
+        #: compile kernel sources for real with NVRTC when it is loadable (a syntax error then fails)
+        self.real_nvrtc = real_nvrtc
+        self.real_compiles = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FakeDriver:
@@ -403,6 +503,7 @@ class FakeDriver:
             context_bytes=num("FAKE_CUDA_CONTEXT_BYTES", 0),
             mode=env.get("FAKE_CUDA_MODE") or "ok",
             record_dir=env.get("FAKE_CUDA_RECORD_DIR") or None,
+            real_nvrtc=env.get("FAKE_CUDA_REAL_NVRTC", "1") != "0",
         )
 
     # ------------------------------------------------------------- test controls
@@ -444,11 +545,20 @@ class FakeDriver:
             )
         queued = self._fail.get(name)
         if queued:
-            return CUresult(queued.pop(0))
+            err = CUresult(queued.pop(0))
+            if err.name in STICKY and needs_ctx:
+                dev = self._ctx_device(self._ctx())
+                if dev is not None:
+                    self.sticky.setdefault(dev, err)
+            return err
         if needs_init and not self.initialized:
             return CUresult.CUDA_ERROR_NOT_INITIALIZED
-        if needs_ctx and self._ctx_device(self._ctx()) is None:
-            return CUresult.CUDA_ERROR_INVALID_CONTEXT
+        if needs_ctx:
+            dev = self._ctx_device(self._ctx())
+            if dev is None:
+                return CUresult.CUDA_ERROR_INVALID_CONTEXT
+            if dev in self.sticky:
+                return self.sticky[dev]
         return None
 
     def _stream_ok(self, stream: Any) -> bool:
@@ -677,8 +787,7 @@ class FakeDriver:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             for pool in self.pools.values():
                 self._trim(pool)
-            pending = self.pending_error.pop(int(stream), None)
-            return (pending or CUresult.CUDA_SUCCESS,)
+            return (CUresult.CUDA_SUCCESS,)
 
     # ------------------------------------------------------------- pools
 
@@ -956,7 +1065,11 @@ class FakeDriver:
                     return (CUresult.CUDA_ERROR_INVALID_VALUE,)  # the launch does not match the source
             self.launches.append((name, gx, bx))
             if not self._run(name, gx, bx, values):
-                self.pending_error[int(stream)] = CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+                # the launch itself succeeds; the fault shows at the next call (usually the
+                # synchronize) and at every call after it: the context is lost for good
+                dev = self._ctx_device(self._ctx())
+                assert dev is not None
+                self.sticky.setdefault(dev, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
             return (CUresult.CUDA_SUCCESS,)
 
     def _f32(self, addr: int, n: int, dtype: str = "float32") -> Any:
@@ -970,32 +1083,17 @@ class FakeDriver:
         return np.frombuffer(a.buf(), dtype=dtype, count=n, offset=off)
 
     def _run(self, name: bytes, grid: int, block: int, args: tuple[Any, ...]) -> bool:
-        """Run a kernel by name with numpy; False on an out-of-bounds pointer."""
-        import numpy as np
+        """Run a kernel by name (``KERNELS``) with numpy; False on an out-of-bounds pointer.
 
-        if name == b"twt_fill_f32":
-            ptr, value, n = args
-            out = self._f32(ptr, n)
-            if out is None:
-                return False
-            out.fill(np.float32(value))
-        elif name == b"twt_axpy_f32":
-            n, a, x, y = args
-            xv, yv = self._f32(x, n), self._f32(y, n)
-            if xv is None or yv is None:
-                return False
-            t = np.multiply(xv, np.float32(a), dtype=np.float32)  # a copy: x may be y
-            np.add(yv, t, out=yv)
-        elif name == b"twt_sum_f32":
-            ptr, n, partial = args
-            xv, out = self._f32(ptr, n), self._f32(partial, grid, "float64")
-            if xv is None or out is None:
-                return False
-            which = (np.arange(n, dtype=np.int64) // block) % grid  # the grid-stride partition
-            out[:] = np.bincount(which, weights=xv.astype(np.float64), minlength=grid)
-        else:
-            return False
-        return True
+        Names not in ``KERNELS`` are the WASM ABI's tensor-op kernels
+        (worker.backends.cuda_ops), which live in their own fake module.
+        """
+        run = KERNELS.get(name)
+        if run is None:
+            from tests.helpers.fake_tensor_kernels import run_tensor_kernel
+
+            return run_tensor_kernel(self, name, grid, block, args)
+        return run(self, grid, block, args)
 
     # ------------------------------------------------------------- NVRTC
 
@@ -1007,6 +1105,10 @@ class FakeDriver:
         if queued:
             return nvrtcResult(queued.pop(0))
         return None
+
+    def nvrtcVersion(self) -> tuple[Any, ...]:  # noqa: N802
+        err = self._nvrtc_enter("nvrtcVersion")
+        return (err, 0, 0) if err is not None else (nvrtcResult.NVRTC_SUCCESS, 13, 0)
 
     def nvrtcGetErrorString(self, result: Any) -> tuple[Any, ...]:  # noqa: N802
         self.calls.append("nvrtcGetErrorString")
@@ -1042,6 +1144,15 @@ class FakeDriver:
         if known is not None and arch not in known:
             p["log"] = f"nvrtc: error: invalid value for --gpu-architecture (-arch): {arch}".encode()
             return (nvrtcResult.NVRTC_ERROR_INVALID_OPTION,)
+        if self.real_nvrtc:
+            compiled = compile_with_real_nvrtc(p["src"], opts)
+            if compiled is not None:
+                ok, out = compiled
+                self.real_compiles += 1
+                if not ok:
+                    p["log"] = out
+                    return (nvrtcResult.NVRTC_ERROR_COMPILATION,)
+                p["ptx"] = out
         sigs = {m.group(1): [_param_kind(d) for d in m.group(2).split(",") if d.strip()]
                 for m in _SIG_RE.finditer(p["src"])}
         if not sigs:
@@ -1111,6 +1222,112 @@ class FakeDriver:
         return (nvrtcResult.NVRTC_SUCCESS,)
 
 
+_real_nvrtc_state: list[Any] = []  # [module or None], probed once
+_compiled: dict[tuple[str, tuple[bytes, ...]], tuple[bool, bytes]] = {}
+
+
+def real_nvrtc_module() -> Any | None:
+    """``cuda.bindings.nvrtc`` when libnvrtc loads here (the ``cuda`` extra's wheel), else None."""
+    if not _real_nvrtc_state:
+        try:
+            from cuda.bindings import nvrtc
+
+            err, *_ = nvrtc.nvrtcVersion()
+            _real_nvrtc_state.append(nvrtc if not err else None)
+        except (ImportError, RuntimeError):  # not installed, or libnvrtc not found
+            _real_nvrtc_state.append(None)
+    return _real_nvrtc_state[0]
+
+
+def compile_with_real_nvrtc(src: str, options: list[bytes]) -> tuple[bool, bytes] | None:
+    """Compile ``src`` to PTX with the real NVRTC: (True, ptx) or (False, log); None without NVRTC.
+
+    ``--gpu-architecture=sm_XY`` becomes ``compute_XY`` (PTX is all that can be
+    checked without a device); results are cached per (source, options).
+    """
+    mod = real_nvrtc_module()
+    if mod is None:
+        return None
+    opts = tuple(o.replace(b"=sm_", b"=compute_") for o in options)
+    key = (src, opts)
+    if key in _compiled:
+        return _compiled[key]
+    err, prog = mod.nvrtcCreateProgram(src.encode(), b"twt_fake_check.cu", 0, [], [])
+    if err:
+        return None
+    try:
+        (err,) = mod.nvrtcCompileProgram(prog, len(opts), list(opts))
+        if err:
+            _, size = mod.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            mod.nvrtcGetProgramLog(prog, log)
+            result = (False, log.rstrip(b"\0 "))
+        else:
+            _, size = mod.nvrtcGetPTXSize(prog)
+            ptx = b" " * size
+            mod.nvrtcGetPTX(prog, ptx)
+            result = (True, ptx.rstrip(b"\0"))
+    finally:
+        mod.nvrtcDestroyProgram(prog)
+    _compiled[key] = result
+    return result
+
+
+# ----------------------------------------------------------------- kernels, by name
+
+#: what each kernel does, in numpy: ``fn(fake, grid, block, args) -> False`` on a bad pointer
+#: (which the launch turns into a sticky CUDA_ERROR_ILLEGAL_ADDRESS). A new kernel in
+#: worker/backends/kernels.py gets its twin here with ``@fake_kernel(b"name")``.
+KERNELS: dict[bytes, Callable[[FakeDriver, int, int, tuple[Any, ...]], bool]] = {}
+
+
+def fake_kernel(name: bytes) -> Callable[[Callable[[FakeDriver, int, int, tuple[Any, ...]], bool]],
+                                         Callable[[FakeDriver, int, int, tuple[Any, ...]], bool]]:
+    def register(fn: Callable[[FakeDriver, int, int, tuple[Any, ...]], bool]) -> Callable[
+            [FakeDriver, int, int, tuple[Any, ...]], bool]:
+        KERNELS[name] = fn
+        return fn
+    return register
+
+
+@fake_kernel(b"twt_fill_f32")
+def _fill_f32(fake: FakeDriver, grid: int, block: int, args: tuple[Any, ...]) -> bool:
+    import numpy as np
+
+    ptr, value, n = args
+    out = fake._f32(ptr, n)
+    if out is None:
+        return False
+    out.fill(np.float32(value))
+    return True
+
+
+@fake_kernel(b"twt_axpy_f32")
+def _axpy_f32(fake: FakeDriver, grid: int, block: int, args: tuple[Any, ...]) -> bool:
+    import numpy as np
+
+    n, a, x, y = args
+    xv, yv = fake._f32(x, n), fake._f32(y, n)
+    if xv is None or yv is None:
+        return False
+    t = np.multiply(xv, np.float32(a), dtype=np.float32)  # a copy: x may be y
+    np.add(yv, t, out=yv)
+    return True
+
+
+@fake_kernel(b"twt_sum_f32")
+def _sum_f32(fake: FakeDriver, grid: int, block: int, args: tuple[Any, ...]) -> bool:
+    import numpy as np
+
+    ptr, n, partial = args
+    xv, out = fake._f32(ptr, n), fake._f32(partial, grid, "float64")
+    if xv is None or out is None:
+        return False
+    which = (np.arange(n, dtype=np.int64) // block) % grid  # the grid-stride partition
+    out[:] = np.bincount(which, weights=xv.astype(np.float64), minlength=grid)
+    return True
+
+
 def _fill_bytes(out: bytes, data: bytes) -> None:
     """Write into a caller's ``bytes`` object in place, as the bindings' ``char *`` out-parameters do."""
     if not isinstance(out, bytes) or len(out) < len(data):
@@ -1127,12 +1344,98 @@ _instance_lock = threading.Lock()
 
 
 def instance() -> FakeDriver:
-    """This process's fake (built from ``FAKE_CUDA_*`` on first use)."""
+    """This process's fake (built from ``FAKE_CUDA_*`` on first use).
+
+    With ``FAKE_CUDA_RECORD_CALLS=<dir>`` it records the arguments of every
+    driver and NVRTC call into ``<dir>/<pid>.calls`` (see :class:`CallRecorder`).
+    """
     global _instance
     with _instance_lock:
         if _instance is None:
             _instance = FakeDriver.from_env()
+            record_dir = os.environ.get("FAKE_CUDA_RECORD_CALLS")
+            if record_dir:
+                _instance = CallRecorder(_instance, record_dir)  # type: ignore[assignment]
         return _instance
+
+
+class Buf:
+    """A recorded data buffer: its kind and a short sample (the replay needs types, not bytes)."""
+
+    def __init__(self, kind: str, data: bytes) -> None:
+        self.kind = kind
+        self.data = data
+
+    def rebuild(self) -> Any:
+        if self.kind == "bytes":
+            return bytes(self.data)
+        if self.kind == "ndarray":
+            import numpy as np
+
+            return np.frombuffer(bytearray(self.data), dtype=np.uint8)
+        if self.kind == "memoryview":
+            return memoryview(bytearray(self.data))
+        return bytearray(self.data)
+
+
+def _snapshot(value: Any) -> Any:
+    """A picklable copy of one call argument (buffers shortened to a sample of their kind)."""
+    if isinstance(value, (bytes, bytearray, memoryview)) or type(value).__name__ == "ndarray":
+        kind = type(value).__name__
+        raw = memoryview(value).cast("B")[:64].tobytes() if not isinstance(value, bytes) else value[:64]
+        return Buf(kind, raw)
+    if isinstance(value, tuple):
+        return tuple(_snapshot(v) for v in value)
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    return value
+
+
+def _shape(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_shape(v) for v in value))
+    return type(value).__name__
+
+
+class CallRecorder:
+    """Wraps a :class:`FakeDriver`: every ``cu*`` / ``nvrtc*`` call's arguments go to a file.
+
+    The replay test (tests/worker/test_replay_bindings.py) feeds them into the
+    real ``cuda.bindings``, whose argument conversion runs before it loads
+    libcuda/libnvrtc: a wrongly typed argument shows there as a ``TypeError``.
+    Each distinct (call, argument types) shape is kept a few times only, and
+    every record is flushed at once (workers end with ``os._exit``).
+    """
+
+    def __init__(self, fake: FakeDriver, record_dir: str) -> None:
+        self._fake = fake
+        self._seen: dict[tuple[Any, ...], int] = {}
+        os.makedirs(record_dir, exist_ok=True)
+        self._file = open(os.path.join(record_dir, f"{os.getpid()}.calls"), "ab")  # noqa: SIM115 - process-long
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._fake, name)
+        if not name.startswith(("cu", "nvrtc")) or not callable(value) or isinstance(value, type):
+            return value
+
+        def recorded(*args: Any) -> Any:
+            self._record(name, args)
+            return value(*args)
+
+        return recorded
+
+    def _record(self, name: str, args: tuple[Any, ...]) -> None:
+        import pickle
+
+        key = (name, _shape(args))
+        with self._lock:
+            n = self._seen.get(key, 0)
+            if n >= 3:
+                return
+            self._seen[key] = n + 1
+            pickle.dump((name, _snapshot(args)), self._file)
+            self._file.flush()
 
 
 def reset(driver: FakeDriver | None = None) -> None:

@@ -100,3 +100,25 @@ def test_default_directory_used_without_env() -> None:
         assert DEFAULT_PIPE_DIR in decision.reason or "control" in decision.reason
     else:
         assert decision.pipe_dir == DEFAULT_PIPE_DIR
+
+
+def test_mps_or_fallback_sees_a_daemon_started_later(pipe_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not cached for the life of the process: a later daemon is seen once the answer is max_age_s old."""
+    from shared import mps
+    from supervisor.registry import TenantRegistry
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe_dir))
+    now = [1000.0]
+    monkeypatch.setattr(mps, "_cached", None)
+    assert isinstance(mps.mps_or_fallback(clock=lambda: now[0]), Fallback)
+    sock = _listening_socket(pipe_dir / "control")  # the daemon starts
+    try:
+        now[0] += 0.5
+        assert isinstance(mps.mps_or_fallback(clock=lambda: now[0]), Fallback)  # within max_age_s: reused
+        now[0] += 0.6
+        assert isinstance(mps.mps_or_fallback(clock=lambda: now[0]), Mps)  # older: probed again
+        assert isinstance(TenantRegistry.mps_or_fallback(max_age_s=0), Mps)  # asked to probe now
+    finally:
+        sock.close()
+    (pipe_dir / "control").unlink()
+    assert isinstance(TenantRegistry.mps_or_fallback(max_age_s=0), Fallback)  # and a stopped one too

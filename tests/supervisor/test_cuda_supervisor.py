@@ -366,3 +366,88 @@ def test_mps_workers_get_their_limits_before_cuinit(tmp_path: Path) -> None:
     finally:
         daemon.close()
         subprocess.run(["rm", "-rf", pipe_dir], check=False)
+
+
+# ------------------------------------------------------------------ sticky CUDA errors
+
+
+def test_a_sticky_cuda_error_ends_the_worker_and_every_request_in_flight_gets_worker_lost() -> None:
+    """The request that hit the fault gets CudaError; the ones queued behind it get WorkerLost with
+    "CUDA context lost: ..."; the supervisor restarts the instance (on-failure); the neighbour is untouched."""
+    from shared.errors import CudaError, WorkerLost, error_from_dict
+    from shared.exits import EXIT_CUDA_CONTEXT_LOST
+
+    with cuda_supervisor({"memory": GiB}, device_reserve_bytes=0) as sup:
+        c = sup.client
+        faulty = c.register(None, TenantSpec("faulty", gpu_memory_bytes_cap=64 * MiB, restart="on-failure"))
+        calm = c.register(None, TenantSpec("calm", gpu_memory_bytes_cap=64 * MiB))
+        hc = c.alloc(calm, MiB)
+        c.write(calm, hc, b"calm")
+        calm_pid = instance_pid(sup, "calm")
+        old_pid = instance_pid(sup, "faulty")
+        c.inject_fault(None, "faulty", "slow", ms=1500)  # the CudaError reply waits: others queue behind it
+        c.inject_fault(None, "faulty", "cuda-fault")
+        first = c.send("alloc", faulty, {"nbytes": MiB})
+        wait_for(lambda: tenant(c.status(), "faulty")["instances"][0]["in_flight"] >= 1, what="first in flight")
+        queued = [c.send("alloc", faulty, {"nbytes": MiB}) for _ in range(2)]
+        answers: dict[int, Any] = {}
+        for _ in range(3):
+            rid, ok, payload, _ = c.recv(timeout_s=30)
+            assert not ok
+            answers[rid] = error_from_dict(payload)
+        assert isinstance(answers[first], CudaError)
+        assert answers[first].result_name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+        for rid in queued:
+            lost = answers[rid]
+            assert isinstance(lost, WorkerLost), lost
+            assert lost.reason == "CUDA context lost: CUDA_ERROR_ILLEGAL_ADDRESS"
+            assert lost.exit_code == EXIT_CUDA_CONTEXT_LOST
+        new_pid = wait_for(lambda: (p := instance_pid(sup, "faulty")) != old_pid and p, timeout_s=30,
+                           what="restart")
+        assert new_pid
+        h = c.alloc(faulty, MiB)  # a fresh process, a fresh context
+        c.write(faulty, h, b"again")
+        assert c.read(faulty, h, 5) == b"again"
+        assert instance_pid(sup, "calm") == calm_pid and c.read(calm, hc, 4) == b"calm"
+        rec = tenant(c.status(), "faulty")["instances"][0]
+        assert rec["restarts"] == 1 and rec["last_exit"]["reason"].startswith("CUDA context lost")
+
+
+def test_a_non_sticky_cuda_error_keeps_the_worker() -> None:
+    from shared.errors import GpuMemoryExhausted
+
+    with cuda_supervisor({"memory": GiB}, device_reserve_bytes=0) as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("acme", gpu_memory_bytes_cap=64 * MiB))
+        pid = instance_pid(sup, "acme")
+        c.inject_fault(None, "acme", "oom")  # the driver's out-of-memory path
+        with pytest.raises(GpuMemoryExhausted):
+            c.alloc(cap, MiB)
+        c.alloc(cap, MiB)
+        assert instance_pid(sup, "acme") == pid
+
+
+def test_cuda_fault_needs_the_cuda_backend() -> None:
+    from tests.helpers.cluster import supervisor
+
+    with supervisor([{"name": "acme"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "acme")
+        pid = instance_pid(sup, "acme")
+        c.inject_fault(None, "acme", "cuda-fault")
+        with pytest.raises(InvalidArgument, match="cuda backend"):
+            c.ping(cap)
+        c.ping(cap)
+        assert instance_pid(sup, "acme") == pid
+
+
+def test_the_probe_names_a_missing_nvrtc_and_the_extra_that_brings_it() -> None:
+    from supervisor.backend_select import nvrtc_note
+
+    probe = probe_cuda(driver_module=FAKE, nvrtc_module="tests.helpers.no_such_nvrtc")
+    assert probe["ok"] is True and probe["nvrtc"] is None
+    assert "ModuleNotFoundError" in probe["nvrtc_reason"]
+    note = nvrtc_note(probe)
+    assert "NVRTC missing" in note and "tensor-wasm-tenant[cuda]" in note
+    present = probe_cuda(driver_module=FAKE, nvrtc_module=FAKE)
+    assert present["nvrtc"] == "13.0" and nvrtc_note(present) == ""

@@ -147,8 +147,9 @@ def test_twt_demo_exits_zero() -> None:
     result = twt("demo", "--backend", "stub", timeout=100)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    for name in ("alpha", "bravo", "charlie", "delta"):
+    for name in ("alpha", "bravo", "charlie", "delta", "echo"):
         assert name in out
     assert "GPU_QUOTA" in out and "KernelTimeout" in out and "WorkerLost" in out
+    assert "probabilities == numpy, classes ==" in out
     assert "UNEXPECTED" not in out
-    assert "demo: all 4 outcomes as expected" in out
+    assert "demo: all 5 outcomes as expected" in out

@@ -17,6 +17,7 @@ import pytest
 
 from shared.device_budget import MAX_SLOTS, DeviceBudget
 from shared.errors import BackendUnavailable, CudaError, GpuMemoryExhausted
+from shared.exits import STICKY_CUDA_ERRORS
 from shared.quota import QuotaBlock
 from tests.helpers import fake_cuda
 from tests.helpers.fake_cuda import CUresult, FakeDriver
@@ -303,15 +304,59 @@ def test_kernels_fall_back_to_ptx_when_nvrtc_does_not_know_the_device() -> None:
         b.close()
 
 
-def test_kernel_launch_errors_are_cuda_errors() -> None:
+@pytest.mark.parametrize("name", STICKY_CUDA_ERRORS)
+def test_a_sticky_launch_error_loses_the_context_for_good(name: str) -> None:
+    """As on hardware: after a sticky error every later call in the context fails the same way."""
     f, b = backend()
     try:
         buf = b.alloc(64)
-        f.fail_next("cuLaunchKernel", CUresult.CUDA_ERROR_LAUNCH_FAILED)
+        assert b.context_lost is None
+        f.fail_next("cuLaunchKernel", CUresult[name])
         with pytest.raises(CudaError) as exc:
             b.fill_f32(buf, 1.0, 16)
-        assert exc.value.result_name == "CUDA_ERROR_LAUNCH_FAILED"
-        b.fill_f32(buf, 1.0, 16)  # the next launch works
+        assert exc.value.result_name == name and "sticky" in str(exc.value)
+        assert b.context_lost == name
+        for op in (lambda: b.fill_f32(buf, 1.0, 16), lambda: b.write(buf, 0, memoryview(b"x" * 8)),
+                   lambda: b.read(buf, 0, 8)):
+            with pytest.raises(CudaError) as again:
+                op()
+            assert again.value.result_name == name  # the next launch does NOT work
+        with pytest.raises(CudaError):
+            b.alloc(64)
+        b.free(buf)  # freeing into a lost context is not an error: the process exit frees it
+        assert b.in_use == 0
+    finally:
+        b.close()
+    assert "cuMemPoolDestroy" not in f.calls  # nothing torn down through a dead context: the exit frees it
+
+
+def test_a_kernel_that_faults_reports_illegal_address_at_the_sync_and_after() -> None:
+    f, b = backend()
+    try:
+        with pytest.raises(CudaError) as exc:
+            b.inject_kernel_fault()
+        assert exc.value.call == "cuStreamSynchronize"
+        assert exc.value.result_name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+        assert b.context_lost == "CUDA_ERROR_ILLEGAL_ADDRESS"
+        assert f.sticky == {0: CUresult.CUDA_ERROR_ILLEGAL_ADDRESS}
+        assert f.cuMemGetInfo()[0] == CUresult.CUDA_ERROR_ILLEGAL_ADDRESS
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("name", ["CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_INVALID_VALUE",
+                                  "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"])
+def test_non_sticky_errors_keep_the_context(name: str) -> None:
+    f, b = backend()
+    try:
+        buf = b.alloc(64)
+        f.fail_next("cuLaunchKernel", CUresult[name])
+        with pytest.raises(CudaError) as exc:
+            b.fill_f32(buf, 1.0, 16)
+        assert exc.value.result_name == name and "sticky" not in str(exc.value)
+        assert b.context_lost is None
+        b.fill_f32(buf, 2.0, 16)  # the next launch works
+        assert np.all(np.frombuffer(b.read(buf, 0, 64), np.float32) == 2.0)
     finally:
         b.close()
 
@@ -325,6 +370,7 @@ def test_missing_nvrtc_is_backend_unavailable_for_tensor_ops_only() -> None:
         with pytest.raises(BackendUnavailable) as exc:
             b.fill_f32(buf, 1.0, 16)
         assert "NVRTC" in exc.value.reason and "DynamicLibNotFoundError" in exc.value.reason
+        assert "tensor-wasm-tenant[cuda]" in exc.value.reason  # which extra brings it
     finally:
         b.close()
 
@@ -480,10 +526,9 @@ def test_the_fake_has_the_real_bindings_shapes() -> None:
                       "CUdevice_attribute"):
         for member in getattr(fake_cuda, enum_name):
             assert int(getattr(getattr(real, enum_name), member.name)) == int(member), (enum_name, member.name)
-    fake_props, real_props = fake_cuda.CUmemPoolProps(), real.CUmemPoolProps()
-    assert {k for k in vars(fake_props)} <= set(dir(real_props))
-    assert {k for k in vars(fake_props.location)} <= set(dir(real_props.location))
-    assert {k for k in vars(fake_cuda.CUmemAllocationProp())} <= set(dir(real.CUmemAllocationProp()))
+    for struct in ("CUmemPoolProps", "CUmemLocation", "CUmemAllocationProp"):
+        fake_fields = set(getattr(fake_cuda, struct)._fields)
+        assert fake_fields <= set(dir(getattr(real, struct)())), struct
     used = [n for n in dir(FakeDriver) if n.startswith("cu") and callable(getattr(FakeDriver, n))]
     assert used and all(hasattr(real, n) for n in used), [n for n in used if not hasattr(real, n)]
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
@@ -565,3 +610,73 @@ def test_device_budget_has_a_bounded_number_of_slots() -> None:
     with DeviceBudget.create(0, MiB) as owner:
         assert owner.reclaim_dead() == []
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_every_error_the_driver_documents_as_sticky_is_classified_sticky() -> None:
+    real = pytest.importorskip("cuda.bindings.driver")
+    documented = {m.name for m in real.CUresult
+                  if "terminated and relaunched" in " ".join((m.__doc__ or "").split())}
+    assert documented and documented <= set(STICKY_CUDA_ERRORS)
+    assert {"CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_INVALID_VALUE"}.isdisjoint(STICKY_CUDA_ERRORS)
+    assert all(hasattr(real.CUresult, n) for n in STICKY_CUDA_ERRORS)
+
+
+def test_structs_refuse_unknown_fields_and_wrong_types_like_the_real_ones() -> None:
+    real = pytest.importorskip("cuda.bindings.driver")
+    for mod in (fake_cuda, real):
+        props = mod.CUmemPoolProps()
+        with pytest.raises(AttributeError):
+            props.maxsize = 1  # type: ignore[attr-defined]  (a typo: the field is maxSize)
+        with pytest.raises(TypeError):
+            props.maxSize = "64"
+        with pytest.raises(OverflowError):
+            props.maxSize = -1
+        with pytest.raises(ValueError):
+            props.allocType = "pinned"
+        props.allocType = 1  # an int of a member is taken, and becomes the member
+        assert props.allocType == mod.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        with pytest.raises(TypeError):
+            props.location.id = "0"
+        with pytest.raises(TypeError):
+            mod.CUdeviceptr("0x10")
+
+
+def test_handles_compare_as_the_real_ones_do() -> None:
+    real = pytest.importorskip("cuda.bindings.driver")
+    for mod in (fake_cuda, real):
+        # value wrappers: identity
+        for t in (mod.CUdeviceptr, mod.CUdevice, mod.cuuint64_t):
+            a, b = t(7), t(7)
+            assert a != b and int(a) == int(b) == 7 and a != 7
+        # object handles: by value, hashable, never equal to an int
+        for t in (mod.CUstream, mod.CUcontext, mod.CUmemoryPool):
+            a, b = t(7), t(7)
+            assert a == b and hash(a) == hash(b) and a != t(8) and a != 7 and int(a) == 7
+
+
+def test_kernel_sources_compile_with_the_real_nvrtc_and_a_syntax_error_fails() -> None:
+    """With NVRTC installed (the 'cuda' extra) the fake really compiles: a broken kernel fails the suite."""
+    if fake_cuda.real_nvrtc_module() is None:
+        pytest.skip("NVRTC not loadable here (pip install -e '.[cuda]' brings it)")
+    from worker.backends import kernels
+
+    f, b = backend()
+    try:
+        buf = b.alloc(64)
+        b.fill_f32(buf, 1.0, 16)
+        assert f.real_compiles >= 1  # the kernels went through the real compiler
+    finally:
+        b.close()
+    broken = kernels.KERNEL_SOURCE.replace("p[i] = v;", "p[i] = v +;")
+    f2, b2 = backend()
+    try:
+        original = kernels.KERNEL_SOURCE
+        kernels.KERNEL_SOURCE = broken
+        try:
+            with pytest.raises(CudaError) as exc:
+                b2.kernels()
+        finally:
+            kernels.KERNEL_SOURCE = original
+        assert exc.value.result_name == "NVRTC_ERROR_COMPILATION" and "expected an expression" in str(exc.value)
+    finally:
+        b2.close()

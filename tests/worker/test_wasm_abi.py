@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -23,11 +21,8 @@ from hypothesis import strategies as st
 
 from shared.errors import CudaError
 from shared.log import TextFormatter
-from shared.quota import QuotaBlock
-from shared.spec import TenantSpec
-from worker.backends.stub import StubBackend
-from worker.context import TenantContext
-from worker.wasm import ErrorCode, WasmHost, WasmSession, abi, guest_source
+from tests.helpers.wasm_env import PROBE, Env, buffer_bytes, call, make_env, mem, poke, probe
+from worker.wasm import ErrorCode, abi
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,63 +30,14 @@ MiB = 1 << 20
 PAGE = 65536
 I32_MIN, I32_MAX = -(1 << 31), (1 << 31) - 1
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
-PROBE = guest_source("probe")
 MEM_PATTERN = bytes((i * 7) & 0xFF for i in range(PAGE))
 BUF_PATTERN = bytes((i * 13 + 5) & 0xFF for i in range(256))
-
-
-@dataclass
-class Env:
-    block: QuotaBlock
-    ctx: TenantContext
-    host: WasmHost
-
-
-@contextmanager
-def make_env(fast: bool, *, gpu_cap: int | None = 1 * MiB, capacity: int = 16 << 30) -> Iterator[Env]:
-    spec = TenantSpec.from_dict({"tenant_id": "abi", "memory_quota_bytes": 64 * MiB,
-                                 "gpu_memory_bytes_cap": gpu_cap, "wasm_max_memory_bytes": 1 * MiB})
-    with QuotaBlock.create("abi", memory_quota_bytes=64 * MiB, gpu_memory_bytes_cap=gpu_cap) as owner:
-        attached = QuotaBlock.attach(owner.name, instance=0)
-        ctx = TenantContext(spec, 0, 0, attached, StubBackend(capacity_bytes=capacity))
-        host = WasmHost(ctx, fast_imports=fast)
-        ctx.extensions[WasmHost.EXTENSION] = host
-        try:
-            yield Env(owner, ctx, host)
-        finally:
-            ctx.close()
-            assert owner.gpu_bytes_in_use == 0 and owner.bytes_in_use == 0
 
 
 @pytest.fixture(params=[True, False], ids=["unchecked", "checked"])
 def env(request: pytest.FixtureRequest) -> Iterator[Env]:
     with make_env(request.param) as e:
         yield e
-
-
-@contextmanager
-def probe(env: Env) -> Iterator[WasmSession]:
-    with env.host.session(PROBE, fuel=10**9, timeout_s=10.0) as s:
-        yield s
-
-
-def mem(s: WasmSession) -> bytes:
-    return bytes(s.guest_memory())
-
-
-def poke(s: WasmSession, offset: int, data: bytes) -> None:
-    s.guest_memory()[offset : offset + len(data)] = data
-
-
-def buffer_bytes(s: WasmSession, handle: int) -> bytes:
-    buf = s.run.buffers[handle][0]
-    return s.host.ctx.backend.read(buf, 0, buf.nbytes)
-
-
-def call(s: WasmSession, name: str, *args: object) -> int:
-    (result,) = s.call(name, list(args))
-    assert isinstance(result, int)
-    return result
 
 
 # ------------------------------------------------------------------ alloc / free

@@ -11,6 +11,15 @@ cuda-python calls return tuples with the result code first:
 ``(err,)``, ``(err, value)`` or ``(err, v1, v2)``; :func:`_check` returns
 ``None``, ``value`` or ``(v1, v2)``.
 
+Sticky errors: when a driver call answers one of
+:data:`shared.exits.STICKY_CUDA_ERRORS` (an illegal address, a launch
+failure ...), the context is gone for the rest of the process - every later
+call returns the same error. :class:`Driver` remembers the first such error in
+:attr:`Driver.context_lost`, and the :class:`CudaError` it raises says so; the
+worker's server reads it after the request and ends the process (see
+``shared/exits.py``). A kernel's fault surfaces at whichever call comes next
+(usually the synchronize after the launch), and every path goes through here.
+
 Without ``libcuda`` (or ``libnvrtc``) the bindings import fine and the
 *first call* raises a ``RuntimeError`` subclass (cuda.pathfinder's
 ``DynamicLibNotFoundError``); :meth:`Driver.call` turns that into
@@ -28,7 +37,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from shared.errors import BackendUnavailable, CudaError
+from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable, CudaError
+from shared.exits import is_sticky_cuda_error
 
 __all__ = ["DEFAULT_DRIVER_MODULE", "DEFAULT_NVRTC_MODULE", "Driver", "Nvrtc", "load_module"]
 
@@ -47,11 +57,11 @@ def load_module(module: str | Any | None, default: str, what: str) -> Any:
         raise BackendUnavailable("cuda", f"{what} module {name!r} is not importable: {exc}") from None
 
 
-def _check(call: str, result: tuple[Any, ...], namer: Callable[[Any], str]) -> Any:
+def _check(call: str, result: tuple[Any, ...], make_error: Callable[[str, Any], CudaError]) -> Any:
     """The checked-call helper: ``(err, *values)`` -> values, or raise :class:`CudaError`."""
     err = result[0]
     if err:
-        raise CudaError(call, namer(err), int(err))
+        raise make_error(call, err)
     if len(result) == 1:
         return None
     if len(result) == 2:
@@ -71,6 +81,8 @@ class Driver:
         self.module_name: str = getattr(self.mod, "__name__", type(self.mod).__name__)
         self.CUresult = self.mod.CUresult
         self.OUT_OF_MEMORY = self.mod.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        #: the first sticky error seen (its driver name): the context is unusable from then on
+        self.context_lost: str | None = None
 
     def call(self, name: str, *args: Any) -> Any:
         """``cuX(*args)`` checked: its value(s), or :class:`CudaError` / :class:`BackendUnavailable`."""
@@ -78,15 +90,22 @@ class Driver:
             result = getattr(self.mod, name)(*args)
         except RuntimeError as exc:  # libcuda missing: raised by the loader on the first call
             raise _unloadable("CUDA driver", name, exc) from None
-        return _check(name, result, self.error_name)
+        return _check(name, result, self.error)
 
     def check(self, name: str, result: tuple[Any, ...]) -> Any:
         """Check the result tuple of a call made directly (the hot paths)."""
-        return _check(name, result, self.error_name)
+        return _check(name, result, self.error)
 
     def error(self, name: str, err: Any) -> CudaError:
-        """The :class:`CudaError` for a failed ``name`` that returned ``err``."""
-        return CudaError(name, self.error_name(err), int(err))
+        """The :class:`CudaError` for a failed ``name`` that returned ``err`` (notes a sticky one)."""
+        result_name = self.error_name(err)
+        if not is_sticky_cuda_error(result_name):
+            return CudaError(name, result_name, int(err))
+        if self.context_lost is None:
+            self.context_lost = result_name
+        return CudaError(name, result_name, int(err), message=(
+            f"{name} failed: {result_name} ({int(err)}); this error is sticky: the CUDA context of this "
+            "worker is lost, the worker exits and the supervisor restarts it under the tenant's restart policy"))
 
     def error_name(self, err: Any) -> str:
         """The driver's name for ``err`` (``cuGetErrorName``), else the enum's, else the number."""
@@ -109,8 +128,14 @@ class Nvrtc:
         try:
             result = getattr(self.mod, name)(*args)
         except RuntimeError as exc:  # libnvrtc missing
-            raise _unloadable("NVRTC (needed for the fill/axpy/sum kernels)", name, exc) from None
-        return _check(name, result, self.error_name)
+            raise BackendUnavailable("cuda", (
+                f"NVRTC not loadable ({name}): {type(exc).__name__}: {exc}; the tensor kernels need it: "
+                f"{NVRTC_INSTALL_HINT}")) from None
+        return _check(name, result, self.error)
+
+    def error(self, name: str, err: Any) -> CudaError:
+        """The :class:`CudaError` for a failed NVRTC call (NVRTC errors are never sticky)."""
+        return CudaError(name, self.error_name(err), int(err))
 
     def error_name(self, err: Any) -> str:
         try:

@@ -47,6 +47,16 @@ class Backend(abc.ABC):
 
     #: "stub" or "cuda"
     name: str = "abstract"
+    @property
+    def context_lost(self) -> str | None:
+        """A sticky driver error's name once the device context is unusable (the worker then exits)."""
+        return None
+
+    def inject_kernel_fault(self) -> None:
+        """Make the device fault as a bad kernel would (fault injection ``cuda-fault``)."""
+        from shared.errors import InvalidArgument
+
+        raise InvalidArgument(f"fault 'cuda-fault' needs the cuda backend (this worker runs {self.name!r})")
 
     @abc.abstractmethod
     def alloc(self, nbytes: int) -> DeviceBuffer:
@@ -75,6 +85,54 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def sum_f32(self, buf: DeviceBuffer, count: int) -> float:
         """Sum of the first ``count`` float32 elements."""
+
+    # -- the tensor ops of the WASM ABI (worker.wasm.tensor_abi): float32, row-major, arguments in range,
+    #    aliasing already refused where the ABI forbids it; each is complete on return
+
+    def gemm_workspace_bytes(self) -> int:
+        """Device workspace :meth:`matmul_f32` would like lent to it (metered by the caller); 0: none."""
+        return 0
+
+    @abc.abstractmethod
+    def matmul_f32(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int, *,
+                   workspace: DeviceBuffer | None = None) -> None:
+        """``C[m,n] = A[m,k] @ B[k,n]`` (``c`` is neither ``a`` nor ``b``; ``k == 0`` gives zeros)."""
+
+    @abc.abstractmethod
+    def add_f32(self, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        """``out[:n] = x[:n] + y[:n]`` (``out`` may be ``x`` or ``y``)."""
+
+    @abc.abstractmethod
+    def mul_f32(self, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        """``out[:n] = x[:n] * y[:n]`` (``out`` may be ``x`` or ``y``)."""
+
+    @abc.abstractmethod
+    def add_rows_f32(self, m: DeviceBuffer, v: DeviceBuffer, rows: int, cols: int) -> None:
+        """``m[r, :] += v[:cols]`` for each of ``rows`` rows (``v`` is not ``m``)."""
+
+    @abc.abstractmethod
+    def unary_f32(self, op: int, x: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        """``out[:n] = f(x[:n])`` with ``f`` = ``UNARY_OPS[op]`` (``out`` may be ``x``)."""
+
+    @abc.abstractmethod
+    def scale_f32(self, x: DeviceBuffer, a: float, n: int) -> None:
+        """``x[:n] *= a``."""
+
+    @abc.abstractmethod
+    def softmax_rows_f32(self, x: DeviceBuffer, rows: int, cols: int) -> None:
+        """Softmax of each row in place, computed as ``exp(x - max(row)) / sum``."""
+
+    @abc.abstractmethod
+    def max_f32(self, x: DeviceBuffer, count: int, out: memoryview) -> None:
+        """The largest of the first ``count`` (>= 1) floats into ``out`` (4 bytes, little-endian f32; NaN wins)."""
+
+    @abc.abstractmethod
+    def argmax_rows_f32(self, x: DeviceBuffer, rows: int, cols: int, out: memoryview) -> None:
+        """Per row the first column holding its largest value (a NaN counts as largest) as ``rows`` i32 into ``out``."""
+
+    @abc.abstractmethod
+    def transpose_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int) -> None:
+        """``out[cols, rows] = x[rows, cols].T`` (``out`` is not ``x``)."""
 
     def read_into(self, buf: DeviceBuffer, offset: int, dest: memoryview) -> None:
         """Copy ``len(dest)`` bytes from ``buf`` at ``offset`` into ``dest`` (a host buffer).

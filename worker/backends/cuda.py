@@ -13,6 +13,7 @@
     free(b)    cuMemFreeAsync(ptr, stream)
     write/read cuMemcpyHtoDAsync / cuMemcpyDtoHAsync + cuStreamSynchronize
     fill/axpy/sum   NVRTC kernels on the stream (worker.backends.kernels)
+    matmul, softmax ... the WASM ABI's tensor ops: cuBLAS + NVRTC kernels (worker.backends.cuda_ops)
     close()    free every buffer, synchronize, unload kernels, destroy pool, destroy stream,
                restore the previous context (failure: warning ``context.pop_failed``),
                release the primary context - logged, never raised
@@ -46,10 +47,13 @@ from shared.errors import BackendUnavailable, CudaError
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
+from worker.backends.cuda_ops import TensorOpsMixin
 
 __all__ = ["CudaBackend", "CudaBuffer", "round_up"]
 
 _log = get_logger("worker.cuda")
+#: inside the first page: never mapped in any CUDA context, so a write there always faults
+_UNMAPPED_ADDRESS = 0x100
 _get_ident = threading.get_ident
 
 
@@ -73,7 +77,7 @@ class CudaBuffer(DeviceBuffer):
         return int(self.ptr)
 
 
-class CudaBackend(Backend):
+class CudaBackend(TensorOpsMixin, Backend):
     """A CUDA context, non-blocking stream and capped pool on one device, for one tenant process."""
 
     name = "cuda"
@@ -87,6 +91,7 @@ class CudaBackend(Backend):
         driver: Driver | str | Any | None = None,
         nvrtc: Nvrtc | str | Any | None = None,
         environment: dict[str, str] | None = None,
+        cublas: str | Any | None = None,
     ) -> None:
         """Set up context, stream and pool; raises BackendUnavailable / CudaError (nothing held then).
 
@@ -103,6 +108,8 @@ class CudaBackend(Backend):
         self._drv = driver if isinstance(driver, Driver) else Driver(driver)
         self._nvrtc_spec = nvrtc
         self._kernels: Any = None
+        self._cublas_spec = cublas  # cuBLAS bindings module (name or object); imported on the first GEMM
+        self._tensor_ops = None  # the WASM ABI's tensor ops (worker.backends.cuda_ops), on first use
         self._live: set[CudaBuffer] = set()
         self.in_use = 0
         self.alloc_calls = 0  # cuMemAllocFromPoolAsync calls made (the GPU check reads it)
@@ -139,6 +146,7 @@ class CudaBackend(Backend):
             driver=options.get("driver_module"),
             nvrtc=options.get("nvrtc_module"),
             environment=env,
+            cublas=options.get("cublas_module"),
         )
 
     # ------------------------------------------------------------- set-up
@@ -248,7 +256,10 @@ class CudaBackend(Backend):
         self.in_use -= buf.nbytes
         (err,) = self._free_async(buf.ptr, self._stream)
         if err:
-            raise self._drv.error("cuMemFreeAsync", err)
+            error = self._drv.error("cuMemFreeAsync", err)
+            if self._drv.context_lost is not None:
+                return  # the context is gone, and its memory goes with the process: nothing to undo
+            raise error
 
     def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
         assert isinstance(buf, CudaBuffer)
@@ -301,7 +312,22 @@ class CudaBackend(Backend):
         result: float = self.kernels().sum_f32(buf.addr, count)
         return result
 
+    def inject_kernel_fault(self) -> None:
+        """Launch a kernel that writes through an unmapped address (fault injection ``cuda-fault``).
+
+        On hardware this is a real ``CUDA_ERROR_ILLEGAL_ADDRESS``: sticky, the
+        context is lost and the worker must end. Raises that :class:`CudaError`.
+        """
+        self.kernels().fill_f32(_UNMAPPED_ADDRESS, 0.0, 1)
+        raise CudaError("cuda-fault", "CUDA_SUCCESS", 0,
+                        message="the injected kernel fault did not fault (the address was mapped?)")
+
     # ------------------------------------------------------------- status
+
+    @property
+    def context_lost(self) -> str | None:
+        """The sticky driver error that made this process's context unusable, or None."""
+        return self._drv.context_lost
 
     def pool_attribute(self, name: str) -> int:
         """A ``CU_MEMPOOL_ATTR_<name>`` of the tenant pool (e.g. ``USED_MEM_CURRENT``)."""
@@ -340,6 +366,13 @@ class CudaBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self._drv.context_lost is not None:
+            # every call would return the sticky error again: the process exit frees it all
+            log_event(_log, logging.WARNING, "cuda.context_lost", device=self.device_index,
+                      error=self._drv.context_lost)
+            self._live.clear()
+            self.in_use = 0
+            return
         self._teardown(log_only=True)
 
     def _teardown(self, *, log_only: bool) -> None:
@@ -364,6 +397,7 @@ class CudaBackend(Backend):
         if self._kernels is not None:
             self._kernels.close()
             self._kernels = None
+        self._close_tensor_ops()
         if self._pool is not None:
             attempt("cuMemPoolDestroy", self._pool)
             self._pool = None

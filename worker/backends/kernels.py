@@ -33,7 +33,7 @@ from shared.errors import CudaError
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
 
-__all__ = ["BLOCK", "KERNEL_SOURCE", "MAX_GRID", "MAX_SUM_BLOCKS", "Kernels"]
+__all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "MAX_SUM_BLOCKS", "Kernels"]
 
 _log = get_logger("worker.kernels")
 
@@ -79,7 +79,10 @@ extern "C" __global__ void twt_sum_f32(const float* __restrict__ x, unsigned lon
 }
 """
 
-_NAMES = (b"twt_fill_f32", b"twt_axpy_f32", b"twt_sum_f32")
+#: every ``extern "C" __global__`` function in KERNEL_SOURCE, looked up after loading; a new kernel:
+#: add its source above, its name here, a method that launches it below (``self.functions[name]``),
+#: and its numpy twin in tests/helpers/fake_cuda.py (``@fake_kernel(name)``)
+KERNEL_NAMES: tuple[bytes, ...] = (b"twt_fill_f32", b"twt_axpy_f32", b"twt_sum_f32")
 
 
 def _grid(n: int, cap: int) -> int:
@@ -92,7 +95,8 @@ class Kernels:
     def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any) -> None:
         self._drv = drv
         self._module = module
-        self._fill, self._axpy, self._sum = (functions[n] for n in _NAMES)
+        self.functions = functions
+        self._fill, self._axpy, self._sum = (functions[n] for n in (b"twt_fill_f32", b"twt_axpy_f32", b"twt_sum_f32"))
         self._scratch = scratch
         self._stream = stream
         import numpy as np
@@ -109,7 +113,7 @@ class Kernels:
         image, arch = _compile(nvrtc, int(major), int(minor))
         module = drv.call("cuModuleLoadData", image)
         try:
-            functions = {n: drv.call("cuModuleGetFunction", module, n) for n in _NAMES}
+            functions = {n: drv.call("cuModuleGetFunction", module, n) for n in KERNEL_NAMES}
             scratch = drv.call("cuMemAlloc", MAX_SUM_BLOCKS * 8)
         except BaseException:
             drv.mod.cuModuleUnload(module)

@@ -98,6 +98,104 @@ class StubBackend(Backend):
 
         return float(np.add.reduce(self._f32(buf, count), dtype=np.float32))
 
+    # -- the tensor ops of the WASM ABI: numpy on views of the buffers, results written in place
+    #    (``out=``), temporaries only where an op needs them (a row's max and sum in softmax)
+
+    @staticmethod
+    def _mat(buf: DeviceBuffer, rows: int, cols: int) -> Any:
+        return StubBackend._f32(buf, rows * cols).reshape(rows, cols)
+
+    def matmul_f32(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int, *,
+                   workspace: DeviceBuffer | None = None) -> None:
+        import numpy as np
+
+        # numpy's BLAS sgemm writes straight into C (contiguous, float32, no overlap with A or B)
+        np.matmul(self._mat(a, m, k), self._mat(b, k, n), out=self._mat(c, m, n))
+
+    def add_f32(self, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        import numpy as np
+
+        with np.errstate(all="ignore"):
+            np.add(self._f32(x, n), self._f32(y, n), out=self._f32(out, n))
+
+    def mul_f32(self, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        import numpy as np
+
+        with np.errstate(all="ignore"):
+            np.multiply(self._f32(x, n), self._f32(y, n), out=self._f32(out, n))
+
+    def add_rows_f32(self, m: DeviceBuffer, v: DeviceBuffer, rows: int, cols: int) -> None:
+        import numpy as np
+
+        mat = self._mat(m, rows, cols)
+        with np.errstate(all="ignore"):
+            np.add(mat, self._f32(v, cols), out=mat)
+
+    def unary_f32(self, op: int, x: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        import numpy as np
+
+        src, dst = self._f32(x, n), self._f32(out, n)
+        with np.errstate(all="ignore"):
+            if op == 0:
+                np.maximum(src, np.float32(0), out=dst)
+            elif op == 1:
+                np.exp(src, out=dst)
+            elif op == 2:
+                np.tanh(src, out=dst)
+            elif op == 3:  # 1 / (1 + exp(-x)), in place in dst
+                np.negative(src, out=dst)
+                np.exp(dst, out=dst)
+                np.add(dst, np.float32(1), out=dst)
+                np.reciprocal(dst, out=dst)
+            elif op == 4:
+                np.negative(src, out=dst)
+            elif op == 5:
+                np.sqrt(src, out=dst)
+            elif op == 6:
+                np.abs(src, out=dst)
+            else:  # the ABI checked op already
+                raise ValueError(f"unknown unary op {op}")
+
+    def scale_f32(self, x: DeviceBuffer, a: float, n: int) -> None:
+        import numpy as np
+
+        v = self._f32(x, n)
+        with np.errstate(all="ignore"):
+            np.multiply(v, np.float32(a), out=v)
+
+    def softmax_rows_f32(self, x: DeviceBuffer, rows: int, cols: int) -> None:
+        import numpy as np
+
+        if rows == 0 or cols == 0:
+            return
+        mat = self._mat(x, rows, cols)
+        # a block of rows at a time: the per-row max and sum are the only temporaries
+        step = max(1, (1 << 16) // cols)
+        with np.errstate(all="ignore"):
+            for r in range(0, rows, step):
+                block = mat[r : r + step]
+                np.subtract(block, block.max(axis=1, keepdims=True), out=block)
+                np.exp(block, out=block)
+                np.divide(block, block.sum(axis=1, keepdims=True, dtype=np.float32), out=block)
+
+    def max_f32(self, x: DeviceBuffer, count: int, out: memoryview) -> None:
+        import numpy as np
+
+        np.frombuffer(out, dtype="<f4", count=1)[0] = self._f32(x, count).max()
+
+    def argmax_rows_f32(self, x: DeviceBuffer, rows: int, cols: int, out: memoryview) -> None:
+        import numpy as np
+
+        if rows == 0:
+            return
+        # numpy's argmax: the first maximum, and the first NaN when there is one
+        np.frombuffer(out, dtype="<i4", count=rows)[:] = self._mat(x, rows, cols).argmax(axis=1)
+
+    def transpose_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int) -> None:
+        import numpy as np
+
+        np.copyto(self._mat(out, cols, rows), self._mat(x, rows, cols).T)
+
     def info(self) -> dict[str, Any]:
         return {
             "backend": self.name,

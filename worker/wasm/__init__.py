@@ -2,7 +2,9 @@
 
 :mod:`worker.wasm.host` runs modules (engine, epoch ticker, module cache,
 armed stores), :mod:`worker.wasm.abi` is the ``tensorwasm`` import ABI with
-its error codes, :mod:`worker.wasm.ops` is the worker's ``run_wasm`` op.
+its error codes, :mod:`worker.wasm.tensor_abi` its tensor ops as one table
+(GEMM, elementwise, softmax, reductions), :mod:`worker.wasm.ops` is the
+worker's ``run_wasm`` op.
 ``docs/WASM-ABI.md`` is the guest author's reference; bundled guests live in
 ``worker/guests/*.wat`` (see :func:`guest_source`).
 """
@@ -13,15 +15,19 @@ from pathlib import Path
 
 from worker.wasm.abi import IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun
 from worker.wasm.host import CompiledModule, EpochTicker, WasmHost, WasmSession
+from worker.wasm.tensor_abi import TENSOR_OPS, UNARY_OPS, TensorOp
 
 __all__ = [
     "GUEST_DIR",
     "IMPORTS",
     "IMPORT_MODULE",
+    "TENSOR_OPS",
+    "UNARY_OPS",
     "CompiledModule",
     "EpochTicker",
     "ErrorCode",
     "GuestRun",
+    "TensorOp",
     "WasmHost",
     "WasmSession",
     "guest_source",

@@ -6,6 +6,7 @@
     write(h, off, p, n)  ──►  GuestRun.write     guest memory[p:p+n] ─────► buffer[off:off+n]   (one memcpy)
     read(h, off, p, n)   ──►  GuestRun.read      buffer[off:off+n] ───────► guest memory[p:p+n]
     fill/axpy/sum_f32    ──►  backend op         one call per tensor, never per element
+    matmul_f32, ...      ──►  TensorOp.call      the op table of worker.wasm.tensor_abi: checks, then backend op
     log(p, n)            ──►  bounded, rate-limited log line
     free(h)              ──►  allocator.free_buffer (run-scoped buffers only)
 
@@ -42,8 +43,10 @@ from shared.log import get_logger, log_event
 from shared.wasm_abi import ErrorCode
 from worker.backends.base import DeviceBuffer
 from worker.context import TenantContext
+from worker.wasm.tensor_abi import TENSOR_OPS
 
 __all__ = [
+    "HANDLERS",
     "IMPORTS",
     "IMPORT_MODULE",
     "ErrorCode",
@@ -69,6 +72,7 @@ IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
     "sum_f32": (("i64", "i64", "i32"), "i32"),
     "log": (("i32", "i32"), "i32"),
 }
+IMPORTS.update({op.name: op.wasm_type for op in TENSOR_OPS})
 
 
 _OK = int(ErrorCode.OK)
@@ -167,6 +171,9 @@ class GuestRun:
         self.logs: list[str] = []
         self.log_lines = 0
         self.span: MemorySpan | None = None
+        #: cuBLAS workspace lent to the backend for this run's GEMMs (metered like any buffer)
+        self.workspace: DeviceBuffer | None = None
+        self.workspace_tried = False
 
     # ------------------------------------------------------------ helpers
 
@@ -178,6 +185,39 @@ class GuestRun:
         if ptr + length > size:
             return None
         return base + ptr
+
+    def guest_range(self, caller: Any, ptr: int, nbytes: int) -> memoryview | int:
+        """A writable view of guest bytes ``[ptr, ptr+nbytes)`` (ptr already u32), or an error code."""
+        try:
+            address = self._guest(caller, ptr, nbytes)
+        except NoGuestMemory:
+            return _NO_MEMORY
+        if address is None:
+            return _MEMORY_BOUNDS
+        return guest_view(address, nbytes, writable=True) if nbytes else memoryview(bytearray())
+
+    def gemm(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int) -> None:
+        """``matmul_f32`` on the backend, with a workspace metered against the tenant's GPU quota.
+
+        The backend says how much workspace it wants (cuBLAS: a few MiB; the
+        stub: none). It is allocated once per run through the metered
+        allocator, so the library never allocates behind the quota; when the
+        quota has no room for it the GEMM runs without one (cuBLAS then
+        picks algorithms that need none) rather than failing.
+        """
+        if not self.workspace_tried:
+            self.workspace_tried = True
+            want = self.backend.gemm_workspace_bytes()
+            if want > 0:
+                try:
+                    self.workspace = self.allocator.alloc_buffer(want)
+                except TensorWasmError as exc:
+                    log_event(_log, logging.INFO, "wasm.gemm_without_workspace", tenant=self.tenant_id,
+                              nbytes=want, reason=f"{type(exc).__name__}: {exc}")
+                else:
+                    self.gpu_bytes += want
+                    self.gpu_peak_bytes = max(self.gpu_peak_bytes, self.gpu_bytes)
+        self.backend.matmul_f32(a, b, c, m, k, n, workspace=self.workspace)
 
     def add_client_buffer(self, buf: DeviceBuffer) -> int:
         """Enter a client-allocated buffer (not freed at run end); its guest handle."""
@@ -199,6 +239,14 @@ class GuestRun:
                           handle=handle, nbytes=buf.nbytes, error=repr(exc))
             released += buf.nbytes
         self.buffers.clear()
+        if self.workspace is not None:
+            ws, self.workspace = self.workspace, None
+            try:
+                self.allocator.free_buffer(ws)
+            except Exception as exc:  # noqa: BLE001 - the bytes were released in free_buffer's finally
+                log_event(_log, logging.WARNING, "wasm.release_failed", tenant=self.tenant_id,
+                          handle=0, nbytes=ws.nbytes, error=repr(exc))
+            released += ws.nbytes
         self.gpu_bytes = 0
         return released
 
@@ -362,3 +410,13 @@ class GuestRun:
         if len(self.logs) < MAX_LOG_LINES_IN_REPLY:
             self.logs.append(text)
         return _OK
+
+
+
+#: import name -> ``handler(run, caller, *wasm_args) -> int``: what the host calls for each import
+HANDLERS: dict[str, Callable[..., int]] = {
+    **{name: getattr(GuestRun, name) for name in ("alloc", "free", "write", "read", "fill_f32", "axpy_f32",
+                                                   "sum_f32", "log")},
+    **{op.name: op.call for op in TENSOR_OPS},
+}
+assert set(HANDLERS) == set(IMPORTS), "every import needs a handler"

@@ -56,7 +56,7 @@ from shared.errors import (
 )
 from shared.log import get_logger, log_event
 from worker.context import TenantContext
-from worker.wasm.abi import IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun, LogLimiter, NoGuestMemory, guest_view
+from worker.wasm.abi import HANDLERS, IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun, LogLimiter, NoGuestMemory, guest_view
 
 __all__ = ["CompileOverrun", "CompiledModule", "EpochTicker", "WasmHost", "WasmSession"]
 
@@ -105,7 +105,7 @@ def _config() -> wasmtime.Config:
 class CompileOverrun(KernelTimeout):
     """Compiling took longer than the run's deadline. The compiler cannot be
     stopped from outside, so the worker answers this and exits (the
-    supervisor restarts the instance): see ``WorkerServer.exit_after_reply``."""
+    supervisor restarts the instance): ``shared.exits.EXIT_COMPILE_OVERRUN``."""
 
 
 # ------------------------------------------------------------------ ticker
@@ -434,12 +434,14 @@ class WasmHost:
         return session.run if session is not None else None
 
     def _define_checked(self, name: str) -> None:
+        handler = HANDLERS[name]
+
         def call(caller: wasmtime.Caller, *args: Any) -> int:
             run = self._current()
             if run is None:
                 return _INTERNAL
             try:
-                result: int = getattr(run, name)(caller, *args)
+                result: int = handler(run, caller, *args)
                 return result
             except Exception:  # noqa: BLE001 - a host bug must not become the guest's trap
                 _log.exception("wasm.host_import_failed import=%s", name)
@@ -452,6 +454,7 @@ class WasmHost:
         assert ffi is not None
         params, result_kind = IMPORTS[name]
         kinds = tuple(enumerate(params))
+        handler = HANDLERS[name]
 
         def callback(env: Any, caller: Any, vals: Any, nvals: int) -> int:
             # Results overwrite the arguments in ``vals``; returning 0 means "no trap".
@@ -460,7 +463,7 @@ class WasmHost:
                 if run is None:
                     result = _INTERNAL
                 else:
-                    result = getattr(run, name)(caller, *[getattr(vals[i], k) for i, k in kinds])
+                    result = handler(run, caller, *[getattr(vals[i], k) for i, k in kinds])
             except BaseException:  # noqa: BLE001 - nothing may unwind through wasmtime's frames
                 _log.exception("wasm.host_import_failed import=%s", name)
                 result = _INTERNAL

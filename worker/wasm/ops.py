@@ -15,7 +15,8 @@ from typing import Any
 import zmq
 
 from shared.errors import InvalidArgument, UnknownModule
-from worker.server import EXIT_COMPILE_OVERRUN, Reply, WorkerServer
+from shared.exits import EXIT_COMPILE_OVERRUN
+from worker.server import Reply, WorkerServer
 from worker.wasm.host import MAX_ARGS, CompileOverrun, WasmHost
 
 __all__ = ["op_run_wasm"]
@@ -67,5 +68,7 @@ def op_run_wasm(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | No
     try:
         return host.run(module, export, call_args, fuel=fuel, timeout_s=timeout_s), None
     except CompileOverrun:
-        server.exit_after_reply = EXIT_COMPILE_OVERRUN  # the compiler thread stops with the process
+        # The compiler thread cannot be stopped; it stops with the process, once this reply is out.
+        server.exit_code = EXIT_COMPILE_OVERRUN
+        server.stop_event.set()
         raise

@@ -1,0 +1,137 @@
+"""cuBLAS for the cuda backend's GEMM: one handle on the tenant's stream, a workspace lent per call.
+
+    CudaBackend.matmul_f32(a, b, c, m, k, n, workspace)
+      Cublas.load()             import nvmath.bindings.cublas (the ``cuda`` extra); absent:
+                                BackendUnavailable "cuBLAS missing, install tensor-wasm-tenant[cuda]"
+                                cublasCreate (in the tenant's current context), cublasSetStream(tenant
+                                stream), cublasSetPointerMode(HOST)
+      sgemm_row_major()         cublasSetWorkspace(the metered buffer, or none), then
+                                cublasSgemm(N, N, n, m, k, 1, B, n, A, k, 0, C, n)
+
+Row-major through column-major BLAS: a row-major ``X[r, c]`` is the
+column-major ``X^T``, so ``C = A @ B`` is computed as ``C^T = B^T @ A^T``
+with no transposes at all - swap the operands and the ``m``/``n`` sizes,
+leading dimensions ``n``, ``k``, ``n``. Dimensions beyond ``int32`` use
+``cublasSgemm_64`` (cuBLAS 12's ILP64 entry point).
+
+Why the workspace is set before the first GEMM and whenever it changes
+(each run lends its own): cuBLAS would otherwise take its default workspace
+with ``cudaMalloc``, outside the tenant's capped pool and its metered
+quota. The caller (:meth:`worker.wasm.abi.GuestRun.gemm`) allocates it
+through the metered allocator. ``cublasSetStream`` resets the workspace to
+the default one, so the stream is set once, at creation, before it. Without a workspace (the quota had
+no room) it is set to ``(NULL, 0)``: cuBLAS then only picks algorithms that
+need none. ``cublasCreate`` itself keeps a small fixed state on the device,
+a per-worker overhead like the context and the kernels' scratch.
+
+The math mode stays ``CUBLAS_DEFAULT_MATH``: true float32 (no TF32), so the
+results agree with numpy within float32 tolerance.
+
+The module is named like the driver's: ``nvmath.bindings.cublas`` by
+default, or a module(-shaped) object (the test suite's fake cuBLAS).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+from typing import Any
+
+from shared.errors import BackendUnavailable, CudaError
+
+__all__ = ["DEFAULT_CUBLAS_MODULE", "GEMM_WORKSPACE_BYTES", "INSTALL_HINT", "Cublas"]
+
+DEFAULT_CUBLAS_MODULE = "nvmath.bindings.cublas"
+#: the workspace lent to cuBLAS per run (cuBLAS's guidance: 4 MiB suffices for most GEMMs)
+GEMM_WORKSPACE_BYTES = 4 << 20
+INSTALL_HINT = "install tensor-wasm-tenant[cuda] (nvmath-python with nvidia-cublas)"
+_I32_MAX = (1 << 31) - 1
+
+
+def load_cublas_module(module: str | Any | None) -> Any:
+    """The cuBLAS bindings module (imported lazily: a worker that never multiplies never loads it)."""
+    if module is not None and not isinstance(module, str):
+        return module
+    name = module or DEFAULT_CUBLAS_MODULE
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise BackendUnavailable(
+            "cuda", f"cuBLAS missing: {name!r} is not importable ({exc}); {INSTALL_HINT}"
+        ) from None
+    except RuntimeError as exc:  # libcublas not found by the loader
+        raise BackendUnavailable("cuda", f"cuBLAS missing: {type(exc).__name__}: {exc}; {INSTALL_HINT}") from None
+
+
+class Cublas:
+    """One cuBLAS handle bound to the current context and the tenant's stream; use :meth:`load`."""
+
+    def __init__(self, mod: Any, handle: int) -> None:
+        self.mod = mod
+        self.handle = handle
+        self._n = int(mod.Operation.N)
+        self._alpha = ctypes.c_float(1.0)
+        self._beta = ctypes.c_float(0.0)
+        self._alpha_p = ctypes.addressof(self._alpha)
+        self._beta_p = ctypes.addressof(self._beta)
+        self._sgemm = mod.sgemm
+        self._sgemm_64 = getattr(mod, "sgemm_64", None)
+        self._set_workspace = mod.set_workspace
+        self._workspace: tuple[int, int] | None = None  # what cuBLAS holds now (None: its default)
+        self.calls = 0
+
+    @classmethod
+    def load(cls, module: str | Any | None, stream: Any) -> Cublas:
+        """Create the handle on ``stream`` (the backend's context must be current)."""
+        mod = load_cublas_module(module)
+        try:
+            handle = _checked(mod, "cublasCreate", mod.create)
+        except RuntimeError as exc:  # nvmath's loader: libcublas (the nvidia-cublas wheel) not found
+            raise BackendUnavailable(
+                "cuda", f"cuBLAS missing: {type(exc).__name__}: {exc}; {INSTALL_HINT}"
+            ) from None
+        try:
+            _checked(mod, "cublasSetStream", mod.set_stream, handle, int(stream))
+            _checked(mod, "cublasSetPointerMode", mod.set_pointer_mode, handle, int(mod.PointerMode.HOST))
+        except BaseException:
+            _checked(mod, "cublasDestroy", mod.destroy, handle)
+            raise
+        return cls(mod, int(handle))
+
+    def sgemm_row_major(self, a: int, b: int, c: int, m: int, k: int, n: int, workspace: tuple[int, int]) -> None:
+        """``C[m,n] = A[m,k] @ B[k,n]`` for row-major float32 at device addresses (m, n, k >= 1)."""
+        mod = self.mod
+        if workspace != self._workspace:  # the handle keeps it; set_stream is never called again
+            _checked(mod, "cublasSetWorkspace", self._set_workspace, self.handle, workspace[0], workspace[1])
+            self._workspace = workspace
+        big = max(m, n, k) > _I32_MAX
+        if big and self._sgemm_64 is None:
+            raise CudaError("cublasSgemm", "CUBLAS_STATUS_NOT_SUPPORTED", 15,
+                            message=f"a GEMM of {m}x{k} @ {k}x{n} needs cublasSgemm_64 (cuBLAS >= 12)")
+        fn = self._sgemm_64 if big else self._sgemm
+        self.calls += 1
+        _checked(mod, "cublasSgemm", fn, self.handle, self._n, self._n, n, m, k,
+                 self._alpha_p, b, n, a, k, self._beta_p, c, n)
+
+    def close(self) -> None:
+        """Destroy the handle (errors are the caller's to log)."""
+        handle, self.handle = self.handle, 0
+        if handle:
+            _checked(self.mod, "cublasDestroy", self.mod.destroy, handle)
+
+
+def _checked(mod: Any, call: str, fn: Any, *args: Any) -> Any:
+    """Call a cuBLAS binding; its ``cuBLASError`` becomes :class:`CudaError` with the status name."""
+    try:
+        return fn(*args)
+    except mod.cuBLASError as exc:
+        status = int(getattr(exc, "status", -1))
+        name = _status_name(mod, status)
+        raise CudaError(call, name, status, message=f"{call} failed: {name} ({exc})") from None
+
+
+def _status_name(mod: Any, status: int) -> str:
+    try:
+        return f"CUBLAS_STATUS_{mod.Status(status).name}"
+    except (ValueError, AttributeError, TypeError):
+        return f"cublasStatus {status}"

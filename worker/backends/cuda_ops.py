@@ -1,0 +1,440 @@
+"""The cuda backend's tensor ops of the WASM ABI: GEMM through cuBLAS, the rest as NVRTC kernels.
+
+    CudaTensorOps(drv, nvrtc, device, stream, cublas_module)     (one per backend, on first use)
+      matmul_f32      cuBLAS sgemm (worker.backends._cublas) with the run's metered workspace;
+                      k == 0: C zeroed by a kernel
+      add/mul, add_rows, unary, scale, softmax_rows, transpose
+                      one launch each, grid-stride loops, ``unsigned long long`` indices
+      max_f32         per-block maxima into a fixed scratch, the host takes the max of those
+      argmax_rows     one block per row, rows in chunks of the scratch, each chunk copied
+                      straight into guest memory
+
+Every launch goes on the tenant's stream. Ops that leave their result on
+the device are stream-ordered and return at once: everything else the
+tenant does (copies, frees, the next op) goes on the same stream, so it
+sees the result; an execution error surfaces at the next synchronize. Ops
+that hand a result to the host (max, argmax) synchronize.
+
+Numbers follow numpy (the GPU check compares every op with numpy within
+float32 tolerance): ``--fmad=false`` (no fused multiply-add numpy would not
+do), relu keeps NaN like ``np.maximum``, max and argmax let a NaN win like
+``np.max``/``np.argmax``, argmax takes the first of equal maxima, softmax is
+``exp(x - max) / sum`` per row. Transcendentals (``expf``, ``tanhf``) are
+CUDA's, within a few ulp of numpy's.
+
+The scratch (``SCRATCH_BYTES``) is one ``cuMemAlloc`` outside the tenant's
+pool, made with the module and freed with it - a fixed per-worker overhead
+like the sum kernel's, so a tenant exactly at its cap can still reduce.
+Nothing here allocates per call.
+
+The compile step follows :mod:`worker.backends.kernels` (a cubin for the
+device's ``sm_XY``, PTX when this NVRTC does not know it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+from shared.errors import CudaError
+from shared.log import get_logger, log_event
+from worker.backends._cublas import GEMM_WORKSPACE_BYTES, Cublas
+from worker.backends._driver import Driver, Nvrtc
+from worker.backends.base import DeviceBuffer
+
+__all__ = ["OPS_SOURCE", "SCRATCH_BYTES", "CudaTensorOps", "TensorOpsMixin"]
+
+_log = get_logger("worker.cuda_ops")
+
+BLOCK = 256
+MAX_GRID = 65535
+#: scratch for max partials (MAX_GRID floats would be more than needed: 1024 blocks) and argmax rows
+SCRATCH_BYTES = 64 << 10
+_MAX_BLOCKS = 1024
+_ARGMAX_ROWS = SCRATCH_BYTES // 4
+
+OPS_SOURCE = r"""
+#define GRID_STRIDE(i, n) \
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+         i += (unsigned long long)gridDim.x * blockDim.x)
+
+#define NEG_INF __int_as_float(0xff800000)
+
+/* NaN-propagating max, as numpy's */
+__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+
+/* x, y and out may be the same buffer: no __restrict__ */
+extern "C" __global__ void twt_binary_f32(int op, const float* x, const float* y, float* out, unsigned long long n)
+{
+    GRID_STRIDE(i, n) out[i] = op == 0 ? x[i] + y[i] : x[i] * y[i];
+}
+
+extern "C" __global__ void twt_add_rows_f32(float* __restrict__ m, const float* __restrict__ v,
+                                            unsigned long long rows, unsigned long long cols)
+{
+    GRID_STRIDE(i, rows * cols) m[i] = m[i] + v[i % cols];
+}
+
+extern "C" __global__ void twt_unary_f32(int op, const float* x, float* out, unsigned long long n)
+{
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        float r;
+        switch (op) {
+        case 0: r = (v > 0.0f || v != v) ? v : 0.0f; break;   /* relu, NaN kept */
+        case 1: r = expf(v); break;
+        case 2: r = tanhf(v); break;
+        case 3: r = 1.0f / (1.0f + expf(-v)); break;           /* sigmoid */
+        case 4: r = -v; break;
+        case 5: r = sqrtf(v); break;
+        default: r = fabsf(v); break;
+        }
+        out[i] = r;
+    }
+}
+
+extern "C" __global__ void twt_scale_f32(float* x, float a, unsigned long long n)
+{
+    GRID_STRIDE(i, n) x[i] = x[i] * a;
+}
+
+extern "C" __global__ void twt_zero_f32(float* p, unsigned long long n)
+{
+    GRID_STRIDE(i, n) p[i] = 0.0f;
+}
+
+extern "C" __global__ void twt_transpose_f32(const float* __restrict__ x, float* __restrict__ out,
+                                             unsigned long long rows, unsigned long long cols)
+{
+    GRID_STRIDE(i, rows * cols) {
+        unsigned long long r = i / cols, c = i % cols;
+        out[c * rows + r] = x[i];
+    }
+}
+
+/* one block per row (grid-stride over rows): max, then exp(x - max) and its sum, then divide */
+extern "C" __global__ void twt_softmax_rows_f32(float* x, unsigned long long rows, unsigned long long cols)
+{
+    __shared__ float s[256];
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        float* row = x + r * cols;
+        float m = NEG_INF;
+        for (unsigned long long j = threadIdx.x; j < cols; j += blockDim.x) m = nan_max(m, row[j]);
+        s[threadIdx.x] = m;
+        __syncthreads();
+        for (unsigned int h = blockDim.x / 2; h > 0; h >>= 1) {
+            if (threadIdx.x < h) s[threadIdx.x] = nan_max(s[threadIdx.x], s[threadIdx.x + h]);
+            __syncthreads();
+        }
+        m = s[0];
+        __syncthreads();
+        float acc = 0.0f;
+        for (unsigned long long j = threadIdx.x; j < cols; j += blockDim.x) {
+            float e = expf(row[j] - m);
+            row[j] = e;
+            acc += e;
+        }
+        s[threadIdx.x] = acc;
+        __syncthreads();
+        for (unsigned int h = blockDim.x / 2; h > 0; h >>= 1) {
+            if (threadIdx.x < h) s[threadIdx.x] += s[threadIdx.x + h];
+            __syncthreads();
+        }
+        float total = s[0];
+        __syncthreads();
+        for (unsigned long long j = threadIdx.x; j < cols; j += blockDim.x) row[j] = row[j] / total;
+    }
+}
+
+extern "C" __global__ void twt_max_f32(const float* __restrict__ x, unsigned long long n, float* __restrict__ partial)
+{
+    __shared__ float s[256];
+    float m = NEG_INF;
+    GRID_STRIDE(i, n) m = nan_max(m, x[i]);
+    s[threadIdx.x] = m;
+    __syncthreads();
+    for (unsigned int h = blockDim.x / 2; h > 0; h >>= 1) {
+        if (threadIdx.x < h) s[threadIdx.x] = nan_max(s[threadIdx.x], s[threadIdx.x + h]);
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = s[0];
+}
+
+/* (vb, ib) beats (va, ia): the first NaN, else the larger value, else the smaller index */
+__device__ __forceinline__ bool beats(float vb, unsigned long long ib, float va, unsigned long long ia)
+{
+    bool nb = vb != vb, na = va != va;
+    if (nb || na) return nb && (!na || ib < ia);
+    return vb > va || (vb == va && ib < ia);
+}
+
+/* rows [first, first + count) of x, one block per row; out[r - first] = the row's argmax */
+extern "C" __global__ void twt_argmax_rows_f32(const float* __restrict__ x, unsigned long long first,
+                                               unsigned long long count, unsigned long long cols,
+                                               int* __restrict__ out)
+{
+    __shared__ float sv[256];
+    __shared__ unsigned long long si[256];
+    for (unsigned long long r = blockIdx.x; r < count; r += gridDim.x) {
+        const float* row = x + (first + r) * cols;
+        float v = NEG_INF;
+        unsigned long long at = ~0ull;
+        for (unsigned long long j = threadIdx.x; j < cols; j += blockDim.x)
+            if (beats(row[j], j, v, at)) { v = row[j]; at = j; }
+        sv[threadIdx.x] = v;
+        si[threadIdx.x] = at;
+        __syncthreads();
+        for (unsigned int h = blockDim.x / 2; h > 0; h >>= 1) {
+            if (threadIdx.x < h && beats(sv[threadIdx.x + h], si[threadIdx.x + h], sv[threadIdx.x], si[threadIdx.x])) {
+                sv[threadIdx.x] = sv[threadIdx.x + h];
+                si[threadIdx.x] = si[threadIdx.x + h];
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) out[r] = (int)si[0];
+        __syncthreads();
+    }
+}
+"""
+
+_NAMES = (b"twt_binary_f32", b"twt_add_rows_f32", b"twt_unary_f32", b"twt_scale_f32", b"twt_zero_f32",
+          b"twt_transpose_f32", b"twt_softmax_rows_f32", b"twt_max_f32", b"twt_argmax_rows_f32")
+_P, _F, _I, _U = ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_uint64
+
+
+def _grid(n: int, cap: int = MAX_GRID) -> int:
+    return max(1, min(cap, (n + BLOCK - 1) // BLOCK))
+
+
+class CudaTensorOps:
+    """The compiled op kernels and the cuBLAS handle of one backend; use :meth:`load`."""
+
+    def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any,
+                 cublas_module: Any) -> None:
+        self._drv = drv
+        self._module = module
+        self._fn = functions
+        self._scratch = scratch
+        self._stream = stream
+        self._cublas_module = cublas_module
+        self._cublas: Cublas | None = None
+        self.arch = ""
+        import numpy as np
+
+        self._partials = np.empty(_MAX_BLOCKS, dtype=np.float32)
+
+    @classmethod
+    def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any, cublas_module: Any = None) -> CudaTensorOps:
+        """Compile (NVRTC) and load the op kernels into the current context; cuBLAS waits for a GEMM."""
+        attr = drv.mod.CUdevice_attribute
+        major = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
+        minor = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)
+        image, arch = compile_source(nvrtc, OPS_SOURCE, "twt_tensor_ops.cu", int(major), int(minor))
+        module = drv.call("cuModuleLoadData", image)
+        try:
+            functions = {n: drv.call("cuModuleGetFunction", module, n) for n in _NAMES}
+            scratch = drv.call("cuMemAlloc", SCRATCH_BYTES)
+        except BaseException:
+            drv.mod.cuModuleUnload(module)
+            raise
+        ops = cls(drv, module, functions, int(scratch), stream, cublas_module)
+        ops.arch = arch
+        return ops
+
+    def _launch(self, name: bytes, grid: int, args: tuple[Any, ...], types: tuple[Any, ...]) -> None:
+        self._drv.call("cuLaunchKernel", self._fn[name], grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
+
+    def _sync(self, what: str) -> None:
+        try:
+            self._drv.call("cuStreamSynchronize", self._stream)
+        except CudaError as exc:
+            raise CudaError(exc.call, exc.result_name, exc.result_code,
+                            message=f"{what} failed: {exc.result_name} ({exc.result_code})") from None
+
+    # ------------------------------------------------------------ GEMM
+
+    @property
+    def cublas(self) -> Cublas:
+        if self._cublas is None:
+            self._cublas = Cublas.load(self._cublas_module, self._stream)
+        return self._cublas
+
+    @staticmethod
+    def workspace_bytes() -> int:
+        return GEMM_WORKSPACE_BYTES
+
+    def matmul_f32(self, a: int, b: int, c: int, m: int, k: int, n: int, workspace: tuple[int, int]) -> None:
+        if m == 0 or n == 0:
+            return
+        if k == 0:
+            self._launch(b"twt_zero_f32", _grid(m * n), (c, m * n), (_P, _U))
+            return
+        self.cublas.sgemm_row_major(a, b, c, m, k, n, workspace)
+
+    # ------------------------------------------------------------ elementwise
+
+    def binary_f32(self, op: int, x: int, y: int, out: int, n: int) -> None:
+        if n:
+            self._launch(b"twt_binary_f32", _grid(n), (op, x, y, out, n), (_I, _P, _P, _P, _U))
+
+    def add_rows_f32(self, m: int, v: int, rows: int, cols: int) -> None:
+        if rows and cols:
+            self._launch(b"twt_add_rows_f32", _grid(rows * cols), (m, v, rows, cols), (_P, _P, _U, _U))
+
+    def unary_f32(self, op: int, x: int, out: int, n: int) -> None:
+        if n:
+            self._launch(b"twt_unary_f32", _grid(n), (op, x, out, n), (_I, _P, _P, _U))
+
+    def scale_f32(self, x: int, a: float, n: int) -> None:
+        if n:
+            self._launch(b"twt_scale_f32", _grid(n), (x, float(a), n), (_P, _F, _U))
+
+    def transpose_f32(self, x: int, out: int, rows: int, cols: int) -> None:
+        if rows and cols:
+            self._launch(b"twt_transpose_f32", _grid(rows * cols), (x, out, rows, cols), (_P, _P, _U, _U))
+
+    def softmax_rows_f32(self, x: int, rows: int, cols: int) -> None:
+        if rows and cols:
+            self._launch(b"twt_softmax_rows_f32", min(rows, MAX_GRID), (x, rows, cols), (_P, _U, _U))
+
+    # ------------------------------------------------------------ reductions to the host
+
+    def max_f32(self, x: int, count: int, out: memoryview) -> None:
+        import numpy as np
+
+        grid = _grid(count, _MAX_BLOCKS)
+        self._launch(b"twt_max_f32", grid, (x, count, self._scratch), (_P, _U, _P))
+        parts = self._partials
+        self._drv.call("cuMemcpyDtoHAsync", parts, self._scratch, 4 * grid, self._stream)
+        self._sync("kernel twt_max_f32")
+        with np.errstate(all="ignore"):
+            np.frombuffer(out, dtype="<f4", count=1)[0] = parts[:grid].max()
+
+    def argmax_rows_f32(self, x: int, rows: int, cols: int, out: memoryview) -> None:
+        for first in range(0, rows, _ARGMAX_ROWS):
+            count = min(_ARGMAX_ROWS, rows - first)
+            self._launch(b"twt_argmax_rows_f32", min(count, MAX_GRID), (x, first, count, cols, self._scratch),
+                         (_P, _U, _U, _U, _P))
+            self._drv.call("cuMemcpyDtoHAsync", out[4 * first : 4 * (first + count)], self._scratch, 4 * count,
+                           self._stream)
+            self._sync("kernel twt_argmax_rows_f32")
+
+    # ------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Destroy the cuBLAS handle, free the scratch, unload the module (logged, never raised)."""
+        if self._cublas is not None:
+            try:
+                self._cublas.close()
+            except Exception as exc:  # noqa: BLE001 - cleanup goes on; logged
+                log_event(_log, logging.WARNING, "cuda_ops.close_failed", call="cublasDestroy", error=str(exc))
+            self._cublas = None
+        for name, arg in (("cuMemFree", self._scratch), ("cuModuleUnload", self._module)):
+            try:
+                self._drv.call(name, arg)
+            except Exception as exc:  # noqa: BLE001 - cleanup goes on; logged
+                log_event(_log, logging.WARNING, "cuda_ops.close_failed", call=name, error=str(exc))
+
+
+class TensorOpsMixin:
+    """The tensor-op methods of :class:`worker.backends.cuda.CudaBackend` (its ``Backend`` interface part).
+
+    Each checks that the backend is open, makes its context current and
+    hands device addresses to :class:`CudaTensorOps`, built on the first op.
+    """
+
+    _drv: Driver
+    _dev: Any
+    _stream: Any
+    _nvrtc_spec: Any
+    _cublas_spec: Any
+    _tensor_ops: CudaTensorOps | None
+
+    def _open(self) -> None: ...  # provided by CudaBackend
+    def _current(self) -> None: ...  # provided by CudaBackend
+
+    def tensor_ops(self) -> CudaTensorOps:
+        """The op kernels (NVRTC on first use) and the cuBLAS handle (on the first GEMM)."""
+        self._open()
+        self._current()
+        if self._tensor_ops is None:
+            nvrtc = self._nvrtc_spec if isinstance(self._nvrtc_spec, Nvrtc) else Nvrtc(self._nvrtc_spec)
+            self._tensor_ops = CudaTensorOps.load(self._drv, nvrtc, self._dev, self._stream, self._cublas_spec)
+        return self._tensor_ops
+
+    def _close_tensor_ops(self) -> None:
+        if self._tensor_ops is not None:
+            self._tensor_ops.close()
+            self._tensor_ops = None
+
+    def gemm_workspace_bytes(self) -> int:
+        return GEMM_WORKSPACE_BYTES
+
+    def matmul_f32(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int, *,
+                   workspace: DeviceBuffer | None = None) -> None:
+        ws = (0, 0) if workspace is None else (_addr(workspace), workspace.nbytes)
+        self.tensor_ops().matmul_f32(_addr(a), _addr(b), _addr(c), m, k, n, ws)
+
+    def add_f32(self, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        self.tensor_ops().binary_f32(0, _addr(x), _addr(y), _addr(out), n)
+
+    def mul_f32(self, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        self.tensor_ops().binary_f32(1, _addr(x), _addr(y), _addr(out), n)
+
+    def add_rows_f32(self, m: DeviceBuffer, v: DeviceBuffer, rows: int, cols: int) -> None:
+        self.tensor_ops().add_rows_f32(_addr(m), _addr(v), rows, cols)
+
+    def unary_f32(self, op: int, x: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        self.tensor_ops().unary_f32(op, _addr(x), _addr(out), n)
+
+    def scale_f32(self, x: DeviceBuffer, a: float, n: int) -> None:
+        self.tensor_ops().scale_f32(_addr(x), a, n)
+
+    def softmax_rows_f32(self, x: DeviceBuffer, rows: int, cols: int) -> None:
+        self.tensor_ops().softmax_rows_f32(_addr(x), rows, cols)
+
+    def max_f32(self, x: DeviceBuffer, count: int, out: memoryview) -> None:
+        self.tensor_ops().max_f32(_addr(x), count, out)
+
+    def argmax_rows_f32(self, x: DeviceBuffer, rows: int, cols: int, out: memoryview) -> None:
+        self.tensor_ops().argmax_rows_f32(_addr(x), rows, cols, out)
+
+    def transpose_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int) -> None:
+        self.tensor_ops().transpose_f32(_addr(x), _addr(out), rows, cols)
+
+
+def _addr(buf: DeviceBuffer) -> int:
+    return int(buf.ptr)  # type: ignore[attr-defined]  # a CudaBuffer
+
+
+def compile_source(nvrtc: Nvrtc, source: str, filename: str, major: int, minor: int) -> tuple[bytes, str]:
+    """(image for cuModuleLoadData, architecture): a cubin for ``sm_XY``, else PTX for ``compute_XY``."""
+    from worker.backends.kernels import _program_log
+
+    for arch, get_size, get in (
+        (f"sm_{major}{minor}", "nvrtcGetCUBINSize", "nvrtcGetCUBIN"),
+        (f"compute_{major}{minor}", "nvrtcGetPTXSize", "nvrtcGetPTX"),
+    ):
+        opts = [f"--gpu-architecture={arch}".encode(), b"--fmad=false"]
+        prog = nvrtc.call("nvrtcCreateProgram", source.encode(), filename.encode(), 0, [], [])
+        try:
+            try:
+                nvrtc.call("nvrtcCompileProgram", prog, len(opts), opts)
+            except CudaError as exc:
+                if exc.result_name.endswith("INVALID_OPTION") and arch.startswith("sm_"):
+                    continue  # this NVRTC does not know the device: JIT from PTX instead
+                raise CudaError(exc.call, exc.result_name, exc.result_code,
+                                message=f"compiling {filename} for {arch} failed: {exc.result_name}\n"
+                                f"{_program_log(nvrtc, prog)}") from None
+            size = int(nvrtc.call(get_size, prog))
+            image = b" " * size  # filled in place by NVRTC (the cuda-python idiom)
+            nvrtc.call(get, prog, image)
+            return image, arch
+        finally:
+            try:
+                nvrtc.call("nvrtcDestroyProgram", prog)
+            except CudaError:
+                pass
+    raise CudaError("nvrtcCompileProgram", "NVRTC_ERROR_INVALID_OPTION", 5,
+                    message=f"NVRTC knows neither sm_{major}{minor} nor compute_{major}{minor}")
