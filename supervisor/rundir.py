@@ -35,7 +35,7 @@ from typing import Any
 
 from shared.errors import TensorWasmError, UntrustedRunDir
 
-__all__ = ["RunDir", "RunDirLocked", "read_admin_capability", "read_ready", "verify_run_dir"]
+__all__ = ["RunDir", "RunDirLocked", "read_admin_capability", "read_ready", "verify_admin_dir", "verify_run_dir"]
 
 SOCKETS = ("frontend", "backend", "control", "events")
 READY_FILE = "supervisor.json"
@@ -159,10 +159,21 @@ def _check_owned(path: str, kind: str, uid: int, *, private: bool = False) -> os
         raise UntrustedRunDir(path, f"it belongs to uid {st.st_uid}, not to the expected uid {uid} "
                                     "(another user may have created it to intercept your requests)")
     mode = stat.S_IMODE(st.st_mode)
-    if mode & (0o077 if private else 0o022):
+    # A socket's write bit is the right to connect: a group of tenant-only clients
+    # may have it (``client_group``); nobody else may.
+    if mode & (0o077 if private else 0o002 if kind == "socket" else 0o022):
         raise UntrustedRunDir(path, f"its mode {oct(mode)} lets other users "
                                     f"{'read or change' if private else 'change'} it")
     return st
+
+
+def verify_admin_dir(run_dir: str, expected_uid: int | None = None) -> None:
+    """Refuse (``UntrustedRunDir``) an admin directory or capability that is not the
+    expected user's alone."""
+    uid = os.getuid() if expected_uid is None else expected_uid
+    verify_run_dir(run_dir, uid)
+    _check_owned(os.path.join(run_dir, ADMIN_DIR), "dir", uid, private=True)
+    _check_owned(os.path.join(run_dir, ADMIN_CAP_FILE), "file", uid, private=True)
 
 
 def verify_run_dir(run_dir: str, expected_uid: int | None = None) -> None:
@@ -201,11 +212,9 @@ def read_admin_capability(run_dir: str, expected_uid: int | None = None) -> byte
     Refused (UntrustedRunDir) unless the run dir, the admin directory and the
     file belong to ``expected_uid`` (default: ours) and only it can read them.
     """
-    uid = os.getuid() if expected_uid is None else expected_uid
-    verify_run_dir(run_dir, uid)
-    _check_owned(os.path.join(run_dir, ADMIN_DIR), "dir", uid, private=True)
+    verify_admin_dir(run_dir, expected_uid)
     path = os.path.join(run_dir, ADMIN_CAP_FILE)
-    if _check_owned(path, "file", uid, private=True) is None:
+    if not os.path.lexists(path):
         raise FileNotFoundError(path)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with open(fd, "rb") as f:
