@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 from collections.abc import Iterator
+from typing import Any
 from contextlib import contextmanager
 
 from supervisor.fdlimit import fd_budget, open_fds, raise_fd_limit
@@ -59,3 +60,55 @@ def test_a_quota_block_costs_the_owner_one_fd_not_two() -> None:
         for b in blocks:
             b.close()
             b.unlink()
+
+
+def test_connections_past_the_budget_are_shed_and_connected_clients_keep_working(tmp_path: Any) -> None:
+    import time
+
+    import zmq
+
+    from supervisor.connections import FrontendConnections
+
+    ctx = zmq.Context()
+    path = str(tmp_path / "f.ipc")
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("ipc://" + path)
+    conns = FrontendConnections(router, path)
+    conns.gate.budget = 5
+    clients = []
+    try:
+        legit = ctx.socket(zmq.DEALER)
+        legit.setsockopt(zmq.LINGER, 0)
+        legit.connect("ipc://" + path)
+        clients.append(legit)
+
+        def round_trip() -> None:
+            legit.send(b"ping")
+            while not router.poll(100):
+                if conns.monitor.poll(0):
+                    conns.on_readable()
+            ident, msg = router.recv_multipart()
+            assert msg == b"ping"
+            router.send_multipart([ident, b"pong"])
+            assert legit.poll(5000) and legit.recv() == b"pong"
+
+        round_trip()  # connected before the flood
+        for _ in range(40):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect("ipc://" + path)
+            clients.append(s)
+        deadline = time.monotonic() + 20
+        while conns.gate.shed < 30:
+            assert time.monotonic() < deadline, (conns.gate.connected, conns.gate.shed)
+            if conns.monitor.poll(100):
+                conns.on_readable()
+        round_trip()  # connected before the flood: still served
+        assert open_fds() < 40 + 64  # shed connections were closed (they retry; some may be back)
+    finally:
+        for s in clients:
+            s.close(0)
+        conns.close()
+        router.close(0)
+        ctx.term()
