@@ -75,6 +75,13 @@ class SupervisorConfig:
     cuda_driver_module: str | None = None
     cuda_nvrtc_module: str | None = None
     metrics_addr: str | None = None
+    #: tenant names as metric labels (default: per-supervisor pseudonyms; docs/SECURITY.md)
+    metrics_tenant_names: bool = False
+    #: group (name or gid) of tenant-only clients running as other users (docs/SECURITY.md)
+    client_group: str | None = None
+    #: bytes the supervisor holds for one tenant / for all (queued replies, parked bodies, modules)
+    max_tenant_held_bytes: int = 256 << 20
+    max_held_bytes: int = 2 << 30
     register_timeout_s: float = 60.0
     tenants: tuple[TenantSpec, ...] = ()
 
@@ -98,6 +105,8 @@ class SupervisorConfig:
             "max_message_bytes",
             "max_header_bytes",
             "max_client_reply_bytes",
+            "max_tenant_held_bytes",
+            "max_held_bytes",
             "rss_allowance_bytes",
             "stub_device_capacity_bytes",
             "device_reserve_bytes",
@@ -115,6 +124,12 @@ class SupervisorConfig:
                 raise ValueError(f"{name} must be a dotted module name; got {value!r}")
         if self.metrics_addr is not None:
             _host_port(self.metrics_addr)
+        if not isinstance(self.metrics_tenant_names, bool):
+            raise ValueError(f"metrics_tenant_names must be true or false; got {self.metrics_tenant_names!r}")
+        if self.client_group is not None:
+            s(self, "client_group", str(self.client_group))
+            if not self.client_group or "/" in self.client_group:
+                raise ValueError(f"client_group must be a group name or gid; got {self.client_group!r}")
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -210,6 +225,9 @@ _ENV_FIELDS = (
     "cuda_driver_module",
     "cuda_nvrtc_module",
     "metrics_addr",
+    "client_group",
+    "max_tenant_held_bytes",
+    "max_held_bytes",
     "register_timeout_s",
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness"}

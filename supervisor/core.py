@@ -85,7 +85,7 @@ class _Core:
     def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or NullMetrics()
-        self.rundir = RunDir(config.run_dir)
+        self.rundir = RunDir(config.run_dir, config.client_group)
         self.registry, self.admin = TenantRegistry.new()
         self._metrics_cache: dict[str, Any] = {}
         self.internal_errors = 0  # bugs caught by the loop's safety net (see Supervisor._internal_error)

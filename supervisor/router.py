@@ -94,8 +94,7 @@ class Supervisor(_Admin):
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.bind(self.rundir.endpoint("events"))
         self.events = EventBus(pub)
-        for name in ("frontend", "backend", "control", "events"):
-            os.chmod(self.rundir.file(f"{name}.ipc"), 0o600)
+        self.rundir.secure_sockets()
         self.rundir.write_admin_capability(self.admin.to_bytes())
 
         # Tracked frames (big reply bodies, see _Core._reply) need pyzmq's garbage-collector

@@ -60,12 +60,29 @@ class RunDirLocked(TensorWasmError):
         return f"another supervisor{who} is running on {self.run_dir}; stop it or use another --run-dir"
 
 
-class RunDir:
-    """Owns a run directory for the lifetime of one supervisor."""
+def _group_id(group: str | int) -> int:
+    import grp
 
-    def __init__(self, path: str) -> None:
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise ValueError(f"client_group {group!r}: no such group") from None
+
+
+class RunDir:
+    """Owns a run directory for the lifetime of one supervisor.
+
+    ``client_group``: the group of tenant-only clients running as other users.
+    They may then traverse the run dir (0710), connect to ``frontend.ipc``
+    (0660) and read ``supervisor.json`` (0640) - never enter ``admin/``.
+    """
+
+    def __init__(self, path: str, client_group: str | int | None = None) -> None:
         self.path = os.path.abspath(path)
         self._lock_fd: int | None = None
+        self._gid = None if client_group is None else _group_id(client_group)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -79,7 +96,11 @@ class RunDir:
         st = os.stat(self.path)
         if st.st_uid != os.getuid():
             raise PermissionError(f"run dir {self.path} belongs to uid {st.st_uid}, not to us")
-        os.chmod(self.path, 0o700)
+        if self._gid is None:
+            os.chmod(self.path, 0o700)
+        else:
+            os.chown(self.path, -1, self._gid)
+            os.chmod(self.path, 0o710)
         admin_dir = self.file(ADMIN_DIR)
         os.makedirs(admin_dir, mode=0o700, exist_ok=True)
         ast = os.lstat(admin_dir)
@@ -119,11 +140,25 @@ class RunDir:
         finally:
             os.close(fd)
 
+    def secure_sockets(self, names: tuple[str, ...] = SOCKETS) -> None:
+        """After binding: every socket 0600, except ``frontend.ipc`` for the client group (0660)."""
+        for name in names:
+            path = self.file(f"{name}.ipc")
+            if name == "frontend" and self._gid is not None:
+                os.chown(path, -1, self._gid)
+                os.chmod(path, 0o660)
+            else:
+                os.chmod(path, 0o600)
+
     def write_ready(self, info: dict[str, Any]) -> None:
         tmp = self.file(READY_FILE + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(info, f)
-        os.chmod(tmp, 0o600)
+        if self._gid is None:
+            os.chmod(tmp, 0o600)
+        else:
+            os.chown(tmp, -1, self._gid)
+            os.chmod(tmp, 0o640)
         os.replace(tmp, self.file(READY_FILE))
 
     def release(self) -> None:

@@ -101,3 +101,76 @@ def test_writable_by_others_symlinks_and_wrong_kinds_are_refused(squatted: tuple
     assert read_admin_capability(str(run)) == b"\x01" * 60  # all in order again
     assert stat.S_ISSOCK(os.lstat(run / "frontend.ipc").st_mode)
     assert _nothing_received(sock)
+
+
+_TENANT_ONLY = r"""
+import sys
+from shared.capability import TenantCapability
+from shared.errors import SupervisorUnavailable
+from supervisor.client import SupervisorClient
+c = SupervisorClient(sys.argv[1], expected_uid=int(sys.argv[2]), timeout_s=20)
+print("ping", c.ping(TenantCapability.from_bytes(bytes.fromhex(sys.argv[3])))["tenant"])
+try:
+    c.admin
+except (PermissionError, SupervisorUnavailable) as exc:
+    print("admin refused", type(exc).__name__)
+else:
+    print("admin READABLE")
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="running a client as another uid needs root")
+@pytest.mark.timeout(120)
+def test_a_tenant_only_client_in_the_client_group_cannot_reach_the_admin_capability() -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers.cluster import supervisor
+
+    gid = 54321
+    with supervisor([{"name": "t"}], client_group=str(gid)) as sup:
+        cap = sup.client.tenant_capability(None, "t")
+        assert stat.S_IMODE(os.stat(sup.run_dir).st_mode) == 0o710
+        assert stat.S_IMODE(os.stat(os.path.join(sup.run_dir, "admin")).st_mode) == 0o700
+
+        def as_user(uid: int, groups: list[int]) -> subprocess.CompletedProcess[str]:
+            def drop() -> None:
+                os.setgroups(groups)
+                os.setgid(groups[0] if groups else uid)
+                os.setuid(uid)
+
+            return subprocess.run(
+                [sys.executable, "-c", _TENANT_ONLY, sup.run_dir, str(os.getuid()), cap.to_bytes().hex()],
+                capture_output=True, text=True, timeout=60, preexec_fn=drop, cwd=os.getcwd(),
+                env={**os.environ, "PYTHONPATH": os.getcwd()},
+            )
+
+        try:
+            member = as_user(OTHER_UID, [gid])
+        except PermissionError:
+            pytest.skip("this interpreter is not accessible to another uid here")
+        assert "ping t" in member.stdout, member.stderr[-2000:]
+        assert "admin refused" in member.stdout, member.stdout
+        outsider = as_user(OTHER_UID + 1, [OTHER_UID + 1])
+        assert "ping" not in outsider.stdout and outsider.returncode != 0
+
+
+@pytest.mark.timeout(120)
+def test_client_group_opens_the_frontend_and_nothing_of_the_admin() -> None:
+    from tests.helpers.cluster import supervisor
+
+    gid = os.getgid()  # a group we may chown to without root
+    with supervisor([{"name": "t"}], client_group=str(gid)) as sup:
+        run = sup.run_dir
+
+        def mode_gid(name: str) -> tuple[int, int]:
+            st = os.lstat(os.path.join(run, name)) if name else os.lstat(run)
+            return stat.S_IMODE(st.st_mode), st.st_gid
+
+        assert mode_gid("") == (0o710, gid)  # traverse only: no listing
+        assert mode_gid("frontend.ipc") == (0o660, gid)
+        assert mode_gid("supervisor.json") == (0o640, gid)
+        for private in ("backend.ipc", "control.ipc", "events.ipc"):
+            assert mode_gid(private)[0] == 0o600
+        assert mode_gid("admin")[0] == 0o700 and mode_gid("admin/admin.cap")[0] == 0o600
+        assert sup.client.ping(sup.client.tenant_capability(None, "t"))["tenant"] == "t"  # clients accept it
