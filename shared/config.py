@@ -225,12 +225,15 @@ _ENV_FIELDS = (
     "cuda_driver_module",
     "cuda_nvrtc_module",
     "metrics_addr",
+    "metrics_tenant_names",
     "client_group",
     "max_tenant_held_bytes",
     "max_held_bytes",
     "register_timeout_s",
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness"}
+_BOOL_FIELDS = {"metrics_tenant_names"}
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s"}
 
 
@@ -241,7 +244,11 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         if raw is None or raw == "":
             continue
         try:
-            if name in _INT_FIELDS:
+            if name in _BOOL_FIELDS:
+                if raw.lower() not in _BOOLS:
+                    raise ValueError(raw)
+                out[name] = _BOOLS[raw.lower()]
+            elif name in _INT_FIELDS:
                 out[name] = int(raw)
             elif name in _FLOAT_FIELDS:
                 out[name] = float(raw)
