@@ -28,7 +28,9 @@ hundreds of tenants); per-tenant request counts are in ``twt_requests_total``.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -45,7 +47,7 @@ from prometheus_client.process_collector import ProcessCollector
 from shared.log import get_logger, log_event
 from supervisor.metrics import Metrics
 
-__all__ = ["LATENCY_BUCKETS", "PrometheusMetrics", "parse_metrics_addr"]
+__all__ = ["LATENCY_BUCKETS", "PrometheusMetrics", "TenantLabels", "parse_metrics_addr"]
 
 _log = get_logger("supervisor.metrics")
 
@@ -54,8 +56,35 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    2.5, 5.0, 10.0, 30.0, 60.0)
 #: a scrape connection that sends nothing is dropped after this many seconds
 _HANDLER_TIMEOUT_S = 10.0
-#: label of events that belong to no tenant (an idle pool worker's exit)
+#: label of events that belong to no tenant (an idle pool worker's exit), and of requests
+#: whose capability was not verified (their claimed tenant is never a label)
 NO_TENANT = ""
+
+
+class TenantLabels:
+    """Tenant names as labels, or stable per-supervisor pseudonyms (``t-<hex>``).
+
+    Whoever can reach ``/metrics`` learns the tenants' names only when the
+    operator chose so (``metrics_tenant_names``): a pseudonym is an HMAC of
+    the name under a random key that never leaves this process.
+    """
+
+    def __init__(self, reveal: bool) -> None:
+        self.reveal = reveal
+        self._key = secrets.token_bytes(16)
+        self._cache: dict[str, str] = {}
+
+    def __call__(self, tenant: str | None) -> str:
+        if not tenant:
+            return NO_TENANT
+        if self.reveal:
+            return tenant
+        label = self._cache.get(tenant)
+        if label is None:
+            if len(self._cache) > 65536:
+                self._cache.clear()
+            label = self._cache[tenant] = "t-" + hmac.new(self._key, tenant.encode(), "sha256").hexdigest()[:12]
+        return label
 
 
 def parse_metrics_addr(addr: str) -> tuple[str, int]:
@@ -142,7 +171,8 @@ class _TenantCollector:
             snap = rec.get("quota")
             if snap is None:
                 continue
-            t = [str(tid)]
+            name = self._owner.label(str(tid))
+            t = [name]
             cap = _field(snap, "gpu_memory_bytes_cap")
             g["cpu_in_use"].add_metric(t, _field(snap, "bytes_in_use") or 0)
             g["cpu_limit"].add_metric(t, _field(snap, "memory_quota_bytes") or 0)
@@ -151,10 +181,10 @@ class _TenantCollector:
             g["gpu_limit"].add_metric(t, float("inf") if cap is None else cap)
             g["gpu_high"].add_metric(t, _field(snap, "gpu_high_water") or 0)
             g["up"].add_metric(t, rec.get("instances_up") or 0)
-            state.add_metric([str(tid), str(rec.get("state", "unknown"))], 1)
+            state.add_metric([name, str(rec.get("state", "unknown"))], 1)
             for resource in ("cpu", "gpu"):
-                refusals.add_metric([str(tid), resource], _field(snap, f"{resource}_refusals") or 0)
-                underflows.add_metric([str(tid), resource], _field(snap, f"{resource}_underflows") or 0)
+                refusals.add_metric([name, resource], _field(snap, f"{resource}_refusals") or 0)
+                underflows.add_metric([name, resource], _field(snap, f"{resource}_underflows") or 0)
         yield count
         yield from g.values()
         yield state
@@ -169,8 +199,10 @@ class PrometheusMetrics(Metrics):
     ``twt supervise`` at once (``OSError`` naming the address).
     """
 
-    def __init__(self, addr: str, *, registry: CollectorRegistry | None = None, process_metrics: bool = True) -> None:
+    def __init__(self, addr: str, *, registry: CollectorRegistry | None = None, process_metrics: bool = True,
+                 tenant_names: bool = True) -> None:
         host, port = parse_metrics_addr(addr)
+        self.label = TenantLabels(tenant_names)
         self.registry = registry or CollectorRegistry()
         self._source: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
         reg = self.registry
@@ -214,10 +246,10 @@ class PrometheusMetrics(Metrics):
     # ------------------------------------------------------ Metrics hooks
 
     def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None:
-        key = (tenant, op, outcome)
+        key = (self.label(tenant), op, outcome)
         child = self._req_children.get(key)
         if child is None:
-            child = self._req_children[key] = self._requests.labels(tenant, op, outcome)
+            child = self._req_children[key] = self._requests.labels(*key)
         child.inc()
         lat = self._lat_children.get(op)
         if lat is None:
@@ -225,10 +257,10 @@ class PrometheusMetrics(Metrics):
         lat.observe(max(0.0, seconds))
 
     def worker_exit(self, tenant: str | None, cause: str) -> None:
-        self._exits.labels(NO_TENANT if tenant is None else tenant, cause).inc()
+        self._exits.labels(self.label(tenant), cause).inc()
 
     def restart(self, tenant: str) -> None:
-        self._restarts.labels(tenant).inc()
+        self._restarts.labels(self.label(tenant)).inc()
 
     def bind_source(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self._source = snapshot

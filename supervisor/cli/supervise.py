@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if config.metrics_addr:
         from supervisor.prometheus import PrometheusMetrics  # type: ignore[import-not-found,unused-ignore]
 
-        metrics = PrometheusMetrics(config.metrics_addr)
+        metrics = PrometheusMetrics(config.metrics_addr, tenant_names=config.metrics_tenant_names)
     sup = Supervisor(config, metrics=metrics)
     code = sup.run()
     sys.stderr.flush()
