@@ -28,6 +28,8 @@ from supervisor.peers import ConnectionGate, shed
 __all__ = ["FrontendConnections"]
 
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+#: monitor events handled per loop turn (the rest wait in the monitor's queue)
+EVENTS_PER_TURN = 256
 
 
 class FrontendConnections:
@@ -36,7 +38,9 @@ class FrontendConnections:
     def __init__(self, sock: zmq.Socket[Any], path: str) -> None:
         self.path = path
         self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(_EVENTS)
-        self.gate = ConnectionGate(fd_budget(self.soft_limit()))
+        #: the soft limit the budget was computed from
+        self.limit = self.soft_limit()
+        self.gate = ConnectionGate(fd_budget(self.limit))
 
     @staticmethod
     def soft_limit() -> int:
@@ -45,13 +49,14 @@ class FrontendConnections:
 
     def refresh_limit(self) -> int:
         """Re-read the soft limit (an operator may lower it with prlimit); returns it."""
-        soft = self.soft_limit()
+        self.limit = soft = self.soft_limit()
         self.gate.budget = fd_budget(soft)
         return soft
 
     def on_readable(self) -> None:
-        """Handle what the monitor reported (registered with the loop)."""
-        while True:
+        """Handle what the monitor reported (registered with the loop): at most
+        ``EVENTS_PER_TURN``, so a reconnect storm cannot keep the loop here."""
+        for _ in range(EVENTS_PER_TURN):
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:

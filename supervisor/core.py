@@ -32,6 +32,7 @@ from shared.errors import (
 )
 from shared.log import get_logger, log_event
 from supervisor.events import EventBus
+from supervisor.guard import FrontendGuard
 from supervisor.metrics import Metrics, NullMetrics
 from supervisor.placement import Placement
 from supervisor.registry import TenantRegistry
@@ -74,6 +75,7 @@ class _Core:
 
     # set up by Supervisor._setup()
     frontend: zmq.Socket[Any]
+    guard: FrontendGuard
     backend: zmq.Socket[Any]
     control: zmq.Socket[Any]
     poller: zmq.Poller
@@ -87,6 +89,7 @@ class _Core:
         self.metrics = metrics or NullMetrics()
         self.rundir = RunDir(config.run_dir, config.client_group)
         self.registry, self.admin = TenantRegistry.new()
+        self._admin_raw = self.admin.to_bytes()
         self._metrics_cache: dict[str, Any] = {}
         self.internal_errors = 0  # bugs caught by the loop's safety net (see Supervisor._internal_error)
         self._reply_queues: dict[bytes, collections.deque[tuple[zmq.MessageTracker, int]]] = {}
@@ -270,6 +273,7 @@ class _Core:
                 "workers": len(self.workers),
                 "internal_errors": self.internal_errors,
                 "rss_bytes": psutil.Process().memory_info().rss,
+                **self.guard.status(),
             },
             "tenants": [self._tenant_record(rt) for _, rt in sorted(self.tenants.items())],
             "devices": self.placement.status(self._tenants_by_device()),

@@ -11,8 +11,12 @@ serves:
    turn whatever it sends;
 2. then everything else - no capability, a forged or not yet verified one, or
    a message that does not decode - one per *peer* in turn, at most
-   ``unauthenticated_per_turn`` of them; the rest of them are dropped
-   unanswered (counted), which costs a flooder its own requests only.
+   ``unauthenticated_per_turn`` of them. The rest wait in a bounded backlog
+   (served first next turn); past ``backlog_max`` items or ``backlog_bytes_max``
+   bytes they are dropped
+   unanswered (counted). While the backlog is full the frontend reads only a
+   few messages a turn, so a flood waits in its sender (libzmq's high-water
+   marks) rather than in the supervisor.
 
 A client's first request (its token not yet verified) is in the second
 group; it gets its peer's share of the turn there.
@@ -26,7 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 __all__ = ["FairTurn"]
 
@@ -51,12 +55,26 @@ class FairTurn(Generic[T]):
     """Round robin per tenant, then per unauthenticated peer under a budget."""
 
     unauthenticated_per_turn: int = 64
+    backlog_max: int = 1024
+    backlog_bytes_max: int = 16 << 20
+    #: the bytes an item holds (its header and body), for the backlog's byte bound
+    size_of: Callable[[T], int] = field(default=lambda item: 0)
     dropped: int = field(default=0, init=False)
+    backlog: deque[tuple[Hashable, T]] = field(default_factory=deque, init=False)
+    _backlog_bytes: int = field(default=0, init=False)
+
+    @property
+    def backlog_full(self) -> bool:
+        return len(self.backlog) >= self.backlog_max or self._backlog_bytes >= self.backlog_bytes_max
 
     def order(self, messages: Iterable[tuple[bool, Hashable, T]]) -> list[T]:
         """``(authenticated, key, item)``: key is the tenant when authenticated, else the peer."""
         known: OrderedDict[Hashable, deque[T]] = OrderedDict()
         unknown: OrderedDict[Hashable, deque[T]] = OrderedDict()
+        for key, item in self.backlog:  # the oldest unauthenticated first
+            unknown.setdefault(key, deque()).append(item)
+        self.backlog.clear()
+        self._backlog_bytes = 0
         for authenticated, key, item in messages:
             groups = known if authenticated else unknown
             queue = groups.get(key)
@@ -64,6 +82,12 @@ class FairTurn(Generic[T]):
                 queue = groups[key] = deque()
             queue.append(item)
         first, _ = _round_robin(known, None)
-        rest, left_over = _round_robin(unknown, self.unauthenticated_per_turn)
-        self.dropped += left_over
+        rest, _ = _round_robin(unknown, self.unauthenticated_per_turn)
+        for key, queue in unknown.items():
+            for item in queue:
+                if self.backlog_full:
+                    self.dropped += 1
+                else:
+                    self.backlog.append((key, item))
+                    self._backlog_bytes += self.size_of(item)
         return first + rest

@@ -144,6 +144,7 @@ class _Lifecycle(_Routing):
         rt.state = TenantState.EVICTING
         self.registry.unregister(self.admin, tid)  # revokes capabilities, unlinks the block
         del self.tenants[tid]
+        self._forget_tenant(rt)
         for p in rt.parked:
             self._reply_error(p.client, p.rid, WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
         rt.parked.clear()

@@ -14,25 +14,24 @@ connection (and retries), and every connected client keeps working.
 Unauthenticated peers. A request without a verified capability - garbage,
 forged or foreign tokens - is answered with a small typed error, but a peer
 that sends them and never reads would make the supervisor queue one reply
-per request (libzmq bounds a peer's queue in messages, not bytes). Each such
-peer has a token bucket (:class:`ErrorBudget`): ``burst`` replies at once,
-``rate`` per second after that; beyond it requests are dropped unanswered
-(counted). The table of buckets is itself bounded (least recently seen
-peers forgotten first).
+per request (libzmq bounds a peer's queue in messages, not bytes). So those
+replies are sent tracked, and a peer with ``max_unread`` of them still held
+by libzmq (not yet taken by the peer) gets no more until it reads: the rest
+are dropped unanswered (counted). A peer that reads its replies gets them
+all. The table of peers is itself bounded (least recently seen forgotten).
 
-Loop thread only; the clock is injectable for tests.
+Loop thread only.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
-__all__ = ["ConnectionGate", "ErrorBudget", "shed", "short"]
+__all__ = ["ConnectionGate", "UnreadErrors", "shed", "short"]
 
 #: the longest text an error to an unauthenticated peer carries
 MAX_ERROR_TEXT = 200
@@ -44,33 +43,37 @@ def short(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 
 
 @dataclass
-class ErrorBudget:
-    """Per-peer token buckets for error replies to unauthenticated requests."""
+class UnreadErrors:
+    """Per peer, the error replies to unauthenticated requests it has not taken yet."""
 
-    burst: float = 64.0
-    rate: float = 64.0
+    max_unread: int = 64
     max_peers: int = 4096
-    clock: Callable[[], float] = time.monotonic
     dropped: int = field(default=0, init=False)
-    _buckets: OrderedDict[bytes, tuple[float, float]] = field(default_factory=OrderedDict, init=False)
+    _peers: OrderedDict[bytes, deque[Any]] = field(default_factory=OrderedDict, init=False)
 
     def allow(self, peer: bytes) -> bool:
-        """True when ``peer`` may be sent one more error reply now (and take it)."""
-        now = self.clock()
-        tokens, last = self._buckets.pop(peer, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
-        ok = tokens >= 1.0
-        if ok:
-            tokens -= 1.0
-        else:
+        """True when ``peer`` may be sent one more error reply now."""
+        queue = self._peers.pop(peer, None)
+        if queue is None:
+            queue = deque()
+        while queue and queue[0].done:
+            queue.popleft()
+        self._peers[peer] = queue
+        while len(self._peers) > self.max_peers:
+            self._peers.popitem(last=False)
+        if len(queue) >= self.max_unread:
             self.dropped += 1
-        self._buckets[peer] = (tokens, now)
-        while len(self._buckets) > self.max_peers:
-            self._buckets.popitem(last=False)
-        return ok
+            return False
+        return True
+
+    def sent(self, peer: bytes, tracker: Any) -> None:
+        """Remember a reply sent to ``peer`` (a ``zmq.MessageTracker``: ``done`` once taken)."""
+        queue = self._peers.get(peer)
+        if queue is not None and tracker is not None:
+            queue.append(tracker)
 
     def __len__(self) -> int:
-        return len(self._buckets)
+        return len(self._peers)
 
 
 @dataclass

@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -49,8 +50,10 @@ from supervisor.core import (
     RSS_CHECK_INTERVAL_S,
     TICK_S,
 )
+from supervisor.connections import FrontendConnections
 from supervisor.events import EventBus
 from supervisor.fdlimit import raise_fd_limit
+from supervisor.guard import FrontendGuard
 from supervisor.workers import (
     Spawner,
     WorkerHandle,
@@ -61,6 +64,11 @@ from supervisor.workers import (
 __all__ = ["Supervisor"]
 
 _log = get_logger("supervisor")
+
+#: messages libzmq may queue from one client before the loop reads them
+FRONTEND_RCVHWM = 64
+#: messages read per turn while the unauthenticated backlog is full
+FRONTEND_BATCH_BACKLOGGED = 16
 
 
 class Supervisor(_Admin):
@@ -76,17 +84,22 @@ class Supervisor(_Admin):
         self._zctx = zmq.Context()
         z = self._zctx
 
-        def router(name: str, max_msg: int, hwm: int) -> zmq.Socket[Any]:
+        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[Any]:
             s = z.socket(zmq.ROUTER)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_msg)
             s.setsockopt(zmq.SNDHWM, hwm)
-            s.setsockopt(zmq.RCVHWM, hwm)
+            s.setsockopt(zmq.RCVHWM, hwm if rcvhwm is None else rcvhwm)
             s.bind(self.rundir.endpoint(name))
             return s
 
-        self.frontend = router("frontend", cfg.max_message_bytes, 10_000)
+        # libzmq queues a peer's *incoming* messages up to RCVHWM before the loop reads
+        # them: keep that small, so a flood waits in its sender, not in our memory
+        # (set before bind: a listener copies the options its connections get).
+        self.frontend = router("frontend", cfg.max_message_bytes, 10_000, FRONTEND_RCVHWM)
+        self.connections = FrontendConnections(self.frontend, self.rundir.file("frontend.ipc"))
+        self.guard = FrontendGuard(cfg, self.connections)
         self.backend = router("backend", cfg.max_message_bytes, 10_000)
         self.control = router("control", 1 << 20, 10_000)
         pub = z.socket(zmq.PUB)
@@ -105,6 +118,7 @@ class Supervisor(_Admin):
         os.set_blocking(self._wake_r, False)
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
+        self.poller.register(self.connections.monitor, zmq.POLLIN)
         self.poller.register(self.backend, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
@@ -172,6 +186,7 @@ class Supervisor(_Admin):
     def _loop(self) -> None:
         poll = self.poller.poll
         frontend, backend, control, wake = self.frontend, self.backend, self.control, self._wake_r
+        monitor = self.connections.monitor
         by_sentinel = self.by_sentinel
         next_tick = time.monotonic()
         while True:
@@ -179,14 +194,21 @@ class Supervisor(_Admin):
             timeout = max(0.0, next_tick - now)
             if self._timers:
                 timeout = min(timeout, max(0.0, self._timers[0].when - now))
+            backlog = bool(self.guard.fair.backlog)
+            if backlog:
+                timeout = 0.0  # unauthenticated requests wait for their turn: serve them next
+            served_frontend = False
             for sock, _ in poll(int(timeout * 1000)):
                 try:
                     if sock is backend:
                         self._on_backend()
                     elif sock is frontend:
+                        served_frontend = True
                         self._on_frontend()
                     elif sock is control:
                         self._on_control()
+                    elif sock is monitor:
+                        self.connections.on_readable()
                     elif sock == wake:
                         try:
                             os.read(wake, 4096)
@@ -195,6 +217,11 @@ class Supervisor(_Admin):
                     elif sock in by_sentinel:
                         self._on_death(by_sentinel[sock])
                 except Exception:  # noqa: BLE001 - a bug in one handler must not take every tenant down
+                    self._internal_error("dispatch")
+            if backlog and not served_frontend:
+                try:
+                    self._on_frontend()
+                except Exception:  # noqa: BLE001 - as above
                     self._internal_error("dispatch")
             if self._metrics_wanted.is_set():
                 self._metrics_wanted.clear()
@@ -262,6 +289,7 @@ class Supervisor(_Admin):
         if now - self._last_rss_check >= RSS_CHECK_INTERVAL_S:
             self._last_rss_check = now
             self._prune_reply_queues()
+            self.connections.refresh_limit()
             self._check_rss()
             self._scan_refusals()
         if not self._stopping:
@@ -273,53 +301,105 @@ class Supervisor(_Admin):
         _log.error("supervisor.internal_error", exc_info=True, extra={"twt_fields": {"where": where}})
 
     def _on_frontend(self) -> None:
-        # Drain what is queued, asking ZMQ_EVENTS between messages: a recv that
-        # fails with EAGAIN costs ~5 us here (the exception), the query ~1.6 us.
+        # Drain what is queued (asking ZMQ_EVENTS between messages: a recv that
+        # fails with EAGAIN costs ~5 us here, the query ~1.6 us), then serve the
+        # turn's messages in a fair order (supervisor.fairness): verified tenants
+        # round robin, then unauthenticated peers round robin under a budget.
         sock = self.frontend
         recv, events = sock.recv_multipart, sock.getsockopt
-        for _ in range(FRONTEND_BATCH):
+        turn: list[tuple[bool, Any, _ClientMsg]] = []
+        # a full backlog of unauthenticated requests: read only a few (a flood then
+        # waits in its sender; verified clients still get through, libzmq reads peers in turn)
+        for _ in range(FRONTEND_BATCH_BACKLOGGED if self.guard.fair.backlog_full else FRONTEND_BATCH):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
-            self._handle_client(frames)
+                break
+            msg = self._decode_client(frames)
+            if msg is not None:
+                turn.append((msg.key is not None, msg.key if msg.key is not None else msg.client, msg))
             if not int(events(zmq.EVENTS)) & zmq.POLLIN:
-                return
+                break
+        for msg in self.guard.fair.order(turn):
+            self._serve_client(msg)
 
-    def _handle_client(self, frames: list[zmq.Frame]) -> None:
+    def _decode_client(self, frames: list[zmq.Frame]) -> _ClientMsg | None:
+        """Decode one client message (None: unanswerable, dropped) and note whose it is:
+        ``key`` is the tenant (or "admin") when its capability was verified before."""
         client = frames[0].bytes
         if len(frames) not in (2, 3):
             rid = proto.peek_rid(frames[1].bytes) if len(frames) > 1 else None
-            if rid is not None:
-                self._reply_error(client, rid, ProtocolError(f"expected 1 or 2 frames, got {len(frames) - 1}"))
-            return
+            if rid is None:
+                return None
+            return _ClientMsg(client, rid, "", None, {}, None,
+                              ProtocolError(f"expected 1 or 2 frames, got {len(frames) - 1}"))
         header = frames[1].bytes
         try:
             rid, op, cap_raw, args = proto.decode_client_header(header, self.config.max_header_bytes)
         except ProtocolError as exc:
             rid2 = proto.peek_rid(header)
-            if rid2 is not None:
-                self._reply_error(client, rid2, exc)
-            return
+            # without its traceback: its frames would reach this turn's list, which holds
+            # the message - a cycle that keeps every flooded header alive until a full GC
+            return None if rid2 is None else _ClientMsg(client, rid2, "", None, {}, None, exc.with_traceback(None))
         body = frames[2] if len(frames) == 3 else None
+        msg = _ClientMsg(client, rid, op, cap_raw, args, body, None, size=len(header) + (len(body) if body else 0))
+        msg.key = self._verified_key(cap_raw)
+        return msg
+
+    def _verified_key(self, cap_raw: bytes | None) -> str | None:
+        """The tenant whose verified capability these exact bytes are ("admin" for the
+        admin capability), or None: never verified (forged, foreign, new or absent)."""
+        if cap_raw is None:
+            return None
+        rt = self._verified_caps.get(cap_raw)
+        if rt is not None and self.tenants.get(rt.tenant_id) is rt:
+            return rt.tenant_id
+        if hmac.compare_digest(cap_raw, self._admin_raw):
+            return "admin"
+        return None
+
+    def _serve_client(self, msg: _ClientMsg) -> None:
+        client, rid, op = msg.client, msg.rid, msg.op
+        if msg.error is not None:
+            self._refused(client, rid, op, msg.error, None)
+            return
         try:
             if op in proto.TENANT_OPS:
-                self._tenant_request(client, rid, op, cap_raw, args, body)
+                self._tenant_request(client, rid, op, msg.cap_raw, msg.args, msg.body)
             else:
-                self._admin_request(client, rid, op, cap_raw, args, body)
+                self._admin_request(client, rid, op, msg.cap_raw, msg.args, msg.body)
         except TensorWasmError as exc:
-            self._refused(client, rid, op, exc)
+            self._refused(client, rid, op, exc, msg.cap_raw)
         except (TypeError, ValueError, KeyError) as exc:
-            self._refused(client, rid, op, InvalidArgument(f"{op}: {exc}"))
+            self._refused(client, rid, op, InvalidArgument(f"{op}: {exc}"), msg.cap_raw)
         except Exception as exc:  # noqa: BLE001 - nothing a client sends may crash the loop
             _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
-            self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"))
+            self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"), msg.cap_raw)
 
-    def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError) -> None:
-        """Answer a request the supervisor itself refused (and count it)."""
+    def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError, cap_raw: bytes | None) -> None:
+        """Answer a request the supervisor itself refused (and count it).
+
+        Only a verified capability earns a full answer and a metric label of
+        its tenant; anything else gets a short error within its peer's error
+        budget, counted under one label (a forged token's tenant name never
+        becomes a label).
+        """
+        key = self._verified_key(cap_raw)
+        if key is None:
+            err = self.guard.unauthenticated_error(client, exc)
+            if err is not None:
+                try:
+                    frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True)
+                    tracker = self.frontend.send_multipart([client, frame], zmq.NOBLOCK, copy=False, track=True)
+                    self.guard.errors.sent(client, tracker)
+                except zmq.ZMQError:
+                    pass  # gone, or not reading at all: nothing queued
+            if op in proto.TENANT_OPS:
+                self.metrics.request_done("", op, exc.code, 0.0)
+            return
         self._reply_error(client, rid, exc)
         if op in proto.TENANT_OPS:
-            self.metrics.request_done(str(getattr(exc, "tenant_id", None) or ""), op, exc.code, 0.0)
+            self.metrics.request_done(key, op, exc.code, 0.0)
 
     def _on_backend(self) -> None:
         sock = self.backend
@@ -440,3 +520,18 @@ class Supervisor(_Admin):
 def _token_ok(given: Any, token: str) -> bool:
     """The worker's proof of its spawn secret, compared in constant time."""
     return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+
+
+@dataclass(eq=False)
+class _ClientMsg:
+    """One decoded client message of a loop turn (``error``: answer it with this)."""
+
+    client: bytes
+    rid: int
+    op: str
+    cap_raw: bytes | None
+    args: dict[str, Any]
+    body: Any
+    error: TensorWasmError | None
+    key: str | None = None
+    size: int = 0

@@ -76,6 +76,15 @@ class _Routing(_Core):
                 self._verified_caps.clear()
             self._verified_caps[cap_raw] = rt
         tid = rt.tenant_id
+        # Every limit applies to every op, before anything is done for it: the failed
+        # tenant, max_in_flight (quota and put_module count, though answered at once),
+        # the module cap.
+        if rt.state is TenantState.FAILED:
+            raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
+        if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
+            raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
+        if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
+            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         if op == "quota":
             self._reply(client, rid, rt.block.snapshot().to_dict())
             self.metrics.request_done(tid, op, "ok", 0.0)
@@ -84,8 +93,6 @@ class _Routing(_Core):
             self._reply(client, rid, {"digest": self._put_module(rt, body)})
             self.metrics.request_done(tid, op, "ok", 0.0)
             return
-        if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
-            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         if op == "run_wasm" and body is None:
             digest = args.get("digest")
             stored = rt.modules.get(digest) if isinstance(digest, str) else None
@@ -93,10 +100,6 @@ class _Routing(_Core):
                 raise UnknownModule(tid, str(digest))
             rt.modules.move_to_end(digest)
             body = stored
-        if rt.state is TenantState.FAILED:
-            raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
-        if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
-            raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
         if op in _BIG_REPLY_OPS:
             queued = self._queued_reply_bytes(client)
             if queued > self.config.max_client_reply_bytes:
@@ -164,13 +167,29 @@ class _Routing(_Core):
         if not data:
             raise InvalidArgument("put_module: empty module")
         digest = hashlib.sha256(data).hexdigest()
-        rt.modules[digest] = data
-        rt.modules.move_to_end(digest)
-        while (
-            len(rt.modules) > MAX_MODULES_PER_TENANT or sum(map(len, rt.modules.values())) > MAX_MODULE_BYTES_PER_TENANT
+        held = self.guard.held
+        if digest in rt.modules:
+            rt.modules.move_to_end(digest)
+            return digest
+        # Room first among the tenant's own modules (LRU), then the held-bytes budgets
+        # (per tenant and for all tenants together): Overloaded beyond them.
+        while rt.modules and (
+            len(rt.modules) >= MAX_MODULES_PER_TENANT
+            or sum(map(len, rt.modules.values())) + len(data) > MAX_MODULE_BYTES_PER_TENANT
         ):
-            rt.modules.popitem(last=False)
+            _, old = rt.modules.popitem(last=False)
+            held.release(rt.tenant_id, "modules", len(old))
+        held.reserve(rt.tenant_id, "modules", len(data))
+        rt.modules[digest] = data
         return digest
+
+    def _forget_tenant(self, rt: TenantRuntime) -> None:
+        """An evicted tenant leaves nothing behind in the frontend: its verified
+        tokens (which kept its runtime alive), stored modules and held bytes."""
+        for raw in [raw for raw, cached in self._verified_caps.items() if cached is rt]:
+            del self._verified_caps[raw]
+        rt.modules.clear()
+        self.guard.held.forget(rt.tenant_id)
 
     def _pinned_instance(self, rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | None:
         if op in _HANDLE_OPS:

@@ -11,7 +11,7 @@ import pytest
 
 from shared.errors import Overloaded
 from supervisor.budgets import HeldBytes
-from supervisor.peers import ConnectionGate, ErrorBudget, shed, short
+from supervisor.peers import ConnectionGate, UnreadErrors, shed, short
 
 
 def test_held_bytes_per_tenant_and_total() -> None:
@@ -33,16 +33,24 @@ def test_held_bytes_per_tenant_and_total() -> None:
     assert held.held("b") == 50
 
 
-def test_error_budget_is_a_bounded_token_bucket() -> None:
-    now = [0.0]
-    budget = ErrorBudget(burst=3, rate=2, max_peers=2, clock=lambda: now[0])
-    assert [budget.allow(b"p") for _ in range(5)] == [True, True, True, False, False]
-    now[0] = 1.0  # two more tokens
-    assert [budget.allow(b"p") for _ in range(3)] == [True, True, False]
-    assert budget.dropped == 3
-    budget.allow(b"q")
-    budget.allow(b"r")
-    assert len(budget) == 2  # the least recently seen peer was forgotten
+class _Tracker:
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_unread_errors_are_bounded_per_peer_and_peers_are_bounded() -> None:
+    errors = UnreadErrors(max_unread=3, max_peers=2)
+    trackers = []
+    for _ in range(3):
+        assert errors.allow(b"p")
+        trackers.append(_Tracker())
+        errors.sent(b"p", trackers[-1])
+    assert not errors.allow(b"p") and errors.dropped == 1  # three unread: no more
+    trackers[0].done = True  # the peer read one
+    assert errors.allow(b"p")
+    errors.allow(b"q")
+    errors.allow(b"r")
+    assert len(errors) == 2  # the least recently seen peer was forgotten
 
 
 def test_short_never_echoes_unbounded_input() -> None:
@@ -84,7 +92,7 @@ def test_shed_shuts_down_only_a_connection_of_that_path() -> None:
 def test_fair_turn_round_robin_tenants_first_unauthenticated_last_and_budgeted() -> None:
     from supervisor.fairness import FairTurn
 
-    turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3)
+    turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=5)
     msgs = [(True, "flood", f"f{i}") for i in range(5)] + [(True, "bystander", "b0")]
     msgs += [(False, b"peer1", f"x{i}") for i in range(10)] + [(False, b"new", "n0")]
     msgs.insert(2, (False, b"peer1", "x-early"))
@@ -92,4 +100,6 @@ def test_fair_turn_round_robin_tenants_first_unauthenticated_last_and_budgeted()
     assert order[:2] == ["f0", "b0"]  # the bystander's one request is served second, not sixth
     assert order[2:6] == ["f1", "f2", "f3", "f4"]
     assert order[6:] == ["x-early", "n0", "x0"]  # one per peer in turn, three in all
-    assert turn.dropped == 9
+    assert len(turn.backlog) == 5 and turn.backlog_full and turn.dropped == 4  # 9 left: 5 wait, 4 dropped
+    assert turn.order([(True, "t", "a"), (False, b"peer2", "y")]) == ["a", "x1", "y", "x2"]
+    assert [item for _, item in turn.backlog] == ["x3", "x4", "x5"]
