@@ -123,7 +123,7 @@ def attach(name: str) -> _Attached:
 
 def unlink(name: str) -> None:
     """Unlink a segment by name without mapping it (stale-segment cleanup)."""
-    import _posixshmem  # type: ignore[import-not-found]
+    import _posixshmem  # type: ignore[import-not-found, unused-ignore]  # typeshed has it only on some versions
 
     _posixshmem.shm_unlink("/" + name)
 

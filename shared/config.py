@@ -29,7 +29,7 @@ from typing import Any, Literal, Mapping
 from shared.sizes import parse_size
 from shared.spec import TenantSpec
 
-__all__ = ["ENV_PREFIX", "SupervisorConfig", "default_run_dir", "load_config"]
+__all__ = ["ENV_PREFIX", "SupervisorConfig", "default_run_dir", "load_config", "parse_host_port"]
 
 ENV_PREFIX = "TWT_"
 Backend = Literal["auto", "stub", "cuda"]
@@ -40,6 +40,17 @@ _PLACEMENTS = ("most-free", "first")
 _START_METHODS = ("spawn", "forkserver")
 _LOG_FORMATS = ("text", "json")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+#: fields given in bytes: an int or a size string ("512MiB")
+_SIZE_FIELDS = (
+    "max_message_bytes",
+    "max_header_bytes",
+    "max_client_reply_bytes",
+    "max_tenant_held_bytes",
+    "max_held_bytes",
+    "rss_allowance_bytes",
+    "stub_device_capacity_bytes",
+    "device_reserve_bytes",
+)
 
 
 def default_run_dir() -> str:
@@ -101,16 +112,7 @@ class SupervisorConfig:
         s(self, "stop_timeout_s", _pos(self.stop_timeout_s, "stop_timeout_s"))
         s(self, "kill_grace_s", _pos(self.kill_grace_s, "kill_grace_s"))
         s(self, "register_timeout_s", _pos(self.register_timeout_s, "register_timeout_s"))
-        for name in (
-            "max_message_bytes",
-            "max_header_bytes",
-            "max_client_reply_bytes",
-            "max_tenant_held_bytes",
-            "max_held_bytes",
-            "rss_allowance_bytes",
-            "stub_device_capacity_bytes",
-            "device_reserve_bytes",
-        ):
+        for name in _SIZE_FIELDS:
             s(self, name, parse_size(getattr(self, name), what=name))
         if self.max_header_bytes < 1024:
             raise ValueError("max_header_bytes must be at least 1KiB")
@@ -123,7 +125,7 @@ class SupervisorConfig:
             ):
                 raise ValueError(f"{name} must be a dotted module name; got {value!r}")
         if self.metrics_addr is not None:
-            _host_port(self.metrics_addr)
+            parse_host_port(self.metrics_addr, "metrics_addr")
         if not isinstance(self.metrics_tenant_names, bool):
             raise ValueError(f"metrics_tenant_names must be true or false; got {self.metrics_tenant_names!r}")
         if self.client_group is not None:
@@ -195,11 +197,13 @@ def _devices(value: Any) -> tuple[int, ...] | str:
     raise ValueError(f"devices must be 'all' or a list of device indexes; got {value!r}")
 
 
-def _host_port(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
+def parse_host_port(addr: str, what: str = "address") -> tuple[str, int]:
+    """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` / ``":9464"`` -> (host, port); port 0 means any free
+    port, an empty host 127.0.0.1. The one HOST:PORT parser (config, exporter, CLI)."""
+    host, sep, port = str(addr).rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"metrics_addr must be HOST:PORT (port 0: any free port); got {addr!r}")
-    return host or "127.0.0.1", int(port)
+        raise ValueError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9464; port 0: any free port); got {addr!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 #: fields settable from the environment as TWT_<FIELD upper-case>
@@ -214,12 +218,7 @@ _ENV_FIELDS = (
     "heartbeat_liveness",
     "stop_timeout_s",
     "kill_grace_s",
-    "max_message_bytes",
-    "max_header_bytes",
-    "max_client_reply_bytes",
-    "rss_allowance_bytes",
-    "stub_device_capacity_bytes",
-    "device_reserve_bytes",
+    *_SIZE_FIELDS,
     "devices",
     "placement",
     "cuda_driver_module",
@@ -227,8 +226,6 @@ _ENV_FIELDS = (
     "metrics_addr",
     "metrics_tenant_names",
     "client_group",
-    "max_tenant_held_bytes",
-    "max_held_bytes",
     "register_timeout_s",
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness"}

@@ -55,6 +55,7 @@ __all__ = [
     "ProtocolError",
     "RegistryError",
     "RequestTimeout",
+    "RunDirLocked",
     "SegmentError",
     "SupervisorUnavailable",
     "TenantFailed",
@@ -430,6 +431,22 @@ class RequestTimeout(TensorWasmError, TimeoutError):
         return f"no reply to {self.op!r} within {self.timeout_s:g} s"
 
 
+class RunDirLocked(TensorWasmError):
+    """Another supervisor is running on this run directory."""
+
+    code = "run_dir_locked"
+    _fields = ("run_dir", "pid")
+
+    def __init__(self, run_dir: str, pid: int | None, *, message: str | None = None) -> None:
+        self.run_dir = run_dir
+        self.pid = pid
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        who = f" (pid {self.pid})" if self.pid else ""
+        return f"another supervisor{who} is running on {self.run_dir}; stop it or use another --run-dir"
+
+
 class SupervisorUnavailable(TensorWasmError, ConnectionError):
     """No running supervisor could be reached at the given run directory."""
 
@@ -576,6 +593,6 @@ def error_from_dict(data: Mapping[str, Any]) -> TensorWasmError:
         return TensorWasmError(message or f"unknown error code {code!r}")
     try:
         kwargs = {name: fields[name] for name in cls._fields if name in fields}
-        return cls(**kwargs, message=message)  # type: ignore[call-arg]
+        return cls(**kwargs, message=message)
     except (TypeError, ValueError):
         return TensorWasmError(message or f"error {code!r} with unusable fields")

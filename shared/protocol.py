@@ -18,23 +18,32 @@ unpacker per message with explicit ``max_*_len`` limits and
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgpack
 
-from shared.errors import ProtocolError
+from shared.errors import InvalidArgument, ProtocolError
 
 __all__ = [
     "ADMIN_OPS",
     "CONTROL_KINDS",
+    "FAULT_KINDS",
+    "HANDLE_OPS",
     "MAX_BUFFERS_PER_INSTANCE",
     "MAX_CLIENT_REPLY_BYTES",
     "MAX_CLIENT_REPLY_ITEMS",
     "MAX_HEADER_BYTES",
     "MAX_WORKER_REPLY_BYTES",
     "MAX_WORKER_REPLY_ITEMS",
+    "OPS",
     "PROTOCOL_VERSION",
+    "QUOTA_KEYS",
     "TENANT_OPS",
+    "Arg",
+    "OpSpec",
+    "check_args",
     "decode_client_header",
     "decode_control",
     "decode_reply",
@@ -46,6 +55,7 @@ __all__ = [
     "encode_worker_request",
     "handle_instance",
     "make_handle",
+    "peek_rid",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -62,22 +72,136 @@ MAX_WORKER_REPLY_ITEMS: Final = MAX_BUFFERS_PER_INSTANCE + 1024
 #: supervisor (its run dir is verified) and decodes with these limits, never unbounded.
 MAX_CLIENT_REPLY_BYTES: Final = 256 << 20
 MAX_CLIENT_REPLY_ITEMS: Final = 64 * MAX_BUFFERS_PER_INSTANCE + 1024
-#: ops a tenant capability grants (routed to one of the tenant's workers)
-TENANT_OPS: Final = frozenset(
-    {"ping", "alloc", "free", "write", "read", "run_wasm", "put_module", "quota", "buffers"}
-)
-#: ops the admin capability grants (handled by the supervisor)
-ADMIN_OPS: Final = frozenset(
-    {"register", "evict", "set_quota", "status", "scale", "inject_fault", "tenant_status", "hello", "capability"}
-)
-#: control-channel message kinds (supervisor <-> worker)
-CONTROL_KINDS: Final = frozenset({"hello", "hb", "stop", "fault", "fault_ack", "bye"})
 
-_packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+
+# ------------------------------------------------------------------ the op table
+#
+# Every wire op is declared once, here. The supervisor dispatches by ``OPS[op].admin``
+# and checks arguments with :func:`check_args`; SupervisorClient has a method named
+# ``OPS[op].client`` for each; ``OPS[op].cli`` names the ``twt`` command that issues it;
+# docs/PROTOCOL.md lists every op (tests/shared/test_protocol.py checks all three).
+
+
+@dataclass(frozen=True, slots=True)
+class Arg:
+    """One argument of an op: its name, the types it may have, whether it must be present."""
+
+    name: str
+    types: tuple[type, ...]
+    required: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    """One wire op: who may call it, its arguments, its reply, the errors it may answer."""
+
+    name: str
+    admin: bool  # the admin capability grants it; else a tenant capability does
+    args: tuple[Arg, ...]
+    reply: str  # the result's shape, as docs/PROTOCOL.md shows it
+    errors: tuple[str, ...]  # error class names beyond the refusals every op can get
+    client: str  # the SupervisorClient method that sends it
+    cli: str | None = None  # the `twt` command that sends it (None: library only)
+    body_in: bool = False  # takes a body frame
+    body_out: bool = False  # answers with a body frame
+
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+_SIZE = (int, str)
+_SIZE_OR_NIL = (int, str, type(None))
+_MAP = (dict,)
+
+#: the limits set_quota changes live (each a TenantSpec field)
+QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
+#: what inject_fault accepts (docs/RELIABILITY.md describes each)
+FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
+#: worker-side ops whose handle argument pins them to one instance
+HANDLE_OPS: Final = frozenset({"free", "write", "read"})
+
+_T = "tenant"
+OPS: Final[dict[str, OpSpec]] = {
+    op.name: op
+    for op in (
+        # ---- tenant ops (a tenant capability)
+        OpSpec("ping", False, (), "{pid, tenant, instance, requests, uptime_s}", ("WorkerLost",), "ping"),
+        OpSpec("alloc", False, (Arg("nbytes", _INT, True),), "{handle, nbytes}",
+               ("GpuMemoryExhausted", "InvalidArgument"), "alloc"),
+        OpSpec("free", False, (Arg("handle", _INT, True),), "{freed}", ("InvalidArgument",), "free"),
+        OpSpec("write", False, (Arg("handle", _INT, True), Arg("offset", _INT)), "{written}",
+               ("InvalidArgument",), "write", body_in=True),
+        OpSpec("read", False, (Arg("handle", _INT, True), Arg("offset", _INT), Arg("nbytes", _INT, True)),
+               "{nbytes}", ("InvalidArgument", "Overloaded"), "read", body_out=True),
+        OpSpec("buffers", False, (), "{buffers: [[handle, nbytes]...], bytes}", ("WorkerLost",), "buffers"),
+        OpSpec("quota", False, (), "QuotaSnapshot map", (), "quota"),
+        OpSpec("put_module", False, (), "{digest}", ("InvalidArgument",), "put_module", body_in=True),
+        OpSpec("run_wasm", False,
+               (Arg("export", _STR, True), Arg("args", (list,)), Arg("fuel", _INT), Arg("timeout_s", _NUM),
+                Arg("digest", _STR)),
+               "{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs}",
+               ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument"),
+               "run_wasm", "run", body_in=True),
+        # ---- admin ops (the admin capability)
+        OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
+               (), "hello", "status"),
+        OpSpec("register", True, (Arg("spec", _MAP, True),), "{capability, tenant: {...}}",
+               ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost"),
+               "register", "register"),
+        OpSpec("capability", True, (Arg(_T, _STR, True),), "{capability}", ("UnknownTenant",),
+               "tenant_capability", "capability"),
+        OpSpec("evict", True, (Arg(_T, _STR, True),), "{evicted, pids}", ("UnknownTenant",), "evict", "evict"),
+        OpSpec("set_quota", True, (Arg(_T, _STR, True), *(Arg(k, _SIZE_OR_NIL if k != "memory_quota_bytes"
+                                                               else _SIZE) for k in QUOTA_KEYS)),
+               "tenant status record", ("UnknownTenant", "InvalidArgument"), "set_quota", "set-quota"),
+        OpSpec("scale", True, (Arg(_T, _STR, True), Arg("instances", _INT, True)), "tenant status record",
+               ("UnknownTenant", "InvalidArgument"), "scale", "scale"),
+        OpSpec("status", True, (), "{supervisor, devices, tenants}", (), "status", "status"),
+        OpSpec("tenant_status", True, (Arg(_T, _STR, True),), "tenant status record", ("UnknownTenant",),
+               "tenant_status", "status"),
+        OpSpec("inject_fault", True,
+               (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
+               "{tenant, instance, pid, kind, ...armed}", ("UnknownTenant", "InvalidArgument", "WorkerLost"),
+               "inject_fault", "fault"),
+    )
+}
+#: ops a tenant capability grants (routed to one of the tenant's workers)
+TENANT_OPS: Final = frozenset(name for name, op in OPS.items() if not op.admin)
+#: ops the admin capability grants (handled by the supervisor)
+ADMIN_OPS: Final = frozenset(name for name, op in OPS.items() if op.admin)
+#: control-channel message kinds (supervisor <-> worker)
+CONTROL_KINDS: Final = frozenset({"hello", "hb", "stop", "fault", "fault_ack"})
+
+
+def check_args(op: str, args: dict[str, Any]) -> None:
+    """Check ``args`` against ``op``'s schema: required arguments present, every declared one of a
+    declared type (``bool`` is not an int). Raises :class:`InvalidArgument`; unknown names pass
+    (the handler ignores them)."""
+    for arg in OPS[op].args:
+        if arg.name not in args:
+            if arg.required:
+                raise InvalidArgument(f"{op} needs the argument {arg.name!r}")
+            continue
+        value = args[arg.name]
+        if (isinstance(value, bool) and bool not in arg.types) or not isinstance(value, arg.types):
+            want = " or ".join("nil" if t is type(None) else t.__name__ for t in arg.types)
+            raise InvalidArgument(f"{op}: {arg.name} must be {want}, not {type(value).__name__}")
+
+
+# ------------------------------------------------------------------ packing
+#
+# msgpack's Packer keeps a buffer between calls and is not thread-safe; the supervisor's
+# loop, the client's callers and a worker's executor and control threads all pack. One
+# packer per thread keeps the speed of a reused packer without sharing it.
+
+_local = threading.local()
 
 
 def _packb(obj: Any) -> bytes:
-    data: bytes = _packer.pack(obj)
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    data: bytes = packer.pack(obj)
     return data
 
 
@@ -119,7 +243,7 @@ def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[
     if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 1 << 63:
         raise ProtocolError("rid must be a non-negative int")
     if not isinstance(op, str) or (op not in TENANT_OPS and op not in ADMIN_OPS):
-        raise ProtocolError(f"unknown op {op!r}")
+        raise ProtocolError(f"unknown op {op!r:.80}")  # never echo an unbounded name
     if cap is not None and not isinstance(cap, bytes):
         raise ProtocolError("capability must be bytes or nil")
     if not isinstance(args, dict):
@@ -130,8 +254,7 @@ def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[
 def peek_rid(data: bytes) -> int | None:
     """Best effort: the rid of a header that failed validation (so it can be answered).
 
-    Reads only the array header and its first two items, whatever follows
-    (requests and replies both start ``[VERSION, rid, ...]``).
+    Reads only the array header and its first two items, whatever follows.
     """
     data = data[:64]  # more than the array header, the version and a rid ever take
     try:

@@ -50,7 +50,7 @@ from shared._segment import MappedSegment
 from shared.errors import GpuMemoryExhausted, MemoryExhausted, SegmentError
 from shared.ids import TenantId
 from shared.log import get_logger, log_event
-from shared.sizes import MAX_SIZE
+from shared.sizes import check_size_range
 
 __all__ = [
     "DEFAULT_QUOTA_BYTES",
@@ -105,11 +105,7 @@ def _instance_off(index: int) -> int:
 def _check_amount(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{what} must not be negative, got {value}")
-    if value > MAX_SIZE:
-        raise ValueError(f"{what} must be below 2**63, got {value}")
-    return value
+    return check_size_range(value, what)
 
 
 def _limit_to_raw(value: int | None, what: str) -> int:
@@ -362,12 +358,7 @@ class QuotaBlock(MappedSegment):
                 raise ValueError(f"instance {instance} out of range 0..{MAX_INSTANCES - 1}")
         if not isinstance(name, str) or not name.startswith(SEGMENT_PREFIX) or "/" in name:
             raise SegmentError(str(name), f"not a quota segment name (expected {SEGMENT_PREFIX}...)")
-        try:
-            seg = _shm.attach(name)
-        except FileNotFoundError:
-            raise SegmentError(name, "does not exist (tenant evicted or supervisor gone?)") from None
-        except (OSError, ValueError) as exc:
-            raise SegmentError(name, f"cannot be mapped: {exc}") from None
+        seg = _attach(name, "does not exist (tenant evicted or supervisor gone?)")
         try:
             label = check_header(name, seg.buf, KIND_TENANT)
             try:
@@ -528,14 +519,19 @@ class QuotaBlock(MappedSegment):
         return _atomics.exchange(self._buf, _instance_off(index) + 8, 0)
 
 
-def read_header(name: str) -> SegmentHeader:
-    """Read a ``twt-*`` segment's header without owning or tracking it."""
+def _attach(name: str, missing: str) -> _shm._Attached:
+    """Map an existing segment; :class:`SegmentError` saying ``missing`` when there is none."""
     try:
-        seg = _shm.attach(name)
+        return _shm.attach(name)
     except FileNotFoundError:
-        raise SegmentError(name, "does not exist") from None
+        raise SegmentError(name, missing) from None
     except (OSError, ValueError) as exc:
         raise SegmentError(name, f"cannot be mapped: {exc}") from None
+
+
+def read_header(name: str) -> SegmentHeader:
+    """Read a ``twt-*`` segment's header without owning or tracking it."""
+    seg = _attach(name, "does not exist")
     try:
         buf = seg.buf
         if len(buf) < _LAYOUT_BYTES or _atomics.load(buf, _H_MAGIC) != MAGIC:

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["MAX_MODULE_BYTES", "check_size_range", "format_size", "parse_size"]
+
+#: the largest WASM module (text or binary) ``run_wasm`` and ``put_module`` accept, in the
+#: supervisor and in the worker: compiling is not under a run's deadline, so it stays bounded
+MAX_MODULE_BYTES = 32 << 20
 
 _UNITS = {
     "": 1,
@@ -56,6 +60,11 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
             n = int(number) * unit
     else:
         raise TypeError(f"{what} must be an int or a size string, not {type(value).__name__}")
+    return check_size_range(n, what)
+
+
+def check_size_range(n: int, what: str) -> int:
+    """``n`` if it is a byte count the quota counters can hold (0 .. 2**63 - 1), else ``ValueError``."""
     if n < 0:
         raise ValueError(f"{what} must not be negative, got {n}")
     if n > MAX_SIZE:

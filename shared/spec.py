@@ -25,7 +25,11 @@ from shared.ids import TenantId
 from shared.quota import DEFAULT_QUOTA_BYTES, MAX_INSTANCES
 from shared.sizes import parse_size
 
-__all__ = ["IsolationKind", "RestartPolicy", "TenantSpec"]
+__all__ = ["DEADLINE_GRACE_S", "IsolationKind", "RestartPolicy", "TenantSpec"]
+
+#: how much longer than its run limit a ``run_wasm`` may take before the supervisor answers
+#: ``KernelTimeout`` (compile, copy and reply time; see :meth:`TenantSpec.deadline_s`)
+DEADLINE_GRACE_S = 2.0
 
 
 class IsolationKind(str, enum.Enum):
@@ -206,6 +210,26 @@ class TenantSpec:
         if max_memory_bytes is not None:
             changes["wasm_max_memory_bytes"] = max_memory_bytes
         return self._with(**changes)
+
+    # -------------------------------------------------------- the deadline rule
+
+    def wasm_run_s(self, requested: Any = None) -> float:
+        """The run time a ``run_wasm`` gets: ``requested`` if it is a positive number, never
+        more than ``wasm_timeout_s``."""
+        if isinstance(requested, (int, float)) and not isinstance(requested, bool) and requested > 0:
+            return min(float(requested), self.wasm_timeout_s)
+        return self.wasm_timeout_s
+
+    def deadline_s(self, op: str, timeout_s: Any = None) -> float:
+        """THE deadline rule: how long after it arrives the supervisor answers ``op`` at the latest.
+
+        A ``run_wasm`` gets its run time (:meth:`wasm_run_s` of its ``timeout_s``) plus
+        :data:`DEADLINE_GRACE_S`, at least ``request_timeout_s``; every other op gets
+        ``request_timeout_s``. The supervisor applies it and the chaos checker checks against it.
+        """
+        if op == "run_wasm":
+            return max(self.wasm_run_s(timeout_s) + DEADLINE_GRACE_S, self.request_timeout_s)
+        return self.request_timeout_s
 
     # -------------------------------------------------------- (de)serialise
 

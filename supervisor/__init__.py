@@ -13,7 +13,7 @@ from __future__ import annotations
 from supervisor.client import SupervisorClient
 from supervisor.launch import SupervisorHandle, launch
 from supervisor.registry import TenantInfo, TenantRegistry
-from supervisor.router import Supervisor
+from supervisor.supervisor import Supervisor
 
 __all__ = [
     "Supervisor",

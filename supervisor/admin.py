@@ -1,94 +1,282 @@
-"""Admin operations (the admin capability): register, evict, set_quota, scale, inject_fault ..."""
+"""Admin operations (the admin capability) and the tenant lifecycle they drive.
+
+register, evict, set_quota, scale, inject_fault, capability, status,
+tenant_status, hello - each declared in :data:`shared.protocol.OPS` - plus
+what a tenant goes through between them: registration answered once every
+instance is ready (or failed), the tenant marked failed after too many
+restarts, parked requests refused when their instance is not coming back.
+
+Owns: the tenants table (``tenants``: id -> :class:`TenantRuntime`) and each
+tenant's registration waiters. May touch: the registry (capabilities, quota
+blocks), placement, the worker set (start, stop, drain, faults), the
+frontend's parked requests, the pending table (every answer goes through
+it), events. Loop thread only.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import psutil
 
 from shared import protocol as proto
 from shared.capability import RegistryAdminCapability
+from shared.config import SupervisorConfig
 from shared.errors import (
     InvalidArgument,
-    ProtocolError,
+    KernelTimeout,
+    TenantFailed,
     TenantIsolationViolation,
+    TensorWasmError,
     UnknownTenant,
     WorkerLost,
 )
-from shared.log import get_logger
+from shared.log import get_logger, log_event
 from shared.quota import MAX_INSTANCES
-from shared.spec import TenantSpec
-from supervisor.lifecycle import _Lifecycle
-from supervisor.tenants import InstanceSlot
-from supervisor.workers import (
-    WorkerState,
+from shared.records import (
+    FaultAck,
+    FaultExit,
+    FaultOrder,
+    HelloInfo,
+    InstanceRecord,
+    PoolRecord,
+    StatusRecord,
+    SupervisorRecord,
+    TenantRecord,
 )
+from shared.spec import TenantSpec
+from supervisor.events import EventBus
+from supervisor.frontend import Frontend
+from supervisor.loop import Loop
+from supervisor.pending import PendingTable
+from supervisor.placement import Placement
+from supervisor.registry import TenantRegistry
+from supervisor.rundir import RunDir
+from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
+from supervisor.guard import FrontendGuard
+from supervisor.workers import WorkerHandle, WorkerState
+from supervisor.workerset import WorkerSet
 
-__all__: list[str] = []  # an internal layer of Supervisor (supervisor.router)
+__all__ = ["AdminOps"]
 
 _log = get_logger("supervisor")
 
 
-class _Admin(_Lifecycle):
-    def _admin_request(
-        self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any
+class AdminOps:
+    """The admin ops and the tenant lifecycle (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        *,
+        loop: Loop,
+        tenants: dict[str, TenantRuntime],
+        registry: TenantRegistry,
+        admin_cap: RegistryAdminCapability,
+        placement: Placement,
+        pending: PendingTable,
+        events: EventBus,
+        rundir: RunDir,
+        backend_name: str,
+        backend_reason: str,
+        counters: Callable[[], int],
+        on_settled: Callable[[], None],
+        guard: FrontendGuard,
     ) -> None:
+        self.config = config
+        self.guard = guard
+        self.loop = loop
+        self.clock = loop.clock
+        self.tenants = tenants
+        self.registry = registry
+        self.admin_cap = admin_cap
+        self.placement = placement
+        self.pending = pending
+        self.events = events
+        self.rundir = rundir
+        self.backend_name = backend_name
+        self.backend_reason = backend_reason
+        self._internal_errors = counters
+        self._on_settled = on_settled
+        self.started = time.time()
+        self._workers: WorkerSet | None = None
+        self._frontend: Frontend | None = None
+
+    def attach(self, workers: WorkerSet, frontend: Frontend) -> None:
+        """The parts this one calls, which are built after it (they call it too); once, at set-up."""
+        self._workers, self._frontend = workers, frontend
+
+    @property
+    def workers(self) -> WorkerSet:
+        assert self._workers is not None, "AdminOps used before Supervisor._setup attached its parts"
+        return self._workers
+
+    @property
+    def frontend(self) -> Frontend:
+        assert self._frontend is not None, "AdminOps used before Supervisor._setup attached its parts"
+        return self._frontend
+
+    # ------------------------------------------------------------ dispatch
+
+    def handle(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any) -> None:
+        """One admin request: the admin capability first, then the op's schema, then the op."""
         if cap_raw is None:
             raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)")
         self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
+        proto.check_args(op, args)
+        answer = self.pending.answer
         if op == "hello":
-            self._reply(client, rid, self._hello_info())
+            answer(client, rid, op, self.hello_info().to_wire())
         elif op == "register":
-            spec = TenantSpec.from_dict(args.get("spec") or {})
-            self._register(spec, client, rid)
+            self.register(TenantSpec.from_dict(args["spec"]), client, rid)
         elif op == "evict":
-            self._evict(str(args.get("tenant")), client, rid)
+            self.evict(args["tenant"], client, rid)
         elif op == "set_quota":
-            self._set_quota(client, rid, args)
+            answer(client, rid, op, self._set_quota(args).to_wire())
         elif op == "status":
-            self._reply(client, rid, self.status())
+            answer(client, rid, op, self.status().to_wire())
         elif op == "capability":
-            tid = str(args.get("tenant"))
-            self._reply(client, rid, {"capability": self.registry.tenant_capability(self.admin, tid).to_bytes()})
+            cap = self.registry.tenant_capability(self.admin_cap, args["tenant"])
+            answer(client, rid, op, {"capability": cap.to_bytes()})
         elif op == "tenant_status":
-            tid = str(args.get("tenant"))
-            rt = self.tenants.get(tid)
-            if rt is None:
-                raise UnknownTenant(tid)
-            self._reply(client, rid, self._tenant_record(rt))
+            answer(client, rid, op, self.tenant_record(self._runtime(args["tenant"])).to_wire())
         elif op == "scale":
-            self._scale(client, rid, args)
+            answer(client, rid, op, self._scale(args["tenant"], args["instances"]).to_wire())
         elif op == "inject_fault":
             self._inject_fault(client, rid, args)
         else:  # pragma: no cover - the decoder only lets known ops through
-            raise ProtocolError(f"unknown op {op!r}")
+            raise InvalidArgument(f"unknown admin op {op!r}")
 
-    def _set_quota(self, client: bytes, rid: int, args: dict[str, Any]) -> None:
-        tid = str(args.get("tenant"))
-        if tid not in self.tenants:
-            raise UnknownTenant(tid)
-        changes = {
-            k: args[k]
-            for k in ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
-            if k in args
-        }
-        if not changes:
-            raise InvalidArgument(
-                "set_quota needs at least one of memory_quota_bytes, gpu_memory_bytes_cap, recorded_cuda_mem_pool_quota"
-            )
-        info = self.registry.set_quota(self.admin, tid, **changes)
-        self.tenants[tid].spec = info.spec
-        self.events.emit("set_quota", tenant=tid, **{k: getattr(info.spec, k) for k in changes})
-        self._reply(client, rid, self._tenant_record(self.tenants[tid]))
-
-    def _scale(self, client: bytes, rid: int, args: dict[str, Any]) -> None:
-        tid = str(args.get("tenant"))
+    def _runtime(self, tid: str) -> TenantRuntime:
         rt = self.tenants.get(tid)
         if rt is None:
             raise UnknownTenant(tid)
-        n = args.get("instances")
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise InvalidArgument("instances must be an int")
+        return rt
+
+    # ------------------------------------------------------------ register
+
+    def register(self, spec: TenantSpec, client: bytes | None, rid: int | None) -> None:
+        # placement and the MPS check first: a refusal must leave nothing registered
+        device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
+        isolation = self.placement.isolation(spec)
+        cap = self.registry.register_with_capability(self.admin_cap, spec)
+        block = self.registry.block(self.admin_cap, spec.tenant_id)
+        rt = TenantRuntime(spec, block, cap.generation)
+        rt.device = device
+        self.placement.add(spec.tenant_id, isolation)
+        rt.slots = [InstanceSlot(i) for i in range(spec.instances)]
+        self.tenants[spec.tenant_id] = rt
+        rt.register_waiters.append((client, rid, cap.to_bytes()))
+        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
+        for slot in rt.slots:
+            self.workers.start_instance(rt, slot)
+        self.loop.timers.after(self.config.register_timeout_s, lambda: self._register_timeout(rt))
+        self._check_registered(rt)
+
+    def _check_registered(self, rt: TenantRuntime) -> None:
+        rt.refresh_state()
+        if not rt.register_waiters or rt.state is not TenantState.RUNNING:
+            return
+        waiters, rt.register_waiters = rt.register_waiters, []
+        tenant = {
+            "tenant_id": rt.tenant_id,
+            "state": rt.state.value,
+            "generation": rt.generation,
+            "device": rt.device,
+            "pids": [s.worker.pid for s in rt.slots if s.worker],
+        }
+        for client, rid, cap_raw in waiters:
+            self.pending.answer(client, rid or 0, "register", {"capability": cap_raw, "tenant": tenant})
+        self._on_settled()
+
+    def _register_timeout(self, rt: TenantRuntime) -> None:
+        if rt.register_waiters and self.tenants.get(rt.tenant_id) is rt:
+            self.registration_failed(rt, KernelTimeout(self.config.register_timeout_s, "register"))
+
+    def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None:
+        waiters, rt.register_waiters = rt.register_waiters, []
+        log_event(_log, logging.ERROR, "tenant.register_failed", tenant=rt.tenant_id, error=str(exc))
+        self.evict(rt.tenant_id, None, None)
+        for client, rid, _ in waiters:
+            self.pending.refuse(client, rid or 0, "register", exc)
+        self._on_settled()
+
+    def settled(self) -> bool:
+        """No registration is waiting for its instances (the supervisor is then ready)."""
+        return all(not rt.register_waiters for rt in self.tenants.values())
+
+    # ------------------------------------------------------------ tenant events (from the worker set)
+
+    def instance_ready(self, rt: TenantRuntime) -> None:
+        self._check_registered(rt)
+        self.frontend.dispatch_parked(rt)
+
+    def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
+                               reason: str) -> None:
+        """Instance ``index`` is not coming back: answer what can only go there."""
+        restarting = any(s.worker is not None or s.restart_at is not None for s in rt.slots if not s.draining)
+        exc = WorkerLost(rt.tenant_id, index, code, sig, f"{reason}; not restarted (restart={rt.spec.restart.value})")
+        self.frontend.refuse_all_parked(rt, lambda p: exc if p.instance == index or not restarting else None)
+
+    def tenant_failed(self, rt: TenantRuntime, why: str) -> None:
+        rt.state = TenantState.FAILED
+        rt.failed_reason = why
+        self.events.emit("failed", tenant=rt.tenant_id, reason=why, restarts=rt.restarts_total)
+        exc = TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s)
+        self.frontend.refuse_all_parked(rt, lambda p: exc)
+        for slot in rt.slots:
+            if slot.worker is not None:
+                self.workers.stop_worker(slot.worker, "tenant failed")
+        if rt.register_waiters:
+            self.registration_failed(rt, exc)
+
+    # ------------------------------------------------------------ evict, set_quota, scale
+
+    def evict(self, tid: str, client: bytes | None, rid: int | None) -> None:
+        rt = self._runtime(tid)
+        rt.state = TenantState.EVICTING
+        self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
+        del self.tenants[tid]
+        self.frontend.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
+        self.frontend.forget(rt)  # verified tokens, modules, held bytes: nothing of it stays
+        workers = [s.worker for s in rt.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD]
+        for worker in workers:
+            self.workers.stop_worker(worker, "evicted")
+        self.events.emit("evict", tenant=tid, workers=[w.pid for w in workers])
+        if client is None:
+            return
+        result = {"evicted": tid, "pids": [w.pid for w in workers]}
+        remaining = {w.worker_id for w in workers}
+        if not remaining:
+            self.pending.answer(client, rid or 0, "evict", result)
+            return
+
+        def on_dead(worker: WorkerHandle) -> None:
+            remaining.discard(worker.worker_id)
+            if not remaining:
+                self.pending.answer(client, rid or 0, "evict", result)
+
+        for worker in workers:
+            worker.death_waiters.append(on_dead)
+
+    def _set_quota(self, args: dict[str, Any]) -> TenantRecord:
+        rt = self._runtime(args["tenant"])
+        changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
+        if not changes:
+            raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
+        info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
+        rt.spec = info.spec
+        self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
+        return self.tenant_record(rt)
+
+    def _scale(self, tid: str, n: int) -> TenantRecord:
+        rt = self._runtime(tid)
         spec = rt.spec.with_instances(n)  # validates the range
-        self.registry.update_spec(self.admin, spec)
+        self.registry.update_spec(self.admin_cap, spec)
         rt.spec = spec
         wanted = [s for s in rt.slots if not s.draining]
         if n > len(wanted):
@@ -101,24 +289,24 @@ class _Admin(_Lifecycle):
                     slot = InstanceSlot(len(rt.slots))
                     rt.slots.append(slot)
                 slot.draining = False
-                self._start_instance(rt, slot)
+                self.workers.start_instance(rt, slot)
         else:
             for slot in sorted(wanted, key=lambda s: s.index, reverse=True)[: len(wanted) - n]:
                 slot.draining = True
                 slot.restart_at = None
                 if slot.worker is not None:
-                    self._drain(slot.worker)
+                    self.workers.drain(slot.worker)
         self.events.emit("scale", tenant=tid, instances=n)
         rt.refresh_state()
-        self._reply(client, rid, self._tenant_record(rt))
+        return self.tenant_record(rt)
+
+    # ------------------------------------------------------------ faults
 
     def _inject_fault(self, client: bytes, rid: int, args: dict[str, Any]) -> None:
-        tid = str(args.get("tenant"))
-        rt = self.tenants.get(tid)
-        if rt is None:
-            raise UnknownTenant(tid)
-        kind = args.get("kind")
-        if kind not in ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault"):
+        tid = args["tenant"]
+        rt = self._runtime(tid)
+        kind = args["kind"]
+        if kind not in proto.FAULT_KINDS:
             raise InvalidArgument(f"unknown fault kind {kind!r}")
         index = args.get("instance")
         if index is None:
@@ -127,27 +315,102 @@ class _Admin(_Lifecycle):
                 raise WorkerLost(tid, 0, reason="no live instance to inject into")
             slot = live[0]
         else:
-            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(rt.slots):
+            if not 0 <= index < len(rt.slots):
                 raise InvalidArgument(f"instance must be in 0..{len(rt.slots) - 1}")
             slot = rt.slots[index]
         worker = slot.worker
         if worker is None or not worker.control_hello or worker.state is WorkerState.DEAD:
             raise WorkerLost(tid, slot.index, reason="instance is not running")
         params = args.get("params") or {}
-        if not isinstance(params, dict):
-            raise InvalidArgument("params must be a map")
         info = {"tenant": tid, "instance": slot.index, "pid": worker.pid, "kind": kind}
         answered = False
 
-        def answer(result: dict[str, Any]) -> None:
+        def answer(result: FaultAck | FaultExit) -> None:
             nonlocal answered
-            if not answered:
-                answered = True
-                if result.get("ok") is False and isinstance(result.get("error"), dict):
-                    self._reply_raw_error(client, rid, result["error"])
-                else:
-                    self._reply(client, rid, {**info, **result})
+            if answered:
+                return
+            answered = True
+            if isinstance(result, FaultAck) and not result.ok:
+                err = result.error or TensorWasmError("worker refused the fault without a reason").to_dict()
+                self.pending.answer_error(client, rid, "inject_fault", err)
+            elif isinstance(result, FaultAck):
+                self.pending.answer(client, rid, "inject_fault", {**info, "ok": True, "armed": result.armed})
+            else:
+                self.pending.answer(client, rid, "inject_fault", {**info, **result.to_wire()})
 
-        worker.fault_waiters.append(answer)
+        self.workers.on_fault_answer(worker, answer)
         self.events.emit("fault", **info, params=params)
-        self._send_control(worker, proto.encode_control("fault", {"kind": kind, "params": params}))
+        self.workers.send_control(worker, proto.encode_control("fault", FaultOrder(kind, params).to_wire()))
+
+    # ------------------------------------------------------------ records
+
+    def hello_info(self) -> HelloInfo:
+        return HelloInfo(
+            pid=os.getpid(),
+            registry_id=self.registry.registry_id,
+            backend=self.backend_name,
+            backend_reason=self.backend_reason,
+            start_method=self.config.start_method,
+            protocol=proto.PROTOCOL_VERSION,
+            uptime_s=round(time.time() - self.started, 3),
+        )
+
+    def tenant_record(self, rt: TenantRuntime) -> TenantRecord:
+        snap = rt.block.snapshot().to_dict() if not rt.block.closed else {}
+        now = self.clock()
+        instances = []
+        for slot in rt.slots:
+            w = slot.worker
+            instances.append(InstanceRecord(
+                index=slot.index,
+                pid=w.pid if w else None,
+                state=(w.state.value if w else ("restarting" if slot.restart_at else "down")),
+                in_flight=len(w.in_flight) if w else 0,
+                incarnation=slot.incarnation,
+                restarts=slot.restarts,
+                uptime_s=round(now - w.ready_at, 3) if w and w.ready_at else None,
+                draining=slot.draining,
+                last_exit=slot.last_exit,
+            ))
+        return TenantRecord(
+            tenant_id=rt.tenant_id,
+            state=rt.state.value,
+            generation=rt.generation,
+            failed_reason=rt.failed_reason,
+            pids=tuple(i.pid for i in instances if i.pid is not None),
+            instances=tuple(instances),
+            restarts=rt.restarts_total,
+            in_flight=rt.in_flight,
+            parked=len(rt.parked),
+            uptime_s=round(time.time() - rt.registered_at, 3),
+            backend=self.backend_name,
+            device=rt.device,
+            isolation=self.placement.isolation_of(rt.tenant_id),
+            spec=rt.spec.to_dict(),
+            bytes_in_use=snap.get("bytes_in_use", 0),
+            memory_quota_bytes=snap.get("memory_quota_bytes", rt.spec.memory_quota_bytes),
+            gpu_bytes_in_use=snap.get("gpu_bytes_in_use", 0),
+            gpu_memory_bytes_cap=snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
+            quota=snap,
+        )
+
+    def status(self) -> StatusRecord:
+        hello = self.hello_info()
+        ws = self.workers
+        by_device: dict[int, list[str]] = {}
+        for tid, rt in self.tenants.items():
+            by_device.setdefault(rt.device, []).append(tid)
+        return StatusRecord(
+            supervisor=SupervisorRecord(
+                **hello.to_wire(),
+                run_dir=self.rundir.path,
+                pool=PoolRecord(idle=len(ws.pool), starting=ws.pool_starting, size=self.config.pool_size,
+                                pids=tuple(w.pid for w in ws.pool)),
+                workers=len(ws.workers),
+                internal_errors=self._internal_errors(),
+                rss_bytes=psutil.Process().memory_info().rss,
+                **self.guard.status(),
+            ),
+            tenants=tuple(self.tenant_record(rt) for _, rt in sorted(self.tenants.items())),
+            devices=tuple(self.placement.status(by_device)),
+        )

@@ -80,7 +80,6 @@ class SupervisorClient:
         self._sock.connect("ipc://" + os.path.join(self.run_dir, "frontend.ipc"))
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
-        self._stash: dict[int, tuple[bool, Any, bytes | None]] = {}
         self._admin: RegistryAdminCapability | None = None
         self._closed = False
 
@@ -116,10 +115,6 @@ class SupervisorClient:
         """The next reply: (rid, ok, result-or-error-dict, body). Raises RequestTimeout, or
         ProtocolError for a reply that does not decode and names no request (one that
         names its request comes back as that request's ``protocol_error``)."""
-        if self._stash:
-            rid = next(iter(self._stash))
-            ok, payload, body = self._stash.pop(rid)
-            return rid, ok, payload, body
         return self._recv_one(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s), "recv")
 
     def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:

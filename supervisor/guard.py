@@ -51,6 +51,11 @@ class FrontendGuard:
         }
         return err
 
+    def refresh(self) -> None:
+        """Housekeeping: re-read the fd limit (an operator may lower it with prlimit)."""
+        if self.connections is not None:
+            self.connections.refresh_limit()
+
     @property
     def dropped(self) -> int:
         """Unauthenticated requests dropped unanswered (unread replies, or the backlog full)."""

@@ -1,4 +1,4 @@
-"""Metric hooks of the router loop.
+"""Metric hooks of the supervisor loop.
 
 The loop calls these on its hot path, so the default :class:`NullMetrics`
 does nothing; ``--metrics-addr`` swaps in the Prometheus implementation
@@ -7,13 +7,30 @@ does nothing; ``--metrics-addr`` swaps in the Prometheus implementation
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable
 
-__all__ = ["Metrics", "NullMetrics"]
+from shared.quota import QuotaSnapshot
+
+__all__ = ["Metrics", "MetricsSource", "NullMetrics", "TenantGauges"]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantGauges:
+    """One tenant's gauges for a scrape: built on the loop thread, handed over whole, only read after."""
+
+    quota: QuotaSnapshot
+    instances_up: int
+    state: str
+
+
+#: what the exporter calls at scrape time: tenant id -> its gauges
+MetricsSource = Callable[[], Mapping[str, TenantGauges]]
 
 
 class Metrics:
-    """Interface: what the router reports."""
+    """Interface: what the supervisor loop reports."""
 
     def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None:
         """A client request was answered; ``outcome`` is "ok" or the error code."""
@@ -24,7 +41,7 @@ class Metrics:
     def restart(self, tenant: str) -> None:
         """An instance of ``tenant`` is being restarted."""
 
-    def bind_source(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def bind_source(self, snapshot: MetricsSource) -> None:
         """Give the exporter a way to read per-tenant gauges at scrape time."""
 
     def close(self) -> None:

@@ -3,9 +3,9 @@
 Two kinds of series, both exposed by prometheus-client (no hand-written
 exposition)::
 
-    router loop (one thread) ──inc/observe──► client Counters / Histogram ──┐
-                                                                            ├─► CollectorRegistry ─► HTTP thread
-    snapshot (loop, every 1 s) ◄──read at scrape time── _TenantCollector ─┘         (GET /metrics)
+    supervisor loop (one thread) ──inc/observe──► client Counters / Histogram ──┐
+                                                                                ├─► CollectorRegistry ─► HTTP
+    snapshot (loop, every 1 s) ◄──read at scrape time── _TenantCollector ────────┘    thread (GET /metrics)
 
 * **Events the loop reports** through the :class:`~supervisor.metrics.Metrics`
   hooks: requests by tenant, op and outcome, request latency by op, worker
@@ -17,7 +17,15 @@ exposition)::
   state, and the refusal/underflow counters kept in each tenant's
   shared-memory block, as last refreshed by the loop (every second).
 
-The HTTP server runs on daemon threads and only reads. ``HOST:PORT`` with
+Threads: the HTTP server runs on daemon threads and only reads. The event
+hooks are called on the loop thread and update prometheus_client's children,
+which take their own locks. The per-tenant snapshot is never built here: a
+scrape asks the loop through :meth:`Supervisor.metrics_snapshot`
+(a :class:`supervisor.loop.Handoff`) and gets immutable
+:class:`~supervisor.metrics.TenantGauges`, so no quota block is touched off
+the loop thread (closing a block while another thread reads it fails).
+
+``HOST:PORT`` with
 port 0 binds a free port (tests); the bound one is :attr:`PrometheusMetrics.port`
 and is logged as ``metrics.listening``.
 
@@ -44,8 +52,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from shared.config import parse_host_port
 from shared.log import get_logger, log_event
-from supervisor.metrics import Metrics
+from supervisor.metrics import Metrics, MetricsSource, TenantGauges
 
 __all__ = ["LATENCY_BUCKETS", "PrometheusMetrics", "TenantLabels", "parse_metrics_addr"]
 
@@ -88,12 +97,8 @@ class TenantLabels:
 
 
 def parse_metrics_addr(addr: str) -> tuple[str, int]:
-    """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` / ``":9464"`` -> (host, port); port 0 means any free port."""
-    host, sep, port = str(addr).rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"metrics address must be HOST:PORT (e.g. 127.0.0.1:9464); got {addr!r}")
-    host = host.strip("[]") or "127.0.0.1"
-    return host, int(port)
+    """``--metrics-addr``: :func:`shared.config.parse_host_port`."""
+    return parse_host_port(addr, "metrics address")
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -114,12 +119,6 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-def _field(snap: Any, name: str) -> Any:
-    if isinstance(snap, Mapping):
-        return snap.get(name)
-    return getattr(snap, name, None)
-
-
 class _TenantCollector:
     """Per-tenant gauges and shared-memory counters, read from the bound snapshot at scrape time."""
 
@@ -131,7 +130,7 @@ class _TenantCollector:
 
     def collect(self) -> Iterator[Metric]:
         source = self._owner._source
-        tenants: Mapping[str, Mapping[str, Any]] = {}
+        tenants: Mapping[str, TenantGauges] = {}
         if source is not None:
             try:
                 tenants = source()
@@ -168,23 +167,22 @@ class _TenantCollector:
         count = GaugeMetricFamily("twt_tenants", "Tenants registered with this supervisor")
         count.add_metric([], len(tenants))
         for tid, rec in sorted(tenants.items()):
-            snap = rec.get("quota")
-            if snap is None:
-                continue
+            snap = rec.quota
             name = self._owner.label(str(tid))
             t = [name]
-            cap = _field(snap, "gpu_memory_bytes_cap")
-            g["cpu_in_use"].add_metric(t, _field(snap, "bytes_in_use") or 0)
-            g["cpu_limit"].add_metric(t, _field(snap, "memory_quota_bytes") or 0)
-            g["cpu_high"].add_metric(t, _field(snap, "cpu_high_water") or 0)
-            g["gpu_in_use"].add_metric(t, _field(snap, "gpu_bytes_in_use") or 0)
+            cap = snap.gpu_memory_bytes_cap
+            g["cpu_in_use"].add_metric(t, snap.bytes_in_use)
+            g["cpu_limit"].add_metric(t, snap.memory_quota_bytes)
+            g["cpu_high"].add_metric(t, snap.cpu_high_water)
+            g["gpu_in_use"].add_metric(t, snap.gpu_bytes_in_use)
             g["gpu_limit"].add_metric(t, float("inf") if cap is None else cap)
-            g["gpu_high"].add_metric(t, _field(snap, "gpu_high_water") or 0)
-            g["up"].add_metric(t, rec.get("instances_up") or 0)
-            state.add_metric([name, str(rec.get("state", "unknown"))], 1)
-            for resource in ("cpu", "gpu"):
-                refusals.add_metric([name, resource], _field(snap, f"{resource}_refusals") or 0)
-                underflows.add_metric([name, resource], _field(snap, f"{resource}_underflows") or 0)
+            g["gpu_high"].add_metric(t, snap.gpu_high_water)
+            g["up"].add_metric(t, rec.instances_up)
+            state.add_metric([name, rec.state], 1)
+            for resource, refused, under in (("cpu", snap.cpu_refusals, snap.cpu_underflows),
+                                             ("gpu", snap.gpu_refusals, snap.gpu_underflows)):
+                refusals.add_metric([name, resource], refused)
+                underflows.add_metric([name, resource], under)
         yield count
         yield from g.values()
         yield state
@@ -204,7 +202,7 @@ class PrometheusMetrics(Metrics):
         host, port = parse_metrics_addr(addr)
         self.label = TenantLabels(tenant_names)
         self.registry = registry or CollectorRegistry()
-        self._source: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
+        self._source: MetricsSource | None = None
         reg = self.registry
         self._requests = Counter("twt_requests", "Client requests answered, by tenant, op and outcome "
                                  "(outcome: ok or the error code)", ["tenant", "op", "outcome"], registry=reg)
@@ -262,7 +260,7 @@ class PrometheusMetrics(Metrics):
     def restart(self, tenant: str) -> None:
         self._restarts.labels(self.label(tenant)).inc()
 
-    def bind_source(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def bind_source(self, snapshot: MetricsSource) -> None:
         self._source = snapshot
 
     def close(self) -> None:

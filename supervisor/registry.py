@@ -38,6 +38,7 @@ from shared.errors import (
     UnknownTenant,
 )
 from shared.mps import MPS_PROBE_MAX_AGE_S, MpsDecision, mps_or_fallback
+from shared.protocol import QUOTA_KEYS
 from shared.quota import QuotaBlock, QuotaSnapshot, new_segment_name
 from shared.spec import TenantSpec
 
@@ -166,7 +167,7 @@ class TenantRegistry:
         raise TenantIsolationViolation(tid or None, "this registry (capability from a foreign registry)")
 
     def verify(self, cap: object) -> str:
-        """Check a tenant capability; return its tenant id (the router's frontend check)."""
+        """Check a tenant capability; return its tenant id (the frontend's check)."""
         return self._check_tenant(cap, False).spec.tenant_id
 
     def verify_admin(self, cap: object) -> None:
@@ -338,18 +339,10 @@ class TenantRegistry:
             admin_cap, tenant_id, False, memory_quota_bytes, gpu_memory_bytes_cap, recorded_cuda_mem_pool_quota
         )
 
-    def set_quota_strict(
-        self,
-        admin_cap: RegistryAdminCapability,
-        tenant_id: str,
-        *,
-        memory_quota_bytes: int | str = _UNCHANGED,
-        gpu_memory_bytes_cap: int | str | None = _UNCHANGED,
-        recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED,
-    ) -> TenantInfo:
-        return self._set_quota(
-            admin_cap, tenant_id, True, memory_quota_bytes, gpu_memory_bytes_cap, recorded_cuda_mem_pool_quota
-        )
+    def set_quota_strict(self, admin_cap: RegistryAdminCapability, tenant_id: str, **limits: int | str | None
+                         ) -> TenantInfo:
+        """:meth:`set_quota`, strict about foreign capabilities (keyword arguments as there)."""
+        return self._set_quota(admin_cap, tenant_id, True, *(limits.get(k, _UNCHANGED) for k in QUOTA_KEYS))
 
     def _set_quota(
         self,

@@ -33,7 +33,7 @@ import os
 import stat
 from typing import Any
 
-from shared.errors import TensorWasmError, UntrustedRunDir
+from shared.errors import RunDirLocked, UntrustedRunDir  # raised here; defined with the rest of the error tree
 
 __all__ = ["RunDir", "RunDirLocked", "read_admin_capability", "read_ready", "verify_admin_dir", "verify_run_dir"]
 
@@ -44,20 +44,6 @@ ADMIN_CAP_FILE = os.path.join(ADMIN_DIR, "admin.cap")
 LOCK_FILE = "supervisor.lock"
 
 
-class RunDirLocked(TensorWasmError):
-    """Another supervisor is running on this run directory."""
-
-    code = "run_dir_locked"
-    _fields = ("run_dir", "pid")
-
-    def __init__(self, run_dir: str, pid: int | None, *, message: str | None = None) -> None:
-        self.run_dir = run_dir
-        self.pid = pid
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        who = f" (pid {self.pid})" if self.pid else ""
-        return f"another supervisor{who} is running on {self.run_dir}; stop it or use another --run-dir"
 
 
 def _group_id(group: str | int) -> int:

@@ -62,6 +62,10 @@ class Parked:
     started: float
     deadline: float
     instance: int | None  # a handle-bound request must go to this instance
+    #: bytes reserved for it in the supervisor's held-bytes budgets (supervisor.budgets):
+    #: its reply (kind "replies", handed to its Pending) and its body while parked ("parked")
+    held_reply: int = 0
+    held_body: int = 0
 
 
 @dataclass(eq=False)
@@ -80,10 +84,10 @@ class TenantRuntime:
     device: int = 0
     seen_refusals: int = 0
     rr: int = 0  # round-robin start for pick_slot
-    register_waiters: list[Any] = field(default_factory=list)
+    #: (client, rid, capability bytes) of register requests answered once every instance is ready
+    register_waiters: list[tuple[bytes | None, int | None, bytes]] = field(default_factory=list)
     #: modules sent with put_module (digest -> bytes), least recently used first
     modules: collections.OrderedDict[str, bytes] = field(default_factory=collections.OrderedDict)
-    evict_waiters: list[Any] = field(default_factory=list)
 
     @property
     def tenant_id(self) -> str:

@@ -7,7 +7,7 @@ fork-safe, and the supervisor must stay free of both anyway. The target is
 :class:`shared.entry.EntryPoint` ("worker.main:run"), so the supervisor never
 imports the worker package.
 
-Each process's ``sentinel`` fd is polled by the router loop next to its
+Each process's ``sentinel`` fd is polled by the supervisor loop next to its
 sockets: a worker's death is seen the moment it happens.
 """
 
@@ -23,15 +23,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
 from shared.config import SupervisorConfig
 from shared.entry import EntryPoint
 from shared.log import get_logger, log_event
+from shared.records import BootMessage
 
-__all__ = ["Pending", "Spawner", "WorkerHandle", "WorkerState", "kill_tree"]
+if TYPE_CHECKING:
+    from shared.records import FaultAck, FaultExit
+    from supervisor.pending import Pending
+
+__all__ = ["Spawner", "WorkerHandle", "WorkerState", "kill_tree"]
 
 _log = get_logger("supervisor.workers")
 _WORKER_ENTRY = EntryPoint("worker.main:run")
@@ -50,20 +55,6 @@ class WorkerState(str, enum.Enum):
 
 
 @dataclass(eq=False)
-class Pending:
-    """A request forwarded to a worker and not answered yet."""
-
-    client: bytes | None  # frontend identity; None for the supervisor's own requests
-    client_rid: int
-    op: str
-    tenant: str
-    instance: int
-    started: float
-    deadline: float
-    callback: Callable[[bool, Any], None] | None = None
-
-
-@dataclass(eq=False)
 class WorkerHandle:
     """One worker process, as the supervisor tracks it.
 
@@ -78,11 +69,11 @@ class WorkerHandle:
 
     worker_id: str
     token: str
-    routing_id: str
     process: BaseProcess
     pid: int
     sentinel: int
     spawned_at: float
+    routing_id: str = ""  # set by the Spawner; empty only in tests that build handles by hand
     state: WorkerState = WorkerState.STARTING
     tenant: str | None = None
     instance: int | None = None
@@ -91,12 +82,13 @@ class WorkerHandle:
     control_hello: bool = False
     ready_at: float | None = None
     last_heartbeat: float = 0.0
+    #: this worker's requests in flight: owned by supervisor.pending.PendingTable (its length is the load)
     in_flight: dict[int, Pending] = field(default_factory=dict)
     kill_reason: str | None = None
     kill_at: float | None = None  # SIGKILL escalation time after SIGTERM
     rss_exceeded: tuple[int, int] | None = None  # (rss, limit) when killed by the RSS backstop
     #: answered by the fault's ack, or by the worker's death (process-ending faults)
-    fault_waiters: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+    fault_waiters: list[Callable[[FaultAck | FaultExit], None]] = field(default_factory=list)
     #: called once the process is gone
     death_waiters: list[Callable[[WorkerHandle], None]] = field(default_factory=list)
     killed: bool = False  # _kill() ran (SIGTERM sent, SIGKILL scheduled)
@@ -106,22 +98,11 @@ class WorkerHandle:
 
     @property
     def ident(self) -> bytes:
-        return self.routing_id.encode()
+        return (self.routing_id or self.worker_id).encode()
 
     @property
     def connected(self) -> bool:
         return self.data_hello and self.control_hello
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "worker": self.worker_id,
-            "pid": self.pid,
-            "state": self.state.value,
-            "tenant": self.tenant,
-            "instance": self.instance,
-            "in_flight": len(self.in_flight),
-            "served": self.served,
-        }
 
 
 def _detach_main_module() -> None:
@@ -166,20 +147,20 @@ class Spawner:
         worker_id = f"w{self._nonce}-{self._seq}"
         token = secrets.token_hex(16)
         routing_id = "r" + secrets.token_hex(16)
-        boot = {
-            "worker_id": worker_id,
-            "routing_id": routing_id,
-            "token": token,
-            "data_endpoint": self.endpoints["backend"],
-            "control_endpoint": self.endpoints["control"],
-            "heartbeat_interval_s": self.config.heartbeat_interval_s,
-            "heartbeat_liveness": self.config.heartbeat_liveness,
-            "log_format": self.config.log_format,
-            "log_level": self.config.log_level,
-            "max_message_bytes": self.config.max_message_bytes,
+        boot = BootMessage(
+            worker_id=worker_id,
+            token=token,
+            routing_id=routing_id,
+            data_endpoint=self.endpoints["backend"],
+            control_endpoint=self.endpoints["control"],
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_liveness=self.config.heartbeat_liveness,
+            log_format=self.config.log_format,
+            log_level=self.config.log_level,
+            max_message_bytes=self.config.max_message_bytes,
             # spawn: the parent is us; forkserver: the fork server (checked by the worker)
-            "parent_pid": os.getpid() if self.method == "spawn" else None,
-        }
+            parent_pid=os.getpid() if self.method == "spawn" else None,
+        )
         t0 = time.monotonic()
         process_cls = getattr(self.ctx, "Process")
         proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(boot,), name=f"twt-worker-{worker_id}", daemon=False)
@@ -194,15 +175,8 @@ class Spawner:
             sentinel=proc.sentinel,
             spawned_at=t0,
         )
-        log_event(
-            _log,
-            logging.DEBUG,
-            "worker.process_started",
-            worker=worker_id,
-            pid=proc.pid,
-            method=self.method,
-            start_ms=round((time.monotonic() - t0) * 1000, 3),
-        )
+        log_event(_log, logging.DEBUG, "worker.process_started", worker=worker_id, pid=proc.pid, method=self.method,
+                  start_ms=round((time.monotonic() - t0) * 1000, 3))
         return handle
 
 

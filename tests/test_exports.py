@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,33 @@ def test_supervisor_never_imports_worker() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+#: package -> the packages it must never import (docs/ARCHITECTURE.md "Layers")
+FORBIDDEN = {"supervisor": {"worker"}, "worker": {"supervisor"}, "shared": {"supervisor", "worker"}}
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_layering_every_forbidden_direction(package: str) -> None:
+    """Every import statement in every module (function-level ones too): supervisor and worker
+    meet only in shared, and shared imports neither."""
+    root = Path(__file__).resolve().parent.parent / package
+    bad = [
+        f"{path.relative_to(root.parent)}:{line} imports {name}"
+        for path in sorted(root.rglob("*.py"))
+        for line, name in _imports(path)
+        if name.split(".")[0] in FORBIDDEN[package]
+    ]
+    assert not bad, bad

@@ -7,6 +7,13 @@ worker beats every ``interval``; when the supervisor is silent for
 must never outlive its supervisor: besides heartbeats it checks that its
 parent is still the process that started it (``PR_SET_PDEATHSIG`` covers the
 rest, see :mod:`worker.main`).
+
+Threads: this thread owns its control socket and nothing else. It shares
+with the executor thread (:class:`worker.server.WorkerServer`) only
+``stop_event`` (a ``threading.Event``), the :class:`worker.faults.FaultState`
+(whose counters are changed under its own lock) and a read of the server's
+``requests`` counter for the heartbeat (an int read whole; a stale value is
+harmless). It never touches the data socket: ZMQ sockets are not thread-safe.
 """
 
 from __future__ import annotations
@@ -20,22 +27,25 @@ from typing import Any
 import zmq
 
 from shared.errors import ProtocolError, TensorWasmError
-from shared.exits import EXIT_PARENT_GONE, EXIT_SUPERVISOR_SILENT
+from shared.exitcodes import WORKER_PARENT_GONE, WORKER_SUPERVISOR_SILENT
 from shared.log import get_logger, log_event
 from shared.protocol import decode_control, encode_control
+from shared.records import BootMessage, FaultAck, FaultOrder, WorkerHello
 from worker.faults import FaultState
 
 __all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT"]
 
 _log = get_logger("worker.control")
 
+EXIT_SUPERVISOR_SILENT = WORKER_SUPERVISOR_SILENT  # defined in shared.exitcodes
+EXIT_PARENT_GONE = WORKER_PARENT_GONE
 
 
 class ControlThread(threading.Thread):
     def __init__(
         self,
         zctx: zmq.Context[Any],
-        boot: dict[str, Any],
+        boot: BootMessage,
         faults: FaultState,
         stop_event: threading.Event,
         stats: Any,
@@ -46,20 +56,18 @@ class ControlThread(threading.Thread):
         self.faults = faults
         self.stop_event = stop_event
         self.stats = stats
-        self.interval = float(boot["heartbeat_interval_s"])
-        self.liveness = int(boot["heartbeat_liveness"])
         self.parent_pid = os.getppid()
         self.closed = threading.Event()
 
     def run(self) -> None:
         sock = self.zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self.boot["routing_id"].encode())
+        sock.setsockopt(zmq.ROUTING_ID, self.boot.routing_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         sock.setsockopt(zmq.SNDHWM, 100)
-        sock.connect(self.boot["control_endpoint"])
+        sock.connect(self.boot.control_endpoint)
         try:
-            sock.send(encode_control("hello", {"token": self.boot["token"], "pid": os.getpid()}))
+            sock.send(encode_control("hello", WorkerHello(self.boot.token, os.getpid()).to_wire()))
             self._loop(sock)
         finally:
             sock.close(0)
@@ -67,7 +75,9 @@ class ControlThread(threading.Thread):
 
     def _loop(self, sock: zmq.Socket[Any]) -> None:
         last_heard = time.monotonic()
-        next_beat = last_heard + self.interval
+        interval = self.boot.heartbeat_interval_s
+        silent_after = interval * self.boot.heartbeat_liveness
+        next_beat = last_heard + interval
         while not self.stop_event.is_set():
             now = time.monotonic()
             if sock.poll(max(0, int((next_beat - now) * 1000)) + 1):
@@ -82,8 +92,8 @@ class ControlThread(threading.Thread):
             if now >= next_beat:
                 if not self.faults.hang.is_set():
                     sock.send(encode_control("hb", {"requests": self.stats.requests}), zmq.NOBLOCK)
-                next_beat = now + self.interval
-            if now - last_heard > self.interval * self.liveness:
+                next_beat = now + interval
+            if now - last_heard > silent_after:
                 log_event(_log, logging.ERROR, "worker.supervisor_silent", silent_s=round(now - last_heard, 2))
                 os._exit(EXIT_SUPERVISOR_SILENT)
             if os.getppid() != self.parent_pid:
@@ -96,10 +106,9 @@ class ControlThread(threading.Thread):
             self.stop_event.set()
         elif kind == "fault":
             try:
-                armed = self.faults.apply(str(args.get("kind")), dict(args.get("params") or {}))
-                sock.send(encode_control("fault_ack", {"ok": True, "armed": armed, "ref": args.get("ref")}), zmq.NOBLOCK)
-            except TensorWasmError as exc:
-                sock.send(
-                    encode_control("fault_ack", {"ok": False, "error": exc.to_dict(), "ref": args.get("ref")}),
-                    zmq.NOBLOCK,
-                )
+                order = FaultOrder.from_wire(args)
+                ack = FaultAck(True, armed=self.faults.apply(str(order.kind), dict(order.params or {})))
+            except (TensorWasmError, TypeError) as exc:  # ProtocolError, InvalidArgument; params not a map
+                err = exc if isinstance(exc, TensorWasmError) else ProtocolError(f"bad fault order: {exc}")
+                ack = FaultAck(False, error=err.to_dict())
+            sock.send(encode_control("fault_ack", ack.to_wire()), zmq.NOBLOCK)

@@ -5,6 +5,13 @@ applies it here. Process-ending faults happen at once; the others arm state
 that the executor consults on its normal path (an injected OOM goes through
 the same rollback as a real driver OOM). The supervisor has no special path
 for any of them.
+
+Threads: the control thread arms faults (:meth:`FaultState.apply`), the
+executor thread consumes them (``take_*``). Every counter is read-modify-
+written under ``_lock``: ``+=`` and ``-=`` on an attribute are not atomic
+in Python, and a lost update would arm one fault too few or too many.
+``hang`` is a ``threading.Event`` and ``slow_ms`` a single assignment read
+whole, so they need no lock.
 """
 
 from __future__ import annotations
@@ -17,10 +24,9 @@ import time
 from typing import Any
 
 from shared.errors import InvalidArgument
+from shared.protocol import FAULT_KINDS
 
 __all__ = ["FAULT_KINDS", "FaultState"]
-
-FAULT_KINDS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
 
 
 def _int_param(params: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
@@ -34,6 +40,7 @@ class FaultState:
     """Armed faults of one worker process (read by the executor, set by the control thread)."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards the counters below (see the module docstring)
         self.hang = threading.Event()
         self.slow_ms = 0
         self.oom_remaining = 0
@@ -56,11 +63,17 @@ class FaultState:
         elif kind == "slow":
             self.slow_ms = _int_param(params, "ms", 100, 0, 600_000)
         elif kind == "oom":
-            self.oom_remaining += _int_param(params, "count", 1, 1, 1_000_000)
+            n = _int_param(params, "count", 1, 1, 1_000_000)
+            with self._lock:
+                self.oom_remaining += n
         elif kind == "corrupt":
-            self.corrupt_next += _int_param(params, "count", 1, 1, 1_000_000)
+            n = _int_param(params, "count", 1, 1, 1_000_000)
+            with self._lock:
+                self.corrupt_next += n
         elif kind == "drop":
-            self.drop_next += _int_param(params, "count", 1, 1, 1_000_000)
+            n = _int_param(params, "count", 1, 1, 1_000_000)
+            with self._lock:
+                self.drop_next += n
         elif kind == "cuda-fault":
             # armed: the executor launches a faulting kernel before its next request (CUDA
             # contexts belong to the executor thread), so that request gets the sticky error
@@ -79,10 +92,28 @@ class FaultState:
         return False
 
     def take_oom(self) -> bool:
-        if self.oom_remaining > 0:
-            self.oom_remaining -= 1
-            return True
-        return False
+        """Executor: consume one armed OOM (True: fail this allocation)."""
+        with self._lock:
+            if self.oom_remaining > 0:
+                self.oom_remaining -= 1
+                return True
+            return False
+
+    def take_drop(self) -> bool:
+        """Executor: consume one armed dropped reply."""
+        with self._lock:
+            if self.drop_next > 0:
+                self.drop_next -= 1
+                return True
+            return False
+
+    def take_corrupt(self) -> bool:
+        """Executor: consume one armed corrupt reply."""
+        with self._lock:
+            if self.corrupt_next > 0:
+                self.corrupt_next -= 1
+                return True
+            return False
 
     def block_if_hung(self) -> None:
         """The executor's half of ``hang``: never returns once armed."""

@@ -23,7 +23,8 @@ import sys
 import threading
 from typing import Any
 
-from shared.exits import EXIT_CRASHED, EXIT_OK, EXIT_PARENT_GONE
+from shared.exitcodes import WORKER_CRASHED, WORKER_PARENT_GONE
+from shared.records import BootMessage, WorkerHello
 
 __all__ = ["run"]
 
@@ -38,12 +39,12 @@ def _set_parent_death_signal() -> None:
         pass  # not Linux: heartbeats and the parent check still end the worker
 
 
-def run(boot: dict[str, Any]) -> None:
+def run(boot: BootMessage) -> None:
     """Serve one tenant instance (or wait in the pool to be bound to one)."""
     _set_parent_death_signal()
-    expected_parent = boot.get("parent_pid")
+    expected_parent = boot.parent_pid
     if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(EXIT_PARENT_GONE)  # the supervisor died while we were starting
+        os._exit(WORKER_PARENT_GONE)  # the supervisor died while we were starting
     # A worker ends on SIGTERM like on "stop"; SIGINT (a terminal's ^C) is the supervisor's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -56,20 +57,20 @@ def run(boot: dict[str, Any]) -> None:
     from worker.server import WorkerServer
 
     set_process_name("twt-worker")
-    configure_logging(boot.get("log_format", "text"), boot.get("log_level", "info").upper())
+    configure_logging(boot.log_format, boot.log_level.upper())  # type: ignore[arg-type]
     log = get_logger("worker")
 
     zctx: zmq.Context[Any] = zmq.Context()
     data = zctx.socket(zmq.DEALER)
-    data.setsockopt(zmq.ROUTING_ID, boot["routing_id"].encode())
+    data.setsockopt(zmq.ROUTING_ID, boot.routing_id.encode())
     data.setsockopt(zmq.LINGER, 0)
-    data.setsockopt(zmq.MAXMSGSIZE, int(boot.get("max_message_bytes", 256 << 20)))
+    data.setsockopt(zmq.MAXMSGSIZE, boot.max_message_bytes)
     data.setsockopt(zmq.RCVHWM, 1000)
     data.setsockopt(zmq.SNDHWM, 1000)
-    data.connect(boot["data_endpoint"])
+    data.connect(boot.data_endpoint)
 
     faults = FaultState()
-    server = WorkerServer(data, faults, boot)
+    server = WorkerServer(data, faults)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         server.stop_event.set()
@@ -80,15 +81,15 @@ def run(boot: dict[str, Any]) -> None:
 
     from shared.protocol import encode_worker_reply
 
-    data.send(encode_worker_reply(0, True, {"token": boot["token"], "pid": os.getpid()}))
-    log_event(log, logging.DEBUG, "worker.started", worker=boot["worker_id"], pid=os.getpid())
-    code = EXIT_OK
+    data.send(encode_worker_reply(0, True, WorkerHello(boot.token, os.getpid()).to_wire()))
+    log_event(log, logging.DEBUG, "worker.started", worker=boot.worker_id, pid=os.getpid())
+    code = 0
     try:
         server.serve()
-        code = server.exit_code if server.exit_code is not None else EXIT_OK
+        code = server.exit_code if server.exit_code is not None else 0
     except BaseException:
         log.exception("worker.crashed")
-        code = EXIT_CRASHED
+        code = WORKER_CRASHED
     finally:
         server.close()
         control.closed.wait(2)

@@ -16,6 +16,11 @@ the GIL; pure-Python work yields it every switch interval).
 Handlers return ``(result, body)``; a :class:`TensorWasmError` becomes an
 error reply of the same class, anything else an internal error reply - the
 loop itself never dies of a request.
+
+Threads: the executor thread owns the data socket, the tenant context and
+every buffer. It shares with the control thread only the ``stop_event``, the
+:class:`worker.faults.FaultState` (armed there, consumed here with ``take_*``
+under its lock) and ``requests``, which only this thread writes.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import zmq
 from shared.device_budget import DeviceBudget  # imported at start, not at bind: binding must be fast
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.log import get_logger, log_event
-from shared.exits import context_lost_exit_code
+from shared.exitcodes import context_lost_exit_code
 from shared.protocol import decode_worker_request, encode_worker_reply
+from shared.records import BindMessage
 from shared.spec import TenantSpec
 from worker.context import TenantContext
 from worker.faults import FaultState
@@ -74,10 +80,9 @@ def _resolve(op: str) -> Handler | None:
 class WorkerServer:
     """Serves requests for one tenant instance until told to stop."""
 
-    def __init__(self, sock: zmq.Socket[Any], faults: FaultState, boot: dict[str, Any]) -> None:
+    def __init__(self, sock: zmq.Socket[Any], faults: FaultState) -> None:
         self.sock = sock
         self.faults = faults
-        self.boot = boot
         self.context: TenantContext | None = None
         self.stop_event = threading.Event()
         self.started = time.time()
@@ -140,11 +145,9 @@ class WorkerServer:
         faults = self.faults
         if faults.slow_ms:
             time.sleep(faults.slow_ms / 1000)
-        if faults.drop_next:
-            faults.drop_next -= 1
+        if faults.drop_next and faults.take_drop():
             return
-        if faults.corrupt_next:
-            faults.corrupt_next -= 1
+        if faults.corrupt_next and faults.take_corrupt():
             self.sock.send(b"\xc1corrupt\xff", zmq.NOBLOCK)
             return
         header = encode_worker_reply(rid, ok, payload)
@@ -185,9 +188,9 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
     """
     if server.context is not None:
         raise InvalidArgument(f"worker is already bound to {server.context.tenant_id!r}")
-    spec = TenantSpec.from_dict(args["spec"])
-    backend = args.get("backend", "stub")
-    options = dict(args.get("backend_options") or {})
+    msg = BindMessage.from_wire(args)
+    spec = TenantSpec.from_dict(msg.spec)
+    options = dict(msg.backend_options)
     budget = None
     budget_segment = options.pop("budget_segment", None)
     if budget_segment:
@@ -196,8 +199,8 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
         spec,
         instance=_int_arg(args, "instance"),
         incarnation=_int_arg(args, "incarnation", 0),
-        segment=str(args["segment"]),
-        backend=str(backend),
+        segment=str(msg.segment),
+        backend=str(msg.backend),
         backend_options=options,
         budget=budget,
         faults=server.faults,

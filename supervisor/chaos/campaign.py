@@ -17,6 +17,7 @@ from shared.capability import TenantCapability
 from shared.errors import (
     TensorWasmError,
 )
+from shared.records import StatusRecord, TenantRecord
 from supervisor.chaos.checks import (
     Check,
     _check_answered,
@@ -245,13 +246,17 @@ class _Campaign:
             crashed.append("a client or the nemesis did not stop within its timeout")
         self.checks.append(Check("harness ran to the end", not crashed, "; ".join(crashed) or "all threads finished"))
 
-    def _settle(self, main: SupervisorClient, timeout_s: float = 30.0) -> tuple[bool, list[dict[str, Any]]]:
+    def _records(self, main: SupervisorClient) -> list[TenantRecord]:
+        """The status records of the campaign's own tenants."""
+        return [r for r in StatusRecord.from_wire(main.status()).tenants if r.tenant_id in self.specs]
+
+    def _settle(self, main: SupervisorClient, timeout_s: float = 30.0) -> tuple[bool, list[TenantRecord]]:
         """Wait until every tenant runs every instance with nothing in flight or parked."""
         deadline = time.monotonic() + timeout_s
         while True:
-            recs = [r for r in main.status()["tenants"] if r["tenant_id"] in self.specs]
+            recs = self._records(main)
             if len(recs) == len(self.specs) and all(
-                r["state"] == "running" and r["in_flight"] == 0 and r["parked"] == 0 for r in recs
+                r.state == "running" and r.in_flight == 0 and r.parked == 0 for r in recs
             ):
                 return True, recs
             if time.monotonic() >= deadline:
@@ -272,12 +277,12 @@ class _Campaign:
         time.sleep(1.5)
         settled2, recs = self._settle(main)
         for rec in recs:
-            for inst in rec["instances"]:
-                self.note_pid(inst["pid"])
+            for inst in rec.instances:
+                self.note_pid(inst.pid)
         live: dict[str, dict[int, int]] = defaultdict(dict)
         for c in self.clients:
             live[c.tenant].update({h: b.nbytes for h, b in c.live.items()})
-        recons = [reconcile(r, live[r["tenant_id"]]) for r in recs]
+        recons = [reconcile(r, live[r.tenant_id]) for r in recs]
         problems = [f"{r.tenant}: {'; '.join(r.problems)}" for r in recons if not r.ok]
         for name in sorted(self.healthy):  # and the worker's own list, where no fault can be armed
             try:
@@ -292,7 +297,7 @@ class _Campaign:
                 0,
                 "tenants did not settle within 30 s: "
                 + ", ".join(
-                    f"{r['tenant_id']} {r['state']}, {r['in_flight']} in flight, {r['parked']} parked" for r in recs
+                    f"{r.tenant_id} {r.state}, {r.in_flight} in flight, {r.parked} parked" for r in recs
                 ),
             )
         lost_n = sum(r.lost_buffers for r in recons) + sum(len(c.stale) for c in self.clients)
@@ -316,17 +321,17 @@ class _Campaign:
         self._settle(main)
         deadline = time.monotonic() + 5.0
         while True:
-            recs = [r for r in main.status()["tenants"] if r["tenant_id"] in self.specs]
+            recs = self._records(main)
             nonzero = [
-                f"{r['tenant_id']}: gpu {r['gpu_bytes_in_use']:,} B, host {r['bytes_in_use']:,} B, "
-                f"shares {r['quota'].get('instance_shares')}"
+                f"{r.tenant_id}: gpu {r.gpu_bytes_in_use:,} B, host {r.bytes_in_use:,} B, "
+                f"shares {r.quota.get('instance_shares')}"
                 for r in recs
-                if r["gpu_bytes_in_use"] or r["bytes_in_use"] or r["quota"].get("instance_shares")
+                if r.gpu_bytes_in_use or r.bytes_in_use or r.quota.get("instance_shares")
             ]
             if not nonzero or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        self.segments = {str(r["quota"].get("name")) for r in recs}
+        self.segments = {str(r.quota.get("name")) for r in recs}
         problems = list(nonzero)
         for name in self.specs:
             try:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shared import protocol as proto
+from shared.records import TenantRecord
 from supervisor.chaos.config import _DISRUPTIVE, _UNANSWERED, LEAK_BIG
 from supervisor.chaos.nemesis import Action
 from supervisor.chaos.recorder import Record, percentile
@@ -45,8 +46,8 @@ class Reconciliation:
     problems: list[str] = field(default_factory=list)
 
 
-def reconcile(record: Mapping[str, Any], live: Mapping[int, int]) -> Reconciliation:
-    """Compare a tenant's status record (``status()["tenants"][i]``) with its live buffers (handle -> bytes).
+def reconcile(record: TenantRecord, live: Mapping[int, int]) -> Reconciliation:
+    """Compare a tenant's status record with its live buffers (handle -> bytes).
 
     A buffer whose handle names an instance incarnation that is no longer the
     running one died with that instance (the supervisor reclaimed its share);
@@ -54,9 +55,9 @@ def reconcile(record: Mapping[str, Any], live: Mapping[int, int]) -> Reconciliat
     Meaningful when nothing is in flight (the counters move with requests).
     """
     current: dict[int, int] = {}
-    for inst in record.get("instances", []):
-        if inst.get("state") == "ready" and inst.get("pid") is not None:
-            current[int(inst["index"])] = int(inst["incarnation"]) & 0xFFFF
+    for inst in record.instances:
+        if inst.state == "ready" and inst.pid is not None:
+            current[inst.index] = inst.incarnation & 0xFFFF
     expected: Counter[int] = Counter()
     lost = lost_bytes = 0
     for handle, nbytes in live.items():
@@ -66,11 +67,11 @@ def reconcile(record: Mapping[str, Any], live: Mapping[int, int]) -> Reconciliat
         else:
             lost += 1
             lost_bytes += nbytes
-    quota = record.get("quota") or {}
+    quota = record.quota
     shares = {int(i): int(gpu) for i, _cpu, gpu in quota.get("instance_shares", [])}
     cpu_shares = {int(i): int(cpu) for i, cpu, _gpu in quota.get("instance_shares", [])}
-    counted = int(record.get("gpu_bytes_in_use", 0))
-    cpu = int(record.get("bytes_in_use", 0))
+    counted = record.gpu_bytes_in_use
+    cpu = record.bytes_in_use
     problems = []
     if counted != sum(expected.values()):
         problems.append(f"gpu_bytes_in_use {counted:,} B, the clients hold {sum(expected.values()):,} B")
@@ -80,7 +81,7 @@ def reconcile(record: Mapping[str, Any], live: Mapping[int, int]) -> Reconciliat
     if cpu or any(cpu_shares.values()):
         problems.append(f"bytes_in_use {cpu:,} B with no WASM run in flight (expected 0)")
     return Reconciliation(
-        str(record.get("tenant_id")), not problems, sum(expected.values()), counted, cpu, lost, lost_bytes, problems
+        record.tenant_id, not problems, sum(expected.values()), counted, cpu, lost, lost_bytes, problems
     )
 
 

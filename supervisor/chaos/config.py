@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shared.protocol import FAULT_KINDS
 from shared.spec import TenantSpec
-from supervisor.core import DEADLINE_GRACE_S
 
 __all__ = [
     "ALL_FAULTS",
@@ -20,8 +20,8 @@ __all__ = [
     "SIGNAL_FAULTS",
 ]
 
-#: faults the worker applies to itself (``inject_fault``)
-DEFAULT_FAULTS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak")
+#: faults the worker applies to itself (``inject_fault``; the kinds are the protocol's)
+DEFAULT_FAULTS: tuple[str, ...] = FAULT_KINDS
 #: faults the nemesis delivers as signals to the worker's pid
 SIGNAL_FAULTS = ("sigkill", "sigstop")
 ALL_FAULTS = DEFAULT_FAULTS + SIGNAL_FAULTS
@@ -138,11 +138,3 @@ def _spec(name: str, healthy: bool, instances: int, cfg: ChaosConfig) -> TenantS
         max_restarts=1_000_000,
         restart_window_s=1.0,
     )
-
-
-def _deadline_s(spec: TenantSpec, op: str, wasm_timeout_s: float | None = None) -> float:
-    """The deadline the supervisor gives ``op`` (supervisor.routing._deadline_s), from submission."""
-    if op == "run_wasm":
-        run_s = min(wasm_timeout_s, spec.wasm_timeout_s) if wasm_timeout_s else spec.wasm_timeout_s
-        return max(run_s + DEADLINE_GRACE_S, spec.request_timeout_s)
-    return spec.request_timeout_s

@@ -17,6 +17,7 @@ from shared.errors import (
     TensorWasmError,
     WorkerLost,
 )
+from shared.records import TenantRecord
 from supervisor.chaos.config import SIGNAL_FAULTS
 from supervisor.chaos.schedule import Fault
 from supervisor.client import SupervisorClient
@@ -105,11 +106,11 @@ class _Nemesis(threading.Thread):
         action = Action(fault, wall, "skipped")
         try:
             if fault.kind in SIGNAL_FAULTS:
-                inst = client.tenant_status(None, name)["instances"][fault.instance]
-                if inst["state"] != "ready" or inst["pid"] is None:
-                    action.detail = f"instance {inst['state']}"
+                inst = TenantRecord.from_wire(client.tenant_status(None, name)).instances[fault.instance]
+                if inst.state != "ready" or inst.pid is None:
+                    action.detail = f"instance {inst.state}"
                 else:
-                    action.pid = int(inst["pid"])
+                    action.pid = inst.pid
                     action.wall = time.time()
                     os.kill(action.pid, signal.SIGKILL if fault.kind == "sigkill" else signal.SIGSTOP)
                     action.outcome = "signalled"

@@ -17,7 +17,7 @@ from shared.errors import (
     TensorWasmError,
 )
 from shared.spec import TenantSpec
-from supervisor.chaos.config import _DEATH_CODES, MAX_LIVE_BUFFERS, _deadline_s
+from supervisor.chaos.config import _DEATH_CODES, MAX_LIVE_BUFFERS
 from supervisor.chaos.recorder import Record, Recorder
 from supervisor.client import SupervisorClient
 from supervisor.demo import guest_path
@@ -77,7 +77,7 @@ class _Client(threading.Thread):
         self.client: SupervisorClient | None = None
         self.crashed: BaseException | None = None
         # the client gives up well after the supervisor must have answered: that is "lost"
-        self.timeout_s = 2 * _deadline_s(spec, "run_wasm") + 10.0
+        self.timeout_s = 2 * spec.deadline_s("run_wasm") + 10.0
 
     # ------------------------------------------------------------ plumbing
 
@@ -108,7 +108,7 @@ class _Client(threading.Thread):
                 t0,
                 latency,
                 outcome,
-                _deadline_s(self.spec, op, wasm_timeout_s),
+                self.spec.deadline_s(op, wasm_timeout_s),
                 detail,
             )
         )
@@ -124,7 +124,7 @@ class _Client(threading.Thread):
                 time.monotonic(),
                 0.0,
                 "wrong_data",
-                _deadline_s(self.spec, op),
+                self.spec.deadline_s(op),
                 detail[:200],
             )
         )

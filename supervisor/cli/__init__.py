@@ -3,7 +3,13 @@
 Each sub-command lives in its own module with ``add_parser(subparsers)`` and
 ``run(args) -> int``. Exit codes: 0 ok, 1 the operation failed (typed error
 printed), 2 bad usage, 3 no supervisor reachable, 4 a check or benchmark
-target failed.
+target failed, 70 an internal error (a bug: the trace is printed), 130
+interrupted; all defined in :mod:`shared.exitcodes`.
+
+A ``ValueError`` from the library is the user's bad input (exit 2); a
+``TypeError`` or any other exception is a bug and never passes for a usage
+error. Commands that turn user input into typed values (a tenant spec, the
+config) raise ``ValueError`` for a wrongly typed input.
 """
 
 from __future__ import annotations
@@ -11,9 +17,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 from collections.abc import Sequence
 
 from shared.errors import SupervisorUnavailable, TensorWasmError
+from shared.exitcodes import (
+    EXIT_CHECK,
+    EXIT_FAILED,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+)
 
 __all__ = ["main"]
 
@@ -36,7 +52,7 @@ COMMANDS = {
     "mps": "supervisor.cli.mps",
 }
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_CHECK = 0, 1, 2, 3, 4
+__all__ += ["EXIT_CHECK", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,17 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="tensor-wasm-tenant: run untrusted tenants on shared GPUs with hard quotas.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    seen: set[str] = set()
-    for module_name in dict.fromkeys(COMMANDS.values()):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                continue  # a command not built yet
-            raise
-        if module_name not in seen:
-            seen.add(module_name)
-            module.add_parser(sub)
+    for module_name in dict.fromkeys(COMMANDS.values()):  # each module once, in order
+        importlib.import_module(module_name).add_parser(sub)
     return parser
 
 
@@ -71,8 +78,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TensorWasmError as exc:
         print(f"twt: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except (ValueError, TypeError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # bad input (usage) / a file or socket the system refused
         print(f"twt: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, (ValueError, TypeError)) else EXIT_FAILED
+        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - a bug: say so, with the trace, never as a usage error
+        traceback.print_exc(file=sys.stderr)
+        print(f"twt: internal error: {type(exc).__name__}: {exc} (a bug in twt; the trace is above)",
+              file=sys.stderr)
+        return EXIT_INTERNAL

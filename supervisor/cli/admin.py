@@ -23,15 +23,15 @@ import tomllib
 from typing import Any
 
 from shared.errors import RequestTimeout
+from shared.protocol import FAULT_KINDS, QUOTA_KEYS
+from shared.records import TenantRecord
 from shared.sizes import format_size, parse_size
 from shared.spec import IsolationKind, RestartPolicy, TenantSpec
 from supervisor.cli._common import add_run_dir, non_negative_int, positive_seconds, print_json
-from supervisor.cli.status import connect, fetch_status
+from supervisor.cli.status import connect, fetch_tenant
 
 __all__ = ["FAULT_KINDS", "add_parser", "parse_param", "specs_from_file"]
 
-#: what ``inject_fault`` accepts (docs/RELIABILITY.md describes each)
-FAULT_KINDS = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
 #: admin calls that may wait for worker processes (register, evict) get at least this long
 ADMIN_TIMEOUT_S = 60.0
 _NONE_WORDS = ("none", "unlimited", "off")
@@ -90,6 +90,12 @@ _SPEC_FLAGS: tuple[tuple[str, str, Any, str, str], ...] = (
     ("--wasm-timeout", "wasm_timeout_s", positive_seconds, "S", "default and ceiling of a WASM run's time (default 10)"),
     ("--wasm-max-memory", "wasm_max_memory_bytes", _size, "SIZE", "largest WASM linear memory (default 256MiB)"),
 )
+#: set-quota's help for each limit it changes (the flags are register's, from _SPEC_FLAGS)
+_SET_QUOTA_HELP = {
+    "memory_quota_bytes": "host memory quota, e.g. 2GiB",
+    "gpu_memory_bytes_cap": "GPU byte cap; none removes it",
+    "recorded_cuda_mem_pool_quota": "recorded CUDA pool quota (retention hint); none clears it",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -165,12 +171,10 @@ def _add_set_quota(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "already allocated is taken away. Omitted limits stay as they are.",
     )
     p.add_argument("tenant", metavar="TENANT")
-    p.add_argument("--memory-quota", dest="memory_quota_bytes", type=_size, metavar="SIZE",
-                   default=argparse.SUPPRESS, help="host memory quota, e.g. 2GiB")
-    p.add_argument("--gpu-cap", dest="gpu_memory_bytes_cap", type=_size_or_none, metavar="SIZE|none",
-                   default=argparse.SUPPRESS, help="GPU byte cap; none removes it")
-    p.add_argument("--pool-quota", dest="recorded_cuda_mem_pool_quota", type=_size_or_none, metavar="SIZE|none",
-                   default=argparse.SUPPRESS, help="recorded CUDA pool quota (retention hint); none clears it")
+    for flag, dest, kind, metavar, _ in _SPEC_FLAGS:  # the register flags of the limits set_quota changes
+        if dest in QUOTA_KEYS:
+            p.add_argument(flag, dest=dest, type=kind, metavar=metavar, default=argparse.SUPPRESS,
+                           help=_SET_QUOTA_HELP[dest])
     p.add_argument("--json", action="store_true", help="print the tenant's status record as JSON")
     add_run_dir(p)
     p.set_defaults(func=run_set_quota)
@@ -269,7 +273,10 @@ def build_spec(args: argparse.Namespace) -> TenantSpec:
     for dest in ("isolation", "restart"):
         if hasattr(args, dest):
             base[dest] = getattr(args, dest)
-    return TenantSpec.from_dict({**base, "tenant_id": tid})
+    try:
+        return TenantSpec.from_dict({**base, "tenant_id": tid})
+    except TypeError as exc:  # a wrongly typed value in the file or on the command line: the user's input
+        raise ValueError(str(exc)) from None
 
 
 def _check_cap_out(path: str | None) -> None:
@@ -312,20 +319,20 @@ def _emit_capability(args: argparse.Namespace, tenant_id: str, hex_cap: str) -> 
         print(hex_cap)
 
 
-def _limits_line(rec: dict[str, Any]) -> str:
-    cap = rec.get("gpu_memory_bytes_cap")
-    pool = (rec.get("quota") or {}).get("cuda_mem_pool_quota_bytes")
-    return (f"{rec.get('tenant_id')}: memory quota {format_size(rec.get('memory_quota_bytes'))}, "
+def _limits_line(rec: TenantRecord) -> str:
+    cap = rec.gpu_memory_bytes_cap
+    pool = rec.quota.get("cuda_mem_pool_quota_bytes")
+    return (f"{rec.tenant_id}: memory quota {format_size(rec.memory_quota_bytes)}, "
             f"GPU cap {'none' if cap is None else format_size(cap)}, "
             f"pool quota {'none' if pool is None else format_size(pool)} "
-            f"(in use: {format_size(rec.get('bytes_in_use', 0))} host, {format_size(rec.get('gpu_bytes_in_use', 0))} GPU)")
+            f"(in use: {format_size(rec.bytes_in_use)} host, {format_size(rec.gpu_bytes_in_use)} GPU)")
 
 
-def _instances_line(rec: dict[str, Any]) -> str:
-    wanted = [i for i in rec.get("instances", []) if not i.get("draining")]
-    ready = [i for i in wanted if i.get("state") == "ready"]
-    pids = ",".join(str(i["pid"]) for i in ready) or "-"
-    return f"{rec.get('tenant_id')}: {len(wanted)} instance(s), {len(ready)} ready (pids {pids}), state {rec.get('state')}"
+def _instances_line(rec: TenantRecord) -> str:
+    wanted = [i for i in rec.instances if not i.draining]
+    ready = [i for i in wanted if i.state == "ready"]
+    pids = ",".join(str(i.pid) for i in ready) or "-"
+    return f"{rec.tenant_id}: {len(wanted)} instance(s), {len(ready)} ready (pids {pids}), state {rec.state}"
 
 
 # ----------------------------------------------------------------- commands
@@ -360,14 +367,13 @@ def run_evict(args: argparse.Namespace) -> int:
 
 
 def run_set_quota(args: argparse.Namespace) -> int:
-    changes = {k: getattr(args, k) for k in ("memory_quota_bytes", "gpu_memory_bytes_cap",
-                                              "recorded_cuda_mem_pool_quota") if hasattr(args, k)}
+    changes = {k: getattr(args, k) for k in QUOTA_KEYS if hasattr(args, k)}
     if not changes:
         raise ValueError("set-quota needs at least one of --memory-quota, --gpu-cap, --pool-quota")
     with connect(args) as client:
-        rec = client.set_quota(None, args.tenant, **changes)
+        rec = TenantRecord.from_wire(client.set_quota(None, args.tenant, **changes))
     if args.json:
-        print_json(rec)
+        print_json(rec.to_wire())
     else:
         print(_limits_line(rec))
     return 0
@@ -375,7 +381,7 @@ def run_set_quota(args: argparse.Namespace) -> int:
 
 def run_scale(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        rec = client.scale(None, args.tenant, args.instances)
+        rec = TenantRecord.from_wire(client.scale(None, args.tenant, args.instances))
         if args.wait:
             deadline = time.monotonic() + args.timeout
             while not _scaled(rec, args.instances):
@@ -384,20 +390,19 @@ def run_scale(args: argparse.Namespace) -> int:
                     raise RequestTimeout("scale", args.timeout, message=(
                         f"{args.tenant} did not reach {args.instances} ready instance(s) within {args.timeout:g} s"))
                 time.sleep(0.05)
-                rec = fetch_status(client, args.tenant)
+                rec = fetch_tenant(client, args.tenant)
     if args.json:
-        print_json(rec)
+        print_json(rec.to_wire())
     else:
         print(_instances_line(rec))
     return 0
 
 
-def _scaled(rec: dict[str, Any], n: int) -> bool:
-    instances = rec.get("instances", [])
-    wanted = [i for i in instances if not i.get("draining")]
+def _scaled(rec: TenantRecord, n: int) -> bool:
+    wanted = [i for i in rec.instances if not i.draining]
     # drained instances must be gone too, so "scale 1 --wait" means one process left
-    return (len(wanted) == n and all(i.get("state") == "ready" for i in wanted)
-            and not any(i.get("draining") and i.get("pid") is not None for i in instances))
+    return (len(wanted) == n and all(i.state == "ready" for i in wanted)
+            and not any(i.draining and i.pid is not None for i in rec.instances))
 
 
 def run_fault(args: argparse.Namespace) -> int:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shared.exitcodes import EXIT_CHECK, EXIT_OK
 from supervisor.cli._common import comma_list, print_json
 
 __all__ = ["add_parser", "run"]
 
-EXIT_VIOLATION = 4
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -91,4 +91,4 @@ def run(args: argparse.Namespace) -> int:
         print_json(report)
     else:
         print(format_report(report))
-    return 0 if report["ok"] else EXIT_VIOLATION
+    return EXIT_OK if report["ok"] else EXIT_CHECK

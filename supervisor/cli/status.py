@@ -12,15 +12,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from shared.errors import RequestTimeout, SupervisorUnavailable, UnknownTenant
+from shared.records import StatusRecord, SupervisorRecord, TenantRecord
 from shared.sizes import format_size
 from supervisor.cli._common import add_run_dir, print_json, print_table, run_dir_of
 from supervisor.client import SupervisorClient
 
-__all__ = ["add_parser", "connect", "fetch_status", "format_duration", "render", "run"]
+__all__ = ["add_parser", "connect", "fetch_status", "fetch_tenant", "format_duration", "render", "run"]
 
 #: seconds a read-only command waits for an answer before calling the supervisor unreachable
 READ_TIMEOUT_S = 10.0
@@ -48,12 +51,19 @@ def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> Supe
     return SupervisorClient(run_dir_of(args), timeout_s=timeout_s)
 
 
-def fetch_status(client: SupervisorClient, tenant: str | None = None) -> dict[str, Any]:
+def fetch_status(client: SupervisorClient) -> StatusRecord:
     """The status record; a supervisor that does not answer in time counts as unreachable (exit 3)."""
+    return StatusRecord.from_wire(_unreachable_on_timeout(client, client.status))
+
+
+def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:
+    """One tenant's record (as :func:`fetch_status`, for one tenant)."""
+    return TenantRecord.from_wire(_unreachable_on_timeout(client, lambda: client.tenant_status(None, tenant)))
+
+
+def _unreachable_on_timeout(client: SupervisorClient, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
-        if tenant is not None:
-            return client.tenant_status(None, tenant)
-        return client.status()
+        return call()
     except RequestTimeout:
         raise SupervisorUnavailable(
             client.run_dir, f"no answer within {client.timeout_s:g} s (supervisor hung or overloaded?)"
@@ -63,12 +73,13 @@ def fetch_status(client: SupervisorClient, tenant: str | None = None) -> dict[st
 def run(args: argparse.Namespace) -> int:
     with connect(args) as client:
         if args.json:
-            print_json(fetch_status(client, args.tenant))
+            print_json(fetch_tenant(client, args.tenant).to_wire() if args.tenant is not None
+                       else fetch_status(client).to_wire())
             return 0
         status = fetch_status(client)
     if args.tenant is not None:
-        status = {**status, "tenants": [t for t in status["tenants"] if t.get("tenant_id") == args.tenant]}
-        if not status["tenants"]:
+        status = dataclasses.replace(status, tenants=tuple(t for t in status.tenants if t.tenant_id == args.tenant))
+        if not status.tenants:
             raise UnknownTenant(args.tenant)
     print(render(status), end="")
     return 0
@@ -95,61 +106,57 @@ def _limit(n: int | None) -> str:
     return "none" if n is None else format_size(n)
 
 
-def _pids(pids: list[int]) -> str:
+def _pids(pids: Sequence[int]) -> str:
     if not pids:
         return "-"
     shown = ",".join(str(p) for p in pids[:_MAX_PIDS_SHOWN])
     return shown + (f",+{len(pids) - _MAX_PIDS_SHOWN}" if len(pids) > _MAX_PIDS_SHOWN else "")
 
 
-def header_line(sup: dict[str, Any]) -> str:
-    pool = sup.get("pool") or {}
+def header_line(sup: SupervisorRecord) -> str:
+    pool = sup.pool
     parts = [
-        f"supervisor pid {sup.get('pid', '?')}",
-        f"backend {sup.get('backend', '?')}",
-        f"start {sup.get('start_method', '?')}",
-        f"pool {pool.get('idle', 0)}/{pool.get('size', 0)} idle"
-        + (f" ({pool['starting']} starting)" if pool.get("starting") else ""),
-        f"workers {sup.get('workers', 0)}",
+        f"supervisor pid {sup.pid}",
+        f"backend {sup.backend}",
+        f"start {sup.start_method}",
+        f"pool {pool.idle}/{pool.size} idle" + (f" ({pool.starting} starting)" if pool.starting else ""),
+        f"workers {sup.workers}",
     ]
-    if sup.get("rss_bytes") is not None:
-        parts.append(f"rss {format_size(sup['rss_bytes'])}")
-    parts.append(f"up {format_duration(sup.get('uptime_s'))}")
+    if sup.rss_bytes is not None:
+        parts.append(f"rss {format_size(sup.rss_bytes)}")
+    parts.append(f"up {format_duration(sup.uptime_s)}")
     return "  ".join(parts)
 
 
-def tenant_row(t: dict[str, Any]) -> list[str]:
-    quota = t.get("quota") or {}
-    instances = [i for i in t.get("instances", []) if not i.get("draining")]
-    ready = sum(1 for i in instances if i.get("state") == "ready")
+def tenant_row(t: TenantRecord) -> list[str]:
+    quota = t.quota
+    instances = [i for i in t.instances if not i.draining]
+    ready = sum(1 for i in instances if i.state == "ready")
     return [
-        str(t.get("tenant_id")),
-        str(t.get("state")),
+        t.tenant_id,
+        t.state,
         f"{ready}/{len(instances)}",
-        _pids(list(t.get("pids") or [])),
-        f"{format_size(t.get('bytes_in_use', 0))}/{_limit(t.get('memory_quota_bytes'))}",
-        f"{format_size(t.get('gpu_bytes_in_use', 0))}/{_limit(t.get('gpu_memory_bytes_cap'))}",
+        _pids(t.pids),
+        f"{format_size(t.bytes_in_use)}/{_limit(t.memory_quota_bytes)}",
+        f"{format_size(t.gpu_bytes_in_use)}/{_limit(t.gpu_memory_bytes_cap)}",
         f"{format_size(quota.get('cpu_high_water', 0))}/{format_size(quota.get('gpu_high_water', 0))}",
         f"{quota.get('cpu_refusals', 0)}/{quota.get('gpu_refusals', 0)}",
-        str(t.get("restarts", 0)),
-        format_duration(t.get("uptime_s")),
+        str(t.restarts),
+        format_duration(t.uptime_s),
     ]
 
 
-def _notes(t: dict[str, Any]) -> list[str]:
+def _notes(t: TenantRecord) -> list[str]:
     """Why a tenant is not healthy: failure reason, instances down and how they last ended."""
     notes = []
-    tid = t.get("tenant_id")
-    if t.get("failed_reason"):
-        notes.append(f"{tid}: failed: {t['failed_reason']}")
-    for inst in t.get("instances", []):
-        if inst.get("state") in ("ready", "idle") or inst.get("draining"):
+    if t.failed_reason:
+        notes.append(f"{t.tenant_id}: failed: {t.failed_reason}")
+    for inst in t.instances:
+        if inst.state in ("ready", "idle") or inst.draining:
             continue
-        last = inst.get("last_exit") or {}
-        how = ""
-        if last:
-            how = f" (last exit: {last.get('reason') or _exit_text(last)})"
-        notes.append(f"{tid}/{inst.get('index')}: {inst.get('state')}{how}")
+        last = inst.last_exit or {}
+        how = f" (last exit: {last.get('reason') or _exit_text(last)})" if last else ""
+        notes.append(f"{t.tenant_id}/{inst.index}: {inst.state}{how}")
     return notes
 
 
@@ -159,16 +166,15 @@ def _exit_text(last: dict[str, Any]) -> str:
     return f"exit code {last.get('exit_code')}"
 
 
-def render(status: dict[str, Any]) -> str:
+def render(status: StatusRecord) -> str:
     """The header line, the tenant table and notes on unhealthy tenants, as text."""
     out = io.StringIO()
-    out.write(header_line(status.get("supervisor") or {}) + "\n")
-    tenants = status.get("tenants") or []
-    if not tenants:
+    out.write(header_line(status.supervisor) + "\n")
+    if not status.tenants:
         out.write("no tenants registered\n")
         return out.getvalue()
-    print_table(HEADERS, [tenant_row(t) for t in tenants], out)
-    notes = [n for t in tenants for n in _notes(t)]
+    print_table(HEADERS, [tenant_row(t) for t in status.tenants], out)
+    notes = [n for t in status.tenants for n in _notes(t)]
     if notes:
         out.write("\n" + "\n".join(notes) + "\n")
     return out.getvalue()

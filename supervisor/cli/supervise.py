@@ -31,20 +31,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(
-        args.config,
-        overrides={
-            "run_dir": args.run_dir,
-            "backend": args.backend,
-            "start_method": args.start_method,
-            "log_format": args.log_format,
-            "log_level": args.log_level,
-            "pool_size": args.pool_size,
-            "metrics_addr": args.metrics_addr,
-        },
-    )
+    try:
+        config = load_config(
+            args.config,
+            overrides={
+                "run_dir": args.run_dir,
+                "backend": args.backend,
+                "start_method": args.start_method,
+                "log_format": args.log_format,
+                "log_level": args.log_level,
+                "pool_size": args.pool_size,
+                "metrics_addr": args.metrics_addr,
+            },
+        )
+    except TypeError as exc:  # a wrongly typed value in the config file: the user's input
+        raise ValueError(str(exc)) from None
     configure_logging(config.log_format, config.log_level.upper())  # type: ignore[arg-type]
-    from supervisor.router import Supervisor
+    from supervisor.supervisor import Supervisor
 
     metrics = None
     if config.metrics_addr:

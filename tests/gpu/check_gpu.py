@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from shared.exits import STICKY_CUDA_ERRORS  # noqa: E402
+from shared.exitcodes import STICKY_CUDA_ERRORS  # noqa: E402
 from tests.gpu import check_children  # noqa: E402
 from tests.gpu.check_children import Counting as _Counting  # noqa: E402,F401 - tests/gpu/test_gpu.py uses it
 

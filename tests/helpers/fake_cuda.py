@@ -57,14 +57,14 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shared.exits import STICKY_CUDA_ERRORS
+from shared.exitcodes import STICKY_CUDA_ERRORS
 
 __all__ = ["DynamicLibNotFoundError", "FakeDriver", "instance", "reset"]
 
 
 # ----------------------------------------------------------------- enums (real values)
 
-#: the driver's sticky errors (the same list the worker uses; shared/exits.py)
+#: the driver's sticky errors (the same list the worker uses; shared/exitcodes.py)
 STICKY = frozenset(STICKY_CUDA_ERRORS)
 
 

@@ -35,5 +35,5 @@ def test_on_failure_restarts_a_worker_the_supervisor_killed() -> None:
         c.inject_fault(None, "picky", "corrupt")
         with pytest.raises(WorkerLost, match="malformed reply"):
             c.ping(cap)  # the supervisor kills a worker that sends garbage: that is a failure
-        wait_for(lambda: (p := instance_pid(sup, "picky")) and p != pid, timeout_s=4, what="restarted")
+        wait_for(lambda: (p := instance_pid(sup, "picky")) and p != pid, timeout_s=15, what="restarted")
         assert c.ping(cap)["tenant"] == "picky"

@@ -122,6 +122,9 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
             after = scenario(sup)
             procs.update(_tree(sup.pid))
             assert len(procs) >= 5, (name, procs)  # 3 instances + 2 pool (+ forkserver, + registering)
+            # its segments (two tenants and the device budget): once it is killed, nobody owns them
+            owned = {n for n in hygiene.twt_segments() if n.startswith(prefix)}
+            assert len(owned) >= 3, (name, owned)
             if whole_tree:
                 # the supervisor's resource tracker dies too: nobody but the next supervisor can clean up
                 for pid in [sup.pid, *procs]:
@@ -133,14 +136,17 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
                 sup.process.kill()
             sup.process.wait(10)
             t0 = time.monotonic()
-            wait_for(lambda: not any(_alive(p, t) for p, t in procs.items()), timeout_s=2.0,  # noqa: B023
+            wait_for(lambda: not any(_alive(p, t) for p, t in procs.items()), timeout_s=10.0,  # noqa: B023
                      interval_s=0.01, what=f"{name}: every process of the killed supervisor gone")
             gone_in = time.monotonic() - t0
-            assert gone_in < 2.0, (name, gone_in)
+            # PDEATHSIG, heartbeats and the parent check end them at once; 10 s is a margin for a
+            # loaded machine, not a speed target
+            assert gone_in < 10.0, (name, gone_in)
             after()
-            stale = {n for n in hygiene.twt_segments() if n.startswith(prefix)}
-            if whole_tree:
-                assert len(stale) >= 3, (name, stale)  # two tenants and the device budget, left behind
+            # Whoever cleans them first - the next supervisor, or one that another test run starts on
+            # this machine meanwhile (it applies the same dead-owner rule) - none may be left once the
+            # next supervisor is ready (checked at the top of the next round).
+            stale = owned
             with pytest.raises(SupervisorUnavailable):
                 type(sup.client)(run_dir)  # a client sees a stale run dir, not a hang
     # one more start cleans the last one's segments, and a graceful stop leaves nothing

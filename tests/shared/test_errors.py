@@ -40,6 +40,7 @@ from shared.errors import (
 
 #: One sample per class: its constructor's keyword arguments.
 SAMPLES: dict[type[TensorWasmError], dict[str, Any]] = {
+    errors.RunDirLocked: {"run_dir": "/tmp/twt-1", "pid": 42},
     MemoryExhausted: {"tenant_id": "acme", "requested": 4096, "limit": 8192, "current": 6000},
     GpuMemoryExhausted: {"tenant_id": "acme", "requested": 1 << 30, "limit": 1 << 31, "current": 1 << 31},
     TenantIsolationViolation: {"tenant_id": "acme", "resource": "run_wasm"},

@@ -574,9 +574,11 @@ def test_cleanup_removes_only_dead_owners_segments() -> None:
             procs[0].kill()
             procs[0].join(30)
             assert procs[0].exitcode == -9
-            assert segment_exists(prefix + "killed")  # nobody else removes it
             removed = cleanup_stale_segments(prefix)
-            assert sorted(removed) == sorted(prefix + s for s in [*stale, "killed"])
+            # Exactly the stale ones go. Another supervisor starting on this machine meanwhile may
+            # have removed some of them first (it applies the same rule), so: at most these, and
+            # afterwards none of them is left.
+            assert set(removed) <= {prefix + s for s in [*stale, "killed"]}
             left = set(_shm.list_segments(prefix))
             assert left == {prefix + s for s in foreign} | {live.name}
             assert cleanup_stale_segments(prefix) == []  # idempotent

@@ -22,6 +22,7 @@ import pytest
 
 from shared.capability import TenantCapability
 from shared.errors import GpuMemoryExhausted
+from shared.records import PoolRecord, StatusRecord, SupervisorRecord
 from shared.sizes import format_size
 from shared.spec import TenantSpec
 from supervisor.cli import EXIT_UNAVAILABLE, build_parser, main
@@ -133,7 +134,8 @@ def test_rendering_helpers() -> None:
     assert 'reason="killed by signal 9"' in line and "reclaimed_gpu=1MiB" in line
     assert "exit_code" not in line and "reclaimed_cpu" not in line and ".250" in line
     assert "pool" in format_event({"event": "spawn", "ts": 0.0, "worker": "w1", "pid": 7})
-    assert render({"supervisor": {"pid": 1}, "tenants": []}).splitlines()[-1] == "no tenants registered"
+    sup = SupervisorRecord(1, "r", "stub", "", "spawn", 1, 1.0, "/run", PoolRecord(0, 0, 2), 0, 0)
+    assert render(StatusRecord(sup)).splitlines()[-1] == "no tenants registered"
 
 
 # ------------------------------------------------------------- with a supervisor
@@ -377,3 +379,17 @@ def test_operations_doc_covers_every_command_setting_and_event() -> None:
         assert f"### `twt {command}`" in doc, command
     sizing = doc.split("## Sizing", 1)[1]
     assert "PLACEHOLDER" not in sizing and "TBD" not in sizing  # measured figures are in
+
+
+def test_a_bug_is_an_internal_error_never_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import supervisor.cli.status as status_cmd
+    from shared.exitcodes import EXIT_INTERNAL
+
+    def broken(args: Any) -> int:
+        return len(None)  # type: ignore[arg-type] - the bug: a TypeError deep inside a command
+
+    monkeypatch.setattr(status_cmd, "run", broken)
+    assert main(["status"]) == EXIT_INTERNAL == 70
+    err = capsys.readouterr().err
+    assert "twt: internal error: TypeError" in err and "Traceback" in err

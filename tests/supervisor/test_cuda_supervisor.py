@@ -375,7 +375,7 @@ def test_a_sticky_cuda_error_ends_the_worker_and_every_request_in_flight_gets_wo
     """The request that hit the fault gets CudaError; the ones queued behind it get WorkerLost with
     "CUDA context lost: ..."; the supervisor restarts the instance (on-failure); the neighbour is untouched."""
     from shared.errors import CudaError, WorkerLost, error_from_dict
-    from shared.exits import EXIT_CUDA_CONTEXT_LOST
+    from shared.exitcodes import WORKER_CUDA_CONTEXT_LOST
 
     with cuda_supervisor({"memory": GiB}, device_reserve_bytes=0) as sup:
         c = sup.client
@@ -401,7 +401,7 @@ def test_a_sticky_cuda_error_ends_the_worker_and_every_request_in_flight_gets_wo
             lost = answers[rid]
             assert isinstance(lost, WorkerLost), lost
             assert lost.reason == "CUDA context lost: CUDA_ERROR_ILLEGAL_ADDRESS"
-            assert lost.exit_code == EXIT_CUDA_CONTEXT_LOST
+            assert lost.exit_code == WORKER_CUDA_CONTEXT_LOST
         new_pid = wait_for(lambda: (p := instance_pid(sup, "faulty")) != old_pid and p, timeout_s=30,
                            what="restart")
         assert new_pid

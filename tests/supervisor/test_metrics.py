@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.errors import GpuMemoryExhausted
 from shared.quota import QuotaBlock
+from supervisor.metrics import TenantGauges
 from supervisor.prometheus import PrometheusMetrics, parse_metrics_addr
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
 
@@ -61,10 +63,11 @@ def test_exporter_on_port_0_hooks_and_scrape_time_snapshot() -> None:
             block.consume_gpu_bytes(1 << 20)
         state = {"up": 2}
 
-        def snapshot() -> dict[str, Any]:
-            return {"acme": {"quota": block.snapshot(), "instances_up": state["up"], "state": "running"},
-                    "free": {"quota": {"bytes_in_use": 1, "memory_quota_bytes": 2, "gpu_memory_bytes_cap": None},
-                             "instances_up": 0, "state": "failed"}}
+        def snapshot() -> dict[str, TenantGauges]:
+            free = dataclasses.replace(block.snapshot(), tenant_id="free", bytes_in_use=1, memory_quota_bytes=2,
+                                       gpu_memory_bytes_cap=None)
+            return {"acme": TenantGauges(block.snapshot(), state["up"], "running"),
+                    "free": TenantGauges(free, 0, "failed")}
 
         metrics = PrometheusMetrics("127.0.0.1:0", process_metrics=False)
         try:

@@ -30,14 +30,12 @@ def test_warm_registration_binds_a_pool_worker_and_pool_refills() -> None:
     with supervisor(pool_size=2) as sup:
         c = sup.client
         pool = wait_for(lambda: _full_pool(sup), what="pool full")
-        t0 = time.perf_counter()
         cap = c.register(None, TenantSpec("acme"))
-        warm_ms = (time.perf_counter() - t0) * 1000
         pid = c.ping(cap)["pid"]
         assert pid in pool, "the tenant got a pool worker"
         refilled = wait_for(lambda: _full_pool(sup), what="pool refilled")
         assert pid not in refilled
-        assert warm_ms < 1000  # a message round trip, not a process start (the bench measures it)
+        # how much faster a warm registration is: a figure of `twt bench scale`, not asserted here
         c.evict(None, "acme")
         after = wait_for(lambda: _full_pool(sup), what="pool steady")
         assert pid not in after, "an evicted tenant's worker never returns to the pool"

@@ -17,7 +17,7 @@ import pytest
 
 from shared.device_budget import MAX_SLOTS, DeviceBudget
 from shared.errors import BackendUnavailable, CudaError, GpuMemoryExhausted
-from shared.exits import STICKY_CUDA_ERRORS
+from shared.exitcodes import STICKY_CUDA_ERRORS
 from shared.quota import QuotaBlock
 from tests.helpers import fake_cuda
 from tests.helpers.fake_cuda import CUresult, FakeDriver

@@ -12,12 +12,12 @@ cuda-python calls return tuples with the result code first:
 ``None``, ``value`` or ``(v1, v2)``.
 
 Sticky errors: when a driver call answers one of
-:data:`shared.exits.STICKY_CUDA_ERRORS` (an illegal address, a launch
+:data:`shared.exitcodes.STICKY_CUDA_ERRORS` (an illegal address, a launch
 failure ...), the context is gone for the rest of the process - every later
 call returns the same error. :class:`Driver` remembers the first such error in
 :attr:`Driver.context_lost`, and the :class:`CudaError` it raises says so; the
 worker's server reads it after the request and ends the process (see
-``shared/exits.py``). A kernel's fault surfaces at whichever call comes next
+``shared/exitcodes.py``). A kernel's fault surfaces at whichever call comes next
 (usually the synchronize after the launch), and every path goes through here.
 
 Without ``libcuda`` (or ``libnvrtc``) the bindings import fine and the
@@ -38,7 +38,7 @@ import importlib
 from typing import Any, Callable
 
 from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable, CudaError
-from shared.exits import is_sticky_cuda_error
+from shared.exitcodes import is_sticky_cuda_error
 
 __all__ = ["DEFAULT_DRIVER_MODULE", "DEFAULT_NVRTC_MODULE", "Driver", "Nvrtc", "load_module"]
 

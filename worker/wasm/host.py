@@ -55,6 +55,7 @@ from shared.errors import (
     WasmTrap,
 )
 from shared.log import get_logger, log_event
+from shared.sizes import MAX_MODULE_BYTES  # the largest module body the worker compiles
 from worker.context import TenantContext
 from worker.wasm.abi import HANDLERS, IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun, LogLimiter, NoGuestMemory, guest_view
 
@@ -63,8 +64,6 @@ __all__ = ["CompileOverrun", "CompiledModule", "EpochTicker", "WasmHost", "WasmS
 _log = get_logger("worker.wasm")
 
 PAGE = 65536
-#: largest module body the worker compiles (text or binary)
-MAX_MODULE_BYTES = 32 << 20
 #: compiled modules kept per worker (LRU)
 CACHE_ENTRIES = 64
 #: the compile-cache budget of a worker (one tenant instance): module bytes cached, LRU beyond
@@ -105,7 +104,7 @@ def _config() -> wasmtime.Config:
 class CompileOverrun(KernelTimeout):
     """Compiling took longer than the run's deadline. The compiler cannot be
     stopped from outside, so the worker answers this and exits (the
-    supervisor restarts the instance): ``shared.exits.EXIT_COMPILE_OVERRUN``."""
+    supervisor restarts the instance): ``shared.exitcodes.WORKER_COMPILE_OVERRUN``."""
 
 
 # ------------------------------------------------------------------ ticker

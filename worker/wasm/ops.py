@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 
 from shared.errors import InvalidArgument, UnknownModule
-from shared.exits import EXIT_COMPILE_OVERRUN
+from shared.exitcodes import WORKER_COMPILE_OVERRUN
 from worker.server import Reply, WorkerServer
 from worker.wasm.host import MAX_ARGS, CompileOverrun, WasmHost
 
@@ -69,6 +69,6 @@ def op_run_wasm(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | No
         return host.run(module, export, call_args, fuel=fuel, timeout_s=timeout_s), None
     except CompileOverrun:
         # The compiler thread cannot be stopped; it stops with the process, once this reply is out.
-        server.exit_code = EXIT_COMPILE_OVERRUN
+        server.exit_code = WORKER_COMPILE_OVERRUN
         server.stop_event.set()
         raise

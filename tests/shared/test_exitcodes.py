@@ -1,12 +1,12 @@
-"""The exit-code table the worker and the supervisor share (shared/exits.py)."""
+"""The exit-code table the worker and the supervisor share (shared/exitcodes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.exits import (
-    EXIT_CUDA_CONTEXT_LOST,
-    EXIT_PARENT_GONE,
+from shared.exitcodes import (
+    WORKER_CUDA_CONTEXT_LOST,
+    WORKER_PARENT_GONE,
     STICKY_CUDA_ERRORS,
     context_lost_error,
     context_lost_exit_code,
@@ -18,7 +18,7 @@ from shared.exits import (
 @pytest.mark.parametrize("name", STICKY_CUDA_ERRORS)
 def test_every_sticky_error_has_its_own_exit_code_that_names_it_again(name: str) -> None:
     code = context_lost_exit_code(name)
-    assert 0 < code < 256 and code not in (1, EXIT_PARENT_GONE)
+    assert 0 < code < 256 and code not in (1, WORKER_PARENT_GONE)
     assert context_lost_error(code) == name
     assert exit_reason(code) == f"CUDA context lost: {name}"
     assert is_sticky_cuda_error(name)
@@ -26,7 +26,7 @@ def test_every_sticky_error_has_its_own_exit_code_that_names_it_again(name: str)
 
 def test_codes_are_distinct_and_an_unlisted_sticky_error_still_reads_as_context_lost() -> None:
     codes = [context_lost_exit_code(n) for n in STICKY_CUDA_ERRORS]
-    assert len(set(codes)) == len(codes) and codes[0] == EXIT_CUDA_CONTEXT_LOST
+    assert len(set(codes)) == len(codes) and codes[0] == WORKER_CUDA_CONTEXT_LOST
     other = context_lost_exit_code("CUDA_ERROR_FROM_A_NEWER_DRIVER")
     assert exit_reason(other) == "CUDA context lost: a sticky CUDA error"
 

@@ -1,0 +1,372 @@
+"""The supervisor process: one single-threaded loop composed of a few parts.
+
+    clients ──DEALER──► ROUTER frontend ─┐ Frontend: decode header only; check capability;
+                                         │ back-pressure (max_in_flight); pick instance
+    workers ◄──DEALER── ROUTER backend ◄─┘ WorkerSet: forward [hdr'|body] (body not copied)
+    workers ──DEALER──► ROUTER control     WorkerSet: hello / heartbeats / fault acks
+    subscribers ◄─SUB── PUB events         spawn, ready, exit, restart, failed ...
+    worker sentinels (fds) ─► poller       WorkerSet.on_death: a death is seen at once
+
+The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom):
+
+    Loop          (loop.py)       poller, timers, wake pipe; the clock
+    PendingTable  (pending.py)    requests in flight, deadlines, THE one place a request is finished
+    Replies       (replies.py)    answers out on the frontend socket, bounded per client
+    WorkerSet     (workerset.py)  pool, spawn, bind, stop, kill, death, restart, liveness
+    Frontend      (frontend.py)   client requests: capability, back-pressure, instance choice, parking
+    AdminOps      (admin.py)      admin ops and the tenant lifecycle (register ... evict, failed)
+    Supervisor    (this module)   sockets, wiring, the loop body, housekeeping, start and stop
+
+Owns: the ZMQ context and sockets, signal handlers, the run dir's ready
+file and the metrics snapshot hand-off. Everything the loop does is
+non-blocking; sends use ``NOBLOCK`` and a full peer (a slow client) loses
+its reply rather than stalling everyone. The quota hot path never passes
+through here: workers consume and release on their tenant's shared-memory
+block directly; the loop reads the blocks for status and reclaims a dead
+instance's share.
+
+Threads: everything runs on the loop thread except :meth:`Supervisor.request_stop`
+(signal handlers, any thread) and :meth:`Supervisor.metrics_snapshot` (the
+exporter's HTTP threads), which only wake the loop and wait on a
+:class:`supervisor.loop.Handoff`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from shared import protocol as proto
+from shared.config import SupervisorConfig
+from shared.errors import TensorWasmError
+from shared.log import get_logger, log_event
+from shared.proctitle import set_process_name
+from shared.quota import cleanup_stale_segments
+from supervisor.admin import AdminOps
+from supervisor.events import EventBus
+from supervisor.connections import FrontendConnections
+from supervisor.fdlimit import raise_fd_limit
+from supervisor.frontend import Frontend
+from supervisor.guard import FrontendGuard
+from supervisor.loop import Handoff, Loop
+from supervisor.metrics import Metrics, NullMetrics, TenantGauges
+from supervisor.pending import PendingTable
+from supervisor.placement import Placement
+from supervisor.registry import TenantRegistry
+from supervisor.replies import Replies
+from supervisor.rundir import RunDir
+from supervisor.tenants import TenantRuntime
+from supervisor.workers import Spawner
+from supervisor.workerset import WorkerSet
+
+__all__ = ["Supervisor"]
+
+_log = get_logger("supervisor")
+
+TICK_S = 0.05
+#: messages libzmq may queue from one client before the loop reads them
+FRONTEND_RCVHWM = 64
+RSS_CHECK_INTERVAL_S = 1.0
+
+
+@dataclass
+class _Parts:
+    """Everything :meth:`Supervisor._setup` builds (absent until then)."""
+
+    zctx: zmq.Context[Any]
+    placement: Placement
+    replies: Replies
+    pending: PendingTable
+    workers: WorkerSet
+    frontend: Frontend
+    admin: AdminOps
+
+
+class Supervisor:
+    """Runs until :meth:`request_stop` (or SIGTERM/SIGINT/SIGHUP in :meth:`run`)."""
+
+    def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or NullMetrics()
+        self.rundir = RunDir(config.run_dir, config.client_group)
+        self.registry, self.admin_cap = TenantRegistry.new()
+        self.loop = Loop()
+        self.tenants: dict[str, TenantRuntime] = {}
+        self.events = EventBus(None)
+        self.internal_errors = 0  # bugs caught by the loop's safety net (see _internal_error)
+        self.ready = False
+        self._stopping = False
+        self._stop_started: float | None = None
+        self._last_rss_check = 0.0
+        self._metrics = Handoff(self.loop.wake, {})
+        self.parts: _Parts | None = None
+
+    # ------------------------------------------------------------ set up
+
+    def _setup(self) -> _Parts:
+        cfg = self.config
+        raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.fdlimit)
+        removed = cleanup_stale_segments()
+        if removed:
+            log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
+        from supervisor.backend_select import select_backend
+
+        choice = select_backend(cfg)
+        placement = Placement.create(
+            choice.name,
+            choice.devices,
+            reserve_bytes=cfg.device_reserve_bytes,
+            policy=cfg.placement,
+            segment_prefix=self.registry.segment_prefix,
+            no_mps_dir=os.path.join(self.rundir.path, "no-mps"),
+        )
+        log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
+                  devices=placement.indexes)
+        z: zmq.Context[Any] = zmq.Context()
+
+        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[Any]:
+            s: zmq.Socket[Any] = z.socket(zmq.ROUTER)
+            s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, max_msg)
+            s.setsockopt(zmq.SNDHWM, hwm)
+            s.setsockopt(zmq.RCVHWM, hwm if rcvhwm is None else rcvhwm)
+            s.bind(self.rundir.endpoint(name))
+            return s
+
+        # libzmq queues a client's *incoming* messages up to RCVHWM before the loop reads
+        # them: keep that small, so a flood waits in its sender, not in our memory (set
+        # before bind: a listener copies the options its connections get).
+        frontend_sock = router("frontend", cfg.max_message_bytes, 10_000, FRONTEND_RCVHWM)
+        connections = FrontendConnections(frontend_sock, self.rundir.file("frontend.ipc"))
+        self.loop.register(connections.monitor, connections.on_readable)
+        backend_sock = router("backend", cfg.max_message_bytes, 10_000)
+        control_sock = router("control", 1 << 20, 10_000)
+        pub = z.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 10_000)
+        pub.bind(self.rundir.endpoint("events"))
+        self.events = EventBus(pub)
+        self.rundir.secure_sockets()
+        self.rundir.write_admin_capability(self.admin_cap.to_bytes())
+        # Tracked frames (big reply bodies, see Replies.ok) need pyzmq's garbage-collector
+        # thread and context; start it now so the process's fds are stable from the start.
+        zmq.Frame(bytes(1 << 17), track=True)  # large enough for pyzmq's zero-copy (tracked) path
+
+        spawner = Spawner(cfg, {"backend": self.rundir.endpoint("backend"),
+                                "control": self.rundir.endpoint("control")})
+        spawner.warm_up()
+        guard = FrontendGuard(cfg, connections)
+        replies = Replies(frontend_sock, guard.held)
+        pending = PendingTable(replies, self.metrics, self.tenants, self.loop.clock)
+        admin = AdminOps(
+            cfg, loop=self.loop, tenants=self.tenants, registry=self.registry, admin_cap=self.admin_cap,
+            placement=placement, pending=pending, events=self.events, rundir=self.rundir,
+            backend_name=choice.name, backend_reason=choice.reason,
+            counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard,
+        )
+        workers = WorkerSet(
+            cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
+            control=control_sock, placement=placement, backend_name=choice.name,
+            backend_options=choice.options, events=self.events, metrics=self.metrics, hooks=_Hooks(self, admin),
+        )
+        frontend = Frontend(
+            cfg, loop=self.loop, sock=frontend_sock, replies=replies, pending=pending, workers=workers,
+            registry=self.registry, tenants=self.tenants, admin=admin.handle, guard=guard,
+            admin_cap=self.admin_cap.to_bytes(),
+        )
+        admin.attach(workers, frontend)
+        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin)
+        self.metrics.bind_source(self.metrics_snapshot)
+        for spec in cfg.tenants:
+            admin.register(spec, None, None)
+        workers.refill_pool()
+        return self.parts
+
+    # ------------------------------------------------------------ run and stop
+
+    def request_stop(self) -> None:
+        """Begin a graceful stop (safe from a signal handler or another thread)."""
+        self._stopping = True
+        self.loop.wake()
+
+    def run(self) -> int:
+        """Set up, serve until stopped, tear down. Returns the process exit code."""
+        prev: dict[int, Any] = {}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            log_event(_log, logging.INFO, "supervisor.signal", signal=signum)
+            self.request_stop()
+
+        self.rundir.acquire()  # RunDirLocked: another supervisor owns it - touch nothing
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            prev[int(sig)] = signal.signal(sig, on_signal)
+        try:
+            parts = self._setup()
+            self._maybe_ready()
+            self._serve(parts)
+        finally:
+            self._teardown()
+            for signum, handler in prev.items():
+                signal.signal(signum, handler)
+        return 0
+
+    def _serve(self, parts: _Parts) -> None:
+        loop = self.loop
+        next_tick = loop.clock()
+        while True:
+            # unauthenticated requests waiting for their turn (supervisor.fairness): do not sleep
+            waiting = parts.frontend.guard.fair.backlog
+            for handler in loop.poll(0.0 if waiting else max(0.0, next_tick - loop.clock())):
+                try:
+                    handler()
+                except Exception:  # noqa: BLE001 - a bug in one handler must not take every tenant down
+                    self._internal_error("dispatch")
+            try:
+                parts.frontend.end_turn()
+            except Exception:  # noqa: BLE001 - as above
+                self._internal_error("dispatch")
+            if self._metrics.wanted():
+                self._refresh_metrics()
+            now = loop.clock()
+            try:
+                loop.timers.run_due(now)
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    self._housekeeping(parts, now)
+            except Exception:  # noqa: BLE001 - as above
+                self._internal_error("housekeeping")
+            if self._stopping:
+                if self._stop_started is None:
+                    self._stop_started = now
+                    log_event(_log, logging.INFO, "supervisor.stopping", workers=len(parts.workers.workers))
+                    parts.workers.stop_all("shutdown")
+                waited = now - self._stop_started
+                if not parts.workers.workers or waited > self.config.stop_timeout_s + 2 * self.config.kill_grace_s:
+                    return
+
+    def _housekeeping(self, parts: _Parts, now: float) -> None:
+        for worker, pending in parts.pending.expire(now):
+            timeout = pending.deadline - pending.started
+            parts.workers.kill(worker, f"request {pending.op!r} exceeded its deadline of {timeout:g} s", "deadline")
+        parts.workers.check_liveness(now)
+        parts.frontend.expire_parked(now)
+        if now - self._last_rss_check >= RSS_CHECK_INTERVAL_S:
+            self._last_rss_check = now
+            parts.replies.prune()
+            parts.frontend.guard.refresh()
+            parts.workers.check_rss()
+            self._refresh_metrics()
+            self._scan_refusals()
+        if not self._stopping:
+            parts.workers.refill_pool()
+
+    def _internal_error(self, where: str) -> None:
+        """Log a bug with its traceback and keep serving (counted in status as internal_errors)."""
+        self.internal_errors += 1
+        _log.error("supervisor.internal_error", exc_info=True, extra={"twt_fields": {"where": where}})
+
+    def _teardown(self) -> None:
+        parts = self.parts
+        try:
+            if parts is not None:
+                parts.pending.abandon(list(parts.workers.workers.values()), "the supervisor is stopping")
+                parts.workers.kill_all_now()
+            self.registry.close()
+        finally:
+            if parts is not None:
+                parts.zctx.destroy(linger=0)
+            self.loop.close()
+            self.metrics.close()
+            if parts is not None:
+                parts.placement.close()  # unlink the device budget segments
+            self.rundir.release()
+            log_event(_log, logging.INFO, "supervisor.stopped")
+
+    # ------------------------------------------------------------ ready
+
+    def _maybe_ready(self) -> None:
+        """Write the ready file once every configured tenant is up (or failed)."""
+        parts = self.parts
+        if self.ready or parts is None or not parts.admin.settled():
+            return
+        self.ready = True
+        set_process_name("twt-supervisor")
+        self.rundir.write_ready(
+            {
+                "pid": os.getpid(),
+                "version": proto.PROTOCOL_VERSION,
+                "registry_id": self.registry.registry_id,
+                "backend": parts.admin.backend_name,
+                "frontend": self.rundir.endpoint("frontend"),
+                "events": self.rundir.endpoint("events"),
+                "started": parts.admin.started,
+                "metrics_url": getattr(self.metrics, "url", None),
+            }
+        )
+        log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
+                  backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
+
+    # ------------------------------------------------------------ metrics and quota events
+
+    def metrics_snapshot(self) -> Mapping[str, TenantGauges]:
+        """Per-tenant gauges, for the exporter's HTTP thread.
+
+        That thread never touches a quota block itself (closing a block while
+        another thread holds a view of it fails): it asks the loop, which
+        rebuilds the dict (``_refresh_metrics``) and hands it over; the loop
+        also refreshes it every second. Waits at most 1 s for a fresh one.
+        """
+        value: Mapping[str, TenantGauges] = self._metrics.request(1.0)
+        return value
+
+    def _refresh_metrics(self) -> None:
+        """Loop thread: rebuild the exporter's per-tenant snapshot."""
+        out = {}
+        for tid, rt in self.tenants.items():
+            if rt.block.closed:
+                continue
+            out[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value)
+        self._metrics.publish(out)
+
+    def _scan_refusals(self) -> None:
+        for rt in self.tenants.values():
+            if rt.block.closed:
+                continue
+            snap = rt.block.snapshot()
+            total = snap.cpu_refusals + snap.gpu_refusals
+            if total > rt.seen_refusals:
+                self.events.emit("quota_refusal", tenant=rt.tenant_id, new=total - rt.seen_refusals,
+                                 cpu_refusals=snap.cpu_refusals, gpu_refusals=snap.gpu_refusals)
+                rt.seen_refusals = total
+
+
+class _Hooks:
+    """What a worker event means for its tenant: the worker set's view of the other parts."""
+
+    def __init__(self, sup: Supervisor, admin: AdminOps) -> None:
+        self._sup = sup
+        self._admin = admin
+
+    def instance_ready(self, rt: TenantRuntime) -> None:
+        self._admin.instance_ready(rt)
+
+    def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None:
+        self._admin.registration_failed(rt, exc)
+
+    def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
+                               reason: str) -> None:
+        self._admin.instance_not_restarted(rt, index, code, sig, reason)
+
+    def tenant_failed(self, rt: TenantRuntime, why: str) -> None:
+        self._admin.tenant_failed(rt, why)
+
+    def is_stopping(self) -> bool:
+        return self._sup._stopping
+

@@ -1,0 +1,112 @@
+"""Bytes the supervisor holds for a tenant are bounded per tenant and in total
+(issue 12, finding 2).
+
+Before: a tenant with an 8 MiB GPU cap pipelined 4 MiB reads from four client
+identities that never read their replies (+1 GiB in the supervisor), and 60
+writes of 16 MiB parked while its instance was down (+731 MiB): the byte
+limit on unread replies was checked at admission only and per identity, and
+parking was bounded by count. Now every reply and parked body is reserved
+against ``max_tenant_held_bytes`` and ``max_held_bytes`` at admission, and
+past them the answer is ``Overloaded``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+
+from shared import protocol as proto
+from shared.capability import TenantCapability
+from tests.helpers.cluster import supervisor, tenant, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+MiB = 1 << 20
+HELD = 32 * MiB
+
+
+def _dealer(run_dir: str, **opts: int) -> zmq.Socket[Any]:
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in opts.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect("ipc://" + os.path.join(run_dir, "frontend.ipc"))
+    return sock
+
+
+def _req(rid: int, op: str, cap: TenantCapability, args: dict[str, Any] | None = None) -> bytes:
+    return proto.encode_request(rid, op, cap.to_bytes(), args or {})
+
+
+def _codes(sock: zmq.Socket[Any], timeout_s: float = 20.0) -> list[str]:
+    """Read every reply that arrives until the socket is quiet."""
+    out = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sock.poll(1000):
+        _, ok, payload = proto.decode_reply(sock.recv_multipart()[0])
+        out.append("ok" if ok else payload["code"])
+    return out
+
+
+def test_slow_readers_on_many_identities_are_bounded_per_tenant() -> None:
+    tenants = [{"name": "reader", "gpu_memory_bytes_cap": "8MiB", "max_in_flight": 512}, {"name": "other"}]
+    with supervisor(tenants, log_level="error", max_tenant_held_bytes=HELD) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "reader")
+        handle = c.alloc(cap, 4 * MiB)
+        proc = psutil.Process(sup.pid)
+        rss0 = proc.memory_info().rss
+        socks = [_dealer(sup.run_dir, RCVHWM=1, RCVBUF=4096) for _ in range(4)]
+        try:
+            for sock in socks:
+                for rid in range(1, 65):
+                    sock.send(_req(rid, "read", cap, {"handle": handle, "offset": 0, "nbytes": 4 * MiB}))
+            wait_for(lambda: tenant(c.status(), "reader")["in_flight"] == 0, timeout_s=60, what="reads answered")
+            held = c.status()["supervisor"]["held_bytes"]
+            assert held["total"] <= HELD
+            growth = proc.memory_info().rss - rss0
+            assert growth < HELD + 64 * MiB, f"supervisor grew {growth >> 20} MiB for 256 unread 4 MiB reads"
+            # the readers start reading: what was held arrives, the rest was refused typed
+            codes = [code for sock in socks for code in _codes(sock)]
+            assert len(codes) == 4 * 64
+            assert set(codes) <= {"ok", "overloaded"} and codes.count("overloaded") >= 4 * 64 - HELD // (4 * MiB) - 8
+        finally:
+            for sock in socks:
+                sock.close(0)
+        wait_for(lambda: c.status()["supervisor"]["held_bytes"]["total"] == 0, what="held bytes released")
+        assert c.ping(c.tenant_capability(None, "other"))["tenant"] == "other"
+
+
+def test_parked_bodies_are_bounded_in_bytes() -> None:
+    tenants = [{"name": "down", "restart": "on-failure", "request_timeout_s": 10, "max_in_flight": 128}]
+    with supervisor(tenants, log_level="error", max_tenant_held_bytes=HELD) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "down")
+        handle = c.alloc(cap, 16 * MiB)
+        c.inject_fault(None, "down", "exit", code=0)  # on-failure: stays down, requests park
+        wait_for(lambda: tenant(c.status(), "down")["instances"][0]["state"] != "ready", what="instance down")
+        proc = psutil.Process(sup.pid)
+        rss0 = proc.memory_info().rss
+        sock = _dealer(sup.run_dir)
+        body = bytes(16 * MiB)
+        try:
+            for rid in range(1, 61):
+                sock.send_multipart([_req(rid, "write", cap, {"handle": handle, "offset": 0}), body], copy=False)
+            wait_for(lambda: tenant(c.status(), "down")["parked"] + 0 >= 1, what="some parked")
+            time.sleep(1.0)  # let the supervisor take in all 60 (it answers the refused ones at once)
+            status = c.status()
+            assert tenant(status, "down")["parked"] <= HELD // (16 * MiB)
+            assert status["supervisor"]["held_bytes"]["parked"] <= HELD
+            growth = proc.memory_info().rss - rss0
+            assert growth < HELD + 96 * MiB, f"supervisor grew {growth >> 20} MiB parking 60 x 16 MiB"
+            codes = _codes(sock, timeout_s=30)  # the parked ones end at their deadline
+            assert len(codes) == 60 and codes.count("overloaded") >= 60 - HELD // (16 * MiB)
+            assert set(codes) <= {"overloaded", "kernel_timeout"}
+        finally:
+            sock.close(0)
+        wait_for(lambda: c.status()["supervisor"]["held_bytes"]["total"] == 0, what="held bytes released")

@@ -1,0 +1,94 @@
+"""The op table is the one declaration of the wire ops: dispatch, client, CLI and docs follow it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from shared import protocol as proto
+from shared.errors import InvalidArgument, ProtocolError
+from shared.records import InstanceRecord, StatusRecord, TenantRecord
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def test_every_op_is_documented_in_protocol_md() -> None:
+    text = (DOCS / "PROTOCOL.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", text, flags=re.M))
+    assert set(proto.OPS) <= documented, sorted(set(proto.OPS) - documented)
+
+
+def test_every_op_has_a_client_method_and_its_cli_command_exists() -> None:
+    from supervisor.cli import COMMANDS
+    from supervisor.client import SupervisorClient
+
+    for op in proto.OPS.values():
+        assert callable(getattr(SupervisorClient, op.client, None)), op
+        assert op.cli is None or op.cli in COMMANDS, op
+
+
+def test_tenant_and_admin_ops_partition_the_table() -> None:
+    assert proto.TENANT_OPS | proto.ADMIN_OPS == set(proto.OPS)
+    assert not proto.TENANT_OPS & proto.ADMIN_OPS
+    assert proto.HANDLE_OPS <= proto.TENANT_OPS
+
+
+def test_the_decoder_knows_exactly_the_table() -> None:
+    for op in proto.OPS:
+        assert proto.decode_client_header(proto.encode_request(1, op, None, {}))[1] == op
+    with pytest.raises(Exception, match="unknown op"):
+        proto.decode_client_header(proto.encode_request(1, "bye", None, {}))
+
+
+@pytest.mark.parametrize(("op", "args", "message"), [
+    ("alloc", {}, "needs the argument 'nbytes'"),
+    ("alloc", {"nbytes": True}, "nbytes must be int, not bool"),
+    ("alloc", {"nbytes": "1"}, "nbytes must be int"),
+    ("scale", {"tenant": "a", "instances": 1.5}, "instances must be int"),
+    ("set_quota", {"tenant": "a", "memory_quota_bytes": None}, "must be int or str"),
+    ("inject_fault", {"tenant": "a", "kind": "crash", "params": []}, "params must be dict"),
+])
+def test_schema_refusals_are_typed(op: str, args: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        proto.check_args(op, args)
+
+
+def test_schema_accepts_what_the_ops_take() -> None:
+    proto.check_args("set_quota", {"tenant": "a", "gpu_memory_bytes_cap": None, "memory_quota_bytes": "1GiB"})
+    proto.check_args("run_wasm", {"export": "run", "args": [1, 2.0], "timeout_s": 1, "extra": "ignored"})
+    proto.check_args("inject_fault", {"tenant": "a", "kind": "slow", "instance": None, "params": {"ms": 1}})
+
+
+def test_control_kinds_are_the_ones_in_use() -> None:
+    assert proto.CONTROL_KINDS == {"hello", "hb", "stop", "fault", "fault_ack"}
+
+
+def test_records_round_trip_and_tolerate_new_keys() -> None:
+    inst = InstanceRecord(0, 123, "ready", 1, 2, 0, 1.5, False, None)
+    tenant = TenantRecord("acme", "running", 1, pids=(123,), instances=(inst,), quota={"bytes_in_use": 5})
+    wire = {"supervisor": {"pid": 1, "registry_id": "r", "backend": "stub", "backend_reason": "", "start_method":
+                           "spawn", "protocol": 1, "uptime_s": 1.0, "run_dir": "/x", "workers": 1,
+                           "internal_errors": 0, "pool": {"idle": 1, "starting": 0, "size": 2, "pids": [7]},
+                           "from_the_future": True},
+            "tenants": [tenant.to_wire()], "devices": []}
+    status = StatusRecord.from_wire(wire)
+    assert status.tenant("acme") == tenant and status.supervisor.pool.pids == (7,)
+    assert StatusRecord.from_wire(status.to_wire()) == status
+    assert tenant.to_wire()["instances"][0]["pid"] == 123 and tenant.to_wire()["pids"] == [123]
+    with pytest.raises(ProtocolError, match="lacks 'state'"):
+        TenantRecord.from_wire({"tenant_id": "a"})
+
+
+def test_control_messages_are_records() -> None:
+    from shared.records import FaultAck, FaultOrder, WorkerHello
+
+    order = FaultOrder("slow", {"ms": 5})
+    assert proto.decode_control(proto.encode_control("fault", order.to_wire())) == ("fault", order.to_wire())
+    assert FaultOrder.from_wire(order.to_wire()) == order
+    assert FaultAck.from_wire({"ok": True, "armed": {"kind": "slow"}}).armed == {"kind": "slow"}
+    with pytest.raises(ProtocolError, match="lacks 'token'"):
+        WorkerHello.from_wire({"pid": 1})
+    with pytest.raises(ProtocolError, match="must be a map"):
+        WorkerHello.from_wire([1, 2])  # type: ignore[arg-type]

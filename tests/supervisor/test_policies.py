@@ -1,0 +1,310 @@
+"""The supervisor's policies, without processes or sockets: a fake clock, fake workers, real parts.
+
+Restart policy and backoff, pool retry back-off, instance choice, the
+deadline rule, the pending table (the one place a request is finished),
+parking limits, timers and the metrics hand-off.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import pytest
+
+from shared import protocol as proto
+from shared.errors import InvalidArgument, Overloaded, WorkerLost
+from shared.spec import DEADLINE_GRACE_S, TenantSpec
+from supervisor.frontend import Frontend, pinned_instance, slot_for, with_wasm_limits
+from supervisor.loop import Handoff, Timers
+from supervisor.metrics import Metrics
+from supervisor.pending import Pending, PendingTable
+from supervisor.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime
+from supervisor.workers import WorkerHandle, WorkerState
+from supervisor.workerset import pool_retry_delay_s
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeBlock:
+    name = "twt-fake"
+    closed = False
+
+
+class FakeReplies:
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes | None, int, bool, Any]] = []
+        self.released = 0
+
+    def ok(self, client: bytes | None, rid: int, result: Any, body: Any = None, *,
+           tenant: str = "", held: int = 0) -> None:
+        self.sent.append((client, rid, True, result))
+        self.released += held
+
+    def release(self, tenant: str, kind: str, n: int) -> None:
+        self.released += n
+
+    def error(self, client: bytes | None, rid: int, err: dict[str, Any]) -> None:
+        self.sent.append((client, rid, False, err))
+
+    def queued_bytes(self, client: bytes) -> int:
+        return 0
+
+
+class CountingMetrics(Metrics):
+    def __init__(self) -> None:
+        self.done: list[tuple[str, str, str]] = []
+
+    def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None:
+        self.done.append((tenant, op, outcome))
+
+
+def _worker(n: int, state: WorkerState = WorkerState.READY) -> WorkerHandle:
+    return WorkerHandle(f"w{n}", "token", None, 1000 + n, -1, 0.0, state=state)  # type: ignore[arg-type]
+
+
+def _runtime(spec: TenantSpec | None = None, instances: int = 1, ready: bool = True) -> TenantRuntime:
+    spec = spec or TenantSpec("acme")
+    rt = TenantRuntime(spec, FakeBlock(), 1)  # type: ignore[arg-type]
+    rt.slots = [InstanceSlot(i, worker=_worker(i) if ready else None) for i in range(instances)]
+    return rt
+
+
+# ------------------------------------------------------------------ restart policy
+
+
+@pytest.mark.parametrize(("policy", "code", "sig", "killed", "want"), [
+    ("always", 0, None, False, True),
+    ("on-failure", 0, None, False, False),
+    ("on-failure", 0, None, True, True),  # killed by the supervisor: a failure even when it exited 0
+    ("on-failure", 3, None, False, True),
+    ("on-failure", None, 9, False, True),
+    ("never", 1, None, False, False),
+    ("never", None, 9, True, False),
+])
+def test_restart_policy(policy: str, code: int | None, sig: int | None, killed: bool, want: bool) -> None:
+    rt = _runtime(TenantSpec("acme", restart=policy))
+    assert rt.should_restart(code, sig, killed=killed) is want
+
+
+def test_backoff_is_the_documented_sequence() -> None:
+    """0 for the first restart in the window, then 50 ms doubling, capped at 5 s."""
+    rt = _runtime(TenantSpec("acme", max_restarts=100, restart_window_s=1000.0))
+    seq = []
+    for k in range(12):
+        assert rt.note_restart(float(k))
+        seq.append(rt.backoff_s())
+    assert seq[:8] == [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2]
+    assert seq[8:] == [BACKOFF_MAX_S] * 4
+
+
+def test_restart_intensity_marks_failed_and_the_window_forgets() -> None:
+    rt = _runtime(TenantSpec("acme", max_restarts=3, restart_window_s=10.0))
+    assert all(rt.note_restart(t) for t in (0.0, 1.0, 2.0))
+    assert not rt.note_restart(3.0)  # a 4th within 10 s
+    fresh = _runtime(TenantSpec("acme", max_restarts=3, restart_window_s=10.0))
+    assert all(fresh.note_restart(t) for t in (0.0, 11.0, 22.0, 33.0, 44.0))  # spread out: never too many
+    assert fresh.backoff_s() == 0.0
+
+
+def test_pool_retry_backs_off_to_30_s() -> None:
+    assert [pool_retry_delay_s(n) for n in (1, 2, 3)] == [0.2, 0.4, 0.8]
+    assert pool_retry_delay_s(100) == 30.0
+
+
+# ------------------------------------------------------------------ instance choice
+
+
+def test_least_loaded_instance_wins() -> None:
+    rt = _runtime(instances=3)
+    for i, load in enumerate((2, 0, 1)):
+        w = rt.slots[i].worker
+        assert w is not None
+        w.in_flight.update({k: None for k in range(load)})  # type: ignore[misc]
+    assert all(rt.pick_slot() is rt.slots[1] for _ in range(6))
+
+
+def test_ties_go_round_robin_and_unready_instances_are_skipped() -> None:
+    rt = _runtime(instances=3)
+    picks = collections.Counter(rt.pick_slot().index for _ in range(30))  # type: ignore[union-attr]
+    assert picks == {0: 10, 1: 10, 2: 10}
+    rt.slots[1].draining = True
+    w2 = rt.slots[2].worker
+    assert w2 is not None
+    w2.state = WorkerState.BINDING
+    assert {rt.pick_slot().index for _ in range(6)} == {0}  # type: ignore[union-attr]
+    rt.slots[0].worker = None
+    assert rt.pick_slot() is None
+
+
+def test_a_handle_pins_its_instance() -> None:
+    rt = _runtime(instances=3)
+    h = proto.make_handle(2, 1, 7)
+    assert pinned_instance("read", {"handle": h}) == 2
+    assert slot_for(rt, 2) is rt.slots[2]
+    assert pinned_instance("run_wasm", {"args": [1, {"handle": h}]}) == 2
+    assert pinned_instance("alloc", {"nbytes": 1}) is None
+    with pytest.raises(InvalidArgument, match="different instances"):
+        pinned_instance("run_wasm", {"args": [{"handle": h}, {"handle": proto.make_handle(0, 1, 1)}]})
+    with pytest.raises(InvalidArgument):
+        pinned_instance("free", {"handle": True})
+    rt.slots[2].draining = True
+    assert slot_for(rt, 2) is None
+
+
+# ------------------------------------------------------------------ the deadline rule
+
+
+def test_deadline_rule() -> None:
+    spec = TenantSpec("acme", request_timeout_s=5.0, wasm_timeout_s=10.0)
+    assert spec.deadline_s("alloc") == 5.0
+    assert spec.deadline_s("run_wasm") == 10.0 + DEADLINE_GRACE_S
+    assert spec.deadline_s("run_wasm", 1.0) == 5.0  # never below request_timeout_s
+    assert spec.deadline_s("run_wasm", 4.0) == 4.0 + DEADLINE_GRACE_S
+    assert spec.deadline_s("run_wasm", 99.0) == 10.0 + DEADLINE_GRACE_S  # capped by the spec
+    assert spec.deadline_s("run_wasm", True) == spec.deadline_s("run_wasm")  # a bool is no timeout
+    limited = with_wasm_limits(_runtime(spec), {"fuel": 10**30, "timeout_s": -1})
+    assert limited["fuel"] == spec.wasm_fuel and limited["timeout_s"] == spec.wasm_timeout_s
+
+
+# ------------------------------------------------------------------ the pending table
+
+
+def _table() -> tuple[PendingTable, FakeReplies, CountingMetrics, FakeClock, dict[str, TenantRuntime]]:
+    replies, metrics, clock = FakeReplies(), CountingMetrics(), FakeClock()
+    tenants = {"acme": _runtime()}
+    return PendingTable(replies, metrics, tenants, clock), replies, metrics, clock, tenants  # type: ignore[arg-type]
+
+
+def test_reply_deadline_and_late_reply() -> None:
+    table, replies, metrics, clock, tenants = _table()
+    w = _worker(0)
+    for client_rid in (1, 2):
+        rid = table.new_rid()
+        table.add(w, rid, Pending(b"c", client_rid, "alloc", "acme", 0, clock.now, clock.now + 5.0))
+    assert tenants["acme"].in_flight == 2 and len(table) == 2
+    assert table.on_reply(w, 1, True, {"handle": 1}, None)
+    clock.now += 4.9
+    assert table.expire(clock.now) == []
+    clock.now += 0.2
+    expired = table.expire(clock.now)
+    assert [p.client_rid for _, p in expired] == [2]
+    assert not table.on_reply(w, 2, True, {}, None)  # late: answered already, dropped
+    assert [(rid, ok) for _, rid, ok, _ in replies.sent] == [(1, True), (2, False)]
+    assert replies.sent[1][3]["code"] == "kernel_timeout"
+    assert tenants["acme"].in_flight == 0 and len(table) == 0 and w.in_flight == {}
+    assert metrics.done == [("acme", "alloc", "ok"), ("acme", "alloc", "kernel_timeout")]
+
+
+def test_answered_entries_leave_the_deadline_heap() -> None:
+    table, _, _, clock, _ = _table()
+    w = _worker(0)
+    for k in range(10_000):
+        rid = table.new_rid()
+        table.add(w, rid, Pending(b"c", k, "ping", "acme", 0, clock.now, clock.now + 60.0))
+        table.on_reply(w, rid, True, {}, None)
+    assert len(table) == 0
+    assert table.heap_size <= 2 * len(table) + 65
+
+
+def test_worker_death_answers_everything_once() -> None:
+    table, replies, _, clock, tenants = _table()
+    w = _worker(0)
+    seen: list[bool] = []
+    rid = table.new_rid()
+    table.add(w, rid, Pending(None, 0, "bind", "acme", 0, clock.now, clock.now + 5, lambda ok, p: seen.append(ok)))
+    table.add(w, table.new_rid(), Pending(b"c", 9, "ping", "acme", 0, clock.now, clock.now + 5))
+    table.fail_worker(w, lambda p: WorkerLost(p.tenant, p.instance, None, 9, "killed"))
+    assert seen == [False] and [(r, ok) for _, r, ok, _ in replies.sent] == [(9, False)]
+    assert tenants["acme"].in_flight == 0
+    clock.now += 10
+    assert table.expire(clock.now) == []  # nothing answered twice
+
+
+# ------------------------------------------------------------------ parking
+
+
+class _FakeLoop:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    def register(self, sock: Any, handler: Any) -> None:
+        pass
+
+
+class _FakeRegistry:
+    def verify(self, cap: Any) -> str:
+        return "acme"
+
+
+def test_requests_park_while_no_instance_is_ready_bounded_by_max_in_flight() -> None:
+    from shared.config import SupervisorConfig
+    from supervisor.guard import FrontendGuard
+
+    table, replies, _, clock, tenants = _table()
+    rt = _runtime(TenantSpec("acme", max_in_flight=3, request_timeout_s=2.0), ready=False)
+    tenants["acme"] = rt
+    fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
+                  pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
+                  admin=lambda *a: None, guard=FrontendGuard(SupervisorConfig()), admin_cap=b"admin")
+    cap = b"x"
+    fe._verified_caps[cap] = rt
+    for rid in (1, 2, 3):
+        fe._tenant_request(b"c", rid, "ping", cap, {}, None)
+    assert len(rt.parked) == 3 and not replies.sent
+    with pytest.raises(Overloaded):
+        fe._tenant_request(b"c", 4, "ping", cap, {}, None)
+    clock.now += 2.5
+    fe.expire_parked(clock.now)
+    assert not rt.parked
+    assert [(rid, ok, err["code"]) for _, rid, ok, err in replies.sent] == [(i, False, "kernel_timeout")
+                                                                           for i in (1, 2, 3)]
+
+
+# ------------------------------------------------------------------ loop plumbing
+
+
+def test_timers_run_in_order_on_an_injected_clock() -> None:
+    clock = FakeClock()
+    timers = Timers(clock)
+    ran: list[str] = []
+    timers.after(2.0, lambda: ran.append("b"))
+    timers.after(1.0, lambda: ran.append("a"))
+    timers.after(1.0, lambda: ran.append("a2")).cancel()
+    assert timers.next_due() == clock.now + 1.0
+    assert timers.run_due(clock.now) == 0
+    clock.now += 5
+    assert timers.run_due(clock.now) == 2 and ran == ["a", "b"]
+    assert timers.next_due() is None
+
+
+def test_handoff_answers_a_request_with_the_next_publish() -> None:
+    woken = threading.Event()
+    handoff = Handoff(woken.set, {"old": True})
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(handoff.request(10.0)))
+    t.start()
+    assert woken.wait(10)
+    assert handoff.wanted()
+    handoff.publish({"new": True})
+    t.join(10)
+    assert got == [{"new": True}] and not handoff.wanted()
+    assert handoff.request(0.0) == {"new": True}  # nobody publishes: the last value
+
+
+def test_shutdown_answers_clients_and_drops_its_own_requests() -> None:
+    table, replies, _, clock, tenants = _table()
+    w = _worker(0)
+    own: list[bool] = []
+    table.add(w, table.new_rid(), Pending(None, 0, "bind", "acme", 0, clock.now, clock.now + 5, own.append))
+    table.add(w, table.new_rid(), Pending(b"c", 3, "alloc", "acme", 0, clock.now, clock.now + 5))
+    table.abandon([w], "the supervisor is stopping")
+    assert own == [] and [(rid, ok, err["code"]) for _, rid, ok, err in replies.sent] == [(3, False, "worker_lost")]
+    assert len(table) == 0 and tenants["acme"].in_flight == 0
