@@ -497,7 +497,7 @@ def with_wasm_limits(rt: TenantRuntime, args: dict[str, Any]) -> dict[str, Any]:
 
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ClientMessage:
     """One decoded client message of a loop turn (``error``: answer it with this)."""
 

@@ -68,7 +68,8 @@ class Replies:
                     return
         except zmq.ZMQError as exc:  # EHOSTUNREACH (client gone) / EAGAIN (client not reading)
             log_event(_log, logging.DEBUG, "supervisor.reply_dropped", rid=rid, error=exc.strerror)
-        self.release(tenant, "replies", held)
+        if held:
+            self.held.release(tenant, "replies", held)
 
     def error_tracked(self, client: bytes, rid: int, err: dict[str, Any]) -> zmq.MessageTracker | None:
         """An error reply whose tracker tells when libzmq let go of it (None: not queued)."""

@@ -71,7 +71,7 @@ _log = get_logger("supervisor")
 
 TICK_S = 0.05
 #: messages libzmq may queue from one client before the loop reads them
-FRONTEND_RCVHWM = 64
+FRONTEND_RCVHWM = 1000
 RSS_CHECK_INTERVAL_S = 1.0
 
 

@@ -14,7 +14,8 @@ from tests.helpers.cluster import supervisor, wait_for
 from tests.helpers.wasm_bombs import compile_bomb, small_module
 from worker.backends.stub import StubBackend
 from worker.context import TenantContext
-from worker.wasm.host import CompileOverrun, WasmHost
+from worker.wasm.compiler import CompileOverrun
+from worker.wasm.host import WasmHost
 
 MiB = 1 << 20
 
@@ -47,12 +48,12 @@ def test_the_compile_cache_keeps_within_its_byte_budget(host: WasmHost) -> None:
     size = len(modules[0])
     for v, m in enumerate(modules):
         assert host.run(m, "run", [], fuel=10**6, timeout_s=5)["results"] == [v]
-        assert host._cached_bytes <= host.cache_bytes
-    assert host.info()["cached_modules"] == host.cache_bytes // size
+        assert host._cache.bytes <= host._cache.max_bytes
+    assert host.info()["cached_modules"] == host._cache.max_bytes // size
     big = compile_bomb(1, 200)  # larger than the whole budget: compiled, never cached
-    assert len(big) > host.cache_bytes
+    assert len(big) > host._cache.max_bytes
     host.compile(big)
-    assert host._cached_bytes <= host.cache_bytes
+    assert host._cache.bytes <= host._cache.max_bytes
 
 
 @pytest.mark.timeout(120)

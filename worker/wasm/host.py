@@ -39,7 +39,6 @@ import math
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,16 +57,13 @@ from shared.log import get_logger, log_event
 from shared.sizes import MAX_MODULE_BYTES  # the largest module body the worker compiles
 from worker.context import TenantContext
 from worker.wasm.abi import HANDLERS, IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun, LogLimiter, NoGuestMemory, guest_view
+from worker.wasm.compiler import CACHE_BYTES, CACHE_ENTRIES, CompileOverrun, ModuleCache, compile_bounded
 
-__all__ = ["CompileOverrun", "CompiledModule", "EpochTicker", "WasmHost", "WasmSession"]
+__all__ = ["CompiledModule", "EpochTicker", "WasmHost", "WasmSession"]
 
 _log = get_logger("worker.wasm")
 
 PAGE = 65536
-#: compiled modules kept per worker (LRU)
-CACHE_ENTRIES = 64
-#: the compile-cache budget of a worker (one tenant instance): module bytes cached, LRU beyond
-CACHE_BYTES = 64 << 20
 #: export arguments a run may pass
 MAX_ARGS = 64
 #: per-store limits besides memory: a few tables of bounded size, one instance
@@ -99,12 +95,6 @@ def _config() -> wasmtime.Config:
     # core, not all of them; its time is bounded by the run's deadline (compile()).
     cfg.parallel_compilation = False
     return cfg
-
-
-class CompileOverrun(KernelTimeout):
-    """Compiling took longer than the run's deadline. The compiler cannot be
-    stopped from outside, so the worker answers this and exits (the
-    supervisor restarts the instance): ``shared.exitcodes.WORKER_COMPILE_OVERRUN``."""
 
 
 # ------------------------------------------------------------------ ticker
@@ -395,14 +385,11 @@ class WasmHost:
     def __init__(self, ctx: TenantContext, *, fast_imports: bool | None = None, tick_s: float = TICK_S,
                  cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES) -> None:
         self.ctx = ctx
-        self.cache_bytes = cache_bytes
-        self._cached_bytes = 0
         self.engine = wasmtime.Engine(_config())
         self.linker = wasmtime.Linker(self.engine)
         self.ticker = EpochTicker(self.engine, tick_s)
         self.limiter = LogLimiter()
-        self.cache_entries = cache_entries
-        self._cache: OrderedDict[str, CompiledModule] = OrderedDict()
+        self._cache: ModuleCache[CompiledModule] = ModuleCache(cache_entries, cache_bytes)
         self._session: WasmSession | None = None
         self._keep: list[Any] = []  # ctypes callbacks must outlive the linker
         self._ffi = _raw_ffi() if fast_imports is not False else None
@@ -484,6 +471,14 @@ class WasmHost:
 
     # -------------------------------------------------------------- compile
 
+    @property
+    def cache_entries(self) -> int:
+        return self._cache.entries
+
+    @cache_entries.setter
+    def cache_entries(self, n: int) -> None:
+        self._cache.entries = n
+
     def compile(self, body: bytes | bytearray | memoryview, *, deadline: float | None = None) -> CompiledModule:
         """The compiled module for ``body`` (WAT text or a binary), from the cache when seen before.
 
@@ -498,7 +493,6 @@ class WasmHost:
         digest = hashlib.sha256(body).hexdigest()
         cached = self._cache.get(digest)
         if cached is not None:
-            self._cache.move_to_end(digest)
             self.stats["cache_hits"] += 1
             return cached
         t0 = time.perf_counter()
@@ -513,7 +507,10 @@ class WasmHost:
             except wasmtime.WasmtimeError as exc:
                 raise WasmCompile(f"WAT does not parse: {_wat_error(str(exc))}") from None
         try:
-            module = self._compile_bounded(wasm, deadline)
+            module = compile_bounded(self.engine, wasm, deadline)
+        except CompileOverrun:
+            self.stats["timeouts"] += 1
+            raise
         except wasmtime.WasmtimeError as exc:
             raise WasmCompile(_short(str(exc))) from None
         self._check_imports(module)
@@ -528,51 +525,11 @@ class WasmHost:
             if isinstance(e.type, wasmtime.FuncType)
         }
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports)
-        if len(wasm) <= self.cache_bytes:  # the budget: entries and module bytes, LRU beyond
-            self._cache[digest] = compiled
-            self._cached_bytes += len(wasm)
-            while len(self._cache) > self.cache_entries or self._cached_bytes > self.cache_bytes:
-                _, old = self._cache.popitem(last=False)
-                self._cached_bytes -= old.nbytes
+        self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         self.stats["compiles"] += 1
         log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
                   nbytes=len(wasm), duration_ms=round(compiled.compile_s * 1000, 3))
         return compiled
-
-    def _compile_bounded(self, wasm: bytes, deadline: float | None) -> wasmtime.Module:
-        """``wasmtime.Module(engine, wasm)``, waited for until ``deadline`` at most.
-
-        Compile time is superlinear in some shapes (one function with 16,000
-        live locals: seconds; a 2 MiB module of them: a minute), outside fuel
-        and epochs. The compile runs on its own thread (wasmtime releases the
-        GIL) while this one waits with the run's deadline.
-        """
-        if deadline is None:
-            return wasmtime.Module(self.engine, wasm)
-        out: list[Any] = []
-        done = threading.Event()
-
-        def work() -> None:
-            try:
-                out.append(wasmtime.Module(self.engine, wasm))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                out.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=work, name="twt-wasm-compile", daemon=True).start()
-        left = deadline - time.monotonic()
-        if not done.wait(max(left, 0.0)):
-            self.stats["timeouts"] += 1
-            raise CompileOverrun(
-                round(max(left, 0.0), 3),
-                message=f"compiling the module ({len(wasm):,} B) did not finish within the run's deadline; "
-                "the worker is restarted to stop the compiler",
-            )
-        if isinstance(out[0], BaseException):
-            raise out[0]
-        module: wasmtime.Module = out[0]
-        return module
 
     @staticmethod
     def _check_imports(module: wasmtime.Module) -> None:

@@ -17,7 +17,8 @@ import zmq
 from shared.errors import InvalidArgument, UnknownModule
 from shared.exitcodes import WORKER_COMPILE_OVERRUN
 from worker.server import Reply, WorkerServer
-from worker.wasm.host import MAX_ARGS, CompileOverrun, WasmHost
+from worker.wasm.compiler import CompileOverrun
+from worker.wasm.host import MAX_ARGS, WasmHost
 
 __all__ = ["op_run_wasm"]
 
