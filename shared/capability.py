@@ -12,11 +12,20 @@ that holds the secret (``TenantRegistry``), with ``hmac.compare_digest``.
 
 Tokens have no public constructor (trio's ``NoPublicConstructor``): only a
 registry mints them, through :func:`mint`.
+
+Text form (files, stdout, environment): the token's bytes as lowercase hex on
+one line. ``twt register`` / ``twt capability`` print it, ``--cap-out`` and the
+supervisor's ``admin.cap`` hold it, and every reader (:func:`capability_from_text`,
+:func:`read_capability_file`) also accepts the raw bytes older releases wrote.
+The two cannot be confused: a raw token starts with its version byte (1), which
+is never an ASCII hex digit.
 """
 
 from __future__ import annotations
 
 import hmac
+import os
+import string
 import struct
 from typing import Any, ClassVar, TypeVar
 
@@ -27,7 +36,12 @@ __all__ = [
     "Capability",
     "RegistryAdminCapability",
     "TenantCapability",
+    "capability_bytes_from_text",
     "capability_from_bytes",
+    "capability_from_text",
+    "capability_to_text",
+    "read_capability_file",
+    "write_capability_file",
 ]
 
 CAPABILITY_VERSION = 1
@@ -188,3 +202,58 @@ def mac_ok(cap: Capability, secret: bytes) -> bool:
     raw = cap._raw
     body_len = cap._body_len
     return hmac.compare_digest(hmac.digest(secret, raw[:body_len], "sha256"), raw[body_len:])
+
+
+_HEX = frozenset(string.hexdigits.encode())
+
+
+def capability_to_text(cap: Capability) -> str:
+    """The one text form of a token: lowercase hex, no newline."""
+    return cap.to_bytes().hex()
+
+
+def capability_bytes_from_text(data: bytes | str) -> bytes:
+    """Token bytes from its text form (hex, surrounding whitespace ignored) or legacy raw bytes."""
+    raw = data.encode("ascii", "replace") if isinstance(data, str) else bytes(data)
+    text = raw.strip()
+    if text and all(b in _HEX for b in text):
+        if len(text) % 2:
+            raise _refuse(f"odd number of hex digits ({len(text)})")
+        return bytes.fromhex(text.decode("ascii"))
+    return raw  # legacy: the raw token (its first byte, the version, is never a hex digit)
+
+
+def capability_from_text(data: bytes | str) -> RegistryAdminCapability | TenantCapability:
+    """Parse either kind of token from its text form or legacy raw bytes (shape only)."""
+    return capability_from_bytes(capability_bytes_from_text(data))
+
+
+def read_capability_file(path: str | os.PathLike[str]) -> RegistryAdminCapability | TenantCapability:
+    """Read a capability file (hex text, or legacy raw bytes).
+
+    Raises ``OSError`` when the file cannot be read and
+    :class:`TenantIsolationViolation` naming the file when it holds no token.
+    """
+    with open(path, "rb") as f:
+        data = f.read(4 * MAX_TOKEN_BYTES)
+    try:
+        return capability_from_text(data)
+    except TenantIsolationViolation as exc:
+        raise _refuse(f"{os.fspath(path)} does not hold one ({exc.resource.removeprefix('capability: ')})") from None
+
+
+def write_capability_file(path: str | os.PathLike[str], cap: Capability) -> None:
+    """Write the text form and a newline: a new file with mode 0600, replaced atomically, never via a symlink."""
+    target = os.fspath(path)
+    tmp = f"{target}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (capability_to_text(cap) + "\n").encode("ascii"))
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, target)

@@ -18,6 +18,7 @@ read once, at start-up, by :func:`load_config` - never at import.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -29,7 +30,16 @@ from typing import Any, Literal, Mapping
 from shared.sizes import parse_size
 from shared.spec import TenantSpec
 
-__all__ = ["ENV_PREFIX", "SupervisorConfig", "default_run_dir", "load_config", "parse_host_port"]
+__all__ = [
+    "ENV_PREFIX",
+    "ConfigError",
+    "SupervisorConfig",
+    "default_run_dir",
+    "load_config",
+    "parse_host_port",
+    "read_config_file",
+    "unknown_env_vars",
+]
 
 ENV_PREFIX = "TWT_"
 Backend = Literal["auto", "stub", "cuda"]
@@ -53,6 +63,22 @@ _SIZE_FIELDS = (
 )
 
 
+class ConfigError(ValueError):
+    """A configuration with one or more mistakes; the message lists every one, with where it is.
+
+    A ``ValueError``, so the CLI reports it as bad usage (exit 2).
+    """
+
+    def __init__(self, where: str, problems: list[str]) -> None:
+        self.where = where
+        self.problems = list(problems)
+        if len(problems) == 1:
+            text = f"{where}: {problems[0]}"
+        else:
+            text = f"{where} has {len(problems)} mistakes:\n" + "\n".join(f"  - {p}" for p in problems)
+        super().__init__(text)
+
+
 def default_run_dir() -> str:
     """``$XDG_RUNTIME_DIR/twt`` when that exists, else ``/tmp/twt-<uid>`` (short: ipc paths are limited)."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
@@ -66,6 +92,8 @@ class SupervisorConfig:
     """Everything ``twt supervise`` needs; see docs/OPERATIONS.md for each field."""
 
     run_dir: str = field(default_factory=default_run_dir)
+    #: where the durable state lives (``None``: ``<run_dir>/state``; see :attr:`state_path`)
+    state_dir: str | None = None
     backend: str = "auto"
     start_method: str = "spawn"
     log_format: str = "text"
@@ -95,12 +123,20 @@ class SupervisorConfig:
     max_held_bytes: int = 2 << 30
     register_timeout_s: float = 60.0
     tenants: tuple[TenantSpec, ...] = ()
+    #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`
+    config_file: str | None = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
         s(self, "run_dir", os.path.abspath(os.path.expanduser(str(self.run_dir))))
         if len(os.path.join(self.run_dir, "frontend.ipc")) > 100:
             raise ValueError(f"run_dir {self.run_dir!r} is too long for unix socket paths (keep it under ~80 chars)")
+        if self.state_dir is not None:
+            if not isinstance(self.state_dir, str) or not self.state_dir:
+                raise ValueError(f"state_dir must be a directory path; got {self.state_dir!r}")
+            s(self, "state_dir", os.path.abspath(os.path.expanduser(self.state_dir)))
+        if self.config_file is not None:
+            s(self, "config_file", os.path.abspath(os.fspath(self.config_file)))
         _choice(self.backend, _BACKENDS, "backend")
         _choice(self.start_method, _START_METHODS, "start_method")
         _choice(self.log_format, _LOG_FORMATS, "log_format")
@@ -139,6 +175,11 @@ class SupervisorConfig:
             raise ValueError(f"tenant(s) listed twice in the config: {', '.join(dupes)}")
         s(self, "tenants", tenants)
 
+    @property
+    def state_path(self) -> str:
+        """The state directory: ``state_dir``, else ``<run_dir>/state``."""
+        return self.state_dir if self.state_dir is not None else os.path.join(self.run_dir, "state")
+
     # paths inside the run dir
     def path(self, name: str) -> str:
         return os.path.join(self.run_dir, name)
@@ -154,7 +195,7 @@ class SupervisorConfig:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f: getattr(self, f) for f in self.field_names() if f != "tenants"}
+        out = {f: getattr(self, f) for f in self.field_names() if f not in ("tenants", "config_file")}
         out["devices"] = list(self.devices) if isinstance(self.devices, tuple) else self.devices
         out["tenants"] = [t.to_dict() for t in self.tenants]
         return out
@@ -209,6 +250,7 @@ def parse_host_port(addr: str, what: str = "address") -> tuple[str, int]:
 #: fields settable from the environment as TWT_<FIELD upper-case>
 _ENV_FIELDS = (
     "run_dir",
+    "state_dir",
     "backend",
     "start_method",
     "log_format",
@@ -234,8 +276,28 @@ _BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no"
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s"}
 
 
+#: TWT_* names that are not supervisor fields but are read elsewhere
+_OTHER_ENV = ("RUN_DIR",)
+
+
+def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``TWT_*`` variables that nothing reads (typos), each with a suggestion when one is close.
+
+    ``twt supervise`` logs them as a warning: a misspelt ``TWT_POOL_SZIE``
+    would otherwise be ignored without a word.
+    """
+    env = os.environ if environ is None else environ
+    known = {ENV_PREFIX + n.upper() for n in _ENV_FIELDS} | {ENV_PREFIX + n for n in _OTHER_ENV}
+    out = []
+    for name in sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        out.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return out
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    problems: list[str] = []
     for name in _ENV_FIELDS:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is None or raw == "":
@@ -252,7 +314,9 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
             else:
                 out[name] = raw
         except ValueError:
-            raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {name}") from None
+            problems.append(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {name}")
+    if problems:
+        raise ConfigError("environment", problems)
     return out
 
 
@@ -261,34 +325,102 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     try:
         text = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config {p}", ["the file does not exist"]) from None
+    except IsADirectoryError:
+        raise ConfigError(f"config {p}", ["is a directory, not a file"]) from None
+    except PermissionError:
+        raise ConfigError(f"config {p}", ["permission denied: this user cannot read it"]) from None
     except OSError as exc:
-        raise ValueError(f"cannot read config {p}: {exc.strerror}") from None
+        raise ConfigError(f"config {p}", [f"cannot be read ({(exc.strerror or str(exc)).lower()})"]) from None
     try:
         doc = json.loads(text) if p.suffix == ".json" else tomllib.loads(text.decode())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"config {p} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}") from None
-    return config_dict_to_fields(doc, str(p))
+        kind = "JSON" if p.suffix == ".json" else "TOML"
+        raise ConfigError(f"config {p}", [f"not valid {kind}: {exc}"]) from None
+    return config_dict_to_fields(doc, f"config {p}")
 
 
 def config_dict_to_fields(doc: Mapping[str, Any], where: str = "config") -> dict[str, Any]:
+    """Flat supervisor fields + tenants from a parsed document; every mistake is reported at once."""
     if not isinstance(doc, Mapping):
-        raise ValueError(f"{where}: the top level must be a table")
+        raise ConfigError(where, ["the top level must be a table"])
+    problems: list[str] = []
     unknown = sorted(set(doc) - {"supervisor", "tenant"})
     if unknown:
-        raise ValueError(f"{where}: unknown top-level key(s) {', '.join(map(repr, unknown))}; expected [supervisor] and [[tenant]]")
+        problems.append(f"unknown top-level key(s) {', '.join(map(repr, unknown))}; expected [supervisor] and [[tenant]]")
     sup = doc.get("supervisor", {})
     if not isinstance(sup, Mapping):
-        raise ValueError(f"{where}: [supervisor] must be a table")
-    known = set(SupervisorConfig.field_names()) - {"tenants"}
-    bad = sorted(set(sup) - known)
-    if bad:
-        raise ValueError(f"{where}: unknown [supervisor] key(s) {', '.join(map(repr, bad))}; known: {', '.join(sorted(known))}")
-    fields = dict(sup)
+        problems.append("[supervisor] must be a table")
+        sup = {}
+    known = set(SupervisorConfig.field_names()) - {"tenants", "config_file"}
+    for key in sorted(set(sup) - known, key=str):
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(known))}"
+        problems.append(f"unknown [supervisor] key {key!r}; {hint}")
+    fields = {k: v for k, v in sup.items() if k in known}
+    problems += _field_problems(fields)
     tenants = doc.get("tenant", [])
+    specs: list[TenantSpec] = []
     if not isinstance(tenants, list):
-        raise ValueError(f"{where}: tenants must be [[tenant]] tables")
-    fields["tenants"] = tuple(TenantSpec.from_dict(t) for t in tenants)
+        problems.append("tenants must be [[tenant]] tables")
+        tenants = []
+    for n, table in enumerate(tenants, 1):
+        spec, tenant_problems = _tenant_problems(table)
+        who = f"[[tenant]] #{n}" + (f" ({table.get('name') or table.get('tenant_id')!r})"
+                                    if isinstance(table, Mapping) and (table.get("name") or table.get("tenant_id"))
+                                    else "")
+        problems += [f"{who}: {p}" for p in tenant_problems]
+        if spec is not None:
+            specs.append(spec)
+    if problems:
+        raise ConfigError(where, problems)
+    fields["tenants"] = tuple(specs)
     return fields
+
+
+def _field_problems(fields: Mapping[str, Any]) -> list[str]:
+    """Each supervisor field checked on its own (the defaults are valid), so one bad value hides no other."""
+    problems = []
+    for key, value in fields.items():
+        try:
+            SupervisorConfig(**{key: value})
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _tenant_problems(table: Any) -> tuple[TenantSpec | None, list[str]]:
+    """One tenant table: the spec, or every field's mistake."""
+    try:
+        return TenantSpec.from_dict(table), []
+    except (TypeError, ValueError) as first:
+        if not isinstance(table, Mapping):
+            return None, [str(first)]
+        values = dict(table)
+        tid = values.pop("name", None) or values.pop("tenant_id", None)
+        values.pop("tenant_id", None)
+        problems = []
+        try:
+            TenantSpec.from_dict({"tenant_id": "x", **{k: v for k, v in values.items()
+                                                               if k not in TenantSpec.field_names()}})
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc).replace("tenant spec 'x'", "the table"))  # unknown keys
+        if tid is None:
+            problems.append("needs a 'name' (or 'tenant_id')")
+        else:
+            try:
+                TenantSpec.from_dict({"tenant_id": tid})
+            except (TypeError, ValueError) as exc:
+                problems.append(str(exc))
+        for key, value in values.items():
+            if key not in TenantSpec.field_names():
+                continue
+            try:
+                TenantSpec.from_dict({"tenant_id": "x", key: value})
+            except (TypeError, ValueError) as exc:
+                problems.append(str(exc))
+        return None, problems or [str(first)]
 
 
 def load_config(
@@ -301,6 +433,7 @@ def load_config(
     fields: dict[str, Any] = {}
     if path is not None:
         fields.update(read_config_file(path))
+        fields["config_file"] = os.fspath(path)
     fields.update(_from_env(os.environ if environ is None else environ))
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return SupervisorConfig(**fields)

@@ -12,8 +12,8 @@ filled by ``__init_subclass__``. Names follow the Rust crate
 ``tensor-wasm-tenant`` 0.3.8 where it had them.
 
     TensorWasmError
-    +-- MemoryExhausted              host (CPU) byte quota refused       retryable
-    +-- GpuMemoryExhausted           GPU byte quota / driver OOM         retryable
+    +-- MemoryExhausted              host (CPU) byte quota refused       retryable (not when requested > limit)
+    +-- GpuMemoryExhausted           GPU byte quota / driver OOM         retryable (not when requested > limit)
     +-- TenantIsolationViolation     bad, forged or foreign capability   (PermissionError)
     |   +-- CapabilityRevoked        capability of an evicted tenant
     +-- CudaError                    a CUDA driver call failed
@@ -26,10 +26,14 @@ filled by ``__init_subclass__``. Names follow the Rust crate
     +-- InvalidArgument              well-formed request, bad argument   (ValueError)
     +-- BackendUnavailable           requested backend cannot be used
     +-- TenantFailed                 tenant exceeded its restart intensity
+    +-- TenantStopped                tenant scaled to 0 instances
+    +-- BufferLost                   the buffer's instance restarted since it was allocated
     +-- RequestTimeout               no reply within the client timeout  retryable (TimeoutError)
     +-- SupervisorUnavailable        no supervisor at that run dir       retryable (ConnectionError)
     +-- UntrustedRunDir              run dir / socket / file of another uid (PermissionError)
     +-- SegmentError                 shared-memory segment missing/foreign/closed
+    +-- StateError                   the state database cannot be used as it is
+    +-- ConfigError                  the config file cannot be applied (reload)  (ValueError)
     +-- RegistryError
         +-- AlreadyRegistered        (ValueError)
         +-- UnknownTenant            (LookupError)
@@ -44,8 +48,10 @@ from typing import Any, ClassVar, Mapping
 __all__ = [
     "AlreadyRegistered",
     "BackendUnavailable",
+    "BufferLost",
     "CapabilityFromForeignRegistry",
     "CapabilityRevoked",
+    "ConfigError",
     "CudaError",
     "GpuMemoryExhausted",
     "InvalidArgument",
@@ -57,9 +63,11 @@ __all__ = [
     "RequestTimeout",
     "RunDirLocked",
     "SegmentError",
+    "StateError",
     "SupervisorUnavailable",
     "TenantFailed",
     "TenantIsolationViolation",
+    "TenantStopped",
     "TensorWasmError",
     "UnknownModule",
     "UnknownTenant",
@@ -165,6 +173,13 @@ class MemoryExhausted(TensorWasmError):
         self.limit = limit
         self.current = current
         super().__init__(message)
+
+    def is_retryable(self) -> bool:
+        """Retrying helps only when the request fits the limit at all: more than the whole limit never will."""
+        requested, limit = self.requested, self.limit
+        if isinstance(requested, int) and isinstance(limit, int) and requested > limit:
+            return False
+        return self.retryable
 
     def _default_message(self) -> str:
         return (
@@ -415,6 +430,49 @@ class TenantFailed(TensorWasmError):
         )
 
 
+class TenantStopped(TensorWasmError):
+    """The tenant is scaled to 0 instances: nothing runs its requests.
+
+    Answered at once, never parked, and not retryable: only ``twt scale`` (or
+    the ``scale`` op) brings an instance back. The capability and the quota
+    block stay valid meanwhile (``quota`` and ``put_module`` still answer).
+    """
+
+    code = "tenant_stopped"
+    _fields = ("tenant_id",)
+
+    def __init__(self, tenant_id: str, *, message: str | None = None) -> None:
+        self.tenant_id = tenant_id
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return (f"tenant {self.tenant_id!r} is scaled to 0 instances; "
+                f"`twt scale {self.tenant_id} N` to serve it again")
+
+
+class BufferLost(TensorWasmError):
+    """A buffer handle from an earlier incarnation of its instance: the restart freed the buffer.
+
+    Not retryable: the bytes are gone; allocate again and rewrite them.
+    ``handle`` is the text form ``INSTANCE:SEQ`` (:func:`shared.protocol.format_handle`).
+    """
+
+    code = "buffer_lost"
+    _fields = ("tenant_id", "handle", "instance", "incarnation")
+
+    def __init__(self, tenant_id: str, handle: str, instance: int, incarnation: int, *,
+                 message: str | None = None) -> None:
+        self.tenant_id = tenant_id
+        self.handle = handle
+        self.instance = instance
+        self.incarnation = incarnation
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return (f"buffer {self.handle} lived on {self.tenant_id}/{self.instance}, which restarted "
+                f"(now incarnation {self.incarnation}); its bytes are gone: alloc again")
+
+
 class RequestTimeout(TensorWasmError, TimeoutError):
     """No reply arrived within the client's timeout (the supervisor may still be busy)."""
 
@@ -498,6 +556,45 @@ class SegmentError(TensorWasmError):
 
     def _default_message(self) -> str:
         return f"shared-memory segment {self.name!r}: {self.detail}"
+
+
+class StateError(TensorWasmError):
+    """The supervisor's state database cannot be used as it is (corrupt, newer schema, in use).
+
+    Raised at start-up; the supervisor stops without touching the file, so the
+    operator can inspect it, restore a backup, or move it away for a first
+    start. ``path`` names the file, ``detail`` the problem.
+    """
+
+    code = "state_error"
+    _fields = ("path", "detail")
+
+    def __init__(self, path: str, detail: str, *, message: str | None = None) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return f"state database {self.path}: {self.detail}"
+
+
+class ConfigError(TensorWasmError, ValueError):
+    """The config file cannot be applied (``twt reload``, SIGHUP): nothing was changed.
+
+    ``path`` names the file, ``detail`` every problem found. Fix the file and
+    reload again; the supervisor keeps running with what it had.
+    """
+
+    code = "config_error"
+    _fields = ("path", "detail")
+
+    def __init__(self, path: str, detail: str, *, message: str | None = None) -> None:
+        self.path = path
+        self.detail = detail
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return f"config {self.path}: {self.detail}; nothing was changed"
 
 
 class RegistryError(TensorWasmError):

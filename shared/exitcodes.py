@@ -11,7 +11,8 @@ words it in events, ``WorkerLost`` and ``status``):
 
     0                      stopped when asked
     1   WORKER_CRASHED     an uncaught exception; the traceback is in its log
-    70  WORKER_SUPERVISOR_SILENT   no heartbeat from the supervisor for too long
+    70  WORKER_SUPERVISOR_SILENT   the supervisor fell silent and its process is gone
+                                   (a silent but living supervisor is waited for)
     71  WORKER_PARENT_GONE         its parent (the supervisor) died
     72  WORKER_COMPILE_OVERRUN     a WASM compile ran past its run's deadline (the compiler
                                    cannot be stopped otherwise; the run got KernelTimeout)
@@ -70,7 +71,7 @@ EXIT_INTERRUPTED: Final = 130
 # ------------------------------------------------------------------ worker processes
 #: the serve loop raised (logged as ``worker.crashed``)
 WORKER_CRASHED: Final = 1
-#: the supervisor stopped sending heartbeats
+#: the supervisor fell silent and its process is gone (silence alone is waited out: worker.control)
 WORKER_SUPERVISOR_SILENT: Final = 70
 #: the parent (supervisor or fork server) is gone
 WORKER_PARENT_GONE: Final = 71

@@ -53,8 +53,12 @@ __all__ = [
     "encode_request",
     "encode_worker_reply",
     "encode_worker_request",
+    "format_handle",
+    "handle_incarnation",
     "handle_instance",
+    "handle_seq",
     "make_handle",
+    "parse_handle_text",
     "peek_rid",
 ]
 
@@ -117,7 +121,7 @@ _MAP = (dict,)
 QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
 #: what inject_fault accepts (docs/RELIABILITY.md describes each)
 FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
-#: worker-side ops whose handle argument pins them to one instance
+#: worker-side ops whose handle argument pins them to one instance (``alloc`` may name one: ``instance``)
 HANDLE_OPS: Final = frozenset({"free", "write", "read"})
 
 _T = "tenant"
@@ -126,21 +130,24 @@ OPS: Final[dict[str, OpSpec]] = {
     for op in (
         # ---- tenant ops (a tenant capability)
         OpSpec("ping", False, (), "{pid, tenant, instance, requests, uptime_s}", ("WorkerLost",), "ping"),
-        OpSpec("alloc", False, (Arg("nbytes", _INT, True),), "{handle, nbytes}",
-               ("GpuMemoryExhausted", "InvalidArgument"), "alloc"),
-        OpSpec("free", False, (Arg("handle", _INT, True),), "{freed}", ("InvalidArgument",), "free"),
+        OpSpec("alloc", False, (Arg("nbytes", _INT, True), Arg("instance", (int, type(None)))), "{handle, nbytes}",
+               ("GpuMemoryExhausted", "InvalidArgument"), "alloc", "alloc"),
+        OpSpec("free", False, (Arg("handle", _INT, True),), "{freed}", ("InvalidArgument", "BufferLost"),
+               "free", "free"),
         OpSpec("write", False, (Arg("handle", _INT, True), Arg("offset", _INT)), "{written}",
-               ("InvalidArgument",), "write", body_in=True),
+               ("InvalidArgument", "BufferLost"), "write", "write", body_in=True),
         OpSpec("read", False, (Arg("handle", _INT, True), Arg("offset", _INT), Arg("nbytes", _INT, True)),
-               "{nbytes}", ("InvalidArgument", "Overloaded"), "read", body_out=True),
-        OpSpec("buffers", False, (), "{buffers: [[handle, nbytes]...], bytes}", ("WorkerLost",), "buffers"),
+               "{nbytes}", ("InvalidArgument", "BufferLost", "Overloaded"), "read", "read", body_out=True),
+        OpSpec("buffers", False, (), "{buffers: [[handle, nbytes]...], bytes}", ("WorkerLost",), "buffers",
+               "buffers"),
         OpSpec("quota", False, (), "QuotaSnapshot map", (), "quota"),
         OpSpec("put_module", False, (), "{digest}", ("InvalidArgument",), "put_module", body_in=True),
         OpSpec("run_wasm", False,
                (Arg("export", _STR, True), Arg("args", (list,)), Arg("fuel", _INT), Arg("timeout_s", _NUM),
                 Arg("digest", _STR)),
                "{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs}",
-               ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument"),
+               ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument",
+                "BufferLost"),
                "run_wasm", "run", body_in=True),
         # ---- admin ops (the admin capability)
         OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
@@ -163,6 +170,16 @@ OPS: Final[dict[str, OpSpec]] = {
                (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
                "{tenant, instance, pid, kind, ...armed}", ("UnknownTenant", "InvalidArgument", "WorkerLost"),
                "inject_fault", "fault"),
+        # ---- service ops (the admin capability; supervisor.service)
+        OpSpec("reload", True, (),
+               "{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "
+               "settings_not_applied, errors}", ("ConfigError",), "reload", "reload"),
+        OpSpec("reset", True, (Arg(_T, _STR, True),), "tenant status record (once it runs)",
+               ("UnknownTenant", "TenantFailed"), "reset", "reset"),
+        OpSpec("restart", True, (Arg(_T, _STR, True),), "tenant status record (once every instance is new)",
+               ("UnknownTenant", "TenantFailed"), "restart_tenant", "restart"),
+        OpSpec("rotate_key", True, (), "{admin_capability, registry_id}", ("StateError",), "rotate_key",
+               "rotate-key"),
     )
 }
 #: ops a tenant capability grants (routed to one of the tenant's workers)
@@ -354,3 +371,29 @@ def handle_instance(handle: int) -> int:
 
 def handle_incarnation(handle: int) -> int:
     return (handle >> _INCARNATION_SHIFT) & 0xFFFF
+
+
+def handle_seq(handle: int) -> int:
+    return handle & 0xFFFFFFFF
+
+
+def format_handle(handle: int) -> str:
+    """A handle as people read and type it: ``INSTANCE:SEQ`` (``1:7``, the 7th buffer of instance 1).
+
+    The incarnation is left out: among the buffers a tenant holds, instance
+    and sequence number pick one; the CLI turns the text back into the handle
+    by looking it up in ``buffers`` (so a buffer that is gone is named as such).
+    """
+    return f"{handle_instance(handle)}:{handle_seq(handle)}"
+
+
+def parse_handle_text(text: str) -> tuple[int, int]:
+    """``"1:7"`` -> ``(1, 7)``: (instance, sequence number). ValueError for anything else."""
+    head, sep, tail = text.strip().partition(":")
+    try:
+        instance, seq = int(head), int(tail)
+    except ValueError:
+        instance = seq = -1
+    if not sep or instance < 0 or seq < 0 or instance > 0xFF or seq > 0xFFFFFFFF:
+        raise ValueError(f"not a buffer handle: {text!r} (INSTANCE:SEQ as twt alloc prints it, e.g. 1:7)")
+    return instance, seq

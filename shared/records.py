@@ -101,6 +101,10 @@ class BootMessage(Record):
     max_message_bytes: int = 256 << 20
     #: spawn: the supervisor's pid; forkserver: None (the worker checks the fork server instead)
     parent_pid: int | None = None
+    #: the supervisor's pid and start time (psutil's clock): a silent supervisor is given up on
+    #: only when this process is gone (worker.control), never because it is slow
+    supervisor_pid: int | None = None
+    supervisor_started: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +210,7 @@ class TenantRecord(Record):
     gpu_bytes_in_use: int = 0
     gpu_memory_bytes_cap: int | None = None
     quota: dict[str, Any] = field(default_factory=dict)  # the full QuotaSnapshot
+    origin: str = "runtime"  # "file": managed by the config file (reload); "runtime": by register/evict
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ Public face:
 - :class:`TenantRegistry` - the in-process registry with the Rust crate's API names;
 - :class:`SupervisorClient` - typed calls to a running supervisor (``twt supervise``);
 - :func:`launch` - start a supervisor as a child process and get a connected client;
-- :class:`Supervisor` - the supervisor loop itself (what ``twt supervise`` runs).
+- :class:`Supervisor` - the supervisor loop itself (what ``twt supervise`` runs);
+- :class:`StateStore` - the durable state (tenants, registry key, named key material).
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ from __future__ import annotations
 from supervisor.client import SupervisorClient
 from supervisor.launch import SupervisorHandle, launch
 from supervisor.registry import TenantInfo, TenantRegistry
+from supervisor.state import RegistryKey, StateStore, StoredTenant
 from supervisor.supervisor import Supervisor
 
 __all__ = [
+    "RegistryKey",
+    "StateStore",
+    "StoredTenant",
     "Supervisor",
     "SupervisorClient",
     "SupervisorHandle",

@@ -6,11 +6,18 @@ what a tenant goes through between them: registration answered once every
 instance is ready (or failed), the tenant marked failed after too many
 restarts, parked requests refused when their instance is not coming back.
 
+Every change an admin op makes is written to the state store
+(:mod:`supervisor.state`) as one transaction right after it is applied -
+register, evict, set_quota, scale, a tenant marked failed - so a restarted
+supervisor comes back with it; the request path never writes. The service
+ops (reload, reset, restart, rotate-key, and the restore at start) live in
+:mod:`supervisor.service`, which drives the ops here.
+
 Owns: the tenants table (``tenants``: id -> :class:`TenantRuntime`) and each
 tenant's registration waiters. May touch: the registry (capabilities, quota
-blocks), placement, the worker set (start, stop, drain, faults), the
-frontend's parked requests, the pending table (every answer goes through
-it), events. Loop thread only.
+blocks), the state store, placement, the worker set (start, stop, drain,
+faults), the frontend's parked requests, the pending table (every answer
+goes through it), events. Loop thread only.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
@@ -29,8 +36,10 @@ from shared.config import SupervisorConfig
 from shared.errors import (
     InvalidArgument,
     KernelTimeout,
+    StateError,
     TenantFailed,
     TenantIsolationViolation,
+    TenantStopped,
     TensorWasmError,
     UnknownTenant,
     WorkerLost,
@@ -56,14 +65,21 @@ from supervisor.pending import PendingTable
 from supervisor.placement import Placement
 from supervisor.registry import TenantRegistry
 from supervisor.rundir import RunDir
-from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.guard import FrontendGuard
+from supervisor.state import StateStore
+from supervisor.tenants import InstanceSlot, Parked, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import WorkerSet
+
+if TYPE_CHECKING:
+    from supervisor.service import ServiceOps
 
 __all__ = ["AdminOps"]
 
 _log = get_logger("supervisor")
+
+#: admin ops handled by :class:`supervisor.service.ServiceOps`
+SERVICE_OPS = frozenset({"reload", "reset", "restart", "rotate_key"})
 
 
 class AdminOps:
@@ -77,6 +93,7 @@ class AdminOps:
         tenants: dict[str, TenantRuntime],
         registry: TenantRegistry,
         admin_cap: RegistryAdminCapability,
+        state: StateStore,
         placement: Placement,
         pending: PendingTable,
         events: EventBus,
@@ -94,6 +111,7 @@ class AdminOps:
         self.tenants = tenants
         self.registry = registry
         self.admin_cap = admin_cap
+        self.state = state
         self.placement = placement
         self.pending = pending
         self.events = events
@@ -105,10 +123,11 @@ class AdminOps:
         self.started = time.time()
         self._workers: WorkerSet | None = None
         self._frontend: Frontend | None = None
+        self._service: ServiceOps | None = None
 
-    def attach(self, workers: WorkerSet, frontend: Frontend) -> None:
+    def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceOps) -> None:
         """The parts this one calls, which are built after it (they call it too); once, at set-up."""
-        self._workers, self._frontend = workers, frontend
+        self._workers, self._frontend, self._service = workers, frontend, service
 
     @property
     def workers(self) -> WorkerSet:
@@ -119,6 +138,11 @@ class AdminOps:
     def frontend(self) -> Frontend:
         assert self._frontend is not None, "AdminOps used before Supervisor._setup attached its parts"
         return self._frontend
+
+    @property
+    def service(self) -> ServiceOps:
+        assert self._service is not None, "AdminOps used before Supervisor._setup attached its parts"
+        return self._service
 
     # ------------------------------------------------------------ dispatch
 
@@ -145,9 +169,11 @@ class AdminOps:
         elif op == "tenant_status":
             answer(client, rid, op, self.tenant_record(self._runtime(args["tenant"])).to_wire())
         elif op == "scale":
-            answer(client, rid, op, self._scale(args["tenant"], args["instances"]).to_wire())
+            answer(client, rid, op, self.scale(args["tenant"], args["instances"]).to_wire())
         elif op == "inject_fault":
             self._inject_fault(client, rid, args)
+        elif op in SERVICE_OPS:
+            self.service.handle(client, rid, op, args)
         else:  # pragma: no cover - the decoder only lets known ops through
             raise InvalidArgument(f"unknown admin op {op!r}")
 
@@ -159,27 +185,62 @@ class AdminOps:
 
     # ------------------------------------------------------------ register
 
-    def register(self, spec: TenantSpec, client: bytes | None, rid: int | None) -> None:
+    def register(self, spec: TenantSpec, client: bytes | None, rid: int | None, *, origin: str = "runtime") -> None:
+        """Register a tenant (``origin``: "file" for the config file's, "runtime" for a register
+        request), record it in the state, start its instances; answered once they are ready."""
         # placement and the MPS check first: a refusal must leave nothing registered
         device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
         isolation = self.placement.isolation(spec)
         cap = self.registry.register_with_capability(self.admin_cap, spec)
+        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
+        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
+        # Written once the binds are out: the fsync of the commit overlaps the workers' binds, and
+        # the reply (sent once they are ready, on a later turn of the loop) follows the commit.
+        try:
+            self.state.register(spec, cap.generation, "file" if origin == "file" else "runtime")
+        except StateError:
+            rt.register_waiters.clear()
+            self.evict(spec.tenant_id, None, None)  # not durable: not registered
+            raise
+        self._check_registered(rt)
+
+    def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None) -> None:
+        """Bring back a tenant from the state at start: same generation (its capabilities work),
+        its instances started - unless it was failed, which it stays until ``twt reset``."""
+        device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
+        isolation = self.placement.isolation(spec)
+        cap = self.registry.restore_with_capability(self.admin_cap, spec, generation)
+        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=generation,
+                         restored=True, failed=failed_reason is not None)
+        if failed_reason is not None:
+            rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
+            rt.state = TenantState.FAILED
+            rt.failed_reason = failed_reason
+        else:
+            rt = self._start_tenant(spec, generation, device, isolation, origin, (None, None, cap.to_bytes()))
+            rt.restoring = True
+        self._check_registered(rt)
+
+    def _start_tenant(self, spec: TenantSpec, generation: int, device: int, isolation: Any, origin: str,
+                      waiter: tuple[bytes | None, int | None, bytes] | None, *, start: bool = True) -> TenantRuntime:
         block = self.registry.block(self.admin_cap, spec.tenant_id)
-        rt = TenantRuntime(spec, block, cap.generation)
+        rt = TenantRuntime(spec, block, generation)
         rt.device = device
+        rt.origin = origin
         self.placement.add(spec.tenant_id, isolation)
         rt.slots = [InstanceSlot(i) for i in range(spec.instances)]
         self.tenants[spec.tenant_id] = rt
-        rt.register_waiters.append((client, rid, cap.to_bytes()))
-        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
-        for slot in rt.slots:
-            self.workers.start_instance(rt, slot)
-        self.loop.timers.after(self.config.register_timeout_s, lambda: self._register_timeout(rt))
-        self._check_registered(rt)
+        if waiter is not None:
+            rt.register_waiters.append(waiter)
+            self.loop.timers.after(self.config.register_timeout_s, lambda: self._register_timeout(rt))
+        if start:
+            for slot in rt.slots:
+                self.workers.start_instance(rt, slot)
+        return rt
 
     def _check_registered(self, rt: TenantRuntime) -> None:
         rt.refresh_state()
-        if not rt.register_waiters or rt.state is not TenantState.RUNNING:
+        if not rt.register_waiters or rt.state not in (TenantState.RUNNING, TenantState.STOPPED):
             return
         waiters, rt.register_waiters = rt.register_waiters, []
         tenant = {
@@ -191,6 +252,7 @@ class AdminOps:
         }
         for client, rid, cap_raw in waiters:
             self.pending.answer(client, rid or 0, "register", {"capability": cap_raw, "tenant": tenant})
+        rt.restoring = False
         self._on_settled()
 
     def _register_timeout(self, rt: TenantRuntime) -> None:
@@ -200,6 +262,14 @@ class AdminOps:
     def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None:
         waiters, rt.register_waiters = rt.register_waiters, []
         log_event(_log, logging.ERROR, "tenant.register_failed", tenant=rt.tenant_id, error=str(exc))
+        if rt.restoring:
+            # a tenant from the state is never dropped because it did not come up: it is
+            # marked failed (kept, with its capability) until the operator resets or evicts it
+            rt.restoring = False
+            if rt.state is not TenantState.FAILED:
+                self.tenant_failed(rt, f"did not start after the supervisor restarted: {exc}")
+            self._on_settled()
+            return
         self.evict(rt.tenant_id, None, None)
         for client, rid, _ in waiters:
             self.pending.refuse(client, rid or 0, "register", exc)
@@ -214,18 +284,21 @@ class AdminOps:
     def instance_ready(self, rt: TenantRuntime) -> None:
         self._check_registered(rt)
         self.frontend.dispatch_parked(rt)
+        self.service.instance_ready(rt)
 
     def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
                                reason: str) -> None:
         """Instance ``index`` is not coming back: answer what can only go there."""
-        restarting = any(s.worker is not None or s.restart_at is not None for s in rt.slots if not s.draining)
+        restarting = rt.coming_up()
         exc = WorkerLost(rt.tenant_id, index, code, sig, f"{reason}; not restarted (restart={rt.spec.restart.value})")
         self.frontend.refuse_all_parked(rt, lambda p: exc if p.instance == index or not restarting else None)
 
     def tenant_failed(self, rt: TenantRuntime, why: str) -> None:
         rt.state = TenantState.FAILED
         rt.failed_reason = why
+        self.record(self.state.set_failed, rt.tenant_id, why)
         self.events.emit("failed", tenant=rt.tenant_id, reason=why, restarts=rt.restarts_total)
+        self.service.tenant_down(rt, TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s))
         exc = TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s)
         self.frontend.refuse_all_parked(rt, lambda p: exc)
         for slot in rt.slots:
@@ -241,6 +314,8 @@ class AdminOps:
         rt.state = TenantState.EVICTING
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
         del self.tenants[tid]
+        self.record(self.state.evict, tid)
+        self.service.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
         self.frontend.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
         self.frontend.forget(rt)  # verified tokens, modules, held bytes: nothing of it stays
         workers = [s.worker for s in rt.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD]
@@ -270,15 +345,19 @@ class AdminOps:
             raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
         info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
         rt.spec = info.spec
+        self.record(self.state.update_spec, rt.spec)
         self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
         return self.tenant_record(rt)
 
-    def _scale(self, tid: str, n: int) -> TenantRecord:
+    def scale(self, tid: str, n: int) -> TenantRecord:
         rt = self._runtime(tid)
         spec = rt.spec.with_instances(n)  # validates the range
         self.registry.update_spec(self.admin_cap, spec)
         rt.spec = spec
-        wanted = [s for s in rt.slots if not s.draining]
+        wanted = rt.wanted_slots()
+        for down in wanted[:n] if rt.state is not TenantState.FAILED else ():
+            if down.worker is None and down.restart_at is None:  # down for good (not restarted): start it again
+                self.workers.start_instance(rt, down)
         if n > len(wanted):
             for _ in range(n - len(wanted)):
                 # reuse a scaled-away slot whose worker is gone, else open a new one
@@ -296,9 +375,20 @@ class AdminOps:
                 slot.restart_at = None
                 if slot.worker is not None:
                     self.workers.drain(slot.worker)
+            self.frontend.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
+        self.record(self.state.update_spec, rt.spec)
         self.events.emit("scale", tenant=tid, instances=n)
         rt.refresh_state()
         return self.tenant_record(rt)
+
+    def record(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Write an admin change that is already applied. A failed write cannot undo it: it is
+        logged and published (``state_error``) so the operator knows a restart would lose it."""
+        try:
+            write(*args, **kwargs)
+        except StateError as exc:
+            log_event(_log, logging.ERROR, "state.write_failed", error=str(exc))
+            self.events.emit("state_error", path=exc.path, error=exc.detail)
 
     # ------------------------------------------------------------ faults
 
@@ -392,6 +482,7 @@ class AdminOps:
             gpu_bytes_in_use=snap.get("gpu_bytes_in_use", 0),
             gpu_memory_bytes_cap=snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
             quota=snap,
+            origin=rt.origin,
         )
 
     def status(self) -> StatusRecord:
@@ -414,3 +505,13 @@ class AdminOps:
             tenants=tuple(self.tenant_record(rt) for _, rt in sorted(self.tenants.items())),
             devices=tuple(self.placement.status(by_device)),
         )
+
+
+def _scaled_away(rt: TenantRuntime, parked: Parked) -> TensorWasmError | None:
+    """The answer for a request that waits for an instance a scale-down just took away (None: keep waiting)."""
+    if not rt.wanted_slots():
+        return TenantStopped(rt.tenant_id)
+    if parked.instance is not None and rt.slots[parked.instance].draining:
+        return InvalidArgument(f"instance {parked.instance} of {rt.tenant_id!r}, which holds the request's "
+                               "buffer, was scaled away")
+    return None

@@ -241,6 +241,35 @@ class SupervisorClient:
         result: dict[str, Any] = self.call("inject_fault", admin or self.admin, args)
         return result
 
+    def reload(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
+        """Read the supervisor's config file again and apply the difference (as SIGHUP does).
+
+        Returns ``{registered, changed, evicted, unchanged, conflicts, settings_not_applied}``;
+        a file that cannot be applied raises :class:`~shared.errors.ConfigError` and changes nothing.
+        """
+        result: dict[str, Any] = self.call("reload", admin or self.admin, timeout_s=max(self.timeout_s, 60.0))
+        return result
+
+    def reset(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+        """Clear a failed tenant and start its instances (same capability); returns once they are ready."""
+        result: dict[str, Any] = self.call("reset", admin or self.admin, {"tenant": tenant_id},
+                                           timeout_s=max(self.timeout_s, 60.0))
+        return result
+
+    def restart_tenant(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+        """Restart a tenant's instances one at a time (new processes, same capability); returns when done."""
+        result: dict[str, Any] = self.call("restart", admin or self.admin, {"tenant": tenant_id},
+                                           timeout_s=max(self.timeout_s, 120.0))
+        return result
+
+    def rotate_key(self, admin: RegistryAdminCapability | None = None) -> RegistryAdminCapability:
+        """Replace the registry key: every capability is revoked; returns the new admin capability
+        (also written to ``admin.cap``, and used by this client from now on)."""
+        result = self.call("rotate_key", admin or self.admin)
+        new = RegistryAdminCapability.from_bytes(result["admin_capability"])
+        self._admin = new
+        return new
+
     # ------------------------------------------------------------- tenant
 
     def ping(self, cap: TenantCapability) -> dict[str, Any]:
@@ -252,9 +281,16 @@ class SupervisorClient:
         result: dict[str, Any] = self.call("quota", cap)
         return result
 
-    def alloc(self, cap: TenantCapability, nbytes: int) -> int:
-        """A device buffer of ``nbytes``; returns its handle. GpuMemoryExhausted when refused."""
-        return int(self.call("alloc", cap, {"nbytes": nbytes})["handle"])
+    def alloc(self, cap: TenantCapability, nbytes: int, instance: int | None = None) -> int:
+        """A device buffer of ``nbytes``; returns its handle. GpuMemoryExhausted when refused.
+
+        ``instance``: allocate on that instance of the tenant (buffers a run
+        uses together must live on one instance); default: the least loaded.
+        """
+        args: dict[str, Any] = {"nbytes": nbytes}
+        if instance is not None:
+            args["instance"] = instance
+        return int(self.call("alloc", cap, args)["handle"])
 
     def free(self, cap: TenantCapability, handle: int) -> int:
         return int(self.call("free", cap, {"handle": handle})["freed"])

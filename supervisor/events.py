@@ -4,7 +4,10 @@ Every event is one msgpack map with at least ``event`` and ``ts``; the topic
 frame is ``event.<name>`` so ``twt events --filter exit`` subscribes to one
 kind. Events: ``spawn``, ``ready``, ``exit`` (with ``exit_code`` or
 ``signal`` and ``reason``), ``restart``, ``failed``, ``register``, ``evict``,
-``scale``, ``set_quota``, ``quota_refusal``, ``fault``, ``kill``.
+``scale``, ``set_quota``, ``quota_refusal``, ``fault``, ``kill``; the
+service's ``denied`` (a refused capability, see :mod:`supervisor.audit`),
+``denied_dropped``, ``reload``, ``reload_failed``, ``reset``,
+``rolling_restart``, ``rotate_key``, ``stall`` and ``state_error``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ __all__ = ["EventBus", "TOPIC_PREFIX", "decode_event"]
 
 TOPIC_PREFIX = b"event."
 _log = get_logger("supervisor.events")
-_LEVELS = {"exit": logging.WARNING, "failed": logging.ERROR, "kill": logging.WARNING, "quota_refusal": logging.INFO}
+_LEVELS = {"exit": logging.WARNING, "failed": logging.ERROR, "kill": logging.WARNING, "quota_refusal": logging.INFO,
+           "denied": logging.WARNING, "denied_dropped": logging.WARNING, "reload_failed": logging.ERROR,
+           "rotate_key": logging.WARNING, "stall": logging.WARNING, "state_error": logging.ERROR}
 
 
 class EventBus:

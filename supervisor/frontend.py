@@ -2,9 +2,14 @@
 
 A request names no worker: the supervisor picks the least-loaded ready
 instance of the capability's tenant, or the instance that holds the buffer
-handle it names. When no instance is ready (a restart is under way) the
-request is parked, bounded by ``max_in_flight`` and its deadline, and sent as
-soon as one is (:meth:`Frontend.dispatch_parked`).
+handles it names (buffer affinity; ``alloc`` may name an instance). A handle
+from an earlier incarnation of its instance is answered
+:class:`~shared.errors.BufferLost` at once. When no instance is ready but one
+is starting or restarting, the request is parked, bounded by
+``max_in_flight`` and its deadline, and sent as soon as one is
+(:meth:`Frontend.dispatch_parked`); a tenant scaled to 0 is answered
+:class:`~shared.errors.TenantStopped`, and one whose instances are gone for
+good :class:`~shared.errors.WorkerLost`, at once.
 
 Owns: the frontend ROUTER socket's *receive* side, the verified-capability
 cache, the tenants' stored modules (``put_module``) and parked requests.
@@ -27,11 +32,13 @@ from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.config import SupervisorConfig
 from shared.errors import (
+    BufferLost,
     InvalidArgument,
     Overloaded,
     ProtocolError,
     TenantFailed,
     TenantIsolationViolation,
+    TenantStopped,
     TensorWasmError,
     UnknownModule,
     UnknownTenant,
@@ -57,12 +64,16 @@ _log = get_logger("supervisor")
 
 #: ops whose replies can carry big bodies: refused while a client lets too many pile up
 _BIG_REPLY_OPS = frozenset({"read", "run_wasm"})
+#: ops that may name an instance, directly (alloc) or through buffer handles
+_PINNING_OPS = proto.HANDLE_OPS | {"alloc", "run_wasm"}
 MAX_MODULES_PER_TENANT = 32
 MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
 AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
+#: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
+DenialHook = Callable[["bytes | None", str], None]
 
 
 class Frontend:
@@ -82,6 +93,7 @@ class Frontend:
         admin: AdminHandler,
         guard: FrontendGuard,
         admin_cap: bytes,
+        on_denied: DenialHook | None = None,
     ) -> None:
         self.config = config
         self.clock = loop.clock
@@ -94,6 +106,7 @@ class Frontend:
         self.admin = admin
         self.guard = guard
         self._admin_raw = admin_cap
+        self.on_denied = on_denied
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
         self._served_turn = False
@@ -183,6 +196,10 @@ class Frontend:
                 self.admin(client, rid, op, msg.cap_raw, msg.args, body)
             else:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body)
+        except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
+            self._refused(client, rid, op, exc, msg.cap_raw)
+            if self.on_denied is not None:
+                self.on_denied(msg.cap_raw, op)
         except TensorWasmError as exc:
             self._refused(client, rid, op, exc, msg.cap_raw)
         except (TypeError, ValueError, KeyError) as exc:
@@ -240,6 +257,8 @@ class Frontend:
                 raise UnknownModule(tid, str(digest))
             rt.modules.move_to_end(digest)
             body = stored
+        if rt.state is TenantState.STOPPED:
+            raise TenantStopped(tid)
         if op in _BIG_REPLY_OPS:
             queued = self.replies.queued_bytes(client)
             if queued > self.config.max_client_reply_bytes:
@@ -251,11 +270,16 @@ class Frontend:
         if op == "buffers":
             self._buffers_of_every_instance(rt, client, rid)
             return
-        pinned = pinned_instance(op, args)
+        pinned = pinned_instance(rt, op, args)
+        if pinned is not None:
+            lost = lost_buffer(rt, op, args)
+            if lost is not None:
+                raise lost
         slot = slot_for(rt, pinned)
         now = self.clock()
-        if slot is None and pinned is not None and (pinned >= len(rt.slots) or rt.slots[pinned].draining):
-            raise InvalidArgument(f"buffer handle names instance {pinned}, which {tid!r} does not run")
+        if slot is None:
+            if not (rt.coming_up() if pinned is None else rt.slots[pinned].coming_up):
+                raise _nothing_coming_up(rt, pinned)
         # What the supervisor will hold for this request, reserved before it holds it
         # (supervisor.budgets): a read's reply, and a parked request's body.
         held = self.guard.held
@@ -263,7 +287,7 @@ class Frontend:
         held.reserve(tid, "replies", reply)
         try:
             if slot is None:
-                # no ready instance (restarting / starting): wait for one, bounded
+                # no ready instance, but one is starting or restarting: wait for it, bounded
                 size = len(body) if body is not None else 0
                 held.reserve(tid, "parked", size)
                 rt.parked.append(Parked(client, rid, op, args, body, now,
@@ -274,6 +298,14 @@ class Frontend:
         except BaseException:
             held.release(tid, "replies", reply)
             raise
+
+    def set_admin_capability(self, raw: bytes) -> None:
+        """The admin capability's bytes changed (key rotation): requests carrying them are verified."""
+        self._admin_raw = raw
+
+    def forget_verified(self) -> None:
+        """Drop the verified-capability cache (the registry key was rotated: nothing verified before counts)."""
+        self._verified_caps.clear()
 
     def _verify(self, cap_raw: bytes) -> TenantRuntime:
         # Fast path: these exact bytes were verified for this very tenant runtime
@@ -408,6 +440,10 @@ class Frontend:
             if slot is None:
                 keep.append(p)
                 continue
+            lost = lost_buffer(rt, p.op, p.args) if p.instance is not None else None
+            if lost is not None:  # its instance restarted while it waited: the buffer went with it
+                self.pending.refuse_parked(rt.tenant_id, p, lost)
+                continue
             # the body leaves the parked budget: it goes to the worker now
             self.guard.held.release(rt.tenant_id, "parked", p.held_body)
             p.held_body = 0
@@ -445,22 +481,69 @@ class Frontend:
 # ------------------------------------------------------------ instance choice (pure policy)
 
 
-def pinned_instance(op: str, args: dict[str, Any]) -> int | None:
-    """The instance a request must go to: the one holding the buffer handle it names, if any."""
+def request_handles(op: str, args: dict[str, Any]) -> list[int]:
+    """The buffer handles a request names (``handle``, or run_wasm's ``{handle}`` arguments)."""
     if op in proto.HANDLE_OPS:
         handle = args.get("handle")
         if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
             raise InvalidArgument("handle must be a non-negative int")
-        return proto.handle_instance(handle)
+        return [handle]
     if op == "run_wasm":
-        found = {
-            proto.handle_instance(a["handle"])
+        return [
+            a["handle"]
             for a in args.get("args") or ()
             if isinstance(a, dict) and isinstance(a.get("handle"), int) and not isinstance(a.get("handle"), bool)
-        }
-        if len(found) > 1:
-            raise InvalidArgument("run_wasm buffer arguments live on different instances")
-        return found.pop() if found else None
+        ]
+    return []
+
+
+def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | None:
+    """The instance a request must go to: the one holding the buffers it names, or ``alloc``'s ``instance``.
+
+    InvalidArgument when its buffers live on different instances (naming them),
+    or when the instance is not one the tenant runs.
+    """
+    if op not in _PINNING_OPS:
+        return None  # the hot path (ping, quota-free ops): nothing to look at
+    if op == "alloc":
+        pinned = args.get("instance")
+        if pinned is not None and (isinstance(pinned, bool) or not isinstance(pinned, int) or pinned < 0):
+            raise InvalidArgument("alloc: instance must be a non-negative int")
+        what = "alloc names"
+    else:
+        handles = request_handles(op, args)
+        where: dict[int, list[str]] = {}
+        for h in handles:
+            where.setdefault(proto.handle_instance(h), []).append(proto.format_handle(h))
+        if len(where) > 1:
+            held = "; ".join(f"{', '.join(names)} on {rt.tenant_id}/{i}" for i, names in sorted(where.items()))
+            raise InvalidArgument(
+                f"{op}: its buffers live on different instances ({held}); a run sees the buffers of one instance: "
+                f"allocate them on one (twt alloc {rt.tenant_id} SIZE --instance N, or alloc(cap, n, instance=N))"
+            )
+        pinned = next(iter(where), None)
+        what = "buffer handle names"
+    if pinned is not None and (pinned >= len(rt.slots) or rt.slots[pinned].draining):
+        running = ", ".join(str(s.index) for s in rt.wanted_slots()) or "none"
+        raise InvalidArgument(f"{what} instance {pinned}, which {rt.tenant_id!r} does not run "
+                              f"(its instances: {running})")
+    return pinned
+
+
+def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, Any]) -> BufferLost | None:
+    """:class:`BufferLost` for the first handle whose instance restarted since (or died with it), else None.
+
+    A handle is alive while its slot's worker is the incarnation that made it;
+    a slot with no worker lost it (a restart is pending), one with a newer
+    incarnation restarted.
+    """
+    for h in request_handles(op, args):
+        index = proto.handle_instance(h)
+        if index >= len(rt.slots):
+            continue  # refused by pinned_instance
+        slot = rt.slots[index]
+        if slot.worker is None or slot.incarnation & 0xFFFF != proto.handle_incarnation(h):
+            return BufferLost(rt.tenant_id, proto.format_handle(h), index, slot.incarnation)
     return None
 
 
@@ -470,6 +553,20 @@ def expected_reply_bytes(op: str, args: dict[str, Any], limit: int) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         return 0
     return min(n, limit)
+
+
+def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError:
+    """The answer when no instance (or not the pinned one) is ready or coming (so waiting is useless)."""
+    wanted = rt.wanted_slots()
+    if not wanted:
+        return TenantStopped(rt.tenant_id)
+    gone = rt.slots[pinned] if pinned is not None else max(wanted, key=lambda s: (s.last_exit or {}).get("at", 0.0))
+    last = gone.last_exit or {}
+    who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
+    reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
+              f"last exit of {rt.tenant_id}/{gone.index}: {last.get('reason', 'unknown')})")
+    return WorkerLost(rt.tenant_id, gone.index, last.get("exit_code"), last.get("signal"), reason,
+                      message=f"{reason}; `twt scale {rt.tenant_id} N` starts instances again")
 
 
 def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:

@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared.capability import RegistryAdminCapability
-from shared.config import SupervisorConfig
+from shared.config import SupervisorConfig, read_config_file
 from shared.errors import SupervisorUnavailable
 from supervisor.client import SupervisorClient
 from supervisor.rundir import read_admin_capability, read_ready
 
-__all__ = ["SupervisorHandle", "launch"]
+__all__ = ["QUIET_LOG_LEVEL", "SupervisorHandle", "launch"]
 
 
 @dataclass
@@ -73,6 +73,21 @@ def _config_arg(config_or_path: str | os.PathLike[str] | Mapping[str, Any] | Sup
     return ["--config", path]
 
 
+#: what an embedded supervisor logs unless asked for more
+QUIET_LOG_LEVEL = "warning"
+
+
+def _config_sets_log_level(config_or_path: str | os.PathLike[str] | Mapping[str, Any] | SupervisorConfig | None) -> bool:
+    if config_or_path is None:
+        return False
+    if isinstance(config_or_path, SupervisorConfig):
+        return True  # a whole config object: its log_level is what the caller built
+    if isinstance(config_or_path, (str, os.PathLike)):
+        return "log_level" in read_config_file(config_or_path)
+    section = config_or_path.get("supervisor")
+    return isinstance(section, Mapping) and "log_level" in section
+
+
 @contextmanager
 def launch(
     config_or_path: str | os.PathLike[str] | Mapping[str, Any] | SupervisorConfig | None = None,
@@ -81,6 +96,7 @@ def launch(
     backend: str | None = None,
     start_method: str | None = None,
     log_format: str | None = None,
+    log_level: str | None = None,
     pool_size: int | None = None,
     metrics_addr: str | None = None,
     ready_timeout_s: float = 60.0,
@@ -94,17 +110,22 @@ def launch(
     ``config_or_path`` is a TOML/JSON path, a dict shaped like the TOML file
     (``{"supervisor": {...}, "tenant": [...]}``) or a :class:`SupervisorConfig`.
     Without ``run_dir`` a fresh temporary one is used and removed afterwards.
+
+    An embedded supervisor is quiet: it logs at ``warning`` unless asked
+    otherwise, by ``log_level``, ``$TWT_LOG_LEVEL`` or ``log_level`` in the config.
     """
     own_dir = run_dir is None
     rd = run_dir or tempfile.mkdtemp(prefix="twt-", dir="/tmp")
     os.makedirs(rd, mode=0o700, exist_ok=True)
     cmd = [sys.executable, "-m", "supervisor", "supervise", "--run-dir", rd, *_config_arg(config_or_path, rd)]
+    child_env = dict(os.environ if env is None else env)
+    if log_level is None and not child_env.get("TWT_LOG_LEVEL") and not _config_sets_log_level(config_or_path):
+        log_level = QUIET_LOG_LEVEL
     for flag, value in (("--backend", backend), ("--start-method", start_method), ("--log-format", log_format),
-                        ("--pool-size", pool_size), ("--metrics-addr", metrics_addr)):
+                        ("--log-level", log_level), ("--pool-size", pool_size), ("--metrics-addr", metrics_addr)):
         if value is not None:
             cmd += [flag, str(value)]
     cmd += extra_args or []
-    child_env = dict(os.environ if env is None else env)
     # the child imports this very checkout, wherever the caller runs from
     root = str(Path(__file__).resolve().parent.parent)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH", "")) if p)

@@ -5,7 +5,7 @@ exposition)::
 
     supervisor loop (one thread) ──inc/observe──► client Counters / Histogram ──┐
                                                                                 ├─► CollectorRegistry ─► HTTP
-    snapshot (loop, every 1 s) ◄──read at scrape time── _TenantCollector ────────┘    thread (GET /metrics)
+    snapshot (loop, every 1 s) ◄──read at scrape time── _StateCollector ─────────┘    thread (GET /metrics)
 
 * **Events the loop reports** through the :class:`~supervisor.metrics.Metrics`
   hooks: requests by tenant, op and outcome, request latency by op, worker
@@ -13,16 +13,17 @@ exposition)::
   hot path is a dict lookup and one uncontended lock per update.
 * **State read at scrape time** by a custom collector from the snapshot
   function the supervisor binds (:meth:`PrometheusMetrics.bind_source`):
-  per-tenant CPU/GPU bytes in use, limits, high-water marks, instances up,
-  state, and the refusal/underflow counters kept in each tenant's
-  shared-memory block, as last refreshed by the loop (every second).
+  per-tenant host/GPU bytes in use, limits, high-water marks, instances up
+  and wanted, state (one series per state), the refusal/underflow counters
+  kept in each tenant's shared-memory block, the warm pool and the
+  device-wide budgets, as last refreshed by the loop (every second).
 
 Threads: the HTTP server runs on daemon threads and only reads. The event
 hooks are called on the loop thread and update prometheus_client's children,
 which take their own locks. The per-tenant snapshot is never built here: a
 scrape asks the loop through :meth:`Supervisor.metrics_snapshot`
-(a :class:`supervisor.loop.Handoff`) and gets immutable
-:class:`~supervisor.metrics.TenantGauges`, so no quota block is touched off
+(a :class:`supervisor.loop.Handoff`) and gets an immutable
+:class:`~supervisor.metrics.MetricsSnapshot` of typed records, so no quota block is touched off
 the loop thread (closing a block while another thread reads it fails).
 
 ``HOST:PORT`` with
@@ -36,17 +37,19 @@ hundreds of tenants); per-tenant request counts are in ``twt_requests_total``.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
+import platform
 import secrets
 import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.platform_collector import PlatformCollector
@@ -54,9 +57,22 @@ from prometheus_client.process_collector import ProcessCollector
 
 from shared.config import parse_host_port
 from shared.log import get_logger, log_event
-from supervisor.metrics import Metrics, MetricsSource, TenantGauges
+from shared.protocol import PROTOCOL_VERSION
+from supervisor.health import Health
+from supervisor.metrics import Metrics, MetricsSnapshot, MetricsSource, build_version
+from supervisor.tenants import TenantState
 
-__all__ = ["LATENCY_BUCKETS", "PrometheusMetrics", "TenantLabels", "parse_metrics_addr"]
+__all__ = [
+    "DEFAULT_METRICS_PORT",
+    "HEALTHZ_PATH",
+    "LATENCY_BUCKETS",
+    "METRICS_PATH",
+    "READYZ_PATH",
+    "TENANT_STATES",
+    "PrometheusMetrics",
+    "TenantLabels",
+    "parse_metrics_addr",
+]
 
 _log = get_logger("supervisor.metrics")
 
@@ -68,6 +84,11 @@ _HANDLER_TIMEOUT_S = 10.0
 #: label of events that belong to no tenant (an idle pool worker's exit), and of requests
 #: whose capability was not verified (their claimed tenant is never a label)
 NO_TENANT = ""
+#: the port the docs, the systemd unit and deploy/k8s use (nothing binds it unless configured)
+DEFAULT_METRICS_PORT = 9464
+METRICS_PATH = "/metrics"
+HEALTHZ_PATH = "/healthz"
+READYZ_PATH = "/readyz"
 
 
 class TenantLabels:
@@ -119,8 +140,16 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-class _TenantCollector:
-    """Per-tenant gauges and shared-memory counters, read from the bound snapshot at scrape time."""
+#: every tenant state, one ``twt_tenant_state`` series each (1 for the current one, 0 for the rest)
+TENANT_STATES = tuple(state.value for state in TenantState)
+
+
+def _gauge(name: str, text: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, text, labels=labels)
+
+
+class _StateCollector:
+    """Series read from the loop's snapshot at scrape time: tenants, pool, device budgets."""
 
     def __init__(self, owner: PrometheusMetrics) -> None:
         self._owner = owner
@@ -129,81 +158,107 @@ class _TenantCollector:
         return []  # generated at scrape time; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
-        source = self._owner._source
-        tenants: Mapping[str, TenantGauges] = {}
-        if source is not None:
-            try:
-                tenants = source()
-            except Exception as exc:  # noqa: BLE001 - a scrape must never take the exporter down
-                self._owner._snapshot_errors.inc()
-                log_event(_log, logging.WARNING, "metrics.snapshot_failed", error=repr(exc))
-                tenants = {}
-        labels = ["tenant"]
+        snap = self._owner._read_snapshot()
+        tenants = snap.tenants
+        t = ["tenant"]
         g = {
-            "cpu_in_use": GaugeMetricFamily("twt_tenant_cpu_bytes_in_use",
-                                            "Host bytes the tenant holds now (all instances)", labels=labels),
-            "cpu_limit": GaugeMetricFamily("twt_tenant_cpu_limit_bytes",
-                                           "The tenant's host memory quota (memory_quota_bytes)", labels=labels),
-            "cpu_high": GaugeMetricFamily("twt_tenant_cpu_high_water_bytes",
-                                          "Highest host bytes the tenant has held at once", labels=labels),
-            "gpu_in_use": GaugeMetricFamily("twt_tenant_gpu_bytes_in_use",
-                                            "GPU bytes the tenant holds now (all instances)", labels=labels),
-            "gpu_limit": GaugeMetricFamily("twt_tenant_gpu_limit_bytes",
-                                           "The tenant's GPU cap (gpu_memory_bytes_cap); +Inf when uncapped",
-                                           labels=labels),
-            "gpu_high": GaugeMetricFamily("twt_tenant_gpu_high_water_bytes",
-                                          "Highest GPU bytes the tenant has held at once", labels=labels),
-            "up": GaugeMetricFamily("twt_tenant_instances_up",
-                                    "Worker instances of the tenant that are ready to serve", labels=labels),
+            "host_in_use": _gauge("twt_tenant_host_in_use_bytes", "Host bytes the tenant holds now (all instances)", t),
+            "host_limit": _gauge("twt_tenant_host_limit_bytes", "The tenant's host memory quota (memory_quota_bytes)", t),
+            "host_high": _gauge("twt_tenant_host_high_water_bytes", "Most host bytes the tenant has held at once", t),
+            "gpu_in_use": _gauge("twt_tenant_gpu_in_use_bytes", "GPU bytes the tenant holds now (all instances)", t),
+            "gpu_limit": _gauge("twt_tenant_gpu_limit_bytes",
+                                "The tenant's GPU cap (gpu_memory_bytes_cap); +Inf when uncapped", t),
+            "gpu_high": _gauge("twt_tenant_gpu_high_water_bytes", "Most GPU bytes the tenant has held at once", t),
+            "up": _gauge("twt_tenant_instances_up", "Worker instances of the tenant that are ready to serve", t),
+            "wanted": _gauge("twt_tenant_instances_wanted",
+                             "Worker instances the tenant should have (its instances setting, minus draining)", t),
         }
-        state = GaugeMetricFamily("twt_tenant_state", "1 for the tenant's current state",
-                                  labels=["tenant", "state"])
+        state = _gauge("twt_tenant_state", "1 for the tenant's current state, 0 for every other state",
+                       ["tenant", "state"])
         refusals = CounterMetricFamily("twt_tenant_quota_refusals",
                                        "Allocations refused by the tenant's quota (shared-memory counter)",
                                        labels=["tenant", "resource"])
         underflows = CounterMetricFamily("twt_tenant_quota_underflows",
                                          "Releases of more bytes than were held (a bug; never wrapped)",
                                          labels=["tenant", "resource"])
-        count = GaugeMetricFamily("twt_tenants", "Tenants registered with this supervisor")
+        count = _gauge("twt_tenants", "Tenants registered with this supervisor", [])
         count.add_metric([], len(tenants))
         for tid, rec in sorted(tenants.items()):
-            snap = rec.quota
-            name = self._owner.label(str(tid))
-            t = [name]
-            cap = snap.gpu_memory_bytes_cap
-            g["cpu_in_use"].add_metric(t, snap.bytes_in_use)
-            g["cpu_limit"].add_metric(t, snap.memory_quota_bytes)
-            g["cpu_high"].add_metric(t, snap.cpu_high_water)
-            g["gpu_in_use"].add_metric(t, snap.gpu_bytes_in_use)
-            g["gpu_limit"].add_metric(t, float("inf") if cap is None else cap)
-            g["gpu_high"].add_metric(t, snap.gpu_high_water)
-            g["up"].add_metric(t, rec.instances_up)
-            state.add_metric([name, rec.state], 1)
-            for resource, refused, under in (("cpu", snap.cpu_refusals, snap.cpu_underflows),
-                                             ("gpu", snap.gpu_refusals, snap.gpu_underflows)):
-                refusals.add_metric([name, resource], refused)
-                underflows.add_metric([name, resource], under)
+            quota = rec.quota
+            label = self._owner.label(str(tid))
+            who = [label]
+            cap = quota.gpu_memory_bytes_cap
+            g["host_in_use"].add_metric(who, quota.bytes_in_use)
+            g["host_limit"].add_metric(who, quota.memory_quota_bytes)
+            g["host_high"].add_metric(who, quota.cpu_high_water)
+            g["gpu_in_use"].add_metric(who, quota.gpu_bytes_in_use)
+            g["gpu_limit"].add_metric(who, float("inf") if cap is None else cap)
+            g["gpu_high"].add_metric(who, quota.gpu_high_water)
+            g["up"].add_metric(who, rec.instances_up)
+            if rec.wanted is not None:
+                g["wanted"].add_metric(who, rec.wanted)
+            current = rec.state
+            for name in (TENANT_STATES if current in TENANT_STATES else (*TENANT_STATES, current)):
+                state.add_metric([label, name], 1 if name == current else 0)
+            for resource, refused, under in (("host", quota.cpu_refusals, quota.cpu_underflows),
+                                             ("gpu", quota.gpu_refusals, quota.gpu_underflows)):
+                refusals.add_metric([label, resource], refused)
+                underflows.add_metric([label, resource], under)
         yield count
         yield from g.values()
         yield state
         yield refusals
         yield underflows
+        yield from self._pool_and_devices(snap)
+
+    @staticmethod
+    def _pool_and_devices(snap: MetricsSnapshot) -> Iterator[Metric]:
+        if snap.pool_size is not None:
+            pool = _gauge("twt_pool_workers", "Warm pool workers by state (idle: ready to bind; starting)", ["state"])
+            pool.add_metric(["idle"], snap.pool_idle or 0)
+            pool.add_metric(["starting"], snap.pool_starting or 0)
+            yield pool
+            target = _gauge("twt_pool_size_workers", "Idle workers the warm pool keeps ready (pool_size)", [])
+            target.add_metric([], snap.pool_size)
+            yield target
+        if snap.devices:
+            d = ["device"]
+            limit = _gauge("twt_device_budget_limit_bytes",
+                           "Device-wide GPU budget: what all tenants on the device may hold (capacity - reserve)", d)
+            used = _gauge("twt_device_budget_used_bytes", "GPU bytes held by all tenants on the device", d)
+            refused = CounterMetricFamily("twt_device_budget_refusals",
+                                          "Allocations the device-wide budget refused", labels=d)
+            for dev in snap.devices:
+                idx = [str(dev.index)]
+                limit.add_metric(idx, dev.budget_limit_bytes)
+                used.add_metric(idx, dev.budget_used_bytes)
+                refused.add_metric(idx, dev.budget_refusals)
+            yield limit
+            yield used
+            yield refused
 
 
 class PrometheusMetrics(Metrics):
     """The :class:`~supervisor.metrics.Metrics` hooks, exported over HTTP at ``addr``.
 
-    The server starts in the constructor, so a bad or busy address fails
-    ``twt supervise`` at once (``OSError`` naming the address).
+    Paths: ``/metrics`` (also ``/``), ``/healthz`` and ``/readyz`` (see
+    :mod:`supervisor.health`); anything else is 404. The server starts in
+    the constructor, so a bad or busy address fails ``twt supervise`` at
+    once (``OSError`` naming the address) - after the run dir is locked.
     """
 
     def __init__(self, addr: str, *, registry: CollectorRegistry | None = None, process_metrics: bool = True,
-                 tenant_names: bool = True) -> None:
+                 health: Health | None = None, tenant_names: bool = True) -> None:
         host, port = parse_metrics_addr(addr)
         self.label = TenantLabels(tenant_names)
+        disable_created_metrics()  # type: ignore[no-untyped-call] # no *_created series: one per counter child, never queried
         self.registry = registry or CollectorRegistry()
+        self.health = health or Health()
         self._source: MetricsSource | None = None
         reg = self.registry
+        info = Gauge("twt_build_info", "Always 1; the labels say which build is running",
+                     ["version", "python", "protocol"], registry=reg)
+        info.labels(build_version(), platform.python_version(), str(PROTOCOL_VERSION)).set(1)
         self._requests = Counter("twt_requests", "Client requests answered, by tenant, op and outcome "
                                  "(outcome: ok or the error code)", ["tenant", "op", "outcome"], registry=reg)
         self._latency = Histogram("twt_request_duration_seconds",
@@ -214,7 +269,7 @@ class PrometheusMetrics(Metrics):
                               ["tenant", "cause"], registry=reg)
         self._restarts = Counter("twt_restarts", "Instance restarts by the restart policy", ["tenant"], registry=reg)
         # registered before the error counter, so a scrape already shows its own failure
-        reg.register(_TenantCollector(self))
+        reg.register(_StateCollector(self))
         self._snapshot_errors = Counter("twt_metrics_snapshot_errors",
                                         "Scrapes whose per-tenant snapshot could not be read", registry=reg)
         if process_metrics:
@@ -224,17 +279,51 @@ class PrometheusMetrics(Metrics):
         self._req_children: dict[tuple[str, str, str], Any] = {}
         self._lat_children: dict[str, Any] = {}
         self._closed = False
+        self._metrics_app = make_wsgi_app(reg)
         server_class = _Server6 if ":" in host else _Server
         try:
-            self._server = make_server(host, port, make_wsgi_app(reg), server_class, handler_class=_QuietHandler)
+            self._server = make_server(host, port, self._app, server_class, handler_class=_QuietHandler)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
+            why = (f"the port is in use (another supervisor or program); choose another --metrics-addr"
+                   if exc.errno == errno.EADDRINUSE else str(exc.strerror or exc))
+            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {why}") from None
         self.host = host
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
                                         name="twt-metrics", daemon=True)
         self._thread.start()
         log_event(_log, logging.INFO, "metrics.listening", host=host, port=self.port, url=self.url)
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """WSGI: the probes answer in a line of text; /metrics is prometheus-client's own app."""
+        path = environ.get("PATH_INFO") or "/"
+        if path in (HEALTHZ_PATH, READYZ_PATH):
+            if self._source is not None:
+                self._read_snapshot()  # asks the loop for a fresh one: that is the liveness signal
+            verdict = self.health.live() if path == HEALTHZ_PATH else self.health.ready()
+            start_response(verdict.status, [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("Content-Length", str(len(verdict.body))),
+                                            ("Cache-Control", "no-store")])
+            return [] if environ.get("REQUEST_METHOD") == "HEAD" else [verdict.body]
+        if path in (METRICS_PATH, "/"):
+            result: Iterable[bytes] = self._metrics_app(environ, start_response)
+            return result
+        body = f"not found: {path} (try {METRICS_PATH}, {HEALTHZ_PATH} or {READYZ_PATH})\n".encode()
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8"),
+                                         ("Content-Length", str(len(body)))])
+        return [body]
+
+    def _read_snapshot(self) -> MetricsSnapshot:
+        """The loop's latest snapshot (an empty one when unbound or unreadable); feeds the health state."""
+        source = self._source
+        if source is None:
+            return MetricsSnapshot()
+        try:
+            return self.health.observe(source())
+        except Exception as exc:  # noqa: BLE001 - a scrape must never take the exporter down
+            self._snapshot_errors.inc()
+            log_event(_log, logging.WARNING, "metrics.snapshot_failed", error=repr(exc))
+            return MetricsSnapshot()
 
     @property
     def url(self) -> str:
@@ -262,6 +351,9 @@ class PrometheusMetrics(Metrics):
 
     def bind_source(self, snapshot: MetricsSource) -> None:
         self._source = snapshot
+
+    def mark_ready(self) -> None:
+        self.health.mark_ready()
 
     def close(self) -> None:
         """Stop serving and free the port (idempotent)."""

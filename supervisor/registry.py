@@ -21,10 +21,10 @@ register/unregister/set_quota take one.
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from shared import capability as _cap
@@ -41,6 +41,8 @@ from shared.mps import MPS_PROBE_MAX_AGE_S, MpsDecision, mps_or_fallback
 from shared.protocol import QUOTA_KEYS
 from shared.quota import QuotaBlock, QuotaSnapshot, new_segment_name
 from shared.spec import TenantSpec
+from supervisor.audit import Denial
+from supervisor.state import RegistryKey, StateStore
 
 __all__ = ["TenantInfo", "TenantRegistry"]
 
@@ -98,10 +100,25 @@ class TenantRegistry:
         self._lock = threading.Lock()
         self._closed = False
         self._verified: set[bytes] = set()
+        self._retired: set[bytes] = set()
 
     @classmethod
-    def new(cls, *, segment_prefix: str | None = None) -> tuple[TenantRegistry, RegistryAdminCapability]:
-        """A fresh registry (random id and secret) and its admin capability.
+    def new(
+        cls,
+        *,
+        segment_prefix: str | None = None,
+        key: RegistryKey | None = None,
+        generations: Mapping[str, int] | None = None,
+        retired: Iterable[bytes] = (),
+    ) -> tuple[TenantRegistry, RegistryAdminCapability]:
+        """A registry and its admin capability.
+
+        Without ``key`` the identity is fresh (random id and secret). With the
+        ``key`` a previous run stored (:meth:`export_key`), capabilities minted
+        before verify again and the admin capability is the same bytes;
+        ``generations`` (the last one issued per tenant id) keeps evicted
+        tenants' capabilities revoked, ``retired`` lists registry ids replaced by
+        :meth:`rotate_key` (their capabilities are refused as revoked).
 
         Segments are named ``twt-<segment_prefix>-<slot>``; the prefix defaults
         to the first 8 hex digits of the registry id.
@@ -110,10 +127,68 @@ class TenantRegistry:
             not segment_prefix or not all(c.isalnum() or c in "-_" for c in segment_prefix)
         ):
             raise ValueError(f"segment_prefix must be alphanumeric (plus - _), got {segment_prefix!r}")
-        rid = secrets.token_bytes(_cap.REGISTRY_ID_BYTES)
-        registry = cls(_secret=secrets.token_bytes(32), _registry_id=rid, segment_prefix=segment_prefix)
-        admin = _cap.mint(RegistryAdminCapability, registry._secret, rid, 0)
-        return registry, admin
+        if key is None:
+            key = RegistryKey.fresh()
+        elif len(key.registry_id) != _cap.REGISTRY_ID_BYTES or len(key.secret) < 16:
+            raise ValueError(
+                f"registry key must have a {_cap.REGISTRY_ID_BYTES}-byte id and a secret of at least 16 bytes"
+            )
+        registry = cls(_secret=key.secret, _registry_id=key.registry_id, segment_prefix=segment_prefix)
+        registry._generations.update(generations or {})
+        registry._retired.update(retired)
+        return registry, registry._admin_capability()
+
+    @classmethod
+    def from_state(
+        cls, store: StateStore, *, segment_prefix: str | None = None
+    ) -> tuple[TenantRegistry, RegistryAdminCapability]:
+        """The registry of a supervisor with durable state: the stored identity, or on a
+        first start a fresh one that is stored at once (so the admin capability written
+        for the CLI is the one the next start has too)."""
+        key = store.registry_key()
+        if key is None:
+            key = RegistryKey.fresh()
+            store.put_registry_key(key)
+        return cls.new(
+            segment_prefix=segment_prefix,
+            key=key,
+            generations=store.generations(),
+            retired=store.retired_registry_ids(),
+        )
+
+    def _admin_capability(self) -> RegistryAdminCapability:
+        return _cap.mint(RegistryAdminCapability, self._secret, self._rid, 0)
+
+    def export_key(self, admin_cap: RegistryAdminCapability) -> RegistryKey:
+        """The registry's identity, for the state store only (the secret never leaves the supervisor)."""
+        self._check_admin(admin_cap, False)
+        return RegistryKey(self._rid, self._secret)
+
+    def rotate_key(
+        self, admin_cap: RegistryAdminCapability, key: RegistryKey | None = None
+    ) -> tuple[RegistryKey, RegistryAdminCapability]:
+        """Replace the identity: every capability minted so far is refused (as revoked) from now on.
+
+        Tenants stay registered (with their quota blocks); their new
+        capabilities come from :meth:`tenant_capability`. ``key``: the new
+        identity (a caller with durable state stores it *before* rotating, so a
+        crash can never bring the old key back); drawn here when omitted.
+        Returns the new key and the new admin capability.
+        """
+        self._check_admin(admin_cap, True)
+        key = key or RegistryKey.fresh()
+        if len(key.registry_id) != _cap.REGISTRY_ID_BYTES or key.registry_id == self._rid:
+            raise ValueError("rotate_key needs a new 16-byte registry id")
+        with self._lock:
+            self._retired.add(self._rid)
+            self._rid = key.registry_id
+            self._secret = key.secret
+            self._verified.clear()
+        return key, self._admin_capability()
+
+    def generations(self) -> dict[str, int]:
+        """The last generation issued per tenant id, evicted tenants included."""
+        return dict(self._generations)
 
     @property
     def registry_id(self) -> str:
@@ -162,9 +237,40 @@ class TenantRegistry:
         return True
 
     def _foreign(self, cap: _cap.Capability, tid: str, strict: bool) -> None:
+        if cap._registry_id in self._retired:
+            raise CapabilityRevoked(tid or "(admin)", "the registry key was rotated")
         if strict:
             raise CapabilityFromForeignRegistry(tid, self.registry_id, cap.registry_id)
         raise TenantIsolationViolation(tid or None, "this registry (capability from a foreign registry)")
+
+    def explain_refusal(self, raw: bytes | None, *, admin: bool) -> Denial:
+        """Why these capability bytes are refused for an admin (or tenant) op: the audit's reason.
+
+        Only for the refusal path (it repeats the checks). The tenant a token
+        names is reported as verified only when its MAC is ours.
+        """
+        if raw is None:
+            return Denial("missing", None, None)
+        try:
+            cap = _cap.capability_from_bytes(raw)
+        except TenantIsolationViolation as exc:
+            return Denial("truncated" if "truncated" in str(exc) or "length" in str(exc) else "malformed", None, None)
+        claimed = cap.tenant_id if isinstance(cap, TenantCapability) else None
+        if isinstance(cap, RegistryAdminCapability) != admin:
+            reason = "wrong_kind"
+        elif cap._registry_id in self._retired:
+            reason = "revoked"
+        elif cap._registry_id != self._rid:
+            reason = "foreign"
+        elif not _cap.mac_ok(cap, self._secret):
+            reason = "forged"
+        elif claimed is not None:
+            entry = self._tenants.get(claimed)
+            reason = "revoked" if entry is None or entry.generation != cap._generation else "unknown_tenant"
+        else:
+            reason = "other"
+        authentic = cap._registry_id == self._rid and _cap.mac_ok(cap, self._secret)
+        return Denial(reason, claimed if authentic else None, None if authentic else claimed)
 
     def verify(self, cap: object) -> str:
         """Check a tenant capability; return its tenant id (the frontend's check)."""
@@ -184,7 +290,19 @@ class TenantRegistry:
     ) -> TenantCapability:
         return self._register(admin_cap, spec, True)
 
-    def _register(self, admin_cap: RegistryAdminCapability, spec: TenantSpec, strict: bool) -> TenantCapability:
+    def restore_with_capability(
+        self, admin_cap: RegistryAdminCapability, spec: TenantSpec, generation: int
+    ) -> TenantCapability:
+        """Register a tenant again at the generation it had (a supervisor restart):
+        capabilities minted for it before verify again. ``generation`` may not go
+        back behind one already issued (that would un-revoke old capabilities)."""
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+            raise ValueError(f"generation must be an int >= 1; got {generation!r}")
+        return self._register(admin_cap, spec, False, generation)
+
+    def _register(
+        self, admin_cap: RegistryAdminCapability, spec: TenantSpec, strict: bool, restore: int | None = None
+    ) -> TenantCapability:
         self._check_admin(admin_cap, strict)
         if not isinstance(spec, TenantSpec):
             raise TypeError(f"spec must be a TenantSpec, not {type(spec).__name__}")
@@ -193,7 +311,10 @@ class TenantRegistry:
             self._ensure_open()
             if tid in self._tenants:
                 raise AlreadyRegistered(tid)
-            generation = self._generations.get(tid, 0) + 1
+            last = self._generations.get(tid, 0)
+            if restore is not None and restore < last:
+                raise ValueError(f"tenant {tid!r}: generation {restore} is behind {last}, already issued")
+            generation = last + 1 if restore is None else restore
             self._slot += 1
             block = QuotaBlock.create(
                 tid,

@@ -33,6 +33,7 @@ import os
 import stat
 from typing import Any
 
+from shared.capability import capability_bytes_from_text, capability_from_bytes, capability_to_text
 from shared.errors import RunDirLocked, UntrustedRunDir  # raised here; defined with the rest of the error tree
 
 __all__ = ["RunDir", "RunDirLocked", "read_admin_capability", "read_ready", "verify_admin_dir", "verify_run_dir"]
@@ -42,8 +43,6 @@ READY_FILE = "supervisor.json"
 ADMIN_DIR = "admin"
 ADMIN_CAP_FILE = os.path.join(ADMIN_DIR, "admin.cap")
 LOCK_FILE = "supervisor.lock"
-
-
 
 
 def _group_id(group: str | int) -> int:
@@ -76,12 +75,42 @@ class RunDir:
     def endpoint(self, name: str) -> str:
         return "ipc://" + self.file(f"{name}.ipc")
 
+    @property
+    def locked(self) -> bool:
+        """True once :meth:`acquire` succeeded (until :meth:`release`)."""
+        return self._lock_fd is not None
+
     def acquire(self) -> None:
-        """Create (0700) and lock the directory; clean what a dead supervisor left."""
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        st = os.stat(self.path)
+        """Create (0700) and lock the directory; clean what a dead supervisor left.
+
+        Idempotent: ``twt supervise`` locks the run dir before it binds any
+        port and hands the locked one to the loop, whose own call is then a
+        no-op. Each failure is one sentence naming the directory (an
+        ``OSError`` without the ``[Errno N]`` noise, or :class:`RunDirLocked`).
+        """
+        if self._lock_fd is not None:
+            return
+        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"run dir {self.path} exists and is not a directory; remove it or use another --run-dir"
+            )
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            st = os.stat(self.path)
+        except PermissionError:
+            raise PermissionError(
+                errno.EACCES, f"cannot create run dir {self.path}: permission denied; create it for this user "
+                "or use another --run-dir"
+            ) from None
+        except NotADirectoryError:
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"cannot create run dir {self.path}: a part of the path is a file, not a directory"
+            ) from None
         if st.st_uid != os.getuid():
-            raise PermissionError(f"run dir {self.path} belongs to uid {st.st_uid}, not to us")
+            raise PermissionError(
+                errno.EACCES, f"run dir {self.path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
+                "run as its owner or use another --run-dir"
+            )
         if self._gid is None:
             os.chmod(self.path, 0o700)
         else:
@@ -91,7 +120,7 @@ class RunDir:
         os.makedirs(admin_dir, mode=0o700, exist_ok=True)
         ast = os.lstat(admin_dir)
         if not stat.S_ISDIR(ast.st_mode) or ast.st_uid != os.getuid():
-            raise PermissionError(f"{admin_dir} is not a directory of ours")
+            raise PermissionError(errno.EACCES, f"{admin_dir} is not a directory of this user; remove it")
         os.chmod(admin_dir, 0o700)
         fd = os.open(self.file(LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -118,11 +147,12 @@ class RunDir:
             return None
 
     def write_admin_capability(self, raw: bytes) -> None:
+        """Write the admin token in the one capability text form (hex and a newline), mode 0600."""
         path = self.file(ADMIN_CAP_FILE)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.fchmod(fd, 0o600)
-            os.write(fd, raw)
+            os.write(fd, (capability_to_text(capability_from_bytes(raw)) + "\n").encode("ascii"))
         finally:
             os.close(fd)
 
@@ -228,7 +258,7 @@ def read_ready(run_dir: str, expected_uid: int | None = None) -> dict[str, Any] 
 
 
 def read_admin_capability(run_dir: str, expected_uid: int | None = None) -> bytes:
-    """The admin capability bytes from ``<run_dir>/admin/admin.cap``.
+    """The admin capability bytes from ``<run_dir>/admin/admin.cap`` (hex text or legacy raw bytes).
 
     Refused (UntrustedRunDir) unless the run dir, the admin directory and the
     file belong to ``expected_uid`` (default: ours) and only it can read them.
@@ -239,4 +269,4 @@ def read_admin_capability(run_dir: str, expected_uid: int | None = None) -> byte
         raise FileNotFoundError(path)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with open(fd, "rb") as f:
-        return f.read(4096)
+        return capability_bytes_from_text(f.read(4096))

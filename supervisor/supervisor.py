@@ -15,7 +15,15 @@ The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom)
     WorkerSet     (workerset.py)  pool, spawn, bind, stop, kill, death, restart, liveness
     Frontend      (frontend.py)   client requests: capability, back-pressure, instance choice, parking
     AdminOps      (admin.py)      admin ops and the tenant lifecycle (register ... evict, failed)
+    ServiceOps    (service.py)    restore at start, reload (SIGHUP), reset, rolling restart, rotate-key
+    StateStore    (state.py)      the durable state: registry key, tenants, generations (SQLite)
     Supervisor    (this module)   sockets, wiring, the loop body, housekeeping, start and stop
+
+Two guards sit in the loop body: a :class:`~supervisor.stall.StallGuard`
+(a supervisor that was itself stopped or starved does not take its own
+lateness for its workers' deaths) and the denied-event audit
+(:class:`~supervisor.audit.DeniedAudit`, every refused capability published,
+rate-limited).
 
 Owns: the ZMQ context and sockets, signal handlers, the run dir's ready
 file and the metrics snapshot hand-off. Everything the loop does is
@@ -26,7 +34,7 @@ block directly; the loop reads the blocks for status and reclaims a dead
 instance's share.
 
 Threads: everything runs on the loop thread except :meth:`Supervisor.request_stop`
-(signal handlers, any thread) and :meth:`Supervisor.metrics_snapshot` (the
+and :meth:`Supervisor.request_reload` (signal handlers, any thread) and :meth:`Supervisor.metrics_snapshot` (the
 exporter's HTTP threads), which only wake the loop and wait on a
 :class:`supervisor.loop.Handoff`.
 """
@@ -35,8 +43,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,23 +52,28 @@ import zmq
 
 from shared import protocol as proto
 from shared.config import SupervisorConfig
+from shared.capability import RegistryAdminCapability
 from shared.errors import TensorWasmError
 from shared.log import get_logger, log_event
 from shared.proctitle import set_process_name
 from shared.quota import cleanup_stale_segments
 from supervisor.admin import AdminOps
+from supervisor.audit import DeniedAudit
 from supervisor.events import EventBus
 from supervisor.connections import FrontendConnections
 from supervisor.fdlimit import raise_fd_limit
 from supervisor.frontend import Frontend
 from supervisor.guard import FrontendGuard
 from supervisor.loop import Handoff, Loop
-from supervisor.metrics import Metrics, NullMetrics, TenantGauges
+from supervisor.metrics import DeviceGauges, Metrics, MetricsSnapshot, NullMetrics, TenantGauges
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
 from supervisor.registry import TenantRegistry
 from supervisor.replies import Replies
 from supervisor.rundir import RunDir
+from supervisor.service import ServiceOps
+from supervisor.stall import StallGuard
+from supervisor.state import StateStore
 from supervisor.tenants import TenantRuntime
 from supervisor.workers import Spawner
 from supervisor.workerset import WorkerSet
@@ -72,6 +85,9 @@ _log = get_logger("supervisor")
 TICK_S = 0.05
 #: messages libzmq may queue from one client before the loop reads them
 FRONTEND_RCVHWM = 1000
+#: after a stall of the loop, how long deadline expiries wait (a few turns of the loop, each
+#: reading up to a batch of queued replies per socket)
+STALL_GRACE_S = 0.25
 RSS_CHECK_INTERVAL_S = 1.0
 
 
@@ -86,16 +102,22 @@ class _Parts:
     workers: WorkerSet
     frontend: Frontend
     admin: AdminOps
+    service: ServiceOps
+    audit: DeniedAudit
 
 
 class Supervisor:
-    """Runs until :meth:`request_stop` (or SIGTERM/SIGINT/SIGHUP in :meth:`run`)."""
+    """Runs until :meth:`request_stop` (or SIGTERM/SIGINT in :meth:`run`; SIGHUP reloads the config file)."""
 
-    def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None,
+                 rundir: RunDir | None = None) -> None:
+        """``rundir``: the run dir, possibly already locked (``twt supervise`` locks it before binding anything)."""
         self.config = config
         self.metrics = metrics or NullMetrics()
-        self.rundir = RunDir(config.run_dir, config.client_group)
-        self.registry, self.admin_cap = TenantRegistry.new()
+        self.rundir = rundir or RunDir(config.run_dir, config.client_group)
+        # opened in run(), once the run dir is ours: the registry's identity comes from the state
+        self.state: StateStore | None = None
+        self.registry: TenantRegistry | None = None
         self.loop = Loop()
         self.tenants: dict[str, TenantRuntime] = {}
         self.events = EventBus(None)
@@ -104,14 +126,32 @@ class Supervisor:
         self._stopping = False
         self._stop_started: float | None = None
         self._last_rss_check = 0.0
-        self._metrics = Handoff(self.loop.wake, {})
+        self._reload_wanted = False
+        # A gap of a second between housekeeping passes (every 50 ms) is a stall - and always one
+        # that reaches the liveness window, the time after which a worker would be judged hung.
+        # Deadline expiries then wait STALL_GRACE_S: replies that came during the stall are read first.
+        window = config.heartbeat_interval_s * config.heartbeat_liveness
+        self.stall = StallGuard(threshold_s=min(max(1.0, config.heartbeat_interval_s), window),
+                                grace_s=STALL_GRACE_S)
+        self._metrics = Handoff(self.loop.wake, MetricsSnapshot())
         self.parts: _Parts | None = None
 
     # ------------------------------------------------------------ set up
 
+    def _open_state(self) -> tuple[StateStore, TenantRegistry, RegistryAdminCapability]:
+        """The state store and the registry it holds the identity of (StateError: the start stops).
+
+        Segment names get a prefix drawn per start: the registry id is the same
+        after a restart, and a killed supervisor's segments may still exist.
+        """
+        self.state = StateStore.open(self.config.state_path)
+        self.registry, admin_cap = TenantRegistry.from_state(self.state, segment_prefix=secrets.token_hex(4))
+        return self.state, self.registry, admin_cap
+
     def _setup(self) -> _Parts:
         cfg = self.config
         raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.fdlimit)
+        state, registry, admin_cap = self._open_state()
         removed = cleanup_stale_segments()
         if removed:
             log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
@@ -123,7 +163,7 @@ class Supervisor:
             choice.devices,
             reserve_bytes=cfg.device_reserve_bytes,
             policy=cfg.placement,
-            segment_prefix=self.registry.segment_prefix,
+            segment_prefix=registry.segment_prefix,
             no_mps_dir=os.path.join(self.rundir.path, "no-mps"),
         )
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
@@ -154,7 +194,7 @@ class Supervisor:
         pub.bind(self.rundir.endpoint("events"))
         self.events = EventBus(pub)
         self.rundir.secure_sockets()
-        self.rundir.write_admin_capability(self.admin_cap.to_bytes())
+        self.rundir.write_admin_capability(admin_cap.to_bytes())
         # Tracked frames (big reply bodies, see Replies.ok) need pyzmq's garbage-collector
         # thread and context; start it now so the process's fds are stable from the start.
         zmq.Frame(bytes(1 << 17), track=True)  # large enough for pyzmq's zero-copy (tracked) path
@@ -166,7 +206,7 @@ class Supervisor:
         replies = Replies(frontend_sock, guard.held)
         pending = PendingTable(replies, self.metrics, self.tenants, self.loop.clock)
         admin = AdminOps(
-            cfg, loop=self.loop, tenants=self.tenants, registry=self.registry, admin_cap=self.admin_cap,
+            cfg, loop=self.loop, tenants=self.tenants, registry=registry, admin_cap=admin_cap, state=state,
             placement=placement, pending=pending, events=self.events, rundir=self.rundir,
             backend_name=choice.name, backend_reason=choice.reason,
             counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard,
@@ -176,16 +216,32 @@ class Supervisor:
             control=control_sock, placement=placement, backend_name=choice.name,
             backend_options=choice.options, events=self.events, metrics=self.metrics, hooks=_Hooks(self, admin),
         )
+        audit = DeniedAudit(self.events.emit)
+
+        def on_denied(cap_raw: bytes | None, op: str) -> None:
+            audit.record(registry.explain_refusal(cap_raw, admin=proto.OPS[op].admin), op)
+
         frontend = Frontend(
             cfg, loop=self.loop, sock=frontend_sock, replies=replies, pending=pending, workers=workers,
-            registry=self.registry, tenants=self.tenants, admin=admin.handle, guard=guard,
-            admin_cap=self.admin_cap.to_bytes(),
+            registry=registry, tenants=self.tenants, admin=admin.handle, on_denied=on_denied, guard=guard,
+            admin_cap=admin_cap.to_bytes(),
         )
-        admin.attach(workers, frontend)
-        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin)
+
+        def on_key_rotated(new_admin: RegistryAdminCapability) -> None:
+            frontend.forget_verified()  # bytes verified under the old key prove nothing now
+            frontend.set_admin_capability(new_admin.to_bytes())
+            self.rundir.write_admin_capability(new_admin.to_bytes())
+            if self.ready:
+                self.rundir.write_ready({**self._ready_info(admin), "registry_id": registry.registry_id})
+
+        service = ServiceOps(
+            cfg, admin=admin, workers=workers, registry=registry, state=state, placement=placement,
+            pending=pending, events=self.events, on_key_rotated=on_key_rotated,
+        )
+        admin.attach(workers, frontend, service)
+        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit)
         self.metrics.bind_source(self.metrics_snapshot)
-        for spec in cfg.tenants:
-            admin.register(spec, None, None)
+        service.restore()  # every stored tenant, then the config file's difference
         workers.refill_pool()
         return self.parts
 
@@ -196,13 +252,21 @@ class Supervisor:
         self._stopping = True
         self.loop.wake()
 
+    def request_reload(self) -> None:
+        """Re-read the config file on the loop (SIGHUP; safe from a signal handler or another thread)."""
+        self._reload_wanted = True
+        self.loop.wake()
+
     def run(self) -> int:
         """Set up, serve until stopped, tear down. Returns the process exit code."""
         prev: dict[int, Any] = {}
 
         def on_signal(signum: int, frame: Any) -> None:
             log_event(_log, logging.INFO, "supervisor.signal", signal=signum)
-            self.request_stop()
+            if signum == signal.SIGHUP:
+                self.request_reload()  # a closed terminal or `systemctl reload`: never a stop
+            else:
+                self.request_stop()
 
         self.rundir.acquire()  # RunDirLocked: another supervisor owns it - touch nothing
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -234,6 +298,12 @@ class Supervisor:
                 self._internal_error("dispatch")
             if self._metrics.wanted():
                 self._refresh_metrics()
+            if self._reload_wanted and not self._stopping:
+                self._reload_wanted = False
+                try:
+                    parts.service.reload_quietly()
+                except Exception:  # noqa: BLE001 - as above
+                    self._internal_error("reload")
             now = loop.clock()
             try:
                 loop.timers.run_due(now)
@@ -252,13 +322,22 @@ class Supervisor:
                     return
 
     def _housekeeping(self, parts: _Parts, now: float) -> None:
-        for worker, pending in parts.pending.expire(now):
-            timeout = pending.deadline - pending.started
-            parts.workers.kill(worker, f"request {pending.op!r} exceeded its deadline of {timeout:g} s", "deadline")
-        parts.workers.check_liveness(now)
-        parts.frontend.expire_parked(now)
+        stalled = self.stall.tick(now)
+        if stalled is not None:
+            # SIGSTOP or a starved host: the loop did not run. Heartbeats and replies that came
+            # meanwhile are still unread; judge nobody by the clock until they have been.
+            log_event(_log, logging.WARNING, "supervisor.stalled", stalled_s=round(stalled, 3))
+            self.events.emit("stall", stalled_s=round(stalled, 3), grace_s=self.stall.grace_s)
+        if not self.stall.in_grace(now):
+            for worker, pending in parts.pending.expire(now):
+                timeout = pending.deadline - pending.started
+                parts.workers.kill(worker, f"request {pending.op!r} exceeded its deadline of {timeout:g} s",
+                                   "deadline")
+            parts.frontend.expire_parked(now)
+        parts.workers.check_liveness(now, self.stall.silence)
         if now - self._last_rss_check >= RSS_CHECK_INTERVAL_S:
             self._last_rss_check = now
+            parts.audit.flush()
             parts.replies.prune()
             parts.frontend.guard.refresh()
             parts.workers.check_rss()
@@ -278,8 +357,11 @@ class Supervisor:
             if parts is not None:
                 parts.pending.abandon(list(parts.workers.workers.values()), "the supervisor is stopping")
                 parts.workers.kill_all_now()
-            self.registry.close()
+            if self.registry is not None:
+                self.registry.close()
         finally:
+            if self.state is not None:
+                self.state.close()
             if parts is not None:
                 parts.zctx.destroy(linger=0)
             self.loop.close()
@@ -298,24 +380,27 @@ class Supervisor:
             return
         self.ready = True
         set_process_name("twt-supervisor")
-        self.rundir.write_ready(
-            {
-                "pid": os.getpid(),
-                "version": proto.PROTOCOL_VERSION,
-                "registry_id": self.registry.registry_id,
-                "backend": parts.admin.backend_name,
-                "frontend": self.rundir.endpoint("frontend"),
-                "events": self.rundir.endpoint("events"),
-                "started": parts.admin.started,
-                "metrics_url": getattr(self.metrics, "url", None),
-            }
-        )
+        self.rundir.write_ready(self._ready_info(parts.admin))
+        self.metrics.mark_ready()  # /readyz (it also waits for the warm pool, from the snapshot)
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
                   backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
 
+    def _ready_info(self, admin: AdminOps) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "version": proto.PROTOCOL_VERSION,
+            "registry_id": admin.registry.registry_id,
+            "backend": admin.backend_name,
+            "frontend": self.rundir.endpoint("frontend"),
+            "events": self.rundir.endpoint("events"),
+            "started": admin.started,
+            "metrics_url": getattr(self.metrics, "url", None),
+            "state_dir": self.config.state_path,
+        }
+
     # ------------------------------------------------------------ metrics and quota events
 
-    def metrics_snapshot(self) -> Mapping[str, TenantGauges]:
+    def metrics_snapshot(self) -> MetricsSnapshot:
         """Per-tenant gauges, for the exporter's HTTP thread.
 
         That thread never touches a quota block itself (closing a block while
@@ -323,17 +408,27 @@ class Supervisor:
         rebuilds the dict (``_refresh_metrics``) and hands it over; the loop
         also refreshes it every second. Waits at most 1 s for a fresh one.
         """
-        value: Mapping[str, TenantGauges] = self._metrics.request(1.0)
+        value: MetricsSnapshot = self._metrics.request(1.0)
         return value
 
     def _refresh_metrics(self) -> None:
-        """Loop thread: rebuild the exporter's per-tenant snapshot."""
-        out = {}
+        """Loop thread: rebuild the exporter's snapshot (tenants, warm pool, device budgets)."""
+        tenants = {}
         for tid, rt in self.tenants.items():
             if rt.block.closed:
                 continue
-            out[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value)
-        self._metrics.publish(out)
+            tenants[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value,
+                                        wanted=sum(1 for s in rt.slots if not s.draining))
+        parts = self.parts
+        if parts is None:
+            self._metrics.publish(MetricsSnapshot(tenants=tenants))
+            return
+        devices = tuple(DeviceGauges(d["index"], d["budget_limit_bytes"], d["budget_used_bytes"], d["budget_refusals"])
+                        for d in parts.placement.status())
+        self._metrics.publish(MetricsSnapshot(
+            tenants=tenants, pool_idle=len(parts.workers.pool), pool_starting=parts.workers.pool_starting,
+            pool_size=self.config.pool_size, backend=parts.admin.backend_name, devices=devices,
+        ))
 
     def _scan_refusals(self) -> None:
         for rt in self.tenants.values():

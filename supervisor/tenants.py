@@ -6,7 +6,17 @@ restarts it, ``on-failure`` only after a non-zero exit or a signal,
 one within a window is immediate: crash recovery should be instant), and
 more than ``max_restarts`` restarts within ``restart_window_s`` mark the
 tenant ``failed``: its requests are refused with :class:`TenantFailed` until
-an operator evicts and re-registers it.
+an operator resets it (``twt reset``: same capability) or evicts it.
+
+Only exits the supervisor did not ask for count: a worker it stopped on
+purpose (a rolling restart, a reset, a failed tenant's, a scale-down) is
+never restarted by the policy and never spends the budget; a slot marked
+``replace`` gets a new worker when its old one has exited.
+
+A tenant scaled to 0 instances is ``stopped``: its requests are refused at
+once with :class:`~shared.errors.TenantStopped`. Requests wait (are parked)
+only while a wanted instance is starting or restarting
+(:meth:`TenantRuntime.coming_up`).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ class TenantState(str, enum.Enum):
     RUNNING = "running"  # every wanted instance ready
     DEGRADED = "degraded"  # some instance restarting
     FAILED = "failed"  # restart intensity exceeded
+    STOPPED = "stopped"  # scaled to 0 instances: requests refused at once (TenantStopped)
     EVICTING = "evicting"
 
 
@@ -44,10 +55,16 @@ class InstanceSlot:
     restart_at: float | None = None  # scheduled restart (monotonic)
     last_exit: dict[str, Any] | None = None
     draining: bool = False  # being scaled away
+    replace: bool = False  # start a new worker when the current one (stopped on purpose) exits
 
     @property
     def ready(self) -> bool:
         return self.worker is not None and self.worker.state is WorkerState.READY and not self.draining
+
+    @property
+    def coming_up(self) -> bool:
+        """Ready, starting, or due to restart: worth waiting for."""
+        return not self.draining and (self.worker is not None or self.restart_at is not None)
 
 
 @dataclass(eq=False)
@@ -88,6 +105,16 @@ class TenantRuntime:
     register_waiters: list[tuple[bytes | None, int | None, bytes]] = field(default_factory=list)
     #: modules sent with put_module (digest -> bytes), least recently used first
     modules: collections.OrderedDict[str, bytes] = field(default_factory=collections.OrderedDict)
+    #: where the tenant came from: the config file ("file") or a register request ("runtime")
+    origin: str = "runtime"
+    #: brought back from the state at start: a failure to start marks it failed, never evicts it
+    restoring: bool = False
+    #: (client, rid, op) of reset/restart requests answered once the tenant runs (ServiceOps)
+    ready_waiters: list[tuple[bytes | None, int, str]] = field(default_factory=list)
+    #: a rolling restart: instance indexes still to replace, and the one being replaced
+    rolling: collections.deque[int] = field(default_factory=collections.deque)
+    rolling_slot: InstanceSlot | None = None
+    rolling_incarnation: int = 0
 
     @property
     def tenant_id(self) -> str:
@@ -95,6 +122,14 @@ class TenantRuntime:
 
     def live_slots(self) -> list[InstanceSlot]:
         return [s for s in self.slots if s.ready]
+
+    def wanted_slots(self) -> list[InstanceSlot]:
+        """The instances the tenant should run (not being scaled away)."""
+        return [s for s in self.slots if not s.draining]
+
+    def coming_up(self) -> bool:
+        """Is a wanted instance ready, starting or due to restart? (Only then may a request wait.)"""
+        return any(s.coming_up for s in self.slots)
 
     def pick_slot(self) -> InstanceSlot | None:
         """The least-loaded ready instance; ties go round-robin."""
@@ -142,9 +177,11 @@ class TenantRuntime:
     def refresh_state(self) -> None:
         if self.state in (TenantState.FAILED, TenantState.EVICTING):
             return
-        wanted = [s for s in self.slots if not s.draining]
+        wanted = self.wanted_slots()
         ready = [s for s in wanted if s.ready]
-        if len(ready) == len(wanted):
+        if not wanted:
+            self.state = TenantState.STOPPED
+        elif len(ready) == len(wanted):
             self.state = TenantState.RUNNING
         elif any(s.last_exit is not None for s in wanted):
             self.state = TenantState.DEGRADED

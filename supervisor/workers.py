@@ -133,6 +133,7 @@ class Spawner:
         if self.method == "forkserver":
             self.ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._nonce = secrets.token_hex(3)
+        self._started = psutil.Process().create_time()
         self._seq = 0
 
     def warm_up(self) -> None:
@@ -160,6 +161,9 @@ class Spawner:
             max_message_bytes=self.config.max_message_bytes,
             # spawn: the parent is us; forkserver: the fork server (checked by the worker)
             parent_pid=os.getpid() if self.method == "spawn" else None,
+            # a silent supervisor is only given up on when this process is gone (worker.control)
+            supervisor_pid=os.getpid(),
+            supervisor_started=self._started,
         )
         t0 = time.monotonic()
         process_cls = getattr(self.ctx, "Process")

@@ -384,6 +384,14 @@ class WorkerSet:
                     rt.slots.pop()
             rt.refresh_state()
             return
+        if expected:
+            # Stopped on purpose (rolling restart, reset, a failed tenant): never the restart
+            # policy's business, never counted against the budget.
+            replace, slot.replace = slot.replace, False
+            if replace and rt.state is not TenantState.FAILED:
+                self.start_instance(rt, slot)
+            rt.refresh_state()
+            return
         if rt.register_waiters and worker.ready_at is None:
             self.hooks.registration_failed(
                 rt, WorkerLost(rt.tenant_id, index, code, sig, f"died while starting: {reason}"))
@@ -417,9 +425,14 @@ class WorkerSet:
 
     # ------------------------------------------------------------ housekeeping
 
-    def check_liveness(self, now: float) -> None:
-        """Heartbeats out, silence and missing hellos punished, SIGKILL escalation."""
+    def check_liveness(self, now: float, silence: Callable[[float, float], float] | None = None) -> None:
+        """Heartbeats out, silence and missing hellos punished, SIGKILL escalation.
+
+        ``silence(since, now)``: how long a worker counts as silent; the supervisor's
+        :class:`~supervisor.stall.StallGuard` leaves out time the loop itself was stalled.
+        """
         cfg = self.config
+        quiet = silence or (lambda since, at: at - since)
         if now - self._last_beat >= cfg.heartbeat_interval_s:
             self._last_beat = now
             beat = proto.encode_control("hb")
@@ -429,9 +442,10 @@ class WorkerSet:
                     continue
                 if worker.control_hello:
                     self.send_control(worker, beat)
-                    if worker.kill_at is None and now - worker.last_heartbeat > silent_after:
-                        self.kill(worker, f"missed heartbeats for {now - worker.last_heartbeat:.1f} s", "heartbeat")
-                elif worker.kill_at is None and now - worker.spawned_at > HELLO_TIMEOUT_S:
+                    silent = quiet(worker.last_heartbeat, now)
+                    if worker.kill_at is None and silent > silent_after:
+                        self.kill(worker, f"missed heartbeats for {silent:.1f} s", "heartbeat")
+                elif worker.kill_at is None and quiet(worker.spawned_at, now) > HELLO_TIMEOUT_S:
                     self.kill(worker, "never said hello", "startup")
         for worker in list(self.workers.values()):
             if worker.kill_at is not None and now >= worker.kill_at and worker.state is not WorkerState.DEAD:

@@ -2,11 +2,18 @@
 
 Runs beside the executor on its own DEALER socket to the supervisor's control
 ROUTER, so a long request never starves heartbeats (Paranoid Pirate: the
-worker beats every ``interval``; when the supervisor is silent for
-``interval * liveness`` the worker assumes it is gone and exits). A worker
-must never outlive its supervisor: besides heartbeats it checks that its
-parent is still the process that started it (``PR_SET_PDEATHSIG`` covers the
-rest, see :mod:`worker.main`).
+worker beats every ``interval``).
+
+A worker ends when its supervisor is *gone*, never because it is merely
+*slow*: a supervisor stopped with SIGSTOP, or starved on a loaded host, stays
+silent for a while and then resumes, and its tenants' workers must still be
+there. So silence alone (``interval * liveness`` without a message) is only
+a reason to look: the worker exits (:data:`EXIT_SUPERVISOR_SILENT`) when the
+supervisor process is dead or replaced (pid and start time from the boot
+record), and otherwise keeps serving and logs ``worker.supervisor_slow``
+once per stall. Besides that, it exits (:data:`EXIT_PARENT_GONE`) when its
+parent is no longer the process that started it, and ``PR_SET_PDEATHSIG``
+(see :mod:`worker.main`) kills it with its parent.
 
 Threads: this thread owns its control socket and nothing else. It shares
 with the executor thread (:class:`worker.server.WorkerServer`) only
@@ -33,12 +40,34 @@ from shared.protocol import decode_control, encode_control
 from shared.records import BootMessage, FaultAck, FaultOrder, WorkerHello
 from worker.faults import FaultState
 
-__all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT"]
+__all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT", "supervisor_alive"]
 
 _log = get_logger("worker.control")
 
 EXIT_SUPERVISOR_SILENT = WORKER_SUPERVISOR_SILENT  # defined in shared.exitcodes
 EXIT_PARENT_GONE = WORKER_PARENT_GONE
+
+
+def supervisor_alive(pid: int | None, started: float | None) -> bool:
+    """Is the supervisor (``pid``, created at ``started``, psutil's clock) still running?
+
+    A zombie, a missing pid, or a pid reused by another process (its start
+    time differs) all count as gone. Without a pid to check (an old boot
+    record) the answer is "alive": the parent check and PDEATHSIG still hold.
+    """
+    if pid is None:
+        return True
+    import psutil  # imported here: the worker's start-up does not need it
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return started is None or abs(proc.create_time() - started) < 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True  # cannot tell (permissions): do not kill a tenant's worker on a guess
 
 
 class ControlThread(threading.Thread):
@@ -78,6 +107,9 @@ class ControlThread(threading.Thread):
         interval = self.boot.heartbeat_interval_s
         silent_after = interval * self.boot.heartbeat_liveness
         next_beat = last_heard + interval
+        next_look = last_heard  # when silence is next checked against the supervisor's process
+        stalled = False  # logged supervisor_slow for the current silence
+        sup_pid, sup_started = self.boot.supervisor_pid, self.boot.supervisor_started
         while not self.stop_event.is_set():
             now = time.monotonic()
             if sock.poll(max(0, int((next_beat - now) * 1000)) + 1):
@@ -93,9 +125,19 @@ class ControlThread(threading.Thread):
                 if not self.faults.hang.is_set():
                     sock.send(encode_control("hb", {"requests": self.stats.requests}), zmq.NOBLOCK)
                 next_beat = now + interval
-            if now - last_heard > silent_after:
-                log_event(_log, logging.ERROR, "worker.supervisor_silent", silent_s=round(now - last_heard, 2))
-                os._exit(EXIT_SUPERVISOR_SILENT)
+            silent = now - last_heard
+            if silent > silent_after and now >= next_look:
+                # Silent: gone, or only stalled? Look at the process, at most once per interval.
+                next_look = now + interval
+                if not supervisor_alive(sup_pid, sup_started):
+                    log_event(_log, logging.ERROR, "worker.supervisor_silent", silent_s=round(silent, 2))
+                    os._exit(EXIT_SUPERVISOR_SILENT)
+                if not stalled:
+                    stalled = True
+                    log_event(_log, logging.WARNING, "worker.supervisor_slow", silent_s=round(silent, 2),
+                              supervisor=sup_pid)
+            elif silent <= silent_after:
+                stalled = False
             if os.getppid() != self.parent_pid:
                 log_event(_log, logging.ERROR, "worker.parent_gone", parent=self.parent_pid)
                 os._exit(EXIT_PARENT_GONE)

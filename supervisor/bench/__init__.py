@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from typing import Protocol, cast
+
+from supervisor._progress import LiveLine, progress_stream
 
 __all__ = ["BENCHES", "main", "run_bench"]
 
@@ -23,6 +26,7 @@ BENCHES: dict[str, str] = {
     "route": "supervisor.bench.route",
     "scale": "supervisor.bench.scale",
     "wasm": "supervisor.bench.wasm",
+    "restore": "supervisor.bench.restore",
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"
@@ -52,9 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         print(_USAGE, file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     name, rest = args[0], args[1:]
-    if name != "all":
-        return run_bench(name, rest)
+    names = list(BENCHES) if name == "all" else [name]
+    # on a terminal (and without --json), a line per benchmark: which one runs, how it ended
+    line = LiveLine(progress_stream("--json" in rest))
     status = 0
-    for bench in BENCHES:
-        status = max(status, run_bench(bench, rest))
+    for n, bench in enumerate(names, 1):
+        line.update(f"bench: {bench} ({n}/{len(names)}) running ...")
+        line.done()
+        t0 = time.monotonic()
+        code = run_bench(bench, rest)
+        line.update(f"bench: {bench} ({n}/{len(names)}) {'done' if code == 0 else f'exit {code}'} "
+                    f"in {time.monotonic() - t0:.1f} s")
+        line.done()
+        status = max(status, code)
     return status

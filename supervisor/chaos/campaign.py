@@ -9,7 +9,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import IO, Any
+from typing import IO, Any, TextIO
 
 import psutil
 
@@ -35,6 +35,7 @@ from supervisor.chaos.recorder import Recorder
 from supervisor.chaos.schedule import build_schedule, schedule_hash
 from supervisor.chaos.workload import _Client, _Modules
 from supervisor.client import SupervisorClient
+from supervisor._progress import LiveLine
 from supervisor.launch import launch
 
 __all__ = ["run_chaos"]
@@ -87,8 +88,8 @@ def _supervisor(cfg: ChaosConfig, stack: ExitStack) -> Iterator[tuple[str, int |
 class _Campaign:
     """One run of :func:`run_chaos`, step by step (each step appends its checks)."""
 
-    def __init__(self, cfg: ChaosConfig, progress: IO[str] | None) -> None:
-        self.cfg, self.progress = cfg, progress
+    def __init__(self, cfg: ChaosConfig, progress: IO[str] | None, live: TextIO | None = None) -> None:
+        self.cfg, self.progress, self.live = cfg, progress, live
         self.t_start = time.monotonic()
         self.roles = cfg.roles()
         suffix = "" if cfg.run_dir is None else f"-{os.getpid()}"  # beside a running supervisor's tenants
@@ -229,7 +230,7 @@ class _Campaign:
             self.recorder.phase = "faults"
             faults_on.set()
             self.say(f"faults {cfg.fault_phase:g} s at {cfg.rate:g}/s into {cfg.n_faulty} tenants")
-            time.sleep(cfg.fault_phase)
+            self._fault_phase(nemesis, cfg.fault_phase)
         finally:
             stop_nemesis.set()
             nemesis.join(60)
@@ -245,6 +246,17 @@ class _Campaign:
         if any(t.is_alive() for t in [*self.clients, nemesis]):
             crashed.append("a client or the nemesis did not stop within its timeout")
         self.checks.append(Check("harness ran to the end", not crashed, "; ".join(crashed) or "all threads finished"))
+
+    def _fault_phase(self, nemesis: _Nemesis, seconds: float) -> None:
+        """Wait out the fault phase; on a terminal, say once a second how it goes."""
+        line = LiveLine(self.live)
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(1.0, left))
+            requests, errors = self.recorder.tally("faults")
+            line.update(f"chaos: faults {len(nemesis.actions)}/{len(self.schedule)} delivered, "
+                        f"{requests} requests, {errors} errors, {max(0.0, end - time.monotonic()):.0f} s left")
+        line.done()
 
     def _records(self, main: SupervisorClient) -> list[TenantRecord]:
         """The status records of the campaign's own tenants."""
@@ -459,6 +471,10 @@ class _Campaign:
         return self.report
 
 
-def run_chaos(cfg: ChaosConfig, progress: IO[str] | None = None) -> dict[str, Any]:
-    """Run one campaign; returns the report (``report["ok"]`` is the verdict, ``format_report`` prints it)."""
-    return _Campaign(cfg, progress).run()
+def run_chaos(cfg: ChaosConfig, progress: IO[str] | None = None, live: TextIO | None = None) -> dict[str, Any]:
+    """Run one campaign; returns the report (``report["ok"]`` is the verdict, ``format_report`` prints it).
+
+    ``progress`` gets a line per phase; ``live`` (a terminal) a line rewritten once a second during
+    the fault phase: faults delivered, requests and errors so far.
+    """
+    return _Campaign(cfg, progress, live).run()

@@ -29,6 +29,8 @@ ALL_FAULTS = DEFAULT_FAULTS + SIGNAL_FAULTS
 _DISRUPTIVE = frozenset({"crash", "segfault", "exit", "hang", "corrupt", "drop", "leak", "sigkill", "sigstop"})
 #: error codes that say the instance that held a buffer died (or is being killed)
 _DEATH_CODES = frozenset({"worker_lost", "kernel_timeout", "memory_exhausted"})
+#: error codes that say a buffer is gone already: its instance restarted since it was allocated
+_GONE_CODES = frozenset({"buffer_lost", "invalid_argument"})
 #: outcomes that break "every request answered with a result or a typed error"
 _UNANSWERED = frozenset({"lost", "untyped"})
 

@@ -43,6 +43,12 @@ class Recorder:
         with self._lock:
             return list(self.records)
 
+    def tally(self, phase: str) -> tuple[int, int]:
+        """(requests, errors) recorded so far in ``phase`` (for the live progress line)."""
+        with self._lock:
+            records = [r for r in self.records if r.phase == phase]
+        return len(records), sum(1 for r in records if r.outcome != "ok")
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-quantile (0..1) by the nearest-rank method; None for no values."""

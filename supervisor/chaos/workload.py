@@ -17,7 +17,7 @@ from shared.errors import (
     TensorWasmError,
 )
 from shared.spec import TenantSpec
-from supervisor.chaos.config import _DEATH_CODES, MAX_LIVE_BUFFERS
+from supervisor.chaos.config import _DEATH_CODES, _GONE_CODES, MAX_LIVE_BUFFERS
 from supervisor.chaos.recorder import Record, Recorder
 from supervisor.client import SupervisorClient
 from supervisor.demo import guest_path
@@ -133,7 +133,7 @@ class _Client(threading.Thread):
         buf = self.live.get(handle)
         if buf is None:
             return
-        if outcome == "invalid_argument":
+        if outcome in _GONE_CODES:
             # the handle names an instance incarnation that is gone: its buffer went with it
             del self.live[handle]
             self.stale.append((handle, buf.nbytes))
@@ -271,6 +271,6 @@ class _Client(threading.Thread):
             outcome, _ = self._call("free", lambda c: c.free(self.cap, handle))  # noqa: B023 - called at once
             if outcome == "ok":
                 del self.live[handle]
-            elif outcome == "invalid_argument" or buf.doomed or outcome in _DEATH_CODES:
+            elif outcome in _GONE_CODES or buf.doomed or outcome in _DEATH_CODES:
                 del self.live[handle]
                 self.stale.append((handle, buf.nbytes))

@@ -30,8 +30,9 @@ from shared.exitcodes import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
 )
+from supervisor.cli._common import DefaultsHelpFormatter, describe_os_error
 
-__all__ = ["main"]
+__all__ = ["main", "version"]
 
 #: sub-command name -> module (imported only to build the parser)
 COMMANDS = {
@@ -45,7 +46,16 @@ COMMANDS = {
     "scale": "supervisor.cli.admin",
     "fault": "supervisor.cli.admin",
     "capability": "supervisor.cli.admin",
+    "reload": "supervisor.cli.service",
+    "reset": "supervisor.cli.service",
+    "restart": "supervisor.cli.service",
+    "rotate-key": "supervisor.cli.service",
     "run": "supervisor.cli.run",
+    "alloc": "supervisor.cli.buffers",
+    "free": "supervisor.cli.buffers",
+    "buffers": "supervisor.cli.buffers",
+    "write": "supervisor.cli.buffers",
+    "read": "supervisor.cli.buffers",
     "demo": "supervisor.cli.demo",
     "chaos": "supervisor.cli.chaos",
     "bench": "supervisor.cli.bench",
@@ -59,11 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="twt",
         description="tensor-wasm-tenant: run untrusted tenants on shared GPUs with hard quotas.",
+        formatter_class=DefaultsHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in dict.fromkeys(COMMANDS.values()):  # each module once, in order
         importlib.import_module(module_name).add_parser(sub)
+    for command in sub.choices.values():  # add_parser does not pass the formatter on
+        if command.formatter_class is argparse.HelpFormatter:
+            command.formatter_class = DefaultsHelpFormatter
     return parser
+
+
+def version() -> str:
+    """``twt --version``: the build's version (see :func:`supervisor.metrics.build_version`)."""
+    from supervisor.metrics import build_version
+
+    return build_version()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,9 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TensorWasmError as exc:
         print(f"twt: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except (ValueError, OSError) as exc:  # bad input (usage) / a file or socket the system refused
+    except OSError as exc:  # a file or socket the system refused: one sentence, no errno noise
+        print(f"twt: error: {describe_os_error(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    except ValueError as exc:  # bad input: usage
         print(f"twt: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - a bug: say so, with the trace, never as a usage error

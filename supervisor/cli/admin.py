@@ -10,7 +10,8 @@
 
 A tenant capability is printed as hex on stdout (``CAP=$(twt register acme)``)
 or written with ``--cap-out FILE`` (hex and a newline, mode 0600);
-``TenantCapability.from_bytes(bytes.fromhex(text))`` reads it back.
+``shared.capability.read_capability_file(path)`` reads it back (so does
+``twt run --capability FILE``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import tomllib
 from typing import Any
 
+from shared.capability import TenantCapability, capability_to_text, write_capability_file
 from shared.errors import RequestTimeout
 from shared.protocol import FAULT_KINDS, QUOTA_KEYS
 from shared.records import TenantRecord
@@ -78,23 +80,23 @@ _SPEC_FLAGS: tuple[tuple[str, str, Any, str, str], ...] = (
     ("--memory-quota", "memory_quota_bytes", _size, "SIZE", "host memory quota, e.g. 2GiB (default 8GiB)"),
     ("--gpu-cap", "gpu_memory_bytes_cap", _size_or_none, "SIZE|none", "hard GPU byte cap (default none: counted, never refused)"),
     ("--pool-quota", "recorded_cuda_mem_pool_quota", _size_or_none, "SIZE|none",
-     "recorded CUDA pool quota (a retention hint, not a cap)"),
+     "recorded CUDA pool quota (a retention hint, not a cap; default none)"),
     ("--device", "cuda_device_index", non_negative_int, "N", "CUDA device index (default: placement policy)"),
-    ("--sm-percentage", "sm_percentage", non_negative_int, "PCT", "MPS active thread percentage 1..100 (MPS only)"),
+    ("--sm-percentage", "sm_percentage", non_negative_int, "PCT", "MPS active thread percentage 1..100 (MPS only; default none: all SMs)"),
     ("--instances", "instances", non_negative_int, "N", "worker processes sharing the quota (default 1)"),
     ("--max-restarts", "max_restarts", non_negative_int, "N", "restarts allowed within --restart-window (default 5)"),
     ("--restart-window", "restart_window_s", positive_seconds, "S", "restart intensity window in seconds (default 60)"),
     ("--max-in-flight", "max_in_flight", non_negative_int, "N", "requests in flight before Overloaded (default 64)"),
     ("--request-timeout", "request_timeout_s", positive_seconds, "S", "per-request deadline in seconds (default 30)"),
-    ("--wasm-fuel", "wasm_fuel", non_negative_int, "N", "default and ceiling of a WASM run's fuel"),
+    ("--wasm-fuel", "wasm_fuel", non_negative_int, "N", "default and ceiling of a WASM run's fuel (default 2000000000)"),
     ("--wasm-timeout", "wasm_timeout_s", positive_seconds, "S", "default and ceiling of a WASM run's time (default 10)"),
     ("--wasm-max-memory", "wasm_max_memory_bytes", _size, "SIZE", "largest WASM linear memory (default 256MiB)"),
 )
 #: set-quota's help for each limit it changes (the flags are register's, from _SPEC_FLAGS)
 _SET_QUOTA_HELP = {
-    "memory_quota_bytes": "host memory quota, e.g. 2GiB",
-    "gpu_memory_bytes_cap": "GPU byte cap; none removes it",
-    "recorded_cuda_mem_pool_quota": "recorded CUDA pool quota (retention hint); none clears it",
+    "memory_quota_bytes": "host memory quota, e.g. 2GiB (default: unchanged)",
+    "gpu_memory_bytes_cap": "GPU byte cap; none removes it (default: unchanged)",
+    "recorded_cuda_mem_pool_quota": "recorded CUDA pool quota (retention hint); none clears it (default: unchanged)",
 }
 
 
@@ -117,7 +119,7 @@ def _add_register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "[supervisor] table is ignored, so the supervisor's own config file works); flags override it.",
     )
     p.add_argument("tenant", nargs="?", metavar="TENANT", help="tenant id (optional with --file)")
-    p.add_argument("--file", metavar="TOML", help="read the tenant spec from this TOML file")
+    p.add_argument("--file", metavar="TOML", help="read the tenant spec from this TOML file (default: none, flags only)")
     for flag, dest, typ, metavar, text in _SPEC_FLAGS:
         p.add_argument(flag, dest=dest, type=typ, metavar=metavar, help=text, default=argparse.SUPPRESS)
     p.add_argument("--isolation", choices=[k.value for k in IsolationKind], default=argparse.SUPPRESS,
@@ -132,7 +134,7 @@ def _add_register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _add_cap_out(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cap-out", metavar="FILE",
-                   help="write the capability (hex) to FILE, mode 0600, instead of printing it")
+                   help="write the capability (hex text) to FILE, mode 0600, instead of printing it (default: print it)")
 
 
 def _add_capability(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -211,7 +213,7 @@ def _add_fault(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--instance", type=non_negative_int, default=None, metavar="I",
                    help="instance index (default: the first ready one)")
     p.add_argument("--param", dest="params", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
-                   help="fault parameter, e.g. --param ms=500, --param bytes=64MiB (repeatable)")
+                   help="fault parameter, e.g. --param ms=500, --param bytes=64MiB (repeatable; default: none, the fault's own defaults)")
     p.add_argument("--json", action="store_true", help="print the supervisor's answer as JSON")
     add_run_dir(p)
     p.set_defaults(func=run_fault)
@@ -292,25 +294,10 @@ def _check_cap_out(path: str | None) -> None:
         raise ValueError(f"--cap-out {path} is a directory")
 
 
-def write_cap_file(path: str, hex_cap: str) -> None:
-    """Write ``hex_cap`` + newline with mode 0600 (a new file; never through a symlink)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, (hex_cap + "\n").encode())
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-
-
-def _emit_capability(args: argparse.Namespace, tenant_id: str, hex_cap: str) -> None:
+def _emit_capability(args: argparse.Namespace, tenant_id: str, cap: TenantCapability) -> None:
+    hex_cap = capability_to_text(cap)
     if args.cap_out:
-        write_cap_file(args.cap_out, hex_cap)
+        write_capability_file(args.cap_out, cap)
     if args.json:
         print_json({"tenant": tenant_id, "capability": None if args.cap_out else hex_cap, "cap_file": args.cap_out})
     elif args.cap_out:
@@ -332,7 +319,10 @@ def _instances_line(rec: TenantRecord) -> str:
     wanted = [i for i in rec.instances if not i.draining]
     ready = [i for i in wanted if i.state == "ready"]
     pids = ",".join(str(i.pid) for i in ready) or "-"
-    return f"{rec.tenant_id}: {len(wanted)} instance(s), {len(ready)} ready (pids {pids}), state {rec.state}"
+    line = f"{rec.tenant_id}: {len(wanted)} instance(s), {len(ready)} ready (pids {pids}), state {rec.state}"
+    if rec.state == "stopped":
+        line += f"; its requests are refused (TenantStopped) until `twt scale {rec.tenant_id} N`"
+    return line
 
 
 # ----------------------------------------------------------------- commands
@@ -343,7 +333,7 @@ def run_register(args: argparse.Namespace) -> int:
     _check_cap_out(args.cap_out)
     with connect(args, timeout_s=ADMIN_TIMEOUT_S) as client:
         cap = client.register(None, spec)
-    _emit_capability(args, str(spec.tenant_id), cap.to_bytes().hex())
+    _emit_capability(args, str(spec.tenant_id), cap)
     return 0
 
 
@@ -351,7 +341,7 @@ def run_capability(args: argparse.Namespace) -> int:
     _check_cap_out(args.cap_out)
     with connect(args) as client:
         cap = client.tenant_capability(None, args.tenant)
-    _emit_capability(args, args.tenant, cap.to_bytes().hex())
+    _emit_capability(args, args.tenant, cap)
     return 0
 
 
@@ -376,7 +366,22 @@ def run_set_quota(args: argparse.Namespace) -> int:
         print_json(rec.to_wire())
     else:
         print(_limits_line(rec))
+        for note in _over_limit_notes(rec):
+            print(note)
     return 0
+
+
+def _over_limit_notes(rec: TenantRecord) -> list[str]:
+    """A limit set below what the tenant holds is accepted; say so, with the numbers."""
+    tid = rec.tenant_id
+    notes = []
+    for what, used, limit in (("host", rec.bytes_in_use, rec.memory_quota_bytes),
+                              ("GPU", rec.gpu_bytes_in_use, rec.gpu_memory_bytes_cap)):
+        if limit is not None and used > limit:
+            notes.append(f"{tid}: note: {format_size(used)} of {what} memory is in use, above the new limit of "
+                         f"{format_size(limit)}; nothing is taken away, new {what} allocations are refused until "
+                         "use falls below it")
+    return notes
 
 
 def run_scale(args: argparse.Namespace) -> int:

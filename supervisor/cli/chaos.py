@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from shared.exitcodes import EXIT_CHECK, EXIT_OK
+from supervisor._progress import progress_stream
 from supervisor.cli._common import comma_list, print_json
 
 __all__ = ["add_parser", "run"]
@@ -51,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--start-method", choices=("spawn", "forkserver"), default="forkserver",
                    help="how that supervisor starts workers (default: forkserver)")
     p.add_argument("--run-dir", default=None,
-                   help="use the supervisor running on this run directory instead of starting one")
+                   help="use the supervisor running on this run directory instead of starting one (default: start one)")
     p.add_argument("--supervisor-log", default=None, metavar="FILE",
                    help="append the started supervisor's log to FILE (default: discarded)")
     p.add_argument("--schedule", action="store_true",
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{f.at_s:9.3f}  {f.tenant}/{f.instance}  {'heal' if f.heal else f.kind} {params}".rstrip())
             print(f"schedule {schedule_hash(schedule)}: {len(schedule)} faults")
         return 0
-    report = run_chaos(cfg, progress=None if args.json else sys.stderr)
+    report = run_chaos(cfg, progress=None if args.json else sys.stderr, live=progress_stream(args.json))
     if args.json:
         print_json(report)
     else:

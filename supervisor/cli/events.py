@@ -31,7 +31,8 @@ __all__ = ["KINDS", "add_parser", "format_event", "run"]
 
 #: the event kinds the supervisor publishes (see supervisor/events.py and docs/OPERATIONS.md)
 KINDS = ("spawn", "ready", "exit", "restart", "failed", "register", "evict", "scale", "set_quota",
-         "quota_refusal", "fault", "kill")
+         "quota_refusal", "fault", "kill", "denied", "denied_dropped", "reload", "reload_failed", "reset",
+         "rolling_restart", "rotate_key", "stall", "state_error")
 #: fields shown first, in this order; the rest follow alphabetically
 _ORDER = ("worker", "pid", "exit_code", "signal", "reason", "expected", "kind")
 _HIDDEN = {"event", "ts", "tenant", "instance"}
@@ -45,14 +46,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         f"--timeout seconds without an event, or --count events. Kinds: {', '.join(KINDS)}.",
     )
     p.add_argument("--filter", dest="kinds", type=comma_list(KINDS, "event kind"), action="append", default=[], metavar="KIND",
-                   help="only these kinds (repeat, or comma-separate: --filter exit,restart)")
+                   help="only these kinds (repeat, or comma-separate: --filter exit,restart; default: every kind)")
     p.add_argument("--tenant", dest="tenants", action="append", default=[], metavar="TENANT",
-                   help="only events about this tenant (repeatable)")
+                   help="only events about this tenant (repeatable); default: every tenant")
     p.add_argument("--json", action="store_true", help="one JSON object per event (JSON Lines)")
     p.add_argument("--timeout", type=positive_seconds, default=None, metavar="S",
                    help="stop after S seconds without a (matching) event; default: follow until Ctrl-C")
     p.add_argument("--count", type=at_least_one, default=None, metavar="N",
-                   help="stop after N events; exit 1 if fewer arrived before --timeout")
+                   help="stop after N events; exit 1 if fewer arrived before --timeout (default: no limit)")
     add_run_dir(p)
     p.set_defaults(func=run)
 

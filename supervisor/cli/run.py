@@ -14,18 +14,33 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shared.capability import TenantCapability
+from shared import protocol as proto
+from shared.capability import TenantCapability, read_capability_file
 from supervisor.cli._common import add_run_dir, print_json, run_dir_of
 from supervisor.client import SupervisorClient
 
-__all__ = ["add_parser", "parse_wasm_arg", "run"]
+__all__ = ["add_capability_option", "add_parser", "parse_wasm_arg", "run", "tenant_capability_file",
+           "tenant_capability_of"]
 
 
 def parse_wasm_arg(text: str) -> Any:
-    """``42``, ``-1``, ``0x10`` -> int; ``2.5``, ``1e-3``, ``inf`` -> float; ``handle=N`` -> a client buffer."""
+    """``42``, ``-1``, ``0x10`` -> int; ``2.5``, ``1e-3``, ``inf`` -> float; ``handle=1:7`` (or a raw
+    ``handle=N``) -> a client buffer, looked up among the tenant's buffers before the run is sent."""
     value = text.strip()
     if value.startswith("handle="):
-        return {"handle": int(value[len("handle="):], 0)}
+        ref = value[len("handle="):].strip()
+        try:
+            if ":" in ref:
+                proto.parse_handle_text(ref)
+                return {"handle": ref}
+            handle = int(ref, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"not a buffer handle: {text!r} (handle=INSTANCE:SEQ as twt alloc prints it, e.g. handle=1:7)"
+            ) from None
+        if handle < 0:
+            raise argparse.ArgumentTypeError(f"not a buffer handle: {text!r} (negative)")
+        return {"handle": handle}
     try:
         return int(value, 0)
     except ValueError:
@@ -49,31 +64,64 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "Prints the results, fuel used and time; a trap, timeout or compile error is printed as the typed "
         "error with exit code 1.",
     )
-    p.add_argument("tenant", help="a registered tenant")
-    p.add_argument("module", type=Path, help="FILE.wasm or FILE.wat")
+    p.add_argument("tenant", metavar="TENANT", help="a registered tenant")
+    p.add_argument("module", type=Path, metavar="MODULE", help="the module: FILE.wasm (binary) or FILE.wat (text)")
     p.add_argument("--invoke", required=True, metavar="NAME", help="the exported function to call")
     p.add_argument("--arg", dest="args", action="append", default=[], type=parse_wasm_arg, metavar="V",
-                   help="an argument (repeat, in order): int, float, or handle=N for a client buffer")
-    p.add_argument("--fuel", type=int, default=None, help="fuel for the run (capped by the tenant's wasm_fuel)")
+                   help="an argument (repeat, in order): int, float, or handle=INSTANCE:SEQ for a buffer from "
+                   "twt alloc (default: none)")
+    p.add_argument("--fuel", type=int, default=None, help="fuel for the run (default and ceiling: the tenant's wasm_fuel)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="deadline in seconds (capped by the tenant's wasm_timeout_s)")
-    p.add_argument("--capability", type=Path, default=None, metavar="FILE",
-                   help="the tenant's capability (raw bytes); default: obtained with the run dir's admin.cap")
+                   help="deadline in seconds (default and ceiling: the tenant's wasm_timeout_s)")
+    add_capability_option(p)
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
     add_run_dir(p)
     p.set_defaults(func=run)
 
 
+def tenant_capability_file(path: Path, tenant: str) -> TenantCapability:
+    """The tenant capability in ``path``; refuses one that names another tenant, naming both."""
+    cap = read_capability_file(path)
+    if not isinstance(cap, TenantCapability):
+        raise ValueError(f"--capability {path} holds the admin capability, not tenant {tenant!r}'s")
+    if cap.tenant_id != tenant:
+        raise ValueError(
+            f"--capability {path} is the capability of tenant {cap.tenant_id!r}, not of {tenant!r}: "
+            f"run as {cap.tenant_id!r} or give {tenant!r}'s capability (twt capability {tenant} --cap-out FILE)"
+        )
+    return cap
+
+
+def add_capability_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--capability", type=Path, default=None, metavar="FILE",
+                   help="the tenant's capability file (as written by --cap-out: hex text; raw bytes are read "
+                   "too); default: obtained with the run dir's admin.cap")
+
+
+def tenant_capability_of(client: SupervisorClient, tenant: str, from_file: TenantCapability | None) -> TenantCapability:
+    """``tenant``'s capability: the one read from ``--capability`` (:func:`tenant_capability_file`, read
+    before connecting, so a wrong file is refused first), else asked for with the admin capability."""
+    if from_file is not None:
+        return from_file
+    cap = client.tenant_capability(client.admin, tenant)
+    if cap.tenant_id != tenant:  # pragma: no cover - the supervisor answers for the name asked
+        raise ValueError(f"capability is for {cap.tenant_id!r}, not {tenant!r}")
+    return cap
+
+
 def run(args: argparse.Namespace) -> int:
     module = args.module.read_bytes()
+    cap_file = tenant_capability_file(args.capability, args.tenant) if args.capability is not None else None
     with SupervisorClient(run_dir_of(args)) as client:
-        if args.capability is not None:
-            cap = TenantCapability.from_bytes(args.capability.read_bytes())
-        else:
-            cap = client.tenant_capability(client.admin, args.tenant)
-            if cap.tenant_id != args.tenant:  # pragma: no cover - the supervisor answers for the name asked
-                raise ValueError(f"capability is for {cap.tenant_id!r}, not {args.tenant!r}")
-        reply = client.run_wasm(cap, module, args.invoke, args.args, fuel=args.fuel, timeout_s=args.timeout)
+        cap = tenant_capability_of(client, args.tenant, cap_file)
+        wasm_args = list(args.args)
+        if any(isinstance(a, dict) for a in wasm_args):
+            from supervisor.cli.buffers import resolve_handle
+
+            held = client.buffers(cap)
+            wasm_args = [{"handle": resolve_handle(a["handle"], held, args.tenant)} if isinstance(a, dict) else a
+                         for a in wasm_args]
+        reply = client.run_wasm(cap, module, args.invoke, wasm_args, fuel=args.fuel, timeout_s=args.timeout)
     if args.json:
         print_json(reply)
         return 0

@@ -1,14 +1,33 @@
-"""``twt supervise``: run the supervisor in the foreground until SIGTERM/SIGINT."""
+"""``twt supervise``: run the supervisor in the foreground until SIGTERM/SIGINT (SIGHUP reloads the config).
+
+Start-up order matters to an operator: the run directory is locked *before*
+anything is bound, so a second supervisor on the same run dir reports the
+lock ("another supervisor (pid N) is running on ...") rather than a busy
+metrics port. Python warnings (the resource tracker's among them) are routed
+into the structured log instead of landing in it as raw text.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import warnings
+from contextlib import ExitStack
+from typing import Any, TextIO
 
-from shared.config import load_config
-from shared.log import configure_logging
+from shared.config import SupervisorConfig, load_config, unknown_env_vars
+from shared.log import configure_logging, get_logger, log_event
+from supervisor.rundir import RunDir
 
 __all__ = ["add_parser", "run"]
+
+_log = get_logger("supervisor")
+_DEFAULTS = SupervisorConfig.__dataclass_fields__
+
+
+def _default(name: str) -> str:
+    return f"default: ${'TWT_' + name.upper()}, else the config file, else {_DEFAULTS[name].default}"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -16,18 +35,51 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "supervise",
         help="run a supervisor in the foreground",
         description="Run a supervisor: one worker process per tenant instance, ZeroMQ routing, "
-        "crash and hang recovery. Stops gracefully on SIGTERM/SIGINT. Settings: defaults < "
+        "crash and hang recovery. Stops gracefully on SIGTERM/SIGINT; SIGHUP re-reads --config (as twt reload). "
+        "Tenants come back from the state directory after a restart. Settings: defaults < "
         "[supervisor] table of --config < TWT_* environment < these flags.",
     )
-    p.add_argument("--config", help="TOML file with a [supervisor] table and [[tenant]] tables")
-    p.add_argument("--run-dir", help="directory for sockets, admin.cap and the lock (0700)")
-    p.add_argument("--backend", choices=["auto", "stub", "cuda"], help="compute backend (default auto)")
-    p.add_argument("--start-method", choices=["spawn", "forkserver"], help="how workers are started (default spawn)")
-    p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or one JSON object each")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--pool-size", type=int, help="idle warm workers kept ready (default 2)")
-    p.add_argument("--metrics-addr", help="serve Prometheus /metrics on HOST:PORT (e.g. 127.0.0.1:9464)")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML file with a [supervisor] table and [[tenant]] tables (default: none)")
+    p.add_argument("--run-dir", help="directory for sockets, admin.cap and the lock, 0700 "
+                   "(default: $TWT_RUN_DIR, else the config file, else $XDG_RUNTIME_DIR/twt or /tmp/twt-<uid>)")
+    p.add_argument("--state-dir", help="directory of the durable state database (default: <run dir>/state)")
+    p.add_argument("--backend", choices=["auto", "stub", "cuda"], help=f"compute backend ({_default('backend')})")
+    p.add_argument("--start-method", choices=["spawn", "forkserver"],
+                   help=f"how workers are started ({_default('start_method')})")
+    p.add_argument("--log-format", choices=["text", "json"],
+                   help=f"log lines as text or one JSON object each ({_default('log_format')})")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help=f"least severe level logged ({_default('log_level')})")
+    p.add_argument("--pool-size", type=int, help=f"idle warm workers kept ready ({_default('pool_size')})")
+    p.add_argument("--metrics-addr", metavar="HOST:PORT",
+                   help="serve Prometheus /metrics, /healthz and /readyz on HOST:PORT, e.g. 127.0.0.1:9464 "
+                   "(default: $TWT_METRICS_ADDR, else the config file, else off)")
     p.set_defaults(func=run)
+
+
+def _log_warnings(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: TextIO | None = None, line: str | None = None) -> None:
+    """``warnings.showwarning`` replacement: a warning becomes a ``python.warning`` log event."""
+    log_event(_log, logging.WARNING, "python.warning", category=category.__name__, message=str(message),
+              where=f"{filename}:{lineno}")
+
+
+def _quiet_resource_tracker() -> None:
+    """Keep the resource tracker's "leaked shared_memory" warning out of the log stream.
+
+    The tracker is a separate interpreter writing to our stderr; it would print
+    raw text into a JSON log after a SIGKILL. It inherits our ``-W`` options
+    when it starts, so it is started here with that one warning ignored. What
+    it reports is not lost: the next supervisor on the run dir logs the dead
+    one's segments as ``supervisor.stale_segments_removed``.
+    """
+    from multiprocessing import resource_tracker
+
+    option = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if option not in sys.warnoptions:
+        sys.warnoptions.append(option)
+    resource_tracker.ensure_running()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             args.config,
             overrides={
                 "run_dir": args.run_dir,
+                "state_dir": args.state_dir,
                 "backend": args.backend,
                 "start_method": args.start_method,
                 "log_format": args.log_format,
@@ -47,14 +100,26 @@ def run(args: argparse.Namespace) -> int:
     except TypeError as exc:  # a wrongly typed value in the config file: the user's input
         raise ValueError(str(exc)) from None
     configure_logging(config.log_format, config.log_level.upper())  # type: ignore[arg-type]
+    warnings.showwarning = _log_warnings
+    for name in unknown_env_vars():
+        log_event(_log, logging.WARNING, "config.unknown_env", variable=name,
+                  hint="not a setting; see docs/OPERATIONS.md#configuration")
+    _quiet_resource_tracker()
     from supervisor.supervisor import Supervisor
 
-    metrics = None
-    if config.metrics_addr:
-        from supervisor.prometheus import PrometheusMetrics  # type: ignore[import-not-found,unused-ignore]
+    # The lock first: a second supervisor on this run dir must report *that*, not a busy port.
+    rundir = RunDir(config.run_dir, config.client_group)
+    rundir.acquire()
+    with ExitStack() as undo:
+        undo.callback(rundir.release)
+        metrics: Any = None
+        if config.metrics_addr:
+            from supervisor.prometheus import PrometheusMetrics  # type: ignore[import-not-found,unused-ignore]
 
-        metrics = PrometheusMetrics(config.metrics_addr, tenant_names=config.metrics_tenant_names)
-    sup = Supervisor(config, metrics=metrics)
-    code = sup.run()
+            metrics = PrometheusMetrics(config.metrics_addr, tenant_names=config.metrics_tenant_names)
+            undo.callback(metrics.close)
+        sup = Supervisor(config, metrics=metrics, rundir=rundir)  # acquire() on a locked RunDir is a no-op
+        undo.pop_all()
+    code: int = sup.run()
     sys.stderr.flush()
     return code

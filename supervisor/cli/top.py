@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "frames). Clears the screen between frames on a terminal.",
     )
     p.add_argument("--interval", type=positive_seconds, default=2.0, metavar="S", help="seconds between frames (default 2)")
-    p.add_argument("--iterations", type=at_least_one, default=None, metavar="N", help="stop after N frames")
+    p.add_argument("--iterations", type=at_least_one, default=None, metavar="N", help="stop after N frames (default: run until Ctrl-C)")
     add_run_dir(p)
     p.set_defaults(func=run)
 

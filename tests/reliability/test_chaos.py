@@ -157,7 +157,7 @@ def test_reconcile_counts_live_buffers_and_writes_off_dead_incarnations() -> Non
 
 def test_cli_exits_4_when_an_invariant_fails(monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    def fake(cfg: ChaosConfig, progress: Any = None) -> dict[str, Any]:
+    def fake(cfg: ChaosConfig, progress: Any = None, live: Any = None) -> dict[str, Any]:
         return {"config": {"seed": cfg.seed, "duration_s": 1, "baseline_s": 0.5, "fault_phase_s": 0.5,
                            "tenants": 2, "faulty": 1, "clients": 2, "rate": 1},
                 "schedule": {"hash": "0" * 16, "faults": 0, "by_kind": {}},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.errors import KernelTimeout, WorkerLost
+from shared.errors import WorkerLost
 from shared.spec import RestartPolicy, TenantSpec
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
 
@@ -23,8 +23,12 @@ def test_on_failure_leaves_a_clean_exit_down() -> None:
         rec = wait_for(lambda: (r := tenant(c.status(), "picky"))["instances"][0]["state"] == "down" and r,
                        what="instance down")
         assert rec["restarts"] == 0 and rec["instances"][0]["last_exit"]["exit_code"] == 0
-        with pytest.raises(KernelTimeout):
-            c.ping(cap)  # parked until its deadline: no instance is coming back
+        with pytest.raises(WorkerLost, match=r"no instance of 'picky' is running or restarting.*restart=on-failure"):
+            c.ping(cap)  # answered at once, not parked: no instance is coming back
+        assert tenant(c.status(), "picky")["parked"] == 0
+        c.scale(None, "picky", 1)  # "1 instance" again: the one that is down starts
+        wait_for(lambda: tenant(c.status(), "picky")["state"] == "running", what="picky running again")
+        assert c.ping(cap)["instance"] == 0
 
 
 def test_on_failure_restarts_a_worker_the_supervisor_killed() -> None:

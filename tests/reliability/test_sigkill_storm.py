@@ -38,7 +38,7 @@ MIN_KILLS = 40
 VICTIM: dict[str, Any] = {"instances": 2, "max_restarts": 1_000_000, "restart_window_s": 0.2, "request_timeout_s": 10.0,
           "memory_quota_bytes": "256MiB"}
 #: what a caller of a victim may be told, besides a result
-VICTIM_ERRORS = {"worker_lost", "invalid_argument", "kernel_timeout"}
+VICTIM_ERRORS = {"worker_lost", "buffer_lost", "kernel_timeout"}
 
 
 class PipelinedLoad(threading.Thread):
@@ -90,7 +90,7 @@ class PipelinedLoad(threading.Thread):
                     self.live[int(payload["handle"])] = arg
                 elif op == "free" and payload["freed"] != self.live.pop(arg):
                     self.problems.append(f"free of {arg:#x} released {payload['freed']} B")
-            elif code == "invalid_argument" and op in ("free", "write", "read"):
+            elif code == "buffer_lost" and op in ("free", "write", "read"):
                 self.live.pop(arg, None)  # its instance died: the handle names a gone incarnation
             elif code not in VICTIM_ERRORS:
                 self.problems.append(f"{op}: unexpected {code}: {payload.get('message')}")
@@ -161,7 +161,7 @@ def test_hundreds_of_sigkills_under_load() -> None:
                 try:
                     c.free(caps[name], h)
                 except Exception as exc:  # noqa: BLE001
-                    assert getattr(exc, "code", None) == "invalid_argument", exc
+                    assert getattr(exc, "code", None) == "buffer_lost", exc
                     assert proto.handle_instance(h) < 2
         wait_for(lambda: all(r["gpu_bytes_in_use"] == 0 and r["bytes_in_use"] == 0 and not r["quota"]["instance_shares"]
                              for r in c.status()["tenants"]), timeout_s=5, what="counters at zero")

@@ -56,8 +56,10 @@ def _alive(pid: int, created: float) -> bool:
 
 
 def _prefix(sup: SupervisorHandle) -> str:
-    """Segment names of this supervisor start with this (its registry id)."""
-    return "twt-" + str(sup.client.hello()["registry_id"])[:8] + "-"
+    """Segment names of this supervisor start with this (a prefix drawn per start: the registry id
+    is the same after a restart, the state being durable)."""
+    name = str(tenant(sup.client.status(), "a")["quota"]["name"])
+    return name.rsplit("-", 1)[0] + "-"
 
 
 # what is going on when the supervisor is killed ------------------------------------------------
@@ -126,12 +128,14 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
             owned = {n for n in hygiene.twt_segments() if n.startswith(prefix)}
             assert len(owned) >= 3, (name, owned)
             if whole_tree:
-                # the supervisor's resource tracker dies too: nobody but the next supervisor can clean up
-                for pid in [sup.pid, *procs]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                # the supervisor's resource tracker dies too: nobody but the next supervisor can clean up.
+                # Stop the whole tree first, so no member (the tracker above all) reacts to another's death.
+                for sig in (signal.SIGSTOP, signal.SIGKILL):
+                    for pid in [sup.pid, *procs]:
+                        try:
+                            os.kill(pid, sig)
+                        except ProcessLookupError:
+                            pass
             else:
                 sup.process.kill()
             sup.process.wait(10)

@@ -14,6 +14,7 @@ from shared.errors import (
     BackendUnavailable,
     CapabilityFromForeignRegistry,
     CapabilityRevoked,
+    ConfigError,
     CudaError,
     GpuMemoryExhausted,
     InvalidArgument,
@@ -24,6 +25,7 @@ from shared.errors import (
     RegistryError,
     RequestTimeout,
     SegmentError,
+    StateError,
     SupervisorUnavailable,
     TenantFailed,
     TenantIsolationViolation,
@@ -55,10 +57,14 @@ SAMPLES: dict[type[TensorWasmError], dict[str, Any]] = {
     InvalidArgument: {"detail": "nbytes must be positive"},
     BackendUnavailable: {"backend": "cuda", "reason": "no driver"},
     TenantFailed: {"tenant_id": "acme", "restarts": 5, "window_s": 60.0},
+    errors.TenantStopped: {"tenant_id": "acme"},
+    errors.BufferLost: {"tenant_id": "acme", "handle": "1:7", "instance": 1, "incarnation": 3},
     RequestTimeout: {"op": "status", "timeout_s": 5.0},
     SupervisorUnavailable: {"run_dir": "/run/twt", "reason": "no socket"},
     UntrustedRunDir: {"path": "/tmp/twt-1000", "reason": "it belongs to uid 1001"},
     SegmentError: {"name": "twt-abc-0", "detail": "bad magic"},
+    StateError: {"path": "/var/lib/twt/state.db", "detail": "schema version 3 is newer"},
+    ConfigError: {"path": "/etc/twt/tenants.toml", "detail": "unknown key 'bogus'"},
     RegistryError: {"tenant_id": "acme"},
     AlreadyRegistered: {"tenant_id": "acme"},
     UnknownTenant: {"tenant_id": "ghost"},
@@ -87,9 +93,13 @@ PINNED_CODES = {
     InvalidArgument: "invalid_argument",
     BackendUnavailable: "backend_unavailable",
     TenantFailed: "tenant_failed",
+    errors.TenantStopped: "tenant_stopped",
+    errors.BufferLost: "buffer_lost",
     RequestTimeout: "request_timeout",
     SupervisorUnavailable: "supervisor_unavailable",
     SegmentError: "segment_error",
+    StateError: "state_error",
+    ConfigError: "config_error",
     RegistryError: "registry_error",
     AlreadyRegistered: "already_registered",
     UnknownTenant: "unknown_tenant",
@@ -183,6 +193,14 @@ def test_root_error_round_trips() -> None:
 @pytest.mark.parametrize("cls", sorted(SAMPLES, key=lambda c: c.__name__), ids=lambda c: c.__name__)
 def test_retryable_exactly_for_transient_kinds(cls: type[TensorWasmError]) -> None:
     assert _make(cls).is_retryable() is (cls in RETRYABLE)
+
+
+@pytest.mark.parametrize("cls", [MemoryExhausted, GpuMemoryExhausted])
+def test_more_than_the_whole_limit_is_not_retryable(cls: type[MemoryExhausted]) -> None:
+    assert cls("acme", 1 << 31, 1 << 30, 0).is_retryable() is False  # never fits, whatever is freed
+    assert cls("acme", 1 << 30, 1 << 30, 1).is_retryable() is True  # fits once use falls
+    back = error_from_dict(cls("acme", 1 << 31, 1 << 30, 0).to_dict())
+    assert back.is_retryable() is False  # the client sees the same answer
 
 
 def test_root_is_not_retryable() -> None:

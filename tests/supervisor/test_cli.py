@@ -312,6 +312,21 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         assert stat.S_IMODE(os.stat(cap_file).st_mode) == 0o600
         gamma = TenantCapability.from_bytes(bytes.fromhex(cap_file.read_text().strip()))
         assert c.ping(gamma)["tenant"] == "gamma"
+        # the file --cap-out wrote is what `twt run --capability` reads (hex text; legacy raw bytes too)
+        wat = tmp_path / "one.wat"
+        wat.write_text('(module (func (export "one") (result i32) i32.const 1))')
+        code, out, err = _run(capsys, "run", "gamma", str(wat), "--invoke", "one", "--capability", str(cap_file), *rd)
+        assert code == 0 and "results: [1]" in out, err
+        raw_file = tmp_path / "gamma.raw"
+        raw_file.write_bytes(gamma.to_bytes())
+        code, out, err = _run(capsys, "run", "gamma", str(wat), "--invoke", "one", "--capability", str(raw_file), *rd)
+        assert code == 0 and "results: [1]" in out, err
+        # a capability naming another tenant is refused before anything runs, naming both
+        code, out, err = _run(capsys, "run", "acme", str(wat), "--invoke", "one", "--capability", str(cap_file), *rd)
+        assert code == 2 and out == ""
+        assert f"--capability {cap_file} is the capability of tenant 'gamma', not of 'acme'" in err
+        code, _, err = _run(capsys, "run", "acme", str(tmp_path / "missing.wat"), "--invoke", "one", *rd)
+        assert code == 1 and err.strip() == f"twt: error: {tmp_path / 'missing.wat'} does not exist"
         rec = tenant(c.status(), "gamma")
         assert rec["memory_quota_bytes"] == 256 << 20 and rec["gpu_memory_bytes_cap"] == 2 << 20
         assert len(rec["instances"]) == 2
@@ -322,6 +337,11 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         assert code == 0 and "GPU cap 512KiB" in out and "memory quota 64MiB" in out, err
         with pytest.raises(GpuMemoryExhausted):
             c.alloc(acme, 600 << 10)
+        # below current use: accepted, and the command says what is in use
+        c.alloc(acme, 256 << 10)
+        code, out, err = _run(capsys, "set-quota", "acme", "--gpu-cap", "128KiB", *rd)
+        assert code == 0, err
+        assert "acme: note: 256KiB of GPU memory is in use, above the new limit of 128KiB" in out
         code, out, _ = _run(capsys, "set-quota", "acme", "--gpu-cap", "none", "--pool-quota", "1GiB", *rd)
         assert code == 0 and "GPU cap none" in out and "pool quota 1GiB" in out
         c.alloc(acme, 600 << 10)
@@ -368,6 +388,8 @@ def test_operations_doc_covers_every_command_setting_and_event() -> None:
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()
     for name in SupervisorConfig.field_names():
+        if name == "config_file":
+            continue  # not a setting: where the settings came from (--config)
         assert f"| `{name}` |" in doc, name
         if name != "tenants":
             assert f"`{ENV_PREFIX}{name.upper()}`" in doc, name
@@ -377,6 +399,8 @@ def test_operations_doc_covers_every_command_setting_and_event() -> None:
         assert f"| `{kind}` |" in doc, kind
     for command in (*MY_COMMANDS, "supervise", "mps"):
         assert f"### `twt {command}`" in doc, command
+    for command in ("alloc", "free", "buffers", "write", "read"):
+        assert f"`twt {command}`" in doc.split("## Exit codes", 1)[0], command
     sizing = doc.split("## Sizing", 1)[1]
     assert "PLACEHOLDER" not in sizing and "TBD" not in sizing  # measured figures are in
 

@@ -42,7 +42,7 @@ def test_json_logs_of_the_supervisor_and_its_workers(tmp_path: Path) -> None:
     log = tmp_path / "supervisor.log"
     with open(log, "ab") as err:
         settings = {**FAST, "log_format": "json"}
-        with launch({"supervisor": settings, "tenant": [{"name": "acme"}]}, stderr=err) as sup:
+        with launch({"supervisor": settings, "tenant": [{"name": "acme"}]}, stderr=err, log_level="info") as sup:
             sup_pid = sup.pid
             c = sup.client
             c.register(None, TenantSpec.from_dict({"name": "beta"}))
@@ -89,7 +89,8 @@ def test_json_logs_of_the_supervisor_and_its_workers(tmp_path: Path) -> None:
 def test_text_logs_are_one_line_per_event(tmp_path: Path) -> None:
     log = tmp_path / "supervisor.log"
     with open(log, "ab") as err:
-        with launch({"supervisor": {**FAST, "log_format": "text"}, "tenant": [{"name": "acme"}]}, stderr=err) as sup:
+        with launch({"supervisor": {**FAST, "log_format": "text"}, "tenant": [{"name": "acme"}]}, stderr=err,
+                    log_level="info") as sup:
             pid = instance_pid(sup, "acme")
     lines = log.read_text().splitlines()
     assert any(" INFO twt.supervisor.events event.spawn " in s and f"pid={pid}" in s for s in lines)

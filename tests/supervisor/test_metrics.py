@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import signal
 import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.errors import GpuMemoryExhausted
+from shared.protocol import PROTOCOL_VERSION
 from shared.quota import QuotaBlock
-from supervisor.metrics import TenantGauges
-from supervisor.prometheus import PrometheusMetrics, parse_metrics_addr
+from supervisor.health import Health
+from supervisor.metrics import DeviceGauges, MetricsSnapshot, TenantGauges, build_version
+from supervisor.prometheus import TENANT_STATES, PrometheusMetrics, parse_metrics_addr
+from supervisor.rundir import RunDirLocked
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,19 +88,26 @@ def test_exporter_on_port_0_hooks_and_scrape_time_snapshot() -> None:
             metrics.restart("acme")
             s = _scrape(metrics.url)
             assert _get(s, "twt_tenants") == 2
-            assert _get(s, "twt_tenant_gpu_bytes_in_use", tenant="acme") == 300_000
+            assert _get(s, "twt_tenant_gpu_in_use_bytes", tenant="acme") == 300_000
             assert _get(s, "twt_tenant_gpu_limit_bytes", tenant="acme") == 1 << 20
             assert _get(s, "twt_tenant_gpu_high_water_bytes", tenant="acme") == 300_000
-            assert _get(s, "twt_tenant_cpu_bytes_in_use", tenant="acme") == 4096
-            assert _get(s, "twt_tenant_cpu_limit_bytes", tenant="acme") == 64 << 20
-            assert _get(s, "twt_tenant_cpu_high_water_bytes", tenant="acme") == 4096
+            assert _get(s, "twt_tenant_host_in_use_bytes", tenant="acme") == 4096
+            assert _get(s, "twt_tenant_host_limit_bytes", tenant="acme") == 64 << 20
+            assert _get(s, "twt_tenant_host_high_water_bytes", tenant="acme") == 4096
             assert _get(s, "twt_tenant_instances_up", tenant="acme") == 2
             assert _get(s, "twt_tenant_state", tenant="acme", state="running") == 1
             assert _get(s, "twt_tenant_quota_refusals_total", tenant="acme", resource="gpu") == 1
-            assert _get(s, "twt_tenant_quota_refusals_total", tenant="acme", resource="cpu") == 0
+            assert _get(s, "twt_tenant_quota_refusals_total", tenant="acme", resource="host") == 0
             assert _get(s, "twt_tenant_quota_underflows_total", tenant="acme", resource="gpu") == 0
             assert _get(s, "twt_tenant_gpu_limit_bytes", tenant="free") == float("inf")  # uncapped
             assert _get(s, "twt_tenant_state", tenant="free", state="failed") == 1
+            # one series per state: 0 for every state the tenant is not in
+            assert {dict(lb)["state"]: v for (n, lb), v in s.items()
+                    if n == "twt_tenant_state" and dict(lb)["tenant"] == "acme"} == {
+                **{st: 0.0 for st in TENANT_STATES}, "running": 1.0}
+            assert not any(n.endswith("_created") for n, _ in s)  # disable_created_metrics()
+            assert _get(s, "twt_build_info", version=build_version(), python=platform.python_version(),
+                        protocol=str(PROTOCOL_VERSION)) == 1
             assert _get(s, "twt_requests_total", tenant="acme", op="alloc", outcome="ok") == 2
             assert _get(s, "twt_requests_total", tenant="acme", op="alloc", outcome="gpu_memory_exhausted") == 1
             assert _get(s, "twt_request_duration_seconds_count", op="alloc") == 3
@@ -108,7 +120,7 @@ def test_exporter_on_port_0_hooks_and_scrape_time_snapshot() -> None:
             block.release_gpu_bytes(300_000)
             state["up"] = 1
             s = _scrape(metrics.url)
-            assert _get(s, "twt_tenant_gpu_bytes_in_use", tenant="acme") == 0
+            assert _get(s, "twt_tenant_gpu_in_use_bytes", tenant="acme") == 0
             assert _get(s, "twt_tenant_gpu_high_water_bytes", tenant="acme") == 300_000
             assert _get(s, "twt_tenant_instances_up", tenant="acme") == 1
 
@@ -130,7 +142,7 @@ def test_exporter_on_port_0_hooks_and_scrape_time_snapshot() -> None:
 def test_busy_address_is_a_clear_error() -> None:
     first = PrometheusMetrics("127.0.0.1:0", process_metrics=False)
     try:
-        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{first.port}"):
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{first.port}: the port is in use"):
             PrometheusMetrics(f"127.0.0.1:{first.port}", process_metrics=False)
     finally:
         first.close()
@@ -150,11 +162,11 @@ def test_supervisor_metrics_endpoint_has_the_tenant_series() -> None:
         rec = tenant(c.status(), "acme")
         s = _scrape(url)
         assert _get(s, "twt_tenants") == 2
-        assert _get(s, "twt_tenant_gpu_bytes_in_use", tenant="acme") == 512 << 10
+        assert _get(s, "twt_tenant_gpu_in_use_bytes", tenant="acme") == 512 << 10
         assert _get(s, "twt_tenant_gpu_limit_bytes", tenant="acme") == 1 << 20
         assert _get(s, "twt_tenant_gpu_high_water_bytes", tenant="acme") == 512 << 10
-        assert _get(s, "twt_tenant_cpu_bytes_in_use", tenant="acme") == rec["bytes_in_use"]
-        assert _get(s, "twt_tenant_cpu_limit_bytes", tenant="acme") == 64 << 20
+        assert _get(s, "twt_tenant_host_in_use_bytes", tenant="acme") == rec["bytes_in_use"]
+        assert _get(s, "twt_tenant_host_limit_bytes", tenant="acme") == 64 << 20
         assert _get(s, "twt_tenant_quota_refusals_total", tenant="acme", resource="gpu") == 1
         assert _get(s, "twt_tenant_instances_up", tenant="acme") == 1
         assert _get(s, "twt_tenant_state", tenant="acme", state="running") == 1
@@ -164,6 +176,14 @@ def test_supervisor_metrics_endpoint_has_the_tenant_series() -> None:
         assert _get(s, "twt_requests_total", tenant="acme", op="ping", outcome="ok") == 1
         assert _get(s, "twt_request_duration_seconds_count", op="alloc") == 2
         assert _get(s, "process_resident_memory_bytes") > 0  # the supervisor's own process
+        # the loop's full snapshot: wanted instances, the warm pool, the device budget; the probes
+        assert _get(s, "twt_tenant_instances_wanted", tenant="acme") == 1
+        assert _get(s, "twt_pool_size_workers") == sup.client.status()["supervisor"]["pool"]["size"]
+        assert ("twt_pool_workers", (("state", "idle"),)) in s
+        assert _get(s, "twt_device_budget_used_bytes", device="0") >= 512 << 10
+        base = f"http://127.0.0.1:{port}"
+        assert _probe(base + "/healthz") == (200, "ok\n")
+        wait_for(lambda: _probe(base + "/readyz") == (200, "ready\n"), what="/readyz: ready once the pool filled")
         assert not any(name == "twt_restarts_total" for name, _ in s)
         # a SIGKILLed worker: counted as an exit by signal and a restart; its GPU bytes come back
         pid = instance_pid(sup, "acme")
@@ -173,7 +193,7 @@ def test_supervisor_metrics_endpoint_has_the_tenant_series() -> None:
         s = _scrape(url)
         assert _get(s, "twt_restarts_total", tenant="acme") == 1
         assert _get(s, "twt_worker_exits_total", tenant="acme", cause="signal") == 1
-        assert _get(s, "twt_tenant_gpu_bytes_in_use", tenant="acme") == 0
+        assert _get(s, "twt_tenant_gpu_in_use_bytes", tenant="acme") == 0
         assert _get(s, "twt_tenant_gpu_high_water_bytes", tenant="acme") == 512 << 10
         assert _get(s, "twt_tenant_instances_up", tenant="acme") == 1
         c.evict(None, "beta")
@@ -183,6 +203,128 @@ def test_supervisor_metrics_endpoint_has_the_tenant_series() -> None:
     # the supervisor stopped: so did its exporter
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url, timeout=2)
+
+
+def _probe(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return int(err.code), err.read().decode()
+
+
+class _Clock:
+    """An injectable monotonic clock: the health policy is tested without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_health_policy_live_ready_and_stall() -> None:
+    clock = _Clock()
+    health = Health(stall_after_s=10.0, clock=clock)
+    assert not health.live().ok and "starting" in health.live().reason
+    snap = MetricsSnapshot(tenants={}, pool_idle=0, pool_size=2)
+    health.observe(snap)
+    assert health.live().ok and health.live().body == b"ok\n"
+    assert not health.ready().ok and "starting" in health.ready().reason
+    health.mark_ready()
+    assert health.ready().reason == "not ready: warm pool 0/2 idle"
+    health.observe(MetricsSnapshot(pool_idle=2, pool_size=2))
+    assert health.ready().ok and health.ready().body == b"ready\n"
+    health.observe(MetricsSnapshot(pool_idle=0, pool_size=2))  # a burst of registrations drained it: still ready
+    assert health.ready().ok
+    # the same object again is no sign of life: the loop did not publish anything new
+    latest = MetricsSnapshot(pool_idle=1, pool_size=2)
+    health.observe(latest)
+    clock.now += 11
+    health.observe(latest)
+    live = health.live()
+    assert not live.ok and live.status.startswith("503") and "nothing for 11 s" in live.reason
+    assert not health.ready().ok and health.ready().reason.startswith("not ready: stalled")
+    health.observe({})  # a plain {tenant: TenantGauges} mapping counts too
+    assert health.live().ok
+    with pytest.raises(ValueError):
+        Health(stall_after_s=0)
+
+
+def test_exporter_probes_pool_devices_and_wanted_instances() -> None:
+    with QuotaBlock.create("acme", gpu_memory_bytes_cap=1 << 20) as block:
+        pool = {"idle": 0}
+
+        def snapshot() -> MetricsSnapshot:  # a new object per call, as the loop builds them
+            return MetricsSnapshot(
+                tenants={"acme": TenantGauges(block.snapshot(), 1, "degraded", wanted=2),
+                         "quiet": TenantGauges(block.snapshot(), 3, "running")},
+                pool_idle=pool["idle"], pool_starting=2 - pool["idle"], pool_size=2, backend="stub",
+                devices=(DeviceGauges(0, budget_limit_bytes=8 << 30, budget_used_bytes=4096, budget_refusals=3),),
+            )
+
+        metrics = PrometheusMetrics("127.0.0.1:0", process_metrics=False)
+        base = f"http://127.0.0.1:{metrics.port}"
+        try:
+            assert _probe(base + "/healthz") == (503, "starting: the supervisor loop has not published a snapshot yet\n")
+            metrics.bind_source(snapshot)
+            assert _probe(base + "/healthz") == (200, "ok\n")
+            assert _probe(base + "/readyz")[0] == 503
+            metrics.mark_ready()
+            assert _probe(base + "/readyz") == (503, "not ready: warm pool 0/2 idle\n")
+            pool["idle"] = 2
+            assert _probe(base + "/readyz") == (200, "ready\n")
+            code, body = _probe(base + "/other")
+            assert code == 404 and "/healthz" in body
+            s = _scrape(base + "/metrics")
+            assert _get(s, "twt_tenant_instances_wanted", tenant="acme") == 2
+            assert _get(s, "twt_tenant_instances_up", tenant="acme") == 1
+            assert _get(s, "twt_tenant_state", tenant="acme", state="degraded") == 1
+            assert _get(s, "twt_tenant_state", tenant="acme", state="running") == 0
+            # a record that does not say how many instances are wanted has no such series
+            assert _get(s, "twt_tenant_instances_up", tenant="quiet") == 3
+            assert _get(s, "twt_tenant_state", tenant="quiet", state="running") == 1
+            assert ("twt_tenant_instances_wanted", (("tenant", "quiet"),)) not in s
+            assert _get(s, "twt_pool_workers", state="idle") == 2
+            assert _get(s, "twt_pool_workers", state="starting") == 0
+            assert _get(s, "twt_pool_size_workers") == 2
+            assert _get(s, "twt_device_budget_limit_bytes", device="0") == 8 << 30
+            assert _get(s, "twt_device_budget_used_bytes", device="0") == 4096
+            assert _get(s, "twt_device_budget_refusals_total", device="0") == 3
+            assert not any(n.endswith("_created") for n, _ in s)
+        finally:
+            metrics.close()
+
+
+def test_second_supervisor_on_the_same_run_dir_and_port_reports_the_lock(tmp_path: Path) -> None:
+    """Start-up order: the run dir is locked before the metrics port is bound."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    with supervisor([], metrics_addr=f"127.0.0.1:{port}") as sup:
+        base = f"http://127.0.0.1:{port}"
+        assert _probe(base + "/healthz") == (200, "ok\n")
+        wait_for(lambda: _probe(base + "/readyz") == (200, "ready\n"), what="/readyz ready")
+        proc = subprocess.run(
+            [sys.executable, "-m", "supervisor", "supervise", "--run-dir", sup.run_dir, "--backend", "stub",
+             "--metrics-addr", f"127.0.0.1:{port}", "--pool-size", "0"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert proc.returncode == 1
+        assert f"RunDirLocked: another supervisor (pid {sup.pid}) is running on {sup.run_dir}" in proc.stderr
+        assert "Address already in use" not in proc.stderr and RunDirLocked.code == "run_dir_locked"
+        assert _probe(base + "/healthz") == (200, "ok\n")  # the first one is untouched
+        # and on another run dir, the busy port is named in one sentence
+        other = subprocess.run(
+            [sys.executable, "-m", "supervisor", "supervise", "--run-dir", str(tmp_path / "rd"), "--backend", "stub",
+             "--metrics-addr", f"127.0.0.1:{port}", "--pool-size", "0"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert other.returncode == 1
+        assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in other.stderr
+        assert "[Errno" not in other.stderr
+        assert not os.path.exists(tmp_path / "rd" / "supervisor.lock")  # released on the way out
 
 
 def test_tenant_labels_are_pseudonyms_unless_names_are_chosen() -> None:

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 from shared import protocol as proto
-from shared.errors import InvalidArgument, Overloaded, WorkerLost
+from shared.errors import BufferLost, InvalidArgument, Overloaded, TenantStopped, WorkerLost
 from shared.spec import DEADLINE_GRACE_S, TenantSpec
-from supervisor.frontend import Frontend, pinned_instance, slot_for, with_wasm_limits
+from supervisor.frontend import Frontend, lost_buffer, pinned_instance, slot_for, with_wasm_limits
 from supervisor.loop import Handoff, Timers
 from supervisor.metrics import Metrics
 from supervisor.pending import Pending, PendingTable
-from supervisor.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime
+from supervisor.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import pool_retry_delay_s
 
@@ -147,16 +147,48 @@ def test_ties_go_round_robin_and_unready_instances_are_skipped() -> None:
 def test_a_handle_pins_its_instance() -> None:
     rt = _runtime(instances=3)
     h = proto.make_handle(2, 1, 7)
-    assert pinned_instance("read", {"handle": h}) == 2
+    assert pinned_instance(rt, "read", {"handle": h}) == 2
     assert slot_for(rt, 2) is rt.slots[2]
-    assert pinned_instance("run_wasm", {"args": [1, {"handle": h}]}) == 2
-    assert pinned_instance("alloc", {"nbytes": 1}) is None
-    with pytest.raises(InvalidArgument, match="different instances"):
-        pinned_instance("run_wasm", {"args": [{"handle": h}, {"handle": proto.make_handle(0, 1, 1)}]})
+    assert pinned_instance(rt, "run_wasm", {"args": [1, {"handle": h}]}) == 2
+    assert pinned_instance(rt, "alloc", {"nbytes": 1}) is None
+    assert pinned_instance(rt, "alloc", {"nbytes": 1, "instance": 1}) == 1  # alloc may name its instance
+    with pytest.raises(InvalidArgument, match=r"different instances \(0:1 on acme/0; 2:7 on acme/2\).*"
+                                              r"twt alloc acme SIZE --instance N"):
+        pinned_instance(rt, "run_wasm", {"args": [{"handle": h}, {"handle": proto.make_handle(0, 1, 1)}]})
     with pytest.raises(InvalidArgument):
-        pinned_instance("free", {"handle": True})
+        pinned_instance(rt, "free", {"handle": True})
+    with pytest.raises(InvalidArgument, match="instance 5, which 'acme' does not run \\(its instances: 0, 1, 2\\)"):
+        pinned_instance(rt, "alloc", {"nbytes": 1, "instance": 5})
+    with pytest.raises(InvalidArgument, match="instance must be a non-negative int"):
+        pinned_instance(rt, "alloc", {"nbytes": 1, "instance": -1})
     rt.slots[2].draining = True
     assert slot_for(rt, 2) is None
+    with pytest.raises(InvalidArgument, match="does not run"):
+        pinned_instance(rt, "read", {"handle": h})
+
+
+def test_a_handle_from_an_earlier_incarnation_is_a_lost_buffer() -> None:
+    rt = _runtime(instances=2)
+    for slot in rt.slots:
+        slot.incarnation = 3
+    alive = proto.make_handle(1, 3, 7)
+    assert lost_buffer(rt, "read", {"handle": alive}) is None
+    stale = proto.make_handle(1, 2, 7)  # made by incarnation 2; instance 1 restarted since
+    lost = lost_buffer(rt, "run_wasm", {"args": [{"handle": alive}, {"handle": stale}]})
+    assert isinstance(lost, BufferLost) and not lost.is_retryable()
+    assert str(lost).startswith("buffer 1:7 lived on acme/1, which restarted")
+    rt.slots[1].worker = None  # died; its restart is pending (the incarnation moves when it starts)
+    assert isinstance(lost_buffer(rt, "free", {"handle": alive}), BufferLost)
+    assert lost_buffer(rt, "alloc", {"nbytes": 1, "instance": 1}) is None  # names no buffer
+
+
+def test_handle_text_round_trip() -> None:
+    h = proto.make_handle(1, 9, 7)
+    assert proto.format_handle(h) == "1:7"
+    assert proto.parse_handle_text(" 1:7 ") == (1, 7)
+    for bad in ("17", "1:", ":7", "a:b", "-1:2", "256:1", "1:2:3"):
+        with pytest.raises(ValueError, match="INSTANCE:SEQ"):
+            proto.parse_handle_text(bad)
 
 
 # ------------------------------------------------------------------ the deadline rule
@@ -245,17 +277,11 @@ class _FakeRegistry:
 
 
 def test_requests_park_while_no_instance_is_ready_bounded_by_max_in_flight() -> None:
-    from shared.config import SupervisorConfig
-    from supervisor.guard import FrontendGuard
-
     table, replies, _, clock, tenants = _table()
     rt = _runtime(TenantSpec("acme", max_in_flight=3, request_timeout_s=2.0), ready=False)
+    rt.slots[0].restart_at = clock.now + 0.1  # restarting: worth waiting for
     tenants["acme"] = rt
-    fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
-                  pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
-                  admin=lambda *a: None, guard=FrontendGuard(SupervisorConfig()), admin_cap=b"admin")
-    cap = b"x"
-    fe._verified_caps[cap] = rt
+    fe, cap = _frontend(table, replies, clock, tenants, rt)
     for rid in (1, 2, 3):
         fe._tenant_request(b"c", rid, "ping", cap, {}, None)
     assert len(rt.parked) == 3 and not replies.sent
@@ -266,6 +292,51 @@ def test_requests_park_while_no_instance_is_ready_bounded_by_max_in_flight() -> 
     assert not rt.parked
     assert [(rid, ok, err["code"]) for _, rid, ok, err in replies.sent] == [(i, False, "kernel_timeout")
                                                                            for i in (1, 2, 3)]
+
+
+def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenants: dict[str, TenantRuntime],
+              rt: TenantRuntime) -> tuple[Frontend, bytes]:
+    from shared.config import SupervisorConfig
+    from supervisor.guard import FrontendGuard
+
+    fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
+                  pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
+                  admin=lambda *a: None, guard=FrontendGuard(SupervisorConfig()), admin_cap=b"admin")
+    cap = b"x"
+    fe._verified_caps[cap] = rt
+    return fe, cap
+
+
+def test_requests_never_wait_for_an_instance_that_is_not_coming() -> None:
+    table, replies, _, clock, tenants = _table()
+    rt = _runtime(TenantSpec("acme", restart="never"), instances=2, ready=False)
+    rt.slots[1].last_exit = {"exit_code": 3, "signal": None, "reason": "exit code 3", "at": 5.0}
+    rt.refresh_state()
+    tenants["acme"] = rt
+    fe, cap = _frontend(table, replies, clock, tenants, rt)
+    # gone for good (restart=never): answered at once, naming why
+    with pytest.raises(WorkerLost, match=r"no instance of 'acme' is running or restarting \(restart=never; "
+                                         r"last exit of acme/1: exit code 3\); `twt scale acme N`"):
+        fe._tenant_request(b"c", 1, "ping", cap, {}, None)
+    # instance 0 is restarting: an unpinned request waits for it, one pinned to instance 1 does not
+    rt.slots[0].restart_at = clock.now + 0.1
+    fe._tenant_request(b"c", 2, "ping", cap, {}, None)
+    assert len(rt.parked) == 1
+    with pytest.raises(WorkerLost, match="instance 1 of 'acme' is not running or restarting"):
+        fe._tenant_request(b"c", 3, "alloc", cap, {"nbytes": 1, "instance": 1}, None)
+
+
+def test_a_stopped_tenant_is_answered_at_once() -> None:
+    table, replies, _, clock, tenants = _table()
+    rt = _runtime(instances=1)
+    rt.slots[0].draining = True  # scaled to 0
+    rt.refresh_state()
+    assert rt.state is TenantState.STOPPED and not rt.coming_up()
+    tenants["acme"] = rt
+    fe, cap = _frontend(table, replies, clock, tenants, rt)
+    with pytest.raises(TenantStopped, match="scaled to 0 instances; `twt scale acme N`") as info:
+        fe._tenant_request(b"c", 1, "run_wasm", cap, {"export": "main"}, b"(module)")
+    assert not info.value.is_retryable() and not rt.parked
 
 
 # ------------------------------------------------------------------ loop plumbing
@@ -308,3 +379,18 @@ def test_shutdown_answers_clients_and_drops_its_own_requests() -> None:
     table.abandon([w], "the supervisor is stopping")
     assert own == [] and [(rid, ok, err["code"]) for _, rid, ok, err in replies.sent] == [(3, False, "worker_lost")]
     assert len(table) == 0 and tenants["acme"].in_flight == 0
+
+
+def test_a_scale_down_answers_what_waited_for_the_instances_it_took_away() -> None:
+    from supervisor.admin import _scaled_away
+    from supervisor.tenants import Parked
+
+    rt = _runtime(instances=2, ready=False)
+    pinned = Parked(b"c", 1, "read", {"handle": proto.make_handle(1, 1, 1)}, None, 0.0, 5.0, 1)
+    free = Parked(b"c", 2, "ping", {}, None, 0.0, 5.0, None)
+    rt.slots[1].draining = True  # scale 2 -> 1
+    refused = _scaled_away(rt, pinned)
+    assert isinstance(refused, InvalidArgument) and "instance 1 of 'acme'" in str(refused)
+    assert _scaled_away(rt, free) is None  # instance 0 may still come up
+    rt.slots[0].draining = True  # scale 1 -> 0
+    assert isinstance(_scaled_away(rt, free), TenantStopped)

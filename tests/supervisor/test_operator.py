@@ -1,0 +1,169 @@
+"""What an operator meets first: --version, help with defaults, one-sentence errors, config mistakes listed,
+unknown TWT_* variables, a quiet embedded supervisor, and no raw warning text in the log stream."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.config import ConfigError, load_config, unknown_env_vars
+from supervisor.cli import build_parser, main, version
+from supervisor.cli._common import describe_os_error
+from supervisor.launch import launch
+from supervisor.rundir import RunDir
+from tests.helpers.cluster import FAST, tenant, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _twt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL, env=env)
+
+
+def test_version() -> None:
+    proc = _twt("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"twt {version()}"
+    assert version() != "unknown"  # the editable install is a distribution
+
+
+def test_every_option_help_shows_its_default() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, command in sorted(sub.choices.items()):
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if (not action.option_strings or action.nargs == 0 or action.required
+                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+                continue
+            text = formatter._get_help_string(action) or ""
+            if "default" not in text:
+                missing.append(f"{name} {action.option_strings[0]}")
+        help_text = command.format_help()
+        assert "(default: None)" not in help_text and "==SUPPRESS==" not in help_text, name
+    assert not missing, f"options whose help does not show a default: {missing}"
+    # positionals are named like the other commands' (TENANT, then what it takes)
+    run_usage = sub.choices["run"].format_usage()
+    assert "TENANT MODULE" in run_usage and "tenant module" not in run_usage
+
+
+@pytest.mark.parametrize(("exc", "sentence"), [
+    (FileNotFoundError(errno.ENOENT, "No such file or directory", "/nonexistent.wat"), "/nonexistent.wat does not exist"),
+    (PermissionError(errno.EACCES, "Permission denied", "/etc/shadow"),
+     "permission denied for /etc/shadow; check its owner and mode (and those of its directory)"),
+    (IsADirectoryError(errno.EISDIR, "Is a directory", "/tmp"), "/tmp is a directory; a file is needed here"),
+    (OSError(errno.EADDRINUSE, "cannot serve metrics on h:1: the port is in use"),
+     "cannot serve metrics on h:1: the port is in use"),
+])
+def test_os_errors_become_one_sentence(exc: OSError, sentence: str) -> None:
+    text = describe_os_error(exc)
+    assert text == sentence and "[Errno" not in text
+
+
+def test_run_dir_problems_are_one_sentence_each(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    proc = _twt("supervise", "--run-dir", str(a_file), "--backend", "stub")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"twt: error: run dir {a_file} exists and is not a directory; "
+                                   "remove it or use another --run-dir")
+    with pytest.raises(NotADirectoryError, match="a part of the path is a file"):
+        RunDir(str(a_file / "sub")).acquire()
+    if os.getuid() != 0:  # root may write anywhere
+        locked = tmp_path / "ro"
+        locked.mkdir(mode=0o500)
+        proc = _twt("supervise", "--run-dir", str(locked / "twt"), "--backend", "stub")
+        assert proc.returncode == 1 and "[Errno" not in proc.stderr
+        assert f"cannot create run dir {locked / 'twt'}: permission denied" in proc.stderr
+    rd = RunDir(str(tmp_path / "ok"))
+    rd.acquire()
+    rd.acquire()  # idempotent: `twt supervise` locks first, the loop's own call is a no-op
+    assert rd.locked
+    rd.release()
+    assert not rd.locked
+
+
+def test_config_file_reports_every_mistake_with_its_name(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text('[supervisor]\nbackend = "gpu"\npoolsize = 3\nstop_timeout_s = -1\n\n'
+                    '[[tenant]]\nname = "acme"\ninstances = 500\ngpu_memory_bytes_cap = "lots"\n\n'
+                    '[[tenant]]\nname = "Bad Name"\ncolour = "red"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    err = info.value
+    assert err.where == f"config {path}" and len(err.problems) == 7, err.problems
+    text = str(err)
+    assert text.startswith(f"config {path} has 7 mistakes:")
+    for needle in ("unknown [supervisor] key 'poolsize'; did you mean 'pool_size'?", "backend must be one of",
+                   "stop_timeout_s must be a positive number", "[[tenant]] #1 ('acme'): instances must be in 0..64",
+                   "[[tenant]] #1 ('acme'): invalid gpu_memory_bytes_cap 'lots'",
+                   "[[tenant]] #2 ('Bad Name'): invalid tenant id", "[[tenant]] #2 ('Bad Name'): unknown key(s)"):
+        assert needle in text, needle
+    proc = _twt("supervise", "--config", str(path), "--run-dir", str(tmp_path / "rd"))
+    assert proc.returncode == 2 and f"config {path} has 7 mistakes" in proc.stderr
+    assert not (tmp_path / "rd").exists()  # nothing created for a config that cannot start
+    missing = _twt("supervise", "--config", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"twt: error: config {tmp_path / 'nope.toml'}: the file does not exist"
+    with pytest.raises(ConfigError, match="environment has 2 mistakes"):
+        load_config(environ={"TWT_POOL_SIZE": "many", "TWT_STOP_TIMEOUT_S": "soon"})
+
+
+def test_unknown_twt_variables() -> None:
+    env = {"TWT_POOL_SZIE": "3", "TWT_RUN_DIR": "/x", "TWT_BACKEND": "stub", "TWT_NONSENSE_THING": "1",
+           "OTHER": "1"}
+    assert unknown_env_vars(env) == ["TWT_NONSENSE_THING", "TWT_POOL_SZIE (did you mean TWT_POOL_SIZE?)"]
+    assert unknown_env_vars({}) == []
+
+
+def _json_lines(path: Path) -> list[dict[str, object]]:
+    records = []
+    for line in path.read_text().splitlines():
+        obj = json.loads(line)  # raw text anywhere fails here
+        assert isinstance(obj, dict)
+        records.append(obj)
+    return records
+
+
+def test_embedded_supervisor_is_quiet_and_warns_about_unknown_variables(tmp_path: Path) -> None:
+    log = tmp_path / "stderr"
+    env = {**os.environ, "TWT_POOL_SZIE": "3"}
+    with open(log, "wb") as err:
+        with launch({"supervisor": {**FAST, "log_format": "json"}, "tenant": [{"name": "acme"}]},
+                    stderr=err, env=env) as sup:
+            sup.client.ping(sup.client.tenant_capability(None, "acme"))
+    records = _json_lines(log)
+    assert records, "the unknown variable is worth a warning even when quiet"
+    assert all(r["level"] in ("warning", "error") for r in records), records
+    (warning,) = [r for r in records if r["event"] == "config.unknown_env"]
+    assert warning["variable"] == "TWT_POOL_SZIE (did you mean TWT_POOL_SIZE?)"
+
+
+def test_resource_tracker_warning_never_lands_as_raw_text(tmp_path: Path) -> None:
+    """SIGKILL the supervisor while it owns segments: its resource tracker cleans them up silently."""
+    log = tmp_path / "stderr"
+    with open(log, "wb") as err:
+        with launch({"supervisor": {**FAST, "log_format": "json"}, "tenant": [{"name": "acme"}]},
+                    stderr=err, log_level="info") as sup:
+            # this supervisor's segments only: their prefix is drawn per start (not the registry id)
+            name = tenant(sup.client.status(), "acme")["quota"]["name"]
+            prefix = name[: name.rindex("-") + 1]
+            segments = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+            assert segments
+            os.kill(sup.pid, signal.SIGKILL)
+            sup.process.wait(30)
+            # the tracker unlinks what the dead supervisor held (that is when it would have warned)
+            wait_for(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in segments), timeout_s=30,
+                     what="the resource tracker cleaned up")
+    records = _json_lines(log)  # every line is JSON: no "UserWarning: resource_tracker" text
+    assert any(r["event"] == "supervisor.ready" for r in records)
+    assert not any("resource_tracker" in json.dumps(r) for r in records)

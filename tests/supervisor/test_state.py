@@ -1,0 +1,254 @@
+"""The durable state store: layout, permissions, transactions, bad files, SIGKILL mid-write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.errors import StateError, UnknownTenant
+from shared.spec import TenantSpec
+from supervisor.state import SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore
+
+KEY = RegistryKey(b"r" * 16, b"s" * 32)
+
+
+def _mode(path: str | Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_first_start_creates_a_private_directory_and_file(tmp_path: Path) -> None:
+    state_dir = tmp_path / "a" / "state"
+    with StateStore.open(str(state_dir)) as store:
+        assert store.registry_key() is None and store.tenants() == [] and store.generations() == {}
+        store.put_registry_key(KEY)
+    assert _mode(state_dir) == 0o700
+    for name in os.listdir(state_dir):
+        assert _mode(state_dir / name) == 0o600, name
+    conn = sqlite3.connect(state_dir / STATE_FILE)
+    try:
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    finally:
+        conn.close()
+
+
+def test_everything_round_trips_through_a_reopen(tmp_path: Path) -> None:
+    spec = TenantSpec("acme").with_memory_quota_bytes("1MiB").with_instances(2)
+    with StateStore.open(str(tmp_path)) as store:
+        store.put_registry_key(KEY)
+        store.put_key("curve.secret", b"\x00curve")
+        store.register(spec, 1, "file")
+        store.register(TenantSpec("beta"), 3, "runtime")
+        store.update_spec(spec.with_gpu_memory_bytes_cap("1GiB"))
+        store.set_failed("beta", "6 restarts within 60 s")
+        store.register(TenantSpec("gone"), 2, "runtime")
+        store.evict("gone")
+        with pytest.raises(UnknownTenant):
+            store.update_spec(TenantSpec("nobody"))
+        with pytest.raises(UnknownTenant):
+            store.set_failed("nobody", None)
+    with StateStore.open(str(tmp_path)) as store:
+        assert store.registry_key() == KEY and "s" * 4 not in repr(store.registry_key())
+        assert store.get_key("curve.secret") == b"\x00curve" and store.get_key("curve.public") is None
+        acme, beta = store.tenants()
+        assert acme.spec == spec.with_gpu_memory_bytes_cap("1GiB") and acme.registered_spec == spec
+        assert (acme.origin, acme.generation, acme.failed) == ("file", 1, False)
+        assert (beta.origin, beta.generation, beta.failed_reason) == ("runtime", 3, "6 restarts within 60 s")
+        assert store.generations() == {"acme": 1, "beta": 3, "gone": 2}  # evicted: generation kept
+        store.set_failed("beta", None)
+        store.update_spec(spec, registered_spec=spec.with_instances(1))
+        store.delete_key("curve.secret")
+    with StateStore.open(str(tmp_path)) as store:
+        acme = store.tenant("acme")
+        assert acme is not None and acme.registered_spec.instances == 1 and acme.spec == spec
+        assert store.tenant("beta") is not None and not store.tenant("beta").failed  # type: ignore[union-attr]
+        assert store.get_key("curve.secret") is None
+
+
+def test_key_rotation_records_the_retired_id(tmp_path: Path) -> None:
+    with StateStore.open(str(tmp_path)) as store:
+        store.put_registry_key(KEY)
+        new = RegistryKey(b"n" * 16, b"t" * 32)
+        store.put_registry_key(new, retire=KEY.registry_id)
+        assert store.registry_key() == new and store.retired_registry_ids() == {KEY.registry_id}
+
+
+def test_named_key_material_guards_its_names(tmp_path: Path) -> None:
+    with StateStore.open(str(tmp_path)) as store:
+        with pytest.raises(ValueError, match="registry"):
+            store.put_key("registry.secret", b"x")
+        with pytest.raises(ValueError):
+            store.put_key("", b"x")
+        with pytest.raises(TypeError):
+            store.put_key("curve.public", "text")  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            store.delete_key("registry.id")
+
+
+def test_a_second_supervisor_is_kept_off(tmp_path: Path) -> None:
+    with StateStore.open(str(tmp_path)):
+        with pytest.raises(StateError, match=f"in use by another supervisor \\(pid {os.getpid()}\\)"):
+            StateStore.open(str(tmp_path))
+    StateStore.open(str(tmp_path)).close()  # the lock went with the first
+
+
+def _untouched(path: Path, action: object) -> StateError:
+    before = (path.read_bytes(), os.stat(path).st_mtime_ns)
+    with pytest.raises(StateError) as info:
+        StateStore.open(str(path.parent))
+    assert (path.read_bytes(), os.stat(path).st_mtime_ns) == before, action
+    assert info.value.path.endswith(STATE_FILE) and str(path) in str(info.value)
+    return info.value
+
+
+def test_garbage_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    path = tmp_path / STATE_FILE
+    path.write_bytes(b"not a database at all\n" * 300)
+    err = _untouched(path, "garbage")
+    assert "not a usable SQLite database" in err.detail
+
+
+def test_a_truncated_database_is_refused(tmp_path: Path) -> None:
+    with StateStore.open(str(tmp_path)) as store:
+        for i in range(200):
+            store.register(TenantSpec(f"t{i}").with_memory_quota_bytes(1 + i), 1, "runtime")
+    path = tmp_path / STATE_FILE
+    data = path.read_bytes()
+    assert len(data) > 8192
+    path.write_bytes(data[: len(data) // 2])
+    err = _untouched(path, "truncated")
+    assert "corrupt" in err.detail or "not a usable" in err.detail
+
+
+def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    StateStore.open(str(tmp_path)).close()
+    path = tmp_path / STATE_FILE
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    conn.commit()
+    conn.close()
+    err = _untouched(path, "newer")
+    assert f"schema version {SCHEMA_VERSION + 1} is newer" in err.detail
+
+
+def test_someone_elses_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / STATE_FILE
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE users (name TEXT)")
+    conn.commit()
+    conn.close()
+    err = _untouched(path, "foreign")
+    assert "not a tensor-wasm-tenant state database" in err.detail
+
+
+def test_a_row_that_does_not_parse_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    with StateStore.open(str(tmp_path)) as store:
+        store.register(TenantSpec("acme"), 1, "file")
+        store._conn.execute("UPDATE tenants SET spec = '{\"tenant_id\": \"acme\", \"bogus\": 1}'")
+        with pytest.raises(StateError, match="tenant 'acme' does not parse"):
+            store.tenants()
+
+
+def test_a_state_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    if os.getuid() == 0:
+        pytest.skip("root owns everything")
+    with pytest.raises(StateError, match="cannot create|belongs to"):
+        StateStore.open("/proc/twt-state")
+
+
+# ------------------------------------------------------- SIGKILL mid-write
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from shared.spec import TenantSpec
+    from supervisor.state import StateStore
+
+    store = StateStore.open(sys.argv[1])
+    base = TenantSpec("main").with_memory_quota_bytes(1 << 20)
+    if store.tenant("main") is None:
+        store.register(base, 1, "file")
+    i = 0
+    while True:
+        i += 1
+        # one admin change = one transaction (set_quota), then a register of two rows
+        store.update_spec(base.with_memory_quota_bytes((1 << 20) + i))
+        store.register(TenantSpec(f"t{i % 50}").with_memory_quota_bytes(4096 + i), i, "runtime")
+        print(i, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_sigkill_in_the_middle_of_admin_writes_leaves_old_or_new_state(tmp_path: Path, round_: int) -> None:
+    """A writer is SIGKILLed at an arbitrary moment; the file holds a state it committed, whole."""
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    assert proc.stdout is not None
+    last = 0
+    deadline = time.monotonic() + 60
+    want = 20 + 17 * round_  # kill at a different point in each round
+    try:
+        while last < want and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            last = int(line)
+        proc.send_signal(signal.SIGKILL)
+        rest = proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert last >= want, "the writer did not get going"
+    printed = [int(x) for x in rest.split()]
+    last = max([last, *printed])  # committed for sure
+    with StateStore.open(str(tmp_path)) as store:
+        main = store.tenant("main")
+        assert main is not None
+        quota = main.spec.memory_quota_bytes - (1 << 20)
+        assert quota in (last, last + 1), (quota, last)  # the old state or the new, nothing else
+        generations = store.generations()
+        for record in store.tenants():
+            if record.tenant_id != "main":
+                # register wrote two rows in one transaction: both or neither
+                assert generations[record.tenant_id] == record.generation
+                assert record.spec.memory_quota_bytes == 4096 + record.generation
+        newest = max(g for t, g in generations.items() if t != "main")
+        assert newest in (last, last + 1)
+
+
+def test_state_dir_setting(tmp_path: Path) -> None:
+    from shared.config import SupervisorConfig, load_config
+
+    run_dir = str(tmp_path / "run")
+    assert SupervisorConfig(run_dir=run_dir).state_path == os.path.join(run_dir, "state")
+    cfg_file = tmp_path / "twt.toml"
+    cfg_file.write_text(f'[supervisor]\nrun_dir = "{run_dir}"\nstate_dir = "{tmp_path / "file"}"\n')
+    cfg = load_config(cfg_file, environ={})
+    assert cfg.state_path == str(tmp_path / "file") and cfg.config_file == str(cfg_file)
+    cfg = load_config(cfg_file, environ={"TWT_STATE_DIR": str(tmp_path / "env")})
+    assert cfg.state_path == str(tmp_path / "env")
+    cfg = load_config(cfg_file, environ={"TWT_STATE_DIR": "x"}, overrides={"state_dir": str(tmp_path / "flag")})
+    assert cfg.state_path == str(tmp_path / "flag")
+    assert "config_file" not in cfg.to_dict()
+    with pytest.raises(ValueError, match="state_dir"):
+        SupervisorConfig(run_dir=run_dir, state_dir="")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[supervisor]\nconfig_file = "/etc/x"\n')
+    with pytest.raises(ValueError, match="unknown \\[supervisor\\] key"):
+        load_config(bad, environ={})
