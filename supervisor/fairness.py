@@ -11,12 +11,11 @@ serves:
    turn whatever it sends;
 2. then everything else - no capability, a forged or not yet verified one, or
    a message that does not decode - one per *peer* in turn, at most
-   ``unauthenticated_per_turn`` of them. The rest wait in a bounded backlog
-   (served first next turn); past ``backlog_max`` items or ``backlog_bytes_max``
-   bytes they are dropped
-   unanswered (counted). While the backlog is full the frontend reads only a
-   few messages a turn, so a flood waits in its sender (libzmq's high-water
-   marks) rather than in the supervisor.
+   ``unauthenticated_per_turn`` of them. The rest wait in a backlog (served
+   first next turn). Once it holds ``backlog_max`` items the frontend reads
+   only a few messages a turn (fewer than a turn serves), so a flood waits in
+   its sender (libzmq's high-water marks) rather than in the supervisor;
+   past ``backlog_bytes_max`` bytes requests are dropped unanswered (counted).
 
 A client's first request (its token not yet verified) is in the second
 group; it gets its peer's share of the turn there.
@@ -89,11 +88,15 @@ class FairTurn(Generic[T]):
             queue.append(item)
         first, _ = _round_robin(known, None)
         rest, _ = _round_robin(unknown, self.unauthenticated_per_turn)
+        # The count bound is what the frontend reads by: past it, only a few messages a turn
+        # (fewer than a turn serves), so the backlog cannot outgrow it by more than those
+        # and nothing small is dropped. The byte bound is hard: past it, items are dropped.
         for key, queue in unknown.items():
             for item in queue:
-                if self.backlog_full:
+                size = self.size_of(item)
+                if self._backlog_bytes + size > self.backlog_bytes_max:
                     self.dropped += 1
                 else:
                     self.backlog.append((key, item))
-                    self._backlog_bytes += self.size_of(item)
+                    self._backlog_bytes += size
         return first + rest

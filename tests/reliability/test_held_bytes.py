@@ -84,30 +84,42 @@ def test_slow_readers_on_many_identities_are_bounded_per_tenant() -> None:
 
 
 def test_parked_bodies_are_bounded_in_bytes() -> None:
-    tenants = [{"name": "down", "restart": "on-failure", "request_timeout_s": 10, "max_in_flight": 128}]
+    """Requests wait (parked) while the tenant's only instance restarts; their bodies are
+    held by the supervisor. A restart backoff keeps it down for seconds: 60 run_wasm with
+    16 MiB bodies arrive meanwhile."""
+    tenants = [{"name": "down", "restart": "always", "max_restarts": 50, "restart_window_s": 300,
+                "request_timeout_s": 20, "max_in_flight": 128}]
     with supervisor(tenants, log_level="error", max_tenant_held_bytes=HELD) as sup:
         c = sup.client
         cap = c.tenant_capability(None, "down")
-        handle = c.alloc(cap, 16 * MiB)
-        c.inject_fault(None, "down", "exit", code=0)  # on-failure: stays down, requests park
-        wait_for(lambda: tenant(c.status(), "down")["instances"][0]["state"] != "ready", what="instance down")
+
+        def ready() -> bool:
+            inst = tenant(c.status(), "down")["instances"][0]
+            return bool(inst["state"] == "ready")
+
+        # each crash in the window backs the next restart off further: 0, 50 ms ... 1.6 s, 3.2 s
+        for _ in range(8):
+            wait_for(ready, timeout_s=30, what="instance ready")
+            c.inject_fault(None, "down", "crash")
+        wait_for(lambda: not ready(), what="instance down, restarting later")
         proc = psutil.Process(sup.pid)
         rss0 = proc.memory_info().rss
         sock = _dealer(sup.run_dir)
-        body = bytes(16 * MiB)
+        body = bytes(16 * MiB)  # not a module: the worker refuses it once it gets it
         try:
             for rid in range(1, 61):
-                sock.send_multipart([_req(rid, "write", cap, {"handle": handle, "offset": 0}), body], copy=False)
-            wait_for(lambda: tenant(c.status(), "down")["parked"] + 0 >= 1, what="some parked")
-            time.sleep(1.0)  # let the supervisor take in all 60 (it answers the refused ones at once)
+                sock.send_multipart([_req(rid, "run_wasm", cap, {"export": "run"}), body], copy=False)
+            # the refused ones are answered at once; what waits is bounded by the held bytes
+            codes = _codes(sock, 60 - HELD // (16 * MiB), timeout_s=60)
             status = c.status()
             assert tenant(status, "down")["parked"] <= HELD // (16 * MiB)
             assert status["supervisor"]["held_bytes"]["parked"] <= HELD
             growth = proc.memory_info().rss - rss0
             assert growth < HELD + 96 * MiB, f"supervisor grew {growth >> 20} MiB parking 60 x 16 MiB"
-            codes = _codes(sock, 60)  # the parked ones end at their deadline
+            codes += _codes(sock, 60 - len(codes))  # the parked ones go to the worker once it is back
             assert len(codes) == 60 and codes.count("overloaded") >= 60 - HELD // (16 * MiB)
-            assert set(codes) <= {"overloaded", "kernel_timeout"}
+            assert set(codes) <= {"overloaded", "wasm_compile", "kernel_timeout", "worker_lost"}
+            assert "wasm_compile" in codes, codes  # parked, then sent once the instance was back
         finally:
             sock.close(0)
         wait_for(lambda: c.status()["supervisor"]["held_bytes"]["total"] == 0, what="held bytes released")

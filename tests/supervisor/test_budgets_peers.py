@@ -92,7 +92,8 @@ def test_shed_shuts_down_only_a_connection_of_that_path() -> None:
 def test_fair_turn_round_robin_tenants_first_unauthenticated_last_and_budgeted() -> None:
     from supervisor.fairness import FairTurn
 
-    turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=5)
+    turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=5, backlog_bytes_max=50,
+                                   size_of=lambda item: 10)
     msgs = [(True, "flood", f"f{i}") for i in range(5)] + [(True, "bystander", "b0")]
     msgs += [(False, b"peer1", f"x{i}") for i in range(10)] + [(False, b"new", "n0")]
     msgs.insert(2, (False, b"peer1", "x-early"))
@@ -100,6 +101,18 @@ def test_fair_turn_round_robin_tenants_first_unauthenticated_last_and_budgeted()
     assert order[:2] == ["f0", "b0"]  # the bystander's one request is served second, not sixth
     assert order[2:6] == ["f1", "f2", "f3", "f4"]
     assert order[6:] == ["x-early", "n0", "x0"]  # one per peer in turn, three in all
-    assert len(turn.backlog) == 5 and turn.backlog_full and turn.dropped == 4  # 9 left: 5 wait, 4 dropped
+    assert len(turn.backlog) == 5 and turn.backlog_full and turn.dropped == 4  # 9 left: 50 bytes wait, 4 dropped
     assert turn.order([(True, "t", "a"), (False, b"peer2", "y")]) == ["a", "x1", "y", "x2"]
     assert [item for _, item in turn.backlog] == ["x3", "x4", "x5"]
+
+
+def test_fair_turn_count_bound_throttles_reading_but_drops_nothing_small() -> None:
+    from supervisor.fairness import FairTurn
+
+    turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=2)
+    turn.order([(False, b"p", f"m{i}") for i in range(10)])
+    assert turn.backlog_full and len(turn.backlog) == 7 and turn.dropped == 0
+    served = []
+    while turn.backlog:
+        served += turn.order([])
+    assert served == [f"m{i}" for i in range(3, 10)]  # every one, in order
