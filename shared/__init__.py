@@ -1,5 +1,5 @@
 """Code both the supervisor and the workers import: ids, errors, sizes, logging,
-the shared-memory quota block and its C atomics helper.
+the shared-memory quota block and its C atomics helper, data regions.
 
 Nothing here imports :mod:`supervisor` or :mod:`worker`.
 """
@@ -16,6 +16,7 @@ from shared.quota import (
     QuotaSnapshot,
     cleanup_stale_segments,
 )
+from shared.region import Region
 from shared.sizes import format_size, parse_size
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "InstanceId",
     "QuotaBlock",
     "QuotaSnapshot",
+    "Region",
     "TenantId",
     "cleanup_stale_segments",
     "configure_logging",

@@ -22,9 +22,9 @@ import sys
 from multiprocessing import shared_memory
 from typing import Protocol
 
-__all__ = ["Segment", "attach", "create", "list_segments", "unlink"]
+__all__ = ["SHM_DIR", "Segment", "attach", "create", "list_segments", "unlink"]
 
-_SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"
 
 
 class Segment(Protocol):
@@ -131,6 +131,6 @@ def unlink(name: str) -> None:
 def list_segments(prefix: str) -> list[str]:
     """Names of the segments in ``/dev/shm`` starting with ``prefix`` (Linux)."""
     try:
-        return sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix))
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
     except FileNotFoundError:
         return []

@@ -122,6 +122,16 @@ class SupervisorConfig:
     max_tenant_held_bytes: int = 256 << 20
     max_held_bytes: int = 2 << 30
     register_timeout_s: float = 60.0
+    #: TCP frontends with CURVE, e.g. ("tcp://10.0.0.5:7700",); port 0 picks a free port
+    listen: tuple[str, ...] = ()
+    #: the CURVE key pair as a certificate file (e.g. a mounted Secret); None: made and kept in state_dir
+    server_key_file: str | None = None
+    #: allow-list of client public keys (*.key certificates) for the TCP frontend; None: any key
+    client_keys_dir: str | None = None
+    #: admin ops over TCP; refused (TenantIsolationViolation) unless true
+    allow_remote_admin: bool = False
+    #: authenticated TCP peers at once; past it new handshakes are refused (ZAP), so fds stay bounded
+    max_tcp_peers: int = 1024
     tenants: tuple[TenantSpec, ...] = ()
     #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`
     config_file: str | None = None
@@ -162,12 +172,18 @@ class SupervisorConfig:
                 raise ValueError(f"{name} must be a dotted module name; got {value!r}")
         if self.metrics_addr is not None:
             parse_host_port(self.metrics_addr, "metrics_addr")
-        if not isinstance(self.metrics_tenant_names, bool):
-            raise ValueError(f"metrics_tenant_names must be true or false; got {self.metrics_tenant_names!r}")
+        s(self, "metrics_tenant_names", _bool(self.metrics_tenant_names, "metrics_tenant_names"))
         if self.client_group is not None:
             s(self, "client_group", str(self.client_group))
             if not self.client_group or "/" in self.client_group:
                 raise ValueError(f"client_group must be a group name or gid; got {self.client_group!r}")
+        s(self, "listen", _listen(self.listen))
+        if self.server_key_file is not None:
+            s(self, "server_key_file", os.path.abspath(os.path.expanduser(str(self.server_key_file))))
+        if self.client_keys_dir is not None:
+            s(self, "client_keys_dir", os.path.abspath(os.path.expanduser(str(self.client_keys_dir))))
+        s(self, "allow_remote_admin", _bool(self.allow_remote_admin, "allow_remote_admin"))
+        _int(self.max_tcp_peers, "max_tcp_peers", 1, 1_000_000)
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -197,6 +213,7 @@ class SupervisorConfig:
     def to_dict(self) -> dict[str, Any]:
         out = {f: getattr(self, f) for f in self.field_names() if f not in ("tenants", "config_file")}
         out["devices"] = list(self.devices) if isinstance(self.devices, tuple) else self.devices
+        out["listen"] = list(self.listen)
         out["tenants"] = [t.to_dict() for t in self.tenants]
         return out
 
@@ -238,6 +255,29 @@ def _devices(value: Any) -> tuple[int, ...] | str:
     raise ValueError(f"devices must be 'all' or a list of device indexes; got {value!r}")
 
 
+def _listen(value: Any) -> tuple[str, ...]:
+    """``listen``: TCP endpoints ``tcp://HOST:PORT`` (a list, or one comma-separated string)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"listen must be a list of tcp://HOST:PORT endpoints; got {value!r}")
+    out = []
+    for ep in value:
+        if not isinstance(ep, str) or not ep.startswith("tcp://") or ep == "tcp://" or ep.startswith("tcp://:"):
+            raise ValueError(f"listen endpoint must be tcp://HOST:PORT (port 0: any free port); got {ep!r}")
+        parse_host_port(ep.removeprefix("tcp://"), f"listen endpoint {ep!r}")
+        out.append(ep)
+    return tuple(dict.fromkeys(out))
+
+
+def _bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"{name} must be true or false; got {value!r}")
+
+
 def parse_host_port(addr: str, what: str = "address") -> tuple[str, int]:
     """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` / ``":9464"`` -> (host, port); port 0 means any free
     port, an empty host 127.0.0.1. The one HOST:PORT parser (config, exporter, CLI)."""
@@ -269,10 +309,13 @@ _ENV_FIELDS = (
     "metrics_tenant_names",
     "client_group",
     "register_timeout_s",
+    "listen",
+    "server_key_file",
+    "client_keys_dir",
+    "allow_remote_admin",
+    "max_tcp_peers",
 )
-_INT_FIELDS = {"pool_size", "heartbeat_liveness"}
-_BOOL_FIELDS = {"metrics_tenant_names"}
-_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s"}
 
 
@@ -303,11 +346,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         if raw is None or raw == "":
             continue
         try:
-            if name in _BOOL_FIELDS:
-                if raw.lower() not in _BOOLS:
-                    raise ValueError(raw)
-                out[name] = _BOOLS[raw.lower()]
-            elif name in _INT_FIELDS:
+            if name in _INT_FIELDS:
                 out[name] = int(raw)
             elif name in _FLOAT_FIELDS:
                 out[name] = float(raw)

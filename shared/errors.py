@@ -21,6 +21,7 @@ filled by ``__init_subclass__``. Names follow the Rust crate
     +-- WasmCompile                  the module does not compile / validate
     +-- KernelTimeout                deadline exceeded                   retryable (TimeoutError)
     +-- WorkerLost                   the worker died with the request    retryable
+    |   +-- NodeLost                 its whole node (cluster) was lost   retryable
     +-- Overloaded                   too many requests in flight         retryable
     +-- ProtocolError                malformed or schema-violating frame (ValueError)
     +-- InvalidArgument              well-formed request, bad argument   (ValueError)
@@ -30,6 +31,7 @@ filled by ``__init_subclass__``. Names follow the Rust crate
     +-- BufferLost                   the buffer's instance restarted since it was allocated
     +-- RequestTimeout               no reply within the client timeout  retryable (TimeoutError)
     +-- SupervisorUnavailable        no supervisor at that run dir       retryable (ConnectionError)
+    +-- HandshakeFailed              CURVE handshake refused (wrong key)  (ConnectionError)
     +-- UntrustedRunDir              run dir / socket / file of another uid (PermissionError)
     +-- SegmentError                 shared-memory segment missing/foreign/closed
     +-- StateError                   the state database cannot be used as it is
@@ -54,9 +56,11 @@ __all__ = [
     "ConfigError",
     "CudaError",
     "GpuMemoryExhausted",
+    "HandshakeFailed",
     "InvalidArgument",
     "KernelTimeout",
     "MemoryExhausted",
+    "NodeLost",
     "Overloaded",
     "ProtocolError",
     "RegistryError",
@@ -306,7 +310,7 @@ class WorkerLost(TensorWasmError):
 
     code = "worker_lost"
     retryable = True
-    _fields = ("tenant_id", "instance", "exit_code", "signal", "reason")
+    _fields: ClassVar[tuple[str, ...]] = ("tenant_id", "instance", "exit_code", "signal", "reason")
 
     def __init__(
         self,
@@ -334,6 +338,41 @@ class WorkerLost(TensorWasmError):
             how = "lost"
         why = f" ({self.reason})" if self.reason else ""
         return f"worker {self.tenant_id}/{self.instance} {how}{why} before answering"
+
+
+class NodeLost(WorkerLost):
+    """The node serving the tenant was lost (cluster mode): its supervisor, workers and buffers are gone.
+
+    Seen through Ray (the node's actor died) or by a client whose connection
+    to the node dropped. Retrying is safe: the cluster re-registers tenants
+    whose restart policy allows it on a surviving node, and the same cluster
+    capability reaches them there. Buffer handles from the lost node are void.
+    """
+
+    code = "node_lost"
+    retryable = True
+    _fields: ClassVar[tuple[str, ...]] = ("tenant_id", "instance", "exit_code", "signal", "reason", "node_id")
+
+    def __init__(
+        self,
+        tenant_id: str,
+        instance: int = 0,
+        exit_code: int | None = None,
+        signal: int | None = None,
+        reason: str = "",
+        node_id: str = "",
+        *,
+        message: str | None = None,
+    ) -> None:
+        self.node_id = node_id
+        super().__init__(tenant_id, instance, exit_code, signal, reason, message=message)
+
+    def _default_message(self) -> str:
+        why = f" ({self.reason})" if self.reason else ""
+        return (
+            f"node {self.node_id[:12] or '?'} serving tenant {self.tenant_id!r} was lost{why}; "
+            "its buffers are gone - retry (the tenant is re-placed when its restart policy allows)"
+        )
 
 
 class Overloaded(TensorWasmError):
@@ -541,6 +580,30 @@ class UntrustedRunDir(TensorWasmError, PermissionError):
 
     def _default_message(self) -> str:
         return f"refusing {self.path}: {self.reason}"
+
+
+class HandshakeFailed(TensorWasmError, ConnectionError):
+    """The CURVE handshake with a remote supervisor failed.
+
+    The server key given is not the supervisor's (``twt keys`` prints the
+    right one), the peer does not speak CURVE (a plaintext endpoint), or the
+    supervisor's allow-list (``client_keys_dir``) does not hold our client key.
+    Not retryable: the same keys fail the same way.
+    """
+
+    code = "handshake_failed"
+    _fields = ("endpoint", "reason")
+
+    def __init__(self, endpoint: str, reason: str, *, message: str | None = None) -> None:
+        self.endpoint = endpoint
+        self.reason = reason
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return (
+            f"CURVE handshake with {self.endpoint} failed: {self.reason}; check the server public key "
+            "(twt keys on that host) and the client allow-list"
+        )
 
 
 class SegmentError(TensorWasmError):

@@ -122,7 +122,7 @@ QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cud
 #: what inject_fault accepts (docs/RELIABILITY.md describes each)
 FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
 #: worker-side ops whose handle argument pins them to one instance (``alloc`` may name one: ``instance``)
-HANDLE_OPS: Final = frozenset({"free", "write", "read"})
+HANDLE_OPS: Final = frozenset({"free", "write", "read", "write_region", "read_region"})
 
 _T = "tenant"
 OPS: Final[dict[str, OpSpec]] = {
@@ -149,6 +149,17 @@ OPS: Final[dict[str, OpSpec]] = {
                ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument",
                 "BufferLost"),
                "run_wasm", "run", body_in=True),
+        # ---- shared-memory regions of local clients (shared.region, supervisor.regions)
+        OpSpec("region_create", False, (Arg("nbytes", _INT, True), Arg("pid", _INT, True)),
+               "{region, name, nbytes}", ("MemoryExhausted", "InvalidArgument"), "region_create"),
+        OpSpec("region_release", False, (Arg("region", _INT, True),), "{released}", ("InvalidArgument",),
+               "region_release"),
+        OpSpec("write_region", False,
+               (Arg("handle", _INT, True), Arg("offset", _INT), Arg("region", _INT, True), Arg("region_offset", _INT),
+                Arg("nbytes", _INT, True)), "{written}", ("InvalidArgument",), "write_region"),
+        OpSpec("read_region", False,
+               (Arg("handle", _INT, True), Arg("offset", _INT), Arg("region", _INT, True), Arg("region_offset", _INT),
+                Arg("nbytes", _INT, True)), "{nbytes}", ("InvalidArgument",), "read_region"),
         # ---- admin ops (the admin capability)
         OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
                (), "hello", "status"),

@@ -60,6 +60,8 @@ __all__ = [
     "QuotaSnapshot",
     "SegmentHeader",
     "cleanup_stale_segments",
+    "process_alive",
+    "process_start_ms",
     "read_header",
 ]
 
@@ -79,6 +81,7 @@ MAGIC: Final = int.from_bytes(b"TWTQUOTA", "little")
 LAYOUT_VERSION: Final = 1
 KIND_TENANT: Final = 1
 KIND_DEVICE: Final = 2
+KIND_REGION: Final = 3  # a data region (shared.region): header page, then bytes
 
 # header fields
 _H_MAGIC, _H_VERSION, _H_KIND, _H_PID, _H_START, _H_GEN, _H_SIZE, _H_MAXINST = (
@@ -165,6 +168,20 @@ def _owner_alive(pid: int, start_ms: int) -> bool:
         return False
     state, started = found
     return state not in (b"Z", b"X") and started == start_ms
+
+
+def process_start_ms(pid: int) -> int:
+    """When ``pid`` started (ms since boot, pid-reuse safe); ProcessLookupError when it is gone.
+
+    With :func:`process_alive`, how owners of shared resources are recorded and
+    checked (quota segments by their supervisor, data regions by their client).
+    """
+    return _process_start_ms(pid)
+
+
+def process_alive(pid: int, start_ms: int) -> bool:
+    """True when ``pid`` runs and is the process that started at ``start_ms`` (not a zombie)."""
+    return _owner_alive(pid, start_ms)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ __all__ = [
     "InstanceRecord",
     "PoolRecord",
     "Record",
+    "RegionRecord",
     "StatusRecord",
     "SupervisorRecord",
     "TenantRecord",
@@ -188,6 +189,16 @@ class InstanceRecord(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class RegionRecord(Record):
+    """One shared-memory region of a tenant (supervisor.regions): id, bytes charged, client pid."""
+
+    region: int
+    nbytes: int
+    pid: int
+    age_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class TenantRecord(Record):
     """A tenant as ``status`` and ``tenant_status`` report it (docs/PROTOCOL.md)."""
 
@@ -210,6 +221,7 @@ class TenantRecord(Record):
     gpu_bytes_in_use: int = 0
     gpu_memory_bytes_cap: int | None = None
     quota: dict[str, Any] = field(default_factory=dict)  # the full QuotaSnapshot
+    regions: tuple[RegionRecord, ...] = field(default=(), metadata=_holds(RegionRecord))
     origin: str = "runtime"  # "file": managed by the config file (reload); "runtime": by register/evict
 
 

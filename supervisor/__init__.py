@@ -7,6 +7,10 @@ Public face:
 - :func:`launch` - start a supervisor as a child process and get a connected client;
 - :class:`Supervisor` - the supervisor loop itself (what ``twt supervise`` runs);
 - :class:`StateStore` - the durable state (tenants, registry key, named key material).
+
+Remote supervisors: ``SupervisorClient.remote(endpoint, server_public_key=...)``
+over the CurveZMQ TCP frontend. A supervisor per GPU node of a Ray cluster:
+:mod:`supervisor.cluster` (the optional ``[ray]`` extra; docs/CLUSTER.md).
 """
 
 from __future__ import annotations

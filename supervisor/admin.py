@@ -312,6 +312,7 @@ class AdminOps:
     def evict(self, tid: str, client: bytes | None, rid: int | None) -> None:
         rt = self._runtime(tid)
         rt.state = TenantState.EVICTING
+        self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
         del self.tenants[tid]
         self.record(self.state.evict, tid)
@@ -482,6 +483,7 @@ class AdminOps:
             gpu_bytes_in_use=snap.get("gpu_bytes_in_use", 0),
             gpu_memory_bytes_cap=snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
             quota=snap,
+            regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
             origin=rt.origin,
         )
 

@@ -254,6 +254,7 @@ class _Demo:
 
     def reclaim(self) -> list[str]:
         problems = []
+        self.client.release_regions()  # its staging regions count against the tenants' host quotas
         for tid, cap in self.caps.items():
             q = self.client.quota(cap)
             if q["gpu_bytes_in_use"] or q["bytes_in_use"]:

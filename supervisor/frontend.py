@@ -11,8 +11,16 @@ is starting or restarting, the request is parked, bounded by
 :class:`~shared.errors.TenantStopped`, and one whose instances are gone for
 good :class:`~shared.errors.WorkerLost`, at once.
 
-Owns: the frontend ROUTER socket's *receive* side, the verified-capability
-cache, the tenants' stored modules (``put_module``) and parked requests.
+Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
+one when ``listen`` is set: the same decode, checks and limits for both; at
+most ``BATCH`` messages per socket per wake-up, so they take turns; admin
+ops on TCP refused unless ``allow_remote_admin``), the verified-capability
+cache, the tenants' stored modules (``put_module``) and parked requests, and
+the shared-memory data regions of local clients (``regions``: a
+:class:`~supervisor.regions.RegionTable`; ``region_create`` /
+``region_release`` are answered here, ``write_region`` / ``read_region`` are
+resolved to the tenant's own region and forwarded; refused on TCP, whose
+peers cannot map this host's shared memory).
 May touch: the pending table (every answer goes through it), the worker set
 (to send), the registry (to verify capabilities). Admin ops are handed to
 :class:`supervisor.admin.AdminOps`. Loop thread only.
@@ -50,8 +58,10 @@ from shared.spec import DEADLINE_GRACE_S
 from supervisor.guard import FrontendGuard
 from supervisor.loop import Loop
 from supervisor.pending import Pending, PendingTable
+from supervisor.regions import RegionTable
 from supervisor.registry import TenantRegistry
 from supervisor.replies import Replies
+from supervisor.tcp_frontend import IPC_INDEX, TCP_INDEX
 from supervisor.tenants import InstanceSlot, Parked, TenantRuntime, TenantState
 from supervisor.workerset import BATCH, WorkerSet
 
@@ -71,6 +81,14 @@ MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
+_IPC = bytes([IPC_INDEX])
+_TCP = bytes([TCP_INDEX])
+#: the ops that name a shared-memory region of this host (refused on TCP)
+_REGION_OPS = frozenset({"region_create", "region_release", "write_region", "read_region"})
+def _ignore_reply(ok: bool, payload: Any) -> None:
+    """Callback of the supervisor's own fire-and-forget worker requests."""
+
+
 AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
 DenialHook = Callable[["bytes | None", str], None]
@@ -85,6 +103,7 @@ class Frontend:
         *,
         loop: Loop,
         sock: zmq.Socket[Any],
+        tcp_sock: zmq.Socket[Any] | None = None,
         replies: Replies,
         pending: PendingTable,
         workers: WorkerSet,
@@ -94,6 +113,7 @@ class Frontend:
         guard: FrontendGuard,
         admin_cap: bytes,
         on_denied: DenialHook | None = None,
+        regions: RegionTable,
     ) -> None:
         self.config = config
         self.clock = loop.clock
@@ -107,27 +127,30 @@ class Frontend:
         self.guard = guard
         self._admin_raw = admin_cap
         self.on_denied = on_denied
+        self.regions = regions
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
         self._served_turn = False
-        loop.register(sock, self._on_readable)
+        loop.register(sock, lambda: self._on_readable(sock, _IPC))
+        if tcp_sock is not None:
+            loop.register(tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
 
     # ------------------------------------------------------------ decode
 
-    def _on_readable(self) -> None:
+    def _on_readable(self, sock: zmq.Socket[Any], prefix: bytes) -> None:
         # Drain what is queued (asking ZMQ_EVENTS between messages: a recv that fails
         # with EAGAIN costs ~5 us here, the query ~1.6 us), then serve the turn's
         # messages in a fair order (supervisor.fairness): verified tenants round robin,
         # then unauthenticated peers round robin under a budget, the rest waiting in a
         # bounded backlog. While it is full, read only a few: a flood waits in its sender.
-        recv, events = self.sock.recv_multipart, self.sock.getsockopt
+        recv, events = sock.recv_multipart, sock.getsockopt
         turn: list[tuple[bool, Any, ClientMessage]] = []
         for _ in range(BATCH_BACKLOGGED if self.guard.fair.backlog_full else BATCH):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            msg = self.decode(frames)
+            msg = self.decode(frames, prefix)
             if msg is not None:
                 turn.append((msg.key is not None, msg.key if msg.key is not None else msg.client, msg))
             if not int(events(zmq.EVENTS)) & zmq.POLLIN:
@@ -143,16 +166,20 @@ class Frontend:
                 self.serve(msg)
         self._served_turn = False
 
-    def handle(self, frames: list[zmq.Frame]) -> None:
+    def handle(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> None:
         """One client message: decode, dispatch by the op table, answer every refusal typed."""
-        msg = self.decode(frames)
+        msg = self.decode(frames, prefix)
         if msg is not None:
             self.serve(msg)
 
-    def decode(self, frames: list[zmq.Frame]) -> ClientMessage | None:
+    def decode(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> ClientMessage | None:
         """Decode one client message (None: unanswerable, dropped) and note whose it is:
-        ``key`` is the tenant (or "admin") when its capability was verified before."""
-        client = frames[0].bytes
+        ``key`` is the tenant (or "admin") when its capability was verified before.
+
+        ``prefix`` names the socket it came in on; the client key is it plus the
+        peer's identity (see :mod:`supervisor.replies`).
+        """
+        client = prefix + frames[0].bytes
         if len(frames) not in (2, 3):
             rid = proto.peek_rid(frames[1].bytes) if len(frames) > 1 else None
             if rid is None:
@@ -193,6 +220,8 @@ class Frontend:
             return
         try:
             if proto.OPS[op].admin:
+                if client[:1] == _TCP and not self.config.allow_remote_admin:
+                    raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
                 self.admin(client, rid, op, msg.cap_raw, msg.args, body)
             else:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body)
@@ -250,6 +279,15 @@ class Frontend:
         if op == "put_module":
             self.pending.answer(client, rid, op, {"digest": self._put_module(rt, body)}, tenant=tid)
             return
+        if op in _REGION_OPS and client[:1] == _TCP:
+            raise InvalidArgument(f"{op}: shared-memory regions serve local (ipc) clients only; "
+                                  "a remote client sends its bytes in frames")
+        if op == "region_create" or op == "region_release":
+            self.pending.answer(client, rid, op, self._region_op(rt, op, args), tenant=tid)
+            return
+        if op == "write_region" or op == "read_region":
+            # the tenant's own region or refused; the worker learns its name from us only
+            args = {**args, "region_name": self.regions.resolve(tid, args.get("region")).name}
         if op == "run_wasm" and body is None:
             digest = args.get("digest")
             stored = rt.modules.get(digest) if isinstance(digest, str) else None
@@ -361,6 +399,39 @@ class Frontend:
                 self.workers.send_request(slot.worker, "buffers", {}, None, part)
             except TensorWasmError as exc:
                 done(False, exc.to_dict())
+
+    # ------------------------------------------------------------ regions
+
+    def _region_op(self, rt: TenantRuntime, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """``region_create {nbytes, pid}`` -> ``{region, name, nbytes}``;
+        ``region_release {region}`` -> ``{released: nbytes}`` (see supervisor.regions)."""
+        if op == "region_create":
+            owned = self.regions.create(rt.tenant_id, rt.block, args.get("nbytes"), args.get("pid"),
+                                        generation=rt.generation)
+            return {"region": owned.region_id, "name": owned.name, "nbytes": owned.nbytes}
+        owned = self.regions.release(rt.tenant_id, args.get("region"))
+        self._unmap_region(rt, owned.name)
+        return {"released": owned.nbytes}
+
+    def _unmap_region(self, rt: TenantRuntime, name: str) -> None:
+        """Tell the tenant's live workers to unpin and unmap a released region (best effort:
+        a worker that misses it unmaps at exit, and the name is unlinked already)."""
+        now = self.clock()
+        for slot in rt.live_slots():
+            assert slot.worker is not None
+            part = Pending(None, 0, "region_drop", rt.tenant_id, slot.index, now,
+                           now + rt.spec.request_timeout_s, _ignore_reply)
+            try:
+                self.workers.send_request(slot.worker, "region_drop", {"name": name}, None, part)
+            except TensorWasmError:
+                pass  # dying or flooded: its mapping ends with it
+
+    def reap_regions(self) -> None:
+        """Housekeeping: reclaim the regions whose client process died."""
+        for owned in self.regions.reap():
+            rt = self.tenants.get(owned.tenant_id)
+            if rt is not None:
+                self._unmap_region(rt, owned.name)
 
     def _put_module(self, rt: TenantRuntime, body: Any) -> str:
         """Keep a tenant's module (bounded LRU) so runs can name it by digest."""

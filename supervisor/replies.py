@@ -1,6 +1,7 @@
-"""Sending answers to clients on the frontend socket, and bounding what queues for them.
+"""Sending answers to clients on the frontend sockets, and bounding what queues for them.
 
-Owns: the frontend ROUTER socket's *send* side and, per client, the big
+Owns: the frontend ROUTER sockets' *send* side (ipc, and the CURVE TCP one
+when ``listen`` is set) and, per client, the big
 reply bodies libzmq still holds (ZMQ bounds a peer's queue in messages, not
 bytes). Touches nothing else; only :class:`supervisor.pending.PendingTable`
 and the frontend's admission check (:meth:`Replies.queued_bytes`) call it.
@@ -8,6 +9,12 @@ Loop thread only.
 
 Sends never block: a client that is gone (EHOSTUNREACH) or not reading
 (EAGAIN) loses its reply rather than stalling every other tenant.
+
+A client key is one byte - the index of the socket the request came in on
+(:data:`supervisor.tcp_frontend.IPC_INDEX` / ``TCP_INDEX``) - followed by the
+peer's ZeroMQ identity, so a reply leaves by the socket its request used.
+Peers choose their identity, never the prefix: no client can be sent another
+frontend's replies.
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ TRACK_BYTES = 64 << 10
 class Replies:
     """The frontend's send side (see the module docstring)."""
 
-    def __init__(self, frontend: zmq.Socket[Any], held: HeldBytes) -> None:
-        self.frontend = frontend
+    def __init__(self, sockets: list[zmq.Socket[Any]], held: HeldBytes) -> None:
+        self.sockets = sockets  # index = the first byte of a client key
         self.held = held
         #: per client: (tracker, body bytes, tenant, reserved bytes to give back once sent)
         self._queues: dict[bytes, collections.deque[tuple[zmq.MessageTracker, int, str, int]]] = {}
@@ -53,16 +60,17 @@ class Replies:
             return
         header = proto.encode_reply(rid, True, result)
         try:
+            sock, ident = self.sockets[client[0]], client[1:]
             if body is None:
-                self.frontend.send_multipart([client, header], zmq.NOBLOCK)
+                sock.send_multipart([ident, header], zmq.NOBLOCK)
             elif len(body) < TRACK_BYTES:
-                self.frontend.send_multipart([client, header, body], zmq.NOBLOCK, copy=False)
+                sock.send_multipart([ident, header, body], zmq.NOBLOCK, copy=False)
             else:
                 # remember big bodies until libzmq lets go of them, so a client that does
                 # not read is refused more of them instead of growing our memory
                 view = body.buffer if isinstance(body, zmq.Frame) else memoryview(body)
                 tracked = zmq.Frame(view, track=True)  # zero-copy: refers to the received frame
-                tracker = self.frontend.send_multipart([client, header, tracked], zmq.NOBLOCK, copy=False, track=True)
+                tracker = sock.send_multipart([ident, header, tracked], zmq.NOBLOCK, copy=False, track=True)
                 if tracker is not None:
                     self._queues.setdefault(client, collections.deque()).append((tracker, len(body), tenant, held))
                     return
@@ -75,8 +83,8 @@ class Replies:
         """An error reply whose tracker tells when libzmq let go of it (None: not queued)."""
         try:
             frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True)
-            tracker: zmq.MessageTracker | None = self.frontend.send_multipart(
-                [client, frame], zmq.NOBLOCK, copy=False, track=True)
+            tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
+                [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
             return tracker
         except zmq.ZMQError:
             return None  # gone, or not reading at all: nothing queued
@@ -85,7 +93,7 @@ class Replies:
         if client is None:
             return
         try:
-            self.frontend.send_multipart([client, proto.encode_reply(rid, False, err)], zmq.NOBLOCK)
+            self.sockets[client[0]].send_multipart([client[1:], proto.encode_reply(rid, False, err)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log_event(_log, logging.DEBUG, "supervisor.reply_dropped", rid=rid, error=exc.strerror)
 

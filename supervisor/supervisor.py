@@ -1,6 +1,7 @@
 """The supervisor process: one single-threaded loop composed of a few parts.
 
     clients ──DEALER──► ROUTER frontend ─┐ Frontend: decode header only; check capability;
+    remote  ──CURVE───► ROUTER tcp://… ──┤ (TcpFrontend, when ``listen`` is set: same path)
                                          │ back-pressure (max_in_flight); pick instance
     workers ◄──DEALER── ROUTER backend ◄─┘ WorkerSet: forward [hdr'|body] (body not copied)
     workers ──DEALER──► ROUTER control     WorkerSet: hello / heartbeats / fault acks
@@ -59,6 +60,7 @@ from shared.proctitle import set_process_name
 from shared.quota import cleanup_stale_segments
 from supervisor.admin import AdminOps
 from supervisor.audit import DeniedAudit
+from supervisor.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.events import EventBus
 from supervisor.connections import FrontendConnections
 from supervisor.fdlimit import raise_fd_limit
@@ -68,12 +70,14 @@ from supervisor.loop import Handoff, Loop
 from supervisor.metrics import DeviceGauges, Metrics, MetricsSnapshot, NullMetrics, TenantGauges
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
+from supervisor.regions import RegionTable
 from supervisor.registry import TenantRegistry
 from supervisor.replies import Replies
 from supervisor.rundir import RunDir
 from supervisor.service import ServiceOps
 from supervisor.stall import StallGuard
 from supervisor.state import StateStore
+from supervisor.tcp_frontend import TcpFrontend
 from supervisor.tenants import TenantRuntime
 from supervisor.workers import Spawner
 from supervisor.workerset import WorkerSet
@@ -104,6 +108,14 @@ class _Parts:
     admin: AdminOps
     service: ServiceOps
     audit: DeniedAudit
+    tcp: TcpFrontend | None = None
+
+
+def _server_keys(cfg: SupervisorConfig, state: StateStore) -> CurveKeyPair:
+    """The TCP frontend's key pair: the operator's file, or made once and kept in the state database."""
+    if cfg.server_key_file:
+        return load_server_key_file(cfg.server_key_file)
+    return load_or_create_server_keys(state)
 
 
 class Supervisor:
@@ -168,7 +180,15 @@ class Supervisor:
         )
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
                   devices=placement.indexes)
+        keys = _server_keys(cfg, state) if cfg.listen else None  # a malformed key stops the start here
         z: zmq.Context[Any] = zmq.Context()
+        tcp = None
+        if keys is not None:
+            try:
+                tcp = TcpFrontend(z, cfg, keys, 10_000)  # OSError naming an endpoint that cannot be bound
+            except BaseException:
+                z.destroy(linger=0)
+                raise
 
         def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[Any]:
             s: zmq.Socket[Any] = z.socket(zmq.ROUTER)
@@ -203,7 +223,7 @@ class Supervisor:
                                 "control": self.rundir.endpoint("control")})
         spawner.warm_up()
         guard = FrontendGuard(cfg, connections)
-        replies = Replies(frontend_sock, guard.held)
+        replies = Replies([frontend_sock] + ([tcp.socket] if tcp is not None else []), guard.held)
         pending = PendingTable(replies, self.metrics, self.tenants, self.loop.clock)
         admin = AdminOps(
             cfg, loop=self.loop, tenants=self.tenants, registry=registry, admin_cap=admin_cap, state=state,
@@ -221,10 +241,13 @@ class Supervisor:
         def on_denied(cap_raw: bytes | None, op: str) -> None:
             audit.record(registry.explain_refusal(cap_raw, admin=proto.OPS[op].admin), op)
 
+        if tcp is not None and tcp.monitor is not None:
+            self.loop.register(tcp.monitor, tcp.on_monitor)  # counts the TCP connections
         frontend = Frontend(
-            cfg, loop=self.loop, sock=frontend_sock, replies=replies, pending=pending, workers=workers,
-            registry=registry, tenants=self.tenants, admin=admin.handle, on_denied=on_denied, guard=guard,
-            admin_cap=admin_cap.to_bytes(),
+            cfg, loop=self.loop, sock=frontend_sock, tcp_sock=tcp.socket if tcp is not None else None,
+            replies=replies, pending=pending, workers=workers,
+            registry=registry, tenants=self.tenants, admin=admin.handle, on_denied=on_denied,
+            regions=RegionTable(registry.segment_prefix), guard=guard, admin_cap=admin_cap.to_bytes(),
         )
 
         def on_key_rotated(new_admin: RegistryAdminCapability) -> None:
@@ -239,7 +262,7 @@ class Supervisor:
             pending=pending, events=self.events, on_key_rotated=on_key_rotated,
         )
         admin.attach(workers, frontend, service)
-        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit)
+        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference
         workers.refill_pool()
@@ -340,6 +363,7 @@ class Supervisor:
             parts.audit.flush()
             parts.replies.prune()
             parts.frontend.guard.refresh()
+            parts.frontend.reap_regions()
             parts.workers.check_rss()
             self._refresh_metrics()
             self._scan_refusals()
@@ -357,12 +381,15 @@ class Supervisor:
             if parts is not None:
                 parts.pending.abandon(list(parts.workers.workers.values()), "the supervisor is stopping")
                 parts.workers.kill_all_now()
+                parts.frontend.regions.close()  # none outlives the supervisor
             if self.registry is not None:
                 self.registry.close()
         finally:
             if self.state is not None:
                 self.state.close()
             if parts is not None:
+                if parts.tcp is not None:
+                    parts.tcp.close()
                 parts.zctx.destroy(linger=0)
             self.loop.close()
             self.metrics.close()
@@ -386,6 +413,7 @@ class Supervisor:
                   backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
 
     def _ready_info(self, admin: AdminOps) -> dict[str, Any]:
+        tcp = self.parts.tcp if self.parts is not None else None
         return {
             "pid": os.getpid(),
             "version": proto.PROTOCOL_VERSION,
@@ -396,6 +424,9 @@ class Supervisor:
             "started": admin.started,
             "metrics_url": getattr(self.metrics, "url", None),
             "state_dir": self.config.state_path,
+            # the TCP frontend as bound (port 0 resolved) and its CURVE public key (Z85)
+            "listen": list(tcp.endpoints) if tcp is not None else [],
+            "server_public_key": tcp.keys.public_text if tcp is not None else None,
         }
 
     # ------------------------------------------------------------ metrics and quota events

@@ -54,6 +54,9 @@ Handler = Callable[["WorkerServer", dict[str, Any], "zmq.Frame | None"], Reply]
 #: ops implemented outside this module, imported on first use ("module:function")
 _LAZY_OPS: dict[str, str] = {
     "run_wasm": "worker.wasm.ops:op_run_wasm",
+    "write_region": "worker.regions:op_write_region",
+    "read_region": "worker.regions:op_read_region",
+    "region_drop": "worker.regions:op_region_drop",
 }
 _OPS: dict[str, Handler] = {}
 

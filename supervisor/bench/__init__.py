@@ -21,12 +21,14 @@ __all__ = ["BENCHES", "main", "run_bench"]
 #: name -> module with ``main(argv) -> int``. Later benches (registry, route,
 #: scale, wasm) add one line here each.
 BENCHES: dict[str, str] = {
+    "data": "supervisor.bench.data",
     "quota": "supervisor.bench.quota",
     "registry": "supervisor.bench.registry",
     "route": "supervisor.bench.route",
     "scale": "supervisor.bench.scale",
     "wasm": "supervisor.bench.wasm",
     "restore": "supervisor.bench.restore",
+    "cluster": "supervisor.bench.cluster",
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"

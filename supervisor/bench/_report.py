@@ -34,6 +34,7 @@ __all__ = [
     "environment",
     "format_table",
     "paired_ratio",
+    "percentile",
     "time_callable",
     "time_loops",
 ]
@@ -111,6 +112,12 @@ def time_loops(
         name: Timing(name, statistics.median(s), tuple(s), numbers[name] * loops[name][1])
         for name, s in samples.items()
     }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank: what the tables call p50 / p99."""
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def paired_ratio(a: Timing, b: Timing, *, minus: Timing | None = None) -> float:

@@ -15,6 +15,9 @@ Measured (round-robin rounds so both see the same machine state):
 * crash detection: SIGKILL a worker -> its quota share reclaimed in shared
   memory (target: p50 <= 20 ms)
 * cold registration: a tenant with no warm pool, spawn to ready (p50/p99)
+* remote ping: the same ping over the CURVE TCP frontend on loopback, next
+  to the local ipc one (target: within 2x of ipc; CURVE's per-message crypto
+  and TCP are the difference)
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import zmq
 from shared import protocol as proto
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.bench._report import Report, Target, format_table
+from supervisor.bench._report import Report, Target, format_table, percentile
 from supervisor.launch import launch
 
 __all__ = ["main"]
@@ -126,11 +129,6 @@ def _pipelined(sock: zmq.Socket[Any], header: bytes, total: int, depth: int = 64
     return total / (time.perf_counter() - t0)
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench route", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
@@ -142,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("route")
     ctx: zmq.Context[Any] = zmq.Context.instance()
     with tempfile.TemporaryDirectory(prefix="twt-bench-", dir="/tmp") as tmp, launch(
-        {"supervisor": {"pool_size": 0, "log_level": "warning"}, "tenant": []}, backend="stub"
+        {"supervisor": {"pool_size": 0, "log_level": "warning", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
+        backend="stub",
     ) as sup:
         # a tiny restart window keeps the backoff at 0: every kill is a "first" crash
         spec = TenantSpec("bench").with_restart("always", max_restarts=1000, restart_window_s=0.001)
@@ -150,21 +149,31 @@ def main(argv: list[str] | None = None) -> int:
         header = proto.encode_request(1, "ping", cap.to_bytes(), {})
         ours = ctx.socket(zmq.DEALER)
         ours.connect(f"ipc://{sup.run_dir}/frontend.ipc")
+        remote = ctx.socket(zmq.DEALER)
+        remote.curve_serverkey = sup.info["server_public_key"].encode()
+        remote.curve_publickey, remote.curve_secretkey = zmq.curve_keypair()
+        remote.connect(sup.info["listen"][0])
         relay = _RawRelay(tmp)
         raw = ctx.socket(zmq.DEALER)
         raw.connect(relay.frontend)
         try:
             _rtts(ours, header, 200)  # warm both paths up
             _rtts(raw, header, 200)
+            _rtts(remote, header, 200)
             r_ours: list[float] = []
             r_raw: list[float] = []
+            r_remote: list[float] = []
             ratios = []
+            remote_ratios = []
             for _ in range(args.rounds):
                 a = _rtts(raw, header, args.per_round)
                 b = _rtts(ours, header, args.per_round)
+                c = _rtts(remote, header, args.per_round)
                 r_raw += a
                 r_ours += b
+                r_remote += c
                 ratios.append(statistics.median(b) / statistics.median(a))
+                remote_ratios.append(statistics.median(c) / statistics.median(b))
             tp_raw, tp_ours = [], []
             for _ in range(3):
                 tp_raw.append(_pipelined(raw, header, 6000))
@@ -173,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             relay.close(raw)
             raw.close(0)
             ours.close(0)
+            remote.close(0)
 
         # crash detection: SIGKILL -> the instance's bytes are back in shared memory
         client = sup.client
@@ -203,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p50_ratio = statistics.median(ratios)
     rows = [
-        ["ping RTT raw relay (us)", _pct(r_raw, 0.5), _pct(r_raw, 0.99)],
-        ["ping RTT supervisor (us)", _pct(r_ours, 0.5), _pct(r_ours, 0.99)],
+        ["ping RTT raw relay (us)", percentile(r_raw, 0.5), percentile(r_raw, 0.99)],
+        ["ping RTT supervisor (us)", percentile(r_ours, 0.5), percentile(r_ours, 0.99)],
+        ["ping RTT supervisor, remote: CURVE over TCP loopback (us)", percentile(r_remote, 0.5), percentile(r_remote, 0.99)],
     ]
     report.sections.append(("round trip, one at a time (p50, p99)", format_table(["path", "p50", "p99"], rows)))
     report.sections.append((
@@ -214,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     report.sections.append((
         "failure handling (ms)",
         format_table(["what", "p50", "p99", "n"], [
-            ["SIGKILL -> quota reclaimed", statistics.median(detect_ms), _pct(detect_ms, 0.99), len(detect_ms)],
-            ["cold registration (spawn to ready)", statistics.median(cold_ms), _pct(cold_ms, 0.99), len(cold_ms)],
+            ["SIGKILL -> quota reclaimed", statistics.median(detect_ms), percentile(detect_ms, 0.99), len(detect_ms)],
+            ["cold registration (spawn to ready)", statistics.median(cold_ms), percentile(cold_ms, 0.99), len(cold_ms)],
         ]),
     ))
     tp_ratio = statistics.median(tp_ours) / statistics.median(tp_raw)
@@ -223,12 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         Target("ping p50 vs raw relay (median of per-round ratios)", p50_ratio, 1.3, higher_is_better=False),
         Target("pipelined throughput vs raw relay", tp_ratio, 0.75),
         Target("crash detection p50", statistics.median(detect_ms), 20.0, higher_is_better=False, unit=" ms"),
+        Target("remote ping p50 (CURVE, TCP loopback) vs local ipc", statistics.median(remote_ratios), 2.0,
+               higher_is_better=False),
     ]
     report.data.update(
-        rtt_us={"raw": {"p50": _pct(r_raw, 0.5), "p99": _pct(r_raw, 0.99)},
-                "supervisor": {"p50": _pct(r_ours, 0.5), "p99": _pct(r_ours, 0.99)}},
+        rtt_us={"raw": {"p50": percentile(r_raw, 0.5), "p99": percentile(r_raw, 0.99)},
+                "supervisor": {"p50": percentile(r_ours, 0.5), "p99": percentile(r_ours, 0.99)},
+                "remote": {"p50": percentile(r_remote, 0.5), "p99": percentile(r_remote, 0.99)}},
         throughput={"raw": statistics.median(tp_raw), "supervisor": statistics.median(tp_ours)},
-        crash_detect_ms={"p50": statistics.median(detect_ms), "p99": _pct(detect_ms, 0.99)},
-        cold_register_ms={"p50": statistics.median(cold_ms), "p99": _pct(cold_ms, 0.99)},
+        crash_detect_ms={"p50": statistics.median(detect_ms), "p99": percentile(detect_ms, 0.99)},
+        cold_register_ms={"p50": statistics.median(cold_ms), "p99": percentile(cold_ms, 0.99)},
     )
     return report.emit(as_json=args.json)

@@ -27,16 +27,11 @@ import zmq
 from shared import protocol as proto
 from shared.sizes import format_size
 from shared.spec import TenantSpec
-from supervisor.bench._report import Report, Target, format_table
+from supervisor.bench._report import Report, Target, format_table, percentile
 from supervisor.client import SupervisorClient
 from supervisor.launch import SupervisorHandle, launch
 
 __all__ = ["main"]
-
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def _wait_pool(client: SupervisorClient, n: int, timeout_s: float = 60.0) -> list[int]:
@@ -140,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     report.sections.append(("registration latency (ms)", format_table(
         ["kind", "p50", "p99", "n"],
         [
-            ["warm pool (bind an idle worker)", statistics.median(warm), _pct(warm, 0.99), len(warm)],
-            ["cold, forkserver", statistics.median(fork_cold), _pct(fork_cold, 0.99), len(fork_cold)],
-            ["cold, spawn", statistics.median(spawn_cold), _pct(spawn_cold, 0.99), len(spawn_cold)],
+            ["warm pool (bind an idle worker)", statistics.median(warm), percentile(warm, 0.99), len(warm)],
+            ["cold, forkserver", statistics.median(fork_cold), percentile(fork_cold, 0.99), len(fork_cold)],
+            ["cold, spawn", statistics.median(spawn_cold), percentile(spawn_cold, 0.99), len(spawn_cold)],
         ],
     )))
     report.sections.append(("idle worker memory (USS, MiB)", format_table(
@@ -159,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             ["ping p50, 1 tenant (us)", statistics.median(rtt_1)],
             ["ping p50, 64 tenants (us)", statistics.median(rtt_64)],
-            ["ping p99, 64 tenants (us)", _pct(rtt_64, 0.99)],
+            ["ping p99, 64 tenants (us)", percentile(rtt_64, 0.99)],
             ["supervisor RSS, 64 tenants", format_size(rss_64)],
             [f"tenants registered and served", f"{served} of {args.tenants}"],
             [f"registering {args.tenants - 1} more (s)", register_all_s],
@@ -178,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         Target(f"tenants served of {args.tenants}", float(served), float(args.tenants), unit=""),
     ]
     report.data.update(
-        register_ms={"warm": {"p50": statistics.median(warm), "p99": _pct(warm, 0.99)},
-                     "forkserver": {"p50": statistics.median(fork_cold), "p99": _pct(fork_cold, 0.99)},
-                     "spawn": {"p50": statistics.median(spawn_cold), "p99": _pct(spawn_cold, 0.99)}},
+        register_ms={"warm": {"p50": statistics.median(warm), "p99": percentile(warm, 0.99)},
+                     "forkserver": {"p50": statistics.median(fork_cold), "p99": percentile(fork_cold, 0.99)},
+                     "spawn": {"p50": statistics.median(spawn_cold), "p99": percentile(spawn_cold, 0.99)}},
         uss_bytes={"pool": statistics.median(uss_pool), "bound": statistics.median(uss_bound),
                    "forkserver": statistics.median(uss_fork)},
         ping_us={"1": statistics.median(rtt_1), "64": statistics.median(rtt_64)},

@@ -52,6 +52,27 @@ def _per_call_us(fn: Callable[[], Any], n: int) -> list[float]:
     return out
 
 
+def _host_vs_numpy(guest_loop: Callable[[int], Any], local_op: Callable[[], Any], reps: int,
+                   rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds per op, one pair a round: through the host and with numpy in this process.
+
+    The host's figure is a guest loop of ``reps`` ops minus a loop of 0 (the
+    run's fixed cost), divided by ``reps``; ``local_op`` runs ``reps`` times
+    right after, so both sides of a round see the same machine load.
+    """
+    host: list[float] = []
+    local: list[float] = []
+    for _ in range(rounds):
+        zero = _timed(lambda: guest_loop(0))
+        t = _timed(lambda: guest_loop(reps))
+        host.append(max(t - zero, 1e-9) / reps)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            local_op()
+        local.append((time.perf_counter() - t0) / reps)
+    return host, local
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench wasm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
@@ -105,16 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         c.write(cap, hx, x.tobytes())
         c.write(cap, hy, y.tobytes())
         args_of = [{"handle": hx}, {"handle": hy}, n, float(a)]
-        host_s: list[float] = []
-        numpy_s: list[float] = []
-        for _ in range(rounds):
-            zero = _timed(lambda: c.run_wasm(cap, digest, "axpy_loop", [*args_of, 0]))
-            t = _timed(lambda: c.run_wasm(cap, digest, "axpy_loop", [*args_of, reps]))
-            host_s.append(max(t - zero, 1e-9) / reps)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                y += a * x
-            numpy_s.append((time.perf_counter() - t0) / reps)
+        host_s, numpy_s = _host_vs_numpy(lambda r: c.run_wasm(cap, digest, "axpy_loop", [*args_of, r]),
+                                         lambda: np.add(y, a * x, out=y), reps, rounds)  # y += a * x
         c.free(cap, hx)
         c.free(cap, hy)
 
@@ -127,18 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         c.write(cap, hs[0], ga.tobytes())
         c.write(cap, hs[1], gb.tobytes())
         gemm_args = [{"handle": h} for h in hs] + [gn]
-        gemm_host: list[float] = []
-        gemm_numpy: list[float] = []
         c.run_wasm(cap, digest, "matmul_loop", [*gemm_args, 1])  # warm: BLAS threads, cuBLAS handle
         np.matmul(ga, gb, out=gc)
-        for _ in range(rounds):
-            zero = _timed(lambda: c.run_wasm(cap, digest, "matmul_loop", [*gemm_args, 0]))
-            t = _timed(lambda: c.run_wasm(cap, digest, "matmul_loop", [*gemm_args, greps]))
-            gemm_host.append(max(t - zero, 1e-9) / greps)
-            t0 = time.perf_counter()
-            for _ in range(greps):
-                np.matmul(ga, gb, out=gc)
-            gemm_numpy.append((time.perf_counter() - t0) / greps)
+        gemm_host, gemm_numpy = _host_vs_numpy(lambda r: c.run_wasm(cap, digest, "matmul_loop", [*gemm_args, r]),
+                                               lambda: np.matmul(ga, gb, out=gc), greps, rounds)
         got = np.frombuffer(c.read(cap, hs[2], 4 * gn * gn), dtype=np.float32).reshape(gn, gn)
         gemm_equal = bool(np.allclose(got, gc, rtol=1e-4, atol=1e-3))
         for h in hs:

@@ -71,7 +71,8 @@ def reconcile(record: TenantRecord, live: Mapping[int, int]) -> Reconciliation:
     shares = {int(i): int(gpu) for i, _cpu, gpu in quota.get("instance_shares", [])}
     cpu_shares = {int(i): int(cpu) for i, cpu, _gpu in quota.get("instance_shares", [])}
     counted = record.gpu_bytes_in_use
-    cpu = record.bytes_in_use
+    # host bytes at rest are the tenant's shared-memory regions (charged to its host quota) only
+    cpu = record.bytes_in_use - sum(r.nbytes for r in record.regions)
     problems = []
     if counted != sum(expected.values()):
         problems.append(f"gpu_bytes_in_use {counted:,} B, the clients hold {sum(expected.values()):,} B")
@@ -79,7 +80,7 @@ def reconcile(record: TenantRecord, live: Mapping[int, int]) -> Reconciliation:
         if shares.get(index, 0) != expected.get(index, 0):
             problems.append(f"instance {index} share {shares.get(index, 0):,} B, expected {expected.get(index, 0):,} B")
     if cpu or any(cpu_shares.values()):
-        problems.append(f"bytes_in_use {cpu:,} B with no WASM run in flight (expected 0)")
+        problems.append(f"bytes_in_use {cpu:,} B beyond its regions with no WASM run in flight (expected 0)")
     return Reconciliation(
         record.tenant_id, not problems, sum(expected.values()), counted, cpu, lost, lost_bytes, problems
     )

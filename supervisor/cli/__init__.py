@@ -60,6 +60,8 @@ COMMANDS = {
     "chaos": "supervisor.cli.chaos",
     "bench": "supervisor.cli.bench",
     "mps": "supervisor.cli.mps",
+    "keys": "supervisor.cli.keys",
+    "cluster": "supervisor.cli.cluster",
 }
 
 __all__ += ["EXIT_CHECK", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE"]

@@ -10,12 +10,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shared.capability import RegistryAdminCapability, read_capability_file
 from shared.config import ENV_PREFIX, default_run_dir
+from supervisor.client import SupervisorClient
 
 __all__ = [
     "DefaultsHelpFormatter",
     "add_run_dir",
     "at_least_one",
+    "client_of",
     "comma_list",
     "describe_os_error",
     "non_negative_int",
@@ -125,11 +128,41 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def add_run_dir(parser: argparse.ArgumentParser) -> None:
+    """``--run-dir`` for a local supervisor, and ``--connect`` & co. for a remote one (CurveZMQ TCP)."""
     parser.add_argument(
         "--run-dir",
         default=None,
         help=f"the supervisor's run directory (default: ${ENV_PREFIX}RUN_DIR or {default_run_dir()})",
     )
+    remote = parser.add_argument_group("remote supervisor (its CURVE TCP frontend; docs/CLUSTER.md)")
+    remote.add_argument("--connect", metavar="tcp://HOST:PORT",
+                        help="call the supervisor listening there (default: the local one at --run-dir)")
+    remote.add_argument("--server-key", metavar="KEY",
+                        help="its public key (Z85, from `twt keys` on its host); write --server-key=KEY, as a key "
+                        "may start with '-' (default: none; required with --connect)")
+    remote.add_argument("--client-key", metavar="FILE",
+                        help="our key pair (NAME.key_secret), when it has an allow-list (default: a fresh pair)")
+    remote.add_argument("--admin-cap", metavar="FILE",
+                        help="the admin capability file, for admin ops (the supervisor needs allow_remote_admin) "
+                        "(default: none)")
+
+
+def client_of(args: argparse.Namespace, timeout_s: float) -> SupervisorClient:
+    """A client of the local supervisor at ``--run-dir``, or of the remote one at ``--connect``."""
+    connect = getattr(args, "connect", None)
+    if connect is None:
+        if getattr(args, "server_key", None) or getattr(args, "admin_cap", None):
+            raise ValueError("--server-key and --admin-cap go with --connect tcp://HOST:PORT")
+        return SupervisorClient(run_dir_of(args), timeout_s=timeout_s)
+    if not args.server_key:
+        raise ValueError("--connect needs --server-key KEY (twt keys prints it on the supervisor's host)")
+    admin: RegistryAdminCapability | None = None
+    if args.admin_cap:
+        cap = read_capability_file(args.admin_cap)
+        if not isinstance(cap, RegistryAdminCapability):
+            raise ValueError(f"{args.admin_cap} holds a tenant capability, not the admin capability")
+        admin = cap
+    return SupervisorClient.remote(connect, args.server_key, args.client_key, timeout_s, admin=admin)
 
 
 def run_dir_of(args: argparse.Namespace) -> str:

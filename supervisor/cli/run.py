@@ -16,7 +16,7 @@ from typing import Any
 
 from shared import protocol as proto
 from shared.capability import TenantCapability, read_capability_file
-from supervisor.cli._common import add_run_dir, print_json, run_dir_of
+from supervisor.cli._common import add_run_dir, client_of, print_json
 from supervisor.client import SupervisorClient
 
 __all__ = ["add_capability_option", "add_parser", "parse_wasm_arg", "run", "tenant_capability_file",
@@ -112,7 +112,7 @@ def tenant_capability_of(client: SupervisorClient, tenant: str, from_file: Tenan
 def run(args: argparse.Namespace) -> int:
     module = args.module.read_bytes()
     cap_file = tenant_capability_file(args.capability, args.tenant) if args.capability is not None else None
-    with SupervisorClient(run_dir_of(args)) as client:
+    with client_of(args, 30.0) as client:
         cap = tenant_capability_of(client, args.tenant, cap_file)
         wasm_args = list(args.args)
         if any(isinstance(a, dict) for a in wasm_args):

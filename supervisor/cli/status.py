@@ -20,7 +20,7 @@ from typing import Any, Callable
 from shared.errors import RequestTimeout, SupervisorUnavailable, UnknownTenant
 from shared.records import StatusRecord, SupervisorRecord, TenantRecord
 from shared.sizes import format_size
-from supervisor.cli._common import add_run_dir, print_json, print_table, run_dir_of
+from supervisor.cli._common import add_run_dir, client_of, print_json, print_table
 from supervisor.client import SupervisorClient
 
 __all__ = ["add_parser", "connect", "fetch_status", "fetch_tenant", "format_duration", "render", "run"]
@@ -47,8 +47,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> SupervisorClient:
-    """A client for ``--run-dir`` (SupervisorUnavailable when nothing runs there)."""
-    return SupervisorClient(run_dir_of(args), timeout_s=timeout_s)
+    """A client for ``--run-dir`` or ``--connect`` (SupervisorUnavailable when nothing runs there)."""
+    return client_of(args, timeout_s)
 
 
 def fetch_status(client: SupervisorClient) -> StatusRecord:

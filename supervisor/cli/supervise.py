@@ -55,6 +55,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--metrics-addr", metavar="HOST:PORT",
                    help="serve Prometheus /metrics, /healthz and /readyz on HOST:PORT, e.g. 127.0.0.1:9464 "
                    "(default: $TWT_METRICS_ADDR, else the config file, else off)")
+    p.add_argument("--listen", action="append", metavar="tcp://HOST:PORT",
+                   help="also serve clients over TCP with CURVE on this endpoint (repeatable; port 0: any free port; "
+                   "default: $TWT_LISTEN, else the config file, else none)")
+    p.add_argument("--server-key-file", metavar="FILE",
+                   help="the CURVE key pair as a certificate file (default: made once, kept in the state database)")
+    p.add_argument("--client-keys-dir", metavar="DIR",
+                   help="allow only the client public keys (*.key certificates) in this directory over TCP "
+                   "(default: any client key)")
+    p.add_argument("--allow-remote-admin", action="store_true", default=None,
+                   help="accept admin ops over TCP (refused by default)")
     p.set_defaults(func=run)
 
 
@@ -95,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
                 "log_level": args.log_level,
                 "pool_size": args.pool_size,
                 "metrics_addr": args.metrics_addr,
+                "listen": args.listen,
+                "server_key_file": args.server_key_file,
+                "client_keys_dir": args.client_keys_dir,
+                "allow_remote_admin": args.allow_remote_admin,
             },
         )
     except TypeError as exc:  # a wrongly typed value in the config file: the user's input

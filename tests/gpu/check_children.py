@@ -52,6 +52,18 @@ def err_name(err: Any) -> str:
     return str(getattr(err, "name", None) or int(err))
 
 
+def primary_context(d: Any) -> Any:
+    """cuInit, then device 0's primary context made current (raw driver calls); the device.
+
+    The caller releases it (``cuDevicePrimaryCtxRelease(dev)``) when done.
+    """
+    ok("cuInit", d.cuInit(0))
+    dev = ok("cuDeviceGet", d.cuDeviceGet(0))
+    ctx = ok("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(dev))
+    ok("cuCtxSetCurrent", d.cuCtxSetCurrent(ctx))
+    return dev
+
+
 def backend(cap: int | None = 1 << 30) -> Any:
     from worker.backends.cuda import CudaBackend
 
@@ -82,10 +94,7 @@ class Counting:
 def child_pool(args: list[str]) -> dict[str, Any]:
     """maxSize refuses past the cap; RELEASE_THRESHOLD alone refuses nothing (raw driver calls)."""
     d = driver()
-    ok("cuInit", d.cuInit(0))
-    dev = ok("cuDeviceGet", d.cuDeviceGet(0))
-    ctx = ok("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(dev))
-    ok("cuCtxSetCurrent", d.cuCtxSetCurrent(ctx))
+    dev = primary_context(d)
     stream = ok("cuStreamCreate", d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)))
 
     def pool(max_size: int, threshold: int | None) -> Any:
@@ -175,10 +184,7 @@ def child_nocall(args: list[str]) -> dict[str, Any]:
 def child_meminfo(args: list[str]) -> dict[str, Any]:
     """cuMemGetInfo from a fresh context (its own context is in both of two readings)."""
     d = driver()
-    ok("cuInit", d.cuInit(0))
-    dev = ok("cuDeviceGet", d.cuDeviceGet(0))
-    ctx = ok("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(dev))
-    ok("cuCtxSetCurrent", d.cuCtxSetCurrent(ctx))
+    dev = primary_context(d)
     free, total = ok("cuMemGetInfo", d.cuMemGetInfo())
     ok("cuDevicePrimaryCtxRelease", d.cuDevicePrimaryCtxRelease(dev))
     return {"free": int(free), "total": int(total)}

@@ -21,6 +21,8 @@ Phases, in order (``PHASES``); each returns rows of the final table:
     pytest      python3 -m pytest -m gpu tests/gpu
     timing      context + stream + pool ready per worker (ms), per-context device memory,
                 metered alloc+free against raw cuMemAllocFromPoolAsync + cuMemFreeAsync (<= 1.10x)
+    regions     H2D / D2H through a cuMemHostRegister'ed shared-memory region, in pipeline chunks,
+                against raw cuMemcpy*Async from cuMemAllocHost memory (>= 0.8x; bytes intact: a check)
     wasm        a tensor op through the WASM host against numpy
     mps         (--mps only) a private MPS daemon, one MPS tenant, the daemon stopped whatever happens
 
@@ -444,6 +446,21 @@ def phase_tensor_ops(ctx: Context) -> list[Row]:
     return rows
 
 
+def phase_regions(ctx: Context) -> list[Row]:
+    """Bulk copies through shared-memory regions (tests/gpu/phase_regions.py, in a child).
+
+    H2D and D2H from a region registered with cuMemHostRegister, in the chunks
+    the client pipeline sends, against raw cuMemcpy*Async from cuMemAllocHost
+    memory of the same size: timing rows (target >= 0.8x); that the bytes come
+    back intact is a check.
+    """
+    from tests.gpu.phase_regions import run_in_child, table_rows
+
+    result = ctx.results["regions"] = run_in_child(quick=ctx.quick)
+    return [(check if kind == "check" else timing)("regions", name, got, want, ok)
+            for name, got, want, ok, kind in table_rows(result)]
+
+
 def phase_mps(ctx: Context) -> list[Row]:
     from shared.spec import TenantSpec
     from supervisor.launch import launch
@@ -483,6 +500,7 @@ PHASES: list[Phase] = [
     Phase("kernels", phase_kernels),
     Phase("pytest", phase_pytest),
     Phase("timing", phase_timing),
+    Phase("regions", phase_regions),
     Phase("wasm", phase_wasm),
     Phase("tensor_ops", phase_tensor_ops),
 ]

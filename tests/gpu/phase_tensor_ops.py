@@ -178,7 +178,7 @@ def _correctness(host: Any, quick: bool) -> dict[str, Any]:
 def _mlp(host: Any) -> dict[str, Any]:
     import numpy as np
 
-    from worker.wasm import guest_source
+    from tests.helpers.wasm_env import mlp_forward
 
     batch, d_in, hidden, d_out = 1024, 784, 512, 10
     rng = np.random.default_rng(7)
@@ -186,24 +186,12 @@ def _mlp(host: Any) -> dict[str, Any]:
          "b1": rng.standard_normal(hidden) * 0.1, "w2": rng.standard_normal((hidden, d_out)) / np.sqrt(hidden),
          "b2": rng.standard_normal(d_out) * 0.1}
     p = {k: v.astype(np.float32) for k, v in p.items()}
-    alloc, backend = host.ctx.allocator, host.ctx.backend
-    hs: dict[str, int] = {}
-    try:
-        for name, arr in p.items():
-            hs[name] = alloc.alloc(arr.nbytes)
-            backend.write(alloc.lookup(hs[name]), 0, memoryview(arr.tobytes()))
-        hs["out"] = alloc.alloc(4 * batch * d_out)
-        args = [{"handle": hs[k]} for k in ("x", "w1", "b1", "w2", "b2", "out")]
-        reply = host.run(guest_source("mlp"), "forward", [*args, batch, d_in, hidden, d_out], fuel=10**7,
-                         timeout_s=60)
-        got = np.frombuffer(backend.read(alloc.lookup(hs["out"]), 0, 4 * batch * d_out), np.float32)
-    finally:
-        for h in hs.values():
-            alloc.free(h)
+    with mlp_forward(host, p, batch, d_in, hidden, d_out, timeout_s=60) as mlp:
+        reply, got = mlp.reply, mlp.out
     h64 = np.maximum(p["x"].astype(np.float64) @ p["w1"] + p["b1"], 0)
     logits = h64 @ p["w2"] + p["b2"]
     e = np.exp(logits - logits.max(axis=1, keepdims=True))
-    ok, worst = _close(got.reshape(batch, d_out), e / e.sum(axis=1, keepdims=True), rtol=1e-4, atol=1e-7)
+    ok, worst = _close(got, e / e.sum(axis=1, keepdims=True), rtol=1e-4, atol=1e-7)
     return {"ok": ok and reply["results"] == [0], "worst_rel_err": worst}
 
 

@@ -90,6 +90,8 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_LAUNCH_TIMEOUT = 702
     CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
     CUDA_ERROR_ASSERT = 710
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
     CUDA_ERROR_HARDWARE_STACK_ERROR = 714
     CUDA_ERROR_ILLEGAL_INSTRUCTION = 715
     CUDA_ERROR_MISALIGNED_ADDRESS = 716
@@ -995,10 +997,69 @@ class FakeDriver:
             if found is None:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
             a, off = found
+            if isinstance(dst, int):  # a host address (pinned staging, worker.regions)
+                ctypes.memmove(dst, bytes(a.buf()[off : off + count]), count)
+                return (CUresult.CUDA_SUCCESS,)
             out = memoryview(dst).cast("B")
             if out.readonly or len(out) < count:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
             out[:count] = a.buf()[off : off + count]
+            return (CUresult.CUDA_SUCCESS,)
+
+    # ------------------------------------------------------------- page-locked host memory
+    #
+    # Kept apart from the rest (state made on first use): cuMemHostRegister /
+    # cuMemHostUnregister of a caller's range, and cuMemAllocHost / cuMemFreeHost.
+    # ``host_registered`` maps address -> bytes of what is registered now.
+
+    @property
+    def host_registered(self) -> dict[int, int]:
+        ranges: dict[int, int] = self.__dict__.setdefault("_host_ranges", {})
+        return ranges
+
+    def cuMemHostRegister(self, p: Any, bytesize: int, flags: int) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemHostRegister", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if not isinstance(p, int) or p <= 0 or bytesize <= 0 or flags & ~0xF:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            for base, size in self.host_registered.items():
+                if base < p + bytesize and p < base + size:
+                    return (CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,)
+            self.host_registered[p] = bytesize
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemHostUnregister(self, p: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemHostUnregister", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if self.host_registered.pop(int(p), None) is None:
+                return (CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,)
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemAllocHost(self, bytesize: int) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemAllocHost", needs_ctx=True)
+            if err is not None:
+                return (err, None)
+            if bytesize <= 0:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            block = (ctypes.c_char * bytesize)()
+            addr = ctypes.addressof(block)
+            self.__dict__.setdefault("_host_allocs", {})[addr] = block
+            self.host_registered[addr] = bytesize
+            return (CUresult.CUDA_SUCCESS, addr)
+
+    def cuMemFreeHost(self, p: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemFreeHost", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if self.__dict__.get("_host_allocs", {}).pop(int(p), None) is None:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            self.host_registered.pop(int(p), None)
             return (CUresult.CUDA_SUCCESS,)
 
     # ------------------------------------------------------------- modules and kernels

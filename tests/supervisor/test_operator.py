@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from shared.config import ConfigError, load_config, unknown_env_vars
+from shared.errors import SegmentError
+from shared.quota import read_header
 from supervisor.cli import build_parser, main, version
 from supervisor.cli._common import describe_os_error
 from supervisor.launch import launch
@@ -148,16 +150,26 @@ def test_embedded_supervisor_is_quiet_and_warns_about_unknown_variables(tmp_path
     assert warning["variable"] == "TWT_POOL_SZIE (did you mean TWT_POOL_SIZE?)"
 
 
+def _segments_owned_by(pid: int) -> list[str]:
+    """The ``twt-*`` segments whose header names ``pid`` as their owner (the prefix is per start)."""
+    owned = []
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("twt-"):
+            try:
+                if read_header(name).owner_pid == pid:
+                    owned.append(name)
+            except SegmentError:
+                continue  # not our layout, or gone meanwhile
+    return owned
+
+
 def test_resource_tracker_warning_never_lands_as_raw_text(tmp_path: Path) -> None:
     """SIGKILL the supervisor while it owns segments: its resource tracker cleans them up silently."""
     log = tmp_path / "stderr"
     with open(log, "wb") as err:
         with launch({"supervisor": {**FAST, "log_format": "json"}, "tenant": [{"name": "acme"}]},
                     stderr=err, log_level="info") as sup:
-            # this supervisor's segments only: their prefix is drawn per start (not the registry id)
-            name = tenant(sup.client.status(), "acme")["quota"]["name"]
-            prefix = name[: name.rindex("-") + 1]
-            segments = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+            segments = _segments_owned_by(sup.pid)  # this supervisor's segments only
             assert segments
             os.kill(sup.pid, signal.SIGKILL)
             sup.process.wait(30)

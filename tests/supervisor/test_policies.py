@@ -20,6 +20,7 @@ from supervisor.frontend import Frontend, lost_buffer, pinned_instance, slot_for
 from supervisor.loop import Handoff, Timers
 from supervisor.metrics import Metrics
 from supervisor.pending import Pending, PendingTable
+from supervisor.regions import RegionTable
 from supervisor.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import pool_retry_delay_s
@@ -301,7 +302,8 @@ def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenan
 
     fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
                   pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
-                  admin=lambda *a: None, guard=FrontendGuard(SupervisorConfig()), admin_cap=b"admin")
+                  admin=lambda *a: None, regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
+                  admin_cap=b"admin")
     cap = b"x"
     fe._verified_caps[cap] = rt
     return fe, cap

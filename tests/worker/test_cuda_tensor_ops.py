@@ -25,27 +25,22 @@ from hypothesis import strategies as st
 
 from shared.errors import BackendUnavailable, CudaError
 from shared.log import TextFormatter
-from shared.quota import QuotaBlock
-from shared.spec import TenantSpec
 from tests.helpers.fake_cublas import FakeCublas, Status
 from tests.helpers.fake_cuda import FakeDriver
+from tests.helpers.wasm_env import Env, mlp_forward, softmax, tenant_env
+from tests.helpers.wasm_env import probe as wasm_probe
 from worker.backends._cublas import GEMM_WORKSPACE_BYTES, Cublas
 from worker.backends.cuda import CudaBackend
-from worker.context import TenantContext
-from worker.wasm import ErrorCode, WasmHost, WasmSession, guest_source
+from worker.wasm import ErrorCode, WasmSession
 from worker.wasm.tensor_abi import UNARY_OPS
 
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
-PROBE = guest_source("probe")
 
 
 @dataclass
-class CudaEnv:
-    block: QuotaBlock
-    ctx: TenantContext
-    host: WasmHost
+class CudaEnv(Env):
     fake: FakeDriver
     cublas: FakeCublas
 
@@ -54,24 +49,15 @@ class CudaEnv:
 def cuda_env(*, gpu_cap: int | None = 64 * MiB, cublas: Any = "fake") -> Iterator[CudaEnv]:
     fake = FakeDriver(memory_bytes=1 << 30)
     fake_cublas = FakeCublas(fake)
-    spec = TenantSpec.from_dict({"tenant_id": "gpu", "memory_quota_bytes": 64 * MiB,
-                                 "gpu_memory_bytes_cap": gpu_cap, "wasm_max_memory_bytes": 1 * MiB})
     backend = CudaBackend(driver=fake, nvrtc=fake, gpu_cap_bytes=gpu_cap,
                           cublas=fake_cublas if cublas == "fake" else cublas)
-    with QuotaBlock.create("gpu", memory_quota_bytes=64 * MiB, gpu_memory_bytes_cap=gpu_cap) as owner:
-        ctx = TenantContext(spec, 0, 0, QuotaBlock.attach(owner.name, instance=0), backend)
-        host = WasmHost(ctx)
-        ctx.extensions[WasmHost.EXTENSION] = host
-        try:
-            yield CudaEnv(owner, ctx, host, fake, fake_cublas)
-        finally:
-            ctx.close()
-            assert owner.gpu_bytes_in_use == 0
+    with tenant_env("gpu", backend, gpu_cap=gpu_cap) as env:
+        yield CudaEnv(env.block, env.ctx, env.host, fake, fake_cublas)
 
 
 @contextmanager
 def probe(env: CudaEnv) -> Iterator[WasmSession]:
-    with env.host.session(PROBE, fuel=10**9, timeout_s=30.0) as s:
+    with wasm_probe(env, timeout_s=30.0) as s:
         yield s
 
 
@@ -96,12 +82,6 @@ def get(s: WasmSession, h: int, n: int) -> Any:
 
 def close(got: Any, ref: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     np.testing.assert_allclose(got, np.asarray(ref, dtype=np.float32), rtol=rtol, atol=atol, equal_nan=True)
-
-
-def softmax(x: Any) -> Any:
-    with np.errstate(all="ignore"):
-        e = np.exp(x - x.max(axis=1, keepdims=True))
-        return e / e.sum(axis=1, keepdims=True)
 
 
 # ------------------------------------------------------------------ every op against numpy
@@ -286,24 +266,9 @@ def test_the_mlp_guest_on_the_cuda_backend() -> None:
     p = {"x": r.standard_normal((batch, d_in)), "w1": r.standard_normal((d_in, hidden)),
          "b1": r.standard_normal(hidden), "w2": r.standard_normal((hidden, d_out)), "b2": r.standard_normal(d_out)}
     p = {k: v.astype(np.float32) for k, v in p.items()}
-    with cuda_env() as env:
-        alloc, backend = env.ctx.allocator, env.ctx.backend
-        hs = {}
-        for name, arr in p.items():
-            hs[name] = alloc.alloc(arr.nbytes)
-            backend.write(alloc.lookup(hs[name]), 0, memoryview(arr.tobytes()))
-        hs["out"] = alloc.alloc(4 * batch * d_out)
-        try:
-            args = [{"handle": hs[k]} for k in ("x", "w1", "b1", "w2", "b2", "out")]
-            reply = env.host.run(guest_source("mlp"), "forward", [*args, batch, d_in, hidden, d_out],
-                                 fuel=10**7, timeout_s=10)
-            assert reply["results"] == [0]
-            got = np.frombuffer(backend.read(alloc.lookup(hs["out"]), 0, 4 * batch * d_out), np.float32)
-            ref = softmax(np.maximum(p["x"] @ p["w1"] + p["b1"], 0) @ p["w2"] + p["b2"])
-            close(got.reshape(batch, d_out), ref)
-        finally:
-            for h in hs.values():
-                alloc.free(h)
+    with cuda_env() as env, mlp_forward(env.host, p, batch, d_in, hidden, d_out) as mlp:
+        assert mlp.reply["results"] == [0]
+        close(mlp.out, softmax(np.maximum(p["x"] @ p["w1"] + p["b1"], 0) @ p["w2"] + p["b2"]))
 
 
 def test_the_gpu_phase_script_runs_against_the_fakes() -> None:

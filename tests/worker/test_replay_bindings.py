@@ -36,14 +36,27 @@ b.sum_f32(x, 1024)
 b.read_into(x, 8, memoryview(bytearray(16)))
 b.pool_attribute("USED_MEM_CURRENT")
 b.mem_info()
+import os
+from shared.region import Region
+r = Region.create("t", 1 << 16, prefix="replay%d" % os.getpid())   # a region as the worker pins it
+addr = b.pin_host(r.data)
+assert addr is not None
+b.write_host(x, 0, r.data[:4096], addr)
+b.read_host(x, 0, r.data[:4096], addr)
+b.unpin_host(addr)
+r.unlink()
+r.close()
 b.free(x)
 b.close()
+from tests.gpu.phase_regions import run   # the GPU check's region phase (cuMemAllocHost baseline)
+run("tests.helpers.fake_cuda", sizes_mib=(1,), repeat=1)
 """
 
 REQUIRED = {"cuInit", "cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemPoolCreate", "cuMemPoolSetAttribute",
             "cuMemPoolGetAttribute", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemcpyHtoDAsync",
             "cuMemcpyDtoHAsync", "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel", "cuStreamSynchronize",
-            "cuMemGetInfo", "nvrtcCreateProgram", "nvrtcCompileProgram", "nvrtcGetCUBIN", "nvrtcGetPTX",
+            "cuMemGetInfo", "cuMemHostRegister", "cuMemHostUnregister", "cuMemAllocHost", "cuMemFreeHost",
+            "nvrtcCreateProgram", "nvrtcCompileProgram", "nvrtcGetCUBIN", "nvrtcGetPTX",
             "nvrtcDestroyProgram"}
 
 

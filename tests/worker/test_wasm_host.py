@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,48 +25,25 @@ from shared.errors import (
     WasmCompile,
     WasmTrap,
 )
-from shared.quota import QuotaBlock
-from shared.spec import TenantSpec
 from worker.backends.stub import StubBackend
 from worker.context import TenantContext
 from worker.wasm import ErrorCode, WasmHost, guest_source, host as host_mod
 from worker.wasm.host import memory_limits
 from worker.wasm.ops import op_run_wasm
+from tests.helpers.wasm_env import PAGE, PROBE, Env, tenant_env
 
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
-PAGE = 65536
 TRAPS = guest_source("traps")
-PROBE = guest_source("probe")
-
-
-@dataclass
-class Env:
-    block: QuotaBlock
-    ctx: TenantContext
-    host: WasmHost
-
-    def counters(self) -> tuple[int, int]:
-        return self.block.bytes_in_use, self.block.gpu_bytes_in_use
 
 
 @contextmanager
 def make_env(*, fast: bool | None = None, memory_quota: int = 64 * MiB, max_memory: int = 1 * MiB,
              timeout_s: float = 5.0, fuel: int = 10**9) -> Iterator[Env]:
-    spec = TenantSpec.from_dict({
-        "tenant_id": "host", "memory_quota_bytes": memory_quota, "gpu_memory_bytes_cap": 8 * MiB,
-        "wasm_max_memory_bytes": max_memory, "wasm_timeout_s": timeout_s, "wasm_fuel": fuel,
-    })
-    with QuotaBlock.create("host", memory_quota_bytes=memory_quota, gpu_memory_bytes_cap=8 * MiB) as owner:
-        ctx = TenantContext(spec, 0, 0, QuotaBlock.attach(owner.name, instance=0), StubBackend())
-        host = WasmHost.for_context(ctx) if fast is None else WasmHost(ctx, fast_imports=fast)
-        ctx.extensions[WasmHost.EXTENSION] = host
-        try:
-            yield Env(owner, ctx, host)
-        finally:
-            ctx.close()
-            assert (owner.bytes_in_use, owner.gpu_bytes_in_use) == (0, 0)
+    with tenant_env("host", StubBackend(), fast=fast, memory_quota=memory_quota, gpu_cap=8 * MiB,
+                    max_memory=max_memory, wasm_timeout_s=timeout_s, wasm_fuel=fuel) as env:
+        yield env
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from shared.errors import BackendUnavailable, KernelTimeout
 from worker.backends.stub import StubBackend
 from worker.wasm import ErrorCode, WasmSession, guest_source
 from worker.wasm.tensor_abi import TENSOR_OPS, UNARY_OPS
-from tests.helpers.wasm_env import PAGE, Env, call, make_env, mem, probe
+from tests.helpers.wasm_env import MLP, PAGE, Env, call, make_env, mem, mlp_forward, probe, softmax
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,12 +68,6 @@ UNARY_REF: dict[str, Callable[[Any], Any]] = {
     "sqrt": np.sqrt,
     "abs": np.abs,
 }
-
-
-def softmax(x: Any) -> Any:
-    with np.errstate(all="ignore"):
-        e = np.exp(x - x.max(axis=1, keepdims=True))
-        return e / e.sum(axis=1, keepdims=True)
 
 
 @pytest.fixture
@@ -404,27 +398,13 @@ def mlp_reference(p: dict[str, Any]) -> Any:
 def test_the_mlp_guest_matches_numpy() -> None:
     batch, d_in, hidden, d_out = 64, 32, 48, 10
     p = mlp_inputs(batch, d_in, hidden, d_out)
-    with make_env(True, gpu_cap=None) as env:
-        alloc, backend = env.ctx.allocator, env.ctx.backend
-        handles = {}
-        for name, arr in p.items():
-            handles[name] = alloc.alloc(arr.nbytes)
-            backend.write(alloc.lookup(handles[name]), 0, memoryview(arr.tobytes()))
-        handles["out"] = alloc.alloc(4 * batch * d_out)
-        try:
-            args = [{"handle": handles[k]} for k in ("x", "w1", "b1", "w2", "b2", "out")]
-            reply = env.host.run(guest_source("mlp"), "forward", [*args, batch, d_in, hidden, d_out],
-                                 fuel=10**7, timeout_s=10)
-            assert reply["results"] == [0]
-            assert reply["gpu_peak_bytes"] == 4 * batch * hidden
-            got = np.frombuffer(backend.read(alloc.lookup(handles["out"]), 0, 4 * batch * d_out), np.float32)
-            ref = mlp_reference(p)
-            close(got.reshape(batch, d_out), ref, rtol=1e-5, atol=1e-6)
-            classes = env.host.run(guest_source("mlp"), "classes", [args[-1], batch, d_out], fuel=10**7, timeout_s=10)
-            assert classes["results"] == [int(ref.argmax(axis=1).sum())]
-        finally:
-            for h in handles.values():
-                alloc.free(h)
+    with make_env(True, gpu_cap=None) as env, mlp_forward(env.host, p, batch, d_in, hidden, d_out) as mlp:
+        assert mlp.reply["results"] == [0]
+        assert mlp.reply["gpu_peak_bytes"] == 4 * batch * hidden
+        ref = mlp_reference(p)
+        close(mlp.out, ref, rtol=1e-5, atol=1e-6)
+        classes = env.host.run(MLP, "classes", [mlp.args[-1], batch, d_out], fuel=10**7, timeout_s=10)
+        assert classes["results"] == [int(ref.argmax(axis=1).sum())]
 
 
 def test_a_gpu_quota_refusal_in_the_middle_of_an_mlp() -> None:

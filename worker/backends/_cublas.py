@@ -34,10 +34,10 @@ default, or a module(-shaped) object (the test suite's fake cuBLAS).
 from __future__ import annotations
 
 import ctypes
-import importlib
 from typing import Any
 
 from shared.errors import BackendUnavailable, CudaError
+from worker.backends._driver import import_bindings
 
 __all__ = ["DEFAULT_CUBLAS_MODULE", "GEMM_WORKSPACE_BYTES", "INSTALL_HINT", "Cublas"]
 
@@ -50,17 +50,19 @@ _I32_MAX = (1 << 31) - 1
 
 def load_cublas_module(module: str | Any | None) -> Any:
     """The cuBLAS bindings module (imported lazily: a worker that never multiplies never loads it)."""
-    if module is not None and not isinstance(module, str):
-        return module
-    name = module or DEFAULT_CUBLAS_MODULE
     try:
-        return importlib.import_module(name)
+        return import_bindings(module, DEFAULT_CUBLAS_MODULE)
     except ImportError as exc:
         raise BackendUnavailable(
-            "cuda", f"cuBLAS missing: {name!r} is not importable ({exc}); {INSTALL_HINT}"
+            "cuda", f"cuBLAS missing: {module or DEFAULT_CUBLAS_MODULE!r} is not importable ({exc}); {INSTALL_HINT}"
         ) from None
     except RuntimeError as exc:  # libcublas not found by the loader
-        raise BackendUnavailable("cuda", f"cuBLAS missing: {type(exc).__name__}: {exc}; {INSTALL_HINT}") from None
+        raise _missing_library(exc) from None
+
+
+def _missing_library(exc: RuntimeError) -> BackendUnavailable:
+    """The loader found no libcublas (the nvidia-cublas wheel): at import, or at the first call."""
+    return BackendUnavailable("cuda", f"cuBLAS missing: {type(exc).__name__}: {exc}; {INSTALL_HINT}")
 
 
 class Cublas:
@@ -87,9 +89,7 @@ class Cublas:
         try:
             handle = _checked(mod, "cublasCreate", mod.create)
         except RuntimeError as exc:  # nvmath's loader: libcublas (the nvidia-cublas wheel) not found
-            raise BackendUnavailable(
-                "cuda", f"cuBLAS missing: {type(exc).__name__}: {exc}; {INSTALL_HINT}"
-            ) from None
+            raise _missing_library(exc) from None
         try:
             _checked(mod, "cublasSetStream", mod.set_stream, handle, int(stream))
             _checked(mod, "cublasSetPointerMode", mod.set_pointer_mode, handle, int(mod.PointerMode.HOST))

@@ -40,21 +40,29 @@ from typing import Any, Callable
 from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable, CudaError
 from shared.exitcodes import is_sticky_cuda_error
 
-__all__ = ["DEFAULT_DRIVER_MODULE", "DEFAULT_NVRTC_MODULE", "Driver", "Nvrtc", "load_module"]
+__all__ = ["DEFAULT_DRIVER_MODULE", "DEFAULT_NVRTC_MODULE", "Driver", "Nvrtc", "import_bindings", "load_module"]
 
 DEFAULT_DRIVER_MODULE = "cuda.bindings.driver"
 DEFAULT_NVRTC_MODULE = "cuda.bindings.nvrtc"
 
 
-def load_module(module: str | Any | None, default: str, what: str) -> Any:
-    """``module`` itself when it is an object, else import it by name (``default`` when None)."""
+def import_bindings(module: str | Any | None, default: str) -> Any:
+    """``module`` itself when it is an object, else import it by name (``default`` when None).
+
+    The one way the cuda backend gets a bindings module (driver, NVRTC,
+    cuBLAS); an ``ImportError`` is the caller's to word.
+    """
     if module is not None and not isinstance(module, str):
         return module
-    name = module or default
+    return importlib.import_module(module or default)
+
+
+def load_module(module: str | Any | None, default: str, what: str) -> Any:
+    """:func:`import_bindings`, a module that does not import being :class:`BackendUnavailable`."""
     try:
-        return importlib.import_module(name)
+        return import_bindings(module, default)
     except ImportError as exc:
-        raise BackendUnavailable("cuda", f"{what} module {name!r} is not importable: {exc}") from None
+        raise BackendUnavailable("cuda", f"{what} module {module or default!r} is not importable: {exc}") from None
 
 
 def _check(call: str, result: tuple[Any, ...], make_error: Callable[[str, Any], CudaError]) -> Any:

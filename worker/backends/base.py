@@ -141,6 +141,33 @@ class Backend(abc.ABC):
         """
         dest[:] = self.read(buf, offset, len(dest))
 
+    # ---- host staging (shared-memory regions, worker.regions) ----
+    #
+    # A region's pages can be made DMA-able once (``pin_host``); copies from or
+    # to them then name their address. The defaults keep pageable copies, which
+    # is all a host-memory backend needs.
+
+    def pin_host(self, view: memoryview) -> int | None:
+        """Register ``view`` (a whole mapped region) for fast device copies.
+
+        Returns the address to hand to :meth:`write_host` / :meth:`read_host`
+        (offsets added by the caller), or ``None`` when this backend copies
+        pageable memory anyway. Must be undone with :meth:`unpin_host` before
+        the memory is unmapped.
+        """
+        return None
+
+    def unpin_host(self, addr: int) -> None:
+        """Undo :meth:`pin_host` (never raises)."""
+
+    def write_host(self, buf: DeviceBuffer, offset: int, data: memoryview, addr: int | None) -> None:
+        """Copy ``data`` (at ``addr`` when pinned) into ``buf`` at ``offset``; complete on return."""
+        self.write(buf, offset, data)
+
+    def read_host(self, buf: DeviceBuffer, offset: int, dest: memoryview, addr: int | None) -> None:
+        """Copy ``len(dest)`` bytes of ``buf`` at ``offset`` into ``dest`` (at ``addr`` when pinned)."""
+        self.read_into(buf, offset, dest)
+
     def info(self) -> dict[str, Any]:
         """What status shows about this backend (device, capacity, pool ...)."""
         return {"backend": self.name}

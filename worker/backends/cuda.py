@@ -12,6 +12,9 @@
     alloc(n)   cuMemAllocFromPoolAsync(n, pool, stream)   OOM -> DeviceOutOfMemory
     free(b)    cuMemFreeAsync(ptr, stream)
     write/read cuMemcpyHtoDAsync / cuMemcpyDtoHAsync + cuStreamSynchronize
+    pin_host   cuMemHostRegister of a mapped shared-memory region (worker.regions):
+               write_host/read_host then copy from/to its address as DMA; unpin_host
+               (cuMemHostUnregister) before the region is unmapped, and at close
     fill/axpy/sum   NVRTC kernels on the stream (worker.backends.kernels)
     matmul, softmax ... the WASM ABI's tensor ops: cuBLAS + NVRTC kernels (worker.backends.cuda_ops)
     close()    free every buffer, synchronize, unload kernels, destroy pool, destroy stream,
@@ -38,6 +41,7 @@ per thread).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -55,6 +59,16 @@ _log = get_logger("worker.cuda")
 #: inside the first page: never mapped in any CUDA context, so a write there always faults
 _UNMAPPED_ADDRESS = 0x100
 _get_ident = threading.get_ident
+
+
+def _host_address(view: memoryview) -> int:
+    """The address of a writable host buffer's first byte (the export ends at once;
+    the caller keeps the memory mapped while the address is in use)."""
+    anchor = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
 
 
 def round_up(n: int, granularity: int) -> int:
@@ -111,6 +125,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._cublas_spec = cublas  # cuBLAS bindings module (name or object); imported on the first GEMM
         self._tensor_ops = None  # the WASM ABI's tensor ops (worker.backends.cuda_ops), on first use
         self._live: set[CudaBuffer] = set()
+        self._pinned: dict[int, int] = {}  # cuMemHostRegister'ed host ranges: address -> bytes
         self.in_use = 0
         self.alloc_calls = 0  # cuMemAllocFromPoolAsync calls made (the GPU check reads it)
         self._closed = False
@@ -286,6 +301,62 @@ class CudaBackend(TensorOpsMixin, Backend):
         drv.call("cuMemcpyDtoHAsync", dest, buf.addr + offset, len(dest), self._stream)
         drv.call("cuStreamSynchronize", self._stream)
 
+    # ------------------------------------------------------- pinned staging
+
+    def pin_host(self, view: memoryview) -> int | None:
+        """``cuMemHostRegister`` a mapped region so copies from/to it are DMA at link speed.
+
+        A refusal (no such support, a locked-memory limit) is logged and the
+        region is copied as pageable memory instead: slower, never wrong.
+        """
+        if not len(view):
+            return None
+        self._open()
+        self._current()
+        addr = _host_address(view)
+        try:
+            self._drv.call("cuMemHostRegister", addr, len(view), 0)
+        except CudaError as exc:
+            log_event(_log, logging.WARNING, "cuda.host_register_failed", nbytes=len(view), error=str(exc))
+            return None
+        self._pinned[addr] = len(view)
+        return addr
+
+    def unpin_host(self, addr: int) -> None:
+        if self._pinned.pop(addr, None) is None or self._closed:
+            return
+        try:
+            self._current()
+            self._drv.call("cuMemHostUnregister", addr)
+        except Exception as exc:  # noqa: BLE001 - cleanup: logged, never raised
+            log_event(_log, logging.WARNING, "cuda.host_unregister_failed", error=str(exc))
+
+    def write_host(self, buf: DeviceBuffer, offset: int, data: memoryview, addr: int | None) -> None:
+        if addr is None:
+            self.write(buf, offset, data)
+            return
+        assert isinstance(buf, CudaBuffer)
+        if not len(data):
+            return
+        self._open()
+        self._current()
+        drv = self._drv
+        drv.call("cuMemcpyHtoDAsync", buf.addr + offset, addr, len(data), self._stream)
+        drv.call("cuStreamSynchronize", self._stream)  # the client reuses the region after the reply
+
+    def read_host(self, buf: DeviceBuffer, offset: int, dest: memoryview, addr: int | None) -> None:
+        if addr is None:
+            self.read_into(buf, offset, dest)
+            return
+        assert isinstance(buf, CudaBuffer)
+        if not len(dest):
+            return
+        self._open()
+        self._current()
+        drv = self._drv
+        drv.call("cuMemcpyDtoHAsync", addr, buf.addr + offset, len(dest), self._stream)
+        drv.call("cuStreamSynchronize", self._stream)
+
     # ------------------------------------------------------------ tensor ops
 
     def kernels(self) -> Any:
@@ -388,6 +459,9 @@ class CudaBackend(TensorOpsMixin, Backend):
 
         if self._ctx is not None and threading.get_ident() != self._thread:
             attempt("cuCtxSetCurrent", self._ctx)
+        for addr in list(self._pinned):  # normally unpinned by the regions first
+            attempt("cuMemHostUnregister", addr)
+        self._pinned.clear()
         if self._stream is not None:
             for buf in list(self._live):
                 attempt("cuMemFreeAsync", buf.ptr, self._stream)

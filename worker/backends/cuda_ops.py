@@ -27,7 +27,7 @@ pool, made with the module and freed with it - a fixed per-worker overhead
 like the sum kernel's, so a tenant exactly at its cap can still reduce.
 Nothing here allocates per call.
 
-The compile step follows :mod:`worker.backends.kernels` (a cubin for the
+The compile step is :func:`worker.backends.kernels.compile_source` (a cubin for the
 device's ``sm_XY``, PTX when this NVRTC does not know it).
 """
 
@@ -42,6 +42,7 @@ from shared.log import get_logger, log_event
 from worker.backends._cublas import GEMM_WORKSPACE_BYTES, Cublas
 from worker.backends._driver import Driver, Nvrtc
 from worker.backends.base import DeviceBuffer
+from worker.backends.kernels import compile_source
 
 __all__ = ["OPS_SOURCE", "SCRATCH_BYTES", "CudaTensorOps", "TensorOpsMixin"]
 
@@ -406,35 +407,3 @@ class TensorOpsMixin:
 
 def _addr(buf: DeviceBuffer) -> int:
     return int(buf.ptr)  # type: ignore[attr-defined]  # a CudaBuffer
-
-
-def compile_source(nvrtc: Nvrtc, source: str, filename: str, major: int, minor: int) -> tuple[bytes, str]:
-    """(image for cuModuleLoadData, architecture): a cubin for ``sm_XY``, else PTX for ``compute_XY``."""
-    from worker.backends.kernels import _program_log
-
-    for arch, get_size, get in (
-        (f"sm_{major}{minor}", "nvrtcGetCUBINSize", "nvrtcGetCUBIN"),
-        (f"compute_{major}{minor}", "nvrtcGetPTXSize", "nvrtcGetPTX"),
-    ):
-        opts = [f"--gpu-architecture={arch}".encode(), b"--fmad=false"]
-        prog = nvrtc.call("nvrtcCreateProgram", source.encode(), filename.encode(), 0, [], [])
-        try:
-            try:
-                nvrtc.call("nvrtcCompileProgram", prog, len(opts), opts)
-            except CudaError as exc:
-                if exc.result_name.endswith("INVALID_OPTION") and arch.startswith("sm_"):
-                    continue  # this NVRTC does not know the device: JIT from PTX instead
-                raise CudaError(exc.call, exc.result_name, exc.result_code,
-                                message=f"compiling {filename} for {arch} failed: {exc.result_name}\n"
-                                f"{_program_log(nvrtc, prog)}") from None
-            size = int(nvrtc.call(get_size, prog))
-            image = b" " * size  # filled in place by NVRTC (the cuda-python idiom)
-            nvrtc.call(get, prog, image)
-            return image, arch
-        finally:
-            try:
-                nvrtc.call("nvrtcDestroyProgram", prog)
-            except CudaError:
-                pass
-    raise CudaError("nvrtcCompileProgram", "NVRTC_ERROR_INVALID_OPTION", 5,
-                    message=f"NVRTC knows neither sm_{major}{minor} nor compute_{major}{minor}")

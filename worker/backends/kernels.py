@@ -33,7 +33,7 @@ from shared.errors import CudaError
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
 
-__all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "MAX_SUM_BLOCKS", "Kernels"]
+__all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "MAX_SUM_BLOCKS", "Kernels", "compile_source"]
 
 _log = get_logger("worker.kernels")
 
@@ -110,7 +110,8 @@ class Kernels:
         attr = drv.mod.CUdevice_attribute
         major = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
         minor = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)
-        image, arch = _compile(nvrtc, int(major), int(minor))
+        image, arch = compile_source(nvrtc, KERNEL_SOURCE, "twt_kernels.cu", int(major), int(minor),
+                                     what="the tensor kernels")
         module = drv.call("cuModuleLoadData", image)
         try:
             functions = {n: drv.call("cuModuleGetFunction", module, n) for n in KERNEL_NAMES}
@@ -165,14 +166,21 @@ class Kernels:
                 log_event(_log, logging.WARNING, "kernels.close_failed", call=name, error=str(exc))
 
 
-def _compile(nvrtc: Nvrtc, major: int, minor: int) -> tuple[bytes, str]:
-    """(image for cuModuleLoadData, architecture) - a cubin, or PTX as the fallback."""
+def compile_source(nvrtc: Nvrtc, source: str, filename: str, major: int, minor: int,
+                   *, what: str | None = None) -> tuple[bytes, str]:
+    """(image for cuModuleLoadData, architecture): a cubin for ``sm_XY``, else PTX for ``compute_XY``.
+
+    The one NVRTC compile step of the cuda backend (these kernels and
+    :mod:`worker.backends.cuda_ops`'). ``what`` names the source in a compile
+    error (default: ``filename``).
+    """
+    what = filename if what is None else what
     for arch, get_size, get in (
         (f"sm_{major}{minor}", "nvrtcGetCUBINSize", "nvrtcGetCUBIN"),
         (f"compute_{major}{minor}", "nvrtcGetPTXSize", "nvrtcGetPTX"),
     ):
         opts = [f"--gpu-architecture={arch}".encode(), b"--fmad=false"]
-        prog = nvrtc.call("nvrtcCreateProgram", KERNEL_SOURCE.encode(), b"twt_kernels.cu", 0, [], [])
+        prog = nvrtc.call("nvrtcCreateProgram", source.encode(), filename.encode(), 0, [], [])
         try:
             try:
                 nvrtc.call("nvrtcCompileProgram", prog, len(opts), opts)
@@ -180,7 +188,7 @@ def _compile(nvrtc: Nvrtc, major: int, minor: int) -> tuple[bytes, str]:
                 if exc.result_name.endswith("INVALID_OPTION") and arch.startswith("sm_"):
                     continue  # this NVRTC does not know the device: JIT from PTX instead
                 raise CudaError(exc.call, exc.result_name, exc.result_code,
-                                message=f"compiling the tensor kernels for {arch} failed: {exc.result_name}\n"
+                                message=f"compiling {what} for {arch} failed: {exc.result_name}\n"
                                 f"{_program_log(nvrtc, prog)}") from None
             size = int(nvrtc.call(get_size, prog))
             image = b" " * size  # filled in place by NVRTC (the cuda-python idiom)

@@ -55,7 +55,9 @@ class StubBackend(Backend):
 
     def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
         assert isinstance(buf, StubBuffer)
-        buf.data[offset : offset + len(data)] = data
+        # through a memoryview: ``bytearray[a:b] = view`` copies the view into a temporary
+        # bytearray first (CPython), one whole extra copy per write
+        memoryview(buf.data)[offset : offset + len(data)] = data
 
     def read(self, buf: DeviceBuffer, offset: int, nbytes: int) -> bytes:
         assert isinstance(buf, StubBuffer)

@@ -300,8 +300,16 @@ class GuestRun:
             return _BACKEND
         return _OK
 
-    def _span(self, caller: Any, handle: int, off: int, ptr: int, length: int) -> tuple[DeviceBuffer, int, int] | int:
-        """(buffer, guest address, n) of a copy between guest memory and a buffer, or an error code.
+    def write(self, caller: Any, handle: int, dst_off: int, src_ptr: int, length: int) -> int:
+        """guest memory[src_ptr : src_ptr+len] -> buffer[dst_off : dst_off+len]."""
+        return self._copy(caller, handle, dst_off, src_ptr, length, to_guest=False)
+
+    def read(self, caller: Any, handle: int, src_off: int, dst_ptr: int, length: int) -> int:
+        """buffer[src_off : src_off+len] -> guest memory[dst_ptr : dst_ptr+len]."""
+        return self._copy(caller, handle, src_off, dst_ptr, length, to_guest=True)
+
+    def _copy(self, caller: Any, handle: int, off: int, ptr: int, length: int, *, to_guest: bool) -> int:
+        """One copy between guest memory and buffer ``handle`` at ``off``, or an error code.
 
         Checks in the ABI's fixed order: handle, buffer range, guest-memory range.
         """
@@ -318,26 +326,12 @@ class GuestRun:
             return _NO_MEMORY
         if address is None:
             return _MEMORY_BOUNDS
-        return buf, address, n
-
-    def write(self, caller: Any, handle: int, dst_off: int, src_ptr: int, length: int) -> int:
-        """guest memory[src_ptr : src_ptr+len] -> buffer[dst_off : dst_off+len]."""
-        span = self._span(caller, handle, dst_off, src_ptr, length)
-        if isinstance(span, int):
-            return span
-        buf, address, n = span
         if n:
-            self.backend.write(buf, dst_off, guest_view(address, n, writable=False))
-        return _OK
-
-    def read(self, caller: Any, handle: int, src_off: int, dst_ptr: int, length: int) -> int:
-        """buffer[src_off : src_off+len] -> guest memory[dst_ptr : dst_ptr+len]."""
-        span = self._span(caller, handle, src_off, dst_ptr, length)
-        if isinstance(span, int):
-            return span
-        buf, address, n = span
-        if n:
-            self.backend.read_into(buf, src_off, guest_view(address, n, writable=True))
+            view = guest_view(address, n, writable=to_guest)
+            if to_guest:
+                self.backend.read_into(buf, off, view)
+            else:
+                self.backend.write(buf, off, view)
         return _OK
 
     def _f32_buffer(self, handle: int, count: int) -> DeviceBuffer | int:

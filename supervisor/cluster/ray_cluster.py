@@ -1,0 +1,167 @@
+"""RayCluster: a supervisor per GPU node of a Ray cluster, placed tenants, direct clients.
+
+    cluster = RayCluster.deploy(config, address="ray://head:10001" or "auto")
+    cc = cluster.register(TenantSpec("acme").with_gpu_memory_bytes_cap("2GiB"))   # ClusterCapability
+    text = cc.to_text()                       # hand this to the tenant's API server
+    with cluster.client() as c:               # calls go to the node's CURVE TCP frontend
+        c.ping(text)
+    cluster.status()                          # {"nodes": [...], "tenants": [...]}
+    cluster.shutdown()
+
+Ray does membership, placement of the node actors and failure detection;
+the cluster's record is the detached :class:`~supervisor.cluster.directory.Directory`
+actor named ``name`` in namespace ``"twt"``, so ``RayCluster.connect`` (and
+``twt cluster status|down``) find a deployment from any driver. Ray is
+imported only here and in the actors, never by the rest of the package;
+without it the calls raise :class:`BackendUnavailable` naming the extra.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from shared.config import SupervisorConfig, read_config_file
+from shared.errors import BackendUnavailable, InvalidArgument
+from shared.spec import TenantSpec
+from supervisor.cluster.capability import ClusterCapability
+from supervisor.cluster.client import ClusterClient
+from supervisor.cluster.directory import NAMESPACE, Directory, unwrap_ray_error
+
+__all__ = ["DEFAULT_NAME", "RayCluster"]
+
+DEFAULT_NAME = "twt"
+DEPLOY_TIMEOUT_S = 300.0
+CALL_TIMEOUT_S = 120.0
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise BackendUnavailable("ray", "Ray is not installed; pip install 'tensor-wasm-tenant[ray]'") from None
+    return ray
+
+
+def _init(address: str | None) -> Any:
+    ray = _ray()
+    if not ray.is_initialized():
+        # "auto": Ray's own discovery ($RAY_ADDRESS, then the local node's cluster)
+        ray.init(address=address or "auto", namespace=NAMESPACE,
+                 logging_level=logging.WARNING, log_to_driver=False)
+    return ray
+
+
+def _config_doc(config: SupervisorConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The node supervisors' config as a TOML-shaped dict (run_dir, state_dir and listen are per node)."""
+    if config is None:
+        return {"supervisor": {}, "tenant": []}
+    if isinstance(config, (str, os.PathLike)):
+        fields = read_config_file(config)
+        tenants = [t.to_dict() for t in fields.pop("tenants", ())]
+        return {"supervisor": fields, "tenant": tenants}
+    if isinstance(config, SupervisorConfig):
+        d = config.to_dict()
+        tenants = d.pop("tenants")
+        return {"supervisor": {k: v for k, v in d.items() if k not in ("run_dir", "state_dir", "listen")},
+                "tenant": tenants}
+    doc = dict(config)
+    return {"supervisor": dict(doc.get("supervisor") or {}), "tenant": list(doc.get("tenant") or [])}
+
+
+class RayCluster:
+    """A deployed cluster (see the module docstring). Build with :meth:`deploy` or :meth:`connect`."""
+
+    def __init__(self, directory: Any, name: str, address: str | None) -> None:
+        self._directory = directory
+        self.name = name
+        self.address = address
+
+    def _get(self, ref: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        ray = _ray()
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - our typed errors come back as themselves
+            raise unwrap_ray_error(exc) from None
+
+    @classmethod
+    def deploy(cls, config: SupervisorConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+               address: str | None = None, *, name: str = DEFAULT_NAME, listen_host: str | None = None,
+               ping_interval_s: float = 1.0, ping_timeout_s: float = 10.0) -> RayCluster:
+        """Start one supervisor per GPU node (CURVE TCP on the node's address, or ``listen_host``).
+
+        ``config`` is the node supervisors' config (a TOML path, a TOML-shaped
+        dict or a SupervisorConfig; run_dir, state_dir and listen are chosen per
+        node). Raises :class:`BackendUnavailable` when no node has GPUs, and
+        :class:`InvalidArgument` when a cluster of that name is deployed already.
+        """
+        ray = _init(address)
+        doc = _config_doc(config)
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            raise InvalidArgument(f"a cluster named {name!r} is deployed already (twt cluster down, or another name)")
+        actor_cls = ray.remote(Directory)
+        head = {"node:__internal_head__": 0.001} if any(
+            "node:__internal_head__" in (n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")) else {}
+        directory = actor_cls.options(
+            name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
+            max_restarts=0, resources=head,
+        ).remote(name, doc, address or "auto", listen_host, ping_interval_s, ping_timeout_s)
+        cluster = cls(directory, name, address)
+        try:
+            cluster._get(directory.deploy.remote(), DEPLOY_TIMEOUT_S)
+        except BaseException:
+            ray.kill(directory)
+            raise
+        return cluster
+
+    @classmethod
+    def connect(cls, address: str | None = None, *, name: str = DEFAULT_NAME) -> RayCluster:
+        """The cluster deployed under ``name`` (InvalidArgument when there is none)."""
+        ray = _init(address)
+        try:
+            directory = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            raise InvalidArgument(f"no cluster named {name!r} is deployed on this Ray cluster (twt cluster up)") from None
+        return cls(directory, name, address)
+
+    def register(self, spec: TenantSpec | Mapping[str, Any], node: str | None = None) -> ClusterCapability:
+        """Place a tenant (most free GPU budget, or ``node``) and register it there."""
+        spec_dict = spec.to_dict() if isinstance(spec, TenantSpec) else dict(spec)
+        rec = self._get(self._directory.register.remote(spec_dict, node))
+        return ClusterCapability(
+            cluster=str(rec["cluster"]), tenant_id=str(rec["tenant_id"]), node_id=str(rec["node_id"]),
+            endpoint=str(rec["endpoint"]), server_public_key=str(rec["server_public_key"]),
+            capability=bytes(rec["capability"]), ticket=bytes(rec["ticket"]), epoch=int(rec["epoch"]),
+        )
+
+    def evict(self, tenant_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._get(self._directory.evict.remote(tenant_id))
+        return result
+
+    def status(self) -> dict[str, Any]:
+        """``{"cluster", "address", "nodes": [...], "tenants": [{"tenant_id", "node_id", "state", ...}]}``."""
+        result: dict[str, Any] = self._get(self._directory.status.remote())
+        return result
+
+    def client(self, timeout_s: float = 30.0, *, connect_timeout_s: float = 3.0) -> ClusterClient:
+        """A client for tenant calls (straight to the nodes; Ray only to find a moved tenant)."""
+        return ClusterClient(self._directory, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+
+    def check_node(self, node_id: str) -> bool:
+        """Check a node now (instead of at the next ping); True when it is lost."""
+        return bool(self._get(self._directory.suspect.remote(node_id)))
+
+    def shutdown(self) -> dict[str, Any]:
+        """Stop every node's supervisor gracefully, then the node actors and the directory."""
+        ray = _ray()
+        try:
+            result: dict[str, Any] = self._get(self._directory.shutdown.remote(), DEPLOY_TIMEOUT_S)
+        finally:
+            ray.kill(self._directory)
+        return result

@@ -1,0 +1,223 @@
+"""The cluster on a local multi-node Ray cluster: placement, direct calls, node loss, shutdown.
+
+One Ray cluster (a head without GPUs and three nodes with ``num_gpus=1``,
+one CPU each, no dashboard, small object stores) and one deployment serve
+the whole module, in order: Ray's start-up is the expensive part. Every Ray
+address is loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray use
+127.0.0.1 for its own traffic), and the supervisors listen on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from shared.errors import BackendUnavailable, InvalidArgument, NodeLost, WorkerLost
+from shared.spec import TenantSpec
+from supervisor.cluster import ClusterCapability, ClusterClient, RayCluster
+from supervisor.cluster.ray_cluster import DEFAULT_NAME
+from tests.helpers import hygiene
+from tests.helpers.cluster import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MiB = 1 << 20
+_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+_NODE: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 * MiB, "node_ip_address": "127.0.0.1"}
+FAST = {"backend": "stub", "pool_size": 0, "heartbeat_interval_s": 0.2, "stop_timeout_s": 3.0,
+        "kill_grace_s": 0.5, "stub_device_capacity_bytes": "1GiB", "device_reserve_bytes": 0}
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[Any]:
+    """A Ray cluster of one head node without GPUs (nodes with GPUs join in ``ray_nodes``)."""
+    saved = {k: os.environ.get(k) for k in _RAY_ENV}
+    os.environ.update(_RAY_ENV)  # before Ray is imported: its constants are read at import
+    import ray
+    from ray.cluster_utils import Cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="twt-rt-", dir="/tmp")  # Ray's sessions and logs; short: socket paths
+    _NODE["temp_dir"] = temp_dir
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={**_NODE, "num_gpus": 0, "include_dashboard": False})
+    try:
+        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray_nodes(ray_head: Any) -> tuple[Any, dict[str, Any]]:
+    gpu_nodes = {}
+    for _ in range(3):
+        node = ray_head.add_node(num_gpus=1, **_NODE)
+        gpu_nodes[node.node_id] = node
+    ray_head.wait_for_nodes()
+    return ray_head, gpu_nodes
+
+
+@pytest.fixture(scope="module")
+def deployed(ray_nodes: tuple[Any, dict[str, Any]]) -> Iterator[RayCluster]:
+    cluster = RayCluster.deploy({"supervisor": FAST}, listen_host="127.0.0.1", ping_interval_s=0.5,
+                                ping_timeout_s=5.0)
+    try:
+        yield cluster
+    finally:
+        try:
+            cluster.shutdown()
+        except Exception:  # noqa: BLE001 - shut down by the last test already
+            pass
+
+
+def _no_cluster(name: str) -> bool:
+    try:
+        RayCluster.connect(name=name)
+    except InvalidArgument as exc:
+        return "no cluster named" in str(exc)
+    return False
+
+
+def _spec(name: str, **kw: Any) -> TenantSpec:
+    return TenantSpec.from_dict({"tenant_id": name, "gpu_memory_bytes_cap": 256 * MiB, **kw})
+
+
+def _tenant(status: dict[str, Any], tid: str) -> dict[str, Any]:
+    return next(t for t in status["tenants"] if t["tenant_id"] == tid)
+
+
+def test_a_cluster_without_gpu_nodes_is_one_clear_error(ray_head: Any) -> None:
+    with pytest.raises(BackendUnavailable, match="has no node with GPUs") as exc:
+        RayCluster.deploy({"supervisor": FAST}, name="twt-no-gpu")
+    assert "ray start --num-gpus" in str(exc.value)
+
+    # the failed deployment's directory actor is killed (asynchronously)
+    wait_for(lambda: _no_cluster("twt-no-gpu"), 20, what="the failed deployment's directory to be gone")
+
+
+def test_deploy_starts_one_supervisor_per_gpu_node(deployed: RayCluster, ray_nodes: tuple[Any, dict[str, Any]]) -> None:
+    status = deployed.status()
+    nodes = status["nodes"]
+    assert sorted(n["node_id"] for n in nodes) == sorted(ray_nodes[1])  # not on the GPU-less head
+    assert all(n["alive"] and n["endpoint"].startswith("tcp://127.0.0.1:") for n in nodes)
+    assert len({n["endpoint"] for n in nodes}) == 3 and len({n["server_public_key"] for n in nodes}) == 3
+    for n in nodes:
+        assert psutil.Process(n["supervisor_pid"]).name() == "twt-supervisor"
+        assert n["cuda_visible_devices"] != ""  # the GPU Ray gave the actor
+        assert n["capacity_bytes"] == 1 << 30
+    with pytest.raises(InvalidArgument, match="deployed already"):
+        RayCluster.deploy({"supervisor": FAST})
+
+
+def test_tenants_spread_over_nodes_and_calls_go_straight_to_them(deployed: RayCluster) -> None:
+    caps = [deployed.register(_spec(f"spread{i}")) for i in range(3)]
+    try:
+        assert len({cc.node_id for cc in caps}) == 3  # most free budget: one per node
+        text = caps[0].to_text()
+        assert ClusterCapability.from_text(text) == caps[0]
+        status = deployed.status()
+        # a client without any Ray handle: the calls need none while nothing moved
+        with ClusterClient(directory=None, timeout_s=20) as client:
+            for cc in caps:
+                pong = client.ping(cc.to_text())
+                assert pong["tenant"] == cc.tenant_id
+                assert pong["pid"] in _tenant(status, cc.tenant_id)["pids"]
+            h = client.alloc(caps[0], 4096)
+            client.write(caps[0], h, b"z" * 4096)
+            assert client.read(caps[0], h, 4096) == b"z" * 4096
+            assert client.quota(caps[0])["gpu_bytes_in_use"] == 4096
+        # the named node wins over the budget
+        pinned = deployed.register(_spec("pinned"), node=caps[1].node_id)
+        caps.append(pinned)
+        assert pinned.node_id == caps[1].node_id
+        assert {t["tenant_id"]: t["node_id"] for t in deployed.status()["tenants"]}["pinned"] == caps[1].node_id
+    finally:
+        for cc in caps:
+            deployed.evict(cc.tenant_id)
+
+
+def test_node_loss_replaces_tenants_and_old_capabilities_follow(
+    deployed: RayCluster, ray_nodes: tuple[Any, dict[str, Any]]
+) -> None:
+    cluster, gpu_nodes = ray_nodes
+    victim = sorted(gpu_nodes)[0]
+    mover = deployed.register(_spec("mover"), node=victim)
+    stays = deployed.register(_spec("stays", restart="never"), node=victim)
+    before = {n["node_id"]: n for n in deployed.status()["nodes"]}
+    sup_pid = before[victim]["supervisor_pid"]
+    worker_pids = [p for t in deployed.status()["tenants"] for p in t["pids"] if t["node_id"] == victim]
+    try:
+        with deployed.client(timeout_s=20, connect_timeout_s=2.0) as client:
+            assert client.ping(mover)["tenant"] == "mover"
+            cluster.remove_node(gpu_nodes.pop(victim))
+            # Ray sees the actor die; the supervisor (SIGTERM from its parent's death) and workers go too
+            wait_for(lambda: not psutil.pid_exists(sup_pid), 30, what="the lost node's supervisor to exit")
+            wait_for(lambda: not any(psutil.pid_exists(p) for p in worker_pids), 30, what="its workers to exit")
+            moved = wait_for(lambda: _tenant(deployed.status(), "mover")["placement"] == "running"
+                             and _tenant(deployed.status(), "mover")["node_id"] != victim, 60,
+                             what="mover to be re-placed")
+            assert moved
+            st = deployed.status()
+            assert _tenant(st, "stays")["placement"] == "lost"
+            assert not {n["node_id"]: n for n in st["nodes"]}[victim]["alive"]
+
+            # the capability from before the loss reaches the tenant at its new place by itself
+            def reached() -> dict[str, Any] | None:
+                try:
+                    return client.ping(mover)
+                except NodeLost as exc:  # the one call that may have been served by the lost node
+                    assert exc.is_retryable() and isinstance(exc, WorkerLost)
+                    return None
+
+            pong = wait_for(reached, 30, what="a ping at mover's new place")
+            assert pong["tenant"] == "mover"
+            assert client.current(mover).epoch == 1 and client.current(mover).node_id != victim
+            with pytest.raises(NodeLost) as lost:
+                client.ping(stays)
+            assert lost.value.tenant_id == "stays" and lost.value.node_id == victim
+    finally:
+        for tid in ("mover", "stays"):
+            try:
+                deployed.evict(tid)
+            except Exception:  # noqa: BLE001 - a tenant the test did not get to register
+                pass
+        # a killed node's supervisor cannot clean its run dir (a later deploy removes stale ones)
+        shutil.rmtree(before[victim]["run_dir"], ignore_errors=True)
+
+
+def test_cli_cluster_status(deployed: RayCluster, ray_nodes: tuple[Any, dict[str, Any]]) -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-m", "supervisor", "cluster", "status", "--address", ray_nodes[0].address,
+                          "--json"], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    status = json.loads(out.stdout)
+    assert {n["node_id"] for n in status["nodes"]} == {n["node_id"] for n in deployed.status()["nodes"]}
+
+
+def test_shutdown_leaves_no_process_and_no_segment(deployed: RayCluster) -> None:
+    pids = [n["supervisor_pid"] for n in deployed.status()["nodes"] if n["alive"]]
+    assert pids
+    deployed.shutdown()
+    wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, what="every supervisor to exit")
+    mine = {pid for pid, _ in hygiene.twt_processes() if hygiene._process_is_ours(pid)}
+    assert not mine
+    assert not {s for s in hygiene.twt_segments() if hygiene._segment_is_ours(s)}
+    wait_for(lambda: _no_cluster(DEFAULT_NAME), 20, what="the directory actor to be gone")
