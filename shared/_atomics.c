@@ -28,7 +28,11 @@
  *     the hot path is one C call with no Python frame. A Counter may also
  *     keep a *mirror*: one worker instance's share of the line (added on
  *     consume, subtracted saturating on release), which the supervisor
- *     reclaims when that instance dies while the others keep running.
+ *     reclaims when that instance dies while the others keep running
+ *     (the device budget's slots). Its two steps leave a window on SIGKILL;
+ *   - the ShareCounter type: a tenant's counter whose total is the sum of
+ *     per-instance share words, so a dead instance's share is reclaimed
+ *     exactly (QuotaBlock's CPU and GPU counters; see its comment below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -686,6 +690,346 @@ static PyTypeObject CounterType = {
     .tp_getset = counter_getset,
 };
 
+/* ------------------------------------------------------ ShareCounter type */
+
+/*
+ * A tenant's counter whose total is *derived*: every holder (a worker
+ * instance, or the block's unattributed slot) owns one share word, and the
+ * tenant's use is the sum of the share words. Reclaiming a dead instance is
+ * then one exchange of its share to 0, exact whatever instruction the
+ * SIGKILL hit: there is no second word that may or may not have been
+ * updated (the two-step tenant-counter-then-mirror scheme lost or doubled one
+ * allocation when killed between its steps).
+ *
+ * consume(n), Dekker style (every step sequentially consistent):
+ *     publish:  share += n                (a CAS loop: refused without a write on overflow)
+ *     check:    total = sum(all shares)   (includes ours and every other published share)
+ *               total <= limit ? granted  (high water raised to total)
+ *     else:     share -= n                (withdraw), others = sum(all shares)
+ *               others + n > limit ? refused : retry (a concurrent publish was in the way)
+ * Two consumes cannot both be granted past the limit: whichever sums second
+ * sees the other's published share. A consume can be refused because of
+ * another's *tentative* share only after SHARE_RETRIES withdrawals in a row.
+ * The share slots in use are [0, nslots) plus the extra slot; an instance
+ * raises nslots to cover its slot before its first publish.
+ * Checked by tests/helpers/quota_share_model.py (every interleaving, with a
+ * kill at every step and the supervisor's reclaim).
+ */
+
+#define SHARE_RETRIES 16
+#define LOAD_SC(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
+#define CAS_SC(p, expected, desired) \
+    __atomic_compare_exchange_n((p), (expected), (desired), 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    uint64_t *line;   /* limit, high water, refusals, underflows (the used field is not used) */
+    uint64_t *shares; /* share word of slot 0; slot i at shares[i * stride] */
+    Py_ssize_t stride; /* in uint64 words */
+    uint64_t *nslots; /* slots [0, *nslots) may hold bytes */
+    Py_ssize_t extra; /* a slot always summed (the unattributed one) */
+    uint64_t *mine;   /* this holder's share word */
+    PyObject *on_refuse;
+    PyObject *on_underflow;
+    PyObject *on_closed;
+} ShareCounterObject;
+
+/* Sum of every share; 0 on overflow (then *total is meaningless). */
+static inline int
+share_sum(ShareCounterObject *self, uint64_t *total)
+{
+    uint64_t n = LOAD_SC(self->nslots);
+    uint64_t sum = 0;
+    Py_ssize_t extra = self->extra;
+    int extra_done = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t v = LOAD_SC(&self->shares[(Py_ssize_t)i * self->stride]);
+        if ((Py_ssize_t)i == extra) {
+            extra_done = 1;
+        }
+        if (sum + v < sum) {
+            return 0;
+        }
+        sum += v;
+    }
+    if (!extra_done) {
+        uint64_t v = LOAD_SC(&self->shares[extra * self->stride]);
+        if (sum + v < sum) {
+            return 0;
+        }
+        sum += v;
+    }
+    *total = sum;
+    return 1;
+}
+
+/* Saturating subtract from a share word; returns the value found before. */
+static inline uint64_t
+share_sub(uint64_t *p, uint64_t n)
+{
+    uint64_t cur = LOAD_SC(p), next;
+    do {
+        next = n > cur ? 0 : cur - n;
+    } while (!CAS_SC(p, &cur, next));
+    return cur;
+}
+
+/* 1 granted; 0 refused with what was seen. */
+static int
+share_consume(ShareCounterObject *self, uint64_t n, uint64_t *seen_used, uint64_t *seen_limit)
+{
+    uint64_t *line = self->line;
+    for (int attempt = 0;; attempt++) {
+        uint64_t cur = LOAD_SC(self->mine);
+        for (;;) {
+            if (cur + n < cur) { /* our own share would wrap: never publish that */
+                FETCH_ADD(&line[F_REFUSALS], 1);
+                *seen_used = cur;
+                *seen_limit = LOAD(&line[F_LIMIT]);
+                return 0;
+            }
+            if (CAS_SC(self->mine, &cur, cur + n)) {
+                break;
+            }
+        }
+        uint64_t total, limit = 0;
+        int fits = share_sum(self, &total);
+        if (fits) {
+            limit = LOAD_SC(&line[F_LIMIT]);
+            fits = total <= limit;
+        }
+        if (fits) {
+            uint64_t hw = LOAD(&line[F_HIGH_WATER]);
+            while (total > hw && !CAS(&line[F_HIGH_WATER], &hw, total)) {
+            }
+            return 1;
+        }
+        share_sub(self->mine, n); /* withdraw */
+        uint64_t others;
+        int others_ok = share_sum(self, &others);
+        limit = LOAD_SC(&line[F_LIMIT]);
+        if (!others_ok || others + n < others || others + n > limit || attempt + 1 >= SHARE_RETRIES) {
+            FETCH_ADD(&line[F_REFUSALS], 1);
+            *seen_used = others_ok ? others : UINT64_MAX;
+            *seen_limit = limit;
+            return 0;
+        }
+        /* another holder's tentative share was in the way: try again */
+    }
+}
+
+static int
+share_counter_init(ShareCounterObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", "line_offset", "shares_offset", "stride", "nslots_offset", "slot",
+                             "extra_slot", "on_refuse", "on_underflow", "on_closed", NULL};
+    PyObject *buf, *line_off, *refuse, *under, *closed;
+    Py_ssize_t shares_off, stride, nslots_off, slot, extra;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnnnnnOOO:ShareCounter", kwlist, &buf, &line_off,
+                                     &shares_off, &stride, &nslots_off, &slot, &extra, &refuse, &under,
+                                     &closed)) {
+        return -1;
+    }
+    if (!PyCallable_Check(refuse) || !PyCallable_Check(under) || !PyCallable_Check(closed)) {
+        PyErr_SetString(PyExc_TypeError, "on_refuse, on_underflow and on_closed must be callable");
+        return -1;
+    }
+    if (self->has_view) {
+        PyErr_SetString(PyExc_RuntimeError, "ShareCounter is already initialised");
+        return -1;
+    }
+    if (stride <= 0 || stride % 8 != 0 || slot < 0 || extra < 0 || shares_off < 0 || nslots_off < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad share layout");
+        return -1;
+    }
+    uint64_t *line = get_region(buf, line_off, COUNTER_SPAN, 1, &self->view);
+    if (line == NULL) {
+        return -1;
+    }
+    Py_ssize_t last = (slot > extra ? slot : extra);
+    char *base = (char *)self->view.buf;
+    if (shares_off % 8 != 0 || nslots_off % 8 != 0 || nslots_off > self->view.len - 8 ||
+        last > (self->view.len - 8 - shares_off) / stride || shares_off > self->view.len - 8) {
+        PyBuffer_Release(&self->view);
+        PyErr_SetString(PyExc_ValueError, "share layout out of bounds");
+        return -1;
+    }
+    self->line = line;
+    self->shares = (uint64_t *)(base + shares_off);
+    self->stride = stride / 8;
+    self->nslots = (uint64_t *)(base + nslots_off);
+    self->extra = extra;
+    self->mine = (uint64_t *)(base + shares_off + slot * stride);
+    self->has_view = 1;
+    if (slot != extra) { /* an instance: make sure every summer covers our slot before we publish */
+        uint64_t want = (uint64_t)slot + 1, cur = LOAD_SC(self->nslots);
+        while (cur < want && !CAS_SC(self->nslots, &cur, want)) {
+        }
+    }
+    Py_INCREF(refuse);
+    Py_XSETREF(self->on_refuse, refuse);
+    Py_INCREF(under);
+    Py_XSETREF(self->on_underflow, under);
+    Py_INCREF(closed);
+    Py_XSETREF(self->on_closed, closed);
+    return 0;
+}
+
+static void
+share_counter_release_view(ShareCounterObject *self)
+{
+    if (self->has_view) {
+        self->has_view = 0;
+        self->line = self->shares = self->nslots = self->mine = NULL;
+        PyBuffer_Release(&self->view);
+    }
+}
+
+static int
+share_counter_traverse(ShareCounterObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->on_refuse);
+    Py_VISIT(self->on_underflow);
+    Py_VISIT(self->on_closed);
+    if (self->has_view) {
+        Py_VISIT(self->view.obj);
+    }
+    return 0;
+}
+
+static int
+share_counter_clear(ShareCounterObject *self)
+{
+    Py_CLEAR(self->on_refuse);
+    Py_CLEAR(self->on_underflow);
+    Py_CLEAR(self->on_closed);
+    share_counter_release_view(self);
+    return 0;
+}
+
+static void
+share_counter_dealloc(ShareCounterObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    share_counter_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+share_counter_closed_error(ShareCounterObject *self)
+{
+    if (self->on_closed == NULL) {
+        PyErr_SetString(PyExc_ValueError, "counter is closed");
+        return NULL;
+    }
+    return raise_from_callback(PyObject_CallNoArgs(self->on_closed));
+}
+
+static PyObject *
+share_counter_consume(ShareCounterObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n, used, limit;
+    if (check_nargs("consume", nargs, 1) < 0 || parse_amount(args[0], "n", &n) < 0) {
+        return NULL;
+    }
+    if (!self->has_view) {
+        return share_counter_closed_error(self);
+    }
+    if (share_consume(self, n, &used, &limit)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *exc = PyObject_CallFunction(self->on_refuse, "OKK", args[0], (unsigned long long)used,
+                                          (unsigned long long)limit);
+    return raise_from_callback(exc);
+}
+
+static PyObject *
+share_counter_release(ShareCounterObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t n;
+    if (check_nargs("release", nargs, 1) < 0 || parse_amount(args[0], "n", &n) < 0) {
+        return NULL;
+    }
+    if (!self->has_view) {
+        return share_counter_closed_error(self);
+    }
+    uint64_t had = share_sub(self->mine, n);
+    if (n <= had) {
+        Py_RETURN_NONE;
+    }
+    FETCH_ADD(&self->line[F_UNDERFLOWS], 1);
+    PyObject *r = PyObject_CallFunction(self->on_underflow, "OK", args[0], (unsigned long long)had);
+    if (r == NULL) {
+        return NULL;
+    }
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+share_counter_load(ShareCounterObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)args;
+    if (check_nargs("load", nargs, 0) < 0) {
+        return NULL;
+    }
+    if (!self->has_view) {
+        return share_counter_closed_error(self);
+    }
+    uint64_t total;
+    if (!share_sum(self, &total)) {
+        total = UINT64_MAX;
+    }
+    return PyLong_FromUnsignedLongLong(total);
+}
+
+static PyObject *
+share_counter_close(ShareCounterObject *self, PyObject *Py_UNUSED(ignored))
+{
+    share_counter_release_view(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+share_counter_get_closed(ShareCounterObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(!self->has_view);
+}
+
+static PyMethodDef share_counter_methods[] = {
+    {"consume", (PyCFunction)(void (*)(void))share_counter_consume, METH_FASTCALL,
+     "consume(n) -> None; raises on_refuse(n, used, limit) when the sum of shares would exceed the limit."},
+    {"release", (PyCFunction)(void (*)(void))share_counter_release, METH_FASTCALL,
+     "release(n) -> None; calls on_underflow(n, share) when n > this holder's share (clamped to 0)."},
+    {"load", (PyCFunction)(void (*)(void))share_counter_load, METH_FASTCALL, "load() -> int: the sum of shares."},
+    {"close", (PyCFunction)share_counter_close, METH_NOARGS, "Release the buffer; later calls raise on_closed()."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef share_counter_getset[] = {
+    {"closed", (getter)share_counter_get_closed, NULL, "True once close() was called.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ShareCounterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shared._atomics.ShareCounter",
+    .tp_doc = PyDoc_STR("ShareCounter(buffer, line_offset, shares_offset, stride, nslots_offset, slot, extra_slot,\n"
+                        "             on_refuse, on_underflow, on_closed)\n\n"
+                        "A counter whose total is the sum of per-holder shares; this holder owns `slot`."),
+    .tp_basicsize = sizeof(ShareCounterObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)share_counter_init,
+    .tp_dealloc = (destructor)share_counter_dealloc,
+    .tp_traverse = (traverseproc)share_counter_traverse,
+    .tp_clear = (inquiry)share_counter_clear,
+    .tp_methods = share_counter_methods,
+    .tp_getset = share_counter_getset,
+};
+
 /* ---------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
@@ -710,7 +1054,7 @@ static struct PyModuleDef atomics_module = {
 PyMODINIT_FUNC
 PyInit__atomics(void)
 {
-    if (PyType_Ready(&CounterType) < 0) {
+    if (PyType_Ready(&CounterType) < 0 || PyType_Ready(&ShareCounterType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&atomics_module);
@@ -718,7 +1062,10 @@ PyInit__atomics(void)
         return NULL;
     }
     Py_INCREF(&CounterType);
+    Py_INCREF(&ShareCounterType);
     if (PyModule_AddObject(m, "Counter", (PyObject *)&CounterType) < 0 ||
+        PyModule_AddObject(m, "ShareCounter", (PyObject *)&ShareCounterType) < 0 ||
+        PyModule_AddIntConstant(m, "SHARE_RETRIES", SHARE_RETRIES) < 0 ||
         PyModule_AddIntConstant(m, "COUNTER_SPAN", COUNTER_SPAN) < 0 ||
         PyModule_AddIntConstant(m, "F_USED", F_USED * 8) < 0 ||
         PyModule_AddIntConstant(m, "F_LIMIT", F_LIMIT * 8) < 0 ||
@@ -726,6 +1073,7 @@ PyInit__atomics(void)
         PyModule_AddIntConstant(m, "F_REFUSALS", F_REFUSALS * 8) < 0 ||
         PyModule_AddIntConstant(m, "F_UNDERFLOWS", F_UNDERFLOWS * 8) < 0) {
         Py_DECREF(&CounterType);
+        Py_DECREF(&ShareCounterType);
         Py_DECREF(m);
         return NULL;
     }

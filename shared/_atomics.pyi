@@ -11,6 +11,7 @@ F_LIMIT: int
 F_HIGH_WATER: int
 F_REFUSALS: int
 F_UNDERFLOWS: int
+SHARE_RETRIES: int
 
 def consume(buffer: Buffer, offset: int, n: int, /) -> tuple[int, int] | None: ...
 def release(buffer: Buffer, offset: int, n: int, /) -> int | None: ...
@@ -30,6 +31,26 @@ class Counter:
         on_underflow: Callable[[int, int], object],
         on_closed: Callable[[], BaseException],
         mirror_offset: int | None = None,
+    ) -> None: ...
+    def consume(self, n: int, /) -> None: ...
+    def release(self, n: int, /) -> None: ...
+    def load(self) -> int: ...
+    def close(self) -> None: ...
+
+class ShareCounter:
+    closed: bool
+    def __init__(
+        self,
+        buffer: Buffer,
+        line_offset: int,
+        shares_offset: int,
+        stride: int,
+        nslots_offset: int,
+        slot: int,
+        extra_slot: int,
+        on_refuse: Callable[[int, int, int], BaseException],
+        on_underflow: Callable[[int, int], object],
+        on_closed: Callable[[], BaseException],
     ) -> None: ...
     def consume(self, n: int, /) -> None: ...
     def release(self, n: int, /) -> None: ...

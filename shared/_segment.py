@@ -32,7 +32,7 @@ class MappedSegment:
     _owner: bool
     _closed: bool
     _unlinked: bool
-    _counters: tuple[_atomics.Counter, ...]
+    _counters: tuple[_atomics.Counter | _atomics.ShareCounter, ...]
     _finalizer: weakref.finalize[Any, Any] | None
 
     def _map(self, segment: _shm.Segment, *, owner: bool) -> None:
@@ -45,7 +45,7 @@ class MappedSegment:
         self._counters = ()
         self._finalizer = None
 
-    def _bind_counters(self, *counters: _atomics.Counter) -> None:
+    def _bind_counters(self, *counters: _atomics.Counter | _atomics.ShareCounter) -> None:
         """Step 2: the C counters on this mapping; an owner also gets its GC/exit cleanup."""
         self._counters = counters
         if self._owner:
@@ -109,7 +109,7 @@ class MappedSegment:
             self.close()
 
 
-def _close_only(counters: tuple[_atomics.Counter, ...], segment: _shm.Segment) -> None:
+def _close_only(counters: tuple[_atomics.Counter | _atomics.ShareCounter, ...], segment: _shm.Segment) -> None:
     for counter in counters:  # they hold buffer exports: before the mapping goes
         counter.close()
     segment.close()
@@ -123,7 +123,7 @@ def _unlink(segment: _shm.Segment) -> None:
         pass
 
 
-def _finalize_owned(counters: tuple[_atomics.Counter, ...], segment: _shm.Segment) -> None:
+def _finalize_owned(counters: tuple[_atomics.Counter | _atomics.ShareCounter, ...], segment: _shm.Segment) -> None:
     """GC / interpreter-exit cleanup of an owned segment the caller forgot to close."""
     _close_only(counters, segment)
     _unlink(segment)

@@ -44,6 +44,12 @@ class _Owned:
 
     def __init__(self, shm: shared_memory.SharedMemory) -> None:
         self._shm = shm
+        # The mapping is all we use: the shm fd would cost the supervisor one more
+        # descriptor per tenant for nothing (SharedMemory keeps it only for close()).
+        fd = getattr(shm, "_fd", -1)
+        if isinstance(fd, int) and fd >= 0:
+            os.close(fd)
+            shm._fd = -1  # type: ignore[attr-defined]
         self.name: str = shm.name
         self.size: int = shm.size
         self.buf: memoryview = shm.buf  # type: ignore[assignment]

@@ -55,6 +55,8 @@ _SIZE_FIELDS = (
     "max_message_bytes",
     "max_header_bytes",
     "max_client_reply_bytes",
+    "max_tenant_held_bytes",
+    "max_held_bytes",
     "rss_allowance_bytes",
     "stub_device_capacity_bytes",
     "device_reserve_bytes",
@@ -112,6 +114,13 @@ class SupervisorConfig:
     cuda_driver_module: str | None = None
     cuda_nvrtc_module: str | None = None
     metrics_addr: str | None = None
+    #: tenant names as metric labels (default: per-supervisor pseudonyms; docs/SECURITY.md)
+    metrics_tenant_names: bool = False
+    #: group (name or gid) of tenant-only clients running as other users (docs/SECURITY.md)
+    client_group: str | None = None
+    #: bytes the supervisor holds for one tenant / for all (queued replies, parked bodies, modules)
+    max_tenant_held_bytes: int = 256 << 20
+    max_held_bytes: int = 2 << 30
     register_timeout_s: float = 60.0
     #: TCP frontends with CURVE, e.g. ("tcp://10.0.0.5:7700",); port 0 picks a free port
     listen: tuple[str, ...] = ()
@@ -163,6 +172,11 @@ class SupervisorConfig:
                 raise ValueError(f"{name} must be a dotted module name; got {value!r}")
         if self.metrics_addr is not None:
             parse_host_port(self.metrics_addr, "metrics_addr")
+        s(self, "metrics_tenant_names", _bool(self.metrics_tenant_names, "metrics_tenant_names"))
+        if self.client_group is not None:
+            s(self, "client_group", str(self.client_group))
+            if not self.client_group or "/" in self.client_group:
+                raise ValueError(f"client_group must be a group name or gid; got {self.client_group!r}")
         s(self, "listen", _listen(self.listen))
         if self.server_key_file is not None:
             s(self, "server_key_file", os.path.abspath(os.path.expanduser(str(self.server_key_file))))
@@ -292,6 +306,8 @@ _ENV_FIELDS = (
     "cuda_driver_module",
     "cuda_nvrtc_module",
     "metrics_addr",
+    "metrics_tenant_names",
+    "client_group",
     "register_timeout_s",
     "listen",
     "server_key_file",

@@ -32,6 +32,7 @@ filled by ``__init_subclass__``. Names follow the Rust crate
     +-- RequestTimeout               no reply within the client timeout  retryable (TimeoutError)
     +-- SupervisorUnavailable        no supervisor at that run dir       retryable (ConnectionError)
     +-- HandshakeFailed              CURVE handshake refused (wrong key)  (ConnectionError)
+    +-- UntrustedRunDir              run dir / socket / file of another uid (PermissionError)
     +-- SegmentError                 shared-memory segment missing/foreign/closed
     +-- StateError                   the state database cannot be used as it is
     +-- ConfigError                  the config file cannot be applied (reload)  (ValueError)
@@ -74,6 +75,7 @@ __all__ = [
     "TensorWasmError",
     "UnknownModule",
     "UnknownTenant",
+    "UntrustedRunDir",
     "WasmCompile",
     "WasmTrap",
     "WorkerLost",
@@ -556,6 +558,28 @@ class SupervisorUnavailable(TensorWasmError, ConnectionError):
 
     def _default_message(self) -> str:
         return f"no supervisor at {self.run_dir}: {self.reason}"
+
+
+class UntrustedRunDir(TensorWasmError, PermissionError):
+    """A run directory, socket or file is not owned by the expected user (or is open to others).
+
+    A client refuses it before sending anything: whoever controls that path
+    would receive the capabilities, modules and data sent to it, and could
+    answer with forged results. Check who created the directory (the default
+    ``/tmp/twt-<uid>`` can be pre-created by another user), remove it, and
+    start the supervisor again, or pass a run dir under ``$XDG_RUNTIME_DIR``.
+    """
+
+    code = "untrusted_run_dir"
+    _fields = ("path", "reason")
+
+    def __init__(self, path: str, reason: str, *, message: str | None = None) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(message)
+
+    def _default_message(self) -> str:
+        return f"refusing {self.path}: {self.reason}"
 
 
 class HandshakeFailed(TensorWasmError, ConnectionError):

@@ -14,6 +14,8 @@ words it in events, ``WorkerLost`` and ``status``):
     70  WORKER_SUPERVISOR_SILENT   the supervisor fell silent and its process is gone
                                    (a silent but living supervisor is waited for)
     71  WORKER_PARENT_GONE         its parent (the supervisor) died
+    72  WORKER_COMPILE_OVERRUN     a WASM compile ran past its run's deadline (the compiler
+                                   cannot be stopped otherwise; the run got KernelTimeout)
     80+i WORKER_CUDA_CONTEXT_LOST  the CUDA context hit sticky error number i of
                                    ``STICKY_CUDA_ERRORS`` (80 + len: a sticky code not
                                    in the table)
@@ -44,6 +46,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_UNAVAILABLE",
     "EXIT_USAGE",
+    "WORKER_COMPILE_OVERRUN",
     "WORKER_CRASHED",
     "WORKER_CUDA_CONTEXT_LOST",
     "WORKER_EXIT_CAUSES",
@@ -72,6 +75,8 @@ WORKER_CRASHED: Final = 1
 WORKER_SUPERVISOR_SILENT: Final = 70
 #: the parent (supervisor or fork server) is gone
 WORKER_PARENT_GONE: Final = 71
+#: a WASM compile ran past its run's deadline: the worker ends to stop the compiler thread
+WORKER_COMPILE_OVERRUN: Final = 72
 #: the CUDA context hit a sticky error: 80 + its index in STICKY_CUDA_ERRORS
 WORKER_CUDA_CONTEXT_LOST: Final = 80
 
@@ -115,6 +120,7 @@ def context_lost_exit_code(name: str) -> int:
 WORKER_EXIT_CAUSES: Final[dict[int, str]] = {
     WORKER_SUPERVISOR_SILENT: "supervisor_silent",
     WORKER_PARENT_GONE: "parent_gone",
+    WORKER_COMPILE_OVERRUN: "compile_overrun",
 }
 
 
@@ -144,4 +150,6 @@ def exit_reason(code: int | None, signal: int | None = None) -> str:
     lost = context_lost_error(code)
     if lost is not None:
         return f"CUDA context lost: {lost}"
+    if code == WORKER_COMPILE_OVERRUN:
+        return "a WASM compile ran past its run's deadline (worker ended to stop it)"
     return f"exited with code {code}"

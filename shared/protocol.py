@@ -31,7 +31,12 @@ __all__ = [
     "CONTROL_KINDS",
     "FAULT_KINDS",
     "HANDLE_OPS",
+    "MAX_BUFFERS_PER_INSTANCE",
+    "MAX_CLIENT_REPLY_BYTES",
+    "MAX_CLIENT_REPLY_ITEMS",
     "MAX_HEADER_BYTES",
+    "MAX_WORKER_REPLY_BYTES",
+    "MAX_WORKER_REPLY_ITEMS",
     "OPS",
     "PROTOCOL_VERSION",
     "QUOTA_KEYS",
@@ -59,6 +64,18 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 1
 MAX_HEADER_BYTES: Final = 64 * 1024
+#: Limits on decoding a *reply*: each is at least what the producer may send, so a reply
+#: the system itself produced always decodes (requests keep the small limits above).
+#: a worker's buffer table holds at most this many buffers (its ``buffers`` reply lists them)
+MAX_BUFFERS_PER_INSTANCE: Final = 65_536
+#: a worker's reply header, as the supervisor decodes it (one ``buffers`` list: ~1.3 MB)
+MAX_WORKER_REPLY_BYTES: Final = 4 << 20
+MAX_WORKER_REPLY_ITEMS: Final = MAX_BUFFERS_PER_INSTANCE + 1024
+#: the supervisor's reply header, as a client decodes it: a merged ``buffers`` list of 64
+#: instances (~64 MB) or a ``status`` of many thousand tenants. The client chose this
+#: supervisor (its run dir is verified) and decodes with these limits, never unbounded.
+MAX_CLIENT_REPLY_BYTES: Final = 256 << 20
+MAX_CLIENT_REPLY_ITEMS: Final = 64 * MAX_BUFFERS_PER_INSTANCE + 1024
 
 
 # ------------------------------------------------------------------ the op table
@@ -216,7 +233,7 @@ def _packb(obj: Any) -> bytes:
     return data
 
 
-def _unpack(data: bytes, max_len: int) -> Any:
+def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> Any:
     if len(data) > max_len:
         raise ProtocolError(f"header of {len(data)} bytes exceeds the {max_len}-byte limit")
     try:
@@ -227,8 +244,8 @@ def _unpack(data: bytes, max_len: int) -> Any:
             use_list=True,
             max_str_len=max_len,
             max_bin_len=max_len,
-            max_array_len=4096,
-            max_map_len=1024,
+            max_array_len=max_items,
+            max_map_len=max(1024, max_items),
             max_ext_len=0,
         )
     except ProtocolError:
@@ -254,7 +271,7 @@ def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[
     if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 1 << 63:
         raise ProtocolError("rid must be a non-negative int")
     if not isinstance(op, str) or (op not in TENANT_OPS and op not in ADMIN_OPS):
-        raise ProtocolError(f"unknown op {op!r}")
+        raise ProtocolError(f"unknown op {op!r:.80}")  # never echo an unbounded name
     if cap is not None and not isinstance(cap, bytes):
         raise ProtocolError("capability must be bytes or nil")
     if not isinstance(args, dict):
@@ -267,8 +284,7 @@ def peek_rid(data: bytes) -> int | None:
 
     Reads only the array header and its first two items, whatever follows.
     """
-    if len(data) > MAX_HEADER_BYTES:
-        return None
+    data = data[:64]  # more than the array header, the version and a rid ever take
     try:
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_HEADER_BYTES, max_str_len=256,
                                     max_bin_len=256, max_array_len=16, max_map_len=16, max_ext_len=0)
@@ -289,9 +305,10 @@ def encode_reply(rid: int, ok: bool, payload: Any) -> bytes:
     return _packb([PROTOCOL_VERSION, rid, ok, payload])
 
 
-def decode_reply(data: bytes, max_len: int = 16 * MAX_HEADER_BYTES) -> tuple[int, bool, Any]:
+def decode_reply(data: bytes, max_len: int = MAX_CLIENT_REPLY_BYTES,
+                 max_items: int = MAX_CLIENT_REPLY_ITEMS) -> tuple[int, bool, Any]:
     """A reply header as the client sees it: (rid, ok, result-or-error-dict)."""
-    obj = _unpack(data, max_len)
+    obj = _unpack(data, max_len, max_items)
     if not isinstance(obj, list) or len(obj) != 4 or obj[0] != PROTOCOL_VERSION:
         raise ProtocolError("reply must be [version, rid, ok, payload]")
     _, rid, ok, payload = obj
@@ -318,9 +335,10 @@ def encode_worker_reply(rid: int, ok: bool, payload: Any) -> bytes:
     return _packb([rid, ok, payload])
 
 
-def decode_worker_reply(data: bytes, max_len: int = 16 * MAX_HEADER_BYTES) -> tuple[int, bool, Any]:
+def decode_worker_reply(data: bytes, max_len: int = MAX_WORKER_REPLY_BYTES,
+                        max_items: int = MAX_WORKER_REPLY_ITEMS) -> tuple[int, bool, Any]:
     """Workers are semi-trusted (they run tenant code): validate like any input."""
-    obj = _unpack(data, max_len)
+    obj = _unpack(data, max_len, max_items)
     if not isinstance(obj, list) or len(obj) != 3:
         raise ProtocolError("worker reply must be [rid, ok, payload]")
     rid, ok, payload = obj

@@ -13,10 +13,19 @@ they gain nothing)::
     line 0   header   magic | version | kind | owner pid | owner start (ms since boot) |
                       generation | segment size | max instances
     line 1   label    tenant id, NUL-padded (<= 63 bytes)
-    line 2   cpu      used | limit | high water | refusals | underflows
-    line 3   gpu      used | limit | high water | refusals | underflows
-    line 4   settings recorded cuda mem pool quota
+    line 2   cpu      (unused) | limit | high water | refusals | underflows
+    line 3   gpu      (unused) | limit | high water | refusals | underflows
+    line 4   settings recorded cuda mem pool quota | share slots in use
     line 5+i instance i's share: cpu bytes | gpu bytes   (i < MAX_INSTANCES)
+    line 5+MAX_INSTANCES  the unattributed share (holders without an instance: the owner, in-process use)
+
+A tenant's use is *derived*: the sum of the shares (``_atomics.ShareCounter``).
+A worker instance only ever writes its own share, so when it dies - SIGKILL
+at any instruction included - its share is exactly what it held, and the
+supervisor reclaims it with one exchange. (The earlier layout kept a tenant counter and
+mirrored each change into the share in a second step; a kill between the two
+left the reclaim one allocation off. ``tests/helpers/quota_share_model.py``
+checks both schemes with a kill at every step.)
 
 A limit of ``UINT64_MAX`` means "no limit" (``gpu_memory_bytes_cap=None``:
 operator trust, counted but never refused). The magic is written last, so an
@@ -65,6 +74,10 @@ UNLIMITED: Final = (1 << 64) - 1
 
 _LINE = 64
 MAGIC: Final = int.from_bytes(b"TWTQUOTA", "little")
+#: The header's version stays 1: the derived-share layout is told apart by its size (8 KiB,
+#: 65 share lines); a 4 KiB segment of the earlier mirrored layout is refused as too small.
+#: Kept so that test runs of other builds sharing /dev/shm recognise (and leave alone)
+#: these segments; workers always come from the supervisor's own install.
 LAYOUT_VERSION: Final = 1
 KIND_TENANT: Final = 1
 KIND_DEVICE: Final = 2
@@ -79,8 +92,10 @@ _CPU = 2 * _LINE
 _GPU = 3 * _LINE
 _SETTINGS = 4 * _LINE
 _S_POOL_QUOTA = _SETTINGS + 0
+_S_NSLOTS = _SETTINGS + 8
 _INSTANCES = 5 * _LINE
-_LAYOUT_BYTES = _INSTANCES + MAX_INSTANCES * _LINE
+_UNATTRIBUTED = MAX_INSTANCES  # the share slot of holders without an instance
+_LAYOUT_BYTES = _INSTANCES + (MAX_INSTANCES + 1) * _LINE
 SEGMENT_BYTES: Final = (_LAYOUT_BYTES + 4095) // 4096 * 4096
 
 _UNCHANGED: Any = object()
@@ -268,8 +283,6 @@ class QuotaBlock(MappedSegment):
         self._instance = instance
         self.tenant_id = TenantId(tenant_id)
         name = segment.name
-        mirror_cpu = None if instance is None else _instance_off(instance)
-        mirror_gpu = None if instance is None else _instance_off(instance) + 8
         tid = self.tenant_id
 
         def refuse_cpu(n: int, used: int, limit: int) -> BaseException:
@@ -294,8 +307,15 @@ class QuotaBlock(MappedSegment):
             return warn
 
         closed = self._on_closed()
-        self._cpu = _atomics.Counter(self._buf, _CPU, refuse_cpu, underflow("cpu"), closed, mirror_cpu)
-        self._gpu = _atomics.Counter(self._buf, _GPU, refuse_gpu, underflow("gpu"), closed, mirror_gpu)
+        slot = _UNATTRIBUTED if instance is None else instance
+        self._cpu = _atomics.ShareCounter(
+            self._buf, _CPU, _INSTANCES, _LINE, _S_NSLOTS, slot, _UNATTRIBUTED,
+            refuse_cpu, underflow("cpu"), closed,
+        )
+        self._gpu = _atomics.ShareCounter(
+            self._buf, _GPU, _INSTANCES + 8, _LINE, _S_NSLOTS, slot, _UNATTRIBUTED,
+            refuse_gpu, underflow("gpu"), closed,
+        )
         self.consume_bytes = self._cpu.consume
         self.release_bytes = self._cpu.release
         self.consume_gpu_bytes = self._gpu.consume
@@ -383,13 +403,31 @@ class QuotaBlock(MappedSegment):
             raise SegmentError(self.name, "quota block is closed")
         return _atomics.load(self._buf, off)
 
+    def _shares(self) -> list[tuple[int, int, int]]:
+        """(slot, cpu, gpu) of every slot holding bytes: one bulk read (aligned
+        8-byte loads are not torn on x86-64/arm64) instead of 130 atomic calls."""
+        if self._closed:  # before the bulk read, which bypasses _load's check
+            raise SegmentError(self.name, "quota block is closed")
+        raw = self._buf[_INSTANCES:_LAYOUT_BYTES].cast("Q")
+        step = _LINE // 8
+        try:
+            return [
+                (i, raw[i * step], raw[i * step + 1])
+                for i in range(MAX_INSTANCES + 1)
+                if raw[i * step] or raw[i * step + 1]
+            ]
+        finally:
+            raw.release()
+
     @property
     def bytes_in_use(self) -> int:
-        return self._load(_CPU)
+        """Host bytes in use: the sum of every holder's share."""
+        return self._cpu.load() if not self._closed else self._load(_CPU)
 
     @property
     def gpu_bytes_in_use(self) -> int:
-        return self._load(_GPU)
+        """GPU bytes in use: the sum of every holder's share."""
+        return self._gpu.load() if not self._closed else self._load(_GPU)
 
     @property
     def memory_quota_bytes(self) -> int:
@@ -417,28 +455,18 @@ class QuotaBlock(MappedSegment):
     def snapshot(self) -> QuotaSnapshot:
         """Every counter, high-water mark, refusal and underflow count."""
         load = self._load
-        if self._closed:  # before the bulk read below, which bypasses _load's check
-            raise SegmentError(self.name, "quota block is closed")
-        # Instance shares are informational: one bulk read (aligned 8-byte
-        # loads are not torn on x86-64/arm64) instead of 128 atomic calls.
-        raw = self._buf[_INSTANCES:_LAYOUT_BYTES].cast("Q")
-        step = _LINE // 8
-        shares = [
-            (i, raw[i * step], raw[i * step + 1])
-            for i in range(MAX_INSTANCES)
-            if raw[i * step] or raw[i * step + 1]
-        ]
-        raw.release()
+        slots = self._shares()
+        shares = [t for t in slots if t[0] != _UNATTRIBUTED]
         return QuotaSnapshot(
             tenant_id=self.tenant_id,
             name=self.name,
             generation=load(_H_GEN),
-            bytes_in_use=load(_CPU),
+            bytes_in_use=sum(cpu for _, cpu, _ in slots),
             memory_quota_bytes=load(_CPU + _atomics.F_LIMIT),
             cpu_high_water=load(_CPU + _atomics.F_HIGH_WATER),
             cpu_refusals=load(_CPU + _atomics.F_REFUSALS),
             cpu_underflows=load(_CPU + _atomics.F_UNDERFLOWS),
-            gpu_bytes_in_use=load(_GPU),
+            gpu_bytes_in_use=sum(gpu for _, _, gpu in slots),
             gpu_memory_bytes_cap=_raw_to_limit(load(_GPU + _atomics.F_LIMIT)),
             gpu_high_water=load(_GPU + _atomics.F_HIGH_WATER),
             gpu_refusals=load(_GPU + _atomics.F_REFUSALS),
@@ -486,12 +514,9 @@ class QuotaBlock(MappedSegment):
         if self._closed:
             raise SegmentError(self.name, "quota block is closed")
         off = _instance_off(index)
+        # The tenant's use is the sum of shares: zeroing this one is the whole reclaim.
         cpu = _atomics.exchange(self._buf, off, 0)
         gpu = _atomics.exchange(self._buf, off + 8, 0)
-        if cpu:
-            self._release_raw(_CPU, cpu, "cpu")
-        if gpu:
-            self._release_raw(_GPU, gpu, "gpu")
         return cpu, gpu
 
     def reset_gpu(self, instance: int | None = None) -> int:
@@ -500,9 +525,7 @@ class QuotaBlock(MappedSegment):
             return self.reclaim_instance_gpu(instance)
         if self._closed:
             raise SegmentError(self.name, "quota block is closed")
-        for i in range(MAX_INSTANCES):
-            _atomics.store(self._buf, _instance_off(i) + 8, 0)
-        return _atomics.exchange(self._buf, _GPU, 0)
+        return sum(_atomics.exchange(self._buf, _instance_off(i) + 8, 0) for i in range(MAX_INSTANCES + 1))
 
     def reclaim_instance_gpu(self, index: int) -> int:
         """Like :meth:`reclaim_instance` for the GPU share only."""
@@ -510,24 +533,7 @@ class QuotaBlock(MappedSegment):
             raise ValueError(f"instance {index} out of range 0..{MAX_INSTANCES - 1}")
         if self._closed:
             raise SegmentError(self.name, "quota block is closed")
-        gpu = _atomics.exchange(self._buf, _instance_off(index) + 8, 0)
-        if gpu:
-            self._release_raw(_GPU, gpu, "gpu")
-        return gpu
-
-    def _release_raw(self, off: int, n: int, resource: str) -> None:
-        found = _atomics.release(self._buf, off, n)
-        if found is not None:
-            log_event(
-                _log,
-                logging.WARNING,
-                "quota.underflow",
-                tenant=self.tenant_id,
-                resource=resource,
-                released=n,
-                in_use=found,
-                segment=self.name,
-            )
+        return _atomics.exchange(self._buf, _instance_off(index) + 8, 0)
 
 
 def _attach(name: str, missing: str) -> _shm._Attached:

@@ -88,8 +88,11 @@ def _holds(record: type[Record]) -> dict[str, Any]:
 class BootMessage(Record):
     """What a worker process is started with (the argument of ``worker.main.run``)."""
 
-    worker_id: str
+    worker_id: str  # a public label (logs, events)
     token: str  # one-time token the worker's two hellos must carry
+    #: the ZeroMQ identity to connect with: 128 random bits, never published (a process that
+    #: reaches backend.ipc cannot claim it first and shut the real worker out)
+    routing_id: str
     data_endpoint: str
     control_endpoint: str
     heartbeat_interval_s: float
@@ -239,6 +242,16 @@ class SupervisorRecord(HelloInfo):
     workers: int
     internal_errors: int
     rss_bytes: int | None = None
+    #: bytes held for tenants (supervisor.budgets): total, refused, and per kind
+    held_bytes: dict[str, int] = field(default_factory=dict)
+    #: unauthenticated requests dropped unanswered, and waiting for their turn
+    unauthenticated_dropped: int = 0
+    unauthenticated_backlog: int = 0
+    #: the soft RLIMIT_NOFILE in force; frontend connections, their budget, connections shed
+    fd_limit: int | None = None
+    connections: int = 0
+    connection_budget: int | None = None
+    connections_shed: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,6 +65,7 @@ from supervisor.pending import PendingTable
 from supervisor.placement import Placement
 from supervisor.registry import TenantRegistry
 from supervisor.rundir import RunDir
+from supervisor.guard import FrontendGuard
 from supervisor.state import StateStore
 from supervisor.tenants import InstanceSlot, Parked, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
@@ -101,8 +102,10 @@ class AdminOps:
         backend_reason: str,
         counters: Callable[[], int],
         on_settled: Callable[[], None],
+        guard: FrontendGuard,
     ) -> None:
         self.config = config
+        self.guard = guard
         self.loop = loop
         self.clock = loop.clock
         self.tenants = tenants
@@ -315,6 +318,7 @@ class AdminOps:
         self.record(self.state.evict, tid)
         self.service.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
         self.frontend.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
+        self.frontend.forget(rt)  # verified tokens, modules, held bytes: nothing of it stays
         workers = [s.worker for s in rt.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD]
         for worker in workers:
             self.workers.stop_worker(worker, "evicted")
@@ -498,6 +502,7 @@ class AdminOps:
                 workers=len(ws.workers),
                 internal_errors=self._internal_errors(),
                 rss_bytes=psutil.Process().memory_info().rss,
+                **self.guard.status(),
             ),
             tenants=tuple(self.tenant_record(rt) for _, rt in sorted(self.tenants.items())),
             devices=tuple(self.placement.status(by_device)),

@@ -52,7 +52,7 @@ from shared.spec import TenantSpec
 from supervisor.curve import CurveKeyPair, load_client_keys, parse_public_key
 from supervisor.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
 from supervisor.events import TOPIC_PREFIX, decode_event
-from supervisor.rundir import read_admin_capability, read_ready
+from supervisor.rundir import read_admin_capability, read_ready, verify_run_dir
 
 __all__ = ["SupervisorClient"]
 
@@ -81,13 +81,18 @@ class SupervisorClient:
     """A connection to the supervisor whose run directory is ``run_dir``."""
 
     def __init__(self, run_dir: str, *, timeout_s: float = 30.0, check: bool = True, regions: bool = True,
-                 bulk_threshold: int = DEFAULT_THRESHOLD, region_bytes: int = DEFAULT_REGION_BYTES) -> None:
+                 bulk_threshold: int = DEFAULT_THRESHOLD, region_bytes: int = DEFAULT_REGION_BYTES,
+                 expected_uid: int | None = None) -> None:
         """``regions``: move payloads of ``bulk_threshold`` bytes and more through shared-memory
         regions (this client runs on the supervisor's host: it connects over ``ipc://``);
-        ``region_bytes`` bounds the staging region per tenant (charged to its host quota)."""
+        ``region_bytes`` bounds the staging region per tenant (charged to its host quota).
+        ``expected_uid``: who must own the run dir, its sockets and files (default: this
+        process's uid); anything else is refused with :class:`UntrustedRunDir` before a
+        byte is sent."""
         self.run_dir = os.path.abspath(run_dir)
         self.timeout_s = timeout_s
-        info = read_ready(self.run_dir)
+        self._expected_uid = os.getuid() if expected_uid is None else expected_uid
+        info = read_ready(self.run_dir, self._expected_uid)
         if check:
             if info is None:
                 raise SupervisorUnavailable(self.run_dir, "no supervisor.json (not running, or not ready yet)")
@@ -96,6 +101,7 @@ class SupervisorClient:
                 raise SupervisorUnavailable(self.run_dir, f"supervisor pid {pid} is not running (stale run dir)")
         self.info = info or {}
         self.connect_timeout_s = timeout_s
+        verify_run_dir(self.run_dir, self._expected_uid)  # again: the sockets exist now
         self._open("ipc://" + os.path.join(self.run_dir, "frontend.ipc"), None, None)
         self._bulk = BulkPath(self, enabled=regions, threshold=bulk_threshold, region_bytes=region_bytes)
 
@@ -179,16 +185,19 @@ class SupervisorClient:
 
     @property
     def admin(self) -> RegistryAdminCapability:
-        """The admin capability from ``<run_dir>/admin.cap`` (read once)."""
+        """The admin capability from ``<run_dir>/admin/admin.cap`` (read once)."""
         if self._admin is None:
             if self.is_remote:
                 raise InvalidArgument(
                     f"a remote client has no admin.cap: pass admin= to SupervisorClient.remote ({self.endpoint})"
                 )
             try:
-                self._admin = RegistryAdminCapability.from_bytes(read_admin_capability(self.run_dir))
+                self._admin = RegistryAdminCapability.from_bytes(
+                    read_admin_capability(self.run_dir, self._expected_uid)
+                )
             except FileNotFoundError:
-                raise SupervisorUnavailable(self.run_dir, "no admin.cap (not running?)") from None
+                raise SupervisorUnavailable(
+                    self.run_dir, "no admin/admin.cap (not running, or not the operator?)") from None
         return self._admin
 
     def send(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
@@ -208,7 +217,9 @@ class SupervisorClient:
         return rid
 
     def recv(self, timeout_s: float | None = None) -> tuple[int, bool, Any, bytes | None]:
-        """The next reply: (rid, ok, result-or-error-dict, body). Raises RequestTimeout."""
+        """The next reply: (rid, ok, result-or-error-dict, body). Raises RequestTimeout, or
+        ProtocolError for a reply that does not decode and names no request (one that
+        names its request comes back as that request's ``protocol_error``)."""
         return self._recv_one(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s), "recv")
 
     def _watch_link(self) -> None:
@@ -263,12 +274,22 @@ class SupervisorClient:
                 return reply
 
     def _read_reply(self) -> tuple[int, bool, Any, bytes | None] | None:
-        """The reply waiting on the socket, or None for a frame that does not decode (dropped)."""
+        """The reply waiting on the socket. One that does not decode is never silence: it
+        comes back as its request's ``protocol_error`` when its rid is readable, else
+        :class:`ProtocolError` is raised to whoever waits."""
         frames = self._sock.recv_multipart()
         try:
             rid, ok, payload = proto.decode_reply(frames[0])
-        except ProtocolError:
-            return None
+        except ProtocolError as exc:
+            got = proto.peek_rid(frames[0])
+            error = ProtocolError(
+                exc.detail,
+                message=f"a reply{'' if got is None else f' to request {got}'} ({len(frames[0]):,} B) "
+                f"could not be decoded: {exc.detail}",
+            )
+            if got is None:
+                raise error from None
+            return got, False, error.to_dict(), None
         return rid, ok, payload, frames[1] if len(frames) > 1 else None
 
     def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
@@ -304,6 +325,8 @@ class SupervisorClient:
                 got, ok, payload, out_body = self._recv_one(deadline, op)
             except RequestTimeout:
                 raise RequestTimeout(op, timeout) from None
+            except ProtocolError as exc:  # undecodable and unattributable: ours is the one waiting
+                raise ProtocolError(exc.detail, message=f"{op}: {exc.message}") from None
             if got == rid:
                 break
             # a late reply to an earlier, timed-out request: drop it
@@ -650,6 +673,7 @@ class SupervisorClient:
         sub.setsockopt(zmq.LINGER, 0)
         for kind in kinds or [""]:
             sub.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX + kind.encode())
+        verify_run_dir(self.run_dir, self._expected_uid)
         sub.connect("ipc://" + os.path.join(self.run_dir, "events.ipc"))
         try:
             while True:

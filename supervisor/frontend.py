@@ -29,7 +29,9 @@ May touch: the pending table (every answer goes through it), the worker set
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
@@ -53,6 +55,7 @@ from shared.errors import (
 from shared.log import get_logger
 from shared.sizes import MAX_MODULE_BYTES
 from shared.spec import DEADLINE_GRACE_S
+from supervisor.guard import FrontendGuard
 from supervisor.loop import Loop
 from supervisor.pending import Pending, PendingTable
 from supervisor.regions import RegionTable
@@ -62,7 +65,10 @@ from supervisor.tcp_frontend import IPC_INDEX, TCP_INDEX
 from supervisor.tenants import InstanceSlot, Parked, TenantRuntime, TenantState
 from supervisor.workerset import BATCH, WorkerSet
 
-__all__ = ["Frontend"]
+#: messages read per turn while the unauthenticated backlog is full
+BATCH_BACKLOGGED = 16
+
+__all__ = ["ClientMessage", "Frontend"]
 
 _log = get_logger("supervisor")
 
@@ -104,6 +110,8 @@ class Frontend:
         registry: TenantRegistry,
         tenants: Mapping[str, TenantRuntime],
         admin: AdminHandler,
+        guard: FrontendGuard,
+        admin_cap: bytes,
         on_denied: DenialHook | None = None,
         regions: RegionTable,
     ) -> None:
@@ -116,10 +124,13 @@ class Frontend:
         self.registry = registry
         self.tenants = tenants
         self.admin = admin
+        self.guard = guard
+        self._admin_raw = admin_cap
         self.on_denied = on_denied
         self.regions = regions
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
+        self._served_turn = False
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
         if tcp_sock is not None:
             loop.register(tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
@@ -127,20 +138,43 @@ class Frontend:
     # ------------------------------------------------------------ decode
 
     def _on_readable(self, sock: zmq.Socket[Any], prefix: bytes) -> None:
-        # Drain what is queued, asking ZMQ_EVENTS between messages: a recv that
-        # fails with EAGAIN costs ~5 us here (the exception), the query ~1.6 us.
+        # Drain what is queued (asking ZMQ_EVENTS between messages: a recv that fails
+        # with EAGAIN costs ~5 us here, the query ~1.6 us), then serve the turn's
+        # messages in a fair order (supervisor.fairness): verified tenants round robin,
+        # then unauthenticated peers round robin under a budget, the rest waiting in a
+        # bounded backlog. While it is full, read only a few: a flood waits in its sender.
         recv, events = sock.recv_multipart, sock.getsockopt
-        for _ in range(BATCH):
+        turn: list[tuple[bool, Any, ClientMessage]] = []
+        for _ in range(BATCH_BACKLOGGED if self.guard.fair.backlog_full else BATCH):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
-            self.handle(frames, prefix)
+                break
+            msg = self.decode(frames, prefix)
+            if msg is not None:
+                turn.append((msg.key is not None, msg.key if msg.key is not None else msg.client, msg))
             if not int(events(zmq.EVENTS)) & zmq.POLLIN:
-                return
+                break
+        self._served_turn = True
+        for msg in self.guard.fair.order(turn):
+            self.serve(msg)
+
+    def end_turn(self) -> None:
+        """End of a loop turn: serve waiting unauthenticated requests if no message came."""
+        if not self._served_turn and self.guard.fair.backlog:
+            for msg in self.guard.fair.order(()):
+                self.serve(msg)
+        self._served_turn = False
 
     def handle(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> None:
-        """One client message: decode, dispatch by the op table, answer every refusal typed.
+        """One client message: decode, dispatch by the op table, answer every refusal typed."""
+        msg = self.decode(frames, prefix)
+        if msg is not None:
+            self.serve(msg)
+
+    def decode(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> ClientMessage | None:
+        """Decode one client message (None: unanswerable, dropped) and note whose it is:
+        ``key`` is the tenant (or "admin") when its capability was verified before.
 
         ``prefix`` names the socket it came in on; the client key is it plus the
         peer's identity (see :mod:`supervisor.replies`).
@@ -148,39 +182,77 @@ class Frontend:
         client = prefix + frames[0].bytes
         if len(frames) not in (2, 3):
             rid = proto.peek_rid(frames[1].bytes) if len(frames) > 1 else None
-            if rid is not None:
-                self.pending.refuse(client, rid, "", ProtocolError(f"expected 1 or 2 frames, got {len(frames) - 1}"))
-            return
+            if rid is None:
+                return None
+            return ClientMessage(client, rid, "", None, {}, None,
+                                 ProtocolError(f"expected 1 or 2 frames, got {len(frames) - 1}"))
         header = frames[1].bytes
         try:
             rid, op, cap_raw, args = proto.decode_client_header(header, self.config.max_header_bytes)
         except ProtocolError as exc:
             rid2 = proto.peek_rid(header)
-            if rid2 is not None:
-                self.pending.refuse(client, rid2, "", exc)
-            return
+            # without its traceback: its frames reach this turn's list, which holds the
+            # message - a cycle that keeps every flooded header alive until a full GC
+            return None if rid2 is None else ClientMessage(client, rid2, "", None, {}, None,
+                                                           exc.with_traceback(None))
         body = frames[2] if len(frames) == 3 else None
+        msg = ClientMessage(client, rid, op, cap_raw, args, body, None,
+                            size=len(header) + (len(body) if body is not None else 0))
+        msg.key = self.verified_key(cap_raw)
+        return msg
+
+    def verified_key(self, cap_raw: bytes | None) -> str | None:
+        """The tenant whose verified capability these exact bytes are ("admin" for the
+        admin capability), or None: never verified (forged, foreign, new or absent)."""
+        if cap_raw is None:
+            return None
+        rt = self._verified_caps.get(cap_raw)
+        if rt is not None and self.tenants.get(rt.tenant_id) is rt:
+            return rt.tenant_id
+        if hmac.compare_digest(cap_raw, self._admin_raw):
+            return "admin"
+        return None
+
+    def serve(self, msg: ClientMessage) -> None:
+        client, rid, op, body = msg.client, msg.rid, msg.op, msg.body
+        if msg.error is not None:
+            self._refused(client, rid, op, msg.error, None)
+            return
         try:
             if proto.OPS[op].admin:
-                if prefix == _TCP and not self.config.allow_remote_admin:
+                if client[:1] == _TCP and not self.config.allow_remote_admin:
                     raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
-                self.admin(client, rid, op, cap_raw, args, body)
+                self.admin(client, rid, op, msg.cap_raw, msg.args, body)
             else:
-                self._tenant_request(client, rid, op, cap_raw, args, body)
+                self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body)
         except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
-            self._refused(client, rid, op, exc)
+            self._refused(client, rid, op, exc, msg.cap_raw)
             if self.on_denied is not None:
-                self.on_denied(cap_raw, op)
+                self.on_denied(msg.cap_raw, op)
         except TensorWasmError as exc:
-            self._refused(client, rid, op, exc)
+            self._refused(client, rid, op, exc, msg.cap_raw)
         except (TypeError, ValueError, KeyError) as exc:
-            self._refused(client, rid, op, InvalidArgument(f"{op}: {exc}"))
+            self._refused(client, rid, op, InvalidArgument(f"{op}: {exc}"), msg.cap_raw)
         except Exception as exc:  # noqa: BLE001 - nothing a client sends may crash the loop
             _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
-            self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"))
+            self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"), msg.cap_raw)
 
-    def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError) -> None:
-        self.pending.refuse(client, rid, op, exc, tenant=str(getattr(exc, "tenant_id", None) or ""))
+    def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError, cap_raw: bytes | None) -> None:
+        """Answer a request the supervisor itself refused (and count it).
+
+        Only a verified capability earns a full answer and a metric label of its
+        tenant. Anything else gets a short error, sent tracked, while its peer has
+        few of them unread (else it is dropped); counted under one label: a forged
+        token's tenant name never becomes a label.
+        """
+        key = self.verified_key(cap_raw)
+        if key is None:
+            err = self.guard.unauthenticated_error(client, exc)
+            if err is not None:
+                self.guard.errors.sent(client, self.replies.error_tracked(client, rid, err))
+            self.pending.count_refusal("", op, exc.code)
+            return
+        self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)
 
     # ------------------------------------------------------------ tenant requests
 
@@ -192,6 +264,15 @@ class Frontend:
         rt = self._verify(cap_raw)
         proto.check_args(op, args)
         tid = rt.tenant_id
+        # Every limit applies to every op, before anything is done for it: the failed
+        # tenant, max_in_flight (quota and put_module count, though answered at once),
+        # the module cap.
+        if rt.state is TenantState.FAILED:
+            raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
+        if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
+            raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
+        if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
+            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         if op == "quota":
             self.pending.answer(client, rid, op, rt.block.snapshot().to_dict(), tenant=tid)
             return
@@ -207,8 +288,6 @@ class Frontend:
         if op == "write_region" or op == "read_region":
             # the tenant's own region or refused; the worker learns its name from us only
             args = {**args, "region_name": self.regions.resolve(tid, args.get("region")).name}
-        if body is not None and op == "run_wasm" and len(body) > MAX_MODULE_BYTES:
-            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         if op == "run_wasm" and body is None:
             digest = args.get("digest")
             stored = rt.modules.get(digest) if isinstance(digest, str) else None
@@ -216,12 +295,8 @@ class Frontend:
                 raise UnknownModule(tid, str(digest))
             rt.modules.move_to_end(digest)
             body = stored
-        if rt.state is TenantState.FAILED:
-            raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
         if rt.state is TenantState.STOPPED:
             raise TenantStopped(tid)
-        if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
-            raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
         if op in _BIG_REPLY_OPS:
             queued = self.replies.queued_bytes(client)
             if queued > self.config.max_client_reply_bytes:
@@ -243,10 +318,28 @@ class Frontend:
         if slot is None:
             if not (rt.coming_up() if pinned is None else rt.slots[pinned].coming_up):
                 raise _nothing_coming_up(rt, pinned)
-            # no ready instance, but one is starting or restarting: wait for it, bounded
-            rt.parked.append(Parked(client, rid, op, args, body, now, now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned))
-            return
-        self._forward(rt, slot, client, rid, op, args, body, now)
+        # What the supervisor will hold for this request, reserved before it holds it
+        # (supervisor.budgets): a read's reply, and a parked request's body.
+        held = self.guard.held
+        reply = expected_reply_bytes(op, args, self.config.max_message_bytes)
+        held.reserve(tid, "replies", reply)
+        try:
+            if slot is None:
+                # no ready instance, but one is starting or restarting: wait for it, bounded
+                size = len(body) if body is not None else 0
+                held.reserve(tid, "parked", size)
+                rt.parked.append(Parked(client, rid, op, args, body, now,
+                                        now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned,
+                                        held_reply=reply, held_body=size))
+                return
+            self._forward(rt, slot, client, rid, op, args, body, now, held=reply)
+        except BaseException:
+            held.release(tid, "replies", reply)
+            raise
+
+    def set_admin_capability(self, raw: bytes) -> None:
+        """The admin capability's bytes changed (key rotation): requests carrying them are verified."""
+        self._admin_raw = raw
 
     def forget_verified(self) -> None:
         """Drop the verified-capability cache (the registry key was rotated: nothing verified before counts)."""
@@ -350,13 +443,29 @@ class Frontend:
         if not data:
             raise InvalidArgument("put_module: empty module")
         digest = hashlib.sha256(data).hexdigest()
-        rt.modules[digest] = data
-        rt.modules.move_to_end(digest)
-        while (
-            len(rt.modules) > MAX_MODULES_PER_TENANT or sum(map(len, rt.modules.values())) > MAX_MODULE_BYTES_PER_TENANT
+        if digest in rt.modules:
+            rt.modules.move_to_end(digest)
+            return digest
+        # Room first among the tenant's own modules (LRU), then the held-bytes budgets
+        # (per tenant and for all tenants together): Overloaded beyond them.
+        held = self.guard.held
+        while rt.modules and (
+            len(rt.modules) >= MAX_MODULES_PER_TENANT
+            or sum(map(len, rt.modules.values())) + len(data) > MAX_MODULE_BYTES_PER_TENANT
         ):
-            rt.modules.popitem(last=False)
+            _, old = rt.modules.popitem(last=False)
+            held.release(rt.tenant_id, "modules", len(old))
+        held.reserve(rt.tenant_id, "modules", len(data))
+        rt.modules[digest] = data
         return digest
+
+    def forget(self, rt: TenantRuntime) -> None:
+        """An evicted tenant leaves nothing behind here: its verified tokens (which kept
+        its runtime alive), stored modules and held bytes."""
+        for raw in [raw for raw, cached in self._verified_caps.items() if cached is rt]:
+            del self._verified_caps[raw]
+        rt.modules.clear()
+        self.guard.held.forget(rt.tenant_id)
 
     def _forward(
         self,
@@ -371,9 +480,11 @@ class Frontend:
         *,
         started: float | None = None,
         deadline: float | None = None,
+        held: int = 0,
     ) -> None:
         """Send to the slot's worker. A request that waited (parked) keeps its
-        original start and deadline; a run is shortened to fit what is left."""
+        original start and deadline; a run is shortened to fit what is left.
+        ``held``: reply bytes reserved for it, handed to its Pending (raises: not taken)."""
         worker = slot.worker
         assert worker is not None
         if op == "run_wasm":
@@ -384,7 +495,8 @@ class Frontend:
                     args["timeout_s"] = max(0.001, left)
         own = now + rt.spec.deadline_s(op, args.get("timeout_s"))
         deadline = own if deadline is None else min(own, deadline)
-        pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline)
+        pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline,
+                          held=held)
         self.workers.send_request(worker, op, args, body, pending)
 
     # ------------------------------------------------------------ parked requests
@@ -403,9 +515,12 @@ class Frontend:
             if lost is not None:  # its instance restarted while it waited: the buffer went with it
                 self.pending.refuse_parked(rt.tenant_id, p, lost)
                 continue
+            # the body leaves the parked budget: it goes to the worker now
+            self.guard.held.release(rt.tenant_id, "parked", p.held_body)
+            p.held_body = 0
             try:
                 self._forward(rt, slot, p.client, p.rid, p.op, p.args, p.body, now,
-                              started=p.started, deadline=p.deadline)
+                              started=p.started, deadline=p.deadline, held=p.held_reply)
             except TensorWasmError as exc:
                 self.pending.refuse_parked(rt.tenant_id, p, exc)
         rt.parked.extend(keep)
@@ -503,6 +618,14 @@ def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, Any]) -> BufferLost 
     return None
 
 
+def expected_reply_bytes(op: str, args: dict[str, Any], limit: int) -> int:
+    """The reply body a request will bring back: a ``read``'s ``nbytes`` (at most ``limit``)."""
+    n = args.get("nbytes") if op == "read" else None
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        return 0
+    return min(n, limit)
+
+
 def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError:
     """The answer when no instance (or not the pinned one) is ready or coming (so waiting is useless)."""
     wanted = rt.wanted_slots()
@@ -540,3 +663,18 @@ def with_wasm_limits(rt: TenantRuntime, args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+
+
+@dataclass(eq=False, slots=True)
+class ClientMessage:
+    """One decoded client message of a loop turn (``error``: answer it with this)."""
+
+    client: bytes
+    rid: int
+    op: str
+    cap_raw: bytes | None
+    args: dict[str, Any]
+    body: Any
+    error: TensorWasmError | None
+    key: str | None = None  # the verified tenant ("admin"), None when unauthenticated
+    size: int = 0  # header and body bytes, for the backlog's byte bound

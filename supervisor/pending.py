@@ -62,6 +62,8 @@ class Pending:
     #: the supervisor's own requests (bind, buffers fan-out) are answered to this instead of a client
     callback: Callable[[bool, Any], None] | None = None
     forwarded: bool = False  # in the table (counted in its tenant's in_flight)
+    #: reply bytes reserved for it at admission (supervisor.budgets); Replies gives them back
+    held: int = 0
 
 
 @dataclass(eq=False)
@@ -182,24 +184,36 @@ class PendingTable:
     def refuse_parked(self, tenant: str, parked: Parked, exc: TensorWasmError) -> None:
         """A parked request will not be sent (deadline passed, instance gone, tenant failed or evicted)."""
         pending = Pending(parked.client, parked.rid, parked.op, tenant, parked.instance or 0,
-                          parked.started, parked.deadline)
+                          parked.started, parked.deadline, held=parked.held_reply)
+        self.replies.release(tenant, "parked", parked.held_body)
+        parked.held_body = 0
         self.finish(pending, False, exc.to_dict())
+
+    def count_refusal(self, tenant: str, op: str, code: str) -> None:
+        """A refusal answered (or dropped) without a Pending: only its metric (unauthenticated
+        requests count under the empty tenant label)."""
+        if op in proto.TENANT_OPS:
+            self.metrics.request_done(tenant, op, code, 0.0)
 
     # ------------------------------------------------------------ THE place
 
     def finish(self, pending: Pending, ok: bool, payload: Any, body: Any = None) -> None:
         """Finish one request: its callback or its client's reply, its tenant's count, its metric."""
         if pending.callback is not None:
+            self.replies.release(pending.tenant, "replies", pending.held)
+            pending.held = 0
             pending.callback(ok, payload)
             return
         if pending.forwarded:
             rt = self.tenants.get(pending.tenant)
             if rt is not None:
                 rt.in_flight -= 1
+        held, pending.held = pending.held, 0
         if ok:
-            self.replies.ok(pending.client, pending.client_rid, payload, body)
+            self.replies.ok(pending.client, pending.client_rid, payload, body, tenant=pending.tenant, held=held)
         else:
             self.replies.error(pending.client, pending.client_rid, payload)
+            self.replies.release(pending.tenant, "replies", held)
         if pending.client is not None and pending.op in proto.TENANT_OPS:
             outcome = "ok" if ok else str(payload.get("code") if isinstance(payload, dict) else "error")
             self.metrics.request_done(pending.tenant, pending.op, outcome, self.clock() - pending.started)

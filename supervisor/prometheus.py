@@ -38,8 +38,10 @@ hundreds of tenants); per-tenant request counts are in ``twt_requests_total``.
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import platform
+import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -68,6 +70,7 @@ __all__ = [
     "READYZ_PATH",
     "TENANT_STATES",
     "PrometheusMetrics",
+    "TenantLabels",
     "parse_metrics_addr",
 ]
 
@@ -78,13 +81,40 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    2.5, 5.0, 10.0, 30.0, 60.0)
 #: a scrape connection that sends nothing is dropped after this many seconds
 _HANDLER_TIMEOUT_S = 10.0
-#: label of events that belong to no tenant (an idle pool worker's exit)
+#: label of events that belong to no tenant (an idle pool worker's exit), and of requests
+#: whose capability was not verified (their claimed tenant is never a label)
 NO_TENANT = ""
 #: the port the docs, the systemd unit and deploy/k8s use (nothing binds it unless configured)
 DEFAULT_METRICS_PORT = 9464
 METRICS_PATH = "/metrics"
 HEALTHZ_PATH = "/healthz"
 READYZ_PATH = "/readyz"
+
+
+class TenantLabels:
+    """Tenant names as labels, or stable per-supervisor pseudonyms (``t-<hex>``).
+
+    Whoever can reach ``/metrics`` learns the tenants' names only when the
+    operator chose so (``metrics_tenant_names``): a pseudonym is an HMAC of
+    the name under a random key that never leaves this process.
+    """
+
+    def __init__(self, reveal: bool) -> None:
+        self.reveal = reveal
+        self._key = secrets.token_bytes(16)
+        self._cache: dict[str, str] = {}
+
+    def __call__(self, tenant: str | None) -> str:
+        if not tenant:
+            return NO_TENANT
+        if self.reveal:
+            return tenant
+        label = self._cache.get(tenant)
+        if label is None:
+            if len(self._cache) > 65536:
+                self._cache.clear()
+            label = self._cache[tenant] = "t-" + hmac.new(self._key, tenant.encode(), "sha256").hexdigest()[:12]
+        return label
 
 
 def parse_metrics_addr(addr: str) -> tuple[str, int]:
@@ -155,7 +185,8 @@ class _StateCollector:
         count.add_metric([], len(tenants))
         for tid, rec in sorted(tenants.items()):
             quota = rec.quota
-            who = [str(tid)]
+            label = self._owner.label(str(tid))
+            who = [label]
             cap = quota.gpu_memory_bytes_cap
             g["host_in_use"].add_metric(who, quota.bytes_in_use)
             g["host_limit"].add_metric(who, quota.memory_quota_bytes)
@@ -168,11 +199,11 @@ class _StateCollector:
                 g["wanted"].add_metric(who, rec.wanted)
             current = rec.state
             for name in (TENANT_STATES if current in TENANT_STATES else (*TENANT_STATES, current)):
-                state.add_metric([str(tid), name], 1 if name == current else 0)
+                state.add_metric([label, name], 1 if name == current else 0)
             for resource, refused, under in (("host", quota.cpu_refusals, quota.cpu_underflows),
                                              ("gpu", quota.gpu_refusals, quota.gpu_underflows)):
-                refusals.add_metric([str(tid), resource], refused)
-                underflows.add_metric([str(tid), resource], under)
+                refusals.add_metric([label, resource], refused)
+                underflows.add_metric([label, resource], under)
         yield count
         yield from g.values()
         yield state
@@ -217,8 +248,9 @@ class PrometheusMetrics(Metrics):
     """
 
     def __init__(self, addr: str, *, registry: CollectorRegistry | None = None, process_metrics: bool = True,
-                 health: Health | None = None) -> None:
+                 health: Health | None = None, tenant_names: bool = True) -> None:
         host, port = parse_metrics_addr(addr)
+        self.label = TenantLabels(tenant_names)
         disable_created_metrics()  # type: ignore[no-untyped-call] # no *_created series: one per counter child, never queried
         self.registry = registry or CollectorRegistry()
         self.health = health or Health()
@@ -301,10 +333,10 @@ class PrometheusMetrics(Metrics):
     # ------------------------------------------------------ Metrics hooks
 
     def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None:
-        key = (tenant, op, outcome)
+        key = (self.label(tenant), op, outcome)
         child = self._req_children.get(key)
         if child is None:
-            child = self._req_children[key] = self._requests.labels(tenant, op, outcome)
+            child = self._req_children[key] = self._requests.labels(*key)
         child.inc()
         lat = self._lat_children.get(op)
         if lat is None:
@@ -312,10 +344,10 @@ class PrometheusMetrics(Metrics):
         lat.observe(max(0.0, seconds))
 
     def worker_exit(self, tenant: str | None, cause: str) -> None:
-        self._exits.labels(NO_TENANT if tenant is None else tenant, cause).inc()
+        self._exits.labels(self.label(tenant), cause).inc()
 
     def restart(self, tenant: str) -> None:
-        self._restarts.labels(tenant).inc()
+        self._restarts.labels(self.label(tenant)).inc()
 
     def bind_source(self, snapshot: MetricsSource) -> None:
         self._source = snapshot

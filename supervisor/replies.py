@@ -27,6 +27,7 @@ import zmq
 
 from shared import protocol as proto
 from shared.log import get_logger, log_event
+from supervisor.budgets import HeldBytes, Kind
 
 __all__ = ["Replies"]
 
@@ -39,12 +40,23 @@ TRACK_BYTES = 64 << 10
 class Replies:
     """The frontend's send side (see the module docstring)."""
 
-    def __init__(self, sockets: list[zmq.Socket[Any]]) -> None:
+    def __init__(self, sockets: list[zmq.Socket[Any]], held: HeldBytes) -> None:
         self.sockets = sockets  # index = the first byte of a client key
-        self._queues: dict[bytes, collections.deque[tuple[zmq.MessageTracker, int]]] = {}
+        self.held = held
+        #: per client: (tracker, body bytes, tenant, reserved bytes to give back once sent)
+        self._queues: dict[bytes, collections.deque[tuple[zmq.MessageTracker, int, str, int]]] = {}
 
-    def ok(self, client: bytes | None, rid: int, result: Any, body: Any = None) -> None:
+    def release(self, tenant: str, kind: Kind, n: int) -> None:
+        """Give back bytes reserved in the held-bytes budgets (supervisor.budgets)."""
+        if n:
+            self.held.release(tenant, kind, n)
+
+    def ok(self, client: bytes | None, rid: int, result: Any, body: Any = None, *,
+           tenant: str = "", held: int = 0) -> None:
+        """Answer ``result`` (and ``body``). ``held``: reply bytes reserved for this request
+        at admission; given back once libzmq lets go of a big body, else at once."""
         if client is None:
+            self.release(tenant, "replies", held)
             return
         header = proto.encode_reply(rid, True, result)
         try:
@@ -60,9 +72,22 @@ class Replies:
                 tracked = zmq.Frame(view, track=True)  # zero-copy: refers to the received frame
                 tracker = sock.send_multipart([ident, header, tracked], zmq.NOBLOCK, copy=False, track=True)
                 if tracker is not None:
-                    self._queues.setdefault(client, collections.deque()).append((tracker, len(body)))
+                    self._queues.setdefault(client, collections.deque()).append((tracker, len(body), tenant, held))
+                    return
         except zmq.ZMQError as exc:  # EHOSTUNREACH (client gone) / EAGAIN (client not reading)
             log_event(_log, logging.DEBUG, "supervisor.reply_dropped", rid=rid, error=exc.strerror)
+        if held:
+            self.held.release(tenant, "replies", held)
+
+    def error_tracked(self, client: bytes, rid: int, err: dict[str, Any]) -> zmq.MessageTracker | None:
+        """An error reply whose tracker tells when libzmq let go of it (None: not queued)."""
+        try:
+            frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True)
+            tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
+                [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
+            return tracker
+        except zmq.ZMQError:
+            return None  # gone, or not reading at all: nothing queued
 
     def error(self, client: bytes | None, rid: int, err: dict[str, Any]) -> None:
         if client is None:
@@ -78,11 +103,12 @@ class Replies:
         if not queue:
             return 0
         while queue and queue[0][0].done:
-            queue.popleft()
+            _, _, tenant, held = queue.popleft()
+            self.release(tenant, "replies", held)
         if not queue:
             del self._queues[client]
             return 0
-        return sum(n for _, n in queue)
+        return sum(entry[1] for entry in queue)
 
     def prune(self) -> None:
         """Housekeeping: forget clients whose big replies have all left."""

@@ -6,8 +6,18 @@
         backend.ipc       workers' data sockets (ROUTER)
         control.ipc       workers' control sockets (ROUTER)
         events.ipc        lifecycle events (PUB)
-        admin.cap         0600, the admin capability for the CLI
+        admin/            0700: what only the operator may reach
+            admin.cap     0600, the admin capability for the CLI
         supervisor.json   written last: pid, version, endpoints - "ready"
+
+Clients trust a run dir only when it, its sockets and its files belong to
+the expected user (the supervisor's: by default their own) and nobody else
+can write to them (:func:`verify_run_dir`): a directory pre-created by
+another user (``/tmp/twt-<uid>`` when ``XDG_RUNTIME_DIR`` is unset) would
+otherwise receive capabilities and modules and could answer with forged
+results. The admin capability lives in its own 0700 directory, so the run dir
+itself may be opened to a group of tenant-only clients without opening the
+admin capability to them (docs/SECURITY.md).
 
 The lock is an ``flock`` on an open file, so it disappears with the process
 (even SIGKILL): a restarted supervisor on the same run dir starts at once,
@@ -24,22 +34,40 @@ import stat
 from typing import Any
 
 from shared.capability import capability_bytes_from_text, capability_from_bytes, capability_to_text
-from shared.errors import RunDirLocked  # raised here; defined with the rest of the error tree
+from shared.errors import RunDirLocked, UntrustedRunDir  # raised here; defined with the rest of the error tree
 
-__all__ = ["RunDir", "RunDirLocked", "read_admin_capability", "read_ready"]
+__all__ = ["RunDir", "RunDirLocked", "read_admin_capability", "read_ready", "verify_admin_dir", "verify_run_dir"]
 
 SOCKETS = ("frontend", "backend", "control", "events")
 READY_FILE = "supervisor.json"
-ADMIN_CAP_FILE = "admin.cap"
+ADMIN_DIR = "admin"
+ADMIN_CAP_FILE = os.path.join(ADMIN_DIR, "admin.cap")
 LOCK_FILE = "supervisor.lock"
 
 
-class RunDir:
-    """Owns a run directory for the lifetime of one supervisor."""
+def _group_id(group: str | int) -> int:
+    import grp
 
-    def __init__(self, path: str) -> None:
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise ValueError(f"client_group {group!r}: no such group") from None
+
+
+class RunDir:
+    """Owns a run directory for the lifetime of one supervisor.
+
+    ``client_group``: the group of tenant-only clients running as other users.
+    They may then traverse the run dir (0710), connect to ``frontend.ipc``
+    (0660) and read ``supervisor.json`` (0640) - never enter ``admin/``.
+    """
+
+    def __init__(self, path: str, client_group: str | int | None = None) -> None:
         self.path = os.path.abspath(path)
         self._lock_fd: int | None = None
+        self._gid = None if client_group is None else _group_id(client_group)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -83,7 +111,17 @@ class RunDir:
                 errno.EACCES, f"run dir {self.path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
                 "run as its owner or use another --run-dir"
             )
-        os.chmod(self.path, 0o700)
+        if self._gid is None:
+            os.chmod(self.path, 0o700)
+        else:
+            os.chown(self.path, -1, self._gid)
+            os.chmod(self.path, 0o710)
+        admin_dir = self.file(ADMIN_DIR)
+        os.makedirs(admin_dir, mode=0o700, exist_ok=True)
+        ast = os.lstat(admin_dir)
+        if not stat.S_ISDIR(ast.st_mode) or ast.st_uid != os.getuid():
+            raise PermissionError(errno.EACCES, f"{admin_dir} is not a directory of this user; remove it")
+        os.chmod(admin_dir, 0o700)
         fd = os.open(self.file(LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -118,11 +156,25 @@ class RunDir:
         finally:
             os.close(fd)
 
+    def secure_sockets(self, names: tuple[str, ...] = SOCKETS) -> None:
+        """After binding: every socket 0600, except ``frontend.ipc`` for the client group (0660)."""
+        for name in names:
+            path = self.file(f"{name}.ipc")
+            if name == "frontend" and self._gid is not None:
+                os.chown(path, -1, self._gid)
+                os.chmod(path, 0o660)
+            else:
+                os.chmod(path, 0o600)
+
     def write_ready(self, info: dict[str, Any]) -> None:
         tmp = self.file(READY_FILE + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(info, f)
-        os.chmod(tmp, 0o600)
+        if self._gid is None:
+            os.chmod(tmp, 0o600)
+        else:
+            os.chown(tmp, -1, self._gid)
+            os.chmod(tmp, 0o640)
         os.replace(tmp, self.file(READY_FILE))
 
     def release(self) -> None:
@@ -143,26 +195,78 @@ class RunDir:
             self._lock_fd = None
 
 
-def read_ready(run_dir: str) -> dict[str, Any] | None:
-    """The ready record of a supervisor on ``run_dir``, or None (PermissionError when not ours)."""
+def _check_owned(path: str, kind: str, uid: int, *, private: bool = False) -> os.stat_result | None:
+    """lstat ``path``: None when missing; raises UntrustedRunDir unless it is a ``kind``
+    (never a symlink), owned by ``uid`` and not writable (``private``: not accessible) by others."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    want = {"dir": stat.S_ISDIR, "file": stat.S_ISREG, "socket": stat.S_ISSOCK}[kind]
+    if not want(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a " + kind
+        raise UntrustedRunDir(path, f"it is {what}")
+    if st.st_uid != uid:
+        raise UntrustedRunDir(path, f"it belongs to uid {st.st_uid}, not to the expected uid {uid} "
+                                    "(another user may have created it to intercept your requests)")
+    mode = stat.S_IMODE(st.st_mode)
+    # A socket's write bit is the right to connect: a group of tenant-only clients
+    # may have it (``client_group``); nobody else may.
+    if mode & (0o077 if private else 0o002 if kind == "socket" else 0o022):
+        raise UntrustedRunDir(path, f"its mode {oct(mode)} lets other users "
+                                    f"{'read or change' if private else 'change'} it")
+    return st
+
+
+def verify_admin_dir(run_dir: str, expected_uid: int | None = None) -> None:
+    """Refuse (``UntrustedRunDir``) an admin directory or capability that is not the
+    expected user's alone."""
+    uid = os.getuid() if expected_uid is None else expected_uid
+    verify_run_dir(run_dir, uid)
+    _check_owned(os.path.join(run_dir, ADMIN_DIR), "dir", uid, private=True)
+    _check_owned(os.path.join(run_dir, ADMIN_CAP_FILE), "file", uid, private=True)
+
+
+def verify_run_dir(run_dir: str, expected_uid: int | None = None) -> None:
+    """Refuse (``UntrustedRunDir``) a run dir, socket or ready file not owned by
+    ``expected_uid`` (default: ours) or writable by others. Missing parts pass:
+    whoever looks for them reports that."""
+    uid = os.getuid() if expected_uid is None else expected_uid
+    if _check_owned(run_dir, "dir", uid) is None:
+        return
+    _check_owned(os.path.join(run_dir, READY_FILE), "file", uid)
+    for name in ("frontend", "events"):
+        _check_owned(os.path.join(run_dir, f"{name}.ipc"), "socket", uid)
+
+
+def read_ready(run_dir: str, expected_uid: int | None = None) -> dict[str, Any] | None:
+    """The ready record of a supervisor on ``run_dir``, or None.
+
+    PermissionError when the run dir is not accessible to us; UntrustedRunDir
+    when it (or what is in it) is not the expected user's.
+    """
     if os.path.isdir(run_dir) and not os.access(run_dir, os.R_OK | os.X_OK):
         raise PermissionError(f"run dir {run_dir} is not accessible to this user (it is 0700 and belongs to its supervisor)")
+    verify_run_dir(run_dir, expected_uid)
     try:
-        with open(os.path.join(run_dir, READY_FILE), encoding="utf-8") as f:
+        fd = os.open(os.path.join(run_dir, READY_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with open(fd, encoding="utf-8") as f:
             data = json.load(f)
         return data if isinstance(data, dict) else None
     except (OSError, ValueError):
         return None
 
 
-def read_admin_capability(run_dir: str) -> bytes:
-    """The admin capability bytes from ``<run_dir>/admin.cap`` (hex text or legacy raw bytes).
+def read_admin_capability(run_dir: str, expected_uid: int | None = None) -> bytes:
+    """The admin capability bytes from ``<run_dir>/admin/admin.cap`` (hex text or legacy raw bytes).
 
-    Refuses a file readable by group or others.
+    Refused (UntrustedRunDir) unless the run dir, the admin directory and the
+    file belong to ``expected_uid`` (default: ours) and only it can read them.
     """
+    verify_admin_dir(run_dir, expected_uid)
     path = os.path.join(run_dir, ADMIN_CAP_FILE)
-    st = os.stat(path)
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PermissionError(f"{path} is readable by others (mode {oct(st.st_mode & 0o777)}); refusing to use it")
-    with open(path, "rb") as f:
-        return capability_bytes_from_text(f.read())
+    if not os.path.lexists(path):
+        raise FileNotFoundError(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with open(fd, "rb") as f:
+        return capability_bytes_from_text(f.read(4096))

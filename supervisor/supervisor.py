@@ -62,7 +62,10 @@ from supervisor.admin import AdminOps
 from supervisor.audit import DeniedAudit
 from supervisor.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.events import EventBus
+from supervisor.connections import FrontendConnections
+from supervisor.fdlimit import raise_fd_limit
 from supervisor.frontend import Frontend
+from supervisor.guard import FrontendGuard
 from supervisor.loop import Handoff, Loop
 from supervisor.metrics import DeviceGauges, Metrics, MetricsSnapshot, NullMetrics, TenantGauges
 from supervisor.pending import PendingTable
@@ -84,6 +87,8 @@ __all__ = ["Supervisor"]
 _log = get_logger("supervisor")
 
 TICK_S = 0.05
+#: messages libzmq may queue from one client before the loop reads them
+FRONTEND_RCVHWM = 1000
 #: after a stall of the loop, how long deadline expiries wait (a few turns of the loop, each
 #: reading up to a batch of queued replies per socket)
 STALL_GRACE_S = 0.25
@@ -121,7 +126,7 @@ class Supervisor:
         """``rundir``: the run dir, possibly already locked (``twt supervise`` locks it before binding anything)."""
         self.config = config
         self.metrics = metrics or NullMetrics()
-        self.rundir = rundir or RunDir(config.run_dir)
+        self.rundir = rundir or RunDir(config.run_dir, config.client_group)
         # opened in run(), once the run dir is ours: the registry's identity comes from the state
         self.state: StateStore | None = None
         self.registry: TenantRegistry | None = None
@@ -157,6 +162,7 @@ class Supervisor:
 
     def _setup(self) -> _Parts:
         cfg = self.config
+        raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.fdlimit)
         state, registry, admin_cap = self._open_state()
         removed = cleanup_stale_segments()
         if removed:
@@ -184,17 +190,22 @@ class Supervisor:
                 z.destroy(linger=0)
                 raise
 
-        def router(name: str, max_msg: int, hwm: int) -> zmq.Socket[Any]:
+        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[Any]:
             s: zmq.Socket[Any] = z.socket(zmq.ROUTER)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_msg)
             s.setsockopt(zmq.SNDHWM, hwm)
-            s.setsockopt(zmq.RCVHWM, hwm)
+            s.setsockopt(zmq.RCVHWM, hwm if rcvhwm is None else rcvhwm)
             s.bind(self.rundir.endpoint(name))
             return s
 
-        frontend_sock = router("frontend", cfg.max_message_bytes, 10_000)
+        # libzmq queues a client's *incoming* messages up to RCVHWM before the loop reads
+        # them: keep that small, so a flood waits in its sender, not in our memory (set
+        # before bind: a listener copies the options its connections get).
+        frontend_sock = router("frontend", cfg.max_message_bytes, 10_000, FRONTEND_RCVHWM)
+        connections = FrontendConnections(frontend_sock, self.rundir.file("frontend.ipc"))
+        self.loop.register(connections.monitor, connections.on_readable)
         backend_sock = router("backend", cfg.max_message_bytes, 10_000)
         control_sock = router("control", 1 << 20, 10_000)
         pub = z.socket(zmq.PUB)
@@ -202,8 +213,7 @@ class Supervisor:
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.bind(self.rundir.endpoint("events"))
         self.events = EventBus(pub)
-        for name in ("frontend", "backend", "control", "events"):
-            os.chmod(self.rundir.file(f"{name}.ipc"), 0o600)
+        self.rundir.secure_sockets()
         self.rundir.write_admin_capability(admin_cap.to_bytes())
         # Tracked frames (big reply bodies, see Replies.ok) need pyzmq's garbage-collector
         # thread and context; start it now so the process's fds are stable from the start.
@@ -212,13 +222,14 @@ class Supervisor:
         spawner = Spawner(cfg, {"backend": self.rundir.endpoint("backend"),
                                 "control": self.rundir.endpoint("control")})
         spawner.warm_up()
-        replies = Replies([frontend_sock] + ([tcp.socket] if tcp is not None else []))
+        guard = FrontendGuard(cfg, connections)
+        replies = Replies([frontend_sock] + ([tcp.socket] if tcp is not None else []), guard.held)
         pending = PendingTable(replies, self.metrics, self.tenants, self.loop.clock)
         admin = AdminOps(
             cfg, loop=self.loop, tenants=self.tenants, registry=registry, admin_cap=admin_cap, state=state,
             placement=placement, pending=pending, events=self.events, rundir=self.rundir,
             backend_name=choice.name, backend_reason=choice.reason,
-            counters=lambda: self.internal_errors, on_settled=self._maybe_ready,
+            counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard,
         )
         workers = WorkerSet(
             cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
@@ -236,11 +247,12 @@ class Supervisor:
             cfg, loop=self.loop, sock=frontend_sock, tcp_sock=tcp.socket if tcp is not None else None,
             replies=replies, pending=pending, workers=workers,
             registry=registry, tenants=self.tenants, admin=admin.handle, on_denied=on_denied,
-            regions=RegionTable(registry.segment_prefix),
+            regions=RegionTable(registry.segment_prefix), guard=guard, admin_cap=admin_cap.to_bytes(),
         )
 
         def on_key_rotated(new_admin: RegistryAdminCapability) -> None:
             frontend.forget_verified()  # bytes verified under the old key prove nothing now
+            frontend.set_admin_capability(new_admin.to_bytes())
             self.rundir.write_admin_capability(new_admin.to_bytes())
             if self.ready:
                 self.rundir.write_ready({**self._ready_info(admin), "registry_id": registry.registry_id})
@@ -296,11 +308,17 @@ class Supervisor:
         loop = self.loop
         next_tick = loop.clock()
         while True:
-            for handler in loop.poll(max(0.0, next_tick - loop.clock())):
+            # unauthenticated requests waiting for their turn (supervisor.fairness): do not sleep
+            waiting = parts.frontend.guard.fair.backlog
+            for handler in loop.poll(0.0 if waiting else max(0.0, next_tick - loop.clock())):
                 try:
                     handler()
                 except Exception:  # noqa: BLE001 - a bug in one handler must not take every tenant down
                     self._internal_error("dispatch")
+            try:
+                parts.frontend.end_turn()
+            except Exception:  # noqa: BLE001 - as above
+                self._internal_error("dispatch")
             if self._metrics.wanted():
                 self._refresh_metrics()
             if self._reload_wanted and not self._stopping:
@@ -344,6 +362,7 @@ class Supervisor:
             self._last_rss_check = now
             parts.audit.flush()
             parts.replies.prune()
+            parts.frontend.guard.refresh()
             parts.frontend.reap_regions()
             parts.workers.check_rss()
             self._refresh_metrics()

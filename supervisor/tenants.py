@@ -79,6 +79,10 @@ class Parked:
     started: float
     deadline: float
     instance: int | None  # a handle-bound request must go to this instance
+    #: bytes reserved for it in the supervisor's held-bytes budgets (supervisor.budgets):
+    #: its reply (kind "replies", handed to its Pending) and its body while parked ("parked")
+    held_reply: int = 0
+    held_body: int = 0
 
 
 @dataclass(eq=False)

@@ -56,12 +56,24 @@ class WorkerState(str, enum.Enum):
 
 @dataclass(eq=False)
 class WorkerHandle:
+    """One worker process, as the supervisor tracks it.
+
+    ``worker_id`` is a public label (logs, events, status). The ZeroMQ
+    identity the worker connects with is ``routing_id``: 128 random bits,
+    never published, so no other process that can reach backend.ipc or
+    control.ipc can claim it first (a squatted identity would shut the real
+    worker out). ``token`` is the per-spawn secret the worker proves in its
+    hello on both sockets before it is bound to a tenant; both travel only in
+    the spawn's boot message.
+    """
+
     worker_id: str
     token: str
     process: BaseProcess
     pid: int
     sentinel: int
     spawned_at: float
+    routing_id: str = ""  # set by the Spawner; empty only in tests that build handles by hand
     state: WorkerState = WorkerState.STARTING
     tenant: str | None = None
     instance: int | None = None
@@ -86,7 +98,7 @@ class WorkerHandle:
 
     @property
     def ident(self) -> bytes:
-        return self.worker_id.encode()
+        return (self.routing_id or self.worker_id).encode()
 
     @property
     def connected(self) -> bool:
@@ -135,9 +147,11 @@ class Spawner:
         self._seq += 1
         worker_id = f"w{self._nonce}-{self._seq}"
         token = secrets.token_hex(16)
+        routing_id = "r" + secrets.token_hex(16)
         boot = BootMessage(
             worker_id=worker_id,
             token=token,
+            routing_id=routing_id,
             data_endpoint=self.endpoints["backend"],
             control_endpoint=self.endpoints["control"],
             heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -159,6 +173,7 @@ class Spawner:
         handle = WorkerHandle(
             worker_id=worker_id,
             token=token,
+            routing_id=routing_id,
             process=proc,
             pid=proc.pid,
             sentinel=proc.sentinel,

@@ -20,6 +20,7 @@ the restart policy decides (see :mod:`supervisor.tenants`).
 
 from __future__ import annotations
 
+import hmac
 import logging
 import signal
 import time
@@ -545,11 +546,12 @@ class WorkerSet:
 
 
 def _hello_of(worker: WorkerHandle, payload: Any) -> bool:
-    """Is ``payload`` a hello carrying this worker's one-time token?"""
+    """Is ``payload`` a hello carrying this worker's one-time token? (compared in constant time)"""
     try:
-        return WorkerHello.from_wire(payload).token == worker.token
+        given = WorkerHello.from_wire(payload).token
     except (ProtocolError, TypeError):
         return False
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), worker.token.encode())
 
 
 def pool_retry_delay_s(failures: int) -> float:

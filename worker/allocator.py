@@ -18,7 +18,7 @@ from typing import Protocol
 
 from shared.errors import GpuMemoryExhausted, InvalidArgument
 from shared.log import get_logger, log_event
-from shared.protocol import handle_incarnation, handle_instance, make_handle
+from shared.protocol import MAX_BUFFERS_PER_INSTANCE, handle_incarnation, handle_instance, make_handle
 from shared.quota import QuotaBlock
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
 from worker.faults import FaultState
@@ -107,6 +107,12 @@ class MeteredAllocator:
     # ------------------------------------------------------------ handles
 
     def alloc(self, nbytes: int) -> int:
+        if len(self._buffers) >= MAX_BUFFERS_PER_INSTANCE:
+            # bounded, so the ``buffers`` reply listing them always decodes (shared.protocol)
+            raise InvalidArgument(
+                f"this instance holds {len(self._buffers):,} buffers, the most one instance may hold "
+                f"({MAX_BUFFERS_PER_INSTANCE:,}); free some first"
+            )
         buf = self.alloc_buffer(nbytes)
         self._seq += 1
         handle = make_handle(self.instance, self.incarnation, self._seq)

@@ -90,7 +90,7 @@ class ControlThread(threading.Thread):
 
     def run(self) -> None:
         sock = self.zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self.boot.worker_id.encode())
+        sock.setsockopt(zmq.ROUTING_ID, self.boot.routing_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         sock.setsockopt(zmq.SNDHWM, 100)

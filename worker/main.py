@@ -62,7 +62,7 @@ def run(boot: BootMessage) -> None:
 
     zctx: zmq.Context[Any] = zmq.Context()
     data = zctx.socket(zmq.DEALER)
-    data.setsockopt(zmq.ROUTING_ID, boot.worker_id.encode())
+    data.setsockopt(zmq.ROUTING_ID, boot.routing_id.encode())
     data.setsockopt(zmq.LINGER, 0)
     data.setsockopt(zmq.MAXMSGSIZE, boot.max_message_bytes)
     data.setsockopt(zmq.RCVHWM, 1000)

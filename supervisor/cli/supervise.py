@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from supervisor.supervisor import Supervisor
 
     # The lock first: a second supervisor on this run dir must report *that*, not a busy port.
-    rundir = RunDir(config.run_dir)
+    rundir = RunDir(config.run_dir, config.client_group)
     rundir.acquire()
     with ExitStack() as undo:
         undo.callback(rundir.release)
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         if config.metrics_addr:
             from supervisor.prometheus import PrometheusMetrics  # type: ignore[import-not-found,unused-ignore]
 
-            metrics = PrometheusMetrics(config.metrics_addr)
+            metrics = PrometheusMetrics(config.metrics_addr, tenant_names=config.metrics_tenant_names)
             undo.callback(metrics.close)
         sup = Supervisor(config, metrics=metrics, rundir=rundir)  # acquire() on a locked RunDir is a no-op
         undo.pop_all()

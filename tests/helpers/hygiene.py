@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import os
 import secrets
+import struct
 import time
 from dataclasses import dataclass
 
 import psutil
 
 from shared.errors import SegmentError
-from shared.quota import read_header
+from shared.quota import MAGIC, _owner_alive, read_header
 
 PROCESS_NAMES = ("twt-worker", "twt-supervisor")
 SHM_DIR = "/dev/shm"
@@ -50,11 +51,30 @@ def _process_is_ours(pid: int) -> bool:
     return marker is not None and env.get(SESSION_ENV) == marker
 
 
+def _raw_owner(name: str) -> tuple[int, int] | None:
+    """(owner pid, owner start) from any layout version's header (the first line is the
+    same in all), or None when the file is not a tensor-wasm-tenant segment."""
+    try:
+        with open(os.path.join(SHM_DIR, name), "rb") as f:
+            head = f.read(40)
+    except OSError:
+        return None
+    if len(head) < 40:
+        return None
+    magic, _version, _kind, pid, start = struct.unpack("<5Q", head)
+    return (pid, start) if magic == MAGIC else None
+
+
 def _segment_is_ours(name: str) -> bool:
     try:
         header = read_header(name)
     except SegmentError:
-        return True  # not our layout, or gone already
+        # Another layout version (a run of another build on this machine) or not
+        # ours at all: judge by the recorded owner when there is one.
+        owner = _raw_owner(name)
+        if owner is None or not _owner_alive(*owner):
+            return True
+        return _process_is_ours(owner[0])
     if not header.owner_alive():
         return True
     return _process_is_ours(header.owner_pid)

@@ -297,16 +297,22 @@ def test_c_helper_matches_model(
                         assert fields["released"] == n and fields["in_use"] == expected[1]
                         assert fields["resource"] == line_name
                     mirror[line_name] = max(mirror[line_name] - min(n, used_before), 0)
-                # After every op, all three agree on every counter of the line.
-                for block in (raw_block, owner):
-                    snap = block.snapshot()
-                    got = (
-                        snap.bytes_in_use if line_name == "cpu" else snap.gpu_bytes_in_use,
-                        getattr(snap, f"{line_name}_high_water"),
-                        getattr(snap, f"{line_name}_refusals"),
-                        getattr(snap, f"{line_name}_underflows"),
-                    )
-                    assert got == (line.used, line.high_water, line.refusals, line.underflows), line_name
+                # After every op, all three agree on every counter of the line:
+                # the raw line (module functions), and the block whose only
+                # holder is instance 3 (its use is the sum of shares).
+                raw_got = tuple(
+                    _atomics.load(buf, off + f)
+                    for f in (_atomics.F_USED, _atomics.F_HIGH_WATER, _atomics.F_REFUSALS, _atomics.F_UNDERFLOWS)
+                )
+                snap = owner.snapshot()
+                got = (
+                    snap.bytes_in_use if line_name == "cpu" else snap.gpu_bytes_in_use,
+                    getattr(snap, f"{line_name}_high_water"),
+                    getattr(snap, f"{line_name}_refusals"),
+                    getattr(snap, f"{line_name}_underflows"),
+                )
+                for found in (raw_got, got):
+                    assert found == (line.used, line.high_water, line.refusals, line.underflows), line_name
                 assert inst.instance_share(3) == (mirror["cpu"], mirror["gpu"])
             for name, line in model.items():
                 off = _OFF[name]

@@ -151,7 +151,7 @@ def test_busy_address_is_a_clear_error() -> None:
 def test_supervisor_metrics_endpoint_has_the_tenant_series() -> None:
     port = _free_port()
     tenants = [{"name": "acme", "gpu_memory_bytes_cap": "1MiB", "memory_quota_bytes": "64MiB"}, {"name": "beta"}]
-    with supervisor(tenants, metrics_addr=f"127.0.0.1:{port}") as sup:
+    with supervisor(tenants, metrics_addr=f"127.0.0.1:{port}", metrics_tenant_names=True) as sup:
         url = f"http://127.0.0.1:{port}/metrics"
         c = sup.client
         acme = c.tenant_capability(None, "acme")
@@ -325,3 +325,14 @@ def test_second_supervisor_on_the_same_run_dir_and_port_reports_the_lock(tmp_pat
         assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in other.stderr
         assert "[Errno" not in other.stderr
         assert not os.path.exists(tmp_path / "rd" / "supervisor.lock")  # released on the way out
+
+
+def test_tenant_labels_are_pseudonyms_unless_names_are_chosen() -> None:
+    from supervisor.prometheus import NO_TENANT, TenantLabels
+
+    hidden, shown = TenantLabels(False), TenantLabels(True)
+    assert shown("acme") == "acme"
+    label = hidden("acme")
+    assert label.startswith("t-") and "acme" not in label and hidden("acme") == label
+    assert hidden("beta") != label and TenantLabels(False)("acme") != label  # a key per supervisor
+    assert hidden("") == shown(None) == NO_TENANT

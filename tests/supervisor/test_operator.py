@@ -21,7 +21,7 @@ from supervisor.cli import build_parser, main, version
 from supervisor.cli._common import describe_os_error
 from supervisor.launch import launch
 from supervisor.rundir import RunDir
-from tests.helpers.cluster import FAST, wait_for
+from tests.helpers.cluster import FAST, tenant, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -42,9 +42,15 @@ class FakeBlock:
 class FakeReplies:
     def __init__(self) -> None:
         self.sent: list[tuple[bytes | None, int, bool, Any]] = []
+        self.released = 0
 
-    def ok(self, client: bytes | None, rid: int, result: Any, body: Any = None) -> None:
+    def ok(self, client: bytes | None, rid: int, result: Any, body: Any = None, *,
+           tenant: str = "", held: int = 0) -> None:
         self.sent.append((client, rid, True, result))
+        self.released += held
+
+    def release(self, tenant: str, kind: str, n: int) -> None:
+        self.released += n
 
     def error(self, client: bytes | None, rid: int, err: dict[str, Any]) -> None:
         self.sent.append((client, rid, False, err))
@@ -292,10 +298,12 @@ def test_requests_park_while_no_instance_is_ready_bounded_by_max_in_flight() -> 
 def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenants: dict[str, TenantRuntime],
               rt: TenantRuntime) -> tuple[Frontend, bytes]:
     from shared.config import SupervisorConfig
+    from supervisor.guard import FrontendGuard
 
     fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
                   pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
-                  admin=lambda *a: None, regions=RegionTable("policytest"))
+                  admin=lambda *a: None, regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
+                  admin_cap=b"admin")
     cap = b"x"
     fe._verified_caps[cap] = rt
     return fe, cap

@@ -78,7 +78,8 @@ def test_three_tenants_quotas_and_status() -> None:
 def test_run_dir_permissions_and_lock() -> None:
     with supervisor() as sup:
         assert stat.S_IMODE(os.stat(sup.run_dir).st_mode) == 0o700
-        assert stat.S_IMODE(os.stat(os.path.join(sup.run_dir, "admin.cap")).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.join(sup.run_dir, "admin")).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(os.path.join(sup.run_dir, "admin", "admin.cap")).st_mode) == 0o600
         proc = subprocess.run(
             [sys.executable, "-m", "supervisor", "supervise", "--run-dir", sup.run_dir, "--backend", "stub"],
             capture_output=True, text=True, timeout=60,

@@ -246,7 +246,7 @@ def _twt(*args: str) -> subprocess.CompletedProcess[str]:
 def test_cli_connects_to_a_remote_supervisor() -> None:
     with supervisor([{"name": "acme"}], listen=[LOOPBACK], allow_remote_admin=True) as sup:
         remote = ["--connect", sup.info["listen"][0], f"--server-key={sup.info['server_public_key']}"]  # Z85 may start with "-"
-        admin = ["--admin-cap", os.path.join(sup.run_dir, "admin.cap")]
+        admin = ["--admin-cap", os.path.join(sup.run_dir, "admin", "admin.cap")]
         out = _twt("status", "--json", *remote, *admin)
         assert out.returncode == 0, out.stderr
         assert "acme" in out.stdout
@@ -255,7 +255,7 @@ def test_cli_connects_to_a_remote_supervisor() -> None:
         assert _twt("status", "--connect", sup.info["listen"][0]).returncode == 2
     with supervisor([{"name": "acme"}], listen=[LOOPBACK]) as sup:
         remote = ["--connect", sup.info["listen"][0], f"--server-key={sup.info['server_public_key']}"]  # Z85 may start with "-"
-        refused = _twt("status", *remote, "--admin-cap", os.path.join(sup.run_dir, "admin.cap"))
+        refused = _twt("status", *remote, "--admin-cap", os.path.join(sup.run_dir, "admin", "admin.cap"))
         assert refused.returncode == 1 and "allow_remote_admin" in refused.stderr
 
 

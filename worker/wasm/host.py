@@ -39,7 +39,6 @@ import math
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,14 +57,13 @@ from shared.log import get_logger, log_event
 from shared.sizes import MAX_MODULE_BYTES  # the largest module body the worker compiles
 from worker.context import TenantContext
 from worker.wasm.abi import HANDLERS, IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun, LogLimiter, NoGuestMemory, guest_view
+from worker.wasm.compiler import CACHE_BYTES, CACHE_ENTRIES, CompileOverrun, ModuleCache, compile_bounded
 
 __all__ = ["CompiledModule", "EpochTicker", "WasmHost", "WasmSession"]
 
 _log = get_logger("worker.wasm")
 
 PAGE = 65536
-#: compiled modules kept per worker (LRU)
-CACHE_ENTRIES = 64
 #: export arguments a run may pass
 MAX_ARGS = 64
 #: per-store limits besides memory: a few tables of bounded size, one instance
@@ -93,6 +91,9 @@ def _config() -> wasmtime.Config:
     cfg.wasm_stack_switching = False
     cfg.wasm_component_model = False
     cfg.wasm_custom_page_sizes = False
+    # A compile bomb (a small module that takes minutes to compile) may use one
+    # core, not all of them; its time is bounded by the run's deadline (compile()).
+    cfg.parallel_compilation = False
     return cfg
 
 
@@ -382,14 +383,13 @@ class WasmHost:
     EXTENSION = "wasm"
 
     def __init__(self, ctx: TenantContext, *, fast_imports: bool | None = None, tick_s: float = TICK_S,
-                 cache_entries: int = CACHE_ENTRIES) -> None:
+                 cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES) -> None:
         self.ctx = ctx
         self.engine = wasmtime.Engine(_config())
         self.linker = wasmtime.Linker(self.engine)
         self.ticker = EpochTicker(self.engine, tick_s)
         self.limiter = LogLimiter()
-        self.cache_entries = cache_entries
-        self._cache: OrderedDict[str, CompiledModule] = OrderedDict()
+        self._cache: ModuleCache[CompiledModule] = ModuleCache(cache_entries, cache_bytes)
         self._session: WasmSession | None = None
         self._keep: list[Any] = []  # ctypes callbacks must outlive the linker
         self._ffi = _raw_ffi() if fast_imports is not False else None
@@ -471,8 +471,21 @@ class WasmHost:
 
     # -------------------------------------------------------------- compile
 
-    def compile(self, body: bytes | bytearray | memoryview) -> CompiledModule:
-        """The compiled module for ``body`` (WAT text or a binary), from the cache when seen before."""
+    @property
+    def cache_entries(self) -> int:
+        return self._cache.entries
+
+    @cache_entries.setter
+    def cache_entries(self, n: int) -> None:
+        self._cache.entries = n
+
+    def compile(self, body: bytes | bytearray | memoryview, *, deadline: float | None = None) -> CompiledModule:
+        """The compiled module for ``body`` (WAT text or a binary), from the cache when seen before.
+
+        ``deadline`` (``time.monotonic()``): compiling past it raises
+        :class:`CompileOverrun` (the compiler thread keeps running until the
+        worker exits; the caller must make it exit).
+        """
         if len(body) > MAX_MODULE_BYTES:
             raise WasmCompile(f"module of {len(body):,} B is larger than the {MAX_MODULE_BYTES:,} B limit")
         if not len(body):
@@ -480,7 +493,6 @@ class WasmHost:
         digest = hashlib.sha256(body).hexdigest()
         cached = self._cache.get(digest)
         if cached is not None:
-            self._cache.move_to_end(digest)
             self.stats["cache_hits"] += 1
             return cached
         t0 = time.perf_counter()
@@ -495,7 +507,10 @@ class WasmHost:
             except wasmtime.WasmtimeError as exc:
                 raise WasmCompile(f"WAT does not parse: {_wat_error(str(exc))}") from None
         try:
-            module = wasmtime.Module(self.engine, wasm)
+            module = compile_bounded(self.engine, wasm, deadline)
+        except CompileOverrun:
+            self.stats["timeouts"] += 1
+            raise
         except wasmtime.WasmtimeError as exc:
             raise WasmCompile(_short(str(exc))) from None
         self._check_imports(module)
@@ -510,9 +525,7 @@ class WasmHost:
             if isinstance(e.type, wasmtime.FuncType)
         }
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports)
-        self._cache[digest] = compiled
-        while len(self._cache) > self.cache_entries:
-            self._cache.popitem(last=False)
+        self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         self.stats["compiles"] += 1
         log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
                   nbytes=len(wasm), duration_ms=round(compiled.compile_s * 1000, 3))
@@ -648,8 +661,15 @@ class WasmHost:
         t0 = time.perf_counter()
         self.stats["runs"] += 1
         hits = self.stats["cache_hits"]
-        compiled = self.compile(body)
-        with self.session(compiled, fuel=fuel, timeout_s=timeout_s) as session:
+        # Compiling counts against the run's time: the deadline covers both.
+        deadline = time.monotonic() + timeout_s
+        compiled = self.compile(body, deadline=deadline)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.stats["timeouts"] += 1
+            raise KernelTimeout(timeout_s, message=f"run_wasm: compiling used the whole run time of {timeout_s:g} s")
+        with self.session(compiled, fuel=fuel, timeout_s=left) as session:
+            session.timeout_s = timeout_s  # errors name the run's limit; the epoch deadline has what is left
             results = session.call(export, args)
             fuel_used = session.fuel_used()
             memory_bytes = session.memory.data_len(session.store) if session.memory is not None else 0

@@ -15,7 +15,9 @@ from typing import Any
 import zmq
 
 from shared.errors import InvalidArgument, UnknownModule
+from shared.exitcodes import WORKER_COMPILE_OVERRUN
 from worker.server import Reply, WorkerServer
+from worker.wasm.compiler import CompileOverrun
 from worker.wasm.host import MAX_ARGS, WasmHost
 
 __all__ = ["op_run_wasm"]
@@ -64,4 +66,10 @@ def op_run_wasm(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | No
     fuel = int(_positive(raw_fuel, "fuel", spec.wasm_fuel, spec.wasm_fuel))
     timeout_s = float(_positive(args.get("timeout_s"), "timeout_s", spec.wasm_timeout_s, spec.wasm_timeout_s))
     host = WasmHost.for_context(ctx)
-    return host.run(module, export, call_args, fuel=fuel, timeout_s=timeout_s), None
+    try:
+        return host.run(module, export, call_args, fuel=fuel, timeout_s=timeout_s), None
+    except CompileOverrun:
+        # The compiler thread cannot be stopped; it stops with the process, once this reply is out.
+        server.exit_code = WORKER_COMPILE_OVERRUN
+        server.stop_event.set()
+        raise

@@ -1,0 +1,125 @@
+"""Bytes the supervisor holds for a tenant are bounded per tenant and in total
+(issue 12, finding 2).
+
+Before: a tenant with an 8 MiB GPU cap pipelined 4 MiB reads from four client
+identities that never read their replies (+1 GiB in the supervisor), and 60
+writes of 16 MiB parked while its instance was down (+731 MiB): the byte
+limit on unread replies was checked at admission only and per identity, and
+parking was bounded by count. Now every reply and parked body is reserved
+against ``max_tenant_held_bytes`` and ``max_held_bytes`` at admission, and
+past them the answer is ``Overloaded``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+
+from shared import protocol as proto
+from shared.capability import TenantCapability
+from tests.helpers.cluster import supervisor, tenant, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+MiB = 1 << 20
+HELD = 32 * MiB
+
+
+def _dealer(run_dir: str, **opts: int) -> zmq.Socket[Any]:
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in opts.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect("ipc://" + os.path.join(run_dir, "frontend.ipc"))
+    return sock
+
+
+def _req(rid: int, op: str, cap: TenantCapability, args: dict[str, Any] | None = None) -> bytes:
+    return proto.encode_request(rid, op, cap.to_bytes(), args or {})
+
+
+def _codes(sock: zmq.Socket[Any], expected: int, timeout_s: float = 30.0) -> list[str]:
+    """Read replies until ``expected`` arrived (or ``timeout_s`` passed)."""
+    out: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < expected and time.monotonic() < deadline:
+        if sock.poll(200):
+            _, ok, payload = proto.decode_reply(sock.recv_multipart()[0])
+            out.append("ok" if ok else payload["code"])
+    return out
+
+
+def test_slow_readers_on_many_identities_are_bounded_per_tenant() -> None:
+    tenants = [{"name": "reader", "gpu_memory_bytes_cap": "8MiB", "max_in_flight": 512}, {"name": "other"}]
+    with supervisor(tenants, log_level="error", max_tenant_held_bytes=HELD) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "reader")
+        handle = c.alloc(cap, 4 * MiB)
+        proc = psutil.Process(sup.pid)
+        rss0 = proc.memory_info().rss
+        socks = [_dealer(sup.run_dir, RCVHWM=1, RCVBUF=4096) for _ in range(4)]
+        try:
+            for sock in socks:
+                for rid in range(1, 65):
+                    sock.send(_req(rid, "read", cap, {"handle": handle, "offset": 0, "nbytes": 4 * MiB}))
+            wait_for(lambda: tenant(c.status(), "reader")["in_flight"] == 0, timeout_s=60, what="reads answered")
+            held = c.status()["supervisor"]["held_bytes"]
+            assert held["total"] <= HELD
+            growth = proc.memory_info().rss - rss0
+            assert growth < HELD + 64 * MiB, f"supervisor grew {growth >> 20} MiB for 256 unread 4 MiB reads"
+            # the readers start reading: what was held arrives, the rest was refused typed
+            codes = [code for sock in socks for code in _codes(sock, 64)]
+            assert len(codes) == 4 * 64
+            assert set(codes) <= {"ok", "overloaded"} and codes.count("overloaded") >= 4 * 64 - HELD // (4 * MiB) - 8
+        finally:
+            for sock in socks:
+                sock.close(0)
+        wait_for(lambda: c.status()["supervisor"]["held_bytes"]["total"] == 0, what="held bytes released")
+        assert c.ping(c.tenant_capability(None, "other"))["tenant"] == "other"
+
+
+def test_parked_bodies_are_bounded_in_bytes() -> None:
+    """Requests wait (parked) while the tenant's only instance restarts; their bodies are
+    held by the supervisor. A restart backoff keeps it down for seconds: 60 run_wasm with
+    16 MiB bodies arrive meanwhile."""
+    tenants = [{"name": "down", "restart": "always", "max_restarts": 50, "restart_window_s": 300,
+                "request_timeout_s": 20, "max_in_flight": 128}]
+    with supervisor(tenants, log_level="error", max_tenant_held_bytes=HELD) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "down")
+
+        def ready() -> bool:
+            inst = tenant(c.status(), "down")["instances"][0]
+            return bool(inst["state"] == "ready")
+
+        # each crash in the window backs the next restart off further: 0, 50 ms ... 1.6 s, 3.2 s
+        for _ in range(8):
+            wait_for(ready, timeout_s=30, what="instance ready")
+            c.inject_fault(None, "down", "crash")
+        wait_for(lambda: not ready(), what="instance down, restarting later")
+        proc = psutil.Process(sup.pid)
+        rss0 = proc.memory_info().rss
+        sock = _dealer(sup.run_dir)
+        body = bytes(16 * MiB)  # not a module: the worker refuses it once it gets it
+        try:
+            for rid in range(1, 61):
+                sock.send_multipart([_req(rid, "run_wasm", cap, {"export": "run"}), body], copy=False)
+            # the refused ones are answered at once; what waits is bounded by the held bytes
+            codes = _codes(sock, 60 - HELD // (16 * MiB), timeout_s=60)
+            status = c.status()
+            assert tenant(status, "down")["parked"] <= HELD // (16 * MiB)
+            assert status["supervisor"]["held_bytes"]["parked"] <= HELD
+            growth = proc.memory_info().rss - rss0
+            assert growth < HELD + 96 * MiB, f"supervisor grew {growth >> 20} MiB parking 60 x 16 MiB"
+            codes += _codes(sock, 60 - len(codes))  # the parked ones go to the worker once it is back
+            assert len(codes) == 60 and codes.count("overloaded") >= 60 - HELD // (16 * MiB)
+            assert set(codes) <= {"overloaded", "wasm_compile", "kernel_timeout", "worker_lost"}
+            assert "wasm_compile" in codes, codes  # parked, then sent once the instance was back
+        finally:
+            sock.close(0)
+        wait_for(lambda: c.status()["supervisor"]["held_bytes"]["total"] == 0, what="held bytes released")
