@@ -12,7 +12,6 @@ past them the answer is ``Overloaded``.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -23,24 +22,12 @@ import zmq
 from shared import protocol as proto
 from shared.capability import TenantCapability
 from tests.helpers.cluster import supervisor, tenant, wait_for
+from tests.helpers.raw_client import dealer as _dealer, request as _req
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 MiB = 1 << 20
 HELD = 32 * MiB
-
-
-def _dealer(run_dir: str, **opts: int) -> zmq.Socket[Any]:
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    for name, value in opts.items():
-        sock.setsockopt(getattr(zmq, name), value)
-    sock.connect("ipc://" + os.path.join(run_dir, "frontend.ipc"))
-    return sock
-
-
-def _req(rid: int, op: str, cap: TenantCapability, args: dict[str, Any] | None = None) -> bytes:
-    return proto.encode_request(rid, op, cap.to_bytes(), args or {})
 
 
 def _codes(sock: zmq.Socket[Any], expected: int, timeout_s: float = 30.0) -> list[str]:

@@ -11,7 +11,6 @@ keeps its latency and the supervisor's bookkeeping returns to zero.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -19,12 +18,11 @@ from typing import Any
 
 import psutil
 import pytest
-import zmq
 
-from shared import protocol as proto
 from shared.capability import TenantCapability
 from supervisor.launch import SupervisorHandle
 from tests.helpers.cluster import supervisor, tenant, wait_for
+from tests.helpers.raw_client import dealer as _dealer, request as _req
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -34,19 +32,6 @@ def sup() -> Iterator[SupervisorHandle]:
     tenants: list[dict[str, Any]] = [{"name": "rude", "max_in_flight": 64}, {"name": "polite"}]
     with supervisor(tenants, log_level="error", max_message_bytes="8MiB") as handle:
         yield handle
-
-
-def _dealer(run_dir: str, **opts: int) -> zmq.Socket[Any]:
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    for name, value in opts.items():
-        sock.setsockopt(getattr(zmq, name), value)
-    sock.connect("ipc://" + os.path.join(run_dir, "frontend.ipc"))
-    return sock
-
-
-def _req(rid: int, op: str, cap: TenantCapability, args: dict[str, Any] | None = None) -> bytes:
-    return proto.encode_request(rid, op, cap.to_bytes(), args or {})
 
 
 class Bystander(threading.Thread):

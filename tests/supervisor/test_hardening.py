@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from typing import Any
 
 import psutil
 import pytest
@@ -22,19 +21,11 @@ from shared import protocol as proto
 from shared.errors import InvalidArgument, Overloaded, TenantFailed
 from shared.spec import TenantSpec
 from tests.helpers.cluster import supervisor, tenant, wait_for
+from tests.helpers.raw_client import dealer as _dealer
 
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
-
-
-def _dealer(run_dir: str, **opts: int) -> zmq.Socket[Any]:
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    for name, value in opts.items():
-        sock.setsockopt(getattr(zmq, name), value)
-    sock.connect("ipc://" + os.path.join(run_dir, "frontend.ipc"))
-    return sock
 
 
 # ------------------------------------------------------------------ 3: unauthenticated bloat
