@@ -326,9 +326,26 @@ def test_tcp_peers_are_bounded_by_max_tcp_peers() -> None:
         first, second = _remote(sup.info, timeout_s=10), _remote(sup.info, timeout_s=10)
         try:
             assert first.ping(cap)["tenant"] == second.ping(cap)["tenant"] == "acme"
-            with _remote(sup.info, timeout_s=10) as third:  # refused by ZAP, not queued or served
-                with pytest.raises(HandshakeFailed, match="max_tcp_peers"):
-                    third.ping(cap)
+            # Past the bound, handshakes are refused by ZAP (not queued or served). The bound is
+            # approximate by the connections the loop has not counted yet (docs/SECURITY.md): on a
+            # busy machine the third connection's own accept may be counted after its handshake,
+            # so one extra peer may get in before the refusals start - never more than that.
+            extras: list[SupervisorClient] = []
+            refused = None
+            try:
+                for _ in range(3):
+                    extra = _remote(sup.info, timeout_s=10)
+                    extras.append(extra)
+                    try:
+                        extra.ping(cap)
+                    except HandshakeFailed as exc:
+                        refused = exc
+                        break
+                assert refused is not None and "max_tcp_peers" in str(refused), refused
+                assert len(extras) <= 2, f"{len(extras) - 1} peers got in past max_tcp_peers=2"
+            finally:
+                for extra in extras:
+                    extra.close()
             first.close()  # a slot frees once the supervisor sees the disconnect
 
             def fourth_served() -> bool:
