@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import psutil
 
@@ -64,22 +64,30 @@ from supervisor.loop import Loop
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
 from supervisor.registry import TenantRegistry
+from supervisor.requests import Parked
 from supervisor.rundir import RunDir
 from supervisor.guard import FrontendGuard
 from supervisor.state import StateStore
-from supervisor.tenants import InstanceSlot, Parked, TenantRuntime, TenantState
+from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import WorkerSet
 
-if TYPE_CHECKING:
-    from supervisor.service import ServiceOps
-
-__all__ = ["AdminOps"]
+__all__ = ["AdminOps", "ServiceHooks"]
 
 _log = get_logger("supervisor")
 
 #: admin ops handled by :class:`supervisor.service.ServiceOps`
 SERVICE_OPS = frozenset({"reload", "reset", "restart", "rotate_key"})
+
+
+class ServiceHooks(Protocol):
+    """What the tenant lifecycle hands up to the service ops (implemented by
+    :class:`supervisor.service.ServiceOps`, which drives the ops here): the
+    :data:`SERVICE_OPS` requests, an instance that became ready, a tenant gone."""
+
+    def handle(self, client: bytes, rid: int, op: str, args: dict[str, Any]) -> None: ...
+    def instance_ready(self, rt: TenantRuntime) -> None: ...
+    def tenant_down(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
 
 
 class AdminOps:
@@ -123,9 +131,9 @@ class AdminOps:
         self.started = time.time()
         self._workers: WorkerSet | None = None
         self._frontend: Frontend | None = None
-        self._service: ServiceOps | None = None
+        self._service: ServiceHooks | None = None
 
-    def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceOps) -> None:
+    def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
         """The parts this one calls, which are built after it (they call it too); once, at set-up."""
         self._workers, self._frontend, self._service = workers, frontend, service
 
@@ -140,7 +148,7 @@ class AdminOps:
         return self._frontend
 
     @property
-    def service(self) -> ServiceOps:
+    def service(self) -> ServiceHooks:
         assert self._service is not None, "AdminOps used before Supervisor._setup attached its parts"
         return self._service
 
@@ -167,7 +175,7 @@ class AdminOps:
             cap = self.registry.tenant_capability(self.admin_cap, args["tenant"])
             answer(client, rid, op, {"capability": cap.to_bytes()})
         elif op == "tenant_status":
-            answer(client, rid, op, self.tenant_record(self._runtime(args["tenant"])).to_wire())
+            answer(client, rid, op, self.tenant_record(self.runtime(args["tenant"])).to_wire())
         elif op == "scale":
             answer(client, rid, op, self.scale(args["tenant"], args["instances"]).to_wire())
         elif op == "inject_fault":
@@ -177,7 +185,8 @@ class AdminOps:
         else:  # pragma: no cover - the decoder only lets known ops through
             raise InvalidArgument(f"unknown admin op {op!r}")
 
-    def _runtime(self, tid: str) -> TenantRuntime:
+    def runtime(self, tid: str) -> TenantRuntime:
+        """The tenant's runtime; UnknownTenant when none is registered as ``tid``."""
         rt = self.tenants.get(tid)
         if rt is None:
             raise UnknownTenant(tid)
@@ -310,7 +319,7 @@ class AdminOps:
     # ------------------------------------------------------------ evict, set_quota, scale
 
     def evict(self, tid: str, client: bytes | None, rid: int | None) -> None:
-        rt = self._runtime(tid)
+        rt = self.runtime(tid)
         rt.state = TenantState.EVICTING
         self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
@@ -340,7 +349,7 @@ class AdminOps:
             worker.death_waiters.append(on_dead)
 
     def _set_quota(self, args: dict[str, Any]) -> TenantRecord:
-        rt = self._runtime(args["tenant"])
+        rt = self.runtime(args["tenant"])
         changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
         if not changes:
             raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
@@ -351,7 +360,7 @@ class AdminOps:
         return self.tenant_record(rt)
 
     def scale(self, tid: str, n: int) -> TenantRecord:
-        rt = self._runtime(tid)
+        rt = self.runtime(tid)
         spec = rt.spec.with_instances(n)  # validates the range
         self.registry.update_spec(self.admin_cap, spec)
         rt.spec = spec
@@ -395,7 +404,7 @@ class AdminOps:
 
     def _inject_fault(self, client: bytes, rid: int, args: dict[str, Any]) -> None:
         tid = args["tenant"]
-        rt = self._runtime(tid)
+        rt = self.runtime(tid)
         kind = args["kind"]
         if kind not in proto.FAULT_KINDS:
             raise InvalidArgument(f"unknown fault kind {kind!r}")

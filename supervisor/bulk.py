@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from shared.errors import (
     InvalidArgument,
@@ -52,10 +52,7 @@ from shared.region import (
     plan_chunks,
 )
 
-if TYPE_CHECKING:
-    from supervisor.client import SupervisorClient
-
-__all__ = ["DEFAULT_REGION_BYTES", "DEFAULT_THRESHOLD", "BulkPath", "byte_view"]
+__all__ = ["DEFAULT_REGION_BYTES", "DEFAULT_THRESHOLD", "BulkPath", "Transport", "byte_view"]
 
 #: payloads from this size on take the region path (below it, one frame is as fast)
 DEFAULT_THRESHOLD: Final = 256 << 10
@@ -93,6 +90,35 @@ def byte_view(data: Any) -> memoryview:
     return view.cast("B")
 
 
+class Transport(Protocol):
+    """The client's socket as the bulk path uses it: :class:`supervisor.client.SupervisorClient`'s
+    own request primitives, every one called with the client's lock held.
+
+    Declared here so the bulk path needs no client: the client makes its
+    :class:`BulkPath` and hands itself over; the calls only go down.
+    """
+
+    #: seconds a reply may take (the client's, read at every transfer)
+    timeout_s: float
+
+    def send(self, op: str, cap: bytes, args: dict[str, Any]) -> int:
+        """Send one request without waiting; its rid."""
+        ...
+
+    def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
+        """The next reply, whichever request it answers: (rid, ok, result or error dict, body)."""
+        ...
+
+    def _request_locked(self, op: str, cap: bytes, args: dict[str, Any], *,
+                        timeout_s: float | None = None) -> tuple[Any, bytes | None]:
+        """One call: send, wait for its reply, raise its error; (result, body)."""
+        ...
+
+    def _call_locked(self, op: str, cap: bytes, args: dict[str, Any], *, timeout_s: float | None = None) -> Any:
+        """:meth:`_request_locked`'s result alone."""
+        ...
+
+
 @dataclass(eq=False)
 class _Staging:
     """One attached region of one tenant: its id at the supervisor and our mapping."""
@@ -107,9 +133,9 @@ class _Staging:
 
 
 class BulkPath:
-    """Regions of one :class:`SupervisorClient` (its lock held by every method)."""
+    """Regions of one client (:class:`Transport`; its lock held by every method)."""
 
-    def __init__(self, client: SupervisorClient, *, enabled: bool, threshold: int = DEFAULT_THRESHOLD,
+    def __init__(self, client: Transport, *, enabled: bool, threshold: int = DEFAULT_THRESHOLD,
                  region_bytes: int = DEFAULT_REGION_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if not MIN_REGION_BYTES <= region_bytes <= MAX_REGION_BYTES:
             raise InvalidArgument(f"region_bytes must be in {MIN_REGION_BYTES}..{MAX_REGION_BYTES}, got {region_bytes}")

@@ -57,12 +57,13 @@ from shared.sizes import MAX_MODULE_BYTES
 from shared.spec import DEADLINE_GRACE_S
 from supervisor.guard import FrontendGuard
 from supervisor.loop import Loop
-from supervisor.pending import Pending, PendingTable
+from supervisor.pending import PendingTable
 from supervisor.regions import RegionTable
 from supervisor.registry import TenantRegistry
 from supervisor.replies import Replies
+from supervisor.requests import Parked, Pending
 from supervisor.tcp_frontend import IPC_INDEX, TCP_INDEX
-from supervisor.tenants import InstanceSlot, Parked, TenantRuntime, TenantState
+from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.workerset import BATCH, WorkerSet
 
 #: messages read per turn while the unauthenticated backlog is full

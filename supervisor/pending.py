@@ -30,40 +30,21 @@ import heapq
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from shared import protocol as proto
 from shared.errors import KernelTimeout, TensorWasmError, WorkerLost
 from supervisor.loop import Clock
 from supervisor.metrics import Metrics
 from supervisor.replies import Replies
+from supervisor.requests import Parked, Pending
+from supervisor.tenants import TenantRuntime
+from supervisor.workers import WorkerHandle
 
-if TYPE_CHECKING:
-    from supervisor.tenants import Parked, TenantRuntime
-    from supervisor.workers import WorkerHandle
-
-__all__ = ["Pending", "PendingTable"]
+__all__ = ["PendingTable"]
 
 #: rebuild the deadline heap when it holds this many more entries than are live
 _COMPACT_SLACK = 64
-
-
-@dataclass(eq=False)
-class Pending:
-    """A request the supervisor has not answered yet."""
-
-    client: bytes | None  # frontend identity; None for the supervisor's own requests
-    client_rid: int
-    op: str
-    tenant: str
-    instance: int
-    started: float
-    deadline: float
-    #: the supervisor's own requests (bind, buffers fan-out) are answered to this instead of a client
-    callback: Callable[[bool, Any], None] | None = None
-    forwarded: bool = False  # in the table (counted in its tenant's in_flight)
-    #: reply bytes reserved for it at admission (supervisor.budgets); Replies gives them back
-    held: int = 0
 
 
 @dataclass(eq=False)

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig, read_config_file
 from shared.errors import ConfigError, InvalidArgument, StateError, TenantFailed, TensorWasmError
 from shared.log import get_logger, log_event
+from supervisor.admin import AdminOps
 from supervisor.events import EventBus
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
@@ -43,9 +44,6 @@ from supervisor.state import RegistryKey, StateStore
 from supervisor.tenants import TenantRuntime, TenantState
 from supervisor.workers import WorkerState
 from supervisor.workerset import WorkerSet
-
-if TYPE_CHECKING:
-    from supervisor.admin import AdminOps
 
 __all__ = ["ServiceOps"]
 
@@ -223,7 +221,7 @@ class ServiceOps:
     def _apply_change(self, change: SpecChange) -> None:
         """Quotas and supervisor-read fields at once; instances by scaling; worker-bound fields by a
         rolling restart (the new workers are bound with the new spec)."""
-        rt = self.admin._runtime(change.tenant_id)
+        rt = self.admin.runtime(change.tenant_id)
         new = change.new
         if change.needs_placement:
             counts = Counter(t.device for t in self.admin.tenants.values() if t is not rt)
@@ -242,7 +240,7 @@ class ServiceOps:
 
     def reset(self, tid: str, client: bytes | None, rid: int) -> None:
         """Clear a failed tenant (and its restart history) and start its instances; answered when it runs."""
-        rt = self.admin._runtime(tid)
+        rt = self.admin.runtime(tid)
         was_failed = rt.state is TenantState.FAILED
         rt.restart_times.clear()
         if was_failed:
@@ -266,7 +264,7 @@ class ServiceOps:
 
     def restart(self, tid: str, client: bytes | None, rid: int) -> None:
         """Replace every instance with a new worker, one at a time; answered when the last one is ready."""
-        rt = self.admin._runtime(tid)
+        rt = self.admin.runtime(tid)
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s,
                                message=f"tenant {tid!r} is failed: 'twt reset {tid}' starts it again")

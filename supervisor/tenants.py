@@ -29,9 +29,10 @@ from typing import Any
 
 from shared.quota import QuotaBlock
 from shared.spec import RestartPolicy, TenantSpec
+from supervisor.requests import Parked
 from supervisor.workers import WorkerHandle, WorkerState
 
-__all__ = ["InstanceSlot", "Parked", "TenantRuntime", "TenantState"]
+__all__ = ["InstanceSlot", "TenantRuntime", "TenantState"]
 
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 5.0
@@ -65,24 +66,6 @@ class InstanceSlot:
     def coming_up(self) -> bool:
         """Ready, starting, or due to restart: worth waiting for."""
         return not self.draining and (self.worker is not None or self.restart_at is not None)
-
-
-@dataclass(eq=False)
-class Parked:
-    """A request waiting for an instance to become ready (e.g. during a restart)."""
-
-    client: bytes
-    rid: int
-    op: str
-    args: dict[str, Any]
-    body: Any
-    started: float
-    deadline: float
-    instance: int | None  # a handle-bound request must go to this instance
-    #: bytes reserved for it in the supervisor's held-bytes budgets (supervisor.budgets):
-    #: its reply (kind "replies", handed to its Pending) and its body while parked ("parked")
-    held_reply: int = 0
-    held_body: int = 0
 
 
 @dataclass(eq=False)

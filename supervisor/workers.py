@@ -31,10 +31,10 @@ from shared.config import SupervisorConfig
 from shared.entry import EntryPoint
 from shared.log import get_logger, log_event
 from shared.records import BootMessage
+from supervisor.requests import Pending
 
 if TYPE_CHECKING:
     from shared.records import FaultAck, FaultExit
-    from supervisor.pending import Pending
 
 __all__ = ["Spawner", "WorkerHandle", "WorkerState", "kill_tree"]
 

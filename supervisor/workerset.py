@@ -46,8 +46,9 @@ from shared.records import BindMessage, FaultAck, FaultExit, WorkerHello
 from supervisor.events import EventBus
 from supervisor.loop import Loop
 from supervisor.metrics import Metrics
-from supervisor.pending import Pending, PendingTable
+from supervisor.pending import PendingTable
 from supervisor.placement import Placement
+from supervisor.requests import Pending
 from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.workers import Spawner, WorkerHandle, WorkerState, exit_status, kill_tree
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the sub-commands: the run-dir option, JSON output, tables."""
+"""Helpers shared by the sub-commands: the run-dir option, the tenant capability option, JSON output, tables."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from shared.capability import RegistryAdminCapability, read_capability_file
+from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
 from shared.config import ENV_PREFIX, default_run_dir
 from supervisor.client import SupervisorClient
 
 __all__ = [
     "DefaultsHelpFormatter",
+    "add_capability_option",
     "add_run_dir",
     "at_least_one",
     "client_of",
@@ -26,6 +28,8 @@ __all__ = [
     "print_json",
     "print_table",
     "run_dir_of",
+    "tenant_capability_file",
+    "tenant_capability_of",
 ]
 
 
@@ -163,6 +167,38 @@ def client_of(args: argparse.Namespace, timeout_s: float) -> SupervisorClient:
             raise ValueError(f"{args.admin_cap} holds a tenant capability, not the admin capability")
         admin = cap
     return SupervisorClient.remote(connect, args.server_key, args.client_key, timeout_s, admin=admin)
+
+
+def tenant_capability_file(path: Path, tenant: str) -> TenantCapability:
+    """The tenant capability in ``path``; refuses one that names another tenant, naming both."""
+    cap = read_capability_file(path)
+    if not isinstance(cap, TenantCapability):
+        raise ValueError(f"--capability {path} holds the admin capability, not tenant {tenant!r}'s")
+    if cap.tenant_id != tenant:
+        raise ValueError(
+            f"--capability {path} is the capability of tenant {cap.tenant_id!r}, not of {tenant!r}: "
+            f"run as {cap.tenant_id!r} or give {tenant!r}'s capability (twt capability {tenant} --cap-out FILE)"
+        )
+    return cap
+
+
+def add_capability_option(p: argparse.ArgumentParser) -> None:
+    """``--capability FILE``: a tenant acting with its own capability instead of the run dir's admin.cap."""
+    p.add_argument("--capability", type=Path, default=None, metavar="FILE",
+                   help="the tenant's capability file (as written by --cap-out: hex text; raw bytes are read "
+                   "too); default: obtained with the run dir's admin.cap")
+
+
+def tenant_capability_of(client: SupervisorClient, tenant: str, from_file: TenantCapability | None) -> TenantCapability:
+    """``tenant``'s capability: the one read from ``--capability`` (:func:`tenant_capability_file`, read
+    before connecting, so a wrong file is refused first), else asked for with the admin capability."""
+    if from_file is not None:
+        return from_file
+    cap = client.tenant_capability(client.admin, tenant)
+    if cap.tenant_id != tenant:  # pragma: no cover - the supervisor answers for the name asked
+        raise ValueError(f"capability is for {cap.tenant_id!r}, not {tenant!r}")
+    return cap
+
 
 
 def run_dir_of(args: argparse.Namespace) -> str:

@@ -26,8 +26,16 @@ from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.errors import InvalidArgument
 from shared.sizes import format_size, parse_size
-from supervisor.cli._common import add_run_dir, non_negative_int, print_json, print_table, run_dir_of
-from supervisor.cli.run import add_capability_option, tenant_capability_file, tenant_capability_of
+from supervisor.cli._common import (
+    add_capability_option,
+    add_run_dir,
+    non_negative_int,
+    print_json,
+    print_table,
+    run_dir_of,
+    tenant_capability_file,
+    tenant_capability_of,
+)
 from supervisor.client import SupervisorClient
 
 __all__ = ["add_parser", "format_held", "resolve_handle"]

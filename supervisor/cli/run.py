@@ -15,12 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from shared import protocol as proto
-from shared.capability import TenantCapability, read_capability_file
-from supervisor.cli._common import add_run_dir, client_of, print_json
-from supervisor.client import SupervisorClient
+from supervisor.cli._common import (
+    add_capability_option,
+    add_run_dir,
+    client_of,
+    print_json,
+    tenant_capability_file,
+    tenant_capability_of,
+)
+from supervisor.cli.buffers import resolve_handle
 
-__all__ = ["add_capability_option", "add_parser", "parse_wasm_arg", "run", "tenant_capability_file",
-           "tenant_capability_of"]
+__all__ = ["add_parser", "parse_wasm_arg", "run"]
 
 
 def parse_wasm_arg(text: str) -> Any:
@@ -79,36 +84,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def tenant_capability_file(path: Path, tenant: str) -> TenantCapability:
-    """The tenant capability in ``path``; refuses one that names another tenant, naming both."""
-    cap = read_capability_file(path)
-    if not isinstance(cap, TenantCapability):
-        raise ValueError(f"--capability {path} holds the admin capability, not tenant {tenant!r}'s")
-    if cap.tenant_id != tenant:
-        raise ValueError(
-            f"--capability {path} is the capability of tenant {cap.tenant_id!r}, not of {tenant!r}: "
-            f"run as {cap.tenant_id!r} or give {tenant!r}'s capability (twt capability {tenant} --cap-out FILE)"
-        )
-    return cap
-
-
-def add_capability_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--capability", type=Path, default=None, metavar="FILE",
-                   help="the tenant's capability file (as written by --cap-out: hex text; raw bytes are read "
-                   "too); default: obtained with the run dir's admin.cap")
-
-
-def tenant_capability_of(client: SupervisorClient, tenant: str, from_file: TenantCapability | None) -> TenantCapability:
-    """``tenant``'s capability: the one read from ``--capability`` (:func:`tenant_capability_file`, read
-    before connecting, so a wrong file is refused first), else asked for with the admin capability."""
-    if from_file is not None:
-        return from_file
-    cap = client.tenant_capability(client.admin, tenant)
-    if cap.tenant_id != tenant:  # pragma: no cover - the supervisor answers for the name asked
-        raise ValueError(f"capability is for {cap.tenant_id!r}, not {tenant!r}")
-    return cap
-
-
 def run(args: argparse.Namespace) -> int:
     module = args.module.read_bytes()
     cap_file = tenant_capability_file(args.capability, args.tenant) if args.capability is not None else None
@@ -116,8 +91,6 @@ def run(args: argparse.Namespace) -> int:
         cap = tenant_capability_of(client, args.tenant, cap_file)
         wasm_args = list(args.args)
         if any(isinstance(a, dict) for a in wasm_args):
-            from supervisor.cli.buffers import resolve_handle
-
             held = client.buffers(cap)
             wasm_args = [{"handle": resolve_handle(a["handle"], held, args.tenant)} if isinstance(a, dict) else a
                          for a in wasm_args]

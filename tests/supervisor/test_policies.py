@@ -19,8 +19,9 @@ from shared.spec import DEADLINE_GRACE_S, TenantSpec
 from supervisor.frontend import Frontend, lost_buffer, pinned_instance, slot_for, with_wasm_limits
 from supervisor.loop import Handoff, Timers
 from supervisor.metrics import Metrics
-from supervisor.pending import Pending, PendingTable
+from supervisor.pending import PendingTable
 from supervisor.regions import RegionTable
+from supervisor.requests import Pending
 from supervisor.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import pool_retry_delay_s
@@ -385,7 +386,7 @@ def test_shutdown_answers_clients_and_drops_its_own_requests() -> None:
 
 def test_a_scale_down_answers_what_waited_for_the_instances_it_took_away() -> None:
     from supervisor.admin import _scaled_away
-    from supervisor.tenants import Parked
+    from supervisor.requests import Parked
 
     rt = _runtime(instances=2, ready=False)
     pinned = Parked(b"c", 1, "read", {"handle": proto.make_handle(1, 1, 1)}, None, 0.0, 5.0, 1)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from worker.wasm.abi import IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun
 from worker.wasm.host import CompiledModule, EpochTicker, WasmHost, WasmSession
-from worker.wasm.tensor_abi import TENSOR_OPS, UNARY_OPS, TensorOp
+from worker.wasm.tensor_abi import TENSOR_OPS, UNARY_OPS, OpRun, TensorOp
 
 __all__ = [
     "GUEST_DIR",
@@ -27,6 +27,7 @@ __all__ = [
     "EpochTicker",
     "ErrorCode",
     "GuestRun",
+    "OpRun",
     "TensorOp",
     "WasmHost",
     "WasmSession",

@@ -35,16 +35,14 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from shared.errors import TensorWasmError
 from shared.log import get_logger, log_event
 from shared.wasm_abi import ErrorCode
+from worker.backends.base import Backend, DeviceBuffer
 
-if TYPE_CHECKING:
-    from worker.wasm.abi import GuestRun
-
-__all__ = ["TENSOR_OPS", "UNARY_OPS", "TensorOp"]
+__all__ = ["TENSOR_OPS", "UNARY_OPS", "OpRun", "TensorOp"]
 
 _log = get_logger("worker.wasm")
 
@@ -60,6 +58,27 @@ _BUFFER_BOUNDS = int(ErrorCode.BUFFER_BOUNDS)
 _MEMORY_BOUNDS = int(ErrorCode.MEMORY_BOUNDS)
 _NO_MEMORY = int(ErrorCode.NO_MEMORY)
 _BACKEND = int(ErrorCode.BACKEND)
+
+
+class OpRun(Protocol):
+    """What an op needs of the run that calls it: :class:`worker.wasm.abi.GuestRun` is the one.
+
+    Declared here, below the ABI module, so the op table depends on no
+    particular run: the ABI imports the table, never the other way round.
+    """
+
+    tenant_id: str
+    backend: Backend
+    #: guest handle -> (buffer, owned by this run)
+    buffers: dict[int, tuple[DeviceBuffer, bool]]
+
+    def guest_range(self, caller: Any, ptr: int, nbytes: int) -> memoryview | int:
+        """A writable view of guest bytes ``[ptr, ptr+nbytes)``, or an error code."""
+        ...
+
+    def gemm(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int) -> None:
+        """``matmul_f32`` on the backend with the run's metered workspace."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -115,7 +134,7 @@ class TensorOp:
         """(parameter types, result type) as in :data:`worker.wasm.abi.IMPORTS`."""
         return tuple(_WASM_TYPE[role] for role, _ in self.roles), "i32"
 
-    def call(self, run: GuestRun, caller: Any, *args: Any) -> int:
+    def call(self, run: OpRun, caller: Any, *args: Any) -> int:
         """Check ``args`` in the ABI order, then run the op on the backend; its result code.
 
         The hot path of every tensor import (a GEMM loop calls it per
