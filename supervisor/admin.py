@@ -11,7 +11,9 @@ Every change an admin op makes is written to the state store
 register, evict, set_quota, scale, a tenant marked failed - so a restarted
 supervisor comes back with it; the request path never writes. The service
 ops (reload, reset, restart, rotate-key, and the restore at start) live in
-:mod:`supervisor.service`, which drives the ops here.
+:mod:`supervisor.service`, which drives the ops here; the lifecycle tells it
+what it must know (its ops' requests, an instance ready, a tenant gone)
+through :class:`ServiceHooks`, so this module never imports it.
 
 Owns: the tenants table (``tenants``: id -> :class:`TenantRuntime`) and each
 tenant's registration waiters. May touch: the registry (capabilities, quota

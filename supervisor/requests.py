@@ -1,12 +1,16 @@
 """A client request as the supervisor holds it, before it is answered: plain records.
 
-    client request ──► Frontend ──► Parked   no instance of its tenant is ready yet: waits in
-                          │                  ``TenantRuntime.parked`` (supervisor.tenants)
-                          ▼
-                       Pending   forwarded to a worker: in ``WorkerHandle.in_flight``
-                          │      (supervisor.workers), keyed by the supervisor's rid
-                          ▼
-                 PendingTable.finish (supervisor.pending): the reply, the metric, the held bytes
+    client request ──► Frontend ─┬─► Parked    no instance of its tenant is ready yet: waits in
+                                 │     │       ``TenantRuntime.parked`` (supervisor.tenants)
+                                 │     ▼ an instance is ready
+                                 └─► Pending   forwarded to a worker: in ``WorkerHandle.in_flight``
+                                       │       (supervisor.workers), keyed by the supervisor's rid
+                                       ▼
+                  PendingTable.finish (supervisor.pending): the reply, the metric, the held bytes
+
+A ``Pending`` also stands for the supervisor's own requests to a worker
+(a bind: answered to its ``callback``) and, for a moment, for a request the
+loop answers itself (``PendingTable.answer`` / ``refuse``).
 
 The records carry data only: the tables that own them (the tenant's parked
 queue, the worker's in-flight map, :class:`supervisor.pending.PendingTable`)
@@ -38,7 +42,6 @@ class Pending:
     forwarded: bool = False  # in the table (counted in its tenant's in_flight)
     #: reply bytes reserved for it at admission (supervisor.budgets); Replies gives them back
     held: int = 0
-
 
 
 @dataclass(eq=False)
