@@ -8,8 +8,10 @@ supervisor's segment, or print "leaked shared_memory" warnings. Here:
 
 * :func:`create` is for the one owner (the supervisor, or a test). It uses
   ``SharedMemory(create=True)``, which *is* tracked: if the owner is killed,
-  its resource tracker unlinks the segment, and a later supervisor removes
-  anything left with :func:`shared.quota.cleanup_stale_segments`.
+  its resource tracker unlinks the segment, and a later supervisor on the
+  same run dir removes anything left with
+  :func:`shared.quota.cleanup_stale_segments` (names carry the run dir's
+  namespace, so it never removes another supervisor's).
 * :func:`attach` is for everybody else and never touches the tracker
   (``track=False`` on 3.13+, ``_posixshmem`` + ``mmap`` before that).
 """

@@ -39,8 +39,10 @@ call is refused.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import secrets
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Final
@@ -55,20 +57,35 @@ from shared.sizes import check_size_range
 __all__ = [
     "DEFAULT_QUOTA_BYTES",
     "MAX_INSTANCES",
+    "NAME_MAX",
     "SEGMENT_PREFIX",
     "QuotaBlock",
     "QuotaSnapshot",
     "SegmentHeader",
     "cleanup_stale_segments",
+    "is_legacy_name",
+    "namespace_of",
     "process_alive",
     "process_start_ms",
     "read_header",
+    "segment_namespace",
+    "stale_segments",
 ]
 
 _log = get_logger("quota")
 
 DEFAULT_QUOTA_BYTES: Final = 8 << 30
 SEGMENT_PREFIX: Final = "twt-"
+#: the longest segment name: a /dev/shm file name (Linux NAME_MAX; shm_open's name less its "/")
+NAME_MAX: Final = 255
+# A run dir's namespace token: "ns" and 12 hex digits. "n" and "s" are no hex digits, so no name an
+# older version made (``twt-<hex>-...``) reads as namespaced.
+_NS_MARK: Final = "ns"
+_NS_HEX: Final = 12
+_NAMESPACE = re.compile(rf"{_NS_MARK}[0-9a-f]{{{_NS_HEX}}}\Z")
+# What a supervisor before namespaces named its segments: a per-start 8-hex prefix, then a
+# quota slot, a device (``dev<i>``) or a region (``r<128 bits>``).
+_LEGACY_NAME = re.compile(r"twt-[0-9a-f]{8}-(?:[0-9]+|dev[0-9]+|r[0-9a-f]{32})\Z")
 MAX_INSTANCES: Final = 64
 UNLIMITED: Final = (1 << 64) - 1
 
@@ -257,8 +274,46 @@ def check_header(name: str, buf: memoryview, kind: int) -> str:
 
 
 def new_segment_name(prefix: str | None = None, slot: int | str = 0) -> str:
-    """``twt-<prefix>-<slot>``; a random prefix when none is given."""
-    return f"{SEGMENT_PREFIX}{prefix or secrets.token_hex(6)}-{slot}"
+    """``twt-<prefix>-<slot>``; a random prefix when none is given.
+
+    A supervisor's prefix starts with its run dir's namespace
+    (``<namespace>-<per-start hex>``, see :func:`segment_namespace`).
+    """
+    name = f"{SEGMENT_PREFIX}{prefix or secrets.token_hex(6)}-{slot}"
+    if len(name.encode()) > NAME_MAX:
+        raise ValueError(f"segment name of {len(name.encode())} bytes exceeds NAME_MAX ({NAME_MAX}): {name[:40]!r}...")
+    return name
+
+
+def segment_namespace(run_dir: str) -> str:
+    """The namespace of the segments of every supervisor that runs on ``run_dir``.
+
+    ``ns`` and 12 hex digits of the SHA-256 of the run dir's real path: the
+    same for each restart on that directory (so a restart finds what a killed
+    predecessor left), different for another run dir on the host (so one
+    supervisor's start never removes, or reports, another's segments). A
+    supervisor names its segments ``twt-<namespace>-<per-start hex>-<slot>``.
+    """
+    real = os.path.realpath(run_dir)
+    return _NS_MARK + hashlib.sha256(os.fsencode(real)).hexdigest()[:_NS_HEX]
+
+
+def namespace_of(name: str) -> str | None:
+    """The run-dir namespace a segment name carries, or None (an older version's name, an
+    in-process registry's, a test's)."""
+    if not name.startswith(SEGMENT_PREFIX):
+        return None
+    token = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
+    return token if _NAMESPACE.match(token) else None
+
+
+def is_legacy_name(name: str) -> bool:
+    """True for a name as a supervisor made it before namespaces (``twt-<8 hex>-<slot>``).
+
+    A supervisor's start removes such segments too when their owner is dead,
+    as every start did before: a host upgraded after a crash is cleaned up.
+    """
+    return _LEGACY_NAME.match(name) is not None
 
 
 class QuotaBlock(MappedSegment):
@@ -567,22 +622,49 @@ def read_header(name: str) -> SegmentHeader:
         seg.close()
 
 
-def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
-    """Unlink ``twt-*`` segments whose recorded owner process is dead; return their names.
+def _check_namespace(namespace: str) -> str:
+    if not isinstance(namespace, str) or not _NAMESPACE.match(namespace):
+        raise ValueError(f"not a segment namespace (ns + {_NS_HEX} hex digits): {namespace!r}")
+    return namespace
 
-    Segments of live owners, and anything that is not our layout, are left
-    alone. Run by a supervisor at start-up (a killed supervisor's blocks).
+
+def stale_segments(prefix: str = SEGMENT_PREFIX, *, namespace: str | None = None) -> list[SegmentHeader]:
+    """The headers of the ``twt-*`` segments whose recorded owner process is dead.
+
+    With ``namespace``: only that run dir's segments (:func:`segment_namespace`)
+    and names an older version made (:func:`is_legacy_name`); without: every
+    segment under ``prefix`` on the host. Segments of live owners, and
+    anything that is not our layout, are never listed.
     """
     if not prefix.startswith(SEGMENT_PREFIX):
         raise ValueError(f"prefix must start with {SEGMENT_PREFIX!r}")
-    removed = []
+    if namespace is not None:
+        _check_namespace(namespace)
+    found = []
     for name in _shm.list_segments(prefix):
+        if namespace is not None and namespace_of(name) != namespace and not is_legacy_name(name):
+            continue
         try:
             header = read_header(name)
         except SegmentError:
             continue
-        if header.owner_alive():
-            continue
+        if not header.owner_alive():
+            found.append(header)
+    return found
+
+
+def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX, *, namespace: str | None = None) -> list[str]:
+    """Unlink the segments :func:`stale_segments` lists; return their names.
+
+    A supervisor's start passes its run dir's ``namespace``: it removes what a
+    killed predecessor on the same run dir left, never another run dir's
+    segments (that supervisor's own restart reclaims and reports those).
+    Without ``namespace`` every dead owner's segment on the host goes:
+    ``twt cleanup --all-run-dirs``, an operator's act.
+    """
+    removed = []
+    for header in stale_segments(prefix, namespace=namespace):
+        name = header.name
         try:
             _shm.unlink(name)
         except FileNotFoundError:
@@ -595,5 +677,6 @@ def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
             segment=name,
             owner_pid=header.owner_pid,
             label=header.label,
+            namespace=namespace_of(name),
         )
     return removed

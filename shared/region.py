@@ -20,7 +20,8 @@ checks it is mapping a region of the tenant it expects. The data starts at
 :data:`DATA_OFFSET` (page aligned, as ``cuMemHostRegister`` likes it).
 
 Names are ``twt-<registry prefix>-r<128 random bits>``: under the
-supervisor's prefix and unguessable. ``SharedMemory`` creates them with mode
+supervisor's prefix (which starts with its run dir's namespace, see
+:func:`shared.quota.segment_namespace`) and unguessable. ``SharedMemory`` creates them with mode
 0600 (only the supervisor's user can map them). Only the creating process
 (the supervisor) unlinks; clients and workers attach without telling the
 resource tracker (see :mod:`shared._shm`).
@@ -42,7 +43,7 @@ from typing import Final
 from shared import _shm
 from shared._segment import MappedSegment
 from shared.errors import InvalidArgument, SegmentError
-from shared.quota import KIND_REGION, SEGMENT_PREFIX, check_header, write_header
+from shared.quota import KIND_REGION, NAME_MAX, SEGMENT_PREFIX, check_header, write_header
 
 __all__ = [
     "DATA_OFFSET",
@@ -97,7 +98,10 @@ def region_name(prefix: str) -> str:
     """A fresh, unguessable region name under a supervisor's segment prefix."""
     if not prefix or not all(c.isalnum() or c in "-_" for c in prefix):
         raise ValueError(f"segment prefix must be alphanumeric (plus - _), got {prefix!r}")
-    return f"{SEGMENT_PREFIX}{prefix}-r{secrets.token_hex(16)}"
+    name = f"{SEGMENT_PREFIX}{prefix}-r{secrets.token_hex(16)}"
+    if len(name) > NAME_MAX:
+        raise ValueError(f"segment prefix of {len(prefix)} characters makes region names longer than {NAME_MAX}")
+    return name
 
 
 def check_span(capacity: int, offset: object, nbytes: object, what: str = "region access") -> tuple[int, int]:
@@ -205,7 +209,7 @@ class Region(MappedSegment):
     @classmethod
     def attach(cls, name: str, *, tenant_id: str | None = None) -> Region:
         """Map an existing region (never tracked); ``tenant_id`` given: refuse another tenant's."""
-        if not name.startswith(SEGMENT_PREFIX) or "/" in name or len(name) > 200:
+        if not name.startswith(SEGMENT_PREFIX) or "/" in name or len(name) > NAME_MAX:
             raise SegmentError(name, "not a region name")
         try:
             seg = _shm.attach(name)

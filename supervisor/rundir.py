@@ -22,6 +22,11 @@ admin capability to them (docs/SECURITY.md).
 The lock is an ``flock`` on an open file, so it disappears with the process
 (even SIGKILL): a restarted supervisor on the same run dir starts at once,
 removing the dead one's stale sockets and files.
+
+The run dir also names its supervisors' shared-memory segments: their names
+carry its *namespace* (a hash of its real path, :attr:`RunDir.segment_namespace`),
+so a start removes the dead segments of its own run dir only, never those of
+another supervisor on the host (docs/OPERATIONS.md "Shared-memory segments").
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import stat
 from typing import Any
 
 from shared.capability import capability_bytes_from_text, capability_from_bytes, capability_to_text
 from shared.errors import RunDirLocked, UntrustedRunDir  # raised here; defined with the rest of the error tree
+from shared.quota import segment_namespace
 
 __all__ = ["RunDir", "RunDirLocked", "read_admin_capability", "read_ready", "verify_admin_dir", "verify_run_dir"]
 
@@ -74,6 +81,21 @@ class RunDir:
 
     def endpoint(self, name: str) -> str:
         return "ipc://" + self.file(f"{name}.ipc")
+
+    @property
+    def segment_namespace(self) -> str:
+        """The namespace of this run dir's ``twt-*`` segments (:func:`shared.quota.segment_namespace`):
+        the same for every supervisor started on it, another for every other run dir."""
+        return segment_namespace(self.path)
+
+    def new_segment_prefix(self) -> str:
+        """A segment prefix for one supervisor start: ``<namespace>-<8 random hex>``.
+
+        Per start, because a killed predecessor's segments may still exist
+        (names are created exclusively); under the namespace, because the
+        start-up cleanup and ``twt cleanup`` find a run dir's segments by it.
+        """
+        return f"{self.segment_namespace}-{secrets.token_hex(4)}"
 
     @property
     def locked(self) -> bool:

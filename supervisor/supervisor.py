@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -153,18 +152,18 @@ class Supervisor:
     def _open_state(self) -> tuple[StateStore, TenantRegistry, RegistryAdminCapability]:
         """The state store and the registry it holds the identity of (StateError: the start stops).
 
-        Segment names get a prefix drawn per start: the registry id is the same
-        after a restart, and a killed supervisor's segments may still exist.
+        Segment names get a prefix drawn per start under the run dir's namespace: the
+        registry id is the same after a restart, and a killed supervisor's segments may still exist.
         """
         self.state = StateStore.open(self.config.state_path)
-        self.registry, admin_cap = TenantRegistry.from_state(self.state, segment_prefix=secrets.token_hex(4))
+        self.registry, admin_cap = TenantRegistry.from_state(self.state, segment_prefix=self.rundir.new_segment_prefix())
         return self.state, self.registry, admin_cap
 
     def _setup(self) -> _Parts:
         cfg = self.config
         raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.fdlimit)
         state, registry, admin_cap = self._open_state()
-        removed = cleanup_stale_segments()
+        removed = cleanup_stale_segments(namespace=self.rundir.segment_namespace)  # never another run dir's
         if removed:
             log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
         from supervisor.backend_select import select_backend

@@ -62,6 +62,7 @@ COMMANDS = {
     "mps": "supervisor.cli.mps",
     "keys": "supervisor.cli.keys",
     "cluster": "supervisor.cli.cluster",
+    "cleanup": "supervisor.cli.cleanup",
 }
 
 __all__ += ["EXIT_CHECK", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE"]

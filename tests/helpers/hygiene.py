@@ -7,11 +7,28 @@ and is still there after a grace period.
 
 Several test runs may share one machine (and /dev/shm). Only what belongs to
 *this* run counts, so one run never reports, kills or unlinks another run's
-live workers and segments: a process is ours when it is a descendant of this
+workers and segments: a process is ours when it is a descendant of this
 one or carries this run's :data:`SESSION_ENV` marker in its environment
-(inherited by spawned children); a segment is ours unless its recorded owner
-is a live process that is not ours. Segments of dead owners and segments not
-of our layout count as ours.
+(inherited by spawned children). A segment is ours when
+
+* its recorded owner is alive and one of our processes, or
+* its owner is dead and its name carries the namespace of one of *this
+  session's run dirs* (a supervisor names its segments after its run dir:
+  ``shared.quota.segment_namespace``). This session's run dirs are the
+  directories this process created (``launch()``'s temporary ones,
+  ``tmp_path``...) and those it named to a supervisor it started
+  (``--run-dir`` / ``TWT_RUN_DIR`` of a subprocess): an audit hook
+  (:func:`sys.addaudithook`, ``os.mkdir`` and ``subprocess.Popen``) records
+  them as they appear, so a run dir removed since still counts;
+* its owner is dead and its name carries no namespace (a test's own segment,
+  a killed child's), or it is not our layout: as before namespaces, ours -
+  except a name as a supervisor of an older build makes it
+  (``twt-<8 hex>-<slot>``, ``shared.quota.is_legacy_name``): our
+  supervisors never make one, a parallel run of an older build does.
+
+So another run's supervisor segments - a parallel suite that has just
+SIGKILLed its supervisor and is about to restart it - are never reported or
+unlinked here, while a leak of our own still fails the test that made it.
 """
 
 from __future__ import annotations
@@ -19,13 +36,16 @@ from __future__ import annotations
 import os
 import secrets
 import struct
+import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
 from shared.errors import SegmentError
-from shared.quota import MAGIC, _owner_alive, read_header
+from shared.quota import MAGIC, _owner_alive, is_legacy_name, namespace_of, read_header, segment_namespace
 
 PROCESS_NAMES = ("twt-worker", "twt-supervisor")
 SHM_DIR = "/dev/shm"
@@ -33,9 +53,58 @@ SHM_DIR = "/dev/shm"
 SESSION_ENV = "PYTEST_TWT_SESSION"
 
 
+#: namespaces of this session's run dirs (see the module docstring); filled by _audit
+_namespaces: set[str] = set()
+_hooked = False
+
+
 def mark_session() -> str:
-    """Tag this test run (inherited by every child process); idempotent."""
+    """Tag this test run (inherited by every child process) and start recording its run
+    dirs; idempotent."""
+    global _hooked
+    if not _hooked:
+        sys.addaudithook(_audit)
+        _hooked = True
     return os.environ.setdefault(SESSION_ENV, secrets.token_hex(8))
+
+
+def add_run_dir(path: str | os.PathLike[str]) -> str:
+    """Count ``path`` as one of this session's run dirs; returns its segment namespace."""
+    namespace = segment_namespace(os.fspath(path))
+    _namespaces.add(namespace)
+    return namespace
+
+
+def session_namespaces() -> frozenset[str]:
+    return frozenset(_namespaces)
+
+
+def _run_dirs_of(argv: Iterable[Any], cwd: Any, env: Any) -> list[str]:
+    """The run dirs a supervisor command line names (``--run-dir X``, ``--run-dir=X``, ``TWT_RUN_DIR``)."""
+    args = [os.fsdecode(a) for a in argv if isinstance(a, (str, bytes, os.PathLike))]
+    found = [v for a, v in zip(args, args[1:]) if a == "--run-dir"]
+    found += [a.split("=", 1)[1] for a in args if a.startswith("--run-dir=")]
+    if isinstance(env, dict) and isinstance(env.get("TWT_RUN_DIR"), str):
+        found.append(env["TWT_RUN_DIR"])
+    base = os.fsdecode(cwd) if isinstance(cwd, (str, bytes, os.PathLike)) else os.getcwd()
+    return [os.path.join(base, p) for p in found if p]
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    """Record this session's run dirs as they appear (must never raise: it runs inside os calls)."""
+    if event not in ("os.mkdir", "subprocess.Popen"):
+        return
+    try:
+        if event == "os.mkdir":
+            path, _mode, dir_fd = args
+            if dir_fd in (None, -1):
+                add_run_dir(os.fsdecode(path))
+        else:
+            _executable, argv, cwd, env = args
+            for path in _run_dirs_of([argv] if isinstance(argv, (str, bytes)) else argv, cwd, env):
+                add_run_dir(path)
+    except (TypeError, ValueError, OSError):  # an odd argument names no run dir; never break the call
+        return
 
 
 def _process_is_ours(pid: int) -> bool:
@@ -65,6 +134,13 @@ def _raw_owner(name: str) -> tuple[int, int] | None:
     return (pid, start) if magic == MAGIC else None
 
 
+def _dead_owners_segment_is_ours(name: str) -> bool:
+    namespace = namespace_of(name)
+    if namespace is None:
+        return not is_legacy_name(name)
+    return namespace in _namespaces
+
+
 def _segment_is_ours(name: str) -> bool:
     try:
         header = read_header(name)
@@ -73,10 +149,10 @@ def _segment_is_ours(name: str) -> bool:
         # ours at all: judge by the recorded owner when there is one.
         owner = _raw_owner(name)
         if owner is None or not _owner_alive(*owner):
-            return True
+            return _dead_owners_segment_is_ours(name)
         return _process_is_ours(owner[0])
     if not header.owner_alive():
-        return True
+        return _dead_owners_segment_is_ours(name)
     return _process_is_ours(header.owner_pid)
 
 

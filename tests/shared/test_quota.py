@@ -31,6 +31,7 @@ from shared.quota import (
     cleanup_stale_segments,
     read_header,
 )
+from tests.helpers.segments import dead_owner
 
 SPAWN = mp.get_context("spawn")
 SHM_DIR = "/dev/shm"
@@ -532,22 +533,10 @@ def _create_and_wait_to_be_killed(name: str, ready: Any, go: Any, out: Any) -> N
     block.close()  # not reached
 
 
-def dead_process() -> tuple[int, int]:
-    """(pid, start) of a process that has exited and been reaped."""
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    try:
-        start = quota._process_start_ms(proc.pid)
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(timeout=30)
-    return proc.pid, start
-
-
 @pytest.mark.timeout(90)
 def test_cleanup_removes_only_dead_owners_segments() -> None:
     prefix = unique_prefix()
-    dead_pid, dead_start = dead_process()
+    dead_pid, dead_start = dead_owner()
     my_start = quota._process_start_ms(os.getpid())
     stale = {
         "dead": layout_bytes(pid=dead_pid, start=dead_start),
