@@ -17,6 +17,7 @@ from shared.capability import TenantCapability
 from shared.errors import (
     TensorWasmError,
 )
+from shared.quota import SEGMENT_PREFIX, segment_namespace
 from shared.records import StatusRecord, TenantRecord
 from supervisor.chaos.checks import (
     Check,
@@ -158,6 +159,8 @@ class _Campaign:
                 events.connected.wait(5)
                 time.sleep(0.2)  # let the subscription reach the publisher before anything happens
                 main = SupervisorClient(run_dir, timeout_s=60.0)
+                # every segment a supervisor on this run dir names carries its namespace
+                self.prefix = f"{SEGMENT_PREFIX}{segment_namespace(run_dir)}-"
                 stack.callback(main.close)
                 self.start(main, sup_pid)
                 self.workload(run_dir)
@@ -179,7 +182,6 @@ class _Campaign:
 
     def start(self, main: SupervisorClient, sup_pid: int | None) -> None:
         hello = main.hello()
-        self.prefix = f"twt-{str(hello['registry_id'])[:8]}-"
         self.report["supervisor"] = {
             "pid": hello["pid"],
             "backend": hello["backend"],
