@@ -22,8 +22,10 @@ the shared-memory data regions of local clients (``regions``: a
 resolved to the tenant's own region and forwarded; refused on TCP, whose
 peers cannot map this host's shared memory).
 May touch: the pending table (every answer goes through it), the worker set
-(to send), the registry (to verify capabilities). Admin ops are handed to
-:class:`supervisor.admin.AdminOps`. Loop thread only.
+(to send), the registry (to verify capabilities), the event log (read:
+``events``, which either capability may send, is answered here with the
+capability's view of :class:`~supervisor.event_log.EventLog`). Admin ops are
+handed to :class:`supervisor.admin.AdminOps`. Loop thread only.
 """
 
 from __future__ import annotations

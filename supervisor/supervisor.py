@@ -6,6 +6,7 @@
     workers ◄──DEALER── ROUTER backend ◄─┘ WorkerSet: forward [hdr'|body] (body not copied)
     workers ──DEALER──► ROUTER control     WorkerSet: hello / heartbeats / fault acks
     subscribers ◄─SUB── PUB events         spawn, ready, exit, restart, failed ...
+                        EventLog           the same events, numbered and bounded: the ``events`` op
     worker sentinels (fds) ─► poller       WorkerSet.on_death: a death is seen at once
 
 The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom):

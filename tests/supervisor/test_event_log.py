@@ -171,3 +171,51 @@ def test_a_size_that_is_not_a_positive_int_is_refused() -> None:
     for size in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="positive int"):
             EventLog(size)  # type: ignore[arg-type]
+
+
+class _LogClient:
+    """A fake of SupervisorClient.events_page: pages of an in-process log (swappable: a restart)."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.calls = 0
+
+    def events_page(self, cap: Any, after: int | None = None, *, kinds: Any = (), max_events: int | None = None,
+                    log: str | None = None) -> dict[str, Any]:
+        self.calls += 1
+        args: dict[str, Any] = {"after": after, "log": log}
+        if kinds:
+            args["kinds"] = list(kinds)
+        return self.log.page(ADMIN_VIEW, args)
+
+
+def test_a_follower_reports_a_supervisor_restart_and_a_fallen_out_cursor() -> None:
+    from supervisor.event_follow import MISSED, follow
+
+    log, bus = _log(size=16)
+    bus.emit("scale", tenant="acme", instances=1)  # before the follower: not shown
+    client = _LogClient(log)
+    stream = follow(client, None, ["scale"], timeout_s=5.0, poll_s=0.001)  # type: ignore[arg-type]
+    bus.emit("scale", tenant="acme", instances=2)
+    assert next(stream)["instances"] == 2
+    for i in range(40):  # the follower reads nothing meanwhile: the ring of 16 overflows
+        bus.emit("scale", tenant="acme", instances=10 + i)
+    gap = next(stream)
+    assert gap["event"] == MISSED and gap["missed"] == 24 and "event_log_size" in gap["reason"]
+    assert [next(stream)["instances"] for _ in range(16)] == list(range(34, 50))
+    # the supervisor restarts: a new log, whose numbers start again
+    client.log, bus = _log(size=16)
+    bus.emit("scale", tenant="acme", instances=99)
+    gap = next(stream)
+    assert gap["event"] == MISSED and gap["missed"] is None and "restarted" in gap["reason"]
+    assert next(stream)["instances"] == 99
+    stream.close()
+
+
+def test_a_follower_ends_after_its_timeout_of_silence() -> None:
+    from supervisor.event_follow import follow
+
+    log, _ = _log()
+    client = _LogClient(log)
+    assert list(follow(client, None, timeout_s=0.05, poll_s=0.01)) == []  # type: ignore[arg-type]
+    assert client.calls >= 2
