@@ -42,8 +42,9 @@ client, a client's position is its cursor):
 * the registration each ready worker belongs to (so its exit is tagged with
   it): at most :data:`MAX_TRACKED_WORKERS`, forgotten at its exit;
 * a reply: at most :data:`MAX_PAGE_EVENTS` events and :data:`MAX_PAGE_BYTES`
-  of records, from at most :data:`SCAN_BUDGET` entries looked at; ``more``
-  is true when the client should call again at once.
+  of records (a small reply, below what the frontend tracks per client),
+  from at most :data:`SCAN_BUDGET` entries looked at; ``more`` is true when
+  the client should call again at once.
 
 Loop thread only (appends come from ``EventBus.emit``, pages from the frontend).
 """
@@ -82,8 +83,12 @@ ENTRY_OVERHEAD: Final = 160
 MAX_LOG_BYTES: Final = 32 << 20
 #: events in one reply (a larger ``max`` is served as this)
 MAX_PAGE_EVENTS: Final = 1000
-#: packed record bytes in one reply
-MAX_PAGE_BYTES: Final = 1 << 20
+#: a reply's records, packed, with their sequence numbers: under the 64 KiB from which the
+#: frontend tracks reply bytes per client (supervisor.replies), so a page is a small reply
+#: like any other, and a client that asks without reading cannot pile up big ones
+MAX_PAGE_BYTES: Final = 48 << 10
+#: what a record's sequence number adds to it in a reply (the key and a uint64, rounded up)
+_SEQ_BYTES: Final = 16
 #: entries looked at for one reply: the loop's work per request stays small however far back it asks
 SCAN_BUDGET: Final = 4096
 #: ready workers whose registration is remembered (far more than a supervisor runs)
@@ -218,12 +223,12 @@ class EventLog:
             assert entry is not None
             kind, tenant, generation, body = entry
             if view.sees(kind, tenant, generation) and (kinds is None or kind in kinds):
-                if len(events) >= limit or nbytes + len(body) > MAX_PAGE_BYTES:
+                if len(events) >= limit or nbytes + len(body) + _SEQ_BYTES > MAX_PAGE_BYTES:
                     break
                 record = msgpack.unpackb(body, raw=False)
                 record["seq"] = seq
                 events.append(record)
-                nbytes += len(body)
+                nbytes += len(body) + _SEQ_BYTES
             seq += 1
         return {"events": events, "next": seq - 1, "missed": missed, "more": seq <= self.last, "log": self.log_id}
 

@@ -90,6 +90,18 @@ def test_a_remote_tenant_sees_its_own_events_and_never_another_tenants() -> None
         assert c.status()["supervisor"]["internal_errors"] == 0
 
 
+def test_a_failed_tenant_still_reads_why() -> None:
+    with supervisor([{"name": "loopy", "max_restarts": 0}], listen=[LOOPBACK]) as sup:
+        loopy = sup.client.tenant_capability(None, "loopy")
+        with _remote(sup.info) as rc:
+            stream = rc.events(["exit", "failed"], timeout_s=30, cap=loopy)
+            sup.client.inject_fault(None, "loopy", "crash")
+            seen = _until(stream, lambda e: e["event"] == "failed", "failed")
+            stream.close()
+            assert [e["event"] for e in seen] == ["exit", "failed"] and seen[1]["tenant"] == "loopy"
+            assert rc.events_page(loopy, 0, kinds=["failed"])["events"][0]["reason"] == seen[1]["reason"]
+
+
 def test_a_follower_behind_the_ring_is_told_what_it_missed() -> None:
     with supervisor([{"name": "acme"}], listen=[LOOPBACK], event_log_size=16) as sup:
         c = sup.client
