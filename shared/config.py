@@ -132,6 +132,8 @@ class SupervisorConfig:
     allow_remote_admin: bool = False
     #: authenticated TCP peers at once; past it new handshakes are refused (ZAP), so fds stay bounded
     max_tcp_peers: int = 1024
+    #: lifecycle events kept (numbered) for clients that poll them with the ``events`` op
+    event_log_size: int = 4096
     tenants: tuple[TenantSpec, ...] = ()
     #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`
     config_file: str | None = None
@@ -184,6 +186,7 @@ class SupervisorConfig:
             s(self, "client_keys_dir", os.path.abspath(os.path.expanduser(str(self.client_keys_dir))))
         s(self, "allow_remote_admin", _bool(self.allow_remote_admin, "allow_remote_admin"))
         _int(self.max_tcp_peers, "max_tcp_peers", 1, 1_000_000)
+        _int(self.event_log_size, "event_log_size", 16, 100_000)
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -314,8 +317,9 @@ _ENV_FIELDS = (
     "client_keys_dir",
     "allow_remote_admin",
     "max_tcp_peers",
+    "event_log_size",
 )
-_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers"}
+_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s"}
 
 

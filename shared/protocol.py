@@ -108,6 +108,9 @@ class OpSpec:
     cli: str | None = None  # the `twt` command that sends it (None: library only)
     body_in: bool = False  # takes a body frame
     body_out: bool = False  # answers with a body frame
+    #: the other capability grants it too, each with its own scope (``events``: the admin sees
+    #: every event, a tenant its own); counted with the tenant ops, served by the supervisor
+    any_capability: bool = False
 
 
 _INT = (int,)
@@ -150,6 +153,11 @@ OPS: Final[dict[str, OpSpec]] = {
                 "BufferLost"),
                "run_wasm", "run", body_in=True),
         # ---- shared-memory regions of local clients (shared.region, supervisor.regions)
+        # ---- either capability, each seeing its own part (supervisor.event_log)
+        OpSpec("events", False, (Arg("after", (int, type(None))), Arg("max", _INT), Arg("kinds", (list,)),
+                                 Arg("log", (str, type(None)))),
+               "{events: [{seq, event, ts, ...}...], next, missed, more, log}", ("InvalidArgument",),
+               "events_page", "events", any_capability=True),
         OpSpec("region_create", False, (Arg("nbytes", _INT, True), Arg("pid", _INT, True)),
                "{region, name, nbytes}", ("MemoryExhausted", "InvalidArgument"), "region_create"),
         OpSpec("region_release", False, (Arg("region", _INT, True),), "{released}", ("InvalidArgument",),

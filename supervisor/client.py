@@ -51,7 +51,6 @@ from shared.errors import (
 from shared.spec import TenantSpec
 from supervisor.curve import CurveKeyPair, load_client_keys, parse_public_key
 from supervisor.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
-from supervisor.events import TOPIC_PREFIX, decode_event
 from supervisor.rundir import read_admin_capability, read_ready, verify_run_dir
 
 __all__ = ["SupervisorClient"]
@@ -662,29 +661,31 @@ class SupervisorClient:
 
     # ------------------------------------------------------------- events
 
-    def events(self, kinds: Sequence[str] = (), *, timeout_s: float | None = None) -> Generator[dict[str, Any], None, None]:
-        """Follow lifecycle events (``kinds`` filters; ``timeout_s`` ends quietly after silence).
+    def events_page(self, cap: Capability | None, after: int | None = None, *, kinds: Sequence[str] = (),
+                    max_events: int | None = None, log: str | None = None) -> dict[str, Any]:
+        """One page of the event log: the events after sequence number ``after`` (None: none, only
+        the cursor of now) -> ``{events, next, missed, more, log}`` (``supervisor.event_log``).
+        ``cap``: the admin capability (None: this client's) sees every event, a tenant's its own."""
+        args: dict[str, Any] = {"after": after, "log": log}
+        if kinds:
+            args["kinds"] = list(kinds)
+        if max_events is not None:
+            args["max"] = max_events
+        result: dict[str, Any] = self.call("events", cap or self.admin, args)
+        return result
 
-        Local clients only: events are published on the supervisor's host (``events.ipc``).
+    def events(self, kinds: Sequence[str] = (), *, timeout_s: float | None = None, replay: bool = False,
+               cap: Capability | None = None) -> Generator[dict[str, Any], None, None]:
+        """Follow lifecycle events (``kinds`` filters; ``timeout_s`` ends quietly after silence;
+        ``replay``: first the events the supervisor still holds), local or remote alike.
+
+        ``cap``: a tenant capability follows that tenant's own events; default the admin
+        capability (every event; remote: the supervisor needs ``allow_remote_admin``). A gap
+        comes as a ``{"event": "missed", ...}`` record (``supervisor.event_follow``).
         """
-        if self.is_remote:
-            raise InvalidArgument("events are published on the supervisor's host only (events.ipc); run twt events there")
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        for kind in kinds or [""]:
-            sub.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX + kind.encode())
-        verify_run_dir(self.run_dir, self._expected_uid)
-        sub.connect("ipc://" + os.path.join(self.run_dir, "events.ipc"))
-        try:
-            while True:
-                if not sub.poll(int(timeout_s * 1000) if timeout_s is not None else -1):
-                    return
-                try:
-                    yield decode_event(sub.recv_multipart())
-                except (ValueError, TensorWasmError):
-                    continue
-        finally:
-            sub.close(0)
+        from supervisor.event_follow import follow
+
+        return follow(self, cap or self.admin, kinds, timeout_s=timeout_s, replay=replay)
 
 
 def _array_layout(dtype: Any, shape: int | Sequence[int]) -> tuple[Any, tuple[int, ...], int]:

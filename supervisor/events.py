@@ -8,6 +8,10 @@ kind. Events: ``spawn``, ``ready``, ``exit`` (with ``exit_code`` or
 service's ``denied`` (a refused capability, see :mod:`supervisor.audit`),
 ``denied_dropped``, ``reload``, ``reload_failed``, ``reset``,
 ``rolling_restart``, ``rotate_key``, ``stall`` and ``state_error``.
+
+Every event is also kept, numbered, in the bounded event log
+(:mod:`supervisor.event_log`) that the ``events`` op serves to clients that
+cannot subscribe here (remote operators over TCP, tenants following their own).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import msgpack
 import zmq
 
 from shared.log import get_logger, log_event
+from supervisor.event_log import EventLog
 
 __all__ = ["EventBus", "TOPIC_PREFIX", "decode_event"]
 
@@ -33,8 +38,9 @@ _LEVELS = {"exit": logging.WARNING, "failed": logging.ERROR, "kill": logging.WAR
 class EventBus:
     """Publishes events without ever blocking the supervisor loop."""
 
-    def __init__(self, sock: zmq.Socket[Any] | None) -> None:
+    def __init__(self, sock: zmq.Socket[Any] | None, log: EventLog | None = None) -> None:
         self.sock = sock
+        self.log = log
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.published = 0
 
@@ -44,12 +50,14 @@ class EventBus:
         log_event(_log, level, f"event.{event}", **fields)
         for listener in self.listeners:
             listener(record)
+        if self.sock is None and self.log is None:
+            return
+        body = msgpack.packb(record, use_bin_type=True, default=str)
+        if self.log is not None:
+            self.log.append(event, record, body)
         if self.sock is not None:
             try:
-                self.sock.send_multipart(
-                    [TOPIC_PREFIX + event.encode(), msgpack.packb(record, use_bin_type=True, default=str)],
-                    zmq.NOBLOCK,
-                )
+                self.sock.send_multipart([TOPIC_PREFIX + event.encode(), body], zmq.NOBLOCK)
                 self.published += 1
             except zmq.Again:
                 pass  # a slow subscriber loses events, the supervisor never waits

@@ -22,8 +22,10 @@ the shared-memory data regions of local clients (``regions``: a
 resolved to the tenant's own region and forwarded; refused on TCP, whose
 peers cannot map this host's shared memory).
 May touch: the pending table (every answer goes through it), the worker set
-(to send), the registry (to verify capabilities). Admin ops are handed to
-:class:`supervisor.admin.AdminOps`. Loop thread only.
+(to send), the registry (to verify capabilities), the event log (read:
+``events``, which either capability may send, is answered here with the
+capability's view of :class:`~supervisor.event_log.EventLog`). Admin ops are
+handed to :class:`supervisor.admin.AdminOps`. Loop thread only.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any, Callable
 import zmq
 
 from shared import protocol as proto
-from shared.capability import TenantCapability
+from shared.capability import RegistryAdminCapability, TenantCapability, capability_from_bytes
 from shared.config import SupervisorConfig
 from shared.errors import (
     BufferLost,
@@ -55,6 +57,7 @@ from shared.errors import (
 from shared.log import get_logger
 from shared.sizes import MAX_MODULE_BYTES
 from shared.spec import DEADLINE_GRACE_S
+from supervisor.event_log import ADMIN_VIEW, EventLog, EventView
 from supervisor.guard import FrontendGuard
 from supervisor.loop import Loop
 from supervisor.pending import PendingTable
@@ -115,6 +118,7 @@ class Frontend:
         admin_cap: bytes,
         on_denied: DenialHook | None = None,
         regions: RegionTable,
+        event_log: EventLog | None = None,
     ) -> None:
         self.config = config
         self.clock = loop.clock
@@ -129,6 +133,7 @@ class Frontend:
         self._admin_raw = admin_cap
         self.on_denied = on_denied
         self.regions = regions
+        self.event_log = event_log if event_log is not None else EventLog(16)  # (tests that build a bare frontend)
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
         self._served_turn = False
@@ -220,7 +225,9 @@ class Frontend:
             self._refused(client, rid, op, msg.error, None)
             return
         try:
-            if proto.OPS[op].admin:
+            if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows
+                self._events(client, rid, msg.cap_raw, msg.args)
+            elif proto.OPS[op].admin:
                 if client[:1] == _TCP and not self.config.allow_remote_admin:
                     raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
                 self.admin(client, rid, op, msg.cap_raw, msg.args, body)
@@ -254,6 +261,27 @@ class Frontend:
             self.pending.count_refusal("", op, exc.code)
             return
         self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)
+
+    # ------------------------------------------------------------ events (supervisor.event_log)
+
+    def _events(self, client: bytes, rid: int, cap_raw: bytes | None, args: dict[str, Any]) -> None:
+        """``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``: a page of the
+        event log. The admin capability sees every event (over TCP only with ``allow_remote_admin``),
+        a tenant capability its own tenant's; answered at once, nothing held per client."""
+        if cap_raw is None:
+            raise TenantIsolationViolation(None, "op 'events' (no capability)")
+        cap = capability_from_bytes(cap_raw)
+        if isinstance(cap, RegistryAdminCapability):
+            if client[:1] == _TCP and not self.config.allow_remote_admin:
+                raise TenantIsolationViolation(None, "admin events over TCP (allow_remote_admin is false); "
+                                               "a tenant capability follows its own tenant's events")
+            self.registry.verify_admin(cap)
+            view, tenant = ADMIN_VIEW, ""
+        else:
+            rt = self._verify(cap_raw)
+            view, tenant = EventView(rt.tenant_id, rt.generation), rt.tenant_id
+        proto.check_args("events", args)
+        self.pending.answer(client, rid, "events", self.event_log.page(view, args), tenant=tenant)
 
     # ------------------------------------------------------------ tenant requests
 

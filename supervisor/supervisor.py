@@ -6,6 +6,7 @@
     workers ◄──DEALER── ROUTER backend ◄─┘ WorkerSet: forward [hdr'|body] (body not copied)
     workers ──DEALER──► ROUTER control     WorkerSet: hello / heartbeats / fault acks
     subscribers ◄─SUB── PUB events         spawn, ready, exit, restart, failed ...
+                        EventLog           the same events, numbered and bounded: the ``events`` op
     worker sentinels (fds) ─► poller       WorkerSet.on_death: a death is seen at once
 
 The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom):
@@ -52,14 +53,15 @@ import zmq
 
 from shared import protocol as proto
 from shared.config import SupervisorConfig
-from shared.capability import RegistryAdminCapability
-from shared.errors import TensorWasmError
+from shared.capability import RegistryAdminCapability, capability_from_bytes
+from shared.errors import TenantIsolationViolation, TensorWasmError
 from shared.log import get_logger, log_event
 from shared.proctitle import set_process_name
 from shared.quota import cleanup_stale_segments
 from supervisor.admin import AdminOps
 from supervisor.audit import DeniedAudit
 from supervisor.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
+from supervisor.event_log import EventLog
 from supervisor.events import EventBus
 from supervisor.connections import FrontendConnections
 from supervisor.fdlimit import raise_fd_limit
@@ -110,6 +112,18 @@ class _Parts:
     tcp: TcpFrontend | None = None
 
 
+def _admin_refusal(op: str, cap_raw: bytes | None) -> bool:
+    """Whether a refused capability was offered as the admin one: the op's, or for an op either
+    capability grants (``events``) the kind the token claims (the audit's ``wrong_kind`` check)."""
+    spec = proto.OPS[op]
+    if not spec.any_capability or cap_raw is None:
+        return spec.admin
+    try:
+        return isinstance(capability_from_bytes(cap_raw), RegistryAdminCapability)
+    except TenantIsolationViolation:
+        return False
+
+
 def _server_keys(cfg: SupervisorConfig, state: StateStore) -> CurveKeyPair:
     """The TCP frontend's key pair: the operator's file, or made once and kept in the state database."""
     if cfg.server_key_file:
@@ -131,7 +145,9 @@ class Supervisor:
         self.registry: TenantRegistry | None = None
         self.loop = Loop()
         self.tenants: dict[str, TenantRuntime] = {}
-        self.events = EventBus(None)
+        #: every event, numbered, for the ``events`` op (bounded: supervisor.event_log)
+        self.event_log = EventLog(config.event_log_size, self._generation_of)
+        self.events = EventBus(None, self.event_log)
         self.internal_errors = 0  # bugs caught by the loop's safety net (see _internal_error)
         self.ready = False
         self._stopping = False
@@ -211,7 +227,7 @@ class Supervisor:
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.bind(self.rundir.endpoint("events"))
-        self.events = EventBus(pub)
+        self.events = EventBus(pub, self.event_log)
         self.rundir.secure_sockets()
         self.rundir.write_admin_capability(admin_cap.to_bytes())
         # Tracked frames (big reply bodies, see Replies.ok) need pyzmq's garbage-collector
@@ -238,7 +254,7 @@ class Supervisor:
         audit = DeniedAudit(self.events.emit)
 
         def on_denied(cap_raw: bytes | None, op: str) -> None:
-            audit.record(registry.explain_refusal(cap_raw, admin=proto.OPS[op].admin), op)
+            audit.record(registry.explain_refusal(cap_raw, admin=_admin_refusal(op, cap_raw)), op)
 
         if tcp is not None and tcp.monitor is not None:
             self.loop.register(tcp.monitor, tcp.on_monitor)  # counts the TCP connections
@@ -247,6 +263,7 @@ class Supervisor:
             replies=replies, pending=pending, workers=workers,
             registry=registry, tenants=self.tenants, admin=admin.handle, on_denied=on_denied,
             regions=RegionTable(registry.segment_prefix), guard=guard, admin_cap=admin_cap.to_bytes(),
+            event_log=self.event_log,
         )
 
         def on_key_rotated(new_admin: RegistryAdminCapability) -> None:
@@ -266,6 +283,11 @@ class Supervisor:
         service.restore()  # every stored tenant, then the config file's difference
         workers.refill_pool()
         return self.parts
+
+    def _generation_of(self, tenant: str) -> int | None:
+        """The generation ``tenant`` is registered with now (the event log tags its events with it)."""
+        rt = self.tenants.get(tenant)
+        return rt.generation if rt is not None else None
 
     # ------------------------------------------------------------ run and stop
 

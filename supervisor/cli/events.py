@@ -5,8 +5,14 @@
     12:01:07.514  restart        acme/0  delay_s=0.1 restarts=1
 
 ``--json`` prints each event record as one JSON object per line (JSON Lines).
-Events are published without back-pressure: a follower that falls far
-behind loses events rather than slowing the supervisor.
+The same works against a remote supervisor (``--connect tcp://HOST:PORT
+--server-key=KEY``): the admin capability (``--admin-cap``, and the
+supervisor's ``allow_remote_admin``) sees every event, a tenant's capability
+(``--capability FILE``) only that tenant's. Events come from the
+supervisor's bounded event log (``event_log_size``); a follower that falls
+so far behind that events left it before it read them is told so by a
+``missed`` line, never silently (``supervisor.event_follow``). ``--replay``
+first prints what the log still holds.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import json
 import signal as signal_mod
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from shared.capability import TenantCapability, read_capability_file
 from shared.sizes import format_size
 from supervisor.cli._common import (
     add_run_dir,
@@ -26,6 +34,7 @@ from supervisor.cli._common import (
     positive_seconds,
 )
 from supervisor.cli.status import connect
+from supervisor.event_follow import MISSED
 
 __all__ = ["KINDS", "add_parser", "format_event", "run"]
 
@@ -54,6 +63,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="stop after S seconds without a (matching) event; default: follow until Ctrl-C")
     p.add_argument("--count", type=at_least_one, default=None, metavar="N",
                    help="stop after N events; exit 1 if fewer arrived before --timeout (default: no limit)")
+    p.add_argument("--replay", action="store_true",
+                   help="first the events the supervisor's event log still holds (default: from now on)")
+    p.add_argument("--capability", type=Path, default=None, metavar="FILE",
+                   help="follow one tenant's own events with its capability file (as --cap-out writes it); "
+                   "default: every event, with the admin capability")
     add_run_dir(p)
     p.set_defaults(func=run)
 
@@ -62,12 +76,22 @@ def run(args: argparse.Namespace) -> int:
     kinds = sorted({k for group in args.kinds for k in group})
     tenants = set(args.tenants)
     seen = 0
+    cap = None
+    if args.capability is not None:
+        cap = read_capability_file(args.capability)
+        if not isinstance(cap, TenantCapability):
+            raise ValueError(f"--capability {args.capability} holds the admin capability: leave it out "
+                             "(or give --admin-cap with --connect) to follow every event")
+    if getattr(args, "connect", None) and cap is None and not args.admin_cap:
+        raise ValueError("--connect: every event needs the admin capability (--admin-cap FILE, and "
+                         "allow_remote_admin on the supervisor); a tenant follows its own with --capability FILE")
     with connect(args) as client:
-        stream = client.events(kinds, timeout_s=args.timeout)
+        stream = client.events(kinds, timeout_s=args.timeout, replay=args.replay, cap=cap)
         try:
             for event in stream:
-                # topics are prefixes ("exit" would match "exit_x"): keep exact kinds only
-                if kinds and event.get("event") not in kinds:
+                if event.get("event") == MISSED:  # a gap is always shown, whatever the filters
+                    print(json.dumps(event, sort_keys=True) if args.json else format_event(event),
+                          file=sys.stdout, flush=True)
                     continue
                 if tenants and event.get("tenant") not in tenants:
                     continue
@@ -79,9 +103,7 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return 0
         finally:
-            close = getattr(stream, "close", None)  # a generator: closing it closes the SUB socket
-            if close is not None:
-                close()
+            stream.close()
     if args.count is not None:
         print(f"twt: only {seen} of {args.count} event(s) within {args.timeout:g} s of silence", file=sys.stderr)
         return 1
@@ -118,6 +140,10 @@ def format_event(event: dict[str, Any]) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts * 1000) % 1000:03d}"
     else:
         stamp = "--:--:--.---"
+    if event.get("event") == MISSED:
+        count = event.get("missed")
+        what = "events" if count is None else f"{count} event(s)"
+        return f"{stamp}  {MISSED:<13}  {'-':<14}  {what} not shown: {event.get('reason', '')}".rstrip()
     tenant, instance = event.get("tenant"), event.get("instance")
     subject = "pool" if tenant is None else (str(tenant) if instance is None else f"{tenant}/{instance}")
     fields = {k: v for k, v in event.items() if k not in _HIDDEN and v is not None}

@@ -63,8 +63,10 @@ def test_remote_client_runs_tenant_ops_and_admin_is_refused() -> None:
                 rc.register(sup.admin_capability, TenantSpec("intruder"))
             with pytest.raises(InvalidArgument, match="admin"):
                 rc.admin  # noqa: B018 - a remote client has no admin.cap
-            with pytest.raises(InvalidArgument, match="events"):
-                next(rc.events())
+            with pytest.raises(InvalidArgument, match="no admin.cap"):
+                rc.events()  # every event needs the admin capability; a tenant's own: events(cap=...)
+            with pytest.raises(TenantIsolationViolation, match="allow_remote_admin"):
+                rc.events_page(sup.admin_capability)
         assert [t["tenant_id"] for t in sup.client.status()["tenants"]] == ["acme"]
 
 

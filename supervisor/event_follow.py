@@ -1,0 +1,81 @@
+"""Following the supervisor's events from a client: the ``events`` op polled with a cursor.
+
+    follow(client, cap)  ──[events {after, kinds, log}]──►  supervisor (EventLog.page)
+          │            ◄──[{events, next, missed, more, log}]──
+          └─ yields each event, and a ``missed`` record for every gap
+
+One way for local and remote clients alike (``SupervisorClient.events``):
+the op is answered at once, so the follower polls - again at once while the
+supervisor says ``more``, else after ``poll_s``. It starts at the newest
+event (``after=None``) or replays what the log still holds (``replay``).
+
+A gap is never silent. When events fell out of the supervisor's log before
+this follower read them (it was too slow, or ``event_log_size`` too small),
+or the supervisor was restarted in between (the reply's ``log`` changed), a
+synthetic record ``{"event": "missed", "missed": N, "reason": ...}`` comes
+first (``missed`` is None when the count is unknown: a restart).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.capability import RegistryAdminCapability, TenantCapability
+    from supervisor.client import SupervisorClient
+
+__all__ = ["MISSED", "POLL_S", "follow"]
+
+#: the kind of the record that reports a gap (never published by the supervisor)
+MISSED = "missed"
+#: how long a follower waits before asking again when it is up to date
+POLL_S = 0.2
+
+
+def follow(
+    client: SupervisorClient,
+    cap: TenantCapability | RegistryAdminCapability,
+    kinds: Sequence[str] = (),
+    *,
+    timeout_s: float | None = None,
+    replay: bool = False,
+    poll_s: float = POLL_S,
+) -> Generator[dict[str, Any], None, None]:
+    """Events as they are published (``kinds``: only these), with ``missed`` records for gaps.
+
+    The position is taken now, by this call (a refused capability raises here): the
+    events published from now on, or with ``replay`` first those the supervisor's log
+    still holds. ``timeout_s``: the generator ends quietly after that long without an event.
+    """
+    first = client.events_page(cap, 0 if replay else None, kinds=kinds)
+    return _follow(client, cap, kinds, first, timeout_s, poll_s)
+
+
+def _follow(client: SupervisorClient, cap: TenantCapability | RegistryAdminCapability, kinds: Sequence[str],
+            page: dict[str, Any], timeout_s: float | None, poll_s: float) -> Generator[dict[str, Any], None, None]:
+    log: str = page["log"]
+    quiet_since = time.monotonic()
+    while True:
+        if page["log"] != log:
+            yield _gap(None, f"the supervisor was restarted (event log {log} -> {page['log']}); "
+                       "events of the earlier run that were not read are lost")
+            log = page["log"]
+        if page["missed"]:
+            yield _gap(page["missed"], "fell out of the supervisor's event log before they were read "
+                       "(a slow follower, or a small event_log_size)")
+        yield from page["events"]
+        now = time.monotonic()
+        if page["events"]:
+            quiet_since = now
+        if not page["more"]:
+            if timeout_s is not None and now - quiet_since >= timeout_s:
+                return
+            wait = poll_s if timeout_s is None else min(poll_s, max(0.0, quiet_since + timeout_s - now))
+            time.sleep(wait)  # a follower's polling interval, not a wait for something to happen
+        page = client.events_page(cap, page["next"], kinds=kinds, log=log)
+
+
+def _gap(count: int | None, reason: str) -> dict[str, Any]:
+    return {"event": MISSED, "ts": round(time.time(), 6), "missed": count, "reason": reason}
