@@ -51,6 +51,7 @@ from shared.errors import (
 from shared.spec import TenantSpec
 from supervisor.curve import CurveKeyPair, load_client_keys, parse_public_key
 from supervisor.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
+from supervisor.event_follow import follow
 from supervisor.rundir import read_admin_capability, read_ready, verify_run_dir
 
 __all__ = ["SupervisorClient"]
@@ -683,8 +684,6 @@ class SupervisorClient:
         capability (every event; remote: the supervisor needs ``allow_remote_admin``). A gap
         comes as a ``{"event": "missed", ...}`` record (``supervisor.event_follow``).
         """
-        from supervisor.event_follow import follow
-
         return follow(self, cap or self.admin, kinds, timeout_s=timeout_s, replay=replay)
 
 

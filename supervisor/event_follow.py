@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from shared.capability import RegistryAdminCapability, TenantCapability
-    from supervisor.client import SupervisorClient
+from shared.capability import RegistryAdminCapability, TenantCapability
 
-__all__ = ["MISSED", "POLL_S", "follow"]
+__all__ = ["MISSED", "POLL_S", "PageSource", "follow"]
 
 #: the kind of the record that reports a gap (never published by the supervisor)
 MISSED = "missed"
@@ -34,8 +32,17 @@ MISSED = "missed"
 POLL_S = 0.2
 
 
+class PageSource(Protocol):
+    """What the follower needs of a client: one page of the event log
+    (``SupervisorClient.events_page``). A Protocol, so this module never imports the client."""
+
+    def events_page(self, cap: TenantCapability | RegistryAdminCapability | None, after: int | None = None, *,
+                    kinds: Sequence[str] = (), max_events: int | None = None,
+                    log: str | None = None) -> dict[str, Any]: ...
+
+
 def follow(
-    client: SupervisorClient,
+    client: PageSource,
     cap: TenantCapability | RegistryAdminCapability,
     kinds: Sequence[str] = (),
     *,
@@ -53,7 +60,7 @@ def follow(
     return _follow(client, cap, kinds, first, timeout_s, poll_s)
 
 
-def _follow(client: SupervisorClient, cap: TenantCapability | RegistryAdminCapability, kinds: Sequence[str],
+def _follow(client: PageSource, cap: TenantCapability | RegistryAdminCapability, kinds: Sequence[str],
             page: dict[str, Any], timeout_s: float | None, poll_s: float) -> Generator[dict[str, Any], None, None]:
     log: str = page["log"]
     quiet_since = time.monotonic()
