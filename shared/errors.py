@@ -239,7 +239,7 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
 
     def _default_message(self) -> str:
         if self._template:
-            return self._template.format_map(self.fields())
+            return self._template.format_map(vars(self))  # the fields, set by now
         return self.__class__.__doc__.strip().splitlines()[0] if self.__class__.__doc__ else self.code
 
     def is_retryable(self) -> bool:
