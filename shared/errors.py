@@ -154,14 +154,18 @@ _REQUIRED: Any = object()
 
 
 def _declared_fields(cls: type) -> dict[str, tuple[Any, Any]]:
-    """The fields ``cls`` itself declares (annotated, not ``ClassVar``, not private): name -> (annotation, default)."""
+    """The fields ``cls`` itself declares (annotated, not ``ClassVar``): name -> (annotation, default).
+
+    Every other annotated name is a field to a type checker too, so one that
+    cannot be a public constructor parameter is refused here, not skipped.
+    """
     own: dict[str, tuple[Any, Any]] = {}
     for name, annotation in inspect.get_annotations(cls).items():
         text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-        if name.startswith("_") or text.startswith(("ClassVar", "typing.ClassVar")) or name == "message":
+        if text.startswith(("ClassVar", "typing.ClassVar")) or name == "message":
             continue
-        if not name.isidentifier() or keyword.iskeyword(name) or name == "self":
-            raise TypeError(f"{cls.__name__}: {name!r} cannot be an error field")
+        if name.startswith("_") or not name.isidentifier() or keyword.iskeyword(name) or name == "self":
+            raise TypeError(f"{cls.__name__}: {name!r} cannot be an error field (annotate a class constant ClassVar)")
         own[name] = (annotation, cls.__dict__.get(name, _REQUIRED))
     return own
 

@@ -406,6 +406,11 @@ def test_a_declaration_that_cannot_be_a_constructor_is_refused_at_class_creation
         class Worse(TensorWasmError):  # noqa: F841
             self: str
 
+    with pytest.raises(TypeError, match="annotate a class constant ClassVar"):
+
+        class Private(TensorWasmError):  # noqa: F841 - a type checker would see a constructor parameter
+            _hint: str = "x"
+
 
 def test_root_message_defaults_to_the_docstring_and_is_always_a_str() -> None:
     assert str(TensorWasmError()) == "Root of every error raised by tensor-wasm-tenant."
