@@ -290,6 +290,17 @@ check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
 
 /* ------------------------------------------------------ module functions */
 
+/* consume/release's (buffer, offset, n): the counter line and n, or NULL with
+ * an error set. Inline: the raw call is what `twt bench quota` measures. */
+static inline uint64_t *
+line_args(const char *name, PyObject *const *args, Py_ssize_t nargs, uint64_t *n, Region *view)
+{
+    if (check_nargs(name, nargs, 3) < 0 || parse_amount(args[2], "n", n) < 0) {
+        return NULL;
+    }
+    return peek_region(args[0], args[1], COUNTER_SPAN, 1, view);
+}
+
 PyDoc_STRVAR(consume_doc,
 "consume(buffer, offset, n) -> None | tuple[int, int]\n\n"
 "Add n to the counter line at offset unless used + n would exceed its limit\n"
@@ -302,10 +313,7 @@ mod_consume(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     (void)m;
     uint64_t n, used, limit;
     Region view;
-    if (check_nargs("consume", nargs, 3) < 0 || parse_amount(args[2], "n", &n) < 0) {
-        return NULL;
-    }
-    uint64_t *line = peek_region(args[0], args[1], COUNTER_SPAN, 1, &view);
+    uint64_t *line = line_args("consume", args, nargs, &n, &view);
     if (line == NULL) {
         return NULL;
     }
@@ -328,10 +336,7 @@ mod_release(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     (void)m;
     uint64_t n, used;
     Region view;
-    if (check_nargs("release", nargs, 3) < 0 || parse_amount(args[2], "n", &n) < 0) {
-        return NULL;
-    }
-    uint64_t *line = peek_region(args[0], args[1], COUNTER_SPAN, 1, &view);
+    uint64_t *line = line_args("release", args, nargs, &n, &view);
     if (line == NULL) {
         return NULL;
     }
@@ -380,6 +385,17 @@ parse_u64(PyObject *obj, uint64_t *out)
     return 0;
 }
 
+/* store/fetch_add/exchange's (buffer, offset, value): the writable word and
+ * the value, or NULL with an error set. */
+static uint64_t *
+word_args(const char *name, PyObject *const *args, Py_ssize_t nargs, uint64_t *v, Region *view)
+{
+    if (check_nargs(name, nargs, 3) < 0 || parse_u64(args[2], v) < 0) {
+        return NULL;
+    }
+    return peek_region(args[0], args[1], 8, 1, view);
+}
+
 PyDoc_STRVAR(store_doc, "store(buffer, offset, value) -> None\n\nAtomic store of a uint64 at offset.");
 
 static PyObject *
@@ -387,17 +403,27 @@ mod_store(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)m;
     Region view;
-    uint64_t v;
-    if (check_nargs("store", nargs, 3) < 0 || parse_u64(args[2], &v) < 0) {
-        return NULL;
-    }
-    uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
+    uint64_t v, *p = word_args("store", args, nargs, &v, &view);
     if (p == NULL) {
         return NULL;
     }
     STORE(p, v);
     region_release(&view);
     Py_RETURN_NONE;
+}
+
+/* fetch_add and exchange: one read-modify-write of the word; the old value. */
+static PyObject *
+word_swap(const char *name, int exchange, PyObject *const *args, Py_ssize_t nargs)
+{
+    Region view;
+    uint64_t v, *p = word_args(name, args, nargs, &v, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+    uint64_t old = exchange ? __atomic_exchange_n(p, v, __ATOMIC_ACQ_REL) : FETCH_ADD(p, v);
+    region_release(&view);
+    return PyLong_FromUnsignedLongLong(old);
 }
 
 PyDoc_STRVAR(fetch_add_doc,
@@ -407,18 +433,7 @@ static PyObject *
 mod_fetch_add(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)m;
-    Region view;
-    uint64_t v;
-    if (check_nargs("fetch_add", nargs, 3) < 0 || parse_u64(args[2], &v) < 0) {
-        return NULL;
-    }
-    uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
-    if (p == NULL) {
-        return NULL;
-    }
-    uint64_t old = FETCH_ADD(p, v);
-    region_release(&view);
-    return PyLong_FromUnsignedLongLong(old);
+    return word_swap("fetch_add", 0, args, nargs);
 }
 
 PyDoc_STRVAR(exchange_doc,
@@ -428,18 +443,7 @@ static PyObject *
 mod_exchange(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)m;
-    Region view;
-    uint64_t v;
-    if (check_nargs("exchange", nargs, 3) < 0 || parse_u64(args[2], &v) < 0) {
-        return NULL;
-    }
-    uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
-    if (p == NULL) {
-        return NULL;
-    }
-    uint64_t old = __atomic_exchange_n(p, v, __ATOMIC_ACQ_REL);
-    region_release(&view);
-    return PyLong_FromUnsignedLongLong(old);
+    return word_swap("exchange", 1, args, nargs);
 }
 
 PyDoc_STRVAR(noop_doc,
@@ -454,54 +458,49 @@ mod_noop(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* ---------------------------------------------------------- Counter type */
+/* ------------------------------------------------- the bound counter types */
 
+/*
+ * Counter and ShareCounter (below) are one kind of object with two layouts:
+ * both hold a buffer export for their whole life, a counter line in it, and
+ * the callbacks that build typed errors. That part is CounterHead, the first
+ * member of both, and everything that only touches it is written once here:
+ * GC support, close/closed, the closed check, argument parsing and raising
+ * the callbacks' errors. Each type adds its layout, its init, and its
+ * consume/release/load. The helpers on the hot path are `static inline`: a
+ * consume compiles to the same code as when each type had its own copy
+ * (the head's fields sit at fixed offsets; there is no extra pointer).
+ */
 typedef struct {
     PyObject_HEAD
     Py_buffer view;
-    uint64_t *line;
     int has_view;
+    uint64_t *line;         /* the counter line (ShareCounter: its used field is not used) */
     PyObject *on_refuse;    /* (n, used, limit) -> BaseException instance */
     PyObject *on_underflow; /* (n, used) -> object (ignored) */
     PyObject *on_closed;    /* () -> BaseException instance */
-    uint64_t *mirror;       /* optional per-instance share, or NULL */
-} CounterObject;
+} CounterHead;
 
+/* The checks every init makes before touching the buffer. */
 static int
-counter_init(CounterObject *self, PyObject *args, PyObject *kwds)
+head_check_init(CounterHead *self, const char *type_name, PyObject *refuse, PyObject *under, PyObject *closed)
 {
-    static char *kwlist[] = {"buffer", "offset", "on_refuse", "on_underflow", "on_closed",
-                             "mirror_offset", NULL};
-    PyObject *buf, *off, *refuse, *under, *closed, *mirror_off = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO|O:Counter", kwlist, &buf, &off, &refuse,
-                                     &under, &closed, &mirror_off)) {
-        return -1;
-    }
     if (!PyCallable_Check(refuse) || !PyCallable_Check(under) || !PyCallable_Check(closed)) {
         PyErr_SetString(PyExc_TypeError, "on_refuse, on_underflow and on_closed must be callable");
         return -1;
     }
     if (self->has_view) {
-        PyErr_SetString(PyExc_RuntimeError, "Counter is already initialised");
+        PyErr_Format(PyExc_RuntimeError, "%s is already initialised", type_name);
         return -1;
     }
-    uint64_t *line = get_region(buf, off, COUNTER_SPAN, 1, &self->view);
-    if (line == NULL) {
-        return -1;
-    }
+    return 0;
+}
+
+/* The end of a successful init: self->view holds the export, `line` is in it. */
+static void
+head_bind(CounterHead *self, uint64_t *line, PyObject *refuse, PyObject *under, PyObject *closed)
+{
     self->line = line;
-    self->mirror = NULL;
-    if (mirror_off != Py_None) {
-        Py_buffer probe;
-        uint64_t *m = get_region(buf, mirror_off, 8, 1, &probe);
-        if (m == NULL) {
-            PyBuffer_Release(&self->view);
-            return -1;
-        }
-        /* Same exporter, same mapping: the pointer stays valid while self->view is held. */
-        PyBuffer_Release(&probe);
-        self->mirror = m;
-    }
     self->has_view = 1;
     Py_INCREF(refuse);
     Py_XSETREF(self->on_refuse, refuse);
@@ -509,22 +508,23 @@ counter_init(CounterObject *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->on_underflow, under);
     Py_INCREF(closed);
     Py_XSETREF(self->on_closed, closed);
-    return 0;
 }
 
+/* Release the export; every pointer into it is cleared, the type's own ones
+ * too (both types are final, so tp_basicsize is exactly their struct). */
 static void
-counter_release_view(CounterObject *self)
+head_release_view(CounterHead *self)
 {
     if (self->has_view) {
         self->has_view = 0;
         self->line = NULL;
-        self->mirror = NULL;
+        memset((char *)self + sizeof(CounterHead), 0, (size_t)Py_TYPE(self)->tp_basicsize - sizeof(CounterHead));
         PyBuffer_Release(&self->view);
     }
 }
 
 static int
-counter_traverse(CounterObject *self, visitproc visit, void *arg)
+head_traverse(CounterHead *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->on_refuse);
     Py_VISIT(self->on_underflow);
@@ -536,20 +536,20 @@ counter_traverse(CounterObject *self, visitproc visit, void *arg)
 }
 
 static int
-counter_clear(CounterObject *self)
+head_clear(CounterHead *self)
 {
     Py_CLEAR(self->on_refuse);
     Py_CLEAR(self->on_underflow);
     Py_CLEAR(self->on_closed);
-    counter_release_view(self);
+    head_release_view(self);
     return 0;
 }
 
 static void
-counter_dealloc(CounterObject *self)
+head_dealloc(CounterHead *self)
 {
     PyObject_GC_UnTrack(self);
-    counter_clear(self);
+    head_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -572,7 +572,7 @@ raise_from_callback(PyObject *exc)
 }
 
 static PyObject *
-counter_closed_error(CounterObject *self)
+head_closed_error(CounterHead *self)
 {
     if (self->on_closed == NULL) {
         PyErr_SetString(PyExc_ValueError, "counter is closed");
@@ -581,38 +581,164 @@ counter_closed_error(CounterObject *self)
     return raise_from_callback(PyObject_CallNoArgs(self->on_closed));
 }
 
+/* consume/release's one argument, on an open counter: 0, or -1 with an error set. */
+static inline int
+head_amount(CounterHead *self, const char *name, PyObject *const *args, Py_ssize_t nargs, uint64_t *n)
+{
+    if (check_nargs(name, nargs, 1) < 0 || parse_amount(args[0], "n", n) < 0) {
+        return -1;
+    }
+    if (!self->has_view) {
+        head_closed_error(self);
+        return -1;
+    }
+    return 0;
+}
+
+/* load() takes no argument, on an open counter: 0, or -1 with an error set. */
+static int
+head_no_args(CounterHead *self, Py_ssize_t nargs)
+{
+    if (check_nargs("load", nargs, 0) < 0) {
+        return -1;
+    }
+    if (!self->has_view) {
+        head_closed_error(self);
+        return -1;
+    }
+    return 0;
+}
+
+/* A refused consume: raise on_refuse(n, used, limit). */
+static PyObject *
+head_refuse(CounterHead *self, PyObject *n_obj, uint64_t used, uint64_t limit)
+{
+    PyObject *exc = PyObject_CallFunction(self->on_refuse, "OKK", n_obj, (unsigned long long)used,
+                                          (unsigned long long)limit);
+    return raise_from_callback(exc);
+}
+
+/* A release of more than was held: tell on_underflow(n, used), return None. */
+static PyObject *
+head_underflow(CounterHead *self, PyObject *n_obj, uint64_t used)
+{
+    PyObject *r = PyObject_CallFunction(self->on_underflow, "OK", n_obj, (unsigned long long)used);
+    if (r == NULL) {
+        return NULL;
+    }
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+head_close(CounterHead *self, PyObject *Py_UNUSED(ignored))
+{
+    head_release_view(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+head_get_closed(CounterHead *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(!self->has_view);
+}
+
+static PyGetSetDef head_getset[] = {
+    {"closed", (getter)head_get_closed, NULL, "True once close() was called.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+/* A counter type's method table: its consume/release/load, and the shared close. */
+#define COUNTER_METHODS(prefix, consume_doc, release_doc, load_doc)                                \
+    {                                                                                              \
+        {"consume", (PyCFunction)(void (*)(void))prefix##_consume, METH_FASTCALL, consume_doc},   \
+        {"release", (PyCFunction)(void (*)(void))prefix##_release, METH_FASTCALL, release_doc},   \
+        {"load", (PyCFunction)(void (*)(void))prefix##_load, METH_FASTCALL, load_doc},            \
+        {"close", (PyCFunction)head_close, METH_NOARGS, "Release the buffer; later calls raise on_closed()."}, \
+        {NULL, NULL, 0, NULL},                                                                     \
+    }
+
+/* A counter type: its name, doc, struct, init and methods; the head's GC and getset. */
+#define COUNTER_TYPE(name, doc, object, init, methods)                                             \
+    {                                                                                              \
+        PyVarObject_HEAD_INIT(NULL, 0)                                                             \
+        .tp_name = "shared._atomics." name,                                                        \
+        .tp_doc = PyDoc_STR(doc),                                                                  \
+        .tp_basicsize = sizeof(object),                                                            \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,                                       \
+        .tp_new = PyType_GenericNew,                                                               \
+        .tp_init = (initproc)(init),                                                               \
+        .tp_dealloc = (destructor)head_dealloc,                                                    \
+        .tp_traverse = (traverseproc)head_traverse,                                                \
+        .tp_clear = (inquiry)head_clear,                                                           \
+        .tp_methods = (methods),                                                                   \
+        .tp_getset = head_getset,                                                                  \
+    }
+
+/* ---------------------------------------------------------- Counter type */
+
+typedef struct {
+    CounterHead head;
+    uint64_t *mirror; /* optional per-instance share, or NULL */
+} CounterObject;
+
+static int
+counter_init(CounterObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", "offset", "on_refuse", "on_underflow", "on_closed",
+                             "mirror_offset", NULL};
+    PyObject *buf, *off, *refuse, *under, *closed, *mirror_off = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO|O:Counter", kwlist, &buf, &off, &refuse,
+                                     &under, &closed, &mirror_off)) {
+        return -1;
+    }
+    if (head_check_init(&self->head, "Counter", refuse, under, closed) < 0) {
+        return -1;
+    }
+    uint64_t *line = get_region(buf, off, COUNTER_SPAN, 1, &self->head.view);
+    if (line == NULL) {
+        return -1;
+    }
+    self->mirror = NULL;
+    if (mirror_off != Py_None) {
+        Py_buffer probe;
+        uint64_t *m = get_region(buf, mirror_off, 8, 1, &probe);
+        if (m == NULL) {
+            PyBuffer_Release(&self->head.view);
+            return -1;
+        }
+        /* Same exporter, same mapping: the pointer stays valid while self->head.view is held. */
+        PyBuffer_Release(&probe);
+        self->mirror = m;
+    }
+    head_bind(&self->head, line, refuse, under, closed);
+    return 0;
+}
+
 static PyObject *
 counter_consume(CounterObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t n, used, limit;
-    if (check_nargs("consume", nargs, 1) < 0 || parse_amount(args[0], "n", &n) < 0) {
+    if (head_amount(&self->head, "consume", args, nargs, &n) < 0) {
         return NULL;
     }
-    if (!self->has_view) {
-        return counter_closed_error(self);
-    }
-    if (core_consume(self->line, n, &used, &limit)) {
+    if (core_consume(self->head.line, n, &used, &limit)) {
         if (self->mirror != NULL) {
             FETCH_ADD(self->mirror, n);
         }
         Py_RETURN_NONE;
     }
-    PyObject *exc = PyObject_CallFunction(self->on_refuse, "OKK", args[0], (unsigned long long)used,
-                                          (unsigned long long)limit);
-    return raise_from_callback(exc);
+    return head_refuse(&self->head, args[0], used, limit);
 }
 
 static PyObject *
 counter_release(CounterObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t n, used;
-    if (check_nargs("release", nargs, 1) < 0 || parse_amount(args[0], "n", &n) < 0) {
+    if (head_amount(&self->head, "release", args, nargs, &n) < 0) {
         return NULL;
     }
-    if (!self->has_view) {
-        return counter_closed_error(self);
-    }
-    int under = core_release(self->line, n, &used);
+    int under = core_release(self->head.line, n, &used);
     if (self->mirror != NULL) {
         /* The instance's share shrinks by what was really released, saturating. */
         uint64_t released = under ? used : n;
@@ -624,71 +750,28 @@ counter_release(CounterObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!under) {
         Py_RETURN_NONE;
     }
-    PyObject *r = PyObject_CallFunction(self->on_underflow, "OK", args[0], (unsigned long long)used);
-    if (r == NULL) {
-        return NULL;
-    }
-    Py_DECREF(r);
-    Py_RETURN_NONE;
+    return head_underflow(&self->head, args[0], used);
 }
 
 static PyObject *
 counter_load(CounterObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)args;
-    if (check_nargs("load", nargs, 0) < 0) {
+    if (head_no_args(&self->head, nargs) < 0) {
         return NULL;
     }
-    if (!self->has_view) {
-        return counter_closed_error(self);
-    }
-    return PyLong_FromUnsignedLongLong(LOAD(&self->line[F_USED]));
+    return PyLong_FromUnsignedLongLong(LOAD(&self->head.line[F_USED]));
 }
 
-static PyObject *
-counter_close(CounterObject *self, PyObject *Py_UNUSED(ignored))
-{
-    counter_release_view(self);
-    Py_RETURN_NONE;
-}
+static PyMethodDef counter_methods[] = COUNTER_METHODS(
+    counter, "consume(n) -> None; raises on_refuse(n, used, limit) when over the limit.",
+    "release(n) -> None; calls on_underflow(n, used) when n > used (clamped to 0).", "load() -> int: bytes in use.");
 
-static PyObject *
-counter_get_closed(CounterObject *self, void *Py_UNUSED(closure))
-{
-    return PyBool_FromLong(!self->has_view);
-}
-
-static PyMethodDef counter_methods[] = {
-    {"consume", (PyCFunction)(void (*)(void))counter_consume, METH_FASTCALL,
-     "consume(n) -> None; raises on_refuse(n, used, limit) when over the limit."},
-    {"release", (PyCFunction)(void (*)(void))counter_release, METH_FASTCALL,
-     "release(n) -> None; calls on_underflow(n, used) when n > used (clamped to 0)."},
-    {"load", (PyCFunction)(void (*)(void))counter_load, METH_FASTCALL, "load() -> int: bytes in use."},
-    {"close", (PyCFunction)counter_close, METH_NOARGS,
-     "Release the buffer; later calls raise on_closed()."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef counter_getset[] = {
-    {"closed", (getter)counter_get_closed, NULL, "True once close() was called.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject CounterType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shared._atomics.Counter",
-    .tp_doc = PyDoc_STR("Counter(buffer, offset, on_refuse, on_underflow, on_closed, mirror_offset=None)\n\n"
-                        "A counter line bound to a writable buffer; the fast path of QuotaBlock."),
-    .tp_basicsize = sizeof(CounterObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)counter_init,
-    .tp_dealloc = (destructor)counter_dealloc,
-    .tp_traverse = (traverseproc)counter_traverse,
-    .tp_clear = (inquiry)counter_clear,
-    .tp_methods = counter_methods,
-    .tp_getset = counter_getset,
-};
+static PyTypeObject CounterType = COUNTER_TYPE(
+    "Counter",
+    "Counter(buffer, offset, on_refuse, on_underflow, on_closed, mirror_offset=None)\n\n"
+    "A counter line bound to a writable buffer; the fast path of QuotaBlock.",
+    CounterObject, counter_init, counter_methods);
 
 /* ------------------------------------------------------ ShareCounter type */
 
@@ -722,18 +805,12 @@ static PyTypeObject CounterType = {
     __atomic_compare_exchange_n((p), (expected), (desired), 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)
 
 typedef struct {
-    PyObject_HEAD
-    Py_buffer view;
-    int has_view;
-    uint64_t *line;   /* limit, high water, refusals, underflows (the used field is not used) */
-    uint64_t *shares; /* share word of slot 0; slot i at shares[i * stride] */
+    CounterHead head;  /* head.line: limit, high water, refusals, underflows */
+    uint64_t *shares;  /* share word of slot 0; slot i at shares[i * stride] */
     Py_ssize_t stride; /* in uint64 words */
-    uint64_t *nslots; /* slots [0, *nslots) may hold bytes */
-    Py_ssize_t extra; /* a slot always summed (the unattributed one) */
-    uint64_t *mine;   /* this holder's share word */
-    PyObject *on_refuse;
-    PyObject *on_underflow;
-    PyObject *on_closed;
+    uint64_t *nslots;  /* slots [0, *nslots) may hold bytes */
+    Py_ssize_t extra;  /* a slot always summed (the unattributed one) */
+    uint64_t *mine;    /* this holder's share word */
 } ShareCounterObject;
 
 /* Sum of every share; 0 on overflow (then *total is meaningless). */
@@ -780,7 +857,7 @@ share_sub(uint64_t *p, uint64_t n)
 static int
 share_consume(ShareCounterObject *self, uint64_t n, uint64_t *seen_used, uint64_t *seen_limit)
 {
-    uint64_t *line = self->line;
+    uint64_t *line = self->head.line;
     for (int attempt = 0;; attempt++) {
         uint64_t cur = LOAD_SC(self->mine);
         for (;;) {
@@ -832,151 +909,74 @@ share_counter_init(ShareCounterObject *self, PyObject *args, PyObject *kwds)
                                      &closed)) {
         return -1;
     }
-    if (!PyCallable_Check(refuse) || !PyCallable_Check(under) || !PyCallable_Check(closed)) {
-        PyErr_SetString(PyExc_TypeError, "on_refuse, on_underflow and on_closed must be callable");
-        return -1;
-    }
-    if (self->has_view) {
-        PyErr_SetString(PyExc_RuntimeError, "ShareCounter is already initialised");
+    if (head_check_init(&self->head, "ShareCounter", refuse, under, closed) < 0) {
         return -1;
     }
     if (stride <= 0 || stride % 8 != 0 || slot < 0 || extra < 0 || shares_off < 0 || nslots_off < 0) {
         PyErr_SetString(PyExc_ValueError, "bad share layout");
         return -1;
     }
-    uint64_t *line = get_region(buf, line_off, COUNTER_SPAN, 1, &self->view);
+    Py_buffer *view = &self->head.view;
+    uint64_t *line = get_region(buf, line_off, COUNTER_SPAN, 1, view);
     if (line == NULL) {
         return -1;
     }
     Py_ssize_t last = (slot > extra ? slot : extra);
-    char *base = (char *)self->view.buf;
-    if (shares_off % 8 != 0 || nslots_off % 8 != 0 || nslots_off > self->view.len - 8 ||
-        last > (self->view.len - 8 - shares_off) / stride || shares_off > self->view.len - 8) {
-        PyBuffer_Release(&self->view);
+    char *base = (char *)view->buf;
+    if (shares_off % 8 != 0 || nslots_off % 8 != 0 || nslots_off > view->len - 8 ||
+        last > (view->len - 8 - shares_off) / stride || shares_off > view->len - 8) {
+        PyBuffer_Release(view);
         PyErr_SetString(PyExc_ValueError, "share layout out of bounds");
         return -1;
     }
-    self->line = line;
     self->shares = (uint64_t *)(base + shares_off);
     self->stride = stride / 8;
     self->nslots = (uint64_t *)(base + nslots_off);
     self->extra = extra;
     self->mine = (uint64_t *)(base + shares_off + slot * stride);
-    self->has_view = 1;
+    head_bind(&self->head, line, refuse, under, closed);
     if (slot != extra) { /* an instance: make sure every summer covers our slot before we publish */
         uint64_t want = (uint64_t)slot + 1, cur = LOAD_SC(self->nslots);
         while (cur < want && !CAS_SC(self->nslots, &cur, want)) {
         }
     }
-    Py_INCREF(refuse);
-    Py_XSETREF(self->on_refuse, refuse);
-    Py_INCREF(under);
-    Py_XSETREF(self->on_underflow, under);
-    Py_INCREF(closed);
-    Py_XSETREF(self->on_closed, closed);
     return 0;
-}
-
-static void
-share_counter_release_view(ShareCounterObject *self)
-{
-    if (self->has_view) {
-        self->has_view = 0;
-        self->line = self->shares = self->nslots = self->mine = NULL;
-        PyBuffer_Release(&self->view);
-    }
-}
-
-static int
-share_counter_traverse(ShareCounterObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->on_refuse);
-    Py_VISIT(self->on_underflow);
-    Py_VISIT(self->on_closed);
-    if (self->has_view) {
-        Py_VISIT(self->view.obj);
-    }
-    return 0;
-}
-
-static int
-share_counter_clear(ShareCounterObject *self)
-{
-    Py_CLEAR(self->on_refuse);
-    Py_CLEAR(self->on_underflow);
-    Py_CLEAR(self->on_closed);
-    share_counter_release_view(self);
-    return 0;
-}
-
-static void
-share_counter_dealloc(ShareCounterObject *self)
-{
-    PyObject_GC_UnTrack(self);
-    share_counter_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyObject *
-share_counter_closed_error(ShareCounterObject *self)
-{
-    if (self->on_closed == NULL) {
-        PyErr_SetString(PyExc_ValueError, "counter is closed");
-        return NULL;
-    }
-    return raise_from_callback(PyObject_CallNoArgs(self->on_closed));
 }
 
 static PyObject *
 share_counter_consume(ShareCounterObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t n, used, limit;
-    if (check_nargs("consume", nargs, 1) < 0 || parse_amount(args[0], "n", &n) < 0) {
+    if (head_amount(&self->head, "consume", args, nargs, &n) < 0) {
         return NULL;
-    }
-    if (!self->has_view) {
-        return share_counter_closed_error(self);
     }
     if (share_consume(self, n, &used, &limit)) {
         Py_RETURN_NONE;
     }
-    PyObject *exc = PyObject_CallFunction(self->on_refuse, "OKK", args[0], (unsigned long long)used,
-                                          (unsigned long long)limit);
-    return raise_from_callback(exc);
+    return head_refuse(&self->head, args[0], used, limit);
 }
 
 static PyObject *
 share_counter_release(ShareCounterObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t n;
-    if (check_nargs("release", nargs, 1) < 0 || parse_amount(args[0], "n", &n) < 0) {
+    if (head_amount(&self->head, "release", args, nargs, &n) < 0) {
         return NULL;
-    }
-    if (!self->has_view) {
-        return share_counter_closed_error(self);
     }
     uint64_t had = share_sub(self->mine, n);
     if (n <= had) {
         Py_RETURN_NONE;
     }
-    FETCH_ADD(&self->line[F_UNDERFLOWS], 1);
-    PyObject *r = PyObject_CallFunction(self->on_underflow, "OK", args[0], (unsigned long long)had);
-    if (r == NULL) {
-        return NULL;
-    }
-    Py_DECREF(r);
-    Py_RETURN_NONE;
+    FETCH_ADD(&self->head.line[F_UNDERFLOWS], 1);
+    return head_underflow(&self->head, args[0], had);
 }
 
 static PyObject *
 share_counter_load(ShareCounterObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)args;
-    if (check_nargs("load", nargs, 0) < 0) {
+    if (head_no_args(&self->head, nargs) < 0) {
         return NULL;
-    }
-    if (!self->has_view) {
-        return share_counter_closed_error(self);
     }
     uint64_t total;
     if (!share_sum(self, &total)) {
@@ -985,50 +985,18 @@ share_counter_load(ShareCounterObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromUnsignedLongLong(total);
 }
 
-static PyObject *
-share_counter_close(ShareCounterObject *self, PyObject *Py_UNUSED(ignored))
-{
-    share_counter_release_view(self);
-    Py_RETURN_NONE;
-}
+static PyMethodDef share_counter_methods[] = COUNTER_METHODS(
+    share_counter,
+    "consume(n) -> None; raises on_refuse(n, used, limit) when the sum of shares would exceed the limit.",
+    "release(n) -> None; calls on_underflow(n, share) when n > this holder's share (clamped to 0).",
+    "load() -> int: the sum of shares.");
 
-static PyObject *
-share_counter_get_closed(ShareCounterObject *self, void *Py_UNUSED(closure))
-{
-    return PyBool_FromLong(!self->has_view);
-}
-
-static PyMethodDef share_counter_methods[] = {
-    {"consume", (PyCFunction)(void (*)(void))share_counter_consume, METH_FASTCALL,
-     "consume(n) -> None; raises on_refuse(n, used, limit) when the sum of shares would exceed the limit."},
-    {"release", (PyCFunction)(void (*)(void))share_counter_release, METH_FASTCALL,
-     "release(n) -> None; calls on_underflow(n, share) when n > this holder's share (clamped to 0)."},
-    {"load", (PyCFunction)(void (*)(void))share_counter_load, METH_FASTCALL, "load() -> int: the sum of shares."},
-    {"close", (PyCFunction)share_counter_close, METH_NOARGS, "Release the buffer; later calls raise on_closed()."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef share_counter_getset[] = {
-    {"closed", (getter)share_counter_get_closed, NULL, "True once close() was called.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject ShareCounterType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shared._atomics.ShareCounter",
-    .tp_doc = PyDoc_STR("ShareCounter(buffer, line_offset, shares_offset, stride, nslots_offset, slot, extra_slot,\n"
-                        "             on_refuse, on_underflow, on_closed)\n\n"
-                        "A counter whose total is the sum of per-holder shares; this holder owns `slot`."),
-    .tp_basicsize = sizeof(ShareCounterObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)share_counter_init,
-    .tp_dealloc = (destructor)share_counter_dealloc,
-    .tp_traverse = (traverseproc)share_counter_traverse,
-    .tp_clear = (inquiry)share_counter_clear,
-    .tp_methods = share_counter_methods,
-    .tp_getset = share_counter_getset,
-};
+static PyTypeObject ShareCounterType = COUNTER_TYPE(
+    "ShareCounter",
+    "ShareCounter(buffer, line_offset, shares_offset, stride, nslots_offset, slot, extra_slot,\n"
+    "             on_refuse, on_underflow, on_closed)\n\n"
+    "A counter whose total is the sum of per-holder shares; this holder owns `slot`.",
+    ShareCounterObject, share_counter_init, share_counter_methods);
 
 /* ---------------------------------------------------------------- module */
 

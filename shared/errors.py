@@ -11,6 +11,22 @@ The mapping wire code -> class lives in exactly one table, ``_BY_CODE``,
 filled by ``__init_subclass__``. Names follow the Rust crate
 ``tensor-wasm-tenant`` 0.3.8 where it had them.
 
+An error class is a declaration, like a dataclass: its wire ``code``, its
+fields as annotated class attributes (positional-or-keyword constructor
+parameters, in order, after those of its bases; a default makes one
+optional), and its message as a ``_template`` formatted with the fields (or
+a ``_default_message`` method where the text depends on a field's value).
+Every constructor also takes a keyword-only ``message`` that replaces the
+generated text. ``__init_subclass__`` writes the constructor and
+``_fields`` (what crosses the wire); ``@dataclass_transform`` on the
+metaclass tells mypy the same, so constructor calls stay type-checked::
+
+    class WasmCompile(TensorWasmError):
+        # a docstring: when it is raised and what to do
+        code = "wasm_compile"
+        _template = "wasm module rejected: {detail}"
+        detail: str
+
     TensorWasmError
     +-- MemoryExhausted              host (CPU) byte quota refused       retryable (not when requested > limit)
     +-- GpuMemoryExhausted           GPU byte quota / driver OOM         retryable (not when requested > limit)
@@ -30,6 +46,7 @@ filled by ``__init_subclass__``. Names follow the Rust crate
     +-- TenantStopped                tenant scaled to 0 instances
     +-- BufferLost                   the buffer's instance restarted since it was allocated
     +-- RequestTimeout               no reply within the client timeout  retryable (TimeoutError)
+    +-- RunDirLocked                 another supervisor runs on that run dir
     +-- SupervisorUnavailable        no supervisor at that run dir       retryable (ConnectionError)
     +-- HandshakeFailed              CURVE handshake refused (wrong key)  (ConnectionError)
     +-- UntrustedRunDir              run dir / socket / file of another uid (PermissionError)
@@ -45,7 +62,10 @@ filled by ``__init_subclass__``. Names follow the Rust crate
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+import inspect
+import keyword
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Self, dataclass_transform, overload
 
 __all__ = [
     "AlreadyRegistered",
@@ -88,18 +108,114 @@ _BY_CODE: dict[str, type[TensorWasmError]] = {}
 #: Wire values must be msgpack-able scalars; anything else is turned into str.
 _SCALARS = (str, int, float, bool, type(None))
 
+# ------------------------------------------------------------ the machinery
 
-class TensorWasmError(Exception):
+
+def _keyword_only(*, default: Any, kw_only: bool) -> Any:
+    """Field specifier (PEP 681) for the one keyword-only parameter, ``message``."""
+    del kw_only  # read by type checkers only
+    return default
+
+
+class _Message:
+    """``err.message``: the text given to the constructor, or the generated one when it got None.
+
+    A descriptor so that the constructor parameter (``str | None``) and the
+    attribute (always ``str``) can differ in type, which a type checker
+    reads from ``__set__`` and ``__get__``.
+    """
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(self, obj: TensorWasmError, owner: type[Any]) -> str: ...
+    def __get__(self, obj: TensorWasmError | None, owner: type[Any]) -> str | Self:
+        if obj is None:
+            return self
+        text: str = obj.__dict__["message"]
+        return text
+
+    def __set__(self, obj: TensorWasmError, value: str | None) -> None:
+        obj.__dict__["message"] = value if value is not None else obj._default_message()
+
+
+@dataclass_transform(eq_default=False, field_specifiers=(_keyword_only,))
+class _ErrorType(type):
+    """The metaclass of the error tree; it only tells type checkers what ``__init_subclass__`` builds.
+
+    ``dataclass_transform`` on a metaclass (rather than on the root class)
+    makes the root's own ``message`` field count, so every generated
+    constructor is seen with its trailing ``*, message: str | None = None``.
+    """
+
+
+#: the default of a field that has none (a required constructor parameter)
+_REQUIRED: Any = object()
+
+
+def _declared_fields(cls: type) -> dict[str, tuple[Any, Any]]:
+    """The fields ``cls`` itself declares (annotated, not ``ClassVar``): name -> (annotation, default).
+
+    Every other annotated name is a field to a type checker too, so one that
+    cannot be a public constructor parameter is refused here, not skipped.
+    """
+    own: dict[str, tuple[Any, Any]] = {}
+    for name, annotation in inspect.get_annotations(cls).items():
+        text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+        if text.startswith(("ClassVar", "typing.ClassVar")) or name == "message":
+            continue
+        if name.startswith("_") or not name.isidentifier() or keyword.iskeyword(name) or name == "self":
+            raise TypeError(f"{cls.__name__}: {name!r} cannot be an error field (annotate a class constant ClassVar)")
+        own[name] = (annotation, cls.__dict__.get(name, _REQUIRED))
+    return own
+
+
+def _make_init(cls: type[TensorWasmError], fields: Mapping[str, tuple[Any, Any]]) -> Callable[..., None]:
+    """The constructor a dataclass would get: ``(self, *fields, message=None)``.
+
+    Written as source and compiled once per class, as ``dataclasses`` and
+    attrs do, so that it binds its arguments as fast as a hand-written
+    ``__init__`` does, with Python's own ``TypeError`` for a missing or
+    unexpected one, and ``inspect.signature`` shows the real parameters.
+    Defaults are passed by reference (``_defaults``), never as text.
+    """
+    defaults = {name: default for name, (_, default) in fields.items() if default is not _REQUIRED}
+    params = [f"{name}=_defaults[{name!r}]" if name in defaults else name for name in fields]
+    params.append("*, message=None")
+    body = "".join(f"    self.{name} = {name}\n" for name in fields)
+    source = f"def __init__(self, {', '.join(params)}):\n{body}    _root_init(self, message)\n"
+    namespace: dict[str, Any] = {"_defaults": defaults, "_root_init": TensorWasmError.__init__}
+    try:
+        exec(source, namespace)  # noqa: S102 - the source is built from identifiers checked above
+    except SyntaxError as exc:  # a required field after one with a default
+        raise TypeError(f"{cls.__name__}: {exc.msg}") from None
+    init: Callable[..., None] = namespace["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__module__ = cls.__module__
+    init.__annotations__ = {name: annotation for name, (annotation, _) in fields.items()}
+    init.__annotations__.update(message="str | None", **{"return": "None"})
+    return init
+
+
+# ---------------------------------------------------------------- the root
+
+
+class TensorWasmError(Exception, metaclass=_ErrorType):
     """Root of every error raised by tensor-wasm-tenant.
 
-    Subclasses declare ``code`` (stable, used on the wire), ``retryable`` and
-    ``_fields`` (the constructor's keyword arguments, all carried over the
-    wire). ``message`` overrides the generated text when given.
+    Subclasses declare ``code`` (stable, used on the wire), ``retryable``,
+    their fields (annotated class attributes: the constructor's parameters,
+    all carried over the wire) and a ``_template`` for the message. The
+    keyword ``message`` overrides the generated text when given.
     """
 
     code: ClassVar[str] = "internal"
     retryable: ClassVar[bool] = False
+    #: the wire fields, in constructor order (written by ``__init_subclass__``)
     _fields: ClassVar[tuple[str, ...]] = ()
+    #: ``str.format`` text with the fields by name; "" = the docstring's first line
+    _template: ClassVar[str] = ""
+    message: _Message = _keyword_only(default=_Message(), kw_only=True)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -108,12 +224,26 @@ class TensorWasmError(Exception):
             if code in _BY_CODE and _BY_CODE[code] is not cls:
                 raise TypeError(f"wire code {code!r} already used by {_BY_CODE[code].__name__}")
             _BY_CODE[code] = cls
+        own = _declared_fields(cls)
+        if not own:
+            return  # the constructor and fields of its base serve
+        fields: dict[str, tuple[Any, Any]] = {}
+        for base in reversed(cls.__mro__[1:]):  # dataclass order: a redeclared field keeps its place
+            if issubclass(base, TensorWasmError) and base is not TensorWasmError:
+                fields.update(_declared_fields(base))
+        fields.update(own)
+        cls._fields = tuple(fields)
+        setattr(cls, "__match_args__", cls._fields)  # as the type checker assumes (PEP 681)
+        if "__init__" not in cls.__dict__:
+            setattr(cls, "__init__", _make_init(cls, fields))
 
     def __init__(self, message: str | None = None) -> None:
-        self.message = message if message is not None else self._default_message()
+        self.message = message
         super().__init__(self.message)
 
     def _default_message(self) -> str:
+        if self._template:
+            return self._template.format_map(vars(self))  # the fields, set by now
         return self.__class__.__doc__.strip().splitlines()[0] if self.__class__.__doc__ else self.code
 
     def is_retryable(self) -> bool:
@@ -121,7 +251,7 @@ class TensorWasmError(Exception):
         return self.retryable
 
     def fields(self) -> dict[str, Any]:
-        """The typed fields of this error (the constructor's keyword arguments)."""
+        """The typed fields of this error (the constructor's parameters)."""
         return {name: getattr(self, name) for name in self._fields}
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,6 +282,9 @@ def _n(value: int | None) -> str:
     return "none" if value is None else f"{value:,}"
 
 
+# ---------------------------------------------------------------- the tree
+
+
 class MemoryExhausted(TensorWasmError):
     """The tenant's host (CPU) byte quota would be exceeded.
 
@@ -160,23 +293,11 @@ class MemoryExhausted(TensorWasmError):
 
     code = "memory_exhausted"
     retryable = True
-    _fields = ("tenant_id", "requested", "limit", "current")
     _what: ClassVar[str] = "memory quota"
-
-    def __init__(
-        self,
-        tenant_id: str,
-        requested: int,
-        limit: int,
-        current: int,
-        *,
-        message: str | None = None,
-    ) -> None:
-        self.tenant_id = tenant_id
-        self.requested = requested
-        self.limit = limit
-        self.current = current
-        super().__init__(message)
+    tenant_id: str
+    requested: int
+    limit: int
+    current: int
 
     def is_retryable(self) -> bool:
         """Retrying helps only when the request fits the limit at all: more than the whole limit never will."""
@@ -210,12 +331,8 @@ class TenantIsolationViolation(TensorWasmError, PermissionError):
     """
 
     code = "isolation_violation"
-    _fields = ("tenant_id", "resource")
-
-    def __init__(self, tenant_id: str | None, resource: str, *, message: str | None = None) -> None:
-        self.tenant_id = tenant_id
-        self.resource = resource
-        super().__init__(message)
+    tenant_id: str | None
+    resource: str
 
     def _default_message(self) -> str:
         who = f"tenant {self.tenant_id!r}" if self.tenant_id else "caller"
@@ -238,18 +355,10 @@ class CudaError(TensorWasmError):
     """A CUDA driver call returned an error; ``result_name`` is the driver's name for it."""
 
     code = "cuda_error"
-    _fields = ("call", "result_name", "result_code")
-
-    def __init__(
-        self, call: str, result_name: str, result_code: int, *, message: str | None = None
-    ) -> None:
-        self.call = call
-        self.result_name = result_name
-        self.result_code = result_code
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"{self.call} failed: {self.result_name} ({self.result_code})"
+    _template = "{call} failed: {result_name} ({result_code})"
+    call: str
+    result_name: str
+    result_code: int
 
 
 class WasmTrap(TensorWasmError):
@@ -259,12 +368,8 @@ class WasmTrap(TensorWasmError):
     """
 
     code = "wasm_trap"
-    _fields = ("trap_code", "detail")
-
-    def __init__(self, trap_code: str, detail: str = "", *, message: str | None = None) -> None:
-        self.trap_code = trap_code
-        self.detail = detail
-        super().__init__(message)
+    trap_code: str
+    detail: str = ""
 
     def _default_message(self) -> str:
         return f"wasm trap {self.trap_code}" + (f": {self.detail}" if self.detail else "")
@@ -274,14 +379,8 @@ class WasmCompile(TensorWasmError):
     """The module failed to parse, validate or link (only ``tensorwasm`` imports exist)."""
 
     code = "wasm_compile"
-    _fields = ("detail",)
-
-    def __init__(self, detail: str, *, message: str | None = None) -> None:
-        self.detail = detail
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"wasm module rejected: {self.detail}"
+    _template = "wasm module rejected: {detail}"
+    detail: str
 
 
 class KernelTimeout(TensorWasmError, TimeoutError):
@@ -289,15 +388,9 @@ class KernelTimeout(TensorWasmError, TimeoutError):
 
     code = "kernel_timeout"
     retryable = True
-    _fields = ("timeout_s", "op")
-
-    def __init__(self, timeout_s: float, op: str = "run_wasm", *, message: str | None = None) -> None:
-        self.timeout_s = timeout_s
-        self.op = op
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"{self.op} exceeded its deadline of {self.timeout_s:g} s and was stopped"
+    _template = "{op} exceeded its deadline of {timeout_s:g} s and was stopped"
+    timeout_s: float
+    op: str = "run_wasm"
 
 
 class WorkerLost(TensorWasmError):
@@ -310,24 +403,11 @@ class WorkerLost(TensorWasmError):
 
     code = "worker_lost"
     retryable = True
-    _fields: ClassVar[tuple[str, ...]] = ("tenant_id", "instance", "exit_code", "signal", "reason")
-
-    def __init__(
-        self,
-        tenant_id: str,
-        instance: int,
-        exit_code: int | None = None,
-        signal: int | None = None,
-        reason: str = "",
-        *,
-        message: str | None = None,
-    ) -> None:
-        self.tenant_id = tenant_id
-        self.instance = instance
-        self.exit_code = exit_code
-        self.signal = signal
-        self.reason = reason
-        super().__init__(message)
+    tenant_id: str
+    instance: int
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str = ""
 
     def _default_message(self) -> str:
         if self.signal is not None:
@@ -350,22 +430,8 @@ class NodeLost(WorkerLost):
     """
 
     code = "node_lost"
-    retryable = True
-    _fields: ClassVar[tuple[str, ...]] = ("tenant_id", "instance", "exit_code", "signal", "reason", "node_id")
-
-    def __init__(
-        self,
-        tenant_id: str,
-        instance: int = 0,
-        exit_code: int | None = None,
-        signal: int | None = None,
-        reason: str = "",
-        node_id: str = "",
-        *,
-        message: str | None = None,
-    ) -> None:
-        self.node_id = node_id
-        super().__init__(tenant_id, instance, exit_code, signal, reason, message=message)
+    instance: int = 0
+    node_id: str = ""
 
     def _default_message(self) -> str:
         why = f" ({self.reason})" if self.reason else ""
@@ -380,49 +446,27 @@ class Overloaded(TensorWasmError):
 
     code = "overloaded"
     retryable = True
-    _fields = ("tenant_id", "in_flight", "limit")
-
-    def __init__(
-        self, tenant_id: str, in_flight: int, limit: int, *, message: str | None = None
-    ) -> None:
-        self.tenant_id = tenant_id
-        self.in_flight = in_flight
-        self.limit = limit
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return (
-            f"tenant {self.tenant_id!r} overloaded: {self.in_flight} requests in flight "
-            f"(max_in_flight={self.limit}); retry later"
-        )
+    _template = ("tenant {tenant_id!r} overloaded: {in_flight} requests in flight "
+                 "(max_in_flight={limit}); retry later")
+    tenant_id: str
+    in_flight: int
+    limit: int
 
 
 class ProtocolError(TensorWasmError, ValueError):
     """A frame was malformed, too large, or violated the message schema."""
 
     code = "protocol_error"
-    _fields = ("detail",)
-
-    def __init__(self, detail: str, *, message: str | None = None) -> None:
-        self.detail = detail
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"protocol error: {self.detail}"
+    _template = "protocol error: {detail}"
+    detail: str
 
 
 class InvalidArgument(TensorWasmError, ValueError):
     """A well-formed request carried an argument the operation cannot accept."""
 
     code = "invalid_argument"
-    _fields = ("detail",)
-
-    def __init__(self, detail: str, *, message: str | None = None) -> None:
-        self.detail = detail
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"invalid argument: {self.detail}"
+    _template = "invalid argument: {detail}"
+    detail: str
 
 
 #: what to do when libnvrtc is missing (the worker's tensor ops and the backend probe both say it)
@@ -434,15 +478,9 @@ class BackendUnavailable(TensorWasmError):
     """The requested compute backend cannot be used here; ``reason`` says why."""
 
     code = "backend_unavailable"
-    _fields = ("backend", "reason")
-
-    def __init__(self, backend: str, reason: str, *, message: str | None = None) -> None:
-        self.backend = backend
-        self.reason = reason
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"backend {self.backend!r} unavailable: {self.reason}"
+    _template = "backend {backend!r} unavailable: {reason}"
+    backend: str
+    reason: str
 
 
 class TenantFailed(TensorWasmError):
@@ -452,21 +490,10 @@ class TenantFailed(TensorWasmError):
     """
 
     code = "tenant_failed"
-    _fields = ("tenant_id", "restarts", "window_s")
-
-    def __init__(
-        self, tenant_id: str, restarts: int, window_s: float, *, message: str | None = None
-    ) -> None:
-        self.tenant_id = tenant_id
-        self.restarts = restarts
-        self.window_s = window_s
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return (
-            f"tenant {self.tenant_id!r} failed: {self.restarts} restarts within "
-            f"{self.window_s:g} s; evict and re-register it"
-        )
+    _template = "tenant {tenant_id!r} failed: {restarts} restarts within {window_s:g} s; evict and re-register it"
+    tenant_id: str
+    restarts: int
+    window_s: float
 
 
 class TenantStopped(TensorWasmError):
@@ -478,15 +505,8 @@ class TenantStopped(TensorWasmError):
     """
 
     code = "tenant_stopped"
-    _fields = ("tenant_id",)
-
-    def __init__(self, tenant_id: str, *, message: str | None = None) -> None:
-        self.tenant_id = tenant_id
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return (f"tenant {self.tenant_id!r} is scaled to 0 instances; "
-                f"`twt scale {self.tenant_id} N` to serve it again")
+    _template = "tenant {tenant_id!r} is scaled to 0 instances; `twt scale {tenant_id} N` to serve it again"
+    tenant_id: str
 
 
 class BufferLost(TensorWasmError):
@@ -497,19 +517,12 @@ class BufferLost(TensorWasmError):
     """
 
     code = "buffer_lost"
-    _fields = ("tenant_id", "handle", "instance", "incarnation")
-
-    def __init__(self, tenant_id: str, handle: str, instance: int, incarnation: int, *,
-                 message: str | None = None) -> None:
-        self.tenant_id = tenant_id
-        self.handle = handle
-        self.instance = instance
-        self.incarnation = incarnation
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return (f"buffer {self.handle} lived on {self.tenant_id}/{self.instance}, which restarted "
-                f"(now incarnation {self.incarnation}); its bytes are gone: alloc again")
+    _template = ("buffer {handle} lived on {tenant_id}/{instance}, which restarted "
+                 "(now incarnation {incarnation}); its bytes are gone: alloc again")
+    tenant_id: str
+    handle: str
+    instance: int
+    incarnation: int
 
 
 class RequestTimeout(TensorWasmError, TimeoutError):
@@ -517,27 +530,17 @@ class RequestTimeout(TensorWasmError, TimeoutError):
 
     code = "request_timeout"
     retryable = True
-    _fields = ("op", "timeout_s")
-
-    def __init__(self, op: str, timeout_s: float, *, message: str | None = None) -> None:
-        self.op = op
-        self.timeout_s = timeout_s
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"no reply to {self.op!r} within {self.timeout_s:g} s"
+    _template = "no reply to {op!r} within {timeout_s:g} s"
+    op: str
+    timeout_s: float
 
 
 class RunDirLocked(TensorWasmError):
     """Another supervisor is running on this run directory."""
 
     code = "run_dir_locked"
-    _fields = ("run_dir", "pid")
-
-    def __init__(self, run_dir: str, pid: int | None, *, message: str | None = None) -> None:
-        self.run_dir = run_dir
-        self.pid = pid
-        super().__init__(message)
+    run_dir: str
+    pid: int | None
 
     def _default_message(self) -> str:
         who = f" (pid {self.pid})" if self.pid else ""
@@ -549,15 +552,9 @@ class SupervisorUnavailable(TensorWasmError, ConnectionError):
 
     code = "supervisor_unavailable"
     retryable = True
-    _fields = ("run_dir", "reason")
-
-    def __init__(self, run_dir: str, reason: str, *, message: str | None = None) -> None:
-        self.run_dir = run_dir
-        self.reason = reason
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"no supervisor at {self.run_dir}: {self.reason}"
+    _template = "no supervisor at {run_dir}: {reason}"
+    run_dir: str
+    reason: str
 
 
 class UntrustedRunDir(TensorWasmError, PermissionError):
@@ -571,15 +568,9 @@ class UntrustedRunDir(TensorWasmError, PermissionError):
     """
 
     code = "untrusted_run_dir"
-    _fields = ("path", "reason")
-
-    def __init__(self, path: str, reason: str, *, message: str | None = None) -> None:
-        self.path = path
-        self.reason = reason
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"refusing {self.path}: {self.reason}"
+    _template = "refusing {path}: {reason}"
+    path: str
+    reason: str
 
 
 class HandshakeFailed(TensorWasmError, ConnectionError):
@@ -592,33 +583,19 @@ class HandshakeFailed(TensorWasmError, ConnectionError):
     """
 
     code = "handshake_failed"
-    _fields = ("endpoint", "reason")
-
-    def __init__(self, endpoint: str, reason: str, *, message: str | None = None) -> None:
-        self.endpoint = endpoint
-        self.reason = reason
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return (
-            f"CURVE handshake with {self.endpoint} failed: {self.reason}; check the server public key "
-            "(twt keys on that host) and the client allow-list"
-        )
+    _template = ("CURVE handshake with {endpoint} failed: {reason}; check the server public key "
+                 "(twt keys on that host) and the client allow-list")
+    endpoint: str
+    reason: str
 
 
 class SegmentError(TensorWasmError):
     """A quota shared-memory segment is missing, closed, or not of our layout."""
 
     code = "segment_error"
-    _fields = ("name", "detail")
-
-    def __init__(self, name: str, detail: str, *, message: str | None = None) -> None:
-        self.name = name
-        self.detail = detail
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"shared-memory segment {self.name!r}: {self.detail}"
+    _template = "shared-memory segment {name!r}: {detail}"
+    name: str
+    detail: str
 
 
 class StateError(TensorWasmError):
@@ -630,15 +607,9 @@ class StateError(TensorWasmError):
     """
 
     code = "state_error"
-    _fields = ("path", "detail")
-
-    def __init__(self, path: str, detail: str, *, message: str | None = None) -> None:
-        self.path = path
-        self.detail = detail
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"state database {self.path}: {self.detail}"
+    _template = "state database {path}: {detail}"
+    path: str
+    detail: str
 
 
 class ConfigError(TensorWasmError, ValueError):
@@ -649,83 +620,51 @@ class ConfigError(TensorWasmError, ValueError):
     """
 
     code = "config_error"
-    _fields = ("path", "detail")
-
-    def __init__(self, path: str, detail: str, *, message: str | None = None) -> None:
-        self.path = path
-        self.detail = detail
-        super().__init__(message)
-
-    def _default_message(self) -> str:
-        return f"config {self.path}: {self.detail}; nothing was changed"
+    _template = "config {path}: {detail}; nothing was changed"
+    path: str
+    detail: str
 
 
 class RegistryError(TensorWasmError):
     """Base of the registry's lifecycle errors."""
 
     code = "registry_error"
-    _fields: ClassVar[tuple[str, ...]] = ("tenant_id",)
-
-    def __init__(self, tenant_id: str, *, message: str | None = None) -> None:
-        self.tenant_id = tenant_id
-        super().__init__(message)
+    tenant_id: str
 
 
 class AlreadyRegistered(RegistryError, ValueError):
     """A tenant of that name is already registered; evict it first or pick another name."""
 
     code = "already_registered"
-
-    def _default_message(self) -> str:
-        return f"tenant {self.tenant_id!r} is already registered"
+    _template = "tenant {tenant_id!r} is already registered"
 
 
 class UnknownTenant(RegistryError, LookupError):
     """No tenant of that name is registered."""
 
     code = "unknown_tenant"
-
-    def _default_message(self) -> str:
-        return f"unknown tenant {self.tenant_id!r}"
+    _template = "unknown tenant {tenant_id!r}"
 
 
 class UnknownModule(RegistryError, LookupError):
     """``run_wasm`` named a module digest that was never sent with ``put_module``."""
 
     code = "unknown_module"
-    _fields = ("tenant_id", "digest")
-
-    def __init__(self, tenant_id: str, digest: str, *, message: str | None = None) -> None:
-        self.digest = digest
-        super().__init__(tenant_id, message=message)
-
-    def _default_message(self) -> str:
-        return f"tenant {self.tenant_id!r}: no module with digest {self.digest} (send it with put_module)"
+    _template = "tenant {tenant_id!r}: no module with digest {digest} (send it with put_module)"
+    digest: str
 
 
 class CapabilityFromForeignRegistry(RegistryError):
     """(``*_strict`` methods) the capability was minted by another registry."""
 
     code = "foreign_capability"
-    _fields = ("tenant_id", "expected_registry", "actual_registry")
+    _template = ("capability for {tenant_id!r} was minted by registry {actual_registry}, "
+                 "not by this registry {expected_registry}")
+    expected_registry: str
+    actual_registry: str
 
-    def __init__(
-        self,
-        tenant_id: str,
-        expected_registry: str,
-        actual_registry: str,
-        *,
-        message: str | None = None,
-    ) -> None:
-        self.expected_registry = expected_registry
-        self.actual_registry = actual_registry
-        super().__init__(tenant_id, message=message)
 
-    def _default_message(self) -> str:
-        return (
-            f"capability for {self.tenant_id!r} was minted by registry {self.actual_registry}, "
-            f"not by this registry {self.expected_registry}"
-        )
+# ------------------------------------------------------------- the wire
 
 
 def error_class_for_code(code: str) -> type[TensorWasmError]:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
+import typing
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shared
 from shared import errors
@@ -41,6 +45,7 @@ from shared.errors import (
     error_class_for_code,
     error_from_dict,
 )
+from shared.protocol import decode_reply, encode_reply
 
 #: One sample per class: its constructor's keyword arguments.
 SAMPLES: dict[type[TensorWasmError], dict[str, Any]] = {
@@ -299,3 +304,117 @@ def test_unknown_code_keeps_message() -> None:
     err = error_from_dict({"code": "nonexistent_code", "fields": {}, "message": "from the future"})
     assert type(err) is TensorWasmError
     assert str(err) == "from the future"
+
+
+# ------------------------------------------------- every class, any field values, over the wire
+
+
+def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
+    """Values of a field's type that msgpack carries (it is what the wire does with them)."""
+    if hint is str:
+        return st.text(st.characters(exclude_categories=("Cs",)), max_size=40)  # no lone surrogates in UTF-8
+    if hint is int:
+        return st.integers(-(1 << 63), (1 << 64) - 1)
+    if hint is float:
+        return st.floats(allow_nan=False)  # NaN != NaN: a field would never compare equal to itself
+    if hint is type(None):
+        return st.none()
+    args = typing.get_args(hint)
+    assert args, f"no strategy for field type {hint!r}: add one here"
+    return st.one_of(*(_strategy_for(arg) for arg in args))
+
+
+def _registered() -> list[type[TensorWasmError]]:
+    classes = sorted(_all_subclasses(TensorWasmError), key=lambda c: c.__name__)
+    assert all(error_class_for_code(cls.code) is cls for cls in classes)  # every one of them is on the wire table
+    return classes
+
+
+@pytest.mark.parametrize("cls", _registered(), ids=lambda c: c.__name__)
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_error_round_trips_over_the_wire_with_any_fields(cls: type[TensorWasmError], data: st.DataObject) -> None:
+    hints = typing.get_type_hints(cls)
+    fields = {name: data.draw(_strategy_for(hints[name]), label=name) for name in cls._fields}
+    message = data.draw(st.none() | _strategy_for(str), label="message")
+    err = cls(**fields, message=message)
+    assert err.fields() == fields
+    for name, value in fields.items():
+        assert getattr(err, name) == value
+    rid, ok, payload = decode_reply(encode_reply(7, False, err.to_dict()))
+    back = error_from_dict(payload)
+    assert type(back) is cls
+    assert back.fields() == fields
+    assert back == err and str(back) == str(err) == err.message
+    if message is not None:
+        assert str(back) == message
+    assert back.is_retryable() is err.is_retryable()
+
+
+def test_fields_follow_the_declaration_order_after_the_bases() -> None:
+    assert WorkerLost._fields == ("tenant_id", "instance", "exit_code", "signal", "reason")
+    # A redeclared field keeps its place (here it gains a default), a new one goes last.
+    assert NodeLost._fields == WorkerLost._fields + ("node_id",)
+    assert UnknownModule._fields == ("tenant_id", "digest")
+    assert CapabilityFromForeignRegistry._fields == ("tenant_id", "expected_registry", "actual_registry")
+    assert str(inspect.signature(NodeLost)) == (
+        "(tenant_id: 'str', instance: 'int' = 0, exit_code: 'int | None' = None, signal: 'int | None' = None, "
+        "reason: 'str' = '', node_id: 'str' = '', *, message: 'str | None' = None) -> 'None'"
+    )
+
+
+def test_constructors_refuse_what_a_hand_written_one_would() -> None:
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'current'"):
+        MemoryExhausted("acme", 1, 2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="multiple values for argument 'tenant_id'"):
+        UnknownTenant("acme", tenant_id="acme")  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        WasmCompile("x", bogus=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="positional argument"):
+        KernelTimeout(1.0, "op", "message")  # type: ignore[misc]
+
+
+def test_a_subclass_declares_fields_in_one_block() -> None:
+    # No code: nothing is registered on the shared wire table by this test.
+    class Compiling(KernelTimeout):
+        """A declared field, a template, and the base's fields first."""
+
+        _template = "{op} of {module!r} exceeded {timeout_s:g} s"
+        module: str = "?"
+
+    err = Compiling(1.5, "compile", "m.wasm")
+    assert (err.timeout_s, err.op, err.module) == (1.5, "compile", "m.wasm")
+    assert str(err) == "compile of 'm.wasm' exceeded 1.5 s"
+    assert err.code == "kernel_timeout" and isinstance(err, TimeoutError) and err.is_retryable()
+    assert err.to_dict()["fields"] == {"timeout_s": 1.5, "op": "compile", "module": "m.wasm"}
+
+    class Plain(Compiling):
+        """No fields of its own: the base's constructor serves, the docstring is not the message."""
+
+    assert Plain.__init__ is Compiling.__init__
+    assert str(Plain(2.0)) == "run_wasm of '?' exceeded 2 s"
+
+
+def test_a_declaration_that_cannot_be_a_constructor_is_refused_at_class_creation() -> None:
+    with pytest.raises(TypeError, match="non-default argument|parameter without a default"):
+
+        class Bad(WasmTrap):  # noqa: F841 - a required field after WasmTrap's defaulted detail
+            late: str
+
+    with pytest.raises(TypeError, match="cannot be an error field"):
+
+        class Worse(TensorWasmError):  # noqa: F841
+            self: str
+
+    with pytest.raises(TypeError, match="annotate a class constant ClassVar"):
+
+        class Private(TensorWasmError):  # noqa: F841 - a type checker would see a constructor parameter
+            _hint: str = "x"
+
+
+def test_root_message_defaults_to_the_docstring_and_is_always_a_str() -> None:
+    assert str(TensorWasmError()) == "Root of every error raised by tensor-wasm-tenant."
+    assert str(RegistryError("acme")) == "Base of the registry's lifecycle errors."
+    err = WasmCompile("bad magic")
+    err.message = None  # type: ignore[assignment]  # the descriptor regenerates the text
+    assert err.message == "wasm module rejected: bad magic"
