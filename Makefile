@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py shared/_atomics.c
 	$(BIN)/python -m pip install -q -e '.[test]'
 	@touch $@
 
-## make demo: the main job - a supervisor, four tenants, bundled WASM guests
+## make demo: the main job - a supervisor, five tenants, bundled WASM guests
 demo: $(STAMP)
 	$(BIN)/twt demo
 
