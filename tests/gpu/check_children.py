@@ -352,7 +352,57 @@ def child_timing(args: list[str]) -> dict[str, Any]:
     return out
 
 
+#: the distributions whose versions the environment step reports (absent ones are left out)
+DISTRIBUTIONS = ("cuda-bindings", "cuda-python", "cuda-core", "cuda-pathfinder", "nvmath-python",
+                 "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12", "nvidia-cublas", "nvidia-cublas-cu12",
+                 "numpy", "pyzmq", "wasmtime", "msgpack", "psutil", "pytest", "pytest-timeout")
+
+
+def child_environment(args: list[str]) -> dict[str, Any]:
+    """What this run is made of: package versions, the driver's CUDA level, NVRTC's, cuBLAS bindings.
+
+    No context is created (``cuDriverGetVersion`` and ``nvrtcVersion`` need
+    none). A newer NVRTC than the driver (a 13.x cubin on a 12.x driver) or
+    cuBLAS bindings that do not import (nvmath-python needs cuda-core >= 0.5)
+    show here first, by name, instead of as failed kernels further on.
+    """
+    from importlib import metadata
+
+    out: dict[str, Any] = {"python": sys.version.split()[0], "packages": {}}
+    for dist in DISTRIBUTIONS:
+        try:
+            out["packages"][dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        err, version = driver().cuDriverGetVersion()
+        out["cuda_driver_version"] = f"{int(version) // 1000}.{int(version) % 1000 // 10}" if not err \
+            else err_name(err)
+    except RuntimeError as exc:  # libcuda missing: the loader's error
+        out["cuda_driver_version"] = f"not loadable: {type(exc).__name__}: {exc}"
+    try:
+        err, major, minor = nvrtc().nvrtcVersion()
+        out["nvrtc_version"] = f"{major}.{minor}" if not err else err_name(err)
+    except RuntimeError as exc:
+        out["nvrtc_version"] = f"not loadable: {type(exc).__name__}: {exc}"
+    if os.environ.get("GPU_CHECK_DRIVER_MODULE", "cuda.bindings.driver") != "cuda.bindings.driver":
+        out["cublas_bindings"] = "fake (tests.helpers.fake_cublas)"
+    else:
+        try:
+            importlib.import_module("nvmath.bindings.cublas")
+            out["cublas_bindings"] = "nvmath.bindings.cublas imports"
+        except Exception as exc:  # noqa: BLE001 - reported by name: the GEMM rows will say cuBLAS missing
+            out["cublas_bindings"] = f"not importable: {type(exc).__name__}: {exc}"
+    drv_major = str(out["cuda_driver_version"]).split(".")[0]
+    rtc_major = str(out["nvrtc_version"]).split(".")[0]
+    if drv_major.isdigit() and rtc_major.isdigit() and int(rtc_major) > int(drv_major):
+        out["warning"] = (f"NVRTC {out['nvrtc_version']} is newer than the driver's CUDA {out['cuda_driver_version']}:"
+                          " its cubins and PTX may not load (install the nvidia-cuda-nvrtc of the driver's major)")
+    return out
+
+
 CHILDREN: dict[str, Callable[[list[str]], dict[str, Any]]] = {
+    "environment": child_environment,
     "pool": child_pool,
     "nocall": child_nocall,
     "meminfo": child_meminfo,

@@ -442,7 +442,7 @@ class FakeDriver:
         nvrtc_archs: tuple[str, ...] | None = None,
         pools_supported: bool = True,
         record_dir: str | None = None,
-        driver_version: int = 12080,
+        driver_version: int = 13000,
         real_nvrtc: bool = True,
     ) -> None:
         if mode not in ("ok", "no-libcuda", "no-device", "driver-mismatch"):
@@ -1116,7 +1116,9 @@ class FakeDriver:
             _, name, kinds = fn
             if (gy, gz, by, bz) != (1, 1, 1, 1) or not 1 <= gx <= 2**31 - 1 or not 1 <= bx <= 1024:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-            if not (isinstance(kernel_params, tuple) and len(kernel_params) == 2 and extra in (0, None)):
+            if not isinstance(extra, int):  # the bindings convert ``extra`` to a pointer: 0, never None
+                raise TypeError("an integer is required")
+            if not (isinstance(kernel_params, tuple) and len(kernel_params) == 2 and extra == 0):
                 raise TypeError("Argument 'kernelParams' is not a valid type: tuple[tuple[Any, ...], tuple[Any, ...]]")
             values, types = kernel_params
             if len(values) != len(types) or len(values) != len(kinds):
