@@ -9,7 +9,8 @@
 # CUDA call, cross-tenant isolation, two tenants (cap refusal, crash reclaim), a kernel fault that
 # ends one worker only, kernels vs numpy, `pytest -m gpu`, timings, WASM.
 # Prints a short table last; exit 0 when every functional check passed (timings never decide it).
-# About 1-2 minutes on one GPU.
+# About 2-3 minutes on one GPU; no phase starts after --deadline-s (250 s), and --json-out is rewritten
+# after every phase, so an outer timeout still leaves the figures measured so far.
 # Never changes clocks, power, compute mode, MIG or persistence; --mps starts and always stops a
 # private MPS daemon (its own pipe and log directories under /tmp).
 set -euo pipefail

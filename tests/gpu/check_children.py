@@ -401,8 +401,15 @@ def child_environment(args: list[str]) -> dict[str, Any]:
     return out
 
 
+def child_sleep(args: list[str]) -> dict[str, Any]:
+    """Sleep ``args[0]`` seconds (the check's own tests: a child that hangs must not hang the check)."""
+    time.sleep(float(args[0]) if args else 3600.0)
+    return {"slept": True}
+
+
 CHILDREN: dict[str, Callable[[list[str]], dict[str, Any]]] = {
     "environment": child_environment,
+    "sleep": child_sleep,
     "pool": child_pool,
     "nocall": child_nocall,
     "meminfo": child_meminfo,

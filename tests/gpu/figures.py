@@ -162,8 +162,7 @@ def figures(phases: dict[str, Any], smi: dict[str, Any]) -> dict[str, Any]:
         out[f"{key}_cublas_us"] = g.get("cublas_us")
         out[f"{key}_wasm_tflops"] = g.get("wasm_tflops")
         out[f"{key}_cublas_tflops"] = g.get("cublas_tflops")
-        if "error" in g:
-            out[f"{key}_error"] = g["error"]
+        out[f"{key}_error"] = g.get("error")
         if g.get("cublas_version") is not None:
             out["cublas_version"] = g["cublas_version"]
     return out
