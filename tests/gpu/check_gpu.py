@@ -173,6 +173,22 @@ class Held:
 
     stderr_tail = ""
 
+    def step(self, timeout_s: float = 120) -> dict[str, Any]:
+        """Say "go" and wait (at most ``timeout_s``, cut to the deadline) for the child's next JSON line."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return {"error": "the child has ended"}
+        limit = budget(timeout_s)
+        ready, _, _ = select.select([self.proc.stdout], [], [], limit)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("{"):
+            return {"error": f"no answer within {limit:.0f} s" if not ready else f"answered {line.strip()!r}"}
+        result: dict[str, Any] = json.loads(line)
+        return result
+
     def release(self, timeout_s: float = 120) -> dict[str, Any]:
         try:
             out, err = self.proc.communicate("go\n", timeout=budget(timeout_s))
@@ -436,17 +452,25 @@ def phase_timing(ctx: Context) -> list[Row]:
     holder = Held("holder")
     try:
         during = run_child("meminfo")
+        out["loaded"] = holder.step()  # + kernel modules, their scratch, a cuBLAS handle
+        loaded = run_child("meminfo")
     finally:
         holder.release()
     out["ready_ms"] = holder.first.get("ready_ms")
     if "error" not in before and "error" not in during:
         out["per_context_mib"] = (before["free"] - during["free"]) / MiB
+    if "error" not in before and "error" not in loaded:
+        out["per_worker_loaded_mib"] = (before["free"] - loaded["free"]) / MiB
     ratio = t.get("metered_over_raw")
     return [
         timing("timing", "context+stream+pool ready per worker", f"{_f(out.get('ready_ms'))} ms "
                f"(cuInit {_f(t.get('cuinit_ms'))} ms)", "reported", None),
         timing("timing", "device memory per worker context", f"{_f(out.get('per_context_mib'))} MiB", "reported",
                None),
+        timing("timing", "... with kernels + cuBLAS handle loaded", f"{_f(out.get('per_worker_loaded_mib'))} MiB"
+               + (f" ({out['loaded']['error'][:80]})" if out.get("loaded", {}).get("error") else
+                  f" (loaded in {_f(out.get('loaded', {}).get('kernels_load_ms'))} + "
+                  f"{_f(out.get('loaded', {}).get('cublas_create_ms'))} ms)"), "reported", None),
         timing("timing", "alloc+free 1 MiB raw / backend / metered", f"{_f(t.get('raw_us'), 2)} / "
                f"{_f(t.get('backend_us'), 2)} / {_f(t.get('metered_us'), 2)} us", "reported", None),
         timing("timing", "metered / raw alloc+free", f"{_f(ratio, 3)}x" if ratio else t.get("error"), "<= 1.10x",
@@ -530,17 +554,18 @@ def phase_mps(ctx: Context) -> list[Row]:
     pipe = tempfile.mkdtemp(prefix="twt-mps-pipe-", dir="/tmp")
     logs = tempfile.mkdtemp(prefix="twt-mps-log-", dir="/tmp")
     env = {**_env(), "CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs}
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"pipe_dir": pipe, "log_dir": logs}
     ctx.results["mps"] = out
-    if shutil.which("nvidia-cuda-mps-control") is None:
-        out["skipped"] = "nvidia-cuda-mps-control is not on PATH (no MPS on this host)"
-        return [check("mps", "MPS tenant (private daemon)", out["skipped"], "True", None)]
-    started = subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, capture_output=True, text=True, timeout=30)
-    if started.returncode:
-        # optional: a host (or container) that may not run a daemon is reported, not failed
-        out["skipped"] = f"nvidia-cuda-mps-control -d failed: {(started.stderr or started.stdout).strip()[:200]}"
-        return [check("mps", "MPS tenant (private daemon)", out["skipped"], "True", None)]
-    else:
+    try:
+        if shutil.which("nvidia-cuda-mps-control") is None:
+            out["skipped"] = "nvidia-cuda-mps-control is not on PATH (no MPS on this host)"
+            return [check("mps", "MPS tenant (private daemon)", out["skipped"], "True", None)]
+        started = subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, capture_output=True, text=True,
+                                 timeout=30)
+        if started.returncode:
+            # optional: a host (or container) that may not run a daemon is reported, not failed
+            out["skipped"] = f"nvidia-cuda-mps-control -d failed: {(started.stderr or started.stdout).strip()[:200]}"
+            return [check("mps", "MPS tenant (private daemon)", out["skipped"], "True", None)]
         try:
             time.sleep(1.0)
             with launch({"supervisor": {"backend": "cuda", "pool_size": 0}}, env=env) as sup:
@@ -552,10 +577,19 @@ def phase_mps(ctx: Context) -> list[Row]:
                 out["mps_tenant_works"] = c.read(cap, h, 3) == b"mps"
                 out["isolation"] = {t["tenant_id"]: t["isolation"] for t in c.status()["tenants"]}
         finally:
-            subprocess.run(["bash", "-c", "echo quit | nvidia-cuda-mps-control"], env=env, capture_output=True,
-                           timeout=60)
-    return [check("mps", "MPS tenant (private daemon)", out.get("mps_tenant_works", out.get("error")), "True",
-                  out.get("mps_tenant_works") is True)]
+            quit_ = subprocess.run(["bash", "-c", "echo quit | nvidia-cuda-mps-control"], env=env,
+                                   capture_output=True, text=True, timeout=60)
+            out["quit_rc"] = quit_.returncode
+    finally:
+        log = Path(logs) / "control.log"  # the daemon's own account, for the JSON; then the directories go
+        if log.exists():
+            out["control_log_tail"] = log.read_text(errors="replace").splitlines()[-20:]
+        shutil.rmtree(logs, ignore_errors=True)
+        if not (Path(pipe) / "control").exists():  # never under a daemon still running
+            shutil.rmtree(pipe, ignore_errors=True)
+    mode = (out.get("isolation") or {}).get("mps")
+    return [check("mps", "MPS tenant (private daemon): works, isolation", f"{out.get('mps_tenant_works', out.get('error'))}"
+                  f", {mode}", "True, mps", out.get("mps_tenant_works") is True and mode == "mps")]
 
 
 #: in this order: what the docs need first; ``pytest -m gpu`` (a re-check, the longest) last, so a run

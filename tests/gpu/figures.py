@@ -133,6 +133,9 @@ def figures(phases: dict[str, Any], smi: dict[str, Any]) -> dict[str, Any]:
         # GPU.md 7: timings
         "ready_ms": _rounded(_get(phases, "timing", "ready_ms"), 1),
         "per_context_mib": _rounded(_get(phases, "timing", "per_context_mib"), 1),
+        "per_worker_loaded_mib": _rounded(_get(phases, "timing", "per_worker_loaded_mib"), 1),
+        "kernels_load_ms": _rounded(_get(phases, "timing", "loaded", "kernels_load_ms"), 1),
+        "cublas_create_ms": _rounded(_get(phases, "timing", "loaded", "cublas_create_ms"), 1),
         "alloc_free_raw_us": _rounded(_get(phases, "timing", "alloc", "raw_us"), 3),
         "alloc_free_backend_us": _rounded(_get(phases, "timing", "alloc", "backend_us"), 3),
         "alloc_free_metered_us": _rounded(_get(phases, "timing", "alloc", "metered_us"), 3),

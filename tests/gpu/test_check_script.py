@@ -211,3 +211,21 @@ def test_the_extension_builds_without_werror_and_says_when_headers_are_missing(
     monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
     assert build_ext.main() == 2
     assert "Python.h is missing" in capsys.readouterr().err
+
+
+def test_the_mps_phase_runs_with_a_stand_in_daemon_and_stops_it(tmp_path: Path) -> None:
+    """The MPS phase has never run on hardware: its flow (private directories, the supervisor and the MPS
+    tenant given them, the daemon stopped at the end) runs here against tests/gpu/fake_mps_control.py."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    exe = bindir / "nvidia-cuda-mps-control"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'gpu' / 'fake_mps_control.py'} \"$@\"\n")
+    exe.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    out = tmp_path / "check.json"
+    proc = _check("--dry-run-fake", "--quick", "--mps", "--only", "mps", "--json-out", str(out), env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    mps = json.loads(out.read_text())["phases"]["mps"]
+    assert mps["mps_tenant_works"] is True and mps["isolation"] == {"mps": "mps"}
+    pipe = Path(mps["pipe_dir"])
+    assert not (pipe / "control").exists()  # "quit" reached the daemon: its socket is gone

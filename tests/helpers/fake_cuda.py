@@ -1104,6 +1104,12 @@ class FakeDriver:
         self, f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
         shared: int, stream: Any, kernel_params: Any, extra: Any,
     ) -> tuple[Any, ...]:
+        # the bindings convert every argument before they call the driver: a wrong type is a
+        # TypeError whatever the state (``extra`` is a pointer: 0, never None)
+        if not isinstance(extra, int):
+            raise TypeError("an integer is required")
+        if not (isinstance(kernel_params, tuple) and len(kernel_params) == 2 and extra == 0):
+            raise TypeError("Argument 'kernelParams' is not a valid type: tuple[tuple[Any, ...], tuple[Any, ...]]")
         with self._lock:
             err = self._enter("cuLaunchKernel", needs_ctx=True)
             if err is not None:
@@ -1116,10 +1122,6 @@ class FakeDriver:
             _, name, kinds = fn
             if (gy, gz, by, bz) != (1, 1, 1, 1) or not 1 <= gx <= 2**31 - 1 or not 1 <= bx <= 1024:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-            if not isinstance(extra, int):  # the bindings convert ``extra`` to a pointer: 0, never None
-                raise TypeError("an integer is required")
-            if not (isinstance(kernel_params, tuple) and len(kernel_params) == 2 and extra == 0):
-                raise TypeError("Argument 'kernelParams' is not a valid type: tuple[tuple[Any, ...], tuple[Any, ...]]")
             values, types = kernel_params
             if len(values) != len(types) or len(values) != len(kinds):
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)

@@ -194,3 +194,22 @@ def test_the_cublas_replay_catches_a_wrongly_typed_argument(tmp_path: Path) -> N
     if "skipped" in result:
         pytest.skip(str(result["skipped"]))
     assert len(result["failures"]) == 3, result
+
+
+def test_the_fake_refuses_a_launch_with_extra_none_as_the_bindings_do(tmp_path: Path) -> None:
+    """``cuLaunchKernel(..., extra)`` takes 0; the real binding refuses None (TypeError), so the fake does."""
+    import ctypes as c
+
+    fake = fake_cuda.FakeDriver()
+    fake.cuInit(0)
+    _, dev = fake.cuDeviceGet(0)
+    _, ctx = fake.cuDevicePrimaryCtxRetain(dev)
+    fake.cuCtxSetCurrent(ctx)
+    with pytest.raises(TypeError):
+        fake.cuLaunchKernel(fake_cuda.CUfunction(1), 1, 1, 1, 1, 1, 1, 0, fake_cuda.CUstream(0),
+                            ((1,), (c.c_uint64,)), None)
+    with open(tmp_path / "1.calls", "wb") as f:
+        pickle.dump(("cuLaunchKernel", (fake_cuda.CUfunction(1), 1, 1, 1, 1, 1, 1, 0, fake_cuda.CUstream(0),
+                                        ((1,), (c.c_uint64,)), None)), f)
+    failures = _replay(tmp_path)["failures"]
+    assert isinstance(failures, list) and len(failures) == 1 and "TypeError" in failures[0]
