@@ -157,19 +157,19 @@ class Held:
         in the child must not hang the whole check.
         """
         cmd = argv or [sys.executable, __file__, "--child", name, *args]
+        # unbuffered bytes: a line read leaves nothing read ahead in a Python buffer, where select()
+        # would not see it and communicate() (raw reads) would lose it
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=_env(), cwd=ROOT)
-        assert self.proc.stdout is not None
+                                     bufsize=0, env=_env(), cwd=ROOT)
         limit = budget(timeout_s)
-        ready, _, _ = select.select([self.proc.stdout], [], [], limit)
-        line = self.proc.stdout.readline() if ready else ""
-        self.first: dict[str, Any] = json.loads(line) if line.startswith("{") else {}
+        line, timed_out = self._json_line(limit)
+        self.first: dict[str, Any] = json.loads(line) if line else {}
         if not self.first:
-            if not ready:
+            if timed_out:
                 self.proc.kill()
             self.release(timeout_s=10)
-            why = "printed nothing" if ready else f"printed nothing within {limit:.0f} s (killed)"
-            raise RuntimeError(f"child {name} did not start: {line.strip() or why} {self.stderr_tail}")
+            why = f"printed no JSON line within {limit:.0f} s (killed)" if timed_out else "ended without a JSON line"
+            raise RuntimeError(f"child {name} did not start: {why} {self.stderr_tail}")
 
     stderr_tail = ""
 
@@ -177,24 +177,39 @@ class Held:
         """Say "go" and wait (at most ``timeout_s``, cut to the deadline) for the child's next JSON line."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
-            self.proc.stdin.write("go\n")
-            self.proc.stdin.flush()
+            self.proc.stdin.write(b"go\n")
         except BrokenPipeError:
             return {"error": "the child has ended"}
         limit = budget(timeout_s)
-        ready, _, _ = select.select([self.proc.stdout], [], [], limit)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line.startswith("{"):
-            return {"error": f"no answer within {limit:.0f} s" if not ready else f"answered {line.strip()!r}"}
+        line, timed_out = self._json_line(limit)
+        if not line:
+            return {"error": f"no answer within {limit:.0f} s" if timed_out else "the child ended without answering"}
         result: dict[str, Any] = json.loads(line)
         return result
 
+    def _json_line(self, limit_s: float) -> tuple[str, bool]:
+        """The child's next line that is JSON (other output - a library's notice - is skipped), and
+        whether ``limit_s`` ran out first ("" at EOF or timeout)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + limit_s
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            if not ready:
+                return "", True
+            line = self.proc.stdout.readline().decode(errors="replace")  # unbuffered: byte by byte
+            if not line:
+                return "", False
+            if line.startswith("{"):
+                return line, False
+
     def release(self, timeout_s: float = 120) -> dict[str, Any]:
         try:
-            out, err = self.proc.communicate("go\n", timeout=budget(timeout_s))
+            raw_out, raw_err = self.proc.communicate(b"go\n", timeout=budget(timeout_s))
         except (subprocess.TimeoutExpired, BrokenPipeError):
             self.proc.kill()
-            out, err = self.proc.communicate()
+            raw_out, raw_err = self.proc.communicate()
+        out, err = raw_out.decode(errors="replace"), raw_err.decode(errors="replace")
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         self.stderr_tail = " | ".join(err.strip().splitlines()[-4:])
         if self.proc.returncode or not lines:

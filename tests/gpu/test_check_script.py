@@ -103,8 +103,13 @@ def test_a_child_that_hangs_is_killed_and_reported(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(check_gpu, "MIN_STEP_S", 0.5)
     result = check_gpu.run_child("sleep", "60", timeout_s=1)
     assert "did not finish within" in result["error"]
-    with pytest.raises(RuntimeError, match="printed nothing within"):
+    with pytest.raises(RuntimeError, match="printed no JSON line within"):
         check_gpu.Held("sleeper", timeout_s=1, argv=[sys.executable, "-c", "import time; time.sleep(60)"])
+    # a notice before the JSON line is skipped, and a second line comes through step()
+    talker = [sys.executable, "-c", "import sys; print('a notice'); print('{\"n\": 1}', flush=True); "
+              "sys.stdin.readline(); print('{\"n\": 2}', flush=True); sys.stdin.readline(); print('{\"n\": 3}')"]
+    held = check_gpu.Held("talker", timeout_s=30, argv=talker)
+    assert held.first == {"n": 1} and held.step() == {"n": 2} and held.release() == {"n": 3}
 
 
 def test_mps_on_a_host_without_it_is_not_a_failure() -> None:

@@ -133,22 +133,28 @@ def replay_cublas(records: list[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
         return {"skipped": f"nvmath.bindings.cublas not importable: {type(exc).__name__}: {exc}"}
     if _libcuda_loadable():
         return {"skipped": "libcuda is loadable here: a replayed call would reach the real cuBLAS"}
+    from cuda.bindings import driver as drv
+    from cuda.bindings import nvrtc
+
     failures: list[str] = []
+    outcomes: list[str] = []  # per record: "accepted" or the exception's type name
     names: set[str] = set()
     for name, args in records:
         names.add(name)
         fn = getattr(cublas, name, None)
         if fn is None:
             failures.append(f"{name}: no such function in nvmath.bindings.cublas")
+            outcomes.append("missing")
             continue
         try:
-            fn(*args)
+            fn(*_translate(args, drv, nvrtc))  # a fake CUstream becomes the real one
         except REFUSED as exc:
             shapes = ", ".join(type(a).__name__ for a in args)
             failures.append(f"{name}({shapes}): {type(exc).__name__}: {exc}")
+            outcomes.append(type(exc).__name__)
         except RuntimeError:
-            pass  # nvmath's loader (no libcuda): the arguments were accepted
-    return {"calls": len(records), "names": sorted(names), "failures": failures}
+            outcomes.append("accepted")  # nvmath's loader (no libcuda): the arguments were accepted
+    return {"calls": len(records), "names": sorted(names), "failures": failures, "outcomes": outcomes}
 
 
 def main(argv: list[str]) -> int:
