@@ -166,25 +166,37 @@ def test_a_tensor_op_that_differs_keeps_every_other_result() -> None:
     assert "error" in parse_child(-9, "", "Killed")
 
 
-def test_cublas_missing_costs_the_gemm_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every op but matmul still compared with numpy; each GEMM size says why it has no timing."""
+CUBLAS_MISSING = """
+import json
+from tests.gpu import phase_tensor_ops
+from tests.helpers.fake_cublas import FakeCublas
+from tests.helpers.fake_cuda import FakeDriver
+from worker.backends.cuda import CudaBackend
+
+def backend(fake):
+    drv = FakeDriver(memory_bytes=4 << 30)
+    cublas = FakeCublas(drv)
+    def no_library():
+        raise RuntimeError("libcublas.so.13: cannot open shared object file (fake)")
+    cublas.create = no_library
+    return CudaBackend(0, gpu_cap_bytes=2 << 30, driver=drv, nvrtc=drv, cublas=cublas), cublas
+
+phase_tensor_ops._backend = backend
+print(json.dumps(phase_tensor_ops.phase(quick=True, fake=True)))
+"""
+
+
+def test_cublas_missing_costs_the_gemm_rows_only() -> None:
+    """Every op but matmul still compared with numpy; each GEMM size says why it has no timing.
+
+    In a child process, as the check runs it (a WASM host in the pytest process would also put
+    wasmtime's trap handlers under whatever a later test installs)."""
     from tests.gpu import phase_tensor_ops
-    from tests.helpers.fake_cublas import FakeCublas
-    from tests.helpers.fake_cuda import FakeDriver
-    from worker.backends.cuda import CudaBackend
 
-    def backend(fake: bool) -> tuple[object, object]:
-        drv = FakeDriver(memory_bytes=4 << 30)
-        cublas = FakeCublas(drv)
-
-        def no_library() -> int:
-            raise RuntimeError("libcublas.so.13: cannot open shared object file (fake)")
-
-        cublas.create = no_library  # type: ignore[method-assign]
-        return CudaBackend(0, gpu_cap_bytes=2 << 30, driver=drv, nvrtc=drv, cublas=cublas), cublas
-
-    monkeypatch.setattr(phase_tensor_ops, "_backend", backend)
-    result = phase_tensor_ops.phase(quick=True, fake=True)
+    proc = subprocess.run([sys.executable, "-c", CUBLAS_MISSING], capture_output=True, text=True, timeout=100,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] is False
     assert not result["ops"]["matmul_f32"]["ok"] and result["ops"]["add_f32"]["ok"]
     assert result["gemm"] and all("libcublas" in g["error"] for g in result["gemm"])
