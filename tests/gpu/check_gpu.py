@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:
 from shared.exitcodes import STICKY_CUDA_ERRORS  # noqa: E402
 from tests.gpu import check_children  # noqa: E402
 from tests.gpu.check_children import Counting as _Counting  # noqa: E402,F401 - tests/gpu/test_gpu.py uses it
-from tests.gpu.figures import figures, nvidia_smi  # noqa: E402
+from tests.gpu.figures import nvidia_smi, summarize, write_json  # noqa: E402
 
 MiB = 1 << 20
 FAKE = "tests.helpers.fake_cuda"
@@ -684,11 +684,12 @@ def main(argv: list[str] | None = None) -> int:
             for row in new:
                 print(f"[{phase.name} {seconds:>5.1f}s] {row.mark} {row.name}: {row.got}  (want {row.want})",
                       flush=True)
-        summary = _summary(ctx, rows, started, not_run, complete=phase is phases[-1])
+        summary = summarize(ctx.results, ctx.smi, [{**asdict(r), "mark": r.mark.strip()} for r in rows], started,
+                            not_run, fake=ctx.fake, quick=ctx.quick, complete=phase is phases[-1])
         if args.json_out:  # after every phase: a run cut short by an outer timeout keeps what it measured
-            _write_json(args.json_out, summary)
+            write_json(args.json_out, summary)
     if not phases:
-        summary = _summary(ctx, rows, started, not_run, complete=True)
+        summary = summarize(ctx.results, ctx.smi, [], started, not_run, fake=ctx.fake, quick=ctx.quick, complete=True)
     failed = [r for r in rows if r.kind == "check" and r.ok is False]
     print()
     print(f"GPU check - {summary['device']} - driver {summary['driver_version']} (CUDA "
@@ -702,34 +703,6 @@ def main(argv: list[str] | None = None) -> int:
                                                          f"{', '.join(not_run)}" if not_run else "")
           + "; timings never decide the exit code")
     return 0 if not failed and not not_run else 1
-
-
-def _summary(ctx: Context, rows: list[Row], started: float, not_run: list[str], *, complete: bool) -> dict[str, Any]:
-    """The JSON document: when, what device, the verdict so far, every phase's results, the rows, the figures."""
-    failed = [r for r in rows if r.kind == "check" and r.ok is False]
-    figs = figures(ctx.results, ctx.smi)
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-        "device": figs["device_name"],
-        "driver_version": figs["driver_version"],
-        "cuda_driver_version": figs["cuda_driver_version"],
-        "fake": ctx.fake,
-        "quick": ctx.quick,
-        "seconds": round(time.time() - started, 1),
-        "complete": complete,
-        "not_run": not_run,
-        "ok": not failed and not not_run,
-        "figures": figs,
-        "phases": ctx.results,
-        "rows": [{**asdict(r), "mark": r.mark.strip()} for r in rows],
-    }
-
-
-def _write_json(path: Path, summary: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 if __name__ == "__main__":

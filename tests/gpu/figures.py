@@ -16,11 +16,14 @@ initialises CUDA) for the device name, the kernel driver's version (e.g.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
-__all__ = ["SMI_FIELDS", "cuda_version", "figures", "nvidia_smi", "parse_nvidia_smi"]
+__all__ = ["SMI_FIELDS", "cuda_version", "figures", "nvidia_smi", "parse_nvidia_smi", "summarize", "write_json"]
 
 MiB = 1 << 20
 #: what is asked of nvidia-smi, in this order (``--query-gpu``)
@@ -169,3 +172,34 @@ def figures(phases: dict[str, Any], smi: dict[str, Any]) -> dict[str, Any]:
         if g.get("cublas_version") is not None:
             out["cublas_version"] = g["cublas_version"]
     return out
+
+
+def summarize(phases: dict[str, Any], smi: dict[str, Any], rows: list[dict[str, Any]], started: float,
+              not_run: list[str], *, fake: bool, quick: bool, complete: bool) -> dict[str, Any]:
+    """check_gpu.py's JSON document: when, what device, the verdict so far, every phase's results, the
+    rows (``kind`` "check" decides ``ok``), the figures; ``complete`` False while phases are still to come."""
+    failed = [r for r in rows if r.get("kind") == "check" and r.get("ok") is False]
+    figs = figures(phases, smi)
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "device": figs["device_name"],
+        "driver_version": figs["driver_version"],
+        "cuda_driver_version": figs["cuda_driver_version"],
+        "fake": fake,
+        "quick": quick,
+        "seconds": round(time.time() - started, 1),
+        "complete": complete,
+        "not_run": not_run,
+        "ok": not failed and not not_run,
+        "figures": figs,
+        "phases": phases,
+        "rows": rows,
+    }
+
+
+def write_json(path: Path, summary: dict[str, Any]) -> None:
+    """Write ``summary`` to ``path`` atomically (a reader never sees half a document)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)
