@@ -3,13 +3,14 @@
 #
 #   tests/gpu/check.sh [--quick] [--mps] [--only PHASE,...] [--json-out FILE]
 #
-# Installs the wheels carried in .whl/ (pyzmq, wasmtime, ... for a machine without network) into a
-# private target directory, builds the C atomics helper in place with the C compiler (no setuptools
+# Installs the wheels carried in .whl/ (pyzmq, wasmtime, nvmath-python ... for a machine without network)
+# into a private target directory (and those in .whl-extra/ only if nvmath does not import without them), builds the C atomics helper in place with the C compiler (no setuptools
 # needed), then runs tests/gpu/check_gpu.py: pool maxSize vs RELEASE_THRESHOLD, metering before any
 # CUDA call, cross-tenant isolation, two tenants (cap refusal, crash reclaim), a kernel fault that
 # ends one worker only, kernels vs numpy, `pytest -m gpu`, timings, WASM.
 # Prints a short table last; exit 0 when every functional check passed (timings never decide it).
-# About 1-2 minutes on one GPU.
+# About 2-3 minutes on one GPU; no phase starts after --deadline-s (250 s), and --json-out is rewritten
+# after every phase, so an outer timeout still leaves the figures measured so far.
 # Never changes clocks, power, compute mode, MIG or persistence; --mps starts and always stops a
 # private MPS daemon (its own pipe and log directories under /tmp).
 set -euo pipefail
@@ -23,6 +24,26 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
+
+# nvmath-python (cuBLAS for the GEMM) imports cuda.core >= 0.5 and cuda.pathfinder >= 1.5.1 at import time.
+# When the host's are older, the wheels carried in .whl-extra/ (cuda-core, cuda-pathfinder) are added, in
+# name order, one more each time, until it imports; never when it imports already (the host's packages stay
+# in charge). They go to a directory of their own, all installed by one pip call each time: `pip --target`
+# replaces a top-level directory it installs into, so wheels sharing the `cuda/` namespace installed one by
+# one would leave only the last one there.
+if compgen -G ".whl-extra/*.whl" > /dev/null && ! "$PY" -c 'import nvmath.bindings.cublas' 2> /dev/null; then
+    EXTRA=${GPU_CHECK_EXTRA_SITE:-/tmp/twt-gpu-check-extra}
+    export PYTHONPATH="$EXTRA:$PYTHONPATH"
+    picked=()
+    for wheel in .whl-extra/*.whl; do
+        picked+=("$wheel")
+        echo "check.sh: nvmath.bindings.cublas does not import with this host's packages; adding ${picked[*]}"
+        rm -rf "$EXTRA"
+        "$PY" -m pip install -q --no-index --no-deps --target "$EXTRA" "${picked[@]}"
+        if "$PY" -c 'import nvmath.bindings.cublas' 2> /dev/null; then break; fi
+    done
+fi
+"$PY" -c 'import nvmath.bindings.cublas; print("imports")' 2>&1 | tail -1 | sed 's/^/check.sh: nvmath.bindings.cublas: /' || true
 
 "$PY" tests/gpu/build_ext.py
 "$PY" -c 'import zmq, msgpack, psutil, numpy, cuda.bindings.driver' || {

@@ -65,9 +65,17 @@ def primary_context(d: Any) -> Any:
 
 
 def backend(cap: int | None = 1 << 30) -> Any:
+    """A tenant worker's backend on device 0 (the fake cuBLAS with the fake driver, else nvmath's)."""
     from worker.backends.cuda import CudaBackend
 
-    return CudaBackend(0, gpu_cap_bytes=cap, driver=driver(), nvrtc=nvrtc())
+    drv = driver()
+    cublas = None
+    if getattr(drv, "__name__", "") == "tests.helpers.fake_cuda":
+        from tests.helpers import fake_cuda
+        from tests.helpers.fake_cublas import FakeCublas
+
+        cublas = FakeCublas(fake_cuda.instance())
+    return CudaBackend(0, gpu_cap_bytes=cap, driver=drv, nvrtc=nvrtc(), cublas=cublas)
 
 
 class Counting:
@@ -191,14 +199,29 @@ def child_meminfo(args: list[str]) -> dict[str, Any]:
 
 
 def child_holder(args: list[str]) -> dict[str, Any]:
-    """A worker-like context + stream + pool held until stdin closes (per-context memory, ready time)."""
+    """A worker-like context + stream + pool, held (per-context memory, ready time); on the first
+    "go" it also loads what a worker holds after its first tensor op and GEMM - both kernel modules
+    with their scratch and a cuBLAS handle - and holds again; the second "go" ends it."""
     t0 = time.perf_counter()
     be = backend()
     ready_ms = (time.perf_counter() - t0) * 1000
     print(json.dumps({"ready_ms": ready_ms, "pid": os.getpid()}), flush=True)
     sys.stdin.readline()
+    loaded: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:
+        be.kernels()
+        ops = be.tensor_ops()
+        loaded["kernels_load_ms"] = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        ops.cublas  # noqa: B018 - creates the handle (cublasCreate) on the tenant stream
+        loaded["cublas_create_ms"] = (time.perf_counter() - t0) * 1000
+    except Exception as exc:  # noqa: BLE001 - reported; the memory reading says what did load
+        loaded["error"] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(loaded), flush=True)
+    sys.stdin.readline()
     be.close()
-    return {"ready_ms": ready_ms}
+    return {"ready_ms": ready_ms, **loaded}
 
 
 def child_isolation_writer(args: list[str]) -> dict[str, Any]:
@@ -352,7 +375,64 @@ def child_timing(args: list[str]) -> dict[str, Any]:
     return out
 
 
+#: the distributions whose versions the environment step reports (absent ones are left out)
+DISTRIBUTIONS = ("cuda-bindings", "cuda-python", "cuda-core", "cuda-pathfinder", "nvmath-python",
+                 "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12", "nvidia-cublas", "nvidia-cublas-cu12",
+                 "numpy", "pyzmq", "wasmtime", "msgpack", "psutil", "pytest", "pytest-timeout")
+
+
+def child_environment(args: list[str]) -> dict[str, Any]:
+    """What this run is made of: package versions, the driver's CUDA level, NVRTC's, cuBLAS bindings.
+
+    No context is created (``cuDriverGetVersion`` and ``nvrtcVersion`` need
+    none). A newer NVRTC than the driver (a 13.x cubin on a 12.x driver) or
+    cuBLAS bindings that do not import (nvmath-python needs cuda-core >= 0.5)
+    show here first, by name, instead of as failed kernels further on.
+    """
+    from importlib import metadata
+
+    out: dict[str, Any] = {"python": sys.version.split()[0], "packages": {}}
+    for dist in DISTRIBUTIONS:
+        try:
+            out["packages"][dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        err, version = driver().cuDriverGetVersion()
+        out["cuda_driver_version"] = f"{int(version) // 1000}.{int(version) % 1000 // 10}" if not err \
+            else err_name(err)
+    except RuntimeError as exc:  # libcuda missing: the loader's error
+        out["cuda_driver_version"] = f"not loadable: {type(exc).__name__}: {exc}"
+    try:
+        err, major, minor = nvrtc().nvrtcVersion()
+        out["nvrtc_version"] = f"{major}.{minor}" if not err else err_name(err)
+    except RuntimeError as exc:
+        out["nvrtc_version"] = f"not loadable: {type(exc).__name__}: {exc}"
+    if os.environ.get("GPU_CHECK_DRIVER_MODULE", "cuda.bindings.driver") != "cuda.bindings.driver":
+        out["cublas_bindings"] = "fake (tests.helpers.fake_cublas)"
+    else:
+        try:
+            importlib.import_module("nvmath.bindings.cublas")
+            out["cublas_bindings"] = "nvmath.bindings.cublas imports"
+        except Exception as exc:  # noqa: BLE001 - reported by name: the GEMM rows will say cuBLAS missing
+            out["cublas_bindings"] = f"not importable: {type(exc).__name__}: {exc}"
+    drv_major = str(out["cuda_driver_version"]).split(".")[0]
+    rtc_major = str(out["nvrtc_version"]).split(".")[0]
+    if drv_major.isdigit() and rtc_major.isdigit() and int(rtc_major) > int(drv_major):
+        out["warning"] = (f"NVRTC {out['nvrtc_version']} is newer than the driver's CUDA {out['cuda_driver_version']}:"
+                          " its cubins and PTX may not load (install the nvidia-cuda-nvrtc of the driver's major)")
+    return out
+
+
+def child_sleep(args: list[str]) -> dict[str, Any]:
+    """Sleep ``args[0]`` seconds (the check's own tests: a child that hangs must not hang the check)."""
+    time.sleep(float(args[0]) if args else 3600.0)
+    return {"slept": True}
+
+
 CHILDREN: dict[str, Callable[[list[str]], dict[str, Any]]] = {
+    "environment": child_environment,
+    "sleep": child_sleep,
     "pool": child_pool,
     "nocall": child_nocall,
     "meminfo": child_meminfo,

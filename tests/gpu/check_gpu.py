@@ -42,6 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import shutil
 import signal
 import statistics
 import subprocess
@@ -59,10 +61,13 @@ if str(ROOT) not in sys.path:
 from shared.exitcodes import STICKY_CUDA_ERRORS  # noqa: E402
 from tests.gpu import check_children  # noqa: E402
 from tests.gpu.check_children import Counting as _Counting  # noqa: E402,F401 - tests/gpu/test_gpu.py uses it
+from tests.gpu.figures import nvidia_smi, summarize, write_json  # noqa: E402
 
 MiB = 1 << 20
 FAKE = "tests.helpers.fake_cuda"
 RECLAIM_TOLERANCE = 16 * MiB  # free memory after a SIGKILL vs before registering: driver bookkeeping only
+#: no phase starts later than this after the check began (GPU.md: the whole check in under 5 minutes)
+DEFAULT_DEADLINE_S = 250.0
 
 
 @dataclass
@@ -91,6 +96,7 @@ class Context:
     fake: bool
     iterations: int
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    smi: dict[str, Any] = field(default_factory=dict)  # nvidia-smi's view of the GPUs (figures.nvidia_smi)
 
 
 @dataclass(frozen=True)
@@ -107,10 +113,31 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def run_child(name: str, *args: str, timeout_s: float = 180) -> dict[str, Any]:
-    """Run ``check_children.CHILDREN[name]`` in a fresh process; its last JSON line, or {"error"}."""
-    proc = subprocess.run([sys.executable, __file__, "--child", name, *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=_env(), cwd=ROOT)
+#: when the whole check must be done (time.monotonic()); every child's timeout is cut to it
+_deadline: float = float("inf")
+#: a phase started before the deadline may run this much past it; no step gets less than MIN_STEP_S
+GRACE_S = 30.0
+MIN_STEP_S = 20.0
+
+
+def budget(cap_s: float) -> float:
+    """A step's timeout: ``cap_s``, cut to the check's deadline + GRACE_S (but at least MIN_STEP_S)."""
+    return max(MIN_STEP_S, min(cap_s, _deadline + GRACE_S - time.monotonic()))
+
+
+def run_child(name: str, *args: str, timeout_s: float = 120) -> dict[str, Any]:
+    """Run ``check_children.CHILDREN[name]`` in a fresh process; its last JSON line, or {"error"}.
+
+    A child that hangs (a driver call that never returns) is killed after its
+    timeout (cut to the check's deadline) and reported as an error: the
+    phase still gives its rows and the check goes on.
+    """
+    limit = budget(timeout_s)
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child", name, *args], capture_output=True, text=True,
+                              timeout=limit, env=_env(), cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"child {name} did not finish within {limit:.0f} s (killed)"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
@@ -122,25 +149,67 @@ def run_child(name: str, *args: str, timeout_s: float = 180) -> dict[str, Any]:
 class Held:
     """A child that prints a JSON line, then waits until ``release()`` (isolation writer, holder)."""
 
-    def __init__(self, name: str, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", name, *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                                     cwd=ROOT)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        self.first: dict[str, Any] = json.loads(line) if line.startswith("{") else {}
+    def __init__(self, name: str, *args: str, timeout_s: float = 120, argv: list[str] | None = None) -> None:
+        """Start the child; wait (at most ``timeout_s``, cut to the deadline) for its first JSON line.
+
+        ``argv`` replaces the command (tests). A child that prints nothing in
+        time is killed and :class:`RuntimeError` says so: a hung driver call
+        in the child must not hang the whole check.
+        """
+        cmd = argv or [sys.executable, __file__, "--child", name, *args]
+        # unbuffered bytes: a line read leaves nothing read ahead in a Python buffer, where select()
+        # would not see it and communicate() (raw reads) would lose it
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     bufsize=0, env=_env(), cwd=ROOT)
+        limit = budget(timeout_s)
+        line, timed_out = self._json_line(limit)
+        self.first: dict[str, Any] = json.loads(line) if line else {}
         if not self.first:
-            self.release()
-            raise RuntimeError(f"child {name} did not start: {line.strip()} {self.stderr_tail}")
+            if timed_out:
+                self.proc.kill()
+            self.release(timeout_s=10)
+            why = f"printed no JSON line within {limit:.0f} s (killed)" if timed_out else "ended without a JSON line"
+            raise RuntimeError(f"child {name} did not start: {why} {self.stderr_tail}")
 
     stderr_tail = ""
 
+    def step(self, timeout_s: float = 120) -> dict[str, Any]:
+        """Say "go" and wait (at most ``timeout_s``, cut to the deadline) for the child's next JSON line."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(b"go\n")
+        except BrokenPipeError:
+            return {"error": "the child has ended"}
+        limit = budget(timeout_s)
+        line, timed_out = self._json_line(limit)
+        if not line:
+            return {"error": f"no answer within {limit:.0f} s" if timed_out else "the child ended without answering"}
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def _json_line(self, limit_s: float) -> tuple[str, bool]:
+        """The child's next line that is JSON (other output - a library's notice - is skipped), and
+        whether ``limit_s`` ran out first ("" at EOF or timeout)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + limit_s
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            if not ready:
+                return "", True
+            line = self.proc.stdout.readline().decode(errors="replace")  # unbuffered: byte by byte
+            if not line:
+                return "", False
+            if line.startswith("{"):
+                return line, False
+
     def release(self, timeout_s: float = 120) -> dict[str, Any]:
         try:
-            out, err = self.proc.communicate("go\n", timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+            raw_out, raw_err = self.proc.communicate(b"go\n", timeout=budget(timeout_s))
+        except (subprocess.TimeoutExpired, BrokenPipeError):
             self.proc.kill()
-            out, err = self.proc.communicate()
+            raw_out, raw_err = self.proc.communicate()
+        out, err = raw_out.decode(errors="replace"), raw_err.decode(errors="replace")
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         self.stderr_tail = " | ".join(err.strip().splitlines()[-4:])
         if self.proc.returncode or not lines:
@@ -183,6 +252,24 @@ def _tenant(status: dict[str, Any], tid: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ phases
+
+
+def phase_environment(ctx: Context) -> list[Row]:
+    """What this run is made of (informational rows; a mismatch shows here by name first)."""
+    r = ctx.results["environment"] = run_child("environment")
+    ctx.results["environment"]["nvidia_smi"] = ctx.smi
+    pk = r.get("packages", {})
+    versions = ", ".join(f"{k} {v}" for k, v in pk.items() if k.startswith(("cuda", "nvmath", "nvidia")))
+    gpus = ctx.smi.get("gpus") or [{}]
+    return [
+        check("environment", "device (nvidia-smi)", f"{gpus[0].get('name')}, driver {gpus[0].get('driver_version')}"
+              if "gpus" in ctx.smi else ctx.smi.get("error"), "reported", None),
+        check("environment", "CUDA driver / NVRTC", f"{r.get('cuda_driver_version', r.get('error'))} / "
+              f"{r.get('nvrtc_version')}" + (f" - WARNING {r['warning']}" if r.get("warning") else ""),
+              "NVRTC major <= driver major", None),
+        check("environment", "packages", versions or r.get("error"), "reported", None),
+        check("environment", "cuBLAS bindings", r.get("cublas_bindings", r.get("error")), "import", None),
+    ]
 
 
 def phase_pool(ctx: Context) -> list[Row]:
@@ -357,9 +444,15 @@ def phase_pytest(ctx: Context) -> list[Row]:
     if ctx.fake:
         ctx.results["pytest"] = {"skipped": "fake driver: the gpu tests need a device"}
         return [check("pytest", "pytest -m gpu", "not run on the fake", "all passed", None)]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                           str(ROOT / "tests" / "gpu")], capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          env=_env())
+    limit = budget(240)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                               str(ROOT / "tests" / "gpu")], capture_output=True, text=True, timeout=limit,
+                              cwd=ROOT, env=_env())
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        ctx.results["pytest"] = {"error": f"timed out after {limit:.0f} s", "output_tail": tail.splitlines()[-15:]}
+        return [check("pytest", "pytest -m gpu", f"timed out after {limit:.0f} s", "all passed", False)]
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     ctx.results["pytest"] = {"rc": proc.returncode, "summary": last,
                              "output_tail": proc.stdout.strip().splitlines()[-15:] if proc.returncode else []}
@@ -374,17 +467,25 @@ def phase_timing(ctx: Context) -> list[Row]:
     holder = Held("holder")
     try:
         during = run_child("meminfo")
+        out["loaded"] = holder.step()  # + kernel modules, their scratch, a cuBLAS handle
+        loaded = run_child("meminfo")
     finally:
         holder.release()
     out["ready_ms"] = holder.first.get("ready_ms")
     if "error" not in before and "error" not in during:
         out["per_context_mib"] = (before["free"] - during["free"]) / MiB
+    if "error" not in before and "error" not in loaded:
+        out["per_worker_loaded_mib"] = (before["free"] - loaded["free"]) / MiB
     ratio = t.get("metered_over_raw")
     return [
         timing("timing", "context+stream+pool ready per worker", f"{_f(out.get('ready_ms'))} ms "
                f"(cuInit {_f(t.get('cuinit_ms'))} ms)", "reported", None),
         timing("timing", "device memory per worker context", f"{_f(out.get('per_context_mib'))} MiB", "reported",
                None),
+        timing("timing", "... with kernels + cuBLAS handle loaded", f"{_f(out.get('per_worker_loaded_mib'))} MiB"
+               + (f" ({out['loaded']['error'][:80]})" if out.get("loaded", {}).get("error") else
+                  f" (loaded in {_f(out.get('loaded', {}).get('kernels_load_ms'))} + "
+                  f"{_f(out.get('loaded', {}).get('cublas_create_ms'))} ms)"), "reported", None),
         timing("timing", "alloc+free 1 MiB raw / backend / metered", f"{_f(t.get('raw_us'), 2)} / "
                f"{_f(t.get('backend_us'), 2)} / {_f(t.get('metered_us'), 2)} us", "reported", None),
         timing("timing", "metered / raw alloc+free", f"{_f(ratio, 3)}x" if ratio else t.get("error"), "<= 1.10x",
@@ -434,7 +535,7 @@ def phase_tensor_ops(ctx: Context) -> list[Row]:
     """
     from tests.gpu.phase_tensor_ops import run_in_child, table_rows
 
-    result = ctx.results["tensor_ops"] = run_in_child(quick=ctx.quick)
+    result = ctx.results["tensor_ops"] = run_in_child(quick=ctx.quick, timeout_s=budget(150))
     rows: list[Row] = []
     for name, got, want, ok in table_rows(result):
         if name.startswith("GEMM"):
@@ -456,7 +557,7 @@ def phase_regions(ctx: Context) -> list[Row]:
     """
     from tests.gpu.phase_regions import run_in_child, table_rows
 
-    result = ctx.results["regions"] = run_in_child(quick=ctx.quick)
+    result = ctx.results["regions"] = run_in_child(quick=ctx.quick, timeout_s=budget(120))
     return [(check if kind == "check" else timing)("regions", name, got, want, ok)
             for name, got, want, ok, kind in table_rows(result)]
 
@@ -468,12 +569,18 @@ def phase_mps(ctx: Context) -> list[Row]:
     pipe = tempfile.mkdtemp(prefix="twt-mps-pipe-", dir="/tmp")
     logs = tempfile.mkdtemp(prefix="twt-mps-log-", dir="/tmp")
     env = {**_env(), "CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logs}
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"pipe_dir": pipe, "log_dir": logs}
     ctx.results["mps"] = out
-    started = subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, capture_output=True, text=True, timeout=30)
-    if started.returncode:
-        out["error"] = f"nvidia-cuda-mps-control -d failed: {started.stderr.strip()}"
-    else:
+    try:
+        if shutil.which("nvidia-cuda-mps-control") is None:
+            out["skipped"] = "nvidia-cuda-mps-control is not on PATH (no MPS on this host)"
+            return [check("mps", "MPS tenant (private daemon)", out["skipped"], "True", None)]
+        started = subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, capture_output=True, text=True,
+                                 timeout=30)
+        if started.returncode:
+            # optional: a host (or container) that may not run a daemon is reported, not failed
+            out["skipped"] = f"nvidia-cuda-mps-control -d failed: {(started.stderr or started.stdout).strip()[:200]}"
+            return [check("mps", "MPS tenant (private daemon)", out["skipped"], "True", None)]
         try:
             time.sleep(1.0)
             with launch({"supervisor": {"backend": "cuda", "pool_size": 0}}, env=env) as sup:
@@ -485,24 +592,36 @@ def phase_mps(ctx: Context) -> list[Row]:
                 out["mps_tenant_works"] = c.read(cap, h, 3) == b"mps"
                 out["isolation"] = {t["tenant_id"]: t["isolation"] for t in c.status()["tenants"]}
         finally:
-            subprocess.run(["bash", "-c", "echo quit | nvidia-cuda-mps-control"], env=env, capture_output=True,
-                           timeout=60)
-    return [check("mps", "MPS tenant (private daemon)", out.get("mps_tenant_works", out.get("error")), "True",
-                  out.get("mps_tenant_works") is True)]
+            quit_ = subprocess.run(["bash", "-c", "echo quit | nvidia-cuda-mps-control"], env=env,
+                                   capture_output=True, text=True, timeout=60)
+            out["quit_rc"] = quit_.returncode
+    finally:
+        log = Path(logs) / "control.log"  # the daemon's own account, for the JSON; then the directories go
+        if log.exists():
+            out["control_log_tail"] = log.read_text(errors="replace").splitlines()[-20:]
+        shutil.rmtree(logs, ignore_errors=True)
+        if not (Path(pipe) / "control").exists():  # never under a daemon still running
+            shutil.rmtree(pipe, ignore_errors=True)
+    mode = (out.get("isolation") or {}).get("mps")
+    return [check("mps", "MPS tenant (private daemon): works, isolation", f"{out.get('mps_tenant_works', out.get('error'))}"
+                  f", {mode}", "True, mps", out.get("mps_tenant_works") is True and mode == "mps")]
 
 
+#: in this order: what the docs need first; ``pytest -m gpu`` (a re-check, the longest) last, so a run
+#: that meets its deadline loses the least
 PHASES: list[Phase] = [
+    Phase("environment", phase_environment),
     Phase("pool", phase_pool),
     Phase("metering", phase_metering),
     Phase("isolation", phase_isolation),
     Phase("tenants", phase_tenants),
     Phase("fault", phase_fault),
     Phase("kernels", phase_kernels),
-    Phase("pytest", phase_pytest),
+    Phase("tensor_ops", phase_tensor_ops),
     Phase("timing", phase_timing),
     Phase("regions", phase_regions),
     Phase("wasm", phase_wasm),
-    Phase("tensor_ops", phase_tensor_ops),
+    Phase("pytest", phase_pytest),
 ]
 OPTIONAL_PHASES: dict[str, Phase] = {"mps": Phase("mps", phase_mps)}
 
@@ -519,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mps", action="store_true", help="also run the MPS phase (starts a private daemon)")
     parser.add_argument("--only", default="", help="comma-separated phases to run (default: all)")
     parser.add_argument("--json-out", type=Path, help="also write the phases' figures and the rows as JSON here")
+    parser.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
+                        help="phases not started by then are skipped (reported; exit 1): the whole check fits "
+                        f"an outer time limit (default {DEFAULT_DEADLINE_S:g} s)")
     parser.add_argument("--dry-run-fake", action="store_true",
                         help="run against the fake driver (tests this script; proves nothing about hardware)")
     args = parser.parse_args(argv)
@@ -535,46 +657,52 @@ def main(argv: list[str] | None = None) -> int:
         if wanted - known:
             parser.error(f"unknown phase(s) {sorted(wanted - known)}; known: {sorted(known)}")
         phases = [p for p in [*PHASES, *OPTIONAL_PHASES.values()] if p.name in wanted]
+    global _deadline
+    _deadline = time.monotonic() + args.deadline_s
     ctx = Context(quick=args.quick, fake=args.dry_run_fake,
-                  iterations=args.iterations or (300 if args.quick else 2000))
+                  iterations=args.iterations or (300 if args.quick else 2000),
+                  smi={"error": "fake driver: nvidia-smi not asked"} if args.dry_run_fake else nvidia_smi())
     started = time.time()
     rows: list[Row] = []
+    not_run: list[str] = []
+    summary: dict[str, Any] = {}
     for phase in phases:
-        t0 = time.perf_counter()
-        try:
-            new = phase.run(ctx)
-        except Exception as exc:  # noqa: BLE001 - a failed phase is a FAIL row; the others still run
-            ctx.results.setdefault(phase.name, {})["error"] = f"{type(exc).__name__}: {exc}"
-            new = [check(phase.name, f"{phase.name} phase", f"{type(exc).__name__}: {exc}", "runs", False)]
-        seconds = round(time.perf_counter() - t0, 1)
-        ctx.results.setdefault(phase.name, {})["seconds"] = seconds
-        rows.extend(new)
-        for row in new:
-            print(f"[{phase.name} {seconds:>5.1f}s] {row.mark} {row.name}: {row.got}  (want {row.want})", flush=True)
+        if time.monotonic() >= _deadline:
+            not_run.append(phase.name)
+            ctx.results[phase.name] = {"skipped": f"not run: the check's deadline ({args.deadline_s:g} s) passed"}
+            rows.append(check(phase.name, f"{phase.name} phase", "not run (deadline passed)", "runs", None))
+        else:
+            t0 = time.perf_counter()
+            try:
+                new = phase.run(ctx)
+            except Exception as exc:  # noqa: BLE001 - a failed phase is a FAIL row; the others still run
+                ctx.results.setdefault(phase.name, {})["error"] = f"{type(exc).__name__}: {exc}"
+                new = [check(phase.name, f"{phase.name} phase", f"{type(exc).__name__}: {exc}", "runs", False)]
+            seconds = round(time.perf_counter() - t0, 1)
+            ctx.results.setdefault(phase.name, {})["seconds"] = seconds
+            rows.extend(new)
+            for row in new:
+                print(f"[{phase.name} {seconds:>5.1f}s] {row.mark} {row.name}: {row.got}  (want {row.want})",
+                      flush=True)
+        summary = summarize(ctx.results, ctx.smi, [{**asdict(r), "mark": r.mark.strip()} for r in rows], started,
+                            not_run, fake=ctx.fake, quick=ctx.quick, complete=phase is phases[-1])
+        if args.json_out:  # after every phase: a run cut short by an outer timeout keeps what it measured
+            write_json(args.json_out, summary)
+    if not phases:
+        summary = summarize(ctx.results, ctx.smi, [], started, not_run, fake=ctx.fake, quick=ctx.quick, complete=True)
     failed = [r for r in rows if r.kind == "check" and r.ok is False]
-    pool = ctx.results.get("pool", {})
-    summary = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-        "device": pool.get("device_name"),
-        "driver_version": pool.get("driver_version"),
-        "fake": ctx.fake,
-        "quick": ctx.quick,
-        "seconds": round(time.time() - started, 1),
-        "ok": not failed,
-        "phases": ctx.results,
-        "rows": [{**asdict(r), "mark": r.mark.strip()} for r in rows],
-    }
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(summary, indent=1, default=str) + "\n", encoding="utf-8")
     print()
-    print(f"GPU check - {summary['device']} - driver {summary['driver_version']} - {summary['date']}"
-          f" - {summary['seconds']} s" + (" - FAKE DRIVER (proves nothing about hardware)" if ctx.fake else ""))
+    print(f"GPU check - {summary['device']} - driver {summary['driver_version']} (CUDA "
+          f"{summary['cuda_driver_version']}) - {summary['date']} - {summary['seconds']} s"
+          + (" - FAKE DRIVER (proves nothing about hardware)" if ctx.fake else ""))
     width = max((len(r.name) for r in rows), default=10)
     for r in rows:
         print(f"{r.mark} {r.phase:<9} {r.name:<{width}}  {r.got}   (want {r.want})")
-    print(f"{'PASSED' if not failed else 'FAILED'}: {len(failed)} failed check(s); timings never decide the exit code")
-    return 0 if not failed else 1
+    verdict = "FAILED" if failed else ("INCOMPLETE" if not_run else "PASSED")
+    print(f"{verdict}: {len(failed)} failed check(s)" + (f", {len(not_run)} phase(s) not run (deadline): "
+                                                         f"{', '.join(not_run)}" if not_run else "")
+          + "; timings never decide the exit code")
+    return 0 if not failed and not not_run else 1
 
 
 if __name__ == "__main__":

@@ -59,6 +59,23 @@ def _median_s(fn: Callable[[], None], repeat: int) -> float:
     return statistics.median(samples)
 
 
+def fit_sizes(sizes_mib: tuple[int, ...], free_bytes: int) -> tuple[tuple[int, ...], str | None]:
+    """The sizes whose region fits the free shared memory (half of it at most: the supervisor's
+    segments need room too); when none does, the largest power of two that does (>= 4 MiB). With the
+    reason for any change, else None. A container's /dev/shm is often 64 MiB: one measured size beats
+    every size SKIPPED."""
+    room = free_bytes // 2
+    fits = tuple(m for m in sizes_mib if m * MiB + (1 << 16) <= room)
+    if len(fits) == len(sizes_mib):
+        return fits, None
+    dropped = [m for m in sizes_mib if m not in fits]
+    if not fits:
+        size = 1 << max(0, (room // MiB).bit_length() - 1) if room >= 5 * MiB else 0
+        fits = (size,) if size >= 4 else ()
+    return fits, (f"/dev/shm has {free_bytes / MiB:.0f} MiB free: {dropped} MiB left out"
+                  + (f", {fits[0]} MiB measured instead" if fits and fits[0] not in sizes_mib else ""))
+
+
 def run(driver: str | Any | None = None, *, sizes_mib: tuple[int, ...] = (64, 256), repeat: int = 7,
         chunk_bytes: int | None = None, device_index: int = 0) -> list[dict[str, Any]]:
     """Time H2D and D2H through a registered region against raw pinned copies; the rows.
@@ -180,7 +197,10 @@ def run_in_child(quick: bool = False, timeout_s: float = 600) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     fake = os.environ.get("GPU_CHECK_DRIVER_MODULE") == "tests.helpers.fake_cuda"
     argv = [sys.executable, __file__, *(["--quick"] if quick else []), *(["--fake"] if fake else [])]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"phase": "regions", "error": f"regions did not finish within {timeout_s:.0f} s (killed)"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -197,8 +217,8 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None,
     measured = [r for r in rows if not r["verdict"].startswith("SKIPPED")]
     intact = all(r["intact"] for r in measured)
     out: list[tuple[str, str, str, bool | None, str]] = [
-        ("region copies H2D + D2H keep the bytes", str(intact) if measured else "nothing measured", "True",
-         intact if measured else None, "check")]
+        ("region copies H2D + D2H keep the bytes", (str(intact) if measured else "nothing measured")
+         + (f" ({result['note']})" if result.get("note") else ""), "True", intact if measured else None, "check")]
     for r in rows:
         got = f"{r['ratio']:.2f}x ({r['region_gbps']:.1f} vs {r['raw_gbps']:.1f} GB/s)"
         if r["verdict"].startswith("SKIPPED"):
@@ -223,12 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     sizes = tuple(int(s) for s in args.sizes.split(",") if s.strip())
     if args.fake:
         sizes = (1, 4)  # the fake's timings mean nothing: keep it quick
+    import shutil
+
+    from shared import _shm
+
+    sizes, note = fit_sizes(sizes, shutil.disk_usage(_shm.SHM_DIR).free)
     try:
         rows = run(driver, sizes_mib=sizes, repeat=args.repeat)
     except Exception as exc:  # noqa: BLE001 - one JSON line either way
         print(json.dumps({"phase": "regions", "error": f"{type(exc).__name__}: {exc}"}))
         return 1
-    print(json.dumps({"phase": "regions", "rows": rows}))
+    print(json.dumps({"phase": "regions", "rows": rows, **({"note": note} if note else {})}))
     return 0
 
 

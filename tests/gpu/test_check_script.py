@@ -8,6 +8,7 @@ are not spent on a broken script. It proves nothing about hardware.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,194 @@ def test_an_unknown_phase_is_refused() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake",
                            "--only", "nosuch"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "unknown phase" in proc.stderr
+
+
+# ------------------------------------------------------------------ the check survives what hardware may do
+
+
+def _check(*argv: str, env: dict[str, str] | None = None, timeout_s: float = 200) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), *argv], capture_output=True,
+                          text=True, timeout=timeout_s, cwd=ROOT, env=env)
+
+
+def test_phases_past_the_deadline_are_reported_not_run_and_the_json_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    proc = _check("--dry-run-fake", "--quick", "--deadline-s", "0", "--json-out", str(out))
+    assert proc.returncode == 1, proc.stdout[-2000:]  # incomplete: not a pass
+    assert proc.stdout.strip().splitlines()[-1].startswith("INCOMPLETE")
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["ok"] is False
+    assert doc["not_run"] == [p.name for p in PHASES]
+    assert all(r["ok"] is None and "not run" in r["got"] for r in doc["rows"])
+
+
+def test_the_json_is_rewritten_after_every_phase(tmp_path: Path) -> None:
+    """A run killed by an outer timeout keeps what it measured: the JSON exists after the first phase."""
+    out = tmp_path / "check.json"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
+                             "--only", "environment,pool,isolation", "--json-out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    seen: list[dict[str, object]] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # each phase prints its rows once it is done
+            if line.startswith("[pool") and out.exists():
+                seen.append(json.loads(out.read_text()))
+                break
+    finally:
+        proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert seen and seen[0]["complete"] is False and "environment" in seen[0]["phases"]  # type: ignore[operator]
+    final = json.loads(out.read_text())
+    assert final["complete"] is True and {"environment", "pool", "isolation"} <= set(final["phases"])
+
+
+def test_a_child_that_hangs_is_killed_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.gpu import check_gpu
+
+    monkeypatch.setattr(check_gpu, "MIN_STEP_S", 0.5)
+    result = check_gpu.run_child("sleep", "60", timeout_s=1)
+    assert "did not finish within" in result["error"]
+    with pytest.raises(RuntimeError, match="printed no JSON line within"):
+        check_gpu.Held("sleeper", timeout_s=1, argv=[sys.executable, "-c", "import time; time.sleep(60)"])
+    # a notice before the JSON line is skipped, and a second line comes through step()
+    talker = [sys.executable, "-c", "import sys; print('a notice'); print('{\"n\": 1}', flush=True); "
+              "sys.stdin.readline(); print('{\"n\": 2}', flush=True); sys.stdin.readline(); print('{\"n\": 3}')"]
+    held = check_gpu.Held("talker", timeout_s=30, argv=talker)
+    assert held.first == {"n": 1} and held.step() == {"n": 2} and held.release() == {"n": 3}
+
+
+def test_mps_on_a_host_without_it_is_not_a_failure() -> None:
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no nvidia-cuda-mps-control here
+    proc = _check("--dry-run-fake", "--quick", "--mps", "--only", "mps", env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "---- mps" in proc.stdout and "not on PATH" in proc.stdout
+
+
+def test_nvidia_smi_lines_parse_into_the_device_and_driver() -> None:
+    from tests.gpu.figures import cuda_version, parse_nvidia_smi
+
+    gpus = parse_nvidia_smi("0, NVIDIA H200, 570.124.06, 143771, 1, Default, [N/A], Enabled\n\n"
+                            "1, NVIDIA H200 NVL, Rev, 2, 580.65, 143771, 0, Default, Disabled, Disabled\n")
+    assert gpus[0]["name"] == "NVIDIA H200" and gpus[0]["driver_version"] == "570.124.06"
+    assert gpus[0]["memory.total"] == "143771" and gpus[0]["mig.mode.current"] == "[N/A]"
+    assert gpus[1]["name"] == "NVIDIA H200 NVL, Rev, 2" and gpus[1]["driver_version"] == "580.65"
+    assert cuda_version(12080) == "12.8" and cuda_version(13000) == "13.0" and cuda_version(None) is None
+
+
+def test_the_docs_name_every_figure_and_only_figures_the_check_writes(tmp_path: Path) -> None:
+    """docs/GPU-QUOTAS.md's "how to fill this in" maps ``figures.KEY`` to rows: the keys exist."""
+    import re
+
+    out = tmp_path / "check.json"
+    proc = _check("--dry-run-fake", "--quick", "--json-out", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    written = set(json.loads(out.read_text())["figures"])
+    doc = (ROOT / "docs" / "GPU-QUOTAS.md").read_text()
+    section = doc[doc.index("### Figures from hardware"):]
+    named = set(re.findall(r"`figures\.([a-z0-9_<>]+)`", section))
+    assert named, "the section maps no figure"
+    patterns = {n: re.compile("^" + re.sub(r"<[a-z]+>", "[a-z0-9]+", n) + "$") for n in named}
+    unknown = {n for n, pat in patterns.items() if not any(pat.match(k) for k in written)}
+    assert not unknown, f"the docs name figures the check does not write: {sorted(unknown)}"
+    unmapped = {k for k in written if not any(pat.match(k) for pat in patterns.values())}
+    assert not unmapped, f"figures the docs do not say where to put: {sorted(unmapped)}"
+
+
+def test_a_tensor_op_that_differs_keeps_every_other_result() -> None:
+    """The phase child exits 1 when an op differs from numpy; its JSON line (which op, the GEMM timings)
+    is the result, not an anonymous "exit 1"."""
+    from tests.gpu.phase_tensor_ops import parse_child, table_rows
+
+    line = json.dumps({"ok": False, "ops": {"add_f32": {"ok": True, "worst_rel_err": 0.0},
+                                            "softmax_rows_f32": {"ok": False, "worst_rel_err": 1e-3}},
+                       "gemm": [{"n": 512, "ratio": 0.9, "wasm_us": 10.0, "cublas_us": 9.0, "wasm_tflops": 1.0,
+                                 "cublas_tflops": 1.1, "target": 0.8, "verdict": "PASS"}], "gpu_bytes_after": 0})
+    result = parse_child(1, "noise\n" + line + "\n", "")
+    assert result["ops"]["softmax_rows_f32"]["ok"] is False and result["gemm"][0]["ratio"] == 0.9
+    rows = table_rows(result)
+    assert rows[0][3] is False and "softmax_rows_f32" in rows[0][1]
+    assert rows[1][0].startswith("GEMM 512") and rows[1][1].startswith("PASS")
+    assert "error" in parse_child(-9, "", "Killed")
+
+
+CUBLAS_MISSING = """
+import json
+from tests.gpu import phase_tensor_ops
+from tests.helpers.fake_cublas import FakeCublas
+from tests.helpers.fake_cuda import FakeDriver
+from worker.backends.cuda import CudaBackend
+
+def backend(fake):
+    drv = FakeDriver(memory_bytes=4 << 30)
+    cublas = FakeCublas(drv)
+    def no_library():
+        raise RuntimeError("libcublas.so.13: cannot open shared object file (fake)")
+    cublas.create = no_library
+    return CudaBackend(0, gpu_cap_bytes=2 << 30, driver=drv, nvrtc=drv, cublas=cublas), cublas
+
+phase_tensor_ops._backend = backend
+print(json.dumps(phase_tensor_ops.phase(quick=True, fake=True)))
+"""
+
+
+def test_cublas_missing_costs_the_gemm_rows_only() -> None:
+    """Every op but matmul still compared with numpy; each GEMM size says why it has no timing.
+
+    In a child process, as the check runs it (a WASM host in the pytest process would also put
+    wasmtime's trap handlers under whatever a later test installs)."""
+    from tests.gpu import phase_tensor_ops
+
+    proc = subprocess.run([sys.executable, "-c", CUBLAS_MISSING], capture_output=True, text=True, timeout=100,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] is False
+    assert not result["ops"]["matmul_f32"]["ok"] and result["ops"]["add_f32"]["ok"]
+    assert result["gemm"] and all("libcublas" in g["error"] for g in result["gemm"])
+    rows = phase_tensor_ops.table_rows(result)
+    assert rows[1][1].startswith("ERROR") and rows[1][3] is None
+
+
+def test_region_sizes_shrink_to_a_small_dev_shm() -> None:
+    from tests.gpu.phase_regions import fit_sizes
+
+    assert fit_sizes((64, 256), 24 << 30) == ((64, 256), None)
+    sizes, note = fit_sizes((64, 256), 64 << 20)  # a container's default /dev/shm
+    assert sizes == (16,) or sizes == (32,)
+    assert note and "64 MiB free" in note
+    assert fit_sizes((64, 256), 4 << 20)[0] == ()
+
+
+def test_the_extension_builds_without_werror_and_says_when_headers_are_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sysconfig
+
+    from tests.gpu import build_ext
+
+    assert "-Werror" not in build_ext.FLAGS  # another gcc's new warning must not cost the hardware run
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "_atomics.c").write_text("/* */\n")
+    monkeypatch.setattr(build_ext, "ROOT", tmp_path)
+    paths = {**sysconfig.get_paths(), "include": str(tmp_path / "no-headers")}
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
+    assert build_ext.main() == 2
+    assert "Python.h is missing" in capsys.readouterr().err
+
+
+def test_the_mps_phase_runs_with_a_stand_in_daemon_and_stops_it(tmp_path: Path) -> None:
+    """The MPS phase has never run on hardware: its flow (private directories, the supervisor and the MPS
+    tenant given them, the daemon stopped at the end) runs here against tests/gpu/fake_mps_control.py."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    exe = bindir / "nvidia-cuda-mps-control"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'gpu' / 'fake_mps_control.py'} \"$@\"\n")
+    exe.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    out = tmp_path / "check.json"
+    proc = _check("--dry-run-fake", "--quick", "--mps", "--only", "mps", "--json-out", str(out), env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    mps = json.loads(out.read_text())["phases"]["mps"]
+    assert mps["mps_tenant_works"] is True and mps["isolation"] == {"mps": "mps"}
+    pipe = Path(mps["pipe_dir"])
+    assert not (pipe / "control").exists()  # "quit" reached the daemon: its socket is gone

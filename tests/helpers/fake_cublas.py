@@ -18,6 +18,15 @@ backend depends on it:
   memory and computes ``C = alpha*A@B + beta*C`` with numpy (float32);
   an operand outside any allocation is ``EXECUTION_FAILED``.
 
+Arguments are converted as the real (Cython) bindings convert them, before
+anything else: a handle, pointer or stream must be a Python integer (an
+``int``, an ``IntEnum``; not a ``ctypes`` object, not a ``CUstream``) that
+fits ``intptr_t``, sizes fit ``int`` (``int64_t`` for the ``_64`` calls), a
+workspace size is a non-negative ``size_t``: ``TypeError`` / ``OverflowError``
+otherwise, as nvmath raises them. :class:`CublasRecorder` records every call's
+arguments for the replay into the real ``nvmath.bindings.cublas``
+(tests/helpers/replay_bindings.py).
+
 Use: ``FakeCublas(driver)`` as the ``cublas=`` of
 :class:`worker.backends.cuda.CudaBackend` (a host without nvmath-python is
 a module name that does not import).
@@ -27,11 +36,14 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import os
+import pickle
+import threading
 from typing import Any
 
 from tests.helpers.fake_cuda import FakeDriver
 
-__all__ = ["FakeCublas"]
+__all__ = ["SIGNATURES", "CublasRecorder", "FakeCublas", "convert_args"]
 
 
 class Status(enum.IntEnum):
@@ -65,6 +77,43 @@ class cuBLASError(Exception):  # noqa: N801 - the bindings' name
 
 _DEFAULT = object()
 
+#: the C types of each binding's parameters, as nvmath.bindings.cublas declares them (``cublas.pyi``)
+_P, _I, _L, _S = "intptr_t", "int", "int64_t", "size_t"
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "create": (),
+    "destroy": (_P,),
+    "get_version": (_P,),
+    "set_stream": (_P, _P),
+    "set_pointer_mode": (_P, _I),
+    "set_workspace": (_P, _P, _S),
+    "sgemm": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _I),
+    "sgemm_64": (_P, _I, _I, _L, _L, _L, _P, _P, _L, _P, _L, _P, _P, _L),
+}
+_RANGES = {_P: (-(1 << 63), 1 << 63), _L: (-(1 << 63), 1 << 63), _I: (-(1 << 31), 1 << 31), _S: (0, 1 << 64)}
+
+
+def convert_args(name: str, args: tuple[Any, ...]) -> tuple[int, ...]:
+    """``args`` converted to the C parameters of binding ``name`` as Cython does, or its error."""
+    kinds = SIGNATURES[name]
+    if len(args) != len(kinds):
+        raise TypeError(f"{name}() takes exactly {len(kinds)} positional arguments ({len(args)} given)")
+    out = []
+    for value, kind in zip(args, kinds):
+        # Cython's conversions: an ``intptr_t`` takes a Python int only (a bool, an IntEnum; not a
+        # numpy integer, not a CUstream); the other integer types also take what defines ``__int__``
+        # (a numpy integer, a float - truncated), never a ctypes object or an ``__index__``-only one
+        if isinstance(value, int):
+            v = int(value)
+        elif kind != _P and hasattr(type(value), "__int__"):
+            v = int(value)
+        else:
+            raise TypeError("an integer is required")
+        lo, hi = _RANGES[kind]
+        if not lo <= v < hi:
+            raise OverflowError(f"can't convert {'negative ' if v < 0 else ''}value to {kind}")
+        out.append(v)
+    return tuple(out)
+
 
 class FakeCublas:
     """Module-shaped: the backend calls ``create``, ``set_stream``, ``set_workspace``, ``sgemm`` ... on it."""
@@ -87,7 +136,8 @@ class FakeCublas:
     def fail_next(self, name: str, status: Status, times: int = 1) -> None:
         self.fail.setdefault(name, []).extend([int(status)] * times)
 
-    def _enter(self, name: str) -> None:
+    def _enter(self, name: str, args: tuple[Any, ...] = ()) -> None:
+        convert_args(name, args)  # a wrongly typed argument fails first, as in the bindings
         self.calls.append(name)
         queued = self.fail.get(name)
         if queued:
@@ -104,7 +154,7 @@ class FakeCublas:
     # ------------------------------------------------------------- the bindings' calls
 
     def create(self) -> int:
-        self._enter("create")
+        self._enter("create", ())
         ctx = self.driver._ctx()
         if self.driver._ctx_device(ctx) is None:
             raise cuBLASError(Status.NOT_INITIALIZED)
@@ -113,12 +163,17 @@ class FakeCublas:
         return self._next
 
     def destroy(self, handle: int) -> None:
-        self._enter("destroy")
+        self._enter("destroy", (handle,))
         if self.handles.pop(handle, None) is None:
             raise cuBLASError(Status.NOT_INITIALIZED)
 
+    def get_version(self, handle: int) -> int:
+        self._enter("get_version", (handle,))
+        self._handle(handle)
+        return 130100  # cublasGetVersion's form: major * 10000 + minor * 100 + patch
+
     def set_stream(self, handle: int, stream: int) -> None:
-        self._enter("set_stream")
+        self._enter("set_stream", (handle, stream))
         h = self._handle(handle)
         if stream and stream not in self.driver.streams:
             raise cuBLASError(Status.INVALID_VALUE)
@@ -126,11 +181,11 @@ class FakeCublas:
         h["workspace"] = _DEFAULT  # cublasSetStream resets the user workspace
 
     def set_pointer_mode(self, handle: int, mode: int) -> None:
-        self._enter("set_pointer_mode")
+        self._enter("set_pointer_mode", (handle, mode))
         self._handle(handle)["mode"] = PointerMode(mode)
 
     def set_workspace(self, handle: int, workspace: int, nbytes: int) -> None:
-        self._enter("set_workspace")
+        self._enter("set_workspace", (handle, workspace, nbytes))
         h = self._handle(handle)
         if (workspace == 0) != (nbytes == 0):
             raise cuBLASError(Status.INVALID_VALUE)
@@ -140,12 +195,12 @@ class FakeCublas:
 
     def sgemm(self, handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, a: int,
               lda: int, b: int, ldb: int, beta: int, c: int, ldc: int) -> None:
-        self._enter("sgemm")
+        self._enter("sgemm", (handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
         self._gemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bits=32)
 
     def sgemm_64(self, handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, a: int,
                  lda: int, b: int, ldb: int, beta: int, c: int, ldc: int) -> None:
-        self._enter("sgemm_64")
+        self._enter("sgemm_64", (handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
         self._gemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bits=64)
 
     def _gemm(self, handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, a: int,
@@ -184,3 +239,38 @@ class FakeCublas:
             prod = colmajor(a, m, k, lda) @ colmajor(b, k, n, ldb)
         result = np.float32(al) * prod + (np.float32(be) * cm if be != 0 else np.float32(0))
         cm[...] = result.astype(np.float32)
+
+
+class CublasRecorder:
+    """Wraps a :class:`FakeCublas`: every binding call's arguments go to ``<dir>/<pid>.cublas``.
+
+    The replay (tests/helpers/replay_bindings.py) calls the real
+    ``nvmath.bindings.cublas`` with them; its argument conversion runs before
+    it loads libcuda/libcublas. Each distinct (call, argument types) shape is
+    kept a few times only; records are flushed at once.
+    """
+
+    def __init__(self, fake: FakeCublas, record_dir: str) -> None:
+        self._fake = fake
+        self._seen: dict[tuple[str, tuple[str, ...]], int] = {}
+        os.makedirs(record_dir, exist_ok=True)
+        self._file = open(os.path.join(record_dir, f"{os.getpid()}.cublas"), "ab")  # noqa: SIM115 - process-long
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._fake, name)
+        if name not in SIGNATURES:
+            return value
+
+        def recorded(*args: Any) -> Any:
+            key = (name, tuple(type(a).__name__ for a in args))
+            with self._lock:
+                n = self._seen.get(key, 0)
+                if n < 3:
+                    self._seen[key] = n + 1
+                    plain = tuple(int(a) if isinstance(a, enum.IntEnum) else a for a in args)
+                    pickle.dump((name, plain), self._file)
+                    self._file.flush()
+            return value(*args)
+
+        return recorded

@@ -442,7 +442,7 @@ class FakeDriver:
         nvrtc_archs: tuple[str, ...] | None = None,
         pools_supported: bool = True,
         record_dir: str | None = None,
-        driver_version: int = 12080,
+        driver_version: int = 13000,
         real_nvrtc: bool = True,
     ) -> None:
         if mode not in ("ok", "no-libcuda", "no-device", "driver-mismatch"):
@@ -1104,6 +1104,12 @@ class FakeDriver:
         self, f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
         shared: int, stream: Any, kernel_params: Any, extra: Any,
     ) -> tuple[Any, ...]:
+        # the bindings convert every argument before they call the driver: a wrong type is a
+        # TypeError whatever the state (``extra`` is a pointer: 0, never None)
+        if not isinstance(extra, int):
+            raise TypeError("an integer is required")
+        if not (isinstance(kernel_params, tuple) and len(kernel_params) == 2 and extra == 0):
+            raise TypeError("Argument 'kernelParams' is not a valid type: tuple[tuple[Any, ...], tuple[Any, ...]]")
         with self._lock:
             err = self._enter("cuLaunchKernel", needs_ctx=True)
             if err is not None:
@@ -1116,8 +1122,6 @@ class FakeDriver:
             _, name, kinds = fn
             if (gy, gz, by, bz) != (1, 1, 1, 1) or not 1 <= gx <= 2**31 - 1 or not 1 <= bx <= 1024:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-            if not (isinstance(kernel_params, tuple) and len(kernel_params) == 2 and extra in (0, None)):
-                raise TypeError("Argument 'kernelParams' is not a valid type: tuple[tuple[Any, ...], tuple[Any, ...]]")
             values, types = kernel_params
             if len(values) != len(types) or len(values) != len(kinds):
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)

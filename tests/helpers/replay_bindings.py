@@ -13,6 +13,13 @@ replaces cuda.pathfinder's loader before the bindings are imported.
 Fake objects are translated to their real counterparts by type name: a
 handle to the real handle of the same value, a struct field by field, an
 enum member by value, a recorded buffer to a buffer of the same kind.
+
+cuBLAS calls recorded through :class:`tests.helpers.fake_cublas.CublasRecorder`
+(``*.cublas`` files) are replayed into the real ``nvmath.bindings.cublas``
+the same way (its Cython wrappers convert every argument before they load
+libcuda), when nvmath-python is installed and no libcuda is loadable here
+(nvmath loads libcuda itself, with no hook to block it: a fake handle must
+never reach a real cuBLAS). Otherwise the result says why it was skipped.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import pickle
 import sys
 from typing import Any
 
-REFUSED = (TypeError, ValueError, OverflowError, AttributeError)
+REFUSED = (TypeError, ValueError, OverflowError, AttributeError, BufferError)
 
 
 def _block_library_loading() -> None:
@@ -61,10 +68,10 @@ def _translate(value: Any, drv: Any, nvrtc: Any) -> Any:
     return value
 
 
-def load_records(record_dir: str) -> list[tuple[str, tuple[Any, ...]]]:
+def load_records(record_dir: str, suffix: str = ".calls") -> list[tuple[str, tuple[Any, ...]]]:
     records: list[tuple[str, tuple[Any, ...]]] = []
     for entry in sorted(os.listdir(record_dir)):
-        if not entry.endswith(".calls"):
+        if not entry.endswith(suffix):
             continue
         with open(os.path.join(record_dir, entry), "rb") as f:
             while True:
@@ -104,8 +111,56 @@ def replay(records: list[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
     return {"calls": len(records), "names": sorted(names), "failures": failures}
 
 
+def _libcuda_loadable() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def replay_cublas(records: list[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
+    """Call the real ``nvmath.bindings.cublas`` with each record's arguments; the ones it refuses.
+
+    ``{"skipped": why}`` when nvmath-python is not installed or libcuda is
+    loadable (the call would reach a real cuBLAS with fake handles).
+    """
+    try:
+        import nvmath.bindings.cublas as cublas
+    except Exception as exc:  # noqa: BLE001 - not installed here (it is the cuda extra's)
+        return {"skipped": f"nvmath.bindings.cublas not importable: {type(exc).__name__}: {exc}"}
+    if _libcuda_loadable():
+        return {"skipped": "libcuda is loadable here: a replayed call would reach the real cuBLAS"}
+    from cuda.bindings import driver as drv
+    from cuda.bindings import nvrtc
+
+    failures: list[str] = []
+    outcomes: list[str] = []  # per record: "accepted" or the exception's type name
+    names: set[str] = set()
+    for name, args in records:
+        names.add(name)
+        fn = getattr(cublas, name, None)
+        if fn is None:
+            failures.append(f"{name}: no such function in nvmath.bindings.cublas")
+            outcomes.append("missing")
+            continue
+        try:
+            fn(*_translate(args, drv, nvrtc))  # a fake CUstream becomes the real one
+        except REFUSED as exc:
+            shapes = ", ".join(type(a).__name__ for a in args)
+            failures.append(f"{name}({shapes}): {type(exc).__name__}: {exc}")
+            outcomes.append(type(exc).__name__)
+        except RuntimeError:
+            outcomes.append("accepted")  # nvmath's loader (no libcuda): the arguments were accepted
+    return {"calls": len(records), "names": sorted(names), "failures": failures, "outcomes": outcomes}
+
+
 def main(argv: list[str]) -> int:
-    print(json.dumps(replay(load_records(argv[0]))))
+    result = replay(load_records(argv[0]))
+    result["cublas"] = replay_cublas(load_records(argv[0], ".cublas"))
+    print(json.dumps(result))
     return 0
 
 

@@ -221,6 +221,19 @@ def test_the_missing_cublas_error_names_the_extra() -> None:
         load_cublas_module("no_such_package.cublas")
 
 
+def test_cublas_bindings_whose_import_breaks_are_backend_unavailable(tmp_path: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing nvmath.bindings.cublas runs nvmath's whole package (cuda.core & co.): a version mismatch
+    there raises what it likes (here AttributeError), never only ImportError. GEMM is then unavailable,
+    by name - the worker must not see a raw exception from the first matmul."""
+    from worker.backends._cublas import load_cublas_module
+
+    (tmp_path / "broken_cublas_pkg.py").write_text("import types\ntypes.NoSuchThing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(BackendUnavailable, match=r"cuBLAS missing.*AttributeError.*tensor-wasm-tenant\[cuda\]"):
+        load_cublas_module("broken_cublas_pkg")
+
+
 def test_a_cublas_error_is_a_typed_cuda_error() -> None:
     with cuda_env() as env, probe(env) as s:
         ha, hc = put(s, np.ones(4)), put(s, np.zeros(4))

@@ -1,9 +1,17 @@
 """Every driver and NVRTC call the backend, the kernels and the hardware check make through the
 fake is replayed into the real cuda.bindings: its argument conversion (before libcuda loads) must
-accept them all. No GPU needed; catches a wrongly typed argument that the fake would let through."""
+accept them all. No GPU needed; catches a wrongly typed argument that the fake would let through.
+
+The check runs every phase but ``pytest`` (which needs a device), so the tensor ops (their kernels'
+``int`` parameters, argmax's copy into a slice of guest memory), the isolation reader, the fault
+path, the regions and the WASM host are all in the replay. Their cuBLAS calls (fake_cublas's
+``CublasRecorder``) are replayed into the real ``nvmath.bindings.cublas`` where nvmath-python is
+installed (the ``cuda`` extra); everywhere, the fake cuBLAS converts its arguments as those bindings
+do (``convert_args``), and a control test holds the two to the same verdicts."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pickle
@@ -11,9 +19,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.helpers import fake_cuda
+from tests.helpers.fake_cublas import FakeCublas, convert_args
+from tests.helpers.replay_bindings import load_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +68,13 @@ REQUIRED = {"cuInit", "cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemPoolCr
             "cuMemcpyDtoHAsync", "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel", "cuStreamSynchronize",
             "cuMemGetInfo", "cuMemHostRegister", "cuMemHostUnregister", "cuMemAllocHost", "cuMemFreeHost",
             "nvrtcCreateProgram", "nvrtcCompileProgram", "nvrtcGetCUBIN", "nvrtcGetPTX",
-            "nvrtcDestroyProgram"}
+            "nvrtcDestroyProgram", "cuMemAlloc", "cuMemFree", "cuModuleUnload", "cuDeviceGetAttribute",
+            "cuDeviceGetName", "cuDriverGetVersion", "cuMemGetAllocationGranularity", "cuMemPoolDestroy",
+            "cuStreamDestroy", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent", "cuCtxGetCurrent", "nvrtcVersion"}
+#: what the GEMM path and the check's direct baseline call (worker/backends/_cublas.py, phase_tensor_ops)
+REQUIRED_CUBLAS = {"create", "set_stream", "set_pointer_mode", "set_workspace", "get_version", "sgemm", "destroy"}
+#: every phase of the hardware check that runs on the fake (pytest needs a device)
+PHASES = "environment,pool,metering,isolation,tenants,fault,kernels,tensor_ops,timing,regions,wasm"
 
 
 def _replay(record_dir: Path) -> dict[str, object]:
@@ -71,8 +88,7 @@ def _replay(record_dir: Path) -> dict[str, object]:
 def test_every_call_through_the_fake_is_accepted_by_the_real_bindings(tmp_path: Path) -> None:
     env = {**os.environ, "FAKE_CUDA_RECORD_CALLS": str(tmp_path), "PYTHONPATH": str(ROOT)}
     check = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
-                            "--only", "pool,metering,isolation,tenants,fault,kernels,timing"],
-                           capture_output=True, text=True, timeout=200, cwd=ROOT, env=env)
+                            "--only", PHASES], capture_output=True, text=True, timeout=200, cwd=ROOT, env=env)
     assert check.returncode == 0, check.stdout[-2000:]
     exercise = subprocess.run([sys.executable, "-c", EXERCISE], capture_output=True, text=True, timeout=60,
                               cwd=ROOT, env=env)
@@ -80,6 +96,19 @@ def test_every_call_through_the_fake_is_accepted_by_the_real_bindings(tmp_path: 
     result = _replay(tmp_path)
     assert result["failures"] == []
     assert REQUIRED <= set(result["names"]), REQUIRED - set(result["names"])  # type: ignore[arg-type]
+    # the tensor ops were in it: their kernels take ``int`` parameters, argmax copies into a slice
+    records = load_records(str(tmp_path))
+    launch_types = {t for name, args in records if name == "cuLaunchKernel" for t in args[9][1]}
+    assert {ctypes.c_int, ctypes.c_float, ctypes.c_uint64, ctypes.c_void_p} <= launch_types, launch_types
+    dests = {args[0].kind for name, args in records if name == "cuMemcpyDtoHAsync" and isinstance(args[0], fake_cuda.Buf)}
+    assert {"memoryview", "ndarray", "bytearray"} <= dests, dests
+    cublas = result["cublas"]
+    assert isinstance(cublas, dict)
+    recorded = {name for name, _ in load_records(str(tmp_path), ".cublas")}
+    assert REQUIRED_CUBLAS <= recorded, REQUIRED_CUBLAS - recorded
+    if "skipped" not in cublas:  # nvmath-python installed here: the real bindings took every call
+        assert cublas["failures"] == []
+        assert REQUIRED_CUBLAS <= set(cublas["names"])
 
 
 def test_the_replay_catches_a_wrongly_typed_argument(tmp_path: Path) -> None:
@@ -93,3 +122,97 @@ def test_the_replay_catches_a_wrongly_typed_argument(tmp_path: Path) -> None:
     result = _replay(tmp_path)
     failures = result["failures"]
     assert isinstance(failures, list) and len(failures) == 3, failures
+
+
+#: (call, arguments, what the real bindings do: None = accepted, else the exception type); ``STREAM`` stands
+#: for a driver stream object (the fake's here, the real binding's when compared with nvmath)
+STREAM = object()
+CUBLAS_CASES: list[tuple[str, tuple[object, ...], type[Exception] | None]] = [
+    ("sgemm", (1, 0, 0, 2, 2, 2, 0, 0, 2, 0, 2, 0, 0, 2), None),
+    ("sgemm", (1, 0, 0, 2, 2, 2, ctypes.c_float(1.0), 0, 2, 0, 2, 0, 0, 2), TypeError),  # alpha: its address
+    ("sgemm", (1, 0, 0, 1 << 31, 2, 2, 0, 0, 2, 0, 2, 0, 0, 2), OverflowError),  # past int: sgemm_64
+    ("sgemm", (1, 0, 0, 2, 2, 2, 1 << 63, 0, 2, 0, 2, 0, 0, 2), OverflowError),
+    ("sgemm", (1, 0, 0, 2, 2, 2, 0, 0, 2, 0, 2, 0, 0), TypeError),  # 13 arguments
+    ("sgemm", (1, 0, 0, np.int64(2), 2, 2, 0, 0, 2, 0, 2, 0, 0, 2), None),  # an int parameter takes __int__
+    ("sgemm", (1, 0, 0, 2, 2, 2, 0, np.int64(4096), 2, 0, 2, 0, 0, 2), TypeError),  # a pointer: int only
+    ("sgemm_64", (1, 0, 0, 1 << 31, 2, 2, 0, 0, 1 << 31, 0, 2, 0, 0, 1 << 31), None),
+    ("set_stream", (1, STREAM), TypeError),  # the stream object itself: int(stream) is what it takes
+    ("set_stream", (1, 5), None),
+    ("set_workspace", (1, 0, -1), OverflowError),
+    ("set_workspace", (1, None, 0), TypeError),
+    ("set_workspace", (1, 4096, 4 << 20), None),
+    ("set_pointer_mode", (1, 0), None),
+    ("destroy", ("1",), TypeError),
+    ("get_version", (1,), None),
+]
+
+
+def _fake_args(args: tuple[object, ...]) -> tuple[object, ...]:
+    return tuple(fake_cuda.CUstream(5) if a is STREAM else a for a in args)
+
+
+@pytest.mark.parametrize("name, args, refused", CUBLAS_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CUBLAS_CASES)])
+def test_the_fake_cublas_converts_arguments_as_the_real_bindings(name: str, args: tuple[object, ...],
+                                                                  refused: type[Exception] | None) -> None:
+    """The fake refuses what nvmath.bindings.cublas refuses (the table; held to the real one below)."""
+    if refused is None:
+        convert_args(name, _fake_args(args))
+    else:
+        with pytest.raises(refused):
+            convert_args(name, _fake_args(args))
+
+
+def test_the_conversion_table_is_the_real_bindings(tmp_path: Path) -> None:
+    """Every case of the table replayed into the real nvmath.bindings.cublas (in a child process, as the
+    replay runs: nvmath loads libraries at import) gets the verdict the table says."""
+    with open(tmp_path / "1.cublas", "wb") as f:
+        for name, args, _ in CUBLAS_CASES:
+            pickle.dump((name, _fake_args(args)), f)
+    result = _replay(tmp_path)["cublas"]
+    assert isinstance(result, dict)
+    if "skipped" in result:
+        pytest.skip(str(result["skipped"]))  # nvmath-python is the cuda extra's; CI has the table only
+    want = ["accepted" if refused is None else refused.__name__ for _, _, refused in CUBLAS_CASES]
+    assert result["outcomes"] == want
+
+
+def test_a_fake_cublas_call_with_a_wrong_type_fails_before_it_acts() -> None:
+    drv = fake_cuda.FakeDriver()
+    cublas = FakeCublas(drv)
+    with pytest.raises(TypeError):
+        cublas.set_stream(1, fake_cuda.CUstream(5))
+    assert cublas.calls == []  # refused at conversion, like the bindings: nothing happened
+
+
+def test_the_cublas_replay_catches_a_wrongly_typed_argument(tmp_path: Path) -> None:
+    """The control for the cuBLAS replay (needs nvmath-python; the conversion table above runs anywhere)."""
+    bad = [("sgemm", (1, 0, 0, 2, 2, 2, ctypes.c_float(1.0), 0, 2, 0, 2, 0, 0, 2)),
+           ("set_workspace", (1, 0, -1)),
+           ("set_stream", (1, "stream"))]
+    with open(tmp_path / "1.cublas", "wb") as f:
+        for record in bad:
+            pickle.dump(record, f)
+    result = _replay(tmp_path)["cublas"]
+    assert isinstance(result, dict)
+    if "skipped" in result:
+        pytest.skip(str(result["skipped"]))
+    assert len(result["failures"]) == 3, result
+
+
+def test_the_fake_refuses_a_launch_with_extra_none_as_the_bindings_do(tmp_path: Path) -> None:
+    """``cuLaunchKernel(..., extra)`` takes 0; the real binding refuses None (TypeError), so the fake does."""
+    import ctypes as c
+
+    fake = fake_cuda.FakeDriver()
+    fake.cuInit(0)
+    _, dev = fake.cuDeviceGet(0)
+    _, ctx = fake.cuDevicePrimaryCtxRetain(dev)
+    fake.cuCtxSetCurrent(ctx)
+    with pytest.raises(TypeError):
+        fake.cuLaunchKernel(fake_cuda.CUfunction(1), 1, 1, 1, 1, 1, 1, 0, fake_cuda.CUstream(0),
+                            ((1,), (c.c_uint64,)), None)
+    with open(tmp_path / "1.calls", "wb") as f:
+        pickle.dump(("cuLaunchKernel", (fake_cuda.CUfunction(1), 1, 1, 1, 1, 1, 1, 0, fake_cuda.CUstream(0),
+                                        ((1,), (c.c_uint64,)), None)), f)
+    failures = _replay(tmp_path)["failures"]
+    assert isinstance(failures, list) and len(failures) == 1 and "TypeError" in failures[0]

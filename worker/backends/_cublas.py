@@ -58,6 +58,13 @@ def load_cublas_module(module: str | Any | None) -> Any:
         ) from None
     except RuntimeError as exc:  # libcublas not found by the loader
         raise _missing_library(exc) from None
+    except Exception as exc:  # noqa: BLE001 - importing nvmath runs its whole package (cuda.core & co.):
+        # a version mismatch there can raise anything (AttributeError, TypeError ...); GEMM is then
+        # unavailable, said by name, and the worker goes on
+        raise BackendUnavailable(
+            "cuda", f"cuBLAS missing: importing {module or DEFAULT_CUBLAS_MODULE!r} failed "
+            f"({type(exc).__name__}: {exc}); {INSTALL_HINT} with a cuda-core it supports"
+        ) from None
 
 
 def _missing_library(exc: RuntimeError) -> BackendUnavailable:
