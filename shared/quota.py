@@ -122,6 +122,21 @@ def _instance_off(index: int) -> int:
     return _INSTANCES + index * _LINE
 
 
+def _granted(share_sum: int, high_water: int) -> int:
+    """The bytes in use to report: the sum of the shares, at most the high-water mark.
+
+    A consume publishes its share *before* it checks the limit and withdraws
+    it when refused (the Dekker scheme in ``_atomics.c``), so a reader's sum
+    may include a tentative share that is never granted, and read past the
+    cap while refused consumes race at it. Granted bytes never exceed the
+    high water (every grant raises it to the total it saw, which includes
+    every share granted before it), so the minimum counts granted bytes only;
+    a grant shows once its high-water update is done, a few instructions after
+    its sum. Quiescent, the two agree exactly.
+    """
+    return min(share_sum, high_water)
+
+
 def _check_amount(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
@@ -476,13 +491,15 @@ class QuotaBlock(MappedSegment):
 
     @property
     def bytes_in_use(self) -> int:
-        """Host bytes in use: the sum of every holder's share."""
-        return self._cpu.load() if not self._closed else self._load(_CPU)
+        """Host bytes in use: the sum of every holder's share, granted bytes only (:func:`_granted`)."""
+        high_water = self._load(_CPU + _atomics.F_HIGH_WATER)  # SegmentError once closed
+        return _granted(self._cpu.load(), high_water)
 
     @property
     def gpu_bytes_in_use(self) -> int:
-        """GPU bytes in use: the sum of every holder's share."""
-        return self._gpu.load() if not self._closed else self._load(_GPU)
+        """GPU bytes in use: the sum of every holder's share, granted bytes only (:func:`_granted`)."""
+        high_water = self._load(_GPU + _atomics.F_HIGH_WATER)  # SegmentError once closed
+        return _granted(self._gpu.load(), high_water)
 
     @property
     def memory_quota_bytes(self) -> int:
@@ -512,18 +529,20 @@ class QuotaBlock(MappedSegment):
         load = self._load
         slots = self._shares()
         shares = [t for t in slots if t[0] != _UNATTRIBUTED]
+        cpu_high_water = load(_CPU + _atomics.F_HIGH_WATER)
+        gpu_high_water = load(_GPU + _atomics.F_HIGH_WATER)
         return QuotaSnapshot(
             tenant_id=self.tenant_id,
             name=self.name,
             generation=load(_H_GEN),
-            bytes_in_use=sum(cpu for _, cpu, _ in slots),
+            bytes_in_use=_granted(sum(cpu for _, cpu, _ in slots), cpu_high_water),
             memory_quota_bytes=load(_CPU + _atomics.F_LIMIT),
-            cpu_high_water=load(_CPU + _atomics.F_HIGH_WATER),
+            cpu_high_water=cpu_high_water,
             cpu_refusals=load(_CPU + _atomics.F_REFUSALS),
             cpu_underflows=load(_CPU + _atomics.F_UNDERFLOWS),
-            gpu_bytes_in_use=sum(gpu for _, _, gpu in slots),
+            gpu_bytes_in_use=_granted(sum(gpu for _, _, gpu in slots), gpu_high_water),
             gpu_memory_bytes_cap=_raw_to_limit(load(_GPU + _atomics.F_LIMIT)),
-            gpu_high_water=load(_GPU + _atomics.F_HIGH_WATER),
+            gpu_high_water=gpu_high_water,
             gpu_refusals=load(_GPU + _atomics.F_REFUSALS),
             gpu_underflows=load(_GPU + _atomics.F_UNDERFLOWS),
             cuda_mem_pool_quota_bytes=_raw_to_limit(load(_S_POOL_QUOTA)),

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from shared import _shm, quota
+from shared import _atomics, _shm, quota
 from shared.errors import GpuMemoryExhausted, MemoryExhausted, SegmentError
 from shared.quota import (
     DEFAULT_QUOTA_BYTES,
@@ -169,6 +169,38 @@ def test_instance_shares_in_process() -> None:
             assert owner.snapshot().instance_shares == ((5, 7, 0),)
             assert owner.reclaim_instance(5) == (7, 0)
             assert (owner.bytes_in_use, owner.gpu_bytes_in_use) == (0, 0)
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_tentative_share_never_shows_as_use_past_the_cap() -> None:
+    """A consume publishes its share, sums, and withdraws it when refused (``_atomics.c``): a
+    reader between the two steps must not report the refused bytes as in use (seen once in
+    tests/supervisor/test_pool_instances.py: 9 MiB "in use" under an 8 MiB cap)."""
+    cap = 8 << 20
+    with QuotaBlock.create("acme", memory_quota_bytes=cap, gpu_memory_bytes_cap=cap) as owner:
+        a = QuotaBlock.attach(owner.name, instance=0)
+        b = QuotaBlock.attach(owner.name, instance=1)
+        try:
+            a.consume_gpu_bytes(cap - (1 << 20))
+            b.consume_gpu_bytes(1 << 20)
+            a.consume_bytes(cap)
+            # instance 1 is inside a refused consume of 1 MiB of each: published, not yet withdrawn
+            gpu_share = quota._instance_off(1) + 8
+            _atomics.fetch_add(owner._buf, gpu_share, 1 << 20)
+            _atomics.fetch_add(owner._buf, quota._instance_off(1), 1 << 20)
+            assert owner.gpu_bytes_in_use == cap and owner.bytes_in_use == cap
+            snap = owner.snapshot()
+            assert (snap.gpu_bytes_in_use, snap.bytes_in_use) == (cap, cap)
+            assert snap.gpu_high_water == snap.cpu_high_water == cap
+            # the refused consume withdraws: the same figures, now exact
+            _atomics.fetch_add(owner._buf, gpu_share, -(1 << 20) & ((1 << 64) - 1))
+            _atomics.fetch_add(owner._buf, quota._instance_off(1), -(1 << 20) & ((1 << 64) - 1))
+            assert (owner.gpu_bytes_in_use, owner.bytes_in_use) == (cap, cap)
+            b.release_gpu_bytes(1 << 20)
+            a.release_bytes(1 << 20)
+            assert (owner.gpu_bytes_in_use, owner.bytes_in_use) == (cap - (1 << 20), cap - (1 << 20))
         finally:
             a.close()
             b.close()
