@@ -118,7 +118,7 @@ class Frontend:
         admin_cap: bytes,
         on_denied: DenialHook | None = None,
         regions: RegionTable,
-        event_log: EventLog | None = None,
+        event_log: EventLog,
     ) -> None:
         self.config = config
         self.clock = loop.clock
@@ -133,7 +133,7 @@ class Frontend:
         self._admin_raw = admin_cap
         self.on_denied = on_denied
         self.regions = regions
-        self.event_log = event_log if event_log is not None else EventLog(16)  # (tests that build a bare frontend)
+        self.event_log = event_log
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
         self._served_turn = False

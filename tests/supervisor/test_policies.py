@@ -16,6 +16,7 @@ import pytest
 from shared import protocol as proto
 from shared.errors import BufferLost, InvalidArgument, Overloaded, TenantStopped, WorkerLost
 from shared.spec import DEADLINE_GRACE_S, TenantSpec
+from supervisor.event_log import EventLog
 from supervisor.frontend import Frontend, lost_buffer, pinned_instance, slot_for, with_wasm_limits
 from supervisor.loop import Handoff, Timers
 from supervisor.metrics import Metrics
@@ -304,7 +305,7 @@ def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenan
     fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
                   pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
                   admin=lambda *a: None, regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
-                  admin_cap=b"admin")
+                  admin_cap=b"admin", event_log=EventLog(16))
     cap = b"x"
     fe._verified_caps[cap] = rt
     return fe, cap
