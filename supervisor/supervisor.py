@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +68,7 @@ from supervisor.connections import FrontendConnections
 from supervisor.fdlimit import raise_fd_limit
 from supervisor.frontend import Frontend
 from supervisor.guard import FrontendGuard
-from supervisor.loop import Handoff, Loop
+from supervisor.loop import Clock, Handoff, Loop
 from supervisor.metrics import DeviceGauges, Metrics, MetricsSnapshot, NullMetrics, TenantGauges
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
@@ -80,7 +81,7 @@ from supervisor.stall import StallGuard
 from supervisor.state import StateStore
 from supervisor.tcp_frontend import TcpFrontend
 from supervisor.tenants import TenantRuntime
-from supervisor.workers import Spawner
+from supervisor.workers import Spawner, SpawnerFactory
 from supervisor.workerset import WorkerSet
 
 __all__ = ["Supervisor"]
@@ -135,15 +136,22 @@ class Supervisor:
     """Runs until :meth:`request_stop` (or SIGTERM/SIGINT in :meth:`run`; SIGHUP reloads the config file)."""
 
     def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None,
-                 rundir: RunDir | None = None) -> None:
-        """``rundir``: the run dir, possibly already locked (``twt supervise`` locks it before binding anything)."""
+                 rundir: RunDir | None = None, clock: Clock = time.monotonic,
+                 spawner: SpawnerFactory = Spawner) -> None:
+        """``rundir``: the run dir, possibly already locked (``twt supervise`` locks it before binding anything).
+
+        ``clock`` and ``spawner`` are the seams of the in-process lifecycle tests: a fake clock the
+        test advances, and workers that live on this loop instead of in processes
+        (tests/helpers/fake_workers.py). Production uses the monotonic clock and real processes.
+        """
         self.config = config
         self.metrics = metrics or NullMetrics()
         self.rundir = rundir or RunDir(config.run_dir, config.client_group)
-        # opened in run(), once the run dir is ours: the registry's identity comes from the state
+        # opened in start(), once the run dir is ours: the registry's identity comes from the state
         self.state: StateStore | None = None
         self.registry: TenantRegistry | None = None
-        self.loop = Loop()
+        self.loop = Loop(clock)
+        self._spawner_factory = spawner
         self.tenants: dict[str, TenantRuntime] = {}
         #: every event, numbered, for the ``events`` op (bounded: supervisor.event_log)
         self.event_log = EventLog(config.event_log_size, self._generation_of)
@@ -162,6 +170,10 @@ class Supervisor:
                                 grace_s=STALL_GRACE_S)
         self._metrics = Handoff(self.loop.wake, MetricsSnapshot())
         self.parts: _Parts | None = None
+        self._next_tick = 0.0
+        self._closed = False
+        self._acquired = False
+        self._owns_process = False  # run() (the daemon) names the process; start() alone does not
 
     # ------------------------------------------------------------ set up
 
@@ -234,8 +246,8 @@ class Supervisor:
         # thread and context; start it now so the process's fds are stable from the start.
         zmq.Frame(bytes(1 << 17), track=True)  # large enough for pyzmq's zero-copy (tracked) path
 
-        spawner = Spawner(cfg, {"backend": self.rundir.endpoint("backend"),
-                                "control": self.rundir.endpoint("control")})
+        spawner = self._spawner_factory(cfg, {"backend": self.rundir.endpoint("backend"),
+                                               "control": self.rundir.endpoint("control")})
         spawner.warm_up()
         guard = FrontendGuard(cfg, connections)
         replies = Replies([frontend_sock] + ([tcp.socket] if tcp is not None else []), guard.held)
@@ -302,7 +314,11 @@ class Supervisor:
         self.loop.wake()
 
     def run(self) -> int:
-        """Set up, serve until stopped, tear down. Returns the process exit code."""
+        """Set up, serve until stopped, tear down (SIGTERM/SIGINT stop, SIGHUP reloads).
+
+        Returns the process exit code: 0 after a graceful stop. A failure to start raises
+        (``twt supervise`` maps the exception to its exit code).
+        """
         prev: dict[int, Any] = {}
 
         def on_signal(signum: int, frame: Any) -> None:
@@ -312,58 +328,80 @@ class Supervisor:
             else:
                 self.request_stop()
 
-        self.rundir.acquire()  # RunDirLocked: another supervisor owns it - touch nothing
+        self._owns_process = True
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             prev[int(sig)] = signal.signal(sig, on_signal)
         try:
-            parts = self._setup()
-            self._maybe_ready()
-            self._serve(parts)
+            self.start()
+            while self.turn():
+                pass
         finally:
-            self._teardown()
+            self.close()
             for signum, handler in prev.items():
                 signal.signal(signum, handler)
         return 0
 
-    def _serve(self, parts: _Parts) -> None:
+    def start(self) -> None:
+        """Lock the run dir, open the state, bind the sockets, restore the tenants (no signal handlers).
+
+        :meth:`run` is ``start``, :meth:`turn` until it says stop, then :meth:`close`; the
+        in-process lifecycle tests call the three themselves, turning the loop by hand.
+        """
+        self.rundir.acquire()  # RunDirLocked: another supervisor owns it - touch nothing
+        self._acquired = True
+        try:
+            self._setup()
+            self._maybe_ready()
+        except BaseException:
+            self.close()
+            raise
+        self._next_tick = self.loop.clock()
+
+    def turn(self, max_wait_s: float | None = None) -> bool:
+        """One turn of the loop: poll (at most until the next tick, or ``max_wait_s``), handle what
+        is ready, run due timers and housekeeping. Returns False once a stop has completed."""
+        parts = self.parts
+        assert parts is not None, "start() first"
         loop = self.loop
-        next_tick = loop.clock()
-        while True:
-            # unauthenticated requests waiting for their turn (supervisor.fairness): do not sleep
-            waiting = parts.frontend.guard.fair.backlog
-            for handler in loop.poll(0.0 if waiting else max(0.0, next_tick - loop.clock())):
-                try:
-                    handler()
-                except Exception:  # noqa: BLE001 - a bug in one handler must not take every tenant down
-                    self._internal_error("dispatch")
+        # unauthenticated requests waiting for their turn (supervisor.fairness): do not sleep
+        waiting = parts.frontend.guard.fair.backlog
+        wait = 0.0 if waiting else max(0.0, self._next_tick - loop.clock())
+        if max_wait_s is not None:
+            wait = min(wait, max_wait_s)
+        for handler in loop.poll(wait):
             try:
-                parts.frontend.end_turn()
-            except Exception:  # noqa: BLE001 - as above
+                handler()
+            except Exception:  # noqa: BLE001 - a bug in one handler must not take every tenant down
                 self._internal_error("dispatch")
-            if self._metrics.wanted():
-                self._refresh_metrics()
-            if self._reload_wanted and not self._stopping:
-                self._reload_wanted = False
-                try:
-                    parts.service.reload_quietly()
-                except Exception:  # noqa: BLE001 - as above
-                    self._internal_error("reload")
-            now = loop.clock()
+        try:
+            parts.frontend.end_turn()
+        except Exception:  # noqa: BLE001 - as above
+            self._internal_error("dispatch")
+        if self._metrics.wanted():
+            self._refresh_metrics()
+        if self._reload_wanted and not self._stopping:
+            self._reload_wanted = False
             try:
-                loop.timers.run_due(now)
-                if now >= next_tick:
-                    next_tick = now + TICK_S
-                    self._housekeeping(parts, now)
+                parts.service.reload_quietly()
             except Exception:  # noqa: BLE001 - as above
-                self._internal_error("housekeeping")
-            if self._stopping:
-                if self._stop_started is None:
-                    self._stop_started = now
-                    log_event(_log, logging.INFO, "supervisor.stopping", workers=len(parts.workers.workers))
-                    parts.workers.stop_all("shutdown")
-                waited = now - self._stop_started
-                if not parts.workers.workers or waited > self.config.stop_timeout_s + 2 * self.config.kill_grace_s:
-                    return
+                self._internal_error("reload")
+        now = loop.clock()
+        try:
+            loop.timers.run_due(now)
+            if now >= self._next_tick:
+                self._next_tick = now + TICK_S
+                self._housekeeping(parts, now)
+        except Exception:  # noqa: BLE001 - as above
+            self._internal_error("housekeeping")
+        if self._stopping:
+            if self._stop_started is None:
+                self._stop_started = now
+                log_event(_log, logging.INFO, "supervisor.stopping", workers=len(parts.workers.workers))
+                parts.workers.stop_all("shutdown")
+            waited = now - self._stop_started
+            if not parts.workers.workers or waited > self.config.stop_timeout_s + 2 * self.config.kill_grace_s:
+                return False
+        return True
 
     def _housekeeping(self, parts: _Parts, now: float) -> None:
         stalled = self.stall.tick(now)
@@ -396,6 +434,13 @@ class Supervisor:
         self.internal_errors += 1
         _log.error("supervisor.internal_error", exc_info=True, extra={"twt_fields": {"where": where}})
 
+    def close(self) -> None:
+        """Tear down: answer what is in flight, kill every worker, unlink, release the run dir (once)."""
+        if self._closed or not self._acquired:
+            return  # nothing to undo: never started, or the run dir was another supervisor's
+        self._closed = True
+        self._teardown()
+
     def _teardown(self) -> None:
         parts = self.parts
         try:
@@ -427,7 +472,8 @@ class Supervisor:
         if self.ready or parts is None or not parts.admin.settled():
             return
         self.ready = True
-        set_process_name("twt-supervisor")
+        if self._owns_process:
+            set_process_name("twt-supervisor")  # only the daemon's own process, never an embedder's
         self.rundir.write_ready(self._ready_info(parts.admin))
         self.metrics.mark_ready()  # /readyz (it also waits for the warm pool, from the snapshot)
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import psutil
 
@@ -36,7 +36,7 @@ from supervisor.requests import Pending
 if TYPE_CHECKING:
     from shared.records import FaultAck, FaultExit
 
-__all__ = ["Spawner", "WorkerHandle", "WorkerState", "kill_tree"]
+__all__ = ["ProcessLike", "Spawner", "SpawnerFactory", "SpawnerLike", "WorkerHandle", "WorkerState", "kill_tree"]
 
 _log = get_logger("supervisor.workers")
 _WORKER_ENTRY = EntryPoint("worker.main:run")
@@ -54,6 +54,15 @@ class WorkerState(str, enum.Enum):
     DEAD = "dead"
 
 
+class ProcessLike(Protocol):
+    """What the worker set needs of a worker's process: ``multiprocessing``'s, or a test's stand-in."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def close(self) -> None: ...
+
+
 @dataclass(eq=False)
 class WorkerHandle:
     """One worker process, as the supervisor tracks it.
@@ -69,7 +78,7 @@ class WorkerHandle:
 
     worker_id: str
     token: str
-    process: BaseProcess
+    process: ProcessLike
     pid: int
     sentinel: int
     spawned_at: float
@@ -143,6 +152,17 @@ class Spawner:
 
             forkserver.ensure_running()
 
+    def signal(self, worker: WorkerHandle, sig: int) -> None:
+        """Send ``sig`` to the worker and every process it started (never raises)."""
+        kill_tree(worker.pid, sig)
+
+    def rss(self, worker: WorkerHandle) -> int | None:
+        """The worker's resident set in bytes (None: it is gone)."""
+        try:
+            return int(psutil.Process(worker.pid).memory_info().rss)
+        except psutil.Error:
+            return None
+
     def spawn(self) -> WorkerHandle:
         self._seq += 1
         worker_id = f"w{self._nonce}-{self._seq}"
@@ -184,7 +204,28 @@ class Spawner:
         return handle
 
 
-def exit_status(proc: BaseProcess) -> tuple[int | None, int | None]:
+class SpawnerLike(Protocol):
+    """The worker set's view of how workers start, are signalled and measured.
+
+    :class:`Spawner` starts real processes; the in-process lifecycle tests hand the
+    supervisor a stand-in whose workers live on the supervisor's own loop
+    (``tests/helpers/fake_workers.py``), so register, scale, crash and deadline
+    paths run in milliseconds, on a fake clock, without a process.
+    """
+
+    method: str
+
+    def warm_up(self) -> None: ...
+    def spawn(self) -> WorkerHandle: ...
+    def signal(self, worker: WorkerHandle, sig: int) -> None: ...
+    def rss(self, worker: WorkerHandle) -> int | None: ...
+
+
+#: builds the spawner once the supervisor knows its worker endpoints ({"backend", "control"})
+SpawnerFactory = Callable[[SupervisorConfig, dict[str, str]], SpawnerLike]
+
+
+def exit_status(proc: ProcessLike) -> tuple[int | None, int | None]:
     """(exit_code, signal) of a finished process; reaps it.
 
     The sentinel becomes readable when the child's fds close, a moment

@@ -27,7 +27,6 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Protocol
 
-import psutil
 import zmq
 
 from shared import protocol as proto
@@ -50,7 +49,7 @@ from supervisor.pending import PendingTable
 from supervisor.placement import Placement
 from supervisor.requests import Pending
 from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
-from supervisor.workers import Spawner, WorkerHandle, WorkerState, exit_status, kill_tree
+from supervisor.workers import SpawnerLike, WorkerHandle, WorkerState, exit_status
 
 __all__ = ["TenantHooks", "WorkerSet"]
 
@@ -83,7 +82,7 @@ class WorkerSet:
         loop: Loop,
         pending: PendingTable,
         tenants: Mapping[str, TenantRuntime],
-        spawner: Spawner,
+        spawner: SpawnerLike,
         backend: zmq.Socket[Any],
         control: zmq.Socket[Any],
         placement: Placement,
@@ -274,7 +273,7 @@ class WorkerSet:
         if worker.control_hello:
             self.send_control(worker, proto.encode_control("stop"))
         else:
-            kill_tree(worker.pid, signal.SIGTERM)
+            self.spawner.signal(worker, signal.SIGTERM)
         worker.kill_at = self.clock() + self.config.stop_timeout_s
 
     def stop_all(self, reason: str) -> None:
@@ -295,14 +294,14 @@ class WorkerSet:
         worker.state = WorkerState.STOPPING
         if worker in self.pool:
             self.pool.remove(worker)
-        kill_tree(worker.pid, signal.SIGTERM)
+        self.spawner.signal(worker, signal.SIGTERM)
         worker.kill_at = self.clock() + self.config.kill_grace_s
 
     def kill_all_now(self, timeout_s: float = 5.0) -> None:
         """Teardown: SIGKILL whatever is alive, wait (bounded) for it, forget every worker."""
         deadline = time.monotonic() + timeout_s
         for worker in list(self.workers.values()):
-            kill_tree(worker.pid, signal.SIGKILL)
+            self.spawner.signal(worker, signal.SIGKILL)
         for worker in list(self.workers.values()):
             worker.process.join(max(0.0, deadline - time.monotonic()))
             if worker.process.exitcode is not None:
@@ -450,7 +449,7 @@ class WorkerSet:
                     self.kill(worker, "never said hello", "startup")
         for worker in list(self.workers.values()):
             if worker.kill_at is not None and now >= worker.kill_at and worker.state is not WorkerState.DEAD:
-                kill_tree(worker.pid, signal.SIGKILL)
+                self.spawner.signal(worker, signal.SIGKILL)
                 worker.kill_at = float("inf")
 
     def check_rss(self) -> None:
@@ -462,9 +461,8 @@ class WorkerSet:
                 worker = slot.worker
                 if worker is None or worker.state is not WorkerState.READY:
                     continue
-                try:
-                    rss = psutil.Process(worker.pid).memory_info().rss
-                except psutil.Error:
+                rss = self.spawner.rss(worker)
+                if rss is None:
                     continue
                 if rss > limit:
                     worker.rss_exceeded = (rss, limit)

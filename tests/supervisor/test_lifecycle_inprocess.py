@@ -1,0 +1,245 @@
+"""The tenant lifecycle in one process: AdminOps, ServiceOps and WorkerSet on a fake clock.
+
+A real :class:`~supervisor.supervisor.Supervisor` (real sockets, state, quota
+blocks) whose workers are :mod:`tests.helpers.fake_workers`: they live on the
+supervisor's own loop, so the test turns the loop by hand and moves the clock
+itself. No process is started, nothing waits on a timer, and every case is
+decided by events, not by how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from shared import protocol as proto
+from shared.config import SupervisorConfig
+from shared.spec import TenantSpec
+from supervisor.rundir import read_admin_capability
+from supervisor.supervisor import Supervisor
+from tests.helpers.fake_workers import FakeClock, FakeSpawner
+
+pytestmark = pytest.mark.timeout(60)
+
+#: real seconds a call may take before the test calls it stuck: messages cross real sockets
+#: (libzmq's I/O thread), so the loop waits on its poller for them - never a fixed sleep
+STUCK_S = 30.0
+#: the longest one turn waits on the poller for a message (a reply to the raw client is not on it)
+TURN_WAIT_S = 0.005
+
+
+class Harness:
+    """A supervisor with fake workers, a raw client socket, and a clock the test moves."""
+
+    def __init__(self, tmp: Path, **cfg: Any) -> None:
+        self.clock = FakeClock()
+        holder: list[FakeSpawner] = []
+        config = SupervisorConfig(run_dir=str(tmp / "run"), backend="stub", pool_size=cfg.pop("pool_size", 1),
+                                  **cfg)
+        self.sup = Supervisor(config, clock=self.clock, spawner=FakeSpawner.factory(lambda: self.sup.loop, holder))
+        self.sup.start()
+        self.spawner = holder[0]
+        self.admin = read_admin_capability(config.run_dir)
+        self.client: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+        self.client.setsockopt(zmq.LINGER, 0)
+        self.client.connect(self.sup.rundir.endpoint("frontend"))
+        self._rid = itertools.count(1)
+
+    def turn(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.sup.turn(TURN_WAIT_S)
+
+    def settle(self, quiet_turns: int = 10) -> None:
+        """Turn until nothing has been ready for ``quiet_turns`` turns: every message in flight
+        (spawned workers' hellos, binds, stops) is handled."""
+        quiet = 0
+        deadline = time.monotonic() + STUCK_S
+        while quiet < quiet_turns and time.monotonic() < deadline:
+            handled = self.sup.loop.poll(TURN_WAIT_S)
+            for handler in handled:
+                handler()
+            self.sup.turn(0.0)
+            quiet = 0 if handled else quiet + 1
+
+    def tick(self, seconds: float, step: float = 0.25) -> None:
+        """Move the clock by ``seconds`` in steps (each past a housekeeping tick), settling at each."""
+        steps = max(1, round(seconds / step))
+        for _ in range(steps):
+            self.clock.advance(seconds / steps)
+            self.sup.turn(0.0)  # due timers and housekeeping at the new time
+            self.settle(quiet_turns=2)
+
+    def send(self, op: str, args: dict[str, Any], cap: bytes | None = None) -> int:
+        rid = next(self._rid)
+        self.client.send(proto.encode_request(rid, op, self.admin if cap is None else cap, args))
+        return rid
+
+    def answer(self, rid: int) -> tuple[bool, Any]:
+        deadline = time.monotonic() + STUCK_S
+        while time.monotonic() < deadline:
+            self.turn()
+            if self.client.poll(0):
+                got, ok, payload = proto.decode_reply(self.client.recv_multipart()[0])
+                assert got == rid
+                return ok, payload
+        raise AssertionError(f"no answer to request {rid} within {STUCK_S} s")
+
+    def call(self, op: str, args: dict[str, Any], cap: bytes | None = None) -> Any:
+        ok, payload = self.answer(self.send(op, args, cap))
+        assert ok, payload
+        return payload
+
+    def error(self, op: str, args: dict[str, Any], cap: bytes | None = None) -> dict[str, Any]:
+        ok, payload = self.answer(self.send(op, args, cap))
+        assert not ok, payload
+        assert isinstance(payload, dict)
+        return payload
+
+    def register(self, name: str, **spec: Any) -> bytes:
+        result = self.call("register", {"spec": TenantSpec(name, **spec).to_dict()})
+        cap = result["capability"]
+        assert isinstance(cap, bytes)
+        return cap
+
+    def tenant(self, name: str) -> dict[str, Any]:
+        status = self.call("status", {"tenant": name})
+        tenants = status["tenants"] if "tenants" in status else [status]
+        found = [t for t in tenants if t.get("tenant") == name or t.get("tenant_id") == name]
+        assert found, status
+        return dict(found[0])
+
+    def close(self) -> None:
+        self.client.close(0)
+        self.sup.request_stop()
+        deadline = time.monotonic() + STUCK_S
+        while time.monotonic() < deadline and self.sup.turn(TURN_WAIT_S):
+            self.clock.advance(0.05)
+        self.sup.close()
+        self.spawner.close()
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> Iterator[Harness]:
+    harness = Harness(tmp_path)
+    try:
+        yield harness
+    finally:
+        harness.close()
+
+
+def test_register_binds_a_pool_worker_and_requests_reach_it(h: Harness) -> None:
+    h.settle()
+    assert len(h.spawner.workers) == 1  # the warm pool
+    cap = h.register("acme", instances=1)
+    (worker,) = h.spawner.of("acme")
+    assert worker.received[0] == "bind"
+    pong = h.call("ping", {}, cap)
+    assert pong["pid"] == worker.process.pid
+    assert "ping" in worker.received
+
+
+def test_scale_up_and_down(h: Harness) -> None:
+    h.register("acme", instances=1)
+    h.call("scale", {"tenant": "acme", "instances": 3})
+    h.settle()  # new instances start after the answer: their workers bind on later turns
+    assert [w.instance for w in h.spawner.of("acme")] == [0, 1, 2]
+    h.call("scale", {"tenant": "acme", "instances": 1})
+    h.settle()
+    assert [w.instance for w in h.spawner.of("acme")] == [0]
+
+
+def test_crash_is_answered_and_restarted_after_backoff(h: Harness) -> None:
+    cap = h.register("acme", instances=1)
+    (worker,) = h.spawner.of("acme")
+    worker.hang_ops.add("ping")
+    rid = h.send("ping", {}, cap)
+    h.turn(5)
+    worker.crash(signal.SIGSEGV)
+    ok, err = h.answer(rid)
+    assert not ok and err["code"] == "worker_lost" and err["fields"]["signal"] == signal.SIGSEGV
+    h.tick(5.0)  # past any backoff
+    (again,) = h.spawner.of("acme")
+    assert again is not worker
+    assert h.call("ping", {}, cap)["pid"] == again.process.pid
+
+
+def test_a_hung_request_meets_its_deadline_and_the_worker_is_replaced(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    try:
+        cap = h.register("acme", instances=1, request_timeout_s=2.0)
+        (worker,) = h.spawner.of("acme")
+        worker.hang_ops.add("ping")
+        rid = h.send("ping", {}, cap)
+        h.turn(5)
+        assert h.client.poll(0) == 0  # not answered: the op hangs
+        h.tick(2.5)
+        ok, err = h.answer(rid)
+        assert not ok and err["code"] in ("kernel_timeout", "worker_lost"), err
+        assert signal.SIGTERM in worker.signals and not worker.alive
+        h.tick(5.0)
+        (again,) = h.spawner.of("acme")
+        assert again is not worker
+    finally:
+        h.close()
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace(h: Harness) -> None:
+    cap = h.register("acme", instances=1, request_timeout_s=1.0)
+    (worker,) = h.spawner.of("acme")
+    worker.hang_ops.add("ping")
+    worker.ignore_sigterm = True
+    h.send("ping", {}, cap)
+    h.tick(1.5)
+    assert worker.signals == [signal.SIGTERM] and worker.alive
+    h.tick(h.sup.config.kill_grace_s + 0.5)
+    assert worker.signals == [signal.SIGTERM, signal.SIGKILL] and not worker.alive
+
+
+def test_silent_worker_is_killed_for_missed_heartbeats(h: Harness) -> None:
+    h.register("acme", instances=1)
+    (worker,) = h.spawner.of("acme")
+    worker.silent = True
+    cfg = h.sup.config
+    h.tick(cfg.heartbeat_interval_s * (cfg.heartbeat_liveness + 2))
+    assert signal.SIGTERM in worker.signals and not worker.alive
+
+
+def test_too_many_restarts_mark_the_tenant_failed_and_reset_revives_it(h: Harness) -> None:
+    cap = h.register("acme", instances=1, max_restarts=2, restart_window_s=600)
+    for _ in range(3):
+        (worker,) = h.spawner.of("acme")
+        worker.crash()
+        h.tick(1.0)  # past the backoff of each restart (0, 50 ms, 100 ms)
+    assert h.spawner.of("acme") == []
+    assert h.tenant("acme")["state"] == "failed"
+    err = h.error("ping", {}, cap)
+    assert err["code"] == "tenant_failed"
+    h.call("reset", {"tenant": "acme"})
+    h.settle()
+    (worker,) = h.spawner.of("acme")
+    assert h.call("ping", {}, cap)["pid"] == worker.process.pid
+
+
+def test_rolling_restart_replaces_every_instance(h: Harness) -> None:
+    h.register("acme", instances=2)
+    before = {w.process.pid for w in h.spawner.of("acme")}
+    h.call("restart", {"tenant": "acme"})
+    h.settle()
+    after = {w.process.pid for w in h.spawner.of("acme")}
+    assert len(after) == 2 and not before & after
+
+
+def test_evict_stops_workers_and_revokes_the_capability(h: Harness) -> None:
+    cap = h.register("acme", instances=2)
+    workers = h.spawner.of("acme")
+    h.call("evict", {"tenant": "acme"})
+    assert all(not w.alive for w in workers)
+    err = h.error("ping", {}, cap)
+    assert err["code"] in ("capability_revoked", "isolation_violation", "unknown_tenant"), err
