@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from shared.errors import ConfigError
 from shared.sizes import parse_size
 from shared.spec import TenantSpec
 
@@ -61,22 +62,6 @@ _SIZE_FIELDS = (
     "stub_device_capacity_bytes",
     "device_reserve_bytes",
 )
-
-
-class ConfigError(ValueError):
-    """A configuration with one or more mistakes; the message lists every one, with where it is.
-
-    A ``ValueError``, so the CLI reports it as bad usage (exit 2).
-    """
-
-    def __init__(self, where: str, problems: list[str]) -> None:
-        self.where = where
-        self.problems = list(problems)
-        if len(problems) == 1:
-            text = f"{where}: {problems[0]}"
-        else:
-            text = f"{where} has {len(problems)} mistakes:\n" + "\n".join(f"  - {p}" for p in problems)
-        super().__init__(text)
 
 
 def default_run_dir() -> str:
@@ -359,7 +344,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         except ValueError:
             problems.append(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {name}")
     if problems:
-        raise ConfigError("environment", problems)
+        raise ConfigError.listing("environment", problems)
     return out
 
 
@@ -369,25 +354,25 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         text = p.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"config {p}", ["the file does not exist"]) from None
+        raise ConfigError.listing(f"config {p}", ["the file does not exist"]) from None
     except IsADirectoryError:
-        raise ConfigError(f"config {p}", ["is a directory, not a file"]) from None
+        raise ConfigError.listing(f"config {p}", ["is a directory, not a file"]) from None
     except PermissionError:
-        raise ConfigError(f"config {p}", ["permission denied: this user cannot read it"]) from None
+        raise ConfigError.listing(f"config {p}", ["permission denied: this user cannot read it"]) from None
     except OSError as exc:
-        raise ConfigError(f"config {p}", [f"cannot be read ({(exc.strerror or str(exc)).lower()})"]) from None
+        raise ConfigError.listing(f"config {p}", [f"cannot be read ({(exc.strerror or str(exc)).lower()})"]) from None
     try:
         doc = json.loads(text) if p.suffix == ".json" else tomllib.loads(text.decode())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         kind = "JSON" if p.suffix == ".json" else "TOML"
-        raise ConfigError(f"config {p}", [f"not valid {kind}: {exc}"]) from None
+        raise ConfigError.listing(f"config {p}", [f"not valid {kind}: {exc}"]) from None
     return config_dict_to_fields(doc, f"config {p}")
 
 
 def config_dict_to_fields(doc: Mapping[str, Any], where: str = "config") -> dict[str, Any]:
     """Flat supervisor fields + tenants from a parsed document; every mistake is reported at once."""
     if not isinstance(doc, Mapping):
-        raise ConfigError(where, ["the top level must be a table"])
+        raise ConfigError.listing(where, ["the top level must be a table"])
     problems: list[str] = []
     unknown = sorted(set(doc) - {"supervisor", "tenant"})
     if unknown:
@@ -417,7 +402,7 @@ def config_dict_to_fields(doc: Mapping[str, Any], where: str = "config") -> dict
         if spec is not None:
             specs.append(spec)
     if problems:
-        raise ConfigError(where, problems)
+        raise ConfigError.listing(where, problems)
     fields["tenants"] = tuple(specs)
     return fields
 

@@ -613,16 +613,28 @@ class StateError(TensorWasmError):
 
 
 class ConfigError(TensorWasmError, ValueError):
-    """The config file cannot be applied (``twt reload``, SIGHUP): nothing was changed.
+    """A configuration with mistakes: a config file, the environment, or a reload that cannot be applied.
 
-    ``path`` names the file, ``detail`` every problem found. Fix the file and
-    reload again; the supervisor keeps running with what it had.
+    ``path`` names where (a file, ``environment``), ``detail`` every problem found
+    (joined with ``; ``). At start the supervisor does not start; on ``twt reload``
+    or SIGHUP nothing was changed and it keeps running with what it had. A
+    ``ValueError`` too, so the CLI reports it as bad usage (exit 2). The one class
+    for all three: :meth:`listing` builds the multi-line message a person reads.
     """
 
     code = "config_error"
-    _template = "config {path}: {detail}; nothing was changed"
+    _template = "config {path}: {detail}"
     path: str
     detail: str
+
+    @classmethod
+    def listing(cls, where: str, problems: list[str]) -> ConfigError:
+        """Every problem of ``where`` at once: one line for one, a list for several."""
+        if len(problems) == 1:
+            text = f"{where}: {problems[0]}"
+        else:
+            text = f"{where} has {len(problems)} mistakes:\n" + "\n".join(f"  - {p}" for p in problems)
+        return cls(where, "; ".join(problems), message=text)
 
 
 class RegistryError(TensorWasmError):

@@ -20,7 +20,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from shared.errors import SupervisorUnavailable, TensorWasmError
+from shared.errors import ConfigError, SupervisorUnavailable, TensorWasmError
 from shared.exitcodes import (
     EXIT_CHECK,
     EXIT_FAILED,
@@ -100,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SupervisorUnavailable as exc:
         print(f"twt: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    except ConfigError as exc:  # the user's file or environment: usage, as any bad input
+        print(f"twt: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except TensorWasmError as exc:
         print(f"twt: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -102,8 +102,8 @@ def test_config_file_reports_every_mistake_with_its_name(tmp_path: Path) -> None
     with pytest.raises(ConfigError) as info:
         load_config(path, environ={})
     err = info.value
-    assert err.where == f"config {path}" and len(err.problems) == 7, err.problems
     text = str(err)
+    assert err.path == f"config {path}" and text.count("\n  - ") == 7, text
     assert text.startswith(f"config {path} has 7 mistakes:")
     for needle in ("unknown [supervisor] key 'poolsize'; did you mean 'pool_size'?", "backend must be one of",
                    "stop_timeout_s must be a positive number", "[[tenant]] #1 ('acme'): instances must be in 0..64",
