@@ -68,8 +68,8 @@ class _NoPublicConstructor(type):
         return super().__call__(*args, **kwargs)
 
 
-def _refuse(detail: str) -> TenantIsolationViolation:
-    return TenantIsolationViolation(None, f"capability: {detail}")
+def _refuse(detail: str, reason: str = "malformed") -> TenantIsolationViolation:
+    return TenantIsolationViolation(None, f"capability: {detail}", reason)
 
 
 class Capability(metaclass=_NoPublicConstructor):
@@ -118,7 +118,7 @@ class Capability(metaclass=_NoPublicConstructor):
         """
         cap = capability_from_bytes(data)
         if not isinstance(cap, cls):
-            raise _refuse(f"expected a {cls.__name__}, got a {type(cap).__name__}")
+            raise _refuse(f"expected a {cls.__name__}, got a {type(cap).__name__}", "wrong_kind")
         return cap
 
     def __eq__(self, other: object) -> bool:
@@ -167,7 +167,7 @@ def capability_from_bytes(data: bytes) -> RegistryAdminCapability | TenantCapabi
         raise _refuse(f"expected bytes, got {type(data).__name__}")
     raw = bytes(data)
     if len(raw) < _FIXED.size + MAC_BYTES:
-        raise _refuse(f"truncated ({len(raw)} bytes)")
+        raise _refuse(f"truncated ({len(raw)} bytes)", "truncated")
     version, kind, registry_id, generation, n = _FIXED.unpack_from(raw)
     if version != CAPABILITY_VERSION:
         raise _refuse(f"unsupported version {version}")
@@ -175,7 +175,7 @@ def capability_from_bytes(data: bytes) -> RegistryAdminCapability | TenantCapabi
     if cls is None:
         raise _refuse(f"unknown kind {kind}")
     if len(raw) != _FIXED.size + n + MAC_BYTES:
-        raise _refuse(f"length {len(raw)} does not match its tenant field ({n})")
+        raise _refuse(f"length {len(raw)} does not match its tenant field ({n})", "truncated")
     if (kind == KIND_ADMIN) != (n == 0):
         raise _refuse("tenant field does not match the kind")
     try:

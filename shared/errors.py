@@ -65,7 +65,7 @@ from __future__ import annotations
 import inspect
 import keyword
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Self, dataclass_transform, overload
+from typing import Any, ClassVar, Final, Self, dataclass_transform, overload
 
 __all__ = [
     "AlreadyRegistered",
@@ -77,6 +77,7 @@ __all__ = [
     "CudaError",
     "GpuMemoryExhausted",
     "HandshakeFailed",
+    "ISOLATION_REASONS",
     "InvalidArgument",
     "KernelTimeout",
     "MemoryExhausted",
@@ -327,22 +328,31 @@ class GpuMemoryExhausted(MemoryExhausted):
 class TenantIsolationViolation(TensorWasmError, PermissionError):
     """A capability was forged, truncated, of the wrong kind, or not minted by this registry.
 
-    Always a security signal: the request touched nothing.
+    Always a security signal: the request touched nothing. ``reason`` says which, in
+    the words of the ``denied`` audit event (:data:`ISOLATION_REASONS`), so the audit
+    and clients classify a refusal by a field, never by its message text.
     """
 
     code = "isolation_violation"
     tenant_id: str | None
     resource: str
+    reason: str = "other"
 
     def _default_message(self) -> str:
         who = f"tenant {self.tenant_id!r}" if self.tenant_id else "caller"
         return f"isolation violation: {who} denied access to {self.resource}"
 
 
+#: every ``TenantIsolationViolation.reason`` (the ``denied`` event's ``reason``, docs/SECURITY.md)
+ISOLATION_REASONS: Final = ("missing", "malformed", "truncated", "wrong_kind", "foreign", "forged", "revoked",
+                            "unknown_tenant", "other")
+
+
 class CapabilityRevoked(TenantIsolationViolation):
     """The capability was valid once, but its tenant was evicted (generation bumped)."""
 
     code = "capability_revoked"
+    reason: str = "revoked"
 
     def _default_message(self) -> str:
         return (

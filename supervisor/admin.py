@@ -159,7 +159,7 @@ class AdminOps:
     def handle(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any) -> None:
         """One admin request: the admin capability first, then the op's schema, then the op."""
         if cap_raw is None:
-            raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)")
+            raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
         self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
         proto.check_args(op, args)
         answer = self.pending.answer

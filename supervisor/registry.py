@@ -203,20 +203,20 @@ class TenantRegistry:
 
     def _check_admin(self, cap: object, strict: bool) -> None:
         if not isinstance(cap, RegistryAdminCapability):
-            raise TenantIsolationViolation(None, "admin operations (not an admin capability)")
+            raise TenantIsolationViolation(None, "admin operations (not an admin capability)", "wrong_kind")
         if cap._registry_id != self._rid:
             self._foreign(cap, "", strict)
         if not self._mac_ok(cap):
-            raise TenantIsolationViolation(None, "admin operations (forged capability)")
+            raise TenantIsolationViolation(None, "admin operations (forged capability)", "forged")
 
     def _check_tenant(self, cap: object, strict: bool) -> _Tenant:
         if not isinstance(cap, TenantCapability):
-            raise TenantIsolationViolation(None, "tenant operations (not a tenant capability)")
+            raise TenantIsolationViolation(None, "tenant operations (not a tenant capability)", "wrong_kind")
         tid = cap._tenant_id
         if cap._registry_id != self._rid:
             self._foreign(cap, tid, strict)
         if not self._mac_ok(cap):
-            raise TenantIsolationViolation(tid, "tenant operations (forged capability)")
+            raise TenantIsolationViolation(tid, "tenant operations (forged capability)", "forged")
         entry = self._tenants.get(tid)
         if entry is None or entry.generation != cap._generation:
             raise CapabilityRevoked(tid, f"generation {cap._generation}")
@@ -241,7 +241,8 @@ class TenantRegistry:
             raise CapabilityRevoked(tid or "(admin)", "the registry key was rotated")
         if strict:
             raise CapabilityFromForeignRegistry(tid, self.registry_id, cap.registry_id)
-        raise TenantIsolationViolation(tid or None, "this registry (capability from a foreign registry)")
+        raise TenantIsolationViolation(tid or None, "this registry (capability from a foreign registry)",
+                                       "foreign")
 
     def explain_refusal(self, raw: bytes | None, *, admin: bool) -> Denial:
         """Why these capability bytes are refused for an admin (or tenant) op: the audit's reason.
@@ -254,7 +255,7 @@ class TenantRegistry:
         try:
             cap = _cap.capability_from_bytes(raw)
         except TenantIsolationViolation as exc:
-            return Denial("truncated" if "truncated" in str(exc) or "length" in str(exc) else "malformed", None, None)
+            return Denial(exc.reason, None, None)  # truncated or malformed: said by the parser, not its text
         claimed = cap.tenant_id if isinstance(cap, TenantCapability) else None
         if isinstance(cap, RegistryAdminCapability) != admin:
             reason = "wrong_kind"

@@ -52,8 +52,8 @@ SAMPLES: dict[type[TensorWasmError], dict[str, Any]] = {
     errors.RunDirLocked: {"run_dir": "/tmp/twt-1", "pid": 42},
     MemoryExhausted: {"tenant_id": "acme", "requested": 4096, "limit": 8192, "current": 6000},
     GpuMemoryExhausted: {"tenant_id": "acme", "requested": 1 << 30, "limit": 1 << 31, "current": 1 << 31},
-    TenantIsolationViolation: {"tenant_id": "acme", "resource": "run_wasm"},
-    CapabilityRevoked: {"tenant_id": "acme", "resource": "alloc"},
+    TenantIsolationViolation: {"tenant_id": "acme", "resource": "run_wasm", "reason": "forged"},
+    CapabilityRevoked: {"tenant_id": "acme", "resource": "alloc", "reason": "revoked"},
     CudaError: {"call": "cuMemAllocFromPoolAsync", "result_name": "CUDA_ERROR_OUT_OF_MEMORY", "result_code": 2},
     WasmTrap: {"trap_code": "unreachable", "detail": "at func 3"},
     WasmCompile: {"detail": "unknown import tensorwasm.nope"},
@@ -418,3 +418,17 @@ def test_root_message_defaults_to_the_docstring_and_is_always_a_str() -> None:
     err = WasmCompile("bad magic")
     err.message = None  # type: ignore[assignment]  # the descriptor regenerates the text
     assert err.message == "wasm module rejected: bad magic"
+
+
+def test_isolation_refusals_carry_their_reason() -> None:
+    """The denied audit reads ``reason`` (never the message text): each refusal names one of the vocabulary."""
+    from shared.capability import capability_from_bytes
+    from shared.errors import ISOLATION_REASONS
+
+    assert TenantIsolationViolation(None, "x").reason == "other"
+    assert CapabilityRevoked("acme", "generation 1").reason == "revoked"
+    for raw, reason in ((b"\x01", "truncated"), (b"\x09" * 64, "malformed")):
+        with pytest.raises(TenantIsolationViolation) as info:
+            capability_from_bytes(raw)
+        assert info.value.reason == reason, info.value
+        assert info.value.reason in ISOLATION_REASONS
