@@ -34,3 +34,4 @@ __all__ = [
     "parse_size",
 ]
 __all__ += _errors.__all__
+__all__.sort()  # one sorted face, the error tree included

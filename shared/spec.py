@@ -192,9 +192,6 @@ class TenantSpec:
     def with_max_in_flight(self, n: int) -> TenantSpec:
         return self._with(max_in_flight=n)
 
-    def with_request_timeout_s(self, seconds: float) -> TenantSpec:
-        return self._with(request_timeout_s=seconds)
-
     def with_wasm_limits(
         self,
         *,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import zmq
@@ -41,15 +41,12 @@ class EventBus:
     def __init__(self, sock: zmq.Socket[Any] | None, log: EventLog | None = None) -> None:
         self.sock = sock
         self.log = log
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.published = 0
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"event": event, "ts": round(time.time(), 6), **fields}
         level = logging.INFO if fields.get("expected") else _LEVELS.get(event, logging.INFO)
         log_event(_log, level, f"event.{event}", **fields)
-        for listener in self.listeners:
-            listener(record)
         if self.sock is None and self.log is None:
             return
         body = msgpack.packb(record, use_bin_type=True, default=str)

@@ -520,9 +520,6 @@ class TenantRegistry:
     def __contains__(self, tenant_id: object) -> bool:
         return tenant_id in self._tenants
 
-    def is_empty(self) -> bool:
-        return not self._tenants
-
     def _ensure_open(self) -> None:
         if self._closed:
             raise RuntimeError("registry is closed")

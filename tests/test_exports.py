@@ -17,6 +17,7 @@ def test_all_is_importable_and_sorted(name: str) -> None:
     assert len(set(pkg.__all__)) == len(pkg.__all__), f"{name}.__all__ has duplicates"
     for attr in pkg.__all__:
         assert hasattr(pkg, attr), f"{name}.__all__ names {attr!r}, which does not exist"
+    assert list(pkg.__all__) == sorted(pkg.__all__), f"{name}.__all__ is not sorted"
 
 
 @pytest.mark.parametrize("name", PACKAGES)

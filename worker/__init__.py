@@ -21,10 +21,10 @@ from worker.context import TenantContext
 from worker.faults import FAULT_KINDS, FaultState
 
 __all__ = [
-    "FAULT_KINDS",
     "Backend",
     "DeviceBuffer",
     "DeviceOutOfMemory",
+    "FAULT_KINDS",
     "FaultState",
     "MeteredAllocator",
     "StubBackend",

@@ -161,12 +161,27 @@ def test_two_registries_same_names_fully_separate() -> None:
             lambda: rb.release_bytes_with_capability_strict(cap_a, 1),
             lambda: ra.tenants_strict(admin_b),
             lambda: rb.unregister_strict(admin_a, "acme"),
+            lambda: rb.register_with_capability_strict(admin_a, TenantSpec("x")),
+            lambda: ra.consume_gpu_bytes_with_capability_strict(cap_b, 1),
+            lambda: ra.release_gpu_bytes_with_capability_strict(cap_b, 1),
+            lambda: ra.tenant_ids_strict(admin_b),
+            lambda: ra.get_strict(admin_b, "acme"),
+            lambda: ra.set_quota_strict(admin_b, "acme", memory_quota_bytes=1),
         ):
             with pytest.raises(CapabilityFromForeignRegistry) as exc:
                 call()
             assert exc.value.expected_registry != exc.value.actual_registry
         assert ra.get(admin_a, "acme").quota.bytes_in_use == 0
         assert rb.get(admin_b, "acme").quota.bytes_in_use == 0
+        # and with their own registry's capabilities, the strict variants do the work
+        ra.consume_gpu_bytes_with_capability_strict(cap_a, 5)
+        assert ra.snapshot_with_capability(cap_a).gpu_bytes_in_use == 5
+        ra.release_gpu_bytes_with_capability_strict(cap_a, 5)
+        assert ra.tenant_ids_strict(admin_a) == ["acme"]
+        assert ra.get_strict(admin_a, "acme").spec.tenant_id == "acme"
+        assert ra.set_quota_strict(admin_a, "acme", memory_quota_bytes=4096).spec.memory_quota_bytes == 4096
+        ra.register_with_capability_strict(admin_a, TenantSpec("beta"))
+        assert ra.tenant_ids_strict(admin_a) == ["acme", "beta"]
 
 
 def _mutations(raw: bytes) -> list[bytes]:
