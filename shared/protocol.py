@@ -40,6 +40,7 @@ __all__ = [
     "OPS",
     "PROTOCOL_VERSION",
     "QUOTA_KEYS",
+    "SERVED_BY",
     "TENANT_OPS",
     "Arg",
     "OpSpec",
@@ -80,7 +81,7 @@ MAX_CLIENT_REPLY_ITEMS: Final = 64 * MAX_BUFFERS_PER_INSTANCE + 1024
 
 # ------------------------------------------------------------------ the op table
 #
-# Every wire op is declared once, here. The supervisor dispatches by ``OPS[op].admin``
+# Every wire op is declared once, here. The supervisor dispatches by ``OPS[op].served_by``
 # and checks arguments with :func:`check_args`; SupervisorClient has a method named
 # ``OPS[op].client`` for each; ``OPS[op].cli`` names the ``twt`` command that issues it;
 # docs/PROTOCOL.md lists every op (tests/shared/test_protocol.py checks all three).
@@ -111,7 +112,28 @@ class OpSpec:
     #: the other capability grants it too, each with its own scope (``events``: the admin sees
     #: every event, a tenant its own); counted with the tenant ops, served by the supervisor
     any_capability: bool = False
+    #: who answers it: "worker" (one of the tenant's instances), "frontend" (the supervisor's
+    #: frontend, from what it holds), "admin" (supervisor.admin.AdminOps), "service"
+    #: (supervisor.service.ServiceOps) - the supervisor dispatches by this, never by name lists
+    served_by: str = "worker"
+    #: its ``handle`` argument pins it to the instance holding that buffer
+    handle: bool = False
+    #: it may be pinned to one instance (``alloc``'s ``instance``, buffer handles it names)
+    pins: bool = False
+    #: it names a shared-memory region of this host: local (ipc) clients only, refused over TCP
+    local_only: bool = False
+    #: its reply may carry a big body: refused while the client lets replies pile up unread
+    big_reply: bool = False
 
+    def __post_init__(self) -> None:
+        if self.served_by not in SERVED_BY:
+            raise ValueError(f"op {self.name!r}: served_by must be one of {SERVED_BY}")
+        if self.admin != (self.served_by in ("admin", "service")):
+            raise ValueError(f"op {self.name!r}: admin ops are served by AdminOps or ServiceOps, and only they")
+
+
+#: the parts of the supervisor that answer ops (OpSpec.served_by)
+SERVED_BY: Final = ("worker", "frontend", "admin", "service")
 
 _INT = (int,)
 _NUM = (int, float)
@@ -124,8 +146,6 @@ _MAP = (dict,)
 QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
 #: what inject_fault accepts (docs/RELIABILITY.md describes each)
 FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
-#: worker-side ops whose handle argument pins them to one instance (``alloc`` may name one: ``instance``)
-HANDLE_OPS: Final = frozenset({"free", "write", "read", "write_region", "read_region"})
 
 _T = "tenant"
 OPS: Final[dict[str, OpSpec]] = {
@@ -134,77 +154,86 @@ OPS: Final[dict[str, OpSpec]] = {
         # ---- tenant ops (a tenant capability)
         OpSpec("ping", False, (), "{pid, tenant, instance, requests, uptime_s}", ("WorkerLost",), "ping"),
         OpSpec("alloc", False, (Arg("nbytes", _INT, True), Arg("instance", (int, type(None)))), "{handle, nbytes}",
-               ("GpuMemoryExhausted", "InvalidArgument"), "alloc", "alloc"),
+               ("GpuMemoryExhausted", "InvalidArgument"), "alloc", "alloc", pins=True),
         OpSpec("free", False, (Arg("handle", _INT, True),), "{freed}", ("InvalidArgument", "BufferLost"),
-               "free", "free"),
+               "free", "free", handle=True, pins=True),
         OpSpec("write", False, (Arg("handle", _INT, True), Arg("offset", _INT)), "{written}",
-               ("InvalidArgument", "BufferLost"), "write", "write", body_in=True),
+               ("InvalidArgument", "BufferLost"), "write", "write", body_in=True, handle=True, pins=True),
         OpSpec("read", False, (Arg("handle", _INT, True), Arg("offset", _INT), Arg("nbytes", _INT, True)),
-               "{nbytes}", ("InvalidArgument", "BufferLost", "Overloaded"), "read", "read", body_out=True),
+               "{nbytes}", ("InvalidArgument", "BufferLost", "Overloaded"), "read", "read", body_out=True,
+               handle=True, pins=True, big_reply=True),
         OpSpec("buffers", False, (), "{buffers: [[handle, nbytes]...], bytes}", ("WorkerLost",), "buffers",
                "buffers"),
-        OpSpec("quota", False, (), "QuotaSnapshot map", (), "quota"),
-        OpSpec("put_module", False, (), "{digest}", ("InvalidArgument",), "put_module", body_in=True),
+        OpSpec("quota", False, (), "QuotaSnapshot map", (), "quota", served_by="frontend"),
+        OpSpec("put_module", False, (), "{digest}", ("InvalidArgument",), "put_module", body_in=True,
+               served_by="frontend"),
         OpSpec("run_wasm", False,
                (Arg("export", _STR, True), Arg("args", (list,)), Arg("fuel", _INT), Arg("timeout_s", _NUM),
                 Arg("digest", _STR)),
                "{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs}",
                ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument",
                 "BufferLost"),
-               "run_wasm", "run", body_in=True),
+               "run_wasm", "run", body_in=True, pins=True, big_reply=True),
         # ---- shared-memory regions of local clients (shared.region, supervisor.regions)
         # ---- either capability, each seeing its own part (supervisor.event_log)
         OpSpec("events", False, (Arg("after", (int, type(None))), Arg("max", _INT), Arg("kinds", (list,)),
                                  Arg("log", (str, type(None)))),
                "{events: [{seq, event, ts, ...}...], next, missed, more, log}", ("InvalidArgument",),
-               "events_page", "events", any_capability=True),
+               "events_page", "events", any_capability=True, served_by="frontend"),
         OpSpec("region_create", False, (Arg("nbytes", _INT, True), Arg("pid", _INT, True)),
-               "{region, name, nbytes}", ("MemoryExhausted", "InvalidArgument"), "region_create"),
+               "{region, name, nbytes}", ("MemoryExhausted", "InvalidArgument"), "region_create",
+               served_by="frontend", local_only=True),
         OpSpec("region_release", False, (Arg("region", _INT, True),), "{released}", ("InvalidArgument",),
-               "region_release"),
+               "region_release", served_by="frontend", local_only=True),
         OpSpec("write_region", False,
                (Arg("handle", _INT, True), Arg("offset", _INT), Arg("region", _INT, True), Arg("region_offset", _INT),
-                Arg("nbytes", _INT, True)), "{written}", ("InvalidArgument",), "write_region"),
+                Arg("nbytes", _INT, True)), "{written}", ("InvalidArgument",), "write_region", handle=True, pins=True,
+               local_only=True),
         OpSpec("read_region", False,
                (Arg("handle", _INT, True), Arg("offset", _INT), Arg("region", _INT, True), Arg("region_offset", _INT),
-                Arg("nbytes", _INT, True)), "{nbytes}", ("InvalidArgument",), "read_region"),
+                Arg("nbytes", _INT, True)), "{nbytes}", ("InvalidArgument",), "read_region", handle=True, pins=True,
+               local_only=True),
         # ---- admin ops (the admin capability)
         OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
-               (), "hello", "status"),
+               (), "hello", "status", served_by="admin"),
         OpSpec("register", True, (Arg("spec", _MAP, True),), "{capability, tenant: {...}}",
                ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost"),
-               "register", "register"),
+               "register", "register", served_by="admin"),
         OpSpec("capability", True, (Arg(_T, _STR, True),), "{capability}", ("UnknownTenant",),
-               "tenant_capability", "capability"),
-        OpSpec("evict", True, (Arg(_T, _STR, True),), "{evicted, pids}", ("UnknownTenant",), "evict", "evict"),
+               "tenant_capability", "capability", served_by="admin"),
+        OpSpec("evict", True, (Arg(_T, _STR, True),), "{evicted, pids}", ("UnknownTenant",), "evict", "evict",
+               served_by="admin"),
         OpSpec("set_quota", True, (Arg(_T, _STR, True), *(Arg(k, _SIZE_OR_NIL if k != "memory_quota_bytes"
                                                                else _SIZE) for k in QUOTA_KEYS)),
-               "tenant status record", ("UnknownTenant", "InvalidArgument"), "set_quota", "set-quota"),
+               "tenant status record", ("UnknownTenant", "InvalidArgument"), "set_quota", "set-quota",
+               served_by="admin"),
         OpSpec("scale", True, (Arg(_T, _STR, True), Arg("instances", _INT, True)), "tenant status record",
-               ("UnknownTenant", "InvalidArgument"), "scale", "scale"),
-        OpSpec("status", True, (), "{supervisor, devices, tenants}", (), "status", "status"),
+               ("UnknownTenant", "InvalidArgument"), "scale", "scale", served_by="admin"),
+        OpSpec("status", True, (), "{supervisor, devices, tenants}", (), "status", "status", served_by="admin"),
         OpSpec("tenant_status", True, (Arg(_T, _STR, True),), "tenant status record", ("UnknownTenant",),
-               "tenant_status", "status"),
+               "tenant_status", "status", served_by="admin"),
         OpSpec("inject_fault", True,
                (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
                "{tenant, instance, pid, kind, ...armed}", ("UnknownTenant", "InvalidArgument", "WorkerLost"),
-               "inject_fault", "fault"),
+               "inject_fault", "fault", served_by="admin"),
         # ---- service ops (the admin capability; supervisor.service)
         OpSpec("reload", True, (),
                "{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "
-               "settings_not_applied, errors}", ("ConfigError",), "reload", "reload"),
+               "settings_not_applied, errors}", ("ConfigError",), "reload", "reload", served_by="service"),
         OpSpec("reset", True, (Arg(_T, _STR, True),), "tenant status record (once it runs)",
-               ("UnknownTenant", "TenantFailed"), "reset", "reset"),
+               ("UnknownTenant", "TenantFailed"), "reset", "reset", served_by="service"),
         OpSpec("restart", True, (Arg(_T, _STR, True),), "tenant status record (once every instance is new)",
-               ("UnknownTenant", "TenantFailed"), "restart_tenant", "restart"),
+               ("UnknownTenant", "TenantFailed"), "restart_tenant", "restart", served_by="service"),
         OpSpec("rotate_key", True, (), "{admin_capability, registry_id}", ("StateError",), "rotate_key",
-               "rotate-key"),
+               "rotate-key", served_by="service"),
     )
 }
 #: ops a tenant capability grants (routed to one of the tenant's workers)
 TENANT_OPS: Final = frozenset(name for name, op in OPS.items() if not op.admin)
 #: ops the admin capability grants (handled by the supervisor)
 ADMIN_OPS: Final = frozenset(name for name, op in OPS.items() if op.admin)
+#: worker-side ops whose handle argument pins them to one instance (``alloc`` may name one: ``instance``)
+HANDLE_OPS: Final = frozenset(name for name, op in OPS.items() if op.handle)
 #: control-channel message kinds (supervisor <-> worker)
 CONTROL_KINDS: Final = frozenset({"hello", "hb", "stop", "fault", "fault_ack"})
 

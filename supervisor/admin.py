@@ -74,20 +74,20 @@ from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import WorkerSet
 
-__all__ = ["AdminOps", "ServiceHooks"]
+__all__ = ["OpHandler", "AdminOps", "ServiceHooks"]
 
 _log = get_logger("supervisor")
 
-#: admin ops handled by :class:`supervisor.service.ServiceOps`
-SERVICE_OPS = frozenset({"reload", "reset", "restart", "rotate_key"})
+#: one admin op's handler: ``(client, rid, args)``, answering through the pending table (at once or later)
+OpHandler = Callable[[bytes, int, dict[str, Any]], None]
 
 
 class ServiceHooks(Protocol):
     """What the tenant lifecycle hands up to the service ops (implemented by
     :class:`supervisor.service.ServiceOps`, which drives the ops here): the
-    :data:`SERVICE_OPS` requests, an instance that became ready, a tenant gone."""
+    handlers of the ops it serves (``served_by == "service"``), an instance that became ready, a tenant gone."""
 
-    def handle(self, client: bytes, rid: int, op: str, args: dict[str, Any]) -> None: ...
+    def handlers(self) -> dict[str, OpHandler]: ...
     def instance_ready(self, rt: TenantRuntime) -> None: ...
     def tenant_down(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
 
@@ -132,12 +132,24 @@ class AdminOps:
         self._on_settled = on_settled
         self.started = time.time()
         self._workers: WorkerSet | None = None
+        #: every admin op's handler, by name (filled by attach(), once the service ops exist)
+        self._handlers: dict[str, OpHandler] = {}
         self._frontend: Frontend | None = None
         self._service: ServiceHooks | None = None
 
     def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
-        """The parts this one calls, which are built after it (they call it too); once, at set-up."""
+        """The parts this one calls, which are built after it (they call it too); once, at set-up.
+
+        The service ops' handlers join the dispatch table here; every admin op of the op
+        table (``served_by`` "admin" or "service") must have exactly one handler.
+        """
         self._workers, self._frontend, self._service = workers, frontend, service
+        handlers = {**self._admin_handlers(), **service.handlers()}
+        declared = {name for name, spec in proto.OPS.items() if spec.served_by in ("admin", "service")}
+        if set(handlers) != declared:
+            raise RuntimeError(f"admin ops without a handler: {sorted(declared - set(handlers))}; "
+                               f"handlers of no admin op: {sorted(set(handlers) - declared)}")
+        self._handlers = handlers
 
     @property
     def workers(self) -> WorkerSet:
@@ -162,30 +174,26 @@ class AdminOps:
             raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
         self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
         proto.check_args(op, args)
+        self._handlers[op](client, rid, args)
+
+    def _admin_handlers(self) -> dict[str, OpHandler]:
+        """The ops :class:`AdminOps` serves (``served_by == "admin"``), by name: dispatch is this lookup."""
         answer = self.pending.answer
-        if op == "hello":
-            answer(client, rid, op, self.hello_info().to_wire())
-        elif op == "register":
-            self.register(TenantSpec.from_dict(args["spec"]), client, rid)
-        elif op == "evict":
-            self.evict(args["tenant"], client, rid)
-        elif op == "set_quota":
-            answer(client, rid, op, self._set_quota(args).to_wire())
-        elif op == "status":
-            answer(client, rid, op, self.status().to_wire())
-        elif op == "capability":
-            cap = self.registry.tenant_capability(self.admin_cap, args["tenant"])
-            answer(client, rid, op, {"capability": cap.to_bytes()})
-        elif op == "tenant_status":
-            answer(client, rid, op, self.tenant_record(self.runtime(args["tenant"])).to_wire())
-        elif op == "scale":
-            answer(client, rid, op, self.scale(args["tenant"], args["instances"]).to_wire())
-        elif op == "inject_fault":
-            self._inject_fault(client, rid, args)
-        elif op in SERVICE_OPS:
-            self.service.handle(client, rid, op, args)
-        else:  # pragma: no cover - the decoder only lets known ops through
-            raise InvalidArgument(f"unknown admin op {op!r}")
+        return {
+            "hello": lambda client, rid, args: answer(client, rid, "hello", self.hello_info().to_wire()),
+            "register": lambda client, rid, args: self.register(TenantSpec.from_dict(args["spec"]), client, rid),
+            "evict": lambda client, rid, args: self.evict(args["tenant"], client, rid),
+            "set_quota": lambda client, rid, args: answer(client, rid, "set_quota", self._set_quota(args).to_wire()),
+            "status": lambda client, rid, args: answer(client, rid, "status", self.status().to_wire()),
+            "capability": lambda client, rid, args: answer(
+                client, rid, "capability",
+                {"capability": self.registry.tenant_capability(self.admin_cap, args["tenant"]).to_bytes()}),
+            "tenant_status": lambda client, rid, args: answer(
+                client, rid, "tenant_status", self.tenant_record(self.runtime(args["tenant"])).to_wire()),
+            "scale": lambda client, rid, args: answer(
+                client, rid, "scale", self.scale(args["tenant"], args["instances"]).to_wire()),
+            "inject_fault": self._inject_fault,
+        }
 
     def runtime(self, tid: str) -> TenantRuntime:
         """The tenant's runtime; UnknownTenant when none is registered as ``tid``."""

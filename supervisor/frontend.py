@@ -76,10 +76,6 @@ __all__ = ["ClientMessage", "Frontend"]
 
 _log = get_logger("supervisor")
 
-#: ops whose replies can carry big bodies: refused while a client lets too many pile up
-_BIG_REPLY_OPS = frozenset({"read", "run_wasm"})
-#: ops that may name an instance, directly (alloc) or through buffer handles
-_PINNING_OPS = proto.HANDLE_OPS | {"alloc", "run_wasm"}
 MAX_MODULES_PER_TENANT = 32
 MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
@@ -87,13 +83,13 @@ _VERIFIED_CAP_CACHE = 65536
 
 _IPC = bytes([IPC_INDEX])
 _TCP = bytes([TCP_INDEX])
-#: the ops that name a shared-memory region of this host (refused on TCP)
-_REGION_OPS = frozenset({"region_create", "region_release", "write_region", "read_region"})
 def _ignore_reply(ok: bool, payload: Any) -> None:
     """Callback of the supervisor's own fire-and-forget worker requests."""
 
 
 AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
+#: a tenant op the frontend answers itself: (tenant, args, body) -> the result
+LocalOp = Callable[[TenantRuntime, dict[str, Any], Any], dict[str, Any]]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
 DenialHook = Callable[["bytes | None", str], None]
 
@@ -137,6 +133,16 @@ class Frontend:
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
         self._served_turn = False
+        #: the tenant ops this part answers itself (``served_by == "frontend"``; ``events`` has its own path)
+        self._local_ops: dict[str, LocalOp] = {
+            "quota": lambda rt, args, body: rt.block.snapshot().to_dict(),
+            "put_module": lambda rt, args, body: {"digest": self._put_module(rt, body)},
+            "region_create": lambda rt, args, body: self._region_op(rt, "region_create", args),
+            "region_release": lambda rt, args, body: self._region_op(rt, "region_release", args),
+        }
+        declared = {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}
+        if set(self._local_ops) != declared:  # the op table and this part disagree: a bug, at start
+            raise RuntimeError(f"frontend ops {sorted(declared)} declared, {sorted(self._local_ops)} served")
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
         if tcp_sock is not None:
             loop.register(tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
@@ -171,12 +177,6 @@ class Frontend:
             for msg in self.guard.fair.order(()):
                 self.serve(msg)
         self._served_turn = False
-
-    def handle(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> None:
-        """One client message: decode, dispatch by the op table, answer every refusal typed."""
-        msg = self.decode(frames, prefix)
-        if msg is not None:
-            self.serve(msg)
 
     def decode(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> ClientMessage | None:
         """Decode one client message (None: unanswerable, dropped) and note whose it is:
@@ -302,17 +302,12 @@ class Frontend:
             raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
         if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
             raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
-        if op == "quota":
-            self.pending.answer(client, rid, op, rt.block.snapshot().to_dict(), tenant=tid)
-            return
-        if op == "put_module":
-            self.pending.answer(client, rid, op, {"digest": self._put_module(rt, body)}, tenant=tid)
-            return
-        if op in _REGION_OPS and client[:1] == _TCP:
+        spec = proto.OPS[op]
+        if spec.local_only and client[:1] == _TCP:
             raise InvalidArgument(f"{op}: shared-memory regions serve local (ipc) clients only; "
                                   "a remote client sends its bytes in frames")
-        if op == "region_create" or op == "region_release":
-            self.pending.answer(client, rid, op, self._region_op(rt, op, args), tenant=tid)
+        if spec.served_by == "frontend":  # answered here, from what the supervisor holds
+            self.pending.answer(client, rid, op, self._local_ops[op](rt, args, body), tenant=tid)
             return
         if op == "write_region" or op == "read_region":
             # the tenant's own region or refused; the worker learns its name from us only
@@ -326,7 +321,7 @@ class Frontend:
             body = stored
         if rt.state is TenantState.STOPPED:
             raise TenantStopped(tid)
-        if op in _BIG_REPLY_OPS:
+        if spec.big_reply:
             queued = self.replies.queued_bytes(client)
             if queued > self.config.max_client_reply_bytes:
                 raise Overloaded(
@@ -603,7 +598,7 @@ def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | N
     InvalidArgument when its buffers live on different instances (naming them),
     or when the instance is not one the tenant runs.
     """
-    if op not in _PINNING_OPS:
+    if not proto.OPS[op].pins:
         return None  # the hot path (ping, quota-free ops): nothing to look at
     if op == "alloc":
         pinned = args.get("instance")

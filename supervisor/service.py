@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig, read_config_file
-from shared.errors import ConfigError, InvalidArgument, StateError, TenantFailed, TensorWasmError
+from shared.errors import ConfigError, StateError, TenantFailed, TensorWasmError
 from shared.log import get_logger, log_event
-from supervisor.admin import AdminOps
+from supervisor.admin import OpHandler, AdminOps
 from supervisor.events import EventBus
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
@@ -79,17 +79,15 @@ class ServiceOps:
 
     # ------------------------------------------------------------ dispatch
 
-    def handle(self, client: bytes, rid: int, op: str, args: dict[str, Any]) -> None:
-        if op == "reload":
-            self.pending.answer(client, rid, op, self.reload())
-        elif op == "reset":
-            self.reset(args["tenant"], client, rid)
-        elif op == "restart":
-            self.restart(args["tenant"], client, rid)
-        elif op == "rotate_key":
-            self.pending.answer(client, rid, op, self.rotate_key())
-        else:  # pragma: no cover - AdminOps routes only SERVICE_OPS here
-            raise InvalidArgument(f"unknown service op {op!r}")
+    def handlers(self) -> dict[str, OpHandler]:
+        """The ops this part serves (``served_by == "service"``), by name: AdminOps's dispatch table takes them."""
+        answer = self.pending.answer
+        return {
+            "reload": lambda client, rid, args: answer(client, rid, "reload", self.reload()),
+            "reset": lambda client, rid, args: self.reset(args["tenant"], client, rid),
+            "restart": lambda client, rid, args: self.restart(args["tenant"], client, rid),
+            "rotate_key": lambda client, rid, args: answer(client, rid, "rotate_key", self.rotate_key()),
+        }
 
     # ------------------------------------------------------------ start
 

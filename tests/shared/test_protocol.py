@@ -92,3 +92,18 @@ def test_control_messages_are_records() -> None:
         WorkerHello.from_wire({"pid": 1})
     with pytest.raises(ProtocolError, match="must be a map"):
         WorkerHello.from_wire([1, 2])  # type: ignore[arg-type]
+
+
+def test_op_categories_are_fields_of_the_op_table() -> None:
+    """Who serves an op, and whether it pins, is local-only or big, is read from its row only."""
+    assert set(proto.SERVED_BY) == {op.served_by for op in proto.OPS.values()}
+    assert {n for n, op in proto.OPS.items() if op.admin} == {
+        n for n, op in proto.OPS.items() if op.served_by in ("admin", "service")}
+    assert proto.HANDLE_OPS == {n for n, op in proto.OPS.items() if op.handle}
+    assert all(proto.OPS[n].pins for n in proto.HANDLE_OPS)
+    assert {n for n, op in proto.OPS.items() if op.local_only} == {
+        "region_create", "region_release", "write_region", "read_region"}
+    with pytest.raises(ValueError, match="served_by"):
+        proto.OpSpec("x", False, (), "", (), "x", served_by="elsewhere")
+    with pytest.raises(ValueError, match="admin ops"):
+        proto.OpSpec("x", True, (), "", (), "x", served_by="worker")
