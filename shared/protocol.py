@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Callable, Final
 
 import msgpack
 
 from shared.errors import InvalidArgument, ProtocolError
+from shared.spec import TenantSpec
 
 __all__ = [
     "ADMIN_OPS",
@@ -89,11 +90,22 @@ MAX_CLIENT_REPLY_ITEMS: Final = 64 * MAX_BUFFERS_PER_INSTANCE + 1024
 
 @dataclass(frozen=True, slots=True)
 class Arg:
-    """One argument of an op: its name, the types it may have, whether it must be present."""
+    """One argument of an op: its name, the types it may have, whether it must be present, and
+    (for structured values) a ``check`` that refuses a bad value with :class:`InvalidArgument`,
+    so a handler never meets input that :func:`check_args` let through unchecked."""
 
     name: str
     types: tuple[type, ...]
     required: bool = False
+    check: Callable[[Any], None] | None = None
+
+
+def _check_spec(value: Any) -> None:
+    """``register``'s ``spec``: every key known and every value of its type and range."""
+    try:
+        TenantSpec.from_dict(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"register: spec: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +208,7 @@ OPS: Final[dict[str, OpSpec]] = {
         # ---- admin ops (the admin capability)
         OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
                (), "hello", "status", served_by="admin"),
-        OpSpec("register", True, (Arg("spec", _MAP, True),), "{capability, tenant: {...}}",
+        OpSpec("register", True, (Arg("spec", _MAP, True, _check_spec),), "{capability, tenant: {...}}",
                ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost"),
                "register", "register", served_by="admin"),
         OpSpec("capability", True, (Arg(_T, _STR, True),), "{capability}", ("UnknownTenant",),
@@ -251,6 +263,8 @@ def check_args(op: str, args: dict[str, Any]) -> None:
         if (isinstance(value, bool) and bool not in arg.types) or not isinstance(value, arg.types):
             want = " or ".join("nil" if t is type(None) else t.__name__ for t in arg.types)
             raise InvalidArgument(f"{op}: {arg.name} must be {want}, not {type(value).__name__}")
+        if arg.check is not None:
+            arg.check(value)
 
 
 # ------------------------------------------------------------------ packing

@@ -107,3 +107,13 @@ def test_op_categories_are_fields_of_the_op_table() -> None:
         proto.OpSpec("x", False, (), "", (), "x", served_by="elsewhere")
     with pytest.raises(ValueError, match="admin ops"):
         proto.OpSpec("x", True, (), "", (), "x", served_by="worker")
+
+
+@pytest.mark.parametrize("spec", [{"tenant_id": "a", "instances": "3"}, {"tenant_id": "a", "colour": 1},
+                                  {"name": "Bad Name"}, {"tenant_id": "a", "memory_quota_bytes": [1]}, {}])
+def test_register_spec_is_checked_with_the_arguments(spec: dict[str, object]) -> None:
+    """check_args is the only argument validator: a bad spec never reaches a handler (where a
+    TypeError is a bug, answered as an internal error)."""
+    with pytest.raises(InvalidArgument, match="register: spec"):
+        proto.check_args("register", {"spec": spec})
+    proto.check_args("register", {"spec": {"tenant_id": "a", "instances": 3}})
