@@ -111,6 +111,9 @@ class OpSpec:
     #: the other capability grants it too, each with its own scope (``events``: the admin sees
     #: every event, a tenant its own); counted with the tenant ops, served by the supervisor
     any_capability: bool = False
+    #: answered without a capability too, with a part that names nothing of any tenant
+    #: (``hello``: ``{protocol, ready}``, the liveness probe); with its capability, in full
+    anonymous: bool = False
 
 
 _INT = (int,)
@@ -170,7 +173,7 @@ OPS: Final[dict[str, OpSpec]] = {
                 Arg("nbytes", _INT, True)), "{nbytes}", ("InvalidArgument",), "read_region"),
         # ---- admin ops (the admin capability)
         OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
-               (), "hello", "status"),
+               (), "hello", "status", anonymous=True),
         OpSpec("register", True, (Arg("spec", _MAP, True),), "{capability, tenant: {...}}",
                ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost"),
                "register", "register"),

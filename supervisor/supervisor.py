@@ -427,6 +427,7 @@ class Supervisor:
         if self.ready or parts is None or not parts.admin.settled():
             return
         self.ready = True
+        parts.frontend.ready = True  # hello without a capability says so from now on
         set_process_name("twt-supervisor")
         self.rundir.write_ready(self._ready_info(parts.admin))
         self.metrics.mark_ready()  # /readyz (it also waits for the warm pool, from the snapshot)
