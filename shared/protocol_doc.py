@@ -101,7 +101,8 @@ def _spec_section(schema: dict[str, Any]) -> str:
 def _errors_section(schema: dict[str, Any]) -> str:
     info = schema["x-twt"]["errors"]
     defs = schema["$defs"]["errors"]
-    lines = ["| code | fields | meaning | retryable | parent (not on the wire) |", "|---|---|---|---|---|"]
+    lines = ["| code | Python class | fields | meaning | retryable | parent code (never on the wire) |",
+             "|---|---|---|---|---|---|"]
     for code, meta in info.items():
         props = defs[code]["properties"]["fields"]["properties"]
         fields = ", ".join(f"`{f}`: {_type_text(s)}" for f, s in props.items()) or "none"
@@ -112,7 +113,7 @@ def _errors_section(schema: dict[str, Any]) -> str:
         if meta["retryable_rule"]:
             retry += " (not when `requested` > `limit`)"
         parent = f"`{meta['parent']}`" if meta["parent"] not in (None, "internal") else ""
-        lines.append(f"| `{code}` | {_cell(fields)} | {_cell(meaning)} | {retry} | {parent} |")
+        lines.append(f"| `{code}` | `{meta['class']}` | {_cell(fields)} | {_cell(meaning)} | {retry} | {parent} |")
     return "\n".join(lines)
 
 

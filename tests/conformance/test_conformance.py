@@ -440,6 +440,46 @@ def test_rotate_key_revokes_every_capability(sup: Supervisor) -> None:
     assert sup.ok("ping", sup.cap())["tenant"] == MAIN
 
 
+
+def _handshake_event(endpoint: str, server_key: bytes, *, client_keys: bool = True) -> int:
+    """Connect a DEALER as a raw client would, send hello, and return the first handshake event its
+    monitor reports; afterwards no reply has come (the request never left the client)."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey = server_key
+    if client_keys:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        sock.connect(endpoint)
+        sock.send(_header(1, "hello", None, {}))
+        assert monitor.poll(60_000), "no handshake event within a minute"
+        event = int(recv_monitor_message(monitor)["event"])
+        if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            assert not sock.poll(0)  # a failed handshake is silence on the socket itself
+        return event
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+
+def test_a_wrong_server_key_is_only_a_monitor_event(sup: Supervisor) -> None:
+    import zmq
+
+    info = sup.info  # both supervisors listen on TCP (the ipc one without allow_remote_admin)
+    endpoint, key = info["listen"][0], info["server_public_key"].encode("ascii")
+    assert _handshake_event(endpoint, key) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    wrong = zmq.curve_keypair()[0]
+    assert _handshake_event(endpoint, wrong) == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    # the server key alone is not enough, even without an allow-list: a client needs a pair of its own
+    assert _handshake_event(endpoint, key, client_keys=False) == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
 def test_everything_the_schema_lists_was_exercised(sup: Supervisor) -> None:
     """Run last for each transport: every op, and every code the supervisor sends, was seen."""
     assert set(SCHEMA["x-twt"]["ops"]) <= sup.ops_seen, sorted(set(SCHEMA["x-twt"]["ops"]) - sup.ops_seen)
