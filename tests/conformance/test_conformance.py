@@ -174,6 +174,9 @@ def test_supervisor_json_and_admin_cap_are_as_documented(sup: Supervisor) -> Non
     assert "metrics_url" in info and info["version"] == VERSION and len(info["server_public_key"]) == 40
     raw = (Path(sup.run_dir) / "admin" / "admin.cap").read_text()
     assert raw.endswith("\n") and raw.strip() == raw.strip().lower() and bytes.fromhex(raw.strip()) == sup.admin()
+    # a capability: version 1, kind (1 admin, 2 tenant), then the registry id (16 bytes) that supervisor.json names
+    assert sup.admin()[:2] == b"\x01\x01" and sup.admin()[2:18].hex() == info["registry_id"]
+    assert sup.cap()[:2] == b"\x01\x02" and sup.cap()[2:18].hex() == info["registry_id"]
     hello = sup.ok("hello", sup.admin())
     assert hello["protocol"] == VERSION and hello["registry_id"] == info["registry_id"] and hello["pid"] == info["pid"]
 
