@@ -224,7 +224,7 @@ def _type_schema(tp: Any) -> dict[str, Any]:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return {"enum": [m.value for m in tp]}
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _record_schema(tp)
+        return {"$ref": f"#/$defs/records/{tp.__name__}"}
     if tp in _SCALARS:
         return {"type": _SCALARS[tp]}
     origin = typing.get_origin(tp)
@@ -246,6 +246,24 @@ def _type_schema(tp: Any) -> dict[str, Any]:
     if origin is dict:
         return {"type": "object"}
     return {}
+
+
+def _dataclasses_in(tp: Any) -> list[type]:
+    """The record classes an annotation names (itself, or inside a tuple/union)."""
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return [tp]
+    return [cls for arg in typing.get_args(tp) for cls in _dataclasses_in(arg)]
+
+
+def _record_defs(roots: typing.Iterable[type]) -> dict[str, Any]:
+    """``#/$defs/records``: each reply record once, nested ones by reference."""
+    todo, out = list(roots), {}
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ not in out:
+            out[cls.__name__] = _record_schema(cls)
+            todo += [nested for hint in typing.get_type_hints(cls).values() for nested in _dataclasses_in(hint)]
+    return dict(sorted(out.items()))
 
 
 def _record_schema(cls: type) -> dict[str, Any]:
@@ -443,7 +461,7 @@ def _reply_record(op: proto.OpSpec) -> type | None:
 def _reply_schema(op: proto.OpSpec) -> dict[str, Any]:
     record = _reply_record(op)
     if record is not None:
-        return _record_schema(record)
+        return {"$ref": f"#/$defs/records/{record.__name__}"}
     keys = _reply_keys(op.reply)
     schema: dict[str, Any] = {"type": "object", "required": keys}
     if op.name == "register":
@@ -532,6 +550,7 @@ def build_schema() -> dict[str, Any]:
             "required": ["code", "message", "fields"],
             "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "fields": {"type": "object"}},
         },
+        "records": _record_defs(r for r in map(_reply_record, proto.OPS.values()) if r is not None),
         "args": {name: entry["args"] for name, entry in ops.items()},
         "replies": {name: entry["reply"] for name, entry in ops.items()},
         "errors": {code: {k: v for k, v in schema.items() if k != "x-twt"} for code, schema in errors.items()},
