@@ -270,8 +270,9 @@ class Frontend:
     def _anonymous(self, client: bytes, rid: int, op: str) -> None:
         """``hello`` without a capability, on either frontend: the liveness probe. It answers the
         protocol version and readiness only - nothing of any tenant, the registry or the host -
-        and is sent like a refusal to an unauthenticated peer (tracked; dropped while the peer
-        leaves 64 unread), so a flood of probes costs what a flood of bad tokens costs."""
+        and goes the way of a refusal to an unauthenticated peer (its turn after verified
+        requests, the same budget, sent tracked through ``guard.errors``), so a flood of
+        probes costs what a flood of bad tokens costs."""
         if not self.guard.errors.allow(client):
             return
         self.guard.errors.sent(client, self.replies.ok_tracked(

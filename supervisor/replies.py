@@ -80,14 +80,9 @@ class Replies:
             self.held.release(tenant, "replies", held)
 
     def error_tracked(self, client: bytes, rid: int, err: dict[str, Any]) -> zmq.MessageTracker | None:
-        """An error reply whose tracker tells when libzmq let go of it (None: not queued).
-
-        ``copy=False``: pyzmq copies a frame below its copy threshold (64 KiB) and then hands
-        back a tracker that is done at once, so a small reply (every one of these) was never
-        counted as unread and the per-peer bound (:class:`supervisor.peers.UnreadErrors`) never
-        held; a zero-copy frame is done only once libzmq has written it out."""
+        """An error reply whose tracker tells when libzmq let go of it (None: not queued)."""
         try:
-            frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True, copy=False)
+            frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True)
             tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
                 [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
             return tracker
@@ -96,9 +91,9 @@ class Replies:
 
     def ok_tracked(self, client: bytes, rid: int, result: Any) -> zmq.MessageTracker | None:
         """A small answer to a peer without a verified capability (``hello``'s liveness part),
-        tracked (zero-copy) as :meth:`error_tracked` is, so its peer's unread replies stay bounded."""
+        tracked exactly as :meth:`error_tracked` is, so it shares that bound on a peer's replies."""
         try:
-            frame = zmq.Frame(proto.encode_reply(rid, True, result), track=True, copy=False)
+            frame = zmq.Frame(proto.encode_reply(rid, True, result), track=True)
             tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
                 [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
             return tracker
