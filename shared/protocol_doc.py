@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from shared.protocol_schema import SCHEMA_FILE, build_schema, schema_text
+from shared.sizes import format_size
 
 __all__ = ["DOC_PATH", "SCHEMA_PATH", "main", "render_doc", "sections"]
 
@@ -45,15 +46,18 @@ def _type_text(schema: dict[str, Any]) -> str:
     if "anyOf" in schema:
         return " or ".join(_type_text(part) for part in schema["anyOf"])
     if "enum" in schema:
-        return "str: " + " \\| ".join(f"`{v}`" for v in schema["enum"])
+        values = [f"`{v}`" for v in schema["enum"]]
+        return "str: " + (", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0])
     kind = schema.get("type")
     if kind is None:
         return "any"
     names: list[str] = kind if isinstance(kind, list) else [kind]
-    text = " or ".join(_MSGPACK.get(n, n) for n in names)
+    text = " or ".join(_MSGPACK.get(n, n) for n in names if n != "null")
     lo, hi = schema.get("minimum"), schema.get("maximum")
     if lo is not None and hi is not None:
         text += f" {lo:,}..{hi:,}" if isinstance(lo, int) and isinstance(hi, int) else f" {lo:g}..{hi:g}"
+    if "null" in names:
+        text = f"{text} or nil" if text else "nil"
     return text
 
 
@@ -92,8 +96,11 @@ def _spec_section(schema: dict[str, Any]) -> str:
     spec = schema["$defs"]["tenant_spec"]["properties"]
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, prop in spec.items():
-        default = prop.get("default", "required" if key in ("tenant_id", "name") else "")
-        default_text = "nil" if default is None else f"`{default}`" if default != "required" else "required"
+        default = prop.get("default", "required" if key == "tenant_id" else "")
+        default_text = "nil" if default is None else "" if default == "" else \
+            "required (or `name`)" if default == "required" else f"`{default}`"
+        if _type_text(prop).startswith("int or size str") and isinstance(default, int) and default:
+            default_text += f" ({format_size(default)})"
         lines.append(f"| `{key}` | {_cell(_type_text(prop))} | {default_text} | {_cell(prop.get('description', ''))} |")
     return "\n".join(lines)
 

@@ -330,7 +330,7 @@ def tenant_spec_schema() -> dict[str, Any]:
             defaults[f.name] = default
         if meaning:
             properties[f.name]["description"] = meaning
-    properties["name"] = {**properties["tenant_id"], "description": "alias of tenant_id"}
+    properties["name"] = {**properties["tenant_id"], "description": "the same as `tenant_id` (give one of the two)"}
     return {
         "type": "object",
         "properties": properties,

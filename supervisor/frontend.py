@@ -227,7 +227,7 @@ class Frontend:
             self._refused(client, rid, op, msg.error, None)
             return
         if msg.cap_raw is None and proto.OPS[op].anonymous:
-            self._anonymous(client, rid, op)
+            self._anonymous(client, rid)
             return
         try:
             if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows
@@ -267,7 +267,7 @@ class Frontend:
             return
         self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)
 
-    def _anonymous(self, client: bytes, rid: int, op: str) -> None:
+    def _anonymous(self, client: bytes, rid: int) -> None:
         """``hello`` without a capability, on either frontend: the liveness probe. It answers the
         protocol version and readiness only - nothing of any tenant, the registry or the host -
         and goes the way of a refusal to an unauthenticated peer (its turn after verified
