@@ -87,8 +87,10 @@ class Supervisor:
         return self.client.error(code, op, cap, args, body, **kw)
 
 
-def _twt() -> str:
-    return os.path.join(os.path.dirname(sys.executable), "twt")
+def _twt() -> list[str]:
+    """The `twt` command of this environment (the console script beside the interpreter)."""
+    script = os.path.join(os.path.dirname(sys.executable), "twt")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "supervisor"]
 
 
 @pytest.fixture(scope="module", params=["ipc", "tcp"])
@@ -98,7 +100,7 @@ def sup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     run_dir = str(base / "rd")
     config = base / "tenants.toml"
     config.write_text(CONFIG)
-    cmd = [_twt(), "supervise", "--config", str(config), "--run-dir", run_dir, "--backend", "stub",
+    cmd = [*_twt(), "supervise", "--config", str(config), "--run-dir", run_dir, "--backend", "stub",
            "--listen", "tcp://127.0.0.1:0"]
     if transport == "tcp":
         cmd.append("--allow-remote-admin")
