@@ -349,16 +349,25 @@ ISOLATION_REASONS: Final = ("missing", "malformed", "truncated", "wrong_kind", "
 
 
 class CapabilityRevoked(TenantIsolationViolation):
-    """The capability was valid once, but its tenant was evicted (generation bumped)."""
+    """The capability was valid once: its registration was evicted, or the registry key rotated.
+
+    ``resource`` names what ended it: the capability's own (evicted)
+    generation, or the key rotation. On the wire its code is
+    ``capability_revoked``, never its parent's ``isolation_violation``.
+    """
 
     code = "capability_revoked"
     reason: str = "revoked"
 
     def _default_message(self) -> str:
-        return (
-            f"capability for tenant {self.tenant_id!r} was revoked (tenant evicted); "
-            f"use the capability returned by the new registration ({self.resource})"
-        )
+        # ``resource`` is the revoked capability's own generation, never a newer one: a new
+        # registration of the name may not exist, and its capability comes from the operator
+        who = f"capability for tenant {self.tenant_id!r}"
+        if str(self.resource).startswith("generation"):
+            return (f"{who} was revoked: its registration ({self.resource}) was evicted; a later registration "
+                    f"of that name, if there is one, has a capability of its own (twt capability {self.tenant_id})")
+        return (f"{who} was revoked ({self.resource}): every capability minted before is void; the new admin "
+                "capability is in admin/admin.cap, a tenant's comes from twt capability NAME")
 
 
 class CudaError(TensorWasmError):

@@ -136,6 +136,9 @@ class OpSpec:
     local_only: bool = False
     #: its reply may carry a big body: refused while the client lets replies pile up unread
     big_reply: bool = False
+    #: answered without a capability too, with a part that names nothing of any tenant
+    #: (``hello``: ``{protocol, ready}``, the liveness probe); with its capability, in full
+    anonymous: bool = False
 
     def __post_init__(self) -> None:
         if self.served_by not in SERVED_BY:
@@ -207,7 +210,7 @@ OPS: Final[dict[str, OpSpec]] = {
                local_only=True),
         # ---- admin ops (the admin capability)
         OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
-               (), "hello", "status", served_by="admin"),
+               (), "hello", "status", served_by="admin", anonymous=True),
         OpSpec("register", True, (Arg("spec", _MAP, True, _check_spec),), "{capability, tenant: {...}}",
                ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost"),
                "register", "register", served_by="admin"),

@@ -375,6 +375,12 @@ class SupervisorClient:
         result: dict[str, Any] = self.call("hello", admin or self.admin)
         return result
 
+    def alive(self) -> dict[str, Any]:
+        """``hello`` without a capability: ``{protocol, ready}`` and nothing else (a liveness probe
+        that needs no secret; docs/PROTOCOL.md "hello without a capability")."""
+        result: dict[str, Any] = self.call("hello", None)
+        return result
+
     def register(self, admin: RegistryAdminCapability | None, spec: TenantSpec, *,
                  timeout_s: float | None = None) -> TenantCapability:
         """Register a tenant; returns once every instance is ready, with its capability."""

@@ -143,6 +143,8 @@ class Frontend:
         declared = {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}
         if set(self._local_ops) != declared:  # the op table and this part disagree: a bug, at start
             raise RuntimeError(f"frontend ops {sorted(declared)} declared, {sorted(self._local_ops)} served")
+        #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
+        self.ready = False
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
         if tcp_sock is not None:
             loop.register(tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
@@ -224,6 +226,9 @@ class Frontend:
         if msg.error is not None:
             self._refused(client, rid, op, msg.error, None)
             return
+        if msg.cap_raw is None and proto.OPS[op].anonymous:
+            self._anonymous(client, rid)
+            return
         try:
             if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows
                 self._events(client, rid, msg.cap_raw, msg.args)
@@ -263,6 +268,17 @@ class Frontend:
             self.pending.count_refusal("", op, exc.code)
             return
         self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)
+
+    def _anonymous(self, client: bytes, rid: int) -> None:
+        """``hello`` without a capability, on either frontend: the liveness probe. It answers the
+        protocol version and readiness only - nothing of any tenant, the registry or the host -
+        and goes the way of a refusal to an unauthenticated peer (its turn after verified
+        requests, the same budget, sent tracked through ``guard.errors``), so a flood of
+        probes costs what a flood of bad tokens costs."""
+        if not self.guard.errors.allow(client):
+            return
+        self.guard.errors.sent(client, self.replies.ok_tracked(
+            client, rid, {"protocol": proto.PROTOCOL_VERSION, "ready": self.ready}))
 
     # ------------------------------------------------------------ events (supervisor.event_log)
 

@@ -89,6 +89,17 @@ class Replies:
         except zmq.ZMQError:
             return None  # gone, or not reading at all: nothing queued
 
+    def ok_tracked(self, client: bytes, rid: int, result: Any) -> zmq.MessageTracker | None:
+        """A small answer to a peer without a verified capability (``hello``'s liveness part),
+        tracked exactly as :meth:`error_tracked` is, so it shares that bound on a peer's replies."""
+        try:
+            frame = zmq.Frame(proto.encode_reply(rid, True, result), track=True)
+            tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
+                [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
+            return tracker
+        except zmq.ZMQError:
+            return None
+
     def error(self, client: bytes | None, rid: int, err: dict[str, Any]) -> None:
         if client is None:
             return

@@ -472,6 +472,7 @@ class Supervisor:
         if self.ready or parts is None or not parts.admin.settled():
             return
         self.ready = True
+        parts.frontend.ready = True  # hello without a capability says so from now on
         if self._owns_process:
             set_process_name("twt-supervisor")  # only the daemon's own process, never an embedder's
         self.rundir.write_ready(self._ready_info(parts.admin))
