@@ -244,6 +244,19 @@ def zig_module() -> str:
         "    };",
         "}",
         "",
+        "/// The ABI code of an error, for an export's integer result; an error of the guest's own",
+        "/// (e.g. its allocator's OutOfMemory) is INVALID.",
+        "pub fn toCode(err: anyerror) i32 {",
+        "    return switch (err) {",
+    ]
+    for code in ErrorCode:
+        if code is not ErrorCode.OK:
+            lines.append(f"        error.{_zig_error(code.name)} => {int(code)},")
+    lines += [
+        "        else => code.INVALID,",
+        "    };",
+        "}",
+        "",
         "/// `c` as a Zig error (0 and positive results are success).",
         "pub fn check(c: i32) Error!void {",
         "    if (c < 0) return fromCode(c);",

@@ -61,6 +61,26 @@ pub fn fromCode(c: i64) Error {
     };
 }
 
+/// The ABI code of an error, for an export's integer result; an error of the guest's own
+/// (e.g. its allocator's OutOfMemory) is INVALID.
+pub fn toCode(err: anyerror) i32 {
+    return switch (err) {
+        error.Invalid => -1,
+        error.BadHandle => -2,
+        error.MemoryBounds => -3,
+        error.BufferBounds => -4,
+        error.GpuQuota => -5,
+        error.DeviceOom => -6,
+        error.NotOwned => -7,
+        error.NoMemory => -8,
+        error.RateLimited => -9,
+        error.TooManyHandles => -10,
+        error.Backend => -11,
+        error.Internal => -12,
+        else => code.INVALID,
+    };
+}
+
 /// `c` as a Zig error (0 and positive results are success).
 pub fn check(c: i32) Error!void {
     if (c < 0) return fromCode(c);

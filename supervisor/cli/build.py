@@ -78,11 +78,15 @@ def sdk_dir() -> Path:
     return root
 
 
+#: the Python module of the Zig toolchain (the ``ziglang`` wheel: ``python -m ziglang``)
+TOOLCHAIN = "ziglang"
+
+
 def _zig() -> list[str]:
-    if importlib.util.find_spec("ziglang") is None:
+    if importlib.util.find_spec(TOOLCHAIN) is None:
         raise BuildError("the Zig toolchain is not installed: pip install 'tensor-wasm-tenant[sdk]' "
                          "(the sdk extra: the ziglang package)")
-    return [sys.executable, "-m", "ziglang"]
+    return [sys.executable, "-m", TOOLCHAIN]
 
 
 def _cache_dir() -> Path:

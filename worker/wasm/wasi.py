@@ -4,6 +4,7 @@
     ──────────                     ─────────────────────────────
     printf, puts, fwrite(stdout)   fd_write (ours)  ──► OutputLines ──► GuestRun.log_line (the log limits)
     fprintf(stderr, ...)           fd_write (ours)  ──► OutputLines ──► GuestRun.log_line
+    isatty(0..2), stdio buffering  fd_fdstat_get (ours): fds 0-2 are terminals, others EBADF
     sleep, nanosleep, poll         poll_oneoff (ours): ENOTSUP, never blocks the worker
     clock_gettime, time            clock_time_get     (wasmtime)
     getrandom, arc4random          random_get         (wasmtime)
@@ -22,12 +23,18 @@ wasmtime's tokio threads, after the write has returned to the guest (lines
 arrive late, out of order, or after the run ended, and a callback during
 interpreter shutdown aborts the process). ``fd_write`` here runs on the
 guest's thread, inside the call: every line is counted against the run's
-log limits before the guest continues. Why our own ``poll_oneoff``: a
+log limits before the guest continues. Why our own ``fd_fdstat_get``:
+wasi-libc line-buffers stdout only on a terminal and otherwise keeps up to
+a buffer's worth until ``exit`` - which a reactor never calls, so a
+guest's ``printf`` lines would be lost at the end of each run. Fds 0-2
+therefore describe themselves as character devices without seek or tell
+(what ``isatty`` asks); no other fd can exist (nothing can be opened).
+Why our own ``poll_oneoff``: a
 guest sleeping inside a host call cannot be interrupted by the epoch
 deadline, so sleeping is not offered (``ENOTSUP``), and the deadline stays
 exact.
 
-Both replace wasmtime's definitions in the one linker of a host
+These replace wasmtime's definitions in the one linker of a host
 (``allow_shadowing``); every other preview-1 function is wasmtime's.
 """
 
@@ -78,6 +85,13 @@ ERRNO_FAULT = 21
 ERRNO_INVAL = 28
 ERRNO_IO = 29
 ERRNO_NOTSUP = 58
+
+# fdstat of a terminal: filetype CHARACTER_DEVICE, rights FD_READ (stdin) or FD_WRITE (stdout, stderr)
+# with POLL_FD_READWRITE; no FD_SEEK / FD_TELL (wasi-libc's isatty checks for their absence)
+_FILETYPE_CHARACTER_DEVICE = 2
+_RIGHT_FD_READ = 1 << 1
+_RIGHT_FD_WRITE = 1 << 6
+_RIGHT_POLL_FD_READWRITE = 1 << 27
 
 #: iovecs one fd_write may pass (POSIX IOV_MAX)
 IOV_MAX = 1024
@@ -189,13 +203,30 @@ def fd_write(stream_of: StreamOf, caller: wasmtime.Caller, fd: int, iovs: int, i
     return ERRNO_SUCCESS
 
 
+def fd_fdstat_get(caller: wasmtime.Caller, fd: int, out: int) -> int:
+    """``fd_fdstat_get(fd, out_ptr) -> errno``: fds 0-2 are terminals (so stdio line-buffers); others EBADF."""
+    if fd not in (0, _STDOUT, _STDERR):
+        return ERRNO_BADF
+    span = _memory(caller)
+    if span is None:
+        return ERRNO_FAULT
+    base, size = span
+    out &= _U32
+    if out + 24 > size:
+        return ERRNO_FAULT
+    rights = (_RIGHT_FD_READ if fd == 0 else _RIGHT_FD_WRITE) | _RIGHT_POLL_FD_READWRITE
+    # struct fdstat { u8 filetype; u16 flags (at 2); u64 rights_base (at 8); u64 rights_inheriting (at 16) }
+    ctypes.memmove(base + out, struct.pack("<BxHxxxxQQ", _FILETYPE_CHARACTER_DEVICE, 0, rights, 0), 24)
+    return ERRNO_SUCCESS
+
+
 def poll_oneoff(caller: wasmtime.Caller, subscriptions: int, events: int, count: int, nevents: int) -> int:
     """``poll_oneoff -> ENOTSUP``: no sleeping or polling inside a host call the deadline cannot stop."""
     return ERRNO_NOTSUP
 
 
 def define_wasi(linker: wasmtime.Linker, stream_of: StreamOf) -> list[Any]:
-    """Define WASI preview 1 in ``linker``: wasmtime's, with our ``fd_write`` and ``poll_oneoff``.
+    """Define WASI preview 1 in ``linker``: wasmtime's, with our ``fd_write``, ``fd_fdstat_get`` and ``poll_oneoff``.
 
     ``stream_of(fd)`` gives the current run's stream for fd 1 or 2. Returns
     the Python callables the linker holds (the caller keeps them alive).
@@ -210,8 +241,16 @@ def define_wasi(linker: wasmtime.Linker, stream_of: StreamOf) -> list[Any]:
         except Exception:  # noqa: BLE001 - a host bug must not become the guest's trap
             return ERRNO_IO
 
+    def fdstat(caller: wasmtime.Caller, fd: int, out: int) -> int:
+        try:
+            return fd_fdstat_get(caller, fd, out)
+        except Exception:  # noqa: BLE001 - a host bug must not become the guest's trap
+            return ERRNO_IO
+
     four = wasmtime.FuncType([i32(), i32(), i32(), i32()], [i32()])
     linker.define_func(WASI_MODULE, "fd_write", four, write, access_caller=True)
+    linker.define_func(WASI_MODULE, "fd_fdstat_get", wasmtime.FuncType([i32(), i32()], [i32()]), fdstat,
+                       access_caller=True)
     linker.define_func(WASI_MODULE, "poll_oneoff", four, poll_oneoff, access_caller=True)
     linker.allow_shadowing = False
-    return [write]
+    return [write, fdstat]
