@@ -74,6 +74,17 @@ EXIT_IN_INIT = f"""
 """.encode()
 
 
+EXIT_IN_START = f"""
+(module
+  (import "{WASI}" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 1 1)
+  (func $start (call $exit (i32.const 5)))
+  (start $start)
+  (func (export "never") (result i32) (unreachable))
+)
+""".encode()
+
+
 @pytest.fixture
 def env() -> Iterator[Env]:
     with tenant_env("wasi", StubBackend(), max_memory=1 << 20) as e:
@@ -197,6 +208,8 @@ def test_proc_exit_is_an_exit_code_not_a_trap(env: Env) -> None:
     assert (reply["results"], reply["exit_code"]) == ([], 3)
     reply = env.host.run(EXIT_IN_INIT, "never", [], fuel=10**6, timeout_s=10.0)
     assert (reply["results"], reply["exit_code"]) == ([], 9)  # the export was never called
+    reply = env.host.run(EXIT_IN_START, "never", [], fuel=10**6, timeout_s=10.0)
+    assert (reply["results"], reply["exit_code"]) == ([], 5)  # the instance never finished instantiating
     assert env.host.run(GUEST, "inits", [], fuel=10**6, timeout_s=10.0)["exit_code"] is None
     assert env.counters() == (0, 0)
 

@@ -371,7 +371,8 @@ class WasmSession:
 
     def call(self, export: str, args: Sequence[Any] = ()) -> list[Any]:
         """Call ``export`` with ``args`` (ints, floats, ``{"handle": h}``); its results as a list."""
-        assert self.instance is not None
+        if self.instance is None:
+            raise InvalidArgument(f"the guest exited with code {self.exit_code} while it was instantiated")
         func = self.instance.exports(self.store).get(export)
         if not isinstance(func, wasmtime.Func):
             names = sorted(self.compiled.exports)
@@ -676,7 +677,13 @@ class WasmHost:
             self.ticker.acquire()
             ticking = True
             store.set_epoch_deadline(self.ticker.deadline_ticks(timeout_s))
-            session.instance = self._guarded_call(session, lambda: compiled.pre.instantiate(store), instantiate=True)
+            try:
+                session.instance = self._guarded_call(session, lambda: compiled.pre.instantiate(store),
+                                                      instantiate=True)
+            except GuestExit as exc:  # a start function called proc_exit: the run is over before it began
+                session.exit_code = exc.code
+                yield session
+                return
             if session.memory is None:
                 mem = session.instance.exports(store).get("memory")
                 if isinstance(mem, wasmtime.Memory):
