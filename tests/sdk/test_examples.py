@@ -158,10 +158,12 @@ def digits_model() -> dict[str, Any]:
     from sklearn.datasets import load_digits
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import train_test_split
+    from threadpoolctl import threadpool_limits
 
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    with warnings.catch_warnings():
+    # one BLAS thread: on a small, busy machine OpenMP/BLAS threads spinning for cores make the fit 25x slower
+    with threadpool_limits(limits=1), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # lbfgs may report slow convergence on raw pixels; accuracy is checked
         clf = LogisticRegression(max_iter=3000, C=0.05).fit(x_train, y_train)
     float_accuracy = float(clf.score(x_test, y_test))
