@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.sdk_build import SdkBuilder
-from tests.helpers.wasm_env import MLP, Env, softmax, tenant_env
+from tests.helpers.wasm_env import MLP, Env, mlp_inputs, softmax, tenant_env
 from worker.backends.stub import StubBackend
 
 pytestmark = pytest.mark.timeout(300)  # the first build of a session compiles wasi-libc
@@ -90,17 +90,6 @@ def test_axpy_sum_reports_a_quota_refusal(sdk: SdkBuilder, lang: str) -> None:
 
 
 # ------------------------------------------------------------------ the MLP
-
-
-def mlp_inputs(batch: int, d_in: int, hidden: int, d_out: int) -> dict[str, Any]:
-    r = np.random.default_rng(3)
-    return {
-        "x": r.standard_normal((batch, d_in), dtype=np.float32),
-        "w1": (r.standard_normal((d_in, hidden), dtype=np.float32) / np.sqrt(d_in)).astype(np.float32),
-        "b1": r.standard_normal(hidden, dtype=np.float32) * np.float32(0.1),
-        "w2": (r.standard_normal((hidden, d_out), dtype=np.float32) / np.sqrt(hidden)).astype(np.float32),
-        "b2": r.standard_normal(d_out, dtype=np.float32) * np.float32(0.1),
-    }
 
 
 @pytest.mark.parametrize("lang", LANGS)
