@@ -193,3 +193,24 @@ def test_the_digits_classifier_equals_scikit_learn(sdk: SdkBuilder, env: Env, di
     assert accuracy > 0.9
     assert reply["logs"] == [f"digits: {correct} of {n} held-out images correct, accuracy {accuracy:.4f}"]
     assert reply["gpu_peak_bytes"] == 4 * n * k  # the scores buffer, freed with the run
+
+
+def test_the_digits_classifier_on_the_cuda_backend(sdk: SdkBuilder, digits_model: dict[str, Any]) -> None:
+    """The same C guest over the cuda backend (fake driver and fake cuBLAS, NVRTC kernels): the same predictions."""
+    from tests.helpers.fake_cublas import FakeCublas
+    from tests.helpers.fake_cuda import FakeDriver
+    from worker.backends.cuda import CudaBackend
+
+    module = sdk.example("c", "digits")
+    m = digits_model
+    n, d = m["x"].shape
+    k = m["w"].shape[1]
+    fake = FakeDriver(memory_bytes=1 << 30)
+    backend = CudaBackend(driver=fake, nvrtc=fake, gpu_cap_bytes=64 * MiB, cublas=FakeCublas(fake))
+    with tenant_env("sdk-gpu", backend, gpu_cap=64 * MiB, max_memory=4 * MiB, wasm_timeout_s=30.0) as env:
+        with client_buffers(env, {name: m[name] for name in ("x", "w", "b", "labels")}, {"pred": 4 * n}) as h:
+            args = [{"handle": h[name]} for name in ("x", "w", "b", "labels", "pred")]
+            reply = run(env, module, "classify", [*args, n, d, k])
+            pred = read(env, h["pred"], np.int32, n)
+    np.testing.assert_array_equal(pred, m["predict"])
+    assert reply["results"] == [int((m["predict"] == m["labels"]).sum())]
