@@ -18,6 +18,8 @@ from supervisor.cli import build as build_cli
 from supervisor.cli.build import BuildError, build_module
 from tests.helpers.cli import twt
 from tests.helpers.cluster import supervisor
+from tests.helpers.wasm_env import tenant_env
+from worker.backends.stub import StubBackend
 from worker.wasm.host import memory_limits
 
 pytestmark = pytest.mark.timeout(300)  # the first build of a session compiles wasi-libc
@@ -114,11 +116,15 @@ def test_a_missing_compiler_names_the_extra(tmp_path: Path, monkeypatch: pytest.
 
 def test_zig_with_a_c_helper(tmp_path: Path) -> None:
     helper = write(tmp_path, "helper.c", "#include <string.h>\nint helper_len(const char *s) { return strlen(s); }\n")
-    root = write(tmp_path, "main.zig", 'const twt = @import("tensorwasm");\n'
+    root = write(tmp_path, "main.zig", 'const std = @import("std");\nconst twt = @import("tensorwasm");\n'
                  "extern fn helper_len(s: [*:0]const u8) c_int;\n"
-                 'export fn run() i32 { twt.log("zig + c") catch {}; return helper_len("four"); }\n')
+                 'export fn run() i32 { twt.log("zig + c") catch {}; std.debug.print("stderr {d}\\n", .{42}); '
+                 'return helper_len("four"); }\n')
     result = build_module([root, helper], tmp_path / "mixed.wasm")
     assert result.exports == ("run",)
+    with tenant_env("sdk", StubBackend(), max_memory=4 << 20) as env:
+        reply = env.host.run(result.out.read_bytes(), "run", [], fuel=10**8, timeout_s=30.0)
+    assert reply["results"] == [4] and reply["logs"] == ["zig + c", "stderr 42"]
 
 
 def test_twt_build_then_twt_run(tmp_path: Path) -> None:
