@@ -322,7 +322,7 @@ class WasmSession:
         self.reservation = reservation
         self.instance: wasmtime.Instance | None = None
         self.memory: wasmtime.Memory | None = None
-        #: the code of a ``proc_exit`` during ``_initialize`` (the run then calls no export)
+        #: the code of a ``proc_exit`` in a start function or ``_initialize`` (the run then calls no export)
         self.exit_code: int | None = None
         #: WASI stdout (1) and stderr (2), line by line into the run's log
         self.streams = {fd: OutputLines(partial(run.log_line, stream=name), MAX_LOG_BYTES)
