@@ -3,7 +3,8 @@
 Registers nothing: it talks to the running supervisor of ``--run-dir`` with
 the tenant's capability, obtained with the admin capability in the run
 directory (or read from ``--capability FILE`` by a tenant that holds its
-own). Prints the results, or the typed error and exits 1.
+own). Prints the results, or the typed error and exits 1; a guest that called
+``exit(n)`` (WASI ``proc_exit``) prints its exit code and exits 1 unless n is 0.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import protocol as proto
+from shared.exitcodes import EXIT_FAILED, EXIT_OK
 from supervisor.cli._common import (
     add_capability_option,
     add_run_dir,
@@ -103,6 +105,14 @@ def run(args: argparse.Namespace) -> int:
     cached = "cached module" if reply.get("cached") else "compiled"
     out.write(f"fuel used: {reply.get('fuel_used'):,}   time: {reply.get('elapsed_s', 0.0) * 1000:.3f} ms in the worker "
               f"({cached})\n")
-    for line in reply.get("logs") or ():
+    logs = reply.get("logs") or []
+    for line in logs:
         out.write(f"log: {line}\n")
-    return 0
+    dropped = int(reply.get("logs_dropped") or 0)
+    if dropped:
+        out.write(f"log: ... {dropped:,} more line(s) dropped by the log limits\n")
+    exit_code = reply.get("exit_code")
+    if exit_code is not None:  # the guest called exit() (WASI proc_exit): its code is the run's outcome
+        out.write(f"exit code: {exit_code}\n")
+        return EXIT_OK if exit_code == 0 else EXIT_FAILED
+    return EXIT_OK

@@ -25,8 +25,8 @@ from worker.context import TenantContext
 from worker.wasm import WasmHost, WasmSession, guest_source
 
 __all__ = [
-    "MLP", "PAGE", "PROBE", "Env", "MlpRun", "buffer_bytes", "call", "make_env", "mem", "mlp_forward", "poke",
-    "probe", "softmax", "tenant_env",
+    "MLP", "PAGE", "PROBE", "Env", "MlpRun", "buffer_bytes", "call", "make_env", "mem", "mlp_forward",
+    "mlp_inputs", "poke", "probe", "softmax", "tenant_env",
 ]
 
 MiB = 1 << 20
@@ -103,6 +103,18 @@ def softmax(x: Any) -> Any:
     with np.errstate(all="ignore"):
         e = np.exp(x - x.max(axis=1, keepdims=True))
         return e / e.sum(axis=1, keepdims=True)
+
+
+def mlp_inputs(batch: int, d_in: int, hidden: int, d_out: int, seed: int = 3) -> dict[str, Any]:
+    """Random float32 inputs and weights of the 2-layer MLP (x, w1, b1, w2, b2), scaled like a trained net's."""
+    r = np.random.default_rng(seed)
+    return {
+        "x": r.standard_normal((batch, d_in), dtype=np.float32),
+        "w1": (r.standard_normal((d_in, hidden), dtype=np.float32) / np.sqrt(d_in)).astype(np.float32),
+        "b1": r.standard_normal(hidden, dtype=np.float32) * np.float32(0.1),
+        "w2": (r.standard_normal((hidden, d_out), dtype=np.float32) / np.sqrt(hidden)).astype(np.float32),
+        "b2": r.standard_normal(d_out, dtype=np.float32) * np.float32(0.1),
+    }
 
 
 @dataclass

@@ -3,10 +3,12 @@
 :mod:`worker.wasm.host` runs modules (engine, epoch ticker, module cache,
 armed stores), :mod:`worker.wasm.abi` is the ``tensorwasm`` import ABI with
 its error codes, :mod:`worker.wasm.tensor_abi` its tensor ops as one table
-(GEMM, elementwise, softmax, reductions), :mod:`worker.wasm.ops` is the
-worker's ``run_wasm`` op.
+(GEMM, elementwise, softmax, reductions), :mod:`worker.wasm.wasi` the WASI
+preview-1 subset libc needs (stdout into the run's logs, nothing of the
+host reachable), :mod:`worker.wasm.ops` is the worker's ``run_wasm`` op.
 ``docs/WASM-ABI.md`` is the guest author's reference; bundled guests live in
-``worker/guests/*.wat`` (see :func:`guest_source`).
+``worker/guests/*.wat`` (see :func:`guest_source`); tenants in C or Zig
+are built with the SDK in ``sdk/`` (``docs/GUESTS.md``).
 """
 
 from __future__ import annotations

@@ -170,6 +170,8 @@ class GuestRun:
         self.host_calls = 0
         self.logs: list[str] = []
         self.log_lines = 0
+        #: guest lines dropped by the per-run or per-worker limit
+        self.logs_dropped = 0
         self.span: MemorySpan | None = None
         #: cuBLAS workspace lent to the backend for this run's GEMMs (metered like any buffer)
         self.workspace: DeviceBuffer | None = None
@@ -393,14 +395,26 @@ class GuestRun:
             return _NO_MEMORY
         if address is None:
             return _MEMORY_BOUNDS
+        if self.log_lines >= MAX_LOG_LINES_PER_RUN:
+            self.logs_dropped += 1
+            return _RATE_LIMITED
+        keep = min(n, MAX_LOG_BYTES)
+        return self.log_line(ctypes.string_at(address, keep) if keep else b"", n > keep)
+
+    def log_line(self, raw: bytes, truncated: bool, stream: str = "log") -> int:
+        """One guest line (from ``log`` or WASI stdout/stderr) under the run's and the worker's limits.
+
+        ``OK``, or ``RATE_LIMITED`` when dropped (counted in ``logs_dropped``).
+        """
         if self.log_lines >= MAX_LOG_LINES_PER_RUN or not self.limiter.take():
+            self.logs_dropped += 1
             return _RATE_LIMITED
         self.log_lines += 1
-        keep = min(n, MAX_LOG_BYTES)
-        text = _printable(ctypes.string_at(address, keep)) if keep else ""
-        if n > keep:
+        text = _printable(raw)
+        if truncated:
             text += " [truncated]"
-        log_event(_log, logging.INFO, "wasm.log", tenant=self.tenant_id, instance=self.ctx.instance, message=text)
+        log_event(_log, logging.INFO, "wasm.log", tenant=self.tenant_id, instance=self.ctx.instance,
+                  stream=stream, message=text)
         if len(self.logs) < MAX_LOG_LINES_IN_REPLY:
             self.logs.append(text)
         return _OK

@@ -2,15 +2,19 @@
 
     run_wasm(body, export, args, fuel, timeout_s)
       │ compile(body)       sha256 -> CompiledModule (LRU); WAT or binary; imports checked:
-      │                     only ``tensorwasm`` functions of the exact ABI types, else WasmCompile
+      │                     only ``tensorwasm`` functions of the exact ABI types and WASI
+      │                     preview 1 without sockets (worker.wasm.wasi), else WasmCompile
       │ reserve memory      linear-memory cap = min(spec.wasm_max_memory_bytes, the module's
       │                     declared max, the tenant's free CPU quota), consumed from the CPU
       │                     quota for the run (block.consume_bytes) and released after it
       │ Store               set_limits(memory_size=cap, memories=1, instances=1, tables, elements)
       │                     set_fuel(fuel); set_epoch_deadline(ticks of the one ticker thread)
-      │ instantiate + call  host imports (worker.wasm.abi) on the tenant's allocator/backend
+      │                     a WASI module's store: a WasiConfig reaching nothing of the host
+      │ instantiate + call  host imports (worker.wasm.abi) on the tenant's allocator/backend;
+      │                     a reactor's ``_initialize`` once, then the export; stdout/stderr
+      │                     line by line into the run's logs; ``proc_exit(n)`` -> exit_code n
       ▼ finally             free the run's buffers, release the reservation, drop the store
-    {results, fuel_used, elapsed_s, ...}  |  WasmCompile / WasmTrap(trap_code) / KernelTimeout
+    {results, fuel_used, elapsed_s, ..., exit_code}  |  WasmCompile / WasmTrap(trap_code) / KernelTimeout
 
 One engine per worker, created here - in the worker, after the spawn or
 fork, never inherited. Nothing is ever deserialized: compiled modules stay
@@ -42,6 +46,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import wasmtime
@@ -56,10 +61,29 @@ from shared.errors import (
 from shared.log import get_logger, log_event
 from shared.sizes import MAX_MODULE_BYTES  # the largest module body the worker compiles
 from worker.context import TenantContext
-from worker.wasm.abi import HANDLERS, IMPORT_MODULE, IMPORTS, ErrorCode, GuestRun, LogLimiter, NoGuestMemory, guest_view
+from worker.wasm.abi import (
+    HANDLERS,
+    IMPORT_MODULE,
+    IMPORTS,
+    MAX_LOG_BYTES,
+    ErrorCode,
+    GuestRun,
+    LogLimiter,
+    NoGuestMemory,
+    guest_view,
+)
 from worker.wasm.compiler import CACHE_BYTES, CACHE_ENTRIES, CompileOverrun, ModuleCache, compile_bounded
+from worker.wasm.wasi import (
+    WASI_FUNCTIONS,
+    WASI_MODULE,
+    WASI_REFUSED,
+    OutputLines,
+    define_wasi,
+    imports_wasi,
+    wasi_config,
+)
 
-__all__ = ["CompiledModule", "EpochTicker", "WasmHost", "WasmSession"]
+__all__ = ["CompiledModule", "EpochTicker", "GuestExit", "WasmHost", "WasmSession"]
 
 _log = get_logger("worker.wasm")
 
@@ -179,6 +203,16 @@ class CompiledModule:
     nbytes: int
     compile_s: float
     exports: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+    #: imports WASI preview 1: its store gets a WASI context (worker.wasm.wasi)
+    wasi: bool = False
+
+
+class GuestExit(Exception):
+    """The guest called WASI ``proc_exit(code)``: the run ends there, with ``code`` in the reply."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the guest exited with code {code}")
+        self.code = code
 
 
 def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
@@ -288,6 +322,11 @@ class WasmSession:
         self.reservation = reservation
         self.instance: wasmtime.Instance | None = None
         self.memory: wasmtime.Memory | None = None
+        #: the code of a ``proc_exit`` in a start function or ``_initialize`` (the run then calls no export)
+        self.exit_code: int | None = None
+        #: WASI stdout (1) and stderr (2), line by line into the run's log
+        self.streams = {fd: OutputLines(partial(run.log_line, stream=name), MAX_LOG_BYTES)
+                        for fd, name in ((1, "stdout"), (2, "stderr"))}
 
     # -- guest memory, for the imports (set as GuestRun.span)
 
@@ -332,7 +371,8 @@ class WasmSession:
 
     def call(self, export: str, args: Sequence[Any] = ()) -> list[Any]:
         """Call ``export`` with ``args`` (ints, floats, ``{"handle": h}``); its results as a list."""
-        assert self.instance is not None
+        if self.instance is None:
+            raise InvalidArgument(f"the guest exited with code {self.exit_code} while it was instantiated")
         func = self.instance.exports(self.store).get(export)
         if not isinstance(func, wasmtime.Func):
             names = sorted(self.compiled.exports)
@@ -401,6 +441,7 @@ class WasmHost:
                 self._define_raw(name)
             else:
                 self._define_checked(name)
+        self._keep += define_wasi(self.linker, self._stream_of)
         self.stats = {"runs": 0, "compiles": 0, "cache_hits": 0, "traps": 0, "timeouts": 0}
         self._closed = False
 
@@ -418,6 +459,10 @@ class WasmHost:
     def _current(self) -> GuestRun | None:
         session = self._session
         return session.run if session is not None else None
+
+    def _stream_of(self, fd: int) -> OutputLines | None:
+        session = self._session
+        return session.streams.get(fd) if session is not None else None
 
     def _define_checked(self, name: str) -> None:
         handler = HANDLERS[name]
@@ -518,13 +563,17 @@ class WasmHost:
             pre = self.linker.instantiate_pre(module)
             memory = memory_limits(wasm)
         except (wasmtime.WasmtimeError, ValueError) as exc:
-            raise WasmCompile(_short(str(exc))) from None
+            # "incompatible import type for `wasi_snapshot_preview1::fd_write`" + the cause's last line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            last = _short(str(exc))
+            raise WasmCompile(last if first in last else f"{first}: {last}") from None
         exports = {
             e.name: (_valtypes(e.type.params), _valtypes(e.type.results))
             for e in module.exports
             if isinstance(e.type, wasmtime.FuncType)
         }
-        compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports)
+        compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
+                                  imports_wasi(module))
         self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         self.stats["compiles"] += 1
         log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
@@ -535,10 +584,16 @@ class WasmHost:
     def _check_imports(module: wasmtime.Module) -> None:
         for imp in module.imports:
             where = f"import {imp.module}::{imp.name}"
+            if imp.module == WASI_MODULE:
+                if imp.name in WASI_REFUSED:
+                    raise WasmCompile(f"{where} is refused: a guest has no network (no WASI sockets)")
+                if imp.name not in WASI_FUNCTIONS or not isinstance(imp.type, wasmtime.FuncType):
+                    raise WasmCompile(f"{where} is not provided: not a WASI preview 1 function")
+                continue  # its type is checked when the module is linked (instantiate_pre)
             if imp.module != IMPORT_MODULE or imp.name not in IMPORTS:
                 raise WasmCompile(
                     f"{where} is not provided: a guest may import only {IMPORT_MODULE}::"
-                    f"{{{', '.join(IMPORTS)}}} (no WASI, no other modules)"
+                    f"{{{', '.join(IMPORTS)}}} and WASI preview 1 ({WASI_MODULE}) functions"
                 )
             ty = imp.type
             params, result = IMPORTS[imp.name]
@@ -613,6 +668,8 @@ class WasmHost:
                 memories=0 if compiled.memory is None else 1,
             )
             store.set_fuel(fuel)
+            if compiled.wasi:
+                store.set_wasi(wasi_config())
             run = GuestRun(self.ctx, self.limiter)
             session = WasmSession(self, compiled, store, run, fuel, timeout_s, reservation)
             run.span = session.span_raw if self.fast_imports else session.span_checked
@@ -620,13 +677,30 @@ class WasmHost:
             self.ticker.acquire()
             ticking = True
             store.set_epoch_deadline(self.ticker.deadline_ticks(timeout_s))
-            session.instance = self._guarded_call(session, lambda: compiled.pre.instantiate(store), instantiate=True)
+            try:
+                session.instance = self._guarded_call(session, lambda: compiled.pre.instantiate(store),
+                                                      instantiate=True)
+            except GuestExit as exc:  # a start function called proc_exit: the run is over before it began
+                session.exit_code = exc.code
+                yield session
+                return
             if session.memory is None:
                 mem = session.instance.exports(store).get("memory")
                 if isinstance(mem, wasmtime.Memory):
                     session.memory = mem
+            if compiled.exports.get("_initialize") == ((), ()):
+                # a reactor (wasm32-wasi, -mexec-model=reactor): libc's constructors, once per instance
+                init = session.instance.exports(store)["_initialize"]
+                assert isinstance(init, wasmtime.Func)
+                try:
+                    self._guarded_call(session, lambda: init(store))
+                except GuestExit as exc:
+                    session.exit_code = exc.code
             yield session
         finally:
+            if session is not None:
+                for stream in session.streams.values():
+                    stream.close()  # a last line without a newline still reaches the log
             self._session = None
             if ticking:
                 self.ticker.release()
@@ -641,6 +715,8 @@ class WasmHost:
         """Run guest code; wasmtime's traps and errors become the typed errors."""
         try:
             return fn()
+        except wasmtime.ExitTrap as exited:  # WASI proc_exit: an end, not a fault
+            raise GuestExit(exited.code) from None
         except wasmtime.Trap as trap:
             code = trap.trap_code
             if code is wasmtime.TrapCode.INTERRUPT:
@@ -670,7 +746,13 @@ class WasmHost:
             raise KernelTimeout(timeout_s, message=f"run_wasm: compiling used the whole run time of {timeout_s:g} s")
         with self.session(compiled, fuel=fuel, timeout_s=left) as session:
             session.timeout_s = timeout_s  # errors name the run's limit; the epoch deadline has what is left
-            results = session.call(export, args)
+            results: list[Any] = []
+            exit_code = session.exit_code
+            if exit_code is None:
+                try:
+                    results = session.call(export, args)
+                except GuestExit as exc:
+                    exit_code = exc.code
             fuel_used = session.fuel_used()
             memory_bytes = session.memory.data_len(session.store) if session.memory is not None else 0
             run = session.run
@@ -682,6 +764,8 @@ class WasmHost:
             "gpu_peak_bytes": run.gpu_peak_bytes,
             "memory_bytes": memory_bytes,
             "logs": run.logs,
+            "logs_dropped": run.logs_dropped,
+            "exit_code": exit_code,
         }
 
     def info(self) -> dict[str, Any]:

@@ -1,0 +1,149 @@
+"""``twt build``: what it makes, and its one-line errors; then ``twt build`` + ``twt run`` as a user runs them.
+
+The library function (``build_module``) in process, the command line
+through ``supervisor.cli.main`` and, end to end, the ``twt`` command as a
+process against a real supervisor and worker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import wasmtime
+
+from shared.spec import TenantSpec
+from supervisor.cli import main
+from supervisor.cli import build as build_cli
+from supervisor.cli.build import BuildError, build_module
+from tests.helpers.cli import twt
+from tests.helpers.cluster import supervisor
+from tests.helpers.wasm_env import tenant_env
+from worker.backends.stub import StubBackend
+from worker.wasm.host import memory_limits
+
+pytestmark = pytest.mark.timeout(300)  # the first build of a session compiles wasi-libc
+
+HELLO = r"""#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "tensorwasm.h"
+
+/* a tenant using libc and the header: n floats of 1.5 through malloc'd guest memory, summed on the host */
+TWT_EXPORT(hello) float hello(int32_t n) {
+    float *xs = malloc(n * sizeof *xs);
+    for (int32_t i = 0; i < n; i++) xs[i] = 1.5f;
+    twt_handle h = twt_alloc(n * 4);
+    if (h < 0) { printf("alloc: %s\n", twt_strerror(h)); return -1; }
+    twt_write(h, 0, xs, n * 4);
+    free(xs);
+    float total = 0;
+    twt_sum_f32(h, n, &total);
+    printf("hello from C: sum of %d x 1.5 = %g\n", n, total);
+    return total;
+}
+
+TWT_EXPORT(bye) int32_t bye(int32_t code) { printf("bye %d\n", code); exit(code); }
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_c_tenant_builds_into_a_reactor(tmp_path: Path) -> None:
+    out = tmp_path / "out" / "hello.wasm"
+    result = build_module([write(tmp_path, "hello.c", HELLO)], out, max_memory=4 << 20)
+    assert result.out == out.resolve() and result.exports == ("hello", "bye") and result.wasi
+    wasm = out.read_bytes()
+    module = wasmtime.Module(wasmtime.Engine(), wasm)
+    names = {e.name for e in module.exports}
+    assert {"memory", "_initialize", "hello", "bye"} <= names
+    # the declared maximum, and the small stack instead of the linker's 16 MiB (charged while a run lasts)
+    limits = memory_limits(wasm)
+    assert limits is not None and limits[1] == (4 << 20) // 65536 and limits[0] * 65536 < 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("files", "options", "match"),
+    [
+        ({"a.rs": "fn main() {}"}, {}, "not a C (.c) or Zig (.zig) source"),
+        ({"a.zig": "", "b.zig": ""}, {}, "one Zig root file per module"),
+        ({"a.c": "int x;"}, {"optimize": "turbo"}, "unknown optimisation"),
+        ({"a.c": "int x;"}, {"stack_size": 1000}, "stack size"),
+        ({"a.c": "int x;"}, {"max_memory": 1000}, "multiple of 65536"),
+    ],
+)
+def test_bad_builds_are_refused_before_compiling(tmp_path: Path, files: dict[str, str], options: dict[str, object],
+                                                 match: str) -> None:
+    sources = [write(tmp_path, name, text) for name, text in files.items()]
+    with pytest.raises(BuildError) as exc:
+        build_module(sources, tmp_path / "x.wasm", **options)  # type: ignore[arg-type]
+    assert match in str(exc.value)
+    assert not (tmp_path / "x.wasm").exists()
+    with pytest.raises(BuildError, match="no such file"):
+        build_module([tmp_path / "missing.c"], tmp_path / "x.wasm")
+
+
+def test_the_compilers_messages_and_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = write(tmp_path, "bad.c", '#include "tensorwasm.h"\nTWT_EXPORT(f) int f(void) { return twt_nope(); }\n')
+    out = tmp_path / "bad.wasm"
+    assert main(["build", str(src), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "bad.c:2" in err and "twt_nope" in err  # the compiler's own message, with file and line
+    assert err.strip().splitlines()[-1].startswith("twt build: error: compiling failed (zig cc exit 1")
+    assert not out.exists()
+
+
+def test_a_module_without_exports_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = write(tmp_path, "none.c", "int helper(int x) { return x + 1; }\n")
+    assert main(["build", str(src), "-o", str(tmp_path / "none.wasm")]) == 1
+    assert "exports no function: mark one with TWT_EXPORT(name)" in capsys.readouterr().err
+    assert not (tmp_path / "none.wasm").exists()
+
+
+def test_a_missing_compiler_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(build_cli, "TOOLCHAIN", "ziglang_not_installed_here")
+    src = write(tmp_path, "a.c", "int x;")
+    assert main(["build", str(src), "-o", str(tmp_path / "a.wasm")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("twt build: error: the Zig toolchain is not installed: pip install 'tensor-wasm-tenant[sdk]' "
+                   "(the sdk extra: the ziglang package)")
+
+
+def test_zig_with_a_c_helper(tmp_path: Path) -> None:
+    helper = write(tmp_path, "helper.c", "#include <string.h>\nint helper_len(const char *s) { return strlen(s); }\n")
+    root = write(tmp_path, "main.zig", 'const std = @import("std");\nconst twt = @import("tensorwasm");\n'
+                 "extern fn helper_len(s: [*:0]const u8) c_int;\n"
+                 'export fn run() i32 { twt.log("zig + c") catch {}; std.debug.print("stderr {d}\\n", .{42}); '
+                 'return helper_len("four"); }\n')
+    result = build_module([root, helper], tmp_path / "mixed.wasm")
+    assert result.exports == ("run",)
+    with tenant_env("sdk", StubBackend(), max_memory=4 << 20) as env:
+        reply = env.host.run(result.out.read_bytes(), "run", [], fuel=10**8, timeout_s=30.0)
+    assert reply["results"] == [4] and reply["logs"] == ["zig + c", "stderr 42"]
+
+
+def test_twt_build_then_twt_run(tmp_path: Path) -> None:
+    """The issue's 'done when': a C tenant with printf and malloc, two commands, a result."""
+    src = write(tmp_path, "hello.c", HELLO)
+    wasm = tmp_path / "hello.wasm"
+    built = twt("build", str(src), "-o", str(wasm), timeout=280)
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.strip() == f"wrote {wasm} ({wasm.stat().st_size:,} B): exports hello, bye; uses WASI (libc)"
+    spec = TenantSpec.from_dict({"tenant_id": "acme", "gpu_memory_bytes_cap": 1 << 20})
+    with supervisor() as sup:
+        sup.client.register(None, spec)
+        rd = sup.run_dir
+        ran = twt("run", "acme", str(wasm), "--invoke", "hello", "--arg", "1000", "--run-dir", rd)
+        assert ran.returncode == 0, ran.stderr
+        lines = ran.stdout.splitlines()
+        assert lines[0] == "results: [1500.0]"
+        assert "log: hello from C: sum of 1000 x 1.5 = 1500" in lines
+        bye = twt("run", "acme", str(wasm), "--invoke", "bye", "--arg", "3", "--run-dir", rd)
+        assert bye.returncode == 1 and bye.stdout.splitlines()[-2:] == ["log: bye 3", "exit code: 3"]
+        ok = twt("run", "acme", str(wasm), "--invoke", "bye", "--arg", "0", "--run-dir", rd)
+        assert ok.returncode == 0 and ok.stdout.splitlines()[-1] == "exit code: 0"
