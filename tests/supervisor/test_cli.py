@@ -296,6 +296,9 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
                               "--instances", "2", "--restart", "on-failure", *rd)
         assert code == 0, err
         acme = TenantCapability.from_bytes(bytes.fromhex(out.strip()))
+        # the limits applied: on stderr, so CAP=$(twt register ...) captures the capability alone
+        assert err.startswith("twt: note:") is False and "acme: memory quota 64MiB, GPU cap 1MiB, pool quota none" in err
+        assert "2 instance(s), 2 ready" in err
         assert c.ping(acme)["tenant"] == "acme"
         rec = tenant(c.status(), "acme")
         assert len(rec["pids"]) == 2 and rec["gpu_memory_bytes_cap"] == 1 << 20
@@ -308,7 +311,9 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         code, out, err = _run(capsys, "register", "gamma", "--file", str(toml), "--instances", "2",
                               "--cap-out", str(cap_file), *rd)
         assert code == 0, err
-        assert out.strip() == f"gamma: capability written to {cap_file}"
+        first, limits = out.strip().splitlines()
+        assert first == f"gamma: capability written to {cap_file}"
+        assert limits.startswith("gamma: memory quota 256MiB, GPU cap 2MiB") and "2 instance(s)" in limits
         assert stat.S_IMODE(os.stat(cap_file).st_mode) == 0o600
         gamma = TenantCapability.from_bytes(bytes.fromhex(cap_file.read_text().strip()))
         assert c.ping(gamma)["tenant"] == "gamma"
