@@ -53,11 +53,10 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
         n = value
     elif isinstance(value, str):
         m = _SIZE_RE.fullmatch(value)
-        unit_text = m.group(2) if m else ""
-        if len(unit_text) >= 2 and unit_text[0].isupper() and unit_text.endswith("b") and unit_text.lower() in _UNITS:
-            prefix = m.group(2)[0].upper()
+        if m is not None and _is_bits(m.group(2)):
+            number, prefix = m.group(1), m.group(2)[0].upper()
             raise ValueError(f"invalid {what} {value!r}: a lower-case 'b' means bits; write "
-                             f"'{m.group(1)}{prefix}B' (decimal bytes) or '{m.group(1)}{prefix}iB' (binary bytes)")
+                             f"'{number}{prefix}B' (decimal bytes) or '{number}{prefix}iB' (binary bytes)")
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"invalid {what} {value!r}: expected e.g. 4096, '512MiB', '2GiB', '1.5GB'")
         number, unit = m.group(1), _UNITS[m.group(2).lower()]
@@ -69,6 +68,11 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     else:
         raise TypeError(f"{what} must be an int or a size string, not {type(value).__name__}")
     return check_size_range(n, what)
+
+
+def _is_bits(unit: str) -> bool:
+    """``Gb``, ``Mb``, ``Kib``: an upper-case prefix and a lower-case ``b`` is how bits are written."""
+    return len(unit) >= 2 and unit[0].isupper() and unit.endswith("b") and unit.lower() in _UNITS
 
 
 def decimal_size_note(value: int | str, *, what: str = "size") -> str | None:

@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then a BrokenPipeError below
         return code
     except BrokenPipeError:  # `twt events | head`: the reader left; nothing to say, nowhere to say it
         _silence_stdout()

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.errors import HandshakeFailed, RequestTimeout, SupervisorUnavailable
+from shared.errors import RequestTimeout, SupervisorUnavailable, TensorWasmError
 from supervisor.cli._common import run_dir_of
 from supervisor.client import SupervisorClient
 
@@ -103,7 +103,7 @@ class Reconnecting:
                 continue
             try:
                 client = self._connect()
-            except (*_OUTAGE, HandshakeFailed):
+            except (TensorWasmError, OSError):  # not there yet, or half started (files appearing): again
                 continue
             try:
                 result = fn(client)

@@ -78,10 +78,12 @@ def run(args: argparse.Namespace) -> int:
     kinds = sorted({k for group in args.kinds for k in group})
     tenants = set(args.tenants)
     seen = 0
-    cap = None
+    cap: TenantCapability | None = None
     if args.capability is not None:
-        cap = read_capability_file(args.capability)
-        if not isinstance(cap, TenantCapability):
+        given = read_capability_file(args.capability)
+        if isinstance(given, TenantCapability):
+            cap = given
+        else:
             raise ValueError(f"--capability {args.capability} holds the admin capability: leave it out "
                              "(or give --admin-cap with --connect) to follow every event")
     if getattr(args, "connect", None) and cap is None and not args.admin_cap:
