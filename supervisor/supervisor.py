@@ -75,6 +75,7 @@ from supervisor.regions import RegionTable
 from supervisor.registry import TenantRegistry
 from supervisor.replies import Replies
 from supervisor.rundir import RunDir
+from supervisor.sd_notify import SystemdNotifier
 from supervisor.service import ServiceOps
 from supervisor.stall import StallGuard
 from supervisor.state import StateStore
@@ -135,10 +136,12 @@ class Supervisor:
     """Runs until :meth:`request_stop` (or SIGTERM/SIGINT in :meth:`run`; SIGHUP reloads the config file)."""
 
     def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None,
-                 rundir: RunDir | None = None) -> None:
-        """``rundir``: the run dir, possibly already locked (``twt supervise`` locks it before binding anything)."""
+                 rundir: RunDir | None = None, notifier: SystemdNotifier | None = None) -> None:
+        """``rundir``: the run dir, possibly already locked (``twt supervise`` locks it before binding anything).
+        ``notifier``: systemd's ``Type=notify`` messages (:mod:`supervisor.sd_notify`); default none."""
         self.config = config
         self.metrics = metrics or NullMetrics()
+        self.notifier = notifier or SystemdNotifier(None)
         self.rundir = rundir or RunDir(config.run_dir, config.client_group)
         # opened in run(), once the run dir is ours: the registry's identity comes from the state
         self.state: StateStore | None = None
@@ -344,10 +347,13 @@ class Supervisor:
                 self._refresh_metrics()
             if self._reload_wanted and not self._stopping:
                 self._reload_wanted = False
+                self.notifier.reloading()
                 try:
                     parts.service.reload_quietly()
                 except Exception:  # noqa: BLE001 - as above
                     self._internal_error("reload")
+                if self.ready:
+                    self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded")
             now = loop.clock()
             try:
                 loop.timers.run_due(now)
@@ -359,6 +365,7 @@ class Supervisor:
             if self._stopping:
                 if self._stop_started is None:
                     self._stop_started = now
+                    self.notifier.stopping(f"stopping {len(parts.workers.workers)} worker(s)")
                     log_event(_log, logging.INFO, "supervisor.stopping", workers=len(parts.workers.workers))
                     parts.workers.stop_all("shutdown")
                 waited = now - self._stop_started
@@ -366,6 +373,7 @@ class Supervisor:
                     return
 
     def _housekeeping(self, parts: _Parts, now: float) -> None:
+        self.notifier.watchdog(now)  # systemd's WatchdogSec: only a turning loop sends it
         stalled = self.stall.tick(now)
         if stalled is not None:
             # SIGSTOP or a starved host: the loop did not run. Heartbeats and replies that came
@@ -429,6 +437,7 @@ class Supervisor:
         self.ready = True
         set_process_name("twt-supervisor")
         self.rundir.write_ready(self._ready_info(parts.admin))
+        self.notifier.ready(f"serving {len(self.tenants)} tenant(s) on the {parts.admin.backend_name} backend")
         self.metrics.mark_ready()  # /readyz (it also waits for the warm pool, from the snapshot)
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
                   backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))

@@ -250,3 +250,70 @@ def test_the_cluster_recipe_key_path_is_the_mounted_secret() -> None:
     mounts = {m["name"]: m["mountPath"] for m in _container(_docs()["DaemonSet"])["volumeMounts"]}
     assert _mount_of(path, mounts) == "keys"
     assert f"--from-file={path.rsplit('/', 1)[1]}=" in text
+
+
+# ------------------------------------------------------------------------------- the systemd unit
+
+UNIT = DEPLOY / "systemd" / "twt-supervisor.service"
+
+
+def _unit() -> dict[str, dict[str, list[str]]]:
+    """section -> key -> values (a key may repeat, e.g. Environment=)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    section = ""
+    for line in UNIT.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(section, {}).setdefault(key, []).append(value)
+    return out
+
+
+def test_the_systemd_unit_is_notify_and_matches_the_code() -> None:
+    service = _unit()["Service"]
+    assert service["Type"] == ["notify"] and service["NotifyAccess"] == ["main"]
+    assert int(service["WatchdogSec"][0]) >= 2  # the loop pings every WatchdogSec/2, from a 50 ms tick
+    env = dict(e.partition("=")[::2] for e in service["Environment"])
+    config = load_config(None, environ=env)
+    assert config.run_dir == f"/run/{service['RuntimeDirectory'][0]}"
+    assert config.state_path == f"/var/lib/{service['StateDirectory'][0]}"  # kept across reboots
+    assert service["RuntimeDirectoryMode"] == service["StateDirectoryMode"] == ["0700"]
+    argv = service["ExecStart"][0].split()
+    assert argv[0].endswith("/twt") and argv[1] == "supervise"
+    host, port = parse_metrics_addr(argv[argv.index("--metrics-addr") + 1])
+    assert host == "127.0.0.1" and port == DEFAULT_METRICS_PORT
+    assert int(service["TimeoutStopSec"][0]) > config.stop_timeout_s + 2 * config.kill_grace_s + 5
+    assert service["KillMode"] == ["mixed"] and service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+
+
+def test_the_unit_in_the_docs_is_the_file() -> None:
+    """docs/OPERATIONS.md shows deploy/systemd/twt-supervisor.service as it is (its comment header aside)."""
+    text = (DEPLOY.parent / "docs" / "OPERATIONS.md").read_text()
+    block = text.split("# /etc/systemd/system/twt-supervisor.service", 1)[1].split("```", 1)[0]
+    body = UNIT.read_text().split("[Unit]", 1)[1]
+    assert block.split("[Unit]", 1)[1] == body
+
+
+def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
+    """The real checker, where installed: no unknown key, no bad value (ExecStart pointed at a real twt)."""
+    import shutil
+    import subprocess
+    import sys
+
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed")
+    twt = Path(sys.executable).with_name("twt")
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace("/opt/twt/.venv/bin/twt", str(twt if twt.exists() else "/bin/true")))
+    proc = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    problems = [ln for ln in (proc.stdout + proc.stderr).splitlines() if unit.name in ln]
+    assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+    # the check can fail: a misspelt key is reported
+    unit.write_text(unit.read_text().replace("Type=notify", "Type=notfy"))
+    proc = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert "notfy" in proc.stdout + proc.stderr
