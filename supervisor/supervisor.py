@@ -68,7 +68,15 @@ from supervisor.fdlimit import raise_fd_limit
 from supervisor.frontend import Frontend
 from supervisor.guard import FrontendGuard
 from supervisor.loop import Handoff, Loop
-from supervisor.metrics import DeviceGauges, Metrics, MetricsSnapshot, NullMetrics, TenantGauges
+from supervisor.metrics import (
+    DeviceGauges,
+    Metrics,
+    MetricsSnapshot,
+    NullMetrics,
+    TenantGauges,
+    TenantLabels,
+    tenant_label_key,
+)
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
 from supervisor.regions import RegionTable
@@ -182,6 +190,8 @@ class Supervisor:
         cfg = self.config
         raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.fdlimit)
         state, registry, admin_cap = self._open_state()
+        labels = TenantLabels(cfg.metrics_tenant_names, tenant_label_key(state))  # stable across restarts
+        self.metrics.use_tenant_labels(labels)
         removed = cleanup_stale_segments(namespace=self.rundir.segment_namespace)  # never another run dir's
         if removed:
             log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
@@ -247,7 +257,7 @@ class Supervisor:
             cfg, loop=self.loop, tenants=self.tenants, registry=registry, admin_cap=admin_cap, state=state,
             placement=placement, pending=pending, events=self.events, rundir=self.rundir,
             backend_name=choice.name, backend_reason=choice.reason,
-            counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard,
+            counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard, tenant_label=labels,
         )
         workers = WorkerSet(
             cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
