@@ -265,3 +265,23 @@ def test_sd_notify_outside_systemd_and_bad_values() -> None:
     assert not SystemdNotifier.from_environ({"NOTIFY_SOCKET": "vsock:2:1234"}).enabled
     for n in (n, other):
         n.close()
+
+
+def test_ready_event_of_a_pool_bound_worker_counts_from_its_bind() -> None:
+    """A warm pool worker bound to a tenant reports the bind's time as startup_ms, not its age."""
+    from shared.spec import TenantSpec
+
+    with launch({"supervisor": {**FAST, "pool_size": 1}}) as sup:
+        c = sup.client
+
+        def pool_ready() -> dict[str, object] | None:
+            page = c.events_page(None, 0, kinds=["ready"])
+            return next((e for e in page["events"] if e.get("pool")), None)
+
+        idle = wait_for(pool_ready, what="a warm pool worker")
+        c.register(None, TenantSpec("acme"))
+        page = c.events_page(None, 0, kinds=["ready"])
+        (bound,) = [e for e in page["events"] if e.get("tenant") == "acme"]
+        assert bound["pooled"] is True and bound["worker"] == idle["worker"]
+        # it was bound after the pool worker became idle: startup counts from then, not from its spawn
+        assert bound["startup_ms"] / 1000 <= float(bound["ts"]) - float(idle["ts"]) + 0.05  # type: ignore[arg-type]
