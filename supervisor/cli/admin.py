@@ -33,7 +33,7 @@ from shared.spec import IsolationKind, RestartPolicy, TenantSpec
 from supervisor.cli._common import add_run_dir, non_negative_int, positive_seconds, print_json
 from supervisor.cli.status import connect, fetch_tenant
 
-__all__ = ["FAULT_KINDS", "add_parser", "parse_param", "specs_from_file"]
+__all__ = ["FAULT_KINDS", "add_parser", "build_spec", "has_spec_flags", "parse_param", "spec_flags", "specs_from_file"]
 
 #: admin calls that may wait for worker processes (register, evict) get at least this long
 ADMIN_TIMEOUT_S = 60.0
@@ -178,6 +178,12 @@ def _add_cap_out(p: argparse.ArgumentParser) -> None:
 
 def _register_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("tenant", nargs="?", metavar="TENANT", help="tenant id (optional with --file)")
+    spec_flags(p)
+    _add_cap_out(p)
+
+
+def spec_flags(p: argparse.ArgumentParser) -> None:
+    """``--file TOML`` and every tenant spec flag (``twt register``, ``twt cluster register``)."""
     p.add_argument("--file", metavar="TOML", help="read the tenant spec from this TOML file (default: none, flags only)")
     for flag, dest, typ, metavar, text in _SPEC_FLAGS:
         p.add_argument(flag, dest=dest, type=typ, metavar=metavar, help=text, default=argparse.SUPPRESS)
@@ -185,7 +191,12 @@ def _register_arguments(p: argparse.ArgumentParser) -> None:
                    help="process (default), mps, or auto")
     p.add_argument("--restart", choices=[k.value for k in RestartPolicy], default=argparse.SUPPRESS,
                    help="restart policy (default always)")
-    _add_cap_out(p)
+
+
+def has_spec_flags(args: argparse.Namespace) -> bool:
+    """Whether any tenant spec flag (or --file) was given."""
+    return bool(getattr(args, "file", None)) or any(
+        hasattr(args, dest) for dest in [d for _, d, _, _, _ in _SPEC_FLAGS] + ["isolation", "restart"])
 
 
 def _capability_arguments(p: argparse.ArgumentParser) -> None:
@@ -248,6 +259,7 @@ def _tenant_name(table: dict[str, Any]) -> str | None:
 
 def build_spec(args: argparse.Namespace) -> TenantSpec:
     """The spec from --file and/or the flags (flags win); ValueError/TypeError name what is wrong."""
+    _say_decimal_sizes(args)
     base: dict[str, Any] = {}
     tid = args.tenant
     if args.file:
@@ -351,7 +363,6 @@ def _instances_line(rec: TenantRecord) -> str:
 
 
 def run_register(args: argparse.Namespace) -> int:
-    _say_decimal_sizes(args)
     spec = build_spec(args)
     _check_cap_out(args.cap_out)
     with connect(args, timeout_s=ADMIN_TIMEOUT_S) as client:
