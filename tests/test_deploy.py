@@ -317,3 +317,61 @@ def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
     unit.write_text(unit.read_text().replace("Type=notify", "Type=notfy"))
     proc = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert "notfy" in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------- the manifests' shape (no schema tool offline)
+
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_VOLUME_SOURCES = {"emptyDir", "hostPath", "configMap", "secret", "persistentVolumeClaim", "projected",
+                   "downwardAPI", "csi", "ephemeral"}
+_NAMESPACED = {"ConfigMap", "DaemonSet", "PodMonitor", "Secret", "Service"}
+
+
+def test_manifests_are_well_formed_kubernetes_objects() -> None:
+    """What the API server's schema would refuse at `kubectl apply`, checked by hand (no validator and no
+    schemas can be fetched here): identity fields, container and volume shapes, quantities, references."""
+    docs = _docs()
+    for kind, doc in docs.items():
+        if kind == "Kustomization":  # kustomize's own file, not an API object
+            continue
+        assert isinstance(doc["apiVersion"], str) and "/" in doc["apiVersion"] or doc["apiVersion"] == "v1", kind
+        name = doc["metadata"]["name"]
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63, kind
+        assert ("namespace" in doc["metadata"]) == (kind in _NAMESPACED), kind
+        for key, value in (doc["metadata"].get("labels") or {}).items():
+            assert isinstance(value, str) and len(value) <= 63, (kind, key)
+    ds = docs["DaemonSet"]
+    assert ds["apiVersion"] == "apps/v1"
+    pod = ds["spec"]["template"]["spec"]
+    volumes = pod["volumes"]
+    assert len({v["name"] for v in volumes}) == len(volumes)
+    for v in volumes:
+        sources = set(v) - {"name"}
+        assert len(sources) == 1 and sources <= _VOLUME_SOURCES, v
+        if "hostPath" in v:
+            assert v["hostPath"]["path"].startswith("/") and v["hostPath"]["type"] in ("DirectoryOrCreate", "Directory")
+        if "secret" in v or "configMap" in v:
+            mode = (v.get("secret") or v.get("configMap") or {}).get("defaultMode")
+            assert mode is None or (isinstance(mode, int) and 0 <= mode <= 0o777), v
+    for c in pod["containers"] + pod.get("initContainers", []):
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", c["name"]) and ":" in c["image"], c["name"]
+        assert c.get("imagePullPolicy", "IfNotPresent") in ("Always", "IfNotPresent", "Never")
+        names = {p["name"] for p in c.get("ports", [])}
+        for p in c.get("ports", []):
+            assert isinstance(p["containerPort"], int) and 0 < p["containerPort"] < 65536 and len(p["name"]) <= 15
+            assert p.get("protocol", "TCP") in ("TCP", "UDP", "SCTP")
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            if probe in c:
+                port = c[probe]["httpGet"]["port"]
+                assert port in names if isinstance(port, str) else 0 < port < 65536, (c["name"], probe)
+        for section in ("requests", "limits"):
+            for key, value in (c.get("resources", {}).get(section) or {}).items():
+                assert _QUANTITY.match(str(value)), (c["name"], section, key, value)
+        for m in c.get("volumeMounts", []):
+            assert m["name"] in {v["name"] for v in volumes} and m["mountPath"].startswith("/"), m
+        for e in c.get("env", []):
+            assert isinstance(e["name"], str) and isinstance(e["value"], str), e  # quoted strings, never ints
+        caps = c.get("securityContext", {}).get("capabilities", {})
+        assert all(isinstance(x, str) and x.isupper() for x in caps.get("drop", []) + caps.get("add", []))
+    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert isinstance(pod["securityContext"]["fsGroup"], int)
