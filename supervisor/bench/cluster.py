@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                      object_store_memory=80 * MiB, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
                      logging_level=logging.WARNING, log_to_driver=False, namespace="twt")
         else:
+            _check_reachable(args.address)
             try:
                 ray.init(address=args.address, logging_level=logging.WARNING, log_to_driver=False, namespace="twt")
             except Exception as exc:  # noqa: BLE001 - Ray's many start-up errors: one line saying what was found
@@ -93,6 +94,31 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _check_reachable(address: str) -> None:
+    """``HOST:PORT`` (or ``ray://HOST:PORT``) that refuses a TCP connection: say so at once, instead of
+    Ray's minutes of retries. ``auto`` and unreachable-but-silent hosts are left to Ray."""
+    import socket
+
+    from shared.config import parse_host_port
+
+    target = address.removeprefix("ray://")
+    if target in ("auto", "local") or ":" not in target:
+        return
+    try:
+        host, port = parse_host_port(target, "--address")
+    except ValueError:
+        return
+    try:
+        with socket.create_connection((host, port), timeout=3.0):
+            return
+    except TimeoutError:
+        return
+    except OSError as exc:
+        raise BackendUnavailable("ray", f"no Ray cluster at --address {address}: {(exc.strerror or str(exc)).lower()} "
+                                 "(start one with `ray start --head`, or leave out --address for an isolated local "
+                                 "one)") from None
 
 
 def _measure(args: argparse.Namespace, ray: Any, cluster_cls: Any, local: bool, auth: str) -> int:
