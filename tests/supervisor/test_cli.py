@@ -67,6 +67,9 @@ def test_help_on_every_command(capsys: pytest.CaptureFixture[str]) -> None:
             assert "--run-dir" in out, name
     proc = _twt("--help")
     assert proc.returncode == 0 and all(n in proc.stdout for n in MY_COMMANDS)
+    from supervisor.demo import DEMO_TENANTS
+
+    assert f"{['no', 'one', 'two', 'three', 'four', 'five', 'six'][len(DEMO_TENANTS)]} tenants" in proc.stdout
 
 
 def test_commands_without_a_supervisor_exit_3(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
