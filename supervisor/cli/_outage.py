@@ -70,15 +70,25 @@ class Reconnecting:
 
     def _why(self, exc: Exception) -> str:
         """The outage's cause in words: a local supervisor that stopped says so (no supervisor.json)."""
-        run_dir = self._local_run_dir()
-        if run_dir is not None and not os.path.exists(os.path.join(run_dir, "supervisor.json")):
-            return f"stopped: {run_dir}/supervisor.json is gone"
+        stopped = self._stopped()
+        if stopped is not None:
+            return stopped
         if isinstance(exc, SupervisorUnavailable):
             return exc.reason
         return f"no answer within {self.client.timeout_s:g} s"
 
+    def _stopped(self) -> str | None:
+        """A local supervisor's clean stop, seen without a request: its supervisor.json is gone."""
+        run_dir = self._local_run_dir()
+        if run_dir is not None and not os.path.exists(os.path.join(run_dir, "supervisor.json")):
+            return f"stopped: {run_dir}/supervisor.json is gone"
+        return None
+
     def call(self, fn: Callable[[SupervisorClient], T]) -> T | None:
         """``fn(client)``; through an outage, again on a new connection once one works. ``None``: gave up."""
+        stopped = self._stopped()  # at once, rather than after a request's timeout
+        if stopped is not None:
+            return self._ride_out(fn, SupervisorUnavailable(run_dir_of(self.args), stopped))
         try:
             return fn(self.client)
         except _OUTAGE as exc:
@@ -94,9 +104,8 @@ class Reconnecting:
                 self._err(f"twt: gave up at {_clock()}: unreachable for {time.monotonic() - started:.0f} s")
                 return None
             time.sleep(self.retry_s)  # the retry interval of an outage, not a wait for an event
-            run_dir = self._local_run_dir()
-            if run_dir is not None and not os.path.exists(os.path.join(run_dir, "supervisor.json")):
-                why = f"stopped: {run_dir}/supervisor.json is gone"
+            why = self._stopped()
+            if why is not None:
                 if why != said:
                     said = why
                     self._err(f"twt: supervisor {why} ({_clock()}); waiting for it to start again")

@@ -701,3 +701,42 @@ def test_top_and_events_survive_a_restart(tmp_path: Path) -> None:
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_reconnecting_gives_up_after_its_deadline_and_resumes_when_back(tmp_path: Path) -> None:
+    """The outage logic alone (no supervisor): lines said, give-up after --timeout, resume on a new client."""
+    from shared.errors import SupervisorUnavailable
+    from supervisor.cli._outage import Reconnecting
+
+    class _Client:
+        timeout_s = 10.0
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    args = argparse.Namespace(connect="tcp://127.0.0.1:1", run_dir=None)
+    lines: list[str] = []
+    clients: list[_Client] = []
+    up = {"now": False}
+
+    def connect() -> Any:
+        if clients and not up["now"]:
+            raise SupervisorUnavailable("tcp://127.0.0.1:1", "connection refused: nothing listens on 127.0.0.1:1")
+        clients.append(_Client())
+        return clients[-1]
+
+    def call(client: Any) -> str:
+        if client is clients[0]:
+            raise SupervisorUnavailable("tcp://127.0.0.1:1", "connection lost while waiting for the reply")
+        return "pong"
+
+    source = Reconnecting(args, connect, deadline_s=0.05, retry_s=0.01, err=lines.append)
+    assert source.call(call) is None  # gave up
+    assert lines[0].startswith("twt: supervisor unreachable since ") and "connection lost" in lines[0]
+    assert lines[-1].startswith("twt: gave up at ")
+    lines.clear()
+    up["now"] = True
+    source.deadline_s = None
+    assert source.call(call) == "pong" and source.client is clients[1] and clients[0].closed
+    assert lines[-1].startswith("twt: supervisor back at ")
