@@ -505,11 +505,13 @@ class BackendUnavailable(TensorWasmError):
 class TenantFailed(TensorWasmError):
     """The tenant's workers crashed too often (restart intensity exceeded).
 
-    Requests are refused until an operator evicts and re-registers the tenant.
+    Requests are refused until an operator resets it (``twt reset TENANT``: same capability,
+    restart history cleared) or evicts and re-registers it.
     """
 
     code = "tenant_failed"
-    _template = "tenant {tenant_id!r} failed: {restarts} restarts within {window_s:g} s; evict and re-register it"
+    _template = ("tenant {tenant_id!r} failed: {restarts} restarts within {window_s:g} s; "
+                 "`twt reset {tenant_id}` starts it again (same capability)")
     tenant_id: str
     restarts: int
     window_s: float

@@ -223,6 +223,8 @@ class TenantRecord(Record):
     quota: dict[str, Any] = field(default_factory=dict)  # the full QuotaSnapshot
     regions: tuple[RegionRecord, ...] = field(default=(), metadata=_holds(RegionRecord))
     origin: str = "runtime"  # "file": managed by the config file (reload); "runtime": by register/evict
+    #: its ``tenant`` label on /metrics: a pseudonym stable across restarts, or the name (metrics_tenant_names)
+    metrics_label: str = ""
 
 
 @dataclass(frozen=True, slots=True)

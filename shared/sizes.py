@@ -1,14 +1,17 @@
 """Human byte sizes in and out: ``"512MiB"`` <-> ``536870912``.
 
 Binary suffixes (KiB, MiB, GiB, TiB; also K, M, G, T) are powers of 1024,
-decimal ones (kB/KB, MB, GB, TB) powers of 1000, because operators write both.
+decimal ones (kB/KB, MB, GB, TB) powers of 1000, because operators write both
+(:func:`decimal_size_note` words what a decimal one was taken as). A lower-case
+``b`` after an upper-case prefix (``2Gb``, ``512Mb``, ``1Gib``) is the notation
+for bits and is refused; all-lower-case units (``2gb``) are read as bytes.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_MODULE_BYTES", "check_size_range", "format_size", "parse_size"]
+__all__ = ["MAX_MODULE_BYTES", "check_size_range", "decimal_size_note", "format_size", "parse_size"]
 
 #: the largest WASM module (text or binary) ``run_wasm`` and ``put_module`` accept, in the
 #: supervisor and in the worker: compiling is not under a run's deadline, so it stays bounded
@@ -50,6 +53,10 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
         n = value
     elif isinstance(value, str):
         m = _SIZE_RE.fullmatch(value)
+        if m is not None and _is_bits(m.group(2)):
+            number, prefix = m.group(1), m.group(2)[0].upper()
+            raise ValueError(f"invalid {what} {value!r}: a lower-case 'b' means bits; write "
+                             f"'{number}{prefix}B' (decimal bytes) or '{number}{prefix}iB' (binary bytes)")
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"invalid {what} {value!r}: expected e.g. 4096, '512MiB', '2GiB', '1.5GB'")
         number, unit = m.group(1), _UNITS[m.group(2).lower()]
@@ -61,6 +68,27 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     else:
         raise TypeError(f"{what} must be an int or a size string, not {type(value).__name__}")
     return check_size_range(n, what)
+
+
+def _is_bits(unit: str) -> bool:
+    """``Gb``, ``Mb``, ``Kib``: an upper-case prefix and a lower-case ``b`` is how bits are written."""
+    return len(unit) >= 2 and unit[0].isupper() and unit.endswith("b") and unit.lower() in _UNITS
+
+
+def decimal_size_note(value: int | str, *, what: str = "size") -> str | None:
+    """What a decimal size (``"2GB"``) was taken as, next to its binary look-alike; None for any other.
+
+    ``2GB`` is 2,000,000,000 bytes, 7 % less than the ``2GiB`` an operator may have meant: the CLI says so.
+    """
+    if not isinstance(value, str):
+        return None
+    m = _SIZE_RE.fullmatch(value)
+    if not m or m.group(2).lower() not in ("kb", "mb", "gb", "tb"):
+        return None
+    n = parse_size(value, what=what)
+    binary = parse_size(f"{m.group(1)}{m.group(2)[0].upper()}iB")
+    return (f"{what} {value.strip()} is decimal: {n:,} bytes ({format_size(n)}); "
+            f"write {m.group(1)}{m.group(2)[0].upper()}iB for {binary:,} bytes")
 
 
 def check_size_range(n: int, what: str) -> int:

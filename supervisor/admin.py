@@ -113,9 +113,12 @@ class AdminOps:
         counters: Callable[[], int],
         on_settled: Callable[[], None],
         guard: FrontendGuard,
+        tenant_label: Callable[[str], str] | None = None,
     ) -> None:
+        """``tenant_label``: a tenant's metric label (``supervisor.metrics.TenantLabels``), shown in its record."""
         self.config = config
         self.guard = guard
+        self.tenant_label = tenant_label
         self.loop = loop
         self.clock = loop.clock
         self.tenants = tenants
@@ -504,6 +507,7 @@ class AdminOps:
             quota=snap,
             regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
             origin=rt.origin,
+            metrics_label=self.tenant_label(rt.tenant_id) if self.tenant_label is not None else "",
         )
 
     def status(self) -> StatusRecord:

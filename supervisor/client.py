@@ -189,7 +189,9 @@ class SupervisorClient:
         if self._admin is None:
             if self.is_remote:
                 raise InvalidArgument(
-                    f"a remote client has no admin.cap: pass admin= to SupervisorClient.remote ({self.endpoint})"
+                    f"a remote client has no admin.cap ({self.endpoint}): give the admin capability file with "
+                    "--admin-cap FILE (twt), or admin= (SupervisorClient.remote); the supervisor must allow it "
+                    "(allow_remote_admin = true). A tenant's own commands take --capability FILE instead"
                 )
             try:
                 self._admin = RegistryAdminCapability.from_bytes(

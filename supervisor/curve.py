@@ -4,6 +4,7 @@
         key material "curve.secret"   Z85 (40 chars); "curve.public" beside it, checked against it
     server_key_file = PATH            or an operator's ZPL certificate (zmq.auth format; e.g. a
                                       Kubernetes Secret): public-key and secret-key, 0600 or stricter
+                                      (0440 in our own group: a Secret with fsGroup)
 
     supervisor start ── load_or_create_server_keys(store) ── made on first start, kept after
                     └─ published: supervisor.json "server_public_key", printed by `twt keys`
@@ -39,6 +40,7 @@ __all__ = [
     "check_client_keys_dir",
     "load_client_keys",
     "load_or_create_server_keys",
+    "key_file_mode_problem",
     "load_server_key_file",
     "parse_public_key",
     "write_key_pair",
@@ -158,17 +160,39 @@ def load_or_create_server_keys(store: StateStore) -> CurveKeyPair:
 def load_server_key_file(path: str) -> CurveKeyPair:
     """The key pair from an operator's certificate file (``server_key_file``: e.g. a Kubernetes Secret).
 
-    Never created: a missing file is an error, as is one others can read.
+    Never created: a missing file is an error, as is one others can read (:func:`key_file_mode_problem`).
     """
     p = Path(path)
     try:
-        mode = p.stat().st_mode
+        st = p.stat()
     except OSError as exc:
         raise ValueError(f"server_key_file {path}: {exc.strerror}; make one with `twt keys --new-client NAME` "
                          "and use NAME.key_secret") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PermissionError(f"{path} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
+    problem = key_file_mode_problem(st.st_mode, st.st_uid, st.st_gid, uid=os.geteuid(), gid=os.getegid())
+    if problem is not None:
+        raise PermissionError(f"{path} {problem}")
     return _load_pair(p, "server key file")
+
+
+def key_file_mode_problem(mode: int, owner: int, group: int, *, uid: int, gid: int) -> str | None:
+    """Why a secret key file with this mode, owner and group must not be used by (``uid``, ``gid``); None: fine.
+
+    Accepted: 0600/0400 (or stricter) owned by us, and - the mode a Kubernetes Secret has when the pod
+    sets ``fsGroup`` (kubelet adds group read to ``defaultMode: 0400``) - 0440 owned by root or us in
+    *our own* group (``gid``: the process's effective group, ``runAsGroup``). Never: any permission
+    for others, group write or execute, or group read for any group but ours.
+    """
+    perms = stat.S_IMODE(mode)
+    if perms & stat.S_IRWXO:
+        return f"is readable by others (mode {oct(perms)}); chmod 600 it"
+    if perms & stat.S_IRWXG:
+        if perms & (stat.S_IWGRP | stat.S_IXGRP) or group != gid or owner not in (0, uid):
+            return (f"is readable by its group {group} (mode {oct(perms)}, owner {owner}); chmod 600 it, or "
+                    f"make it 0440, owned by root or uid {uid}, in this process's own group {gid} "
+                    "(Kubernetes: runAsGroup = fsGroup)")
+    elif owner != uid:
+        return f"belongs to uid {owner}, not to this process's uid {uid}; chown it"
+    return None
 
 
 def load_client_keys(spec: str | os.PathLike[str] | CurveKeyPair | tuple[bytes | str, bytes | str] | None) -> CurveKeyPair:

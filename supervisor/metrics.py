@@ -18,22 +18,81 @@ exporter notes when it last saw one (see :mod:`supervisor.health`).
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable, Protocol, Union
 
 from shared.quota import QuotaSnapshot
 
 __all__ = [
+    "LABEL_KEY_NAME",
+    "NO_TENANT",
     "DeviceGauges",
     "Metrics",
     "MetricsSnapshot",
     "MetricsSource",
     "NullMetrics",
     "TenantGauges",
+    "TenantLabels",
     "as_snapshot",
     "build_version",
+    "tenant_label_key",
 ]
+
+#: label of events that belong to no tenant (an idle pool worker's exit), and of requests
+#: whose capability was not verified (their claimed tenant is never a label)
+NO_TENANT = ""
+#: the state database's key material that keys the tenant label pseudonyms
+LABEL_KEY_NAME = "metrics.label_key"
+
+
+class _KeyStore(Protocol):
+    """What :func:`tenant_label_key` needs of ``supervisor.state.StateStore`` (named key material)."""
+
+    def get_key(self, name: str) -> bytes | None: ...
+
+    def put_key(self, name: str, material: bytes) -> None: ...
+
+
+def tenant_label_key(state: _KeyStore) -> bytes:
+    """The pseudonyms' key: kept in the state database (made on the first start), so a tenant keeps
+    its label across restarts - dashboards and alerts follow one series, not one per start."""
+    key = state.get_key(LABEL_KEY_NAME)
+    if key is None or len(key) < 16:
+        key = secrets.token_bytes(32)
+        state.put_key(LABEL_KEY_NAME, key)
+    return key
+
+
+class TenantLabels:
+    """Tenant names as metric labels, or stable pseudonyms (``t-<hex>``).
+
+    Whoever can reach ``/metrics`` learns the tenants' names only when the
+    operator chose so (``metrics_tenant_names``): a pseudonym is an HMAC of
+    the name under a key that never leaves the supervisor's state database
+    (:func:`tenant_label_key`; a random one per process when none is given).
+    The same name gets the same label after a restart; ``twt status --json``
+    shows each tenant's (``metrics_label``), so an operator can map one back.
+    """
+
+    def __init__(self, reveal: bool, key: bytes | None = None) -> None:
+        self.reveal = reveal
+        self._key = key if key is not None else secrets.token_bytes(16)
+        self._cache: dict[str, str] = {}
+
+    def __call__(self, tenant: str | None) -> str:
+        if not tenant:
+            return NO_TENANT
+        if self.reveal:
+            return tenant
+        label = self._cache.get(tenant)
+        if label is None:
+            if len(self._cache) > 65536:
+                self._cache.clear()
+            label = self._cache[tenant] = "t-" + hmac.new(self._key, tenant.encode(), "sha256").hexdigest()[:12]
+        return label
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +171,9 @@ class Metrics:
 
     def bind_source(self, snapshot: MetricsSource) -> None:
         """Give the exporter a way to read the :class:`MetricsSnapshot` at scrape time."""
+
+    def use_tenant_labels(self, labels: TenantLabels) -> None:
+        """Label tenants with ``labels`` from now on (the supervisor's, keyed by its state database)."""
 
     def mark_ready(self) -> None:
         """Start-up is complete: backend chosen, configured tenants registered (``/readyz``)."""

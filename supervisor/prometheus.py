@@ -38,10 +38,8 @@ hundreds of tenants); per-tenant request counts are in ``twt_requests_total``.
 from __future__ import annotations
 
 import errno
-import hmac
 import logging
 import platform
-import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -59,7 +57,7 @@ from shared.config import parse_host_port
 from shared.log import get_logger, log_event
 from shared.protocol import PROTOCOL_VERSION
 from supervisor.health import Health
-from supervisor.metrics import Metrics, MetricsSnapshot, MetricsSource, build_version
+from supervisor.metrics import NO_TENANT, Metrics, MetricsSnapshot, MetricsSource, TenantLabels, build_version
 from supervisor.tenants import TenantState
 
 __all__ = [
@@ -67,6 +65,7 @@ __all__ = [
     "HEALTHZ_PATH",
     "LATENCY_BUCKETS",
     "METRICS_PATH",
+    "NO_TENANT",
     "READYZ_PATH",
     "TENANT_STATES",
     "PrometheusMetrics",
@@ -81,40 +80,11 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    2.5, 5.0, 10.0, 30.0, 60.0)
 #: a scrape connection that sends nothing is dropped after this many seconds
 _HANDLER_TIMEOUT_S = 10.0
-#: label of events that belong to no tenant (an idle pool worker's exit), and of requests
-#: whose capability was not verified (their claimed tenant is never a label)
-NO_TENANT = ""
 #: the port the docs, the systemd unit and deploy/k8s use (nothing binds it unless configured)
 DEFAULT_METRICS_PORT = 9464
 METRICS_PATH = "/metrics"
 HEALTHZ_PATH = "/healthz"
 READYZ_PATH = "/readyz"
-
-
-class TenantLabels:
-    """Tenant names as labels, or stable per-supervisor pseudonyms (``t-<hex>``).
-
-    Whoever can reach ``/metrics`` learns the tenants' names only when the
-    operator chose so (``metrics_tenant_names``): a pseudonym is an HMAC of
-    the name under a random key that never leaves this process.
-    """
-
-    def __init__(self, reveal: bool) -> None:
-        self.reveal = reveal
-        self._key = secrets.token_bytes(16)
-        self._cache: dict[str, str] = {}
-
-    def __call__(self, tenant: str | None) -> str:
-        if not tenant:
-            return NO_TENANT
-        if self.reveal:
-            return tenant
-        label = self._cache.get(tenant)
-        if label is None:
-            if len(self._cache) > 65536:
-                self._cache.clear()
-            label = self._cache[tenant] = "t-" + hmac.new(self._key, tenant.encode(), "sha256").hexdigest()[:12]
-        return label
 
 
 def parse_metrics_addr(addr: str) -> tuple[str, int]:
@@ -250,6 +220,7 @@ class PrometheusMetrics(Metrics):
     def __init__(self, addr: str, *, registry: CollectorRegistry | None = None, process_metrics: bool = True,
                  health: Health | None = None, tenant_names: bool = True) -> None:
         host, port = parse_metrics_addr(addr)
+        #: until the supervisor hands over the labels keyed by its state (:meth:`use_tenant_labels`)
         self.label = TenantLabels(tenant_names)
         disable_created_metrics()  # type: ignore[no-untyped-call] # no *_created series: one per counter child, never queried
         self.registry = registry or CollectorRegistry()
@@ -293,6 +264,10 @@ class PrometheusMetrics(Metrics):
                                         name="twt-metrics", daemon=True)
         self._thread.start()
         log_event(_log, logging.INFO, "metrics.listening", host=host, port=self.port, url=self.url)
+
+    def use_tenant_labels(self, labels: TenantLabels) -> None:
+        """Label tenants as ``labels`` does: pseudonyms keyed by the state database, stable across restarts."""
+        self.label = labels
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         """WSGI: the probes answer in a line of text; /metrics is prometheus-client's own app."""

@@ -69,13 +69,22 @@ from supervisor.fdlimit import raise_fd_limit
 from supervisor.frontend import Frontend
 from supervisor.guard import FrontendGuard
 from supervisor.loop import Clock, Handoff, Loop
-from supervisor.metrics import DeviceGauges, Metrics, MetricsSnapshot, NullMetrics, TenantGauges
+from supervisor.metrics import (
+    DeviceGauges,
+    Metrics,
+    MetricsSnapshot,
+    NullMetrics,
+    TenantGauges,
+    TenantLabels,
+    tenant_label_key,
+)
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
 from supervisor.regions import RegionTable
 from supervisor.registry import TenantRegistry
 from supervisor.replies import Replies
 from supervisor.rundir import RunDir
+from supervisor.sd_notify import SystemdNotifier
 from supervisor.service import ServiceOps
 from supervisor.stall import StallGuard
 from supervisor.state import StateStore
@@ -137,15 +146,17 @@ class Supervisor:
 
     def __init__(self, config: SupervisorConfig, *, metrics: Metrics | None = None,
                  rundir: RunDir | None = None, clock: Clock = time.monotonic,
-                 spawner: SpawnerFactory = Spawner) -> None:
+                 spawner: SpawnerFactory = Spawner, notifier: SystemdNotifier | None = None) -> None:
         """``rundir``: the run dir, possibly already locked (``twt supervise`` locks it before binding anything).
 
         ``clock`` and ``spawner`` are the seams of the in-process lifecycle tests: a fake clock the
         test advances, and workers that live on this loop instead of in processes
         (tests/helpers/fake_workers.py). Production uses the monotonic clock and real processes.
+        ``notifier``: systemd's ``Type=notify`` messages (:mod:`supervisor.sd_notify`); default none.
         """
         self.config = config
         self.metrics = metrics or NullMetrics()
+        self.notifier = notifier or SystemdNotifier(None)
         self.rundir = rundir or RunDir(config.run_dir, config.client_group)
         # opened in start(), once the run dir is ours: the registry's identity comes from the state
         self.state: StateStore | None = None
@@ -191,6 +202,8 @@ class Supervisor:
         cfg = self.config
         raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.fdlimit)
         state, registry, admin_cap = self._open_state()
+        labels = TenantLabels(cfg.metrics_tenant_names, tenant_label_key(state))  # stable across restarts
+        self.metrics.use_tenant_labels(labels)
         removed = cleanup_stale_segments(namespace=self.rundir.segment_namespace)  # never another run dir's
         if removed:
             log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
@@ -256,7 +269,7 @@ class Supervisor:
             cfg, loop=self.loop, tenants=self.tenants, registry=registry, admin_cap=admin_cap, state=state,
             placement=placement, pending=pending, events=self.events, rundir=self.rundir,
             backend_name=choice.name, backend_reason=choice.reason,
-            counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard,
+            counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard, tenant_label=labels,
         )
         workers = WorkerSet(
             cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
@@ -381,10 +394,13 @@ class Supervisor:
             self._refresh_metrics()
         if self._reload_wanted and not self._stopping:
             self._reload_wanted = False
+            self.notifier.reloading()
             try:
                 parts.service.reload_quietly()
             except Exception:  # noqa: BLE001 - as above
                 self._internal_error("reload")
+            if self.ready:
+                self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded")
         now = loop.clock()
         try:
             loop.timers.run_due(now)
@@ -396,6 +412,7 @@ class Supervisor:
         if self._stopping:
             if self._stop_started is None:
                 self._stop_started = now
+                self.notifier.stopping(f"stopping {len(parts.workers.workers)} worker(s)")
                 log_event(_log, logging.INFO, "supervisor.stopping", workers=len(parts.workers.workers))
                 parts.workers.stop_all("shutdown")
             waited = now - self._stop_started
@@ -404,6 +421,7 @@ class Supervisor:
         return True
 
     def _housekeeping(self, parts: _Parts, now: float) -> None:
+        self.notifier.watchdog(now)  # systemd's WatchdogSec: only a turning loop sends it
         stalled = self.stall.tick(now)
         if stalled is not None:
             # SIGSTOP or a starved host: the loop did not run. Heartbeats and replies that came
@@ -476,6 +494,7 @@ class Supervisor:
         if self._owns_process:
             set_process_name("twt-supervisor")  # only the daemon's own process, never an embedder's
         self.rundir.write_ready(self._ready_info(parts.admin))
+        self.notifier.ready(f"serving {len(self.tenants)} tenant(s) on the {parts.admin.backend_name} backend")
         self.metrics.mark_ready()  # /readyz (it also waits for the warm pool, from the snapshot)
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
                   backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))

@@ -176,7 +176,7 @@ class WorkerSet:
         worker.tenant = rt.tenant_id
         worker.instance = slot.index
         slot.worker = worker
-        self._bind(rt, slot, worker)
+        self._bind(rt, slot, worker, self.clock())  # a warm worker: its startup is the bind, not its spawn
         # No refill here: starting a process blocks the loop for a few ms, which
         # would delay this very registration's reply. Housekeeping refills.
 
@@ -199,9 +199,11 @@ class WorkerSet:
         if rt is None or slot is None or slot.worker is not worker:
             self.stop_worker(worker, "tenant gone before bind")
             return
-        self._bind(rt, slot, worker)
+        self._bind(rt, slot, worker, worker.spawned_at)
 
-    def _bind(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle) -> None:
+    def _bind(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, asked_at: float) -> None:
+        """``asked_at``: when the instance asked for this worker (its spawn, or the bind of a pool
+        worker); the ``ready`` event's ``startup_ms`` counts from there."""
         worker.state = WorkerState.BINDING
         worker.incarnation = slot.incarnation
         opts = dict(self.backend_options)
@@ -218,7 +220,7 @@ class WorkerSet:
         now = self.clock()
 
         def done(ok: bool, payload: Any) -> None:
-            self._on_bound(rt, slot, worker, ok, payload)
+            self._on_bound(rt, slot, worker, ok, payload, asked_at)
 
         pending = Pending(None, 0, "bind", rt.tenant_id, slot.index, now, now + self.config.register_timeout_s, done)
         try:
@@ -226,7 +228,8 @@ class WorkerSet:
         except TensorWasmError as exc:
             done(False, exc.to_dict())
 
-    def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: Any) -> None:
+    def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: Any,
+                  asked_at: float) -> None:
         if self.tenants.get(rt.tenant_id) is not rt or slot.worker is not worker:
             self.stop_worker(worker, "tenant gone during bind")
             return
@@ -248,7 +251,8 @@ class WorkerSet:
             worker=worker.worker_id,
             pid=worker.pid,
             incarnation=slot.incarnation,
-            startup_ms=round((worker.ready_at - worker.spawned_at) * 1000, 3),
+            startup_ms=round((worker.ready_at - asked_at) * 1000, 3),
+            pooled=asked_at != worker.spawned_at,  # a warm pool worker, bound now
         )
         rt.refresh_state()
         self.hooks.instance_ready(rt)

@@ -6,6 +6,7 @@ compare ports, paths, probe endpoints, the user and the shipped config with what
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -146,3 +147,231 @@ def test_dockerfile_stages_user_volumes_and_port() -> None:
     argv = yaml.safe_load(cmd)
     assert argv[0] == "supervise" and argv[argv.index("--metrics-addr") + 1] == f"0.0.0.0:{DEFAULT_METRICS_PORT}"
     assert [yaml.safe_load(a) for w, a in steps if w == "ENTRYPOINT"] == [["twt"]]
+
+
+# ------------------------------------------------------- where the state lands, and the key Secret
+
+
+def _image_env() -> dict[str, str]:
+    """The ``ENV`` of the run stage (``KEY=VALUE`` pairs; ``$PATH`` references left as they are)."""
+    steps = _dockerfile()
+    run_stage = steps[[i for i, (w, _) in enumerate(steps) if w == "FROM"][1]:]
+    env: dict[str, str] = {}
+    for word, args in run_stage:
+        if word == "ENV":
+            for item in args.split():
+                key, _, value = item.partition("=")
+                env[key] = value
+    return env
+
+
+def _container_environ(docs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """What the supervisor's process sees: the image's ENV, overridden by the DaemonSet's env."""
+    return {**_image_env(), **{e["name"]: str(e["value"]) for e in _container(docs["DaemonSet"]).get("env", [])}}
+
+
+def _mount_of(path: str, mounts: dict[str, str]) -> str:
+    """The volume whose mount holds ``path`` (the longest mount path that is a prefix of it)."""
+    best = max((m for m in mounts.values() if path == m or path.startswith(m.rstrip("/") + "/")), key=len)
+    return next(name for name, m in mounts.items() if m == best)
+
+
+def test_the_state_directory_the_manifests_give_is_on_persistent_storage(tmp_path: Path) -> None:
+    """Resolve the config as `twt supervise --config` does in the pod: the ConfigMap's file, the
+    image ENV and the DaemonSet env, the container's flags. The state dir must be on the hostPath
+    (a rollout keeps tenants and the registry key), the run dir on the emptyDir."""
+    docs = _docs()
+    c = _container(docs["DaemonSet"])
+    config_file = tmp_path / "tenants.toml"
+    config_file.write_text(docs["ConfigMap"]["data"]["tenants.toml"])
+    args = c["args"]
+    assert "--state-dir" not in args and "--run-dir" not in args  # else resolve those flags too
+    environ = _container_environ(docs)
+    config = load_config(config_file, environ=environ)
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in docs["DaemonSet"]["spec"]["template"]["spec"]["volumes"]}
+    state = volumes[_mount_of(config.state_path, mounts)]
+    assert "hostPath" in state or "persistentVolumeClaim" in state, (config.state_path, state)
+    assert "emptyDir" in volumes[_mount_of(config.run_dir, mounts)]
+    assert not config.state_path.startswith(config.run_dir.rstrip("/") + "/")
+    # each source alone gives the same answer: neither the image nor the ConfigMap falls back to <run_dir>/state
+    assert load_config(config_file, environ={}).state_path == config.state_path
+    assert load_config(None, environ=_image_env()).state_path == config.state_path
+    # without either, the state would land in the run dir's emptyDir (what this test exists to catch)
+    bare = load_config(None, environ={k: v for k, v in environ.items() if k != "TWT_STATE_DIR"})
+    assert "emptyDir" in volumes[_mount_of(bare.state_path, mounts)]
+    # the image's VOLUME holds it, and the init container hands it to the supervisor's user
+    (volume,) = [a for w, a in _dockerfile() if w == "VOLUME"]
+    assert config.state_path in set(yaml.safe_load(volume))
+
+
+def _secret_mode(default_mode: int, fs_group: int | None) -> tuple[int, int, int]:
+    """(mode, owner, group) of a file of a Secret volume as kubelet writes it: owned by root; with an
+    ``fsGroup`` its group is that and the owner's read bit is granted to the group too."""
+    if fs_group is None:
+        return default_mode, 0, 0
+    return default_mode | ((default_mode & 0o700) >> 3 & 0o040), 0, fs_group
+
+
+def test_the_key_secret_as_mounted_with_fsgroup_is_accepted(tmp_path: Path) -> None:
+    from supervisor.curve import CurveKeyPair, key_file_mode_problem, load_server_key_file, write_key_pair
+
+    ds = _docs()["DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    sc = _container(ds)["securityContext"]
+    (keys,) = [v for v in pod["volumes"] if v["name"] == "keys"]
+    mode, owner, group = _secret_mode(keys["secret"]["defaultMode"], pod["securityContext"].get("fsGroup"))
+    assert mode == 0o440 and owner == 0  # what kubelet makes of 0400 with fsGroup
+    assert key_file_mode_problem(0o100000 | mode, owner, group, uid=sc["runAsUser"], gid=sc["runAsGroup"]) is None
+    # refused: another group's members could read it, or others, or the group may write
+    assert "group" in str(key_file_mode_problem(0o100440, 0, 4242, uid=10001, gid=10001))
+    assert "others" in str(key_file_mode_problem(0o100444, 0, 10001, uid=10001, gid=10001))
+    assert key_file_mode_problem(0o100460, 0, 10001, uid=10001, gid=10001) is not None
+    assert key_file_mode_problem(0o100440, 4242, 10001, uid=10001, gid=10001) is not None  # owned by a stranger
+    assert key_file_mode_problem(0o100600, 10001, 10001, uid=10001, gid=10001) is None
+    assert key_file_mode_problem(0o100400, 0, 0, uid=0, gid=0) is None
+    # and a real file: 0440 in this process's own group loads
+    pair = CurveKeyPair.generate()
+    path = tmp_path / "curve_server.key_secret"
+    write_key_pair(path, pair)
+    os.chown(path, -1, os.getegid())
+    path.chmod(0o440)
+    assert load_server_key_file(str(path)).public == pair.public
+    path.chmod(0o444)
+    with pytest.raises(PermissionError, match="readable by others"):
+        load_server_key_file(str(path))
+
+
+def test_the_cluster_recipe_key_path_is_the_mounted_secret() -> None:
+    """docs/CLUSTER.md's Kubernetes recipe names a server_key_file inside the DaemonSet's Secret mount,
+    under the key name its `kubectl create secret` gives."""
+    text = (DEPLOY.parent / "docs" / "CLUSTER.md").read_text()
+    (path,) = set(re.findall(r'server_key_file = "(/etc/twt-keys/[^"]+)"', text))
+    mounts = {m["name"]: m["mountPath"] for m in _container(_docs()["DaemonSet"])["volumeMounts"]}
+    assert _mount_of(path, mounts) == "keys"
+    assert f"--from-file={path.rsplit('/', 1)[1]}=" in text
+
+
+# ------------------------------------------------------------------------------- the systemd unit
+
+UNIT = DEPLOY / "systemd" / "twt-supervisor.service"
+
+
+def _unit() -> dict[str, dict[str, list[str]]]:
+    """section -> key -> values (a key may repeat, e.g. Environment=)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    section = ""
+    for line in UNIT.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(section, {}).setdefault(key, []).append(value)
+    return out
+
+
+def test_the_systemd_unit_is_notify_and_matches_the_code() -> None:
+    service = _unit()["Service"]
+    assert service["Type"] == ["notify"] and service["NotifyAccess"] == ["main"]
+    assert int(service["WatchdogSec"][0]) >= 2  # the loop pings every WatchdogSec/2, from a 50 ms tick
+    env = dict(e.partition("=")[::2] for e in service["Environment"])
+    config = load_config(None, environ=env)
+    assert config.run_dir == f"/run/{service['RuntimeDirectory'][0]}"
+    assert config.state_path == f"/var/lib/{service['StateDirectory'][0]}"  # kept across reboots
+    assert service["RuntimeDirectoryMode"] == service["StateDirectoryMode"] == ["0700"]
+    argv = service["ExecStart"][0].split()
+    assert argv[0].endswith("/twt") and argv[1] == "supervise"
+    host, port = parse_metrics_addr(argv[argv.index("--metrics-addr") + 1])
+    assert host == "127.0.0.1" and port == DEFAULT_METRICS_PORT
+    assert int(service["TimeoutStopSec"][0]) > config.stop_timeout_s + 2 * config.kill_grace_s + 5
+    assert service["KillMode"] == ["mixed"] and service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+
+
+def test_the_unit_in_the_docs_is_the_file() -> None:
+    """docs/OPERATIONS.md shows deploy/systemd/twt-supervisor.service as it is (its comment header aside)."""
+    text = (DEPLOY.parent / "docs" / "OPERATIONS.md").read_text()
+    block = text.split("# /etc/systemd/system/twt-supervisor.service", 1)[1].split("```", 1)[0]
+    body = UNIT.read_text().split("[Unit]", 1)[1]
+    assert block.split("[Unit]", 1)[1] == body
+
+
+def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
+    """The real checker, where installed: no unknown key, no bad value (ExecStart pointed at a real twt)."""
+    import shutil
+    import subprocess
+    import sys
+
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed")
+    twt = Path(sys.executable).with_name("twt")
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text().replace("/opt/twt/.venv/bin/twt", str(twt if twt.exists() else "/bin/true")))
+    proc = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    problems = [ln for ln in (proc.stdout + proc.stderr).splitlines() if unit.name in ln]
+    assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+    # the check can fail: a misspelt key is reported
+    unit.write_text(unit.read_text().replace("Type=notify", "Type=notfy"))
+    proc = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert "notfy" in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------- the manifests' shape (no schema tool offline)
+
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_VOLUME_SOURCES = {"emptyDir", "hostPath", "configMap", "secret", "persistentVolumeClaim", "projected",
+                   "downwardAPI", "csi", "ephemeral"}
+_NAMESPACED = {"ConfigMap", "DaemonSet", "PodMonitor", "Secret", "Service"}
+
+
+def test_manifests_are_well_formed_kubernetes_objects() -> None:
+    """What the API server's schema would refuse at `kubectl apply`, checked by hand (no validator and no
+    schemas can be fetched here): identity fields, container and volume shapes, quantities, references."""
+    docs = _docs()
+    for kind, doc in docs.items():
+        if kind == "Kustomization":  # kustomize's own file, not an API object
+            continue
+        assert isinstance(doc["apiVersion"], str) and "/" in doc["apiVersion"] or doc["apiVersion"] == "v1", kind
+        name = doc["metadata"]["name"]
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63, kind
+        assert ("namespace" in doc["metadata"]) == (kind in _NAMESPACED), kind
+        for key, value in (doc["metadata"].get("labels") or {}).items():
+            assert isinstance(value, str) and len(value) <= 63, (kind, key)
+    ds = docs["DaemonSet"]
+    assert ds["apiVersion"] == "apps/v1"
+    pod = ds["spec"]["template"]["spec"]
+    volumes = pod["volumes"]
+    assert len({v["name"] for v in volumes}) == len(volumes)
+    for v in volumes:
+        sources = set(v) - {"name"}
+        assert len(sources) == 1 and sources <= _VOLUME_SOURCES, v
+        if "hostPath" in v:
+            assert v["hostPath"]["path"].startswith("/") and v["hostPath"]["type"] in ("DirectoryOrCreate", "Directory")
+        if "secret" in v or "configMap" in v:
+            mode = (v.get("secret") or v.get("configMap") or {}).get("defaultMode")
+            assert mode is None or (isinstance(mode, int) and 0 <= mode <= 0o777), v
+    for c in pod["containers"] + pod.get("initContainers", []):
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", c["name"]) and ":" in c["image"], c["name"]
+        assert c.get("imagePullPolicy", "IfNotPresent") in ("Always", "IfNotPresent", "Never")
+        names = {p["name"] for p in c.get("ports", [])}
+        for p in c.get("ports", []):
+            assert isinstance(p["containerPort"], int) and 0 < p["containerPort"] < 65536 and len(p["name"]) <= 15
+            assert p.get("protocol", "TCP") in ("TCP", "UDP", "SCTP")
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            if probe in c:
+                port = c[probe]["httpGet"]["port"]
+                assert port in names if isinstance(port, str) else 0 < port < 65536, (c["name"], probe)
+        for section in ("requests", "limits"):
+            for key, value in (c.get("resources", {}).get(section) or {}).items():
+                assert _QUANTITY.match(str(value)), (c["name"], section, key, value)
+        for m in c.get("volumeMounts", []):
+            assert m["name"] in {v["name"] for v in volumes} and m["mountPath"].startswith("/"), m
+        for e in c.get("env", []):
+            assert isinstance(e["name"], str) and isinstance(e["value"], str), e  # quoted strings, never ints
+        caps = c.get("securityContext", {}).get("capabilities", {})
+        assert all(isinstance(x, str) and x.isupper() for x in caps.get("drop", []) + caps.get("add", []))
+    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert isinstance(pod["securityContext"]["fsGroup"], int)

@@ -4,7 +4,8 @@ Each sub-command lives in its own module with ``add_parser(subparsers)`` and
 ``run(args) -> int``. Exit codes: 0 ok, 1 the operation failed (typed error
 printed), 2 bad usage, 3 no supervisor reachable, 4 a check or benchmark
 target failed, 70 an internal error (a bug: the trace is printed), 130
-interrupted; all defined in :mod:`shared.exitcodes`.
+interrupted; all defined in :mod:`shared.exitcodes`. A closed output pipe
+(``twt events | head``) ends a command quietly with 141 (128 + SIGPIPE).
 
 A ``ValueError`` from the library is the user's bad input (exit 2); a
 ``TypeError`` or any other exception is a bug and never passes for a usage
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -92,12 +95,31 @@ def version() -> str:
     return build_version()
 
 
+#: the exit status of a command whose output pipe closed (128 + SIGPIPE, as a shell reports a process
+#: the signal ended); no message: ``twt events | head`` ends quietly
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor (an embedding host)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then a BrokenPipeError below
         return code
+    except BrokenPipeError:  # `twt events | head`: the reader left; nothing to say, nowhere to say it
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except SupervisorUnavailable as exc:
         print(f"twt: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -28,12 +28,12 @@ from shared.capability import TenantCapability, capability_to_text, write_capabi
 from shared.errors import RequestTimeout
 from shared.protocol import FAULT_KINDS, QUOTA_KEYS
 from shared.records import TenantRecord
-from shared.sizes import format_size, parse_size
+from shared.sizes import decimal_size_note, format_size, parse_size
 from shared.spec import IsolationKind, RestartPolicy, TenantSpec
 from supervisor.cli._common import add_run_dir, non_negative_int, positive_seconds, print_json
 from supervisor.cli.status import connect, fetch_tenant
 
-__all__ = ["FAULT_KINDS", "add_parser", "parse_param", "specs_from_file"]
+__all__ = ["FAULT_KINDS", "add_parser", "build_spec", "has_spec_flags", "parse_param", "spec_flags", "specs_from_file"]
 
 #: admin calls that may wait for worker processes (register, evict) get at least this long
 ADMIN_TIMEOUT_S = 60.0
@@ -42,11 +42,29 @@ _NONE_WORDS = ("none", "unlimited", "off")
 # ---------------------------------------------------------------- arg types
 
 
+class _SizeArg(int):
+    """A size flag's bytes, remembering what a decimal unit was taken as (``--gpu-cap 2GB``)."""
+
+    note: str | None = None
+
+
 def _size(value: str) -> int:
     try:
-        return parse_size(value)
+        n = _SizeArg(parse_size(value))
+        n.note = decimal_size_note(value)
+        return n
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _say_decimal_sizes(args: argparse.Namespace) -> None:
+    """One stderr line per decimal size flag (``2GB`` is 2,000,000,000 B, not 2GiB); plain ints after."""
+    for flag, dest, _, _, _ in _SPEC_FLAGS:
+        value = getattr(args, dest, None)
+        if isinstance(value, _SizeArg):
+            if value.note is not None:
+                print(f"twt: note: {flag} {value.note}", file=sys.stderr)
+            setattr(args, dest, int(value))
 
 
 def _size_or_none(value: str) -> int | None:
@@ -160,6 +178,12 @@ def _add_cap_out(p: argparse.ArgumentParser) -> None:
 
 def _register_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("tenant", nargs="?", metavar="TENANT", help="tenant id (optional with --file)")
+    spec_flags(p)
+    _add_cap_out(p)
+
+
+def spec_flags(p: argparse.ArgumentParser) -> None:
+    """``--file TOML`` and every tenant spec flag (``twt register``, ``twt cluster register``)."""
     p.add_argument("--file", metavar="TOML", help="read the tenant spec from this TOML file (default: none, flags only)")
     for flag, dest, typ, metavar, text in _SPEC_FLAGS:
         p.add_argument(flag, dest=dest, type=typ, metavar=metavar, help=text, default=argparse.SUPPRESS)
@@ -167,7 +191,12 @@ def _register_arguments(p: argparse.ArgumentParser) -> None:
                    help="process (default), mps, or auto")
     p.add_argument("--restart", choices=[k.value for k in RestartPolicy], default=argparse.SUPPRESS,
                    help="restart policy (default always)")
-    _add_cap_out(p)
+
+
+def has_spec_flags(args: argparse.Namespace) -> bool:
+    """Whether any tenant spec flag (or --file) was given."""
+    return bool(getattr(args, "file", None)) or any(
+        hasattr(args, dest) for dest in [d for _, d, _, _, _ in _SPEC_FLAGS] + ["isolation", "restart"])
 
 
 def _capability_arguments(p: argparse.ArgumentParser) -> None:
@@ -230,6 +259,7 @@ def _tenant_name(table: dict[str, Any]) -> str | None:
 
 def build_spec(args: argparse.Namespace) -> TenantSpec:
     """The spec from --file and/or the flags (flags win); ValueError/TypeError name what is wrong."""
+    _say_decimal_sizes(args)
     base: dict[str, Any] = {}
     tid = args.tenant
     if args.file:
@@ -275,16 +305,39 @@ def _check_cap_out(path: str | None) -> None:
         raise ValueError(f"--cap-out {path} is a directory")
 
 
-def _emit_capability(args: argparse.Namespace, tenant_id: str, cap: TenantCapability) -> None:
+def _emit_capability(args: argparse.Namespace, tenant_id: str, cap: TenantCapability,
+                     applied: TenantRecord | None = None) -> None:
+    """The capability (stdout, or --cap-out) and, from register, the limits the supervisor applied:
+    on stdout beside --cap-out, else on stderr (``CAP=$(twt register acme)`` captures only the capability)."""
     hex_cap = capability_to_text(cap)
     if args.cap_out:
         write_capability_file(args.cap_out, cap)
     if args.json:
-        print_json({"tenant": tenant_id, "capability": None if args.cap_out else hex_cap, "cap_file": args.cap_out})
-    elif args.cap_out:
+        out: dict[str, Any] = {"tenant": tenant_id, "capability": None if args.cap_out else hex_cap,
+                               "cap_file": args.cap_out}
+        if applied is not None:
+            out["limits"] = _applied_limits(applied)
+        print_json(out)
+        return
+    if args.cap_out:
         print(f"{tenant_id}: capability written to {args.cap_out}")
     else:
         print(hex_cap)
+    if applied is not None:
+        print(_limits_line(applied) + f"; {_instances_line(applied).split(': ', 1)[1]}",
+              file=sys.stdout if args.cap_out else sys.stderr)
+
+
+def _applied_limits(rec: TenantRecord) -> dict[str, Any]:
+    """The limits a registered tenant runs with, from its status record (what the supervisor applied)."""
+    keys = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota", "instances",
+            "cuda_device_index", "isolation", "restart", "max_restarts", "restart_window_s", "max_in_flight",
+            "request_timeout_s", "wasm_fuel", "wasm_timeout_s", "wasm_max_memory_bytes")
+    limits = {k: rec.spec[k] for k in keys if k in rec.spec}
+    limits["memory_quota_bytes"] = rec.memory_quota_bytes
+    limits["gpu_memory_bytes_cap"] = rec.gpu_memory_bytes_cap
+    limits["device"] = rec.device
+    return limits
 
 
 def _limits_line(rec: TenantRecord) -> str:
@@ -314,7 +367,8 @@ def run_register(args: argparse.Namespace) -> int:
     _check_cap_out(args.cap_out)
     with connect(args, timeout_s=ADMIN_TIMEOUT_S) as client:
         cap = client.register(None, spec)
-    _emit_capability(args, str(spec.tenant_id), cap)
+        rec = fetch_tenant(client, str(spec.tenant_id))
+    _emit_capability(args, str(spec.tenant_id), cap, rec)
     return 0
 
 
@@ -338,6 +392,7 @@ def run_evict(args: argparse.Namespace) -> int:
 
 
 def run_set_quota(args: argparse.Namespace) -> int:
+    _say_decimal_sizes(args)
     changes = {k: getattr(args, k) for k in QUOTA_KEYS if hasattr(args, k)}
     if not changes:
         raise ValueError("set-quota needs at least one of --memory-quota, --gpu-cap, --pool-quota")

@@ -11,7 +11,9 @@ named as such with the list of those held, before anything is sent.
 Each command connects anew: buffers outlive the client that allocated them
 and stay until freed, evicted, or their instance restarts. The capability is
 obtained with the run dir's ``admin.cap``, or read from ``--capability FILE``
-by a tenant that holds its own.
+by a tenant that holds its own. ``--connect tcp://HOST:PORT --server-key=KEY``
+reaches a remote supervisor instead (with ``--capability FILE``, or
+``--admin-cap FILE`` where the supervisor allows remote admin).
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from shared.sizes import format_size, parse_size
 from supervisor.cli._common import (
     add_capability_option,
     add_run_dir,
+    client_of,
     non_negative_int,
     print_json,
     print_table,
-    run_dir_of,
     tenant_capability_file,
     tenant_capability_of,
 )
@@ -42,6 +44,8 @@ __all__ = ["add_parser", "format_held", "resolve_handle"]
 
 #: float32 values ``twt read`` shows when it prints rather than writes a file
 _SHOWN = 8
+#: seconds a buffer command waits for an answer (a write or read of a large buffer moves its bytes)
+BUFFER_TIMEOUT_S = 30.0
 
 
 def format_held(held: Mapping[int, int]) -> str:
@@ -165,7 +169,7 @@ def _record(handle: int, nbytes: int) -> dict[str, object]:
 
 def _connect(args: argparse.Namespace) -> tuple[SupervisorClient, TenantCapability]:
     cap_file = tenant_capability_file(args.capability, args.tenant) if args.capability is not None else None
-    client = SupervisorClient(run_dir_of(args))
+    client = client_of(args, BUFFER_TIMEOUT_S)
     try:
         return client, tenant_capability_of(client, args.tenant, cap_file)
     except BaseException:

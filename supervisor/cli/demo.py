@@ -1,4 +1,4 @@
-"""``twt demo``: start a supervisor, run the bundled WASM guests of four tenants, check what happened.
+"""``twt demo``: start a supervisor, run the bundled WASM guests of five tenants, check what happened.
 
 Thin: the logic is :func:`supervisor.demo.run_demo`. Exit status 0 when
 every outcome was as expected and everything was reclaimed, 4 otherwise.
@@ -14,10 +14,10 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "demo",
-        help="the main job: four tenants, four WASM guests, quotas reclaimed",
-        description="Start a supervisor (stub backend without a GPU), register four tenants with different "
-        "quotas and run the bundled guests: a correct axpy+sum, one over its GPU cap, a runaway loop and one "
-        "whose worker is killed mid-run. Prints a table and exits non-zero if anything was unexpected.",
+        help="the main job: five tenants, five WASM guests, quotas reclaimed",
+        description="Start a supervisor (stub backend without a GPU), register five tenants with different "
+        "quotas and run the bundled guests: a correct axpy+sum, one over its GPU cap, a runaway loop, one "
+        "whose worker is killed mid-run and a 2-layer MLP. Prints a table and exits non-zero if anything was unexpected.",
     )
     p.add_argument("--backend", choices=("auto", "stub", "cuda"), default="auto",
                    help="compute backend of the demo's supervisor (default: auto)")

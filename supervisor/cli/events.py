@@ -22,10 +22,11 @@ import json
 import signal as signal_mod
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.capability import TenantCapability, read_capability_file
+from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
 from shared.sizes import format_size
 from supervisor.cli._common import (
     add_run_dir,
@@ -33,8 +34,9 @@ from supervisor.cli._common import (
     comma_list,
     positive_seconds,
 )
+from supervisor.cli._outage import Reconnecting
 from supervisor.cli.status import connect
-from supervisor.event_follow import MISSED
+from supervisor.event_follow import MISSED, follow
 
 __all__ = ["KINDS", "add_parser", "format_event", "run"]
 
@@ -76,17 +78,20 @@ def run(args: argparse.Namespace) -> int:
     kinds = sorted({k for group in args.kinds for k in group})
     tenants = set(args.tenants)
     seen = 0
-    cap = None
+    cap: TenantCapability | None = None
     if args.capability is not None:
-        cap = read_capability_file(args.capability)
-        if not isinstance(cap, TenantCapability):
+        given = read_capability_file(args.capability)
+        if isinstance(given, TenantCapability):
+            cap = given
+        else:
             raise ValueError(f"--capability {args.capability} holds the admin capability: leave it out "
                              "(or give --admin-cap with --connect) to follow every event")
     if getattr(args, "connect", None) and cap is None and not args.admin_cap:
         raise ValueError("--connect: every event needs the admin capability (--admin-cap FILE, and "
                          "allow_remote_admin on the supervisor); a tenant follows its own with --capability FILE")
-    with connect(args) as client:
-        stream = client.events(kinds, timeout_s=args.timeout, replay=args.replay, cap=cap)
+    with Reconnecting(args, lambda: connect(args), deadline_s=args.timeout) as source:
+        stream = follow(_Resuming(source, cap), cap or source.client.admin, kinds, timeout_s=args.timeout,
+                        replay=args.replay)
         try:
             for event in stream:
                 if event.get("event") == MISSED:  # a gap is always shown, whatever the filters
@@ -102,12 +107,39 @@ def run(args: argparse.Namespace) -> int:
                     return 0
         except KeyboardInterrupt:
             return 0
+        except _GaveUp:
+            pass
         finally:
             stream.close()
     if args.count is not None:
         print(f"twt: only {seen} of {args.count} event(s) within {args.timeout:g} s of silence", file=sys.stderr)
         return 1
     return 0
+
+
+class _GaveUp(Exception):
+    """Unreachable for --timeout seconds: the follow ends as after that much silence."""
+
+
+class _Resuming:
+    """The follower's page source: each page through :class:`Reconnecting`, so an outage is ridden
+    out and the follower resumes at its cursor (the supervisor's event log says what was lost).
+
+    ``cap``: the tenant capability given, else None: each connection's own admin capability (a
+    local supervisor restarted from its state has the same one)."""
+
+    def __init__(self, source: Reconnecting, cap: TenantCapability | None) -> None:
+        self._source = source
+        self._cap = cap
+
+    def events_page(self, cap: TenantCapability | RegistryAdminCapability | None, after: int | None = None, *,
+                    kinds: Sequence[str] = (), max_events: int | None = None,
+                    log: str | None = None) -> dict[str, Any]:
+        page = self._source.call(lambda c: c.events_page(self._cap, after, kinds=kinds, max_events=max_events,
+                                                         log=log))
+        if page is None:
+            raise _GaveUp
+        return page
 
 
 # ------------------------------------------------------------------ rendering

@@ -1,8 +1,13 @@
 """``twt keys``: the supervisor's CURVE public key (for remote clients), or a new client key pair.
 
     $ twt keys
-    server_public_key  rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7
+    server_public_key  'rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7'
     listen             tcp://10.0.0.5:7700
+    connect with       --connect tcp://10.0.0.5:7700 --server-key='rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7'
+
+A Z85 key holds shell characters (``( $ & < > { } * ?``) and may start with
+``-``: it is printed single-quoted (Z85 has no quote character, so the
+quoting is always exact) and ready to paste. ``--json`` prints it bare.
     $ twt keys --new-client ./keys/api-1      # api-1.key (public, for client_keys_dir) + api-1.key_secret
 """
 
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from pathlib import Path
 
 from shared.config import ENV_PREFIX
@@ -51,7 +57,18 @@ def _stored_public_key(state_dir: str, run_dir: str) -> str:
     return public.decode("ascii")
 
 
+def _refuse_remote(args: argparse.Namespace) -> None:
+    """``twt keys`` reads this host's supervisor (its run dir or state dir): the remote options do not apply."""
+    given = [flag for flag, dest in (("--connect", "connect"), ("--server-key", "server_key"),
+                                     ("--client-key", "client_key"), ("--admin-cap", "admin_cap"))
+             if getattr(args, dest, None)]
+    if given:
+        raise ValueError(f"twt keys reads the key of the supervisor on this host; {', '.join(given)} do not apply "
+                         "(run `twt keys` on the supervisor's host, or `twt keys --new-client PATH` for a client pair)")
+
+
 def run(args: argparse.Namespace) -> int:
+    _refuse_remote(args)
     if args.new_client:
         base = Path(args.new_client)
         if base.parent and not base.parent.is_dir():
@@ -67,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             print_json({"public_key": pair.public_text, "public_file": str(public),
                         "secret_file": str(base) + ".key_secret"})
         else:
-            print(f"client_public_key  {pair.public_text}\nfiles              {public} (public), {base}.key_secret (secret, 0600)")
+            print(f"client_public_key  {shlex.quote(pair.public_text)}\nfiles              {public} (public), {base}.key_secret (secret, 0600)")
         return 0
     run_dir = run_dir_of(args)
     info = read_ready(run_dir) or {}
@@ -79,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"server_public_key": key, "listen": listen})
     else:
-        print(f"server_public_key  {key}")
+        quoted = shlex.quote(key)
+        print(f"server_public_key  {quoted}")
         for ep in listen:
             print(f"listen             {ep}")
+        for ep in listen[:1]:
+            print(f"connect with       --connect {ep} --server-key={quoted}")
     return 0

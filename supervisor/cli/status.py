@@ -6,7 +6,9 @@
     ------  -------  ----  ---------  --------------  ------------  ------------  ---------------  --------  ------
     acme    running  2/2   4250,4251  0B/8GiB         1MiB/2GiB     0B/1.5MiB     0/3              1         3h01m
 
-``twt top`` refreshes the same table (:func:`render`).
+``twt top`` refreshes the same table (:func:`render`). The exit status is
+for scripts: 0 every tenant shown is running (or stopped), 1 one is starting,
+degraded, failed or evicting (:func:`exit_status`), 3 no supervisor.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 from shared.errors import RequestTimeout, SupervisorUnavailable, UnknownTenant
+from shared.exitcodes import EXIT_FAILED, EXIT_OK
 from shared.records import StatusRecord, SupervisorRecord, TenantRecord
 from shared.sizes import format_size
 from supervisor.cli._common import add_run_dir, client_of, print_json, print_table
 from supervisor.client import SupervisorClient
 
-__all__ = ["add_parser", "connect", "fetch_status", "fetch_tenant", "format_duration", "render", "run"]
+__all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant", "format_duration", "render", "run"]
 
 #: seconds a read-only command waits for an answer before calling the supervisor unreachable
 READ_TIMEOUT_S = 10.0
@@ -38,7 +41,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="show every tenant: state, instances, quotas, restarts",
         description="Print one row per tenant (state, ready/wanted instances and their pids, host and GPU "
         "bytes used against their limits, high-water marks, quota refusals, restarts, uptime) under a "
-        "header line about the supervisor. --json prints the raw status record for scripts.",
+        "header line about the supervisor. --json prints the raw status record for scripts. Exit status: 0 when "
+        "every tenant shown is running (or stopped: scaled to 0), 1 when any is starting, degraded, failed or "
+        "evicting, 3 when no supervisor answers.",
     )
     p.add_argument("tenant", nargs="?", metavar="TENANT", help="show only this tenant")
     p.add_argument("--json", action="store_true", help="print the raw status record (JSON) instead of a table")
@@ -70,19 +75,33 @@ def _unreachable_on_timeout(client: SupervisorClient, call: Callable[[], dict[st
         ) from None
 
 
+#: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose)
+HEALTHY_STATES = frozenset({"running", "stopped"})
+
+
+def exit_status(tenants: Sequence[TenantRecord]) -> int:
+    """0 when every tenant shown is running (or stopped: scaled to 0); 1 when any is starting,
+    degraded, failed or evicting - so ``twt status acme || alert`` works in a script."""
+    return EXIT_OK if all(t.state in HEALTHY_STATES for t in tenants) else EXIT_FAILED
+
+
 def run(args: argparse.Namespace) -> int:
     with connect(args) as client:
         if args.json:
-            print_json(fetch_tenant(client, args.tenant).to_wire() if args.tenant is not None
-                       else fetch_status(client).to_wire())
-            return 0
+            if args.tenant is not None:
+                record = fetch_tenant(client, args.tenant)
+                print_json(record.to_wire())
+                return exit_status([record])
+            full = fetch_status(client)
+            print_json(full.to_wire())
+            return exit_status(full.tenants)
         status = fetch_status(client)
     if args.tenant is not None:
         status = dataclasses.replace(status, tenants=tuple(t for t in status.tenants if t.tenant_id == args.tenant))
         if not status.tenants:
             raise UnknownTenant(args.tenant)
     print(render(status), end="")
-    return 0
+    return exit_status(status.tenants)
 
 
 # ------------------------------------------------------------------ rendering

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         log_event(_log, logging.WARNING, "config.unknown_env", variable=name,
                   hint="not a setting; see docs/OPERATIONS.md#configuration")
     _quiet_resource_tracker()
+    from supervisor.sd_notify import SystemdNotifier
     from supervisor.supervisor import Supervisor
 
     # The lock first: a second supervisor on this run dir must report *that*, not a busy port.
@@ -132,7 +133,10 @@ def run(args: argparse.Namespace) -> int:
 
             metrics = PrometheusMetrics(config.metrics_addr, tenant_names=config.metrics_tenant_names)
             undo.callback(metrics.close)
-        sup = Supervisor(config, metrics=metrics, rundir=rundir)  # acquire() on a locked RunDir is a no-op
+        # systemd Type=notify: READY=1 once supervisor.json is written, WATCHDOG=1 from the loop, STOPPING=1
+        notifier = SystemdNotifier.from_environ()  # and the variables leave the environment workers inherit
+        undo.callback(notifier.close)
+        sup = Supervisor(config, metrics=metrics, rundir=rundir, notifier=notifier)  # acquire(): a no-op now
         undo.pop_all()
     code: int = sup.run()
     sys.stderr.flush()

@@ -3,6 +3,11 @@
 On a terminal each frame clears the screen (ANSI ``ESC[H ESC[2J``); piped
 into a file or a test, frames follow each other separated by a blank line.
 ``--iterations N`` stops after N frames (scripts, tests).
+
+An outage does not end it: ``twt: supervisor unreachable since HH:MM:SS
+(...); retrying`` goes to stderr (``stopped`` when ``supervisor.json`` is
+gone), frames resume when the supervisor answers again
+(:mod:`supervisor.cli._outage`). Started against no supervisor, it exits 3.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import argparse
 import sys
 import time
 
+from shared.exitcodes import EXIT_UNAVAILABLE
 from supervisor.cli._common import add_run_dir, at_least_one, positive_seconds
+from supervisor.cli._outage import Reconnecting
 from supervisor.cli.status import connect, fetch_status, render
 
 __all__ = ["add_parser", "run"]
@@ -36,10 +43,13 @@ def run(args: argparse.Namespace) -> int:
     tty = sys.stdout.isatty()
     frames = 0
     try:
-        with connect(args) as client:
+        with Reconnecting(args, lambda: connect(args)) as source:
             while True:
                 started = time.monotonic()
-                text = render(fetch_status(client))
+                status = source.call(fetch_status)
+                if status is None:  # pragma: no cover - no deadline here: only Ctrl-C ends an outage
+                    return EXIT_UNAVAILABLE
+                text = render(status)
                 stamp = time.strftime("%H:%M:%S")
                 head = f"twt top - {stamp} - every {args.interval:g}s (Ctrl-C to quit)\n"
                 if tty:

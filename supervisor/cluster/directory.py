@@ -39,6 +39,7 @@ from typing import Any
 from shared.errors import (
     AlreadyRegistered,
     BackendUnavailable,
+    InvalidArgument,
     NodeLost,
     TenantIsolationViolation,
     UnknownTenant,
@@ -344,6 +345,30 @@ class Directory:
                 self.tenants.pop(tenant_id, None)
         return result
 
+    def scale(self, tenant_id: str, instances: int) -> dict[str, Any]:
+        """Run ``instances`` worker processes for a placed tenant; a later re-placement keeps the count."""
+        import ray
+
+        if isinstance(instances, bool) or not isinstance(instances, int) or instances < 0:
+            raise InvalidArgument(f"instances must be an int >= 0; got {instances!r}")
+        with self._placing:
+            with self._lock:
+                t = self.tenants.get(tenant_id)
+                if t is None:
+                    raise UnknownTenant(tenant_id)
+                node = self.nodes[t.node_id]
+                if not node.alive or t.state != "running":
+                    raise NodeLost(tenant_id, node_id=t.node_id, reason=t.reason or "its node is lost")
+            try:
+                result: dict[str, Any] = ray.get(node.actor.scale.remote(tenant_id, instances), timeout=CALL_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - hand the typed error back to the caller
+                raise unwrap_ray_error(exc) from None
+            with self._lock:
+                t.spec["instances"] = instances
+        log_event(_log, logging.INFO, "cluster.tenant_scaled", tenant=tenant_id, instances=instances)
+        return {"tenant_id": tenant_id, "node_id": t.node_id, "instances": instances,
+                "state": result.get("state"), "pids": result.get("pids", [])}
+
     # ----------------------------------------------------------- status
 
     def status(self, live: bool = True) -> dict[str, Any]:
@@ -384,6 +409,7 @@ class Directory:
                     "state": live_rec["state"] if live_rec else t.state, "placement": t.state,
                     "epoch": t.epoch, "reason": t.reason, "restart": t.spec.get("restart", "always"),
                     "gpu_memory_bytes_cap": t.spec.get("gpu_memory_bytes_cap"), "moves": list(t.history),
+                    "instances": t.spec.get("instances", 1),
                     "pids": live_rec.get("pids") if live_rec else [],
                 })
         return {"cluster": self.name, "address": self.address, "nodes": nodes, "tenants": tenants}

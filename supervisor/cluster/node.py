@@ -45,6 +45,8 @@ READY_TIMEOUT_S = 60.0
 RUN_DIR_PREFIX = "twt-ray-"
 STALE_AFTER_S = 60.0
 STOP_TIMEOUT_S = 20.0
+#: environment variables of the actor that the node supervisor (and so its tenants' workers) must not inherit
+_RAY_SECRETS = frozenset({"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_REDIS_PASSWORD"})
 
 
 def _remove_stale_run_dirs() -> None:
@@ -95,7 +97,8 @@ class NodeSupervisor:
         with open(os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
             json.dump(doc, f)
         root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ)
+        # Ray's credentials stay with Ray: the supervisor and the tenants' workers never see them
+        env = {k: v for k, v in os.environ.items() if k not in _RAY_SECRETS}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         cmd = [
             sys.executable, "-m", "supervisor.cluster._die_with_parent", str(os.getpid()),
@@ -153,6 +156,10 @@ class NodeSupervisor:
 
     def evict(self, tenant_id: str) -> dict[str, Any]:
         return self.client.evict(self.admin, tenant_id)
+
+    def scale(self, tenant_id: str, instances: int) -> dict[str, Any]:
+        """Run ``instances`` worker processes for the tenant on this node (its status record)."""
+        return self.client.scale(self.admin, tenant_id, instances)
 
     def status(self) -> dict[str, Any]:
         return self.client.status(self.admin)

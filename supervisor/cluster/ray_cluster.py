@@ -30,7 +30,7 @@ from supervisor.cluster.capability import ClusterCapability
 from supervisor.cluster.client import ClusterClient
 from supervisor.cluster.directory import NAMESPACE, Directory, unwrap_ray_error
 
-__all__ = ["DEFAULT_NAME", "RayCluster"]
+__all__ = ["DEFAULT_NAME", "RayCluster", "ray_auth_mode", "split_tenants"]
 
 DEFAULT_NAME = "twt"
 DEPLOY_TIMEOUT_S = 300.0
@@ -52,6 +52,37 @@ def _init(address: str | None) -> Any:
         ray.init(address=address or "auto", namespace=NAMESPACE,
                  logging_level=logging.WARNING, log_to_driver=False)
     return ray
+
+
+def ray_auth_mode() -> str:
+    """``"token"`` when the Ray cluster this driver joined authenticates every RPC with Ray's token
+    (``RAY_AUTH_MODE=token``, Ray >= 2.52), ``"disabled"`` when it does not, ``"unsupported"`` for a Ray
+    without token authentication. Without it anyone who reaches a Ray port runs code as the cluster's
+    user (docs/CLUSTER.md, "Securing a real cluster")."""
+    import importlib
+
+    try:
+        raylet = importlib.import_module("ray._raylet")
+    except ImportError:
+        return "unsupported"
+    get_mode = getattr(raylet, "get_authentication_mode", None)
+    modes = getattr(raylet, "AuthenticationMode", None)
+    if get_mode is None or modes is None:
+        return "unsupported"
+    return "token" if get_mode() == modes.TOKEN else "disabled"
+
+
+def split_tenants(doc: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The node supervisors' config without ``[[tenant]]`` tables, and the tables.
+
+    A tenant in the node config would be registered by *every* node supervisor, behind the
+    directory's back (not placed, not in status, not re-placed). The tables are registered
+    through the directory instead, once each, after the nodes are up."""
+    tenants = [dict(t) for t in doc.get("tenant") or []]
+    for t in tenants:
+        if "tenant_id" not in t and "name" in t:
+            t["tenant_id"] = t.pop("name")
+    return {"supervisor": dict(doc.get("supervisor") or {}), "tenant": []}, tenants
 
 
 def _config_doc(config: SupervisorConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
@@ -78,6 +109,8 @@ class RayCluster:
         self._directory = directory
         self.name = name
         self.address = address
+        #: the cluster capabilities of the config file's tenants, registered by :meth:`deploy`
+        self.registered: dict[str, ClusterCapability] = {}
 
     def _get(self, ref: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         ray = _ray()
@@ -94,11 +127,14 @@ class RayCluster:
 
         ``config`` is the node supervisors' config (a TOML path, a TOML-shaped
         dict or a SupervisorConfig; run_dir, state_dir and listen are chosen per
-        node). Raises :class:`BackendUnavailable` when no node has GPUs, and
+        node). Its ``[[tenant]]`` tables are placed and registered through the
+        directory once the nodes are up; their cluster capabilities are in
+        :attr:`registered` (a table that cannot be registered undoes the deploy). Raises :class:`BackendUnavailable` when no node has GPUs, and
         :class:`InvalidArgument` when a cluster of that name is deployed already.
         """
         ray = _init(address)
-        doc = _config_doc(config)
+        doc, tenant_tables = split_tenants(_config_doc(config))
+        specs = [TenantSpec.from_dict(t) for t in tenant_tables]  # a bad table stops the deploy before any node
         try:
             ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
@@ -117,6 +153,12 @@ class RayCluster:
             cluster._get(directory.deploy.remote(), DEPLOY_TIMEOUT_S)
         except BaseException:
             ray.kill(directory)
+            raise
+        try:  # the config's tenants: placed and registered through the directory, each once
+            for spec in specs:
+                cluster.registered[str(spec.tenant_id)] = cluster.register(spec)
+        except BaseException:
+            cluster.shutdown()
             raise
         return cluster
 
@@ -144,9 +186,15 @@ class RayCluster:
         result: dict[str, Any] = self._get(self._directory.evict.remote(tenant_id))
         return result
 
+    def scale(self, tenant_id: str, instances: int) -> dict[str, Any]:
+        """Run ``instances`` worker processes for a placed tenant (kept if it is re-placed)."""
+        result: dict[str, Any] = self._get(self._directory.scale.remote(tenant_id, instances))
+        return result
+
     def status(self) -> dict[str, Any]:
-        """``{"cluster", "address", "nodes": [...], "tenants": [{"tenant_id", "node_id", "state", ...}]}``."""
+        """``{"cluster", "address", "ray_auth", "nodes": [...], "tenants": [{"tenant_id", "node_id", ...}]}``."""
         result: dict[str, Any] = self._get(self._directory.status.remote())
+        result["ray_auth"] = ray_auth_mode()
         return result
 
     def client(self, timeout_s: float = 30.0, *, connect_timeout_s: float = 3.0) -> ClusterClient:

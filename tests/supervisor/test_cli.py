@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -29,6 +30,7 @@ from supervisor.cli import EXIT_UNAVAILABLE, build_parser, main
 from supervisor.cli.admin import parse_param
 from supervisor.cli.events import format_event
 from supervisor.cli.status import format_duration, render
+from tests.helpers.cluster import FAST as FAST_SETTINGS
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -65,6 +67,9 @@ def test_help_on_every_command(capsys: pytest.CaptureFixture[str]) -> None:
             assert "--run-dir" in out, name
     proc = _twt("--help")
     assert proc.returncode == 0 and all(n in proc.stdout for n in MY_COMMANDS)
+    from supervisor.demo import DEMO_TENANTS
+
+    assert f"{['no', 'one', 'two', 'three', 'four', 'five', 'six'][len(DEMO_TENANTS)]} tenants" in proc.stdout
 
 
 def test_commands_without_a_supervisor_exit_3(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -296,6 +301,9 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
                               "--instances", "2", "--restart", "on-failure", *rd)
         assert code == 0, err
         acme = TenantCapability.from_bytes(bytes.fromhex(out.strip()))
+        # the limits applied: on stderr, so CAP=$(twt register ...) captures the capability alone
+        assert err.startswith("twt: note:") is False and "acme: memory quota 64MiB, GPU cap 1MiB, pool quota none" in err
+        assert "2 instance(s), 2 ready" in err
         assert c.ping(acme)["tenant"] == "acme"
         rec = tenant(c.status(), "acme")
         assert len(rec["pids"]) == 2 and rec["gpu_memory_bytes_cap"] == 1 << 20
@@ -308,7 +316,9 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         code, out, err = _run(capsys, "register", "gamma", "--file", str(toml), "--instances", "2",
                               "--cap-out", str(cap_file), *rd)
         assert code == 0, err
-        assert out.strip() == f"gamma: capability written to {cap_file}"
+        first, limits = out.strip().splitlines()
+        assert first == f"gamma: capability written to {cap_file}"
+        assert limits.startswith("gamma: memory quota 256MiB, GPU cap 2MiB") and "2 instance(s)" in limits
         assert stat.S_IMODE(os.stat(cap_file).st_mode) == 0o600
         gamma = TenantCapability.from_bytes(bytes.fromhex(cap_file.read_text().strip()))
         assert c.ping(gamma)["tenant"] == "gamma"
@@ -417,3 +427,316 @@ def test_a_bug_is_an_internal_error_never_a_usage_error(monkeypatch: pytest.Monk
     assert main(["status"]) == EXIT_INTERNAL == 70
     err = capsys.readouterr().err
     assert "twt: internal error: TypeError" in err and "Traceback" in err
+
+
+# ------------------------------------------------ --connect: honoured or refused, by every command
+
+
+def _dead_endpoint() -> str:
+    """A loopback port nothing listens on (bound for its number, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _admin_cap_file(tmp_path: Path) -> Path:
+    from shared.capability import RegistryAdminCapability, mint, write_capability_file
+
+    path = tmp_path / "admin.cap"
+    write_capability_file(path, mint(RegistryAdminCapability, os.urandom(32), os.urandom(16), 1))
+    return path
+
+
+#: commands that call a supervisor -> the smallest valid arguments (all take --connect)
+_REMOTE_ARGV = {
+    "status": [], "top": ["--iterations", "1"], "events": ["--timeout", "0.2"],
+    "register": ["acme"], "capability": ["acme"], "evict": ["acme"], "set-quota": ["acme", "--gpu-cap", "1MiB"],
+    "scale": ["acme", "2"], "fault": ["acme", "crash"],
+    "reload": [], "reset": ["acme"], "restart": ["acme"], "rotate-key": ["--yes"],
+    "run": ["acme", "MODULE", "--invoke", "one"],
+    "alloc": ["acme", "1MiB"], "free": ["acme", "1:1"], "buffers": ["acme"], "write": ["acme", "1:1", "--fill", "1"],
+    "read": ["acme", "1:1"],
+}
+#: commands that act on this host only -> the smallest valid arguments; --connect is refused (exit 2)
+_LOCAL_ARGV = {
+    "keys": [], "supervise": [], "demo": [], "chaos": [], "mps": [], "cluster": ["status"], "cleanup": ["--dry-run"],
+}
+
+
+def test_every_command_honours_or_refuses_connect(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Against a port nothing listens on, each command that calls a supervisor fails with exit 3 and
+    one line saying the connection was refused (the kernel's answer, not a timeout's); every other
+    command refuses --connect (exit 2) rather than silently acting on the local supervisor."""
+    import zmq
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(_REMOTE_ARGV) | set(_LOCAL_ARGV) | {"bench"}  # a new command is listed here
+    dead = _dead_endpoint()
+    key = zmq.curve_keypair()[0].decode()
+    module = tmp_path / "one.wat"
+    module.write_text('(module (func (export "one") (result i32) i32.const 1))')
+    admin = str(_admin_cap_file(tmp_path))
+    for name, argv in _REMOTE_ARGV.items():
+        argv = [str(module) if a == "MODULE" else a for a in argv]
+        assert "--connect" in sub.choices[name].format_help(), name
+        code, out, err = _run(capsys, name, *argv, "--connect", dead, f"--server-key={key}", "--admin-cap", admin)
+        assert code == EXIT_UNAVAILABLE, (name, code, err)
+        assert err.splitlines() == [f"twt: no supervisor at {dead}: connection refused: nothing listens on "
+                                    f"{dead.removeprefix('tcp://')}"], (name, err)
+        assert out == "", name
+    for name, argv in _LOCAL_ARGV.items():
+        if name == "keys":  # it has the option group (--run-dir) but reads this host's supervisor only
+            code, _, err = _run(capsys, name, "--connect", dead, f"--server-key={key}")
+            assert code == 2 and "--connect, --server-key do not apply" in err, err
+            continue
+        with pytest.raises(SystemExit) as exc:
+            main([name, *argv, "--connect", dead])
+        assert exc.value.code == 2, name
+        assert "unrecognized arguments: --connect" in capsys.readouterr().err, name
+
+
+def test_server_key_from_a_file_or_a_certificate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from supervisor.cli._common import server_key_of
+
+    code, out, err = _run(capsys, "keys", "--new-client", str(tmp_path / "srv"))
+    assert code == 0, err
+    public = (tmp_path / "srv.key").read_text().split('public-key = "')[1].split('"')[0]
+    raw = tmp_path / "key.txt"
+    raw.write_text(public + "\n")
+    assert server_key_of(f"@{raw}") == public
+    assert server_key_of(f"@{tmp_path / 'srv.key'}") == public  # a zmq.auth public certificate
+    assert server_key_of(f"@{tmp_path / 'srv.key_secret'}") == public  # its pair: the public half
+    assert server_key_of(str(tmp_path / "srv.key")) == public  # a certificate's path as it is
+    assert server_key_of(f" {public} ") == public
+    with pytest.raises(ValueError, match="does not exist"):
+        server_key_of(f"@{tmp_path / 'nope'}")
+    # and through a command: a dead port is then the only problem
+    code, _, err = _run(capsys, "status", "--connect", _dead_endpoint(), f"--server-key=@{tmp_path / 'srv.key'}")
+    assert code == EXIT_UNAVAILABLE and "connection refused" in err, err
+
+
+def test_keys_are_printed_shell_safe(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A Z85 key holds $ & ( ) < > ...: what twt keys prints pastes into a shell unchanged."""
+    import shlex
+
+    import zmq
+
+    from supervisor.curve import CURVE_PUBLIC, CURVE_SECRET
+    from supervisor.state import StateStore
+
+    while True:  # a key with characters a shell would act on (nearly every key has some)
+        public, secret = zmq.curve_keypair()
+        if any(c in public.decode() for c in "$&()<>{}*?"):
+            break
+    state = tmp_path / "state"
+    with StateStore.open(str(state)) as store:
+        store.put_key(CURVE_SECRET, secret)
+        store.put_key(CURVE_PUBLIC, public)
+    code, out, err = _run(capsys, "keys", "--state-dir", str(state), "--run-dir", str(tmp_path / "none"))
+    assert code == 0, err
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("server_public_key")]
+    assert shlex.split(line) == ["server_public_key", public.decode()]
+    proc = subprocess.run(["sh", "-c", f"printf %s {line.split(None, 1)[1]}"], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.stdout == public.decode()
+    code, out, _ = _run(capsys, "keys", "--json", "--state-dir", str(state), "--run-dir", str(tmp_path / "none"))
+    assert json.loads(out)["server_public_key"] == public.decode()  # bare in JSON
+
+
+def test_status_exit_codes_for_scripts() -> None:
+    from shared.records import TenantRecord
+    from supervisor.cli.status import exit_status
+
+    def rec(state: str) -> TenantRecord:
+        return TenantRecord(tenant_id="t", state=state, generation=1)
+
+    assert exit_status([]) == 0
+    assert exit_status([rec("running"), rec("stopped")]) == 0
+    for bad in ("failed", "degraded", "starting", "evicting"):
+        assert exit_status([rec("running"), rec(bad)]) == 1, bad
+
+
+def test_status_of_a_failed_tenant_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with supervisor([{"name": "ok"}, {"name": "flaky", "max_restarts": 0, "restart": "on-failure"}]) as sup:
+        rd = ["--run-dir", sup.run_dir]
+        assert _run(capsys, "status", *rd)[0] == 0
+        assert _run(capsys, "status", "ok", "--json", *rd)[0] == 0
+        pid = instance_pid(sup, "flaky")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: tenant(sup.client.status(), "flaky")["state"] == "failed", what="flaky failed")
+        code, out, _ = _run(capsys, "status", *rd)
+        assert code == 1 and "flaky: failed:" in out
+        assert _run(capsys, "status", "flaky", "--json", *rd)[0] == 1
+        assert _run(capsys, "status", "ok", *rd)[0] == 0  # only the tenants shown count
+        with pytest.raises(Exception, match=r"twt reset flaky"):  # TenantFailed names the fix
+            sup.client.ping(sup.client.tenant_capability(None, "flaky"))
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`twt ... | head`: the reader left before the output was written: no message, exit 141."""
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "cleanup", "--dry-run", "--run-dir",
+                             str(tmp_path / "none")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the interpreter has even started: the write finds no reader
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(30) == 141 and err == ""
+
+
+def test_sizes_say_what_was_understood(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rd = ["--run-dir", str(tmp_path / "none")]
+    with pytest.raises(SystemExit) as exc:
+        main(["register", "acme", "--gpu-cap", "2Gb", *rd])
+    assert exc.value.code == 2 and "'b' means bits" in capsys.readouterr().err
+    code, _, err = _run(capsys, "register", "acme", "--gpu-cap", "2GB", *rd)
+    assert code == EXIT_UNAVAILABLE  # parsed, noted, then no supervisor
+    assert "twt: note: --gpu-cap size 2GB is decimal: 2,000,000,000 bytes (1.9GiB); write 2GiB for " \
+           "2,147,483,648 bytes" in err
+
+
+def test_remote_admin_without_a_capability_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """A CLI user is told about --admin-cap, not about a Python keyword."""
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    with supervisor(listen=["tcp://127.0.0.1:0"]) as sup:
+        code, _, err = _run(capsys, "evict", "acme", "--connect", sup.info["listen"][0],
+                            f"--server-key={sup.info['server_public_key']}")
+        assert code == 1 and "--admin-cap FILE" in err, err
+
+
+# ------------------------------------------------ top and events ride out an outage
+
+
+class _Lines:
+    """A child's stdout and stderr, line by line, read by threads (so the child never blocks on a pipe)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.out: queue.Queue[str] = queue.Queue()
+        self.err: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        for stream, q in ((proc.stdout, self.out), (proc.stderr, self.err)):
+            threading.Thread(target=self._pump, args=(stream, q), daemon=True).start()
+
+    @staticmethod
+    def _pump(stream: Any, q: queue.Queue[str]) -> None:
+        for line in stream:
+            q.put(line.rstrip("\n"))
+
+    def wait(self, q: queue.Queue[str], needle: str, timeout_s: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                rest = [f"{name}: {q.get_nowait()}" for name, q in (("out", self.out), ("err", self.err))
+                        for _ in range(q.qsize())]
+                raise AssertionError(f"no line with {needle!r} within {timeout_s} s (exit {self.proc.poll()}); "
+                                     f"seen: {self.seen[-20:]}; unread: {rest}") from None
+            self.seen.append(line)
+            if needle in line:
+                return line
+
+
+def _follower(*argv: str) -> _Lines:
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    return _Lines(proc)
+
+
+def _end(lines: _Lines) -> int:
+    lines.proc.send_signal(signal.SIGINT)
+    try:
+        return lines.proc.wait(30)
+    finally:
+        if lines.proc.poll() is None:  # pragma: no cover - a hung follower
+            lines.proc.kill()
+            lines.proc.wait(10)
+        for stream in (lines.proc.stdout, lines.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_top_and_events_survive_a_restart(tmp_path: Path) -> None:
+    """A supervisor stopped and started again on the same run dir (state kept): `twt top` and `twt
+    events` say when it became unreachable, that it stopped (supervisor.json gone), and resume."""
+    from supervisor.launch import launch
+
+    import tempfile
+
+    run_dir = tempfile.mkdtemp(prefix="twt-", dir="/tmp")  # short: ipc paths are limited
+    config = {"supervisor": {**FAST_SETTINGS}, "tenant": [{"name": "acme"}]}
+    top = events = None
+    try:
+        with launch(config, run_dir=run_dir):
+            top = _follower("top", "--interval", "0.3", "--run-dir", run_dir)
+            events = _follower("events", "--replay", "--run-dir", run_dir)
+            top.wait(top.out, "acme")  # a first frame
+            events.wait(events.out, "acme")  # following: the log's past events were printed
+        for follower in (top, events):
+            line = follower.wait(follower.err, "unreachable since")
+            assert line.startswith("twt: supervisor unreachable since ") and "retrying" in line
+            if "supervisor.json is gone" not in line:  # noticed before the stop finished: said next
+                follower.wait(follower.err, "supervisor.json is gone")
+        with launch(config, run_dir=run_dir) as sup:
+            for follower in (top, events):
+                follower.wait(follower.err, "twt: supervisor back at ")
+            top.wait(top.out, "twt top - ")  # frames again
+            top.wait(top.out, "acme")
+            sup.client.register(None, TenantSpec("bravo"))
+            events.wait(events.out, "register")
+            assert any("missed" in line and "restarted" in line for line in events.seen)
+        assert _end(top) == 0 and _end(events) == 0
+        top = events = None
+    finally:
+        for follower in (top, events):
+            if follower is not None:
+                _end(follower)
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_reconnecting_gives_up_after_its_deadline_and_resumes_when_back(tmp_path: Path) -> None:
+    """The outage logic alone (no supervisor): lines said, give-up after --timeout, resume on a new client."""
+    from shared.errors import SupervisorUnavailable
+    from supervisor.cli._outage import Reconnecting
+
+    class _Client:
+        timeout_s = 10.0
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    args = argparse.Namespace(connect="tcp://127.0.0.1:1", run_dir=None)
+    lines: list[str] = []
+    clients: list[_Client] = []
+    up = {"now": False}
+
+    def connect() -> Any:
+        if clients and not up["now"]:
+            raise SupervisorUnavailable("tcp://127.0.0.1:1", "connection refused: nothing listens on 127.0.0.1:1")
+        clients.append(_Client())
+        return clients[-1]
+
+    def call(client: Any) -> str:
+        if client is clients[0]:
+            raise SupervisorUnavailable("tcp://127.0.0.1:1", "connection lost while waiting for the reply")
+        return "pong"
+
+    source = Reconnecting(args, connect, deadline_s=0.05, retry_s=0.01, err=lines.append)
+    assert source.call(call) is None  # gave up
+    assert lines[0].startswith("twt: supervisor unreachable since ") and "connection lost" in lines[0]
+    assert lines[-1].startswith("twt: gave up at ")
+    lines.clear()
+    up["now"] = True
+    source.deadline_s = None
+    assert source.call(call) == "pong" and source.client is clients[1] and clients[0].closed
+    assert lines[-1].startswith("twt: supervisor back at ")

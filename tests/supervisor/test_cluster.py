@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -22,10 +23,18 @@ from typing import Any
 import psutil
 import pytest
 
-from shared.errors import BackendUnavailable, InvalidArgument, NodeLost, SegmentError, WorkerLost
+from shared.errors import (
+    BackendUnavailable,
+    InvalidArgument,
+    NodeLost,
+    SegmentError,
+    TenantIsolationViolation,
+    WorkerLost,
+)
 from shared.quota import read_header
 from shared.spec import TenantSpec
 from supervisor.cluster import ClusterCapability, ClusterClient, RayCluster
+from supervisor.client import SupervisorClient
 from supervisor.cluster.ray_cluster import DEFAULT_NAME
 from tests.helpers import hygiene
 from tests.helpers.cluster import wait_for
@@ -33,7 +42,9 @@ from tests.helpers.cluster import wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MiB = 1 << 20
-_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# Ray's token authentication on (Ray >= 2.52): every Ray RPC of the test cluster needs this token
+_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 _NODE: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 * MiB, "node_ip_address": "127.0.0.1"}
 FAST = {"backend": "stub", "pool_size": 0, "heartbeat_interval_s": 0.2, "stop_timeout_s": 3.0,
         "kill_grace_s": 0.5, "stub_device_capacity_bytes": "1GiB", "device_reserve_bytes": 0}
@@ -77,8 +88,9 @@ def ray_nodes(ray_head: Any) -> tuple[Any, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def deployed(ray_nodes: tuple[Any, dict[str, Any]]) -> Iterator[RayCluster]:
-    cluster = RayCluster.deploy({"supervisor": FAST}, listen_host="127.0.0.1", ping_interval_s=0.5,
-                                ping_timeout_s=5.0)
+    # one config tenant (no GPU cap: it takes no budget, so the placement tests see three equal nodes)
+    cluster = RayCluster.deploy({"supervisor": FAST, "tenant": [{"name": "fromfile"}]}, listen_host="127.0.0.1",
+                                ping_interval_s=0.5, ping_timeout_s=5.0)
     try:
         yield cluster
     finally:
@@ -229,6 +241,86 @@ def test_cli_cluster_status(deployed: RayCluster, ray_nodes: tuple[Any, dict[str
     assert out.returncode == 0, out.stderr[-2000:]
     status = json.loads(out.stdout)
     assert {n["node_id"] for n in status["nodes"]} == {n["node_id"] for n in deployed.status()["nodes"]}
+
+
+def test_config_tenants_are_placed_through_the_directory(deployed: RayCluster) -> None:
+    """`cluster up --config` with [[tenant]] tables: each is placed once, through the directory (in status
+    and in placement), never registered by every node supervisor behind its back."""
+    cc = deployed.registered["fromfile"]
+    st = deployed.status()
+    rec = _tenant(st, "fromfile")  # (it may have moved, if the node-loss test took its node)
+    assert rec["placement"] == "running" and len(rec["pids"]) == 1
+    assert [n["node_id"] for n in st["nodes"] if "fromfile" in n["tenants"]] == [rec["node_id"]]
+    # no node supervisor registered it on its own: only the placed node's supervisor has it
+    for n in st["nodes"]:
+        if n["alive"] and n["node_id"] != rec["node_id"]:
+            with SupervisorClient.remote(n["endpoint"], n["server_public_key"], timeout_s=20) as rc:
+                with pytest.raises(TenantIsolationViolation):
+                    rc.ping(cc.tenant_capability())  # no tenant of that name there: refused
+    with deployed.client(timeout_s=20) as client:
+        assert client.ping(cc)["tenant"] == "fromfile"
+
+
+def test_cli_cluster_register_scale_evict_and_the_gpus_column(
+    deployed: RayCluster, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from supervisor.cli import main
+
+    cap_file = tmp_path / "cli.twtc"
+    assert main(["cluster", "register", "clitenant", "--gpu-cap", "64MiB", "--cap-out", str(cap_file)]) == 0
+    out = capsys.readouterr().out
+    assert "clitenant: placed on node" in out and oct(cap_file.stat().st_mode & 0o777) == "0o600"
+    cc = ClusterCapability.from_text(cap_file.read_text().strip())
+    try:
+        assert main(["cluster", "scale", "clitenant", "2"]) == 0
+        assert "clitenant: 2 instance(s)" in capsys.readouterr().out
+        rec = _tenant(deployed.status(), "clitenant")
+        assert rec["instances"] == 2 and rec["gpu_memory_bytes_cap"] == 64 * MiB
+        with deployed.client(timeout_s=20) as client:
+            assert client.ping(cc)["tenant"] == "clitenant"
+        assert main(["cluster", "status"]) == 0
+        text = capsys.readouterr().out
+        assert "ray auth token" in text and "1 (id " in text  # GPUS: a count (and the ids), never an id alone
+        assert "clitenant" in text
+    finally:
+        assert main(["cluster", "evict", "clitenant"]) == 0
+    assert "evicted clitenant" in capsys.readouterr().out
+    assert "clitenant" not in {t["tenant_id"] for t in deployed.status()["tenants"]}
+    # flags of another action are refused before Ray is asked
+    assert main(["cluster", "scale", "fromfile"]) == 2
+    assert "needs TENANT and N" in capsys.readouterr().err
+
+
+def test_ray_runs_with_token_authentication(deployed: RayCluster) -> None:
+    from supervisor.cluster.ray_cluster import ray_auth_mode
+
+    assert ray_auth_mode() == "token"
+    assert deployed.status()["ray_auth"] == "token"
+
+
+def test_nothing_of_the_cluster_listens_beyond_loopback(
+    deployed: RayCluster, ray_nodes: tuple[Any, dict[str, Any]]
+) -> None:
+    """Ray (bound to the node address the operator names: 127.0.0.1 here) and the node supervisors
+    (--listen-host 127.0.0.1) open no port on another address: an unauthenticated GCS on a reachable
+    address is how Ray clusters were taken over (ShadowRay)."""
+    temp_dir = str(_NODE["temp_dir"])
+    ours = {os.getpid()}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(temp_dir in (arg or "") for arg in proc.info["cmdline"] or ()):
+                ours.add(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for n in deployed.status()["nodes"]:
+        if n["alive"]:
+            sup = psutil.Process(n["supervisor_pid"])
+            ours |= {sup.pid} | {c.pid for c in sup.children(recursive=True)}
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
+    assert len({c.pid for c in listening}) >= 4  # the GCS, raylets, supervisors: the check sees them
+    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+    exposed = [(c.pid, psutil.Process(c.pid).name(), c.laddr) for c in listening if c.laddr.ip not in loopback]
+    assert not exposed
 
 
 def test_shutdown_leaves_no_process_and_no_segment(deployed: RayCluster) -> None:

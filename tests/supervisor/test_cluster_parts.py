@@ -68,3 +68,51 @@ def test_node_lost_is_a_retryable_worker_lost_on_the_wire() -> None:
     back = error_from_dict(err.to_dict())
     assert isinstance(back, NodeLost) and isinstance(back, WorkerLost)
     assert back.is_retryable() and back.node_id == "n1" and "buffers are gone" in str(back)
+
+
+def test_gpus_column_counts_and_names_the_gpus() -> None:
+    import io
+
+    from supervisor.cli.cluster import gpus_cell, render
+
+    assert gpus_cell([]) == "0" and gpus_cell(["0"]) == "1 (id 0)" and gpus_cell(["2", "3"]) == "2 (ids 2,3)"
+    node = {"node_id": "n" * 20, "alive": True, "endpoint": "tcp://127.0.0.1:1", "gpu_ids": ["0"],
+            "free_bytes": 1 << 30, "capacity_bytes": 1 << 30, "tenants": ["acme"]}
+    out = io.StringIO()
+    render({"cluster": "twt", "address": "127.0.0.1:6379", "ray_auth": "disabled", "nodes": [node],
+            "tenants": [{"tenant_id": "acme", "node_id": node["node_id"], "state": "running",
+                         "placement": "running", "instances": 2, "epoch": 0, "reason": ""}]}, out)
+    text = out.getvalue()
+    assert "1 (id 0)" in text and "ray auth disabled" in text and "without token authentication" in text
+    row = [ln for ln in text.splitlines() if ln.startswith("acme")][0]
+    assert row.split()[4] == "2"  # INST
+
+
+def test_config_tenants_are_taken_out_of_the_node_config() -> None:
+    from supervisor.cluster.ray_cluster import split_tenants
+
+    doc = {"supervisor": {"backend": "stub"}, "tenant": [{"name": "acme", "instances": 2}, {"tenant_id": "b"}]}
+    node_doc, tables = split_tenants(doc)
+    assert node_doc == {"supervisor": {"backend": "stub"}, "tenant": []}  # no node registers them itself
+    assert [TenantSpec.from_dict(t).tenant_id for t in tables] == ["acme", "b"]
+    assert tables[0]["instances"] == 2 and doc["tenant"][0] == {"name": "acme", "instances": 2}  # not mutated
+
+
+def test_cluster_cli_refuses_misplaced_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each action's arguments are checked before Ray is contacted (no Ray needed for these)."""
+    from supervisor.cli import main
+
+    for argv, needle in [
+        (["cluster", "register"], "needs a TENANT"),
+        (["cluster", "scale", "acme"], "needs TENANT and N"),
+        (["cluster", "status", "acme"], "takes no TENANT"),
+        (["cluster", "evict", "acme", "--gpu-cap", "1GiB"], "register's"),
+        (["cluster", "status", "--config", "x.toml"], "go with cluster up"),
+        (["cluster", "register", "acme", "--gpu-cap", "2Gb"], "bits"),
+    ]:
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's own refusals
+            code = int(exc.code or 0)
+        assert code == 2, argv
+        assert needle in capsys.readouterr().err, argv

@@ -336,3 +336,43 @@ def test_tenant_labels_are_pseudonyms_unless_names_are_chosen() -> None:
     assert label.startswith("t-") and "acme" not in label and hidden("acme") == label
     assert hidden("beta") != label and TenantLabels(False)("acme") != label  # a key per supervisor
     assert hidden("") == shown(None) == NO_TENANT
+
+
+def test_tenant_label_pseudonyms_survive_a_restart_and_map_back_in_status(tmp_path: Path) -> None:
+    """The label key lives in the state database: after a restart a tenant has the same label (one
+    series, not one per start), and `twt status --json` maps each label back to its tenant."""
+    import tempfile
+
+    from supervisor.launch import launch
+    from supervisor.metrics import LABEL_KEY_NAME, TenantLabels, tenant_label_key
+    from tests.helpers.cluster import FAST
+
+    run_dir = tempfile.mkdtemp(prefix="twt-", dir="/tmp")  # short: ipc paths are limited
+    labels: list[str] = []
+    try:
+        for _ in range(2):
+            port = _free_port()
+            config = {"supervisor": {**FAST, "metrics_addr": f"127.0.0.1:{port}"}, "tenant": [{"name": "acme"}]}
+            with launch(config, run_dir=run_dir) as sup:
+                rec = tenant(sup.client.status(), "acme")
+                label = rec["metrics_label"]
+                assert label.startswith("t-") and "acme" not in label
+                samples = _scrape(f"http://127.0.0.1:{port}/metrics")
+                assert _get(samples, "twt_tenant_instances_up", tenant=label) == 1
+                assert not any(("tenant", "acme") in key for _, key in samples)
+                labels.append(label)
+        assert labels[0] == labels[1]
+        # and the store: made once, read after
+        from supervisor.state import StateStore
+
+        with StateStore.open(str(tmp_path / "state")) as store:
+            key = tenant_label_key(store)
+            assert store.get_key(LABEL_KEY_NAME) == key and tenant_label_key(store) == key
+        assert TenantLabels(False, key)("acme") == TenantLabels(False, key)("acme") != TenantLabels(False)("acme")
+    finally:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+    # names instead, when the operator chose so: the record says so too
+    with supervisor([{"name": "acme"}], metrics_tenant_names=True) as sup:
+        assert tenant(sup.client.status(), "acme")["metrics_label"] == "acme"

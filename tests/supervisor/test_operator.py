@@ -179,3 +179,109 @@ def test_resource_tracker_warning_never_lands_as_raw_text(tmp_path: Path) -> Non
     records = _json_lines(log)  # every line is JSON: no "UserWarning: resource_tracker" text
     assert any(r["event"] == "supervisor.ready" for r in records)
     assert not any("resource_tracker" in json.dumps(r) for r in records)
+
+
+# ---------------------------------------------------------------- systemd Type=notify
+
+
+def test_systemd_notify_ready_watchdog_stopping() -> None:
+    """Under a fake systemd (a datagram socket as NOTIFY_SOCKET, WATCHDOG_USEC set): READY=1 only once
+    supervisor.json exists, WATCHDOG=1 from the running loop, STOPPING=1 on SIGTERM; workers do not
+    inherit the variables."""
+    import queue
+    import shutil
+    import socket
+    import tempfile
+    import threading
+
+    import psutil
+
+    where = tempfile.mkdtemp(prefix="twt-n", dir="/tmp")  # AF_UNIX paths are short
+    run_dir = os.path.join(where, "run")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    received: queue.Queue[tuple[dict[str, str], bool]] = queue.Queue()
+
+    done = threading.Event()
+
+    def listen() -> None:  # what systemd would see, and whether supervisor.json existed at that moment
+        while not done.is_set():
+            try:
+                data = sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines())
+            received.put((fields, os.path.exists(os.path.join(run_dir, "supervisor.json"))))
+
+    def next_with(key: str) -> tuple[dict[str, str], bool]:
+        while True:
+            fields, ready_file = received.get(timeout=60)
+            if key in fields:
+                return fields, ready_file
+            assert set(fields) == {"WATCHDOG"}, fields  # nothing else comes in between
+
+    try:
+        address = os.path.join(where, "notify")
+        sock.bind(address)
+        sock.settimeout(0.2)  # so the listener notices `done`
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
+        env = {**os.environ, "NOTIFY_SOCKET": address, "WATCHDOG_USEC": "400000"}
+        with launch({"supervisor": FAST, "tenant": [{"name": "acme"}]}, env=env, run_dir=run_dir) as sup:
+            ready, file_was_there = next_with("READY")
+            assert ready["READY"] == "1" and int(ready["MAINPID"]) == sup.pid and file_was_there
+            assert "serving 1 tenant(s)" in ready["STATUS"]
+            for _ in range(2):
+                assert next_with("WATCHDOG")[0]["WATCHDOG"] == "1"  # the loop keeps turning
+            worker = tenant(sup.client.status(), "acme")["pids"][0]
+            assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC"} & set(psutil.Process(worker).environ())
+            sup.process.send_signal(signal.SIGTERM)
+            stopping, _ = next_with("STOPPING")
+            assert stopping["STOPPING"] == "1"
+        done.set()
+        listener.join(10)
+    finally:
+        done.set()
+        sock.close()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_sd_notify_outside_systemd_and_bad_values() -> None:
+    from supervisor.sd_notify import SystemdNotifier
+
+    off = SystemdNotifier.from_environ({})
+    assert not off.enabled and not off.ready() and not off.watchdog(1e9) and not off.stopping()
+    env = {"NOTIFY_SOCKET": "/nonexistent/notify", "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": str(os.getpid()),
+           "OTHER": "x"}
+    n = SystemdNotifier.from_environ(env)
+    assert env == {"OTHER": "x"}  # removed: children never see them
+    assert n.enabled and n.watchdog_interval_s == 0.5
+    assert n.ready() is False  # nobody listens: ignored, never raised
+    assert n.watchdog(10.0) is False and n.watchdog(10.1) is False  # rate-limited before it even sends
+    other = SystemdNotifier.from_environ({"NOTIFY_SOCKET": "@abstract", "WATCHDOG_USEC": "1000000",
+                                          "WATCHDOG_PID": "1"})
+    assert other.enabled and other.watchdog_interval_s is None  # the watchdog is another process's
+    assert not SystemdNotifier.from_environ({"NOTIFY_SOCKET": "vsock:2:1234"}).enabled
+    for n in (n, other):
+        n.close()
+
+
+def test_ready_event_of_a_pool_bound_worker_counts_from_its_bind() -> None:
+    """A warm pool worker bound to a tenant reports the bind's time as startup_ms, not its age."""
+    from shared.spec import TenantSpec
+
+    with launch({"supervisor": {**FAST, "pool_size": 1}}) as sup:
+        c = sup.client
+
+        def pool_ready() -> dict[str, object] | None:
+            page = c.events_page(None, 0, kinds=["ready"])
+            return next((e for e in page["events"] if e.get("pool")), None)
+
+        idle = wait_for(pool_ready, what="a warm pool worker")
+        c.register(None, TenantSpec("acme"))
+        page = c.events_page(None, 0, kinds=["ready"])
+        (bound,) = [e for e in page["events"] if e.get("tenant") == "acme"]
+        assert bound["pooled"] is True and bound["worker"] == idle["worker"]
+        # it was bound after the pool worker became idle: startup counts from then, not from its spawn
+        assert bound["startup_ms"] / 1000 <= float(bound["ts"]) - float(idle["ts"]) + 0.05  # type: ignore[arg-type]
