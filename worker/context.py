@@ -58,6 +58,10 @@ class TenantContext:
         )
         self.extensions: dict[str, Any] = {}  # e.g. the WASM host, created on first use
         self._closed = False
+        if budget is not None:
+            # the device memory this worker holds outside any buffer (a CUDA context, scratch,
+            # modules, cuBLAS) is charged to the device budget too; refused: the device is full
+            backend.attach_overhead_meter(budget)
 
     @classmethod
     def create(

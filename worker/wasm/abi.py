@@ -174,6 +174,10 @@ class GuestRun:
         #: cuBLAS workspace lent to the backend for this run's GEMMs (metered like any buffer)
         self.workspace: DeviceBuffer | None = None
         self.workspace_tried = False
+        #: when the run started (``time.monotonic()``); no wait for its device work lasts past the
+        #: tenant's longest run time from here (the run's own deadline is applied at :meth:`finish`)
+        self.started = time.monotonic()
+        self.backend.begin_run(self.started + float(ctx.spec.wasm_timeout_s))
 
     # ------------------------------------------------------------ helpers
 
@@ -249,6 +253,12 @@ class GuestRun:
             released += ws.nbytes
         self.gpu_bytes = 0
         return released
+
+    def finish(self, timeout_s: float) -> None:
+        """The run-end hook (after :meth:`release`): its queued device work is waited for until
+        the deadline (``started + timeout_s``) plus a grace period, and its freed memory returned
+        to the device. Raises ``KernelTimeout`` (``QueueOverrun``) past that: the worker exits."""
+        self.backend.end_run(self.started + timeout_s)
 
     # ------------------------------------------------------------ imports
 
