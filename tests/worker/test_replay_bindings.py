@@ -83,7 +83,7 @@ REQUIRED = {"cuInit", "cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemPoolCr
 #: what the GEMM path and the check's direct baseline call (worker/backends/_cublas.py, phase_tensor_ops)
 REQUIRED_CUBLAS = {"create", "set_stream", "set_pointer_mode", "set_workspace", "get_version", "sgemm", "destroy"}
 #: every phase of the hardware check that runs on the fake (pytest needs a device)
-PHASES = "environment,pool,metering,isolation,tenants,fault,kernels,tensor_ops,timing,regions,wasm"
+PHASES = "environment,pool,metering,isolation,residual,tenants,fault,kernels,tensor_ops,timing,regions,wasm"
 
 
 def _replay(record_dir: Path) -> dict[str, object]:
