@@ -367,6 +367,8 @@ class CudaBackend(TensorOpsMixin, Backend):
         if self._closed:
             raise CudaError("cuda backend", "CUDA_ERROR_CONTEXT_IS_DESTROYED", 709,
                             message="the cuda backend of this worker is closed")
+        if self.queue_overrun:
+            self._overrun()  # no more work onto a queue the worker exits to cancel
 
     # ------------------------------------------------------------ buffers
 
@@ -528,7 +530,13 @@ class CudaBackend(TensorOpsMixin, Backend):
         until = None if deadline is None else max(deadline, time.monotonic()) + self.queue_grace_s
         if not self._drain(until):
             self._overrun()
-        self.reclaim()
+        try:
+            self.reclaim()
+        except CudaError as exc:
+            if self._drv.context_lost is not None:
+                raise
+            # a non-sticky failure to give memory back must not turn a finished run into an error
+            log_event(_log, logging.WARNING, "cuda.reclaim_failed", device=self.device_index, error=str(exc))
 
     def _copy(self, call: str, dst: Any, src: Any, nbytes: int) -> None:
         """One copy on our stream, waited for: the host side (a message frame, or a region the
