@@ -130,6 +130,8 @@ def child_pool(args: list[str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     capped = pool(64 * MiB, None)
+    out["cap64_max_pool_size_readback"] = int(ok("get", d.cuMemPoolGetAttribute(
+        capped, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE)))
     err, ptr = d.cuMemAllocFromPoolAsync(128 * MiB, capped, stream)
     out["cap64_alloc128"] = err_name(err)
     ptrs = [ptr] if not err else []

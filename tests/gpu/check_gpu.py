@@ -291,13 +291,16 @@ def phase_pool(ctx: Context) -> list[Row]:
     r = ctx.results["pool"] = run_child("pool")
     steps = r.get("cap64_steps_of_8mib")
     odd = r.get("odd_alloc_bytes")
+    readback = r.get("cap64_max_pool_size_readback")
+    want_steps = readback // (8 * MiB) if isinstance(readback, int) and readback >= 64 * MiB else 8
     return [
         check("pool", "maxSize 64 MiB, alloc 128 MiB", r.get("cap64_alloc128", r.get("error")),
               "CUDA_ERROR_OUT_OF_MEMORY", r.get("cap64_alloc128") == "CUDA_ERROR_OUT_OF_MEMORY"),
         # exactly 8: 8 MiB is a whole number of granules, so an earlier refusal is the pool's own
         # overhead or rounding - reported as a failure, not passed over
-        check("pool", "maxSize 64 MiB, 8 MiB steps", f"{steps} then {r.get('cap64_step_error')}", "8, then OOM",
-              steps == 8 and r.get("cap64_step_error") == "CUDA_ERROR_OUT_OF_MEMORY"),
+        check("pool", "maxSize 64 MiB, 8 MiB steps", f"{steps} then {r.get('cap64_step_error')} (MAX_POOL_SIZE "
+              f"reads {r.get('cap64_max_pool_size_readback')} B)", f"{want_steps}, then OOM",
+              steps == want_steps and r.get("cap64_step_error") == "CUDA_ERROR_OUT_OF_MEMORY"),
         check("pool", f"maxSize 64 MiB, {odd} B steps",
               f"{r.get('odd_steps', r.get('error'))} of {r.get('odd_metered_allowance')} metered, then "
               f"{r.get('odd_step_error')}; USED {r.get('odd_used_mem_current')} B, "

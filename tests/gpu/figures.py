@@ -105,6 +105,7 @@ def figures(phases: dict[str, Any], smi: dict[str, Any]) -> dict[str, Any]:
         # GPU.md 1: the pool's maxSize is a hard cap; the release threshold is not
         "maxsize_64mib_alloc_128mib": _get(phases, "pool", "cap64_alloc128"),
         "maxsize_64mib_steps_of_8mib": _get(phases, "pool", "cap64_steps_of_8mib"),
+        "maxsize_64mib_readback": _get(phases, "pool", "cap64_max_pool_size_readback"),
         "release_threshold_only_alloc_128_then_256mib": _get(phases, "pool", "threshold64_alloc128"),
         "release_threshold_only_second_alloc": _get(phases, "pool", "threshold64_alloc256_more"),
         # pool rounding vs exact metering: odd-sized allocations under a 64 MiB maxSize

@@ -117,6 +117,7 @@ class CUmemPool_attribute(enum.IntEnum):
     CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6
     CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7
     CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8
+    CU_MEMPOOL_ATTR_MAX_POOL_SIZE = 13
 
 
 class CUctx_flags(enum.IntEnum):
@@ -470,6 +471,7 @@ class FakeDriver:
         driver_version: int = 13000,
         real_nvrtc: bool = True,
         module_bytes: int = 0,
+        pool_size_granularity: int = 1,
     ) -> None:
         if mode not in ("ok", "no-libcuda", "no-device", "driver-mismatch"):
             raise ValueError(f"unknown fake CUDA mode {mode!r}")
@@ -517,6 +519,8 @@ class FakeDriver:
         self.real_compiles = 0
         #: device bytes a loaded module takes (its code, constants ...) until cuModuleUnload
         self.module_bytes = module_bytes
+        #: a pool's maxSize is enforced (and read back as MAX_POOL_SIZE) rounded up to this
+        self.pool_size_granularity = pool_size_granularity
         self.module_reserved: dict[int, tuple[int, int]] = {}  # module -> (device, bytes)
         # ---- asynchronous execution: stream handle -> queued operations, run in order later
         self.queues: dict[int, list[tuple[int, Callable[[], None]]]] = {}
@@ -1160,6 +1164,9 @@ class FakeDriver:
             CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: p.reserved_high,
             CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_CURRENT: p.used,
             CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH: p.used_high,
+            # what the driver made of the maxSize asked for: it may round it up (pool_size_granularity)
+            CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE: _round_up(p.max_size, self.pool_size_granularity)
+            if p.max_size else 0,
         }
         if a not in values:
             return (CUresult.CUDA_SUCCESS, 1)  # the reuse flags: int
@@ -1177,7 +1184,7 @@ class FakeDriver:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE, None)
             charged = _round_up(bytesize, _ALIGN)
             used = p.used + charged
-            if p.max_size and used > p.max_size:
+            if p.max_size and used > _round_up(p.max_size, self.pool_size_granularity):
                 return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
             need = _round_up(used, self.granularity)
             grow = need - p.reserved

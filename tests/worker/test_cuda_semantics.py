@@ -331,6 +331,20 @@ def test_the_per_instance_pool_cap_is_the_tenants_cap_a_k_times_cap_backstop() -
             b1.close()
 
 
+def test_the_pool_cap_the_driver_enforces_is_read_back() -> None:
+    """The driver may round maxSize up: the backend reports (and names in a refusal) what it enforces."""
+    f, b = make(FakeDriver(memory_bytes=1 << 30, pool_size_granularity=4 * MiB), gpu_cap_bytes=6 * MiB)
+    try:
+        assert (b.pool_max_size, b.pool_max_size_effective) == (6 * MiB, 8 * MiB)
+        assert b.info()["pool_max_size_effective"] == 8 * MiB
+        held = b.alloc(7 * MiB)  # past the size asked for, within what the driver enforces
+        with pytest.raises(Exception, match="pool maxSize 8,388,608 B"):
+            b.alloc(2 * MiB)
+        b.free(held)
+    finally:
+        b.close()
+
+
 # ------------------------------------------------------------------ context flags, cuBLAS errors
 
 

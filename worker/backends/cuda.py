@@ -288,6 +288,15 @@ class CudaBackend(TensorOpsMixin, Backend):
         props.location.id = self.device_index
         props.maxSize = self.pool_max_size
         self._pool = drv.call("cuMemPoolCreate", props)
+        # what the driver enforces may be more than asked (it rounds maxSize up): read it back, so the
+        # OOM message and status name the real backstop
+        self.pool_max_size_effective = self.pool_max_size
+        if self.pool_max_size:
+            try:
+                self.pool_max_size_effective = int(drv.call(
+                    "cuMemPoolGetAttribute", self._pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE))
+            except (CudaError, AttributeError):  # a driver without the attribute: the size asked for
+                pass
         # (no CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: it stays 0, so freed memory leaves the pool)
         self._scratch = int(drv.call("cuMemAlloc", FIXED_SCRATCH_BYTES))
         self.total_bytes = 0
@@ -392,7 +401,7 @@ class CudaBackend(TensorOpsMixin, Backend):
                     nbytes, limit, self.in_use,
                     f"CUDA_ERROR_OUT_OF_MEMORY from cuMemAllocFromPoolAsync on device {self.device_index}: "
                     f"requested {nbytes:,} B with {self.in_use:,} B allocated in this process"
-                    + (f" (pool maxSize {self.pool_max_size:,} B)" if self.pool_max_size else ""),
+                    + (f" (pool maxSize {self.pool_max_size_effective:,} B)" if self.pool_max_size else ""),
                 )
             raise self._drv.error("cuMemAllocFromPoolAsync", err)
         buf = CudaBuffer(nbytes, ptr)
@@ -671,6 +680,7 @@ class CudaBackend(TensorOpsMixin, Backend):
             "capacity_bytes": getattr(self, "total_bytes", 0),
             "in_use_bytes": self.in_use,
             "pool_max_size": getattr(self, "pool_max_size", 0),
+            "pool_max_size_effective": getattr(self, "pool_max_size_effective", 0),  # as the driver reads it back
             "allocation_granularity": getattr(self, "granularity", 0),
             # reported only: the pool's release threshold stays 0 (freed memory goes back to the device)
             "recorded_cuda_mem_pool_quota": self.release_threshold,
