@@ -84,7 +84,12 @@ class TenantContext:
         except BaseException:
             block.close()
             raise
-        ctx = cls(spec, instance, incarnation, block, be, budget=budget, faults=faults)
+        try:
+            ctx = cls(spec, instance, incarnation, block, be, budget=budget, faults=faults)
+        except BaseException:  # e.g. the device budget has no room for this worker's fixed overhead
+            be.close()
+            block.close()
+            raise
         log_event(
             _log,
             logging.INFO,

@@ -169,13 +169,13 @@ def test_a_wasm_run_whose_gpu_work_outlives_its_deadline_ends_the_worker() -> No
     from worker.wasm import ops as wasm_ops
 
     f, b = make(gpu_cap_bytes=64 * MiB, queue_grace_s=0.05)
-    with tenant_env("gpu", b, gpu_cap=64 * MiB, wasm_timeout_s=0.5) as env:
+    with tenant_env("gpu", b, gpu_cap=64 * MiB, wasm_timeout_s=2.0) as env:
         server = _FakeServer(env.ctx)
         f.stalled.add(stream_of(b))
         wat = _guest_adding(4 * QUEUE_BOUND)
         body = memoryview(wat.encode())
         with pytest.raises(KernelTimeout):
-            wasm_ops.op_run_wasm(server, {"export": "run", "timeout_s": 0.5}, _Body(body))  # type: ignore[arg-type]
+            wasm_ops.op_run_wasm(server, {"export": "run", "timeout_s": 2.0}, _Body(body))  # type: ignore[arg-type]
         assert server.exit_code == WORKER_GPU_QUEUE_OVERRUN and server.stop_event.is_set()
         f.stalled.clear()  # (so the test's own teardown can free)
         b.queue_overrun = False
@@ -300,6 +300,21 @@ def test_a_device_without_room_for_the_workers_overhead_refuses_it() -> None:
             assert small.used_bytes == 0
     finally:
         b.close()
+
+
+def test_a_bind_the_device_budget_cannot_hold_releases_the_context() -> None:
+    """Through TenantContext.create (the worker's bind): refused, and the backend closed again."""
+    from shared.spec import TenantSpec
+    from worker.context import TenantContext
+
+    f = FakeDriver(memory_bytes=1 << 30, context_bytes=48 * MiB)
+    with QuotaBlock.create("acme", gpu_memory_bytes_cap=64 * MiB) as owner, \
+            DeviceBudget.create(0, 32 * MiB) as small:
+        with pytest.raises(GpuMemoryExhausted, match="budget exhausted"):
+            TenantContext.create(TenantSpec("acme"), instance=0, incarnation=0, segment=owner.name, backend="cuda",
+                                 backend_options={"driver_module": f, "nvrtc_module": f}, budget=small)
+        assert small.used_bytes == 0
+        assert f.ctx_refs == {0: 0} and not f.pools and not f.allocs  # the backend was closed
 
 
 def test_the_per_instance_pool_cap_is_the_tenants_cap_a_k_times_cap_backstop() -> None:
