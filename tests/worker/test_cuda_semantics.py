@@ -139,6 +139,28 @@ def test_a_wait_for_queued_work_ends_at_the_runs_limit_and_the_worker_must_exit(
     assert f.ctx_refs == {0: 1}  # left to the process exit (which destroys the context and its queue)
 
 
+@pytest.mark.parametrize("op", ["max_f32", "read", "sum_f32"])
+def test_a_wait_for_the_host_inside_a_run_is_bounded_too(op: str) -> None:
+    """A reduction to the host or a copy waits behind the queued work: that wait ends at the run's
+    limit as well (a blocking cuStreamSynchronize could not be cut short)."""
+    f, b = make(queue_grace_s=0.05)
+    try:
+        x = b.alloc(4096)
+        b.begin_run(time.monotonic())
+        b.add_f32(x, x, x, 1024)  # queued
+        f.stalled.add(stream_of(b))
+        with pytest.raises(QueueOverrun):
+            if op == "max_f32":
+                b.max_f32(x, 16, memoryview(bytearray(4)))
+            elif op == "read":
+                b.read(x, 0, 64)
+            else:
+                b.sum_f32(x, 16)
+        assert f.blocking_waits == 0
+    finally:
+        b.close()
+
+
 def test_run_end_waits_for_queued_work_within_the_grace_then_returns_memory() -> None:
     f, b = make(queue_grace_s=0.05)
     try:

@@ -503,6 +503,14 @@ class CudaBackend(TensorOpsMixin, Backend):
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 
+    def wait_idle(self) -> None:
+        """Before a blocking synchronize inside a run (a copy, a reduction to the host): wait for the
+        queued work first, bounded by the run's limit (a blocking driver wait could not be cut
+        short at the deadline); past it, :class:`QueueOverrun`. Outside runs nothing is queued."""
+        if self._run_limit is not None and (self._inflight or self._since_event):
+            if not self._drain(self._run_limit):
+                self._overrun()
+
     def _drain(self, until: float | None) -> bool:
         """Wait for everything queued so far (until ``until`` at most); the events in flight retire."""
         ev = self._idle_events.pop() if self._idle_events else self._drv.call(
@@ -555,6 +563,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._open()
         self._current()
         self._drv.call(call, dst, src, nbytes, self._stream)
+        self.wait_idle()
         self._drv.call("cuStreamSynchronize", self._stream)
 
     def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
@@ -626,7 +635,8 @@ class CudaBackend(TensorOpsMixin, Backend):
             nvrtc = self._nvrtc_spec if isinstance(self._nvrtc_spec, Nvrtc) else Nvrtc(self._nvrtc_spec)
             assert self._scratch is not None
             scratch = self._scratch
-            self._kernels = self._measured(lambda: Kernels.load(self._drv, nvrtc, self._dev, self._stream, scratch))
+            self._kernels = self._measured(lambda: Kernels.load(self._drv, nvrtc, self._dev, self._stream, scratch,
+                                                                wait_idle=self.wait_idle))
         return self._kernels
 
     def fill_f32(self, buf: DeviceBuffer, value: float, count: int) -> None:

@@ -219,10 +219,11 @@ class CudaTensorOps:
 
     def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any,
                  cublas_module: Any, fallback_workspace: tuple[int, int] = (0, 0),
-                 on_enqueued: Any = None, measured: Any = None) -> None:
+                 on_enqueued: Any = None, measured: Any = None, wait_idle: Any = None) -> None:
         self._drv = drv
         self._fallback_workspace = fallback_workspace
         self._on_enqueued = on_enqueued if on_enqueued is not None else (lambda: None)
+        self._wait_idle = wait_idle if wait_idle is not None else (lambda: None)
         self._measured = measured if measured is not None else (lambda load: load())
         self._module = module
         self._fn = functions
@@ -238,13 +239,14 @@ class CudaTensorOps:
     @classmethod
     def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any, cublas_module: Any = None, *,
              scratch: int, fallback_workspace: tuple[int, int] = (0, 0), on_enqueued: Any = None,
-             measured: Any = None) -> CudaTensorOps:
+             measured: Any = None, wait_idle: Any = None) -> CudaTensorOps:
         """Compile (NVRTC) and load the op kernels into the current context; cuBLAS waits for a GEMM.
 
         ``scratch``: ``SCRATCH_BYTES`` of device memory the reductions may use;
         ``fallback_workspace``: (address, bytes) cuBLAS gets when a run has no
         metered workspace; ``on_enqueued()`` after each queued op;
-        ``measured(load)`` runs a load and charges what it took (the cuBLAS handle).
+        ``measured(load)`` runs a load and charges what it took (the cuBLAS handle);
+        ``wait_idle()`` before each synchronize (the backend's bounded wait for queued work).
         """
         attr = drv.mod.CUdevice_attribute
         major = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
@@ -257,7 +259,7 @@ class CudaTensorOps:
             drv.mod.cuModuleUnload(module)
             raise
         ops = cls(drv, module, functions, int(scratch), stream, cublas_module, fallback_workspace,
-                  on_enqueued, measured)
+                  on_enqueued, measured, wait_idle)
         ops.arch = arch
         return ops
 
@@ -267,6 +269,7 @@ class CudaTensorOps:
 
     def _sync(self, what: str) -> None:
         try:
+            self._wait_idle()
             self._drv.call("cuStreamSynchronize", self._stream)
         except CudaError as exc:
             raise CudaError(exc.call, exc.result_name, exc.result_code,
@@ -401,6 +404,7 @@ class TensorOpsMixin:
     def _open(self) -> None: ...  # provided by CudaBackend
     def _current(self) -> None: ...  # provided by CudaBackend
     def note_enqueued(self) -> None: ...  # provided by CudaBackend
+    def wait_idle(self) -> None: ...  # provided by CudaBackend
     def _measured(self, load: Any) -> Any: ...  # provided by CudaBackend
 
     def tensor_ops(self) -> CudaTensorOps:
@@ -416,7 +420,8 @@ class TensorOpsMixin:
             fallback = (base + SCRATCH_BYTES, CUBLAS_FALLBACK_WORKSPACE_BYTES)
             self._tensor_ops = self._measured(lambda: CudaTensorOps.load(
                 self._drv, nvrtc, self._dev, self._stream, self._cublas_spec, scratch=base,
-                fallback_workspace=fallback, on_enqueued=self.note_enqueued, measured=self._measured))
+                fallback_workspace=fallback, on_enqueued=self.note_enqueued, measured=self._measured,
+                wait_idle=self.wait_idle))
         return self._tensor_ops
 
     def _close_tensor_ops(self) -> None:

@@ -93,8 +93,10 @@ def _grid(n: int, cap: int) -> int:
 class Kernels:
     """The three kernels loaded into the current context; use :meth:`load`."""
 
-    def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any) -> None:
+    def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any,
+                 wait_idle: Any = None) -> None:
         self._drv = drv
+        self._wait_idle = wait_idle if wait_idle is not None else (lambda: None)
         self._module = module
         self.functions = functions
         self._fill, self._axpy, self._sum = (functions[n] for n in (b"twt_fill_f32", b"twt_axpy_f32", b"twt_sum_f32"))
@@ -106,10 +108,12 @@ class Kernels:
         self.arch = ""
 
     @classmethod
-    def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any, scratch: int) -> Kernels:
+    def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any, scratch: int, *,
+             wait_idle: Any = None) -> Kernels:
         """Compile (NVRTC) and load the kernels for ``device`` into the current context.
 
-        ``scratch``: device address of ``MAX_SUM_BLOCKS * 8`` bytes the sum's partials may use.
+        ``scratch``: device address of ``MAX_SUM_BLOCKS * 8`` bytes the sum's partials may use;
+        ``wait_idle()``: called before each synchronize (the backend's bounded wait for queued work).
         """
         attr = drv.mod.CUdevice_attribute
         major = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
@@ -122,7 +126,7 @@ class Kernels:
         except BaseException:
             drv.mod.cuModuleUnload(module)
             raise
-        kernels = cls(drv, module, functions, int(scratch), stream)
+        kernels = cls(drv, module, functions, int(scratch), stream, wait_idle)
         kernels.arch = arch
         return kernels
 
@@ -130,6 +134,7 @@ class Kernels:
         drv = self._drv
         drv.call("cuLaunchKernel", fn, grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
         try:
+            self._wait_idle()
             drv.call("cuStreamSynchronize", self._stream)
         except CudaError as exc:
             raise CudaError(exc.call, exc.result_name, exc.result_code,
