@@ -206,8 +206,8 @@ class GuestRun:
         The backend says how much workspace it wants (cuBLAS: a few MiB; the
         stub: none). It is allocated once per run through the metered
         allocator, so the library never allocates behind the quota; when the
-        quota has no room for it the GEMM runs without one (cuBLAS then
-        picks algorithms that need none) rather than failing.
+        quota has no room for it the GEMM runs with the backend's fixed
+        fallback workspace (cuda: 64 KiB of its scratch) rather than failing.
         """
         if not self.workspace_tried:
             self.workspace_tried = True
