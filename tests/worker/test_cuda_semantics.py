@@ -312,6 +312,24 @@ def test_the_fixed_overhead_is_measured_and_charged_to_the_device_budget(budget:
     assert budget.used_bytes == 0
 
 
+def test_a_device_refusing_a_second_context_is_not_fatal_and_context_bytes_skips_the_measure() -> None:
+    f = FakeDriver(memory_bytes=1 << 30, context_bytes=48 * MiB)
+    f.fail_next("cuCtxCreate", CUresult.CUDA_ERROR_INVALID_DEVICE)  # e.g. compute mode EXCLUSIVE_PROCESS
+    _, b = make(f)
+    try:
+        assert b.context_bytes == 0 and b.overhead_bytes == 2 * MiB
+        b.alloc(4096)  # and the backend works: its own context is current again
+    finally:
+        b.close()
+    g = FakeDriver(memory_bytes=1 << 30, context_bytes=48 * MiB)
+    _, b = make(g, context_bytes=64 * MiB)  # known (e.g. from the hardware check's figures): not measured
+    try:
+        assert "cuCtxCreate" not in g.calls
+        assert b.overhead_bytes == 64 * MiB + 2 * MiB
+    finally:
+        b.close()
+
+
 def test_a_device_without_room_for_the_workers_overhead_refuses_it() -> None:
     f = FakeDriver(memory_bytes=1 << 30, context_bytes=48 * MiB)
     _, b = make(f)

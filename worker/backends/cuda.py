@@ -312,10 +312,20 @@ class CudaBackend(TensorOpsMixin, Backend):
         ``cuMemGetInfo``, so a second one is measured instead (the same cost:
         same device, same process, same loading mode). Another process
         allocating at the same moment skews it either way; it is clamped at 0.
+        A device that refuses a second context (compute mode
+        EXCLUSIVE_PROCESS, no memory left for one) is not measured: 0, with a
+        warning - pass ``context_bytes`` there.
         """
         drv = self._drv
         free_before = int(drv.call("cuMemGetInfo")[0])
-        tmp = drv.call("cuCtxCreate", None, 0, self._dev)
+        try:
+            tmp = drv.call("cuCtxCreate", None, 0, self._dev)
+        except CudaError as exc:
+            if drv.context_lost is not None:
+                raise
+            log_event(_log, logging.WARNING, "cuda.context_not_measured", device=self.device_index, error=str(exc))
+            drv.call("cuCtxSetCurrent", self._ctx)
+            return 0
         try:
             free_after = int(drv.call("cuMemGetInfo")[0])
         finally:
