@@ -14,9 +14,23 @@ depends on it:
   ``cuMemGetInfo`` reports what is left;
 * pools: ``maxSize`` enforced (``CUDA_ERROR_OUT_OF_MEMORY`` past it, and
   ``CUDA_ERROR_INVALID_VALUE`` for a maxSize that is not a multiple of the
-  allocation granularity), memory reserved in granularity chunks, freed
-  memory kept up to ``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`` and trimmed at a
-  synchronize - the threshold never refuses anything;
+  allocation granularity; ``MAX_POOL_SIZE`` reads it back, rounded up to
+  ``pool_size_granularity``), allocations aligned to 512 B, memory reserved
+  in granularity chunks, freed memory kept up to
+  ``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`` until a synchronize and given back by
+  ``cuMemPoolTrimTo`` - the threshold never refuses anything;
+* asynchronous execution: launches, copies, frees (and the fake cuBLAS's
+  GEMMs) are *queued* on their stream and run at a synchronize, an event or
+  stream query (``cuEventRecord`` marks a point in the queue); a kernel's
+  fault surfaces there, sticky; a queued free keeps its bytes outstanding
+  (not reusable, not trimmable) until it has run; a stream in ``stalled``
+  never finishes (queries say ``CUDA_ERROR_NOT_READY``; a synchronize is
+  counted in ``blocking_waits``, then runs it anyway); destroying a context
+  cancels its queue (``cancelled_ops``);
+* primary-context flags (``cuDevicePrimaryCtxSetFlags``, ``primary_flags``,
+  ``flags_set_while_active``), ``cuCtxCreate`` / ``cuCtxDestroy`` of extra
+  contexts; contexts (``context_bytes``), modules (``module_bytes``) and
+  ``cuMemAlloc`` take device memory;
 * invalid handles (unknown or destroyed stream, pool, pointer, context,
   module) give the driver's error codes; ``cuGetErrorName`` names them;
 * kernels: ``nvrtcCompileProgram`` reads the ``extern "C" __global__``
@@ -41,8 +55,8 @@ Use it two ways:
   the devices it retained a primary context on).
 
 Not modelled: memory shared between *processes* (each process sees a whole
-device), MPS itself, asynchronous execution (everything completes at once;
-a kernel's bad address is reported at the next synchronize, as on hardware).
+device), MPS itself, time (queued work runs when something waits for it,
+all at once, unless its stream is stalled).
 """
 
 from __future__ import annotations
