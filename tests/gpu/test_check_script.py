@@ -67,6 +67,21 @@ def test_the_cuda_majors_must_match_or_the_check_stops_with_one_line() -> None:
     assert "neither 12.x nor 13.x" in match_cuda_major("11.8", "11.8", {})["mismatch"]
 
 
+def test_a_driver_of_another_cuda_major_stops_the_check_with_one_line(tmp_path: Path) -> None:
+    """The fake NVRTC is 13.0; a driver reporting CUDA 12.8 must not get as far as failed kernels."""
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
+                           "--only", "environment,pool,kernels", "--json-out", str(out)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "FAKE_CUDA_DRIVER_VERSION": "12080"})
+    assert proc.returncode == 1
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("check_gpu:")]
+    assert line.startswith("check_gpu: environment: NVRTC 13.0 does not match the driver's CUDA 12.8")
+    assert ".whl-cu12/" in line
+    doc = json.loads(out.read_text())
+    assert doc["not_run"] == ["pool", "kernels"] and doc["ok"] is False
+    assert doc["figures"]["cuda_major"] == 12
+
+
 def test_a_missed_timing_target_never_fails_the_run() -> None:
     miss = Row("timing", "metered / raw", "1.5x", "<= 1.10x", False, "timing")
     fail = Row("pool", "cap", "CUDA_SUCCESS", "OOM", False, "check")

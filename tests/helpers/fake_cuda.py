@@ -50,7 +50,8 @@ Use it two ways:
   from the ``FAKE_CUDA_*`` environment: ``FAKE_CUDA_MODE`` (ok | no-libcuda
   | no-device | driver-mismatch), ``FAKE_CUDA_DEVICES``,
   ``FAKE_CUDA_MEMORY`` (bytes per device), ``FAKE_CUDA_CONTEXT_BYTES``,
-  ``FAKE_CUDA_GRANULARITY``, ``FAKE_CUDA_RECORD_DIR`` (each process writes
+  ``FAKE_CUDA_GRANULARITY``, ``FAKE_CUDA_DRIVER_VERSION`` (``cuDriverGetVersion``, 13000),
+  ``FAKE_CUDA_RECORD_DIR`` (each process writes
   ``<pid>.json`` there: the ``CUDA_MPS_*`` variables it saw at ``cuInit`` and
   the devices it retained a primary context on).
 
@@ -569,6 +570,7 @@ class FakeDriver:
             mode=env.get("FAKE_CUDA_MODE") or "ok",
             record_dir=env.get("FAKE_CUDA_RECORD_DIR") or None,
             real_nvrtc=env.get("FAKE_CUDA_REAL_NVRTC", "1") != "0",
+            driver_version=num("FAKE_CUDA_DRIVER_VERSION", 13000),
         )
 
     # ------------------------------------------------------------- test controls
