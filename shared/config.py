@@ -93,6 +93,8 @@ class SupervisorConfig:
     max_client_reply_bytes: int = 32 << 20
     rss_allowance_bytes: int = 512 << 20
     stub_device_capacity_bytes: int = 16 << 30
+    #: device memory kept out of each device budget: driver headroom and other processes; each worker's
+    #: own fixed overhead (context, scratch, modules, cuBLAS) is measured and charged on top of it
     device_reserve_bytes: int = 512 << 20
     devices: tuple[int, ...] | str = "all"
     placement: str = "most-free"

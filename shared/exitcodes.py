@@ -16,6 +16,9 @@ words it in events, ``WorkerLost`` and ``status``):
     71  WORKER_PARENT_GONE         its parent (the supervisor) died
     72  WORKER_COMPILE_OVERRUN     a WASM compile ran past its run's deadline (the compiler
                                    cannot be stopped otherwise; the run got KernelTimeout)
+    73  WORKER_GPU_QUEUE_OVERRUN   a WASM run's queued GPU work outlived its deadline plus a grace
+                                   period (only destroying the CUDA context cancels queued work;
+                                   the run got KernelTimeout)
     80+i WORKER_CUDA_CONTEXT_LOST  the CUDA context hit sticky error number i of
                                    ``STICKY_CUDA_ERRORS`` (80 + len: a sticky code not
                                    in the table)
@@ -47,6 +50,7 @@ __all__ = [
     "EXIT_UNAVAILABLE",
     "EXIT_USAGE",
     "WORKER_COMPILE_OVERRUN",
+    "WORKER_GPU_QUEUE_OVERRUN",
     "WORKER_CRASHED",
     "WORKER_CUDA_CONTEXT_LOST",
     "WORKER_EXIT_CAUSES",
@@ -77,6 +81,8 @@ WORKER_SUPERVISOR_SILENT: Final = 70
 WORKER_PARENT_GONE: Final = 71
 #: a WASM compile ran past its run's deadline: the worker ends to stop the compiler thread
 WORKER_COMPILE_OVERRUN: Final = 72
+#: a WASM run's queued GPU work ran past its deadline + grace: exiting destroys the context, which cancels it
+WORKER_GPU_QUEUE_OVERRUN: Final = 73
 #: the CUDA context hit a sticky error: 80 + its index in STICKY_CUDA_ERRORS
 WORKER_CUDA_CONTEXT_LOST: Final = 80
 
@@ -121,6 +127,7 @@ WORKER_EXIT_CAUSES: Final[dict[int, str]] = {
     WORKER_SUPERVISOR_SILENT: "supervisor_silent",
     WORKER_PARENT_GONE: "parent_gone",
     WORKER_COMPILE_OVERRUN: "compile_overrun",
+    WORKER_GPU_QUEUE_OVERRUN: "gpu_queue_overrun",
 }
 
 
@@ -152,4 +159,6 @@ def exit_reason(code: int | None, signal: int | None = None) -> str:
         return f"CUDA context lost: {lost}"
     if code == WORKER_COMPILE_OVERRUN:
         return "a WASM compile ran past its run's deadline (worker ended to stop it)"
+    if code == WORKER_GPU_QUEUE_OVERRUN:
+        return "a WASM run's queued GPU work ran past its deadline (worker ended to cancel it)"
     return f"exited with code {code}"

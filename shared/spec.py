@@ -86,7 +86,7 @@ class TenantSpec:
     Quotas: ``memory_quota_bytes`` (host bytes, default 8 GiB; WASM linear
     memory counts against it), ``gpu_memory_bytes_cap`` (``None``: counted,
     never refused - operator trust), ``recorded_cuda_mem_pool_quota`` (reported
-    and set as the pool's release threshold: a retention hint, not a cap).
+    only: not a cap, and not set as the pool's release threshold, which stays 0).
     Placement: ``cuda_device_index`` (``None``: the placement policy picks),
     ``isolation``, ``sm_percentage`` (MPS only). Processes: ``instances``,
     ``restart`` / ``max_restarts`` within ``restart_window_s``,

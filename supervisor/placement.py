@@ -200,7 +200,13 @@ class Placement:
     # --------------------------------------------------------------- bind
 
     def worker_options(self, spec: TenantSpec, device: int) -> dict[str, Any]:
-        """What a worker of ``spec`` on ``device`` gets in its backend options (besides the backend's own)."""
+        """What a worker of ``spec`` on ``device`` gets in its backend options (besides the backend's own).
+
+        ``gpu_memory_bytes_cap`` becomes each instance's pool ``maxSize``: the tenant's *whole* cap, as
+        the metered cap is shared across instances and one instance may hold all of it. The driver's
+        backstop for a tenant of k instances is therefore k x cap; the shared counter holds it to
+        the cap (docs/GPU-QUOTAS.md, "Cap 2").
+        """
         opts: dict[str, Any] = {
             "device_index": device,
             "budget_segment": self._devices[device].budget.name,

@@ -58,6 +58,8 @@ class MeteredAllocator:
         self.budget = budget
         self.faults = faults
         self._buffers: dict[int, DeviceBuffer] = {}
+        #: run-scope buffers whose free failed while the backend still holds them (still metered)
+        self._stuck: list[DeviceBuffer] = []
         self._seq = 0
 
     # ----------------------------------------------------------- metering
@@ -93,11 +95,28 @@ class MeteredAllocator:
             raise
 
     def free_buffer(self, buf: DeviceBuffer) -> None:
-        """Free a buffer from :meth:`alloc_buffer` and release its bytes."""
+        """Free a buffer from :meth:`alloc_buffer` and release its bytes.
+
+        When the backend's free fails and it still holds the buffer (a
+        non-sticky driver error: the pool may still hold the memory), the bytes
+        stay metered and the buffer is kept for :meth:`free_all` to try again.
+        """
         try:
             self.backend.free(buf)
-        finally:
+        except BaseException:
+            if self.backend.holds(buf):
+                if buf not in self._stuck:
+                    self._stuck.append(buf)
+                raise
+            self._forget_stuck(buf)
             self._unmeter(buf.nbytes)
+            raise
+        self._forget_stuck(buf)
+        self._unmeter(buf.nbytes)
+
+    def _forget_stuck(self, buf: DeviceBuffer) -> None:
+        if self._stuck and buf in self._stuck:
+            self._stuck.remove(buf)
 
     def _unmeter(self, nbytes: int) -> None:
         if self.budget is not None:
@@ -132,9 +151,20 @@ class MeteredAllocator:
         return buf
 
     def free(self, handle: int) -> int:
+        """Free a client buffer and give its memory back to the device (``reclaim``).
+
+        A failed free whose buffer the backend still holds keeps the handle
+        (and its metered bytes): the client may free it again.
+        """
         buf = self.lookup(handle)
-        del self._buffers[handle]
-        self.free_buffer(buf)
+        try:
+            self.free_buffer(buf)
+        finally:
+            if not self.backend.holds(buf):
+                self._buffers.pop(handle, None)
+                if buf in self._stuck:
+                    self._stuck.remove(buf)
+        self.backend.reclaim()
         return buf.nbytes
 
     def check_range(self, buf: DeviceBuffer, offset: object, nbytes: int, what: str = "access") -> int:
@@ -177,4 +207,12 @@ class MeteredAllocator:
                 log_event(_log, logging.WARNING, "buffer.free_failed", tenant=self.tenant_id,
                           handle=handle, nbytes=buf.nbytes, error=repr(exc))
             total += buf.nbytes
+        for buf in list(self._stuck):
+            try:
+                self.free_buffer(buf)
+            except Exception as exc:  # noqa: BLE001 - shutdown: the process exit frees the rest
+                log_event(_log, logging.WARNING, "buffer.free_failed", tenant=self.tenant_id,
+                          handle=0, nbytes=buf.nbytes, error=repr(exc))
+            else:
+                total += buf.nbytes
         return total

@@ -58,6 +58,10 @@ class TenantContext:
         )
         self.extensions: dict[str, Any] = {}  # e.g. the WASM host, created on first use
         self._closed = False
+        if budget is not None:
+            # the device memory this worker holds outside any buffer (a CUDA context, scratch,
+            # modules, cuBLAS) is charged to the device budget too; refused: the device is full
+            backend.attach_overhead_meter(budget)
 
     @classmethod
     def create(
@@ -80,7 +84,12 @@ class TenantContext:
         except BaseException:
             block.close()
             raise
-        ctx = cls(spec, instance, incarnation, block, be, budget=budget, faults=faults)
+        try:
+            ctx = cls(spec, instance, incarnation, block, be, budget=budget, faults=faults)
+        except BaseException:  # e.g. the device budget has no room for this worker's fixed overhead
+            be.close()
+            block.close()
+            raise
         log_event(
             _log,
             logging.INFO,

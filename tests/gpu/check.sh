@@ -25,6 +25,19 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+# NVRTC and cuBLAS must be of the driver's CUDA major (12 or 13): cuda-bindings 13 loads only libnvrtc.so.13,
+# a CUDA 13 cubin does not load on a 12.x driver, cuBLAS 13 needs a 13.x driver. libcuda says which major
+# (cuDriverGetVersion through ctypes: no Python package needed); the wheels carried for it in .whl-cu<major>/
+# go ahead of everything else. The environment phase fails fast, with one line, if the majors still differ.
+CUDA_MAJOR=$("$PY" -c 'import ctypes; v = ctypes.c_int(0); ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v)); print(v.value // 1000)' 2> /dev/null || true)
+if [[ -n "$CUDA_MAJOR" ]] && compgen -G ".whl-cu$CUDA_MAJOR/*.whl" > /dev/null; then
+    CU_SITE=${GPU_CHECK_CU_SITE:-/tmp/twt-gpu-check-cu$CUDA_MAJOR}
+    rm -rf "$CU_SITE"
+    "$PY" -m pip install -q --no-index --no-deps --target "$CU_SITE" .whl-cu"$CUDA_MAJOR"/*.whl
+    export PYTHONPATH="$CU_SITE:$PYTHONPATH"
+    echo "check.sh: the driver reports CUDA $CUDA_MAJOR.x: using the wheels in .whl-cu$CUDA_MAJOR/"
+fi
+
 # nvmath-python (cuBLAS for the GEMM) imports cuda.core >= 0.5 and cuda.pathfinder >= 1.5.1 at import time.
 # When the host's are older, the wheels carried in .whl-extra/ (cuda-core, cuda-pathfinder) are added, in
 # name order, one more each time, until it imports; never when it imports already (the host's packages stay

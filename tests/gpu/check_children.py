@@ -27,6 +27,10 @@ from typing import Any, Callable
 
 MiB = 1 << 20
 NONCE_FLOATS = 256  # 1 KiB written by tenant A in the isolation phase
+#: an allocation size no granule or alignment divides (3 MiB + 4097 B): the pool's rounding shows
+ODD_ALLOC_BYTES = 3 * MiB + 4097
+#: the float A fills its buffer with in the residual-data probe (B must never read it back)
+RESIDUE_MARK = 1234.5678
 
 
 def driver() -> Any:
@@ -126,6 +130,8 @@ def child_pool(args: list[str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     capped = pool(64 * MiB, None)
+    out["cap64_max_pool_size_readback"] = int(ok("get", d.cuMemPoolGetAttribute(
+        capped, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE)))
     err, ptr = d.cuMemAllocFromPoolAsync(128 * MiB, capped, stream)
     out["cap64_alloc128"] = err_name(err)
     ptrs = [ptr] if not err else []
@@ -140,6 +146,27 @@ def child_pool(args: list[str]) -> dict[str, Any]:
     out["cap64_steps_of_8mib"] = steps
     out["cap64_step_error"] = last
     drain(capped, ptrs)
+    # odd sizes: the meter counts exact bytes, the pool aligns each allocation and reserves whole
+    # granules - how many does a 64 MiB pool grant, and what do USED/RESERVED_MEM_CURRENT say then?
+    odd = pool(64 * MiB, None)
+    size = ODD_ALLOC_BYTES
+    ptrs, steps, last = [], 0, "CUDA_SUCCESS"
+    for _ in range(64 * MiB // size + 2):
+        err, ptr = d.cuMemAllocFromPoolAsync(size, odd, stream)
+        if err:
+            last = err_name(err)
+            break
+        ptrs.append(ptr)
+        steps += 1
+    attr = d.CUmemPool_attribute
+    out["odd_alloc_bytes"] = size
+    out["odd_steps"] = steps
+    out["odd_step_error"] = last
+    out["odd_metered_allowance"] = 64 * MiB // size  # what the meter alone would grant under a 64 MiB cap
+    out["odd_used_mem_current"] = int(ok("get", d.cuMemPoolGetAttribute(odd, attr.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)))
+    out["odd_reserved_mem_current"] = int(ok("get", d.cuMemPoolGetAttribute(
+        odd, attr.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)))
+    drain(odd, ptrs)
     threshold_only = pool(0, 64 * MiB)
     err, ptr = d.cuMemAllocFromPoolAsync(128 * MiB, threshold_only, stream)
     out["threshold64_alloc128"] = err_name(err)
@@ -244,34 +271,94 @@ def child_isolation_writer(args: list[str]) -> dict[str, Any]:
 
 
 def child_isolation_reader(args: list[str]) -> dict[str, Any]:
-    """Tenant B: read A's address with a copy, then with a kernel; never may A's bytes come back."""
+    """Tenant B: allocate first (likely at the very address A got: each process's pool starts alike),
+    fill it with B's own pattern, then read its own address and A's - with a copy (``copy``) or a
+    kernel (``kernel``), each in a process of its own so a sticky error of one cannot mask the other.
+    A's bytes must never come back; at A's address B may only see nothing (an error) or its own."""
     import numpy as np
 
     addr, nbytes, nonce_sum = int(args[0]), int(args[1]), float(args[2])
+    mode = args[3] if len(args) > 3 else "copy"
     be = backend(64 * MiB)
-    out: dict[str, Any] = {}
-    dest = bytearray(nbytes)
-    d = be._drv.mod
-    # 1. a copy from A's address through B's context (raw call: no bounds check of ours in the way)
-    (err,) = d.cuMemcpyDtoHAsync(dest, addr, nbytes, be._stream)
-    if not err:
-        (err,) = d.cuStreamSynchronize(be._stream)
-    out["copy"] = err_name(err)
-    values = np.frombuffer(bytes(dest), np.float32)
-    out["copy_got_a_bytes"] = bool(not err and abs(float(values.astype(np.float64).sum()) - nonce_sum) < 1e-3)
-    # 2. a kernel reading A's address (sum): on hardware an MMU fault, sticky, ending this process's context
-    try:
-        from worker.backends.cuda import CudaBuffer
+    out: dict[str, Any] = {"mode": mode}
+    own_values = np.full(nbytes // 4, 0.25, np.float32)
+    own_sum = float(own_values.astype(np.float64).sum())
+    own = be.alloc(nbytes)  # B's buffer first, before any probe
+    be.write(own, 0, memoryview(own_values.tobytes()))
+    out["own_addr"] = own.addr
+    out["own_addr_is_a_addr"] = own.addr == addr
+    out["own_reads_back"] = be.read(own, 0, nbytes) == own_values.tobytes()
 
-        total = be.sum_f32(CudaBuffer(nbytes, addr), nbytes // 4)  # A's address posing as B's buffer
-        out["kernel"] = "CUDA_SUCCESS"
-        out["kernel_got_a_bytes"] = abs(total - nonce_sum) < 1e-2
-    except Exception as exc:  # noqa: BLE001 - the expected outcome; reported by name
-        out["kernel"] = getattr(exc, "result_name", type(exc).__name__)
-        out["kernel_got_a_bytes"] = False
+    def verdict(total: float) -> str:
+        if abs(total - nonce_sum) < 1e-2:
+            return "A's bytes"
+        return "B's own bytes" if abs(total - own_sum) < 1e-2 else "other bytes"
+
+    d = be._drv.mod
+    if mode == "copy":
+        # a copy from A's address through B's context (raw call: no bounds check of ours in the way)
+        dest = bytearray(nbytes)
+        (err,) = d.cuMemcpyDtoHAsync(dest, addr, nbytes, be._stream)
+        if not err:
+            (err,) = d.cuStreamSynchronize(be._stream)
+        out["copy"] = err_name(err)
+        seen = verdict(float(np.frombuffer(bytes(dest), np.float32).astype(np.float64).sum())) if not err else "error"
+        out["copy_saw"] = seen
+        out["copy_got_a_bytes"] = seen == "A's bytes"
+    else:
+        # a kernel reading A's address (sum): on hardware an MMU fault (sticky, B's context only) unless
+        # B's own buffer is mapped there
+        try:
+            from worker.backends.cuda import CudaBuffer
+
+            total = be.sum_f32(CudaBuffer(nbytes, addr), nbytes // 4)  # A's address posing as B's buffer
+            out["kernel"] = "CUDA_SUCCESS"
+            out["kernel_saw"] = verdict(total)
+        except Exception as exc:  # noqa: BLE001 - the expected outcome; reported by name
+            out["kernel"] = getattr(exc, "result_name", type(exc).__name__)
+            out["kernel_saw"] = "error"
+        out["kernel_got_a_bytes"] = out["kernel_saw"] == "A's bytes"
     out["context_lost"] = be.context_lost
     be.close()
     return out
+
+
+def child_residual_writer(args: list[str]) -> dict[str, Any]:
+    """Tenant A of the residual-data probe: fill ``args[0]`` MiB with RESIDUE_MARK, report, then on the
+    first "go" free it and give it back to the device (cuMemPoolTrimTo), report again, wait for the
+    last "go" (or be SIGKILLed holding it: mode ``kill``, decided by the orchestrator)."""
+    mib = int(args[0]) if args else 64
+    be = backend(None)
+    buf = be.alloc(mib * MiB)
+    be.fill_f32(buf, RESIDUE_MARK, mib * MiB // 4)
+    print(json.dumps({"pid": os.getpid(), "addr": buf.addr, "mib": mib}), flush=True)
+    sys.stdin.readline()
+    be.free(buf)
+    be.reclaim()  # cuStreamSynchronize + cuMemPoolTrimTo(pool, 0): the memory is the device's again
+    print(json.dumps({"freed": True, "reserved_after_trim": be.pool_attribute("RESERVED_MEM_CURRENT")}), flush=True)
+    sys.stdin.readline()
+    be.close()
+    return {"closed": True}
+
+
+def child_residual_reader(args: list[str]) -> dict[str, Any]:
+    """Tenant B: allocate ``args[0]`` MiB in 16 MiB buffers *without writing them*, read them back and
+    look for A's RESIDUE_MARK. The driver must hand a new process scrubbed memory, never A's bytes."""
+    import numpy as np
+
+    mib = int(args[0]) if args else 128
+    be = backend(None)
+    mark = np.float32(RESIDUE_MARK)
+    found = 0
+    nonzero = 0
+    chunk = min(16, mib)
+    bufs = [be.alloc(chunk * MiB) for _ in range(max(1, mib // chunk))]
+    for buf in bufs:
+        got = np.frombuffer(be.read(buf, 0, chunk * MiB), np.float32)
+        found += int(np.count_nonzero(got == mark))
+        nonzero += int(np.count_nonzero(got))
+    be.close()
+    return {"mib": chunk * len(bufs), "mark_floats_found": found, "nonzero_floats": nonzero}
 
 
 def child_kernels(args: list[str]) -> dict[str, Any]:
@@ -416,11 +503,33 @@ def child_environment(args: list[str]) -> dict[str, Any]:
             out["cublas_bindings"] = "nvmath.bindings.cublas imports"
         except Exception as exc:  # noqa: BLE001 - reported by name: the GEMM rows will say cuBLAS missing
             out["cublas_bindings"] = f"not importable: {type(exc).__name__}: {exc}"
-    drv_major = str(out["cuda_driver_version"]).split(".")[0]
-    rtc_major = str(out["nvrtc_version"]).split(".")[0]
-    if drv_major.isdigit() and rtc_major.isdigit() and int(rtc_major) > int(drv_major):
-        out["warning"] = (f"NVRTC {out['nvrtc_version']} is newer than the driver's CUDA {out['cuda_driver_version']}:"
-                          " its cubins and PTX may not load (install the nvidia-cuda-nvrtc of the driver's major)")
+    out.update(match_cuda_major(str(out["cuda_driver_version"]), str(out["nvrtc_version"]), out["packages"]))
+    return out
+
+
+def match_cuda_major(driver_version: str, nvrtc_version: str, packages: dict[str, str]) -> dict[str, Any]:
+    """Do NVRTC and cuBLAS belong to the driver's CUDA major (12 or 13)? ``{"cuda_major", "cublas_major"}``
+    and, when not, ``"mismatch"``: one line saying which wheels to carry (check.sh installs
+    ``.whl-cu<major>/`` itself when it is there). cuda-bindings 13 loads only ``libnvrtc.so.13``, a
+    13.x cubin does not load on a 12.x driver, and cuBLAS 13 needs a 13.x driver: majors must match."""
+    out: dict[str, Any] = {}
+    drv, rtc = driver_version.split(".")[0], nvrtc_version.split(".")[0]
+    if not drv.isdigit():
+        out["mismatch"] = f"the CUDA driver is not usable ({driver_version})"
+        return out
+    major = int(drv)
+    out["cuda_major"] = major
+    if major not in (12, 13):
+        out["mismatch"] = f"the driver's CUDA {driver_version} is neither 12.x nor 13.x: no wheel set for it"
+        return out
+    cublas = packages.get("nvidia-cublas-cu12") if major == 12 else packages.get("nvidia-cublas")
+    other = packages.get("nvidia-cublas") if major == 12 else packages.get("nvidia-cublas-cu12")
+    out["cublas_major"] = major if cublas else (int(str(other).split(".")[0]) if other else None)
+    wheels = f"carry the CUDA {major} wheel set in .whl-cu{major}/ (docs/GPU-QUOTAS.md, 'Wheels for a device run')"
+    if not rtc.isdigit() or int(rtc) != major:
+        out["mismatch"] = f"NVRTC {nvrtc_version} does not match the driver's CUDA {driver_version}: {wheels}"
+    elif out["cublas_major"] not in (None, major):
+        out["mismatch"] = f"cuBLAS {out['cublas_major']}.x does not match the driver's CUDA {driver_version}: {wheels}"
     return out
 
 
@@ -439,6 +548,8 @@ CHILDREN: dict[str, Callable[[list[str]], dict[str, Any]]] = {
     "holder": child_holder,
     "isolation_writer": child_isolation_writer,
     "isolation_reader": child_isolation_reader,
+    "residual_writer": child_residual_writer,
+    "residual_reader": child_residual_reader,
     "kernels": child_kernels,
     "timing": child_timing,
 }

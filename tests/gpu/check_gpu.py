@@ -9,10 +9,14 @@ the tenant steps go through a real supervisor started with ``launch()``.
 
 Phases, in order (``PHASES``); each returns rows of the final table:
 
-    pool        maxSize 64 MiB refuses 128 MiB, 8 MiB steps stop at the cap; RELEASE_THRESHOLD caps nothing
+    environment versions; NVRTC and cuBLAS of the driver's CUDA major, else the check stops (one line)
+    pool        maxSize 64 MiB refuses 128 MiB, exactly 8 steps of 8 MiB, odd-size steps with
+                USED/RESERVED_MEM_CURRENT; RELEASE_THRESHOLD caps nothing
     metering    a metered refusal makes no CUDA call; a driver OOM after the meter said yes is rolled back
-    isolation   tenant A writes a nonce and reports its device address; tenant B's process reads that
-                address (a copy, then a kernel): an error, never A's bytes; A's context is unharmed
+    isolation   tenant A writes a nonce and reports its device address; tenant B allocates first, then
+                reads that address (a copy in one process, a kernel in another): an error or B's own
+                bytes, never A's; A's context is unharmed
+    residual    A fills memory with a mark and frees+trims it (or is killed); B's fresh memory never has it
     tenants     two tenants under a supervisor: over-cap refusal, neighbour unaffected; crash reclaim =
                 free device memory before A registered vs after A's SIGKILL (within a tolerance)
     fault       a kernel fault (sticky error) in one tenant: its request gets CudaError, the worker exits,
@@ -97,6 +101,8 @@ class Context:
     iterations: int
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     smi: dict[str, Any] = field(default_factory=dict)  # nvidia-smi's view of the GPUs (figures.nvidia_smi)
+    #: set by a phase when nothing after it can mean anything (NVRTC/cuBLAS of another CUDA major): one line
+    abort: str | None = None
 
 
 @dataclass(frozen=True)
@@ -264,22 +270,41 @@ def phase_environment(ctx: Context) -> list[Row]:
     return [
         check("environment", "device (nvidia-smi)", f"{gpus[0].get('name')}, driver {gpus[0].get('driver_version')}"
               if "gpus" in ctx.smi else ctx.smi.get("error"), "reported", None),
-        check("environment", "CUDA driver / NVRTC", f"{r.get('cuda_driver_version', r.get('error'))} / "
-              f"{r.get('nvrtc_version')}" + (f" - WARNING {r['warning']}" if r.get("warning") else ""),
-              "NVRTC major <= driver major", None),
+        check("environment", "CUDA driver / NVRTC / cuBLAS major", f"{r.get('cuda_driver_version', r.get('error'))} / "
+              f"{r.get('nvrtc_version')} / {r.get('cublas_major')}" + (f" - {r['mismatch']}" if r.get("mismatch") else ""),
+              "one CUDA major (12 or 13)", _environment_ok(ctx, r)),
         check("environment", "packages", versions or r.get("error"), "reported", None),
         check("environment", "cuBLAS bindings", r.get("cublas_bindings", r.get("error")), "import", None),
     ]
 
 
+def _environment_ok(ctx: Context, r: dict[str, Any]) -> bool:
+    """NVRTC and cuBLAS of the driver's CUDA major, else the whole check stops here (one line)."""
+    if "error" in r:
+        ctx.abort = f"environment: {r['error']}"
+    elif r.get("mismatch"):
+        ctx.abort = f"environment: {r['mismatch']}"
+    return ctx.abort is None
+
+
 def phase_pool(ctx: Context) -> list[Row]:
     r = ctx.results["pool"] = run_child("pool")
     steps = r.get("cap64_steps_of_8mib")
+    odd = r.get("odd_alloc_bytes")
+    readback = r.get("cap64_max_pool_size_readback")
+    want_steps = readback // (8 * MiB) if isinstance(readback, int) and readback >= 64 * MiB else 8
     return [
         check("pool", "maxSize 64 MiB, alloc 128 MiB", r.get("cap64_alloc128", r.get("error")),
               "CUDA_ERROR_OUT_OF_MEMORY", r.get("cap64_alloc128") == "CUDA_ERROR_OUT_OF_MEMORY"),
-        check("pool", "maxSize 64 MiB, 8 MiB steps", f"{steps} then {r.get('cap64_step_error')}", "<= 8, then OOM",
-              isinstance(steps, int) and 0 < steps <= 8 and r.get("cap64_step_error") == "CUDA_ERROR_OUT_OF_MEMORY"),
+        # exactly 8: 8 MiB is a whole number of granules, so an earlier refusal is the pool's own
+        # overhead or rounding - reported as a failure, not passed over
+        check("pool", "maxSize 64 MiB, 8 MiB steps", f"{steps} then {r.get('cap64_step_error')} (MAX_POOL_SIZE "
+              f"reads {r.get('cap64_max_pool_size_readback')} B)", f"{want_steps}, then OOM",
+              steps == want_steps and r.get("cap64_step_error") == "CUDA_ERROR_OUT_OF_MEMORY"),
+        check("pool", f"maxSize 64 MiB, {odd} B steps",
+              f"{r.get('odd_steps', r.get('error'))} of {r.get('odd_metered_allowance')} metered, then "
+              f"{r.get('odd_step_error')}; USED {r.get('odd_used_mem_current')} B, "
+              f"RESERVED {r.get('odd_reserved_mem_current')} B", "reported (pool rounding vs exact metering)", None),
         check("pool", "RELEASE_THRESHOLD 64 MiB only, alloc 128+256",
               f"{r.get('threshold64_alloc128')}, {r.get('threshold64_alloc256_more')}", "both succeed (not a cap)",
               r.get("threshold64_alloc128") == r.get("threshold64_alloc256_more") == "CUDA_SUCCESS"),
@@ -306,22 +331,58 @@ def phase_isolation(ctx: Context) -> list[Row]:
         out["error"] = str(exc)
         return [check("isolation", "B reads A's device address", str(exc), "an error, never A's bytes", False)]
     out["writer"] = writer.first
+    probe = (str(writer.first["addr"]), str(writer.first["nbytes"]), repr(writer.first["nonce_sum"]))
     try:
-        out["reader"] = run_child("isolation_reader", str(writer.first["addr"]), str(writer.first["nbytes"]),
-                                  repr(writer.first["nonce_sum"]))
+        # B allocates first in each (likely at A's very address), then probes; copy and kernel in
+        # separate processes, so that a sticky error from one cannot hide what the other does
+        out["reader"] = run_child("isolation_reader", *probe, "copy")
+        out["reader_kernel"] = run_child("isolation_reader", *probe, "kernel")
     finally:
         out["writer_after"] = writer.release()
-    rd, wa = out["reader"], out["writer_after"]
-    leaked = rd.get("copy_got_a_bytes") is not False or rd.get("kernel_got_a_bytes") is not False
+    rd, rk, wa = out["reader"], out["reader_kernel"], out["writer_after"]
     return [
-        check("isolation", "B copies from A's address", rd.get("copy", rd.get("error")),
-              "an error, never A's bytes", "error" not in rd and rd.get("copy_got_a_bytes") is False),
-        check("isolation", "B's kernel reads A's address", rd.get("kernel", rd.get("error")),
-              "never A's bytes (on hardware: a sticky error, B only)", "error" not in rd and not leaked),
+        check("isolation", "B's own buffer (allocated first)", f"at A's address: {rd.get('own_addr_is_a_addr')}, "
+              f"reads back: {rd.get('own_reads_back', rd.get('error'))}", "reads back B's bytes",
+              rd.get("own_reads_back") is True and rk.get("own_reads_back") is True),
+        check("isolation", "B copies from A's address", f"{rd.get('copy', rd.get('error'))}, saw {rd.get('copy_saw')}",
+              "an error or B's own bytes, never A's", "error" not in rd and rd.get("copy_got_a_bytes") is False),
+        check("isolation", "B's kernel reads A's address", f"{rk.get('kernel', rk.get('error'))}, saw "
+              f"{rk.get('kernel_saw')}", "never A's bytes (on hardware: a sticky error in B, or B's own bytes)",
+              "error" not in rk and rk.get("kernel_got_a_bytes") is False),
         check("isolation", "A after B's attempts", f"nonce intact {wa.get('nonce_intact')}, "
               f"context works {wa.get('context_works', wa.get('error'))}", "True, True",
               wa.get("nonce_intact") is True and wa.get("context_works") is True),
     ]
+
+
+def phase_residual(ctx: Context) -> list[Row]:
+    """A fills memory with a mark and gives it back (freed and trimmed, or SIGKILLed holding it); B then
+    allocates without writing and reads: the driver must scrub what another process had."""
+    mib = 16 if ctx.quick or ctx.fake else 64
+    out: dict[str, Any] = {}
+    ctx.results["residual"] = out
+    rows: list[Row] = []
+    for how in ("free_trim", "kill"):
+        try:
+            writer = Held("residual_writer", str(mib))
+        except RuntimeError as exc:
+            out[how] = {"error": str(exc)}
+            rows.append(check("residual", f"after A's {how}", str(exc), "no A bytes", False))
+            continue
+        if how == "free_trim":
+            out["writer_freed"] = writer.step()
+            out[how] = run_child("residual_reader", str(4 * mib))
+            writer.release()
+        else:
+            writer.proc.kill()
+            writer.release(timeout_s=10)
+            out[how] = run_child("residual_reader", str(4 * mib))
+        r = out[how]
+        rows.append(check("residual", f"B reads fresh memory after A's {how.replace('_', '+')}",
+                          f"{r.get('mark_floats_found', r.get('error'))} of A's marks in {r.get('mib')} MiB "
+                          f"({r.get('nonzero_floats')} non-zero floats)", "0 (never A's bytes)",
+                          "error" not in r and r.get("mark_floats_found") == 0))
+    return rows
 
 
 def phase_tenants(ctx: Context) -> list[Row]:
@@ -614,6 +675,7 @@ PHASES: list[Phase] = [
     Phase("pool", phase_pool),
     Phase("metering", phase_metering),
     Phase("isolation", phase_isolation),
+    Phase("residual", phase_residual),
     Phase("tenants", phase_tenants),
     Phase("fault", phase_fault),
     Phase("kernels", phase_kernels),
@@ -667,7 +729,11 @@ def main(argv: list[str] | None = None) -> int:
     not_run: list[str] = []
     summary: dict[str, Any] = {}
     for phase in phases:
-        if time.monotonic() >= _deadline:
+        if ctx.abort is not None:
+            not_run.append(phase.name)
+            ctx.results[phase.name] = {"skipped": f"not run: {ctx.abort}"}
+            rows.append(check(phase.name, f"{phase.name} phase", "not run (the environment is wrong)", "runs", None))
+        elif time.monotonic() >= _deadline:
             not_run.append(phase.name)
             ctx.results[phase.name] = {"skipped": f"not run: the check's deadline ({args.deadline_s:g} s) passed"}
             rows.append(check(phase.name, f"{phase.name} phase", "not run (deadline passed)", "runs", None))
@@ -698,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
     width = max((len(r.name) for r in rows), default=10)
     for r in rows:
         print(f"{r.mark} {r.phase:<9} {r.name:<{width}}  {r.got}   (want {r.want})")
+    if ctx.abort is not None:
+        print(f"check_gpu: {ctx.abort}", file=sys.stderr)  # the one line that says what to fix
     verdict = "FAILED" if failed else ("INCOMPLETE" if not_run else "PASSED")
     print(f"{verdict}: {len(failed)} failed check(s)" + (f", {len(not_run)} phase(s) not run (deadline): "
                                                          f"{', '.join(not_run)}" if not_run else "")

@@ -99,21 +99,37 @@ def figures(phases: dict[str, Any], smi: dict[str, Any]) -> dict[str, Any]:
         "cuda_driver_version": cuda_version(_get(phases, "pool", "driver_version"))
         or _get(phases, "environment", "cuda_driver_version"),
         "nvrtc_version": _get(phases, "environment", "nvrtc_version"),
+        "cuda_major": _get(phases, "environment", "cuda_major"),
+        "cublas_major": _get(phases, "environment", "cublas_major"),
         "kernel_arch": _get(phases, "kernels", "kernel_arch"),
         # GPU.md 1: the pool's maxSize is a hard cap; the release threshold is not
         "maxsize_64mib_alloc_128mib": _get(phases, "pool", "cap64_alloc128"),
         "maxsize_64mib_steps_of_8mib": _get(phases, "pool", "cap64_steps_of_8mib"),
+        "maxsize_64mib_readback": _get(phases, "pool", "cap64_max_pool_size_readback"),
         "release_threshold_only_alloc_128_then_256mib": _get(phases, "pool", "threshold64_alloc128"),
         "release_threshold_only_second_alloc": _get(phases, "pool", "threshold64_alloc256_more"),
+        # pool rounding vs exact metering: odd-sized allocations under a 64 MiB maxSize
+        "pool_odd_alloc_bytes": _get(phases, "pool", "odd_alloc_bytes"),
+        "pool_odd_steps": _get(phases, "pool", "odd_steps"),
+        "pool_odd_metered_allowance": _get(phases, "pool", "odd_metered_allowance"),
+        "pool_odd_used_mem_current": _get(phases, "pool", "odd_used_mem_current"),
+        "pool_odd_reserved_mem_current": _get(phases, "pool", "odd_reserved_mem_current"),
         # metering
         "metered_refusal_cuda_calls": _get(phases, "metering", "cuda_calls_during_refusal"),
         # GPU.md 4: isolation
+        "isolation_b_at_a_address": _get(phases, "isolation", "reader", "own_addr_is_a_addr"),
         "isolation_copy_result": _get(phases, "isolation", "reader", "copy"),
-        "isolation_kernel_result": _get(phases, "isolation", "reader", "kernel"),
+        "isolation_copy_saw": _get(phases, "isolation", "reader", "copy_saw"),
+        "isolation_kernel_result": _get(phases, "isolation", "reader_kernel", "kernel"),
+        "isolation_kernel_saw": _get(phases, "isolation", "reader_kernel", "kernel_saw"),
         "isolation_a_bytes_leaked": None if _get(phases, "isolation", "reader", "copy_got_a_bytes") is None
         else bool(_get(phases, "isolation", "reader", "copy_got_a_bytes")
-                  or _get(phases, "isolation", "reader", "kernel_got_a_bytes")),
+                  or _get(phases, "isolation", "reader_kernel", "kernel_got_a_bytes")),
         "isolation_a_unharmed": _get(phases, "isolation", "writer_after", "nonce_intact"),
+        # residual data: B's fresh allocations after A freed+trimmed, or was killed holding them
+        "residual_after_free_trim_marks": _get(phases, "residual", "free_trim", "mark_floats_found"),
+        "residual_after_kill_marks": _get(phases, "residual", "kill", "mark_floats_found"),
+        "residual_read_mib": _get(phases, "residual", "kill", "mib"),
         # GPU.md 2 + 5: two tenants, crash reclaim
         "over_cap_refused": _get(phases, "tenants", "alpha_over_cap_refused"),
         "neighbour_unaffected": _get(phases, "tenants", "beta_after_kill"),

@@ -35,14 +35,51 @@ def test_dry_run_on_the_fake_passes_every_phase_and_writes_the_json(tmp_path: Pa
     rows = doc["rows"]
     assert not [r for r in rows if r["kind"] == "check" and r["ok"] is False]
     by_phase = {r["phase"] for r in rows if r["kind"] == "check" and r["ok"] is True}
-    assert {"pool", "metering", "isolation", "tenants", "fault", "kernels"} <= by_phase
+    assert {"environment", "pool", "metering", "isolation", "residual", "tenants", "fault", "kernels"} <= by_phase
     fault = doc["phases"]["fault"]
     assert fault["faulty_request"] == "CUDA_ERROR_ILLEGAL_ADDRESS"
     assert fault["last_exit"]["reason"] == "CUDA context lost: CUDA_ERROR_ILLEGAL_ADDRESS"
-    iso = doc["phases"]["isolation"]["reader"]
-    assert iso["copy_got_a_bytes"] is False and iso["kernel_got_a_bytes"] is False
-    assert iso["kernel"] == "CUDA_ERROR_ILLEGAL_ADDRESS" and iso["context_lost"] == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    # B allocated first and read its own buffer back; copy and kernel probes ran in separate processes
+    iso, iso_k = doc["phases"]["isolation"]["reader"], doc["phases"]["isolation"]["reader_kernel"]
+    assert iso["own_reads_back"] is True and iso_k["own_reads_back"] is True
+    assert iso["copy_got_a_bytes"] is False and iso_k["kernel_got_a_bytes"] is False
+    assert iso["context_lost"] is None  # the copy's error is not sticky: it cannot mask the kernel probe
+    assert iso_k["kernel"] == "CUDA_ERROR_ILLEGAL_ADDRESS" and iso_k["context_lost"] == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    residual = doc["phases"]["residual"]
+    assert residual["free_trim"]["mark_floats_found"] == 0 and residual["kill"]["mark_floats_found"] == 0
+    assert residual["writer_freed"]["reserved_after_trim"] == 0
+    pool = doc["phases"]["pool"]
+    assert pool["odd_steps"] == pool["odd_metered_allowance"] == 21  # the fake aligns to 512 B: 21 fit
+    assert pool["odd_reserved_mem_current"] == 64 << 20
     assert any(r["kind"] == "timing" for r in rows)
+
+
+def test_the_cuda_majors_must_match_or_the_check_stops_with_one_line() -> None:
+    from tests.gpu.check_children import match_cuda_major
+
+    assert match_cuda_major("13.0", "13.0", {"nvidia-cublas": "13.1.0"}) == {"cuda_major": 13, "cublas_major": 13}
+    assert match_cuda_major("12.8", "12.9", {"nvidia-cublas-cu12": "12.9.1"}) == {"cuda_major": 12, "cublas_major": 12}
+    nvrtc13_on_12 = match_cuda_major("12.8", "13.0", {"nvidia-cublas-cu12": "12.9.1"})
+    assert "NVRTC 13.0 does not match the driver's CUDA 12.8" in nvrtc13_on_12["mismatch"]
+    assert ".whl-cu12/" in nvrtc13_on_12["mismatch"] and "\n" not in nvrtc13_on_12["mismatch"]
+    cublas13_on_12 = match_cuda_major("12.8", "12.8", {"nvidia-cublas": "13.1.0"})
+    assert cublas13_on_12["mismatch"].startswith("cuBLAS 13.x does not match")
+    assert "neither 12.x nor 13.x" in match_cuda_major("11.8", "11.8", {})["mismatch"]
+
+
+def test_a_driver_of_another_cuda_major_stops_the_check_with_one_line(tmp_path: Path) -> None:
+    """The fake NVRTC is 13.0; a driver reporting CUDA 12.8 must not get as far as failed kernels."""
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
+                           "--only", "environment,pool,kernels", "--json-out", str(out)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "FAKE_CUDA_DRIVER_VERSION": "12080"})
+    assert proc.returncode == 1
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("check_gpu:")]
+    assert line.startswith("check_gpu: environment: NVRTC 13.0 does not match the driver's CUDA 12.8")
+    assert ".whl-cu12/" in line
+    doc = json.loads(out.read_text())
+    assert doc["not_run"] == ["pool", "kernels"] and doc["ok"] is False
+    assert doc["figures"]["cuda_major"] == 12
 
 
 def test_a_missed_timing_target_never_fails_the_run() -> None:

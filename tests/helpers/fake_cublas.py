@@ -14,9 +14,14 @@ backend depends on it:
   recorded in ``default_workspace_gemms`` (the backend must never let that
   happen: the default would be allocated outside the tenant's pool);
 * ``sgemm`` checks the BLAS argument rules (``lda >= max(1, rows)`` ...)
-  with ``INVALID_VALUE``, reads the column-major operands from fake device
-  memory and computes ``C = alpha*A@B + beta*C`` with numpy (float32);
-  an operand outside any allocation is ``EXECUTION_FAILED``.
+  with ``INVALID_VALUE`` at the call, then *queues* the product on the
+  handle's stream (as the real one launches kernels and returns): it reads
+  the column-major operands from fake device memory when the stream gets
+  there and computes ``C = alpha*A@B + beta*C`` with numpy (float32); an
+  operand outside any allocation is then a sticky ``CUDA_ERROR_ILLEGAL_ADDRESS``
+  that surfaces at the next synchronize or query, as a kernel fault does;
+* ``create`` takes ``default_pool_bytes`` of device memory (the default
+  workspace pool cuBLAS allocates with the handle) until ``destroy``.
 
 Arguments are converted as the real (Cython) bindings convert them, before
 anything else: a handle, pointer or stream must be a Python integer (an
@@ -41,7 +46,7 @@ import pickle
 import threading
 from typing import Any
 
-from tests.helpers.fake_cuda import FakeDriver
+from tests.helpers.fake_cuda import CUresult, FakeDriver
 
 __all__ = ["SIGNATURES", "CublasRecorder", "FakeCublas", "convert_args"]
 
@@ -123,8 +128,9 @@ class FakeCublas:
     PointerMode = PointerMode
     cuBLASError = cuBLASError
 
-    def __init__(self, driver: FakeDriver) -> None:
+    def __init__(self, driver: FakeDriver, *, default_pool_bytes: int = 0) -> None:
         self.driver = driver
+        self.default_pool_bytes = default_pool_bytes
         self.__name__ = "tests.helpers.fake_cublas"
         self.handles: dict[int, dict[str, Any]] = {}
         self.calls: list[str] = []
@@ -158,14 +164,23 @@ class FakeCublas:
         ctx = self.driver._ctx()
         if self.driver._ctx_device(ctx) is None:
             raise cuBLASError(Status.NOT_INITIALIZED)
+        dev = self.driver._ctx_device(ctx)
+        if self.default_pool_bytes:
+            if self.driver.device_reserved(dev) + self.default_pool_bytes > self.driver.memory_bytes:
+                raise cuBLASError(Status.ALLOC_FAILED)
+            self.driver.raw_reserved[dev] += self.default_pool_bytes
         self._next += 0x10
-        self.handles[self._next] = {"ctx": ctx, "stream": 0, "workspace": _DEFAULT, "mode": PointerMode.HOST}
+        self.handles[self._next] = {"ctx": ctx, "stream": 0, "workspace": _DEFAULT, "mode": PointerMode.HOST,
+                                    "device": dev}
         return self._next
 
     def destroy(self, handle: int) -> None:
         self._enter("destroy", (handle,))
-        if self.handles.pop(handle, None) is None:
+        h = self.handles.pop(handle, None)
+        if h is None:
             raise cuBLASError(Status.NOT_INITIALIZED)
+        if self.default_pool_bytes:
+            self.driver.raw_reserved[h["device"]] -= self.default_pool_bytes
 
     def get_version(self, handle: int) -> int:
         self._enter("get_version", (handle,))
@@ -219,26 +234,38 @@ class FakeCublas:
             raise cuBLASError(Status.NOT_SUPPORTED)
         if h["workspace"] is _DEFAULT:
             self.default_workspace_gemms += 1
-        al = ctypes.c_float.from_address(alpha).value
+        al = ctypes.c_float.from_address(alpha).value  # host pointer mode: read at the call
         be = ctypes.c_float.from_address(beta).value
         self.gemms.append((m, n, k))
         if m == 0 or n == 0:
             return
+        drv = self.driver
+        dev = h["device"]
+
+        class _Fault(Exception):
+            pass
 
         def colmajor(ptr: int, rows: int, cols: int, ld: int) -> Any:
-            flat = self.driver._f32(ptr, ld * (cols - 1) + rows) if cols else None
+            flat = drv._f32(ptr, ld * (cols - 1) + rows) if cols else None
             if flat is None:
-                raise cuBLASError(Status.EXECUTION_FAILED)
+                raise _Fault
             full = np.lib.stride_tricks.as_strided(flat, shape=(rows, cols), strides=(4, 4 * ld))
             return full
 
-        cm = colmajor(c, m, n, ldc)
-        if k == 0:
-            prod = np.zeros((m, n), np.float32)
-        else:
-            prod = colmajor(a, m, k, lda) @ colmajor(b, k, n, ldb)
-        result = np.float32(al) * prod + (np.float32(be) * cm if be != 0 else np.float32(0))
-        cm[...] = result.astype(np.float32)
+        def run() -> None:  # when the stream gets there
+            try:
+                cm = colmajor(c, m, n, ldc)
+                if k == 0:
+                    prod = np.zeros((m, n), np.float32)
+                else:
+                    prod = colmajor(a, m, k, lda) @ colmajor(b, k, n, ldb)
+            except _Fault:
+                drv.sticky.setdefault(dev, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
+                return
+            result = np.float32(al) * prod + (np.float32(be) * cm if be != 0 else np.float32(0))
+            cm[...] = result.astype(np.float32)
+
+        drv._enqueue(h["stream"], run)
 
 
 class CublasRecorder:

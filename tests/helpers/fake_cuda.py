@@ -14,9 +14,23 @@ depends on it:
   ``cuMemGetInfo`` reports what is left;
 * pools: ``maxSize`` enforced (``CUDA_ERROR_OUT_OF_MEMORY`` past it, and
   ``CUDA_ERROR_INVALID_VALUE`` for a maxSize that is not a multiple of the
-  allocation granularity), memory reserved in granularity chunks, freed
-  memory kept up to ``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`` and trimmed at a
-  synchronize - the threshold never refuses anything;
+  allocation granularity; ``MAX_POOL_SIZE`` reads it back, rounded up to
+  ``pool_size_granularity``), allocations aligned to 512 B, memory reserved
+  in granularity chunks, freed memory kept up to
+  ``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`` until a synchronize and given back by
+  ``cuMemPoolTrimTo`` - the threshold never refuses anything;
+* asynchronous execution: launches, copies, frees (and the fake cuBLAS's
+  GEMMs) are *queued* on their stream and run at a synchronize, an event or
+  stream query (``cuEventRecord`` marks a point in the queue); a kernel's
+  fault surfaces there, sticky; a queued free keeps its bytes outstanding
+  (not reusable, not trimmable) until it has run; a stream in ``stalled``
+  never finishes (queries say ``CUDA_ERROR_NOT_READY``; a synchronize is
+  counted in ``blocking_waits``, then runs it anyway); destroying a context
+  cancels its queue (``cancelled_ops``);
+* primary-context flags (``cuDevicePrimaryCtxSetFlags``, ``primary_flags``,
+  ``flags_set_while_active``), ``cuCtxCreate`` / ``cuCtxDestroy`` of extra
+  contexts; contexts (``context_bytes``), modules (``module_bytes``) and
+  ``cuMemAlloc`` take device memory;
 * invalid handles (unknown or destroyed stream, pool, pointer, context,
   module) give the driver's error codes; ``cuGetErrorName`` names them;
 * kernels: ``nvrtcCompileProgram`` reads the ``extern "C" __global__``
@@ -36,13 +50,14 @@ Use it two ways:
   from the ``FAKE_CUDA_*`` environment: ``FAKE_CUDA_MODE`` (ok | no-libcuda
   | no-device | driver-mismatch), ``FAKE_CUDA_DEVICES``,
   ``FAKE_CUDA_MEMORY`` (bytes per device), ``FAKE_CUDA_CONTEXT_BYTES``,
-  ``FAKE_CUDA_GRANULARITY``, ``FAKE_CUDA_RECORD_DIR`` (each process writes
+  ``FAKE_CUDA_GRANULARITY``, ``FAKE_CUDA_DRIVER_VERSION`` (``cuDriverGetVersion``, 13000),
+  ``FAKE_CUDA_RECORD_DIR`` (each process writes
   ``<pid>.json`` there: the ``CUDA_MPS_*`` variables it saw at ``cuInit`` and
   the devices it retained a primary context on).
 
 Not modelled: memory shared between *processes* (each process sees a whole
-device), MPS itself, asynchronous execution (everything completes at once;
-a kernel's bad address is reported at the next synchronize, as on hardware).
+device), MPS itself, time (queued work runs when something waits for it,
+all at once, unless its stream is stalled).
 """
 
 from __future__ import annotations
@@ -85,6 +100,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_SOURCE = 300
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_NOT_FOUND = 500
+    CUDA_ERROR_NOT_READY = 600
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701
     CUDA_ERROR_LAUNCH_TIMEOUT = 702
@@ -116,6 +132,23 @@ class CUmemPool_attribute(enum.IntEnum):
     CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6
     CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7
     CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8
+    CU_MEMPOOL_ATTR_MAX_POOL_SIZE = 13
+
+
+class CUctx_flags(enum.IntEnum):
+    CU_CTX_SCHED_AUTO = 0
+    CU_CTX_SCHED_SPIN = 1
+    CU_CTX_SCHED_YIELD = 2
+    CU_CTX_SCHED_BLOCKING_SYNC = 4
+    CU_CTX_SCHED_MASK = 7
+    CU_CTX_MAP_HOST = 8
+    CU_CTX_LMEM_RESIZE_TO_MAX = 16
+
+
+class CUevent_flags(enum.IntEnum):
+    CU_EVENT_DEFAULT = 0
+    CU_EVENT_BLOCKING_SYNC = 1
+    CU_EVENT_DISABLE_TIMING = 2
 
 
 class CUstream_flags(enum.IntEnum):
@@ -259,6 +292,10 @@ class CUstream(_Handle):
     __slots__ = ()
 
 
+class CUevent(_Handle):
+    __slots__ = ()
+
+
 class CUmemoryPool(_Handle):
     __slots__ = ()
 
@@ -369,7 +406,7 @@ class _Pool:
 
 
 class _Alloc:
-    __slots__ = ("base", "size", "charged", "pool", "device", "data")
+    __slots__ = ("base", "size", "charged", "pool", "device", "data", "freeing")
 
     def __init__(self, base: int, size: int, charged: int, pool: _Pool | None, device: int) -> None:
         self.base = base
@@ -378,6 +415,7 @@ class _Alloc:
         self.pool = pool
         self.device = device
         self.data: bytearray | None = None  # made on first touch: large fake allocations cost nothing
+        self.freeing = False  # a cuMemFreeAsync of it is queued, not yet run
 
     def buf(self) -> bytearray:
         if self.data is None:
@@ -412,6 +450,9 @@ class FakeDriver:
     CUresult = CUresult
     CUmemPool_attribute = CUmemPool_attribute
     CUstream_flags = CUstream_flags
+    CUctx_flags = CUctx_flags
+    CUevent_flags = CUevent_flags
+    CUevent = CUevent
     CUmemAllocationType = CUmemAllocationType
     CUmemAllocationHandleType = CUmemAllocationHandleType
     CUmemLocationType = CUmemLocationType
@@ -444,6 +485,8 @@ class FakeDriver:
         record_dir: str | None = None,
         driver_version: int = 13000,
         real_nvrtc: bool = True,
+        module_bytes: int = 0,
+        pool_size_granularity: int = 1,
     ) -> None:
         if mode not in ("ok", "no-libcuda", "no-device", "driver-mismatch"):
             raise ValueError(f"unknown fake CUDA mode {mode!r}")
@@ -489,6 +532,27 @@ class FakeDriver:
         #: compile kernel sources for real with NVRTC when it is loadable (a syntax error then fails)
         self.real_nvrtc = real_nvrtc
         self.real_compiles = 0
+        #: device bytes a loaded module takes (its code, constants ...) until cuModuleUnload
+        self.module_bytes = module_bytes
+        #: a pool's maxSize is enforced (and read back as MAX_POOL_SIZE) rounded up to this
+        self.pool_size_granularity = pool_size_granularity
+        self.module_reserved: dict[int, tuple[int, int]] = {}  # module -> (device, bytes)
+        # ---- asynchronous execution: stream handle -> queued operations, run in order later
+        self.queues: dict[int, list[tuple[int, Callable[[], None]]]] = {}
+        self.enqueued: dict[int, int] = {}  # stream -> sequence number of the last queued op
+        self.completed: dict[int, int] = {}  # stream -> sequence number of the last op run
+        #: streams whose work makes no progress (a long kernel): queries say NOT_READY, a
+        #: synchronize would block (counted in ``blocking_waits``, then the work runs anyway)
+        self.stalled: set[int] = set()
+        self.blocking_waits = 0
+        #: queued operations dropped unrun because their context was destroyed
+        self.cancelled_ops = 0
+        self.events: dict[int, tuple[int, int] | None] = {}  # event -> (stream, sequence) recorded
+        #: device -> flags set with cuDevicePrimaryCtxSetFlags (CU_CTX_SCHED_AUTO by default)
+        self.primary_flags: dict[int, int] = {d: 0 for d in range(devices)}
+        #: cuDevicePrimaryCtxSetFlags calls made while that primary context was active
+        self.flags_set_while_active = 0
+        self.extra_ctx: dict[int, int] = {}  # cuCtxCreate'd context -> device
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FakeDriver:
@@ -506,6 +570,7 @@ class FakeDriver:
             mode=env.get("FAKE_CUDA_MODE") or "ok",
             record_dir=env.get("FAKE_CUDA_RECORD_DIR") or None,
             real_nvrtc=env.get("FAKE_CUDA_REAL_NVRTC", "1") != "0",
+            driver_version=num("FAKE_CUDA_DRIVER_VERSION", 13000),
         )
 
     # ------------------------------------------------------------- test controls
@@ -520,7 +585,9 @@ class FakeDriver:
     def device_reserved(self, device: int) -> int:
         pools = sum(p.reserved for p in self.pools.values() if p.device == device)
         ctx = self.context_bytes if self.ctx_refs.get(device, 0) > 0 else 0
-        return pools + ctx + self.raw_reserved[device]
+        ctx += self.context_bytes * sum(1 for d in self.extra_ctx.values() if d == device)
+        mods = sum(n for d, n in self.module_reserved.values() if d == device)
+        return pools + ctx + mods + self.raw_reserved[device]
 
     # ------------------------------------------------------------- plumbing
 
@@ -532,6 +599,8 @@ class FakeDriver:
         return int(getattr(self._tls, "ctx", 0))
 
     def _ctx_device(self, ctx: int) -> int | None:
+        if ctx in self.extra_ctx:
+            return self.extra_ctx[ctx]
         for dev, handle in self.ctx_handle.items():
             if handle == ctx and self.ctx_refs.get(dev, 0) > 0:
                 return dev
@@ -589,9 +658,52 @@ class FakeDriver:
         self._bases.remove(base)
         return a
 
-    def _trim(self, pool: _Pool) -> None:
-        keep = max(_round_up(pool.used, self.granularity), min(pool.reserved, _round_up(pool.release_threshold, self.granularity)))
-        pool.reserved = min(pool.reserved, keep)
+    def _trim(self, pool: _Pool, keep_bytes: int | None = None) -> None:
+        """Release a pool's unused reserve down to ``keep_bytes`` (the release threshold by default).
+
+        Allocations still live or with a free queued but not yet run are
+        outstanding: their chunks stay reserved (the driver cannot release them).
+        """
+        keep = pool.release_threshold if keep_bytes is None else keep_bytes
+        floor = _round_up(pool.used, self.granularity)
+        pool.reserved = min(pool.reserved, max(floor, _round_up(keep, self.granularity)))
+
+    # ------------------------------------------------------------- asynchronous execution
+
+    def _enqueue(self, stream: Any, op: Callable[[], None]) -> None:
+        """Queue ``op`` on ``stream`` (the null stream runs it at once)."""
+        h = 0 if stream is None else int(stream)
+        if h == 0:
+            op()
+            return
+        seq = self.enqueued.get(h, 0) + 1
+        self.enqueued[h] = seq
+        self.queues.setdefault(h, []).append((seq, op))
+
+    def _run_stream(self, h: int, upto: int | None = None) -> None:
+        """Run ``h``'s queued operations (up to sequence ``upto``) in order; a fault drops the rest."""
+        queue = self.queues.get(h)
+        if not queue:
+            return
+        ctx = self.streams.get(h, (0, 0))[0]
+        dev = self._ctx_device(ctx)
+        while queue and (upto is None or queue[0][0] <= upto):
+            seq, op = queue.pop(0)
+            self.completed[h] = seq
+            if dev is not None and dev in self.sticky:
+                self.cancelled_ops += 1  # the context is lost: nothing more runs in it
+                continue
+            op()
+
+    def pending(self, stream: Any) -> int:
+        """Operations queued on ``stream`` and not yet run."""
+        return len(self.queues.get(int(stream), []))
+
+    def _drop_queues(self, ctx: int) -> None:
+        """Destroying a context cancels the work still queued in it."""
+        for h, (c, _) in list(self.streams.items()):
+            if c == ctx:
+                self.cancelled_ops += len(self.queues.pop(h, []))
 
     # ------------------------------------------------------------- init and devices
 
@@ -714,6 +826,7 @@ class FakeDriver:
             self.ctx_refs[d] -= 1
             if self.ctx_refs[d] == 0:  # the primary context is destroyed with everything in it
                 ctx = self.ctx_handle[d]
+                self._drop_queues(ctx)
                 for h in [h for h, (c, _) in self.streams.items() if c == ctx]:
                     del self.streams[h]
                 for h in [h for h, p in self.pools.items() if p.ctx == ctx]:
@@ -721,6 +834,72 @@ class FakeDriver:
                 for base in [b for b, a in self.allocs.items() if a.device == d]:
                     self._drop_alloc(base)
                 self.raw_reserved[d] = 0
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuDevicePrimaryCtxSetFlags(self, dev: Any, flags: int) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuDevicePrimaryCtxSetFlags")
+            if err is not None:
+                return (err,)
+            d = self._dev(dev)
+            if d is None:
+                return (CUresult.CUDA_ERROR_INVALID_DEVICE,)
+            if not isinstance(flags, int) or flags < 0 or flags & ~0x1F or (flags & 7) not in (0, 1, 2, 4):
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            if self.ctx_refs.get(d, 0) > 0:
+                self.flags_set_while_active += 1
+            self.primary_flags[d] = int(flags)
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuDevicePrimaryCtxGetState(self, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuDevicePrimaryCtxGetState")
+        if err is not None:
+            return (err, None, None)
+        d = self._dev(dev)
+        if d is None:
+            return (CUresult.CUDA_ERROR_INVALID_DEVICE, None, None)
+        return (CUresult.CUDA_SUCCESS, self.primary_flags[d], int(self.ctx_refs.get(d, 0) > 0))
+
+    def cuCtxGetFlags(self) -> tuple[Any, ...]:  # noqa: N802
+        err = self._enter("cuCtxGetFlags", needs_ctx=True)
+        if err is not None:
+            return (err, None)
+        ctx = self._ctx()
+        if ctx in self.extra_ctx:
+            return (CUresult.CUDA_SUCCESS, 0)
+        d = self._ctx_device(ctx)
+        assert d is not None
+        return (CUresult.CUDA_SUCCESS, self.primary_flags[d])
+
+    def cuCtxCreate(self, params: Any, flags: int, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+        """A regular (non-primary) context made current; it costs ``context_bytes`` until destroyed."""
+        with self._lock:
+            err = self._enter("cuCtxCreate")
+            if err is not None:
+                return (err, None)
+            d = self._dev(dev)
+            if d is None:
+                return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
+            if params is not None or not isinstance(flags, int):
+                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            if self.device_reserved(d) + self.context_bytes > self.memory_bytes:
+                return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+            h = self._new() | 0xC000_0000
+            self.extra_ctx[h] = d
+            self._tls.ctx = h
+            return (CUresult.CUDA_SUCCESS, CUcontext(h))
+
+    def cuCtxDestroy(self, ctx: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuCtxDestroy")
+            if err is not None:
+                return (err,)
+            h = int(ctx)
+            if self.extra_ctx.pop(h, None) is None:
+                return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+            self._drop_queues(h)
+            if self._ctx() == h:
+                self._tls.ctx = 0
             return (CUresult.CUDA_SUCCESS,)
 
     def cuCtxSetCurrent(self, ctx: Any) -> tuple[Any, ...]:  # noqa: N802
@@ -777,6 +956,7 @@ class FakeDriver:
                 return (err,)
             if int(stream) not in self.streams:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            self._run_stream(int(stream))  # its queued work still completes (cuda.h)
             del self.streams[int(stream)]
             return (CUresult.CUDA_SUCCESS,)
 
@@ -787,8 +967,106 @@ class FakeDriver:
                 return (err,)
             if not self._stream_ok(stream):
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            h = int(stream) if stream is not None else 0
+            if h in self.stalled and self.queues.get(h):
+                self.blocking_waits += 1  # on hardware this call would block until the work ends
+            self._run_stream(h)
+            lost = self._lost()
+            if lost is not None:
+                return (lost,)  # a fault in the queued work surfaces here
             for pool in self.pools.values():
-                self._trim(pool)
+                self._trim(pool)  # the release threshold's retention ends at a synchronize
+            return (CUresult.CUDA_SUCCESS,)
+
+    def _lost(self) -> CUresult | None:
+        """The sticky error of the current context's device, if any."""
+        dev = self._ctx_device(self._ctx())
+        return None if dev is None else self.sticky.get(dev)
+
+    def cuStreamQuery(self, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuStreamQuery", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if not self._stream_ok(stream):
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            h = int(stream) if stream is not None else 0
+            if h in self.stalled and self.queues.get(h):
+                return (CUresult.CUDA_ERROR_NOT_READY,)
+            self._run_stream(h)
+            lost = self._lost()
+            return (lost if lost is not None else CUresult.CUDA_SUCCESS,)
+
+    # ------------------------------------------------------------- events
+
+    def cuEventCreate(self, flags: int) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventCreate", needs_ctx=True)
+            if err is not None:
+                return (err, None)
+            if not isinstance(flags, int) or flags & ~0xF:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+            h = self._new()
+            self.events[h] = None
+            return (CUresult.CUDA_SUCCESS, CUevent(h))
+
+    def cuEventRecord(self, event: Any, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventRecord", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if int(event) not in self.events or not self._stream_ok(stream):
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            h = int(stream) if stream is not None else 0
+            self.events[int(event)] = (h, self.enqueued.get(h, 0))
+            return (CUresult.CUDA_SUCCESS,)
+
+    def _event_done(self, event: int) -> bool:
+        mark = self.events[event]
+        if mark is None:
+            return True  # never recorded: complete, as cuda.h says
+        h, seq = mark
+        return self.completed.get(h, 0) >= seq or not any(q <= seq for q, _ in self.queues.get(h, []))
+
+    def cuEventQuery(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventQuery", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            e = int(event)
+            if e not in self.events:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            mark = self.events[e]
+            if mark is not None and not self._event_done(e):
+                if mark[0] in self.stalled:
+                    return (CUresult.CUDA_ERROR_NOT_READY,)
+                self._run_stream(mark[0], mark[1])
+            lost = self._lost()
+            return (lost if lost is not None else CUresult.CUDA_SUCCESS,)
+
+    def cuEventSynchronize(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventSynchronize", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            e = int(event)
+            if e not in self.events:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            mark = self.events[e]
+            if mark is not None and not self._event_done(e):
+                if mark[0] in self.stalled:
+                    self.blocking_waits += 1
+                self._run_stream(mark[0], mark[1])
+            lost = self._lost()
+            return (lost if lost is not None else CUresult.CUDA_SUCCESS,)
+
+    def cuEventDestroy(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventDestroy")
+            if err is not None:
+                return (err,)
+            if self.events.pop(int(event), 0) == 0:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             return (CUresult.CUDA_SUCCESS,)
 
     # ------------------------------------------------------------- pools
@@ -843,6 +1121,17 @@ class FakeDriver:
                 del self.pools[p.handle]
             return (CUresult.CUDA_SUCCESS,)
 
+    def cuMemPoolTrimTo(self, pool: Any, min_bytes_to_keep: int) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuMemPoolTrimTo")
+            if err is not None:
+                return (err,)
+            p = self.pools.get(int(pool))
+            if p is None or p.destroyed or not isinstance(min_bytes_to_keep, int) or min_bytes_to_keep < 0:
+                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+            self._trim(p, min_bytes_to_keep)
+            return (CUresult.CUDA_SUCCESS,)
+
     def cuMemPoolSetAttribute(self, pool: Any, attr: Any, value: Any) -> tuple[Any, ...]:  # noqa: N802
         with self._lock:
             err = self._enter("cuMemPoolSetAttribute")
@@ -891,6 +1180,9 @@ class FakeDriver:
             CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: p.reserved_high,
             CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_CURRENT: p.used,
             CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH: p.used_high,
+            # what the driver made of the maxSize asked for: it may round it up (pool_size_granularity)
+            CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE: _round_up(p.max_size, self.pool_size_granularity)
+            if p.max_size else 0,
         }
         if a not in values:
             return (CUresult.CUDA_SUCCESS, 1)  # the reuse flags: int
@@ -908,7 +1200,7 @@ class FakeDriver:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE, None)
             charged = _round_up(bytesize, _ALIGN)
             used = p.used + charged
-            if p.max_size and used > p.max_size:
+            if p.max_size and used > _round_up(p.max_size, self.pool_size_granularity):
                 return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
             need = _round_up(used, self.granularity)
             grow = need - p.reserved
@@ -928,16 +1220,24 @@ class FakeDriver:
             if err is not None:
                 return (err,)
             a = self.allocs.get(int(dptr))
-            if a is None or a.pool is None:
+            if a is None or a.pool is None or a.freeing:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
             if not self._stream_ok(stream):
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
-            self._drop_alloc(a.base)
-            p = a.pool
-            p.used -= a.charged
-            p.live -= 1
-            if p.destroyed and p.live == 0:
-                del self.pools[p.handle]
+            a.freeing = True
+
+            def run_free() -> None:  # stream-ordered: the bytes stay outstanding until it has run
+                if self.allocs.get(a.base) is not a:
+                    return  # gone with its context
+                self._drop_alloc(a.base)
+                p = a.pool
+                assert p is not None
+                p.used -= a.charged
+                p.live -= 1
+                if p.destroyed and p.live == 0:
+                    self.pools.pop(p.handle, None)
+
+            self._enqueue(stream, run_free)
             return (CUresult.CUDA_SUCCESS,)
 
     def cuMemAlloc(self, bytesize: int) -> tuple[Any, ...]:  # noqa: N802
@@ -980,10 +1280,19 @@ class FakeDriver:
             if found is None:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
             a, off = found
-            data = ctypes.string_at(src, count) if isinstance(src, int) else memoryview(src).cast("B")[:count]
-            if len(data) != count:
-                return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-            a.buf()[off : off + count] = data
+            if isinstance(src, int):  # pinned host memory: read by DMA when the stream gets there
+                def run_copy() -> None:
+                    a.buf()[off : off + count] = ctypes.string_at(src, count)
+            else:
+                data = memoryview(src).cast("B")[:count]
+                if len(data) != count:
+                    return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+                snapshot = bytes(data)  # pageable memory is staged at the call
+
+                def run_copy() -> None:
+                    a.buf()[off : off + count] = snapshot
+
+            self._enqueue(stream, run_copy)
             return (CUresult.CUDA_SUCCESS,)
 
     def cuMemcpyDtoHAsync(self, dst: Any, src: Any, count: int, stream: Any) -> tuple[Any, ...]:  # noqa: N802
@@ -998,12 +1307,19 @@ class FakeDriver:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
             a, off = found
             if isinstance(dst, int):  # a host address (pinned staging, worker.regions)
-                ctypes.memmove(dst, bytes(a.buf()[off : off + count]), count)
+                def run_to_address() -> None:
+                    ctypes.memmove(dst, bytes(a.buf()[off : off + count]), count)
+
+                self._enqueue(stream, run_to_address)
                 return (CUresult.CUDA_SUCCESS,)
             out = memoryview(dst).cast("B")
             if out.readonly or len(out) < count:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-            out[:count] = a.buf()[off : off + count]
+
+            def run_to_buffer() -> None:  # the host buffer is written when the stream gets there
+                out[:count] = a.buf()[off : off + count]
+
+            self._enqueue(stream, run_to_buffer)
             return (CUresult.CUDA_SUCCESS,)
 
     # ------------------------------------------------------------- page-locked host memory
@@ -1037,6 +1353,10 @@ class FakeDriver:
                 return (err,)
             if self.host_registered.pop(int(p), None) is None:
                 return (CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,)
+            if any(self.queues.values()):
+                # a queued copy may still DMA from/to these pages: unregistering them under it is
+                # undefined behaviour on hardware (the caller must synchronize first)
+                self.unregistered_under_queued_work = getattr(self, "unregistered_under_queued_work", 0) + 1
             return (CUresult.CUDA_SUCCESS,)
 
     def cuMemAllocHost(self, bytesize: int) -> tuple[Any, ...]:  # noqa: N802
@@ -1073,8 +1393,14 @@ class FakeDriver:
             if not raw.startswith((b"FAKECUBIN\n", b"FAKEPTX\n")):
                 return (CUresult.CUDA_ERROR_INVALID_IMAGE, None)
             sigs = json.loads(raw.split(b"\n", 1)[1].rstrip(b"\0 ").decode())
+            d = self._ctx_device(self._ctx())
+            assert d is not None
+            if self.device_reserved(d) + self.module_bytes > self.memory_bytes:
+                return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
             h = self._new()
             self.modules[h] = {k.encode(): v for k, v in sigs.items()}
+            if self.module_bytes:
+                self.module_reserved[h] = (d, self.module_bytes)
             return (CUresult.CUDA_SUCCESS, CUmodule(h))
 
     def cuModuleGetFunction(self, hmod: Any, name: bytes) -> tuple[Any, ...]:  # noqa: N802
@@ -1096,6 +1422,7 @@ class FakeDriver:
             return (err,)
         if self.modules.pop(int(hmod), None) is None:
             return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        self.module_reserved.pop(int(hmod), None)
         for h in [h for h, (m, _, _) in self.functions.items() if m == int(hmod)]:
             del self.functions[h]
         return (CUresult.CUDA_SUCCESS,)
@@ -1129,12 +1456,16 @@ class FakeDriver:
                 if t not in _CTYPE_OF.get(kind, ()):
                     return (CUresult.CUDA_ERROR_INVALID_VALUE,)  # the launch does not match the source
             self.launches.append((name, gx, bx))
-            if not self._run(name, gx, bx, values):
-                # the launch itself succeeds; the fault shows at the next call (usually the
-                # synchronize) and at every call after it: the context is lost for good
-                dev = self._ctx_device(self._ctx())
-                assert dev is not None
-                self.sticky.setdefault(dev, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
+            dev = self._ctx_device(self._ctx())
+            assert dev is not None
+
+            def run_kernel() -> None:
+                if not self._run(name, gx, bx, values):
+                    # the launch itself succeeded; the fault shows at the next call that waits
+                    # (a synchronize, a query) and at every call after it: the context is lost
+                    self.sticky.setdefault(dev, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
+
+            self._enqueue(stream, run_kernel)
             return (CUresult.CUDA_SUCCESS,)
 
     def _f32(self, addr: int, n: int, dtype: str = "float32") -> Any:
@@ -1237,7 +1568,7 @@ class FakeDriver:
             return (nvrtcResult.NVRTC_ERROR_INVALID_INPUT, None)
         return (nvrtcResult.NVRTC_SUCCESS, len(p["image"]))
 
-    def _image_get(self, name: str, prog: Any, out: bytes, want: str) -> tuple[Any, ...]:
+    def _image_get(self, name: str, prog: Any, out: bytes | bytearray, want: str) -> tuple[Any, ...]:
         err = self._nvrtc_enter(name)
         if err is not None:
             return (err,)
@@ -1250,13 +1581,13 @@ class FakeDriver:
     def nvrtcGetCUBINSize(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
         return self._image_size("nvrtcGetCUBINSize", prog, "sm_")
 
-    def nvrtcGetCUBIN(self, prog: Any, cubin: bytes) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetCUBIN(self, prog: Any, cubin: bytes | bytearray) -> tuple[Any, ...]:  # noqa: N802
         return self._image_get("nvrtcGetCUBIN", prog, cubin, "sm_")
 
     def nvrtcGetPTXSize(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
         return self._image_size("nvrtcGetPTXSize", prog, "compute_")
 
-    def nvrtcGetPTX(self, prog: Any, ptx: bytes) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetPTX(self, prog: Any, ptx: bytes | bytearray) -> tuple[Any, ...]:  # noqa: N802
         return self._image_get("nvrtcGetPTX", prog, ptx, "compute_")
 
     def nvrtcGetProgramLogSize(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
@@ -1268,7 +1599,7 @@ class FakeDriver:
             return (nvrtcResult.NVRTC_ERROR_INVALID_PROGRAM, None)
         return (nvrtcResult.NVRTC_SUCCESS, len(p["log"]) + 1)
 
-    def nvrtcGetProgramLog(self, prog: Any, log: bytes) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetProgramLog(self, prog: Any, log: bytes | bytearray) -> tuple[Any, ...]:  # noqa: N802
         err = self._nvrtc_enter("nvrtcGetProgramLog")
         if err is not None:
             return (err,)
@@ -1324,14 +1655,14 @@ def compile_with_real_nvrtc(src: str, options: list[bytes]) -> tuple[bool, bytes
         (err,) = mod.nvrtcCompileProgram(prog, len(opts), list(opts))
         if err:
             _, size = mod.nvrtcGetProgramLogSize(prog)
-            log = b" " * size
+            log = bytearray(size)
             mod.nvrtcGetProgramLog(prog, log)
-            result = (False, log.rstrip(b"\0 "))
+            result = (False, bytes(log).rstrip(b"\0 "))
         else:
             _, size = mod.nvrtcGetPTXSize(prog)
-            ptx = b" " * size
+            ptx = bytearray(size)
             mod.nvrtcGetPTX(prog, ptx)
-            result = (True, ptx.rstrip(b"\0"))
+            result = (True, bytes(ptx).rstrip(b"\0"))
     finally:
         mod.nvrtcDestroyProgram(prog)
     _compiled[key] = result
@@ -1393,10 +1724,17 @@ def _sum_f32(fake: FakeDriver, grid: int, block: int, args: tuple[Any, ...]) -> 
     return True
 
 
-def _fill_bytes(out: bytes, data: bytes) -> None:
-    """Write into a caller's ``bytes`` object in place, as the bindings' ``char *`` out-parameters do."""
-    if not isinstance(out, bytes) or len(out) < len(data):
-        raise TypeError("output buffer must be a bytes object of the reported size")
+def _fill_bytes(out: bytes | bytearray, data: bytes) -> None:
+    """Write into a caller's buffer in place, as the bindings' ``char *`` out-parameters do.
+
+    A ``bytes`` object is written in place too (as the real bindings do) - which is why the
+    backend must hand a ``bytearray``: ``b" " * 1`` is CPython's one shared ``b" "`` object.
+    """
+    if not isinstance(out, (bytes, bytearray)) or len(out) < len(data):
+        raise TypeError("output buffer must be a bytes-like object of the reported size")
+    if isinstance(out, bytearray):
+        out[: len(data)] = data
+        return
     addr = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value
     assert addr is not None
     ctypes.memmove(addr, data, len(data))

@@ -188,7 +188,12 @@ def test_gemm_without_room_for_a_workspace_still_multiplies() -> None:
         assert call(s, "matmul_f32", ha, ha, hc, 2, 2, 2) == 0
         assert s.run.workspace is None
         ((_, state),) = env.cublas.handles.items()
-        assert state["workspace"] == (0, 0)  # never cuBLAS's own default
+        # never cuBLAS's own default, never (NULL, 0): the fixed scratch's >= 16 KiB fallback
+        from worker.backends.cuda import CUBLAS_FALLBACK_WORKSPACE_BYTES
+
+        ws_addr, ws_bytes = state["workspace"]
+        assert ws_bytes == CUBLAS_FALLBACK_WORKSPACE_BYTES >= 16 << 10
+        assert env.fake.allocs[ws_addr - env.fake._resolve(ws_addr, 1)[1]].pool is None  # the fixed scratch
         assert env.cublas.default_workspace_gemms == 0
         close(get(s, hc, 4).reshape(2, 2), a @ a)
 
@@ -253,9 +258,12 @@ def test_dimensions_beyond_int32_use_the_64_bit_entry_point() -> None:
     try:
         buf = backend.alloc(64)
         ops = backend.tensor_ops()
-        with pytest.raises(CudaError, match="EXECUTION_FAILED"):  # the fake cannot read 8 GiB of A
-            ops.matmul_f32(int(buf.ptr), int(buf.ptr), int(buf.ptr), 1 << 31, 1, 1, (0, 0))
+        ops.matmul_f32(int(buf.ptr), int(buf.ptr), int(buf.ptr), 1 << 31, 1, 1, (0, 0))  # queued
         assert "sgemm_64" in cub.calls and "sgemm" not in cub.calls
+        # the fake cannot read 8 GiB of A: a fault, which surfaces at the next wait, sticky
+        with pytest.raises(CudaError, match="ILLEGAL_ADDRESS"):
+            backend.end_run(None)
+        assert backend.context_lost == "CUDA_ERROR_ILLEGAL_ADDRESS"
     finally:
         backend.close()
 

@@ -44,6 +44,11 @@ b.write(x, 0, memoryview(bytes(4096)))
 b.fill_f32(x, 1.0, 1024)
 b.axpy_f32(1024, 2.0, x, x)
 b.sum_f32(x, 1024)
+b.begin_run(None)                      # queued work: events every few ops, a drain at the run's end
+for _ in range(40):
+    b.add_f32(x, x, x, 1024)
+b.end_run(None)
+b._drv.call("cuStreamQuery", b._stream)   # as after a cuBLAS error
 b.read_into(x, 8, memoryview(bytearray(16)))
 b.pool_attribute("USED_MEM_CURRENT")
 b.mem_info()
@@ -58,6 +63,7 @@ b.unpin_host(addr)
 r.unlink()
 r.close()
 b.free(x)
+b.reclaim()                            # cuStreamSynchronize + cuMemPoolTrimTo
 b.close()
 from tests.gpu.phase_regions import run   # the GPU check's region phase (cuMemAllocHost baseline)
 run("tests.helpers.fake_cuda", sizes_mib=(1,), repeat=1)
@@ -70,11 +76,14 @@ REQUIRED = {"cuInit", "cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemPoolCr
             "nvrtcCreateProgram", "nvrtcCompileProgram", "nvrtcGetCUBIN", "nvrtcGetPTX",
             "nvrtcDestroyProgram", "cuMemAlloc", "cuMemFree", "cuModuleUnload", "cuDeviceGetAttribute",
             "cuDeviceGetName", "cuDriverGetVersion", "cuMemGetAllocationGranularity", "cuMemPoolDestroy",
-            "cuStreamDestroy", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent", "cuCtxGetCurrent", "nvrtcVersion"}
+            "cuStreamDestroy", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent", "cuCtxGetCurrent", "nvrtcVersion",
+            # issue 29: context flags, the context's measured cost, queued-work events, trims
+            "cuDevicePrimaryCtxSetFlags", "cuCtxCreate", "cuCtxDestroy", "cuEventCreate", "cuEventRecord",
+            "cuEventQuery", "cuEventDestroy", "cuStreamQuery", "cuMemPoolTrimTo"}
 #: what the GEMM path and the check's direct baseline call (worker/backends/_cublas.py, phase_tensor_ops)
 REQUIRED_CUBLAS = {"create", "set_stream", "set_pointer_mode", "set_workspace", "get_version", "sgemm", "destroy"}
 #: every phase of the hardware check that runs on the fake (pytest needs a device)
-PHASES = "environment,pool,metering,isolation,tenants,fault,kernels,tensor_ops,timing,regions,wasm"
+PHASES = "environment,pool,metering,isolation,residual,tenants,fault,kernels,tensor_ops,timing,regions,wasm"
 
 
 def _replay(record_dir: Path) -> dict[str, object]:

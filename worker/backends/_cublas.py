@@ -19,10 +19,16 @@ Why the workspace is set before the first GEMM and whenever it changes
 with ``cudaMalloc``, outside the tenant's capped pool and its metered
 quota. The caller (:meth:`worker.wasm.abi.GuestRun.gemm`) allocates it
 through the metered allocator. ``cublasSetStream`` resets the workspace to
-the default one, so the stream is set once, at creation, before it. Without a workspace (the quota had
-no room) it is set to ``(NULL, 0)``: cuBLAS then only picks algorithms that
-need none. ``cublasCreate`` itself keeps a small fixed state on the device,
-a per-worker overhead like the context and the kernels' scratch.
+the default one, so the stream is set once, at creation, before it. Without a metered workspace
+(the quota had no room) it gets the backend's fixed 64 KiB fallback (never ``(NULL, 0)``: cuBLAS
+documents that too small a workspace may make routines fail with ``CUBLAS_STATUS_ALLOC_FAILED``,
+and that >= 16 KiB prevents it). ``cublasCreate`` itself keeps state and a default workspace pool
+on the device (32 MiB on sm_90 per the cuBLAS docs): measured by the backend (``cuMemGetInfo``
+around it) and charged to the device budget as the worker's fixed overhead.
+
+A failed call raises :class:`CudaError` named ``cublas...``; the caller then asks the stream
+(``cuStreamQuery``) through the driver funnel, so a sticky fault behind the cuBLAS error ends
+the worker as a failed driver call does (worker.backends.cuda_ops).
 
 The math mode stays ``CUBLAS_DEFAULT_MATH``: true float32 (no TF32), so the
 results agree with numpy within float32 tolerance.

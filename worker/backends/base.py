@@ -52,6 +52,27 @@ class Backend(abc.ABC):
         """A sticky driver error's name once the device context is unusable (the worker then exits)."""
         return None
 
+    # -- device work and memory beyond single calls (the cuda backend's; no-ops for a host backend)
+
+    def holds(self, buf: DeviceBuffer) -> bool:
+        """Whether ``buf`` is still this backend's after a :meth:`free` that raised (the pool may
+        still hold its memory, so its bytes must stay metered)."""
+        return False
+
+    def reclaim(self) -> None:
+        """Give memory freed since the last call back to the device (after explicit frees)."""
+
+    def begin_run(self, limit: float | None) -> None:
+        """A WASM run starts; no wait for its device work may last past ``limit`` (``time.monotonic()``)."""
+
+    def end_run(self, deadline: float | None) -> None:
+        """A WASM run ended: its device work must be done (waited for until ``deadline`` plus a
+        grace period at most) and its freed memory returned. Raises ``KernelTimeout`` (the cuda
+        backend's ``QueueOverrun``) when the work outlives that: the worker must then exit."""
+
+    def attach_overhead_meter(self, meter: Any) -> None:
+        """Charge the device memory this backend holds outside any tenant buffer to ``meter``."""
+
     def inject_kernel_fault(self) -> None:
         """Make the device fault as a bad kernel would (fault injection ``cuda-fault``)."""
         from shared.errors import InvalidArgument

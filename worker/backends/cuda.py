@@ -3,23 +3,45 @@
     CudaBackend(device, gpu_cap)         (once, when the worker is bound)
       [environment]                      MPS variables into os.environ - before cuInit
       cuInit(0)                          no libcuda: RuntimeError subclass -> BackendUnavailable
-      cuDeviceGet -> cuDevicePrimaryCtxRetain -> cuCtxSetCurrent
+      cuDevicePrimaryCtxSetFlags(SCHED_BLOCKING_SYNC)   before first use: waits sleep, never spin
+      cuDevicePrimaryCtxRetain -> cuCtxSetCurrent
+      [context cost]                     cuMemGetInfo, cuCtxCreate a throw-away context,
+                                         cuMemGetInfo, cuCtxDestroy: what one context takes
       cuStreamCreate(CU_STREAM_NON_BLOCKING)
       cuMemGetAllocationGranularity      maxSize = gpu cap rounded up to it (0 = no cap)
       cuMemPoolCreate(pinned, device, maxSize)          <- the driver-level hard cap
-      cuMemPoolSetAttribute(RELEASE_THRESHOLD, cuuint64_t(recorded quota))  <- a retention hint only
+      cuMemAlloc(FIXED_SCRATCH_BYTES)    the one fixed scratch (sum/max partials, argmax rows,
+                                         cuBLAS's fallback workspace)
+      cuMemGetInfo                       fixed overhead = context + what set-up took
 
-    alloc(n)   cuMemAllocFromPoolAsync(n, pool, stream)   OOM -> DeviceOutOfMemory
-    free(b)    cuMemFreeAsync(ptr, stream)
+    alloc(n)   cuMemAllocFromPoolAsync(n, pool, stream)   OOM -> drain, cuMemPoolTrimTo(0), retry
+               once -> DeviceOutOfMemory
+    free(b)    cuMemFreeAsync(ptr, stream); a non-sticky error keeps b (and its metered bytes)
+    reclaim()  after frees: cuStreamSynchronize + cuMemPoolTrimTo(pool, 0) (memory back to the device)
     write/read cuMemcpyHtoDAsync / cuMemcpyDtoHAsync + cuStreamSynchronize
     pin_host   cuMemHostRegister of a mapped shared-memory region (worker.regions):
                write_host/read_host then copy from/to its address as DMA; unpin_host
                (cuMemHostUnregister) before the region is unmapped, and at close
     fill/axpy/sum   NVRTC kernels on the stream (worker.backends.kernels)
-    matmul, softmax ... the WASM ABI's tensor ops: cuBLAS + NVRTC kernels (worker.backends.cuda_ops)
-    close()    free every buffer, synchronize, unload kernels, destroy pool, destroy stream,
-               restore the previous context (failure: warning ``context.pop_failed``),
-               release the primary context - logged, never raised
+    matmul, softmax ... the WASM ABI's tensor ops: cuBLAS + NVRTC kernels (worker.backends.cuda_ops),
+               queued: an event every QUEUE_EVENT_EVERY ops, wait when QUEUE_MAX_EVENTS are out
+    end_run(deadline)  wait for the run's queued work until deadline + grace; past it the
+               worker must exit (QueueOverrun): only destroying the context cancels queued work
+    close()    free every buffer, synchronize, unpin, unload kernels, free the scratch, destroy
+               pool and stream, restore the previous context (failure: warning
+               ``context.pop_failed``), release the primary context - logged, never raised
+
+Device memory nobody meters otherwise - the context, the fixed scratch, the
+kernel modules, cuBLAS's handle and default workspace pool - is this
+worker's *fixed overhead*: measured (``cuMemGetInfo`` around each piece) and
+charged to the device budget (:meth:`attach_overhead_meter`) for as long as
+the worker lives; the budget's slot for this process gives it back when the
+process dies.
+
+The release threshold (``recorded_cuda_mem_pool_quota``) is reported, never
+set: a pool keeping freed memory past a synchronize is memory the device
+budget has already credited back, which another tenant would then fail to
+get. The pool keeps nothing (threshold 0) and :meth:`reclaim` trims it.
 
 Metering is not done here: :class:`~worker.allocator.MeteredAllocator` has
 consumed the tenant's (and the device budget's) bytes before :meth:`alloc`
@@ -45,17 +67,44 @@ import ctypes
 import logging
 import os
 import threading
+import time
+from collections import deque
 from typing import Any
 
-from shared.errors import BackendUnavailable, CudaError
+from shared.errors import BackendUnavailable, CudaError, KernelTimeout
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
 from worker.backends.cuda_ops import TensorOpsMixin
 
-__all__ = ["CudaBackend", "CudaBuffer", "round_up"]
+__all__ = ["FIXED_SCRATCH_BYTES", "QUEUE_EVENT_EVERY", "QUEUE_GRACE_S", "QUEUE_MAX_EVENTS", "CudaBackend",
+           "CudaBuffer", "QueueOverrun", "round_up"]
 
 _log = get_logger("worker.cuda")
+#: the fixed scratch, one cuMemAlloc made at set-up: [sum partials | op scratch | cuBLAS fallback workspace]
+SUM_SCRATCH_BYTES = 8 << 10  # MAX_SUM_BLOCKS doubles
+OPS_SCRATCH_BYTES = 64 << 10  # cuda_ops.SCRATCH_BYTES
+#: cuBLAS's workspace when the metered one could not be had: >= 16 KiB, which cuBLAS documents as
+#: enough that no routine fails with CUBLAS_STATUS_ALLOC_FAILED for want of one
+CUBLAS_FALLBACK_WORKSPACE_BYTES = 64 << 10
+FIXED_SCRATCH_BYTES = SUM_SCRATCH_BYTES + OPS_SCRATCH_BYTES + CUBLAS_FALLBACK_WORKSPACE_BYTES
+#: queued GPU work per run: an event recorded every QUEUE_EVENT_EVERY async ops; when
+#: QUEUE_MAX_EVENTS are outstanding the oldest is waited for (at most ~ EVERY x MAX ops in flight)
+QUEUE_EVENT_EVERY = 16
+QUEUE_MAX_EVENTS = 4
+#: how long past a run's deadline its queued work may take before the worker must exit
+QUEUE_GRACE_S = 1.0
+_CU_EVENT_DISABLE_TIMING = 2
+_CU_CTX_SCHED_BLOCKING_SYNC = 4
+
+
+class QueueOverrun(KernelTimeout):
+    """A run's queued GPU work did not finish by its deadline plus the grace period.
+
+    Nothing but destroying the context cancels queued work, so the worker
+    answers this and exits (``shared.exitcodes.WORKER_GPU_QUEUE_OVERRUN``); the
+    supervisor restarts the instance as for any deadline.
+    """
 #: inside the first page: never mapped in any CUDA context, so a write there always faults
 _UNMAPPED_ADDRESS = 0x100
 _get_ident = threading.get_ident
@@ -106,12 +155,16 @@ class CudaBackend(TensorOpsMixin, Backend):
         nvrtc: Nvrtc | str | Any | None = None,
         environment: dict[str, str] | None = None,
         cublas: str | Any | None = None,
+        context_bytes: int | None = None,
+        queue_grace_s: float = QUEUE_GRACE_S,
     ) -> None:
         """Set up context, stream and pool; raises BackendUnavailable / CudaError (nothing held then).
 
         ``driver`` / ``nvrtc``: a module name, a module(-shaped) object or a
         ready :class:`Driver`; the real cuda-python modules by default.
         ``environment`` goes into ``os.environ`` before ``cuInit`` (MPS).
+        ``context_bytes``: what one context costs on this device, when known
+        (else measured with a throw-away context at set-up).
         """
         if environment:
             os.environ.update({str(k): str(v) for k, v in environment.items()})
@@ -135,6 +188,22 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._pool: Any = None
         self._dev: Any = None
         self._thread = threading.get_ident()
+        self._scratch: int | None = None
+        self.context_bytes = context_bytes
+        self.queue_grace_s = queue_grace_s
+        #: device bytes this worker holds outside the tenant's pool (context, scratch, modules, cuBLAS)
+        self.overhead_bytes = 0
+        self._overhead_meter: Any = None
+        self._overhead_charged = 0
+        # queued work: events in flight (oldest first), idle events, async ops since the last event
+        self._inflight: deque[Any] = deque()
+        self._idle_events: list[Any] = []
+        self._since_event = 0
+        self._run_limit: float | None = None  # the current run's latest wait (monotonic), or None
+        #: set once a run's queued work outlived its deadline: the worker must exit (QueueOverrun)
+        self.queue_overrun = False
+        self._freed = False  # frees since the last reclaim()
+        self.trims = 0  # cuMemPoolTrimTo calls made
         try:
             self._setup()
         except BaseException:
@@ -154,8 +223,10 @@ class CudaBackend(TensorOpsMixin, Backend):
         env = options.get("environment") or {}
         if not isinstance(env, dict):
             raise BackendUnavailable("cuda", f"backend option 'environment' must be a table, got {type(env).__name__}")
+        ctx_bytes = options.get("context_bytes")
         return cls(
             int(options.get("device_index", 0)),
+            context_bytes=None if ctx_bytes is None else int(ctx_bytes),
             gpu_cap_bytes=None if cap is None else int(cap),
             release_threshold=None if threshold is None else int(threshold),
             driver=options.get("driver_module"),
@@ -190,8 +261,19 @@ class CudaBackend(TensorOpsMixin, Backend):
         self.device_name = (raw_name.split(b"\0", 1)[0].decode(errors="replace")
                             if isinstance(raw_name, bytes) else str(raw_name))
         self._prev_ctx = drv.call("cuCtxGetCurrent")
+        # Before the context's first use: a wait (synchronize, event) sleeps on an interrupt instead
+        # of spinning a core - with one context per worker, the default (SCHED_AUTO: spin while
+        # contexts <= cores) would burn a core per waiting worker. Refused only by a driver that
+        # cannot change an active primary context (another user in this process): logged, not fatal.
+        try:
+            drv.call("cuDevicePrimaryCtxSetFlags", self._dev, _CU_CTX_SCHED_BLOCKING_SYNC)
+        except CudaError as exc:
+            log_event(_log, logging.WARNING, "cuda.ctx_flags_refused", device=self.device_index, error=str(exc))
         self._ctx = drv.call("cuDevicePrimaryCtxRetain", self._dev)
         drv.call("cuCtxSetCurrent", self._ctx)
+        free_at_start = int(drv.call("cuMemGetInfo")[0])
+        if self.context_bytes is None:
+            self.context_bytes = self._measure_context()
         self._stream = drv.call("cuStreamCreate", int(d.CUstream_flags.CU_STREAM_NON_BLOCKING))
         self.granularity = int(drv.call(
             "cuMemGetAllocationGranularity",
@@ -206,17 +288,85 @@ class CudaBackend(TensorOpsMixin, Backend):
         props.location.id = self.device_index
         props.maxSize = self.pool_max_size
         self._pool = drv.call("cuMemPoolCreate", props)
-        if self.release_threshold is not None:
-            drv.call(
-                "cuMemPoolSetAttribute",
-                self._pool,
-                d.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                d.cuuint64_t(self.release_threshold),
-            )
+        # what the driver enforces may be more than asked (it rounds maxSize up): read it back, so the
+        # OOM message and status name the real backstop
+        self.pool_max_size_effective = self.pool_max_size
+        if self.pool_max_size:
+            try:
+                self.pool_max_size_effective = int(drv.call(
+                    "cuMemPoolGetAttribute", self._pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE))
+            except (CudaError, AttributeError):  # a driver without the attribute: the size asked for
+                pass
+        # (no CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: it stays 0, so freed memory leaves the pool)
+        self._scratch = int(drv.call("cuMemAlloc", FIXED_SCRATCH_BYTES))
         self.total_bytes = 0
         free, total = drv.call("cuMemGetInfo")
         self.total_bytes = int(total)
         self.free_bytes_at_start = int(free)
+        self.overhead_bytes = self.context_bytes + max(0, free_at_start - int(free))
+
+    def _measure_context(self) -> int:
+        """Device bytes one more context takes: ``cuMemGetInfo`` around a throw-away ``cuCtxCreate``.
+
+        Our own primary context is already made when a context exists to ask
+        ``cuMemGetInfo``, so a second one is measured instead (the same cost:
+        same device, same process, same loading mode). Another process
+        allocating at the same moment skews it either way; it is clamped at 0.
+        A device that refuses a second context (compute mode
+        EXCLUSIVE_PROCESS, no memory left for one) is not measured: 0, with a
+        warning - pass ``context_bytes`` there.
+        """
+        drv = self._drv
+        free_before = int(drv.call("cuMemGetInfo")[0])
+        try:
+            tmp = drv.call("cuCtxCreate", None, 0, self._dev)
+        except CudaError as exc:
+            if drv.context_lost is not None:
+                raise
+            log_event(_log, logging.WARNING, "cuda.context_not_measured", device=self.device_index, error=str(exc))
+            drv.call("cuCtxSetCurrent", self._ctx)
+            return 0
+        try:
+            free_after = int(drv.call("cuMemGetInfo")[0])
+        finally:
+            drv.call("cuCtxDestroy", tmp)
+            drv.call("cuCtxSetCurrent", self._ctx)
+        return max(0, free_before - free_after)
+
+    # ------------------------------------------------------- fixed overhead
+
+    def attach_overhead_meter(self, meter: Any) -> None:
+        """Charge this worker's fixed overhead to ``meter`` (the device budget), now and as it grows.
+
+        Raises the meter's refusal (``GpuMemoryExhausted``) when the device
+        has no room for this worker at all.
+        """
+        self._overhead_meter = meter
+        self._charge_overhead()
+
+    def _charge_overhead(self) -> None:
+        meter = self._overhead_meter
+        due = self.overhead_bytes - self._overhead_charged
+        if meter is None or due <= 0:
+            return
+        meter.consume(due)
+        self._overhead_charged += due
+
+    def _measured(self, load: Any) -> Any:
+        """Run ``load()`` (a module, a cuBLAS handle) and add what it took from the device to the
+        fixed overhead, charged at once; a refused charge undoes the load (``close()`` on its result)."""
+        free_before = int(self._drv.call("cuMemGetInfo")[0])
+        out = load()
+        try:
+            self.overhead_bytes += max(0, free_before - int(self._drv.call("cuMemGetInfo")[0]))
+            self._charge_overhead()
+        except BaseException:
+            try:
+                out.close()
+            finally:
+                self.overhead_bytes = self._overhead_charged
+            raise
+        return out
 
     def _alloc_prop(self) -> Any:
         d = self._drv.mod
@@ -236,6 +386,8 @@ class CudaBackend(TensorOpsMixin, Backend):
         if self._closed:
             raise CudaError("cuda backend", "CUDA_ERROR_CONTEXT_IS_DESTROYED", 709,
                             message="the cuda backend of this worker is closed")
+        if self.queue_overrun:
+            self._overrun()  # no more work onto a queue the worker exits to cancel
 
     # ------------------------------------------------------------ buffers
 
@@ -246,6 +398,12 @@ class CudaBackend(TensorOpsMixin, Backend):
             self._current()
         self.alloc_calls += 1
         err, ptr = self._alloc_async(nbytes, self._pool, self._stream)
+        if err == self._oom:
+            # memory freed on the stream but not yet observed, or reserve the pool still holds in
+            # pieces too small for this request: drain, give it back, and try once more
+            self._drain_and_trim()
+            self.alloc_calls += 1
+            err, ptr = self._alloc_async(nbytes, self._pool, self._stream)
         if err:
             if err == self._oom:
                 limit = self.pool_max_size or self.total_bytes
@@ -253,7 +411,7 @@ class CudaBackend(TensorOpsMixin, Backend):
                     nbytes, limit, self.in_use,
                     f"CUDA_ERROR_OUT_OF_MEMORY from cuMemAllocFromPoolAsync on device {self.device_index}: "
                     f"requested {nbytes:,} B with {self.in_use:,} B allocated in this process"
-                    + (f" (pool maxSize {self.pool_max_size:,} B)" if self.pool_max_size else ""),
+                    + (f" (pool maxSize {self.pool_max_size_effective:,} B)" if self.pool_max_size else ""),
                 )
             raise self._drv.error("cuMemAllocFromPoolAsync", err)
         buf = CudaBuffer(nbytes, ptr)
@@ -267,14 +425,145 @@ class CudaBackend(TensorOpsMixin, Backend):
         assert isinstance(buf, CudaBuffer)
         if _get_ident() != self._thread:
             self._current()
-        self._live.discard(buf)
-        self.in_use -= buf.nbytes
         (err,) = self._free_async(buf.ptr, self._stream)
         if err:
             error = self._drv.error("cuMemFreeAsync", err)
             if self._drv.context_lost is not None:
+                self._live.discard(buf)
+                self.in_use -= buf.nbytes
                 return  # the context is gone, and its memory goes with the process: nothing to undo
+            # the pool may still hold it: it stays ours (and metered); close() frees it again
             raise error
+        self._live.discard(buf)
+        self.in_use -= buf.nbytes
+        self._freed = True
+
+    def holds(self, buf: DeviceBuffer) -> bool:
+        return buf in self._live
+
+    def reclaim(self) -> None:
+        """Give freed pool memory back to the device: synchronize (the frees are observed), then
+        ``cuMemPoolTrimTo(pool, 0)``. Called after explicit frees and at run end (batched: one per
+        request or run). Errors go through the driver funnel (a sticky one ends the worker)."""
+        if not self._freed or self._closed or self.queue_overrun:
+            return
+        self._current()
+        self._drv.call("cuStreamSynchronize", self._stream)
+        self._trim()
+
+    def _trim(self) -> None:
+        self._drv.call("cuMemPoolTrimTo", self._pool, 0)
+        self.trims += 1
+        self._freed = False
+
+    def _drain_and_trim(self) -> None:
+        try:
+            if self._drain(self._run_limit):
+                self._drv.call("cuStreamSynchronize", self._stream)  # idle: returns at once
+                self._trim()
+        except CudaError:
+            if self._drv.context_lost is not None:
+                raise
+            # a non-sticky failure here only loses the retry's chance; the retry answers
+
+    # ------------------------------------------------------- queued work
+
+    def begin_run(self, limit: float | None) -> None:
+        """A WASM run starts; no wait for its queued work lasts past ``limit`` (monotonic)."""
+        self._run_limit = None if limit is None else limit + self.queue_grace_s
+
+    def note_enqueued(self) -> None:
+        """One more asynchronous op is on the stream: bound the queue (an event every
+        QUEUE_EVENT_EVERY ops; with QUEUE_MAX_EVENTS out, wait for the oldest)."""
+        self._since_event += 1
+        if self._since_event < QUEUE_EVENT_EVERY:
+            return
+        self._since_event = 0
+        ev = self._idle_events.pop() if self._idle_events else self._drv.call(
+            "cuEventCreate", _CU_EVENT_DISABLE_TIMING)
+        try:
+            self._drv.call("cuEventRecord", ev, self._stream)
+        except BaseException:
+            self._idle_events.append(ev)
+            raise
+        self._inflight.append(ev)
+        while len(self._inflight) > QUEUE_MAX_EVENTS:
+            oldest = self._inflight[0]
+            if not self._wait_event(oldest, self._run_limit):
+                self._overrun()
+            self._idle_events.append(self._inflight.popleft())
+
+    def _wait_event(self, ev: Any, until: float | None) -> bool:
+        """Poll ``cuEventQuery`` until the event completes (True) or ``until`` passes (False).
+
+        Polling (sleeping between queries), not ``cuEventSynchronize``: a wait
+        must end at the deadline, and a blocking driver wait cannot be cut short.
+        """
+        not_ready = self._drv.CUresult.CUDA_ERROR_NOT_READY
+        query = self._drv.mod.cuEventQuery
+        pause = 50e-6
+        while True:
+            (err,) = query(ev)
+            if not err:
+                return True
+            if err != not_ready:
+                raise self._drv.error("cuEventQuery", err)  # a sticky fault in the queued work
+            if until is not None and time.monotonic() >= until:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+
+    def wait_idle(self) -> None:
+        """Before a blocking synchronize inside a run (a copy, a reduction to the host): wait for the
+        queued work first, bounded by the run's limit (a blocking driver wait could not be cut
+        short at the deadline); past it, :class:`QueueOverrun`. Outside runs nothing is queued."""
+        if self._run_limit is not None and (self._inflight or self._since_event):
+            if not self._drain(self._run_limit):
+                self._overrun()
+
+    def _drain(self, until: float | None) -> bool:
+        """Wait for everything queued so far (until ``until`` at most); the events in flight retire."""
+        ev = self._idle_events.pop() if self._idle_events else self._drv.call(
+            "cuEventCreate", _CU_EVENT_DISABLE_TIMING)
+        try:
+            self._drv.call("cuEventRecord", ev, self._stream)
+            if not self._wait_event(ev, until):
+                return False
+        finally:
+            self._idle_events.append(ev)
+        self._idle_events.extend(self._inflight)
+        self._inflight.clear()
+        self._since_event = 0
+        return True
+
+    def _overrun(self) -> None:
+        self.queue_overrun = True
+        log_event(_log, logging.ERROR, "cuda.queue_overrun", device=self.device_index,
+                  grace_s=self.queue_grace_s)
+        raise QueueOverrun(self.queue_grace_s, message=(
+            "the run's queued GPU work did not finish by its deadline plus "
+            f"{self.queue_grace_s:g} s; only destroying the CUDA context cancels it, so this worker exits "
+            "and the supervisor restarts it"))
+
+    def end_run(self, deadline: float | None) -> None:
+        """At a run's end: wait for its queued work until ``deadline`` + grace, then give its freed
+        memory back. :class:`QueueOverrun` past that (also when a wait during the run overran)."""
+        self._run_limit = None
+        if self._closed or self._drv.context_lost is not None:
+            return
+        if self.queue_overrun:
+            self._overrun()
+        self._current()
+        until = None if deadline is None else max(deadline, time.monotonic()) + self.queue_grace_s
+        if not self._drain(until):
+            self._overrun()
+        try:
+            self.reclaim()
+        except CudaError as exc:
+            if self._drv.context_lost is not None:
+                raise
+            # a non-sticky failure to give memory back must not turn a finished run into an error
+            log_event(_log, logging.WARNING, "cuda.reclaim_failed", device=self.device_index, error=str(exc))
 
     def _copy(self, call: str, dst: Any, src: Any, nbytes: int) -> None:
         """One copy on our stream, waited for: the host side (a message frame, or a region the
@@ -284,6 +573,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._open()
         self._current()
         self._drv.call(call, dst, src, nbytes, self._stream)
+        self.wait_idle()
         self._drv.call("cuStreamSynchronize", self._stream)
 
     def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
@@ -353,7 +643,10 @@ class CudaBackend(TensorOpsMixin, Backend):
             from worker.backends.kernels import Kernels
 
             nvrtc = self._nvrtc_spec if isinstance(self._nvrtc_spec, Nvrtc) else Nvrtc(self._nvrtc_spec)
-            self._kernels = Kernels.load(self._drv, nvrtc, self._dev, self._stream)
+            assert self._scratch is not None
+            scratch = self._scratch
+            self._kernels = self._measured(lambda: Kernels.load(self._drv, nvrtc, self._dev, self._stream, scratch,
+                                                                wait_idle=self.wait_idle))
         return self._kernels
 
     def fill_f32(self, buf: DeviceBuffer, value: float, count: int) -> None:
@@ -407,11 +700,14 @@ class CudaBackend(TensorOpsMixin, Backend):
             "capacity_bytes": getattr(self, "total_bytes", 0),
             "in_use_bytes": self.in_use,
             "pool_max_size": getattr(self, "pool_max_size", 0),
+            "pool_max_size_effective": getattr(self, "pool_max_size_effective", 0),  # as the driver reads it back
             "allocation_granularity": getattr(self, "granularity", 0),
-            # reported, and set as the release threshold: a retention hint, not a cap
+            # reported only: the pool's release threshold stays 0 (freed memory goes back to the device)
             "recorded_cuda_mem_pool_quota": self.release_threshold,
             "driver_module": self._drv.module_name,
         }
+        out["fixed_overhead_bytes"] = self.overhead_bytes
+        out["context_bytes"] = self.context_bytes
         if self.environment:
             out["environment"] = dict(self.environment)
         return out
@@ -423,14 +719,26 @@ class CudaBackend(TensorOpsMixin, Backend):
         if self._closed:
             return
         self._closed = True
-        if self._drv.context_lost is not None:
-            # every call would return the sticky error again: the process exit frees it all
-            log_event(_log, logging.WARNING, "cuda.context_lost", device=self.device_index,
-                      error=self._drv.context_lost)
+        if self._drv.context_lost is not None or self.queue_overrun:
+            # a lost context fails every call; an overrun queue would block every synchronize:
+            # either way the process exit (which destroys the context) frees it all
+            log_event(_log, logging.WARNING, "cuda.context_lost" if self._drv.context_lost else "cuda.close_skipped",
+                      device=self.device_index, error=self._drv.context_lost or "queued work past its deadline")
             self._live.clear()
             self.in_use = 0
+            self._release_overhead()
             return
         self._teardown(log_only=True)
+        self._release_overhead()
+
+    def _release_overhead(self) -> None:
+        meter, charged = self._overhead_meter, self._overhead_charged
+        self._overhead_meter, self._overhead_charged = None, 0
+        if meter is not None and charged:
+            try:
+                meter.release(charged)
+            except Exception as exc:  # noqa: BLE001 - cleanup: logged, never raised
+                log_event(_log, logging.WARNING, "cuda.overhead_release_failed", error=str(exc))
 
     def _teardown(self, *, log_only: bool) -> None:
         drv = self._drv
@@ -445,19 +753,27 @@ class CudaBackend(TensorOpsMixin, Backend):
 
         if self._ctx is not None and threading.get_ident() != self._thread:
             attempt("cuCtxSetCurrent", self._ctx)
-        for addr in list(self._pinned):  # normally unpinned by the regions first
-            attempt("cuMemHostUnregister", addr)
-        self._pinned.clear()
         if self._stream is not None:
             for buf in list(self._live):
                 attempt("cuMemFreeAsync", buf.ptr, self._stream)
             self._live.clear()
             self.in_use = 0
             attempt("cuStreamSynchronize", self._stream)
+        # after the synchronize: a queued copy may still be reading or writing pinned pages
+        for addr in list(self._pinned):  # normally unpinned by the regions first
+            attempt("cuMemHostUnregister", addr)
+        self._pinned.clear()
         if self._kernels is not None:
             self._kernels.close()
             self._kernels = None
         self._close_tensor_ops()
+        for ev in [*self._inflight, *self._idle_events]:
+            attempt("cuEventDestroy", ev)
+        self._inflight.clear()
+        self._idle_events.clear()
+        if self._scratch is not None:
+            attempt("cuMemFree", self._scratch)
+            self._scratch = None
         if self._pool is not None:
             attempt("cuMemPoolDestroy", self._pool)
             self._pool = None

@@ -1,8 +1,10 @@
 """The cuda backend's tensor ops of the WASM ABI: GEMM through cuBLAS, the rest as NVRTC kernels.
 
     CudaTensorOps(drv, nvrtc, device, stream, cublas_module)     (one per backend, on first use)
-      matmul_f32      cuBLAS sgemm (worker.backends._cublas) with the run's metered workspace;
-                      k == 0: C zeroed by a kernel
+      matmul_f32      cuBLAS sgemm (worker.backends._cublas) with the run's metered workspace, else
+                      the fixed scratch's 64 KiB; k == 0: C zeroed by a kernel. A cuBLAS error is
+                      followed by cuStreamQuery through the driver funnel: a sticky fault behind it
+                      is recorded (context lost, the worker exits) as for any driver call
       add/mul, add_rows, unary, scale, softmax_rows, transpose
                       one launch each, grid-stride loops, ``unsigned long long`` indices
       max_f32         per-block maxima into a fixed scratch, the host takes the max of those
@@ -13,7 +15,9 @@ Every launch goes on the tenant's stream. Ops that leave their result on
 the device are stream-ordered and return at once: everything else the
 tenant does (copies, frees, the next op) goes on the same stream, so it
 sees the result; an execution error surfaces at the next synchronize. Ops
-that hand a result to the host (max, argmax) synchronize.
+that hand a result to the host (max, argmax) synchronize. Each queued op
+is counted (``on_enqueued``, the backend's :meth:`note_enqueued`), which
+bounds how much work one run can have in flight.
 
 Numbers follow numpy (the GPU check compares every op with numpy within
 float32 tolerance): ``--fmad=false`` (no fused multiply-add numpy would not
@@ -22,9 +26,9 @@ do), relu keeps NaN like ``np.maximum``, max and argmax let a NaN win like
 ``exp(x - max) / sum`` per row. Transcendentals (``expf``, ``tanhf``) are
 CUDA's, within a few ulp of numpy's.
 
-The scratch (``SCRATCH_BYTES``) is one ``cuMemAlloc`` outside the tenant's
-pool, made with the module and freed with it - a fixed per-worker overhead
-like the sum kernel's, so a tenant exactly at its cap can still reduce.
+The scratch (``SCRATCH_BYTES``) is a slice of the backend's fixed scratch
+(one ``cuMemAlloc`` outside the tenant's pool, charged to the device budget
+as fixed overhead), so a tenant exactly at its cap can still reduce.
 Nothing here allocates per call.
 
 The compile step is :func:`worker.backends.kernels.compile_source` (a cubin for the
@@ -37,7 +41,7 @@ import ctypes
 import logging
 from typing import Any
 
-from shared.errors import CudaError
+from shared.errors import CudaError, InvalidArgument
 from shared.log import get_logger, log_event
 from worker.backends._cublas import GEMM_WORKSPACE_BYTES, Cublas
 from worker.backends._driver import Driver, Nvrtc
@@ -54,6 +58,8 @@ MAX_GRID = 65535
 SCRATCH_BYTES = 64 << 10
 _MAX_BLOCKS = 1024
 _ARGMAX_ROWS = SCRATCH_BYTES // 4
+#: argmax answers int32 indices (the WASM ABI's): a row wider than this has columns it cannot name
+MAX_ARGMAX_COLS = (1 << 31) - 1
 
 OPS_SOURCE = r"""
 #define GRID_STRIDE(i, n) \
@@ -212,8 +218,13 @@ class CudaTensorOps:
     """The compiled op kernels and the cuBLAS handle of one backend; use :meth:`load`."""
 
     def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any,
-                 cublas_module: Any) -> None:
+                 cublas_module: Any, fallback_workspace: tuple[int, int] = (0, 0),
+                 on_enqueued: Any = None, measured: Any = None, wait_idle: Any = None) -> None:
         self._drv = drv
+        self._fallback_workspace = fallback_workspace
+        self._on_enqueued = on_enqueued if on_enqueued is not None else (lambda: None)
+        self._wait_idle = wait_idle if wait_idle is not None else (lambda: None)
+        self._measured = measured if measured is not None else (lambda load: load())
         self._module = module
         self._fn = functions
         self._scratch = scratch
@@ -226,8 +237,17 @@ class CudaTensorOps:
         self._partials = np.empty(_MAX_BLOCKS, dtype=np.float32)
 
     @classmethod
-    def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any, cublas_module: Any = None) -> CudaTensorOps:
-        """Compile (NVRTC) and load the op kernels into the current context; cuBLAS waits for a GEMM."""
+    def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any, cublas_module: Any = None, *,
+             scratch: int, fallback_workspace: tuple[int, int] = (0, 0), on_enqueued: Any = None,
+             measured: Any = None, wait_idle: Any = None) -> CudaTensorOps:
+        """Compile (NVRTC) and load the op kernels into the current context; cuBLAS waits for a GEMM.
+
+        ``scratch``: ``SCRATCH_BYTES`` of device memory the reductions may use;
+        ``fallback_workspace``: (address, bytes) cuBLAS gets when a run has no
+        metered workspace; ``on_enqueued()`` after each queued op;
+        ``measured(load)`` runs a load and charges what it took (the cuBLAS handle);
+        ``wait_idle()`` before each synchronize (the backend's bounded wait for queued work).
+        """
         attr = drv.mod.CUdevice_attribute
         major = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
         minor = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)
@@ -235,19 +255,21 @@ class CudaTensorOps:
         module = drv.call("cuModuleLoadData", image)
         try:
             functions = {n: drv.call("cuModuleGetFunction", module, n) for n in _NAMES}
-            scratch = drv.call("cuMemAlloc", SCRATCH_BYTES)
         except BaseException:
             drv.mod.cuModuleUnload(module)
             raise
-        ops = cls(drv, module, functions, int(scratch), stream, cublas_module)
+        ops = cls(drv, module, functions, int(scratch), stream, cublas_module, fallback_workspace,
+                  on_enqueued, measured, wait_idle)
         ops.arch = arch
         return ops
 
     def _launch(self, name: bytes, grid: int, args: tuple[Any, ...], types: tuple[Any, ...]) -> None:
         self._drv.call("cuLaunchKernel", self._fn[name], grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
+        self._on_enqueued()
 
     def _sync(self, what: str) -> None:
         try:
+            self._wait_idle()
             self._drv.call("cuStreamSynchronize", self._stream)
         except CudaError as exc:
             raise CudaError(exc.call, exc.result_name, exc.result_code,
@@ -258,8 +280,23 @@ class CudaTensorOps:
     @property
     def cublas(self) -> Cublas:
         if self._cublas is None:
-            self._cublas = Cublas.load(self._cublas_module, self._stream)
+            try:
+                self._cublas = self._measured(lambda: Cublas.load(self._cublas_module, self._stream))
+            except CudaError:
+                self._after_cublas_error()
+                raise
         return self._cublas
+
+    def _after_cublas_error(self) -> None:
+        """cuBLAS failed: ask the stream through the driver funnel. A sticky fault (an earlier
+        kernel's, or cuBLAS's own) answers here, is recorded as the context lost and raised
+        instead, so the worker exits as it does after a failed driver call."""
+        try:
+            self._drv.call("cuStreamQuery", self._stream)
+        except CudaError:
+            if self._drv.context_lost is not None:
+                raise
+            # CUDA_ERROR_NOT_READY (work still queued) or another non-sticky answer: the cuBLAS error stands
 
     @staticmethod
     def workspace_bytes() -> int:
@@ -271,7 +308,15 @@ class CudaTensorOps:
         if k == 0:
             self._launch(b"twt_zero_f32", _grid(m * n), (c, m * n), (_P, _U))
             return
-        self.cublas.sgemm_row_major(a, b, c, m, k, n, workspace)
+        if workspace == (0, 0):
+            workspace = self._fallback_workspace  # never NULL: cuBLAS may refuse some GEMMs without one
+        try:
+            self.cublas.sgemm_row_major(a, b, c, m, k, n, workspace)
+        except CudaError as exc:
+            if exc.call.startswith("cublas"):
+                self._after_cublas_error()
+            raise
+        self._on_enqueued()
 
     # ------------------------------------------------------------ elementwise
 
@@ -313,6 +358,10 @@ class CudaTensorOps:
             np.frombuffer(out, dtype="<f4", count=1)[0] = parts[:grid].max()
 
     def argmax_rows_f32(self, x: int, rows: int, cols: int, out: memoryview) -> None:
+        if cols > MAX_ARGMAX_COLS:
+            raise InvalidArgument(
+                f"argmax_rows_f32 answers int32 column indices: {cols:,} columns is more than "
+                f"{MAX_ARGMAX_COLS:,}; split the rows")
         for first in range(0, rows, _ARGMAX_ROWS):
             count = min(_ARGMAX_ROWS, rows - first)
             self._launch(b"twt_argmax_rows_f32", min(count, MAX_GRID), (x, first, count, cols, self._scratch),
@@ -324,18 +373,17 @@ class CudaTensorOps:
     # ------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        """Destroy the cuBLAS handle, free the scratch, unload the module (logged, never raised)."""
+        """Destroy the cuBLAS handle, unload the module (logged, never raised; the scratch is the backend's)."""
         if self._cublas is not None:
             try:
                 self._cublas.close()
             except Exception as exc:  # noqa: BLE001 - cleanup goes on; logged
                 log_event(_log, logging.WARNING, "cuda_ops.close_failed", call="cublasDestroy", error=str(exc))
             self._cublas = None
-        for name, arg in (("cuMemFree", self._scratch), ("cuModuleUnload", self._module)):
-            try:
-                self._drv.call(name, arg)
-            except Exception as exc:  # noqa: BLE001 - cleanup goes on; logged
-                log_event(_log, logging.WARNING, "cuda_ops.close_failed", call=name, error=str(exc))
+        try:
+            self._drv.call("cuModuleUnload", self._module)
+        except Exception as exc:  # noqa: BLE001 - cleanup goes on; logged
+            log_event(_log, logging.WARNING, "cuda_ops.close_failed", call="cuModuleUnload", error=str(exc))
 
 
 class TensorOpsMixin:
@@ -351,9 +399,13 @@ class TensorOpsMixin:
     _nvrtc_spec: Any
     _cublas_spec: Any
     _tensor_ops: CudaTensorOps | None
+    _scratch: int | None
 
     def _open(self) -> None: ...  # provided by CudaBackend
     def _current(self) -> None: ...  # provided by CudaBackend
+    def note_enqueued(self) -> None: ...  # provided by CudaBackend
+    def wait_idle(self) -> None: ...  # provided by CudaBackend
+    def _measured(self, load: Any) -> Any: ...  # provided by CudaBackend
 
     def tensor_ops(self) -> CudaTensorOps:
         """The op kernels (NVRTC on first use) and the cuBLAS handle (on the first GEMM)."""
@@ -361,7 +413,15 @@ class TensorOpsMixin:
         self._current()
         if self._tensor_ops is None:
             nvrtc = self._nvrtc_spec if isinstance(self._nvrtc_spec, Nvrtc) else Nvrtc(self._nvrtc_spec)
-            self._tensor_ops = CudaTensorOps.load(self._drv, nvrtc, self._dev, self._stream, self._cublas_spec)
+            from worker.backends.cuda import CUBLAS_FALLBACK_WORKSPACE_BYTES, SUM_SCRATCH_BYTES
+
+            assert self._scratch is not None
+            base = self._scratch + SUM_SCRATCH_BYTES
+            fallback = (base + SCRATCH_BYTES, CUBLAS_FALLBACK_WORKSPACE_BYTES)
+            self._tensor_ops = self._measured(lambda: CudaTensorOps.load(
+                self._drv, nvrtc, self._dev, self._stream, self._cublas_spec, scratch=base,
+                fallback_workspace=fallback, on_enqueued=self.note_enqueued, measured=self._measured,
+                wait_idle=self.wait_idle))
         return self._tensor_ops
 
     def _close_tensor_ops(self) -> None:

@@ -17,9 +17,10 @@ Numbers match numpy:
   ``math.fsum`` and rounds once to float32: at least as accurate as numpy's
   float32 pairwise sum, and equal to it within float32 rounding.
 
-The per-block partials live in a small scratch buffer (``MAX_SUM_BLOCKS``
-doubles) made with ``cuMemAlloc`` outside the tenant's pool, so a tenant at
-exactly its cap can still sum. It is freed with the module on close.
+The per-block partials live in the backend's fixed scratch (the first
+``MAX_SUM_BLOCKS`` doubles of one ``cuMemAlloc`` outside the tenant's pool,
+charged to the device budget as fixed overhead), so a tenant at exactly its
+cap can still sum.
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def _grid(n: int, cap: int) -> int:
 class Kernels:
     """The three kernels loaded into the current context; use :meth:`load`."""
 
-    def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any) -> None:
+    def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any,
+                 wait_idle: Any = None) -> None:
         self._drv = drv
+        self._wait_idle = wait_idle if wait_idle is not None else (lambda: None)
         self._module = module
         self.functions = functions
         self._fill, self._axpy, self._sum = (functions[n] for n in (b"twt_fill_f32", b"twt_axpy_f32", b"twt_sum_f32"))
@@ -105,8 +108,13 @@ class Kernels:
         self.arch = ""
 
     @classmethod
-    def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any) -> Kernels:
-        """Compile (NVRTC) and load the kernels for ``device`` into the current context."""
+    def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any, scratch: int, *,
+             wait_idle: Any = None) -> Kernels:
+        """Compile (NVRTC) and load the kernels for ``device`` into the current context.
+
+        ``scratch``: device address of ``MAX_SUM_BLOCKS * 8`` bytes the sum's partials may use;
+        ``wait_idle()``: called before each synchronize (the backend's bounded wait for queued work).
+        """
         attr = drv.mod.CUdevice_attribute
         major = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
         minor = drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)
@@ -115,11 +123,10 @@ class Kernels:
         module = drv.call("cuModuleLoadData", image)
         try:
             functions = {n: drv.call("cuModuleGetFunction", module, n) for n in KERNEL_NAMES}
-            scratch = drv.call("cuMemAlloc", MAX_SUM_BLOCKS * 8)
         except BaseException:
             drv.mod.cuModuleUnload(module)
             raise
-        kernels = cls(drv, module, functions, int(scratch), stream)
+        kernels = cls(drv, module, functions, int(scratch), stream, wait_idle)
         kernels.arch = arch
         return kernels
 
@@ -127,6 +134,7 @@ class Kernels:
         drv = self._drv
         drv.call("cuLaunchKernel", fn, grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
         try:
+            self._wait_idle()
             drv.call("cuStreamSynchronize", self._stream)
         except CudaError as exc:
             raise CudaError(exc.call, exc.result_name, exc.result_code,
@@ -158,12 +166,11 @@ class Kernels:
         return float(np.float32(math.fsum(out[:grid].tolist())))
 
     def close(self) -> None:
-        """Free the scratch buffer and unload the module (logged, never raised)."""
-        for name, arg in (("cuMemFree", self._scratch), ("cuModuleUnload", self._module)):
-            try:
-                self._drv.call(name, arg)
-            except Exception as exc:  # noqa: BLE001 - cleanup goes on; logged
-                log_event(_log, logging.WARNING, "kernels.close_failed", call=name, error=str(exc))
+        """Unload the module (logged, never raised; the scratch is the backend's)."""
+        try:
+            self._drv.call("cuModuleUnload", self._module)
+        except Exception as exc:  # noqa: BLE001 - cleanup goes on; logged
+            log_event(_log, logging.WARNING, "kernels.close_failed", call="cuModuleUnload", error=str(exc))
 
 
 def compile_source(nvrtc: Nvrtc, source: str, filename: str, major: int, minor: int,
@@ -191,9 +198,11 @@ def compile_source(nvrtc: Nvrtc, source: str, filename: str, major: int, minor: 
                                 message=f"compiling {what} for {arch} failed: {exc.result_name}\n"
                                 f"{_program_log(nvrtc, prog)}") from None
             size = int(nvrtc.call(get_size, prog))
-            image = b" " * size  # filled in place by NVRTC (the cuda-python idiom)
-            nvrtc.call(get, prog, image)
-            return image, arch
+            # filled in place by NVRTC: a bytearray of its own, never ``b" " * size`` (for size 1
+            # that is CPython's one shared b" " object, and NVRTC would write into every b" ")
+            out = bytearray(size)
+            nvrtc.call(get, prog, out)
+            return bytes(out), arch
         finally:
             try:
                 nvrtc.call("nvrtcDestroyProgram", prog)
@@ -206,8 +215,8 @@ def compile_source(nvrtc: Nvrtc, source: str, filename: str, major: int, minor: 
 def _program_log(nvrtc: Nvrtc, prog: Any) -> str:
     try:
         size = int(nvrtc.call("nvrtcGetProgramLogSize", prog))
-        buf = b" " * size
+        buf = bytearray(size)  # written in place (see compile_source)
         nvrtc.call("nvrtcGetProgramLog", prog, buf)
-        return buf.rstrip(b"\0 ").decode(errors="replace")
+        return bytes(buf).rstrip(b"\0 ").decode(errors="replace")
     except CudaError:
         return "(no compile log)"

@@ -190,6 +190,11 @@ class StubBackend(Backend):
 
         if rows == 0:
             return
+        if cols > (1 << 31) - 1:
+            from shared.errors import InvalidArgument
+
+            raise InvalidArgument(f"argmax_rows_f32 answers int32 column indices: {cols:,} columns is more than "
+                                  f"{(1 << 31) - 1:,}; split the rows")
         # numpy's argmax: the first maximum, and the first NaN when there is one
         np.frombuffer(out, dtype="<i4", count=rows)[:] = self._mat(x, rows, cols).argmax(axis=1)
 

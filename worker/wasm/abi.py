@@ -176,6 +176,10 @@ class GuestRun:
         #: cuBLAS workspace lent to the backend for this run's GEMMs (metered like any buffer)
         self.workspace: DeviceBuffer | None = None
         self.workspace_tried = False
+        #: when the run started (``time.monotonic()``); no wait for its device work lasts past the
+        #: tenant's longest run time from here (the run's own deadline is applied at :meth:`finish`)
+        self.started = time.monotonic()
+        self.backend.begin_run(self.started + float(ctx.spec.wasm_timeout_s))
 
     # ------------------------------------------------------------ helpers
 
@@ -204,8 +208,8 @@ class GuestRun:
         The backend says how much workspace it wants (cuBLAS: a few MiB; the
         stub: none). It is allocated once per run through the metered
         allocator, so the library never allocates behind the quota; when the
-        quota has no room for it the GEMM runs without one (cuBLAS then
-        picks algorithms that need none) rather than failing.
+        quota has no room for it the GEMM runs with the backend's fixed
+        fallback workspace (cuda: 64 KiB of its scratch) rather than failing.
         """
         if not self.workspace_tried:
             self.workspace_tried = True
@@ -251,6 +255,12 @@ class GuestRun:
             released += ws.nbytes
         self.gpu_bytes = 0
         return released
+
+    def finish(self, timeout_s: float) -> None:
+        """The run-end hook (after :meth:`release`): its queued device work is waited for until
+        the deadline (``started + timeout_s``) plus a grace period, and its freed memory returned
+        to the device. Raises ``KernelTimeout`` (``QueueOverrun``) past that: the worker exits."""
+        self.backend.end_run(self.started + timeout_s)
 
     # ------------------------------------------------------------ imports
 

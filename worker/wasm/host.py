@@ -710,6 +710,8 @@ class WasmHost:
                 store.close()  # the linear memory goes now, not at some later GC
             if reservation:
                 self.ctx.block.release_bytes(reservation)
+            if session is not None:  # last: may raise QueueOverrun (queued GPU work past the deadline)
+                session.run.finish(timeout_s)
 
     def _guarded_call(self, session: WasmSession, fn: Any, *, instantiate: bool = False) -> Any:
         """Run guest code; wasmtime's traps and errors become the typed errors."""

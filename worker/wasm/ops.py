@@ -14,8 +14,8 @@ from typing import Any
 
 import zmq
 
-from shared.errors import InvalidArgument, UnknownModule
-from shared.exitcodes import WORKER_COMPILE_OVERRUN
+from shared.errors import InvalidArgument, KernelTimeout, UnknownModule
+from shared.exitcodes import WORKER_COMPILE_OVERRUN, WORKER_GPU_QUEUE_OVERRUN
 from worker.server import Reply, WorkerServer
 from worker.wasm.compiler import CompileOverrun
 from worker.wasm.host import MAX_ARGS, WasmHost
@@ -72,4 +72,10 @@ def op_run_wasm(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | No
         # The compiler thread cannot be stopped; it stops with the process, once this reply is out.
         server.exit_code = WORKER_COMPILE_OVERRUN
         server.stop_event.set()
+        raise
+    except KernelTimeout:
+        if getattr(ctx.backend, "queue_overrun", False):
+            # queued GPU work outlived the deadline: only the context's destruction (our exit) cancels it
+            server.exit_code = WORKER_GPU_QUEUE_OVERRUN
+            server.stop_event.set()
         raise
