@@ -603,7 +603,8 @@ class StateError(TensorWasmError):
 
     Raised at start-up; the supervisor stops without touching the file, so the
     operator can inspect it, restore a backup, or move it away for a first
-    start. ``path`` names the file, ``detail`` the problem.
+    start. ``path`` names the file, ``detail`` the problem. Also the answer to an
+    admin op that cannot be written (a full disk): the op was then not applied.
     """
 
     code = "state_error"

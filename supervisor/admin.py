@@ -7,9 +7,15 @@ instance is ready (or failed), the tenant marked failed after too many
 restarts, parked requests refused when their instance is not coming back.
 
 Every change an admin op makes is written to the state store
-(:mod:`supervisor.state`) as one transaction right after it is applied -
-register, evict, set_quota, scale, a tenant marked failed - so a restarted
-supervisor comes back with it; the request path never writes. The service
+(:mod:`supervisor.state`) as one transaction - register, evict, set_quota,
+scale, a tenant marked failed - so a restarted supervisor comes back with
+it; the request path never writes. An op asked for by a client is written
+*before* it is applied (a registration before it is answered): one that
+cannot be written (a full disk) is refused with ``StateError`` and changes
+nothing - an eviction that answered OK is never undone by a restart.
+Registrations that arrive in the same turn of the loop share one
+transaction (group commit: one fsync for the batch). The WAL is checkpointed
+once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a reply's path. The service
 ops (reload, reset, restart, rotate-key, and the restore at start) live in
 :mod:`supervisor.service`, which drives the ops here; the lifecycle tells it
 what it must know (its ops' requests, an instance ready, a tenant gone)
@@ -69,7 +75,7 @@ from supervisor.registry import TenantRegistry
 from supervisor.requests import Parked
 from supervisor.rundir import RunDir
 from supervisor.guard import FrontendGuard
-from supervisor.state import StateStore
+from supervisor.state import Origin, StateStore
 from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import WorkerSet
@@ -80,6 +86,10 @@ _log = get_logger("supervisor")
 
 #: admin ops handled by :class:`supervisor.service.ServiceOps`
 SERVICE_OPS = frozenset({"reload", "reset", "restart", "rotate_key"})
+
+#: the WAL checkpoint runs this long after the last admin write: a burst of admin ops (a
+#: group of registrations) pays its fsyncs once, after its replies, not one per op
+CHECKPOINT_DELAY_S = 0.25
 
 
 class ServiceHooks(Protocol):
@@ -134,6 +144,9 @@ class AdminOps:
         self._workers: WorkerSet | None = None
         self._frontend: Frontend | None = None
         self._service: ServiceHooks | None = None
+        #: registrations applied this turn, written together at its end (group commit)
+        self._unwritten: dict[str, tuple[TenantRuntime, Origin]] = {}
+        self._checkpoint_timer: Any = None
 
     def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
         """The parts this one calls, which are built after it (they call it too); once, at set-up."""
@@ -207,13 +220,63 @@ class AdminOps:
         rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
         # Written once the binds are out: the fsync of the commit overlaps the workers' binds, and
         # the reply (sent once they are ready, on a later turn of the loop) follows the commit.
+        stored_origin: Origin = "file" if origin == "file" else "runtime"
+        if client is not None:
+            # a client's registration: written at the end of this turn with every other one of it
+            if not self._unwritten:
+                self.loop.timers.after(0.0, self.flush_registrations)
+            self._unwritten[spec.tenant_id] = (rt, stored_origin)
+            return
         try:
-            self.state.register(spec, cap.generation, "file" if origin == "file" else "runtime")
+            self.state.register(spec, cap.generation, stored_origin)
         except StateError:
             rt.register_waiters.clear()
-            self.evict(spec.tenant_id, None, None)  # not durable: not registered
+            self.evict(spec.tenant_id, None, None, durable=False)  # not durable: not registered
             raise
+        self._checkpoint_soon()
         self._check_registered(rt)
+
+    def flush_registrations(self) -> None:
+        """Write the registrations applied this turn in one transaction (group commit); when it
+        fails, each is undone and refused with StateError (nothing was answered yet)."""
+        if not self._unwritten:
+            return
+        batch, self._unwritten = self._unwritten, {}
+        live = [(rt, origin) for tid, (rt, origin) in batch.items() if self.tenants.get(tid) is rt]
+        try:
+            self.state.register_many([(rt.spec, rt.generation, origin) for rt, origin in live])
+        except StateError as exc:
+            log_event(_log, logging.ERROR, "state.write_failed", error=str(exc), op="register", tenants=len(live))
+            for rt, _ in live:
+                waiters, rt.register_waiters = rt.register_waiters, []
+                self.evict(rt.tenant_id, None, None, durable=False)  # never stored: nothing to delete
+                for client, rid, _cap in waiters:
+                    self.pending.refuse(client, rid or 0, "register", exc)
+            self._on_settled()
+            return
+        self._checkpoint_soon()
+        for rt, _ in live:
+            self._check_registered(rt)
+
+    def _checkpoint_soon(self) -> None:
+        """Checkpoint the WAL once admin writes pause (CHECKPOINT_DELAY_S after the last one)."""
+        if self._checkpoint_timer is not None:
+            self._checkpoint_timer.cancel()
+        self._checkpoint_timer = self.loop.timers.after(CHECKPOINT_DELAY_S, self._checkpoint)
+
+    def _checkpoint(self) -> None:
+        self._checkpoint_timer = None
+        try:
+            self.state.checkpoint()
+        except StateError as exc:  # the commits are durable in the WAL; only the fold-in failed
+            log_event(_log, logging.WARNING, "state.checkpoint_failed", error=str(exc))
+
+    def write(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Write an admin change *before* it is applied: StateError (nothing applied) when it
+        cannot be written. Registrations of this turn not yet written go first."""
+        self.flush_registrations()
+        write(*args, **kwargs)
+        self._checkpoint_soon()
 
     def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None) -> None:
         """Bring back a tenant from the state at start: same generation (its capabilities work),
@@ -251,6 +314,8 @@ class AdminOps:
 
     def _check_registered(self, rt: TenantRuntime) -> None:
         rt.refresh_state()
+        if rt.tenant_id in self._unwritten:
+            return  # answered once written (flush_registrations)
         if not rt.register_waiters or rt.state not in (TenantState.RUNNING, TenantState.STOPPED):
             return
         waiters, rt.register_waiters = rt.register_waiters, []
@@ -281,7 +346,7 @@ class AdminOps:
                 self.tenant_failed(rt, f"did not start after the supervisor restarted: {exc}")
             self._on_settled()
             return
-        self.evict(rt.tenant_id, None, None)
+        self.evict(rt.tenant_id, None, None, durable=False)
         for client, rid, _ in waiters:
             self.pending.refuse(client, rid or 0, "register", exc)
         self._on_settled()
@@ -320,13 +385,24 @@ class AdminOps:
 
     # ------------------------------------------------------------ evict, set_quota, scale
 
-    def evict(self, tid: str, client: bytes | None, rid: int | None) -> None:
+    def evict(self, tid: str, client: bytes | None, rid: int | None, *, durable: bool = True) -> None:
+        """Evict ``tid``. ``durable``: written first - StateError and nothing revoked when the
+        write fails, so an eviction that was answered never comes undone at a restart. Without
+        it (a registration that failed, never answered), written after, on a best effort."""
         rt = self.runtime(tid)
+        if durable:
+            if self._unwritten.pop(tid, None) is not None:
+                self.flush_registrations()  # the others of this turn; this one is never stored
+            else:
+                self.write(self.state.evict, tid)
+        else:
+            self._unwritten.pop(tid, None)
         rt.state = TenantState.EVICTING
         self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
         del self.tenants[tid]
-        self.record(self.state.evict, tid)
+        if not durable:
+            self.record(self.state.evict, tid)
         self.service.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
         self.frontend.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
         self.frontend.forget(rt)  # verified tokens, modules, held bytes: nothing of it stays
@@ -355,18 +431,27 @@ class AdminOps:
         changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
         if not changes:
             raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
-        info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
+        new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
+        self.write(self.state.update_spec, new_spec)  # StateError: nothing applied
+        try:
+            info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
+        except BaseException:
+            self.record(self.state.update_spec, rt.spec)  # put the stored spec back
+            raise
         rt.spec = info.spec
-        self.record(self.state.update_spec, rt.spec)
         self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
         return self.tenant_record(rt)
 
     def scale(self, tid: str, n: int) -> TenantRecord:
         rt = self.runtime(tid)
         spec = rt.spec.with_instances(n)  # validates the range
+        wanted = rt.wanted_slots()
+        free = sum(1 for s in rt.slots if s.draining and s.worker is None) + MAX_INSTANCES - len(rt.slots)
+        if n - len(wanted) > free:
+            raise InvalidArgument(f"no free instance slot (at most {MAX_INSTANCES})")
+        self.write(self.state.update_spec, spec)  # StateError: nothing applied
         self.registry.update_spec(self.admin_cap, spec)
         rt.spec = spec
-        wanted = rt.wanted_slots()
         for down in wanted[:n] if rt.state is not TenantState.FAILED else ():
             if down.worker is None and down.restart_at is None:  # down for good (not restarted): start it again
                 self.workers.start_instance(rt, down)
@@ -388,16 +473,18 @@ class AdminOps:
                 if slot.worker is not None:
                     self.workers.drain(slot.worker)
             self.frontend.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
-        self.record(self.state.update_spec, rt.spec)
         self.events.emit("scale", tenant=tid, instances=n)
         rt.refresh_state()
         return self.tenant_record(rt)
 
     def record(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """Write an admin change that is already applied. A failed write cannot undo it: it is
-        logged and published (``state_error``) so the operator knows a restart would lose it."""
+        """Write a change no client asked for that is already applied (a tenant marked failed, a
+        failed registration undone). A failed write cannot undo it: it is logged and published
+        (``state_error``) so the operator knows a restart would lose it."""
         try:
+            self.flush_registrations()
             write(*args, **kwargs)
+            self._checkpoint_soon()
         except StateError as exc:
             log_event(_log, logging.ERROR, "state.write_failed", error=str(exc))
             self.events.emit("state_error", path=exc.path, error=exc.detail)

@@ -25,8 +25,20 @@ before anything is written to it. A missing file is a first start. The
 directory is 0700 and owned by us; the files are 0600; a ``state.lock``
 (``flock``) keeps a second supervisor off the same state.
 
-A backup of a running supervisor: ``sqlite3 state.db ".backup copy.db"``
-(see docs/OPERATIONS.md).
+Checkpoints: the WAL is folded into ``state.db`` and truncated
+(``wal_checkpoint(TRUNCATE)``) after the first start's key creation and after
+every admin write, so ``state.db`` alone holds all acknowledged state - a
+copy of it without its WAL, or a lost WAL, loses nothing.
+
+The marker: once the registry key is stored, ``state.initialized`` is written
+beside the database. A start that then finds the database missing, empty or
+without its registry key refuses with one :class:`StateError` line instead
+of silently starting afresh with a new key and no tenants (restore a backup,
+or remove the marker to start afresh on purpose).
+
+A backup of a running supervisor: ``twt state backup DEST`` (SQLite's online
+backup API, :func:`backup`), or ``sqlite3 state.db ".backup copy.db"`` (see
+docs/OPERATIONS.md).
 """
 
 from __future__ import annotations
@@ -47,8 +59,10 @@ from shared.errors import StateError, UnknownTenant
 from shared.spec import TenantSpec
 
 __all__ = [
+    "MARKER_FILE",
     "SCHEMA_VERSION",
     "STATE_FILE",
+    "backup",
     "Origin",
     "RegistryKey",
     "StateStore",
@@ -57,6 +71,8 @@ __all__ = [
 
 STATE_FILE = "state.db"
 LOCK_FILE = "state.lock"
+#: written beside the database once it holds a registry key (see the module docstring)
+MARKER_FILE = "state.initialized"
 SCHEMA_VERSION = 1
 Origin = Literal["file", "runtime"]
 _ORIGINS = ("file", "runtime")
@@ -161,9 +177,14 @@ class StateStore:
         os.chmod(state_dir, 0o700)
         lock_fd = _lock(state_dir)
         try:
+            marker = os.path.join(state_dir, MARKER_FILE)
+            if os.path.exists(marker) and not os.path.exists(path):
+                raise StateError(path, _LOST.format(what="is missing", marker=marker))
             conn = _connect(path)
             try:
-                _check_and_migrate(conn, path)
+                _check_and_migrate(conn, path, marker if os.path.exists(marker) else None)
+                if os.path.exists(marker) and _registry_key_of(conn) is None:
+                    raise StateError(path, _LOST.format(what="holds no registry key", marker=marker))
             except BaseException:
                 conn.close()
                 raise
@@ -195,7 +216,7 @@ class StateStore:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: all of it is committed, or none of it."""
+        """One write transaction: all of it is committed, or none of it (StateError)."""
         conn = self._conn
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -254,6 +275,41 @@ class StateStore:
                     "INSERT OR REPLACE INTO retired_keys (registry_id, retired_at) VALUES (?, ?)",
                     (retire, time.time()),
                 )
+        self.checkpoint()
+        self._write_marker(key)
+
+    def _write_marker(self, key: RegistryKey) -> None:
+        """``state.initialized`` beside the database (durable: file and directory fsynced)."""
+        state_dir = os.path.dirname(self.path)
+        marker = os.path.join(state_dir, MARKER_FILE)
+        if os.path.exists(marker):
+            return
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, f"tensor-wasm-tenant state, first registry id {key.registry_id.hex()}\n".encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dfd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            raise StateError(marker, f"cannot write the marker: {exc.strerror}") from None
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into ``state.db`` and truncate it (``wal_checkpoint(TRUNCATE)``).
+
+        Raises :class:`StateError` when SQLite cannot (a full disk); a checkpoint that is
+        only *busy* (a reader such as ``twt state backup`` holds a snapshot) is not an error:
+        the commit is durable in the WAL, and the next checkpoint folds it in.
+        """
+        try:
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.Error as exc:
+            raise StateError(self.path, f"checkpoint failed: {exc}") from None
 
     def retired_registry_ids(self) -> frozenset[bytes]:
         return frozenset(bytes(r[0]) for r in self._conn.execute("SELECT registry_id FROM retired_keys"))
@@ -294,21 +350,31 @@ class StateStore:
 
     def register(self, spec: TenantSpec, generation: int, origin: Origin) -> StoredTenant:
         """A tenant was registered (or restored after an eviction): one transaction."""
-        if origin not in _ORIGINS:
-            raise ValueError(f"origin must be one of {_ORIGINS}; got {origin!r}")
+        return self.register_many([(spec, generation, origin)])[0]
+
+    def register_many(self, batch: list[tuple[TenantSpec, int, Origin]]) -> list[StoredTenant]:
+        """Several registrations in one transaction (group commit: one fsync for all of them).
+
+        Statements are the same text every time, so SQLite's statement cache keeps them prepared.
+        """
+        for _, _, origin in batch:
+            if origin not in _ORIGINS:
+                raise ValueError(f"origin must be one of {_ORIGINS}; got {origin!r}")
+        if not batch:
+            return []
         now = time.time()
-        text = _spec_json(spec)
+        rows = [(spec.tenant_id, _spec_json(spec), origin, generation, now) for spec, generation, origin in batch]
         with self._tx() as c:
-            c.execute(
+            c.executemany(
                 "INSERT OR REPLACE INTO tenants (tenant_id, spec, registered_spec, origin, generation, "
-                "failed_reason, registered_at, updated_at) VALUES (?, ?, ?, ?, ?, NULL, ?, ?)",
-                (spec.tenant_id, text, text, origin, generation, now, now),
+                "failed_reason, registered_at, updated_at) VALUES (?1, ?2, ?2, ?3, ?4, NULL, ?5, ?5)",
+                rows,
             )
-            c.execute(
+            c.executemany(
                 "INSERT OR REPLACE INTO generations (tenant_id, generation) VALUES (?, ?)",
-                (spec.tenant_id, generation),
+                [(spec.tenant_id, generation) for spec, generation, _ in batch],
             )
-        return StoredTenant(spec, spec, origin, generation, None, now, now)
+        return [StoredTenant(spec, spec, origin, generation, None, now, now) for spec, generation, origin in batch]
 
     def update_spec(self, spec: TenantSpec, *, registered_spec: TenantSpec | None = None) -> None:
         """A live change (set_quota, scale, reload); ``registered_spec``: what the file now says."""
@@ -351,6 +417,74 @@ def _put_key(c: sqlite3.Connection, name: str, material: bytes) -> None:
     )
 
 
+_LOST = ("{what}, but this state directory was initialized before ({marker} exists): its data is lost or "
+         "was not restored with it (a copy without its -wal file?); restore a backup (docs/OPERATIONS.md, "
+         "\"Backing up the state\"), or remove the marker to start afresh with a new key and no tenants")
+
+
+def _registry_key_of(conn: sqlite3.Connection) -> bytes | None:
+    row = conn.execute("SELECT material FROM key_material WHERE name = ?", (_KEY_REGISTRY_SECRET,)).fetchone()
+    return None if row is None else bytes(row[0])
+
+
+def backup(state_dir: str, dest: str) -> dict[str, object]:
+    """Copy the state database to ``dest`` with SQLite's online backup API.
+
+    Safe while a supervisor runs (a read transaction: it never takes ``state.lock``
+    and sees one consistent snapshot, WAL included). ``dest`` must not exist; it is
+    written 0600 as a single self-contained file (rollback journal, no WAL), checked
+    with ``quick_check`` and fsynced. Returns what was copied (path, bytes, tenants).
+    Raises :class:`StateError`.
+    """
+    path = os.path.join(os.path.abspath(state_dir), STATE_FILE)
+    dest = os.path.abspath(dest)
+    if not os.path.isfile(path):
+        raise StateError(path, "no state database to back up")
+    if os.path.lexists(dest):
+        raise StateError(dest, "exists already; the backup never overwrites a file")
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+    except OSError as exc:
+        raise StateError(dest, f"cannot create: {exc.strerror}") from None
+    try:
+        src = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
+        try:
+            dst = sqlite3.connect(dest, isolation_level=None)
+            try:
+                src.backup(dst)
+                dst.execute("PRAGMA journal_mode = DELETE").fetchone()
+                check = dst.execute("PRAGMA quick_check").fetchall()
+                tenants = dst.execute("SELECT COUNT(*) FROM tenants").fetchone()[0]
+                has_key = _registry_key_of(dst) is not None
+            finally:
+                dst.close()
+        finally:
+            src.close()
+        if check != [("ok",)]:
+            raise StateError(dest, f"the copy fails quick_check: {check[:3]!r}")
+        fd = os.open(dest, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except sqlite3.Error as exc:
+        _remove_quietly(dest)
+        raise StateError(path, f"backup failed: {exc}") from None
+    except BaseException:
+        _remove_quietly(dest)
+        raise
+    return {"source": path, "backup": dest, "bytes": os.path.getsize(dest), "tenants": int(tenants),
+            "registry_key": has_key}
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _lock(state_dir: str) -> int:
     path = os.path.join(state_dir, LOCK_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -388,8 +522,9 @@ def _connect(path: str) -> sqlite3.Connection:
         raise StateError(path, f"cannot open: {exc}") from None
 
 
-def _check_and_migrate(conn: sqlite3.Connection, path: str) -> None:
-    """Validate read-only first; write (WAL, migrations) only once the file is known good."""
+def _check_and_migrate(conn: sqlite3.Connection, path: str, marker: str | None = None) -> None:
+    """Validate read-only first; write (WAL, migrations) only once the file is known good.
+    ``marker``: the state was initialized before, so an empty file is a loss, not a first start."""
     try:
         check = conn.execute("PRAGMA quick_check").fetchall()
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -399,6 +534,8 @@ def _check_and_migrate(conn: sqlite3.Connection, path: str) -> None:
         detail = "; ".join(str(r[0]) for r in check[:3])
         raise StateError(path, f"corrupt (quick_check: {detail}); restore a backup or move it away")
     version = 0
+    if not tables and marker is not None:
+        raise StateError(path, _LOST.format(what="is empty", marker=marker))
     if tables:
         if "schema_version" not in tables:
             raise StateError(path, f"not a tensor-wasm-tenant state database (tables: {', '.join(sorted(tables))})")

@@ -63,6 +63,7 @@ COMMANDS = {
     "keys": "supervisor.cli.keys",
     "cluster": "supervisor.cli.cluster",
     "cleanup": "supervisor.cli.cleanup",
+    "state": "supervisor.cli.state",
 }
 
 __all__ += ["EXIT_CHECK", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE"]
