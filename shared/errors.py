@@ -590,7 +590,8 @@ class HandshakeFailed(TensorWasmError, ConnectionError):
 
 
 class SegmentError(TensorWasmError):
-    """A quota shared-memory segment is missing, closed, or not of our layout."""
+    """A quota shared-memory segment is missing, closed, or not of our layout - or cannot be made:
+    ``/dev/shm`` has no room for it (its pages are reserved before first use), or it was truncated."""
 
     code = "segment_error"
     _template = "shared-memory segment {name!r}: {detail}"

@@ -96,3 +96,47 @@ print(json.dumps(out))
     assert result["ping_after_evict"] in ("capability_revoked", "unknown_tenant"), result
     assert result["tenants_after_restart"] == ["beta"], result
     assert result["ping_after_restart"] in ("capability_revoked", "unknown_tenant"), result
+
+
+def test_a_full_dev_shm_refuses_regions_and_registrations_and_the_supervisor_stays_up() -> None:
+    result = private_mount.run_scenario(_PRELUDE + """
+from supervisor.regions import SHM_RESERVE_BYTES
+run_dir = tempfile.mkdtemp(prefix="twt-sh", dir="/tmp")
+mount_tmpfs("/dev/shm", "32m")
+subprocess.run(["chmod", "1777", "/dev/shm"], check=True)
+out = {}
+with start(run_dir) as sup:
+    c = sup.client
+    hog = c.register(None, TenantSpec("hog"))  # the default 8 GiB host quota: far more than /dev/shm
+    made, refusal = 0, None
+    for _ in range(64):
+        try:
+            c.region_create(hog, 2 << 20)
+            made += 1
+        except TensorWasmError as exc:
+            refusal = exc.code
+            break
+    st = os.statvfs("/dev/shm")
+    out["regions"], out["region_refusal"] = made, refusal
+    out["free_after_regions"] = st.f_bavail * st.f_frsize
+    out["register_after_regions"] = outcome(lambda: c.register(None, TenantSpec("next")))
+    fill("/dev/shm")
+    out["register_when_full"] = outcome(lambda: c.register(None, TenantSpec("late")))
+    out["region_when_full"] = outcome(lambda: c.region_create(hog, 64 << 10))
+    out["ping_when_full"] = outcome(lambda: c.ping(hog))
+    os.unlink("/dev/shm/filler")
+    out["register_with_room"] = outcome(lambda: c.register(None, TenantSpec("late")))
+    out["tenants"] = sorted(t["tenant_id"] for t in c.status()["tenants"])
+    out["supervisor_alive"] = sup.process.poll() is None
+out["reserve"] = SHM_RESERVE_BYTES
+cleanup(run_dir, "/dev/shm")
+print(json.dumps(out))
+""")
+    assert 0 < result["regions"] < 16 and result["region_refusal"] == "segment_error", result
+    assert result["free_after_regions"] >= result["reserve"] - (2 << 20), result
+    assert result["register_after_regions"] == "ok", result  # the reserve kept room for its block
+    assert result["register_when_full"] == "segment_error", result
+    assert result["region_when_full"] == "segment_error", result
+    assert result["ping_when_full"] == "ok" and result["supervisor_alive"], result
+    assert result["register_with_room"] == "ok", result
+    assert result["tenants"] == ["hog", "late", "next"], result
