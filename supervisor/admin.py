@@ -254,6 +254,8 @@ class AdminOps:
                     self.pending.refuse(client, rid or 0, "register", exc)
             self._on_settled()
             return
+        if len(live) > 1:
+            log_event(_log, logging.INFO, "state.group_commit", tenants=len(live))
         self._checkpoint_soon()
         for rt, _ in live:
             self._check_registered(rt)
