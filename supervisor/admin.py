@@ -13,9 +13,12 @@ it; the request path never writes. An op asked for by a client is written
 *before* it is applied (a registration before it is answered): one that
 cannot be written (a full disk) is refused with ``StateError`` and changes
 nothing - an eviction that answered OK is never undone by a restart.
-Registrations that arrive in the same turn of the loop share one
-transaction (group commit: one fsync for the batch). The WAL is checkpointed
-once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a reply's path. The service
+A client's registration is committed on the state's writer thread while the
+loop starts its instances (the fsync overlaps the workers' binds), and
+registrations that arrive while a commit runs share the next transaction
+(group commit: one fsync for all of them). The WAL is checkpointed on that
+thread once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a
+reply's path. The service
 ops (reload, reset, restart, rotate-key, and the restore at start) live in
 :mod:`supervisor.service`, which drives the ops here; the lifecycle tells it
 what it must know (its ops' requests, an instance ready, a tenant gone)
@@ -32,8 +35,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
 import psutil
@@ -144,8 +149,16 @@ class AdminOps:
         self._workers: WorkerSet | None = None
         self._frontend: Frontend | None = None
         self._service: ServiceHooks | None = None
-        #: registrations applied this turn, written together at its end (group commit)
-        self._unwritten: dict[str, tuple[TenantRuntime, Origin]] = {}
+        #: registrations waiting for the writer thread; it takes all there are into one
+        #: transaction (group commit) - the loop appends, the writer takes, under the lock
+        self._to_write: list[tuple[TenantSpec, int, Origin]] = []
+        self._to_write_lock = threading.Lock()
+        #: writes handed to the state's writer thread, oldest first, not yet reaped
+        self._inflight: list[Future[tuple[list[str], StateError | None]]] = []
+        #: tenants whose registration is not durable yet (never answered before it is)
+        self._unwritten: set[str] = set()
+        self._written_r: int | None = None  # the writer thread's "done" pipe (made on first use)
+        self._written_w: int | None = None
         self._checkpoint_timer: Any = None
 
     def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
@@ -216,16 +229,15 @@ class AdminOps:
         device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
         isolation = self.placement.isolation(spec)
         cap = self.registry.register_with_capability(self.admin_cap, spec)
-        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
-        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
-        # Written once the binds are out: the fsync of the commit overlaps the workers' binds, and
-        # the reply (sent once they are ready, on a later turn of the loop) follows the commit.
         stored_origin: Origin = "file" if origin == "file" else "runtime"
         if client is not None:
-            # a client's registration: written at the end of this turn with every other one of it
-            if not self._unwritten:
-                self.loop.timers.after(0.0, self.flush_registrations)
-            self._unwritten[spec.tenant_id] = (rt, stored_origin)
+            # A client's registration: its commit runs on the writer thread from now on, while
+            # the loop starts the instances and serves their binds; answered once both are done.
+            self._unwritten.add(spec.tenant_id)
+            self._submit_registration(spec, cap.generation, stored_origin)
+        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
+        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
+        if client is not None:
             return
         try:
             self.state.register(spec, cap.generation, stored_origin)
@@ -236,29 +248,81 @@ class AdminOps:
         self._checkpoint_soon()
         self._check_registered(rt)
 
-    def flush_registrations(self) -> None:
-        """Write the registrations applied this turn in one transaction (group commit); when it
-        fails, each is undone and refused with StateError (nothing was answered yet)."""
-        if not self._unwritten:
-            return
-        batch, self._unwritten = self._unwritten, {}
-        live = [(rt, origin) for tid, (rt, origin) in batch.items() if self.tenants.get(tid) is rt]
+    def _submit_registration(self, spec: TenantSpec, generation: int, origin: Origin) -> None:
+        """Queue a registration's row for the writer thread (see :meth:`_write_registrations`)."""
+        with self._to_write_lock:
+            self._to_write.append((spec, generation, origin))
+        if self._written_r is None:
+            self._written_r, self._written_w = os.pipe()
+            os.set_blocking(self._written_r, False)
+            os.set_blocking(self._written_w, False)
+            self.loop.register(self._written_r, self._on_written)
+        wake_fd = self._written_w
+        assert wake_fd is not None
+
+        def wake(_: Future[Any]) -> None:  # on the writer thread: only a byte down the pipe
+            try:
+                os.write(wake_fd, b"\0")
+            except OSError:
+                pass  # pipe full: the loop is awake already
+
+        future = self.state.submit(self._write_registrations)
+        self._inflight.append(future)
+        future.add_done_callback(wake)
+
+    def _write_registrations(self) -> tuple[list[str], StateError | None]:
+        """On the writer thread: every queued registration in one transaction (group commit:
+        the ones that arrived while the previous commit ran go together). Returns their ids and
+        the error, if the commit failed; the loop answers or undoes them (:meth:`_reap_writes`)."""
+        with self._to_write_lock:
+            rows, self._to_write = self._to_write, []
+        if not rows:
+            return [], None  # taken by an earlier call's transaction
         try:
-            self.state.register_many([(rt.spec, rt.generation, origin) for rt, origin in live])
+            self.state.register_many(rows)
         except StateError as exc:
-            log_event(_log, logging.ERROR, "state.write_failed", error=str(exc), op="register", tenants=len(live))
-            for rt, _ in live:
-                waiters, rt.register_waiters = rt.register_waiters, []
-                self.evict(rt.tenant_id, None, None, durable=False)  # never stored: nothing to delete
-                for client, rid, _cap in waiters:
-                    self.pending.refuse(client, rid or 0, "register", exc)
-            self._on_settled()
-            return
-        if len(live) > 1:
-            log_event(_log, logging.INFO, "state.group_commit", tenants=len(live))
-        self._checkpoint_soon()
-        for rt, _ in live:
-            self._check_registered(rt)
+            return [spec.tenant_id for spec, _, _ in rows], exc
+        return [spec.tenant_id for spec, _, _ in rows], None
+
+    def _on_written(self) -> None:
+        assert self._written_r is not None
+        try:
+            os.read(self._written_r, 4096)
+        except BlockingIOError:
+            pass
+        self._reap_writes(block=False)
+
+    def _reap_writes(self, *, block: bool) -> None:
+        """Finish the writer's registrations, in order (``block``: wait for every one in flight):
+        answer those whose instances are ready, or undo and refuse them (StateError)."""
+        while self._inflight:
+            future = self._inflight[0]
+            if not block and not future.done():
+                return
+            self._inflight.pop(0)
+            tids, failed = future.result()
+            live = [rt for tid in tids if tid in self._unwritten and (rt := self.tenants.get(tid)) is not None]
+            self._unwritten.difference_update(tids)
+            if failed is not None:
+                log_event(_log, logging.ERROR, "state.write_failed", error=str(failed), op="register",
+                          tenants=len(tids))
+                for rt in live:
+                    waiters, rt.register_waiters = rt.register_waiters, []
+                    self.evict(rt.tenant_id, None, None, durable=False)  # never stored: nothing to delete
+                    for client, rid, _cap in waiters:
+                        self.pending.refuse(client, rid or 0, "register", failed)
+                self._on_settled()
+                continue
+            if len(tids) > 1:
+                log_event(_log, logging.INFO, "state.group_commit", tenants=len(tids))
+            if tids:
+                self._checkpoint_soon()
+            for rt in live:
+                self._check_registered(rt)
+
+    def _settle_writes(self) -> None:
+        """Every registration applied so far durable (or undone) before another write."""
+        self._reap_writes(block=True)
 
     def _checkpoint_soon(self) -> None:
         """Checkpoint the WAL once admin writes pause (CHECKPOINT_DELAY_S after the last one)."""
@@ -267,16 +331,20 @@ class AdminOps:
         self._checkpoint_timer = self.loop.timers.after(CHECKPOINT_DELAY_S, self._checkpoint)
 
     def _checkpoint(self) -> None:
+        """On the writer thread: the loop never waits for it (nor does a registration)."""
         self._checkpoint_timer = None
-        try:
-            self.state.checkpoint()
-        except StateError as exc:  # the commits are durable in the WAL; only the fold-in failed
-            log_event(_log, logging.WARNING, "state.checkpoint_failed", error=str(exc))
+
+        def done(future: Future[Any]) -> None:
+            exc = future.exception()
+            if exc is not None:  # the commits are durable in the WAL; only the fold-in failed
+                log_event(_log, logging.WARNING, "state.checkpoint_failed", error=str(exc))
+
+        self.state.submit(self.state.checkpoint).add_done_callback(done)
 
     def write(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """Write an admin change *before* it is applied: StateError (nothing applied) when it
-        cannot be written. Registrations of this turn not yet written go first."""
-        self.flush_registrations()
+        cannot be written. Registrations applied before it are written first."""
+        self._settle_writes()
         write(*args, **kwargs)
         self._checkpoint_soon()
 
@@ -317,7 +385,7 @@ class AdminOps:
     def _check_registered(self, rt: TenantRuntime) -> None:
         rt.refresh_state()
         if rt.tenant_id in self._unwritten:
-            return  # answered once written (flush_registrations)
+            return  # answered once written (_reap_writes)
         if not rt.register_waiters or rt.state not in (TenantState.RUNNING, TenantState.STOPPED):
             return
         waiters, rt.register_waiters = rt.register_waiters, []
@@ -393,12 +461,9 @@ class AdminOps:
         it (a registration that failed, never answered), written after, on a best effort."""
         rt = self.runtime(tid)
         if durable:
-            if self._unwritten.pop(tid, None) is not None:
-                self.flush_registrations()  # the others of this turn; this one is never stored
-            else:
-                self.write(self.state.evict, tid)
+            self.write(self.state.evict, tid)  # waits for its registration's commit first
         else:
-            self._unwritten.pop(tid, None)
+            self._unwritten.discard(tid)
         rt.state = TenantState.EVICTING
         self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
@@ -484,7 +549,7 @@ class AdminOps:
         failed registration undone). A failed write cannot undo it: it is logged and published
         (``state_error``) so the operator knows a restart would lose it."""
         try:
-            self.flush_registrations()
+            self._settle_writes()
             write(*args, **kwargs)
             self._checkpoint_soon()
         except StateError as exc:

@@ -16,7 +16,10 @@ What it holds, and why each piece must outlive the process::
 Durability: WAL with ``synchronous=FULL``; every admin change is exactly one
 ``BEGIN IMMEDIATE ... COMMIT`` transaction, so a SIGKILL at any instant leaves
 the old state or the new one, never a mix. Only the supervisor loop writes,
-and only on admin operations (never on the request path).
+and only on admin operations (never on the request path) - directly, or
+through :meth:`StateStore.submit`: one writer thread on which a registration's
+commit (and the checkpoint) runs while the loop goes on serving; a lock keeps
+the connection to one user at a time.
 
 Bad state is never reset behind the operator's back: a file that is not a
 SQLite database, fails ``quick_check``, is not ours, or has a newer schema
@@ -49,11 +52,13 @@ import json
 import os
 import secrets
 import sqlite3
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from shared.errors import StateError, UnknownTenant
 from shared.spec import TenantSpec
@@ -155,6 +160,8 @@ class StateStore:
         self._conn = conn
         self.path = path
         self._lock_fd: int | None = lock_fd
+        self._use = threading.RLock()  # the connection: the loop thread, or the writer thread
+        self._writer: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------- opening
 
@@ -198,10 +205,19 @@ class StateStore:
                 pass
         return cls(conn, path, lock_fd)
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` (a method of this store) on its one writer thread, in submission order."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twt-state")
+        return self._writer.submit(fn, *args)
+
     def close(self) -> None:
-        """Close the database (a clean WAL checkpoint) and drop the lock. Idempotent."""
+        """Finish what was submitted, close the database (a clean WAL checkpoint), drop the lock. Idempotent."""
         if self._lock_fd is None:
             return
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
         try:
             self._conn.close()
         finally:
@@ -218,24 +234,26 @@ class StateStore:
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One write transaction: all of it is committed, or none of it (StateError)."""
         conn = self._conn
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            yield conn
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise StateError(self.path, f"write failed: {exc}") from None
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+        with self._use:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                yield conn
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise StateError(self.path, f"write failed: {exc}") from None
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
 
     # -------------------------------------------------------- key material
 
     def get_key(self, name: str) -> bytes | None:
         """Named key material (e.g. ``curve.secret``), or None when never stored."""
-        row = self._conn.execute("SELECT material FROM key_material WHERE name = ?", (name,)).fetchone()
+        with self._use:
+            row = self._conn.execute("SELECT material FROM key_material WHERE name = ?", (name,)).fetchone()
         return None if row is None else bytes(row[0])
 
     def put_key(self, name: str, material: bytes) -> None:
@@ -307,22 +325,25 @@ class StateStore:
         the commit is durable in the WAL, and the next checkpoint folds it in.
         """
         try:
-            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            with self._use:
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         except sqlite3.Error as exc:
             raise StateError(self.path, f"checkpoint failed: {exc}") from None
 
     def retired_registry_ids(self) -> frozenset[bytes]:
-        return frozenset(bytes(r[0]) for r in self._conn.execute("SELECT registry_id FROM retired_keys"))
+        with self._use:
+            return frozenset(bytes(r[0]) for r in self._conn.execute("SELECT registry_id FROM retired_keys"))
 
     # -------------------------------------------------------------- tenants
 
     def tenants(self) -> list[StoredTenant]:
         """Every stored tenant, by id. Raises :class:`StateError` for a row that does not parse."""
         out = []
-        rows = self._conn.execute(
-            "SELECT tenant_id, spec, registered_spec, origin, generation, failed_reason, registered_at, updated_at "
-            "FROM tenants ORDER BY tenant_id"
-        ).fetchall()
+        with self._use:
+            rows = self._conn.execute(
+                "SELECT tenant_id, spec, registered_spec, origin, generation, failed_reason, registered_at, "
+                "updated_at FROM tenants ORDER BY tenant_id"
+            ).fetchall()
         for tid, spec, registered, origin, gen, failed, reg_at, upd_at in rows:
             try:
                 record = StoredTenant(
@@ -346,7 +367,9 @@ class StateStore:
 
     def generations(self) -> dict[str, int]:
         """The last generation issued per tenant id (evicted ones included)."""
-        return {str(t): int(g) for t, g in self._conn.execute("SELECT tenant_id, generation FROM generations")}
+        with self._use:
+            rows = self._conn.execute("SELECT tenant_id, generation FROM generations").fetchall()
+        return {str(t): int(g) for t, g in rows}
 
     def register(self, spec: TenantSpec, generation: int, origin: Origin) -> StoredTenant:
         """A tenant was registered (or restored after an eviction): one transaction."""
