@@ -385,7 +385,9 @@ class AdminOps:
     def _check_registered(self, rt: TenantRuntime) -> None:
         rt.refresh_state()
         if rt.tenant_id in self._unwritten:
-            return  # answered once written (_reap_writes)
+            self._reap_writes(block=False)  # its commit may be done already (no wait for the wake-up)
+            if rt.tenant_id in self._unwritten:
+                return  # answered once written (_reap_writes)
         if not rt.register_waiters or rt.state not in (TenantState.RUNNING, TenantState.STOPPED):
             return
         waiters, rt.register_waiters = rt.register_waiters, []
