@@ -11,6 +11,7 @@ are closed before the mapping is.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Callable, ClassVar, Self
 
@@ -30,7 +31,7 @@ class MappedSegment:
     _segment: _shm.Segment
     _buf: memoryview
     _owner: bool
-    _closed: bool
+    _is_closed: bool
     _unlinked: bool
     _counters: tuple[_atomics.Counter | _atomics.ShareCounter, ...]
     _finalizer: weakref.finalize[Any, Any] | None
@@ -44,6 +45,30 @@ class MappedSegment:
         self._unlinked = False
         self._counters = ()
         self._finalizer = None
+
+    @property
+    def _closed(self) -> bool:
+        """Closed - or, for an owner that kept its fd, truncated under the mapping by another
+        process of our uid: every method that checks this before touching the pages then
+        raises SegmentError instead of taking a SIGBUS (see :meth:`_shm._Owned.truncated`)."""
+        if self._is_closed:
+            return True
+        truncated = getattr(self._segment, "truncated", None)
+        if truncated is not None and truncated():
+            if not self._truncated_logged:
+                self._truncated_logged = True
+                from shared.log import get_logger, log_event
+
+                log_event(get_logger("shared.segment"), logging.ERROR, "segment.truncated", segment=self.name,
+                          what=self._what)
+            return True
+        return False
+
+    @_closed.setter
+    def _closed(self, value: bool) -> None:
+        self._is_closed = value
+
+    _truncated_logged = False
 
     def _bind_counters(self, *counters: _atomics.Counter | _atomics.ShareCounter) -> None:
         """Step 2: the C counters on this mapping; an owner also gets its GC/exit cleanup."""
@@ -77,7 +102,7 @@ class MappedSegment:
 
     def close(self) -> None:
         """Unmap (idempotent). An owner should :meth:`unlink` too; leaving its ``with`` does both."""
-        if self._closed:
+        if self._is_closed:
             return
         self._closed = True
         if self._finalizer is not None:
@@ -94,7 +119,7 @@ class MappedSegment:
         self._unlinked = True
         if self._finalizer is not None:
             self._finalizer.detach()
-            if not self._closed:  # keep closing at GC/exit if the caller forgets close()
+            if not self._is_closed:  # keep closing at GC/exit if the caller forgets close()
                 self._finalizer = weakref.finalize(self, _close_only, self._counters, self._segment)
         _unlink(self._segment)
 

@@ -44,19 +44,36 @@ class Segment(Protocol):
 class _Owned:
     """A created segment (tracked by the resource tracker of the creating process)."""
 
-    def __init__(self, shm: shared_memory.SharedMemory) -> None:
+    def __init__(self, shm: shared_memory.SharedMemory, *, keep_fd: bool = False) -> None:
         self._shm = shm
-        # The mapping is all we use: the shm fd would cost the supervisor one more
-        # descriptor per tenant for nothing (SharedMemory keeps it only for close()).
+        # The mapping is all most segments need: the shm fd would cost the supervisor one
+        # more descriptor each for nothing (SharedMemory keeps it only for close()). A
+        # segment whose size is checked before it is touched (:meth:`truncated`) keeps it.
         fd = getattr(shm, "_fd", -1)
+        self.fd = -1
         if isinstance(fd, int) and fd >= 0:
+            if keep_fd:
+                self.fd = os.dup(fd)  # ours: SharedMemory's own is closed below either way
             os.close(fd)
             shm._fd = -1  # type: ignore[attr-defined]
         self.name: str = shm.name
         self.size: int = shm.size
         self.buf: memoryview = shm.buf  # type: ignore[assignment]
 
+    def truncated(self) -> bool:
+        """Has someone shrunk the segment under our mapping (``ftruncate`` by a process of
+        our uid)? Touching the pages past its end would be a SIGBUS. False without a kept fd."""
+        if self.fd < 0:
+            return False
+        try:
+            return os.fstat(self.fd).st_size < self.size
+        except OSError:
+            return True
+
     def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self._shm.close()
 
     def unlink(self) -> None:
@@ -110,9 +127,34 @@ class _Attached:
             self._mmap = None
 
 
-def create(name: str, size: int) -> _Owned:
-    """Create (exclusively) and map a segment of ``size`` bytes, zero-filled."""
-    return _Owned(shared_memory.SharedMemory(name=name, create=True, size=size))
+def create(name: str, size: int, *, keep_fd: bool = False) -> _Owned:
+    """Create (exclusively) and map a segment of ``size`` bytes, zero-filled, its pages reserved.
+
+    ``posix_fallocate`` gives the segment its memory before anything is written: a full
+    ``/dev/shm`` then refuses it here with :class:`~shared.errors.SegmentError` (nothing
+    left behind), instead of a SIGBUS at the first write into a page the tmpfs cannot
+    supply. ``keep_fd``: keep a descriptor for :meth:`_Owned.truncated`.
+    """
+    from shared.errors import SegmentError
+
+    shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+    try:
+        _reserve(shm._fd, size)  # type: ignore[attr-defined]
+    except OSError as exc:
+        shm.close()
+        shm.unlink()
+        raise SegmentError(name, f"no room in {SHM_DIR} for {size:,} B ({exc.strerror}); free some "
+                                 "(released regions, evicted tenants) or enlarge it") from None
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return _Owned(shm, keep_fd=keep_fd)
+
+
+def _reserve(fd: int, size: int) -> None:
+    """The seam tests use to stand in for a full /dev/shm where they cannot mount a small one."""
+    os.posix_fallocate(fd, 0, size)
 
 
 def attach(name: str) -> _Attached:

@@ -363,12 +363,43 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError.listing(f"config {p}", ["permission denied: this user cannot read it"]) from None
     except OSError as exc:
         raise ConfigError.listing(f"config {p}", [f"cannot be read ({(exc.strerror or str(exc)).lower()})"]) from None
+    kind = "JSON" if p.suffix == ".json" else "TOML"
     try:
         doc = json.loads(text) if p.suffix == ".json" else tomllib.loads(text.decode())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        kind = "JSON" if p.suffix == ".json" else "TOML"
         raise ConfigError.listing(f"config {p}", [f"not valid {kind}: {exc}"]) from None
+    except RecursionError:  # the parsers recurse per nesting level (a 10,000-deep hostile file)
+        raise ConfigError.listing(f"config {p}", [f"{kind} nested too deeply (a config file is at most "
+                                          f"{MAX_CONFIG_DEPTH} levels deep)"]) from None
+    depth = _nesting_depth(doc)
+    if depth > MAX_CONFIG_DEPTH:  # parsed, but later checks (messages, specs) must not recurse that deep
+        raise ConfigError.listing(f"config {p}", [f"{kind} nested {depth} levels deep; a config file is at most "
+                                          f"{MAX_CONFIG_DEPTH} levels deep"])
     return config_dict_to_fields(doc, f"config {p}")
+
+
+#: deeper than any real config file (tables in arrays of tables: 4 or 5), shallow enough for every
+#: recursive check after parsing
+MAX_CONFIG_DEPTH = 32
+
+
+def _nesting_depth(doc: Any) -> int:
+    """How deeply lists and tables nest in ``doc`` (iterative: no recursion to exhaust)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Mapping):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_CONFIG_DEPTH:
+            return depth  # enough to refuse: no need to walk the rest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def config_dict_to_fields(doc: Mapping[str, Any], where: str = "config") -> dict[str, Any]:

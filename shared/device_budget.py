@@ -183,7 +183,7 @@ class DeviceBudget(MappedSegment):
         seg_name = name or new_segment_name(None, f"dev{device_index}")
         if not seg_name.startswith(SEGMENT_PREFIX):
             raise ValueError(f"segment name must start with {SEGMENT_PREFIX!r}: {seg_name!r}")
-        seg = _shm.create(seg_name, SEGMENT_BYTES)
+        seg = _shm.create(seg_name, SEGMENT_BYTES, keep_fd=True)  # size checked before touching
         try:
             buf = seg.buf
             _atomics.store(buf, _COUNTER + _atomics.F_LIMIT, max(0, capacity - reserve))

@@ -611,7 +611,8 @@ class HandshakeFailed(TensorWasmError, ConnectionError):
 
 
 class SegmentError(TensorWasmError):
-    """A quota shared-memory segment is missing, closed, or not of our layout."""
+    """A quota shared-memory segment is missing, closed, or not of our layout - or cannot be made:
+    ``/dev/shm`` has no room for it (its pages are reserved before first use), or it was truncated."""
 
     code = "segment_error"
     _template = "shared-memory segment {name!r}: {detail}"
@@ -624,7 +625,8 @@ class StateError(TensorWasmError):
 
     Raised at start-up; the supervisor stops without touching the file, so the
     operator can inspect it, restore a backup, or move it away for a first
-    start. ``path`` names the file, ``detail`` the problem.
+    start. ``path`` names the file, ``detail`` the problem. Also the answer to an
+    admin op that cannot be written (a full disk): the op was then not applied.
     """
 
     code = "state_error"

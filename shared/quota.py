@@ -418,7 +418,8 @@ class QuotaBlock(MappedSegment):
         seg_name = name or new_segment_name()
         if not seg_name.startswith(SEGMENT_PREFIX):
             raise ValueError(f"segment name must start with {SEGMENT_PREFIX!r}: {seg_name!r}")
-        seg = _shm.create(seg_name, SEGMENT_BYTES)
+        # fd kept: the owner checks the size before touching (a same-uid ftruncate is no SIGBUS)
+        seg = _shm.create(seg_name, SEGMENT_BYTES, keep_fd=True)
         try:
             buf = seg.buf
             _atomics.store(buf, _CPU + _atomics.F_LIMIT, cpu_limit)

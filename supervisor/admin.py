@@ -7,9 +7,18 @@ instance is ready (or failed), the tenant marked failed after too many
 restarts, parked requests refused when their instance is not coming back.
 
 Every change an admin op makes is written to the state store
-(:mod:`supervisor.state`) as one transaction right after it is applied -
-register, evict, set_quota, scale, a tenant marked failed - so a restarted
-supervisor comes back with it; the request path never writes. The service
+(:mod:`supervisor.state`) as one transaction - register, evict, set_quota,
+scale, a tenant marked failed - so a restarted supervisor comes back with
+it; the request path never writes. An op asked for by a client is written
+*before* it is applied (a registration before it is answered): one that
+cannot be written (a full disk) is refused with ``StateError`` and changes
+nothing - an eviction that answered OK is never undone by a restart.
+A client's registration is committed on the state's writer thread while the
+loop starts its instances (the fsync overlaps the workers' binds), and
+registrations that arrive while a commit runs share the next transaction
+(group commit: one fsync for all of them). The WAL is checkpointed on that
+thread once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a
+reply's path. The service
 ops (reload, reset, restart, rotate-key, and the restore at start) live in
 :mod:`supervisor.service`, which drives the ops here; the lifecycle tells it
 what it must know (its ops' requests, an instance ready, a tenant gone)
@@ -26,8 +35,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
 import psutil
@@ -69,7 +80,7 @@ from supervisor.registry import TenantRegistry
 from supervisor.requests import Parked
 from supervisor.rundir import RunDir
 from supervisor.guard import FrontendGuard
-from supervisor.state import StateStore
+from supervisor.state import Origin, StateStore
 from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.workers import WorkerHandle, WorkerState
 from supervisor.workerset import WorkerSet
@@ -80,6 +91,10 @@ _log = get_logger("supervisor")
 
 #: one admin op's handler: ``(client, rid, args)``, answering through the pending table (at once or later)
 OpHandler = Callable[[bytes, int, dict[str, Any]], None]
+
+#: the WAL checkpoint runs this long after the last admin write: a burst of admin ops (a
+#: group of registrations) pays its fsyncs once, after its replies, not one per op
+CHECKPOINT_DELAY_S = 0.25
 
 
 class ServiceHooks(Protocol):
@@ -139,6 +154,17 @@ class AdminOps:
         self._handlers: dict[str, OpHandler] = {}
         self._frontend: Frontend | None = None
         self._service: ServiceHooks | None = None
+        #: registrations waiting for the writer thread; it takes all there are into one
+        #: transaction (group commit) - the loop appends, the writer takes, under the lock
+        self._to_write: list[tuple[TenantSpec, int, Origin]] = []
+        self._to_write_lock = threading.Lock()
+        #: writes handed to the state's writer thread, oldest first, not yet reaped
+        self._inflight: list[Future[tuple[list[str], StateError | None]]] = []
+        #: tenants whose registration is not durable yet (never answered before it is)
+        self._unwritten: set[str] = set()
+        self._written_r: int | None = None  # the writer thread's "done" pipe (made on first use)
+        self._written_w: int | None = None
+        self._checkpoint_timer: Any = None
 
     def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
         """The parts this one calls, which are built after it (they call it too); once, at set-up.
@@ -214,17 +240,124 @@ class AdminOps:
         device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
         isolation = self.placement.isolation(spec)
         cap = self.registry.register_with_capability(self.admin_cap, spec)
+        stored_origin: Origin = "file" if origin == "file" else "runtime"
+        if client is not None:
+            # A client's registration: its commit runs on the writer thread from now on, while
+            # the loop starts the instances and serves their binds; answered once both are done.
+            self._unwritten.add(spec.tenant_id)
+            self._submit_registration(spec, cap.generation, stored_origin)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
         rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
-        # Written once the binds are out: the fsync of the commit overlaps the workers' binds, and
-        # the reply (sent once they are ready, on a later turn of the loop) follows the commit.
+        if client is not None:
+            return
         try:
-            self.state.register(spec, cap.generation, "file" if origin == "file" else "runtime")
+            self.state.register(spec, cap.generation, stored_origin)
         except StateError:
             rt.register_waiters.clear()
-            self.evict(spec.tenant_id, None, None)  # not durable: not registered
+            self.evict(spec.tenant_id, None, None, durable=False)  # not durable: not registered
             raise
+        self._checkpoint_soon()
         self._check_registered(rt)
+
+    def _submit_registration(self, spec: TenantSpec, generation: int, origin: Origin) -> None:
+        """Queue a registration's row for the writer thread (see :meth:`_write_registrations`)."""
+        with self._to_write_lock:
+            self._to_write.append((spec, generation, origin))
+        if self._written_r is None:
+            self._written_r, self._written_w = os.pipe()
+            os.set_blocking(self._written_r, False)
+            os.set_blocking(self._written_w, False)
+            self.loop.register(self._written_r, self._on_written)
+        wake_fd = self._written_w
+        assert wake_fd is not None
+
+        def wake(_: Future[Any]) -> None:  # on the writer thread: only a byte down the pipe
+            try:
+                os.write(wake_fd, b"\0")
+            except OSError:
+                pass  # pipe full: the loop is awake already
+
+        future = self.state.submit(self._write_registrations)
+        self._inflight.append(future)
+        future.add_done_callback(wake)
+
+    def _write_registrations(self) -> tuple[list[str], StateError | None]:
+        """On the writer thread: every queued registration in one transaction (group commit:
+        the ones that arrived while the previous commit ran go together). Returns their ids and
+        the error, if the commit failed; the loop answers or undoes them (:meth:`_reap_writes`)."""
+        with self._to_write_lock:
+            rows, self._to_write = self._to_write, []
+        if not rows:
+            return [], None  # taken by an earlier call's transaction
+        try:
+            self.state.register_many(rows)
+        except StateError as exc:
+            return [spec.tenant_id for spec, _, _ in rows], exc
+        return [spec.tenant_id for spec, _, _ in rows], None
+
+    def _on_written(self) -> None:
+        assert self._written_r is not None
+        try:
+            os.read(self._written_r, 4096)
+        except BlockingIOError:
+            pass
+        self._reap_writes(block=False)
+
+    def _reap_writes(self, *, block: bool) -> None:
+        """Finish the writer's registrations, in order (``block``: wait for every one in flight):
+        answer those whose instances are ready, or undo and refuse them (StateError)."""
+        while self._inflight:
+            future = self._inflight[0]
+            if not block and not future.done():
+                return
+            self._inflight.pop(0)
+            tids, failed = future.result()
+            live = [rt for tid in tids if tid in self._unwritten and (rt := self.tenants.get(tid)) is not None]
+            self._unwritten.difference_update(tids)
+            if failed is not None:
+                log_event(_log, logging.ERROR, "state.write_failed", error=str(failed), op="register",
+                          tenants=len(tids))
+                for rt in live:
+                    waiters, rt.register_waiters = rt.register_waiters, []
+                    self.evict(rt.tenant_id, None, None, durable=False)  # never stored: nothing to delete
+                    for client, rid, _cap in waiters:
+                        self.pending.refuse(client, rid or 0, "register", failed)
+                self._on_settled()
+                continue
+            if len(tids) > 1:
+                log_event(_log, logging.INFO, "state.group_commit", tenants=len(tids))
+            if tids:
+                self._checkpoint_soon()
+            for rt in live:
+                self._check_registered(rt)
+
+    def _settle_writes(self) -> None:
+        """Every registration applied so far durable (or undone) before another write."""
+        self._reap_writes(block=True)
+
+    def _checkpoint_soon(self) -> None:
+        """Checkpoint the WAL once admin writes pause (CHECKPOINT_DELAY_S after the last one)."""
+        if self._checkpoint_timer is not None:
+            self._checkpoint_timer.cancel()
+        self._checkpoint_timer = self.loop.timers.after(CHECKPOINT_DELAY_S, self._checkpoint)
+
+    def _checkpoint(self) -> None:
+        """On the writer thread: the loop never waits for it (nor does a registration)."""
+        self._checkpoint_timer = None
+
+        def done(future: Future[Any]) -> None:
+            exc = future.exception()
+            if exc is not None:  # the commits are durable in the WAL; only the fold-in failed
+                log_event(_log, logging.WARNING, "state.checkpoint_failed", error=str(exc))
+
+        self.state.submit(self.state.checkpoint).add_done_callback(done)
+
+    def write(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Write an admin change *before* it is applied: StateError (nothing applied) when it
+        cannot be written. Registrations applied before it are written first."""
+        self._settle_writes()
+        write(*args, **kwargs)
+        self._checkpoint_soon()
 
     def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None) -> None:
         """Bring back a tenant from the state at start: same generation (its capabilities work),
@@ -262,6 +395,10 @@ class AdminOps:
 
     def _check_registered(self, rt: TenantRuntime) -> None:
         rt.refresh_state()
+        if rt.tenant_id in self._unwritten:
+            self._reap_writes(block=False)  # its commit may be done already (no wait for the wake-up)
+            if rt.tenant_id in self._unwritten:
+                return  # answered once written (_reap_writes)
         if not rt.register_waiters or rt.state not in (TenantState.RUNNING, TenantState.STOPPED):
             return
         waiters, rt.register_waiters = rt.register_waiters, []
@@ -292,7 +429,7 @@ class AdminOps:
                 self.tenant_failed(rt, f"did not start after the supervisor restarted: {exc}")
             self._on_settled()
             return
-        self.evict(rt.tenant_id, None, None)
+        self.evict(rt.tenant_id, None, None, durable=False)
         for client, rid, _ in waiters:
             self.pending.refuse(client, rid or 0, "register", exc)
         self._on_settled()
@@ -331,13 +468,21 @@ class AdminOps:
 
     # ------------------------------------------------------------ evict, set_quota, scale
 
-    def evict(self, tid: str, client: bytes | None, rid: int | None) -> None:
+    def evict(self, tid: str, client: bytes | None, rid: int | None, *, durable: bool = True) -> None:
+        """Evict ``tid``. ``durable``: written first - StateError and nothing revoked when the
+        write fails, so an eviction that was answered never comes undone at a restart. Without
+        it (a registration that failed, never answered), written after, on a best effort."""
         rt = self.runtime(tid)
+        if durable:
+            self.write(self.state.evict, tid)  # waits for its registration's commit first
+        else:
+            self._unwritten.discard(tid)
         rt.state = TenantState.EVICTING
         self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
         del self.tenants[tid]
-        self.record(self.state.evict, tid)
+        if not durable:
+            self.record(self.state.evict, tid)
         self.service.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
         self.frontend.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
         self.frontend.forget(rt)  # verified tokens, modules, held bytes: nothing of it stays
@@ -366,18 +511,27 @@ class AdminOps:
         changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
         if not changes:
             raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
-        info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
+        new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
+        self.write(self.state.update_spec, new_spec)  # StateError: nothing applied
+        try:
+            info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
+        except BaseException:
+            self.record(self.state.update_spec, rt.spec)  # put the stored spec back
+            raise
         rt.spec = info.spec
-        self.record(self.state.update_spec, rt.spec)
         self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
         return self.tenant_record(rt)
 
     def scale(self, tid: str, n: int) -> TenantRecord:
         rt = self.runtime(tid)
         spec = rt.spec.with_instances(n)  # validates the range
+        wanted = rt.wanted_slots()
+        free = sum(1 for s in rt.slots if s.draining and s.worker is None) + MAX_INSTANCES - len(rt.slots)
+        if n - len(wanted) > free:
+            raise InvalidArgument(f"no free instance slot (at most {MAX_INSTANCES})")
+        self.write(self.state.update_spec, spec)  # StateError: nothing applied
         self.registry.update_spec(self.admin_cap, spec)
         rt.spec = spec
-        wanted = rt.wanted_slots()
         for down in wanted[:n] if rt.state is not TenantState.FAILED else ():
             if down.worker is None and down.restart_at is None:  # down for good (not restarted): start it again
                 self.workers.start_instance(rt, down)
@@ -399,16 +553,18 @@ class AdminOps:
                 if slot.worker is not None:
                     self.workers.drain(slot.worker)
             self.frontend.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
-        self.record(self.state.update_spec, rt.spec)
         self.events.emit("scale", tenant=tid, instances=n)
         rt.refresh_state()
         return self.tenant_record(rt)
 
     def record(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """Write an admin change that is already applied. A failed write cannot undo it: it is
-        logged and published (``state_error``) so the operator knows a restart would lose it."""
+        """Write a change no client asked for that is already applied (a tenant marked failed, a
+        failed registration undone). A failed write cannot undo it: it is logged and published
+        (``state_error``) so the operator knows a restart would lose it."""
         try:
+            self._settle_writes()
             write(*args, **kwargs)
+            self._checkpoint_soon()
         except StateError as exc:
             log_event(_log, logging.ERROR, "state.write_failed", error=str(exc))
             self.events.emit("state_error", path=exc.path, error=exc.detail)

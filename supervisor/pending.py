@@ -55,6 +55,10 @@ class PendingTable:
     metrics: Metrics
     tenants: Mapping[str, TenantRuntime]
     clock: Clock = time.monotonic
+    #: an ``alloc`` answered OK whose reply could not be sent (the client is gone or not reading):
+    #: ``(tenant, handle)`` - the worker set frees it, so no allocation outlives its request
+    #: unless its client was told of it (issue 30)
+    on_undelivered_alloc: Callable[[str, int], None] | None = None
     _rid: int = field(default=0, init=False)
     _live: int = field(default=0, init=False)  # requests in flight (the heap also holds answered ones)
     _deadlines: list[tuple[float, int, WorkerHandle]] = field(default_factory=list, init=False)
@@ -191,7 +195,12 @@ class PendingTable:
                 rt.in_flight -= 1
         held, pending.held = pending.held, 0
         if ok:
-            self.replies.ok(pending.client, pending.client_rid, payload, body, tenant=pending.tenant, held=held)
+            told = self.replies.ok(pending.client, pending.client_rid, payload, body, tenant=pending.tenant,
+                                   held=held)
+            if not told and pending.op == "alloc" and self.on_undelivered_alloc is not None:
+                handle = payload.get("handle") if isinstance(payload, dict) else None
+                if isinstance(handle, int) and not isinstance(handle, bool):
+                    self.on_undelivered_alloc(pending.tenant, handle)
         else:
             self.replies.error(pending.client, pending.client_rid, payload)
             self.replies.release(pending.tenant, "replies", held)

@@ -8,6 +8,15 @@
     housekeeping (every second)      RegionTable.reap     regions whose client process died
     evict / shutdown                 release_tenant/close every region of the tenant / all of them
 
+Room in ``/dev/shm``: a region's pages are reserved when it is created
+(``posix_fallocate``, in :func:`shared._shm.create`), so a full ``/dev/shm``
+refuses the region (``SegmentError``) instead of a SIGBUS later. And regions
+together may use only what ``/dev/shm`` has free minus :data:`SHM_RESERVE_BYTES`,
+kept for the quota blocks of tenants still to come and the device budgets:
+filling ``/dev/shm`` with regions (within a tenant's host quota, which is
+sized for RAM, not for a container's 64 MiB ``/dev/shm``) can no longer
+refuse the next registration.
+
 Ownership: the supervisor creates every region (so it owns the name and
 unlinks it; its resource tracker and the next supervisor's stale-segment
 sweep remove what a killed supervisor left) and charges its bytes to the
@@ -24,22 +33,35 @@ All of it runs on the supervisor's loop thread.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from shared.errors import InvalidArgument
+from shared import _shm
+from shared.errors import InvalidArgument, SegmentError
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock, process_alive, process_start_ms
 from shared.records import RegionRecord
-from shared.region import Region, round_region_size
+from shared.region import DATA_OFFSET, Region, round_region_size
 
-__all__ = ["MAX_REGIONS_PER_TENANT", "OwnedRegion", "RegionTable"]
+__all__ = ["MAX_REGIONS_PER_TENANT", "SHM_RESERVE_BYTES", "OwnedRegion", "RegionTable", "shm_free_bytes"]
 
 _log = get_logger("supervisor.regions")
 
 #: regions one tenant may hold at once (their bytes are bounded by its host quota)
 MAX_REGIONS_PER_TENANT: Final = 64
+#: what regions leave free in /dev/shm: quota blocks (8 KiB each) of 1,024 more tenants
+SHM_RESERVE_BYTES: Final = 8 << 20
+
+
+def shm_free_bytes(path: str = _shm.SHM_DIR) -> int | None:
+    """Bytes an unprivileged process may still allocate in ``path`` (None: cannot tell)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 @dataclass(eq=False)
@@ -71,9 +93,11 @@ class OwnedRegion:
 class RegionTable:
     """Every region of one supervisor, by id and by tenant."""
 
-    def __init__(self, prefix: str, *, max_per_tenant: int = MAX_REGIONS_PER_TENANT) -> None:
+    def __init__(self, prefix: str, *, max_per_tenant: int = MAX_REGIONS_PER_TENANT,
+                 shm_reserve_bytes: int = SHM_RESERVE_BYTES) -> None:
         self.prefix = prefix
         self.max_per_tenant = max_per_tenant
+        self.shm_reserve_bytes = shm_reserve_bytes
         self._by_id: dict[int, OwnedRegion] = {}
         self._by_tenant: dict[str, dict[int, OwnedRegion]] = {}
         self._next_id = 1
@@ -82,8 +106,9 @@ class RegionTable:
                *, generation: int = 0) -> OwnedRegion:
         """A new region for ``tenant_id``'s client ``client_pid``.
 
-        Raises InvalidArgument (size, pid, too many regions) or MemoryExhausted
-        (the tenant's host quota); nothing is held then.
+        Raises InvalidArgument (size, pid, too many regions), MemoryExhausted
+        (the tenant's host quota) or SegmentError (no room in /dev/shm past its
+        reserve, or the tenant's quota block is unusable); nothing is held then.
         """
         size = round_region_size(nbytes)
         if isinstance(client_pid, bool) or not isinstance(client_pid, int) or client_pid <= 0:
@@ -97,6 +122,13 @@ class RegionTable:
         if len(held) >= self.max_per_tenant:
             raise InvalidArgument(f"tenant {tenant_id!r} holds {len(held)} regions already "
                                   f"(limit {self.max_per_tenant}); release one first")
+        free = shm_free_bytes()
+        if free is not None and DATA_OFFSET + size > free - self.shm_reserve_bytes:
+            raise SegmentError(_shm.SHM_DIR, f"no room for a region of {size:,} B: {max(0, free):,} B free, "
+                                             f"{self.shm_reserve_bytes:,} B of it kept for quota blocks; release "
+                                             "regions (or enlarge /dev/shm)")
+        if block.closed:  # checks the block's size first: a truncated one would be a SIGBUS
+            raise SegmentError(block.name, f"the quota block of {tenant_id!r} is unusable (truncated or closed)")
         block.consume_bytes(size)  # MemoryExhausted: nothing else happens
         try:
             region = Region.create(tenant_id, size, prefix=self.prefix, generation=generation)

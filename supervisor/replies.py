@@ -52,12 +52,13 @@ class Replies:
             self.held.release(tenant, kind, n)
 
     def ok(self, client: bytes | None, rid: int, result: Any, body: Any = None, *,
-           tenant: str = "", held: int = 0) -> None:
+           tenant: str = "", held: int = 0) -> bool:
         """Answer ``result`` (and ``body``). ``held``: reply bytes reserved for this request
-        at admission; given back once libzmq lets go of a big body, else at once."""
+        at admission; given back once libzmq lets go of a big body, else at once. False when
+        the reply could not be queued (the client is gone, or not reading): it was not told."""
         if client is None:
             self.release(tenant, "replies", held)
-            return
+            return True
         header = proto.encode_reply(rid, True, result)
         try:
             sock, ident = self.sockets[client[0]], client[1:]
@@ -73,11 +74,15 @@ class Replies:
                 tracker = sock.send_multipart([ident, header, tracked], zmq.NOBLOCK, copy=False, track=True)
                 if tracker is not None:
                     self._queues.setdefault(client, collections.deque()).append((tracker, len(body), tenant, held))
-                    return
+                    return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH (client gone) / EAGAIN (client not reading)
             log_event(_log, logging.DEBUG, "supervisor.reply_dropped", rid=rid, error=exc.strerror)
+            if held:
+                self.held.release(tenant, "replies", held)
+            return False
         if held:
             self.held.release(tenant, "replies", held)
+        return True
 
     def error_tracked(self, client: bytes, rid: int, err: dict[str, Any]) -> zmq.MessageTracker | None:
         """An error reply whose tracker tells when libzmq let go of it (None: not queued)."""

@@ -266,9 +266,14 @@ def read_ready(run_dir: str, expected_uid: int | None = None) -> dict[str, Any] 
 
     PermissionError when the run dir is not accessible to us; UntrustedRunDir
     when it (or what is in it) is not the expected user's.
+
+    Only the right to *traverse* the run dir is needed (names are known, never
+    listed): a ``client_group`` member gets 0710 - traverse, no read - and must
+    be able to use it (issue 30).
     """
-    if os.path.isdir(run_dir) and not os.access(run_dir, os.R_OK | os.X_OK):
-        raise PermissionError(f"run dir {run_dir} is not accessible to this user (it is 0700 and belongs to its supervisor)")
+    if os.path.isdir(run_dir) and not os.access(run_dir, os.X_OK):
+        raise PermissionError(f"run dir {run_dir} is not accessible to this user (it is 0700 and belongs to its "
+                              "supervisor; a supervisor with client_group opens it to that group)")
     verify_run_dir(run_dir, expected_uid)
     try:
         fd = os.open(os.path.join(run_dir, READY_FILE), os.O_RDONLY | os.O_NOFOLLOW)

@@ -240,11 +240,12 @@ class ServiceOps:
         """Clear a failed tenant (and its restart history) and start its instances; answered when it runs."""
         rt = self.admin.runtime(tid)
         was_failed = rt.state is TenantState.FAILED
+        if was_failed:
+            self.admin.write(self.state.set_failed, tid, None)  # StateError: nothing reset
         rt.restart_times.clear()
         if was_failed:
             rt.state = TenantState.STARTING
             rt.failed_reason = None
-            self.admin.record(self.state.set_failed, tid, None)
         for slot in rt.slots:
             if slot.draining:
                 continue

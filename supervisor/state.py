@@ -16,7 +16,10 @@ What it holds, and why each piece must outlive the process::
 Durability: WAL with ``synchronous=FULL``; every admin change is exactly one
 ``BEGIN IMMEDIATE ... COMMIT`` transaction, so a SIGKILL at any instant leaves
 the old state or the new one, never a mix. Only the supervisor loop writes,
-and only on admin operations (never on the request path).
+and only on admin operations (never on the request path) - directly, or
+through :meth:`StateStore.submit`: one writer thread on which a registration's
+commit (and the checkpoint) runs while the loop goes on serving; a lock keeps
+the connection to one user at a time.
 
 Bad state is never reset behind the operator's back: a file that is not a
 SQLite database, fails ``quick_check``, is not ours, or has a newer schema
@@ -25,8 +28,20 @@ before anything is written to it. A missing file is a first start. The
 directory is 0700 and owned by us; the files are 0600; a ``state.lock``
 (``flock``) keeps a second supervisor off the same state.
 
-A backup of a running supervisor: ``sqlite3 state.db ".backup copy.db"``
-(see docs/OPERATIONS.md).
+Checkpoints: the WAL is folded into ``state.db`` and truncated
+(``wal_checkpoint(TRUNCATE)``) after the first start's key creation and after
+every admin write, so ``state.db`` alone holds all acknowledged state - a
+copy of it without its WAL, or a lost WAL, loses nothing.
+
+The marker: once the registry key is stored, ``state.initialized`` is written
+beside the database. A start that then finds the database missing, empty or
+without its registry key refuses with one :class:`StateError` line instead
+of silently starting afresh with a new key and no tenants (restore a backup,
+or remove the marker to start afresh on purpose).
+
+A backup of a running supervisor: ``twt state backup DEST`` (SQLite's online
+backup API, :func:`backup`), or ``sqlite3 state.db ".backup copy.db"`` (see
+docs/OPERATIONS.md).
 """
 
 from __future__ import annotations
@@ -37,18 +52,22 @@ import json
 import os
 import secrets
 import sqlite3
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from shared.errors import StateError, UnknownTenant
 from shared.spec import TenantSpec
 
 __all__ = [
+    "MARKER_FILE",
     "SCHEMA_VERSION",
     "STATE_FILE",
+    "backup",
     "Origin",
     "RegistryKey",
     "StateStore",
@@ -57,6 +76,8 @@ __all__ = [
 
 STATE_FILE = "state.db"
 LOCK_FILE = "state.lock"
+#: written beside the database once it holds a registry key (see the module docstring)
+MARKER_FILE = "state.initialized"
 SCHEMA_VERSION = 1
 Origin = Literal["file", "runtime"]
 _ORIGINS = ("file", "runtime")
@@ -139,6 +160,8 @@ class StateStore:
         self._conn = conn
         self.path = path
         self._lock_fd: int | None = lock_fd
+        self._use = threading.RLock()  # the connection: the loop thread, or the writer thread
+        self._writer: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------- opening
 
@@ -161,9 +184,14 @@ class StateStore:
         os.chmod(state_dir, 0o700)
         lock_fd = _lock(state_dir)
         try:
+            marker = os.path.join(state_dir, MARKER_FILE)
+            if os.path.exists(marker) and not os.path.exists(path):
+                raise StateError(path, _LOST.format(what="is missing", marker=marker))
             conn = _connect(path)
             try:
-                _check_and_migrate(conn, path)
+                _check_and_migrate(conn, path, marker if os.path.exists(marker) else None)
+                if os.path.exists(marker) and _registry_key_of(conn) is None:
+                    raise StateError(path, _LOST.format(what="holds no registry key", marker=marker))
             except BaseException:
                 conn.close()
                 raise
@@ -177,10 +205,19 @@ class StateStore:
                 pass
         return cls(conn, path, lock_fd)
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(*args)`` (a method of this store) on its one writer thread, in submission order."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twt-state")
+        return self._writer.submit(fn, *args)
+
     def close(self) -> None:
-        """Close the database (a clean WAL checkpoint) and drop the lock. Idempotent."""
+        """Finish what was submitted, close the database (a clean WAL checkpoint), drop the lock. Idempotent."""
         if self._lock_fd is None:
             return
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
         try:
             self._conn.close()
         finally:
@@ -195,26 +232,28 @@ class StateStore:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: all of it is committed, or none of it."""
+        """One write transaction: all of it is committed, or none of it (StateError)."""
         conn = self._conn
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            yield conn
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise StateError(self.path, f"write failed: {exc}") from None
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+        with self._use:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                yield conn
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise StateError(self.path, f"write failed: {exc}") from None
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
 
     # -------------------------------------------------------- key material
 
     def get_key(self, name: str) -> bytes | None:
         """Named key material (e.g. ``curve.secret``), or None when never stored."""
-        row = self._conn.execute("SELECT material FROM key_material WHERE name = ?", (name,)).fetchone()
+        with self._use:
+            row = self._conn.execute("SELECT material FROM key_material WHERE name = ?", (name,)).fetchone()
         return None if row is None else bytes(row[0])
 
     def put_key(self, name: str, material: bytes) -> None:
@@ -254,19 +293,57 @@ class StateStore:
                     "INSERT OR REPLACE INTO retired_keys (registry_id, retired_at) VALUES (?, ?)",
                     (retire, time.time()),
                 )
+        self.checkpoint()
+        self._write_marker(key)
+
+    def _write_marker(self, key: RegistryKey) -> None:
+        """``state.initialized`` beside the database (durable: file and directory fsynced)."""
+        state_dir = os.path.dirname(self.path)
+        marker = os.path.join(state_dir, MARKER_FILE)
+        if os.path.exists(marker):
+            return
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, f"tensor-wasm-tenant state, first registry id {key.registry_id.hex()}\n".encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dfd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            raise StateError(marker, f"cannot write the marker: {exc.strerror}") from None
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into ``state.db`` and truncate it (``wal_checkpoint(TRUNCATE)``).
+
+        Raises :class:`StateError` when SQLite cannot (a full disk); a checkpoint that is
+        only *busy* (a reader such as ``twt state backup`` holds a snapshot) is not an error:
+        the commit is durable in the WAL, and the next checkpoint folds it in.
+        """
+        try:
+            with self._use:
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.Error as exc:
+            raise StateError(self.path, f"checkpoint failed: {exc}") from None
 
     def retired_registry_ids(self) -> frozenset[bytes]:
-        return frozenset(bytes(r[0]) for r in self._conn.execute("SELECT registry_id FROM retired_keys"))
+        with self._use:
+            return frozenset(bytes(r[0]) for r in self._conn.execute("SELECT registry_id FROM retired_keys"))
 
     # -------------------------------------------------------------- tenants
 
     def tenants(self) -> list[StoredTenant]:
         """Every stored tenant, by id. Raises :class:`StateError` for a row that does not parse."""
         out = []
-        rows = self._conn.execute(
-            "SELECT tenant_id, spec, registered_spec, origin, generation, failed_reason, registered_at, updated_at "
-            "FROM tenants ORDER BY tenant_id"
-        ).fetchall()
+        with self._use:
+            rows = self._conn.execute(
+                "SELECT tenant_id, spec, registered_spec, origin, generation, failed_reason, registered_at, "
+                "updated_at FROM tenants ORDER BY tenant_id"
+            ).fetchall()
         for tid, spec, registered, origin, gen, failed, reg_at, upd_at in rows:
             try:
                 record = StoredTenant(
@@ -290,25 +367,37 @@ class StateStore:
 
     def generations(self) -> dict[str, int]:
         """The last generation issued per tenant id (evicted ones included)."""
-        return {str(t): int(g) for t, g in self._conn.execute("SELECT tenant_id, generation FROM generations")}
+        with self._use:
+            rows = self._conn.execute("SELECT tenant_id, generation FROM generations").fetchall()
+        return {str(t): int(g) for t, g in rows}
 
     def register(self, spec: TenantSpec, generation: int, origin: Origin) -> StoredTenant:
         """A tenant was registered (or restored after an eviction): one transaction."""
-        if origin not in _ORIGINS:
-            raise ValueError(f"origin must be one of {_ORIGINS}; got {origin!r}")
+        return self.register_many([(spec, generation, origin)])[0]
+
+    def register_many(self, batch: list[tuple[TenantSpec, int, Origin]]) -> list[StoredTenant]:
+        """Several registrations in one transaction (group commit: one fsync for all of them).
+
+        Statements are the same text every time, so SQLite's statement cache keeps them prepared.
+        """
+        for _, _, origin in batch:
+            if origin not in _ORIGINS:
+                raise ValueError(f"origin must be one of {_ORIGINS}; got {origin!r}")
+        if not batch:
+            return []
         now = time.time()
-        text = _spec_json(spec)
+        rows = [(spec.tenant_id, _spec_json(spec), origin, generation, now) for spec, generation, origin in batch]
         with self._tx() as c:
-            c.execute(
+            c.executemany(
                 "INSERT OR REPLACE INTO tenants (tenant_id, spec, registered_spec, origin, generation, "
-                "failed_reason, registered_at, updated_at) VALUES (?, ?, ?, ?, ?, NULL, ?, ?)",
-                (spec.tenant_id, text, text, origin, generation, now, now),
+                "failed_reason, registered_at, updated_at) VALUES (?1, ?2, ?2, ?3, ?4, NULL, ?5, ?5)",
+                rows,
             )
-            c.execute(
+            c.executemany(
                 "INSERT OR REPLACE INTO generations (tenant_id, generation) VALUES (?, ?)",
-                (spec.tenant_id, generation),
+                [(spec.tenant_id, generation) for spec, generation, _ in batch],
             )
-        return StoredTenant(spec, spec, origin, generation, None, now, now)
+        return [StoredTenant(spec, spec, origin, generation, None, now, now) for spec, generation, origin in batch]
 
     def update_spec(self, spec: TenantSpec, *, registered_spec: TenantSpec | None = None) -> None:
         """A live change (set_quota, scale, reload); ``registered_spec``: what the file now says."""
@@ -351,6 +440,74 @@ def _put_key(c: sqlite3.Connection, name: str, material: bytes) -> None:
     )
 
 
+_LOST = ("{what}, but this state directory was initialized before ({marker} exists): its data is lost or "
+         "was not restored with it (a copy without its -wal file?); restore a backup (docs/OPERATIONS.md, "
+         "\"Backing up the state\"), or remove the marker to start afresh with a new key and no tenants")
+
+
+def _registry_key_of(conn: sqlite3.Connection) -> bytes | None:
+    row = conn.execute("SELECT material FROM key_material WHERE name = ?", (_KEY_REGISTRY_SECRET,)).fetchone()
+    return None if row is None else bytes(row[0])
+
+
+def backup(state_dir: str, dest: str) -> dict[str, object]:
+    """Copy the state database to ``dest`` with SQLite's online backup API.
+
+    Safe while a supervisor runs (a read transaction: it never takes ``state.lock``
+    and sees one consistent snapshot, WAL included). ``dest`` must not exist; it is
+    written 0600 as a single self-contained file (rollback journal, no WAL), checked
+    with ``quick_check`` and fsynced. Returns what was copied (path, bytes, tenants).
+    Raises :class:`StateError`.
+    """
+    path = os.path.join(os.path.abspath(state_dir), STATE_FILE)
+    dest = os.path.abspath(dest)
+    if not os.path.isfile(path):
+        raise StateError(path, "no state database to back up")
+    if os.path.lexists(dest):
+        raise StateError(dest, "exists already; the backup never overwrites a file")
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+    except OSError as exc:
+        raise StateError(dest, f"cannot create: {exc.strerror}") from None
+    try:
+        src = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
+        try:
+            dst = sqlite3.connect(dest, isolation_level=None)
+            try:
+                src.backup(dst)
+                dst.execute("PRAGMA journal_mode = DELETE").fetchone()
+                check = dst.execute("PRAGMA quick_check").fetchall()
+                tenants = dst.execute("SELECT COUNT(*) FROM tenants").fetchone()[0]
+                has_key = _registry_key_of(dst) is not None
+            finally:
+                dst.close()
+        finally:
+            src.close()
+        if check != [("ok",)]:
+            raise StateError(dest, f"the copy fails quick_check: {check[:3]!r}")
+        fd = os.open(dest, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except sqlite3.Error as exc:
+        _remove_quietly(dest)
+        raise StateError(path, f"backup failed: {exc}") from None
+    except BaseException:
+        _remove_quietly(dest)
+        raise
+    return {"source": path, "backup": dest, "bytes": os.path.getsize(dest), "tenants": int(tenants),
+            "registry_key": has_key}
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _lock(state_dir: str) -> int:
     path = os.path.join(state_dir, LOCK_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -388,8 +545,9 @@ def _connect(path: str) -> sqlite3.Connection:
         raise StateError(path, f"cannot open: {exc}") from None
 
 
-def _check_and_migrate(conn: sqlite3.Connection, path: str) -> None:
-    """Validate read-only first; write (WAL, migrations) only once the file is known good."""
+def _check_and_migrate(conn: sqlite3.Connection, path: str, marker: str | None = None) -> None:
+    """Validate read-only first; write (WAL, migrations) only once the file is known good.
+    ``marker``: the state was initialized before, so an empty file is a loss, not a first start."""
     try:
         check = conn.execute("PRAGMA quick_check").fetchall()
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -399,6 +557,8 @@ def _check_and_migrate(conn: sqlite3.Connection, path: str) -> None:
         detail = "; ".join(str(r[0]) for r in check[:3])
         raise StateError(path, f"corrupt (quick_check: {detail}); restore a backup or move it away")
     version = 0
+    if not tables and marker is not None:
+        raise StateError(path, _LOST.format(what="is empty", marker=marker))
     if tables:
         if "schema_version" not in tables:
             raise StateError(path, f"not a tensor-wasm-tenant state database (tables: {', '.join(sorted(tables))})")

@@ -276,6 +276,7 @@ class Supervisor:
             control=control_sock, placement=placement, backend_name=choice.name,
             backend_options=choice.options, events=self.events, metrics=self.metrics, hooks=_Hooks(self, admin),
         )
+        pending.on_undelivered_alloc = workers.free_undelivered
         audit = DeniedAudit(self.events.emit)
 
         def on_denied(cap_raw: bytes | None, op: str) -> None:

@@ -135,6 +135,34 @@ class WorkerSet:
             raise WorkerLost(pending.tenant, pending.instance, reason=f"worker unreachable: {exc.strerror}") from None
         self.pending.add(worker, rid, pending)
 
+    def free_undelivered(self, tenant: str, handle: int) -> None:
+        """An ``alloc`` succeeded but its client was never told (its reply could not be sent):
+        free the buffer, so the tenant is not charged for bytes nobody holds. A worker that
+        cannot be asked, or does not answer within the deadline, is replaced (its death
+        returns the bytes)."""
+        rt = self.tenants.get(tenant)
+        index = proto.handle_instance(handle)
+        if rt is None or index >= len(rt.slots):
+            return
+        slot = rt.slots[index]
+        worker = slot.worker
+        if (worker is None or worker.state not in (WorkerState.READY, WorkerState.DRAINING)
+                or slot.incarnation & 0xFFFF != proto.handle_incarnation(handle)):
+            return  # that incarnation is gone: its buffers went with it
+        log_event(_log, logging.WARNING, "buffer.undelivered_freed", tenant=tenant, instance=index,
+                  handle=proto.format_handle(handle))
+
+        def done(ok: bool, payload: Any) -> None:
+            if not ok and worker.state is not WorkerState.DEAD:
+                self.kill(worker, "could not free an allocation whose reply was lost", "protocol")
+
+        now = self.clock()
+        pending = Pending(None, 0, "free", tenant, index, now, now + rt.spec.deadline_s("free"), done)
+        try:
+            self.send_request(worker, "free", {"handle": handle}, None, pending)
+        except TensorWasmError:
+            self.kill(worker, "could not free an allocation whose reply was lost", "protocol")
+
     def send_control(self, worker: WorkerHandle, data: bytes) -> None:
         try:
             self.control.send_multipart([worker.ident, data], zmq.NOBLOCK)

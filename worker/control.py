@@ -33,7 +33,7 @@ from typing import Any
 
 import zmq
 
-from shared.errors import ProtocolError, TensorWasmError
+from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.exitcodes import WORKER_PARENT_GONE, WORKER_SUPERVISOR_SILENT
 from shared.log import get_logger, log_event
 from shared.protocol import decode_control, encode_control
@@ -142,6 +142,18 @@ class ControlThread(threading.Thread):
                 log_event(_log, logging.ERROR, "worker.parent_gone", parent=self.parent_pid)
                 os._exit(EXIT_PARENT_GONE)
 
+    def _check_kernel_fault(self) -> None:
+        """Refuse ``cuda-fault`` when it is ordered, not at the next request: armed on a backend
+        that cannot fault, it would fail an unrelated request with an error that is not about that
+        request (an ``InvalidArgument`` on a ``read`` of a live buffer, which a client may take
+        for "this buffer is gone" and lose track of bytes still charged)."""
+        context = getattr(self.stats, "context", None)
+        backend = getattr(context, "backend", None)
+        name = getattr(backend, "name", None)
+        if name != "cuda":
+            raise InvalidArgument(f"fault 'cuda-fault' needs the cuda backend (this worker runs "
+                                  f"{name or 'no backend yet'!r})")
+
     def _on_message(self, sock: zmq.Socket[Any], kind: str, args: dict[str, Any]) -> None:
         if kind == "stop":
             log_event(_log, logging.INFO, "worker.stop_requested")
@@ -149,6 +161,8 @@ class ControlThread(threading.Thread):
         elif kind == "fault":
             try:
                 order = FaultOrder.from_wire(args)
+                if order.kind == "cuda-fault":
+                    self._check_kernel_fault()
                 ack = FaultAck(True, armed=self.faults.apply(str(order.kind), dict(order.params or {})))
             except (TensorWasmError, TypeError) as exc:  # ProtocolError, InvalidArgument; params not a map
                 err = exc if isinstance(exc, TensorWasmError) else ProtocolError(f"bad fault order: {exc}")

@@ -30,7 +30,12 @@ _DISRUPTIVE = frozenset({"crash", "segfault", "exit", "hang", "corrupt", "drop",
 #: error codes that say the instance that held a buffer died (or is being killed)
 _DEATH_CODES = frozenset({"worker_lost", "kernel_timeout", "memory_exhausted"})
 #: error codes that say a buffer is gone already: its instance restarted since it was allocated
-_GONE_CODES = frozenset({"buffer_lost", "invalid_argument"})
+_GONE_CODES = frozenset({"buffer_lost"})
+#: an ``invalid_argument`` says a buffer is gone only when the worker says so about the handle
+#: (a request parked across a restart reaches the new incarnation); any other one (a bad offset,
+#: a refused fault) leaves the buffer where it is - taking it for gone loses track of bytes still
+#: charged, which is how seed 1 once "found" quota drift (issue 30)
+_GONE_DETAILS = ("belongs to another worker instance or to one that restarted", "unknown buffer handle")
 #: outcomes that break "every request answered with a result or a typed error"
 _UNANSWERED = frozenset({"lost", "untyped"})
 

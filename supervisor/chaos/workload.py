@@ -17,7 +17,7 @@ from shared.errors import (
     TensorWasmError,
 )
 from shared.spec import TenantSpec
-from supervisor.chaos.config import _DEATH_CODES, _GONE_CODES, MAX_LIVE_BUFFERS
+from supervisor.chaos.config import _DEATH_CODES, _GONE_CODES, _GONE_DETAILS, MAX_LIVE_BUFFERS
 from supervisor.chaos.recorder import Record, Recorder
 from supervisor.client import SupervisorClient
 from supervisor.demo import guest_path
@@ -76,6 +76,7 @@ class _Client(threading.Thread):
         self.stale: list[tuple[int, int]] = []  # (handle, nbytes) dropped: their instance died
         self.client: SupervisorClient | None = None
         self.crashed: BaseException | None = None
+        self.last_detail = ""  # the detail of the last call's error
         # the client gives up well after the supervisor must have answered: that is "lost"
         self.timeout_s = 2 * spec.deadline_s("run_wasm") + 10.0
 
@@ -99,6 +100,7 @@ class _Client(threading.Thread):
         except Exception as exc:  # noqa: BLE001 - recorded as a violation, never hidden
             outcome, detail = "untyped", repr(exc)[:200]
         latency = time.monotonic() - t0
+        self.last_detail = detail
         self.recorder.add(
             Record(
                 self.tenant,
@@ -129,11 +131,16 @@ class _Client(threading.Thread):
             )
         )
 
+    def _gone(self, outcome: str) -> bool:
+        """Did the last call's error say its buffer is gone?"""
+        return outcome in _GONE_CODES or (
+            outcome == "invalid_argument" and any(d in self.last_detail for d in _GONE_DETAILS))
+
     def _after_error(self, handle: int, outcome: str, *, mutating: bool) -> None:
         buf = self.live.get(handle)
         if buf is None:
             return
-        if outcome in _GONE_CODES:
+        if self._gone(outcome):
             # the handle names an instance incarnation that is gone: its buffer went with it
             del self.live[handle]
             self.stale.append((handle, buf.nbytes))
@@ -271,6 +278,6 @@ class _Client(threading.Thread):
             outcome, _ = self._call("free", lambda c: c.free(self.cap, handle))  # noqa: B023 - called at once
             if outcome == "ok":
                 del self.live[handle]
-            elif outcome in _GONE_CODES or buf.doomed or outcome in _DEATH_CODES:
+            elif self._gone(outcome) or buf.doomed or outcome in _DEATH_CODES:
                 del self.live[handle]
                 self.stale.append((handle, buf.nbytes))

@@ -67,6 +67,7 @@ COMMANDS = {
     "cluster": "supervisor.cli.cluster",
     "cleanup": "supervisor.cli.cleanup",
     "build": "supervisor.cli.build",
+    "state": "supervisor.cli.state",
 }
 
 __all__ += ["EXIT_CHECK", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE"]

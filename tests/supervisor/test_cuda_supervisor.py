@@ -440,10 +440,13 @@ def test_cuda_fault_needs_the_cuda_backend() -> None:
         c = sup.client
         cap = c.tenant_capability(None, "acme")
         pid = instance_pid(sup, "acme")
-        c.inject_fault(None, "acme", "cuda-fault")
+        buf = c.alloc(cap, 4096)
+        # refused when ordered (issue 30): armed, it failed the next unrelated request with an
+        # InvalidArgument that a client could take for "this buffer is gone"
         with pytest.raises(InvalidArgument, match="cuda backend"):
-            c.ping(cap)
+            c.inject_fault(None, "acme", "cuda-fault")
         c.ping(cap)
+        assert c.read(cap, buf, 4096) == bytes(4096)
         assert instance_pid(sup, "acme") == pid
 
 

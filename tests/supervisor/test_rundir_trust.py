@@ -21,6 +21,7 @@ import zmq
 from shared.errors import UntrustedRunDir
 from supervisor.client import SupervisorClient
 from supervisor.rundir import read_admin_capability, verify_run_dir
+from tests.helpers import other_user
 
 OTHER_UID = 54321
 
@@ -119,40 +120,26 @@ else:
 """
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="running a client as another uid needs root")
-@pytest.mark.timeout(120)
+@pytest.mark.skipif(other_user.available() is not None, reason=str(other_user.available()))
+@pytest.mark.timeout(180)
 def test_a_tenant_only_client_in_the_client_group_cannot_reach_the_admin_capability() -> None:
-    import subprocess
-    import sys
-
+    """A real second user (created here) in the client group uses the documented
+    ``SupervisorClient(run_dir, expected_uid=...)`` - the run dir is 0710, so this needs only
+    traverse permission (issue 30, item 7: it raised PermissionError) - and still cannot read
+    the admin capability; a user outside the group cannot even connect."""
     from tests.helpers.cluster import supervisor
 
-    gid = 54321
-    with supervisor([{"name": "t"}], client_group=str(gid)) as sup:
-        cap = sup.client.tenant_capability(None, "t")
-        assert stat.S_IMODE(os.stat(sup.run_dir).st_mode) == 0o710
-        assert stat.S_IMODE(os.stat(os.path.join(sup.run_dir, "admin")).st_mode) == 0o700
-
-        def as_user(uid: int, groups: list[int]) -> subprocess.CompletedProcess[str]:
-            def drop() -> None:
-                os.setgroups(groups)
-                os.setgid(groups[0] if groups else uid)
-                os.setuid(uid)
-
-            return subprocess.run(
-                [sys.executable, "-c", _TENANT_ONLY, sup.run_dir, str(os.getuid()), cap.to_bytes().hex()],
-                capture_output=True, text=True, timeout=60, preexec_fn=drop, cwd=os.getcwd(),
-                env={**os.environ, "PYTHONPATH": os.getcwd()},
-            )
-
-        try:
-            member = as_user(OTHER_UID, [gid])
-        except PermissionError:
-            pytest.skip("this interpreter is not accessible to another uid here")
-        assert "ping t" in member.stdout, member.stderr[-2000:]
-        assert "admin refused" in member.stdout, member.stdout
-        outsider = as_user(OTHER_UID + 1, [OTHER_UID + 1])
-        assert "ping" not in outsider.stdout and outsider.returncode != 0
+    with other_user.other_user() as member, other_user.other_user() as outsider:
+        with supervisor([{"name": "t"}], client_group=member.group) as sup:
+            cap = sup.client.tenant_capability(None, "t")
+            assert stat.S_IMODE(os.stat(sup.run_dir).st_mode) == 0o710
+            assert stat.S_IMODE(os.stat(os.path.join(sup.run_dir, "admin")).st_mode) == 0o700
+            args = (sup.run_dir, str(os.getuid()), cap.to_bytes().hex())
+            inside = member.run_python(_TENANT_ONLY, *args)
+            assert "ping t" in inside.stdout, inside.stderr[-3000:]
+            assert "admin refused" in inside.stdout, inside.stdout
+            outside = outsider.run_python(_TENANT_ONLY, *args)
+            assert "ping" not in outside.stdout and outside.returncode != 0, outside.stdout
 
 
 @pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ import pytest
 
 from shared.errors import StateError, UnknownTenant
 from shared.spec import TenantSpec
-from supervisor.state import SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore
+from supervisor.state import MARKER_FILE, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore, backup
 
 KEY = RegistryKey(b"r" * 16, b"s" * 32)
 
@@ -252,3 +252,72 @@ def test_state_dir_setting(tmp_path: Path) -> None:
     bad.write_text('[supervisor]\nconfig_file = "/etc/x"\n')
     with pytest.raises(ValueError, match="unknown \\[supervisor\\] key"):
         load_config(bad, environ={})
+
+
+# ----------------------------------------------------------------------- issue 30: WAL, marker, backup
+
+
+def test_the_key_and_every_admin_write_reach_the_database_file_without_the_wal(tmp_path: Path) -> None:
+    """A copy of state.db alone (its WAL lost) holds the registry key: put_registry_key checkpoints,
+    and an explicit checkpoint (what the supervisor runs once admin writes pause) folds the rest in."""
+    with StateStore.open(str(tmp_path)) as store:
+        store.put_registry_key(KEY)
+        wal = tmp_path / (STATE_FILE + "-wal")
+        assert not wal.exists() or wal.stat().st_size == 0
+        store.register_many([(TenantSpec("a"), 1, "runtime"), (TenantSpec("b"), 2, "file")])
+        store.checkpoint()
+        assert not wal.exists() or wal.stat().st_size == 0
+        copy = tmp_path / "copy"
+        copy.mkdir(mode=0o700)
+        (copy / STATE_FILE).write_bytes((tmp_path / STATE_FILE).read_bytes())  # the file alone
+    with StateStore.open(str(copy)) as again:
+        assert again.registry_key() == KEY
+        assert [t.tenant_id for t in again.tenants()] == ["a", "b"] and again.generations() == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize("loss", ["deleted", "emptied", "no key"])
+def test_a_lost_database_is_refused_where_one_was_initialized(tmp_path: Path, loss: str) -> None:
+    with StateStore.open(str(tmp_path)) as store:
+        store.put_registry_key(KEY)
+    assert (tmp_path / MARKER_FILE).exists() and _mode(tmp_path / MARKER_FILE) == 0o600
+    db = tmp_path / STATE_FILE
+    if loss == "deleted":
+        db.unlink()
+    elif loss == "emptied":
+        db.write_bytes(b"")
+    else:
+        conn = sqlite3.connect(db)
+        conn.execute("DELETE FROM key_material")
+        conn.commit()
+        conn.close()
+    with pytest.raises(StateError, match="was initialized before") as info:
+        StateStore.open(str(tmp_path))
+    assert "\n" not in str(info.value) and MARKER_FILE in str(info.value)
+    if loss == "deleted":
+        assert not db.exists()  # refused before anything was created
+    elif loss == "emptied":
+        assert db.read_bytes() == b""  # refused before anything was written
+    (tmp_path / MARKER_FILE).unlink()  # the operator's way to start afresh on purpose
+    with StateStore.open(str(tmp_path)) as store:
+        assert store.registry_key() is None
+
+
+def test_backup_copies_a_live_store_into_one_self_contained_file(tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    with StateStore.open(str(live)) as store:  # the supervisor holds it (lock, connection) meanwhile
+        store.put_registry_key(KEY)
+        store.register(TenantSpec("acme"), 4, "runtime")  # in the WAL only: no checkpoint yet
+        info = backup(str(live), str(tmp_path / "b.db"))
+        assert info["tenants"] == 1 and info["registry_key"] is True
+        with pytest.raises(StateError, match="exists already"):
+            backup(str(live), str(tmp_path / "b.db"))
+    assert _mode(tmp_path / "b.db") == 0o600
+    assert not (tmp_path / "b.db-wal").exists()
+    restored = tmp_path / "restored"
+    restored.mkdir(mode=0o700)
+    os.replace(tmp_path / "b.db", restored / STATE_FILE)
+    with StateStore.open(str(restored)) as store:
+        assert store.registry_key() == KEY and store.generations() == {"acme": 4}
+    with pytest.raises(StateError, match="no state database"):
+        backup(str(tmp_path / "nowhere"), str(tmp_path / "c.db"))
+    assert not (tmp_path / "c.db").exists()
