@@ -94,8 +94,9 @@ class _Conn:
 
 @dataclass
 class ConnectionGate:
-    """Every frontend connection (ipc and TCP) against one fd budget, and TCP
-    connections against ``max_tcp`` (+ ``tcp_slack``) and ``max_per_source``.
+    """Every frontend connection (ipc and TCP) against one fd budget (of which TCP may
+    take three quarters), and TCP connections against ``max_tcp`` (+ ``tcp_slack``)
+    and ``max_per_source``.
 
     Keyed by (transport, fd) as the socket monitors report them: an ACCEPTED for a
     key already held replaces it (its DISCONNECTED was lost), a DISCONNECTED for a
@@ -122,6 +123,12 @@ class ConnectionGate:
         return len(self._conns)
 
     @property
+    def tcp_budget(self) -> int:
+        """TCP connections may take three quarters of the fd budget: the rest stays for
+        local (ipc) clients, however many remote connections arrive."""
+        return self.budget - self.budget // 4
+
+    @property
     def shed(self) -> int:
         return sum(self.shed_by.values())
 
@@ -131,7 +138,7 @@ class ConnectionGate:
         if key in self._conns:
             self._forget(key)
         reason: ShedReason | None = None
-        if len(self._conns) >= self.budget:
+        if len(self._conns) >= self.budget or (tcp and self.tcp >= self.tcp_budget):
             reason = "fd_budget"
         elif tcp and self._per_source.get(source, 0) >= self.max_per_source:
             reason = "per_source"

@@ -84,6 +84,9 @@ def test_connection_gate_counts_tcp_in_the_same_budget_with_per_source_and_peer_
     for fd in range(20, 30):  # ipc fills the shared budget: TCP is shed too
         gate.accepted(fd)
     assert gate.accepted(40, tcp=True, source="10.0.0.9") == "fd_budget"
+    tcp_only = ConnectionGate(budget=8)  # TCP alone takes at most 3/4 of it: ipc clients still get in
+    assert [tcp_only.accepted(fd, tcp=True, source=str(fd)) for fd in range(7)] == [None] * 6 + ["fd_budget"]
+    assert tcp_only.accepted(100) is None and tcp_only.accepted(101) is None and tcp_only.accepted(102) == "fd_budget"
 
 
 def test_source_key_groups_ipv6_by_its_64_and_unmaps_ipv4() -> None:
