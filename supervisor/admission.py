@@ -70,8 +70,9 @@ class TokenBucket:
         return (need - tokens) / self.rate
 
 
-@dataclass
+@dataclass(slots=True)
 class _TenantBuckets:
+    spec: TenantSpec  # the spec they were made for (a changed spec is a new object: new buckets)
     requests: TokenBucket
     data: TokenBucket
 
@@ -100,25 +101,31 @@ class Admission:
     def _buckets(self, tenant: str, spec: TenantSpec, now: float) -> _TenantBuckets:
         rps = spec.requests_per_s if spec.requests_per_s is not None else self.requests_per_s
         bps = float(spec.bytes_per_s) if spec.bytes_per_s is not None else self.bytes_per_s
-        b = self._tenants.get(tenant)
-        if b is None or b.requests.rate != rps or b.data.rate != bps:  # new, or its spec changed
-            b = self._tenants[tenant] = _TenantBuckets(
-                TokenBucket(rps, max(rps, 1.0), now), TokenBucket(bps, max(bps, float(self.max_message_bytes)), now))
+        old = self._tenants.get(tenant)
+        if old is not None and old.requests.rate == rps and old.data.rate == bps:
+            old.spec = spec  # another spec object, the same rates: keep what was saved up
+            return old
+        b = self._tenants[tenant] = _TenantBuckets(
+            spec, TokenBucket(rps, max(rps, 1.0), now), TokenBucket(bps, max(bps, float(self.max_message_bytes)), now))
         return b
 
     def admit(self, tenant: str, spec: TenantSpec, nbytes: int, now: float, *, in_flight: int = 0) -> None:
         """Charge one request of ``nbytes`` to ``tenant``; raises :class:`Overloaded` (with
         ``retry_after_s``) past its requests or bytes per second."""
-        b = self._buckets(tenant, spec, now)
+        b = self._tenants.get(tenant)
+        if b is None or b.spec is not spec:  # the hot path: the same spec object as last time
+            b = self._buckets(tenant, spec, now)
         wait = b.requests.take(1.0, now)
-        what, rate = "requests", b.requests.rate
-        if not wait and nbytes:
+        if wait:
+            what, rate = "requests", b.requests.rate
+        else:
+            if not nbytes:
+                return
             wait = b.data.take(float(nbytes), now)
-            if wait:
-                b.requests.tokens += 1.0  # not served: the request token goes back
-                what, rate = "bytes", b.data.rate
-        if not wait:
-            return
+            if not wait:
+                return
+            b.requests.tokens += 1.0  # not served: the request token goes back
+            what, rate = "bytes", b.data.rate
         key = (tenant, what)
         self.refused[key] = self.refused.get(key, 0) + 1
         setting = "requests_per_s" if what == "requests" else "bytes_per_s"
