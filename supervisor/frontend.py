@@ -169,7 +169,7 @@ class Frontend:
             msg = self.decode(frames, prefix)
             if msg is not None and (msg.key is not None or admission.admit_unauthenticated(msg.client, now)):
                 batch.append(msg)
-            if not events(_EVENTS) & _POLLIN:
+            if not int(events(_EVENTS)) & _POLLIN:
                 break
         if not batch:
             return
