@@ -73,10 +73,11 @@ from supervisor.tcp_frontend import IPC_INDEX, TCP_INDEX
 from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.workerset import WorkerSet
 
-#: messages read from one frontend socket per wake-up (a turn serves a bounded part of them)
-READ_BATCH = 64
+#: messages read from one frontend socket per wake-up: a turn's share of one tenant, so a lone
+#: tenant's batch is served at once and a flood of garbage delays a verified request by one short read
+READ_BATCH = 16
 #: messages read per wake-up while the fair queue is full
-BATCH_BACKLOGGED = 16
+BATCH_BACKLOGGED = 8
 
 __all__ = ["ClientMessage", "Frontend"]
 
