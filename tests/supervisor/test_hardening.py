@@ -291,3 +291,38 @@ def test_unauthenticated_requests_are_metered_per_peer() -> None:
         finally:
             flood.close(0)
             newcomer.close(0)
+
+
+@pytest.mark.parametrize("kind", ["ping", "quota", "garbage", "badcap", "write"])
+def test_a_victim_is_served_correctly_during_each_flood_kind(kind: str) -> None:
+    """Issue 25: each flood kind of `twt bench route --flood`, pipelined from one peer that
+    reads nothing; the other tenant's requests are all answered, correctly, meanwhile, and
+    the supervisor's queue stays bounded (latency is the bench's, not this test's)."""
+    with supervisor([{"name": "flooder"}, {"name": "victim"}], log_level="error") as sup:
+        c = sup.client
+        flood_cap, victim = c.tenant_capability(None, "flooder"), c.tenant_capability(None, "victim")
+        forged = bytearray(flood_cap.to_bytes())
+        forged[-1] ^= 1
+        handle = c.alloc(flood_cap, MiB)
+        frames = {
+            "ping": [proto.encode_request(1, "ping", flood_cap.to_bytes(), {})],
+            "quota": [proto.encode_request(1, "quota", flood_cap.to_bytes(), {})],
+            "garbage": [b"\xc1not a request"],
+            "badcap": [proto.encode_request(1, "ping", bytes(forged), {})],
+            "write": [proto.encode_request(1, "write", flood_cap.to_bytes(), {"handle": handle}), bytes(MiB)],
+        }[kind]
+        flood = _dealer(sup.run_dir, SNDHWM=0, RCVHWM=1)
+        try:
+            for _ in range(100 if kind == "write" else 5000):
+                flood.send_multipart(frames)
+            h = c.alloc(victim, 4096)
+            for i in range(20):
+                payload = os.urandom(32) + bytes([i])
+                c.write(victim, h, payload)
+                assert c.read(victim, h, len(payload)) == payload
+                assert c.ping(victim)["tenant"] == "victim"
+                assert c.status()["supervisor"]["unauthenticated_backlog"] <= 1024 + 16
+        finally:
+            flood.close(0)
+        assert sup.process.poll() is None
+        assert c.status()["supervisor"]["internal_errors"] == 0
