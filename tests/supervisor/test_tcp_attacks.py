@@ -208,3 +208,23 @@ def test_a_tcp_ping_flood_leaves_an_ipc_tenant_served_and_the_queue_bounded() ->
             s.close(0)
             ctx.destroy(0)
         assert c.status()["supervisor"]["internal_errors"] == 0
+
+
+def test_a_client_shed_at_accept_gets_a_typed_error_at_once() -> None:
+    """A client past its address's cap is shut down during its handshake: it is told so
+    (``HandshakeFailed`` naming the limits), not left waiting for its timeout."""
+    from shared.errors import HandshakeFailed, SupervisorUnavailable
+
+    with supervisor([{"name": "acme"}], listen=[LOOPBACK], log_level="error", max_tcp_peers_per_source=1) as sup:
+        cap = sup.client.tenant_capability(None, "acme")
+        with _remote(sup.info, timeout_s=30) as first:
+            assert first.ping(cap)["tenant"] == "acme"
+            with _remote(sup.info, timeout_s=30) as second:
+                t0 = time.monotonic()
+                with pytest.raises((HandshakeFailed, SupervisorUnavailable)) as info:
+                    second.ping(cap)
+                assert time.monotonic() - t0 < 25  # well within its timeout
+                if isinstance(info.value, HandshakeFailed):
+                    assert "max_tcp_peers_per_source" in str(info.value)
+            assert first.ping(cap)["tenant"] == "acme"  # the one inside the cap never noticed
+        assert sup.client.status()["supervisor"]["connections_shed_by"]["per_source"] >= 1
