@@ -61,6 +61,7 @@ _SIZE_FIELDS = (
     "rss_allowance_bytes",
     "stub_device_capacity_bytes",
     "device_reserve_bytes",
+    "tenant_bytes_per_s",
 )
 
 
@@ -117,8 +118,18 @@ class SupervisorConfig:
     client_keys_dir: str | None = None
     #: admin ops over TCP; refused (TenantIsolationViolation) unless true
     allow_remote_admin: bool = False
-    #: authenticated TCP peers at once; past it new handshakes are refused (ZAP), so fds stay bounded
+    #: TCP connections at once, greeted or not: past it handshakes are refused (ZAP), a few more shed at accept
     max_tcp_peers: int = 1024
+    #: TCP connections from one source address (an IPv6 /64) at once; past it shed at accept
+    max_tcp_peers_per_source: int = 64
+    #: a TCP connection that has not finished its CURVE handshake by then is closed (ZMQ_HANDSHAKE_IVL)
+    tcp_handshake_timeout_s: float = 3.0
+    #: admission defaults per tenant (a spec's requests_per_s / bytes_per_s override them): token buckets
+    #: with one second's worth of burst; past them Overloaded with retry_after_s
+    tenant_requests_per_s: float = 20_000.0
+    tenant_bytes_per_s: int = 4 << 30
+    #: requests per second one peer may send without a verified capability; the rest are dropped
+    unauthenticated_requests_per_s: float = 200.0
     #: lifecycle events kept (numbered) for clients that poll them with the ``events`` op
     event_log_size: int = 4096
     tenants: tuple[TenantSpec, ...] = ()
@@ -173,6 +184,11 @@ class SupervisorConfig:
             s(self, "client_keys_dir", os.path.abspath(os.path.expanduser(str(self.client_keys_dir))))
         s(self, "allow_remote_admin", _bool(self.allow_remote_admin, "allow_remote_admin"))
         _int(self.max_tcp_peers, "max_tcp_peers", 1, 1_000_000)
+        _int(self.max_tcp_peers_per_source, "max_tcp_peers_per_source", 1, 1_000_000)
+        for name in ("tcp_handshake_timeout_s", "tenant_requests_per_s", "unauthenticated_requests_per_s"):
+            s(self, name, _pos(getattr(self, name), name))
+        if self.tenant_bytes_per_s < 1:
+            raise ValueError("tenant_bytes_per_s must be at least 1")
         _int(self.event_log_size, "event_log_size", 16, 100_000)
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
@@ -305,9 +321,14 @@ _ENV_FIELDS = (
     "allow_remote_admin",
     "max_tcp_peers",
     "event_log_size",
+    "max_tcp_peers_per_source",
+    "tcp_handshake_timeout_s",
+    "tenant_requests_per_s",
+    "unauthenticated_requests_per_s",
 )
-_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size"}
-_FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s"}
+_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source"}
+_FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s",
+                 "tcp_handshake_timeout_s", "tenant_requests_per_s", "unauthenticated_requests_per_s"}
 
 
 #: TWT_* names that are not supervisor fields but are read elsewhere

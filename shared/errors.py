@@ -461,7 +461,9 @@ class NodeLost(WorkerLost):
 
 
 class Overloaded(TensorWasmError):
-    """The tenant already has ``limit`` requests in flight; retry after one completes."""
+    """The tenant already has ``limit`` requests in flight, or sent more requests or
+    bytes per second than its admission allows; retry after one completes, or after
+    ``retry_after_s`` seconds when that is set (a rate refusal)."""
 
     code = "overloaded"
     retryable = True
@@ -470,6 +472,7 @@ class Overloaded(TensorWasmError):
     tenant_id: str
     in_flight: int
     limit: int
+    retry_after_s: float | None = None
 
 
 class ProtocolError(TensorWasmError, ValueError):

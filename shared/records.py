@@ -254,6 +254,16 @@ class SupervisorRecord(HelloInfo):
     connections: int = 0
     connection_budget: int | None = None
     connections_shed: int = 0
+    #: the same by reason (fd_budget, per_source, max_tcp_peers); TCP connections and their source addresses
+    connections_shed_by: dict[str, int] = field(default_factory=dict)
+    tcp_connections: int = 0
+    tcp_sources: int = 0
+    #: unauthenticated_dropped by reason (unread_replies, backlog_bytes, peer_rate; supervisor.admission)
+    unauthenticated_dropped_by: dict[str, int] = field(default_factory=dict)
+    unauthenticated_rate_dropped: int = 0
+    #: requests refused Overloaded by admission (requests or bytes per second), in all and by what
+    admission_refused: int = 0
+    admission_refused_by: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,9 @@ class TenantSpec:
     ``restart`` / ``max_restarts`` within ``restart_window_s``,
     ``max_in_flight``, ``request_timeout_s``. WASM: ``wasm_fuel`` and
     ``wasm_timeout_s`` are a run's default and its ceiling,
-    ``wasm_max_memory_bytes`` bounds a guest's linear memory.
+    ``wasm_max_memory_bytes`` bounds a guest's linear memory. Admission:
+    ``requests_per_s`` / ``bytes_per_s`` (token buckets; ``None``: the
+    supervisor's ``tenant_requests_per_s`` / ``tenant_bytes_per_s``).
     """
 
     tenant_id: str  # validated into a TenantId
@@ -111,6 +113,9 @@ class TenantSpec:
     wasm_fuel: int = 2_000_000_000
     wasm_timeout_s: float = 10.0
     wasm_max_memory_bytes: int = 256 << 20
+    #: admission (supervisor.admission): requests and request bytes per second; None: the supervisor's default
+    requests_per_s: float | None = None
+    bytes_per_s: int | None = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -148,6 +153,12 @@ class TenantSpec:
         s(self, "wasm_max_memory_bytes", _size(self.wasm_max_memory_bytes, "wasm_max_memory_bytes"))
         if self.wasm_max_memory_bytes < 65536:
             raise ValueError("wasm_max_memory_bytes must be at least one 64 KiB page")
+        if self.requests_per_s is not None:
+            s(self, "requests_per_s", _float(self.requests_per_s, "requests_per_s", 0.001, 1e9))
+        if self.bytes_per_s is not None:
+            s(self, "bytes_per_s", _size(self.bytes_per_s, "bytes_per_s"))
+            if self.bytes_per_s < 1:
+                raise ValueError("bytes_per_s must be at least 1")
 
     # ------------------------------------------------------------ builder
 

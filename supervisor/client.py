@@ -64,7 +64,9 @@ Capability = TenantCapability | RegistryAdminCapability
 _HEARTBEAT_IVL_MS = 2_000
 _HEARTBEAT_TIMEOUT_MS = 6_000
 _HANDSHAKE_FAILED: dict[int, str] = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the server could not decrypt our hello (wrong server public key?)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the server could not decrypt our hello (wrong server public key?), "
+    "or closed the connection during the handshake (its connection limits: max_tcp_peers_per_source for "
+    "this address, max_tcp_peers, its fd budget)",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol mismatch (the peer does not speak CURVE: a plaintext endpoint?)",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused the handshake (our client key is not in its client_keys_dir "
     "allow-list, or it serves max_tcp_peers peers already)",

@@ -1,27 +1,32 @@
-"""The order in which one loop turn serves the client messages it read.
+"""The order in which the loop serves the client messages it read, one bounded turn at a time.
 
-libzmq's ROUTER already takes messages from its peers in turn, but a turn
-reads a batch, and a batch from a flood used to be served in arrival order:
-forged capabilities (an HMAC each), garbage, ``quota`` requests and pings
-past ``max_in_flight``, all before the bystander's one request. Now a turn
-serves:
+libzmq's ROUTER takes messages from its *peers* in turn, but a tenant may
+have many peers, and a turn that served everything it read let one tenant's
+burst delay everyone else by the whole burst (issue 25: a victim's ping 17x
+slower during another tenant's ping flood; issue 30, finding 9: 26x over TCP).
+Now the frontend only *reads* into this queue, and each loop turn serves one
+bounded :meth:`FairTurn.take`:
 
 1. requests carrying a capability already verified (a cache hit), one per
-   tenant in turn (round robin), so each tenant gets the same share of the
-   turn whatever it sends;
-2. then everything else - no capability, a forged or not yet verified one, or
-   a message that does not decode - one per *peer* in turn, at most
-   ``unauthenticated_per_turn`` of them. The rest wait in a backlog (served
-   first next turn). Once it holds ``backlog_max`` items the frontend reads
-   only a few messages a turn (fewer than a turn serves), so a flood waits in
-   its sender (libzmq's high-water marks) rather than in the supervisor;
-   past ``backlog_bytes_max`` bytes requests are dropped unanswered (counted).
+   tenant in turn (round robin), at most ``per_tenant_per_turn`` of each
+   tenant - so another tenant's request waits for at most one such turn of
+   each busy tenant, whatever they send (a tenant with nothing waiting goes
+   to the front of the line when its request arrives);
+2. then everything else - no capability, a forged or not yet verified one,
+   or a message that does not decode - one per *peer* in turn, at most
+   ``unauthenticated_per_turn`` of them.
 
-A client's first request (its token not yet verified) is in the second
-group; it gets its peer's share of the turn there.
+What a turn does not serve waits here, oldest first. Once this queue holds
+``backlog_max`` items (or ``backlog_bytes_max`` bytes) the frontend reads only
+a few messages a turn (:attr:`FairTurn.backlog_full`), so a flood waits in
+its sender (libzmq's high-water marks) rather than in the supervisor; an
+unauthenticated item that would take the queue past its byte bound is
+dropped (counted), unless no other unauthenticated item waits. A client's first request (its token not yet verified) is
+in the second group; it gets its peer's share there.
 
-Pure policy (no sockets): :meth:`FairTurn.order` takes ``(group, key,
-item)`` triples and returns the items to serve, in order.
+Pure policy (no sockets): :meth:`FairTurn.add` items as ``(authenticated, key,
+item)``, :meth:`FairTurn.take` a turn's items in the order to serve them;
+:meth:`FairTurn.order` does both for one batch.
 """
 
 from __future__ import annotations
@@ -36,67 +41,95 @@ __all__ = ["FairTurn"]
 T = TypeVar("T")
 
 
-def _round_robin(groups: OrderedDict[Hashable, deque[T]], limit: int | None) -> tuple[list[T], int]:
+def _round_robin(groups: OrderedDict[Hashable, deque[T]], per_key: int | None, limit: int | None) -> list[T]:
+    """Up to ``per_key`` items of each key (one per key per round), ``limit`` in all; the
+    keys served move to the back, so the next turn starts with the others."""
     out: list[T] = []
+    taken: dict[Hashable, int] = {}
     while groups and (limit is None or len(out) < limit):
+        progressed = False
         for key in list(groups):
+            n = taken.get(key, 0)
+            if per_key is not None and n >= per_key:
+                continue
             queue = groups[key]
             out.append(queue.popleft())
+            taken[key] = n + 1
+            progressed = True
             if not queue:
                 del groups[key]
             if limit is not None and len(out) >= limit:
                 break
-    return out, sum(len(q) for q in groups.values())
+        if not progressed:
+            break
+    for key in taken:  # served this turn: to the back of the line
+        if key in groups:
+            groups.move_to_end(key)
+    return out
 
 
 @dataclass
 class FairTurn(Generic[T]):
-    """Round robin per tenant, then per unauthenticated peer under a budget."""
+    """Round robin per tenant (bounded each), then per unauthenticated peer under a budget."""
 
-    unauthenticated_per_turn: int = 64
+    unauthenticated_per_turn: int = 16
     backlog_max: int = 1024
     backlog_bytes_max: int = 16 << 20
+    per_tenant_per_turn: int = 16
     #: the bytes an item holds (its header and body), for the backlog's byte bound
     size_of: Callable[[T], int] = field(default=lambda item: 0)
     dropped: int = field(default=0, init=False)
-    backlog: deque[tuple[Hashable, T]] = field(default_factory=deque, init=False)
-    _backlog_bytes: int = field(default=0, init=False)
+    _known: OrderedDict[Hashable, deque[T]] = field(default_factory=OrderedDict, init=False)
+    _unknown: OrderedDict[Hashable, deque[T]] = field(default_factory=OrderedDict, init=False)
+    _count: int = field(default=0, init=False)
+    _bytes: int = field(default=0, init=False)
+    _unknown_bytes: int = field(default=0, init=False)
+
+    @property
+    def backlog(self) -> int:
+        """Items waiting for a turn."""
+        return self._count
 
     @property
     def backlog_full(self) -> bool:
-        return len(self.backlog) >= self.backlog_max or self._backlog_bytes >= self.backlog_bytes_max
+        return self._count >= self.backlog_max or self._bytes >= self.backlog_bytes_max
+
+    def add(self, authenticated: bool, key: Hashable, item: T) -> None:
+        """Queue one message: ``key`` is its tenant when authenticated, else its peer."""
+        size = self.size_of(item)
+        if not authenticated:
+            # the byte bound is hard for the unauthenticated, but one always fits when none
+            # waits (a client's first request may carry a big body: its token is not verified yet)
+            if self._unknown_bytes and self._bytes + size > self.backlog_bytes_max:
+                self.dropped += 1
+                return
+            self._unknown_bytes += size
+        groups = self._known if authenticated else self._unknown
+        queue = groups.get(key)
+        if queue is None:
+            queue = groups[key] = deque()
+            if authenticated:  # a tenant with nothing waiting goes before those served last turn
+                groups.move_to_end(key, last=False)
+        queue.append(item)
+        self._count += 1
+        self._bytes += size
+
+    def take(self) -> list[T]:
+        """One turn: the items to serve now, in order (see the module docstring)."""
+        if not self._count:
+            return []
+        first = _round_robin(self._known, self.per_tenant_per_turn, None) if self._known else []
+        rest = _round_robin(self._unknown, None, self.unauthenticated_per_turn) if self._unknown else []
+        out = first + rest
+        self._count -= len(out)
+        size_of = self.size_of
+        unknown = sum(size_of(item) for item in rest)
+        self._unknown_bytes -= unknown
+        self._bytes -= unknown + sum(size_of(item) for item in first)
+        return out
 
     def order(self, messages: Iterable[tuple[bool, Hashable, T]]) -> list[T]:
-        """``(authenticated, key, item)``: key is the tenant when authenticated, else the peer."""
-        messages = list(messages)
-        if not self.backlog and messages:
-            # the common turn: one verified tenant's requests - already in order
-            first_key = messages[0][1]
-            if all(authenticated and key == first_key for authenticated, key, _ in messages):
-                return [item for _, _, item in messages]
-        known: OrderedDict[Hashable, deque[T]] = OrderedDict()
-        unknown: OrderedDict[Hashable, deque[T]] = OrderedDict()
-        for key, item in self.backlog:  # the oldest unauthenticated first
-            unknown.setdefault(key, deque()).append(item)
-        self.backlog.clear()
-        self._backlog_bytes = 0
+        """``add`` each ``(authenticated, key, item)``, then ``take`` one turn."""
         for authenticated, key, item in messages:
-            groups = known if authenticated else unknown
-            queue = groups.get(key)
-            if queue is None:
-                queue = groups[key] = deque()
-            queue.append(item)
-        first, _ = _round_robin(known, None)
-        rest, _ = _round_robin(unknown, self.unauthenticated_per_turn)
-        # The count bound is what the frontend reads by: past it, only a few messages a turn
-        # (fewer than a turn serves), so the backlog cannot outgrow it by more than those
-        # and nothing small is dropped. The byte bound is hard: past it, items are dropped.
-        for key, queue in unknown.items():
-            for item in queue:
-                size = self.size_of(item)
-                if self._backlog_bytes + size > self.backlog_bytes_max:
-                    self.dropped += 1
-                else:
-                    self.backlog.append((key, item))
-                    self._backlog_bytes += size
-        return first + rest
+            self.add(authenticated, key, item)
+        return self.take()

@@ -13,7 +13,11 @@ good :class:`~shared.errors.WorkerLost`, at once.
 
 Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
 one when ``listen`` is set: the same decode, checks and limits for both; at
-most ``BATCH`` messages per socket per wake-up, so they take turns; admin
+most ``READ_BATCH`` messages per socket per wake-up into the fair queue
+(:mod:`supervisor.fairness`), of which each loop turn serves a bounded part
+per tenant; every request first passes admission
+(:mod:`supervisor.admission`: per-tenant requests and bytes per second,
+per-peer for the unauthenticated); admin
 ops on TCP refused unless ``allow_remote_admin``), the verified-capability
 cache, the tenants' stored modules (``put_module``) and parked requests, and
 the shared-memory data regions of local clients (``regions``: a
@@ -67,10 +71,13 @@ from supervisor.replies import Replies
 from supervisor.requests import Parked, Pending
 from supervisor.tcp_frontend import IPC_INDEX, TCP_INDEX
 from supervisor.tenants import InstanceSlot, TenantRuntime, TenantState
-from supervisor.workerset import BATCH, WorkerSet
+from supervisor.workerset import WorkerSet
 
-#: messages read per turn while the unauthenticated backlog is full
-BATCH_BACKLOGGED = 16
+#: messages read from one frontend socket per wake-up: a turn's share of one tenant, so a lone
+#: tenant's batch is served at once and a flood of garbage delays a verified request by one short read
+READ_BATCH = 16
+#: messages read per wake-up while the fair queue is full
+BATCH_BACKLOGGED = 8
 
 __all__ = ["ClientMessage", "Frontend"]
 
@@ -81,6 +88,8 @@ MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
+#: plain ints: ``int & zmq.POLLIN`` goes through enum.Flag (~1 us a message)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _IPC = bytes([IPC_INDEX])
 _TCP = bytes([TCP_INDEX])
 def _ignore_reply(ok: bool, payload: Any) -> None:
@@ -132,7 +141,6 @@ class Frontend:
         self.event_log = event_log
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
-        self._served_turn = False
         #: the tenant ops this part answers itself (``served_by == "frontend"``; ``events`` has its own path)
         self._local_ops: dict[str, LocalOp] = {
             "quota": lambda rt, args, body: rt.block.snapshot().to_dict(),
@@ -152,33 +160,46 @@ class Frontend:
     # ------------------------------------------------------------ decode
 
     def _on_readable(self, sock: zmq.Socket[Any], prefix: bytes) -> None:
-        # Drain what is queued (asking ZMQ_EVENTS between messages: a recv that fails
-        # with EAGAIN costs ~5 us here, the query ~1.6 us), then serve the turn's
-        # messages in a fair order (supervisor.fairness): verified tenants round robin,
-        # then unauthenticated peers round robin under a budget, the rest waiting in a
-        # bounded backlog. While it is full, read only a few: a flood waits in its sender.
+        # Read what is queued (asking ZMQ_EVENTS between messages: a recv that fails with
+        # EAGAIN costs ~5 us here, the query ~1.6 us) into the fair queue; the loop's turn
+        # serves it (end_turn). At most READ_BATCH a wake-up, and only a few while the
+        # queue is full: a flood waits in its sender. A message without a verified
+        # capability is first charged to its peer's bucket (supervisor.admission): past
+        # it, dropped here, before it costs anything more.
         recv, events = sock.recv_multipart, sock.getsockopt
-        turn: list[tuple[bool, Any, ClientMessage]] = []
-        for _ in range(BATCH_BACKLOGGED if self.guard.fair.backlog_full else BATCH):
+        fair, admission = self.guard.fair, self.guard.admission
+        now = self.clock()
+        batch: list[ClientMessage] = []
+        for _ in range(BATCH_BACKLOGGED if fair.backlog_full else READ_BATCH):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             msg = self.decode(frames, prefix)
-            if msg is not None:
-                turn.append((msg.key is not None, msg.key if msg.key is not None else msg.client, msg))
-            if not int(events(zmq.EVENTS)) & zmq.POLLIN:
+            if msg is not None and (msg.key is not None or admission.admit_unauthenticated(msg.client, now)):
+                batch.append(msg)
+            if not int(events(_EVENTS)) & _POLLIN:
                 break
-        self._served_turn = True
-        for msg in self.guard.fair.order(turn):
-            self.serve(msg)
+        if not batch:
+            return
+        # The common case, served at once: nothing waits, and the batch is one verified
+        # tenant's, within its share of a turn (the fair queue would serve it as it is).
+        first = batch[0].key
+        if (not fair.backlog and first is not None and len(batch) <= fair.per_tenant_per_turn
+                and all(m.key == first for m in batch)):
+            for msg in batch:
+                self.serve(msg)
+            return
+        add = fair.add
+        for msg in batch:
+            key = msg.key
+            add(key is not None, key if key is not None else msg.client, msg)
 
     def end_turn(self) -> None:
-        """End of a loop turn: serve waiting unauthenticated requests if no message came."""
-        if not self._served_turn and self.guard.fair.backlog:
-            for msg in self.guard.fair.order(()):
+        """End of a loop turn: serve one bounded turn of what was read (supervisor.fairness)."""
+        if self.guard.fair.backlog:
+            for msg in self.guard.fair.take():
                 self.serve(msg)
-        self._served_turn = False
 
     def decode(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> ClientMessage | None:
         """Decode one client message (None: unanswerable, dropped) and note whose it is:
@@ -231,13 +252,13 @@ class Frontend:
             return
         try:
             if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows
-                self._events(client, rid, msg.cap_raw, msg.args)
+                self._events(client, rid, msg.cap_raw, msg.args, msg.size)
             elif proto.OPS[op].admin:
                 if client[:1] == _TCP and not self.config.allow_remote_admin:
                     raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
                 self.admin(client, rid, op, msg.cap_raw, msg.args, body)
             else:
-                self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body)
+                self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
         except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
             self._refused(client, rid, op, exc, msg.cap_raw)
             if self.on_denied is not None:
@@ -282,12 +303,12 @@ class Frontend:
 
     # ------------------------------------------------------------ events (supervisor.event_log)
 
-    def _events(self, client: bytes, rid: int, cap_raw: bytes | None, args: dict[str, Any]) -> None:
+    def _events(self, client: bytes, rid: int, cap_raw: bytes | None, args: dict[str, Any], size: int = 0) -> None:
         """``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``: a page of the
         event log. The admin capability sees every event (over TCP only with ``allow_remote_admin``),
         a tenant capability its own tenant's; answered at once, nothing held per client."""
         if cap_raw is None:
-            raise TenantIsolationViolation(None, "op 'events' (no capability)")
+            raise TenantIsolationViolation(None, "op 'events' (no capability)", "missing")
         cap = capability_from_bytes(cap_raw)
         if isinstance(cap, RegistryAdminCapability):
             if client[:1] == _TCP and not self.config.allow_remote_admin:
@@ -297,6 +318,8 @@ class Frontend:
             view, tenant = ADMIN_VIEW, ""
         else:
             rt = self._verify(cap_raw)
+            self.guard.admission.admit(rt.tenant_id, rt.spec, size, self.clock(),
+                                       in_flight=rt.in_flight + len(rt.parked))
             view, tenant = EventView(rt.tenant_id, rt.generation), rt.tenant_id
         proto.check_args("events", args)
         self.pending.answer(client, rid, "events", self.event_log.page(view, args), tenant=tenant)
@@ -304,16 +327,18 @@ class Frontend:
     # ------------------------------------------------------------ tenant requests
 
     def _tenant_request(
-        self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any
+        self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any,
+        size: int = 0,
     ) -> None:
         if cap_raw is None:
-            raise TenantIsolationViolation(None, f"op {op!r} (no capability)")
+            raise TenantIsolationViolation(None, f"op {op!r} (no capability)", "missing")
         rt = self._verify(cap_raw)
-        proto.check_args(op, args)
         tid = rt.tenant_id
-        # Every limit applies to every op, before anything is done for it: the failed
-        # tenant, max_in_flight (quota and put_module count, though answered at once),
-        # the module cap.
+        # Every limit applies to every op, before anything is done for it: admission
+        # (requests and bytes per second), the failed tenant, max_in_flight (quota and
+        # put_module count, though answered at once), the module cap.
+        self.guard.admission.admit(tid, rt.spec, size, self.clock(), in_flight=rt.in_flight + len(rt.parked))
+        proto.check_args(op, args)
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
         if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
@@ -508,6 +533,7 @@ class Frontend:
             del self._verified_caps[raw]
         rt.modules.clear()
         self.guard.held.forget(rt.tenant_id)
+        self.guard.admission.forget(rt.tenant_id)
 
     def _forward(
         self,

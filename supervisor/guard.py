@@ -10,7 +10,10 @@ counters status reports:
 * ``errors``: the error replies an unauthenticated peer has not read yet
   (bounded), each cut short (no echo of unbounded input);
 * ``fair``: the order a loop turn serves what it read, and its backlog;
-* ``connections``: the frontend's connections against the fd budget.
+* ``admission``: requests and bytes per second per tenant, and per peer for
+  the unauthenticated (token buckets);
+* ``connections``: the frontend's connections (ipc and TCP) against the fd
+  budget and the TCP bounds.
 
 Loop thread only.
 """
@@ -21,9 +24,11 @@ from typing import Any
 
 from shared.config import SupervisorConfig
 from shared.errors import TensorWasmError
+from supervisor.admission import Admission
 from supervisor.budgets import HeldBytes
 from supervisor.connections import FrontendConnections
 from supervisor.fairness import FairTurn
+from supervisor.metrics import FrontendCounters
 from supervisor.peers import MAX_ERROR_TEXT, UnreadErrors, short
 
 __all__ = ["FrontendGuard"]
@@ -36,6 +41,7 @@ class FrontendGuard:
         self.held = HeldBytes(config.max_tenant_held_bytes, config.max_held_bytes)
         self.errors = UnreadErrors()
         self.fair: FairTurn[Any] = FairTurn(size_of=lambda msg: int(getattr(msg, "size", 0)))
+        self.admission = Admission.from_config(config)
         self.connections = connections
 
     def unauthenticated_error(self, client: bytes, exc: TensorWasmError) -> dict[str, Any] | None:
@@ -58,21 +64,36 @@ class FrontendGuard:
 
     @property
     def dropped(self) -> int:
-        """Unauthenticated requests dropped unanswered (unread replies, or the backlog full)."""
-        return self.errors.dropped + self.fair.dropped
+        """Unauthenticated requests dropped unanswered (unread replies, the backlog full, or
+        their peer's rate)."""
+        return self.errors.dropped + self.fair.dropped + self.admission.dropped
+
+    def dropped_by(self) -> dict[str, int]:
+        """:attr:`dropped` by reason."""
+        return {"unread_replies": self.errors.dropped, "backlog_bytes": self.fair.dropped,
+                "peer_rate": self.admission.dropped}
+
+    def counters(self) -> FrontendCounters:
+        """The counters the metrics exporter shows (supervisor.prometheus)."""
+        gate = self.connections.gate if self.connections is not None else None
+        return FrontendCounters(
+            admission_refused=tuple((t, what, n) for (t, what), n in sorted(self.admission.refused.items())),
+            unauthenticated_dropped=tuple(sorted(self.dropped_by().items())),
+            connections_shed=tuple(sorted(gate.shed_by.items())) if gate is not None else (),
+            connections=gate.connected if gate is not None else 0,
+            tcp_connections=gate.tcp if gate is not None else 0,
+            connection_budget=gate.budget if gate is not None else 0,
+        )
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "held_bytes": self.held.snapshot(),
             "unauthenticated_dropped": self.dropped,
-            "unauthenticated_backlog": len(self.fair.backlog),
+            "unauthenticated_dropped_by": self.dropped_by(),
+            # the name is older than the queue: every request read and not yet served
+            "unauthenticated_backlog": self.fair.backlog,
+            **self.admission.status(),
         }
         if self.connections is not None:
-            gate = self.connections.gate
-            out.update(
-                fd_limit=self.connections.limit,
-                connections=gate.connected,
-                connection_budget=gate.budget,
-                connections_shed=gate.shed,
-            )
+            out.update(self.connections.status())
         return out

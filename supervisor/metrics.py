@@ -30,6 +30,7 @@ __all__ = [
     "LABEL_KEY_NAME",
     "NO_TENANT",
     "DeviceGauges",
+    "FrontendCounters",
     "Metrics",
     "MetricsSnapshot",
     "MetricsSource",
@@ -119,6 +120,20 @@ class DeviceGauges:
     budget_refusals: int
 
 
+@dataclass(frozen=True, slots=True)
+class FrontendCounters:
+    """The frontend's guard counters (supervisor.guard): admission refusals by tenant and
+    what was exceeded, unauthenticated requests dropped and connections shed by reason,
+    connections now and their budget."""
+
+    admission_refused: tuple[tuple[str, str, int], ...] = ()  # (tenant, "requests" | "bytes", count)
+    unauthenticated_dropped: tuple[tuple[str, int], ...] = ()  # (reason, count)
+    connections_shed: tuple[tuple[str, int], ...] = ()  # (reason, count)
+    connections: int = 0
+    tcp_connections: int = 0
+    connection_budget: int = 0
+
+
 @dataclass(frozen=True)
 class MetricsSnapshot:
     """What the loop publishes for the exporter; ``None`` means "this loop does not say"."""
@@ -129,6 +144,7 @@ class MetricsSnapshot:
     pool_size: int | None = None
     backend: str | None = None
     devices: tuple[DeviceGauges, ...] = ()
+    frontend: FrontendCounters | None = None
 
 
 #: what the exporter calls at scrape time: the snapshot, or just tenant id -> its gauges

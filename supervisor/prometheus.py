@@ -57,7 +57,15 @@ from shared.config import parse_host_port
 from shared.log import get_logger, log_event
 from shared.protocol import PROTOCOL_VERSION
 from supervisor.health import Health
-from supervisor.metrics import NO_TENANT, Metrics, MetricsSnapshot, MetricsSource, TenantLabels, build_version
+from supervisor.metrics import (
+    NO_TENANT,
+    FrontendCounters,
+    Metrics,
+    MetricsSnapshot,
+    MetricsSource,
+    TenantLabels,
+    build_version,
+)
 from supervisor.tenants import TenantState
 
 __all__ = [
@@ -180,6 +188,37 @@ class _StateCollector:
         yield refusals
         yield underflows
         yield from self._pool_and_devices(snap)
+        if snap.frontend is not None:
+            yield from self._frontend(snap.frontend)
+
+    def _frontend(self, fc: FrontendCounters) -> Iterator[Metric]:
+        """The frontend's guard: admission refusals, dropped unauthenticated requests, connections."""
+        refused = CounterMetricFamily("twt_admission_refused",
+                                      "Requests refused Overloaded by admission (the tenant's requests_per_s or "
+                                      "bytes_per_s)", labels=["tenant", "limit"])
+        for tenant, what, n in fc.admission_refused:
+            refused.add_metric([self._owner.label(tenant), what], n)
+        yield refused
+        dropped = CounterMetricFamily("twt_unauthenticated_dropped",
+                                      "Requests without a verified capability dropped unanswered, by reason "
+                                      "(peer_rate, unread_replies, backlog_bytes)", labels=["reason"])
+        for reason, n in fc.unauthenticated_dropped:
+            dropped.add_metric([reason], n)
+        yield dropped
+        shed = CounterMetricFamily("twt_connections_shed",
+                                   "Frontend connections shut down at accept, by reason "
+                                   "(fd_budget, per_source, max_tcp_peers)", labels=["reason"])
+        for reason, n in fc.connections_shed:
+            shed.add_metric([reason], n)
+        yield shed
+        conns = _gauge("twt_frontend_connections", "Frontend connections now, by transport", ["transport"])
+        conns.add_metric(["ipc"], fc.connections - fc.tcp_connections)
+        conns.add_metric(["tcp"], fc.tcp_connections)
+        yield conns
+        budget = _gauge("twt_frontend_connection_budget",
+                        "Frontend connections (ipc and TCP together) allowed by the fd budget", [])
+        budget.add_metric([], fc.connection_budget)
+        yield budget
 
     @staticmethod
     def _pool_and_devices(snap: MetricsSnapshot) -> Iterator[Metric]:

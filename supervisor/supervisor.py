@@ -222,13 +222,6 @@ class Supervisor:
                   devices=placement.indexes)
         keys = _server_keys(cfg, state) if cfg.listen else None  # a malformed key stops the start here
         z: zmq.Context[Any] = zmq.Context()
-        tcp = None
-        if keys is not None:
-            try:
-                tcp = TcpFrontend(z, cfg, keys, 10_000)  # OSError naming an endpoint that cannot be bound
-            except BaseException:
-                z.destroy(linger=0)
-                raise
 
         def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[Any]:
             s: zmq.Socket[Any] = z.socket(zmq.ROUTER)
@@ -244,8 +237,20 @@ class Supervisor:
         # them: keep that small, so a flood waits in its sender, not in our memory (set
         # before bind: a listener copies the options its connections get).
         frontend_sock = router("frontend", cfg.max_message_bytes, 10_000, FRONTEND_RCVHWM)
-        connections = FrontendConnections(frontend_sock, self.rundir.file("frontend.ipc"))
+        # one fd budget for every frontend connection, ipc and TCP (supervisor.connections)
+        connections = FrontendConnections(frontend_sock, self.rundir.file("frontend.ipc"),
+                                          max_tcp_peers=cfg.max_tcp_peers,
+                                          max_tcp_peers_per_source=cfg.max_tcp_peers_per_source)
         self.loop.register(connections.monitor, connections.on_readable)
+        tcp = None
+        if keys is not None:
+            try:  # OSError naming an endpoint that cannot be bound
+                tcp = TcpFrontend(z, cfg, keys, 10_000, connections, rcvhwm=FRONTEND_RCVHWM)
+            except BaseException:
+                z.destroy(linger=0)
+                raise
+            assert connections.tcp_monitor is not None
+            self.loop.register(connections.tcp_monitor, connections.on_tcp_readable)
         backend_sock = router("backend", cfg.max_message_bytes, 10_000)
         control_sock = router("control", 1 << 20, 10_000)
         pub = z.socket(zmq.PUB)
@@ -282,8 +287,6 @@ class Supervisor:
         def on_denied(cap_raw: bytes | None, op: str) -> None:
             audit.record(registry.explain_refusal(cap_raw, admin=_admin_refusal(op, cap_raw)), op)
 
-        if tcp is not None and tcp.monitor is not None:
-            self.loop.register(tcp.monitor, tcp.on_monitor)  # counts the TCP connections
         frontend = Frontend(
             cfg, loop=self.loop, sock=frontend_sock, tcp_sock=tcp.socket if tcp is not None else None,
             replies=replies, pending=pending, workers=workers,
@@ -547,6 +550,7 @@ class Supervisor:
         self._metrics.publish(MetricsSnapshot(
             tenants=tenants, pool_idle=len(parts.workers.pool), pool_starting=parts.workers.pool_starting,
             pool_size=self.config.pool_size, backend=parts.admin.backend_name, devices=devices,
+            frontend=parts.frontend.guard.counters(),
         ))
 
     def _scan_refusals(self) -> None:

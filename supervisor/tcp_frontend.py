@@ -9,26 +9,32 @@
                                           fairness and size limits as the ipc frontend; admin ops
                                           refused unless allow_remote_admin = true
 
-What it owns: the socket, its monitor socket and the count of connections
-it keeps, the ZAP authenticator thread, and the endpoints as bound
-(port 0 resolved). What it may touch: nothing of the loop's; the loop polls
-:attr:`socket` beside the ipc frontend (telling the two apart by the first
-byte of a client key, :data:`TCP_INDEX`) and :attr:`monitor`, whose events
-(:meth:`on_monitor`) keep the peer count.
+What it owns: the socket, the ZAP authenticator thread, and the endpoints
+as bound (port 0 resolved). What it may touch: nothing of the loop's; the
+loop polls :attr:`socket` beside the ipc frontend (telling the two apart by
+the first byte of a client key, :data:`TCP_INDEX`). Its connections are
+counted by :class:`supervisor.connections.FrontendConnections` from the
+socket's monitor, in the same fd budget as the ipc ones (issue 30, finding 1):
+every accepted connection, greeted or not, counts; one past the fd budget,
+past ``max_tcp_peers_per_source`` for its address, or more than a few past
+``max_tcp_peers`` is shut down at accept.
 
 Threads: the ZAP thread owns only its ZAP socket and the allow-list it read;
 it reads :attr:`peers` (an int the loop thread writes, read whole under the
-GIL) to refuse handshakes past ``max_tcp_peers``. The count can lag the
-connections libzmq accepted by the monitor events the loop has not read
-yet, so the bound is approximate by that much - and it is what keeps the
-supervisor's file descriptors (and the per-peer queues libzmq keeps)
-bounded. A connection that never completes its handshake holds a slot for
-at most ``HANDSHAKE_IVL``.
+GIL) to refuse handshakes past ``max_tcp_peers`` with a reason the client
+reads; the count can lag the connections libzmq accepted by the monitor
+events the loop has not read yet, so that refusal is approximate by as much,
+and the shedding at accept is what bounds the file descriptors.
 
 Unauthenticated peers never reach the loop: a peer that fails the handshake
-is dropped by libzmq, and a stalled handshake ends after ``HANDSHAKE_IVL``.
-ZMTP heartbeats drop a peer that vanished without a FIN (power loss), so its
-queues are freed.
+is dropped by libzmq, and one that has not finished it within
+``tcp_handshake_timeout_s`` (``ZMQ_HANDSHAKE_IVL``) is closed. ZMTP
+heartbeats are off on this socket: with them on, libzmq 4.3.5 aborted on
+``!_io_error`` (stream_engine_base.cpp:310) when keyless CURVE peers flooded
+and closed (issue 30, finding 2; upstream zeromq/libzmq#4364). TCP keepalive
+(tuned idle/interval/count) and ``TCP_USER_TIMEOUT`` drop a peer that vanished
+without a FIN instead, and the loop's own deadlines answer every request. The
+receive queue per peer is the ipc frontend's (a flood waits in its sender).
 """
 
 from __future__ import annotations
@@ -40,10 +46,10 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 from shared.config import SupervisorConfig
 from shared.log import get_logger, log_event
+from supervisor.connections import FrontendConnections
 from supervisor.curve import CurveKeyPair, check_client_keys_dir
 
 __all__ = ["IPC_INDEX", "TCP_INDEX", "TcpFrontend"]
@@ -53,11 +59,12 @@ _log = get_logger("supervisor.tcp")
 #: first byte of a client key: which frontend socket the client came through
 IPC_INDEX = 0
 TCP_INDEX = 1
-#: a CURVE handshake must finish within this (libzmq default: 30 s)
-HANDSHAKE_IVL_MS = 10_000
-#: ZMTP heartbeats: a silent peer is dropped after the timeout
-HEARTBEAT_IVL_MS = 2_000
-HEARTBEAT_TIMEOUT_MS = 6_000
+#: TCP keepalive: probe after 30 s idle, every 5 s, drop after 4 unanswered (~50 s)
+KEEPALIVE_IDLE_S = 30
+KEEPALIVE_INTVL_S = 5
+KEEPALIVE_CNT = 4
+#: TCP_USER_TIMEOUT: data unacknowledged this long drops the connection
+TCP_MAXRT_MS = 60_000
 
 
 class _Gate(ThreadAuthenticator):
@@ -80,14 +87,12 @@ class _Gate(ThreadAuthenticator):
 class TcpFrontend:
     """Binds the CURVE ROUTER; raises OSError naming the endpoint when one cannot be bound."""
 
-    def __init__(self, zctx: zmq.Context[Any], config: SupervisorConfig, keys: CurveKeyPair, hwm: int) -> None:
+    def __init__(self, zctx: zmq.Context[Any], config: SupervisorConfig, keys: CurveKeyPair, hwm: int,
+                 connections: FrontendConnections, *, rcvhwm: int | None = None) -> None:
         self.keys = keys
         self.endpoints: list[str] = []
         self.max_peers = config.max_tcp_peers
-        #: TCP connections now, authenticated or in their handshake (loop thread writes; ZAP thread reads)
-        self.peers = 0
-        self._peer_fds: set[int] = set()
-        self._full_logged = False
+        self._connections = connections
         self.monitor: zmq.Socket[Any] | None = None
         allowed = check_client_keys_dir(config.client_keys_dir) if config.client_keys_dir is not None else None
         s = zctx.socket(zmq.ROUTER)
@@ -104,51 +109,42 @@ class TcpFrontend:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
             s.setsockopt(zmq.SNDHWM, hwm)
-            s.setsockopt(zmq.RCVHWM, hwm)
-            s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-            s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            s.setsockopt(zmq.RCVHWM, hwm if rcvhwm is None else rcvhwm)
+            s.setsockopt(zmq.HANDSHAKE_IVL, max(1, round(config.tcp_handshake_timeout_s * 1000)))
+            s.setsockopt(zmq.HEARTBEAT_IVL, 0)  # off: see the module docstring
             s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+            s.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+            s.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
+            s.setsockopt(zmq.TCP_MAXRT, TCP_MAXRT_MS)
             s.curve_server = True
             s.curve_secretkey = keys.secret
             s.curve_publickey = keys.public
+            self.monitor = connections.watch_tcp(s)  # before the bind: every connection is counted
             for ep in config.listen:
                 try:
                     s.bind(ep)
                 except zmq.ZMQError as exc:
                     code = exc.errno if exc.errno in errno.errorcode else errno.EINVAL
                     raise OSError(code, f"cannot listen on {ep}: {exc.strerror}") from None
-                self.endpoints.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
-            self.monitor = s.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+                bound = s.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.endpoints.append(bound)
+                connections.tcp_ports.add(int(bound.rpartition(":")[2]))
         except BaseException:
             self.close()
             raise
         log_event(_log, logging.INFO, "supervisor.tcp_listening", endpoints=self.endpoints,
                   server_public_key=keys.public_text, allow_list=config.client_keys_dir is not None)
 
-    def on_monitor(self) -> None:
-        """Loop thread: count the TCP connections (by fd) from the socket's monitor events."""
-        assert self.monitor is not None
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            fd = int(event["value"])  # accepted and disconnected both carry the connection's fd
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                self._peer_fds.add(fd)
-            else:
-                self._peer_fds.discard(fd)
-            self.peers = len(self._peer_fds)
-        full = self.peers >= self.max_peers
-        if full != self._full_logged:
-            self._full_logged = full
-            log_event(_log, logging.WARNING if full else logging.INFO, "supervisor.tcp_peers",
-                      peers=self.peers, max_tcp_peers=self.max_peers, refusing_new=full)
+    @property
+    def peers(self) -> int:
+        """TCP connections now, in their handshake or authenticated (the loop thread
+        writes the count; the ZAP thread reads it)."""
+        return self._connections.gate.tcp
 
     def close(self) -> None:
         """Close the sockets and stop the ZAP thread (the loop's context is destroyed after)."""
-        if self.monitor is not None:
-            self.socket.disable_monitor()
-            self.monitor.close(0)
-            self.monitor = None
+        self.monitor = None  # closed by the connections' close (it owns the monitor)
         if not self.socket.closed:
             self.socket.close(0)
         if self._auth is not None:

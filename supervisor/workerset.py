@@ -55,8 +55,9 @@ __all__ = ["TenantHooks", "WorkerSet"]
 
 _log = get_logger("supervisor")
 
-#: messages taken from one socket per wake-up before the loop looks at the others
-BATCH = 256
+#: messages taken from one socket per wake-up before the loop looks at the others: a few
+#: (256 before issue 25), so one tenant's burst of replies delays another's by a short turn only
+BATCH = 32
 #: a worker that has not said hello on both sockets by then is killed
 HELLO_TIMEOUT_S = 60.0
 

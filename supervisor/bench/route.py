@@ -15,6 +15,7 @@ Measured (round-robin rounds so both see the same machine state):
 * crash detection: SIGKILL a worker -> its quota share reclaimed in shared
   memory (target: p50 <= 20 ms)
 * cold registration: a tenant with no warm pool, spawn to ready (p50/p99)
+* ``--flood``: a victim's ping while another client floods (:mod:`supervisor.bench.flood`)
 * remote ping: the same ping over the CURVE TCP frontend on loopback, next
   to the local ipc one (target: within 2x of ipc; CURVE's per-message crypto
   and TCP are the difference)
@@ -130,6 +131,10 @@ def _pipelined(sock: zmq.Socket[Any], header: bytes, total: int, depth: int = 64
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is not None and "--flood" in argv:  # the flood variant (supervisor.bench.flood)
+        from supervisor.bench import flood
+
+        return flood.main(argv)
     parser = argparse.ArgumentParser(prog="twt bench route", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rounds", type=int, default=6)

@@ -62,7 +62,7 @@ SAMPLES: dict[type[TensorWasmError], dict[str, Any]] = {
     NodeLost: {"tenant_id": "acme", "instance": 0, "exit_code": None, "signal": None, "reason": "actor died",
                "node_id": "4be0c2a1f3d9"},
     HandshakeFailed: {"endpoint": "tcp://127.0.0.1:7700", "reason": "wrong server public key?"},
-    Overloaded: {"tenant_id": "acme", "in_flight": 64, "limit": 64},
+    Overloaded: {"tenant_id": "acme", "in_flight": 64, "limit": 64, "retry_after_s": 0.25},
     ProtocolError: {"detail": "header too large"},
     InvalidArgument: {"detail": "nbytes must be positive"},
     BackendUnavailable: {"backend": "cuda", "reason": "no driver"},

@@ -60,11 +60,66 @@ def test_short_never_echoes_unbounded_input() -> None:
 
 def test_connection_gate_sheds_past_the_budget() -> None:
     gate = ConnectionGate(budget=2)
-    assert [gate.accepted() for _ in range(4)] == [False, False, True, True]
-    gate.disconnected()
-    gate.disconnected()
-    assert gate.connected == 2 and gate.shed == 2
-    assert gate.accepted() is True
+    assert [gate.accepted(fd) for fd in range(4)] == [None, None, "fd_budget", "fd_budget"]
+    gate.disconnected(0)
+    gate.disconnected(1)
+    gate.disconnected(1)  # a repeated or lost event never drifts the count
+    assert gate.connected == 0 and gate.shed == 2
+    assert gate.accepted(5) is None and gate.accepted(5) is None  # fd 5 reused: its DISCONNECTED was lost
+    assert gate.connected == 1
+
+
+def test_connection_gate_counts_tcp_in_the_same_budget_with_per_source_and_peer_caps() -> None:
+    gate = ConnectionGate(budget=10, max_tcp=4, max_per_source=3, tcp_slack=1)
+    assert gate.accepted(1) is None  # ipc
+    assert [gate.accepted(fd, tcp=True, source="10.0.0.1") for fd in (2, 3, 4, 5)] == [None, None, None, "per_source"]
+    assert gate.accepted(6, tcp=True, source="10.0.0.2") is None
+    assert gate.accepted(7, tcp=True, source="10.0.0.3") is None  # 5 = max_tcp + slack: ZAP refuses it, typed
+    assert gate.accepted(8, tcp=True, source="10.0.0.4") == "max_tcp_peers"
+    assert gate.tcp == 5 and gate.connected == 6 and gate.sources() == 3
+    assert gate.shed_by == {"per_source": 1, "max_tcp_peers": 1}
+    gate.disconnected(2, tcp=True)
+    gate.disconnected(2)  # an ipc fd 2 was never counted: the TCP one is kept apart
+    assert gate.accepted(9, tcp=True, source="10.0.0.1") is None and gate.tcp == 5
+    for fd in range(20, 30):  # ipc fills the shared budget: TCP is shed too
+        gate.accepted(fd)
+    assert gate.accepted(40, tcp=True, source="10.0.0.9") == "fd_budget"
+    tcp_only = ConnectionGate(budget=8)  # TCP alone takes at most 3/4 of it: ipc clients still get in
+    assert [tcp_only.accepted(fd, tcp=True, source=str(fd)) for fd in range(7)] == [None] * 6 + ["fd_budget"]
+    assert tcp_only.accepted(100) is None and tcp_only.accepted(101) is None and tcp_only.accepted(102) == "fd_budget"
+
+
+def test_source_key_groups_ipv6_by_its_64_and_unmaps_ipv4() -> None:
+    from supervisor.peers import source_key
+
+    assert source_key("192.0.2.7") == "192.0.2.7"
+    assert source_key("2001:db8:1:2:aaaa::1") == source_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert source_key("2001:db8:1:3::1") != source_key("2001:db8:1:2::1")
+    assert source_key("::ffff:192.0.2.7") == "192.0.2.7"
+    assert source_key("fe80::1%eth0") == "fe80::/64"
+
+
+def test_shed_tcp_shuts_down_only_an_accepted_connection_of_that_port() -> None:
+    from supervisor.peers import shed_tcp, tcp_peer
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen()
+    port = lst.getsockname()[1]
+    cli = socket.socket()
+    cli.connect(("127.0.0.1", port))
+    conn, _ = lst.accept()
+    other = socket.socketpair()
+    try:
+        assert tcp_peer(conn.fileno(), {port}) == "127.0.0.1"
+        assert tcp_peer(other[0].fileno(), {port}) is None and tcp_peer(conn.fileno(), {port + 1}) is None
+        assert shed_tcp(lst.fileno(), {port}) is False  # the listener itself: never
+        assert shed_tcp(other[0].fileno(), {port}) is False and shed_tcp(10**6, {port}) is False
+        assert shed_tcp(conn.fileno(), {port}) is True
+        assert cli.recv(1) == b""  # the peer sees the connection closed
+    finally:
+        for s in (lst, cli, conn, *other):
+            s.close()
 
 
 def test_shed_shuts_down_only_a_connection_of_that_path() -> None:
@@ -92,27 +147,36 @@ def test_shed_shuts_down_only_a_connection_of_that_path() -> None:
 def test_fair_turn_round_robin_tenants_first_unauthenticated_last_and_budgeted() -> None:
     from supervisor.fairness import FairTurn
 
-    turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=5, backlog_bytes_max=50,
-                                   size_of=lambda item: 10)
-    msgs = [(True, "flood", f"f{i}") for i in range(5)] + [(True, "bystander", "b0")]
-    msgs += [(False, b"peer1", f"x{i}") for i in range(10)] + [(False, b"new", "n0")]
+    turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=8, backlog_bytes_max=150,
+                                   per_tenant_per_turn=3, size_of=lambda item: 10)
+    msgs = [(True, "flood", f"f{i}") for i in range(5)] + [(True, "bystander", "b0"), (False, b"new", "n0")]
+    msgs += [(False, b"peer1", f"x{i}") for i in range(10)]
     msgs.insert(2, (False, b"peer1", "x-early"))
     order = turn.order(msgs)
-    assert order[:2] == ["f0", "b0"]  # the bystander's one request is served second, not sixth
-    assert order[2:6] == ["f1", "f2", "f3", "f4"]
-    assert order[6:] == ["x-early", "n0", "x0"]  # one per peer in turn, three in all
-    assert len(turn.backlog) == 5 and turn.backlog_full and turn.dropped == 4  # 9 left: 50 bytes wait, 4 dropped
-    assert turn.order([(True, "t", "a"), (False, b"peer2", "y")]) == ["a", "x1", "y", "x2"]
-    assert [item for _, item in turn.backlog] == ["x3", "x4", "x5"]
+    assert order[:2] == ["b0", "f0"]  # the bystander's one request is served first, not sixth
+    assert order[2:4] == ["f1", "f2"]  # the flooder's share of the turn: three
+    assert order[4:] == ["x-early", "n0", "x0"]  # one per peer in turn, three in all
+    # 150 bytes were queued: the last three unauthenticated ones went past the byte bound (dropped)
+    assert turn.dropped == 3 and turn.backlog == 8 and turn.backlog_full
+    assert turn.order([(True, "t", "a")]) == ["a", "f3", "f4", "x1", "x2", "x3"]
+    assert turn.backlog == 3 and not turn.backlog_full
 
 
-def test_fair_turn_count_bound_throttles_reading_but_drops_nothing_small() -> None:
+def test_fair_turn_bounds_each_tenant_per_turn_and_serves_everything_in_order() -> None:
     from supervisor.fairness import FairTurn
 
-    turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=2)
+    turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=2, per_tenant_per_turn=4)
     turn.order([(False, b"p", f"m{i}") for i in range(10)])
-    assert turn.backlog_full and len(turn.backlog) == 7 and turn.dropped == 0
+    assert turn.backlog_full and turn.backlog == 7 and turn.dropped == 0
     served = []
     while turn.backlog:
-        served += turn.order([])
+        served += turn.take()
     assert served == [f"m{i}" for i in range(3, 10)]  # every one, in order
+    for i in range(10):
+        turn.add(True, "busy", f"b{i}")
+    turn.add(True, "quiet", "q0")
+    first = turn.take()
+    assert first == ["q0", "b0", "b1", "b2", "b3"] and turn.take() == ["b4", "b5", "b6", "b7"]
+    turn.add(True, "quiet", "q1")
+    assert turn.take() == ["q1", "b8", "b9"]  # a tenant with nothing waiting goes first
+    assert turn.take() == [] and turn.backlog == 0

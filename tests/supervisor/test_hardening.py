@@ -221,3 +221,108 @@ def test_forged_tokens_never_become_metric_labels_and_names_are_hidden_by_defaul
         assert "forged" not in text
         assert "secret-name" not in text  # pseudonyms unless metrics_tenant_names = true
         assert len(text) < 200_000
+
+
+# ------------------------------------------------------------------ issue 25: admission
+
+
+def test_admission_refuses_past_a_tenants_rate_typed_and_other_tenants_are_served() -> None:
+    """Every op counts, the ones the frontend answers itself (``quota``) too; past the
+    tenant's requests_per_s the answer is Overloaded with retry_after_s, on the wire and
+    in the client; another tenant is not touched; the refusals are counted and exported."""
+    tenants = [{"name": "metered", "requests_per_s": 1}, {"name": "other"}]
+    with supervisor(tenants, log_level="error", metrics_addr="127.0.0.1:0") as sup:
+        c = sup.client
+        cap, other = c.tenant_capability(None, "metered"), c.tenant_capability(None, "other")
+        sock = _dealer(sup.run_dir)
+        try:
+            for rid in range(1, 101):
+                sock.send(proto.encode_request(rid, "quota", cap.to_bytes(), {}))
+            ok, retry_after = 0, []
+            for _ in range(100):
+                assert sock.poll(30_000), "a request was not answered"
+                _, answered, payload = proto.decode_reply(sock.recv_multipart()[0])
+                if answered:
+                    ok += 1
+                else:
+                    assert payload["code"] == "overloaded", payload
+                    retry_after.append(payload["fields"]["retry_after_s"])
+        finally:
+            sock.close(0)
+        # one token a second, one saved up: however slow this machine, most were refused
+        assert ok >= 1 and len(retry_after) >= 60 and ok + len(retry_after) == 100
+        assert all(0 < r <= 1.0 for r in retry_after)
+        assert c.ping(other)["tenant"] == "other"
+        with pytest.raises(Overloaded, match="requests_per_s") as info:
+            for _ in range(5):
+                c.quota(cap)
+        assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
+        status = c.status()["supervisor"]
+        assert status["admission_refused"] >= 61 and status["admission_refused_by"]["requests"] >= 61
+        with urllib.request.urlopen(c.info["metrics_url"], timeout=10) as resp:
+            text = resp.read().decode()
+        assert 'twt_admission_refused_total{limit="requests",tenant="' in text
+        assert "twt_frontend_connection_budget" in text
+
+
+def test_unauthenticated_requests_are_metered_per_peer() -> None:
+    """A peer flooding requests without a verified capability gets a few answers and the
+    rest dropped (counted); a new peer still gets its typed answer, a tenant its service."""
+    with supervisor([{"name": "bystander"}], log_level="error", unauthenticated_requests_per_s=5) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "bystander")
+        flood = _dealer(sup.run_dir)
+        newcomer = _dealer(sup.run_dir)
+        try:
+            for rid in range(1, 1001):
+                flood.send(proto.encode_request(rid, "no-such-op", None, {}))  # answerable: a readable rid
+            wait_for(lambda: c.status()["supervisor"]["unauthenticated_dropped_by"]["peer_rate"] >= 900,
+                     timeout_s=60, what="the flood dropped")
+            answered = 0
+            while flood.poll(500):
+                flood.recv_multipart()
+                answered += 1
+            assert answered <= 100  # 5 a second, 5 saved up: 20 s of this machine would be 105
+            newcomer.send(proto.encode_request(7, "ping", b"\x00" * 40, {}))
+            assert newcomer.poll(30_000)
+            rid, ok, err = proto.decode_reply(newcomer.recv_multipart()[0])
+            assert (rid, ok, err["code"]) == (7, False, "isolation_violation")
+            assert c.ping(cap)["tenant"] == "bystander"
+        finally:
+            flood.close(0)
+            newcomer.close(0)
+
+
+@pytest.mark.parametrize("kind", ["ping", "quota", "garbage", "badcap", "write"])
+def test_a_victim_is_served_correctly_during_each_flood_kind(kind: str) -> None:
+    """Issue 25: each flood kind of `twt bench route --flood`, pipelined from one peer that
+    reads nothing; the other tenant's requests are all answered, correctly, meanwhile, and
+    the supervisor's queue stays bounded (latency is the bench's, not this test's)."""
+    with supervisor([{"name": "flooder"}, {"name": "victim"}], log_level="error") as sup:
+        c = sup.client
+        flood_cap, victim = c.tenant_capability(None, "flooder"), c.tenant_capability(None, "victim")
+        forged = bytearray(flood_cap.to_bytes())
+        forged[-1] ^= 1
+        handle = c.alloc(flood_cap, MiB)
+        frames = {
+            "ping": [proto.encode_request(1, "ping", flood_cap.to_bytes(), {})],
+            "quota": [proto.encode_request(1, "quota", flood_cap.to_bytes(), {})],
+            "garbage": [b"\xc1not a request"],
+            "badcap": [proto.encode_request(1, "ping", bytes(forged), {})],
+            "write": [proto.encode_request(1, "write", flood_cap.to_bytes(), {"handle": handle}), bytes(MiB)],
+        }[kind]
+        flood = _dealer(sup.run_dir, SNDHWM=0, RCVHWM=1)
+        try:
+            for _ in range(100 if kind == "write" else 5000):
+                flood.send_multipart(frames)
+            h = c.alloc(victim, 4096)
+            for i in range(20):
+                payload = os.urandom(32) + bytes([i])
+                c.write(victim, h, payload)
+                assert c.read(victim, h, len(payload)) == payload
+                assert c.ping(victim)["tenant"] == "victim"
+                assert c.status()["supervisor"]["unauthenticated_backlog"] <= 1024 + 16
+        finally:
+            flood.close(0)
+        assert sup.process.poll() is None
+        assert c.status()["supervisor"]["internal_errors"] == 0

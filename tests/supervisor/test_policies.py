@@ -398,3 +398,51 @@ def test_a_scale_down_answers_what_waited_for_the_instances_it_took_away() -> No
     assert _scaled_away(rt, free) is None  # instance 0 may still come up
     rt.slots[0].draining = True  # scale 1 -> 0
     assert isinstance(_scaled_away(rt, free), TenantStopped)
+
+
+def test_loop_polls_plain_fds_through_one_epoll_and_sockets_directly() -> None:
+    """64 worker sentinels must not make every poll 64 entries longer (issue 25, scale)."""
+    import os
+
+    import zmq
+
+    from supervisor.loop import Loop
+
+    loop = Loop()
+    pipes = [os.pipe() for _ in range(64)]
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://loop-test")
+        b.connect("inproc://loop-test")
+        fired: list[object] = []
+        for i, (r, _) in enumerate(pipes):
+            loop.register(r, lambda i=i: fired.append(i))
+        loop.register(b, lambda: fired.append("sock"))
+        assert len(loop.poller.sockets) <= 3  # the wake pipe, the epoll, the socket
+        assert loop.poll(0) == []
+        os.write(pipes[7][1], b"x")
+        os.write(pipes[42][1], b"x")
+        a.send(b"m")
+        for handler in loop.poll(1.0):
+            handler()
+        assert sorted(map(str, fired)) == ["42", "7", "sock"]
+        os.read(pipes[42][0], 1)
+        loop.unregister(pipes[7][0])  # still readable: no longer reported
+        os.close(pipes[42][0])
+        loop.unregister(pipes[42][0])  # closed first: still fine
+        b.recv()
+        loop.wake()
+        handlers = loop.poll(1.0)
+        assert [h.__name__ for h in handlers] == ["_drain_wake"]
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
+        for r, w in pipes:
+            for fd in (r, w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        loop.close()

@@ -1,0 +1,165 @@
+"""Admission: how many requests and bytes per second each sender may have served.
+
+``max_in_flight`` bounds what a tenant has *outstanding*; it does not bound
+what a tenant may make the supervisor's loop do: a client that sends cheap
+requests the frontend answers itself (``quota``, ``events``, pings past
+``max_in_flight``) never has many outstanding, and used to take most of the
+loop from everyone else (issue 25: a victim's ping 42x slower during a
+``quota`` flood). So every request a tenant's capability carries - every op,
+those the frontend answers included - first takes a token from two buckets
+of its tenant:
+
+* requests per second (``requests_per_s`` in the spec, else the supervisor's
+  ``tenant_requests_per_s``), one second's worth of burst;
+* request bytes per second (header and body; ``bytes_per_s`` /
+  ``tenant_bytes_per_s``), a burst of one second's worth or one largest
+  message, whichever is more (so any admissible message can pass).
+
+Past either, the request is answered :class:`~shared.errors.Overloaded` with
+``retry_after_s``: when enough tokens will be back. The defaults are ceilings
+that normal use never reaches and a flood does; operators set a tenant's own.
+
+Requests without a verified capability (garbage, forged or foreign tokens, a
+client's very first request) are charged to their *peer* instead: a smaller
+bucket per connection (``unauthenticated_requests_per_s``), past which they
+are dropped unanswered and counted - they have no tenant to answer to, and
+answering a flood is what the flood wants. The peer table is bounded (least
+recently seen forgotten). Admin requests are not metered (the operator's own).
+
+Pure policy with an injected clock: no sockets, no threads. Loop thread only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from shared.config import SupervisorConfig
+from shared.errors import Overloaded
+from shared.spec import TenantSpec
+
+__all__ = ["Admission", "TokenBucket"]
+
+#: peers whose unauthenticated buckets are remembered (least recently seen forgotten)
+MAX_PEERS = 4096
+
+
+class TokenBucket:
+    """``rate`` tokens per second, at most ``burst`` saved up; starts full."""
+
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.stamp = now
+
+    def take(self, n: float, now: float) -> float:
+        """Take ``n`` tokens (at most a full bucket's worth); 0.0 when taken, else the
+        seconds until they will be there (nothing taken)."""
+        tokens = self.tokens + (now - self.stamp) * self.rate
+        if tokens > self.burst:
+            tokens = self.burst
+        self.stamp = now
+        need = n if n < self.burst else self.burst
+        if tokens + 1e-9 >= need:  # (float rounding of the refill)
+            self.tokens = tokens - need if tokens > need else 0.0
+            return 0.0
+        self.tokens = tokens
+        return (need - tokens) / self.rate
+
+
+@dataclass(slots=True)
+class _TenantBuckets:
+    spec: TenantSpec  # the spec they were made for (a changed spec is a new object: new buckets)
+    requests: TokenBucket
+    data: TokenBucket
+
+
+@dataclass
+class Admission:
+    """Per-tenant request and byte buckets, and per-peer buckets for the unauthenticated."""
+
+    requests_per_s: float = 20_000.0
+    bytes_per_s: float = float(4 << 30)
+    #: the largest message a socket accepts: a byte bucket holds at least this
+    max_message_bytes: int = 256 << 20
+    unauthenticated_per_s: float = 200.0
+    #: refusals by tenant and by what was exceeded ("requests" / "bytes")
+    refused: dict[tuple[str, str], int] = field(default_factory=dict, init=False)
+    #: unauthenticated requests dropped for their peer's bucket
+    dropped: int = field(default=0, init=False)
+    _tenants: dict[str, _TenantBuckets] = field(default_factory=dict, init=False)
+    _peers: OrderedDict[bytes, TokenBucket] = field(default_factory=OrderedDict, init=False)
+
+    @classmethod
+    def from_config(cls, config: SupervisorConfig) -> Admission:
+        return cls(config.tenant_requests_per_s, float(config.tenant_bytes_per_s), config.max_message_bytes,
+                   config.unauthenticated_requests_per_s)
+
+    def _buckets(self, tenant: str, spec: TenantSpec, now: float) -> _TenantBuckets:
+        rps = spec.requests_per_s if spec.requests_per_s is not None else self.requests_per_s
+        bps = float(spec.bytes_per_s) if spec.bytes_per_s is not None else self.bytes_per_s
+        old = self._tenants.get(tenant)
+        if old is not None and old.requests.rate == rps and old.data.rate == bps:
+            old.spec = spec  # another spec object, the same rates: keep what was saved up
+            return old
+        b = self._tenants[tenant] = _TenantBuckets(
+            spec, TokenBucket(rps, max(rps, 1.0), now), TokenBucket(bps, max(bps, float(self.max_message_bytes)), now))
+        return b
+
+    def admit(self, tenant: str, spec: TenantSpec, nbytes: int, now: float, *, in_flight: int = 0) -> None:
+        """Charge one request of ``nbytes`` to ``tenant``; raises :class:`Overloaded` (with
+        ``retry_after_s``) past its requests or bytes per second."""
+        b = self._tenants.get(tenant)
+        if b is None or b.spec is not spec:  # the hot path: the same spec object as last time
+            b = self._buckets(tenant, spec, now)
+        wait = b.requests.take(1.0, now)
+        if wait:
+            what, rate = "requests", b.requests.rate
+        else:
+            if not nbytes:
+                return
+            wait = b.data.take(float(nbytes), now)
+            if not wait:
+                return
+            b.requests.tokens += 1.0  # not served: the request token goes back
+            what, rate = "bytes", b.data.rate
+        key = (tenant, what)
+        self.refused[key] = self.refused.get(key, 0) + 1
+        setting = "requests_per_s" if what == "requests" else "bytes_per_s"
+        raise Overloaded(
+            tenant, in_flight, spec.max_in_flight, retry_after_s=round(wait, 6),
+            message=f"tenant {tenant!r} sent more than its {rate:,.0f} {what} per second ({setting}); "
+            f"retry after {wait:.3g} s",
+        )
+
+    def admit_unauthenticated(self, peer: bytes, now: float) -> bool:
+        """One request without a verified capability from ``peer``: False when its bucket
+        is empty (drop it, counted in :attr:`dropped`)."""
+        bucket = self._peers.pop(peer, None)
+        if bucket is None:
+            rate = self.unauthenticated_per_s
+            bucket = TokenBucket(rate, max(rate, 1.0), now)
+            while len(self._peers) >= MAX_PEERS:
+                self._peers.popitem(last=False)
+        self._peers[peer] = bucket
+        if bucket.take(1.0, now):
+            self.dropped += 1
+            return False
+        return True
+
+    def forget(self, tenant: str) -> None:
+        """An evicted tenant's buckets and counts go with it (a new registration starts
+        full; the counts stay bounded by the tenants registered now)."""
+        self._tenants.pop(tenant, None)
+        for what in ("requests", "bytes"):
+            self.refused.pop((tenant, what), None)
+
+    def status(self) -> dict[str, object]:
+        refused: dict[str, int] = {}
+        for (_, what), n in self.refused.items():
+            refused[what] = refused.get(what, 0) + n
+        return {"admission_refused": sum(refused.values()), "admission_refused_by": refused,
+                "unauthenticated_rate_dropped": self.dropped}

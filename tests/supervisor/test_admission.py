@@ -1,0 +1,64 @@
+"""Admission policy without processes (issue 25): token buckets per tenant and per
+unauthenticated peer, refusals typed with ``retry_after_s``."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.errors import Overloaded, error_from_dict
+from shared.spec import TenantSpec
+from supervisor.admission import Admission, TokenBucket
+
+
+def test_token_bucket_refills_at_its_rate_and_says_when_to_come_back() -> None:
+    b = TokenBucket(rate=10.0, burst=5.0, now=0.0)
+    assert [b.take(1, 0.0) for _ in range(5)] == [0.0] * 5  # the burst
+    assert b.take(1, 0.0) == pytest.approx(0.1)  # one token comes back in 1/10 s
+    assert b.take(1, 0.1) == 0.0
+    assert b.take(3, 100.0) == 0.0 and b.tokens == pytest.approx(2.0)  # never more than the burst saved up
+    assert b.take(50, 100.0) == pytest.approx(0.3)  # more than a burst: a full bucket's worth is enough
+    assert b.take(50, 100.3) == 0.0 and b.tokens == pytest.approx(0.0)
+
+
+def test_a_tenant_past_its_requests_per_second_is_refused_with_retry_after() -> None:
+    adm = Admission(requests_per_s=1000.0, bytes_per_s=1e9, max_message_bytes=1 << 20)
+    slow = TenantSpec("slow", requests_per_s=2.0)
+    for _ in range(2):
+        adm.admit("slow", slow, 100, 0.0)
+    with pytest.raises(Overloaded) as info:
+        adm.admit("slow", slow, 100, 0.0, in_flight=3)
+    err = info.value
+    assert err.retry_after_s == pytest.approx(0.5) and err.in_flight == 3 and err.limit == slow.max_in_flight
+    assert "requests_per_s" in str(err) and err.is_retryable()
+    back = error_from_dict(err.to_dict())  # typed on the wire, the field included
+    assert isinstance(back, Overloaded) and back.retry_after_s == pytest.approx(0.5)
+    adm.admit("other", TenantSpec("other"), 100, 0.0)  # another tenant's bucket is its own
+    adm.admit("slow", slow, 100, 0.5)  # and the tenant is served again once a token is back
+    assert adm.refused == {("slow", "requests"): 1}
+    assert adm.status()["admission_refused"] == 1
+
+
+def test_bytes_per_second_and_a_changed_spec_take_effect() -> None:
+    adm = Admission(requests_per_s=1e6, bytes_per_s=1e9, max_message_bytes=1000)
+    spec = TenantSpec("big", bytes_per_s=2000)
+    adm.admit("big", spec, 1500, 0.0)
+    with pytest.raises(Overloaded, match="bytes per second") as info:
+        adm.admit("big", spec, 1000, 0.0)
+    assert info.value.retry_after_s == pytest.approx(0.25)
+    adm.admit("big", spec, 10_000, 1.0)  # bigger than a burst: passes with a full bucket
+    wider = TenantSpec("big", bytes_per_s=10**9)  # set-quota / reload: new rates, a full bucket
+    adm.admit("big", wider, 10_000, 1.0)
+    assert adm.refused == {("big", "bytes"): 1}
+    adm.forget("big")
+    assert adm.refused == {}
+
+
+def test_unauthenticated_requests_are_metered_per_peer_and_the_table_is_bounded() -> None:
+    adm = Admission(unauthenticated_per_s=3.0)
+    assert [adm.admit_unauthenticated(b"flood", 0.0) for _ in range(5)] == [True] * 3 + [False] * 2
+    assert adm.admit_unauthenticated(b"newcomer", 0.0)  # a peer of its own: a full bucket
+    assert adm.admit_unauthenticated(b"flood", 1.0)  # tokens come back
+    assert adm.dropped == 2
+    for i in range(5000):
+        adm.admit_unauthenticated(i.to_bytes(4, "big"), 2.0)
+    assert len(adm._peers) <= 4096

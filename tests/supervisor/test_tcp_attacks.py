@@ -1,0 +1,230 @@
+"""Keyless attacks on the CURVE TCP frontend, each against a real supervisor on
+127.0.0.1 (issue 30: findings 1, 2, 3 and 9). Every test bounds its own loops
+and asserts what must hold - the supervisor alive, legitimate clients served,
+resources bounded, refusals typed - never a latency (that is ``twt bench route
+--flood``'s job).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import time
+from contextlib import ExitStack
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+
+from shared import protocol as proto
+from supervisor.client import SupervisorClient
+from tests.helpers.cluster import supervisor, wait_for
+from tests.helpers.raw_client import dealer
+
+pytestmark = pytest.mark.timeout(180)
+
+LOOPBACK = "tcp://127.0.0.1:0"
+
+
+def _port(info: dict[str, Any]) -> int:
+    return int(str(info["listen"][0]).rpartition(":")[2])
+
+
+def _remote(info: dict[str, Any], **kw: Any) -> SupervisorClient:
+    return SupervisorClient.remote(str(info["listen"][0]), str(info["server_public_key"]), **kw)
+
+
+def _raw_tcp(port: int, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
+    """``n`` TCP connections that never send a byte (not even the ZMTP greeting)."""
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
+        s.bind((source, 0))
+        try:
+            s.connect(("127.0.0.1", port))
+        except OSError:
+            s.close()  # refused (the listen backlog full): the attack goes on with the next one
+            continue
+        out.append(s)
+    return out
+
+
+def test_raw_tcp_connections_count_in_the_fd_budget_and_ipc_clients_keep_working() -> None:
+    """Finding 1, before: raw TCP connections that never greet were counted nowhere; 2,448
+    of them against a 2,048-fd limit, then the next ipc connect aborted the supervisor
+    (``Too many open files (src/ipc_listener.cpp:297)``). Here with a 512-fd limit."""
+    with supervisor([{"name": "bystander"}], listen=[LOOPBACK], log_level="error", max_tcp_peers=100_000,
+                    max_tcp_peers_per_source=100_000, tcp_handshake_timeout_s=30.0) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "bystander")
+        resource.prlimit(sup.pid, resource.RLIMIT_NOFILE, (512, 512))
+        wait_for(lambda: c.status()["supervisor"]["fd_limit"] == 512, timeout_s=15, what="the lowered limit seen")
+        budget = c.status()["supervisor"]["connection_budget"]
+        with ExitStack() as stack:
+            socks = _raw_tcp(_port(sup.info), 700)
+            for s in socks:
+                stack.callback(s.close)
+            wait_for(lambda: c.status()["supervisor"]["connections_shed_by"].get("fd_budget", 0) > 0,
+                     timeout_s=60, what="raw TCP connections shed for the fd budget")
+            # new ipc connections while the raw ones are held: the abort of finding 1
+            for _ in range(3):
+                with sup.connect(timeout_s=30) as late:
+                    assert late.ping(cap)["tenant"] == "bystander"
+            assert c.ping(cap)["tenant"] == "bystander"
+            st = c.status()["supervisor"]
+            assert st["connections"] <= budget and st["tcp_connections"] <= budget
+            assert psutil.Process(sup.pid).num_fds() < 512
+            # before, the supervisor itself hit EMFILE (its psutil and housekeeping calls failed)
+            assert st["internal_errors"] == 0
+        assert sup.process.poll() is None, "the supervisor died"
+        wait_for(lambda: c.status()["supervisor"]["tcp_connections"] == 0, timeout_s=30, what="slots freed")
+        with _remote(sup.info, timeout_s=30) as rc:  # and TCP serves again once they are gone
+            assert rc.ping(cap)["tenant"] == "bystander"
+
+
+def test_idle_keyless_sockets_cannot_lock_a_remote_client_out() -> None:
+    """Finding 3, before: 1,100 idle sockets filled the peer slots and legitimate remote
+    clients got HandshakeFailed until they closed. Now one source holds at most
+    max_tcp_peers_per_source connections (the handshake deadline is long here, so the
+    cap alone is what holds)."""
+    with supervisor([{"name": "acme"}], listen=[LOOPBACK], log_level="error", max_tcp_peers=256,
+                    max_tcp_peers_per_source=32, tcp_handshake_timeout_s=60.0) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "acme")
+        with ExitStack() as stack:
+            socks = _raw_tcp(_port(sup.info), 1100, source="127.0.0.3")  # the attacker's address
+            for s in socks:
+                stack.callback(s.close)
+            wait_for(lambda: c.status()["supervisor"]["connections_shed_by"].get("per_source", 0) >= len(socks) - 32,
+                     timeout_s=60, what="the attacker's connections past its source cap shed")
+            assert c.status()["supervisor"]["tcp_connections"] == 32
+            with _remote(sup.info, timeout_s=30) as rc:  # from 127.0.0.1: a source of its own
+                assert rc.ping(cap)["tenant"] == "acme"
+        assert sup.process.poll() is None
+
+
+def test_a_connection_that_never_greets_is_closed_at_the_handshake_deadline() -> None:
+    with supervisor([{"name": "acme"}], listen=[LOOPBACK], log_level="error", tcp_handshake_timeout_s=1.0) as sup:
+        socks = _raw_tcp(_port(sup.info), 5)
+        try:
+            for s in socks:
+                _assert_closed_by_peer(s)
+        finally:
+            for s in socks:
+                s.close()
+        wait_for(lambda: sup.client.status()["supervisor"]["tcp_connections"] == 0, timeout_s=30,
+                 what="the slots given back")
+
+
+def _assert_closed_by_peer(sock: socket.socket) -> None:
+    """The supervisor closed ``sock`` (EOF or reset) within 30 s, having sent it at most its
+    greeting (libzmq sends its half of the greeting at once)."""
+    sock.settimeout(30)
+    got = b""
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                break
+            got += data
+            assert len(got) <= 64, "more than a greeting sent to a socket that never greeted"
+    except ConnectionResetError:
+        pass
+
+
+def test_keyless_curve_peers_flooding_then_closing_never_abort_the_supervisor() -> None:
+    """Finding 2, before: with no allow-list any key completes the handshake; 30 such peers
+    sending faster than the loop reads, then closing, made libzmq 4.3.5 abort on
+    ``!_io_error`` (stream_engine_base.cpp:310) after 4-12 s, with ZMTP heartbeats on."""
+    with supervisor([{"name": "acme"}, {"name": "bystander"}], listen=[LOOPBACK], log_level="error") as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "bystander")
+        ping = proto.encode_request(1, "ping", c.tenant_capability(None, "acme").to_bytes(), {})
+        ctx: zmq.Context[Any] = zmq.Context()
+        try:
+            for _ in range(3):
+                peers = []
+                for _ in range(30):
+                    s = ctx.socket(zmq.DEALER)
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.setsockopt(zmq.SNDHWM, 0)
+                    s.setsockopt(zmq.HEARTBEAT_IVL, 200)  # the attacker's own heartbeats: the server answers them
+                    s.curve_serverkey = sup.info["server_public_key"].encode()
+                    s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+                    s.connect(sup.info["listen"][0])
+                    peers.append(s)
+                for _ in range(300):
+                    for s in peers:
+                        s.send(ping, zmq.NOBLOCK)
+                time.sleep(0.5)  # let them be sending while they close (the abort's trigger)
+                for s in peers:
+                    s.close(0)
+                assert c.ping(cap)["tenant"] == "bystander"
+        finally:
+            ctx.destroy(0)
+        assert sup.process.poll() is None, "the supervisor died"
+        with _remote(sup.info, timeout_s=30) as rc:
+            assert rc.ping(cap)["tenant"] == "bystander"
+        assert c.status()["supervisor"]["internal_errors"] == 0
+
+
+def test_a_tcp_ping_flood_leaves_an_ipc_tenant_served_and_the_queue_bounded() -> None:
+    """Finding 9: a TCP ping flood at the default max_in_flight slowed an ipc tenant 26x
+    (the 256-message turn). Each turn now serves a bounded share per tenant; here: every
+    one of the ipc tenant's requests is answered correctly while the flood runs, and what
+    the supervisor holds for the flood stays bounded."""
+    with supervisor([{"name": "flooder"}, {"name": "victim"}], listen=[LOOPBACK], log_level="error") as sup:
+        c = sup.client
+        flood_cap, victim = c.tenant_capability(None, "flooder"), c.tenant_capability(None, "victim")
+        ping = proto.encode_request(1, "ping", flood_cap.to_bytes(), {})
+        ctx: zmq.Context[Any] = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.curve_serverkey = sup.info["server_public_key"].encode()
+        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+        s.connect(sup.info["listen"][0])
+        try:
+            for _ in range(20_000):
+                s.send(ping)
+            h = c.alloc(victim, 4096)
+            for i in range(50):
+                payload = os.urandom(64) + i.to_bytes(4, "big")
+                c.write(victim, h, payload)
+                assert c.read(victim, h, len(payload)) == payload
+                assert c.ping(victim)["tenant"] == "victim"
+                st = c.status()["supervisor"]
+                assert st["unauthenticated_backlog"] <= 1024 + 64  # the fair queue's bound (+ one read)
+            answered = 0
+            while s.poll(2000):
+                _, ok, payload = proto.decode_reply(s.recv_multipart()[0])
+                assert ok or payload["code"] == "overloaded", payload
+                answered += 1
+            assert answered >= 1
+        finally:
+            s.close(0)
+            ctx.destroy(0)
+        assert c.status()["supervisor"]["internal_errors"] == 0
+
+
+def test_a_client_shed_at_accept_gets_a_typed_error_at_once() -> None:
+    """A client past its address's cap is shut down during its handshake: it is told so
+    (``HandshakeFailed`` naming the limits), not left waiting for its timeout."""
+    from shared.errors import HandshakeFailed, SupervisorUnavailable
+
+    with supervisor([{"name": "acme"}], listen=[LOOPBACK], log_level="error", max_tcp_peers_per_source=1) as sup:
+        cap = sup.client.tenant_capability(None, "acme")
+        with _remote(sup.info, timeout_s=30) as first:
+            assert first.ping(cap)["tenant"] == "acme"
+            with _remote(sup.info, timeout_s=30) as second:
+                t0 = time.monotonic()
+                with pytest.raises((HandshakeFailed, SupervisorUnavailable)) as info:
+                    second.ping(cap)
+                assert time.monotonic() - t0 < 25  # well within its timeout
+                if isinstance(info.value, HandshakeFailed):
+                    assert "max_tcp_peers_per_source" in str(info.value)
+            assert first.ping(cap)["tenant"] == "acme"  # the one inside the cap never noticed
+        assert sup.client.status()["supervisor"]["connections_shed_by"]["per_source"] >= 1
