@@ -121,7 +121,11 @@ _SIZE_OR_NIL = (int, str, type(None))
 _MAP = (dict,)
 
 #: the limits set_quota changes live (each a TenantSpec field)
-QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
+QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota",
+                     "gpu_time_weight", "gpu_time_cap")
+#: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy: numbers)
+_QUOTA_TYPES: Final[dict[str, tuple[type, ...]]] = {"gpu_time_weight": (int, float),
+                                                    "gpu_time_cap": (int, float, type(None))}
 #: what inject_fault accepts (docs/RELIABILITY.md describes each)
 FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
 #: worker-side ops whose handle argument pins them to one instance (``alloc`` may name one: ``instance``)
@@ -177,7 +181,8 @@ OPS: Final[dict[str, OpSpec]] = {
         OpSpec("capability", True, (Arg(_T, _STR, True),), "{capability}", ("UnknownTenant",),
                "tenant_capability", "capability"),
         OpSpec("evict", True, (Arg(_T, _STR, True),), "{evicted, pids}", ("UnknownTenant",), "evict", "evict"),
-        OpSpec("set_quota", True, (Arg(_T, _STR, True), *(Arg(k, _SIZE_OR_NIL if k != "memory_quota_bytes"
+        OpSpec("set_quota", True, (Arg(_T, _STR, True), *(Arg(k, _QUOTA_TYPES.get(k, _SIZE_OR_NIL)
+                                                               if k != "memory_quota_bytes"
                                                                else _SIZE) for k in QUOTA_KEYS)),
                "tenant status record", ("UnknownTenant", "InvalidArgument"), "set_quota", "set-quota"),
         OpSpec("scale", True, (Arg(_T, _STR, True), Arg("instances", _INT, True)), "tenant status record",

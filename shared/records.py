@@ -223,6 +223,8 @@ class TenantRecord(Record):
     quota: dict[str, Any] = field(default_factory=dict)  # the full QuotaSnapshot
     regions: tuple[RegionRecord, ...] = field(default=(), metadata=_holds(RegionRecord))
     origin: str = "runtime"  # "file": managed by the config file (reload); "runtime": by register/evict
+    #: GPU time (shared.gpu_time): weight, cap, gpu_time_s, share over the last window, throttled, ...
+    gpu_time: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from shared.gpu_time import check_gpu_time_cap, check_gpu_time_weight
 from shared.ids import TenantId
 from shared.quota import DEFAULT_QUOTA_BYTES, MAX_INSTANCES
 from shared.sizes import parse_size
@@ -92,7 +93,10 @@ class TenantSpec:
     ``restart`` / ``max_restarts`` within ``restart_window_s``,
     ``max_in_flight``, ``request_timeout_s``. WASM: ``wasm_fuel`` and
     ``wasm_timeout_s`` are a run's default and its ceiling,
-    ``wasm_max_memory_bytes`` bounds a guest's linear memory.
+    ``wasm_max_memory_bytes`` bounds a guest's linear memory. GPU time:
+    ``gpu_time_weight`` (> 0, default 1: a work-conserving share) and
+    ``gpu_time_cap`` (a fraction in (0, 1], default None: a hard ceiling);
+    see docs/GPU-QUOTAS.md.
     """
 
     tenant_id: str  # validated into a TenantId
@@ -111,6 +115,10 @@ class TenantSpec:
     wasm_fuel: int = 2_000_000_000
     wasm_timeout_s: float = 10.0
     wasm_max_memory_bytes: int = 256 << 20
+    #: GPU time (shared.gpu_time): a work-conserving weight on each device the tenant uses, and an
+    #: optional hard ceiling on its fraction of the device's time (None: no ceiling)
+    gpu_time_weight: float = 1.0
+    gpu_time_cap: float | None = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -148,6 +156,8 @@ class TenantSpec:
         s(self, "wasm_max_memory_bytes", _size(self.wasm_max_memory_bytes, "wasm_max_memory_bytes"))
         if self.wasm_max_memory_bytes < 65536:
             raise ValueError("wasm_max_memory_bytes must be at least one 64 KiB page")
+        s(self, "gpu_time_weight", check_gpu_time_weight(self.gpu_time_weight))  # InvalidArgument naming the key
+        s(self, "gpu_time_cap", check_gpu_time_cap(self.gpu_time_cap))
 
     # ------------------------------------------------------------ builder
 
@@ -171,6 +181,15 @@ class TenantSpec:
 
     def with_sm_percentage(self, pct: int | None) -> TenantSpec:
         return self._with(sm_percentage=pct)
+
+    def with_gpu_time(self, *, weight: float | None = None, cap: float | None | Any = ...) -> TenantSpec:
+        """Weight and/or cap of the tenant's GPU time (``cap=None`` removes the cap; omitted: unchanged)."""
+        changes: dict[str, Any] = {}
+        if weight is not None:
+            changes["gpu_time_weight"] = weight
+        if cap is not ...:
+            changes["gpu_time_cap"] = cap
+        return self._with(**changes)
 
     def with_instances(self, n: int) -> TenantSpec:
         return self._with(instances=n)

@@ -62,6 +62,7 @@ from shared.records import (
 from shared.spec import TenantSpec
 from supervisor.events import EventBus
 from supervisor.frontend import Frontend
+from supervisor.gpu_share import SAMPLE_EVERY_S, GpuShareWindow
 from supervisor.loop import Loop
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
@@ -134,6 +135,9 @@ class AdminOps:
         self._workers: WorkerSet | None = None
         self._frontend: Frontend | None = None
         self._service: ServiceHooks | None = None
+        #: each tenant's GPU-time share over the last window (sampled by a loop timer)
+        self.gpu_share = GpuShareWindow()
+        loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 
     def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
         """The parts this one calls, which are built after it (they call it too); once, at set-up."""
@@ -239,6 +243,7 @@ class AdminOps:
         rt.device = device
         rt.origin = origin
         self.placement.add(spec.tenant_id, isolation)
+        self.placement.gpu_time_join(spec, device)  # before any worker binds: it gets the board slot
         rt.slots = [InstanceSlot(i) for i in range(spec.instances)]
         self.tenants[spec.tenant_id] = rt
         if waiter is not None:
@@ -325,6 +330,8 @@ class AdminOps:
         rt.state = TenantState.EVICTING
         self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
+        self.placement.gpu_time_leave(tid)  # its workers stop; a lease one holds passes on at its death
+        self.gpu_share.forget(tid)
         del self.tenants[tid]
         self.record(self.state.evict, tid)
         self.service.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
@@ -357,6 +364,7 @@ class AdminOps:
             raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
         info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
         rt.spec = info.spec
+        self.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
         self.record(self.state.update_spec, rt.spec)
         self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
         return self.tenant_record(rt)
@@ -457,6 +465,30 @@ class AdminOps:
             uptime_s=round(time.time() - self.started, 3),
         )
 
+    def sample_gpu_time(self) -> None:
+        """Feed each tenant's accounted GPU time to the share window (a loop timer, every second)."""
+        now = time.monotonic()
+        for tid, rt in self.tenants.items():
+            if not rt.block.closed:
+                self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
+        self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
+
+    def _gpu_time_record(self, rt: TenantRuntime, snap: dict[str, Any]) -> dict[str, Any]:
+        """What status and top show of the tenant's GPU time (docs/GPU-QUOTAS.md)."""
+        gpu_ns = int(snap.get("gpu_time_ns", 0))
+        share = self.gpu_share.share(rt.tenant_id, time.monotonic(), gpu_ns)
+        waits = int(snap.get("gpu_waits", 0))
+        return {
+            "weight": rt.spec.gpu_time_weight,
+            "cap": rt.spec.gpu_time_cap,
+            "gpu_time_s": round(gpu_ns / 1e9, 6),
+            "share": None if share is None else round(share, 4),
+            "window_s": self.gpu_share.window_s,
+            "throttled": int(snap.get("gpu_throttled", 0)),
+            "ops": int(snap.get("gpu_ops", 0)),
+            "wait_mean_s": round(int(snap.get("gpu_wait_ns", 0)) / waits / 1e9, 6) if waits else 0.0,
+        }
+
     def tenant_record(self, rt: TenantRuntime) -> TenantRecord:
         snap = rt.block.snapshot().to_dict() if not rt.block.closed else {}
         now = self.clock()
@@ -496,6 +528,7 @@ class AdminOps:
             quota=snap,
             regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
             origin=rt.origin,
+            gpu_time=self._gpu_time_record(rt, snap) if snap else {},
         )
 
     def status(self) -> StatusRecord:

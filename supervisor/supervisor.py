@@ -192,6 +192,8 @@ class Supervisor:
             policy=cfg.placement,
             segment_prefix=registry.segment_prefix,
             no_mps_dir=os.path.join(self.rundir.path, "no-mps"),
+            gpu_time_quantum_s=cfg.gpu_time_quantum_s,
+            gpu_time_scheduler=cfg.gpu_time_scheduler,
         )
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
                   devices=placement.indexes)

@@ -36,6 +36,7 @@ import zmq
 
 from shared.device_budget import DeviceBudget  # imported at start, not at bind: binding must be fast
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
+from shared.gpu_time import GpuTimeBoard
 from shared.log import get_logger, log_event
 from shared.exitcodes import context_lost_exit_code
 from shared.protocol import decode_worker_request, encode_worker_reply
@@ -198,6 +199,11 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
     budget_segment = options.pop("budget_segment", None)
     if budget_segment:
         budget = DeviceBudget.attach(budget_segment)
+    board = None
+    board_segment = options.pop("gpu_time_segment", None)
+    board_slot = options.pop("gpu_time_slot", None)
+    if board_segment and board_slot is not None:
+        board = GpuTimeBoard.attach(str(board_segment), tenant_slot=_int_arg({"s": board_slot}, "s"))
     server.context = TenantContext.create(
         spec,
         instance=_int_arg(args, "instance"),
@@ -207,6 +213,7 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
         backend_options=options,
         budget=budget,
         faults=server.faults,
+        board=board,
     )
     return {"pid": os.getpid(), **server.context.info()}, None
 

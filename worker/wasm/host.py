@@ -614,6 +614,7 @@ class WasmHost:
             )
             store.set_fuel(fuel)
             run = GuestRun(self.ctx, self.limiter)
+            run.deadline_ns = time.monotonic_ns() + int(timeout_s * 1e9)
             session = WasmSession(self, compiled, store, run, fuel, timeout_s, reservation)
             run.span = session.span_raw if self.fast_imports else session.span_checked
             self._session = session
@@ -682,6 +683,7 @@ class WasmHost:
             "gpu_peak_bytes": run.gpu_peak_bytes,
             "memory_bytes": memory_bytes,
             "logs": run.logs,
+            **run.gpu_totals(),
         }
 
     def info(self) -> dict[str, Any]:
