@@ -172,6 +172,8 @@ class GpuTimeSnapshot:
     quantum_s: float
     #: worker slot holding the device (None: free) and whether a chunk runs right now
     holder: int | None
+    #: the holding worker's pid (0 when free)
+    holder_pid: int
     busy: bool
     waiting: int
     grants: int
@@ -694,6 +696,7 @@ class GpuTimeBoard(MappedSegment):
             scheduler=load(buf, _C_MODE) == 1,
             quantum_s=load(buf, _C_QUANTUM) / 1e9,
             holder=(owner >> 1) - 1 if owner else None,
+            holder_pid=load(buf, _w_off((owner >> 1) - 1) + _W_PID) if owner else 0,
             busy=bool(owner & 1),
             waiting=load(buf, _WAITING),
             grants=load(buf, _GRANTS),

@@ -327,7 +327,7 @@ class Placement:
             return {}
         snap = board.snapshot()
         return {"gpu_time": {"scheduler": snap.scheduler, "quantum_s": snap.quantum_s, "holder": snap.holder,
-                             "waiting": snap.waiting, "grants": snap.grants, "steals": snap.steals,
+                             "holder_pid": snap.holder_pid, "busy": snap.busy, "waiting": snap.waiting, "grants": snap.grants, "steals": snap.steals,
                              "handoffs": snap.handoffs, "segment": snap.name}}
 
     def close(self) -> None:
