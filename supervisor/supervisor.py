@@ -472,7 +472,8 @@ class Supervisor:
             if rt.block.closed:
                 continue
             tenants[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value,
-                                        wanted=sum(1 for s in rt.slots if not s.draining))
+                                        wanted=sum(1 for s in rt.slots if not s.draining),
+                                        gpu_time_weight=rt.spec.gpu_time_weight, gpu_time_cap=rt.spec.gpu_time_cap)
         parts = self.parts
         if parts is None:
             self._metrics.publish(MetricsSnapshot(tenants=tenants))

@@ -222,3 +222,27 @@ def test_bad_policies_are_refused_naming_the_key(sup: SupervisorHandle) -> None:
         assert gpu(sup, "ok")["weight"] == 1.0  # nothing half-applied
     finally:
         sup.client.evict(None, "ok")
+
+
+def test_cli_register_set_quota_and_status(sup: SupervisorHandle) -> None:
+    from tests.helpers.cli import twt
+
+    r = twt("register", "cli", "--gpu-time-weight", "2.5", "--gpu-time-cap", "25%", "--run-dir", sup.run_dir,
+            "--cap-out", os.path.join(sup.run_dir, "cli.cap"))
+    assert r.returncode == 0, r.stderr
+    try:
+        rec = gpu(sup, "cli")
+        assert (rec["weight"], rec["cap"]) == (2.5, 0.25)
+        r = twt("set-quota", "cli", "--gpu-time-weight", "4", "--gpu-time-cap", "none", "--run-dir", sup.run_dir)
+        assert r.returncode == 0, r.stderr
+        assert "GPU time weight 4, cap none" in r.stdout
+        assert (gpu(sup, "cli")["weight"], gpu(sup, "cli")["cap"]) == (4.0, None)
+        r = twt("status", "--run-dir", sup.run_dir)
+        assert r.returncode == 0, r.stderr
+        assert "GPU WEIGHT/CAP" in r.stdout and "SHARE" in r.stdout
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("cli "))
+        assert line.split()[-3:-1] == ["4/none", "0.00s"]
+        r = twt("set-quota", "cli", "--gpu-time-cap", "1.5", "--run-dir", sup.run_dir)
+        assert r.returncode == 2 and "fraction" in r.stderr
+    finally:
+        sup.client.evict(None, "cli")
