@@ -136,7 +136,7 @@ class SupervisorConfig:
     event_log_size: int = 4096
     #: GPU time (shared.gpu_time): the device lease's quantum, and whether weights and caps are
     #: scheduled at all (false: the device is only serialised and time still accounted)
-    gpu_time_quantum_s: float = 0.005
+    gpu_time_quantum_s: float = 0.01
     gpu_time_scheduler: bool = True
     tenants: tuple[TenantSpec, ...] = ()
     #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`

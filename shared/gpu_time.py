@@ -24,30 +24,35 @@ policy is work-conserving; a tenant returning from idle gets its pass raised to
 at least ``vclock - quantum / weight`` (``vclock``: the largest pass granted
 so far), so being idle banks at most one quantum of priority. A tenant with a
 ``cap`` is not runnable while its token bucket (refilled at ``cap`` device
-seconds per second, burst one quantum) is empty - a hard, non-work-conserving
+seconds per second, burst four quanta) is empty - a hard, non-work-conserving
 ceiling.
 
 Every decision is made by whoever sees the device change hands: the holder
 at a chunk boundary, a waiter that finds the device free or held idle past
 its quantum (it may *steal* it: the holder is between ops, in guest code),
-or the supervisor when the holder died. All scheduler state is written only
+or the supervisor when the holder died.
+
+Mode ``off`` (``gpu_time_scheduler = false``) keeps the same leases and
+quanta but picks the longest-waiting worker, whatever its weight, and ignores
+caps: the driver's own time-slicing of contexts, the benchmark's baseline. All scheduler state is written only
 by the current holder (or by the one process that just won the owner word
 with a CAS), so the only atomic read-modify-writes are the owner word, the
 waiting count and each worker's own waiting stamp. No supervisor round trip
 per quantum: ``twt bench share`` measures both costs (docs/GPU-QUOTAS.md).
 
 Owner word: ``0`` free, else ``(worker slot + 1) << 1 | busy``; ``busy`` is set
-while a chunk runs. Waiters sleep on it with a futex (``_atomics.futex_wait``,
-GIL released, so the worker's heartbeats go on) and are woken when it
-changes hands; their timeout is the holder's quantum end, when they may steal
-an idle lease. Mode ``off`` (``gpu_time_scheduler = false``) keeps only the
-serial device: a per-chunk mutex in arrival order of the race, the baseline
-of the benchmark.
+while a chunk runs. Waiters sleep with a futex (``_atomics.futex_wait``, GIL
+released, so the worker's heartbeats go on) on a wake sequence that grows
+each time the owner word changes hands (see :func:`_wake`); their timeout is
+the holder's quantum end, when they may steal an idle lease; the one next
+up yields the CPU in a loop from about a chunk before that end, so that it is
+running when the device passes to it.
 
 Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label)::
 
     line 2        control  owner | grant ns | vclock | waiting | grants | steals | handoffs | workers high
-    line 3        config   device | quantum ns | mode (1 on, 0 off) | tenants | workers | last chunk end ns
+    line 3        config   device | quantum ns | mode (1 on, 0 off) | tenants | workers | last chunk end ns |
+                           wake sequence
     line 4+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
                            credit stamp ns | throttled
     line 68+w     worker w claimed | pid | start ms | tenant + 1 | waiting since ns
@@ -94,8 +99,9 @@ __all__ = [
 
 #: segment kind of a board (shared.quota has 1 tenant, 2 device budget, 3 region)
 KIND_GPU_TIME: Final = 4
-#: the default lease: long enough that a switch (~0.1 ms) costs < 2 %, short for latency
-DEFAULT_QUANTUM_S: Final = 0.005
+#: the default lease: a handoff costs ~0.1 ms on an idle host, up to ~1 ms on a loaded one: 10 ms keeps
+#: that under 3 %, and a light tenant still waits at most ~2 quanta
+DEFAULT_QUANTUM_S: Final = 0.010
 MAX_TENANTS: Final = 64
 MAX_WORKERS: Final = 256
 MAX_WEIGHT: Final = 1e6
@@ -108,7 +114,7 @@ _LINE = 64
 _CTRL = 2 * _LINE
 _OWNER, _GRANT_NS, _VCLOCK, _WAITING, _GRANTS, _STEALS, _HANDOFFS, _HIGH = (_CTRL + 8 * i for i in range(8))
 _CONF = 3 * _LINE
-_C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END = (_CONF + 8 * i for i in range(6))
+_C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ = (_CONF + 8 * i for i in range(7))
 _TENANTS = 4 * _LINE
 _T_ACTIVE, _T_WEIGHT, _T_CAP, _T_PASS, _T_USED, _T_CREDIT, _T_STAMP, _T_THROTTLED = (8 * i for i in range(8))
 _WORKERS = _TENANTS + MAX_TENANTS * _LINE
@@ -122,6 +128,13 @@ _MIN_SLEEP_NS = 50_000
 #: a holder idle (in guest code, no chunk running) this long past its quantum may lose the device
 #: to any waiter, whatever the passes: the device must not sit idle while others wait
 _IDLE_GRACE_NS = 1_000_000
+#: a capped tenant's token bucket holds this many quanta: over any span W it gets at most
+#: ``cap * W`` plus this burst; a bucket of one quantum lost credit to every wake-up that came late
+_CAP_BURST_QUANTA = 4
+#: the next holder stops sleeping this long before the holder's quantum ends and yields the CPU
+#: in a loop instead (about one chunk), at most _MAX_SPIN times per wait
+_SPIN_NS = 2_000_000
+_MAX_SPIN = 20_000
 
 
 def _t_off(t: int) -> int:
@@ -311,7 +324,7 @@ class GpuTimeBoard(MappedSegment):
             _atomics.store(buf, _C_QUANTUM, _quantum_ns(quantum_s))
         if scheduler is not None:
             _atomics.store(buf, _C_MODE, 1 if scheduler else 0)
-        _atomics.futex_wake(buf, _OWNER)
+        _wake(buf)
 
     # ------------------------------------------------------ tenants (owner)
 
@@ -325,7 +338,7 @@ class GpuTimeBoard(MappedSegment):
                 continue
             now = self._clock()
             for field, value in ((_T_WEIGHT, w), (_T_CAP, c), (_T_PASS, _atomics.load(buf, _VCLOCK)),
-                                 (_T_USED, 0), (_T_CREDIT, _BIAS + self.quantum_ns), (_T_STAMP, now),
+                                 (_T_USED, 0), (_T_CREDIT, _BIAS + _CAP_BURST_QUANTA * self.quantum_ns), (_T_STAMP, now),
                                  (_T_THROTTLED, 0)):
                 _atomics.store(buf, off + field, value)
             _atomics.store(buf, off + _T_ACTIVE, 1)
@@ -340,7 +353,7 @@ class GpuTimeBoard(MappedSegment):
             _atomics.store(buf, off + _T_WEIGHT, _weight_micro(check_gpu_time_weight(weight)))
         if cap is not ...:
             _atomics.store(buf, off + _T_CAP, _cap_ppm(check_gpu_time_cap(cap)))
-        _atomics.futex_wake(buf, _OWNER)  # a throttled waiter re-reads its cap
+        _wake(buf)  # a throttled waiter re-reads its cap
 
     def remove_tenant(self, tenant: int) -> None:
         """Free a tenant slot (its workers are gone: evicted)."""
@@ -360,10 +373,11 @@ class GpuTimeBoard(MappedSegment):
     # ------------------------------------------------------------ the policy
 
     def _credit(self, buf: memoryview, t_off: int, cap: int, now: int) -> int:
-        """The cap bucket of a tenant at ``now``: refilled at ``cap`` ppm, at most one quantum."""
+        """The cap bucket of a tenant at ``now``: refilled at ``cap`` ppm, at most a few quanta."""
         credit = _atomics.load(buf, t_off + _T_CREDIT) - _BIAS
         stamp = _atomics.load(buf, t_off + _T_STAMP)
-        return min(_atomics.load(buf, _C_QUANTUM), credit + max(0, now - stamp) * cap // _MICRO)
+        burst = _CAP_BURST_QUANTA * _atomics.load(buf, _C_QUANTUM)
+        return min(burst, credit + max(0, now - stamp) * cap // _MICRO)
 
     def _effective_pass(self, buf: memoryview, t_off: int, vclock: int, quantum: int) -> int:
         weight = _atomics.load(buf, t_off + _T_WEIGHT) or 1
@@ -389,6 +403,11 @@ class GpuTimeBoard(MappedSegment):
                        if words[w * step + 4] and words[w * step + 3]]
         finally:
             words.release()
+        if _atomics.load(buf, _C_MODE) != 1:
+            # scheduler off: the driver's time-slicing - round robin by arrival, no weights, no caps
+            active = [w for since, w, t in sorted(waiting)
+                      if 0 <= t < MAX_TENANTS and _atomics.load(buf, _t_off(t) + _T_ACTIVE) == 1]
+            return active[0] if active else None
         best: tuple[int, int, int] | None = None  # (pass, since, worker)
         seen: dict[int, int | None] = {}
         for since, w, t in sorted(waiting):
@@ -430,12 +449,12 @@ class GpuTimeBoard(MappedSegment):
         nxt = self.pick(now)
         if nxt is None:
             if _atomics.compare_exchange(buf, _OWNER, current, 0) and _atomics.load(buf, _WAITING):
-                _atomics.futex_wake(buf, _OWNER)
+                _wake(buf)
             return
         self._grant(buf, nxt, now)
         if _atomics.compare_exchange(buf, _OWNER, current, (nxt + 1) << 1):
             _atomics.fetch_add(buf, _HANDOFFS, 1)
-            _atomics.futex_wake(buf, _OWNER)
+            _wake(buf)
 
     # ------------------------------------------------------- worker: leases
 
@@ -481,19 +500,13 @@ class GpuTimeBoard(MappedSegment):
                 self.unwant()
                 return True
             return False
-        if _atomics.load(buf, _C_MODE) != 1:  # scheduler off: the serial device alone
-            if owner == 0 and _atomics.compare_exchange(buf, _OWNER, 0, mine | 1):
-                self._grant(buf, w, now)
-                self.unwant()
-                return True
-            return False
         free = owner == 0
         expired = not free and not owner & 1 and now - _atomics.load(buf, _GRANT_NS) >= _atomics.load(buf, _C_QUANTUM)
         if not (free or expired):
             return False
         self.want(now)
         holder_tenant = None
-        if not free and now - _atomics.load(buf, _LAST_END) < _IDLE_GRACE_NS:
+        if not free and now - _atomics.load(buf, _LAST_END) < _IDLE_GRACE_NS and _atomics.load(buf, _C_MODE) == 1:
             # idle only between two ops: it keeps the device unless a waiter's pass is smaller
             held = _atomics.load(buf, _w_off((owner >> 1) - 1) + _W_TENANT) - 1
             holder_tenant = held if 0 <= held < MAX_TENANTS else None
@@ -507,7 +520,7 @@ class GpuTimeBoard(MappedSegment):
                 self._grant(buf, nxt, now)  # before the owner word: the pick starts right after it
                 if _atomics.compare_exchange(buf, _OWNER, owner, (nxt + 1) << 1):
                     _atomics.fetch_add(buf, _STEALS, 1)
-                    _atomics.futex_wake(buf, _OWNER)
+                    _wake(buf)
             return False
         if _atomics.compare_exchange(buf, _OWNER, owner, mine | 1):
             self._grant(buf, w, now)
@@ -530,32 +543,51 @@ class GpuTimeBoard(MappedSegment):
         clock = self._clock
         t0 = clock()
         self.want(t0)
+        spun = 0
         try:
             while True:
+                seq = _atomics.load(buf, _SEQ)  # before looking: a wake-up after this cuts the sleep short
                 now = clock()
                 if self.try_acquire(now):
                     return now - t0
                 if deadline_ns is not None and now >= deadline_ns:
                     raise TimeoutError(f"no GPU time on device {self.device_index} before the run's deadline")
                 owner = _atomics.load(buf, _OWNER)
+                if spun < _MAX_SPIN and self._next_up(buf, owner, now):
+                    # the device passes to us within a chunk: be on a CPU when it does, not a
+                    # scheduler wake-up later (measured: ~1 ms per handoff on a loaded host)
+                    os.sched_yield()
+                    spun += 1
+                    continue
                 sleep = self._sleep_ns(buf, owner, now)
                 if deadline_ns is not None:
                     sleep = min(sleep, max(deadline_ns - now, _MIN_SLEEP_NS))
-                _atomics.futex_wait(buf, _OWNER, owner & _MASK32, sleep)
+                _atomics.futex_wait(buf, _SEQ, seq & _MASK32, sleep)
         finally:
             self.unwant()
+
+    def _next_up(self, buf: memoryview, owner: int, now: int) -> bool:
+        """True when a busy holder's quantum ends within a chunk and this worker is the pick."""
+        if not owner & 1:
+            return False
+        if _atomics.load(buf, _GRANT_NS) + _atomics.load(buf, _C_QUANTUM) - now > _SPIN_NS:
+            return False
+        return self.pick(now) == self._worker
 
     def _sleep_ns(self, buf: memoryview, owner: int, now: int) -> int:
         """How long a waiter sleeps before looking again (a wake-up cuts it short)."""
         quantum = _atomics.load(buf, _C_QUANTUM)
         sleep = _MAX_SLEEP_NS
-        if owner and _atomics.load(buf, _C_MODE) == 1:
-            sleep = _atomics.load(buf, _GRANT_NS) + quantum - now  # the holder's quantum end: steal if idle
+        if owner:
+            # the holder's quantum end (less a chunk: the next one up spins then): steal if idle
+            sleep = _atomics.load(buf, _GRANT_NS) + quantum - now - _SPIN_NS
             if sleep <= 0:
                 if owner & 1:  # a chunk runs past the quantum: its end hands over (and wakes us)
                     sleep = quantum
-                else:  # over its quantum, between ops: look again once it is idle for long
+                elif sleep + _SPIN_NS <= 0:  # over its quantum, between ops: look again once idle long
                     sleep = _atomics.load(buf, _LAST_END) + _IDLE_GRACE_NS - now
+                else:
+                    sleep += _SPIN_NS
         if self._tenant is not None:
             t_off = _t_off(self._tenant)
             cap = _atomics.load(buf, t_off + _T_CAP)
@@ -595,11 +627,6 @@ class GpuTimeBoard(MappedSegment):
         _atomics.store(buf, _LAST_END, now)
         if not _atomics.compare_exchange(buf, _OWNER, mine | 1, mine):
             return True  # not ours any more (the supervisor took it: should not happen while alive)
-        if _atomics.load(buf, _C_MODE) != 1:
-            _atomics.store(buf, _OWNER, 0)
-            if _atomics.load(buf, _WAITING):
-                _atomics.futex_wake(buf, _OWNER)
-            return True
         if capped_out:
             assert t is not None
             _atomics.fetch_add(buf, _t_off(t) + _T_THROTTLED, 1)
@@ -613,7 +640,7 @@ class GpuTimeBoard(MappedSegment):
             self._grant(buf, nxt, now)
             if _atomics.compare_exchange(buf, _OWNER, mine, (nxt + 1) << 1):
                 _atomics.fetch_add(buf, _HANDOFFS, 1)
-                _atomics.futex_wake(buf, _OWNER)
+                _wake(buf)
             return True
         return False
 
@@ -704,6 +731,18 @@ class GpuTimeBoard(MappedSegment):
             handoffs=load(buf, _HANDOFFS),
             tenants=tenants,
         )
+
+
+def _wake(buf: memoryview) -> None:
+    """Wake every waiter of the board: after the owner word changed hands (or a policy changed).
+
+    Waiters sleep on the wake sequence, not on the owner word itself: the owner
+    word can return to the value a waiter saw (free, taken again by the same
+    worker for its next chunk), and a futex on it would then sleep through the
+    change (ABA). The sequence only grows.
+    """
+    _atomics.fetch_add(buf, _SEQ, 1)
+    _atomics.futex_wake(buf, _SEQ)
 
 
 def _quantum_ns(quantum_s: Any) -> int:

@@ -252,23 +252,21 @@ def test_weight_changed_live(board: GpuTimeBoard, sim: Sim) -> None:
     assert board.policy(b) == (1.0, None)
 
 
-def test_scheduler_off_is_a_plain_serial_device(clock: FakeClock) -> None:
+def test_scheduler_off_is_round_robin_time_slicing(clock: FakeClock) -> None:
+    """Off: the same serial device and quanta, but weights and caps are ignored (the driver's own
+    time-slicing of contexts, the benchmark's baseline); time is still accounted."""
     board = GpuTimeBoard.create(0, scheduler=False, clock=clock)
+    sim = Sim(board, clock)
     try:
-        a, b = board.add_tenant(9.0), board.add_tenant(1.0)
-        wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
-        wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
-        try:
-            assert wa.try_acquire(clock.t)
-            assert not wb.try_acquire(clock.t)  # serial: one chunk at a time
-            assert wa.finish(MS)  # and the device is free after each chunk
-            assert wb.try_acquire(clock.t)
-            wb.finish(MS)
-            assert board.snapshot().tenants[a]["used_ns"] == MS  # still accounted
-        finally:
-            wa.close()
-            wb.close()
+        a, b = board.add_tenant(9.0), board.add_tenant(1.0, cap=0.1)
+        sim.worker(a)
+        sim.worker(b)
+        got = shares(sim.run_for(5000 * MS))
+        assert got[0] == pytest.approx(0.5, abs=0.03)
+        assert board.snapshot().tenants[a]["used_ns"] == sim.used[0]
+        assert not board.snapshot().scheduler
     finally:
+        sim.close()
         board.unlink()
         board.close()
 

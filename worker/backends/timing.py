@@ -3,7 +3,7 @@
 A backend's :meth:`~worker.backends.base.Backend.op_timer` returns one of
 these. Host-synchronous backends (the stub: its "device" is this process
 running numpy while it holds the device lease) use :class:`HostTimer`: the
-wall time around the call, which is exactly the time the serial device was held.
+CPU time the call consumed - the device's work, not the host's other load.
 The cuda backend uses CUDA events around the op on the tenant's stream
 (:mod:`worker.backends.cuda_timing`): the GPU's own measure of the work,
 without the launch overhead on the host.
@@ -29,25 +29,23 @@ class OpTimer(Protocol):
 
 
 class HostTimer:
-    """Wall time around a host-synchronous op (``time.perf_counter_ns``): the time the serial
-    device was held for it.
+    """The CPU time this process spent on a host-synchronous op (``time.process_time_ns``).
 
     The stub's device is this process running the op while its worker holds
-    the lease, so the held time is its device time - the analogue of CUDA
-    events, which measure the GPU's timeline. On a loaded host it includes
-    time the OS gave other processes while the op ran; that inflates every
-    tenant's ops alike, so shares stay right while absolute times grow
-    (``twt bench share`` reports work counted by the guests next to it).
-    Process CPU time was tried as well: it tracks work as closely, but a cap
-    of 0.25 then means a quarter of a *core-second* per second, not a
-    quarter of the device's time, on a host that gives the device less than
-    one core.
+    the lease; the op's CPU time is the device work it did (BLAS threads
+    included). Wall time around the call would be the time the serial device
+    was held, but on a shared host it also counts the time the OS gave other
+    processes meanwhile: measured on a 2-core machine at load 20, one
+    tenant of eight equal ones was charged seven times the others' time for
+    the same work (a 1.3 s host stall while it held the device). A GPU kernel
+    is not slowed down by host load, and CUDA events do not count it; CPU
+    time is the stub's equivalent. On an idle core the two agree.
     """
 
     def time(self, fn: Callable[..., Any], *args: Any) -> int:
-        t0 = time.perf_counter_ns()
+        t0 = time.process_time_ns()
         fn(*args)
-        return time.perf_counter_ns() - t0
+        return time.process_time_ns() - t0
 
     def close(self) -> None:
         pass

@@ -3,6 +3,7 @@
 ;;                                 C = A @ B reps times; returns the GEMMs that succeeded (the work
 ;;                                 the guest counts itself); -1 when a buffer cannot be allocated
 ;;   small_op(n) -> i32            one n x n GEMM on fresh buffers: a latency-sensitive tenant's op
+;;   one_gemm(a, b, c, n) -> i32   exactly one device op: C = A @ B on client buffers (n x n)
 (module
   (import "tensorwasm" "alloc" (func $alloc (param i64) (result i64)))
   (import "tensorwasm" "fill_f32" (func $fill (param i64 f32 i64) (result i32)))
@@ -39,5 +40,8 @@
     (local $a i64) (local $b i64) (local $c i64)
     (call $buffers (local.get $n))
     (local.set $c) (local.set $b) (local.set $a)
+    (call $matmul (local.get $a) (local.get $b) (local.get $c) (local.get $n) (local.get $n) (local.get $n)))
+
+  (func (export "one_gemm") (param $a i64) (param $b i64) (param $c i64) (param $n i64) (result i32)
     (call $matmul (local.get $a) (local.get $b) (local.get $c) (local.get $n) (local.get $n) (local.get $n)))
 )
