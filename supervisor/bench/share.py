@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--solo-seconds", type=float, default=3.0, help="seconds of each solo round (default 3)")
     parser.add_argument("--rounds", type=int, default=3, help="solo rounds on/off, interleaved (default 3)")
     parser.add_argument("--n", type=int, default=256, help="GEMM size (n x n @ n x n; default 256)")
-    parser.add_argument("--reps", type=int, default=16, help="GEMMs per guest run (default 16)")
+    parser.add_argument("--reps", type=int, default=64, help="GEMMs per guest run (default 64)")
     parser.add_argument("--quantum", type=float, default=0.01, help="gpu_time_quantum_s (default 0.01)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the shares per 1 s window (needs matplotlib)")
     try:
