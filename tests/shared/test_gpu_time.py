@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -357,3 +358,21 @@ def test_good_policies_and_defaults() -> None:
     assert spec.gpu_time_weight == 7.0 and spec.gpu_time_cap == 1.0
     assert spec.with_gpu_time(cap=None).gpu_time_cap is None
     assert TenantSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_tenants_toml_takes_the_policy_and_names_a_bad_key(tmp_path: Any) -> None:
+    from shared.config import ConfigError, read_config_file
+
+    good = tmp_path / "good.toml"
+    good.write_text('[supervisor]\ngpu_time_quantum_s = 0.005\n\n'
+                    '[[tenant]]\nname = "acme"\ngpu_time_weight = 7\ngpu_time_cap = 0.5\n')
+    fields = read_config_file(good)
+    (spec,) = fields["tenants"]
+    assert (spec.gpu_time_weight, spec.gpu_time_cap) == (7.0, 0.5)
+    assert fields["gpu_time_quantum_s"] == 0.005
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[tenant]]\nname = "acme"\ngpu_time_weight = 0\n\n[[tenant]]\nname = "beta"\ngpu_time_cap = true\n')
+    with pytest.raises(ConfigError) as info:
+        read_config_file(bad)
+    assert "gpu_time_weight" in str(info.value) and "gpu_time_cap" in str(info.value)
+

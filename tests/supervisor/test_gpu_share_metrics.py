@@ -1,4 +1,4 @@
-"""The GPU-time series of the Prometheus exporter and the share window of status."""
+"""The GPU-time series of the Prometheus exporter, the share window of status, reload of the policy."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from shared.quota import QuotaBlock
 from supervisor.gpu_share import GpuShareWindow
 from supervisor.metrics import TenantGauges
 from supervisor.prometheus import PrometheusMetrics
+from supervisor.reload import LIVE_FIELDS, SpecChange
+from shared.spec import TenantSpec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,3 +61,10 @@ def test_share_window() -> None:
     assert w.share("a", 130.0, 700_000_000 + 29 * 250_000_000) == pytest.approx(0.25, abs=0.01)
     w.forget("a")
     assert w.share("a", 131.0, 5) is None
+
+
+def test_reload_applies_the_policy_live_without_a_restart() -> None:
+    change = SpecChange(TenantSpec("a"), TenantSpec("a").with_gpu_time(weight=3, cap=0.5))
+    assert change.fields == ("gpu_time_weight", "gpu_time_cap")
+    assert not change.needs_restart and not change.needs_placement
+    assert {"gpu_time_weight", "gpu_time_cap"} <= LIVE_FIELDS
