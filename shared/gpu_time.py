@@ -21,8 +21,9 @@ The policy is stride scheduling on ``used / weight`` ("pass", in ns at weight
 at the next chunk boundary the device goes to the runnable tenant with the
 smallest pass. Idle tenants are skipped (only waiters are candidates), so the
 policy is work-conserving; a tenant returning from idle gets its pass raised to
-at least ``vclock - quantum / weight`` (``vclock``: the largest pass granted
-so far), so being idle banks at most one quantum of priority. A tenant with a
+at least ``vclock - quantum / weight`` (``vclock``: the pass of the last tenant
+granted the device, or of the holder while it runs alone), so being idle banks
+at most one quantum of priority. A tenant with a
 ``cap`` is not runnable while its token bucket (refilled at ``cap`` device
 seconds per second, burst four quanta) is empty - a hard, non-work-conserving
 ceiling.
@@ -332,9 +333,14 @@ class GpuTimeBoard(MappedSegment):
         """A free tenant slot, set to ``weight`` and ``cap``; SegmentError when all are taken."""
         buf = self._check()
         w, c = _weight_micro(check_gpu_time_weight(weight)), _cap_ppm(check_gpu_time_cap(cap))
+        words = buf[_WORKERS:_LAYOUT_BYTES].cast("Q")
+        try:  # a slot an evicted tenant's stopping worker still names is not given out yet
+            named = {words[w * (_LINE // 8) + 3] - 1 for w in range(MAX_WORKERS) if words[w * (_LINE // 8)]}
+        finally:
+            words.release()
         for t in range(MAX_TENANTS):
             off = _t_off(t)
-            if _atomics.load(buf, off + _T_ACTIVE):
+            if _atomics.load(buf, off + _T_ACTIVE) or t in named:
                 continue
             now = self._clock()
             for field, value in ((_T_WEIGHT, w), (_T_CAP, c), (_T_PASS, _atomics.load(buf, _VCLOCK)),

@@ -376,3 +376,43 @@ def test_tenants_toml_takes_the_policy_and_names_a_bad_key(tmp_path: Any) -> Non
         read_config_file(bad)
     assert "gpu_time_weight" in str(info.value) and "gpu_time_cap" in str(info.value)
 
+
+
+def test_a_slot_is_not_reused_while_a_stopping_worker_names_it(board: GpuTimeBoard, clock: FakeClock) -> None:
+    old = board.add_tenant()
+    w = GpuTimeBoard.attach(board.name, tenant_slot=old, clock=clock)
+    try:
+        board.remove_tenant(old)  # evicted; its worker has not exited yet
+        fresh = board.add_tenant()
+        assert fresh != old
+    finally:
+        w.close()
+    assert board.add_tenant() == old  # free again once the worker is gone
+
+
+def test_the_atomics_behind_the_board() -> None:
+    import threading
+    import time
+
+    from shared import _atomics
+
+    buf = memoryview(bytearray(64))
+    assert _atomics.compare_exchange(buf, 8, 0, 5) and not _atomics.compare_exchange(buf, 8, 0, 7)
+    assert _atomics.load(buf, 8) == 5
+    t0 = time.monotonic()
+    _atomics.futex_wait(buf, 8, 4, 10**9)  # the value differs: returns at once
+    assert time.monotonic() - t0 < 0.5
+    woke = threading.Event()
+
+    def sleeper() -> None:
+        _atomics.futex_wait(buf, 16, 0, 30 * 10**9)  # until woken (or 30 s)
+        woke.set()
+
+    th = threading.Thread(target=sleeper)
+    th.start()
+    while not woke.is_set():  # the sleeper may not be waiting yet: wake until it is woken
+        _atomics.futex_wake(buf, 16)
+        woke.wait(0.05)
+    th.join(10)
+    with pytest.raises(ValueError):
+        _atomics.compare_exchange(buf, 60, 0, 1)  # past the buffer's end
