@@ -392,8 +392,8 @@ class GpuTimeBoard(MappedSegment):
     def pick(self, now: int, *, holder_tenant: int | None = None) -> int | None:
         """The waiting worker slot whose tenant should run next, or None.
 
-        Candidates: workers waiting for this device whose tenant is active and
-        not held back by its cap. The tenant with the smallest effective pass
+        Candidates: workers waiting for this device whose tenant is not held
+        back by its cap. The tenant with the smallest effective pass
         wins (ties: the longest waiting); among its workers the longest
         waiting. With ``holder_tenant`` (the holder at the end of its quantum)
         that tenant competes too, and None means "the holder keeps it".
@@ -411,8 +411,7 @@ class GpuTimeBoard(MappedSegment):
             words.release()
         if _atomics.load(buf, _C_MODE) != 1:
             # scheduler off: the driver's time-slicing - round robin by arrival, no weights, no caps
-            active = [w for since, w, t in sorted(waiting)
-                      if 0 <= t < MAX_TENANTS and _atomics.load(buf, _t_off(t) + _T_ACTIVE) == 1]
+            active = [w for since, w, t in sorted(waiting) if 0 <= t < MAX_TENANTS]
             return active[0] if active else None
         best: tuple[int, int, int] | None = None  # (pass, since, worker)
         seen: dict[int, int | None] = {}
@@ -420,7 +419,9 @@ class GpuTimeBoard(MappedSegment):
             if t in seen:
                 continue
             t_off = _t_off(t)
-            eligible = 0 <= t < MAX_TENANTS and _atomics.load(buf, t_off + _T_ACTIVE) == 1
+            # a slot left (eviction, a move to another device) still serves the workers that name it
+            # until they exit: they wait for their runs to end, never for ever
+            eligible = 0 <= t < MAX_TENANTS
             if eligible:
                 cap = _atomics.load(buf, t_off + _T_CAP)
                 eligible = not cap or self._credit(buf, t_off, cap, now) > 0

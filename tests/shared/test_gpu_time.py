@@ -416,3 +416,21 @@ def test_the_atomics_behind_the_board() -> None:
     th.join(10)
     with pytest.raises(ValueError):
         _atomics.compare_exchange(buf, 60, 0, 1)  # past the buffer's end
+
+
+def test_workers_of_a_slot_that_was_left_are_still_served(board: GpuTimeBoard, clock: FakeClock) -> None:
+    """A tenant moved to another device (reload) or evicted: its old workers finish their runs."""
+    a, b = board.add_tenant(), board.add_tenant()
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    try:
+        assert wb.try_acquire(clock.t)
+        board.remove_tenant(a)
+        wa.want(clock.t)
+        clock.t += 20 * MS
+        wb.finish(20 * MS)
+        wb.release()
+        assert wa.holds()
+    finally:
+        wa.close()
+        wb.close()
