@@ -577,7 +577,8 @@ class GpuTimeBoard(MappedSegment):
         """True when a busy holder's quantum ends within a chunk and this worker is the pick."""
         if not owner & 1:
             return False
-        if _atomics.load(buf, _GRANT_NS) + _atomics.load(buf, _C_QUANTUM) - now > _SPIN_NS:
+        left = _atomics.load(buf, _GRANT_NS) + _atomics.load(buf, _C_QUANTUM) - now
+        if left > _SPIN_NS or left < -2 * _SPIN_NS:  # not yet; or a chunk overran: its end wakes us
             return False
         return self.pick(now) == self._worker
 
