@@ -4,7 +4,7 @@
         plan (worker.chunks)         long ops cut into chunks of ~2 ms (ns/unit learned per op)
         for each chunk:
             board.acquire(deadline)       the device lease (shared.gpu_time): waits are observed
-            timer.time(fn, *chunk)        stub: wall time while holding; cuda: CUDA events
+            timer.time(fn, *chunk)        stub: the op's CPU time while holding; cuda: CUDA events
             block.charge_gpu_time(ns)     the tenant's quota block: status/metrics see it live
             board.finish(ns)              pass/used/cap charged; the quantum may pass the device on
     end of the run ──► DeviceGate.release()   the device goes to the next tenant at once
