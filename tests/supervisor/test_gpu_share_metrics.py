@@ -68,3 +68,15 @@ def test_reload_applies_the_policy_live_without_a_restart() -> None:
     assert change.fields == ("gpu_time_weight", "gpu_time_cap")
     assert not change.needs_restart and not change.needs_placement
     assert {"gpu_time_weight", "gpu_time_cap"} <= LIVE_FIELDS
+
+
+def test_bench_share_helpers() -> None:
+    from supervisor.bench.share import Tenant, _jain, one_s_windows
+
+    t = Tenant("a", None, "", None)  # type: ignore[arg-type]
+    t.runs += [(0.0, 2.0, 100), (2.0, 3.0, 10)]
+    assert t.work_between(0.0, 1.0) == pytest.approx(50)  # a run's count spread over its span
+    assert t.work_between(1.5, 2.5) == pytest.approx(25 + 5)
+    assert one_s_windows(10.0, 12.5) == [(10.0, 11.0), (11.0, 12.0)]
+    assert _jain([1.0, 1.0, 1.0]) == pytest.approx(1.0)
+    assert _jain([1.0, 0.0]) == pytest.approx(0.5)
