@@ -152,7 +152,7 @@ OPS: Final[dict[str, OpSpec]] = {
         OpSpec("run_wasm", False,
                (Arg("export", _STR, True), Arg("args", (list,)), Arg("fuel", _INT), Arg("timeout_s", _NUM),
                 Arg("digest", _STR)),
-               "{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs}",
+               "{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs, gpu_time_s, gpu_wait_s}",
                ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument",
                 "BufferLost"),
                "run_wasm", "run", body_in=True),
