@@ -998,6 +998,101 @@ static PyTypeObject ShareCounterType = COUNTER_TYPE(
     "A counter whose total is the sum of per-holder shares; this holder owns `slot`.",
     ShareCounterObject, share_counter_init, share_counter_methods);
 
+/* ------------------------------------------- GPU-time leases (shared.gpu_time) */
+
+PyDoc_STRVAR(compare_exchange_doc,
+"compare_exchange(buffer, offset, expected, desired) -> bool\n\n"
+"Atomically replace the uint64 at offset with desired if it equals expected;\n"
+"True when replaced (the device lease word of shared.gpu_time).");
+
+static PyObject *
+mod_compare_exchange(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    Region view;
+    uint64_t expected, desired;
+    if (check_nargs("compare_exchange", nargs, 4) < 0 || parse_u64(args[2], &expected) < 0 ||
+        parse_u64(args[3], &desired) < 0) {
+        return NULL;
+    }
+    uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+    int ok = __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    region_release(&view);
+    return PyBool_FromLong(ok);
+}
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#endif
+
+PyDoc_STRVAR(futex_wait_doc,
+"futex_wait(buffer, offset, expected, timeout_ns) -> None\n\n"
+"Sleep (GIL released) while the low 32 bits of the uint64 at offset equal\n"
+"expected, at most timeout_ns; returns early on a futex_wake of that word, a\n"
+"change of value or a signal. Without futexes (not Linux) it sleeps the timeout\n"
+"(capped at 1 ms). Waiters re-check their condition after it returns.");
+
+static PyObject *
+mod_futex_wait(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    Region view;
+    uint64_t expected, timeout_ns;
+    if (check_nargs("futex_wait", nargs, 4) < 0 || parse_u64(args[2], &expected) < 0 ||
+        parse_u64(args[3], &timeout_ns) < 0) {
+        return NULL;
+    }
+    uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+#ifdef __linux__
+    struct timespec ts = {(time_t)(timeout_ns / 1000000000u), (long)(timeout_ns % 1000000000u)};
+    /* the low half of a little-endian word: what the waker changes together with the word */
+    uint32_t *word = (uint32_t *)(void *)p;
+    Py_BEGIN_ALLOW_THREADS
+    syscall(SYS_futex, word, FUTEX_WAIT, (uint32_t)expected, &ts, NULL, 0);
+    Py_END_ALLOW_THREADS
+#else
+    if (timeout_ns > 1000000u) {
+        timeout_ns = 1000000u;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    usleep((useconds_t)(timeout_ns / 1000u));
+    Py_END_ALLOW_THREADS
+#endif
+    region_release(&view);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(futex_wake_doc,
+"futex_wake(buffer, offset) -> None\n\nWake every futex_wait on the word at offset (any process).");
+
+static PyObject *
+mod_futex_wake(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    Region view;
+    if (check_nargs("futex_wake", nargs, 2) < 0) {
+        return NULL;
+    }
+    uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)(void *)p, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+#endif
+    region_release(&view);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
@@ -1008,6 +1103,9 @@ static PyMethodDef module_methods[] = {
     {"fetch_add", (PyCFunction)(void (*)(void))mod_fetch_add, METH_FASTCALL, fetch_add_doc},
     {"exchange", (PyCFunction)(void (*)(void))mod_exchange, METH_FASTCALL, exchange_doc},
     {"noop", (PyCFunction)(void (*)(void))mod_noop, METH_FASTCALL, noop_doc},
+    {"compare_exchange", (PyCFunction)(void (*)(void))mod_compare_exchange, METH_FASTCALL, compare_exchange_doc},
+    {"futex_wait", (PyCFunction)(void (*)(void))mod_futex_wait, METH_FASTCALL, futex_wait_doc},
+    {"futex_wake", (PyCFunction)(void (*)(void))mod_futex_wake, METH_FASTCALL, futex_wake_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -132,6 +132,10 @@ class SupervisorConfig:
     unauthenticated_requests_per_s: float = 200.0
     #: lifecycle events kept (numbered) for clients that poll them with the ``events`` op
     event_log_size: int = 4096
+    #: GPU time (shared.gpu_time): the device lease's quantum, and whether weights and caps are
+    #: scheduled at all (false: the device is only serialised and time still accounted)
+    gpu_time_quantum_s: float = 0.01
+    gpu_time_scheduler: bool = True
     tenants: tuple[TenantSpec, ...] = ()
     #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`
     config_file: str | None = None
@@ -190,6 +194,10 @@ class SupervisorConfig:
         if self.tenant_bytes_per_s < 1:
             raise ValueError("tenant_bytes_per_s must be at least 1")
         _int(self.event_log_size, "event_log_size", 16, 100_000)
+        s(self, "gpu_time_quantum_s", _pos(self.gpu_time_quantum_s, "gpu_time_quantum_s"))
+        if not 0.0001 <= self.gpu_time_quantum_s <= 1.0:
+            raise ValueError(f"gpu_time_quantum_s must be in 0.0001..1 s; got {self.gpu_time_quantum_s!r}")
+        s(self, "gpu_time_scheduler", _bool(self.gpu_time_scheduler, "gpu_time_scheduler"))
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -325,10 +333,13 @@ _ENV_FIELDS = (
     "tcp_handshake_timeout_s",
     "tenant_requests_per_s",
     "unauthenticated_requests_per_s",
+    "gpu_time_quantum_s",
+    "gpu_time_scheduler",
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s",
-                 "tcp_handshake_timeout_s", "tenant_requests_per_s", "unauthenticated_requests_per_s"}
+                 "tcp_handshake_timeout_s", "tenant_requests_per_s", "unauthenticated_requests_per_s",
+                 "gpu_time_quantum_s"}
 
 
 #: TWT_* names that are not supervisor fields but are read elsewhere

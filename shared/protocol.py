@@ -158,7 +158,11 @@ _SIZE_OR_NIL = (int, str, type(None))
 _MAP = (dict,)
 
 #: the limits set_quota changes live (each a TenantSpec field)
-QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
+QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota",
+                     "gpu_time_weight", "gpu_time_cap")
+#: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy: numbers)
+_QUOTA_TYPES: Final[dict[str, tuple[type, ...]]] = {"gpu_time_weight": (int, float),
+                                                    "gpu_time_cap": (int, float, type(None))}
 #: what inject_fault accepts (docs/RELIABILITY.md describes each)
 FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
 
@@ -185,7 +189,8 @@ OPS: Final[dict[str, OpSpec]] = {
         OpSpec("run_wasm", False,
                (Arg("export", _STR, True), Arg("args", (list,)), Arg("fuel", _INT), Arg("timeout_s", _NUM),
                 Arg("digest", _STR)),
-               "{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs, logs_dropped, exit_code}",
+               "{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs, logs_dropped, exit_code, "
+               "gpu_time_s, gpu_wait_s}",
                ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument",
                 "BufferLost"),
                "run_wasm", "run", body_in=True, pins=True, big_reply=True),
@@ -218,7 +223,8 @@ OPS: Final[dict[str, OpSpec]] = {
                "tenant_capability", "capability", served_by="admin"),
         OpSpec("evict", True, (Arg(_T, _STR, True),), "{evicted, pids}", ("UnknownTenant",), "evict", "evict",
                served_by="admin"),
-        OpSpec("set_quota", True, (Arg(_T, _STR, True), *(Arg(k, _SIZE_OR_NIL if k != "memory_quota_bytes"
+        OpSpec("set_quota", True, (Arg(_T, _STR, True), *(Arg(k, _QUOTA_TYPES.get(k, _SIZE_OR_NIL)
+                                                               if k != "memory_quota_bytes"
                                                                else _SIZE) for k in QUOTA_KEYS)),
                "tenant status record", ("UnknownTenant", "InvalidArgument"), "set_quota", "set-quota",
                served_by="admin"),

@@ -193,6 +193,15 @@ def _spec_fields() -> dict[str, tuple[dict[str, Any], str]]:
         "wasm_fuel": (_int_schema(1, (1 << 63) - 1), "a run's default fuel and its ceiling"),
         "wasm_timeout_s": (_num_schema(0.001, 1e6), "seconds: a run's default limit and its ceiling"),
         "wasm_max_memory_bytes": (_size_schema(minimum=65536), "largest guest linear memory, at least 65536; " + _SIZE_NOTE),
+        "requests_per_s": ({"type": ["number", "null"], "minimum": 0.001, "maximum": 1e9},
+                           "admission: requests per second, every op; nil: the supervisor's `tenant_requests_per_s`"),
+        "bytes_per_s": (_size_schema(True, minimum=1),
+                        "admission: request bytes per second; nil: the supervisor's `tenant_bytes_per_s`; "
+                        + _SIZE_NOTE),
+        "gpu_time_weight": ({"type": "number", "exclusiveMinimum": 0, "maximum": 1e6},
+                            "work-conserving weight of its GPU time on its device (docs/GPU-QUOTAS.md)"),
+        "gpu_time_cap": ({"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+                         "hard ceiling on its fraction of the device's time; nil: none"),
     }
 
 
@@ -305,10 +314,13 @@ def _size_def() -> dict[str, Any]:
     space = "[ \\t\\n\\r\\f\\v]*"
     return {
         "description": "bytes: an int, or a string of digits (an optional fraction) and an optional unit "
-                       "(K/KiB.. powers of 1024, kB/MB/GB/TB powers of 1000, any case)",
+                       "(K/KiB.. powers of 1024, kB/MB/GB/TB powers of 1000, any case but bits: "
+                       "an upper-case prefix with a lower-case b, e.g. Gb, is refused)",
         "anyOf": [
             {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
-            {"type": "string", "pattern": f"^{space}[0-9]+(\\.[0-9]+)?{space}({units})?{space}(?![\\s\\S])"},
+            {"type": "string", "pattern": f"^{space}[0-9]+(\\.[0-9]+)?{space}({units})?{space}(?![\\s\\S])",
+             # an upper-case prefix with a lower-case b (Gb, Mib) means bits: refused, not read as bytes
+             "not": {"pattern": f"[0-9]{space}[A-Z][a-zA-Z]*b{space}(?![\\s\\S])"}},
         ],
     }
 

@@ -56,6 +56,7 @@ from shared.sizes import check_size_range
 
 __all__ = [
     "DEFAULT_QUOTA_BYTES",
+    "GPU_WAIT_BUCKETS_S",
     "MAX_INSTANCES",
     "NAME_MAX",
     "SEGMENT_PREFIX",
@@ -114,6 +115,16 @@ _INSTANCES = 5 * _LINE
 _UNATTRIBUTED = MAX_INSTANCES  # the share slot of holders without an instance
 _LAYOUT_BYTES = _INSTANCES + (MAX_INSTANCES + 1) * _LINE
 SEGMENT_BYTES: Final = (_LAYOUT_BYTES + 4095) // 4096 * 4096
+# GPU time (shared.gpu_time), in the page's spare lines after the shares, written by the worker
+# holding the device: accounted ns | ops (chunks) | waits | wait ns | throttled, then the
+# wait histogram's bins (non-cumulative counts, GPU_WAIT_BUCKETS_S and +Inf).
+_GPU_TIME = _LAYOUT_BYTES
+_GT_NS, _GT_OPS, _GT_WAITS, _GT_WAIT_NS, _GT_THROTTLED = (_GPU_TIME + 8 * i for i in range(5))
+_GT_BINS = _GPU_TIME + _LINE
+#: upper bounds (seconds) of the GPU wait histogram (``twt_tenant_gpu_wait_seconds``); +Inf follows
+GPU_WAIT_BUCKETS_S: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_GT_BOUNDS_NS = tuple(round(b * 1e9) for b in GPU_WAIT_BUCKETS_S)
+assert _GT_BINS + 8 * (len(GPU_WAIT_BUCKETS_S) + 1) <= SEGMENT_BYTES
 
 _UNCHANGED: Any = object()
 
@@ -251,10 +262,20 @@ class QuotaSnapshot:
     cuda_mem_pool_quota_bytes: int | None
     #: (instance index, cpu bytes, gpu bytes) for every instance holding bytes
     instance_shares: tuple[tuple[int, int, int], ...]
+    #: GPU time accounted to the tenant (all devices, all instances), ns; see shared.gpu_time
+    gpu_time_ns: int = 0
+    #: device chunks run, waits for the device observed and their total, cap throttles
+    gpu_ops: int = 0
+    gpu_waits: int = 0
+    gpu_wait_ns: int = 0
+    gpu_throttled: int = 0
+    #: the wait histogram: a count per GPU_WAIT_BUCKETS_S bound and +Inf (not cumulative)
+    gpu_wait_bins: tuple[int, ...] = (0,) * (len(GPU_WAIT_BUCKETS_S) + 1)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["instance_shares"] = [list(t) for t in self.instance_shares]
+        d["gpu_wait_bins"] = list(self.gpu_wait_bins)
         return d
 
 
@@ -548,7 +569,46 @@ class QuotaBlock(MappedSegment):
             gpu_underflows=load(_GPU + _atomics.F_UNDERFLOWS),
             cuda_mem_pool_quota_bytes=_raw_to_limit(load(_S_POOL_QUOTA)),
             instance_shares=tuple(shares),
+            gpu_time_ns=load(_GT_NS),
+            gpu_ops=load(_GT_OPS),
+            gpu_waits=load(_GT_WAITS),
+            gpu_wait_ns=load(_GT_WAIT_NS),
+            gpu_throttled=load(_GT_THROTTLED),
+            gpu_wait_bins=tuple(load(_GT_BINS + 8 * i) for i in range(len(GPU_WAIT_BUCKETS_S) + 1)),
         )
+
+    # ------------------------------------------------------------ GPU time
+
+    @property
+    def gpu_time_ns(self) -> int:
+        """GPU time accounted to the tenant so far (ns, every instance and device)."""
+        return self._load(_GT_NS)
+
+    def charge_gpu_time(self, ns: int, ops: int = 1) -> None:
+        """Add ``ns`` of measured device time (a worker, after an op chunk ran on the device)."""
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        _atomics.fetch_add(self._buf, _GT_NS, ns)
+        _atomics.fetch_add(self._buf, _GT_OPS, ops)
+
+    def observe_gpu_wait(self, ns: int) -> None:
+        """Record one op's wait for the device (0 when its worker already held the lease)."""
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        buf = self._buf
+        _atomics.fetch_add(buf, _GT_WAITS, 1)
+        _atomics.fetch_add(buf, _GT_WAIT_NS, ns)
+        i = 0
+        bounds = _GT_BOUNDS_NS
+        while i < len(bounds) and ns > bounds[i]:
+            i += 1
+        _atomics.fetch_add(buf, _GT_BINS + 8 * i, 1)
+
+    def count_gpu_throttled(self) -> None:
+        """One more time the tenant's ``gpu_time_cap`` held it back."""
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        _atomics.fetch_add(self._buf, _GT_THROTTLED, 1)
 
     # ---------------------------------------------------------------- admin
 

@@ -225,6 +225,8 @@ class TenantRecord(Record):
     origin: str = "runtime"  # "file": managed by the config file (reload); "runtime": by register/evict
     #: its ``tenant`` label on /metrics: a pseudonym stable across restarts, or the name (metrics_tenant_names)
     metrics_label: str = ""
+    #: GPU time (shared.gpu_time): weight, cap, gpu_time_s, share over the last window, throttled, ...
+    gpu_time: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from shared.gpu_time import check_gpu_time_cap, check_gpu_time_weight
 from shared.ids import TenantId
 from shared.quota import DEFAULT_QUOTA_BYTES, MAX_INSTANCES
 from shared.sizes import parse_size
@@ -94,7 +95,10 @@ class TenantSpec:
     ``wasm_timeout_s`` are a run's default and its ceiling,
     ``wasm_max_memory_bytes`` bounds a guest's linear memory. Admission:
     ``requests_per_s`` / ``bytes_per_s`` (token buckets; ``None``: the
-    supervisor's ``tenant_requests_per_s`` / ``tenant_bytes_per_s``).
+    supervisor's ``tenant_requests_per_s`` / ``tenant_bytes_per_s``). GPU time:
+    ``gpu_time_weight`` (> 0, default 1: a work-conserving share) and
+    ``gpu_time_cap`` (a fraction in (0, 1], default None: a hard ceiling);
+    see docs/GPU-QUOTAS.md.
     """
 
     tenant_id: str  # validated into a TenantId
@@ -116,6 +120,10 @@ class TenantSpec:
     #: admission (supervisor.admission): requests and request bytes per second; None: the supervisor's default
     requests_per_s: float | None = None
     bytes_per_s: int | None = None
+    #: GPU time (shared.gpu_time): a work-conserving weight on each device the tenant uses, and an
+    #: optional hard ceiling on its fraction of the device's time (None: no ceiling)
+    gpu_time_weight: float = 1.0
+    gpu_time_cap: float | None = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -159,6 +167,8 @@ class TenantSpec:
             s(self, "bytes_per_s", _size(self.bytes_per_s, "bytes_per_s"))
             if self.bytes_per_s < 1:
                 raise ValueError("bytes_per_s must be at least 1")
+        s(self, "gpu_time_weight", check_gpu_time_weight(self.gpu_time_weight))  # InvalidArgument naming the key
+        s(self, "gpu_time_cap", check_gpu_time_cap(self.gpu_time_cap))
 
     # ------------------------------------------------------------ builder
 
@@ -182,6 +192,15 @@ class TenantSpec:
 
     def with_sm_percentage(self, pct: int | None) -> TenantSpec:
         return self._with(sm_percentage=pct)
+
+    def with_gpu_time(self, *, weight: float | None = None, cap: float | None | Any = ...) -> TenantSpec:
+        """Weight and/or cap of the tenant's GPU time (``cap=None`` removes the cap; omitted: unchanged)."""
+        changes: dict[str, Any] = {}
+        if weight is not None:
+            changes["gpu_time_weight"] = weight
+        if cap is not ...:
+            changes["gpu_time_cap"] = cap
+        return self._with(**changes)
 
     def with_instances(self, n: int) -> TenantSpec:
         return self._with(instances=n)

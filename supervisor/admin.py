@@ -73,6 +73,7 @@ from shared.records import (
 from shared.spec import TenantSpec
 from supervisor.events import EventBus
 from supervisor.frontend import Frontend
+from supervisor.gpu_share import SAMPLE_EVERY_S, GpuShareWindow
 from supervisor.loop import Loop
 from supervisor.pending import PendingTable
 from supervisor.placement import Placement
@@ -165,6 +166,9 @@ class AdminOps:
         self._written_r: int | None = None  # the writer thread's "done" pipe (made on first use)
         self._written_w: int | None = None
         self._checkpoint_timer: Any = None
+        #: each tenant's GPU-time share over the last window (sampled by a loop timer)
+        self.gpu_share = GpuShareWindow()
+        loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 
     def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
         """The parts this one calls, which are built after it (they call it too); once, at set-up.
@@ -383,6 +387,7 @@ class AdminOps:
         rt.device = device
         rt.origin = origin
         self.placement.add(spec.tenant_id, isolation)
+        self.placement.gpu_time_join(spec, device)  # before any worker binds: it gets the board slot
         rt.slots = [InstanceSlot(i) for i in range(spec.instances)]
         self.tenants[spec.tenant_id] = rt
         if waiter is not None:
@@ -480,6 +485,8 @@ class AdminOps:
         rt.state = TenantState.EVICTING
         self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
+        self.placement.gpu_time_leave(tid)  # its workers stop; a lease one holds passes on at its death
+        self.gpu_share.forget(tid)
         del self.tenants[tid]
         if not durable:
             self.record(self.state.evict, tid)
@@ -519,6 +526,7 @@ class AdminOps:
             self.record(self.state.update_spec, rt.spec)  # put the stored spec back
             raise
         rt.spec = info.spec
+        self.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
         self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
         return self.tenant_record(rt)
 
@@ -624,6 +632,30 @@ class AdminOps:
             uptime_s=round(time.time() - self.started, 3),
         )
 
+    def sample_gpu_time(self) -> None:
+        """Feed each tenant's accounted GPU time to the share window (a loop timer, every second)."""
+        now = time.monotonic()
+        for tid, rt in self.tenants.items():
+            if not rt.block.closed:
+                self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
+        self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
+
+    def _gpu_time_record(self, rt: TenantRuntime, snap: dict[str, Any]) -> dict[str, Any]:
+        """What status and top show of the tenant's GPU time (docs/GPU-QUOTAS.md)."""
+        gpu_ns = int(snap.get("gpu_time_ns", 0))
+        share = self.gpu_share.share(rt.tenant_id, time.monotonic(), gpu_ns)
+        waits = int(snap.get("gpu_waits", 0))
+        return {
+            "weight": rt.spec.gpu_time_weight,
+            "cap": rt.spec.gpu_time_cap,
+            "gpu_time_s": round(gpu_ns / 1e9, 6),
+            "share": None if share is None else round(share, 4),
+            "window_s": self.gpu_share.window_s,
+            "throttled": int(snap.get("gpu_throttled", 0)),
+            "ops": int(snap.get("gpu_ops", 0)),
+            "wait_mean_s": round(int(snap.get("gpu_wait_ns", 0)) / waits / 1e9, 6) if waits else 0.0,
+        }
+
     def tenant_record(self, rt: TenantRuntime) -> TenantRecord:
         snap = rt.block.snapshot().to_dict() if not rt.block.closed else {}
         now = self.clock()
@@ -664,6 +696,7 @@ class AdminOps:
             regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
             origin=rt.origin,
             metrics_label=self.tenant_label(rt.tenant_id) if self.tenant_label is not None else "",
+            gpu_time=self._gpu_time_record(rt, snap) if snap else {},
         )
 
     def status(self) -> StatusRecord:

@@ -407,11 +407,14 @@ class SupervisorClient:
     def set_quota(self, admin: RegistryAdminCapability | None, tenant_id: str, *,
                   memory_quota_bytes: int | str = _UNCHANGED,
                   gpu_memory_bytes_cap: int | str | None = _UNCHANGED,
-                  recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED) -> dict[str, Any]:
-        """Change limits live (omitted ones stay; ``None`` removes the GPU cap)."""
+                  recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED,
+                  gpu_time_weight: float = _UNCHANGED,
+                  gpu_time_cap: float | None = _UNCHANGED) -> dict[str, Any]:
+        """Change limits live (omitted ones stay; ``None`` removes the GPU cap, or the GPU-time cap)."""
         args: dict[str, Any] = {"tenant": tenant_id}
         for name, value in (("memory_quota_bytes", memory_quota_bytes), ("gpu_memory_bytes_cap", gpu_memory_bytes_cap),
-                            ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota)):
+                            ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota),
+                            ("gpu_time_weight", gpu_time_weight), ("gpu_time_cap", gpu_time_cap)):
             if value is not _UNCHANGED:
                 args[name] = value
         result: dict[str, Any] = self.call("set_quota", admin or self.admin, args)

@@ -108,6 +108,9 @@ class TenantGauges:
     instances_up: int
     state: str
     wanted: int | None = None
+    #: the GPU-time policy (``gpu_time_weight``, ``gpu_time_cap``: None when uncapped)
+    gpu_time_weight: float | None = None
+    gpu_time_cap: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,15 @@
                    ──► Placement.isolation(spec)   "mps" needs a live daemon (clear error if none);
                                                    "auto" uses MPS when detect_mps() finds one;
                                                    "process" opts out of a live daemon (see below)
-    bind ──► worker_options(spec, device)          budget segment, GPU cap, pool quota, MPS environment
-    worker death ──► reclaim_dead()                shares of dead workers come back to their device
+    bind ──► worker_options(spec, device)          budget segment, GPU cap, pool quota, MPS environment,
+                                                   the device's GPU-time board and the tenant's slot on it
+    worker death ──► reclaim_dead()                shares of dead workers come back to their device;
+                                                   a dead worker's device lease passes on at once
+
+GPU time: one :class:`~shared.gpu_time.GpuTimeBoard` per device as well. A
+tenant joins the board of its device at start (``gpu_time_join``: a tenant
+slot with its ``gpu_time_weight`` / ``gpu_time_cap``), changes it live
+(``set_quota``, reload) and leaves at eviction.
 
 The supervisor never initialises CUDA: device facts come from the probe's
 child process, and the budgets are plain shared memory.
@@ -32,6 +39,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from shared.device_budget import DeviceBudget
+from shared.gpu_time import DEFAULT_QUANTUM_S, GpuTimeBoard
 from shared.errors import BackendUnavailable, InvalidArgument
 from shared.log import get_logger, log_event
 from shared.mps import Fallback, Mps, MpsDecision, detect_mps
@@ -99,6 +107,9 @@ class Placement:
         self._isolation: dict[str, MpsDecision] = {}
         self._opt_out: set[str] = set()  # process tenants while a daemon is alive
         self.no_mps_dir = no_mps_dir
+        #: device -> its GPU-time lease board; tenant -> (device, tenant slot on that board)
+        self.boards: dict[int, GpuTimeBoard] = {}
+        self._gpu_time: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def create(
@@ -111,10 +122,13 @@ class Placement:
         segment_prefix: str | None = None,
         detect: Callable[[], MpsDecision] = detect_mps,
         no_mps_dir: str | None = None,
+        gpu_time_quantum_s: float = DEFAULT_QUANTUM_S,
+        gpu_time_scheduler: bool = True,
     ) -> Placement:
         """One budget segment per device. Capacity: the probe's free bytes (else total) minus
-        ``reserve_bytes`` for cuda; the simulated capacity for the stub."""
+        ``reserve_bytes`` for cuda; the simulated capacity for the stub. And one GPU-time board."""
         made: list[_Device] = []
+        boards: dict[int, GpuTimeBoard] = {}
         try:
             for info in devices:
                 index = int(info["index"])
@@ -129,16 +143,24 @@ class Placement:
                     name=new_segment_name(segment_prefix, f"dev{index}"),
                 )
                 made.append(_Device(index, str(info.get("name", "")), total, free, budget))
+                boards[index] = GpuTimeBoard.create(index, quantum_s=gpu_time_quantum_s,
+                                                    scheduler=gpu_time_scheduler,
+                                                    name=new_segment_name(segment_prefix, f"gt{index}"))
         except BaseException:
             for d in made:
                 d.budget.unlink()
                 d.budget.close()
+            for board in boards.values():
+                board.unlink()
+                board.close()
             raise
         for d in made:
             log_event(_log, logging.INFO, "device.budget", device=d.index, name=d.name, backend=backend,
                       capacity=d.budget.capacity_bytes, reserve=d.budget.reserve_bytes, limit=d.budget.limit_bytes,
                       segment=d.budget.name)
-        return cls(backend, made, policy, detect, no_mps_dir)
+        placement = cls(backend, made, policy, detect, no_mps_dir)
+        placement.boards = boards
+        return placement
 
     @property
     def indexes(self) -> list[int]:
@@ -197,6 +219,36 @@ class Placement:
         decision = self._isolation.get(tenant_id)
         return "mps" if isinstance(decision, Mps) else "process"
 
+    # ----------------------------------------------------------- GPU time
+
+    def gpu_time_join(self, spec: TenantSpec, device: int) -> None:
+        """Give the tenant a slot on ``device``'s board with its weight and cap, or update them
+        (idempotent; a tenant moved to another device leaves the old board)."""
+        tid = spec.tenant_id
+        board = self.boards.get(device)
+        held = self._gpu_time.get(tid)
+        if held is not None and held[0] != device:
+            self.gpu_time_leave(tid)
+            held = None
+        if board is None or board.closed:
+            return
+        if held is None:
+            self._gpu_time[tid] = (device, board.add_tenant(spec.gpu_time_weight, spec.gpu_time_cap))
+        else:
+            board.set_policy(held[1], weight=spec.gpu_time_weight, cap=spec.gpu_time_cap)
+
+    def gpu_time_leave(self, tenant_id: str) -> None:
+        """Free the tenant's board slot (eviction: its workers are stopping)."""
+        held = self._gpu_time.pop(tenant_id, None)
+        if held is not None:
+            board = self.boards.get(held[0])
+            if board is not None and not board.closed:
+                board.remove_tenant(held[1])
+
+    def gpu_time_slot(self, tenant_id: str) -> tuple[int, int] | None:
+        """(device, tenant slot) of the tenant on a GPU-time board, or None."""
+        return self._gpu_time.get(tenant_id)
+
     # --------------------------------------------------------------- bind
 
     def worker_options(self, spec: TenantSpec, device: int) -> dict[str, Any]:
@@ -213,6 +265,10 @@ class Placement:
             "gpu_memory_bytes_cap": spec.gpu_memory_bytes_cap,
             "recorded_cuda_mem_pool_quota": spec.recorded_cuda_mem_pool_quota,
         }
+        held = self._gpu_time.get(spec.tenant_id)
+        if held is not None and held[0] == device and device in self.boards:
+            opts["gpu_time_segment"] = self.boards[device].name
+            opts["gpu_time_slot"] = held[1]
         decision = self._isolation.get(spec.tenant_id)
         if isinstance(decision, Mps):
             opts["environment"] = mps_environment(decision.pipe_dir, device, spec.gpu_memory_bytes_cap,
@@ -235,6 +291,13 @@ class Placement:
                 if share:
                     log_event(_log, logging.INFO, "device.budget_reclaimed", device=d.index, slot=slot, pid=pid,
                               bytes=share)
+        for index, board in self.boards.items():
+            if board.closed:
+                continue
+            for slot, pid, held in board.reclaim_dead():
+                if held:
+                    log_event(_log, logging.INFO, "device.gpu_lease_reclaimed", device=index, worker_slot=slot,
+                              pid=pid)
         return total
 
     # ------------------------------------------------------------- status
@@ -260,8 +323,18 @@ class Placement:
                 "budget_refusals": snap.refusals,
                 "tenants": sorted((tenants_on or {}).get(d.index, [])),
                 "segment": snap.name,
+                **self._board_status(d.index),
             })
         return out
+
+    def _board_status(self, device: int) -> dict[str, Any]:
+        board = self.boards.get(device)
+        if board is None or board.closed:
+            return {}
+        snap = board.snapshot()
+        return {"gpu_time": {"scheduler": snap.scheduler, "quantum_s": snap.quantum_s, "holder": snap.holder,
+                             "holder_pid": snap.holder_pid, "busy": snap.busy, "waiting": snap.waiting, "grants": snap.grants, "steals": snap.steals,
+                             "handoffs": snap.handoffs, "segment": snap.name}}
 
     def close(self) -> None:
         """Unlink and unmap every budget (supervisor shutdown)."""
@@ -270,6 +343,11 @@ class Placement:
                 d.budget.unlink()
             finally:
                 d.budget.close()
+        for board in self.boards.values():
+            try:
+                board.unlink()
+            finally:
+                board.close()
         if self.no_mps_dir:
             try:
                 os.rmdir(self.no_mps_dir)

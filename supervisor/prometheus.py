@@ -48,7 +48,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -56,6 +56,7 @@ from prometheus_client.process_collector import ProcessCollector
 from shared.config import parse_host_port
 from shared.log import get_logger, log_event
 from shared.protocol import PROTOCOL_VERSION
+from shared.quota import GPU_WAIT_BUCKETS_S
 from supervisor.health import Health
 from supervisor.metrics import (
     NO_TENANT,
@@ -159,6 +160,16 @@ class _StateCollector:
         underflows = CounterMetricFamily("twt_tenant_quota_underflows",
                                          "Releases of more bytes than were held (a bug; never wrapped)",
                                          labels=["tenant", "resource"])
+        gpu_time = CounterMetricFamily("twt_tenant_gpu_time_seconds",
+                                       "Device time accounted to the tenant (measured per op while it held the "
+                                       "device: CUDA events, or the stub's held time)", labels=t)
+        gpu_wait = HistogramMetricFamily("twt_tenant_gpu_wait_seconds",
+                                         "Per device op: how long it waited for the device lease", labels=t)
+        throttled = CounterMetricFamily("twt_tenant_gpu_throttled",
+                                        "Times the tenant's gpu_time_cap held it back", labels=t)
+        weight = _gauge("twt_tenant_gpu_time_weight", "The tenant's GPU-time weight (gpu_time_weight)", t)
+        time_cap = _gauge("twt_tenant_gpu_time_cap",
+                          "The tenant's GPU-time ceiling (gpu_time_cap, a fraction); +Inf when uncapped", t)
         count = _gauge("twt_tenants", "Tenants registered with this supervisor", [])
         count.add_metric([], len(tenants))
         for tid, rec in sorted(tenants.items()):
@@ -182,11 +193,26 @@ class _StateCollector:
                                              ("gpu", quota.gpu_refusals, quota.gpu_underflows)):
                 refusals.add_metric([label, resource], refused)
                 underflows.add_metric([label, resource], under)
+            gpu_time.add_metric(who, quota.gpu_time_ns / 1e9)
+            cumulative, buckets = 0, []
+            for bound, n in zip((*GPU_WAIT_BUCKETS_S, float("inf")), quota.gpu_wait_bins):
+                cumulative += n
+                buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+            gpu_wait.add_metric(who, buckets, quota.gpu_wait_ns / 1e9)
+            throttled.add_metric(who, quota.gpu_throttled)
+            if rec.gpu_time_weight is not None:
+                weight.add_metric(who, rec.gpu_time_weight)
+                time_cap.add_metric(who, float("inf") if rec.gpu_time_cap is None else rec.gpu_time_cap)
         yield count
         yield from g.values()
         yield state
         yield refusals
         yield underflows
+        yield gpu_time
+        yield gpu_wait
+        yield throttled
+        yield weight
+        yield time_cap
         yield from self._pool_and_devices(snap)
         if snap.frontend is not None:
             yield from self._frontend(snap.frontend)

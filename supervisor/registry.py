@@ -455,10 +455,17 @@ class TenantRegistry:
         memory_quota_bytes: int | str = _UNCHANGED,
         gpu_memory_bytes_cap: int | str | None = _UNCHANGED,
         recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED,
+        gpu_time_weight: float = _UNCHANGED,
+        gpu_time_cap: float | None = _UNCHANGED,
     ) -> TenantInfo:
-        """Change a tenant's limits live (omitted ones stay; ``None`` removes the GPU cap)."""
+        """Change a tenant's limits live (omitted ones stay; ``None`` removes the GPU cap).
+
+        The GPU-time policy (weight, cap) is validated and kept in the spec here;
+        the supervisor applies it to the device's lease board (``Placement``).
+        """
         return self._set_quota(
-            admin_cap, tenant_id, False, memory_quota_bytes, gpu_memory_bytes_cap, recorded_cuda_mem_pool_quota
+            admin_cap, tenant_id, False, memory_quota_bytes, gpu_memory_bytes_cap, recorded_cuda_mem_pool_quota,
+            gpu_time_weight, gpu_time_cap,
         )
 
     def set_quota_strict(self, admin_cap: RegistryAdminCapability, tenant_id: str, **limits: int | str | None
@@ -474,6 +481,8 @@ class TenantRegistry:
         memory_quota_bytes: Any,
         gpu_memory_bytes_cap: Any,
         recorded_cuda_mem_pool_quota: Any,
+        gpu_time_weight: Any = _UNCHANGED,
+        gpu_time_cap: Any = _UNCHANGED,
     ) -> TenantInfo:
         self._check_admin(admin_cap, strict)
         changes = {
@@ -482,15 +491,18 @@ class TenantRegistry:
                 ("memory_quota_bytes", memory_quota_bytes),
                 ("gpu_memory_bytes_cap", gpu_memory_bytes_cap),
                 ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota),
+                ("gpu_time_weight", gpu_time_weight),
+                ("gpu_time_cap", gpu_time_cap),
             )
             if v is not _UNCHANGED
         }
+        block_keys = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
         with self._lock:
             entry = self._tenants.get(tenant_id)
             if entry is None:
                 raise UnknownTenant(tenant_id)
             new_spec = entry.spec._with(**changes)  # validates and parses sizes
-            entry.block.set_limits(**{k: getattr(new_spec, k) for k in changes})
+            entry.block.set_limits(**{k: getattr(new_spec, k) for k in changes if k in block_keys})
             entry.spec = new_spec
             return self._info(tenant_id, entry)
 

@@ -40,7 +40,8 @@ QUOTA_FIELDS = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem
 #: read by the supervisor only: take effect with the next request or restart decision
 LIVE_FIELDS = frozenset(
     {*QUOTA_FIELDS, "restart", "max_restarts", "restart_window_s", "max_in_flight", "request_timeout_s",
-     "requests_per_s", "bytes_per_s"}
+     "requests_per_s", "bytes_per_s",
+     "gpu_time_weight", "gpu_time_cap"}  # GPU-time policy: on the device's lease board at once
 )
 #: a worker gets these when it is bound: changing them needs new workers (a rolling restart)
 RESTART_FIELDS = frozenset(

@@ -228,6 +228,7 @@ class ServiceOps:
         target = new.with_instances(rt.spec.instances)
         self.registry.update_spec(self.admin.admin_cap, target)  # quota fields go to the block now
         rt.spec = target
+        self.placement.gpu_time_join(target, rt.device)  # weight and cap go to the lease board now
         if change.scale:
             self.admin.scale(rt.tenant_id, new.instances)
         if change.needs_restart and rt.state is not TenantState.FAILED:

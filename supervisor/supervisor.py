@@ -217,6 +217,8 @@ class Supervisor:
             policy=cfg.placement,
             segment_prefix=registry.segment_prefix,
             no_mps_dir=os.path.join(self.rundir.path, "no-mps"),
+            gpu_time_quantum_s=cfg.gpu_time_quantum_s,
+            gpu_time_scheduler=cfg.gpu_time_scheduler,
         )
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
                   devices=placement.indexes)
@@ -540,7 +542,8 @@ class Supervisor:
             if rt.block.closed:
                 continue
             tenants[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value,
-                                        wanted=sum(1 for s in rt.slots if not s.draining))
+                                        wanted=sum(1 for s in rt.slots if not s.draining),
+                                        gpu_time_weight=rt.spec.gpu_time_weight, gpu_time_cap=rt.spec.gpu_time_cap)
         parts = self.parts
         if parts is None:
             self._metrics.publish(MetricsSnapshot(tenants=tenants))

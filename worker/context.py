@@ -14,11 +14,13 @@ import logging
 import time
 from typing import Any
 
+from shared.gpu_time import GpuTimeBoard
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
 from worker.allocator import ByteMeter, MeteredAllocator
 from worker.backends import Backend, create_backend
+from worker.device_time import DeviceGate
 from worker.faults import FaultState
 
 __all__ = ["TenantContext"]
@@ -39,6 +41,7 @@ class TenantContext:
         *,
         budget: ByteMeter | None = None,
         faults: FaultState | None = None,
+        board: GpuTimeBoard | None = None,
     ) -> None:
         self.spec = spec
         self.tenant_id = spec.tenant_id
@@ -56,6 +59,8 @@ class TenantContext:
             budget=budget,
             faults=self.faults,
         )
+        #: every device op goes through it: timed, charged to the block, scheduled on the board
+        self.gate = DeviceGate(block, backend, board)
         self.extensions: dict[str, Any] = {}  # e.g. the WASM host, created on first use
         self._closed = False
         if budget is not None:
@@ -75,6 +80,7 @@ class TenantContext:
         backend_options: dict[str, Any],
         budget: ByteMeter | None = None,
         faults: FaultState | None = None,
+        board: GpuTimeBoard | None = None,
     ) -> TenantContext:
         """Attach the tenant's block and create the backend (logged with its duration)."""
         t0 = time.perf_counter()
@@ -85,7 +91,7 @@ class TenantContext:
             block.close()
             raise
         try:
-            ctx = cls(spec, instance, incarnation, block, be, budget=budget, faults=faults)
+            ctx = cls(spec, instance, incarnation, block, be, budget=budget, faults=faults, board=board)
         except BaseException:  # e.g. the device budget has no room for this worker's fixed overhead
             be.close()
             block.close()
@@ -125,6 +131,10 @@ class TenantContext:
                 except Exception as exc:  # noqa: BLE001 - shutdown must go on; logged
                     log_event(_log, logging.WARNING, "context.extension_close_failed", extension=name, error=repr(exc))
         released = self.allocator.free_all()
+        try:
+            self.gate.close()  # the device lease and the timer's events, before the context goes
+        except Exception as exc:  # noqa: BLE001 - logged, never raised from cleanup
+            log_event(_log, logging.WARNING, "context.gate_close_failed", error=repr(exc))
         try:
             self.backend.close()
         except Exception as exc:  # noqa: BLE001 - logged, never raised from cleanup

@@ -36,6 +36,7 @@ import zmq
 
 from shared.device_budget import DeviceBudget  # imported at start, not at bind: binding must be fast
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
+from shared.gpu_time import GpuTimeBoard
 from shared.log import get_logger, log_event
 from shared.exitcodes import context_lost_exit_code
 from shared.protocol import decode_worker_request, encode_worker_reply
@@ -198,16 +199,27 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
     budget_segment = options.pop("budget_segment", None)
     if budget_segment:
         budget = DeviceBudget.attach(budget_segment)
-    server.context = TenantContext.create(
-        spec,
-        instance=_int_arg(args, "instance"),
-        incarnation=_int_arg(args, "incarnation", 0),
-        segment=str(msg.segment),
-        backend=str(msg.backend),
-        backend_options=options,
-        budget=budget,
-        faults=server.faults,
-    )
+    board = None  # the device's GPU-time lease board and the tenant's slot on it (shared.gpu_time)
+    board_segment = options.pop("gpu_time_segment", None)
+    if board_segment:
+        board = GpuTimeBoard.attach(str(board_segment), tenant_slot=_int_arg(options, "gpu_time_slot"))
+    options.pop("gpu_time_slot", None)
+    try:
+        server.context = TenantContext.create(
+            spec,
+            instance=_int_arg(args, "instance"),
+            incarnation=_int_arg(args, "incarnation", 0),
+            segment=str(msg.segment),
+            backend=str(msg.backend),
+            backend_options=options,
+            budget=budget,
+            faults=server.faults,
+            board=board,
+        )
+    except BaseException:
+        if board is not None:
+            board.close()  # its worker slot is free again at once, not only at this process's death
+        raise
     return {"pid": os.getpid(), **server.context.info()}, None
 
 

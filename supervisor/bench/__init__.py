@@ -29,6 +29,7 @@ BENCHES: dict[str, str] = {
     "wasm": "supervisor.bench.wasm",
     "restore": "supervisor.bench.restore",
     "cluster": "supervisor.bench.cluster",
+    "share": "supervisor.bench.share",
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"

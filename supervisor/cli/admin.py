@@ -71,6 +71,31 @@ def _size_or_none(value: str) -> int | None:
     return None if value.strip().lower() in _NONE_WORDS else _size(value)
 
 
+def _weight(value: str) -> float:
+    """A GPU-time weight: a number > 0 (the supervisor checks the range again, naming the key)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a weight is a number > 0, got {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"a weight is a number > 0, got {value!r}")
+    return number
+
+
+def _fraction_or_none(value: str) -> float | None:
+    """A GPU-time cap: ``none``, a fraction in (0, 1], or a percentage (``25%``)."""
+    text = value.strip().lower()
+    if text in _NONE_WORDS:
+        return None
+    try:
+        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a cap is a fraction in (0, 1], a percentage or none, got {value!r}") from None
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"a cap is a fraction in (0, 1], a percentage or none, got {value!r}")
+    return number
+
+
 def parse_param(text: str) -> tuple[str, Any]:
     """``k=v`` -> (k, v) with v an int, a float, a size (``64MiB`` -> bytes), a bool or a string."""
     key, sep, raw = text.partition("=")
@@ -110,12 +135,18 @@ _SPEC_FLAGS: tuple[tuple[str, str, Any, str, str], ...] = (
     ("--wasm-fuel", "wasm_fuel", non_negative_int, "N", "default and ceiling of a WASM run's fuel (default 2000000000)"),
     ("--wasm-timeout", "wasm_timeout_s", positive_seconds, "S", "default and ceiling of a WASM run's time (default 10)"),
     ("--wasm-max-memory", "wasm_max_memory_bytes", _size, "SIZE", "largest WASM linear memory (default 256MiB)"),
+    ("--gpu-time-weight", "gpu_time_weight", _weight, "W",
+     "work-conserving weight of the tenant's GPU time on its device (default 1)"),
+    ("--gpu-time-cap", "gpu_time_cap", _fraction_or_none, "F|none",
+     "hard ceiling on the tenant's fraction of its device's time, 0 < F <= 1 (default none)"),
 )
 #: set-quota's help for each limit it changes (the flags are register's, from _SPEC_FLAGS)
 _SET_QUOTA_HELP = {
     "memory_quota_bytes": "host memory quota, e.g. 2GiB (default: unchanged)",
     "gpu_memory_bytes_cap": "GPU byte cap; none removes it (default: unchanged)",
     "recorded_cuda_mem_pool_quota": "recorded CUDA pool quota (retention hint); none clears it (default: unchanged)",
+    "gpu_time_weight": "GPU-time weight, > 0 (default: unchanged)",
+    "gpu_time_cap": "GPU-time ceiling, a fraction in (0, 1]; none removes it (default: unchanged)",
 }
 
 
@@ -346,7 +377,17 @@ def _limits_line(rec: TenantRecord) -> str:
     return (f"{rec.tenant_id}: memory quota {format_size(rec.memory_quota_bytes)}, "
             f"GPU cap {'none' if cap is None else format_size(cap)}, "
             f"pool quota {'none' if pool is None else format_size(pool)} "
-            f"(in use: {format_size(rec.bytes_in_use)} host, {format_size(rec.gpu_bytes_in_use)} GPU)")
+            f"(in use: {format_size(rec.bytes_in_use)} host, {format_size(rec.gpu_bytes_in_use)} GPU)"
+            + _gpu_time_text(rec))
+
+
+def _gpu_time_text(rec: TenantRecord) -> str:
+    g = rec.gpu_time
+    if not g:
+        return ""
+    cap = g.get("cap")
+    return (f"; GPU time weight {g.get('weight', 1.0):g}, cap {'none' if cap is None else f'{cap:.0%}'}, "
+            f"{g.get('gpu_time_s', 0.0):.3f} s accounted")
 
 
 def _instances_line(rec: TenantRecord) -> str:
@@ -395,7 +436,8 @@ def run_set_quota(args: argparse.Namespace) -> int:
     _say_decimal_sizes(args)
     changes = {k: getattr(args, k) for k in QUOTA_KEYS if hasattr(args, k)}
     if not changes:
-        raise ValueError("set-quota needs at least one of --memory-quota, --gpu-cap, --pool-quota")
+        raise ValueError("set-quota needs at least one of --memory-quota, --gpu-cap, --pool-quota, "
+                         "--gpu-time-weight, --gpu-time-cap")
     with connect(args) as client:
         rec = TenantRecord.from_wire(client.set_quota(None, args.tenant, **changes))
     if args.json:

@@ -31,7 +31,8 @@ __all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant
 #: seconds a read-only command waits for an answer before calling the supervisor unreachable
 READ_TIMEOUT_S = 10.0
 HEADERS = ("TENANT", "STATE", "INST", "PIDS", "CPU USED/LIMIT", "GPU USED/CAP", "HIGH CPU/GPU",
-           "REFUSED CPU/GPU", "RESTARTS", "UPTIME")
+           "REFUSED CPU/GPU", "RESTARTS", "UPTIME",
+           "GPU WEIGHT/CAP", "GPU TIME", "SHARE")  # GPU time: accounted, and its share over the last 10 s
 _MAX_PIDS_SHOWN = 4
 
 
@@ -162,6 +163,22 @@ def tenant_row(t: TenantRecord) -> list[str]:
         f"{quota.get('cpu_refusals', 0)}/{quota.get('gpu_refusals', 0)}",
         str(t.restarts),
         format_duration(t.uptime_s),
+        *gpu_time_cells(t),
+    ]
+
+
+def gpu_time_cells(t: TenantRecord) -> list[str]:
+    """The GPU-time columns (docs/GPU-QUOTAS.md): weight/cap, accounted device time, share of the
+    device over the last window."""
+    g = t.gpu_time
+    if not g:
+        return ["-", "-", "-"]
+    share = g.get("share")
+    cap = g.get("cap")
+    return [
+        f"{g.get('weight', 1.0):g}/{'none' if cap is None else f'{cap:.0%}'}",
+        f"{g.get('gpu_time_s', 0.0):.2f}s",
+        "-" if share is None else f"{share:.0%}",
     ]
 
 

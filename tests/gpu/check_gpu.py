@@ -623,6 +623,16 @@ def phase_regions(ctx: Context) -> list[Row]:
             for name, got, want, ok, kind in table_rows(result)]
 
 
+def phase_share(ctx: Context) -> list[Row]:
+    """GPU-time shares between processes' contexts (tests/gpu/phase_share.py, in a child): 7:3, a cap,
+    the scheduler's overhead with cuBLAS GEMMs. Correct GEMMs decide the exit code; shares are timings."""
+    from tests.gpu.phase_share import run_in_child, table_rows
+
+    result = ctx.results["share"] = run_in_child(quick=ctx.quick, timeout_s=budget(200))
+    return [(check if kind == "check" else timing)("share", name, got, want, ok)
+            for name, got, want, ok, kind in table_rows(result)]
+
+
 def phase_mps(ctx: Context) -> list[Row]:
     from shared.spec import TenantSpec
     from supervisor.launch import launch
@@ -683,6 +693,7 @@ PHASES: list[Phase] = [
     Phase("timing", phase_timing),
     Phase("regions", phase_regions),
     Phase("wasm", phase_wasm),
+    Phase("share", phase_share),
     Phase("pytest", phase_pytest),
 ]
 OPTIONAL_PHASES: dict[str, Phase] = {"mps": Phase("mps", phase_mps)}

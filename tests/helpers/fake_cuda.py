@@ -69,6 +69,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -300,6 +301,10 @@ class CUmemoryPool(_Handle):
     __slots__ = ()
 
 
+class CUevent(_Handle):
+    __slots__ = ()
+
+
 class CUmodule(_Handle):
     __slots__ = ()
 
@@ -466,6 +471,7 @@ class FakeDriver:
     CUcontext = CUcontext
     CUstream = CUstream
     CUmemoryPool = CUmemoryPool
+    CUevent = CUevent
     CUdeviceptr = CUdeviceptr
     nvrtcResult = nvrtcResult
     DynamicLibNotFoundError = DynamicLibNotFoundError
@@ -516,6 +522,9 @@ class FakeDriver:
         self.ctx_refs: dict[int, int] = {}  # device -> primary context retain count
         self.ctx_handle = {d: 0xC000 + d for d in range(devices)}
         self.streams: dict[int, tuple[int, int]] = {}  # handle -> (ctx, flags)
+        #: event handle -> perf_counter_ns of its last record (None: never recorded); the fake runs
+        #: every launch at once, so the time between two records is the device time in between
+        self.events: dict[int, int | None] = {}
         self.pools: dict[int, _Pool] = {}
         self.allocs: dict[int, _Alloc] = {}
         self._bases: list[int] = []
@@ -1059,6 +1068,57 @@ class FakeDriver:
                 self._run_stream(mark[0], mark[1])
             lost = self._lost()
             return (lost if lost is not None else CUresult.CUDA_SUCCESS,)
+
+    def cuEventDestroy(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventDestroy")
+            if err is not None:
+                return (err,)
+            if self.events.pop(int(event), 0) == 0:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            return (CUresult.CUDA_SUCCESS,)
+
+    # ------------------------------------------------------------- events (GPU-time charging)
+
+    def cuEventCreate(self, flags: int) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventCreate", needs_ctx=True)
+            if err is not None:
+                return (err, None)
+            h = self._new()
+            self.events[h] = None
+            return (CUresult.CUDA_SUCCESS, CUevent(h))
+
+    def cuEventRecord(self, event: Any, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventRecord", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if int(event) not in self.events or not self._stream_ok(stream):
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            self.events[int(event)] = time.perf_counter_ns()
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuEventSynchronize(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventSynchronize", needs_ctx=True)
+            if err is not None:
+                return (err,)
+            if int(event) not in self.events:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            return (CUresult.CUDA_SUCCESS,)
+
+    def cuEventElapsedTime(self, start: Any, end: Any) -> tuple[Any, ...]:  # noqa: N802
+        with self._lock:
+            err = self._enter("cuEventElapsedTime", needs_ctx=True)
+            if err is not None:
+                return (err, None)
+            if int(start) not in self.events or int(end) not in self.events:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE, None)
+            t0, t1 = self.events[int(start)], self.events[int(end)]
+            if t0 is None or t1 is None:
+                return (CUresult.CUDA_ERROR_INVALID_HANDLE, None)  # the driver: not recorded yet
+            return (CUresult.CUDA_SUCCESS, (t1 - t0) / 1e6)
 
     def cuEventDestroy(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
         with self._lock:

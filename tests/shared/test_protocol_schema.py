@@ -127,8 +127,10 @@ def _valid_spec_value(key: str) -> st.SearchStrategy[Any]:
     if "allOf" in prop:
         return st.integers(65536, 1 << 40)
     kind = prop.get("type")
-    if kind == "number":
-        return st.floats(prop["minimum"], prop["maximum"])
+    if kind in ("number", ["number", "null"]):
+        lo = prop.get("minimum", prop.get("exclusiveMinimum"))
+        numbers = st.floats(lo, prop["maximum"], exclude_min="exclusiveMinimum" in prop)
+        return st.one_of(numbers, st.none()) if kind != "number" else numbers
     if kind in ("integer", ["integer", "null"]):
         return st.integers(prop["minimum"], prop["maximum"])
     return st.from_regex(r"[a-z0-9][a-z0-9._-]{0,62}", fullmatch=True)

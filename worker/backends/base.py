@@ -15,6 +15,8 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from worker.backends.timing import HostTimer, OpTimer
+
 __all__ = ["Backend", "DeviceBuffer", "DeviceOutOfMemory"]
 
 
@@ -154,6 +156,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def transpose_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int) -> None:
         """``out[cols, rows] = x[rows, cols].T`` (``out`` is not ``x``)."""
+
+    # -- GPU-time sharing (shared.gpu_time, worker.device_time)
+
+    def op_timer(self) -> OpTimer:
+        """What measures an op's device time (charged to the tenant): wall time for host backends."""
+        return HostTimer()
+
+    def view(self, buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer | None:
+        """A buffer aliasing ``buf[offset:offset+nbytes]`` (in range, never freed), so a long op can run
+        in chunks of rows or elements; None when this backend cannot (the op then runs whole)."""
+        return None
 
     def read_into(self, buf: DeviceBuffer, offset: int, dest: memoryview) -> None:
         """Copy ``len(dest)`` bytes from ``buf`` at ``offset`` into ``dest`` (a host buffer).

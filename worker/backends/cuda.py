@@ -215,6 +215,17 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._free_async = d.cuMemFreeAsync
         self._oom = self._drv.OUT_OF_MEMORY
 
+    def op_timer(self) -> Any:
+        """CUDA events on the tenant stream (shared.gpu_time charges by them)."""
+        from worker.backends.cuda_timing import CudaEventTimer
+
+        self._open()
+        return CudaEventTimer(self._drv, self._stream, self._current)
+
+    def view(self, buf: DeviceBuffer, offset: int, nbytes: int) -> CudaBuffer:
+        """A window on ``buf`` for chunked ops (never in ``_live``: never freed)."""
+        return CudaBuffer(nbytes, int(buf.ptr) + offset)  # type: ignore[attr-defined]
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> CudaBackend:
         """Build from the bind message's backend options (see ``supervisor.workerset``)."""

@@ -180,6 +180,11 @@ class GuestRun:
         #: tenant's longest run time from here (the run's own deadline is applied at :meth:`finish`)
         self.started = time.monotonic()
         self.backend.begin_run(self.started + float(ctx.spec.wasm_timeout_s))
+        #: device ops run through the context's gate (GPU-time lease, timing, charging);
+        #: ``deadline_ns`` (time.monotonic_ns) bounds a wait for the device: the run's deadline
+        self.gate = ctx.gate
+        self.gate.take_run_totals()  # a trapped run before this one left its figures behind
+        self.deadline_ns: int | None = None
 
     # ------------------------------------------------------------ helpers
 
@@ -225,6 +230,15 @@ class GuestRun:
                     self.gpu_peak_bytes = max(self.gpu_peak_bytes, self.gpu_bytes)
         self.backend.matmul_f32(a, b, c, m, k, n, workspace=self.workspace)
 
+    def device_op(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """``fn(*args)`` on the device under this worker's lease (see :mod:`worker.device_time`)."""
+        return self.gate.op(name, fn, args, self.deadline_ns)
+
+    def gpu_totals(self) -> dict[str, float]:
+        """This run's device time and its waits for the device (the ``run_wasm`` reply's fields)."""
+        busy, wait = self.gate.take_run_totals()
+        return {"gpu_time_s": round(busy / 1e9, 9), "gpu_wait_s": round(wait / 1e9, 9)}
+
     def add_client_buffer(self, buf: DeviceBuffer) -> int:
         """Enter a client-allocated buffer (not freed at run end); its guest handle."""
         handle = self.next_handle
@@ -245,6 +259,7 @@ class GuestRun:
                           handle=handle, nbytes=buf.nbytes, error=repr(exc))
             released += buf.nbytes
         self.buffers.clear()
+        self.gate.release()  # the run is over: the device goes to the next tenant now
         if self.workspace is not None:
             ws, self.workspace = self.workspace, None
             try:
@@ -362,7 +377,10 @@ class GuestRun:
         if isinstance(buf, int):
             return buf
         if count:
-            self.backend.fill_f32(buf, value, count)
+            try:
+                self.device_op("fill_f32", self.backend.fill_f32, (buf, value, count))
+            except TensorWasmError as exc:
+                return self._op_failed("fill_f32", exc)
         return _OK
 
     def axpy_f32(self, caller: Any, n: int, a: float, x: int, y: int) -> int:
@@ -376,7 +394,10 @@ class GuestRun:
         if n * 4 > xe[0].nbytes or n * 4 > ye[0].nbytes:
             return _BUFFER_BOUNDS
         if n:
-            self.backend.axpy_f32(n, a, xe[0], ye[0])
+            try:
+                self.device_op("axpy_f32", self.backend.axpy_f32, (n, a, xe[0], ye[0]))
+            except TensorWasmError as exc:
+                return self._op_failed("axpy_f32", exc)
         return _OK
 
     def sum_f32(self, caller: Any, handle: int, count: int, out_ptr: int) -> int:
@@ -390,10 +411,18 @@ class GuestRun:
             return _NO_MEMORY
         if address is None:
             return _MEMORY_BOUNDS
-        total = self.backend.sum_f32(buf, count) if count else 0.0
+        try:
+            total = self.device_op("sum_f32", self.backend.sum_f32, (buf, count)) if count else 0.0
+        except TensorWasmError as exc:
+            return self._op_failed("sum_f32", exc)
         # the guest is suspended in this call, so its memory cannot have moved meanwhile
         ctypes.memmove(address, ctypes.byref(ctypes.c_float(total)), 4)
         return _OK
+
+    def _op_failed(self, op: str, exc: TensorWasmError) -> int:
+        log_event(_log, logging.WARNING, "wasm.op_failed", tenant=self.tenant_id, op=op,
+                  error=f"{type(exc).__name__}: {exc}")
+        return _BACKEND
 
     def log(self, caller: Any, ptr: int, length: int) -> int:
         """One bounded log line (truncated to MAX_LOG_BYTES), rate-limited per run and per worker."""

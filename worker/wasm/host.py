@@ -671,6 +671,7 @@ class WasmHost:
             if compiled.wasi:
                 store.set_wasi(wasi_config())
             run = GuestRun(self.ctx, self.limiter)
+            run.deadline_ns = time.monotonic_ns() + int(timeout_s * 1e9)
             session = WasmSession(self, compiled, store, run, fuel, timeout_s, reservation)
             run.span = session.span_raw if self.fast_imports else session.span_checked
             self._session = session
@@ -768,6 +769,7 @@ class WasmHost:
             "logs": run.logs,
             "logs_dropped": run.logs_dropped,
             "exit_code": exit_code,
+            **run.gpu_totals(),
         }
 
     def info(self) -> dict[str, Any]:

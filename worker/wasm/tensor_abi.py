@@ -80,6 +80,10 @@ class OpRun(Protocol):
         """``matmul_f32`` on the backend with the run's metered workspace."""
         ...
 
+    def device_op(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """``fn(*args)`` under the device lease, timed and charged, in chunks (worker.device_time)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TensorOp:
@@ -168,10 +172,7 @@ class TensorOp:
                 return got
             a[p] = got
         try:
-            if self.gemm:
-                run.gemm(*a)
-            else:
-                getattr(run.backend, self.name)(*a)
+            run.device_op(self.name, run.gemm if self.gemm else getattr(run.backend, self.name), tuple(a))
         except TensorWasmError as exc:  # CudaError, BackendUnavailable (cuBLAS missing) ...
             log_event(_log, logging.WARNING, "wasm.op_failed", tenant=run.tenant_id, op=self.name,
                       error=f"{type(exc).__name__}: {exc}")

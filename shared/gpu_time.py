@@ -1,0 +1,787 @@
+"""GPU-time shares: one lease board per device, scheduled lock-free in shared memory.
+
+Without MPS, contexts of different processes never run kernels at the same
+time: a device's time is a serial resource. Every launch a tenant makes
+passes through our host functions, so the workers of all tenants on a device
+take turns through this board, and each turn is charged exactly::
+
+    worker (tenant t)                 board (shared memory, one per device)
+    ─────────────────                 ──────────────────────────────────────
+    acquire()  ── owner word == mine? ──► yes: run (fast path: one CAS, no syscall)
+               ── else: mark waiting, try_acquire / futex_wait on the owner word
+    op chunk (<= ~2 ms of device time)
+    finish(ns) ── pass[t] += ns / weight[t]; used[t] += ns; cap bucket -= ns
+               ── quantum over and someone waits? ──► pick(): min pass among eligible
+                                                       waiters *and* the holder; hand the
+                                                       owner word over, futex_wake
+    release()  ── end of the run: hand over (or free) the device
+
+The policy is stride scheduling on ``used / weight`` ("pass", in ns at weight
+1) with a quantum: the holder keeps the device for at least one quantum, then
+at the next chunk boundary the device goes to the runnable tenant with the
+smallest pass. Idle tenants are skipped (only waiters are candidates), so the
+policy is work-conserving; a tenant returning from idle gets its pass raised to
+at least ``vclock - quantum / weight`` (``vclock``: the pass of the last tenant
+granted the device, or of the holder while it runs alone), so being idle banks
+at most one quantum of priority. A tenant with a
+``cap`` is not runnable while its token bucket (refilled at ``cap`` device
+seconds per second, burst four quanta) is empty - a hard, non-work-conserving
+ceiling.
+
+Every decision is made by whoever sees the device change hands: the holder
+at a chunk boundary, a waiter that finds the device free or held idle past
+its quantum (it may *steal* it: the holder is between ops, in guest code),
+or the supervisor when the holder died.
+
+Mode ``off`` (``gpu_time_scheduler = false``) keeps the same leases and
+quanta but picks the longest-waiting worker, whatever its weight, and ignores
+caps: the driver's own time-slicing of contexts, the benchmark's baseline. All scheduler state is written only
+by the current holder (or by the one process that just won the owner word
+with a CAS), so the only atomic read-modify-writes are the owner word, the
+waiting count and each worker's own waiting stamp. No supervisor round trip
+per quantum: ``twt bench share`` measures both costs (docs/GPU-QUOTAS.md).
+
+Owner word: ``0`` free, else ``(worker slot + 1) << 1 | busy``; ``busy`` is set
+while a chunk runs. Waiters sleep with a futex (``_atomics.futex_wait``, GIL
+released, so the worker's heartbeats go on) on a wake sequence that grows
+each time the owner word changes hands (see :func:`_wake`); their timeout is
+the holder's quantum end, when they may steal an idle lease; the one next
+up yields the CPU in a loop from about a chunk before that end, so that it is
+running when the device passes to it.
+
+Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label)::
+
+    line 2        control  owner | grant ns | vclock | waiting | grants | steals | handoffs | workers high
+    line 3        config   device | quantum ns | mode (1 on, 0 off) | tenants | workers | last chunk end ns |
+                           wake sequence
+    line 4+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
+                           credit stamp ns | throttled
+    line 68+w     worker w claimed | pid | start ms | tenant + 1 | waiting since ns
+
+Death: a worker that dies holding the device loses it as soon as the
+supervisor sees the death (:meth:`GpuTimeBoard.reclaim_dead`, called where
+the quota shares are reclaimed); a hung op is bounded by the run's deadline,
+after which the supervisor kills the worker.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+from shared import _atomics, _shm
+from shared._segment import MappedSegment
+from shared.errors import InvalidArgument, SegmentError
+from shared.quota import (
+    SEGMENT_PREFIX,
+    _attach,
+    _owner_alive,
+    _process_start_ms,
+    check_header,
+    new_segment_name,
+    write_header,
+)
+
+__all__ = [
+    "DEFAULT_QUANTUM_S",
+    "KIND_GPU_TIME",
+    "MAX_TENANTS",
+    "MAX_WEIGHT",
+    "MAX_WORKERS",
+    "GpuTimeBoard",
+    "GpuTimeSnapshot",
+    "check_gpu_time_cap",
+    "check_gpu_time_weight",
+]
+
+#: segment kind of a board (shared.quota has 1 tenant, 2 device budget, 3 region)
+KIND_GPU_TIME: Final = 4
+#: the default lease: a handoff costs ~0.1 ms on an idle host, up to ~1 ms on a loaded one: 10 ms keeps
+#: that under 3 %, and a light tenant still waits at most ~2 quanta
+DEFAULT_QUANTUM_S: Final = 0.010
+MAX_TENANTS: Final = 64
+MAX_WORKERS: Final = 256
+MAX_WEIGHT: Final = 1e6
+_MICRO: Final = 1_000_000
+_BIAS: Final = 1 << 62
+_MASK32: Final = 0xFFFFFFFF
+_ADD_MINUS_ONE: Final = (1 << 64) - 1
+
+_LINE = 64
+_CTRL = 2 * _LINE
+_OWNER, _GRANT_NS, _VCLOCK, _WAITING, _GRANTS, _STEALS, _HANDOFFS, _HIGH = (_CTRL + 8 * i for i in range(8))
+_CONF = 3 * _LINE
+_C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ = (_CONF + 8 * i for i in range(7))
+_TENANTS = 4 * _LINE
+_T_ACTIVE, _T_WEIGHT, _T_CAP, _T_PASS, _T_USED, _T_CREDIT, _T_STAMP, _T_THROTTLED = (8 * i for i in range(8))
+_WORKERS = _TENANTS + MAX_TENANTS * _LINE
+_W_CLAIMED, _W_PID, _W_START, _W_TENANT, _W_WAITING = (8 * i for i in range(5))
+_LAYOUT_BYTES = _WORKERS + MAX_WORKERS * _LINE
+SEGMENT_BYTES: Final = (_LAYOUT_BYTES + 4095) // 4096 * 4096
+
+#: a waiter's longest sleep between looks at the board (a lost wake-up costs at most this)
+_MAX_SLEEP_NS = 20_000_000
+_MIN_SLEEP_NS = 50_000
+#: a holder idle (in guest code, no chunk running) this long past its quantum may lose the device
+#: to any waiter, whatever the passes: the device must not sit idle while others wait
+_IDLE_GRACE_NS = 1_000_000
+#: a capped tenant's token bucket holds this many quanta: over any span W it gets at most
+#: ``cap * W`` plus this burst; a bucket of one quantum lost credit to every wake-up that came late
+_CAP_BURST_QUANTA = 4
+#: the next holder stops sleeping this long before the holder's quantum ends and yields the CPU
+#: in a loop instead (about one chunk), at most _MAX_SPIN times per wait
+_SPIN_NS = 2_000_000
+_MAX_SPIN = 20_000
+
+
+def _t_off(t: int) -> int:
+    return _TENANTS + t * _LINE
+
+
+def _w_off(w: int) -> int:
+    return _WORKERS + w * _LINE
+
+
+def check_gpu_time_weight(value: Any, key: str = "gpu_time_weight") -> float:
+    """A valid weight (a number > 0 and <= 1e6) as a float; :class:`InvalidArgument` naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{key} must be a number > 0, not {type(value).__name__}")
+    number = float(value)
+    if not (math.isfinite(number) and 0 < number <= MAX_WEIGHT):
+        raise InvalidArgument(f"{key} must be a number in (0, {MAX_WEIGHT:g}], got {value!r}")
+    return number
+
+
+def check_gpu_time_cap(value: Any, key: str = "gpu_time_cap") -> float | None:
+    """A valid cap (None, or a fraction in (0, 1]) as a float; :class:`InvalidArgument` naming ``key``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{key} must be a fraction in (0, 1] or none, not {type(value).__name__}")
+    number = float(value)
+    if not (math.isfinite(number) and 0 < number <= 1):
+        raise InvalidArgument(f"{key} must be a fraction in (0, 1] or none, got {value!r}")
+    return number
+
+
+def _weight_micro(weight: float) -> int:
+    return max(1, round(weight * _MICRO))
+
+
+def _cap_ppm(cap: float | None) -> int:
+    return 0 if cap is None else max(1, round(cap * _MICRO))
+
+
+@dataclass(frozen=True)
+class GpuTimeSnapshot:
+    """A board at one moment: the lease, and per tenant slot its policy and accounted time."""
+
+    name: str
+    device_index: int
+    scheduler: bool
+    quantum_s: float
+    #: worker slot holding the device (None: free) and whether a chunk runs right now
+    holder: int | None
+    #: the holding worker's pid (0 when free)
+    holder_pid: int
+    busy: bool
+    waiting: int
+    grants: int
+    steals: int
+    handoffs: int
+    #: tenant slot -> {weight, cap, used_ns, pass, throttled}
+    tenants: dict[int, dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class GpuTimeBoard(MappedSegment):
+    """The lease board of one device; see the module docstring.
+
+    :meth:`create` (the supervisor: the owner, which sets tenant policies and
+    reclaims dead workers) or :meth:`attach` (a worker: claims a worker slot
+    for its tenant slot and takes leases; or a reader with ``tenant_slot=None``).
+    ``clock`` (ns, monotonic, the same in every process: CLOCK_MONOTONIC) is
+    injectable so that the policy is tested on a fake clock.
+    """
+
+    _what = "gpu time board"
+
+    def __init__(self, segment: _shm.Segment, device_index: int, *, owner: bool, worker: int | None,
+                 tenant: int | None, clock: Callable[[], int]) -> None:
+        """Internal: use :meth:`create` or :meth:`attach`."""
+        self._map(segment, owner=owner)
+        self.device_index = device_index
+        self._worker = worker
+        self._tenant = tenant
+        self._clock = clock
+        self._mine = 0 if worker is None else (worker + 1) << 1
+        self._waiting_since = 0
+        self._bind_counters()
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(cls, device_index: int, *, quantum_s: float = DEFAULT_QUANTUM_S, scheduler: bool = True,
+               name: str | None = None, generation: int = 0,
+               clock: Callable[[], int] = time.monotonic_ns) -> GpuTimeBoard:
+        """The board of ``device_index`` (this process owns it and must :meth:`unlink` it)."""
+        if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
+            raise ValueError(f"device_index must be an int >= 0, got {device_index!r}")
+        quantum_ns = _quantum_ns(quantum_s)
+        seg_name = name or new_segment_name(None, f"gt{device_index}")
+        if not seg_name.startswith(SEGMENT_PREFIX):
+            raise ValueError(f"segment name must start with {SEGMENT_PREFIX!r}: {seg_name!r}")
+        seg = _shm.create(seg_name, SEGMENT_BYTES)
+        try:
+            buf = seg.buf
+            _atomics.store(buf, _C_DEVICE, device_index)
+            _atomics.store(buf, _C_QUANTUM, quantum_ns)
+            _atomics.store(buf, _C_MODE, 1 if scheduler else 0)
+            _atomics.store(buf, _C_TENANTS, MAX_TENANTS)
+            _atomics.store(buf, _C_WORKERS, MAX_WORKERS)
+            write_header(buf, KIND_GPU_TIME, f"gpu time {device_index}", generation, SEGMENT_BYTES)
+            return cls(seg, device_index, owner=True, worker=None, tenant=None, clock=clock)
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
+
+    @classmethod
+    def attach(cls, name: str, *, tenant_slot: int | None,
+               clock: Callable[[], int] = time.monotonic_ns) -> GpuTimeBoard:
+        """Attach without owning. With ``tenant_slot`` (a worker) a worker slot is claimed,
+        recorded with this process's pid so the supervisor frees it when the process dies."""
+        if not isinstance(name, str) or not name.startswith(SEGMENT_PREFIX) or "/" in name:
+            raise SegmentError(str(name), f"not a gpu time board name (expected {SEGMENT_PREFIX}...)")
+        seg = _attach(name, "does not exist (supervisor gone?)")
+        try:
+            check_header(name, seg.buf, KIND_GPU_TIME)
+            buf = seg.buf
+            if len(buf) < _LAYOUT_BYTES or _atomics.load(buf, _C_WORKERS) != MAX_WORKERS:
+                raise SegmentError(name, "gpu time board layout does not match this build")
+            device = _atomics.load(buf, _C_DEVICE)
+            worker = None
+            if tenant_slot is not None:
+                if not 0 <= tenant_slot < MAX_TENANTS:
+                    raise ValueError(f"tenant slot {tenant_slot} out of range 0..{MAX_TENANTS - 1}")
+                worker = _claim_worker(name, buf, tenant_slot)
+            return cls(seg, device, owner=False, worker=worker, tenant=tenant_slot, clock=clock)
+        except BaseException:
+            seg.close()
+            raise
+
+    def close(self) -> None:
+        """Give the device back if held, free this worker's slot, unmap."""
+        if self._closed:
+            return
+        if self._worker is not None:
+            try:
+                self.release()
+                off = _w_off(self._worker)
+                _atomics.store(self._buf, off + _W_TENANT, 0)
+                _atomics.store(self._buf, off + _W_PID, 0)
+                _atomics.store(self._buf, off + _W_CLAIMED, 0)
+            except (SegmentError, ValueError):
+                pass
+        super().close()
+
+    def __repr__(self) -> str:
+        role = "owner" if self._owner else f"worker={self._worker} tenant={self._tenant}"
+        return f"<GpuTimeBoard device={self.device_index} {self.name} {role}{' closed' if self._closed else ''}>"
+
+    @property
+    def worker_slot(self) -> int | None:
+        return self._worker
+
+    @property
+    def tenant_slot(self) -> int | None:
+        return self._tenant
+
+    def _check(self) -> memoryview:
+        if self._closed:
+            raise SegmentError(self.name, "gpu time board is closed")
+        return self._buf
+
+    # ------------------------------------------------------------- settings
+
+    @property
+    def scheduler(self) -> bool:
+        return _atomics.load(self._check(), _C_MODE) == 1
+
+    @property
+    def quantum_ns(self) -> int:
+        return _atomics.load(self._check(), _C_QUANTUM)
+
+    def configure(self, *, quantum_s: float | None = None, scheduler: bool | None = None) -> None:
+        """Change the quantum or the mode live (owner)."""
+        buf = self._check()
+        if quantum_s is not None:
+            _atomics.store(buf, _C_QUANTUM, _quantum_ns(quantum_s))
+        if scheduler is not None:
+            _atomics.store(buf, _C_MODE, 1 if scheduler else 0)
+        _wake(buf)
+
+    # ------------------------------------------------------ tenants (owner)
+
+    def add_tenant(self, weight: float = 1.0, cap: float | None = None) -> int:
+        """A free tenant slot, set to ``weight`` and ``cap``; SegmentError when all are taken."""
+        buf = self._check()
+        w, c = _weight_micro(check_gpu_time_weight(weight)), _cap_ppm(check_gpu_time_cap(cap))
+        words = buf[_WORKERS:_LAYOUT_BYTES].cast("Q")
+        try:  # a slot an evicted tenant's stopping worker still names is not given out yet
+            named = {words[w * (_LINE // 8) + 3] - 1 for w in range(MAX_WORKERS) if words[w * (_LINE // 8)]}
+        finally:
+            words.release()
+        for t in range(MAX_TENANTS):
+            off = _t_off(t)
+            if _atomics.load(buf, off + _T_ACTIVE) or t in named:
+                continue
+            now = self._clock()
+            for field, value in ((_T_WEIGHT, w), (_T_CAP, c), (_T_PASS, _atomics.load(buf, _VCLOCK)),
+                                 (_T_USED, 0), (_T_CREDIT, _BIAS + _CAP_BURST_QUANTA * self.quantum_ns), (_T_STAMP, now),
+                                 (_T_THROTTLED, 0)):
+                _atomics.store(buf, off + field, value)
+            _atomics.store(buf, off + _T_ACTIVE, 1)
+            return t
+        raise SegmentError(self.name, f"all {MAX_TENANTS} tenant slots of device {self.device_index} are taken")
+
+    def set_policy(self, tenant: int, *, weight: float | None = None, cap: float | None | Any = ...) -> None:
+        """Change a tenant slot's weight and/or cap live (``cap=None`` removes it; omitted: unchanged)."""
+        buf = self._check()
+        off = _t_off(_tenant_index(tenant))
+        if weight is not None:
+            _atomics.store(buf, off + _T_WEIGHT, _weight_micro(check_gpu_time_weight(weight)))
+        if cap is not ...:
+            _atomics.store(buf, off + _T_CAP, _cap_ppm(check_gpu_time_cap(cap)))
+        _wake(buf)  # a throttled waiter re-reads its cap
+
+    def remove_tenant(self, tenant: int) -> None:
+        """Free a tenant slot (its workers are gone: evicted)."""
+        buf = self._check()
+        _atomics.store(buf, _t_off(_tenant_index(tenant)) + _T_ACTIVE, 0)
+
+    def policy(self, tenant: int) -> tuple[float, float | None]:
+        """(weight, cap) of a tenant slot."""
+        buf = self._check()
+        off = _t_off(_tenant_index(tenant))
+        cap = _atomics.load(buf, off + _T_CAP)
+        return _atomics.load(buf, off + _T_WEIGHT) / _MICRO, (cap / _MICRO if cap else None)
+
+    def used_ns(self, tenant: int) -> int:
+        return _atomics.load(self._check(), _t_off(_tenant_index(tenant)) + _T_USED)
+
+    # ------------------------------------------------------------ the policy
+
+    def _credit(self, buf: memoryview, t_off: int, cap: int, now: int) -> int:
+        """The cap bucket of a tenant at ``now``: refilled at ``cap`` ppm, at most a few quanta."""
+        credit = _atomics.load(buf, t_off + _T_CREDIT) - _BIAS
+        stamp = _atomics.load(buf, t_off + _T_STAMP)
+        burst = _CAP_BURST_QUANTA * _atomics.load(buf, _C_QUANTUM)
+        return min(burst, credit + max(0, now - stamp) * cap // _MICRO)
+
+    def _effective_pass(self, buf: memoryview, t_off: int, vclock: int, quantum: int) -> int:
+        weight = _atomics.load(buf, t_off + _T_WEIGHT) or 1
+        return max(_atomics.load(buf, t_off + _T_PASS), vclock - quantum * _MICRO // weight)
+
+    def pick(self, now: int, *, holder_tenant: int | None = None) -> int | None:
+        """The waiting worker slot whose tenant should run next, or None.
+
+        Candidates: workers waiting for this device whose tenant is not held
+        back by its cap. The tenant with the smallest effective pass
+        wins (ties: the longest waiting); among its workers the longest
+        waiting. With ``holder_tenant`` (the holder at the end of its quantum)
+        that tenant competes too, and None means "the holder keeps it".
+        """
+        buf = self._check()
+        vclock = _atomics.load(buf, _VCLOCK)
+        quantum = _atomics.load(buf, _C_QUANTUM)
+        high = _atomics.load(buf, _HIGH)
+        words = buf[_WORKERS:_WORKERS + high * _LINE].cast("Q")
+        try:
+            step = _LINE // 8
+            waiting = [(words[w * step + 4], w, words[w * step + 3] - 1) for w in range(high)
+                       if words[w * step + 4] and words[w * step + 3]]
+        finally:
+            words.release()
+        if _atomics.load(buf, _C_MODE) != 1:
+            # scheduler off: the driver's time-slicing - round robin by arrival, no weights, no caps
+            active = [w for since, w, t in sorted(waiting) if 0 <= t < MAX_TENANTS]
+            return active[0] if active else None
+        best: tuple[int, int, int] | None = None  # (pass, since, worker)
+        seen: dict[int, int | None] = {}
+        for since, w, t in sorted(waiting):
+            if t in seen:
+                continue
+            t_off = _t_off(t)
+            # a slot left (eviction, a move to another device) still serves the workers that name it
+            # until they exit: they wait for their runs to end, never for ever
+            eligible = 0 <= t < MAX_TENANTS
+            if eligible:
+                cap = _atomics.load(buf, t_off + _T_CAP)
+                eligible = not cap or self._credit(buf, t_off, cap, now) > 0
+            seen[t] = w if eligible else None
+            if eligible:
+                p = self._effective_pass(buf, t_off, vclock, quantum)
+                if best is None or (p, since) < best[:2]:
+                    best = (p, since, w)
+        if best is None:
+            return None
+        if holder_tenant is not None:
+            t_off = _t_off(holder_tenant)
+            if _atomics.load(buf, t_off + _T_PASS) <= best[0]:
+                return None
+        return best[2]
+
+    def _grant(self, buf: memoryview, worker: int, now: int) -> None:
+        """Bookkeeping of a new lease for ``worker`` (by the process that just gave or won it)."""
+        t = _atomics.load(buf, _w_off(worker) + _W_TENANT) - 1
+        if 0 <= t < MAX_TENANTS:
+            t_off = _t_off(t)
+            vclock = _atomics.load(buf, _VCLOCK)
+            p = self._effective_pass(buf, t_off, vclock, _atomics.load(buf, _C_QUANTUM))
+            _atomics.store(buf, t_off + _T_PASS, p)
+            if p > vclock:
+                _atomics.store(buf, _VCLOCK, p)
+        _atomics.store(buf, _GRANT_NS, now)
+        _atomics.fetch_add(buf, _GRANTS, 1)
+
+    def _hand_over(self, buf: memoryview, current: int, now: int) -> None:
+        """Give the device from owner word ``current`` (idle) to the pick, or free it; wake waiters."""
+        nxt = self.pick(now)
+        if nxt is None:
+            if _atomics.compare_exchange(buf, _OWNER, current, 0) and _atomics.load(buf, _WAITING):
+                _wake(buf)
+            return
+        self._grant(buf, nxt, now)
+        if _atomics.compare_exchange(buf, _OWNER, current, (nxt + 1) << 1):
+            _atomics.fetch_add(buf, _HANDOFFS, 1)
+            _wake(buf)
+
+    # ------------------------------------------------------- worker: leases
+
+    def _need_worker(self) -> tuple[memoryview, int]:
+        buf = self._check()
+        if self._worker is None:
+            raise SegmentError(self.name, "this board handle holds no worker slot")
+        return buf, self._worker
+
+    def holds(self) -> bool:
+        """True while this worker holds the device (idle or busy)."""
+        buf, _ = self._need_worker()
+        return _atomics.load(buf, _OWNER) >> 1 == self._mine >> 1
+
+    def want(self, now: int) -> None:
+        """Mark this worker as waiting for the device (idempotent)."""
+        buf, w = self._need_worker()
+        if not self._waiting_since:
+            self._waiting_since = max(1, now)
+            _atomics.store(buf, _w_off(w) + _W_WAITING, self._waiting_since)
+            _atomics.fetch_add(buf, _WAITING, 1)
+
+    def unwant(self) -> None:
+        buf, w = self._need_worker()
+        if self._waiting_since:
+            self._waiting_since = 0
+            _atomics.store(buf, _w_off(w) + _W_WAITING, 0)
+            _atomics.fetch_add(buf, _WAITING, _ADD_MINUS_ONE)
+
+    def try_acquire(self, now: int) -> bool:
+        """One attempt to start a chunk: True when this worker now holds the device, busy
+        (and no longer counts as waiting).
+
+        Non-blocking; :meth:`acquire` loops on it. A worker that is not the
+        policy's pick may still *decide* for the pick (hand a free device to
+        it), which is how a free device reaches a sleeping waiter.
+        """
+        buf, w = self._need_worker()
+        mine = self._mine
+        owner = _atomics.load(buf, _OWNER)
+        if owner == mine or owner == mine | 1:
+            if owner == mine | 1 or _atomics.compare_exchange(buf, _OWNER, mine, mine | 1):
+                self.unwant()
+                return True
+            return False
+        free = owner == 0
+        expired = not free and not owner & 1 and now - _atomics.load(buf, _GRANT_NS) >= _atomics.load(buf, _C_QUANTUM)
+        if not (free or expired):
+            return False
+        self.want(now)
+        holder_tenant = None
+        if not free and now - _atomics.load(buf, _LAST_END) < _IDLE_GRACE_NS and _atomics.load(buf, _C_MODE) == 1:
+            # idle only between two ops: it keeps the device unless a waiter's pass is smaller
+            held = _atomics.load(buf, _w_off((owner >> 1) - 1) + _W_TENANT) - 1
+            holder_tenant = held if 0 <= held < MAX_TENANTS else None
+        nxt = self.pick(now, holder_tenant=holder_tenant)
+        if nxt is None:
+            return False
+        if nxt != w:
+            if free:
+                self._hand_over(buf, 0, now)
+            else:
+                self._grant(buf, nxt, now)  # before the owner word: the pick starts right after it
+                if _atomics.compare_exchange(buf, _OWNER, owner, (nxt + 1) << 1):
+                    _atomics.fetch_add(buf, _STEALS, 1)
+                    _wake(buf)
+            return False
+        if _atomics.compare_exchange(buf, _OWNER, owner, mine | 1):
+            self._grant(buf, w, now)
+            if not free:
+                _atomics.fetch_add(buf, _STEALS, 1)
+            self.unwant()
+            return True
+        return False
+
+    def acquire(self, deadline_ns: int | None = None) -> int:
+        """Block until this worker may run a chunk; the ns it waited (0 on the fast path).
+
+        Raises :class:`TimeoutError` past ``deadline_ns`` (the run's deadline,
+        ``clock`` time), leaving nothing held.
+        """
+        buf, w = self._need_worker()
+        mine = self._mine
+        if _atomics.compare_exchange(buf, _OWNER, mine, mine | 1):
+            return 0
+        clock = self._clock
+        t0 = clock()
+        self.want(t0)
+        spun = 0
+        try:
+            while True:
+                seq = _atomics.load(buf, _SEQ)  # before looking: a wake-up after this cuts the sleep short
+                now = clock()
+                if self.try_acquire(now):
+                    return now - t0
+                if deadline_ns is not None and now >= deadline_ns:
+                    raise TimeoutError(f"no GPU time on device {self.device_index} before the run's deadline")
+                owner = _atomics.load(buf, _OWNER)
+                if spun < _MAX_SPIN and self._next_up(buf, owner, now):
+                    # the device passes to us within a chunk: be on a CPU when it does, not a
+                    # scheduler wake-up later (measured: ~1 ms per handoff on a loaded host)
+                    os.sched_yield()
+                    spun += 1
+                    continue
+                sleep = self._sleep_ns(buf, owner, now)
+                if deadline_ns is not None:
+                    sleep = min(sleep, max(deadline_ns - now, _MIN_SLEEP_NS))
+                _atomics.futex_wait(buf, _SEQ, seq & _MASK32, sleep)
+        finally:
+            self.unwant()
+
+    def _next_up(self, buf: memoryview, owner: int, now: int) -> bool:
+        """True when a busy holder's quantum ends within a chunk and this worker is the pick."""
+        if not owner & 1:
+            return False
+        left = _atomics.load(buf, _GRANT_NS) + _atomics.load(buf, _C_QUANTUM) - now
+        if left > _SPIN_NS or left < -2 * _SPIN_NS:  # not yet; or a chunk overran: its end wakes us
+            return False
+        return self.pick(now) == self._worker
+
+    def _sleep_ns(self, buf: memoryview, owner: int, now: int) -> int:
+        """How long a waiter sleeps before looking again (a wake-up cuts it short)."""
+        quantum = _atomics.load(buf, _C_QUANTUM)
+        sleep = _MAX_SLEEP_NS
+        if owner:
+            # the holder's quantum end (less a chunk: the next one up spins then): steal if idle
+            sleep = _atomics.load(buf, _GRANT_NS) + quantum - now - _SPIN_NS
+            if sleep <= 0:
+                if owner & 1:  # a chunk runs past the quantum: its end hands over (and wakes us)
+                    sleep = quantum
+                elif sleep + _SPIN_NS <= 0:  # over its quantum, between ops: look again once idle long
+                    sleep = _atomics.load(buf, _LAST_END) + _IDLE_GRACE_NS - now
+                else:
+                    sleep += _SPIN_NS
+        if self._tenant is not None:
+            t_off = _t_off(self._tenant)
+            cap = _atomics.load(buf, t_off + _T_CAP)
+            if cap:
+                credit = self._credit(buf, t_off, cap, now)
+                if credit <= 0:
+                    sleep = max(sleep, (1 - credit) * _MICRO // cap)
+        return int(min(_MAX_SLEEP_NS, max(_MIN_SLEEP_NS, sleep)))
+
+    def finish(self, charged_ns: int, now: int | None = None) -> bool:
+        """End a chunk that ran ``charged_ns`` on the device: charge it, maybe hand the device over.
+
+        Returns True when the device was given up (quantum over with a better
+        waiter, or this tenant's cap ran out: ``throttled`` is counted then).
+        """
+        buf, w = self._need_worker()
+        now = self._clock() if now is None else now
+        mine = self._mine
+        t = self._tenant
+        capped_out = False
+        if t is not None and charged_ns > 0:
+            t_off = _t_off(t)
+            weight = _atomics.load(buf, t_off + _T_WEIGHT) or 1
+            passed = _atomics.fetch_add(buf, t_off + _T_PASS, charged_ns * _MICRO // weight)
+            passed += charged_ns * _MICRO // weight
+            if not _atomics.load(buf, _WAITING) and passed > _atomics.load(buf, _VCLOCK):
+                # alone on the device: the virtual clock moves with it, so a tenant back from idle
+                # catches up at most one quantum (idle time is not banked)
+                _atomics.store(buf, _VCLOCK, passed)
+            _atomics.fetch_add(buf, t_off + _T_USED, charged_ns)
+            cap = _atomics.load(buf, t_off + _T_CAP)
+            if cap:
+                credit = self._credit(buf, t_off, cap, now) - charged_ns
+                _atomics.store(buf, t_off + _T_CREDIT, _BIAS + credit)
+                _atomics.store(buf, t_off + _T_STAMP, now)
+                capped_out = credit <= 0 and _atomics.load(buf, _C_MODE) == 1
+        _atomics.store(buf, _LAST_END, now)
+        if not _atomics.compare_exchange(buf, _OWNER, mine | 1, mine):
+            return True  # not ours any more (the supervisor took it: should not happen while alive)
+        if capped_out:
+            assert t is not None
+            _atomics.fetch_add(buf, _t_off(t) + _T_THROTTLED, 1)
+            self._hand_over(buf, mine, now)
+            return True
+        if _atomics.load(buf, _WAITING) and now - _atomics.load(buf, _GRANT_NS) >= _atomics.load(buf, _C_QUANTUM):
+            nxt = self.pick(now, holder_tenant=t)
+            if nxt is None:
+                _atomics.store(buf, _GRANT_NS, now)  # the holder's pass is still the smallest: renew
+                return False
+            self._grant(buf, nxt, now)
+            if _atomics.compare_exchange(buf, _OWNER, mine, (nxt + 1) << 1):
+                _atomics.fetch_add(buf, _HANDOFFS, 1)
+                _wake(buf)
+            return True
+        return False
+
+    def release(self) -> None:
+        """Give the device up at the end of a run (handed to the pick, or freed)."""
+        buf, _ = self._need_worker()
+        self.unwant()
+        mine = self._mine
+        owner = _atomics.load(buf, _OWNER)
+        if owner == mine | 1:  # interrupted mid-chunk (an exception): not busy any more
+            _atomics.compare_exchange(buf, _OWNER, owner, mine)
+            owner = mine
+        if owner == mine:
+            self._hand_over(buf, mine, self._clock())
+
+    def throttled_wait_ns(self, now: int | None = None) -> int:
+        """How long this worker's tenant must still wait for its cap (0: not throttled)."""
+        buf, _ = self._need_worker()
+        if self._tenant is None:
+            return 0
+        t_off = _t_off(self._tenant)
+        cap = _atomics.load(buf, t_off + _T_CAP)
+        if not cap:
+            return 0
+        credit = self._credit(buf, t_off, cap, self._clock() if now is None else now)
+        return 0 if credit > 0 else (1 - credit) * _MICRO // cap
+
+    # ------------------------------------------------------ supervisor: death
+
+    def reclaim_dead(self) -> list[tuple[int, int, bool]]:
+        """Free the slot of every dead worker; ``[(worker slot, pid, held the device)]``.
+
+        A dead holder's lease goes to the next pick at once (or the device is
+        freed). Called by the supervisor when it sees a worker die.
+        """
+        buf = self._check()
+        found = []
+        for w in range(_atomics.load(buf, _HIGH)):
+            off = _w_off(w)
+            if not _atomics.load(buf, off + _W_CLAIMED):
+                continue
+            pid = _atomics.load(buf, off + _W_PID)
+            if pid == 0 or _owner_alive(pid, _atomics.load(buf, off + _W_START)):
+                continue
+            _atomics.store(buf, off + _W_TENANT, 0)
+            if _atomics.exchange(buf, off + _W_WAITING, 0):
+                _atomics.fetch_add(buf, _WAITING, _ADD_MINUS_ONE)
+            owner = _atomics.load(buf, _OWNER)
+            held = owner != 0 and (owner >> 1) - 1 == w
+            if held:
+                self._hand_over(buf, owner, self._clock())
+            _atomics.store(buf, off + _W_PID, 0)
+            _atomics.store(buf, off + _W_START, 0)
+            _atomics.store(buf, off + _W_CLAIMED, 0)
+            found.append((w, pid, held))
+        return found
+
+    # ----------------------------------------------------------------- reads
+
+    def snapshot(self) -> GpuTimeSnapshot:
+        buf = self._check()
+        load = _atomics.load
+        owner = load(buf, _OWNER)
+        tenants = {}
+        for t in range(MAX_TENANTS):
+            off = _t_off(t)
+            if not load(buf, off + _T_ACTIVE):
+                continue
+            cap = load(buf, off + _T_CAP)
+            tenants[t] = {
+                "weight": load(buf, off + _T_WEIGHT) / _MICRO,
+                "cap": cap / _MICRO if cap else None,
+                "used_ns": load(buf, off + _T_USED),
+                "pass": load(buf, off + _T_PASS),
+                "throttled": load(buf, off + _T_THROTTLED),
+            }
+        return GpuTimeSnapshot(
+            name=self.name,
+            device_index=self.device_index,
+            scheduler=load(buf, _C_MODE) == 1,
+            quantum_s=load(buf, _C_QUANTUM) / 1e9,
+            holder=(owner >> 1) - 1 if owner else None,
+            holder_pid=load(buf, _w_off((owner >> 1) - 1) + _W_PID) if owner else 0,
+            busy=bool(owner & 1),
+            waiting=load(buf, _WAITING),
+            grants=load(buf, _GRANTS),
+            steals=load(buf, _STEALS),
+            handoffs=load(buf, _HANDOFFS),
+            tenants=tenants,
+        )
+
+
+def _wake(buf: memoryview) -> None:
+    """Wake every waiter of the board: after the owner word changed hands (or a policy changed).
+
+    Waiters sleep on the wake sequence, not on the owner word itself: the owner
+    word can return to the value a waiter saw (free, taken again by the same
+    worker for its next chunk), and a futex on it would then sleep through the
+    change (ABA). The sequence only grows.
+    """
+    _atomics.fetch_add(buf, _SEQ, 1)
+    _atomics.futex_wake(buf, _SEQ)
+
+
+def _quantum_ns(quantum_s: Any) -> int:
+    if isinstance(quantum_s, bool) or not isinstance(quantum_s, (int, float)) or not math.isfinite(quantum_s):
+        raise ValueError(f"quantum must be a number of seconds, got {quantum_s!r}")
+    if not 0.0001 <= quantum_s <= 1.0:
+        raise ValueError(f"quantum must be in 0.0001..1 s, got {quantum_s!r}")
+    return round(quantum_s * 1e9)
+
+
+def _tenant_index(tenant: Any) -> int:
+    if isinstance(tenant, bool) or not isinstance(tenant, int) or not 0 <= tenant < MAX_TENANTS:
+        raise ValueError(f"tenant slot must be an int in 0..{MAX_TENANTS - 1}, got {tenant!r}")
+    return tenant
+
+
+def _claim_worker(name: str, buf: memoryview, tenant: int) -> int:
+    pid = os.getpid()
+    start = _process_start_ms(pid)
+    for w in range(MAX_WORKERS):
+        off = _w_off(w)
+        if _atomics.load(buf, off + _W_CLAIMED):
+            continue
+        if _atomics.exchange(buf, off + _W_CLAIMED, 1) == 0:  # test-and-set: slot w is ours
+            _atomics.store(buf, off + _W_WAITING, 0)
+            _atomics.store(buf, off + _W_START, start)
+            _atomics.store(buf, off + _W_PID, pid)
+            _atomics.store(buf, off + _W_TENANT, tenant + 1)
+            while True:  # the scan bound: workers_high = max claimed + 1
+                high = _atomics.load(buf, _HIGH)
+                if high > w or _atomics.compare_exchange(buf, _HIGH, high, w + 1):
+                    break
+            return w
+    raise SegmentError(name, f"all {MAX_WORKERS} worker slots are held by live workers")

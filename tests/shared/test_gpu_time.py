@@ -1,0 +1,436 @@
+"""The GPU-time lease board's policy on a fake clock: no processes, no sleeping.
+
+A small discrete simulation drives worker handles attached in this process:
+each step, the first worker (in rotating order) whose ``try_acquire`` wins
+runs a chunk of a drawn length, the clock advances by it, and ``finish``
+charges it. Shares, caps, idle skipping, live changes and death are checked
+against the policy's promises (docs/GPU-QUOTAS.md).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shared.errors import InvalidArgument
+from shared.gpu_time import GpuTimeBoard, check_gpu_time_cap, check_gpu_time_weight
+from shared.spec import TenantSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+MS = 1_000_000
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def board(clock: FakeClock) -> Iterator[GpuTimeBoard]:
+    b = GpuTimeBoard.create(0, quantum_s=0.005, clock=clock)
+    try:
+        yield b
+    finally:
+        b.unlink()
+        b.close()
+
+
+class Sim:
+    """Workers on one board; ``busy`` ones always want the device."""
+
+    def __init__(self, board: GpuTimeBoard, clock: FakeClock, seed: int = 1) -> None:
+        self.board = board
+        self.clock = clock
+        self.rng = random.Random(seed)
+        self.workers: list[GpuTimeBoard] = []
+        self.busy: list[bool] = []
+        self.used: list[int] = []
+        self.turn = 0
+
+    def worker(self, tenant: int, busy: bool = True) -> int:
+        w = GpuTimeBoard.attach(self.board.name, tenant_slot=tenant, clock=self.clock)
+        self.workers.append(w)
+        self.busy.append(busy)
+        self.used.append(0)
+        if busy:
+            w.want(self.clock.t)
+        return len(self.workers) - 1
+
+    def set_busy(self, i: int, busy: bool) -> None:
+        self.busy[i] = busy
+        w = self.workers[i]
+        if busy:
+            w.want(self.clock.t)
+        else:
+            w.release()  # its run ended
+
+    def step(self, chunk: tuple[int, int] = (MS // 2, 5 * MS // 2), gap: int = 20_000) -> int | None:
+        """One chunk by whoever gets the device (None: nobody could, the clock moved 100 us)."""
+        n = len(self.workers)
+        for k in range(n):
+            i = (self.turn + k) % n
+            if self.busy[i] and self.workers[i].try_acquire(self.clock.t):
+                self.turn = i + 1
+                w = self.workers[i]
+                w.unwant()
+                d = self.rng.randint(*chunk)
+                self.clock.t += d
+                self.used[i] += d
+                w.finish(d)
+                self.clock.t += self.rng.randint(0, gap)
+                for j, other in enumerate(self.workers):
+                    if self.busy[j] and not other.holds():
+                        other.want(self.clock.t)
+                return i
+        self.clock.t += 100_000
+        return None
+
+    def run_for(self, ns: int, **kw: int | tuple[int, int]) -> list[int]:
+        """Chunks until ``ns`` of fake time passed; the device ns each worker got meanwhile."""
+        before = list(self.used)
+        end = self.clock.t + ns
+        while self.clock.t < end:
+            self.step(**kw)  # type: ignore[arg-type]
+        return [u - b for u, b in zip(self.used, before)]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+
+@pytest.fixture
+def sim(board: GpuTimeBoard, clock: FakeClock) -> Iterator[Sim]:
+    s = Sim(board, clock)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def shares(used: list[int]) -> list[float]:
+    total = sum(used)
+    return [u / total for u in used]
+
+
+# ------------------------------------------------------------------ policy
+
+
+def test_weights_split_device_time_exactly(board: GpuTimeBoard, sim: Sim) -> None:
+    a, b = board.add_tenant(7.0), board.add_tenant(3.0)
+    sim.worker(a)
+    sim.worker(b)
+    got = shares(sim.run_for(20_000 * MS))
+    assert got[0] == pytest.approx(0.7, abs=0.01)
+    snap = board.snapshot()
+    assert snap.tenants[a]["used_ns"] + snap.tenants[b]["used_ns"] == sum(sim.used)
+    assert snap.handoffs > 100  # it alternates by quanta, not once
+
+
+def test_every_one_second_window_is_within_two_points(board: GpuTimeBoard, sim: Sim) -> None:
+    a, b = board.add_tenant(7.0), board.add_tenant(3.0)
+    sim.worker(a)
+    sim.worker(b)
+    for _ in range(10):
+        assert shares(sim.run_for(1000 * MS))[0] == pytest.approx(0.7, abs=0.02)
+
+
+def test_instances_of_one_tenant_share_its_weight(board: GpuTimeBoard, sim: Sim) -> None:
+    a, b = board.add_tenant(1.0), board.add_tenant(1.0)
+    sim.worker(a)
+    sim.worker(a)
+    sim.worker(b)
+    got = sim.run_for(10_000 * MS)
+    assert (got[0] + got[1]) / sum(got) == pytest.approx(0.5, abs=0.02)
+
+
+def test_eight_equal_tenants_are_fair(board: GpuTimeBoard, sim: Sim) -> None:
+    for _ in range(8):
+        sim.worker(board.add_tenant(1.0))
+    got = sim.run_for(20_000 * MS)
+    jain = sum(got) ** 2 / (len(got) * sum(u * u for u in got))
+    assert jain >= 0.99
+
+
+def test_alone_the_device_is_kept_without_handoffs(board: GpuTimeBoard, sim: Sim, clock: FakeClock) -> None:
+    sim.worker(board.add_tenant(5.0))
+    got = sim.run_for(1000 * MS, gap=0)
+    assert got[0] >= 0.99 * 1000 * MS
+    snap = board.snapshot()
+    assert snap.grants == 1 and snap.handoffs == 0 and snap.steals == 0
+
+
+def test_idle_time_is_not_banked(board: GpuTimeBoard, sim: Sim) -> None:
+    """A tenant back from a long idle spell catches up at most about one quantum."""
+    a, b = board.add_tenant(1.0), board.add_tenant(1.0)
+    sim.worker(a)
+    sim.worker(b)
+    sim.run_for(1000 * MS)
+    sim.set_busy(1, False)
+    sim.run_for(5000 * MS)  # a alone: 5 s of device time it does not owe anyone
+    sim.set_busy(1, True)
+    got = sim.run_for(1000 * MS)
+    assert shares(got)[1] < 0.6  # not the 5 s it was idle: equal shares again, give or take a quantum
+
+
+def test_the_idle_tenants_time_goes_to_the_busy_one(board: GpuTimeBoard, sim: Sim, clock: FakeClock) -> None:
+    a, b = board.add_tenant(7.0), board.add_tenant(3.0)
+    sim.worker(a)
+    sim.worker(b)
+    sim.run_for(1000 * MS)
+    sim.set_busy(0, False)  # the heavy one goes idle: the light one gets all of it at once
+    got = sim.run_for(1000 * MS, gap=0)
+    assert got[1] >= 0.99 * 1000 * MS - 3 * MS
+
+
+def test_a_waiter_gets_the_device_within_a_quantum_and_a_chunk(board: GpuTimeBoard, sim: Sim,
+                                                              clock: FakeClock) -> None:
+    hog, light = board.add_tenant(1.0), board.add_tenant(1.0)
+    sim.worker(hog)
+    w = GpuTimeBoard.attach(board.name, tenant_slot=light, clock=clock)
+    try:
+        waits = []
+        for _ in range(50):
+            sim.run_for(7 * MS)
+            asked = clock.t
+            w.want(asked)
+            while not w.try_acquire(clock.t):
+                assert sim.step(chunk=(2 * MS, 2 * MS), gap=0) is not None
+            waits.append(clock.t - asked)
+            w.unwant()
+            clock.t += MS // 10
+            w.finish(MS // 10)
+            w.release()
+        assert max(waits) <= 5 * MS + 2 * MS  # one quantum and one chunk
+    finally:
+        w.close()
+
+
+def test_cap_alone_gets_its_fraction(board: GpuTimeBoard, sim: Sim, clock: FakeClock) -> None:
+    t = board.add_tenant(1.0, cap=0.25)
+    sim.worker(t)
+    start = clock.t
+    got = sim.run_for(10_000 * MS, chunk=(MS, 2 * MS))
+    assert got[0] / (clock.t - start) == pytest.approx(0.25, abs=0.01)
+    assert board.snapshot().tenants[t]["throttled"] > 100
+
+
+def test_cap_and_weight_together(board: GpuTimeBoard, sim: Sim, clock: FakeClock) -> None:
+    a, b = board.add_tenant(3.0, cap=0.2), board.add_tenant(1.0)
+    sim.worker(a)
+    sim.worker(b)
+    start = clock.t
+    got = sim.run_for(10_000 * MS)
+    elapsed = clock.t - start
+    assert got[0] / elapsed == pytest.approx(0.2, abs=0.01)  # its weight would give it 75 %
+    assert got[1] / elapsed >= 0.78  # the rest goes to b: work-conserving around the cap
+
+
+def test_weight_changed_live(board: GpuTimeBoard, sim: Sim) -> None:
+    a, b = board.add_tenant(1.0), board.add_tenant(1.0)
+    sim.worker(a)
+    sim.worker(b)
+    assert shares(sim.run_for(3000 * MS))[0] == pytest.approx(0.5, abs=0.02)
+    board.set_policy(a, weight=4.0)
+    assert shares(sim.run_for(5000 * MS))[0] == pytest.approx(0.8, abs=0.02)
+    board.set_policy(b, cap=0.1)
+    assert board.policy(b) == (1.0, 0.1)
+    board.set_policy(b, cap=None)
+    assert board.policy(b) == (1.0, None)
+
+
+def test_scheduler_off_is_round_robin_time_slicing(clock: FakeClock) -> None:
+    """Off: the same serial device and quanta, but weights and caps are ignored (the driver's own
+    time-slicing of contexts, the benchmark's baseline); time is still accounted."""
+    board = GpuTimeBoard.create(0, scheduler=False, clock=clock)
+    sim = Sim(board, clock)
+    try:
+        a, b = board.add_tenant(9.0), board.add_tenant(1.0, cap=0.1)
+        sim.worker(a)
+        sim.worker(b)
+        got = shares(sim.run_for(5000 * MS))
+        assert got[0] == pytest.approx(0.5, abs=0.03)
+        assert board.snapshot().tenants[a]["used_ns"] == sim.used[0]
+        assert not board.snapshot().scheduler
+    finally:
+        sim.close()
+        board.unlink()
+        board.close()
+
+
+def test_a_dead_holders_lease_passes_on(board: GpuTimeBoard, clock: FakeClock) -> None:
+    a, b = board.add_tenant(1.0), board.add_tenant(1.0)
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    try:
+        assert wa.try_acquire(clock.t)  # a holds the device, busy (as if killed mid-op)
+        wb.want(clock.t)
+        assert not wb.try_acquire(clock.t + 100 * MS)  # busy: no steal, however long
+        # a's process "dies": its slot now names a pid that has exited
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        from shared import _atomics
+        from shared.gpu_time import _W_PID, _w_off
+
+        assert wa.worker_slot is not None
+        _atomics.store(board._buf, _w_off(wa.worker_slot) + _W_PID, dead.pid)
+        found = board.reclaim_dead()
+        assert [(w, held) for w, _, held in found] == [(wa.worker_slot, True)]
+        assert wb.holds()  # handed straight to the waiter
+        assert wb.try_acquire(clock.t)
+        assert board.reclaim_dead() == []
+    finally:
+        wb.close()
+        wa._worker = None  # its slot was freed by the reclaim
+        wa.close()
+
+
+def test_close_gives_the_device_back(board: GpuTimeBoard, clock: FakeClock) -> None:
+    t = board.add_tenant()
+    w = GpuTimeBoard.attach(board.name, tenant_slot=t, clock=clock)
+    assert w.acquire() == 0
+    w.finish(MS)
+    assert w.holds()
+    w.close()
+    assert board.snapshot().holder is None
+
+
+class TickingClock(FakeClock):
+    """Advances 0.5 ms per reading: a blocking acquire sees time pass."""
+
+    def __call__(self) -> int:
+        self.t += MS // 2
+        return self.t
+
+
+def test_acquire_gives_up_at_the_deadline(board: GpuTimeBoard) -> None:
+    clock = TickingClock()
+    a, b = board.add_tenant(), board.add_tenant()
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    try:
+        assert wa.try_acquire(clock.t)  # busy and never finishing (a hung op)
+        with pytest.raises(TimeoutError):
+            wb.acquire(deadline_ns=clock.t + MS)
+        assert board.snapshot().waiting == 0  # nothing left behind
+    finally:
+        wa.close()
+        wb.close()
+
+
+# -------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("bad", [0, -1, 0.0, math.nan, math.inf, 2e6, True, "1", None, [1]])
+def test_bad_weights_are_refused_naming_the_key(bad: object) -> None:
+    with pytest.raises(InvalidArgument, match="gpu_time_weight"):
+        check_gpu_time_weight(bad)
+    with pytest.raises(InvalidArgument, match="gpu_time_weight"):
+        TenantSpec("acme", gpu_time_weight=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, 1.01, 2, math.nan, math.inf, False, "0.5", [0.5]])
+def test_bad_caps_are_refused_naming_the_key(bad: object) -> None:
+    with pytest.raises(InvalidArgument, match="gpu_time_cap"):
+        check_gpu_time_cap(bad)
+    with pytest.raises(InvalidArgument, match="gpu_time_cap"):
+        TenantSpec.from_dict({"tenant_id": "acme", "gpu_time_cap": bad})
+
+
+def test_good_policies_and_defaults() -> None:
+    spec = TenantSpec("acme")
+    assert spec.gpu_time_weight == 1.0 and spec.gpu_time_cap is None
+    spec = spec.with_gpu_time(weight=7, cap=1)
+    assert spec.gpu_time_weight == 7.0 and spec.gpu_time_cap == 1.0
+    assert spec.with_gpu_time(cap=None).gpu_time_cap is None
+    assert TenantSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_tenants_toml_takes_the_policy_and_names_a_bad_key(tmp_path: Any) -> None:
+    from shared.config import ConfigError, read_config_file
+
+    good = tmp_path / "good.toml"
+    good.write_text('[supervisor]\ngpu_time_quantum_s = 0.005\n\n'
+                    '[[tenant]]\nname = "acme"\ngpu_time_weight = 7\ngpu_time_cap = 0.5\n')
+    fields = read_config_file(good)
+    (spec,) = fields["tenants"]
+    assert (spec.gpu_time_weight, spec.gpu_time_cap) == (7.0, 0.5)
+    assert fields["gpu_time_quantum_s"] == 0.005
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[tenant]]\nname = "acme"\ngpu_time_weight = 0\n\n[[tenant]]\nname = "beta"\ngpu_time_cap = true\n')
+    with pytest.raises(ConfigError) as info:
+        read_config_file(bad)
+    assert "gpu_time_weight" in str(info.value) and "gpu_time_cap" in str(info.value)
+
+
+
+def test_a_slot_is_not_reused_while_a_stopping_worker_names_it(board: GpuTimeBoard, clock: FakeClock) -> None:
+    old = board.add_tenant()
+    w = GpuTimeBoard.attach(board.name, tenant_slot=old, clock=clock)
+    try:
+        board.remove_tenant(old)  # evicted; its worker has not exited yet
+        fresh = board.add_tenant()
+        assert fresh != old
+    finally:
+        w.close()
+    assert board.add_tenant() == old  # free again once the worker is gone
+
+
+def test_the_atomics_behind_the_board() -> None:
+    import threading
+    import time
+
+    from shared import _atomics
+
+    buf = memoryview(bytearray(64))
+    assert _atomics.compare_exchange(buf, 8, 0, 5) and not _atomics.compare_exchange(buf, 8, 0, 7)
+    assert _atomics.load(buf, 8) == 5
+    t0 = time.monotonic()
+    _atomics.futex_wait(buf, 8, 4, 10**9)  # the value differs: returns at once
+    assert time.monotonic() - t0 < 0.5
+    woke = threading.Event()
+
+    def sleeper() -> None:
+        _atomics.futex_wait(buf, 16, 0, 30 * 10**9)  # until woken (or 30 s)
+        woke.set()
+
+    th = threading.Thread(target=sleeper)
+    th.start()
+    while not woke.is_set():  # the sleeper may not be waiting yet: wake until it is woken
+        _atomics.futex_wake(buf, 16)
+        woke.wait(0.05)
+    th.join(10)
+    with pytest.raises(ValueError):
+        _atomics.compare_exchange(buf, 60, 0, 1)  # past the buffer's end
+
+
+def test_workers_of_a_slot_that_was_left_are_still_served(board: GpuTimeBoard, clock: FakeClock) -> None:
+    """A tenant moved to another device (reload) or evicted: its old workers finish their runs."""
+    a, b = board.add_tenant(), board.add_tenant()
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    try:
+        assert wb.try_acquire(clock.t)
+        board.remove_tenant(a)
+        wa.want(clock.t)
+        clock.t += 20 * MS
+        wb.finish(20 * MS)
+        wb.release()
+        assert wa.holds()
+    finally:
+        wa.close()
+        wb.close()

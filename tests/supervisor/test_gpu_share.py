@@ -1,0 +1,248 @@
+"""GPU-time shares end to end: a real supervisor, stub devices, workers running GEMM-loop guests.
+
+Correctness, not speed: every wait is for an event (a tenant's accounted
+device time reaching an amount, a run's reply), and the tolerances on shares
+are wide enough for a loaded 2-core machine (the exact figures are the
+benchmark's, ``twt bench share``, and the fake-clock tests').
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shared.capability import TenantCapability
+from shared.errors import InvalidArgument, WorkerLost
+from shared.spec import TenantSpec
+from supervisor.demo import guest_path
+from supervisor.launch import SupervisorHandle
+from tests.helpers.cluster import supervisor, tenant, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+GUEST = guest_path("share").read_bytes()
+
+
+class Load:
+    """Client threads running ``gemm_loop`` runs for some tenants until stopped."""
+
+    def __init__(self, sup: SupervisorHandle, caps: dict[str, TenantCapability], threads: int = 2,
+                 n: int = 256, reps: int = 16) -> None:
+        self.sup = sup
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._loop, args=(cap, n, reps), daemon=True)
+                        for cap in caps.values() for _ in range(threads)]
+
+    def _loop(self, cap: TenantCapability, n: int, reps: int) -> None:
+        client = self.sup.connect(timeout_s=120.0)
+        try:
+            digest = client.put_module(cap, GUEST)
+            while not self.stop.is_set():
+                client.run_wasm(cap, digest, "gemm_loop", [n, reps])
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.errors.append(exc)
+        finally:
+            client.close()
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+        assert not self.errors, self.errors
+
+
+def gpu(sup: SupervisorHandle, tid: str) -> dict[str, Any]:
+    return tenant(sup.client.status(), tid)["gpu_time"]
+
+
+def accounted(sup: SupervisorHandle, *tids: str) -> list[float]:
+    status = sup.client.status()
+    return [tenant(status, t)["gpu_time"]["gpu_time_s"] for t in tids]
+
+
+def delta_until(sup: SupervisorHandle, tids: tuple[str, ...], device_s: float, timeout_s: float = 200.0
+                ) -> list[float]:
+    """Each tenant's accounted device seconds from now until they total ``device_s`` more."""
+    start = accounted(sup, *tids)
+
+    def grown() -> list[float] | None:
+        now = accounted(sup, *tids)
+        d = [b - a for a, b in zip(start, now)]
+        return d if sum(d) >= device_s else None
+
+    return wait_for(grown, timeout_s=timeout_s, interval_s=0.2, what=f"{device_s} s of device time")
+
+
+def register(sup: SupervisorHandle, tid: str, **spec: Any) -> TenantCapability:
+    return sup.client.register(sup.admin_capability, TenantSpec.from_dict(
+        {"tenant_id": tid, "wasm_timeout_s": 120.0, "request_timeout_s": 120.0, **spec}))
+
+
+@pytest.fixture(scope="module")
+def sup() -> Iterator[SupervisorHandle]:
+    with supervisor(devices=[0, 1]) as handle:
+        yield handle
+
+
+def test_weights_cap_and_live_changes(sup: SupervisorHandle) -> None:
+    caps = {"w7": register(sup, "w7", gpu_time_weight=7, instances=2, cuda_device_index=0),
+            "w3": register(sup, "w3", gpu_time_weight=3, instances=2, cuda_device_index=0)}
+    rec = gpu(sup, "w7")
+    assert (rec["weight"], rec["cap"]) == (7.0, None)
+    try:
+        with Load(sup, caps):
+            d = delta_until(sup, ("w7", "w3"), 3.0)
+            assert d[0] / sum(d) == pytest.approx(0.7, abs=0.1)
+            # the weight, live: from now on 1:3 (w3 keeps its 3)
+            rec = sup.client.set_quota(None, "w7", gpu_time_weight=1)
+            assert rec["gpu_time"]["weight"] == 1.0 and rec["spec"]["gpu_time_weight"] == 1.0
+            d = delta_until(sup, ("w7", "w3"), 3.0)
+            assert d[0] / sum(d) == pytest.approx(0.25, abs=0.1)
+            # a cap with the weight: w7 gets at most a fifth of the device's time, w3 the rest
+            sup.client.set_quota(None, "w7", gpu_time_weight=3, gpu_time_cap=0.2)
+            t0 = time.monotonic()
+            d = delta_until(sup, ("w7", "w3"), 3.0)
+            elapsed = time.monotonic() - t0
+            assert d[0] / elapsed <= 0.2 + 0.05
+            assert d[0] / sum(d) < 0.35
+            assert gpu(sup, "w7")["throttled"] > 0
+    finally:
+        for tid in caps:
+            sup.client.evict(None, tid)
+
+
+def test_a_killed_lease_holder_loses_the_device_at_once(sup: SupervisorHandle) -> None:
+    hog = register(sup, "hog", cuda_device_index=0)
+    nxt = register(sup, "next", cuda_device_index=0)
+    client = sup.connect(timeout_s=120.0)
+    outcome: dict[str, Any] = {}
+    try:
+        digest = client.put_module(hog, GUEST)
+
+        def run_hog() -> None:
+            c = sup.connect(timeout_s=120.0)
+            try:
+                c.run_wasm(hog, digest, "gemm_loop", [128, 10**9])
+            except WorkerLost as exc:
+                outcome["hog"] = exc
+            finally:
+                c.close()
+
+        hog_thread = threading.Thread(target=run_hog, daemon=True)
+        hog_thread.start()
+        pid = tenant(sup.client.status(), "hog")["pids"][0]
+        while True:  # freeze the hog while it holds the device
+            wait_for(lambda: sup.client.status()["devices"][0]["gpu_time"]["holder_pid"] == pid, timeout_s=60,
+                     what="the hog holding device 0")
+            os.kill(pid, signal.SIGSTOP)
+            if sup.client.status()["devices"][0]["gpu_time"]["holder_pid"] == pid:
+                break
+            os.kill(pid, signal.SIGCONT)
+
+        def run_next() -> None:
+            c = sup.connect(timeout_s=120.0)
+            try:
+                outcome["next"] = c.run_wasm(nxt, c.put_module(nxt, GUEST), "small_op", [16])
+            finally:
+                c.close()
+
+        next_thread = threading.Thread(target=run_next, daemon=True)
+        next_thread.start()
+        os.kill(pid, signal.SIGKILL)
+        next_thread.join(120)
+        hog_thread.join(120)
+        assert outcome["next"]["results"] == [0]  # it got the device: the dead holder's lease passed on
+        assert isinstance(outcome.get("hog"), WorkerLost)
+        board = sup.client.status()["devices"][0]["gpu_time"]
+        assert board["holder_pid"] != pid
+    finally:
+        client.close()
+        for tid in ("hog", "next"):
+            sup.client.evict(None, tid)
+
+
+def test_a_tenant_on_another_device_is_unaffected(sup: SupervisorHandle) -> None:
+    caps = {"d0a": register(sup, "d0a", cuda_device_index=0), "d0b": register(sup, "d0b", cuda_device_index=0)}
+    other = register(sup, "d1", cuda_device_index=1)
+    try:
+        before = sup.client.status()["devices"][1]["gpu_time"]
+        with Load(sup, caps), Load(sup, {"d1": other}, threads=1):
+            delta_until(sup, ("d0a", "d0b", "d1"), 3.0)
+            wait_for(lambda: accounted(sup, "d1")[0] > 0.2, timeout_s=120, what="d1 running")
+        status = sup.client.status()
+        dev1, dev0 = status["devices"][1], status["devices"][0]
+        assert dev1["tenants"] == ["d1"] and "d1" not in dev0["tenants"]
+        # nobody else ever took device 1 from d1: no handoffs, no steals there
+        assert dev1["gpu_time"]["handoffs"] == before["handoffs"] == 0
+        assert dev1["gpu_time"]["steals"] == 0
+        assert dev0["gpu_time"]["handoffs"] > 0
+    finally:
+        for tid in ("d0a", "d0b", "d1"):
+            sup.client.evict(None, tid)
+
+
+def test_many_tenants_all_get_their_turn(sup: SupervisorHandle) -> None:
+    caps = {f"m{i}": register(sup, f"m{i}", cuda_device_index=0) for i in range(6)}
+    try:
+        with Load(sup, caps, threads=1):
+            d = delta_until(sup, tuple(caps), 4.0)
+        assert all(x > 0 for x in d)
+        jain = sum(d) ** 2 / (len(d) * sum(x * x for x in d))
+        assert jain >= 0.8
+    finally:
+        for tid in caps:
+            sup.client.evict(None, tid)
+
+
+def test_bad_policies_are_refused_naming_the_key(sup: SupervisorHandle) -> None:
+    for bad in ({"gpu_time_weight": 0}, {"gpu_time_weight": -2.5}, {"gpu_time_cap": 1.5},
+                {"gpu_time_cap": 0}, {"gpu_time_weight": "heavy"}):
+        key = next(iter(bad))
+        with pytest.raises(InvalidArgument, match=key):
+            sup.client.call("register", sup.admin_capability, {"spec": {"tenant_id": "bad", **bad}})
+    register(sup, "ok")
+    try:
+        for bad in ({"gpu_time_weight": True}, {"gpu_time_weight": float("nan")}, {"gpu_time_cap": 2},
+                    {"gpu_time_cap": "half"}):
+            key = next(iter(bad))
+            with pytest.raises(InvalidArgument, match=key):
+                sup.client.set_quota(None, "ok", **bad)  # type: ignore[arg-type]
+        assert gpu(sup, "ok")["weight"] == 1.0  # nothing half-applied
+    finally:
+        sup.client.evict(None, "ok")
+
+
+def test_cli_register_set_quota_and_status(sup: SupervisorHandle) -> None:
+    from tests.helpers.cli import twt
+
+    r = twt("register", "cli", "--gpu-time-weight", "2.5", "--gpu-time-cap", "25%", "--run-dir", sup.run_dir,
+            "--cap-out", os.path.join(sup.run_dir, "cli.cap"))
+    assert r.returncode == 0, r.stderr
+    try:
+        rec = gpu(sup, "cli")
+        assert (rec["weight"], rec["cap"]) == (2.5, 0.25)
+        r = twt("set-quota", "cli", "--gpu-time-weight", "4", "--gpu-time-cap", "none", "--run-dir", sup.run_dir)
+        assert r.returncode == 0, r.stderr
+        assert "GPU time weight 4, cap none" in r.stdout
+        assert (gpu(sup, "cli")["weight"], gpu(sup, "cli")["cap"]) == (4.0, None)
+        r = twt("status", "--run-dir", sup.run_dir)
+        assert r.returncode == 0, r.stderr
+        assert "GPU WEIGHT/CAP" in r.stdout and "SHARE" in r.stdout
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("cli "))
+        assert line.split()[-3:-1] == ["4/none", "0.00s"]
+        r = twt("set-quota", "cli", "--gpu-time-cap", "1.5", "--run-dir", sup.run_dir)
+        assert r.returncode == 2 and "fraction" in r.stderr
+    finally:
+        sup.client.evict(None, "cli")

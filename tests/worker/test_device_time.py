@@ -1,0 +1,194 @@
+"""The worker's device gate: ops in ~2 ms chunks with unchanged results, timed and charged.
+
+Chunking is forced with a tiny chunk target so that every splittable op runs
+in many pieces; results are compared with the same op run whole (bit for
+bit for elementwise ops and softmax, within float32 rounding for GEMM). The
+cuda path runs against the fake driver: views are pointer offsets, the time
+comes from CUDA events on the tenant stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shared.gpu_time import GpuTimeBoard
+from shared.quota import QuotaBlock
+from tests.helpers.fake_cublas import FakeCublas
+from tests.helpers.fake_cuda import FakeDriver
+from worker.backends.base import Backend, DeviceBuffer
+from worker.backends.cuda import CudaBackend
+from worker.backends.stub import StubBackend
+from worker.chunks import plan
+from worker.device_time import DeviceGate
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def block() -> Iterator[QuotaBlock]:
+    with QuotaBlock.create("gate") as owner:
+        attached = QuotaBlock.attach(owner.name, instance=0)
+        try:
+            yield attached
+        finally:
+            attached.close()
+
+
+@pytest.fixture(params=["stub", "cuda"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    be: Backend
+    if request.param == "stub":
+        be = StubBackend()
+    else:
+        fake = FakeDriver(memory_bytes=1 << 30)
+        be = CudaBackend(driver=fake, nvrtc=fake, cublas=FakeCublas(fake))
+    try:
+        yield be
+    finally:
+        be.close()
+
+
+def put(be: Backend, values: Any) -> DeviceBuffer:
+    arr = np.ascontiguousarray(values, dtype=np.float32).ravel()
+    buf = be.alloc(max(4, arr.nbytes))
+    be.write(buf, 0, memoryview(arr.tobytes()))
+    return buf
+
+
+def get(be: Backend, buf: DeviceBuffer, n: int) -> Any:
+    return np.frombuffer(be.read(buf, 0, 4 * n), dtype=np.float32).copy()
+
+
+def whole_and_chunked(be: Backend, block: QuotaBlock, name: str, make: Callable[[], tuple[Any, ...]],
+                      result: Callable[[tuple[Any, ...]], Any]) -> tuple[Any, Any, DeviceGate]:
+    """Run op ``name`` once whole (straight on the backend) and once through a gate in tiny chunks."""
+    args = make()
+    getattr(be, name)(*args)
+    whole = result(args)
+    args = make()
+    gate = DeviceGate(block, be, chunk_s=1e-9)  # 1 ns: a row or a few elements a chunk
+    chunks_before = gate.chunks
+    gate.op(name, getattr(be, name), args)
+    assert gate.chunks - chunks_before > 3, "the op was not split"
+    return whole, result(args), gate
+
+
+def test_gemm_by_row_blocks_matches_within_rounding(backend: Backend, block: QuotaBlock) -> None:
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((37, 19)), rng.standard_normal((19, 23))
+    m, k, n = 37, 19, 23
+    whole, chunked, gate = whole_and_chunked(
+        backend, block, "matmul_f32",
+        lambda: (put(backend, a), put(backend, b), put(backend, np.zeros(m * n)), m, k, n),
+        lambda args: get(backend, args[2], m * n))
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(chunked.reshape(m, n), (a.astype(np.float32) @ b.astype(np.float32)), rtol=1e-4,
+                               atol=1e-4)
+    gate.close()
+
+
+@pytest.mark.parametrize("name", ["add_f32", "mul_f32", "unary_f32", "scale_f32", "softmax_rows_f32",
+                                  "add_rows_f32", "fill_f32", "axpy_f32"])
+def test_elementwise_and_row_ops_split_bit_for_bit(backend: Backend, block: QuotaBlock, name: str) -> None:
+    rng = np.random.default_rng(1)
+    rows, cols = 29, 13
+    x = rng.standard_normal(rows * cols)
+    y = rng.standard_normal(rows * cols)
+    n = rows * cols
+    makers: dict[str, tuple[Callable[[], tuple[Any, ...]], Callable[[tuple[Any, ...]], Any]]] = {
+        "add_f32": (lambda: (put(backend, x), put(backend, y), put(backend, np.zeros(n)), n),
+                    lambda a: get(backend, a[2], n)),
+        "mul_f32": (lambda: (put(backend, x), put(backend, y), put(backend, np.zeros(n)), n),
+                    lambda a: get(backend, a[2], n)),
+        "unary_f32": (lambda: (2, put(backend, x), put(backend, np.zeros(n)), n), lambda a: get(backend, a[2], n)),
+        "scale_f32": (lambda: (put(backend, x), 0.37, n), lambda a: get(backend, a[0], n)),
+        "softmax_rows_f32": (lambda: (put(backend, x), rows, cols), lambda a: get(backend, a[0], n)),
+        "add_rows_f32": (lambda: (put(backend, x), put(backend, y[:cols]), rows, cols),
+                         lambda a: get(backend, a[0], n)),
+        "fill_f32": (lambda: (put(backend, x), 2.5, n), lambda a: get(backend, a[0], n)),
+        "axpy_f32": (lambda: (n, 0.5, put(backend, x), put(backend, y)), lambda a: get(backend, a[3], n)),
+    }
+    make, result = makers[name]
+    whole, chunked, gate = whole_and_chunked(backend, block, name, make, result)
+    np.testing.assert_array_equal(chunked, whole)
+    gate.close()
+
+
+def test_argmax_rows_split_writes_each_rows_answer(block: QuotaBlock) -> None:
+    be = StubBackend()
+    rng = np.random.default_rng(2)
+    rows, cols = 31, 7
+    x = rng.standard_normal(rows * cols)
+    out = bytearray(4 * rows)
+    gate = DeviceGate(block, be, chunk_s=1e-9)
+    gate.op("argmax_rows_f32", be.argmax_rows_f32, (put(be, x), rows, cols, memoryview(out)))
+    assert gate.chunks > 3
+    assert list(np.frombuffer(out, dtype="<i4")) == list(x.reshape(rows, cols).argmax(axis=1))
+
+
+def test_reductions_and_transpose_run_whole() -> None:
+    be = StubBackend()
+    buf = put(be, np.ones(64))
+    assert plan("sum_f32", be, (buf, 64)) is None
+    assert plan("max_f32", be, (buf, 64, memoryview(bytearray(4)))) is None
+    assert plan("transpose_f32", be, (buf, buf, 8, 8)) is None
+    assert plan("matmul_f32", be, (buf, buf, buf, 8, 0, 8)) is None  # k = 0: zeros, one launch
+
+
+def test_ops_are_charged_to_the_tenant_block(backend: Backend, block: QuotaBlock) -> None:
+    gate = DeviceGate(block, backend)
+    x = put(backend, np.ones(1 << 16))
+    before = block.snapshot()
+    total = gate.op("sum_f32", backend.sum_f32, (x, 1 << 16))
+    assert total == float(1 << 16)
+    for _ in range(3):
+        gate.op("scale_f32", backend.scale_f32, (x, 1.0, 1 << 16))
+    after = block.snapshot()
+    assert after.gpu_time_ns > before.gpu_time_ns
+    assert after.gpu_ops - before.gpu_ops >= 4
+    assert after.gpu_waits - before.gpu_waits == 4  # one wait observed per op (zero: nobody else)
+    assert sum(after.gpu_wait_bins) == after.gpu_waits
+    busy, wait = gate.take_run_totals()
+    assert busy == after.gpu_time_ns - before.gpu_time_ns and wait >= 0
+    assert gate.take_run_totals() == (0, 0)
+    gate.close()
+
+
+def test_cuda_ops_are_timed_with_events_on_the_stream(block: QuotaBlock) -> None:
+    fake = FakeDriver(memory_bytes=1 << 30)
+    be = CudaBackend(driver=fake, nvrtc=fake, cublas=FakeCublas(fake))
+    try:
+        gate = DeviceGate(block, be)
+        x = put(be, np.ones(1024))
+        gate.op("scale_f32", be.scale_f32, (x, 2.0, 1024))
+        assert fake.calls.count("cuEventCreate") == 2
+        assert fake.calls.count("cuEventRecord") == 2 and "cuEventElapsedTime" in fake.calls
+        assert block.gpu_time_ns > 0
+        gate.close()
+        assert fake.calls.count("cuEventDestroy") == 2 and not fake.events
+    finally:
+        be.close()
+
+
+def test_a_gate_with_a_board_takes_and_gives_back_the_device(block: QuotaBlock) -> None:
+    board = GpuTimeBoard.create(0)
+    try:
+        slot = board.add_tenant(2.0)
+        worker = GpuTimeBoard.attach(board.name, tenant_slot=slot)
+        be = StubBackend()
+        gate = DeviceGate(block, be, worker)
+        x = put(be, np.ones(4096))
+        gate.op("scale_f32", be.scale_f32, (x, 1.0, 4096))
+        assert board.snapshot().holder == worker.worker_slot  # kept between ops of a run
+        assert board.used_ns(slot) == block.gpu_time_ns > 0
+        gate.release()  # the run ended
+        assert board.snapshot().holder is None
+        gate.close()
+        assert board.snapshot().grants == 1
+    finally:
+        board.unlink()
+        board.close()

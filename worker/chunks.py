@@ -1,0 +1,116 @@
+"""Long tensor ops in chunks, so that no single launch holds the device for more than ~2 ms.
+
+A GPU without MPS cannot preempt a kernel of another context; our lease
+(:mod:`shared.gpu_time`) passes only between launches. So every op that can
+be cut is cut into pieces of the *same algorithm* on contiguous parts of its
+buffers (views, never copies), each one launch:
+
+    matmul_f32        C[r0:r1] = A[r0:r1] @ B            by row blocks (a GEMM per block)
+    add/mul_f32,      out[i0:i1] = f(x[i0:i1], ...)      by element ranges
+    unary, scale,
+    fill, axpy
+    add_rows_f32      m[r0:r1] += v                      by rows
+    softmax_rows_f32  each row is independent            by rows
+    argmax_rows_f32   each row is independent            by rows (out sliced alike)
+    transpose, max,   not split: transpose's output blocks are not contiguous, and splitting a
+    sum               reduction would change its summation order (results must not change)
+
+Every element of a chunked result is computed by exactly the operations the
+whole op would use on it (a row of a GEMM is the same dot products; the BLAS
+may pick another kernel for a smaller block, so GEMM results agree up to
+float32 rounding of the same sums - tests compare with a tolerance; the
+elementwise ops and softmax are bit-identical).
+
+A plan is ``(units, cost per unit, chunk(lo, hi) -> args)``; the gate
+(:mod:`worker.device_time`) learns ns per cost unit from the chunks it ran
+and sizes the next chunk to the 2 ms target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from worker.backends.base import Backend, DeviceBuffer
+
+__all__ = ["Plan", "plan"]
+
+#: (units, cost of one unit, args of the chunk [lo, hi))
+Plan = tuple[int, int, Callable[[int, int], tuple[Any, ...]]]
+
+_F = 4  # bytes per float32
+
+
+def _v(backend: Backend, buf: DeviceBuffer, lo: int, hi: int) -> DeviceBuffer:
+    view = backend.view(buf, lo * _F, (hi - lo) * _F)
+    assert view is not None  # checked by plan(): the backend makes views
+    return view
+
+
+def _gemm(be: Backend, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int) -> Plan | None:
+    if k == 0 or n == 0:
+        return None
+    return m, k * n, lambda lo, hi: (_v(be, a, lo * k, hi * k), b, _v(be, c, lo * n, hi * n), hi - lo, k, n)
+
+
+def _binary(be: Backend, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> Plan:
+    return n, 1, lambda lo, hi: (_v(be, x, lo, hi), _v(be, y, lo, hi), _v(be, out, lo, hi), hi - lo)
+
+
+def _unary(be: Backend, op: int, x: DeviceBuffer, out: DeviceBuffer, n: int) -> Plan:
+    return n, 1, lambda lo, hi: (op, _v(be, x, lo, hi), _v(be, out, lo, hi), hi - lo)
+
+
+def _scale(be: Backend, x: DeviceBuffer, a: float, n: int) -> Plan:
+    return n, 1, lambda lo, hi: (_v(be, x, lo, hi), a, hi - lo)
+
+
+def _fill(be: Backend, buf: DeviceBuffer, value: float, count: int) -> Plan:
+    return count, 1, lambda lo, hi: (_v(be, buf, lo, hi), value, hi - lo)
+
+
+def _axpy(be: Backend, n: int, a: float, x: DeviceBuffer, y: DeviceBuffer) -> Plan:
+    return n, 2, lambda lo, hi: (hi - lo, a, _v(be, x, lo, hi), _v(be, y, lo, hi))
+
+
+def _add_rows(be: Backend, m: DeviceBuffer, v: DeviceBuffer, rows: int, cols: int) -> Plan | None:
+    if cols == 0:
+        return None
+    return rows, cols, lambda lo, hi: (_v(be, m, lo * cols, hi * cols), v, hi - lo, cols)
+
+
+def _softmax(be: Backend, x: DeviceBuffer, rows: int, cols: int) -> Plan | None:
+    if cols == 0:
+        return None
+    return rows, 3 * cols, lambda lo, hi: (_v(be, x, lo * cols, hi * cols), hi - lo, cols)
+
+
+def _argmax(be: Backend, x: DeviceBuffer, rows: int, cols: int, out: memoryview) -> Plan | None:
+    if cols == 0:
+        return None
+    return rows, cols, lambda lo, hi: (_v(be, x, lo * cols, hi * cols), hi - lo, cols, out[lo * 4 : hi * 4])
+
+
+_PLANNERS: dict[str, Callable[..., Plan | None]] = {
+    "matmul_f32": _gemm,
+    "add_f32": _binary,
+    "mul_f32": _binary,
+    "unary_f32": _unary,
+    "scale_f32": _scale,
+    "fill_f32": _fill,
+    "axpy_f32": _axpy,
+    "add_rows_f32": _add_rows,
+    "softmax_rows_f32": _softmax,
+    "argmax_rows_f32": _argmax,
+}
+
+
+def plan(name: str, backend: Backend, args: tuple[Any, ...]) -> Plan | None:
+    """How op ``name`` with ``args`` (checked, in range) splits; None: it runs whole."""
+    planner = _PLANNERS.get(name)
+    if planner is None or not args:
+        return None
+    probe = next((a for a in args if isinstance(a, DeviceBuffer)), None)
+    if probe is None or backend.view(probe, 0, 0) is None:
+        return None
+    return planner(backend, *args)
