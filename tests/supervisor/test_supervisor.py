@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -31,6 +32,7 @@ from shared.capability import TenantCapability
 from supervisor.launch import SupervisorHandle, launch
 from tests.helpers import hygiene
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -239,7 +241,7 @@ def test_evict_stops_worker_revokes_and_frees_name() -> None:
 
 
 def test_sigkill_supervisor_takes_workers_down_and_restart_cleans(tmp_path: object) -> None:
-    run_dir = f"/tmp/twt-k{os.getpid()}"
+    run_dir = tempfile.mkdtemp(prefix="twt-k", dir=short_temp_dir())  # short: its sockets
     for method in ("spawn", "forkserver"):
         settings = {"supervisor": {"backend": "stub", "pool_size": 2, "heartbeat_interval_s": 0.2},
                     "tenant": [{"name": "a"}, {"name": "b", "instances": 2}]}
