@@ -61,9 +61,9 @@ class Bystander(threading.Thread):
         assert not self.errors, (what, self.errors[:3])
         assert len(lat) >= 20, (what, len(lat))
         p99 = lat[int(len(lat) * 0.99) - 1]
-        # Not starved: every ping answered well inside its timeout. A margin, not a latency target
-        # (those are `twt bench` figures): it must hold on a loaded 2-core machine.
-        assert lat[-1] < 5.0, f"{what}: bystander p99 {p99 * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms"
+        # Not starved: every ping answered inside its 10 s timeout. Not a latency target (those are
+        # `twt bench` figures): it must hold on a loaded 2-core machine.
+        assert lat[-1] < 10.0, f"{what}: bystander p99 {p99 * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms"
 
 
 def _caps(sup: SupervisorHandle) -> tuple[TenantCapability, TenantCapability]:

@@ -100,7 +100,8 @@ def test_sigkill_worker_with_requests_in_flight() -> None:
         pid = wait_for(lambda: instance_pid(sup, "acme"), what="acme ready")
         c.inject_fault(None, "acme", "slow", ms=5000)
         rids = [c.send("ping", acme_cap) for _ in range(5)]
-        time.sleep(0.2)
+        with sup.connect() as watcher:  # all five with the worker (not parked) before it dies
+            wait_for(lambda: tenant(watcher.status(), "acme")["in_flight"] == 5, what="5 requests in flight")
         os.kill(pid, signal.SIGKILL)
         answers = {}
         for _ in rids:
@@ -166,7 +167,7 @@ def test_hung_request_gets_deadline_and_worker_restarts() -> None:
         t0 = time.monotonic()
         with pytest.raises(KernelTimeout):
             c.ping(cap)
-        assert time.monotonic() - t0 < 15  # its 1 s deadline, with a margin for a loaded machine
+        assert time.monotonic() - t0 < 60  # its 1 s deadline, never a hang; the margin is for a loaded machine
         wait_for(lambda: (p := instance_pid(sup, "acme")) and p != pid, what="restart")
         c.ping(cap)
 
