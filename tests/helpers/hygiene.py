@@ -82,13 +82,13 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 #: besides the temp root, what a test may write to: segments (judged by leaks()), the null
 #: device, /proc, and the bytecode cache next to the sources
 _ALLOWED_PREFIXES = ("/dev/shm/", "/dev/null", "/proc/")
-_ROOT_ENV = "PYTEST_TWT_ROOT"
+ROOT_ENV = "PYTEST_TWT_ROOT"
 
 
 def temp_root() -> str:
     """This run's temp root: ``$PYTEST_TWT_ROOT`` (``make test`` makes a fresh one per run and
     points ``$TMPDIR`` into it), else the temp directory in force (``/tmp`` for a bare pytest)."""
-    return os.path.realpath(os.environ.get(_ROOT_ENV) or tempfile.gettempdir())
+    return os.path.realpath(os.environ.get(ROOT_ENV) or tempfile.gettempdir())
 
 
 _root = ""

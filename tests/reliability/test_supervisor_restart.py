@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -25,6 +26,7 @@ from shared.spec import TenantSpec
 from supervisor.launch import SupervisorHandle, launch
 from tests.helpers import hygiene
 from tests.helpers.cluster import tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -35,7 +37,7 @@ TENANTS = [{"name": "a", "gpu_memory_bytes_cap": "64MiB"}, {"name": "b", "instan
 
 @pytest.fixture
 def run_dir() -> Iterator[str]:
-    path = f"/tmp/twt-r{os.getpid()}"
+    path = tempfile.mkdtemp(prefix="twt-r", dir=short_temp_dir())  # short: its sockets
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

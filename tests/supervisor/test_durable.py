@@ -28,13 +28,14 @@ from supervisor.events import TOPIC_PREFIX, decode_event
 from supervisor.launch import SupervisorHandle, launch
 from supervisor.rundir import read_admin_capability
 from tests.helpers.cluster import FAST, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def run_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="twt-d", dir="/tmp")
+    path = tempfile.mkdtemp(prefix="twt-d", dir=short_temp_dir())
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -27,6 +27,7 @@ from supervisor.client import SupervisorClient
 from supervisor.curve import CURVE_PUBLIC, CURVE_SECRET, CurveKeyPair, load_or_create_server_keys, write_key_pair
 from supervisor.state import StateStore
 from tests.helpers.cluster import supervisor, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 LOOPBACK = "tcp://127.0.0.1:0"
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -187,7 +188,7 @@ def test_server_key_is_kept_in_the_state_database(tmp_path: Path) -> None:
 
 def _start_fails(tmp_path: Path, *args: str) -> str:
     """Start a supervisor that must refuse: its one error line (no traceback)."""
-    run_dir = tempfile.mkdtemp(prefix="twt-", dir="/tmp")  # short: ipc paths are limited
+    run_dir = tempfile.mkdtemp(prefix="twt-", dir=short_temp_dir())  # short: ipc paths are limited
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "supervisor", "supervise", "--run-dir", run_dir, "--backend", "stub",
