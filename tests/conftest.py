@@ -8,6 +8,8 @@
   ``multiprocessing``, ``os.fork``... So a new test is classified without its author remembering;
   one the scan misses fails at run time with the fix named (mark it, or add its starter to
   :data:`PROCESS_STARTERS`). ``make test-fast`` runs ``-m "not process and not gpu"``.
+* Every timeout is scaled by :data:`TIMEOUT_SCALE` (3): timeouts guard against hangs, never
+  measure speed, and a loaded machine is slower.
 * Under pytest-xdist (``make test`` runs ``--dist loadgroup``), the tests of a module with a
   module-scoped fixture of ours (the Ray cluster, the fuzzed supervisor) share one worker, so
   the fixture starts once.
@@ -170,9 +172,26 @@ def _shared_fixture_group(item: pytest.Item) -> str | None:
     return None
 
 
+#: every test's timeout (pytest-timeout: the ini default or its own mark) times this. A timeout is
+#: a hang guard sized on a quiet machine; a loaded one (CPU burners, parallel workers) runs a
+#: test several times slower, and a passing test never waits for its timeout.
+TIMEOUT_SCALE = float(os.environ.get("PYTEST_TWT_TIMEOUT_SCALE", "3"))
+
+
+def _scale_timeout(item: pytest.Item, default: float) -> None:
+    mark = item.get_closest_marker("timeout")
+    value = mark.args[0] if mark and mark.args else (mark.kwargs.get("timeout") if mark else None)
+    if value is None:
+        value = default
+    if value and TIMEOUT_SCALE != 1:
+        item.add_marker(pytest.mark.timeout(float(value) * TIMEOUT_SCALE), append=False)  # the closest
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    default_timeout = float(config.getini("timeout") or 0)
     for item in items:
+        _scale_timeout(item, default_timeout)
         if not item.get_closest_marker("process") and _item_starts_processes(item):
             item.add_marker(pytest.mark.process)
         group = _shared_fixture_group(item)

@@ -78,7 +78,7 @@ def _selftest(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
     env.pop("PYTEST_XDIST_WORKER", None)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:xdist",
                            f"--basetemp={root / 'pt'}", f"tests/test_hygiene.py::{name}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
 @pytest.mark.timeout(330)
