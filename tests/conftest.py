@@ -148,6 +148,9 @@ def _follow(obj: Any, seen: set[int]) -> bool:
         obj = obj.__func__
     if isinstance(obj, property):
         return any(_follow(f, seen) for f in (obj.fget, obj.fset) if f is not None)
+    wrapped = getattr(obj, "__wrapped__", None)  # functools.cache and friends
+    if wrapped is not None and not isinstance(obj, types.FunctionType):
+        return _follow(wrapped, seen)
     if isinstance(obj, types.FunctionType):
         return _starts_processes(obj, seen)
     return False

@@ -55,6 +55,10 @@ class Bystander(threading.Thread):
                 self.latencies.append(time.monotonic() - t0)
 
     def check(self, what: str) -> None:
+        # enough pings to judge (a count of answers, not of time: a loaded machine serves fewer
+        # per second); a starved bystander fails here, or on its errors
+        wait_for(lambda: len(self.latencies) >= 20 or self.errors or not self.is_alive(), timeout_s=60,
+                 what=f"{what}: 20 bystander pings")
         self.stop.set()
         self.join(20)
         lat = sorted(self.latencies)
