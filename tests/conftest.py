@@ -10,6 +10,8 @@
   :data:`PROCESS_STARTERS`). ``make test-fast`` runs ``-m "not process and not gpu"``.
 * Every timeout is scaled by :data:`TIMEOUT_SCALE` (3): timeouts guard against hangs, never
   measure speed, and a loaded machine is slower.
+* Tests run longest first: ``slow``, then ``process``, then the rest (each module's tests stay
+  together, in order).
 * Under pytest-xdist (``make test`` runs ``--dist loadgroup``), the tests of a module with a
   module-scoped fixture of ours (the Ray cluster, the fuzzed supervisor) share one worker, so
   the fixture starts once.
@@ -200,6 +202,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = _shared_fixture_group(item)
         if group and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group))
+    # Longest first (a stable sort: each module's tests stay together and in order): the slow and
+    # process-starting tests start while every worker is free, the ~1,250 quick ones fill the end,
+    # so no worker is left alone with a long test at the end of a parallel run.
+    items.sort(key=lambda i: 0 if i.get_closest_marker("slow") else 1 if i.get_closest_marker("process") else 2)
 
 
 def _children() -> set[int]:
