@@ -144,12 +144,22 @@ def test_an_unmarked_test_that_starts_a_process_fails(tmp_path: Path) -> None:
 
 
 def test_the_process_marker_is_applied_at_collection(request: pytest.FixtureRequest) -> None:
-    """Tests that start supervisors, subprocesses or Ray carry it; pure ones do not."""
-    marked = {item.nodeid.rsplit("::", 1)[-1]: item.get_closest_marker("process") is not None
-              for item in request.session.items}
-    # this module's own: the child runs start processes; the recording test does too (a subprocess)
-    assert marked["test_this_sessions_run_dirs_are_recorded"]
-    assert not marked["test_the_process_marker_is_applied_at_collection"]
+    """Tests that start supervisors, subprocesses or Ray carry it; pure ones do not. (The scan errs
+    on the safe side: naming a function that starts processes counts as calling it, so this test
+    is marked too.)"""
+    from tests import conftest
+    from tests.supervisor import test_client_replies, test_supervisor
+
+    def scan(func: object) -> bool:
+        return conftest._starts_processes(func, set())  # type: ignore[arg-type]
+
+    assert request.node.get_closest_marker("process") is not None
+    assert scan(test_this_sessions_run_dirs_are_recorded)  # subprocess.run
+    assert scan(test_client_replies.test_buffers_with_more_than_4096_buffers_works_end_to_end)  # a helper, imported inside
+    assert scan(test_supervisor.test_sigkill_worker_with_requests_in_flight)  # tests.helpers.cluster.supervisor -> launch
+    assert scan(_selftest)
+    assert not scan(test_suite_sources_name_no_fixed_temp_directory)
+    assert not scan(test_client_replies.test_large_replies_the_supervisor_produces_decode)
 
 
 def test_suite_sources_name_no_fixed_temp_directory() -> None:
