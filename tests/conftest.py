@@ -226,7 +226,7 @@ def _children() -> set[int]:
 
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    before = hygiene.baseline()
+    before = hygiene.baseline(processes=request.node.get_closest_marker("process") is not None)
     children = _children()
     hygiene.take_events()  # what happened between tests (a module fixture's set-up) is no test's doing
     yield
