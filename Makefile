@@ -26,7 +26,7 @@ TEST_WORKERS ?= 4
 ## make test: the whole suite (type check first, then pytest in a fresh temp root, tests/run-suite.sh)
 test: $(STAMP)
 	$(BIN)/python -m mypy
-	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadgroup --durations=20
+	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
 ## make test-fast: the inner loop - every test that starts no process (no supervisor, worker, Ray)
 test-fast: $(STAMP)

@@ -12,9 +12,10 @@
   measure speed, and a loaded machine is slower.
 * Tests run longest first: ``slow``, then ``process``, then the rest (each module's tests stay
   together, in order).
-* Under pytest-xdist (``make test`` runs ``--dist loadgroup``), the tests of a module with a
-  module-scoped fixture of ours (the Ray cluster, the fuzzed supervisor) share one worker, so
-  the fixture starts once.
+* Under pytest-xdist ``make test`` runs ``--dist loadscope``: each module's tests share one
+  worker, so a module-scoped fixture (the Ray cluster, the fuzzed supervisor) starts once.
+  (``--dist loadgroup`` with ``xdist_group`` marks would be finer, but pytest-xdist 3.8 renames
+  node ids through an attribute pytest 9 no longer reads, so its groups are silently ignored.)
 """
 
 from __future__ import annotations
@@ -167,16 +168,6 @@ def _item_starts_processes(item: pytest.Item) -> bool:
     return any(f is not None and _starts_processes(f, seen) for f in funcs)
 
 
-def _shared_fixture_group(item: pytest.Item) -> str | None:
-    """The xdist group of a test using a module-scoped (or broader) fixture of the suite's."""
-    info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info else ()):
-        for d in defs:
-            if d.scope != "function" and _ours(d.func):
-                return item.nodeid.split("::", 1)[0] if d.scope in ("module", "class") else f"{d.scope}:{d.argname}"
-    return None
-
-
 #: every test's timeout (pytest-timeout: the ini default or its own mark) times this. A timeout is
 #: a hang guard sized on a quiet machine; a loaded one (CPU burners, parallel workers) runs a
 #: test several times slower, and a passing test never waits for its timeout.
@@ -192,16 +183,12 @@ def _scale_timeout(item: pytest.Item, default: float) -> None:
         item.add_marker(pytest.mark.timeout(float(value) * TIMEOUT_SCALE), append=False)  # the closest
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     default_timeout = float(config.getini("timeout") or 0)
     for item in items:
         _scale_timeout(item, default_timeout)
         if not item.get_closest_marker("process") and _item_starts_processes(item):
             item.add_marker(pytest.mark.process)
-        group = _shared_fixture_group(item)
-        if group and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(group))
     # Longest first (a stable sort: each module's tests stay together and in order): the slow and
     # process-starting tests start while every worker is free, the ~1,250 quick ones fill the end,
     # so no worker is left alone with a long test at the end of a parallel run.
