@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.twt-installed
 
-.PHONY: all demo test bench lint typecheck clean
+.PHONY: all demo test test-fast bench lint typecheck clean
 
 all: test
 
@@ -19,10 +19,18 @@ $(STAMP): pyproject.toml setup.py shared/_atomics.c
 demo: $(STAMP)
 	$(BIN)/twt demo
 
-## make test: the whole suite (type check first, then pytest)
+#: pytest-xdist workers for make test: most of the suite waits on real processes (supervisors,
+#: workers, Ray), so more workers than the 2 cores of the reference machine pay (docs/BUILD.md)
+TEST_WORKERS ?= 4
+
+## make test: the whole suite (type check first, then pytest in a fresh temp root, tests/run-suite.sh)
 test: $(STAMP)
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest
+	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
+
+## make test-fast: the inner loop - every test that starts no process (no supervisor, worker, Ray)
+test-fast: $(STAMP)
+	tests/run-suite.sh -n 2 -m "not process and not gpu"
 
 ## make bench: every benchmark program, ratios against baselines measured in the same run
 bench: $(STAMP)

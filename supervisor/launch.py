@@ -31,7 +31,7 @@ from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig, read_config_file
 from shared.errors import SupervisorUnavailable
 from supervisor.client import SupervisorClient
-from supervisor.rundir import read_admin_capability, read_ready
+from supervisor.rundir import read_admin_capability, read_ready, temp_parent
 
 __all__ = ["QUIET_LOG_LEVEL", "SupervisorHandle", "launch"]
 
@@ -115,7 +115,7 @@ def launch(
     otherwise, by ``log_level``, ``$TWT_LOG_LEVEL`` or ``log_level`` in the config.
     """
     own_dir = run_dir is None
-    rd = run_dir or tempfile.mkdtemp(prefix="twt-", dir="/tmp")
+    rd = run_dir or tempfile.mkdtemp(prefix="twt-", dir=temp_parent())
     os.makedirs(rd, mode=0o700, exist_ok=True)
     cmd = [sys.executable, "-m", "supervisor", "supervise", "--run-dir", rd, *_config_arg(config_or_path, rd)]
     child_env = dict(os.environ if env is None else env)

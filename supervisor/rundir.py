@@ -37,6 +37,7 @@ import json
 import os
 import secrets
 import stat
+import tempfile
 from typing import Any
 
 from shared.capability import capability_bytes_from_text, capability_from_bytes, capability_to_text
@@ -50,6 +51,20 @@ READY_FILE = "supervisor.json"
 ADMIN_DIR = "admin"
 ADMIN_CAP_FILE = os.path.join(ADMIN_DIR, "admin.cap")
 LOCK_FILE = "supervisor.lock"
+#: the longest temp directory a temporary run dir may be made in: a fresh run dir's name (~12
+#: chars) and its longest socket name stay well inside a unix socket path's 107 bytes
+MAX_TEMP_PARENT = 40
+
+
+def temp_parent() -> str:
+    """Where temporary run dirs go: ``$TMPDIR`` (:func:`tempfile.gettempdir`) when it is short
+    enough for the run dir's unix sockets, else ``/tmp``.
+
+    Honouring ``$TMPDIR`` lets a test run (``make test``) keep everything it makes in its own
+    fresh directory; the fallback keeps a long ``$TMPDIR`` (macOS-style) from breaking ipc paths.
+    """
+    parent = tempfile.gettempdir()
+    return parent if len(parent) <= MAX_TEMP_PARENT else "/tmp"
 
 
 def _group_id(group: str | int) -> int:

@@ -1,27 +1,237 @@
-"""Suite-wide fixtures: every test must leave no twt process and no twt-* segment behind."""
+"""Suite-wide fixtures and classification.
+
+* Every test must leave no twt process and no twt-* segment behind, create nothing outside the
+  run's temp root (tests/helpers/hygiene.py), and start processes only when marked ``process``.
+* ``process`` is applied here, at collection, to every test whose code (the test, its fixtures and
+  the test-suite helpers they call, followed through) can start a process: a supervisor
+  (``launch``, ``tests.helpers.cluster.supervisor``), a worker, Ray, ``subprocess``,
+  ``multiprocessing``, ``os.fork``... So a new test is classified without its author remembering;
+  one the scan misses fails at run time with the fix named (mark it, or add its starter to
+  :data:`PROCESS_STARTERS`). ``make test-fast`` runs ``-m "not process and not gpu"``.
+* Every timeout is scaled by :data:`TIMEOUT_SCALE` (3): timeouts guard against hangs, never
+  measure speed, and a loaded machine is slower.
+* Tests run longest first: ``slow``, then ``process``, then the rest (each module's tests stay
+  together, in order).
+* Under pytest-xdist ``make test`` runs ``--dist loadscope``: each module's tests share one
+  worker, so a module-scoped fixture (the Ray cluster, the fuzzed supervisor) starts once.
+  (``--dist loadgroup`` with ``xdist_group`` marks would be finer, but pytest-xdist 3.8 renames
+  node ids through an attribute pytest 9 no longer reads, so its groups are silently ignored.)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import hypothesis.configuration as hypothesis_configuration
+import psutil
 import pytest
 
 from tests.helpers import hygiene
 
 hygiene.mark_session()
 
+# Hypothesis keeps its example database and constants cache in its home directory (by default
+# .hypothesis/ in the checkout): keep it in this run's temp root (make test: fresh every run).
+hypothesis_configuration.set_hypothesis_home_dir(os.path.join(hygiene.temp_root(), "twt-hypothesis"))
+
+#: callables (``module.qualname``) outside the test suite that start processes when called
+PROCESS_STARTERS = frozenset({
+    "supervisor.launch.launch",
+})
+#: a module whose use in a test's code means it starts processes
+_PROCESS_MODULES = ("subprocess", "multiprocessing", "ray", "pty", "concurrent.futures.process", "asyncio.subprocess")
+#: ``os`` functions that start processes
+_OS_STARTERS = frozenset({"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "spawnv", "spawnve",
+                          "spawnl", "spawnle", "spawnlp", "spawnvp", "execv", "execve"})
+
+
+def _is_process_module(module: types.ModuleType) -> bool:
+    name = module.__name__
+    return any(name == m or name.startswith(m + ".") for m in _PROCESS_MODULES)
+
+
+#: code followed by the scan: the suite's and the packages' own (functions; classes of the suite)
+_OUR_PACKAGES = ("tests", "supervisor", "worker", "shared")
+
+
+def _module_of(obj: Any) -> str:
+    return str(obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", "") or "")
+
+
+def _ours(obj: Any, packages: tuple[str, ...] = _OUR_PACKAGES) -> bool:
+    top = _module_of(obj).split(".", 1)[0]
+    return top in packages
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _starts_processes(func: Callable[..., Any], seen: set[int]) -> bool:
+    """Whether ``func`` (a test, fixture or helper) can start a process: a scan of the names its
+    code uses (module globals, local imports, closures), followed into our own functions."""
+    func = getattr(func, "__wrapped__", func)
+    if id(func) in seen:
+        return False
+    seen.add(id(func))
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    namespace: dict[str, Any] = getattr(func, "__globals__", {})
+    names: set[str] = set()
+    for c in _codes(code):
+        names.update(c.co_names)
+    objs = [c.cell_contents for c in (getattr(func, "__closure__", None) or ()) if _filled(c)]
+    for n in names:
+        if n not in namespace and any(n == m or n.startswith(m + ".") for m in _PROCESS_MODULES):
+            return True  # imported inside the function
+        obj = namespace.get(n, sys.modules.get(n))
+        if obj is None:
+            obj = _our_module(n)
+        if obj is not None:
+            objs.append(obj)
+    modules = [o for o in objs if isinstance(o, types.ModuleType)]
+    if any(m is os for m in modules) and names & _OS_STARTERS:
+        return True
+    looked: set[int] = set()
+    while modules:  # attributes used on our own modules: cluster.supervisor(...), check_gpu.Held(...)
+        module = modules.pop()
+        if _ours(module) and id(module) not in looked:
+            looked.add(id(module))
+            found = [getattr(module, n) for n in names if hasattr(module, n)]
+            objs += found
+            modules += [o for o in found if isinstance(o, types.ModuleType)]
+    if any(_is_starter(obj) for obj in objs):
+        return True
+    return any(_ours(obj) and _follow(obj, seen) for obj in objs)
+
+
+def _our_module(name: str) -> types.ModuleType | None:
+    """Our module ``name`` (imported inside a function, maybe not yet imported at all)."""
+    if "." not in name or name.split(".", 1)[0] not in _OUR_PACKAGES:
+        return None
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - not a module (an attribute path), or one that fails: nothing to follow
+        return None
+
+
+def _is_starter(obj: Any) -> bool:
+    if isinstance(obj, types.ModuleType):
+        return _is_process_module(obj)
+    if f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}" in PROCESS_STARTERS:
+        return True
+    module = str(getattr(obj, "__module__", "") or getattr(type(obj), "__module__", ""))
+    return any(module == m or module.startswith(m + ".") for m in _PROCESS_MODULES)
+
+
+def _follow(obj: Any, seen: set[int]) -> bool:
+    if isinstance(obj, type):
+        if id(obj) in seen or not _ours(obj, ("tests",)):  # a class of the packages: too broad to follow
+            return False
+        seen.add(id(obj))
+        return any(_follow(v, seen) for v in vars(obj).values())
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, property):
+        return any(_follow(f, seen) for f in (obj.fget, obj.fset) if f is not None)
+    wrapped = getattr(obj, "__wrapped__", None)  # functools.cache and friends
+    if wrapped is not None and not isinstance(obj, types.FunctionType):
+        return _follow(wrapped, seen)
+    if isinstance(obj, types.FunctionType):
+        return _starts_processes(obj, seen)
+    return False
+
+
+def _item_starts_processes(item: pytest.Item) -> bool:
+    seen: set[int] = set()
+    funcs: list[Any] = [getattr(item, "obj", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info else ()):
+        funcs += [d.func for d in defs if _ours(d.func)]
+    return any(f is not None and _starts_processes(f, seen) for f in funcs)
+
+
+#: every test's timeout (pytest-timeout: the ini default or its own mark) times this. A timeout is
+#: a hang guard sized on a quiet machine; a loaded one (CPU burners, parallel workers) runs a
+#: test several times slower, and a passing test never waits for its timeout.
+TIMEOUT_SCALE = float(os.environ.get("PYTEST_TWT_TIMEOUT_SCALE", "3"))
+
+
+def _scale_timeout(item: pytest.Item, default: float) -> None:
+    mark = item.get_closest_marker("timeout")
+    value = mark.args[0] if mark and mark.args else (mark.kwargs.get("timeout") if mark else None)
+    if value is None:
+        value = default
+    if value and TIMEOUT_SCALE != 1:
+        item.add_marker(pytest.mark.timeout(float(value) * TIMEOUT_SCALE), append=False)  # the closest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    default_timeout = float(config.getini("timeout") or 0)
+    for item in items:
+        _scale_timeout(item, default_timeout)
+        if not item.get_closest_marker("process") and _item_starts_processes(item):
+            item.add_marker(pytest.mark.process)
+    # Longest first (a stable sort: each module's tests stay together and in order): the slow and
+    # process-starting tests start while every worker is free, the ~1,250 quick ones fill the end,
+    # so no worker is left alone with a long test at the end of a parallel run.
+    items.sort(key=lambda i: 0 if i.get_closest_marker("slow") else 1 if i.get_closest_marker("process") else 2)
+
+
+def _children() -> set[int]:
+    """Our child processes, less multiprocessing's resource tracker (started once, on the first
+    use of shared memory by whichever test comes first: not a test's doing)."""
+    found = set()
+    try:
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if not any("resource_tracker" in a for a in child.cmdline()):
+                    found.add(child.pid)
+            except psutil.Error:
+                continue
+    except psutil.Error:
+        pass
+    return found
+
 
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    before = hygiene.baseline()
+    before = hygiene.baseline(processes=request.node.get_closest_marker("process") is not None)
+    children = _children()
+    hygiene.take_events()  # what happened between tests (a module fixture's set-up) is no test's doing
     yield
+    outside, starts = hygiene.take_events()
+    new_children = _children() - children
     segments, processes = hygiene.leaks(before)
     # Clean up so one leak does not cascade into every later test.
     hygiene.kill_processes(processes)
     hygiene.unlink_segments(segments)
+    problems = []
     if segments or processes:
-        pytest.fail(
-            f"{request.node.nodeid} leaked segments={sorted(segments)} "
-            f"processes={sorted(p for p, _ in processes)}",
-            pytrace=False,
-        )
+        problems.append(f"leaked segments={sorted(segments)} processes={sorted(p for p, _ in processes)}")
+    if outside:
+        problems.append(f"wrote outside its temp root {hygiene.temp_root()}: {sorted(set(outside))[:10]}"
+                        " (use tmp_path or tempfile: make test points $TMPDIR into a fresh directory per run)")
+    if (starts or new_children) and not request.node.get_closest_marker("process"):
+        problems.append(f"started a process ({sorted(set(starts)) or 'a child'}) but is not marked `process`: "
+                        "add its starter to PROCESS_STARTERS in tests/conftest.py, or mark it "
+                        "@pytest.mark.process (make test-fast leaves such tests out)")
+    if problems:
+        pytest.fail(f"{request.node.nodeid} " + "; ".join(problems), pytrace=False)

@@ -8,9 +8,11 @@ autouse fixture judges them.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,14 +46,39 @@ def test_selftest_sees_another_runs_dead_segment() -> None:
     """Another test run on the host leaves its dead supervisor's segment meanwhile: not ours."""
     another_run = os.path.join(os.environ[SELFTEST], "another-run")  # a run dir this run never made
     name = fab.write_stale(fab.namespaced_name(segment_namespace(another_run)), fab.dead_owner())
-    (Path(os.environ[SELFTEST]) / "foreign").write_text(name)
+    (Path(os.environ["TMPDIR"]) / "foreign").write_text(name)
+
+
+@selftest
+def test_selftest_writes_outside_its_temp_root() -> None:
+    """Writes next to its run's temp root (the child runs with a root of its own below it)."""
+    outside = Path(os.environ[SELFTEST]) / "outside"
+    outside.mkdir()
+    (outside / "left.txt").write_text("a leftover")
+
+
+@selftest
+def test_selftest_writes_inside_its_temp_root(tmp_path: Path) -> None:
+    (tmp_path / "fine.txt").write_text("inside")
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "also-fine").mkdir()
+
+
+@selftest
+def test_selftest_starts_a_process_unmarked() -> None:
+    hidden = importlib.import_module("sub" + "process")  # hidden from the collection-time scan on purpose
+    hidden.run([sys.executable, "-c", "pass"], check=True, timeout=60)
 
 
 def _selftest(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
     tmp_path.mkdir(exist_ok=True)
-    env = {**os.environ, SELFTEST: str(tmp_path)}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", f"tests/test_hygiene.py::{name}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100, stdin=subprocess.DEVNULL)
+    root = tmp_path / "root"  # the child's own temp root, as make test gives one to each run
+    root.mkdir(exist_ok=True)
+    env = {**os.environ, SELFTEST: str(tmp_path), "TMPDIR": str(root), hygiene.ROOT_ENV: str(root)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:xdist",
+                           f"--basetemp={root / 'pt'}", f"tests/test_hygiene.py::{name}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
 @pytest.mark.timeout(330)
@@ -75,7 +102,7 @@ def test_another_runs_dead_segment_is_not_blamed(tmp_path: Path) -> None:
     foreign = ""
     try:
         out = _selftest(tmp_path, "test_selftest_sees_another_runs_dead_segment")
-        foreign = (tmp_path / "foreign").read_text()
+        foreign = (tmp_path / "root" / "foreign").read_text()
         assert out.returncode == 0, out.stdout + out.stderr
         assert "1 passed" in out.stdout and "leaked" not in out.stdout
         # left alone: neither reported nor unlinked (unless a parallel older build's start removed it)
@@ -93,3 +120,76 @@ def test_this_sessions_run_dirs_are_recorded(tmp_path: Path) -> None:
     ours = hygiene.session_namespaces()
     assert segment_namespace(str(made)) in ours and segment_namespace(str(named)) in ours
     assert segment_namespace(str(tmp_path / "never-seen")) not in ours
+
+
+@pytest.mark.timeout(110)
+def test_a_write_outside_the_temp_root_fails_the_test_that_made_it(tmp_path: Path) -> None:
+    out = _selftest(tmp_path, "test_selftest_writes_outside_its_temp_root")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "wrote outside its temp root" in out.stdout and str(tmp_path / "outside") in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(110)
+def test_writes_inside_the_temp_root_pass(tmp_path: Path) -> None:
+    out = _selftest(tmp_path, "test_selftest_writes_inside_its_temp_root")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 passed" in out.stdout
+
+
+@pytest.mark.timeout(110)
+def test_an_unmarked_test_that_starts_a_process_fails(tmp_path: Path) -> None:
+    out = _selftest(tmp_path, "test_selftest_starts_a_process_unmarked")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "is not marked `process`" in out.stdout, out.stdout
+
+
+def test_the_process_marker_is_applied_at_collection(request: pytest.FixtureRequest) -> None:
+    """Tests that start supervisors, subprocesses or Ray carry it; pure ones do not. (The scan errs
+    on the safe side: naming a function that starts processes counts as calling it, so this test
+    is marked too.)"""
+    from tests import conftest
+    from tests.supervisor import test_client_replies, test_supervisor
+
+    def scan(func: object) -> bool:
+        return conftest._starts_processes(func, set())  # type: ignore[arg-type]
+
+    assert request.node.get_closest_marker("process") is not None
+    assert scan(test_this_sessions_run_dirs_are_recorded)  # subprocess.run
+    assert scan(test_client_replies.test_buffers_with_more_than_4096_buffers_works_end_to_end)  # a helper, imported inside
+    assert scan(test_supervisor.test_sigkill_worker_with_requests_in_flight)  # tests.helpers.cluster.supervisor -> launch
+    assert scan(_selftest)
+    assert not scan(test_suite_sources_name_no_fixed_temp_directory)
+    assert not scan(test_client_replies.test_large_replies_the_supervisor_produces_decode)
+
+
+def test_suite_sources_name_no_fixed_temp_directory() -> None:
+    """Nothing the suite or the packages run writes to a hard-coded /tmp: temporary files go to
+    tempfile's directory ($TMPDIR, one fresh directory per make test). Shown paths in messages and
+    docs, and a name a test only reads, are listed here."""
+    allowed = {
+        "shared/config.py",  # the default run dir /tmp/twt-<uid> when XDG_RUNTIME_DIR is unset (documented)
+        "shared/mps.py",  # NVIDIA's default MPS pipe directory: read, never written
+        "shared/errors.py", "supervisor/client.py", "supervisor/rundir.py", "supervisor/placement.py",
+        "supervisor/cli/supervise.py",  # docs and help text
+        "supervisor/rundir.py",  # temp_parent(): /tmp when $TMPDIR is too long for unix sockets
+        "tests/shared/test_errors.py", "tests/supervisor/test_operator.py",  # error texts naming a path
+        "tests/supervisor/test_rundir_trust.py",  # its docstring
+        "tests/supervisor/test_supervisor.py",  # a run dir that does not exist (a client's error)
+        "tests/run-suite.sh",  # makes the root
+        "tests/test_deploy.py",  # a mount in the k8s manifest
+        "tests/worker/test_cuda_backend.py",  # an MPS pipe directory named to a fake, never made
+        "tests/gpu/fake_mps_control.py",  # NVIDIA's default, read
+        "tests/gpu/check_gpu.py",  # the real-GPU MPS phase (a daemon's pipe dir: short); not in make test
+        "tests/test_hygiene.py",  # this list
+    }
+    found = []
+    for top in ("shared", "supervisor", "worker", "tests"):
+        for dirpath, dirnames, filenames in os.walk(ROOT / top):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            for name in filenames:
+                path = Path(dirpath) / name
+                rel = path.relative_to(ROOT).as_posix()
+                if path.suffix in (".py", ".sh") and rel not in allowed and \
+                        '"/tmp' in path.read_text(errors="replace").replace("'/tmp", '"/tmp'):
+                    found.append(rel)
+    assert not found, f"hard-coded /tmp in {found}: use tempfile (or tests.helpers.tmp.short_temp_dir)"

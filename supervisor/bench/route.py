@@ -39,6 +39,7 @@ from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
 from supervisor.bench._report import Report, Target, format_table, percentile
 from supervisor.launch import launch
+from supervisor.rundir import temp_parent
 
 __all__ = ["main"]
 
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = Report("route")
     ctx: zmq.Context[Any] = zmq.Context.instance()
-    with tempfile.TemporaryDirectory(prefix="twt-bench-", dir="/tmp") as tmp, launch(
+    with tempfile.TemporaryDirectory(prefix="twt-bench-", dir=temp_parent()) as tmp, launch(
         {"supervisor": {"pool_size": 0, "log_level": "warning", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
         backend="stub",
     ) as sup:

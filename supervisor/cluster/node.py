@@ -37,7 +37,7 @@ from shared.capability import RegistryAdminCapability
 from shared.errors import SupervisorUnavailable
 from shared.spec import TenantSpec
 from supervisor.client import SupervisorClient
-from supervisor.rundir import LOCK_FILE, read_admin_capability, read_ready
+from supervisor.rundir import LOCK_FILE, read_admin_capability, read_ready, temp_parent
 
 __all__ = ["NodeSupervisor"]
 
@@ -56,7 +56,7 @@ def _remove_stale_run_dirs() -> None:
     ``flock`` ends with its process, even on SIGKILL) - the same test the
     supervisor itself uses for a second start on one run dir.
     """
-    for path in Path("/tmp").glob(RUN_DIR_PREFIX + "*"):
+    for path in Path(temp_parent()).glob(RUN_DIR_PREFIX + "*"):
         lock = path / LOCK_FILE
         try:
             st = path.stat()
@@ -86,7 +86,7 @@ class NodeSupervisor:
         self.cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         host = listen_host or ray.util.get_node_ip_address()
         _remove_stale_run_dirs()
-        self.run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir="/tmp")
+        self.run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=temp_parent())
         sup: dict[str, Any] = dict(config_doc.get("supervisor") or {})
         doc = {"supervisor": sup, "tenant": list(config_doc.get("tenant") or [])}
         for key in ("run_dir", "state_dir", "listen"):

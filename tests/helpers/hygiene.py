@@ -24,11 +24,27 @@ one or carries this run's :data:`SESSION_ENV` marker in its environment
   a killed child's), or it is not our layout: as before namespaces, ours -
   except a name as a supervisor of an older build makes it
   (``twt-<8 hex>-<slot>``, ``shared.quota.is_legacy_name``): our
-  supervisors never make one, a parallel run of an older build does.
+  supervisors never make one, a parallel run of an older build does. Under
+  pytest-xdist such a segment is ours only when this process wrote it (the
+  audit hook sees the open): another worker makes them as often as we do.
 
 So another run's supervisor segments - a parallel suite that has just
 SIGKILLed its supervisor and is about to restart it - are never reported or
 unlinked here, while a leak of our own still fails the test that made it.
+Each pytest-xdist worker is a run of its own here (its own marker), so one
+worker never blames or kills another's processes.
+
+The same audit hook records two more things per test (:func:`take_events`):
+
+* every path this process creates outside the run's temp root (``$TMPDIR``,
+  a fresh directory per ``make test``): a file opened for writing, a
+  directory, a unix socket, a rename or link target. Allowed besides the root:
+  ``/dev/shm`` (segments: judged above), ``/dev/null``, ``/proc`` and
+  ``__pycache__``. So the suite leaves nothing in ``/tmp``, the checkout or
+  ``$HOME``, and a leftover there can never hide a missing set-up step.
+* whether the test started a process (``subprocess.Popen``, ``os.fork``,
+  ``os.posix_spawn``, ...): tests that do carry the ``process`` marker
+  (tests/conftest.py), and ``make test-fast`` runs the others.
 """
 
 from __future__ import annotations
@@ -37,6 +53,8 @@ import os
 import secrets
 import struct
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,16 +74,74 @@ SESSION_ENV = "PYTEST_TWT_SESSION"
 #: namespaces of this session's run dirs (see the module docstring); filled by _audit
 _namespaces: set[str] = set()
 _hooked = False
+#: paths created outside the temp root, and process starts, since the last take_events()
+_outside: list[str] = []
+_starts: list[str] = []
+_main_thread = threading.main_thread().ident
+_PROCESS_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
+                             "os.system", "pty.spawn"})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+#: besides the temp root, what a test may write to: segments (judged by leaks()), the null
+#: device, /proc, and the bytecode cache next to the sources
+_ALLOWED_PREFIXES = ("/dev/shm/", "/dev/null", "/proc/")
+ROOT_ENV = "PYTEST_TWT_ROOT"
+
+
+def temp_root() -> str:
+    """This run's temp root: ``$PYTEST_TWT_ROOT`` (``make test`` makes a fresh one per run and
+    points ``$TMPDIR`` into it), else the temp directory in force (``/tmp`` for a bare pytest)."""
+    return os.path.realpath(os.environ.get(ROOT_ENV) or tempfile.gettempdir())
+
+
+_root = ""
 
 
 def mark_session() -> str:
     """Tag this test run (inherited by every child process) and start recording its run
-    dirs; idempotent."""
-    global _hooked
+    dirs, writes and process starts; idempotent. A pytest-xdist worker takes a marker of its
+    own: the workers are parallel runs that must not judge each other's processes."""
+    global _hooked, _root
     if not _hooked:
+        _root = temp_root()
         sys.addaudithook(_audit)
         _hooked = True
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            os.environ[SESSION_ENV] = secrets.token_hex(8)
     return os.environ.setdefault(SESSION_ENV, secrets.token_hex(8))
+
+
+def take_events() -> tuple[list[str], list[str]]:
+    """(paths created outside the temp root, process starts) since the last call; clears both."""
+    outside, starts = list(_outside), list(_starts)
+    del _outside[:len(outside)], _starts[:len(starts)]
+    return outside, starts
+
+
+def is_allowed_write(path: str) -> bool:
+    """Whether creating ``path`` stays inside what the suite may touch (see the module docstring)."""
+    if path.startswith("\0") or not path:  # an abstract unix socket: no file
+        return True
+    full = os.path.abspath(path)
+    if "/__pycache__/" in full or full.startswith(_ALLOWED_PREFIXES):
+        return True
+    root = _root or temp_root()
+    if full == root or full.startswith(root + os.sep):
+        return True
+    real = os.path.realpath(full)
+    return real == root or real.startswith(root + os.sep)
+
+
+#: twt-* segment files this process created with an open() (fabricated ones: tests/helpers/segments.py)
+_created_segments: set[str] = set()
+
+
+def _note_write(path: Any) -> None:
+    if isinstance(path, (str, bytes, os.PathLike)):
+        text = os.fsdecode(path)
+        if text.startswith(SHM_DIR + "/twt-"):
+            _created_segments.add(text[len(SHM_DIR) + 1:])
+        if not is_allowed_write(text):
+            _outside.append(text)
 
 
 def add_run_dir(path: str | os.PathLike[str]) -> str:
@@ -91,19 +167,37 @@ def _run_dirs_of(argv: Iterable[Any], cwd: Any, env: Any) -> list[str]:
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    """Record this session's run dirs as they appear (must never raise: it runs inside os calls)."""
-    if event not in ("os.mkdir", "subprocess.Popen"):
+    """Record this session's run dirs as they appear, and paths created outside the temp root
+    and process starts (must never raise: it runs inside os calls)."""
+    if event == "open":
+        if isinstance(args[2], int) and args[2] & _WRITE_FLAGS:
+            try:
+                _note_write(args[0])
+            except (TypeError, ValueError, OSError):
+                pass
+        return
+    if event in _PROCESS_EVENTS and threading.get_ident() == _main_thread:
+        _starts.append(event)  # the test's own thread: a leftover thread of another test is not it
+    if event not in ("os.mkdir", "subprocess.Popen", "socket.bind", "os.rename", "os.symlink", "os.link"):
         return
     try:
         if event == "os.mkdir":
             path, _mode, dir_fd = args
             if dir_fd in (None, -1):
+                _note_write(path)
                 add_run_dir(os.fsdecode(path))
-        else:
+        elif event == "subprocess.Popen":
             _executable, argv, cwd, env = args
             for path in _run_dirs_of([argv] if isinstance(argv, (str, bytes)) else argv, cwd, env):
+                _note_write(path)
                 add_run_dir(path)
-    except (TypeError, ValueError, OSError):  # an odd argument names no run dir; never break the call
+        elif event == "socket.bind":
+            if isinstance(args[1], (str, bytes)):  # a unix socket's path
+                _note_write(args[1])
+        else:  # rename, symlink, link: (src, dst, [src_dir_fd,] dst_dir_fd)
+            if args[-1] in (None, -1):
+                _note_write(args[1])
+    except (TypeError, ValueError, OSError, IndexError):  # an odd argument names no path; never break the call
         return
 
 
@@ -137,6 +231,13 @@ def _raw_owner(name: str) -> tuple[int, int] | None:
 def _dead_owners_segment_is_ours(name: str) -> bool:
     namespace = namespace_of(name)
     if namespace is None:
+        if name in _created_segments:
+            return True
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            # Another worker's test makes such segments as often as ours does (fabricated stale
+            # ones, a killed child's): leave them to the worker that made them. Serial runs judge
+            # them all.
+            return False
         return not is_legacy_name(name)
     return namespace in _namespaces
 
@@ -176,10 +277,13 @@ def twt_processes() -> set[tuple[int, float]]:
 class Baseline:
     segments: set[str]
     processes: set[tuple[int, float]]
+    #: whether processes are compared at all (a test that starts none - the start guard of
+    #: tests/conftest.py fails one that does - need not pay for two scans of every process)
+    check_processes: bool = True
 
 
-def baseline() -> Baseline:
-    return Baseline(twt_segments(), twt_processes())
+def baseline(processes: bool = True) -> Baseline:
+    return Baseline(twt_segments(), twt_processes() if processes else set(), processes)
 
 
 def leaks(before: Baseline, grace_s: float = 5.0) -> tuple[set[str], set[tuple[int, float]]]:
@@ -187,7 +291,8 @@ def leaks(before: Baseline, grace_s: float = 5.0) -> tuple[set[str], set[tuple[i
     deadline = time.monotonic() + grace_s
     while True:
         segs = {n for n in twt_segments() - before.segments if _segment_is_ours(n)}
-        procs = {p for p in twt_processes() - before.processes if _process_is_ours(p[0])}
+        procs = ({p for p in twt_processes() - before.processes if _process_is_ours(p[0])}
+                 if before.check_processes else set())
         if (not segs and not procs) or time.monotonic() >= deadline:
             return segs, procs
         time.sleep(0.05)

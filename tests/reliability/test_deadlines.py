@@ -18,7 +18,10 @@ from tests.helpers.cluster import SupervisorHandle, supervisor, tenant, wait_for
 
 pytestmark = pytest.mark.timeout(150)  # several crash-and-respawn cycles: slow on a loaded 2-core machine
 
-GRACE_S = 2.0  # a margin that holds on a loaded 2-core machine
+GRACE_S = 2.0  # how long the restart lasts past the deadline
+#: how late an answer may come past its deadline and still count as the deadline's: generous (a
+#: loaded 2-core machine), and still far below the 30 s the slow fault would take without one
+LATE_S = 10.0
 REQUEST_TIMEOUT_S = 1.0
 WASM_TIMEOUT_S = 2.0
 #: what supervisor.routing gives a run_wasm: its run time plus DEADLINE_GRACE_S (2 s), at least request_timeout_s
@@ -58,7 +61,7 @@ def test_parked_request_expires_at_its_deadline() -> None:
         t0 = time.monotonic()
         with pytest.raises(KernelTimeout, match="no instance"):
             c.ping(cap)
-        assert REQUEST_TIMEOUT_S - 0.05 <= time.monotonic() - t0 <= REQUEST_TIMEOUT_S + GRACE_S
+        assert REQUEST_TIMEOUT_S - 0.05 <= time.monotonic() - t0 <= REQUEST_TIMEOUT_S + LATE_S
 
 
 def test_parked_then_dispatched_request_keeps_its_deadline() -> None:
@@ -80,5 +83,5 @@ def test_parked_then_dispatched_request_keeps_its_deadline() -> None:
         latency = time.monotonic() - t0
         waiter.close()
         assert not ok and isinstance(error_from_dict(payload), KernelTimeout), payload
-        assert latency <= RUN_DEADLINE_S + GRACE_S, (
+        assert latency <= RUN_DEADLINE_S + LATE_S, (
             f"answered {latency:.2f} s after it was sent; its deadline was {RUN_DEADLINE_S:g} s")

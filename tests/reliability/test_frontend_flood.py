@@ -205,7 +205,9 @@ def test_hundred_thousand_fuzzed_frames_no_crash_bounded_memory(sup: SupervisorH
 
     assert sup.process.poll() is None, "the supervisor died"
     assert not errors, errors[:3]
-    assert len(latencies) >= 10 and max(latencies) < 5.0, (len(latencies), max(latencies, default=None))
+    # served, never starved: every ping answered inside its 10 s timeout (no latency target: a
+    # loaded 2-core machine may stall one for seconds)
+    assert len(latencies) >= 10 and max(latencies) < 10.0, (len(latencies), max(latencies, default=None))
     assert set(codes) <= {"protocol_error", "isolation_violation", "capability_revoked", "invalid_argument",
                           "ok (hello)"}, codes
     assert replies > FRAMES // 3, (replies, fuzz.families)  # most are answerable (readable rid)

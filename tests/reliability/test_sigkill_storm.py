@@ -30,11 +30,9 @@ from tests.helpers.cluster import supervisor, tenant, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
-#: kills aimed for within KILL_WINDOW_S; how many land depends on how fast the machine restarts workers
+#: kills delivered, each to a ready worker: a count, never a window of time (a loaded machine only
+#: takes longer to restart the workers, ~15 s quiet)
 KILLS = 200
-KILL_WINDOW_S = 90
-#: the fewest kills that still make the test meaningful (a loaded 2-core machine delivers ~120 in 90 s)
-MIN_KILLS = 40
 VICTIM: dict[str, Any] = {"instances": 2, "max_restarts": 1_000_000, "restart_window_s": 0.2, "request_timeout_s": 10.0,
           "memory_quota_bytes": "256MiB"}
 #: what a caller of a victim may be told, besides a result
@@ -116,9 +114,9 @@ def test_hundreds_of_sigkills_under_load() -> None:
             load.start()
         rng = random.Random(2024)
         killed: set[int] = set()
-        deadline = time.monotonic() + KILL_WINDOW_S
+        started = time.monotonic()
         try:
-            while len(killed) < KILLS and time.monotonic() < deadline:
+            while len(killed) < KILLS:
                 rec = tenant(c.status(), rng.choice(["victim-a", "victim-b"]))
                 ready = [i["pid"] for i in rec["instances"] if i["state"] == "ready" and i["pid"] not in killed]
                 if ready:
@@ -130,9 +128,7 @@ def test_hundreds_of_sigkills_under_load() -> None:
             stop.set()
             for load in loads.values():
                 load.join(60)
-        # a count, not a rate: correctness is what follows; the kill rate is the machine's speed
-        assert len(killed) >= MIN_KILLS, f"only {len(killed)} kills delivered in {KILL_WINDOW_S} s"
-        print(f"{len(killed)} kills in {time.monotonic() - deadline + KILL_WINDOW_S:.1f} s;",
+        print(f"{len(killed)} kills in {time.monotonic() - started:.1f} s;",
               {name: dict(load.outcomes) for name, load in loads.items()})
         for name, load in loads.items():
             assert not load.is_alive() and not load.problems, (name, load.problems[:5])

@@ -55,15 +55,19 @@ class Bystander(threading.Thread):
                 self.latencies.append(time.monotonic() - t0)
 
     def check(self, what: str) -> None:
+        # enough pings to judge (a count of answers, not of time: a loaded machine serves fewer
+        # per second); a starved bystander fails here, or on its errors
+        wait_for(lambda: len(self.latencies) >= 20 or self.errors or not self.is_alive(), timeout_s=60,
+                 what=f"{what}: 20 bystander pings")
         self.stop.set()
         self.join(20)
         lat = sorted(self.latencies)
         assert not self.errors, (what, self.errors[:3])
         assert len(lat) >= 20, (what, len(lat))
         p99 = lat[int(len(lat) * 0.99) - 1]
-        # Not starved: every ping answered well inside its timeout. A margin, not a latency target
-        # (those are `twt bench` figures): it must hold on a loaded 2-core machine.
-        assert lat[-1] < 5.0, f"{what}: bystander p99 {p99 * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms"
+        # Not starved: every ping answered inside its 10 s timeout. Not a latency target (those are
+        # `twt bench` figures): it must hold on a loaded 2-core machine.
+        assert lat[-1] < 10.0, f"{what}: bystander p99 {p99 * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms"
 
 
 def _caps(sup: SupervisorHandle) -> tuple[TenantCapability, TenantCapability]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -25,6 +26,7 @@ from shared.spec import TenantSpec
 from supervisor.launch import SupervisorHandle, launch
 from tests.helpers import hygiene
 from tests.helpers.cluster import tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -35,7 +37,7 @@ TENANTS = [{"name": "a", "gpu_memory_bytes_cap": "64MiB"}, {"name": "b", "instan
 
 @pytest.fixture
 def run_dir() -> Iterator[str]:
-    path = f"/tmp/twt-r{os.getpid()}"
+    path = tempfile.mkdtemp(prefix="twt-r", dir=short_temp_dir())  # short: its sockets
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -139,13 +141,10 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
             else:
                 sup.process.kill()
             sup.process.wait(10)
-            t0 = time.monotonic()
-            wait_for(lambda: not any(_alive(p, t) for p, t in procs.items()), timeout_s=10.0,  # noqa: B023
+            # PDEATHSIG, heartbeats and the parent check end them at once; wait for it (the wait's
+            # time is a margin for a loaded machine, not a speed target)
+            wait_for(lambda: not any(_alive(p, t) for p, t in procs.items()), timeout_s=30.0,  # noqa: B023
                      interval_s=0.01, what=f"{name}: every process of the killed supervisor gone")
-            gone_in = time.monotonic() - t0
-            # PDEATHSIG, heartbeats and the parent check end them at once; 10 s is a margin for a
-            # loaded machine, not a speed target
-            assert gone_in < 10.0, (name, gone_in)
             after()
             # Whoever cleans them first - the next supervisor, or one that another test run starts on
             # this machine meanwhile (it applies the same dead-owner rule) - none may be left once the

@@ -17,7 +17,9 @@ def pipe_dir() -> Iterator[Path]:
     # unix socket paths are limited to ~107 bytes: keep the directory short
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="mps", dir="/tmp") as d:
+    from tests.helpers.tmp import short_temp_dir
+
+    with tempfile.TemporaryDirectory(prefix="mps", dir=short_temp_dir()) as d:
         yield Path(d)
 
 

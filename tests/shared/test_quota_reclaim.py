@@ -80,6 +80,7 @@ FORKSERVER = multiprocessing.get_context("forkserver")
 KILLS = 150
 
 
+@pytest.mark.slow  # the longest test of the suite: started first in a parallel run
 @pytest.mark.timeout(180)
 def test_sigkill_hammer_reclaims_exactly() -> None:
     """150 SIGKILLs at random points of two instances' consume/release loops: after

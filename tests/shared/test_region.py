@@ -167,11 +167,14 @@ def test_a_full_dev_shm_refuses_the_region_instead_of_a_later_sigbus(monkeypatch
     def full(fd: int, offset: int, size: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    before = set(os.listdir("/dev/shm"))
+    def ours() -> set[str]:  # this test's prefix only: other tests (parallel workers) make segments meanwhile
+        return {n for n in os.listdir("/dev/shm") if n.startswith(PREFIX)}
+
+    before = ours()
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(SegmentError, match="no room"):
         Region.create("acme", MIN_REGION_BYTES, prefix=PREFIX)
-    assert set(os.listdir("/dev/shm")) <= before  # nothing left behind
+    assert ours() <= before  # nothing left behind
 
 
 def test_a_created_region_has_its_memory() -> None:

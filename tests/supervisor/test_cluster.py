@@ -38,6 +38,7 @@ from supervisor.client import SupervisorClient
 from supervisor.cluster.ray_cluster import DEFAULT_NAME
 from tests.helpers import hygiene
 from tests.helpers.cluster import wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -53,12 +54,19 @@ FAST = {"backend": "stub", "pool_size": 0, "heartbeat_interval_s": 0.2, "stop_ti
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[Any]:
     """A Ray cluster of one head node without GPUs (nodes with GPUs join in ``ray_nodes``)."""
-    saved = {k: os.environ.get(k) for k in _RAY_ENV}
-    os.environ.update(_RAY_ENV)  # before Ray is imported: its constants are read at import
+    # Everything Ray writes stays in one fresh directory of this run's temp root (short: Ray's unix
+    # sockets live under it): its sessions and logs (``temp_dir``) and the address file that
+    # ``Cluster`` writes to ``$RAY_TMPDIR/ray/ray_current_cluster`` without creating the directory
+    # (on a machine where Ray never ran, no ``/tmp/ray`` exists: FileNotFoundError).
+    root = tempfile.mkdtemp(prefix="rt-", dir=short_temp_dir())
+    temp_dir = os.path.join(root, "ray")
+    os.mkdir(temp_dir)
+    env = {**_RAY_ENV, "RAY_TMPDIR": root}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # before Ray is imported: its constants are read at import
     import ray
     from ray.cluster_utils import Cluster
 
-    temp_dir = tempfile.mkdtemp(prefix="twt-rt-", dir="/tmp")  # Ray's sessions and logs; short: socket paths
     _NODE["temp_dir"] = temp_dir
     cluster = Cluster(initialize_head=True,
                       head_node_args={**_NODE, "num_gpus": 0, "include_dashboard": False})
@@ -68,7 +76,7 @@ def ray_head() -> Iterator[Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -29,6 +29,7 @@ from supervisor.backend_select import probe_cuda
 from supervisor.launch import SupervisorHandle, launch
 from supervisor.placement import MPS_HEADROOM_MIB, Placement, mps_environment
 from tests.helpers.cluster import FAST, instance_pid, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -341,7 +342,7 @@ def test_isolation_mps_without_a_daemon_is_refused_at_registration(tmp_path: Pat
 
 
 def test_mps_workers_get_their_limits_before_cuinit(tmp_path: Path) -> None:
-    pipe_dir = tempfile.mkdtemp(prefix="twt-mps-", dir="/tmp")  # short: unix socket paths are limited
+    pipe_dir = tempfile.mkdtemp(prefix="twt-mps-", dir=short_temp_dir())  # short: unix socket paths are limited
     daemon = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # stands in for the MPS control daemon
     try:
         daemon.bind(os.path.join(pipe_dir, "control"))

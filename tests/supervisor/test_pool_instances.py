@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -83,8 +82,13 @@ def test_two_instances_share_one_quota_and_survive_each_other() -> None:
         threads = [threading.Thread(target=hammer) for _ in range(3)] + [threading.Thread(target=sample)]
         for t in threads:
             t.start()
-        time.sleep(2.0)
-        stop.set()
+        try:
+            # hammer until what the test is about has happened (both instances served, the shared
+            # cap refused someone, the sampler saw use), not for a fixed time
+            wait_for(lambda: errors or (seen_instances == {0, 1} and c.quota(cap)["gpu_refusals"] > 0
+                                        and len(peaks) >= 20), timeout_s=60, what="both instances hammered")
+        finally:
+            stop.set()
         for t in threads:
             t.join(30)
         assert not errors, errors

@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -31,6 +32,7 @@ from shared.capability import TenantCapability
 from supervisor.launch import SupervisorHandle, launch
 from tests.helpers import hygiene
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -98,7 +100,8 @@ def test_sigkill_worker_with_requests_in_flight() -> None:
         pid = wait_for(lambda: instance_pid(sup, "acme"), what="acme ready")
         c.inject_fault(None, "acme", "slow", ms=5000)
         rids = [c.send("ping", acme_cap) for _ in range(5)]
-        time.sleep(0.2)
+        with sup.connect() as watcher:  # all five with the worker (not parked) before it dies
+            wait_for(lambda: tenant(watcher.status(), "acme")["in_flight"] == 5, what="5 requests in flight")
         os.kill(pid, signal.SIGKILL)
         answers = {}
         for _ in rids:
@@ -164,7 +167,7 @@ def test_hung_request_gets_deadline_and_worker_restarts() -> None:
         t0 = time.monotonic()
         with pytest.raises(KernelTimeout):
             c.ping(cap)
-        assert time.monotonic() - t0 < 15  # its 1 s deadline, with a margin for a loaded machine
+        assert time.monotonic() - t0 < 60  # its 1 s deadline, never a hang; the margin is for a loaded machine
         wait_for(lambda: (p := instance_pid(sup, "acme")) and p != pid, what="restart")
         c.ping(cap)
 
@@ -239,7 +242,7 @@ def test_evict_stops_worker_revokes_and_frees_name() -> None:
 
 
 def test_sigkill_supervisor_takes_workers_down_and_restart_cleans(tmp_path: object) -> None:
-    run_dir = f"/tmp/twt-k{os.getpid()}"
+    run_dir = tempfile.mkdtemp(prefix="twt-k", dir=short_temp_dir())  # short: its sockets
     for method in ("spawn", "forkserver"):
         settings = {"supervisor": {"backend": "stub", "pool_size": 2, "heartbeat_interval_s": 0.2},
                     "tenant": [{"name": "a"}, {"name": "b", "instances": 2}]}

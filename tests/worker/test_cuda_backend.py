@@ -613,7 +613,7 @@ def test_device_budget_has_a_bounded_number_of_slots() -> None:
     t0 = time.perf_counter()
     with DeviceBudget.create(0, MiB) as owner:
         assert owner.reclaim_dead() == []
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 20.0  # a scan of unbounded slots would take minutes: generous
 
 
 def test_every_error_the_driver_documents_as_sticky_is_classified_sticky() -> None:

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test suite in a fresh temp root of its own (make test, make test-fast; .ci/run runs make test).
+#   usage: tests/run-suite.sh [pytest arguments...]
+#
+# Everything the suite makes goes into one new directory, removed afterwards: $TMPDIR (tempfile,
+# launch()'s run dirs, multiprocessing, pytest's tmp_path under --basetemp), $RAY_TMPDIR (Ray's
+# sessions and its address file) and hypothesis's directory (tests/conftest.py). So a leftover of
+# an earlier run on the machine (/tmp/ray, say) can never make a run pass that would fail on a
+# fresh machine, and the leak fixture fails a test that writes anywhere else
+# (tests/helpers/hygiene.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# short, and under /tmp whatever $TMPDIR says: unix socket paths below it are limited to 107 bytes
+root=$(mktemp -d /tmp/twt.XXXXXX)
+trap 'rm -rf "$root"' EXIT
+export TMPDIR="$root" RAY_TMPDIR="$root" PYTEST_TWT_ROOT="$root"
+.venv/bin/python -m pytest --basetemp="$root/pt" "$@"
