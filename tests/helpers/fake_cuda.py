@@ -522,9 +522,8 @@ class FakeDriver:
         self.ctx_refs: dict[int, int] = {}  # device -> primary context retain count
         self.ctx_handle = {d: 0xC000 + d for d in range(devices)}
         self.streams: dict[int, tuple[int, int]] = {}  # handle -> (ctx, flags)
-        #: event handle -> perf_counter_ns of its last record (None: never recorded); the fake runs
-        #: every launch at once, so the time between two records is the device time in between
-        self.events: dict[int, int | None] = {}
+        #: event handle -> perf_counter_ns at which the stream got past its record (cuEventElapsedTime)
+        self.event_done_ns: dict[int, int] = {}
         self.pools: dict[int, _Pool] = {}
         self.allocs: dict[int, _Alloc] = {}
         self._bases: list[int] = []
@@ -1028,6 +1027,9 @@ class FakeDriver:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             h = int(stream) if stream is not None else 0
             self.events[int(event)] = (h, self.enqueued.get(h, 0))
+            self.event_done_ns.pop(int(event), None)
+            if self._event_done(int(event)):
+                self._done_at(int(event))  # nothing before it on the stream: complete now
             return (CUresult.CUDA_SUCCESS,)
 
     def _event_done(self, event: int) -> bool:
@@ -1050,6 +1052,8 @@ class FakeDriver:
                 if mark[0] in self.stalled:
                     return (CUresult.CUDA_ERROR_NOT_READY,)
                 self._run_stream(mark[0], mark[1])
+            if mark is not None and self._event_done(e):
+                self._done_at(e)
             lost = self._lost()
             return (lost if lost is not None else CUresult.CUDA_SUCCESS,)
 
@@ -1066,6 +1070,8 @@ class FakeDriver:
                 if mark[0] in self.stalled:
                     self.blocking_waits += 1
                 self._run_stream(mark[0], mark[1])
+            if mark is not None and self._event_done(e):
+                self._done_at(e)
             lost = self._lost()
             return (lost if lost is not None else CUresult.CUDA_SUCCESS,)
 
@@ -1076,58 +1082,29 @@ class FakeDriver:
                 return (err,)
             if self.events.pop(int(event), 0) == 0:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
-            return (CUresult.CUDA_SUCCESS,)
-
-    # ------------------------------------------------------------- events (GPU-time charging)
-
-    def cuEventCreate(self, flags: int) -> tuple[Any, ...]:  # noqa: N802
-        with self._lock:
-            err = self._enter("cuEventCreate", needs_ctx=True)
-            if err is not None:
-                return (err, None)
-            h = self._new()
-            self.events[h] = None
-            return (CUresult.CUDA_SUCCESS, CUevent(h))
-
-    def cuEventRecord(self, event: Any, stream: Any) -> tuple[Any, ...]:  # noqa: N802
-        with self._lock:
-            err = self._enter("cuEventRecord", needs_ctx=True)
-            if err is not None:
-                return (err,)
-            if int(event) not in self.events or not self._stream_ok(stream):
-                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
-            self.events[int(event)] = time.perf_counter_ns()
-            return (CUresult.CUDA_SUCCESS,)
-
-    def cuEventSynchronize(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
-        with self._lock:
-            err = self._enter("cuEventSynchronize", needs_ctx=True)
-            if err is not None:
-                return (err,)
-            if int(event) not in self.events:
-                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+            self.event_done_ns.pop(int(event), None)
             return (CUresult.CUDA_SUCCESS,)
 
     def cuEventElapsedTime(self, start: Any, end: Any) -> tuple[Any, ...]:  # noqa: N802
+        """Milliseconds between the moments the stream got past the two records (the GPU-time
+        gate's charge); ``CUDA_ERROR_NOT_READY`` while either is still queued, as the driver."""
         with self._lock:
             err = self._enter("cuEventElapsedTime", needs_ctx=True)
             if err is not None:
                 return (err, None)
-            if int(start) not in self.events or int(end) not in self.events:
+            e0, e1 = int(start), int(end)
+            if e0 not in self.events or e1 not in self.events:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE, None)
-            t0, t1 = self.events[int(start)], self.events[int(end)]
-            if t0 is None or t1 is None:
+            if self.events[e0] is None or self.events[e1] is None:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE, None)  # the driver: not recorded yet
-            return (CUresult.CUDA_SUCCESS, (t1 - t0) / 1e6)
+            if not (self._event_done(e0) and self._event_done(e1)):
+                return (CUresult.CUDA_ERROR_NOT_READY, None)
+            t0, t1 = self._done_at(e0), self._done_at(e1)
+            return (CUresult.CUDA_SUCCESS, max(0, t1 - t0) / 1e6)
 
-    def cuEventDestroy(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
-        with self._lock:
-            err = self._enter("cuEventDestroy")
-            if err is not None:
-                return (err,)
-            if self.events.pop(int(event), 0) == 0:
-                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
-            return (CUresult.CUDA_SUCCESS,)
+    def _done_at(self, event: int) -> int:
+        """When the stream got past ``event``'s record (first seen done, if not noted before)."""
+        return self.event_done_ns.setdefault(event, time.perf_counter_ns())
 
     # ------------------------------------------------------------- pools
 
@@ -1371,6 +1348,8 @@ class FakeDriver:
                     ctypes.memmove(dst, bytes(a.buf()[off : off + count]), count)
 
                 self._enqueue(stream, run_to_address)
+                if not self._is_pinned(dst, count):
+                    self._finish_pageable(stream)
                 return (CUresult.CUDA_SUCCESS,)
             out = memoryview(dst).cast("B")
             if out.readonly or len(out) < count:
@@ -1380,7 +1359,22 @@ class FakeDriver:
                 out[:count] = a.buf()[off : off + count]
 
             self._enqueue(stream, run_to_buffer)
+            self._finish_pageable(stream)  # a Python buffer is pageable memory
             return (CUresult.CUDA_SUCCESS,)
+
+    def _is_pinned(self, addr: int, count: int) -> bool:
+        """Whether ``[addr, addr + count)`` lies in page-locked memory (cuMemHostRegister / cuMemAllocHost)."""
+        registered = getattr(self, "host_registered", {})
+        return any(base <= addr and addr + count <= base + size for base, size in registered.items())
+
+    def _finish_pageable(self, stream: Any) -> None:
+        """The driver's rule for a device-to-host copy into *pageable* memory: "the function will
+        return only once the copy has completed" (CUDA driver API, API synchronization behavior) -
+        so the stream runs up to this copy before the call returns. Only a copy into page-locked
+        memory stays queued (a stalled stream keeps it queued too: the real call would block)."""
+        h = 0 if stream is None else int(stream)
+        if h and h not in self.stalled:
+            self._run_stream(h, self.enqueued.get(h))
 
     # ------------------------------------------------------------- page-locked host memory
     #

@@ -331,6 +331,44 @@ def test_nothing_of_the_cluster_listens_beyond_loopback(
     assert not exposed
 
 
+def test_keyless_tcp_connections_to_a_node_are_shed_and_it_keeps_serving(deployed: RayCluster) -> None:
+    """Issue 30, findings 1-3 on a cluster node: raw TCP connections that never greet (no key, no
+    ZMTP greeting) against a node supervisor's CURVE frontend are counted and shed at accept (here:
+    past ``max_tcp_peers_per_source``, 64 by default), the node supervisor stays up, and a tenant
+    placed there is still served through the cluster client. Before, such a flood aborted the
+    node's supervisor and the directory marked the node dead."""
+    import socket
+
+    cc = deployed.register(_spec("attacked"))
+    socks: list[socket.socket] = []
+    try:
+        node = next(n for n in deployed.status()["nodes"] if n["node_id"] == cc.node_id)
+        host, port = node["endpoint"].removeprefix("tcp://").rsplit(":", 1)
+        assert host == "127.0.0.1"
+        with SupervisorClient(node["run_dir"], timeout_s=30) as local:
+            for _ in range(200):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.bind(("127.0.0.2", 0))  # another loopback source: the per-source cap is the attacker's
+                try:
+                    s.connect((host, int(port)))
+                except OSError:
+                    s.close()  # refused (the backlog full): the flood goes on
+                    continue
+                socks.append(s)
+            wait_for(lambda: local.status()["supervisor"]["connections_shed_by"].get("per_source", 0) > 0,
+                     60, what="keyless connections shed at the node")
+            with ClusterClient(directory=None, timeout_s=30) as client:
+                assert client.ping(cc.to_text())["tenant"] == cc.tenant_id
+            assert psutil.pid_exists(node["supervisor_pid"])
+            assert local.status()["supervisor"]["internal_errors"] == 0
+        assert all(n["alive"] for n in deployed.status()["nodes"])
+    finally:
+        for s in socks:
+            s.close()
+        deployed.evict(cc.tenant_id)
+
+
 def test_shutdown_leaves_no_process_and_no_segment(deployed: RayCluster) -> None:
     pids = [n["supervisor_pid"] for n in deployed.status()["nodes"] if n["alive"]]
     assert pids
