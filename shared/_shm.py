@@ -22,7 +22,7 @@ import mmap
 import os
 import sys
 from multiprocessing import shared_memory
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["SHM_DIR", "Segment", "attach", "create", "list_segments", "unlink"]
 
@@ -49,11 +49,11 @@ class _Owned:
         # The mapping is all most segments need: the shm fd would cost the supervisor one
         # more descriptor each for nothing (SharedMemory keeps it only for close()). A
         # segment whose size is checked before it is touched (:meth:`truncated`) keeps it.
+        # That check needs no descriptor of its own: CPython's mmap keeps a duplicate of the
+        # segment's fd, and ``mmap.size()`` is an fstat of it - one fd per segment either way.
         fd = getattr(shm, "_fd", -1)
-        self.fd = -1
+        self._sized: Any = getattr(shm, "_mmap", None) if keep_fd else None
         if isinstance(fd, int) and fd >= 0:
-            if keep_fd:
-                self.fd = os.dup(fd)  # ours: SharedMemory's own is closed below either way
             os.close(fd)
             shm._fd = -1  # type: ignore[attr-defined]
         self.name: str = shm.name
@@ -63,17 +63,15 @@ class _Owned:
     def truncated(self) -> bool:
         """Has someone shrunk the segment under our mapping (``ftruncate`` by a process of
         our uid)? Touching the pages past its end would be a SIGBUS. False without a kept fd."""
-        if self.fd < 0:
+        if self._sized is None:
             return False
         try:
-            return os.fstat(self.fd).st_size < self.size
-        except OSError:
+            return int(self._sized.size()) < self.size
+        except (OSError, ValueError):  # ValueError: the mapping is closed
             return True
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._sized = None
         self._shm.close()
 
     def unlink(self) -> None:

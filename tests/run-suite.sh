@@ -13,5 +13,7 @@ cd "$(dirname "$0")/.."
 # short, and under /tmp whatever $TMPDIR says: unix socket paths below it are limited to 107 bytes
 root=$(mktemp -d /tmp/twt.XXXXXX)
 trap 'rm -rf "$root"' EXIT
+# traverse-only for others: the client_group tests run a client as a second user below it
+chmod 0711 "$root"
 export TMPDIR="$root" RAY_TMPDIR="$root" PYTEST_TWT_ROOT="$root"
 .venv/bin/python -m pytest --basetemp="$root/pt" "$@"

@@ -30,6 +30,7 @@ from typing import Any
 from shared.errors import BackendUnavailable
 from shared.spec import TenantSpec
 from supervisor.bench._report import Report, Target, format_table, percentile
+from supervisor.rundir import temp_parent
 
 __all__ = ["main"]
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if other:
             print(f"twt bench cluster: RAY_ADDRESS={other} is left alone: starting an isolated local Ray "
                   "(give --address to use that cluster)", file=sys.stderr)
-        temp_dir = tempfile.mkdtemp(prefix="twt-bench-ray-", dir="/tmp")  # short: Ray's socket paths
+        temp_dir = tempfile.mkdtemp(prefix="twt-bench-ray-", dir=temp_parent())  # short: Ray's socket paths
     import ray
 
     from supervisor.cluster import RayCluster

@@ -25,6 +25,7 @@ import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from tests.helpers.tmp import short_temp_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,7 +91,7 @@ def other_user() -> Iterator[OtherUser]:
         subprocess.run(["useradd", "--system", "--no-create-home", "--gid", name, "--shell", "/usr/sbin/nologin",
                         name], check=True, capture_output=True)
         try:
-            mount_point = tempfile.mkdtemp(prefix="twt-py-", dir="/tmp")
+            mount_point = tempfile.mkdtemp(prefix="twt-py-", dir=short_temp_dir())
             os.chmod(mount_point, 0o755)
             try:
                 yield OtherUser(name, pwd.getpwnam(name).pw_uid, name, grp.getgrnam(name).gr_gid, mount_point)

@@ -22,7 +22,8 @@ from tests.helpers.wasm_env import tenant_env
 from worker.backends.stub import StubBackend
 from worker.wasm.host import memory_limits
 
-pytestmark = pytest.mark.timeout(300)  # the first build of a session compiles wasi-libc
+# the first build of a session compiles wasi-libc; every build runs the zig compiler (a process)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
 HELLO = r"""#include <stdio.h>
 #include <stdlib.h>

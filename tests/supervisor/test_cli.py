@@ -32,6 +32,7 @@ from supervisor.cli.events import format_event
 from supervisor.cli.status import format_duration, render
 from tests.helpers.cluster import FAST as FAST_SETTINGS
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -462,6 +463,8 @@ _REMOTE_ARGV = {
 #: commands that act on this host only -> the smallest valid arguments; --connect is refused (exit 2)
 _LOCAL_ARGV = {
     "keys": [], "supervise": [], "demo": [], "chaos": [], "mps": [], "cluster": ["status"], "cleanup": ["--dry-run"],
+    "state": ["backup", "x.db"],  # reads the state database of this host (SQLite's backup API)
+    "build": ["x.c", "-o", "x.wasm"],  # a compiler run on this host; no supervisor at all
 }
 
 
@@ -670,7 +673,7 @@ def test_top_and_events_survive_a_restart(tmp_path: Path) -> None:
 
     import tempfile
 
-    run_dir = tempfile.mkdtemp(prefix="twt-", dir="/tmp")  # short: ipc paths are limited
+    run_dir = tempfile.mkdtemp(prefix="twt-", dir=short_temp_dir())  # short: ipc paths are limited
     config = {"supervisor": {**FAST_SETTINGS}, "tenant": [{"name": "acme"}]}
     top = events = None
     try:

@@ -362,7 +362,8 @@ def test_keyless_tcp_connections_to_a_node_are_shed_and_it_keeps_serving(deploye
                 assert client.ping(cc.to_text())["tenant"] == cc.tenant_id
             assert psutil.pid_exists(node["supervisor_pid"])
             assert local.status()["supervisor"]["internal_errors"] == 0
-        assert all(n["alive"] for n in deployed.status()["nodes"])
+        # the directory still counts the node alive (an earlier test of this module killed another one)
+        assert next(n for n in deployed.status()["nodes"] if n["node_id"] == cc.node_id)["alive"]
     finally:
         for s in socks:
             s.close()

@@ -59,7 +59,7 @@ def start(run_dir):
 
 def test_a_full_state_disk_refuses_admin_ops_and_an_eviction_never_comes_undone() -> None:
     result = private_mount.run_scenario(_PRELUDE + """
-run_dir = tempfile.mkdtemp(prefix="twt-sf", dir="/tmp")
+run_dir = tempfile.mkdtemp(prefix="twt-sf")  # $TMPDIR: the run's short root
 state = os.path.join(run_dir, "state")
 mount_tmpfs(state, "4m")
 out = {}
@@ -101,7 +101,7 @@ print(json.dumps(out))
 def test_a_full_dev_shm_refuses_regions_and_registrations_and_the_supervisor_stays_up() -> None:
     result = private_mount.run_scenario(_PRELUDE + """
 from supervisor.regions import SHM_RESERVE_BYTES
-run_dir = tempfile.mkdtemp(prefix="twt-sh", dir="/tmp")
+run_dir = tempfile.mkdtemp(prefix="twt-sh")  # $TMPDIR: the run's short root
 mount_tmpfs("/dev/shm", "32m")
 subprocess.run(["chmod", "1777", "/dev/shm"], check=True)
 out = {}

@@ -115,8 +115,10 @@ def test_weights_cap_and_live_changes(sup: SupervisorHandle) -> None:
             t0 = time.monotonic()
             d = delta_until(sup, ("w7", "w3"), 3.0)
             elapsed = time.monotonic() - t0
-            assert d[0] / elapsed <= 0.2 + 0.05
-            assert d[0] / sum(d) < 0.35
+            assert d[0] / elapsed <= 0.2 + 0.05  # the cap: a fraction of wall time, whatever w3 does
+            # with equal weights the cap can only hold w7 below w3 (how far below depends on how much
+            # CPU the host gives the stub device's w3: scheduling, not asserted here; twt bench share)
+            assert d[0] / sum(d) < 0.5
             assert gpu(sup, "w7")["throttled"] > 0
     finally:
         for tid in caps:

@@ -23,6 +23,7 @@ from supervisor.launch import launch
 from supervisor.rundir import read_admin_capability
 from tests.helpers.cluster import FAST, wait_for
 from tests.helpers.raw_client import dealer
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,7 +31,7 @@ N = 8
 
 
 def test_registrations_arriving_during_a_commit_are_one_commit_and_all_durable(tmp_path: Path) -> None:
-    run_dir = tempfile.mkdtemp(prefix="twt-g", dir="/tmp")
+    run_dir = tempfile.mkdtemp(prefix="twt-g", dir=short_temp_dir())
     log = tmp_path / "supervisor.log"
     try:
         with open(log, "wb") as err:

@@ -23,6 +23,7 @@ from supervisor.metrics import DeviceGauges, MetricsSnapshot, TenantGauges, buil
 from supervisor.prometheus import TENANT_STATES, PrometheusMetrics, parse_metrics_addr
 from supervisor.rundir import RunDirLocked
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -347,7 +348,7 @@ def test_tenant_label_pseudonyms_survive_a_restart_and_map_back_in_status(tmp_pa
     from supervisor.metrics import LABEL_KEY_NAME, TenantLabels, tenant_label_key
     from tests.helpers.cluster import FAST
 
-    run_dir = tempfile.mkdtemp(prefix="twt-", dir="/tmp")  # short: ipc paths are limited
+    run_dir = tempfile.mkdtemp(prefix="twt-", dir=short_temp_dir())  # short: ipc paths are limited
     labels: list[str] = []
     try:
         for _ in range(2):

@@ -22,6 +22,7 @@ from supervisor.cli._common import describe_os_error
 from supervisor.launch import launch
 from supervisor.rundir import RunDir
 from tests.helpers.cluster import FAST, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -196,7 +197,7 @@ def test_systemd_notify_ready_watchdog_stopping() -> None:
 
     import psutil
 
-    where = tempfile.mkdtemp(prefix="twt-n", dir="/tmp")  # AF_UNIX paths are short
+    where = tempfile.mkdtemp(prefix="twt-n", dir=short_temp_dir())  # AF_UNIX paths are short
     run_dir = os.path.join(where, "run")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     received: queue.Queue[tuple[dict[str, str], bool]] = queue.Queue()

@@ -21,6 +21,7 @@ from shared.spec import TenantSpec
 from supervisor.launch import launch
 from supervisor.state import MARKER_FILE, STATE_FILE
 from tests.helpers.cluster import FAST
+from tests.helpers.tmp import short_temp_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture
 def run_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="twt-r", dir="/tmp")
+    path = tempfile.mkdtemp(prefix="twt-r", dir=short_temp_dir())
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
