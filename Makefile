@@ -25,6 +25,7 @@ TEST_WORKERS ?= 4
 
 ## make test: the whole suite (type check first, then pytest in a fresh temp root, tests/run-suite.sh)
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m mypy
 	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
@@ -35,6 +36,10 @@ test-fast: $(STAMP)
 ## make bench: every benchmark program, ratios against baselines measured in the same run
 bench: $(STAMP)
 	$(BIN)/twt bench all
+
+## make lint: ruff with the project's small rule set (pyproject.toml [tool.ruff]); make test runs it first
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, ClassVar, Self
+from typing import Any, ClassVar, Self
+from collections.abc import Callable
 
 
 from shared import _atomics, _shm

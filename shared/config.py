@@ -25,7 +25,8 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
+from collections.abc import Mapping
 
 from shared.errors import ConfigError
 from shared.sizes import parse_size

@@ -34,7 +34,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Final
+from typing import Any, Final
+from collections.abc import Callable
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment

@@ -187,7 +187,7 @@ def _make_init(cls: type[TensorWasmError], fields: Mapping[str, tuple[Any, Any]]
     source = f"def __init__(self, {', '.join(params)}):\n{body}    _root_init(self, message)\n"
     namespace: dict[str, Any] = {"_defaults": defaults, "_root_init": TensorWasmError.__init__}
     try:
-        exec(source, namespace)  # noqa: S102 - the source is built from identifiers checked above
+        exec(source, namespace)
     except SyntaxError as exc:  # a required field after one with a default
         raise TypeError(f"{cls.__name__}: {exc.msg}") from None
     init: Callable[..., None] = namespace["__init__"]
@@ -234,9 +234,9 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
                 fields.update(_declared_fields(base))
         fields.update(own)
         cls._fields = tuple(fields)
-        setattr(cls, "__match_args__", cls._fields)  # as the type checker assumes (PEP 681)
+        setattr(cls, "__match_args__", cls._fields)  # noqa: B010 - mypy refuses the plain assignment (PEP 681)
         if "__init__" not in cls.__dict__:
-            setattr(cls, "__init__", _make_init(cls, fields))
+            setattr(cls, "__init__", _make_init(cls, fields))  # noqa: B010 - mypy: cannot assign to a method
 
     def __init__(self, message: str | None = None) -> None:
         self.message = message

@@ -22,7 +22,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from shared.log import get_logger, log_event
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Final
+from typing import Any, Final
+from collections.abc import Callable
 
 import msgpack
 

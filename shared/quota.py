@@ -45,7 +45,8 @@ import os
 import re
 import secrets
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Final
+from typing import Any, Final
+from collections.abc import Callable
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment

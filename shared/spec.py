@@ -19,7 +19,8 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shared.gpu_time import check_gpu_time_cap, check_gpu_time_weight
 from shared.ids import TenantId

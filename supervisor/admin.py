@@ -39,7 +39,8 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 import psutil
 

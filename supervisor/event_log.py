@@ -53,7 +53,8 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any, Callable, Final
+from typing import Any, Final
+from collections.abc import Callable
 
 import msgpack
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Callable
 
 __all__ = ["FairTurn"]
 

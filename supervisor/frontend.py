@@ -38,7 +38,8 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import zmq
 

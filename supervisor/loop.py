@@ -24,7 +24,8 @@ import os
 import select
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import zmq
 

@@ -22,7 +22,8 @@ import hmac
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Union
+from typing import Protocol
+from collections.abc import Callable
 
 from shared.quota import QuotaSnapshot
 
@@ -151,7 +152,7 @@ class MetricsSnapshot:
 
 
 #: what the exporter calls at scrape time: the snapshot, or just tenant id -> its gauges
-MetricsSource = Callable[[], Union[MetricsSnapshot, Mapping[str, TenantGauges]]]
+MetricsSource = Callable[[], MetricsSnapshot | Mapping[str, TenantGauges]]
 
 
 def as_snapshot(value: MetricsSnapshot | Mapping[str, TenantGauges]) -> MetricsSnapshot:

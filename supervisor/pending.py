@@ -30,7 +30,8 @@ import heapq
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from shared import protocol as proto
 from shared.errors import KernelTimeout, TensorWasmError, WorkerLost

@@ -36,7 +36,8 @@ import math
 import os
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from shared.device_budget import DeviceBudget
 from shared.gpu_time import DEFAULT_QUANTUM_S, GpuTimeBoard

@@ -320,7 +320,7 @@ class PrometheusMetrics(Metrics):
         try:
             self._server = make_server(host, port, self._app, server_class, handler_class=_QuietHandler)
         except OSError as exc:
-            why = (f"the port is in use (another supervisor or program); choose another --metrics-addr"
+            why = ("the port is in use (another supervisor or program); choose another --metrics-addr"
                    if exc.errno == errno.EADDRINUSE else str(exc.strerror or exc))
             raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {why}") from None
         self.host = host

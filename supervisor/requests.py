@@ -21,7 +21,8 @@ what it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 __all__ = ["Parked", "Pending"]
 

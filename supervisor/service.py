@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig, read_config_file

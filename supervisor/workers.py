@@ -23,7 +23,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
 
 import psutil
 
@@ -186,7 +187,7 @@ class Spawner:
             supervisor_started=self._started,
         )
         t0 = time.monotonic()
-        process_cls = getattr(self.ctx, "Process")
+        process_cls = getattr(self.ctx, "Process")  # noqa: B009 - typeshed's BaseContext lacks Process
         proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(boot,), name=f"twt-worker-{worker_id}", daemon=False)
         proc.start()
         assert proc.pid is not None

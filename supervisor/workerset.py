@@ -25,7 +25,8 @@ import logging
 import signal
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 import zmq
 

@@ -77,7 +77,7 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
 
 def _filled(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents  # raises ValueError while the cell is empty
     except ValueError:
         return False
     return True

@@ -12,13 +12,13 @@ import msgpack  # noqa: F401
 import psutil  # noqa: F401
 import zmq  # noqa: F401
 
-import shared.protocol  # noqa: F401
-import shared.quota  # noqa: F401
+import shared.protocol
+import shared.quota
 import shared.spec  # noqa: F401
-import worker.context  # noqa: F401
-import worker.control  # noqa: F401
-import worker.main  # noqa: F401
-import worker.server  # noqa: F401
+import worker.context
+import worker.control
+import worker.main
+import worker.server
 
 try:
     import wasmtime  # noqa: F401

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import statistics
 import time
 from typing import Any
 

@@ -91,7 +91,7 @@ def _loops(block: QuotaBlock) -> dict[str, tuple[Callable[[int], object], int]]:
     value = _SPAWN.Value("Q", 0)
     limit = block.memory_quota_bytes
 
-    def mp_value(k: int, v: Any = value, lock: Any = value.get_lock()) -> None:
+    def mp_value(k: int, v: Any = value, lock: Any = value.get_lock()) -> None:  # noqa: B008 - fast locals, on purpose
         for _ in repeat(None, k):
             with lock:
                 if v.value + n > limit:

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             ["ping p50, 64 tenants (us)", statistics.median(rtt_64)],
             ["ping p99, 64 tenants (us)", percentile(rtt_64, 0.99)],
             ["supervisor RSS, 64 tenants", format_size(rss_64)],
-            [f"tenants registered and served", f"{served} of {args.tenants}"],
+            ["tenants registered and served", f"{served} of {args.tenants}"],
             [f"registering {args.tenants - 1} more (s)", register_all_s],
             [f"one ping to each of {args.tenants} (s)", serve_all_s],
             [f"supervisor RSS, {args.tenants} tenants", format_size(rss_all)],

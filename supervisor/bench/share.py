@@ -225,7 +225,7 @@ def _solo_rounds(on: SupervisorHandle, off: SupervisorHandle, args: argparse.Nam
     acc: dict[str, list[float]] = {"on": [], "off": []}
     phases = {"on": Phase(on, args.n, args.reps), "off": Phase(off, args.n, args.reps)}
     try:
-        for key, phase in phases.items():
+        for phase in phases.values():
             phase.add("solo", gpu_time_weight=7.0)
         for r in range(args.rounds):
             # the order alternates round by round: a load that drifts during the run favours neither

@@ -80,7 +80,7 @@ def _supervisor(cfg: ChaosConfig, stack: ExitStack) -> Iterator[tuple[str, int |
         return
     log: Any = subprocess.DEVNULL
     if cfg.supervisor_log:
-        log = stack.enter_context(open(cfg.supervisor_log, "ab"))  # noqa: SIM115 - closed by the stack
+        log = stack.enter_context(open(cfg.supervisor_log, "ab"))
     settings = {**SUPERVISOR_SETTINGS, "backend": cfg.backend}
     with launch({"supervisor": settings, "tenant": []}, start_method=cfg.start_method, stderr=log) as handle:
         yield handle.run_dir, handle.pid

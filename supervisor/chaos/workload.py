@@ -275,7 +275,7 @@ class _Client(threading.Thread):
         self.client = client
         for handle in sorted(self.live):
             buf = self.live[handle]
-            outcome, _ = self._call("free", lambda c: c.free(self.cap, handle))  # noqa: B023 - called at once
+            outcome, _ = self._call("free", lambda c: c.free(self.cap, handle))
             if outcome == "ok":
                 del self.live[handle]
             elif self._gone(outcome) or buf.doomed or outcome in _DEATH_CODES:

@@ -17,7 +17,8 @@ import argparse
 import dataclasses
 import io
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from shared.errors import RequestTimeout, SupervisorUnavailable, UnknownTenant
 from shared.exitcodes import EXIT_FAILED, EXIT_OK

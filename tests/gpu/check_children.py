@@ -23,7 +23,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 MiB = 1 << 20
 NONCE_FLOATS = 256  # 1 KiB written by tenant A in the isolation phase

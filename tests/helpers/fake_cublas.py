@@ -74,7 +74,7 @@ class PointerMode(enum.IntEnum):
     DEVICE = 1
 
 
-class cuBLASError(Exception):  # noqa: N801 - the bindings' name
+class cuBLASError(Exception):
     def __init__(self, status: int) -> None:
         self.status = status
         super().__init__(f"{Status(status).name} ({status})")
@@ -281,7 +281,7 @@ class CublasRecorder:
         self._fake = fake
         self._seen: dict[tuple[str, tuple[str, ...]], int] = {}
         os.makedirs(record_dir, exist_ok=True)
-        self._file = open(os.path.join(record_dir, f"{os.getpid()}.cublas"), "ab")  # noqa: SIM115 - process-long
+        self._file = open(os.path.join(record_dir, f"{os.getpid()}.cublas"), "ab")
         self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:

@@ -232,7 +232,7 @@ class _Handle:
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._value))
 
-    def getPtr(self) -> int:  # noqa: N802 - the bindings' name
+    def getPtr(self) -> int:
         return self._value
 
     def __repr__(self) -> str:
@@ -262,7 +262,7 @@ class _Value:
     def __int__(self) -> int:
         return self._value
 
-    def getPtr(self) -> int:  # noqa: N802
+    def getPtr(self) -> int:
         return id(self)
 
     def __repr__(self) -> str:
@@ -281,7 +281,7 @@ class CUdeviceptr(_Value):
     __slots__ = ()
 
 
-class cuuint64_t(_Value):  # noqa: N801 - the bindings' name
+class cuuint64_t(_Value):
     __slots__ = ()
 
 
@@ -301,10 +301,6 @@ class CUmemoryPool(_Handle):
     __slots__ = ()
 
 
-class CUevent(_Handle):
-    __slots__ = ()
-
-
 class CUmodule(_Handle):
     __slots__ = ()
 
@@ -313,7 +309,7 @@ class CUfunction(_Handle):
     __slots__ = ()
 
 
-class nvrtcProgram(_Handle):  # noqa: N801
+class nvrtcProgram(_Handle):
     __slots__ = ()
 
 
@@ -715,7 +711,7 @@ class FakeDriver:
 
     # ------------------------------------------------------------- init and devices
 
-    def cuInit(self, flags: int) -> tuple[Any, ...]:  # noqa: N802
+    def cuInit(self, flags: int) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuInit", needs_init=False)
             if err is not None:
@@ -742,15 +738,15 @@ class FakeDriver:
             json.dump(doc, f)
         os.replace(path + ".tmp", path)
 
-    def cuDriverGetVersion(self) -> tuple[Any, ...]:  # noqa: N802
+    def cuDriverGetVersion(self) -> tuple[Any, ...]:
         err = self._enter("cuDriverGetVersion", needs_init=False)
         return (err, None) if err is not None else (CUresult.CUDA_SUCCESS, self.driver_version)
 
-    def cuDeviceGetCount(self) -> tuple[Any, ...]:  # noqa: N802
+    def cuDeviceGetCount(self) -> tuple[Any, ...]:
         err = self._enter("cuDeviceGetCount")
         return (err, 0) if err is not None else (CUresult.CUDA_SUCCESS, self.devices)
 
-    def cuDeviceGet(self, ordinal: int) -> tuple[Any, ...]:  # noqa: N802
+    def cuDeviceGet(self, ordinal: int) -> tuple[Any, ...]:
         err = self._enter("cuDeviceGet")
         if err is not None:
             return (err, None)
@@ -762,7 +758,7 @@ class FakeDriver:
         d = int(dev)
         return d if 0 <= d < self.devices else None
 
-    def cuDeviceGetName(self, length: int, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuDeviceGetName(self, length: int, dev: Any) -> tuple[Any, ...]:
         err = self._enter("cuDeviceGetName")
         if err is not None:
             return (err, None)
@@ -771,7 +767,7 @@ class FakeDriver:
         raw = self.device_name.encode()[: length - 1]
         return (CUresult.CUDA_SUCCESS, raw + b"\0" * (length - len(raw)))
 
-    def cuDeviceTotalMem(self, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuDeviceTotalMem(self, dev: Any) -> tuple[Any, ...]:
         err = self._enter("cuDeviceTotalMem")
         if err is not None:
             return (err, None)
@@ -779,7 +775,7 @@ class FakeDriver:
             return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
         return (CUresult.CUDA_SUCCESS, self.memory_bytes)
 
-    def cuDeviceGetAttribute(self, attrib: Any, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuDeviceGetAttribute(self, attrib: Any, dev: Any) -> tuple[Any, ...]:
         err = self._enter("cuDeviceGetAttribute")
         if err is not None:
             return (err, None)
@@ -795,7 +791,7 @@ class FakeDriver:
             return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
         return (CUresult.CUDA_SUCCESS, values[CUdevice_attribute(int(attrib))])
 
-    def cuGetErrorName(self, error: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuGetErrorName(self, error: Any) -> tuple[Any, ...]:
         self.calls.append("cuGetErrorName")
         if self.mode == "no-libcuda":
             raise DynamicLibNotFoundError("libcuda not found (fake)")
@@ -806,7 +802,7 @@ class FakeDriver:
 
     # ------------------------------------------------------------- contexts
 
-    def cuDevicePrimaryCtxRetain(self, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuDevicePrimaryCtxRetain(self, dev: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuDevicePrimaryCtxRetain")
             if err is not None:
@@ -821,7 +817,7 @@ class FakeDriver:
             self._record()
             return (CUresult.CUDA_SUCCESS, CUcontext(self.ctx_handle[d]))
 
-    def cuDevicePrimaryCtxRelease(self, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuDevicePrimaryCtxRelease(self, dev: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuDevicePrimaryCtxRelease")
             if err is not None:
@@ -844,7 +840,7 @@ class FakeDriver:
                 self.raw_reserved[d] = 0
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuDevicePrimaryCtxSetFlags(self, dev: Any, flags: int) -> tuple[Any, ...]:  # noqa: N802
+    def cuDevicePrimaryCtxSetFlags(self, dev: Any, flags: int) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuDevicePrimaryCtxSetFlags")
             if err is not None:
@@ -859,7 +855,7 @@ class FakeDriver:
             self.primary_flags[d] = int(flags)
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuDevicePrimaryCtxGetState(self, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuDevicePrimaryCtxGetState(self, dev: Any) -> tuple[Any, ...]:
         err = self._enter("cuDevicePrimaryCtxGetState")
         if err is not None:
             return (err, None, None)
@@ -868,7 +864,7 @@ class FakeDriver:
             return (CUresult.CUDA_ERROR_INVALID_DEVICE, None, None)
         return (CUresult.CUDA_SUCCESS, self.primary_flags[d], int(self.ctx_refs.get(d, 0) > 0))
 
-    def cuCtxGetFlags(self) -> tuple[Any, ...]:  # noqa: N802
+    def cuCtxGetFlags(self) -> tuple[Any, ...]:
         err = self._enter("cuCtxGetFlags", needs_ctx=True)
         if err is not None:
             return (err, None)
@@ -879,7 +875,7 @@ class FakeDriver:
         assert d is not None
         return (CUresult.CUDA_SUCCESS, self.primary_flags[d])
 
-    def cuCtxCreate(self, params: Any, flags: int, dev: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuCtxCreate(self, params: Any, flags: int, dev: Any) -> tuple[Any, ...]:
         """A regular (non-primary) context made current; it costs ``context_bytes`` until destroyed."""
         with self._lock:
             err = self._enter("cuCtxCreate")
@@ -897,7 +893,7 @@ class FakeDriver:
             self._tls.ctx = h
             return (CUresult.CUDA_SUCCESS, CUcontext(h))
 
-    def cuCtxDestroy(self, ctx: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuCtxDestroy(self, ctx: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuCtxDestroy")
             if err is not None:
@@ -910,7 +906,7 @@ class FakeDriver:
                 self._tls.ctx = 0
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuCtxSetCurrent(self, ctx: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuCtxSetCurrent(self, ctx: Any) -> tuple[Any, ...]:
         err = self._enter("cuCtxSetCurrent")
         if err is not None:
             return (err,)
@@ -920,13 +916,13 @@ class FakeDriver:
         self._tls.ctx = h
         return (CUresult.CUDA_SUCCESS,)
 
-    def cuCtxGetCurrent(self) -> tuple[Any, ...]:  # noqa: N802
+    def cuCtxGetCurrent(self) -> tuple[Any, ...]:
         err = self._enter("cuCtxGetCurrent")
         if err is not None:
             return (err, None)
         return (CUresult.CUDA_SUCCESS, CUcontext(self._ctx()))
 
-    def cuCtxPopCurrent(self) -> tuple[Any, ...]:  # noqa: N802
+    def cuCtxPopCurrent(self) -> tuple[Any, ...]:
         err = self._enter("cuCtxPopCurrent")
         if err is not None:
             return (err, None)
@@ -936,7 +932,7 @@ class FakeDriver:
         self._tls.ctx = 0
         return (CUresult.CUDA_SUCCESS, CUcontext(h))
 
-    def cuMemGetInfo(self) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemGetInfo(self) -> tuple[Any, ...]:
         err = self._enter("cuMemGetInfo", needs_ctx=True)
         if err is not None:
             return (err, None, None)
@@ -946,7 +942,7 @@ class FakeDriver:
 
     # ------------------------------------------------------------- streams
 
-    def cuStreamCreate(self, flags: int) -> tuple[Any, ...]:  # noqa: N802
+    def cuStreamCreate(self, flags: int) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuStreamCreate", needs_ctx=True)
             if err is not None:
@@ -957,7 +953,7 @@ class FakeDriver:
             self.streams[h] = (self._ctx(), int(flags))
             return (CUresult.CUDA_SUCCESS, CUstream(h))
 
-    def cuStreamDestroy(self, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuStreamDestroy(self, stream: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuStreamDestroy")
             if err is not None:
@@ -968,7 +964,7 @@ class FakeDriver:
             del self.streams[int(stream)]
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuStreamSynchronize(self, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuStreamSynchronize(self, stream: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuStreamSynchronize", needs_ctx=True)
             if err is not None:
@@ -991,7 +987,7 @@ class FakeDriver:
         dev = self._ctx_device(self._ctx())
         return None if dev is None else self.sticky.get(dev)
 
-    def cuStreamQuery(self, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuStreamQuery(self, stream: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuStreamQuery", needs_ctx=True)
             if err is not None:
@@ -1007,7 +1003,7 @@ class FakeDriver:
 
     # ------------------------------------------------------------- events
 
-    def cuEventCreate(self, flags: int) -> tuple[Any, ...]:  # noqa: N802
+    def cuEventCreate(self, flags: int) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuEventCreate", needs_ctx=True)
             if err is not None:
@@ -1018,7 +1014,7 @@ class FakeDriver:
             self.events[h] = None
             return (CUresult.CUDA_SUCCESS, CUevent(h))
 
-    def cuEventRecord(self, event: Any, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuEventRecord(self, event: Any, stream: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuEventRecord", needs_ctx=True)
             if err is not None:
@@ -1039,7 +1035,7 @@ class FakeDriver:
         h, seq = mark
         return self.completed.get(h, 0) >= seq or not any(q <= seq for q, _ in self.queues.get(h, []))
 
-    def cuEventQuery(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuEventQuery(self, event: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuEventQuery", needs_ctx=True)
             if err is not None:
@@ -1057,7 +1053,7 @@ class FakeDriver:
             lost = self._lost()
             return (lost if lost is not None else CUresult.CUDA_SUCCESS,)
 
-    def cuEventSynchronize(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuEventSynchronize(self, event: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuEventSynchronize", needs_ctx=True)
             if err is not None:
@@ -1075,7 +1071,7 @@ class FakeDriver:
             lost = self._lost()
             return (lost if lost is not None else CUresult.CUDA_SUCCESS,)
 
-    def cuEventDestroy(self, event: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuEventDestroy(self, event: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuEventDestroy")
             if err is not None:
@@ -1085,7 +1081,7 @@ class FakeDriver:
             self.event_done_ns.pop(int(event), None)
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuEventElapsedTime(self, start: Any, end: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuEventElapsedTime(self, start: Any, end: Any) -> tuple[Any, ...]:
         """Milliseconds between the moments the stream got past the two records (the GPU-time
         gate's charge); ``CUDA_ERROR_NOT_READY`` while either is still queued, as the driver."""
         with self._lock:
@@ -1108,7 +1104,7 @@ class FakeDriver:
 
     # ------------------------------------------------------------- pools
 
-    def cuMemGetAllocationGranularity(self, prop: Any, option: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemGetAllocationGranularity(self, prop: Any, option: Any) -> tuple[Any, ...]:
         err = self._enter("cuMemGetAllocationGranularity")
         if err is not None:
             return (err, None)
@@ -1122,7 +1118,7 @@ class FakeDriver:
             return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
         return (CUresult.CUDA_SUCCESS, self.granularity)
 
-    def cuMemPoolCreate(self, props: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemPoolCreate(self, props: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemPoolCreate", needs_ctx=True)
             if err is not None:
@@ -1145,7 +1141,7 @@ class FakeDriver:
             self.pools[h] = _Pool(h, d, self._ctx(), props.maxSize)
             return (CUresult.CUDA_SUCCESS, CUmemoryPool(h))
 
-    def cuMemPoolDestroy(self, pool: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemPoolDestroy(self, pool: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemPoolDestroy")
             if err is not None:
@@ -1158,7 +1154,7 @@ class FakeDriver:
                 del self.pools[p.handle]
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemPoolTrimTo(self, pool: Any, min_bytes_to_keep: int) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemPoolTrimTo(self, pool: Any, min_bytes_to_keep: int) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemPoolTrimTo")
             if err is not None:
@@ -1169,7 +1165,7 @@ class FakeDriver:
             self._trim(p, min_bytes_to_keep)
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemPoolSetAttribute(self, pool: Any, attr: Any, value: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemPoolSetAttribute(self, pool: Any, attr: Any, value: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemPoolSetAttribute")
             if err is not None:
@@ -1203,7 +1199,7 @@ class FakeDriver:
                 return (CUresult.CUDA_SUCCESS,)
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
 
-    def cuMemPoolGetAttribute(self, pool: Any, attr: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemPoolGetAttribute(self, pool: Any, attr: Any) -> tuple[Any, ...]:
         err = self._enter("cuMemPoolGetAttribute")
         if err is not None:
             return (err, None)
@@ -1225,7 +1221,7 @@ class FakeDriver:
             return (CUresult.CUDA_SUCCESS, 1)  # the reuse flags: int
         return (CUresult.CUDA_SUCCESS, cuuint64_t(values[a]))
 
-    def cuMemAllocFromPoolAsync(self, bytesize: int, pool: Any, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemAllocFromPoolAsync(self, bytesize: int, pool: Any, stream: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemAllocFromPoolAsync", needs_ctx=True)
             if err is not None:
@@ -1251,7 +1247,7 @@ class FakeDriver:
             p.live += 1
             return (CUresult.CUDA_SUCCESS, CUdeviceptr(self._add_alloc(bytesize, charged, p, p.device)))
 
-    def cuMemFreeAsync(self, dptr: Any, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemFreeAsync(self, dptr: Any, stream: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemFreeAsync", needs_ctx=True)
             if err is not None:
@@ -1277,7 +1273,7 @@ class FakeDriver:
             self._enqueue(stream, run_free)
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemAlloc(self, bytesize: int) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemAlloc(self, bytesize: int) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemAlloc", needs_ctx=True)
             if err is not None:
@@ -1292,7 +1288,7 @@ class FakeDriver:
             self.raw_reserved[d] += charged
             return (CUresult.CUDA_SUCCESS, CUdeviceptr(self._add_alloc(bytesize, charged, None, d)))
 
-    def cuMemFree(self, dptr: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemFree(self, dptr: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemFree", needs_ctx=True)
             if err is not None:
@@ -1306,7 +1302,7 @@ class FakeDriver:
 
     # ------------------------------------------------------------- copies
 
-    def cuMemcpyHtoDAsync(self, dst: Any, src: Any, count: int, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemcpyHtoDAsync(self, dst: Any, src: Any, count: int, stream: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemcpyHtoDAsync", needs_ctx=True)
             if err is not None:
@@ -1332,7 +1328,7 @@ class FakeDriver:
             self._enqueue(stream, run_copy)
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemcpyDtoHAsync(self, dst: Any, src: Any, count: int, stream: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemcpyDtoHAsync(self, dst: Any, src: Any, count: int, stream: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemcpyDtoHAsync", needs_ctx=True)
             if err is not None:
@@ -1387,7 +1383,7 @@ class FakeDriver:
         ranges: dict[int, int] = self.__dict__.setdefault("_host_ranges", {})
         return ranges
 
-    def cuMemHostRegister(self, p: Any, bytesize: int, flags: int) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemHostRegister(self, p: Any, bytesize: int, flags: int) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemHostRegister", needs_ctx=True)
             if err is not None:
@@ -1400,7 +1396,7 @@ class FakeDriver:
             self.host_registered[p] = bytesize
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemHostUnregister(self, p: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemHostUnregister(self, p: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemHostUnregister", needs_ctx=True)
             if err is not None:
@@ -1413,7 +1409,7 @@ class FakeDriver:
                 self.unregistered_under_queued_work = getattr(self, "unregistered_under_queued_work", 0) + 1
             return (CUresult.CUDA_SUCCESS,)
 
-    def cuMemAllocHost(self, bytesize: int) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemAllocHost(self, bytesize: int) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemAllocHost", needs_ctx=True)
             if err is not None:
@@ -1426,7 +1422,7 @@ class FakeDriver:
             self.host_registered[addr] = bytesize
             return (CUresult.CUDA_SUCCESS, addr)
 
-    def cuMemFreeHost(self, p: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuMemFreeHost(self, p: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuMemFreeHost", needs_ctx=True)
             if err is not None:
@@ -1438,7 +1434,7 @@ class FakeDriver:
 
     # ------------------------------------------------------------- modules and kernels
 
-    def cuModuleLoadData(self, image: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuModuleLoadData(self, image: Any) -> tuple[Any, ...]:
         with self._lock:
             err = self._enter("cuModuleLoadData", needs_ctx=True)
             if err is not None:
@@ -1457,7 +1453,7 @@ class FakeDriver:
                 self.module_reserved[h] = (d, self.module_bytes)
             return (CUresult.CUDA_SUCCESS, CUmodule(h))
 
-    def cuModuleGetFunction(self, hmod: Any, name: bytes) -> tuple[Any, ...]:  # noqa: N802
+    def cuModuleGetFunction(self, hmod: Any, name: bytes) -> tuple[Any, ...]:
         err = self._enter("cuModuleGetFunction", needs_ctx=True)
         if err is not None:
             return (err, None)
@@ -1470,7 +1466,7 @@ class FakeDriver:
         self.functions[h] = (int(hmod), name, mod[name])
         return (CUresult.CUDA_SUCCESS, CUfunction(h))
 
-    def cuModuleUnload(self, hmod: Any) -> tuple[Any, ...]:  # noqa: N802
+    def cuModuleUnload(self, hmod: Any) -> tuple[Any, ...]:
         err = self._enter("cuModuleUnload", needs_ctx=True)
         if err is not None:
             return (err,)
@@ -1481,7 +1477,7 @@ class FakeDriver:
             del self.functions[h]
         return (CUresult.CUDA_SUCCESS,)
 
-    def cuLaunchKernel(  # noqa: N802
+    def cuLaunchKernel(
         self, f: Any, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
         shared: int, stream: Any, kernel_params: Any, extra: Any,
     ) -> tuple[Any, ...]:
@@ -1556,18 +1552,18 @@ class FakeDriver:
             return nvrtcResult(queued.pop(0))
         return None
 
-    def nvrtcVersion(self) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcVersion(self) -> tuple[Any, ...]:
         err = self._nvrtc_enter("nvrtcVersion")
         return (err, 0, 0) if err is not None else (nvrtcResult.NVRTC_SUCCESS, 13, 0)
 
-    def nvrtcGetErrorString(self, result: Any) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetErrorString(self, result: Any) -> tuple[Any, ...]:
         self.calls.append("nvrtcGetErrorString")
         try:
             return (nvrtcResult.NVRTC_SUCCESS, nvrtcResult(int(result)).name.encode())
         except ValueError:
             return (nvrtcResult.NVRTC_SUCCESS, b"NVRTC_ERROR unknown")
 
-    def nvrtcCreateProgram(self, src: bytes, name: bytes, num_headers: int, headers: Any, include_names: Any) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcCreateProgram(self, src: bytes, name: bytes, num_headers: int, headers: Any, include_names: Any) -> tuple[Any, ...]:
         err = self._nvrtc_enter("nvrtcCreateProgram")
         if err is not None:
             return (err, None)
@@ -1577,7 +1573,7 @@ class FakeDriver:
         self.programs[h] = {"src": src.decode(), "image": None, "log": b"", "options": []}
         return (nvrtcResult.NVRTC_SUCCESS, nvrtcProgram(h))
 
-    def nvrtcCompileProgram(self, prog: Any, num_options: int, options: Any) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcCompileProgram(self, prog: Any, num_options: int, options: Any) -> tuple[Any, ...]:
         err = self._nvrtc_enter("nvrtcCompileProgram")
         if err is not None:
             return (err,)
@@ -1632,19 +1628,19 @@ class FakeDriver:
         _fill_bytes(out, p["image"])
         return (nvrtcResult.NVRTC_SUCCESS,)
 
-    def nvrtcGetCUBINSize(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetCUBINSize(self, prog: Any) -> tuple[Any, ...]:
         return self._image_size("nvrtcGetCUBINSize", prog, "sm_")
 
-    def nvrtcGetCUBIN(self, prog: Any, cubin: bytes | bytearray) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetCUBIN(self, prog: Any, cubin: bytes | bytearray) -> tuple[Any, ...]:
         return self._image_get("nvrtcGetCUBIN", prog, cubin, "sm_")
 
-    def nvrtcGetPTXSize(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetPTXSize(self, prog: Any) -> tuple[Any, ...]:
         return self._image_size("nvrtcGetPTXSize", prog, "compute_")
 
-    def nvrtcGetPTX(self, prog: Any, ptx: bytes | bytearray) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetPTX(self, prog: Any, ptx: bytes | bytearray) -> tuple[Any, ...]:
         return self._image_get("nvrtcGetPTX", prog, ptx, "compute_")
 
-    def nvrtcGetProgramLogSize(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetProgramLogSize(self, prog: Any) -> tuple[Any, ...]:
         err = self._nvrtc_enter("nvrtcGetProgramLogSize")
         if err is not None:
             return (err, None)
@@ -1653,7 +1649,7 @@ class FakeDriver:
             return (nvrtcResult.NVRTC_ERROR_INVALID_PROGRAM, None)
         return (nvrtcResult.NVRTC_SUCCESS, len(p["log"]) + 1)
 
-    def nvrtcGetProgramLog(self, prog: Any, log: bytes | bytearray) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcGetProgramLog(self, prog: Any, log: bytes | bytearray) -> tuple[Any, ...]:
         err = self._nvrtc_enter("nvrtcGetProgramLog")
         if err is not None:
             return (err,)
@@ -1663,7 +1659,7 @@ class FakeDriver:
         _fill_bytes(log, p["log"] + b"\0")
         return (nvrtcResult.NVRTC_SUCCESS,)
 
-    def nvrtcDestroyProgram(self, prog: Any) -> tuple[Any, ...]:  # noqa: N802
+    def nvrtcDestroyProgram(self, prog: Any) -> tuple[Any, ...]:
         err = self._nvrtc_enter("nvrtcDestroyProgram")
         if err is not None:
             return (err,)
@@ -1868,7 +1864,7 @@ class CallRecorder:
         self._fake = fake
         self._seen: dict[tuple[Any, ...], int] = {}
         os.makedirs(record_dir, exist_ok=True)
-        self._file = open(os.path.join(record_dir, f"{os.getpid()}.calls"), "ab")  # noqa: SIM115 - process-long
+        self._file = open(os.path.join(record_dir, f"{os.getpid()}.calls"), "ab")
         self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:

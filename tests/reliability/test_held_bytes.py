@@ -20,7 +20,6 @@ import pytest
 import zmq
 
 from shared import protocol as proto
-from shared.capability import TenantCapability
 from tests.helpers.cluster import supervisor, tenant, wait_for
 from tests.helpers.raw_client import dealer as _dealer, request as _req
 

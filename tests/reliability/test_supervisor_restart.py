@@ -143,7 +143,7 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
             sup.process.wait(10)
             # PDEATHSIG, heartbeats and the parent check end them at once; wait for it (the wait's
             # time is a margin for a loaded machine, not a speed target)
-            wait_for(lambda: not any(_alive(p, t) for p, t in procs.items()), timeout_s=30.0,  # noqa: B023
+            wait_for(lambda: not any(_alive(p, t) for p, t in procs.items()), timeout_s=30.0,
                      interval_s=0.01, what=f"{name}: every process of the killed supervisor gone")
             after()
             # Whoever cleans them first - the next supervisor, or one that another test run starts on

@@ -473,7 +473,7 @@ def test_counter_in_a_reference_cycle_is_collected() -> None:
     holder: dict[str, Any] = {}
 
     def refuse(n: int, used: int, limit: int) -> BaseException:
-        return Refused(holder)  # the callback keeps the counter alive: a cycle
+        return Refused(holder)  # noqa: F821 - a closure cell, deleted below on purpose: the cycle is the test
 
     c = _atomics.Counter(ba, 0, refuse, Recorder().underflow, Recorder().closed)
     holder["c"] = c

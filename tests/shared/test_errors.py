@@ -232,7 +232,7 @@ def test_wire_codes_are_pinned_and_unique() -> None:
 def test_a_second_class_cannot_take_a_used_code() -> None:
     with pytest.raises(TypeError, match="already used"):
 
-        class Duplicate(TensorWasmError):  # noqa: F841 - the class statement is the test
+        class Duplicate(TensorWasmError):
             code = "memory_exhausted"
 
 
@@ -398,17 +398,17 @@ def test_a_subclass_declares_fields_in_one_block() -> None:
 def test_a_declaration_that_cannot_be_a_constructor_is_refused_at_class_creation() -> None:
     with pytest.raises(TypeError, match="non-default argument|parameter without a default"):
 
-        class Bad(WasmTrap):  # noqa: F841 - a required field after WasmTrap's defaulted detail
+        class Bad(WasmTrap):
             late: str
 
     with pytest.raises(TypeError, match="cannot be an error field"):
 
-        class Worse(TensorWasmError):  # noqa: F841
+        class Worse(TensorWasmError):
             self: str
 
     with pytest.raises(TypeError, match="annotate a class constant ClassVar"):
 
-        class Private(TensorWasmError):  # noqa: F841 - a type checker would see a constructor parameter
+        class Private(TensorWasmError):
             _hint: str = "x"
 
 

@@ -154,11 +154,11 @@ def test_byte_view_takes_bytes_and_arrays() -> None:
 def test_pipeline_chunk_sizes() -> None:
     from shared.region import DEFAULT_CHUNK_BYTES, MIN_PIPELINE_CHUNK_BYTES, pipeline_chunk_bytes
 
-    MiB = 1 << 20
-    assert pipeline_chunk_bytes(1 * MiB) == MIN_PIPELINE_CHUNK_BYTES  # one chunk: nothing to overlap
-    assert pipeline_chunk_bytes(16 * MiB) == 4 * MiB  # about four chunks
-    assert pipeline_chunk_bytes(256 * MiB) == DEFAULT_CHUNK_BYTES
-    assert pipeline_chunk_bytes(256 * MiB, largest=MiB) == MiB
+    mib = 1 << 20
+    assert pipeline_chunk_bytes(1 * mib) == MIN_PIPELINE_CHUNK_BYTES  # one chunk: nothing to overlap
+    assert pipeline_chunk_bytes(16 * mib) == 4 * mib  # about four chunks
+    assert pipeline_chunk_bytes(256 * mib) == DEFAULT_CHUNK_BYTES
+    assert pipeline_chunk_bytes(256 * mib, largest=mib) == mib
 
 
 def test_a_full_dev_shm_refuses_the_region_instead_of_a_later_sigbus(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -95,7 +95,7 @@ _FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
 def test_random_frames(raw: RawClient, frames: list[bytes]) -> None:
     raw.send(frames)
     raw.send([_header(424242, "status", None, {})])  # a marker: its answer (a refusal) ends this example
-    for rid, ok, payload in raw.replies_until(424242):
+    for _rid, ok, payload in raw.replies_until(424242):
         assert not ok
         assert error_from_dict(payload).code in ("protocol_error", "isolation_violation", "invalid_argument")
 

@@ -14,7 +14,6 @@ import urllib.request
 
 import psutil
 import pytest
-import zmq
 
 from shared import protocol as proto
 from shared.errors import InvalidArgument, Overloaded, TenantFailed

@@ -17,7 +17,7 @@ import pytest
 from shared.config import ConfigError, load_config, unknown_env_vars
 from shared.errors import SegmentError
 from shared.quota import read_header
-from supervisor.cli import build_parser, main, version
+from supervisor.cli import build_parser, version
 from supervisor.cli._common import describe_os_error
 from supervisor.launch import launch
 from supervisor.rundir import RunDir
@@ -264,8 +264,8 @@ def test_sd_notify_outside_systemd_and_bad_values() -> None:
                                           "WATCHDOG_PID": "1"})
     assert other.enabled and other.watchdog_interval_s is None  # the watchdog is another process's
     assert not SystemdNotifier.from_environ({"NOTIFY_SOCKET": "vsock:2:1234"}).enabled
-    for n in (n, other):
-        n.close()
+    for notifier in (n, other):
+        notifier.close()
 
 
 def test_ready_event_of_a_pool_bound_worker_counts_from_its_bind() -> None:

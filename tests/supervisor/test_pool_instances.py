@@ -66,7 +66,7 @@ def test_two_instances_share_one_quota_and_survive_each_other() -> None:
                             client.free(cap, held.pop(0))
                 for h in held:
                     client.free(cap, h)
-            except BaseException as exc:  # surfaced below
+            except BaseException as exc:  # noqa: BLE001 - a thread's failure, surfaced below
                 errors.append(exc)
             finally:
                 client.close()

@@ -238,7 +238,7 @@ def test_threads_consume_while_registering() -> None:
                     except MemoryExhausted:
                         continue
                     registry.release_bytes_with_capability(cap, 8)
-            except BaseException as exc:  # surfaced below
+            except BaseException as exc:  # noqa: BLE001 - a thread's failure, surfaced below
                 errors.append(exc)
 
         threads = [threading.Thread(target=hammer) for _ in range(3)]

@@ -190,7 +190,7 @@ def test_rss_backstop_reports_memory_exhausted() -> None:
         cap = _cap_of(sup, "hog")
         pid = wait_for(lambda: instance_pid(sup, "hog"))
         c.inject_fault(None, "hog", "slow", ms=3000)
-        rid = c.send("ping", cap)
+        c.send("ping", cap)
         c2 = sup.connect()
         try:
             c2.inject_fault(None, "hog", "leak", bytes=200 << 20)

@@ -21,7 +21,6 @@ import zmq
 from shared import protocol as proto
 from supervisor.client import SupervisorClient
 from tests.helpers.cluster import supervisor, wait_for
-from tests.helpers.raw_client import dealer
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -30,7 +30,7 @@ MiB = 1 << 20
 class _Server(WorkerServer):
     """A WorkerServer without a socket: the op handlers only need its context."""
 
-    def __init__(self, ctx: TenantContext) -> None:  # noqa: D107 - test double
+    def __init__(self, ctx: TenantContext) -> None:
         self.context = ctx
         self.faults = ctx.faults
 

@@ -200,7 +200,7 @@ def test_compile_errors_are_typed(env: Env, body: bytes, match: str) -> None:
 
 def test_random_bytes_never_crash_the_host(env: Env) -> None:
     rng = np.random.default_rng(5)
-    for n in range(200):
+    for _ in range(200):
         body = b"\x00asm\x01\x00\x00\x00" + rng.integers(0, 256, size=int(rng.integers(1, 64)), dtype=np.uint8).tobytes()
         try:
             run(env, body, "f", fuel=1000, timeout_s=1)

@@ -35,7 +35,8 @@ knows which one it got.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable, CudaError
 from shared.exitcodes import is_sticky_cuda_error
