@@ -126,8 +126,8 @@ class OpSpec:
     #: every event, a tenant its own); counted with the tenant ops, served by the supervisor
     any_capability: bool = False
     #: who answers it: "worker" (one of the tenant's instances), "frontend" (the supervisor's
-    #: frontend, from what it holds), "admin" (supervisor.admin.AdminOps), "service"
-    #: (supervisor.service.ServiceOps) - the supervisor dispatches by this, never by name lists
+    #: frontend, from what it holds), "admin" (supervisor.control.admin.AdminOps), "service"
+    #: (supervisor.control.service.ServiceOps) - the supervisor dispatches by this, never by name lists
     served_by: str = "worker"
     #: its ``handle`` argument pins it to the instance holding that buffer
     handle: bool = False
@@ -195,8 +195,8 @@ OPS: Final[dict[str, OpSpec]] = {
                ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument",
                 "BufferLost"),
                "run_wasm", "run", body_in=True, pins=True, big_reply=True),
-        # ---- shared-memory regions of local clients (shared.region, supervisor.regions)
-        # ---- either capability, each seeing its own part (supervisor.event_log)
+        # ---- shared-memory regions of local clients (shared.region, supervisor.routing.regions)
+        # ---- either capability, each seeing its own part (supervisor.observe.event_log)
         OpSpec("events", False, (Arg("after", (int, type(None))), Arg("max", _INT), Arg("kinds", (list,)),
                                  Arg("log", (str, type(None)))),
                "{events: [{seq, event, ts, ...}...], next, missed, more, log}", ("InvalidArgument",),
@@ -238,7 +238,7 @@ OPS: Final[dict[str, OpSpec]] = {
                (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
                "{tenant, instance, pid, kind, ...armed}", ("UnknownTenant", "InvalidArgument", "WorkerLost"),
                "inject_fault", "fault", served_by="admin"),
-        # ---- service ops (the admin capability; supervisor.service)
+        # ---- service ops (the admin capability; supervisor.control.service)
         OpSpec("reload", True, (),
                "{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "
                "settings_not_applied, errors}", ("ConfigError",), "reload", "reload", served_by="service"),

@@ -91,7 +91,8 @@ LOCAL_ONLY_CODES: Final = {
 SCHEMA_GAPS: Final = (
     "a non-finite float (NaN): JSON has no NaN, so a range cannot exclude it",
     "a size string whose value is 2**63 bytes or more, or below a field's minimum "
-    "(`wasm_max_memory_bytes`: 65536): the schema checks the form of a size string, not its value",
+    "(`wasm_max_memory_bytes`: 65536, `bytes_per_s`: 1): the schema checks the form of a size string, "
+    "not its value",
 )
 
 # ------------------------------------------------------------------ prose that the tables lack

@@ -190,7 +190,7 @@ class InstanceRecord(Record):
 
 @dataclass(frozen=True, slots=True)
 class RegionRecord(Record):
-    """One shared-memory region of a tenant (supervisor.regions): id, bytes charged, client pid."""
+    """One shared-memory region of a tenant (supervisor.routing.regions): id, bytes charged, client pid."""
 
     region: int
     nbytes: int
@@ -246,7 +246,7 @@ class SupervisorRecord(HelloInfo):
     workers: int
     internal_errors: int
     rss_bytes: int | None = None
-    #: bytes held for tenants (supervisor.budgets): total, refused, and per kind
+    #: bytes held for tenants (supervisor.routing.budgets): total, refused, and per kind
     held_bytes: dict[str, int] = field(default_factory=dict)
     #: unauthenticated requests dropped unanswered, and waiting for their turn
     unauthenticated_dropped: int = 0
@@ -260,7 +260,7 @@ class SupervisorRecord(HelloInfo):
     connections_shed_by: dict[str, int] = field(default_factory=dict)
     tcp_connections: int = 0
     tcp_sources: int = 0
-    #: unauthenticated_dropped by reason (unread_replies, backlog_bytes, peer_rate; supervisor.admission)
+    #: unauthenticated_dropped by reason (unread_replies, backlog_bytes, peer_rate; supervisor.admission.rates)
     unauthenticated_dropped_by: dict[str, int] = field(default_factory=dict)
     unauthenticated_rate_dropped: int = 0
     #: requests refused Overloaded by admission (requests or bytes per second), in all and by what

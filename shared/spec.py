@@ -118,7 +118,7 @@ class TenantSpec:
     wasm_fuel: int = 2_000_000_000
     wasm_timeout_s: float = 10.0
     wasm_max_memory_bytes: int = 256 << 20
-    #: admission (supervisor.admission): requests and request bytes per second; None: the supervisor's default
+    #: admission (supervisor.admission.rates): requests and request bytes per second; None: the supervisor's default
     requests_per_s: float | None = None
     bytes_per_s: int | None = None
     #: GPU time (shared.gpu_time): a work-conserving weight on each device the tenant uses, and an

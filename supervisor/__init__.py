@@ -15,10 +15,10 @@ over the CurveZMQ TCP frontend. A supervisor per GPU node of a Ray cluster:
 
 from __future__ import annotations
 
-from supervisor.client import SupervisorClient
-from supervisor.launch import SupervisorHandle, launch
-from supervisor.registry import TenantInfo, TenantRegistry
-from supervisor.state import RegistryKey, StateStore, StoredTenant
+from supervisor.client.api import SupervisorClient
+from supervisor.client.launch import SupervisorHandle, launch
+from supervisor.store.registry import TenantInfo, TenantRegistry
+from supervisor.store.state import RegistryKey, StateStore, StoredTenant
 from supervisor.supervisor import Supervisor
 
 __all__ = [

@@ -21,10 +21,10 @@ The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom)
     StateStore    (state.py)      the durable state: registry key, tenants, generations (SQLite)
     Supervisor    (this module)   sockets, wiring, the loop body, housekeeping, start and stop
 
-Two guards sit in the loop body: a :class:`~supervisor.stall.StallGuard`
+Two guards sit in the loop body: a :class:`~supervisor.runtime.stall.StallGuard`
 (a supervisor that was itself stopped or starved does not take its own
 lateness for its workers' deaths) and the denied-event audit
-(:class:`~supervisor.audit.DeniedAudit`, every refused capability published,
+(:class:`~supervisor.store.audit.DeniedAudit`, every refused capability published,
 rate-limited).
 
 Owns: the ZMQ context and sockets, signal handlers, the run dir's ready
@@ -38,7 +38,7 @@ instance's share.
 Threads: everything runs on the loop thread except :meth:`Supervisor.request_stop`
 and :meth:`Supervisor.request_reload` (signal handlers, any thread) and :meth:`Supervisor.metrics_snapshot` (the
 exporter's HTTP threads), which only wake the loop and wait on a
-:class:`supervisor.loop.Handoff`.
+:class:`supervisor.runtime.loop.Handoff`.
 """
 
 from __future__ import annotations
@@ -59,17 +59,17 @@ from shared.errors import TenantIsolationViolation, TensorWasmError
 from shared.log import get_logger, log_event
 from shared.proctitle import set_process_name
 from shared.quota import cleanup_stale_segments
-from supervisor.admin import AdminOps
-from supervisor.audit import DeniedAudit
-from supervisor.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
-from supervisor.event_log import EventLog
-from supervisor.events import EventBus
-from supervisor.connections import FrontendConnections
-from supervisor.fdlimit import raise_fd_limit
-from supervisor.frontend import Frontend
-from supervisor.guard import FrontendGuard
-from supervisor.loop import Clock, Handoff, Loop
-from supervisor.metrics import (
+from supervisor.control.admin import AdminOps
+from supervisor.store.audit import DeniedAudit
+from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
+from supervisor.observe.event_log import EventLog
+from supervisor.observe.events import EventBus
+from supervisor.admission.connections import FrontendConnections
+from supervisor.admission.fdlimit import raise_fd_limit
+from supervisor.admission.frontend import Frontend
+from supervisor.admission.guard import FrontendGuard
+from supervisor.runtime.loop import Clock, Handoff, Loop
+from supervisor.observe.metrics import (
     DeviceGauges,
     Metrics,
     MetricsSnapshot,
@@ -78,20 +78,20 @@ from supervisor.metrics import (
     TenantLabels,
     tenant_label_key,
 )
-from supervisor.pending import PendingTable
-from supervisor.placement import Placement
-from supervisor.regions import RegionTable
-from supervisor.registry import TenantRegistry
-from supervisor.replies import Replies
-from supervisor.rundir import RunDir
-from supervisor.sd_notify import SystemdNotifier
-from supervisor.service import ServiceOps
-from supervisor.stall import StallGuard
-from supervisor.state import StateStore
-from supervisor.tcp_frontend import TcpFrontend
-from supervisor.tenants import TenantRuntime
-from supervisor.workers import Spawner, SpawnerFactory
-from supervisor.workerset import WorkerSet
+from supervisor.routing.pending import PendingTable
+from supervisor.routing.placement import Placement
+from supervisor.routing.regions import RegionTable
+from supervisor.store.registry import TenantRegistry
+from supervisor.routing.replies import Replies
+from supervisor.store.rundir import RunDir
+from supervisor.observe.sd_notify import SystemdNotifier
+from supervisor.control.service import ServiceOps
+from supervisor.runtime.stall import StallGuard
+from supervisor.store.state import StateStore
+from supervisor.admission.tcp_frontend import TcpFrontend
+from supervisor.runtime.tenants import TenantRuntime
+from supervisor.runtime.workers import Spawner, SpawnerFactory
+from supervisor.lifecycle.workerset import WorkerSet
 
 __all__ = ["Supervisor"]
 
@@ -152,7 +152,7 @@ class Supervisor:
         ``clock`` and ``spawner`` are the seams of the in-process lifecycle tests: a fake clock the
         test advances, and workers that live on this loop instead of in processes
         (tests/helpers/fake_workers.py). Production uses the monotonic clock and real processes.
-        ``notifier``: systemd's ``Type=notify`` messages (:mod:`supervisor.sd_notify`); default none.
+        ``notifier``: systemd's ``Type=notify`` messages (:mod:`supervisor.observe.sd_notify`); default none.
         """
         self.config = config
         self.metrics = metrics or NullMetrics()
@@ -164,7 +164,7 @@ class Supervisor:
         self.loop = Loop(clock)
         self._spawner_factory = spawner
         self.tenants: dict[str, TenantRuntime] = {}
-        #: every event, numbered, for the ``events`` op (bounded: supervisor.event_log)
+        #: every event, numbered, for the ``events`` op (bounded: supervisor.observe.event_log)
         self.event_log = EventLog(config.event_log_size, self._generation_of)
         self.events = EventBus(None, self.event_log)
         self.internal_errors = 0  # bugs caught by the loop's safety net (see _internal_error)
@@ -200,14 +200,14 @@ class Supervisor:
 
     def _setup(self) -> _Parts:
         cfg = self.config
-        raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.fdlimit)
+        raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.admission.fdlimit)
         state, registry, admin_cap = self._open_state()
         labels = TenantLabels(cfg.metrics_tenant_names, tenant_label_key(state))  # stable across restarts
         self.metrics.use_tenant_labels(labels)
         removed = cleanup_stale_segments(namespace=self.rundir.segment_namespace)  # never another run dir's
         if removed:
             log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
-        from supervisor.backend_select import select_backend
+        from supervisor.lifecycle.backend_select import select_backend
 
         choice = select_backend(cfg)
         placement = Placement.create(
@@ -239,7 +239,7 @@ class Supervisor:
         # them: keep that small, so a flood waits in its sender, not in our memory (set
         # before bind: a listener copies the options its connections get).
         frontend_sock = router("frontend", cfg.max_message_bytes, 10_000, FRONTEND_RCVHWM)
-        # one fd budget for every frontend connection, ipc and TCP (supervisor.connections)
+        # one fd budget for every frontend connection, ipc and TCP (supervisor.admission.connections)
         connections = FrontendConnections(frontend_sock, self.rundir.file("frontend.ipc"),
                                           max_tcp_peers=cfg.max_tcp_peers,
                                           max_tcp_peers_per_source=cfg.max_tcp_peers_per_source)
@@ -382,7 +382,7 @@ class Supervisor:
         parts = self.parts
         assert parts is not None, "start() first"
         loop = self.loop
-        # unauthenticated requests waiting for their turn (supervisor.fairness): do not sleep
+        # unauthenticated requests waiting for their turn (supervisor.admission.fairness): do not sleep
         waiting = parts.frontend.guard.fair.backlog
         wait = 0.0 if waiting else max(0.0, self._next_tick - loop.clock())
         if max_wait_s is not None:

@@ -41,7 +41,7 @@ hypothesis_configuration.set_hypothesis_home_dir(os.path.join(hygiene.temp_root(
 
 #: callables (``module.qualname``) outside the test suite that start processes when called
 PROCESS_STARTERS = frozenset({
-    "supervisor.launch.launch",
+    "supervisor.client.launch.launch",
 })
 #: a module whose use in a test's code means it starts processes
 _PROCESS_MODULES = ("subprocess", "multiprocessing", "ray", "pty", "concurrent.futures.process", "asyncio.subprocess")

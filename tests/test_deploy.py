@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from shared.config import SupervisorConfig, config_dict_to_fields, load_config
-from supervisor.prometheus import DEFAULT_METRICS_PORT, HEALTHZ_PATH, METRICS_PATH, READYZ_PATH, parse_metrics_addr
+from supervisor.observe.prometheus import DEFAULT_METRICS_PORT, HEALTHZ_PATH, METRICS_PATH, READYZ_PATH, parse_metrics_addr
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -214,7 +214,7 @@ def _secret_mode(default_mode: int, fs_group: int | None) -> tuple[int, int, int
 
 
 def test_the_key_secret_as_mounted_with_fsgroup_is_accepted(tmp_path: Path) -> None:
-    from supervisor.curve import CurveKeyPair, key_file_mode_problem, load_server_key_file, write_key_pair
+    from supervisor.admission.curve import CurveKeyPair, key_file_mode_problem, load_server_key_file, write_key_pair
 
     ds = _docs()["DaemonSet"]
     pod = ds["spec"]["template"]["spec"]

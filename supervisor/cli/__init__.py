@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def version() -> str:
-    """``twt --version``: the build's version (see :func:`supervisor.metrics.build_version`)."""
-    from supervisor.metrics import build_version
+    """``twt --version``: the build's version (see :func:`supervisor.observe.metrics.build_version`)."""
+    from supervisor.observe.metrics import build_version
 
     return build_version()
 

@@ -17,7 +17,7 @@ import zmq.auth
 from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
 from shared.config import ENV_PREFIX, default_run_dir, parse_host_port
 from shared.errors import SupervisorUnavailable
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 
 __all__ = [
     "DefaultsHelpFormatter",

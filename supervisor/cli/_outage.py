@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from shared.errors import RequestTimeout, SupervisorUnavailable, TensorWasmError
 from supervisor.cli._common import run_dir_of
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 
 __all__ = ["RETRY_S", "Reconnecting"]
 

@@ -1,4 +1,4 @@
-"""``twt bench NAME|all [options]``: the benchmark programs (see :mod:`supervisor.bench`)."""
+"""``twt bench NAME|all [options]``: the benchmark programs (see :mod:`supervisor.tools.bench`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from supervisor.bench import BENCHES
+    from supervisor.tools.bench import BENCHES
 
     p = sub.add_parser(
         "bench",
@@ -22,6 +22,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.bench import main as bench_main
+    from supervisor.tools.bench import main as bench_main
 
     return bench_main([args.name, *args.rest])

@@ -38,7 +38,7 @@ from supervisor.cli._common import (
     tenant_capability_file,
     tenant_capability_of,
 )
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 
 __all__ = ["add_parser", "format_held", "resolve_handle"]
 

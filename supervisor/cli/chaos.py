@@ -1,6 +1,6 @@
 """``twt chaos``: a seeded fault-injection campaign with invariant checks (docs/RELIABILITY.md).
 
-Thin: the campaign is :func:`supervisor.chaos.run_chaos`. Exit status 0 when
+Thin: the campaign is :func:`supervisor.tools.chaos.run_chaos`. Exit status 0 when
 every invariant held, 4 when one was violated (the report says which).
 """
 
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from shared.exitcodes import EXIT_CHECK, EXIT_OK
-from supervisor._progress import progress_stream
+from supervisor.tools.progress import progress_stream
 from supervisor.cli._common import comma_list, print_json
 
 __all__ = ["add_parser", "run"]
@@ -18,7 +18,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from supervisor.chaos import ALL_FAULTS, DEFAULT_FAULTS
+    from supervisor.tools.chaos import ALL_FAULTS, DEFAULT_FAULTS
 
     p = sub.add_parser(
         "chaos",
@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.chaos import (
+    from supervisor.tools.chaos import (
         ChaosConfig,
         build_schedule,
         format_report,

@@ -1,6 +1,6 @@
 """``twt demo``: start a supervisor, run the bundled WASM guests of five tenants, check what happened.
 
-Thin: the logic is :func:`supervisor.demo.run_demo`. Exit status 0 when
+Thin: the logic is :func:`supervisor.tools.demo.run_demo`. Exit status 0 when
 every outcome was as expected and everything was reclaimed, 4 otherwise.
 """
 
@@ -27,6 +27,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.demo import run_demo
+    from supervisor.tools.demo import run_demo
 
     return run_demo(backend=args.backend, start_method=args.start_method)

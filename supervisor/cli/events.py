@@ -11,7 +11,7 @@ supervisor's ``allow_remote_admin``) sees every event, a tenant's capability
 (``--capability FILE``) only that tenant's. Events come from the
 supervisor's bounded event log (``event_log_size``); a follower that falls
 so far behind that events left it before it read them is told so by a
-``missed`` line, never silently (``supervisor.event_follow``). ``--replay``
+``missed`` line, never silently (``supervisor.client.event_follow``). ``--replay``
 first prints what the log still holds.
 """
 
@@ -36,11 +36,11 @@ from supervisor.cli._common import (
 )
 from supervisor.cli._outage import Reconnecting
 from supervisor.cli.status import connect
-from supervisor.event_follow import MISSED, follow
+from supervisor.client.event_follow import MISSED, follow
 
 __all__ = ["KINDS", "add_parser", "format_event", "run"]
 
-#: the event kinds the supervisor publishes (see supervisor/events.py and docs/OPERATIONS.md)
+#: the event kinds the supervisor publishes (see supervisor/observe/events.py and docs/OPERATIONS.md)
 KINDS = ("spawn", "ready", "exit", "restart", "failed", "register", "evict", "scale", "set_quota",
          "quota_refusal", "fault", "kill", "denied", "denied_dropped", "reload", "reload_failed", "reset",
          "rolling_restart", "rotate_key", "stall", "state_error")

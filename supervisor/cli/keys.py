@@ -20,8 +20,8 @@ from pathlib import Path
 
 from shared.config import ENV_PREFIX
 from supervisor.cli._common import add_run_dir, print_json, run_dir_of
-from supervisor.curve import CURVE_PUBLIC, CurveKeyPair, write_key_pair
-from supervisor.rundir import read_ready
+from supervisor.admission.curve import CURVE_PUBLIC, CurveKeyPair, write_key_pair
+from supervisor.store.rundir import read_ready
 
 __all__ = ["add_parser", "run"]
 
@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _stored_public_key(state_dir: str, run_dir: str) -> str:
     """The public key kept in a stopped supervisor's state database (never creates one)."""
-    from supervisor.state import STATE_FILE, StateStore
+    from supervisor.store.state import STATE_FILE, StateStore
 
     public = None
     if os.path.exists(os.path.join(state_dir, STATE_FILE)):

@@ -4,7 +4,7 @@
     backup      /var/backups/twt-state-2026-12-01.db (24,576 B, 3 tenants, registry key)
     source      /run/twt/state/state.db
 
-Uses SQLite's online backup API (:func:`supervisor.state.backup`): safe while
+Uses SQLite's online backup API (:func:`supervisor.store.state.backup`): safe while
 the supervisor runs (it never takes ``state.lock``), the copy is one
 self-contained file (no ``-wal``), 0600, checked and fsynced. Restoring is in
 docs/OPERATIONS.md ("Backing up the state").
@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.state import backup
+    from supervisor.store.state import backup
 
     state_dir = args.state_dir or os.environ.get(f"{ENV_PREFIX}STATE_DIR") or os.path.join(run_dir_of(args), "state")
     info = backup(state_dir, args.dest)

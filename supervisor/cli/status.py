@@ -25,7 +25,7 @@ from shared.exitcodes import EXIT_FAILED, EXIT_OK
 from shared.records import StatusRecord, SupervisorRecord, TenantRecord
 from shared.sizes import format_size
 from supervisor.cli._common import add_run_dir, client_of, print_json, print_table
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 
 __all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant", "format_duration", "render", "run"]
 

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from shared.config import SupervisorConfig, load_config, unknown_env_vars
 from shared.log import configure_logging, get_logger, log_event
-from supervisor.rundir import RunDir
+from supervisor.store.rundir import RunDir
 
 __all__ = ["add_parser", "run"]
 
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         log_event(_log, logging.WARNING, "config.unknown_env", variable=name,
                   hint="not a setting; see docs/OPERATIONS.md#configuration")
     _quiet_resource_tracker()
-    from supervisor.sd_notify import SystemdNotifier
+    from supervisor.observe.sd_notify import SystemdNotifier
     from supervisor.supervisor import Supervisor
 
     # The lock first: a second supervisor on this run dir must report *that*, not a busy port.
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         undo.callback(rundir.release)
         metrics: Any = None
         if config.metrics_addr:
-            from supervisor.prometheus import PrometheusMetrics  # type: ignore[import-not-found,unused-ignore]
+            from supervisor.observe.prometheus import PrometheusMetrics  # type: ignore[import-not-found,unused-ignore]
 
             metrics = PrometheusMetrics(config.metrics_addr, tenant_names=config.metrics_tenant_names)
             undo.callback(metrics.close)

@@ -29,9 +29,9 @@ from shared.errors import (
     TenantIsolationViolation,
     UnknownTenant,
 )
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 from supervisor.cluster.capability import ClusterCapability
-from supervisor.curve import CurveKeyPair
+from supervisor.admission.curve import CurveKeyPair
 
 __all__ = ["ClusterClient"]
 

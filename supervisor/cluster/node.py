@@ -36,8 +36,8 @@ from typing import Any
 from shared.capability import RegistryAdminCapability
 from shared.errors import SupervisorUnavailable
 from shared.spec import TenantSpec
-from supervisor.client import SupervisorClient
-from supervisor.rundir import LOCK_FILE, read_admin_capability, read_ready, temp_parent
+from supervisor.client.api import SupervisorClient
+from supervisor.store.rundir import LOCK_FILE, read_admin_capability, read_ready, temp_parent
 
 __all__ = ["NodeSupervisor"]
 

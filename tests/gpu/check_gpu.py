@@ -247,7 +247,7 @@ def _wait(what: str, cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
 
 
 def _supervisor(extra: dict[str, Any] | None = None) -> Any:
-    from supervisor.launch import launch
+    from supervisor.client.launch import launch
 
     settings = {"backend": "cuda", "pool_size": 0, "heartbeat_interval_s": 0.5, **(extra or {})}
     return launch({"supervisor": settings})
@@ -636,7 +636,7 @@ def phase_share(ctx: Context) -> list[Row]:
 
 def phase_mps(ctx: Context) -> list[Row]:
     from shared.spec import TenantSpec
-    from supervisor.launch import launch
+    from supervisor.client.launch import launch
 
     pipe = tempfile.mkdtemp(prefix="twt-mps-pipe-", dir="/tmp")
     logs = tempfile.mkdtemp(prefix="twt-mps-log-", dir="/tmp")

@@ -23,7 +23,7 @@ import pytest
 from shared.errors import GpuMemoryExhausted
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.backend_select import probe_cuda
+from supervisor.lifecycle.backend_select import probe_cuda
 from tests.helpers.cluster import FAST, tenant, wait_for
 from worker.allocator import MeteredAllocator
 from worker.backends.base import DeviceOutOfMemory
@@ -184,7 +184,7 @@ def test_close_releases_the_primary_context() -> None:
 
 
 def test_supervisor_on_the_gpu_end_to_end() -> None:
-    from supervisor.launch import launch
+    from supervisor.client.launch import launch
 
     with launch({"supervisor": {**FAST, "backend": "cuda"}}) as sup:
         c = sup.client

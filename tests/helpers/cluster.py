@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from supervisor.launch import SupervisorHandle, launch
+from supervisor.client.launch import SupervisorHandle, launch
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 :class:`FakeSpawner` plugs into ``Supervisor(spawner=...)``. Each "worker" it
 starts is a pair of real DEALER sockets connected to the supervisor's real
 backend and control sockets, registered on the supervisor's own
-:class:`~supervisor.loop.Loop`, plus a pipe whose read end is the sentinel
+:class:`~supervisor.runtime.loop.Loop`, plus a pipe whose read end is the sentinel
 the supervisor polls: closing the write end is the worker's death. Nothing
 runs on another thread, and with a :class:`FakeClock` the test decides when
 heartbeats, deadlines and restart backoffs fall due - so register, scale,
@@ -31,8 +31,8 @@ import zmq
 from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.records import WorkerHello
-from supervisor.loop import Loop
-from supervisor.workers import SpawnerFactory, WorkerHandle
+from supervisor.runtime.loop import Loop
+from supervisor.runtime.workers import SpawnerFactory, WorkerHandle
 
 __all__ = ["FakeClock", "FakeProcess", "FakeSpawner", "FakeWorker"]
 

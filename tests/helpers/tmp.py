@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from supervisor.rundir import temp_parent
+from supervisor.store.rundir import temp_parent
 
 
 def short_temp_dir() -> str:

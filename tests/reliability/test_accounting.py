@@ -7,7 +7,7 @@ import pytest
 from shared import protocol as proto
 from shared.records import TenantRecord
 from shared.spec import TenantSpec
-from supervisor.chaos import reconcile
+from supervisor.tools.chaos import reconcile
 from tests.helpers.cluster import supervisor, tenant
 
 pytestmark = pytest.mark.timeout(60)

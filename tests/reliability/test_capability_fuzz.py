@@ -23,7 +23,7 @@ import zmq
 from shared import protocol as proto
 from shared.errors import InvalidArgument
 from shared.spec import TenantSpec
-from supervisor.launch import SupervisorHandle
+from supervisor.client.launch import SupervisorHandle
 from tests.helpers.cluster import supervisor, tenant
 
 pytestmark = pytest.mark.timeout(90)

@@ -10,9 +10,9 @@ import pytest
 
 from shared import protocol as proto
 from shared.records import TenantRecord
-from supervisor import chaos
-from supervisor.chaos import checks as chaos_checks
-from supervisor.chaos import (
+from supervisor.tools import chaos
+from supervisor.tools.chaos import checks as chaos_checks
+from supervisor.tools.chaos import (
     Action,
     ChaosConfig,
     Fault,
@@ -241,7 +241,7 @@ def test_seeds_that_once_failed_hold(args: tuple[str, ...]) -> None:
 
 
 def test_the_chaos_client_keeps_a_buffer_an_unrelated_invalid_argument_names() -> None:
-    from supervisor.chaos.workload import _Buf, _Client
+    from supervisor.tools.chaos.workload import _Buf, _Client
 
     client = _Client.__new__(_Client)  # only the bookkeeping is exercised
     client.live, client.stale = {7: _Buf(4096, bytearray(4096))}, []

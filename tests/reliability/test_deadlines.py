@@ -13,7 +13,7 @@ import pytest
 
 from shared.errors import KernelTimeout, error_from_dict
 from shared.spec import TenantSpec
-from supervisor.demo import guest_path
+from supervisor.tools.demo import guest_path
 from tests.helpers.cluster import SupervisorHandle, supervisor, tenant, wait_for
 
 pytestmark = pytest.mark.timeout(150)  # several crash-and-respawn cycles: slow on a loaded 2-core machine

@@ -25,7 +25,7 @@ import zmq
 
 from shared import protocol as proto
 from shared.spec import TenantSpec
-from supervisor.launch import SupervisorHandle
+from supervisor.client.launch import SupervisorHandle
 from tests.helpers.cluster import supervisor
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -121,7 +121,7 @@ class Fuzzer:
 @pytest.fixture
 def sup() -> Iterator[SupervisorHandle]:
     # the per-peer rate of unauthenticated requests would drop most of the fuzz unanswered
-    # (supervisor.admission; tests/supervisor/test_hardening.py checks it): this test is about decoding
+    # (supervisor.admission.rates; tests/supervisor/test_hardening.py checks it): this test is about decoding
     with supervisor(max_message_bytes="1MiB", max_header_bytes=MAX_HEADER, log_level="error",
                     unauthenticated_requests_per_s=1e9) as handle:
         yield handle
@@ -156,7 +156,7 @@ def _flood(sup: SupervisorHandle, fuzz: Fuzzer, count: int) -> tuple[int, Counte
             sock.send_multipart(fuzz.frames())
             if i % 512 == 0:
                 drain()
-        # The flood emptied this peer's unauthenticated bucket (supervisor.admission): what it
+        # The flood emptied this peer's unauthenticated bucket (supervisor.admission.rates): what it
         # sends past it is dropped, the marker too, until tokens come back - so resend it.
         deadline = time.monotonic() + 60
         while True:

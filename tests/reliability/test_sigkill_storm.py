@@ -24,8 +24,8 @@ from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.errors import RequestTimeout
 from shared.records import TenantRecord
-from supervisor.chaos import reconcile
-from supervisor.client import SupervisorClient
+from supervisor.tools.chaos import reconcile
+from supervisor.client.api import SupervisorClient
 from tests.helpers.cluster import supervisor, tenant, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from shared.capability import TenantCapability
-from supervisor.launch import SupervisorHandle
+from supervisor.client.launch import SupervisorHandle
 from tests.helpers.cluster import supervisor, tenant, wait_for
 from tests.helpers.raw_client import dealer as _dealer, request as _req
 

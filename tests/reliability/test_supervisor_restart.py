@@ -23,7 +23,7 @@ import pytest
 
 from shared.errors import RequestTimeout, SupervisorUnavailable
 from shared.spec import TenantSpec
-from supervisor.launch import SupervisorHandle, launch
+from supervisor.client.launch import SupervisorHandle, launch
 from tests.helpers import hygiene
 from tests.helpers.cluster import tenant, wait_for
 from tests.helpers.tmp import short_temp_dir

@@ -19,7 +19,7 @@ from shared.capability import (
 )
 from shared.errors import TenantIsolationViolation
 from shared.spec import TenantSpec
-from supervisor.registry import TenantRegistry
+from supervisor.store.registry import TenantRegistry
 
 pytestmark = pytest.mark.timeout(30)
 

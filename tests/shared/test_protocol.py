@@ -22,7 +22,7 @@ def test_every_op_is_documented_in_protocol_md() -> None:
 
 def test_every_op_has_a_client_method_and_its_cli_command_exists() -> None:
     from supervisor.cli import COMMANDS
-    from supervisor.client import SupervisorClient
+    from supervisor.client.api import SupervisorClient
 
     for op in proto.OPS.values():
         assert callable(getattr(SupervisorClient, op.client, None)), op

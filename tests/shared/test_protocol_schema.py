@@ -62,7 +62,8 @@ def supervisor_accepts(op: str, args: dict[str, Any]) -> tuple[bool, str]:
 
 def _gap(why: str) -> bool:
     """A refusal the schema cannot express (SCHEMA_GAPS), recognised by the supervisor's own words."""
-    return "too large" in why or "at least one 64 KiB page" in why or "got nan" in why
+    return ("too large" in why or "at least one 64 KiB page" in why or "got nan" in why
+            or "bytes_per_s must be at least 1" in why)
 
 
 def check(op: str, args: dict[str, Any]) -> None:

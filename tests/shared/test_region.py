@@ -21,7 +21,7 @@ from shared.region import (
     plan_chunks,
     round_region_size,
 )
-from supervisor.bulk import byte_view
+from supervisor.client.bulk import byte_view
 
 pytestmark = pytest.mark.timeout(30)
 

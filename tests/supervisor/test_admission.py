@@ -7,7 +7,7 @@ import pytest
 
 from shared.errors import Overloaded, error_from_dict
 from shared.spec import TenantSpec
-from supervisor.admission import Admission, TokenBucket
+from supervisor.admission.rates import Admission, TokenBucket
 
 
 def test_token_bucket_refills_at_its_rate_and_says_when_to_come_back() -> None:

@@ -13,9 +13,9 @@ from shared import capability as _cap
 from shared.capability import RegistryAdminCapability, TenantCapability
 from shared.errors import CapabilityRevoked, TenantIsolationViolation
 from shared.spec import TenantSpec
-from supervisor.audit import DeniedAudit, Denial
-from supervisor.registry import TenantRegistry
-from supervisor.stall import StallGuard
+from supervisor.store.audit import DeniedAudit, Denial
+from supervisor.store.registry import TenantRegistry
+from supervisor.runtime.stall import StallGuard
 from worker.control import supervisor_alive
 
 
@@ -45,7 +45,7 @@ def test_a_registry_with_the_stored_key_accepts_capabilities_minted_before() -> 
 
 
 def test_a_bad_key_is_refused() -> None:
-    from supervisor.state import RegistryKey
+    from supervisor.store.state import RegistryKey
 
     with pytest.raises(ValueError):
         TenantRegistry.new(key=RegistryKey(b"short", b"s" * 32))

@@ -10,8 +10,8 @@ import tempfile
 import pytest
 
 from shared.errors import Overloaded
-from supervisor.budgets import HeldBytes
-from supervisor.peers import ConnectionGate, UnreadErrors, shed, short
+from supervisor.routing.budgets import HeldBytes
+from supervisor.admission.peers import ConnectionGate, UnreadErrors, shed, short
 
 
 def test_held_bytes_per_tenant_and_total() -> None:
@@ -90,7 +90,7 @@ def test_connection_gate_counts_tcp_in_the_same_budget_with_per_source_and_peer_
 
 
 def test_source_key_groups_ipv6_by_its_64_and_unmaps_ipv4() -> None:
-    from supervisor.peers import source_key
+    from supervisor.admission.peers import source_key
 
     assert source_key("192.0.2.7") == "192.0.2.7"
     assert source_key("2001:db8:1:2:aaaa::1") == source_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
@@ -100,7 +100,7 @@ def test_source_key_groups_ipv6_by_its_64_and_unmaps_ipv4() -> None:
 
 
 def test_shed_tcp_shuts_down_only_an_accepted_connection_of_that_port() -> None:
-    from supervisor.peers import shed_tcp, tcp_peer
+    from supervisor.admission.peers import shed_tcp, tcp_peer
 
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
@@ -145,7 +145,7 @@ def test_shed_shuts_down_only_a_connection_of_that_path() -> None:
 
 
 def test_fair_turn_round_robin_tenants_first_unauthenticated_last_and_budgeted() -> None:
-    from supervisor.fairness import FairTurn
+    from supervisor.admission.fairness import FairTurn
 
     turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=8, backlog_bytes_max=150,
                                    per_tenant_per_turn=3, size_of=lambda item: 10)
@@ -163,7 +163,7 @@ def test_fair_turn_round_robin_tenants_first_unauthenticated_last_and_budgeted()
 
 
 def test_fair_turn_bounds_each_tenant_per_turn_and_serves_everything_in_order() -> None:
-    from supervisor.fairness import FairTurn
+    from supervisor.admission.fairness import FairTurn
 
     turn: FairTurn[str] = FairTurn(unauthenticated_per_turn=3, backlog_max=2, per_tenant_per_turn=4)
     turn.order([(False, b"p", f"m{i}") for i in range(10)])

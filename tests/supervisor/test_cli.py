@@ -68,7 +68,7 @@ def test_help_on_every_command(capsys: pytest.CaptureFixture[str]) -> None:
             assert "--run-dir" in out, name
     proc = _twt("--help")
     assert proc.returncode == 0 and all(n in proc.stdout for n in MY_COMMANDS)
-    from supervisor.demo import DEMO_TENANTS
+    from supervisor.tools.demo import DEMO_TENANTS
 
     assert f"{['no', 'one', 'two', 'three', 'four', 'five', 'six'][len(DEMO_TENANTS)]} tenants" in proc.stdout
 
@@ -527,8 +527,8 @@ def test_keys_are_printed_shell_safe(capsys: pytest.CaptureFixture[str], tmp_pat
 
     import zmq
 
-    from supervisor.curve import CURVE_PUBLIC, CURVE_SECRET
-    from supervisor.state import StateStore
+    from supervisor.admission.curve import CURVE_PUBLIC, CURVE_SECRET
+    from supervisor.store.state import StateStore
 
     while True:  # a key with characters a shell would act on (nearly every key has some)
         public, secret = zmq.curve_keypair()
@@ -669,7 +669,7 @@ def _end(lines: _Lines) -> int:
 def test_top_and_events_survive_a_restart(tmp_path: Path) -> None:
     """A supervisor stopped and started again on the same run dir (state kept): `twt top` and `twt
     events` say when it became unreachable, that it stopped (supervisor.json gone), and resume."""
-    from supervisor.launch import launch
+    from supervisor.client.launch import launch
 
     import tempfile
 

@@ -20,7 +20,7 @@ import zmq
 
 from shared import protocol as proto
 from shared.errors import ProtocolError
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 
 Answer = Callable[[int], list[bytes]]
 

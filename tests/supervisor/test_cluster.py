@@ -34,7 +34,7 @@ from shared.errors import (
 from shared.quota import read_header
 from shared.spec import TenantSpec
 from supervisor.cluster import ClusterCapability, ClusterClient, RayCluster
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 from supervisor.cluster.ray_cluster import DEFAULT_NAME
 from tests.helpers import hygiene
 from tests.helpers.cluster import wait_for

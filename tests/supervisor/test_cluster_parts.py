@@ -8,7 +8,7 @@ from shared.errors import BackendUnavailable, InvalidArgument, NodeLost, WorkerL
 from supervisor.cluster.capability import ClusterCapability
 from supervisor.cluster.placement import NodeBudget, choose_node, gpu_nodes, require_gpu_nodes
 from shared.spec import TenantSpec
-from supervisor.registry import TenantRegistry
+from supervisor.store.registry import TenantRegistry
 
 
 def _cc() -> ClusterCapability:

@@ -25,9 +25,9 @@ import pytest
 from shared.errors import BackendUnavailable, GpuMemoryExhausted, InvalidArgument, SupervisorUnavailable
 from shared.mps import Fallback, Mps
 from shared.spec import TenantSpec
-from supervisor.backend_select import probe_cuda
-from supervisor.launch import SupervisorHandle, launch
-from supervisor.placement import MPS_HEADROOM_MIB, Placement, mps_environment
+from supervisor.lifecycle.backend_select import probe_cuda
+from supervisor.client.launch import SupervisorHandle, launch
+from supervisor.routing.placement import MPS_HEADROOM_MIB, Placement, mps_environment
 from tests.helpers.cluster import FAST, instance_pid, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -452,7 +452,7 @@ def test_cuda_fault_needs_the_cuda_backend() -> None:
 
 
 def test_the_probe_names_a_missing_nvrtc_and_the_extra_that_brings_it() -> None:
-    from supervisor.backend_select import nvrtc_note
+    from supervisor.lifecycle.backend_select import nvrtc_note
 
     probe = probe_cuda(driver_module=FAKE, nvrtc_module="tests.helpers.no_such_nvrtc")
     assert probe["ok"] is True and probe["nvrtc"] is None

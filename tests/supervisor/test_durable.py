@@ -24,9 +24,9 @@ import zmq
 from shared.capability import TenantCapability
 from shared.errors import CapabilityRevoked, ConfigError, TenantIsolationViolation
 from shared.spec import TenantSpec
-from supervisor.events import TOPIC_PREFIX, decode_event
-from supervisor.launch import SupervisorHandle, launch
-from supervisor.rundir import read_admin_capability
+from supervisor.observe.events import TOPIC_PREFIX, decode_event
+from supervisor.client.launch import SupervisorHandle, launch
+from supervisor.store.rundir import read_admin_capability
 from tests.helpers.cluster import FAST, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from shared.errors import InvalidArgument
-from supervisor.event_log import (
+from supervisor.observe.event_log import (
     ADMIN_VIEW,
     ENTRY_OVERHEAD,
     MAX_EVENT_BYTES,
@@ -19,8 +19,8 @@ from supervisor.event_log import (
     EventLog,
     EventView,
 )
-from supervisor.events import EventBus
-from supervisor.replies import TRACK_BYTES
+from supervisor.observe.events import EventBus
+from supervisor.routing.replies import TRACK_BYTES
 
 
 def _log(size: int = 64, generations: dict[str, int] | None = None, **kw: Any) -> tuple[EventLog, EventBus]:
@@ -194,7 +194,7 @@ class _LogClient:
 
 
 def test_a_follower_reports_a_supervisor_restart_and_a_fallen_out_cursor() -> None:
-    from supervisor.event_follow import MISSED, follow
+    from supervisor.client.event_follow import MISSED, follow
 
     log, bus = _log(size=16)
     bus.emit("scale", tenant="acme", instances=1)  # before the follower: not shown
@@ -217,7 +217,7 @@ def test_a_follower_reports_a_supervisor_restart_and_a_fallen_out_cursor() -> No
 
 
 def test_a_follower_ends_after_its_timeout_of_silence() -> None:
-    from supervisor.event_follow import follow
+    from supervisor.client.event_follow import follow
 
     log, _ = _log()
     client = _LogClient(log)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 from contextlib import contextmanager
 
-from supervisor.fdlimit import fd_budget, open_fds, raise_fd_limit
+from supervisor.admission.fdlimit import fd_budget, open_fds, raise_fd_limit
 from tests.helpers.cluster import supervisor
 
 
@@ -67,7 +67,7 @@ def test_connections_past_the_budget_are_shed_and_connected_clients_keep_working
 
     import zmq
 
-    from supervisor.connections import FrontendConnections
+    from supervisor.admission.connections import FrontendConnections
 
     ctx = zmq.Context()
     fds0 = open_fds()

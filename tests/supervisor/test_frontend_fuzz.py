@@ -16,7 +16,7 @@ from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.errors import error_from_dict
 from shared.spec import TenantSpec
-from supervisor.launch import SupervisorHandle
+from supervisor.client.launch import SupervisorHandle
 from tests.helpers.cluster import supervisor
 
 pytestmark = pytest.mark.timeout(120)
@@ -159,7 +159,7 @@ def test_malformed_and_oversized_inputs_keep_serving(sup: SupervisorHandle, acme
 
 
 def test_foreign_and_revoked_capabilities(sup: SupervisorHandle, acme: TenantCapability) -> None:
-    from supervisor.registry import TenantRegistry
+    from supervisor.store.registry import TenantRegistry
 
     other, admin = TenantRegistry.new()
     with other:

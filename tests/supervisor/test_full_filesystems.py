@@ -22,7 +22,7 @@ _PRELUDE = """
 import json, os, subprocess, tempfile, time
 from shared.errors import StateError, TensorWasmError
 from shared.spec import TenantSpec
-from supervisor.launch import launch
+from supervisor.client.launch import launch
 from tests.helpers.cluster import FAST, wait_for
 
 def mount_tmpfs(path, size):
@@ -100,7 +100,7 @@ print(json.dumps(out))
 
 def test_a_full_dev_shm_refuses_regions_and_registrations_and_the_supervisor_stays_up() -> None:
     result = private_mount.run_scenario(_PRELUDE + """
-from supervisor.regions import SHM_RESERVE_BYTES
+from supervisor.routing.regions import SHM_RESERVE_BYTES
 run_dir = tempfile.mkdtemp(prefix="twt-sh")  # $TMPDIR: the run's short root
 mount_tmpfs("/dev/shm", "32m")
 subprocess.run(["chmod", "1777", "/dev/shm"], check=True)

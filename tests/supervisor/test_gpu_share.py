@@ -20,8 +20,8 @@ import pytest
 from shared.capability import TenantCapability
 from shared.errors import InvalidArgument, WorkerLost
 from shared.spec import TenantSpec
-from supervisor.demo import guest_path
-from supervisor.launch import SupervisorHandle
+from supervisor.tools.demo import guest_path
+from supervisor.client.launch import SupervisorHandle
 from tests.helpers.cluster import supervisor, tenant, wait_for
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,10 +8,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.quota import QuotaBlock
-from supervisor.gpu_share import GpuShareWindow
-from supervisor.metrics import TenantGauges
-from supervisor.prometheus import PrometheusMetrics
-from supervisor.reload import LIVE_FIELDS, SpecChange
+from supervisor.observe.gpu_share import GpuShareWindow
+from supervisor.observe.metrics import TenantGauges
+from supervisor.observe.prometheus import PrometheusMetrics
+from supervisor.lifecycle.reload import LIVE_FIELDS, SpecChange
 from shared.spec import TenantSpec
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,7 +71,7 @@ def test_reload_applies_the_policy_live_without_a_restart() -> None:
 
 
 def test_bench_share_helpers() -> None:
-    from supervisor.bench.share import Tenant, _jain, one_s_windows
+    from supervisor.tools.bench.share import Tenant, _jain, one_s_windows
 
     t = Tenant("a", None, "", None)  # type: ignore[arg-type]
     t.runs += [(0.0, 2.0, 100), (2.0, 3.0, 10)]

@@ -19,8 +19,8 @@ import pytest
 
 from shared import protocol as proto
 from shared.spec import TenantSpec
-from supervisor.launch import launch
-from supervisor.rundir import read_admin_capability
+from supervisor.client.launch import launch
+from supervisor.store.rundir import read_admin_capability
 from tests.helpers.cluster import FAST, wait_for
 from tests.helpers.raw_client import dealer
 from tests.helpers.tmp import short_temp_dir

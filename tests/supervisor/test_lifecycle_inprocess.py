@@ -22,7 +22,7 @@ import zmq
 from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.spec import TenantSpec
-from supervisor.rundir import read_admin_capability
+from supervisor.store.rundir import read_admin_capability
 from supervisor.supervisor import Supervisor
 from tests.helpers.fake_workers import FakeClock, FakeSpawner
 

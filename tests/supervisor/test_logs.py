@@ -17,7 +17,7 @@ import pytest
 from shared.log import configure_logging
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.launch import launch
+from supervisor.client.launch import launch
 from tests.helpers.cluster import FAST, instance_pid, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,7 +60,7 @@ def test_json_logs_of_the_supervisor_and_its_workers(tmp_path: Path) -> None:
     # "pid" is the process that wrote the line)
     for worker_pid, tid in ((acme_pid, "acme"), (beta_pid, "beta")):
         spawn = _find(records, "event.spawn", field_pid=worker_pid)
-        assert spawn and spawn[0]["pid"] == sup_pid and spawn[0]["logger"] == "twt.supervisor.events"
+        assert spawn and spawn[0]["pid"] == sup_pid and spawn[0]["logger"] == "twt.supervisor.observe.events"
         assert spawn[0]["method"] == "spawn" and spawn[0]["worker"]
         ready = _find(records, "event.ready", field_pid=worker_pid, tenant=tid, instance=0)
         assert ready and ready[0]["startup_ms"] > 0 and ready[0]["level"] == "info"
@@ -93,7 +93,7 @@ def test_text_logs_are_one_line_per_event(tmp_path: Path) -> None:
                     log_level="info") as sup:
             pid = instance_pid(sup, "acme")
     lines = log.read_text().splitlines()
-    assert any(" INFO twt.supervisor.events event.spawn " in s and f"pid={pid}" in s for s in lines)
+    assert any(" INFO twt.supervisor.observe.events event.spawn " in s and f"pid={pid}" in s for s in lines)
     assert any(" INFO twt.worker.context context.create tenant=acme instance=0 backend=stub duration_ms=" in s
                for s in lines)
     assert not any(s.lstrip().startswith("{") for s in lines)

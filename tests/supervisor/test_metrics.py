@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.errors import GpuMemoryExhausted
 from shared.protocol import PROTOCOL_VERSION
 from shared.quota import QuotaBlock
-from supervisor.health import Health
-from supervisor.metrics import DeviceGauges, MetricsSnapshot, TenantGauges, build_version
-from supervisor.prometheus import TENANT_STATES, PrometheusMetrics, parse_metrics_addr
-from supervisor.rundir import RunDirLocked
+from supervisor.observe.health import Health
+from supervisor.observe.metrics import DeviceGauges, MetricsSnapshot, TenantGauges, build_version
+from supervisor.observe.prometheus import TENANT_STATES, PrometheusMetrics, parse_metrics_addr
+from supervisor.store.rundir import RunDirLocked
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -329,7 +329,7 @@ def test_second_supervisor_on_the_same_run_dir_and_port_reports_the_lock(tmp_pat
 
 
 def test_tenant_labels_are_pseudonyms_unless_names_are_chosen() -> None:
-    from supervisor.prometheus import NO_TENANT, TenantLabels
+    from supervisor.observe.prometheus import NO_TENANT, TenantLabels
 
     hidden, shown = TenantLabels(False), TenantLabels(True)
     assert shown("acme") == "acme"
@@ -344,8 +344,8 @@ def test_tenant_label_pseudonyms_survive_a_restart_and_map_back_in_status(tmp_pa
     series, not one per start), and `twt status --json` maps each label back to its tenant."""
     import tempfile
 
-    from supervisor.launch import launch
-    from supervisor.metrics import LABEL_KEY_NAME, TenantLabels, tenant_label_key
+    from supervisor.client.launch import launch
+    from supervisor.observe.metrics import LABEL_KEY_NAME, TenantLabels, tenant_label_key
     from tests.helpers.cluster import FAST
 
     run_dir = tempfile.mkdtemp(prefix="twt-", dir=short_temp_dir())  # short: ipc paths are limited
@@ -364,7 +364,7 @@ def test_tenant_label_pseudonyms_survive_a_restart_and_map_back_in_status(tmp_pa
                 labels.append(label)
         assert labels[0] == labels[1]
         # and the store: made once, read after
-        from supervisor.state import StateStore
+        from supervisor.store.state import StateStore
 
         with StateStore.open(str(tmp_path / "state")) as store:
             key = tenant_label_key(store)

@@ -19,8 +19,8 @@ from shared.errors import SegmentError
 from shared.quota import read_header
 from supervisor.cli import build_parser, version
 from supervisor.cli._common import describe_os_error
-from supervisor.launch import launch
-from supervisor.rundir import RunDir
+from supervisor.client.launch import launch
+from supervisor.store.rundir import RunDir
 from tests.helpers.cluster import FAST, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -249,7 +249,7 @@ def test_systemd_notify_ready_watchdog_stopping() -> None:
 
 
 def test_sd_notify_outside_systemd_and_bad_values() -> None:
-    from supervisor.sd_notify import SystemdNotifier
+    from supervisor.observe.sd_notify import SystemdNotifier
 
     off = SystemdNotifier.from_environ({})
     assert not off.enabled and not off.ready() and not off.watchdog(1e9) and not off.stopping()

@@ -16,16 +16,16 @@ import pytest
 from shared import protocol as proto
 from shared.errors import BufferLost, InvalidArgument, Overloaded, TenantStopped, WorkerLost
 from shared.spec import DEADLINE_GRACE_S, TenantSpec
-from supervisor.event_log import EventLog
-from supervisor.frontend import Frontend, lost_buffer, pinned_instance, slot_for, with_wasm_limits
-from supervisor.loop import Handoff, Timers
-from supervisor.metrics import Metrics
-from supervisor.pending import PendingTable
-from supervisor.regions import RegionTable
-from supervisor.requests import Pending
-from supervisor.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime, TenantState
-from supervisor.workers import WorkerHandle, WorkerState
-from supervisor.workerset import pool_retry_delay_s
+from supervisor.observe.event_log import EventLog
+from supervisor.admission.frontend import Frontend, lost_buffer, pinned_instance, slot_for, with_wasm_limits
+from supervisor.runtime.loop import Handoff, Timers
+from supervisor.observe.metrics import Metrics
+from supervisor.routing.pending import PendingTable
+from supervisor.routing.regions import RegionTable
+from supervisor.runtime.requests import Pending
+from supervisor.runtime.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime, TenantState
+from supervisor.runtime.workers import WorkerHandle, WorkerState
+from supervisor.lifecycle.workerset import pool_retry_delay_s
 
 
 class FakeClock:
@@ -300,7 +300,7 @@ def test_requests_park_while_no_instance_is_ready_bounded_by_max_in_flight() -> 
 def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenants: dict[str, TenantRuntime],
               rt: TenantRuntime) -> tuple[Frontend, bytes]:
     from shared.config import SupervisorConfig
-    from supervisor.guard import FrontendGuard
+    from supervisor.admission.guard import FrontendGuard
 
     fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
                   pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
@@ -386,8 +386,8 @@ def test_shutdown_answers_clients_and_drops_its_own_requests() -> None:
 
 
 def test_a_scale_down_answers_what_waited_for_the_instances_it_took_away() -> None:
-    from supervisor.admin import _scaled_away
-    from supervisor.requests import Parked
+    from supervisor.control.admin import _scaled_away
+    from supervisor.runtime.requests import Parked
 
     rt = _runtime(instances=2, ready=False)
     pinned = Parked(b"c", 1, "read", {"handle": proto.make_handle(1, 1, 1)}, None, 0.0, 5.0, 1)
@@ -406,7 +406,7 @@ def test_loop_polls_plain_fds_through_one_epoll_and_sockets_directly() -> None:
 
     import zmq
 
-    from supervisor.loop import Loop
+    from supervisor.runtime.loop import Loop
 
     loop = Loop()
     pipes = [os.pipe() for _ in range(64)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor._progress import LiveLine, progress_stream
+from supervisor.tools.progress import LiveLine, progress_stream
 
 pytestmark = pytest.mark.timeout(150)
 

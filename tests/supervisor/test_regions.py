@@ -24,7 +24,7 @@ from shared.errors import BufferLost, InvalidArgument, MemoryExhausted, WorkerLo
 from shared.quota import SEGMENT_PREFIX
 from shared.region import MIN_REGION_BYTES, Region
 from shared.spec import TenantSpec
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 from tests.helpers.cluster import supervisor, tenant, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -336,7 +336,7 @@ def test_bench_data_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """``twt bench data`` as a program (its figures are not judged here: speed is not a test)."""
     import json
 
-    from supervisor.bench.data import main
+    from supervisor.tools.bench.data import main
 
     status = main(["--sizes", "1", "--rounds", "1", "--pings", "50", "--json"])
     report = json.loads(capsys.readouterr().out)
@@ -382,8 +382,8 @@ def test_region_table_binds_each_region_to_one_tenant_and_reaps_dead_clients() -
     import sys
 
     from shared.quota import QuotaBlock
-    from supervisor.frontend import pinned_instance
-    from supervisor.regions import RegionTable
+    from supervisor.admission.frontend import pinned_instance
+    from supervisor.routing.regions import RegionTable
 
     table = RegionTable(f"tbl{os.getpid()}", max_per_tenant=2)
     with QuotaBlock.create("acme", memory_quota_bytes=4 * MiB) as a, QuotaBlock.create("beta") as b:
@@ -411,7 +411,7 @@ def test_region_table_binds_each_region_to_one_tenant_and_reaps_dead_clients() -
             child.kill()
             child.wait(10)
             table.close()
-    from supervisor.tenants import InstanceSlot, TenantRuntime
+    from supervisor.runtime.tenants import InstanceSlot, TenantRuntime
 
     rt = TenantRuntime(TenantSpec("acme"), None, 1)  # type: ignore[arg-type]  # no block needed here
     rt.slots = [InstanceSlot(i) for i in range(4)]

@@ -26,7 +26,7 @@ from shared.errors import (
     UnknownTenant,
 )
 from shared.spec import TenantSpec
-from supervisor.registry import TenantRegistry
+from supervisor.store.registry import TenantRegistry
 from tests.helpers import hygiene
 
 
@@ -256,7 +256,7 @@ def test_threads_consume_while_registering() -> None:
 
 def test_close_on_gc_and_exit_without_warnings() -> None:
     code = (
-        "from supervisor.registry import TenantRegistry\n"
+        "from supervisor.store.registry import TenantRegistry\n"
         "from shared.spec import TenantSpec\n"
         "r, a = TenantRegistry.new(segment_prefix='gcexit')\n"
         "r.register_with_capability(a, TenantSpec('x'))\n"

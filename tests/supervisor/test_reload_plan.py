@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shared.spec import TenantSpec
-from supervisor.reload import LIVE_FIELDS, RESTART_FIELDS, SpecChange, TenantNow, plan_reload
+from supervisor.lifecycle.reload import LIVE_FIELDS, RESTART_FIELDS, SpecChange, TenantNow, plan_reload
 
 
 def _now(spec: TenantSpec, registered: TenantSpec | None = None, origin: str = "file") -> TenantNow:

@@ -15,8 +15,8 @@ import pytest
 from shared.capability import TenantCapability, write_capability_file
 from shared.errors import InvalidArgument, TenantIsolationViolation
 from shared.spec import TenantSpec
-from supervisor.client import SupervisorClient
-from supervisor.event_follow import MISSED
+from supervisor.client.api import SupervisorClient
+from supervisor.client.event_follow import MISSED
 from tests.helpers.cluster import supervisor
 
 LOOPBACK = "tcp://127.0.0.1:0"

@@ -19,8 +19,8 @@ import pytest
 import zmq
 
 from shared.errors import UntrustedRunDir
-from supervisor.client import SupervisorClient
-from supervisor.rundir import read_admin_capability, verify_run_dir
+from supervisor.client.api import SupervisorClient
+from supervisor.store.rundir import read_admin_capability, verify_run_dir
 from tests.helpers import other_user
 
 OTHER_UID = 54321
@@ -108,7 +108,7 @@ _TENANT_ONLY = r"""
 import sys
 from shared.capability import TenantCapability
 from shared.errors import SupervisorUnavailable
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 c = SupervisorClient(sys.argv[1], expected_uid=int(sys.argv[2]), timeout_s=20)
 print("ping", c.ping(TenantCapability.from_bytes(bytes.fromhex(sys.argv[3])))["tenant"])
 try:

@@ -13,7 +13,7 @@ from shared import protocol as proto
 from shared.errors import BufferLost, InvalidArgument, TenantStopped
 from shared.spec import TenantSpec
 from supervisor.cli import main
-from supervisor.demo import guest_path
+from supervisor.tools.demo import guest_path
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -22,7 +22,7 @@ import pytest
 from shared import quota
 from shared.quota import namespace_of, read_header, segment_namespace
 from supervisor.cli import main
-from supervisor.rundir import RunDir, read_ready
+from supervisor.store.rundir import RunDir, read_ready
 from tests.helpers import segments as fab
 from tests.helpers.cluster import wait_for
 

@@ -16,7 +16,7 @@ import pytest
 
 from shared.errors import StateError, UnknownTenant
 from shared.spec import TenantSpec
-from supervisor.state import MARKER_FILE, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore, backup
+from supervisor.store.state import MARKER_FILE, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore, backup
 
 KEY = RegistryKey(b"r" * 16, b"s" * 32)
 
@@ -171,7 +171,7 @@ _WRITER = textwrap.dedent(
     """
     import sys
     from shared.spec import TenantSpec
-    from supervisor.state import StateStore
+    from supervisor.store.state import StateStore
 
     store = StateStore.open(sys.argv[1])
     base = TenantSpec("main").with_memory_quota_bytes(1 << 20)

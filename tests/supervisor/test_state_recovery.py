@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from shared.spec import TenantSpec
-from supervisor.launch import launch
-from supervisor.state import MARKER_FILE, STATE_FILE
+from supervisor.client.launch import launch
+from supervisor.store.state import MARKER_FILE, STATE_FILE
 from tests.helpers.cluster import FAST
 from tests.helpers.tmp import short_temp_dir
 

@@ -27,9 +27,9 @@ from shared.errors import (
     error_from_dict,
 )
 from shared.spec import TenantSpec
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 from shared.capability import TenantCapability
-from supervisor.launch import SupervisorHandle, launch
+from supervisor.client.launch import SupervisorHandle, launch
 from tests.helpers import hygiene
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from shared import protocol as proto
-from supervisor.client import SupervisorClient
+from supervisor.client.api import SupervisorClient
 from tests.helpers.cluster import supervisor, wait_for
 
 pytestmark = pytest.mark.timeout(180)

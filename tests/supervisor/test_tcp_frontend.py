@@ -23,9 +23,9 @@ from shared.errors import (
     error_from_dict,
 )
 from shared.spec import TenantSpec
-from supervisor.client import SupervisorClient
-from supervisor.curve import CURVE_PUBLIC, CURVE_SECRET, CurveKeyPair, load_or_create_server_keys, write_key_pair
-from supervisor.state import StateStore
+from supervisor.client.api import SupervisorClient
+from supervisor.admission.curve import CURVE_PUBLIC, CURVE_SECRET, CurveKeyPair, load_or_create_server_keys, write_key_pair
+from supervisor.store.state import StateStore
 from tests.helpers.cluster import supervisor, wait_for
 from tests.helpers.tmp import short_temp_dir
 

@@ -19,7 +19,7 @@ import zmq
 
 from shared import protocol as proto
 from shared.spec import TenantSpec
-from supervisor.events import TOPIC_PREFIX, decode_event
+from supervisor.observe.events import TOPIC_PREFIX, decode_event
 from tests.helpers.cluster import supervisor, tenant, wait_for
 
 

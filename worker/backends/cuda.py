@@ -228,7 +228,7 @@ class CudaBackend(TensorOpsMixin, Backend):
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> CudaBackend:
-        """Build from the bind message's backend options (see ``supervisor.workerset``)."""
+        """Build from the bind message's backend options (see ``supervisor.lifecycle.workerset``)."""
         cap = options.get("gpu_memory_bytes_cap")
         threshold = options.get("recorded_cuda_mem_pool_quota")
         env = options.get("environment") or {}

@@ -1,0 +1,162 @@
+"""The frontend's connections, ipc and TCP, counted and shed before the fd limit
+(issue 12, finding 1; issue 30, findings 1 and 3).
+
+libzmq accepts a client's connection on its I/O thread (one fd each) and
+aborts the whole process when an ipc ``accept`` fails with EMFILE. So the
+supervisor watches each frontend socket's monitor: every ACCEPTED event
+carries the new connection's fd, every DISCONNECTED one ends a connection.
+One :class:`~supervisor.admission.peers.ConnectionGate` counts both transports against
+one budget (:func:`supervisor.admission.fdlimit.fd_budget` of the soft limit in force,
+re-read every second so a lowered limit is honoured); TCP connections are
+also held to ``max_tcp_peers`` and ``max_tcp_peers_per_source``, counted at
+accept whether or not they ever send a greeting. A connection past a bound is
+shut down at once (:func:`~supervisor.admission.peers.shed` / ``shed_tcp``): the client
+sees its connection closed and retries, and every client already connected
+keeps working. Unbinding the endpoint instead would also drop those.
+
+The monitors' queues are deep (:data:`MONITOR_HWM` events): a lost ACCEPTED
+would leave a connection uncounted, a lost DISCONNECTED a slot taken (until
+its fd is reused, which the gate notices).
+
+Owns: the monitor sockets and the gate. Loop thread only (``on_readable`` /
+``on_tcp_readable`` are registered with the loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from shared.log import get_logger, log_event
+from supervisor.admission.fdlimit import fd_budget
+from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer
+
+__all__ = ["FrontendConnections", "watch"]
+
+_log = get_logger("supervisor.admission.connections")
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+#: monitor events handled per loop turn (the rest wait in the monitor's queue)
+EVENTS_PER_TURN = 256
+#: events a monitor queues before libzmq drops them (default: 1,000)
+MONITOR_HWM = 100_000
+#: at most one "shedding" log line per reason this often
+_LOG_EVERY_S = 10.0
+
+
+def watch(sock: zmq.Socket[Any], events: int = _EVENTS) -> zmq.Socket[Any]:
+    """A monitor socket for ``sock`` with a deep queue (pyzmq's ``get_monitor_socket``
+    keeps libzmq's default of 1,000 events). Call it before ``bind``: a connection
+    accepted before it would never be counted."""
+    addr = f"inproc://twt-monitor-{id(sock):x}-{time.monotonic_ns():x}"
+    sock.monitor(addr, events)
+    pair: zmq.Socket[Any] = sock.context.socket(zmq.PAIR)
+    pair.setsockopt(zmq.LINGER, 0)
+    pair.setsockopt(zmq.RCVHWM, MONITOR_HWM)
+    pair.connect(addr)
+    return pair
+
+
+class FrontendConnections:
+    """Counts the frontend's connections and sheds those past the bounds."""
+
+    def __init__(self, sock: zmq.Socket[Any], path: str, *, max_tcp_peers: int = 1 << 30,
+                 max_tcp_peers_per_source: int = 1 << 30) -> None:
+        self.path = path
+        self.monitor: zmq.Socket[Any] = watch(sock)
+        self.tcp_monitor: zmq.Socket[Any] | None = None
+        self._tcp_sock: zmq.Socket[Any] | None = None
+        #: the local ports of the TCP listeners (a shed fd must still be one of theirs)
+        self.tcp_ports: set[int] = set()
+        #: the soft limit the budget was computed from
+        self.limit = self.soft_limit()
+        self.gate = ConnectionGate(fd_budget(self.limit), max_tcp_peers, max_tcp_peers_per_source)
+        self._logged: dict[str, float] = {}
+
+    @staticmethod
+    def soft_limit() -> int:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+    def refresh_limit(self) -> int:
+        """Re-read the soft limit (an operator may lower it with prlimit); returns it."""
+        self.limit = soft = self.soft_limit()
+        self.gate.budget = fd_budget(soft)
+        return soft
+
+    def watch_tcp(self, sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
+        """Count the TCP frontend's connections too (call before it binds; then add each
+        bound port to :attr:`tcp_ports`). Returns the monitor socket for the loop."""
+        self._tcp_sock = sock
+        self.tcp_monitor = watch(sock)
+        return self.tcp_monitor
+
+    def on_readable(self) -> None:
+        """Handle what the ipc monitor reported (registered with the loop): at most
+        ``EVENTS_PER_TURN``, so a reconnect storm cannot keep the loop here."""
+        for _ in range(EVENTS_PER_TURN):
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind, fd = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                reason = self.gate.accepted(fd)
+                if reason is not None:
+                    shed(fd, self.path)
+                    self._log_shed(reason)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.gate.disconnected(fd)
+
+    def on_tcp_readable(self) -> None:
+        """The TCP monitor's events (registered with the loop), ``EVENTS_PER_TURN`` at most."""
+        assert self.tcp_monitor is not None
+        for _ in range(EVENTS_PER_TURN):
+            try:
+                event = recv_monitor_message(self.tcp_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind, fd = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                peer = tcp_peer(fd, self.tcp_ports)
+                if peer is None:
+                    continue  # closed already (its DISCONNECTED follows) or the fd reused
+                reason = self.gate.accepted(fd, tcp=True, source=source_key(peer))
+                if reason is not None:
+                    shed_tcp(fd, self.tcp_ports)
+                    self._log_shed(reason, source=peer)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.gate.disconnected(fd, tcp=True)
+
+    def _log_shed(self, reason: str, **fields: Any) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(reason, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+            self._logged[reason] = now
+            gate = self.gate
+            log_event(_log, logging.WARNING, "supervisor.connection_shed", reason=reason,
+                      connections=gate.connected, budget=gate.budget, tcp=gate.tcp, max_tcp_peers=gate.max_tcp,
+                      shed=gate.shed_by.get(reason, 0), **fields)
+
+    def status(self) -> dict[str, Any]:
+        gate = self.gate
+        return {
+            "fd_limit": self.limit,
+            "connections": gate.connected,
+            "connection_budget": gate.budget,
+            "connections_shed": gate.shed,
+            "connections_shed_by": dict(gate.shed_by),
+            "tcp_connections": gate.tcp,
+            "tcp_sources": gate.sources(),
+        }
+
+    def close(self) -> None:
+        if self._tcp_sock is not None and self.tcp_monitor is not None:
+            if not self._tcp_sock.closed:
+                self._tcp_sock.monitor(None, 0)
+            self.tcp_monitor.close(0)
+            self.tcp_monitor = None
+        self.monitor.close(0)

@@ -1,0 +1,230 @@
+"""CURVE keys for the TCP frontend: the server's key pair, client key pairs, the allow-list.
+
+    <state dir>/state.db              the supervisor's state database (supervisor.store.state.StateStore):
+        key material "curve.secret"   Z85 (40 chars); "curve.public" beside it, checked against it
+    server_key_file = PATH            or an operator's ZPL certificate (zmq.auth format; e.g. a
+                                      Kubernetes Secret): public-key and secret-key, 0600 or stricter
+                                      (0440 in our own group: a Secret with fsGroup)
+
+    supervisor start ── load_or_create_server_keys(store) ── made on first start, kept after
+                    └─ published: supervisor.json "server_public_key", printed by `twt keys`
+    remote client ──── client_keys=None: a fresh pair per client (no allow-list)
+                    └─ client_keys=PATH: a certificate file with our secret key
+    allow-list ─────── client_keys_dir: *.key public certificates, checked by ZAP (zmq.auth)
+
+All cryptography is libzmq's (CurveZMQ through pyzmq): this module only
+makes, stores, reads and checks keys. A key file or stored key that is not
+Z85 of 32 bytes, or whose public key does not belong to its secret key,
+stops the start with one message naming the file; it is never replaced
+behind the operator's back.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+
+from shared.errors import StateError
+from supervisor.store.state import StateStore
+
+__all__ = [
+    "CURVE_PUBLIC",
+    "CURVE_SECRET",
+    "CurveKeyPair",
+    "check_client_keys_dir",
+    "load_client_keys",
+    "load_or_create_server_keys",
+    "key_file_mode_problem",
+    "load_server_key_file",
+    "parse_public_key",
+    "write_key_pair",
+]
+
+#: names of the pair in the state database's key material
+CURVE_SECRET = "curve.secret"
+CURVE_PUBLIC = "curve.public"
+_Z85_LEN = 40
+
+
+@dataclass(frozen=True)
+class CurveKeyPair:
+    """A CURVE key pair as Z85 bytes (40 characters each)."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def generate(cls) -> CurveKeyPair:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    @property
+    def public_text(self) -> str:
+        return self.public.decode("ascii")
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"CurveKeyPair(public={self.public_text!r})"
+
+
+def parse_public_key(key: str | bytes, what: str = "server public key") -> bytes:
+    """Z85 text of a 32-byte key, checked; ValueError with the reason otherwise."""
+    raw = key.encode("ascii", "replace") if isinstance(key, str) else bytes(key)
+    raw = raw.strip()
+    if len(raw) != _Z85_LEN:
+        raise ValueError(f"{what} must be 40 characters of Z85 text (twt keys prints it); got {len(raw)} characters")
+    try:
+        if len(z85.decode(raw)) != 32:
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{what} is not valid Z85 text") from None
+    return raw
+
+
+def _load_pair(path: Path, what: str) -> CurveKeyPair:
+    """A certificate file with both keys, checked (public belongs to secret)."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError, UnicodeDecodeError, IndexError) as exc:
+        raise ValueError(f"{what} {path} is malformed ({exc}); restore it, or remove it to make a new key pair") from None
+    if secret is None:
+        raise ValueError(f"{what} {path} holds no secret-key; it must be a *.key_secret certificate")
+    try:
+        public = parse_public_key(public, f"public-key in {path}")
+        secret = parse_public_key(secret, f"secret-key in {path}")
+    except ValueError as exc:
+        raise ValueError(f"{what} {path} is malformed: {exc}") from None
+    if zmq.curve_public(secret) != public:
+        raise ValueError(f"{what} {path} is malformed: its public-key does not belong to its secret-key")
+    return CurveKeyPair(public, secret)
+
+
+def write_key_pair(path: str | os.PathLike[str], pair: CurveKeyPair, *, comment: str = "") -> None:
+    """Write ``pair`` as a ZPL certificate, mode 0600, atomically (temp file + rename)."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    text = (
+        f"#   ****  CURVE key pair{(' of ' + comment) if comment else ''} (tensor-wasm-tenant)  ****\n"
+        "#   ZeroMQ CURVE **Secret** Certificate - keep it private (mode 0600)\n"
+        "metadata\n"
+        "curve\n"
+        f'    public-key = "{pair.public_text}"\n'
+        f'    secret-key = "{pair.secret.decode("ascii")}"\n'
+    )
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode("ascii"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, p)
+
+
+def load_or_create_server_keys(store: StateStore) -> CurveKeyPair:
+    """The supervisor's key pair from its state database, made and stored there on first use.
+
+    Named key material ``curve.secret`` (and ``curve.public``, which must
+    belong to it). A stored value that is not a Z85 key, or a public key of
+    another secret, stops the start with :class:`StateError` naming the
+    database; nothing is replaced (delete both keys on purpose - or restore a
+    backup - to change the pair).
+    """
+    secret = store.get_key(CURVE_SECRET)
+    public = store.get_key(CURVE_PUBLIC)
+    if secret is None:
+        if public is not None:
+            raise StateError(store.path, f"it holds {CURVE_PUBLIC} without {CURVE_SECRET}; restore a backup, "
+                             "or delete both for a new key pair")
+        pair = CurveKeyPair.generate()
+        store.put_key(CURVE_SECRET, pair.secret)  # the secret first: alone it still makes the pair
+        store.put_key(CURVE_PUBLIC, pair.public)
+        return pair
+    try:
+        secret = parse_public_key(secret, CURVE_SECRET)
+    except ValueError as exc:
+        raise StateError(store.path, f"its {CURVE_SECRET} is malformed ({exc})") from None
+    derived = zmq.curve_public(secret)
+    if public is None:
+        store.put_key(CURVE_PUBLIC, derived)
+    elif public != derived:
+        raise StateError(store.path, f"its {CURVE_PUBLIC} does not belong to its {CURVE_SECRET}")
+    return CurveKeyPair(derived, secret)
+
+
+def load_server_key_file(path: str) -> CurveKeyPair:
+    """The key pair from an operator's certificate file (``server_key_file``: e.g. a Kubernetes Secret).
+
+    Never created: a missing file is an error, as is one others can read (:func:`key_file_mode_problem`).
+    """
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise ValueError(f"server_key_file {path}: {exc.strerror}; make one with `twt keys --new-client NAME` "
+                         "and use NAME.key_secret") from None
+    problem = key_file_mode_problem(st.st_mode, st.st_uid, st.st_gid, uid=os.geteuid(), gid=os.getegid())
+    if problem is not None:
+        raise PermissionError(f"{path} {problem}")
+    return _load_pair(p, "server key file")
+
+
+def key_file_mode_problem(mode: int, owner: int, group: int, *, uid: int, gid: int) -> str | None:
+    """Why a secret key file with this mode, owner and group must not be used by (``uid``, ``gid``); None: fine.
+
+    Accepted: 0600/0400 (or stricter) owned by us, and - the mode a Kubernetes Secret has when the pod
+    sets ``fsGroup`` (kubelet adds group read to ``defaultMode: 0400``) - 0440 owned by root or us in
+    *our own* group (``gid``: the process's effective group, ``runAsGroup``). Never: any permission
+    for others, group write or execute, or group read for any group but ours.
+    """
+    perms = stat.S_IMODE(mode)
+    if perms & stat.S_IRWXO:
+        return f"is readable by others (mode {oct(perms)}); chmod 600 it"
+    if perms & stat.S_IRWXG:
+        if perms & (stat.S_IWGRP | stat.S_IXGRP) or group != gid or owner not in (0, uid):
+            return (f"is readable by its group {group} (mode {oct(perms)}, owner {owner}); chmod 600 it, or "
+                    f"make it 0440, owned by root or uid {uid}, in this process's own group {gid} "
+                    "(Kubernetes: runAsGroup = fsGroup)")
+    elif owner != uid:
+        return f"belongs to uid {owner}, not to this process's uid {uid}; chown it"
+    return None
+
+
+def load_client_keys(spec: str | os.PathLike[str] | CurveKeyPair | tuple[bytes | str, bytes | str] | None) -> CurveKeyPair:
+    """The remote client's key pair: fresh when ``None``, else a certificate file or a (public, secret) pair."""
+    if spec is None:
+        return CurveKeyPair.generate()
+    if isinstance(spec, CurveKeyPair):
+        return spec
+    if isinstance(spec, tuple):
+        public = parse_public_key(spec[0], "client public key")
+        secret = parse_public_key(spec[1], "client secret key")
+        if zmq.curve_public(secret) != public:
+            raise ValueError("client public key does not belong to the client secret key")
+        return CurveKeyPair(public, secret)
+    return _load_pair(Path(spec), "client key file")
+
+
+def check_client_keys_dir(path: str) -> int:
+    """Validate the allow-list directory at start: how many public keys it holds.
+
+    Every ``*.key`` file must be a certificate with a valid public key, so a
+    typo is one clear error at start, not a client refused later.
+    """
+    d = Path(path)
+    if not d.is_dir():
+        raise ValueError(f"client_keys_dir {path} is not a directory")
+    count = 0
+    for cert in sorted(d.glob("*.key")):
+        try:
+            public, _ = zmq.auth.load_certificate(cert)
+            parse_public_key(public, f"public-key in {cert}")
+        except (OSError, ValueError, UnicodeDecodeError, IndexError) as exc:
+            raise ValueError(f"client key file {cert} is malformed ({exc})") from None
+        count += 1
+    return count

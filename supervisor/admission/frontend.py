@@ -1,0 +1,749 @@
+"""The frontend: client requests in - decode, capability check, back-pressure, instance choice, forwarding.
+
+A request names no worker: the supervisor picks the least-loaded ready
+instance of the capability's tenant, or the instance that holds the buffer
+handles it names (buffer affinity; ``alloc`` may name an instance). A handle
+from an earlier incarnation of its instance is answered
+:class:`~shared.errors.BufferLost` at once. When no instance is ready but one
+is starting or restarting, the request is parked, bounded by
+``max_in_flight`` and its deadline, and sent as soon as one is
+(:meth:`Frontend.dispatch_parked`); a tenant scaled to 0 is answered
+:class:`~shared.errors.TenantStopped`, and one whose instances are gone for
+good :class:`~shared.errors.WorkerLost`, at once.
+
+Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
+one when ``listen`` is set: the same decode, checks and limits for both; at
+most ``READ_BATCH`` messages per socket per wake-up into the fair queue
+(:mod:`supervisor.admission.fairness`), of which each loop turn serves a bounded part
+per tenant; every request first passes admission
+(:mod:`supervisor.admission.rates`: per-tenant requests and bytes per second,
+per-peer for the unauthenticated); admin
+ops on TCP refused unless ``allow_remote_admin``), the verified-capability
+cache, the tenants' stored modules (``put_module``) and parked requests, and
+the shared-memory data regions of local clients (``regions``: a
+:class:`~supervisor.routing.regions.RegionTable`; ``region_create`` /
+``region_release`` are answered here, ``write_region`` / ``read_region`` are
+resolved to the tenant's own region and forwarded; refused on TCP, whose
+peers cannot map this host's shared memory).
+May touch: the pending table (every answer goes through it), the worker set
+(to send), the registry (to verify capabilities), the event log (read:
+``events``, which either capability may send, is answered here with the
+capability's view of :class:`~supervisor.observe.event_log.EventLog`). Admin ops are
+handed to :class:`supervisor.control.admin.AdminOps`. Loop thread only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from collections.abc import Callable
+
+import zmq
+
+from shared import protocol as proto
+from shared.capability import RegistryAdminCapability, TenantCapability, capability_from_bytes
+from shared.config import SupervisorConfig
+from shared.errors import (
+    BufferLost,
+    InvalidArgument,
+    Overloaded,
+    ProtocolError,
+    TenantFailed,
+    TenantIsolationViolation,
+    TenantStopped,
+    TensorWasmError,
+    UnknownModule,
+    UnknownTenant,
+    WorkerLost,
+)
+from shared.log import get_logger
+from shared.sizes import MAX_MODULE_BYTES
+from shared.spec import DEADLINE_GRACE_S
+from supervisor.observe.event_log import ADMIN_VIEW, EventLog, EventView
+from supervisor.admission.guard import FrontendGuard
+from supervisor.runtime.loop import Loop
+from supervisor.routing.pending import PendingTable
+from supervisor.routing.regions import RegionTable
+from supervisor.store.registry import TenantRegistry
+from supervisor.routing.replies import Replies
+from supervisor.runtime.requests import Parked, Pending
+from supervisor.admission.tcp_frontend import IPC_INDEX, TCP_INDEX
+from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
+from supervisor.lifecycle.workerset import WorkerSet
+
+#: messages read from one frontend socket per wake-up: a turn's share of one tenant, so a lone
+#: tenant's batch is served at once and a flood of garbage delays a verified request by one short read
+READ_BATCH = 16
+#: messages read per wake-up while the fair queue is full
+BATCH_BACKLOGGED = 8
+
+__all__ = ["ClientMessage", "Frontend"]
+
+_log = get_logger("supervisor")
+
+MAX_MODULES_PER_TENANT = 32
+MAX_MODULE_BYTES_PER_TENANT = 256 << 20
+#: entries of the verified-capability cache before it is cleared
+_VERIFIED_CAP_CACHE = 65536
+
+#: plain ints: ``int & zmq.POLLIN`` goes through enum.Flag (~1 us a message)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_IPC = bytes([IPC_INDEX])
+_TCP = bytes([TCP_INDEX])
+def _ignore_reply(ok: bool, payload: Any) -> None:
+    """Callback of the supervisor's own fire-and-forget worker requests."""
+
+
+AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
+#: a tenant op the frontend answers itself: (tenant, args, body) -> the result
+LocalOp = Callable[[TenantRuntime, dict[str, Any], Any], dict[str, Any]]
+#: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
+DenialHook = Callable[["bytes | None", str], None]
+
+
+class Frontend:
+    """Client requests to workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        *,
+        loop: Loop,
+        sock: zmq.Socket[Any],
+        tcp_sock: zmq.Socket[Any] | None = None,
+        replies: Replies,
+        pending: PendingTable,
+        workers: WorkerSet,
+        registry: TenantRegistry,
+        tenants: Mapping[str, TenantRuntime],
+        admin: AdminHandler,
+        guard: FrontendGuard,
+        admin_cap: bytes,
+        on_denied: DenialHook | None = None,
+        regions: RegionTable,
+        event_log: EventLog,
+    ) -> None:
+        self.config = config
+        self.clock = loop.clock
+        self.sock = sock
+        self.replies = replies
+        self.pending = pending
+        self.workers = workers
+        self.registry = registry
+        self.tenants = tenants
+        self.admin = admin
+        self.guard = guard
+        self._admin_raw = admin_cap
+        self.on_denied = on_denied
+        self.regions = regions
+        self.event_log = event_log
+        #: raw capability bytes -> the tenant runtime they were verified for
+        self._verified_caps: dict[bytes, TenantRuntime] = {}
+        #: the tenant ops this part answers itself (``served_by == "frontend"``; ``events`` has its own path)
+        self._local_ops: dict[str, LocalOp] = {
+            "quota": lambda rt, args, body: rt.block.snapshot().to_dict(),
+            "put_module": lambda rt, args, body: {"digest": self._put_module(rt, body)},
+            "region_create": lambda rt, args, body: self._region_op(rt, "region_create", args),
+            "region_release": lambda rt, args, body: self._region_op(rt, "region_release", args),
+        }
+        declared = {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}
+        if set(self._local_ops) != declared:  # the op table and this part disagree: a bug, at start
+            raise RuntimeError(f"frontend ops {sorted(declared)} declared, {sorted(self._local_ops)} served")
+        #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
+        self.ready = False
+        loop.register(sock, lambda: self._on_readable(sock, _IPC))
+        if tcp_sock is not None:
+            loop.register(tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
+
+    # ------------------------------------------------------------ decode
+
+    def _on_readable(self, sock: zmq.Socket[Any], prefix: bytes) -> None:
+        # Read what is queued (asking ZMQ_EVENTS between messages: a recv that fails with
+        # EAGAIN costs ~5 us here, the query ~1.6 us) into the fair queue; the loop's turn
+        # serves it (end_turn). At most READ_BATCH a wake-up, and only a few while the
+        # queue is full: a flood waits in its sender. A message without a verified
+        # capability is first charged to its peer's bucket (supervisor.admission.rates): past
+        # it, dropped here, before it costs anything more.
+        recv, events = sock.recv_multipart, sock.getsockopt
+        fair, admission = self.guard.fair, self.guard.admission
+        now = self.clock()
+        batch: list[ClientMessage] = []
+        for _ in range(BATCH_BACKLOGGED if fair.backlog_full else READ_BATCH):
+            try:
+                frames = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            msg = self.decode(frames, prefix)
+            if msg is not None and (msg.key is not None or admission.admit_unauthenticated(msg.client, now)):
+                batch.append(msg)
+            if not int(events(_EVENTS)) & _POLLIN:
+                break
+        if not batch:
+            return
+        # The common case, served at once: nothing waits, and the batch is one verified
+        # tenant's, within its share of a turn (the fair queue would serve it as it is).
+        first = batch[0].key
+        if (not fair.backlog and first is not None and len(batch) <= fair.per_tenant_per_turn
+                and all(m.key == first for m in batch)):
+            for msg in batch:
+                self.serve(msg)
+            return
+        add = fair.add
+        for msg in batch:
+            key = msg.key
+            add(key is not None, key if key is not None else msg.client, msg)
+
+    def end_turn(self) -> None:
+        """End of a loop turn: serve one bounded turn of what was read (supervisor.admission.fairness)."""
+        if self.guard.fair.backlog:
+            for msg in self.guard.fair.take():
+                self.serve(msg)
+
+    def decode(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> ClientMessage | None:
+        """Decode one client message (None: unanswerable, dropped) and note whose it is:
+        ``key`` is the tenant (or "admin") when its capability was verified before.
+
+        ``prefix`` names the socket it came in on; the client key is it plus the
+        peer's identity (see :mod:`supervisor.routing.replies`).
+        """
+        client = prefix + frames[0].bytes
+        if len(frames) not in (2, 3):
+            rid = proto.peek_rid(frames[1].bytes) if len(frames) > 1 else None
+            if rid is None:
+                return None
+            return ClientMessage(client, rid, "", None, {}, None,
+                                 ProtocolError(f"expected 1 or 2 frames, got {len(frames) - 1}"))
+        header = frames[1].bytes
+        try:
+            rid, op, cap_raw, args = proto.decode_client_header(header, self.config.max_header_bytes)
+        except ProtocolError as exc:
+            rid2 = proto.peek_rid(header)
+            # without its traceback: its frames reach this turn's list, which holds the
+            # message - a cycle that keeps every flooded header alive until a full GC
+            return None if rid2 is None else ClientMessage(client, rid2, "", None, {}, None,
+                                                           exc.with_traceback(None))
+        body = frames[2] if len(frames) == 3 else None
+        msg = ClientMessage(client, rid, op, cap_raw, args, body, None,
+                            size=len(header) + (len(body) if body is not None else 0))
+        msg.key = self.verified_key(cap_raw)
+        return msg
+
+    def verified_key(self, cap_raw: bytes | None) -> str | None:
+        """The tenant whose verified capability these exact bytes are ("admin" for the
+        admin capability), or None: never verified (forged, foreign, new or absent)."""
+        if cap_raw is None:
+            return None
+        rt = self._verified_caps.get(cap_raw)
+        if rt is not None and self.tenants.get(rt.tenant_id) is rt:
+            return rt.tenant_id
+        if hmac.compare_digest(cap_raw, self._admin_raw):
+            return "admin"
+        return None
+
+    def serve(self, msg: ClientMessage) -> None:
+        client, rid, op, body = msg.client, msg.rid, msg.op, msg.body
+        if msg.error is not None:
+            self._refused(client, rid, op, msg.error, None)
+            return
+        if msg.cap_raw is None and proto.OPS[op].anonymous:
+            self._anonymous(client, rid)
+            return
+        try:
+            if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows
+                self._events(client, rid, msg.cap_raw, msg.args, msg.size)
+            elif proto.OPS[op].admin:
+                if client[:1] == _TCP and not self.config.allow_remote_admin:
+                    raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
+                self.admin(client, rid, op, msg.cap_raw, msg.args, body)
+            else:
+                self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
+        except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
+            self._refused(client, rid, op, exc, msg.cap_raw)
+            if self.on_denied is not None:
+                self.on_denied(msg.cap_raw, op)
+        except TensorWasmError as exc:
+            self._refused(client, rid, op, exc, msg.cap_raw)
+        except ValueError as exc:  # a value out of its domain (check_args checked the types)
+            self._refused(client, rid, op, InvalidArgument(f"{op}: {exc}"), msg.cap_raw)
+        except Exception as exc:  # noqa: BLE001 - nothing a client sends may crash the loop
+            # TypeError, KeyError ...: check_args let the input through, so this is our bug - logged
+            # with its trace and answered as an internal error, never blamed on the client's input
+            _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
+            self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"), msg.cap_raw)
+
+    def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError, cap_raw: bytes | None) -> None:
+        """Answer a request the supervisor itself refused (and count it).
+
+        Only a verified capability earns a full answer and a metric label of its
+        tenant. Anything else gets a short error, sent tracked, while its peer has
+        few of them unread (else it is dropped); counted under one label: a forged
+        token's tenant name never becomes a label.
+        """
+        key = self.verified_key(cap_raw)
+        if key is None:
+            err = self.guard.unauthenticated_error(client, exc)
+            if err is not None:
+                self.guard.errors.sent(client, self.replies.error_tracked(client, rid, err))
+            self.pending.count_refusal("", op, exc.code)
+            return
+        self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)
+
+    def _anonymous(self, client: bytes, rid: int) -> None:
+        """``hello`` without a capability, on either frontend: the liveness probe. It answers the
+        protocol version and readiness only - nothing of any tenant, the registry or the host -
+        and goes the way of a refusal to an unauthenticated peer (its turn after verified
+        requests, the same budget, sent tracked through ``guard.errors``), so a flood of
+        probes costs what a flood of bad tokens costs."""
+        if not self.guard.errors.allow(client):
+            return
+        self.guard.errors.sent(client, self.replies.ok_tracked(
+            client, rid, {"protocol": proto.PROTOCOL_VERSION, "ready": self.ready}))
+
+    # ------------------------------------------------------------ events (supervisor.observe.event_log)
+
+    def _events(self, client: bytes, rid: int, cap_raw: bytes | None, args: dict[str, Any], size: int = 0) -> None:
+        """``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``: a page of the
+        event log. The admin capability sees every event (over TCP only with ``allow_remote_admin``),
+        a tenant capability its own tenant's; answered at once, nothing held per client."""
+        if cap_raw is None:
+            raise TenantIsolationViolation(None, "op 'events' (no capability)", "missing")
+        cap = capability_from_bytes(cap_raw)
+        if isinstance(cap, RegistryAdminCapability):
+            if client[:1] == _TCP and not self.config.allow_remote_admin:
+                raise TenantIsolationViolation(None, "admin events over TCP (allow_remote_admin is false); "
+                                               "a tenant capability follows its own tenant's events")
+            self.registry.verify_admin(cap)
+            view, tenant = ADMIN_VIEW, ""
+        else:
+            rt = self._verify(cap_raw)
+            self.guard.admission.admit(rt.tenant_id, rt.spec, size, self.clock(),
+                                       in_flight=rt.in_flight + len(rt.parked))
+            view, tenant = EventView(rt.tenant_id, rt.generation), rt.tenant_id
+        proto.check_args("events", args)
+        self.pending.answer(client, rid, "events", self.event_log.page(view, args), tenant=tenant)
+
+    # ------------------------------------------------------------ tenant requests
+
+    def _tenant_request(
+        self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any,
+        size: int = 0,
+    ) -> None:
+        if cap_raw is None:
+            raise TenantIsolationViolation(None, f"op {op!r} (no capability)", "missing")
+        rt = self._verify(cap_raw)
+        tid = rt.tenant_id
+        # Every limit applies to every op, before anything is done for it: admission
+        # (requests and bytes per second), the failed tenant, max_in_flight (quota and
+        # put_module count, though answered at once), the module cap.
+        self.guard.admission.admit(tid, rt.spec, size, self.clock(), in_flight=rt.in_flight + len(rt.parked))
+        proto.check_args(op, args)
+        if rt.state is TenantState.FAILED:
+            raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
+        if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
+            raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
+        if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
+            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
+        spec = proto.OPS[op]
+        if spec.local_only and client[:1] == _TCP:
+            raise InvalidArgument(f"{op}: shared-memory regions serve local (ipc) clients only; "
+                                  "a remote client sends its bytes in frames")
+        if spec.served_by == "frontend":  # answered here, from what the supervisor holds
+            self.pending.answer(client, rid, op, self._local_ops[op](rt, args, body), tenant=tid)
+            return
+        if op == "write_region" or op == "read_region":
+            # the tenant's own region or refused; the worker learns its name from us only
+            args = {**args, "region_name": self.regions.resolve(tid, args.get("region")).name}
+        if op == "run_wasm" and body is None:
+            digest = args.get("digest")
+            stored = rt.modules.get(digest) if isinstance(digest, str) else None
+            if stored is None or not isinstance(digest, str):
+                raise UnknownModule(tid, str(digest))
+            rt.modules.move_to_end(digest)
+            body = stored
+        if rt.state is TenantState.STOPPED:
+            raise TenantStopped(tid)
+        if spec.big_reply:
+            queued = self.replies.queued_bytes(client)
+            if queued > self.config.max_client_reply_bytes:
+                raise Overloaded(
+                    tid, rt.in_flight, rt.spec.max_in_flight,
+                    message=f"{queued:,} B of replies to this client are still queued (it is not reading them); "
+                    f"limit max_client_reply_bytes={self.config.max_client_reply_bytes:,}",
+                )
+        if op == "buffers":
+            self._buffers_of_every_instance(rt, client, rid)
+            return
+        pinned = pinned_instance(rt, op, args)
+        if pinned is not None:
+            lost = lost_buffer(rt, op, args)
+            if lost is not None:
+                raise lost
+        slot = slot_for(rt, pinned)
+        now = self.clock()
+        if slot is None:
+            if not (rt.coming_up() if pinned is None else rt.slots[pinned].coming_up):
+                raise _nothing_coming_up(rt, pinned)
+        # What the supervisor will hold for this request, reserved before it holds it
+        # (supervisor.routing.budgets): a read's reply, and a parked request's body.
+        held = self.guard.held
+        reply = expected_reply_bytes(op, args, self.config.max_message_bytes)
+        held.reserve(tid, "replies", reply)
+        try:
+            if slot is None:
+                # no ready instance, but one is starting or restarting: wait for it, bounded
+                size = len(body) if body is not None else 0
+                held.reserve(tid, "parked", size)
+                rt.parked.append(Parked(client, rid, op, args, body, now,
+                                        now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned,
+                                        held_reply=reply, held_body=size))
+                return
+            self._forward(rt, slot, client, rid, op, args, body, now, held=reply)
+        except BaseException:
+            held.release(tid, "replies", reply)
+            raise
+
+    def set_admin_capability(self, raw: bytes) -> None:
+        """The admin capability's bytes changed (key rotation): requests carrying them are verified."""
+        self._admin_raw = raw
+
+    def forget_verified(self) -> None:
+        """Drop the verified-capability cache (the registry key was rotated: nothing verified before counts)."""
+        self._verified_caps.clear()
+
+    def _verify(self, cap_raw: bytes) -> TenantRuntime:
+        # Fast path: these exact bytes were verified for this very tenant runtime
+        # (an eviction replaces the runtime, so a revoked token misses here).
+        rt = self._verified_caps.get(cap_raw)
+        if rt is not None and self.tenants.get(rt.tenant_id) is rt:
+            return rt
+        tid = self.registry.verify(TenantCapability.from_bytes(cap_raw))
+        rt = self.tenants.get(tid)
+        if rt is None or rt.state is TenantState.EVICTING:
+            raise UnknownTenant(tid)
+        if len(self._verified_caps) >= _VERIFIED_CAP_CACHE:
+            self._verified_caps.clear()
+        self._verified_caps[cap_raw] = rt
+        return rt
+
+    def _buffers_of_every_instance(self, rt: TenantRuntime, client: bytes, rid: int) -> None:
+        """``buffers`` lists the tenant's buffers on every ready instance (a fan-out, merged)."""
+        slots = rt.live_slots()
+        if not slots:
+            raise WorkerLost(rt.tenant_id, 0, reason="no ready instance to list buffers on")
+        now = self.clock()
+        deadline = now + rt.spec.request_timeout_s
+        remaining = {slot.index for slot in slots}
+        merged: list[Any] = []
+        errors: list[Any] = []
+        request = Pending(client, rid, "buffers", rt.tenant_id, 0, now, deadline)
+
+        def collect(index: int) -> Callable[[bool, Any], None]:
+            def done(ok: bool, payload: Any) -> None:
+                if index not in remaining:
+                    return
+                remaining.discard(index)
+                if ok and isinstance(payload, dict):
+                    merged.extend(payload.get("buffers") or ())
+                else:
+                    errors.append(payload)
+                if remaining:
+                    return
+                if errors:
+                    self.pending.finish(request, False, errors[0])
+                else:
+                    self.pending.finish(request, True, {"buffers": sorted(merged),
+                                                        "bytes": sum(n for _, n in merged)})
+
+            return done
+
+        for slot in slots:
+            assert slot.worker is not None
+            done = collect(slot.index)
+            part = Pending(None, 0, "buffers", rt.tenant_id, slot.index, now, deadline, done)
+            try:
+                self.workers.send_request(slot.worker, "buffers", {}, None, part)
+            except TensorWasmError as exc:
+                done(False, exc.to_dict())
+
+    # ------------------------------------------------------------ regions
+
+    def _region_op(self, rt: TenantRuntime, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """``region_create {nbytes, pid}`` -> ``{region, name, nbytes}``;
+        ``region_release {region}`` -> ``{released: nbytes}`` (see supervisor.routing.regions)."""
+        if op == "region_create":
+            owned = self.regions.create(rt.tenant_id, rt.block, args.get("nbytes"), args.get("pid"),
+                                        generation=rt.generation)
+            return {"region": owned.region_id, "name": owned.name, "nbytes": owned.nbytes}
+        owned = self.regions.release(rt.tenant_id, args.get("region"))
+        self._unmap_region(rt, owned.name)
+        return {"released": owned.nbytes}
+
+    def _unmap_region(self, rt: TenantRuntime, name: str) -> None:
+        """Tell the tenant's live workers to unpin and unmap a released region (best effort:
+        a worker that misses it unmaps at exit, and the name is unlinked already)."""
+        now = self.clock()
+        for slot in rt.live_slots():
+            assert slot.worker is not None
+            part = Pending(None, 0, "region_drop", rt.tenant_id, slot.index, now,
+                           now + rt.spec.request_timeout_s, _ignore_reply)
+            try:
+                self.workers.send_request(slot.worker, "region_drop", {"name": name}, None, part)
+            except TensorWasmError:
+                pass  # dying or flooded: its mapping ends with it
+
+    def reap_regions(self) -> None:
+        """Housekeeping: reclaim the regions whose client process died."""
+        for owned in self.regions.reap():
+            rt = self.tenants.get(owned.tenant_id)
+            if rt is not None:
+                self._unmap_region(rt, owned.name)
+
+    def _put_module(self, rt: TenantRuntime, body: Any) -> str:
+        """Keep a tenant's module (bounded LRU) so runs can name it by digest."""
+        if body is None:
+            raise InvalidArgument("put_module needs the module bytes as the body frame")
+        if len(body) > MAX_MODULE_BYTES:
+            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
+        data = body.bytes if isinstance(body, zmq.Frame) else bytes(body)
+        if not data:
+            raise InvalidArgument("put_module: empty module")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest in rt.modules:
+            rt.modules.move_to_end(digest)
+            return digest
+        # Room first among the tenant's own modules (LRU), then the held-bytes budgets
+        # (per tenant and for all tenants together): Overloaded beyond them.
+        held = self.guard.held
+        while rt.modules and (
+            len(rt.modules) >= MAX_MODULES_PER_TENANT
+            or sum(map(len, rt.modules.values())) + len(data) > MAX_MODULE_BYTES_PER_TENANT
+        ):
+            _, old = rt.modules.popitem(last=False)
+            held.release(rt.tenant_id, "modules", len(old))
+        held.reserve(rt.tenant_id, "modules", len(data))
+        rt.modules[digest] = data
+        return digest
+
+    def forget(self, rt: TenantRuntime) -> None:
+        """An evicted tenant leaves nothing behind here: its verified tokens (which kept
+        its runtime alive), stored modules and held bytes."""
+        for raw in [raw for raw, cached in self._verified_caps.items() if cached is rt]:
+            del self._verified_caps[raw]
+        rt.modules.clear()
+        self.guard.held.forget(rt.tenant_id)
+        self.guard.admission.forget(rt.tenant_id)
+
+    def _forward(
+        self,
+        rt: TenantRuntime,
+        slot: InstanceSlot,
+        client: bytes,
+        rid: int,
+        op: str,
+        args: dict[str, Any],
+        body: Any,
+        now: float,
+        *,
+        started: float | None = None,
+        deadline: float | None = None,
+        held: int = 0,
+    ) -> None:
+        """Send to the slot's worker. A request that waited (parked) keeps its
+        original start and deadline; a run is shortened to fit what is left.
+        ``held``: reply bytes reserved for it, handed to its Pending (raises: not taken)."""
+        worker = slot.worker
+        assert worker is not None
+        if op == "run_wasm":
+            args = with_wasm_limits(rt, args)
+            if deadline is not None:
+                left = deadline - now - DEADLINE_GRACE_S
+                if left < args["timeout_s"]:
+                    args["timeout_s"] = max(0.001, left)
+        own = now + rt.spec.deadline_s(op, args.get("timeout_s"))
+        deadline = own if deadline is None else min(own, deadline)
+        pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline,
+                          held=held)
+        self.workers.send_request(worker, op, args, body, pending)
+
+    # ------------------------------------------------------------ parked requests
+
+    def dispatch_parked(self, rt: TenantRuntime) -> None:
+        """An instance became ready: send what waited for one."""
+        now = self.clock()
+        keep: list[Parked] = []
+        while rt.parked:
+            p = rt.parked.popleft()
+            slot = slot_for(rt, p.instance)
+            if slot is None:
+                keep.append(p)
+                continue
+            lost = lost_buffer(rt, p.op, p.args) if p.instance is not None else None
+            if lost is not None:  # its instance restarted while it waited: the buffer went with it
+                self.pending.refuse_parked(rt.tenant_id, p, lost)
+                continue
+            # the body leaves the parked budget: it goes to the worker now
+            self.guard.held.release(rt.tenant_id, "parked", p.held_body)
+            p.held_body = 0
+            try:
+                self._forward(rt, slot, p.client, p.rid, p.op, p.args, p.body, now,
+                              started=p.started, deadline=p.deadline, held=p.held_reply)
+            except TensorWasmError as exc:
+                self.pending.refuse_parked(rt.tenant_id, p, exc)
+        rt.parked.extend(keep)
+
+    def expire_parked(self, now: float) -> None:
+        """Parked requests whose deadline passed get :class:`KernelTimeout`."""
+        from shared.errors import KernelTimeout
+
+        for rt in self.tenants.values():
+            while rt.parked and rt.parked[0].deadline <= now:
+                p = rt.parked.popleft()
+                waited = p.deadline - p.started
+                self.pending.refuse_parked(rt.tenant_id, p, KernelTimeout(
+                    waited, p.op, message=f"no instance of {rt.tenant_id!r} became ready within {waited:g} s"))
+
+    def refuse_all_parked(self, rt: TenantRuntime, exc_of: Callable[[Parked], TensorWasmError | None]) -> None:
+        """Answer the parked requests for which ``exc_of`` gives an error; keep the others."""
+        keep = []
+        while rt.parked:
+            p = rt.parked.popleft()
+            exc = exc_of(p)
+            if exc is None:
+                keep.append(p)
+            else:
+                self.pending.refuse_parked(rt.tenant_id, p, exc)
+        rt.parked.extend(keep)
+
+
+# ------------------------------------------------------------ instance choice (pure policy)
+
+
+def request_handles(op: str, args: dict[str, Any]) -> list[int]:
+    """The buffer handles a request names (``handle``, or run_wasm's ``{handle}`` arguments)."""
+    if op in proto.HANDLE_OPS:
+        handle = args.get("handle")
+        if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+            raise InvalidArgument("handle must be a non-negative int")
+        return [handle]
+    if op == "run_wasm":
+        return [
+            a["handle"]
+            for a in args.get("args") or ()
+            if isinstance(a, dict) and isinstance(a.get("handle"), int) and not isinstance(a.get("handle"), bool)
+        ]
+    return []
+
+
+def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | None:
+    """The instance a request must go to: the one holding the buffers it names, or ``alloc``'s ``instance``.
+
+    InvalidArgument when its buffers live on different instances (naming them),
+    or when the instance is not one the tenant runs.
+    """
+    if not proto.OPS[op].pins:
+        return None  # the hot path (ping, quota-free ops): nothing to look at
+    if op == "alloc":
+        pinned = args.get("instance")
+        if pinned is not None and (isinstance(pinned, bool) or not isinstance(pinned, int) or pinned < 0):
+            raise InvalidArgument("alloc: instance must be a non-negative int")
+        what = "alloc names"
+    else:
+        handles = request_handles(op, args)
+        where: dict[int, list[str]] = {}
+        for h in handles:
+            where.setdefault(proto.handle_instance(h), []).append(proto.format_handle(h))
+        if len(where) > 1:
+            held = "; ".join(f"{', '.join(names)} on {rt.tenant_id}/{i}" for i, names in sorted(where.items()))
+            raise InvalidArgument(
+                f"{op}: its buffers live on different instances ({held}); a run sees the buffers of one instance: "
+                f"allocate them on one (twt alloc {rt.tenant_id} SIZE --instance N, or alloc(cap, n, instance=N))"
+            )
+        pinned = next(iter(where), None)
+        what = "buffer handle names"
+    if pinned is not None and (pinned >= len(rt.slots) or rt.slots[pinned].draining):
+        running = ", ".join(str(s.index) for s in rt.wanted_slots()) or "none"
+        raise InvalidArgument(f"{what} instance {pinned}, which {rt.tenant_id!r} does not run "
+                              f"(its instances: {running})")
+    return pinned
+
+
+def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, Any]) -> BufferLost | None:
+    """:class:`BufferLost` for the first handle whose instance restarted since (or died with it), else None.
+
+    A handle is alive while its slot's worker is the incarnation that made it;
+    a slot with no worker lost it (a restart is pending), one with a newer
+    incarnation restarted.
+    """
+    for h in request_handles(op, args):
+        index = proto.handle_instance(h)
+        if index >= len(rt.slots):
+            continue  # refused by pinned_instance
+        slot = rt.slots[index]
+        if slot.worker is None or slot.incarnation & 0xFFFF != proto.handle_incarnation(h):
+            return BufferLost(rt.tenant_id, proto.format_handle(h), index, slot.incarnation)
+    return None
+
+
+def expected_reply_bytes(op: str, args: dict[str, Any], limit: int) -> int:
+    """The reply body a request will bring back: a ``read``'s ``nbytes`` (at most ``limit``)."""
+    n = args.get("nbytes") if op == "read" else None
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        return 0
+    return min(n, limit)
+
+
+def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError:
+    """The answer when no instance (or not the pinned one) is ready or coming (so waiting is useless)."""
+    wanted = rt.wanted_slots()
+    if not wanted:
+        return TenantStopped(rt.tenant_id)
+    gone = rt.slots[pinned] if pinned is not None else max(wanted, key=lambda s: (s.last_exit or {}).get("at", 0.0))
+    last = gone.last_exit or {}
+    who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
+    reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
+              f"last exit of {rt.tenant_id}/{gone.index}: {last.get('reason', 'unknown')})")
+    return WorkerLost(rt.tenant_id, gone.index, last.get("exit_code"), last.get("signal"), reason,
+                      message=f"{reason}; `twt scale {rt.tenant_id} N` starts instances again")
+
+
+def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:
+    """The ready instance to send to (least loaded, or the pinned one), None when none is ready."""
+    if pinned is None:
+        return rt.pick_slot()
+    if pinned < len(rt.slots) and rt.slots[pinned].ready:
+        return rt.slots[pinned]
+    return None
+
+
+def with_wasm_limits(rt: TenantRuntime, args: dict[str, Any]) -> dict[str, Any]:
+    """A run's fuel and time: defaults from the spec, and never above it."""
+    spec = rt.spec
+    fuel = args.get("fuel")
+    out = dict(args)
+    out["fuel"] = (
+        min(fuel, spec.wasm_fuel)
+        if isinstance(fuel, int) and not isinstance(fuel, bool) and fuel > 0
+        else spec.wasm_fuel
+    )
+    out["timeout_s"] = spec.wasm_run_s(args.get("timeout_s"))
+    return out
+
+
+
+
+@dataclass(eq=False, slots=True)
+class ClientMessage:
+    """One decoded client message of a loop turn (``error``: answer it with this)."""
+
+    client: bytes
+    rid: int
+    op: str
+    cap_raw: bytes | None
+    args: dict[str, Any]
+    body: Any
+    error: TensorWasmError | None
+    key: str | None = None  # the verified tenant ("admin"), None when unauthenticated
+    size: int = 0  # header and body bytes, for the backlog's byte bound

@@ -1,0 +1,99 @@
+"""The frontend's guard: what bounds the supervisor against its clients.
+
+One object the frontend owns, holding the policies of
+:mod:`supervisor.routing.budgets`, :mod:`supervisor.admission.peers`,
+:mod:`supervisor.admission.fairness` and :mod:`supervisor.admission.connections`, and the
+counters status reports:
+
+* ``held``: bytes held per tenant and in total (replies, parked bodies,
+  modules), refused with ``Overloaded`` past the budgets;
+* ``errors``: the error replies an unauthenticated peer has not read yet
+  (bounded), each cut short (no echo of unbounded input);
+* ``fair``: the order a loop turn serves what it read, and its backlog;
+* ``admission``: requests and bytes per second per tenant, and per peer for
+  the unauthenticated (token buckets);
+* ``connections``: the frontend's connections (ipc and TCP) against the fd
+  budget and the TCP bounds.
+
+Loop thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.config import SupervisorConfig
+from shared.errors import TensorWasmError
+from supervisor.admission.rates import Admission
+from supervisor.routing.budgets import HeldBytes
+from supervisor.admission.connections import FrontendConnections
+from supervisor.admission.fairness import FairTurn
+from supervisor.observe.metrics import FrontendCounters
+from supervisor.admission.peers import MAX_ERROR_TEXT, UnreadErrors, short
+
+__all__ = ["FrontendGuard"]
+
+
+class FrontendGuard:
+    """Bounds of the frontend (see the module docstring)."""
+
+    def __init__(self, config: SupervisorConfig, connections: FrontendConnections | None = None) -> None:
+        self.held = HeldBytes(config.max_tenant_held_bytes, config.max_held_bytes)
+        self.errors = UnreadErrors()
+        self.fair: FairTurn[Any] = FairTurn(size_of=lambda msg: int(getattr(msg, "size", 0)))
+        self.admission = Admission.from_config(config)
+        self.connections = connections
+
+    def unauthenticated_error(self, client: bytes, exc: TensorWasmError) -> dict[str, Any] | None:
+        """The error reply for a request without a verified capability, or None to drop it
+        (the peer has too many such replies unread). Every text in it is cut short; send
+        it tracked and hand the tracker to ``errors.sent``."""
+        if not self.errors.allow(client):
+            return None
+        err = exc.to_dict()
+        err["message"] = short(str(err.get("message", "")))
+        err["fields"] = {
+            k: short(v, MAX_ERROR_TEXT // 2) if isinstance(v, str) else v for k, v in dict(err.get("fields") or {}).items()
+        }
+        return err
+
+    def refresh(self) -> None:
+        """Housekeeping: re-read the fd limit (an operator may lower it with prlimit)."""
+        if self.connections is not None:
+            self.connections.refresh_limit()
+
+    @property
+    def dropped(self) -> int:
+        """Unauthenticated requests dropped unanswered (unread replies, the backlog full, or
+        their peer's rate)."""
+        return self.errors.dropped + self.fair.dropped + self.admission.dropped
+
+    def dropped_by(self) -> dict[str, int]:
+        """:attr:`dropped` by reason."""
+        return {"unread_replies": self.errors.dropped, "backlog_bytes": self.fair.dropped,
+                "peer_rate": self.admission.dropped}
+
+    def counters(self) -> FrontendCounters:
+        """The counters the metrics exporter shows (supervisor.observe.prometheus)."""
+        gate = self.connections.gate if self.connections is not None else None
+        return FrontendCounters(
+            admission_refused=tuple((t, what, n) for (t, what), n in sorted(self.admission.refused.items())),
+            unauthenticated_dropped=tuple(sorted(self.dropped_by().items())),
+            connections_shed=tuple(sorted(gate.shed_by.items())) if gate is not None else (),
+            connections=gate.connected if gate is not None else 0,
+            tcp_connections=gate.tcp if gate is not None else 0,
+            connection_budget=gate.budget if gate is not None else 0,
+        )
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "held_bytes": self.held.snapshot(),
+            "unauthenticated_dropped": self.dropped,
+            "unauthenticated_dropped_by": self.dropped_by(),
+            # the name is older than the queue: every request read and not yet served
+            "unauthenticated_backlog": self.fair.backlog,
+            **self.admission.status(),
+        }
+        if self.connections is not None:
+            out.update(self.connections.status())
+        return out

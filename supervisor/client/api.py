@@ -1,0 +1,721 @@
+"""SupervisorClient: typed calls to a running supervisor, found by its run directory.
+
+    with SupervisorClient("/tmp/twt-1000") as c:
+        acme = c.register(c.admin, TenantSpec("acme").with_gpu_memory_bytes_cap("1GiB"))
+        h = c.alloc(acme, 1 << 20)
+        c.write(acme, h, b"\\0" * 1024)
+
+Remote errors are raised as the same classes with the same fields
+(``GpuMemoryExhausted.requested`` ...). Every call has a timeout
+(:class:`RequestTimeout`); a missing supervisor is
+:class:`SupervisorUnavailable`. One client is one DEALER socket: use one
+client per thread (calls on one client from several threads are serialised).
+For pipelining, :meth:`send` and :meth:`recv` expose the raw request/reply.
+
+Remote supervisors (their ``listen`` TCP frontend, CURVE-encrypted) are
+reached with :meth:`SupervisorClient.remote`; the methods are the same. A
+wrong server key or a plaintext peer raises :class:`HandshakeFailed`, an
+endpoint that never answers :class:`SupervisorUnavailable` within the
+timeout, and a connection lost while a reply is awaited
+:class:`SupervisorUnavailable` at once (a socket monitor watches the link).
+Bulk bytes: :meth:`write`, :meth:`read`, :meth:`read_into`, :meth:`put_array`
+and :meth:`get_array` move payloads from ``bulk_threshold`` (256 KiB) on
+through a shared-memory region bound to the tenant (``supervisor.client.bulk``),
+and smaller ones, or all of them with ``regions=False``, in frames.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import psutil
+import zmq
+
+from shared import protocol as proto
+from shared.capability import RegistryAdminCapability, TenantCapability
+from shared.errors import (
+    HandshakeFailed,
+    InvalidArgument,
+    ProtocolError,
+    RequestTimeout,
+    SupervisorUnavailable,
+    TensorWasmError,
+    error_from_dict,
+)
+from shared.spec import TenantSpec
+from supervisor.admission.curve import CurveKeyPair, load_client_keys, parse_public_key
+from supervisor.client.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
+from supervisor.client.event_follow import follow
+from supervisor.store.rundir import read_admin_capability, read_ready, verify_run_dir
+
+__all__ = ["SupervisorClient"]
+
+_UNCHANGED: Any = object()
+Capability = TenantCapability | RegistryAdminCapability
+
+
+#: ZMTP heartbeats of a remote client: a silent server is dropped after the timeout
+_HEARTBEAT_IVL_MS = 2_000
+_HEARTBEAT_TIMEOUT_MS = 6_000
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the server could not decrypt our hello (wrong server public key?), "
+    "or closed the connection during the handshake (its connection limits: max_tcp_peers_per_source for "
+    "this address, max_tcp_peers, its fd budget)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol mismatch (the peer does not speak CURVE: a plaintext endpoint?)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused the handshake (our client key is not in its client_keys_dir "
+    "allow-list, or it serves max_tcp_peers peers already)",
+}
+
+
+def _cap_bytes(cap: Capability | bytes | None) -> bytes | None:
+    if cap is None or isinstance(cap, bytes):
+        return cap
+    return cap.to_bytes()
+
+
+class SupervisorClient:
+    """A connection to the supervisor whose run directory is ``run_dir``."""
+
+    def __init__(self, run_dir: str, *, timeout_s: float = 30.0, check: bool = True, regions: bool = True,
+                 bulk_threshold: int = DEFAULT_THRESHOLD, region_bytes: int = DEFAULT_REGION_BYTES,
+                 expected_uid: int | None = None) -> None:
+        """``regions``: move payloads of ``bulk_threshold`` bytes and more through shared-memory
+        regions (this client runs on the supervisor's host: it connects over ``ipc://``);
+        ``region_bytes`` bounds the staging region per tenant (charged to its host quota).
+        ``expected_uid``: who must own the run dir, its sockets and files (default: this
+        process's uid); anything else is refused with :class:`UntrustedRunDir` before a
+        byte is sent."""
+        self.run_dir = os.path.abspath(run_dir)
+        self.timeout_s = timeout_s
+        self._expected_uid = os.getuid() if expected_uid is None else expected_uid
+        info = read_ready(self.run_dir, self._expected_uid)
+        if check:
+            if info is None:
+                raise SupervisorUnavailable(self.run_dir, "no supervisor.json (not running, or not ready yet)")
+            pid = info.get("pid")
+            if not isinstance(pid, int) or not psutil.pid_exists(pid):
+                raise SupervisorUnavailable(self.run_dir, f"supervisor pid {pid} is not running (stale run dir)")
+        self.info = info or {}
+        self.connect_timeout_s = timeout_s
+        verify_run_dir(self.run_dir, self._expected_uid)  # again: the sockets exist now
+        self._open("ipc://" + os.path.join(self.run_dir, "frontend.ipc"), None, None)
+        self._bulk = BulkPath(self, enabled=regions, threshold=bulk_threshold, region_bytes=region_bytes)
+
+    def _open(self, endpoint: str, keys: CurveKeyPair | None, server_key: bytes | None) -> None:
+        self.endpoint = endpoint
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 10_000)
+        self._sock.setsockopt(zmq.SNDHWM, 10_000)
+        self._monitor: zmq.Socket[Any] | None = None
+        self._link_up = False  # remote: a CURVE handshake succeeded and the link has not dropped since
+        self._link_drops = 0  # remote: links lost so far (a request sent before a drop is lost)
+        self._down_since = time.monotonic()  # remote: when the link was last seen down
+        #: remote: the last call failed before any connection took its request (it reached no supervisor)
+        self.last_request_unsent = False
+        if keys is not None and server_key is not None:
+            self._sock.curve_serverkey = server_key
+            self._sock.curve_publickey = keys.public
+            self._sock.curve_secretkey = keys.secret
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            )
+            self._poller = zmq.Poller()
+            self._poller.register(self._sock, zmq.POLLIN)
+            self._poller.register(self._monitor, zmq.POLLIN)
+        self._sock.connect(endpoint)
+        self._rids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._admin: RegistryAdminCapability | None = None
+        self._closed = False
+
+    @classmethod
+    def remote(
+        cls,
+        endpoint: str,
+        server_public_key: str | bytes,
+        client_keys: str | os.PathLike[str] | CurveKeyPair | tuple[bytes | str, bytes | str] | None = None,
+        timeout_s: float = 30.0,
+        *,
+        admin: RegistryAdminCapability | bytes | None = None,
+        connect_timeout_s: float | None = None,
+    ) -> SupervisorClient:
+        """A client of the supervisor listening on ``endpoint`` (``tcp://HOST:PORT``), over CURVE.
+
+        ``server_public_key`` is the Z85 text from the supervisor's ``twt keys``
+        (or ``supervisor.json``); ``client_keys`` a certificate file with our
+        key pair (needed when the supervisor has an allow-list), or None for a
+        fresh pair. ``admin`` is the admin capability for admin ops, which the
+        supervisor accepts over TCP only with ``allow_remote_admin = true``.
+        ``connect_timeout_s`` (default ``timeout_s``) bounds the wait for a
+        first connection before :class:`SupervisorUnavailable`.
+        """
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            raise InvalidArgument(f"remote endpoint must be tcp://HOST:PORT; got {endpoint!r}")
+        try:
+            server_key = parse_public_key(server_public_key)
+            keys = load_client_keys(client_keys)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        self = cls.__new__(cls)
+        self.run_dir = endpoint
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+        self.info = {"frontend": endpoint, "server_public_key": server_key.decode("ascii")}
+        self._open(endpoint, keys, server_key)
+        # a remote peer cannot map this host's shared memory: bulk bytes always travel in frames
+        self._bulk = BulkPath(self, enabled=False, threshold=DEFAULT_THRESHOLD, region_bytes=DEFAULT_REGION_BYTES)
+        if admin is not None:
+            self._admin = admin if isinstance(admin, RegistryAdminCapability) else RegistryAdminCapability.from_bytes(admin)
+        return self
+
+    @property
+    def is_remote(self) -> bool:
+        return self._monitor is not None
+
+    # ----------------------------------------------------------- plumbing
+
+    @property
+    def admin(self) -> RegistryAdminCapability:
+        """The admin capability from ``<run_dir>/admin/admin.cap`` (read once)."""
+        if self._admin is None:
+            if self.is_remote:
+                raise InvalidArgument(
+                    f"a remote client has no admin.cap ({self.endpoint}): give the admin capability file with "
+                    "--admin-cap FILE (twt), or admin= (SupervisorClient.remote); the supervisor must allow it "
+                    "(allow_remote_admin = true). A tenant's own commands take --capability FILE instead"
+                )
+            try:
+                self._admin = RegistryAdminCapability.from_bytes(
+                    read_admin_capability(self.run_dir, self._expected_uid)
+                )
+            except FileNotFoundError:
+                raise SupervisorUnavailable(
+                    self.run_dir, "no admin/admin.cap (not running, or not the operator?)") from None
+        return self._admin
+
+    def send(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
+             body: bytes | memoryview | None = None) -> int:
+        """Send one request without waiting; returns its rid (pair with :meth:`recv`)."""
+        rid = next(self._rids)
+        header = proto.encode_request(rid, op, _cap_bytes(cap), args or {})
+        if self._monitor is not None:
+            self._watch_link()
+        try:
+            if body is None:
+                self._sock.send(header, zmq.NOBLOCK)
+            else:
+                self._sock.send_multipart([header, body], zmq.NOBLOCK, copy=len(body) < 65536)
+        except zmq.Again:
+            raise RequestTimeout(op, 0, message=f"cannot queue {op!r}: the send queue is full") from None
+        return rid
+
+    def recv(self, timeout_s: float | None = None) -> tuple[int, bool, Any, bytes | None]:
+        """The next reply: (rid, ok, result-or-error-dict, body). Raises RequestTimeout, or
+        ProtocolError for a reply that does not decode and names no request (one that
+        names its request comes back as that request's ``protocol_error``)."""
+        return self._recv_one(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s), "recv")
+
+    def _watch_link(self) -> None:
+        """Remote: read the socket monitor's queued events into the link state (never blocks)."""
+        assert self._monitor is not None
+        from zmq.utils.monitor import recv_monitor_message
+
+        failed: int | None = None  # the last handshake failure not followed by a success
+        while self._monitor.poll(0):
+            event = int(recv_monitor_message(self._monitor)["event"])
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._link_up = True
+                failed = None
+            elif event == zmq.EVENT_DISCONNECTED:
+                if self._link_up:
+                    self._link_drops += 1
+                    self._down_since = time.monotonic()
+                self._link_up = False
+            elif event in _HANDSHAKE_FAILED:
+                failed = event
+        if failed is not None and not self._link_up:
+            raise HandshakeFailed(self.endpoint, _HANDSHAKE_FAILED[failed])
+
+    def _recv_remote(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
+        """Remote wait: the reply, or a typed error as soon as the link says it cannot come."""
+        drops = self._link_drops
+        sent_on_link = self._link_up
+        self.last_request_unsent = False
+        while True:
+            self._watch_link()
+            now = time.monotonic()
+            connect_by = self._down_since + self.connect_timeout_s
+            lost = self._link_drops != drops
+            if (lost or (not self._link_up and now >= connect_by)) and self._sock.poll(0):
+                if (reply := self._read_reply()) is not None:
+                    return reply  # it arrived before the link dropped
+                continue
+            if lost:
+                raise SupervisorUnavailable(self.endpoint, f"connection lost while waiting for the reply to {op!r}")
+            if not self._link_up and now >= connect_by:
+                # the request is still queued in our socket: no supervisor took it
+                self.last_request_unsent = not sent_on_link
+                raise SupervisorUnavailable(
+                    self.endpoint, f"no connection for {self.connect_timeout_s:g} s (refused, unreachable or filtered)"
+                )
+            remaining = deadline - now
+            if remaining <= 0:
+                raise RequestTimeout(op, round(self.timeout_s, 3))
+            wait = remaining if self._link_up else min(remaining, max(0.001, connect_by - now))
+            ready = dict(self._poller.poll(max(1, int(wait * 1000))))
+            if self._sock in ready and (reply := self._read_reply()) is not None:
+                return reply
+
+    def _read_reply(self) -> tuple[int, bool, Any, bytes | None] | None:
+        """The reply waiting on the socket. One that does not decode is never silence: it
+        comes back as its request's ``protocol_error`` when its rid is readable, else
+        :class:`ProtocolError` is raised to whoever waits."""
+        frames = self._sock.recv_multipart()
+        try:
+            rid, ok, payload = proto.decode_reply(frames[0])
+        except ProtocolError as exc:
+            got = proto.peek_rid(frames[0])
+            error = ProtocolError(
+                exc.detail,
+                message=f"a reply{'' if got is None else f' to request {got}'} ({len(frames[0]):,} B) "
+                f"could not be decoded: {exc.detail}",
+            )
+            if got is None:
+                raise error from None
+            return got, False, error.to_dict(), None
+        return rid, ok, payload, frames[1] if len(frames) > 1 else None
+
+    def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
+        if self._monitor is not None:
+            return self._recv_remote(deadline, op)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
+                raise RequestTimeout(op, round(self.timeout_s, 3))
+            if (reply := self._read_reply()) is not None:
+                return reply
+
+    def request(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
+                body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[Any, bytes | None]:
+        """One call: send, wait for its reply, raise its error. Returns (result, body)."""
+        with self._lock:
+            self._check_open()
+            self._bulk.flush_leases()
+            return self._request_locked(op, cap, args, body, timeout_s=timeout_s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SupervisorUnavailable(self.run_dir, "client is closed")
+
+    def _request_locked(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
+                        body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[Any, bytes | None]:
+        """:meth:`request` with ``self._lock`` held by the caller."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        rid = self.send(op, cap, args, body)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got, ok, payload, out_body = self._recv_one(deadline, op)
+            except RequestTimeout:
+                raise RequestTimeout(op, timeout) from None
+            except ProtocolError as exc:  # undecodable and unattributable: ours is the one waiting
+                raise ProtocolError(exc.detail, message=f"{op}: {exc.message}") from None
+            if got == rid:
+                break
+            # a late reply to an earlier, timed-out request: drop it
+        if not ok:
+            raise error_from_dict(payload if isinstance(payload, dict) else {"code": "internal", "message": str(payload), "fields": {}})
+        return payload, out_body
+
+    def _call_locked(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
+                     *, timeout_s: float | None = None) -> Any:
+        return self._request_locked(op, cap, args, timeout_s=timeout_s)[0]
+
+    def call(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None, **kw: Any) -> Any:
+        return self.request(op, cap, args, **kw)[0]
+
+    def release_regions(self) -> None:
+        """Release this client's shared-memory regions now (they count against their tenants'
+        host quotas; the next bulk transfer makes a new one)."""
+        with self._lock:
+            self._check_open()
+            self._bulk.close()
+
+    def close(self) -> None:
+        """Release this client's regions, then close its socket (and its link monitor)."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._bulk.close()
+            finally:
+                self._closed = True
+                if self._monitor is not None:
+                    self._sock.disable_monitor()
+                    self._monitor.close(0)
+                self._sock.close(0)
+
+    def __enter__(self) -> SupervisorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- admin
+
+    def hello(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
+        """Supervisor identity: pid, registry id, backend (and why), start method, uptime."""
+        result: dict[str, Any] = self.call("hello", admin or self.admin)
+        return result
+
+    def alive(self) -> dict[str, Any]:
+        """``hello`` without a capability: ``{protocol, ready}`` and nothing else (a liveness probe
+        that needs no secret; docs/PROTOCOL.md "hello without a capability")."""
+        result: dict[str, Any] = self.call("hello", None)
+        return result
+
+    def register(self, admin: RegistryAdminCapability | None, spec: TenantSpec, *,
+                 timeout_s: float | None = None) -> TenantCapability:
+        """Register a tenant; returns once every instance is ready, with its capability."""
+        result = self.call("register", admin or self.admin, {"spec": spec.to_dict()},
+                           timeout_s=timeout_s or max(self.timeout_s, 60.0))
+        return TenantCapability.from_bytes(result["capability"])
+
+    def tenant_capability(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantCapability:
+        """The capability of a registered tenant (e.g. one from the config file) to hand to it."""
+        result = self.call("capability", admin or self.admin, {"tenant": tenant_id})
+        return TenantCapability.from_bytes(result["capability"])
+
+    def evict(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+        """Stop the tenant's workers, revoke its capabilities, unlink its block (returns after the workers exit)."""
+        result: dict[str, Any] = self.call("evict", admin or self.admin, {"tenant": tenant_id}, timeout_s=max(self.timeout_s, 30.0))
+        return result
+
+    unregister = evict
+
+    def set_quota(self, admin: RegistryAdminCapability | None, tenant_id: str, *,
+                  memory_quota_bytes: int | str = _UNCHANGED,
+                  gpu_memory_bytes_cap: int | str | None = _UNCHANGED,
+                  recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED,
+                  gpu_time_weight: float = _UNCHANGED,
+                  gpu_time_cap: float | None = _UNCHANGED) -> dict[str, Any]:
+        """Change limits live (omitted ones stay; ``None`` removes the GPU cap, or the GPU-time cap)."""
+        args: dict[str, Any] = {"tenant": tenant_id}
+        for name, value in (("memory_quota_bytes", memory_quota_bytes), ("gpu_memory_bytes_cap", gpu_memory_bytes_cap),
+                            ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota),
+                            ("gpu_time_weight", gpu_time_weight), ("gpu_time_cap", gpu_time_cap)):
+            if value is not _UNCHANGED:
+                args[name] = value
+        result: dict[str, Any] = self.call("set_quota", admin or self.admin, args)
+        return result
+
+    def status(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
+        """``{"supervisor": {...}, "tenants": [one record per tenant]}``."""
+        result: dict[str, Any] = self.call("status", admin or self.admin)
+        return result
+
+    def tenant_status(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.call("tenant_status", admin or self.admin, {"tenant": tenant_id})
+        return result
+
+    def scale(self, admin: RegistryAdminCapability | None, tenant_id: str, instances: int) -> dict[str, Any]:
+        """Run ``instances`` workers for the tenant (live; scaling down drains first)."""
+        result: dict[str, Any] = self.call("scale", admin or self.admin, {"tenant": tenant_id, "instances": instances})
+        return result
+
+    def inject_fault(self, admin: RegistryAdminCapability | None, tenant_id: str, kind: str, *,
+                     instance: int | None = None, **params: Any) -> dict[str, Any]:
+        """Break one worker of a tenant on purpose (docs/RELIABILITY.md lists the kinds).
+
+        Returns once the fault is armed, or - for crash, segfault and exit -
+        once the worker process is gone.
+        """
+        args: dict[str, Any] = {"tenant": tenant_id, "kind": kind, "params": params}
+        if instance is not None:
+            args["instance"] = instance
+        result: dict[str, Any] = self.call("inject_fault", admin or self.admin, args)
+        return result
+
+    def reload(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
+        """Read the supervisor's config file again and apply the difference (as SIGHUP does).
+
+        Returns ``{registered, changed, evicted, unchanged, conflicts, settings_not_applied}``;
+        a file that cannot be applied raises :class:`~shared.errors.ConfigError` and changes nothing.
+        """
+        result: dict[str, Any] = self.call("reload", admin or self.admin, timeout_s=max(self.timeout_s, 60.0))
+        return result
+
+    def reset(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+        """Clear a failed tenant and start its instances (same capability); returns once they are ready."""
+        result: dict[str, Any] = self.call("reset", admin or self.admin, {"tenant": tenant_id},
+                                           timeout_s=max(self.timeout_s, 60.0))
+        return result
+
+    def restart_tenant(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+        """Restart a tenant's instances one at a time (new processes, same capability); returns when done."""
+        result: dict[str, Any] = self.call("restart", admin or self.admin, {"tenant": tenant_id},
+                                           timeout_s=max(self.timeout_s, 120.0))
+        return result
+
+    def rotate_key(self, admin: RegistryAdminCapability | None = None) -> RegistryAdminCapability:
+        """Replace the registry key: every capability is revoked; returns the new admin capability
+        (also written to ``admin.cap``, and used by this client from now on)."""
+        result = self.call("rotate_key", admin or self.admin)
+        new = RegistryAdminCapability.from_bytes(result["admin_capability"])
+        self._admin = new
+        return new
+
+    # ------------------------------------------------------------- tenant
+
+    def ping(self, cap: TenantCapability) -> dict[str, Any]:
+        result: dict[str, Any] = self.call("ping", cap)
+        return result
+
+    def quota(self, cap: TenantCapability) -> dict[str, Any]:
+        """The tenant's own quota snapshot (answered by the supervisor from shared memory)."""
+        result: dict[str, Any] = self.call("quota", cap)
+        return result
+
+    def alloc(self, cap: TenantCapability, nbytes: int, instance: int | None = None) -> int:
+        """A device buffer of ``nbytes``; returns its handle. GpuMemoryExhausted when refused.
+
+        ``instance``: allocate on that instance of the tenant (buffers a run
+        uses together must live on one instance); default: the least loaded.
+        """
+        args: dict[str, Any] = {"nbytes": nbytes}
+        if instance is not None:
+            args["instance"] = instance
+        return int(self.call("alloc", cap, args)["handle"])
+
+    def free(self, cap: TenantCapability, handle: int) -> int:
+        return int(self.call("free", cap, {"handle": handle})["freed"])
+
+    def write(self, cap: TenantCapability, handle: int, data: Any, offset: int = 0) -> int:
+        """Copy ``data`` (bytes-like or a numpy array, in C order) into the buffer at ``offset``.
+
+        Large payloads of a local client go through a shared-memory region
+        (``write_region``), others in a frame (``write``): same result.
+        """
+        view = byte_view(data)
+        raw = cap.to_bytes()
+        if self._bulk.wants(raw, len(view)):
+            with self._lock:
+                self._check_open()
+                if self._bulk.write(raw, handle, view, offset):
+                    return len(view)
+        return int(self.call("write", cap, {"handle": handle, "offset": offset}, body=view)["written"])
+
+    def read(self, cap: TenantCapability, handle: int, nbytes: int, offset: int = 0) -> bytes:
+        """``nbytes`` of the buffer at ``offset`` (:meth:`read_into` and :meth:`get_array`
+        spare the copy into a new ``bytes``)."""
+        raw = cap.to_bytes()
+        if isinstance(nbytes, int) and self._bulk.wants(raw, nbytes):
+            with self._lock:
+                self._check_open()
+                data = self._bulk.read_bytes(raw, handle, nbytes, offset)
+            if data is not None:
+                return data
+        _, body = self.request("read", cap, {"handle": handle, "offset": offset, "nbytes": nbytes})
+        return body or b""
+
+    def read_into(self, cap: TenantCapability, handle: int, out: Any, offset: int = 0) -> int:
+        """Fill ``out`` (a writable, C-contiguous buffer or numpy array) from the buffer at ``offset``."""
+        try:
+            view = memoryview(out)
+        except TypeError:
+            raise InvalidArgument(f"read_into needs a writable buffer, got {type(out).__name__}") from None
+        if view.readonly or not view.c_contiguous:
+            raise InvalidArgument("read_into needs a writable, C-contiguous buffer")
+        if view.nbytes == 0:
+            return 0
+        view = view.cast("B")
+        raw = cap.to_bytes()
+        if self._bulk.wants(raw, len(view)):
+            with self._lock:
+                self._check_open()
+                if self._bulk.read_into(raw, handle, view, offset):
+                    return len(view)
+        _, body = self.request("read", cap, {"handle": handle, "offset": offset, "nbytes": len(view)})
+        data = body or b""
+        view[: len(data)] = data
+        return len(data)
+
+    # ---- regions by hand (Triton's model; write/read/put_array/get_array use them by themselves)
+
+    def region_create(self, cap: TenantCapability, nbytes: int) -> dict[str, Any]:
+        """A shared-memory region of ``nbytes`` for this process, charged to the tenant's host
+        quota: ``{region, name, nbytes}``; map it with ``shared.region.Region.attach(name)``."""
+        result: dict[str, Any] = self.call("region_create", cap, {"nbytes": nbytes, "pid": os.getpid()})
+        return result
+
+    def region_release(self, cap: TenantCapability, region: int) -> int:
+        """Release a region made by :meth:`region_create`; the bytes it held."""
+        return int(self.call("region_release", cap, {"region": region})["released"])
+
+    def write_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
+                     offset: int = 0, region_offset: int = 0) -> int:
+        """Copy ``nbytes`` at ``region_offset`` of the region into the buffer at ``offset``."""
+        return int(self.call("write_region", cap, {"handle": handle, "offset": offset, "region": region,
+                                                   "region_offset": region_offset, "nbytes": nbytes})["written"])
+
+    def read_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
+                    offset: int = 0, region_offset: int = 0) -> int:
+        """Copy ``nbytes`` of the buffer at ``offset`` into the region at ``region_offset``."""
+        return int(self.call("read_region", cap, {"handle": handle, "offset": offset, "region": region,
+                                                  "region_offset": region_offset, "nbytes": nbytes})["nbytes"])
+
+    def put_array(self, cap: TenantCapability, array: Any) -> int:
+        """A new device buffer holding ``array``'s bytes (C order); returns its handle."""
+        view = byte_view(array)
+        handle = self.alloc(cap, max(1, len(view)))
+        try:
+            if len(view):
+                self.write(cap, handle, view)
+        except BaseException:
+            try:
+                self.free(cap, handle)
+            except TensorWasmError:
+                pass
+            raise
+        return handle
+
+    def empty_array(self, cap: TenantCapability, dtype: Any, shape: int | Sequence[int]) -> Any:
+        """A new, uninitialised numpy array that lives in a shared-memory region of its own.
+
+        Writing it (or a C-contiguous slice of it) with :meth:`write` or
+        :meth:`put_array` costs no copy on this side: the worker copies from
+        where it lies. Its region counts against the tenant's host quota until
+        the array is garbage-collected. Without a region (remote client, quota)
+        it is a plain ``numpy.empty``.
+        """
+        import numpy as np
+
+        dt, dims, nbytes = _array_layout(dtype, shape)
+        raw = cap.to_bytes()
+        if nbytes and self._bulk.enabled:
+            with self._lock:
+                self._check_open()
+                leased = self._bulk.lease(raw, None, nbytes)
+            if leased is not None:
+                view, keep = leased
+                array = np.frombuffer(view, dtype=dt).reshape(dims)
+                keep(array)
+                return array
+        return np.empty(dims, dtype=dt)
+
+    def get_array(self, cap: TenantCapability, handle: int, dtype: Any, shape: int | Sequence[int], *,
+                  copy: bool = True, offset: int = 0) -> Any:
+        """The buffer's bytes at ``offset`` as a numpy array of ``dtype`` and ``shape``.
+
+        ``copy=False`` asks for a zero-copy view: the array then lives in a
+        shared-memory region of its own (charged to the tenant's host quota
+        until the array is garbage-collected). A client without the region
+        path (remote, or refused a region) returns a copy either way.
+        """
+        import numpy as np
+
+        dt, dims, nbytes = _array_layout(dtype, shape)
+        raw = cap.to_bytes()
+        if not copy and nbytes and self._bulk.wants(raw, max(nbytes, self._bulk.threshold)):
+            with self._lock:
+                self._check_open()
+                leased = self._bulk.lease(raw, handle, nbytes, offset)
+            if leased is not None:
+                view, keep = leased
+                array = np.frombuffer(view, dtype=dt).reshape(dims)
+                keep(array)
+                return array
+        out = np.empty(dims, dtype=dt)
+        if nbytes:
+            self.read_into(cap, handle, out, offset)
+        return out
+
+    def buffers(self, cap: TenantCapability) -> dict[int, int]:
+        """handle -> size of the tenant's live buffers (across instances)."""
+        result = self.call("buffers", cap)
+        return {int(h): int(n) for h, n in result["buffers"]}
+
+    def put_module(self, cap: TenantCapability, module: bytes) -> str:
+        """Upload a WASM module once; later ``run_wasm`` calls can name it by digest."""
+        return str(self.call("put_module", cap, {}, body=module)["digest"])
+
+    def run_wasm(self, cap: TenantCapability, module: bytes | str, export: str,
+                 args: Sequence[Any] = (), *, fuel: int | None = None, timeout_s: float | None = None,
+                 request_timeout_s: float | None = None) -> dict[str, Any]:
+        """Run ``export`` of a module (bytes, WAT text as bytes, or a digest from :meth:`put_module`).
+
+        ``args`` items are ints, floats or ``{"handle": h}`` buffer references.
+        Returns ``{"results", "fuel_used", "elapsed_s"}``.
+        """
+        req: dict[str, Any] = {"export": export, "args": [_wasm_arg(a) for a in args]}
+        if fuel is not None:
+            req["fuel"] = fuel
+        if timeout_s is not None:
+            req["timeout_s"] = timeout_s
+        body: bytes | None = None
+        if isinstance(module, str):
+            req["digest"] = module
+        else:
+            body = bytes(module)
+            req["digest"] = hashlib.sha256(body).hexdigest()
+        wait = request_timeout_s or max(self.timeout_s, (timeout_s or 0) + 10.0)
+        result: dict[str, Any] = self.call("run_wasm", cap, req, body=body, timeout_s=wait)
+        return result
+
+    # ------------------------------------------------------------- events
+
+    def events_page(self, cap: Capability | None, after: int | None = None, *, kinds: Sequence[str] = (),
+                    max_events: int | None = None, log: str | None = None) -> dict[str, Any]:
+        """One page of the event log: the events after sequence number ``after`` (None: none, only
+        the cursor of now) -> ``{events, next, missed, more, log}`` (``supervisor.observe.event_log``).
+        ``cap``: the admin capability (None: this client's) sees every event, a tenant's its own."""
+        args: dict[str, Any] = {"after": after, "log": log}
+        if kinds:
+            args["kinds"] = list(kinds)
+        if max_events is not None:
+            args["max"] = max_events
+        result: dict[str, Any] = self.call("events", cap or self.admin, args)
+        return result
+
+    def events(self, kinds: Sequence[str] = (), *, timeout_s: float | None = None, replay: bool = False,
+               cap: Capability | None = None) -> Generator[dict[str, Any], None, None]:
+        """Follow lifecycle events (``kinds`` filters; ``timeout_s`` ends quietly after silence;
+        ``replay``: first the events the supervisor still holds), local or remote alike.
+
+        ``cap``: a tenant capability follows that tenant's own events; default the admin
+        capability (every event; remote: the supervisor needs ``allow_remote_admin``). A gap
+        comes as a ``{"event": "missed", ...}`` record (``supervisor.client.event_follow``).
+        """
+        return follow(self, cap or self.admin, kinds, timeout_s=timeout_s, replay=replay)
+
+
+def _array_layout(dtype: Any, shape: int | Sequence[int]) -> tuple[Any, tuple[int, ...], int]:
+    """(numpy dtype, shape tuple, bytes) of an array request; InvalidArgument for a bad shape."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"shape must not be negative, got {dims}")
+    return dt, dims, int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+
+
+def _wasm_arg(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise InvalidArgument("wasm arguments are ints, floats or {'handle': h}, not bool")
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, dict) and set(value) == {"handle"}:
+        return value
+    raise InvalidArgument(f"unsupported wasm argument {value!r}: use ints, floats or {{'handle': h}}")

@@ -1,0 +1,732 @@
+"""Admin operations (the admin capability) and the tenant lifecycle they drive.
+
+register, evict, set_quota, scale, inject_fault, capability, status,
+tenant_status, hello - each declared in :data:`shared.protocol.OPS` - plus
+what a tenant goes through between them: registration answered once every
+instance is ready (or failed), the tenant marked failed after too many
+restarts, parked requests refused when their instance is not coming back.
+
+Every change an admin op makes is written to the state store
+(:mod:`supervisor.store.state`) as one transaction - register, evict, set_quota,
+scale, a tenant marked failed - so a restarted supervisor comes back with
+it; the request path never writes. An op asked for by a client is written
+*before* it is applied (a registration before it is answered): one that
+cannot be written (a full disk) is refused with ``StateError`` and changes
+nothing - an eviction that answered OK is never undone by a restart.
+A client's registration is committed on the state's writer thread while the
+loop starts its instances (the fsync overlaps the workers' binds), and
+registrations that arrive while a commit runs share the next transaction
+(group commit: one fsync for all of them). The WAL is checkpointed on that
+thread once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a
+reply's path. The service
+ops (reload, reset, restart, rotate-key, and the restore at start) live in
+:mod:`supervisor.control.service`, which drives the ops here; the lifecycle tells it
+what it must know (its ops' requests, an instance ready, a tenant gone)
+through :class:`ServiceHooks`, so this module never imports it.
+
+Owns: the tenants table (``tenants``: id -> :class:`TenantRuntime`) and each
+tenant's registration waiters. May touch: the registry (capabilities, quota
+blocks), the state store, placement, the worker set (start, stop, drain,
+faults), the frontend's parked requests, the pending table (every answer
+goes through it), events. Loop thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+from typing import Any, Protocol
+from collections.abc import Callable
+
+import psutil
+
+from shared import protocol as proto
+from shared.capability import RegistryAdminCapability
+from shared.config import SupervisorConfig
+from shared.errors import (
+    InvalidArgument,
+    KernelTimeout,
+    StateError,
+    TenantFailed,
+    TenantIsolationViolation,
+    TenantStopped,
+    TensorWasmError,
+    UnknownTenant,
+    WorkerLost,
+)
+from shared.log import get_logger, log_event
+from shared.quota import MAX_INSTANCES
+from shared.records import (
+    FaultAck,
+    FaultExit,
+    FaultOrder,
+    HelloInfo,
+    InstanceRecord,
+    PoolRecord,
+    StatusRecord,
+    SupervisorRecord,
+    TenantRecord,
+)
+from shared.spec import TenantSpec
+from supervisor.observe.events import EventBus
+from supervisor.admission.frontend import Frontend
+from supervisor.observe.gpu_share import SAMPLE_EVERY_S, GpuShareWindow
+from supervisor.runtime.loop import Loop
+from supervisor.routing.pending import PendingTable
+from supervisor.routing.placement import Placement
+from supervisor.store.registry import TenantRegistry
+from supervisor.runtime.requests import Parked
+from supervisor.store.rundir import RunDir
+from supervisor.admission.guard import FrontendGuard
+from supervisor.store.state import Origin, StateStore
+from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
+from supervisor.runtime.workers import WorkerHandle, WorkerState
+from supervisor.lifecycle.workerset import WorkerSet
+
+__all__ = ["OpHandler", "AdminOps", "ServiceHooks"]
+
+_log = get_logger("supervisor")
+
+#: one admin op's handler: ``(client, rid, args)``, answering through the pending table (at once or later)
+OpHandler = Callable[[bytes, int, dict[str, Any]], None]
+
+#: the WAL checkpoint runs this long after the last admin write: a burst of admin ops (a
+#: group of registrations) pays its fsyncs once, after its replies, not one per op
+CHECKPOINT_DELAY_S = 0.25
+
+
+class ServiceHooks(Protocol):
+    """What the tenant lifecycle hands up to the service ops (implemented by
+    :class:`supervisor.control.service.ServiceOps`, which drives the ops here): the
+    handlers of the ops it serves (``served_by == "service"``), an instance that became ready, a tenant gone."""
+
+    def handlers(self) -> dict[str, OpHandler]: ...
+    def instance_ready(self, rt: TenantRuntime) -> None: ...
+    def tenant_down(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
+
+
+class AdminOps:
+    """The admin ops and the tenant lifecycle (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        *,
+        loop: Loop,
+        tenants: dict[str, TenantRuntime],
+        registry: TenantRegistry,
+        admin_cap: RegistryAdminCapability,
+        state: StateStore,
+        placement: Placement,
+        pending: PendingTable,
+        events: EventBus,
+        rundir: RunDir,
+        backend_name: str,
+        backend_reason: str,
+        counters: Callable[[], int],
+        on_settled: Callable[[], None],
+        guard: FrontendGuard,
+        tenant_label: Callable[[str], str] | None = None,
+    ) -> None:
+        """``tenant_label``: a tenant's metric label (``supervisor.observe.metrics.TenantLabels``), shown in its record."""
+        self.config = config
+        self.guard = guard
+        self.tenant_label = tenant_label
+        self.loop = loop
+        self.clock = loop.clock
+        self.tenants = tenants
+        self.registry = registry
+        self.admin_cap = admin_cap
+        self.state = state
+        self.placement = placement
+        self.pending = pending
+        self.events = events
+        self.rundir = rundir
+        self.backend_name = backend_name
+        self.backend_reason = backend_reason
+        self._internal_errors = counters
+        self._on_settled = on_settled
+        self.started = time.time()
+        self._workers: WorkerSet | None = None
+        #: every admin op's handler, by name (filled by attach(), once the service ops exist)
+        self._handlers: dict[str, OpHandler] = {}
+        self._frontend: Frontend | None = None
+        self._service: ServiceHooks | None = None
+        #: registrations waiting for the writer thread; it takes all there are into one
+        #: transaction (group commit) - the loop appends, the writer takes, under the lock
+        self._to_write: list[tuple[TenantSpec, int, Origin]] = []
+        self._to_write_lock = threading.Lock()
+        #: writes handed to the state's writer thread, oldest first, not yet reaped
+        self._inflight: list[Future[tuple[list[str], StateError | None]]] = []
+        #: tenants whose registration is not durable yet (never answered before it is)
+        self._unwritten: set[str] = set()
+        self._written_r: int | None = None  # the writer thread's "done" pipe (made on first use)
+        self._written_w: int | None = None
+        self._checkpoint_timer: Any = None
+        #: each tenant's GPU-time share over the last window (sampled by a loop timer)
+        self.gpu_share = GpuShareWindow()
+        loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
+
+    def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
+        """The parts this one calls, which are built after it (they call it too); once, at set-up.
+
+        The service ops' handlers join the dispatch table here; every admin op of the op
+        table (``served_by`` "admin" or "service") must have exactly one handler.
+        """
+        self._workers, self._frontend, self._service = workers, frontend, service
+        handlers = {**self._admin_handlers(), **service.handlers()}
+        declared = {name for name, spec in proto.OPS.items() if spec.served_by in ("admin", "service")}
+        if set(handlers) != declared:
+            raise RuntimeError(f"admin ops without a handler: {sorted(declared - set(handlers))}; "
+                               f"handlers of no admin op: {sorted(set(handlers) - declared)}")
+        self._handlers = handlers
+
+    @property
+    def workers(self) -> WorkerSet:
+        assert self._workers is not None, "AdminOps used before Supervisor._setup attached its parts"
+        return self._workers
+
+    @property
+    def frontend(self) -> Frontend:
+        assert self._frontend is not None, "AdminOps used before Supervisor._setup attached its parts"
+        return self._frontend
+
+    @property
+    def service(self) -> ServiceHooks:
+        assert self._service is not None, "AdminOps used before Supervisor._setup attached its parts"
+        return self._service
+
+    # ------------------------------------------------------------ dispatch
+
+    def handle(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any) -> None:
+        """One admin request: the admin capability first, then the op's schema, then the op."""
+        if cap_raw is None:
+            raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
+        self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
+        proto.check_args(op, args)
+        self._handlers[op](client, rid, args)
+
+    def _admin_handlers(self) -> dict[str, OpHandler]:
+        """The ops :class:`AdminOps` serves (``served_by == "admin"``), by name: dispatch is this lookup."""
+        answer = self.pending.answer
+        return {
+            "hello": lambda client, rid, args: answer(client, rid, "hello", self.hello_info().to_wire()),
+            "register": lambda client, rid, args: self.register(TenantSpec.from_dict(args["spec"]), client, rid),
+            "evict": lambda client, rid, args: self.evict(args["tenant"], client, rid),
+            "set_quota": lambda client, rid, args: answer(client, rid, "set_quota", self._set_quota(args).to_wire()),
+            "status": lambda client, rid, args: answer(client, rid, "status", self.status().to_wire()),
+            "capability": lambda client, rid, args: answer(
+                client, rid, "capability",
+                {"capability": self.registry.tenant_capability(self.admin_cap, args["tenant"]).to_bytes()}),
+            "tenant_status": lambda client, rid, args: answer(
+                client, rid, "tenant_status", self.tenant_record(self.runtime(args["tenant"])).to_wire()),
+            "scale": lambda client, rid, args: answer(
+                client, rid, "scale", self.scale(args["tenant"], args["instances"]).to_wire()),
+            "inject_fault": self._inject_fault,
+        }
+
+    def runtime(self, tid: str) -> TenantRuntime:
+        """The tenant's runtime; UnknownTenant when none is registered as ``tid``."""
+        rt = self.tenants.get(tid)
+        if rt is None:
+            raise UnknownTenant(tid)
+        return rt
+
+    # ------------------------------------------------------------ register
+
+    def register(self, spec: TenantSpec, client: bytes | None, rid: int | None, *, origin: str = "runtime") -> None:
+        """Register a tenant (``origin``: "file" for the config file's, "runtime" for a register
+        request), record it in the state, start its instances; answered once they are ready."""
+        # placement and the MPS check first: a refusal must leave nothing registered
+        device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
+        isolation = self.placement.isolation(spec)
+        cap = self.registry.register_with_capability(self.admin_cap, spec)
+        stored_origin: Origin = "file" if origin == "file" else "runtime"
+        if client is not None:
+            # A client's registration: its commit runs on the writer thread from now on, while
+            # the loop starts the instances and serves their binds; answered once both are done.
+            self._unwritten.add(spec.tenant_id)
+            self._submit_registration(spec, cap.generation, stored_origin)
+        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
+        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
+        if client is not None:
+            return
+        try:
+            self.state.register(spec, cap.generation, stored_origin)
+        except StateError:
+            rt.register_waiters.clear()
+            self.evict(spec.tenant_id, None, None, durable=False)  # not durable: not registered
+            raise
+        self._checkpoint_soon()
+        self._check_registered(rt)
+
+    def _submit_registration(self, spec: TenantSpec, generation: int, origin: Origin) -> None:
+        """Queue a registration's row for the writer thread (see :meth:`_write_registrations`)."""
+        with self._to_write_lock:
+            self._to_write.append((spec, generation, origin))
+        if self._written_r is None:
+            self._written_r, self._written_w = os.pipe()
+            os.set_blocking(self._written_r, False)
+            os.set_blocking(self._written_w, False)
+            self.loop.register(self._written_r, self._on_written)
+        wake_fd = self._written_w
+        assert wake_fd is not None
+
+        def wake(_: Future[Any]) -> None:  # on the writer thread: only a byte down the pipe
+            try:
+                os.write(wake_fd, b"\0")
+            except OSError:
+                pass  # pipe full: the loop is awake already
+
+        future = self.state.submit(self._write_registrations)
+        self._inflight.append(future)
+        future.add_done_callback(wake)
+
+    def _write_registrations(self) -> tuple[list[str], StateError | None]:
+        """On the writer thread: every queued registration in one transaction (group commit:
+        the ones that arrived while the previous commit ran go together). Returns their ids and
+        the error, if the commit failed; the loop answers or undoes them (:meth:`_reap_writes`)."""
+        with self._to_write_lock:
+            rows, self._to_write = self._to_write, []
+        if not rows:
+            return [], None  # taken by an earlier call's transaction
+        try:
+            self.state.register_many(rows)
+        except StateError as exc:
+            return [spec.tenant_id for spec, _, _ in rows], exc
+        return [spec.tenant_id for spec, _, _ in rows], None
+
+    def _on_written(self) -> None:
+        assert self._written_r is not None
+        try:
+            os.read(self._written_r, 4096)
+        except BlockingIOError:
+            pass
+        self._reap_writes(block=False)
+
+    def _reap_writes(self, *, block: bool) -> None:
+        """Finish the writer's registrations, in order (``block``: wait for every one in flight):
+        answer those whose instances are ready, or undo and refuse them (StateError)."""
+        while self._inflight:
+            future = self._inflight[0]
+            if not block and not future.done():
+                return
+            self._inflight.pop(0)
+            tids, failed = future.result()
+            live = [rt for tid in tids if tid in self._unwritten and (rt := self.tenants.get(tid)) is not None]
+            self._unwritten.difference_update(tids)
+            if failed is not None:
+                log_event(_log, logging.ERROR, "state.write_failed", error=str(failed), op="register",
+                          tenants=len(tids))
+                for rt in live:
+                    waiters, rt.register_waiters = rt.register_waiters, []
+                    self.evict(rt.tenant_id, None, None, durable=False)  # never stored: nothing to delete
+                    for client, rid, _cap in waiters:
+                        self.pending.refuse(client, rid or 0, "register", failed)
+                self._on_settled()
+                continue
+            if len(tids) > 1:
+                log_event(_log, logging.INFO, "state.group_commit", tenants=len(tids))
+            if tids:
+                self._checkpoint_soon()
+            for rt in live:
+                self._check_registered(rt)
+
+    def _settle_writes(self) -> None:
+        """Every registration applied so far durable (or undone) before another write."""
+        self._reap_writes(block=True)
+
+    def _checkpoint_soon(self) -> None:
+        """Checkpoint the WAL once admin writes pause (CHECKPOINT_DELAY_S after the last one)."""
+        if self._checkpoint_timer is not None:
+            self._checkpoint_timer.cancel()
+        self._checkpoint_timer = self.loop.timers.after(CHECKPOINT_DELAY_S, self._checkpoint)
+
+    def _checkpoint(self) -> None:
+        """On the writer thread: the loop never waits for it (nor does a registration)."""
+        self._checkpoint_timer = None
+
+        def done(future: Future[Any]) -> None:
+            exc = future.exception()
+            if exc is not None:  # the commits are durable in the WAL; only the fold-in failed
+                log_event(_log, logging.WARNING, "state.checkpoint_failed", error=str(exc))
+
+        self.state.submit(self.state.checkpoint).add_done_callback(done)
+
+    def write(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Write an admin change *before* it is applied: StateError (nothing applied) when it
+        cannot be written. Registrations applied before it are written first."""
+        self._settle_writes()
+        write(*args, **kwargs)
+        self._checkpoint_soon()
+
+    def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None) -> None:
+        """Bring back a tenant from the state at start: same generation (its capabilities work),
+        its instances started - unless it was failed, which it stays until ``twt reset``."""
+        device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
+        isolation = self.placement.isolation(spec)
+        cap = self.registry.restore_with_capability(self.admin_cap, spec, generation)
+        self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=generation,
+                         restored=True, failed=failed_reason is not None)
+        if failed_reason is not None:
+            rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
+            rt.state = TenantState.FAILED
+            rt.failed_reason = failed_reason
+        else:
+            rt = self._start_tenant(spec, generation, device, isolation, origin, (None, None, cap.to_bytes()))
+            rt.restoring = True
+        self._check_registered(rt)
+
+    def _start_tenant(self, spec: TenantSpec, generation: int, device: int, isolation: Any, origin: str,
+                      waiter: tuple[bytes | None, int | None, bytes] | None, *, start: bool = True) -> TenantRuntime:
+        block = self.registry.block(self.admin_cap, spec.tenant_id)
+        rt = TenantRuntime(spec, block, generation)
+        rt.device = device
+        rt.origin = origin
+        self.placement.add(spec.tenant_id, isolation)
+        self.placement.gpu_time_join(spec, device)  # before any worker binds: it gets the board slot
+        rt.slots = [InstanceSlot(i) for i in range(spec.instances)]
+        self.tenants[spec.tenant_id] = rt
+        if waiter is not None:
+            rt.register_waiters.append(waiter)
+            self.loop.timers.after(self.config.register_timeout_s, lambda: self._register_timeout(rt))
+        if start:
+            for slot in rt.slots:
+                self.workers.start_instance(rt, slot)
+        return rt
+
+    def _check_registered(self, rt: TenantRuntime) -> None:
+        rt.refresh_state()
+        if rt.tenant_id in self._unwritten:
+            self._reap_writes(block=False)  # its commit may be done already (no wait for the wake-up)
+            if rt.tenant_id in self._unwritten:
+                return  # answered once written (_reap_writes)
+        if not rt.register_waiters or rt.state not in (TenantState.RUNNING, TenantState.STOPPED):
+            return
+        waiters, rt.register_waiters = rt.register_waiters, []
+        tenant = {
+            "tenant_id": rt.tenant_id,
+            "state": rt.state.value,
+            "generation": rt.generation,
+            "device": rt.device,
+            "pids": [s.worker.pid for s in rt.slots if s.worker],
+        }
+        for client, rid, cap_raw in waiters:
+            self.pending.answer(client, rid or 0, "register", {"capability": cap_raw, "tenant": tenant})
+        rt.restoring = False
+        self._on_settled()
+
+    def _register_timeout(self, rt: TenantRuntime) -> None:
+        if rt.register_waiters and self.tenants.get(rt.tenant_id) is rt:
+            self.registration_failed(rt, KernelTimeout(self.config.register_timeout_s, "register"))
+
+    def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None:
+        waiters, rt.register_waiters = rt.register_waiters, []
+        log_event(_log, logging.ERROR, "tenant.register_failed", tenant=rt.tenant_id, error=str(exc))
+        if rt.restoring:
+            # a tenant from the state is never dropped because it did not come up: it is
+            # marked failed (kept, with its capability) until the operator resets or evicts it
+            rt.restoring = False
+            if rt.state is not TenantState.FAILED:
+                self.tenant_failed(rt, f"did not start after the supervisor restarted: {exc}")
+            self._on_settled()
+            return
+        self.evict(rt.tenant_id, None, None, durable=False)
+        for client, rid, _ in waiters:
+            self.pending.refuse(client, rid or 0, "register", exc)
+        self._on_settled()
+
+    def settled(self) -> bool:
+        """No registration is waiting for its instances (the supervisor is then ready)."""
+        return all(not rt.register_waiters for rt in self.tenants.values())
+
+    # ------------------------------------------------------------ tenant events (from the worker set)
+
+    def instance_ready(self, rt: TenantRuntime) -> None:
+        self._check_registered(rt)
+        self.frontend.dispatch_parked(rt)
+        self.service.instance_ready(rt)
+
+    def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
+                               reason: str) -> None:
+        """Instance ``index`` is not coming back: answer what can only go there."""
+        restarting = rt.coming_up()
+        exc = WorkerLost(rt.tenant_id, index, code, sig, f"{reason}; not restarted (restart={rt.spec.restart.value})")
+        self.frontend.refuse_all_parked(rt, lambda p: exc if p.instance == index or not restarting else None)
+
+    def tenant_failed(self, rt: TenantRuntime, why: str) -> None:
+        rt.state = TenantState.FAILED
+        rt.failed_reason = why
+        self.record(self.state.set_failed, rt.tenant_id, why)
+        self.events.emit("failed", tenant=rt.tenant_id, reason=why, restarts=rt.restarts_total)
+        self.service.tenant_down(rt, TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s))
+        exc = TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s)
+        self.frontend.refuse_all_parked(rt, lambda p: exc)
+        for slot in rt.slots:
+            if slot.worker is not None:
+                self.workers.stop_worker(slot.worker, "tenant failed")
+        if rt.register_waiters:
+            self.registration_failed(rt, exc)
+
+    # ------------------------------------------------------------ evict, set_quota, scale
+
+    def evict(self, tid: str, client: bytes | None, rid: int | None, *, durable: bool = True) -> None:
+        """Evict ``tid``. ``durable``: written first - StateError and nothing revoked when the
+        write fails, so an eviction that was answered never comes undone at a restart. Without
+        it (a registration that failed, never answered), written after, on a best effort."""
+        rt = self.runtime(tid)
+        if durable:
+            self.write(self.state.evict, tid)  # waits for its registration's commit first
+        else:
+            self._unwritten.discard(tid)
+        rt.state = TenantState.EVICTING
+        self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
+        self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
+        self.placement.gpu_time_leave(tid)  # its workers stop; a lease one holds passes on at its death
+        self.gpu_share.forget(tid)
+        del self.tenants[tid]
+        if not durable:
+            self.record(self.state.evict, tid)
+        self.service.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
+        self.frontend.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
+        self.frontend.forget(rt)  # verified tokens, modules, held bytes: nothing of it stays
+        workers = [s.worker for s in rt.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD]
+        for worker in workers:
+            self.workers.stop_worker(worker, "evicted")
+        self.events.emit("evict", tenant=tid, workers=[w.pid for w in workers])
+        if client is None:
+            return
+        result = {"evicted": tid, "pids": [w.pid for w in workers]}
+        remaining = {w.worker_id for w in workers}
+        if not remaining:
+            self.pending.answer(client, rid or 0, "evict", result)
+            return
+
+        def on_dead(worker: WorkerHandle) -> None:
+            remaining.discard(worker.worker_id)
+            if not remaining:
+                self.pending.answer(client, rid or 0, "evict", result)
+
+        for worker in workers:
+            worker.death_waiters.append(on_dead)
+
+    def _set_quota(self, args: dict[str, Any]) -> TenantRecord:
+        rt = self.runtime(args["tenant"])
+        changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
+        if not changes:
+            raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
+        new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
+        self.write(self.state.update_spec, new_spec)  # StateError: nothing applied
+        try:
+            info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
+        except BaseException:
+            self.record(self.state.update_spec, rt.spec)  # put the stored spec back
+            raise
+        rt.spec = info.spec
+        self.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
+        self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
+        return self.tenant_record(rt)
+
+    def scale(self, tid: str, n: int) -> TenantRecord:
+        rt = self.runtime(tid)
+        spec = rt.spec.with_instances(n)  # validates the range
+        wanted = rt.wanted_slots()
+        free = sum(1 for s in rt.slots if s.draining and s.worker is None) + MAX_INSTANCES - len(rt.slots)
+        if n - len(wanted) > free:
+            raise InvalidArgument(f"no free instance slot (at most {MAX_INSTANCES})")
+        self.write(self.state.update_spec, spec)  # StateError: nothing applied
+        self.registry.update_spec(self.admin_cap, spec)
+        rt.spec = spec
+        for down in wanted[:n] if rt.state is not TenantState.FAILED else ():
+            if down.worker is None and down.restart_at is None:  # down for good (not restarted): start it again
+                self.workers.start_instance(rt, down)
+        if n > len(wanted):
+            for _ in range(n - len(wanted)):
+                # reuse a scaled-away slot whose worker is gone, else open a new one
+                slot = next((s for s in rt.slots if s.draining and s.worker is None), None)
+                if slot is None:
+                    if len(rt.slots) >= MAX_INSTANCES:
+                        raise InvalidArgument(f"no free instance slot (at most {MAX_INSTANCES})")
+                    slot = InstanceSlot(len(rt.slots))
+                    rt.slots.append(slot)
+                slot.draining = False
+                self.workers.start_instance(rt, slot)
+        else:
+            for slot in sorted(wanted, key=lambda s: s.index, reverse=True)[: len(wanted) - n]:
+                slot.draining = True
+                slot.restart_at = None
+                if slot.worker is not None:
+                    self.workers.drain(slot.worker)
+            self.frontend.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
+        self.events.emit("scale", tenant=tid, instances=n)
+        rt.refresh_state()
+        return self.tenant_record(rt)
+
+    def record(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Write a change no client asked for that is already applied (a tenant marked failed, a
+        failed registration undone). A failed write cannot undo it: it is logged and published
+        (``state_error``) so the operator knows a restart would lose it."""
+        try:
+            self._settle_writes()
+            write(*args, **kwargs)
+            self._checkpoint_soon()
+        except StateError as exc:
+            log_event(_log, logging.ERROR, "state.write_failed", error=str(exc))
+            self.events.emit("state_error", path=exc.path, error=exc.detail)
+
+    # ------------------------------------------------------------ faults
+
+    def _inject_fault(self, client: bytes, rid: int, args: dict[str, Any]) -> None:
+        tid = args["tenant"]
+        rt = self.runtime(tid)
+        kind = args["kind"]
+        if kind not in proto.FAULT_KINDS:
+            raise InvalidArgument(f"unknown fault kind {kind!r}")
+        index = args.get("instance")
+        if index is None:
+            live = rt.live_slots()
+            if not live:
+                raise WorkerLost(tid, 0, reason="no live instance to inject into")
+            slot = live[0]
+        else:
+            if not 0 <= index < len(rt.slots):
+                raise InvalidArgument(f"instance must be in 0..{len(rt.slots) - 1}")
+            slot = rt.slots[index]
+        worker = slot.worker
+        if worker is None or not worker.control_hello or worker.state is WorkerState.DEAD:
+            raise WorkerLost(tid, slot.index, reason="instance is not running")
+        params = args.get("params") or {}
+        info = {"tenant": tid, "instance": slot.index, "pid": worker.pid, "kind": kind}
+        answered = False
+
+        def answer(result: FaultAck | FaultExit) -> None:
+            nonlocal answered
+            if answered:
+                return
+            answered = True
+            if isinstance(result, FaultAck) and not result.ok:
+                err = result.error or TensorWasmError("worker refused the fault without a reason").to_dict()
+                self.pending.answer_error(client, rid, "inject_fault", err)
+            elif isinstance(result, FaultAck):
+                self.pending.answer(client, rid, "inject_fault", {**info, "ok": True, "armed": result.armed})
+            else:
+                self.pending.answer(client, rid, "inject_fault", {**info, **result.to_wire()})
+
+        self.workers.on_fault_answer(worker, answer)
+        self.events.emit("fault", **info, params=params)
+        self.workers.send_control(worker, proto.encode_control("fault", FaultOrder(kind, params).to_wire()))
+
+    # ------------------------------------------------------------ records
+
+    def hello_info(self) -> HelloInfo:
+        return HelloInfo(
+            pid=os.getpid(),
+            registry_id=self.registry.registry_id,
+            backend=self.backend_name,
+            backend_reason=self.backend_reason,
+            start_method=self.config.start_method,
+            protocol=proto.PROTOCOL_VERSION,
+            uptime_s=round(time.time() - self.started, 3),
+        )
+
+    def sample_gpu_time(self) -> None:
+        """Feed each tenant's accounted GPU time to the share window (a loop timer, every second)."""
+        now = time.monotonic()
+        for tid, rt in self.tenants.items():
+            if not rt.block.closed:
+                self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
+        self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
+
+    def _gpu_time_record(self, rt: TenantRuntime, snap: dict[str, Any]) -> dict[str, Any]:
+        """What status and top show of the tenant's GPU time (docs/GPU-QUOTAS.md)."""
+        gpu_ns = int(snap.get("gpu_time_ns", 0))
+        share = self.gpu_share.share(rt.tenant_id, time.monotonic(), gpu_ns)
+        waits = int(snap.get("gpu_waits", 0))
+        return {
+            "weight": rt.spec.gpu_time_weight,
+            "cap": rt.spec.gpu_time_cap,
+            "gpu_time_s": round(gpu_ns / 1e9, 6),
+            "share": None if share is None else round(share, 4),
+            "window_s": self.gpu_share.window_s,
+            "throttled": int(snap.get("gpu_throttled", 0)),
+            "ops": int(snap.get("gpu_ops", 0)),
+            "wait_mean_s": round(int(snap.get("gpu_wait_ns", 0)) / waits / 1e9, 6) if waits else 0.0,
+        }
+
+    def tenant_record(self, rt: TenantRuntime) -> TenantRecord:
+        snap = rt.block.snapshot().to_dict() if not rt.block.closed else {}
+        now = self.clock()
+        instances = []
+        for slot in rt.slots:
+            w = slot.worker
+            instances.append(InstanceRecord(
+                index=slot.index,
+                pid=w.pid if w else None,
+                state=(w.state.value if w else ("restarting" if slot.restart_at else "down")),
+                in_flight=len(w.in_flight) if w else 0,
+                incarnation=slot.incarnation,
+                restarts=slot.restarts,
+                uptime_s=round(now - w.ready_at, 3) if w and w.ready_at else None,
+                draining=slot.draining,
+                last_exit=slot.last_exit,
+            ))
+        return TenantRecord(
+            tenant_id=rt.tenant_id,
+            state=rt.state.value,
+            generation=rt.generation,
+            failed_reason=rt.failed_reason,
+            pids=tuple(i.pid for i in instances if i.pid is not None),
+            instances=tuple(instances),
+            restarts=rt.restarts_total,
+            in_flight=rt.in_flight,
+            parked=len(rt.parked),
+            uptime_s=round(time.time() - rt.registered_at, 3),
+            backend=self.backend_name,
+            device=rt.device,
+            isolation=self.placement.isolation_of(rt.tenant_id),
+            spec=rt.spec.to_dict(),
+            bytes_in_use=snap.get("bytes_in_use", 0),
+            memory_quota_bytes=snap.get("memory_quota_bytes", rt.spec.memory_quota_bytes),
+            gpu_bytes_in_use=snap.get("gpu_bytes_in_use", 0),
+            gpu_memory_bytes_cap=snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
+            quota=snap,
+            regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
+            origin=rt.origin,
+            metrics_label=self.tenant_label(rt.tenant_id) if self.tenant_label is not None else "",
+            gpu_time=self._gpu_time_record(rt, snap) if snap else {},
+        )
+
+    def status(self) -> StatusRecord:
+        hello = self.hello_info()
+        ws = self.workers
+        by_device: dict[int, list[str]] = {}
+        for tid, rt in self.tenants.items():
+            by_device.setdefault(rt.device, []).append(tid)
+        return StatusRecord(
+            supervisor=SupervisorRecord(
+                **hello.to_wire(),
+                run_dir=self.rundir.path,
+                pool=PoolRecord(idle=len(ws.pool), starting=ws.pool_starting, size=self.config.pool_size,
+                                pids=tuple(w.pid for w in ws.pool)),
+                workers=len(ws.workers),
+                internal_errors=self._internal_errors(),
+                rss_bytes=psutil.Process().memory_info().rss,
+                **self.guard.status(),
+            ),
+            tenants=tuple(self.tenant_record(rt) for _, rt in sorted(self.tenants.items())),
+            devices=tuple(self.placement.status(by_device)),
+        )
+
+
+def _scaled_away(rt: TenantRuntime, parked: Parked) -> TensorWasmError | None:
+    """The answer for a request that waits for an instance a scale-down just took away (None: keep waiting)."""
+    if not rt.wanted_slots():
+        return TenantStopped(rt.tenant_id)
+    if parked.instance is not None and rt.slots[parked.instance].draining:
+        return InvalidArgument(f"instance {parked.instance} of {rt.tenant_id!r}, which holds the request's "
+                               "buffer, was scaled away")
+    return None

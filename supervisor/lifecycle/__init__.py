@@ -1,0 +1,3 @@
+"""Worker processes and tenant instances: the worker set, backend selection, config reload plans."""
+
+__all__: list[str] = []

@@ -1,0 +1,593 @@
+"""The worker set: pool, spawn, bind, stop, kill, death, restart, liveness.
+
+Owns: every worker process the supervisor started (by identity, token and
+sentinel fd), the warm pool and its refill back-off, the backend ROUTER
+socket (requests out, replies in) and the control ROUTER socket (hellos,
+heartbeats, stop, faults), and the restart decision after a death.
+
+May touch: the pending table (requests out, replies and deaths in), the
+tenants' instance slots (which worker serves which slot), the quota block
+of a dead instance (reclaim), placement (a dead instance's device bytes),
+events and metrics. What a death or a bind means for the *tenant*
+(registration answered, parked requests sent or refused, tenant failed) is
+decided by the supervisor through :class:`TenantHooks`. Loop thread only.
+
+Death handling (the sentinel fired): every in-flight request is answered
+(:class:`WorkerLost`, or :class:`MemoryExhausted` after the RSS backstop),
+the instance's quota share is reclaimed, an ``exit`` event is published and
+the restart policy decides (see :mod:`supervisor.runtime.tenants`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+from collections.abc import Callable
+
+import zmq
+
+from shared import protocol as proto
+from shared.config import SupervisorConfig
+from shared.errors import (
+    MemoryExhausted,
+    Overloaded,
+    ProtocolError,
+    TensorWasmError,
+    WorkerLost,
+    error_from_dict,
+)
+from shared.exitcodes import exit_cause, exit_reason
+from shared.log import get_logger, log_event
+from shared.records import BindMessage, FaultAck, FaultExit, WorkerHello
+from supervisor.observe.events import EventBus
+from supervisor.runtime.loop import Loop
+from supervisor.observe.metrics import Metrics
+from supervisor.routing.pending import PendingTable
+from supervisor.routing.placement import Placement
+from supervisor.runtime.requests import Pending
+from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
+from supervisor.runtime.workers import SpawnerLike, WorkerHandle, WorkerState, exit_status
+
+__all__ = ["TenantHooks", "WorkerSet"]
+
+_log = get_logger("supervisor")
+
+#: messages taken from one socket per wake-up before the loop looks at the others: a few
+#: (256 before issue 25), so one tenant's burst of replies delays another's by a short turn only
+BATCH = 32
+#: a worker that has not said hello on both sockets by then is killed
+HELLO_TIMEOUT_S = 60.0
+
+
+class TenantHooks(Protocol):
+    """What a worker event means for its tenant (implemented by the supervisor)."""
+
+    def instance_ready(self, rt: TenantRuntime) -> None: ...
+    def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
+    def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
+                               reason: str) -> None: ...
+    def tenant_failed(self, rt: TenantRuntime, why: str) -> None: ...
+    def is_stopping(self) -> bool: ...
+
+
+class WorkerSet:
+    """Worker processes and their sockets (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        *,
+        loop: Loop,
+        pending: PendingTable,
+        tenants: Mapping[str, TenantRuntime],
+        spawner: SpawnerLike,
+        backend: zmq.Socket[Any],
+        control: zmq.Socket[Any],
+        placement: Placement,
+        backend_name: str,
+        backend_options: dict[str, Any],
+        events: EventBus,
+        metrics: Metrics,
+        hooks: TenantHooks,
+    ) -> None:
+        self.config = config
+        self.loop = loop
+        self.clock = loop.clock
+        self.pending = pending
+        self.tenants = tenants
+        self.spawner = spawner
+        self.backend = backend
+        self.control = control
+        self.placement = placement
+        self.backend_name = backend_name
+        self.backend_options = backend_options
+        self.events = events
+        self.metrics = metrics
+        self.hooks = hooks
+        self.workers: dict[bytes, WorkerHandle] = {}
+        self.by_token: dict[str, WorkerHandle] = {}
+        self.pool: list[WorkerHandle] = []  # idle, unbound, ready to bind
+        self.pool_starting = 0
+        self._pool_failures = 0
+        self._pool_retry_at = 0.0
+        self._last_beat = 0.0
+        loop.register(backend, self._on_backend)
+        loop.register(control, self._on_control)
+
+    # ------------------------------------------------------------ sending
+
+    def send_request(self, worker: WorkerHandle, op: str, args: dict[str, Any], body: Any, pending: Pending) -> None:
+        """Send a request to ``worker``; it is in the pending table from now on. Raises
+        :class:`Overloaded` (its queue is full) or :class:`WorkerLost` (it is gone)."""
+        rid = self.pending.new_rid()
+        header = proto.encode_worker_request(rid, op, args)
+        try:
+            if body is None:
+                self.backend.send_multipart([worker.ident, header], zmq.NOBLOCK)
+            else:
+                self.backend.send_multipart([worker.ident, header, body], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the worker's socket is gone (it is dying); EAGAIN: its queue is full
+            if exc.errno == zmq.EAGAIN:
+                raise Overloaded(pending.tenant, len(worker.in_flight), len(worker.in_flight)) from None
+            raise WorkerLost(pending.tenant, pending.instance, reason=f"worker unreachable: {exc.strerror}") from None
+        self.pending.add(worker, rid, pending)
+
+    def free_undelivered(self, tenant: str, handle: int) -> None:
+        """An ``alloc`` succeeded but its client was never told (its reply could not be sent):
+        free the buffer, so the tenant is not charged for bytes nobody holds. A worker that
+        cannot be asked, or does not answer within the deadline, is replaced (its death
+        returns the bytes)."""
+        rt = self.tenants.get(tenant)
+        index = proto.handle_instance(handle)
+        if rt is None or index >= len(rt.slots):
+            return
+        slot = rt.slots[index]
+        worker = slot.worker
+        if (worker is None or worker.state not in (WorkerState.READY, WorkerState.DRAINING)
+                or slot.incarnation & 0xFFFF != proto.handle_incarnation(handle)):
+            return  # that incarnation is gone: its buffers went with it
+        log_event(_log, logging.WARNING, "buffer.undelivered_freed", tenant=tenant, instance=index,
+                  handle=proto.format_handle(handle))
+
+        def done(ok: bool, payload: Any) -> None:
+            if not ok and worker.state is not WorkerState.DEAD:
+                self.kill(worker, "could not free an allocation whose reply was lost", "protocol")
+
+        now = self.clock()
+        pending = Pending(None, 0, "free", tenant, index, now, now + rt.spec.deadline_s("free"), done)
+        try:
+            self.send_request(worker, "free", {"handle": handle}, None, pending)
+        except TensorWasmError:
+            self.kill(worker, "could not free an allocation whose reply was lost", "protocol")
+
+    def send_control(self, worker: WorkerHandle, data: bytes) -> None:
+        try:
+            self.control.send_multipart([worker.ident, data], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # dying or flooded: the heartbeat check handles it
+
+    # ------------------------------------------------------------ pool and start
+
+    def _spawn(self) -> WorkerHandle:
+        worker = self.spawner.spawn()
+        self.workers[worker.ident] = worker
+        self.by_token[worker.token] = worker
+        self.loop.register(worker.sentinel, lambda: self.on_death(worker))
+        self.events.emit("spawn", worker=worker.worker_id, pid=worker.pid, method=self.spawner.method)
+        return worker
+
+    def refill_pool(self) -> None:
+        now = self.clock()
+        if self._pool_failures and now < self._pool_retry_at:
+            return
+        if self._pool_failures:
+            self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
+        while len(self.pool) + self.pool_starting < self.config.pool_size:
+            worker = self._spawn()
+            worker.tenant = None
+            self.pool_starting += 1
+
+    def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
+        """Give a slot a worker: a warm one from the pool, else a fresh process."""
+        slot.restart_at = None
+        slot.incarnation += 1
+        worker = self.pool.pop() if self.pool else None
+        if worker is None:
+            worker = self._spawn()
+            worker.tenant = rt.tenant_id
+            worker.instance = slot.index
+            slot.worker = worker
+            return  # bound when its hellos arrive
+        worker.tenant = rt.tenant_id
+        worker.instance = slot.index
+        slot.worker = worker
+        self._bind(rt, slot, worker, self.clock())  # a warm worker: its startup is the bind, not its spawn
+        # No refill here: starting a process blocks the loop for a few ms, which
+        # would delay this very registration's reply. Housekeeping refills.
+
+    def _on_connected(self, worker: WorkerHandle) -> None:
+        if not worker.connected:
+            return
+        if worker.tenant is None:
+            self.pool_starting -= 1
+            worker.state = WorkerState.IDLE
+            worker.ready_at = self.clock()
+            self.pool.append(worker)
+            self.events.emit("ready", worker=worker.worker_id, pid=worker.pid, pool=True)
+            return
+        rt = self.tenants.get(worker.tenant)
+        slot = (
+            rt.slots[worker.instance]
+            if rt is not None and worker.instance is not None and worker.instance < len(rt.slots)
+            else None
+        )
+        if rt is None or slot is None or slot.worker is not worker:
+            self.stop_worker(worker, "tenant gone before bind")
+            return
+        self._bind(rt, slot, worker, worker.spawned_at)
+
+    def _bind(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, asked_at: float) -> None:
+        """``asked_at``: when the instance asked for this worker (its spawn, or the bind of a pool
+        worker); the ``ready`` event's ``startup_ms`` counts from there."""
+        worker.state = WorkerState.BINDING
+        worker.incarnation = slot.incarnation
+        opts = dict(self.backend_options)
+        opts["device_index"] = rt.device
+        opts.update(self.placement.worker_options(rt.spec, rt.device))  # budget, caps, MPS environment
+        message = BindMessage(
+            spec=rt.spec.to_dict(),
+            instance=slot.index,
+            incarnation=slot.incarnation,
+            segment=rt.block.name,
+            backend=self.backend_name,
+            backend_options=opts,
+        )
+        now = self.clock()
+
+        def done(ok: bool, payload: Any) -> None:
+            self._on_bound(rt, slot, worker, ok, payload, asked_at)
+
+        pending = Pending(None, 0, "bind", rt.tenant_id, slot.index, now, now + self.config.register_timeout_s, done)
+        try:
+            self.send_request(worker, "bind", message.to_wire(), None, pending)
+        except TensorWasmError as exc:
+            done(False, exc.to_dict())
+
+    def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: Any,
+                  asked_at: float) -> None:
+        if self.tenants.get(rt.tenant_id) is not rt or slot.worker is not worker:
+            self.stop_worker(worker, "tenant gone during bind")
+            return
+        if not ok:
+            err = payload if isinstance(payload, dict) else {}
+            log_event(_log, logging.ERROR, "worker.bind_failed", tenant=rt.tenant_id, instance=slot.index,
+                      error=err.get("message"))
+            exc = error_from_dict(err)
+            self.kill(worker, f"bind failed: {exc}", "bind")
+            if rt.register_waiters:
+                self.hooks.registration_failed(rt, exc)
+            return
+        worker.state = WorkerState.READY
+        worker.ready_at = self.clock()
+        self.events.emit(
+            "ready",
+            tenant=rt.tenant_id,
+            instance=slot.index,
+            worker=worker.worker_id,
+            pid=worker.pid,
+            incarnation=slot.incarnation,
+            startup_ms=round((worker.ready_at - asked_at) * 1000, 3),
+            pooled=asked_at != worker.spawned_at,  # a warm pool worker, bound now
+        )
+        rt.refresh_state()
+        self.hooks.instance_ready(rt)
+
+    # ------------------------------------------------------------ stop and kill
+
+    def drain(self, worker: WorkerHandle) -> None:
+        """Stop routing to a worker; stop it once its in-flight requests are answered."""
+        worker.state = WorkerState.DRAINING
+        if not worker.in_flight:
+            self.stop_worker(worker, "scaled down")
+
+    def stop_worker(self, worker: WorkerHandle, reason: str) -> None:
+        """Planned stop: ``stop`` on control (SIGTERM if it never connected), SIGKILL after the timeout."""
+        if worker.state in (WorkerState.DEAD, WorkerState.STOPPING):
+            return
+        worker.state = WorkerState.STOPPING
+        worker.expected_exit = True
+        worker.kill_reason = worker.kill_reason or reason
+        if worker in self.pool:
+            self.pool.remove(worker)
+        if worker.control_hello:
+            self.send_control(worker, proto.encode_control("stop"))
+        else:
+            self.spawner.signal(worker, signal.SIGTERM)
+        worker.kill_at = self.clock() + self.config.stop_timeout_s
+
+    def stop_all(self, reason: str) -> None:
+        for worker in list(self.workers.values()):
+            self.stop_worker(worker, reason)
+
+    def kill(self, worker: WorkerHandle, reason: str, cause: str) -> None:
+        """Forced stop: SIGTERM now, SIGKILL of the whole tree after ``kill_grace_s``."""
+        if worker.state is WorkerState.DEAD or worker.killed:
+            return
+        worker.killed = True
+        worker.kill_cause = cause
+        if not worker.expected_exit:
+            worker.kill_reason = reason
+        fields = dict(worker=worker.worker_id, pid=worker.pid, tenant=worker.tenant, instance=worker.instance)
+        log_event(_log, logging.WARNING, "worker.kill", **fields, reason=reason, cause=cause)
+        self.events.emit("kill", **fields, reason=reason)
+        worker.state = WorkerState.STOPPING
+        if worker in self.pool:
+            self.pool.remove(worker)
+        self.spawner.signal(worker, signal.SIGTERM)
+        worker.kill_at = self.clock() + self.config.kill_grace_s
+
+    def kill_all_now(self, timeout_s: float = 5.0) -> None:
+        """Teardown: SIGKILL whatever is alive, wait (bounded) for it, forget every worker."""
+        deadline = time.monotonic() + timeout_s
+        for worker in list(self.workers.values()):
+            self.spawner.signal(worker, signal.SIGKILL)
+        for worker in list(self.workers.values()):
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.exitcode is not None:
+                worker.process.close()
+        self.workers.clear()
+
+    # ------------------------------------------------------------ death and restart
+
+    def on_death(self, worker: WorkerHandle) -> None:
+        """The sentinel fired: answer, reclaim, publish, restart."""
+        self.loop.unregister(worker.sentinel)
+        self.workers.pop(worker.ident, None)
+        self.by_token.pop(worker.token, None)
+        was_pool = worker.tenant is None
+        if was_pool and worker.state is WorkerState.STARTING:
+            self.pool_starting -= 1
+        if worker in self.pool:
+            self.pool.remove(worker)
+        expected = worker.expected_exit
+        worker.state = WorkerState.DEAD
+        code, sig = exit_status(worker.process)
+        if worker.process.exitcode is not None:
+            worker.process.close()
+        reason = worker.kill_reason or exit_reason(code, sig)  # "CUDA context lost: ..." for a sticky error
+        tid, index = worker.tenant, worker.instance
+        # 1. every in-flight request gets a typed answer
+        rt = self.tenants.get(tid) if tid else None
+
+        def error_of(p: Pending) -> TensorWasmError:
+            if worker.rss_exceeded is not None:
+                rss, limit = worker.rss_exceeded
+                return MemoryExhausted(
+                    p.tenant, rss, limit, rss,
+                    message=f"worker {p.tenant}/{p.instance} was killed: RSS {rss:,} B above "
+                    f"its limit of {limit:,} B (memory quota + allowance)",
+                )
+            return WorkerLost(p.tenant, p.instance, code, sig, reason)
+
+        self.pending.fail_worker(worker, error_of)
+        # 2. its share of the quota comes back (the driver freed its GPU memory)
+        reclaimed = (0, 0)
+        if rt is not None and index is not None and not rt.block.closed:
+            reclaimed = rt.block.reclaim_instance(index)
+            self.placement.reclaim_dead()  # by slot owner: exact even if it died mid-alloc
+        # 3. tell the world
+        if worker.rss_exceeded:
+            cause = "rss"
+        elif expected:
+            cause = "stop"
+        elif worker.kill_cause:
+            cause = worker.kill_cause  # heartbeat, deadline, protocol, startup, bind
+        else:
+            cause = exit_cause(code, sig)
+        self.metrics.worker_exit(tid, cause)
+        self.events.emit(
+            "exit", worker=worker.worker_id, pid=worker.pid, tenant=tid, instance=index, exit_code=code,
+            signal=sig, reason=reason, expected=expected, reclaimed_cpu=reclaimed[0], reclaimed_gpu=reclaimed[1],
+        )
+        for waiter in worker.fault_waiters:
+            waiter(FaultExit(code, sig))
+        worker.fault_waiters.clear()
+        for on_dead in worker.death_waiters:
+            on_dead(worker)
+        worker.death_waiters.clear()
+        if was_pool and not expected and worker.ready_at is None:
+            self._pool_failures += 1  # a worker that cannot even start: back off refilling
+        elif was_pool:
+            self._pool_failures = 0
+        # 4. restart policy
+        if rt is None or index is None or index >= len(rt.slots):
+            return
+        slot = rt.slots[index]
+        if slot.worker is not worker:
+            return
+        slot.worker = None
+        slot.last_exit = {"exit_code": code, "signal": sig, "reason": reason, "at": time.time()}
+        if slot.draining or self.hooks.is_stopping() or rt.state is TenantState.EVICTING:
+            if slot.draining and index == len(rt.slots) - 1:
+                while rt.slots and rt.slots[-1].draining and rt.slots[-1].worker is None:
+                    rt.slots.pop()
+            rt.refresh_state()
+            return
+        if expected:
+            # Stopped on purpose (rolling restart, reset, a failed tenant): never the restart
+            # policy's business, never counted against the budget.
+            replace, slot.replace = slot.replace, False
+            if replace and rt.state is not TenantState.FAILED:
+                self.start_instance(rt, slot)
+            rt.refresh_state()
+            return
+        if rt.register_waiters and worker.ready_at is None:
+            self.hooks.registration_failed(
+                rt, WorkerLost(rt.tenant_id, index, code, sig, f"died while starting: {reason}"))
+            return
+        if not rt.should_restart(code, sig, killed=worker.killed and not expected):
+            rt.refresh_state()
+            self.hooks.instance_not_restarted(rt, index, code, sig, reason)
+            return
+        if not rt.note_restart(self.clock()):
+            self.hooks.tenant_failed(rt, f"{len(rt.restart_times)} restarts within {rt.spec.restart_window_s:g} s")
+            return
+        delay = rt.backoff_s()
+        slot.restarts += 1
+        self.metrics.restart(rt.tenant_id)
+        self.events.emit("restart", tenant=rt.tenant_id, instance=index, delay_s=delay, restarts=slot.restarts)
+        rt.refresh_state()
+        if delay <= 0:
+            self.start_instance(rt, slot)
+        else:
+            slot.restart_at = self.clock() + delay
+            self.loop.timers.after(delay, lambda: self._restart_due(rt, slot))
+
+    def _restart_due(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
+        if (
+            self.tenants.get(rt.tenant_id) is rt
+            and slot.restart_at is not None
+            and slot.worker is None
+            and not self.hooks.is_stopping()
+        ):
+            self.start_instance(rt, slot)
+
+    # ------------------------------------------------------------ housekeeping
+
+    def check_liveness(self, now: float, silence: Callable[[float, float], float] | None = None) -> None:
+        """Heartbeats out, silence and missing hellos punished, SIGKILL escalation.
+
+        ``silence(since, now)``: how long a worker counts as silent; the supervisor's
+        :class:`~supervisor.runtime.stall.StallGuard` leaves out time the loop itself was stalled.
+        """
+        cfg = self.config
+        quiet = silence or (lambda since, at: at - since)
+        if now - self._last_beat >= cfg.heartbeat_interval_s:
+            self._last_beat = now
+            beat = proto.encode_control("hb")
+            silent_after = cfg.heartbeat_interval_s * cfg.heartbeat_liveness
+            for worker in list(self.workers.values()):
+                if worker.state is WorkerState.DEAD:
+                    continue
+                if worker.control_hello:
+                    self.send_control(worker, beat)
+                    silent = quiet(worker.last_heartbeat, now)
+                    if worker.kill_at is None and silent > silent_after:
+                        self.kill(worker, f"missed heartbeats for {silent:.1f} s", "heartbeat")
+                elif worker.kill_at is None and quiet(worker.spawned_at, now) > HELLO_TIMEOUT_S:
+                    self.kill(worker, "never said hello", "startup")
+        for worker in list(self.workers.values()):
+            if worker.kill_at is not None and now >= worker.kill_at and worker.state is not WorkerState.DEAD:
+                self.spawner.signal(worker, signal.SIGKILL)
+                worker.kill_at = float("inf")
+
+    def check_rss(self) -> None:
+        """The RSS backstop: a worker above its tenant's memory quota plus an allowance is killed."""
+        allowance = self.config.rss_allowance_bytes
+        for rt in self.tenants.values():
+            limit = rt.spec.memory_quota_bytes + allowance
+            for slot in rt.slots:
+                worker = slot.worker
+                if worker is None or worker.state is not WorkerState.READY:
+                    continue
+                rss = self.spawner.rss(worker)
+                if rss is None:
+                    continue
+                if rss > limit:
+                    worker.rss_exceeded = (rss, limit)
+                    self.kill(worker, f"RSS {rss:,} B above {limit:,} B (memory quota + allowance)", "rss")
+
+    # ------------------------------------------------------------ sockets in
+
+    def _on_backend(self) -> None:
+        sock = self.backend
+        recv, events = sock.recv_multipart, sock.getsockopt
+        for n in range(BATCH):
+            if n and not int(events(zmq.EVENTS)) & zmq.POLLIN:
+                return
+            try:
+                frames = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            worker = self.workers.get(frames[0].bytes)
+            if worker is None or worker.state is WorkerState.DEAD:
+                continue
+            try:
+                rid, ok, payload = proto.decode_worker_reply(frames[1].bytes)
+            except (ProtocolError, IndexError) as exc:
+                self.kill(worker, f"malformed reply ({exc})", "protocol")
+                continue
+            if rid == 0:
+                self._on_data_hello(worker, payload)
+                continue
+            if not self.pending.on_reply(worker, rid, ok, payload, frames[2] if len(frames) > 2 else None):
+                continue  # answered already (deadline) - the late reply is dropped
+            worker.served += 1
+            if worker.state is WorkerState.DRAINING and not worker.in_flight:
+                self.stop_worker(worker, "scaled down")
+
+    def _on_data_hello(self, worker: WorkerHandle, payload: Any) -> None:
+        if not _hello_of(worker, payload) or worker.data_hello:
+            self.kill(worker, "bad hello on the data socket", "protocol")
+            return
+        worker.data_hello = True
+        self._on_connected(worker)
+
+    def _on_control(self) -> None:
+        for _ in range(BATCH):
+            try:
+                ident, data = self.control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # wrong frame count
+            try:
+                kind, args = proto.decode_control(data)
+            except ProtocolError:
+                continue
+            worker = self.workers.get(ident)
+            if worker is None or worker.state is WorkerState.DEAD:
+                continue
+            now = self.clock()
+            if kind == "hello":
+                if not _hello_of(worker, args) or worker.control_hello:
+                    self.kill(worker, "bad hello on the control socket", "protocol")
+                    continue
+                worker.control_hello = True
+                worker.last_heartbeat = now
+                self._on_connected(worker)
+            elif kind == "hb":
+                worker.last_heartbeat = now
+            elif kind == "fault_ack":
+                worker.last_heartbeat = now
+                try:
+                    ack = FaultAck.from_wire(args)
+                except ProtocolError:
+                    self.kill(worker, "malformed fault_ack", "protocol")
+                    continue
+                if worker.fault_waiters:
+                    worker.fault_waiters.pop(0)(ack)
+
+    def on_fault_answer(self, worker: WorkerHandle, answer: Callable[[FaultAck | FaultExit], None]) -> None:
+        """``answer`` gets the worker's fault ack, or its exit if the fault ends the process."""
+        worker.fault_waiters.append(answer)
+
+
+def _hello_of(worker: WorkerHandle, payload: Any) -> bool:
+    """Is ``payload`` a hello carrying this worker's one-time token? (compared in constant time)"""
+    try:
+        given = WorkerHello.from_wire(payload).token
+    except (ProtocolError, TypeError):
+        return False
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), worker.token.encode())
+
+
+def pool_retry_delay_s(failures: int) -> float:
+    """How long the pool waits before refilling after ``failures`` workers in a row failed to start:
+    0.2 s, 0.4 s, 0.8 s ... up to 30 s."""
+    return float(min(30.0, 0.1 * 2 ** min(failures, 9)))

@@ -1,0 +1,3 @@
+"""What the supervisor shows: lifecycle events and their log, metrics hooks, health, the Prometheus exporter."""
+
+__all__: list[str] = []

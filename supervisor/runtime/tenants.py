@@ -1,0 +1,172 @@
+"""A registered tenant's runtime state in the supervisor: instances, restarts, waiting requests.
+
+Restart policy (OTP-style): when an instance's worker exits, ``always``
+restarts it, ``on-failure`` only after a non-zero exit or a signal,
+``never`` leaves the slot empty. Restarts back off exponentially (the first
+one within a window is immediate: crash recovery should be instant), and
+more than ``max_restarts`` restarts within ``restart_window_s`` mark the
+tenant ``failed``: its requests are refused with :class:`TenantFailed` until
+an operator resets it (``twt reset``: same capability) or evicts it.
+
+Only exits the supervisor did not ask for count: a worker it stopped on
+purpose (a rolling restart, a reset, a failed tenant's, a scale-down) is
+never restarted by the policy and never spends the budget; a slot marked
+``replace`` gets a new worker when its old one has exited.
+
+A tenant scaled to 0 instances is ``stopped``: its requests are refused at
+once with :class:`~shared.errors.TenantStopped`. Requests wait (are parked)
+only while a wanted instance is starting or restarting
+(:meth:`TenantRuntime.coming_up`).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.quota import QuotaBlock
+from shared.spec import RestartPolicy, TenantSpec
+from supervisor.runtime.requests import Parked
+from supervisor.runtime.workers import WorkerHandle, WorkerState
+
+__all__ = ["InstanceSlot", "TenantRuntime", "TenantState"]
+
+BACKOFF_BASE_S = 0.05
+BACKOFF_MAX_S = 5.0
+
+
+class TenantState(str, enum.Enum):
+    STARTING = "starting"  # registered, no instance ready yet
+    RUNNING = "running"  # every wanted instance ready
+    DEGRADED = "degraded"  # some instance restarting
+    FAILED = "failed"  # restart intensity exceeded
+    STOPPED = "stopped"  # scaled to 0 instances: requests refused at once (TenantStopped)
+    EVICTING = "evicting"
+
+
+@dataclass(eq=False)
+class InstanceSlot:
+    index: int
+    worker: WorkerHandle | None = None
+    incarnation: int = 0
+    restarts: int = 0
+    restart_at: float | None = None  # scheduled restart (monotonic)
+    last_exit: dict[str, Any] | None = None
+    draining: bool = False  # being scaled away
+    replace: bool = False  # start a new worker when the current one (stopped on purpose) exits
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None and self.worker.state is WorkerState.READY and not self.draining
+
+    @property
+    def coming_up(self) -> bool:
+        """Ready, starting, or due to restart: worth waiting for."""
+        return not self.draining and (self.worker is not None or self.restart_at is not None)
+
+
+@dataclass(eq=False)
+class TenantRuntime:
+    spec: TenantSpec
+    block: QuotaBlock
+    generation: int
+    registered_at: float = field(default_factory=time.time)
+    state: TenantState = TenantState.STARTING
+    slots: list[InstanceSlot] = field(default_factory=list)
+    restart_times: collections.deque[float] = field(default_factory=collections.deque)
+    restarts_total: int = 0
+    in_flight: int = 0
+    parked: collections.deque[Parked] = field(default_factory=collections.deque)
+    failed_reason: str | None = None
+    device: int = 0
+    seen_refusals: int = 0
+    rr: int = 0  # round-robin start for pick_slot
+    #: (client, rid, capability bytes) of register requests answered once every instance is ready
+    register_waiters: list[tuple[bytes | None, int | None, bytes]] = field(default_factory=list)
+    #: modules sent with put_module (digest -> bytes), least recently used first
+    modules: collections.OrderedDict[str, bytes] = field(default_factory=collections.OrderedDict)
+    #: where the tenant came from: the config file ("file") or a register request ("runtime")
+    origin: str = "runtime"
+    #: brought back from the state at start: a failure to start marks it failed, never evicts it
+    restoring: bool = False
+    #: (client, rid, op) of reset/restart requests answered once the tenant runs (ServiceOps)
+    ready_waiters: list[tuple[bytes | None, int, str]] = field(default_factory=list)
+    #: a rolling restart: instance indexes still to replace, and the one being replaced
+    rolling: collections.deque[int] = field(default_factory=collections.deque)
+    rolling_slot: InstanceSlot | None = None
+    rolling_incarnation: int = 0
+
+    @property
+    def tenant_id(self) -> str:
+        return self.spec.tenant_id
+
+    def live_slots(self) -> list[InstanceSlot]:
+        return [s for s in self.slots if s.ready]
+
+    def wanted_slots(self) -> list[InstanceSlot]:
+        """The instances the tenant should run (not being scaled away)."""
+        return [s for s in self.slots if not s.draining]
+
+    def coming_up(self) -> bool:
+        """Is a wanted instance ready, starting or due to restart? (Only then may a request wait.)"""
+        return any(s.coming_up for s in self.slots)
+
+    def pick_slot(self) -> InstanceSlot | None:
+        """The least-loaded ready instance; ties go round-robin."""
+        best: InstanceSlot | None = None
+        best_load = 0
+        n = len(self.slots)
+        if n == 1:
+            return self.slots[0] if self.slots[0].ready else None
+        self.rr = (self.rr + 1) % max(n, 1)
+        for k in range(n):
+            slot = self.slots[(self.rr + k) % n]
+            if slot.ready:
+                assert slot.worker is not None
+                load = len(slot.worker.in_flight)
+                if best is None or load < best_load:
+                    best, best_load = slot, load
+        return best
+
+    def should_restart(self, exit_code: int | None, signal: int | None, *, killed: bool = False) -> bool:
+        """``killed``: the supervisor ended it (hang, deadline, bad reply, RSS) - a failure
+        even when the worker, asked with SIGTERM, exited 0."""
+        policy = self.spec.restart
+        if policy is RestartPolicy.ALWAYS:
+            return True
+        if policy is RestartPolicy.ON_FAILURE:
+            return killed or signal is not None or exit_code not in (0, None)
+        return False
+
+    def note_restart(self, now: float) -> bool:
+        """Record a restart; False when the intensity limit is exceeded."""
+        window = self.spec.restart_window_s
+        self.restart_times.append(now)
+        while self.restart_times and now - self.restart_times[0] > window:
+            self.restart_times.popleft()
+        self.restarts_total += 1
+        return len(self.restart_times) <= self.spec.max_restarts
+
+    def backoff_s(self) -> float:
+        """0 for the first restart in the window, then 50 ms, 100 ms, ... up to 5 s."""
+        recent = len(self.restart_times)
+        if recent <= 1:
+            return 0.0
+        return float(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (recent - 2)))
+
+    def refresh_state(self) -> None:
+        if self.state in (TenantState.FAILED, TenantState.EVICTING):
+            return
+        wanted = self.wanted_slots()
+        ready = [s for s in wanted if s.ready]
+        if not wanted:
+            self.state = TenantState.STOPPED
+        elif len(ready) == len(wanted):
+            self.state = TenantState.RUNNING
+        elif any(s.last_exit is not None for s in wanted):
+            self.state = TenantState.DEGRADED
+        else:
+            self.state = TenantState.STARTING

@@ -1,0 +1,257 @@
+"""Worker processes as the supervisor sees them: start, identity, kill.
+
+Workers are started with ``multiprocessing`` (``spawn`` by default,
+``forkserver`` with a preload of the worker's imports as the fast option) and
+never with plain ``fork``: CUDA and wasmtime's compiler threads are not
+fork-safe, and the supervisor must stay free of both anyway. The target is
+:class:`shared.entry.EntryPoint` ("worker.main:run"), so the supervisor never
+imports the worker package.
+
+Each process's ``sentinel`` fd is polled by the supervisor loop next to its
+sockets: a worker's death is seen the moment it happens.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import multiprocessing
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+
+import psutil
+
+from shared.config import SupervisorConfig
+from shared.entry import EntryPoint
+from shared.log import get_logger, log_event
+from shared.records import BootMessage
+from supervisor.runtime.requests import Pending
+
+if TYPE_CHECKING:
+    from shared.records import FaultAck, FaultExit
+
+__all__ = ["ProcessLike", "Spawner", "SpawnerFactory", "SpawnerLike", "WorkerHandle", "WorkerState", "kill_tree"]
+
+_log = get_logger("supervisor.runtime.workers")
+_WORKER_ENTRY = EntryPoint("worker.main:run")
+#: what a forkserver preloads so a forked worker starts warm
+FORKSERVER_PRELOAD = ["worker.preload"]
+
+
+class WorkerState(str, enum.Enum):
+    STARTING = "starting"  # process started, hellos not both in
+    IDLE = "idle"  # in the warm pool, unbound
+    BINDING = "binding"  # bind sent
+    READY = "ready"  # bound and serving
+    DRAINING = "draining"  # no new requests (scale down / evict), stop when idle
+    STOPPING = "stopping"  # stop sent / being killed
+    DEAD = "dead"
+
+
+class ProcessLike(Protocol):
+    """What the worker set needs of a worker's process: ``multiprocessing``'s, or a test's stand-in."""
+
+    @property
+    def exitcode(self) -> int | None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker process, as the supervisor tracks it.
+
+    ``worker_id`` is a public label (logs, events, status). The ZeroMQ
+    identity the worker connects with is ``routing_id``: 128 random bits,
+    never published, so no other process that can reach backend.ipc or
+    control.ipc can claim it first (a squatted identity would shut the real
+    worker out). ``token`` is the per-spawn secret the worker proves in its
+    hello on both sockets before it is bound to a tenant; both travel only in
+    the spawn's boot message.
+    """
+
+    worker_id: str
+    token: str
+    process: ProcessLike
+    pid: int
+    sentinel: int
+    spawned_at: float
+    routing_id: str = ""  # set by the Spawner; empty only in tests that build handles by hand
+    state: WorkerState = WorkerState.STARTING
+    tenant: str | None = None
+    instance: int | None = None
+    incarnation: int = 0
+    data_hello: bool = False
+    control_hello: bool = False
+    ready_at: float | None = None
+    last_heartbeat: float = 0.0
+    #: this worker's requests in flight: owned by supervisor.routing.pending.PendingTable (its length is the load)
+    in_flight: dict[int, Pending] = field(default_factory=dict)
+    kill_reason: str | None = None
+    kill_at: float | None = None  # SIGKILL escalation time after SIGTERM
+    rss_exceeded: tuple[int, int] | None = None  # (rss, limit) when killed by the RSS backstop
+    #: answered by the fault's ack, or by the worker's death (process-ending faults)
+    fault_waiters: list[Callable[[FaultAck | FaultExit], None]] = field(default_factory=list)
+    #: called once the process is gone
+    death_waiters: list[Callable[[WorkerHandle], None]] = field(default_factory=list)
+    killed: bool = False  # _kill() ran (SIGTERM sent, SIGKILL scheduled)
+    kill_cause: str | None = None  # why _kill() ran: heartbeat, deadline, protocol, rss ...
+    expected_exit: bool = False  # stopped on purpose (evict, scale down, shutdown)
+    served: int = 0
+
+    @property
+    def ident(self) -> bytes:
+        return (self.routing_id or self.worker_id).encode()
+
+    @property
+    def connected(self) -> bool:
+        return self.data_hello and self.control_hello
+
+
+def _detach_main_module() -> None:
+    """Keep spawned children from re-running the supervisor's ``__main__`` script.
+
+    multiprocessing re-imports the parent's main *script* in every spawned
+    child (``twt`` is such a script and imports the supervisor package);
+    a main *module* whose name ends in ``__main__`` is skipped. Naming the
+    script after ``supervisor.__main__`` - which is what it runs - keeps
+    workers free of supervisor code.
+    """
+    main = sys.modules.get("__main__")
+    if main is not None and getattr(main, "__spec__", None) is None and getattr(main, "__file__", None):
+        import importlib.machinery
+
+        main.__spec__ = importlib.machinery.ModuleSpec("supervisor.__main__", None)
+
+
+class Spawner:
+    """Starts worker processes with the configured start method."""
+
+    def __init__(self, config: SupervisorConfig, endpoints: dict[str, str]) -> None:
+        _detach_main_module()
+        self.config = config
+        self.endpoints = endpoints
+        self.method = config.start_method
+        self.ctx = multiprocessing.get_context(self.method)
+        if self.method == "forkserver":
+            self.ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        self._nonce = secrets.token_hex(3)
+        self._started = psutil.Process().create_time()
+        self._seq = 0
+
+    def warm_up(self) -> None:
+        """Start the forkserver now (with its preload) instead of on the first registration."""
+        if self.method == "forkserver":
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+
+    def signal(self, worker: WorkerHandle, sig: int) -> None:
+        """Send ``sig`` to the worker and every process it started (never raises)."""
+        kill_tree(worker.pid, sig)
+
+    def rss(self, worker: WorkerHandle) -> int | None:
+        """The worker's resident set in bytes (None: it is gone)."""
+        try:
+            return int(psutil.Process(worker.pid).memory_info().rss)
+        except psutil.Error:
+            return None
+
+    def spawn(self) -> WorkerHandle:
+        self._seq += 1
+        worker_id = f"w{self._nonce}-{self._seq}"
+        token = secrets.token_hex(16)
+        routing_id = "r" + secrets.token_hex(16)
+        boot = BootMessage(
+            worker_id=worker_id,
+            token=token,
+            routing_id=routing_id,
+            data_endpoint=self.endpoints["backend"],
+            control_endpoint=self.endpoints["control"],
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_liveness=self.config.heartbeat_liveness,
+            log_format=self.config.log_format,
+            log_level=self.config.log_level,
+            max_message_bytes=self.config.max_message_bytes,
+            # spawn: the parent is us; forkserver: the fork server (checked by the worker)
+            parent_pid=os.getpid() if self.method == "spawn" else None,
+            # a silent supervisor is only given up on when this process is gone (worker.control)
+            supervisor_pid=os.getpid(),
+            supervisor_started=self._started,
+        )
+        t0 = time.monotonic()
+        process_cls = getattr(self.ctx, "Process")  # noqa: B009 - typeshed's BaseContext lacks Process
+        proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(boot,), name=f"twt-worker-{worker_id}", daemon=False)
+        proc.start()
+        assert proc.pid is not None
+        handle = WorkerHandle(
+            worker_id=worker_id,
+            token=token,
+            routing_id=routing_id,
+            process=proc,
+            pid=proc.pid,
+            sentinel=proc.sentinel,
+            spawned_at=t0,
+        )
+        log_event(_log, logging.DEBUG, "worker.process_started", worker=worker_id, pid=proc.pid, method=self.method,
+                  start_ms=round((time.monotonic() - t0) * 1000, 3))
+        return handle
+
+
+class SpawnerLike(Protocol):
+    """The worker set's view of how workers start, are signalled and measured.
+
+    :class:`Spawner` starts real processes; the in-process lifecycle tests hand the
+    supervisor a stand-in whose workers live on the supervisor's own loop
+    (``tests/helpers/fake_workers.py``), so register, scale, crash and deadline
+    paths run in milliseconds, on a fake clock, without a process.
+    """
+
+    method: str
+
+    def warm_up(self) -> None: ...
+    def spawn(self) -> WorkerHandle: ...
+    def signal(self, worker: WorkerHandle, sig: int) -> None: ...
+    def rss(self, worker: WorkerHandle) -> int | None: ...
+
+
+#: builds the spawner once the supervisor knows its worker endpoints ({"backend", "control"})
+SpawnerFactory = Callable[[SupervisorConfig, dict[str, str]], SpawnerLike]
+
+
+def exit_status(proc: ProcessLike) -> tuple[int | None, int | None]:
+    """(exit_code, signal) of a finished process; reaps it.
+
+    The sentinel becomes readable when the child's fds close, a moment
+    before the kernel makes it reapable: wait (briefly) instead of polling.
+    """
+    proc.join(5.0)
+    code = proc.exitcode
+    if code is None:
+        return None, None
+    if code < 0:
+        return None, -code
+    return code, None
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to a process and all its descendants (children first). Never raises."""
+    try:
+        parent = psutil.Process(pid)
+        children = parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for proc in [*children, parent]:
+        try:
+            proc.send_signal(sig)
+            if sig == signal.SIGTERM:
+                proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        except psutil.NoSuchProcess:
+            pass

@@ -1,0 +1,222 @@
+"""``twt bench route --flood``: does one client's flood slow another tenant down?
+
+A real supervisor (stub backend) serves two tenants, ``victim`` and
+``flooder``. The victim pings one request at a time (the same raw DEALER and
+header bytes as ``twt bench route``); quiet first, then while a second process
+floods the supervisor as fast as it can, one flood kind at a time:
+
+* ``ping``     - the flooder's own valid pings, never waiting for replies
+* ``quota``    - ``quota`` requests (the frontend answers them itself)
+* ``garbage``  - bytes that are not a request at all
+* ``badcap``   - pings with a forged capability (an HMAC check each, unanswerable cheaply)
+* ``write``    - 1 MiB ``write`` requests into the flooder's buffer
+* ``tcp-ping`` - the flooder's pings over the CURVE TCP frontend (issue 30, item 9)
+
+Targets, per kind, against the quiet figures of the same run (b = the quiet
+p50, at least 1/3 ms, so the first target is never below 1 ms):
+
+* victim p50 during the flood <= 3 b, victim p99 <= 10 b;
+* the flooder keeps a fair share: during the ``ping`` flood, its answered
+  pings per second are at least half of what it gets flooding alone (it is
+  slowed by admission, not starved).
+
+The flooder never waits for an answer: it sends without blocking and reads
+whatever comes back, so the supervisor, not the flooder, sets the pace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import zmq
+
+from shared import protocol as proto
+from shared.errors import ProtocolError
+from shared.spec import TenantSpec
+from supervisor.tools.bench._report import Report, Target, format_table, percentile
+from supervisor.client.launch import launch
+
+__all__ = ["KINDS", "main"]
+
+KINDS = ("ping", "quota", "garbage", "badcap", "write", "tcp-ping")
+_SPAWN = mp.get_context("spawn")
+#: the quiet p50 the targets scale from is at least this (3x it = the 1 ms floor)
+_FLOOR_US = 1000.0 / 3
+_WRITE_BYTES = 1 << 20
+
+
+def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle: int,
+           seconds: float, out: Any, started: Any, nice: int = 0) -> None:
+    """The flooding process: send ``kind`` as fast as the supervisor takes it, for ``seconds``."""
+    if nice:
+        os.nice(nice)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 16 if kind == "write" else 1000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    if server_key is not None:
+        sock.curve_serverkey = server_key.encode()
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(endpoint)
+    forged = bytearray(cap)
+    forged[-1] ^= 1
+    body: bytes | None = None
+    if kind in ("ping", "tcp-ping"):
+        frames = [proto.encode_request(1, "ping", cap, {})]
+    elif kind == "quota":
+        frames = [proto.encode_request(1, "quota", cap, {})]
+    elif kind == "garbage":
+        frames = [b"\xc1not a request" * 4]
+    elif kind == "badcap":
+        frames = [proto.encode_request(1, "ping", bytes(forged), {})]
+    else:
+        body = bytes(_WRITE_BYTES)
+        frames = [proto.encode_request(1, "write", cap, {"handle": handle, "offset": 0}), body]
+    if server_key is not None:  # wait for the handshake: the first ping's answer
+        sock.send(proto.encode_request(1, "ping", cap, {}))
+        sock.poll(30_000)
+        sock.recv_multipart()
+    ok = answered = sent = 0
+    started.set()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        events = dict(poller.poll(50)).get(sock, 0)
+        if events & zmq.POLLOUT:
+            for _ in range(64):
+                try:
+                    sock.send_multipart(frames, zmq.NOBLOCK, copy=body is None)
+                    sent += 1
+                except zmq.Again:
+                    break
+        if events & zmq.POLLIN:
+            for _ in range(1024):
+                try:
+                    reply = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                answered += 1
+                try:
+                    ok += bool(proto.decode_reply(reply[0].bytes)[1])
+                except ProtocolError:
+                    pass
+    out.put({"sent": sent, "answered": answered, "ok": ok, "seconds": seconds})
+    sock.close(0)
+    ctx.term()
+
+
+def _rtts(sock: zmq.Socket[Any], header: bytes, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        sock.send(header)
+        sock.recv_multipart()
+        out.append((time.perf_counter_ns() - t0) / 1000)
+    return out
+
+
+def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[Any] | None,
+               header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], dict[str, Any]]:
+    """Flood with ``kind`` while the victim pings ``n`` times (none: the flooder alone)."""
+    tcp = kind == "tcp-ping"
+    endpoint = sup.info["listen"][0] if tcp else f"ipc://{sup.run_dir}/frontend.ipc"
+    out, started = _SPAWN.Queue(), _SPAWN.Event()
+    proc = _SPAWN.Process(target=_flood, daemon=True, args=(
+        kind, endpoint, sup.info["server_public_key"] if tcp else None, cap, handle, seconds, out, started,
+        nice))
+    proc.start()
+    try:
+        if not started.wait(60):
+            raise RuntimeError(f"the {kind} flooder did not start")
+        time.sleep(min(0.3, seconds / 4))  # let the flood fill the queues
+        rtts = _rtts(victim, header, n) if victim is not None else []
+        result: dict[str, Any] = out.get(timeout=seconds + 60)
+    finally:
+        proc.join(10)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+    return rtts, result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="twt bench route --flood", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flood", action="store_true", help="(this benchmark)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--pings", type=int, default=600, help="victim pings quiet and per flood kind")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="flood kinds, comma-separated")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="the flooder's nice value (a remote flooder does not compete for this host's CPUs)")
+    args = parser.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        parser.error(f"unknown flood kind(s) {unknown}; choose from {', '.join(KINDS)}")
+
+    report = Report("route --flood")
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    rows: list[list[object]] = []
+    targets: list[Target] = []
+    data: dict[str, Any] = {}
+    with launch(
+        {"supervisor": {"pool_size": 0, "log_level": "error", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
+        backend="stub",
+    ) as sup:
+        client = sup.client
+        victim_cap = client.register(sup.admin_capability, TenantSpec("victim"))
+        flooder = client.register(sup.admin_capability, TenantSpec("flooder"))
+        handle = client.alloc(flooder, _WRITE_BYTES)
+        flood_cap = flooder.to_bytes()
+        header = proto.encode_request(1, "ping", victim_cap.to_bytes(), {})
+        victim = ctx.socket(zmq.DEALER)
+        victim.setsockopt(zmq.LINGER, 0)
+        victim.connect(f"ipc://{sup.run_dir}/frontend.ipc")
+        try:
+            _rtts(victim, header, 300)  # warm up
+            quiet = _rtts(victim, header, args.pings)
+            q50, q99 = percentile(quiet, 0.5), percentile(quiet, 0.99)
+            base = max(q50, _FLOOR_US)
+            rows.append(["quiet", q50, q99, "", ""])
+            seconds = max(2.0, args.pings * 0.004)
+            solo: dict[str, Any] | None = None
+            if "ping" in kinds:
+                _, solo = _run_flood("ping", sup, flood_cap, handle, None, header, 0, 2.0, args.nice)
+            for kind in kinds:
+                rtts, res = _run_flood(kind, sup, flood_cap, handle, victim, header, args.pings, seconds,
+                                       args.nice)
+                p50, p99 = percentile(rtts, 0.5), percentile(rtts, 0.99)
+                rate = res["ok"] / res["seconds"]
+                rows.append([kind, p50, p99, res["sent"] / res["seconds"], rate])
+                data[kind] = {"p50_us": p50, "p99_us": p99, "sent_per_s": res["sent"] / res["seconds"],
+                              "ok_per_s": rate}
+                targets.append(Target(f"victim p50 during a {kind} flood vs quiet (b = max(p50, 1/3 ms))",
+                                      p50 / base, 3.0, higher_is_better=False))
+                targets.append(Target(f"victim p99 during a {kind} flood vs quiet b", p99 / base, 10.0,
+                                      higher_is_better=False))
+                if kind == "ping" and solo is not None and solo["ok"]:
+                    share = rate / (solo["ok"] / solo["seconds"])
+                    data["ping"]["solo_ok_per_s"] = solo["ok"] / solo["seconds"]
+                    targets.append(Target("flooder's answered pings/s while the victim pings vs flooding alone",
+                                          share, 0.5))
+            stats = client.status()["supervisor"]
+        finally:
+            victim.close(0)
+    report.sections.append((
+        "victim ping round trip (us) during each flood; the flooder's requests/s sent and answered OK",
+        format_table(["flood", "p50", "p99", "flood sent/s", "flood ok/s"], rows),
+    ))
+    report.sections.append(("admission", format_table(["counter", "value"], [
+        [k, stats.get(k)] for k in ("unauthenticated_dropped", "admission_refused") if k in stats])))
+    report.targets += targets
+    report.data.update(quiet_us={"p50": q50, "p99": q99}, floods=data)
+    return report.emit(as_json=args.json)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

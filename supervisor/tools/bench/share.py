@@ -1,0 +1,595 @@
+"""``twt bench share``: GPU-time shares between tenants, measured against the same machine in one run.
+
+Two supervisors on the stub backend (the device is one serial executor: see
+docs/GPU-QUOTAS.md), one with the GPU-time scheduler on and one with it off,
+each tenant running ``gemm_loop`` runs of the ``share`` guest from client
+threads (two instances and two threads per tenant where it must saturate
+the device). Work is what the guests count (GEMMs done, spread evenly over
+each run's span); accounted time is the tenants' ``gpu_time_ns`` in shared
+memory, sampled by this process every few milliseconds.
+
+    solo on/off   one tenant (weight 7) alone, rounds alternating between the two supervisors:
+                  its work rate with the scheduler on vs off (the scheduler's overhead)
+    7:3           weights 7 and 3, both saturating: work and accounted shares over the run and
+                  per 1 s window; together vs the solo rate (no throughput lost)
+    idle          then the weight-3 tenant stops: the other's accounted rate from one quantum
+                  after the last chunk of the stopped one, vs its solo rate
+    light         one GEMM of 64x64 every 10 ms beside a saturating hog: each op's wait for the
+                  device (the run reply's ``gpu_wait_s``), p99
+    8 tenants     equal weights: Jain's fairness index of work and of accounted time
+    cap           ``gpu_time_cap = 0.25`` alone: accounted device time per wall second
+    decision      what one lease decision costs here (shared memory, this process) against a
+                  supervisor round trip (a ZeroMQ ipc request to another process)
+
+``--plot FILE.png`` (the ``plot`` extra: matplotlib) draws each tenant's
+share per 1 s window of the 7:3 and 8-tenant phases. Exit status 0 when
+every target is met, 4 when one is missed, 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.capability import TenantCapability
+from shared.quota import QuotaBlock
+from shared.spec import TenantSpec
+from supervisor.tools.bench._report import Report, Target, format_table, percentile
+from supervisor.tools.demo import guest_path
+from supervisor.client.launch import SupervisorHandle, launch
+
+__all__ = ["main"]
+
+_SPAWN = mp.get_context("spawn")
+#: errors of every load thread of this run (printed; any makes the run a MISS)
+ERRORS: list[str] = []
+
+
+@dataclass
+class Tenant:
+    """One tenant of a phase: its capability, guest digest, runs done and its block (read-only)."""
+
+    name: str
+    cap: TenantCapability
+    digest: str
+    block: QuotaBlock
+    #: (start, end, iterations) of every run, monotonic seconds
+    runs: list[tuple[float, float, int]] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+
+    def work_between(self, t0: float, t1: float) -> float:
+        """GEMMs done in [t0, t1): each run's count spread evenly over its span."""
+        total = 0.0
+        for start, end, n in self.runs:
+            span = max(end - start, 1e-9)
+            overlap = min(end, t1) - max(start, t0)
+            if overlap > 0:
+                total += n * overlap / span
+        return total
+
+
+class Phase:
+    """Tenants on one supervisor, client threads, and a sampler of their accounted time."""
+
+    def __init__(self, sup: SupervisorHandle, n: int, reps: int) -> None:
+        self.sup = sup
+        self.n = n
+        self.reps = reps
+        self.tenants: dict[str, Tenant] = {}
+        #: what went wrong in a load thread (reported; a phase with errors misses its targets)
+        self.errors: list[str] = []
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._stop_sampler = threading.Event()
+        self._sampler: threading.Thread | None = None
+        self._guest = guest_path("share").read_bytes()
+
+    def add(self, name: str, *, instances: int = 2, **spec: Any) -> Tenant:
+        c = self.sup.client
+        cap = c.register(self.sup.admin_capability, TenantSpec.from_dict(
+            {"tenant_id": name, "instances": instances, "wasm_timeout_s": 600.0, "request_timeout_s": 600.0,
+             "memory_quota_bytes": 4 << 30, **spec}))
+        digest = c.put_module(cap, self._guest)
+        for _ in range(instances):  # compile the guest and warm BLAS in each instance before any measuring
+            c.run_wasm(cap, digest, "gemm_loop", [self.n, 1])
+        rec = next(t for t in c.status()["tenants"] if t["tenant_id"] == name)
+        t = Tenant(name, cap, digest, QuotaBlock.attach(rec["quota"]["name"]))
+        self.tenants[name] = t
+        return t
+
+    # -- load
+
+    def gemm_loop(self, t: Tenant, stop: threading.Event) -> Callable[[], None]:
+        def loop() -> None:
+            client = self.sup.connect(timeout_s=600.0)
+            try:
+                client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, 1])  # compiled, BLAS warm
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    done = client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, self.reps])["results"][0]
+                    t.runs.append((t0, time.monotonic(), int(done)))
+            finally:
+                client.close()
+
+        return loop
+
+    def light_loop(self, t: Tenant, stop: threading.Event, every_s: float, n: int) -> Callable[[], None]:
+        def loop() -> None:
+            client = self.sup.connect(timeout_s=600.0)
+            try:
+                hs = [client.alloc(t.cap, 4 * n * n) for _ in range(3)]
+                args = [{"handle": h} for h in hs] + [n]
+                client.run_wasm(t.cap, t.digest, "one_gemm", args)
+                next_at = time.monotonic()
+                while not stop.is_set():
+                    reply = client.run_wasm(t.cap, t.digest, "one_gemm", args)
+                    t.waits.append(float(reply.get("gpu_wait_s", 0.0)))
+                    next_at += every_s
+                    time.sleep(max(0.0, next_at - time.monotonic()))
+                for h in hs:
+                    client.free(t.cap, h)
+            finally:
+                client.close()
+
+        return loop
+
+    def start(self, loops: Sequence[Callable[[], None]]) -> list[threading.Thread]:
+        def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 - reported with the results
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                    ERRORS.append(f"{type(exc).__name__}: {exc}")
+
+            return run
+
+        threads = [threading.Thread(target=guarded(fn), daemon=True) for fn in loops]
+        for th in threads:
+            th.start()
+        return threads
+
+    # -- accounted time
+
+    def sample_every(self, every_s: float = 0.002) -> None:
+        def run() -> None:
+            while not self._stop_sampler.is_set():
+                tenants = list(self.tenants.items())  # "light" joins later, from another thread
+                self.samples.append((time.monotonic(), {n: t.block.gpu_time_ns for n, t in tenants}))
+                time.sleep(every_s)
+
+        self._sampler = threading.Thread(target=run, daemon=True)
+        self._sampler.start()
+
+    def accounted(self, name: str, at: float) -> float:
+        """Accounted device seconds of ``name`` at time ``at`` (the last sample not after it)."""
+        best = 0
+        for ts, values in self.samples:
+            if ts > at:
+                break
+            best = values.get(name, 0)
+        return best / 1e9
+
+    def close(self) -> None:
+        self._stop_sampler.set()
+        if self._sampler is not None:
+            self._sampler.join(5)
+        for t in self.tenants.values():
+            t.block.close()
+            try:
+                self.sup.client.evict(None, t.name)
+            except Exception:  # noqa: BLE001 - the supervisor stops right after anyway
+                pass
+
+
+def run_for(phase: Phase, loops: Sequence[Callable[[], None]], stop: threading.Event, seconds: float,
+             warm_s: float = 1.0) -> tuple[float, float]:
+    """Start the loops, measure ``seconds`` after ``warm_s``; (t0, t1) of the measured span."""
+    threads = phase.start(loops)
+    time.sleep(warm_s)
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    t1 = time.monotonic()
+    stop.set()
+    for th in threads:
+        th.join(600)
+    return t0, t1
+
+
+def one_s_windows(t0: float, t1: float, width: float = 1.0) -> list[tuple[float, float]]:
+    out = []
+    t = t0
+    while t + width <= t1 + 1e-9:
+        out.append((t, t + width))
+        t += width
+    return out
+
+
+def _jain(values: Sequence[float]) -> float:
+    total = sum(values)
+    squares = sum(v * v for v in values)
+    return total * total / (len(values) * squares) if squares else 0.0
+
+
+# ----------------------------------------------------------------- phases
+
+
+def _solo_rounds(on: SupervisorHandle, off: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+    """The same tenant alone, rounds alternating between the supervisor with the scheduler on and off."""
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    acc: dict[str, list[float]] = {"on": [], "off": []}
+    phases = {"on": Phase(on, args.n, args.reps), "off": Phase(off, args.n, args.reps)}
+    try:
+        for phase in phases.values():
+            phase.add("solo", gpu_time_weight=7.0)
+        for r in range(args.rounds):
+            # the order alternates round by round: a load that drifts during the run favours neither
+            for key in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                phase = phases[key]
+                t = phase.tenants["solo"]
+                t.runs.clear()
+                stop = threading.Event()
+                g0 = t.block.gpu_time_ns
+                t0, t1 = run_for(phase, [phase.gemm_loop(t, stop) for _ in range(2)], stop, args.solo_seconds,
+                                  warm_s=0.5)
+                rates[key].append(t.work_between(t0, t1) / (t1 - t0))
+                acc[key].append((t.block.gpu_time_ns - g0) / 1e9)
+    finally:
+        for phase in phases.values():
+            phase.close()
+    return {"rates": rates, "accounted_s": acc}
+
+
+def _split(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+    """7:3 in rounds alternating with w7 alone (the "together" baseline under the same load), then the
+    weight-3 tenant stops (idle), then a light tenant beside a hog, all on one supervisor."""
+    phase = Phase(sup, args.n, args.reps)
+    try:
+        a = phase.add("w7", gpu_time_weight=7.0)
+        b = phase.add("w3", gpu_time_weight=3.0)
+        phase.sample_every()
+        solo_work: list[float] = []
+        solo_dev: list[float] = []
+        together: list[float] = []
+        segments: list[tuple[float, float]] = []
+        for _ in range(args.rounds):
+            stop = threading.Event()
+            t0, t1 = run_for(phase, [phase.gemm_loop(a, stop) for _ in range(2)], stop, args.solo_seconds,
+                              warm_s=0.5)
+            solo_work.append(a.work_between(t0, t1) / (t1 - t0))
+            solo_dev.append((phase.accounted("w7", t1) - phase.accounted("w7", t0)) / (t1 - t0))
+            stop = threading.Event()
+            t0, t1 = run_for(phase, [phase.gemm_loop(t, stop) for t in (a, a, b, b)], stop,
+                              args.seconds / args.rounds, warm_s=0.5)
+            segments.append((t0, t1))
+            together.append((a.work_between(t0, t1) + b.work_between(t0, t1)) / (t1 - t0))
+        windows = []
+        for s0, s1 in segments:
+            for w0, w1 in one_s_windows(s0, s1):
+                wa, wb = a.work_between(w0, w1), b.work_between(w0, w1)
+                aa = phase.accounted("w7", w1) - phase.accounted("w7", w0)
+                ab = phase.accounted("w3", w1) - phase.accounted("w3", w0)
+                windows.append({"t": round(w0 - segments[0][0], 3), "work_share": wa / (wa + wb) if wa + wb else 0.0,
+                                "time_share": aa / (aa + ab) if aa + ab else 0.0, "device_busy": (aa + ab) / (w1 - w0)})
+        work = (sum(a.work_between(*seg) for seg in segments), sum(b.work_between(*seg) for seg in segments))
+        acc = (sum(phase.accounted("w7", s1) - phase.accounted("w7", s0) for s0, s1 in segments),
+               sum(phase.accounted("w3", s1) - phase.accounted("w3", s0) for s0, s1 in segments))
+        # idle: both run, then w3 stops; w7's accounted rate one quantum after w3's last chunk
+        stop_a, stop_b = threading.Event(), threading.Event()
+        threads = phase.start([phase.gemm_loop(a, stop_a) for _ in range(2)]
+                              + [phase.gemm_loop(b, stop_b) for _ in range(2)])
+        time.sleep(1.5)
+        stop_b.set()
+        for th in threads[2:]:
+            th.join(600)
+        time.sleep(1.0 + 21 * args.quantum)
+        stop_a.set()
+        for th in threads[:2]:
+            th.join(600)
+        final_b = phase.samples[-1][1]["w3"]
+        last_b = min(ts for ts, v in phase.samples if v["w3"] >= final_b)  # its last chunk ended by then
+        q = args.quantum
+        span = 20 * q
+        after = (phase.accounted("w7", last_b + q + span) - phase.accounted("w7", last_b + q)) / span
+        # light tenant beside a hog
+        light = phase.add("light", instances=1)
+        stop = threading.Event()
+        run_for(phase, [phase.gemm_loop(a, stop) for _ in range(2)] + [phase.light_loop(light, stop, 0.010, 64)],
+                 stop, args.seconds)
+        return {
+            "solo_work_rate": statistics.median(solo_work), "solo_device_rate": statistics.median(solo_dev),
+            "solo_work_rates": solo_work, "together_rates": together,
+            "together_ratio": statistics.median(t / s for t, s in zip(together, solo_work)),
+            "work": work, "accounted_s": acc, "together_rate": statistics.median(together), "windows": windows,
+            "idle": {"rate_after_one_quantum": after},
+            "light_waits_s": light.waits,
+        }
+    finally:
+        phase.close()
+
+
+def _eight(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+    phase = Phase(sup, args.n, args.reps)
+    try:
+        ts = [phase.add(f"e{i}", instances=1) for i in range(8)]
+        phase.sample_every(0.01)
+        stop = threading.Event()
+        # eight workers compile and warm up one after the other on a small host: measure once all run
+        t0, t1 = run_for(phase, [phase.gemm_loop(t, stop) for t in ts], stop, args.seconds, warm_s=3.0)
+        work = [t.work_between(t0, t1) for t in ts]
+        acc = [phase.accounted(t.name, t1) - phase.accounted(t.name, t0) for t in ts]
+        windows = []
+        for w0, w1 in one_s_windows(t0, t1):
+            got = [phase.accounted(t.name, w1) - phase.accounted(t.name, w0) for t in ts]
+            total = sum(got) or 1.0
+            windows.append({"t": round(w0 - t0, 3), "time_shares": [g / total for g in got]})
+        return {"work": work, "accounted_s": acc, "windows": windows}
+    finally:
+        phase.close()
+
+
+def _cap(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+    phase = Phase(sup, args.n, args.reps)
+    try:
+        t = phase.add("capped", gpu_time_cap=0.25)
+        phase.sample_every(0.01)
+        stop = threading.Event()
+        t0, t1 = run_for(phase, [phase.gemm_loop(t, stop) for _ in range(2)], stop, args.seconds)
+        acc = phase.accounted("capped", t1) - phase.accounted("capped", t0)
+        return {"device_share": acc / (t1 - t0), "work_rate": t.work_between(t0, t1) / (t1 - t0),
+                "throttled": t.block.snapshot().gpu_throttled}
+    finally:
+        phase.close()
+
+
+# -------------------------------------------------------------- decision cost
+
+
+def _echo(endpoint: str, ready: Any) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.bind(endpoint)
+    ready.set()
+    while True:
+        msg = sock.recv()
+        sock.send(msg)
+        if msg == b"stop":
+            break
+    sock.close(0)
+    ctx.term()
+
+
+def _decision_costs(rounds: int = 2000) -> dict[str, float]:
+    """us per lease decision: in shared memory (this process) vs a ZeroMQ ipc round trip to another."""
+    import os
+    import tempfile
+
+    import zmq
+
+    from shared.gpu_time import GpuTimeBoard
+
+    board = GpuTimeBoard.create(0)
+    try:
+        slot = board.add_tenant(1.0)
+        worker = GpuTimeBoard.attach(board.name, tenant_slot=slot)
+        try:
+            worker.acquire()
+            worker.finish(0)
+            batches = []
+            for _ in range(20):  # the median of 20 batches: a host stall spoils one batch, not the figure
+                t0 = time.perf_counter_ns()
+                for _ in range(rounds // 20):
+                    worker.acquire()  # the fast path: a CAS on the owner word
+                    worker.finish(1000)  # charge, and the quantum check
+                batches.append((time.perf_counter_ns() - t0) / (rounds // 20) / 1000)
+            fast_us = statistics.median(batches)
+            picks = []
+            for _ in range(rounds // 10):
+                t0 = time.perf_counter_ns()
+                worker.pick(time.monotonic_ns())  # a full decision: scan the waiters and passes
+                picks.append((time.perf_counter_ns() - t0) / 1000)
+            pick_us = statistics.median(picks)
+        finally:
+            worker.close()
+    finally:
+        board.unlink()
+        board.close()
+    tmp = tempfile.mkdtemp(prefix="twt-bench-")
+    endpoint = "ipc://" + os.path.join(tmp, "echo.ipc")
+    ready = _SPAWN.Event()
+    child = _SPAWN.Process(target=_echo, args=(endpoint, ready), daemon=True)
+    child.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    try:
+        ready.wait(30)
+        sock.connect(endpoint)
+        for _ in range(50):
+            sock.send(b"lease?")
+            sock.recv()
+        samples = []
+        for _ in range(rounds // 4):
+            t0 = time.perf_counter_ns()
+            sock.send(b"lease?")
+            sock.recv()
+            samples.append((time.perf_counter_ns() - t0) / 1000)
+        sock.send(b"stop")
+        sock.recv()
+    finally:
+        sock.close(0)
+        ctx.term()
+        child.join(10)
+        try:
+            os.unlink(endpoint[len("ipc://"):])
+            os.rmdir(tmp)
+        except OSError:
+            pass
+    return {"shm_fast_path_us": fast_us, "shm_pick_us": pick_us, "zmq_round_trip_us": statistics.median(samples)}
+
+
+# ------------------------------------------------------------------ report
+
+
+def _plot(path: str, split: dict[str, Any], eight: dict[str, Any]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("twt bench share --plot needs matplotlib: pip install 'tensor-wasm-tenant[plot]'") from None
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=False)
+    xs = [w["t"] for w in split["windows"]]
+    top.plot(xs, [w["time_share"] for w in split["windows"]], "o-", label="weight 7: accounted time")
+    top.plot(xs, [1 - w["time_share"] for w in split["windows"]], "o-", label="weight 3: accounted time")
+    top.plot(xs, [w["work_share"] for w in split["windows"]], "x--", label="weight 7: work (GEMMs)")
+    top.plot(xs, [1 - w["work_share"] for w in split["windows"]], "x--", label="weight 3: work (GEMMs)")
+    for y in (0.7, 0.3):
+        top.axhspan(y - 0.05, y + 0.05, color="grey", alpha=0.15)
+    top.set_ylim(0, 1)
+    top.set_ylabel("share of the device")
+    top.set_title("weights 7:3, per 1 s window (band: target +-5 points)")
+    top.legend(fontsize=8, loc="center right")
+    xs = [w["t"] for w in eight["windows"]]
+    for i in range(8):
+        bottom.plot(xs, [w["time_shares"][i] for w in eight["windows"]], ".-", label=f"e{i}")
+    bottom.axhline(1 / 8, color="grey", linestyle=":")
+    bottom.set_ylim(0, 0.3)
+    bottom.set_xlabel("seconds into the phase")
+    bottom.set_ylabel("share of the device")
+    bottom.set_title("8 equal tenants, per 1 s window")
+    bottom.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="twt bench share", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds of each phase (default 10)")
+    parser.add_argument("--solo-seconds", type=float, default=2.0, help="seconds of each solo round (default 2)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds: solo on/off, and 7:3 alternating with solo (default 5)")
+    parser.add_argument("--n", type=int, default=256, help="GEMM size (n x n @ n x n; default 256)")
+    parser.add_argument("--reps", type=int, default=64, help="GEMMs per guest run (default 64)")
+    parser.add_argument("--quantum", type=float, default=0.01, help="gpu_time_quantum_s (default 0.01)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the shares per 1 s window (needs matplotlib)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0) and 2
+    report = Report("share")
+    base = {"log_level": "warning", "pool_size": 0, "backend": "stub", "gpu_time_quantum_s": args.quantum}
+    q_ms = args.quantum * 1e3
+    with launch({"supervisor": {**base, "gpu_time_scheduler": True}}) as on, \
+            launch({"supervisor": {**base, "gpu_time_scheduler": False}}) as off:
+        solo = _solo_rounds(on, off, args)
+        split = _split(on, args)
+        eight = _eight(on, args)
+        capped = _cap(on, args)
+    costs = _decision_costs()
+
+    on_rate, off_rate = statistics.median(solo["rates"]["on"]), statistics.median(solo["rates"]["off"])
+    on_off = statistics.median(a / b for a, b in zip(solo["rates"]["on"], solo["rates"]["off"]))
+    work, acc = split["work"], split["accounted_s"]
+    work_share = work[0] / sum(work)
+    time_share = acc[0] / sum(acc)
+    win_work_dev = max((abs(w["work_share"] - 0.7) for w in split["windows"]), default=1.0)
+    win_time_dev = max((abs(w["time_share"] - 0.7) for w in split["windows"]), default=1.0)
+    together = split["together_ratio"]
+    idle_ratio = split["idle"]["rate_after_one_quantum"] / split["solo_device_rate"]
+    waits_ms = [w * 1e3 for w in split["light_waits_s"]]
+    p99 = percentile(waits_ms, 0.99) if waits_ms else float("inf")
+    jain_work, jain_time = _jain(eight["work"]), _jain(eight["accounted_s"])
+
+    report.sections.append((
+        f"one tenant alone (weight 7), {args.rounds} interleaved rounds of {args.solo_seconds:g} s, GEMM {args.n}^3",
+        format_table(["scheduler", "GEMMs/s (median)", "rounds"],
+                     [["on", on_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["on"])],
+                      ["off", off_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["off"])]]),
+    ))
+    report.sections.append((
+        f"weights 7:3 for {args.seconds:g} s in {args.rounds} rounds, both saturating (2 instances, 2 client "
+        "threads each)",
+        format_table(["", "weight 7", "weight 3", "share of weight 7"],
+                     [["work (GEMMs)", work[0], work[1], f"{work_share:.1%}"],
+                      ["accounted device s", acc[0], acc[1], f"{time_share:.1%}"]])
+        + "\nper 1 s window, share of weight 7 (work / accounted): "
+        + ", ".join(f"{w['work_share']:.0%}/{w['time_share']:.0%}" for w in split["windows"])
+        + f"\ntogether {split['together_rate']:.0f} GEMMs/s vs {split['solo_work_rate']:.0f} alone (medians of "
+        f"{args.rounds} rounds alternating with weight 7 alone: "
+        + ", ".join(f"{t:.0f}/{s:.0f}" for t, s in zip(split["together_rates"], split["solo_work_rates"])) + ")"
+        + f"; device busy {statistics.mean(w['device_busy'] for w in split['windows']):.0%} of the wall time",
+    ))
+    report.sections.append((
+        "when the weight-3 tenant goes idle",
+        f"weight 7's accounted rate from one quantum ({q_ms:g} ms) after the other's last chunk, over "
+        f"{20 * q_ms:g} ms: {split['idle']['rate_after_one_quantum']:.2f} device s/s "
+        f"(alone: {split['solo_device_rate']:.2f})",
+    ))
+    report.sections.append((
+        "a light tenant (one 64x64 GEMM every 10 ms) beside a saturating hog",
+        format_table(["ops", "p50 ms", "p99 ms", "max ms"],
+                     [[len(waits_ms), percentile(waits_ms, 0.5) if waits_ms else 0.0, p99,
+                       max(waits_ms) if waits_ms else 0.0]]),
+    ))
+    report.sections.append((
+        "8 equal tenants",
+        format_table(["", *[f"e{i}" for i in range(8)], "Jain"],
+                     [["work", *[f"{w:.0f}" for w in eight["work"]], f"{jain_work:.3f}"],
+                      ["accounted s", *[f"{a:.2f}" for a in eight["accounted_s"]], f"{jain_time:.3f}"]]),
+    ))
+    report.sections.append((
+        "gpu_time_cap = 0.25, alone",
+        f"accounted device time per wall second: {capped['device_share']:.3f} "
+        f"({capped['throttled']} throttles; {capped['work_rate']:.0f} GEMMs/s)",
+    ))
+    report.sections.append((
+        "where the lease decision lives: cost per decision, us",
+        format_table(["path", "us"],
+                     [["shared memory, fast path (CAS + charge, this process)", costs["shm_fast_path_us"]],
+                      ["shared memory, full pick (scan waiters and passes)", costs["shm_pick_us"]],
+                      ["supervisor round trip (ZeroMQ REQ/REP over ipc, another process)",
+                       costs["zmq_round_trip_us"]]]),
+    ))
+    report.data.update({"solo": solo, "split": {k: v for k, v in split.items() if k != "light_waits_s"},
+                        "light_wait_ms": {"p50": percentile(waits_ms, 0.5) if waits_ms else None, "p99": p99,
+                                          "n": len(waits_ms)},
+                        "eight": eight, "cap": capped, "decision_us": costs,
+                        "config": {"n": args.n, "reps": args.reps, "seconds": args.seconds,
+                                   "quantum_s": args.quantum}})
+    pts = " pts"
+    report.targets += [
+        Target("7:3 work share of weight 7, distance from 70 % over the run", abs(work_share - 0.7) * 100, 3.0,
+               higher_is_better=False, unit=pts),
+        Target("7:3 accounted share of weight 7, distance from 70 % over the run", abs(time_share - 0.7) * 100, 3.0,
+               higher_is_better=False, unit=pts),
+        Target("7:3 work share, worst 1 s window's distance from 70 %", win_work_dev * 100, 5.0,
+               higher_is_better=False, unit=pts),
+        Target("7:3 accounted share, worst 1 s window's distance from 70 %", win_time_dev * 100, 5.0,
+               higher_is_better=False, unit=pts),
+        Target("7:3 together vs one tenant alone (work rate, median of paired rounds)", together, 0.97),
+        Target("alone with weights, scheduler on vs off (work rate, median of paired rounds)", on_off, 0.98),
+        Target("8 equal tenants, Jain's index of accounted time", jain_time, 0.98, unit=""),
+        Target("8 equal tenants, Jain's index of work", jain_work, 0.98, unit=""),
+        Target("other tenant idle: rate one quantum later vs alone", idle_ratio, 0.95),
+        Target(f"light tenant p99 wait per op, ms (2 quanta + 2 ms = {2 * q_ms + 2:g})", p99, 2 * q_ms + 2,
+               higher_is_better=False, unit=" ms"),
+        Target("gpu_time_cap 0.25 alone: distance of its device share from 25 %",
+               abs(capped["device_share"] - 0.25) * 100, 3.0, higher_is_better=False, unit=pts),
+    ]
+    report.targets.append(Target("load threads that failed", float(len(ERRORS)), 0.0, higher_is_better=False,
+                                 unit=""))
+    if ERRORS:
+        report.sections.append(("errors", "\n".join(ERRORS[:20])))
+    if args.plot:
+        _plot(args.plot, split, eight)
+        report.sections.append(("plot", f"written to {args.plot}"))
+    return report.emit(as_json=args.json)

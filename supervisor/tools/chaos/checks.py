@@ -1,0 +1,257 @@
+"""The invariants a campaign must keep, and the fault statistics of its report."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shared import protocol as proto
+from shared.records import TenantRecord
+from supervisor.tools.chaos.config import _DISRUPTIVE, _UNANSWERED, LEAK_BIG
+from supervisor.tools.chaos.nemesis import Action
+from supervisor.tools.chaos.recorder import Record, percentile
+from supervisor.tools.chaos.schedule import Fault
+
+__all__ = ["Check", "Reconciliation", "fault_stats", "latency_table", "reconcile"]
+
+# --------------------------------------------------------------------------- checks
+
+
+@dataclass
+class Check:
+    """One invariant's verdict."""
+
+    name: str
+    ok: bool
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Reconciliation:
+    """A tenant's quota counters against the buffers its clients know they hold."""
+
+    tenant: str
+    ok: bool
+    expected_gpu: int  # bytes of known buffers on live instance incarnations
+    counted_gpu: int  # the quota block's gpu_bytes_in_use
+    counted_cpu: int
+    lost_buffers: int  # known buffers whose instance died (gone with it)
+    lost_bytes: int
+    problems: list[str] = field(default_factory=list)
+
+
+def reconcile(record: TenantRecord, live: Mapping[int, int]) -> Reconciliation:
+    """Compare a tenant's status record with its live buffers (handle -> bytes).
+
+    A buffer whose handle names an instance incarnation that is no longer the
+    running one died with that instance (the supervisor reclaimed its share);
+    every other buffer must be counted, instance by instance, and nothing else.
+    Meaningful when nothing is in flight (the counters move with requests).
+    """
+    current: dict[int, int] = {}
+    for inst in record.instances:
+        if inst.state == "ready" and inst.pid is not None:
+            current[inst.index] = inst.incarnation & 0xFFFF
+    expected: Counter[int] = Counter()
+    lost = lost_bytes = 0
+    for handle, nbytes in live.items():
+        index = proto.handle_instance(handle)
+        if current.get(index) == proto.handle_incarnation(handle):
+            expected[index] += nbytes
+        else:
+            lost += 1
+            lost_bytes += nbytes
+    quota = record.quota
+    shares = {int(i): int(gpu) for i, _cpu, gpu in quota.get("instance_shares", [])}
+    cpu_shares = {int(i): int(cpu) for i, cpu, _gpu in quota.get("instance_shares", [])}
+    counted = record.gpu_bytes_in_use
+    # host bytes at rest are the tenant's shared-memory regions (charged to its host quota) only
+    cpu = record.bytes_in_use - sum(r.nbytes for r in record.regions)
+    problems = []
+    if counted != sum(expected.values()):
+        problems.append(f"gpu_bytes_in_use {counted:,} B, the clients hold {sum(expected.values()):,} B")
+    for index in sorted(set(shares) | set(expected)):
+        if shares.get(index, 0) != expected.get(index, 0):
+            problems.append(f"instance {index} share {shares.get(index, 0):,} B, expected {expected.get(index, 0):,} B")
+    if cpu or any(cpu_shares.values()):
+        problems.append(f"bytes_in_use {cpu:,} B beyond its regions with no WASM run in flight (expected 0)")
+    return Reconciliation(
+        record.tenant_id, not problems, sum(expected.values()), counted, cpu, lost, lost_bytes, problems
+    )
+
+
+def _check_answered(records: Sequence[Record], actions: Sequence[Action]) -> Check:
+    bad = [r for r in records if r.outcome in _UNANSWERED]
+    lost_admin = [a for a in actions if a.outcome == "lost"]
+    if bad or lost_admin:
+        sample = "; ".join(f"{r.tenant} {r.op}: {r.outcome} {r.detail}" for r in bad[:3])
+        return Check(
+            "every request answered",
+            False,
+            f"{len(bad)} of {len(records)} requests and {len(lost_admin)} fault injections got no typed "
+            f"answer ({sample})",
+        )
+    codes = Counter(r.outcome for r in records if r.outcome != "ok")
+    return Check(
+        "every request answered",
+        True,
+        f"{len(records)} requests: {sum(r.outcome == 'ok' for r in records)} ok, "
+        f"{sum(codes.values())} typed errors; {len(actions)} fault injections answered",
+    )
+
+
+def _check_deadlines(records: Sequence[Record], grace_s: float) -> Check:
+    answered = [r for r in records if r.outcome not in _UNANSWERED]
+    late = [r for r in answered if r.latency_s > r.deadline_s + grace_s]
+    if not answered:
+        return Check("answered within deadline + grace", True, "no requests")
+    worst = max(late or answered, key=lambda r: r.latency_s - r.deadline_s)
+    closest = (
+        f"{worst.tenant} {worst.op} ({worst.outcome}) after {worst.latency_s:.3f} s against a "
+        f"{worst.deadline_s:g} s deadline"
+    )
+    if late:
+        return Check(
+            "answered within deadline + grace",
+            False,
+            f"{len(late)} answered later than deadline + {grace_s:g} s; worst: {closest}",
+        )
+    return Check("answered within deadline + grace", True, f"closest to its deadline: {closest}")
+
+
+def _check_data(records: Sequence[Record]) -> Check:
+    wrong = [r for r in records if r.outcome == "wrong_data"]
+    if wrong:
+        return Check("data intact", False, f"{len(wrong)} wrong results: " + "; ".join(r.detail for r in wrong[:3]))
+    reads = sum(r.op == "read" and r.outcome == "ok" for r in records)
+    return Check("data intact", True, f"{reads} reads matched what was written; every WASM result as computed")
+
+
+def _check_healthy(
+    records: Sequence[Record], events: Sequence[dict[str, Any]], healthy: set[str], until: float
+) -> Check:
+    errors = [r for r in records if r.healthy and r.outcome != "ok"]
+    touched = [
+        e
+        for e in events
+        if e.get("tenant") in healthy and e.get("event") in ("kill", "exit", "failed") and float(e.get("ts", 0)) < until
+    ]
+    if errors or touched:
+        parts = [f"{r.tenant} {r.op} {r.phase}: {r.outcome} {r.detail}" for r in errors[:3]]
+        parts += [f"{e.get('tenant')}: {e.get('event')} {e.get('reason', '')}" for e in touched[:3]]
+        return Check(
+            "healthy tenants undisturbed",
+            False,
+            f"{len(errors)} errors, {len(touched)} worker deaths in healthy tenants: " + "; ".join(parts),
+        )
+    n = sum(r.healthy for r in records)
+    return Check("healthy tenants undisturbed", True, f"{n} requests, no error, no worker death")
+
+
+def latency_table(records: Sequence[Record], tenants: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per tenant: count, p50 and p99 (ms) of successful requests in the baseline and the fault phase."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in tenants:
+        row: dict[str, Any] = {}
+        for phase in ("baseline", "faults"):
+            lat = [r.latency_s for r in records if r.tenant == name and r.phase == phase and r.outcome == "ok"]
+            p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
+            row[phase] = {
+                "n": len(lat),
+                "p50_ms": None if p50 is None else round(p50 * 1000, 3),
+                "p99_ms": None if p99 is None else round(p99 * 1000, 3),
+            }
+        out[name] = row
+    return out
+
+
+def _check_latency(table: Mapping[str, Mapping[str, Any]], healthy: Sequence[str], factor: float | None) -> Check:
+    name = f"healthy p99 within {factor:g}x of baseline" if factor else "healthy latency (not checked)"
+    parts, ok = [], True
+    for tenant in healthy:
+        base, during = table[tenant]["baseline"]["p99_ms"], table[tenant]["faults"]["p99_ms"]
+        if base is None or during is None:
+            parts.append(f"{tenant}: no samples")
+            ok = ok and factor is None
+            continue
+        ratio = during / base if base else math.inf
+        parts.append(f"{tenant} {base:.2f} -> {during:.2f} ms ({ratio:.2f}x)")
+        if factor is not None and ratio > factor:
+            ok = False
+    return Check(name, ok, "; ".join(parts) or "no healthy tenant")
+
+
+# --------------------------------------------------------------------------- fault statistics
+
+
+def _disruptive(fault: Fault) -> bool:
+    if fault.kind == "leak":
+        return dict(fault.params).get("bytes", 0) >= LEAK_BIG
+    return fault.kind in _DISRUPTIVE
+
+
+def fault_stats(actions: Sequence[Action], events: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind: delivered, armed, skipped, deaths, detection and recovery times (ms).
+
+    A worker's death (its first ``kill`` or ``exit`` event) is put down to the
+    latest disruptive fault delivered to its pid before it; detection is the
+    time from delivery to that event, recovery from the ``exit`` event to the
+    ``ready`` event of the instance's next incarnation.
+    """
+    first_down: dict[int, float] = {}
+    exits: dict[int, dict[str, Any]] = {}
+    readies: list[dict[str, Any]] = []
+    for e in events:
+        pid = e.get("pid")
+        if e.get("event") in ("kill", "exit") and isinstance(pid, int):
+            first_down.setdefault(pid, float(e["ts"]))
+            if e.get("event") == "exit":
+                exits.setdefault(pid, e)
+        elif e.get("event") == "ready" and e.get("tenant") is not None:
+            readies.append(e)
+    blamed: dict[int, Action] = {}
+    for a in actions:
+        if a.pid is not None and _disruptive(a.fault) and a.outcome in ("armed", "exited", "signalled"):
+            down = first_down.get(a.pid)
+            if down is not None and down >= a.wall - 0.05:
+                blamed[a.pid] = a  # actions are in order: the latest one before the death wins
+    stats: dict[str, dict[str, Any]] = {}
+    detect: dict[str, list[float]] = defaultdict(list)
+    recover: dict[str, list[float]] = defaultdict(list)
+    for a in actions:
+        kind = "slow(heal)" if a.fault.heal else a.fault.kind
+        s = stats.setdefault(kind, Counter())
+        s["delivered"] += 1
+        s[a.outcome.split(":")[0]] += 1
+    for pid, a in blamed.items():
+        if first_down[pid] > a.wall + 60:
+            continue
+        kind = a.fault.kind
+        stats[kind]["deaths"] += 1
+        detect[kind].append(max(0.0, first_down[pid] - a.wall))
+        ex = exits.get(pid)
+        if ex is not None:
+            nxt = [
+                float(r["ts"])
+                for r in readies
+                if r.get("tenant") == ex.get("tenant")
+                and r.get("instance") == ex.get("instance")
+                and float(r["ts"]) >= float(ex["ts"])
+            ]
+            if nxt:
+                recover[kind].append(min(nxt) - float(ex["ts"]))
+    out: dict[str, dict[str, Any]] = {}
+    for kind, s in sorted(stats.items()):
+        row: dict[str, Any] = dict(s)
+        for label, values in (("detect", detect.get(kind, [])), ("recover", recover.get(kind, []))):
+            p50, mx = percentile(values, 0.5), max(values, default=None)
+            row[f"{label}_ms_p50"] = None if p50 is None else round(p50 * 1000, 1)
+            row[f"{label}_ms_max"] = None if mx is None else round(mx * 1000, 1)
+        out[kind] = row
+    return out

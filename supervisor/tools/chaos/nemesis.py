@@ -1,0 +1,130 @@
+"""The event follower and the nemesis that injects the schedule's faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from shared.errors import (
+    RequestTimeout,
+    TensorWasmError,
+    WorkerLost,
+)
+from shared.records import TenantRecord
+from supervisor.tools.chaos.config import SIGNAL_FAULTS
+from supervisor.tools.chaos.schedule import Fault
+from supervisor.client.api import SupervisorClient
+from supervisor.observe.events import TOPIC_PREFIX, decode_event
+
+__all__ = ["Action"]
+
+# --------------------------------------------------------------------------- events and the nemesis
+
+
+class _EventLog(threading.Thread):
+    """Collects the supervisor's lifecycle events (its own SUB socket, in its own thread)."""
+
+    def __init__(self, run_dir: str) -> None:
+        super().__init__(name="chaos-events", daemon=True)
+        self.endpoint = "ipc://" + os.path.join(run_dir, "events.ipc")
+        self.events: list[dict[str, Any]] = []
+        self.stop_event = threading.Event()
+        self.connected = threading.Event()
+
+    def run(self) -> None:
+        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX)
+        sock.connect(self.endpoint)
+        self.connected.set()
+        try:
+            while not self.stop_event.is_set():
+                if sock.poll(100):
+                    try:
+                        self.events.append(decode_event(sock.recv_multipart()))
+                    except (ValueError, TensorWasmError):
+                        continue
+        finally:
+            sock.close(0)
+
+
+@dataclass
+class Action:
+    """What the nemesis did for one scheduled fault."""
+
+    fault: Fault
+    wall: float  # time.time() just before the fault was delivered
+    outcome: str  # armed | exited | signalled | skipped | refused:<code> | lost
+    pid: int | None = None
+    latency_s: float = 0.0
+    detail: str = ""
+
+
+class _Nemesis(threading.Thread):
+    def __init__(
+        self,
+        run_dir: str,
+        schedule: Sequence[Fault],
+        names: Mapping[str, str],
+        start: threading.Event,
+        stop: threading.Event,
+    ) -> None:
+        super().__init__(name="chaos-nemesis", daemon=True)
+        self.run_dir = run_dir
+        self.schedule = schedule
+        self.names = names
+        self.start_event = start
+        self.stop_event = stop
+        self.actions: list[Action] = []
+        self.crashed: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with SupervisorClient(self.run_dir, timeout_s=30.0) as client:
+                while not self.start_event.wait(0.05):
+                    if self.stop_event.is_set():
+                        return
+                t0 = time.monotonic()
+                for fault in self.schedule:
+                    if self.stop_event.wait(max(0.0, t0 + fault.at_s - time.monotonic())):
+                        return
+                    self.actions.append(self._deliver(client, fault))
+        except BaseException as exc:  # noqa: BLE001 - reported by the campaign
+            self.crashed = exc
+
+    def _deliver(self, client: SupervisorClient, fault: Fault) -> Action:
+        name = self.names[fault.tenant]
+        wall, t0 = time.time(), time.monotonic()
+        action = Action(fault, wall, "skipped")
+        try:
+            if fault.kind in SIGNAL_FAULTS:
+                inst = TenantRecord.from_wire(client.tenant_status(None, name)).instances[fault.instance]
+                if inst.state != "ready" or inst.pid is None:
+                    action.detail = f"instance {inst.state}"
+                else:
+                    action.pid = inst.pid
+                    action.wall = time.time()
+                    os.kill(action.pid, signal.SIGKILL if fault.kind == "sigkill" else signal.SIGSTOP)
+                    action.outcome = "signalled"
+            else:
+                result = client.inject_fault(None, name, fault.kind, instance=fault.instance, **dict(fault.params))
+                action.pid = result.get("pid")
+                action.outcome = "exited" if result.get("exited") else "armed"
+        except ProcessLookupError:
+            action.detail = "process already gone"
+        except WorkerLost as exc:
+            action.detail = exc.reason or str(exc)
+        except RequestTimeout as exc:
+            action.outcome, action.detail = "lost", str(exc)
+        except TensorWasmError as exc:
+            action.outcome, action.detail = f"refused:{exc.code}", str(exc)[:200]
+        action.latency_s = time.monotonic() - t0
+        return action
