@@ -22,10 +22,18 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_dry_run_on_the_fake_passes_every_phase_and_writes_the_json(tmp_path: Path) -> None:
-    out = tmp_path / "check.json"
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One ``--dry-run-fake --quick`` run of the whole check (about 20 s) that two tests read."""
+    out = tmp_path_factory.mktemp("check") / "check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
                            "--json-out", str(out)], capture_output=True, text=True, timeout=220, cwd=ROOT)
+    return proc, out
+
+
+def test_dry_run_on_the_fake_passes_every_phase_and_writes_the_json(
+        dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, out = dry_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("PASSED")  # the table comes last
@@ -167,12 +175,12 @@ def test_nvidia_smi_lines_parse_into_the_device_and_driver() -> None:
     assert cuda_version(12080) == "12.8" and cuda_version(13000) == "13.0" and cuda_version(None) is None
 
 
-def test_the_docs_name_every_figure_and_only_figures_the_check_writes(tmp_path: Path) -> None:
+def test_the_docs_name_every_figure_and_only_figures_the_check_writes(
+        dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     """docs/GPU-QUOTAS.md's "how to fill this in" maps ``figures.KEY`` to rows: the keys exist."""
     import re
 
-    out = tmp_path / "check.json"
-    proc = _check("--dry-run-fake", "--quick", "--json-out", str(out))
+    proc, out = dry_run
     assert proc.returncode == 0, proc.stdout[-2000:]
     written = set(json.loads(out.read_text())["figures"])
     doc = (ROOT / "docs" / "GPU-QUOTAS.md").read_text()
