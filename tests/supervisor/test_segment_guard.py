@@ -20,13 +20,15 @@ from tests.helpers.cluster import supervisor, wait_for
 pytestmark = pytest.mark.timeout(120)
 
 
-def _block_of(tenant: str) -> str:
+def _block_of(tenant: str, owner_pid: int) -> str:
+    """``tenant``'s quota block of the supervisor ``owner_pid`` - never another test's: tests run in
+    parallel, and another supervisor may have a tenant of the same name."""
     for name in _shm.list_segments(SEGMENT_PREFIX):
         try:
             header = read_header(name)
         except (SegmentError, OSError):
             continue
-        if header.kind == KIND_TENANT and header.label == tenant and header.owner_alive():
+        if header.kind == KIND_TENANT and header.label == tenant and header.owner_pid == owner_pid:
             return name
     raise AssertionError(f"no quota block of {tenant!r}")
 
@@ -37,7 +39,7 @@ def test_a_truncated_quota_block_is_refused_not_a_sigbus() -> None:
         victim = c.tenant_capability(None, "victim")
         bystander = c.tenant_capability(None, "bystander")
         c.alloc(victim, 4096)
-        os.truncate(os.path.join(_shm.SHM_DIR, _block_of("victim")), 0)
+        os.truncate(os.path.join(_shm.SHM_DIR, _block_of("victim", sup.pid)), 0)
         with pytest.raises(SegmentError):
             c.quota(victim)  # the frontend's snapshot
         with pytest.raises(SegmentError):
