@@ -77,6 +77,7 @@ from shared import _atomics, _shm
 from shared._segment import MappedSegment
 from shared.errors import InvalidArgument, SegmentError
 from shared.quota import (
+    KIND_GPU_TIME,
     SEGMENT_PREFIX,
     _attach,
     _owner_alive,
@@ -98,8 +99,6 @@ __all__ = [
     "check_gpu_time_weight",
 ]
 
-#: segment kind of a board (shared.quota has 1 tenant, 2 device budget, 3 region)
-KIND_GPU_TIME: Final = 4
 #: the default lease: a handoff costs ~0.1 ms on an idle host, up to ~1 ms on a loaded one: 10 ms keeps
 #: that under 3 %, and a light tenant still waits at most ~2 quanta
 DEFAULT_QUANTUM_S: Final = 0.010

@@ -101,6 +101,7 @@ LAYOUT_VERSION: Final = 1
 KIND_TENANT: Final = 1
 KIND_DEVICE: Final = 2
 KIND_REGION: Final = 3  # a data region (shared.region): header page, then bytes
+KIND_GPU_TIME: Final = 4  # a device's GPU-time lease board (shared.gpu_time)
 
 # header fields
 _H_MAGIC, _H_VERSION, _H_KIND, _H_PID, _H_START, _H_GEN, _H_SIZE, _H_MAXINST = (

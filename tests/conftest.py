@@ -55,6 +55,14 @@ def _is_process_module(module: types.ModuleType) -> bool:
     return any(name == m or name.startswith(m + ".") for m in _PROCESS_MODULES)
 
 
+# cuda-pathfinder runs ``ldconfig -p`` once per process when it is first imported (ctypes'
+# find_library): a library's probe, not a process a test starts. Imported here, before any test, so
+# the run-time guard below never blames whichever test happens to load the CUDA libraries first.
+try:
+    import cuda.pathfinder._dynamic_libs.load_dl_linux  # noqa: F401
+except ImportError:  # not installed (a CPU-only set-up without the cuda extras): nothing to probe
+    pass
+
 #: code followed by the scan: the suite's and the packages' own (functions; classes of the suite)
 _OUR_PACKAGES = ("tests", "supervisor", "worker", "shared")
 

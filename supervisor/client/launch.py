@@ -35,6 +35,10 @@ from supervisor.store.rundir import read_admin_capability, read_ready, temp_pare
 
 __all__ = ["QUIET_LOG_LEVEL", "SupervisorHandle", "launch"]
 
+#: the directory that holds the ``supervisor`` package (supervisor/client/launch.py is two below it):
+#: a launched supervisor imports this checkout, whatever the caller's working directory
+CHECKOUT = Path(__file__).resolve().parents[2]
+
 
 @dataclass
 class SupervisorHandle:
@@ -127,8 +131,7 @@ def launch(
             cmd += [flag, str(value)]
     cmd += extra_args or []
     # the child imports this very checkout, wherever the caller runs from
-    root = str(Path(__file__).resolve().parent.parent)
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH", "")) if p)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT), child_env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(cmd, env=child_env, stderr=stderr, stdin=subprocess.DEVNULL)
     client: SupervisorClient | None = None
     try:

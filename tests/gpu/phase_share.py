@@ -161,21 +161,10 @@ def run(*, quick: bool = False, fake: bool = False) -> dict[str, Any]:
 
 def run_in_child(quick: bool = False, timeout_s: float = 300) -> dict[str, Any]:
     """This phase in a fresh process (on the fake when the check runs with ``--dry-run-fake``)."""
-    import subprocess
+    from tests.gpu.phase_child import last_json_line, run_phase_script
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    fake = os.environ.get("GPU_CHECK_DRIVER_MODULE") == "tests.helpers.fake_cuda"
-    argv = [sys.executable, __file__, *(["--quick"] if quick else []), *(["--fake"] if fake else [])]
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"phase": "share", "error": f"share did not finish within {timeout_s:.0f} s (killed)"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        return {"phase": "share", "error": f"share exit {proc.returncode}: " + " | ".join(tail)}
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    proc = run_phase_script(__file__, quick=quick, fake_flag="--fake", timeout_s=timeout_s)
+    return last_json_line("share", proc, timeout_s)
 
 
 def _rate(r: dict[str, Any]) -> float:

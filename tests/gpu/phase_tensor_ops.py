@@ -316,15 +316,10 @@ def phase(*, quick: bool = False, fake: bool = False) -> dict[str, Any]:
 
 def run_in_child(quick: bool = False, timeout_s: float = 900) -> dict[str, Any]:
     """The phase in a fresh process (the orchestrator never initialises CUDA): its JSON line."""
-    import os
-    import subprocess
+    from tests.gpu.phase_child import run_phase_script
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    fake = os.environ.get("GPU_CHECK_DRIVER_MODULE") == "tests.helpers.fake_cuda"
-    argv = [sys.executable, __file__, *(["--quick"] if quick else []), *(["--dry-run-fake"] if fake else [])]
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
+    proc = run_phase_script(__file__, quick=quick, fake_flag="--dry-run-fake", timeout_s=timeout_s)
+    if proc is None:
         return {"error": f"tensor_ops did not finish within {timeout_s:.0f} s (killed)"}
     return parse_child(proc.returncode, proc.stdout, proc.stderr)
 

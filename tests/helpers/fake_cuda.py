@@ -1036,26 +1036,16 @@ class FakeDriver:
         return self.completed.get(h, 0) >= seq or not any(q <= seq for q, _ in self.queues.get(h, []))
 
     def cuEventQuery(self, event: Any) -> tuple[Any, ...]:
-        with self._lock:
-            err = self._enter("cuEventQuery", needs_ctx=True)
-            if err is not None:
-                return (err,)
-            e = int(event)
-            if e not in self.events:
-                return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
-            mark = self.events[e]
-            if mark is not None and not self._event_done(e):
-                if mark[0] in self.stalled:
-                    return (CUresult.CUDA_ERROR_NOT_READY,)
-                self._run_stream(mark[0], mark[1])
-            if mark is not None and self._event_done(e):
-                self._done_at(e)
-            lost = self._lost()
-            return (lost if lost is not None else CUresult.CUDA_SUCCESS,)
+        return self._wait_event("cuEventQuery", event, block=False)
 
     def cuEventSynchronize(self, event: Any) -> tuple[Any, ...]:
+        return self._wait_event("cuEventSynchronize", event, block=True)
+
+    def _wait_event(self, call: str, event: Any, *, block: bool) -> tuple[Any, ...]:
+        """Query (``block`` False) or synchronize: run the stream up to the event's record. A
+        stalled stream answers a query NOT_READY; a synchronize on it counts a blocking wait."""
         with self._lock:
-            err = self._enter("cuEventSynchronize", needs_ctx=True)
+            err = self._enter(call, needs_ctx=True)
             if err is not None:
                 return (err,)
             e = int(event)
@@ -1064,6 +1054,8 @@ class FakeDriver:
             mark = self.events[e]
             if mark is not None and not self._event_done(e):
                 if mark[0] in self.stalled:
+                    if not block:
+                        return (CUresult.CUDA_ERROR_NOT_READY,)
                     self.blocking_waits += 1
                 self._run_stream(mark[0], mark[1])
             if mark is not None and self._event_done(e):

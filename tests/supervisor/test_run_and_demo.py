@@ -138,3 +138,19 @@ def test_twt_demo_exits_zero() -> None:
     assert "probabilities == numpy, classes ==" in out
     assert "UNEXPECTED" not in out
     assert "demo: all 5 outcomes as expected" in out
+
+
+def test_launch_puts_this_checkout_first_on_the_childs_path() -> None:
+    """The launched supervisor imports the package directory's *parent* (the regroup into
+    subpackages once moved launch.py a level down and put supervisor/ itself there, so
+    ``python -m supervisor`` found supervisor/supervisor.py from any other working directory)."""
+    from supervisor.client.launch import CHECKOUT
+
+    assert (CHECKOUT / "supervisor" / "__init__.py").is_file()
+    assert (CHECKOUT / "worker" / "__init__.py").is_file()
+
+
+def test_a_supervisor_launched_from_another_directory_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a caller outside the checkout (the bench did this)
+    with supervisor([{"name": "away"}]) as sup:
+        assert sup.client.ping(sup.client.tenant_capability(None, "away"))["tenant"] == "away"

@@ -24,7 +24,7 @@ from shared.errors import BackendUnavailable, KernelTimeout
 from worker.backends.stub import StubBackend
 from worker.wasm import ErrorCode, WasmSession, guest_source
 from worker.wasm.tensor_abi import TENSOR_OPS, UNARY_OPS
-from tests.helpers.wasm_env import MLP, PAGE, Env, call, make_env, mem, mlp_forward, probe, softmax
+from tests.helpers.wasm_env import MLP, PAGE, Env, call, make_env, mem, mlp_forward, mlp_inputs, probe, softmax
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -377,17 +377,6 @@ def test_a_backend_failure_is_a_backend_code(env: Env, monkeypatch: pytest.Monke
 
 
 # ------------------------------------------------------------------ an MLP guest
-
-
-def mlp_inputs(batch: int, d_in: int, hidden: int, d_out: int, seed: int = 3) -> dict[str, Any]:
-    r = np.random.default_rng(seed)
-    return {
-        "x": r.standard_normal((batch, d_in), dtype=np.float32),
-        "w1": (r.standard_normal((d_in, hidden), dtype=np.float32) / np.sqrt(d_in)).astype(np.float32),
-        "b1": r.standard_normal(hidden, dtype=np.float32) * np.float32(0.1),
-        "w2": (r.standard_normal((hidden, d_out), dtype=np.float32) / np.sqrt(hidden)).astype(np.float32),
-        "b2": r.standard_normal(d_out, dtype=np.float32) * np.float32(0.1),
-    }
 
 
 def mlp_reference(p: dict[str, Any]) -> Any:

@@ -114,6 +114,19 @@ def time_loops(
     }
 
 
+def socket_rtts_us(sock: Any, header: bytes, n: int) -> list[float]:
+    """``n`` request round trips on a connected DEALER socket (send ``header``, read the reply), in us
+    each: how every request-path bench measures a ping (names bound outside the loop)."""
+    out = []
+    send, recv, clock = sock.send, sock.recv_multipart, time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        send(header)
+        recv()
+        out.append((clock() - t0) / 1000)
+    return out
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values``, nearest rank: what the tables call p50 / p99."""
     s = sorted(values)

@@ -37,7 +37,7 @@ import zmq
 from shared import protocol as proto
 from shared.errors import ProtocolError
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile
+from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
 from supervisor.client.launch import launch
 
 __all__ = ["KINDS", "main"]
@@ -111,16 +111,6 @@ def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle:
     ctx.term()
 
 
-def _rtts(sock: zmq.Socket[Any], header: bytes, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        sock.send(header)
-        sock.recv_multipart()
-        out.append((time.perf_counter_ns() - t0) / 1000)
-    return out
-
-
 def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[Any] | None,
                header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], dict[str, Any]]:
     """Flood with ``kind`` while the victim pings ``n`` times (none: the flooder alone)."""
@@ -135,7 +125,7 @@ def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[
         if not started.wait(60):
             raise RuntimeError(f"the {kind} flooder did not start")
         time.sleep(min(0.3, seconds / 4))  # let the flood fill the queues
-        rtts = _rtts(victim, header, n) if victim is not None else []
+        rtts = socket_rtts_us(victim, header, n) if victim is not None else []
         result: dict[str, Any] = out.get(timeout=seconds + 60)
     finally:
         proc.join(10)
@@ -178,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         victim.setsockopt(zmq.LINGER, 0)
         victim.connect(f"ipc://{sup.run_dir}/frontend.ipc")
         try:
-            _rtts(victim, header, 300)  # warm up
-            quiet = _rtts(victim, header, args.pings)
+            socket_rtts_us(victim, header, 300)  # warm up
+            quiet = socket_rtts_us(victim, header, args.pings)
             q50, q99 = percentile(quiet, 0.5), percentile(quiet, 0.99)
             base = max(q50, _FLOOR_US)
             rows.append(["quiet", q50, q99, "", ""])

@@ -37,7 +37,7 @@ import zmq
 from shared import protocol as proto
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile
+from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
 from supervisor.client.launch import launch
 from supervisor.store.rundir import temp_parent
 
@@ -105,17 +105,6 @@ class _RawRelay:
 # ----------------------------------------------------------------- measure
 
 
-def _rtts(sock: zmq.Socket[Any], header: bytes, n: int) -> list[float]:
-    out = []
-    send, recv, clock = sock.send, sock.recv_multipart, time.perf_counter_ns
-    for _ in range(n):
-        t0 = clock()
-        send(header)
-        recv()
-        out.append((clock() - t0) / 1000)
-    return out
-
-
 def _pipelined(sock: zmq.Socket[Any], header: bytes, total: int, depth: int = 64) -> float:
     """Replies per second with ``depth`` requests kept in flight."""
     t0 = time.perf_counter()
@@ -163,18 +152,18 @@ def main(argv: list[str] | None = None) -> int:
         raw = ctx.socket(zmq.DEALER)
         raw.connect(relay.frontend)
         try:
-            _rtts(ours, header, 200)  # warm both paths up
-            _rtts(raw, header, 200)
-            _rtts(remote, header, 200)
+            socket_rtts_us(ours, header, 200)  # warm both paths up
+            socket_rtts_us(raw, header, 200)
+            socket_rtts_us(remote, header, 200)
             r_ours: list[float] = []
             r_raw: list[float] = []
             r_remote: list[float] = []
             ratios = []
             remote_ratios = []
             for _ in range(args.rounds):
-                a = _rtts(raw, header, args.per_round)
-                b = _rtts(ours, header, args.per_round)
-                c = _rtts(remote, header, args.per_round)
+                a = socket_rtts_us(raw, header, args.per_round)
+                b = socket_rtts_us(ours, header, args.per_round)
+                c = socket_rtts_us(remote, header, args.per_round)
                 r_raw += a
                 r_ours += b
                 r_remote += c

@@ -28,7 +28,7 @@ import zmq
 from shared import protocol as proto
 from shared.sizes import format_size
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile
+from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import SupervisorHandle, launch
 
@@ -68,16 +68,8 @@ def _ping_rtts(sup: SupervisorHandle, cap_raw: bytes, n: int) -> list[float]:
     sock.connect(f"ipc://{sup.run_dir}/frontend.ipc")
     header = proto.encode_request(1, "ping", cap_raw, {})
     try:
-        for _ in range(100):
-            sock.send(header)
-            sock.recv_multipart()
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter_ns()
-            sock.send(header)
-            sock.recv_multipart()
-            out.append((time.perf_counter_ns() - t0) / 1000)
-        return out
+        socket_rtts_us(sock, header, 100)  # warm up
+        return socket_rtts_us(sock, header, n)
     finally:
         sock.close(0)
 
