@@ -466,7 +466,7 @@ class AdminOps:
         )
 
     def tenant_record(self, rt: TenantRuntime) -> TenantRecord:
-        snap = rt.block.snapshot().to_dict() if not rt.block.closed else {}
+        snap = rt.block.snapshot() if not rt.block.closed else None
         now = self.clock()
         instances = []
         for slot in rt.slots:
@@ -496,11 +496,11 @@ class AdminOps:
             backend=self.backend_name,
             device=rt.device,
             isolation=self.placement.isolation_of(rt.tenant_id),
-            spec=rt.spec.to_dict(),
-            bytes_in_use=snap.get("bytes_in_use", 0),
-            memory_quota_bytes=snap.get("memory_quota_bytes", rt.spec.memory_quota_bytes),
-            gpu_bytes_in_use=snap.get("gpu_bytes_in_use", 0),
-            gpu_memory_bytes_cap=snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
+            spec=rt.spec,
+            bytes_in_use=snap.bytes_in_use if snap else 0,
+            memory_quota_bytes=snap.memory_quota_bytes if snap else rt.spec.memory_quota_bytes,
+            gpu_bytes_in_use=snap.gpu_bytes_in_use if snap else 0,
+            gpu_memory_bytes_cap=snap.gpu_memory_bytes_cap if snap else rt.spec.gpu_memory_bytes_cap,
             quota=snap,
             regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
             origin=rt.origin,

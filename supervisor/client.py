@@ -48,6 +48,19 @@ from shared.errors import (
     TensorWasmError,
     error_from_dict,
 )
+from shared.quota import QuotaSnapshot
+from shared.records import (
+    AliveInfo,
+    EvictResult,
+    FaultResult,
+    HelloInfo,
+    PingInfo,
+    RegionGrant,
+    ReloadResult,
+    RunResult,
+    StatusRecord,
+    TenantRecord,
+)
 from shared.spec import TenantSpec
 from supervisor.curve import CurveKeyPair, load_client_keys, parse_public_key
 from supervisor.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
@@ -370,16 +383,14 @@ class SupervisorClient:
 
     # -------------------------------------------------------------- admin
 
-    def hello(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
+    def hello(self, admin: RegistryAdminCapability | None = None) -> HelloInfo:
         """Supervisor identity: pid, registry id, backend (and why), start method, uptime."""
-        result: dict[str, Any] = self.call("hello", admin or self.admin)
-        return result
+        return HelloInfo.from_wire(self.call("hello", admin or self.admin))
 
-    def alive(self) -> dict[str, Any]:
-        """``hello`` without a capability: ``{protocol, ready}`` and nothing else (a liveness probe
+    def alive(self) -> AliveInfo:
+        """``hello`` without a capability: protocol and readiness, nothing else (a liveness probe
         that needs no secret; docs/PROTOCOL.md "hello without a capability")."""
-        result: dict[str, Any] = self.call("hello", None)
-        return result
+        return AliveInfo.from_wire(self.call("hello", None))
 
     def register(self, admin: RegistryAdminCapability | None, spec: TenantSpec, *,
                  timeout_s: float | None = None) -> TenantCapability:
@@ -393,42 +404,39 @@ class SupervisorClient:
         result = self.call("capability", admin or self.admin, {"tenant": tenant_id})
         return TenantCapability.from_bytes(result["capability"])
 
-    def evict(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+    def evict(self, admin: RegistryAdminCapability | None, tenant_id: str) -> EvictResult:
         """Stop the tenant's workers, revoke its capabilities, unlink its block (returns after the workers exit)."""
-        result: dict[str, Any] = self.call("evict", admin or self.admin, {"tenant": tenant_id}, timeout_s=max(self.timeout_s, 30.0))
-        return result
+        return EvictResult.from_wire(
+            self.call("evict", admin or self.admin, {"tenant": tenant_id}, timeout_s=max(self.timeout_s, 30.0)))
 
     unregister = evict
 
     def set_quota(self, admin: RegistryAdminCapability | None, tenant_id: str, *,
                   memory_quota_bytes: int | str = _UNCHANGED,
                   gpu_memory_bytes_cap: int | str | None = _UNCHANGED,
-                  recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED) -> dict[str, Any]:
+                  recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED) -> TenantRecord:
         """Change limits live (omitted ones stay; ``None`` removes the GPU cap)."""
         args: dict[str, Any] = {"tenant": tenant_id}
         for name, value in (("memory_quota_bytes", memory_quota_bytes), ("gpu_memory_bytes_cap", gpu_memory_bytes_cap),
                             ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota)):
             if value is not _UNCHANGED:
                 args[name] = value
-        result: dict[str, Any] = self.call("set_quota", admin or self.admin, args)
-        return result
+        return TenantRecord.from_wire(self.call("set_quota", admin or self.admin, args))
 
-    def status(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
-        """``{"supervisor": {...}, "tenants": [one record per tenant]}``."""
-        result: dict[str, Any] = self.call("status", admin or self.admin)
-        return result
+    def status(self, admin: RegistryAdminCapability | None = None) -> StatusRecord:
+        """The supervisor, its devices and one record per tenant."""
+        return StatusRecord.from_wire(self.call("status", admin or self.admin))
 
-    def tenant_status(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self.call("tenant_status", admin or self.admin, {"tenant": tenant_id})
-        return result
+    def tenant_status(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantRecord:
+        return TenantRecord.from_wire(self.call("tenant_status", admin or self.admin, {"tenant": tenant_id}))
 
-    def scale(self, admin: RegistryAdminCapability | None, tenant_id: str, instances: int) -> dict[str, Any]:
+    def scale(self, admin: RegistryAdminCapability | None, tenant_id: str, instances: int) -> TenantRecord:
         """Run ``instances`` workers for the tenant (live; scaling down drains first)."""
-        result: dict[str, Any] = self.call("scale", admin or self.admin, {"tenant": tenant_id, "instances": instances})
-        return result
+        return TenantRecord.from_wire(
+            self.call("scale", admin or self.admin, {"tenant": tenant_id, "instances": instances}))
 
     def inject_fault(self, admin: RegistryAdminCapability | None, tenant_id: str, kind: str, *,
-                     instance: int | None = None, **params: Any) -> dict[str, Any]:
+                     instance: int | None = None, **params: Any) -> FaultResult:
         """Break one worker of a tenant on purpose (docs/RELIABILITY.md lists the kinds).
 
         Returns once the fault is armed, or - for crash, segfault and exit -
@@ -437,29 +445,26 @@ class SupervisorClient:
         args: dict[str, Any] = {"tenant": tenant_id, "kind": kind, "params": params}
         if instance is not None:
             args["instance"] = instance
-        result: dict[str, Any] = self.call("inject_fault", admin or self.admin, args)
-        return result
+        return FaultResult.from_wire(self.call("inject_fault", admin or self.admin, args))
 
-    def reload(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
+    def reload(self, admin: RegistryAdminCapability | None = None) -> ReloadResult:
         """Read the supervisor's config file again and apply the difference (as SIGHUP does).
 
-        Returns ``{registered, changed, evicted, unchanged, conflicts, settings_not_applied}``;
-        a file that cannot be applied raises :class:`~shared.errors.ConfigError` and changes nothing.
+        Returns what was registered, changed, evicted, left unchanged, in conflict, and the
+        settings not applied; a file that cannot be applied raises
+        :class:`~shared.errors.ConfigError` and changes nothing.
         """
-        result: dict[str, Any] = self.call("reload", admin or self.admin, timeout_s=max(self.timeout_s, 60.0))
-        return result
+        return ReloadResult.from_wire(self.call("reload", admin or self.admin, timeout_s=max(self.timeout_s, 60.0)))
 
-    def reset(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+    def reset(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantRecord:
         """Clear a failed tenant and start its instances (same capability); returns once they are ready."""
-        result: dict[str, Any] = self.call("reset", admin or self.admin, {"tenant": tenant_id},
-                                           timeout_s=max(self.timeout_s, 60.0))
-        return result
+        return TenantRecord.from_wire(self.call("reset", admin or self.admin, {"tenant": tenant_id},
+                                                timeout_s=max(self.timeout_s, 60.0)))
 
-    def restart_tenant(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+    def restart_tenant(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantRecord:
         """Restart a tenant's instances one at a time (new processes, same capability); returns when done."""
-        result: dict[str, Any] = self.call("restart", admin or self.admin, {"tenant": tenant_id},
-                                           timeout_s=max(self.timeout_s, 120.0))
-        return result
+        return TenantRecord.from_wire(self.call("restart", admin or self.admin, {"tenant": tenant_id},
+                                                timeout_s=max(self.timeout_s, 120.0)))
 
     def rotate_key(self, admin: RegistryAdminCapability | None = None) -> RegistryAdminCapability:
         """Replace the registry key: every capability is revoked; returns the new admin capability
@@ -471,14 +476,12 @@ class SupervisorClient:
 
     # ------------------------------------------------------------- tenant
 
-    def ping(self, cap: TenantCapability) -> dict[str, Any]:
-        result: dict[str, Any] = self.call("ping", cap)
-        return result
+    def ping(self, cap: TenantCapability) -> PingInfo:
+        return PingInfo.from_wire(self.call("ping", cap))
 
-    def quota(self, cap: TenantCapability) -> dict[str, Any]:
+    def quota(self, cap: TenantCapability) -> QuotaSnapshot:
         """The tenant's own quota snapshot (answered by the supervisor from shared memory)."""
-        result: dict[str, Any] = self.call("quota", cap)
-        return result
+        return QuotaSnapshot.from_wire(self.call("quota", cap))
 
     def alloc(self, cap: TenantCapability, nbytes: int, instance: int | None = None) -> int:
         """A device buffer of ``nbytes``; returns its handle. GpuMemoryExhausted when refused.
@@ -546,11 +549,10 @@ class SupervisorClient:
 
     # ---- regions by hand (Triton's model; write/read/put_array/get_array use them by themselves)
 
-    def region_create(self, cap: TenantCapability, nbytes: int) -> dict[str, Any]:
+    def region_create(self, cap: TenantCapability, nbytes: int) -> RegionGrant:
         """A shared-memory region of ``nbytes`` for this process, charged to the tenant's host
-        quota: ``{region, name, nbytes}``; map it with ``shared.region.Region.attach(name)``."""
-        result: dict[str, Any] = self.call("region_create", cap, {"nbytes": nbytes, "pid": os.getpid()})
-        return result
+        quota; map it with ``shared.region.Region.attach(grant.name)``."""
+        return RegionGrant.from_wire(self.call("region_create", cap, {"nbytes": nbytes, "pid": os.getpid()}))
 
     def region_release(self, cap: TenantCapability, region: int) -> int:
         """Release a region made by :meth:`region_create`; the bytes it held."""
@@ -645,11 +647,11 @@ class SupervisorClient:
 
     def run_wasm(self, cap: TenantCapability, module: bytes | str, export: str,
                  args: Sequence[Any] = (), *, fuel: int | None = None, timeout_s: float | None = None,
-                 request_timeout_s: float | None = None) -> dict[str, Any]:
+                 request_timeout_s: float | None = None) -> RunResult:
         """Run ``export`` of a module (bytes, WAT text as bytes, or a digest from :meth:`put_module`).
 
         ``args`` items are ints, floats or ``{"handle": h}`` buffer references.
-        Returns ``{"results", "fuel_used", "elapsed_s"}``.
+        Returns the results, the fuel used and the time it took (:class:`~shared.records.RunResult`).
         """
         req: dict[str, Any] = {"export": export, "args": [_wasm_arg(a) for a in args]}
         if fuel is not None:
@@ -663,8 +665,7 @@ class SupervisorClient:
             body = bytes(module)
             req["digest"] = hashlib.sha256(body).hexdigest()
         wait = request_timeout_s or max(self.timeout_s, (timeout_s or 0) + 10.0)
-        result: dict[str, Any] = self.call("run_wasm", cap, req, body=body, timeout_s=wait)
-        return result
+        return RunResult.from_wire(self.call("run_wasm", cap, req, body=body, timeout_s=wait))
 
     # ------------------------------------------------------------- events
 

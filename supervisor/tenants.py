@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.quota import QuotaBlock
+from shared.records import ExitRecord
 from shared.spec import RestartPolicy, TenantSpec
 from supervisor.requests import Parked
 from supervisor.workers import WorkerHandle, WorkerState
@@ -54,7 +55,7 @@ class InstanceSlot:
     incarnation: int = 0
     restarts: int = 0
     restart_at: float | None = None  # scheduled restart (monotonic)
-    last_exit: dict[str, Any] | None = None
+    last_exit: ExitRecord | None = None
     draining: bool = False  # being scaled away
     replace: bool = False  # start a new worker when the current one (stopped on purpose) exits
 

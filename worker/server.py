@@ -34,13 +34,13 @@ from typing import Any, Callable
 
 import zmq
 
+from shared.checks import is_int
 from shared.device_budget import DeviceBudget  # imported at start, not at bind: binding must be fast
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.log import get_logger, log_event
 from shared.exitcodes import context_lost_exit_code
 from shared.protocol import decode_worker_request, encode_worker_reply
 from shared.records import BindMessage
-from shared.spec import TenantSpec
 from worker.context import TenantContext
 from worker.faults import FaultState
 
@@ -178,7 +178,7 @@ class WorkerServer:
 
 def _int_arg(args: dict[str, Any], name: str, default: int | None = None) -> int:
     value = args.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
     return value
 
@@ -192,7 +192,7 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
     if server.context is not None:
         raise InvalidArgument(f"worker is already bound to {server.context.tenant_id!r}")
     msg = BindMessage.from_wire(args)
-    spec = TenantSpec.from_dict(msg.spec)
+    spec = msg.spec
     options = dict(msg.backend_options)
     budget = None
     budget_segment = options.pop("budget_segment", None)

@@ -29,6 +29,7 @@ BENCHES: dict[str, str] = {
     "wasm": "supervisor.bench.wasm",
     "restore": "supervisor.bench.restore",
     "cluster": "supervisor.bench.cluster",
+    "records": "supervisor.bench.records",
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"

@@ -186,19 +186,20 @@ def main(argv: list[str] | None = None) -> int:
 
         # crash detection: SIGKILL -> the instance's bytes are back in shared memory
         client = sup.client
-        segment = client.tenant_status(None, "bench")["quota"]["name"]
-        block = QuotaBlock.attach(segment)
+        quota = client.tenant_status(None, "bench").quota
+        assert quota is not None, "a running tenant has its quota block"
+        block = QuotaBlock.attach(quota.name)
         detect_ms = []
         try:
             for _ in range(args.kills):
                 client.alloc(cap, 1 << 20)
-                pid = client.ping(cap)["pid"]
+                pid = client.ping(cap).pid
                 t0 = time.perf_counter()
                 os.kill(pid, signal.SIGKILL)
                 while block.gpu_bytes_in_use:
                     pass
                 detect_ms.append((time.perf_counter() - t0) * 1000)
-                while client.ping(cap)["pid"] == pid:  # parked until the restarted instance serves
+                while client.ping(cap).pid == pid:  # parked until the restarted instance serves
                     time.sleep(0.005)
         finally:
             block.close()

@@ -96,13 +96,13 @@ def run(args: argparse.Namespace) -> int:
                          for a in wasm_args]
         reply = client.run_wasm(cap, module, args.invoke, wasm_args, fuel=args.fuel, timeout_s=args.timeout)
     if args.json:
-        print_json(reply)
+        print_json(reply.to_wire())
         return 0
     out = sys.stdout
-    out.write(f"results: {reply.get('results')}\n")
-    cached = "cached module" if reply.get("cached") else "compiled"
-    out.write(f"fuel used: {reply.get('fuel_used'):,}   time: {reply.get('elapsed_s', 0.0) * 1000:.3f} ms in the worker "
+    out.write(f"results: {list(reply.results)}\n")
+    cached = "cached module" if reply.cached else "compiled"
+    out.write(f"fuel used: {reply.fuel_used or 0:,}   time: {reply.elapsed_s * 1000:.3f} ms in the worker "
               f"({cached})\n")
-    for line in reply.get("logs") or ():
+    for line in reply.logs:
         out.write(f"log: {line}\n")
     return 0

@@ -29,6 +29,8 @@ from shared.errors import (
     TenantIsolationViolation,
     UnknownTenant,
 )
+from shared.quota import QuotaSnapshot
+from shared.records import PingInfo, RunResult
 from supervisor.client import SupervisorClient
 from supervisor.cluster.capability import ClusterCapability
 from supervisor.curve import CurveKeyPair
@@ -144,10 +146,10 @@ class ClusterClient:
 
     # ------------------------------------------------------------ tenant
 
-    def ping(self, cc: ClusterCapability | str) -> dict[str, Any]:
+    def ping(self, cc: ClusterCapability | str) -> PingInfo:
         return self._call(cc, lambda c, cap: c.ping(cap))
 
-    def quota(self, cc: ClusterCapability | str) -> dict[str, Any]:
+    def quota(self, cc: ClusterCapability | str) -> QuotaSnapshot:
         return self._call(cc, lambda c, cap: c.quota(cap))
 
     def alloc(self, cc: ClusterCapability | str, nbytes: int) -> int:
@@ -169,5 +171,5 @@ class ClusterClient:
         return self._call(cc, lambda c, cap: c.put_module(cap, module))
 
     def run_wasm(self, cc: ClusterCapability | str, module: bytes | str, export: str, args: Sequence[Any] = (),
-                 **kw: Any) -> dict[str, Any]:
+                 **kw: Any) -> RunResult:
         return self._call(cc, lambda c, cap: c.run_wasm(cap, module, export, args, **kw))

@@ -35,6 +35,7 @@ from typing import Any
 
 from shared.capability import RegistryAdminCapability
 from shared.errors import SupervisorUnavailable
+from shared.records import EvictResult, StatusRecord
 from shared.spec import TenantSpec
 from supervisor.client import SupervisorClient
 from supervisor.rundir import LOCK_FILE, read_admin_capability, read_ready
@@ -111,7 +112,7 @@ class NodeSupervisor:
         except BaseException:
             self._stop_process()
             raise
-        self.capacity_bytes = sum(int(d.get("budget_limit_bytes") or 0) for d in status.get("devices") or ())
+        self.capacity_bytes = sum(d.budget_limit_bytes for d in status.devices)
 
     def _wait_ready(self) -> dict[str, Any]:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -151,10 +152,10 @@ class NodeSupervisor:
         """Register on this node's supervisor; the tenant capability bytes."""
         return self.client.register(self.admin, TenantSpec.from_dict(spec)).to_bytes()
 
-    def evict(self, tenant_id: str) -> dict[str, Any]:
+    def evict(self, tenant_id: str) -> EvictResult:
         return self.client.evict(self.admin, tenant_id)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusRecord:
         return self.client.status(self.admin)
 
     def stop(self) -> int | None:

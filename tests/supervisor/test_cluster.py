@@ -138,12 +138,12 @@ def test_tenants_spread_over_nodes_and_calls_go_straight_to_them(deployed: RayCl
         with ClusterClient(directory=None, timeout_s=20) as client:
             for cc in caps:
                 pong = client.ping(cc.to_text())
-                assert pong["tenant"] == cc.tenant_id
-                assert pong["pid"] in _tenant(status, cc.tenant_id)["pids"]
+                assert pong.tenant == cc.tenant_id
+                assert pong.pid in _tenant(status, cc.tenant_id)["pids"]
             h = client.alloc(caps[0], 4096)
             client.write(caps[0], h, b"z" * 4096)
             assert client.read(caps[0], h, 4096) == b"z" * 4096
-            assert client.quota(caps[0])["gpu_bytes_in_use"] == 4096
+            assert client.quota(caps[0]).gpu_bytes_in_use == 4096
         # the named node wins over the budget
         pinned = deployed.register(_spec("pinned"), node=caps[1].node_id)
         caps.append(pinned)
@@ -181,7 +181,7 @@ def test_node_loss_replaces_tenants_and_old_capabilities_follow(
     worker_pids = [p for t in deployed.status()["tenants"] for p in t["pids"] if t["node_id"] == victim]
     try:
         with deployed.client(timeout_s=20, connect_timeout_s=2.0) as client:
-            assert client.ping(mover)["tenant"] == "mover"
+            assert client.ping(mover).tenant == "mover"
             cluster.remove_node(gpu_nodes.pop(victim))
             # Ray sees the actor die; the supervisor (SIGTERM from its parent's death) and workers go too
             wait_for(lambda: not psutil.pid_exists(sup_pid), 30, what="the lost node's supervisor to exit")
@@ -203,7 +203,7 @@ def test_node_loss_replaces_tenants_and_old_capabilities_follow(
                     return None
 
             pong = wait_for(reached, 30, what="a ping at mover's new place")
-            assert pong["tenant"] == "mover"
+            assert pong.tenant == "mover"
             assert client.current(mover).epoch == 1 and client.current(mover).node_id != victim
             with pytest.raises(NodeLost) as lost:
                 client.ping(stays)

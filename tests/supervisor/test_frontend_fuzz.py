@@ -72,7 +72,7 @@ class RawClient:
 
 
 def _healthy(sup: SupervisorHandle, cap: TenantCapability) -> None:
-    assert sup.client.ping(cap)["tenant"] == "acme"
+    assert sup.client.ping(cap).tenant == "acme"
     assert sup.process.poll() is None
 
 

@@ -43,7 +43,7 @@ def test_unauthenticated_garbage_gets_small_errors_and_a_tiny_queue() -> None:
             for rid in range(1, 10_001):
                 flood.send(proto.encode_request(rid, op, None, {}))
             # wait until the supervisor took them all in: a bystander's call is answered after them
-            wait_for(lambda: sup.client.hello()["pid"] == sup.pid, what="supervisor responsive")
+            wait_for(lambda: sup.client.hello().pid == sup.pid, what="supervisor responsive")
             time.sleep(0.5)
             growth = proc.memory_info().rss - rss0
             assert growth < 96 * MiB, f"supervisor grew {growth >> 20} MiB for 10,000 unread garbage requests"
@@ -57,7 +57,7 @@ def test_unauthenticated_garbage_gets_small_errors_and_a_tiny_queue() -> None:
                 assert not ok and err["code"] == "protocol_error"
         finally:
             flood.close(0)
-        assert sup.client.hello()["pid"] == sup.pid
+        assert sup.client.hello().pid == sup.pid
 
 
 # ------------------------------------------------------------------ 4: every limit on every op
@@ -81,7 +81,7 @@ def test_put_module_honours_the_module_cap_max_in_flight_and_failed_tenants() ->
         c.inject_fault(None, "mods", "slow", ms=0)
         broken = c.tenant_capability(None, "broken")
         c.inject_fault(None, "broken", "crash")
-        wait_for(lambda: tenant(c.status(), "broken")["state"] == "failed", what="broken failed")
+        wait_for(lambda: tenant(c.status(), "broken").state == "failed", what="broken failed")
         with pytest.raises(TenantFailed):
             c.put_module(broken, b"(module)")
 
@@ -108,7 +108,7 @@ def test_eviction_drops_cached_tokens_runtimes_and_modules() -> None:
             cycle(i)
         growth = proc.memory_info().rss - rss0
         assert growth < 64 * MiB, f"supervisor grew {growth >> 20} MiB over 5 cycles with no tenant left"
-        held = c.status()["supervisor"]["held_bytes"]
+        held = c.status().supervisor.held_bytes
         assert held["modules"] == 0 and held["total"] == 0
 
 
@@ -132,8 +132,8 @@ def test_a_flood_gets_its_share_not_the_loop() -> None:
             for rid in range(1, 20_001):
                 flood.send(proto.encode_request(rid, "ping", bytes(forged), {}))
             for _ in range(20):
-                assert c.ping(cap)["tenant"] == "bystander"
-            wait_for(lambda: c.status()["supervisor"]["unauthenticated_backlog"] == 0, what="flood processed")
+                assert c.ping(cap).tenant == "bystander"
+            wait_for(lambda: c.status().supervisor.unauthenticated_backlog == 0, what="flood processed")
             assert proc.memory_info().rss - rss0 < 64 * MiB
             answered = 0
             while flood.poll(1000):
@@ -142,9 +142,9 @@ def test_a_flood_gets_its_share_not_the_loop() -> None:
                 answered += 1
         finally:
             flood.close(0)
-        dropped = c.status()["supervisor"]["unauthenticated_dropped"]
+        dropped = c.status().supervisor.unauthenticated_dropped
         assert answered + dropped <= 20_000 and answered >= 1
-        assert c.ping(cap)["tenant"] == "bystander"
+        assert c.ping(cap).tenant == "bystander"
 
 
 # ------------------------------------------------------------------ 1: connections
@@ -174,7 +174,7 @@ def test_connections_past_the_fd_limit_are_shed_never_an_abort() -> None:
         c = sup.client
         cap = c.tenant_capability(None, "bystander")
         resource.prlimit(sup.pid, resource.RLIMIT_NOFILE, (1024, 1024))  # as a small host would have it
-        wait_for(lambda: c.status()["supervisor"]["fd_limit"] == 1024, timeout_s=15, what="limit seen")
+        wait_for(lambda: c.status().supervisor.fd_limit == 1024, timeout_s=15, what="limit seen")
         flood = subprocess.Popen(
             [sys.executable, "-c", _FLOOD, "ipc://" + os.path.join(sup.run_dir, "frontend.ipc"), "1500"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -182,9 +182,9 @@ def test_connections_past_the_fd_limit_are_shed_never_an_abort() -> None:
         )
         try:
             assert flood.stdout is not None and flood.stdout.readline().strip() == "connected"
-            wait_for(lambda: c.status()["supervisor"]["connections_shed"] > 0, timeout_s=30, what="shedding")
+            wait_for(lambda: c.status().supervisor.connections_shed > 0, timeout_s=30, what="shedding")
             assert psutil.Process(sup.pid).num_fds() < 1024
-            assert c.ping(cap)["tenant"] == "bystander"  # a connected client keeps working
+            assert c.ping(cap).tenant == "bystander"  # a connected client keeps working
         finally:
             assert flood.stdin is not None
             flood.stdin.write("\n")
