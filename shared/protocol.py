@@ -19,6 +19,7 @@ unpacker per message with explicit ``max_*_len`` limits and
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Final
 
@@ -311,7 +312,7 @@ def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> Any:
         raise ProtocolError(f"malformed msgpack header: {type(exc).__name__}") from None
 
 
-def encode_request(rid: int, op: str, capability: bytes | None, args: dict[str, Any]) -> bytes:
+def encode_request(rid: int, op: str, capability: bytes | None, args: Mapping[str, object]) -> bytes:
     """A client's request header."""
     return _packb([PROTOCOL_VERSION, rid, op, capability, args])
 

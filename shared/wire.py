@@ -34,7 +34,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Self
+from typing import Any, Protocol, Self, cast
 
 from shared.errors import ProtocolError
 
@@ -43,7 +43,13 @@ __all__ = ["Record", "WireTypeError"]
 #: a field's decoder: the checked (maybe converted) value, or WireTypeError
 Decode = Callable[[object], object]
 #: a field's encoder: the wire form of a value
-Encode = Callable[[Any], object]
+Encode = Callable[[object], object]
+
+
+class _ToDict(Protocol):
+    """A value that writes itself as a map (``TenantSpec``)."""
+
+    def to_dict(self) -> Mapping[str, object]: ...
 
 
 class WireTypeError(Exception):
@@ -249,19 +255,19 @@ def _encoder(tp: object) -> Encode | None:
     return None
 
 
-def _encode_record(v: Any) -> object:
-    return None if v is None else v.to_wire()
+def _encode_record(v: object) -> object:
+    return v.to_wire() if isinstance(v, Record) else v
 
 
-def _encode_to_dict(v: Any) -> object:
-    return None if v is None else v.to_dict()
+def _encode_to_dict(v: object) -> object:
+    return None if v is None else cast(_ToDict, v).to_dict()
 
 
-def _encode_items(v: Any) -> object:
-    return None if v is None else [_encode_any(x) for x in v]
+def _encode_items(v: object) -> object:
+    return [_encode_any(x) for x in v] if isinstance(v, tuple) else v
 
 
-def _encode_any(v: Any) -> object:
+def _encode_any(v: object) -> object:
     if isinstance(v, Record):
         return v.to_wire()
     if isinstance(v, tuple):
@@ -271,7 +277,7 @@ def _encode_any(v: Any) -> object:
 
 
 #: per record class: its compiled decoder and ((field, encode), ...)
-_Plan = tuple[Callable[[object], Any], tuple[tuple[str, Encode | None], ...]]
+_Plan = tuple[Callable[[object], "Record"], tuple[tuple[str, Encode | None], ...]]
 _PLANS: dict[type, _Plan] = {}
 
 #: inline checks of exact scalar annotations in the compiled decoders: (condition that fails, label)
@@ -292,11 +298,12 @@ def _plan(cls: type) -> _Plan:
     return plan
 
 
-def _compile_decoder(cls: type, fields: tuple[dataclasses.Field[Any], ...], hints: dict[str, Any]) -> Callable[[object], Any]:
+def _compile_decoder(cls: type, fields: tuple[dataclasses.Field[object], ...],
+                     hints: Mapping[str, object]) -> Callable[[object], Record]:
     """A decoder written out for ``cls`` (one straight-line function, as attrs and msgspec do):
     no loop over fields, no kwargs dict, exact scalars checked inline, the rest through
     their converters; a missing field gets its default, or WireTypeError when it has none."""
-    ns: dict[str, Any] = {"Mapping": Mapping, "WireTypeError": WireTypeError, "_MISSING": _MISSING, "cls": cls}
+    ns: dict[str, object] = {"Mapping": Mapping, "WireTypeError": WireTypeError, "_MISSING": _MISSING, "cls": cls}
     lines = [
         "def decode(data):",
         "    if not isinstance(data, Mapping):",
@@ -338,8 +345,7 @@ def _compile_decoder(cls: type, fields: tuple[dataclasses.Field[Any], ...], hint
         lines.append(f"    a{i} = v")
     lines.append(f"    return cls({', '.join(f'a{i}' for i in range(len(fields)))})")
     exec("\n".join(lines), ns)  # noqa: S102 - code written above from the class's own field names
-    decode: Callable[[object], Any] = ns["decode"]
-    return decode
+    return cast(Callable[[object], Record], ns["decode"])
 
 
 class Record:
@@ -347,9 +353,9 @@ class Record:
 
     __slots__ = ()
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, Any]:  # Any: the msgpack/JSON boundary (values of every field type)
         """The record as a msgpack/JSON-ready map (nested records as maps, tuples as arrays)."""
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {}  # Any: as the return type
         for name, encode in _plan(type(self))[1]:
             value = getattr(self, name)
             out[name] = value if encode is None else encode(value)
@@ -366,5 +372,4 @@ class Record:
     @classmethod
     def _decode(cls, data: object) -> Self:
         """:meth:`from_wire` without the ProtocolError (nested records: the outer one reports)."""
-        decoded: Self = _plan(cls)[0](data)
-        return decoded
+        return cast(Self, _plan(cls)[0](data))

@@ -32,7 +32,7 @@ _log = get_logger("supervisor.events")
 class EventBus:
     """Publishes events without ever blocking the supervisor loop."""
 
-    def __init__(self, sock: zmq.Socket[Any] | None, log: EventLog | None = None) -> None:
+    def __init__(self, sock: zmq.Socket[bytes] | None, log: EventLog | None = None) -> None:
         self.sock = sock
         self.log = log
         self.published = 0

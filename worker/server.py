@@ -83,7 +83,7 @@ def _resolve(op: str) -> Handler | None:
 class WorkerServer:
     """Serves requests for one tenant instance until told to stop."""
 
-    def __init__(self, sock: zmq.Socket[Any], faults: FaultState) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], faults: FaultState) -> None:
         self.sock = sock
         self.faults = faults
         self.context: TenantContext | None = None

@@ -29,7 +29,6 @@ import signal
 import statistics
 import tempfile
 import time
-from typing import Any
 
 import zmq
 
@@ -91,7 +90,7 @@ class _RawRelay:
         for p in self.procs:
             p.start()
 
-    def close(self, sock: zmq.Socket[Any]) -> None:
+    def close(self, sock: zmq.Socket[bytes]) -> None:
         sock.send(b"quit")
         for p in self.procs:
             p.join(5)
@@ -103,7 +102,7 @@ class _RawRelay:
 # ----------------------------------------------------------------- measure
 
 
-def _rtts(sock: zmq.Socket[Any], header: bytes, n: int) -> list[float]:
+def _rtts(sock: zmq.Socket[bytes], header: bytes, n: int) -> list[float]:
     out = []
     send, recv, clock = sock.send, sock.recv_multipart, time.perf_counter_ns
     for _ in range(n):
@@ -114,7 +113,7 @@ def _rtts(sock: zmq.Socket[Any], header: bytes, n: int) -> list[float]:
     return out
 
 
-def _pipelined(sock: zmq.Socket[Any], header: bytes, total: int, depth: int = 64) -> float:
+def _pipelined(sock: zmq.Socket[bytes], header: bytes, total: int, depth: int = 64) -> float:
     """Replies per second with ``depth`` requests kept in flight."""
     t0 = time.perf_counter()
     for _ in range(depth):
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     report = Report("route")
-    ctx: zmq.Context[Any] = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     with tempfile.TemporaryDirectory(prefix="twt-bench-", dir="/tmp") as tmp, launch(
         {"supervisor": {"pool_size": 0, "log_level": "warning", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
         backend="stub",

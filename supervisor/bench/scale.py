@@ -62,7 +62,7 @@ def _register_times(sup: SupervisorHandle, prefix: str, n: int, *, warm: bool) -
 
 
 def _ping_rtts(sup: SupervisorHandle, cap_raw: bytes, n: int) -> list[float]:
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"ipc://{sup.run_dir}/frontend.ipc")
     header = proto.encode_request(1, "ping", cap_raw, {})

@@ -38,7 +38,7 @@ class _EventLog(threading.Thread):
         self.connected = threading.Event()
 
     def run(self) -> None:
-        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.SUB)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX)
