@@ -455,7 +455,7 @@ class SupervisorClient:
             self.call("scale", admin or self.admin, {"tenant": tenant_id, "instances": instances}))
 
     def inject_fault(self, admin: RegistryAdminCapability | None, tenant_id: str, kind: str, *,
-                     instance: int | None = None, **params: Any) -> FaultResult:
+                     instance: int | None = None, **params: int | float | str | bool) -> FaultResult:
         """Break one worker of a tenant on purpose (docs/RELIABILITY.md lists the kinds).
 
         Returns once the fault is armed, or - for crash, segfault and exit -
@@ -669,7 +669,8 @@ class SupervisorClient:
         return _reply_field(self.call("put_module", cap, {}, body=module), "digest", str)
 
     def run_wasm(self, cap: TenantCapability, module: bytes | str, export: str,
-                 args: Sequence[Any] = (), *, fuel: int | None = None, timeout_s: float | None = None,
+                 args: Sequence[int | float | dict[str, int]] = (), *, fuel: int | None = None,
+                 timeout_s: float | None = None,
                  request_timeout_s: float | None = None) -> RunResult:
         """Run ``export`` of a module (bytes, WAT text as bytes, or a digest from :meth:`put_module`).
 

@@ -37,7 +37,7 @@ class EventBus:
         self.log = log
         self.published = 0
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: str, **fields: object) -> None:
         record = {"event": event, "ts": round(time.time(), 6), **fields}
         kind = EVENT_KINDS.get(event)
         level = logging.INFO if fields.get("expected") or kind is None else kind.level

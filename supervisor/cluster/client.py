@@ -170,6 +170,8 @@ class ClusterClient:
     def put_module(self, cc: ClusterCapability | str, module: bytes) -> str:
         return self._call(cc, lambda c, cap: c.put_module(cap, module))
 
-    def run_wasm(self, cc: ClusterCapability | str, module: bytes | str, export: str, args: Sequence[Any] = (),
-                 **kw: Any) -> RunResult:
-        return self._call(cc, lambda c, cap: c.run_wasm(cap, module, export, args, **kw))
+    def run_wasm(self, cc: ClusterCapability | str, module: bytes | str, export: str,
+                 args: Sequence[int | float | dict[str, int]] = (), *, fuel: int | None = None,
+                 timeout_s: float | None = None, request_timeout_s: float | None = None) -> RunResult:
+        return self._call(cc, lambda c, cap: c.run_wasm(cap, module, export, args, fuel=fuel, timeout_s=timeout_s,
+                                                        request_timeout_s=request_timeout_s))
