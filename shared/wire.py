@@ -194,10 +194,17 @@ def _nested(cls: type[Record]) -> Decode:
 
 
 def _from_dict(cls: type) -> Decode:
-    """A type that parses itself from a map (``TenantSpec.from_dict``): its own errors are a type error here."""
+    """A type that parses itself from a map (``TenantSpec.from_dict``): its own errors are a type error
+    here. Keys it does not know are dropped first when it names its fields (``field_names()``): a
+    config file's unknown key is a mistake, a newer peer's is a field this reader does not have yet."""
+    names = getattr(cls, "field_names", None)
+    known = frozenset(names()) if callable(names) else None
+
     def decode(v: object) -> object:
         if not isinstance(v, Mapping):
             raise WireTypeError(f"{cls.__name__} map", v)
+        if known is not None and not known.issuperset(v):
+            v = {k: x for k, x in v.items() if k in known}
         try:
             return cls.from_dict(v)  # type: ignore[attr-defined]  # checked in _converter
         except (TypeError, ValueError) as exc:

@@ -95,6 +95,8 @@ def test_records_are_typed_all_the_way_down() -> None:
     back = TenantRecord.from_wire(wire)
     assert back == rec and back.instances[0].last_exit == exit_ and back.quota == snap
     assert back.spec is not None and back.spec.instances == 2 and back.to_wire() == wire
+    newer = {**wire, "spec": {**wire["spec"], "from_a_newer_supervisor": 1}}  # a spec field we do not know
+    assert TenantRecord.from_wire(newer) == rec
     assert RunResult.from_wire({"results": [1, 2.5], "fuel_used": 3, "elapsed_s": 1}).elapsed_s == 1.0
     bad: list[tuple[dict[str, Any], str]] = [
         ({**wire, "generation": True}, r"TenantRecord.generation: expected int, got bool"),
