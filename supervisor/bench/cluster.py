@@ -18,7 +18,7 @@ import logging
 import os
 import statistics
 import time
-from typing import Any
+from collections.abc import Callable
 
 from shared.spec import TenantSpec
 from supervisor.bench._report import Report, Target, format_table, percentile
@@ -33,7 +33,7 @@ class _Echo:
         return 1
 
 
-def _rtts(fn: Any, n: int) -> list[float]:
+def _rtts(fn: Callable[[], object], n: int) -> list[float]:
     out = []
     clock = time.perf_counter_ns
     for _ in range(n):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from contextlib import AbstractContextManager
 
 import psutil
 import zmq
@@ -44,7 +44,7 @@ def _wait_pool(client: SupervisorClient, n: int, timeout_s: float = 60.0) -> lis
     raise RuntimeError(f"the warm pool did not reach {n} workers within {timeout_s:g} s")
 
 
-def _launch(method: str, pool: int) -> Any:
+def _launch(method: str, pool: int) -> AbstractContextManager[SupervisorHandle]:
     return launch({"supervisor": {"pool_size": pool, "log_level": "warning"}, "tenant": []},
                   backend="stub", start_method=method)
 
