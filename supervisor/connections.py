@@ -17,6 +17,7 @@ Loop thread only (``on_readable`` is registered with the loop).
 from __future__ import annotations
 
 import resource
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -34,9 +35,9 @@ EVENTS_PER_TURN = 256
 class FrontendConnections:
     """Counts the frontend's connections and sheds those past the fd budget."""
 
-    def __init__(self, sock: zmq.Socket[bytes], path: str) -> None:
+    def __init__(self, sock: zmq.Socket[Any], path: str) -> None:
         self.path = path
-        self.monitor: zmq.Socket[bytes] = sock.get_monitor_socket(_EVENTS)
+        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(_EVENTS)
         #: the soft limit the budget was computed from
         self.limit = self.soft_limit()
         self.gate = ConnectionGate(fd_budget(self.limit))

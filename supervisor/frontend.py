@@ -103,8 +103,8 @@ class Frontend:
         config: SupervisorConfig,
         *,
         loop: Loop,
-        sock: zmq.Socket[bytes],
-        tcp_sock: zmq.Socket[bytes] | None = None,
+        sock: zmq.Socket[Any],
+        tcp_sock: zmq.Socket[Any] | None = None,
         replies: Replies,
         pending: PendingTable,
         workers: WorkerSet,
@@ -152,7 +152,7 @@ class Frontend:
 
     # ------------------------------------------------------------ decode
 
-    def _on_readable(self, sock: zmq.Socket[bytes], prefix: bytes) -> None:
+    def _on_readable(self, sock: zmq.Socket[Any], prefix: bytes) -> None:
         # Drain what is queued (asking ZMQ_EVENTS between messages: a recv that fails
         # with EAGAIN costs ~5 us here, the query ~1.6 us), then serve the turn's
         # messages in a fair order (supervisor.fairness): verified tenants round robin,

@@ -101,7 +101,7 @@ RSS_CHECK_INTERVAL_S = 1.0
 class _Parts:
     """Everything :meth:`Supervisor._setup` builds (absent until then)."""
 
-    zctx: zmq.Context[zmq.Socket[bytes]]
+    zctx: zmq.Context[Any]
     placement: Placement
     replies: Replies
     pending: PendingTable
@@ -208,7 +208,7 @@ class Supervisor:
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
                   devices=placement.indexes)
         keys = _server_keys(cfg, state) if cfg.listen else None  # a malformed key stops the start here
-        z: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        z: zmq.Context[Any] = zmq.Context()
         tcp = None
         if keys is not None:
             try:
@@ -217,8 +217,8 @@ class Supervisor:
                 z.destroy(linger=0)
                 raise
 
-        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[bytes]:
-            s: zmq.Socket[bytes] = z.socket(zmq.ROUTER)
+        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[Any]:
+            s: zmq.Socket[Any] = z.socket(zmq.ROUTER)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_msg)

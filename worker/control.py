@@ -73,7 +73,7 @@ def supervisor_alive(pid: int | None, started: float | None) -> bool:
 class ControlThread(threading.Thread):
     def __init__(
         self,
-        zctx: zmq.Context[zmq.Socket[bytes]],
+        zctx: zmq.Context[Any],
         boot: BootMessage,
         faults: FaultState,
         stop_event: threading.Event,
@@ -102,7 +102,7 @@ class ControlThread(threading.Thread):
             sock.close(0)
             self.closed.set()
 
-    def _loop(self, sock: zmq.Socket[bytes]) -> None:
+    def _loop(self, sock: zmq.Socket[Any]) -> None:
         last_heard = time.monotonic()
         interval = self.boot.heartbeat_interval_s
         silent_after = interval * self.boot.heartbeat_liveness
@@ -142,7 +142,7 @@ class ControlThread(threading.Thread):
                 log_event(_log, logging.ERROR, "worker.parent_gone", parent=self.parent_pid)
                 os._exit(EXIT_PARENT_GONE)
 
-    def _on_message(self, sock: zmq.Socket[bytes], kind: str, args: dict[str, Any]) -> None:
+    def _on_message(self, sock: zmq.Socket[Any], kind: str, args: dict[str, Any]) -> None:
         if kind == "stop":
             log_event(_log, logging.INFO, "worker.stop_requested")
             self.stop_event.set()
