@@ -304,6 +304,8 @@ class RunResult(Record):
     gpu_peak_bytes: int = 0
     memory_bytes: int = 0
     logs: tuple[str, ...] = ()
+    logs_dropped: int = 0  # log lines over the run's log limits
+    exit_code: int | None = None  # the guest called exit() (WASI proc_exit): the run's outcome
 
 
 @dataclass(frozen=True, slots=True)
