@@ -307,6 +307,8 @@ class RunResult(Record):
     logs: tuple[str, ...] = ()
     logs_dropped: int = 0  # log lines over the run's log limits
     exit_code: int | None = None  # the guest called exit() (WASI proc_exit): the run's outcome
+    gpu_time_s: float = 0.0  # device time the run's kernels used (shared GPU-time accounting)
+    gpu_wait_s: float = 0.0  # time the run waited for its GPU-time turn
 
 
 @dataclass(frozen=True, slots=True)
