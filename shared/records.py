@@ -269,6 +269,9 @@ class DeviceRecord(Record):
     budget_refusals: int
     tenants: tuple[str, ...] = ()
     segment: str = ""
+    #: the device's GPU-time lease board (shared.gpu_time on main): scheduler, holder, grants, ...
+    #: (free-form, as TenantRecord.gpu_time there); empty without a board
+    gpu_time: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
