@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 from collections.abc import Mapping
 
+from shared.checks import is_int, is_number
 from shared.errors import ConfigError
 from shared.sizes import parse_size
 from shared.spec import TenantSpec
@@ -239,12 +240,12 @@ def _choice(value: Any, choices: tuple[str, ...], name: str) -> None:
 
 
 def _int(value: Any, name: str, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_int(value) or not lo <= value <= hi:
         raise ValueError(f"{name} must be an int in {lo}..{hi}; got {value!r}")
 
 
 def _pos(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number; got {value!r}")
     return float(value)
 

@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
+from shared.checks import is_int
 from shared.errors import GpuMemoryExhausted, SegmentError
 from shared.log import get_logger, log_event
 from shared.quota import (
@@ -94,7 +95,7 @@ def _claimed_slots(buf: memoryview) -> list[int]:
 
 
 def _amount(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     if not 0 <= value <= MAX_SIZE:
         raise ValueError(f"{what} must be in 0..2**63-1, got {value}")

@@ -37,18 +37,18 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"{_ROOT}.{name}" if name else _ROOT)
 
 
-def log_event(logger: logging.Logger, level: int, event: str, /, **fields: Any) -> None:
+def log_event(logger: logging.Logger, level: int, event: str, /, **fields: object) -> None:
     """Log ``event`` with structured ``fields`` (cheap when the level is disabled)."""
     if logger.isEnabledFor(level):
         logger.log(level, event, extra={_FIELDS_ATTR: fields}, stacklevel=2)
 
 
-def _fields_of(record: logging.LogRecord) -> dict[str, Any]:
+def _fields_of(record: logging.LogRecord) -> dict[str, object]:
     fields = getattr(record, _FIELDS_ATTR, None)
     return fields if isinstance(fields, dict) else {}
 
 
-def _text_value(value: Any) -> str:
+def _text_value(value: object) -> str:
     text = str(value)
     if not text or any(c.isspace() or c in '"=' for c in text):
         return json.dumps(text)

@@ -19,13 +19,16 @@ unpacker per message with explicit ``max_*_len`` limits and
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 from collections.abc import Callable
 
 import msgpack
 
+from shared.checks import is_int
 from shared.errors import InvalidArgument, ProtocolError
+from shared.kinds import WORKER_FAULT_KINDS
 from shared.spec import TenantSpec
 
 __all__ = [
@@ -164,8 +167,8 @@ QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cud
 #: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy: numbers)
 _QUOTA_TYPES: Final[dict[str, tuple[type, ...]]] = {"gpu_time_weight": (int, float),
                                                     "gpu_time_cap": (int, float, type(None))}
-#: what inject_fault accepts (docs/RELIABILITY.md describes each)
-FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
+#: what inject_fault accepts (the "worker" rows of shared.kinds.FAULT_TABLE; docs/RELIABILITY.md describes each)
+FAULT_KINDS: Final = WORKER_FAULT_KINDS
 
 _T = "tenant"
 OPS: Final[dict[str, OpSpec]] = {
@@ -316,7 +319,7 @@ def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> Any:
         raise ProtocolError(f"malformed msgpack header: {type(exc).__name__}") from None
 
 
-def encode_request(rid: int, op: str, capability: bytes | None, args: dict[str, Any]) -> bytes:
+def encode_request(rid: int, op: str, capability: bytes | None, args: Mapping[str, object]) -> bytes:
     """A client's request header."""
     return _packb([PROTOCOL_VERSION, rid, op, capability, args])
 
@@ -329,7 +332,7 @@ def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[
     version, rid, op, cap, args = obj
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r} (this supervisor speaks {PROTOCOL_VERSION})")
-    if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 1 << 63:
+    if not is_int(rid) or not 0 <= rid < 1 << 63:
         raise ProtocolError("rid must be a non-negative int")
     if not isinstance(op, str) or (op not in TENANT_OPS and op not in ADMIN_OPS):
         raise ProtocolError(f"unknown op {op!r:.80}")  # never echo an unbounded name
@@ -356,7 +359,7 @@ def peek_rid(data: bytes) -> int | None:
         rid = unpacker.unpack()
     except Exception:  # noqa: BLE001 - untrusted bytes; any failure means "no rid"
         return None
-    if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 1 << 63:
+    if is_int(rid) and 0 <= rid < 1 << 63:
         return rid
     return None
 
@@ -403,7 +406,7 @@ def decode_worker_reply(data: bytes, max_len: int = MAX_WORKER_REPLY_BYTES,
     if not isinstance(obj, list) or len(obj) != 3:
         raise ProtocolError("worker reply must be [rid, ok, payload]")
     rid, ok, payload = obj
-    if isinstance(rid, bool) or not isinstance(rid, int) or not isinstance(ok, bool):
+    if not is_int(rid) or not isinstance(ok, bool):
         raise ProtocolError("worker reply rid/ok of the wrong type")
     return rid, ok, payload
 

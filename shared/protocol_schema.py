@@ -11,8 +11,8 @@ Clients in other languages get the contract from ``shared/protocol.schema.json``
   retryable, and its parent class (subclassing never shows on the wire);
 * :class:`shared.spec.TenantSpec`: the ``register`` spec's keys, with the
   ranges, enums and size strings ``TenantSpec.from_dict`` accepts;
-* the reply records of :mod:`shared.records` (``hello``, ``status``, the
-  tenant status record) and :class:`shared.quota.QuotaSnapshot`.
+* the reply records of :mod:`shared.records` (``REPLY_RECORDS``: the record
+  each op's success reply decodes as, nested records by reference).
 
 A row added to any of those tables flows into the schema (and into
 docs/PROTOCOL.md) with no edit here; the notes below only add prose. The
@@ -42,8 +42,8 @@ from typing import Any, Final
 
 from shared import protocol as proto
 from shared.errors import TensorWasmError, _BY_CODE
-from shared.quota import MAX_INSTANCES, QuotaSnapshot
-from shared.records import HelloInfo, StatusRecord, TenantRecord
+from shared.quota import MAX_INSTANCES
+from shared.records import REPLY_RECORDS
 from shared.sizes import MAX_SIZE
 from shared.spec import TenantSpec
 
@@ -277,13 +277,15 @@ def _record_defs(roots: typing.Iterable[type]) -> dict[str, Any]:
 
 
 def _record_schema(cls: type) -> dict[str, Any]:
-    """Every field of a reply record (``to_wire``/``to_dict`` write them all); more may come."""
+    """Every field of a reply record; those without a default are required (a reply built as a
+    map may leave the others out: ``Record.from_wire`` fills them in); more may come."""
     hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]
+    fields = dataclasses.fields(cls)
     return {
         "type": "object",
-        "required": fields,
-        "properties": {name: _type_schema(hints[name]) for name in fields},
+        "required": [f.name for f in fields
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING],
+        "properties": {f.name: _type_schema(hints[f.name]) for f in fields},
     }
 
 
@@ -460,15 +462,7 @@ def _reply_keys(text: str) -> list[str]:
 
 
 def _reply_record(op: proto.OpSpec) -> type | None:
-    if op.name == "hello":
-        return HelloInfo
-    if op.name == "status":
-        return StatusRecord
-    if op.reply.startswith("tenant status record"):
-        return TenantRecord
-    if op.reply.startswith("QuotaSnapshot"):
-        return QuotaSnapshot
-    return None
+    return REPLY_RECORDS.get(op.name)
 
 
 def _reply_schema(op: proto.OpSpec) -> dict[str, Any]:

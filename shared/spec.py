@@ -23,6 +23,7 @@ from typing import Any
 from collections.abc import Mapping
 
 from shared.gpu_time import check_gpu_time_cap, check_gpu_time_weight
+from shared.checks import is_int, is_number
 from shared.ids import TenantId
 from shared.quota import DEFAULT_QUOTA_BYTES, MAX_INSTANCES
 from shared.sizes import parse_size
@@ -65,7 +66,7 @@ def _opt_size(value: Any, name: str) -> int | None:
 
 
 def _int(value: Any, name: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if not lo <= value <= hi:
         raise ValueError(f"{name} must be in {lo}..{hi}, got {value}")
@@ -73,7 +74,7 @@ def _int(value: Any, name: str, lo: int, hi: int) -> int:
 
 
 def _float(value: Any, name: str, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
     number = float(value)
     if not (math.isfinite(number) and lo <= number <= hi):
@@ -244,7 +245,7 @@ class TenantSpec:
     def wasm_run_s(self, requested: Any = None) -> float:
         """The run time a ``run_wasm`` gets: ``requested`` if it is a positive number, never
         more than ``wasm_timeout_s``."""
-        if isinstance(requested, (int, float)) and not isinstance(requested, bool) and requested > 0:
+        if is_number(requested) and requested > 0:
             return min(float(requested), self.wasm_timeout_s)
         return self.wasm_timeout_s
 

@@ -548,7 +548,7 @@ class Supervisor:
         if parts is None:
             self._metrics.publish(MetricsSnapshot(tenants=tenants))
             return
-        devices = tuple(DeviceGauges(d["index"], d["budget_limit_bytes"], d["budget_used_bytes"], d["budget_refusals"])
+        devices = tuple(DeviceGauges(d.index, d.budget_limit_bytes, d.budget_used_bytes, d.budget_refusals)
                         for d in parts.placement.status())
         self._metrics.publish(MetricsSnapshot(
             tenants=tenants, pool_idle=len(parts.workers.pool), pool_starting=parts.workers.pool_starting,

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any
 
+from shared.checks import is_int
 from shared.errors import InvalidArgument
 from shared.protocol import FAULT_KINDS
 
@@ -31,7 +32,7 @@ __all__ = ["FAULT_KINDS", "FaultState"]
 
 def _int_param(params: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
     value = params.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_int(value) or not lo <= value <= hi:
         raise InvalidArgument(f"fault parameter {name} must be an int in {lo}..{hi}, got {value!r}")
     return value
 

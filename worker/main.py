@@ -60,7 +60,7 @@ def run(boot: BootMessage) -> None:
     configure_logging(boot.log_format, boot.log_level.upper())  # type: ignore[arg-type]
     log = get_logger("worker")
 
-    zctx: zmq.Context[Any] = zmq.Context()
+    zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     data = zctx.socket(zmq.DEALER)
     data.setsockopt(zmq.ROUTING_ID, boot.routing_id.encode())
     data.setsockopt(zmq.LINGER, 0)

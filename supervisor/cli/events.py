@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
+from shared.checks import is_int
+from shared.kinds import EVENT_KINDS
 from shared.sizes import format_size
 from supervisor.cli._common import (
     add_run_dir,
@@ -40,10 +42,8 @@ from supervisor.client.event_follow import MISSED, follow
 
 __all__ = ["KINDS", "add_parser", "format_event", "run"]
 
-#: the event kinds the supervisor publishes (see supervisor/observe/events.py and docs/OPERATIONS.md)
-KINDS = ("spawn", "ready", "exit", "restart", "failed", "register", "evict", "scale", "set_quota",
-         "quota_refusal", "fault", "kill", "denied", "denied_dropped", "reload", "reload_failed", "reset",
-         "rolling_restart", "rotate_key", "stall", "state_error")
+#: the event kinds the supervisor publishes (the rows of shared.kinds.EVENT_KINDS)
+KINDS = tuple(EVENT_KINDS)
 #: fields shown first, in this order; the rest follow alphabetically
 _ORDER = ("worker", "pid", "exit_code", "signal", "reason", "expected", "kind")
 _HIDDEN = {"event", "ts", "tenant", "instance"}
@@ -151,7 +151,7 @@ def _value(key: str, value: Any) -> str:
             return f"{value}({signal_mod.Signals(value).name})"
         except ValueError:
             return str(value)
-    if isinstance(value, int) and not isinstance(value, bool) and (key.endswith("_bytes") or key.startswith("reclaimed_")):
+    if is_int(value) and (key.endswith("_bytes") or key.startswith("reclaimed_")):
         return format_size(value)
     if isinstance(value, float):
         return f"{value:g}"

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shared.protocol import QUOTA_KEYS
 from shared.spec import TenantSpec
 
 __all__ = [
@@ -35,8 +36,8 @@ __all__ = [
     "plan_reload",
 ]
 
-#: applied to the tenant's shared-memory block at once (workers see it at their next allocation)
-QUOTA_FIELDS = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
+#: applied to the tenant's shared-memory block at once (workers see it at their next allocation): set_quota's keys
+QUOTA_FIELDS: tuple[str, ...] = QUOTA_KEYS
 #: read by the supervisor only: take effect with the next request or restart decision
 LIVE_FIELDS = frozenset(
     {*QUOTA_FIELDS, "restart", "max_restarts", "restart_window_s", "max_in_flight", "request_timeout_s",

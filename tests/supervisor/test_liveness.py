@@ -5,13 +5,15 @@ from __future__ import annotations
 import msgpack
 
 from shared import protocol as proto
+from shared.records import AliveInfo
 from tests.helpers.cluster import supervisor
 from tests.helpers.raw_client import dealer
 
 
 def test_alive_answers_the_version_and_readiness_only() -> None:
     with supervisor([{"name": "secret-tenant"}], log_level="error") as sup:
-        alive = sup.client.alive()
+        assert sup.client.alive() == AliveInfo(protocol=proto.PROTOCOL_VERSION, ready=True)
+        alive = sup.client.call("hello", None)  # the raw reply: these two keys and nothing else
         assert alive == {"protocol": proto.PROTOCOL_VERSION, "ready": True}
         assert "secret-tenant" not in repr(alive) and str(sup.pid) not in repr(alive)
 
@@ -25,8 +27,8 @@ def test_a_flood_of_unread_probes_leaves_the_supervisor_serving() -> None:
             header = proto.encode_request(1, "hello", None, {})
             for _ in range(30_000):  # more small replies than the socket buffers hold
                 flood.send(header)
-            assert sup.client.alive()["ready"] is True  # a bystander is answered
-            assert sup.client.hello()["pid"] == sup.pid
+            assert sup.client.alive().ready is True  # a bystander is answered
+            assert sup.client.hello().pid == sup.pid
             got = []
             while flood.poll(2000):
                 got.append(msgpack.unpackb(flood.recv(), raw=False))

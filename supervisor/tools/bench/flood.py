@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                     data["ping"]["solo_ok_per_s"] = solo["ok"] / solo["seconds"]
                     targets.append(Target("flooder's answered pings/s while the victim pings vs flooding alone",
                                           share, 0.5))
-            stats = client.status()["supervisor"]
+            stats = client.status().supervisor
         finally:
             victim.close(0)
     report.sections.append((
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         format_table(["flood", "p50", "p99", "flood sent/s", "flood ok/s"], rows),
     ))
     report.sections.append(("admission", format_table(["counter", "value"], [
-        [k, stats.get(k)] for k in ("unauthenticated_dropped", "admission_refused") if k in stats])))
+        ["unauthenticated_dropped", stats.unauthenticated_dropped], ["admission_refused", stats.admission_refused]])))
     report.targets += targets
     report.data.update(quiet_us={"p50": q50, "p99": q99}, floods=data)
     return report.emit(as_json=args.json)

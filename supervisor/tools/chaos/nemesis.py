@@ -17,7 +17,6 @@ from shared.errors import (
     TensorWasmError,
     WorkerLost,
 )
-from shared.records import TenantRecord
 from supervisor.tools.chaos.config import SIGNAL_FAULTS
 from supervisor.tools.chaos.schedule import Fault
 from supervisor.client.api import SupervisorClient
@@ -39,7 +38,7 @@ class _EventLog(threading.Thread):
         self.connected = threading.Event()
 
     def run(self) -> None:
-        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.SUB)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX)
@@ -106,7 +105,7 @@ class _Nemesis(threading.Thread):
         action = Action(fault, wall, "skipped")
         try:
             if fault.kind in SIGNAL_FAULTS:
-                inst = TenantRecord.from_wire(client.tenant_status(None, name)).instances[fault.instance]
+                inst = client.tenant_status(None, name).instances[fault.instance]
                 if inst.state != "ready" or inst.pid is None:
                     action.detail = f"instance {inst.state}"
                 else:
@@ -116,8 +115,8 @@ class _Nemesis(threading.Thread):
                     action.outcome = "signalled"
             else:
                 result = client.inject_fault(None, name, fault.kind, instance=fault.instance, **dict(fault.params))
-                action.pid = result.get("pid")
-                action.outcome = "exited" if result.get("exited") else "armed"
+                action.pid = result.pid
+                action.outcome = "exited" if result.exited else "armed"
         except ProcessLookupError:
             action.detail = "process already gone"
         except WorkerLost as exc:
