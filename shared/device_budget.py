@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Final
+from typing import Final
 from collections.abc import Callable
 
 from shared import _atomics, _shm
@@ -94,7 +94,7 @@ def _claimed_slots(buf: memoryview) -> list[int]:
         words.release()
 
 
-def _amount(value: Any, what: str) -> int:
+def _amount(value: object, what: str) -> int:
     if not is_int(value):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     if not 0 <= value <= MAX_SIZE:
@@ -119,7 +119,7 @@ class DeviceBudgetSnapshot:
     #: (slot, owner pid, bytes) of every claimed slot
     holders: tuple[tuple[int, int, int], ...]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["holders"] = [list(h) for h in self.holders]
         return d

@@ -16,7 +16,7 @@ import logging
 import math
 import sys
 import time
-from typing import IO, Any, Literal
+from typing import IO, Literal
 
 __all__ = [
     "JsonFormatter",
@@ -77,7 +77,7 @@ class JsonFormatter(logging.Formatter):
     """
 
     def format(self, record: logging.LogRecord) -> str:
-        obj: dict[str, Any] = {
+        obj: dict[str, object] = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
@@ -94,7 +94,7 @@ class JsonFormatter(logging.Formatter):
             return json.dumps({k: _json_safe(v) for k, v in obj.items()}, separators=(",", ":"))
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: object) -> object:
     if value is None or isinstance(value, (str, int)):
         return value
     if isinstance(value, float) and math.isfinite(value):

@@ -101,11 +101,13 @@ class Arg:
     name: str
     types: tuple[type, ...]
     required: bool = False
-    check: Callable[[Any], None] | None = None
+    check: Callable[[object], None] | None = None
 
 
-def _check_spec(value: Any) -> None:
+def _check_spec(value: object) -> None:
     """``register``'s ``spec``: every key known and every value of its type and range."""
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"register: spec must be a map, not {type(value).__name__}")
     try:
         TenantSpec.from_dict(value)
     except (TypeError, ValueError) as exc:
@@ -263,7 +265,7 @@ HANDLE_OPS: Final = frozenset(name for name, op in OPS.items() if op.handle)
 CONTROL_KINDS: Final = frozenset({"hello", "hb", "stop", "fault", "fault_ack"})
 
 
-def check_args(op: str, args: dict[str, Any]) -> None:
+def check_args(op: str, args: Mapping[str, object]) -> None:
     """Check ``args`` against ``op``'s schema: required arguments present, every declared one of a
     declared type (``bool`` is not an int). Raises :class:`InvalidArgument`; unknown names pass
     (the handler ignores them)."""
@@ -289,7 +291,7 @@ def check_args(op: str, args: dict[str, Any]) -> None:
 _local = threading.local()
 
 
-def _packb(obj: Any) -> bytes:
+def _packb(obj: object) -> bytes:
     packer = getattr(_local, "packer", None)
     if packer is None:
         packer = _local.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -297,7 +299,7 @@ def _packb(obj: Any) -> bytes:
     return data
 
 
-def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> Any:
+def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> object:
     if len(data) > max_len:
         raise ProtocolError(f"header of {len(data)} bytes exceeds the {max_len}-byte limit")
     try:
@@ -364,13 +366,13 @@ def peek_rid(data: bytes) -> int | None:
     return None
 
 
-def encode_reply(rid: int, ok: bool, payload: Any) -> bytes:
+def encode_reply(rid: int, ok: bool, payload: object) -> bytes:
     """The supervisor's reply header to a client."""
     return _packb([PROTOCOL_VERSION, rid, ok, payload])
 
 
 def decode_reply(data: bytes, max_len: int = MAX_CLIENT_REPLY_BYTES,
-                 max_items: int = MAX_CLIENT_REPLY_ITEMS) -> tuple[int, bool, Any]:
+                 max_items: int = MAX_CLIENT_REPLY_ITEMS) -> tuple[int, bool, object]:
     """A reply header as the client sees it: (rid, ok, result-or-error-dict)."""
     obj = _unpack(data, max_len, max_items)
     if not isinstance(obj, list) or len(obj) != 4 or obj[0] != PROTOCOL_VERSION:
@@ -381,7 +383,7 @@ def decode_reply(data: bytes, max_len: int = MAX_CLIENT_REPLY_BYTES,
     return rid, ok, payload
 
 
-def encode_worker_request(rid: int, op: str, args: dict[str, Any]) -> bytes:
+def encode_worker_request(rid: int, op: str, args: Mapping[str, object]) -> bytes:
     return _packb([rid, op, args])
 
 
@@ -395,12 +397,12 @@ def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, Any]]:
     return rid, op, args
 
 
-def encode_worker_reply(rid: int, ok: bool, payload: Any) -> bytes:
+def encode_worker_reply(rid: int, ok: bool, payload: object) -> bytes:
     return _packb([rid, ok, payload])
 
 
 def decode_worker_reply(data: bytes, max_len: int = MAX_WORKER_REPLY_BYTES,
-                        max_items: int = MAX_WORKER_REPLY_ITEMS) -> tuple[int, bool, Any]:
+                        max_items: int = MAX_WORKER_REPLY_ITEMS) -> tuple[int, bool, object]:
     """Workers are semi-trusted (they run tenant code): validate like any input."""
     obj = _unpack(data, max_len, max_items)
     if not isinstance(obj, list) or len(obj) != 3:
@@ -411,7 +413,7 @@ def decode_worker_reply(data: bytes, max_len: int = MAX_WORKER_REPLY_BYTES,
     return rid, ok, payload
 
 
-def encode_control(kind: str, args: dict[str, Any] | None = None) -> bytes:
+def encode_control(kind: str, args: Mapping[str, object] | None = None) -> bytes:
     return _packb([kind, args or {}])
 
 

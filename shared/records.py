@@ -19,7 +19,7 @@ without a default that is missing, or a value of the wrong type, raises
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from shared.quota import QuotaSnapshot
 from shared.spec import TenantSpec
@@ -92,7 +92,7 @@ class BindMessage(Record):
     segment: str  # the tenant's quota block
     backend: str
     #: free-form by design: each backend reads its own options (worker.backends)
-    backend_options: dict[str, Any] = field(default_factory=dict)
+    backend_options: dict[str, object] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ control channel (both ways)
@@ -112,7 +112,7 @@ class FaultOrder(Record):
 
     kind: str
     #: free-form by design: each fault kind reads its own parameters (worker.faults)
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +121,9 @@ class FaultAck(Record):
 
     ok: bool
     #: the armed fault's parameters as the worker read them (free-form, like FaultOrder.params)
-    armed: dict[str, Any] | None = None
+    armed: dict[str, object] | None = None
     #: TensorWasmError.to_dict() when not ok: a wire error map (shared.errors.error_from_dict reads it)
-    error: dict[str, Any] | None = None
+    error: dict[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +222,7 @@ class TenantRecord(Record):
     #: its ``tenant`` label on /metrics: a pseudonym stable across restarts, or the name (metrics_tenant_names)
     metrics_label: str = ""
     #: GPU time (shared.gpu_time): weight, cap, gpu_time_s, share over the last window, throttled, ...
-    gpu_time: dict[str, Any] = field(default_factory=dict)
+    gpu_time: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +285,7 @@ class DeviceRecord(Record):
     segment: str = ""
     #: the device's GPU-time lease board (shared.gpu_time on main): scheduler, holder, grants, ...
     #: (free-form, as TenantRecord.gpu_time there); empty without a board
-    gpu_time: dict[str, Any] = field(default_factory=dict)
+    gpu_time: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +380,7 @@ class FaultResult(Record):
     pid: int
     kind: str
     ok: bool = True
-    armed: dict[str, Any] | None = None  # free-form, as FaultAck.armed
+    armed: dict[str, object] | None = None  # free-form, as FaultAck.armed
     exit_code: int | None = None
     signal: int | None = None
     exited: bool | None = None  # set when the fault ended the worker

@@ -199,7 +199,7 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
     budget = None
     budget_segment = options.pop("budget_segment", None)
     if budget_segment:
-        budget = DeviceBudget.attach(budget_segment)
+        budget = DeviceBudget.attach(str(budget_segment))
     board = None  # the device's GPU-time lease board and the tenant's slot on it (shared.gpu_time)
     board_segment = options.pop("gpu_time_segment", None)
     if board_segment:

@@ -24,7 +24,6 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
 from shared.checks import is_int
@@ -134,7 +133,7 @@ class _Resuming:
 
     def events_page(self, cap: TenantCapability | RegistryAdminCapability | None, after: int | None = None, *,
                     kinds: Sequence[str] = (), max_events: int | None = None,
-                    log: str | None = None) -> dict[str, Any]:
+                    log: str | None = None) -> dict[str, object]:
         page = self._source.call(lambda c: c.events_page(self._cap, after, kinds=kinds, max_events=max_events,
                                                          log=log))
         if page is None:
@@ -145,7 +144,7 @@ class _Resuming:
 # ------------------------------------------------------------------ rendering
 
 
-def _value(key: str, value: Any) -> str:
+def _value(key: str, value: object) -> str:
     if key == "signal" and isinstance(value, int):
         try:
             return f"{value}({signal_mod.Signals(value).name})"
@@ -165,7 +164,7 @@ def _value(key: str, value: Any) -> str:
     return text
 
 
-def format_event(event: dict[str, Any]) -> str:
+def format_event(event: dict[str, object]) -> str:
     """``HH:MM:SS.mmm  kind  tenant/instance  key=value ...`` (``pool`` for unbound workers)."""
     ts = event.get("ts")
     if isinstance(ts, (int, float)):

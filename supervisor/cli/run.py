@@ -13,7 +13,6 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Any
 
 from shared import protocol as proto
 from shared.exitcodes import EXIT_FAILED, EXIT_OK
@@ -30,7 +29,7 @@ from supervisor.cli.buffers import resolve_handle
 __all__ = ["add_parser", "parse_wasm_arg", "run"]
 
 
-def parse_wasm_arg(text: str) -> Any:
+def parse_wasm_arg(text: str) -> object:
     """``42``, ``-1``, ``0x10`` -> int; ``2.5``, ``1e-3``, ``inf`` -> float; ``handle=1:7`` (or a raw
     ``handle=N``) -> a client buffer, looked up among the tenant's buffers before the run is sent."""
     value = text.strip()

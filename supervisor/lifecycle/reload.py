@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from shared.protocol import QUOTA_KEYS
 from shared.spec import TenantSpec
@@ -75,7 +75,7 @@ class SpecChange:
         return tuple(f for f in TenantSpec.field_names() if getattr(self.old, f) != getattr(self.new, f))
 
     @property
-    def quota(self) -> dict[str, Any]:
+    def quota(self) -> dict[str, object]:
         """Changed quota fields and their new values (applied at once)."""
         return {f: getattr(self.new, f) for f in QUOTA_FIELDS if f in self.fields}
 
@@ -92,7 +92,7 @@ class SpecChange:
     def needs_placement(self) -> bool:
         return any(f in ("cuda_device_index", "isolation", "sm_percentage") for f in self.fields)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "tenant": self.tenant_id,
             "fields": list(self.fields),
@@ -117,7 +117,7 @@ class ReloadPlan:
     def empty(self) -> bool:
         return not (self.register or self.change or self.adopt or self.evict)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """The reply of ``reload`` and the fields of its event."""
         return {
             "registered": [s.tenant_id for s in self.register],
@@ -133,8 +133,8 @@ def plan_reload(
     file_tenants: Iterable[TenantSpec],
     current: Mapping[str, TenantNow],
     *,
-    old_settings: Mapping[str, Any] | None = None,
-    new_settings: Mapping[str, Any] | None = None,
+    old_settings: Mapping[str, object] | None = None,
+    new_settings: Mapping[str, object] | None = None,
 ) -> ReloadPlan:
     """The difference between the file and what runs (see the module docstring).
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import msgpack
 import zmq
@@ -55,7 +54,7 @@ class EventBus:
                 pass  # a slow subscriber loses events, the supervisor never waits
 
 
-def decode_event(frames: list[bytes]) -> dict[str, Any]:
+def decode_event(frames: list[bytes]) -> dict[str, object]:
     """The record of one published event (``[topic, body]``)."""
     if len(frames[-1]) > 1 << 20:
         raise ValueError("event body too large")

@@ -26,7 +26,7 @@ from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from shared.capability import TenantCapability
 from shared.errors import KernelTimeout, TensorWasmError, WorkerLost
@@ -169,7 +169,7 @@ class _Demo:
         cap = self.caps["delta"]
         n, reps = 1 << 20, 300
         module = guest_path("long_job").read_bytes()
-        killed: dict[str, Any] = {}
+        killed: dict[str, object] = {}
 
         def killer() -> None:
             # The guest allocates first: its bytes in the tenant's counter mean the run is under way.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
 
 import zmq
 
@@ -26,7 +25,7 @@ __all__ = ["op_run_wasm"]
 _MAX_EXPORT_NAME = 256
 
 
-def _positive(value: Any, name: str, default: float, ceiling: float) -> float:
+def _positive(value: object, name: str, default: float, ceiling: float) -> float:
     """``value`` (None: ``default``) as a positive number, never above ``ceiling`` (the spec's)."""
     if value is None:
         return default
@@ -35,7 +34,7 @@ def _positive(value: Any, name: str, default: float, ceiling: float) -> float:
     return min(value, ceiling)
 
 
-def op_run_wasm(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_run_wasm(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``run_wasm {export, args, fuel, timeout_s, digest}`` + module body -> ``{results, fuel_used, elapsed_s, ...}``.
 
     The body is the module (binary or WAT text); ``args`` are ints, floats

@@ -111,7 +111,7 @@ def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle:
     ctx.term()
 
 
-def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[Any] | None,
+def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[bytes] | None,
                header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], dict[str, Any]]:
     """Flood with ``kind`` while the victim pings ``n`` times (none: the flooder alone)."""
     tcp = kind == "tcp-ping"
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown flood kind(s) {unknown}; choose from {', '.join(KINDS)}")
 
     report = Report("route --flood")
-    ctx: zmq.Context[Any] = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     rows: list[list[object]] = []
     targets: list[Target] = []
     data: dict[str, Any] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from shared.kinds import SIGNAL_FAULT_KINDS
 from shared.protocol import FAULT_KINDS
@@ -40,7 +39,7 @@ _UNANSWERED = frozenset({"lost", "untyped"})
 
 MiB = 1 << 20
 #: settings of a supervisor the campaign starts itself (fast failure detection, warm restarts)
-SUPERVISOR_SETTINGS: dict[str, Any] = {
+SUPERVISOR_SETTINGS: dict[str, object] = {
     "pool_size": 2,
     "heartbeat_interval_s": 0.25,
     "heartbeat_liveness": 3,

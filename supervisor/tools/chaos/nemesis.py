@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
@@ -33,7 +32,7 @@ class _EventLog(threading.Thread):
     def __init__(self, run_dir: str) -> None:
         super().__init__(name="chaos-events", daemon=True)
         self.endpoint = "ipc://" + os.path.join(run_dir, "events.ipc")
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, object]] = []
         self.stop_event = threading.Event()
         self.connected = threading.Event()
 

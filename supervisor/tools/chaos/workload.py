@@ -89,7 +89,7 @@ class _Client(threading.Thread):
         phase = self.recorder.phase
         t0 = time.monotonic()
         detail = ""
-        result: Any = None
+        result: object = None
         try:
             result = fn(self.client)
             outcome = "ok"
