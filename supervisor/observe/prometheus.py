@@ -106,7 +106,7 @@ class _QuietHandler(WSGIRequestHandler):
 
     timeout = _HANDLER_TIMEOUT_S
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
 
@@ -313,7 +313,7 @@ class PrometheusMetrics(Metrics):
             PlatformCollector(registry=reg)
         # label children, created once per label set (the loop thread is the only writer)
         self._req_children: dict[tuple[str, str, str], Any] = {}
-        self._lat_children: dict[str, Any] = {}
+        self._lat_children: dict[str, Histogram] = {}
         self._closed = False
         self._metrics_app = make_wsgi_app(reg)
         server_class = _Server6 if ":" in host else _Server
@@ -334,7 +334,7 @@ class PrometheusMetrics(Metrics):
         """Label tenants as ``labels`` does: pseudonyms keyed by the state database, stable across restarts."""
         self.label = labels
 
-    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def _app(self, environ: dict[str, object], start_response: Callable[..., Any]) -> Iterable[bytes]:
         """WSGI: the probes answer in a line of text; /metrics is prometheus-client's own app."""
         path = environ.get("PATH_INFO") or "/"
         if path in (HEALTHZ_PATH, READYZ_PATH):
