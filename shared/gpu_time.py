@@ -71,7 +71,8 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Final
+from types import EllipsisType
+from typing import Final
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
@@ -350,7 +351,7 @@ class GpuTimeBoard(MappedSegment):
             return t
         raise SegmentError(self.name, f"all {MAX_TENANTS} tenant slots of device {self.device_index} are taken")
 
-    def set_policy(self, tenant: int, *, weight: float | None = None, cap: float | None | Any = ...) -> None:
+    def set_policy(self, tenant: int, *, weight: float | None = None, cap: float | None | EllipsisType = ...) -> None:
         """Change a tenant slot's weight and/or cap live (``cap=None`` removes it; omitted: unchanged)."""
         buf = self._check()
         off = _t_off(_tenant_index(tenant))

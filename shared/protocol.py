@@ -387,7 +387,7 @@ def encode_worker_request(rid: int, op: str, args: Mapping[str, object]) -> byte
     return _packb([rid, op, args])
 
 
-def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, Any]]:
+def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, object]]:
     obj = _unpack(data, 1 << 20)
     if not isinstance(obj, list) or len(obj) != 3:
         raise ProtocolError("worker request must be [rid, op, args]")
@@ -417,7 +417,7 @@ def encode_control(kind: str, args: Mapping[str, object] | None = None) -> bytes
     return _packb([kind, args or {}])
 
 
-def decode_control(data: bytes) -> tuple[str, dict[str, Any]]:
+def decode_control(data: bytes) -> tuple[str, dict[str, object]]:
     obj = _unpack(data, MAX_HEADER_BYTES)
     if not isinstance(obj, list) or len(obj) != 2:
         raise ProtocolError("control message must be [kind, args]")

@@ -48,6 +48,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import zmq
@@ -340,7 +341,7 @@ class Supervisor:
         """
         prev: dict[int, Any] = {}
 
-        def on_signal(signum: int, frame: Any) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
             log_event(_log, logging.INFO, "supervisor.signal", signal=signum)
             if signum == signal.SIGHUP:
                 self.request_reload()  # a closed terminal or `systemctl reload`: never a stop
@@ -505,7 +506,7 @@ class Supervisor:
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
                   backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
 
-    def _ready_info(self, admin: AdminOps) -> dict[str, Any]:
+    def _ready_info(self, admin: AdminOps) -> dict[str, object]:
         tcp = self.parts.tcp if self.parts is not None else None
         return {
             "pid": os.getpid(),

@@ -30,7 +30,6 @@ import logging
 import os
 import threading
 import time
-from typing import Any
 from collections.abc import Callable
 
 import zmq
@@ -50,7 +49,7 @@ __all__ = ["Reply", "WorkerServer", "register_op"]
 
 _log = get_logger("worker")
 
-Reply = tuple[Any, "bytes | memoryview | None"]
+Reply = tuple[object, "bytes | memoryview | None"]
 Handler = Callable[["WorkerServer", dict[str, object], "zmq.Frame | None"], Reply]
 
 #: ops implemented outside this module, imported on first use ("module:function")

@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import zmq.auth
 
@@ -276,7 +276,7 @@ def print_json(data: object) -> None:
     sys.stdout.write("\n")
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO | None = None) -> None:
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO | None = None) -> None:
     out = out or sys.stdout
     cells = [[str(h) for h in headers]] + [[("" if c is None else str(c)) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]

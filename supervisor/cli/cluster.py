@@ -25,7 +25,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from shared.sizes import format_size
 from supervisor.cli._common import non_negative_int, print_json, print_table
@@ -74,7 +74,7 @@ def gpus_cell(gpu_ids: list[str]) -> str:
     return f"{len(gpu_ids)} (id{'s' if len(gpu_ids) > 1 else ''} {','.join(gpu_ids)})"
 
 
-def render(status: dict[str, Any], out: Any = None) -> None:
+def render(status: dict[str, Any], out: TextIO | None = None) -> None:
     out = out or sys.stdout
     auth = status.get("ray_auth", "unknown")
     out.write(f"cluster {status.get('cluster')}  ray {status.get('address')}  ray auth {auth}\n")

@@ -35,7 +35,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from shared.errors import TensorWasmError
 from shared.log import get_logger, log_event
@@ -43,6 +43,8 @@ from shared.wasm_abi import ErrorCode
 from worker.backends.base import Backend, DeviceBuffer
 
 __all__ = ["TENSOR_OPS", "UNARY_OPS", "OpRun", "TensorOp"]
+
+T = TypeVar("T")
 
 _log = get_logger("worker.wasm")
 
@@ -80,7 +82,7 @@ class OpRun(Protocol):
         """``matmul_f32`` on the backend with the run's metered workspace."""
         ...
 
-    def device_op(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def device_op(self, name: str, fn: Callable[..., T], args: tuple[object, ...]) -> T | None:
         """``fn(*args)`` under the device lease, timed and charged, in chunks (worker.device_time)."""
         ...
 

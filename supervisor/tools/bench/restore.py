@@ -43,7 +43,7 @@ def _start(state_dir: str, method: str) -> AbstractContextManager[SupervisorHand
     )
 
 
-def _round(n: int, method: str) -> dict[str, Any]:
+def _round(n: int, method: str) -> dict[str, Any]:  # a JSON report row (numbers), read back below
     state = tempfile.mkdtemp(prefix="twt-bench-state-")
     empty_state = tempfile.mkdtemp(prefix="twt-bench-empty-")
     try:
