@@ -327,6 +327,8 @@ def encode_request(rid: int, op: str, capability: bytes | None, args: Mapping[st
 
 
 def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[int, str, bytes | None, dict[str, Any]]:
+    # args: dynamically typed until check_args checks them against the op's Arg rows; the handlers
+    # (supervisor.admission.frontend, control) then read them by name
     """Validate a client request header: (rid, op, capability, args). Raises ProtocolError."""
     obj = _unpack(data, max_len)
     if not isinstance(obj, list) or len(obj) != 5:

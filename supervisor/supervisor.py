@@ -339,7 +339,7 @@ class Supervisor:
         Returns the process exit code: 0 after a graceful stop. A failure to start raises
         (``twt supervise`` maps the exception to its exit code).
         """
-        prev: dict[int, Any] = {}
+        prev: dict[int, Any] = {}  # signal.getsignal()'s handlers (typeshed's private union), put back as they were
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log_event(_log, logging.INFO, "supervisor.signal", signal=signum)

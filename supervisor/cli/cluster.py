@@ -17,6 +17,10 @@ the cluster capability (``twtc1.``...: a secret, like a capability) or
 writes it to ``--cap-out`` (0600). Tenants of ``up --config`` are placed and
 registered through the cluster's directory, each once; their capabilities
 are printed, or written to ``--cap-dir``.
+
+Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
+results are dynamically typed; the directory's maps (status, placement, evict and scale results)
+are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations

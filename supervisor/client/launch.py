@@ -48,7 +48,7 @@ class SupervisorHandle:
     run_dir: str
     client: SupervisorClient
     admin_capability: RegistryAdminCapability
-    info: dict[str, Any]
+    info: dict[str, Any]  # supervisor.json as read (JSON: endpoints, keys, pids, urls)
 
     @property
     def pid(self) -> int:

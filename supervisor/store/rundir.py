@@ -277,7 +277,7 @@ def verify_run_dir(run_dir: str, expected_uid: int | None = None) -> None:
         _check_owned(os.path.join(run_dir, f"{name}.ipc"), "socket", uid)
 
 
-def read_ready(run_dir: str, expected_uid: int | None = None) -> dict[str, Any] | None:
+def read_ready(run_dir: str, expected_uid: int | None = None) -> dict[str, Any] | None:  # JSON as written
     """The ready record of a supervisor on ``run_dir``, or None.
 
     PermissionError when the run dir is not accessible to us; UntrustedRunDir

@@ -23,6 +23,9 @@ Handles are i64 values private to one run: 1, 2, 3 ... in the order the run
 made them (client buffers passed as ``{"handle": h}`` arguments are entered
 first). They are never reused within a run, so a double free is reported,
 and they mean nothing to any other run, tenant or worker.
+
+Typing: the caller an import receives is a wasmtime.Caller, or wasmtime's raw caller pointer on
+the unchecked import path (ctypes); it stays dynamically typed and is only handed to the memory span.
 """
 
 from __future__ import annotations

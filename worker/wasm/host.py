@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from types import ModuleType
 from typing import Any, TypeVar
 
 import wasmtime
@@ -258,7 +259,7 @@ def memory_limits(wasm: bytes) -> tuple[int, int | None] | None:
     return None
 
 
-def _valtypes(types: Sequence[Any]) -> tuple[str, ...]:
+def _valtypes(types: Sequence[object]) -> tuple[str, ...]:
     return tuple(str(t) for t in types)
 
 
@@ -282,7 +283,7 @@ def _wat_error(message: str) -> str:
 # ------------------------------------------------------------------ imports
 
 
-def _raw_ffi() -> Any | None:
+def _raw_ffi() -> ModuleType | None:
     """wasmtime's ctypes bindings, if they have what the unchecked import path needs."""
     try:
         from wasmtime import _ffi as ffi
@@ -371,7 +372,7 @@ class WasmSession:
         address = ctypes.cast(self.memory.data_ptr(self.store), ctypes.c_void_p).value or 0
         return guest_view(address, size, writable=True)
 
-    def call(self, export: str, args: Sequence[Any] = ()) -> list[object]:
+    def call(self, export: str, args: Sequence[object] = ()) -> list[object]:
         """Call ``export`` with ``args`` (ints, floats, ``{"handle": h}``); its results as a list."""
         if self.instance is None:
             raise InvalidArgument(f"the guest exited with code {self.exit_code} while it was instantiated")
@@ -389,7 +390,7 @@ class WasmSession:
             return []
         return list(result) if isinstance(result, list) else [result]
 
-    def _convert_args(self, export: str, kinds: tuple[str, ...], args: Sequence[Any]) -> list[object]:
+    def _convert_args(self, export: str, kinds: tuple[str, ...], args: Sequence[object]) -> list[object]:
         if len(args) != len(kinds):
             raise InvalidArgument(
                 f"export {export!r} takes {len(kinds)} argument(s) ({', '.join(kinds) or 'none'}), got {len(args)}"
@@ -736,7 +737,7 @@ class WasmHost:
             self.stats["traps"] += 1
             raise WasmTrap("error", _short(str(exc))) from None
 
-    def run(self, body: bytes | bytearray | memoryview, export: str, args: Sequence[Any] = (), *,
+    def run(self, body: bytes | bytearray | memoryview, export: str, args: Sequence[object] = (), *,
             fuel: int, timeout_s: float) -> dict[str, object]:
         """One complete run: the ``run_wasm`` reply, or a typed error."""
         t0 = time.perf_counter()

@@ -27,6 +27,10 @@ passed as two arguments has two handles and is still one buffer.
 
 The backends (``worker.backends.stub`` with numpy, ``worker.backends.cuda``
 with cuBLAS and NVRTC kernels) receive arguments already known to be in range.
+
+Typing: a tensor import's arguments are WASM values (ints) by position, replaced in place by
+buffers and a guest-memory view, and its caller is wasmtime's raw caller pointer on the unchecked
+import path: both stay dynamically typed here.
 """
 
 from __future__ import annotations

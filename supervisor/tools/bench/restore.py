@@ -14,6 +14,9 @@ In one run (stub backend), per round:
 * every capability minted before the restart is checked to still work.
 
 Target: restore <= 2x register (the median over rounds).
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
 """
 
 from __future__ import annotations
