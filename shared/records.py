@@ -30,6 +30,7 @@ __all__ = [
     "BindMessage",
     "BootMessage",
     "DeviceRecord",
+    "EventsPage",
     "EvictResult",
     "ExitRecord",
     "FaultAck",
@@ -326,6 +327,19 @@ class RunResult(Record):
     exit_code: int | None = None  # the guest called exit() (WASI proc_exit): the run's outcome
     gpu_time_s: float = 0.0  # device time the run's kernels used (shared GPU-time accounting)
     gpu_wait_s: float = 0.0  # time the run waited for its GPU-time turn
+
+
+@dataclass(frozen=True, slots=True)
+class EventsPage(Record):
+    """An ``events`` reply: the events after the asked position (maps, free-form per kind: see
+    docs/OPERATIONS.md), the position to ask next, how many fell out of the log unread, whether
+    more are held, and the id of the log (another id: the supervisor was restarted)."""
+
+    events: tuple[dict[str, object], ...]
+    next: int
+    missed: int
+    more: bool
+    log: str
 
 
 @dataclass(frozen=True, slots=True)

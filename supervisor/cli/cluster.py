@@ -29,10 +29,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from shared.sizes import format_size
 from supervisor.cli._common import non_negative_int, print_json, print_table
+
+if TYPE_CHECKING:
+    from supervisor.cluster.ray_cluster import RayCluster
 
 __all__ = ["add_parser", "render", "run"]
 
@@ -186,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_up(args: argparse.Namespace, cluster: Any) -> int:
+def _report_up(args: argparse.Namespace, cluster: RayCluster) -> int:
     """After ``up``: the config tenants' cluster capabilities (printed, or written to --cap-dir)."""
     status = cluster.status()
     written = {}

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
 import enum
-from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
+from typing import TYPE_CHECKING, Final, TypeVar, cast
 
 import psutil
 import zmq
@@ -706,7 +706,7 @@ class SupervisorClient:
     # ------------------------------------------------------------- events
 
     def events_page(self, cap: Capability | None, after: int | None = None, *, kinds: Sequence[str] = (),
-                    max_events: int | None = None, log: str | None = None) -> dict[str, Any]:  # event maps: free-form per kind
+                    max_events: int | None = None, log: str | None = None) -> dict[str, object]:
         """One page of the event log: the events after sequence number ``after`` (None: none, only
         the cursor of now) -> ``{events, next, missed, more, log}`` (``supervisor.observe.event_log``).
         ``cap``: the admin capability (None: this client's) sees every event, a tenant's its own."""
@@ -721,7 +721,7 @@ class SupervisorClient:
         return result
 
     def events(self, kinds: Sequence[str] = (), *, timeout_s: float | None = None, replay: bool = False,
-               cap: Capability | None = None) -> Generator[dict[str, Any], None, None]:  # as events_page
+               cap: Capability | None = None) -> Generator[dict[str, object], None, None]:
         """Follow lifecycle events (``kinds`` filters; ``timeout_s`` ends quietly after silence;
         ``replay``: first the events the supervisor still holds), local or remote alike.
 

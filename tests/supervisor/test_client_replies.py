@@ -128,3 +128,42 @@ def test_buffers_with_more_than_4096_buffers_works_end_to_end() -> None:
         listing = c.buffers(cap)
         assert len(listing) == n and set(listing) == set(handles)
         assert tenant(c.status(), "many").restarts == 0
+
+
+class _Pages:
+    """A PageSource that hands out the given ``events`` replies in turn (the last one again)."""
+
+    def __init__(self, *pages: object) -> None:
+        self.pages: list[object] = list(pages)
+        self.asked: list[int | None] = []
+
+    def events_page(self, cap: object, after: int | None = None, **_: object) -> object:
+        self.asked.append(after)
+        return self.pages.pop(0) if len(self.pages) > 1 else self.pages[0]
+
+
+def test_event_pages_are_checked_records_and_gaps_are_reported() -> None:
+    from supervisor.client.event_follow import follow
+
+    first = {"events": [{"event": "ready", "tenant": "acme", "seq": 1}], "next": 1, "missed": 0, "more": True, "log": "a"}
+    restarted = {"events": [], "next": 3, "missed": 2, "more": False, "log": "b"}
+    pages = _Pages(first, restarted)
+    got = list(follow(pages, None, timeout_s=0.0, poll_s=0.0))  # type: ignore[arg-type]
+    assert got[0] == {"event": "ready", "tenant": "acme", "seq": 1}
+    assert [(e["event"], e["missed"]) for e in got[1:]] == [("missed", None), ("missed", 2)]
+    assert "event log a -> b" in str(got[1]["reason"])
+    assert pages.asked == [None, 1]  # the second page asked after the first page's position
+
+
+@pytest.mark.parametrize("page", [
+    "not a map",
+    {"events": "x", "next": 1, "missed": 0, "more": False, "log": "a"},
+    {"events": [], "next": "1", "missed": 0, "more": False, "log": "a"},
+    {"events": [], "next": 1, "missed": 0, "more": 0, "log": "a"},
+    {"events": [], "next": 1, "missed": 0, "more": False},
+])
+def test_a_malformed_event_page_is_a_protocol_error(page: object) -> None:
+    from supervisor.client.event_follow import follow
+
+    with pytest.raises(ProtocolError):
+        list(follow(_Pages(page), None, timeout_s=0.0, poll_s=0.0))  # type: ignore[arg-type]

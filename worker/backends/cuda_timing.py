@@ -11,15 +11,14 @@ accounting. Kept out of ``cuda.py`` so the backend only gains two small
 methods (``op_timer``, ``view``).
 
 Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
-(mypy: ignore_missing_imports), so the handles and results they give stay dynamically typed
-here; they are only passed back to the bindings or converted (int(), bytes) where read.
+(mypy: ignore_missing_imports). The handles they give are held as ``object`` and passed back; a
+bindings module and what its calls return stay dynamically typed, converted (int(), bytes) where read.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver
@@ -44,7 +43,7 @@ class CudaEventTimer:
             drv.call("cuEventDestroy", self._start)
             raise
 
-    def time(self, fn: Callable[..., Any], *args: object) -> int:
+    def time(self, fn: Callable[..., object], *args: object) -> int:
         drv = self._drv
         self._current()
         drv.call("cuEventRecord", self._start, self._stream)
