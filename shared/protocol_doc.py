@@ -112,7 +112,8 @@ def _errors_section(schema: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|"]
     for code, meta in info.items():
         props = defs[code]["properties"]["fields"]["properties"]
-        fields = ", ".join(f"`{f}`: {_type_text(s)}" for f, s in props.items()) or "none"
+        fields = ", ".join(f"`{f}`: {_type_text(s)}" + (f" ({s['description']})" if "description" in s else "")
+                           for f, s in props.items()) or "none"
         meaning = meta["meaning"]
         if meta["local_only"]:
             meaning += f" **Never sent by the supervisor:** {meta['local_only']}."
@@ -120,6 +121,9 @@ def _errors_section(schema: dict[str, Any]) -> str:
         if meta["retryable_rule"]:
             retry += " (not when `requested` > `limit`)"
         parent = f"`{meta['parent']}`" if meta["parent"] not in (None, "internal") else ""
+        for cause, sub in meta["causes"].items():  # Overloaded: one class per cause, the code shared
+            own = ", ".join(f"`{f}`" for f in sub["fields"]) or "no more fields"
+            meaning += f" Cause `{cause}`: `{sub['class']}` ({own}): {sub['meaning']}"
         lines.append(f"| `{code}` | `{meta['class']}` | {_cell(fields)} | {_cell(meaning)} | {retry} | {parent} |")
     return "\n".join(lines)
 

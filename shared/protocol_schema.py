@@ -388,6 +388,16 @@ def _error_schema(code: str, cls: type[TensorWasmError]) -> dict[str, Any]:
         if isinstance(base, type) and issubclass(base, TensorWasmError):
             annotations.update(inspect.get_annotations(base))
     fields = {name: _annotation_schema(annotations.get(name, "")) for name in cls._fields}
+    # the causes of one code (Overloaded): subclasses without a code of their own, told apart by
+    # ``cause``; their own fields are optional here, present when the cause is theirs
+    causes: dict[str, Any] = {}
+    for cause, sub in sorted(getattr(cls, "_causes", {}).items()):
+        own = [name for name in sub._fields if name not in cls._fields]
+        for name in own:
+            field = fields.setdefault(name, {**_annotation_schema(inspect.get_annotations(sub).get(name, "")),
+                                             "description": "cause"})
+            field["description"] += f" `{cause}`"
+        causes[cause] = {"class": sub.__name__, "fields": own, "meaning": _error_meaning(sub)}
     # a class with its own rule (MemoryExhausted: not when more than the whole limit was asked for)
     rule = cls.is_retryable if "is_retryable" in _own_or_inherited(cls) else None
     return {
@@ -406,6 +416,7 @@ def _error_schema(code: str, cls: type[TensorWasmError]) -> dict[str, Any]:
             "sent_by_supervisor": code not in LOCAL_ONLY_CODES,
             "local_only": LOCAL_ONLY_CODES.get(code),
             "meaning": _error_meaning(cls),
+            "causes": causes,
         },
     }
 

@@ -48,8 +48,9 @@ from shared.capability import RegistryAdminCapability, TenantCapability, capabil
 from shared.config import SupervisorConfig
 from shared.errors import (
     BufferLost,
+    ClientRepliesQueued,
+    InFlightLimit,
     InvalidArgument,
-    Overloaded,
     ProtocolError,
     TenantFailed,
     TenantIsolationViolation,
@@ -342,8 +343,9 @@ class Frontend:
         proto.check_args(op, args)
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
-        if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
-            raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
+        in_flight, max_in_flight = rt.in_flight + len(rt.parked), rt.spec.max_in_flight
+        if in_flight >= max_in_flight:
+            raise InFlightLimit(tid, in_flight, max_in_flight)
         if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
             raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         spec = proto.OPS[op]
@@ -368,11 +370,8 @@ class Frontend:
         if spec.big_reply:
             queued = self.replies.queued_bytes(client)
             if queued > self.config.max_client_reply_bytes:
-                raise Overloaded(
-                    tid, rt.in_flight, rt.spec.max_in_flight,
-                    message=f"{queued:,} B of replies to this client are still queued (it is not reading them); "
-                    f"limit max_client_reply_bytes={self.config.max_client_reply_bytes:,}",
-                )
+                raise ClientRepliesQueued(tid, in_flight, max_in_flight, queued=queued,
+                                          budget=self.config.max_client_reply_bytes)
         if op == "buffers":
             self._buffers_of_every_instance(rt, client, rid)
             return
@@ -390,12 +389,12 @@ class Frontend:
         # (supervisor.routing.budgets): a read's reply, and a parked request's body.
         held = self.guard.held
         reply = expected_reply_bytes(op, args, self.config.max_message_bytes)
-        held.reserve(tid, "replies", reply)
+        held.reserve(tid, "replies", reply, in_flight=in_flight, max_in_flight=max_in_flight)
         try:
             if slot is None:
                 # no ready instance, but one is starting or restarting: wait for it, bounded
                 size = len(body) if body is not None else 0
-                held.reserve(tid, "parked", size)
+                held.reserve(tid, "parked", size, in_flight=in_flight, max_in_flight=max_in_flight)
                 rt.parked.append(Parked(client, rid, op, args, body, now,
                                         now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned,
                                         held_reply=reply, held_body=size))
@@ -515,7 +514,7 @@ class Frontend:
             rt.modules.move_to_end(digest)
             return digest
         # Room first among the tenant's own modules (LRU), then the held-bytes budgets
-        # (per tenant and for all tenants together): Overloaded beyond them.
+        # (per tenant and for all tenants together): HeldBytesLimit beyond them.
         held = self.guard.held
         while rt.modules and (
             len(rt.modules) >= MAX_MODULES_PER_TENANT
@@ -523,7 +522,8 @@ class Frontend:
         ):
             _, old = rt.modules.popitem(last=False)
             held.release(rt.tenant_id, "modules", len(old))
-        held.reserve(rt.tenant_id, "modules", len(data))
+        held.reserve(rt.tenant_id, "modules", len(data), in_flight=rt.in_flight + len(rt.parked),
+                     max_in_flight=rt.spec.max_in_flight)
         rt.modules[digest] = data
         return digest
 
