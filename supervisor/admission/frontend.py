@@ -29,7 +29,8 @@ May touch: the pending table (every answer goes through it), the worker set
 (to send), the registry (to verify capabilities), the event log (read:
 ``events``, which either capability may send, is answered here with the
 capability's view of :class:`~supervisor.observe.event_log.EventLog`). Admin ops are
-handed to :class:`supervisor.control.admin.AdminOps`. Loop thread only.
+verified here and handed to their handler, one per op (:mod:`supervisor.control.ops`,
+bound to the part that serves it: ``serve_admin_ops``). Loop thread only.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _ignore_reply(ok: bool, payload: Any) -> None:
     """Callback of the supervisor's own fire-and-forget worker requests."""
 
 
-AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
+#: an admin op's handler, bound to the part that serves it: (client, rid, args) (supervisor.control.ops)
+AdminHandler = Callable[[bytes, int, dict[str, Any]], None]
 #: a tenant op the frontend answers itself: (tenant, args, body) -> the result
 LocalOp = Callable[[TenantRuntime, dict[str, Any], Any], dict[str, Any]]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
@@ -120,7 +122,6 @@ class Frontend:
         workers: WorkerSet,
         registry: TenantRegistry,
         tenants: Mapping[str, TenantRuntime],
-        admin: AdminHandler,
         guard: FrontendGuard,
         admin_cap: bytes,
         on_denied: DenialHook | None = None,
@@ -135,7 +136,8 @@ class Frontend:
         self.workers = workers
         self.registry = registry
         self.tenants = tenants
-        self.admin = admin
+        #: the admin ops' handlers, by name (serve_admin_ops, at set-up)
+        self._admin_ops: Mapping[str, AdminHandler] = {}
         self.guard = guard
         self._admin_raw = admin_cap
         self.on_denied = on_denied
@@ -258,7 +260,7 @@ class Frontend:
             elif proto.OPS[op].admin:
                 if client[:1] == _TCP and not self.config.allow_remote_admin:
                     raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
-                self.admin(client, rid, op, msg.cap_raw, msg.args, body)
+                self._admin_request(client, rid, op, msg.cap_raw, msg.args)
             else:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
         except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
@@ -274,6 +276,22 @@ class Frontend:
             # with its trace and answered as an internal error, never blamed on the client's input
             _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
             self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"), msg.cap_raw)
+
+    def serve_admin_ops(self, handlers: Mapping[str, AdminHandler]) -> None:
+        """The admin ops' handlers, by name (``supervisor.control.ops.handlers``: one per admin op of
+        the op table, each bound to its part); once, at set-up, once those parts exist."""
+        declared = {n for n, spec in proto.OPS.items() if spec.admin}
+        if set(handlers) != declared:  # the op table and the handlers disagree: a bug, at start
+            raise RuntimeError(f"admin ops {sorted(declared)} declared, {sorted(handlers)} served")
+        self._admin_ops = handlers
+
+    def _admin_request(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any]) -> None:
+        """One admin request: the admin capability first, then the op's arguments, then its handler."""
+        if cap_raw is None:
+            raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
+        self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
+        proto.check_args(op, args)
+        self._admin_ops[op](client, rid, args)
 
     def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError, cap_raw: bytes | None) -> None:
         """Answer a request the supervisor itself refused (and count it).

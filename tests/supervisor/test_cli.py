@@ -27,7 +27,7 @@ from shared.records import PoolRecord, StatusRecord, SupervisorRecord
 from shared.sizes import format_size
 from shared.spec import TenantSpec
 from supervisor.cli import EXIT_UNAVAILABLE, build_parser, main
-from supervisor.cli.admin import parse_param
+from supervisor.control.ops.inject_fault import parse_param
 from supervisor.cli.events import format_event
 from supervisor.cli.status import format_duration, render
 from tests.helpers.cluster import FAST as FAST_SETTINGS
