@@ -239,6 +239,7 @@ OPS: Final[dict[str, OpSpec]] = {
                (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
                "{tenant, instance, pid, kind, ...armed}", ("UnknownTenant", "InvalidArgument", "WorkerLost"),
                "inject_fault", "fault", served_by="admin"),
+        OpSpec("version", True, (), "{version, python, protocol}", (), "call", "version", served_by="admin"),
         # ---- service ops (the admin capability; supervisor.control.service)
         OpSpec("reload", True, (),
                "{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "

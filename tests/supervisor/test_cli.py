@@ -455,7 +455,7 @@ _REMOTE_ARGV = {
     "status": [], "top": ["--iterations", "1"], "events": ["--timeout", "0.2"],
     "register": ["acme"], "capability": ["acme"], "evict": ["acme"], "set-quota": ["acme", "--gpu-cap", "1MiB"],
     "scale": ["acme", "2"], "fault": ["acme", "crash"],
-    "reload": [], "reset": ["acme"], "restart": ["acme"], "rotate-key": ["--yes"],
+    "reload": [], "reset": ["acme"], "restart": ["acme"], "rotate-key": ["--yes"], "version": [],
     "run": ["acme", "MODULE", "--invoke", "one"],
     "alloc": ["acme", "1MiB"], "free": ["acme", "1:1"], "buffers": ["acme"], "write": ["acme", "1:1", "--fill", "1"],
     "read": ["acme", "1:1"],

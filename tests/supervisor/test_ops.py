@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from shared import protocol as proto
+from shared.errors import TenantIsolationViolation
 from supervisor.cli import build_parser
 from supervisor.control import ops
 from supervisor.control.ops import AdminOp, ServiceOp, check_table, op_table
@@ -90,3 +91,25 @@ def test_operations_md_has_a_section_per_op_command() -> None:
     text = (DOCS / "OPERATIONS.md").read_text()
     for op in ops.commands():
         assert re.search(rf"^### `twt {re.escape(str(op.command))}`", text, re.M), op.command
+
+
+def test_version_names_the_running_supervisors_build(capsys: pytest.CaptureFixture[str]) -> None:
+    """The op added to count what adding an op touches (issue 23): its wire row and this one class."""
+    import json
+    import platform
+
+    from supervisor.cli import main
+    from supervisor.observe.metrics import build_version
+    from tests.helpers.cluster import supervisor
+
+    with supervisor() as sup:
+        assert sup.client.call("version", sup.client.admin) == {
+            "version": build_version(), "python": platform.python_version(), "protocol": proto.PROTOCOL_VERSION}
+        assert main(["version", "--run-dir", sup.run_dir]) == 0
+        out = capsys.readouterr().out
+        assert out == (f"twt {build_version()} (this command); supervisor {build_version()} "
+                       f"(python {platform.python_version()}, protocol {proto.PROTOCOL_VERSION})\n")
+        assert main(["version", "--json", "--run-dir", sup.run_dir]) == 0
+        assert json.loads(capsys.readouterr().out)["supervisor"]["version"] == build_version()
+        with pytest.raises(TenantIsolationViolation, match="admin op 'version'"):  # no capability: refused
+            sup.client.call("version", None)
