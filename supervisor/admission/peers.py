@@ -77,7 +77,7 @@ class UnreadErrors:
             return False
         return True
 
-    def sent(self, peer: bytes, tracker: Any) -> None:
+    def sent(self, peer: bytes, tracker: object) -> None:
         """Remember a reply sent to ``peer`` (a ``zmq.MessageTracker``: ``done`` once taken)."""
         queue = self._peers.get(peer)
         if queue is not None and tracker is not None:

@@ -364,7 +364,8 @@ def _applied_limits(rec: TenantRecord) -> dict[str, Any]:
     keys = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota", "instances",
             "cuda_device_index", "isolation", "restart", "max_restarts", "restart_window_s", "max_in_flight",
             "request_timeout_s", "wasm_fuel", "wasm_timeout_s", "wasm_max_memory_bytes")
-    limits = {k: rec.spec[k] for k in keys if k in rec.spec}
+    spec = rec.spec.to_dict() if rec.spec is not None else {}
+    limits = {k: spec[k] for k in keys if k in spec}
     limits["memory_quota_bytes"] = rec.memory_quota_bytes
     limits["gpu_memory_bytes_cap"] = rec.gpu_memory_bytes_cap
     limits["device"] = rec.device
@@ -373,7 +374,7 @@ def _applied_limits(rec: TenantRecord) -> dict[str, Any]:
 
 def _limits_line(rec: TenantRecord) -> str:
     cap = rec.gpu_memory_bytes_cap
-    pool = rec.quota.get("cuda_mem_pool_quota_bytes")
+    pool = rec.quota.cuda_mem_pool_quota_bytes if rec.quota else None
     return (f"{rec.tenant_id}: memory quota {format_size(rec.memory_quota_bytes)}, "
             f"GPU cap {'none' if cap is None else format_size(cap)}, "
             f"pool quota {'none' if pool is None else format_size(pool)} "
@@ -425,10 +426,10 @@ def run_evict(args: argparse.Namespace) -> int:
     with connect(args, timeout_s=ADMIN_TIMEOUT_S) as client:
         result = client.evict(None, args.tenant)
     if args.json:
-        print_json(result)
+        print_json(result.to_wire())
     else:
-        pids = ", ".join(str(p) for p in result.get("pids", [])) or "none"
-        print(f"evicted {result.get('evicted', args.tenant)} (workers stopped: {pids})")
+        pids = ", ".join(str(p) for p in result.pids) or "none"
+        print(f"evicted {result.evicted} (workers stopped: {pids})")
     return 0
 
 
@@ -439,7 +440,7 @@ def run_set_quota(args: argparse.Namespace) -> int:
         raise ValueError("set-quota needs at least one of --memory-quota, --gpu-cap, --pool-quota, "
                          "--gpu-time-weight, --gpu-time-cap")
     with connect(args) as client:
-        rec = TenantRecord.from_wire(client.set_quota(None, args.tenant, **changes))
+        rec = client.set_quota(None, args.tenant, **changes)
     if args.json:
         print_json(rec.to_wire())
     else:
@@ -464,7 +465,7 @@ def _over_limit_notes(rec: TenantRecord) -> list[str]:
 
 def run_scale(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        rec = TenantRecord.from_wire(client.scale(None, args.tenant, args.instances))
+        rec = client.scale(None, args.tenant, args.instances)
         if args.wait:
             deadline = time.monotonic() + args.timeout
             while not _scaled(rec, args.instances):
@@ -495,10 +496,10 @@ def run_fault(args: argparse.Namespace) -> int:
     with connect(args, timeout_s=ADMIN_TIMEOUT_S) as client:
         result = client.inject_fault(None, args.tenant, args.kind, instance=args.instance, **params)
     if args.json:
-        print_json(result)
+        print_json(result.to_wire())
     else:
-        where = f"{result.get('tenant', args.tenant)}/{result.get('instance', args.instance)}"
-        extra = " ".join(f"{k}={v}" for k, v in sorted(result.items())
+        where = f"{result.tenant}/{result.instance}"
+        extra = " ".join(f"{k}={v}" for k, v in sorted(result.to_wire().items())
                          if v is not None and k not in ("tenant", "instance", "kind", "pid", "ok", "ref"))
-        print(f"fault {args.kind} -> {where} (pid {result.get('pid')}){(' ' + extra) if extra else ''}")
+        print(f"fault {args.kind} -> {where} (pid {result.pid}){(' ' + extra) if extra else ''}")
     return 0

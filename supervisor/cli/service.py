@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from collections.abc import Sequence
 
 from shared.errors import ConfigError
 from shared.exitcodes import EXIT_USAGE
+from shared.records import TenantRecord
 from supervisor.cli._common import add_run_dir, print_json
 from supervisor.cli.status import connect
 
@@ -73,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p.set_defaults(func=runs[name])
 
 
-def _names(items: list[Any]) -> str:
+def _names(items: Sequence[str]) -> str:
     return ", ".join(str(i) for i in items) or "none"
 
 
@@ -85,24 +86,23 @@ def run_reload(args: argparse.Namespace) -> int:
         print(f"twt: reload refused, nothing changed: {exc.detail} (in {exc.path})", file=sys.stderr)
         return EXIT_USAGE  # the file is the user's input: nothing was changed
     if args.json:
-        print_json(result)
+        print_json(result.to_wire())
         return 0
-    changed = [f"{c['tenant']} ({', '.join(c['fields'])}{'; restarted' if c.get('restart') else ''})"
-               for c in result.get("changed", [])]
-    print(f"registered: {_names(result.get('registered', []))}")
+    changed = [f"{c.tenant} ({', '.join(c.fields)}{'; restarted' if c.restart else ''})" for c in result.changed]
+    print(f"registered: {_names(result.registered)}")
     print(f"changed:    {_names(changed)}")
-    print(f"evicted:    {_names(result.get('evicted', []))}")
-    print(f"unchanged:  {_names(result.get('unchanged', []))}")
-    if result.get("conflicts"):
-        print(f"left alone (registered at runtime, also in the file): {_names(result['conflicts'])}")
-    if result.get("settings_not_applied"):
-        print(f"[supervisor] settings changed, applied at the next start: {_names(result['settings_not_applied'])}")
+    print(f"evicted:    {_names(result.evicted)}")
+    print(f"unchanged:  {_names(result.unchanged)}")
+    if result.conflicts:
+        print(f"left alone (registered at runtime, also in the file): {_names(result.conflicts)}")
+    if result.settings_not_applied:
+        print(f"[supervisor] settings changed, applied at the next start: {_names(result.settings_not_applied)}")
     return 0
 
 
-def _tenant_line(rec: dict[str, Any]) -> str:
-    pids = ",".join(str(p) for p in rec.get("pids", [])) or "-"
-    return f"{rec.get('tenant_id')}: state {rec.get('state')}, pids {pids}, generation {rec.get('generation')}"
+def _tenant_line(rec: TenantRecord) -> str:
+    pids = ",".join(str(p) for p in rec.pids) or "-"
+    return f"{rec.tenant_id}: state {rec.state}, pids {pids}, generation {rec.generation}"
 
 
 def run_reset(args: argparse.Namespace) -> int:
@@ -117,7 +117,7 @@ def _tenant_op(args: argparse.Namespace, op: str) -> int:
     with connect(args, timeout_s=SERVICE_TIMEOUT_S) as client:
         rec = client.reset(None, args.tenant) if op == "reset" else client.restart_tenant(None, args.tenant)
     if args.json:
-        print_json(rec)
+        print_json(rec.to_wire())
     else:
         print(_tenant_line(rec))
     return 0
@@ -128,7 +128,7 @@ def run_rotate_key(args: argparse.Namespace) -> int:
         raise ValueError("rotate-key revokes every capability of every tenant; run it again with --yes")
     with connect(args) as client:
         client.rotate_key(None)
-        registry_id = client.hello()["registry_id"]
+        registry_id = client.hello().registry_id
     if args.json:
         print_json({"registry_id": registry_id})
     else:

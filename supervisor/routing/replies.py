@@ -40,7 +40,7 @@ TRACK_BYTES = 64 << 10
 class Replies:
     """The frontend's send side (see the module docstring)."""
 
-    def __init__(self, sockets: list[zmq.Socket[Any]], held: HeldBytes) -> None:
+    def __init__(self, sockets: list[zmq.Socket[bytes]], held: HeldBytes) -> None:
         self.sockets = sockets  # index = the first byte of a client key
         self.held = held
         #: per client: (tracker, body bytes, tenant, reserved bytes to give back once sent)

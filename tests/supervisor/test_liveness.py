@@ -6,13 +6,15 @@ import msgpack
 import pytest
 
 from shared import protocol as proto
+from shared.records import AliveInfo
 from tests.helpers.cluster import SupervisorHandle, supervisor, wait_for
 from tests.helpers.raw_client import dealer
 
 
 def test_alive_answers_the_version_and_readiness_only() -> None:
     with supervisor([{"name": "secret-tenant"}], log_level="error") as sup:
-        alive = sup.client.alive()
+        assert sup.client.alive() == AliveInfo(protocol=proto.PROTOCOL_VERSION, ready=True)
+        alive = sup.client.call("hello", None)  # the raw reply: these two keys and nothing else
         assert alive == {"protocol": proto.PROTOCOL_VERSION, "ready": True}
         assert "secret-tenant" not in repr(alive) and str(sup.pid) not in repr(alive)
 
@@ -26,8 +28,8 @@ def test_a_flood_of_unread_probes_leaves_the_supervisor_serving() -> None:
             header = proto.encode_request(1, "hello", None, {})
             for _ in range(30_000):  # more small replies than the socket buffers hold
                 flood.send(header)
-            assert sup.client.alive()["ready"] is True  # a bystander is answered
-            assert sup.client.hello()["pid"] == sup.pid
+            assert sup.client.alive().ready is True  # a bystander is answered
+            assert sup.client.hello().pid == sup.pid
             got = []
             while flood.poll(2000):
                 got.append(msgpack.unpackb(flood.recv(), raw=False))
@@ -56,7 +58,7 @@ def test_a_peer_that_stops_reading_meets_the_unread_bound_and_others_are_served(
                 if _unread_dropped(sup):
                     break
             wait_for(lambda: _unread_dropped(sup), what="error replies dropped for a peer that stopped reading")
-            assert sup.client.alive()["ready"] is True  # a bystander is served
+            assert sup.client.alive().ready is True  # a bystander is served
             got = 0
             while flood.poll(0) or flood.poll(1000):
                 version, rid, ok, payload = msgpack.unpackb(flood.recv(), raw=False)
@@ -69,5 +71,5 @@ def test_a_peer_that_stops_reading_meets_the_unread_bound_and_others_are_served(
 
 
 def _unread_dropped(sup: SupervisorHandle) -> int:
-    by = sup.client.status()["supervisor"]["unauthenticated_dropped_by"]
+    by = sup.client.status().supervisor.unauthenticated_dropped_by
     return int(by.get("unread_replies", 0))
