@@ -70,7 +70,7 @@ from __future__ import annotations
 import inspect
 import keyword
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Final, Self, dataclass_transform, overload
+from typing import ClassVar, Final, Self, TypeVar, cast, dataclass_transform, overload
 
 __all__ = [
     "AdmissionRate",
@@ -123,7 +123,10 @@ _SCALARS = (str, int, float, bool, type(None))
 # ------------------------------------------------------------ the machinery
 
 
-def _keyword_only(*, default: Any, kw_only: bool) -> Any:
+_T = TypeVar("_T")
+
+
+def _keyword_only(*, default: _T, kw_only: bool) -> _T:
     """Field specifier (PEP 681) for the one keyword-only parameter, ``message``."""
     del kw_only  # read by type checkers only
     return default
@@ -138,10 +141,10 @@ class _Message:
     """
 
     @overload
-    def __get__(self, obj: None, owner: type[Any]) -> Self: ...
+    def __get__(self, obj: None, owner: type[object]) -> Self: ...
     @overload
-    def __get__(self, obj: TensorWasmError, owner: type[Any]) -> str: ...
-    def __get__(self, obj: TensorWasmError | None, owner: type[Any]) -> str | Self:
+    def __get__(self, obj: TensorWasmError, owner: type[object]) -> str: ...
+    def __get__(self, obj: TensorWasmError | None, owner: type[object]) -> str | Self:
         if obj is None:
             return self
         text: str = obj.__dict__["message"]
@@ -162,16 +165,16 @@ class _ErrorType(type):
 
 
 #: the default of a field that has none (a required constructor parameter)
-_REQUIRED: Any = object()
+_REQUIRED: Final = object()
 
 
-def _declared_fields(cls: type) -> dict[str, tuple[Any, Any]]:
+def _declared_fields(cls: type) -> dict[str, tuple[object, object]]:
     """The fields ``cls`` itself declares (annotated, not ``ClassVar``): name -> (annotation, default).
 
     Every other annotated name is a field to a type checker too, so one that
     cannot be a public constructor parameter is refused here, not skipped.
     """
-    own: dict[str, tuple[Any, Any]] = {}
+    own: dict[str, tuple[object, object]] = {}
     for name, annotation in inspect.get_annotations(cls).items():
         text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
         if text.startswith(("ClassVar", "typing.ClassVar")) or name == "message":
@@ -182,7 +185,7 @@ def _declared_fields(cls: type) -> dict[str, tuple[Any, Any]]:
     return own
 
 
-def _make_init(cls: type[TensorWasmError], fields: Mapping[str, tuple[Any, Any]]) -> Callable[..., None]:
+def _make_init(cls: type[TensorWasmError], fields: Mapping[str, tuple[object, object]]) -> Callable[..., None]:
     """The constructor a dataclass would get: ``(self, *fields, message=None)``.
 
     Written as source and compiled once per class, as ``dataclasses`` and
@@ -196,12 +199,12 @@ def _make_init(cls: type[TensorWasmError], fields: Mapping[str, tuple[Any, Any]]
     params.append("*, message=None")
     body = "".join(f"    self.{name} = {name}\n" for name in fields)
     source = f"def __init__(self, {', '.join(params)}):\n{body}    _root_init(self, message)\n"
-    namespace: dict[str, Any] = {"_defaults": defaults, "_root_init": TensorWasmError.__init__}
+    namespace: dict[str, object] = {"_defaults": defaults, "_root_init": TensorWasmError.__init__}
     try:
         exec(source, namespace)
     except SyntaxError as exc:  # a required field after one with a default
         raise TypeError(f"{cls.__name__}: {exc.msg}") from None
-    init: Callable[..., None] = namespace["__init__"]
+    init = cast("Callable[..., None]", namespace["__init__"])
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
     init.__annotations__ = {name: annotation for name, (annotation, _) in fields.items()}
@@ -229,7 +232,7 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
     _template: ClassVar[str] = ""
     message: _Message = _keyword_only(default=_Message(), kw_only=True)
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         code = cls.__dict__.get("code")
         if code is not None:
@@ -239,7 +242,7 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
         own = _declared_fields(cls)
         if not own:
             return  # the constructor and fields of its base serve
-        fields: dict[str, tuple[Any, Any]] = {}
+        fields: dict[str, tuple[object, object]] = {}
         for base in reversed(cls.__mro__[1:]):  # dataclass order: a redeclared field keeps its place
             if issubclass(base, TensorWasmError) and base is not TensorWasmError:
                 fields.update(_declared_fields(base))
@@ -259,7 +262,7 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
         return self.__class__.__doc__.strip().splitlines()[0] if self.__class__.__doc__ else self.code
 
     @classmethod
-    def _variant(cls, fields: Mapping[str, Any]) -> type[TensorWasmError]:
+    def _variant(cls, fields: Mapping[str, object]) -> type[TensorWasmError]:
         """The class to rebuild a wire record of this code as (a cause's subclass, see :class:`Overloaded`)."""
         del fields
         return cls
@@ -268,18 +271,18 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
         """True when the same request may succeed later without any change."""
         return self.retryable
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> dict[str, object]:
         """The typed fields of this error (the constructor's parameters)."""
         return {name: getattr(self, name) for name in self._fields}
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A plain, msgpack-able dict: ``{"code", "message", "fields"}``."""
         fields = {}
         for name, value in self.fields().items():
             fields[name] = value if isinstance(value, _SCALARS) else str(value)
         return {"code": self.code, "message": self.message, "fields": fields}
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         # Exceptions with keyword-only constructors do not pickle by default.
         return (error_from_dict, (self.to_dict(),))
 
@@ -504,15 +507,16 @@ class Overloaded(TensorWasmError):
     #: which sent no cause) or a cause this side does not know: this class
     cause: str = ""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         cause = cls.__dict__.get("cause")
         if isinstance(cause, str):
             Overloaded._causes[cause] = cls
 
     @classmethod
-    def _variant(cls, fields: Mapping[str, Any]) -> type[TensorWasmError]:
-        return Overloaded._causes.get(fields.get("cause"), cls) if cls is Overloaded else cls  # type: ignore[arg-type]
+    def _variant(cls, fields: Mapping[str, object]) -> type[TensorWasmError]:
+        cause = fields.get("cause")
+        return Overloaded._causes.get(cause, cls) if cls is Overloaded and isinstance(cause, str) else cls
 
 
 class InFlightLimit(Overloaded):
@@ -814,7 +818,7 @@ def error_class_for_code(code: str) -> type[TensorWasmError]:
     return _BY_CODE.get(code, TensorWasmError)
 
 
-def error_from_dict(data: Mapping[str, Any]) -> TensorWasmError:
+def error_from_dict(data: object) -> TensorWasmError:
     """Rebuild an error from :meth:`TensorWasmError.to_dict` output.
 
     Untrusted input never raises here: a dict that does not fit its class's

@@ -19,13 +19,16 @@ unpacker per message with explicit ``max_*_len`` limits and
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 from collections.abc import Callable
 
 import msgpack
 
+from shared.checks import is_int
 from shared.errors import InvalidArgument, ProtocolError
+from shared.kinds import WORKER_FAULT_KINDS
 from shared.spec import TenantSpec
 
 __all__ = [
@@ -99,11 +102,13 @@ class Arg:
     name: str
     types: tuple[type, ...]
     required: bool = False
-    check: Callable[[Any], None] | None = None
+    check: Callable[[object], None] | None = None
 
 
-def _check_spec(value: Any) -> None:
+def _check_spec(value: object) -> None:
     """``register``'s ``spec``: every key known and every value of its type and range."""
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"register: spec must be a map, not {type(value).__name__}")
     try:
         TenantSpec.from_dict(value)
     except (TypeError, ValueError) as exc:
@@ -165,8 +170,8 @@ QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cud
 #: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy: numbers)
 _QUOTA_TYPES: Final[dict[str, tuple[type, ...]]] = {"gpu_time_weight": (int, float),
                                                     "gpu_time_cap": (int, float, type(None))}
-#: what inject_fault accepts (docs/RELIABILITY.md describes each)
-FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
+#: what inject_fault accepts (the "worker" rows of shared.kinds.FAULT_TABLE; docs/RELIABILITY.md describes each)
+FAULT_KINDS: Final = WORKER_FAULT_KINDS
 
 _T = "tenant"
 OPS: Final[dict[str, OpSpec]] = {
@@ -262,7 +267,7 @@ HANDLE_OPS: Final = frozenset(name for name, op in OPS.items() if op.handle)
 CONTROL_KINDS: Final = frozenset({"hello", "hb", "stop", "fault", "fault_ack"})
 
 
-def check_args(op: str, args: dict[str, Any]) -> None:
+def check_args(op: str, args: Mapping[str, object]) -> None:
     """Check ``args`` against ``op``'s schema: required arguments present, every declared one of a
     declared type (``bool`` is not an int). Raises :class:`InvalidArgument`; unknown names pass
     (the handler ignores them)."""
@@ -288,7 +293,7 @@ def check_args(op: str, args: dict[str, Any]) -> None:
 _local = threading.local()
 
 
-def _packb(obj: Any) -> bytes:
+def _packb(obj: object) -> bytes:
     packer = getattr(_local, "packer", None)
     if packer is None:
         packer = _local.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -296,7 +301,7 @@ def _packb(obj: Any) -> bytes:
     return data
 
 
-def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> Any:
+def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> object:
     if len(data) > max_len:
         raise ProtocolError(f"header of {len(data)} bytes exceeds the {max_len}-byte limit")
     try:
@@ -318,7 +323,7 @@ def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> Any:
         raise ProtocolError(f"malformed msgpack header: {type(exc).__name__}") from None
 
 
-def encode_request(rid: int, op: str, capability: bytes | None, args: dict[str, Any]) -> bytes:
+def encode_request(rid: int, op: str, capability: bytes | None, args: Mapping[str, object]) -> bytes:
     """A client's request header."""
     return _packb([PROTOCOL_VERSION, rid, op, capability, args])
 
@@ -331,7 +336,7 @@ def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[
     version, rid, op, cap, args = obj
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r} (this supervisor speaks {PROTOCOL_VERSION})")
-    if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 1 << 63:
+    if not is_int(rid) or not 0 <= rid < 1 << 63:
         raise ProtocolError("rid must be a non-negative int")
     if not isinstance(op, str) or (op not in TENANT_OPS and op not in ADMIN_OPS):
         raise ProtocolError(f"unknown op {op!r:.80}")  # never echo an unbounded name
@@ -358,18 +363,18 @@ def peek_rid(data: bytes) -> int | None:
         rid = unpacker.unpack()
     except Exception:  # noqa: BLE001 - untrusted bytes; any failure means "no rid"
         return None
-    if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 1 << 63:
+    if is_int(rid) and 0 <= rid < 1 << 63:
         return rid
     return None
 
 
-def encode_reply(rid: int, ok: bool, payload: Any) -> bytes:
+def encode_reply(rid: int, ok: bool, payload: object) -> bytes:
     """The supervisor's reply header to a client."""
     return _packb([PROTOCOL_VERSION, rid, ok, payload])
 
 
 def decode_reply(data: bytes, max_len: int = MAX_CLIENT_REPLY_BYTES,
-                 max_items: int = MAX_CLIENT_REPLY_ITEMS) -> tuple[int, bool, Any]:
+                 max_items: int = MAX_CLIENT_REPLY_ITEMS) -> tuple[int, bool, object]:
     """A reply header as the client sees it: (rid, ok, result-or-error-dict)."""
     obj = _unpack(data, max_len, max_items)
     if not isinstance(obj, list) or len(obj) != 4 or obj[0] != PROTOCOL_VERSION:
@@ -380,7 +385,7 @@ def decode_reply(data: bytes, max_len: int = MAX_CLIENT_REPLY_BYTES,
     return rid, ok, payload
 
 
-def encode_worker_request(rid: int, op: str, args: dict[str, Any]) -> bytes:
+def encode_worker_request(rid: int, op: str, args: Mapping[str, object]) -> bytes:
     return _packb([rid, op, args])
 
 
@@ -394,23 +399,23 @@ def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, Any]]:
     return rid, op, args
 
 
-def encode_worker_reply(rid: int, ok: bool, payload: Any) -> bytes:
+def encode_worker_reply(rid: int, ok: bool, payload: object) -> bytes:
     return _packb([rid, ok, payload])
 
 
 def decode_worker_reply(data: bytes, max_len: int = MAX_WORKER_REPLY_BYTES,
-                        max_items: int = MAX_WORKER_REPLY_ITEMS) -> tuple[int, bool, Any]:
+                        max_items: int = MAX_WORKER_REPLY_ITEMS) -> tuple[int, bool, object]:
     """Workers are semi-trusted (they run tenant code): validate like any input."""
     obj = _unpack(data, max_len, max_items)
     if not isinstance(obj, list) or len(obj) != 3:
         raise ProtocolError("worker reply must be [rid, ok, payload]")
     rid, ok, payload = obj
-    if isinstance(rid, bool) or not isinstance(rid, int) or not isinstance(ok, bool):
+    if not is_int(rid) or not isinstance(ok, bool):
         raise ProtocolError("worker reply rid/ok of the wrong type")
     return rid, ok, payload
 
 
-def encode_control(kind: str, args: dict[str, Any] | None = None) -> bytes:
+def encode_control(kind: str, args: Mapping[str, object] | None = None) -> bytes:
     return _packb([kind, args or {}])
 
 

@@ -44,16 +44,18 @@ import logging
 import os
 import re
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Final
 from collections.abc import Callable
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
+from shared.checks import is_int
 from shared.errors import GpuMemoryExhausted, MemoryExhausted, SegmentError
 from shared.ids import TenantId
 from shared.log import get_logger, log_event
 from shared.sizes import check_size_range
+from shared.wire import Record
 
 __all__ = [
     "DEFAULT_QUOTA_BYTES",
@@ -151,7 +153,7 @@ def _granted(share_sum: int, high_water: int) -> int:
 
 
 def _check_amount(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     return check_size_range(value, what)
 
@@ -244,9 +246,10 @@ class SegmentHeader:
         return _owner_alive(self.owner_pid, self.owner_start_ms)
 
 
-@dataclass(frozen=True)
-class QuotaSnapshot:
-    """Every counter of a block at one moment (each field read atomically)."""
+@dataclass(frozen=True, slots=True)
+class QuotaSnapshot(Record):
+    """Every counter of a block at one moment (each field read atomically); a wire record
+    (the ``quota`` reply, ``TenantRecord.quota``)."""
 
     tenant_id: str
     name: str
@@ -275,10 +278,8 @@ class QuotaSnapshot:
     gpu_wait_bins: tuple[int, ...] = (0,) * (len(GPU_WAIT_BUCKETS_S) + 1)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["instance_shares"] = [list(t) for t in self.instance_shares]
-        d["gpu_wait_bins"] = list(self.gpu_wait_bins)
-        return d
+        """The wire map (:meth:`Record.to_wire`; kept under its old name)."""
+        return self.to_wire()
 
 
 def write_header(buf: memoryview, kind: int, label: str, generation: int, size: int) -> None:
@@ -463,7 +464,7 @@ class QuotaBlock(MappedSegment):
         instance's share, which the supervisor reclaims if the process dies.
         """
         if instance is not None:
-            if isinstance(instance, bool) or not isinstance(instance, int):
+            if not is_int(instance):
                 raise TypeError(f"instance must be an int, not {type(instance).__name__}")
             if not 0 <= instance < MAX_INSTANCES:
                 raise ValueError(f"instance {instance} out of range 0..{MAX_INSTANCES - 1}")

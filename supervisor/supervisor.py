@@ -111,7 +111,7 @@ RSS_CHECK_INTERVAL_S = 1.0
 class _Parts:
     """Everything :meth:`Supervisor._setup` builds (absent until then)."""
 
-    zctx: zmq.Context[Any]
+    zctx: zmq.Context[zmq.Socket[bytes]]
     placement: Placement
     replies: Replies
     pending: PendingTable
@@ -224,10 +224,10 @@ class Supervisor:
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
                   devices=placement.indexes)
         keys = _server_keys(cfg, state) if cfg.listen else None  # a malformed key stops the start here
-        z: zmq.Context[Any] = zmq.Context()
+        z: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
-        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[Any]:
-            s: zmq.Socket[Any] = z.socket(zmq.ROUTER)
+        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[bytes]:
+            s: zmq.Socket[bytes] = z.socket(zmq.ROUTER)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_msg)
@@ -534,8 +534,7 @@ class Supervisor:
         rebuilds the dict (``_refresh_metrics``) and hands it over; the loop
         also refreshes it every second. Waits at most 1 s for a fresh one.
         """
-        value: MetricsSnapshot = self._metrics.request(1.0)
-        return value
+        return self._metrics.request(1.0)
 
     def _refresh_metrics(self) -> None:
         """Loop thread: rebuild the exporter's snapshot (tenants, warm pool, device budgets)."""
@@ -550,7 +549,7 @@ class Supervisor:
         if parts is None:
             self._metrics.publish(MetricsSnapshot(tenants=tenants))
             return
-        devices = tuple(DeviceGauges(d["index"], d["budget_limit_bytes"], d["budget_used_bytes"], d["budget_refusals"])
+        devices = tuple(DeviceGauges(d.index, d.budget_limit_bytes, d.budget_used_bytes, d.budget_refusals)
                         for d in parts.placement.status())
         self._metrics.publish(MetricsSnapshot(
             tenants=tenants, pool_idle=len(parts.workers.pool), pool_starting=parts.workers.pool_starting,

@@ -73,7 +73,7 @@ def supervisor_alive(pid: int | None, started: float | None) -> bool:
 class ControlThread(threading.Thread):
     def __init__(
         self,
-        zctx: zmq.Context[Any],
+        zctx: zmq.Context[zmq.Socket[bytes]],
         boot: BootMessage,
         faults: FaultState,
         stop_event: threading.Event,
@@ -102,7 +102,7 @@ class ControlThread(threading.Thread):
             sock.close(0)
             self.closed.set()
 
-    def _loop(self, sock: zmq.Socket[Any]) -> None:
+    def _loop(self, sock: zmq.Socket[bytes]) -> None:
         last_heard = time.monotonic()
         interval = self.boot.heartbeat_interval_s
         silent_after = interval * self.boot.heartbeat_liveness
@@ -154,7 +154,7 @@ class ControlThread(threading.Thread):
             raise InvalidArgument(f"fault 'cuda-fault' needs the cuda backend (this worker runs "
                                   f"{name or 'no backend yet'!r})")
 
-    def _on_message(self, sock: zmq.Socket[Any], kind: str, args: dict[str, Any]) -> None:
+    def _on_message(self, sock: zmq.Socket[bytes], kind: str, args: dict[str, Any]) -> None:
         if kind == "stop":
             log_event(_log, logging.INFO, "worker.stop_requested")
             self.stop_event.set()

@@ -62,7 +62,7 @@ class DeviceGate:
             self._timer = self.backend.op_timer()
         return self._timer
 
-    def op(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], deadline_ns: int | None = None) -> Any:
+    def op(self, name: str, fn: Callable[..., Any], args: tuple[object, ...], deadline_ns: int | None = None) -> object:
         """Run op ``name`` = ``fn(*args)`` on the device, in chunks where it splits (see module doc);
         the result of ``fn`` for an op run whole (a sum), else None."""
         p = plan(name, self.backend, args)
@@ -88,7 +88,7 @@ class DeviceGate:
         self.block.observe_gpu_wait(wait)
         return None
 
-    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], deadline_ns: int | None) -> tuple[int, int, Any]:
+    def _run(self, fn: Callable[..., Any], args: tuple[object, ...], deadline_ns: int | None) -> tuple[int, int, Any]:
         """One launch under the lease: (device ns, ns waited for the device, its result)."""
         board = self.board
         waited = 0
@@ -99,7 +99,7 @@ class DeviceGate:
                 raise KernelTimeout(0.0, message=f"waiting for the device: {exc}") from None
         self.run_wait_ns += waited
         ns = 0
-        result: list[Any] = []
+        result: list[object] = []
         try:
             ns = self._timer_().time(lambda: result.append(fn(*args)))
         finally:

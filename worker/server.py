@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import zmq
 
+from shared.checks import is_int
 from shared.device_budget import DeviceBudget  # imported at start, not at bind: binding must be fast
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.gpu_time import GpuTimeBoard
@@ -42,7 +43,6 @@ from shared.log import get_logger, log_event
 from shared.exitcodes import context_lost_exit_code
 from shared.protocol import decode_worker_request, encode_worker_reply
 from shared.records import BindMessage
-from shared.spec import TenantSpec
 from worker.context import TenantContext
 from worker.faults import FaultState
 
@@ -85,7 +85,7 @@ def _resolve(op: str) -> Handler | None:
 class WorkerServer:
     """Serves requests for one tenant instance until told to stop."""
 
-    def __init__(self, sock: zmq.Socket[Any], faults: FaultState) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], faults: FaultState) -> None:
         self.sock = sock
         self.faults = faults
         self.context: TenantContext | None = None
@@ -180,7 +180,7 @@ class WorkerServer:
 
 def _int_arg(args: dict[str, Any], name: str, default: int | None = None) -> int:
     value = args.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
     return value
 
@@ -194,12 +194,12 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
     if server.context is not None:
         raise InvalidArgument(f"worker is already bound to {server.context.tenant_id!r}")
     msg = BindMessage.from_wire(args)
-    spec = TenantSpec.from_dict(msg.spec)
+    spec = msg.spec
     options = dict(msg.backend_options)
     budget = None
     budget_segment = options.pop("budget_segment", None)
     if budget_segment:
-        budget = DeviceBudget.attach(budget_segment)
+        budget = DeviceBudget.attach(str(budget_segment))
     board = None  # the device's GPU-time lease board and the tenant's slot on it (shared.gpu_time)
     board_segment = options.pop("gpu_time_segment", None)
     if board_segment:

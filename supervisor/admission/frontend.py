@@ -46,6 +46,7 @@ import zmq
 
 from shared import protocol as proto
 from shared.capability import RegistryAdminCapability, TenantCapability, capability_from_bytes
+from shared.checks import is_int
 from shared.config import SupervisorConfig
 from shared.errors import (
     BufferLost,
@@ -643,14 +644,14 @@ def request_handles(op: str, args: dict[str, Any]) -> list[int]:
     """The buffer handles a request names (``handle``, or run_wasm's ``{handle}`` arguments)."""
     if op in proto.HANDLE_OPS:
         handle = args.get("handle")
-        if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+        if not is_int(handle) or handle < 0:
             raise InvalidArgument("handle must be a non-negative int")
         return [handle]
     if op == "run_wasm":
         return [
             a["handle"]
             for a in args.get("args") or ()
-            if isinstance(a, dict) and isinstance(a.get("handle"), int) and not isinstance(a.get("handle"), bool)
+            if isinstance(a, dict) and is_int(a.get("handle"))
         ]
     return []
 
@@ -665,7 +666,7 @@ def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | N
         return None  # the hot path (ping, quota-free ops): nothing to look at
     if op == "alloc":
         pinned = args.get("instance")
-        if pinned is not None and (isinstance(pinned, bool) or not isinstance(pinned, int) or pinned < 0):
+        if pinned is not None and (not is_int(pinned) or pinned < 0):
             raise InvalidArgument("alloc: instance must be a non-negative int")
         what = "alloc names"
     else:
@@ -708,7 +709,7 @@ def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, Any]) -> BufferLost 
 def expected_reply_bytes(op: str, args: dict[str, Any], limit: int) -> int:
     """The reply body a request will bring back: a ``read``'s ``nbytes`` (at most ``limit``)."""
     n = args.get("nbytes") if op == "read" else None
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+    if not is_int(n) or n <= 0:
         return 0
     return min(n, limit)
 
@@ -718,12 +719,12 @@ def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError
     wanted = rt.wanted_slots()
     if not wanted:
         return TenantStopped(rt.tenant_id)
-    gone = rt.slots[pinned] if pinned is not None else max(wanted, key=lambda s: (s.last_exit or {}).get("at", 0.0))
-    last = gone.last_exit or {}
+    gone = rt.slots[pinned] if pinned is not None else max(wanted, key=lambda s: s.last_exit.at if s.last_exit else 0.0)
+    last = gone.last_exit
     who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
     reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
-              f"last exit of {rt.tenant_id}/{gone.index}: {last.get('reason', 'unknown')})")
-    return WorkerLost(rt.tenant_id, gone.index, last.get("exit_code"), last.get("signal"), reason,
+              f"last exit of {rt.tenant_id}/{gone.index}: {last.reason if last else 'unknown'})")
+    return WorkerLost(rt.tenant_id, gone.index, last.exit_code if last else None, last.signal if last else None, reason,
                       message=f"{reason}; `twt scale {rt.tenant_id} N` starts instances again")
 
 
@@ -743,7 +744,7 @@ def with_wasm_limits(rt: TenantRuntime, args: dict[str, Any]) -> dict[str, Any]:
     out = dict(args)
     out["fuel"] = (
         min(fuel, spec.wasm_fuel)
-        if isinstance(fuel, int) and not isinstance(fuel, bool) and fuel > 0
+        if is_int(fuel) and fuel > 0
         else spec.wasm_fuel
     )
     out["timeout_s"] = spec.wasm_run_s(args.get("timeout_s"))

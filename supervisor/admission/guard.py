@@ -44,17 +44,17 @@ class FrontendGuard:
         self.admission = Admission.from_config(config)
         self.connections = connections
 
-    def unauthenticated_error(self, client: bytes, exc: TensorWasmError) -> dict[str, Any] | None:
+    def unauthenticated_error(self, client: bytes, exc: TensorWasmError) -> dict[str, object] | None:
         """The error reply for a request without a verified capability, or None to drop it
         (the peer has too many such replies unread). Every text in it is cut short; send
         it tracked and hand the tracker to ``errors.sent``."""
         if not self.errors.allow(client):
             return None
         err = exc.to_dict()
-        err["message"] = short(str(err.get("message", "")))
-        err["fields"] = {
-            k: short(v, MAX_ERROR_TEXT // 2) if isinstance(v, str) else v for k, v in dict(err.get("fields") or {}).items()
-        }
+        err["message"] = short(exc.message)
+        fields = err["fields"]
+        if isinstance(fields, dict):
+            err["fields"] = {k: short(v, MAX_ERROR_TEXT // 2) if isinstance(v, str) else v for k, v in fields.items()}
         return err
 
     def refresh(self) -> None:
@@ -85,7 +85,7 @@ class FrontendGuard:
             connection_budget=gate.budget if gate is not None else 0,
         )
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any]:  # SupervisorRecord(**...) checks each counter's type at decode
         out: dict[str, Any] = {
             "held_bytes": self.held.snapshot(),
             "unauthenticated_dropped": self.dropped,

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any
 
 import zmq
 import zmq.auth
@@ -70,7 +69,7 @@ TCP_MAXRT_MS = 60_000
 class _Gate(ThreadAuthenticator):
     """ZAP for the TCP frontend: the peer budget first, then the allow-list (or any key)."""
 
-    def __init__(self, zctx: zmq.Context[Any], frontend: TcpFrontend, max_peers: int) -> None:
+    def __init__(self, zctx: zmq.Context[zmq.Socket[bytes]], frontend: TcpFrontend, max_peers: int) -> None:
         super().__init__(zctx, log=get_logger("supervisor.zap"))
         self._frontend = frontend
         self._max_peers = max_peers
@@ -87,16 +86,16 @@ class _Gate(ThreadAuthenticator):
 class TcpFrontend:
     """Binds the CURVE ROUTER; raises OSError naming the endpoint when one cannot be bound."""
 
-    def __init__(self, zctx: zmq.Context[Any], config: SupervisorConfig, keys: CurveKeyPair, hwm: int,
+    def __init__(self, zctx: zmq.Context[zmq.Socket[bytes]], config: SupervisorConfig, keys: CurveKeyPair, hwm: int,
                  connections: FrontendConnections, *, rcvhwm: int | None = None) -> None:
         self.keys = keys
         self.endpoints: list[str] = []
         self.max_peers = config.max_tcp_peers
         self._connections = connections
-        self.monitor: zmq.Socket[Any] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None
         allowed = check_client_keys_dir(config.client_keys_dir) if config.client_keys_dir is not None else None
         s = zctx.socket(zmq.ROUTER)
-        self.socket: zmq.Socket[Any] = s
+        self.socket: zmq.Socket[bytes] = s
         self._auth: _Gate | None = _Gate(zctx, self, config.max_tcp_peers)
         try:
             self._auth.start()  # before the bind: no handshake may pass unchecked

@@ -13,7 +13,6 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Any
 
 from shared import protocol as proto
 from shared.exitcodes import EXIT_FAILED, EXIT_OK
@@ -30,7 +29,7 @@ from supervisor.cli.buffers import resolve_handle
 __all__ = ["add_parser", "parse_wasm_arg", "run"]
 
 
-def parse_wasm_arg(text: str) -> Any:
+def parse_wasm_arg(text: str) -> object:
     """``42``, ``-1``, ``0x10`` -> int; ``2.5``, ``1e-3``, ``inf`` -> float; ``handle=1:7`` (or a raw
     ``handle=N``) -> a client buffer, looked up among the tenant's buffers before the run is sent."""
     value = text.strip()
@@ -98,20 +97,19 @@ def run(args: argparse.Namespace) -> int:
                          for a in wasm_args]
         reply = client.run_wasm(cap, module, args.invoke, wasm_args, fuel=args.fuel, timeout_s=args.timeout)
     if args.json:
-        print_json(reply)
+        print_json(reply.to_wire())
         return 0
     out = sys.stdout
-    out.write(f"results: {reply.get('results')}\n")
-    cached = "cached module" if reply.get("cached") else "compiled"
-    out.write(f"fuel used: {reply.get('fuel_used'):,}   time: {reply.get('elapsed_s', 0.0) * 1000:.3f} ms in the worker "
+    out.write(f"results: {list(reply.results)}\n")
+    cached = "cached module" if reply.cached else "compiled"
+    out.write(f"fuel used: {reply.fuel_used or 0:,}   time: {reply.elapsed_s * 1000:.3f} ms in the worker "
               f"({cached})\n")
-    logs = reply.get("logs") or []
-    for line in logs:
+    for line in reply.logs:
         out.write(f"log: {line}\n")
-    dropped = int(reply.get("logs_dropped") or 0)
+    dropped = reply.logs_dropped
     if dropped:
         out.write(f"log: ... {dropped:,} more line(s) dropped by the log limits\n")
-    exit_code = reply.get("exit_code")
+    exit_code = reply.exit_code
     if exit_code is not None:  # the guest called exit() (WASI proc_exit): its code is the run's outcome
         out.write(f"exit code: {exit_code}\n")
         return EXIT_OK if exit_code == 0 else EXIT_FAILED

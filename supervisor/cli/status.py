@@ -17,11 +17,10 @@ import argparse
 import dataclasses
 import io
 from collections.abc import Sequence
-from typing import Any
 
 from shared.errors import UnknownTenant
 from shared.exitcodes import EXIT_FAILED, EXIT_OK
-from shared.records import StatusRecord, SupervisorRecord, TenantRecord
+from shared.records import ExitRecord, StatusRecord, SupervisorRecord, TenantRecord
 from shared.sizes import format_size
 from supervisor.cli._common import add_run_dir, client_of, print_json, print_table
 from supervisor.client.api import SupervisorClient
@@ -142,8 +141,8 @@ def tenant_row(t: TenantRecord) -> list[str]:
         _pids(t.pids),
         f"{format_size(t.bytes_in_use)}/{_limit(t.memory_quota_bytes)}",
         f"{format_size(t.gpu_bytes_in_use)}/{_limit(t.gpu_memory_bytes_cap)}",
-        f"{format_size(quota.get('cpu_high_water', 0))}/{format_size(quota.get('gpu_high_water', 0))}",
-        f"{quota.get('cpu_refusals', 0)}/{quota.get('gpu_refusals', 0)}",
+        f"{format_size(quota.cpu_high_water if quota else 0)}/{format_size(quota.gpu_high_water if quota else 0)}",
+        f"{quota.cpu_refusals if quota else 0}/{quota.gpu_refusals if quota else 0}",
         str(t.restarts),
         format_duration(t.uptime_s),
         *gpu_time_cells(t),
@@ -173,16 +172,16 @@ def _notes(t: TenantRecord) -> list[str]:
     for inst in t.instances:
         if inst.state in ("ready", "idle") or inst.draining:
             continue
-        last = inst.last_exit or {}
-        how = f" (last exit: {last.get('reason') or _exit_text(last)})" if last else ""
+        last = inst.last_exit
+        how = f" (last exit: {last.reason or _exit_text(last)})" if last else ""
         notes.append(f"{t.tenant_id}/{inst.index}: {inst.state}{how}")
     return notes
 
 
-def _exit_text(last: dict[str, Any]) -> str:
-    if last.get("signal"):
-        return f"signal {last['signal']}"
-    return f"exit code {last.get('exit_code')}"
+def _exit_text(last: ExitRecord) -> str:
+    if last.signal:
+        return f"signal {last.signal}"
+    return f"exit code {last.exit_code}"
 
 
 def render(status: StatusRecord) -> str:

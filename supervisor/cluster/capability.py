@@ -25,6 +25,7 @@ from typing import Any
 import msgpack
 
 from shared.capability import TenantCapability
+from shared.checks import is_int
 from shared.errors import InvalidArgument
 
 __all__ = ["ClusterCapability"]
@@ -94,7 +95,7 @@ class ClusterCapability:
         cluster, tenant, node, endpoint, key, cap, ticket, epoch = items
         if not all(isinstance(v, str) for v in (cluster, tenant, node, endpoint, key)) or not all(
             isinstance(v, bytes) for v in (cap, ticket)
-        ) or isinstance(epoch, bool) or not isinstance(epoch, int):
+        ) or not is_int(epoch):
             raise InvalidArgument("malformed cluster capability (wrong field types)")
         try:
             TenantCapability.from_bytes(cap)

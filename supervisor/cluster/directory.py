@@ -45,6 +45,7 @@ from shared.errors import (
     UnknownTenant,
 )
 from shared.log import get_logger, log_event
+from shared.records import EvictResult, StatusRecord, TenantRecord
 from shared.spec import TenantSpec
 from supervisor.cluster.placement import NodeBudget, choose_node, gpu_nodes, require_gpu_nodes
 
@@ -336,7 +337,8 @@ class Directory:
             result: dict[str, Any] = {"evicted": tenant_id, "node_id": t.node_id}
             if node.alive and t.state == "running":
                 try:
-                    result.update(ray.get(node.actor.evict.remote(tenant_id), timeout=CALL_TIMEOUT_S))
+                    evicted: EvictResult = ray.get(node.actor.evict.remote(tenant_id), timeout=CALL_TIMEOUT_S)
+                    result["pids"] = list(evicted.pids)
                 except Exception as exc:  # noqa: BLE001 - the record goes either way
                     err = unwrap_ray_error(exc)
                     if not isinstance(err, (UnknownTenant, ray.exceptions.RayActorError)):
@@ -360,14 +362,14 @@ class Directory:
                 if not node.alive or t.state != "running":
                     raise NodeLost(tenant_id, node_id=t.node_id, reason=t.reason or "its node is lost")
             try:
-                result: dict[str, Any] = ray.get(node.actor.scale.remote(tenant_id, instances), timeout=CALL_TIMEOUT_S)
+                result: TenantRecord = ray.get(node.actor.scale.remote(tenant_id, instances), timeout=CALL_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - hand the typed error back to the caller
                 raise unwrap_ray_error(exc) from None
             with self._lock:
                 t.spec["instances"] = instances
         log_event(_log, logging.INFO, "cluster.tenant_scaled", tenant=tenant_id, instances=instances)
         return {"tenant_id": tenant_id, "node_id": t.node_id, "instances": instances,
-                "state": result.get("state"), "pids": result.get("pids", [])}
+                "state": result.state, "pids": list(result.pids)}
 
     # ----------------------------------------------------------- status
 
@@ -375,7 +377,7 @@ class Directory:
         """``{"cluster", "nodes": [...], "tenants": [...]}``; ``live`` adds each node supervisor's own view."""
         import ray
 
-        node_status: dict[str, dict[str, Any]] = {}
+        node_status: dict[str, StatusRecord] = {}
         if live:
             with self._lock:
                 refs = {nid: n.actor.status.remote() for nid, n in self.nodes.items() if n.alive}
@@ -402,15 +404,15 @@ class Directory:
                 })
             tenants = []
             for tid, t in sorted(self.tenants.items()):
-                live_rec = next((r for r in node_status.get(t.node_id, {}).get("tenants", ())
-                                 if r.get("tenant_id") == tid), None) if t.state == "running" else None
+                node_rec = node_status.get(t.node_id)
+                live_rec = node_rec.tenant(tid) if node_rec is not None and t.state == "running" else None
                 tenants.append({
                     "tenant_id": tid, "node_id": t.node_id, "endpoint": self.nodes[t.node_id].info["endpoint"],
-                    "state": live_rec["state"] if live_rec else t.state, "placement": t.state,
+                    "state": live_rec.state if live_rec else t.state, "placement": t.state,
                     "epoch": t.epoch, "reason": t.reason, "restart": t.spec.get("restart", "always"),
                     "gpu_memory_bytes_cap": t.spec.get("gpu_memory_bytes_cap"), "moves": list(t.history),
                     "instances": t.spec.get("instances", 1),
-                    "pids": live_rec.get("pids") if live_rec else [],
+                    "pids": list(live_rec.pids) if live_rec else [],
                 })
         return {"cluster": self.name, "address": self.address, "nodes": nodes, "tenants": tenants}
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from shared.capability import RegistryAdminCapability
 from shared.errors import SupervisorUnavailable
+from shared.records import EvictResult, StatusRecord, TenantRecord
 from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
 from supervisor.store.rundir import LOCK_FILE, read_admin_capability, read_ready, temp_parent
@@ -114,7 +115,7 @@ class NodeSupervisor:
         except BaseException:
             self._stop_process()
             raise
-        self.capacity_bytes = sum(int(d.get("budget_limit_bytes") or 0) for d in status.get("devices") or ())
+        self.capacity_bytes = sum(d.budget_limit_bytes for d in status.devices)
 
     def _wait_ready(self) -> dict[str, Any]:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -154,14 +155,14 @@ class NodeSupervisor:
         """Register on this node's supervisor; the tenant capability bytes."""
         return self.client.register(self.admin, TenantSpec.from_dict(spec)).to_bytes()
 
-    def evict(self, tenant_id: str) -> dict[str, Any]:
+    def evict(self, tenant_id: str) -> EvictResult:
         return self.client.evict(self.admin, tenant_id)
 
-    def scale(self, tenant_id: str, instances: int) -> dict[str, Any]:
+    def scale(self, tenant_id: str, instances: int) -> TenantRecord:
         """Run ``instances`` worker processes for the tenant on this node (its status record)."""
         return self.client.scale(self.admin, tenant_id, instances)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusRecord:
         return self.client.status(self.admin)
 
     def stop(self) -> int | None:

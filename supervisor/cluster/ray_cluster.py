@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from shared.config import SupervisorConfig, read_config_file
+from shared.config import SupervisorConfig, read_config_file, tenants_of
 from shared.errors import BackendUnavailable, InvalidArgument
 from shared.spec import TenantSpec
 from supervisor.cluster.capability import ClusterCapability
@@ -91,13 +91,14 @@ def _config_doc(config: SupervisorConfig | Mapping[str, Any] | str | os.PathLike
         return {"supervisor": {}, "tenant": []}
     if isinstance(config, (str, os.PathLike)):
         fields = read_config_file(config)
-        tenants = [t.to_dict() for t in fields.pop("tenants", ())]
+        tenants = [t.to_dict() for t in tenants_of(fields)]
+        del fields["tenants"]
         return {"supervisor": fields, "tenant": tenants}
     if isinstance(config, SupervisorConfig):
         d = config.to_dict()
-        tenants = d.pop("tenants")
+        del d["tenants"]
         return {"supervisor": {k: v for k, v in d.items() if k not in ("run_dir", "state_dir", "listen")},
-                "tenant": tenants}
+                "tenant": [t.to_dict() for t in config.tenants]}
     doc = dict(config)
     return {"supervisor": dict(doc.get("supervisor") or {}), "tenant": list(doc.get("tenant") or [])}
 

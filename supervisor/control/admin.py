@@ -59,7 +59,7 @@ from shared.errors import (
     WorkerLost,
 )
 from shared.log import get_logger, log_event
-from shared.quota import MAX_INSTANCES
+from shared.quota import MAX_INSTANCES, QuotaSnapshot
 from shared.records import (
     HelloInfo,
     InstanceRecord,
@@ -534,24 +534,24 @@ class AdminOps:
                 self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
         self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 
-    def _gpu_time_record(self, rt: TenantRuntime, snap: dict[str, Any]) -> dict[str, Any]:
+    def _gpu_time_record(self, rt: TenantRuntime, snap: QuotaSnapshot) -> dict[str, Any]:
         """What status and top show of the tenant's GPU time (docs/GPU-QUOTAS.md)."""
-        gpu_ns = int(snap.get("gpu_time_ns", 0))
+        gpu_ns = snap.gpu_time_ns
         share = self.gpu_share.share(rt.tenant_id, time.monotonic(), gpu_ns)
-        waits = int(snap.get("gpu_waits", 0))
+        waits = snap.gpu_waits
         return {
             "weight": rt.spec.gpu_time_weight,
             "cap": rt.spec.gpu_time_cap,
             "gpu_time_s": round(gpu_ns / 1e9, 6),
             "share": None if share is None else round(share, 4),
             "window_s": self.gpu_share.window_s,
-            "throttled": int(snap.get("gpu_throttled", 0)),
-            "ops": int(snap.get("gpu_ops", 0)),
-            "wait_mean_s": round(int(snap.get("gpu_wait_ns", 0)) / waits / 1e9, 6) if waits else 0.0,
+            "throttled": snap.gpu_throttled,
+            "ops": snap.gpu_ops,
+            "wait_mean_s": round(snap.gpu_wait_ns / waits / 1e9, 6) if waits else 0.0,
         }
 
     def tenant_record(self, rt: TenantRuntime) -> TenantRecord:
-        snap = rt.block.snapshot().to_dict() if not rt.block.closed else {}
+        snap = rt.block.snapshot() if not rt.block.closed else None
         now = self.clock()
         instances = []
         for slot in rt.slots:
@@ -581,11 +581,11 @@ class AdminOps:
             backend=self.backend_name,
             device=rt.device,
             isolation=self.placement.isolation_of(rt.tenant_id),
-            spec=rt.spec.to_dict(),
-            bytes_in_use=snap.get("bytes_in_use", 0),
-            memory_quota_bytes=snap.get("memory_quota_bytes", rt.spec.memory_quota_bytes),
-            gpu_bytes_in_use=snap.get("gpu_bytes_in_use", 0),
-            gpu_memory_bytes_cap=snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
+            spec=rt.spec,
+            bytes_in_use=snap.bytes_in_use if snap else 0,
+            memory_quota_bytes=snap.memory_quota_bytes if snap else rt.spec.memory_quota_bytes,
+            gpu_bytes_in_use=snap.gpu_bytes_in_use if snap else 0,
+            gpu_memory_bytes_cap=snap.gpu_memory_bytes_cap if snap else rt.spec.gpu_memory_bytes_cap,
             quota=snap,
             regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
             origin=rt.origin,

@@ -34,7 +34,7 @@ from typing import Any
 from collections.abc import Callable
 
 from shared.capability import RegistryAdminCapability
-from shared.config import SupervisorConfig, read_config_file
+from shared.config import SupervisorConfig, read_config_file, tenants_of
 from shared.errors import ConfigError, StateError, TenantFailed, TensorWasmError
 from shared.log import get_logger, log_event
 from supervisor.control.admin import AdminOps
@@ -160,7 +160,7 @@ class ServiceOps:
     def _plan(self, path: str) -> ReloadPlan:
         try:
             fields = read_config_file(path)
-            SupervisorConfig(**fields)  # every [supervisor] value and tenant table checked, as at start
+            SupervisorConfig.checked(fields)  # every [supervisor] value and tenant table checked, as at start
         except (ValueError, TypeError) as exc:
             raise ConfigError(path, str(exc)) from None
         current = {}
@@ -170,7 +170,7 @@ class ServiceOps:
             if rec is not None:
                 current[tid] = TenantNow(rt.spec, rec.registered_spec, rec.origin)
         settings = {k: v for k, v in fields.items() if k != "tenants"}
-        plan = plan_reload(fields["tenants"], current, old_settings=self._file_settings, new_settings=settings)
+        plan = plan_reload(tenants_of(fields), current, old_settings=self._file_settings, new_settings=settings)
         # every placement is checked before anything changes: a file that cannot be applied changes nothing
         problems = []
         counts = Counter(t.device for t in self.admin.tenants.values())

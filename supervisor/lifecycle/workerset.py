@@ -42,7 +42,7 @@ from shared.errors import (
 )
 from shared.exitcodes import exit_cause, exit_reason
 from shared.log import get_logger, log_event
-from shared.records import BindMessage, FaultAck, FaultExit, WorkerHello
+from shared.records import BindMessage, ExitRecord, FaultAck, FaultExit, WorkerHello
 from supervisor.observe.events import EventBus
 from supervisor.runtime.loop import Loop
 from supervisor.observe.metrics import Metrics
@@ -85,8 +85,8 @@ class WorkerSet:
         pending: PendingTable,
         tenants: Mapping[str, TenantRuntime],
         spawner: SpawnerLike,
-        backend: zmq.Socket[Any],
-        control: zmq.Socket[Any],
+        backend: zmq.Socket[bytes],
+        control: zmq.Socket[bytes],
         placement: Placement,
         backend_name: str,
         backend_options: dict[str, Any],
@@ -243,7 +243,7 @@ class WorkerSet:
         opts["device_index"] = rt.device
         opts.update(self.placement.worker_options(rt.spec, rt.device))  # budget, caps, MPS environment
         message = BindMessage(
-            spec=rt.spec.to_dict(),
+            spec=rt.spec,
             instance=slot.index,
             incarnation=slot.incarnation,
             segment=rt.block.name,
@@ -414,7 +414,7 @@ class WorkerSet:
         if slot.worker is not worker:
             return
         slot.worker = None
-        slot.last_exit = {"exit_code": code, "signal": sig, "reason": reason, "at": time.time()}
+        slot.last_exit = ExitRecord(exit_code=code, signal=sig, reason=reason, at=time.time())
         if slot.draining or self.hooks.is_stopping() or rt.state is TenantState.EVICTING:
             if slot.draining and index == len(rt.slots) - 1:
                 while rt.slots and rt.slots[-1].draining and rt.slots[-1].worker is None:

@@ -58,7 +58,9 @@ from collections.abc import Callable
 
 import msgpack
 
+from shared.checks import is_int
 from shared.errors import InvalidArgument
+from shared.kinds import TENANT_EVENT_KINDS
 
 __all__ = [
     "ADMIN_VIEW",
@@ -97,11 +99,8 @@ MAX_TRACKED_WORKERS: Final = 1 << 16
 #: kind filters in one request, and the length of each
 MAX_KINDS: Final = 64
 MAX_KIND_CHARS: Final = 64
-#: the kinds a tenant capability sees (of its own tenant): its instances' lifecycle and its own changes
-TENANT_KINDS: Final = frozenset({
-    "ready", "exit", "kill", "restart", "failed", "register", "evict", "scale", "set_quota", "quota_refusal",
-    "fault", "reset", "rolling_restart",
-})
+#: the kinds a tenant capability sees (of its own tenant): the ``tenant_visible`` rows of shared.kinds.EVENT_KINDS
+TENANT_KINDS: Final = TENANT_EVENT_KINDS
 
 #: one entry: (kind, tenant or None, tenant generation or None, packed record)
 _Entry = tuple[str, "str | None", "int | None", bytes]
@@ -133,7 +132,7 @@ class EventLog:
 
     def __init__(self, size: int, generation_of: Callable[[str], int | None] = lambda _tenant: None,
                  *, max_bytes: int = MAX_LOG_BYTES) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if not is_int(size) or size < 1:
             raise ValueError(f"event log size must be a positive int, not {size!r}")
         self.size = size
         self.max_bytes = max_bytes
@@ -173,10 +172,10 @@ class EventLog:
         ready for, not the current one: an evicted tenant's worker may exit after its name
         was registered again (to someone else), and the new holder must not see it."""
         own = record.get("generation")
-        if isinstance(own, int) and not isinstance(own, bool):
+        if is_int(own):
             return own
         pid = record.get("pid")
-        if not isinstance(pid, int) or isinstance(pid, bool):
+        if not is_int(pid):
             return self._generation_of(tenant)
         key = (tenant, pid)
         if kind == "ready":

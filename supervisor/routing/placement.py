@@ -45,6 +45,7 @@ from shared.errors import BackendUnavailable, InvalidArgument
 from shared.log import get_logger, log_event
 from shared.mps import Fallback, Mps, MpsDecision, detect_mps
 from shared.quota import new_segment_name
+from shared.records import DeviceRecord
 from shared.spec import IsolationKind, TenantSpec
 
 __all__ = ["MPS_HEADROOM_MIB", "POLICIES", "Placement", "mps_environment"]
@@ -303,29 +304,29 @@ class Placement:
 
     # ------------------------------------------------------------- status
 
-    def status(self, tenants_on: Mapping[int, list[str]] | None = None) -> list[dict[str, Any]]:
+    def status(self, tenants_on: Mapping[int, list[str]] | None = None) -> list[DeviceRecord]:
         """One record per device; ``tenants_on``: device -> the tenants placed there."""
         out = []
         for d in sorted(self._devices.values(), key=lambda d: d.index):
             if d.budget.closed:
                 continue
             snap = d.budget.snapshot()
-            out.append({
-                "index": d.index,
-                "name": d.name,
-                "total_bytes": d.total_bytes,
-                "free_bytes_at_start": d.free_bytes,
-                "budget_capacity_bytes": snap.capacity_bytes,
-                "reserve_bytes": snap.reserve_bytes,
-                "budget_limit_bytes": snap.limit_bytes,
-                "budget_used_bytes": snap.used_bytes,
-                "budget_free_bytes": snap.free_bytes,
-                "budget_high_water": snap.high_water,
-                "budget_refusals": snap.refusals,
-                "tenants": sorted((tenants_on or {}).get(d.index, [])),
-                "segment": snap.name,
+            out.append(DeviceRecord(
+                index=d.index,
+                name=d.name,
+                total_bytes=d.total_bytes,
+                free_bytes_at_start=d.free_bytes,
+                budget_capacity_bytes=snap.capacity_bytes,
+                reserve_bytes=snap.reserve_bytes,
+                budget_limit_bytes=snap.limit_bytes,
+                budget_used_bytes=snap.used_bytes,
+                budget_free_bytes=snap.free_bytes,
+                budget_high_water=snap.high_water,
+                budget_refusals=snap.refusals,
+                tenants=tuple(sorted((tenants_on or {}).get(d.index, []))),
+                segment=snap.name,
                 **self._board_status(d.index),
-            })
+            ))
         return out
 
     def _board_status(self, device: int) -> dict[str, Any]:

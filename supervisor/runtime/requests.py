@@ -52,8 +52,8 @@ class Parked:
     client: bytes
     rid: int
     op: str
-    args: dict[str, Any]
-    body: Any
+    args: dict[str, object]
+    body: object
     started: float
     deadline: float
     instance: int | None  # a handle-bound request must go to this instance

@@ -29,6 +29,7 @@ from typing import Any
 
 from shared import capability as _cap
 from shared.capability import RegistryAdminCapability, TenantCapability
+from shared.checks import is_int
 from shared.errors import (
     AlreadyRegistered,
     CapabilityFromForeignRegistry,
@@ -297,7 +298,7 @@ class TenantRegistry:
         """Register a tenant again at the generation it had (a supervisor restart):
         capabilities minted for it before verify again. ``generation`` may not go
         back behind one already issued (that would un-revoke old capabilities)."""
-        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+        if not is_int(generation) or generation < 1:
             raise ValueError(f"generation must be an int >= 1; got {generation!r}")
         return self._register(admin_cap, spec, False, generation)
 

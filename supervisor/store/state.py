@@ -205,7 +205,7 @@ class StateStore:
                 pass
         return cls(conn, path, lock_fd)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def submit(self, fn: Callable[..., Any], *args: object) -> Future[Any]:
         """Run ``fn(*args)`` (a method of this store) on its one writer thread, in submission order."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twt-state")

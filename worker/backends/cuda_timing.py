@@ -28,7 +28,7 @@ _log = get_logger("worker.cuda_timing")
 class CudaEventTimer:
     """Times ops on one stream with a reused pair of CUDA events."""
 
-    def __init__(self, drv: Driver, stream: Any, make_current: Callable[[], None]) -> None:
+    def __init__(self, drv: Driver, stream: object, make_current: Callable[[], None]) -> None:
         self._drv = drv
         self._stream = stream
         self._current = make_current
@@ -40,7 +40,7 @@ class CudaEventTimer:
             drv.call("cuEventDestroy", self._start)
             raise
 
-    def time(self, fn: Callable[..., Any], *args: Any) -> int:
+    def time(self, fn: Callable[..., Any], *args: object) -> int:
         drv = self._drv
         self._current()
         drv.call("cuEventRecord", self._start, self._stream)

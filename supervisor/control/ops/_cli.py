@@ -14,7 +14,7 @@ import os
 import sys
 import tomllib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from shared.capability import TenantCapability, capability_to_text, write_capability_file
 from shared.errors import RequestTimeout, SupervisorUnavailable
@@ -247,7 +247,8 @@ def _applied_limits(rec: TenantRecord) -> dict[str, Any]:
     keys = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota", "instances",
             "cuda_device_index", "isolation", "restart", "max_restarts", "restart_window_s", "max_in_flight",
             "request_timeout_s", "wasm_fuel", "wasm_timeout_s", "wasm_max_memory_bytes")
-    limits = {k: rec.spec[k] for k in keys if k in rec.spec}
+    spec = rec.spec.to_dict() if rec.spec is not None else {}
+    limits = {k: spec[k] for k in keys if k in spec}
     limits["memory_quota_bytes"] = rec.memory_quota_bytes
     limits["gpu_memory_bytes_cap"] = rec.gpu_memory_bytes_cap
     limits["device"] = rec.device
@@ -256,7 +257,7 @@ def _applied_limits(rec: TenantRecord) -> dict[str, Any]:
 
 def limits_line(rec: TenantRecord) -> str:
     cap = rec.gpu_memory_bytes_cap
-    pool = rec.quota.get("cuda_mem_pool_quota_bytes")
+    pool = rec.quota.cuda_mem_pool_quota_bytes if rec.quota else None
     return (f"{rec.tenant_id}: memory quota {format_size(rec.memory_quota_bytes)}, "
             f"GPU cap {'none' if cap is None else format_size(cap)}, "
             f"pool quota {'none' if pool is None else format_size(pool)} "
@@ -295,12 +296,15 @@ def add_cap_out(p: argparse.ArgumentParser) -> None:
                    help="write the capability (hex text) to FILE, mode 0600, instead of printing it (default: print it)")
 
 
-def tenant_line(rec: dict[str, Any]) -> str:
-    pids = ",".join(str(p) for p in rec.get("pids", [])) or "-"
-    return f"{rec.get('tenant_id')}: state {rec.get('state')}, pids {pids}, generation {rec.get('generation')}"
+def tenant_line(rec: TenantRecord) -> str:
+    pids = ",".join(str(p) for p in rec.pids) or "-"
+    return f"{rec.tenant_id}: state {rec.state}, pids {pids}, generation {rec.generation}"
 
 
-def unreachable_on_timeout(client: SupervisorClient, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+R = TypeVar("R")
+
+
+def unreachable_on_timeout(client: SupervisorClient, call: Callable[[], R]) -> R:
     try:
         return call()
     except RequestTimeout:

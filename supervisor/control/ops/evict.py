@@ -39,8 +39,8 @@ class Evict(AdminOp):
         with connect(ADMIN_TIMEOUT_S) as client:
             result = client.evict(None, args.tenant)
         if args.json:
-            print_json(result)
+            print_json(result.to_wire())
         else:
-            pids = ", ".join(str(p) for p in result.get("pids", [])) or "none"
-            print(f"evicted {result.get('evicted', args.tenant)} (workers stopped: {pids})")
+            pids = ", ".join(str(p) for p in result.pids) or "none"
+            print(f"evicted {result.evicted} (workers stopped: {pids})")
         return 0

@@ -97,12 +97,12 @@ class InjectFault(AdminOp):
         with connect(ADMIN_TIMEOUT_S) as client:
             result = client.inject_fault(None, args.tenant, args.kind, instance=args.instance, **params)
         if args.json:
-            print_json(result)
+            print_json(result.to_wire())
         else:
-            where = f"{result.get('tenant', args.tenant)}/{result.get('instance', args.instance)}"
-            extra = " ".join(f"{k}={v}" for k, v in sorted(result.items())
+            where = f"{result.tenant}/{result.instance}"
+            extra = " ".join(f"{k}={v}" for k, v in sorted(result.to_wire().items())
                              if v is not None and k not in ("tenant", "instance", "kind", "pid", "ok", "ref"))
-            print(f"fault {args.kind} -> {where} (pid {result.get('pid')}){(' ' + extra) if extra else ''}")
+            print(f"fault {args.kind} -> {where} (pid {result.pid}){(' ' + extra) if extra else ''}")
         return 0
 
 

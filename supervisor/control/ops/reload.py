@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from shared.errors import ConfigError
@@ -45,21 +46,19 @@ class Reload(ServiceOp):
             print(f"twt: reload refused, nothing changed: {exc.detail} (in {exc.path})", file=sys.stderr)
             return EXIT_USAGE  # the file is the user's input: nothing was changed
         if args.json:
-            print_json(result)
+            print_json(result.to_wire())
             return 0
-        changed = [f"{c['tenant']} ({', '.join(c['fields'])}{'; restarted' if c.get('restart') else ''})"
-                   for c in result.get("changed", [])]
-        print(f"registered: {_names(result.get('registered', []))}")
+        changed = [f"{c.tenant} ({', '.join(c.fields)}{'; restarted' if c.restart else ''})" for c in result.changed]
+        print(f"registered: {_names(result.registered)}")
         print(f"changed:    {_names(changed)}")
-        print(f"evicted:    {_names(result.get('evicted', []))}")
-        print(f"unchanged:  {_names(result.get('unchanged', []))}")
-        if result.get("conflicts"):
-            print(f"left alone (registered at runtime, also in the file): {_names(result['conflicts'])}")
-        if result.get("settings_not_applied"):
-            print(f"[supervisor] settings changed, applied at the next start: "
-                  f"{_names(result['settings_not_applied'])}")
+        print(f"evicted:    {_names(result.evicted)}")
+        print(f"unchanged:  {_names(result.unchanged)}")
+        if result.conflicts:
+            print(f"left alone (registered at runtime, also in the file): {_names(result.conflicts)}")
+        if result.settings_not_applied:
+            print(f"[supervisor] settings changed, applied at the next start: {_names(result.settings_not_applied)}")
         return 0
 
 
-def _names(items: list[Any]) -> str:
+def _names(items: Sequence[str]) -> str:
     return ", ".join(str(i) for i in items) or "none"

@@ -39,7 +39,7 @@ class Reset(ServiceOp):
         with connect(SERVICE_TIMEOUT_S) as client:
             rec = client.reset(None, args.tenant)
         if args.json:
-            print_json(rec)
+            print_json(rec.to_wire())
         else:
             print(tenant_line(rec))
         return 0

@@ -40,7 +40,7 @@ class Restart(ServiceOp):
         with connect(SERVICE_TIMEOUT_S) as client:
             rec = client.restart_tenant(None, args.tenant)
         if args.json:
-            print_json(rec)
+            print_json(rec.to_wire())
         else:
             print(tenant_line(rec))
         return 0

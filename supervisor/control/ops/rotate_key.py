@@ -38,7 +38,7 @@ class RotateKey(ServiceOp):
             raise ValueError("rotate-key revokes every capability of every tenant; run it again with --yes")
         with connect() as client:
             client.rotate_key(None)
-            registry_id = client.hello()["registry_id"]
+            registry_id = client.hello().registry_id
         if args.json:
             print_json({"registry_id": registry_id})
         else:

@@ -45,7 +45,7 @@ class Scale(AdminOp):
 
     def run(self, args: argparse.Namespace, connect: Connect) -> int:
         with connect() as client:
-            rec = TenantRecord.from_wire(client.scale(None, args.tenant, args.instances))
+            rec = client.scale(None, args.tenant, args.instances)
             if args.wait:
                 deadline = time.monotonic() + args.timeout
                 while not _scaled(rec, args.instances):

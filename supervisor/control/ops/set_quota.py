@@ -84,7 +84,7 @@ class SetQuota(AdminOp):
             raise ValueError("set-quota needs at least one of --memory-quota, --gpu-cap, --pool-quota, "
                              "--gpu-time-weight, --gpu-time-cap")
         with connect() as client:
-            rec = TenantRecord.from_wire(client.set_quota(None, args.tenant, **changes))
+            rec = client.set_quota(None, args.tenant, **changes)
         if args.json:
             print_json(rec.to_wire())
         else:

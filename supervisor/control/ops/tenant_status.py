@@ -25,4 +25,4 @@ class TenantStatus(AdminOp):
 
 def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:
     """One tenant's record (as :func:`~supervisor.control.ops.status.fetch_status`, for one tenant)."""
-    return TenantRecord.from_wire(unreachable_on_timeout(client, lambda: client.tenant_status(None, tenant)))
+    return unreachable_on_timeout(client, lambda: client.tenant_status(None, tenant))

@@ -13,6 +13,7 @@ import argparse
 import platform
 from typing import Any
 
+from shared.errors import ProtocolError
 from shared.protocol import PROTOCOL_VERSION
 from supervisor.client.cli_args import print_json
 from supervisor.control.admin import AdminOps
@@ -38,9 +39,11 @@ class Version(AdminOp):
     def run(self, args: argparse.Namespace, connect: Connect) -> int:
         with connect() as client:
             running = client.call("version", client.admin)
+        if not isinstance(running, dict):
+            raise ProtocolError(f"the version reply is not a map: {type(running).__name__}")
         if args.json:
             print_json({"client": build_version(), "supervisor": running})
         else:
-            print(f"twt {build_version()} (this command); supervisor {running['version']} "
-                  f"(python {running['python']}, protocol {running['protocol']})")
+            print(f"twt {build_version()} (this command); supervisor {running.get('version')} "
+                  f"(python {running.get('python')}, protocol {running.get('protocol')})")
         return 0

@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shared.errors import BackendUnavailable
@@ -42,7 +43,7 @@ class _Echo:
         return 1
 
 
-def _rtts(fn: Any, n: int) -> list[float]:
+def _rtts(fn: Callable[[], object], n: int) -> list[float]:
     out = []
     clock = time.perf_counter_ns
     for _ in range(n):

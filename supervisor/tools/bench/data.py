@@ -30,8 +30,8 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
+from shared.capability import TenantCapability
 from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, format_table
 from supervisor.client.api import SupervisorClient
@@ -53,7 +53,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def _pings(client: SupervisorClient, cap: Any, n: int, into: list[float]) -> None:
+def _pings(client: SupervisorClient, cap: TenantCapability, n: int, into: list[float]) -> None:
     for _ in range(n):
         t0 = time.perf_counter()
         client.ping(cap)

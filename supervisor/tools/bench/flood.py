@@ -111,7 +111,7 @@ def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle:
     ctx.term()
 
 
-def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[Any] | None,
+def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[bytes] | None,
                header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], dict[str, Any]]:
     """Flood with ``kind`` while the victim pings ``n`` times (none: the flooder alone)."""
     tcp = kind == "tcp-ping"
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown flood kind(s) {unknown}; choose from {', '.join(KINDS)}")
 
     report = Report("route --flood")
-    ctx: zmq.Context[Any] = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     rows: list[list[object]] = []
     targets: list[Target] = []
     data: dict[str, Any] = {}
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                     data["ping"]["solo_ok_per_s"] = solo["ok"] / solo["seconds"]
                     targets.append(Target("flooder's answered pings/s while the victim pings vs flooding alone",
                                           share, 0.5))
-            stats = client.status()["supervisor"]
+            stats = client.status().supervisor
         finally:
             victim.close(0)
     report.sections.append((
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         format_table(["flood", "p50", "p99", "flood sent/s", "flood ok/s"], rows),
     ))
     report.sections.append(("admission", format_table(["counter", "value"], [
-        [k, stats.get(k)] for k in ("unauthenticated_dropped", "admission_refused") if k in stats])))
+        ["unauthenticated_dropped", stats.unauthenticated_dropped], ["admission_refused", stats.admission_refused]])))
     report.targets += targets
     report.data.update(quiet_us={"p50": q50, "p99": q99}, floods=data)
     return report.emit(as_json=args.json)

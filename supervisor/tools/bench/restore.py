@@ -57,8 +57,8 @@ def _round(n: int, method: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         with _start(state, method) as sup:
             ready_s = time.perf_counter() - t0
-            running = sum(1 for rec in sup.client.status()["tenants"] if rec["state"] == "running")
-            served = sum(1 for cap in caps if sup.client.ping(cap)["tenant"])
+            running = sum(1 for rec in sup.client.status().tenants if rec.state == "running")
+            served = sum(1 for cap in caps if sup.client.ping(cap).tenant)
         return {"register_s": register_s, "empty_start_s": empty_s, "restored_start_s": ready_s,
                 "restore_s": max(0.0, ready_s - empty_s), "running": running, "served": served}
     finally:

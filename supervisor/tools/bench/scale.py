@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from contextlib import AbstractContextManager
 
 import psutil
 import zmq
@@ -38,14 +38,14 @@ __all__ = ["main"]
 def _wait_pool(client: SupervisorClient, n: int, timeout_s: float = 60.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pool = client.status()["supervisor"]["pool"]
-        if pool["idle"] >= n:
-            return list(pool["pids"])
+        pool = client.status().supervisor.pool
+        if pool.idle >= n:
+            return list(pool.pids)
         time.sleep(0.01)
     raise RuntimeError(f"the warm pool did not reach {n} workers within {timeout_s:g} s")
 
 
-def _launch(method: str, pool: int) -> Any:
+def _launch(method: str, pool: int) -> AbstractContextManager[SupervisorHandle]:
     return launch({"supervisor": {"pool_size": pool, "log_level": "warning"}, "tenant": []},
                   backend="stub", start_method=method)
 
@@ -63,7 +63,7 @@ def _register_times(sup: SupervisorHandle, prefix: str, n: int, *, warm: bool) -
 
 
 def _ping_rtts(sup: SupervisorHandle, cap_raw: bytes, n: int) -> list[float]:
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"ipc://{sup.run_dir}/frontend.ipc")
     header = proto.encode_request(1, "ping", cap_raw, {})
@@ -91,14 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         warm = _register_times(sup, "w", args.samples, warm=True)
         pool_pids = _wait_pool(sup.client, 2)
         uss_pool = [_uss(p) for p in pool_pids]
-        bound_pids = [p for rec in sup.client.status()["tenants"] for p in rec["pids"]][:4]
+        bound_pids = [p for rec in sup.client.status().tenants for p in rec.pids][:4]
         uss_bound = [_uss(p) for p in bound_pids]
     with _launch("spawn", 0) as sup:
         spawn_cold = _register_times(sup, "s", max(5, args.samples // 2), warm=False)
     with _launch("forkserver", 0) as sup:
         _register_times(sup, "warmup", 2, warm=False)  # the fork server's own start is not a registration
         fork_cold = _register_times(sup, "f", args.samples, warm=False)
-        uss_fork = [_uss(p) for rec in sup.client.status()["tenants"] for p in rec["pids"]][:4]
+        uss_fork = [_uss(p) for rec in sup.client.status().tenants for p in rec.pids][:4]
 
     # ------------------------------------------------------- many tenants
     # Two supervisors at once, one with a single tenant and one with 64, pinged in
@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         caps += [client.register(None, TenantSpec(f"t{i:03d}")) for i in range(63, args.tenants - 1)]
         register_all_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        served = sum(1 for c in [cap, *caps] if client.ping(c)["tenant"])
+        served = sum(1 for c in [cap, *caps] if client.ping(c).tenant)
         serve_all_s = time.perf_counter() - t1
         status = client.status()
         rss_all = psutil.Process(sup.pid).memory_info().rss
-        workers = [p for rec in status["tenants"] for p in rec["pids"]]
+        workers = [p for rec in status.tenants for p in rec.pids]
         total_worker_rss = sum(psutil.Process(p).memory_info().rss for p in workers)
         total_worker_uss = sum(_uss(p) for p in workers[:16]) / min(16, len(workers)) * len(workers)
 

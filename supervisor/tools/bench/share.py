@@ -97,8 +97,9 @@ class Phase:
         digest = c.put_module(cap, self._guest)
         for _ in range(instances):  # compile the guest and warm BLAS in each instance before any measuring
             c.run_wasm(cap, digest, "gemm_loop", [self.n, 1])
-        rec = next(t for t in c.status()["tenants"] if t["tenant_id"] == name)
-        t = Tenant(name, cap, digest, QuotaBlock.attach(rec["quota"]["name"]))
+        rec = c.status().tenant(name)
+        assert rec is not None and rec.quota is not None, f"{name} has no quota block"
+        t = Tenant(name, cap, digest, QuotaBlock.attach(rec.quota.name))
         self.tenants[name] = t
         return t
 
@@ -111,7 +112,7 @@ class Phase:
                 client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, 1])  # compiled, BLAS warm
                 while not stop.is_set():
                     t0 = time.monotonic()
-                    done = client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, self.reps])["results"][0]
+                    done = client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, self.reps]).results[0]
                     t.runs.append((t0, time.monotonic(), int(done)))
             finally:
                 client.close()
@@ -128,7 +129,7 @@ class Phase:
                 next_at = time.monotonic()
                 while not stop.is_set():
                     reply = client.run_wasm(t.cap, t.digest, "one_gemm", args)
-                    t.waits.append(float(reply.get("gpu_wait_s", 0.0)))
+                    t.waits.append(reply.gpu_wait_s)
                     next_at += every_s
                     time.sleep(max(0.0, next_at - time.monotonic()))
                 for h in hs:

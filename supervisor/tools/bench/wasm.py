@@ -25,7 +25,6 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, format_table
@@ -37,13 +36,13 @@ __all__ = ["main"]
 MiB = 1 << 20
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def _per_call_us(fn: Callable[[], Any], n: int) -> list[float]:
+def _per_call_us(fn: Callable[[], object], n: int) -> list[float]:
     out = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
@@ -52,7 +51,7 @@ def _per_call_us(fn: Callable[[], Any], n: int) -> list[float]:
     return out
 
 
-def _host_vs_numpy(guest_loop: Callable[[int], Any], local_op: Callable[[], Any], reps: int,
+def _host_vs_numpy(guest_loop: Callable[[int], object], local_op: Callable[[], object], reps: int,
                    rounds: int) -> tuple[list[float], list[float]]:
     """Seconds per op, one pair a round: through the host and with numpy in this process.
 

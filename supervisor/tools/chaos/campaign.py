@@ -18,7 +18,7 @@ from shared.errors import (
     TensorWasmError,
 )
 from shared.quota import SEGMENT_PREFIX, segment_namespace
-from shared.records import StatusRecord, TenantRecord
+from shared.records import TenantRecord
 from supervisor.tools.chaos.checks import (
     Check,
     _check_answered,
@@ -183,13 +183,13 @@ class _Campaign:
     def start(self, main: SupervisorClient, sup_pid: int | None) -> None:
         hello = main.hello()
         self.report["supervisor"] = {
-            "pid": hello["pid"],
-            "backend": hello["backend"],
-            "start_method": hello["start_method"],
+            "pid": hello.pid,
+            "backend": hello.backend,
+            "start_method": hello.start_method,
             "started_here": sup_pid is not None,
         }
         self.say(
-            f"supervisor pid {hello['pid']} ({hello['backend']}, {hello['start_method']}); "
+            f"supervisor pid {hello.pid} ({hello.backend}, {hello.start_method}); "
             f"schedule {self.report['schedule']['hash']}: {len(self.schedule)} faults"
         )
         self.caps = {name: main.register(None, spec) for name, spec in self.specs.items()}
@@ -262,7 +262,7 @@ class _Campaign:
 
     def _records(self, main: SupervisorClient) -> list[TenantRecord]:
         """The status records of the campaign's own tenants."""
-        return [r for r in StatusRecord.from_wire(main.status()).tenants if r.tenant_id in self.specs]
+        return [r for r in main.status().tenants if r.tenant_id in self.specs]
 
     def _settle(self, main: SupervisorClient, timeout_s: float = 30.0) -> tuple[bool, list[TenantRecord]]:
         """Wait until every tenant runs every instance with nothing in flight or parked."""
@@ -338,18 +338,18 @@ class _Campaign:
             recs = self._records(main)
             nonzero = [
                 f"{r.tenant_id}: gpu {r.gpu_bytes_in_use:,} B, host {r.bytes_in_use:,} B, "
-                f"shares {r.quota.get('instance_shares')}"
+                f"shares {r.quota.instance_shares if r.quota else None}"
                 for r in recs
-                if r.gpu_bytes_in_use or r.bytes_in_use or r.quota.get("instance_shares")
+                if r.gpu_bytes_in_use or r.bytes_in_use or (r.quota and r.quota.instance_shares)
             ]
             if not nonzero or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        self.segments = {str(r.quota.get("name")) for r in recs}
+        self.segments = {r.quota.name for r in recs if r.quota}
         problems = list(nonzero)
         for name in self.specs:
             try:
-                for pid in main.evict(None, name).get("pids", []):
+                for pid in main.evict(None, name).pids:
                     self.note_pid(pid)
             except TensorWasmError as exc:
                 problems.append(f"evict {name}: {exc}")

@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shared import protocol as proto
+from shared.kinds import DISRUPTIVE_FAULTS
 from shared.records import TenantRecord
-from supervisor.tools.chaos.config import _DISRUPTIVE, _UNANSWERED, LEAK_BIG
+from supervisor.tools.chaos.config import _UNANSWERED, LEAK_BIG
 from supervisor.tools.chaos.nemesis import Action
 from supervisor.tools.chaos.recorder import Record, percentile
 from supervisor.tools.chaos.schedule import Fault
@@ -67,9 +68,9 @@ def reconcile(record: TenantRecord, live: Mapping[int, int]) -> Reconciliation:
         else:
             lost += 1
             lost_bytes += nbytes
-    quota = record.quota
-    shares = {int(i): int(gpu) for i, _cpu, gpu in quota.get("instance_shares", [])}
-    cpu_shares = {int(i): int(cpu) for i, cpu, _gpu in quota.get("instance_shares", [])}
+    held = record.quota.instance_shares if record.quota else ()
+    shares = {i: gpu for i, _cpu, gpu in held}
+    cpu_shares = {i: cpu for i, cpu, _gpu in held}
     counted = record.gpu_bytes_in_use
     # host bytes at rest are the tenant's shared-memory regions (charged to its host quota) only
     cpu = record.bytes_in_use - sum(r.nbytes for r in record.regions)
@@ -193,7 +194,7 @@ def _check_latency(table: Mapping[str, Mapping[str, Any]], healthy: Sequence[str
 def _disruptive(fault: Fault) -> bool:
     if fault.kind == "leak":
         return dict(fault.params).get("bytes", 0) >= LEAK_BIG
-    return fault.kind in _DISRUPTIVE
+    return fault.kind in DISRUPTIVE_FAULTS
 
 
 def fault_stats(actions: Sequence[Action], events: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
