@@ -507,7 +507,7 @@ def _op_entry(op: proto.OpSpec) -> dict[str, object]:
         schema = _arg_schema(arg)
         if op.name == "register" and arg.name == "spec":
             schema = {"$ref": "#/$defs/tenant_spec"}
-        elif op.name == "set_quota" and arg.name in proto.QUOTA_KEYS:
+        elif op.name == "set_quota" and arg.name in proto.QUOTA_KEYS and str in arg.types:  # the byte sizes
             schema = _size_schema("null" in str(schema.get("type")))
         note = ARG_NOTES.get((op.name, arg.name))
         if note:
