@@ -310,7 +310,8 @@ class Supervisor:
             pending=pending, events=self.events, on_key_rotated=on_key_rotated,
         )
         admin.attach(workers, frontend, service)
-        frontend.serve_admin_ops(admin_ops.handlers(admin, service))  # dispatch: one handler per admin op
+        # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
+        frontend.serve_ops(admin_ops.handlers(admin, service), admin_ops.local_handlers(frontend))
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference

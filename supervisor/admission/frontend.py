@@ -30,12 +30,11 @@ May touch: the pending table (every answer goes through it), the worker set
 ``events``, which either capability may send, is answered here with the
 capability's view of :class:`~supervisor.observe.event_log.EventLog`). Admin ops are
 verified here and handed to their handler, one per op (:mod:`supervisor.control.ops`,
-bound to the part that serves it: ``serve_admin_ops``). Loop thread only.
+bound to the part that serves it: ``serve_ops``). Loop thread only.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -87,8 +86,6 @@ __all__ = ["ClientMessage", "Frontend"]
 
 _log = get_logger("supervisor")
 
-MAX_MODULES_PER_TENANT = 32
-MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
@@ -102,8 +99,8 @@ def _ignore_reply(ok: bool, payload: Any) -> None:
 
 #: an admin op's handler, bound to the part that serves it: (client, rid, args) (supervisor.control.ops)
 AdminHandler = Callable[[bytes, int, dict[str, Any]], None]
-#: a tenant op the frontend answers itself: (tenant, args, body) -> the result
-LocalOp = Callable[[TenantRuntime, dict[str, Any], Any], dict[str, Any]]
+#: a tenant op the frontend answers itself, bound to it (supervisor.control.ops): (tenant, args, body) -> the result
+LocalOp = Callable[[TenantRuntime, dict[str, Any], Any], object]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
 DenialHook = Callable[["bytes | None", str], None]
 
@@ -137,7 +134,7 @@ class Frontend:
         self.workers = workers
         self.registry = registry
         self.tenants = tenants
-        #: the admin ops' handlers, by name (serve_admin_ops, at set-up)
+        #: the admin ops' handlers, by name (serve_ops, at set-up)
         self._admin_ops: Mapping[str, AdminHandler] = {}
         self.guard = guard
         self._admin_raw = admin_cap
@@ -146,16 +143,8 @@ class Frontend:
         self.event_log = event_log
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
-        #: the tenant ops this part answers itself (``served_by == "frontend"``; ``events`` has its own path)
-        self._local_ops: dict[str, LocalOp] = {
-            "quota": lambda rt, args, body: rt.block.snapshot().to_dict(),
-            "put_module": lambda rt, args, body: {"digest": self._put_module(rt, body)},
-            "region_create": lambda rt, args, body: self._region_op(rt, "region_create", args),
-            "region_release": lambda rt, args, body: self._region_op(rt, "region_release", args),
-        }
-        declared = {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}
-        if set(self._local_ops) != declared:  # the op table and this part disagree: a bug, at start
-            raise RuntimeError(f"frontend ops {sorted(declared)} declared, {sorted(self._local_ops)} served")
+        #: the tenant ops this part answers itself, by name (serve_ops, at set-up)
+        self._local_ops: Mapping[str, LocalOp] = {}
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
@@ -278,13 +267,18 @@ class Frontend:
             _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
             self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"), msg.cap_raw)
 
-    def serve_admin_ops(self, handlers: Mapping[str, AdminHandler]) -> None:
-        """The admin ops' handlers, by name (``supervisor.control.ops.handlers``: one per admin op of
-        the op table, each bound to its part); once, at set-up, once those parts exist."""
-        declared = {n for n, spec in proto.OPS.items() if spec.admin}
-        if set(handlers) != declared:  # the op table and the handlers disagree: a bug, at start
-            raise RuntimeError(f"admin ops {sorted(declared)} declared, {sorted(handlers)} served")
-        self._admin_ops = handlers
+    def serve_ops(self, admin_ops: Mapping[str, AdminHandler], local_ops: Mapping[str, LocalOp]) -> None:
+        """The handlers of the ops the supervisor serves itself, by name (``supervisor.control.ops``):
+        every admin op's, bound to its part, and every tenant op's this part answers from what it
+        holds; once, at set-up, once those parts exist. Both must match the op table."""
+        for kind, handlers, declared in (
+            ("admin", admin_ops, {n for n, spec in proto.OPS.items() if spec.admin}),
+            ("frontend", local_ops,
+             {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}),
+        ):
+            if set(handlers) != declared:  # the op table and the handlers disagree: a bug, at start
+                raise RuntimeError(f"{kind} ops {sorted(declared)} declared, {sorted(handlers)} served")
+        self._admin_ops, self._local_ops = admin_ops, local_ops
 
     def _admin_request(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any]) -> None:
         """One admin request: the admin capability first, then the op's arguments, then its handler."""
@@ -488,18 +482,7 @@ class Frontend:
 
     # ------------------------------------------------------------ regions
 
-    def _region_op(self, rt: TenantRuntime, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """``region_create {nbytes, pid}`` -> ``{region, name, nbytes}``;
-        ``region_release {region}`` -> ``{released: nbytes}`` (see supervisor.routing.regions)."""
-        if op == "region_create":
-            owned = self.regions.create(rt.tenant_id, rt.block, args.get("nbytes"), args.get("pid"),
-                                        generation=rt.generation)
-            return {"region": owned.region_id, "name": owned.name, "nbytes": owned.nbytes}
-        owned = self.regions.release(rt.tenant_id, args.get("region"))
-        self._unmap_region(rt, owned.name)
-        return {"released": owned.nbytes}
-
-    def _unmap_region(self, rt: TenantRuntime, name: str) -> None:
+    def unmap_region(self, rt: TenantRuntime, name: str) -> None:
         """Tell the tenant's live workers to unpin and unmap a released region (best effort:
         a worker that misses it unmaps at exit, and the name is unlinked already)."""
         now = self.clock()
@@ -517,34 +500,7 @@ class Frontend:
         for owned in self.regions.reap():
             rt = self.tenants.get(owned.tenant_id)
             if rt is not None:
-                self._unmap_region(rt, owned.name)
-
-    def _put_module(self, rt: TenantRuntime, body: Any) -> str:
-        """Keep a tenant's module (bounded LRU) so runs can name it by digest."""
-        if body is None:
-            raise InvalidArgument("put_module needs the module bytes as the body frame")
-        if len(body) > MAX_MODULE_BYTES:
-            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
-        data = body.bytes if isinstance(body, zmq.Frame) else bytes(body)
-        if not data:
-            raise InvalidArgument("put_module: empty module")
-        digest = hashlib.sha256(data).hexdigest()
-        if digest in rt.modules:
-            rt.modules.move_to_end(digest)
-            return digest
-        # Room first among the tenant's own modules (LRU), then the held-bytes budgets
-        # (per tenant and for all tenants together): HeldBytesLimit beyond them.
-        held = self.guard.held
-        while rt.modules and (
-            len(rt.modules) >= MAX_MODULES_PER_TENANT
-            or sum(map(len, rt.modules.values())) + len(data) > MAX_MODULE_BYTES_PER_TENANT
-        ):
-            _, old = rt.modules.popitem(last=False)
-            held.release(rt.tenant_id, "modules", len(old))
-        held.reserve(rt.tenant_id, "modules", len(data), in_flight=rt.in_flight + len(rt.parked),
-                     max_in_flight=rt.spec.max_in_flight)
-        rt.modules[digest] = data
-        return digest
+                self.unmap_region(rt, owned.name)
 
     def forget(self, rt: TenantRuntime) -> None:
         """An evicted tenant leaves nothing behind here: its verified tokens (which kept

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
 
 from supervisor.cli._common import add_run_dir
 from supervisor.cli.status import connect
@@ -35,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p.set_defaults(func=_runner(op))
 
 
-def _runner(op: Op[Any]) -> Callable[[argparse.Namespace], int]:
+def _runner(op: Op) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         def connect_here(timeout_s: float | None = None) -> SupervisorClient:
             return connect(args) if timeout_s is None else connect(args, timeout_s)

@@ -13,7 +13,7 @@ from shared import protocol as proto
 from shared.errors import TenantIsolationViolation
 from supervisor.cli import build_parser
 from supervisor.control import ops
-from supervisor.control.ops import AdminOp, ServiceOp, check_table, op_table
+from supervisor.control.ops import AdminOp, FrontendOp, ServiceOp, check_table, op_table
 from supervisor.control.ops.__main__ import main as doc_main
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -26,13 +26,15 @@ def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPar
     raise AssertionError("twt has no sub-commands")
 
 
-def test_every_admin_op_is_one_class_of_the_part_that_serves_it() -> None:
+def test_every_op_the_supervisor_serves_itself_is_one_class_of_the_part_that_serves_it() -> None:
     table = op_table()
-    assert [op.name for op in table] == [n for n, s in proto.OPS.items() if s.admin]  # the wire table's order
+    served = [n for n, s in proto.OPS.items()
+              if s.admin or (s.served_by == "frontend" and not s.any_capability)]  # events: the frontend's own
+    assert [op.name for op in table] == served  # the wire table's order
     for op in table:
         assert op.spec is proto.OPS[op.name]
         assert op.part == op.spec.served_by
-        assert isinstance(op, AdminOp if op.part == "admin" else ServiceOp)
+        assert isinstance(op, {"admin": AdminOp, "service": ServiceOp, "frontend": FrontendOp}[op.part])
         assert type(op).__module__ == f"supervisor.control.ops.{op.name}"  # one module per op, named as the op
 
 
@@ -47,7 +49,7 @@ def test_a_class_set_that_disagrees_with_the_wire_table_is_refused() -> None:
     class Stray(AdminOp):
         name = "ping"  # a worker op
 
-    with pytest.raises(RuntimeError, match=r"of no admin op: \['ping'\]"):
+    with pytest.raises(RuntimeError, match=r"of no op served here: \['ping'\]"):
         check_table([*table, Stray()])
 
     class WrongPart(AdminOp):
@@ -57,13 +59,16 @@ def test_a_class_set_that_disagrees_with_the_wire_table_is_refused() -> None:
         check_table([op for op in table if op.name != "reload"] + [WrongPart()])
 
 
-def test_the_dispatch_table_binds_each_op_to_its_part() -> None:
-    admin, service = object(), object()
+def test_the_dispatch_tables_bind_each_op_to_its_part() -> None:
+    admin, service, frontend = object(), object(), object()
     table = ops.handlers(admin, service)  # type: ignore[arg-type]
     assert set(table) == {n for n, s in proto.OPS.items() if s.admin}
     for name, handler in table.items():
         assert handler.func.__self__.name == name  # type: ignore[attr-defined]
         assert handler.args == ((admin,) if proto.OPS[name].served_by == "admin" else (service,))  # type: ignore[attr-defined]
+    local = ops.local_handlers(frontend)  # type: ignore[arg-type]
+    assert set(local) == {"quota", "put_module", "region_create", "region_release"}
+    assert all(h.args == (frontend,) and h.func.__self__.name == n for n, h in local.items())  # type: ignore[attr-defined]
 
 
 def test_each_command_and_its_help_come_from_its_op_class() -> None:
@@ -81,10 +86,16 @@ def test_each_command_and_its_help_come_from_its_op_class() -> None:
         assert op.spec.cli is None or op.spec.cli in parsers, op.name
 
 
-def test_protocol_md_admin_table_is_generated_from_the_classes() -> None:
+def test_protocol_md_rows_are_generated_from_the_classes() -> None:
     assert doc_main(["--check"]) == 0, "run python -m supervisor.control.ops --write"
     text = (DOCS / "PROTOCOL.md").read_text()
     assert ops.doc_table() in text
+    for op in op_table():
+        assert op.doc_row() in text, op.name
+    # a frontend op's row edited by hand is written back as its class says it
+    quota = next(op for op in op_table() if op.name == "quota")
+    edited = text.replace(quota.doc_row(), "| `quota` | `{}` | | something else | | |")
+    assert edited != text and ops.with_doc_rows(edited) == text
 
 
 def test_operations_md_has_a_section_per_op_command() -> None:
