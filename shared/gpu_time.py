@@ -71,7 +71,8 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Final
+from types import EllipsisType
+from typing import Final
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
@@ -145,7 +146,7 @@ def _w_off(w: int) -> int:
     return _WORKERS + w * _LINE
 
 
-def check_gpu_time_weight(value: Any, key: str = "gpu_time_weight") -> float:
+def check_gpu_time_weight(value: object, key: str = "gpu_time_weight") -> float:
     """A valid weight (a number > 0 and <= 1e6) as a float; :class:`InvalidArgument` naming ``key``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{key} must be a number > 0, not {type(value).__name__}")
@@ -155,7 +156,7 @@ def check_gpu_time_weight(value: Any, key: str = "gpu_time_weight") -> float:
     return number
 
 
-def check_gpu_time_cap(value: Any, key: str = "gpu_time_cap") -> float | None:
+def check_gpu_time_cap(value: object, key: str = "gpu_time_cap") -> float | None:
     """A valid cap (None, or a fraction in (0, 1]) as a float; :class:`InvalidArgument` naming ``key``."""
     if value is None:
         return None
@@ -193,9 +194,9 @@ class GpuTimeSnapshot:
     steals: int
     handoffs: int
     #: tenant slot -> {weight, cap, used_ns, pass, throttled}
-    tenants: dict[int, dict[str, Any]]
+    tenants: dict[int, dict[str, float | None]]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -350,7 +351,7 @@ class GpuTimeBoard(MappedSegment):
             return t
         raise SegmentError(self.name, f"all {MAX_TENANTS} tenant slots of device {self.device_index} are taken")
 
-    def set_policy(self, tenant: int, *, weight: float | None = None, cap: float | None | Any = ...) -> None:
+    def set_policy(self, tenant: int, *, weight: float | None = None, cap: float | None | EllipsisType = ...) -> None:
         """Change a tenant slot's weight and/or cap live (``cap=None`` removes it; omitted: unchanged)."""
         buf = self._check()
         off = _t_off(_tenant_index(tenant))
@@ -752,7 +753,7 @@ def _wake(buf: memoryview) -> None:
     _atomics.futex_wake(buf, _SEQ)
 
 
-def _quantum_ns(quantum_s: Any) -> int:
+def _quantum_ns(quantum_s: object) -> int:
     if isinstance(quantum_s, bool) or not isinstance(quantum_s, (int, float)) or not math.isfinite(quantum_s):
         raise ValueError(f"quantum must be a number of seconds, got {quantum_s!r}")
     if not 0.0001 <= quantum_s <= 1.0:
@@ -760,7 +761,7 @@ def _quantum_ns(quantum_s: Any) -> int:
     return round(quantum_s * 1e9)
 
 
-def _tenant_index(tenant: Any) -> int:
+def _tenant_index(tenant: object) -> int:
     if isinstance(tenant, bool) or not isinstance(tenant, int) or not 0 <= tenant < MAX_TENANTS:
         raise ValueError(f"tenant slot must be an int in 0..{MAX_TENANTS - 1}, got {tenant!r}")
     return tenant

@@ -329,6 +329,8 @@ def encode_request(rid: int, op: str, capability: bytes | None, args: Mapping[st
 
 
 def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[int, str, bytes | None, dict[str, Any]]:
+    # args: dynamically typed until check_args checks them against the op's Arg rows; the handlers
+    # (supervisor.admission.frontend, control) then read them by name
     """Validate a client request header: (rid, op, capability, args). Raises ProtocolError."""
     obj = _unpack(data, max_len)
     if not isinstance(obj, list) or len(obj) != 5:
@@ -389,7 +391,7 @@ def encode_worker_request(rid: int, op: str, args: Mapping[str, object]) -> byte
     return _packb([rid, op, args])
 
 
-def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, Any]]:
+def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, object]]:
     obj = _unpack(data, 1 << 20)
     if not isinstance(obj, list) or len(obj) != 3:
         raise ProtocolError("worker request must be [rid, op, args]")
@@ -419,7 +421,7 @@ def encode_control(kind: str, args: Mapping[str, object] | None = None) -> bytes
     return _packb([kind, args or {}])
 
 
-def decode_control(data: bytes) -> tuple[str, dict[str, Any]]:
+def decode_control(data: bytes) -> tuple[str, dict[str, object]]:
     obj = _unpack(data, MAX_HEADER_BYTES)
     if not isinstance(obj, list) or len(obj) != 2:
         raise ProtocolError("control message must be [kind, args]")

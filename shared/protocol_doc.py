@@ -10,6 +10,9 @@ which reads the op table, the error registry and the tenant spec at run time,
 so a new op, argument, error class or spec key appears here as soon as it is
 declared there (``tests/shared/test_protocol_doc.py`` fails until the files
 are regenerated).
+
+Typing: the JSON Schema document is read by key (nested maps and lists); its values stay
+dynamically typed here.
 """
 
 from __future__ import annotations

@@ -39,13 +39,14 @@ call is refused.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import os
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 from collections.abc import Callable
 
 from shared import _atomics, _shm
@@ -63,9 +64,11 @@ __all__ = [
     "MAX_INSTANCES",
     "NAME_MAX",
     "SEGMENT_PREFIX",
+    "UNCHANGED",
     "QuotaBlock",
     "QuotaSnapshot",
     "SegmentHeader",
+    "Unchanged",
     "cleanup_stale_segments",
     "is_legacy_name",
     "namespace_of",
@@ -130,7 +133,13 @@ GPU_WAIT_BUCKETS_S: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
 _GT_BOUNDS_NS = tuple(round(b * 1e9) for b in GPU_WAIT_BUCKETS_S)
 assert _GT_BINS + 8 * (len(GPU_WAIT_BUCKETS_S) + 1) <= SEGMENT_BYTES
 
-_UNCHANGED: Any = object()
+class Unchanged(enum.Enum):
+    """The "not given" default of a live limit change (there ``None`` means "no limit")."""
+
+    TOKEN = 0
+
+
+UNCHANGED: Final = Unchanged.TOKEN
 
 
 def _instance_off(index: int) -> int:
@@ -152,7 +161,7 @@ def _granted(share_sum: int, high_water: int) -> int:
     return min(share_sum, high_water)
 
 
-def _check_amount(value: Any, what: str) -> int:
+def _check_amount(value: object, what: str) -> int:
     if not is_int(value):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     return check_size_range(value, what)
@@ -277,7 +286,7 @@ class QuotaSnapshot(Record):
     #: the wait histogram: a count per GPU_WAIT_BUCKETS_S bound and +Inf (not cumulative)
     gpu_wait_bins: tuple[int, ...] = (0,) * (len(GPU_WAIT_BUCKETS_S) + 1)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The wire map (:meth:`Record.to_wire`; kept under its old name)."""
         return self.to_wire()
 
@@ -618,9 +627,9 @@ class QuotaBlock(MappedSegment):
     def set_limits(
         self,
         *,
-        memory_quota_bytes: int = _UNCHANGED,
-        gpu_memory_bytes_cap: int | None = _UNCHANGED,
-        recorded_cuda_mem_pool_quota: int | None = _UNCHANGED,
+        memory_quota_bytes: int | Unchanged = UNCHANGED,
+        gpu_memory_bytes_cap: int | None | Unchanged = UNCHANGED,
+        recorded_cuda_mem_pool_quota: int | None | Unchanged = UNCHANGED,
     ) -> None:
         """Change limits live; omitted ones stay. ``None`` removes the GPU cap.
 
@@ -628,11 +637,11 @@ class QuotaBlock(MappedSegment):
         usage falls under it; nothing already consumed is taken away.
         """
         updates: list[tuple[int, int]] = []
-        if memory_quota_bytes is not _UNCHANGED:
+        if memory_quota_bytes is not UNCHANGED:
             updates.append((_CPU + _atomics.F_LIMIT, _check_amount(memory_quota_bytes, "memory_quota_bytes")))
-        if gpu_memory_bytes_cap is not _UNCHANGED:
+        if gpu_memory_bytes_cap is not UNCHANGED:
             updates.append((_GPU + _atomics.F_LIMIT, _limit_to_raw(gpu_memory_bytes_cap, "gpu_memory_bytes_cap")))
-        if recorded_cuda_mem_pool_quota is not _UNCHANGED:
+        if recorded_cuda_mem_pool_quota is not UNCHANGED:
             updates.append(
                 (_S_POOL_QUOTA, _limit_to_raw(recorded_cuda_mem_pool_quota, "recorded_cuda_mem_pool_quota"))
             )

@@ -360,9 +360,9 @@ class Record:
 
     __slots__ = ()
 
-    def to_wire(self) -> dict[str, Any]:  # Any: the msgpack/JSON boundary (values of every field type)
+    def to_wire(self) -> dict[str, object]:
         """The record as a msgpack/JSON-ready map (nested records as maps, tuples as arrays)."""
-        out: dict[str, Any] = {}  # Any: as the return type
+        out: dict[str, object] = {}
         for name, encode in _plan(type(self))[1]:
             value = getattr(self, name)
             out[name] = value if encode is None else encode(value)

@@ -48,6 +48,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import zmq
@@ -341,9 +342,9 @@ class Supervisor:
         Returns the process exit code: 0 after a graceful stop. A failure to start raises
         (``twt supervise`` maps the exception to its exit code).
         """
-        prev: dict[int, Any] = {}
+        prev: dict[int, Any] = {}  # signal.getsignal()'s handlers (typeshed's private union), put back as they were
 
-        def on_signal(signum: int, frame: Any) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
             log_event(_log, logging.INFO, "supervisor.signal", signal=signum)
             if signum == signal.SIGHUP:
                 self.request_reload()  # a closed terminal or `systemctl reload`: never a stop
@@ -508,7 +509,7 @@ class Supervisor:
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
                   backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
 
-    def _ready_info(self, admin: AdminOps) -> dict[str, Any]:
+    def _ready_info(self, admin: AdminOps) -> dict[str, object]:
         tcp = self.parts.tcp if self.parts is not None else None
         return {
             "pid": os.getpid(),

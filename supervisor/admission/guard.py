@@ -40,6 +40,8 @@ class FrontendGuard:
     def __init__(self, config: SupervisorConfig, connections: FrontendConnections | None = None) -> None:
         self.held = HeldBytes(config.max_tenant_held_bytes, config.max_held_bytes)
         self.errors = UnreadErrors()
+        # the frontend's queued requests (its own message class: naming it here would import the
+        # frontend, which imports this module); the frontend pushes and takes them
         self.fair: FairTurn[Any] = FairTurn(size_of=lambda msg: int(getattr(msg, "size", 0)))
         self.admission = Admission.from_config(config)
         self.connections = connections
@@ -85,7 +87,7 @@ class FrontendGuard:
             connection_budget=gate.budget if gate is not None else 0,
         )
 
-    def status(self) -> dict[str, Any]:  # SupervisorRecord(**...) checks each counter's type at decode
+    def status(self) -> dict[str, Any]:  # counters spread into SupervisorRecord(**...); a client's decode checks each
         out: dict[str, Any] = {
             "held_bytes": self.held.snapshot(),
             "unauthenticated_dropped": self.dropped,

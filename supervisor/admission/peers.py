@@ -40,7 +40,8 @@ import socket
 from collections import OrderedDict, deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+
+import zmq
 
 __all__ = ["ConnectionGate", "UnreadErrors", "shed", "shed_tcp", "short", "source_key", "tcp_peer"]
 
@@ -60,7 +61,7 @@ class UnreadErrors:
     max_unread: int = 256
     max_peers: int = 4096
     dropped: int = field(default=0, init=False)
-    _peers: OrderedDict[bytes, deque[Any]] = field(default_factory=OrderedDict, init=False)
+    _peers: OrderedDict[bytes, deque[zmq.MessageTracker]] = field(default_factory=OrderedDict, init=False)
 
     def allow(self, peer: bytes) -> bool:
         """True when ``peer`` may be sent one more error reply now."""
@@ -77,7 +78,7 @@ class UnreadErrors:
             return False
         return True
 
-    def sent(self, peer: bytes, tracker: object) -> None:
+    def sent(self, peer: bytes, tracker: zmq.MessageTracker | None) -> None:
         """Remember a reply sent to ``peer`` (a ``zmq.MessageTracker``: ``done`` once taken)."""
         queue = self._peers.get(peer)
         if queue is not None and tracker is not None:

@@ -9,7 +9,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
 import zmq.auth
 
@@ -237,7 +237,7 @@ def run_dir_of(args: argparse.Namespace) -> str:
     return str(args.run_dir or os.environ.get(f"{ENV_PREFIX}RUN_DIR") or default_run_dir())
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: Any = None) -> None:
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO | None = None) -> None:
     out = out or sys.stdout
     cells = [[str(h) for h in headers]] + [[("" if c is None else str(c)) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]

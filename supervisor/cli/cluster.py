@@ -17,6 +17,10 @@ the cluster capability (``twtc1.``...: a secret, like a capability) or
 writes it to ``--cap-out`` (0600). Tenants of ``up --config`` are placed and
 registered through the cluster's directory, each once; their capabilities
 are printed, or written to ``--cap-dir``.
+
+Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
+results are dynamically typed; the directory's maps (status, placement, evict and scale results)
+are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from shared.sizes import format_size
 from supervisor.cli._common import non_negative_int, print_json, print_table
@@ -74,7 +78,7 @@ def gpus_cell(gpu_ids: list[str]) -> str:
     return f"{len(gpu_ids)} (id{'s' if len(gpu_ids) > 1 else ''} {','.join(gpu_ids)})"
 
 
-def render(status: dict[str, Any], out: Any = None) -> None:
+def render(status: dict[str, Any], out: TextIO | None = None) -> None:
     out = out or sys.stdout
     auth = status.get("ray_auth", "unknown")
     out.write(f"cluster {status.get('cluster')}  ray {status.get('address')}  ray auth {auth}\n")

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
 import enum
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import psutil
 import zmq
@@ -68,6 +68,11 @@ from supervisor.admission.curve import CurveKeyPair, load_client_keys, parse_pub
 from supervisor.client.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
 from supervisor.client.event_follow import follow
 from supervisor.store.rundir import read_admin_capability, read_ready, verify_run_dir
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    from typing_extensions import Buffer
 
 __all__ = ["SupervisorClient"]
 
@@ -523,7 +528,7 @@ class SupervisorClient:
     def free(self, cap: TenantCapability, handle: int) -> int:
         return _reply_field(self.call("free", cap, {"handle": handle}), "freed", int)
 
-    def write(self, cap: TenantCapability, handle: int, data: Any, offset: int = 0) -> int:
+    def write(self, cap: TenantCapability, handle: int, data: object, offset: int = 0) -> int:
         """Copy ``data`` (bytes-like or a numpy array, in C order) into the buffer at ``offset``.
 
         Large payloads of a local client go through a shared-memory region
@@ -551,10 +556,10 @@ class SupervisorClient:
         _, body = self.request("read", cap, {"handle": handle, "offset": offset, "nbytes": nbytes})
         return body or b""
 
-    def read_into(self, cap: TenantCapability, handle: int, out: Any, offset: int = 0) -> int:
+    def read_into(self, cap: TenantCapability, handle: int, out: object, offset: int = 0) -> int:
         """Fill ``out`` (a writable, C-contiguous buffer or numpy array) from the buffer at ``offset``."""
         try:
-            view = memoryview(out)
+            view = memoryview(cast("Buffer", out))  # memoryview() is the check (TypeError: no buffer)
         except TypeError:
             raise InvalidArgument(f"read_into needs a writable buffer, got {type(out).__name__}") from None
         if view.readonly or not view.c_contiguous:
@@ -598,7 +603,7 @@ class SupervisorClient:
                                                            "region_offset": region_offset, "nbytes": nbytes}),
                             "nbytes", int)
 
-    def put_array(self, cap: TenantCapability, array: Any) -> int:
+    def put_array(self, cap: TenantCapability, array: object) -> int:
         """A new device buffer holding ``array``'s bytes (C order); returns its handle."""
         view = byte_view(array)
         handle = self.alloc(cap, max(1, len(view)))
@@ -613,7 +618,7 @@ class SupervisorClient:
             raise
         return handle
 
-    def empty_array(self, cap: TenantCapability, dtype: Any, shape: int | Sequence[int]) -> Any:
+    def empty_array(self, cap: TenantCapability, dtype: npt.DTypeLike, shape: int | Sequence[int]) -> npt.NDArray[np.generic]:
         """A new, uninitialised numpy array that lives in a shared-memory region of its own.
 
         Writing it (or a C-contiguous slice of it) with :meth:`write` or
@@ -637,8 +642,8 @@ class SupervisorClient:
                 return array
         return np.empty(dims, dtype=dt)
 
-    def get_array(self, cap: TenantCapability, handle: int, dtype: Any, shape: int | Sequence[int], *,
-                  copy: bool = True, offset: int = 0) -> Any:
+    def get_array(self, cap: TenantCapability, handle: int, dtype: npt.DTypeLike, shape: int | Sequence[int], *,
+                  copy: bool = True, offset: int = 0) -> npt.NDArray[np.generic]:
         """The buffer's bytes at ``offset`` as a numpy array of ``dtype`` and ``shape``.
 
         ``copy=False`` asks for a zero-copy view: the array then lives in a
@@ -701,7 +706,7 @@ class SupervisorClient:
     # ------------------------------------------------------------- events
 
     def events_page(self, cap: Capability | None, after: int | None = None, *, kinds: Sequence[str] = (),
-                    max_events: int | None = None, log: str | None = None) -> dict[str, Any]:
+                    max_events: int | None = None, log: str | None = None) -> dict[str, Any]:  # event maps: free-form per kind
         """One page of the event log: the events after sequence number ``after`` (None: none, only
         the cursor of now) -> ``{events, next, missed, more, log}`` (``supervisor.observe.event_log``).
         ``cap``: the admin capability (None: this client's) sees every event, a tenant's its own."""
@@ -716,7 +721,7 @@ class SupervisorClient:
         return result
 
     def events(self, kinds: Sequence[str] = (), *, timeout_s: float | None = None, replay: bool = False,
-               cap: Capability | None = None) -> Generator[dict[str, Any], None, None]:
+               cap: Capability | None = None) -> Generator[dict[str, Any], None, None]:  # as events_page
         """Follow lifecycle events (``kinds`` filters; ``timeout_s`` ends quietly after silence;
         ``replay``: first the events the supervisor still holds), local or remote alike.
 
@@ -727,7 +732,7 @@ class SupervisorClient:
         return follow(self, cap or self.admin, kinds, timeout_s=timeout_s, replay=replay)
 
 
-def _array_layout(dtype: Any, shape: int | Sequence[int]) -> tuple[Any, tuple[int, ...], int]:
+def _array_layout(dtype: npt.DTypeLike, shape: int | Sequence[int]) -> tuple[np.dtype[np.generic], tuple[int, ...], int]:
     """(numpy dtype, shape tuple, bytes) of an array request; InvalidArgument for a bad shape."""
     import numpy as np
 

@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol, cast
 
 from shared.errors import (
     InvalidArgument,
@@ -52,6 +52,9 @@ from shared.region import (
     pipeline_chunk_bytes,
     plan_chunks,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["DEFAULT_REGION_BYTES", "DEFAULT_THRESHOLD", "BulkPath", "Transport", "byte_view"]
 
@@ -94,14 +97,15 @@ def _bytes_address(data: bytes) -> int:
     return address
 
 
-def byte_view(data: Any) -> memoryview:
+def byte_view(data: object) -> memoryview:
     """A flat, C-ordered byte view of bytes, bytearray, memoryview or a numpy array.
 
     Non-contiguous arrays are copied once into C order (what a frame would
     carry anyway); everything else is viewed without a copy.
     """
     try:
-        view = data if isinstance(data, memoryview) else memoryview(data)
+        # memoryview() is the check (TypeError for an object without the buffer protocol)
+        view = data if isinstance(data, memoryview) else memoryview(cast("Buffer", data))
     except TypeError:
         raise InvalidArgument(f"expected bytes-like data or a numpy array, got {type(data).__name__}") from None
     if view.nbytes == 0:
@@ -430,7 +434,7 @@ class BulkPath:
         inflight: dict[int, Chunk] = {}  # rid -> chunk
         busy: dict[int, Chunk] = {}  # slot -> the chunk using it until it is answered
         retry: collections.deque[Chunk] = collections.deque()
-        first_error: dict[str, Any] | None = None
+        first_error: dict[str, object] | None = None
         deadline = time.monotonic() + timeout
 
         def send(chunk: Chunk) -> None:

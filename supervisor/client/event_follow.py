@@ -14,6 +14,9 @@ this follower read them (it was too slow, or ``event_log_size`` too small),
 or the supervisor was restarted in between (the reply's ``log`` changed), a
 synthetic record ``{"event": "missed", "missed": N, "reason": ...}`` comes
 first (``missed`` is None when the count is unknown: a restart).
+
+Typing: an events page and the events in it are the supervisor's maps as decoded (event bodies
+are free-form per kind, docs/OPERATIONS.md lists their fields); they are read by key.
 """
 
 from __future__ import annotations

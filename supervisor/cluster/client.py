@@ -13,6 +13,10 @@ client finds the tenant where the cluster re-placed it. Buffer handles from
 the lost node are void there (its buffers are gone).
 
 One client is not thread-safe (like SupervisorClient): use one per thread.
+
+Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
+results are dynamically typed; the directory's maps (status, placement, evict and scale results)
+are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ Threads: Ray runs this actor's methods on a small thread pool
 ``nodes`` and ``tenants`` and is never held across a Ray call;
 ``_placing`` serialises placements (register, re-placement) so two of them
 never count the same free budget twice.
+
+Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
+results are dynamically typed; the directory's maps (status, placement, evict and scale results)
+are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ ends.
 
 An actor whose supervisor exited ends itself (:meth:`ping`), so for the
 cluster "the actor died" is the one signal that a node's supervisor is gone.
+
+Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
+results are dynamically typed; the directory's maps (status, placement, evict and scale results)
+are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations

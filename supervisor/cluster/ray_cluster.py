@@ -14,6 +14,10 @@ actor named ``name`` in namespace ``"twt"``, so ``RayCluster.connect`` (and
 ``twt cluster status|down``) find a deployment from any driver. Ray is
 imported only here and in the actors, never by the rest of the package;
 without it the calls raise :class:`BackendUnavailable` naming the extra.
+
+Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
+results are dynamically typed; the directory's maps (status, placement, evict and scale results)
+are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations

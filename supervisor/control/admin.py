@@ -40,6 +40,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
+from dataclasses import fields
 from typing import Any, Protocol
 from collections.abc import Callable
 
@@ -601,7 +602,7 @@ class AdminOps:
             by_device.setdefault(rt.device, []).append(tid)
         return StatusRecord(
             supervisor=SupervisorRecord(
-                **hello.to_wire(),
+                **{f.name: getattr(hello, f.name) for f in fields(hello)},
                 run_dir=self.rundir.path,
                 pool=PoolRecord(idle=len(ws.pool), starting=ws.pool_starting, size=self.config.pool_size,
                                 pids=tuple(w.pid for w in ws.pool)),

@@ -10,6 +10,8 @@ test suite's fake), and the probe and the workers honour the same name.
 ``auto`` picks cuda when that works and finds a device, else stub, and says
 why; ``cuda`` without a usable driver fails at start with
 :class:`BackendUnavailable` and the reason.
+
+Typing: the probe's report (devices, versions) is JSON from the probe process, read by key.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ print(json.dumps(out))
 class BackendChoice:
     name: str
     reason: str
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, object] = field(default_factory=dict)
     devices: tuple[dict[str, Any], ...] = ()
 
 
@@ -138,7 +140,7 @@ def select_backend(config: SupervisorConfig) -> BackendChoice:
                     f"({len(found)} CUDA device(s) visible)"
                 )
             devices = tuple(d for d in found if int(d["index"]) in config.devices)
-        options = {
+        options: dict[str, object] = {
             k: v
             for k, v in (("driver_module", config.cuda_driver_module), ("nvrtc_module", config.cuda_nvrtc_module))
             if v

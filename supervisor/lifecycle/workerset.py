@@ -25,7 +25,7 @@ import logging
 import signal
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 from collections.abc import Callable
 
 import zmq
@@ -89,7 +89,7 @@ class WorkerSet:
         control: zmq.Socket[bytes],
         placement: Placement,
         backend_name: str,
-        backend_options: dict[str, Any],
+        backend_options: dict[str, object],
         events: EventBus,
         metrics: Metrics,
         hooks: TenantHooks,
@@ -120,7 +120,8 @@ class WorkerSet:
 
     # ------------------------------------------------------------ sending
 
-    def send_request(self, worker: WorkerHandle, op: str, args: dict[str, Any], body: Any, pending: Pending) -> None:
+    def send_request(self, worker: WorkerHandle, op: str, args: dict[str, object], body: zmq.Frame | bytes | memoryview | None,
+                     pending: Pending) -> None:
         """Send a request to ``worker``; it is in the pending table from now on. Raises
         :class:`WorkerQueueFull` (its queue is full) or :class:`WorkerLost` (it is gone)."""
         rid = self.pending.new_rid()
@@ -157,7 +158,7 @@ class WorkerSet:
         log_event(_log, logging.WARNING, "buffer.undelivered_freed", tenant=tenant, instance=index,
                   handle=proto.format_handle(handle))
 
-        def done(ok: bool, payload: Any) -> None:
+        def done(ok: bool, payload: object) -> None:
             if not ok and worker.state is not WorkerState.DEAD:
                 self.kill(worker, "could not free an allocation whose reply was lost", "protocol")
 
@@ -252,7 +253,7 @@ class WorkerSet:
         )
         now = self.clock()
 
-        def done(ok: bool, payload: Any) -> None:
+        def done(ok: bool, payload: object) -> None:
             self._on_bound(rt, slot, worker, ok, payload, asked_at)
 
         pending = Pending(None, 0, "bind", rt.tenant_id, slot.index, now, now + self.config.register_timeout_s, done)
@@ -261,7 +262,7 @@ class WorkerSet:
         except TensorWasmError as exc:
             done(False, exc.to_dict())
 
-    def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: Any,
+    def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: object,
                   asked_at: float) -> None:
         if self.tenants.get(rt.tenant_id) is not rt or slot.worker is not worker:
             self.stop_worker(worker, "tenant gone during bind")
@@ -534,7 +535,7 @@ class WorkerSet:
             if worker.state is WorkerState.DRAINING and not worker.in_flight:
                 self.stop_worker(worker, "scaled down")
 
-    def _on_data_hello(self, worker: WorkerHandle, payload: Any) -> None:
+    def _on_data_hello(self, worker: WorkerHandle, payload: object) -> None:
         if not _hello_of(worker, payload) or worker.data_hello:
             self.kill(worker, "bad hello on the data socket", "protocol")
             return
@@ -581,7 +582,7 @@ class WorkerSet:
         worker.fault_waiters.append(answer)
 
 
-def _hello_of(worker: WorkerHandle, payload: Any) -> bool:
+def _hello_of(worker: WorkerHandle, payload: object) -> bool:
     """Is ``payload`` a hello carrying this worker's one-time token? (compared in constant time)"""
     try:
         given = WorkerHello.from_wire(payload).token

@@ -151,7 +151,7 @@ class EventLog:
 
     # ------------------------------------------------------------ append
 
-    def append(self, kind: str, record: dict[str, Any], body: bytes) -> int:
+    def append(self, kind: str, record: dict[str, object], body: bytes) -> int:
         """Keep one event (``body``: ``record`` packed); returns its sequence number."""
         tenant = record.get("tenant")
         tenant = tenant if isinstance(tenant, str) else None
@@ -166,7 +166,7 @@ class EventLog:
         self.bytes += cost
         return self.last
 
-    def _generation(self, kind: str, tenant: str, record: dict[str, Any]) -> int | None:
+    def _generation(self, kind: str, tenant: str, record: dict[str, object]) -> int | None:
         """The registration a tenant's event belongs to. A register event names its own (the
         runtime comes after it). A worker's exit or kill belongs to the registration it was
         ready for, not the current one: an evicted tenant's worker may exit after its name
@@ -199,7 +199,7 @@ class EventLog:
 
     # ------------------------------------------------------------ read
 
-    def page(self, view: EventView, args: dict[str, Any]) -> dict[str, Any]:
+    def page(self, view: EventView, args: dict[str, object]) -> dict[str, object]:
         """The ``events`` op: ``{after, max, kinds, log}`` -> ``{events, next, missed, more, log}``.
 
         InvalidArgument for a bad argument (a cursor ahead of the newest event included).
@@ -214,7 +214,7 @@ class EventLog:
                 f"events: cursor {after} is ahead of the newest event ({self.last}); a cursor from another "
                 f"supervisor run? pass the log id it came with (log={self.log_id!r} now)")
         missed = max(0, self.first - 1 - after)
-        events: list[dict[str, Any]] = []
+        events: list[dict[str, object]] = []
         nbytes = 0
         seq = max(after + 1, self.first)
         end = min(self.last, seq + SCAN_BUDGET - 1)
@@ -233,7 +233,7 @@ class EventLog:
         return {"events": events, "next": seq - 1, "missed": missed, "more": seq <= self.last, "log": self.log_id}
 
 
-def _page_args(args: dict[str, Any]) -> tuple[int | None, int, frozenset[str] | None, str | None]:
+def _page_args(args: dict[str, Any]) -> tuple[int | None, int, frozenset[str] | None, str | None]:  # request args: typed by the op table's Arg rows (check_args)
     """(after, max, kinds, log) of an ``events`` request, checked (the types are checked by the op table)."""
     after = args.get("after")
     if after is not None and after < 0:
@@ -255,9 +255,9 @@ def _page_args(args: dict[str, Any]) -> tuple[int | None, int, frozenset[str] | 
     return after, min(limit, MAX_PAGE_EVENTS), kinds, log
 
 
-def _stub(kind: str, record: dict[str, Any], size: int) -> bytes:
+def _stub(kind: str, record: dict[str, object], size: int) -> bytes:
     """What is kept of a record too large to keep: its kind, time, subject and size."""
-    stub: dict[str, Any] = {k: record[k] for k in ("ts", "tenant", "instance") if k in record}
+    stub: dict[str, object] = {k: record[k] for k in ("ts", "tenant", "instance") if k in record}
     stub.update(event=kind, truncated=True, bytes=size)
     data: bytes = msgpack.packb(stub, use_bin_type=True, default=str)
     return data

@@ -117,7 +117,7 @@ class Placement:
     def create(
         cls,
         backend: str,
-        devices: tuple[dict[str, Any], ...],
+        devices: tuple[dict[str, Any], ...],  # the probe's JSON (lifecycle.backend_select), read here
         *,
         reserve_bytes: int,
         policy: str = "most-free",
@@ -253,7 +253,7 @@ class Placement:
 
     # --------------------------------------------------------------- bind
 
-    def worker_options(self, spec: TenantSpec, device: int) -> dict[str, Any]:
+    def worker_options(self, spec: TenantSpec, device: int) -> dict[str, object]:
         """What a worker of ``spec`` on ``device`` gets in its backend options (besides the backend's own).
 
         ``gpu_memory_bytes_cap`` becomes each instance's pool ``maxSize``: the tenant's *whole* cap, as
@@ -261,7 +261,7 @@ class Placement:
         backstop for a tenant of k instances is therefore k x cap; the shared counter holds it to
         the cap (docs/GPU-QUOTAS.md, "Cap 2").
         """
-        opts: dict[str, Any] = {
+        opts: dict[str, object] = {
             "device_index": device,
             "budget_segment": self._devices[device].budget.name,
             "gpu_memory_bytes_cap": spec.gpu_memory_bytes_cap,
@@ -325,18 +325,18 @@ class Placement:
                 budget_refusals=snap.refusals,
                 tenants=tuple(sorted((tenants_on or {}).get(d.index, []))),
                 segment=snap.name,
-                **self._board_status(d.index),
+                gpu_time=self._board_status(d.index),
             ))
         return out
 
-    def _board_status(self, device: int) -> dict[str, Any]:
+    def _board_status(self, device: int) -> dict[str, object]:
         board = self.boards.get(device)
         if board is None or board.closed:
             return {}
         snap = board.snapshot()
-        return {"gpu_time": {"scheduler": snap.scheduler, "quantum_s": snap.quantum_s, "holder": snap.holder,
-                             "holder_pid": snap.holder_pid, "busy": snap.busy, "waiting": snap.waiting, "grants": snap.grants, "steals": snap.steals,
-                             "handoffs": snap.handoffs, "segment": snap.name}}
+        return {"scheduler": snap.scheduler, "quantum_s": snap.quantum_s, "holder": snap.holder,
+                "holder_pid": snap.holder_pid, "busy": snap.busy, "waiting": snap.waiting, "grants": snap.grants,
+                "steals": snap.steals, "handoffs": snap.handoffs, "segment": snap.name}
 
     def close(self) -> None:
         """Unlink and unmap every budget (supervisor shutdown)."""

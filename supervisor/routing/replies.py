@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any
 
 import zmq
 
@@ -51,7 +50,7 @@ class Replies:
         if n:
             self.held.release(tenant, kind, n)
 
-    def ok(self, client: bytes | None, rid: int, result: Any, body: Any = None, *,
+    def ok(self, client: bytes | None, rid: int, result: object, body: zmq.Frame | bytes | memoryview | None = None, *,
            tenant: str = "", held: int = 0) -> bool:
         """Answer ``result`` (and ``body``). ``held``: reply bytes reserved for this request
         at admission; given back once libzmq lets go of a big body, else at once. False when
@@ -84,7 +83,7 @@ class Replies:
             self.held.release(tenant, "replies", held)
         return True
 
-    def error_tracked(self, client: bytes, rid: int, err: dict[str, Any]) -> zmq.MessageTracker | None:
+    def error_tracked(self, client: bytes, rid: int, err: dict[str, object]) -> zmq.MessageTracker | None:
         """An error reply whose tracker tells when libzmq let go of it (None: not queued).
 
         ``copy=False`` matters: pyzmq copies a frame below its copy threshold (64 KiB) and hands
@@ -100,7 +99,7 @@ class Replies:
         except zmq.ZMQError:
             return None  # gone, or not reading at all: nothing queued
 
-    def ok_tracked(self, client: bytes, rid: int, result: Any) -> zmq.MessageTracker | None:
+    def ok_tracked(self, client: bytes, rid: int, result: object) -> zmq.MessageTracker | None:
         """A small answer to a peer without a verified capability (``hello``'s liveness part),
         tracked exactly as :meth:`error_tracked` is, so it shares that bound on a peer's replies."""
         try:
@@ -111,7 +110,8 @@ class Replies:
         except zmq.ZMQError:
             return None
 
-    def error(self, client: bytes | None, rid: int, err: dict[str, Any]) -> None:
+    def error(self, client: bytes | None, rid: int, err: object) -> None:
+        """An error reply: ``err`` is an error map (a worker's is relayed as it came; the client checks it)."""
         if client is None:
             return
         try:

@@ -21,7 +21,6 @@ what it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 from collections.abc import Callable
 
 __all__ = ["Parked", "Pending"]
@@ -39,7 +38,7 @@ class Pending:
     started: float
     deadline: float
     #: the supervisor's own requests (bind, buffers fan-out) are answered to this instead of a client
-    callback: Callable[[bool, Any], None] | None = None
+    callback: Callable[[bool, object], None] | None = None
     forwarded: bool = False  # in the table (counted in its tenant's in_flight)
     #: reply bytes reserved for it at admission (supervisor.routing.budgets); Replies gives them back
     held: int = 0

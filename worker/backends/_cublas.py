@@ -35,6 +35,10 @@ results agree with numpy within float32 tolerance.
 
 The module is named like the driver's: ``nvmath.bindings.cublas`` by
 default, or a module(-shaped) object (the test suite's fake cuBLAS).
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports), so the handles and results they give stay dynamically typed
+here; they are only passed back to the bindings or converted (int(), bytes) where read.
 """
 
 from __future__ import annotations

@@ -30,6 +30,10 @@ or whatever ``TWT_CUDA_DRIVER_MODULE`` / ``cuda_driver_module`` names (the
 test suite's fake driver), passed to the worker in its backend options. A
 module object can also be handed in directly (unit tests). The backend never
 knows which one it got.
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports), so the handles and results they give stay dynamically typed
+here; they are only passed back to the bindings or converted (int(), bytes) where read.
 """
 
 from __future__ import annotations

@@ -59,6 +59,10 @@ the driver cap only when the instance restarts.
 All calls come from the worker's executor thread. The context is made
 current again if a call ever arrives on another thread (CUDA contexts are
 per thread).
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports), so the handles and results they give stay dynamically typed
+here; they are only passed back to the bindings or converted (int(), bytes) where read.
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ Nothing here allocates per call.
 
 The compile step is :func:`worker.backends.kernels.compile_source` (a cubin for the
 device's ``sm_XY``, PTX when this NVRTC does not know it).
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports), so the handles and results they give stay dynamically typed
+here; they are only passed back to the bindings or converted (int(), bytes) where read.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ and reused; synchronising on the end event makes each op complete before the
 lease moves, which is what keeps two tenants' kernels from overlapping in the
 accounting. Kept out of ``cuda.py`` so the backend only gains two small
 methods (``op_timer``, ``view``).
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports), so the handles and results they give stay dynamically typed
+here; they are only passed back to the bindings or converted (int(), bytes) where read.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ The per-block partials live in the backend's fixed scratch (the first
 ``MAX_SUM_BLOCKS`` doubles of one ``cuMemAlloc`` outside the tenant's pool,
 charged to the device budget as fixed overhead), so a tenant at exactly its
 cap can still sum.
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports), so the handles and results they give stay dynamically typed
+here; they are only passed back to the bindings or converted (int(), bytes) where read.
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat as _repeat
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    import zmq
 
 __all__ = [
     "EXIT_MISS",
@@ -66,7 +69,7 @@ class Timing:
         """(max - min) / median of the samples: how noisy the figure is."""
         return (max(self.samples) - min(self.samples)) / self.ns if self.ns else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"ns": round(self.ns, 2), "best_ns": round(self.best, 2), "samples": len(self.samples), "number": self.number}
 
 
@@ -114,7 +117,7 @@ def time_loops(
     }
 
 
-def socket_rtts_us(sock: Any, header: bytes, n: int) -> list[float]:
+def socket_rtts_us(sock: zmq.Socket[bytes], header: bytes, n: int) -> list[float]:
     """``n`` request round trips on a connected DEALER socket (send ``header``, read the reply), in us
     each: how every request-path bench measures a ping (names bound outside the loop)."""
     out = []
@@ -177,7 +180,7 @@ class Target:
         verdict = "PASS" if self.passed else "MISS"
         return f"{verdict}  {self.name}: {self.measured:.2f}{self.unit} (target {op} {self.limit:g}{self.unit})"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "name": self.name,
             "measured": round(self.measured, 3),
@@ -218,7 +221,7 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def environment() -> dict[str, Any]:
+def environment() -> dict[str, object]:
     """Where the figures were measured."""
     try:
         usable = len(os.sched_getaffinity(0))
@@ -240,9 +243,9 @@ class Report:
 
     bench: str
     sections: list[tuple[str, str]] = field(default_factory=list)  # (title, text)
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, object] = field(default_factory=dict)
     targets: list[Target] = field(default_factory=list)
-    env: dict[str, Any] = field(default_factory=environment)
+    env: dict[str, object] = field(default_factory=environment)
 
     @property
     def passed(self) -> bool:

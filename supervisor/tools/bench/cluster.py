@@ -13,6 +13,10 @@ the run and stopped after it, whatever other Ray runs on the machine: an
 existing cluster (``$RAY_ADDRESS``, a running ``ray start``) is left alone
 and named in one line. With ``--address`` that cluster is used, and a
 failure to join it says what was found there.
+
+Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
+results are dynamically typed; the directory's maps (status, placement, evict and scale results)
+are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ p50, at least 1/3 ms, so the first target is never below 1 ms):
 
 The flooder never waits for an answer: it sends without blocking and reads
 whatever comes back, so the supervisor, not the flooder, sets the pace.
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import argparse
 import multiprocessing as mp
 import os
 import time
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
 from typing import Any
 
 import zmq
@@ -38,7 +43,7 @@ from shared import protocol as proto
 from shared.errors import ProtocolError
 from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
-from supervisor.client.launch import launch
+from supervisor.client.launch import SupervisorHandle, launch
 
 __all__ = ["KINDS", "main"]
 
@@ -50,7 +55,7 @@ _WRITE_BYTES = 1 << 20
 
 
 def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle: int,
-           seconds: float, out: Any, started: Any, nice: int = 0) -> None:
+           seconds: float, out: Queue[dict[str, object]], started: Event, nice: int = 0) -> None:
     """The flooding process: send ``kind`` as fast as the supervisor takes it, for ``seconds``."""
     if nice:
         os.nice(nice)
@@ -111,7 +116,7 @@ def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle:
     ctx.term()
 
 
-def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[bytes] | None,
+def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int, victim: zmq.Socket[bytes] | None,
                header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], dict[str, Any]]:
     """Flood with ``kind`` while the victim pings ``n`` times (none: the flooder alone)."""
     tcp = kind == "tcp-ping"

@@ -14,6 +14,9 @@ In one run (stub backend), per round:
 * every capability minted before the restart is checked to still work.
 
 Target: restore <= 2x register (the median over rounds).
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def _start(state_dir: str, method: str) -> AbstractContextManager[SupervisorHand
     )
 
 
-def _round(n: int, method: str) -> dict[str, Any]:
+def _round(n: int, method: str) -> dict[str, Any]:  # a JSON report row (numbers), read back below
     state = tempfile.mkdtemp(prefix="twt-bench-state-")
     empty_state = tempfile.mkdtemp(prefix="twt-bench-empty-")
     try:

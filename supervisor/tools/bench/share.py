@@ -24,6 +24,9 @@ memory, sampled by this process every few milliseconds.
 ``--plot FILE.png`` (the ``plot`` extra: matplotlib) draws each tenant's
 share per 1 s window of the 7:3 and 8-tenant phases. Exit status 0 when
 every target is met, 4 when one is missed, 2 for bad usage.
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.synchronize import Event
 from typing import Any
 
 from shared.capability import TenantCapability
@@ -89,7 +93,7 @@ class Phase:
         self._sampler: threading.Thread | None = None
         self._guest = guest_path("share").read_bytes()
 
-    def add(self, name: str, *, instances: int = 2, **spec: Any) -> Tenant:
+    def add(self, name: str, *, instances: int = 2, **spec: object) -> Tenant:
         c = self.sup.client
         cap = c.register(self.sup.admin_capability, TenantSpec.from_dict(
             {"tenant_id": name, "instances": instances, "wasm_timeout_s": 600.0, "request_timeout_s": 600.0,
@@ -351,7 +355,7 @@ def _cap(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
 # -------------------------------------------------------------- decision cost
 
 
-def _echo(endpoint: str, ready: Any) -> None:
+def _echo(endpoint: str, ready: Event) -> None:
     import zmq
 
     ctx = zmq.Context()

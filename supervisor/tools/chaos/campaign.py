@@ -1,4 +1,8 @@
-"""One campaign end to end: start, register, baseline, faults, settle, reconcile, clean up."""
+"""One campaign end to end: start, register, baseline, faults, settle, reconcile, clean up.
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
+"""
 
 from __future__ import annotations
 
@@ -78,7 +82,7 @@ def _supervisor(cfg: ChaosConfig, stack: ExitStack) -> Iterator[tuple[str, int |
     if cfg.run_dir is not None:
         yield cfg.run_dir, None
         return
-    log: Any = subprocess.DEVNULL
+    log: IO[bytes] | int = subprocess.DEVNULL
     if cfg.supervisor_log:
         log = stack.enter_context(open(cfg.supervisor_log, "ab"))
     settings = {**SUPERVISOR_SETTINGS, "backend": cfg.backend}
@@ -139,7 +143,7 @@ class _Campaign:
             self.progress.write(f"chaos: {msg}\n")
             self.progress.flush()
 
-    def note_pid(self, pid: Any, into: dict[int, float | None] | None = None) -> None:
+    def note_pid(self, pid: object, into: dict[int, float | None] | None = None) -> None:
         into = self.pids if into is None else into
         if isinstance(pid, int) and pid not in into:
             try:

@@ -1,4 +1,8 @@
-"""The invariants a campaign must keep, and the fault statistics of its report."""
+"""The invariants a campaign must keep, and the fault statistics of its report.
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The seeded client workload: alloc / free / write / read / run_wasm, every call recorded."""
+"""The seeded client workload: alloc / free / write / read / run_wasm, every call recorded.
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
+"""
 
 from __future__ import annotations
 
@@ -84,7 +88,7 @@ class _Client(threading.Thread):
 
     def _call(
         self, op: str, fn: Callable[[SupervisorClient], Any], wasm_timeout_s: float | None = None
-    ) -> tuple[str, Any]:
+    ) -> tuple[str, Any]:  # the call's result (a handle, bytes, a record) goes back to the op that asked
         assert self.client is not None
         phase = self.recorder.phase
         t0 = time.monotonic()
