@@ -38,7 +38,12 @@ metaclass tells mypy the same, so constructor calls stay type-checked::
     +-- KernelTimeout                deadline exceeded                   retryable (TimeoutError)
     +-- WorkerLost                   the worker died with the request    retryable
     |   +-- NodeLost                 its whole node (cluster) was lost   retryable
-    +-- Overloaded                   too many requests in flight         retryable
+    +-- Overloaded                   a supervisor limit, for now         retryable
+    |   +-- InFlightLimit            max_in_flight                       (cause "in_flight")
+    |   +-- WorkerQueueFull          the worker instance's queue         (cause "worker_queue")
+    |   +-- HeldBytesLimit           bytes held for tenants              (cause "held_bytes")
+    |   +-- ClientRepliesQueued      a client not reading its replies    (cause "client_replies")
+    |   +-- AdmissionRate            requests or bytes per second        (cause "rate")
     +-- ProtocolError                malformed or schema-violating frame (ValueError)
     +-- InvalidArgument              well-formed request, bad argument   (ValueError)
     +-- BackendUnavailable           requested backend cannot be used
@@ -68,20 +73,25 @@ from collections.abc import Callable, Mapping
 from typing import ClassVar, Final, Self, TypeVar, cast, dataclass_transform, overload
 
 __all__ = [
+    "AdmissionRate",
     "AlreadyRegistered",
     "BackendUnavailable",
     "BufferLost",
     "CapabilityFromForeignRegistry",
     "CapabilityRevoked",
+    "ClientRepliesQueued",
     "ConfigError",
     "CudaError",
     "GpuMemoryExhausted",
     "HandshakeFailed",
+    "HeldBytesLimit",
     "ISOLATION_REASONS",
+    "InFlightLimit",
     "InvalidArgument",
     "KernelTimeout",
     "MemoryExhausted",
     "NodeLost",
+    "OVERLOADED_CAUSES",
     "Overloaded",
     "ProtocolError",
     "RegistryError",
@@ -100,6 +110,7 @@ __all__ = [
     "WasmCompile",
     "WasmTrap",
     "WorkerLost",
+    "WorkerQueueFull",
     "error_class_for_code",
     "error_from_dict",
 ]
@@ -249,6 +260,12 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
         if self._template:
             return self._template.format_map(vars(self))  # the fields, set by now
         return self.__class__.__doc__.strip().splitlines()[0] if self.__class__.__doc__ else self.code
+
+    @classmethod
+    def _variant(cls, fields: Mapping[str, object]) -> type[TensorWasmError]:
+        """The class to rebuild a wire record of this code as (a cause's subclass, see :class:`Overloaded`)."""
+        del fields
+        return cls
 
     def is_retryable(self) -> bool:
         """True when the same request may succeed later without any change."""
@@ -464,18 +481,106 @@ class NodeLost(WorkerLost):
 
 
 class Overloaded(TensorWasmError):
-    """The tenant already has ``limit`` requests in flight, or sent more requests or
-    bytes per second than its admission allows; retry after one completes, or after
-    ``retry_after_s`` seconds when that is set (a rate refusal)."""
+    """A limit of the supervisor refused the request for now; retry after one of the tenant's
+    requests completes, or after ``retry_after_s`` seconds when that is set.
+
+    ``cause`` names the limit, and each cause is a subclass with its own fields (the
+    numbers of that limit): :class:`InFlightLimit` (``max_in_flight``),
+    :class:`WorkerQueueFull`, :class:`HeldBytesLimit`, :class:`ClientRepliesQueued`,
+    :class:`AdmissionRate`. All travel as the one wire code ``overloaded``:
+    ``tenant_id``, ``in_flight`` (the tenant's requests in flight and parked) and
+    ``limit`` (its ``max_in_flight``) are real in every cause, so a client that knows
+    only this class reads the same fields as before; ``cause`` picks the subclass.
+    """
 
     code = "overloaded"
     retryable = True
     _template = ("tenant {tenant_id!r} overloaded: {in_flight} requests in flight "
                  "(max_in_flight={limit}); retry later")
+    #: cause -> its subclass (written by ``__init_subclass__``; error_from_dict rebuilds by it)
+    _causes: ClassVar[dict[str, type[Overloaded]]] = {}
     tenant_id: str
     in_flight: int
     limit: int
     retry_after_s: float | None = None
+    #: which limit refused it: one of OVERLOADED_CAUSES, each a subclass; "" (an older supervisor,
+    #: which sent no cause) or a cause this side does not know: this class
+    cause: str = ""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cause = cls.__dict__.get("cause")
+        if isinstance(cause, str):
+            Overloaded._causes[cause] = cls
+
+    @classmethod
+    def _variant(cls, fields: Mapping[str, object]) -> type[TensorWasmError]:
+        cause = fields.get("cause")
+        return Overloaded._causes.get(cause, cls) if cls is Overloaded and isinstance(cause, str) else cls
+
+
+class InFlightLimit(Overloaded):
+    """The tenant already has ``limit`` (its ``max_in_flight``) requests in flight or parked."""
+
+    cause: str = "in_flight"
+
+
+class WorkerQueueFull(Overloaded):
+    """The queue to the chosen worker instance is full: ``queued`` requests are in flight on it
+    (the supervisor never queues without bound); retry once one completes."""
+
+    _template = ("tenant {tenant_id!r} overloaded: the queue of instance {instance} is full "
+                 "({queued} requests in flight on it); retry later")
+    cause: str = "worker_queue"
+    instance: int = 0
+    queued: int = 0
+
+
+class HeldBytesLimit(Overloaded):
+    """The bytes the supervisor holds for tenants (queued replies, parked requests, stored modules)
+    would pass a budget: ``held`` of ``budget`` B for ``scope`` ("tenant": this tenant's
+    ``max_tenant_held_bytes``, "total": all tenants' ``max_held_bytes``), ``requested`` B more asked."""
+
+    cause: str = "held_bytes"
+    scope: str = "tenant"
+    held: int = 0
+    requested: int = 0
+    budget: int = 0
+
+    def _default_message(self) -> str:
+        whose = "all tenants together" if self.scope == "total" else "this tenant"
+        return (f"the supervisor already holds {self.held:,} B for {whose} (queued replies, parked requests, "
+                f"stored modules); {self.requested:,} B more would pass the {self.budget:,} B limit: "
+                "read your replies, or retry later")
+
+
+class ClientRepliesQueued(Overloaded):
+    """``queued`` B of big replies to this client are still waiting to be read, past
+    ``budget`` (``max_client_reply_bytes``); read them, then retry."""
+
+    _template = ("{queued:,} B of replies to this client are still queued (it is not reading them); "
+                 "limit max_client_reply_bytes={budget:,}")
+    cause: str = "client_replies"
+    queued: int = 0
+    budget: int = 0
+
+
+class AdmissionRate(Overloaded):
+    """The tenant sent more ``what`` ("requests" or "bytes") per second than its admission
+    allows (``rate``: its ``requests_per_s`` or ``bytes_per_s``); retry after ``retry_after_s``."""
+
+    cause: str = "rate"
+    what: str = "requests"
+    rate: float = 0.0
+
+    def _default_message(self) -> str:
+        after = "later" if self.retry_after_s is None else f"after {self.retry_after_s:.3g} s"
+        return f"tenant {self.tenant_id!r} sent more than its {self.rate:,.0f} {self.what} per second " \
+               f"({self.what}_per_s); retry {after}"
+
+
+#: every cause of :class:`Overloaded`, in the order of the checks a request passes
+OVERLOADED_CAUSES: Final = ("rate", "in_flight", "held_bytes", "client_replies", "worker_queue")
 
 
 class ProtocolError(TensorWasmError, ValueError):
@@ -731,6 +836,7 @@ def error_from_dict(data: object) -> TensorWasmError:
     cls = error_class_for_code(code)
     if cls is TensorWasmError:
         return TensorWasmError(message or f"unknown error code {code!r}")
+    cls = cls._variant(fields)
     try:
         kwargs = {name: fields[name] for name in cls._fields if name in fields}
         return cls(**kwargs, message=message)

@@ -86,7 +86,8 @@ MAX_CLIENT_REPLY_ITEMS: Final = 64 * MAX_BUFFERS_PER_INSTANCE + 1024
 
 # ------------------------------------------------------------------ the op table
 #
-# Every wire op is declared once, here. The supervisor dispatches by ``OPS[op].served_by``
+# Every wire op is declared once, here (an admin op's handler, command and doc row are its class
+# in supervisor/control/ops/). The supervisor dispatches by ``OPS[op].served_by``
 # and checks arguments with :func:`check_args`; SupervisorClient has a method named
 # ``OPS[op].client`` for each; ``OPS[op].cli`` names the ``twt`` command that issues it;
 # docs/PROTOCOL.md lists every op (tests/shared/test_protocol.py checks all three).
@@ -123,7 +124,7 @@ class OpSpec:
     args: tuple[Arg, ...]
     reply: str  # the result's shape, as docs/PROTOCOL.md shows it
     errors: tuple[str, ...]  # error class names beyond the refusals every op can get
-    client: str  # the SupervisorClient method that sends it
+    client: str  # the SupervisorClient method that sends it ("call": only the generic SupervisorClient.call)
     cli: str | None = None  # the `twt` command that sends it (None: library only)
     body_in: bool = False  # takes a body frame
     body_out: bool = False  # answers with a body frame
@@ -243,6 +244,7 @@ OPS: Final[dict[str, OpSpec]] = {
                (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
                "{tenant, instance, pid, kind, ...armed}", ("UnknownTenant", "InvalidArgument", "WorkerLost"),
                "inject_fault", "fault", served_by="admin"),
+        OpSpec("version", True, (), "{version, python, protocol}", (), "call", "version", served_by="admin"),
         # ---- service ops (the admin capability; supervisor.control.service)
         OpSpec("reload", True, (),
                "{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "

@@ -391,6 +391,18 @@ def _error_schema(code: str, cls: type[TensorWasmError]) -> dict[str, object]:
         if isinstance(base, type) and issubclass(base, TensorWasmError):
             annotations.update(inspect.get_annotations(base))
     fields = {name: _annotation_schema(annotations.get(name, "")) for name in cls._fields}
+    # the causes of one code (Overloaded): subclasses without a code of their own, told apart by
+    # ``cause``; their own fields are optional here, present when the cause is theirs
+    causes: dict[str, Any] = {}
+    used_by: dict[str, list[str]] = {}  # a cause's own field -> the causes that have it
+    for cause, sub in sorted(getattr(cls, "_causes", {}).items()):
+        own = [name for name in sub._fields if name not in cls._fields]
+        for name in own:
+            fields.setdefault(name, _annotation_schema(inspect.get_annotations(sub).get(name, "")))
+            used_by.setdefault(name, []).append(cause)
+        causes[cause] = {"class": sub.__name__, "fields": own, "meaning": _error_meaning(sub)}
+    for name, its_causes in used_by.items():
+        fields[name] = {**fields[name], "description": "cause " + " ".join(f"`{c}`" for c in its_causes)}
     # a class with its own rule (MemoryExhausted: not when more than the whole limit was asked for)
     rule = cls.is_retryable if "is_retryable" in _own_or_inherited(cls) else None
     return {
@@ -409,6 +421,7 @@ def _error_schema(code: str, cls: type[TensorWasmError]) -> dict[str, object]:
             "sent_by_supervisor": code not in LOCAL_ONLY_CODES,
             "local_only": LOCAL_ONLY_CODES.get(code),
             "meaning": _error_meaning(cls),
+            "causes": causes,
         },
     }
 
@@ -494,7 +507,7 @@ def _op_entry(op: proto.OpSpec) -> dict[str, object]:
         schema = _arg_schema(arg)
         if op.name == "register" and arg.name == "spec":
             schema = {"$ref": "#/$defs/tenant_spec"}
-        elif op.name == "set_quota" and arg.name in proto.QUOTA_KEYS:
+        elif op.name == "set_quota" and arg.name in proto.QUOTA_KEYS and str in arg.types:  # the byte sizes
             schema = _size_schema("null" in str(schema.get("type")))
         note = ARG_NOTES.get((op.name, arg.name))
         if note:

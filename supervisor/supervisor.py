@@ -61,6 +61,7 @@ from shared.log import get_logger, log_event
 from shared.proctitle import set_process_name
 from shared.quota import cleanup_stale_segments
 from supervisor.control.admin import AdminOps
+from supervisor.control import ops as admin_ops
 from supervisor.store.audit import DeniedAudit
 from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.observe.event_log import EventLog
@@ -293,7 +294,7 @@ class Supervisor:
         frontend = Frontend(
             cfg, loop=self.loop, sock=frontend_sock, tcp_sock=tcp.socket if tcp is not None else None,
             replies=replies, pending=pending, workers=workers,
-            registry=registry, tenants=self.tenants, admin=admin.handle, on_denied=on_denied,
+            registry=registry, tenants=self.tenants, on_denied=on_denied,
             regions=RegionTable(registry.segment_prefix), guard=guard, admin_cap=admin_cap.to_bytes(),
             event_log=self.event_log,
         )
@@ -310,6 +311,8 @@ class Supervisor:
             pending=pending, events=self.events, on_key_rotated=on_key_rotated,
         )
         admin.attach(workers, frontend, service)
+        # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
+        frontend.serve_ops(admin_ops.handlers(admin, service), admin_ops.local_handlers(frontend))
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference

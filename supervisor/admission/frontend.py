@@ -29,12 +29,12 @@ May touch: the pending table (every answer goes through it), the worker set
 (to send), the registry (to verify capabilities), the event log (read:
 ``events``, which either capability may send, is answered here with the
 capability's view of :class:`~supervisor.observe.event_log.EventLog`). Admin ops are
-handed to :class:`supervisor.control.admin.AdminOps`. Loop thread only.
+verified here and handed to their handler, one per op (:mod:`supervisor.control.ops`,
+bound to the part that serves it: ``serve_ops``). Loop thread only.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,8 +49,9 @@ from shared.checks import is_int
 from shared.config import SupervisorConfig
 from shared.errors import (
     BufferLost,
+    ClientRepliesQueued,
+    InFlightLimit,
     InvalidArgument,
-    Overloaded,
     ProtocolError,
     TenantFailed,
     TenantIsolationViolation,
@@ -85,8 +86,6 @@ __all__ = ["ClientMessage", "Frontend"]
 
 _log = get_logger("supervisor")
 
-MAX_MODULES_PER_TENANT = 32
-MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
@@ -98,9 +97,10 @@ def _ignore_reply(ok: bool, payload: Any) -> None:
     """Callback of the supervisor's own fire-and-forget worker requests."""
 
 
-AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
-#: a tenant op the frontend answers itself: (tenant, args, body) -> the result
-LocalOp = Callable[[TenantRuntime, dict[str, Any], Any], dict[str, Any]]
+#: an admin op's handler, bound to the part that serves it: (client, rid, args) (supervisor.control.ops)
+AdminHandler = Callable[[bytes, int, dict[str, Any]], None]
+#: a tenant op the frontend answers itself, bound to it (supervisor.control.ops): (tenant, args, body) -> the result
+LocalOp = Callable[[TenantRuntime, dict[str, Any], Any], object]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
 DenialHook = Callable[["bytes | None", str], None]
 
@@ -120,7 +120,6 @@ class Frontend:
         workers: WorkerSet,
         registry: TenantRegistry,
         tenants: Mapping[str, TenantRuntime],
-        admin: AdminHandler,
         guard: FrontendGuard,
         admin_cap: bytes,
         on_denied: DenialHook | None = None,
@@ -135,7 +134,8 @@ class Frontend:
         self.workers = workers
         self.registry = registry
         self.tenants = tenants
-        self.admin = admin
+        #: the admin ops' handlers, by name (serve_ops, at set-up)
+        self._admin_ops: Mapping[str, AdminHandler] = {}
         self.guard = guard
         self._admin_raw = admin_cap
         self.on_denied = on_denied
@@ -143,16 +143,8 @@ class Frontend:
         self.event_log = event_log
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
-        #: the tenant ops this part answers itself (``served_by == "frontend"``; ``events`` has its own path)
-        self._local_ops: dict[str, LocalOp] = {
-            "quota": lambda rt, args, body: rt.block.snapshot().to_dict(),
-            "put_module": lambda rt, args, body: {"digest": self._put_module(rt, body)},
-            "region_create": lambda rt, args, body: self._region_op(rt, "region_create", args),
-            "region_release": lambda rt, args, body: self._region_op(rt, "region_release", args),
-        }
-        declared = {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}
-        if set(self._local_ops) != declared:  # the op table and this part disagree: a bug, at start
-            raise RuntimeError(f"frontend ops {sorted(declared)} declared, {sorted(self._local_ops)} served")
+        #: the tenant ops this part answers itself, by name (serve_ops, at set-up)
+        self._local_ops: Mapping[str, LocalOp] = {}
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
@@ -258,7 +250,7 @@ class Frontend:
             elif proto.OPS[op].admin:
                 if client[:1] == _TCP and not self.config.allow_remote_admin:
                     raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
-                self.admin(client, rid, op, msg.cap_raw, msg.args, body)
+                self._admin_request(client, rid, op, msg.cap_raw, msg.args)
             else:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
         except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
@@ -274,6 +266,27 @@ class Frontend:
             # with its trace and answered as an internal error, never blamed on the client's input
             _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
             self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"), msg.cap_raw)
+
+    def serve_ops(self, admin_ops: Mapping[str, AdminHandler], local_ops: Mapping[str, LocalOp]) -> None:
+        """The handlers of the ops the supervisor serves itself, by name (``supervisor.control.ops``):
+        every admin op's, bound to its part, and every tenant op's this part answers from what it
+        holds; once, at set-up, once those parts exist. Both must match the op table."""
+        for kind, handlers, declared in (
+            ("admin", admin_ops, {n for n, spec in proto.OPS.items() if spec.admin}),
+            ("frontend", local_ops,
+             {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}),
+        ):
+            if set(handlers) != declared:  # the op table and the handlers disagree: a bug, at start
+                raise RuntimeError(f"{kind} ops {sorted(declared)} declared, {sorted(handlers)} served")
+        self._admin_ops, self._local_ops = admin_ops, local_ops
+
+    def _admin_request(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any]) -> None:
+        """One admin request: the admin capability first, then the op's arguments, then its handler."""
+        if cap_raw is None:
+            raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
+        self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
+        proto.check_args(op, args)
+        self._admin_ops[op](client, rid, args)
 
     def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError, cap_raw: bytes | None) -> None:
         """Answer a request the supervisor itself refused (and count it).
@@ -343,8 +356,9 @@ class Frontend:
         proto.check_args(op, args)
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
-        if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
-            raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
+        in_flight, max_in_flight = rt.in_flight + len(rt.parked), rt.spec.max_in_flight
+        if in_flight >= max_in_flight:
+            raise InFlightLimit(tid, in_flight, max_in_flight)
         if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
             raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         spec = proto.OPS[op]
@@ -369,11 +383,8 @@ class Frontend:
         if spec.big_reply:
             queued = self.replies.queued_bytes(client)
             if queued > self.config.max_client_reply_bytes:
-                raise Overloaded(
-                    tid, rt.in_flight, rt.spec.max_in_flight,
-                    message=f"{queued:,} B of replies to this client are still queued (it is not reading them); "
-                    f"limit max_client_reply_bytes={self.config.max_client_reply_bytes:,}",
-                )
+                raise ClientRepliesQueued(tid, in_flight, max_in_flight, queued=queued,
+                                          budget=self.config.max_client_reply_bytes)
         if op == "buffers":
             self._buffers_of_every_instance(rt, client, rid)
             return
@@ -391,12 +402,12 @@ class Frontend:
         # (supervisor.routing.budgets): a read's reply, and a parked request's body.
         held = self.guard.held
         reply = expected_reply_bytes(op, args, self.config.max_message_bytes)
-        held.reserve(tid, "replies", reply)
+        held.reserve(tid, "replies", reply, in_flight=in_flight, max_in_flight=max_in_flight)
         try:
             if slot is None:
                 # no ready instance, but one is starting or restarting: wait for it, bounded
                 size = len(body) if body is not None else 0
-                held.reserve(tid, "parked", size)
+                held.reserve(tid, "parked", size, in_flight=in_flight, max_in_flight=max_in_flight)
                 rt.parked.append(Parked(client, rid, op, args, body, now,
                                         now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned,
                                         held_reply=reply, held_body=size))
@@ -471,18 +482,7 @@ class Frontend:
 
     # ------------------------------------------------------------ regions
 
-    def _region_op(self, rt: TenantRuntime, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """``region_create {nbytes, pid}`` -> ``{region, name, nbytes}``;
-        ``region_release {region}`` -> ``{released: nbytes}`` (see supervisor.routing.regions)."""
-        if op == "region_create":
-            owned = self.regions.create(rt.tenant_id, rt.block, args.get("nbytes"), args.get("pid"),
-                                        generation=rt.generation)
-            return {"region": owned.region_id, "name": owned.name, "nbytes": owned.nbytes}
-        owned = self.regions.release(rt.tenant_id, args.get("region"))
-        self._unmap_region(rt, owned.name)
-        return {"released": owned.nbytes}
-
-    def _unmap_region(self, rt: TenantRuntime, name: str) -> None:
+    def unmap_region(self, rt: TenantRuntime, name: str) -> None:
         """Tell the tenant's live workers to unpin and unmap a released region (best effort:
         a worker that misses it unmaps at exit, and the name is unlinked already)."""
         now = self.clock()
@@ -500,33 +500,7 @@ class Frontend:
         for owned in self.regions.reap():
             rt = self.tenants.get(owned.tenant_id)
             if rt is not None:
-                self._unmap_region(rt, owned.name)
-
-    def _put_module(self, rt: TenantRuntime, body: Any) -> str:
-        """Keep a tenant's module (bounded LRU) so runs can name it by digest."""
-        if body is None:
-            raise InvalidArgument("put_module needs the module bytes as the body frame")
-        if len(body) > MAX_MODULE_BYTES:
-            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
-        data = body.bytes if isinstance(body, zmq.Frame) else bytes(body)
-        if not data:
-            raise InvalidArgument("put_module: empty module")
-        digest = hashlib.sha256(data).hexdigest()
-        if digest in rt.modules:
-            rt.modules.move_to_end(digest)
-            return digest
-        # Room first among the tenant's own modules (LRU), then the held-bytes budgets
-        # (per tenant and for all tenants together): Overloaded beyond them.
-        held = self.guard.held
-        while rt.modules and (
-            len(rt.modules) >= MAX_MODULES_PER_TENANT
-            or sum(map(len, rt.modules.values())) + len(data) > MAX_MODULE_BYTES_PER_TENANT
-        ):
-            _, old = rt.modules.popitem(last=False)
-            held.release(rt.tenant_id, "modules", len(old))
-        held.reserve(rt.tenant_id, "modules", len(data))
-        rt.modules[digest] = data
-        return digest
+                self.unmap_region(rt, owned.name)
 
     def forget(self, rt: TenantRuntime) -> None:
         """An evicted tenant leaves nothing behind here: its verified tokens (which kept

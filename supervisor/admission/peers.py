@@ -19,10 +19,15 @@ Unauthenticated peers. A request without a verified capability - garbage,
 forged or foreign tokens - is answered with a small typed error, but a peer
 that sends them and never reads would make the supervisor queue one reply
 per request (libzmq bounds a peer's queue in messages, not bytes). So those
-replies are sent tracked, and a peer with ``max_unread`` of them still held
-by libzmq (not yet taken by the peer) gets no more until it reads: the rest
-are dropped unanswered (counted). A peer that reads its replies gets them
-all. The table of peers is itself bounded (least recently seen forgotten).
+replies are sent tracked (zero-copy frames, whose tracker is done once libzmq
+has written them out), and a peer with ``max_unread`` of them still held by
+libzmq - its own socket buffers full, because it stopped reading - gets no
+more until it reads: the rest are dropped unanswered (counted). A peer that
+reads its replies gets them all: its own libzmq takes them off the connection
+whether or not the application has called recv yet, so only a peer whose
+buffers are full meets the bound (256 leaves room for this loop's I/O thread
+to lag many turns behind on a loaded host). The table of peers is itself
+bounded (least recently seen forgotten).
 
 Loop thread only.
 """
@@ -53,7 +58,7 @@ def short(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 class UnreadErrors:
     """Per peer, the error replies to unauthenticated requests it has not taken yet."""
 
-    max_unread: int = 64
+    max_unread: int = 256
     max_peers: int = 4096
     dropped: int = field(default=0, init=False)
     _peers: OrderedDict[bytes, deque[zmq.MessageTracker]] = field(default_factory=OrderedDict, init=False)

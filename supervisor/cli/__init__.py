@@ -1,7 +1,9 @@
 """``twt`` / ``tensor-wasm-tenant``: the command line (thin: parse, call library code, print).
 
 Each sub-command lives in its own module with ``add_parser(subparsers)`` and
-``run(args) -> int``. Exit codes: 0 ok, 1 the operation failed (typed error
+``run(args) -> int``; the admin commands live with their op, one class each
+(:mod:`supervisor.control.ops`), and :mod:`supervisor.cli.ops` adds every one
+of them. Exit codes: 0 ok, 1 the operation failed (typed error
 printed), 2 bad usage, 3 no supervisor reachable, 4 a check or benchmark
 target failed, 70 an internal error (a bug: the trace is printed), 130
 interrupted; all defined in :mod:`shared.exitcodes`. A closed output pipe
@@ -43,16 +45,16 @@ COMMANDS = {
     "status": "supervisor.cli.status",
     "top": "supervisor.cli.top",
     "events": "supervisor.cli.events",
-    "register": "supervisor.cli.admin",
-    "evict": "supervisor.cli.admin",
-    "set-quota": "supervisor.cli.admin",
-    "scale": "supervisor.cli.admin",
-    "fault": "supervisor.cli.admin",
-    "capability": "supervisor.cli.admin",
-    "reload": "supervisor.cli.service",
-    "reset": "supervisor.cli.service",
-    "restart": "supervisor.cli.service",
-    "rotate-key": "supervisor.cli.service",
+    "register": "supervisor.cli.ops",
+    "evict": "supervisor.cli.ops",
+    "set-quota": "supervisor.cli.ops",
+    "scale": "supervisor.cli.ops",
+    "fault": "supervisor.cli.ops",
+    "capability": "supervisor.cli.ops",
+    "reload": "supervisor.cli.ops",
+    "reset": "supervisor.cli.ops",
+    "restart": "supervisor.cli.ops",
+    "rotate-key": "supervisor.cli.ops",
     "run": "supervisor.cli.run",
     "alloc": "supervisor.cli.buffers",
     "free": "supervisor.cli.buffers",

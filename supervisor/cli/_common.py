@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import socket
 import sys
@@ -18,6 +17,7 @@ from shared.capability import RegistryAdminCapability, TenantCapability, read_ca
 from shared.config import ENV_PREFIX, default_run_dir, parse_host_port
 from shared.errors import SupervisorUnavailable
 from supervisor.client.api import SupervisorClient
+from supervisor.client.cli_args import at_least_one, non_negative_int, positive_seconds, print_json
 
 __all__ = [
     "DefaultsHelpFormatter",
@@ -64,13 +64,6 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {default})" if text else f"default: {default}"
 
 
-def _int(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-
-
 def comma_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
     """argparse type factory: ``a,b,c`` -> a tuple, each item one of ``choices``."""
 
@@ -84,33 +77,6 @@ def comma_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, 
         return items
 
     return parse
-
-
-def non_negative_int(value: str) -> int:
-    """argparse type: an int >= 0."""
-    n = _int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {n}")
-    return n
-
-
-def at_least_one(value: str) -> int:
-    """argparse type: an int >= 1 (counts, iterations)."""
-    n = _int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def positive_seconds(value: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
-    if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
-    return seconds
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -269,11 +235,6 @@ def tenant_capability_of(client: SupervisorClient, tenant: str, from_file: Tenan
 
 def run_dir_of(args: argparse.Namespace) -> str:
     return str(args.run_dir or os.environ.get(f"{ENV_PREFIX}RUN_DIR") or default_run_dir())
-
-
-def print_json(data: object) -> None:
-    json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
-    sys.stdout.write("\n")
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO | None = None) -> None:

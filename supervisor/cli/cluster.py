@@ -43,7 +43,7 @@ ACTIONS = ("up", "status", "down", "register", "evict", "scale")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from supervisor.cli.admin import spec_flags
+    from supervisor.control.ops._cli import spec_flags
 
     p = sub.add_parser(
         "cluster",
@@ -123,7 +123,7 @@ def _needs(args: argparse.Namespace, *, tenant: bool, instances: bool = False) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.cli.admin import build_spec, has_spec_flags
+    from supervisor.control.ops._cli import build_spec, has_spec_flags
 
     action = args.action
     _needs(args, tenant=action in ("register", "evict", "scale"), instances=action == "scale")

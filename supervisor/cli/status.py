@@ -17,15 +17,15 @@ import argparse
 import dataclasses
 import io
 from collections.abc import Sequence
-from typing import TypeVar
-from collections.abc import Callable
 
-from shared.errors import RequestTimeout, SupervisorUnavailable, UnknownTenant
+from shared.errors import UnknownTenant
 from shared.exitcodes import EXIT_FAILED, EXIT_OK
 from shared.records import ExitRecord, StatusRecord, SupervisorRecord, TenantRecord
 from shared.sizes import format_size
 from supervisor.cli._common import add_run_dir, client_of, print_json, print_table
 from supervisor.client.api import SupervisorClient
+from supervisor.control.ops.status import fetch_status
+from supervisor.control.ops.tenant_status import fetch_tenant
 
 __all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant", "format_duration", "render", "run"]
 
@@ -56,28 +56,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> SupervisorClient:
     """A client for ``--run-dir`` or ``--connect`` (SupervisorUnavailable when nothing runs there)."""
     return client_of(args, timeout_s)
-
-
-def fetch_status(client: SupervisorClient) -> StatusRecord:
-    """The status record; a supervisor that does not answer in time counts as unreachable (exit 3)."""
-    return _unreachable_on_timeout(client, client.status)
-
-
-def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:
-    """One tenant's record (as :func:`fetch_status`, for one tenant)."""
-    return _unreachable_on_timeout(client, lambda: client.tenant_status(None, tenant))
-
-
-R = TypeVar("R")
-
-
-def _unreachable_on_timeout(client: SupervisorClient, call: Callable[[], R]) -> R:
-    try:
-        return call()
-    except RequestTimeout:
-        raise SupervisorUnavailable(
-            client.run_dir, f"no answer within {client.timeout_s:g} s (supervisor hung or overloaded?)"
-        ) from None
 
 
 #: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose)

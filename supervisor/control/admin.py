@@ -1,8 +1,9 @@
-"""Admin operations (the admin capability) and the tenant lifecycle they drive.
+"""The part that serves the admin ops (the admin capability), and the tenant lifecycle they drive.
 
-register, evict, set_quota, scale, inject_fault, capability, status,
-tenant_status, hello - each declared in :data:`shared.protocol.OPS` - plus
-what a tenant goes through between them: registration answered once every
+Each admin op is a class of its own under :mod:`supervisor.control.ops` (its
+handler, its ``twt`` command, its doc row); the handlers of register, evict,
+set_quota, scale, inject_fault, capability, status, tenant_status and hello
+call what is here: the tenants table and what a tenant goes through: registration answered once every
 instance is ready (or failed), the tenant marked failed after too many
 restarts, parked requests refused when their instance is not coming back.
 
@@ -53,7 +54,6 @@ from shared.errors import (
     KernelTimeout,
     StateError,
     TenantFailed,
-    TenantIsolationViolation,
     TenantStopped,
     TensorWasmError,
     UnknownTenant,
@@ -62,9 +62,6 @@ from shared.errors import (
 from shared.log import get_logger, log_event
 from shared.quota import MAX_INSTANCES, QuotaSnapshot
 from shared.records import (
-    FaultAck,
-    FaultExit,
-    FaultOrder,
     HelloInfo,
     InstanceRecord,
     PoolRecord,
@@ -88,12 +85,9 @@ from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 from supervisor.lifecycle.workerset import WorkerSet
 
-__all__ = ["OpHandler", "AdminOps", "ServiceHooks"]
+__all__ = ["AdminOps", "ServiceHooks"]
 
 _log = get_logger("supervisor")
-
-#: one admin op's handler: ``(client, rid, args)``, answering through the pending table (at once or later)
-OpHandler = Callable[[bytes, int, dict[str, Any]], None]
 
 #: the WAL checkpoint runs this long after the last admin write: a burst of admin ops (a
 #: group of registrations) pays its fsyncs once, after its replies, not one per op
@@ -102,10 +96,9 @@ CHECKPOINT_DELAY_S = 0.25
 
 class ServiceHooks(Protocol):
     """What the tenant lifecycle hands up to the service ops (implemented by
-    :class:`supervisor.control.service.ServiceOps`, which drives the ops here): the
-    handlers of the ops it serves (``served_by == "service"``), an instance that became ready, a tenant gone."""
+    :class:`supervisor.control.service.ServiceOps`, which drives the ops here): an
+    instance that became ready, a tenant gone."""
 
-    def handlers(self) -> dict[str, OpHandler]: ...
     def instance_ready(self, rt: TenantRuntime) -> None: ...
     def tenant_down(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
 
@@ -153,8 +146,6 @@ class AdminOps:
         self._on_settled = on_settled
         self.started = time.time()
         self._workers: WorkerSet | None = None
-        #: every admin op's handler, by name (filled by attach(), once the service ops exist)
-        self._handlers: dict[str, OpHandler] = {}
         self._frontend: Frontend | None = None
         self._service: ServiceHooks | None = None
         #: registrations waiting for the writer thread; it takes all there are into one
@@ -173,18 +164,8 @@ class AdminOps:
         loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 
     def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
-        """The parts this one calls, which are built after it (they call it too); once, at set-up.
-
-        The service ops' handlers join the dispatch table here; every admin op of the op
-        table (``served_by`` "admin" or "service") must have exactly one handler.
-        """
+        """The parts this one calls, which are built after it (they call it too); once, at set-up."""
         self._workers, self._frontend, self._service = workers, frontend, service
-        handlers = {**self._admin_handlers(), **service.handlers()}
-        declared = {name for name, spec in proto.OPS.items() if spec.served_by in ("admin", "service")}
-        if set(handlers) != declared:
-            raise RuntimeError(f"admin ops without a handler: {sorted(declared - set(handlers))}; "
-                               f"handlers of no admin op: {sorted(set(handlers) - declared)}")
-        self._handlers = handlers
 
     @property
     def workers(self) -> WorkerSet:
@@ -200,35 +181,6 @@ class AdminOps:
     def service(self) -> ServiceHooks:
         assert self._service is not None, "AdminOps used before Supervisor._setup attached its parts"
         return self._service
-
-    # ------------------------------------------------------------ dispatch
-
-    def handle(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any) -> None:
-        """One admin request: the admin capability first, then the op's schema, then the op."""
-        if cap_raw is None:
-            raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
-        self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
-        proto.check_args(op, args)
-        self._handlers[op](client, rid, args)
-
-    def _admin_handlers(self) -> dict[str, OpHandler]:
-        """The ops :class:`AdminOps` serves (``served_by == "admin"``), by name: dispatch is this lookup."""
-        answer = self.pending.answer
-        return {
-            "hello": lambda client, rid, args: answer(client, rid, "hello", self.hello_info().to_wire()),
-            "register": lambda client, rid, args: self.register(TenantSpec.from_dict(args["spec"]), client, rid),
-            "evict": lambda client, rid, args: self.evict(args["tenant"], client, rid),
-            "set_quota": lambda client, rid, args: answer(client, rid, "set_quota", self._set_quota(args).to_wire()),
-            "status": lambda client, rid, args: answer(client, rid, "status", self.status().to_wire()),
-            "capability": lambda client, rid, args: answer(
-                client, rid, "capability",
-                {"capability": self.registry.tenant_capability(self.admin_cap, args["tenant"]).to_bytes()}),
-            "tenant_status": lambda client, rid, args: answer(
-                client, rid, "tenant_status", self.tenant_record(self.runtime(args["tenant"])).to_wire()),
-            "scale": lambda client, rid, args: answer(
-                client, rid, "scale", self.scale(args["tenant"], args["instances"]).to_wire()),
-            "inject_fault": self._inject_fault,
-        }
 
     def runtime(self, tid: str) -> TenantRuntime:
         """The tenant's runtime; UnknownTenant when none is registered as ``tid``."""
@@ -515,23 +467,6 @@ class AdminOps:
         for worker in workers:
             worker.death_waiters.append(on_dead)
 
-    def _set_quota(self, args: dict[str, Any]) -> TenantRecord:
-        rt = self.runtime(args["tenant"])
-        changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
-        if not changes:
-            raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
-        new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
-        self.write(self.state.update_spec, new_spec)  # StateError: nothing applied
-        try:
-            info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
-        except BaseException:
-            self.record(self.state.update_spec, rt.spec)  # put the stored spec back
-            raise
-        rt.spec = info.spec
-        self.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
-        self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
-        return self.tenant_record(rt)
-
     def scale(self, tid: str, n: int) -> TenantRecord:
         rt = self.runtime(tid)
         spec = rt.spec.with_instances(n)  # validates the range
@@ -578,48 +513,6 @@ class AdminOps:
         except StateError as exc:
             log_event(_log, logging.ERROR, "state.write_failed", error=str(exc))
             self.events.emit("state_error", path=exc.path, error=exc.detail)
-
-    # ------------------------------------------------------------ faults
-
-    def _inject_fault(self, client: bytes, rid: int, args: dict[str, Any]) -> None:
-        tid = args["tenant"]
-        rt = self.runtime(tid)
-        kind = args["kind"]
-        if kind not in proto.FAULT_KINDS:
-            raise InvalidArgument(f"unknown fault kind {kind!r}")
-        index = args.get("instance")
-        if index is None:
-            live = rt.live_slots()
-            if not live:
-                raise WorkerLost(tid, 0, reason="no live instance to inject into")
-            slot = live[0]
-        else:
-            if not 0 <= index < len(rt.slots):
-                raise InvalidArgument(f"instance must be in 0..{len(rt.slots) - 1}")
-            slot = rt.slots[index]
-        worker = slot.worker
-        if worker is None or not worker.control_hello or worker.state is WorkerState.DEAD:
-            raise WorkerLost(tid, slot.index, reason="instance is not running")
-        params = args.get("params") or {}
-        info = {"tenant": tid, "instance": slot.index, "pid": worker.pid, "kind": kind}
-        answered = False
-
-        def answer(result: FaultAck | FaultExit) -> None:
-            nonlocal answered
-            if answered:
-                return
-            answered = True
-            if isinstance(result, FaultAck) and not result.ok:
-                err = result.error or TensorWasmError("worker refused the fault without a reason").to_dict()
-                self.pending.answer_error(client, rid, "inject_fault", err)
-            elif isinstance(result, FaultAck):
-                self.pending.answer(client, rid, "inject_fault", {**info, "ok": True, "armed": result.armed})
-            else:
-                self.pending.answer(client, rid, "inject_fault", {**info, **result.to_wire()})
-
-        self.workers.on_fault_answer(worker, answer)
-        self.events.emit("fault", **info, params=params)
-        self.workers.send_control(worker, proto.encode_control("fault", FaultOrder(kind, params).to_wire()))
 
     # ------------------------------------------------------------ records
 

@@ -1,7 +1,9 @@
 """Service operations: restore at start, reload, reset, rolling restart, key rotation.
 
 What keeps a supervisor a *service* across its own restarts and config
-changes, on top of the admin ops (:mod:`supervisor.control.admin`)::
+changes, on top of the admin ops (:mod:`supervisor.control.admin`); the
+handlers of the reload, reset, restart and rotate_key ops (classes under
+:mod:`supervisor.control.ops`) call the methods here::
 
     start ........ restore()      every tenant from the state (same generation: capabilities
                                   minted before keep working; failed ones stay failed), then
@@ -35,7 +37,7 @@ from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig, read_config_file, tenants_of
 from shared.errors import ConfigError, StateError, TenantFailed, TensorWasmError
 from shared.log import get_logger, log_event
-from supervisor.control.admin import OpHandler, AdminOps
+from supervisor.control.admin import AdminOps
 from supervisor.observe.events import EventBus
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
@@ -77,18 +79,6 @@ class ServiceOps:
         self.events = events
         self._on_key_rotated = on_key_rotated
         self._file_settings = _settings_of(config.config_file)
-
-    # ------------------------------------------------------------ dispatch
-
-    def handlers(self) -> dict[str, OpHandler]:
-        """The ops this part serves (``served_by == "service"``), by name: AdminOps's dispatch table takes them."""
-        answer = self.pending.answer
-        return {
-            "reload": lambda client, rid, args: answer(client, rid, "reload", self.reload()),
-            "reset": lambda client, rid, args: self.reset(args["tenant"], client, rid),
-            "restart": lambda client, rid, args: self.restart(args["tenant"], client, rid),
-            "rotate_key": lambda client, rid, args: answer(client, rid, "rotate_key", self.rotate_key()),
-        }
 
     # ------------------------------------------------------------ start
 

@@ -34,10 +34,10 @@ from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.errors import (
     MemoryExhausted,
-    Overloaded,
     ProtocolError,
     TensorWasmError,
     WorkerLost,
+    WorkerQueueFull,
     error_from_dict,
 )
 from shared.exitcodes import exit_cause, exit_reason
@@ -123,7 +123,7 @@ class WorkerSet:
     def send_request(self, worker: WorkerHandle, op: str, args: dict[str, object], body: zmq.Frame | bytes | memoryview | None,
                      pending: Pending) -> None:
         """Send a request to ``worker``; it is in the pending table from now on. Raises
-        :class:`Overloaded` (its queue is full) or :class:`WorkerLost` (it is gone)."""
+        :class:`WorkerQueueFull` (its queue is full) or :class:`WorkerLost` (it is gone)."""
         rid = self.pending.new_rid()
         header = proto.encode_worker_request(rid, op, args)
         try:
@@ -134,7 +134,10 @@ class WorkerSet:
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the worker's socket is gone (it is dying); EAGAIN: its queue is full
             if exc.errno == zmq.EAGAIN:
-                raise Overloaded(pending.tenant, len(worker.in_flight), len(worker.in_flight)) from None
+                rt = self.tenants.get(pending.tenant)
+                raise WorkerQueueFull(pending.tenant, rt.in_flight + len(rt.parked) if rt is not None else 0,
+                                      rt.spec.max_in_flight if rt is not None else 0, instance=pending.instance,
+                                      queued=len(worker.in_flight)) from None
             raise WorkerLost(pending.tenant, pending.instance, reason=f"worker unreachable: {exc.strerror}") from None
         self.pending.add(worker, rid, pending)
 

@@ -84,9 +84,15 @@ class Replies:
         return True
 
     def error_tracked(self, client: bytes, rid: int, err: dict[str, object]) -> zmq.MessageTracker | None:
-        """An error reply whose tracker tells when libzmq let go of it (None: not queued)."""
+        """An error reply whose tracker tells when libzmq let go of it (None: not queued).
+
+        ``copy=False`` matters: pyzmq copies a frame below its copy threshold (64 KiB) and hands
+        back a tracker that is done at once, so a small reply (every one of these) would never
+        count as unread and the per-peer bound (:class:`supervisor.admission.peers.UnreadErrors`)
+        would never hold. A zero-copy frame is done only once libzmq has written it to the
+        connection - what a peer that stops reading prevents."""
         try:
-            frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True)
+            frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True, copy=False)
             tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
                 [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
             return tracker
@@ -97,7 +103,7 @@ class Replies:
         """A small answer to a peer without a verified capability (``hello``'s liveness part),
         tracked exactly as :meth:`error_tracked` is, so it shares that bound on a peer's replies."""
         try:
-            frame = zmq.Frame(proto.encode_reply(rid, True, result), track=True)
+            frame = zmq.Frame(proto.encode_reply(rid, True, result), track=True, copy=False)
             tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
                 [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
             return tracker

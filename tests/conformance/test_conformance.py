@@ -232,6 +232,7 @@ def test_admin_ops_on_the_main_tenant(sup: Supervisor) -> None:
     admin = sup.admin()
     status = sup.ok("status", admin)
     assert any(t["tenant_id"] == MAIN for t in status["tenants"])
+    assert sup.ok("version", admin)["protocol"] == 1
     record = sup.ok("tenant_status", admin, {"tenant": MAIN})
     assert record["origin"] == "file" and record["spec"]["gpu_memory_bytes_cap"] == 1 << 20
     assert sup.ok("set_quota", admin, {"tenant": MAIN, "memory_quota_bytes": "64MiB",

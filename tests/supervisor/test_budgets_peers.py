@@ -9,24 +9,31 @@ import tempfile
 
 import pytest
 
-from shared.errors import Overloaded
+from shared.errors import HeldBytesLimit, Overloaded, error_from_dict
 from supervisor.routing.budgets import HeldBytes
 from supervisor.admission.peers import ConnectionGate, UnreadErrors, shed, short
 
 
 def test_held_bytes_per_tenant_and_total() -> None:
     held = HeldBytes(per_tenant=100, total=150)
-    held.reserve("a", "replies", 60)
-    held.reserve("a", "parked", 40)
-    with pytest.raises(Overloaded, match="this tenant"):
-        held.reserve("a", "modules", 1)
-    held.reserve("b", "replies", 50)
-    with pytest.raises(Overloaded, match="all tenants together"):
-        held.reserve("c", "parked", 1)
+    load = {"in_flight": 3, "max_in_flight": 64}  # the tenant's requests, which every Overloaded carries
+    held.reserve("a", "replies", 60, **load)
+    held.reserve("a", "parked", 40, **load)
+    with pytest.raises(Overloaded, match="this tenant") as info:
+        held.reserve("a", "modules", 1, **load)
+    err = info.value
+    assert isinstance(err, HeldBytesLimit) and err.cause == "held_bytes"
+    assert (err.scope, err.held, err.requested, err.budget) == ("tenant", 100, 1, 100)
+    assert (err.tenant_id, err.in_flight, err.limit) == ("a", 3, 64)
+    assert error_from_dict(err.to_dict()) == err  # the cause's class and its fields, over the wire
+    held.reserve("b", "replies", 50, **load)
+    with pytest.raises(HeldBytesLimit, match="all tenants together") as info:
+        held.reserve("c", "parked", 1, **load)
+    assert (info.value.scope, info.value.held, info.value.budget) == ("total", 150, 150)
     assert held.refused == 2 and held.held() == 150 and held.held("a") == 100
     held.release("a", "replies", 1000)  # clamped to what this kind holds
     assert held.held("a") == 40 and held.held("a", "parked") == 40
-    held.reserve("c", "parked", 50)
+    held.reserve("c", "parked", 50, **load)
     assert held.forget("a") == 40 and held.held() == 100
     assert held.snapshot() == {"total": 100, "refused": 2, "replies": 50, "parked": 50, "modules": 0}
     held.release("b", "parked", 10)  # not held under this kind: nothing

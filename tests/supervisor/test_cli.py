@@ -27,7 +27,7 @@ from shared.records import PoolRecord, StatusRecord, SupervisorRecord, TenantRec
 from shared.sizes import format_size
 from shared.spec import TenantSpec
 from supervisor.cli import EXIT_UNAVAILABLE, build_parser, main
-from supervisor.cli.admin import parse_param
+from supervisor.control.ops.inject_fault import parse_param
 from supervisor.cli.events import format_event
 from supervisor.cli.status import format_duration, render
 from tests.helpers.cluster import FAST as FAST_SETTINGS
@@ -456,7 +456,7 @@ _REMOTE_ARGV = {
     "status": [], "top": ["--iterations", "1"], "events": ["--timeout", "0.2"],
     "register": ["acme"], "capability": ["acme"], "evict": ["acme"], "set-quota": ["acme", "--gpu-cap", "1MiB"],
     "scale": ["acme", "2"], "fault": ["acme", "crash"],
-    "reload": [], "reset": ["acme"], "restart": ["acme"], "rotate-key": ["--yes"],
+    "reload": [], "reset": ["acme"], "restart": ["acme"], "rotate-key": ["--yes"], "version": [],
     "run": ["acme", "MODULE", "--invoke", "one"],
     "alloc": ["acme", "1MiB"], "free": ["acme", "1:1"], "buffers": ["acme"], "write": ["acme", "1:1", "--fill", "1"],
     "read": ["acme", "1:1"],

@@ -305,7 +305,7 @@ def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenan
 
     fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
                   pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
-                  admin=lambda *a: None, regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
+                  regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
                   admin_cap=b"admin", event_log=EventLog(16))
     cap = b"x"
     fe._verified_caps[cap] = rt

@@ -15,6 +15,7 @@ import pytest
 
 from shared.errors import (
     GpuMemoryExhausted,
+    InFlightLimit,
     InvalidArgument,
     KernelTimeout,
     MemoryExhausted,
@@ -211,13 +212,16 @@ def test_overloaded_beyond_max_in_flight() -> None:
         cap = _cap_of(sup, "acme")
         c.inject_fault(None, "acme", "slow", ms=500)
         rids = [c.send("ping", cap) for _ in range(4)]
-        outcomes = []
+        outcomes, refusals = [], []
         for _ in rids:
             _, ok, payload, _ = c.recv(timeout_s=10)
             outcomes.append("ok" if ok else payload["code"])
+            if not ok:
+                refusals.append(error_from_dict(payload))
         assert sorted(outcomes) == ["ok", "ok", "overloaded", "overloaded"]
-        err = error_from_dict({"code": "overloaded", "message": "m", "fields": {"tenant_id": "acme", "in_flight": 2, "limit": 2}})
-        assert isinstance(err, Overloaded) and err.is_retryable()
+        for err in refusals:  # the in-flight cause, with the tenant's real numbers
+            assert isinstance(err, InFlightLimit) and isinstance(err, Overloaded) and err.is_retryable()
+            assert (err.cause, err.tenant_id, err.in_flight, err.limit) == ("in_flight", "acme", 2, 2)
 
 
 def test_evict_stops_worker_revokes_and_frees_name() -> None:
