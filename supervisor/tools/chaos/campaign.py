@@ -30,6 +30,7 @@ from supervisor.tools.chaos.checks import (
     _check_deadlines,
     _check_healthy,
     _check_latency,
+    _ts,
     fault_stats,
     latency_table,
     reconcile,
@@ -108,7 +109,7 @@ class _Campaign:
         self.checks: list[Check] = []
         self.clients: list[_Client] = []
         self.actions: list[Action] = []
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, object]] = []
         self.caps: dict[str, TenantCapability] = {}
         self.pids: dict[int, float | None] = {}  # every worker process of ours we saw (pid -> start time)
         self.segments: set[str] = set()
@@ -406,7 +407,7 @@ class _Campaign:
             if e.get("event") == "exit"
             and not e.get("expected")
             and e.get("tenant") in self.specs
-            and float(e.get("ts", 0)) < self.fault_end
+            and _ts(e) < self.fault_end
             and e.get("pid") not in faulted
         ]
         self.checks[1:1] = [

@@ -95,7 +95,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _table(rows: Sequence[Sequence[Any]]) -> list[str]:
+def _table(rows: Sequence[Sequence[object]]) -> list[str]:
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
