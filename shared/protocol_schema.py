@@ -393,7 +393,7 @@ def _error_schema(code: str, cls: type[TensorWasmError]) -> dict[str, object]:
     fields = {name: _annotation_schema(annotations.get(name, "")) for name in cls._fields}
     # the causes of one code (Overloaded): subclasses without a code of their own, told apart by
     # ``cause``; their own fields are optional here, present when the cause is theirs
-    causes: dict[str, Any] = {}
+    causes: dict[str, object] = {}
     used_by: dict[str, list[str]] = {}  # a cause's own field -> the causes that have it
     for cause, sub in sorted(getattr(cls, "_causes", {}).items()):
         own = [name for name in sub._fields if name not in cls._fields]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 __all__ = ["at_least_one", "non_negative_int", "positive_seconds", "print_json"]
 
@@ -50,6 +49,6 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
-def print_json(data: Any) -> None:
+def print_json(data: object) -> None:
     json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")
