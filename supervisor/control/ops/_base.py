@@ -31,10 +31,13 @@ from supervisor.control.admin import AdminOps
 from supervisor.control.service import ServiceOps
 from supervisor.runtime.tenants import TenantRuntime
 
-__all__ = ["AdminOp", "Connect", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp"]
+__all__ = ["AdminOp", "Args", "Connect", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp"]
 
+#: an op's arguments as its handler reads them: decoded msgpack, each declared one's type checked
+#: by ``check_args`` against the wire row before the handler runs (the row is the precise type)
+Args = dict[str, Any]
 #: one admin op's handler, bound to its part: ``(client, rid, args)``, answering through the pending table (at once or later)
-OpHandler = Callable[[bytes, int, dict[str, Any]], None]
+OpHandler = Callable[[bytes, int, Args], None]
 
 P = TypeVar("P", AdminOps, ServiceOps)
 
@@ -83,7 +86,7 @@ class Op:
 class PartOp(Op, Generic[P]):
     """An admin op: served by the part ``P``, which may answer at once or later."""
 
-    def serve(self, part: P, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: P, client: bytes, rid: int, args: Args) -> None:
         """Answer one request (through ``part.pending``, at once or later); raise a typed error to refuse it."""
         raise NotImplementedError
 
@@ -111,8 +114,9 @@ class FrontendOp(Op):
     body_in_doc: ClassVar[str] = ""
     body_out_doc: ClassVar[str] = ""
 
-    def serve(self, frontend: Frontend, rt: TenantRuntime, args: dict[str, Any], body: Any) -> object:
-        """The result for tenant ``rt`` (the frontend answers with it); raise a typed error to refuse."""
+    def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
+        """The result for tenant ``rt`` (the frontend answers with it); raise a typed error to refuse.
+        ``body``: the request's body frame, or None."""
         raise NotImplementedError
 
     def doc_row(self) -> str:
