@@ -22,7 +22,7 @@ thread once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a
 reply's path. The service
 ops (reload, reset, restart, rotate-key, and the restore at start) live in
 :mod:`supervisor.control.service`, which drives the ops here; the lifecycle tells it
-what it must know (its ops' requests, an instance ready, a tenant gone)
+what it must know (an instance ready, a tenant gone)
 through :class:`ServiceHooks`, so this module never imports it.
 
 Owns: the tenants table (``tenants``: id -> :class:`TenantRuntime`) and each
