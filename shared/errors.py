@@ -73,6 +73,7 @@ __all__ = [
     "BufferLost",
     "CapabilityFromForeignRegistry",
     "CapabilityRevoked",
+    "CapacityExhausted",
     "ConfigError",
     "CudaError",
     "GpuMemoryExhausted",
@@ -473,6 +474,21 @@ class Overloaded(TensorWasmError):
     in_flight: int
     limit: int
     retry_after_s: float | None = None
+
+
+class CapacityExhausted(TensorWasmError):
+    """The supervisor already holds as many tenants (``what="tenants"``, the ``max_tenants``
+    setting) or tenant instances (``what="workers"``, ``max_workers``) as its config allows;
+    nothing was registered or scaled. Evict a tenant, or raise the setting (a restart)."""
+
+    code = "capacity_exhausted"
+    _template = ("supervisor full: {in_use} {what} of at most {limit}, {wanted} more wanted ({setting}); "
+                 "evict a tenant or raise {setting}")
+    what: str
+    in_use: int
+    wanted: int
+    limit: int
+    setting: str
 
 
 class ProtocolError(TensorWasmError, ValueError):

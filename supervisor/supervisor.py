@@ -56,6 +56,7 @@ from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.capability import RegistryAdminCapability, capability_from_bytes
 from shared.errors import TenantIsolationViolation, TensorWasmError
+from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
 from shared.log import get_logger, log_event
 from shared.proctitle import set_process_name
 from shared.quota import cleanup_stale_segments
@@ -210,6 +211,13 @@ class Supervisor:
         from supervisor.lifecycle.backend_select import select_backend
 
         choice = select_backend(cfg)
+        # each device's GPU-time board holds every tenant the config allows, with room for the slots of
+        # evicted tenants whose workers are still stopping (and every stored tenant, should a restart
+        # have lowered the limits: restoring is never refused)
+        stored = state.tenants()
+        tenant_slots = 2 * max(cfg.max_tenants, len(stored) + len(cfg.tenants))
+        worker_slots = 2 * max(cfg.max_workers, sum(r.spec.instances for r in stored)
+                               + sum(t.instances for t in cfg.tenants))
         placement = Placement.create(
             choice.name,
             choice.devices,
@@ -219,6 +227,8 @@ class Supervisor:
             no_mps_dir=os.path.join(self.rundir.path, "no-mps"),
             gpu_time_quantum_s=cfg.gpu_time_quantum_s,
             gpu_time_scheduler=cfg.gpu_time_scheduler,
+            gpu_time_tenants=min(tenant_slots, LIMIT_TENANT_SLOTS),
+            gpu_time_workers=min(worker_slots, LIMIT_WORKER_SLOTS),
         )
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
                   devices=placement.indexes)
