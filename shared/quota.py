@@ -45,7 +45,7 @@ import os
 import re
 import secrets
 from functools import partial
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Final
 from collections.abc import Callable
 
