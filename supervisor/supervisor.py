@@ -89,7 +89,7 @@ from supervisor.observe.sd_notify import SystemdNotifier
 from supervisor.control.service import ServiceOps
 from supervisor.runtime.stall import StallGuard
 from supervisor.store.state import StateStore
-from supervisor.admission.tcp_frontend import TcpFrontend
+from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
 from supervisor.lifecycle.workerset import WorkerSet
@@ -233,10 +233,15 @@ class Supervisor:
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
                   devices=placement.indexes)
         keys = _server_keys(cfg, state) if cfg.listen else None  # a malformed key stops the start here
-        z: zmq.Context[Any] = zmq.Context()
+        # With a TCP frontend, two I/O threads: CURVE's crypto for TCP clients runs on its own
+        # (TCP_IO_AFFINITY), so that a flood over TCP does not queue the local clients' and the
+        # workers' messages behind it in one I/O thread (issue 25: a tcp-ping flood's victim)
+        z: zmq.Context[Any] = zmq.Context(io_threads=2 if keys is not None else 1)
 
         def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[Any]:
             s: zmq.Socket[Any] = z.socket(zmq.ROUTER)
+            if keys is not None:
+                s.setsockopt(zmq.AFFINITY, LOCAL_IO_AFFINITY)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_msg)
@@ -266,6 +271,8 @@ class Supervisor:
         backend_sock = router("backend", cfg.max_message_bytes, 10_000)
         control_sock = router("control", 1 << 20, 10_000)
         pub = z.socket(zmq.PUB)
+        if keys is not None:
+            pub.setsockopt(zmq.AFFINITY, LOCAL_IO_AFFINITY)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.bind(self.rundir.endpoint("events"))
