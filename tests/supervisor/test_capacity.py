@@ -8,6 +8,8 @@ fixed 64 tenant slots and the 65th registration failed with a SegmentError after
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -17,6 +19,7 @@ from shared.spec import TenantSpec
 from supervisor.client.launch import launch
 from supervisor.routing.placement import Placement
 from tests.helpers.cluster import FAST, supervisor, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,3 +105,22 @@ def test_the_boards_are_sized_from_the_config() -> None:
             assert (board.tenant_slots, board.worker_slots) == (200, 600)
         finally:
             board.close()
+
+
+def test_a_restart_with_lower_limits_restores_every_stored_tenant_and_refuses_new_ones() -> None:
+    """The limits gate registrations; restoring what the state holds is never refused (each board
+    is sized for the stored tenants too)."""
+    run_dir = tempfile.mkdtemp(prefix="twt-c", dir=short_temp_dir())
+    try:
+        settings = {**FAST, "log_level": "warning"}
+        with launch({"supervisor": settings, "tenant": []}, run_dir=run_dir) as sup:
+            caps = [sup.client.register(None, TenantSpec(t)) for t in ("a", "b", "c")]
+        with launch({"supervisor": {**settings, "max_tenants": 1}, "tenant": []}, run_dir=run_dir) as sup:
+            status = sup.client.status()
+            assert sorted(t.tenant_id for t in status.tenants) == ["a", "b", "c"]
+            assert all(t.state == "running" for t in status.tenants)
+            assert [sup.client.ping(cap).tenant for cap in caps] == ["a", "b", "c"]
+            with pytest.raises(CapacityExhausted, match="max_tenants"):
+                sup.client.register(None, TenantSpec("d"))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
