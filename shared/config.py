@@ -138,6 +138,11 @@ class SupervisorConfig:
     #: scheduled at all (false: the device is only serialised and time still accounted)
     gpu_time_quantum_s: float = 0.01
     gpu_time_scheduler: bool = True
+    #: tenants registered at once, and tenant instances (worker processes) of all tenants at once:
+    #: a registration or scale past either is refused (CapacityExhausted); each device's GPU-time
+    #: board is sized from them at start
+    max_tenants: int = 1024
+    max_workers: int = 4096
     tenants: tuple[TenantSpec, ...] = ()
     #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`
     config_file: str | None = None
@@ -199,6 +204,8 @@ class SupervisorConfig:
         s(self, "gpu_time_quantum_s", _pos(self.gpu_time_quantum_s, "gpu_time_quantum_s"))
         if not 0.0001 <= self.gpu_time_quantum_s <= 1.0:
             raise ValueError(f"gpu_time_quantum_s must be in 0.0001..1 s; got {self.gpu_time_quantum_s!r}")
+        _int(self.max_tenants, "max_tenants", 1, 65_536)
+        _int(self.max_workers, "max_workers", 1, 131_072)
         s(self, "gpu_time_scheduler", _bool(self.gpu_time_scheduler, "gpu_time_scheduler"))
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
@@ -347,8 +354,11 @@ _ENV_FIELDS = (
     "unauthenticated_requests_per_s",
     "gpu_time_quantum_s",
     "gpu_time_scheduler",
+    "max_tenants",
+    "max_workers",
 )
-_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source"}
+_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
+               "max_tenants", "max_workers"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s",
                  "tcp_handshake_timeout_s", "tenant_requests_per_s", "unauthenticated_requests_per_s",
                  "gpu_time_quantum_s"}

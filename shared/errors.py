@@ -79,6 +79,7 @@ __all__ = [
     "BufferLost",
     "CapabilityFromForeignRegistry",
     "CapabilityRevoked",
+    "CapacityExhausted",
     "ClientRepliesQueued",
     "ConfigError",
     "CudaError",
@@ -581,6 +582,21 @@ class AdmissionRate(Overloaded):
 
 #: every cause of :class:`Overloaded`, in the order of the checks a request passes
 OVERLOADED_CAUSES: Final = ("rate", "in_flight", "held_bytes", "client_replies", "worker_queue")
+
+
+class CapacityExhausted(TensorWasmError):
+    """The supervisor already holds as many tenants (``what="tenants"``, the ``max_tenants``
+    setting) or tenant instances (``what="workers"``, ``max_workers``) as its config allows;
+    nothing was registered or scaled. Evict a tenant, or raise the setting (a restart)."""
+
+    code = "capacity_exhausted"
+    _template = ("supervisor full: {in_use} {what} of at most {limit}, {wanted} more wanted ({setting}); "
+                 "evict a tenant or raise {setting}")
+    what: str
+    in_use: int
+    wanted: int
+    limit: int
+    setting: str
 
 
 class ProtocolError(TensorWasmError, ValueError):

@@ -57,6 +57,7 @@ from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.capability import RegistryAdminCapability, capability_from_bytes
 from shared.errors import TenantIsolationViolation, TensorWasmError
+from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
 from shared.log import get_logger, log_event
 from shared.proctitle import set_process_name
 from shared.quota import cleanup_stale_segments
@@ -90,7 +91,7 @@ from supervisor.observe.sd_notify import SystemdNotifier
 from supervisor.control.service import ServiceOps
 from supervisor.runtime.stall import StallGuard
 from supervisor.store.state import StateStore
-from supervisor.admission.tcp_frontend import TcpFrontend
+from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
 from supervisor.lifecycle.workerset import WorkerSet
@@ -212,6 +213,13 @@ class Supervisor:
         from supervisor.lifecycle.backend_select import select_backend
 
         choice = select_backend(cfg)
+        # each device's GPU-time board holds every tenant the config allows, with room for the slots of
+        # evicted tenants whose workers are still stopping (and every stored tenant, should a restart
+        # have lowered the limits: restoring is never refused)
+        stored = state.tenants()
+        tenant_slots = 2 * max(cfg.max_tenants, len(stored) + len(cfg.tenants))
+        worker_slots = 2 * max(cfg.max_workers, sum(r.spec.instances for r in stored)
+                               + sum(t.instances for t in cfg.tenants))
         placement = Placement.create(
             choice.name,
             choice.devices,
@@ -221,14 +229,21 @@ class Supervisor:
             no_mps_dir=os.path.join(self.rundir.path, "no-mps"),
             gpu_time_quantum_s=cfg.gpu_time_quantum_s,
             gpu_time_scheduler=cfg.gpu_time_scheduler,
+            gpu_time_tenants=min(tenant_slots, LIMIT_TENANT_SLOTS),
+            gpu_time_workers=min(worker_slots, LIMIT_WORKER_SLOTS),
         )
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
                   devices=placement.indexes)
         keys = _server_keys(cfg, state) if cfg.listen else None  # a malformed key stops the start here
-        z: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # With a TCP frontend, two I/O threads: CURVE's crypto for TCP clients runs on its own
+        # (TCP_IO_AFFINITY), so that a flood over TCP does not queue the local clients' and the
+        # workers' messages behind it in one I/O thread (issue 25: a tcp-ping flood's victim)
+        z: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2 if keys is not None else 1)
 
         def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[bytes]:
             s: zmq.Socket[bytes] = z.socket(zmq.ROUTER)
+            if keys is not None:
+                s.setsockopt(zmq.AFFINITY, LOCAL_IO_AFFINITY)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_msg)
@@ -258,6 +273,8 @@ class Supervisor:
         backend_sock = router("backend", cfg.max_message_bytes, 10_000)
         control_sock = router("control", 1 << 20, 10_000)
         pub = z.socket(zmq.PUB)
+        if keys is not None:
+            pub.setsockopt(zmq.AFFINITY, LOCAL_IO_AFFINITY)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.bind(self.rundir.endpoint("events"))

@@ -36,6 +36,7 @@ bound to the part that serves it: ``serve_ops``). Loop thread only.
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -164,7 +165,7 @@ class Frontend:
         fair, admission = self.guard.fair, self.guard.admission
         now = self.clock()
         batch: list[ClientMessage] = []
-        for _ in range(BATCH_BACKLOGGED if fair.backlog_full else READ_BATCH):
+        for _ in range(fair.read_budget(READ_BATCH, BATCH_BACKLOGGED)):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -177,14 +178,22 @@ class Frontend:
         if not batch:
             return
         # The common case, served at once: nothing waits, and the batch is one verified
-        # tenant's, within its share of a turn (the fair queue would serve it as it is).
+        # tenant's, within its share of a turn (the fair queue would serve it as it is) -
+        # in count and in time: what is left once the batch has taken a quantum waits for
+        # the turn, so that a request of another tenant arriving meanwhile waits no longer.
         first = batch[0].key
+        add = fair.add
         if (not fair.backlog and first is not None and len(batch) <= fair.per_tenant_per_turn
                 and all(m.key == first for m in batch)):
-            for msg in batch:
+            clock = time.perf_counter
+            end = clock() + fair.quantum_s
+            for i, msg in enumerate(batch):
                 self.serve(msg)
+                if clock() >= end:
+                    for rest in batch[i + 1:]:
+                        add(True, first, rest)
+                    break
             return
-        add = fair.add
         for msg in batch:
             key = msg.key
             add(key is not None, key if key is not None else msg.client, msg)
@@ -192,8 +201,7 @@ class Frontend:
     def end_turn(self) -> None:
         """End of a loop turn: serve one bounded turn of what was read (supervisor.admission.fairness)."""
         if self.guard.fair.backlog:
-            for msg in self.guard.fair.take():
-                self.serve(msg)
+            self.guard.fair.run_turn(self.serve, time.perf_counter)
 
     def decode(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> ClientMessage | None:
         """Decode one client message (None: unanswerable, dropped) and note whose it is:

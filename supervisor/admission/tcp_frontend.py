@@ -51,13 +51,17 @@ from shared.log import get_logger, log_event
 from supervisor.admission.connections import FrontendConnections
 from supervisor.admission.curve import CurveKeyPair, check_client_keys_dir
 
-__all__ = ["IPC_INDEX", "TCP_INDEX", "TcpFrontend"]
+__all__ = ["IPC_INDEX", "LOCAL_IO_AFFINITY", "TCP_INDEX", "TCP_IO_AFFINITY", "TcpFrontend"]
 
 _log = get_logger("supervisor.tcp")
 
 #: first byte of a client key: which frontend socket the client came through
 IPC_INDEX = 0
 TCP_INDEX = 1
+#: ZMQ_AFFINITY masks when the context has two I/O threads: the first serves the local (ipc)
+#: sockets, the second the CURVE TCP frontend
+LOCAL_IO_AFFINITY = 1
+TCP_IO_AFFINITY = 2
 #: TCP keepalive: probe after 30 s idle, every 5 s, drop after 4 unanswered (~50 s)
 KEEPALIVE_IDLE_S = 30
 KEEPALIVE_INTVL_S = 5
@@ -104,6 +108,8 @@ class TcpFrontend:
                 log_event(_log, logging.INFO, "supervisor.tcp_allow_list", dir=config.client_keys_dir, keys=allowed)
             else:
                 self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+            if zctx.get(zmq.IO_THREADS) > 1:  # the supervisor's: CURVE on an I/O thread of its own
+                s.setsockopt(zmq.AFFINITY, TCP_IO_AFFINITY)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)

@@ -46,21 +46,21 @@ COMMANDS = {
     "top": "supervisor.cli.top",
     "events": "supervisor.cli.events",
     "register": "supervisor.cli.ops",
+    "capability": "supervisor.cli.ops",
     "evict": "supervisor.cli.ops",
     "set-quota": "supervisor.cli.ops",
     "scale": "supervisor.cli.ops",
     "fault": "supervisor.cli.ops",
-    "capability": "supervisor.cli.ops",
     "reload": "supervisor.cli.ops",
     "reset": "supervisor.cli.ops",
     "restart": "supervisor.cli.ops",
     "rotate-key": "supervisor.cli.ops",
-    "run": "supervisor.cli.run",
-    "alloc": "supervisor.cli.buffers",
-    "free": "supervisor.cli.buffers",
-    "buffers": "supervisor.cli.buffers",
-    "write": "supervisor.cli.buffers",
-    "read": "supervisor.cli.buffers",
+    "run": "supervisor.cli.ops",
+    "alloc": "supervisor.cli.ops",
+    "free": "supervisor.cli.ops",
+    "buffers": "supervisor.cli.ops",
+    "write": "supervisor.cli.ops",
+    "read": "supervisor.cli.ops",
     "demo": "supervisor.cli.demo",
     "chaos": "supervisor.cli.chaos",
     "bench": "supervisor.cli.bench",
@@ -75,7 +75,11 @@ COMMANDS = {
 __all__ += ["EXIT_CHECK", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``twt`` parser; with ``command`` (a name in :data:`COMMANDS`), only that command's module
+    adds its sub-commands. ``main`` passes the command it was given: a ``twt supervise`` (every
+    supervisor a test or an embedder launches) then imports its own module, not the chaos, bench,
+    cluster ... modules as well, and parses exactly as with the whole parser."""
     parser = argparse.ArgumentParser(
         prog="twt",
         description="tensor-wasm-tenant: run untrusted tenants on shared GPUs with hard quotas.",
@@ -83,11 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module_name in dict.fromkeys(COMMANDS.values()):  # each module once, in order
+    modules = [COMMANDS[command]] if command in COMMANDS else COMMANDS.values()
+    for module_name in dict.fromkeys(modules):  # each module once, in order
         importlib.import_module(module_name).add_parser(sub)
-    for command in sub.choices.values():  # add_parser does not pass the formatter on
-        if command.formatter_class is argparse.HelpFormatter:
-            command.formatter_class = DefaultsHelpFormatter
+    for subparser in sub.choices.values():  # add_parser does not pass the formatter on
+        if subparser.formatter_class is argparse.HelpFormatter:
+            subparser.formatter_class = DefaultsHelpFormatter
     return parser
 
 
@@ -114,7 +119,8 @@ def _silence_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(words[0] if words else None)
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)

@@ -6,22 +6,19 @@ import argparse
 import errno
 import os
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
 
 import zmq.auth
 
-from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
+from shared.capability import RegistryAdminCapability, read_capability_file
 from shared.config import ENV_PREFIX, default_run_dir, parse_host_port
 from shared.errors import SupervisorUnavailable
 from supervisor.client.api import SupervisorClient
-from supervisor.client.cli_args import at_least_one, non_negative_int, positive_seconds, print_json
+from supervisor.client.cli_args import at_least_one, non_negative_int, positive_seconds, print_json, print_table
 
 __all__ = [
     "DefaultsHelpFormatter",
-    "add_capability_option",
     "add_run_dir",
     "at_least_one",
     "client_of",
@@ -34,8 +31,6 @@ __all__ = [
     "probe_tcp",
     "run_dir_of",
     "server_key_of",
-    "tenant_capability_file",
-    "tenant_capability_of",
 ]
 
 
@@ -201,47 +196,5 @@ def server_key_of(text: str) -> str:
     return content
 
 
-def tenant_capability_file(path: Path, tenant: str) -> TenantCapability:
-    """The tenant capability in ``path``; refuses one that names another tenant, naming both."""
-    cap = read_capability_file(path)
-    if not isinstance(cap, TenantCapability):
-        raise ValueError(f"--capability {path} holds the admin capability, not tenant {tenant!r}'s")
-    if cap.tenant_id != tenant:
-        raise ValueError(
-            f"--capability {path} is the capability of tenant {cap.tenant_id!r}, not of {tenant!r}: "
-            f"run as {cap.tenant_id!r} or give {tenant!r}'s capability (twt capability {tenant} --cap-out FILE)"
-        )
-    return cap
-
-
-def add_capability_option(p: argparse.ArgumentParser) -> None:
-    """``--capability FILE``: a tenant acting with its own capability instead of the run dir's admin.cap."""
-    p.add_argument("--capability", type=Path, default=None, metavar="FILE",
-                   help="the tenant's capability file (as written by --cap-out: hex text; raw bytes are read "
-                   "too); default: obtained with the run dir's admin.cap")
-
-
-def tenant_capability_of(client: SupervisorClient, tenant: str, from_file: TenantCapability | None) -> TenantCapability:
-    """``tenant``'s capability: the one read from ``--capability`` (:func:`tenant_capability_file`, read
-    before connecting, so a wrong file is refused first), else asked for with the admin capability."""
-    if from_file is not None:
-        return from_file
-    cap = client.tenant_capability(client.admin, tenant)
-    if cap.tenant_id != tenant:  # pragma: no cover - the supervisor answers for the name asked
-        raise ValueError(f"capability is for {cap.tenant_id!r}, not {tenant!r}")
-    return cap
-
-
-
 def run_dir_of(args: argparse.Namespace) -> str:
     return str(args.run_dir or os.environ.get(f"{ENV_PREFIX}RUN_DIR") or default_run_dir())
-
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO | None = None) -> None:
-    out = out or sys.stdout
-    cells = [[str(h) for h in headers]] + [[("" if c is None else str(c)) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for n, row in enumerate(cells):
-        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
-        if n == 0:
-            out.write("  ".join("-" * w for w in widths) + "\n")

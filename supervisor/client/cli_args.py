@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
+from typing import TextIO
 
-__all__ = ["at_least_one", "non_negative_int", "positive_seconds", "print_json"]
+__all__ = ["at_least_one", "non_negative_int", "positive_seconds", "print_json", "print_table"]
 
 
 def _int(value: str) -> int:
@@ -52,3 +54,13 @@ def positive_seconds(value: str) -> float:
 def print_json(data: object) -> None:
     json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    cells = [[str(h) for h in headers]] + [[("" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
+        if n == 0:
+            out.write("  ".join("-" * w for w in widths) + "\n")

@@ -22,7 +22,7 @@ thread once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a
 reply's path. The service
 ops (reload, reset, restart, rotate-key, and the restore at start) live in
 :mod:`supervisor.control.service`, which drives the ops here; the lifecycle tells it
-what it must know (its ops' requests, an instance ready, a tenant gone)
+what it must know (an instance ready, a tenant gone)
 through :class:`ServiceHooks`, so this module never imports it.
 
 Owns: the tenants table (``tenants``: id -> :class:`TenantRuntime`) and each
@@ -50,6 +50,7 @@ from shared import protocol as proto
 from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig
 from shared.errors import (
+    CapacityExhausted,
     InvalidArgument,
     KernelTimeout,
     StateError,
@@ -194,10 +195,20 @@ class AdminOps:
     def register(self, spec: TenantSpec, client: bytes | None, rid: int | None, *, origin: str = "runtime") -> None:
         """Register a tenant (``origin``: "file" for the config file's, "runtime" for a register
         request), record it in the state, start its instances; answered once they are ready."""
-        # placement and the MPS check first: a refusal must leave nothing registered
+        # capacity, placement and the MPS check first: a refusal must leave nothing registered
+        if spec.tenant_id not in self.tenants:  # a second registration is AlreadyRegistered (the registry)
+            self.check_capacity(tenants=1, workers=spec.instances)
         device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
         isolation = self.placement.isolation(spec)
-        cap = self.registry.register_with_capability(self.admin_cap, spec)
+        fresh = self.placement.gpu_time_slot(spec.tenant_id) is None
+        if fresh:  # the board slot before the registry: CapacityExhausted leaves nothing behind
+            self.placement.gpu_time_join(spec, device)
+        try:
+            cap = self.registry.register_with_capability(self.admin_cap, spec)
+        except BaseException:
+            if fresh:
+                self.placement.gpu_time_leave(spec.tenant_id)
+            raise
         stored_origin: Origin = "file" if origin == "file" else "runtime"
         if client is not None:
             # A client's registration: its commit runs on the writer thread from now on, while
@@ -216,6 +227,17 @@ class AdminOps:
             raise
         self._checkpoint_soon()
         self._check_registered(rt)
+
+    def check_capacity(self, *, tenants: int, workers: int) -> None:
+        """CapacityExhausted unless ``tenants`` more tenants and ``workers`` more instances fit
+        under ``max_tenants`` / ``max_workers`` (failed tenants count: ``twt reset`` restarts them)."""
+        cfg = self.config
+        if tenants > 0 and len(self.tenants) + tenants > cfg.max_tenants:
+            raise CapacityExhausted("tenants", len(self.tenants), tenants, cfg.max_tenants, "max_tenants")
+        if workers > 0:
+            in_use = sum(rt.spec.instances for rt in self.tenants.values())
+            if in_use + workers > cfg.max_workers:
+                raise CapacityExhausted("workers", in_use, workers, cfg.max_workers, "max_workers")
 
     def _submit_registration(self, spec: TenantSpec, generation: int, origin: Origin) -> None:
         """Queue a registration's row for the writer thread (see :meth:`_write_registrations`)."""
@@ -470,6 +492,7 @@ class AdminOps:
     def scale(self, tid: str, n: int) -> TenantRecord:
         rt = self.runtime(tid)
         spec = rt.spec.with_instances(n)  # validates the range
+        self.check_capacity(tenants=0, workers=n - rt.spec.instances)
         wanted = rt.wanted_slots()
         free = sum(1 for s in rt.slots if s.draining and s.worker is None) + MAX_INSTANCES - len(rt.slots)
         if n - len(wanted) > free:

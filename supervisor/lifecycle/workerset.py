@@ -59,6 +59,12 @@ _log = get_logger("supervisor")
 #: messages taken from one socket per wake-up before the loop looks at the others: a few
 #: (256 before issue 25), so one tenant's burst of replies delays another's by a short turn only
 BATCH = 32
+#: and at most this much loop time of worker replies per wake-up (the first is always taken): the
+#: relays of one tenant's flood of replies delay another tenant's request by one such slice, like a
+#: tenant's share of a frontend turn (supervisor.admission.fairness, issue 25)
+BACKEND_SLICE_S = 0.0002
+#: plain ints: ``int & zmq.POLLIN`` goes through enum.Flag (~1 us a message)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 #: a worker that has not said hello on both sockets by then is killed
 HELLO_TIMEOUT_S = 60.0
 
@@ -510,9 +516,10 @@ class WorkerSet:
 
     def _on_backend(self) -> None:
         sock = self.backend
-        recv, events = sock.recv_multipart, sock.getsockopt
+        recv, events, clock = sock.recv_multipart, sock.getsockopt, time.perf_counter
+        end = clock() + BACKEND_SLICE_S
         for n in range(BATCH):
-            if n and not int(events(zmq.EVENTS)) & zmq.POLLIN:
+            if n and (not int(events(_EVENTS)) & _POLLIN or clock() >= end):
                 return
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)

@@ -39,8 +39,8 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Callable
 
 from shared.device_budget import DeviceBudget
-from shared.gpu_time import DEFAULT_QUANTUM_S, GpuTimeBoard
-from shared.errors import BackendUnavailable, InvalidArgument
+from shared.gpu_time import DEFAULT_QUANTUM_S, DEFAULT_TENANT_SLOTS, DEFAULT_WORKER_SLOTS, GpuTimeBoard
+from shared.errors import BackendUnavailable, CapacityExhausted, InvalidArgument, SegmentError
 from shared.log import get_logger, log_event
 from shared.mps import Fallback, Mps, MpsDecision, detect_mps
 from shared.quota import new_segment_name
@@ -125,9 +125,12 @@ class Placement:
         no_mps_dir: str | None = None,
         gpu_time_quantum_s: float = DEFAULT_QUANTUM_S,
         gpu_time_scheduler: bool = True,
+        gpu_time_tenants: int = DEFAULT_TENANT_SLOTS,
+        gpu_time_workers: int = DEFAULT_WORKER_SLOTS,
     ) -> Placement:
         """One budget segment per device. Capacity: the probe's free bytes (else total) minus
-        ``reserve_bytes`` for cuda; the simulated capacity for the stub. And one GPU-time board."""
+        ``reserve_bytes`` for cuda; the simulated capacity for the stub. And one GPU-time board
+        with ``gpu_time_tenants`` tenant slots and ``gpu_time_workers`` worker slots."""
         made: list[_Device] = []
         boards: dict[int, GpuTimeBoard] = {}
         try:
@@ -145,6 +148,7 @@ class Placement:
                 made.append(_Device(index, dev.name, total, free, budget))
                 boards[index] = GpuTimeBoard.create(index, quantum_s=gpu_time_quantum_s,
                                                     scheduler=gpu_time_scheduler,
+                                                    tenants=gpu_time_tenants, workers=gpu_time_workers,
                                                     name=new_segment_name(segment_prefix, f"gt{index}"))
         except BaseException:
             for d in made:
@@ -223,7 +227,12 @@ class Placement:
 
     def gpu_time_join(self, spec: TenantSpec, device: int) -> None:
         """Give the tenant a slot on ``device``'s board with its weight and cap, or update them
-        (idempotent; a tenant moved to another device leaves the old board)."""
+        (idempotent; a tenant moved to another device leaves the old board).
+
+        :class:`CapacityExhausted` (nothing changed) when every tenant slot of the board is
+        taken: the board is sized from ``max_tenants`` with room to spare, so only slots still
+        named by the stopping workers of evicted tenants can fill it.
+        """
         tid = spec.tenant_id
         board = self.boards.get(device)
         held = self._gpu_time.get(tid)
@@ -233,7 +242,17 @@ class Placement:
         if board is None or board.closed:
             return
         if held is None:
-            self._gpu_time[tid] = (device, board.add_tenant(spec.gpu_time_weight, spec.gpu_time_cap))
+            try:
+                slot = board.add_tenant(spec.gpu_time_weight, spec.gpu_time_cap)
+            except SegmentError as exc:
+                if board.closed:
+                    raise
+                limit = board.tenant_slots
+                raise CapacityExhausted("tenants", limit - board.free_tenant_slots(), 1, limit, "max_tenants",
+                                        message=f"all {limit} GPU-time tenant slots of device {device} are "
+                                                "taken (evicted tenants' workers still stopping); retry once "
+                                                "they have exited, or raise max_tenants") from exc
+            self._gpu_time[tid] = (device, slot)
         else:
             board.set_policy(held[1], weight=spec.gpu_time_weight, cap=spec.gpu_time_cap)
 

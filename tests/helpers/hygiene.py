@@ -40,7 +40,7 @@ The same audit hook records two more things per test (:func:`take_events`):
   a fresh directory per ``make test``): a file opened for writing, a
   directory, a unix socket, a rename or link target. Allowed besides the root:
   ``/dev/shm`` (segments: judged above), ``/dev/null``, ``/proc`` and
-  ``__pycache__``. So the suite leaves nothing in ``/tmp``, the checkout or
+  ``__pycache__`` (or ``$PYTHONPYCACHEPREFIX``, where Python is told to keep it). So the suite leaves nothing in ``/tmp``, the checkout or
   ``$HOME``, and a leftover there can never hide a missing set-up step.
 * whether the test started a process (``subprocess.Popen``, ``os.fork``,
   ``os.posix_spawn``, ...): tests that do carry the ``process`` marker
@@ -124,6 +124,8 @@ def is_allowed_write(path: str) -> bool:
     full = os.path.abspath(path)
     if "/__pycache__/" in full or full.startswith(_ALLOWED_PREFIXES):
         return True
+    if sys.pycache_prefix and full.startswith(os.path.abspath(sys.pycache_prefix) + os.sep):
+        return True  # the bytecode cache kept elsewhere (tests/run-suite.sh puts it in its root)
     root = _root or temp_root()
     if full == root or full.startswith(root + os.sep):
         return True

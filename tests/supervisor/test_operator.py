@@ -17,7 +17,7 @@ import pytest
 from shared.config import ConfigError, load_config, unknown_env_vars
 from shared.errors import SegmentError
 from shared.quota import read_header
-from supervisor.cli import build_parser, version
+from supervisor.cli import COMMANDS, build_parser, version
 from supervisor.cli._common import describe_os_error
 from supervisor.client.launch import launch
 from supervisor.store.rundir import RunDir
@@ -286,3 +286,18 @@ def test_ready_event_of_a_pool_bound_worker_counts_from_its_bind() -> None:
         assert bound["pooled"] is True and bound["worker"] == idle["worker"]
         # it was bound after the pool worker became idle: startup counts from then, not from its spawn
         assert bound["startup_ms"] / 1000 <= float(bound["ts"]) - float(idle["ts"]) + 0.05  # type: ignore[arg-type]
+
+
+def test_the_parser_for_one_command_is_that_command_of_the_whole_parser() -> None:
+    """``main`` builds only the command it was given (a launched supervisor imports no chaos or bench
+    code): each command's parser, so built, is exactly the whole parser's."""
+    def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return dict(sub.choices)
+
+    whole = commands(build_parser())
+    for name in COMMANDS:
+        alone = commands(build_parser(name))
+        assert name in alone and set(alone) <= set(whole), name
+        assert alone[name].format_help() == whole[name].format_help(), name
+    assert set(commands(build_parser("no-such-command"))) == set(whole)  # argparse names the choices

@@ -1,24 +1,26 @@
-"""The ops the supervisor serves itself: one module each, one class each, holding all there is of that op.
+"""Every op: one module each, one class each, holding all there is of that op but its wire row.
 
-Every admin op (``served_by`` "admin" or "service" in :data:`shared.protocol.OPS`)
-and every tenant op the frontend answers from what it holds (``served_by``
-"frontend") is a class here (:mod:`supervisor.control.ops._base`): its handler
-over :class:`~supervisor.control.admin.AdminOps`,
-:class:`~supervisor.control.service.ServiceOps` or the
-:class:`~supervisor.admission.frontend.Frontend`, its ``twt`` command (arguments
-and rendering) and its row of docs/PROTOCOL.md. Its wire row stays in
-``shared/protocol.py``: the decoder, the worker and the schema generator read
-it, and ``shared`` imports nothing of the supervisor. (``events``, which either
-capability may send, is the frontend's own: the capability picks the view of
-the event log it reads.)
+Every op of :data:`shared.protocol.OPS` but ``events`` is a class here
+(:mod:`supervisor.control.ops._base`), by who serves it: an admin op
+(:class:`~supervisor.control.admin.AdminOps` or
+:class:`~supervisor.control.service.ServiceOps`), a tenant op the
+:class:`~supervisor.admission.frontend.Frontend` answers from what it holds, or a
+tenant op a worker answers. The class holds the op's handler (a worker op's is
+the worker's: ``worker/server.py``, a process that never imports the
+supervisor), its ``twt`` command (arguments and rendering) and its row of
+docs/PROTOCOL.md. Its wire row stays in ``shared/protocol.py``: the decoder, the
+worker and the schema generator read it, and ``shared`` imports nothing of the
+supervisor. (``events``, which either capability may send, is the frontend's
+own: the capability picks the view of the event log it reads; its command,
+``twt events``, follows the log.)
 
 The classes are found by listing this package (:func:`op_table`), so adding an
-op is its wire row plus one module here (and its tests): the dispatch tables
-(:func:`handlers`, :func:`local_handlers`), the ``twt`` commands
-(``supervisor.cli.ops``) and the doc rows (``python -m supervisor.control.ops
---write``) follow. :func:`op_table` refuses a module set that does not match
-the wire rows one to one, so the supervisor does not start with an op it
-cannot serve.
+op the supervisor serves is its wire row plus one module here (and its tests):
+the dispatch tables (:func:`handlers`, :func:`local_handlers`), the ``twt``
+commands (``supervisor.cli.ops``) and the doc rows (``python -m
+supervisor.control.ops --write``) follow. :func:`op_table` refuses a module set
+that does not match the wire rows one to one, so the supervisor does not start
+with an op it cannot serve.
 """
 
 from __future__ import annotations
@@ -26,24 +28,22 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-import re
 
 from shared import protocol as proto
 from supervisor.admission.frontend import Frontend, LocalOp
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp, Connect, FrontendOp, Op, OpHandler, ServiceOp
+from supervisor.control.ops._base import AdminOp, Connect, FrontendOp, Op, OpHandler, ServiceOp, TenantOp, WorkerOp
 from supervisor.control.service import ServiceOps
 
-__all__ = ["AdminOp", "Connect", "FrontendOp", "Op", "OpHandler", "ServiceOp", "check_table", "commands",
-           "doc_table", "handlers", "local_handlers", "op_table", "served_here", "with_doc_rows"]
+__all__ = ["AdminOp", "Connect", "FrontendOp", "Op", "OpHandler", "ServiceOp", "TenantOp", "WorkerOp", "check_table",
+           "commands", "doc_table", "handlers", "local_handlers", "op_table", "served_here", "tenant_doc_table"]
 
-_KINDS = (AdminOp, ServiceOp, FrontendOp)
+_KINDS = (AdminOp, ServiceOp, FrontendOp, WorkerOp)
 
 
 def served_here() -> set[str]:
-    """The wire ops a class of this package serves: the admin ops and the frontend's own tenant ops."""
-    return {name for name, spec in proto.OPS.items()
-            if spec.served_by in ("admin", "service") or (spec.served_by == "frontend" and not spec.any_capability)}
+    """The wire ops that have a class here: every op but those either capability may send (``events``)."""
+    return {name for name, spec in proto.OPS.items() if not spec.any_capability}
 
 
 @functools.cache
@@ -103,25 +103,8 @@ def doc_table() -> str:
     return "\n".join(lines)
 
 
-#: the section of PROTOCOL.md whose table holds the frontend ops' rows, beside the worker ops' hand-written ones
-TENANT_OPS_SECTION = "## Tenant ops (tenant capability)\n"
-
-
-def with_doc_rows(text: str) -> str:
-    """``text`` (PROTOCOL.md) with the row of each frontend op in the tenant op table
-    (:data:`TENANT_OPS_SECTION`) as its class writes it (that table's worker ops are written by
-    hand); KeyError for a section or an op row that is not there once."""
-    start = text.index(TENANT_OPS_SECTION) if TENANT_OPS_SECTION in text else -1
-    if start < 0:
-        raise KeyError(f"PROTOCOL.md has no section {TENANT_OPS_SECTION.strip()!r}")
-    end = text.find("\n## ", start + len(TENANT_OPS_SECTION))
-    end = len(text) if end < 0 else end
-    section = text[start:end]
-    for op in op_table():
-        if isinstance(op, FrontendOp):
-            pattern = re.compile(rf"^\| `{re.escape(op.name)}` \| .*$", re.M)
-            if len(pattern.findall(section)) != 1:
-                raise KeyError(f"PROTOCOL.md's tenant op table has no single row of op {op.name!r}")
-            row = op.doc_row()
-            section = pattern.sub(lambda _: row, section)  # a function: the row is taken as it is, escapes and all
-    return text[:start] + section + text[end:]
+def tenant_doc_table() -> str:
+    """docs/PROTOCOL.md's tenant op table: one row per tenant op class (worker and frontend ops)."""
+    lines = ["| op | args | body in | result | body out | errors |", "|---|---|---|---|---|---|"]
+    lines += [op.doc_row() for op in op_table() if isinstance(op, TenantOp)]
+    return "\n".join(lines)

@@ -1,16 +1,17 @@
 """What one op the supervisor serves is: its wire row, its handler, its ``twt`` command and its doc row, in one class.
 
 A subclass of :class:`AdminOp` (served by :class:`~supervisor.control.admin.AdminOps`),
-:class:`ServiceOp` (served by :class:`~supervisor.control.service.ServiceOps`) or
+:class:`ServiceOp` (served by :class:`~supervisor.control.service.ServiceOps`),
 :class:`FrontendOp` (a tenant op the :class:`~supervisor.admission.frontend.Frontend`
-answers from what the supervisor holds) in a module of its own under
+answers from what the supervisor holds) or :class:`WorkerOp` (a tenant op a worker
+answers: its handler is in ``worker/server.py``) in a module of its own under
 :mod:`supervisor.control.ops` declares:
 
 * ``name``: the wire op. Its row in :data:`shared.protocol.OPS` (arguments,
   reply, errors, who serves it) is the contract, kept in ``shared/`` because
   the decoder, the worker and the schema generator read it too;
-* ``serve``: the handler. The frontend has already verified the capability,
-  admitted the request and checked its arguments against the row;
+* ``serve``: the handler (not for a worker op). The frontend has already verified
+  the capability, admitted the request and checked its arguments against the row;
 * ``command``, ``help``, ``description``, ``json_help``, :meth:`Op.arguments`
   and :meth:`Op.run`: its ``twt`` command, if it owns one (``supervisor.cli.ops``
   adds the run-dir options and ``--json``, and hands :meth:`Op.run` a way to connect);
@@ -31,10 +32,13 @@ from supervisor.control.admin import AdminOps
 from supervisor.control.service import ServiceOps
 from supervisor.runtime.tenants import TenantRuntime
 
-__all__ = ["AdminOp", "Connect", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp"]
+__all__ = ["AdminOp", "Args", "Connect", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp", "TenantOp", "WorkerOp"]
 
+#: an op's arguments as its handler reads them: decoded msgpack, each declared one's type checked
+#: by ``check_args`` against the wire row before the handler runs (the row is the precise type)
+Args = dict[str, Any]
 #: one admin op's handler, bound to its part: ``(client, rid, args)``, answering through the pending table (at once or later)
-OpHandler = Callable[[bytes, int, dict[str, Any]], None]
+OpHandler = Callable[[bytes, int, Args], None]
 
 P = TypeVar("P", AdminOps, ServiceOps)
 
@@ -83,7 +87,7 @@ class Op:
 class PartOp(Op, Generic[P]):
     """An admin op: served by the part ``P``, which may answer at once or later."""
 
-    def serve(self, part: P, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: P, client: bytes, rid: int, args: Args) -> None:
         """Answer one request (through ``part.pending``, at once or later); raise a typed error to refuse it."""
         raise NotImplementedError
 
@@ -104,20 +108,34 @@ class ServiceOp(PartOp[ServiceOps]):
     part = "service"
 
 
-class FrontendOp(Op):
-    """A tenant op the frontend answers at once, from what the supervisor holds (no worker)."""
+class TenantOp(Op):
+    """A tenant op (the tenant's capability): its row of PROTOCOL.md's tenant op table has body columns."""
 
-    part = "frontend"
     body_in_doc: ClassVar[str] = ""
     body_out_doc: ClassVar[str] = ""
-
-    def serve(self, frontend: Frontend, rt: TenantRuntime, args: dict[str, Any], body: Any) -> object:
-        """The result for tenant ``rt`` (the frontend answers with it); raise a typed error to refuse."""
-        raise NotImplementedError
 
     def doc_row(self) -> str:
         return _row(f"`{self.name}`", self.args_doc, self.body_in_doc, self.result_doc, self.body_out_doc,
                     self.errors_doc)
+
+
+class WorkerOp(TenantOp):
+    """A tenant op one of the tenant's workers answers: its handler is the worker's
+    (``worker/server.py``, a process that never imports the supervisor); here are its
+    command and its doc row."""
+
+    part = "worker"
+
+
+class FrontendOp(TenantOp):
+    """A tenant op the frontend answers at once, from what the supervisor holds (no worker)."""
+
+    part = "frontend"
+
+    def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
+        """The result for tenant ``rt`` (the frontend answers with it); raise a typed error to refuse.
+        ``body``: the request's body frame, or None."""
+        raise NotImplementedError
 
 
 def _row(*cells: str) -> str:

@@ -13,10 +13,11 @@ import argparse
 import os
 import sys
 import tomllib
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from shared.capability import TenantCapability, capability_to_text, write_capability_file
+from shared.capability import TenantCapability, capability_to_text, read_capability_file, write_capability_file
 from shared.errors import RequestTimeout, SupervisorUnavailable
 from shared.records import TenantRecord
 from shared.sizes import decimal_size_note, format_size, parse_size
@@ -29,6 +30,7 @@ __all__ = [
     "SERVICE_TIMEOUT_S",
     "SPEC_FLAGS",
     "add_cap_out",
+    "add_capability_option",
     "build_spec",
     "check_cap_out",
     "emit_capability",
@@ -39,6 +41,8 @@ __all__ = [
     "spec_flags",
     "specs_from_file",
     "tenant_argument",
+    "tenant_capability_file",
+    "tenant_capability_of",
     "tenant_line",
     "unreachable_on_timeout",
 ]
@@ -311,3 +315,37 @@ def unreachable_on_timeout(client: SupervisorClient, call: Callable[[], R]) -> R
         raise SupervisorUnavailable(
             client.run_dir, f"no answer within {client.timeout_s:g} s (supervisor hung or overloaded?)"
         ) from None
+
+
+# ----------------------------------------------------------------- a tenant's own capability
+
+
+def tenant_capability_file(path: Path, tenant: str) -> TenantCapability:
+    """The tenant capability in ``path``; refuses one that names another tenant, naming both."""
+    cap = read_capability_file(path)
+    if not isinstance(cap, TenantCapability):
+        raise ValueError(f"--capability {path} holds the admin capability, not tenant {tenant!r}'s")
+    if cap.tenant_id != tenant:
+        raise ValueError(
+            f"--capability {path} is the capability of tenant {cap.tenant_id!r}, not of {tenant!r}: "
+            f"run as {cap.tenant_id!r} or give {tenant!r}'s capability (twt capability {tenant} --cap-out FILE)"
+        )
+    return cap
+
+
+def add_capability_option(p: argparse.ArgumentParser) -> None:
+    """``--capability FILE``: a tenant acting with its own capability instead of the run dir's admin.cap."""
+    p.add_argument("--capability", type=Path, default=None, metavar="FILE",
+                   help="the tenant's capability file (as written by --cap-out: hex text; raw bytes are read "
+                   "too); default: obtained with the run dir's admin.cap")
+
+
+def tenant_capability_of(client: SupervisorClient, tenant: str, from_file: TenantCapability | None) -> TenantCapability:
+    """``tenant``'s capability: the one read from ``--capability`` (:func:`tenant_capability_file`, read
+    before connecting, so a wrong file is refused first), else asked for with the admin capability."""
+    if from_file is not None:
+        return from_file
+    cap = client.tenant_capability(client.admin, tenant)
+    if cap.tenant_id != tenant:  # pragma: no cover - the supervisor answers for the name asked
+        raise ValueError(f"capability is for {cap.tenant_id!r}, not {tenant!r}")
+    return cap

@@ -7,10 +7,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import add_cap_out, check_cap_out, emit_capability, tenant_argument
 
 __all__ = ["Capability"]
@@ -28,7 +27,7 @@ class Capability(AdminOp):
                    "revoked.")
     json_help = "print {tenant, capability} as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         cap = part.registry.tenant_capability(part.admin_cap, args["tenant"])
         self.answer(part, client, rid, {"capability": cap.to_bytes()})
 

@@ -6,11 +6,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from supervisor.client.cli_args import print_json
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, tenant_argument
 
 __all__ = ["Evict"]
@@ -29,7 +28,7 @@ class Evict(AdminOp):
                    "workers exited.")
     json_help = "print the supervisor's answer as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         part.evict(args["tenant"], client, rid)
 
     def arguments(self, p: argparse.ArgumentParser) -> None:

@@ -7,10 +7,9 @@ for the admin capability.
 
 from __future__ import annotations
 
-from typing import Any
 
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp
+from supervisor.control.ops._base import AdminOp, Args
 
 __all__ = ["Hello"]
 
@@ -20,5 +19,5 @@ class Hello(AdminOp):
     result_doc = ("`{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}`; without a "
                   "capability only `{protocol, ready}` ([liveness](#hello-without-a-capability-liveness))")
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         self.answer(part, client, rid, part.hello_info().to_wire())

@@ -11,7 +11,6 @@ exit), for the process to be gone.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from shared import protocol as proto
 from shared.errors import InvalidArgument, TensorWasmError, WorkerLost
@@ -20,7 +19,7 @@ from shared.records import FaultAck, FaultExit, FaultOrder
 from shared.sizes import parse_size
 from supervisor.client.cli_args import non_negative_int, print_json
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, tenant_argument
 from supervisor.runtime.workers import WorkerState
 
@@ -41,7 +40,7 @@ class InjectFault(AdminOp):
                    "crash/segfault/exit.")
     json_help = "print the supervisor's answer as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         tid = args["tenant"]
         rt = part.runtime(tid)
         kind = args["kind"]
@@ -106,14 +105,14 @@ class InjectFault(AdminOp):
         return 0
 
 
-def parse_param(text: str) -> tuple[str, Any]:
+def parse_param(text: str) -> tuple[str, int | float | bool | str]:
     """``k=v`` -> (k, v) with v an int, a float, a size (``64MiB`` -> bytes), a bool or a string."""
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"a parameter is KEY=VALUE, got {text!r}")
     raw = raw.strip()
-    value: Any
+    value: int | float | bool | str
     try:
         value = int(raw)
     except ValueError:

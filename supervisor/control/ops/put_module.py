@@ -8,14 +8,13 @@ Kept per tenant in a bounded LRU (:data:`MAX_MODULES_PER_TENANT`,
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import zmq
 
 from shared.errors import InvalidArgument
 from shared.sizes import MAX_MODULE_BYTES
 from supervisor.admission.frontend import Frontend
-from supervisor.control.ops._base import FrontendOp
+from supervisor.control.ops._base import Args, FrontendOp
 from supervisor.runtime.tenants import TenantRuntime
 
 __all__ = ["MAX_MODULES_PER_TENANT", "MAX_MODULE_BYTES_PER_TENANT", "PutModule"]
@@ -30,12 +29,12 @@ class PutModule(FrontendOp):
     result_doc = "`{digest}` (sha256 hex; kept per tenant, LRU of 32 modules / 256 MiB)"
     errors_doc = "`InvalidArgument` (empty, > 32 MiB)"
 
-    def serve(self, frontend: Frontend, rt: TenantRuntime, args: dict[str, Any], body: Any) -> object:
+    def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
         return {"digest": self.keep(frontend, rt, body)}
 
-    def keep(self, frontend: Frontend, rt: TenantRuntime, body: Any) -> str:
+    def keep(self, frontend: Frontend, rt: TenantRuntime, body: object) -> str:
         """Keep a tenant's module (bounded LRU) so runs can name it by digest."""
-        if body is None:
+        if not isinstance(body, (zmq.Frame, bytes, bytearray, memoryview)):
             raise InvalidArgument("put_module needs the module bytes as the body frame")
         if len(body) > MAX_MODULE_BYTES:
             raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")

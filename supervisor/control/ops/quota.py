@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from supervisor.admission.frontend import Frontend
-from supervisor.control.ops._base import FrontendOp
+from supervisor.control.ops._base import Args, FrontendOp
 from supervisor.runtime.tenants import TenantRuntime
 
 __all__ = ["Quota"]
@@ -15,5 +14,5 @@ class Quota(FrontendOp):
     name = "quota"
     result_doc = "the tenant's `QuotaSnapshot` as a map (answered by the supervisor)"
 
-    def serve(self, frontend: Frontend, rt: TenantRuntime, args: dict[str, Any], body: Any) -> object:
+    def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
         return rt.block.snapshot().to_dict()

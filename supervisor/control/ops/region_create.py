@@ -6,10 +6,9 @@ See :mod:`supervisor.routing.regions` (who owns what) and docs/PROTOCOL.md
 
 from __future__ import annotations
 
-from typing import Any
 
 from supervisor.admission.frontend import Frontend
-from supervisor.control.ops._base import FrontendOp
+from supervisor.control.ops._base import Args, FrontendOp
 from supervisor.runtime.tenants import TenantRuntime
 
 __all__ = ["RegionCreate"]
@@ -23,7 +22,7 @@ class RegionCreate(FrontendOp):
                   "on the supervisor's host, more than 64 regions; any region op over the TCP frontend: regions "
                   "serve local clients only)")
 
-    def serve(self, frontend: Frontend, rt: TenantRuntime, args: dict[str, Any], body: Any) -> object:
+    def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
         owned = frontend.regions.create(rt.tenant_id, rt.block, args.get("nbytes"), args.get("pid"),
                                         generation=rt.generation)
         return {"region": owned.region_id, "name": owned.name, "nbytes": owned.nbytes}

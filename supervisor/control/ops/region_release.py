@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from supervisor.admission.frontend import Frontend
-from supervisor.control.ops._base import FrontendOp
+from supervisor.control.ops._base import Args, FrontendOp
 from supervisor.runtime.tenants import TenantRuntime
 
 __all__ = ["RegionRelease"]
@@ -17,7 +16,7 @@ class RegionRelease(FrontendOp):
     result_doc = "`{released: nbytes}` (answered by the supervisor)"
     errors_doc = "`InvalidArgument` (unknown region, or another tenant's)"
 
-    def serve(self, frontend: Frontend, rt: TenantRuntime, args: dict[str, Any], body: Any) -> object:
+    def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
         owned = frontend.regions.release(rt.tenant_id, args.get("region"))
         frontend.unmap_region(rt, owned.name)
         return {"released": owned.nbytes}

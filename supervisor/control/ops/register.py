@@ -12,11 +12,10 @@ or written with ``--cap-out FILE`` (hex and a newline, mode 0600);
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from shared.spec import TenantSpec
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, add_cap_out, build_spec, check_cap_out, emit_capability, spec_flags
 from supervisor.control.ops.tenant_status import fetch_tenant
 
@@ -38,7 +37,7 @@ class Register(AdminOp):
                    "[supervisor] table is ignored, so the supervisor's own config file works); flags override it.")
     json_help = "print {tenant, capability} as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         part.register(TenantSpec.from_dict(args["spec"]), client, rid)
 
     def arguments(self, p: argparse.ArgumentParser) -> None:

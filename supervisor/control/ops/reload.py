@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from shared.errors import ConfigError
 from shared.exitcodes import EXIT_USAGE
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import Connect, ServiceOp
+from supervisor.control.ops._base import Args, Connect, ServiceOp
 from supervisor.control.ops._cli import SERVICE_TIMEOUT_S
 from supervisor.control.service import ServiceOps
 
@@ -35,7 +34,7 @@ class Reload(ServiceOp):
                    "changes nothing (exit 2).")
     json_help = "print the supervisor's answer as JSON"
 
-    def serve(self, part: ServiceOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: ServiceOps, client: bytes, rid: int, args: Args) -> None:
         self.answer(part, client, rid, part.reload())
 
     def run(self, args: argparse.Namespace, connect: Connect) -> int:

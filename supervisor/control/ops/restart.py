@@ -6,10 +6,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import Connect, ServiceOp
+from supervisor.control.ops._base import Args, Connect, ServiceOp
 from supervisor.control.ops._cli import SERVICE_TIMEOUT_S, tenant_argument, tenant_line
 from supervisor.control.service import ServiceOps
 
@@ -30,7 +29,7 @@ class Restart(ServiceOp):
                    "against the budget.")
     json_help = "print the tenant's status record as JSON"
 
-    def serve(self, part: ServiceOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: ServiceOps, client: bytes, rid: int, args: Args) -> None:
         part.restart(args["tenant"], client, rid)
 
     def arguments(self, p: argparse.ArgumentParser) -> None:

@@ -6,10 +6,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import Connect, ServiceOp
+from supervisor.control.ops._base import Args, Connect, ServiceOp
 from supervisor.control.service import ServiceOps
 
 __all__ = ["RotateKey"]
@@ -27,7 +26,7 @@ class RotateKey(ServiceOp):
                    "'twt capability TENANT'. The new admin capability is written to admin.cap. Needs --yes.")
     json_help = "print the new registry id as JSON"
 
-    def serve(self, part: ServiceOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: ServiceOps, client: bytes, rid: int, args: Args) -> None:
         self.answer(part, client, rid, part.rotate_key())
 
     def arguments(self, p: argparse.ArgumentParser) -> None:

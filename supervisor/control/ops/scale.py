@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
 
 from shared.errors import RequestTimeout
 from shared.records import TenantRecord
 from supervisor.client.cli_args import non_negative_int, positive_seconds, print_json
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import instances_line, tenant_argument
 from supervisor.control.ops.tenant_status import fetch_tenant
 
@@ -33,7 +32,7 @@ class Scale(AdminOp):
                    "scaling down drains instances (their in-flight requests finish) before stopping them.")
     json_help = "print the tenant's status record as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         self.answer(part, client, rid, part.scale(args["tenant"], args["instances"]).to_wire())
 
     def arguments(self, p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,6 @@ cannot be written (``StateError``) is not applied.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from shared import protocol as proto
 from shared.errors import InvalidArgument
@@ -19,7 +18,7 @@ from shared.records import TenantRecord
 from shared.sizes import format_size
 from supervisor.client.cli_args import print_json
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import SPEC_FLAGS, limits_line, say_decimal_sizes, tenant_argument
 
 __all__ = ["SetQuota"]
@@ -49,10 +48,10 @@ class SetQuota(AdminOp):
                    "already allocated is taken away. Omitted limits stay as they are.")
     json_help = "print the tenant's status record as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         self.answer(part, client, rid, self.apply(part, args).to_wire())
 
-    def apply(self, part: AdminOps, args: dict[str, Any]) -> TenantRecord:
+    def apply(self, part: AdminOps, args: Args) -> TenantRecord:
         """Change the limits ``args`` names: written to the state, then to the quota block and the lease board."""
         rt = part.runtime(args["tenant"])
         changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from shared.records import StatusRecord
 from supervisor.client.api import SupervisorClient
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp
+from supervisor.control.ops._base import AdminOp, Args
 from supervisor.control.ops._cli import unreachable_on_timeout
 
 __all__ = ["Status", "fetch_status"]
@@ -17,7 +16,7 @@ class Status(AdminOp):
     name = "status"
     result_doc = "`{supervisor: {...pool, workers, rss_bytes}, devices: [...], tenants: [record...]}`"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         self.answer(part, client, rid, part.status().to_wire())
 
 

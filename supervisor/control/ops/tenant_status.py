@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from shared.records import TenantRecord
 from supervisor.client.api import SupervisorClient
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp
+from supervisor.control.ops._base import AdminOp, Args
 from supervisor.control.ops._cli import unreachable_on_timeout
 
 __all__ = ["TenantStatus", "fetch_tenant"]
@@ -19,7 +18,7 @@ class TenantStatus(AdminOp):
     result_doc = "one record"
     errors_doc = "`UnknownTenant`"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         self.answer(part, client, rid, part.tenant_record(part.runtime(args["tenant"])).to_wire())
 
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import platform
-from typing import Any
 
 from shared.errors import ProtocolError
 from shared.protocol import PROTOCOL_VERSION
 from supervisor.client.cli_args import print_json
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.observe.metrics import build_version
 
 __all__ = ["Version"]
@@ -32,7 +31,7 @@ class Version(AdminOp):
                    "beside this command's own: after an upgrade the daemon runs the old build until it restarts.")
     json_help = "print {client, supervisor: {version, python, protocol}} as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: dict[str, Any]) -> None:
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         self.answer(part, client, rid, {"version": build_version(), "python": platform.python_version(),
                                         "protocol": PROTOCOL_VERSION})
 

@@ -13,7 +13,9 @@ PASS/MISS; a program exits non-zero when any target is missed.
 
 from __future__ import annotations
 
+import argparse
 import gc
+import math
 import json
 import os
 import platform
@@ -33,11 +35,14 @@ __all__ = [
     "Report",
     "Target",
     "Timing",
+    "at_least",
     "calibrate",
+    "count",
     "environment",
     "format_table",
     "paired_ratio",
     "percentile",
+    "seconds",
     "time_callable",
     "time_loops",
 ]
@@ -128,6 +133,38 @@ def socket_rtts_us(sock: zmq.Socket[bytes], header: bytes, n: int) -> list[float
         recv()
         out.append((clock() - t0) / 1000)
     return out
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number >= ``low``, else a usage error naming the option (a zero
+    count used to end a bench in "no median for empty data" after it had run the other parts)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}")
+        return value
+
+    parse.__name__ = f"count >= {low}"
+    return parse
+
+
+#: the type of every count option of the benches: rounds, samples, pings, kills (>= 1)
+count = at_least(1)
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def percentile(values: Sequence[float], q: float) -> float:

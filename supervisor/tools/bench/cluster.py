@@ -34,7 +34,7 @@ from typing import Any
 
 from shared.errors import BackendUnavailable
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile
+from supervisor.tools.bench._report import Report, Target, count, format_table, percentile
 from supervisor.store.rundir import temp_parent
 
 __all__ = ["main"]
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--address", help="an existing Ray cluster (default: start a local one-node Ray)")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--per-round", type=int, default=300, help="calls per round and side")
+    parser.add_argument("--rounds", type=count, default=6)
+    parser.add_argument("--per-round", type=count, default=300, help="calls per round and side")
     args = parser.parse_args(argv)
 
     local = args.address is None

@@ -42,7 +42,7 @@ import zmq
 from shared import protocol as proto
 from shared.errors import ProtocolError
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
+from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, socket_rtts_us
 from supervisor.client.launch import SupervisorHandle, launch
 
 __all__ = ["KINDS", "main"]
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench route --flood", description=__doc__.split("\n\n")[0])
     parser.add_argument("--flood", action="store_true", help="(this benchmark)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--pings", type=int, default=600, help="victim pings quiet and per flood kind")
+    parser.add_argument("--pings", type=count, default=600, help="victim pings quiet and per flood kind")
     parser.add_argument("--kinds", default=",".join(KINDS), help="flood kinds, comma-separated")
     parser.add_argument("--nice", type=int, default=0,
                         help="the flooder's nice value (a remote flooder does not compete for this host's CPUs)")

@@ -34,7 +34,7 @@ from typing import Any
 
 from shared import _atomics, quota
 from shared.quota import QuotaBlock
-from supervisor.tools.bench._report import Report, Target, format_table, paired_ratio, time_loops
+from supervisor.tools.bench._report import Report, Target, count, format_table, paired_ratio, seconds, time_loops
 
 __all__ = ["main"]
 
@@ -200,9 +200,9 @@ def _two_process(block: QuotaBlock, duration: float, rounds: int) -> dict[str, f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench quota", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--repeat", type=int, default=15, help="samples per figure (median reported; default 15)")
-    parser.add_argument("--duration", type=float, default=0.4, help="seconds per two-process sample (default 0.4)")
-    parser.add_argument("--rounds", type=int, default=3, help="two-process samples per mode (default 3)")
+    parser.add_argument("--repeat", type=count, default=15, help="samples per figure (median reported; default 15)")
+    parser.add_argument("--duration", type=seconds, default=0.4, help="seconds per two-process sample (default 0.4)")
+    parser.add_argument("--rounds", type=count, default=3, help="two-process samples per mode (default 3)")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.rounds < 1 or args.duration <= 0:
         parser.error("--repeat and --rounds must be >= 1 and --duration > 0")

@@ -38,7 +38,7 @@ from itertools import repeat
 from shared import capability as _cap
 from shared.capability import TenantCapability
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, paired_ratio, percentile, time_loops
+from supervisor.tools.bench._report import Report, Target, at_least, count, format_table, paired_ratio, percentile, time_loops
 from supervisor.store.registry import TenantRegistry
 
 __all__ = ["main"]
@@ -51,8 +51,8 @@ _CapOp = Callable[[TenantCapability, int], None]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench registry", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--repeat", type=int, default=9)
-    parser.add_argument("--registrations", type=int, default=40,
+    parser.add_argument("--repeat", type=count, default=9)
+    parser.add_argument("--registrations", type=at_least(0), default=40,
                         help="warm registrations to time (0: skip the durable part)")
     args = parser.parse_args(argv)
 

@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table
+from supervisor.tools.bench._report import Report, Target, count, format_table
 from supervisor.client.launch import SupervisorHandle, launch
 
 __all__ = ["main"]
@@ -72,8 +72,8 @@ def _round(n: int, method: str) -> dict[str, Any]:  # a JSON report row (numbers
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench restore", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--tenants", type=int, default=64, help="tenants to register and restore (default 64)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; medians are reported (default 3)")
+    parser.add_argument("--tenants", type=count, default=64, help="tenants to register and restore (default 64)")
+    parser.add_argument("--rounds", type=count, default=3, help="rounds; medians are reported (default 3)")
     parser.add_argument("--start-method", choices=["spawn", "forkserver"], default="forkserver")
     args = parser.parse_args(argv)
     report = Report("restore")

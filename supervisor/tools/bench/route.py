@@ -36,7 +36,7 @@ import zmq
 from shared import protocol as proto
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
+from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, socket_rtts_us
 from supervisor.client.launch import launch
 from supervisor.store.rundir import temp_parent
 
@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         return flood.main(argv)
     parser = argparse.ArgumentParser(prog="twt bench route", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--per-round", type=int, default=400, help="round trips per round and side")
-    parser.add_argument("--kills", type=int, default=15, help="SIGKILLs for crash detection")
+    parser.add_argument("--rounds", type=count, default=6)
+    parser.add_argument("--per-round", type=count, default=400, help="round trips per round and side")
+    parser.add_argument("--kills", type=count, default=15, help="SIGKILLs for crash detection")
     args = parser.parse_args(argv)
 
     report = Report("route")

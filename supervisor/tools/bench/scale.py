@@ -28,7 +28,7 @@ import zmq
 from shared import protocol as proto
 from shared.sizes import format_size
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
+from supervisor.tools.bench._report import Report, Target, at_least, count, format_table, percentile, socket_rtts_us
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import SupervisorHandle, launch
 
@@ -81,8 +81,8 @@ def _uss(pid: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--samples", type=int, default=15, help="registrations per kind")
-    parser.add_argument("--tenants", type=int, default=128, help="tenants for the many-tenants test")
+    parser.add_argument("--samples", type=count, default=15, help="registrations per kind")
+    parser.add_argument("--tenants", type=at_least(64), default=128, help="tenants for the many-tenants test")
     args = parser.parse_args(argv)
     report = Report("scale")
 

@@ -44,7 +44,7 @@ from typing import Any
 from shared.capability import TenantCapability
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile
+from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, seconds
 from supervisor.tools.demo import guest_path
 from supervisor.client.launch import SupervisorHandle, launch
 
@@ -478,13 +478,13 @@ def _plot(path: str, split: dict[str, Any], eight: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench share", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
-    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds of each phase (default 10)")
-    parser.add_argument("--solo-seconds", type=float, default=2.0, help="seconds of each solo round (default 2)")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--seconds", type=seconds, default=10.0, help="measured seconds of each phase (default 10)")
+    parser.add_argument("--solo-seconds", type=seconds, default=2.0, help="seconds of each solo round (default 2)")
+    parser.add_argument("--rounds", type=count, default=5,
                         help="rounds: solo on/off, and 7:3 alternating with solo (default 5)")
-    parser.add_argument("--n", type=int, default=256, help="GEMM size (n x n @ n x n; default 256)")
-    parser.add_argument("--reps", type=int, default=64, help="GEMMs per guest run (default 64)")
-    parser.add_argument("--quantum", type=float, default=0.01, help="gpu_time_quantum_s (default 0.01)")
+    parser.add_argument("--n", type=count, default=256, help="GEMM size (n x n @ n x n; default 256)")
+    parser.add_argument("--reps", type=count, default=64, help="GEMMs per guest run (default 64)")
+    parser.add_argument("--quantum", type=seconds, default=0.01, help="gpu_time_quantum_s (default 0.01)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the shares per 1 s window (needs matplotlib)")
     try:
         args = parser.parse_args(argv)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table
+from supervisor.tools.bench._report import Report, Target, count, format_table
 from supervisor.tools.demo import guest_path
 from supervisor.client.launch import launch
 
@@ -75,12 +75,12 @@ def _host_vs_numpy(guest_loop: Callable[[int], object], local_op: Callable[[], o
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench wasm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
-    parser.add_argument("--floats", type=int, default=16 << 20, help="axpy vector length (default 16M)")
-    parser.add_argument("--reps", type=int, default=4, help="axpy calls per guest run (default 4)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds (default 5)")
-    parser.add_argument("--calls", type=int, default=200_000, help="host calls per guest run (default 200k)")
-    parser.add_argument("--gemm-n", type=int, default=512, help="GEMM size n (n x n @ n x n, default 512)")
-    parser.add_argument("--gemm-reps", type=int, default=20, help="matmul calls per guest run (default 20)")
+    parser.add_argument("--floats", type=count, default=16 << 20, help="axpy vector length (default 16M)")
+    parser.add_argument("--reps", type=count, default=4, help="axpy calls per guest run (default 4)")
+    parser.add_argument("--rounds", type=count, default=5, help="interleaved measurement rounds (default 5)")
+    parser.add_argument("--calls", type=count, default=200_000, help="host calls per guest run (default 200k)")
+    parser.add_argument("--gemm-n", type=count, default=512, help="GEMM size n (n x n @ n x n, default 512)")
+    parser.add_argument("--gemm-reps", type=count, default=20, help="matmul calls per guest run (default 20)")
     parser.add_argument("--backend", default="stub", help="supervisor backend (default stub)")
     try:
         args = parser.parse_args(argv)
