@@ -39,7 +39,9 @@ from supervisor.cli._common import DefaultsHelpFormatter, describe_os_error
 
 __all__ = ["main", "version"]
 
-#: sub-command name -> module (imported only to build the parser)
+#: sub-command name -> module (imported only to build the parser). supervisor.cli.ops adds every op's
+#: command (supervisor.control.ops); they are listed for the help's order and so that ``twt CMD`` imports
+#: that module only (an op command not listed still works: the whole parser is built for it)
 COMMANDS = {
     "supervise": "supervisor.cli.supervise",
     "status": "supervisor.cli.status",
@@ -51,6 +53,7 @@ COMMANDS = {
     "set-quota": "supervisor.cli.ops",
     "scale": "supervisor.cli.ops",
     "fault": "supervisor.cli.ops",
+    "version": "supervisor.cli.ops",
     "reload": "supervisor.cli.ops",
     "reset": "supervisor.cli.ops",
     "restart": "supervisor.cli.ops",
