@@ -29,9 +29,9 @@ def test_more_than_sixty_four_tenants_are_registered_and_each_answers_a_ping() -
                 start_method="forkserver", ready_timeout_s=300) as sup:
         caps = [sup.client.register(None, TenantSpec(f"t{i:02d}"), timeout_s=120) for i in range(n)]
         status = sup.client.status()
-        assert len(status["tenants"]) == n and all(t["state"] == "running" for t in status["tenants"])
-        assert all(t["device"] == 0 for t in status["tenants"])  # all on one device, one board
-        assert [sup.client.ping(cap)["tenant"] for cap in caps] == [cap.tenant_id for cap in caps]
+        assert len(status.tenants) == n and all(t.state == "running" for t in status.tenants)
+        assert all(t.device == 0 for t in status.tenants)  # all on one device, one board
+        assert [sup.client.ping(cap).tenant for cap in caps] == [cap.tenant_id for cap in caps]
 
 
 def test_a_full_supervisor_refuses_typed_and_leaves_nothing_behind() -> None:
@@ -46,7 +46,7 @@ def test_a_full_supervisor_refuses_typed_and_leaves_nothing_behind() -> None:
                                        "setting": "max_workers"}
         with pytest.raises(CapacityExhausted, match="max_workers"):
             c.scale(None, "a", 4)
-        assert tenant(c.status(), "a")["spec"]["instances"] == 2  # nothing changed
+        assert (spec := tenant(c.status(), "a").spec) is not None and spec.instances == 2  # nothing changed
         b = c.register(None, TenantSpec("b"))
         # max_tenants: 2 of 2
         with pytest.raises(CapacityExhausted) as info:
@@ -55,13 +55,13 @@ def test_a_full_supervisor_refuses_typed_and_leaves_nothing_behind() -> None:
                                        "setting": "max_tenants"}
         assert "evict a tenant or raise max_tenants" in str(info.value)
         status = c.status()
-        assert sorted(t["tenant_id"] for t in status["tenants"]) == ["a", "b"]
+        assert sorted(t.tenant_id for t in status.tenants) == ["a", "b"]
         # no quota block, no board slot, no state row for the refused ones: one more segment (b's block)
         assert len(set(os.listdir("/dev/shm")) - set(segments)) == 1
-        assert c.ping(a)["tenant"] == "a" and c.ping(b)["tenant"] == "b"
+        assert c.ping(a).tenant == "a" and c.ping(b).tenant == "b"
         c.evict(None, "b")
-        wait_for(lambda: "b" not in [t["tenant_id"] for t in c.status()["tenants"]], what="b evicted")
-        assert c.ping(c.register(None, TenantSpec("c")))["tenant"] == "c"  # room again
+        wait_for(lambda: "b" not in [t.tenant_id for t in c.status().tenants], what="b evicted")
+        assert c.ping(c.register(None, TenantSpec("c"))).tenant == "c"  # room again
 
 
 def test_a_full_gpu_time_board_refuses_typed_and_a_refusal_changes_nothing() -> None:
@@ -89,7 +89,7 @@ def test_a_full_gpu_time_board_refuses_typed_and_a_refusal_changes_nothing() -> 
 
 def test_the_boards_are_sized_from_the_config() -> None:
     with supervisor(max_tenants=100, max_workers=300) as sup:
-        name = sup.client.status()["devices"][0]["gpu_time"]["segment"]
+        name = sup.client.status().devices[0].gpu_time["segment"]
         board = GpuTimeBoard.attach(name, tenant_slot=None)
         try:  # twice each: room for the slots of evicted tenants whose workers still stop
             assert (board.tenant_slots, board.worker_slots) == (200, 600)
