@@ -41,6 +41,7 @@ __all__ = [
     "InstanceRecord",
     "PingInfo",
     "PoolRecord",
+    "ProbedDevice",
     "QuotaSnapshot",
     "Record",
     "RegionGrant",
@@ -287,6 +288,17 @@ class DeviceRecord(Record):
     #: the device's GPU-time lease board (shared.gpu_time on main): scheduler, holder, grants, ...
     #: (free-form, as TenantRecord.gpu_time there); empty without a board
     gpu_time: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbedDevice(Record):
+    """One device as the backend probe reports it (the CUDA probe's child process prints JSON;
+    the stub's are made up from the config): what ``Placement.create`` sizes its budget from."""
+
+    index: int
+    total_bytes: int = 0
+    free_bytes: int | None = None  # None when the probe could not measure it
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

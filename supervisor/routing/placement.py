@@ -35,8 +35,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
 from collections.abc import Callable
 
 from shared.device_budget import DeviceBudget
@@ -45,7 +44,7 @@ from shared.errors import BackendUnavailable, CapacityExhausted, InvalidArgument
 from shared.log import get_logger, log_event
 from shared.mps import Fallback, Mps, MpsDecision, detect_mps
 from shared.quota import new_segment_name
-from shared.records import DeviceRecord
+from shared.records import DeviceRecord, ProbedDevice
 from shared.spec import IsolationKind, TenantSpec
 
 __all__ = ["MPS_HEADROOM_MIB", "POLICIES", "Placement", "mps_environment"]
@@ -117,7 +116,7 @@ class Placement:
     def create(
         cls,
         backend: str,
-        devices: tuple[dict[str, Any], ...],  # the probe's JSON (lifecycle.backend_select), read here
+        devices: Iterable[ProbedDevice | Mapping[str, object]],
         *,
         reserve_bytes: int,
         policy: str = "most-free",
@@ -136,10 +135,9 @@ class Placement:
         boards: dict[int, GpuTimeBoard] = {}
         try:
             for info in devices:
-                index = int(info["index"])
-                total = int(info.get("total_bytes") or 0)
-                free = info.get("free_bytes")
-                capacity = int(free) if free is not None else total
+                dev = info if isinstance(info, ProbedDevice) else ProbedDevice.from_wire(info)  # checked
+                index, total, free = dev.index, dev.total_bytes, dev.free_bytes
+                capacity = free if free is not None else total
                 reserve = 0 if backend == "stub" else reserve_bytes
                 budget = DeviceBudget.create(
                     index,
@@ -147,7 +145,7 @@ class Placement:
                     reserve_bytes=min(reserve, capacity),
                     name=new_segment_name(segment_prefix, f"dev{index}"),
                 )
-                made.append(_Device(index, str(info.get("name", "")), total, free, budget))
+                made.append(_Device(index, dev.name, total, free, budget))
                 boards[index] = GpuTimeBoard.create(index, quantum_s=gpu_time_quantum_s,
                                                     scheduler=gpu_time_scheduler,
                                                     tenants=gpu_time_tenants, workers=gpu_time_workers,

@@ -28,7 +28,8 @@ class Register(AdminOp):
     result_doc = "`{capability: bytes, tenant: {tenant_id, state, generation, device, pids}}`, sent once every instance is ready"
     errors_doc = ("`AlreadyRegistered`, `InvalidArgument` (spec, placement), `BackendUnavailable` (e.g. "
                   "`isolation=\"mps\"` without a daemon), `KernelTimeout` (`register_timeout_s`), `WorkerLost` "
-                  "(died while starting)")
+                  "(died while starting), `CapacityExhausted` (`max_tenants` or `max_workers` reached; nothing "
+                  "registered)")
     command = "register"
     help = "register a tenant (flags or a TOML file) and print its capability"
     description = ("Register a tenant with the running supervisor and print its capability as hex "
