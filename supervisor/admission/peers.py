@@ -25,8 +25,11 @@ libzmq - its own socket buffers full, because it stopped reading - gets no
 more until it reads: the rest are dropped unanswered (counted). A peer that
 reads its replies gets them all: its own libzmq takes them off the connection
 whether or not the application has called recv yet, so only a peer whose
-buffers are full meets the bound (256 leaves room for this loop's I/O thread
-to lag many turns behind on a loaded host). The table of peers is itself
+buffers are full meets the bound. 1,024, not less: a tracker is done only once
+pyzmq's garbage thread has seen libzmq release the frame, and that thread needs
+the GIL the loop holds, so on a loaded host trackers lag the loop by many turns
+of 16 replies (at 256, 300 pipelined forged requests from a reading peer lost
+replies under load); 1,024 small replies are ~300 KiB per peer. The table of peers is itself
 bounded (least recently seen forgotten).
 
 Loop thread only.
@@ -58,7 +61,7 @@ def short(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 class UnreadErrors:
     """Per peer, the error replies to unauthenticated requests it has not taken yet."""
 
-    max_unread: int = 256
+    max_unread: int = 1024
     max_peers: int = 4096
     dropped: int = field(default=0, init=False)
     _peers: OrderedDict[bytes, deque[zmq.MessageTracker]] = field(default_factory=OrderedDict, init=False)
