@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import zmq.auth
+from zmq.utils import z85
 
 from shared.capability import RegistryAdminCapability, read_capability_file
 from shared.config import ENV_PREFIX, default_run_dir, parse_host_port
@@ -168,13 +169,21 @@ def probe_tcp(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     raise SupervisorUnavailable(endpoint, why)
 
 
+#: the characters of Z85 text (a CURVE public key is 40 of them)
+_Z85 = frozenset(z85.Z85CHARS)
+
+
 def server_key_of(text: str) -> str:
     """``--server-key``: Z85 text, ``@FILE`` (that text, or a zmq.auth certificate), or a certificate's path.
 
+    A value of 40 Z85 characters is a key even when it starts with ``@`` (``@`` is a Z85
+    character: one key in 85 begins with it); ``@FILE`` is a file otherwise.
     ValueError names what was wrong; the key itself is checked by ``SupervisorClient.remote``.
     """
     value = text.strip()
     path: str | None = None
+    if len(value) == 40 and set(value.encode("ascii", "replace")) <= _Z85:
+        return value
     if value.startswith("@"):
         path = value[1:]
     elif len(value) != 40 and os.path.isfile(value):

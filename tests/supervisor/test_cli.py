@@ -517,6 +517,9 @@ def test_server_key_from_a_file_or_a_certificate(capsys: pytest.CaptureFixture[s
     assert server_key_of(f" {public} ") == public
     with pytest.raises(ValueError, match="does not exist"):
         server_key_of(f"@{tmp_path / 'nope'}")
+    # '@' is a Z85 character: a key that starts with it is a key, not a file (one key in 85 did)
+    at_key = "@" + public[1:]
+    assert server_key_of(at_key) == at_key
     # and through a command: a dead port is then the only problem
     code, _, err = _run(capsys, "status", "--connect", _dead_endpoint(), f"--server-key=@{tmp_path / 'srv.key'}")
     assert code == EXIT_UNAVAILABLE and "connection refused" in err, err
