@@ -46,6 +46,8 @@ MAIN = "conf-main"  # from the config file: its capability comes from the `capab
 CONFIG = f"""
 [supervisor]
 pool_size = 0
+# far above what this suite runs (a few instances), so that scaling past it is refused typed
+max_workers = 48
 
 [[tenant]]
 name = "{MAIN}"
@@ -241,6 +243,10 @@ def test_admin_ops_on_the_main_tenant(sup: Supervisor) -> None:
     assert {e["event"] for e in page["events"]} <= {"register", "set_quota"} and page["events"]
     summary = sup.ok("reload", admin)
     assert MAIN in summary["unchanged"]
+    # past the supervisor's max_workers: refused with the limit's numbers, nothing changed
+    fields = sup.error("capacity_exhausted", "scale", admin, {"tenant": MAIN, "instances": 49})
+    assert (fields["setting"], fields["limit"]) == ("max_workers", 48)
+    assert len(sup.ok("tenant_status", admin, {"tenant": MAIN})["instances"]) == 1
 
 
 def test_register_capability_evict_and_a_revoked_capability(sup: Supervisor) -> None:
