@@ -21,12 +21,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 from collections.abc import Callable
 
 import msgpack
 
-from shared.checks import is_int
+from shared.checks import is_int, is_number
 from shared.errors import InvalidArgument, ProtocolError
 from shared.kinds import WORKER_FAULT_KINDS
 from shared.spec import TenantSpec
@@ -49,6 +49,16 @@ __all__ = [
     "TENANT_OPS",
     "Arg",
     "OpSpec",
+    "arg_bool",
+    "arg_int",
+    "arg_map",
+    "arg_opt_bytes",
+    "arg_opt_int",
+    "arg_opt_list",
+    "arg_opt_map",
+    "arg_opt_number",
+    "arg_opt_str",
+    "arg_str",
     "check_args",
     "decode_client_header",
     "decode_control",
@@ -285,6 +295,109 @@ def check_args(op: str, args: Mapping[str, object]) -> None:
             arg.check(value)
 
 
+# ------------------------------------------------------------------ reading checked arguments
+#
+# A handler's ``args`` are ``Mapping[str, object]``: decoded msgpack. ``check_args`` has
+# already checked each declared argument against its op's Arg row, so these accessors
+# narrow the type for mypy rather than validate: for a declared argument their
+# InvalidArgument is unreachable. They still raise it (naming the argument) rather
+# than trust the row, so a row and a handler that disagree fail as a refusal, not a crash.
+
+
+def _wrong(name: str, want: str, value: object) -> InvalidArgument:
+    return InvalidArgument(f"{name} must be {want}, not {type(value).__name__}")
+
+
+def arg_str(args: Mapping[str, object], name: str) -> str:
+    """A required ``str`` argument."""
+    value = args.get(name)
+    if not isinstance(value, str):
+        raise _wrong(name, "str", value)
+    return value
+
+
+def arg_opt_str(args: Mapping[str, object], name: str) -> str | None:
+    """An optional ``str`` argument (absent or nil: None)."""
+    value = args.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _wrong(name, "str or nil", value)
+    return value
+
+
+def arg_int(args: Mapping[str, object], name: str) -> int:
+    """A required ``int`` argument (a bool is not one)."""
+    value = args.get(name)
+    if not is_int(value):
+        raise _wrong(name, "int", value)
+    return value
+
+
+def arg_opt_int(args: Mapping[str, object], name: str) -> int | None:
+    """An optional ``int`` argument (absent or nil: None; a bool is not one)."""
+    value = args.get(name)
+    if value is not None and not is_int(value):
+        raise _wrong(name, "int or nil", value)
+    return value
+
+
+def arg_opt_number(args: Mapping[str, object], name: str) -> float | None:
+    """An optional number (an int or a float, not a bool; absent or nil: None)."""
+    value = args.get(name)
+    if value is None:
+        return None
+    if not is_number(value):
+        raise _wrong(name, "int, float or nil", value)
+    return value
+
+
+def arg_bool(args: Mapping[str, object], name: str, default: bool = False) -> bool:
+    """A ``bool`` argument (absent or nil: ``default``)."""
+    value = args.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _wrong(name, "bool", value)
+    return value
+
+
+def arg_opt_bytes(args: Mapping[str, object], name: str) -> bytes | None:
+    """An optional ``bytes`` argument (absent or nil: None)."""
+    value = args.get(name)
+    if value is not None and not isinstance(value, bytes):
+        raise _wrong(name, "bin or nil", value)
+    return value
+
+
+def arg_map(args: Mapping[str, object], name: str) -> dict[str, object]:
+    """A required map argument with string keys; its values are the caller's to narrow (its Arg
+    row's ``check`` has checked them)."""
+    value = arg_opt_map(args, name)
+    if value is None:
+        raise _wrong(name, "map", value)
+    return value
+
+
+def arg_opt_map(args: Mapping[str, object], name: str) -> dict[str, object] | None:
+    """An optional map argument with string keys (absent or nil: None); its values are the
+    caller's to narrow (its Arg row's ``check`` has checked them)."""
+    value = args.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise _wrong(name, "map", value)
+    return value
+
+
+def arg_opt_list(args: Mapping[str, object], name: str) -> list[object] | None:
+    """An optional array argument (absent or nil: None); its items are the caller's to narrow."""
+    value = args.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _wrong(name, "array or nil", value)
+    return value
+
+
 # ------------------------------------------------------------------ packing
 #
 # msgpack's Packer keeps a buffer between calls and is not thread-safe; the supervisor's
@@ -329,7 +442,7 @@ def encode_request(rid: int, op: str, capability: bytes | None, args: Mapping[st
     return _packb([PROTOCOL_VERSION, rid, op, capability, args])
 
 
-def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[int, str, bytes | None, dict[str, Any]]:
+def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[int, str, bytes | None, dict[str, object]]:
     # args: dynamically typed until check_args checks them against the op's Arg rows; the handlers
     # (supervisor.admission.frontend, control) then read them by name
     """Validate a client request header: (rid, op, capability, args). Raises ProtocolError."""

@@ -39,7 +39,6 @@ import hmac
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 from collections.abc import Callable
 
 import zmq
@@ -94,14 +93,18 @@ _VERIFIED_CAP_CACHE = 65536
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _IPC = bytes([IPC_INDEX])
 _TCP = bytes([TCP_INDEX])
-def _ignore_reply(ok: bool, payload: Any) -> None:
+#: a request's body: its frame as received, or a module put_module stored (a run by digest)
+Body = zmq.Frame | bytes | None
+
+
+def _ignore_reply(ok: bool, payload: object) -> None:
     """Callback of the supervisor's own fire-and-forget worker requests."""
 
 
 #: an admin op's handler, bound to the part that serves it: (client, rid, args) (supervisor.control.ops)
-AdminHandler = Callable[[bytes, int, dict[str, Any]], None]
+AdminHandler = Callable[[bytes, int, dict[str, object]], None]
 #: a tenant op the frontend answers itself, bound to it (supervisor.control.ops): (tenant, args, body) -> the result
-LocalOp = Callable[[TenantRuntime, dict[str, Any], Any], object]
+LocalOp = Callable[[TenantRuntime, dict[str, object], "Body"], object]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
 DenialHook = Callable[["bytes | None", str], None]
 
@@ -114,8 +117,8 @@ class Frontend:
         config: SupervisorConfig,
         *,
         loop: Loop,
-        sock: zmq.Socket[Any],
-        tcp_sock: zmq.Socket[Any] | None = None,
+        sock: zmq.Socket[bytes],
+        tcp_sock: zmq.Socket[bytes] | None = None,
         replies: Replies,
         pending: PendingTable,
         workers: WorkerSet,
@@ -154,7 +157,7 @@ class Frontend:
 
     # ------------------------------------------------------------ decode
 
-    def _on_readable(self, sock: zmq.Socket[Any], prefix: bytes) -> None:
+    def _on_readable(self, sock: zmq.Socket[bytes], prefix: bytes) -> None:
         # Read what is queued (asking ZMQ_EVENTS between messages: a recv that fails with
         # EAGAIN costs ~5 us here, the query ~1.6 us) into the fair queue; the loop's turn
         # serves it (end_turn). At most READ_BATCH a wake-up, and only a few while the
@@ -288,7 +291,7 @@ class Frontend:
                 raise RuntimeError(f"{kind} ops {sorted(declared)} declared, {sorted(handlers)} served")
         self._admin_ops, self._local_ops = admin_ops, local_ops
 
-    def _admin_request(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any]) -> None:
+    def _admin_request(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, object]) -> None:
         """One admin request: the admin capability first, then the op's arguments, then its handler."""
         if cap_raw is None:
             raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
@@ -326,7 +329,7 @@ class Frontend:
 
     # ------------------------------------------------------------ events (supervisor.observe.event_log)
 
-    def _events(self, client: bytes, rid: int, cap_raw: bytes | None, args: dict[str, Any], size: int = 0) -> None:
+    def _events(self, client: bytes, rid: int, cap_raw: bytes | None, args: dict[str, object], size: int = 0) -> None:
         """``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``: a page of the
         event log. The admin capability sees every event (over TCP only with ``allow_remote_admin``),
         a tenant capability its own tenant's; answered at once, nothing held per client."""
@@ -350,7 +353,7 @@ class Frontend:
     # ------------------------------------------------------------ tenant requests
 
     def _tenant_request(
-        self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any,
+        self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, object], body: Body,
         size: int = 0,
     ) -> None:
         if cap_raw is None:
@@ -456,12 +459,12 @@ class Frontend:
         now = self.clock()
         deadline = now + rt.spec.request_timeout_s
         remaining = {slot.index for slot in slots}
-        merged: list[Any] = []
-        errors: list[Any] = []
+        merged: list[tuple[int, int]] = []  # (handle, bytes) of each instance's buffers reply
+        errors: list[object] = []
         request = Pending(client, rid, "buffers", rt.tenant_id, 0, now, deadline)
 
-        def collect(index: int) -> Callable[[bool, Any], None]:
-            def done(ok: bool, payload: Any) -> None:
+        def collect(index: int) -> Callable[[bool, object], None]:
+            def done(ok: bool, payload: object) -> None:
                 if index not in remaining:
                     return
                 remaining.discard(index)
@@ -526,8 +529,8 @@ class Frontend:
         client: bytes,
         rid: int,
         op: str,
-        args: dict[str, Any],
-        body: Any,
+        args: dict[str, object],
+        body: Body,
         now: float,
         *,
         started: float | None = None,
@@ -540,11 +543,7 @@ class Frontend:
         worker = slot.worker
         assert worker is not None
         if op == "run_wasm":
-            args = with_wasm_limits(rt, args)
-            if deadline is not None:
-                left = deadline - now - DEADLINE_GRACE_S
-                if left < args["timeout_s"]:
-                    args["timeout_s"] = max(0.001, left)
+            args = with_wasm_limits(rt, args, None if deadline is None else deadline - now - DEADLINE_GRACE_S)
         own = now + rt.spec.deadline_s(op, args.get("timeout_s"))
         deadline = own if deadline is None else min(own, deadline)
         pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline,
@@ -604,7 +603,7 @@ class Frontend:
 # ------------------------------------------------------------ instance choice (pure policy)
 
 
-def request_handles(op: str, args: dict[str, Any]) -> list[int]:
+def request_handles(op: str, args: dict[str, object]) -> list[int]:
     """The buffer handles a request names (``handle``, or run_wasm's ``{handle}`` arguments)."""
     if op in proto.HANDLE_OPS:
         handle = args.get("handle")
@@ -612,15 +611,16 @@ def request_handles(op: str, args: dict[str, Any]) -> list[int]:
             raise InvalidArgument("handle must be a non-negative int")
         return [handle]
     if op == "run_wasm":
+        run_args = args.get("args")
         return [
-            a["handle"]
-            for a in args.get("args") or ()
-            if isinstance(a, dict) and is_int(a.get("handle"))
+            handle
+            for a in (run_args if isinstance(run_args, list) else ())
+            if isinstance(a, dict) and is_int(handle := a.get("handle"))
         ]
     return []
 
 
-def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | None:
+def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, object]) -> int | None:
     """The instance a request must go to: the one holding the buffers it names, or ``alloc``'s ``instance``.
 
     InvalidArgument when its buffers live on different instances (naming them),
@@ -653,7 +653,7 @@ def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | N
     return pinned
 
 
-def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, Any]) -> BufferLost | None:
+def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, object]) -> BufferLost | None:
     """:class:`BufferLost` for the first handle whose instance restarted since (or died with it), else None.
 
     A handle is alive while its slot's worker is the incarnation that made it;
@@ -670,7 +670,7 @@ def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, Any]) -> BufferLost 
     return None
 
 
-def expected_reply_bytes(op: str, args: dict[str, Any], limit: int) -> int:
+def expected_reply_bytes(op: str, args: dict[str, object], limit: int) -> int:
     """The reply body a request will bring back: a ``read``'s ``nbytes`` (at most ``limit``)."""
     n = args.get("nbytes") if op == "read" else None
     if not is_int(n) or n <= 0:
@@ -701,8 +701,9 @@ def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:
     return None
 
 
-def with_wasm_limits(rt: TenantRuntime, args: dict[str, Any]) -> dict[str, Any]:
-    """A run's fuel and time: defaults from the spec, and never above it."""
+def with_wasm_limits(rt: TenantRuntime, args: dict[str, object], left_s: float | None = None) -> dict[str, object]:
+    """A run's fuel and time: defaults from the spec, and never above it (nor above ``left_s``,
+    what a parked request has left of its deadline, if given)."""
     spec = rt.spec
     fuel = args.get("fuel")
     out = dict(args)
@@ -711,7 +712,8 @@ def with_wasm_limits(rt: TenantRuntime, args: dict[str, Any]) -> dict[str, Any]:
         if is_int(fuel) and fuel > 0
         else spec.wasm_fuel
     )
-    out["timeout_s"] = spec.wasm_run_s(args.get("timeout_s"))
+    timeout_s = spec.wasm_run_s(args.get("timeout_s"))
+    out["timeout_s"] = timeout_s if left_s is None or left_s >= timeout_s else max(0.001, left_s)
     return out
 
 
@@ -725,8 +727,8 @@ class ClientMessage:
     rid: int
     op: str
     cap_raw: bytes | None
-    args: dict[str, Any]
-    body: Any
+    args: dict[str, object]
+    body: zmq.Frame | None  # the request's body frame (recv_multipart(copy=False))
     error: TensorWasmError | None
     key: str | None = None  # the verified tenant ("admin"), None when unauthenticated
     size: int = 0  # header and body bytes, for the backlog's byte bound

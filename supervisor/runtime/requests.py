@@ -22,6 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import zmq
 
 __all__ = ["Parked", "Pending"]
 
@@ -52,7 +56,7 @@ class Parked:
     rid: int
     op: str
     args: dict[str, object]
-    body: object
+    body: zmq.Frame | bytes | None  # its body frame, or the module a run names by digest
     started: float
     deadline: float
     instance: int | None  # a handle-bound request must go to this instance

@@ -467,6 +467,12 @@ class TenantRegistry:
             gpu_time_weight, gpu_time_cap,
         )
 
+    def set_quota_from(self, admin_cap: RegistryAdminCapability, tenant_id: str, changes: Mapping[str, object]
+                       ) -> TenantInfo:
+        """:meth:`set_quota` with the changes as the ``set_quota`` op's wire arguments (keys of
+        ``QUOTA_KEYS``, values not yet narrowed: validated here as there)."""
+        return self._set_quota(admin_cap, tenant_id, False, *(changes.get(k, UNCHANGED) for k in QUOTA_KEYS))
+
     def set_quota_strict(self, admin_cap: RegistryAdminCapability, tenant_id: str, **limits: int | str | None
                          ) -> TenantInfo:
         """:meth:`set_quota`, strict about foreign capabilities (keyword arguments as there)."""

@@ -22,8 +22,8 @@ answers: its handler is in ``worker/server.py``) in a module of its own under
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 from shared import protocol as proto
 from supervisor.admission.frontend import Frontend
@@ -36,7 +36,7 @@ __all__ = ["AdminOp", "Args", "Connect", "FrontendOp", "Op", "OpHandler", "PartO
 
 #: an op's arguments as its handler reads them: decoded msgpack, each declared one's type checked
 #: by ``check_args`` against the wire row before the handler runs (the row is the precise type)
-Args = dict[str, Any]
+Args = Mapping[str, object]
 #: one admin op's handler, bound to its part: ``(client, rid, args)``, answering through the pending table (at once or later)
 OpHandler = Callable[[bytes, int, Args], None]
 

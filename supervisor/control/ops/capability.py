@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from shared.protocol import arg_str
 from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import add_cap_out, check_cap_out, emit_capability, tenant_argument
@@ -28,7 +29,7 @@ class Capability(AdminOp):
     json_help = "print {tenant, capability} as JSON"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        cap = part.registry.tenant_capability(part.admin_cap, args["tenant"])
+        cap = part.registry.tenant_capability(part.admin_cap, arg_str(args, "tenant"))
         self.answer(part, client, rid, {"capability": cap.to_bytes()})
 
     def arguments(self, p: argparse.ArgumentParser) -> None:

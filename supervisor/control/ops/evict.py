@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from shared.protocol import arg_str
 from supervisor.client.cli_args import print_json
 from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
@@ -29,7 +30,7 @@ class Evict(AdminOp):
     json_help = "print the supervisor's answer as JSON"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        part.evict(args["tenant"], client, rid)
+        part.evict(arg_str(args, "tenant"), client, rid)
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         tenant_argument(p)

@@ -41,12 +41,12 @@ class InjectFault(AdminOp):
     json_help = "print the supervisor's answer as JSON"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        tid = args["tenant"]
+        tid = proto.arg_str(args, "tenant")
         rt = part.runtime(tid)
-        kind = args["kind"]
+        kind = proto.arg_str(args, "kind")
         if kind not in proto.FAULT_KINDS:
             raise InvalidArgument(f"unknown fault kind {kind!r}")
-        index = args.get("instance")
+        index = proto.arg_opt_int(args, "instance")
         if index is None:
             live = rt.live_slots()
             if not live:
@@ -59,7 +59,7 @@ class InjectFault(AdminOp):
         worker = slot.worker
         if worker is None or not worker.control_hello or worker.state is WorkerState.DEAD:
             raise WorkerLost(tid, slot.index, reason="instance is not running")
-        params = args.get("params") or {}
+        params = proto.arg_opt_map(args, "params") or {}
         info = {"tenant": tid, "instance": slot.index, "pid": worker.pid, "kind": kind}
         answered = False
 

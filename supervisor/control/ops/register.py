@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+from shared.protocol import arg_map
 from shared.spec import TenantSpec
 from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
@@ -39,7 +40,7 @@ class Register(AdminOp):
     json_help = "print {tenant, capability} as JSON"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        part.register(TenantSpec.from_dict(args["spec"]), client, rid)
+        part.register(TenantSpec.from_dict(arg_map(args, "spec")), client, rid)
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("tenant", nargs="?", metavar="TENANT", help="tenant id (optional with --file)")

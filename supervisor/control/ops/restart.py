@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from shared.protocol import arg_str
 from supervisor.client.cli_args import print_json
 from supervisor.control.ops._base import Args, Connect, ServiceOp
 from supervisor.control.ops._cli import SERVICE_TIMEOUT_S, tenant_argument, tenant_line
@@ -30,7 +31,7 @@ class Restart(ServiceOp):
     json_help = "print the tenant's status record as JSON"
 
     def serve(self, part: ServiceOps, client: bytes, rid: int, args: Args) -> None:
-        part.restart(args["tenant"], client, rid)
+        part.restart(arg_str(args, "tenant"), client, rid)
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         tenant_argument(p)

@@ -10,6 +10,7 @@ import sys
 import time
 
 from shared.errors import RequestTimeout
+from shared.protocol import arg_int, arg_str
 from shared.records import TenantRecord
 from supervisor.client.cli_args import non_negative_int, positive_seconds, print_json
 from supervisor.control.admin import AdminOps
@@ -33,7 +34,7 @@ class Scale(AdminOp):
     json_help = "print the tenant's status record as JSON"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, part.scale(args["tenant"], args["instances"]).to_wire())
+        self.answer(part, client, rid, part.scale(arg_str(args, "tenant"), arg_int(args, "instances")).to_wire())
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         tenant_argument(p)

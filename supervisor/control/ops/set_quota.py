@@ -53,14 +53,14 @@ class SetQuota(AdminOp):
 
     def apply(self, part: AdminOps, args: Args) -> TenantRecord:
         """Change the limits ``args`` names: written to the state, then to the quota block and the lease board."""
-        rt = part.runtime(args["tenant"])
+        rt = part.runtime(proto.arg_str(args, "tenant"))
         changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
         if not changes:
             raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
         new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
         part.write(part.state.update_spec, new_spec)  # StateError: nothing applied
         try:
-            info = part.registry.set_quota(part.admin_cap, rt.tenant_id, **changes)
+            info = part.registry.set_quota_from(part.admin_cap, rt.tenant_id, changes)
         except BaseException:
             part.record(part.state.update_spec, rt.spec)  # put the stored spec back
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+from shared.protocol import arg_str
 from shared.records import TenantRecord
 from supervisor.client.api import SupervisorClient
 from supervisor.control.admin import AdminOps
@@ -19,7 +20,7 @@ class TenantStatus(AdminOp):
     errors_doc = "`UnknownTenant`"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, part.tenant_record(part.runtime(args["tenant"])).to_wire())
+        self.answer(part, client, rid, part.tenant_record(part.runtime(arg_str(args, "tenant"))).to_wire())
 
 
 def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:
