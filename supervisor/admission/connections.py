@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from typing import TypedDict
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -35,7 +36,20 @@ from shared.log import get_logger, log_event
 from supervisor.admission.fdlimit import fd_budget
 from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer
 
-__all__ = ["FrontendConnections", "watch"]
+__all__ = ["ConnectionStatus", "FrontendConnections", "watch"]
+
+
+class ConnectionStatus(TypedDict):
+    """The frontend's connection counters in a status (fields of ``shared.records.SupervisorRecord``)."""
+
+    fd_limit: int
+    connections: int
+    connection_budget: int
+    connections_shed: int
+    connections_shed_by: dict[str, int]
+    tcp_connections: int
+    tcp_sources: int
+
 
 _log = get_logger("supervisor.admission.connections")
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -140,7 +154,7 @@ class FrontendConnections:
                       connections=gate.connected, budget=gate.budget, tcp=gate.tcp, max_tcp_peers=gate.max_tcp,
                       shed=gate.shed_by.get(reason, 0), **fields)
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> ConnectionStatus:
         gate = self.gate
         return {
             "fd_limit": self.limit,

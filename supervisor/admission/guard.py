@@ -24,14 +24,28 @@ from typing import Any
 
 from shared.config import SupervisorConfig
 from shared.errors import TensorWasmError
-from supervisor.admission.rates import Admission
+from supervisor.admission.rates import Admission, AdmissionStatus
 from supervisor.routing.budgets import HeldBytes
-from supervisor.admission.connections import FrontendConnections
+from supervisor.admission.connections import ConnectionStatus, FrontendConnections
 from supervisor.admission.fairness import FairTurn
 from supervisor.observe.metrics import FrontendCounters
 from supervisor.admission.peers import MAX_ERROR_TEXT, UnreadErrors, short
 
-__all__ = ["FrontendGuard"]
+__all__ = ["FrontendGuard", "GuardStatus", "WatchedGuardStatus"]
+
+
+class GuardStatus(AdmissionStatus):
+    """The guard's counters in a status, spread into ``shared.records.SupervisorRecord(**...)``
+    (whose fields they are: mypy checks each key against it)."""
+
+    held_bytes: dict[str, int]
+    unauthenticated_dropped: int
+    unauthenticated_dropped_by: dict[str, int]
+    unauthenticated_backlog: int
+
+
+class WatchedGuardStatus(GuardStatus, ConnectionStatus):
+    """:class:`GuardStatus` and the connection counters, when the supervisor watches its connections."""
 
 
 class FrontendGuard:
@@ -87,8 +101,8 @@ class FrontendGuard:
             connection_budget=gate.budget if gate is not None else 0,
         )
 
-    def status(self) -> dict[str, Any]:  # counters spread into SupervisorRecord(**...); a client's decode checks each
-        out: dict[str, Any] = {
+    def status(self) -> GuardStatus | WatchedGuardStatus:
+        out: GuardStatus = {
             "held_bytes": self.held.snapshot(),
             "unauthenticated_dropped": self.dropped,
             "unauthenticated_dropped_by": self.dropped_by(),
@@ -96,6 +110,7 @@ class FrontendGuard:
             "unauthenticated_backlog": self.fair.backlog,
             **self.admission.status(),
         }
-        if self.connections is not None:
-            out.update(self.connections.status())
-        return out
+        if self.connections is None:
+            return out
+        watched: WatchedGuardStatus = {**out, **self.connections.status()}
+        return watched

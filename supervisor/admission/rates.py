@@ -33,12 +33,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from shared.config import SupervisorConfig
 from shared.errors import AdmissionRate
 from shared.spec import TenantSpec
 
-__all__ = ["Admission", "TokenBucket"]
+__all__ = ["Admission", "AdmissionStatus", "TokenBucket"]
+
+
+class AdmissionStatus(TypedDict):
+    """Admission's counters in a status (fields of ``shared.records.SupervisorRecord``)."""
+
+    admission_refused: int
+    admission_refused_by: dict[str, int]
+    unauthenticated_rate_dropped: int
+
 
 #: peers whose unauthenticated buckets are remembered (least recently seen forgotten)
 MAX_PEERS = 4096
@@ -152,7 +162,7 @@ class Admission:
         for what in ("requests", "bytes"):
             self.refused.pop((tenant, what), None)
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> AdmissionStatus:
         refused: dict[str, int] = {}
         for (_, what), n in self.refused.items():
             refused[what] = refused.get(what, 0) + n

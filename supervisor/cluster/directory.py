@@ -24,9 +24,11 @@ Threads: Ray runs this actor's methods on a small thread pool
 ``_placing`` serialises placements (register, re-placement) so two of them
 never count the same free budget twice.
 
-Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
-results are dynamically typed; the directory's maps (status, placement, evict and scale results)
-are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
+Typing: Ray is untyped here (mypy follows no ray import), so an actor handle is ``Any`` (the
+one ``Any`` left here); what ``ray.get()`` returns is given its type where it lands (a node's
+:class:`~supervisor.cluster.node.NodeInfo`, the records). The directory's maps (status,
+placement, evict and scale results) are ``dict[str, object]``: JSON-shaped, handed to
+operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import (
     AlreadyRegistered,
@@ -48,10 +50,14 @@ from shared.errors import (
     TenantIsolationViolation,
     UnknownTenant,
 )
+from shared.checks import is_int
 from shared.log import get_logger, log_event
 from shared.records import EvictResult, StatusRecord, TenantRecord
 from shared.spec import TenantSpec
 from supervisor.cluster.placement import NodeBudget, choose_node, gpu_nodes, require_gpu_nodes
+
+if TYPE_CHECKING:
+    from supervisor.cluster.node import NodeInfo
 
 __all__ = ["NAMESPACE", "Directory", "unwrap_ray_error"]
 
@@ -75,8 +81,8 @@ def unwrap_ray_error(exc: BaseException) -> BaseException:
 
 @dataclass
 class _Node:
-    actor: Any
-    info: dict[str, Any]
+    actor: Any  # a Ray actor handle (ray is untyped here)
+    info: NodeInfo
     alive: bool = True
     misses: int = 0
     lost_reason: str = ""
@@ -84,7 +90,7 @@ class _Node:
 
 @dataclass
 class _Tenant:
-    spec: dict[str, Any]
+    spec: dict[str, object]
     node_id: str
     capability: bytes
     ticket_hash: bytes
@@ -95,13 +101,14 @@ class _Tenant:
 
     @property
     def gpu_cap(self) -> int:
-        return int(self.spec.get("gpu_memory_bytes_cap") or 0)
+        cap = self.spec.get("gpu_memory_bytes_cap")  # the spec as TenantSpec.to_dict wrote it: an int or None
+        return cap if is_int(cap) else 0
 
 
 class Directory:
     """The cluster's record and failure reactions (see the module docstring)."""
 
-    def __init__(self, name: str, config_doc: dict[str, Any], address: str, listen_host: str | None = None,
+    def __init__(self, name: str, config_doc: dict[str, object], address: str, listen_host: str | None = None,
                  ping_interval_s: float = 1.0, ping_timeout_s: float = 10.0, ping_misses: int = 3) -> None:
         self.name = name
         self.config_doc = config_doc
@@ -122,7 +129,7 @@ class Directory:
 
     # ------------------------------------------------------------ nodes
 
-    def deploy(self) -> dict[str, Any]:
+    def deploy(self) -> dict[str, object]:
         """Start a supervisor on every GPU node; the cluster's status. BackendUnavailable without any."""
         import ray
 
@@ -288,7 +295,7 @@ class Directory:
 
     # ---------------------------------------------------------- tenants
 
-    def register(self, spec: dict[str, Any], node: str | None = None) -> dict[str, Any]:
+    def register(self, spec: dict[str, object], node: str | None = None) -> dict[str, object]:
         """Place and register a tenant; its placement and the ticket (shown once)."""
         import ray
 
@@ -312,14 +319,14 @@ class Directory:
         log_event(_log, logging.INFO, "cluster.tenant_registered", tenant=tid, node=nid)
         return {**record, "ticket": ticket, "cluster": self.name}
 
-    def _placement(self, tid: str) -> dict[str, Any]:
+    def _placement(self, tid: str) -> dict[str, object]:
         t = self.tenants[tid]
         info = self.nodes[t.node_id].info
         return {"tenant_id": tid, "node_id": t.node_id, "endpoint": info["endpoint"],
                 "server_public_key": info["server_public_key"], "capability": t.capability,
                 "epoch": t.epoch, "state": t.state, "reason": t.reason}
 
-    def lookup(self, tenant_id: str, ticket: bytes) -> dict[str, Any]:
+    def lookup(self, tenant_id: str, ticket: bytes) -> dict[str, object]:
         """The tenant's current placement for the holder of its ticket."""
         with self._lock:
             t = self.tenants.get(tenant_id)
@@ -329,7 +336,7 @@ class Directory:
                 raise TenantIsolationViolation(tenant_id, "the cluster directory (wrong ticket)")
             return self._placement(tenant_id)
 
-    def evict(self, tenant_id: str) -> dict[str, Any]:
+    def evict(self, tenant_id: str) -> dict[str, object]:
         import ray
 
         with self._placing:
@@ -338,7 +345,7 @@ class Directory:
                 if t is None:
                     raise UnknownTenant(tenant_id)
                 node = self.nodes[t.node_id]
-            result: dict[str, Any] = {"evicted": tenant_id, "node_id": t.node_id}
+            result: dict[str, object] = {"evicted": tenant_id, "node_id": t.node_id}
             if node.alive and t.state == "running":
                 try:
                     evicted: EvictResult = ray.get(node.actor.evict.remote(tenant_id), timeout=CALL_TIMEOUT_S)
@@ -351,7 +358,7 @@ class Directory:
                 self.tenants.pop(tenant_id, None)
         return result
 
-    def scale(self, tenant_id: str, instances: int) -> dict[str, Any]:
+    def scale(self, tenant_id: str, instances: int) -> dict[str, object]:
         """Run ``instances`` worker processes for a placed tenant; a later re-placement keeps the count."""
         import ray
 
@@ -377,7 +384,7 @@ class Directory:
 
     # ----------------------------------------------------------- status
 
-    def status(self, live: bool = True) -> dict[str, Any]:
+    def status(self, live: bool = True) -> dict[str, object]:
         """``{"cluster", "nodes": [...], "tenants": [...]}``; ``live`` adds each node supervisor's own view."""
         import ray
 
@@ -420,7 +427,7 @@ class Directory:
                 })
         return {"cluster": self.name, "address": self.address, "nodes": nodes, "tenants": tenants}
 
-    def shutdown(self) -> dict[str, Any]:
+    def shutdown(self) -> dict[str, object]:
         """Stop the monitor and every node's supervisor (gracefully), then end the node actors."""
         import ray
 
@@ -430,7 +437,7 @@ class Directory:
         with self._lock:
             nodes = dict(self.nodes)
         refs = {nid: n.actor.stop.remote() for nid, n in nodes.items() if n.alive}
-        codes: dict[str, Any] = {}
+        codes: dict[str, object] = {}
         for nid, ref in refs.items():
             try:
                 codes[nid] = ray.get(ref, timeout=60.0)

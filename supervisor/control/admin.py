@@ -558,7 +558,7 @@ class AdminOps:
                 self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
         self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 
-    def _gpu_time_record(self, rt: TenantRuntime, snap: QuotaSnapshot) -> dict[str, Any]:
+    def _gpu_time_record(self, rt: TenantRuntime, snap: QuotaSnapshot) -> dict[str, object]:
         """What status and top show of the tenant's GPU time (docs/GPU-QUOTAS.md)."""
         gpu_ns = snap.gpu_time_ns
         share = self.gpu_share.share(rt.tenant_id, time.monotonic(), gpu_ns)

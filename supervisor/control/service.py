@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
 from collections.abc import Callable
 
 from shared.capability import RegistryAdminCapability
@@ -82,7 +81,7 @@ class ServiceOps:
 
     # ------------------------------------------------------------ start
 
-    def restore(self) -> dict[str, Any]:
+    def restore(self) -> dict[str, int]:
         """Bring back every stored tenant, then register the config file's new ones.
 
         A stored file tenant whose entry changed while the supervisor was down
@@ -134,7 +133,7 @@ class ServiceOps:
 
     # ------------------------------------------------------------ reload
 
-    def reload(self) -> dict[str, Any]:
+    def reload(self) -> dict[str, object]:
         """Apply the config file's difference; :class:`ConfigError` (nothing changed) when it cannot be."""
         path = self.config.config_file
         try:
@@ -320,7 +319,7 @@ class ServiceOps:
 
     # ------------------------------------------------------------ rotate-key
 
-    def rotate_key(self) -> dict[str, Any]:
+    def rotate_key(self) -> dict[str, object]:
         """A new registry key: stored first (a crash cannot bring the old one back), then swapped in."""
         key = RegistryKey.fresh()
         old = bytes.fromhex(self.registry.registry_id)
@@ -336,7 +335,7 @@ class ServiceOps:
         return {"admin_capability": new_admin.to_bytes(), "registry_id": self.registry.registry_id}
 
 
-def _settings_of(path: str | None) -> dict[str, Any]:
+def _settings_of(path: str | None) -> dict[str, object]:
     """The ``[supervisor]`` table of the config file as it is now (empty when there is none)."""
     if path is None:
         return {}
