@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import msgpack
 
-from shared.checks import is_int, is_number
+from shared.checks import is_int
 from shared.errors import InvalidArgument, ProtocolError
 from shared.kinds import WORKER_FAULT_KINDS
 from shared.spec import TenantSpec
@@ -49,15 +49,10 @@ __all__ = [
     "TENANT_OPS",
     "Arg",
     "OpSpec",
-    "arg_bool",
     "arg_int",
     "arg_map",
-    "arg_opt_bytes",
     "arg_opt_int",
-    "arg_opt_list",
     "arg_opt_map",
-    "arg_opt_number",
-    "arg_opt_str",
     "arg_str",
     "check_args",
     "decode_client_header",
@@ -316,14 +311,6 @@ def arg_str(args: Mapping[str, object], name: str) -> str:
     return value
 
 
-def arg_opt_str(args: Mapping[str, object], name: str) -> str | None:
-    """An optional ``str`` argument (absent or nil: None)."""
-    value = args.get(name)
-    if value is not None and not isinstance(value, str):
-        raise _wrong(name, "str or nil", value)
-    return value
-
-
 def arg_int(args: Mapping[str, object], name: str) -> int:
     """A required ``int`` argument (a bool is not one)."""
     value = args.get(name)
@@ -337,34 +324,6 @@ def arg_opt_int(args: Mapping[str, object], name: str) -> int | None:
     value = args.get(name)
     if value is not None and not is_int(value):
         raise _wrong(name, "int or nil", value)
-    return value
-
-
-def arg_opt_number(args: Mapping[str, object], name: str) -> float | None:
-    """An optional number (an int or a float, not a bool; absent or nil: None)."""
-    value = args.get(name)
-    if value is None:
-        return None
-    if not is_number(value):
-        raise _wrong(name, "int, float or nil", value)
-    return value
-
-
-def arg_bool(args: Mapping[str, object], name: str, default: bool = False) -> bool:
-    """A ``bool`` argument (absent or nil: ``default``)."""
-    value = args.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _wrong(name, "bool", value)
-    return value
-
-
-def arg_opt_bytes(args: Mapping[str, object], name: str) -> bytes | None:
-    """An optional ``bytes`` argument (absent or nil: None)."""
-    value = args.get(name)
-    if value is not None and not isinstance(value, bytes):
-        raise _wrong(name, "bin or nil", value)
     return value
 
 
@@ -385,16 +344,6 @@ def arg_opt_map(args: Mapping[str, object], name: str) -> dict[str, object] | No
         return None
     if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
         raise _wrong(name, "map", value)
-    return value
-
-
-def arg_opt_list(args: Mapping[str, object], name: str) -> list[object] | None:
-    """An optional array argument (absent or nil: None); its items are the caller's to narrow."""
-    value = args.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise _wrong(name, "array or nil", value)
     return value
 
 
