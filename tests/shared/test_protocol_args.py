@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import pytest
 
 from shared import protocol as proto
@@ -37,15 +39,16 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_argument(accessor: obje
 def test_every_declared_argument_check_args_accepts_reads_back() -> None:
     """The rows and the accessors agree: a value check_args accepts for a declared str/int argument
     is one the accessor returns (so the accessor's refusal is unreachable for it)."""
+    readers: dict[tuple[type, ...], tuple[object, Callable[[Mapping[str, object], str], object]]] = {
+        (str,): ("x", proto.arg_str), (int,): (1, proto.arg_int), (int, type(None)): (None, proto.arg_opt_int)}
+    seen = 0
     for spec in proto.OPS.values():
         for arg in spec.args:
-            if arg.types == (str,):
-                value: object = "x"
-                reader = proto.arg_str
-            elif arg.types == (int,) and arg.check is None:
-                value, reader = 1, proto.arg_int
-            else:
+            if arg.types not in readers or arg.check is not None:
                 continue
-            proto.check_args(spec.name, {**{a.name: 1 if a.types == (int,) else "x" for a in spec.args
-                                           if a.required and a.types in ((int,), (str,))}, arg.name: value})
+            value, reader = readers[arg.types]
+            proto.check_args(spec.name, {**{a.name: readers[a.types][0] for a in spec.args
+                                           if a.required and a.types in readers}, arg.name: value})
             assert reader({arg.name: value}, arg.name) == value
+            seen += 1
+    assert seen > 10
