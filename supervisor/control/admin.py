@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import fields
-from typing import Any, Protocol
+from typing import ParamSpec, Protocol
 from collections.abc import Callable
 
 import psutil
@@ -61,6 +61,7 @@ from shared.errors import (
     WorkerLost,
 )
 from shared.log import get_logger, log_event
+from shared.mps import MpsDecision
 from shared.quota import MAX_INSTANCES, QuotaSnapshot
 from shared.records import (
     HelloInfo,
@@ -74,7 +75,7 @@ from shared.spec import TenantSpec
 from supervisor.observe.events import EventBus
 from supervisor.admission.frontend import Frontend
 from supervisor.observe.gpu_share import SAMPLE_EVERY_S, GpuShareWindow
-from supervisor.runtime.loop import Loop
+from supervisor.runtime.loop import Loop, Timer
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
 from supervisor.store.registry import TenantRegistry
@@ -89,6 +90,8 @@ from supervisor.lifecycle.workerset import WorkerSet
 __all__ = ["AdminOps", "ServiceHooks"]
 
 _log = get_logger("supervisor")
+#: a state write and its arguments (AdminOps.write / record)
+W = ParamSpec("W")
 
 #: the WAL checkpoint runs this long after the last admin write: a burst of admin ops (a
 #: group of registrations) pays its fsyncs once, after its replies, not one per op
@@ -159,7 +162,7 @@ class AdminOps:
         self._unwritten: set[str] = set()
         self._written_r: int | None = None  # the writer thread's "done" pipe (made on first use)
         self._written_w: int | None = None
-        self._checkpoint_timer: Any = None
+        self._checkpoint_timer: Timer | None = None
         #: each tenant's GPU-time share over the last window (sampled by a loop timer)
         self.gpu_share = GpuShareWindow()
         loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
@@ -251,7 +254,7 @@ class AdminOps:
         wake_fd = self._written_w
         assert wake_fd is not None
 
-        def wake(_: Future[Any]) -> None:  # on the writer thread: only a byte down the pipe
+        def wake(_: Future[tuple[list[str], StateError | None]]) -> None:  # on the writer thread: only a byte down the pipe
             try:
                 os.write(wake_fd, b"\0")
             except OSError:
@@ -325,14 +328,14 @@ class AdminOps:
         """On the writer thread: the loop never waits for it (nor does a registration)."""
         self._checkpoint_timer = None
 
-        def done(future: Future[Any]) -> None:
+        def done(future: Future[None]) -> None:
             exc = future.exception()
             if exc is not None:  # the commits are durable in the WAL; only the fold-in failed
                 log_event(_log, logging.WARNING, "state.checkpoint_failed", error=str(exc))
 
         self.state.submit(self.state.checkpoint).add_done_callback(done)
 
-    def write(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    def write(self, write: Callable[W, None], *args: W.args, **kwargs: W.kwargs) -> None:
         """Write an admin change *before* it is applied: StateError (nothing applied) when it
         cannot be written. Registrations applied before it are written first."""
         self._settle_writes()
@@ -356,7 +359,7 @@ class AdminOps:
             rt.restoring = True
         self._check_registered(rt)
 
-    def _start_tenant(self, spec: TenantSpec, generation: int, device: int, isolation: Any, origin: str,
+    def _start_tenant(self, spec: TenantSpec, generation: int, device: int, isolation: MpsDecision, origin: str,
                       waiter: tuple[bytes | None, int | None, bytes] | None, *, start: bool = True) -> TenantRuntime:
         block = self.registry.block(self.admin_cap, spec.tenant_id)
         rt = TenantRuntime(spec, block, generation)
@@ -525,7 +528,7 @@ class AdminOps:
         rt.refresh_state()
         return self.tenant_record(rt)
 
-    def record(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    def record(self, write: Callable[W, None], *args: W.args, **kwargs: W.kwargs) -> None:
         """Write a change no client asked for that is already applied (a tenant marked failed, a
         failed registration undone). A failed write cannot undo it: it is logged and published
         (``state_error``) so the operator knows a restart would lose it."""

@@ -15,7 +15,7 @@ import sys
 import tomllib
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from shared.capability import TenantCapability, capability_to_text, read_capability_file, write_capability_file
 from shared.errors import RequestTimeout, SupervisorUnavailable
@@ -113,7 +113,7 @@ def _fraction_or_none(value: str) -> float | None:
 # ----------------------------------------------------------------- the tenant spec's flags
 
 #: register flag -> (TenantSpec field, argparse type, metavar, help)
-SPEC_FLAGS: tuple[tuple[str, str, Any, str, str], ...] = (
+SPEC_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] = (
     ("--memory-quota", "memory_quota_bytes", _size, "SIZE", "host memory quota, e.g. 2GiB (default 8GiB)"),
     ("--gpu-cap", "gpu_memory_bytes_cap", _size_or_none, "SIZE|none", "hard GPU byte cap (default none: counted, never refused)"),
     ("--pool-quota", "recorded_cuda_mem_pool_quota", _size_or_none, "SIZE|none",
@@ -150,7 +150,7 @@ def has_spec_flags(args: argparse.Namespace) -> bool:
         hasattr(args, dest) for dest in [d for _, d, _, _, _ in SPEC_FLAGS] + ["isolation", "restart"])
 
 
-def specs_from_file(path: str) -> list[dict[str, Any]]:
+def specs_from_file(path: str) -> list[dict[str, object]]:
     """Tenant tables from a TOML file: ``[[tenant]]`` tables, or the top level as one tenant table."""
     try:
         with open(path, "rb") as f:
@@ -170,7 +170,7 @@ def specs_from_file(path: str) -> list[dict[str, Any]]:
     return [dict(doc)]
 
 
-def _tenant_name(table: dict[str, Any]) -> str | None:
+def _tenant_name(table: dict[str, object]) -> str | None:
     name = table.get("tenant_id", table.get("name"))
     return None if name is None else str(name)
 
@@ -178,7 +178,7 @@ def _tenant_name(table: dict[str, Any]) -> str | None:
 def build_spec(args: argparse.Namespace) -> TenantSpec:
     """The spec from --file and/or the flags (flags win); ValueError/TypeError name what is wrong."""
     say_decimal_sizes(args)
-    base: dict[str, Any] = {}
+    base: dict[str, object] = {}
     tid = args.tenant
     if args.file:
         tables = specs_from_file(args.file)
@@ -231,7 +231,7 @@ def emit_capability(args: argparse.Namespace, tenant_id: str, cap: TenantCapabil
     if args.cap_out:
         write_capability_file(args.cap_out, cap)
     if args.json:
-        out: dict[str, Any] = {"tenant": tenant_id, "capability": None if args.cap_out else hex_cap,
+        out: dict[str, object] = {"tenant": tenant_id, "capability": None if args.cap_out else hex_cap,
                                "cap_file": args.cap_out}
         if applied is not None:
             out["limits"] = _applied_limits(applied)
@@ -246,7 +246,7 @@ def emit_capability(args: argparse.Namespace, tenant_id: str, cap: TenantCapabil
               file=sys.stdout if args.cap_out else sys.stderr)
 
 
-def _applied_limits(rec: TenantRecord) -> dict[str, Any]:
+def _applied_limits(rec: TenantRecord) -> dict[str, object]:
     """The limits a registered tenant runs with, from its status record (what the supervisor applied)."""
     keys = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota", "instances",
             "cuda_device_index", "isolation", "restart", "max_restarts", "restart_window_s", "max_in_flight",
