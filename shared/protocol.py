@@ -53,6 +53,7 @@ __all__ = [
     "arg_map",
     "arg_opt_int",
     "arg_opt_map",
+    "arg_opt_str",
     "arg_str",
     "check_args",
     "decode_client_header",
@@ -308,6 +309,14 @@ def arg_str(args: Mapping[str, object], name: str) -> str:
     value = args.get(name)
     if not isinstance(value, str):
         raise _wrong(name, "str", value)
+    return value
+
+
+def arg_opt_str(args: Mapping[str, object], name: str) -> str | None:
+    """An optional ``str`` argument (absent or nil: None)."""
+    value = args.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _wrong(name, "str or nil", value)
     return value
 
 

@@ -53,12 +53,13 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 from collections.abc import Callable
 
 import msgpack
 
 from shared.checks import is_int
+from shared.protocol import arg_int, arg_opt_int, arg_opt_str
 from shared.errors import InvalidArgument
 from shared.kinds import TENANT_EVENT_KINDS
 
@@ -233,23 +234,23 @@ class EventLog:
         return {"events": events, "next": seq - 1, "missed": missed, "more": seq <= self.last, "log": self.log_id}
 
 
-def _page_args(args: dict[str, Any]) -> tuple[int | None, int, frozenset[str] | None, str | None]:  # request args: typed by the op table's Arg rows (check_args)
+def _page_args(args: dict[str, object]) -> tuple[int | None, int, frozenset[str] | None, str | None]:
     """(after, max, kinds, log) of an ``events`` request, checked (the types are checked by the op table)."""
-    after = args.get("after")
+    after = arg_opt_int(args, "after")
     if after is not None and after < 0:
         raise InvalidArgument(f"events: after must be a sequence number >= 0 (or nil for now), not {after}")
-    limit = args.get("max", MAX_PAGE_EVENTS)
+    limit = arg_int(args, "max") if "max" in args else MAX_PAGE_EVENTS
     if limit < 1:
         raise InvalidArgument(f"events: max must be at least 1, not {limit}")
     raw_kinds = args.get("kinds")
     kinds = None
     if raw_kinds:
-        if len(raw_kinds) > MAX_KINDS or not all(isinstance(k, str) and 0 < len(k) <= MAX_KIND_CHARS
+        if not isinstance(raw_kinds, list) or len(raw_kinds) > MAX_KINDS or not all(isinstance(k, str) and 0 < len(k) <= MAX_KIND_CHARS
                                                  for k in raw_kinds):
             raise InvalidArgument(f"events: kinds must be at most {MAX_KINDS} event names "
                                   f"(strings of 1..{MAX_KIND_CHARS} characters)")
         kinds = frozenset(raw_kinds)
-    log = args.get("log")
+    log = arg_opt_str(args, "log")
     if log is not None and len(log) > 64:
         raise InvalidArgument("events: log must be the log id of an earlier reply (at most 64 characters)")
     return after, min(limit, MAX_PAGE_EVENTS), kinds, log

@@ -13,6 +13,8 @@ from shared.errors import InvalidArgument
 def test_accessors_return_what_check_args_let_through() -> None:
     args: dict[str, object] = {"tenant": "t", "instances": 3, "instance": None, "spec": {"name": "t"}}
     assert proto.arg_str(args, "tenant") == "t"
+    assert proto.arg_opt_str(args, "tenant") == "t"
+    assert proto.arg_opt_str(args, "missing") is None
     assert proto.arg_int(args, "instances") == 3
     assert proto.arg_opt_int(args, "instance") is None
     assert proto.arg_opt_int(args, "missing") is None
@@ -23,7 +25,7 @@ def test_accessors_return_what_check_args_let_through() -> None:
 
 
 @pytest.mark.parametrize(("accessor", "value"), [
-    (proto.arg_str, 1), (proto.arg_str, None), (proto.arg_str, b"t"),
+    (proto.arg_str, 1), (proto.arg_str, None), (proto.arg_str, b"t"), (proto.arg_opt_str, 1),
     (proto.arg_int, True), (proto.arg_int, 1.0), (proto.arg_int, None), (proto.arg_opt_int, False),
     (proto.arg_opt_int, "1"), (proto.arg_map, None), (proto.arg_map, [1]), (proto.arg_opt_map, {1: 2}),
     (proto.arg_opt_map, "x"),
@@ -40,7 +42,8 @@ def test_every_declared_argument_check_args_accepts_reads_back() -> None:
     """The rows and the accessors agree: a value check_args accepts for a declared str/int argument
     is one the accessor returns (so the accessor's refusal is unreachable for it)."""
     readers: dict[tuple[type, ...], tuple[object, Callable[[Mapping[str, object], str], object]]] = {
-        (str,): ("x", proto.arg_str), (int,): (1, proto.arg_int), (int, type(None)): (None, proto.arg_opt_int)}
+        (str,): ("x", proto.arg_str), (int,): (1, proto.arg_int), (int, type(None)): (None, proto.arg_opt_int),
+        (str, type(None)): (None, proto.arg_opt_str)}
     seen = 0
     for spec in proto.OPS.values():
         for arg in spec.args:
