@@ -29,12 +29,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from shared.sizes import format_size
 from supervisor.cli._common import non_negative_int, print_json, print_table
 
 if TYPE_CHECKING:
+    from supervisor.cluster.directory import ClusterStatus
     from supervisor.cluster.ray_cluster import RayCluster
 
 __all__ = ["add_parser", "render", "run"]
@@ -81,7 +82,7 @@ def gpus_cell(gpu_ids: list[str]) -> str:
     return f"{len(gpu_ids)} (id{'s' if len(gpu_ids) > 1 else ''} {','.join(gpu_ids)})"
 
 
-def render(status: dict[str, Any], out: TextIO | None = None) -> None:
+def render(status: ClusterStatus, out: TextIO | None = None) -> None:
     out = out or sys.stdout
     auth = status.get("ray_auth", "unknown")
     out.write(f"cluster {status.get('cluster')}  ray {status.get('address')}  ray auth {auth}\n")
@@ -144,11 +145,11 @@ def run(args: argparse.Namespace) -> int:
         return _report_up(args, cluster)
     cluster = RayCluster.connect(args.address, name=args.name)
     if action == "down":
-        result = cluster.shutdown()
+        stopped = cluster.shutdown()
         if args.json:
-            print_json(result)
+            print_json(stopped)
         else:
-            print(f"cluster {args.name!r} stopped: {len(result['stopped'])} node supervisor(s)")
+            print(f"cluster {args.name!r} stopped: {len(stopped['stopped'])} node supervisor(s)")
         return 0
     if action == "register":
         assert spec is not None
@@ -166,20 +167,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"{cc.tenant_id}: placed on node {cc.node_id[:12]} ({cc.endpoint})", file=sys.stderr)
         return 0
     if action == "evict":
-        result = cluster.evict(args.tenant)
+        evicted = cluster.evict(args.tenant)
         if args.json:
-            print_json(result)
+            print_json(evicted)
         else:
-            print(f"evicted {args.tenant} from node {str(result.get('node_id'))[:12]}")
+            print(f"evicted {args.tenant} from node {str(evicted.get('node_id'))[:12]}")
         return 0
     if action == "scale":
-        result = cluster.scale(args.tenant, args.count)
+        scaled = cluster.scale(args.tenant, args.count)
         if args.json:
-            print_json(result)
+            print_json(scaled)
         else:
-            pids = ",".join(str(p) for p in result.get("pids") or []) or "-"
-            print(f"{args.tenant}: {args.count} instance(s) on node {str(result['node_id'])[:12]}, state "
-                  f"{result.get('state')} (pids {pids})")
+            pids = ",".join(str(p) for p in scaled.get("pids") or []) or "-"
+            print(f"{args.tenant}: {args.count} instance(s) on node {str(scaled['node_id'])[:12]}, state "
+                  f"{scaled.get('state')} (pids {pids})")
         return 0
     status = cluster.status()
     if args.json:

@@ -26,9 +26,9 @@ never count the same free budget twice.
 
 Typing: Ray is untyped here (mypy follows no ray import), so an actor handle is ``Any`` (the
 one ``Any`` left here); what ``ray.get()`` returns is given its type where it lands (a node's
-:class:`~supervisor.cluster.node.NodeInfo`, the records). The directory's maps (status,
-placement, evict and scale results) are ``dict[str, object]``: JSON-shaped, handed to
-operators as they are (twt cluster, --json).
+:class:`~supervisor.cluster.node.NodeInfo`, the records). Its status and scale results are
+TypedDicts (:class:`ClusterStatus`, :class:`ScaleResult`); the placement, evict and shutdown
+maps are ``dict[str, object]``, handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from shared.errors import (
     AlreadyRegistered,
@@ -59,7 +59,64 @@ from supervisor.cluster.placement import NodeBudget, choose_node, gpu_nodes, req
 if TYPE_CHECKING:
     from supervisor.cluster.node import NodeInfo
 
-__all__ = ["NAMESPACE", "Directory", "unwrap_ray_error"]
+__all__ = ["NAMESPACE", "ClusterStatus", "Directory", "NodeRow", "ScaleResult", "TenantRow", "unwrap_ray_error"]
+
+
+class NodeRow(TypedDict):
+    """A node in the cluster's status."""
+
+    node_id: str
+    alive: bool
+    lost_reason: str
+    endpoint: str
+    server_public_key: str
+    supervisor_pid: int
+    gpu_ids: list[str]
+    cuda_visible_devices: str
+    backend: str | None
+    capacity_bytes: int
+    committed_bytes: int
+    run_dir: str
+    free_bytes: int
+    tenants: list[str]
+
+
+class TenantRow(TypedDict):
+    """A placed tenant in the cluster's status."""
+
+    tenant_id: str
+    node_id: str
+    endpoint: str
+    state: str  # its node's record of it (running, failed, ...), or its placement when none is at hand
+    placement: str  # running | relocating | lost
+    epoch: int
+    reason: str
+    # these three as TenantSpec.to_dict wrote them in the registered spec (the directory keeps that dict)
+    restart: object
+    gpu_memory_bytes_cap: object
+    instances: object
+    moves: list[str]
+    pids: list[int]
+
+
+class ScaleResult(TypedDict):
+    """``Directory.scale``: the tenant's instances as its node reports them."""
+
+    tenant_id: str
+    node_id: str
+    instances: int
+    state: str
+    pids: list[int]
+
+
+class ClusterStatus(TypedDict):
+    """``Directory.status``; ``RayCluster.status`` adds ``ray_auth``."""
+
+    cluster: str
+    address: str
+    nodes: list[NodeRow]
+    tenants: list[TenantRow]
+    ray_auth: NotRequired[str]
 
 _log = get_logger("supervisor.cluster")
 
@@ -129,7 +186,7 @@ class Directory:
 
     # ------------------------------------------------------------ nodes
 
-    def deploy(self) -> dict[str, object]:
+    def deploy(self) -> ClusterStatus:
         """Start a supervisor on every GPU node; the cluster's status. BackendUnavailable without any."""
         import ray
 
@@ -358,7 +415,7 @@ class Directory:
                 self.tenants.pop(tenant_id, None)
         return result
 
-    def scale(self, tenant_id: str, instances: int) -> dict[str, object]:
+    def scale(self, tenant_id: str, instances: int) -> ScaleResult:
         """Run ``instances`` worker processes for a placed tenant; a later re-placement keeps the count."""
         import ray
 
@@ -384,7 +441,7 @@ class Directory:
 
     # ----------------------------------------------------------- status
 
-    def status(self, live: bool = True) -> dict[str, object]:
+    def status(self, live: bool = True) -> ClusterStatus:
         """``{"cluster", "nodes": [...], "tenants": [...]}``; ``live`` adds each node supervisor's own view."""
         import ray
 
@@ -400,7 +457,7 @@ class Directory:
                     except Exception:  # noqa: BLE001 - a node dying right now: the monitor will see it
                         pass
         with self._lock:
-            nodes = []
+            nodes: list[NodeRow] = []
             for nid, n in sorted(self.nodes.items()):
                 mine = sorted(tid for tid, t in self.tenants.items() if t.node_id == nid and t.state == "running")
                 committed = sum(self.tenants[tid].gpu_cap for tid in mine)
@@ -413,7 +470,7 @@ class Directory:
                     "run_dir": n.info.get("run_dir"),
                     "free_bytes": n.info["capacity_bytes"] - committed, "tenants": mine,
                 })
-            tenants = []
+            tenants: list[TenantRow] = []
             for tid, t in sorted(self.tenants.items()):
                 node_rec = node_status.get(t.node_id)
                 live_rec = node_rec.tenant(tid) if node_rec is not None and t.state == "running" else None
@@ -427,7 +484,7 @@ class Directory:
                 })
         return {"cluster": self.name, "address": self.address, "nodes": nodes, "tenants": tenants}
 
-    def shutdown(self) -> dict[str, object]:
+    def shutdown(self) -> dict[str, dict[str, object]]:
         """Stop the monitor and every node's supervisor (gracefully), then end the node actors."""
         import ray
 
