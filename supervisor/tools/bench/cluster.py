@@ -14,9 +14,9 @@ existing cluster (``$RAY_ADDRESS``, a running ``ray start``) is left alone
 and named in one line. With ``--address`` that cluster is used, and a
 failure to join it says what was found there.
 
-Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
-results are dynamically typed; the directory's maps (status, placement, evict and scale results)
-are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
+Typing: Ray is untyped here (mypy follows no ray import), so the ``ray`` module, actor handles,
+object refs and ``ray.get()`` results are ``Any`` - the only ``Any`` in this module; a result
+is given its type where it lands.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import BackendUnavailable
 from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile
 from supervisor.store.rundir import temp_parent
+
+if TYPE_CHECKING:
+    from supervisor.cluster import RayCluster
 
 __all__ = ["main"]
 
@@ -127,7 +130,7 @@ def _check_reachable(address: str) -> None:
                                  "one)") from None
 
 
-def _measure(args: argparse.Namespace, ray: Any, cluster_cls: Any, local: bool, auth: str) -> int:
+def _measure(args: argparse.Namespace, ray: Any, cluster_cls: type[RayCluster], local: bool, auth: str) -> int:
     """The measurement, on the Ray this process joined."""
     report = Report("cluster")
     report.data["ray_auth"] = auth
