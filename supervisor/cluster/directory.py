@@ -24,8 +24,8 @@ Threads: Ray runs this actor's methods on a small thread pool
 ``_placing`` serialises placements (register, re-placement) so two of them
 never count the same free budget twice.
 
-Typing: Ray is untyped here (mypy follows no ray import), so an actor handle is ``Any`` (the
-one ``Any`` left here); what ``ray.get()`` returns is given its type where it lands (a node's
+Typing: Ray is untyped here (mypy follows no ray import), so an actor handle is dynamically
+typed (this module's only ``Any``); what ``ray.get()`` returns is given its type where it lands (a node's
 :class:`~supervisor.cluster.node.NodeInfo`, the records). Its status and scale results are
 TypedDicts (:class:`ClusterStatus`, :class:`ScaleResult`); the placement, evict and shutdown
 maps are ``dict[str, object]``, handed to operators as they are (twt cluster, --json).

@@ -15,8 +15,8 @@ and named in one line. With ``--address`` that cluster is used, and a
 failure to join it says what was found there.
 
 Typing: Ray is untyped here (mypy follows no ray import), so the ``ray`` module, actor handles,
-object refs and ``ray.get()`` results are ``Any`` - the only ``Any`` in this module; a result
-is given its type where it lands.
+object refs and ``ray.get()`` results are dynamically typed (this module's only ``Any``); a
+result is given its type where it lands.
 """
 
 from __future__ import annotations
