@@ -25,7 +25,7 @@ first). They are never reused within a run, so a double free is reported,
 and they mean nothing to any other run, tenant or worker.
 
 Typing: the caller an import receives is a wasmtime.Caller, or wasmtime's raw caller pointer on
-the unchecked import path (ctypes); it stays dynamically typed and is only handed to the memory span.
+the unchecked import path (ctypes); here it is an ``object``, only handed to the memory span.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from shared.errors import (
     GpuMemoryExhausted,
@@ -122,7 +122,7 @@ class NoGuestMemory(Exception):
 
 
 #: ``span(caller) -> (address, size)`` of the guest's linear memory at this moment
-MemorySpan = Callable[[Any], tuple[int, int]]
+MemorySpan = Callable[[object], tuple[int, int]]
 
 
 class LogLimiter:
