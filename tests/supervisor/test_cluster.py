@@ -38,6 +38,7 @@ from supervisor.client.api import SupervisorClient
 from supervisor.cluster.ray_cluster import DEFAULT_NAME
 from tests.helpers import hygiene
 from tests.helpers.cluster import wait_for
+from tests.helpers.fault_signals import kept_fault_handlers
 from tests.helpers.tmp import short_temp_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -71,7 +72,13 @@ def ray_head() -> Iterator[Any]:
     cluster = Cluster(initialize_head=True,
                       head_node_args={**_NODE, "num_gpus": 0, "include_dashboard": False})
     try:
-        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+        # wasmtime's trap handlers first, as when a WASM test ran earlier in this xdist worker (the
+        # order that crashed); then Ray's driver, which would take them over without kept_fault_handlers
+        import wasmtime
+
+        wasmtime.Engine()
+        with kept_fault_handlers():
+            ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
         yield cluster
     finally:
         ray.shutdown()
@@ -82,6 +89,21 @@ def ray_head() -> Iterator[Any]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_a_guest_trap_in_the_ray_driver_process_is_still_a_trap(ray_head: Any) -> None:
+    """Ray's driver is up in this process and wasmtime's trap handler still catches a guest's wild
+    store (without the fixture's kept_fault_handlers, this process dies of SIGSEGV here)."""
+    import wasmtime
+
+    engine = wasmtime.Engine()
+    store = wasmtime.Store(engine)
+    wat = '(module (memory 1) (func (export "f") (i32.store (i32.const 0x7ffffff0) (i32.const 1))))'
+    instance = wasmtime.Instance(store, wasmtime.Module(engine, wat), [])
+    f = instance.exports(store)["f"]
+    assert isinstance(f, wasmtime.Func)
+    with pytest.raises(wasmtime.Trap, match="out of bounds"):
+        f(store)
 
 
 @pytest.fixture(scope="module")

@@ -167,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     )))
     uss_idle = max(statistics.median(uss_pool), statistics.median(uss_bound))
     report.targets += [
-        Target("warm registration p50", statistics.median(warm), 2.0, higher_is_better=False, unit=" ms"),
-        Target("forkserver cold registration p50", statistics.median(fork_cold), 25.0, higher_is_better=False, unit=" ms"),
+        # Ratios against a baseline of the same run (the handbook's rule), not absolute times: the
+        # warm registration's goal is `twt bench registry`'s (its floor: 8 pings + 2 fsyncs of the
+        # state dir, since registrations are durable); forkserver's point is to skip a cold start's
+        # interpreter and imports, so its cold registration is measured against spawn's.
+        Target("forkserver cold registration p50 vs spawn cold registration p50",
+               statistics.median(fork_cold) / statistics.median(spawn_cold), 0.33, higher_is_better=False),
         Target("idle worker USS (spawn, median)", uss_idle / mb, 25.0, higher_is_better=False, unit=" MiB"),
         Target("ping p50 with 64 tenants vs 1 (median of per-round ratios)", ratio, 1.2, higher_is_better=False),
         Target(f"tenants served of {args.tenants}", float(served), float(args.tenants), unit=""),
