@@ -23,8 +23,8 @@ p50, at least 1/3 ms, so the first target is never below 1 ms):
 The flooder never waits for an answer: it sends without blocking and reads
 whatever comes back, so the supervisor, not the flooder, sets the pace.
 
-Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
-written here and read back by key to print and check them; their values stay dynamically typed.
+Typing: what a flooder process reports is a :class:`FloodResult`; the figures of each flood
+a ``dict[str, float]``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import os
 import time
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
-from typing import Any
+from typing import TypedDict
 
 import zmq
 
@@ -54,8 +54,17 @@ _FLOOR_US = 1000.0 / 3
 _WRITE_BYTES = 1 << 20
 
 
+class FloodResult(TypedDict):
+    """What a flooder process puts on its queue: requests sent, replies read, replies OK, for how long."""
+
+    sent: int
+    answered: int
+    ok: int
+    seconds: float
+
+
 def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle: int,
-           seconds: float, out: Queue[dict[str, object]], started: Event, nice: int = 0) -> None:
+           seconds: float, out: Queue[FloodResult], started: Event, nice: int = 0) -> None:
     """The flooding process: send ``kind`` as fast as the supervisor takes it, for ``seconds``."""
     if nice:
         os.nice(nice)
@@ -117,7 +126,7 @@ def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle:
 
 
 def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int, victim: zmq.Socket[bytes] | None,
-               header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], dict[str, Any]]:
+               header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], FloodResult]:
     """Flood with ``kind`` while the victim pings ``n`` times (none: the flooder alone)."""
     tcp = kind == "tcp-ping"
     endpoint = sup.info["listen"][0] if tcp else f"ipc://{sup.run_dir}/frontend.ipc"
@@ -131,7 +140,7 @@ def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int, victim
             raise RuntimeError(f"the {kind} flooder did not start")
         time.sleep(min(0.3, seconds / 4))  # let the flood fill the queues
         rtts = socket_rtts_us(victim, header, n) if victim is not None else []
-        result: dict[str, Any] = out.get(timeout=seconds + 60)
+        result: FloodResult = out.get(timeout=seconds + 60)
     finally:
         proc.join(10)
         if proc.exitcode is None:
@@ -158,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     rows: list[list[object]] = []
     targets: list[Target] = []
-    data: dict[str, Any] = {}
+    data: dict[str, dict[str, float]] = {}
     with launch(
         {"supervisor": {"pool_size": 0, "log_level": "error", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
         backend="stub",
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             base = max(q50, _FLOOR_US)
             rows.append(["quiet", q50, q99, "", ""])
             seconds = max(2.0, args.pings * 0.004)
-            solo: dict[str, Any] | None = None
+            solo: FloodResult | None = None
             if "ping" in kinds:
                 _, solo = _run_flood("ping", sup, flood_cap, handle, None, header, 0, 2.0, args.nice)
             for kind in kinds:
