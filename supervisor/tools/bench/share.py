@@ -25,8 +25,8 @@ memory, sampled by this process every few milliseconds.
 share per 1 s window of the 7:3 and 8-tenant phases. Exit status 0 when
 every target is met, 4 when one is missed, 2 for bad usage.
 
-Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
-written here and read back by key to print and check them; their values stay dynamically typed.
+Typing: each scenario's figures are a TypedDict (:class:`SplitResult`, ...), read back by key
+for the report, its targets and the plot.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
-from typing import Any
+from typing import TypedDict
 
 from shared.capability import TenantCapability
 from shared.quota import QuotaBlock
@@ -224,7 +224,57 @@ def _jain(values: Sequence[float]) -> float:
 # ----------------------------------------------------------------- phases
 
 
-def _solo_rounds(on: SupervisorHandle, off: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+# what each scenario returns: read back by main() for the report and its targets, and by _plot
+
+
+class SoloRounds(TypedDict):
+    rates: dict[str, list[float]]  # "on"/"off": GEMMs/s of each round
+    accounted_s: dict[str, list[float]]
+
+
+class SplitWindow(TypedDict):
+    t: float
+    work_share: float  # the weight-7 tenant's
+    time_share: float
+    device_busy: float
+
+
+class IdleResult(TypedDict):
+    rate_after_one_quantum: float
+
+
+class SplitResult(TypedDict):
+    solo_work_rate: float
+    solo_device_rate: float
+    solo_work_rates: list[float]
+    together_rates: list[float]
+    together_ratio: float
+    work: tuple[float, float]  # (weight 7, weight 3)
+    accounted_s: tuple[float, float]
+    together_rate: float
+    windows: list[SplitWindow]
+    idle: IdleResult
+    light_waits_s: list[float]
+
+
+class EightWindow(TypedDict):
+    t: float
+    time_shares: list[float]
+
+
+class EightResult(TypedDict):
+    work: list[float]
+    accounted_s: list[float]
+    windows: list[EightWindow]
+
+
+class CapResult(TypedDict):
+    device_share: float
+    work_rate: float
+    throttled: int
+
+
+def _solo_rounds(on: SupervisorHandle, off: SupervisorHandle, args: argparse.Namespace) -> SoloRounds:
     """The same tenant alone, rounds alternating between the supervisor with the scheduler on and off."""
     rates: dict[str, list[float]] = {"on": [], "off": []}
     acc: dict[str, list[float]] = {"on": [], "off": []}
@@ -250,7 +300,7 @@ def _solo_rounds(on: SupervisorHandle, off: SupervisorHandle, args: argparse.Nam
     return {"rates": rates, "accounted_s": acc}
 
 
-def _split(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
     """7:3 in rounds alternating with w7 alone (the "together" baseline under the same load), then the
     weight-3 tenant stops (idle), then a light tenant beside a hog, all on one supervisor."""
     phase = Phase(sup, args.n, args.reps)
@@ -273,7 +323,7 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
                               args.seconds / args.rounds, warm_s=0.5)
             segments.append((t0, t1))
             together.append((a.work_between(t0, t1) + b.work_between(t0, t1)) / (t1 - t0))
-        windows = []
+        windows: list[SplitWindow] = []
         for s0, s1 in segments:
             for w0, w1 in one_s_windows(s0, s1):
                 wa, wb = a.work_between(w0, w1), b.work_between(w0, w1)
@@ -318,7 +368,7 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
         phase.close()
 
 
-def _eight(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+def _eight(sup: SupervisorHandle, args: argparse.Namespace) -> EightResult:
     phase = Phase(sup, args.n, args.reps)
     try:
         ts = [phase.add(f"e{i}", instances=1) for i in range(8)]
@@ -328,7 +378,7 @@ def _eight(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
         t0, t1 = run_for(phase, [phase.gemm_loop(t, stop) for t in ts], stop, args.seconds, warm_s=3.0)
         work = [t.work_between(t0, t1) for t in ts]
         acc = [phase.accounted(t.name, t1) - phase.accounted(t.name, t0) for t in ts]
-        windows = []
+        windows: list[EightWindow] = []
         for w0, w1 in one_s_windows(t0, t1):
             got = [phase.accounted(t.name, w1) - phase.accounted(t.name, w0) for t in ts]
             total = sum(got) or 1.0
@@ -338,7 +388,7 @@ def _eight(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
         phase.close()
 
 
-def _cap(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+def _cap(sup: SupervisorHandle, args: argparse.Namespace) -> CapResult:
     phase = Phase(sup, args.n, args.reps)
     try:
         t = phase.add("capped", gpu_time_cap=0.25)
@@ -442,7 +492,7 @@ def _decision_costs(rounds: int = 2000) -> dict[str, float]:
 # ------------------------------------------------------------------ report
 
 
-def _plot(path: str, split: dict[str, Any], eight: dict[str, Any]) -> None:
+def _plot(path: str, split: SplitResult, eight: EightResult) -> None:
     try:
         import matplotlib
 
