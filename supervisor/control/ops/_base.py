@@ -35,7 +35,8 @@ from supervisor.runtime.tenants import TenantRuntime
 __all__ = ["AdminOp", "Args", "Connect", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp", "TenantOp", "WorkerOp"]
 
 #: an op's arguments as its handler reads them: decoded msgpack, each declared one's type checked
-#: by ``check_args`` against the wire row before the handler runs (the row is the precise type)
+#: by ``check_args`` against the wire row before the handler runs (the row is the precise type);
+#: a handler reads one through ``shared.protocol.arg_str`` / ``arg_int`` / ... which narrow it
 Args = Mapping[str, object]
 #: one admin op's handler, bound to its part: ``(client, rid, args)``, answering through the pending table (at once or later)
 OpHandler = Callable[[bytes, int, Args], None]
