@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, ClassVar, Self
+from typing import ClassVar, Self
 from collections.abc import Callable
 
 
@@ -35,7 +35,7 @@ class MappedSegment:
     _is_closed: bool
     _unlinked: bool
     _counters: tuple[_atomics.Counter | _atomics.ShareCounter, ...]
-    _finalizer: weakref.finalize[Any, Any] | None
+    _finalizer: weakref.finalize[[tuple[_atomics.Counter | _atomics.ShareCounter, ...], _shm.Segment], MappedSegment] | None
 
     def _map(self, segment: _shm.Segment, *, owner: bool) -> None:
         """Step 1 of ``__init__``: hold the mapping (counters are bound to ``self._buf`` next)."""

@@ -22,7 +22,7 @@ import mmap
 import os
 import sys
 from multiprocessing import shared_memory
-from typing import Any, Protocol
+from typing import Protocol
 
 __all__ = ["SHM_DIR", "Segment", "attach", "create", "list_segments", "unlink"]
 
@@ -52,7 +52,7 @@ class _Owned:
         # That check needs no descriptor of its own: CPython's mmap keeps a duplicate of the
         # segment's fd, and ``mmap.size()`` is an fstat of it - one fd per segment either way.
         fd = getattr(shm, "_fd", -1)
-        self._sized: Any = getattr(shm, "_mmap", None) if keep_fd else None
+        self._sized: mmap.mmap | None = getattr(shm, "_mmap", None) if keep_fd else None
         if isinstance(fd, int) and fd >= 0:
             os.close(fd)
             shm._fd = -1  # type: ignore[attr-defined]

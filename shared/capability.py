@@ -27,7 +27,7 @@ import hmac
 import os
 import string
 import struct
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from shared.errors import TenantIsolationViolation
 
@@ -56,16 +56,20 @@ T = TypeVar("T", bound="Capability")
 
 
 class _NoPublicConstructor(type):
-    """Metaclass: ``Cls(...)`` raises; the module mints with ``Cls._create(...)``."""
+    """Metaclass: ``Cls(...)`` raises; the module mints with ``_construct(Cls, ...)``."""
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __call__(cls, *args: object, **kwargs: object) -> object:
         raise TypeError(
             f"{cls.__module__}.{cls.__qualname__} has no public constructor: "
             "capabilities are minted by a TenantRegistry (or parsed with from_bytes)"
         )
 
-    def _create(cls, *args: Any, **kwargs: Any) -> Any:
-        return super().__call__(*args, **kwargs)
+
+
+def _construct(cls: type[T], *args: object) -> T:
+    """A new ``cls``: ``type.__call__`` skips the metaclass's refusing ``__call__``."""
+    made: T = type.__call__(cls, *args)
+    return made
 
 
 def _refuse(detail: str, reason: str = "malformed") -> TenantIsolationViolation:
@@ -91,7 +95,7 @@ class Capability(metaclass=_NoPublicConstructor):
         object.__setattr__(self, "_tenant_id", tenant_id)
         object.__setattr__(self, "_body_len", len(raw) - MAC_BYTES)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
     def __delattr__(self, name: str) -> None:
@@ -127,7 +131,7 @@ class Capability(metaclass=_NoPublicConstructor):
     def __hash__(self) -> int:
         return hash(self._raw)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (capability_from_bytes, (self._raw,))
 
     def __repr__(self) -> str:
@@ -182,8 +186,9 @@ def capability_from_bytes(data: bytes) -> RegistryAdminCapability | TenantCapabi
         tenant = raw[_FIXED.size : _FIXED.size + n].decode("ascii")
     except UnicodeDecodeError:
         raise _refuse("tenant id is not ascii") from None
-    cap: RegistryAdminCapability | TenantCapability = cls._create(raw, registry_id, generation, tenant)
-    return cap
+    if cls is RegistryAdminCapability:
+        return _construct(RegistryAdminCapability, raw, registry_id, generation, tenant)
+    return _construct(TenantCapability, raw, registry_id, generation, tenant)
 
 
 def mint(
@@ -193,8 +198,7 @@ def mint(
     tenant = tenant_id.encode("ascii")
     body = _FIXED.pack(CAPABILITY_VERSION, cls.KIND, registry_id, generation, len(tenant)) + tenant
     raw = body + hmac.digest(secret, body, "sha256")
-    cap: T = cls._create(raw, registry_id, generation, tenant_id)
-    return cap
+    return _construct(cls, raw, registry_id, generation, tenant_id)
 
 
 def mac_ok(cap: Capability, secret: bytes) -> bool:

@@ -25,9 +25,10 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-from collections.abc import Mapping
+from typing import Literal
+from collections.abc import Callable, Iterable, Mapping
 
+from shared.checks import is_int, is_number
 from shared.errors import ConfigError
 from shared.sizes import parse_size
 from shared.spec import TenantSpec
@@ -137,6 +138,11 @@ class SupervisorConfig:
     #: scheduled at all (false: the device is only serialised and time still accounted)
     gpu_time_quantum_s: float = 0.01
     gpu_time_scheduler: bool = True
+    #: tenants registered at once, and tenant instances (worker processes) of all tenants at once:
+    #: a registration or scale past either is refused (CapacityExhausted); each device's GPU-time
+    #: board is sized from them at start
+    max_tenants: int = 1024
+    max_workers: int = 4096
     tenants: tuple[TenantSpec, ...] = ()
     #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`
     config_file: str | None = None
@@ -198,6 +204,8 @@ class SupervisorConfig:
         s(self, "gpu_time_quantum_s", _pos(self.gpu_time_quantum_s, "gpu_time_quantum_s"))
         if not 0.0001 <= self.gpu_time_quantum_s <= 1.0:
             raise ValueError(f"gpu_time_quantum_s must be in 0.0001..1 s; got {self.gpu_time_quantum_s!r}")
+        _int(self.max_tenants, "max_tenants", 1, 65_536)
+        _int(self.max_workers, "max_workers", 1, 131_072)
         s(self, "gpu_time_scheduler", _bool(self.gpu_time_scheduler, "gpu_time_scheduler"))
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
@@ -218,14 +226,24 @@ class SupervisorConfig:
     def endpoint(self, name: str) -> str:
         return "ipc://" + self.path(f"{name}.ipc")
 
-    def replace(self, **changes: Any) -> SupervisorConfig:
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes: object) -> SupervisorConfig:
+        values: dict[str, object] = {name: getattr(self, name) for name in self.field_names()}
+        values.update(changes)
+        return SupervisorConfig.checked(values)
+
+    @classmethod
+    def checked(cls, fields: Mapping[str, object]) -> SupervisorConfig:
+        """``SupervisorConfig(**fields)`` for values of types not known yet (a parsed file, the
+        environment, flags): ``__post_init__`` checks every field's type and range
+        (``TypeError``/``ValueError``), so the constructor is the checker, called as a plain callable."""
+        make: Callable[..., SupervisorConfig] = cls
+        return make(**fields)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         out = {f: getattr(self, f) for f in self.field_names() if f not in ("tenants", "config_file")}
         out["devices"] = list(self.devices) if isinstance(self.devices, tuple) else self.devices
         out["listen"] = list(self.listen)
@@ -233,23 +251,23 @@ class SupervisorConfig:
         return out
 
 
-def _choice(value: Any, choices: tuple[str, ...], name: str) -> None:
+def _choice(value: object, choices: tuple[str, ...], name: str) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _int(value: Any, name: str, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+def _int(value: object, name: str, lo: int, hi: int) -> None:
+    if not is_int(value) or not lo <= value <= hi:
         raise ValueError(f"{name} must be an int in {lo}..{hi}; got {value!r}")
 
 
-def _pos(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+def _pos(value: object, name: str) -> float:
+    if not is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number; got {value!r}")
     return float(value)
 
 
-def _devices(value: Any) -> tuple[int, ...] | str:
+def _devices(value: object) -> tuple[int, ...] | str:
     if value == "all":
         return "all"
     if isinstance(value, str):
@@ -270,7 +288,7 @@ def _devices(value: Any) -> tuple[int, ...] | str:
     raise ValueError(f"devices must be 'all' or a list of device indexes; got {value!r}")
 
 
-def _listen(value: Any) -> tuple[str, ...]:
+def _listen(value: object) -> tuple[str, ...]:
     """``listen``: TCP endpoints ``tcp://HOST:PORT`` (a list, or one comma-separated string)."""
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
@@ -285,7 +303,7 @@ def _listen(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def _bool(value: Any, name: str) -> bool:
+def _bool(value: object, name: str) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -336,8 +354,11 @@ _ENV_FIELDS = (
     "unauthenticated_requests_per_s",
     "gpu_time_quantum_s",
     "gpu_time_scheduler",
+    "max_tenants",
+    "max_workers",
 )
-_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source"}
+_INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
+               "max_tenants", "max_workers"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s",
                  "tcp_handshake_timeout_s", "tenant_requests_per_s", "unauthenticated_requests_per_s",
                  "gpu_time_quantum_s"}
@@ -362,8 +383,8 @@ def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
     return out
 
 
-def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _from_env(environ: Mapping[str, str]) -> dict[str, object]:
+    out: dict[str, object] = {}
     problems: list[str] = []
     for name in _ENV_FIELDS:
         raw = environ.get(ENV_PREFIX + name.upper())
@@ -383,7 +404,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, object]:
     """Parse a TOML (or JSON, for ``launch()``) config file into flat supervisor fields + tenants."""
     p = Path(path)
     try:
@@ -416,14 +437,14 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 MAX_CONFIG_DEPTH = 32
 
 
-def _nesting_depth(doc: Any) -> int:
+def _nesting_depth(doc: object) -> int:
     """How deeply lists and tables nest in ``doc`` (iterative: no recursion to exhaust)."""
     deepest = 0
-    stack: list[tuple[Any, int]] = [(doc, 1)]
+    stack: list[tuple[object, int]] = [(doc, 1)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, Mapping):
-            children: Any = node.values()
+            children: Iterable[object] = node.values()
         elif isinstance(node, list):
             children = node
         else:
@@ -435,7 +456,7 @@ def _nesting_depth(doc: Any) -> int:
     return deepest
 
 
-def config_dict_to_fields(doc: Mapping[str, Any], where: str = "config") -> dict[str, Any]:
+def config_dict_to_fields(doc: Mapping[str, object], where: str = "config") -> dict[str, object]:
     """Flat supervisor fields + tenants from a parsed document; every mistake is reported at once."""
     if not isinstance(doc, Mapping):
         raise ConfigError.listing(where, ["the top level must be a table"])
@@ -473,24 +494,32 @@ def config_dict_to_fields(doc: Mapping[str, Any], where: str = "config") -> dict
     return fields
 
 
-def _field_problems(fields: Mapping[str, Any]) -> list[str]:
+def tenants_of(fields: Mapping[str, object]) -> tuple[TenantSpec, ...]:
+    """The tenant specs in fields from :func:`config_dict_to_fields` (a tuple of specs under ``tenants``)."""
+    specs = fields.get("tenants", ())
+    if not isinstance(specs, tuple) or not all(isinstance(spec, TenantSpec) for spec in specs):
+        raise TypeError(f"tenants must be a tuple of TenantSpec, not {type(specs).__name__}")
+    return specs
+
+
+def _field_problems(fields: Mapping[str, object]) -> list[str]:
     """Each supervisor field checked on its own (the defaults are valid), so one bad value hides no other."""
     problems = []
     for key, value in fields.items():
         try:
-            SupervisorConfig(**{key: value})
+            SupervisorConfig.checked({key: value})
         except (TypeError, ValueError) as exc:
             problems.append(str(exc))
     return problems
 
 
-def _tenant_problems(table: Any) -> tuple[TenantSpec | None, list[str]]:
+def _tenant_problems(table: object) -> tuple[TenantSpec | None, list[str]]:
     """One tenant table: the spec, or every field's mistake."""
+    if not isinstance(table, Mapping):
+        return None, [f"tenant spec must be a table/dict, not {type(table).__name__}"]
     try:
         return TenantSpec.from_dict(table), []
     except (TypeError, ValueError) as first:
-        if not isinstance(table, Mapping):
-            return None, [str(first)]
         values = dict(table)
         tid = values.pop("name", None) or values.pop("tenant_id", None)
         values.pop("tenant_id", None)
@@ -521,13 +550,13 @@ def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, object] | None = None,
 ) -> SupervisorConfig:
     """Defaults < file < ``TWT_*`` environment < ``overrides`` (flags). Raises ValueError."""
-    fields: dict[str, Any] = {}
+    fields: dict[str, object] = {}
     if path is not None:
         fields.update(read_config_file(path))
         fields["config_file"] = os.fspath(path)
     fields.update(_from_env(os.environ if environ is None else environ))
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return SupervisorConfig(**fields)
+    return SupervisorConfig.checked(fields)

@@ -34,11 +34,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Final
+from typing import Final
 from collections.abc import Callable
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
+from shared.checks import is_int
 from shared.errors import GpuMemoryExhausted, SegmentError
 from shared.log import get_logger, log_event
 from shared.quota import (
@@ -93,8 +94,8 @@ def _claimed_slots(buf: memoryview) -> list[int]:
         words.release()
 
 
-def _amount(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _amount(value: object, what: str) -> int:
+    if not is_int(value):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     if not 0 <= value <= MAX_SIZE:
         raise ValueError(f"{what} must be in 0..2**63-1, got {value}")
@@ -118,7 +119,7 @@ class DeviceBudgetSnapshot:
     #: (slot, owner pid, bytes) of every claimed slot
     holders: tuple[tuple[int, int, int], ...]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["holders"] = [list(h) for h in self.holders]
         return d

@@ -9,7 +9,6 @@ only the child process imports it.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 __all__ = ["EntryPoint"]
 
@@ -25,11 +24,11 @@ class EntryPoint:
             raise ValueError(f"entry point must be 'module:function', got {spec!r}")
         self.spec = spec
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         module, _, attr = self.spec.partition(":")
         return getattr(importlib.import_module(module), attr)(*args, **kwargs)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (EntryPoint, (self.spec,))
 
     def __repr__(self) -> str:

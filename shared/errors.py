@@ -38,7 +38,12 @@ metaclass tells mypy the same, so constructor calls stay type-checked::
     +-- KernelTimeout                deadline exceeded                   retryable (TimeoutError)
     +-- WorkerLost                   the worker died with the request    retryable
     |   +-- NodeLost                 its whole node (cluster) was lost   retryable
-    +-- Overloaded                   too many requests in flight         retryable
+    +-- Overloaded                   a supervisor limit, for now         retryable
+    |   +-- InFlightLimit            max_in_flight                       (cause "in_flight")
+    |   +-- WorkerQueueFull          the worker instance's queue         (cause "worker_queue")
+    |   +-- HeldBytesLimit           bytes held for tenants              (cause "held_bytes")
+    |   +-- ClientRepliesQueued      a client not reading its replies    (cause "client_replies")
+    |   +-- AdmissionRate            requests or bytes per second        (cause "rate")
     +-- ProtocolError                malformed or schema-violating frame (ValueError)
     +-- InvalidArgument              well-formed request, bad argument   (ValueError)
     +-- BackendUnavailable           requested backend cannot be used
@@ -65,23 +70,29 @@ from __future__ import annotations
 import inspect
 import keyword
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Final, Self, dataclass_transform, overload
+from typing import ClassVar, Final, Self, TypeVar, cast, dataclass_transform, overload
 
 __all__ = [
+    "AdmissionRate",
     "AlreadyRegistered",
     "BackendUnavailable",
     "BufferLost",
     "CapabilityFromForeignRegistry",
     "CapabilityRevoked",
+    "CapacityExhausted",
+    "ClientRepliesQueued",
     "ConfigError",
     "CudaError",
     "GpuMemoryExhausted",
     "HandshakeFailed",
+    "HeldBytesLimit",
     "ISOLATION_REASONS",
+    "InFlightLimit",
     "InvalidArgument",
     "KernelTimeout",
     "MemoryExhausted",
     "NodeLost",
+    "OVERLOADED_CAUSES",
     "Overloaded",
     "ProtocolError",
     "RegistryError",
@@ -100,6 +111,7 @@ __all__ = [
     "WasmCompile",
     "WasmTrap",
     "WorkerLost",
+    "WorkerQueueFull",
     "error_class_for_code",
     "error_from_dict",
 ]
@@ -112,7 +124,10 @@ _SCALARS = (str, int, float, bool, type(None))
 # ------------------------------------------------------------ the machinery
 
 
-def _keyword_only(*, default: Any, kw_only: bool) -> Any:
+_T = TypeVar("_T")
+
+
+def _keyword_only(*, default: _T, kw_only: bool) -> _T:
     """Field specifier (PEP 681) for the one keyword-only parameter, ``message``."""
     del kw_only  # read by type checkers only
     return default
@@ -127,10 +142,10 @@ class _Message:
     """
 
     @overload
-    def __get__(self, obj: None, owner: type[Any]) -> Self: ...
+    def __get__(self, obj: None, owner: type[object]) -> Self: ...
     @overload
-    def __get__(self, obj: TensorWasmError, owner: type[Any]) -> str: ...
-    def __get__(self, obj: TensorWasmError | None, owner: type[Any]) -> str | Self:
+    def __get__(self, obj: TensorWasmError, owner: type[object]) -> str: ...
+    def __get__(self, obj: TensorWasmError | None, owner: type[object]) -> str | Self:
         if obj is None:
             return self
         text: str = obj.__dict__["message"]
@@ -151,16 +166,16 @@ class _ErrorType(type):
 
 
 #: the default of a field that has none (a required constructor parameter)
-_REQUIRED: Any = object()
+_REQUIRED: Final = object()
 
 
-def _declared_fields(cls: type) -> dict[str, tuple[Any, Any]]:
+def _declared_fields(cls: type) -> dict[str, tuple[object, object]]:
     """The fields ``cls`` itself declares (annotated, not ``ClassVar``): name -> (annotation, default).
 
     Every other annotated name is a field to a type checker too, so one that
     cannot be a public constructor parameter is refused here, not skipped.
     """
-    own: dict[str, tuple[Any, Any]] = {}
+    own: dict[str, tuple[object, object]] = {}
     for name, annotation in inspect.get_annotations(cls).items():
         text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
         if text.startswith(("ClassVar", "typing.ClassVar")) or name == "message":
@@ -171,7 +186,7 @@ def _declared_fields(cls: type) -> dict[str, tuple[Any, Any]]:
     return own
 
 
-def _make_init(cls: type[TensorWasmError], fields: Mapping[str, tuple[Any, Any]]) -> Callable[..., None]:
+def _make_init(cls: type[TensorWasmError], fields: Mapping[str, tuple[object, object]]) -> Callable[..., None]:
     """The constructor a dataclass would get: ``(self, *fields, message=None)``.
 
     Written as source and compiled once per class, as ``dataclasses`` and
@@ -185,12 +200,12 @@ def _make_init(cls: type[TensorWasmError], fields: Mapping[str, tuple[Any, Any]]
     params.append("*, message=None")
     body = "".join(f"    self.{name} = {name}\n" for name in fields)
     source = f"def __init__(self, {', '.join(params)}):\n{body}    _root_init(self, message)\n"
-    namespace: dict[str, Any] = {"_defaults": defaults, "_root_init": TensorWasmError.__init__}
+    namespace: dict[str, object] = {"_defaults": defaults, "_root_init": TensorWasmError.__init__}
     try:
         exec(source, namespace)
     except SyntaxError as exc:  # a required field after one with a default
         raise TypeError(f"{cls.__name__}: {exc.msg}") from None
-    init: Callable[..., None] = namespace["__init__"]
+    init = cast("Callable[..., None]", namespace["__init__"])
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
     init.__annotations__ = {name: annotation for name, (annotation, _) in fields.items()}
@@ -218,7 +233,7 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
     _template: ClassVar[str] = ""
     message: _Message = _keyword_only(default=_Message(), kw_only=True)
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         code = cls.__dict__.get("code")
         if code is not None:
@@ -228,7 +243,7 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
         own = _declared_fields(cls)
         if not own:
             return  # the constructor and fields of its base serve
-        fields: dict[str, tuple[Any, Any]] = {}
+        fields: dict[str, tuple[object, object]] = {}
         for base in reversed(cls.__mro__[1:]):  # dataclass order: a redeclared field keeps its place
             if issubclass(base, TensorWasmError) and base is not TensorWasmError:
                 fields.update(_declared_fields(base))
@@ -247,22 +262,28 @@ class TensorWasmError(Exception, metaclass=_ErrorType):
             return self._template.format_map(vars(self))  # the fields, set by now
         return self.__class__.__doc__.strip().splitlines()[0] if self.__class__.__doc__ else self.code
 
+    @classmethod
+    def _variant(cls, fields: Mapping[str, object]) -> type[TensorWasmError]:
+        """The class to rebuild a wire record of this code as (a cause's subclass, see :class:`Overloaded`)."""
+        del fields
+        return cls
+
     def is_retryable(self) -> bool:
         """True when the same request may succeed later without any change."""
         return self.retryable
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> dict[str, object]:
         """The typed fields of this error (the constructor's parameters)."""
         return {name: getattr(self, name) for name in self._fields}
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A plain, msgpack-able dict: ``{"code", "message", "fields"}``."""
         fields = {}
         for name, value in self.fields().items():
             fields[name] = value if isinstance(value, _SCALARS) else str(value)
         return {"code": self.code, "message": self.message, "fields": fields}
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         # Exceptions with keyword-only constructors do not pickle by default.
         return (error_from_dict, (self.to_dict(),))
 
@@ -461,18 +482,121 @@ class NodeLost(WorkerLost):
 
 
 class Overloaded(TensorWasmError):
-    """The tenant already has ``limit`` requests in flight, or sent more requests or
-    bytes per second than its admission allows; retry after one completes, or after
-    ``retry_after_s`` seconds when that is set (a rate refusal)."""
+    """A limit of the supervisor refused the request for now; retry after one of the tenant's
+    requests completes, or after ``retry_after_s`` seconds when that is set.
+
+    ``cause`` names the limit, and each cause is a subclass with its own fields (the
+    numbers of that limit): :class:`InFlightLimit` (``max_in_flight``),
+    :class:`WorkerQueueFull`, :class:`HeldBytesLimit`, :class:`ClientRepliesQueued`,
+    :class:`AdmissionRate`. All travel as the one wire code ``overloaded``:
+    ``tenant_id``, ``in_flight`` (the tenant's requests in flight and parked) and
+    ``limit`` (its ``max_in_flight``) are real in every cause, so a client that knows
+    only this class reads the same fields as before; ``cause`` picks the subclass.
+    """
 
     code = "overloaded"
     retryable = True
     _template = ("tenant {tenant_id!r} overloaded: {in_flight} requests in flight "
                  "(max_in_flight={limit}); retry later")
+    #: cause -> its subclass (written by ``__init_subclass__``; error_from_dict rebuilds by it)
+    _causes: ClassVar[dict[str, type[Overloaded]]] = {}
     tenant_id: str
     in_flight: int
     limit: int
     retry_after_s: float | None = None
+    #: which limit refused it: one of OVERLOADED_CAUSES, each a subclass; "" (an older supervisor,
+    #: which sent no cause) or a cause this side does not know: this class
+    cause: str = ""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cause = cls.__dict__.get("cause")
+        if isinstance(cause, str):
+            Overloaded._causes[cause] = cls
+
+    @classmethod
+    def _variant(cls, fields: Mapping[str, object]) -> type[TensorWasmError]:
+        cause = fields.get("cause")
+        return Overloaded._causes.get(cause, cls) if cls is Overloaded and isinstance(cause, str) else cls
+
+
+class InFlightLimit(Overloaded):
+    """The tenant already has ``limit`` (its ``max_in_flight``) requests in flight or parked."""
+
+    cause: str = "in_flight"
+
+
+class WorkerQueueFull(Overloaded):
+    """The queue to the chosen worker instance is full: ``queued`` requests are in flight on it
+    (the supervisor never queues without bound); retry once one completes."""
+
+    _template = ("tenant {tenant_id!r} overloaded: the queue of instance {instance} is full "
+                 "({queued} requests in flight on it); retry later")
+    cause: str = "worker_queue"
+    instance: int = 0
+    queued: int = 0
+
+
+class HeldBytesLimit(Overloaded):
+    """The bytes the supervisor holds for tenants (queued replies, parked requests, stored modules)
+    would pass a budget: ``held`` of ``budget`` B for ``scope`` ("tenant": this tenant's
+    ``max_tenant_held_bytes``, "total": all tenants' ``max_held_bytes``), ``requested`` B more asked."""
+
+    cause: str = "held_bytes"
+    scope: str = "tenant"
+    held: int = 0
+    requested: int = 0
+    budget: int = 0
+
+    def _default_message(self) -> str:
+        whose = "all tenants together" if self.scope == "total" else "this tenant"
+        return (f"the supervisor already holds {self.held:,} B for {whose} (queued replies, parked requests, "
+                f"stored modules); {self.requested:,} B more would pass the {self.budget:,} B limit: "
+                "read your replies, or retry later")
+
+
+class ClientRepliesQueued(Overloaded):
+    """``queued`` B of big replies to this client are still waiting to be read, past
+    ``budget`` (``max_client_reply_bytes``); read them, then retry."""
+
+    _template = ("{queued:,} B of replies to this client are still queued (it is not reading them); "
+                 "limit max_client_reply_bytes={budget:,}")
+    cause: str = "client_replies"
+    queued: int = 0
+    budget: int = 0
+
+
+class AdmissionRate(Overloaded):
+    """The tenant sent more ``what`` ("requests" or "bytes") per second than its admission
+    allows (``rate``: its ``requests_per_s`` or ``bytes_per_s``); retry after ``retry_after_s``."""
+
+    cause: str = "rate"
+    what: str = "requests"
+    rate: float = 0.0
+
+    def _default_message(self) -> str:
+        after = "later" if self.retry_after_s is None else f"after {self.retry_after_s:.3g} s"
+        return f"tenant {self.tenant_id!r} sent more than its {self.rate:,.0f} {self.what} per second " \
+               f"({self.what}_per_s); retry {after}"
+
+
+#: every cause of :class:`Overloaded`, in the order of the checks a request passes
+OVERLOADED_CAUSES: Final = ("rate", "in_flight", "held_bytes", "client_replies", "worker_queue")
+
+
+class CapacityExhausted(TensorWasmError):
+    """The supervisor already holds as many tenants (``what="tenants"``, the ``max_tenants``
+    setting) or tenant instances (``what="workers"``, ``max_workers``) as its config allows;
+    nothing was registered or scaled. Evict a tenant, or raise the setting (a restart)."""
+
+    code = "capacity_exhausted"
+    _template = ("supervisor full: {in_use} {what} of at most {limit}, {wanted} more wanted ({setting}); "
+                 "evict a tenant or raise {setting}")
+    what: str
+    in_use: int
+    wanted: int
+    limit: int
+    setting: str
 
 
 class ProtocolError(TensorWasmError, ValueError):
@@ -710,7 +834,7 @@ def error_class_for_code(code: str) -> type[TensorWasmError]:
     return _BY_CODE.get(code, TensorWasmError)
 
 
-def error_from_dict(data: Mapping[str, Any]) -> TensorWasmError:
+def error_from_dict(data: object) -> TensorWasmError:
     """Rebuild an error from :meth:`TensorWasmError.to_dict` output.
 
     Untrusted input never raises here: a dict that does not fit its class's
@@ -728,6 +852,7 @@ def error_from_dict(data: Mapping[str, Any]) -> TensorWasmError:
     cls = error_class_for_code(code)
     if cls is TensorWasmError:
         return TensorWasmError(message or f"unknown error code {code!r}")
+    cls = cls._variant(fields)
     try:
         kwargs = {name: fields[name] for name in cls._fields if name in fields}
         return cls(**kwargs, message=message)

@@ -52,11 +52,18 @@ running when the device passes to it.
 Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label)::
 
     line 2        control  owner | grant ns | vclock | waiting | grants | steals | handoffs | workers high
-    line 3        config   device | quantum ns | mode (1 on, 0 off) | tenants | workers | last chunk end ns |
-                           wake sequence
+    line 3        config   device | quantum ns | mode (1 on, 0 off) | tenant slots T | worker slots W |
+                           last chunk end ns | wake sequence | tenants high (max slot ever used + 1)
     line 4+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
                            credit stamp ns | throttled
-    line 68+w     worker w claimed | pid | start ms | tenant + 1 | waiting since ns
+    line 4+T+w    worker w claimed | pid | start ms | tenant + 1 | waiting since ns
+
+Capacity: the owner sizes the board (``tenants``, ``workers``: the supervisor takes them from
+its config, ``max_tenants`` and ``max_workers``); a worker reads T and W from line 3. Every scan
+is bounded by a high-water mark, not by the capacity: ``workers high`` (one past the highest
+worker slot ever claimed) for :meth:`GpuTimeBoard.pick` and the death sweep, ``tenants high``
+for snapshots and slot allocation - a board of 4,096 tenant slots costs a launch what a board
+of 64 does (``tests/shared/test_gpu_time.py``, docs/PERFORMANCE.md).
 
 Death: a worker that dies holding the device loses it as soon as the
 supervisor sees the death (:meth:`GpuTimeBoard.reclaim_dead`, called where
@@ -71,13 +78,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Final
+from types import EllipsisType
+from typing import Final
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
+from shared.checks import is_int, is_number
 from shared.errors import InvalidArgument, SegmentError
 from shared.quota import (
     KIND_GPU_TIME,
+    SEGMENT_BYTES as QUOTA_SEGMENT_BYTES,
     SEGMENT_PREFIX,
     _attach,
     _owner_alive,
@@ -90,9 +100,11 @@ from shared.quota import (
 __all__ = [
     "DEFAULT_QUANTUM_S",
     "KIND_GPU_TIME",
-    "MAX_TENANTS",
+    "DEFAULT_TENANT_SLOTS",
+    "DEFAULT_WORKER_SLOTS",
+    "LIMIT_TENANT_SLOTS",
+    "LIMIT_WORKER_SLOTS",
     "MAX_WEIGHT",
-    "MAX_WORKERS",
     "GpuTimeBoard",
     "GpuTimeSnapshot",
     "check_gpu_time_cap",
@@ -102,8 +114,12 @@ __all__ = [
 #: the default lease: a handoff costs ~0.1 ms on an idle host, up to ~1 ms on a loaded one: 10 ms keeps
 #: that under 3 %, and a light tenant still waits at most ~2 quanta
 DEFAULT_QUANTUM_S: Final = 0.010
-MAX_TENANTS: Final = 64
-MAX_WORKERS: Final = 256
+#: a board's size when the creator names none (tests, tools); the supervisor sizes it from its config
+DEFAULT_TENANT_SLOTS: Final = 64
+DEFAULT_WORKER_SLOTS: Final = 256
+#: the largest board: 2**17 tenants and 2**18 workers (a 24 MiB segment)
+LIMIT_TENANT_SLOTS: Final = 1 << 17
+LIMIT_WORKER_SLOTS: Final = 1 << 18
 MAX_WEIGHT: Final = 1e6
 _MICRO: Final = 1_000_000
 _BIAS: Final = 1 << 62
@@ -114,13 +130,24 @@ _LINE = 64
 _CTRL = 2 * _LINE
 _OWNER, _GRANT_NS, _VCLOCK, _WAITING, _GRANTS, _STEALS, _HANDOFFS, _HIGH = (_CTRL + 8 * i for i in range(8))
 _CONF = 3 * _LINE
-_C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ = (_CONF + 8 * i for i in range(7))
+_C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ, _T_HIGH = (_CONF + 8 * i for i in range(8))
 _TENANTS = 4 * _LINE
 _T_ACTIVE, _T_WEIGHT, _T_CAP, _T_PASS, _T_USED, _T_CREDIT, _T_STAMP, _T_THROTTLED = (8 * i for i in range(8))
-_WORKERS = _TENANTS + MAX_TENANTS * _LINE
 _W_CLAIMED, _W_PID, _W_START, _W_TENANT, _W_WAITING = (8 * i for i in range(5))
-_LAYOUT_BYTES = _WORKERS + MAX_WORKERS * _LINE
-SEGMENT_BYTES: Final = (_LAYOUT_BYTES + 4095) // 4096 * 4096
+
+
+def _layout_bytes(tenants: int, workers: int) -> int:
+    """Bytes of a board with ``tenants`` tenant slots and ``workers`` worker slots (before page rounding)."""
+    return _TENANTS + (tenants + workers) * _LINE
+
+
+def segment_bytes(tenants: int = DEFAULT_TENANT_SLOTS, workers: int = DEFAULT_WORKER_SLOTS) -> int:
+    """The segment size of a board of that capacity (whole pages; at least a quota segment's, whose
+    header check every segment of ours passes)."""
+    return max(QUOTA_SEGMENT_BYTES, (_layout_bytes(tenants, workers) + 4095) // 4096 * 4096)
+
+
+SEGMENT_BYTES: Final = segment_bytes()
 
 #: a waiter's longest sleep between looks at the board (a lost wake-up costs at most this)
 _MAX_SLEEP_NS = 20_000_000
@@ -141,13 +168,15 @@ def _t_off(t: int) -> int:
     return _TENANTS + t * _LINE
 
 
-def _w_off(w: int) -> int:
-    return _WORKERS + w * _LINE
+def _slots(value: object, key: str, limit: int) -> int:
+    if not is_int(value) or not 1 <= value <= limit:
+        raise ValueError(f"{key} must be an int in 1..{limit}, got {value!r}")
+    return value
 
 
-def check_gpu_time_weight(value: Any, key: str = "gpu_time_weight") -> float:
+def check_gpu_time_weight(value: object, key: str = "gpu_time_weight") -> float:
     """A valid weight (a number > 0 and <= 1e6) as a float; :class:`InvalidArgument` naming ``key``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise InvalidArgument(f"{key} must be a number > 0, not {type(value).__name__}")
     number = float(value)
     if not (math.isfinite(number) and 0 < number <= MAX_WEIGHT):
@@ -155,11 +184,11 @@ def check_gpu_time_weight(value: Any, key: str = "gpu_time_weight") -> float:
     return number
 
 
-def check_gpu_time_cap(value: Any, key: str = "gpu_time_cap") -> float | None:
+def check_gpu_time_cap(value: object, key: str = "gpu_time_cap") -> float | None:
     """A valid cap (None, or a fraction in (0, 1]) as a float; :class:`InvalidArgument` naming ``key``."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise InvalidArgument(f"{key} must be a fraction in (0, 1] or none, not {type(value).__name__}")
     number = float(value)
     if not (math.isfinite(number) and 0 < number <= 1):
@@ -193,9 +222,9 @@ class GpuTimeSnapshot:
     steals: int
     handoffs: int
     #: tenant slot -> {weight, cap, used_ns, pass, throttled}
-    tenants: dict[int, dict[str, Any]]
+    tenants: dict[int, dict[str, float | None]]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -216,6 +245,10 @@ class GpuTimeBoard(MappedSegment):
         """Internal: use :meth:`create` or :meth:`attach`."""
         self._map(segment, owner=owner)
         self.device_index = device_index
+        #: the board's capacity (line 3): tenant slots, worker slots; worker lines follow the tenant lines
+        self.tenant_slots = _atomics.load(self._buf, _C_TENANTS)
+        self.worker_slots = _atomics.load(self._buf, _C_WORKERS)
+        self._wbase = _TENANTS + self.tenant_slots * _LINE
         self._worker = worker
         self._tenant = tenant
         self._clock = clock
@@ -227,24 +260,29 @@ class GpuTimeBoard(MappedSegment):
 
     @classmethod
     def create(cls, device_index: int, *, quantum_s: float = DEFAULT_QUANTUM_S, scheduler: bool = True,
-               name: str | None = None, generation: int = 0,
+               name: str | None = None, generation: int = 0, tenants: int = DEFAULT_TENANT_SLOTS,
+               workers: int = DEFAULT_WORKER_SLOTS,
                clock: Callable[[], int] = time.monotonic_ns) -> GpuTimeBoard:
-        """The board of ``device_index`` (this process owns it and must :meth:`unlink` it)."""
+        """The board of ``device_index`` with ``tenants`` tenant slots and ``workers`` worker slots
+        (this process owns it and must :meth:`unlink` it)."""
         if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
             raise ValueError(f"device_index must be an int >= 0, got {device_index!r}")
         quantum_ns = _quantum_ns(quantum_s)
+        tenants = _slots(tenants, "tenants", LIMIT_TENANT_SLOTS)
+        workers = _slots(workers, "workers", LIMIT_WORKER_SLOTS)
         seg_name = name or new_segment_name(None, f"gt{device_index}")
         if not seg_name.startswith(SEGMENT_PREFIX):
             raise ValueError(f"segment name must start with {SEGMENT_PREFIX!r}: {seg_name!r}")
-        seg = _shm.create(seg_name, SEGMENT_BYTES)
+        size = segment_bytes(tenants, workers)
+        seg = _shm.create(seg_name, size)
         try:
             buf = seg.buf
             _atomics.store(buf, _C_DEVICE, device_index)
             _atomics.store(buf, _C_QUANTUM, quantum_ns)
             _atomics.store(buf, _C_MODE, 1 if scheduler else 0)
-            _atomics.store(buf, _C_TENANTS, MAX_TENANTS)
-            _atomics.store(buf, _C_WORKERS, MAX_WORKERS)
-            write_header(buf, KIND_GPU_TIME, f"gpu time {device_index}", generation, SEGMENT_BYTES)
+            _atomics.store(buf, _C_TENANTS, tenants)
+            _atomics.store(buf, _C_WORKERS, workers)
+            write_header(buf, KIND_GPU_TIME, f"gpu time {device_index}", generation, size)
             return cls(seg, device_index, owner=True, worker=None, tenant=None, clock=clock)
         except BaseException:
             seg.close()
@@ -262,14 +300,17 @@ class GpuTimeBoard(MappedSegment):
         try:
             check_header(name, seg.buf, KIND_GPU_TIME)
             buf = seg.buf
-            if len(buf) < _LAYOUT_BYTES or _atomics.load(buf, _C_WORKERS) != MAX_WORKERS:
+            tenants = _atomics.load(buf, _C_TENANTS) if len(buf) >= _TENANTS else 0
+            workers = _atomics.load(buf, _C_WORKERS) if len(buf) >= _TENANTS else 0
+            if not (1 <= tenants <= LIMIT_TENANT_SLOTS and 1 <= workers <= LIMIT_WORKER_SLOTS
+                    and len(buf) >= _layout_bytes(tenants, workers)):
                 raise SegmentError(name, "gpu time board layout does not match this build")
             device = _atomics.load(buf, _C_DEVICE)
             worker = None
             if tenant_slot is not None:
-                if not 0 <= tenant_slot < MAX_TENANTS:
-                    raise ValueError(f"tenant slot {tenant_slot} out of range 0..{MAX_TENANTS - 1}")
-                worker = _claim_worker(name, buf, tenant_slot)
+                if not 0 <= tenant_slot < tenants:
+                    raise ValueError(f"tenant slot {tenant_slot} out of range 0..{tenants - 1}")
+                worker = _claim_worker(name, buf, tenant_slot, _TENANTS + tenants * _LINE, workers)
             return cls(seg, device, owner=False, worker=worker, tenant=tenant_slot, clock=clock)
         except BaseException:
             seg.close()
@@ -282,7 +323,7 @@ class GpuTimeBoard(MappedSegment):
         if self._worker is not None:
             try:
                 self.release()
-                off = _w_off(self._worker)
+                off = self._w_off(self._worker)
                 _atomics.store(self._buf, off + _W_TENANT, 0)
                 _atomics.store(self._buf, off + _W_PID, 0)
                 _atomics.store(self._buf, off + _W_CLAIMED, 0)
@@ -293,6 +334,14 @@ class GpuTimeBoard(MappedSegment):
     def __repr__(self) -> str:
         role = "owner" if self._owner else f"worker={self._worker} tenant={self._tenant}"
         return f"<GpuTimeBoard device={self.device_index} {self.name} {role}{' closed' if self._closed else ''}>"
+
+    def _w_off(self, w: int) -> int:
+        return self._wbase + w * _LINE
+
+    def _tenant_index(self, tenant: object) -> int:
+        if not is_int(tenant) or not 0 <= tenant < self.tenant_slots:
+            raise ValueError(f"tenant slot must be an int in 0..{self.tenant_slots - 1}, got {tenant!r}")
+        return tenant
 
     @property
     def worker_slot(self) -> int | None:
@@ -328,19 +377,40 @@ class GpuTimeBoard(MappedSegment):
 
     # ------------------------------------------------------ tenants (owner)
 
-    def add_tenant(self, weight: float = 1.0, cap: float | None = None) -> int:
-        """A free tenant slot, set to ``weight`` and ``cap``; SegmentError when all are taken."""
+    def free_tenant_slots(self) -> int:
+        """Tenant slots :meth:`add_tenant` could give out now (owner; O(slots used))."""
         buf = self._check()
-        w, c = _weight_micro(check_gpu_time_weight(weight)), _cap_ppm(check_gpu_time_cap(cap))
-        words = buf[_WORKERS:_LAYOUT_BYTES].cast("Q")
-        try:  # a slot an evicted tenant's stopping worker still names is not given out yet
-            named = {words[w * (_LINE // 8) + 3] - 1 for w in range(MAX_WORKERS) if words[w * (_LINE // 8)]}
+        high = _atomics.load(buf, _T_HIGH)
+        named = self._named_tenants(buf)
+        used = sum(1 for t in range(high) if _atomics.load(buf, _t_off(t) + _T_ACTIVE) or t in named)
+        return self.tenant_slots - used
+
+    def _named_tenants(self, buf: memoryview) -> set[int]:
+        """Tenant slots a claimed worker still names (a stopping worker of an evicted tenant)."""
+        high = _atomics.load(buf, _HIGH)
+        words = buf[self._wbase:self._wbase + high * _LINE].cast("Q")
+        try:
+            step = _LINE // 8
+            return {words[w * step + 3] - 1 for w in range(high) if words[w * step]}
         finally:
             words.release()
-        for t in range(MAX_TENANTS):
+
+    def add_tenant(self, weight: float = 1.0, cap: float | None = None) -> int:
+        """A free tenant slot, set to ``weight`` and ``cap``; SegmentError when all are taken.
+
+        O(slots used), not O(capacity): slots below ``tenants high`` are reused
+        first, then the next never-used one is taken.
+        """
+        buf = self._check()
+        w, c = _weight_micro(check_gpu_time_weight(weight)), _cap_ppm(check_gpu_time_cap(cap))
+        named = self._named_tenants(buf)  # a slot an evicted tenant's stopping worker still names is not given out yet
+        high = _atomics.load(buf, _T_HIGH)
+        for t in range(min(high + 1, self.tenant_slots)):
             off = _t_off(t)
             if _atomics.load(buf, off + _T_ACTIVE) or t in named:
                 continue
+            if t == high:
+                _atomics.store(buf, _T_HIGH, high + 1)
             now = self._clock()
             for field, value in ((_T_WEIGHT, w), (_T_CAP, c), (_T_PASS, _atomics.load(buf, _VCLOCK)),
                                  (_T_USED, 0), (_T_CREDIT, _BIAS + _CAP_BURST_QUANTA * self.quantum_ns), (_T_STAMP, now),
@@ -348,12 +418,12 @@ class GpuTimeBoard(MappedSegment):
                 _atomics.store(buf, off + field, value)
             _atomics.store(buf, off + _T_ACTIVE, 1)
             return t
-        raise SegmentError(self.name, f"all {MAX_TENANTS} tenant slots of device {self.device_index} are taken")
+        raise SegmentError(self.name, f"all {self.tenant_slots} tenant slots of device {self.device_index} are taken")
 
-    def set_policy(self, tenant: int, *, weight: float | None = None, cap: float | None | Any = ...) -> None:
+    def set_policy(self, tenant: int, *, weight: float | None = None, cap: float | None | EllipsisType = ...) -> None:
         """Change a tenant slot's weight and/or cap live (``cap=None`` removes it; omitted: unchanged)."""
         buf = self._check()
-        off = _t_off(_tenant_index(tenant))
+        off = _t_off(self._tenant_index(tenant))
         if weight is not None:
             _atomics.store(buf, off + _T_WEIGHT, _weight_micro(check_gpu_time_weight(weight)))
         if cap is not ...:
@@ -363,17 +433,17 @@ class GpuTimeBoard(MappedSegment):
     def remove_tenant(self, tenant: int) -> None:
         """Free a tenant slot (its workers are gone: evicted)."""
         buf = self._check()
-        _atomics.store(buf, _t_off(_tenant_index(tenant)) + _T_ACTIVE, 0)
+        _atomics.store(buf, _t_off(self._tenant_index(tenant)) + _T_ACTIVE, 0)
 
     def policy(self, tenant: int) -> tuple[float, float | None]:
         """(weight, cap) of a tenant slot."""
         buf = self._check()
-        off = _t_off(_tenant_index(tenant))
+        off = _t_off(self._tenant_index(tenant))
         cap = _atomics.load(buf, off + _T_CAP)
         return _atomics.load(buf, off + _T_WEIGHT) / _MICRO, (cap / _MICRO if cap else None)
 
     def used_ns(self, tenant: int) -> int:
-        return _atomics.load(self._check(), _t_off(_tenant_index(tenant)) + _T_USED)
+        return _atomics.load(self._check(), _t_off(self._tenant_index(tenant)) + _T_USED)
 
     # ------------------------------------------------------------ the policy
 
@@ -401,7 +471,7 @@ class GpuTimeBoard(MappedSegment):
         vclock = _atomics.load(buf, _VCLOCK)
         quantum = _atomics.load(buf, _C_QUANTUM)
         high = _atomics.load(buf, _HIGH)
-        words = buf[_WORKERS:_WORKERS + high * _LINE].cast("Q")
+        words = buf[self._wbase:self._wbase + high * _LINE].cast("Q")
         try:
             step = _LINE // 8
             waiting = [(words[w * step + 4], w, words[w * step + 3] - 1) for w in range(high)
@@ -410,7 +480,7 @@ class GpuTimeBoard(MappedSegment):
             words.release()
         if _atomics.load(buf, _C_MODE) != 1:
             # scheduler off: the driver's time-slicing - round robin by arrival, no weights, no caps
-            active = [w for since, w, t in sorted(waiting) if 0 <= t < MAX_TENANTS]
+            active = [w for since, w, t in sorted(waiting) if 0 <= t < self.tenant_slots]
             return active[0] if active else None
         best: tuple[int, int, int] | None = None  # (pass, since, worker)
         seen: dict[int, int | None] = {}
@@ -420,7 +490,7 @@ class GpuTimeBoard(MappedSegment):
             t_off = _t_off(t)
             # a slot left (eviction, a move to another device) still serves the workers that name it
             # until they exit: they wait for their runs to end, never for ever
-            eligible = 0 <= t < MAX_TENANTS
+            eligible = 0 <= t < self.tenant_slots
             if eligible:
                 cap = _atomics.load(buf, t_off + _T_CAP)
                 eligible = not cap or self._credit(buf, t_off, cap, now) > 0
@@ -439,8 +509,8 @@ class GpuTimeBoard(MappedSegment):
 
     def _grant(self, buf: memoryview, worker: int, now: int) -> None:
         """Bookkeeping of a new lease for ``worker`` (by the process that just gave or won it)."""
-        t = _atomics.load(buf, _w_off(worker) + _W_TENANT) - 1
-        if 0 <= t < MAX_TENANTS:
+        t = _atomics.load(buf, self._w_off(worker) + _W_TENANT) - 1
+        if 0 <= t < self.tenant_slots:
             t_off = _t_off(t)
             vclock = _atomics.load(buf, _VCLOCK)
             p = self._effective_pass(buf, t_off, vclock, _atomics.load(buf, _C_QUANTUM))
@@ -480,14 +550,14 @@ class GpuTimeBoard(MappedSegment):
         buf, w = self._need_worker()
         if not self._waiting_since:
             self._waiting_since = max(1, now)
-            _atomics.store(buf, _w_off(w) + _W_WAITING, self._waiting_since)
+            _atomics.store(buf, self._w_off(w) + _W_WAITING, self._waiting_since)
             _atomics.fetch_add(buf, _WAITING, 1)
 
     def unwant(self) -> None:
         buf, w = self._need_worker()
         if self._waiting_since:
             self._waiting_since = 0
-            _atomics.store(buf, _w_off(w) + _W_WAITING, 0)
+            _atomics.store(buf, self._w_off(w) + _W_WAITING, 0)
             _atomics.fetch_add(buf, _WAITING, _ADD_MINUS_ONE)
 
     def try_acquire(self, now: int) -> bool:
@@ -514,8 +584,8 @@ class GpuTimeBoard(MappedSegment):
         holder_tenant = None
         if not free and now - _atomics.load(buf, _LAST_END) < _IDLE_GRACE_NS and _atomics.load(buf, _C_MODE) == 1:
             # idle only between two ops: it keeps the device unless a waiter's pass is smaller
-            held = _atomics.load(buf, _w_off((owner >> 1) - 1) + _W_TENANT) - 1
-            holder_tenant = held if 0 <= held < MAX_TENANTS else None
+            held = _atomics.load(buf, self._w_off((owner >> 1) - 1) + _W_TENANT) - 1
+            holder_tenant = held if 0 <= held < self.tenant_slots else None
         nxt = self.pick(now, holder_tenant=holder_tenant)
         if nxt is None:
             return False
@@ -686,7 +756,7 @@ class GpuTimeBoard(MappedSegment):
         buf = self._check()
         found = []
         for w in range(_atomics.load(buf, _HIGH)):
-            off = _w_off(w)
+            off = self._w_off(w)
             if not _atomics.load(buf, off + _W_CLAIMED):
                 continue
             pid = _atomics.load(buf, off + _W_PID)
@@ -712,7 +782,7 @@ class GpuTimeBoard(MappedSegment):
         load = _atomics.load
         owner = load(buf, _OWNER)
         tenants = {}
-        for t in range(MAX_TENANTS):
+        for t in range(load(buf, _T_HIGH)):
             off = _t_off(t)
             if not load(buf, off + _T_ACTIVE):
                 continue
@@ -730,7 +800,7 @@ class GpuTimeBoard(MappedSegment):
             scheduler=load(buf, _C_MODE) == 1,
             quantum_s=load(buf, _C_QUANTUM) / 1e9,
             holder=(owner >> 1) - 1 if owner else None,
-            holder_pid=load(buf, _w_off((owner >> 1) - 1) + _W_PID) if owner else 0,
+            holder_pid=load(buf, self._w_off((owner >> 1) - 1) + _W_PID) if owner else 0,
             busy=bool(owner & 1),
             waiting=load(buf, _WAITING),
             grants=load(buf, _GRANTS),
@@ -752,7 +822,7 @@ def _wake(buf: memoryview) -> None:
     _atomics.futex_wake(buf, _SEQ)
 
 
-def _quantum_ns(quantum_s: Any) -> int:
+def _quantum_ns(quantum_s: object) -> int:
     if isinstance(quantum_s, bool) or not isinstance(quantum_s, (int, float)) or not math.isfinite(quantum_s):
         raise ValueError(f"quantum must be a number of seconds, got {quantum_s!r}")
     if not 0.0001 <= quantum_s <= 1.0:
@@ -760,17 +830,12 @@ def _quantum_ns(quantum_s: Any) -> int:
     return round(quantum_s * 1e9)
 
 
-def _tenant_index(tenant: Any) -> int:
-    if isinstance(tenant, bool) or not isinstance(tenant, int) or not 0 <= tenant < MAX_TENANTS:
-        raise ValueError(f"tenant slot must be an int in 0..{MAX_TENANTS - 1}, got {tenant!r}")
-    return tenant
-
-
-def _claim_worker(name: str, buf: memoryview, tenant: int) -> int:
+def _claim_worker(name: str, buf: memoryview, tenant: int, base: int, slots: int) -> int:
+    """Claim the first free worker slot (of ``slots`` lines from ``base``) for this process."""
     pid = os.getpid()
     start = _process_start_ms(pid)
-    for w in range(MAX_WORKERS):
-        off = _w_off(w)
+    for w in range(slots):
+        off = base + w * _LINE
         if _atomics.load(buf, off + _W_CLAIMED):
             continue
         if _atomics.exchange(buf, off + _W_CLAIMED, 1) == 0:  # test-and-set: slot w is ours
@@ -783,4 +848,4 @@ def _claim_worker(name: str, buf: memoryview, tenant: int) -> int:
                 if high > w or _atomics.compare_exchange(buf, _HIGH, high, w + 1):
                     break
             return w
-    raise SegmentError(name, f"all {MAX_WORKERS} worker slots are held by live workers")
+    raise SegmentError(name, f"all {slots} worker slots are held by live workers")

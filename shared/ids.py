@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from shared.checks import is_int
+
 __all__ = ["InstanceId", "TenantId"]
 
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
@@ -50,7 +52,7 @@ class InstanceId:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant", TenantId(self.tenant))
-        if isinstance(self.index, bool) or not isinstance(self.index, int):
+        if not is_int(self.index):
             raise TypeError(f"instance index must be an int, not {type(self.index).__name__}")
         if not 0 <= self.index < 1 << 16:
             raise ValueError(f"instance index {self.index} out of range 0..65535")

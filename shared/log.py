@@ -16,7 +16,7 @@ import logging
 import math
 import sys
 import time
-from typing import IO, Any, Literal
+from typing import IO, Literal
 
 __all__ = [
     "JsonFormatter",
@@ -37,18 +37,18 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"{_ROOT}.{name}" if name else _ROOT)
 
 
-def log_event(logger: logging.Logger, level: int, event: str, /, **fields: Any) -> None:
+def log_event(logger: logging.Logger, level: int, event: str, /, **fields: object) -> None:
     """Log ``event`` with structured ``fields`` (cheap when the level is disabled)."""
     if logger.isEnabledFor(level):
         logger.log(level, event, extra={_FIELDS_ATTR: fields}, stacklevel=2)
 
 
-def _fields_of(record: logging.LogRecord) -> dict[str, Any]:
+def _fields_of(record: logging.LogRecord) -> dict[str, object]:
     fields = getattr(record, _FIELDS_ATTR, None)
     return fields if isinstance(fields, dict) else {}
 
 
-def _text_value(value: Any) -> str:
+def _text_value(value: object) -> str:
     text = str(value)
     if not text or any(c.isspace() or c in '"=' for c in text):
         return json.dumps(text)
@@ -77,7 +77,7 @@ class JsonFormatter(logging.Formatter):
     """
 
     def format(self, record: logging.LogRecord) -> str:
-        obj: dict[str, Any] = {
+        obj: dict[str, object] = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
@@ -94,7 +94,7 @@ class JsonFormatter(logging.Formatter):
             return json.dumps({k: _json_safe(v) for k, v in obj.items()}, separators=(",", ":"))
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: object) -> object:
     if value is None or isinstance(value, (str, int)):
         return value
     if isinstance(value, float) and math.isfinite(value):

@@ -19,13 +19,16 @@ unpacker per message with explicit ``max_*_len`` limits and
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 from collections.abc import Callable
 
 import msgpack
 
+from shared.checks import is_int
 from shared.errors import InvalidArgument, ProtocolError
+from shared.kinds import WORKER_FAULT_KINDS
 from shared.spec import TenantSpec
 
 __all__ = [
@@ -46,6 +49,12 @@ __all__ = [
     "TENANT_OPS",
     "Arg",
     "OpSpec",
+    "arg_int",
+    "arg_map",
+    "arg_opt_int",
+    "arg_opt_map",
+    "arg_opt_str",
+    "arg_str",
     "check_args",
     "decode_client_header",
     "decode_control",
@@ -83,7 +92,8 @@ MAX_CLIENT_REPLY_ITEMS: Final = 64 * MAX_BUFFERS_PER_INSTANCE + 1024
 
 # ------------------------------------------------------------------ the op table
 #
-# Every wire op is declared once, here. The supervisor dispatches by ``OPS[op].served_by``
+# Every wire op is declared once, here (an admin op's handler, command and doc row are its class
+# in supervisor/control/ops/). The supervisor dispatches by ``OPS[op].served_by``
 # and checks arguments with :func:`check_args`; SupervisorClient has a method named
 # ``OPS[op].client`` for each; ``OPS[op].cli`` names the ``twt`` command that issues it;
 # docs/PROTOCOL.md lists every op (tests/shared/test_protocol.py checks all three).
@@ -98,11 +108,13 @@ class Arg:
     name: str
     types: tuple[type, ...]
     required: bool = False
-    check: Callable[[Any], None] | None = None
+    check: Callable[[object], None] | None = None
 
 
-def _check_spec(value: Any) -> None:
+def _check_spec(value: object) -> None:
     """``register``'s ``spec``: every key known and every value of its type and range."""
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"register: spec must be a map, not {type(value).__name__}")
     try:
         TenantSpec.from_dict(value)
     except (TypeError, ValueError) as exc:
@@ -118,7 +130,7 @@ class OpSpec:
     args: tuple[Arg, ...]
     reply: str  # the result's shape, as docs/PROTOCOL.md shows it
     errors: tuple[str, ...]  # error class names beyond the refusals every op can get
-    client: str  # the SupervisorClient method that sends it
+    client: str  # the SupervisorClient method that sends it ("call": only the generic SupervisorClient.call)
     cli: str | None = None  # the `twt` command that sends it (None: library only)
     body_in: bool = False  # takes a body frame
     body_out: bool = False  # answers with a body frame
@@ -164,8 +176,8 @@ QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cud
 #: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy: numbers)
 _QUOTA_TYPES: Final[dict[str, tuple[type, ...]]] = {"gpu_time_weight": (int, float),
                                                     "gpu_time_cap": (int, float, type(None))}
-#: what inject_fault accepts (docs/RELIABILITY.md describes each)
-FAULT_KINDS: Final = ("crash", "segfault", "exit", "hang", "slow", "oom", "corrupt", "drop", "leak", "cuda-fault")
+#: what inject_fault accepts (the "worker" rows of shared.kinds.FAULT_TABLE; docs/RELIABILITY.md describes each)
+FAULT_KINDS: Final = WORKER_FAULT_KINDS
 
 _T = "tenant"
 OPS: Final[dict[str, OpSpec]] = {
@@ -218,7 +230,8 @@ OPS: Final[dict[str, OpSpec]] = {
         OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
                (), "hello", "status", served_by="admin", anonymous=True),
         OpSpec("register", True, (Arg("spec", _MAP, True, _check_spec),), "{capability, tenant: {...}}",
-               ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost"),
+               ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost",
+                "CapacityExhausted"),
                "register", "register", served_by="admin"),
         OpSpec("capability", True, (Arg(_T, _STR, True),), "{capability}", ("UnknownTenant",),
                "tenant_capability", "capability", served_by="admin"),
@@ -230,7 +243,7 @@ OPS: Final[dict[str, OpSpec]] = {
                "tenant status record", ("UnknownTenant", "InvalidArgument"), "set_quota", "set-quota",
                served_by="admin"),
         OpSpec("scale", True, (Arg(_T, _STR, True), Arg("instances", _INT, True)), "tenant status record",
-               ("UnknownTenant", "InvalidArgument"), "scale", "scale", served_by="admin"),
+               ("UnknownTenant", "InvalidArgument", "CapacityExhausted"), "scale", "scale", served_by="admin"),
         OpSpec("status", True, (), "{supervisor, devices, tenants}", (), "status", "status", served_by="admin"),
         OpSpec("tenant_status", True, (Arg(_T, _STR, True),), "tenant status record", ("UnknownTenant",),
                "tenant_status", "status", served_by="admin"),
@@ -238,6 +251,7 @@ OPS: Final[dict[str, OpSpec]] = {
                (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
                "{tenant, instance, pid, kind, ...armed}", ("UnknownTenant", "InvalidArgument", "WorkerLost"),
                "inject_fault", "fault", served_by="admin"),
+        OpSpec("version", True, (), "{version, python, protocol}", (), "call", "version", served_by="admin"),
         # ---- service ops (the admin capability; supervisor.control.service)
         OpSpec("reload", True, (),
                "{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "
@@ -260,7 +274,7 @@ HANDLE_OPS: Final = frozenset(name for name, op in OPS.items() if op.handle)
 CONTROL_KINDS: Final = frozenset({"hello", "hb", "stop", "fault", "fault_ack"})
 
 
-def check_args(op: str, args: dict[str, Any]) -> None:
+def check_args(op: str, args: Mapping[str, object]) -> None:
     """Check ``args`` against ``op``'s schema: required arguments present, every declared one of a
     declared type (``bool`` is not an int). Raises :class:`InvalidArgument`; unknown names pass
     (the handler ignores them)."""
@@ -277,6 +291,71 @@ def check_args(op: str, args: dict[str, Any]) -> None:
             arg.check(value)
 
 
+# ------------------------------------------------------------------ reading checked arguments
+#
+# A handler's ``args`` are ``Mapping[str, object]``: decoded msgpack. ``check_args`` has
+# already checked each declared argument against its op's Arg row, so these accessors
+# narrow the type for mypy rather than validate: for a declared argument their
+# InvalidArgument is unreachable. They still raise it (naming the argument) rather
+# than trust the row, so a row and a handler that disagree fail as a refusal, not a crash.
+
+
+def _wrong(name: str, want: str, value: object) -> InvalidArgument:
+    return InvalidArgument(f"{name} must be {want}, not {type(value).__name__}")
+
+
+def arg_str(args: Mapping[str, object], name: str) -> str:
+    """A required ``str`` argument."""
+    value = args.get(name)
+    if not isinstance(value, str):
+        raise _wrong(name, "str", value)
+    return value
+
+
+def arg_opt_str(args: Mapping[str, object], name: str) -> str | None:
+    """An optional ``str`` argument (absent or nil: None)."""
+    value = args.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _wrong(name, "str or nil", value)
+    return value
+
+
+def arg_int(args: Mapping[str, object], name: str) -> int:
+    """A required ``int`` argument (a bool is not one)."""
+    value = args.get(name)
+    if not is_int(value):
+        raise _wrong(name, "int", value)
+    return value
+
+
+def arg_opt_int(args: Mapping[str, object], name: str) -> int | None:
+    """An optional ``int`` argument (absent or nil: None; a bool is not one)."""
+    value = args.get(name)
+    if value is not None and not is_int(value):
+        raise _wrong(name, "int or nil", value)
+    return value
+
+
+def arg_map(args: Mapping[str, object], name: str) -> dict[str, object]:
+    """A required map argument with string keys; its values are the caller's to narrow (its Arg
+    row's ``check`` has checked them)."""
+    value = arg_opt_map(args, name)
+    if value is None:
+        raise _wrong(name, "map", value)
+    return value
+
+
+def arg_opt_map(args: Mapping[str, object], name: str) -> dict[str, object] | None:
+    """An optional map argument with string keys (absent or nil: None); its values are the
+    caller's to narrow (its Arg row's ``check`` has checked them)."""
+    value = args.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise _wrong(name, "map", value)
+    return value
+
+
 # ------------------------------------------------------------------ packing
 #
 # msgpack's Packer keeps a buffer between calls and is not thread-safe; the supervisor's
@@ -286,7 +365,7 @@ def check_args(op: str, args: dict[str, Any]) -> None:
 _local = threading.local()
 
 
-def _packb(obj: Any) -> bytes:
+def _packb(obj: object) -> bytes:
     packer = getattr(_local, "packer", None)
     if packer is None:
         packer = _local.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -294,7 +373,7 @@ def _packb(obj: Any) -> bytes:
     return data
 
 
-def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> Any:
+def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> object:
     if len(data) > max_len:
         raise ProtocolError(f"header of {len(data)} bytes exceeds the {max_len}-byte limit")
     try:
@@ -316,12 +395,14 @@ def _unpack(data: bytes, max_len: int, max_items: int = 4096) -> Any:
         raise ProtocolError(f"malformed msgpack header: {type(exc).__name__}") from None
 
 
-def encode_request(rid: int, op: str, capability: bytes | None, args: dict[str, Any]) -> bytes:
+def encode_request(rid: int, op: str, capability: bytes | None, args: Mapping[str, object]) -> bytes:
     """A client's request header."""
     return _packb([PROTOCOL_VERSION, rid, op, capability, args])
 
 
-def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[int, str, bytes | None, dict[str, Any]]:
+def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[int, str, bytes | None, dict[str, object]]:
+    # args: dynamically typed until check_args checks them against the op's Arg rows; the handlers
+    # (supervisor.admission.frontend, control) then read them by name
     """Validate a client request header: (rid, op, capability, args). Raises ProtocolError."""
     obj = _unpack(data, max_len)
     if not isinstance(obj, list) or len(obj) != 5:
@@ -329,7 +410,7 @@ def decode_client_header(data: bytes, max_len: int = MAX_HEADER_BYTES) -> tuple[
     version, rid, op, cap, args = obj
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r} (this supervisor speaks {PROTOCOL_VERSION})")
-    if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 1 << 63:
+    if not is_int(rid) or not 0 <= rid < 1 << 63:
         raise ProtocolError("rid must be a non-negative int")
     if not isinstance(op, str) or (op not in TENANT_OPS and op not in ADMIN_OPS):
         raise ProtocolError(f"unknown op {op!r:.80}")  # never echo an unbounded name
@@ -356,18 +437,18 @@ def peek_rid(data: bytes) -> int | None:
         rid = unpacker.unpack()
     except Exception:  # noqa: BLE001 - untrusted bytes; any failure means "no rid"
         return None
-    if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 1 << 63:
+    if is_int(rid) and 0 <= rid < 1 << 63:
         return rid
     return None
 
 
-def encode_reply(rid: int, ok: bool, payload: Any) -> bytes:
+def encode_reply(rid: int, ok: bool, payload: object) -> bytes:
     """The supervisor's reply header to a client."""
     return _packb([PROTOCOL_VERSION, rid, ok, payload])
 
 
 def decode_reply(data: bytes, max_len: int = MAX_CLIENT_REPLY_BYTES,
-                 max_items: int = MAX_CLIENT_REPLY_ITEMS) -> tuple[int, bool, Any]:
+                 max_items: int = MAX_CLIENT_REPLY_ITEMS) -> tuple[int, bool, object]:
     """A reply header as the client sees it: (rid, ok, result-or-error-dict)."""
     obj = _unpack(data, max_len, max_items)
     if not isinstance(obj, list) or len(obj) != 4 or obj[0] != PROTOCOL_VERSION:
@@ -378,11 +459,11 @@ def decode_reply(data: bytes, max_len: int = MAX_CLIENT_REPLY_BYTES,
     return rid, ok, payload
 
 
-def encode_worker_request(rid: int, op: str, args: dict[str, Any]) -> bytes:
+def encode_worker_request(rid: int, op: str, args: Mapping[str, object]) -> bytes:
     return _packb([rid, op, args])
 
 
-def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, Any]]:
+def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, object]]:
     obj = _unpack(data, 1 << 20)
     if not isinstance(obj, list) or len(obj) != 3:
         raise ProtocolError("worker request must be [rid, op, args]")
@@ -392,27 +473,27 @@ def decode_worker_request(data: bytes) -> tuple[int, str, dict[str, Any]]:
     return rid, op, args
 
 
-def encode_worker_reply(rid: int, ok: bool, payload: Any) -> bytes:
+def encode_worker_reply(rid: int, ok: bool, payload: object) -> bytes:
     return _packb([rid, ok, payload])
 
 
 def decode_worker_reply(data: bytes, max_len: int = MAX_WORKER_REPLY_BYTES,
-                        max_items: int = MAX_WORKER_REPLY_ITEMS) -> tuple[int, bool, Any]:
+                        max_items: int = MAX_WORKER_REPLY_ITEMS) -> tuple[int, bool, object]:
     """Workers are semi-trusted (they run tenant code): validate like any input."""
     obj = _unpack(data, max_len, max_items)
     if not isinstance(obj, list) or len(obj) != 3:
         raise ProtocolError("worker reply must be [rid, ok, payload]")
     rid, ok, payload = obj
-    if isinstance(rid, bool) or not isinstance(rid, int) or not isinstance(ok, bool):
+    if not is_int(rid) or not isinstance(ok, bool):
         raise ProtocolError("worker reply rid/ok of the wrong type")
     return rid, ok, payload
 
 
-def encode_control(kind: str, args: dict[str, Any] | None = None) -> bytes:
+def encode_control(kind: str, args: Mapping[str, object] | None = None) -> bytes:
     return _packb([kind, args or {}])
 
 
-def decode_control(data: bytes) -> tuple[str, dict[str, Any]]:
+def decode_control(data: bytes) -> tuple[str, dict[str, object]]:
     obj = _unpack(data, MAX_HEADER_BYTES)
     if not isinstance(obj, list) or len(obj) != 2:
         raise ProtocolError("control message must be [kind, args]")

@@ -10,6 +10,9 @@ which reads the op table, the error registry and the tenant spec at run time,
 so a new op, argument, error class or spec key appears here as soon as it is
 declared there (``tests/shared/test_protocol_doc.py`` fails until the files
 are regenerated).
+
+Typing: the JSON Schema document is read by key (nested maps and lists); its values stay
+dynamically typed here.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import argparse
 import re
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Final
 
 from shared.protocol_schema import SCHEMA_FILE, build_schema, schema_text
 from shared.sizes import format_size
 
-__all__ = ["DOC_PATH", "SCHEMA_PATH", "main", "render_doc", "sections"]
+__all__ = ["DOC_PATH", "SCHEMA_PATH", "main", "generate", "render_doc", "replace_part", "sections"]
 
 _ROOT = Path(__file__).resolve().parent
 SCHEMA_PATH: Final = _ROOT / SCHEMA_FILE
@@ -112,7 +116,8 @@ def _errors_section(schema: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|"]
     for code, meta in info.items():
         props = defs[code]["properties"]["fields"]["properties"]
-        fields = ", ".join(f"`{f}`: {_type_text(s)}" for f, s in props.items()) or "none"
+        fields = ", ".join(f"`{f}`: {_type_text(s)}" + (f" ({s['description']})" if "description" in s else "")
+                           for f, s in props.items()) or "none"
         meaning = meta["meaning"]
         if meta["local_only"]:
             meaning += f" **Never sent by the supervisor:** {meta['local_only']}."
@@ -120,6 +125,9 @@ def _errors_section(schema: dict[str, Any]) -> str:
         if meta["retryable_rule"]:
             retry += " (not when `requested` > `limit`)"
         parent = f"`{meta['parent']}`" if meta["parent"] not in (None, "internal") else ""
+        for cause, sub in meta["causes"].items():  # Overloaded: one class per cause, the code shared
+            own = ", ".join(f"`{f}`" for f in sub["fields"]) or "no more fields"
+            meaning += f" Cause `{cause}`: `{sub['class']}` ({own}): {sub['meaning']}"
         lines.append(f"| `{code}` | `{meta['class']}` | {_cell(fields)} | {_cell(meaning)} | {retry} | {parent} |")
     return "\n".join(lines)
 
@@ -133,34 +141,45 @@ def sections(schema: dict[str, Any] | None = None) -> dict[str, str]:
 def render_doc(text: str, schema: dict[str, Any] | None = None) -> str:
     """``text`` (PROTOCOL.md) with every generated part replaced; KeyError for a part it lacks."""
     for name, body in sections(schema).items():
-        key = re.escape(name)
-        pattern = re.compile(rf"(<!-- generated:{key} [^\n]*-->\n)(?:.*?\n)?(<!-- end generated:{key} -->)", re.S)
-        if not pattern.search(text):
-            raise KeyError(f"PROTOCOL.md has no generated part {name!r} (<!-- generated:{name} ... -->)")
-        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+        text = replace_part(text, name, body)
     return text
 
 
+def replace_part(text: str, name: str, body: str) -> str:
+    """``text`` with the generated part ``name`` (between its marker lines) replaced by ``body``;
+    KeyError when it has no such part. The supervisor's own generated parts use it too
+    (``python -m supervisor.control.ops``: the admin op table)."""
+    key = re.escape(name)
+    pattern = re.compile(rf"(<!-- generated:{key} [^\n]*-->\n)(?:.*?\n)?(<!-- end generated:{key} -->)", re.S)
+    if not pattern.search(text):
+        raise KeyError(f"PROTOCOL.md has no generated part {name!r} (<!-- generated:{name} ... -->)")
+    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.protocol_doc", description=__doc__.splitlines()[0])
+    def wanted() -> dict[Path, str]:
+        schema = build_schema()
+        return {SCHEMA_PATH: schema_text(schema), DOC_PATH: render_doc(DOC_PATH.read_text(encoding="utf-8"), schema)}
+
+    return generate(argv, "python -m shared.protocol_doc", __doc__.splitlines()[0], wanted)
+
+
+def generate(argv: list[str] | None, prog: str, description: str, wanted: Callable[[], dict[Path, str]]) -> int:
+    """A generator's command line: ``--write`` the files ``wanted`` returns (path -> text), or
+    ``--check`` them (exit 1, naming each one out of date). The supervisor's generators use it too."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="rewrite the schema file and PROTOCOL.md's generated parts")
-    mode.add_argument("--check", action="store_true", help="exit 1 when either is out of date")
+    mode.add_argument("--write", action="store_true", help="rewrite the generated files and parts")
+    mode.add_argument("--check", action="store_true", help="exit 1 when any is out of date")
     args = parser.parse_args(argv)
-    schema = build_schema()
-    want_schema = schema_text(schema)
-    doc = DOC_PATH.read_text(encoding="utf-8")
-    want_doc = render_doc(doc, schema)
-    stale = [str(p) for p, have, want in ((SCHEMA_PATH, SCHEMA_PATH.read_text(encoding="utf-8")
-                                           if SCHEMA_PATH.exists() else "", want_schema), (DOC_PATH, doc, want_doc))
-             if have != want]
+    want = wanted()
+    stale = [path for path, text in want.items() if (path.read_text(encoding="utf-8") if path.exists() else "") != text]
     if args.check:
         for path in stale:
-            print(f"{path} is out of date: run python -m shared.protocol_doc --write", file=sys.stderr)
+            print(f"{path} is out of date: run {prog} --write", file=sys.stderr)
         return 1 if stale else 0
-    SCHEMA_PATH.write_text(want_schema, encoding="utf-8")
-    DOC_PATH.write_text(want_doc, encoding="utf-8")
     for path in stale:
+        path.write_text(want[path], encoding="utf-8")
         print(f"wrote {path}")
     return 0
 

@@ -11,8 +11,8 @@ Clients in other languages get the contract from ``shared/protocol.schema.json``
   retryable, and its parent class (subclassing never shows on the wire);
 * :class:`shared.spec.TenantSpec`: the ``register`` spec's keys, with the
   ranges, enums and size strings ``TenantSpec.from_dict`` accepts;
-* the reply records of :mod:`shared.records` (``hello``, ``status``, the
-  tenant status record) and :class:`shared.quota.QuotaSnapshot`.
+* the reply records of :mod:`shared.records` (``REPLY_RECORDS``: the record
+  each op's success reply decodes as, nested records by reference).
 
 A row added to any of those tables flows into the schema (and into
 docs/PROTOCOL.md) with no edit here; the notes below only add prose. The
@@ -42,8 +42,8 @@ from typing import Any, Final
 
 from shared import protocol as proto
 from shared.errors import TensorWasmError, _BY_CODE
-from shared.quota import MAX_INSTANCES, QuotaSnapshot
-from shared.records import HelloInfo, StatusRecord, TenantRecord
+from shared.quota import MAX_INSTANCES
+from shared.records import REPLY_RECORDS
 from shared.sizes import MAX_SIZE
 from shared.spec import TenantSpec
 
@@ -152,27 +152,27 @@ ARG_NOTES: Final[dict[tuple[str, str], str]] = {
 _SIZE_NOTE = "bytes: an int, or a size string (`\"512MiB\"`, `\"2GiB\"`, `\"1.5GB\"`, `\"4096\"`)"
 
 
-def _size_schema(nullable: bool = False, minimum: int = 0) -> dict[str, Any]:
+def _size_schema(nullable: bool = False, minimum: int = 0) -> dict[str, object]:
     """A size (``#/$defs/size``), nil too when ``nullable``; an int below ``minimum`` is refused
     (a size *string* below it is one of the :data:`SCHEMA_GAPS`)."""
-    size: dict[str, Any] = {"$ref": "#/$defs/size"}
+    size: dict[str, object] = {"$ref": "#/$defs/size"}
     if minimum:
         size = {"allOf": [size, {"anyOf": [{"type": "string"}, {"type": "integer", "minimum": minimum}]}]}
     return {"anyOf": [size, {"type": "null"}]} if nullable else size
 
 
-def _int_schema(lo: int, hi: int, nullable: bool = False) -> dict[str, Any]:
+def _int_schema(lo: int, hi: int, nullable: bool = False) -> dict[str, object]:
     return {"type": ["integer", "null"] if nullable else "integer", "minimum": lo, "maximum": hi}
 
 
-def _num_schema(lo: float, hi: float) -> dict[str, Any]:
+def _num_schema(lo: float, hi: float) -> dict[str, object]:
     return {"type": "number", "minimum": lo, "maximum": hi}
 
 
 _TENANT_PATTERN = "^[a-z0-9][a-z0-9._-]{0,62}(?![\\s\\S])"  # (?!...): the end in ECMA 262 and Python alike
 
 
-def _spec_fields() -> dict[str, tuple[dict[str, Any], str]]:
+def _spec_fields() -> dict[str, tuple[dict[str, object], str]]:
     from shared.spec import IsolationKind, RestartPolicy
 
     return {
@@ -208,13 +208,13 @@ def _spec_fields() -> dict[str, tuple[dict[str, Any], str]]:
 
 # ------------------------------------------------------------------ Python types -> JSON Schema
 
-_SCALARS: Final[dict[Any, str]] = {int: "integer", float: "number", str: "string", bool: "boolean",
+_SCALARS: Final[dict[object, str]] = {int: "integer", float: "number", str: "string", bool: "boolean",
                                    type(None): "null", dict: "object", list: "array"}
 _MSGPACK_NAMES: Final[dict[str, str]] = {"integer": "int", "number": "float or int", "string": "str",
                                          "boolean": "bool", "null": "nil", "object": "map", "array": "array"}
 
 
-def _arg_schema(arg: proto.Arg) -> dict[str, Any]:
+def _arg_schema(arg: proto.Arg) -> dict[str, object]:
     """What ``check_args`` accepts for one argument: exactly its types (a bool is no int)."""
     names: list[str] = []
     for t in arg.types:
@@ -227,9 +227,10 @@ def _arg_schema(arg: proto.Arg) -> dict[str, Any]:
     return {"type": names[0] if len(names) == 1 else names}
 
 
-def _type_schema(tp: Any) -> dict[str, Any]:
-    """A schema for an annotated type (records, error fields); ``Any`` is anything."""
-    if tp is Any:
+def _type_schema(tp: object) -> dict[str, object]:
+    """A schema for an annotated type (records, error fields); a free-form value (``object``, or
+    ``typing``'s catch-all, which this module only compares against) is anything."""
+    if tp is Any or tp is object:
         return {}
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return {"enum": [m.value for m in tp]}
@@ -258,14 +259,14 @@ def _type_schema(tp: Any) -> dict[str, Any]:
     return {}
 
 
-def _dataclasses_in(tp: Any) -> list[type]:
+def _dataclasses_in(tp: object) -> list[type]:
     """The record classes an annotation names (itself, or inside a tuple/union)."""
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return [tp]
     return [cls for arg in typing.get_args(tp) for cls in _dataclasses_in(arg)]
 
 
-def _record_defs(roots: typing.Iterable[type]) -> dict[str, Any]:
+def _record_defs(roots: typing.Iterable[type]) -> dict[str, object]:
     """``#/$defs/records``: each reply record once, nested ones by reference."""
     todo, out = list(roots), {}
     while todo:
@@ -276,18 +277,20 @@ def _record_defs(roots: typing.Iterable[type]) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
-def _record_schema(cls: type) -> dict[str, Any]:
-    """Every field of a reply record (``to_wire``/``to_dict`` write them all); more may come."""
+def _record_schema(cls: type) -> dict[str, object]:
+    """Every field of a reply record; those without a default are required (a reply built as a
+    map may leave the others out: ``Record.from_wire`` fills them in); more may come."""
     hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]
+    fields = dataclasses.fields(cls)
     return {
         "type": "object",
-        "required": fields,
-        "properties": {name: _type_schema(hints[name]) for name in fields},
+        "required": [f.name for f in fields
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING],
+        "properties": {f.name: _type_schema(hints[f.name]) for f in fields},
     }
 
 
-def _annotation_schema(annotation: Any) -> dict[str, Any]:
+def _annotation_schema(annotation: object) -> dict[str, object]:
     """An error field's annotation (a string under ``from __future__ import annotations``)."""
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
     names: list[str] = []
@@ -304,7 +307,7 @@ def _annotation_schema(annotation: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------ the parts
 
 
-def _size_def() -> dict[str, Any]:
+def _size_def() -> dict[str, object]:
     """A byte size: a non-negative int below 2**63, or a size string as ``shared.sizes.parse_size`` reads it."""
     from shared.sizes import _UNITS
 
@@ -326,13 +329,13 @@ def _size_def() -> dict[str, Any]:
     }
 
 
-def tenant_spec_schema() -> dict[str, Any]:
+def tenant_spec_schema() -> dict[str, object]:
     """The ``register`` spec: every TenantSpec key; ``name`` or ``tenant_id``; no other key."""
     notes = _spec_fields()
     hints = typing.get_type_hints(TenantSpec)
-    properties: dict[str, Any] = {}
+    properties: dict[str, dict[str, object]] = {}
     meanings: dict[str, str] = {}
-    defaults: dict[str, Any] = {}
+    defaults: dict[str, object] = {}
     for f in dataclasses.fields(TenantSpec):
         schema, meaning = notes.get(f.name) or (_type_schema(hints[f.name]), "")
         properties[f.name] = dict(schema)
@@ -382,12 +385,24 @@ def _error_meaning(cls: type[TensorWasmError]) -> str:
     return doc.split("\n\n")[0].replace("\n", " ").strip()
 
 
-def _error_schema(code: str, cls: type[TensorWasmError]) -> dict[str, Any]:
-    annotations: dict[str, Any] = {}
+def _error_schema(code: str, cls: type[TensorWasmError]) -> dict[str, object]:
+    annotations: dict[str, object] = {}
     for base in reversed(cls.__mro__):
         if isinstance(base, type) and issubclass(base, TensorWasmError):
             annotations.update(inspect.get_annotations(base))
     fields = {name: _annotation_schema(annotations.get(name, "")) for name in cls._fields}
+    # the causes of one code (Overloaded): subclasses without a code of their own, told apart by
+    # ``cause``; their own fields are optional here, present when the cause is theirs
+    causes: dict[str, object] = {}
+    used_by: dict[str, list[str]] = {}  # a cause's own field -> the causes that have it
+    for cause, sub in sorted(getattr(cls, "_causes", {}).items()):
+        own = [name for name in sub._fields if name not in cls._fields]
+        for name in own:
+            fields.setdefault(name, _annotation_schema(inspect.get_annotations(sub).get(name, "")))
+            used_by.setdefault(name, []).append(cause)
+        causes[cause] = {"class": sub.__name__, "fields": own, "meaning": _error_meaning(sub)}
+    for name, its_causes in used_by.items():
+        fields[name] = {**fields[name], "description": "cause " + " ".join(f"`{c}`" for c in its_causes)}
     # a class with its own rule (MemoryExhausted: not when more than the whole limit was asked for)
     rule = cls.is_retryable if "is_retryable" in _own_or_inherited(cls) else None
     return {
@@ -406,6 +421,7 @@ def _error_schema(code: str, cls: type[TensorWasmError]) -> dict[str, Any]:
             "sent_by_supervisor": code not in LOCAL_ONLY_CODES,
             "local_only": LOCAL_ONLY_CODES.get(code),
             "meaning": _error_meaning(cls),
+            "causes": causes,
         },
     }
 
@@ -460,23 +476,15 @@ def _reply_keys(text: str) -> list[str]:
 
 
 def _reply_record(op: proto.OpSpec) -> type | None:
-    if op.name == "hello":
-        return HelloInfo
-    if op.name == "status":
-        return StatusRecord
-    if op.reply.startswith("tenant status record"):
-        return TenantRecord
-    if op.reply.startswith("QuotaSnapshot"):
-        return QuotaSnapshot
-    return None
+    return REPLY_RECORDS.get(op.name)
 
 
-def _reply_schema(op: proto.OpSpec) -> dict[str, Any]:
+def _reply_schema(op: proto.OpSpec) -> dict[str, object]:
     record = _reply_record(op)
     if record is not None:
         return {"$ref": f"#/$defs/records/{record.__name__}"}
     keys = _reply_keys(op.reply)
-    schema: dict[str, Any] = {"type": "object", "required": keys}
+    schema: dict[str, object] = {"type": "object", "required": keys}
     if op.name == "register":
         schema["properties"] = {"capability": {"x-msgpack": "bin", "description": "the tenant's capability bytes"}}
     if op.name == "rotate_key":
@@ -492,23 +500,23 @@ def _capability_of(op: proto.OpSpec) -> str:
     return "admin" if op.admin else "tenant"
 
 
-def _op_entry(op: proto.OpSpec) -> dict[str, Any]:
+def _op_entry(op: proto.OpSpec) -> dict[str, object]:
     required = [a.name for a in op.args if a.required]
-    properties: dict[str, Any] = {}
+    properties: dict[str, object] = {}
     for arg in op.args:
         schema = _arg_schema(arg)
         if op.name == "register" and arg.name == "spec":
             schema = {"$ref": "#/$defs/tenant_spec"}
-        elif op.name == "set_quota" and arg.name in proto.QUOTA_KEYS:
+        elif op.name == "set_quota" and arg.name in proto.QUOTA_KEYS and str in arg.types:  # the byte sizes
             schema = _size_schema("null" in str(schema.get("type")))
         note = ARG_NOTES.get((op.name, arg.name))
         if note:
             schema = {**schema, "description": note}
         properties[arg.name] = schema
-    args: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": True}
+    args: dict[str, object] = {"type": "object", "properties": properties, "additionalProperties": True}
     if required:
         args["required"] = required
-    entry: dict[str, Any] = {
+    entry: dict[str, object] = {
         "capability": _capability_of(op),
         "without_capability": op.anonymous,
         "args": args,
@@ -529,11 +537,11 @@ def _op_entry(op: proto.OpSpec) -> dict[str, Any]:
     return entry
 
 
-def build_schema() -> dict[str, Any]:
+def build_schema() -> dict[str, object]:
     """The whole contract as one JSON Schema document (see the module docstring)."""
     ops = {name: _op_entry(op) for name, op in sorted(proto.OPS.items())}
     errors = {code: _error_schema(code, cls) for code, cls in _error_classes().items()}
-    defs: dict[str, Any] = {
+    defs: dict[str, object] = {
         "size": _size_def(),
         "tenant_spec": tenant_spec_schema(),
         "request_header": {
@@ -587,13 +595,13 @@ def build_schema() -> dict[str, Any]:
     }
 
 
-def schema_text(schema: dict[str, Any] | None = None) -> str:
+def schema_text(schema: dict[str, object] | None = None) -> str:
     """The schema file's exact text (sorted keys, two-space indent, a final newline)."""
     return json.dumps(build_schema() if schema is None else schema, indent=2, sort_keys=True) + "\n"
 
 
-def load_schema() -> dict[str, Any]:
+def load_schema() -> dict[str, object]:
     """The schema shipped with the package (``shared/protocol.schema.json``)."""
-    data: dict[str, Any] = json.loads(resources.files("shared").joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
+    data: dict[str, object] = json.loads(resources.files("shared").joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
     return data
 

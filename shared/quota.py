@@ -39,21 +39,25 @@ call is refused.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import os
 import re
 import secrets
-from dataclasses import asdict, dataclass
-from typing import Any, Final
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Final
 from collections.abc import Callable
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
+from shared.checks import is_int
 from shared.errors import GpuMemoryExhausted, MemoryExhausted, SegmentError
 from shared.ids import TenantId
 from shared.log import get_logger, log_event
 from shared.sizes import check_size_range
+from shared.wire import Record
 
 __all__ = [
     "DEFAULT_QUOTA_BYTES",
@@ -61,9 +65,11 @@ __all__ = [
     "MAX_INSTANCES",
     "NAME_MAX",
     "SEGMENT_PREFIX",
+    "UNCHANGED",
     "QuotaBlock",
     "QuotaSnapshot",
     "SegmentHeader",
+    "Unchanged",
     "cleanup_stale_segments",
     "is_legacy_name",
     "namespace_of",
@@ -128,7 +134,13 @@ GPU_WAIT_BUCKETS_S: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
 _GT_BOUNDS_NS = tuple(round(b * 1e9) for b in GPU_WAIT_BUCKETS_S)
 assert _GT_BINS + 8 * (len(GPU_WAIT_BUCKETS_S) + 1) <= SEGMENT_BYTES
 
-_UNCHANGED: Any = object()
+class Unchanged(enum.Enum):
+    """The "not given" default of a live limit change (there ``None`` means "no limit")."""
+
+    TOKEN = 0
+
+
+UNCHANGED: Final = Unchanged.TOKEN
 
 
 def _instance_off(index: int) -> int:
@@ -150,8 +162,8 @@ def _granted(share_sum: int, high_water: int) -> int:
     return min(share_sum, high_water)
 
 
-def _check_amount(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_amount(value: object, what: str) -> int:
+    if not is_int(value):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     return check_size_range(value, what)
 
@@ -244,9 +256,10 @@ class SegmentHeader:
         return _owner_alive(self.owner_pid, self.owner_start_ms)
 
 
-@dataclass(frozen=True)
-class QuotaSnapshot:
-    """Every counter of a block at one moment (each field read atomically)."""
+@dataclass(frozen=True, slots=True)
+class QuotaSnapshot(Record):
+    """Every counter of a block at one moment (each field read atomically); a wire record
+    (the ``quota`` reply, ``TenantRecord.quota``)."""
 
     tenant_id: str
     name: str
@@ -274,11 +287,17 @@ class QuotaSnapshot:
     #: the wait histogram: a count per GPU_WAIT_BUCKETS_S bound and +Inf (not cumulative)
     gpu_wait_bins: tuple[int, ...] = (0,) * (len(GPU_WAIT_BUCKETS_S) + 1)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+    def to_dict(self) -> dict[str, object]:
+        """The wire map (what :meth:`Record.to_wire` gives), written out field by field: the frontend
+        answers a ``quota`` request with it, and ``dataclasses.asdict``'s deep copy cost 25 us a call,
+        half of what a ``quota`` answer cost (issue 25, a quota flood)."""
+        d = {name: getattr(self, name) for name in _SNAPSHOT_FIELDS}
         d["instance_shares"] = [list(t) for t in self.instance_shares]
         d["gpu_wait_bins"] = list(self.gpu_wait_bins)
         return d
+
+
+_SNAPSHOT_FIELDS: Final = tuple(f.name for f in fields(QuotaSnapshot))
 
 
 def write_header(buf: memoryview, kind: int, label: str, generation: int, size: int) -> None:
@@ -463,7 +482,7 @@ class QuotaBlock(MappedSegment):
         instance's share, which the supervisor reclaims if the process dies.
         """
         if instance is not None:
-            if isinstance(instance, bool) or not isinstance(instance, int):
+            if not is_int(instance):
                 raise TypeError(f"instance must be an int, not {type(instance).__name__}")
             if not 0 <= instance < MAX_INSTANCES:
                 raise ValueError(f"instance {instance} out of range 0..{MAX_INSTANCES - 1}")
@@ -502,16 +521,17 @@ class QuotaBlock(MappedSegment):
         8-byte loads are not torn on x86-64/arm64) instead of 130 atomic calls."""
         if self._closed:  # before the bulk read, which bypasses _load's check
             raise SegmentError(self.name, "quota block is closed")
+        return self._shares_checked()
+
+    def _shares_checked(self) -> list[tuple[int, int, int]]:
+        """:meth:`_shares` once the caller has checked ``_closed``."""
         raw = self._buf[_INSTANCES:_LAYOUT_BYTES].cast("Q")
         step = _LINE // 8
         try:
-            return [
-                (i, raw[i * step], raw[i * step + 1])
-                for i in range(MAX_INSTANCES + 1)
-                if raw[i * step] or raw[i * step + 1]
-            ]
+            words = raw.tolist()  # one copy of the 65 lines, then plain list slicing (3x faster than indexing)
         finally:
             raw.release()
+        return [(i, cpu, gpu) for i, (cpu, gpu) in enumerate(zip(words[0::step], words[1::step])) if cpu or gpu]
 
     @property
     def bytes_in_use(self) -> int:
@@ -550,8 +570,12 @@ class QuotaBlock(MappedSegment):
 
     def snapshot(self) -> QuotaSnapshot:
         """Every counter, high-water mark, refusal and underflow count."""
-        load = self._load
-        slots = self._shares()
+        # closed / truncated checked once for the whole snapshot: ``_load`` checks it each time,
+        # and the truncation check is an fstat - 29 of them made a snapshot cost ~35 us
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        load = partial(_atomics.load, self._buf)
+        slots = self._shares_checked()
         shares = [t for t in slots if t[0] != _UNATTRIBUTED]
         cpu_high_water = load(_CPU + _atomics.F_HIGH_WATER)
         gpu_high_water = load(_GPU + _atomics.F_HIGH_WATER)
@@ -617,9 +641,9 @@ class QuotaBlock(MappedSegment):
     def set_limits(
         self,
         *,
-        memory_quota_bytes: int = _UNCHANGED,
-        gpu_memory_bytes_cap: int | None = _UNCHANGED,
-        recorded_cuda_mem_pool_quota: int | None = _UNCHANGED,
+        memory_quota_bytes: int | Unchanged = UNCHANGED,
+        gpu_memory_bytes_cap: int | None | Unchanged = UNCHANGED,
+        recorded_cuda_mem_pool_quota: int | None | Unchanged = UNCHANGED,
     ) -> None:
         """Change limits live; omitted ones stay. ``None`` removes the GPU cap.
 
@@ -627,11 +651,11 @@ class QuotaBlock(MappedSegment):
         usage falls under it; nothing already consumed is taken away.
         """
         updates: list[tuple[int, int]] = []
-        if memory_quota_bytes is not _UNCHANGED:
+        if memory_quota_bytes is not UNCHANGED:
             updates.append((_CPU + _atomics.F_LIMIT, _check_amount(memory_quota_bytes, "memory_quota_bytes")))
-        if gpu_memory_bytes_cap is not _UNCHANGED:
+        if gpu_memory_bytes_cap is not UNCHANGED:
             updates.append((_GPU + _atomics.F_LIMIT, _limit_to_raw(gpu_memory_bytes_cap, "gpu_memory_bytes_cap")))
-        if recorded_cuda_mem_pool_quota is not _UNCHANGED:
+        if recorded_cuda_mem_pool_quota is not UNCHANGED:
             updates.append(
                 (_S_POOL_QUOTA, _limit_to_raw(recorded_cuda_mem_pool_quota, "recorded_cuda_mem_pool_quota"))
             )

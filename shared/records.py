@@ -1,85 +1,61 @@
 """Typed records at the process boundaries: status, tenants, instances, boot and bind messages.
 
 Each record is a frozen dataclass with one encoder (:meth:`Record.to_wire`,
-a msgpack-ready dict) and one decoder (:meth:`Record.from_wire`), so the
-supervisor builds them with checked fields and the CLI, chaos campaign and
-Prometheus exporter read attributes instead of ``.get("...")`` on a dict.
+a msgpack-ready dict) and one checked decoder (:meth:`Record.from_wire`,
+see :mod:`shared.wire`), so the supervisor builds them with checked fields
+and :class:`supervisor.client.api.SupervisorClient`, the CLI, the chaos campaign
+and the Prometheus exporter read typed attributes instead of ``.get("...")``
+on a dict. Records nest records (a tenant's spec is a
+:class:`~shared.spec.TenantSpec`, its quota a
+:class:`~shared.quota.QuotaSnapshot`, an instance's last exit an
+:class:`ExitRecord`, a device a :class:`DeviceRecord`).
 
 Decoding ignores keys a record does not know (an older reader of a newer
 supervisor) and fills fields a message lacks from their defaults; a field
-without a default that is missing raises :class:`ProtocolError`.
+without a default that is missing, or a value of the wrong type, raises
+:class:`~shared.errors.ProtocolError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Final
 
-from shared.errors import ProtocolError
+from shared.quota import QuotaSnapshot
+from shared.spec import TenantSpec
+from shared.wire import Record
 
 __all__ = [
+    "AliveInfo",
     "BindMessage",
     "BootMessage",
+    "DeviceRecord",
+    "EventsPage",
+    "EvictResult",
+    "ExitRecord",
     "FaultAck",
     "FaultExit",
     "FaultOrder",
+    "FaultResult",
     "HelloInfo",
     "InstanceRecord",
+    "PingInfo",
     "PoolRecord",
+    "ProbedDevice",
+    "QuotaSnapshot",
     "Record",
+    "RegionGrant",
+    "REPLY_RECORDS",
     "RegionRecord",
+    "ReloadChange",
+    "ReloadResult",
+    "RunResult",
     "StatusRecord",
     "SupervisorRecord",
     "TenantRecord",
+    "TenantSpec",
     "WorkerHello",
 ]
-
-R = TypeVar("R", bound="Record")
-
-
-class Record:
-    """Mixin: the one encoder/decoder of every record below."""
-
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if isinstance(value, Record):
-                value = value.to_wire()
-            elif isinstance(value, tuple):
-                value = [v.to_wire() if isinstance(v, Record) else v for v in value]
-            out[f.name] = value
-        return out
-
-    @classmethod
-    def from_wire(cls: type[R], data: Mapping[str, Any]) -> R:
-        if not isinstance(data, Mapping):
-            raise ProtocolError(f"{cls.__name__} must be a map, not {type(data).__name__}")
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name not in data:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise ProtocolError(f"{cls.__name__} lacks {f.name!r}")
-                continue
-            value = data[f.name]
-            nested = f.metadata.get("record")
-            if nested is not None and value is not None:
-                if isinstance(value, list):
-                    value = tuple(nested.from_wire(v) for v in value)
-                else:
-                    value = nested.from_wire(value)
-            elif isinstance(value, list):
-                value = tuple(value)
-            kwargs[f.name] = value
-        return cls(**kwargs)
-
-
-def _holds(record: type[Record]) -> dict[str, Any]:
-    """Field metadata: the field holds a ``record`` (or a tuple of them), decoded as one."""
-    return {"record": record}
-
 
 # ------------------------------------------------------------------ supervisor -> worker
 
@@ -112,12 +88,13 @@ class BootMessage(Record):
 class BindMessage(Record):
     """The ``bind`` request's arguments: which tenant instance a worker becomes."""
 
-    spec: dict[str, Any]  # TenantSpec.to_dict()
+    spec: TenantSpec
     instance: int
     incarnation: int
     segment: str  # the tenant's quota block
     backend: str
-    backend_options: dict[str, Any] = field(default_factory=dict)
+    #: free-form by design: each backend reads its own options (worker.backends)
+    backend_options: dict[str, object] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ control channel (both ways)
@@ -136,7 +113,8 @@ class FaultOrder(Record):
     """``fault`` (supervisor -> worker): arm or execute one fault (kinds: ``shared.protocol.FAULT_KINDS``)."""
 
     kind: str
-    params: dict[str, Any] = field(default_factory=dict)
+    #: free-form by design: each fault kind reads its own parameters (worker.faults)
+    params: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +122,10 @@ class FaultAck(Record):
     """``fault_ack`` (worker -> supervisor): what was armed, or the typed error that refused it."""
 
     ok: bool
-    armed: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None  # TensorWasmError.to_dict() when not ok
+    #: the armed fault's parameters as the worker read them (free-form, like FaultOrder.params)
+    armed: dict[str, object] | None = None
+    #: TensorWasmError.to_dict() when not ok: a wire error map (shared.errors.error_from_dict reads it)
+    error: dict[str, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +154,24 @@ class HelloInfo(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class AliveInfo(Record):
+    """The ``hello`` reply without a capability: the liveness probe that needs no secret."""
+
+    protocol: int
+    ready: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ExitRecord(Record):
+    """How an instance's last worker ended (``InstanceRecord.last_exit``)."""
+
+    exit_code: int | None
+    signal: int | None
+    reason: str
+    at: float  # time.time() of the exit
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceRecord(Record):
     """One instance slot of a tenant."""
 
@@ -185,7 +183,7 @@ class InstanceRecord(Record):
     restarts: int
     uptime_s: float | None
     draining: bool
-    last_exit: dict[str, Any] | None  # {exit_code, signal, reason, at}
+    last_exit: ExitRecord | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +205,7 @@ class TenantRecord(Record):
     generation: int
     failed_reason: str | None = None
     pids: tuple[int, ...] = ()
-    instances: tuple[InstanceRecord, ...] = field(default=(), metadata=_holds(InstanceRecord))
+    instances: tuple[InstanceRecord, ...] = field(default=())
     restarts: int = 0
     in_flight: int = 0
     parked: int = 0
@@ -215,22 +213,24 @@ class TenantRecord(Record):
     backend: str = ""
     device: int = 0
     isolation: str = ""
-    spec: dict[str, Any] = field(default_factory=dict)
+    spec: TenantSpec | None = None  # None only from a supervisor too old to send it
     bytes_in_use: int = 0
     memory_quota_bytes: int = 0
     gpu_bytes_in_use: int = 0
     gpu_memory_bytes_cap: int | None = None
-    quota: dict[str, Any] = field(default_factory=dict)  # the full QuotaSnapshot
-    regions: tuple[RegionRecord, ...] = field(default=(), metadata=_holds(RegionRecord))
+    quota: QuotaSnapshot | None = None  # None while the tenant's block is being unlinked (evict)
+    regions: tuple[RegionRecord, ...] = field(default=())
     origin: str = "runtime"  # "file": managed by the config file (reload); "runtime": by register/evict
     #: its ``tenant`` label on /metrics: a pseudonym stable across restarts, or the name (metrics_tenant_names)
     metrics_label: str = ""
     #: GPU time (shared.gpu_time): weight, cap, gpu_time_s, share over the last window, throttled, ...
-    gpu_time: dict[str, Any] = field(default_factory=dict)
+    gpu_time: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class PoolRecord(Record):
+    """The idle worker pool of a status."""
+
     idle: int
     starting: int
     size: int
@@ -242,7 +242,7 @@ class SupervisorRecord(HelloInfo):
     """The ``supervisor`` part of a status: hello info, run dir, pool, counts."""
 
     run_dir: str
-    pool: PoolRecord = field(metadata=_holds(PoolRecord))
+    pool: PoolRecord = field()
     workers: int
     internal_errors: int
     rss_bytes: int | None = None
@@ -269,12 +269,164 @@ class SupervisorRecord(HelloInfo):
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceRecord(Record):
+    """One GPU of a status (supervisor.routing.placement): its memory, its budget block, its tenants."""
+
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes_at_start: int | None  # None when the backend could not say
+    budget_capacity_bytes: int
+    reserve_bytes: int
+    budget_limit_bytes: int
+    budget_used_bytes: int
+    budget_free_bytes: int
+    budget_high_water: int
+    budget_refusals: int
+    tenants: tuple[str, ...] = ()
+    segment: str = ""
+    #: the device's GPU-time lease board (shared.gpu_time on main): scheduler, holder, grants, ...
+    #: (free-form, as TenantRecord.gpu_time there); empty without a board
+    gpu_time: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbedDevice(Record):
+    """One device as the backend probe reports it (the CUDA probe's child process prints JSON;
+    the stub's are made up from the config): what ``Placement.create`` sizes its budget from."""
+
+    index: int
+    total_bytes: int = 0
+    free_bytes: int | None = None  # None when the probe could not measure it
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class StatusRecord(Record):
     """The ``status`` reply."""
 
-    supervisor: SupervisorRecord = field(metadata=_holds(SupervisorRecord))
-    tenants: tuple[TenantRecord, ...] = field(default=(), metadata=_holds(TenantRecord))
-    devices: tuple[dict[str, Any], ...] = ()
+    supervisor: SupervisorRecord
+    tenants: tuple[TenantRecord, ...] = ()
+    devices: tuple[DeviceRecord, ...] = ()
 
     def tenant(self, tenant_id: str) -> TenantRecord | None:
         return next((t for t in self.tenants if t.tenant_id == tenant_id), None)
+
+
+# ------------------------------------------------------------------ other replies
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult(Record):
+    """The ``evict`` reply: the tenant and the pids of the workers that were stopped."""
+
+    evicted: str
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult(Record):
+    """The ``run_wasm`` reply (worker.wasm.host)."""
+
+    results: tuple[int | float, ...]
+    fuel_used: int | None
+    elapsed_s: float
+    cached: bool = False
+    gpu_peak_bytes: int = 0
+    memory_bytes: int = 0
+    logs: tuple[str, ...] = ()
+    logs_dropped: int = 0  # log lines over the run's log limits
+    exit_code: int | None = None  # the guest called exit() (WASI proc_exit): the run's outcome
+    gpu_time_s: float = 0.0  # device time the run's kernels used (shared GPU-time accounting)
+    gpu_wait_s: float = 0.0  # time the run waited for its GPU-time turn
+
+
+@dataclass(frozen=True, slots=True)
+class EventsPage(Record):
+    """An ``events`` reply: the events after the asked position (maps, free-form per kind: see
+    docs/OPERATIONS.md), the position to ask next, how many fell out of the log unread, whether
+    more are held, and the id of the log (another id: the supervisor was restarted)."""
+
+    events: tuple[dict[str, object], ...]
+    next: int
+    missed: int
+    more: bool
+    log: str
+
+
+@dataclass(frozen=True, slots=True)
+class PingInfo(Record):
+    """The ``ping`` reply: the worker that answered (tenant and instance are None while unbound)."""
+
+    pid: int
+    tenant: str | None
+    instance: int | None
+    requests: int
+    uptime_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RegionGrant(Record):
+    """The ``region_create`` reply: map ``name`` with ``shared.region.Region.attach``."""
+
+    region: int
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadChange(Record):
+    """One changed tenant of a reload: which spec fields, and whether it restarts or scales."""
+
+    tenant: str
+    fields: tuple[str, ...]
+    restart: bool
+    scale: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadResult(Record):
+    """The ``reload`` reply (supervisor.lifecycle.reload)."""
+
+    registered: tuple[str, ...] = ()
+    changed: tuple[ReloadChange, ...] = ()
+    evicted: tuple[str, ...] = ()
+    unchanged: tuple[str, ...] = ()
+    conflicts: tuple[str, ...] = ()
+    settings_not_applied: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FaultResult(Record):
+    """The ``inject_fault`` reply: where the fault went, and what came of it (armed, or the exit)."""
+
+    tenant: str
+    instance: int
+    pid: int
+    kind: str
+    ok: bool = True
+    armed: dict[str, object] | None = None  # free-form, as FaultAck.armed
+    exit_code: int | None = None
+    signal: int | None = None
+    exited: bool | None = None  # set when the fault ended the worker
+
+
+#: the record each op's success reply decodes as (``SupervisorClient`` returns these; the JSON
+#: Schema's reply of the op is this record's). Ops not listed reply with a small map of scalars.
+REPLY_RECORDS: Final[dict[str, type[Record]]] = {
+    "hello": HelloInfo,  # with a capability; without one the reply is an AliveInfo
+    "status": StatusRecord,
+    "tenant_status": TenantRecord,
+    "set_quota": TenantRecord,
+    "scale": TenantRecord,
+    "reset": TenantRecord,
+    "restart": TenantRecord,
+    "quota": QuotaSnapshot,
+    "evict": EvictResult,
+    "run_wasm": RunResult,
+    "ping": PingInfo,
+    "region_create": RegionGrant,
+    "reload": ReloadResult,
+    "inject_fault": FaultResult,
+}

@@ -42,6 +42,7 @@ from typing import Final
 
 from shared import _shm
 from shared._segment import MappedSegment
+from shared.checks import is_int
 from shared.errors import InvalidArgument, SegmentError
 from shared.quota import KIND_REGION, NAME_MAX, SEGMENT_PREFIX, check_header, write_header
 
@@ -84,7 +85,7 @@ def pipeline_chunk_bytes(total: int, largest: int = DEFAULT_CHUNK_BYTES) -> int:
 
 def round_region_size(nbytes: object) -> int:
     """``nbytes`` rounded up to whole pages; InvalidArgument outside the region bounds."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+    if not is_int(nbytes):
         raise InvalidArgument(f"region size must be an int, got {type(nbytes).__name__}")
     if not MIN_REGION_BYTES <= nbytes <= MAX_REGION_BYTES:
         raise InvalidArgument(
@@ -107,7 +108,7 @@ def region_name(prefix: str) -> str:
 def check_span(capacity: int, offset: object, nbytes: object, what: str = "region access") -> tuple[int, int]:
     """``(offset, nbytes)`` as ints when ``[offset, offset+nbytes)`` lies in ``capacity`` bytes."""
     for name, value in (("region_offset", offset), ("nbytes", nbytes)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise InvalidArgument(f"{what}: {name} must be an int, got {type(value).__name__}")
     assert isinstance(offset, int) and isinstance(nbytes, int)
     if offset < 0 or nbytes < 0 or offset + nbytes > capacity:

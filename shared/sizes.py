@@ -42,7 +42,7 @@ _SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", re.ASCII)
 MAX_SIZE = (1 << 63) - 1
 
 
-def parse_size(value: int | str, *, what: str = "size") -> int:
+def parse_size(value: object, *, what: str = "size") -> int:
     """Bytes from an int or a string like ``"512MiB"``, ``"2GiB"``, ``"1.5G"``, ``"4096"``.
 
     Raises ``ValueError`` (negative, unknown unit, >= 2**63) or ``TypeError``.

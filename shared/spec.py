@@ -19,10 +19,11 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import Any
-from collections.abc import Mapping
+from types import EllipsisType
+from collections.abc import Callable, Mapping
 
 from shared.gpu_time import check_gpu_time_cap, check_gpu_time_weight
+from shared.checks import is_int, is_number
 from shared.ids import TenantId
 from shared.quota import DEFAULT_QUOTA_BYTES, MAX_INSTANCES
 from shared.sizes import parse_size
@@ -56,24 +57,24 @@ class RestartPolicy(str, enum.Enum):
     NEVER = "never"
 
 
-def _size(value: Any, name: str) -> int:
+def _size(value: object, name: str) -> int:
     return parse_size(value, what=name)
 
 
-def _opt_size(value: Any, name: str) -> int | None:
+def _opt_size(value: object, name: str) -> int | None:
     return None if value is None else parse_size(value, what=name)
 
 
-def _int(value: Any, name: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _int(value: object, name: str, lo: int, hi: int) -> int:
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if not lo <= value <= hi:
         raise ValueError(f"{name} must be in {lo}..{hi}, got {value}")
     return value
 
 
-def _float(value: Any, name: str, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _float(value: object, name: str, lo: float, hi: float) -> float:
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
     number = float(value)
     if not (math.isfinite(number) and lo <= number <= hi):
@@ -173,8 +174,18 @@ class TenantSpec:
 
     # ------------------------------------------------------------ builder
 
-    def _with(self, **changes: Any) -> TenantSpec:
-        return dataclasses.replace(self, **changes)
+    def _with(self, **changes: object) -> TenantSpec:
+        values: dict[str, object] = {name: getattr(self, name) for name in self.field_names()}
+        values.update(changes)
+        return TenantSpec._checked(values)
+
+    @classmethod
+    def _checked(cls, values: Mapping[str, object]) -> TenantSpec:
+        """``TenantSpec(**values)`` for values of types not known yet: ``__post_init__`` checks
+        every field's type and range (``TypeError``/``ValueError``), so the constructor is the
+        checker and is called as a plain callable here."""
+        make: Callable[..., TenantSpec] = cls
+        return make(**values)
 
     def with_memory_quota_bytes(self, n: int | str) -> TenantSpec:
         return self._with(memory_quota_bytes=n)
@@ -194,9 +205,9 @@ class TenantSpec:
     def with_sm_percentage(self, pct: int | None) -> TenantSpec:
         return self._with(sm_percentage=pct)
 
-    def with_gpu_time(self, *, weight: float | None = None, cap: float | None | Any = ...) -> TenantSpec:
+    def with_gpu_time(self, *, weight: float | None = None, cap: float | None | EllipsisType = ...) -> TenantSpec:
         """Weight and/or cap of the tenant's GPU time (``cap=None`` removes the cap; omitted: unchanged)."""
-        changes: dict[str, Any] = {}
+        changes: dict[str, object] = {}
         if weight is not None:
             changes["gpu_time_weight"] = weight
         if cap is not ...:
@@ -213,7 +224,7 @@ class TenantSpec:
         max_restarts: int | None = None,
         restart_window_s: float | None = None,
     ) -> TenantSpec:
-        changes: dict[str, Any] = {"restart": policy}
+        changes: dict[str, object] = {"restart": policy}
         if max_restarts is not None:
             changes["max_restarts"] = max_restarts
         if restart_window_s is not None:
@@ -230,7 +241,7 @@ class TenantSpec:
         timeout_s: float | None = None,
         max_memory_bytes: int | str | None = None,
     ) -> TenantSpec:
-        changes: dict[str, Any] = {}
+        changes: dict[str, object] = {}
         if fuel is not None:
             changes["wasm_fuel"] = fuel
         if timeout_s is not None:
@@ -241,14 +252,14 @@ class TenantSpec:
 
     # -------------------------------------------------------- the deadline rule
 
-    def wasm_run_s(self, requested: Any = None) -> float:
+    def wasm_run_s(self, requested: object = None) -> float:
         """The run time a ``run_wasm`` gets: ``requested`` if it is a positive number, never
         more than ``wasm_timeout_s``."""
-        if isinstance(requested, (int, float)) and not isinstance(requested, bool) and requested > 0:
+        if is_number(requested) and requested > 0:
             return min(float(requested), self.wasm_timeout_s)
         return self.wasm_timeout_s
 
-    def deadline_s(self, op: str, timeout_s: Any = None) -> float:
+    def deadline_s(self, op: str, timeout_s: object = None) -> float:
         """THE deadline rule: how long after it arrives the supervisor answers ``op`` at the latest.
 
         A ``run_wasm`` gets its run time (:meth:`wasm_run_s` of its ``timeout_s``) plus
@@ -266,7 +277,7 @@ class TenantSpec:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TenantSpec:
+    def from_dict(cls, data: Mapping[str, object]) -> TenantSpec:
         """Build from a dict / TOML table; unknown keys are refused by name.
 
         ``name`` is accepted as an alias of ``tenant_id`` (``[[tenant]] name = "acme"``).
@@ -288,11 +299,11 @@ class TenantSpec:
             )
         if "tenant_id" not in values:
             raise ValueError("tenant spec needs a 'tenant_id' (or 'name')")
-        return cls(**values)
+        return cls._checked(values)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain values only (enums as strings): msgpack/TOML/JSON-able."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for name in self.field_names():
             value = getattr(self, name)
             out[name] = value.value if isinstance(value, enum.Enum) else (

@@ -48,6 +48,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import zmq
@@ -56,10 +57,12 @@ from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.capability import RegistryAdminCapability, capability_from_bytes
 from shared.errors import TenantIsolationViolation, TensorWasmError
+from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
 from shared.log import get_logger, log_event
 from shared.proctitle import set_process_name
 from shared.quota import cleanup_stale_segments
 from supervisor.control.admin import AdminOps
+from supervisor.control import ops as admin_ops
 from supervisor.store.audit import DeniedAudit
 from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.observe.event_log import EventLog
@@ -88,7 +91,7 @@ from supervisor.observe.sd_notify import SystemdNotifier
 from supervisor.control.service import ServiceOps
 from supervisor.runtime.stall import StallGuard
 from supervisor.store.state import StateStore
-from supervisor.admission.tcp_frontend import TcpFrontend
+from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
 from supervisor.lifecycle.workerset import WorkerSet
@@ -110,7 +113,7 @@ RSS_CHECK_INTERVAL_S = 1.0
 class _Parts:
     """Everything :meth:`Supervisor._setup` builds (absent until then)."""
 
-    zctx: zmq.Context[Any]
+    zctx: zmq.Context[zmq.Socket[bytes]]
     placement: Placement
     replies: Replies
     pending: PendingTable
@@ -210,6 +213,13 @@ class Supervisor:
         from supervisor.lifecycle.backend_select import select_backend
 
         choice = select_backend(cfg)
+        # each device's GPU-time board holds every tenant the config allows, with room for the slots of
+        # evicted tenants whose workers are still stopping (and every stored tenant, should a restart
+        # have lowered the limits: restoring is never refused)
+        stored = state.tenants()
+        tenant_slots = 2 * max(cfg.max_tenants, len(stored) + len(cfg.tenants))
+        worker_slots = 2 * max(cfg.max_workers, sum(r.spec.instances for r in stored)
+                               + sum(t.instances for t in cfg.tenants))
         placement = Placement.create(
             choice.name,
             choice.devices,
@@ -219,14 +229,21 @@ class Supervisor:
             no_mps_dir=os.path.join(self.rundir.path, "no-mps"),
             gpu_time_quantum_s=cfg.gpu_time_quantum_s,
             gpu_time_scheduler=cfg.gpu_time_scheduler,
+            gpu_time_tenants=min(tenant_slots, LIMIT_TENANT_SLOTS),
+            gpu_time_workers=min(worker_slots, LIMIT_WORKER_SLOTS),
         )
         log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
                   devices=placement.indexes)
         keys = _server_keys(cfg, state) if cfg.listen else None  # a malformed key stops the start here
-        z: zmq.Context[Any] = zmq.Context()
+        # With a TCP frontend, two I/O threads: CURVE's crypto for TCP clients runs on its own
+        # (TCP_IO_AFFINITY), so that a flood over TCP does not queue the local clients' and the
+        # workers' messages behind it in one I/O thread (issue 25: a tcp-ping flood's victim)
+        z: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2 if keys is not None else 1)
 
-        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[Any]:
-            s: zmq.Socket[Any] = z.socket(zmq.ROUTER)
+        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[bytes]:
+            s: zmq.Socket[bytes] = z.socket(zmq.ROUTER)
+            if keys is not None:
+                s.setsockopt(zmq.AFFINITY, LOCAL_IO_AFFINITY)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, max_msg)
@@ -256,6 +273,8 @@ class Supervisor:
         backend_sock = router("backend", cfg.max_message_bytes, 10_000)
         control_sock = router("control", 1 << 20, 10_000)
         pub = z.socket(zmq.PUB)
+        if keys is not None:
+            pub.setsockopt(zmq.AFFINITY, LOCAL_IO_AFFINITY)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.bind(self.rundir.endpoint("events"))
@@ -292,7 +311,7 @@ class Supervisor:
         frontend = Frontend(
             cfg, loop=self.loop, sock=frontend_sock, tcp_sock=tcp.socket if tcp is not None else None,
             replies=replies, pending=pending, workers=workers,
-            registry=registry, tenants=self.tenants, admin=admin.handle, on_denied=on_denied,
+            registry=registry, tenants=self.tenants, on_denied=on_denied,
             regions=RegionTable(registry.segment_prefix), guard=guard, admin_cap=admin_cap.to_bytes(),
             event_log=self.event_log,
         )
@@ -309,6 +328,8 @@ class Supervisor:
             pending=pending, events=self.events, on_key_rotated=on_key_rotated,
         )
         admin.attach(workers, frontend, service)
+        # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
+        frontend.serve_ops(admin_ops.handlers(admin, service), admin_ops.local_handlers(frontend))
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference
@@ -338,9 +359,9 @@ class Supervisor:
         Returns the process exit code: 0 after a graceful stop. A failure to start raises
         (``twt supervise`` maps the exception to its exit code).
         """
-        prev: dict[int, Any] = {}
+        prev: dict[int, Any] = {}  # signal.getsignal()'s handlers (typeshed's private union), put back as they were
 
-        def on_signal(signum: int, frame: Any) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
             log_event(_log, logging.INFO, "supervisor.signal", signal=signum)
             if signum == signal.SIGHUP:
                 self.request_reload()  # a closed terminal or `systemctl reload`: never a stop
@@ -505,7 +526,7 @@ class Supervisor:
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
                   backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
 
-    def _ready_info(self, admin: AdminOps) -> dict[str, Any]:
+    def _ready_info(self, admin: AdminOps) -> dict[str, object]:
         tcp = self.parts.tcp if self.parts is not None else None
         return {
             "pid": os.getpid(),
@@ -532,8 +553,7 @@ class Supervisor:
         rebuilds the dict (``_refresh_metrics``) and hands it over; the loop
         also refreshes it every second. Waits at most 1 s for a fresh one.
         """
-        value: MetricsSnapshot = self._metrics.request(1.0)
-        return value
+        return self._metrics.request(1.0)
 
     def _refresh_metrics(self) -> None:
         """Loop thread: rebuild the exporter's snapshot (tenants, warm pool, device budgets)."""
@@ -548,7 +568,7 @@ class Supervisor:
         if parts is None:
             self._metrics.publish(MetricsSnapshot(tenants=tenants))
             return
-        devices = tuple(DeviceGauges(d["index"], d["budget_limit_bytes"], d["budget_used_bytes"], d["budget_refusals"])
+        devices = tuple(DeviceGauges(d.index, d.budget_limit_bytes, d.budget_used_bytes, d.budget_refusals)
                         for d in parts.placement.status())
         self._metrics.publish(MetricsSnapshot(
             tenants=tenants, pool_idle=len(parts.workers.pool), pool_starting=parts.workers.pool_starting,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+from shared.checks import is_int
 from shared.errors import GpuMemoryExhausted, InvalidArgument
 from shared.log import get_logger, log_event
 from shared.protocol import MAX_BUFFERS_PER_INSTANCE, handle_incarnation, handle_instance, make_handle
@@ -66,7 +67,7 @@ class MeteredAllocator:
 
     def alloc_buffer(self, nbytes: int) -> DeviceBuffer:
         """Metered allocation of a buffer not entered in the handle table (WASM run scope)."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        if not is_int(nbytes):
             raise InvalidArgument(f"nbytes must be an int, got {type(nbytes).__name__}")
         if not 0 < nbytes <= MAX_BUFFER_BYTES:
             raise InvalidArgument(f"nbytes must be in 1..2**63-1, got {nbytes}")
@@ -139,7 +140,7 @@ class MeteredAllocator:
         return handle
 
     def lookup(self, handle: object) -> DeviceBuffer:
-        if isinstance(handle, bool) or not isinstance(handle, int):
+        if not is_int(handle):
             raise InvalidArgument(f"buffer handle must be an int, got {type(handle).__name__}")
         buf = self._buffers.get(handle)
         if buf is None:
@@ -168,7 +169,7 @@ class MeteredAllocator:
         return buf.nbytes
 
     def check_range(self, buf: DeviceBuffer, offset: object, nbytes: int, what: str = "access") -> int:
-        if isinstance(offset, bool) or not isinstance(offset, int):
+        if not is_int(offset):
             raise InvalidArgument(f"offset must be an int, got {type(offset).__name__}")
         if offset < 0 or nbytes < 0 or offset + nbytes > buf.nbytes:
             raise InvalidArgument(
@@ -184,7 +185,7 @@ class MeteredAllocator:
 
     def read(self, handle: int, offset: int, nbytes: object) -> bytes:
         buf = self.lookup(handle)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        if not is_int(nbytes):
             raise InvalidArgument(f"nbytes must be an int, got {type(nbytes).__name__}")
         off = self.check_range(buf, offset, nbytes, "read")
         return self.backend.read(buf, off, nbytes)

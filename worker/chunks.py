@@ -29,14 +29,13 @@ and sizes the next chunk to the 2 ms target.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from worker.backends.base import Backend, DeviceBuffer
 
 __all__ = ["Plan", "plan"]
 
 #: (units, cost of one unit, args of the chunk [lo, hi))
-Plan = tuple[int, int, Callable[[int, int], tuple[Any, ...]]]
+Plan = tuple[int, int, Callable[[int, int], tuple[object, ...]]]
 
 _F = 4  # bytes per float32
 
@@ -105,7 +104,7 @@ _PLANNERS: dict[str, Callable[..., Plan | None]] = {
 }
 
 
-def plan(name: str, backend: Backend, args: tuple[Any, ...]) -> Plan | None:
+def plan(name: str, backend: Backend, args: tuple[object, ...]) -> Plan | None:
     """How op ``name`` with ``args`` (checked, in range) splits; None: it runs whole."""
     planner = _PLANNERS.get(name)
     if planner is None or not args:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from shared.gpu_time import GpuTimeBoard
 from shared.log import get_logger, log_event
@@ -61,7 +60,7 @@ class TenantContext:
         )
         #: every device op goes through it: timed, charged to the block, scheduled on the board
         self.gate = DeviceGate(block, backend, board)
-        self.extensions: dict[str, Any] = {}  # e.g. the WASM host, created on first use
+        self.extensions: dict[str, object] = {}  # e.g. the WASM host, created on first use
         self._closed = False
         if budget is not None:
             # the device memory this worker holds outside any buffer (a CUDA context, scratch,
@@ -77,7 +76,7 @@ class TenantContext:
         incarnation: int,
         segment: str,
         backend: str,
-        backend_options: dict[str, Any],
+        backend_options: dict[str, object],
         budget: ByteMeter | None = None,
         faults: FaultState | None = None,
         board: GpuTimeBoard | None = None,
@@ -107,7 +106,7 @@ class TenantContext:
         )
         return ctx
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         return {
             "tenant": self.tenant_id,
             "instance": self.instance,

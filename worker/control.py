@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -39,6 +39,9 @@ from shared.log import get_logger, log_event
 from shared.protocol import decode_control, encode_control
 from shared.records import BootMessage, FaultAck, FaultOrder, WorkerHello
 from worker.faults import FaultState
+
+if TYPE_CHECKING:
+    from worker.server import WorkerServer
 
 __all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT", "supervisor_alive"]
 
@@ -73,11 +76,11 @@ def supervisor_alive(pid: int | None, started: float | None) -> bool:
 class ControlThread(threading.Thread):
     def __init__(
         self,
-        zctx: zmq.Context[Any],
+        zctx: zmq.Context[zmq.Socket[bytes]],
         boot: BootMessage,
         faults: FaultState,
         stop_event: threading.Event,
-        stats: Any,
+        stats: WorkerServer,
     ) -> None:
         super().__init__(name="twt-control", daemon=True)
         self.zctx = zctx
@@ -102,7 +105,7 @@ class ControlThread(threading.Thread):
             sock.close(0)
             self.closed.set()
 
-    def _loop(self, sock: zmq.Socket[Any]) -> None:
+    def _loop(self, sock: zmq.Socket[bytes]) -> None:
         last_heard = time.monotonic()
         interval = self.boot.heartbeat_interval_s
         silent_after = interval * self.boot.heartbeat_liveness
@@ -154,7 +157,7 @@ class ControlThread(threading.Thread):
             raise InvalidArgument(f"fault 'cuda-fault' needs the cuda backend (this worker runs "
                                   f"{name or 'no backend yet'!r})")
 
-    def _on_message(self, sock: zmq.Socket[Any], kind: str, args: dict[str, Any]) -> None:
+    def _on_message(self, sock: zmq.Socket[bytes], kind: str, args: dict[str, object]) -> None:
         if kind == "stop":
             log_event(_log, logging.INFO, "worker.stop_requested")
             self.stop_event.set()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from shared.errors import KernelTimeout
 from shared.gpu_time import GpuTimeBoard
@@ -31,6 +31,8 @@ from worker.backends.timing import OpTimer
 from worker.chunks import plan
 
 __all__ = ["CHUNK_S", "DeviceGate"]
+
+T = TypeVar("T")
 
 _log = get_logger("worker.device_time")
 
@@ -62,7 +64,7 @@ class DeviceGate:
             self._timer = self.backend.op_timer()
         return self._timer
 
-    def op(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], deadline_ns: int | None = None) -> Any:
+    def op(self, name: str, fn: Callable[..., T], args: tuple[object, ...], deadline_ns: int | None = None) -> T | None:
         """Run op ``name`` = ``fn(*args)`` on the device, in chunks where it splits (see module doc);
         the result of ``fn`` for an op run whole (a sum), else None."""
         p = plan(name, self.backend, args)
@@ -88,7 +90,7 @@ class DeviceGate:
         self.block.observe_gpu_wait(wait)
         return None
 
-    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], deadline_ns: int | None) -> tuple[int, int, Any]:
+    def _run(self, fn: Callable[..., T], args: tuple[object, ...], deadline_ns: int | None) -> tuple[int, int, T | None]:
         """One launch under the lease: (device ns, ns waited for the device, its result)."""
         board = self.board
         waited = 0
@@ -99,7 +101,7 @@ class DeviceGate:
                 raise KernelTimeout(0.0, message=f"waiting for the device: {exc}") from None
         self.run_wait_ns += waited
         ns = 0
-        result: list[Any] = []
+        result: list[T] = []
         try:
             ns = self._timer_().time(lambda: result.append(fn(*args)))
         finally:

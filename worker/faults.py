@@ -21,17 +21,17 @@ import os
 import signal
 import threading
 import time
-from typing import Any
 
+from shared.checks import is_int
 from shared.errors import InvalidArgument
 from shared.protocol import FAULT_KINDS
 
 __all__ = ["FAULT_KINDS", "FaultState"]
 
 
-def _int_param(params: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+def _int_param(params: dict[str, object], name: str, default: int, lo: int, hi: int) -> int:
     value = params.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_int(value) or not lo <= value <= hi:
         raise InvalidArgument(f"fault parameter {name} must be an int in {lo}..{hi}, got {value!r}")
     return value
 
@@ -49,7 +49,7 @@ class FaultState:
         self.kernel_fault = threading.Event()
         self._leaked: list[bytes] = []
 
-    def apply(self, kind: str, params: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, kind: str, params: dict[str, object]) -> dict[str, object]:
         """Arm or execute one fault; returns what was armed (for the ack)."""
         if kind == "crash":
             os.kill(os.getpid(), signal.SIGKILL)

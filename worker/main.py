@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
 
 from shared.exitcodes import WORKER_CRASHED, WORKER_PARENT_GONE
 from shared.records import BootMessage, WorkerHello
@@ -60,7 +59,7 @@ def run(boot: BootMessage) -> None:
     configure_logging(boot.log_format, boot.log_level.upper())  # type: ignore[arg-type]
     log = get_logger("worker")
 
-    zctx: zmq.Context[Any] = zmq.Context()
+    zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     data = zctx.socket(zmq.DEALER)
     data.setsockopt(zmq.ROUTING_ID, boot.routing_id.encode())
     data.setsockopt(zmq.LINGER, 0)
@@ -72,7 +71,7 @@ def run(boot: BootMessage) -> None:
     faults = FaultState()
     server = WorkerServer(data, faults)
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def on_sigterm(signum: int, frame: object) -> None:
         server.stop_event.set()
 
     signal.signal(signal.SIGTERM, on_sigterm)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any
 
 import zmq
 
@@ -112,7 +111,7 @@ class WorkerRegions:
             self._unmap(*self._mapped.popitem(last=False))
 
 
-def _copy_region(server: WorkerServer, args: dict[str, Any], what: str) -> int:
+def _copy_region(server: WorkerServer, args: dict[str, object], what: str) -> int:
     """Run a write_region (region -> buffer) or read_region (buffer -> region) request;
     the number of bytes copied."""
     ctx = server.require_context()
@@ -130,19 +129,19 @@ def _copy_region(server: WorkerServer, args: dict[str, Any], what: str) -> int:
     return len(span)
 
 
-def op_write_region(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_write_region(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``write_region {handle, offset, region_name, region_offset, nbytes}`` -> ``{written}``:
     copy ``nbytes`` of the region at ``region_offset`` into the buffer at ``offset``."""
     return {"written": _copy_region(server, args, "write_region")}, None
 
 
-def op_read_region(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_read_region(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``read_region {handle, offset, region_name, region_offset, nbytes}`` -> ``{nbytes}``:
     copy ``nbytes`` of the buffer at ``offset`` into the region at ``region_offset``."""
     return {"nbytes": _copy_region(server, args, "read_region")}, None
 
 
-def op_region_drop(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_region_drop(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``region_drop {name}`` -> ``{dropped}``: the supervisor released the region."""
     ctx = server.context
     name = args.get("name")

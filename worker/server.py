@@ -30,11 +30,11 @@ import logging
 import os
 import threading
 import time
-from typing import Any
 from collections.abc import Callable
 
 import zmq
 
+from shared.checks import is_int
 from shared.device_budget import DeviceBudget  # imported at start, not at bind: binding must be fast
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.gpu_time import GpuTimeBoard
@@ -42,7 +42,6 @@ from shared.log import get_logger, log_event
 from shared.exitcodes import context_lost_exit_code
 from shared.protocol import decode_worker_request, encode_worker_reply
 from shared.records import BindMessage
-from shared.spec import TenantSpec
 from worker.context import TenantContext
 from worker.faults import FaultState
 
@@ -50,8 +49,8 @@ __all__ = ["Reply", "WorkerServer", "register_op"]
 
 _log = get_logger("worker")
 
-Reply = tuple[Any, "bytes | memoryview | None"]
-Handler = Callable[["WorkerServer", dict[str, Any], "zmq.Frame | None"], Reply]
+Reply = tuple[object, "bytes | memoryview | None"]
+Handler = Callable[["WorkerServer", dict[str, object], "zmq.Frame | None"], Reply]
 
 #: ops implemented outside this module, imported on first use ("module:function")
 _LAZY_OPS: dict[str, str] = {
@@ -85,7 +84,7 @@ def _resolve(op: str) -> Handler | None:
 class WorkerServer:
     """Serves requests for one tenant instance until told to stop."""
 
-    def __init__(self, sock: zmq.Socket[Any], faults: FaultState) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], faults: FaultState) -> None:
         self.sock = sock
         self.faults = faults
         self.context: TenantContext | None = None
@@ -146,7 +145,7 @@ class WorkerServer:
             log_event(_log, logging.ERROR, "worker.cuda_context_lost", error=lost, exit_code=self.exit_code)
             self.stop_event.set()
 
-    def reply(self, rid: int, ok: bool, payload: Any, body: bytes | memoryview | None = None) -> None:
+    def reply(self, rid: int, ok: bool, payload: object, body: bytes | memoryview | None = None) -> None:
         faults = self.faults
         if faults.slow_ms:
             time.sleep(faults.slow_ms / 1000)
@@ -178,15 +177,15 @@ class WorkerServer:
 # --------------------------------------------------------------------- ops
 
 
-def _int_arg(args: dict[str, Any], name: str, default: int | None = None) -> int:
+def _int_arg(args: dict[str, object], name: str, default: int | None = None) -> int:
     value = args.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
     return value
 
 
 @register_op("bind")
-def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_bind(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``bind {spec, instance, incarnation, segment, backend, backend_options}`` -> ``{pid, backend...}``.
 
     Turns an idle (pool) worker into tenant ``spec.tenant_id``'s instance; once only.
@@ -194,12 +193,12 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
     if server.context is not None:
         raise InvalidArgument(f"worker is already bound to {server.context.tenant_id!r}")
     msg = BindMessage.from_wire(args)
-    spec = TenantSpec.from_dict(msg.spec)
+    spec = msg.spec
     options = dict(msg.backend_options)
     budget = None
     budget_segment = options.pop("budget_segment", None)
     if budget_segment:
-        budget = DeviceBudget.attach(budget_segment)
+        budget = DeviceBudget.attach(str(budget_segment))
     board = None  # the device's GPU-time lease board and the tenant's slot on it (shared.gpu_time)
     board_segment = options.pop("gpu_time_segment", None)
     if board_segment:
@@ -225,7 +224,7 @@ def op_bind(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
 
 
 @register_op("ping")
-def op_ping(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_ping(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``ping {}`` -> ``{pid, tenant, instance, requests, uptime_s}`` (works unbound too)."""
     ctx = server.context
     return {
@@ -238,7 +237,7 @@ def op_ping(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
 
 
 @register_op("alloc")
-def op_alloc(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_alloc(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``alloc {nbytes}`` -> ``{handle, nbytes}``; GpuMemoryExhausted when refused (no device call)."""
     ctx = server.require_context()
     nbytes = _int_arg(args, "nbytes")
@@ -246,14 +245,14 @@ def op_alloc(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None)
 
 
 @register_op("free")
-def op_free(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_free(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``free {handle}`` -> ``{freed: nbytes}``; the bytes are released from the quota."""
     ctx = server.require_context()
     return {"freed": ctx.allocator.free(_int_arg(args, "handle"))}, None
 
 
 @register_op("write")
-def op_write(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_write(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``write {handle, offset}`` + body -> ``{written}``: copy the body into the buffer."""
     ctx = server.require_context()
     data = body.buffer if body is not None else memoryview(b"")
@@ -262,7 +261,7 @@ def op_write(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None)
 
 
 @register_op("read")
-def op_read(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_read(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``read {handle, offset, nbytes}`` -> ``{nbytes}`` + body with the bytes."""
     ctx = server.require_context()
     data = ctx.allocator.read(_int_arg(args, "handle"), _int_arg(args, "offset", 0), _int_arg(args, "nbytes"))
@@ -270,7 +269,7 @@ def op_read(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) 
 
 
 @register_op("buffers")
-def op_buffers(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_buffers(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``buffers {}`` -> ``{buffers: [[handle, nbytes], ...], bytes}`` of this instance."""
     ctx = server.require_context()
     handles = ctx.allocator.handles()

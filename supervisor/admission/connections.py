@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from typing import Any
+from typing import TypedDict
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -36,7 +36,20 @@ from shared.log import get_logger, log_event
 from supervisor.admission.fdlimit import fd_budget
 from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer
 
-__all__ = ["FrontendConnections", "watch"]
+__all__ = ["ConnectionStatus", "FrontendConnections", "watch"]
+
+
+class ConnectionStatus(TypedDict):
+    """The frontend's connection counters in a status (fields of ``shared.records.SupervisorRecord``)."""
+
+    fd_limit: int
+    connections: int
+    connection_budget: int
+    connections_shed: int
+    connections_shed_by: dict[str, int]
+    tcp_connections: int
+    tcp_sources: int
+
 
 _log = get_logger("supervisor.admission.connections")
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -48,13 +61,13 @@ MONITOR_HWM = 100_000
 _LOG_EVERY_S = 10.0
 
 
-def watch(sock: zmq.Socket[Any], events: int = _EVENTS) -> zmq.Socket[Any]:
+def watch(sock: zmq.Socket[bytes], events: int = _EVENTS) -> zmq.Socket[bytes]:
     """A monitor socket for ``sock`` with a deep queue (pyzmq's ``get_monitor_socket``
     keeps libzmq's default of 1,000 events). Call it before ``bind``: a connection
     accepted before it would never be counted."""
     addr = f"inproc://twt-monitor-{id(sock):x}-{time.monotonic_ns():x}"
     sock.monitor(addr, events)
-    pair: zmq.Socket[Any] = sock.context.socket(zmq.PAIR)
+    pair: zmq.Socket[bytes] = sock.context.socket(zmq.PAIR)
     pair.setsockopt(zmq.LINGER, 0)
     pair.setsockopt(zmq.RCVHWM, MONITOR_HWM)
     pair.connect(addr)
@@ -64,12 +77,12 @@ def watch(sock: zmq.Socket[Any], events: int = _EVENTS) -> zmq.Socket[Any]:
 class FrontendConnections:
     """Counts the frontend's connections and sheds those past the bounds."""
 
-    def __init__(self, sock: zmq.Socket[Any], path: str, *, max_tcp_peers: int = 1 << 30,
+    def __init__(self, sock: zmq.Socket[bytes], path: str, *, max_tcp_peers: int = 1 << 30,
                  max_tcp_peers_per_source: int = 1 << 30) -> None:
         self.path = path
-        self.monitor: zmq.Socket[Any] = watch(sock)
-        self.tcp_monitor: zmq.Socket[Any] | None = None
-        self._tcp_sock: zmq.Socket[Any] | None = None
+        self.monitor: zmq.Socket[bytes] = watch(sock)
+        self.tcp_monitor: zmq.Socket[bytes] | None = None
+        self._tcp_sock: zmq.Socket[bytes] | None = None
         #: the local ports of the TCP listeners (a shed fd must still be one of theirs)
         self.tcp_ports: set[int] = set()
         #: the soft limit the budget was computed from
@@ -88,7 +101,7 @@ class FrontendConnections:
         self.gate.budget = fd_budget(soft)
         return soft
 
-    def watch_tcp(self, sock: zmq.Socket[Any]) -> zmq.Socket[Any]:
+    def watch_tcp(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
         """Count the TCP frontend's connections too (call before it binds; then add each
         bound port to :attr:`tcp_ports`). Returns the monitor socket for the loop."""
         self._tcp_sock = sock
@@ -132,7 +145,7 @@ class FrontendConnections:
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.gate.disconnected(fd, tcp=True)
 
-    def _log_shed(self, reason: str, **fields: Any) -> None:
+    def _log_shed(self, reason: str, **fields: object) -> None:
         now = time.monotonic()
         if now - self._logged.get(reason, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._logged[reason] = now
@@ -141,7 +154,7 @@ class FrontendConnections:
                       connections=gate.connected, budget=gate.budget, tcp=gate.tcp, max_tcp_peers=gate.max_tcp,
                       shed=gate.shed_by.get(reason, 0), **fields)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ConnectionStatus:
         gate = self.gate
         return {
             "fd_limit": self.limit,

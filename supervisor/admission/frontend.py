@@ -29,27 +29,29 @@ May touch: the pending table (every answer goes through it), the worker set
 (to send), the registry (to verify capabilities), the event log (read:
 ``events``, which either capability may send, is answered here with the
 capability's view of :class:`~supervisor.observe.event_log.EventLog`). Admin ops are
-handed to :class:`supervisor.control.admin.AdminOps`. Loop thread only.
+verified here and handed to their handler, one per op (:mod:`supervisor.control.ops`,
+bound to the part that serves it: ``serve_ops``). Loop thread only.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 from collections.abc import Callable
 
 import zmq
 
 from shared import protocol as proto
 from shared.capability import RegistryAdminCapability, TenantCapability, capability_from_bytes
+from shared.checks import is_int
 from shared.config import SupervisorConfig
 from shared.errors import (
     BufferLost,
+    ClientRepliesQueued,
+    InFlightLimit,
     InvalidArgument,
-    Overloaded,
     ProtocolError,
     TenantFailed,
     TenantIsolationViolation,
@@ -84,8 +86,6 @@ __all__ = ["ClientMessage", "Frontend"]
 
 _log = get_logger("supervisor")
 
-MAX_MODULES_PER_TENANT = 32
-MAX_MODULE_BYTES_PER_TENANT = 256 << 20
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
@@ -93,13 +93,18 @@ _VERIFIED_CAP_CACHE = 65536
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _IPC = bytes([IPC_INDEX])
 _TCP = bytes([TCP_INDEX])
-def _ignore_reply(ok: bool, payload: Any) -> None:
+#: a request's body: its frame as received, or a module put_module stored (a run by digest)
+Body = zmq.Frame | bytes | None
+
+
+def _ignore_reply(ok: bool, payload: object) -> None:
     """Callback of the supervisor's own fire-and-forget worker requests."""
 
 
-AdminHandler = Callable[[bytes, int, str, "bytes | None", dict[str, Any], Any], None]
-#: a tenant op the frontend answers itself: (tenant, args, body) -> the result
-LocalOp = Callable[[TenantRuntime, dict[str, Any], Any], dict[str, Any]]
+#: an admin op's handler, bound to the part that serves it: (client, rid, args) (supervisor.control.ops)
+AdminHandler = Callable[[bytes, int, dict[str, object]], None]
+#: a tenant op the frontend answers itself, bound to it (supervisor.control.ops): (tenant, args, body) -> the result
+LocalOp = Callable[[TenantRuntime, dict[str, object], "Body"], object]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
 DenialHook = Callable[["bytes | None", str], None]
 
@@ -112,14 +117,13 @@ class Frontend:
         config: SupervisorConfig,
         *,
         loop: Loop,
-        sock: zmq.Socket[Any],
-        tcp_sock: zmq.Socket[Any] | None = None,
+        sock: zmq.Socket[bytes],
+        tcp_sock: zmq.Socket[bytes] | None = None,
         replies: Replies,
         pending: PendingTable,
         workers: WorkerSet,
         registry: TenantRegistry,
         tenants: Mapping[str, TenantRuntime],
-        admin: AdminHandler,
         guard: FrontendGuard,
         admin_cap: bytes,
         on_denied: DenialHook | None = None,
@@ -134,7 +138,8 @@ class Frontend:
         self.workers = workers
         self.registry = registry
         self.tenants = tenants
-        self.admin = admin
+        #: the admin ops' handlers, by name (serve_ops, at set-up)
+        self._admin_ops: Mapping[str, AdminHandler] = {}
         self.guard = guard
         self._admin_raw = admin_cap
         self.on_denied = on_denied
@@ -142,16 +147,8 @@ class Frontend:
         self.event_log = event_log
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
-        #: the tenant ops this part answers itself (``served_by == "frontend"``; ``events`` has its own path)
-        self._local_ops: dict[str, LocalOp] = {
-            "quota": lambda rt, args, body: rt.block.snapshot().to_dict(),
-            "put_module": lambda rt, args, body: {"digest": self._put_module(rt, body)},
-            "region_create": lambda rt, args, body: self._region_op(rt, "region_create", args),
-            "region_release": lambda rt, args, body: self._region_op(rt, "region_release", args),
-        }
-        declared = {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}
-        if set(self._local_ops) != declared:  # the op table and this part disagree: a bug, at start
-            raise RuntimeError(f"frontend ops {sorted(declared)} declared, {sorted(self._local_ops)} served")
+        #: the tenant ops this part answers itself, by name (serve_ops, at set-up)
+        self._local_ops: Mapping[str, LocalOp] = {}
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
@@ -160,7 +157,7 @@ class Frontend:
 
     # ------------------------------------------------------------ decode
 
-    def _on_readable(self, sock: zmq.Socket[Any], prefix: bytes) -> None:
+    def _on_readable(self, sock: zmq.Socket[bytes], prefix: bytes) -> None:
         # Read what is queued (asking ZMQ_EVENTS between messages: a recv that fails with
         # EAGAIN costs ~5 us here, the query ~1.6 us) into the fair queue; the loop's turn
         # serves it (end_turn). At most READ_BATCH a wake-up, and only a few while the
@@ -171,7 +168,7 @@ class Frontend:
         fair, admission = self.guard.fair, self.guard.admission
         now = self.clock()
         batch: list[ClientMessage] = []
-        for _ in range(BATCH_BACKLOGGED if fair.backlog_full else READ_BATCH):
+        for _ in range(fair.read_budget(READ_BATCH, BATCH_BACKLOGGED)):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -184,14 +181,22 @@ class Frontend:
         if not batch:
             return
         # The common case, served at once: nothing waits, and the batch is one verified
-        # tenant's, within its share of a turn (the fair queue would serve it as it is).
+        # tenant's, within its share of a turn (the fair queue would serve it as it is) -
+        # in count and in time: what is left once the batch has taken a quantum waits for
+        # the turn, so that a request of another tenant arriving meanwhile waits no longer.
         first = batch[0].key
+        add = fair.add
         if (not fair.backlog and first is not None and len(batch) <= fair.per_tenant_per_turn
                 and all(m.key == first for m in batch)):
-            for msg in batch:
+            clock = time.perf_counter
+            end = clock() + fair.quantum_s
+            for i, msg in enumerate(batch):
                 self.serve(msg)
+                if clock() >= end:
+                    for rest in batch[i + 1:]:
+                        add(True, first, rest)
+                    break
             return
-        add = fair.add
         for msg in batch:
             key = msg.key
             add(key is not None, key if key is not None else msg.client, msg)
@@ -199,8 +204,7 @@ class Frontend:
     def end_turn(self) -> None:
         """End of a loop turn: serve one bounded turn of what was read (supervisor.admission.fairness)."""
         if self.guard.fair.backlog:
-            for msg in self.guard.fair.take():
-                self.serve(msg)
+            self.guard.fair.run_turn(self.serve, time.perf_counter)
 
     def decode(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> ClientMessage | None:
         """Decode one client message (None: unanswerable, dropped) and note whose it is:
@@ -257,7 +261,7 @@ class Frontend:
             elif proto.OPS[op].admin:
                 if client[:1] == _TCP and not self.config.allow_remote_admin:
                     raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
-                self.admin(client, rid, op, msg.cap_raw, msg.args, body)
+                self._admin_request(client, rid, op, msg.cap_raw, msg.args)
             else:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
         except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
@@ -273,6 +277,27 @@ class Frontend:
             # with its trace and answered as an internal error, never blamed on the client's input
             _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
             self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"), msg.cap_raw)
+
+    def serve_ops(self, admin_ops: Mapping[str, AdminHandler], local_ops: Mapping[str, LocalOp]) -> None:
+        """The handlers of the ops the supervisor serves itself, by name (``supervisor.control.ops``):
+        every admin op's, bound to its part, and every tenant op's this part answers from what it
+        holds; once, at set-up, once those parts exist. Both must match the op table."""
+        for kind, handlers, declared in (
+            ("admin", admin_ops, {n for n, spec in proto.OPS.items() if spec.admin}),
+            ("frontend", local_ops,
+             {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}),
+        ):
+            if set(handlers) != declared:  # the op table and the handlers disagree: a bug, at start
+                raise RuntimeError(f"{kind} ops {sorted(declared)} declared, {sorted(handlers)} served")
+        self._admin_ops, self._local_ops = admin_ops, local_ops
+
+    def _admin_request(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, object]) -> None:
+        """One admin request: the admin capability first, then the op's arguments, then its handler."""
+        if cap_raw is None:
+            raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
+        self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
+        proto.check_args(op, args)
+        self._admin_ops[op](client, rid, args)
 
     def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError, cap_raw: bytes | None) -> None:
         """Answer a request the supervisor itself refused (and count it).
@@ -304,7 +329,7 @@ class Frontend:
 
     # ------------------------------------------------------------ events (supervisor.observe.event_log)
 
-    def _events(self, client: bytes, rid: int, cap_raw: bytes | None, args: dict[str, Any], size: int = 0) -> None:
+    def _events(self, client: bytes, rid: int, cap_raw: bytes | None, args: dict[str, object], size: int = 0) -> None:
         """``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``: a page of the
         event log. The admin capability sees every event (over TCP only with ``allow_remote_admin``),
         a tenant capability its own tenant's; answered at once, nothing held per client."""
@@ -328,7 +353,7 @@ class Frontend:
     # ------------------------------------------------------------ tenant requests
 
     def _tenant_request(
-        self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any,
+        self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, object], body: Body,
         size: int = 0,
     ) -> None:
         if cap_raw is None:
@@ -342,8 +367,9 @@ class Frontend:
         proto.check_args(op, args)
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
-        if rt.in_flight + len(rt.parked) >= rt.spec.max_in_flight:
-            raise Overloaded(tid, rt.in_flight + len(rt.parked), rt.spec.max_in_flight)
+        in_flight, max_in_flight = rt.in_flight + len(rt.parked), rt.spec.max_in_flight
+        if in_flight >= max_in_flight:
+            raise InFlightLimit(tid, in_flight, max_in_flight)
         if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
             raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         spec = proto.OPS[op]
@@ -368,11 +394,8 @@ class Frontend:
         if spec.big_reply:
             queued = self.replies.queued_bytes(client)
             if queued > self.config.max_client_reply_bytes:
-                raise Overloaded(
-                    tid, rt.in_flight, rt.spec.max_in_flight,
-                    message=f"{queued:,} B of replies to this client are still queued (it is not reading them); "
-                    f"limit max_client_reply_bytes={self.config.max_client_reply_bytes:,}",
-                )
+                raise ClientRepliesQueued(tid, in_flight, max_in_flight, queued=queued,
+                                          budget=self.config.max_client_reply_bytes)
         if op == "buffers":
             self._buffers_of_every_instance(rt, client, rid)
             return
@@ -390,12 +413,12 @@ class Frontend:
         # (supervisor.routing.budgets): a read's reply, and a parked request's body.
         held = self.guard.held
         reply = expected_reply_bytes(op, args, self.config.max_message_bytes)
-        held.reserve(tid, "replies", reply)
+        held.reserve(tid, "replies", reply, in_flight=in_flight, max_in_flight=max_in_flight)
         try:
             if slot is None:
                 # no ready instance, but one is starting or restarting: wait for it, bounded
                 size = len(body) if body is not None else 0
-                held.reserve(tid, "parked", size)
+                held.reserve(tid, "parked", size, in_flight=in_flight, max_in_flight=max_in_flight)
                 rt.parked.append(Parked(client, rid, op, args, body, now,
                                         now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned,
                                         held_reply=reply, held_body=size))
@@ -436,12 +459,12 @@ class Frontend:
         now = self.clock()
         deadline = now + rt.spec.request_timeout_s
         remaining = {slot.index for slot in slots}
-        merged: list[Any] = []
-        errors: list[Any] = []
+        merged: list[tuple[int, int]] = []  # (handle, bytes) of each instance's buffers reply
+        errors: list[object] = []
         request = Pending(client, rid, "buffers", rt.tenant_id, 0, now, deadline)
 
-        def collect(index: int) -> Callable[[bool, Any], None]:
-            def done(ok: bool, payload: Any) -> None:
+        def collect(index: int) -> Callable[[bool, object], None]:
+            def done(ok: bool, payload: object) -> None:
                 if index not in remaining:
                     return
                 remaining.discard(index)
@@ -470,18 +493,7 @@ class Frontend:
 
     # ------------------------------------------------------------ regions
 
-    def _region_op(self, rt: TenantRuntime, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """``region_create {nbytes, pid}`` -> ``{region, name, nbytes}``;
-        ``region_release {region}`` -> ``{released: nbytes}`` (see supervisor.routing.regions)."""
-        if op == "region_create":
-            owned = self.regions.create(rt.tenant_id, rt.block, args.get("nbytes"), args.get("pid"),
-                                        generation=rt.generation)
-            return {"region": owned.region_id, "name": owned.name, "nbytes": owned.nbytes}
-        owned = self.regions.release(rt.tenant_id, args.get("region"))
-        self._unmap_region(rt, owned.name)
-        return {"released": owned.nbytes}
-
-    def _unmap_region(self, rt: TenantRuntime, name: str) -> None:
+    def unmap_region(self, rt: TenantRuntime, name: str) -> None:
         """Tell the tenant's live workers to unpin and unmap a released region (best effort:
         a worker that misses it unmaps at exit, and the name is unlinked already)."""
         now = self.clock()
@@ -499,33 +511,7 @@ class Frontend:
         for owned in self.regions.reap():
             rt = self.tenants.get(owned.tenant_id)
             if rt is not None:
-                self._unmap_region(rt, owned.name)
-
-    def _put_module(self, rt: TenantRuntime, body: Any) -> str:
-        """Keep a tenant's module (bounded LRU) so runs can name it by digest."""
-        if body is None:
-            raise InvalidArgument("put_module needs the module bytes as the body frame")
-        if len(body) > MAX_MODULE_BYTES:
-            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
-        data = body.bytes if isinstance(body, zmq.Frame) else bytes(body)
-        if not data:
-            raise InvalidArgument("put_module: empty module")
-        digest = hashlib.sha256(data).hexdigest()
-        if digest in rt.modules:
-            rt.modules.move_to_end(digest)
-            return digest
-        # Room first among the tenant's own modules (LRU), then the held-bytes budgets
-        # (per tenant and for all tenants together): Overloaded beyond them.
-        held = self.guard.held
-        while rt.modules and (
-            len(rt.modules) >= MAX_MODULES_PER_TENANT
-            or sum(map(len, rt.modules.values())) + len(data) > MAX_MODULE_BYTES_PER_TENANT
-        ):
-            _, old = rt.modules.popitem(last=False)
-            held.release(rt.tenant_id, "modules", len(old))
-        held.reserve(rt.tenant_id, "modules", len(data))
-        rt.modules[digest] = data
-        return digest
+                self.unmap_region(rt, owned.name)
 
     def forget(self, rt: TenantRuntime) -> None:
         """An evicted tenant leaves nothing behind here: its verified tokens (which kept
@@ -543,8 +529,8 @@ class Frontend:
         client: bytes,
         rid: int,
         op: str,
-        args: dict[str, Any],
-        body: Any,
+        args: dict[str, object],
+        body: Body,
         now: float,
         *,
         started: float | None = None,
@@ -557,11 +543,7 @@ class Frontend:
         worker = slot.worker
         assert worker is not None
         if op == "run_wasm":
-            args = with_wasm_limits(rt, args)
-            if deadline is not None:
-                left = deadline - now - DEADLINE_GRACE_S
-                if left < args["timeout_s"]:
-                    args["timeout_s"] = max(0.001, left)
+            args = with_wasm_limits(rt, args, None if deadline is None else deadline - now - DEADLINE_GRACE_S)
         own = now + rt.spec.deadline_s(op, args.get("timeout_s"))
         deadline = own if deadline is None else min(own, deadline)
         pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline,
@@ -621,23 +603,24 @@ class Frontend:
 # ------------------------------------------------------------ instance choice (pure policy)
 
 
-def request_handles(op: str, args: dict[str, Any]) -> list[int]:
+def request_handles(op: str, args: dict[str, object]) -> list[int]:
     """The buffer handles a request names (``handle``, or run_wasm's ``{handle}`` arguments)."""
     if op in proto.HANDLE_OPS:
         handle = args.get("handle")
-        if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+        if not is_int(handle) or handle < 0:
             raise InvalidArgument("handle must be a non-negative int")
         return [handle]
     if op == "run_wasm":
+        run_args = args.get("args")
         return [
-            a["handle"]
-            for a in args.get("args") or ()
-            if isinstance(a, dict) and isinstance(a.get("handle"), int) and not isinstance(a.get("handle"), bool)
+            handle
+            for a in (run_args if isinstance(run_args, list) else ())
+            if isinstance(a, dict) and is_int(handle := a.get("handle"))
         ]
     return []
 
 
-def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | None:
+def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, object]) -> int | None:
     """The instance a request must go to: the one holding the buffers it names, or ``alloc``'s ``instance``.
 
     InvalidArgument when its buffers live on different instances (naming them),
@@ -647,7 +630,7 @@ def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | N
         return None  # the hot path (ping, quota-free ops): nothing to look at
     if op == "alloc":
         pinned = args.get("instance")
-        if pinned is not None and (isinstance(pinned, bool) or not isinstance(pinned, int) or pinned < 0):
+        if pinned is not None and (not is_int(pinned) or pinned < 0):
             raise InvalidArgument("alloc: instance must be a non-negative int")
         what = "alloc names"
     else:
@@ -670,7 +653,7 @@ def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, Any]) -> int | N
     return pinned
 
 
-def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, Any]) -> BufferLost | None:
+def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, object]) -> BufferLost | None:
     """:class:`BufferLost` for the first handle whose instance restarted since (or died with it), else None.
 
     A handle is alive while its slot's worker is the incarnation that made it;
@@ -687,10 +670,10 @@ def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, Any]) -> BufferLost 
     return None
 
 
-def expected_reply_bytes(op: str, args: dict[str, Any], limit: int) -> int:
+def expected_reply_bytes(op: str, args: dict[str, object], limit: int) -> int:
     """The reply body a request will bring back: a ``read``'s ``nbytes`` (at most ``limit``)."""
     n = args.get("nbytes") if op == "read" else None
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+    if not is_int(n) or n <= 0:
         return 0
     return min(n, limit)
 
@@ -700,12 +683,12 @@ def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError
     wanted = rt.wanted_slots()
     if not wanted:
         return TenantStopped(rt.tenant_id)
-    gone = rt.slots[pinned] if pinned is not None else max(wanted, key=lambda s: (s.last_exit or {}).get("at", 0.0))
-    last = gone.last_exit or {}
+    gone = rt.slots[pinned] if pinned is not None else max(wanted, key=lambda s: s.last_exit.at if s.last_exit else 0.0)
+    last = gone.last_exit
     who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
     reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
-              f"last exit of {rt.tenant_id}/{gone.index}: {last.get('reason', 'unknown')})")
-    return WorkerLost(rt.tenant_id, gone.index, last.get("exit_code"), last.get("signal"), reason,
+              f"last exit of {rt.tenant_id}/{gone.index}: {last.reason if last else 'unknown'})")
+    return WorkerLost(rt.tenant_id, gone.index, last.exit_code if last else None, last.signal if last else None, reason,
                       message=f"{reason}; `twt scale {rt.tenant_id} N` starts instances again")
 
 
@@ -718,17 +701,19 @@ def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:
     return None
 
 
-def with_wasm_limits(rt: TenantRuntime, args: dict[str, Any]) -> dict[str, Any]:
-    """A run's fuel and time: defaults from the spec, and never above it."""
+def with_wasm_limits(rt: TenantRuntime, args: dict[str, object], left_s: float | None = None) -> dict[str, object]:
+    """A run's fuel and time: defaults from the spec, and never above it (nor above ``left_s``,
+    what a parked request has left of its deadline, if given)."""
     spec = rt.spec
     fuel = args.get("fuel")
     out = dict(args)
     out["fuel"] = (
         min(fuel, spec.wasm_fuel)
-        if isinstance(fuel, int) and not isinstance(fuel, bool) and fuel > 0
+        if is_int(fuel) and fuel > 0
         else spec.wasm_fuel
     )
-    out["timeout_s"] = spec.wasm_run_s(args.get("timeout_s"))
+    timeout_s = spec.wasm_run_s(args.get("timeout_s"))
+    out["timeout_s"] = timeout_s if left_s is None or left_s >= timeout_s else max(0.001, left_s)
     return out
 
 
@@ -742,8 +727,8 @@ class ClientMessage:
     rid: int
     op: str
     cap_raw: bytes | None
-    args: dict[str, Any]
-    body: Any
+    args: dict[str, object]
+    body: zmq.Frame | None  # the request's body frame (recv_multipart(copy=False))
     error: TensorWasmError | None
     key: str | None = None  # the verified tenant ("admin"), None when unauthenticated
     size: int = 0  # header and body bytes, for the backlog's byte bound

@@ -24,14 +24,28 @@ from typing import Any
 
 from shared.config import SupervisorConfig
 from shared.errors import TensorWasmError
-from supervisor.admission.rates import Admission
+from supervisor.admission.rates import Admission, AdmissionStatus
 from supervisor.routing.budgets import HeldBytes
-from supervisor.admission.connections import FrontendConnections
+from supervisor.admission.connections import ConnectionStatus, FrontendConnections
 from supervisor.admission.fairness import FairTurn
 from supervisor.observe.metrics import FrontendCounters
 from supervisor.admission.peers import MAX_ERROR_TEXT, UnreadErrors, short
 
-__all__ = ["FrontendGuard"]
+__all__ = ["FrontendGuard", "GuardStatus", "WatchedGuardStatus"]
+
+
+class GuardStatus(AdmissionStatus):
+    """The guard's counters in a status, spread into ``shared.records.SupervisorRecord(**...)``
+    (whose fields they are: mypy checks each key against it)."""
+
+    held_bytes: dict[str, int]
+    unauthenticated_dropped: int
+    unauthenticated_dropped_by: dict[str, int]
+    unauthenticated_backlog: int
+
+
+class WatchedGuardStatus(GuardStatus, ConnectionStatus):
+    """:class:`GuardStatus` and the connection counters, when the supervisor watches its connections."""
 
 
 class FrontendGuard:
@@ -40,21 +54,23 @@ class FrontendGuard:
     def __init__(self, config: SupervisorConfig, connections: FrontendConnections | None = None) -> None:
         self.held = HeldBytes(config.max_tenant_held_bytes, config.max_held_bytes)
         self.errors = UnreadErrors()
+        # the frontend's queued requests (its own message class: naming it here would import the
+        # frontend, which imports this module); the frontend pushes and takes them
         self.fair: FairTurn[Any] = FairTurn(size_of=lambda msg: int(getattr(msg, "size", 0)))
         self.admission = Admission.from_config(config)
         self.connections = connections
 
-    def unauthenticated_error(self, client: bytes, exc: TensorWasmError) -> dict[str, Any] | None:
+    def unauthenticated_error(self, client: bytes, exc: TensorWasmError) -> dict[str, object] | None:
         """The error reply for a request without a verified capability, or None to drop it
         (the peer has too many such replies unread). Every text in it is cut short; send
         it tracked and hand the tracker to ``errors.sent``."""
         if not self.errors.allow(client):
             return None
         err = exc.to_dict()
-        err["message"] = short(str(err.get("message", "")))
-        err["fields"] = {
-            k: short(v, MAX_ERROR_TEXT // 2) if isinstance(v, str) else v for k, v in dict(err.get("fields") or {}).items()
-        }
+        err["message"] = short(exc.message)
+        fields = err["fields"]
+        if isinstance(fields, dict):
+            err["fields"] = {k: short(v, MAX_ERROR_TEXT // 2) if isinstance(v, str) else v for k, v in fields.items()}
         return err
 
     def refresh(self) -> None:
@@ -85,8 +101,8 @@ class FrontendGuard:
             connection_budget=gate.budget if gate is not None else 0,
         )
 
-    def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def status(self) -> GuardStatus | WatchedGuardStatus:
+        out: GuardStatus = {
             "held_bytes": self.held.snapshot(),
             "unauthenticated_dropped": self.dropped,
             "unauthenticated_dropped_by": self.dropped_by(),
@@ -94,6 +110,7 @@ class FrontendGuard:
             "unauthenticated_backlog": self.fair.backlog,
             **self.admission.status(),
         }
-        if self.connections is not None:
-            out.update(self.connections.status())
-        return out
+        if self.connections is None:
+            return out
+        watched: WatchedGuardStatus = {**out, **self.connections.status()}
+        return watched

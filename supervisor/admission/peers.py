@@ -19,10 +19,18 @@ Unauthenticated peers. A request without a verified capability - garbage,
 forged or foreign tokens - is answered with a small typed error, but a peer
 that sends them and never reads would make the supervisor queue one reply
 per request (libzmq bounds a peer's queue in messages, not bytes). So those
-replies are sent tracked, and a peer with ``max_unread`` of them still held
-by libzmq (not yet taken by the peer) gets no more until it reads: the rest
-are dropped unanswered (counted). A peer that reads its replies gets them
-all. The table of peers is itself bounded (least recently seen forgotten).
+replies are sent tracked (zero-copy frames, whose tracker is done once libzmq
+has written them out), and a peer with ``max_unread`` of them still held by
+libzmq - its own socket buffers full, because it stopped reading - gets no
+more until it reads: the rest are dropped unanswered (counted). A peer that
+reads its replies gets them all: its own libzmq takes them off the connection
+whether or not the application has called recv yet, so only a peer whose
+buffers are full meets the bound. 1,024, not less: a tracker is done only once
+pyzmq's garbage thread has seen libzmq release the frame, and that thread needs
+the GIL the loop holds, so on a loaded host trackers lag the loop by many turns
+of 16 replies (at 256, 300 pipelined forged requests from a reading peer lost
+replies under load); 1,024 small replies are ~300 KiB per peer. The table of peers is itself
+bounded (least recently seen forgotten).
 
 Loop thread only.
 """
@@ -35,7 +43,8 @@ import socket
 from collections import OrderedDict, deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+
+import zmq
 
 __all__ = ["ConnectionGate", "UnreadErrors", "shed", "shed_tcp", "short", "source_key", "tcp_peer"]
 
@@ -52,10 +61,10 @@ def short(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 class UnreadErrors:
     """Per peer, the error replies to unauthenticated requests it has not taken yet."""
 
-    max_unread: int = 64
+    max_unread: int = 1024
     max_peers: int = 4096
     dropped: int = field(default=0, init=False)
-    _peers: OrderedDict[bytes, deque[Any]] = field(default_factory=OrderedDict, init=False)
+    _peers: OrderedDict[bytes, deque[zmq.MessageTracker]] = field(default_factory=OrderedDict, init=False)
 
     def allow(self, peer: bytes) -> bool:
         """True when ``peer`` may be sent one more error reply now."""
@@ -72,7 +81,7 @@ class UnreadErrors:
             return False
         return True
 
-    def sent(self, peer: bytes, tracker: Any) -> None:
+    def sent(self, peer: bytes, tracker: zmq.MessageTracker | None) -> None:
         """Remember a reply sent to ``peer`` (a ``zmq.MessageTracker``: ``done`` once taken)."""
         queue = self._peers.get(peer)
         if queue is not None and tracker is not None:

@@ -33,12 +33,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from shared.config import SupervisorConfig
-from shared.errors import Overloaded
+from shared.errors import AdmissionRate
 from shared.spec import TenantSpec
 
-__all__ = ["Admission", "TokenBucket"]
+__all__ = ["Admission", "AdmissionStatus", "TokenBucket"]
+
+
+class AdmissionStatus(TypedDict):
+    """Admission's counters in a status (fields of ``shared.records.SupervisorRecord``)."""
+
+    admission_refused: int
+    admission_refused_by: dict[str, int]
+    unauthenticated_rate_dropped: int
+
 
 #: peers whose unauthenticated buckets are remembered (least recently seen forgotten)
 MAX_PEERS = 4096
@@ -110,7 +120,7 @@ class Admission:
         return b
 
     def admit(self, tenant: str, spec: TenantSpec, nbytes: int, now: float, *, in_flight: int = 0) -> None:
-        """Charge one request of ``nbytes`` to ``tenant``; raises :class:`Overloaded` (with
+        """Charge one request of ``nbytes`` to ``tenant``; raises :class:`AdmissionRate` (with
         ``retry_after_s``) past its requests or bytes per second."""
         b = self._tenants.get(tenant)
         if b is None or b.spec is not spec:  # the hot path: the same spec object as last time
@@ -128,12 +138,7 @@ class Admission:
             what, rate = "bytes", b.data.rate
         key = (tenant, what)
         self.refused[key] = self.refused.get(key, 0) + 1
-        setting = "requests_per_s" if what == "requests" else "bytes_per_s"
-        raise Overloaded(
-            tenant, in_flight, spec.max_in_flight, retry_after_s=round(wait, 6),
-            message=f"tenant {tenant!r} sent more than its {rate:,.0f} {what} per second ({setting}); "
-            f"retry after {wait:.3g} s",
-        )
+        raise AdmissionRate(tenant, in_flight, spec.max_in_flight, retry_after_s=round(wait, 6), what=what, rate=rate)
 
     def admit_unauthenticated(self, peer: bytes, now: float) -> bool:
         """One request without a verified capability from ``peer``: False when its bucket
@@ -157,7 +162,7 @@ class Admission:
         for what in ("requests", "bytes"):
             self.refused.pop((tenant, what), None)
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> AdmissionStatus:
         refused: dict[str, int] = {}
         for (_, what), n in self.refused.items():
             refused[what] = refused.get(what, 0) + n

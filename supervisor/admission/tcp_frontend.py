@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any
 
 import zmq
 import zmq.auth
@@ -52,13 +51,17 @@ from shared.log import get_logger, log_event
 from supervisor.admission.connections import FrontendConnections
 from supervisor.admission.curve import CurveKeyPair, check_client_keys_dir
 
-__all__ = ["IPC_INDEX", "TCP_INDEX", "TcpFrontend"]
+__all__ = ["IPC_INDEX", "LOCAL_IO_AFFINITY", "TCP_INDEX", "TCP_IO_AFFINITY", "TcpFrontend"]
 
 _log = get_logger("supervisor.tcp")
 
 #: first byte of a client key: which frontend socket the client came through
 IPC_INDEX = 0
 TCP_INDEX = 1
+#: ZMQ_AFFINITY masks when the context has two I/O threads: the first serves the local (ipc)
+#: sockets, the second the CURVE TCP frontend
+LOCAL_IO_AFFINITY = 1
+TCP_IO_AFFINITY = 2
 #: TCP keepalive: probe after 30 s idle, every 5 s, drop after 4 unanswered (~50 s)
 KEEPALIVE_IDLE_S = 30
 KEEPALIVE_INTVL_S = 5
@@ -70,7 +73,7 @@ TCP_MAXRT_MS = 60_000
 class _Gate(ThreadAuthenticator):
     """ZAP for the TCP frontend: the peer budget first, then the allow-list (or any key)."""
 
-    def __init__(self, zctx: zmq.Context[Any], frontend: TcpFrontend, max_peers: int) -> None:
+    def __init__(self, zctx: zmq.Context[zmq.Socket[bytes]], frontend: TcpFrontend, max_peers: int) -> None:
         super().__init__(zctx, log=get_logger("supervisor.zap"))
         self._frontend = frontend
         self._max_peers = max_peers
@@ -87,16 +90,16 @@ class _Gate(ThreadAuthenticator):
 class TcpFrontend:
     """Binds the CURVE ROUTER; raises OSError naming the endpoint when one cannot be bound."""
 
-    def __init__(self, zctx: zmq.Context[Any], config: SupervisorConfig, keys: CurveKeyPair, hwm: int,
+    def __init__(self, zctx: zmq.Context[zmq.Socket[bytes]], config: SupervisorConfig, keys: CurveKeyPair, hwm: int,
                  connections: FrontendConnections, *, rcvhwm: int | None = None) -> None:
         self.keys = keys
         self.endpoints: list[str] = []
         self.max_peers = config.max_tcp_peers
         self._connections = connections
-        self.monitor: zmq.Socket[Any] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None
         allowed = check_client_keys_dir(config.client_keys_dir) if config.client_keys_dir is not None else None
         s = zctx.socket(zmq.ROUTER)
-        self.socket: zmq.Socket[Any] = s
+        self.socket: zmq.Socket[bytes] = s
         self._auth: _Gate | None = _Gate(zctx, self, config.max_tcp_peers)
         try:
             self._auth.start()  # before the bind: no handshake may pass unchecked
@@ -105,6 +108,8 @@ class TcpFrontend:
                 log_event(_log, logging.INFO, "supervisor.tcp_allow_list", dir=config.client_keys_dir, keys=allowed)
             else:
                 self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+            if zctx.get(zmq.IO_THREADS) > 1:  # the supervisor's: CURVE on an I/O thread of its own
+                s.setsockopt(zmq.AFFINITY, TCP_IO_AFFINITY)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)

@@ -1,7 +1,9 @@
 """``twt`` / ``tensor-wasm-tenant``: the command line (thin: parse, call library code, print).
 
 Each sub-command lives in its own module with ``add_parser(subparsers)`` and
-``run(args) -> int``. Exit codes: 0 ok, 1 the operation failed (typed error
+``run(args) -> int``; the admin commands live with their op, one class each
+(:mod:`supervisor.control.ops`), and :mod:`supervisor.cli.ops` adds every one
+of them. Exit codes: 0 ok, 1 the operation failed (typed error
 printed), 2 bad usage, 3 no supervisor reachable, 4 a check or benchmark
 target failed, 70 an internal error (a bug: the trace is printed), 130
 interrupted; all defined in :mod:`shared.exitcodes`. A closed output pipe
@@ -37,28 +39,31 @@ from supervisor.cli._common import DefaultsHelpFormatter, describe_os_error
 
 __all__ = ["main", "version"]
 
-#: sub-command name -> module (imported only to build the parser)
+#: sub-command name -> module (imported only to build the parser). supervisor.cli.ops adds every op's
+#: command (supervisor.control.ops); they are listed for the help's order and so that ``twt CMD`` imports
+#: that module only (an op command not listed still works: the whole parser is built for it)
 COMMANDS = {
     "supervise": "supervisor.cli.supervise",
     "status": "supervisor.cli.status",
     "top": "supervisor.cli.top",
     "events": "supervisor.cli.events",
-    "register": "supervisor.cli.admin",
-    "evict": "supervisor.cli.admin",
-    "set-quota": "supervisor.cli.admin",
-    "scale": "supervisor.cli.admin",
-    "fault": "supervisor.cli.admin",
-    "capability": "supervisor.cli.admin",
-    "reload": "supervisor.cli.service",
-    "reset": "supervisor.cli.service",
-    "restart": "supervisor.cli.service",
-    "rotate-key": "supervisor.cli.service",
-    "run": "supervisor.cli.run",
-    "alloc": "supervisor.cli.buffers",
-    "free": "supervisor.cli.buffers",
-    "buffers": "supervisor.cli.buffers",
-    "write": "supervisor.cli.buffers",
-    "read": "supervisor.cli.buffers",
+    "register": "supervisor.cli.ops",
+    "capability": "supervisor.cli.ops",
+    "evict": "supervisor.cli.ops",
+    "set-quota": "supervisor.cli.ops",
+    "scale": "supervisor.cli.ops",
+    "fault": "supervisor.cli.ops",
+    "version": "supervisor.cli.ops",
+    "reload": "supervisor.cli.ops",
+    "reset": "supervisor.cli.ops",
+    "restart": "supervisor.cli.ops",
+    "rotate-key": "supervisor.cli.ops",
+    "run": "supervisor.cli.ops",
+    "alloc": "supervisor.cli.ops",
+    "free": "supervisor.cli.ops",
+    "buffers": "supervisor.cli.ops",
+    "write": "supervisor.cli.ops",
+    "read": "supervisor.cli.ops",
     "demo": "supervisor.cli.demo",
     "chaos": "supervisor.cli.chaos",
     "bench": "supervisor.cli.bench",

@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import zmq.auth
+from zmq.utils import z85
 
-from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
+from shared.capability import RegistryAdminCapability, read_capability_file
 from shared.config import ENV_PREFIX, default_run_dir, parse_host_port
 from shared.errors import SupervisorUnavailable
 from supervisor.client.api import SupervisorClient
+from supervisor.client.cli_args import at_least_one, non_negative_int, positive_seconds, print_json, print_table
 
 __all__ = [
     "DefaultsHelpFormatter",
-    "add_capability_option",
     "add_run_dir",
     "at_least_one",
     "client_of",
@@ -34,8 +32,6 @@ __all__ = [
     "probe_tcp",
     "run_dir_of",
     "server_key_of",
-    "tenant_capability_file",
-    "tenant_capability_of",
 ]
 
 
@@ -64,13 +60,6 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {default})" if text else f"default: {default}"
 
 
-def _int(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-
-
 def comma_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
     """argparse type factory: ``a,b,c`` -> a tuple, each item one of ``choices``."""
 
@@ -84,33 +73,6 @@ def comma_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, 
         return items
 
     return parse
-
-
-def non_negative_int(value: str) -> int:
-    """argparse type: an int >= 0."""
-    n = _int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {n}")
-    return n
-
-
-def at_least_one(value: str) -> int:
-    """argparse type: an int >= 1 (counts, iterations)."""
-    n = _int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def positive_seconds(value: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
-    if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
-    return seconds
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -207,13 +169,21 @@ def probe_tcp(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     raise SupervisorUnavailable(endpoint, why)
 
 
+#: the characters of Z85 text (a CURVE public key is 40 of them)
+_Z85 = frozenset(z85.Z85CHARS)
+
+
 def server_key_of(text: str) -> str:
     """``--server-key``: Z85 text, ``@FILE`` (that text, or a zmq.auth certificate), or a certificate's path.
 
+    A value of 40 Z85 characters is a key even when it starts with ``@`` (``@`` is a Z85
+    character: one key in 85 begins with it); ``@FILE`` is a file otherwise.
     ValueError names what was wrong; the key itself is checked by ``SupervisorClient.remote``.
     """
     value = text.strip()
     path: str | None = None
+    if len(value) == 40 and set(value.encode("ascii", "replace")) <= _Z85:
+        return value
     if value.startswith("@"):
         path = value[1:]
     elif len(value) != 40 and os.path.isfile(value):
@@ -235,52 +205,5 @@ def server_key_of(text: str) -> str:
     return content
 
 
-def tenant_capability_file(path: Path, tenant: str) -> TenantCapability:
-    """The tenant capability in ``path``; refuses one that names another tenant, naming both."""
-    cap = read_capability_file(path)
-    if not isinstance(cap, TenantCapability):
-        raise ValueError(f"--capability {path} holds the admin capability, not tenant {tenant!r}'s")
-    if cap.tenant_id != tenant:
-        raise ValueError(
-            f"--capability {path} is the capability of tenant {cap.tenant_id!r}, not of {tenant!r}: "
-            f"run as {cap.tenant_id!r} or give {tenant!r}'s capability (twt capability {tenant} --cap-out FILE)"
-        )
-    return cap
-
-
-def add_capability_option(p: argparse.ArgumentParser) -> None:
-    """``--capability FILE``: a tenant acting with its own capability instead of the run dir's admin.cap."""
-    p.add_argument("--capability", type=Path, default=None, metavar="FILE",
-                   help="the tenant's capability file (as written by --cap-out: hex text; raw bytes are read "
-                   "too); default: obtained with the run dir's admin.cap")
-
-
-def tenant_capability_of(client: SupervisorClient, tenant: str, from_file: TenantCapability | None) -> TenantCapability:
-    """``tenant``'s capability: the one read from ``--capability`` (:func:`tenant_capability_file`, read
-    before connecting, so a wrong file is refused first), else asked for with the admin capability."""
-    if from_file is not None:
-        return from_file
-    cap = client.tenant_capability(client.admin, tenant)
-    if cap.tenant_id != tenant:  # pragma: no cover - the supervisor answers for the name asked
-        raise ValueError(f"capability is for {cap.tenant_id!r}, not {tenant!r}")
-    return cap
-
-
-
 def run_dir_of(args: argparse.Namespace) -> str:
     return str(args.run_dir or os.environ.get(f"{ENV_PREFIX}RUN_DIR") or default_run_dir())
-
-
-def print_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2, sort_keys=True, default=str)
-    sys.stdout.write("\n")
-
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out: Any = None) -> None:
-    out = out or sys.stdout
-    cells = [[str(h) for h in headers]] + [[("" if c is None else str(c)) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for n, row in enumerate(cells):
-        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
-        if n == 0:
-            out.write("  ".join("-" * w for w in widths) + "\n")

@@ -17,6 +17,10 @@ the cluster capability (``twtc1.``...: a secret, like a capability) or
 writes it to ``--cap-out`` (0600). Tenants of ``up --config`` are placed and
 registered through the cluster's directory, each once; their capabilities
 are printed, or written to ``--cap-dir``.
+
+Typing: Ray is untyped here (mypy follows no ray import), so actor handles and ray.get()
+results are dynamically typed; the directory's maps (status, placement, evict and scale results)
+are JSON-shaped dicts handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TextIO
 
 from shared.sizes import format_size
 from supervisor.cli._common import non_negative_int, print_json, print_table
+
+if TYPE_CHECKING:
+    from supervisor.cluster.directory import ClusterStatus
+    from supervisor.cluster.ray_cluster import RayCluster
 
 __all__ = ["add_parser", "render", "run"]
 
@@ -36,7 +44,7 @@ ACTIONS = ("up", "status", "down", "register", "evict", "scale")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from supervisor.cli.admin import spec_flags
+    from supervisor.control.ops._cli import spec_flags
 
     p = sub.add_parser(
         "cluster",
@@ -74,7 +82,7 @@ def gpus_cell(gpu_ids: list[str]) -> str:
     return f"{len(gpu_ids)} (id{'s' if len(gpu_ids) > 1 else ''} {','.join(gpu_ids)})"
 
 
-def render(status: dict[str, Any], out: Any = None) -> None:
+def render(status: ClusterStatus, out: TextIO | None = None) -> None:
     out = out or sys.stdout
     auth = status.get("ray_auth", "unknown")
     out.write(f"cluster {status.get('cluster')}  ray {status.get('address')}  ray auth {auth}\n")
@@ -116,7 +124,7 @@ def _needs(args: argparse.Namespace, *, tenant: bool, instances: bool = False) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.cli.admin import build_spec, has_spec_flags
+    from supervisor.control.ops._cli import build_spec, has_spec_flags
 
     action = args.action
     _needs(args, tenant=action in ("register", "evict", "scale"), instances=action == "scale")
@@ -137,11 +145,11 @@ def run(args: argparse.Namespace) -> int:
         return _report_up(args, cluster)
     cluster = RayCluster.connect(args.address, name=args.name)
     if action == "down":
-        result = cluster.shutdown()
+        stopped = cluster.shutdown()
         if args.json:
-            print_json(result)
+            print_json(stopped)
         else:
-            print(f"cluster {args.name!r} stopped: {len(result['stopped'])} node supervisor(s)")
+            print(f"cluster {args.name!r} stopped: {len(stopped['stopped'])} node supervisor(s)")
         return 0
     if action == "register":
         assert spec is not None
@@ -159,20 +167,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"{cc.tenant_id}: placed on node {cc.node_id[:12]} ({cc.endpoint})", file=sys.stderr)
         return 0
     if action == "evict":
-        result = cluster.evict(args.tenant)
+        evicted = cluster.evict(args.tenant)
         if args.json:
-            print_json(result)
+            print_json(evicted)
         else:
-            print(f"evicted {args.tenant} from node {str(result.get('node_id'))[:12]}")
+            print(f"evicted {args.tenant} from node {str(evicted.get('node_id'))[:12]}")
         return 0
     if action == "scale":
-        result = cluster.scale(args.tenant, args.count)
+        scaled = cluster.scale(args.tenant, args.count)
         if args.json:
-            print_json(result)
+            print_json(scaled)
         else:
-            pids = ",".join(str(p) for p in result.get("pids") or []) or "-"
-            print(f"{args.tenant}: {args.count} instance(s) on node {str(result['node_id'])[:12]}, state "
-                  f"{result.get('state')} (pids {pids})")
+            pids = ",".join(str(p) for p in scaled.get("pids") or []) or "-"
+            print(f"{args.tenant}: {args.count} instance(s) on node {str(scaled['node_id'])[:12]}, state "
+                  f"{scaled.get('state')} (pids {pids})")
         return 0
     status = cluster.status()
     if args.json:
@@ -182,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_up(args: argparse.Namespace, cluster: Any) -> int:
+def _report_up(args: argparse.Namespace, cluster: RayCluster) -> int:
     """After ``up``: the config tenants' cluster capabilities (printed, or written to --cap-dir)."""
     status = cluster.status()
     written = {}

@@ -24,9 +24,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
+from shared.checks import is_int
+from shared.kinds import EVENT_KINDS
 from shared.sizes import format_size
 from supervisor.cli._common import (
     add_run_dir,
@@ -40,10 +41,8 @@ from supervisor.client.event_follow import MISSED, follow
 
 __all__ = ["KINDS", "add_parser", "format_event", "run"]
 
-#: the event kinds the supervisor publishes (see supervisor/observe/events.py and docs/OPERATIONS.md)
-KINDS = ("spawn", "ready", "exit", "restart", "failed", "register", "evict", "scale", "set_quota",
-         "quota_refusal", "fault", "kill", "denied", "denied_dropped", "reload", "reload_failed", "reset",
-         "rolling_restart", "rotate_key", "stall", "state_error")
+#: the event kinds the supervisor publishes (the rows of shared.kinds.EVENT_KINDS)
+KINDS = tuple(EVENT_KINDS)
 #: fields shown first, in this order; the rest follow alphabetically
 _ORDER = ("worker", "pid", "exit_code", "signal", "reason", "expected", "kind")
 _HIDDEN = {"event", "ts", "tenant", "instance"}
@@ -134,7 +133,7 @@ class _Resuming:
 
     def events_page(self, cap: TenantCapability | RegistryAdminCapability | None, after: int | None = None, *,
                     kinds: Sequence[str] = (), max_events: int | None = None,
-                    log: str | None = None) -> dict[str, Any]:
+                    log: str | None = None) -> dict[str, object]:
         page = self._source.call(lambda c: c.events_page(self._cap, after, kinds=kinds, max_events=max_events,
                                                          log=log))
         if page is None:
@@ -145,13 +144,13 @@ class _Resuming:
 # ------------------------------------------------------------------ rendering
 
 
-def _value(key: str, value: Any) -> str:
+def _value(key: str, value: object) -> str:
     if key == "signal" and isinstance(value, int):
         try:
             return f"{value}({signal_mod.Signals(value).name})"
         except ValueError:
             return str(value)
-    if isinstance(value, int) and not isinstance(value, bool) and (key.endswith("_bytes") or key.startswith("reclaimed_")):
+    if is_int(value) and (key.endswith("_bytes") or key.startswith("reclaimed_")):
         return format_size(value)
     if isinstance(value, float):
         return f"{value:g}"
@@ -165,7 +164,7 @@ def _value(key: str, value: Any) -> str:
     return text
 
 
-def format_event(event: dict[str, Any]) -> str:
+def format_event(event: dict[str, object]) -> str:
     """``HH:MM:SS.mmm  kind  tenant/instance  key=value ...`` (``pool`` for unbound workers)."""
     ts = event.get("ts")
     if isinstance(ts, (int, float)):

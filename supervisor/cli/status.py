@@ -17,15 +17,15 @@ import argparse
 import dataclasses
 import io
 from collections.abc import Sequence
-from typing import Any
-from collections.abc import Callable
 
-from shared.errors import RequestTimeout, SupervisorUnavailable, UnknownTenant
+from shared.errors import UnknownTenant
 from shared.exitcodes import EXIT_FAILED, EXIT_OK
-from shared.records import StatusRecord, SupervisorRecord, TenantRecord
+from shared.records import ExitRecord, StatusRecord, SupervisorRecord, TenantRecord
 from shared.sizes import format_size
 from supervisor.cli._common import add_run_dir, client_of, print_json, print_table
 from supervisor.client.api import SupervisorClient
+from supervisor.control.ops.status import fetch_status
+from supervisor.control.ops.tenant_status import fetch_tenant
 
 __all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant", "format_duration", "render", "run"]
 
@@ -56,25 +56,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> SupervisorClient:
     """A client for ``--run-dir`` or ``--connect`` (SupervisorUnavailable when nothing runs there)."""
     return client_of(args, timeout_s)
-
-
-def fetch_status(client: SupervisorClient) -> StatusRecord:
-    """The status record; a supervisor that does not answer in time counts as unreachable (exit 3)."""
-    return StatusRecord.from_wire(_unreachable_on_timeout(client, client.status))
-
-
-def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:
-    """One tenant's record (as :func:`fetch_status`, for one tenant)."""
-    return TenantRecord.from_wire(_unreachable_on_timeout(client, lambda: client.tenant_status(None, tenant)))
-
-
-def _unreachable_on_timeout(client: SupervisorClient, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    try:
-        return call()
-    except RequestTimeout:
-        raise SupervisorUnavailable(
-            client.run_dir, f"no answer within {client.timeout_s:g} s (supervisor hung or overloaded?)"
-        ) from None
 
 
 #: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose)
@@ -160,8 +141,8 @@ def tenant_row(t: TenantRecord) -> list[str]:
         _pids(t.pids),
         f"{format_size(t.bytes_in_use)}/{_limit(t.memory_quota_bytes)}",
         f"{format_size(t.gpu_bytes_in_use)}/{_limit(t.gpu_memory_bytes_cap)}",
-        f"{format_size(quota.get('cpu_high_water', 0))}/{format_size(quota.get('gpu_high_water', 0))}",
-        f"{quota.get('cpu_refusals', 0)}/{quota.get('gpu_refusals', 0)}",
+        f"{format_size(quota.cpu_high_water if quota else 0)}/{format_size(quota.gpu_high_water if quota else 0)}",
+        f"{quota.cpu_refusals if quota else 0}/{quota.gpu_refusals if quota else 0}",
         str(t.restarts),
         format_duration(t.uptime_s),
         *gpu_time_cells(t),
@@ -191,16 +172,16 @@ def _notes(t: TenantRecord) -> list[str]:
     for inst in t.instances:
         if inst.state in ("ready", "idle") or inst.draining:
             continue
-        last = inst.last_exit or {}
-        how = f" (last exit: {last.get('reason') or _exit_text(last)})" if last else ""
+        last = inst.last_exit
+        how = f" (last exit: {last.reason or _exit_text(last)})" if last else ""
         notes.append(f"{t.tenant_id}/{inst.index}: {inst.state}{how}")
     return notes
 
 
-def _exit_text(last: dict[str, Any]) -> str:
-    if last.get("signal"):
-        return f"signal {last['signal']}"
-    return f"exit code {last.get('exit_code')}"
+def _exit_text(last: ExitRecord) -> str:
+    if last.signal:
+        return f"signal {last.signal}"
+    return f"exit code {last.exit_code}"
 
 
 def render(status: StatusRecord) -> str:

@@ -14,10 +14,11 @@ import logging
 import sys
 import warnings
 from contextlib import ExitStack
-from typing import Any, TextIO
+from typing import TextIO
 
 from shared.config import SupervisorConfig, load_config, unknown_env_vars
 from shared.log import configure_logging, get_logger, log_event
+from supervisor.observe.metrics import Metrics
 from supervisor.store.rundir import RunDir
 
 __all__ = ["add_parser", "run"]
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     rundir.acquire()
     with ExitStack() as undo:
         undo.callback(rundir.release)
-        metrics: Any = None
+        metrics: Metrics | None = None
         if config.metrics_addr:
             from supervisor.observe.prometheus import PrometheusMetrics  # type: ignore[import-not-found,unused-ignore]
 

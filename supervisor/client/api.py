@@ -31,14 +31,16 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Generator, Sequence
-from typing import Any
+from collections.abc import Generator, Mapping, Sequence
+import enum
+from typing import TYPE_CHECKING, Final, TypeVar, cast
 
 import psutil
 import zmq
 
 from shared import protocol as proto
 from shared.capability import RegistryAdminCapability, TenantCapability
+from shared.checks import is_int
 from shared.errors import (
     HandshakeFailed,
     InvalidArgument,
@@ -48,16 +50,49 @@ from shared.errors import (
     TensorWasmError,
     error_from_dict,
 )
+from shared.quota import QuotaSnapshot
+from shared.records import (
+    AliveInfo,
+    EvictResult,
+    FaultResult,
+    HelloInfo,
+    PingInfo,
+    RegionGrant,
+    ReloadResult,
+    RunResult,
+    StatusRecord,
+    TenantRecord,
+)
 from shared.spec import TenantSpec
 from supervisor.admission.curve import CurveKeyPair, load_client_keys, parse_public_key
 from supervisor.client.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
 from supervisor.client.event_follow import follow
 from supervisor.store.rundir import read_admin_capability, read_ready, verify_run_dir
 
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    from typing_extensions import Buffer
+
 __all__ = ["SupervisorClient"]
 
-_UNCHANGED: Any = object()
+class _Unchanged(enum.Enum):
+    """The default of a set_quota limit that is not given (``None`` means "no limit")."""
+
+    TOKEN = 0
+
+
+_UNCHANGED: Final = _Unchanged.TOKEN
 Capability = TenantCapability | RegistryAdminCapability
+T = TypeVar("T")
+
+
+def _reply_field(result: object, key: str, kind: type[T]) -> T:
+    """``result[key]`` of a reply, checked to be a ``kind`` (an int is never a bool); ProtocolError if not."""
+    value = result.get(key) if isinstance(result, dict) else None
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise ProtocolError(f"the reply has no {kind.__name__} {key!r}: {type(value).__name__}")
 
 
 #: ZMTP heartbeats of a remote client: a silent server is dropped after the timeout
@@ -109,12 +144,12 @@ class SupervisorClient:
 
     def _open(self, endpoint: str, keys: CurveKeyPair | None, server_key: bytes | None) -> None:
         self.endpoint = endpoint
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
         self._sock.setsockopt(zmq.SNDHWM, 10_000)
-        self._monitor: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
         self._link_up = False  # remote: a CURVE handshake succeeded and the link has not dropped since
         self._link_drops = 0  # remote: links lost so far (a request sent before a drop is lost)
         self._down_since = time.monotonic()  # remote: when the link was last seen down
@@ -204,7 +239,7 @@ class SupervisorClient:
                     self.run_dir, "no admin/admin.cap (not running, or not the operator?)") from None
         return self._admin
 
-    def send(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
+    def send(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None,
              body: bytes | memoryview | None = None) -> int:
         """Send one request without waiting; returns its rid (pair with :meth:`recv`)."""
         rid = next(self._rids)
@@ -220,7 +255,7 @@ class SupervisorClient:
             raise RequestTimeout(op, 0, message=f"cannot queue {op!r}: the send queue is full") from None
         return rid
 
-    def recv(self, timeout_s: float | None = None) -> tuple[int, bool, Any, bytes | None]:
+    def recv(self, timeout_s: float | None = None) -> tuple[int, bool, object, bytes | None]:
         """The next reply: (rid, ok, result-or-error-dict, body). Raises RequestTimeout, or
         ProtocolError for a reply that does not decode and names no request (one that
         names its request comes back as that request's ``protocol_error``)."""
@@ -247,7 +282,7 @@ class SupervisorClient:
         if failed is not None and not self._link_up:
             raise HandshakeFailed(self.endpoint, _HANDSHAKE_FAILED[failed])
 
-    def _recv_remote(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
+    def _recv_remote(self, deadline: float, op: str) -> tuple[int, bool, object, bytes | None]:
         """Remote wait: the reply, or a typed error as soon as the link says it cannot come."""
         drops = self._link_drops
         sent_on_link = self._link_up
@@ -277,7 +312,7 @@ class SupervisorClient:
             if self._sock in ready and (reply := self._read_reply()) is not None:
                 return reply
 
-    def _read_reply(self) -> tuple[int, bool, Any, bytes | None] | None:
+    def _read_reply(self) -> tuple[int, bool, object, bytes | None] | None:
         """The reply waiting on the socket. One that does not decode is never silence: it
         comes back as its request's ``protocol_error`` when its rid is readable, else
         :class:`ProtocolError` is raised to whoever waits."""
@@ -296,7 +331,7 @@ class SupervisorClient:
             return got, False, error.to_dict(), None
         return rid, ok, payload, frames[1] if len(frames) > 1 else None
 
-    def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
+    def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, object, bytes | None]:
         if self._monitor is not None:
             return self._recv_remote(deadline, op)
         while True:
@@ -306,8 +341,8 @@ class SupervisorClient:
             if (reply := self._read_reply()) is not None:
                 return reply
 
-    def request(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
-                body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[Any, bytes | None]:
+    def request(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None,
+                body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[object, bytes | None]:
         """One call: send, wait for its reply, raise its error. Returns (result, body)."""
         with self._lock:
             self._check_open()
@@ -318,8 +353,8 @@ class SupervisorClient:
         if self._closed:
             raise SupervisorUnavailable(self.run_dir, "client is closed")
 
-    def _request_locked(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
-                        body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[Any, bytes | None]:
+    def _request_locked(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None,
+                        body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[object, bytes | None]:
         """:meth:`request` with ``self._lock`` held by the caller."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         rid = self.send(op, cap, args, body)
@@ -338,12 +373,14 @@ class SupervisorClient:
             raise error_from_dict(payload if isinstance(payload, dict) else {"code": "internal", "message": str(payload), "fields": {}})
         return payload, out_body
 
-    def _call_locked(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None,
-                     *, timeout_s: float | None = None) -> Any:
+    def _call_locked(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None,
+                     *, timeout_s: float | None = None) -> object:
         return self._request_locked(op, cap, args, timeout_s=timeout_s)[0]
 
-    def call(self, op: str, cap: Capability | bytes | None, args: dict[str, Any] | None = None, **kw: Any) -> Any:
-        return self.request(op, cap, args, **kw)[0]
+    def call(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None, *,
+             body: bytes | memoryview | None = None, timeout_s: float | None = None) -> object:
+        """One call's decoded result (a msgpack map, unchecked: the typed methods decode it into records)."""
+        return self.request(op, cap, args, body, timeout_s=timeout_s)[0]
 
     def release_regions(self) -> None:
         """Release this client's shared-memory regions now (they count against their tenants'
@@ -374,118 +411,108 @@ class SupervisorClient:
 
     # -------------------------------------------------------------- admin
 
-    def hello(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
+    def hello(self, admin: RegistryAdminCapability | None = None) -> HelloInfo:
         """Supervisor identity: pid, registry id, backend (and why), start method, uptime."""
-        result: dict[str, Any] = self.call("hello", admin or self.admin)
-        return result
+        return HelloInfo.from_wire(self.call("hello", admin or self.admin))
 
-    def alive(self) -> dict[str, Any]:
-        """``hello`` without a capability: ``{protocol, ready}`` and nothing else (a liveness probe
+    def alive(self) -> AliveInfo:
+        """``hello`` without a capability: protocol and readiness, nothing else (a liveness probe
         that needs no secret; docs/PROTOCOL.md "hello without a capability")."""
-        result: dict[str, Any] = self.call("hello", None)
-        return result
+        return AliveInfo.from_wire(self.call("hello", None))
 
     def register(self, admin: RegistryAdminCapability | None, spec: TenantSpec, *,
                  timeout_s: float | None = None) -> TenantCapability:
         """Register a tenant; returns once every instance is ready, with its capability."""
         result = self.call("register", admin or self.admin, {"spec": spec.to_dict()},
                            timeout_s=timeout_s or max(self.timeout_s, 60.0))
-        return TenantCapability.from_bytes(result["capability"])
+        return TenantCapability.from_bytes(_reply_field(result, "capability", bytes))
 
     def tenant_capability(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantCapability:
         """The capability of a registered tenant (e.g. one from the config file) to hand to it."""
         result = self.call("capability", admin or self.admin, {"tenant": tenant_id})
-        return TenantCapability.from_bytes(result["capability"])
+        return TenantCapability.from_bytes(_reply_field(result, "capability", bytes))
 
-    def evict(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+    def evict(self, admin: RegistryAdminCapability | None, tenant_id: str) -> EvictResult:
         """Stop the tenant's workers, revoke its capabilities, unlink its block (returns after the workers exit)."""
-        result: dict[str, Any] = self.call("evict", admin or self.admin, {"tenant": tenant_id}, timeout_s=max(self.timeout_s, 30.0))
-        return result
+        return EvictResult.from_wire(
+            self.call("evict", admin or self.admin, {"tenant": tenant_id}, timeout_s=max(self.timeout_s, 30.0)))
 
     unregister = evict
 
     def set_quota(self, admin: RegistryAdminCapability | None, tenant_id: str, *,
-                  memory_quota_bytes: int | str = _UNCHANGED,
-                  gpu_memory_bytes_cap: int | str | None = _UNCHANGED,
-                  recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED,
-                  gpu_time_weight: float = _UNCHANGED,
-                  gpu_time_cap: float | None = _UNCHANGED) -> dict[str, Any]:
+                  memory_quota_bytes: int | str | _Unchanged = _UNCHANGED,
+                  gpu_memory_bytes_cap: int | str | None | _Unchanged = _UNCHANGED,
+                  recorded_cuda_mem_pool_quota: int | str | None | _Unchanged = _UNCHANGED,
+                  gpu_time_weight: float | _Unchanged = _UNCHANGED,
+                  gpu_time_cap: float | None | _Unchanged = _UNCHANGED) -> TenantRecord:
         """Change limits live (omitted ones stay; ``None`` removes the GPU cap, or the GPU-time cap)."""
-        args: dict[str, Any] = {"tenant": tenant_id}
+        args: dict[str, object] = {"tenant": tenant_id}
         for name, value in (("memory_quota_bytes", memory_quota_bytes), ("gpu_memory_bytes_cap", gpu_memory_bytes_cap),
                             ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota),
                             ("gpu_time_weight", gpu_time_weight), ("gpu_time_cap", gpu_time_cap)):
             if value is not _UNCHANGED:
                 args[name] = value
-        result: dict[str, Any] = self.call("set_quota", admin or self.admin, args)
-        return result
+        return TenantRecord.from_wire(self.call("set_quota", admin or self.admin, args))
 
-    def status(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
-        """``{"supervisor": {...}, "tenants": [one record per tenant]}``."""
-        result: dict[str, Any] = self.call("status", admin or self.admin)
-        return result
+    def status(self, admin: RegistryAdminCapability | None = None) -> StatusRecord:
+        """The supervisor, its devices and one record per tenant."""
+        return StatusRecord.from_wire(self.call("status", admin or self.admin))
 
-    def tenant_status(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self.call("tenant_status", admin or self.admin, {"tenant": tenant_id})
-        return result
+    def tenant_status(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantRecord:
+        return TenantRecord.from_wire(self.call("tenant_status", admin or self.admin, {"tenant": tenant_id}))
 
-    def scale(self, admin: RegistryAdminCapability | None, tenant_id: str, instances: int) -> dict[str, Any]:
+    def scale(self, admin: RegistryAdminCapability | None, tenant_id: str, instances: int) -> TenantRecord:
         """Run ``instances`` workers for the tenant (live; scaling down drains first)."""
-        result: dict[str, Any] = self.call("scale", admin or self.admin, {"tenant": tenant_id, "instances": instances})
-        return result
+        return TenantRecord.from_wire(
+            self.call("scale", admin or self.admin, {"tenant": tenant_id, "instances": instances}))
 
     def inject_fault(self, admin: RegistryAdminCapability | None, tenant_id: str, kind: str, *,
-                     instance: int | None = None, **params: Any) -> dict[str, Any]:
+                     instance: int | None = None, **params: int | float | str | bool) -> FaultResult:
         """Break one worker of a tenant on purpose (docs/RELIABILITY.md lists the kinds).
 
         Returns once the fault is armed, or - for crash, segfault and exit -
         once the worker process is gone.
         """
-        args: dict[str, Any] = {"tenant": tenant_id, "kind": kind, "params": params}
+        args: dict[str, object] = {"tenant": tenant_id, "kind": kind, "params": params}
         if instance is not None:
             args["instance"] = instance
-        result: dict[str, Any] = self.call("inject_fault", admin or self.admin, args)
-        return result
+        return FaultResult.from_wire(self.call("inject_fault", admin or self.admin, args))
 
-    def reload(self, admin: RegistryAdminCapability | None = None) -> dict[str, Any]:
+    def reload(self, admin: RegistryAdminCapability | None = None) -> ReloadResult:
         """Read the supervisor's config file again and apply the difference (as SIGHUP does).
 
-        Returns ``{registered, changed, evicted, unchanged, conflicts, settings_not_applied}``;
-        a file that cannot be applied raises :class:`~shared.errors.ConfigError` and changes nothing.
+        Returns what was registered, changed, evicted, left unchanged, in conflict, and the
+        settings not applied; a file that cannot be applied raises
+        :class:`~shared.errors.ConfigError` and changes nothing.
         """
-        result: dict[str, Any] = self.call("reload", admin or self.admin, timeout_s=max(self.timeout_s, 60.0))
-        return result
+        return ReloadResult.from_wire(self.call("reload", admin or self.admin, timeout_s=max(self.timeout_s, 60.0)))
 
-    def reset(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+    def reset(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantRecord:
         """Clear a failed tenant and start its instances (same capability); returns once they are ready."""
-        result: dict[str, Any] = self.call("reset", admin or self.admin, {"tenant": tenant_id},
-                                           timeout_s=max(self.timeout_s, 60.0))
-        return result
+        return TenantRecord.from_wire(self.call("reset", admin or self.admin, {"tenant": tenant_id},
+                                                timeout_s=max(self.timeout_s, 60.0)))
 
-    def restart_tenant(self, admin: RegistryAdminCapability | None, tenant_id: str) -> dict[str, Any]:
+    def restart_tenant(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantRecord:
         """Restart a tenant's instances one at a time (new processes, same capability); returns when done."""
-        result: dict[str, Any] = self.call("restart", admin or self.admin, {"tenant": tenant_id},
-                                           timeout_s=max(self.timeout_s, 120.0))
-        return result
+        return TenantRecord.from_wire(self.call("restart", admin or self.admin, {"tenant": tenant_id},
+                                                timeout_s=max(self.timeout_s, 120.0)))
 
     def rotate_key(self, admin: RegistryAdminCapability | None = None) -> RegistryAdminCapability:
         """Replace the registry key: every capability is revoked; returns the new admin capability
         (also written to ``admin.cap``, and used by this client from now on)."""
         result = self.call("rotate_key", admin or self.admin)
-        new = RegistryAdminCapability.from_bytes(result["admin_capability"])
+        new = RegistryAdminCapability.from_bytes(_reply_field(result, "admin_capability", bytes))
         self._admin = new
         return new
 
     # ------------------------------------------------------------- tenant
 
-    def ping(self, cap: TenantCapability) -> dict[str, Any]:
-        result: dict[str, Any] = self.call("ping", cap)
-        return result
+    def ping(self, cap: TenantCapability) -> PingInfo:
+        return PingInfo.from_wire(self.call("ping", cap))
 
-    def quota(self, cap: TenantCapability) -> dict[str, Any]:
+    def quota(self, cap: TenantCapability) -> QuotaSnapshot:
         """The tenant's own quota snapshot (answered by the supervisor from shared memory)."""
-        result: dict[str, Any] = self.call("quota", cap)
-        return result
+        return QuotaSnapshot.from_wire(self.call("quota", cap))
 
     def alloc(self, cap: TenantCapability, nbytes: int, instance: int | None = None) -> int:
         """A device buffer of ``nbytes``; returns its handle. GpuMemoryExhausted when refused.
@@ -493,15 +520,15 @@ class SupervisorClient:
         ``instance``: allocate on that instance of the tenant (buffers a run
         uses together must live on one instance); default: the least loaded.
         """
-        args: dict[str, Any] = {"nbytes": nbytes}
+        args: dict[str, object] = {"nbytes": nbytes}
         if instance is not None:
             args["instance"] = instance
-        return int(self.call("alloc", cap, args)["handle"])
+        return _reply_field(self.call("alloc", cap, args), "handle", int)
 
     def free(self, cap: TenantCapability, handle: int) -> int:
-        return int(self.call("free", cap, {"handle": handle})["freed"])
+        return _reply_field(self.call("free", cap, {"handle": handle}), "freed", int)
 
-    def write(self, cap: TenantCapability, handle: int, data: Any, offset: int = 0) -> int:
+    def write(self, cap: TenantCapability, handle: int, data: object, offset: int = 0) -> int:
         """Copy ``data`` (bytes-like or a numpy array, in C order) into the buffer at ``offset``.
 
         Large payloads of a local client go through a shared-memory region
@@ -514,7 +541,7 @@ class SupervisorClient:
                 self._check_open()
                 if self._bulk.write(raw, handle, view, offset):
                     return len(view)
-        return int(self.call("write", cap, {"handle": handle, "offset": offset}, body=view)["written"])
+        return _reply_field(self.call("write", cap, {"handle": handle, "offset": offset}, body=view), "written", int)
 
     def read(self, cap: TenantCapability, handle: int, nbytes: int, offset: int = 0) -> bytes:
         """``nbytes`` of the buffer at ``offset`` (:meth:`read_into` and :meth:`get_array`
@@ -529,10 +556,10 @@ class SupervisorClient:
         _, body = self.request("read", cap, {"handle": handle, "offset": offset, "nbytes": nbytes})
         return body or b""
 
-    def read_into(self, cap: TenantCapability, handle: int, out: Any, offset: int = 0) -> int:
+    def read_into(self, cap: TenantCapability, handle: int, out: object, offset: int = 0) -> int:
         """Fill ``out`` (a writable, C-contiguous buffer or numpy array) from the buffer at ``offset``."""
         try:
-            view = memoryview(out)
+            view = memoryview(cast("Buffer", out))  # memoryview() is the check (TypeError: no buffer)
         except TypeError:
             raise InvalidArgument(f"read_into needs a writable buffer, got {type(out).__name__}") from None
         if view.readonly or not view.c_contiguous:
@@ -553,29 +580,30 @@ class SupervisorClient:
 
     # ---- regions by hand (Triton's model; write/read/put_array/get_array use them by themselves)
 
-    def region_create(self, cap: TenantCapability, nbytes: int) -> dict[str, Any]:
+    def region_create(self, cap: TenantCapability, nbytes: int) -> RegionGrant:
         """A shared-memory region of ``nbytes`` for this process, charged to the tenant's host
-        quota: ``{region, name, nbytes}``; map it with ``shared.region.Region.attach(name)``."""
-        result: dict[str, Any] = self.call("region_create", cap, {"nbytes": nbytes, "pid": os.getpid()})
-        return result
+        quota; map it with ``shared.region.Region.attach(grant.name)``."""
+        return RegionGrant.from_wire(self.call("region_create", cap, {"nbytes": nbytes, "pid": os.getpid()}))
 
     def region_release(self, cap: TenantCapability, region: int) -> int:
         """Release a region made by :meth:`region_create`; the bytes it held."""
-        return int(self.call("region_release", cap, {"region": region})["released"])
+        return _reply_field(self.call("region_release", cap, {"region": region}), "released", int)
 
     def write_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
                      offset: int = 0, region_offset: int = 0) -> int:
         """Copy ``nbytes`` at ``region_offset`` of the region into the buffer at ``offset``."""
-        return int(self.call("write_region", cap, {"handle": handle, "offset": offset, "region": region,
-                                                   "region_offset": region_offset, "nbytes": nbytes})["written"])
+        return _reply_field(self.call("write_region", cap, {"handle": handle, "offset": offset, "region": region,
+                                                            "region_offset": region_offset, "nbytes": nbytes}),
+                            "written", int)
 
     def read_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
                     offset: int = 0, region_offset: int = 0) -> int:
         """Copy ``nbytes`` of the buffer at ``offset`` into the region at ``region_offset``."""
-        return int(self.call("read_region", cap, {"handle": handle, "offset": offset, "region": region,
-                                                  "region_offset": region_offset, "nbytes": nbytes})["nbytes"])
+        return _reply_field(self.call("read_region", cap, {"handle": handle, "offset": offset, "region": region,
+                                                           "region_offset": region_offset, "nbytes": nbytes}),
+                            "nbytes", int)
 
-    def put_array(self, cap: TenantCapability, array: Any) -> int:
+    def put_array(self, cap: TenantCapability, array: object) -> int:
         """A new device buffer holding ``array``'s bytes (C order); returns its handle."""
         view = byte_view(array)
         handle = self.alloc(cap, max(1, len(view)))
@@ -590,7 +618,7 @@ class SupervisorClient:
             raise
         return handle
 
-    def empty_array(self, cap: TenantCapability, dtype: Any, shape: int | Sequence[int]) -> Any:
+    def empty_array(self, cap: TenantCapability, dtype: npt.DTypeLike, shape: int | Sequence[int]) -> npt.NDArray[np.generic]:
         """A new, uninitialised numpy array that lives in a shared-memory region of its own.
 
         Writing it (or a C-contiguous slice of it) with :meth:`write` or
@@ -614,8 +642,8 @@ class SupervisorClient:
                 return array
         return np.empty(dims, dtype=dt)
 
-    def get_array(self, cap: TenantCapability, handle: int, dtype: Any, shape: int | Sequence[int], *,
-                  copy: bool = True, offset: int = 0) -> Any:
+    def get_array(self, cap: TenantCapability, handle: int, dtype: npt.DTypeLike, shape: int | Sequence[int], *,
+                  copy: bool = True, offset: int = 0) -> npt.NDArray[np.generic]:
         """The buffer's bytes at ``offset`` as a numpy array of ``dtype`` and ``shape``.
 
         ``copy=False`` asks for a zero-copy view: the array then lives in a
@@ -643,22 +671,25 @@ class SupervisorClient:
 
     def buffers(self, cap: TenantCapability) -> dict[int, int]:
         """handle -> size of the tenant's live buffers (across instances)."""
-        result = self.call("buffers", cap)
-        return {int(h): int(n) for h, n in result["buffers"]}
+        pairs = _reply_field(self.call("buffers", cap), "buffers", list)
+        if not all(isinstance(p, list) and len(p) == 2 and all(map(is_int, p)) for p in pairs):
+            raise ProtocolError("the buffers reply is not a list of [handle, nbytes] pairs")
+        return {h: n for h, n in pairs}
 
     def put_module(self, cap: TenantCapability, module: bytes) -> str:
         """Upload a WASM module once; later ``run_wasm`` calls can name it by digest."""
-        return str(self.call("put_module", cap, {}, body=module)["digest"])
+        return _reply_field(self.call("put_module", cap, {}, body=module), "digest", str)
 
     def run_wasm(self, cap: TenantCapability, module: bytes | str, export: str,
-                 args: Sequence[Any] = (), *, fuel: int | None = None, timeout_s: float | None = None,
-                 request_timeout_s: float | None = None) -> dict[str, Any]:
+                 args: Sequence[int | float | dict[str, int]] = (), *, fuel: int | None = None,
+                 timeout_s: float | None = None,
+                 request_timeout_s: float | None = None) -> RunResult:
         """Run ``export`` of a module (bytes, WAT text as bytes, or a digest from :meth:`put_module`).
 
         ``args`` items are ints, floats or ``{"handle": h}`` buffer references.
-        Returns ``{"results", "fuel_used", "elapsed_s"}``.
+        Returns the results, the fuel used and the time it took (:class:`~shared.records.RunResult`).
         """
-        req: dict[str, Any] = {"export": export, "args": [_wasm_arg(a) for a in args]}
+        req: dict[str, object] = {"export": export, "args": [_wasm_arg(a) for a in args]}
         if fuel is not None:
             req["fuel"] = fuel
         if timeout_s is not None:
@@ -670,26 +701,27 @@ class SupervisorClient:
             body = bytes(module)
             req["digest"] = hashlib.sha256(body).hexdigest()
         wait = request_timeout_s or max(self.timeout_s, (timeout_s or 0) + 10.0)
-        result: dict[str, Any] = self.call("run_wasm", cap, req, body=body, timeout_s=wait)
-        return result
+        return RunResult.from_wire(self.call("run_wasm", cap, req, body=body, timeout_s=wait))
 
     # ------------------------------------------------------------- events
 
     def events_page(self, cap: Capability | None, after: int | None = None, *, kinds: Sequence[str] = (),
-                    max_events: int | None = None, log: str | None = None) -> dict[str, Any]:
+                    max_events: int | None = None, log: str | None = None) -> dict[str, object]:
         """One page of the event log: the events after sequence number ``after`` (None: none, only
         the cursor of now) -> ``{events, next, missed, more, log}`` (``supervisor.observe.event_log``).
         ``cap``: the admin capability (None: this client's) sees every event, a tenant's its own."""
-        args: dict[str, Any] = {"after": after, "log": log}
+        args: dict[str, object] = {"after": after, "log": log}
         if kinds:
             args["kinds"] = list(kinds)
         if max_events is not None:
             args["max"] = max_events
-        result: dict[str, Any] = self.call("events", cap or self.admin, args)
+        result = self.call("events", cap or self.admin, args)
+        if not isinstance(result, dict):
+            raise ProtocolError(f"the events reply is not a map: {type(result).__name__}")
         return result
 
     def events(self, kinds: Sequence[str] = (), *, timeout_s: float | None = None, replay: bool = False,
-               cap: Capability | None = None) -> Generator[dict[str, Any], None, None]:
+               cap: Capability | None = None) -> Generator[dict[str, object], None, None]:
         """Follow lifecycle events (``kinds`` filters; ``timeout_s`` ends quietly after silence;
         ``replay``: first the events the supervisor still holds), local or remote alike.
 
@@ -700,7 +732,7 @@ class SupervisorClient:
         return follow(self, cap or self.admin, kinds, timeout_s=timeout_s, replay=replay)
 
 
-def _array_layout(dtype: Any, shape: int | Sequence[int]) -> tuple[Any, tuple[int, ...], int]:
+def _array_layout(dtype: npt.DTypeLike, shape: int | Sequence[int]) -> tuple[np.dtype[np.generic], tuple[int, ...], int]:
     """(numpy dtype, shape tuple, bytes) of an array request; InvalidArgument for a bad shape."""
     import numpy as np
 
@@ -711,7 +743,7 @@ def _array_layout(dtype: Any, shape: int | Sequence[int]) -> tuple[Any, tuple[in
     return dt, dims, int(np.prod(dims, dtype=np.int64)) * dt.itemsize
 
 
-def _wasm_arg(value: Any) -> Any:
+def _wasm_arg(value: object) -> int | float | dict[str, object]:
     if isinstance(value, bool):
         raise InvalidArgument("wasm arguments are ints, floats or {'handle': h}, not bool")
     if isinstance(value, (int, float)):

@@ -29,9 +29,9 @@ import ctypes
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol, cast
 
 from shared.errors import (
     InvalidArgument,
@@ -42,6 +42,7 @@ from shared.errors import (
     TensorWasmError,
     error_from_dict,
 )
+from shared.records import RegionGrant
 from shared.region import (
     DEFAULT_CHUNK_BYTES,
     MAX_REGION_BYTES,
@@ -51,6 +52,9 @@ from shared.region import (
     pipeline_chunk_bytes,
     plan_chunks,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["DEFAULT_REGION_BYTES", "DEFAULT_THRESHOLD", "BulkPath", "Transport", "byte_view"]
 
@@ -93,14 +97,15 @@ def _bytes_address(data: bytes) -> int:
     return address
 
 
-def byte_view(data: Any) -> memoryview:
+def byte_view(data: object) -> memoryview:
     """A flat, C-ordered byte view of bytes, bytearray, memoryview or a numpy array.
 
     Non-contiguous arrays are copied once into C order (what a frame would
     carry anyway); everything else is viewed without a copy.
     """
     try:
-        view = data if isinstance(data, memoryview) else memoryview(data)
+        # memoryview() is the check (TypeError for an object without the buffer protocol)
+        view = data if isinstance(data, memoryview) else memoryview(cast("Buffer", data))
     except TypeError:
         raise InvalidArgument(f"expected bytes-like data or a numpy array, got {type(data).__name__}") from None
     if view.nbytes == 0:
@@ -123,20 +128,20 @@ class Transport(Protocol):
     #: seconds a reply may take (the client's, read at every transfer)
     timeout_s: float
 
-    def send(self, op: str, cap: bytes, args: dict[str, Any]) -> int:
+    def send(self, op: str, cap: bytes, args: Mapping[str, object]) -> int:
         """Send one request without waiting; its rid."""
         ...
 
-    def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, Any, bytes | None]:
+    def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, object, bytes | None]:
         """The next reply, whichever request it answers: (rid, ok, result or error dict, body)."""
         ...
 
-    def _request_locked(self, op: str, cap: bytes, args: dict[str, Any], *,
-                        timeout_s: float | None = None) -> tuple[Any, bytes | None]:
+    def _request_locked(self, op: str, cap: bytes, args: Mapping[str, object], *,
+                        timeout_s: float | None = None) -> tuple[object, bytes | None]:
         """One call: send, wait for its reply, raise its error; (result, body)."""
         ...
 
-    def _call_locked(self, op: str, cap: bytes, args: dict[str, Any], *, timeout_s: float | None = None) -> Any:
+    def _call_locked(self, op: str, cap: bytes, args: Mapping[str, object], *, timeout_s: float | None = None) -> object:
         """:meth:`_request_locked`'s result alone."""
         ...
 
@@ -185,18 +190,18 @@ class BulkPath:
     def _create(self, cap: bytes, nbytes: int) -> _Staging | None:
         """A new region of ``nbytes`` for the tenant; None (and frames for a while) when refused."""
         try:
-            result = self._client._call_locked(
-                "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()})
+            grant = RegionGrant.from_wire(self._client._call_locked(
+                "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()}))
         except (MemoryExhausted, InvalidArgument, SegmentError):
             self._refused_until[cap] = time.monotonic() + _REFUSED_FOR_S
             return None
         try:
-            region = Region.attach(str(result["name"]))
+            region = Region.attach(grant.name)
         except TensorWasmError:
-            self._release_quietly(cap, int(result["region"]))
+            self._release_quietly(cap, grant.region)
             self._refused_until[cap] = time.monotonic() + _REFUSED_FOR_S
             return None
-        return _Staging(int(result["region"]), region, cap)
+        return _Staging(grant.region, region, cap)
 
     def _staging_for(self, cap: bytes, nbytes: int) -> _Staging | None:
         """This tenant's staging region, grown (up to ``region_bytes``) for ``nbytes``."""
@@ -361,13 +366,13 @@ class BulkPath:
         """
         self.flush_leases()
         try:
-            result = self._client._call_locked(
-                "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()})
+            grant = RegionGrant.from_wire(self._client._call_locked(
+                "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()}))
         except (MemoryExhausted, InvalidArgument, SegmentError):
             return None
-        region_id = int(result["region"])
+        region_id = grant.region
         try:
-            region = Region.attach(str(result["name"]))
+            region = Region.attach(grant.name)
         except BaseException:
             self._release_quietly(cap, region_id)
             raise
@@ -429,7 +434,7 @@ class BulkPath:
         inflight: dict[int, Chunk] = {}  # rid -> chunk
         busy: dict[int, Chunk] = {}  # slot -> the chunk using it until it is answered
         retry: collections.deque[Chunk] = collections.deque()
-        first_error: dict[str, Any] | None = None
+        first_error: dict[str, object] | None = None
         deadline = time.monotonic() + timeout
 
         def send(chunk: Chunk) -> None:

@@ -14,15 +14,19 @@ this follower read them (it was too slow, or ``event_log_size`` too small),
 or the supervisor was restarted in between (the reply's ``log`` changed), a
 synthetic record ``{"event": "missed", "missed": N, "reason": ...}`` comes
 first (``missed`` is None when the count is unknown: a restart).
+
+Each page is checked as a :class:`shared.records.EventsPage` (a malformed one is a
+``ProtocolError``); the events in it stay maps (free-form per kind, docs/OPERATIONS.md).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from shared.capability import RegistryAdminCapability, TenantCapability
+from shared.records import EventsPage
 
 __all__ = ["MISSED", "POLL_S", "PageSource", "follow"]
 
@@ -38,7 +42,7 @@ class PageSource(Protocol):
 
     def events_page(self, cap: TenantCapability | RegistryAdminCapability | None, after: int | None = None, *,
                     kinds: Sequence[str] = (), max_events: int | None = None,
-                    log: str | None = None) -> dict[str, Any]: ...
+                    log: str | None = None) -> dict[str, object]: ...
 
 
 def follow(
@@ -49,7 +53,7 @@ def follow(
     timeout_s: float | None = None,
     replay: bool = False,
     poll_s: float = POLL_S,
-) -> Generator[dict[str, Any], None, None]:
+) -> Generator[dict[str, object], None, None]:
     """Events as they are published (``kinds``: only these), with ``missed`` records for gaps.
 
     The position is taken now, by this call (a refused capability raises here): the
@@ -61,28 +65,29 @@ def follow(
 
 
 def _follow(client: PageSource, cap: TenantCapability | RegistryAdminCapability, kinds: Sequence[str],
-            page: dict[str, Any], timeout_s: float | None, poll_s: float) -> Generator[dict[str, Any], None, None]:
-    log: str = page["log"]
+            first: dict[str, object], timeout_s: float | None, poll_s: float) -> Generator[dict[str, object], None, None]:
+    page = EventsPage.from_wire(first)  # checked: a malformed page is a ProtocolError, not a TypeError here
+    log = page.log
     quiet_since = time.monotonic()
     while True:
-        if page["log"] != log:
-            yield _gap(None, f"the supervisor was restarted (event log {log} -> {page['log']}); "
+        if page.log != log:
+            yield _gap(None, f"the supervisor was restarted (event log {log} -> {page.log}); "
                        "events of the earlier run that were not read are lost")
-            log = page["log"]
-        if page["missed"]:
-            yield _gap(page["missed"], "fell out of the supervisor's event log before they were read "
+            log = page.log
+        if page.missed:
+            yield _gap(page.missed, "fell out of the supervisor's event log before they were read "
                        "(a slow follower, or a small event_log_size)")
-        yield from page["events"]
+        yield from page.events
         now = time.monotonic()
-        if page["events"]:
+        if page.events:
             quiet_since = now
-        if not page["more"]:
+        if not page.more:
             if timeout_s is not None and now - quiet_since >= timeout_s:
                 return
             wait = poll_s if timeout_s is None else min(poll_s, max(0.0, quiet_since + timeout_s - now))
             time.sleep(wait)  # a follower's polling interval, not a wait for something to happen
-        page = client.events_page(cap, page["next"], kinds=kinds, log=log)
+        page = EventsPage.from_wire(client.events_page(cap, page.next, kinds=kinds, log=log))
 
 
-def _gap(count: int | None, reason: str) -> dict[str, Any]:
+def _gap(count: int | None, reason: str) -> dict[str, object]:
     return {"event": MISSED, "ts": round(time.time(), 6), "missed": count, "reason": reason}

@@ -48,7 +48,7 @@ class SupervisorHandle:
     run_dir: str
     client: SupervisorClient
     admin_capability: RegistryAdminCapability
-    info: dict[str, Any]
+    info: dict[str, Any]  # supervisor.json as read (JSON: endpoints, keys, pids, urls)
 
     @property
     def pid(self) -> int:
@@ -59,14 +59,14 @@ class SupervisorHandle:
         return SupervisorClient(self.run_dir, timeout_s=timeout_s)
 
 
-def _config_arg(config_or_path: str | os.PathLike[str] | Mapping[str, Any] | SupervisorConfig | None,
+def _config_arg(config_or_path: str | os.PathLike[str] | Mapping[str, object] | SupervisorConfig | None,
                 run_dir: str) -> list[str]:
     if config_or_path is None:
         return []
     if isinstance(config_or_path, (str, os.PathLike)):
         return ["--config", os.fspath(config_or_path)]
     if isinstance(config_or_path, SupervisorConfig):
-        doc: dict[str, Any] = {"supervisor": {k: v for k, v in config_or_path.to_dict().items()
+        doc: dict[str, object] = {"supervisor": {k: v for k, v in config_or_path.to_dict().items()
                                                if k not in ("tenants", "run_dir")},
                                "tenant": config_or_path.to_dict()["tenants"]}
     else:
@@ -81,7 +81,7 @@ def _config_arg(config_or_path: str | os.PathLike[str] | Mapping[str, Any] | Sup
 QUIET_LOG_LEVEL = "warning"
 
 
-def _config_sets_log_level(config_or_path: str | os.PathLike[str] | Mapping[str, Any] | SupervisorConfig | None) -> bool:
+def _config_sets_log_level(config_or_path: str | os.PathLike[str] | Mapping[str, object] | SupervisorConfig | None) -> bool:
     if config_or_path is None:
         return False
     if isinstance(config_or_path, SupervisorConfig):
@@ -94,7 +94,7 @@ def _config_sets_log_level(config_or_path: str | os.PathLike[str] | Mapping[str,
 
 @contextmanager
 def launch(
-    config_or_path: str | os.PathLike[str] | Mapping[str, Any] | SupervisorConfig | None = None,
+    config_or_path: str | os.PathLike[str] | Mapping[str, object] | SupervisorConfig | None = None,
     *,
     run_dir: str | None = None,
     backend: str | None = None,

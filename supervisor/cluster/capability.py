@@ -20,11 +20,12 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Mapping
 
 import msgpack
 
 from shared.capability import TenantCapability
+from shared.checks import is_int
 from shared.errors import InvalidArgument
 
 __all__ = ["ClusterCapability"]
@@ -56,15 +57,15 @@ class ClusterCapability:
         """The node supervisor's token for this tenant (what its frontend checks)."""
         return TenantCapability.from_bytes(self.capability)
 
-    def moved(self, placement: dict[str, Any]) -> ClusterCapability:
+    def moved(self, placement: Mapping[str, object]) -> ClusterCapability:
         """The same tenant and ticket at a new placement (a directory ``lookup`` record)."""
         return replace(
             self,
             node_id=str(placement["node_id"]),
             endpoint=str(placement["endpoint"]),
             server_public_key=str(placement["server_public_key"]),
-            capability=bytes(placement["capability"]),
-            epoch=int(placement["epoch"]),
+            capability=_bytes_field(placement, "capability"),
+            epoch=_int_field(placement, "epoch"),
         )
 
     def to_text(self) -> str:
@@ -94,10 +95,24 @@ class ClusterCapability:
         cluster, tenant, node, endpoint, key, cap, ticket, epoch = items
         if not all(isinstance(v, str) for v in (cluster, tenant, node, endpoint, key)) or not all(
             isinstance(v, bytes) for v in (cap, ticket)
-        ) or isinstance(epoch, bool) or not isinstance(epoch, int):
+        ) or not is_int(epoch):
             raise InvalidArgument("malformed cluster capability (wrong field types)")
         try:
             TenantCapability.from_bytes(cap)
         except Exception as exc:  # noqa: BLE001 - any parse failure of untrusted bytes is "malformed"
             raise InvalidArgument(f"malformed cluster capability (its tenant capability: {exc})") from None
         return cls(cluster, tenant, node, endpoint, key, cap, ticket, epoch)
+
+
+def _bytes_field(record: Mapping[str, object], name: str) -> bytes:
+    value = record[name]
+    if not isinstance(value, bytes):
+        raise InvalidArgument(f"directory record: {name} must be bytes, not {type(value).__name__}")
+    return value
+
+
+def _int_field(record: Mapping[str, object], name: str) -> int:
+    value = record[name]
+    if not is_int(value):
+        raise InvalidArgument(f"directory record: {name} must be an int, not {type(value).__name__}")
+    return value

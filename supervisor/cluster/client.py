@@ -13,6 +13,10 @@ client finds the tenant where the cluster re-placed it. Buffer handles from
 the lost node are void there (its buffers are gone).
 
 One client is not thread-safe (like SupervisorClient): use one per thread.
+
+Typing: Ray is untyped here (mypy follows no ray import), so the ``ray`` module, actor handles,
+object refs and ``ray.get()`` results are dynamically typed (this module's only ``Any``); a
+result is given its type where it lands.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from shared.errors import (
     TenantIsolationViolation,
     UnknownTenant,
 )
+from shared.quota import QuotaSnapshot
+from shared.records import PingInfo, RunResult
 from supervisor.client.api import SupervisorClient
 from supervisor.cluster.capability import ClusterCapability
 from supervisor.admission.curve import CurveKeyPair
@@ -144,10 +150,10 @@ class ClusterClient:
 
     # ------------------------------------------------------------ tenant
 
-    def ping(self, cc: ClusterCapability | str) -> dict[str, Any]:
+    def ping(self, cc: ClusterCapability | str) -> PingInfo:
         return self._call(cc, lambda c, cap: c.ping(cap))
 
-    def quota(self, cc: ClusterCapability | str) -> dict[str, Any]:
+    def quota(self, cc: ClusterCapability | str) -> QuotaSnapshot:
         return self._call(cc, lambda c, cap: c.quota(cap))
 
     def alloc(self, cc: ClusterCapability | str, nbytes: int) -> int:
@@ -168,6 +174,8 @@ class ClusterClient:
     def put_module(self, cc: ClusterCapability | str, module: bytes) -> str:
         return self._call(cc, lambda c, cap: c.put_module(cap, module))
 
-    def run_wasm(self, cc: ClusterCapability | str, module: bytes | str, export: str, args: Sequence[Any] = (),
-                 **kw: Any) -> dict[str, Any]:
-        return self._call(cc, lambda c, cap: c.run_wasm(cap, module, export, args, **kw))
+    def run_wasm(self, cc: ClusterCapability | str, module: bytes | str, export: str,
+                 args: Sequence[int | float | dict[str, int]] = (), *, fuel: int | None = None,
+                 timeout_s: float | None = None, request_timeout_s: float | None = None) -> RunResult:
+        return self._call(cc, lambda c, cap: c.run_wasm(cap, module, export, args, fuel=fuel, timeout_s=timeout_s,
+                                                        request_timeout_s=request_timeout_s))

@@ -23,6 +23,12 @@ Threads: Ray runs this actor's methods on a small thread pool
 ``nodes`` and ``tenants`` and is never held across a Ray call;
 ``_placing`` serialises placements (register, re-placement) so two of them
 never count the same free budget twice.
+
+Typing: Ray is untyped here (mypy follows no ray import), so an actor handle is dynamically
+typed (this module's only ``Any``); what ``ray.get()`` returns is given its type where it lands (a node's
+:class:`~supervisor.cluster.node.NodeInfo`, the records). Its status and scale results are
+TypedDicts (:class:`ClusterStatus`, :class:`ScaleResult`); the placement, evict and shutdown
+maps are ``dict[str, object]``, handed to operators as they are (twt cluster, --json).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from shared.errors import (
     AlreadyRegistered,
@@ -44,11 +50,73 @@ from shared.errors import (
     TenantIsolationViolation,
     UnknownTenant,
 )
+from shared.checks import is_int
 from shared.log import get_logger, log_event
+from shared.records import EvictResult, StatusRecord, TenantRecord
 from shared.spec import TenantSpec
 from supervisor.cluster.placement import NodeBudget, choose_node, gpu_nodes, require_gpu_nodes
 
-__all__ = ["NAMESPACE", "Directory", "unwrap_ray_error"]
+if TYPE_CHECKING:
+    from supervisor.cluster.node import NodeInfo
+
+__all__ = ["NAMESPACE", "ClusterStatus", "Directory", "NodeRow", "ScaleResult", "TenantRow", "unwrap_ray_error"]
+
+
+class NodeRow(TypedDict):
+    """A node in the cluster's status."""
+
+    node_id: str
+    alive: bool
+    lost_reason: str
+    endpoint: str
+    server_public_key: str
+    supervisor_pid: int
+    gpu_ids: list[str]
+    cuda_visible_devices: str
+    backend: str | None
+    capacity_bytes: int
+    committed_bytes: int
+    run_dir: str
+    free_bytes: int
+    tenants: list[str]
+
+
+class TenantRow(TypedDict):
+    """A placed tenant in the cluster's status."""
+
+    tenant_id: str
+    node_id: str
+    endpoint: str
+    state: str  # its node's record of it (running, failed, ...), or its placement when none is at hand
+    placement: str  # running | relocating | lost
+    epoch: int
+    reason: str
+    # these three as TenantSpec.to_dict wrote them in the registered spec (the directory keeps that dict)
+    restart: object
+    gpu_memory_bytes_cap: object
+    instances: object
+    moves: list[str]
+    pids: list[int]
+
+
+class ScaleResult(TypedDict):
+    """``Directory.scale``: the tenant's instances as its node reports them."""
+
+    tenant_id: str
+    node_id: str
+    instances: int
+    state: str
+    pids: list[int]
+
+
+class ClusterStatus(TypedDict):
+    """``Directory.status``; ``RayCluster.status`` adds ``ray_auth``."""
+
+    cluster: str
+    address: str
+    nodes: list[NodeRow]
+    tenants: list[TenantRow]
+    ray_auth: NotRequired[str]
 
 _log = get_logger("supervisor.cluster")
 
@@ -70,8 +138,8 @@ def unwrap_ray_error(exc: BaseException) -> BaseException:
 
 @dataclass
 class _Node:
-    actor: Any
-    info: dict[str, Any]
+    actor: Any  # a Ray actor handle (ray is untyped here)
+    info: NodeInfo
     alive: bool = True
     misses: int = 0
     lost_reason: str = ""
@@ -79,7 +147,7 @@ class _Node:
 
 @dataclass
 class _Tenant:
-    spec: dict[str, Any]
+    spec: dict[str, object]
     node_id: str
     capability: bytes
     ticket_hash: bytes
@@ -90,13 +158,14 @@ class _Tenant:
 
     @property
     def gpu_cap(self) -> int:
-        return int(self.spec.get("gpu_memory_bytes_cap") or 0)
+        cap = self.spec.get("gpu_memory_bytes_cap")  # the spec as TenantSpec.to_dict wrote it: an int or None
+        return cap if is_int(cap) else 0
 
 
 class Directory:
     """The cluster's record and failure reactions (see the module docstring)."""
 
-    def __init__(self, name: str, config_doc: dict[str, Any], address: str, listen_host: str | None = None,
+    def __init__(self, name: str, config_doc: dict[str, object], address: str, listen_host: str | None = None,
                  ping_interval_s: float = 1.0, ping_timeout_s: float = 10.0, ping_misses: int = 3) -> None:
         self.name = name
         self.config_doc = config_doc
@@ -117,7 +186,7 @@ class Directory:
 
     # ------------------------------------------------------------ nodes
 
-    def deploy(self) -> dict[str, Any]:
+    def deploy(self) -> ClusterStatus:
         """Start a supervisor on every GPU node; the cluster's status. BackendUnavailable without any."""
         import ray
 
@@ -283,7 +352,7 @@ class Directory:
 
     # ---------------------------------------------------------- tenants
 
-    def register(self, spec: dict[str, Any], node: str | None = None) -> dict[str, Any]:
+    def register(self, spec: dict[str, object], node: str | None = None) -> dict[str, object]:
         """Place and register a tenant; its placement and the ticket (shown once)."""
         import ray
 
@@ -307,14 +376,14 @@ class Directory:
         log_event(_log, logging.INFO, "cluster.tenant_registered", tenant=tid, node=nid)
         return {**record, "ticket": ticket, "cluster": self.name}
 
-    def _placement(self, tid: str) -> dict[str, Any]:
+    def _placement(self, tid: str) -> dict[str, object]:
         t = self.tenants[tid]
         info = self.nodes[t.node_id].info
         return {"tenant_id": tid, "node_id": t.node_id, "endpoint": info["endpoint"],
                 "server_public_key": info["server_public_key"], "capability": t.capability,
                 "epoch": t.epoch, "state": t.state, "reason": t.reason}
 
-    def lookup(self, tenant_id: str, ticket: bytes) -> dict[str, Any]:
+    def lookup(self, tenant_id: str, ticket: bytes) -> dict[str, object]:
         """The tenant's current placement for the holder of its ticket."""
         with self._lock:
             t = self.tenants.get(tenant_id)
@@ -324,7 +393,7 @@ class Directory:
                 raise TenantIsolationViolation(tenant_id, "the cluster directory (wrong ticket)")
             return self._placement(tenant_id)
 
-    def evict(self, tenant_id: str) -> dict[str, Any]:
+    def evict(self, tenant_id: str) -> dict[str, object]:
         import ray
 
         with self._placing:
@@ -333,10 +402,11 @@ class Directory:
                 if t is None:
                     raise UnknownTenant(tenant_id)
                 node = self.nodes[t.node_id]
-            result: dict[str, Any] = {"evicted": tenant_id, "node_id": t.node_id}
+            result: dict[str, object] = {"evicted": tenant_id, "node_id": t.node_id}
             if node.alive and t.state == "running":
                 try:
-                    result.update(ray.get(node.actor.evict.remote(tenant_id), timeout=CALL_TIMEOUT_S))
+                    evicted: EvictResult = ray.get(node.actor.evict.remote(tenant_id), timeout=CALL_TIMEOUT_S)
+                    result["pids"] = list(evicted.pids)
                 except Exception as exc:  # noqa: BLE001 - the record goes either way
                     err = unwrap_ray_error(exc)
                     if not isinstance(err, (UnknownTenant, ray.exceptions.RayActorError)):
@@ -345,7 +415,7 @@ class Directory:
                 self.tenants.pop(tenant_id, None)
         return result
 
-    def scale(self, tenant_id: str, instances: int) -> dict[str, Any]:
+    def scale(self, tenant_id: str, instances: int) -> ScaleResult:
         """Run ``instances`` worker processes for a placed tenant; a later re-placement keeps the count."""
         import ray
 
@@ -360,22 +430,22 @@ class Directory:
                 if not node.alive or t.state != "running":
                     raise NodeLost(tenant_id, node_id=t.node_id, reason=t.reason or "its node is lost")
             try:
-                result: dict[str, Any] = ray.get(node.actor.scale.remote(tenant_id, instances), timeout=CALL_TIMEOUT_S)
+                result: TenantRecord = ray.get(node.actor.scale.remote(tenant_id, instances), timeout=CALL_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - hand the typed error back to the caller
                 raise unwrap_ray_error(exc) from None
             with self._lock:
                 t.spec["instances"] = instances
         log_event(_log, logging.INFO, "cluster.tenant_scaled", tenant=tenant_id, instances=instances)
         return {"tenant_id": tenant_id, "node_id": t.node_id, "instances": instances,
-                "state": result.get("state"), "pids": result.get("pids", [])}
+                "state": result.state, "pids": list(result.pids)}
 
     # ----------------------------------------------------------- status
 
-    def status(self, live: bool = True) -> dict[str, Any]:
+    def status(self, live: bool = True) -> ClusterStatus:
         """``{"cluster", "nodes": [...], "tenants": [...]}``; ``live`` adds each node supervisor's own view."""
         import ray
 
-        node_status: dict[str, dict[str, Any]] = {}
+        node_status: dict[str, StatusRecord] = {}
         if live:
             with self._lock:
                 refs = {nid: n.actor.status.remote() for nid, n in self.nodes.items() if n.alive}
@@ -387,7 +457,7 @@ class Directory:
                     except Exception:  # noqa: BLE001 - a node dying right now: the monitor will see it
                         pass
         with self._lock:
-            nodes = []
+            nodes: list[NodeRow] = []
             for nid, n in sorted(self.nodes.items()):
                 mine = sorted(tid for tid, t in self.tenants.items() if t.node_id == nid and t.state == "running")
                 committed = sum(self.tenants[tid].gpu_cap for tid in mine)
@@ -400,21 +470,21 @@ class Directory:
                     "run_dir": n.info.get("run_dir"),
                     "free_bytes": n.info["capacity_bytes"] - committed, "tenants": mine,
                 })
-            tenants = []
+            tenants: list[TenantRow] = []
             for tid, t in sorted(self.tenants.items()):
-                live_rec = next((r for r in node_status.get(t.node_id, {}).get("tenants", ())
-                                 if r.get("tenant_id") == tid), None) if t.state == "running" else None
+                node_rec = node_status.get(t.node_id)
+                live_rec = node_rec.tenant(tid) if node_rec is not None and t.state == "running" else None
                 tenants.append({
                     "tenant_id": tid, "node_id": t.node_id, "endpoint": self.nodes[t.node_id].info["endpoint"],
-                    "state": live_rec["state"] if live_rec else t.state, "placement": t.state,
+                    "state": live_rec.state if live_rec else t.state, "placement": t.state,
                     "epoch": t.epoch, "reason": t.reason, "restart": t.spec.get("restart", "always"),
                     "gpu_memory_bytes_cap": t.spec.get("gpu_memory_bytes_cap"), "moves": list(t.history),
                     "instances": t.spec.get("instances", 1),
-                    "pids": live_rec.get("pids") if live_rec else [],
+                    "pids": list(live_rec.pids) if live_rec else [],
                 })
         return {"cluster": self.name, "address": self.address, "nodes": nodes, "tenants": tenants}
 
-    def shutdown(self) -> dict[str, Any]:
+    def shutdown(self) -> dict[str, dict[str, object]]:
         """Stop the monitor and every node's supervisor (gracefully), then end the node actors."""
         import ray
 
@@ -424,7 +494,7 @@ class Directory:
         with self._lock:
             nodes = dict(self.nodes)
         refs = {nid: n.actor.stop.remote() for nid, n in nodes.items() if n.alive}
-        codes: dict[str, Any] = {}
+        codes: dict[str, object] = {}
         for nid, ref in refs.items():
             try:
                 codes[nid] = ray.get(ref, timeout=60.0)

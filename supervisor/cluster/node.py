@@ -17,6 +17,10 @@ ends.
 
 An actor whose supervisor exited ends itself (:meth:`ping`), so for the
 cluster "the actor died" is the one signal that a node's supervisor is gone.
+
+Typing: Ray is untyped here (mypy follows no ray import); what the directory records of a node
+is a :class:`NodeInfo`. The one ``Any`` left is the run dir's ready record (JSON as the
+supervisor wrote it, :func:`supervisor.store.rundir.read_ready`).
 """
 
 from __future__ import annotations
@@ -31,15 +35,30 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from shared.capability import RegistryAdminCapability
 from shared.errors import SupervisorUnavailable
+from shared.records import EvictResult, StatusRecord, TenantRecord
 from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
 from supervisor.store.rundir import LOCK_FILE, read_admin_capability, read_ready, temp_parent
 
-__all__ = ["NodeSupervisor"]
+__all__ = ["NodeInfo", "NodeSupervisor"]
+
+
+class NodeInfo(TypedDict):
+    """What the directory records of a node (:meth:`NodeSupervisor.describe`)."""
+
+    node_id: str
+    endpoint: str  # the supervisor's TCP frontend as bound
+    server_public_key: str  # its CURVE public key (Z85)
+    pid: int
+    gpu_ids: list[str]
+    cuda_visible_devices: str
+    capacity_bytes: int
+    backend: str | None
+    run_dir: str
 
 READY_TIMEOUT_S = 60.0
 RUN_DIR_PREFIX = "twt-ray-"
@@ -77,7 +96,7 @@ def _remove_stale_run_dirs() -> None:
 class NodeSupervisor:
     """One supervisor on this node (see the module docstring)."""
 
-    def __init__(self, config_doc: dict[str, Any], listen_host: str | None = None) -> None:
+    def __init__(self, config_doc: dict[str, object], listen_host: str | None = None) -> None:
         import ray
 
         ctx = ray.get_runtime_context()
@@ -87,8 +106,9 @@ class NodeSupervisor:
         host = listen_host or ray.util.get_node_ip_address()
         _remove_stale_run_dirs()
         self.run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=temp_parent())
-        sup: dict[str, Any] = dict(config_doc.get("supervisor") or {})
-        doc = {"supervisor": sup, "tenant": list(config_doc.get("tenant") or [])}
+        table, tenants = config_doc.get("supervisor"), config_doc.get("tenant")
+        sup: dict[str, object] = dict(table) if isinstance(table, dict) else {}
+        doc = {"supervisor": sup, "tenant": list(tenants) if isinstance(tenants, list) else []}
         for key in ("run_dir", "state_dir", "listen"):
             sup.pop(key, None)
         # the devices Ray gave this actor are 0..n-1 under its CUDA_VISIBLE_DEVICES
@@ -114,7 +134,7 @@ class NodeSupervisor:
         except BaseException:
             self._stop_process()
             raise
-        self.capacity_bytes = sum(int(d.get("budget_limit_bytes") or 0) for d in status.get("devices") or ())
+        self.capacity_bytes = sum(d.budget_limit_bytes for d in status.devices)
 
     def _wait_ready(self) -> dict[str, Any]:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -128,7 +148,7 @@ class NodeSupervisor:
                 raise SupervisorUnavailable(self.run_dir, f"supervisor not ready within {READY_TIMEOUT_S:g} s")
             time.sleep(0.02)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> NodeInfo:
         """What the directory records of this node."""
         return {
             "node_id": self.node_id,
@@ -150,18 +170,18 @@ class NodeSupervisor:
             ray.actor.exit_actor()
         return self.proc.pid
 
-    def register(self, spec: dict[str, Any]) -> bytes:
+    def register(self, spec: dict[str, object]) -> bytes:
         """Register on this node's supervisor; the tenant capability bytes."""
         return self.client.register(self.admin, TenantSpec.from_dict(spec)).to_bytes()
 
-    def evict(self, tenant_id: str) -> dict[str, Any]:
+    def evict(self, tenant_id: str) -> EvictResult:
         return self.client.evict(self.admin, tenant_id)
 
-    def scale(self, tenant_id: str, instances: int) -> dict[str, Any]:
+    def scale(self, tenant_id: str, instances: int) -> TenantRecord:
         """Run ``instances`` worker processes for the tenant on this node (its status record)."""
         return self.client.scale(self.admin, tenant_id, instances)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusRecord:
         return self.client.status(self.admin)
 
     def stop(self) -> int | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from shared.errors import BackendUnavailable, InvalidArgument
 
@@ -46,17 +45,18 @@ class NodeBudget:
         return self.capacity_bytes - self.committed_bytes
 
 
-def gpu_nodes(ray_nodes: Iterable[Mapping[str, Any]]) -> list[RayNode]:
+def gpu_nodes(ray_nodes: Iterable[Mapping[str, object]]) -> list[RayNode]:
     """The alive nodes of a ``ray.nodes()`` listing that offer GPUs, by node id."""
     out = []
     for n in ray_nodes:
-        gpus = float((n.get("Resources") or {}).get("GPU", 0) or 0)
+        resources = n.get("Resources")
+        gpus = float(resources.get("GPU", 0) or 0) if isinstance(resources, Mapping) else 0.0
         if n.get("Alive") and gpus > 0:
             out.append(RayNode(str(n["NodeID"]), str(n.get("NodeManagerAddress", "")), gpus))
     return sorted(out, key=lambda r: r.node_id)
 
 
-def require_gpu_nodes(ray_nodes: Sequence[Mapping[str, Any]], address: str) -> list[RayNode]:
+def require_gpu_nodes(ray_nodes: Sequence[Mapping[str, object]], address: str) -> list[RayNode]:
     """:func:`gpu_nodes`, or the one clear error for a cluster without any."""
     found = gpu_nodes(ray_nodes)
     if not found:

@@ -14,6 +14,13 @@ actor named ``name`` in namespace ``"twt"``, so ``RayCluster.connect`` (and
 ``twt cluster status|down``) find a deployment from any driver. Ray is
 imported only here and in the actors, never by the rest of the package;
 without it the calls raise :class:`BackendUnavailable` naming the extra.
+
+Typing: Ray is untyped here (mypy follows no ray import, pyproject.toml), so the ``ray``
+module, actor handles, object refs and ``ray.get()`` results are ``Any``; a result is given
+its type where it lands (:class:`~supervisor.cluster.directory.ClusterStatus`,
+:class:`~supervisor.cluster.directory.ScaleResult`, ``dict[str, object]``). The other
+``Any`` here are the node config: TOML-shaped tables as ``tomllib`` or the caller gives
+them, handed on to the node supervisors, which check them (``SupervisorConfig``, ``TenantSpec``).
 """
 
 from __future__ import annotations
@@ -23,12 +30,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from shared.config import SupervisorConfig, read_config_file
+from shared.config import SupervisorConfig, read_config_file, tenants_of
 from shared.errors import BackendUnavailable, InvalidArgument
 from shared.spec import TenantSpec
 from supervisor.cluster.capability import ClusterCapability
 from supervisor.cluster.client import ClusterClient
-from supervisor.cluster.directory import NAMESPACE, Directory, unwrap_ray_error
+from supervisor.cluster.directory import NAMESPACE, ClusterStatus, Directory, ScaleResult, unwrap_ray_error
 
 __all__ = ["DEFAULT_NAME", "RayCluster", "ray_auth_mode", "split_tenants"]
 
@@ -91,13 +98,14 @@ def _config_doc(config: SupervisorConfig | Mapping[str, Any] | str | os.PathLike
         return {"supervisor": {}, "tenant": []}
     if isinstance(config, (str, os.PathLike)):
         fields = read_config_file(config)
-        tenants = [t.to_dict() for t in fields.pop("tenants", ())]
+        tenants = [t.to_dict() for t in tenants_of(fields)]
+        del fields["tenants"]
         return {"supervisor": fields, "tenant": tenants}
     if isinstance(config, SupervisorConfig):
         d = config.to_dict()
-        tenants = d.pop("tenants")
+        del d["tenants"]
         return {"supervisor": {k: v for k, v in d.items() if k not in ("run_dir", "state_dir", "listen")},
-                "tenant": tenants}
+                "tenant": [t.to_dict() for t in config.tenants]}
     doc = dict(config)
     return {"supervisor": dict(doc.get("supervisor") or {}), "tenant": list(doc.get("tenant") or [])}
 
@@ -182,18 +190,18 @@ class RayCluster:
             capability=bytes(rec["capability"]), ticket=bytes(rec["ticket"]), epoch=int(rec["epoch"]),
         )
 
-    def evict(self, tenant_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = self._get(self._directory.evict.remote(tenant_id))
+    def evict(self, tenant_id: str) -> dict[str, object]:
+        result: dict[str, object] = self._get(self._directory.evict.remote(tenant_id))
         return result
 
-    def scale(self, tenant_id: str, instances: int) -> dict[str, Any]:
+    def scale(self, tenant_id: str, instances: int) -> ScaleResult:
         """Run ``instances`` worker processes for a placed tenant (kept if it is re-placed)."""
-        result: dict[str, Any] = self._get(self._directory.scale.remote(tenant_id, instances))
+        result: ScaleResult = self._get(self._directory.scale.remote(tenant_id, instances))
         return result
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ClusterStatus:
         """``{"cluster", "address", "ray_auth", "nodes": [...], "tenants": [{"tenant_id", "node_id", ...}]}``."""
-        result: dict[str, Any] = self._get(self._directory.status.remote())
+        result: ClusterStatus = self._get(self._directory.status.remote())
         result["ray_auth"] = ray_auth_mode()
         return result
 
@@ -205,11 +213,11 @@ class RayCluster:
         """Check a node now (instead of at the next ping); True when it is lost."""
         return bool(self._get(self._directory.suspect.remote(node_id)))
 
-    def shutdown(self) -> dict[str, Any]:
+    def shutdown(self) -> dict[str, dict[str, object]]:
         """Stop every node's supervisor gracefully, then the node actors and the directory."""
         ray = _ray()
         try:
-            result: dict[str, Any] = self._get(self._directory.shutdown.remote(), DEPLOY_TIMEOUT_S)
+            result: dict[str, dict[str, object]] = self._get(self._directory.shutdown.remote(), DEPLOY_TIMEOUT_S)
         finally:
             ray.kill(self._directory)
         return result

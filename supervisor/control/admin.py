@@ -1,8 +1,9 @@
-"""Admin operations (the admin capability) and the tenant lifecycle they drive.
+"""The part that serves the admin ops (the admin capability), and the tenant lifecycle they drive.
 
-register, evict, set_quota, scale, inject_fault, capability, status,
-tenant_status, hello - each declared in :data:`shared.protocol.OPS` - plus
-what a tenant goes through between them: registration answered once every
+Each admin op is a class of its own under :mod:`supervisor.control.ops` (its
+handler, its ``twt`` command, its doc row); the handlers of register, evict,
+set_quota, scale, inject_fault, capability, status, tenant_status and hello
+call what is here: the tenants table and what a tenant goes through: registration answered once every
 instance is ready (or failed), the tenant marked failed after too many
 restarts, parked requests refused when their instance is not coming back.
 
@@ -21,7 +22,7 @@ thread once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a
 reply's path. The service
 ops (reload, reset, restart, rotate-key, and the restore at start) live in
 :mod:`supervisor.control.service`, which drives the ops here; the lifecycle tells it
-what it must know (its ops' requests, an instance ready, a tenant gone)
+what it must know (an instance ready, a tenant gone)
 through :class:`ServiceHooks`, so this module never imports it.
 
 Owns: the tenants table (``tenants``: id -> :class:`TenantRuntime`) and each
@@ -39,7 +40,8 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
-from typing import Any, Protocol
+from dataclasses import fields
+from typing import ParamSpec, Protocol
 from collections.abc import Callable
 
 import psutil
@@ -48,22 +50,20 @@ from shared import protocol as proto
 from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig
 from shared.errors import (
+    CapacityExhausted,
     InvalidArgument,
     KernelTimeout,
     StateError,
     TenantFailed,
-    TenantIsolationViolation,
     TenantStopped,
     TensorWasmError,
     UnknownTenant,
     WorkerLost,
 )
 from shared.log import get_logger, log_event
-from shared.quota import MAX_INSTANCES
+from shared.mps import MpsDecision
+from shared.quota import MAX_INSTANCES, QuotaSnapshot
 from shared.records import (
-    FaultAck,
-    FaultExit,
-    FaultOrder,
     HelloInfo,
     InstanceRecord,
     PoolRecord,
@@ -75,7 +75,7 @@ from shared.spec import TenantSpec
 from supervisor.observe.events import EventBus
 from supervisor.admission.frontend import Frontend
 from supervisor.observe.gpu_share import SAMPLE_EVERY_S, GpuShareWindow
-from supervisor.runtime.loop import Loop
+from supervisor.runtime.loop import Loop, Timer
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
 from supervisor.store.registry import TenantRegistry
@@ -87,12 +87,11 @@ from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 from supervisor.lifecycle.workerset import WorkerSet
 
-__all__ = ["OpHandler", "AdminOps", "ServiceHooks"]
+__all__ = ["AdminOps", "ServiceHooks"]
 
 _log = get_logger("supervisor")
-
-#: one admin op's handler: ``(client, rid, args)``, answering through the pending table (at once or later)
-OpHandler = Callable[[bytes, int, dict[str, Any]], None]
+#: a state write and its arguments (AdminOps.write / record)
+W = ParamSpec("W")
 
 #: the WAL checkpoint runs this long after the last admin write: a burst of admin ops (a
 #: group of registrations) pays its fsyncs once, after its replies, not one per op
@@ -101,10 +100,9 @@ CHECKPOINT_DELAY_S = 0.25
 
 class ServiceHooks(Protocol):
     """What the tenant lifecycle hands up to the service ops (implemented by
-    :class:`supervisor.control.service.ServiceOps`, which drives the ops here): the
-    handlers of the ops it serves (``served_by == "service"``), an instance that became ready, a tenant gone."""
+    :class:`supervisor.control.service.ServiceOps`, which drives the ops here): an
+    instance that became ready, a tenant gone."""
 
-    def handlers(self) -> dict[str, OpHandler]: ...
     def instance_ready(self, rt: TenantRuntime) -> None: ...
     def tenant_down(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
 
@@ -152,8 +150,6 @@ class AdminOps:
         self._on_settled = on_settled
         self.started = time.time()
         self._workers: WorkerSet | None = None
-        #: every admin op's handler, by name (filled by attach(), once the service ops exist)
-        self._handlers: dict[str, OpHandler] = {}
         self._frontend: Frontend | None = None
         self._service: ServiceHooks | None = None
         #: registrations waiting for the writer thread; it takes all there are into one
@@ -166,24 +162,14 @@ class AdminOps:
         self._unwritten: set[str] = set()
         self._written_r: int | None = None  # the writer thread's "done" pipe (made on first use)
         self._written_w: int | None = None
-        self._checkpoint_timer: Any = None
+        self._checkpoint_timer: Timer | None = None
         #: each tenant's GPU-time share over the last window (sampled by a loop timer)
         self.gpu_share = GpuShareWindow()
         loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 
     def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
-        """The parts this one calls, which are built after it (they call it too); once, at set-up.
-
-        The service ops' handlers join the dispatch table here; every admin op of the op
-        table (``served_by`` "admin" or "service") must have exactly one handler.
-        """
+        """The parts this one calls, which are built after it (they call it too); once, at set-up."""
         self._workers, self._frontend, self._service = workers, frontend, service
-        handlers = {**self._admin_handlers(), **service.handlers()}
-        declared = {name for name, spec in proto.OPS.items() if spec.served_by in ("admin", "service")}
-        if set(handlers) != declared:
-            raise RuntimeError(f"admin ops without a handler: {sorted(declared - set(handlers))}; "
-                               f"handlers of no admin op: {sorted(set(handlers) - declared)}")
-        self._handlers = handlers
 
     @property
     def workers(self) -> WorkerSet:
@@ -200,35 +186,6 @@ class AdminOps:
         assert self._service is not None, "AdminOps used before Supervisor._setup attached its parts"
         return self._service
 
-    # ------------------------------------------------------------ dispatch
-
-    def handle(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, Any], body: Any) -> None:
-        """One admin request: the admin capability first, then the op's schema, then the op."""
-        if cap_raw is None:
-            raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
-        self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
-        proto.check_args(op, args)
-        self._handlers[op](client, rid, args)
-
-    def _admin_handlers(self) -> dict[str, OpHandler]:
-        """The ops :class:`AdminOps` serves (``served_by == "admin"``), by name: dispatch is this lookup."""
-        answer = self.pending.answer
-        return {
-            "hello": lambda client, rid, args: answer(client, rid, "hello", self.hello_info().to_wire()),
-            "register": lambda client, rid, args: self.register(TenantSpec.from_dict(args["spec"]), client, rid),
-            "evict": lambda client, rid, args: self.evict(args["tenant"], client, rid),
-            "set_quota": lambda client, rid, args: answer(client, rid, "set_quota", self._set_quota(args).to_wire()),
-            "status": lambda client, rid, args: answer(client, rid, "status", self.status().to_wire()),
-            "capability": lambda client, rid, args: answer(
-                client, rid, "capability",
-                {"capability": self.registry.tenant_capability(self.admin_cap, args["tenant"]).to_bytes()}),
-            "tenant_status": lambda client, rid, args: answer(
-                client, rid, "tenant_status", self.tenant_record(self.runtime(args["tenant"])).to_wire()),
-            "scale": lambda client, rid, args: answer(
-                client, rid, "scale", self.scale(args["tenant"], args["instances"]).to_wire()),
-            "inject_fault": self._inject_fault,
-        }
-
     def runtime(self, tid: str) -> TenantRuntime:
         """The tenant's runtime; UnknownTenant when none is registered as ``tid``."""
         rt = self.tenants.get(tid)
@@ -241,10 +198,20 @@ class AdminOps:
     def register(self, spec: TenantSpec, client: bytes | None, rid: int | None, *, origin: str = "runtime") -> None:
         """Register a tenant (``origin``: "file" for the config file's, "runtime" for a register
         request), record it in the state, start its instances; answered once they are ready."""
-        # placement and the MPS check first: a refusal must leave nothing registered
+        # capacity, placement and the MPS check first: a refusal must leave nothing registered
+        if spec.tenant_id not in self.tenants:  # a second registration is AlreadyRegistered (the registry)
+            self.check_capacity(tenants=1, workers=spec.instances)
         device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
         isolation = self.placement.isolation(spec)
-        cap = self.registry.register_with_capability(self.admin_cap, spec)
+        fresh = self.placement.gpu_time_slot(spec.tenant_id) is None
+        if fresh:  # the board slot before the registry: CapacityExhausted leaves nothing behind
+            self.placement.gpu_time_join(spec, device)
+        try:
+            cap = self.registry.register_with_capability(self.admin_cap, spec)
+        except BaseException:
+            if fresh:
+                self.placement.gpu_time_leave(spec.tenant_id)
+            raise
         stored_origin: Origin = "file" if origin == "file" else "runtime"
         if client is not None:
             # A client's registration: its commit runs on the writer thread from now on, while
@@ -264,6 +231,17 @@ class AdminOps:
         self._checkpoint_soon()
         self._check_registered(rt)
 
+    def check_capacity(self, *, tenants: int, workers: int) -> None:
+        """CapacityExhausted unless ``tenants`` more tenants and ``workers`` more instances fit
+        under ``max_tenants`` / ``max_workers`` (failed tenants count: ``twt reset`` restarts them)."""
+        cfg = self.config
+        if tenants > 0 and len(self.tenants) + tenants > cfg.max_tenants:
+            raise CapacityExhausted("tenants", len(self.tenants), tenants, cfg.max_tenants, "max_tenants")
+        if workers > 0:
+            in_use = sum(rt.spec.instances for rt in self.tenants.values())
+            if in_use + workers > cfg.max_workers:
+                raise CapacityExhausted("workers", in_use, workers, cfg.max_workers, "max_workers")
+
     def _submit_registration(self, spec: TenantSpec, generation: int, origin: Origin) -> None:
         """Queue a registration's row for the writer thread (see :meth:`_write_registrations`)."""
         with self._to_write_lock:
@@ -276,7 +254,7 @@ class AdminOps:
         wake_fd = self._written_w
         assert wake_fd is not None
 
-        def wake(_: Future[Any]) -> None:  # on the writer thread: only a byte down the pipe
+        def wake(_: Future[tuple[list[str], StateError | None]]) -> None:  # on the writer thread: only a byte down the pipe
             try:
                 os.write(wake_fd, b"\0")
             except OSError:
@@ -350,14 +328,14 @@ class AdminOps:
         """On the writer thread: the loop never waits for it (nor does a registration)."""
         self._checkpoint_timer = None
 
-        def done(future: Future[Any]) -> None:
+        def done(future: Future[None]) -> None:
             exc = future.exception()
             if exc is not None:  # the commits are durable in the WAL; only the fold-in failed
                 log_event(_log, logging.WARNING, "state.checkpoint_failed", error=str(exc))
 
         self.state.submit(self.state.checkpoint).add_done_callback(done)
 
-    def write(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    def write(self, write: Callable[W, None], *args: W.args, **kwargs: W.kwargs) -> None:
         """Write an admin change *before* it is applied: StateError (nothing applied) when it
         cannot be written. Registrations applied before it are written first."""
         self._settle_writes()
@@ -381,7 +359,7 @@ class AdminOps:
             rt.restoring = True
         self._check_registered(rt)
 
-    def _start_tenant(self, spec: TenantSpec, generation: int, device: int, isolation: Any, origin: str,
+    def _start_tenant(self, spec: TenantSpec, generation: int, device: int, isolation: MpsDecision, origin: str,
                       waiter: tuple[bytes | None, int | None, bytes] | None, *, start: bool = True) -> TenantRuntime:
         block = self.registry.block(self.admin_cap, spec.tenant_id)
         rt = TenantRuntime(spec, block, generation)
@@ -514,26 +492,10 @@ class AdminOps:
         for worker in workers:
             worker.death_waiters.append(on_dead)
 
-    def _set_quota(self, args: dict[str, Any]) -> TenantRecord:
-        rt = self.runtime(args["tenant"])
-        changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
-        if not changes:
-            raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
-        new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
-        self.write(self.state.update_spec, new_spec)  # StateError: nothing applied
-        try:
-            info = self.registry.set_quota(self.admin_cap, rt.tenant_id, **changes)
-        except BaseException:
-            self.record(self.state.update_spec, rt.spec)  # put the stored spec back
-            raise
-        rt.spec = info.spec
-        self.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
-        self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
-        return self.tenant_record(rt)
-
     def scale(self, tid: str, n: int) -> TenantRecord:
         rt = self.runtime(tid)
         spec = rt.spec.with_instances(n)  # validates the range
+        self.check_capacity(tenants=0, workers=n - rt.spec.instances)
         wanted = rt.wanted_slots()
         free = sum(1 for s in rt.slots if s.draining and s.worker is None) + MAX_INSTANCES - len(rt.slots)
         if n - len(wanted) > free:
@@ -566,7 +528,7 @@ class AdminOps:
         rt.refresh_state()
         return self.tenant_record(rt)
 
-    def record(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    def record(self, write: Callable[W, None], *args: W.args, **kwargs: W.kwargs) -> None:
         """Write a change no client asked for that is already applied (a tenant marked failed, a
         failed registration undone). A failed write cannot undo it: it is logged and published
         (``state_error``) so the operator knows a restart would lose it."""
@@ -577,48 +539,6 @@ class AdminOps:
         except StateError as exc:
             log_event(_log, logging.ERROR, "state.write_failed", error=str(exc))
             self.events.emit("state_error", path=exc.path, error=exc.detail)
-
-    # ------------------------------------------------------------ faults
-
-    def _inject_fault(self, client: bytes, rid: int, args: dict[str, Any]) -> None:
-        tid = args["tenant"]
-        rt = self.runtime(tid)
-        kind = args["kind"]
-        if kind not in proto.FAULT_KINDS:
-            raise InvalidArgument(f"unknown fault kind {kind!r}")
-        index = args.get("instance")
-        if index is None:
-            live = rt.live_slots()
-            if not live:
-                raise WorkerLost(tid, 0, reason="no live instance to inject into")
-            slot = live[0]
-        else:
-            if not 0 <= index < len(rt.slots):
-                raise InvalidArgument(f"instance must be in 0..{len(rt.slots) - 1}")
-            slot = rt.slots[index]
-        worker = slot.worker
-        if worker is None or not worker.control_hello or worker.state is WorkerState.DEAD:
-            raise WorkerLost(tid, slot.index, reason="instance is not running")
-        params = args.get("params") or {}
-        info = {"tenant": tid, "instance": slot.index, "pid": worker.pid, "kind": kind}
-        answered = False
-
-        def answer(result: FaultAck | FaultExit) -> None:
-            nonlocal answered
-            if answered:
-                return
-            answered = True
-            if isinstance(result, FaultAck) and not result.ok:
-                err = result.error or TensorWasmError("worker refused the fault without a reason").to_dict()
-                self.pending.answer_error(client, rid, "inject_fault", err)
-            elif isinstance(result, FaultAck):
-                self.pending.answer(client, rid, "inject_fault", {**info, "ok": True, "armed": result.armed})
-            else:
-                self.pending.answer(client, rid, "inject_fault", {**info, **result.to_wire()})
-
-        self.workers.on_fault_answer(worker, answer)
-        self.events.emit("fault", **info, params=params)
-        self.workers.send_control(worker, proto.encode_control("fault", FaultOrder(kind, params).to_wire()))
 
     # ------------------------------------------------------------ records
 
@@ -641,24 +561,24 @@ class AdminOps:
                 self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
         self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 
-    def _gpu_time_record(self, rt: TenantRuntime, snap: dict[str, Any]) -> dict[str, Any]:
+    def _gpu_time_record(self, rt: TenantRuntime, snap: QuotaSnapshot) -> dict[str, object]:
         """What status and top show of the tenant's GPU time (docs/GPU-QUOTAS.md)."""
-        gpu_ns = int(snap.get("gpu_time_ns", 0))
+        gpu_ns = snap.gpu_time_ns
         share = self.gpu_share.share(rt.tenant_id, time.monotonic(), gpu_ns)
-        waits = int(snap.get("gpu_waits", 0))
+        waits = snap.gpu_waits
         return {
             "weight": rt.spec.gpu_time_weight,
             "cap": rt.spec.gpu_time_cap,
             "gpu_time_s": round(gpu_ns / 1e9, 6),
             "share": None if share is None else round(share, 4),
             "window_s": self.gpu_share.window_s,
-            "throttled": int(snap.get("gpu_throttled", 0)),
-            "ops": int(snap.get("gpu_ops", 0)),
-            "wait_mean_s": round(int(snap.get("gpu_wait_ns", 0)) / waits / 1e9, 6) if waits else 0.0,
+            "throttled": snap.gpu_throttled,
+            "ops": snap.gpu_ops,
+            "wait_mean_s": round(snap.gpu_wait_ns / waits / 1e9, 6) if waits else 0.0,
         }
 
     def tenant_record(self, rt: TenantRuntime) -> TenantRecord:
-        snap = rt.block.snapshot().to_dict() if not rt.block.closed else {}
+        snap = rt.block.snapshot() if not rt.block.closed else None
         now = self.clock()
         instances = []
         for slot in rt.slots:
@@ -688,11 +608,11 @@ class AdminOps:
             backend=self.backend_name,
             device=rt.device,
             isolation=self.placement.isolation_of(rt.tenant_id),
-            spec=rt.spec.to_dict(),
-            bytes_in_use=snap.get("bytes_in_use", 0),
-            memory_quota_bytes=snap.get("memory_quota_bytes", rt.spec.memory_quota_bytes),
-            gpu_bytes_in_use=snap.get("gpu_bytes_in_use", 0),
-            gpu_memory_bytes_cap=snap.get("gpu_memory_bytes_cap", rt.spec.gpu_memory_bytes_cap),
+            spec=rt.spec,
+            bytes_in_use=snap.bytes_in_use if snap else 0,
+            memory_quota_bytes=snap.memory_quota_bytes if snap else rt.spec.memory_quota_bytes,
+            gpu_bytes_in_use=snap.gpu_bytes_in_use if snap else 0,
+            gpu_memory_bytes_cap=snap.gpu_memory_bytes_cap if snap else rt.spec.gpu_memory_bytes_cap,
             quota=snap,
             regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
             origin=rt.origin,
@@ -708,7 +628,7 @@ class AdminOps:
             by_device.setdefault(rt.device, []).append(tid)
         return StatusRecord(
             supervisor=SupervisorRecord(
-                **hello.to_wire(),
+                **{f.name: getattr(hello, f.name) for f in fields(hello)},
                 run_dir=self.rundir.path,
                 pool=PoolRecord(idle=len(ws.pool), starting=ws.pool_starting, size=self.config.pool_size,
                                 pids=tuple(w.pid for w in ws.pool)),

@@ -1,7 +1,9 @@
 """Service operations: restore at start, reload, reset, rolling restart, key rotation.
 
 What keeps a supervisor a *service* across its own restarts and config
-changes, on top of the admin ops (:mod:`supervisor.control.admin`)::
+changes, on top of the admin ops (:mod:`supervisor.control.admin`); the
+handlers of the reload, reset, restart and rotate_key ops (classes under
+:mod:`supervisor.control.ops`) call the methods here::
 
     start ........ restore()      every tenant from the state (same generation: capabilities
                                   minted before keep working; failed ones stay failed), then
@@ -28,14 +30,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
 from collections.abc import Callable
 
 from shared.capability import RegistryAdminCapability
-from shared.config import SupervisorConfig, read_config_file
+from shared.config import SupervisorConfig, read_config_file, tenants_of
 from shared.errors import ConfigError, StateError, TenantFailed, TensorWasmError
 from shared.log import get_logger, log_event
-from supervisor.control.admin import OpHandler, AdminOps
+from supervisor.control.admin import AdminOps
 from supervisor.observe.events import EventBus
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
@@ -78,21 +79,9 @@ class ServiceOps:
         self._on_key_rotated = on_key_rotated
         self._file_settings = _settings_of(config.config_file)
 
-    # ------------------------------------------------------------ dispatch
-
-    def handlers(self) -> dict[str, OpHandler]:
-        """The ops this part serves (``served_by == "service"``), by name: AdminOps's dispatch table takes them."""
-        answer = self.pending.answer
-        return {
-            "reload": lambda client, rid, args: answer(client, rid, "reload", self.reload()),
-            "reset": lambda client, rid, args: self.reset(args["tenant"], client, rid),
-            "restart": lambda client, rid, args: self.restart(args["tenant"], client, rid),
-            "rotate_key": lambda client, rid, args: answer(client, rid, "rotate_key", self.rotate_key()),
-        }
-
     # ------------------------------------------------------------ start
 
-    def restore(self) -> dict[str, Any]:
+    def restore(self) -> dict[str, int]:
         """Bring back every stored tenant, then register the config file's new ones.
 
         A stored file tenant whose entry changed while the supervisor was down
@@ -144,7 +133,7 @@ class ServiceOps:
 
     # ------------------------------------------------------------ reload
 
-    def reload(self) -> dict[str, Any]:
+    def reload(self) -> dict[str, object]:
         """Apply the config file's difference; :class:`ConfigError` (nothing changed) when it cannot be."""
         path = self.config.config_file
         try:
@@ -170,7 +159,7 @@ class ServiceOps:
     def _plan(self, path: str) -> ReloadPlan:
         try:
             fields = read_config_file(path)
-            SupervisorConfig(**fields)  # every [supervisor] value and tenant table checked, as at start
+            SupervisorConfig.checked(fields)  # every [supervisor] value and tenant table checked, as at start
         except (ValueError, TypeError) as exc:
             raise ConfigError(path, str(exc)) from None
         current = {}
@@ -180,7 +169,7 @@ class ServiceOps:
             if rec is not None:
                 current[tid] = TenantNow(rt.spec, rec.registered_spec, rec.origin)
         settings = {k: v for k, v in fields.items() if k != "tenants"}
-        plan = plan_reload(fields["tenants"], current, old_settings=self._file_settings, new_settings=settings)
+        plan = plan_reload(tenants_of(fields), current, old_settings=self._file_settings, new_settings=settings)
         # every placement is checked before anything changes: a file that cannot be applied changes nothing
         problems = []
         counts = Counter(t.device for t in self.admin.tenants.values())
@@ -330,7 +319,7 @@ class ServiceOps:
 
     # ------------------------------------------------------------ rotate-key
 
-    def rotate_key(self) -> dict[str, Any]:
+    def rotate_key(self) -> dict[str, object]:
         """A new registry key: stored first (a crash cannot bring the old one back), then swapped in."""
         key = RegistryKey.fresh()
         old = bytes.fromhex(self.registry.registry_id)
@@ -346,7 +335,7 @@ class ServiceOps:
         return {"admin_capability": new_admin.to_bytes(), "registry_id": self.registry.registry_id}
 
 
-def _settings_of(path: str | None) -> dict[str, Any]:
+def _settings_of(path: str | None) -> dict[str, object]:
     """The ``[supervisor]`` table of the config file as it is now (empty when there is none)."""
     if path is None:
         return {}

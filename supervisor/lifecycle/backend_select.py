@@ -10,6 +10,8 @@ test suite's fake), and the probe and the workers honour the same name.
 ``auto`` picks cuda when that works and finds a device, else stub, and says
 why; ``cuda`` without a usable driver fails at start with
 :class:`BackendUnavailable` and the reason.
+
+The probe's report is JSON from its process; its devices are checked as shared.records.ProbedDevice.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
 
 from shared.config import SupervisorConfig
 from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable
+from shared.records import ProbedDevice
 
 __all__ = ["BackendChoice", "nvrtc_note", "probe_cuda", "select_backend"]
 
@@ -82,12 +85,12 @@ print(json.dumps(out))
 class BackendChoice:
     name: str
     reason: str
-    options: dict[str, Any] = field(default_factory=dict)
-    devices: tuple[dict[str, Any], ...] = ()
+    options: dict[str, object] = field(default_factory=dict)
+    devices: tuple[ProbedDevice, ...] = ()
 
 
 def probe_cuda(timeout_s: float = 60.0, driver_module: str | None = None,
-               nvrtc_module: str | None = None) -> dict[str, Any]:
+               nvrtc_module: str | None = None) -> dict[str, object]:
     """Run the CUDA probe in a child process; ``{"ok": bool, "reason"?, "devices"?, "nvrtc"?, "nvrtc_reason"?}``."""
     try:
         proc = subprocess.run(
@@ -106,7 +109,7 @@ def probe_cuda(timeout_s: float = 60.0, driver_module: str | None = None,
     return result if isinstance(result, dict) else {"ok": False, "reason": "CUDA probe gave no verdict"}
 
 
-def nvrtc_note(probe: dict[str, Any]) -> str:
+def nvrtc_note(probe: Mapping[str, object]) -> str:
     """The backend reason's NVRTC part: empty when NVRTC loads, else why not and what brings it."""
     if probe.get("nvrtc") or "nvrtc_reason" not in probe:
         return ""
@@ -121,29 +124,32 @@ def select_backend(config: SupervisorConfig) -> BackendChoice:
         "stub",
         "",
         {"capacity_bytes": cap},
-        tuple({"index": i, "name": "stub", "total_bytes": cap, "free_bytes": cap} for i in stub_indexes),
+        tuple(ProbedDevice(i, cap, cap, "stub") for i in stub_indexes),
     )
     if config.backend == "stub":
         return BackendChoice("stub", "--backend stub", stub.options, stub.devices)
     probe = probe_cuda(driver_module=config.cuda_driver_module, nvrtc_module=config.cuda_nvrtc_module)
     if probe.get("ok"):
-        found = tuple(probe.get("devices") or ())
+        listed = probe.get("devices") or []
+        if not isinstance(listed, list):
+            raise BackendUnavailable("cuda", f"the CUDA probe listed no devices: {listed!r:.80}")
+        found = tuple(ProbedDevice.from_wire(d) for d in listed)  # checked: a malformed report is a ProtocolError
         devices = found
         if isinstance(config.devices, tuple):
-            present = {int(d["index"]) for d in found}
+            present = {d.index for d in found}
             missing = [i for i in config.devices if i not in present]
             if missing:
                 raise BackendUnavailable(
                     "cuda", f"devices {list(config.devices)} configured, but device(s) {missing} do not exist "
                     f"({len(found)} CUDA device(s) visible)"
                 )
-            devices = tuple(d for d in found if int(d["index"]) in config.devices)
-        options = {
+            devices = tuple(d for d in found if d.index in config.devices)
+        options: dict[str, object] = {
             k: v
             for k, v in (("driver_module", config.cuda_driver_module), ("nvrtc_module", config.cuda_nvrtc_module))
             if v
         }
-        names = ", ".join(f"{d['index']}: {d.get('name')}" for d in devices)
+        names = ", ".join(f"{d.index}: {d.name}" for d in devices)
         return BackendChoice(
             "cuda",
             f"CUDA driver {probe.get('driver_version')} with {len(found)} device(s), using [{names}]"

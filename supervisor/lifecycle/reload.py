@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
+from shared.protocol import QUOTA_KEYS
 from shared.spec import TenantSpec
 
 __all__ = [
@@ -35,8 +36,8 @@ __all__ = [
     "plan_reload",
 ]
 
-#: applied to the tenant's shared-memory block at once (workers see it at their next allocation)
-QUOTA_FIELDS = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
+#: applied to the tenant's shared-memory block at once (workers see it at their next allocation): set_quota's keys
+QUOTA_FIELDS: tuple[str, ...] = QUOTA_KEYS
 #: read by the supervisor only: take effect with the next request or restart decision
 LIVE_FIELDS = frozenset(
     {*QUOTA_FIELDS, "restart", "max_restarts", "restart_window_s", "max_in_flight", "request_timeout_s",
@@ -74,7 +75,7 @@ class SpecChange:
         return tuple(f for f in TenantSpec.field_names() if getattr(self.old, f) != getattr(self.new, f))
 
     @property
-    def quota(self) -> dict[str, Any]:
+    def quota(self) -> dict[str, object]:
         """Changed quota fields and their new values (applied at once)."""
         return {f: getattr(self.new, f) for f in QUOTA_FIELDS if f in self.fields}
 
@@ -91,7 +92,7 @@ class SpecChange:
     def needs_placement(self) -> bool:
         return any(f in ("cuda_device_index", "isolation", "sm_percentage") for f in self.fields)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "tenant": self.tenant_id,
             "fields": list(self.fields),
@@ -116,7 +117,7 @@ class ReloadPlan:
     def empty(self) -> bool:
         return not (self.register or self.change or self.adopt or self.evict)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """The reply of ``reload`` and the fields of its event."""
         return {
             "registered": [s.tenant_id for s in self.register],
@@ -132,8 +133,8 @@ def plan_reload(
     file_tenants: Iterable[TenantSpec],
     current: Mapping[str, TenantNow],
     *,
-    old_settings: Mapping[str, Any] | None = None,
-    new_settings: Mapping[str, Any] | None = None,
+    old_settings: Mapping[str, object] | None = None,
+    new_settings: Mapping[str, object] | None = None,
 ) -> ReloadPlan:
     """The difference between the file and what runs (see the module docstring).
 

@@ -25,7 +25,7 @@ import logging
 import signal
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 from collections.abc import Callable
 
 import zmq
@@ -34,15 +34,15 @@ from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.errors import (
     MemoryExhausted,
-    Overloaded,
     ProtocolError,
     TensorWasmError,
     WorkerLost,
+    WorkerQueueFull,
     error_from_dict,
 )
 from shared.exitcodes import exit_cause, exit_reason
 from shared.log import get_logger, log_event
-from shared.records import BindMessage, FaultAck, FaultExit, WorkerHello
+from shared.records import BindMessage, ExitRecord, FaultAck, FaultExit, WorkerHello
 from supervisor.observe.events import EventBus
 from supervisor.runtime.loop import Loop
 from supervisor.observe.metrics import Metrics
@@ -59,6 +59,12 @@ _log = get_logger("supervisor")
 #: messages taken from one socket per wake-up before the loop looks at the others: a few
 #: (256 before issue 25), so one tenant's burst of replies delays another's by a short turn only
 BATCH = 32
+#: and at most this much loop time of worker replies per wake-up (the first is always taken): the
+#: relays of one tenant's flood of replies delay another tenant's request by one such slice, like a
+#: tenant's share of a frontend turn (supervisor.admission.fairness, issue 25)
+BACKEND_SLICE_S = 0.0002
+#: plain ints: ``int & zmq.POLLIN`` goes through enum.Flag (~1 us a message)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 #: a worker that has not said hello on both sockets by then is killed
 HELLO_TIMEOUT_S = 60.0
 
@@ -85,11 +91,11 @@ class WorkerSet:
         pending: PendingTable,
         tenants: Mapping[str, TenantRuntime],
         spawner: SpawnerLike,
-        backend: zmq.Socket[Any],
-        control: zmq.Socket[Any],
+        backend: zmq.Socket[bytes],
+        control: zmq.Socket[bytes],
         placement: Placement,
         backend_name: str,
-        backend_options: dict[str, Any],
+        backend_options: dict[str, object],
         events: EventBus,
         metrics: Metrics,
         hooks: TenantHooks,
@@ -120,9 +126,10 @@ class WorkerSet:
 
     # ------------------------------------------------------------ sending
 
-    def send_request(self, worker: WorkerHandle, op: str, args: dict[str, Any], body: Any, pending: Pending) -> None:
+    def send_request(self, worker: WorkerHandle, op: str, args: dict[str, object], body: zmq.Frame | bytes | memoryview | None,
+                     pending: Pending) -> None:
         """Send a request to ``worker``; it is in the pending table from now on. Raises
-        :class:`Overloaded` (its queue is full) or :class:`WorkerLost` (it is gone)."""
+        :class:`WorkerQueueFull` (its queue is full) or :class:`WorkerLost` (it is gone)."""
         rid = self.pending.new_rid()
         header = proto.encode_worker_request(rid, op, args)
         try:
@@ -133,7 +140,10 @@ class WorkerSet:
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the worker's socket is gone (it is dying); EAGAIN: its queue is full
             if exc.errno == zmq.EAGAIN:
-                raise Overloaded(pending.tenant, len(worker.in_flight), len(worker.in_flight)) from None
+                rt = self.tenants.get(pending.tenant)
+                raise WorkerQueueFull(pending.tenant, rt.in_flight + len(rt.parked) if rt is not None else 0,
+                                      rt.spec.max_in_flight if rt is not None else 0, instance=pending.instance,
+                                      queued=len(worker.in_flight)) from None
             raise WorkerLost(pending.tenant, pending.instance, reason=f"worker unreachable: {exc.strerror}") from None
         self.pending.add(worker, rid, pending)
 
@@ -154,7 +164,7 @@ class WorkerSet:
         log_event(_log, logging.WARNING, "buffer.undelivered_freed", tenant=tenant, instance=index,
                   handle=proto.format_handle(handle))
 
-        def done(ok: bool, payload: Any) -> None:
+        def done(ok: bool, payload: object) -> None:
             if not ok and worker.state is not WorkerState.DEAD:
                 self.kill(worker, "could not free an allocation whose reply was lost", "protocol")
 
@@ -240,7 +250,7 @@ class WorkerSet:
         opts["device_index"] = rt.device
         opts.update(self.placement.worker_options(rt.spec, rt.device))  # budget, caps, MPS environment
         message = BindMessage(
-            spec=rt.spec.to_dict(),
+            spec=rt.spec,
             instance=slot.index,
             incarnation=slot.incarnation,
             segment=rt.block.name,
@@ -249,7 +259,7 @@ class WorkerSet:
         )
         now = self.clock()
 
-        def done(ok: bool, payload: Any) -> None:
+        def done(ok: bool, payload: object) -> None:
             self._on_bound(rt, slot, worker, ok, payload, asked_at)
 
         pending = Pending(None, 0, "bind", rt.tenant_id, slot.index, now, now + self.config.register_timeout_s, done)
@@ -258,7 +268,7 @@ class WorkerSet:
         except TensorWasmError as exc:
             done(False, exc.to_dict())
 
-    def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: Any,
+    def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: object,
                   asked_at: float) -> None:
         if self.tenants.get(rt.tenant_id) is not rt or slot.worker is not worker:
             self.stop_worker(worker, "tenant gone during bind")
@@ -411,7 +421,7 @@ class WorkerSet:
         if slot.worker is not worker:
             return
         slot.worker = None
-        slot.last_exit = {"exit_code": code, "signal": sig, "reason": reason, "at": time.time()}
+        slot.last_exit = ExitRecord(exit_code=code, signal=sig, reason=reason, at=time.time())
         if slot.draining or self.hooks.is_stopping() or rt.state is TenantState.EVICTING:
             if slot.draining and index == len(rt.slots) - 1:
                 while rt.slots and rt.slots[-1].draining and rt.slots[-1].worker is None:
@@ -506,9 +516,10 @@ class WorkerSet:
 
     def _on_backend(self) -> None:
         sock = self.backend
-        recv, events = sock.recv_multipart, sock.getsockopt
+        recv, events, clock = sock.recv_multipart, sock.getsockopt, time.perf_counter
+        end = clock() + BACKEND_SLICE_S
         for n in range(BATCH):
-            if n and not int(events(zmq.EVENTS)) & zmq.POLLIN:
+            if n and (not int(events(_EVENTS)) & _POLLIN or clock() >= end):
                 return
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
@@ -531,7 +542,7 @@ class WorkerSet:
             if worker.state is WorkerState.DRAINING and not worker.in_flight:
                 self.stop_worker(worker, "scaled down")
 
-    def _on_data_hello(self, worker: WorkerHandle, payload: Any) -> None:
+    def _on_data_hello(self, worker: WorkerHandle, payload: object) -> None:
         if not _hello_of(worker, payload) or worker.data_hello:
             self.kill(worker, "bad hello on the data socket", "protocol")
             return
@@ -578,7 +589,7 @@ class WorkerSet:
         worker.fault_waiters.append(answer)
 
 
-def _hello_of(worker: WorkerHandle, payload: Any) -> bool:
+def _hello_of(worker: WorkerHandle, payload: object) -> bool:
     """Is ``payload`` a hello carrying this worker's one-time token? (compared in constant time)"""
     try:
         given = WorkerHello.from_wire(payload).token

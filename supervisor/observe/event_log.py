@@ -53,12 +53,15 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 from collections.abc import Callable
 
 import msgpack
 
+from shared.checks import is_int
+from shared.protocol import arg_int, arg_opt_int, arg_opt_str
 from shared.errors import InvalidArgument
+from shared.kinds import TENANT_EVENT_KINDS
 
 __all__ = [
     "ADMIN_VIEW",
@@ -97,11 +100,8 @@ MAX_TRACKED_WORKERS: Final = 1 << 16
 #: kind filters in one request, and the length of each
 MAX_KINDS: Final = 64
 MAX_KIND_CHARS: Final = 64
-#: the kinds a tenant capability sees (of its own tenant): its instances' lifecycle and its own changes
-TENANT_KINDS: Final = frozenset({
-    "ready", "exit", "kill", "restart", "failed", "register", "evict", "scale", "set_quota", "quota_refusal",
-    "fault", "reset", "rolling_restart",
-})
+#: the kinds a tenant capability sees (of its own tenant): the ``tenant_visible`` rows of shared.kinds.EVENT_KINDS
+TENANT_KINDS: Final = TENANT_EVENT_KINDS
 
 #: one entry: (kind, tenant or None, tenant generation or None, packed record)
 _Entry = tuple[str, "str | None", "int | None", bytes]
@@ -133,7 +133,7 @@ class EventLog:
 
     def __init__(self, size: int, generation_of: Callable[[str], int | None] = lambda _tenant: None,
                  *, max_bytes: int = MAX_LOG_BYTES) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if not is_int(size) or size < 1:
             raise ValueError(f"event log size must be a positive int, not {size!r}")
         self.size = size
         self.max_bytes = max_bytes
@@ -152,7 +152,7 @@ class EventLog:
 
     # ------------------------------------------------------------ append
 
-    def append(self, kind: str, record: dict[str, Any], body: bytes) -> int:
+    def append(self, kind: str, record: dict[str, object], body: bytes) -> int:
         """Keep one event (``body``: ``record`` packed); returns its sequence number."""
         tenant = record.get("tenant")
         tenant = tenant if isinstance(tenant, str) else None
@@ -167,16 +167,16 @@ class EventLog:
         self.bytes += cost
         return self.last
 
-    def _generation(self, kind: str, tenant: str, record: dict[str, Any]) -> int | None:
+    def _generation(self, kind: str, tenant: str, record: dict[str, object]) -> int | None:
         """The registration a tenant's event belongs to. A register event names its own (the
         runtime comes after it). A worker's exit or kill belongs to the registration it was
         ready for, not the current one: an evicted tenant's worker may exit after its name
         was registered again (to someone else), and the new holder must not see it."""
         own = record.get("generation")
-        if isinstance(own, int) and not isinstance(own, bool):
+        if is_int(own):
             return own
         pid = record.get("pid")
-        if not isinstance(pid, int) or isinstance(pid, bool):
+        if not is_int(pid):
             return self._generation_of(tenant)
         key = (tenant, pid)
         if kind == "ready":
@@ -200,7 +200,7 @@ class EventLog:
 
     # ------------------------------------------------------------ read
 
-    def page(self, view: EventView, args: dict[str, Any]) -> dict[str, Any]:
+    def page(self, view: EventView, args: dict[str, object]) -> dict[str, object]:
         """The ``events`` op: ``{after, max, kinds, log}`` -> ``{events, next, missed, more, log}``.
 
         InvalidArgument for a bad argument (a cursor ahead of the newest event included).
@@ -215,7 +215,7 @@ class EventLog:
                 f"events: cursor {after} is ahead of the newest event ({self.last}); a cursor from another "
                 f"supervisor run? pass the log id it came with (log={self.log_id!r} now)")
         missed = max(0, self.first - 1 - after)
-        events: list[dict[str, Any]] = []
+        events: list[dict[str, object]] = []
         nbytes = 0
         seq = max(after + 1, self.first)
         end = min(self.last, seq + SCAN_BUDGET - 1)
@@ -234,31 +234,31 @@ class EventLog:
         return {"events": events, "next": seq - 1, "missed": missed, "more": seq <= self.last, "log": self.log_id}
 
 
-def _page_args(args: dict[str, Any]) -> tuple[int | None, int, frozenset[str] | None, str | None]:
+def _page_args(args: dict[str, object]) -> tuple[int | None, int, frozenset[str] | None, str | None]:
     """(after, max, kinds, log) of an ``events`` request, checked (the types are checked by the op table)."""
-    after = args.get("after")
+    after = arg_opt_int(args, "after")
     if after is not None and after < 0:
         raise InvalidArgument(f"events: after must be a sequence number >= 0 (or nil for now), not {after}")
-    limit = args.get("max", MAX_PAGE_EVENTS)
+    limit = arg_int(args, "max") if "max" in args else MAX_PAGE_EVENTS
     if limit < 1:
         raise InvalidArgument(f"events: max must be at least 1, not {limit}")
     raw_kinds = args.get("kinds")
     kinds = None
     if raw_kinds:
-        if len(raw_kinds) > MAX_KINDS or not all(isinstance(k, str) and 0 < len(k) <= MAX_KIND_CHARS
+        if not isinstance(raw_kinds, list) or len(raw_kinds) > MAX_KINDS or not all(isinstance(k, str) and 0 < len(k) <= MAX_KIND_CHARS
                                                  for k in raw_kinds):
             raise InvalidArgument(f"events: kinds must be at most {MAX_KINDS} event names "
                                   f"(strings of 1..{MAX_KIND_CHARS} characters)")
         kinds = frozenset(raw_kinds)
-    log = args.get("log")
+    log = arg_opt_str(args, "log")
     if log is not None and len(log) > 64:
         raise InvalidArgument("events: log must be the log id of an earlier reply (at most 64 characters)")
     return after, min(limit, MAX_PAGE_EVENTS), kinds, log
 
 
-def _stub(kind: str, record: dict[str, Any], size: int) -> bytes:
+def _stub(kind: str, record: dict[str, object], size: int) -> bytes:
     """What is kept of a record too large to keep: its kind, time, subject and size."""
-    stub: dict[str, Any] = {k: record[k] for k in ("ts", "tenant", "instance") if k in record}
+    stub: dict[str, object] = {k: record[k] for k in ("ts", "tenant", "instance") if k in record}
     stub.update(event=kind, truncated=True, bytes=size)
     data: bytes = msgpack.packb(stub, use_bin_type=True, default=str)
     return data

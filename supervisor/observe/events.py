@@ -2,12 +2,8 @@
 
 Every event is one msgpack map with at least ``event`` and ``ts``; the topic
 frame is ``event.<name>`` so ``twt events --filter exit`` subscribes to one
-kind. Events: ``spawn``, ``ready``, ``exit`` (with ``exit_code`` or
-``signal`` and ``reason``), ``restart``, ``failed``, ``register``, ``evict``,
-``scale``, ``set_quota``, ``quota_refusal``, ``fault``, ``kill``; the
-service's ``denied`` (a refused capability, see :mod:`supervisor.store.audit`),
-``denied_dropped``, ``reload``, ``reload_failed``, ``reset``,
-``rolling_restart``, ``rotate_key``, ``stall`` and ``state_error``.
+kind. The kinds, the level each is logged at and whether a tenant sees it
+are the rows of :data:`shared.kinds.EVENT_KINDS`.
 
 Every event is also kept, numbered, in the bounded event log
 (:mod:`supervisor.observe.event_log`) that the ``events`` op serves to clients that
@@ -18,11 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import msgpack
 import zmq
 
+from shared.kinds import EVENT_KINDS
 from shared.log import get_logger, log_event
 from supervisor.observe.event_log import EventLog
 
@@ -30,22 +26,20 @@ __all__ = ["EventBus", "TOPIC_PREFIX", "decode_event"]
 
 TOPIC_PREFIX = b"event."
 _log = get_logger("supervisor.observe.events")
-_LEVELS = {"exit": logging.WARNING, "failed": logging.ERROR, "kill": logging.WARNING, "quota_refusal": logging.INFO,
-           "denied": logging.WARNING, "denied_dropped": logging.WARNING, "reload_failed": logging.ERROR,
-           "rotate_key": logging.WARNING, "stall": logging.WARNING, "state_error": logging.ERROR}
 
 
 class EventBus:
     """Publishes events without ever blocking the supervisor loop."""
 
-    def __init__(self, sock: zmq.Socket[Any] | None, log: EventLog | None = None) -> None:
+    def __init__(self, sock: zmq.Socket[bytes] | None, log: EventLog | None = None) -> None:
         self.sock = sock
         self.log = log
         self.published = 0
 
-    def emit(self, event: str, **fields: Any) -> None:
+    def emit(self, event: str, **fields: object) -> None:
         record = {"event": event, "ts": round(time.time(), 6), **fields}
-        level = logging.INFO if fields.get("expected") else _LEVELS.get(event, logging.INFO)
+        kind = EVENT_KINDS.get(event)
+        level = logging.INFO if fields.get("expected") or kind is None else kind.level
         log_event(_log, level, f"event.{event}", **fields)
         if self.sock is None and self.log is None:
             return
@@ -60,7 +54,7 @@ class EventBus:
                 pass  # a slow subscriber loses events, the supervisor never waits
 
 
-def decode_event(frames: list[bytes]) -> dict[str, Any]:
+def decode_event(frames: list[bytes]) -> dict[str, object]:
     """The record of one published event (``[topic, body]``)."""
     if len(frames[-1]) > 1 << 20:
         raise ValueError("event body too large")

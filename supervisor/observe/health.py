@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from supervisor.observe.metrics import MetricsSnapshot, as_snapshot
+from supervisor.observe.metrics import MetricsSnapshot, TenantGauges, as_snapshot
 
 __all__ = ["DEFAULT_STALL_AFTER_S", "Health", "Verdict"]
 
@@ -59,13 +58,13 @@ class Health:
         self.stall_after_s = stall_after_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._last_obj: Any = None
+        self._last_obj: object = None
         self._last_new: float | None = None
         self._ready = False
         self._pool_filled = False
         self._pool_text = ""
 
-    def observe(self, value: Any) -> MetricsSnapshot:
+    def observe(self, value: MetricsSnapshot | Mapping[str, TenantGauges]) -> MetricsSnapshot:
         """Record a snapshot as read from the loop; a new object means the loop ticked."""
         snap = as_snapshot(value)
         with self._lock:

@@ -44,7 +44,6 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
-from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
@@ -106,7 +105,7 @@ class _QuietHandler(WSGIRequestHandler):
 
     timeout = _HANDLER_TIMEOUT_S
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
 
@@ -312,8 +311,8 @@ class PrometheusMetrics(Metrics):
             ProcessCollector(registry=reg)
             PlatformCollector(registry=reg)
         # label children, created once per label set (the loop thread is the only writer)
-        self._req_children: dict[tuple[str, str, str], Any] = {}
-        self._lat_children: dict[str, Any] = {}
+        self._req_children: dict[tuple[str, str, str], Counter] = {}
+        self._lat_children: dict[str, Histogram] = {}
         self._closed = False
         self._metrics_app = make_wsgi_app(reg)
         server_class = _Server6 if ":" in host else _Server
@@ -334,7 +333,7 @@ class PrometheusMetrics(Metrics):
         """Label tenants as ``labels`` does: pseudonyms keyed by the state database, stable across restarts."""
         self.label = labels
 
-    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def _app(self, environ: dict[str, object], start_response: Callable[..., object]) -> Iterable[bytes]:
         """WSGI: the probes answer in a line of text; /metrics is prometheus-client's own app."""
         path = environ.get("PATH_INFO") or "/"
         if path in (HEALTHZ_PATH, READYZ_PATH):

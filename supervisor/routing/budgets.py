@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from shared.errors import Overloaded
+from shared.errors import HeldBytesLimit
 
 __all__ = ["HeldBytes", "Kind"]
 
@@ -43,24 +43,19 @@ class HeldBytes:
     _total: int = field(default=0, init=False)
     refused: int = field(default=0, init=False)
 
-    def reserve(self, tenant: str, kind: Kind, n: int) -> None:
-        """Hold ``n`` more bytes for ``tenant``; Overloaded (nothing held) past a budget."""
+    def reserve(self, tenant: str, kind: Kind, n: int, *, in_flight: int, max_in_flight: int) -> None:
+        """Hold ``n`` more bytes for ``tenant``; :class:`HeldBytesLimit` (nothing held) past a budget.
+        ``in_flight``/``max_in_flight``: the tenant's requests in flight and its limit, which
+        every ``Overloaded`` carries."""
         if n <= 0:
             return
         held = self._tenant[tenant]
         if held + n > self.per_tenant or self._total + n > self.total:
             self.refused += 1
-            whose, used, limit = (
-                ("this tenant", held, self.per_tenant)
-                if held + n > self.per_tenant
-                else ("all tenants together", self._total, self.total)
+            scope, used, limit = (
+                ("tenant", held, self.per_tenant) if held + n > self.per_tenant else ("total", self._total, self.total)
             )
-            raise Overloaded(
-                tenant, 0, 0,
-                message=f"the supervisor already holds {used:,} B for {whose} (queued replies, parked "
-                f"requests, stored modules); {n:,} B more would pass the {limit:,} B limit: "
-                "read your replies, or retry later",
-            )
+            raise HeldBytesLimit(tenant, in_flight, max_in_flight, scope=scope, held=used, requested=n, budget=limit)
         self._tenant[tenant] = held + n
         self._kind[(tenant, kind)] += n
         self._total += n

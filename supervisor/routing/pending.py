@@ -30,7 +30,7 @@ import heapq
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 from collections.abc import Callable
 
 from shared import protocol as proto
@@ -41,6 +41,9 @@ from supervisor.routing.replies import Replies
 from supervisor.runtime.requests import Parked, Pending
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import WorkerHandle
+
+if TYPE_CHECKING:
+    import zmq
 
 __all__ = ["PendingTable"]
 
@@ -97,7 +100,7 @@ class PendingTable:
             self._live -= 1
         return pending
 
-    def on_reply(self, worker: WorkerHandle, rid: int, ok: bool, payload: Any, body: Any) -> bool:
+    def on_reply(self, worker: WorkerHandle, rid: int, ok: bool, payload: object, body: zmq.Frame | None) -> bool:
         """A worker answered ``rid``; False when it was answered already (a late reply, dropped)."""
         pending = self._take(worker, rid)
         if pending is None:
@@ -152,7 +155,7 @@ class PendingTable:
 
     # ------------------------------------------------------------ answered by the loop itself
 
-    def answer(self, client: bytes | None, rid: int, op: str, result: Any, *, tenant: str = "") -> None:
+    def answer(self, client: bytes | None, rid: int, op: str, result: object, *, tenant: str = "") -> None:
         """The loop answered a request itself (admin ops, ``quota``, ``put_module``)."""
         now = self.clock()
         self.finish(Pending(client, rid, op, tenant, 0, now, now), True, result)
@@ -162,7 +165,7 @@ class PendingTable:
         now = self.clock()
         self.finish(Pending(client, rid, op, tenant, 0, now, now), False, exc.to_dict())
 
-    def answer_error(self, client: bytes | None, rid: int, op: str, err: dict[str, Any], *, tenant: str = "") -> None:
+    def answer_error(self, client: bytes | None, rid: int, op: str, err: dict[str, object], *, tenant: str = "") -> None:
         """The loop answers an error it was handed as a wire dict (a worker's fault ack)."""
         now = self.clock()
         self.finish(Pending(client, rid, op, tenant, 0, now, now), False, err)
@@ -183,7 +186,8 @@ class PendingTable:
 
     # ------------------------------------------------------------ THE place
 
-    def finish(self, pending: Pending, ok: bool, payload: Any, body: Any = None) -> None:
+    def finish(self, pending: Pending, ok: bool, payload: object,
+               body: zmq.Frame | bytes | memoryview | None = None) -> None:
         """Finish one request: its callback or its client's reply, its tenant's count, its metric."""
         if pending.callback is not None:
             self.replies.release(pending.tenant, "replies", pending.held)

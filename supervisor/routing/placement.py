@@ -35,16 +35,16 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
 from collections.abc import Callable
 
 from shared.device_budget import DeviceBudget
-from shared.gpu_time import DEFAULT_QUANTUM_S, GpuTimeBoard
-from shared.errors import BackendUnavailable, InvalidArgument
+from shared.gpu_time import DEFAULT_QUANTUM_S, DEFAULT_TENANT_SLOTS, DEFAULT_WORKER_SLOTS, GpuTimeBoard
+from shared.errors import BackendUnavailable, CapacityExhausted, InvalidArgument, SegmentError
 from shared.log import get_logger, log_event
 from shared.mps import Fallback, Mps, MpsDecision, detect_mps
 from shared.quota import new_segment_name
+from shared.records import DeviceRecord, ProbedDevice
 from shared.spec import IsolationKind, TenantSpec
 
 __all__ = ["MPS_HEADROOM_MIB", "POLICIES", "Placement", "mps_environment"]
@@ -116,7 +116,7 @@ class Placement:
     def create(
         cls,
         backend: str,
-        devices: tuple[dict[str, Any], ...],
+        devices: Iterable[ProbedDevice | Mapping[str, object]],
         *,
         reserve_bytes: int,
         policy: str = "most-free",
@@ -125,17 +125,19 @@ class Placement:
         no_mps_dir: str | None = None,
         gpu_time_quantum_s: float = DEFAULT_QUANTUM_S,
         gpu_time_scheduler: bool = True,
+        gpu_time_tenants: int = DEFAULT_TENANT_SLOTS,
+        gpu_time_workers: int = DEFAULT_WORKER_SLOTS,
     ) -> Placement:
         """One budget segment per device. Capacity: the probe's free bytes (else total) minus
-        ``reserve_bytes`` for cuda; the simulated capacity for the stub. And one GPU-time board."""
+        ``reserve_bytes`` for cuda; the simulated capacity for the stub. And one GPU-time board
+        with ``gpu_time_tenants`` tenant slots and ``gpu_time_workers`` worker slots."""
         made: list[_Device] = []
         boards: dict[int, GpuTimeBoard] = {}
         try:
             for info in devices:
-                index = int(info["index"])
-                total = int(info.get("total_bytes") or 0)
-                free = info.get("free_bytes")
-                capacity = int(free) if free is not None else total
+                dev = info if isinstance(info, ProbedDevice) else ProbedDevice.from_wire(info)  # checked
+                index, total, free = dev.index, dev.total_bytes, dev.free_bytes
+                capacity = free if free is not None else total
                 reserve = 0 if backend == "stub" else reserve_bytes
                 budget = DeviceBudget.create(
                     index,
@@ -143,9 +145,10 @@ class Placement:
                     reserve_bytes=min(reserve, capacity),
                     name=new_segment_name(segment_prefix, f"dev{index}"),
                 )
-                made.append(_Device(index, str(info.get("name", "")), total, free, budget))
+                made.append(_Device(index, dev.name, total, free, budget))
                 boards[index] = GpuTimeBoard.create(index, quantum_s=gpu_time_quantum_s,
                                                     scheduler=gpu_time_scheduler,
+                                                    tenants=gpu_time_tenants, workers=gpu_time_workers,
                                                     name=new_segment_name(segment_prefix, f"gt{index}"))
         except BaseException:
             for d in made:
@@ -224,7 +227,12 @@ class Placement:
 
     def gpu_time_join(self, spec: TenantSpec, device: int) -> None:
         """Give the tenant a slot on ``device``'s board with its weight and cap, or update them
-        (idempotent; a tenant moved to another device leaves the old board)."""
+        (idempotent; a tenant moved to another device leaves the old board).
+
+        :class:`CapacityExhausted` (nothing changed) when every tenant slot of the board is
+        taken: the board is sized from ``max_tenants`` with room to spare, so only slots still
+        named by the stopping workers of evicted tenants can fill it.
+        """
         tid = spec.tenant_id
         board = self.boards.get(device)
         held = self._gpu_time.get(tid)
@@ -234,7 +242,17 @@ class Placement:
         if board is None or board.closed:
             return
         if held is None:
-            self._gpu_time[tid] = (device, board.add_tenant(spec.gpu_time_weight, spec.gpu_time_cap))
+            try:
+                slot = board.add_tenant(spec.gpu_time_weight, spec.gpu_time_cap)
+            except SegmentError as exc:
+                if board.closed:
+                    raise
+                limit = board.tenant_slots
+                raise CapacityExhausted("tenants", limit - board.free_tenant_slots(), 1, limit, "max_tenants",
+                                        message=f"all {limit} GPU-time tenant slots of device {device} are "
+                                                "taken (evicted tenants' workers still stopping); retry once "
+                                                "they have exited, or raise max_tenants") from exc
+            self._gpu_time[tid] = (device, slot)
         else:
             board.set_policy(held[1], weight=spec.gpu_time_weight, cap=spec.gpu_time_cap)
 
@@ -252,7 +270,7 @@ class Placement:
 
     # --------------------------------------------------------------- bind
 
-    def worker_options(self, spec: TenantSpec, device: int) -> dict[str, Any]:
+    def worker_options(self, spec: TenantSpec, device: int) -> dict[str, object]:
         """What a worker of ``spec`` on ``device`` gets in its backend options (besides the backend's own).
 
         ``gpu_memory_bytes_cap`` becomes each instance's pool ``maxSize``: the tenant's *whole* cap, as
@@ -260,7 +278,7 @@ class Placement:
         backstop for a tenant of k instances is therefore k x cap; the shared counter holds it to
         the cap (docs/GPU-QUOTAS.md, "Cap 2").
         """
-        opts: dict[str, Any] = {
+        opts: dict[str, object] = {
             "device_index": device,
             "budget_segment": self._devices[device].budget.name,
             "gpu_memory_bytes_cap": spec.gpu_memory_bytes_cap,
@@ -303,39 +321,39 @@ class Placement:
 
     # ------------------------------------------------------------- status
 
-    def status(self, tenants_on: Mapping[int, list[str]] | None = None) -> list[dict[str, Any]]:
+    def status(self, tenants_on: Mapping[int, list[str]] | None = None) -> list[DeviceRecord]:
         """One record per device; ``tenants_on``: device -> the tenants placed there."""
         out = []
         for d in sorted(self._devices.values(), key=lambda d: d.index):
             if d.budget.closed:
                 continue
             snap = d.budget.snapshot()
-            out.append({
-                "index": d.index,
-                "name": d.name,
-                "total_bytes": d.total_bytes,
-                "free_bytes_at_start": d.free_bytes,
-                "budget_capacity_bytes": snap.capacity_bytes,
-                "reserve_bytes": snap.reserve_bytes,
-                "budget_limit_bytes": snap.limit_bytes,
-                "budget_used_bytes": snap.used_bytes,
-                "budget_free_bytes": snap.free_bytes,
-                "budget_high_water": snap.high_water,
-                "budget_refusals": snap.refusals,
-                "tenants": sorted((tenants_on or {}).get(d.index, [])),
-                "segment": snap.name,
-                **self._board_status(d.index),
-            })
+            out.append(DeviceRecord(
+                index=d.index,
+                name=d.name,
+                total_bytes=d.total_bytes,
+                free_bytes_at_start=d.free_bytes,
+                budget_capacity_bytes=snap.capacity_bytes,
+                reserve_bytes=snap.reserve_bytes,
+                budget_limit_bytes=snap.limit_bytes,
+                budget_used_bytes=snap.used_bytes,
+                budget_free_bytes=snap.free_bytes,
+                budget_high_water=snap.high_water,
+                budget_refusals=snap.refusals,
+                tenants=tuple(sorted((tenants_on or {}).get(d.index, []))),
+                segment=snap.name,
+                gpu_time=self._board_status(d.index),
+            ))
         return out
 
-    def _board_status(self, device: int) -> dict[str, Any]:
+    def _board_status(self, device: int) -> dict[str, object]:
         board = self.boards.get(device)
         if board is None or board.closed:
             return {}
         snap = board.snapshot()
-        return {"gpu_time": {"scheduler": snap.scheduler, "quantum_s": snap.quantum_s, "holder": snap.holder,
-                             "holder_pid": snap.holder_pid, "busy": snap.busy, "waiting": snap.waiting, "grants": snap.grants, "steals": snap.steals,
-                             "handoffs": snap.handoffs, "segment": snap.name}}
+        return {"scheduler": snap.scheduler, "quantum_s": snap.quantum_s, "holder": snap.holder,
+                "holder_pid": snap.holder_pid, "busy": snap.busy, "waiting": snap.waiting, "grants": snap.grants,
+                "steals": snap.steals, "handoffs": snap.handoffs, "segment": snap.name}
 
     def close(self) -> None:
         """Unlink and unmap every budget (supervisor shutdown)."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from shared import _shm
+from shared.checks import is_int
 from shared.errors import InvalidArgument, SegmentError
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock, process_alive, process_start_ms
@@ -111,7 +112,7 @@ class RegionTable:
         reserve, or the tenant's quota block is unusable); nothing is held then.
         """
         size = round_region_size(nbytes)
-        if isinstance(client_pid, bool) or not isinstance(client_pid, int) or client_pid <= 0:
+        if not is_int(client_pid) or client_pid <= 0:
             raise InvalidArgument("region_create: pid must be the client's process id (a positive int)")
         try:
             start_ms = process_start_ms(client_pid)
@@ -145,7 +146,7 @@ class RegionTable:
 
     def resolve(self, tenant_id: str, region_id: object) -> OwnedRegion:
         """``tenant_id``'s region ``region_id``; another tenant's is as unknown as a released one."""
-        if isinstance(region_id, bool) or not isinstance(region_id, int):
+        if not is_int(region_id):
             raise InvalidArgument(f"region must be an int id, got {type(region_id).__name__}")
         rec = self._by_id.get(region_id)
         if rec is None or rec.tenant_id != tenant_id:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any
 
 import zmq
 
@@ -40,7 +39,7 @@ TRACK_BYTES = 64 << 10
 class Replies:
     """The frontend's send side (see the module docstring)."""
 
-    def __init__(self, sockets: list[zmq.Socket[Any]], held: HeldBytes) -> None:
+    def __init__(self, sockets: list[zmq.Socket[bytes]], held: HeldBytes) -> None:
         self.sockets = sockets  # index = the first byte of a client key
         self.held = held
         #: per client: (tracker, body bytes, tenant, reserved bytes to give back once sent)
@@ -51,7 +50,7 @@ class Replies:
         if n:
             self.held.release(tenant, kind, n)
 
-    def ok(self, client: bytes | None, rid: int, result: Any, body: Any = None, *,
+    def ok(self, client: bytes | None, rid: int, result: object, body: zmq.Frame | bytes | memoryview | None = None, *,
            tenant: str = "", held: int = 0) -> bool:
         """Answer ``result`` (and ``body``). ``held``: reply bytes reserved for this request
         at admission; given back once libzmq lets go of a big body, else at once. False when
@@ -84,28 +83,35 @@ class Replies:
             self.held.release(tenant, "replies", held)
         return True
 
-    def error_tracked(self, client: bytes, rid: int, err: dict[str, Any]) -> zmq.MessageTracker | None:
-        """An error reply whose tracker tells when libzmq let go of it (None: not queued)."""
+    def error_tracked(self, client: bytes, rid: int, err: dict[str, object]) -> zmq.MessageTracker | None:
+        """An error reply whose tracker tells when libzmq let go of it (None: not queued).
+
+        ``copy=False`` matters: pyzmq copies a frame below its copy threshold (64 KiB) and hands
+        back a tracker that is done at once, so a small reply (every one of these) would never
+        count as unread and the per-peer bound (:class:`supervisor.admission.peers.UnreadErrors`)
+        would never hold. A zero-copy frame is done only once libzmq has written it to the
+        connection - what a peer that stops reading prevents."""
         try:
-            frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True)
+            frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True, copy=False)
             tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
                 [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
             return tracker
         except zmq.ZMQError:
             return None  # gone, or not reading at all: nothing queued
 
-    def ok_tracked(self, client: bytes, rid: int, result: Any) -> zmq.MessageTracker | None:
+    def ok_tracked(self, client: bytes, rid: int, result: object) -> zmq.MessageTracker | None:
         """A small answer to a peer without a verified capability (``hello``'s liveness part),
         tracked exactly as :meth:`error_tracked` is, so it shares that bound on a peer's replies."""
         try:
-            frame = zmq.Frame(proto.encode_reply(rid, True, result), track=True)
+            frame = zmq.Frame(proto.encode_reply(rid, True, result), track=True, copy=False)
             tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
                 [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
             return tracker
         except zmq.ZMQError:
             return None
 
-    def error(self, client: bytes | None, rid: int, err: dict[str, Any]) -> None:
+    def error(self, client: bytes | None, rid: int, err: object) -> None:
+        """An error reply: ``err`` is an error map (a worker's is relayed as it came; the client checks it)."""
         if client is None:
             return
         try:

@@ -24,12 +24,14 @@ import os
 import select
 import threading
 import time
-from typing import Any
+from typing import Generic, TypeVar
 from collections.abc import Callable
 
 import zmq
 
 __all__ = ["Clock", "Handoff", "Loop", "Timer", "Timers"]
+
+T = TypeVar("T")
 
 #: a monotonic clock in seconds (``time.monotonic`` unless a test injects one)
 Clock = Callable[[], float]
@@ -96,7 +98,7 @@ class Loop:
         self.clock = clock
         self.timers = Timers(clock)
         self.poller = zmq.Poller()
-        self._handlers: dict[Any, Callable[[], None]] = {}
+        self._handlers: dict[zmq.Socket[bytes] | int, Callable[[], None]] = {}
         #: plain fds: level-triggered epoll, its fd polled with the sockets (None: not Linux)
         self._epoll = select.epoll() if hasattr(select, "epoll") else None
         self._fd_handlers: dict[int, Callable[[], None]] = {}
@@ -108,7 +110,7 @@ class Loop:
         self._closed = False
         self.register(self._wake_r, self._drain_wake)
 
-    def register(self, sock_or_fd: Any, handler: Callable[[], None]) -> None:
+    def register(self, sock_or_fd: zmq.Socket[bytes] | int, handler: Callable[[], None]) -> None:
         """Call ``handler`` on the loop thread whenever ``sock_or_fd`` is readable."""
         if isinstance(sock_or_fd, int) and self._epoll is not None and sock_or_fd != self._wake_r:
             self._epoll.register(sock_or_fd, select.EPOLLIN)
@@ -117,7 +119,7 @@ class Loop:
         self.poller.register(sock_or_fd, zmq.POLLIN)
         self._handlers[sock_or_fd] = handler
 
-    def unregister(self, sock_or_fd: Any) -> None:
+    def unregister(self, sock_or_fd: zmq.Socket[bytes] | int) -> None:
         if isinstance(sock_or_fd, int) and sock_or_fd in self._fd_handlers:
             del self._fd_handlers[sock_or_fd]
             assert self._epoll is not None
@@ -170,7 +172,7 @@ class Loop:
             self._epoll.close()
 
 
-class Handoff:
+class Handoff(Generic[T]):
     """A value the loop thread builds when another thread asks for it (the metrics snapshot).
 
     Threads: any thread calls :meth:`request`; only the loop thread calls
@@ -180,15 +182,15 @@ class Handoff:
     answered by one rebuild. The value is replaced whole, never mutated.
     """
 
-    def __init__(self, wake: Callable[[], None], initial: Any) -> None:
+    def __init__(self, wake: Callable[[], None], initial: T) -> None:
         self._wake = wake
         self._cond = threading.Condition()
         self._wanted = False
         self._generation = 0
         self._value = initial
 
-    def request(self, timeout_s: float) -> Any:
-        """Any thread: ask the loop for a fresh value; waits at most ``timeout_s``, then the last one."""
+    def request(self, timeout_s: float) -> T:
+        """Whichever thread: ask the loop for a fresh value; waits at most ``timeout_s``, then the last one."""
         with self._cond:
             generation = self._generation
             self._wanted = True
@@ -206,7 +208,7 @@ class Handoff:
         """
         return self._wanted
 
-    def publish(self, value: Any) -> None:
+    def publish(self, value: T) -> None:
         """Loop thread: hand over a new value and wake whoever waits."""
         with self._cond:
             self._value = value

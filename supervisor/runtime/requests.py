@@ -21,8 +21,11 @@ what it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import zmq
 
 __all__ = ["Parked", "Pending"]
 
@@ -39,7 +42,7 @@ class Pending:
     started: float
     deadline: float
     #: the supervisor's own requests (bind, buffers fan-out) are answered to this instead of a client
-    callback: Callable[[bool, Any], None] | None = None
+    callback: Callable[[bool, object], None] | None = None
     forwarded: bool = False  # in the table (counted in its tenant's in_flight)
     #: reply bytes reserved for it at admission (supervisor.routing.budgets); Replies gives them back
     held: int = 0
@@ -52,8 +55,8 @@ class Parked:
     client: bytes
     rid: int
     op: str
-    args: dict[str, Any]
-    body: Any
+    args: dict[str, object]
+    body: zmq.Frame | bytes | None  # its body frame, or the module a run names by digest
     started: float
     deadline: float
     instance: int | None  # a handle-bound request must go to this instance

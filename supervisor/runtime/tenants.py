@@ -25,9 +25,9 @@ import collections
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from shared.quota import QuotaBlock
+from shared.records import ExitRecord
 from shared.spec import RestartPolicy, TenantSpec
 from supervisor.runtime.requests import Parked
 from supervisor.runtime.workers import WorkerHandle, WorkerState
@@ -54,7 +54,7 @@ class InstanceSlot:
     incarnation: int = 0
     restarts: int = 0
     restart_at: float | None = None  # scheduled restart (monotonic)
-    last_exit: dict[str, Any] | None = None
+    last_exit: ExitRecord | None = None
     draining: bool = False  # being scaled away
     replace: bool = False  # start a new worker when the current one (stopped on purpose) exits
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["REASONS", "DeniedAudit", "Denial"]
 
@@ -45,8 +44,8 @@ class Denial:
     tenant: str | None  # verified: the token's MAC is ours
     claimed: str | None  # the tenant an unverified token names
 
-    def fields(self, op: str) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def fields(self, op: str) -> dict[str, object]:
+        out: dict[str, object] = {
             "reason": self.reason,
             "op": op,
             "tenant": self.tenant,

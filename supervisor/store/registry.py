@@ -25,10 +25,10 @@ import threading
 import time
 from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from shared import capability as _cap
 from shared.capability import RegistryAdminCapability, TenantCapability
+from shared.checks import is_int
 from shared.errors import (
     AlreadyRegistered,
     CapabilityFromForeignRegistry,
@@ -39,14 +39,13 @@ from shared.errors import (
 )
 from shared.mps import MPS_PROBE_MAX_AGE_S, MpsDecision, mps_or_fallback
 from shared.protocol import QUOTA_KEYS
-from shared.quota import QuotaBlock, QuotaSnapshot, new_segment_name
+from shared.quota import UNCHANGED, QuotaBlock, QuotaSnapshot, Unchanged, new_segment_name
 from shared.spec import TenantSpec
 from supervisor.store.audit import Denial
 from supervisor.store.state import RegistryKey, StateStore
 
 __all__ = ["TenantInfo", "TenantRegistry"]
 
-_UNCHANGED: Any = object()
 _VERIFIED_MAX = 1 << 16
 
 
@@ -61,7 +60,7 @@ class TenantInfo:
     registered_at: float
     quota: QuotaSnapshot
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "tenant_id": self.tenant_id,
             "generation": self.generation,
@@ -297,7 +296,7 @@ class TenantRegistry:
         """Register a tenant again at the generation it had (a supervisor restart):
         capabilities minted for it before verify again. ``generation`` may not go
         back behind one already issued (that would un-revoke old capabilities)."""
-        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+        if not is_int(generation) or generation < 1:
             raise ValueError(f"generation must be an int >= 1; got {generation!r}")
         return self._register(admin_cap, spec, False, generation)
 
@@ -452,11 +451,11 @@ class TenantRegistry:
         admin_cap: RegistryAdminCapability,
         tenant_id: str,
         *,
-        memory_quota_bytes: int | str = _UNCHANGED,
-        gpu_memory_bytes_cap: int | str | None = _UNCHANGED,
-        recorded_cuda_mem_pool_quota: int | str | None = _UNCHANGED,
-        gpu_time_weight: float = _UNCHANGED,
-        gpu_time_cap: float | None = _UNCHANGED,
+        memory_quota_bytes: int | str | Unchanged = UNCHANGED,
+        gpu_memory_bytes_cap: int | str | None | Unchanged = UNCHANGED,
+        recorded_cuda_mem_pool_quota: int | str | None | Unchanged = UNCHANGED,
+        gpu_time_weight: float | Unchanged = UNCHANGED,
+        gpu_time_cap: float | None | Unchanged = UNCHANGED,
     ) -> TenantInfo:
         """Change a tenant's limits live (omitted ones stay; ``None`` removes the GPU cap).
 
@@ -468,21 +467,27 @@ class TenantRegistry:
             gpu_time_weight, gpu_time_cap,
         )
 
+    def set_quota_from(self, admin_cap: RegistryAdminCapability, tenant_id: str, changes: Mapping[str, object]
+                       ) -> TenantInfo:
+        """:meth:`set_quota` with the changes as the ``set_quota`` op's wire arguments (keys of
+        ``QUOTA_KEYS``, values not yet narrowed: validated here as there)."""
+        return self._set_quota(admin_cap, tenant_id, False, *(changes.get(k, UNCHANGED) for k in QUOTA_KEYS))
+
     def set_quota_strict(self, admin_cap: RegistryAdminCapability, tenant_id: str, **limits: int | str | None
                          ) -> TenantInfo:
         """:meth:`set_quota`, strict about foreign capabilities (keyword arguments as there)."""
-        return self._set_quota(admin_cap, tenant_id, True, *(limits.get(k, _UNCHANGED) for k in QUOTA_KEYS))
+        return self._set_quota(admin_cap, tenant_id, True, *(limits.get(k, UNCHANGED) for k in QUOTA_KEYS))
 
     def _set_quota(
         self,
         admin_cap: RegistryAdminCapability,
         tenant_id: str,
         strict: bool,
-        memory_quota_bytes: Any,
-        gpu_memory_bytes_cap: Any,
-        recorded_cuda_mem_pool_quota: Any,
-        gpu_time_weight: Any = _UNCHANGED,
-        gpu_time_cap: Any = _UNCHANGED,
+        memory_quota_bytes: object,
+        gpu_memory_bytes_cap: object,
+        recorded_cuda_mem_pool_quota: object,
+        gpu_time_weight: object = UNCHANGED,
+        gpu_time_cap: object = UNCHANGED,
     ) -> TenantInfo:
         self._check_admin(admin_cap, strict)
         changes = {
@@ -494,7 +499,7 @@ class TenantRegistry:
                 ("gpu_time_weight", gpu_time_weight),
                 ("gpu_time_cap", gpu_time_cap),
             )
-            if v is not _UNCHANGED
+            if v is not UNCHANGED
         }
         block_keys = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota")
         with self._lock:

@@ -38,6 +38,7 @@ import os
 import secrets
 import stat
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 from shared.capability import capability_bytes_from_text, capability_from_bytes, capability_to_text
@@ -203,7 +204,7 @@ class RunDir:
             else:
                 os.chmod(path, 0o600)
 
-    def write_ready(self, info: dict[str, Any]) -> None:
+    def write_ready(self, info: Mapping[str, object]) -> None:
         tmp = self.file(READY_FILE + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(info, f)
@@ -276,7 +277,7 @@ def verify_run_dir(run_dir: str, expected_uid: int | None = None) -> None:
         _check_owned(os.path.join(run_dir, f"{name}.ipc"), "socket", uid)
 
 
-def read_ready(run_dir: str, expected_uid: int | None = None) -> dict[str, Any] | None:
+def read_ready(run_dir: str, expected_uid: int | None = None) -> dict[str, Any] | None:  # JSON as written
     """The ready record of a supervisor on ``run_dir``, or None.
 
     PermissionError when the run dir is not accessible to us; UntrustedRunDir

@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, TypeVar
 
 from shared.errors import StateError, UnknownTenant
 from shared.spec import TenantSpec
@@ -73,6 +73,8 @@ __all__ = [
     "StateStore",
     "StoredTenant",
 ]
+
+T = TypeVar("T")
 
 STATE_FILE = "state.db"
 LOCK_FILE = "state.lock"
@@ -205,7 +207,7 @@ class StateStore:
                 pass
         return cls(conn, path, lock_fd)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn(*args)`` (a method of this store) on its one writer thread, in submission order."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="twt-state")

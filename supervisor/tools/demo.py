@@ -26,7 +26,7 @@ from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from shared.capability import TenantCapability
 from shared.errors import KernelTimeout, TensorWasmError, WorkerLost
@@ -113,8 +113,8 @@ class _Demo:
             row.ok = False
         row.seconds = time.perf_counter() - t0
         quota = self.client.quota(self.caps[row.tenant])
-        row.gpu_peak = int(quota["gpu_high_water"])
-        row.gpu_cap = quota["gpu_memory_bytes_cap"]
+        row.gpu_peak = quota.gpu_high_water
+        row.gpu_cap = quota.gpu_memory_bytes_cap
 
     # ---------------------------------------------------------- workloads
 
@@ -137,8 +137,8 @@ class _Demo:
             self.client.free(cap, hx)
             self.client.free(cap, hy)
         ref = np.float32(a) * x + y
-        total, status = reply["results"]
-        row.fuel = reply["fuel_used"]
+        total, status = reply.results
+        row.fuel = reply.fuel_used
         y_ok = bool(np.allclose(got, ref, rtol=1e-5, atol=1e-6))
         sum_ok = bool(np.isclose(total, float(ref.sum(dtype=np.float64)), rtol=1e-4, atol=1e-2))
         row.ok = status == 0 and y_ok and sum_ok
@@ -149,11 +149,11 @@ class _Demo:
     def bravo(self, row: Outcome) -> None:
         cap = self.caps["bravo"]
         reply = self.client.run_wasm(cap, guest_path("overcap").read_bytes(), "run", [256 << 10, 4 * MiB])
-        code = reply["results"][0]
-        row.fuel = reply["fuel_used"]
+        code = reply.results[0]
+        row.fuel = reply.fuel_used
         row.ok = code == GPU_QUOTA
         row.outcome = f"alloc(4 MiB) -> {code}" + (" GPU_QUOTA" if row.ok else "")
-        row.notes += [f"bravo guest log: {line}" for line in reply.get("logs") or ()]
+        row.notes += [f"bravo guest log: {line}" for line in reply.logs]
 
     def charlie(self, row: Outcome) -> None:
         cap = self.caps["charlie"]
@@ -163,13 +163,13 @@ class _Demo:
             row.ok = True
             row.outcome = f"KernelTimeout at {exc.timeout_s:g} s"
             return
-        row.outcome = f"returned {reply['results']}"
+        row.outcome = f"returned {list(reply.results)}"
 
     def delta(self, row: Outcome) -> None:
         cap = self.caps["delta"]
         n, reps = 1 << 20, 300
         module = guest_path("long_job").read_bytes()
-        killed: dict[str, Any] = {}
+        killed: dict[str, object] = {}
 
         def killer() -> None:
             # The guest allocates first: its bytes in the tenant's counter mean the run is under way.
@@ -177,7 +177,7 @@ class _Demo:
                 with self.sup.connect(timeout_s=30.0) as c:
                     deadline = time.monotonic() + 30.0
                     while time.monotonic() < deadline:
-                        if c.quota(cap)["gpu_bytes_in_use"] > 0:
+                        if c.quota(cap).gpu_bytes_in_use > 0:
                             killed["ack"] = c.inject_fault(self.admin, "delta", "crash")
                             return
                         time.sleep(0.002)
@@ -193,7 +193,7 @@ class _Demo:
             lost: WorkerLost | None = exc
         else:
             lost = None
-            row.notes.append(f"delta: the first run finished before the kill: {first['results']}")
+            row.notes.append(f"delta: the first run finished before the kill: {list(first.results)}")
         thread.join(35.0)
         if "error" in killed:
             row.notes.append(f"delta: the killer failed: {killed['error']}")
@@ -202,10 +202,10 @@ class _Demo:
             return
         how = f"signal {lost.signal}" if lost.signal is not None else f"exit code {lost.exit_code}"
         reply = self.client.run_wasm(cap, module, "run", [n, reps])  # waits for the restarted worker
-        restarts = self.client.tenant_status(self.admin, "delta").get("restarts", 0)
+        restarts = self.client.tenant_status(self.admin, "delta").restarts
         expected = 0.5 * reps * n
-        total = reply["results"][0]
-        row.fuel = reply["fuel_used"]
+        total = reply.results[0]
+        row.fuel = reply.fuel_used
         row.ok = abs(total - expected) <= 1e-6 * expected and restarts >= 1
         row.outcome = f"WorkerLost ({how}), restart x{restarts}, retry = {total:.0f}"
 
@@ -232,7 +232,7 @@ class _Demo:
             args = [{"handle": handles[k]} for k in ("x", "w1", "b1", "w2", "b2", "out")]
             reply = self.client.run_wasm(cap, module, "forward", [*args, batch, d_in, hidden, d_out])
             got = np.frombuffer(self.client.read(cap, handles["out"], 4 * batch * d_out), dtype=np.float32)
-            classes = self.client.run_wasm(cap, module, "classes", [args[-1], batch, d_out])["results"][0]
+            classes = self.client.run_wasm(cap, module, "classes", [args[-1], batch, d_out]).results[0]
         finally:
             for h in handles.values():
                 self.client.free(cap, h)
@@ -240,8 +240,8 @@ class _Demo:
         logits = hid @ params["w2"] + params["b2"]
         e = np.exp(logits - logits.max(axis=1, keepdims=True))
         ref = e / e.sum(axis=1, keepdims=True)
-        status = reply["results"][0]
-        row.fuel = reply["fuel_used"]
+        status = reply.results[0]
+        row.fuel = reply.fuel_used
         probs_ok = bool(np.allclose(got.reshape(batch, d_out), ref, rtol=1e-4, atol=1e-6))
         want_classes = int(ref.argmax(axis=1).sum())
         row.ok = status == 0 and probs_ok and classes == want_classes
@@ -257,11 +257,11 @@ class _Demo:
         self.client.release_regions()  # its staging regions count against the tenants' host quotas
         for tid, cap in self.caps.items():
             q = self.client.quota(cap)
-            if q["gpu_bytes_in_use"] or q["bytes_in_use"]:
-                problems.append(f"{tid}: {q['gpu_bytes_in_use']} GPU B and {q['bytes_in_use']} host B still in use")
+            if q.gpu_bytes_in_use or q.bytes_in_use:
+                problems.append(f"{tid}: {q.gpu_bytes_in_use} GPU B and {q.bytes_in_use} host B still in use")
         for tid in self.caps:
             self.client.evict(self.admin, tid)
-        left = [t["tenant_id"] for t in self.client.status(self.admin)["tenants"]]
+        left = [t.tenant_id for t in self.client.status(self.admin).tenants]
         if left:
             problems.append(f"tenants still registered after evict: {left}")
         return problems
@@ -296,9 +296,9 @@ def run_demo(*, backend: str = "auto", start_method: str | None = None, out: IO[
         with launch(config, backend=backend, start_method=start_method, stderr=log) as sup:
             demo = _Demo(sup, out)
             hello = sup.client.hello(sup.admin_capability)
-            reason = str(hello.get("backend_reason") or "")
+            reason = hello.backend_reason
             reason = reason if len(reason) <= 72 else reason[:69] + "..."
-            demo.say(f"twt demo: supervisor pid {sup.pid}, backend {hello.get('backend')}"
+            demo.say(f"twt demo: supervisor pid {sup.pid}, backend {hello.backend}"
                      + (f" ({reason})" if reason else ""))
             demo.register()
             for row, workload in zip(rows, (demo.alpha, demo.bravo, demo.charlie, demo.delta, demo.echo)):

@@ -46,6 +46,8 @@ MAIN = "conf-main"  # from the config file: its capability comes from the `capab
 CONFIG = f"""
 [supervisor]
 pool_size = 0
+# far above what this suite runs (a few instances), so that scaling past it is refused typed
+max_workers = 48
 
 [[tenant]]
 name = "{MAIN}"
@@ -232,6 +234,7 @@ def test_admin_ops_on_the_main_tenant(sup: Supervisor) -> None:
     admin = sup.admin()
     status = sup.ok("status", admin)
     assert any(t["tenant_id"] == MAIN for t in status["tenants"])
+    assert sup.ok("version", admin)["protocol"] == 1
     record = sup.ok("tenant_status", admin, {"tenant": MAIN})
     assert record["origin"] == "file" and record["spec"]["gpu_memory_bytes_cap"] == 1 << 20
     assert sup.ok("set_quota", admin, {"tenant": MAIN, "memory_quota_bytes": "64MiB",
@@ -240,6 +243,10 @@ def test_admin_ops_on_the_main_tenant(sup: Supervisor) -> None:
     assert {e["event"] for e in page["events"]} <= {"register", "set_quota"} and page["events"]
     summary = sup.ok("reload", admin)
     assert MAIN in summary["unchanged"]
+    # past the supervisor's max_workers: refused with the limit's numbers, nothing changed
+    fields = sup.error("capacity_exhausted", "scale", admin, {"tenant": MAIN, "instances": 49})
+    assert (fields["setting"], fields["limit"]) == ("max_workers", 48)
+    assert len(sup.ok("tenant_status", admin, {"tenant": MAIN})["instances"]) == 1
 
 
 def test_register_capability_evict_and_a_revoked_capability(sup: Supervisor) -> None:

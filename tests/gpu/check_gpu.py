@@ -64,6 +64,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from shared.exitcodes import STICKY_CUDA_ERRORS  # noqa: E402
+from shared.records import StatusRecord, TenantRecord  # noqa: E402
 from tests.gpu import check_children  # noqa: E402
 from tests.gpu.check_children import Counting as _Counting  # noqa: E402,F401 - tests/gpu/test_gpu.py uses it
 from tests.gpu.figures import nvidia_smi, summarize, write_json  # noqa: E402
@@ -253,9 +254,8 @@ def _supervisor(extra: dict[str, Any] | None = None) -> Any:
     return launch({"supervisor": settings})
 
 
-def _tenant(status: dict[str, Any], tid: str) -> dict[str, Any]:
-    rec: dict[str, Any] = next(t for t in status["tenants"] if t["tenant_id"] == tid)
-    return rec
+def _tenant(status: StatusRecord, tid: str) -> TenantRecord:
+    return next(t for t in status.tenants if t.tenant_id == tid)
 
 
 # ------------------------------------------------------------------------------ phases
@@ -394,7 +394,7 @@ def phase_tenants(ctx: Context) -> list[Row]:
     ctx.results["tenants"] = out
     with _supervisor({"device_reserve_bytes": "1GiB"}) as sup:
         c = sup.client
-        out["backend_reason"] = c.status()["supervisor"]["backend_reason"]
+        out["backend_reason"] = c.status().supervisor.backend_reason
         b = c.register(None, TenantSpec("beta", gpu_memory_bytes_cap=256 * MiB))
         hb = c.alloc(b, 64 * MiB)
         c.write(b, hb, b"beta unaffected", offset=1000)
@@ -408,9 +408,9 @@ def phase_tenants(ctx: Context) -> list[Row]:
             out["alpha_over_cap_refused"] = True
         out["beta_unaffected"] = c.read(b, hb, 15, offset=1000) == b"beta unaffected"
         during = run_child("meminfo")
-        pid = _tenant(c.status(), "alpha")["instances"][0]["pid"]
+        pid = _tenant(c.status(), "alpha").instances[0].pid
         os.kill(pid, signal.SIGKILL)
-        out["alpha_counter_zeroed"] = _wait("zeroed", lambda: _tenant(c.status(), "alpha")["gpu_bytes_in_use"] == 0)
+        out["alpha_counter_zeroed"] = _wait("zeroed", lambda: _tenant(c.status(), "alpha").gpu_bytes_in_use == 0)
         after: dict[str, Any] = {}
 
         def reclaimed() -> bool:
@@ -452,8 +452,8 @@ def phase_fault(ctx: Context) -> list[Row]:
         faulty = c.register(None, TenantSpec("faulty", gpu_memory_bytes_cap=64 * MiB, restart="on-failure"))
         hc = c.alloc(calm, MiB)
         c.write(calm, hc, b"calm", offset=0)
-        calm_pid = _tenant(c.status(), "calm")["instances"][0]["pid"]
-        old_pid = _tenant(c.status(), "faulty")["instances"][0]["pid"]
+        calm_pid = _tenant(c.status(), "calm").instances[0].pid
+        old_pid = _tenant(c.status(), "faulty").instances[0].pid
         c.inject_fault(None, "faulty", "cuda-fault")
         try:
             c.alloc(faulty, MiB)
@@ -464,20 +464,20 @@ def phase_fault(ctx: Context) -> list[Row]:
             out["faulty_request"] = f"{type(exc).__name__}: {exc}"
 
         def restarted() -> bool:
-            inst = _tenant(c.status(), "faulty")["instances"][0]
-            return inst["pid"] not in (None, old_pid) and inst["state"] == "ready"
+            inst = _tenant(c.status(), "faulty").instances[0]
+            return inst.pid not in (None, old_pid) and inst.state == "ready"
 
         out["restarted"] = _wait("restart", restarted, timeout_s=30)
-        inst = _tenant(c.status(), "faulty")["instances"][0]
-        out["last_exit"] = inst.get("last_exit")
-        out["restarts"] = inst.get("restarts")
+        inst = _tenant(c.status(), "faulty").instances[0]
+        out["last_exit"] = inst.last_exit.to_wire() if inst.last_exit else None
+        out["restarts"] = inst.restarts
         try:
             h = c.alloc(faulty, MiB)
             c.write(faulty, h, b"again", offset=0)
             out["faulty_works_again"] = c.read(faulty, h, 5) == b"again"
         except TensorWasmError as exc:
             out["faulty_works_again"] = f"{type(exc).__name__}: {exc}"
-        out["calm_same_pid"] = _tenant(c.status(), "calm")["instances"][0]["pid"] == calm_pid
+        out["calm_same_pid"] = _tenant(c.status(), "calm").instances[0].pid == calm_pid
         out["calm_data"] = c.read(calm, hc, 4) == b"calm"
     reason = (out.get("last_exit") or {}).get("reason")
     error = out.get("faulty_request")
@@ -582,7 +582,7 @@ def phase_wasm(ctx: Context) -> list[Row]:
             result = c.run_wasm(cap, digest, "run", [{"handle": hx}, {"handle": hy}, n, 0.5])
             times.append((time.perf_counter() - t0) * 1000)
     want = float(np.sum(ys + np.float32(0.5) * xs, dtype=np.float64))
-    got = float(result["results"][0])
+    got = float(result.results[0])
     r = ctx.results["wasm"] = {"axpy_sum_1m_ms": statistics.median(times), "got": got, "want": want,
                                "matches_numpy": abs(got - want) <= 1e-5 * abs(want)}
     return [check("wasm", "WASM axpy+sum 1M floats vs numpy", f"{_f(r['axpy_sum_1m_ms'])} ms, {r['matches_numpy']}",
@@ -662,7 +662,7 @@ def phase_mps(ctx: Context) -> list[Row]:
                 h = c.alloc(cap, 128 * MiB)
                 c.write(cap, h, b"mps", offset=0)
                 out["mps_tenant_works"] = c.read(cap, h, 3) == b"mps"
-                out["isolation"] = {t["tenant_id"]: t["isolation"] for t in c.status()["tenants"]}
+                out["isolation"] = {t.tenant_id: t.isolation for t in c.status().tenants}
         finally:
             quit_ = subprocess.run(["bash", "-c", "echo quit | nvidia-cuda-mps-control"], env=env,
                                    capture_output=True, text=True, timeout=60)

@@ -189,7 +189,7 @@ def test_supervisor_on_the_gpu_end_to_end() -> None:
     with launch({"supervisor": {**FAST, "backend": "cuda"}}) as sup:
         c = sup.client
         st = c.status()
-        assert st["supervisor"]["backend"] == "cuda" and "CUDA driver" in st["supervisor"]["backend_reason"]
+        assert st.supervisor.backend == "cuda" and "CUDA driver" in st.supervisor.backend_reason
         a = c.register(None, TenantSpec("a", gpu_memory_bytes_cap=64 * MiB, restart="never"))
         b = c.register(None, TenantSpec("b", gpu_memory_bytes_cap=64 * MiB))
         c.alloc(a, 48 * MiB)
@@ -198,12 +198,12 @@ def test_supervisor_on_the_gpu_end_to_end() -> None:
         hb = c.alloc(b, 48 * MiB)
         c.write(b, hb, b"fine", offset=0)
         assert c.read(b, hb, 4) == b"fine"
-        pid = tenant(c.status(), "a")["instances"][0]["pid"]
+        pid = tenant(c.status(), "a").instances[0].pid
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: tenant(c.status(), "a")["gpu_bytes_in_use"] == 0, timeout_s=30, what="reclaim")
-        wait_for(lambda: c.status()["devices"][0]["budget_used_bytes"] == 48 * MiB, timeout_s=30,
+        wait_for(lambda: tenant(c.status(), "a").gpu_bytes_in_use == 0, timeout_s=30, what="reclaim")
+        wait_for(lambda: c.status().devices[0].budget_used_bytes == 48 * MiB, timeout_s=30,
                  what="device budget back")
-        assert tenant(c.status(), "b")["gpu_bytes_in_use"] == 48 * MiB
+        assert tenant(c.status(), "b").gpu_bytes_in_use == 48 * MiB
 
 
 def test_a_kernel_fault_is_sticky_for_the_rest_of_the_process() -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from shared.records import StatusRecord, TenantRecord
 from supervisor.client.launch import SupervisorHandle, launch
 
 T = TypeVar("T")
@@ -55,14 +56,13 @@ def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: fl
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate!r} (last: {last!r})")
 
 
-def tenant(status: dict[str, Any], tenant_id: str) -> dict[str, Any]:
-    for record in status["tenants"]:
-        if record["tenant_id"] == tenant_id:
-            return record
-    raise KeyError(tenant_id)
+def tenant(status: StatusRecord, tenant_id: str) -> TenantRecord:
+    record = status.tenant(tenant_id)
+    if record is None:
+        raise KeyError(tenant_id)
+    return record
 
 
 def instance_pid(handle: SupervisorHandle, tenant_id: str, index: int = 0) -> int | None:
-    rec = tenant(handle.client.status(), tenant_id)
-    inst = rec["instances"][index]
-    return inst["pid"] if inst["state"] == "ready" else None
+    inst = tenant(handle.client.status(), tenant_id).instances[index]
+    return inst.pid if inst.state == "ready" else None

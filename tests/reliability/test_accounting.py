@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from shared import protocol as proto
-from shared.records import TenantRecord
 from shared.spec import TenantSpec
 from supervisor.tools.chaos import reconcile
 from tests.helpers.cluster import supervisor, tenant
@@ -20,6 +19,6 @@ def test_buffers_lists_every_instance() -> None:
         held = {c.alloc(cap, 4096 * (i + 1)): 4096 * (i + 1) for i in range(6)}
         assert {proto.handle_instance(h) for h in held} == {0, 1}  # spread over both instances
         # the counters know where every byte is ...
-        assert reconcile(TenantRecord.from_wire(tenant(c.status(), "two")), held).ok
+        assert reconcile(tenant(c.status(), "two"), held).ok
         # ... and so should the tenant
         assert c.buffers(cap) == held

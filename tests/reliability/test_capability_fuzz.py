@@ -110,7 +110,7 @@ def test_altered_tokens_are_always_refused(sup: SupervisorHandle) -> None:
     for label, codes in got.items():
         assert set(codes) <= REFUSED, (label, codes)
     assert sum(got["forged tenant"].values()) == forged_tenant == len(cap) * 8 + len(cap) + 16 + 64
-    assert tenant(c.status(), "alpha")["state"] == "running"
+    assert tenant(c.status(), "alpha").state == "running"
 
 
 def test_revoked_token_cannot_be_revived(sup: SupervisorHandle) -> None:
@@ -144,7 +144,7 @@ def test_one_tenant_cannot_reach_another_tenants_buffers(sup: SupervisorHandle) 
     c.free(a, first_a)
     ha = c.alloc(a, 65536)  # a number beta's worker never issued
     c.write(a, ha, b"alpha's secret")
-    before = tenant(c.status(), "alpha")["quota"]
+    before = tenant(c.status(), "alpha").quota
     attempts: list[Callable[[], object]] = [
         lambda: c.read(b, ha, 14),
         lambda: c.write(b, ha, b"overwrite"),
@@ -158,7 +158,7 @@ def test_one_tenant_cannot_reach_another_tenants_buffers(sup: SupervisorHandle) 
         with pytest.raises(InvalidArgument):
             attempt()
     assert c.read(a, ha, 14) == b"alpha's secret"
-    after = tenant(c.status(), "alpha")["quota"]
-    assert after["gpu_bytes_in_use"] == before["gpu_bytes_in_use"] == 65536
-    assert tenant(c.status(), "beta")["gpu_bytes_in_use"] == 4096
+    after = tenant(c.status(), "alpha").quota
+    assert after.gpu_bytes_in_use == before.gpu_bytes_in_use == 65536
+    assert tenant(c.status(), "beta").gpu_bytes_in_use == 4096
     assert c.buffers(b) == {hb: 4096} and c.buffers(a) == {ha: 65536}

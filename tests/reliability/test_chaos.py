@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from shared import protocol as proto
-from shared.records import TenantRecord
+from shared.quota import QuotaSnapshot
+from shared.records import InstanceRecord, TenantRecord
 from supervisor.tools import chaos
 from supervisor.tools.chaos import checks as chaos_checks
 from supervisor.tools.chaos import (
@@ -124,17 +125,14 @@ def test_checks_catch_each_kind_of_violation() -> None:
 
 def _record(instances: list[tuple[int, int, str]], shares: list[tuple[int, int]], gpu: int, cpu: int = 0
             ) -> TenantRecord:
-    return TenantRecord.from_wire({
-        "tenant_id": "faulty-0",
-        "state": "running",
-        "generation": 1,
-        "instances": [{"index": i, "incarnation": inc, "state": state, "pid": 100 + i if state == "ready" else None,
-                       "in_flight": 0, "restarts": 0, "uptime_s": None, "draining": False, "last_exit": None}
-                      for i, inc, state in instances],
-        "gpu_bytes_in_use": gpu,
-        "bytes_in_use": cpu,
-        "quota": {"instance_shares": [[i, 0, g] for i, g in shares]},
-    })
+    quota = QuotaSnapshot("faulty-0", "twt-faulty-0", 1, cpu, 1 << 30, 0, 0, 0, gpu, None, 0, 0, 0, None,
+                          tuple((i, 0, g) for i, g in shares))
+    return TenantRecord(
+        "faulty-0", "running", 1,
+        instances=tuple(InstanceRecord(i, 100 + i if state == "ready" else None, state, 0, inc, 0, None, False, None)
+                        for i, inc, state in instances),
+        gpu_bytes_in_use=gpu, bytes_in_use=cpu, quota=quota,
+    )
 
 
 def test_reconcile_counts_live_buffers_and_writes_off_dead_incarnations() -> None:
@@ -217,8 +215,8 @@ def test_campaign_against_a_running_supervisor() -> None:
         assert proc.returncode == 0 and not report["supervisor"]["started_here"]
         assert report["supervisor"]["pid"] == sup.pid
         status = sup.client.status()
-        assert [t["tenant_id"] for t in status["tenants"]] == ["bystander"]  # the campaign's tenants evicted
-        assert status["tenants"][0]["gpu_bytes_in_use"] == 12345 and sup.client.buffers(cap) == {h: 12345}
+        assert [t.tenant_id for t in status.tenants] == ["bystander"]  # the campaign's tenants evicted
+        assert status.tenants[0].gpu_bytes_in_use == 12345 and sup.client.buffers(cap) == {h: 12345}
 
 
 # ------------------------------------------------------------------ seeds that once failed (issue 30)

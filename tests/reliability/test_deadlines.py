@@ -46,11 +46,11 @@ def _restarting_for(sup: SupervisorHandle, at_least_s: float) -> float:
     while True:
         c.inject_fault(None, "parky", "crash")  # returns once the process is gone
         rec = tenant(c.status(), "parky")
-        delay = 0.05 * 2 ** (rec["restarts"] - 2) if rec["restarts"] >= 2 else 0.0
+        delay = 0.05 * 2 ** (rec.restarts - 2) if rec.restarts >= 2 else 0.0
         if delay >= at_least_s:
-            assert rec["instances"][0]["state"] == "restarting", rec["instances"]
+            assert rec.instances[0].state == "restarting", rec.instances
             return min(delay, 5.0)
-        wait_for(lambda: tenant(c.status(), "parky")["state"] == "running", what="parky restarted")
+        wait_for(lambda: tenant(c.status(), "parky").state == "running", what="parky restarted")
 
 
 def test_parked_request_expires_at_its_deadline() -> None:
@@ -76,8 +76,8 @@ def test_parked_then_dispatched_request_keeps_its_deadline() -> None:
         # about half a second of real work in the guest, well inside its 2 s run limit
         waiter.send("run_wasm", cap, {"export": "run", "args": [1 << 18, 1500], "timeout_s": WASM_TIMEOUT_S},
                     guest_path("long_job").read_bytes())
-        wait_for(lambda: tenant(c.status(), "parky")["parked"] == 1, interval_s=0.002, what="parked")
-        wait_for(lambda: tenant(c.status(), "parky")["in_flight"] == 1, interval_s=0.002, what="dispatched")
+        wait_for(lambda: tenant(c.status(), "parky").parked == 1, interval_s=0.002, what="parked")
+        wait_for(lambda: tenant(c.status(), "parky").in_flight == 1, interval_s=0.002, what="dispatched")
         c.inject_fault(None, "parky", "slow", instance=0, ms=30_000)  # the run's reply will not come in time
         _, ok, payload, _ = waiter.recv()
         latency = time.monotonic() - t0

@@ -53,8 +53,8 @@ def test_slow_readers_on_many_identities_are_bounded_per_tenant() -> None:
             for sock in socks:
                 for rid in range(1, 65):
                     sock.send(_req(rid, "read", cap, {"handle": handle, "offset": 0, "nbytes": 4 * MiB}))
-            wait_for(lambda: tenant(c.status(), "reader")["in_flight"] == 0, timeout_s=60, what="reads answered")
-            held = c.status()["supervisor"]["held_bytes"]
+            wait_for(lambda: tenant(c.status(), "reader").in_flight == 0, timeout_s=60, what="reads answered")
+            held = c.status().supervisor.held_bytes
             assert held["total"] <= HELD
             growth = proc.memory_info().rss - rss0
             assert growth < HELD + 64 * MiB, f"supervisor grew {growth >> 20} MiB for 256 unread 4 MiB reads"
@@ -65,8 +65,8 @@ def test_slow_readers_on_many_identities_are_bounded_per_tenant() -> None:
         finally:
             for sock in socks:
                 sock.close(0)
-        wait_for(lambda: c.status()["supervisor"]["held_bytes"]["total"] == 0, what="held bytes released")
-        assert c.ping(c.tenant_capability(None, "other"))["tenant"] == "other"
+        wait_for(lambda: c.status().supervisor.held_bytes["total"] == 0, what="held bytes released")
+        assert c.ping(c.tenant_capability(None, "other")).tenant == "other"
 
 
 def test_parked_bodies_are_bounded_in_bytes() -> None:
@@ -80,8 +80,8 @@ def test_parked_bodies_are_bounded_in_bytes() -> None:
         cap = c.tenant_capability(None, "down")
 
         def ready() -> bool:
-            inst = tenant(c.status(), "down")["instances"][0]
-            return bool(inst["state"] == "ready")
+            inst = tenant(c.status(), "down").instances[0]
+            return bool(inst.state == "ready")
 
         # each crash in the window backs the next restart off further: 0, 50 ms ... 1.6 s, 3.2 s
         for _ in range(8):
@@ -98,8 +98,8 @@ def test_parked_bodies_are_bounded_in_bytes() -> None:
             # the refused ones are answered at once; what waits is bounded by the held bytes
             codes = _codes(sock, 60 - HELD // (16 * MiB), timeout_s=60)
             status = c.status()
-            assert tenant(status, "down")["parked"] <= HELD // (16 * MiB)
-            assert status["supervisor"]["held_bytes"]["parked"] <= HELD
+            assert tenant(status, "down").parked <= HELD // (16 * MiB)
+            assert status.supervisor.held_bytes["parked"] <= HELD
             growth = proc.memory_info().rss - rss0
             assert growth < HELD + 96 * MiB, f"supervisor grew {growth >> 20} MiB parking 60 x 16 MiB"
             codes += _codes(sock, 60 - len(codes))  # the parked ones go to the worker once it is back
@@ -108,4 +108,4 @@ def test_parked_bodies_are_bounded_in_bytes() -> None:
             assert "wasm_compile" in codes, codes  # parked, then sent once the instance was back
         finally:
             sock.close(0)
-        wait_for(lambda: c.status()["supervisor"]["held_bytes"]["total"] == 0, what="held bytes released")
+        wait_for(lambda: c.status().supervisor.held_bytes["total"] == 0, what="held bytes released")

@@ -20,15 +20,15 @@ def test_on_failure_leaves_a_clean_exit_down() -> None:
         c = sup.client
         cap = c.register(None, _on_failure())
         c.inject_fault(None, "picky", "exit", code=0)
-        rec = wait_for(lambda: (r := tenant(c.status(), "picky"))["instances"][0]["state"] == "down" and r,
+        rec = wait_for(lambda: (r := tenant(c.status(), "picky")).instances[0].state == "down" and r,
                        what="instance down")
-        assert rec["restarts"] == 0 and rec["instances"][0]["last_exit"]["exit_code"] == 0
+        assert rec.restarts == 0 and rec.instances[0].last_exit.exit_code == 0
         with pytest.raises(WorkerLost, match=r"no instance of 'picky' is running or restarting.*restart=on-failure"):
             c.ping(cap)  # answered at once, not parked: no instance is coming back
-        assert tenant(c.status(), "picky")["parked"] == 0
+        assert tenant(c.status(), "picky").parked == 0
         c.scale(None, "picky", 1)  # "1 instance" again: the one that is down starts
-        wait_for(lambda: tenant(c.status(), "picky")["state"] == "running", what="picky running again")
-        assert c.ping(cap)["instance"] == 0
+        wait_for(lambda: tenant(c.status(), "picky").state == "running", what="picky running again")
+        assert c.ping(cap).instance == 0
 
 
 def test_on_failure_restarts_a_worker_the_supervisor_killed() -> None:
@@ -40,4 +40,4 @@ def test_on_failure_restarts_a_worker_the_supervisor_killed() -> None:
         with pytest.raises(WorkerLost, match="malformed reply"):
             c.ping(cap)  # the supervisor kills a worker that sends garbage: that is a failure
         wait_for(lambda: (p := instance_pid(sup, "picky")) and p != pid, timeout_s=15, what="restarted")
-        assert c.ping(cap)["tenant"] == "picky"
+        assert c.ping(cap).tenant == "picky"

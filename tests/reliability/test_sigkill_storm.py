@@ -23,7 +23,7 @@ import pytest
 from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.errors import RequestTimeout
-from shared.records import TenantRecord
+from shared.records import StatusRecord
 from supervisor.tools.chaos import reconcile
 from supervisor.client.api import SupervisorClient
 from tests.helpers.cluster import supervisor, tenant, wait_for
@@ -118,7 +118,7 @@ def test_hundreds_of_sigkills_under_load() -> None:
         try:
             while len(killed) < KILLS:
                 rec = tenant(c.status(), rng.choice(["victim-a", "victim-b"]))
-                ready = [i["pid"] for i in rec["instances"] if i["state"] == "ready" and i["pid"] not in killed]
+                ready = [i.pid for i in rec.instances if i.state == "ready" and i.pid not in killed]
                 if ready:
                     pid = rng.choice(ready)
                     os.kill(pid, signal.SIGKILL)
@@ -138,18 +138,18 @@ def test_hundreds_of_sigkills_under_load() -> None:
         assert lost >= len(killed) // 4, {name: dict(load.outcomes) for name, load in loads.items()}
         assert set(loads["bystander"].outcomes) <= {f"{op}:ok" for op in ("alloc", "free", "write", "read", "ping")}
 
-        def settled() -> dict[str, Any] | None:
+        def settled() -> StatusRecord | None:
             st = c.status()
-            recs = st["tenants"]
-            done = all(r["state"] == "running" and r["in_flight"] == 0 and r["parked"] == 0 for r in recs)
+            recs = st.tenants
+            done = all(r.state == "running" and r.in_flight == 0 and r.parked == 0 for r in recs)
             return st if done else None
 
         status = wait_for(settled, timeout_s=20, what="every instance back and idle")
         assert status is not None
-        restarts = sum(tenant(status, n)["restarts"] for n in ("victim-a", "victim-b"))
+        restarts = sum(tenant(status, n).restarts for n in ("victim-a", "victim-b"))
         assert restarts == len(killed), (restarts, len(killed))  # one restart per death, no more
         for name, load in loads.items():
-            r = reconcile(TenantRecord.from_wire(tenant(status, name)), load.live)
+            r = reconcile(tenant(status, name), load.live)
             assert r.ok, (name, r.problems)
         # free what is still live; the rest went with its instance; then every counter is zero
         for name, load in loads.items():
@@ -159,6 +159,6 @@ def test_hundreds_of_sigkills_under_load() -> None:
                 except Exception as exc:  # noqa: BLE001
                     assert getattr(exc, "code", None) == "buffer_lost", exc
                     assert proto.handle_instance(h) < 2
-        wait_for(lambda: all(r["gpu_bytes_in_use"] == 0 and r["bytes_in_use"] == 0 and not r["quota"]["instance_shares"]
-                             for r in c.status()["tenants"]), timeout_s=5, what="counters at zero")
-        assert all(r["quota"]["gpu_underflows"] == 0 for r in c.status()["tenants"])
+        wait_for(lambda: all(r.gpu_bytes_in_use == 0 and r.bytes_in_use == 0 and not r.quota.instance_shares
+                             for r in c.status().tenants), timeout_s=5, what="counters at zero")
+        assert all(r.quota.gpu_underflows == 0 for r in c.status().tenants)

@@ -91,11 +91,11 @@ def test_client_that_never_reads_its_replies(sup: SupervisorHandle) -> None:
         # the flood takes the supervisor a couple of seconds to chew through: measure all along
         wait_for(lambda: proc.cpu_percent(0.2) < 50, timeout_s=15, what="flood processed")
         bystander.check("greedy client")
-        assert tenant(sup.client.status(), "rude")["in_flight"] <= 64
+        assert tenant(sup.client.status(), "rude").in_flight <= 64
     finally:
         greedy.close(0)
-    wait_for(lambda: tenant(sup.client.status(), "rude")["in_flight"] == 0, what="rude tenant idle")
-    assert sup.client.ping(rude)["tenant"] == "rude"  # the tenant itself is fine once its client behaves
+    wait_for(lambda: tenant(sup.client.status(), "rude").in_flight == 0, what="rude tenant idle")
+    assert sup.client.ping(rude).tenant == "rude"  # the tenant itself is fine once its client behaves
     assert proc.memory_info().rss - rss0 < 64 << 20
 
 
@@ -122,10 +122,10 @@ def test_clients_disconnecting_mid_request(sup: SupervisorHandle) -> None:
         sock.send(_req(1, "ping", rude))
         sock.close(0)
     bystander.check("disconnecting clients")
-    wait_for(lambda: (r := tenant(c.status(), "rude"))["in_flight"] == 0 and r["parked"] == 0 and
-             r["state"] == "running", timeout_s=15, what="nothing in flight or parked for vanished clients")
+    wait_for(lambda: (r := tenant(c.status(), "rude")).in_flight == 0 and r.parked == 0 and
+             r.state == "running", timeout_s=15, what="nothing in flight or parked for vanished clients")
     wait_for(lambda: proc.num_fds() <= fds0 + 4, what="sockets of vanished clients released")
-    assert c.ping(rude)["tenant"] == "rude"
+    assert c.ping(rude).tenant == "rude"
 
 
 def test_client_with_a_tiny_receive_queue(sup: SupervisorHandle) -> None:
@@ -148,7 +148,7 @@ def test_client_with_a_tiny_receive_queue(sup: SupervisorHandle) -> None:
     finally:
         slow.close(0)
     assert got >= 1
-    wait_for(lambda: tenant(c.status(), "rude")["in_flight"] == 0, what="rude tenant idle")
+    wait_for(lambda: tenant(c.status(), "rude").in_flight == 0, what="rude tenant idle")
 
 
 def test_slow_reader_cannot_grow_supervisor_memory(sup: SupervisorHandle) -> None:
@@ -163,7 +163,7 @@ def test_slow_reader_cannot_grow_supervisor_memory(sup: SupervisorHandle) -> Non
             slow.send(_req(rid, "read", rude, {"handle": handle, "offset": 0, "nbytes": 1 << 20}))
             if rid % 40 == 0:
                 time.sleep(0.05)  # stay under max_in_flight: every read is served
-        wait_for(lambda: tenant(sup.client.status(), "rude")["in_flight"] == 0, what="all reads served")
+        wait_for(lambda: tenant(sup.client.status(), "rude").in_flight == 0, what="all reads served")
         growth = proc.memory_info().rss - rss0
     finally:
         slow.close(0)

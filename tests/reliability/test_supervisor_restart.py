@@ -60,7 +60,7 @@ def _alive(pid: int, created: float) -> bool:
 def _prefix(sup: SupervisorHandle) -> str:
     """Segment names of this supervisor start with this (a prefix drawn per start: the registry id
     is the same after a restart, the state being durable)."""
-    name = str(tenant(sup.client.status(), "a")["quota"]["name"])
+    name = str(tenant(sup.client.status(), "a").quota.name)
     return name.rsplit("-", 1)[0] + "-"
 
 
@@ -119,8 +119,8 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
                     start_method=method) as sup:
             # the previous supervisor's segments were removed before this one became ready
             assert not (stale & hygiene.twt_segments()), (name, stale & hygiene.twt_segments())
-            wait_for(lambda: len(sup.client.status()["supervisor"]["pool"]["pids"]) == 2, what="pool full")
-            assert tenant(sup.client.status(), "b")["state"] == "running"
+            wait_for(lambda: len(sup.client.status().supervisor.pool.pids) == 2, what="pool full")
+            assert tenant(sup.client.status(), "b").state == "running"
             prefix = _prefix(sup)
             procs = _tree(sup.pid)
             after = scenario(sup)
@@ -155,4 +155,4 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
     # one more start cleans the last one's segments, and a graceful stop leaves nothing
     with launch({"supervisor": SETTINGS, "tenant": TENANTS}, run_dir=run_dir) as sup:
         assert not (stale & hygiene.twt_segments())
-        assert sup.client.hello()["pid"] == sup.pid
+        assert sup.client.hello().pid == sup.pid

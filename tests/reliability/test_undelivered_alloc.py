@@ -28,11 +28,11 @@ def test_an_alloc_whose_client_left_before_the_reply_is_freed() -> None:
         sock.send(proto.encode_request(1, "alloc", cap.to_bytes(), {"nbytes": 65536}))
 
         def gpu() -> int:
-            return int(tenant(c.status(), "t")["gpu_bytes_in_use"])
+            return int(tenant(c.status(), "t").gpu_bytes_in_use)
 
         wait_for(lambda: gpu() == 8192 + 65536, timeout_s=30, what="the worker allocated")
         sock.close(0)  # gone before the reply
         wait_for(lambda: gpu() == 8192, timeout_s=30, what="the undelivered allocation freed")
         c.inject_fault(None, "t", "slow", ms=0)
         assert c.buffers(cap) == {kept: 8192}
-        assert tenant(c.status(), "t")["restarts"] == 0  # freed, not by replacing the worker
+        assert tenant(c.status(), "t").restarts == 0  # freed, not by replacing the worker

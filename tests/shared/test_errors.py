@@ -62,7 +62,20 @@ SAMPLES: dict[type[TensorWasmError], dict[str, Any]] = {
     NodeLost: {"tenant_id": "acme", "instance": 0, "exit_code": None, "signal": None, "reason": "actor died",
                "node_id": "4be0c2a1f3d9"},
     HandshakeFailed: {"endpoint": "tcp://127.0.0.1:7700", "reason": "wrong server public key?"},
-    Overloaded: {"tenant_id": "acme", "in_flight": 64, "limit": 64, "retry_after_s": 0.25},
+    Overloaded: {"tenant_id": "acme", "in_flight": 64, "limit": 64, "retry_after_s": None, "cause": ""},
+    errors.InFlightLimit: {"tenant_id": "acme", "in_flight": 64, "limit": 64, "retry_after_s": None,
+                           "cause": "in_flight"},
+    errors.WorkerQueueFull: {"tenant_id": "acme", "in_flight": 9, "limit": 64, "retry_after_s": None,
+                             "cause": "worker_queue", "instance": 1, "queued": 1000},
+    errors.HeldBytesLimit: {"tenant_id": "acme", "in_flight": 2, "limit": 64, "retry_after_s": None,
+                            "cause": "held_bytes", "scope": "total", "held": 1 << 31, "requested": 4096,
+                            "budget": 1 << 31},
+    errors.ClientRepliesQueued: {"tenant_id": "acme", "in_flight": 2, "limit": 64, "retry_after_s": None,
+                                 "cause": "client_replies", "queued": 70 << 20, "budget": 64 << 20},
+    errors.AdmissionRate: {"tenant_id": "acme", "in_flight": 3, "limit": 64, "retry_after_s": 0.25,
+                           "cause": "rate", "what": "bytes", "rate": 2000.0},
+    errors.CapacityExhausted: {"what": "tenants", "in_use": 1024, "wanted": 1, "limit": 1024,
+                               "setting": "max_tenants"},
     ProtocolError: {"detail": "header too large"},
     InvalidArgument: {"detail": "nbytes must be positive"},
     BackendUnavailable: {"backend": "cuda", "reason": "no driver"},
@@ -101,6 +114,7 @@ PINNED_CODES = {
     NodeLost: "node_lost",
     HandshakeFailed: "handshake_failed",
     Overloaded: "overloaded",
+    errors.CapacityExhausted: "capacity_exhausted",
     ProtocolError: "protocol_error",
     InvalidArgument: "invalid_argument",
     BackendUnavailable: "backend_unavailable",
@@ -126,6 +140,11 @@ RETRYABLE = {
     WorkerLost,
     NodeLost,
     Overloaded,
+    errors.InFlightLimit,
+    errors.WorkerQueueFull,
+    errors.HeldBytesLimit,
+    errors.ClientRepliesQueued,
+    errors.AdmissionRate,
     RequestTimeout,
     SupervisorUnavailable,
 }
@@ -326,7 +345,9 @@ def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
 
 def _registered() -> list[type[TensorWasmError]]:
     classes = sorted(_all_subclasses(TensorWasmError), key=lambda c: c.__name__)
-    assert all(error_class_for_code(cls.code) is cls for cls in classes)  # every one of them is on the wire table
+    # every one of them is on the wire table: by its code, or (a cause of Overloaded) by its cause
+    assert all(error_class_for_code(cls.code) is cls or Overloaded._causes.get(getattr(cls, "cause", "")) is cls
+               for cls in classes)
     return classes
 
 
@@ -336,6 +357,9 @@ def _registered() -> list[type[TensorWasmError]]:
 def test_every_error_round_trips_over_the_wire_with_any_fields(cls: type[TensorWasmError], data: st.DataObject) -> None:
     hints = typing.get_type_hints(cls)
     fields = {name: data.draw(_strategy_for(hints[name]), label=name) for name in cls._fields}
+    if issubclass(cls, Overloaded):  # the cause picks the class: its own, or one no class has (the base)
+        fields["cause"] = cls.cause if cls is not Overloaded else data.draw(
+            _strategy_for(str).filter(lambda c: c not in Overloaded._causes), label="cause")
     message = data.draw(st.none() | _strategy_for(str), label="message")
     err = cls(**fields, message=message)
     assert err.fields() == fields
@@ -432,3 +456,24 @@ def test_isolation_refusals_carry_their_reason() -> None:
             capability_from_bytes(raw)
         assert info.value.reason == reason, info.value
         assert info.value.reason in ISOLATION_REASONS
+
+
+def test_overloaded_causes_share_the_wire_code_and_old_records_still_decode() -> None:
+    """Each cause of Overloaded is its own class with its own numbers, all under the one wire code;
+    ``tenant_id``, ``in_flight`` and ``limit`` stay, so a client that knows only Overloaded reads them."""
+    assert set(Overloaded._causes) == set(errors.OVERLOADED_CAUSES)
+    for cause, cls in Overloaded._causes.items():
+        assert cls.code == "overloaded" and issubclass(cls, Overloaded) and cls.cause == cause
+        assert cls._fields[:5] == Overloaded._fields == ("tenant_id", "in_flight", "limit", "retry_after_s", "cause")
+    err = errors.WorkerQueueFull("acme", 9, 64, instance=1, queued=1000)
+    record = err.to_dict()
+    assert record["code"] == "overloaded" and record["fields"]["cause"] == "worker_queue"
+    # an old supervisor's record (no cause: it sent every cause so): the base class, its fields kept
+    old = error_from_dict({"code": "overloaded", "message": "m",
+                           "fields": {"tenant_id": "acme", "in_flight": 64, "limit": 64, "retry_after_s": None}})
+    assert type(old) is Overloaded and (old.in_flight, old.limit, old.cause) == (64, 64, "")
+    # a newer supervisor's cause this client does not know: the base class, every field it knows kept
+    new = error_from_dict({"code": "overloaded", "message": "m",
+                           "fields": {**record["fields"], "cause": "from_the_future"}})
+    assert type(new) is Overloaded and (new.tenant_id, new.in_flight, new.limit) == ("acme", 9, 64)
+    assert new.is_retryable()

@@ -284,10 +284,10 @@ def test_a_dead_holders_lease_passes_on(board: GpuTimeBoard, clock: FakeClock) -
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
         from shared import _atomics
-        from shared.gpu_time import _W_PID, _w_off
+        from shared.gpu_time import _W_PID
 
         assert wa.worker_slot is not None
-        _atomics.store(board._buf, _w_off(wa.worker_slot) + _W_PID, dead.pid)
+        _atomics.store(board._buf, board._w_off(wa.worker_slot) + _W_PID, dead.pid)
         found = board.reclaim_dead()
         assert [(w, held) for w, _, held in found] == [(wa.worker_slot, True)]
         assert wb.holds()  # handed straight to the waiter
@@ -434,3 +434,61 @@ def test_workers_of_a_slot_that_was_left_are_still_served(board: GpuTimeBoard, c
     finally:
         wa.close()
         wb.close()
+
+
+def test_a_board_has_the_capacity_its_creator_gives_and_workers_read_it(clock: FakeClock) -> None:
+    """Sized from the supervisor's max_tenants / max_workers (issue 25: it was a fixed 64 / 256)."""
+    from shared.errors import SegmentError
+    from shared.gpu_time import segment_bytes
+
+    big = GpuTimeBoard.create(1, tenants=5000, workers=9000, clock=clock)
+    try:
+        assert (big.tenant_slots, big.worker_slots) == (5000, 9000)
+        assert len(big._buf) >= segment_bytes(5000, 9000) > segment_bytes()
+        slots = [big.add_tenant() for _ in range(4100)]
+        assert slots == list(range(4100))
+        workers = [GpuTimeBoard.attach(big.name, tenant_slot=t, clock=clock) for t in (0, 4099)]
+        try:
+            assert [(w.tenant_slots, w.worker_slots) for w in workers] == [(5000, 9000)] * 2
+            a, b = workers
+            assert a.try_acquire(clock.t)  # the highest slots work like the first ones
+            b.want(clock.t)
+            clock.t += 20 * MS
+            assert a.finish(20 * MS)  # quantum over, a waiter: handed to slot 4099's worker
+            assert b.holds()
+            assert big.used_ns(0) == 20 * MS
+        finally:
+            for w in workers:
+                w.close()
+        for t in slots[2:]:
+            big.remove_tenant(t)
+        assert sorted(big.snapshot().tenants) == [0, 1]
+        assert big.free_tenant_slots() == 4998
+        assert big.add_tenant() == 2  # freed slots are reused first
+        with pytest.raises(ValueError, match=r"0\.\.4999"):
+            big.policy(5000)
+    finally:
+        big.unlink()
+        big.close()
+    small = GpuTimeBoard.create(2, tenants=2, workers=1, clock=clock)
+    try:
+        assert [small.add_tenant(), small.add_tenant()] == [0, 1]
+        with pytest.raises(SegmentError, match="all 2 tenant slots of device 2 are taken"):
+            small.add_tenant()
+        w = GpuTimeBoard.attach(small.name, tenant_slot=0, clock=clock)
+        try:
+            with pytest.raises(SegmentError, match="all 1 worker slots are held"):
+                GpuTimeBoard.attach(small.name, tenant_slot=1, clock=clock)
+            with pytest.raises(ValueError, match=r"out of range 0\.\.1"):
+                GpuTimeBoard.attach(small.name, tenant_slot=2, clock=clock)
+        finally:
+            w.close()
+    finally:
+        small.unlink()
+        small.close()
+
+
+@pytest.mark.parametrize("bad", [{"tenants": 0}, {"workers": 0}, {"tenants": 1 << 20}, {"workers": True}])
+def test_a_board_of_a_bad_size_is_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        GpuTimeBoard.create(0, **bad)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import pytest
 
 from shared import protocol as proto
 from shared.errors import InvalidArgument, ProtocolError
-from shared.records import InstanceRecord, StatusRecord, TenantRecord
+from shared.quota import QuotaSnapshot
+from shared.records import ExitRecord, InstanceRecord, RunResult, StatusRecord, TenantRecord
+from shared.spec import TenantSpec
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -21,12 +25,15 @@ def test_every_op_is_documented_in_protocol_md() -> None:
 
 
 def test_every_op_has_a_client_method_and_its_cli_command_exists() -> None:
-    from supervisor.cli import COMMANDS
+    import argparse
+
+    from supervisor.cli import build_parser
     from supervisor.client.api import SupervisorClient
 
+    commands = next(a.choices for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for op in proto.OPS.values():
-        assert callable(getattr(SupervisorClient, op.client, None)), op
-        assert op.cli is None or op.cli in COMMANDS, op
+        assert callable(getattr(SupervisorClient, op.client, None)), op  # "call": SupervisorClient.call(op, ...)
+        assert op.cli is None or op.cli in commands, op
 
 
 def test_tenant_and_admin_ops_partition_the_table() -> None:
@@ -67,7 +74,7 @@ def test_control_kinds_are_the_ones_in_use() -> None:
 
 def test_records_round_trip_and_tolerate_new_keys() -> None:
     inst = InstanceRecord(0, 123, "ready", 1, 2, 0, 1.5, False, None)
-    tenant = TenantRecord("acme", "running", 1, pids=(123,), instances=(inst,), quota={"bytes_in_use": 5})
+    tenant = TenantRecord("acme", "running", 1, pids=(123,), instances=(inst,), spec=TenantSpec("acme"))
     wire = {"supervisor": {"pid": 1, "registry_id": "r", "backend": "stub", "backend_reason": "", "start_method":
                            "spawn", "protocol": 1, "uptime_s": 1.0, "run_dir": "/x", "workers": 1,
                            "internal_errors": 0, "pool": {"idle": 1, "starting": 0, "size": 2, "pids": [7]},
@@ -79,6 +86,38 @@ def test_records_round_trip_and_tolerate_new_keys() -> None:
     assert tenant.to_wire()["instances"][0]["pid"] == 123 and tenant.to_wire()["pids"] == [123]
     with pytest.raises(ProtocolError, match="lacks 'state'"):
         TenantRecord.from_wire({"tenant_id": "a"})
+
+
+def test_records_are_typed_all_the_way_down() -> None:
+    """Nested records decode as records; a value of the wrong type anywhere is a ProtocolError naming where."""
+    exit_ = ExitRecord(exit_code=None, signal=9, reason="killed", at=1.5)
+    inst = InstanceRecord(0, 123, "down", 0, 2, 1, None, False, exit_)
+    snap = QuotaSnapshot("acme", "twt-x", 1, 5, 10, 5, 0, 0, 0, None, 0, 0, 0, None, ((0, 5, 0),))
+    rec = TenantRecord("acme", "running", 1, instances=(inst,), spec=TenantSpec("acme", instances=2), quota=snap)
+    wire = msgpack.unpackb(msgpack.packb(rec.to_wire()))
+    back = TenantRecord.from_wire(wire)
+    assert back == rec and back.instances[0].last_exit == exit_ and back.quota == snap
+    assert back.spec is not None and back.spec.instances == 2 and back.to_wire() == wire
+    newer = {**wire, "spec": {**wire["spec"], "from_a_newer_supervisor": 1}}  # a spec field we do not know
+    assert TenantRecord.from_wire(newer) == rec
+    assert RunResult.from_wire({"results": [1, 2.5], "fuel_used": 3, "elapsed_s": 1}).elapsed_s == 1.0
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({**wire, "generation": True}, r"TenantRecord.generation: expected int, got bool"),
+        ({**wire, "generation": "1"}, r"TenantRecord.generation: expected int, got str"),
+        ({**wire, "pids": [1, "2"]}, r"TenantRecord.pids\[1\]: expected int, got str"),
+        ({**wire, "instances": [{**wire["instances"][0], "last_exit": {"reason": "x"}}]},
+         r"TenantRecord.instances\[0\].last_exit lacks 'exit_code'"),
+        ({**wire, "quota": {**wire["quota"], "instance_shares": [[0, 1]]}},
+         r"TenantRecord.quota.instance_shares\[0\]: expected array of 3, got list"),
+        ({**wire, "spec": {"tenant_id": "acme", "instances": -1}}, r"TenantRecord.spec: expected TenantSpec"),
+        ({**wire, "failed_reason": 5}, r"TenantRecord.failed_reason: expected str, got int"),
+        ({**wire, "regions": {}}, r"TenantRecord.regions: expected array, got dict"),
+    ]
+    for data, message in bad:
+        with pytest.raises(ProtocolError, match=message):
+            TenantRecord.from_wire(data)
+    with pytest.raises(ProtocolError, match="RunResult.results\\[0\\]: expected int \\| float, got str"):
+        RunResult.from_wire({"results": ["1"], "fuel_used": None, "elapsed_s": 0.1})
 
 
 def test_control_messages_are_records() -> None:
@@ -117,3 +156,15 @@ def test_register_spec_is_checked_with_the_arguments(spec: dict[str, object]) ->
     with pytest.raises(InvalidArgument, match="register: spec"):
         proto.check_args("register", {"spec": spec})
     proto.check_args("register", {"spec": {"tenant_id": "a", "instances": 3}})
+
+
+def test_reply_records_name_ops_and_the_schema_uses_them() -> None:
+    """Each typed reply is declared once (shared.records.REPLY_RECORDS); the JSON Schema's reply of
+    the op is that record, so the conformance suite checks real replies against the records."""
+    from shared.protocol_schema import build_schema
+    from shared.records import REPLY_RECORDS
+
+    replies = build_schema()["$defs"]["replies"]
+    assert set(REPLY_RECORDS) <= set(proto.OPS)
+    for op, record in REPLY_RECORDS.items():
+        assert replies[op] == {"$ref": f"#/$defs/records/{record.__name__}"}

@@ -3,6 +3,8 @@ shares, segment hygiene, stale-segment cleanup, and every bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import logging
 import multiprocessing as mp
@@ -78,6 +80,10 @@ def test_create_defaults_and_snapshot() -> None:
             instance_shares=(),
         )
         assert snap.to_dict()["instance_shares"] == []
+        # to_dict is the quota answer's hand-written fast path: the same map as the generic encoder,
+        # nested tuples included, and every field of the record (a new field cannot be forgotten)
+        busy = dataclasses.replace(snap, instance_shares=((0, 10), (1, 20)), gpu_wait_bins=(1, 2, 3))
+        assert busy.to_dict() == busy.to_wire()
         assert "owner" in repr(block) and "open" in repr(block)
 
 

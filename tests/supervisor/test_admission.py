@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.errors import Overloaded, error_from_dict
+from shared.errors import AdmissionRate, Overloaded, error_from_dict
 from shared.spec import TenantSpec
 from supervisor.admission.rates import Admission, TokenBucket
 
@@ -31,7 +31,8 @@ def test_a_tenant_past_its_requests_per_second_is_refused_with_retry_after() -> 
     assert err.retry_after_s == pytest.approx(0.5) and err.in_flight == 3 and err.limit == slow.max_in_flight
     assert "requests_per_s" in str(err) and err.is_retryable()
     back = error_from_dict(err.to_dict())  # typed on the wire, the field included
-    assert isinstance(back, Overloaded) and back.retry_after_s == pytest.approx(0.5)
+    assert isinstance(back, AdmissionRate) and back.retry_after_s == pytest.approx(0.5)
+    assert (back.cause, back.what, back.rate) == ("rate", "requests", 2.0) and back == err
     adm.admit("other", TenantSpec("other"), 100, 0.0)  # another tenant's bucket is its own
     adm.admit("slow", slow, 100, 0.5)  # and the tenant is served again once a token is back
     assert adm.refused == {("slow", "requests"): 1}
@@ -45,6 +46,7 @@ def test_bytes_per_second_and_a_changed_spec_take_effect() -> None:
     with pytest.raises(Overloaded, match="bytes per second") as info:
         adm.admit("big", spec, 1000, 0.0)
     assert info.value.retry_after_s == pytest.approx(0.25)
+    assert isinstance(info.value, AdmissionRate) and (info.value.what, info.value.rate) == ("bytes", 2000.0)
     adm.admit("big", spec, 10_000, 1.0)  # bigger than a burst: passes with a full bucket
     wider = TenantSpec("big", bytes_per_s=10**9)  # set-quota / reload: new rates, a full bucket
     adm.admit("big", wider, 10_000, 1.0)

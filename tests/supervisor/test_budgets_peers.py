@@ -9,24 +9,31 @@ import tempfile
 
 import pytest
 
-from shared.errors import Overloaded
+from shared.errors import HeldBytesLimit, Overloaded, error_from_dict
 from supervisor.routing.budgets import HeldBytes
 from supervisor.admission.peers import ConnectionGate, UnreadErrors, shed, short
 
 
 def test_held_bytes_per_tenant_and_total() -> None:
     held = HeldBytes(per_tenant=100, total=150)
-    held.reserve("a", "replies", 60)
-    held.reserve("a", "parked", 40)
-    with pytest.raises(Overloaded, match="this tenant"):
-        held.reserve("a", "modules", 1)
-    held.reserve("b", "replies", 50)
-    with pytest.raises(Overloaded, match="all tenants together"):
-        held.reserve("c", "parked", 1)
+    load = {"in_flight": 3, "max_in_flight": 64}  # the tenant's requests, which every Overloaded carries
+    held.reserve("a", "replies", 60, **load)
+    held.reserve("a", "parked", 40, **load)
+    with pytest.raises(Overloaded, match="this tenant") as info:
+        held.reserve("a", "modules", 1, **load)
+    err = info.value
+    assert isinstance(err, HeldBytesLimit) and err.cause == "held_bytes"
+    assert (err.scope, err.held, err.requested, err.budget) == ("tenant", 100, 1, 100)
+    assert (err.tenant_id, err.in_flight, err.limit) == ("a", 3, 64)
+    assert error_from_dict(err.to_dict()) == err  # the cause's class and its fields, over the wire
+    held.reserve("b", "replies", 50, **load)
+    with pytest.raises(HeldBytesLimit, match="all tenants together") as info:
+        held.reserve("c", "parked", 1, **load)
+    assert (info.value.scope, info.value.held, info.value.budget) == ("total", 150, 150)
     assert held.refused == 2 and held.held() == 150 and held.held("a") == 100
     held.release("a", "replies", 1000)  # clamped to what this kind holds
     assert held.held("a") == 40 and held.held("a", "parked") == 40
-    held.reserve("c", "parked", 50)
+    held.reserve("c", "parked", 50, **load)
     assert held.forget("a") == 40 and held.held() == 100
     assert held.snapshot() == {"total": 100, "refused": 2, "replies": 50, "parked": 50, "modules": 0}
     held.release("b", "parked", 10)  # not held under this kind: nothing
@@ -180,3 +187,72 @@ def test_fair_turn_bounds_each_tenant_per_turn_and_serves_everything_in_order() 
     turn.add(True, "quiet", "q1")
     assert turn.take() == ["q1", "b8", "b9"]  # a tenant with nothing waiting goes first
     assert turn.take() == [] and turn.backlog == 0
+
+
+def test_fair_turn_bounds_each_tenant_by_the_time_its_requests_take() -> None:
+    """Deficit round robin on measured cost (issue 25): a tenant whose requests are dear gets
+    fewer a turn; a debt carries over; unspent credit does not; every item is served once, in order."""
+    from supervisor.admission.fairness import FairTurn
+
+    now = [0.0]
+    cost = {"dear": 0.0001, "cheap": 0.00001, "huge": 0.0005}
+
+    def clock() -> float:
+        return now[0]
+
+    served: list[str] = []
+
+    def serve(item: str) -> None:
+        served.append(item)
+        now[0] += cost[item.split("-")[0]]
+
+    turn: FairTurn[str] = FairTurn(per_tenant_per_turn=16, quantum_s=0.0002)
+    for i in range(8):
+        turn.add(True, "a", f"dear-{i}")
+        turn.add(True, "b", f"cheap-{i}")
+    assert turn.run_turn(serve, clock) == 10
+    # a's credit of 200 us pays for two 100 us requests; b's for all eight 10 us ones
+    assert sorted(served) == sorted(["dear-0", "dear-1", *(f"cheap-{i}" for i in range(8))])
+    served.clear()
+    turn.add(True, "c", "huge-0")
+    turn.add(True, "c", "huge-1")
+    assert turn.run_turn(serve, clock) == 3 and served == ["huge-0", "dear-2", "dear-3"]
+    served.clear()
+    # c owes 300 us: skipped for a turn (200 us of new credit leaves it at -100 us), then served
+    assert turn.run_turn(serve, clock) == 2 and served == ["dear-4", "dear-5"]
+    served.clear()
+    assert turn.run_turn(serve, clock) == 3 and served == ["huge-1", "dear-6", "dear-7"]
+    assert turn.backlog == 0 and turn.run_turn(serve, clock) == 0
+    # the unauthenticated still get their budget of items after the tenants
+    turn.add(False, b"p", "cheap-x")
+    turn.add(True, "b", "cheap-y")
+    served.clear()
+    assert turn.run_turn(serve, clock) == 2 and served == ["cheap-y", "cheap-x"]
+
+
+def test_a_full_queue_reads_what_the_last_turn_served_up_to_a_hard_ceiling() -> None:
+    """A turn bounded by time may serve fewer than a wake-up reads: while the queue is full, a
+    socket reads only what the last turn served (at least 2, so a bystander's request behind a
+    flood is still read), and nothing once the queue is ``backlogged`` past its bound."""
+    from supervisor.admission.fairness import FairTurn
+
+    turn: FairTurn[str] = FairTurn(backlog_max=4, per_tenant_per_turn=16, quantum_s=1.0)
+    assert turn.read_budget(16, 8) == 16
+    for i in range(4):
+        turn.add(True, "a", f"a{i}")
+    assert turn.backlog_full and turn.read_budget(16, 8) == 2  # nothing served yet: the floor
+    now = [0.0]
+
+    def serve(item: str) -> None:
+        now[0] += 0.3  # four items exhaust a 1 s quantum
+
+    assert turn.run_turn(serve, lambda: now[0]) == 4
+    for i in range(4, 10):
+        turn.add(True, "a", f"a{i}")
+    assert turn.backlog_full and turn.read_budget(16, 8) == 4  # what the turn served
+    for i in range(10, 12):
+        turn.add(True, "a", f"a{i}")
+    assert turn.backlog == 8 and turn.read_budget(16, 8) == 4
+    for i in range(12, 16):
+        turn.add(True, "a", f"a{i}")
+    assert turn.backlog == 12 and turn.read_budget(16, 8) == 0  # 4 + 8: the hard ceiling

@@ -23,11 +23,11 @@ import pytest
 
 from shared.capability import TenantCapability
 from shared.errors import GpuMemoryExhausted
-from shared.records import PoolRecord, StatusRecord, SupervisorRecord
+from shared.records import PoolRecord, StatusRecord, SupervisorRecord, TenantRecord
 from shared.sizes import format_size
 from shared.spec import TenantSpec
 from supervisor.cli import EXIT_UNAVAILABLE, build_parser, main
-from supervisor.cli.admin import parse_param
+from supervisor.control.ops.inject_fault import parse_param
 from supervisor.cli.events import format_event
 from supervisor.cli.status import format_duration, render
 from tests.helpers.cluster import FAST as FAST_SETTINGS
@@ -159,15 +159,16 @@ def test_status_json_and_table_reflect_real_counters(capsys: pytest.CaptureFixtu
         pid = instance_pid(sup, "acme")
         proc = _twt("status", "--json", "--run-dir", sup.run_dir)
         assert proc.returncode == 0, proc.stderr
-        status = json.loads(proc.stdout)
+        status = StatusRecord.from_wire(json.loads(proc.stdout))  # the JSON is the wire record
         rec = tenant(status, "acme")
-        assert status["supervisor"]["pid"] == sup.pid
-        assert rec["state"] == "running" and rec["pids"] == [pid]
-        assert rec["gpu_bytes_in_use"] == 256 << 10 and rec["gpu_memory_bytes_cap"] == 1 << 20
-        assert rec["quota"]["gpu_high_water"] == 768 << 10
-        assert rec["quota"]["gpu_refusals"] == 1 and rec["quota"]["cpu_refusals"] == 0
-        assert rec["memory_quota_bytes"] == 64 << 20
-        assert rec == {**rec, **{k: v for k, v in tenant(c.status(), "acme").items() if k.endswith("bytes")}}
+        assert status.supervisor.pid == sup.pid
+        assert rec.state == "running" and rec.pids == (pid,)
+        assert rec.gpu_bytes_in_use == 256 << 10 and rec.gpu_memory_bytes_cap == 1 << 20
+        assert rec.quota.gpu_high_water == 768 << 10
+        assert rec.quota.gpu_refusals == 1 and rec.quota.cpu_refusals == 0
+        assert rec.memory_quota_bytes == 64 << 20
+        now = tenant(c.status(), "acme")
+        assert all(getattr(rec, f) == getattr(now, f) for f in TenantRecord.__dataclass_fields__ if f.endswith("bytes"))
         # the human table says the same, in human sizes
         code, out, err = _run(capsys, "status", "--run-dir", sup.run_dir)
         assert code == 0, err
@@ -176,8 +177,8 @@ def test_status_json_and_table_reflect_real_counters(capsys: pytest.CaptureFixtu
         row = next(line for line in lines if line.startswith("acme "))
         cells = row.split()
         assert cells[:4] == ["acme", "running", "1/1", str(pid)]
-        assert cells[4:8] == [f"{format_size(rec['bytes_in_use'])}/64MiB", "256KiB/1MiB",
-                              f"{format_size(rec['quota']['cpu_high_water'])}/768KiB", "0/1"]
+        assert cells[4:8] == [f"{format_size(rec.bytes_in_use)}/64MiB", "256KiB/1MiB",
+                              f"{format_size(rec.quota.cpu_high_water)}/768KiB", "0/1"]
         assert cells[8] == "0"
         code, out, _ = _run(capsys, "status", "acme", "--json", "--run-dir", sup.run_dir)
         assert code == 0 and json.loads(out)["tenant_id"] == "acme"
@@ -305,10 +306,10 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         # the limits applied: on stderr, so CAP=$(twt register ...) captures the capability alone
         assert err.startswith("twt: note:") is False and "acme: memory quota 64MiB, GPU cap 1MiB, pool quota none" in err
         assert "2 instance(s), 2 ready" in err
-        assert c.ping(acme)["tenant"] == "acme"
+        assert c.ping(acme).tenant == "acme"
         rec = tenant(c.status(), "acme")
-        assert len(rec["pids"]) == 2 and rec["gpu_memory_bytes_cap"] == 1 << 20
-        assert rec["spec"]["restart"] == "on-failure" and rec["memory_quota_bytes"] == 64 << 20
+        assert len(rec.pids) == 2 and rec.gpu_memory_bytes_cap == 1 << 20
+        assert rec.spec.restart == "on-failure" and rec.memory_quota_bytes == 64 << 20
         code, _, err = _run(capsys, "register", "acme", *rd)
         assert code == 1 and "AlreadyRegistered" in err
         # register from a TOML file (the supervisor's own config works), flags override, --cap-out 0600
@@ -322,7 +323,7 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         assert limits.startswith("gamma: memory quota 256MiB, GPU cap 2MiB") and "2 instance(s)" in limits
         assert stat.S_IMODE(os.stat(cap_file).st_mode) == 0o600
         gamma = TenantCapability.from_bytes(bytes.fromhex(cap_file.read_text().strip()))
-        assert c.ping(gamma)["tenant"] == "gamma"
+        assert c.ping(gamma).tenant == "gamma"
         # the file --cap-out wrote is what `twt run --capability` reads (hex text; legacy raw bytes too)
         wat = tmp_path / "one.wat"
         wat.write_text('(module (func (export "one") (result i32) i32.const 1))')
@@ -339,8 +340,8 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         code, _, err = _run(capsys, "run", "acme", str(tmp_path / "missing.wat"), "--invoke", "one", *rd)
         assert code == 1 and err.strip() == f"twt: error: {tmp_path / 'missing.wat'} does not exist"
         rec = tenant(c.status(), "gamma")
-        assert rec["memory_quota_bytes"] == 256 << 20 and rec["gpu_memory_bytes_cap"] == 2 << 20
-        assert len(rec["instances"]) == 2
+        assert rec.memory_quota_bytes == 256 << 20 and rec.gpu_memory_bytes_cap == 2 << 20
+        assert len(rec.instances) == 2
         code, out, _ = _run(capsys, "capability", "gamma", "--json", *rd)
         assert code == 0 and json.loads(out)["capability"] == cap_file.read_text().strip()
         # set-quota: live, human sizes in and out, "none" removes the cap
@@ -359,7 +360,7 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         code, out, err = _run(capsys, "set-quota", "ghost", "--gpu-cap", "1MiB", *rd)
         assert code == 1 and "UnknownTenant" in err
         # scale down and wait until exactly one process is left
-        pids = tenant(c.status(), "gamma")["pids"]
+        pids = tenant(c.status(), "gamma").pids
         code, out, err = _run(capsys, "scale", "gamma", "1", "--wait", "--timeout", "30", *rd)
         assert code == 0 and "gamma: 1 instance(s), 1 ready" in out, err
         wait_for(lambda: not psutil.pid_exists(pids[1]) or psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE,
@@ -378,7 +379,7 @@ def test_admin_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         assert code == 0 and out.startswith("evicted gamma (workers stopped: "), err
         code, _, err = _run(capsys, "evict", "gamma", *rd)
         assert code == 1 and err.strip() == "twt: UnknownTenant: unknown tenant 'gamma'"
-        assert [t["tenant_id"] for t in c.status()["tenants"]] == ["acme"]
+        assert [t.tenant_id for t in c.status().tenants] == ["acme"]
 
 
 def test_register_cap_out_checked_before_registering(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -386,7 +387,7 @@ def test_register_cap_out_checked_before_registering(capsys: pytest.CaptureFixtu
         code, _, err = _run(capsys, "register", "acme", "--cap-out", str(tmp_path / "no" / "such" / "dir" / "x.cap"),
                             "--run-dir", sup.run_dir)
         assert code == 2 and "does not exist" in err
-        assert sup.client.status()["tenants"] == []  # nothing was registered
+        assert sup.client.status().tenants == ()  # nothing was registered
         spec = TenantSpec.from_dict({"name": "beta"})
         sup.client.register(None, spec)
         code, out, _ = _run(capsys, "capability", "beta", "--run-dir", sup.run_dir)
@@ -455,7 +456,7 @@ _REMOTE_ARGV = {
     "status": [], "top": ["--iterations", "1"], "events": ["--timeout", "0.2"],
     "register": ["acme"], "capability": ["acme"], "evict": ["acme"], "set-quota": ["acme", "--gpu-cap", "1MiB"],
     "scale": ["acme", "2"], "fault": ["acme", "crash"],
-    "reload": [], "reset": ["acme"], "restart": ["acme"], "rotate-key": ["--yes"],
+    "reload": [], "reset": ["acme"], "restart": ["acme"], "rotate-key": ["--yes"], "version": [],
     "run": ["acme", "MODULE", "--invoke", "one"],
     "alloc": ["acme", "1MiB"], "free": ["acme", "1:1"], "buffers": ["acme"], "write": ["acme", "1:1", "--fill", "1"],
     "read": ["acme", "1:1"],
@@ -516,6 +517,9 @@ def test_server_key_from_a_file_or_a_certificate(capsys: pytest.CaptureFixture[s
     assert server_key_of(f" {public} ") == public
     with pytest.raises(ValueError, match="does not exist"):
         server_key_of(f"@{tmp_path / 'nope'}")
+    # '@' is a Z85 character: a key that starts with it is a key, not a file (one key in 85 did)
+    at_key = "@" + public[1:]
+    assert server_key_of(at_key) == at_key
     # and through a command: a dead port is then the only problem
     code, _, err = _run(capsys, "status", "--connect", _dead_endpoint(), f"--server-key=@{tmp_path / 'srv.key'}")
     assert code == EXIT_UNAVAILABLE and "connection refused" in err, err
@@ -570,7 +574,7 @@ def test_status_of_a_failed_tenant_exits_1(capsys: pytest.CaptureFixture[str]) -
         pid = instance_pid(sup, "flaky")
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: tenant(sup.client.status(), "flaky")["state"] == "failed", what="flaky failed")
+        wait_for(lambda: tenant(sup.client.status(), "flaky").state == "failed", what="flaky failed")
         code, out, _ = _run(capsys, "status", *rd)
         assert code == 1 and "flaky: failed:" in out
         assert _run(capsys, "status", "flaky", "--json", *rd)[0] == 1

@@ -12,7 +12,6 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import pytest
@@ -20,6 +19,8 @@ import zmq
 
 from shared import protocol as proto
 from shared.errors import ProtocolError
+from shared.records import PoolRecord, StatusRecord, SupervisorRecord, TenantRecord
+from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
 
 Answer = Callable[[int], list[bytes]]
@@ -77,11 +78,15 @@ def test_an_undecodable_reply_is_a_typed_error_not_a_timeout(fake: Callable[[Ans
 
 def test_large_replies_the_supervisor_produces_decode(fake: Callable[[Answer], SupervisorClient]) -> None:
     # a status of 5,000 tenants (> 1 MiB, > 4,096 items) and a merged buffers list of 200,000 buffers
-    tenants = [{"tenant_id": f"t{i}", "state": "running", "pids": [i], "spec": {"x": "y" * 200}} for i in range(5000)]
-    status: dict[str, Any] = {"supervisor": {}, "tenants": tenants}
+    head = SupervisorRecord(pid=1, registry_id="r", backend="stub", backend_reason="", start_method="spawn",
+                            protocol=proto.PROTOCOL_VERSION, uptime_s=0.0, run_dir="/run", pool=PoolRecord(0, 0, 0),
+                            workers=0, internal_errors=0)
+    tenants = [TenantRecord(f"t{i}", "running", 1, pids=(i,), spec=TenantSpec(f"t{i}")) for i in range(5000)]
+    status = StatusRecord(head, tuple(tenants)).to_wire()
     c = fake(lambda rid: [proto.encode_reply(rid, True, status)])
     got = c.status(b"admin")  # type: ignore[arg-type]
-    assert len(got["tenants"]) == 5000 and len(proto.encode_reply(1, True, status)) > 1 << 20
+    assert len(got.tenants) == 5000 and len(proto.encode_reply(1, True, status)) > 1 << 20
+    assert got.tenants[4999].spec == TenantSpec("t4999") and got.tenant("t7") == tenants[7]
     buffers = [[h, 4096] for h in range(200_000)]
     c2 = fake(lambda rid: [proto.encode_reply(rid, True, {"buffers": buffers})])
     assert len(c2.buffers(b"cap")) == 200_000  # type: ignore[arg-type]
@@ -122,4 +127,43 @@ def test_buffers_with_more_than_4096_buffers_works_end_to_end() -> None:
             handles.append(int(payload["handle"]))
         listing = c.buffers(cap)
         assert len(listing) == n and set(listing) == set(handles)
-        assert tenant(c.status(), "many")["restarts"] == 0
+        assert tenant(c.status(), "many").restarts == 0
+
+
+class _Pages:
+    """A PageSource that hands out the given ``events`` replies in turn (the last one again)."""
+
+    def __init__(self, *pages: object) -> None:
+        self.pages: list[object] = list(pages)
+        self.asked: list[int | None] = []
+
+    def events_page(self, cap: object, after: int | None = None, **_: object) -> object:
+        self.asked.append(after)
+        return self.pages.pop(0) if len(self.pages) > 1 else self.pages[0]
+
+
+def test_event_pages_are_checked_records_and_gaps_are_reported() -> None:
+    from supervisor.client.event_follow import follow
+
+    first = {"events": [{"event": "ready", "tenant": "acme", "seq": 1}], "next": 1, "missed": 0, "more": True, "log": "a"}
+    restarted = {"events": [], "next": 3, "missed": 2, "more": False, "log": "b"}
+    pages = _Pages(first, restarted)
+    got = list(follow(pages, None, timeout_s=0.0, poll_s=0.0))  # type: ignore[arg-type]
+    assert got[0] == {"event": "ready", "tenant": "acme", "seq": 1}
+    assert [(e["event"], e["missed"]) for e in got[1:]] == [("missed", None), ("missed", 2)]
+    assert "event log a -> b" in str(got[1]["reason"])
+    assert pages.asked == [None, 1]  # the second page asked after the first page's position
+
+
+@pytest.mark.parametrize("page", [
+    "not a map",
+    {"events": "x", "next": 1, "missed": 0, "more": False, "log": "a"},
+    {"events": [], "next": "1", "missed": 0, "more": False, "log": "a"},
+    {"events": [], "next": 1, "missed": 0, "more": 0, "log": "a"},
+    {"events": [], "next": 1, "missed": 0, "more": False},
+])
+def test_a_malformed_event_page_is_a_protocol_error(page: object) -> None:
+    from supervisor.client.event_follow import follow
+
+    with pytest.raises(ProtocolError):
+        list(follow(_Pages(page), None, timeout_s=0.0, poll_s=0.0))  # type: ignore[arg-type]

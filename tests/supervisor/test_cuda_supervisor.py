@@ -66,9 +66,9 @@ def record_of(record_dir: str, pid: int) -> dict[str, Any]:
 def test_auto_picks_cuda_when_the_driver_loads_and_a_device_exists() -> None:
     with cuda_supervisor({"memory": GiB}, backend="auto", device_reserve_bytes=0) as sup:
         c = sup.client
-        hello = c.status()["supervisor"]
-        assert hello["backend"] == "cuda"
-        assert "CUDA driver" in hello["backend_reason"] and "(auto)" in hello["backend_reason"]
+        hello = c.status().supervisor
+        assert hello.backend == "cuda"
+        assert "CUDA driver" in hello.backend_reason and "(auto)" in hello.backend_reason
         cap = c.register(None, TenantSpec("acme", gpu_memory_bytes_cap=8 * MiB))
         h = c.alloc(cap, 4 * MiB)
         c.write(cap, h, b"on the fake device", offset=100)
@@ -77,33 +77,33 @@ def test_auto_picks_cuda_when_the_driver_loads_and_a_device_exists() -> None:
             c.alloc(cap, 5 * MiB)
         status = c.status()
         rec = tenant(status, "acme")
-        assert (rec["backend"], rec["device"], rec["isolation"], rec["gpu_bytes_in_use"]) == ("cuda", 0, "process", 4 * MiB)
-        (dev,) = status["devices"]
-        assert dev["name"] == "Fake CUDA Device" and dev["tenants"] == ["acme"]
+        assert (rec.backend, rec.device, rec.isolation, rec.gpu_bytes_in_use) == ("cuda", 0, "process", 4 * MiB)
+        (dev,) = status.devices
+        assert dev.name == "Fake CUDA Device" and dev.tenants == ("acme",)
         # the budget also carries the bound worker's fixed overhead (worker.backends.cuda): with the
         # fake driver (no context bytes) that is its fixed scratch, one 2 MiB granule
-        assert (dev["budget_limit_bytes"], dev["budget_used_bytes"]) == (GiB, 4 * MiB + 2 * MiB)
+        assert (dev.budget_limit_bytes, dev.budget_used_bytes) == (GiB, 4 * MiB + 2 * MiB)
 
 
 def test_auto_falls_back_to_stub_and_says_why() -> None:
     with cuda_supervisor({"mode": "no-libcuda"}, backend="auto") as sup:
-        hello = sup.client.status()["supervisor"]
-        assert hello["backend"] == "stub"
-        assert hello["backend_reason"].startswith("auto: cuda unavailable")
-        assert "DynamicLibNotFoundError" in hello["backend_reason"]
+        hello = sup.client.status().supervisor
+        assert hello.backend == "stub"
+        assert hello.backend_reason.startswith("auto: cuda unavailable")
+        assert "DynamicLibNotFoundError" in hello.backend_reason
         cap = sup.client.register(None, TenantSpec("acme"))
         assert sup.client.alloc(cap, 1024)
-        assert tenant(sup.client.status(), "acme")["backend"] == "stub"
+        assert tenant(sup.client.status(), "acme").backend == "stub"
 
 
 def test_auto_with_the_real_bindings_agrees_with_the_probe() -> None:
     probe = probe_cuda()
     with launch({"supervisor": {**FAST, "backend": "auto"}}) as sup:
-        hello = sup.client.status()["supervisor"]
+        hello = sup.client.status().supervisor
     if probe.get("ok"):
-        assert hello["backend"] == "cuda"
+        assert hello.backend == "cuda"
     else:
-        assert hello["backend"] == "stub" and str(probe["reason"]) in hello["backend_reason"]
+        assert hello.backend == "stub" and str(probe["reason"]) in hello.backend_reason
 
 
 @pytest.mark.parametrize(("mode", "why"), [("no-libcuda", "DynamicLibNotFoundError"),
@@ -133,7 +133,7 @@ def test_a_pinned_device_that_is_not_managed_is_refused_and_nothing_registered()
         assert sup.client.alloc(cap, 64)
         with pytest.raises(InvalidArgument, match="cuda_device_index=1 is not a device this supervisor manages"):
             sup.client.register(None, TenantSpec("gone", cuda_device_index=1))
-        assert [t["tenant_id"] for t in sup.client.status()["tenants"]] == ["ok"]
+        assert [t.tenant_id for t in sup.client.status().tenants] == ["ok"]
 
 
 # ------------------------------------------------------------------ the device budget
@@ -145,11 +145,11 @@ def test_device_budget_is_never_exceeded_across_tenants_and_instances() -> None:
         c = sup.client
         specs = [TenantSpec("alpha", instances=2), TenantSpec("beta"), TenantSpec("gamma", gpu_memory_bytes_cap=GiB)]
         caps = {s.tenant_id: c.register(None, s) for s in specs}
-        assert c.status()["devices"][0]["budget_limit_bytes"] == limit
+        assert c.status().devices[0].budget_limit_bytes == limit
         # every worker charges its fixed overhead when it binds (the fake's scratch granule each):
         # wait for all four, so that none binds late into a budget the others have filled
         overhead = 4 * 2 * MiB
-        wait_for(lambda: c.status()["devices"][0]["budget_used_bytes"] == overhead, what="all four workers bound")
+        wait_for(lambda: c.status().devices[0].budget_used_bytes == overhead, what="all four workers bound")
         successes: dict[str, int] = {t: 0 for t in caps}
         refusals: dict[str, int] = {t: 0 for t in caps}
         violations: list[str] = []
@@ -160,10 +160,10 @@ def test_device_budget_is_never_exceeded_across_tenants_and_instances() -> None:
             with sup.connect() as watcher:
                 while not stop.is_set():
                     st = watcher.status()
-                    used = st["devices"][0]["budget_used_bytes"]
+                    used = st.devices[0].budget_used_bytes
                     # (the tenants' own counters may briefly include a request that the budget is
                     # about to refuse: they are consumed first and rolled back; the budget never is)
-                    if used > limit or st["devices"][0]["budget_high_water"] > limit:
+                    if used > limit or st.devices[0].budget_high_water > limit:
                         violations.append(f"budget {used} > {limit}")
 
         def hammer(tid: str) -> None:
@@ -193,17 +193,17 @@ def test_device_budget_is_never_exceeded_across_tenants_and_instances() -> None:
         assert sum(successes.values()) * MiB == limit - overhead  # every byte of the budget, not one more
         assert all(refusals[t] == 10 for t in caps)
         st = c.status()
-        dev = st["devices"][0]
-        assert dev["budget_used_bytes"] == limit and dev["budget_high_water"] == limit
-        assert sum(t["gpu_bytes_in_use"] for t in st["tenants"]) == limit - overhead
+        dev = st.devices[0]
+        assert dev.budget_used_bytes == limit and dev.budget_high_water == limit
+        assert sum(t.gpu_bytes_in_use for t in st.tenants) == limit - overhead
         # alpha's two instances both hold bytes; SIGKILL one: its share returns to the tenant and the device
-        shares = {i: g for i, _, g in tenant(st, "alpha")["quota"]["instance_shares"]}
+        shares = {i: g for i, _, g in tenant(st, "alpha").quota.instance_shares}
         victim = max(shares, key=lambda i: shares[i])
-        pid = tenant(st, "alpha")["instances"][victim]["pid"]
+        pid = tenant(st, "alpha").instances[victim].pid
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: c.status()["devices"][0]["budget_used_bytes"] == limit - shares[victim],
+        wait_for(lambda: c.status().devices[0].budget_used_bytes == limit - shares[victim],
                  what="the dead instance's share back in the device budget")
-        assert tenant(c.status(), "alpha")["gpu_bytes_in_use"] == successes["alpha"] * MiB - shares[victim]
+        assert tenant(c.status(), "alpha").gpu_bytes_in_use == successes["alpha"] * MiB - shares[victim]
         for _ in range(shares[victim] // MiB):
             c.alloc(caps["beta"], MiB)  # another tenant can use it now
         with pytest.raises(GpuMemoryExhausted):
@@ -218,10 +218,10 @@ def test_stub_backend_budget_is_the_simulated_capacity() -> None:
         with pytest.raises(GpuMemoryExhausted, match="device 0 budget exhausted"):
             c.alloc(b, 5 * MiB)
         c.alloc(b, 3 * MiB)
-        dev = c.status()["devices"][0]
-        assert (dev["budget_limit_bytes"], dev["budget_used_bytes"], dev["budget_refusals"]) == (8 * MiB, 8 * MiB, 1)
+        dev = c.status().devices[0]
+        assert (dev.budget_limit_bytes, dev.budget_used_bytes, dev.budget_refusals) == (8 * MiB, 8 * MiB, 1)
         c.evict(None, "a")
-        wait_for(lambda: c.status()["devices"][0]["budget_used_bytes"] == 3 * MiB, what="evicted bytes back")
+        wait_for(lambda: c.status().devices[0].budget_used_bytes == 3 * MiB, what="evicted bytes back")
 
 
 # ------------------------------------------------------------------ multi-GPU placement
@@ -239,8 +239,8 @@ def test_tenants_are_pinned_or_placed_on_the_device_with_most_free_budget(tmp_pa
         c.alloc(first, 48 * MiB)
         c.register(None, TenantSpec("second"))  # device 0 now: 32 MiB free against 16
         st = c.status()
-        assert {t["tenant_id"]: t["device"] for t in st["tenants"]} == {"pinned": 0, "first": 1, "second": 0}
-        assert {d["index"]: d["tenants"] for d in st["devices"]} == {0: ["pinned", "second"], 1: ["first"]}
+        assert {t.tenant_id: t.device for t in st.tenants} == {"pinned": 0, "first": 1, "second": 0}
+        assert {d.index: d.tenants for d in st.devices} == {0: ("pinned", "second"), 1: ("first",)}
         # the workers really run on those devices (contexts retained there)
         for tid, dev in (("pinned", 0), ("first", 1), ("second", 0)):
             pid = wait_for(lambda: instance_pid(sup, tid), what=f"{tid} ready")
@@ -336,9 +336,9 @@ def test_isolation_mps_without_a_daemon_is_refused_at_registration(tmp_path: Pat
         with pytest.raises(BackendUnavailable) as exc:
             sup.client.register(None, TenantSpec("acme", isolation="mps"))
         assert "isolation='mps'" in str(exc.value) and "no control socket" in str(exc.value)
-        assert sup.client.status()["tenants"] == []
+        assert sup.client.status().tenants == ()
         sup.client.register(None, TenantSpec("auto", isolation="auto"))  # auto falls back to process
-        assert tenant(sup.client.status(), "auto")["isolation"] == "process"
+        assert tenant(sup.client.status(), "auto").isolation == "process"
 
 
 def test_mps_workers_get_their_limits_before_cuinit(tmp_path: Path) -> None:
@@ -356,7 +356,7 @@ def test_mps_workers_get_their_limits_before_cuinit(tmp_path: Path) -> None:
             c.register(None, TenantSpec("auto", isolation="auto", cuda_device_index=0))
             c.register(None, TenantSpec("proc", isolation="process"))
             st = c.status()
-            assert {t["tenant_id"]: t["isolation"] for t in st["tenants"]} == {
+            assert {t.tenant_id: t.isolation for t in st.tenants} == {
                 "mps": "mps", "auto": "mps", "proc": "process"}
             env = {tid: record_of(records, wait_for(lambda: instance_pid(sup, tid)))["environment"]
                    for tid in ("mps", "auto", "proc")}
@@ -395,7 +395,7 @@ def test_a_sticky_cuda_error_ends_the_worker_and_every_request_in_flight_gets_wo
         c.inject_fault(None, "faulty", "slow", ms=1500)  # the CudaError reply waits: others queue behind it
         c.inject_fault(None, "faulty", "cuda-fault")
         first = c.send("alloc", faulty, {"nbytes": MiB})
-        wait_for(lambda: tenant(c.status(), "faulty")["instances"][0]["in_flight"] >= 1, what="first in flight")
+        wait_for(lambda: tenant(c.status(), "faulty").instances[0].in_flight >= 1, what="first in flight")
         queued = [c.send("alloc", faulty, {"nbytes": MiB}) for _ in range(2)]
         answers: dict[int, Any] = {}
         for _ in range(3):
@@ -416,8 +416,8 @@ def test_a_sticky_cuda_error_ends_the_worker_and_every_request_in_flight_gets_wo
         c.write(faulty, h, b"again")
         assert c.read(faulty, h, 5) == b"again"
         assert instance_pid(sup, "calm") == calm_pid and c.read(calm, hc, 4) == b"calm"
-        rec = tenant(c.status(), "faulty")["instances"][0]
-        assert rec["restarts"] == 1 and rec["last_exit"]["reason"].startswith("CUDA context lost")
+        rec = tenant(c.status(), "faulty").instances[0]
+        assert rec.restarts == 1 and rec.last_exit.reason.startswith("CUDA context lost")
 
 
 def test_a_non_sticky_cuda_error_keeps_the_worker() -> None:

@@ -24,6 +24,7 @@ import zmq
 from shared.capability import TenantCapability
 from shared.errors import CapabilityRevoked, ConfigError, TenantIsolationViolation
 from shared.spec import TenantSpec
+from shared.records import ReloadChange
 from supervisor.observe.events import TOPIC_PREFIX, decode_event
 from supervisor.client.launch import SupervisorHandle, launch
 from supervisor.store.rundir import read_admin_capability
@@ -46,12 +47,12 @@ def _start(run_dir: str, tenants: list[dict[str, Any]] | None = None, **settings
 
 
 def _pids(sup: SupervisorHandle, tid: str) -> list[int]:
-    return [i["pid"] for i in tenant(sup.client.status(), tid)["instances"] if i["state"] == "ready"]
+    return [i.pid for i in tenant(sup.client.status(), tid).instances if i.state == "ready"]
 
 
 def _running(sup: SupervisorHandle, tid: str, n: int) -> bool:
     rec = tenant(sup.client.status(), tid)
-    return rec["state"] == "running" and len(_pids(sup, tid)) == n
+    return rec.state == "running" and len(_pids(sup, tid)) == n
 
 
 def _gone(pids: list[int]) -> bool:
@@ -107,9 +108,9 @@ def test_a_restarted_supervisor_brings_back_tenants_changes_and_capabilities(run
         cap_gone = c.register(None, TenantSpec("gone"))
         c.evict(None, "gone")
         c.alloc(cap_rt, 1 << 20)
-        assert c.quota(cap_rt)["gpu_bytes_in_use"] == 1 << 20
+        assert c.quota(cap_rt).gpu_bytes_in_use == 1 << 20
         admin_before = read_admin_capability(run_dir)
-        old_pids = [p for rec in c.status()["tenants"] for p in rec["pids"]]
+        old_pids = [p for rec in c.status().tenants for p in rec.pids]
         sup.process.kill()  # a crash: no graceful stop
         sup.process.wait(10)
         wait_for(lambda: _gone(old_pids), timeout_s=10, what="the old workers gone with their supervisor")
@@ -117,15 +118,15 @@ def test_a_restarted_supervisor_brings_back_tenants_changes_and_capabilities(run
         c = sup.client
         assert read_admin_capability(run_dir) == admin_before  # the admin capability is the same
         status = c.status()
-        assert sorted(t["tenant_id"] for t in status["tenants"]) == ["filet", "rt"]
+        assert sorted(t.tenant_id for t in status.tenants) == ["filet", "rt"]
         rt = tenant(status, "rt")
-        assert rt["gpu_memory_bytes_cap"] == 64 << 20 and rt["memory_quota_bytes"] == 32 << 20
+        assert rt.gpu_memory_bytes_cap == 64 << 20 and rt.memory_quota_bytes == 32 << 20
         wait_for(lambda: _running(sup, "rt", 2), timeout_s=30, what="rt restored with 2 instances")
-        assert c.ping(cap_rt)["tenant"] == "rt" and c.ping(cap_file)["tenant"] == "filet"
+        assert c.ping(cap_rt).tenant == "rt" and c.ping(cap_file).tenant == "filet"
         with pytest.raises(CapabilityRevoked):
             c.ping(cap_gone)  # evicted before the restart: still revoked
         # the buffers died with the old workers; their quota is not held any more
-        assert c.quota(cap_rt)["gpu_bytes_in_use"] == 0 and c.buffers(cap_rt) == {}
+        assert c.quota(cap_rt).gpu_bytes_in_use == 0 and c.buffers(cap_rt) == {}
         assert c.register(None, TenantSpec("gone")).generation == cap_gone.generation + 1
 
 
@@ -136,17 +137,17 @@ def test_a_failed_tenant_stays_failed_across_a_restart_and_reset_starts_it_with_
         c = sup.client
         cap = c.register(None, TenantSpec("flaky").with_restart("always", max_restarts=0))
         c.inject_fault(None, "flaky", "crash")
-        wait_for(lambda: tenant(c.status(), "flaky")["state"] == "failed", timeout_s=20, what="flaky failed")
+        wait_for(lambda: tenant(c.status(), "flaky").state == "failed", timeout_s=20, what="flaky failed")
     with _start(run_dir) as sup:
         c = sup.client
         rec = tenant(c.status(), "flaky")
-        assert rec["state"] == "failed" and "restarts within" in rec["failed_reason"] and rec["pids"] == []
+        assert rec.state == "failed" and "restarts within" in rec.failed_reason and rec.pids == ()
         out = subprocess.run([sys.executable, "-m", "supervisor", "reset", "flaky", "--run-dir", run_dir],
                              capture_output=True, text=True, timeout=120, cwd=REPO)
         assert out.returncode == 0, out.stderr
         assert "state running" in out.stdout
-        assert c.ping(cap)["tenant"] == "flaky"  # the same capability
-        assert tenant(c.status(), "flaky")["failed_reason"] is None
+        assert c.ping(cap).tenant == "flaky"  # the same capability
+        assert tenant(c.status(), "flaky").failed_reason is None
     with _start(run_dir) as sup:  # the reset is durable too
         wait_for(lambda: _running(sup, "flaky", 1), timeout_s=30, what="flaky running after a restart")
 
@@ -193,7 +194,7 @@ def test_rotate_key_revokes_every_capability_durably_and_denials_are_published(r
             with pytest.raises(CapabilityRevoked):
                 c.ping(cap)
             fresh = c.tenant_capability(None, "acme")
-            assert fresh != cap and c.ping(fresh)["tenant"] == "acme"
+            assert fresh != cap and c.ping(fresh).tenant == "acme"
             wait_for(lambda: len(events.of("denied")) > n, timeout_s=10, what="the revoked denial")
             assert events.of("denied")[n]["reason"] == "revoked"
         finally:
@@ -203,7 +204,7 @@ def test_rotate_key_revokes_every_capability_durably_and_denials_are_published(r
         assert read_admin_capability(run_dir) == new_admin.to_bytes()
         with pytest.raises(CapabilityRevoked):
             c.ping(cap)  # revoked stays revoked
-        assert c.ping(fresh)["tenant"] == "acme"
+        assert c.ping(fresh).tenant == "acme"
 
 
 # ----------------------------------------------------------------------- rolling restart
@@ -220,10 +221,10 @@ def test_restart_replaces_every_instance_one_at_a_time_without_spending_the_budg
             wait_for(lambda: (c.scale(None, "acme", 2), events.of("scale"))[1], timeout_s=10,
                      what="the event subscription")
             rec = c.restart_tenant(None, "acme")
-            assert rec["state"] == "running" and rec["restarts"] == 0
-            after = sorted(rec["pids"])
+            assert rec.state == "running" and rec.restarts == 0
+            after = sorted(rec.pids)
             assert len(after) == 2 and not set(after) & set(before)
-            assert c.ping(cap)["tenant"] == "acme"
+            assert c.ping(cap).tenant == "acme"
             wait_for(lambda: len(events.of("exit")) >= 2, timeout_s=10, what="both exits published")
             # one at a time: the second old worker exits only after the first new one is ready
             order = [(e["event"], e.get("pid")) for e in events.seen if e["event"] in ("exit", "ready")]
@@ -264,40 +265,39 @@ def test_reload_applies_the_difference_and_a_bad_file_changes_nothing(run_dir: s
         _write_config(cfg, [{"name": "a", "memory_quota_bytes": "32MiB", "wasm_fuel": 1000}, {"name": "k"},
                             {"name": "c", "instances": 2}, {"name": "r", "instances": 3}])
         summary = c.reload(None)
-        assert summary["registered"] == ["c"] and summary["evicted"] == ["b"] and summary["unchanged"] == ["k"]
-        assert summary["conflicts"] == ["r"] and summary["errors"] == []
-        assert [tenant(c.status(), t)["origin"] for t in ("a", "k", "r")] == ["file", "file", "runtime"]
-        assert summary["changed"] == [{"tenant": "a", "fields": ["memory_quota_bytes", "wasm_fuel"],
-                                       "restart": True, "scale": False}]
+        assert summary.registered == ("c",) and summary.evicted == ("b",) and summary.unchanged == ("k",)
+        assert summary.conflicts == ("r",) and summary.errors == ()
+        assert [tenant(c.status(), t).origin for t in ("a", "k", "r")] == ["file", "file", "runtime"]
+        assert summary.changed == (ReloadChange("a", ("memory_quota_bytes", "wasm_fuel"), restart=True, scale=False),)
         status = c.status()
-        assert tenant(status, "a")["memory_quota_bytes"] == 32 << 20  # at once
-        assert tenant(status, "k")["memory_quota_bytes"] == 8 << 20  # the runtime change is kept
-        assert len(tenant(status, "r")["instances"]) == 1  # untouched
+        assert tenant(status, "a").memory_quota_bytes == 32 << 20  # at once
+        assert tenant(status, "k").memory_quota_bytes == 8 << 20  # the runtime change is kept
+        assert len(tenant(status, "r").instances) == 1  # untouched
         with pytest.raises(KeyError):
             tenant(status, "b")
         with pytest.raises(CapabilityRevoked):
             c.ping(cap_b)
         wait_for(lambda: _running(sup, "c", 2), timeout_s=30, what="c registered from the file")
         wait_for(lambda: _running(sup, "a", 1) and _pids(sup, "a") != pid_a, timeout_s=30, what="a restarted")
-        assert tenant(c.status(), "a")["spec"]["wasm_fuel"] == 1000 and c.ping(cap_a)["tenant"] == "a"
+        assert tenant(c.status(), "a").spec.wasm_fuel == 1000 and c.ping(cap_a).tenant == "a"
 
         # a bad file: nothing changes, the CLI exits 2 and says why
-        before = c.status()["tenants"]
+        before = c.status().tenants
         cfg.write_text(cfg.read_text() + '\n[[tenant]]\nname = "d"\nbogus = 1\n')
         with pytest.raises(ConfigError, match="bogus"):
             c.reload(None)
         out = subprocess.run([sys.executable, "-m", "supervisor", "reload", "--run-dir", run_dir],
                              capture_output=True, text=True, timeout=60, cwd=REPO)
         assert out.returncode == 2 and "bogus" in out.stderr and "nothing changed" in out.stderr
-        after = c.status()["tenants"]
-        assert [(t["tenant_id"], t["spec"], t["pids"]) for t in after] == \
-            [(t["tenant_id"], t["spec"], t["pids"]) for t in before]
+        after = c.status().tenants
+        assert [(t.tenant_id, t.spec, t.pids) for t in after] == \
+            [(t.tenant_id, t.spec, t.pids) for t in before]
         # well-formed, but a device this supervisor does not manage: refused before anything changes
         _write_config(cfg, [{"name": "a", "memory_quota_bytes": "32MiB", "wasm_fuel": 1000}, {"name": "k"},
                             {"name": "c", "instances": 2}, {"name": "e", "cuda_device_index": 7}])
         with pytest.raises(ConfigError, match="cuda_device_index=7"):
             c.reload(None)
-        assert [t["tenant_id"] for t in c.status()["tenants"]] == [t["tenant_id"] for t in before]
+        assert [t.tenant_id for t in c.status().tenants] == [t.tenant_id for t in before]
 
         # SIGHUP reloads (and never stops the supervisor)
         _write_config(cfg, [{"name": "a", "memory_quota_bytes": "32MiB", "wasm_fuel": 1000, "instances": 2},
@@ -308,9 +308,9 @@ def test_reload_applies_the_difference_and_a_bad_file_changes_nothing(run_dir: s
     # the file tenants' state came along: a restart with the same file changes nothing
     with launch(str(cfg), run_dir=run_dir) as sup:
         status = sup.client.status()
-        assert tenant(status, "a")["spec"]["instances"] == 2
-        assert tenant(status, "k")["memory_quota_bytes"] == 8 << 20
-        assert sorted(t["tenant_id"] for t in status["tenants"]) == ["a", "c", "k", "r"]
+        assert tenant(status, "a").spec.instances == 2
+        assert tenant(status, "k").memory_quota_bytes == 8 << 20
+        assert sorted(t.tenant_id for t in status.tenants) == ["a", "c", "k", "r"]
 
 
 # ----------------------------------------------------------------------- stall
@@ -322,20 +322,20 @@ def test_a_stopped_supervisor_finds_every_worker_alive_when_continued(run_dir: s
         c = sup.client
         cap = c.register(None, TenantSpec("acme").with_instances(2))
         before = sorted(_pids(sup, "acme"))
-        pool_before = wait_for(lambda: c.status()["supervisor"]["pool"]["pids"], timeout_s=30, what="a warm pool")
+        pool_before = wait_for(lambda: c.status().supervisor.pool.pids, timeout_s=30, what="a warm pool")
         os.kill(sup.pid, signal.SIGSTOP)
         try:
             time.sleep(3 * FAST["heartbeat_interval_s"] * FAST["heartbeat_liveness"])  # the stall itself
         finally:
             os.kill(sup.pid, signal.SIGCONT)
-        assert c.ping(cap)["tenant"] == "acme"
+        assert c.ping(cap).tenant == "acme"
         # a wrong verdict would come within one window of the resume: give it one (a duration
         # that is the property itself, not a wait for an event that could come late)
         time.sleep(FAST["heartbeat_interval_s"] * FAST["heartbeat_liveness"])
         rec = tenant(c.status(), "acme")
-        assert sorted(rec["pids"]) == before and rec["restarts"] == 0 and rec["state"] == "running"
-        assert all(i["incarnation"] == 1 for i in rec["instances"])
-        assert c.status()["supervisor"]["pool"]["pids"] == pool_before
+        assert sorted(rec.pids) == before and rec.restarts == 0 and rec.state == "running"
+        assert all(i.incarnation == 1 for i in rec.instances)
+        assert c.status().supervisor.pool.pids == pool_before
 
 
 # ----------------------------------------------------------------------- 64 tenants
@@ -350,16 +350,16 @@ def test_sixty_four_tenants_are_restored(run_dir: str) -> None:
     with launch({"supervisor": {**FAST, "log_level": "warning", "pool_size": 0}, "tenant": []},
                 run_dir=run_dir, start_method="forkserver", ready_timeout_s=300) as sup:
         status = sup.client.status()
-        assert len(status["tenants"]) == 64 and all(t["state"] == "running" for t in status["tenants"])
-        assert all(sup.client.ping(cap)["tenant"] == cap.tenant_id for cap in caps)
+        assert len(status.tenants) == 64 and all(t.state == "running" for t in status.tenants)
+        assert all(sup.client.ping(cap).tenant == cap.tenant_id for cap in caps)
 
 
 def test_file_tenants_follow_the_file_across_restarts_but_not_a_start_without_one(run_dir: str) -> None:
     with _start(run_dir, [{"name": "a"}, {"name": "b"}]):
         pass
     with launch(None, run_dir=run_dir, backend="stub", pool_size=0) as sup:  # no --config: nothing compared
-        assert sorted(t["tenant_id"] for t in sup.client.status()["tenants"]) == ["a", "b"]
+        assert sorted(t.tenant_id for t in sup.client.status().tenants) == ["a", "b"]
     with _start(run_dir, [{"name": "b", "instances": 2}]) as sup:  # the file changed while it was down
         status = sup.client.status()
-        assert [t["tenant_id"] for t in status["tenants"]] == ["b"]
-        assert tenant(status, "b")["spec"]["instances"] == 2
+        assert [t.tenant_id for t in status.tenants] == ["b"]
+        assert tenant(status, "b").spec.instances == 2

@@ -73,15 +73,15 @@ with start(run_dir) as sup:
     out["evict"] = outcome(lambda: c.evict(None, "acme"))
     out["ping_after_refused_evict"] = outcome(lambda: c.ping(cap))
     out["set_quota"] = outcome(lambda: c.set_quota(None, "acme", memory_quota_bytes="1MiB"))
-    out["quota_after"] = c.quota(cap)["memory_quota_bytes"]
+    out["quota_after"] = c.quota(cap).memory_quota_bytes
     out["scale"] = outcome(lambda: c.scale(None, "acme", 2))
     out["register"] = outcome(lambda: c.register(None, TenantSpec("gamma")))
-    out["tenants_while_full"] = sorted(t["tenant_id"] for t in c.status()["tenants"])
+    out["tenants_while_full"] = sorted(t.tenant_id for t in c.status().tenants)
     os.unlink(os.path.join(state, "filler"))
     out["evict_with_room"] = outcome(lambda: c.evict(None, "acme"))
     out["ping_after_evict"] = outcome(lambda: c.ping(cap))
 with start(run_dir) as sup:
-    out["tenants_after_restart"] = sorted(t["tenant_id"] for t in sup.client.status()["tenants"])
+    out["tenants_after_restart"] = sorted(t.tenant_id for t in sup.client.status().tenants)
     out["ping_after_restart"] = outcome(lambda: sup.client.ping(cap))
 cleanup(run_dir, state)
 print(json.dumps(out))
@@ -126,7 +126,7 @@ with start(run_dir) as sup:
     out["ping_when_full"] = outcome(lambda: c.ping(hog))
     os.unlink("/dev/shm/filler")
     out["register_with_room"] = outcome(lambda: c.register(None, TenantSpec("late")))
-    out["tenants"] = sorted(t["tenant_id"] for t in c.status()["tenants"])
+    out["tenants"] = sorted(t.tenant_id for t in c.status().tenants)
     out["supervisor_alive"] = sup.process.poll() is None
 out["reserve"] = SHM_RESERVE_BYTES
 cleanup(run_dir, "/dev/shm")

@@ -72,12 +72,12 @@ class Load:
 
 
 def gpu(sup: SupervisorHandle, tid: str) -> dict[str, Any]:
-    return tenant(sup.client.status(), tid)["gpu_time"]
+    return tenant(sup.client.status(), tid).gpu_time
 
 
 def accounted(sup: SupervisorHandle, *tids: str) -> list[float]:
     status = sup.client.status()
-    return [tenant(status, t)["gpu_time"]["gpu_time_s"] for t in tids]
+    return [tenant(status, t).gpu_time["gpu_time_s"] for t in tids]
 
 
 def delta_until(sup: SupervisorHandle, tids: tuple[str, ...], device_s: float, timeout_s: float = 200.0
@@ -118,7 +118,7 @@ def test_weights_cap_and_live_changes(sup: SupervisorHandle) -> None:
             assert d[0] / sum(d) == pytest.approx(0.7, abs=0.1)
             # the weight, live: from now on 1:3 (w3 keeps its 3)
             rec = sup.client.set_quota(None, "w7", gpu_time_weight=1)
-            assert rec["gpu_time"]["weight"] == 1.0 and rec["spec"]["gpu_time_weight"] == 1.0
+            assert rec.gpu_time["weight"] == 1.0 and rec.spec.gpu_time_weight == 1.0
             d = delta_until(sup, ("w7", "w3"), WINDOW_S)
             assert d[0] / sum(d) == pytest.approx(0.25, abs=0.1)
             # a cap with the weight: w7 gets at most a fifth of the device's time, w3 the rest
@@ -158,12 +158,12 @@ def test_a_killed_lease_holder_loses_the_device_at_once(sup: SupervisorHandle) -
 
         hog_thread = threading.Thread(target=run_hog, daemon=True)
         hog_thread.start()
-        pid = tenant(sup.client.status(), "hog")["pids"][0]
+        pid = tenant(sup.client.status(), "hog").pids[0]
         while True:  # freeze the hog while it holds the device
-            wait_for(lambda: sup.client.status()["devices"][0]["gpu_time"]["holder_pid"] == pid, timeout_s=60,
+            wait_for(lambda: sup.client.status().devices[0].gpu_time["holder_pid"] == pid, timeout_s=60,
                      what="the hog holding device 0")
             os.kill(pid, signal.SIGSTOP)
-            if sup.client.status()["devices"][0]["gpu_time"]["holder_pid"] == pid:
+            if sup.client.status().devices[0].gpu_time["holder_pid"] == pid:
                 break
             os.kill(pid, signal.SIGCONT)
 
@@ -179,9 +179,9 @@ def test_a_killed_lease_holder_loses_the_device_at_once(sup: SupervisorHandle) -
         os.kill(pid, signal.SIGKILL)
         next_thread.join(120)
         hog_thread.join(120)
-        assert outcome["next"]["results"] == [0]  # it got the device: the dead holder's lease passed on
+        assert outcome["next"].results == (0,)  # it got the device: the dead holder's lease passed on
         assert isinstance(outcome.get("hog"), WorkerLost)
-        board = sup.client.status()["devices"][0]["gpu_time"]
+        board = sup.client.status().devices[0].gpu_time
         assert board["holder_pid"] != pid
     finally:
         client.close()
@@ -193,17 +193,17 @@ def test_a_tenant_on_another_device_is_unaffected(sup: SupervisorHandle) -> None
     caps = {"d0a": register(sup, "d0a", cuda_device_index=0), "d0b": register(sup, "d0b", cuda_device_index=0)}
     other = register(sup, "d1", cuda_device_index=1)
     try:
-        before = sup.client.status()["devices"][1]["gpu_time"]
+        before = sup.client.status().devices[1].gpu_time
         with Load(sup, caps), Load(sup, {"d1": other}, threads=1):
             delta_until(sup, ("d0a", "d0b", "d1"), SHORT_WINDOW_S)
             wait_for(lambda: accounted(sup, "d1")[0] > 0.2, timeout_s=120, what="d1 running")
         status = sup.client.status()
-        dev1, dev0 = status["devices"][1], status["devices"][0]
-        assert dev1["tenants"] == ["d1"] and "d1" not in dev0["tenants"]
+        dev1, dev0 = status.devices[1], status.devices[0]
+        assert dev1.tenants == ("d1",) and "d1" not in dev0.tenants
         # nobody else ever took device 1 from d1: no handoffs, no steals there
-        assert dev1["gpu_time"]["handoffs"] == before["handoffs"] == 0
-        assert dev1["gpu_time"]["steals"] == 0
-        assert dev0["gpu_time"]["handoffs"] > 0
+        assert dev1.gpu_time["handoffs"] == before["handoffs"] == 0
+        assert dev1.gpu_time["steals"] == 0
+        assert dev0.gpu_time["handoffs"] > 0
     finally:
         for tid in ("d0a", "d0b", "d1"):
             sup.client.evict(None, tid)

@@ -38,7 +38,7 @@ def test_registrations_arriving_during_a_commit_are_one_commit_and_all_durable(t
             with launch({"supervisor": {**FAST, "pool_size": N}, "tenant": []}, run_dir=run_dir,
                         log_level="info", stderr=err) as sup:
                 admin = read_admin_capability(run_dir)
-                wait_for(lambda: sup.client.status()["supervisor"]["pool"]["idle"] >= N, timeout_s=120,
+                wait_for(lambda: sup.client.status().supervisor.pool.idle >= N, timeout_s=120,
                          what="a full warm pool")
                 holder = sqlite3.connect(Path(run_dir) / "state" / "state.db", isolation_level=None, timeout=30)
                 holder.execute("BEGIN IMMEDIATE")  # the writer's next commit waits for this
@@ -48,7 +48,7 @@ def test_registrations_arriving_during_a_commit_are_one_commit_and_all_durable(t
                         sock.send(proto.encode_request(i + 1, "register", admin,
                                                        {"spec": TenantSpec(f"g{i}").to_dict()}))
                     # the loop is not blocked by the held commit: all eight applied, none answered
-                    wait_for(lambda: len(sup.client.status()["tenants"]) == N, timeout_s=4,
+                    wait_for(lambda: len(sup.client.status().tenants) == N, timeout_s=4,
                              what="eight registrations applied while the commit waits")
                     assert not sock.poll(0), "a registration was answered before it was durable"
                     holder.execute("ROLLBACK")
@@ -68,6 +68,6 @@ def test_registrations_arriving_during_a_commit_are_one_commit_and_all_durable(t
         sizes = [int(line.split("tenants=")[1].split()[0]) for line in grouped]
         assert sizes and max(sizes) >= N // 2, grouped
         with launch({"supervisor": {**FAST}, "tenant": []}, run_dir=run_dir) as sup:
-            assert sorted(t["tenant_id"] for t in sup.client.status()["tenants"]) == [f"g{i}" for i in range(N)]
+            assert sorted(t.tenant_id for t in sup.client.status().tenants) == [f"g{i}" for i in range(N)]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

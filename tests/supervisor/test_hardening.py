@@ -41,7 +41,7 @@ def test_unauthenticated_garbage_gets_small_errors_and_a_tiny_queue() -> None:
             for rid in range(1, 10_001):
                 flood.send(proto.encode_request(rid, op, None, {}))
             # wait until the supervisor took them all in: a bystander's call is answered after them
-            wait_for(lambda: sup.client.hello()["pid"] == sup.pid, what="supervisor responsive")
+            wait_for(lambda: sup.client.hello().pid == sup.pid, what="supervisor responsive")
             growth = proc.memory_info().rss - rss0
             assert growth < 96 * MiB, f"supervisor grew {growth >> 20} MiB for 10,000 unread garbage requests"
             got = []
@@ -54,7 +54,7 @@ def test_unauthenticated_garbage_gets_small_errors_and_a_tiny_queue() -> None:
                 assert not ok and err["code"] == "protocol_error"
         finally:
             flood.close(0)
-        assert sup.client.hello()["pid"] == sup.pid
+        assert sup.client.hello().pid == sup.pid
 
 
 # ------------------------------------------------------------------ 4: every limit on every op
@@ -78,7 +78,7 @@ def test_put_module_honours_the_module_cap_max_in_flight_and_failed_tenants() ->
         c.inject_fault(None, "mods", "slow", ms=0)
         broken = c.tenant_capability(None, "broken")
         c.inject_fault(None, "broken", "crash")
-        wait_for(lambda: tenant(c.status(), "broken")["state"] == "failed", what="broken failed")
+        wait_for(lambda: tenant(c.status(), "broken").state == "failed", what="broken failed")
         with pytest.raises(TenantFailed):
             c.put_module(broken, b"(module)")
 
@@ -105,7 +105,7 @@ def test_eviction_drops_cached_tokens_runtimes_and_modules() -> None:
             cycle(i)
         growth = proc.memory_info().rss - rss0
         assert growth < 64 * MiB, f"supervisor grew {growth >> 20} MiB over 5 cycles with no tenant left"
-        held = c.status()["supervisor"]["held_bytes"]
+        held = c.status().supervisor.held_bytes
         assert held["modules"] == 0 and held["total"] == 0
 
 
@@ -129,8 +129,8 @@ def test_a_flood_gets_its_share_not_the_loop() -> None:
             for rid in range(1, 20_001):
                 flood.send(proto.encode_request(rid, "ping", bytes(forged), {}))
             for _ in range(20):
-                assert c.ping(cap)["tenant"] == "bystander"
-            wait_for(lambda: c.status()["supervisor"]["unauthenticated_backlog"] == 0, what="flood processed")
+                assert c.ping(cap).tenant == "bystander"
+            wait_for(lambda: c.status().supervisor.unauthenticated_backlog == 0, what="flood processed")
             assert proc.memory_info().rss - rss0 < 64 * MiB
             answered = 0
             while flood.poll(1000):
@@ -139,9 +139,9 @@ def test_a_flood_gets_its_share_not_the_loop() -> None:
                 answered += 1
         finally:
             flood.close(0)
-        dropped = c.status()["supervisor"]["unauthenticated_dropped"]
+        dropped = c.status().supervisor.unauthenticated_dropped
         assert answered + dropped <= 20_000 and answered >= 1
-        assert c.ping(cap)["tenant"] == "bystander"
+        assert c.ping(cap).tenant == "bystander"
 
 
 # ------------------------------------------------------------------ 1: connections
@@ -171,7 +171,7 @@ def test_connections_past_the_fd_limit_are_shed_never_an_abort() -> None:
         c = sup.client
         cap = c.tenant_capability(None, "bystander")
         resource.prlimit(sup.pid, resource.RLIMIT_NOFILE, (1024, 1024))  # as a small host would have it
-        wait_for(lambda: c.status()["supervisor"]["fd_limit"] == 1024, timeout_s=15, what="limit seen")
+        wait_for(lambda: c.status().supervisor.fd_limit == 1024, timeout_s=15, what="limit seen")
         flood = subprocess.Popen(
             [sys.executable, "-c", _FLOOD, "ipc://" + os.path.join(sup.run_dir, "frontend.ipc"), "1500"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -179,9 +179,9 @@ def test_connections_past_the_fd_limit_are_shed_never_an_abort() -> None:
         )
         try:
             assert flood.stdout is not None and flood.stdout.readline().strip() == "connected"
-            wait_for(lambda: c.status()["supervisor"]["connections_shed"] > 0, timeout_s=30, what="shedding")
+            wait_for(lambda: c.status().supervisor.connections_shed > 0, timeout_s=30, what="shedding")
             assert psutil.Process(sup.pid).num_fds() < 1024
-            assert c.ping(cap)["tenant"] == "bystander"  # a connected client keeps working
+            assert c.ping(cap).tenant == "bystander"  # a connected client keeps working
         finally:
             assert flood.stdin is not None
             flood.stdin.write("\n")
@@ -261,13 +261,13 @@ def test_admission_refuses_past_a_tenants_rate_typed_and_other_tenants_are_serve
         # one token a second, one saved up: however slow this machine, most were refused
         assert ok >= 1 and len(retry_after) >= 60 and ok + len(retry_after) == 100
         assert all(0 < r <= 1.0 for r in retry_after)
-        assert c.ping(other)["tenant"] == "other"
+        assert c.ping(other).tenant == "other"
         with pytest.raises(Overloaded, match="requests_per_s") as info:
             for _ in range(5):
                 c.quota(cap)
         assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
-        status = c.status()["supervisor"]
-        assert status["admission_refused"] >= 61 and status["admission_refused_by"]["requests"] >= 61
+        status = c.status().supervisor
+        assert status.admission_refused >= 61 and status.admission_refused_by["requests"] >= 61
         with urllib.request.urlopen(c.info["metrics_url"], timeout=10) as resp:
             text = resp.read().decode()
         assert 'twt_admission_refused_total{limit="requests",tenant="' in text
@@ -285,7 +285,7 @@ def test_unauthenticated_requests_are_metered_per_peer() -> None:
         try:
             for rid in range(1, 1001):
                 flood.send(proto.encode_request(rid, "no-such-op", None, {}))  # answerable: a readable rid
-            wait_for(lambda: c.status()["supervisor"]["unauthenticated_dropped_by"]["peer_rate"] >= 900,
+            wait_for(lambda: c.status().supervisor.unauthenticated_dropped_by["peer_rate"] >= 900,
                      timeout_s=60, what="the flood dropped")
             answered = 0
             while flood.poll(500):
@@ -296,7 +296,7 @@ def test_unauthenticated_requests_are_metered_per_peer() -> None:
             assert newcomer.poll(30_000)
             rid, ok, err = proto.decode_reply(newcomer.recv_multipart()[0])
             assert (rid, ok, err["code"]) == (7, False, "isolation_violation")
-            assert c.ping(cap)["tenant"] == "bystander"
+            assert c.ping(cap).tenant == "bystander"
         finally:
             flood.close(0)
             newcomer.close(0)
@@ -329,9 +329,9 @@ def test_a_victim_is_served_correctly_during_each_flood_kind(kind: str) -> None:
                 payload = os.urandom(32) + bytes([i])
                 c.write(victim, h, payload)
                 assert c.read(victim, h, len(payload)) == payload
-                assert c.ping(victim)["tenant"] == "victim"
-                assert c.status()["supervisor"]["unauthenticated_backlog"] <= 1024 + 16
+                assert c.ping(victim).tenant == "victim"
+                assert c.status().supervisor.unauthenticated_backlog <= 1024 + 16
         finally:
             flood.close(0)
         assert sup.process.poll() is None
-        assert c.status()["supervisor"]["internal_errors"] == 0
+        assert c.status().supervisor.internal_errors == 0

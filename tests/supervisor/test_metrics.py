@@ -166,7 +166,7 @@ def test_supervisor_metrics_endpoint_has_the_tenant_series() -> None:
         assert _get(s, "twt_tenant_gpu_in_use_bytes", tenant="acme") == 512 << 10
         assert _get(s, "twt_tenant_gpu_limit_bytes", tenant="acme") == 1 << 20
         assert _get(s, "twt_tenant_gpu_high_water_bytes", tenant="acme") == 512 << 10
-        assert _get(s, "twt_tenant_host_in_use_bytes", tenant="acme") == rec["bytes_in_use"]
+        assert _get(s, "twt_tenant_host_in_use_bytes", tenant="acme") == rec.bytes_in_use
         assert _get(s, "twt_tenant_host_limit_bytes", tenant="acme") == 64 << 20
         assert _get(s, "twt_tenant_quota_refusals_total", tenant="acme", resource="gpu") == 1
         assert _get(s, "twt_tenant_instances_up", tenant="acme") == 1
@@ -179,7 +179,7 @@ def test_supervisor_metrics_endpoint_has_the_tenant_series() -> None:
         assert _get(s, "process_resident_memory_bytes") > 0  # the supervisor's own process
         # the loop's full snapshot: wanted instances, the warm pool, the device budget; the probes
         assert _get(s, "twt_tenant_instances_wanted", tenant="acme") == 1
-        assert _get(s, "twt_pool_size_workers") == sup.client.status()["supervisor"]["pool"]["size"]
+        assert _get(s, "twt_pool_size_workers") == sup.client.status().supervisor.pool.size
         assert ("twt_pool_workers", (("state", "idle"),)) in s
         assert _get(s, "twt_device_budget_used_bytes", device="0") >= 512 << 10
         base = f"http://127.0.0.1:{port}"
@@ -356,7 +356,7 @@ def test_tenant_label_pseudonyms_survive_a_restart_and_map_back_in_status(tmp_pa
             config = {"supervisor": {**FAST, "metrics_addr": f"127.0.0.1:{port}"}, "tenant": [{"name": "acme"}]}
             with launch(config, run_dir=run_dir) as sup:
                 rec = tenant(sup.client.status(), "acme")
-                label = rec["metrics_label"]
+                label = rec.metrics_label
                 assert label.startswith("t-") and "acme" not in label
                 samples = _scrape(f"http://127.0.0.1:{port}/metrics")
                 assert _get(samples, "twt_tenant_instances_up", tenant=label) == 1
@@ -376,4 +376,4 @@ def test_tenant_label_pseudonyms_survive_a_restart_and_map_back_in_status(tmp_pa
         shutil.rmtree(run_dir, ignore_errors=True)
     # names instead, when the operator chose so: the record says so too
     with supervisor([{"name": "acme"}], metrics_tenant_names=True) as sup:
-        assert tenant(sup.client.status(), "acme")["metrics_label"] == "acme"
+        assert tenant(sup.client.status(), "acme").metrics_label == "acme"

@@ -235,7 +235,7 @@ def test_systemd_notify_ready_watchdog_stopping() -> None:
             assert "serving 1 tenant(s)" in ready["STATUS"]
             for _ in range(2):
                 assert next_with("WATCHDOG")[0]["WATCHDOG"] == "1"  # the loop keeps turning
-            worker = tenant(sup.client.status(), "acme")["pids"][0]
+            worker = tenant(sup.client.status(), "acme").pids[0]
             assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC"} & set(psutil.Process(worker).environ())
             sup.process.send_signal(signal.SIGTERM)
             stopping, _ = next_with("STOPPING")

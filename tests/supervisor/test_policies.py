@@ -15,6 +15,7 @@ import pytest
 
 from shared import protocol as proto
 from shared.errors import BufferLost, InvalidArgument, Overloaded, TenantStopped, WorkerLost
+from shared.records import ExitRecord
 from shared.spec import DEADLINE_GRACE_S, TenantSpec
 from supervisor.observe.event_log import EventLog
 from supervisor.admission.frontend import Frontend, lost_buffer, pinned_instance, slot_for, with_wasm_limits
@@ -304,7 +305,7 @@ def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenan
 
     fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
                   pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
-                  admin=lambda *a: None, regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
+                  regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
                   admin_cap=b"admin", event_log=EventLog(16))
     cap = b"x"
     fe._verified_caps[cap] = rt
@@ -314,7 +315,7 @@ def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenan
 def test_requests_never_wait_for_an_instance_that_is_not_coming() -> None:
     table, replies, _, clock, tenants = _table()
     rt = _runtime(TenantSpec("acme", restart="never"), instances=2, ready=False)
-    rt.slots[1].last_exit = {"exit_code": 3, "signal": None, "reason": "exit code 3", "at": 5.0}
+    rt.slots[1].last_exit = ExitRecord(exit_code=3, signal=None, reason="exit code 3", at=5.0)
     rt.refresh_state()
     tenants["acme"] = rt
     fe, cap = _frontend(table, replies, clock, tenants, rt)

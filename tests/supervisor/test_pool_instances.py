@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _pool_pids(sup: object) -> list[int]:
-    return list(sup.client.status()["supervisor"]["pool"]["pids"])  # type: ignore[attr-defined]
+    return list(sup.client.status().supervisor.pool.pids)  # type: ignore[attr-defined]
 
 
 def _full_pool(sup: object, n: int = 2) -> list[int] | None:
@@ -30,7 +30,7 @@ def test_warm_registration_binds_a_pool_worker_and_pool_refills() -> None:
         c = sup.client
         pool = wait_for(lambda: _full_pool(sup), what="pool full")
         cap = c.register(None, TenantSpec("acme"))
-        pid = c.ping(cap)["pid"]
+        pid = c.ping(cap).pid
         assert pid in pool, "the tenant got a pool worker"
         refilled = wait_for(lambda: _full_pool(sup), what="pool refilled")
         assert pid not in refilled
@@ -46,7 +46,7 @@ def test_two_instances_share_one_quota_and_survive_each_other() -> None:
         c = sup.client
         cap = c.register(None, TenantSpec("duo").with_instances(2).with_gpu_memory_bytes_cap(cap_bytes))
         rec = tenant(c.status(), "duo")
-        assert len(rec["pids"]) == 2 and rec["pids"][0] != rec["pids"][1]
+        assert len(rec.pids) == 2 and rec.pids[0] != rec.pids[1]
         stop = threading.Event()
         errors: list[BaseException] = []
         seen_instances: set[int] = set()
@@ -75,7 +75,7 @@ def test_two_instances_share_one_quota_and_survive_each_other() -> None:
             client = sup.connect()
             try:
                 while not stop.is_set():
-                    peaks.append(client.quota(cap)["gpu_bytes_in_use"])
+                    peaks.append(client.quota(cap).gpu_bytes_in_use)
             finally:
                 client.close()
 
@@ -85,7 +85,7 @@ def test_two_instances_share_one_quota_and_survive_each_other() -> None:
         try:
             # hammer until what the test is about has happened (both instances served, the shared
             # cap refused someone, the sampler saw use), not for a fixed time
-            wait_for(lambda: errors or (seen_instances == {0, 1} and c.quota(cap)["gpu_refusals"] > 0
+            wait_for(lambda: errors or (seen_instances == {0, 1} and c.quota(cap).gpu_refusals > 0
                                         and len(peaks) >= 20), timeout_s=60, what="both instances hammered")
         finally:
             stop.set()
@@ -94,21 +94,21 @@ def test_two_instances_share_one_quota_and_survive_each_other() -> None:
         assert not errors, errors
         assert seen_instances == {0, 1}, "requests spread over both instances"
         snap = c.quota(cap)
-        assert max(peaks) <= cap_bytes and snap["gpu_high_water"] <= cap_bytes
-        assert snap["gpu_refusals"] > 0 and snap["gpu_bytes_in_use"] == 0
+        assert max(peaks) <= cap_bytes and snap.gpu_high_water <= cap_bytes
+        assert snap.gpu_refusals > 0 and snap.gpu_bytes_in_use == 0
 
         # kill instance 0: instance 1 keeps serving; only handles of instance 0 are lost
         h1 = next(h for h in (c.alloc(cap, 1000) for _ in range(4)) if handle_instance(h) == 1)
         rec = tenant(c.status(), "duo")
-        dead = rec["instances"][0]["pid"]
+        dead = rec.instances[0].pid
         os.kill(dead, signal.SIGKILL)
         # (a request already in flight on the dying instance would get WorkerLost; none is)
-        wait_for(lambda: tenant(c.status(), "duo")["instances"][0]["pid"] != dead, what="death seen")
+        wait_for(lambda: tenant(c.status(), "duo").instances[0].pid != dead, what="death seen")
         for _ in range(20):
             c.ping(cap)  # never fails: the live instance takes it while 0 restarts
         c.write(cap, h1, b"still here")
         assert c.read(cap, h1, 10) == b"still here"
-        wait_for(lambda: tenant(c.status(), "duo")["state"] == "running", what="instance 0 back")
+        wait_for(lambda: tenant(c.status(), "duo").state == "running", what="instance 0 back")
 
 
 def test_scale_up_and_down_live() -> None:
@@ -116,16 +116,16 @@ def test_scale_up_and_down_live() -> None:
         c = sup.client
         cap = c.register(None, TenantSpec("elastic"))
         rec = c.scale(None, "elastic", 3)
-        rec = wait_for(lambda: (r := tenant(c.status(), "elastic"))["state"] == "running" and len(r["pids"]) == 3 and r,
+        rec = wait_for(lambda: (r := tenant(c.status(), "elastic")).state == "running" and len(r.pids) == 3 and r,
                        what="3 instances")
-        pids = rec["pids"]
+        pids = rec.pids
         h = next(h for h in (c.alloc(cap, 10) for _ in range(6)) if handle_instance(h) == 2)
         c.scale(None, "elastic", 1)
-        rec = wait_for(lambda: (r := tenant(c.status(), "elastic")) and len(r["pids"]) == 1 and r, what="scaled down")
-        assert rec["pids"] == pids[:1]
+        rec = wait_for(lambda: (r := tenant(c.status(), "elastic")) and len(r.pids) == 1 and r, what="scaled down")
+        assert rec.pids == pids[:1]
         with pytest.raises((InvalidArgument, WorkerLost)):
             c.read(cap, h, 1)  # its instance is gone
-        assert rec["gpu_bytes_in_use"] == 0 or all(handle_instance(x) == 0 for x in c.buffers(cap))
+        assert rec.gpu_bytes_in_use == 0 or all(handle_instance(x) == 0 for x in c.buffers(cap))
         c.ping(cap)
         with pytest.raises(ValueError):
             c.scale(None, "elastic", 65)
@@ -135,5 +135,5 @@ def test_scale_up_and_down_live() -> None:
 def test_start_methods(method: str) -> None:
     with supervisor(start_method=method, pool_size=1) as sup:
         cap = sup.client.register(None, TenantSpec("m").with_instances(2))
-        assert sup.client.ping(cap)["tenant"] == "m"
-        assert sup.client.hello()["start_method"] == method
+        assert sup.client.ping(cap).tenant == "m"
+        assert sup.client.hello().start_method == method

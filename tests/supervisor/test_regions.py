@@ -47,12 +47,12 @@ def _client(sup: Any, **kw: Any) -> SupervisorClient:
 
 def _region_bytes(sup: Any, tid: str) -> tuple[int, int]:
     rec = tenant(sup.client.status(), tid)
-    return len(rec["regions"]), sum(r["nbytes"] for r in rec["regions"])
+    return len(rec.regions), sum(r.nbytes for r in rec.regions)
 
 
 def _prefix(sup: Any, tid: str) -> str:
     """``twt-<this supervisor's segment prefix>`` (drawn per start), from a tenant's quota block."""
-    return str(tenant(sup.client.status(), tid)["quota"]["name"]).rsplit("-", 1)[0]
+    return str(tenant(sup.client.status(), tid).quota.name).rsplit("-", 1)[0]
 
 
 def _segments(sup: Any, tid: str = "acme") -> list[str]:
@@ -77,9 +77,9 @@ def test_round_trips_of_many_sizes_both_paths() -> None:
             # the region path was taken: one staging region, charged to the tenant
             count, nbytes = _region_bytes(sup, "acme")
             assert count == 1 and nbytes == REGION
-            assert sup.client.quota(cap)["bytes_in_use"] == REGION
+            assert sup.client.quota(cap).bytes_in_use == REGION
         assert _region_bytes(sup, "acme") == (0, 0)  # released when the client closed
-        assert sup.client.quota(cap)["bytes_in_use"] == 0
+        assert sup.client.quota(cap).bytes_in_use == 0
 
 
 def test_numpy_put_get_and_zero_copy_views() -> None:
@@ -104,7 +104,7 @@ def test_numpy_put_get_and_zero_copy_views() -> None:
             wait_for(lambda: _region_bytes(sup, "acme")[0] == 1, what="the view's region released")
             empty = c.put_array(cap, np.zeros(0, np.int64))
             assert c.get_array(cap, empty, np.int64, 0).shape == (0,)
-        assert sup.client.quota(cap)["bytes_in_use"] == 0
+        assert sup.client.quota(cap).bytes_in_use == 0
 
 
 def test_concurrent_writers_each_get_their_bytes() -> None:
@@ -129,20 +129,20 @@ def test_concurrent_writers_each_get_their_bytes() -> None:
         for t in threads:
             t.join(90)
         assert not errors, errors
-        assert sup.client.quota(cap)["bytes_in_use"] == 0
+        assert sup.client.quota(cap).bytes_in_use == 0
 
 
 def test_out_of_range_and_bad_arguments_are_refused() -> None:
     with supervisor() as sup:
         cap = sup.client.register(None, TenantSpec("acme"))
         c = sup.client
-        rec = c.call("region_create", cap, {"nbytes": MIN_REGION_BYTES, "pid": os.getpid()})
+        rec = c.region_create(cap, MIN_REGION_BYTES)
         h = c.alloc(cap, 1000)
-        base = {"handle": h, "region": rec["region"]}
+        base = {"handle": h, "region": rec.region}
         for args in (
             {"offset": 0, "region_offset": -1, "nbytes": 1},
-            {"offset": 0, "region_offset": rec["nbytes"], "nbytes": 1},
-            {"offset": 0, "region_offset": 0, "nbytes": rec["nbytes"] + 1},
+            {"offset": 0, "region_offset": rec.nbytes, "nbytes": 1},
+            {"offset": 0, "region_offset": 0, "nbytes": rec.nbytes + 1},
             {"offset": 999, "region_offset": 0, "nbytes": 2},
             {"offset": 0, "region_offset": 0, "nbytes": "many"},
         ):
@@ -158,10 +158,10 @@ def test_out_of_range_and_bad_arguments_are_refused() -> None:
             c.call("write_region", cap, {"handle": h, "region": 10**6, "region_offset": 0, "nbytes": 1})
         # a region_name from the client is never used: the supervisor names the region itself
         c.call("write_region", cap, {**base, "region_name": "twt-evil-r00", "region_offset": 0, "nbytes": 1})
-        assert c.call("region_release", cap, {"region": rec["region"]}) == {"released": rec["nbytes"]}
+        assert c.call("region_release", cap, {"region": rec.region}) == {"released": rec.nbytes}
         with pytest.raises(InvalidArgument, match="unknown region"):
-            c.call("region_release", cap, {"region": rec["region"]})
-        assert c.quota(cap)["bytes_in_use"] == 0
+            c.call("region_release", cap, {"region": rec.region})
+        assert c.quota(cap).bytes_in_use == 0
 
 
 def test_regions_by_hand() -> None:
@@ -170,19 +170,19 @@ def test_regions_by_hand() -> None:
         c = sup.client
         cap = c.register(None, TenantSpec("acme"))
         rec = c.region_create(cap, 100_000)
-        assert rec["nbytes"] >= 100_000 and c.quota(cap)["bytes_in_use"] == rec["nbytes"]
-        region = Region.attach(rec["name"], tenant_id="acme")
+        assert rec.nbytes >= 100_000 and c.quota(cap).bytes_in_use == rec.nbytes
+        region = Region.attach(rec.name, tenant_id="acme")
         try:
             h = c.alloc(cap, 4096)
             region.data[10:15] = b"hello"
-            assert c.write_region(cap, h, rec["region"], 5, offset=100, region_offset=10) == 5
+            assert c.write_region(cap, h, rec.region, 5, offset=100, region_offset=10) == 5
             assert c.read(cap, h, 5, offset=100) == b"hello"
-            assert c.read_region(cap, h, rec["region"], 5, offset=100, region_offset=5000) == 5
+            assert c.read_region(cap, h, rec.region, 5, offset=100, region_offset=5000) == 5
             assert bytes(region.data[5000:5005]) == b"hello"
         finally:
             region.close()
-        assert c.region_release(cap, rec["region"]) == rec["nbytes"]
-        assert c.quota(cap)["bytes_in_use"] == 0
+        assert c.region_release(cap, rec.region) == rec.nbytes
+        assert c.quota(cap).bytes_in_use == 0
 
 
 def test_another_tenants_region_and_handle_are_refused() -> None:
@@ -190,32 +190,32 @@ def test_another_tenants_region_and_handle_are_refused() -> None:
         c = sup.client
         a = c.register(None, TenantSpec("alpha"))
         b = c.register(None, TenantSpec("beta"))
-        ra = c.call("region_create", a, {"nbytes": MIN_REGION_BYTES, "pid": os.getpid()})
-        rb = c.call("region_create", b, {"nbytes": MIN_REGION_BYTES, "pid": os.getpid()})
+        ra = c.region_create(a, MIN_REGION_BYTES)
+        rb = c.region_create(b, MIN_REGION_BYTES)
         ha = c.alloc(a, 100)
         c.alloc(b, 100)
         hb = c.alloc(b, 100)  # handles are per tenant: alpha has no buffer of this number
         c.write(b, hb, b"beta's secret")
-        mine = Region.attach(ra["name"])
+        mine = Region.attach(ra.name)
         try:
             # beta names alpha's region (with its own handle): unknown to beta
             with pytest.raises(InvalidArgument, match="unknown region"):
-                c.call("read_region", b, {"handle": hb, "region": ra["region"], "region_offset": 0, "nbytes": 13})
+                c.call("read_region", b, {"handle": hb, "region": ra.region, "region_offset": 0, "nbytes": 13})
             # alpha names beta's handle through its own region: the handle is not alpha's
             with pytest.raises(InvalidArgument):
-                c.call("read_region", a, {"handle": hb, "region": ra["region"], "region_offset": 0, "nbytes": 13})
+                c.call("read_region", a, {"handle": hb, "region": ra.region, "region_offset": 0, "nbytes": 13})
             with pytest.raises(InvalidArgument, match="unknown region"):
-                c.call("region_release", a, {"region": rb["region"]})
+                c.call("region_release", a, {"region": rb.region})
             assert bytes(mine.data[:13]) == bytes(13)
-            c.call("read_region", a, {"handle": ha, "region": ra["region"], "region_offset": 0, "nbytes": 13})
+            c.call("read_region", a, {"handle": ha, "region": ra.region, "region_offset": 0, "nbytes": 13})
         finally:
             mine.close()
         assert c.read(b, hb, 13) == b"beta's secret"
         # names are unguessable, under the supervisor's prefix, mode 0600
         for rec in (ra, rb):
-            assert rec["name"].startswith(_prefix(sup, "alpha") + "-r") and rec["name"].startswith(SEGMENT_PREFIX)
-            assert len(rec["name"].rsplit("-r", 1)[1]) == 32
-            assert os.stat(f"/dev/shm/{rec['name']}").st_mode & 0o777 == 0o600
+            assert rec.name.startswith(_prefix(sup, "alpha") + "-r") and rec.name.startswith(SEGMENT_PREFIX)
+            assert len(rec.name.rsplit("-r", 1)[1]) == 32
+            assert os.stat(f"/dev/shm/{rec.name}").st_mode & 0o777 == 0o600
 
 
 def test_regions_count_against_the_host_quota() -> None:
@@ -225,7 +225,7 @@ def test_regions_count_against_the_host_quota() -> None:
         c.call("region_create", cap, {"nbytes": 2 * MiB, "pid": os.getpid()})
         with pytest.raises(MemoryExhausted):
             c.call("region_create", cap, {"nbytes": 2 * MiB, "pid": os.getpid()})
-        assert c.quota(cap)["bytes_in_use"] == 2 * MiB
+        assert c.quota(cap).bytes_in_use == 2 * MiB
         # a client refused a region still works, over frames
         with _client(sup, region_bytes=2 * MiB) as fast:
             h = fast.alloc(cap, 2 * MiB)
@@ -279,7 +279,7 @@ def test_client_killed_mid_write_leaks_nothing() -> None:
                 proc.kill()
                 proc.join(10)
         wait_for(lambda: _region_bytes(sup, "acme") == (0, 0), timeout_s=10, what="the dead client's region reclaimed")
-        assert c.quota(cap)["bytes_in_use"] == 0
+        assert c.quota(cap).bytes_in_use == 0
         assert _segments(sup) == []
         c.write(cap, h, b"still works")
         assert c.read(cap, h, 11) == b"still works"
@@ -291,7 +291,7 @@ def test_worker_killed_mid_copy_leaks_nothing() -> None:
         cap = c.register(None, TenantSpec("acme").with_gpu_memory_bytes_cap(64 * MiB))
         with _client(sup) as fast:
             h = fast.alloc(cap, 32 * MiB)
-            pid = tenant(c.status(), "acme")["pids"][0]
+            pid = tenant(c.status(), "acme").pids[0]
             killer = threading.Timer(0.05, os.kill, (pid, signal.SIGKILL))
             killer.start()
             try:
@@ -302,13 +302,13 @@ def test_worker_killed_mid_copy_leaks_nothing() -> None:
                         fast.write(cap, h, b"y" * (32 * MiB))
             finally:
                 killer.cancel()
-            wait_for(lambda: tenant(c.status(), "acme")["state"] == "running", timeout_s=30, what="restart")
-            assert c.quota(cap)["gpu_bytes_in_use"] == 0  # the dead instance's buffers reclaimed
+            wait_for(lambda: tenant(c.status(), "acme").state == "running", timeout_s=30, what="restart")
+            assert c.quota(cap).gpu_bytes_in_use == 0  # the dead instance's buffers reclaimed
             h2 = fast.alloc(cap, 3 * MiB)  # the staging region serves the new instance too
             data = _payload(3 * MiB)
             fast.write(cap, h2, data)
             assert fast.read(cap, h2, 3 * MiB) == data
-        assert c.quota(cap)["bytes_in_use"] == 0
+        assert c.quota(cap).bytes_in_use == 0
         assert _segments(sup) == []
 
 
@@ -323,13 +323,13 @@ def test_a_client_recovers_from_a_region_its_supervisor_dropped() -> None:
         with _client(sup) as fast:
             h = fast.alloc(cap, REGION)
             fast.write(cap, h, _payload(REGION))
-            regions = tenant(c.status(), "acme")["regions"]
-            c.call("region_release", cap, {"region": regions[0]["region"]})  # behind the client's back
+            regions = tenant(c.status(), "acme").regions
+            c.call("region_release", cap, {"region": regions[0].region})  # behind the client's back
             data = _payload(REGION, 1)
             fast.write(cap, h, data)  # a new region, made on the spot
             assert fast.read(cap, h, REGION) == data
-            assert len(tenant(c.status(), "acme")["regions"]) == 1
-        assert c.quota(cap)["bytes_in_use"] == 0
+            assert len(tenant(c.status(), "acme").regions) == 1
+        assert c.quota(cap).bytes_in_use == 0
 
 
 def test_bench_data_runs(capsys: pytest.CaptureFixture[str]) -> None:
@@ -441,4 +441,4 @@ def test_arrays_that_live_in_a_region_are_written_without_a_staging_copy() -> No
             gc.collect()
             fast.ping(cap)
             wait_for(lambda: _region_bytes(sup, "acme")[0] == count - 2, what="both arrays' regions released")
-        assert c.quota(cap)["bytes_in_use"] == 0
+        assert c.quota(cap).bytes_in_use == 0

@@ -45,5 +45,5 @@ def test_reload_of_a_ten_thousand_deep_file_is_refused_and_changes_nothing() -> 
         Path(config).write_text('{"supervisor": ' + "[" * DEEP + "]" * DEEP + "}")
         with pytest.raises(ConfigError, match="nested too deeply"):
             c.reload(None)
-        assert sorted(t["tenant_id"] for t in c.status()["tenants"]) == ["a", "r"]
-        assert c.status()["supervisor"]["internal_errors"] == 0
+        assert sorted(t.tenant_id for t in c.status().tenants) == ["a", "r"]
+        assert c.status().supervisor.internal_errors == 0

@@ -53,7 +53,7 @@ def test_remote_admin_follows_a_crash_and_the_restart() -> None:
             assert seen[0]["tenant"] == "acme" and seen[0]["expected"] is False
             assert seen[1]["restarts"] == 1 and seen[2]["incarnation"] == 2
             assert [e["seq"] for e in seen] == sorted(e["seq"] for e in seen) and seen[0]["seq"] > first["next"]
-        assert sup.client.status()["supervisor"]["internal_errors"] == 0
+        assert sup.client.status().supervisor.internal_errors == 0
 
 
 def test_a_remote_tenant_sees_its_own_events_and_never_another_tenants() -> None:
@@ -87,7 +87,7 @@ def test_a_remote_tenant_sees_its_own_events_and_never_another_tenants() -> None
             page = rc.events_page(again, 0)
             assert [e["event"] for e in page["events"]] == ["register", "ready"], page
             assert page["events"][0]["generation"] == again.generation
-        assert c.status()["supervisor"]["internal_errors"] == 0
+        assert c.status().supervisor.internal_errors == 0
 
 
 def test_a_failed_tenant_still_reads_why() -> None:
@@ -141,9 +141,9 @@ def test_bad_arguments_get_typed_errors_and_never_hurt_the_supervisor() -> None:
                     rc.call("events", acme, args)
                 with pytest.raises(InvalidArgument, match="events"):
                     sup.client.call("events", sup.admin_capability, args)
-            assert rc.ping(acme)["tenant"] == "acme"
+            assert rc.ping(acme).tenant == "acme"
             assert rc.events_page(acme, 0)["events"][0]["event"] == "register"
-        assert sup.client.status()["supervisor"]["internal_errors"] == 0
+        assert sup.client.status().supervisor.internal_errors == 0
 
 
 def test_no_or_forged_capability_is_refused() -> None:

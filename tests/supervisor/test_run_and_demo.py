@@ -13,7 +13,7 @@ import wasmtime
 
 from shared.errors import InvalidArgument, KernelTimeout, UnknownModule, WasmCompile, WasmTrap
 from shared.spec import TenantSpec
-from supervisor.cli.run import parse_wasm_arg
+from supervisor.control.ops.run_wasm import parse_wasm_arg
 from supervisor.tools.demo import guest_path
 from tests.helpers.cli import twt
 from tests.helpers.cluster import instance_pid, supervisor, tenant
@@ -31,7 +31,7 @@ def test_run_wasm_through_the_supervisor() -> None:
         c = sup.client
         cap = c.register(None, spec)
         pid = instance_pid(sup, "acme")
-        assert c.run_wasm(cap, guest_path("probe").read_bytes(), "add", [2, 3])["results"] == [5]
+        assert c.run_wasm(cap, guest_path("probe").read_bytes(), "add", [2, 3]).results == (5,)
 
         # every way of failing arrives typed, and the same worker serves the next run
         with pytest.raises(WasmTrap) as trap:
@@ -50,15 +50,15 @@ def test_run_wasm_through_the_supervisor() -> None:
             c.run_wasm(cap, os.urandom(64), "f")
         with pytest.raises(InvalidArgument):
             c.run_wasm(cap, traps, "ok", [1])
-        assert c.run_wasm(cap, traps, "grow", [1 << 16])["results"] == [-1]
-        assert c.run_wasm(cap, traps, "ok")["results"] == [42]
+        assert c.run_wasm(cap, traps, "grow", [1 << 16]).results == (-1,)
+        assert c.run_wasm(cap, traps, "ok").results == (42,)
         assert instance_pid(sup, "acme") == pid
-        assert tenant(c.status(), "acme")["restarts"] == 0
+        assert tenant(c.status(), "acme").restarts == 0
 
         # a module stored once, run by digest
         digest = c.put_module(cap, traps)
         reply = c.run_wasm(cap, digest, "ok")
-        assert reply["results"] == [42] and reply["cached"] is True
+        assert reply.results == (42,) and reply.cached is True
         with pytest.raises(UnknownModule):
             c.run_wasm(cap, "ab" * 32, "ok")
 
@@ -70,7 +70,7 @@ def test_run_wasm_through_the_supervisor() -> None:
         c.write(cap, hx, x.tobytes())
         c.write(cap, hy, y.tobytes())
         reply = c.run_wasm(cap, guest_path("axpy_sum").read_bytes(), "run", [{"handle": hx}, {"handle": hy}, n, 2.0])
-        total, status = reply["results"]
+        total, status = reply.results
         ref = np.float32(2.0) * x + y
         assert status == 0
         np.testing.assert_array_equal(np.frombuffer(c.read(cap, hy, 4 * n), dtype=np.float32), ref)
@@ -80,10 +80,10 @@ def test_run_wasm_through_the_supervisor() -> None:
         c.free(cap, hy)
 
         # the guest over its cap gets the error code, and everything is released
-        assert c.run_wasm(cap, guest_path("overcap").read_bytes(), "run", [MiB, 32 * MiB])["results"] == [-5]
+        assert c.run_wasm(cap, guest_path("overcap").read_bytes(), "run", [MiB, 32 * MiB]).results == (-5,)
         q = c.quota(cap)
-        assert (q["gpu_bytes_in_use"], q["bytes_in_use"]) == (0, 0)
-        assert q["cpu_high_water"] >= 65536  # linear memory was charged to the host quota while it ran
+        assert (q.gpu_bytes_in_use, q.bytes_in_use) == (0, 0)
+        assert q.cpu_high_water >= 65536  # linear memory was charged to the host quota while it ran
 
 
 def test_parse_wasm_arg() -> None:
@@ -123,7 +123,7 @@ def test_twt_run_end_to_end(tmp_path: Path) -> None:
 
         usage = twt("run", "acme", str(wat), "--run-dir", rd)
         assert usage.returncode == 2 and "--invoke" in usage.stderr
-        assert tenant(sup.client.status(), "acme")["restarts"] == 0
+        assert tenant(sup.client.status(), "acme").restarts == 0
     gone = twt("run", "acme", str(wat), "--invoke", "add", "--run-dir", rd)
     assert gone.returncode == 3
 
@@ -153,4 +153,4 @@ def test_launch_puts_this_checkout_first_on_the_childs_path() -> None:
 def test_a_supervisor_launched_from_another_directory_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # a caller outside the checkout (the bench did this)
     with supervisor([{"name": "away"}]) as sup:
-        assert sup.client.ping(sup.client.tenant_capability(None, "away"))["tenant"] == "away"
+        assert sup.client.ping(sup.client.tenant_capability(None, "away")).tenant == "away"

@@ -110,7 +110,7 @@ from shared.capability import TenantCapability
 from shared.errors import SupervisorUnavailable
 from supervisor.client.api import SupervisorClient
 c = SupervisorClient(sys.argv[1], expected_uid=int(sys.argv[2]), timeout_s=20)
-print("ping", c.ping(TenantCapability.from_bytes(bytes.fromhex(sys.argv[3])))["tenant"])
+print("ping", c.ping(TenantCapability.from_bytes(bytes.fromhex(sys.argv[3]))).tenant)
 try:
     c.admin
 except (PermissionError, SupervisorUnavailable) as exc:
@@ -160,4 +160,4 @@ def test_client_group_opens_the_frontend_and_nothing_of_the_admin() -> None:
         for private in ("backend.ipc", "control.ipc", "events.ipc"):
             assert mode_gid(private)[0] == 0o600
         assert mode_gid("admin")[0] == 0o700 and mode_gid("admin/admin.cap")[0] == 0o600
-        assert sup.client.ping(sup.client.tenant_capability(None, "t"))["tenant"] == "t"  # clients accept it
+        assert sup.client.ping(sup.client.tenant_capability(None, "t")).tenant == "t"  # clients accept it

@@ -35,23 +35,23 @@ def test_scale_to_zero_answers_at_once_and_scales_back(capsys: pytest.CaptureFix
         assert "until `twt scale gamma N`" in out
         with pytest.raises(TenantStopped, match="scaled to 0 instances") as info:
             c.ping(cap)  # answered, not parked (a parked request would end in KernelTimeout)
-        assert not info.value.is_retryable() and tenant(c.status(), "gamma")["parked"] == 0
+        assert not info.value.is_retryable() and tenant(c.status(), "gamma").parked == 0
         with pytest.raises(TenantStopped):
             c.run_wasm(cap, guest_path("probe").read_bytes(), "add", [1, 2])
         # the capability and the quota block stay valid
-        assert c.quota(cap)["tenant_id"] == "gamma"
+        assert c.quota(cap).tenant_id == "gamma"
         assert c.put_module(cap, guest_path("probe").read_bytes())
-        wait_for(lambda: not tenant(c.status(), "gamma")["pids"], what="the drained worker gone")
+        wait_for(lambda: not tenant(c.status(), "gamma").pids, what="the drained worker gone")
         code, out, _ = _run(capsys, "status", *rd)
         row = next(line for line in out.splitlines() if line.startswith("gamma"))
         assert row.split()[1:3] == ["stopped", "0/0"], row
         # back to serving
         code, out, _ = _run(capsys, "scale", "gamma", "1", "--wait", *rd)
         assert code == 0 and "state running" in out
-        assert c.ping(cap)["tenant"] == "gamma"
+        assert c.ping(cap).tenant == "gamma"
         # a tenant registered with 0 instances is answered at once, stopped
         zero = c.register(None, TenantSpec("idle", instances=0))
-        assert tenant(c.status(), "idle")["state"] == "stopped"
+        assert tenant(c.status(), "idle").state == "stopped"
         with pytest.raises(TenantStopped):
             c.alloc(zero, 4096)
 
@@ -75,7 +75,7 @@ def test_buffers_have_instance_affinity_and_die_with_their_instance() -> None:
             c.write(cap, h, struct.pack("<f", v) * n)
         # buffers of one instance: the run goes there
         reply = c.run_wasm(cap, axpy, "run", [{"handle": x1}, {"handle": y1}, n, 3.0])
-        assert reply["results"] == [pytest.approx(5.0 * n), 0]
+        assert reply.results == (pytest.approx(5.0 * n), 0)
         assert _floats(c.read(cap, y1, 16)) == [5.0] * 4
         # buffers of two instances: refused, naming both, with the way out
         with pytest.raises(InvalidArgument, match=rf"different instances \({proto.format_handle(x0)} on acme/0; "
@@ -147,4 +147,4 @@ def test_buffer_commands_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path
             assert code == 0 and f"freed {handle}" in out
         code, out, _ = _run(capsys, "buffers", "acme", *rd)
         assert out.strip() == "acme: no buffers"
-        assert tenant(sup.client.status(), "acme")["gpu_bytes_in_use"] == 0
+        assert tenant(sup.client.status(), "acme").gpu_bytes_in_use == 0

@@ -51,11 +51,11 @@ def test_a_truncated_quota_block_is_refused_not_a_sigbus() -> None:
         except TensorWasmError:
             pass
         status = c.status()  # tenant records (snapshots) of every tenant
-        assert {t["tenant_id"] for t in status["tenants"]} == {"victim", "bystander"}
+        assert {t.tenant_id for t in status.tenants} == {"victim", "bystander"}
 
         def victim_worker_gone() -> bool:  # died of the SIGBUS; its death was handled (reclaim guarded)
-            rec = next(t for t in c.status()["tenants"] if t["tenant_id"] == "victim")
-            return rec["restarts"] >= 1 or rec["state"] != "running"
+            rec = next(t for t in c.status().tenants if t.tenant_id == "victim")
+            return rec.restarts >= 1 or rec.state != "running"
 
         wait_for(victim_worker_gone, timeout_s=30, what="the victim's worker replaced")
         c.ping(bystander)
@@ -63,4 +63,4 @@ def test_a_truncated_quota_block_is_refused_not_a_sigbus() -> None:
         c.evict(None, "victim")  # unlinks and closes the truncated block
         c.ping(bystander)
         assert sup.process.poll() is None
-        assert c.status()["supervisor"]["internal_errors"] == 0
+        assert c.status().supervisor.internal_errors == 0

@@ -77,7 +77,7 @@ def test_a_backup_of_a_running_supervisor_restores_tenants_and_capabilities(run_
         (state / (STATE_FILE + suffix)).unlink(missing_ok=True)
     shutil.copyfile(dest, state / STATE_FILE)
     with _start(run_dir) as sup:
-        tenants = {t["tenant_id"]: t for t in sup.client.status()["tenants"]}
+        tenants = {t.tenant_id: t for t in sup.client.status().tenants}
         assert sorted(tenants) == ["acme"]
-        assert tenants["acme"]["memory_quota_bytes"] == 64 << 20
+        assert tenants["acme"].memory_quota_bytes == 64 << 20
         sup.client.ping(cap)  # the same registry key: the capability from before the backup works

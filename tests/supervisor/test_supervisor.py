@@ -15,6 +15,7 @@ import pytest
 
 from shared.errors import (
     GpuMemoryExhausted,
+    InFlightLimit,
     InvalidArgument,
     KernelTimeout,
     MemoryExhausted,
@@ -54,19 +55,19 @@ def test_three_tenants_quotas_and_status() -> None:
         assert (exc.value.requested, exc.value.limit, exc.value.current) == (600_000, 1 << 20, 600_000)
         assert exc.value.tenant_id == "alpha"
         status = c.status()
-        assert tenant(status, "alpha")["gpu_bytes_in_use"] == 600_000
-        assert tenant(status, "beta")["gpu_bytes_in_use"] == 3_000_000
-        assert tenant(status, "gamma")["gpu_bytes_in_use"] == 5 << 20
-        assert tenant(status, "alpha")["quota"]["gpu_refusals"] == 1
-        assert tenant(status, "beta")["quota"]["gpu_refusals"] == 0
-        for rec in status["tenants"]:
-            assert rec["state"] == "running" and len(rec["pids"]) == 1 and rec["restarts"] == 0
+        assert tenant(status, "alpha").gpu_bytes_in_use == 600_000
+        assert tenant(status, "beta").gpu_bytes_in_use == 3_000_000
+        assert tenant(status, "gamma").gpu_bytes_in_use == 5 << 20
+        assert tenant(status, "alpha").quota.gpu_refusals == 1
+        assert tenant(status, "beta").quota.gpu_refusals == 0
+        for rec in status.tenants:
+            assert rec.state == "running" and len(rec.pids) == 1 and rec.restarts == 0
             assert {"tenant_id", "state", "pids", "bytes_in_use", "gpu_bytes_in_use", "memory_quota_bytes",
-                    "gpu_memory_bytes_cap", "restarts"} <= set(rec)
+                    "gpu_memory_bytes_cap", "restarts"} <= set(rec.to_wire())
         c.write(caps["beta"], hb, b"abc", offset=10)
         assert c.read(caps["beta"], hb, 3, offset=10) == b"abc"
         assert c.free(caps["alpha"], ha) == 600_000
-        assert tenant(c.status(), "alpha")["gpu_bytes_in_use"] == 0
+        assert tenant(c.status(), "alpha").gpu_bytes_in_use == 0
         with pytest.raises(InvalidArgument):
             c.free(caps["alpha"], ha)  # double free
         with pytest.raises(InvalidArgument):
@@ -74,7 +75,7 @@ def test_three_tenants_quotas_and_status() -> None:
         hb2 = c.alloc(caps["alpha"], 10)
         with pytest.raises(InvalidArgument):
             c.free(caps["beta"], hb2)  # alpha's handle means nothing in beta's worker process
-        assert tenant(c.status(), "alpha")["gpu_bytes_in_use"] == 10
+        assert tenant(c.status(), "alpha").gpu_bytes_in_use == 10
 
 
 def test_run_dir_permissions_and_lock() -> None:
@@ -88,7 +89,7 @@ def test_run_dir_permissions_and_lock() -> None:
         )
         assert proc.returncode == 1
         assert "another supervisor" in proc.stderr and str(sup.pid) in proc.stderr
-        assert sup.client.hello()["pid"] == sup.pid  # the first one is untouched
+        assert sup.client.hello().pid == sup.pid  # the first one is untouched
 
 
 def test_sigkill_worker_with_requests_in_flight() -> None:
@@ -101,7 +102,7 @@ def test_sigkill_worker_with_requests_in_flight() -> None:
         c.inject_fault(None, "acme", "slow", ms=5000)
         rids = [c.send("ping", acme_cap) for _ in range(5)]
         with sup.connect() as watcher:  # all five with the worker (not parked) before it dies
-            wait_for(lambda: tenant(watcher.status(), "acme")["in_flight"] == 5, what="5 requests in flight")
+            wait_for(lambda: tenant(watcher.status(), "acme").in_flight == 5, what="5 requests in flight")
         os.kill(pid, signal.SIGKILL)
         answers = {}
         for _ in rids:
@@ -113,12 +114,12 @@ def test_sigkill_worker_with_requests_in_flight() -> None:
             err = error_from_dict(payload)
             assert isinstance(err, WorkerLost) and err.signal == signal.SIGKILL and err.is_retryable()
         # the dead instance's megabyte came back, the worker restarted, requests work again
-        wait_for(lambda: tenant(c.status(), "acme")["gpu_bytes_in_use"] == 0, what="reclaim")
+        wait_for(lambda: tenant(c.status(), "acme").gpu_bytes_in_use == 0, what="reclaim")
         new_pid = wait_for(lambda: instance_pid(sup, "acme"), what="restart")
         assert new_pid != pid
-        assert c.ping(acme_cap)["pid"] == new_pid
-        assert tenant(c.status(), "acme")["restarts"] == 1
-        assert c.ping(cap)["tenant"] == "other"
+        assert c.ping(acme_cap).pid == new_pid
+        assert tenant(c.status(), "acme").restarts == 1
+        assert c.ping(cap).tenant == "other"
 
 
 def test_request_waits_for_restart_instead_of_failing() -> None:
@@ -127,7 +128,7 @@ def test_request_waits_for_restart_instead_of_failing() -> None:
         pid = wait_for(lambda: instance_pid(sup, "acme"))
         sup.client.inject_fault(None, "acme", "crash")
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        assert sup.client.ping(cap)["pid"] != pid  # parked until the restart, then served
+        assert sup.client.ping(cap).pid != pid  # parked until the restart, then served
 
 
 def test_sigstop_worker_detected_killed_restarted() -> None:
@@ -137,9 +138,9 @@ def test_sigstop_worker_detected_killed_restarted() -> None:
         os.kill(pid, signal.SIGSTOP)
         new_pid = wait_for(lambda: (p := instance_pid(sup, "acme")) != pid and p, timeout_s=15, what="restart")
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        last_exit = tenant(sup.client.status(), "acme")["instances"][0]["last_exit"]
-        assert "heartbeat" in last_exit["reason"]
-        assert sup.client.ping(cap)["pid"] == new_pid
+        last_exit = tenant(sup.client.status(), "acme").instances[0].last_exit
+        assert "heartbeat" in last_exit.reason
+        assert sup.client.ping(cap).pid == new_pid
 
 
 def test_crash_loop_marks_tenant_failed() -> None:
@@ -150,8 +151,8 @@ def test_crash_loop_marks_tenant_failed() -> None:
         for _ in range(3):
             wait_for(lambda: instance_pid(sup, "loopy"), what="instance up")
             c.inject_fault(None, "loopy", "exit", code=3)
-        rec = wait_for(lambda: (r := tenant(c.status(), "loopy"))["state"] == "failed" and r, what="failed")
-        assert rec["restarts"] == 3 and "restarts within" in rec["failed_reason"]
+        rec = wait_for(lambda: (r := tenant(c.status(), "loopy")).state == "failed" and r, what="failed")
+        assert rec.restarts == 3 and "restarts within" in rec.failed_reason
         with pytest.raises(TenantFailed):
             c.ping(cap)
         c.evict(None, "loopy")  # the operator's way out
@@ -181,7 +182,7 @@ def test_corrupt_reply_kills_worker_and_answers() -> None:
         with pytest.raises(WorkerLost) as exc:
             c.ping(cap)
         assert "malformed reply" in exc.value.reason
-        assert c.ping(cap)["pid"] != pid
+        assert c.ping(cap).pid != pid
 
 
 def test_rss_backstop_reports_memory_exhausted() -> None:
@@ -211,13 +212,16 @@ def test_overloaded_beyond_max_in_flight() -> None:
         cap = _cap_of(sup, "acme")
         c.inject_fault(None, "acme", "slow", ms=500)
         rids = [c.send("ping", cap) for _ in range(4)]
-        outcomes = []
+        outcomes, refusals = [], []
         for _ in rids:
             _, ok, payload, _ = c.recv(timeout_s=10)
             outcomes.append("ok" if ok else payload["code"])
+            if not ok:
+                refusals.append(error_from_dict(payload))
         assert sorted(outcomes) == ["ok", "ok", "overloaded", "overloaded"]
-        err = error_from_dict({"code": "overloaded", "message": "m", "fields": {"tenant_id": "acme", "in_flight": 2, "limit": 2}})
-        assert isinstance(err, Overloaded) and err.is_retryable()
+        for err in refusals:  # the in-flight cause, with the tenant's real numbers
+            assert isinstance(err, InFlightLimit) and isinstance(err, Overloaded) and err.is_retryable()
+            assert (err.cause, err.tenant_id, err.in_flight, err.limit) == ("in_flight", "acme", 2, 2)
 
 
 def test_evict_stops_worker_revokes_and_frees_name() -> None:
@@ -225,10 +229,10 @@ def test_evict_stops_worker_revokes_and_frees_name() -> None:
         c = sup.client
         old = c.register(None, TenantSpec("acme"))
         pid = wait_for(lambda: instance_pid(sup, "acme"))
-        segment = tenant(c.status(), "acme")["quota"]["name"]
+        segment = tenant(c.status(), "acme").quota.name
         assert segment in hygiene.twt_segments()
         result = c.evict(None, "acme")
-        assert result["pids"] == [pid]
+        assert result.pids == (pid,)
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         assert segment not in hygiene.twt_segments()
         with pytest.raises(TenantIsolationViolation):
@@ -236,7 +240,7 @@ def test_evict_stops_worker_revokes_and_frees_name() -> None:
         with pytest.raises(UnknownTenant):
             c.evict(None, "acme")
         new = c.register(None, TenantSpec("acme"))
-        assert c.ping(new)["tenant"] == "acme"
+        assert c.ping(new).tenant == "acme"
         with pytest.raises(TenantIsolationViolation):
             c.ping(old)
 
@@ -247,17 +251,17 @@ def test_sigkill_supervisor_takes_workers_down_and_restart_cleans(tmp_path: obje
         settings = {"supervisor": {"backend": "stub", "pool_size": 2, "heartbeat_interval_s": 0.2},
                     "tenant": [{"name": "a"}, {"name": "b", "instances": 2}]}
         with launch(settings, run_dir=run_dir, start_method=method) as sup:
-            wait_for(lambda: len(sup.client.status()["supervisor"]["pool"]["pids"]) == 2, what="pool full")
+            wait_for(lambda: len(sup.client.status().supervisor.pool.pids) == 2, what="pool full")
             status = sup.client.status()
-            pids = [p for rec in status["tenants"] for p in rec["pids"]] + status["supervisor"]["pool"]["pids"]
+            pids = [p for rec in status.tenants for p in rec.pids] + list(status.supervisor.pool.pids)
             assert len(pids) == 5
-            segments = {rec["quota"]["name"] for rec in status["tenants"]}
+            segments = {rec.quota.name for rec in status.tenants}
             sup.process.kill()
             sup.process.wait(10)
             wait_for(lambda: not any(_alive(p) for p in pids), timeout_s=10.0, what="workers gone")
         # a new supervisor on the same run dir starts, and nothing of the old one is left
         with launch(settings, run_dir=run_dir) as again:
-            assert again.client.hello()["pid"] == again.pid
+            assert again.client.hello().pid == again.pid
         wait_for(lambda: not (hygiene.twt_segments() & segments), timeout_s=5, what="segments gone")
     import shutil
 

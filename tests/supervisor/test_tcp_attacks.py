@@ -60,28 +60,28 @@ def test_raw_tcp_connections_count_in_the_fd_budget_and_ipc_clients_keep_working
         c = sup.client
         cap = c.tenant_capability(None, "bystander")
         resource.prlimit(sup.pid, resource.RLIMIT_NOFILE, (512, 512))
-        wait_for(lambda: c.status()["supervisor"]["fd_limit"] == 512, timeout_s=15, what="the lowered limit seen")
-        budget = c.status()["supervisor"]["connection_budget"]
+        wait_for(lambda: c.status().supervisor.fd_limit == 512, timeout_s=15, what="the lowered limit seen")
+        budget = c.status().supervisor.connection_budget
         with ExitStack() as stack:
             socks = _raw_tcp(_port(sup.info), 700)
             for s in socks:
                 stack.callback(s.close)
-            wait_for(lambda: c.status()["supervisor"]["connections_shed_by"].get("fd_budget", 0) > 0,
+            wait_for(lambda: c.status().supervisor.connections_shed_by.get("fd_budget", 0) > 0,
                      timeout_s=60, what="raw TCP connections shed for the fd budget")
             # new ipc connections while the raw ones are held: the abort of finding 1
             for _ in range(3):
                 with sup.connect(timeout_s=30) as late:
-                    assert late.ping(cap)["tenant"] == "bystander"
-            assert c.ping(cap)["tenant"] == "bystander"
-            st = c.status()["supervisor"]
-            assert st["connections"] <= budget and st["tcp_connections"] <= budget
+                    assert late.ping(cap).tenant == "bystander"
+            assert c.ping(cap).tenant == "bystander"
+            st = c.status().supervisor
+            assert st.connections <= budget and st.tcp_connections <= budget
             assert psutil.Process(sup.pid).num_fds() < 512
             # before, the supervisor itself hit EMFILE (its psutil and housekeeping calls failed)
-            assert st["internal_errors"] == 0
+            assert st.internal_errors == 0
         assert sup.process.poll() is None, "the supervisor died"
-        wait_for(lambda: c.status()["supervisor"]["tcp_connections"] == 0, timeout_s=30, what="slots freed")
+        wait_for(lambda: c.status().supervisor.tcp_connections == 0, timeout_s=30, what="slots freed")
         with _remote(sup.info, timeout_s=30) as rc:  # and TCP serves again once they are gone
-            assert rc.ping(cap)["tenant"] == "bystander"
+            assert rc.ping(cap).tenant == "bystander"
 
 
 def test_idle_keyless_sockets_cannot_lock_a_remote_client_out() -> None:
@@ -97,11 +97,11 @@ def test_idle_keyless_sockets_cannot_lock_a_remote_client_out() -> None:
             socks = _raw_tcp(_port(sup.info), 1100, source="127.0.0.3")  # the attacker's address
             for s in socks:
                 stack.callback(s.close)
-            wait_for(lambda: c.status()["supervisor"]["connections_shed_by"].get("per_source", 0) >= len(socks) - 32,
+            wait_for(lambda: c.status().supervisor.connections_shed_by.get("per_source", 0) >= len(socks) - 32,
                      timeout_s=60, what="the attacker's connections past its source cap shed")
-            assert c.status()["supervisor"]["tcp_connections"] == 32
+            assert c.status().supervisor.tcp_connections == 32
             with _remote(sup.info, timeout_s=30) as rc:  # from 127.0.0.1: a source of its own
-                assert rc.ping(cap)["tenant"] == "acme"
+                assert rc.ping(cap).tenant == "acme"
         assert sup.process.poll() is None
 
 
@@ -114,7 +114,7 @@ def test_a_connection_that_never_greets_is_closed_at_the_handshake_deadline() ->
         finally:
             for s in socks:
                 s.close()
-        wait_for(lambda: sup.client.status()["supervisor"]["tcp_connections"] == 0, timeout_s=30,
+        wait_for(lambda: sup.client.status().supervisor.tcp_connections == 0, timeout_s=30,
                  what="the slots given back")
 
 
@@ -161,13 +161,13 @@ def test_keyless_curve_peers_flooding_then_closing_never_abort_the_supervisor() 
                 time.sleep(0.5)  # let them be sending while they close (the abort's trigger)
                 for s in peers:
                     s.close(0)
-                assert c.ping(cap)["tenant"] == "bystander"
+                assert c.ping(cap).tenant == "bystander"
         finally:
             ctx.destroy(0)
         assert sup.process.poll() is None, "the supervisor died"
         with _remote(sup.info, timeout_s=30) as rc:
-            assert rc.ping(cap)["tenant"] == "bystander"
-        assert c.status()["supervisor"]["internal_errors"] == 0
+            assert rc.ping(cap).tenant == "bystander"
+        assert c.status().supervisor.internal_errors == 0
 
 
 def test_a_tcp_ping_flood_leaves_an_ipc_tenant_served_and_the_queue_bounded() -> None:
@@ -194,9 +194,9 @@ def test_a_tcp_ping_flood_leaves_an_ipc_tenant_served_and_the_queue_bounded() ->
                 payload = os.urandom(64) + i.to_bytes(4, "big")
                 c.write(victim, h, payload)
                 assert c.read(victim, h, len(payload)) == payload
-                assert c.ping(victim)["tenant"] == "victim"
-                st = c.status()["supervisor"]
-                assert st["unauthenticated_backlog"] <= 1024 + 64  # the fair queue's bound (+ one read)
+                assert c.ping(victim).tenant == "victim"
+                st = c.status().supervisor
+                assert st.unauthenticated_backlog <= 1024 + 64  # the fair queue's bound (+ one read)
             answered = 0
             while s.poll(2000):
                 _, ok, payload = proto.decode_reply(s.recv_multipart()[0])
@@ -206,7 +206,7 @@ def test_a_tcp_ping_flood_leaves_an_ipc_tenant_served_and_the_queue_bounded() ->
         finally:
             s.close(0)
             ctx.destroy(0)
-        assert c.status()["supervisor"]["internal_errors"] == 0
+        assert c.status().supervisor.internal_errors == 0
 
 
 def test_a_client_shed_at_accept_gets_a_typed_error_at_once() -> None:
@@ -217,7 +217,7 @@ def test_a_client_shed_at_accept_gets_a_typed_error_at_once() -> None:
     with supervisor([{"name": "acme"}], listen=[LOOPBACK], log_level="error", max_tcp_peers_per_source=1) as sup:
         cap = sup.client.tenant_capability(None, "acme")
         with _remote(sup.info, timeout_s=30) as first:
-            assert first.ping(cap)["tenant"] == "acme"
+            assert first.ping(cap).tenant == "acme"
             with _remote(sup.info, timeout_s=30) as second:
                 t0 = time.monotonic()
                 with pytest.raises((HandshakeFailed, SupervisorUnavailable)) as info:
@@ -225,5 +225,5 @@ def test_a_client_shed_at_accept_gets_a_typed_error_at_once() -> None:
                 assert time.monotonic() - t0 < 25  # well within its timeout
                 if isinstance(info.value, HandshakeFailed):
                     assert "max_tcp_peers_per_source" in str(info.value)
-            assert first.ping(cap)["tenant"] == "acme"  # the one inside the cap never noticed
-        assert sup.client.status()["supervisor"]["connections_shed_by"]["per_source"] >= 1
+            assert first.ping(cap).tenant == "acme"  # the one inside the cap never noticed
+        assert sup.client.status().supervisor.connections_shed_by["per_source"] >= 1

@@ -60,7 +60,7 @@ def test_squatting_the_next_worker_labels_does_not_shut_out_real_workers() -> No
             cap = c.register(None, TenantSpec("second").with_instances(2), timeout_s=30)
             assert c.ping(cap)
             rec = tenant(c.status(), "second")
-            assert rec["state"] == "running" and len(rec["pids"]) == 2
+            assert rec.state == "running" and len(rec.pids) == 2
             # the identities in use are not the published labels
             for s in squatters:
                 assert not s.poll(0)  # nothing was routed to a squatter

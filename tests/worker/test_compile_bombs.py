@@ -75,4 +75,4 @@ def test_run_wasm_with_a_compile_bomb_is_answered_by_its_run_deadline() -> None:
 
         wait_for(served, timeout_s=30, what="bomber served again")
         assert c.ping(c.tenant_capability(None, "bystander"))
-        assert c.run_wasm(cap, small_module(7), "run")["results"] == [7]
+        assert c.run_wasm(cap, small_module(7), "run").results == (7,)

@@ -7,7 +7,7 @@ CUDA bindings.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
 from worker.backends.stub import StubBackend
@@ -15,12 +15,12 @@ from worker.backends.stub import StubBackend
 __all__ = ["Backend", "DeviceBuffer", "DeviceOutOfMemory", "StubBackend", "create_backend"]
 
 
-def create_backend(name: str, options: dict[str, Any]) -> Backend:
+def create_backend(name: str, options: dict[str, object]) -> Backend:
     """The backend for one tenant process. Raises BackendUnavailable / CudaError for cuda."""
     if name == "stub":
         return StubBackend(
-            capacity_bytes=int(options.get("capacity_bytes", 16 << 30)),
-            device_index=int(options.get("device_index", 0)),
+            capacity_bytes=_int_option(options, "capacity_bytes", 16 << 30),
+            device_index=_int_option(options, "device_index", 0),
         )
     if name == "cuda":
         from worker.backends.cuda import CudaBackend  # type: ignore[import-not-found,unused-ignore]
@@ -30,3 +30,11 @@ def create_backend(name: str, options: dict[str, Any]) -> Backend:
     from shared.errors import BackendUnavailable
 
     raise BackendUnavailable(name, "unknown backend (expected 'stub' or 'cuda')")
+
+
+def _int_option(options: Mapping[str, object], name: str, default: int) -> int:
+    """An int backend option (the supervisor writes them; a wrong type is its bug, said plainly)."""
+    value = options.get(name, default)
+    if not isinstance(value, (int, float, str)):
+        raise TypeError(f"backend option {name} must be an int, not {type(value).__name__}")
+    return int(value)

@@ -35,6 +35,10 @@ results agree with numpy within float32 tolerance.
 
 The module is named like the driver's: ``nvmath.bindings.cublas`` by
 default, or a module(-shaped) object (the test suite's fake cuBLAS).
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports). The handles they give are held as ``object`` and passed back; a
+bindings module and what its calls return stay dynamically typed, converted (int(), bytes) where read.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ INSTALL_HINT = "install tensor-wasm-tenant[cuda] (nvmath-python with nvidia-cubl
 _I32_MAX = (1 << 31) - 1
 
 
-def load_cublas_module(module: str | Any | None) -> Any:
+def load_cublas_module(module: object) -> Any:
     """The cuBLAS bindings module (imported lazily: a worker that never multiplies never loads it)."""
     try:
         return import_bindings(module, DEFAULT_CUBLAS_MODULE)
@@ -96,7 +100,7 @@ class Cublas:
         self.calls = 0
 
     @classmethod
-    def load(cls, module: str | Any | None, stream: Any) -> Cublas:
+    def load(cls, module: object, stream: Any) -> Cublas:
         """Create the handle on ``stream`` (the backend's context must be current)."""
         mod = load_cublas_module(module)
         try:

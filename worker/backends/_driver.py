@@ -30,12 +30,16 @@ or whatever ``TWT_CUDA_DRIVER_MODULE`` / ``cuda_driver_module`` names (the
 test suite's fake driver), passed to the worker in its backend options. A
 module object can also be handed in directly (unit tests). The backend never
 knows which one it got.
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports). The handles they give are held as ``object`` and passed back; a
+bindings module and what its calls return stay dynamically typed, converted (int(), bytes) where read.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, SupportsInt
 from collections.abc import Callable
 
 from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable, CudaError
@@ -47,7 +51,7 @@ DEFAULT_DRIVER_MODULE = "cuda.bindings.driver"
 DEFAULT_NVRTC_MODULE = "cuda.bindings.nvrtc"
 
 
-def import_bindings(module: str | Any | None, default: str) -> Any:
+def import_bindings(module: object, default: str) -> Any:
     """``module`` itself when it is an object, else import it by name (``default`` when None).
 
     The one way the cuda backend gets a bindings module (driver, NVRTC,
@@ -58,7 +62,7 @@ def import_bindings(module: str | Any | None, default: str) -> Any:
     return importlib.import_module(module or default)
 
 
-def load_module(module: str | Any | None, default: str, what: str) -> Any:
+def load_module(module: object, default: str, what: str) -> Any:
     """:func:`import_bindings`, a module that does not import being :class:`BackendUnavailable`."""
     try:
         return import_bindings(module, default)
@@ -66,7 +70,7 @@ def load_module(module: str | Any | None, default: str, what: str) -> Any:
         raise BackendUnavailable("cuda", f"{what} module {module or default!r} is not importable: {exc}") from None
 
 
-def _check(call: str, result: tuple[Any, ...], make_error: Callable[[str, Any], CudaError]) -> Any:
+def _check(call: str, result: tuple[Any, ...], make_error: Callable[[str, SupportsInt], CudaError]) -> Any:
     """The checked-call helper: ``(err, *values)`` -> values, or raise :class:`CudaError`."""
     err = result[0]
     if err:
@@ -85,7 +89,7 @@ def _unloadable(what: str, call: str, exc: RuntimeError) -> BackendUnavailable:
 class Driver:
     """A loaded driver module (real or fake) and the checked calls on it."""
 
-    def __init__(self, module: str | Any | None = None) -> None:
+    def __init__(self, module: object = None) -> None:
         self.mod = load_module(module, DEFAULT_DRIVER_MODULE, "CUDA driver bindings")
         self.module_name: str = getattr(self.mod, "__name__", type(self.mod).__name__)
         self.CUresult = self.mod.CUresult
@@ -105,7 +109,7 @@ class Driver:
         """Check the result tuple of a call made directly (the hot paths)."""
         return _check(name, result, self.error)
 
-    def error(self, name: str, err: Any) -> CudaError:
+    def error(self, name: str, err: SupportsInt) -> CudaError:
         """The :class:`CudaError` for a failed ``name`` that returned ``err`` (notes a sticky one)."""
         result_name = self.error_name(err)
         if not is_sticky_cuda_error(result_name):
@@ -116,7 +120,7 @@ class Driver:
             f"{name} failed: {result_name} ({int(err)}); this error is sticky: the CUDA context of this "
             "worker is lost, the worker exits and the supervisor restarts it under the tenant's restart policy"))
 
-    def error_name(self, err: Any) -> str:
+    def error_name(self, err: SupportsInt) -> str:
         """The driver's name for ``err`` (``cuGetErrorName``), else the enum's, else the number."""
         try:
             res, raw = self.mod.cuGetErrorName(err)
@@ -130,7 +134,7 @@ class Driver:
 class Nvrtc:
     """A loaded NVRTC module (real or fake) and the checked calls on it."""
 
-    def __init__(self, module: str | Any | None = None) -> None:
+    def __init__(self, module: object = None) -> None:
         self.mod = load_module(module, DEFAULT_NVRTC_MODULE, "NVRTC bindings")
 
     def call(self, name: str, *args: Any) -> Any:
@@ -142,11 +146,11 @@ class Nvrtc:
                 f"{NVRTC_INSTALL_HINT}")) from None
         return _check(name, result, self.error)
 
-    def error(self, name: str, err: Any) -> CudaError:
+    def error(self, name: str, err: SupportsInt) -> CudaError:
         """The :class:`CudaError` for a failed NVRTC call (NVRTC errors are never sticky)."""
         return CudaError(name, self.error_name(err), int(err))
 
-    def error_name(self, err: Any) -> str:
+    def error_name(self, err: SupportsInt) -> str:
         try:
             res, raw = self.mod.nvrtcGetErrorString(err)
             if not res and raw:

@@ -13,9 +13,12 @@ per-thread), never concurrently.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING
 
 from worker.backends.timing import HostTimer, OpTimer
+
+if TYPE_CHECKING:
+    from worker.allocator import ByteMeter
 
 __all__ = ["Backend", "DeviceBuffer", "DeviceOutOfMemory"]
 
@@ -72,7 +75,7 @@ class Backend(abc.ABC):
         grace period at most) and its freed memory returned. Raises ``KernelTimeout`` (the cuda
         backend's ``QueueOverrun``) when the work outlives that: the worker must then exit."""
 
-    def attach_overhead_meter(self, meter: Any) -> None:
+    def attach_overhead_meter(self, meter: ByteMeter) -> None:
         """Charge the device memory this backend holds outside any tenant buffer to ``meter``."""
 
     def inject_kernel_fault(self) -> None:
@@ -202,7 +205,7 @@ class Backend(abc.ABC):
         """Copy ``len(dest)`` bytes of ``buf`` at ``offset`` into ``dest`` (at ``addr`` when pinned)."""
         self.read_into(buf, offset, dest)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         """What status shows about this backend (device, capacity, pool ...)."""
         return {"backend": self.name}
 

@@ -59,6 +59,10 @@ the driver cap only when the instance restarts.
 All calls come from the worker's executor thread. The context is made
 current again if a call ever arrives on another thread (CUDA contexts are
 per thread).
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports). The handles they give are held as ``object`` and passed back; a
+bindings module and what its calls return stay dynamically typed, converted (int(), bytes) where read.
 """
 
 from __future__ import annotations
@@ -69,16 +73,24 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, SupportsInt, TypeVar
 
 from shared.errors import BackendUnavailable, CudaError, KernelTimeout
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
-from worker.backends.cuda_ops import TensorOpsMixin
+from worker.backends.cuda_ops import Closable, TensorOpsMixin
+
+if TYPE_CHECKING:
+    from worker.allocator import ByteMeter
+    from worker.backends.kernels import Kernels
+    from worker.backends.timing import OpTimer
 
 __all__ = ["FIXED_SCRATCH_BYTES", "QUEUE_EVENT_EVERY", "QUEUE_GRACE_S", "QUEUE_MAX_EVENTS", "CudaBackend",
            "CudaBuffer", "QueueOverrun", "round_up"]
+
+T = TypeVar("T", bound=Closable)
 
 _log = get_logger("worker.cuda")
 #: the fixed scratch, one cuMemAlloc made at set-up: [sum partials | op scratch | cuBLAS fallback workspace]
@@ -131,7 +143,7 @@ class CudaBuffer(DeviceBuffer):
 
     __slots__ = ("ptr",)
 
-    def __init__(self, nbytes: int, ptr: Any) -> None:
+    def __init__(self, nbytes: int, ptr: SupportsInt) -> None:
         self.nbytes = nbytes  # (no super().__init__: this is the allocation hot path)
         self.ptr = ptr
 
@@ -151,10 +163,10 @@ class CudaBackend(TensorOpsMixin, Backend):
         *,
         gpu_cap_bytes: int | None = None,
         release_threshold: int | None = None,
-        driver: Driver | str | Any | None = None,
-        nvrtc: Nvrtc | str | Any | None = None,
+        driver: object = None,  # a Driver, a module name, or a module(-shaped) object
+        nvrtc: object = None,  # likewise for NVRTC
         environment: dict[str, str] | None = None,
-        cublas: str | Any | None = None,
+        cublas: object = None,  # likewise for cuBLAS
         context_bytes: int | None = None,
         queue_grace_s: float = QUEUE_GRACE_S,
     ) -> None:
@@ -174,7 +186,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         self.environment = dict(environment or {})
         self._drv = driver if isinstance(driver, Driver) else Driver(driver)
         self._nvrtc_spec = nvrtc
-        self._kernels: Any = None
+        self._kernels: Kernels | None = None
         self._cublas_spec = cublas  # cuBLAS bindings module (name or object); imported on the first GEMM
         self._tensor_ops = None  # the WASM ABI's tensor ops (worker.backends.cuda_ops), on first use
         self._live: set[CudaBuffer] = set()
@@ -182,22 +194,22 @@ class CudaBackend(TensorOpsMixin, Backend):
         self.in_use = 0
         self.alloc_calls = 0  # cuMemAllocFromPoolAsync calls made (the GPU check reads it)
         self._closed = False
-        self._ctx: Any = None
-        self._prev_ctx: Any = None
-        self._stream: Any = None
-        self._pool: Any = None
-        self._dev: Any = None
+        self._ctx: object = None
+        self._prev_ctx: object = None
+        self._stream: object = None
+        self._pool: object = None
+        self._dev: object = None
         self._thread = threading.get_ident()
         self._scratch: int | None = None
         self.context_bytes = context_bytes
         self.queue_grace_s = queue_grace_s
         #: device bytes this worker holds outside the tenant's pool (context, scratch, modules, cuBLAS)
         self.overhead_bytes = 0
-        self._overhead_meter: Any = None
+        self._overhead_meter: ByteMeter | None = None
         self._overhead_charged = 0
         # queued work: events in flight (oldest first), idle events, async ops since the last event
-        self._inflight: deque[Any] = deque()
-        self._idle_events: list[Any] = []
+        self._inflight: deque[object] = deque()
+        self._idle_events: list[object] = []
         self._since_event = 0
         self._run_limit: float | None = None  # the current run's latest wait (monotonic), or None
         #: set once a run's queued work outlived its deadline: the worker must exit (QueueOverrun)
@@ -215,7 +227,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._free_async = d.cuMemFreeAsync
         self._oom = self._drv.OUT_OF_MEMORY
 
-    def op_timer(self) -> Any:
+    def op_timer(self) -> OpTimer:
         """CUDA events on the tenant stream (shared.gpu_time charges by them)."""
         from worker.backends.cuda_timing import CudaEventTimer
 
@@ -227,7 +239,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         return CudaBuffer(nbytes, int(buf.ptr) + offset)  # type: ignore[attr-defined]
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> CudaBackend:
+    def from_options(cls, options: dict[str, object]) -> CudaBackend:
         """Build from the bind message's backend options (see ``supervisor.lifecycle.workerset``)."""
         cap = options.get("gpu_memory_bytes_cap")
         threshold = options.get("recorded_cuda_mem_pool_quota")
@@ -236,10 +248,10 @@ class CudaBackend(TensorOpsMixin, Backend):
             raise BackendUnavailable("cuda", f"backend option 'environment' must be a table, got {type(env).__name__}")
         ctx_bytes = options.get("context_bytes")
         return cls(
-            int(options.get("device_index", 0)),
-            context_bytes=None if ctx_bytes is None else int(ctx_bytes),
-            gpu_cap_bytes=None if cap is None else int(cap),
-            release_threshold=None if threshold is None else int(threshold),
+            _int_option("device_index", options.get("device_index", 0)),
+            context_bytes=None if ctx_bytes is None else _int_option("context_bytes", ctx_bytes),
+            gpu_cap_bytes=None if cap is None else _int_option("gpu_memory_bytes_cap", cap),
+            release_threshold=None if threshold is None else _int_option("recorded_cuda_mem_pool_quota", threshold),
             driver=options.get("driver_module"),
             nvrtc=options.get("nvrtc_module"),
             environment=env,
@@ -346,7 +358,7 @@ class CudaBackend(TensorOpsMixin, Backend):
 
     # ------------------------------------------------------- fixed overhead
 
-    def attach_overhead_meter(self, meter: Any) -> None:
+    def attach_overhead_meter(self, meter: ByteMeter) -> None:
         """Charge this worker's fixed overhead to ``meter`` (the device budget), now and as it grows.
 
         Raises the meter's refusal (``GpuMemoryExhausted``) when the device
@@ -363,7 +375,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         meter.consume(due)
         self._overhead_charged += due
 
-    def _measured(self, load: Any) -> Any:
+    def _measured(self, load: Callable[[], T]) -> T:
         """Run ``load()`` (a module, a cuBLAS handle) and add what it took from the device to the
         fixed overhead, charged at once; a refused charge undoes the load (``close()`` on its result)."""
         free_before = int(self._drv.call("cuMemGetInfo")[0])
@@ -379,7 +391,7 @@ class CudaBackend(TensorOpsMixin, Backend):
             raise
         return out
 
-    def _alloc_prop(self) -> Any:
+    def _alloc_prop(self) -> object:
         d = self._drv.mod
         prop = d.CUmemAllocationProp()
         prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -504,7 +516,7 @@ class CudaBackend(TensorOpsMixin, Backend):
                 self._overrun()
             self._idle_events.append(self._inflight.popleft())
 
-    def _wait_event(self, ev: Any, until: float | None) -> bool:
+    def _wait_event(self, ev: object, until: float | None) -> bool:
         """Poll ``cuEventQuery`` until the event completes (True) or ``until`` passes (False).
 
         Polling (sleeping between queries), not ``cuEventSynchronize``: a wait
@@ -576,7 +588,7 @@ class CudaBackend(TensorOpsMixin, Backend):
             # a non-sticky failure to give memory back must not turn a finished run into an error
             log_event(_log, logging.WARNING, "cuda.reclaim_failed", device=self.device_index, error=str(exc))
 
-    def _copy(self, call: str, dst: Any, src: Any, nbytes: int) -> None:
+    def _copy(self, call: str, dst: object, src: object, nbytes: int) -> None:
         """One copy on our stream, waited for: the host side (a message frame, or a region the
         client reuses after the reply) must outlive it."""
         if not nbytes:
@@ -646,7 +658,7 @@ class CudaBackend(TensorOpsMixin, Backend):
 
     # ------------------------------------------------------------ tensor ops
 
-    def kernels(self) -> Any:
+    def kernels(self) -> Kernels:
         """The compiled kernels (NVRTC on first use)."""
         self._open()
         self._current()
@@ -703,8 +715,8 @@ class CudaBackend(TensorOpsMixin, Backend):
         free, total = self._drv.call("cuMemGetInfo")
         return int(free), int(total)
 
-    def info(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def info(self) -> dict[str, object]:
+        out: dict[str, object] = {
             "backend": self.name,
             "device": self.device_index,
             "device_name": getattr(self, "device_name", ""),
@@ -754,7 +766,7 @@ class CudaBackend(TensorOpsMixin, Backend):
     def _teardown(self, *, log_only: bool) -> None:
         drv = self._drv
 
-        def attempt(call: str, *args: Any, event: str = "cuda.cleanup_failed") -> bool:
+        def attempt(call: str, *args: object, event: str = "cuda.cleanup_failed") -> bool:
             try:
                 drv.call(call, *args)
                 return True
@@ -796,3 +808,10 @@ class CudaBackend(TensorOpsMixin, Backend):
             attempt("cuCtxSetCurrent", self._prev_ctx, event="context.pop_failed")
             attempt("cuDevicePrimaryCtxRelease", self._dev, event="context.release_failed")
             self._ctx = None
+
+
+def _int_option(name: str, value: object) -> int:
+    """An int backend option (written by the supervisor; a wrong type is said plainly)."""
+    if not isinstance(value, (int, float, str)):
+        raise BackendUnavailable("cuda", f"backend option {name!r} must be an int, got {type(value).__name__}")
+    return int(value)

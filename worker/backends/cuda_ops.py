@@ -33,13 +33,18 @@ Nothing here allocates per call.
 
 The compile step is :func:`worker.backends.kernels.compile_source` (a cubin for the
 device's ``sm_XY``, PTX when this NVRTC does not know it).
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports). The handles they give are held as ``object`` and passed back; a
+bindings module and what its calls return stay dynamically typed, converted (int(), bytes) where read.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from shared.errors import CudaError, InvalidArgument
 from shared.log import get_logger, log_event
@@ -49,6 +54,25 @@ from worker.backends.base import DeviceBuffer
 from worker.backends.kernels import compile_source
 
 __all__ = ["OPS_SOURCE", "SCRATCH_BYTES", "CudaTensorOps", "TensorOpsMixin"]
+
+
+class Closable(Protocol):
+    """What a measured load gives (compiled kernels, a cuBLAS handle): closed again when refused."""
+
+    def close(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=Closable)
+
+
+class Measure(Protocol):
+    """The backend's ``_measured``: run ``load()`` and charge what it took from the device."""
+
+    def __call__(self, load: Callable[[], _C], /) -> _C: ...
+
+
+def _unmeasured(load: Callable[[], _C]) -> _C:
+    return load()
 
 _log = get_logger("worker.cuda_ops")
 
@@ -217,14 +241,15 @@ def _grid(n: int, cap: int = MAX_GRID) -> int:
 class CudaTensorOps:
     """The compiled op kernels and the cuBLAS handle of one backend; use :meth:`load`."""
 
-    def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any,
-                 cublas_module: Any, fallback_workspace: tuple[int, int] = (0, 0),
-                 on_enqueued: Any = None, measured: Any = None, wait_idle: Any = None) -> None:
+    def __init__(self, drv: Driver, module: object, functions: dict[bytes, Any], scratch: int, stream: object,
+                 cublas_module: object, fallback_workspace: tuple[int, int] = (0, 0),
+                 on_enqueued: Callable[[], None] | None = None, measured: Measure | None = None,
+                 wait_idle: Callable[[], None] | None = None) -> None:
         self._drv = drv
         self._fallback_workspace = fallback_workspace
         self._on_enqueued = on_enqueued if on_enqueued is not None else (lambda: None)
         self._wait_idle = wait_idle if wait_idle is not None else (lambda: None)
-        self._measured = measured if measured is not None else (lambda load: load())
+        self._measured: Measure = measured if measured is not None else _unmeasured
         self._module = module
         self._fn = functions
         self._scratch = scratch
@@ -237,9 +262,9 @@ class CudaTensorOps:
         self._partials = np.empty(_MAX_BLOCKS, dtype=np.float32)
 
     @classmethod
-    def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any, cublas_module: Any = None, *,
-             scratch: int, fallback_workspace: tuple[int, int] = (0, 0), on_enqueued: Any = None,
-             measured: Any = None, wait_idle: Any = None) -> CudaTensorOps:
+    def load(cls, drv: Driver, nvrtc: Nvrtc, device: object, stream: object, cublas_module: object = None, *,
+             scratch: int, fallback_workspace: tuple[int, int] = (0, 0), on_enqueued: Callable[[], None] | None = None,
+             measured: Measure | None = None, wait_idle: Callable[[], None] | None = None) -> CudaTensorOps:
         """Compile (NVRTC) and load the op kernels into the current context; cuBLAS waits for a GEMM.
 
         ``scratch``: ``SCRATCH_BYTES`` of device memory the reductions may use;
@@ -263,7 +288,7 @@ class CudaTensorOps:
         ops.arch = arch
         return ops
 
-    def _launch(self, name: bytes, grid: int, args: tuple[Any, ...], types: tuple[Any, ...]) -> None:
+    def _launch(self, name: bytes, grid: int, args: tuple[object, ...], types: tuple[object, ...]) -> None:
         self._drv.call("cuLaunchKernel", self._fn[name], grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
         self._on_enqueued()
 
@@ -394,10 +419,10 @@ class TensorOpsMixin:
     """
 
     _drv: Driver
-    _dev: Any
-    _stream: Any
-    _nvrtc_spec: Any
-    _cublas_spec: Any
+    _dev: object
+    _stream: object
+    _nvrtc_spec: object
+    _cublas_spec: object
     _tensor_ops: CudaTensorOps | None
     _scratch: int | None
 
@@ -405,7 +430,8 @@ class TensorOpsMixin:
     def _current(self) -> None: ...  # provided by CudaBackend
     def note_enqueued(self) -> None: ...  # provided by CudaBackend
     def wait_idle(self) -> None: ...  # provided by CudaBackend
-    def _measured(self, load: Any) -> Any: ...  # provided by CudaBackend
+    def _measured(self, load: Callable[[], _C]) -> _C:  # provided by CudaBackend
+        raise NotImplementedError
 
     def tensor_ops(self) -> CudaTensorOps:
         """The op kernels (NVRTC on first use) and the cuBLAS handle (on the first GEMM)."""

@@ -9,13 +9,16 @@ and reused; synchronising on the end event makes each op complete before the
 lease moves, which is what keeps two tenants' kernels from overlapping in the
 accounting. Kept out of ``cuda.py`` so the backend only gains two small
 methods (``op_timer``, ``view``).
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports). The handles they give are held as ``object`` and passed back; a
+bindings module and what its calls return stay dynamically typed, converted (int(), bytes) where read.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver
@@ -28,7 +31,7 @@ _log = get_logger("worker.cuda_timing")
 class CudaEventTimer:
     """Times ops on one stream with a reused pair of CUDA events."""
 
-    def __init__(self, drv: Driver, stream: Any, make_current: Callable[[], None]) -> None:
+    def __init__(self, drv: Driver, stream: object, make_current: Callable[[], None]) -> None:
         self._drv = drv
         self._stream = stream
         self._current = make_current
@@ -40,7 +43,7 @@ class CudaEventTimer:
             drv.call("cuEventDestroy", self._start)
             raise
 
-    def time(self, fn: Callable[..., Any], *args: Any) -> int:
+    def time(self, fn: Callable[..., object], *args: object) -> int:
         drv = self._drv
         self._current()
         drv.call("cuEventRecord", self._start, self._stream)

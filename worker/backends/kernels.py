@@ -21,6 +21,10 @@ The per-block partials live in the backend's fixed scratch (the first
 ``MAX_SUM_BLOCKS`` doubles of one ``cuMemAlloc`` outside the tenant's pool,
 charged to the device budget as fixed overhead), so a tenant at exactly its
 cap can still sum.
+
+Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
+(mypy: ignore_missing_imports). The handles they give are held as ``object`` and passed back; a
+bindings module and what its calls return stay dynamically typed, converted (int(), bytes) where read.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from shared.errors import CudaError
@@ -93,8 +98,8 @@ def _grid(n: int, cap: int) -> int:
 class Kernels:
     """The three kernels loaded into the current context; use :meth:`load`."""
 
-    def __init__(self, drv: Driver, module: Any, functions: dict[bytes, Any], scratch: int, stream: Any,
-                 wait_idle: Any = None) -> None:
+    def __init__(self, drv: Driver, module: object, functions: dict[bytes, Any], scratch: int, stream: object,
+                 wait_idle: Callable[[], None] | None = None) -> None:
         self._drv = drv
         self._wait_idle = wait_idle if wait_idle is not None else (lambda: None)
         self._module = module
@@ -108,8 +113,8 @@ class Kernels:
         self.arch = ""
 
     @classmethod
-    def load(cls, drv: Driver, nvrtc: Nvrtc, device: Any, stream: Any, scratch: int, *,
-             wait_idle: Any = None) -> Kernels:
+    def load(cls, drv: Driver, nvrtc: Nvrtc, device: object, stream: object, scratch: int, *,
+             wait_idle: Callable[[], None] | None = None) -> Kernels:
         """Compile (NVRTC) and load the kernels for ``device`` into the current context.
 
         ``scratch``: device address of ``MAX_SUM_BLOCKS * 8`` bytes the sum's partials may use;
@@ -130,7 +135,7 @@ class Kernels:
         kernels.arch = arch
         return kernels
 
-    def _launch(self, fn: Any, name: str, grid: int, args: tuple[Any, ...], types: tuple[Any, ...]) -> None:
+    def _launch(self, fn: object, name: str, grid: int, args: tuple[object, ...], types: tuple[object, ...]) -> None:
         drv = self._drv
         drv.call("cuLaunchKernel", fn, grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
         try:
@@ -212,7 +217,7 @@ def compile_source(nvrtc: Nvrtc, source: str, filename: str, major: int, minor: 
                     message=f"NVRTC knows neither sm_{major}{minor} nor compute_{major}{minor}")
 
 
-def _program_log(nvrtc: Nvrtc, prog: Any) -> str:
+def _program_log(nvrtc: Nvrtc, prog: object) -> str:
     try:
         size = int(nvrtc.call("nvrtcGetProgramLogSize", prog))
         buf = bytearray(size)  # written in place (see compile_source)

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["StubBackend", "StubBuffer"]
 
@@ -83,7 +87,7 @@ class StubBackend(Backend):
         dest[:] = memoryview(buf.data)[offset : offset + len(dest)]
 
     @staticmethod
-    def _f32(buf: DeviceBuffer, count: int) -> Any:
+    def _f32(buf: DeviceBuffer, count: int) -> npt.NDArray[np.float32]:
         import numpy as np
 
         assert isinstance(buf, StubBuffer)
@@ -119,7 +123,7 @@ class StubBackend(Backend):
     #    (``out=``), temporaries only where an op needs them (a row's max and sum in softmax)
 
     @staticmethod
-    def _mat(buf: DeviceBuffer, rows: int, cols: int) -> Any:
+    def _mat(buf: DeviceBuffer, rows: int, cols: int) -> npt.NDArray[np.float32]:
         return StubBackend._f32(buf, rows * cols).reshape(rows, cols)
 
     def matmul_f32(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int, *,
@@ -218,7 +222,7 @@ class StubBackend(Backend):
 
         np.copyto(self._mat(out, cols, rows), self._mat(x, rows, cols).T)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         return {
             "backend": self.name,
             "device": self.device_index,

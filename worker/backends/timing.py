@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 __all__ = ["HostTimer", "OpTimer"]
 
 
 class OpTimer(Protocol):
-    def time(self, fn: Callable[..., Any], *args: Any) -> int:
+    def time(self, fn: Callable[..., object], *args: object) -> int:
         """Run ``fn(*args)`` to completion on the device; the ns of device time it took."""
         ...
 
@@ -42,7 +42,7 @@ class HostTimer:
     time is the stub's equivalent. On an idle core the two agree.
     """
 
-    def time(self, fn: Callable[..., Any], *args: Any) -> int:
+    def time(self, fn: Callable[..., object], *args: object) -> int:
         t0 = time.process_time_ns()
         fn(*args)
         return time.process_time_ns() - t0

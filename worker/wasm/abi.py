@@ -23,6 +23,9 @@ Handles are i64 values private to one run: 1, 2, 3 ... in the order the run
 made them (client buffers passed as ``{"handle": h}`` arguments are entered
 first). They are never reused within a run, so a double free is reported,
 and they mean nothing to any other run, tenant or worker.
+
+Typing: the caller an import receives is a wasmtime.Caller, or wasmtime's raw caller pointer on
+the unchecked import path (ctypes); here it is an ``object``, only handed to the memory span.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from shared.errors import (
     GpuMemoryExhausted,
@@ -55,6 +58,8 @@ __all__ = [
     "NoGuestMemory",
     "guest_view",
 ]
+
+T = TypeVar("T")
 
 _log = get_logger("worker.wasm")
 
@@ -117,7 +122,7 @@ class NoGuestMemory(Exception):
 
 
 #: ``span(caller) -> (address, size)`` of the guest's linear memory at this moment
-MemorySpan = Callable[[Any], tuple[int, int]]
+MemorySpan = Callable[[object], tuple[int, int]]
 
 
 class LogLimiter:
@@ -188,7 +193,7 @@ class GuestRun:
 
     # ------------------------------------------------------------ helpers
 
-    def _guest(self, caller: Any, ptr: int, length: int) -> int | None:
+    def _guest(self, caller: object, ptr: int, length: int) -> int | None:
         """Address of guest bytes ``[ptr, ptr+length)`` (u32-masked), or None when out of bounds."""
         if self.span is None:
             raise NoGuestMemory
@@ -197,7 +202,7 @@ class GuestRun:
             return None
         return base + ptr
 
-    def guest_range(self, caller: Any, ptr: int, nbytes: int) -> memoryview | int:
+    def guest_range(self, caller: object, ptr: int, nbytes: int) -> memoryview | int:
         """A writable view of guest bytes ``[ptr, ptr+nbytes)`` (ptr already u32), or an error code."""
         try:
             address = self._guest(caller, ptr, nbytes)
@@ -230,7 +235,7 @@ class GuestRun:
                     self.gpu_peak_bytes = max(self.gpu_peak_bytes, self.gpu_bytes)
         self.backend.matmul_f32(a, b, c, m, k, n, workspace=self.workspace)
 
-    def device_op(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def device_op(self, name: str, fn: Callable[..., T], args: tuple[object, ...]) -> T | None:
         """``fn(*args)`` on the device under this worker's lease (see :mod:`worker.device_time`)."""
         return self.gate.op(name, fn, args, self.deadline_ns)
 
@@ -279,7 +284,7 @@ class GuestRun:
 
     # ------------------------------------------------------------ imports
 
-    def alloc(self, caller: Any, nbytes: int) -> int:
+    def alloc(self, caller: object, nbytes: int) -> int:
         if nbytes <= 0:
             return _INVALID
         if len(self.buffers) >= MAX_LIVE_HANDLES:
@@ -311,7 +316,7 @@ class GuestRun:
             return ErrorCode.GPU_QUOTA
         return ErrorCode.DEVICE_OOM
 
-    def free(self, caller: Any, handle: int) -> int:
+    def free(self, caller: object, handle: int) -> int:
         entry = self.buffers.get(handle)
         if entry is None:
             return _BAD_HANDLE
@@ -327,15 +332,15 @@ class GuestRun:
             return _BACKEND
         return _OK
 
-    def write(self, caller: Any, handle: int, dst_off: int, src_ptr: int, length: int) -> int:
+    def write(self, caller: object, handle: int, dst_off: int, src_ptr: int, length: int) -> int:
         """guest memory[src_ptr : src_ptr+len] -> buffer[dst_off : dst_off+len]."""
         return self._copy(caller, handle, dst_off, src_ptr, length, to_guest=False)
 
-    def read(self, caller: Any, handle: int, src_off: int, dst_ptr: int, length: int) -> int:
+    def read(self, caller: object, handle: int, src_off: int, dst_ptr: int, length: int) -> int:
         """buffer[src_off : src_off+len] -> guest memory[dst_ptr : dst_ptr+len]."""
         return self._copy(caller, handle, src_off, dst_ptr, length, to_guest=True)
 
-    def _copy(self, caller: Any, handle: int, off: int, ptr: int, length: int, *, to_guest: bool) -> int:
+    def _copy(self, caller: object, handle: int, off: int, ptr: int, length: int, *, to_guest: bool) -> int:
         """One copy between guest memory and buffer ``handle`` at ``off``, or an error code.
 
         Checks in the ABI's fixed order: handle, buffer range, guest-memory range.
@@ -372,7 +377,7 @@ class GuestRun:
             return _BUFFER_BOUNDS
         return entry[0]
 
-    def fill_f32(self, caller: Any, handle: int, value: float, count: int) -> int:
+    def fill_f32(self, caller: object, handle: int, value: float, count: int) -> int:
         buf = self._f32_buffer(handle, count)
         if isinstance(buf, int):
             return buf
@@ -383,7 +388,7 @@ class GuestRun:
                 return self._op_failed("fill_f32", exc)
         return _OK
 
-    def axpy_f32(self, caller: Any, n: int, a: float, x: int, y: int) -> int:
+    def axpy_f32(self, caller: object, n: int, a: float, x: int, y: int) -> int:
         """y[:n] = a * x[:n] + y[:n] (float32)."""
         xe = self.buffers.get(x)
         ye = self.buffers.get(y)
@@ -400,7 +405,7 @@ class GuestRun:
                 return self._op_failed("axpy_f32", exc)
         return _OK
 
-    def sum_f32(self, caller: Any, handle: int, count: int, out_ptr: int) -> int:
+    def sum_f32(self, caller: object, handle: int, count: int, out_ptr: int) -> int:
         """Sum of the first ``count`` floats, stored as a little-endian f32 at ``out_ptr``."""
         buf = self._f32_buffer(handle, count)
         if isinstance(buf, int):
@@ -412,7 +417,7 @@ class GuestRun:
         if address is None:
             return _MEMORY_BOUNDS
         try:
-            total = self.device_op("sum_f32", self.backend.sum_f32, (buf, count)) if count else 0.0
+            total = (self.device_op("sum_f32", self.backend.sum_f32, (buf, count)) if count else None) or 0.0
         except TensorWasmError as exc:
             return self._op_failed("sum_f32", exc)
         # the guest is suspended in this call, so its memory cannot have moved meanwhile
@@ -424,7 +429,7 @@ class GuestRun:
                   error=f"{type(exc).__name__}: {exc}")
         return _BACKEND
 
-    def log(self, caller: Any, ptr: int, length: int) -> int:
+    def log(self, caller: object, ptr: int, length: int) -> int:
         """One bounded log line (truncated to MAX_LOG_BYTES), rate-limited per run and per worker."""
         p = ptr & _U32
         n = length & _U32

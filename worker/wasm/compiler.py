@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import wasmtime
 
@@ -46,7 +46,7 @@ def compile_bounded(engine: wasmtime.Engine, wasm: bytes, deadline: float | None
     at most; :class:`CompileOverrun` past it (the compile thread keeps running)."""
     if deadline is None:
         return wasmtime.Module(engine, wasm)
-    out: list[Any] = []
+    out: list[wasmtime.Module | BaseException] = []
     done = threading.Event()
 
     def work() -> None:

@@ -43,11 +43,12 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from types import ModuleType
+from typing import Any, TypeVar
 
 import wasmtime
 
@@ -84,6 +85,8 @@ from worker.wasm.wasi import (
 )
 
 __all__ = ["CompiledModule", "EpochTicker", "GuestExit", "WasmHost", "WasmSession"]
+
+T = TypeVar("T")
 
 _log = get_logger("worker.wasm")
 
@@ -256,7 +259,7 @@ def memory_limits(wasm: bytes) -> tuple[int, int | None] | None:
     return None
 
 
-def _valtypes(types: Sequence[Any]) -> tuple[str, ...]:
+def _valtypes(types: Sequence[object]) -> tuple[str, ...]:
     return tuple(str(t) for t in types)
 
 
@@ -280,7 +283,7 @@ def _wat_error(message: str) -> str:
 # ------------------------------------------------------------------ imports
 
 
-def _raw_ffi() -> Any | None:
+def _raw_ffi() -> ModuleType | None:
     """wasmtime's ctypes bindings, if they have what the unchecked import path needs."""
     try:
         from wasmtime import _ffi as ffi
@@ -330,7 +333,7 @@ class WasmSession:
 
     # -- guest memory, for the imports (set as GuestRun.span)
 
-    def _memory_for(self, caller: Any) -> wasmtime.Memory:
+    def _memory_for(self, caller: Any) -> wasmtime.Memory:  # a Caller, or wasmtime's raw caller pointer (fast imports)
         mem = self.memory
         if mem is None:
             # During instantiation (a start function) the exports are not known yet.
@@ -340,12 +343,12 @@ class WasmSession:
             mem = self.memory = extern
         return mem
 
-    def span_checked(self, caller: Any) -> tuple[int, int]:
+    def span_checked(self, caller: Any) -> tuple[int, int]:  # as _memory_for
         mem = self._memory_for(caller)
         ptr = mem.data_ptr(caller)
         return ctypes.cast(ptr, ctypes.c_void_p).value or 0, mem.data_len(caller)
 
-    def span_raw(self, caller: Any) -> tuple[int, int]:
+    def span_raw(self, caller: object) -> tuple[int, int]:
         ffi = self.host._ffi
         assert ffi is not None
         raw = ctypes.byref(self._memory_for(caller)._memory)
@@ -369,7 +372,7 @@ class WasmSession:
         address = ctypes.cast(self.memory.data_ptr(self.store), ctypes.c_void_p).value or 0
         return guest_view(address, size, writable=True)
 
-    def call(self, export: str, args: Sequence[Any] = ()) -> list[Any]:
+    def call(self, export: str, args: Sequence[object] = ()) -> list[object]:
         """Call ``export`` with ``args`` (ints, floats, ``{"handle": h}``); its results as a list."""
         if self.instance is None:
             raise InvalidArgument(f"the guest exited with code {self.exit_code} while it was instantiated")
@@ -387,12 +390,12 @@ class WasmSession:
             return []
         return list(result) if isinstance(result, list) else [result]
 
-    def _convert_args(self, export: str, kinds: tuple[str, ...], args: Sequence[Any]) -> list[Any]:
+    def _convert_args(self, export: str, kinds: tuple[str, ...], args: Sequence[object]) -> list[object]:
         if len(args) != len(kinds):
             raise InvalidArgument(
                 f"export {export!r} takes {len(kinds)} argument(s) ({', '.join(kinds) or 'none'}), got {len(args)}"
             )
-        out: list[Any] = []
+        out: list[object] = []
         for i, (kind, value) in enumerate(zip(kinds, args)):
             where = f"argument {i} of {export!r} ({kind})"
             if isinstance(value, dict):
@@ -431,7 +434,7 @@ class WasmHost:
         self.limiter = LogLimiter()
         self._cache: ModuleCache[CompiledModule] = ModuleCache(cache_entries, cache_bytes)
         self._session: WasmSession | None = None
-        self._keep: list[Any] = []  # ctypes callbacks must outlive the linker
+        self._keep: list[object] = []  # ctypes callbacks must outlive the linker
         self._ffi = _raw_ffi() if fast_imports is not False else None
         if fast_imports and self._ffi is None:
             raise RuntimeError("this wasmtime binding has no unchecked host-function API")
@@ -467,7 +470,7 @@ class WasmHost:
     def _define_checked(self, name: str) -> None:
         handler = HANDLERS[name]
 
-        def call(caller: wasmtime.Caller, *args: Any) -> int:
+        def call(caller: wasmtime.Caller, *args: object) -> int:
             run = self._current()
             if run is None:
                 return _INTERNAL
@@ -487,7 +490,7 @@ class WasmHost:
         kinds = tuple(enumerate(params))
         handler = HANDLERS[name]
 
-        def callback(env: Any, caller: Any, vals: Any, nvals: int) -> int:
+        def callback(env: Any, caller: Any, vals: Any, nvals: int) -> int:  # ctypes: wasmtime's C callback arguments
             # Results overwrite the arguments in ``vals``; returning 0 means "no trap".
             try:
                 run = self._current()
@@ -714,7 +717,7 @@ class WasmHost:
             if session is not None:  # last: may raise QueueOverrun (queued GPU work past the deadline)
                 session.run.finish(timeout_s)
 
-    def _guarded_call(self, session: WasmSession, fn: Any, *, instantiate: bool = False) -> Any:
+    def _guarded_call(self, session: WasmSession, fn: Callable[[], T], *, instantiate: bool = False) -> T:
         """Run guest code; wasmtime's traps and errors become the typed errors."""
         try:
             return fn()
@@ -734,8 +737,8 @@ class WasmHost:
             self.stats["traps"] += 1
             raise WasmTrap("error", _short(str(exc))) from None
 
-    def run(self, body: bytes | bytearray | memoryview, export: str, args: Sequence[Any] = (), *,
-            fuel: int, timeout_s: float) -> dict[str, Any]:
+    def run(self, body: bytes | bytearray | memoryview, export: str, args: Sequence[object] = (), *,
+            fuel: int, timeout_s: float) -> dict[str, object]:
         """One complete run: the ``run_wasm`` reply, or a typed error."""
         t0 = time.perf_counter()
         self.stats["runs"] += 1
@@ -749,7 +752,7 @@ class WasmHost:
             raise KernelTimeout(timeout_s, message=f"run_wasm: compiling used the whole run time of {timeout_s:g} s")
         with self.session(compiled, fuel=fuel, timeout_s=left) as session:
             session.timeout_s = timeout_s  # errors name the run's limit; the epoch deadline has what is left
-            results: list[Any] = []
+            results: list[object] = []
             exit_code = session.exit_code
             if exit_code is None:
                 try:
@@ -772,7 +775,7 @@ class WasmHost:
             **run.gpu_totals(),
         }
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         return {"fast_imports": self.fast_imports, "cached_modules": len(self._cache), **self.stats}
 
     def close(self) -> None:

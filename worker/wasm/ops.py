@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
 
 import zmq
 
+from shared.checks import is_int, is_number
 from shared.errors import InvalidArgument, KernelTimeout, UnknownModule
 from shared.exitcodes import WORKER_COMPILE_OVERRUN, WORKER_GPU_QUEUE_OVERRUN
 from worker.server import Reply, WorkerServer
@@ -25,16 +25,16 @@ __all__ = ["op_run_wasm"]
 _MAX_EXPORT_NAME = 256
 
 
-def _positive(value: Any, name: str, default: float, ceiling: float) -> float:
+def _positive(value: object, name: str, default: float, ceiling: float) -> float:
     """``value`` (None: ``default``) as a positive number, never above ``ceiling`` (the spec's)."""
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_number(value) or not math.isfinite(value) or value <= 0:
         raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
     return min(value, ceiling)
 
 
-def op_run_wasm(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | None) -> Reply:
+def op_run_wasm(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``run_wasm {export, args, fuel, timeout_s, digest}`` + module body -> ``{results, fuel_used, elapsed_s, ...}``.
 
     The body is the module (binary or WAT text); ``args`` are ints, floats
@@ -61,7 +61,7 @@ def op_run_wasm(server: WorkerServer, args: dict[str, Any], body: zmq.Frame | No
         raise InvalidArgument("digest does not match the module bytes")
     spec = ctx.spec
     raw_fuel = args.get("fuel")
-    if raw_fuel is not None and (isinstance(raw_fuel, bool) or not isinstance(raw_fuel, int)):
+    if raw_fuel is not None and not is_int(raw_fuel):
         raise InvalidArgument(f"fuel must be an int, got {type(raw_fuel).__name__}")
     fuel = int(_positive(raw_fuel, "fuel", spec.wasm_fuel, spec.wasm_fuel))
     timeout_s = float(_positive(args.get("timeout_s"), "timeout_s", spec.wasm_timeout_s, spec.wasm_timeout_s))

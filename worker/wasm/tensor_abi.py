@@ -27,6 +27,10 @@ passed as two arguments has two handles and is still one buffer.
 
 The backends (``worker.backends.stub`` with numpy, ``worker.backends.cuda``
 with cuBLAS and NVRTC kernels) receive arguments already known to be in range.
+
+Typing: a tensor import's arguments are WASM values (ints) by position, replaced in place by
+buffers and a guest-memory view, and its caller is wasmtime's raw caller pointer on the unchecked
+import path: both stay dynamically typed here.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from shared.errors import TensorWasmError
 from shared.log import get_logger, log_event
@@ -43,6 +47,8 @@ from shared.wasm_abi import ErrorCode
 from worker.backends.base import Backend, DeviceBuffer
 
 __all__ = ["TENSOR_OPS", "UNARY_OPS", "OpRun", "TensorOp"]
+
+T = TypeVar("T")
 
 _log = get_logger("worker.wasm")
 
@@ -80,7 +86,7 @@ class OpRun(Protocol):
         """``matmul_f32`` on the backend with the run's metered workspace."""
         ...
 
-    def device_op(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def device_op(self, name: str, fn: Callable[..., T], args: tuple[object, ...]) -> T | None:
         """``fn(*args)`` under the device lease, timed and charged, in chunks (worker.device_time)."""
         ...
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import ctypes
 import struct
 from collections.abc import Callable
-from typing import Any
 
 import wasmtime
 
@@ -225,7 +224,7 @@ def poll_oneoff(caller: wasmtime.Caller, subscriptions: int, events: int, count:
     return ERRNO_NOTSUP
 
 
-def define_wasi(linker: wasmtime.Linker, stream_of: StreamOf) -> list[Any]:
+def define_wasi(linker: wasmtime.Linker, stream_of: StreamOf) -> list[object]:
     """Define WASI preview 1 in ``linker``: wasmtime's, with our ``fd_write``, ``fd_fdstat_get`` and ``poll_oneoff``.
 
     ``stream_of(fd)`` gives the current run's stream for fd 1 or 2. Returns

@@ -30,6 +30,7 @@ BENCHES: dict[str, str] = {
     "restore": "supervisor.tools.bench.restore",
     "cluster": "supervisor.tools.bench.cluster",
     "share": "supervisor.tools.bench.share",
+    "records": "supervisor.tools.bench.records",
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"

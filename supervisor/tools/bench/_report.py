@@ -13,7 +13,9 @@ PASS/MISS; a program exits non-zero when any target is missed.
 
 from __future__ import annotations
 
+import argparse
 import gc
+import math
 import json
 import os
 import platform
@@ -23,18 +25,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat as _repeat
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    import zmq
 
 __all__ = [
     "EXIT_MISS",
     "Report",
     "Target",
     "Timing",
+    "at_least",
     "calibrate",
+    "count",
     "environment",
     "format_table",
     "paired_ratio",
     "percentile",
+    "seconds",
     "time_callable",
     "time_loops",
 ]
@@ -66,7 +74,7 @@ class Timing:
         """(max - min) / median of the samples: how noisy the figure is."""
         return (max(self.samples) - min(self.samples)) / self.ns if self.ns else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"ns": round(self.ns, 2), "best_ns": round(self.best, 2), "samples": len(self.samples), "number": self.number}
 
 
@@ -114,7 +122,7 @@ def time_loops(
     }
 
 
-def socket_rtts_us(sock: Any, header: bytes, n: int) -> list[float]:
+def socket_rtts_us(sock: zmq.Socket[bytes], header: bytes, n: int) -> list[float]:
     """``n`` request round trips on a connected DEALER socket (send ``header``, read the reply), in us
     each: how every request-path bench measures a ping (names bound outside the loop)."""
     out = []
@@ -125,6 +133,38 @@ def socket_rtts_us(sock: Any, header: bytes, n: int) -> list[float]:
         recv()
         out.append((clock() - t0) / 1000)
     return out
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number >= ``low``, else a usage error naming the option (a zero
+    count used to end a bench in "no median for empty data" after it had run the other parts)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}")
+        return value
+
+    parse.__name__ = f"count >= {low}"
+    return parse
+
+
+#: the type of every count option of the benches: rounds, samples, pings, kills (>= 1)
+count = at_least(1)
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -177,7 +217,7 @@ class Target:
         verdict = "PASS" if self.passed else "MISS"
         return f"{verdict}  {self.name}: {self.measured:.2f}{self.unit} (target {op} {self.limit:g}{self.unit})"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "name": self.name,
             "measured": round(self.measured, 3),
@@ -218,7 +258,7 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def environment() -> dict[str, Any]:
+def environment() -> dict[str, object]:
     """Where the figures were measured."""
     try:
         usable = len(os.sched_getaffinity(0))
@@ -240,9 +280,9 @@ class Report:
 
     bench: str
     sections: list[tuple[str, str]] = field(default_factory=list)  # (title, text)
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, object] = field(default_factory=dict)
     targets: list[Target] = field(default_factory=list)
-    env: dict[str, Any] = field(default_factory=environment)
+    env: dict[str, object] = field(default_factory=environment)
 
     @property
     def passed(self) -> bool:

@@ -13,6 +13,10 @@ the run and stopped after it, whatever other Ray runs on the machine: an
 existing cluster (``$RAY_ADDRESS``, a running ``ray start``) is left alone
 and named in one line. With ``--address`` that cluster is used, and a
 failure to join it says what was found there.
+
+Typing: Ray is untyped here (mypy follows no ray import), so the ``ray`` module, actor handles,
+object refs and ``ray.get()`` results are dynamically typed (this module's only ``Any``); a
+result is given its type where it lands.
 """
 
 from __future__ import annotations
@@ -25,12 +29,16 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import BackendUnavailable
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile
+from supervisor.tools.bench._report import Report, Target, count, format_table, percentile
 from supervisor.store.rundir import temp_parent
+
+if TYPE_CHECKING:
+    from supervisor.cluster import RayCluster
 
 __all__ = ["main"]
 
@@ -42,7 +50,7 @@ class _Echo:
         return 1
 
 
-def _rtts(fn: Any, n: int) -> list[float]:
+def _rtts(fn: Callable[[], object], n: int) -> list[float]:
     out = []
     clock = time.perf_counter_ns
     for _ in range(n):
@@ -56,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--address", help="an existing Ray cluster (default: start a local one-node Ray)")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--per-round", type=int, default=300, help="calls per round and side")
+    parser.add_argument("--rounds", type=count, default=6)
+    parser.add_argument("--per-round", type=count, default=300, help="calls per round and side")
     args = parser.parse_args(argv)
 
     local = args.address is None
@@ -122,7 +130,7 @@ def _check_reachable(address: str) -> None:
                                  "one)") from None
 
 
-def _measure(args: argparse.Namespace, ray: Any, cluster_cls: Any, local: bool, auth: str) -> int:
+def _measure(args: argparse.Namespace, ray: Any, cluster_cls: type[RayCluster], local: bool, auth: str) -> int:
     """The measurement, on the Ray this process joined."""
     report = Report("cluster")
     report.data["ray_auth"] = auth

@@ -30,10 +30,10 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
+from shared.capability import TenantCapability
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table
+from supervisor.tools.bench._report import Report, Target, at_least, count, format_table
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import launch
 
@@ -53,7 +53,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def _pings(client: SupervisorClient, cap: Any, n: int, into: list[float]) -> None:
+def _pings(client: SupervisorClient, cap: TenantCapability, n: int, into: list[float]) -> None:
     for _ in range(n):
         t0 = time.perf_counter()
         client.ping(cap)
@@ -64,12 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--sizes", default="1,16,256", help="payload sizes in MiB, comma-separated")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size (medians)")
-    parser.add_argument("--frames-max-mib", type=int, default=256,
+    parser.add_argument("--rounds", type=count, default=5, help="interleaved rounds per size (medians)")
+    parser.add_argument("--frames-max-mib", type=at_least(0), default=256,
                         help="skip the (slow) frame path above this size")
-    parser.add_argument("--pings", type=int, default=300, help="pings per client per round")
+    parser.add_argument("--pings", type=count, default=300, help="pings per client per round")
     args = parser.parse_args(argv)
-    sizes = sorted({int(s) * MiB for s in args.sizes.split(",") if s.strip()})
+    try:
+        sizes = sorted({at_least(1)(s) * MiB for s in args.sizes.split(",") if s.strip()})
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"argument --sizes: each size {exc}")
+    if not sizes:
+        parser.error("argument --sizes: at least one size in MiB")
 
     report = Report("data")
     rows: list[list[object]] = []

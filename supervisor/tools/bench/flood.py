@@ -22,6 +22,9 @@ p50, at least 1/3 ms, so the first target is never below 1 ms):
 
 The flooder never waits for an answer: it sends without blocking and reads
 whatever comes back, so the supervisor, not the flooder, sets the pace.
+
+Typing: what a flooder process reports is a :class:`FloodResult`; the figures of each flood
+a ``dict[str, float]``.
 """
 
 from __future__ import annotations
@@ -30,15 +33,17 @@ import argparse
 import multiprocessing as mp
 import os
 import time
-from typing import Any
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+from typing import TypedDict
 
 import zmq
 
 from shared import protocol as proto
 from shared.errors import ProtocolError
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
-from supervisor.client.launch import launch
+from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, socket_rtts_us
+from supervisor.client.launch import SupervisorHandle, launch
 
 __all__ = ["KINDS", "main"]
 
@@ -49,8 +54,17 @@ _FLOOR_US = 1000.0 / 3
 _WRITE_BYTES = 1 << 20
 
 
+class FloodResult(TypedDict):
+    """What a flooder process puts on its queue: requests sent, replies read, replies OK, for how long."""
+
+    sent: int
+    answered: int
+    ok: int
+    seconds: float
+
+
 def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle: int,
-           seconds: float, out: Any, started: Any, nice: int = 0) -> None:
+           seconds: float, out: Queue[FloodResult], started: Event, nice: int = 0) -> None:
     """The flooding process: send ``kind`` as fast as the supervisor takes it, for ``seconds``."""
     if nice:
         os.nice(nice)
@@ -111,8 +125,8 @@ def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle:
     ctx.term()
 
 
-def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[Any] | None,
-               header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], dict[str, Any]]:
+def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int, victim: zmq.Socket[bytes] | None,
+               header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], FloodResult]:
     """Flood with ``kind`` while the victim pings ``n`` times (none: the flooder alone)."""
     tcp = kind == "tcp-ping"
     endpoint = sup.info["listen"][0] if tcp else f"ipc://{sup.run_dir}/frontend.ipc"
@@ -126,7 +140,7 @@ def _run_flood(kind: str, sup: Any, cap: bytes, handle: int, victim: zmq.Socket[
             raise RuntimeError(f"the {kind} flooder did not start")
         time.sleep(min(0.3, seconds / 4))  # let the flood fill the queues
         rtts = socket_rtts_us(victim, header, n) if victim is not None else []
-        result: dict[str, Any] = out.get(timeout=seconds + 60)
+        result: FloodResult = out.get(timeout=seconds + 60)
     finally:
         proc.join(10)
         if proc.exitcode is None:
@@ -139,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench route --flood", description=__doc__.split("\n\n")[0])
     parser.add_argument("--flood", action="store_true", help="(this benchmark)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--pings", type=int, default=600, help="victim pings quiet and per flood kind")
+    parser.add_argument("--pings", type=count, default=600, help="victim pings quiet and per flood kind")
     parser.add_argument("--kinds", default=",".join(KINDS), help="flood kinds, comma-separated")
     parser.add_argument("--nice", type=int, default=0,
                         help="the flooder's nice value (a remote flooder does not compete for this host's CPUs)")
@@ -150,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown flood kind(s) {unknown}; choose from {', '.join(KINDS)}")
 
     report = Report("route --flood")
-    ctx: zmq.Context[Any] = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     rows: list[list[object]] = []
     targets: list[Target] = []
-    data: dict[str, Any] = {}
+    data: dict[str, dict[str, float]] = {}
     with launch(
         {"supervisor": {"pool_size": 0, "log_level": "error", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
         backend="stub",
@@ -174,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             base = max(q50, _FLOOR_US)
             rows.append(["quiet", q50, q99, "", ""])
             seconds = max(2.0, args.pings * 0.004)
-            solo: dict[str, Any] | None = None
+            solo: FloodResult | None = None
             if "ping" in kinds:
                 _, solo = _run_flood("ping", sup, flood_cap, handle, None, header, 0, 2.0, args.nice)
             for kind in kinds:
@@ -194,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     data["ping"]["solo_ok_per_s"] = solo["ok"] / solo["seconds"]
                     targets.append(Target("flooder's answered pings/s while the victim pings vs flooding alone",
                                           share, 0.5))
-            stats = client.status()["supervisor"]
+            stats = client.status().supervisor
         finally:
             victim.close(0)
     report.sections.append((
@@ -202,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         format_table(["flood", "p50", "p99", "flood sent/s", "flood ok/s"], rows),
     ))
     report.sections.append(("admission", format_table(["counter", "value"], [
-        [k, stats.get(k)] for k in ("unauthenticated_dropped", "admission_refused") if k in stats])))
+        ["unauthenticated_dropped", stats.unauthenticated_dropped], ["admission_refused", stats.admission_refused]])))
     report.targets += targets
     report.data.update(quiet_us={"p50": q50, "p99": q99}, floods=data)
     return report.emit(as_json=args.json)

@@ -29,17 +29,20 @@ import time
 from collections.abc import Callable
 from itertools import repeat
 from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Barrier
 from typing import Any
 
 from shared import _atomics, quota
 from shared.quota import QuotaBlock
-from supervisor.tools.bench._report import Report, Target, format_table, paired_ratio, time_loops
+from supervisor.tools.bench._report import Report, Target, count, format_table, paired_ratio, seconds, time_loops
 
 __all__ = ["main"]
 
 _N = 64  # bytes per consume/release: the value does not matter to the cost
 _CPU_LINE = quota._CPU
 _SPAWN = mp.get_context("spawn")
+#: an atomics call on one counter line: (buffer, offset, bytes), bound once outside the timed loop
+_LineOp = Callable[[memoryview, int, int], object]
 
 
 # ------------------------------------------------------------ single process
@@ -55,12 +58,13 @@ def _loops(block: QuotaBlock) -> dict[str, tuple[Callable[[int], object], int]]:
         for _ in repeat(None, k):
             pass
 
-    def noop(k: int, f: Any = _atomics.noop, buf: Any = buf, off: int = off) -> None:
+    def noop(k: int, f: _LineOp = _atomics.noop, buf: memoryview = buf, off: int = off) -> None:
         for _ in repeat(None, k):
             f(buf, off, n)
             f(buf, off, n)
 
-    def raw(k: int, c: Any = _atomics.consume, r: Any = _atomics.release, buf: Any = buf, off: int = off) -> None:
+    def raw(k: int, c: _LineOp = _atomics.consume, r: _LineOp = _atomics.release, buf: memoryview = buf,
+            off: int = off) -> None:
         for _ in repeat(None, k):
             c(buf, off, n)
             r(buf, off, n)
@@ -91,6 +95,7 @@ def _loops(block: QuotaBlock) -> dict[str, tuple[Callable[[int], object], int]]:
     value = _SPAWN.Value("Q", 0)
     limit = block.memory_quota_bytes
 
+    # multiprocessing's synchronized Value and its lock (dynamically typed proxies), bound as fast locals
     def mp_value(k: int, v: Any = value, lock: Any = value.get_lock()) -> None:  # noqa: B008 - fast locals, on purpose
         for _ in repeat(None, k):
             with lock:
@@ -114,7 +119,7 @@ def _loops(block: QuotaBlock) -> dict[str, tuple[Callable[[int], object], int]]:
 # ------------------------------------------------------------- two processes
 
 
-def _hammer(name: str, conn: Connection, barrier: Any) -> None:
+def _hammer(name: str, conn: Connection, barrier: Barrier) -> None:
     """Child: attach; per command ("cpu" | "gpu" | None, seconds) hammer that line, reply (ops, s)."""
     block = QuotaBlock.attach(name)
     try:
@@ -195,9 +200,9 @@ def _two_process(block: QuotaBlock, duration: float, rounds: int) -> dict[str, f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench quota", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--repeat", type=int, default=15, help="samples per figure (median reported; default 15)")
-    parser.add_argument("--duration", type=float, default=0.4, help="seconds per two-process sample (default 0.4)")
-    parser.add_argument("--rounds", type=int, default=3, help="two-process samples per mode (default 3)")
+    parser.add_argument("--repeat", type=count, default=15, help="samples per figure (median reported; default 15)")
+    parser.add_argument("--duration", type=seconds, default=0.4, help="seconds per two-process sample (default 0.4)")
+    parser.add_argument("--rounds", type=count, default=3, help="two-process samples per mode (default 3)")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.rounds < 1 or args.duration <= 0:
         parser.error("--repeat and --rounds must be >= 1 and --duration > 0")

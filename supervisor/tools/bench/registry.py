@@ -34,23 +34,25 @@ import statistics
 import time
 from collections.abc import Callable
 from itertools import repeat
-from typing import Any
 
 from shared import capability as _cap
+from shared.capability import TenantCapability
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, paired_ratio, percentile, time_loops
+from supervisor.tools.bench._report import Report, Target, at_least, count, format_table, paired_ratio, percentile, time_loops
 from supervisor.store.registry import TenantRegistry
 
 __all__ = ["main"]
 
 _N = 64
+#: a registry call that takes a capability and a byte count (bound once, outside the timed loop)
+_CapOp = Callable[[TenantCapability, int], None]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench registry", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--repeat", type=int, default=9)
-    parser.add_argument("--registrations", type=int, default=40,
+    parser.add_argument("--repeat", type=count, default=9)
+    parser.add_argument("--registrations", type=at_least(0), default=40,
                         help="warm registrations to time (0: skip the durable part)")
     args = parser.parse_args(argv)
 
@@ -70,19 +72,20 @@ def main(argv: list[str] | None = None) -> int:
                 c(n)
                 r(n)
 
-        def checked(k: int, c: Any = registry.consume_bytes_with_capability,
-                    r: Any = registry.release_bytes_with_capability, t: Any = cap) -> None:
+        def checked(k: int, c: _CapOp = registry.consume_bytes_with_capability,
+                    r: _CapOp = registry.release_bytes_with_capability, t: TenantCapability = cap) -> None:
             for _ in repeat(None, k):
                 c(t, n)
                 r(t, n)
 
-        def strict(k: int, c: Any = registry.consume_bytes_with_capability_strict,
-                   r: Any = registry.release_bytes_with_capability_strict, t: Any = cap) -> None:
+        def strict(k: int, c: _CapOp = registry.consume_bytes_with_capability_strict,
+                   r: _CapOp = registry.release_bytes_with_capability_strict, t: TenantCapability = cap) -> None:
             for _ in repeat(None, k):
                 c(t, n)
                 r(t, n)
 
-        def first_check(k: int, ok: Any = _cap.mac_ok, t: Any = cap, s: bytes = secret) -> None:
+        def first_check(k: int, ok: Callable[[TenantCapability, bytes], bool] = _cap.mac_ok,
+                        t: TenantCapability = cap, s: bytes = secret) -> None:
             for _ in repeat(None, k):
                 ok(t, s)
                 ok(t, s)

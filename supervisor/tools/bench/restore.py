@@ -14,6 +14,9 @@ In one run (stub backend), per round:
 * every capability minted before the restart is checked to still work.
 
 Target: restore <= 2x register (the median over rounds).
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table
+from supervisor.tools.bench._report import Report, Target, count, format_table
 from supervisor.client.launch import SupervisorHandle, launch
 
 __all__ = ["main"]
@@ -43,7 +46,7 @@ def _start(state_dir: str, method: str) -> AbstractContextManager[SupervisorHand
     )
 
 
-def _round(n: int, method: str) -> dict[str, Any]:
+def _round(n: int, method: str) -> dict[str, Any]:  # a JSON report row (numbers), read back below
     state = tempfile.mkdtemp(prefix="twt-bench-state-")
     empty_state = tempfile.mkdtemp(prefix="twt-bench-empty-")
     try:
@@ -57,8 +60,8 @@ def _round(n: int, method: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         with _start(state, method) as sup:
             ready_s = time.perf_counter() - t0
-            running = sum(1 for rec in sup.client.status()["tenants"] if rec["state"] == "running")
-            served = sum(1 for cap in caps if sup.client.ping(cap)["tenant"])
+            running = sum(1 for rec in sup.client.status().tenants if rec.state == "running")
+            served = sum(1 for cap in caps if sup.client.ping(cap).tenant)
         return {"register_s": register_s, "empty_start_s": empty_s, "restored_start_s": ready_s,
                 "restore_s": max(0.0, ready_s - empty_s), "running": running, "served": served}
     finally:
@@ -69,8 +72,8 @@ def _round(n: int, method: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench restore", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--tenants", type=int, default=64, help="tenants to register and restore (default 64)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; medians are reported (default 3)")
+    parser.add_argument("--tenants", type=count, default=64, help="tenants to register and restore (default 64)")
+    parser.add_argument("--rounds", type=count, default=3, help="rounds; medians are reported (default 3)")
     parser.add_argument("--start-method", choices=["spawn", "forkserver"], default="forkserver")
     args = parser.parse_args(argv)
     report = Report("restore")

@@ -30,14 +30,13 @@ import signal
 import statistics
 import tempfile
 import time
-from typing import Any
 
 import zmq
 
 from shared import protocol as proto
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
+from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, socket_rtts_us
 from supervisor.client.launch import launch
 from supervisor.store.rundir import temp_parent
 
@@ -93,7 +92,7 @@ class _RawRelay:
         for p in self.procs:
             p.start()
 
-    def close(self, sock: zmq.Socket[Any]) -> None:
+    def close(self, sock: zmq.Socket[bytes]) -> None:
         sock.send(b"quit")
         for p in self.procs:
             p.join(5)
@@ -105,7 +104,7 @@ class _RawRelay:
 # ----------------------------------------------------------------- measure
 
 
-def _pipelined(sock: zmq.Socket[Any], header: bytes, total: int, depth: int = 64) -> float:
+def _pipelined(sock: zmq.Socket[bytes], header: bytes, total: int, depth: int = 64) -> float:
     """Replies per second with ``depth`` requests kept in flight."""
     t0 = time.perf_counter()
     for _ in range(depth):
@@ -127,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         return flood.main(argv)
     parser = argparse.ArgumentParser(prog="twt bench route", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--per-round", type=int, default=400, help="round trips per round and side")
-    parser.add_argument("--kills", type=int, default=15, help="SIGKILLs for crash detection")
+    parser.add_argument("--rounds", type=count, default=6)
+    parser.add_argument("--per-round", type=count, default=400, help="round trips per round and side")
+    parser.add_argument("--kills", type=count, default=15, help="SIGKILLs for crash detection")
     args = parser.parse_args(argv)
 
     report = Report("route")
-    ctx: zmq.Context[Any] = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     with tempfile.TemporaryDirectory(prefix="twt-bench-", dir=temp_parent()) as tmp, launch(
         {"supervisor": {"pool_size": 0, "log_level": "warning", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
         backend="stub",
@@ -181,19 +180,20 @@ def main(argv: list[str] | None = None) -> int:
 
         # crash detection: SIGKILL -> the instance's bytes are back in shared memory
         client = sup.client
-        segment = client.tenant_status(None, "bench")["quota"]["name"]
-        block = QuotaBlock.attach(segment)
+        quota = client.tenant_status(None, "bench").quota
+        assert quota is not None, "a running tenant has its quota block"
+        block = QuotaBlock.attach(quota.name)
         detect_ms = []
         try:
             for _ in range(args.kills):
                 client.alloc(cap, 1 << 20)
-                pid = client.ping(cap)["pid"]
+                pid = client.ping(cap).pid
                 t0 = time.perf_counter()
                 os.kill(pid, signal.SIGKILL)
                 while block.gpu_bytes_in_use:
                     pass
                 detect_ms.append((time.perf_counter() - t0) * 1000)
-                while client.ping(cap)["pid"] == pid:  # parked until the restarted instance serves
+                while client.ping(cap).pid == pid:  # parked until the restarted instance serves
                     time.sleep(0.005)
         finally:
             block.close()

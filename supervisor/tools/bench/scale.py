@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from contextlib import AbstractContextManager
 
 import psutil
 import zmq
@@ -28,7 +28,7 @@ import zmq
 from shared import protocol as proto
 from shared.sizes import format_size
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile, socket_rtts_us
+from supervisor.tools.bench._report import Report, Target, at_least, count, format_table, percentile, socket_rtts_us
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import SupervisorHandle, launch
 
@@ -38,14 +38,14 @@ __all__ = ["main"]
 def _wait_pool(client: SupervisorClient, n: int, timeout_s: float = 60.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pool = client.status()["supervisor"]["pool"]
-        if pool["idle"] >= n:
-            return list(pool["pids"])
+        pool = client.status().supervisor.pool
+        if pool.idle >= n:
+            return list(pool.pids)
         time.sleep(0.01)
     raise RuntimeError(f"the warm pool did not reach {n} workers within {timeout_s:g} s")
 
 
-def _launch(method: str, pool: int) -> Any:
+def _launch(method: str, pool: int) -> AbstractContextManager[SupervisorHandle]:
     return launch({"supervisor": {"pool_size": pool, "log_level": "warning"}, "tenant": []},
                   backend="stub", start_method=method)
 
@@ -63,7 +63,7 @@ def _register_times(sup: SupervisorHandle, prefix: str, n: int, *, warm: bool) -
 
 
 def _ping_rtts(sup: SupervisorHandle, cap_raw: bytes, n: int) -> list[float]:
-    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"ipc://{sup.run_dir}/frontend.ipc")
     header = proto.encode_request(1, "ping", cap_raw, {})
@@ -81,8 +81,8 @@ def _uss(pid: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--samples", type=int, default=15, help="registrations per kind")
-    parser.add_argument("--tenants", type=int, default=128, help="tenants for the many-tenants test")
+    parser.add_argument("--samples", type=count, default=15, help="registrations per kind")
+    parser.add_argument("--tenants", type=at_least(64), default=128, help="tenants for the many-tenants test")
     args = parser.parse_args(argv)
     report = Report("scale")
 
@@ -91,14 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         warm = _register_times(sup, "w", args.samples, warm=True)
         pool_pids = _wait_pool(sup.client, 2)
         uss_pool = [_uss(p) for p in pool_pids]
-        bound_pids = [p for rec in sup.client.status()["tenants"] for p in rec["pids"]][:4]
+        bound_pids = [p for rec in sup.client.status().tenants for p in rec.pids][:4]
         uss_bound = [_uss(p) for p in bound_pids]
     with _launch("spawn", 0) as sup:
         spawn_cold = _register_times(sup, "s", max(5, args.samples // 2), warm=False)
     with _launch("forkserver", 0) as sup:
         _register_times(sup, "warmup", 2, warm=False)  # the fork server's own start is not a registration
         fork_cold = _register_times(sup, "f", args.samples, warm=False)
-        uss_fork = [_uss(p) for rec in sup.client.status()["tenants"] for p in rec["pids"]][:4]
+        uss_fork = [_uss(p) for rec in sup.client.status().tenants for p in rec.pids][:4]
 
     # ------------------------------------------------------- many tenants
     # Two supervisors at once, one with a single tenant and one with 64, pinged in
@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         caps += [client.register(None, TenantSpec(f"t{i:03d}")) for i in range(63, args.tenants - 1)]
         register_all_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        served = sum(1 for c in [cap, *caps] if client.ping(c)["tenant"])
+        served = sum(1 for c in [cap, *caps] if client.ping(c).tenant)
         serve_all_s = time.perf_counter() - t1
         status = client.status()
         rss_all = psutil.Process(sup.pid).memory_info().rss
-        workers = [p for rec in status["tenants"] for p in rec["pids"]]
+        workers = [p for rec in status.tenants for p in rec.pids]
         total_worker_rss = sum(psutil.Process(p).memory_info().rss for p in workers)
         total_worker_uss = sum(_uss(p) for p in workers[:16]) / min(16, len(workers)) * len(workers)
 
@@ -167,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     )))
     uss_idle = max(statistics.median(uss_pool), statistics.median(uss_bound))
     report.targets += [
-        Target("warm registration p50", statistics.median(warm), 2.0, higher_is_better=False, unit=" ms"),
-        Target("forkserver cold registration p50", statistics.median(fork_cold), 25.0, higher_is_better=False, unit=" ms"),
+        # Ratios against a baseline of the same run (the handbook's rule), not absolute times: the
+        # warm registration's goal is `twt bench registry`'s (its floor: 8 pings + 2 fsyncs of the
+        # state dir, since registrations are durable); forkserver's point is to skip a cold start's
+        # interpreter and imports, so its cold registration is measured against spawn's.
+        Target("forkserver cold registration p50 vs spawn cold registration p50",
+               statistics.median(fork_cold) / statistics.median(spawn_cold), 0.33, higher_is_better=False),
         Target("idle worker USS (spawn, median)", uss_idle / mb, 25.0, higher_is_better=False, unit=" MiB"),
         Target("ping p50 with 64 tenants vs 1 (median of per-round ratios)", ratio, 1.2, higher_is_better=False),
         Target(f"tenants served of {args.tenants}", float(served), float(args.tenants), unit=""),

@@ -24,6 +24,9 @@ memory, sampled by this process every few milliseconds.
 ``--plot FILE.png`` (the ``plot`` extra: matplotlib) draws each tenant's
 share per 1 s window of the 7:3 and 8-tenant phases. Exit status 0 when
 every target is met, 4 when one is missed, 2 for bad usage.
+
+Typing: each scenario's figures are a TypedDict (:class:`SplitResult`, ...), read back by key
+for the report, its targets and the plot.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from multiprocessing.synchronize import Event
+from typing import TypedDict
 
 from shared.capability import TenantCapability
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table, percentile
+from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, seconds
 from supervisor.tools.demo import guest_path
 from supervisor.client.launch import SupervisorHandle, launch
 
@@ -89,7 +93,7 @@ class Phase:
         self._sampler: threading.Thread | None = None
         self._guest = guest_path("share").read_bytes()
 
-    def add(self, name: str, *, instances: int = 2, **spec: Any) -> Tenant:
+    def add(self, name: str, *, instances: int = 2, **spec: object) -> Tenant:
         c = self.sup.client
         cap = c.register(self.sup.admin_capability, TenantSpec.from_dict(
             {"tenant_id": name, "instances": instances, "wasm_timeout_s": 600.0, "request_timeout_s": 600.0,
@@ -97,8 +101,9 @@ class Phase:
         digest = c.put_module(cap, self._guest)
         for _ in range(instances):  # compile the guest and warm BLAS in each instance before any measuring
             c.run_wasm(cap, digest, "gemm_loop", [self.n, 1])
-        rec = next(t for t in c.status()["tenants"] if t["tenant_id"] == name)
-        t = Tenant(name, cap, digest, QuotaBlock.attach(rec["quota"]["name"]))
+        rec = c.status().tenant(name)
+        assert rec is not None and rec.quota is not None, f"{name} has no quota block"
+        t = Tenant(name, cap, digest, QuotaBlock.attach(rec.quota.name))
         self.tenants[name] = t
         return t
 
@@ -111,7 +116,7 @@ class Phase:
                 client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, 1])  # compiled, BLAS warm
                 while not stop.is_set():
                     t0 = time.monotonic()
-                    done = client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, self.reps])["results"][0]
+                    done = client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, self.reps]).results[0]
                     t.runs.append((t0, time.monotonic(), int(done)))
             finally:
                 client.close()
@@ -128,7 +133,7 @@ class Phase:
                 next_at = time.monotonic()
                 while not stop.is_set():
                     reply = client.run_wasm(t.cap, t.digest, "one_gemm", args)
-                    t.waits.append(float(reply.get("gpu_wait_s", 0.0)))
+                    t.waits.append(reply.gpu_wait_s)
                     next_at += every_s
                     time.sleep(max(0.0, next_at - time.monotonic()))
                 for h in hs:
@@ -219,7 +224,57 @@ def _jain(values: Sequence[float]) -> float:
 # ----------------------------------------------------------------- phases
 
 
-def _solo_rounds(on: SupervisorHandle, off: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+# what each scenario returns: read back by main() for the report and its targets, and by _plot
+
+
+class SoloRounds(TypedDict):
+    rates: dict[str, list[float]]  # "on"/"off": GEMMs/s of each round
+    accounted_s: dict[str, list[float]]
+
+
+class SplitWindow(TypedDict):
+    t: float
+    work_share: float  # the weight-7 tenant's
+    time_share: float
+    device_busy: float
+
+
+class IdleResult(TypedDict):
+    rate_after_one_quantum: float
+
+
+class SplitResult(TypedDict):
+    solo_work_rate: float
+    solo_device_rate: float
+    solo_work_rates: list[float]
+    together_rates: list[float]
+    together_ratio: float
+    work: tuple[float, float]  # (weight 7, weight 3)
+    accounted_s: tuple[float, float]
+    together_rate: float
+    windows: list[SplitWindow]
+    idle: IdleResult
+    light_waits_s: list[float]
+
+
+class EightWindow(TypedDict):
+    t: float
+    time_shares: list[float]
+
+
+class EightResult(TypedDict):
+    work: list[float]
+    accounted_s: list[float]
+    windows: list[EightWindow]
+
+
+class CapResult(TypedDict):
+    device_share: float
+    work_rate: float
+    throttled: int
+
+
+def _solo_rounds(on: SupervisorHandle, off: SupervisorHandle, args: argparse.Namespace) -> SoloRounds:
     """The same tenant alone, rounds alternating between the supervisor with the scheduler on and off."""
     rates: dict[str, list[float]] = {"on": [], "off": []}
     acc: dict[str, list[float]] = {"on": [], "off": []}
@@ -245,7 +300,7 @@ def _solo_rounds(on: SupervisorHandle, off: SupervisorHandle, args: argparse.Nam
     return {"rates": rates, "accounted_s": acc}
 
 
-def _split(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
     """7:3 in rounds alternating with w7 alone (the "together" baseline under the same load), then the
     weight-3 tenant stops (idle), then a light tenant beside a hog, all on one supervisor."""
     phase = Phase(sup, args.n, args.reps)
@@ -268,7 +323,7 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
                               args.seconds / args.rounds, warm_s=0.5)
             segments.append((t0, t1))
             together.append((a.work_between(t0, t1) + b.work_between(t0, t1)) / (t1 - t0))
-        windows = []
+        windows: list[SplitWindow] = []
         for s0, s1 in segments:
             for w0, w1 in one_s_windows(s0, s1):
                 wa, wb = a.work_between(w0, w1), b.work_between(w0, w1)
@@ -313,7 +368,7 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
         phase.close()
 
 
-def _eight(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+def _eight(sup: SupervisorHandle, args: argparse.Namespace) -> EightResult:
     phase = Phase(sup, args.n, args.reps)
     try:
         ts = [phase.add(f"e{i}", instances=1) for i in range(8)]
@@ -323,7 +378,7 @@ def _eight(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
         t0, t1 = run_for(phase, [phase.gemm_loop(t, stop) for t in ts], stop, args.seconds, warm_s=3.0)
         work = [t.work_between(t0, t1) for t in ts]
         acc = [phase.accounted(t.name, t1) - phase.accounted(t.name, t0) for t in ts]
-        windows = []
+        windows: list[EightWindow] = []
         for w0, w1 in one_s_windows(t0, t1):
             got = [phase.accounted(t.name, w1) - phase.accounted(t.name, w0) for t in ts]
             total = sum(got) or 1.0
@@ -333,7 +388,7 @@ def _eight(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
         phase.close()
 
 
-def _cap(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
+def _cap(sup: SupervisorHandle, args: argparse.Namespace) -> CapResult:
     phase = Phase(sup, args.n, args.reps)
     try:
         t = phase.add("capped", gpu_time_cap=0.25)
@@ -350,7 +405,7 @@ def _cap(sup: SupervisorHandle, args: argparse.Namespace) -> dict[str, Any]:
 # -------------------------------------------------------------- decision cost
 
 
-def _echo(endpoint: str, ready: Any) -> None:
+def _echo(endpoint: str, ready: Event) -> None:
     import zmq
 
     ctx = zmq.Context()
@@ -437,7 +492,7 @@ def _decision_costs(rounds: int = 2000) -> dict[str, float]:
 # ------------------------------------------------------------------ report
 
 
-def _plot(path: str, split: dict[str, Any], eight: dict[str, Any]) -> None:
+def _plot(path: str, split: SplitResult, eight: EightResult) -> None:
     try:
         import matplotlib
 
@@ -473,13 +528,13 @@ def _plot(path: str, split: dict[str, Any], eight: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench share", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
-    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds of each phase (default 10)")
-    parser.add_argument("--solo-seconds", type=float, default=2.0, help="seconds of each solo round (default 2)")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--seconds", type=seconds, default=10.0, help="measured seconds of each phase (default 10)")
+    parser.add_argument("--solo-seconds", type=seconds, default=2.0, help="seconds of each solo round (default 2)")
+    parser.add_argument("--rounds", type=count, default=5,
                         help="rounds: solo on/off, and 7:3 alternating with solo (default 5)")
-    parser.add_argument("--n", type=int, default=256, help="GEMM size (n x n @ n x n; default 256)")
-    parser.add_argument("--reps", type=int, default=64, help="GEMMs per guest run (default 64)")
-    parser.add_argument("--quantum", type=float, default=0.01, help="gpu_time_quantum_s (default 0.01)")
+    parser.add_argument("--n", type=count, default=256, help="GEMM size (n x n @ n x n; default 256)")
+    parser.add_argument("--reps", type=count, default=64, help="GEMMs per guest run (default 64)")
+    parser.add_argument("--quantum", type=seconds, default=0.01, help="gpu_time_quantum_s (default 0.01)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the shares per 1 s window (needs matplotlib)")
     try:
         args = parser.parse_args(argv)

@@ -25,10 +25,9 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, format_table
+from supervisor.tools.bench._report import Report, Target, count, format_table
 from supervisor.tools.demo import guest_path
 from supervisor.client.launch import launch
 
@@ -37,13 +36,13 @@ __all__ = ["main"]
 MiB = 1 << 20
 
 
-def _timed(fn: Callable[[], Any]) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
 
 
-def _per_call_us(fn: Callable[[], Any], n: int) -> list[float]:
+def _per_call_us(fn: Callable[[], object], n: int) -> list[float]:
     out = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
@@ -52,7 +51,7 @@ def _per_call_us(fn: Callable[[], Any], n: int) -> list[float]:
     return out
 
 
-def _host_vs_numpy(guest_loop: Callable[[int], Any], local_op: Callable[[], Any], reps: int,
+def _host_vs_numpy(guest_loop: Callable[[int], object], local_op: Callable[[], object], reps: int,
                    rounds: int) -> tuple[list[float], list[float]]:
     """Seconds per op, one pair a round: through the host and with numpy in this process.
 
@@ -76,12 +75,12 @@ def _host_vs_numpy(guest_loop: Callable[[int], Any], local_op: Callable[[], Any]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench wasm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
-    parser.add_argument("--floats", type=int, default=16 << 20, help="axpy vector length (default 16M)")
-    parser.add_argument("--reps", type=int, default=4, help="axpy calls per guest run (default 4)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds (default 5)")
-    parser.add_argument("--calls", type=int, default=200_000, help="host calls per guest run (default 200k)")
-    parser.add_argument("--gemm-n", type=int, default=512, help="GEMM size n (n x n @ n x n, default 512)")
-    parser.add_argument("--gemm-reps", type=int, default=20, help="matmul calls per guest run (default 20)")
+    parser.add_argument("--floats", type=count, default=16 << 20, help="axpy vector length (default 16M)")
+    parser.add_argument("--reps", type=count, default=4, help="axpy calls per guest run (default 4)")
+    parser.add_argument("--rounds", type=count, default=5, help="interleaved measurement rounds (default 5)")
+    parser.add_argument("--calls", type=count, default=200_000, help="host calls per guest run (default 200k)")
+    parser.add_argument("--gemm-n", type=count, default=512, help="GEMM size n (n x n @ n x n, default 512)")
+    parser.add_argument("--gemm-reps", type=count, default=20, help="matmul calls per guest run (default 20)")
     parser.add_argument("--backend", default="stub", help="supervisor backend (default stub)")
     try:
         args = parser.parse_args(argv)

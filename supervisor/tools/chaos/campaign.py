@@ -1,4 +1,8 @@
-"""One campaign end to end: start, register, baseline, faults, settle, reconcile, clean up."""
+"""One campaign end to end: start, register, baseline, faults, settle, reconcile, clean up.
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from shared.errors import (
     TensorWasmError,
 )
 from shared.quota import SEGMENT_PREFIX, segment_namespace
-from shared.records import StatusRecord, TenantRecord
+from shared.records import TenantRecord
 from supervisor.tools.chaos.checks import (
     Check,
     _check_answered,
@@ -26,6 +30,7 @@ from supervisor.tools.chaos.checks import (
     _check_deadlines,
     _check_healthy,
     _check_latency,
+    _ts,
     fault_stats,
     latency_table,
     reconcile,
@@ -78,7 +83,7 @@ def _supervisor(cfg: ChaosConfig, stack: ExitStack) -> Iterator[tuple[str, int |
     if cfg.run_dir is not None:
         yield cfg.run_dir, None
         return
-    log: Any = subprocess.DEVNULL
+    log: IO[bytes] | int = subprocess.DEVNULL
     if cfg.supervisor_log:
         log = stack.enter_context(open(cfg.supervisor_log, "ab"))
     settings = {**SUPERVISOR_SETTINGS, "backend": cfg.backend}
@@ -104,7 +109,7 @@ class _Campaign:
         self.checks: list[Check] = []
         self.clients: list[_Client] = []
         self.actions: list[Action] = []
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, object]] = []
         self.caps: dict[str, TenantCapability] = {}
         self.pids: dict[int, float | None] = {}  # every worker process of ours we saw (pid -> start time)
         self.segments: set[str] = set()
@@ -139,7 +144,7 @@ class _Campaign:
             self.progress.write(f"chaos: {msg}\n")
             self.progress.flush()
 
-    def note_pid(self, pid: Any, into: dict[int, float | None] | None = None) -> None:
+    def note_pid(self, pid: object, into: dict[int, float | None] | None = None) -> None:
         into = self.pids if into is None else into
         if isinstance(pid, int) and pid not in into:
             try:
@@ -183,13 +188,13 @@ class _Campaign:
     def start(self, main: SupervisorClient, sup_pid: int | None) -> None:
         hello = main.hello()
         self.report["supervisor"] = {
-            "pid": hello["pid"],
-            "backend": hello["backend"],
-            "start_method": hello["start_method"],
+            "pid": hello.pid,
+            "backend": hello.backend,
+            "start_method": hello.start_method,
             "started_here": sup_pid is not None,
         }
         self.say(
-            f"supervisor pid {hello['pid']} ({hello['backend']}, {hello['start_method']}); "
+            f"supervisor pid {hello.pid} ({hello.backend}, {hello.start_method}); "
             f"schedule {self.report['schedule']['hash']}: {len(self.schedule)} faults"
         )
         self.caps = {name: main.register(None, spec) for name, spec in self.specs.items()}
@@ -262,7 +267,7 @@ class _Campaign:
 
     def _records(self, main: SupervisorClient) -> list[TenantRecord]:
         """The status records of the campaign's own tenants."""
-        return [r for r in StatusRecord.from_wire(main.status()).tenants if r.tenant_id in self.specs]
+        return [r for r in main.status().tenants if r.tenant_id in self.specs]
 
     def _settle(self, main: SupervisorClient, timeout_s: float = 30.0) -> tuple[bool, list[TenantRecord]]:
         """Wait until every tenant runs every instance with nothing in flight or parked."""
@@ -338,18 +343,18 @@ class _Campaign:
             recs = self._records(main)
             nonzero = [
                 f"{r.tenant_id}: gpu {r.gpu_bytes_in_use:,} B, host {r.bytes_in_use:,} B, "
-                f"shares {r.quota.get('instance_shares')}"
+                f"shares {r.quota.instance_shares if r.quota else None}"
                 for r in recs
-                if r.gpu_bytes_in_use or r.bytes_in_use or r.quota.get("instance_shares")
+                if r.gpu_bytes_in_use or r.bytes_in_use or (r.quota and r.quota.instance_shares)
             ]
             if not nonzero or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        self.segments = {str(r.quota.get("name")) for r in recs}
+        self.segments = {r.quota.name for r in recs if r.quota}
         problems = list(nonzero)
         for name in self.specs:
             try:
-                for pid in main.evict(None, name).get("pids", []):
+                for pid in main.evict(None, name).pids:
                     self.note_pid(pid)
             except TensorWasmError as exc:
                 problems.append(f"evict {name}: {exc}")
@@ -402,7 +407,7 @@ class _Campaign:
             if e.get("event") == "exit"
             and not e.get("expected")
             and e.get("tenant") in self.specs
-            and float(e.get("ts", 0)) < self.fault_end
+            and _ts(e) < self.fault_end
             and e.get("pid") not in faulted
         ]
         self.checks[1:1] = [

@@ -1,4 +1,8 @@
-"""The invariants a campaign must keep, and the fault statistics of its report."""
+"""The invariants a campaign must keep, and the fault statistics of its report.
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,12 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from shared import protocol as proto
+from shared.kinds import DISRUPTIVE_FAULTS
 from shared.records import TenantRecord
-from supervisor.tools.chaos.config import _DISRUPTIVE, _UNANSWERED, LEAK_BIG
+from supervisor.tools.chaos.config import _UNANSWERED, LEAK_BIG
 from supervisor.tools.chaos.nemesis import Action
 from supervisor.tools.chaos.recorder import Record, percentile
 from supervisor.tools.chaos.schedule import Fault
@@ -28,7 +33,7 @@ class Check:
     ok: bool
     detail: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -67,9 +72,9 @@ def reconcile(record: TenantRecord, live: Mapping[int, int]) -> Reconciliation:
         else:
             lost += 1
             lost_bytes += nbytes
-    quota = record.quota
-    shares = {int(i): int(gpu) for i, _cpu, gpu in quota.get("instance_shares", [])}
-    cpu_shares = {int(i): int(cpu) for i, cpu, _gpu in quota.get("instance_shares", [])}
+    held = record.quota.instance_shares if record.quota else ()
+    shares = {i: gpu for i, _cpu, gpu in held}
+    cpu_shares = {i: cpu for i, cpu, _gpu in held}
     counted = record.gpu_bytes_in_use
     # host bytes at rest are the tenant's shared-memory regions (charged to its host quota) only
     cpu = record.bytes_in_use - sum(r.nbytes for r in record.regions)
@@ -134,13 +139,13 @@ def _check_data(records: Sequence[Record]) -> Check:
 
 
 def _check_healthy(
-    records: Sequence[Record], events: Sequence[dict[str, Any]], healthy: set[str], until: float
+    records: Sequence[Record], events: Sequence[Mapping[str, object]], healthy: set[str], until: float
 ) -> Check:
     errors = [r for r in records if r.healthy and r.outcome != "ok"]
     touched = [
         e
         for e in events
-        if e.get("tenant") in healthy and e.get("event") in ("kill", "exit", "failed") and float(e.get("ts", 0)) < until
+        if e.get("tenant") in healthy and e.get("event") in ("kill", "exit", "failed") and _ts(e) < until
     ]
     if errors or touched:
         parts = [f"{r.tenant} {r.op} {r.phase}: {r.outcome} {r.detail}" for r in errors[:3]]
@@ -154,11 +159,25 @@ def _check_healthy(
     return Check("healthy tenants undisturbed", True, f"{n} requests, no error, no worker death")
 
 
-def latency_table(records: Sequence[Record], tenants: Sequence[str]) -> dict[str, dict[str, Any]]:
+class Latency(TypedDict):
+    """One tenant's successful requests in one phase: how many, p50 and p99 in ms (None: none)."""
+
+    n: int
+    p50_ms: float | None
+    p99_ms: float | None
+
+
+def _ts(event: Mapping[str, object]) -> float:
+    """An event's wall time (``ts``; 0 when it has none)."""
+    ts = event.get("ts", 0)
+    return float(ts) if isinstance(ts, (int, float)) else 0.0
+
+
+def latency_table(records: Sequence[Record], tenants: Sequence[str]) -> dict[str, dict[str, Latency]]:
     """Per tenant: count, p50 and p99 (ms) of successful requests in the baseline and the fault phase."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, Latency]] = {}
     for name in tenants:
-        row: dict[str, Any] = {}
+        row: dict[str, Latency] = {}
         for phase in ("baseline", "faults"):
             lat = [r.latency_s for r in records if r.tenant == name and r.phase == phase and r.outcome == "ok"]
             p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
@@ -171,7 +190,7 @@ def latency_table(records: Sequence[Record], tenants: Sequence[str]) -> dict[str
     return out
 
 
-def _check_latency(table: Mapping[str, Mapping[str, Any]], healthy: Sequence[str], factor: float | None) -> Check:
+def _check_latency(table: Mapping[str, Mapping[str, Latency]], healthy: Sequence[str], factor: float | None) -> Check:
     name = f"healthy p99 within {factor:g}x of baseline" if factor else "healthy latency (not checked)"
     parts, ok = [], True
     for tenant in healthy:
@@ -193,10 +212,10 @@ def _check_latency(table: Mapping[str, Mapping[str, Any]], healthy: Sequence[str
 def _disruptive(fault: Fault) -> bool:
     if fault.kind == "leak":
         return dict(fault.params).get("bytes", 0) >= LEAK_BIG
-    return fault.kind in _DISRUPTIVE
+    return fault.kind in DISRUPTIVE_FAULTS
 
 
-def fault_stats(actions: Sequence[Action], events: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def fault_stats(actions: Sequence[Action], events: Sequence[Mapping[str, object]]) -> dict[str, dict[str, float | None]]:
     """Per kind: delivered, armed, skipped, deaths, detection and recovery times (ms).
 
     A worker's death (its first ``kill`` or ``exit`` event) is put down to the
@@ -205,12 +224,12 @@ def fault_stats(actions: Sequence[Action], events: Sequence[dict[str, Any]]) -> 
     ``ready`` event of the instance's next incarnation.
     """
     first_down: dict[int, float] = {}
-    exits: dict[int, dict[str, Any]] = {}
-    readies: list[dict[str, Any]] = []
+    exits: dict[int, Mapping[str, object]] = {}
+    readies: list[Mapping[str, object]] = []
     for e in events:
         pid = e.get("pid")
         if e.get("event") in ("kill", "exit") and isinstance(pid, int):
-            first_down.setdefault(pid, float(e["ts"]))
+            first_down.setdefault(pid, _ts(e))
             if e.get("event") == "exit":
                 exits.setdefault(pid, e)
         elif e.get("event") == "ready" and e.get("tenant") is not None:
@@ -221,7 +240,7 @@ def fault_stats(actions: Sequence[Action], events: Sequence[dict[str, Any]]) -> 
             down = first_down.get(a.pid)
             if down is not None and down >= a.wall - 0.05:
                 blamed[a.pid] = a  # actions are in order: the latest one before the death wins
-    stats: dict[str, dict[str, Any]] = {}
+    stats: dict[str, Counter[str]] = {}
     detect: dict[str, list[float]] = defaultdict(list)
     recover: dict[str, list[float]] = defaultdict(list)
     for a in actions:
@@ -238,17 +257,17 @@ def fault_stats(actions: Sequence[Action], events: Sequence[dict[str, Any]]) -> 
         ex = exits.get(pid)
         if ex is not None:
             nxt = [
-                float(r["ts"])
+                _ts(r)
                 for r in readies
                 if r.get("tenant") == ex.get("tenant")
                 and r.get("instance") == ex.get("instance")
-                and float(r["ts"]) >= float(ex["ts"])
+                and _ts(r) >= _ts(ex)
             ]
             if nxt:
-                recover[kind].append(min(nxt) - float(ex["ts"]))
-    out: dict[str, dict[str, Any]] = {}
+                recover[kind].append(min(nxt) - _ts(ex))
+    out: dict[str, dict[str, float | None]] = {}
     for kind, s in sorted(stats.items()):
-        row: dict[str, Any] = dict(s)
+        row: dict[str, float | None] = dict(s)
         for label, values in (("detect", detect.get(kind, [])), ("recover", recover.get(kind, []))):
             p50, mx = percentile(values, 0.5), max(values, default=None)
             row[f"{label}_ms_p50"] = None if p50 is None else round(p50 * 1000, 1)

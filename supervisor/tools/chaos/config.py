@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
+from shared.kinds import SIGNAL_FAULT_KINDS
 from shared.protocol import FAULT_KINDS
 from shared.spec import TenantSpec
 
@@ -23,10 +23,8 @@ __all__ = [
 #: faults the worker applies to itself (``inject_fault``; the kinds are the protocol's)
 DEFAULT_FAULTS: tuple[str, ...] = FAULT_KINDS
 #: faults the nemesis delivers as signals to the worker's pid
-SIGNAL_FAULTS = ("sigkill", "sigstop")
+SIGNAL_FAULTS: tuple[str, ...] = SIGNAL_FAULT_KINDS
 ALL_FAULTS = DEFAULT_FAULTS + SIGNAL_FAULTS
-#: kinds that end the worker or get it killed (a leak only when big); a death is put down to the latest one
-_DISRUPTIVE = frozenset({"crash", "segfault", "exit", "hang", "corrupt", "drop", "leak", "sigkill", "sigstop"})
 #: error codes that say the instance that held a buffer died (or is being killed)
 _DEATH_CODES = frozenset({"worker_lost", "kernel_timeout", "memory_exhausted"})
 #: error codes that say a buffer is gone already: its instance restarted since it was allocated
@@ -41,7 +39,7 @@ _UNANSWERED = frozenset({"lost", "untyped"})
 
 MiB = 1 << 20
 #: settings of a supervisor the campaign starts itself (fast failure detection, warm restarts)
-SUPERVISOR_SETTINGS: dict[str, Any] = {
+SUPERVISOR_SETTINGS: dict[str, object] = {
     "pool_size": 2,
     "heartbeat_interval_s": 0.25,
     "heartbeat_liveness": 3,

@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
@@ -17,7 +16,6 @@ from shared.errors import (
     TensorWasmError,
     WorkerLost,
 )
-from shared.records import TenantRecord
 from supervisor.tools.chaos.config import SIGNAL_FAULTS
 from supervisor.tools.chaos.schedule import Fault
 from supervisor.client.api import SupervisorClient
@@ -34,12 +32,12 @@ class _EventLog(threading.Thread):
     def __init__(self, run_dir: str) -> None:
         super().__init__(name="chaos-events", daemon=True)
         self.endpoint = "ipc://" + os.path.join(run_dir, "events.ipc")
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, object]] = []
         self.stop_event = threading.Event()
         self.connected = threading.Event()
 
     def run(self) -> None:
-        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.SUB)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, TOPIC_PREFIX)
@@ -106,7 +104,7 @@ class _Nemesis(threading.Thread):
         action = Action(fault, wall, "skipped")
         try:
             if fault.kind in SIGNAL_FAULTS:
-                inst = TenantRecord.from_wire(client.tenant_status(None, name)).instances[fault.instance]
+                inst = client.tenant_status(None, name).instances[fault.instance]
                 if inst.state != "ready" or inst.pid is None:
                     action.detail = f"instance {inst.state}"
                 else:
@@ -116,8 +114,8 @@ class _Nemesis(threading.Thread):
                     action.outcome = "signalled"
             else:
                 result = client.inject_fault(None, name, fault.kind, instance=fault.instance, **dict(fault.params))
-                action.pid = result.get("pid")
-                action.outcome = "exited" if result.get("exited") else "armed"
+                action.pid = result.pid
+                action.outcome = "exited" if result.exited else "armed"
         except ProcessLookupError:
             action.detail = "process already gone"
         except WorkerLost as exc:

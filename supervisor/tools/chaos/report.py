@@ -1,4 +1,8 @@
-"""The human-readable campaign report."""
+"""The human-readable campaign report.
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
+"""
 
 from __future__ import annotations
 
@@ -91,7 +95,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _table(rows: Sequence[Sequence[Any]]) -> list[str]:
+def _table(rows: Sequence[Sequence[object]]) -> list[str]:
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     out = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]

@@ -7,7 +7,6 @@ import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from supervisor.tools.chaos.config import LEAK_BIG, LEAK_SMALL
 
@@ -27,7 +26,7 @@ class Fault:
     params: tuple[tuple[str, int], ...] = ()
     heal: bool = False  # the end of a ``slow`` fault (``slow`` with ms=0)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "at_s": self.at_s,
             "tenant": self.tenant,

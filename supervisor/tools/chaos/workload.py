@@ -1,4 +1,8 @@
-"""The seeded client workload: alloc / free / write / read / run_wasm, every call recorded."""
+"""The seeded client workload: alloc / free / write / read / run_wasm, every call recorded.
+
+Typing: the reports (and the event maps they are built from) are JSON-shaped dicts,
+written here and read back by key to print and check them; their values stay dynamically typed.
+"""
 
 from __future__ import annotations
 
@@ -84,12 +88,12 @@ class _Client(threading.Thread):
 
     def _call(
         self, op: str, fn: Callable[[SupervisorClient], Any], wasm_timeout_s: float | None = None
-    ) -> tuple[str, Any]:
+    ) -> tuple[str, Any]:  # the call's result (a handle, bytes, a record) goes back to the op that asked
         assert self.client is not None
         phase = self.recorder.phase
         t0 = time.monotonic()
         detail = ""
-        result: Any = None
+        result: object = None
         try:
             result = fn(self.client)
             outcome = "ok"
@@ -210,7 +214,7 @@ class _Client(threading.Thread):
         )
         if outcome != "ok":
             return
-        got = result.get("results") or [None]
+        got = list(result.results) or [None]
         want = 0.5 * reps * n
         if isinstance(got[0], float) and math.isnan(got[0]) and not self.healthy:
             return  # an injected OOM: the guest's alloc returned an error code, as documented
@@ -226,8 +230,8 @@ class _Client(threading.Thread):
             lambda c: c.run_wasm(self.cap, self.modules.probe, "fill_f32", [{"handle": handle}, value, count]),
         )
         if outcome == "ok":
-            if result.get("results") != [0]:
-                self._wrong("run_wasm", f"fill_f32 on {handle:#x} returned {result.get('results')!r}")
+            if list(result.results) != [0]:
+                self._wrong("run_wasm", f"fill_f32 on {handle:#x} returned {list(result.results)!r}")
                 buf.shadow = None
             elif buf.shadow is not None:
                 buf.shadow[: 4 * count] = struct.pack("<f", value) * count

@@ -1,0 +1,110 @@
+"""Every op: one module each, one class each, holding all there is of that op but its wire row.
+
+Every op of :data:`shared.protocol.OPS` but ``events`` is a class here
+(:mod:`supervisor.control.ops._base`), by who serves it: an admin op
+(:class:`~supervisor.control.admin.AdminOps` or
+:class:`~supervisor.control.service.ServiceOps`), a tenant op the
+:class:`~supervisor.admission.frontend.Frontend` answers from what it holds, or a
+tenant op a worker answers. The class holds the op's handler (a worker op's is
+the worker's: ``worker/server.py``, a process that never imports the
+supervisor), its ``twt`` command (arguments and rendering) and its row of
+docs/PROTOCOL.md. Its wire row stays in ``shared/protocol.py``: the decoder, the
+worker and the schema generator read it, and ``shared`` imports nothing of the
+supervisor. (``events``, which either capability may send, is the frontend's
+own: the capability picks the view of the event log it reads; its command,
+``twt events``, follows the log.)
+
+The classes are found by listing this package (:func:`op_table`), so adding an
+op the supervisor serves is its wire row plus one module here (and its tests):
+the dispatch tables (:func:`handlers`, :func:`local_handlers`), the ``twt``
+commands (``supervisor.cli.ops``) and the doc rows (``python -m
+supervisor.control.ops --write``) follow. :func:`op_table` refuses a module set
+that does not match the wire rows one to one, so the supervisor does not start
+with an op it cannot serve.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+
+from shared import protocol as proto
+from supervisor.admission.frontend import Frontend, LocalOp
+from supervisor.control.admin import AdminOps
+from supervisor.control.ops._base import AdminOp, Connect, FrontendOp, Op, OpHandler, ServiceOp, TenantOp, WorkerOp
+from supervisor.control.service import ServiceOps
+
+__all__ = ["AdminOp", "Connect", "FrontendOp", "Op", "OpHandler", "ServiceOp", "TenantOp", "WorkerOp", "check_table",
+           "commands", "doc_table", "handlers", "local_handlers", "op_table", "served_here", "tenant_doc_table"]
+
+_KINDS = (AdminOp, ServiceOp, FrontendOp, WorkerOp)
+
+
+def served_here() -> set[str]:
+    """The wire ops that have a class here: every op but those either capability may send (``events``)."""
+    return {name for name, spec in proto.OPS.items() if not spec.any_capability}
+
+
+@functools.cache
+def op_table() -> tuple[Op, ...]:
+    """One instance of every op class of this package, in the order of the wire table.
+
+    Raises RuntimeError when the classes and the wire rows disagree (:func:`check_table`).
+    """
+    found: list[Op] = []
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found += [obj() for obj in vars(module).values()
+                  if isinstance(obj, type) and issubclass(obj, _KINDS) and obj.__module__ == module.__name__]
+    check_table(found)
+    order = list(proto.OPS)
+    return tuple(sorted(found, key=lambda op: order.index(op.name)))
+
+
+def check_table(found: list[Op]) -> None:
+    """RuntimeError unless ``found`` holds exactly one op of the right part per op :func:`served_here`."""
+    names = [op.name for op in found]
+    declared = served_here()
+    wrong = [op.name for op in found if op.name in declared and proto.OPS[op.name].served_by != op.part]
+    if set(names) != declared or len(names) != len(set(names)) or wrong:
+        raise RuntimeError(f"ops without a class: {sorted(declared - set(names))}; classes of no op served here: "
+                           f"{sorted(set(names) - declared)}; of the wrong part: {wrong}; "
+                           f"twice: {sorted({n for n in names if names.count(n) > 1})}")
+
+
+def handlers(admin: AdminOps, service: ServiceOps) -> dict[str, OpHandler]:
+    """Every admin op's handler bound to the part that serves it, by name: the frontend's dispatch table."""
+    table: dict[str, OpHandler] = {}
+    for op in op_table():
+        if isinstance(op, AdminOp):
+            table[op.name] = functools.partial(op.serve, admin)
+        elif isinstance(op, ServiceOp):
+            table[op.name] = functools.partial(op.serve, service)
+    return table
+
+
+def local_handlers(frontend: Frontend) -> dict[str, LocalOp]:
+    """Every tenant op the frontend answers itself, bound to it, by name."""
+    return {op.name: functools.partial(op.serve, frontend) for op in op_table() if isinstance(op, FrontendOp)}
+
+
+def commands() -> tuple[Op, ...]:
+    """The ops that own a ``twt`` command, in the order of the wire table."""
+    return tuple(op for op in op_table() if op.command is not None)
+
+
+def doc_table() -> str:
+    """docs/PROTOCOL.md's admin op table: one row per admin op class."""
+    lines = ["| op | args | result | errors |", "|---|---|---|---|"]
+    lines += [op.doc_row() for op in op_table() if isinstance(op, (AdminOp, ServiceOp))]
+    return "\n".join(lines)
+
+
+def tenant_doc_table() -> str:
+    """docs/PROTOCOL.md's tenant op table: one row per tenant op class (worker and frontend ops)."""
+    lines = ["| op | args | body in | result | body out | errors |", "|---|---|---|---|---|---|"]
+    lines += [op.doc_row() for op in op_table() if isinstance(op, TenantOp)]
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""What one op the supervisor serves is: its wire row, its handler, its ``twt`` command and its doc row, in one class.
+
+A subclass of :class:`AdminOp` (served by :class:`~supervisor.control.admin.AdminOps`),
+:class:`ServiceOp` (served by :class:`~supervisor.control.service.ServiceOps`),
+:class:`FrontendOp` (a tenant op the :class:`~supervisor.admission.frontend.Frontend`
+answers from what the supervisor holds) or :class:`WorkerOp` (a tenant op a worker
+answers: its handler is in ``worker/server.py``) in a module of its own under
+:mod:`supervisor.control.ops` declares:
+
+* ``name``: the wire op. Its row in :data:`shared.protocol.OPS` (arguments,
+  reply, errors, who serves it) is the contract, kept in ``shared/`` because
+  the decoder, the worker and the schema generator read it too;
+* ``serve``: the handler (not for a worker op). The frontend has already verified
+  the capability, admitted the request and checked its arguments against the row;
+* ``command``, ``help``, ``description``, ``json_help``, :meth:`Op.arguments`
+  and :meth:`Op.run`: its ``twt`` command, if it owns one (``supervisor.cli.ops``
+  adds the run-dir options and ``--json``, and hands :meth:`Op.run` a way to connect);
+* ``args_doc``, ``result_doc``, ``errors_doc`` (and for a tenant op ``body_in_doc``,
+  ``body_out_doc``): its row of docs/PROTOCOL.md (``python -m supervisor.control.ops --write``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from typing import ClassVar, Generic, Protocol, TypeVar
+
+from shared import protocol as proto
+from supervisor.admission.frontend import Frontend
+from supervisor.client.api import SupervisorClient
+from supervisor.control.admin import AdminOps
+from supervisor.control.service import ServiceOps
+from supervisor.runtime.tenants import TenantRuntime
+
+__all__ = ["AdminOp", "Args", "Connect", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp", "TenantOp", "WorkerOp"]
+
+#: an op's arguments as its handler reads them: decoded msgpack, each declared one's type checked
+#: by ``check_args`` against the wire row before the handler runs (the row is the precise type);
+#: a handler reads one through ``shared.protocol.arg_str`` / ``arg_int`` / ... which narrow it
+Args = Mapping[str, object]
+#: one admin op's handler, bound to its part: ``(client, rid, args)``, answering through the pending table (at once or later)
+OpHandler = Callable[[bytes, int, Args], None]
+
+P = TypeVar("P", AdminOps, ServiceOps)
+
+
+class Connect(Protocol):
+    """A client of the supervisor the command line names (``--run-dir`` or ``--connect``); the
+    read-only commands' timeout unless one is given (the ops that wait for workers give theirs)."""
+
+    def __call__(self, timeout_s: float | None = None) -> SupervisorClient: ...
+
+
+class Op:
+    """One op the supervisor serves (see the module docstring): its command and its doc row."""
+
+    #: the wire op: its row in shared.protocol.OPS
+    name: ClassVar[str]
+    #: the part that serves it: the row's ``served_by``
+    part: ClassVar[str]
+    #: its row of PROTOCOL.md: the arguments, the result and the errors, in words
+    args_doc: ClassVar[str] = "`{}`"
+    result_doc: ClassVar[str] = ""
+    errors_doc: ClassVar[str] = ""
+    #: the ``twt`` command it owns (None: another command sends it, or the library only)
+    command: ClassVar[str | None] = None
+    help: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    json_help: ClassVar[str] = ""
+
+    @property
+    def spec(self) -> proto.OpSpec:
+        """The wire row (arguments, reply, errors, who serves it)."""
+        return proto.OPS[self.name]
+
+    def doc_row(self) -> str:
+        """Its row of PROTOCOL.md's table of its kind of op."""
+        return _row(f"`{self.name}`", self.args_doc, self.result_doc, self.errors_doc)
+
+    def arguments(self, p: argparse.ArgumentParser) -> None:
+        """The command's own arguments (``--json`` and the run-dir options are added for it)."""
+
+    def run(self, args: argparse.Namespace, connect: Connect) -> int:
+        """The command: call the supervisor, print the answer; the exit status."""
+        raise NotImplementedError(f"op {self.name!r} has no twt command")
+
+
+class PartOp(Op, Generic[P]):
+    """An admin op: served by the part ``P``, which may answer at once or later."""
+
+    def serve(self, part: P, client: bytes, rid: int, args: Args) -> None:
+        """Answer one request (through ``part.pending``, at once or later); raise a typed error to refuse it."""
+        raise NotImplementedError
+
+    def answer(self, part: P, client: bytes, rid: int, result: object) -> None:
+        """The request's answer, at once."""
+        part.pending.answer(client, rid, self.name, result)
+
+
+class AdminOp(PartOp[AdminOps]):
+    """An op :class:`~supervisor.control.admin.AdminOps` serves."""
+
+    part = "admin"
+
+
+class ServiceOp(PartOp[ServiceOps]):
+    """An op :class:`~supervisor.control.service.ServiceOps` serves."""
+
+    part = "service"
+
+
+class TenantOp(Op):
+    """A tenant op (the tenant's capability): its row of PROTOCOL.md's tenant op table has body columns."""
+
+    body_in_doc: ClassVar[str] = ""
+    body_out_doc: ClassVar[str] = ""
+
+    def doc_row(self) -> str:
+        return _row(f"`{self.name}`", self.args_doc, self.body_in_doc, self.result_doc, self.body_out_doc,
+                    self.errors_doc)
+
+
+class WorkerOp(TenantOp):
+    """A tenant op one of the tenant's workers answers: its handler is the worker's
+    (``worker/server.py``, a process that never imports the supervisor); here are its
+    command and its doc row."""
+
+    part = "worker"
+
+
+class FrontendOp(TenantOp):
+    """A tenant op the frontend answers at once, from what the supervisor holds (no worker)."""
+
+    part = "frontend"
+
+    def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
+        """The result for tenant ``rt`` (the frontend answers with it); raise a typed error to refuse.
+        ``body``: the request's body frame, or None."""
+        raise NotImplementedError
+
+
+def _row(*cells: str) -> str:
+    """A markdown table row (a ``|`` inside a cell escaped; an empty cell is ``| |``)."""
+    texts = [cell.replace("|", "\\|").replace("\n", " ") for cell in cells]
+    return "|" + "|".join(f" {text} " if text else " " for text in texts) + "|"

@@ -1,0 +1,23 @@
+"""``hello``: who the supervisor is (``twt status`` shows it in its header line).
+
+Without a capability the frontend answers it itself, with the protocol
+version and readiness only (the liveness probe); this is the full answer,
+for the admin capability.
+"""
+
+from __future__ import annotations
+
+
+from supervisor.control.admin import AdminOps
+from supervisor.control.ops._base import AdminOp, Args
+
+__all__ = ["Hello"]
+
+
+class Hello(AdminOp):
+    name = "hello"
+    result_doc = ("`{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}`; without a "
+                  "capability only `{protocol, ready}` ([liveness](#hello-without-a-capability-liveness))")
+
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
+        self.answer(part, client, rid, part.hello_info().to_wire())

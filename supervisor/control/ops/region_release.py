@@ -1,0 +1,22 @@
+"""``region_release``: give a tenant's shared-memory region back (its workers unmap it)."""
+
+from __future__ import annotations
+
+
+from supervisor.admission.frontend import Frontend
+from supervisor.control.ops._base import Args, FrontendOp
+from supervisor.runtime.tenants import TenantRuntime
+
+__all__ = ["RegionRelease"]
+
+
+class RegionRelease(FrontendOp):
+    name = "region_release"
+    args_doc = "`{region}`"
+    result_doc = "`{released: nbytes}` (answered by the supervisor)"
+    errors_doc = "`InvalidArgument` (unknown region, or another tenant's)"
+
+    def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
+        owned = frontend.regions.release(rt.tenant_id, args.get("region"))
+        frontend.unmap_region(rt, owned.name)
+        return {"released": owned.nbytes}

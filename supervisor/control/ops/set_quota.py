@@ -1,0 +1,106 @@
+"""``set_quota`` / ``twt set-quota``: change a tenant's limits live.
+
+    twt set-quota acme --gpu-cap 1GiB            # --gpu-cap none removes the cap
+
+The limits live in the tenant's shared-memory block, so its workers see a
+change at their next allocation; GPU-time weight and cap change on the
+device's lease board. The change is written to the state first: one that
+cannot be written (``StateError``) is not applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from shared import protocol as proto
+from shared.errors import InvalidArgument
+from shared.records import TenantRecord
+from shared.sizes import format_size
+from supervisor.client.cli_args import print_json
+from supervisor.control.admin import AdminOps
+from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._cli import SPEC_FLAGS, limits_line, say_decimal_sizes, tenant_argument
+
+__all__ = ["SetQuota"]
+
+#: set-quota's help for each limit it changes (the flags are register's, from SPEC_FLAGS)
+_SET_QUOTA_HELP = {
+    "memory_quota_bytes": "host memory quota, e.g. 2GiB (default: unchanged)",
+    "gpu_memory_bytes_cap": "GPU byte cap; none removes it (default: unchanged)",
+    "recorded_cuda_mem_pool_quota": "recorded CUDA pool quota (retention hint); none clears it (default: unchanged)",
+    "gpu_time_weight": "GPU-time weight, > 0 (default: unchanged)",
+    "gpu_time_cap": "GPU-time ceiling, a fraction in (0, 1]; none removes it (default: unchanged)",
+}
+
+
+class SetQuota(AdminOp):
+    name = "set_quota"
+    args_doc = ("`{tenant, memory_quota_bytes?, gpu_memory_bytes_cap? (nil: no cap), recorded_cuda_mem_pool_quota?}` "
+                "(ints or size strings), `gpu_time_weight?` (a number > 0), `gpu_time_cap?` (a number in (0, 1]; "
+                "nil: no cap)")
+    result_doc = "the tenant's status record"
+    errors_doc = ("`UnknownTenant`, `InvalidArgument` (naming the key: a weight <= 0, NaN or infinite, a cap outside "
+                  "(0, 1], a bool or a string for either; nothing is applied then)")
+    command = "set-quota"
+    help = "change a tenant's limits live"
+    description = ("Change a tenant's limits while it runs (the limits live in its shared-memory block). "
+                   "Lowering a limit below current use refuses new allocations until use falls under it; nothing "
+                   "already allocated is taken away. Omitted limits stay as they are.")
+    json_help = "print the tenant's status record as JSON"
+
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
+        self.answer(part, client, rid, self.apply(part, args).to_wire())
+
+    def apply(self, part: AdminOps, args: Args) -> TenantRecord:
+        """Change the limits ``args`` names: written to the state, then to the quota block and the lease board."""
+        rt = part.runtime(proto.arg_str(args, "tenant"))
+        changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
+        if not changes:
+            raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
+        new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
+        part.write(part.state.update_spec, new_spec)  # StateError: nothing applied
+        try:
+            info = part.registry.set_quota_from(part.admin_cap, rt.tenant_id, changes)
+        except BaseException:
+            part.record(part.state.update_spec, rt.spec)  # put the stored spec back
+            raise
+        rt.spec = info.spec
+        part.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
+        part.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
+        return part.tenant_record(rt)
+
+    def arguments(self, p: argparse.ArgumentParser) -> None:
+        tenant_argument(p)
+        for flag, dest, kind, metavar, _ in SPEC_FLAGS:  # the register flags of the limits set_quota changes
+            if dest in proto.QUOTA_KEYS:
+                p.add_argument(flag, dest=dest, type=kind, metavar=metavar, default=argparse.SUPPRESS,
+                               help=_SET_QUOTA_HELP[dest])
+
+    def run(self, args: argparse.Namespace, connect: Connect) -> int:
+        say_decimal_sizes(args)
+        changes = {k: getattr(args, k) for k in proto.QUOTA_KEYS if hasattr(args, k)}
+        if not changes:
+            raise ValueError("set-quota needs at least one of --memory-quota, --gpu-cap, --pool-quota, "
+                             "--gpu-time-weight, --gpu-time-cap")
+        with connect() as client:
+            rec = client.set_quota(None, args.tenant, **changes)
+        if args.json:
+            print_json(rec.to_wire())
+        else:
+            print(limits_line(rec))
+            for note in _over_limit_notes(rec):
+                print(note)
+        return 0
+
+
+def _over_limit_notes(rec: TenantRecord) -> list[str]:
+    """A limit set below what the tenant holds is accepted; say so, with the numbers."""
+    tid = rec.tenant_id
+    notes = []
+    for what, used, limit in (("host", rec.bytes_in_use, rec.memory_quota_bytes),
+                              ("GPU", rec.gpu_bytes_in_use, rec.gpu_memory_bytes_cap)):
+        if limit is not None and used > limit:
+            notes.append(f"{tid}: note: {format_size(used)} of {what} memory is in use, above the new limit of "
+                         f"{format_size(limit)}; nothing is taken away, new {what} allocations are refused until "
+                         "use falls below it")
+    return notes

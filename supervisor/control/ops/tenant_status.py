@@ -1,0 +1,28 @@
+"""``tenant_status``: one tenant's record (``twt status TENANT``; ``register`` and ``scale --wait`` read it)."""
+
+from __future__ import annotations
+
+
+from shared.protocol import arg_str
+from shared.records import TenantRecord
+from supervisor.client.api import SupervisorClient
+from supervisor.control.admin import AdminOps
+from supervisor.control.ops._base import AdminOp, Args
+from supervisor.control.ops._cli import unreachable_on_timeout
+
+__all__ = ["TenantStatus", "fetch_tenant"]
+
+
+class TenantStatus(AdminOp):
+    name = "tenant_status"
+    args_doc = "`{tenant}`"
+    result_doc = "one record"
+    errors_doc = "`UnknownTenant`"
+
+    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
+        self.answer(part, client, rid, part.tenant_record(part.runtime(arg_str(args, "tenant"))).to_wire())
+
+
+def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:
+    """One tenant's record (as :func:`~supervisor.control.ops.status.fetch_status`, for one tenant)."""
+    return unreachable_on_timeout(client, lambda: client.tenant_status(None, tenant))

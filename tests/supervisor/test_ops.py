@@ -1,0 +1,122 @@
+"""One admin op, one class (issue 23): the classes and the wire table agree, and the dispatch table,
+the twt commands, their help and PROTOCOL.md's admin op table all come from the classes."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from shared import protocol as proto
+from shared.errors import TenantIsolationViolation
+from supervisor.cli import build_parser
+from supervisor.control import ops
+from supervisor.control.ops import AdminOp, FrontendOp, ServiceOp, WorkerOp, check_table, op_table
+from supervisor.control.ops.__main__ import main as doc_main
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("twt has no sub-commands")
+
+
+def test_every_op_is_one_class_of_the_part_that_serves_it() -> None:
+    table = op_table()
+    # events: either capability, the frontend's own (the capability picks the view of the log)
+    assert [op.name for op in table] == [n for n, s in proto.OPS.items() if n != "events"]  # the wire table's order
+    for op in table:
+        assert op.spec is proto.OPS[op.name]
+        assert op.part == op.spec.served_by
+        kind = {"admin": AdminOp, "service": ServiceOp, "frontend": FrontendOp, "worker": WorkerOp}[op.part]
+        assert isinstance(op, kind)
+        assert type(op).__module__ == f"supervisor.control.ops.{op.name}"  # one module per op, named as the op
+
+
+def test_a_class_set_that_disagrees_with_the_wire_table_is_refused() -> None:
+    table = list(op_table())
+    check_table(table)
+    with pytest.raises(RuntimeError, match=r"without a class: \['scale'\]"):
+        check_table([op for op in table if op.name != "scale"])
+    with pytest.raises(RuntimeError, match=r"twice: \['evict'\]"):
+        check_table([*table, next(op for op in table if op.name == "evict")])
+
+    class Stray(AdminOp):
+        name = "events"  # either capability: no class of its own
+
+    with pytest.raises(RuntimeError, match=r"of no op served here: \['events'\]"):
+        check_table([*table, Stray()])
+
+    class WrongPart(AdminOp):
+        name = "reload"  # served by ServiceOps
+
+    with pytest.raises(RuntimeError, match=r"wrong part: \['reload'\]"):
+        check_table([op for op in table if op.name != "reload"] + [WrongPart()])
+
+
+def test_the_dispatch_tables_bind_each_op_to_its_part() -> None:
+    admin, service, frontend = object(), object(), object()
+    table = ops.handlers(admin, service)  # type: ignore[arg-type]
+    assert set(table) == {n for n, s in proto.OPS.items() if s.admin}
+    for name, handler in table.items():
+        assert handler.func.__self__.name == name  # type: ignore[attr-defined]
+        assert handler.args == ((admin,) if proto.OPS[name].served_by == "admin" else (service,))  # type: ignore[attr-defined]
+    local = ops.local_handlers(frontend)  # type: ignore[arg-type]
+    assert set(local) == {"quota", "put_module", "region_create", "region_release"}
+    assert all(h.args == (frontend,) and h.func.__self__.name == n for n, h in local.items())  # type: ignore[attr-defined]
+
+
+def test_each_command_and_its_help_come_from_its_op_class() -> None:
+    parsers = _commands(build_parser())
+    for op in ops.commands():
+        assert op.command is not None and op.command == op.spec.cli
+        p = parsers[op.command]
+        assert p.description == op.description
+        assert "--json" in p._option_string_actions and "--run-dir" in p._option_string_actions
+        assert p._option_string_actions["--json"].help == op.json_help
+    help_of = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0]._choices_actions}  # type: ignore[union-attr]
+    assert {op.command: op.help for op in ops.commands()} == {op.command: help_of[op.command] for op in ops.commands()}
+    # an op without a command of its own is sent by another (hello, status, tenant_status: twt status)
+    for op in op_table():
+        assert op.spec.cli is None or op.spec.cli in parsers, op.name
+
+
+def test_protocol_md_op_tables_are_generated_from_the_classes() -> None:
+    assert doc_main(["--check"]) == 0, "run python -m supervisor.control.ops --write"
+    text = (DOCS / "PROTOCOL.md").read_text()
+    assert ops.doc_table() in text and ops.tenant_doc_table() in text
+    for op in op_table():
+        assert op.doc_row() in text, op.name
+
+
+def test_operations_md_has_a_section_per_op_command() -> None:
+    text = (DOCS / "OPERATIONS.md").read_text()
+    for op in ops.commands():
+        assert re.search(rf"^### .*`twt {re.escape(str(op.command))}`", text, re.M), op.command
+
+
+def test_version_names_the_running_supervisors_build(capsys: pytest.CaptureFixture[str]) -> None:
+    """The op added to count what adding an op touches (issue 23): its wire row and this one class."""
+    import json
+    import platform
+
+    from supervisor.cli import main
+    from supervisor.observe.metrics import build_version
+    from tests.helpers.cluster import supervisor
+
+    with supervisor() as sup:
+        assert sup.client.call("version", sup.client.admin) == {
+            "version": build_version(), "python": platform.python_version(), "protocol": proto.PROTOCOL_VERSION}
+        assert main(["version", "--run-dir", sup.run_dir]) == 0
+        out = capsys.readouterr().out
+        assert out == (f"twt {build_version()} (this command); supervisor {build_version()} "
+                       f"(python {platform.python_version()}, protocol {proto.PROTOCOL_VERSION})\n")
+        assert main(["version", "--json", "--run-dir", sup.run_dir]) == 0
+        assert json.loads(capsys.readouterr().out)["supervisor"]["version"] == build_version()
+        with pytest.raises(TenantIsolationViolation, match="admin op 'version'"):  # no capability: refused
+            sup.client.call("version", None)
