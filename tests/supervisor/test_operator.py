@@ -172,6 +172,8 @@ def test_resource_tracker_warning_never_lands_as_raw_text(tmp_path: Path) -> Non
                     stderr=err, log_level="info") as sup:
             segments = _segments_owned_by(sup.pid)  # this supervisor's segments only
             assert segments
+            # the ready file comes before the "supervisor.ready" line: a kill in between lost the line
+            wait_for(lambda: b'"supervisor.ready"' in log.read_bytes(), timeout_s=30, what="the ready line")
             os.kill(sup.pid, signal.SIGKILL)
             sup.process.wait(30)
             # the tracker unlinks what the dead supervisor held (that is when it would have warned)
