@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.check_gpu import PHASES, Row
+from tests.helpers import gpu_dry_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,11 +25,10 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """One ``--dry-run-fake --quick`` run of the whole check (about 20 s) that two tests read."""
-    out = tmp_path_factory.mktemp("check") / "check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
-                           "--json-out", str(out)], capture_output=True, text=True, timeout=220, cwd=ROOT)
-    return proc, out
+    """The run's one ``--dry-run-fake --quick`` run of the whole check (about 30 s), which two tests
+    here, the share phase's test and the bindings replay read (tests/helpers/gpu_dry_run.py)."""
+    run = gpu_dry_run.dry_run(tmp_path_factory)
+    return run.proc, run.json_out
 
 
 def test_dry_run_on_the_fake_passes_every_phase_and_writes_the_json(

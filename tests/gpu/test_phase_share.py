@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
-from tests.gpu.phase_share import run, table_rows
+from tests.gpu.phase_share import table_rows
+from tests.helpers import gpu_dry_run
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_the_share_phase_runs_on_the_fake_and_every_gemm_is_right() -> None:
-    result = run(fake=True)
+def test_the_share_phase_runs_on_the_fake_and_every_gemm_is_right(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The phase's result as the check's dry run got it from its child (``run(fake=True)`` there; the
+    run is shared with tests/gpu/test_check_script.py: tests/helpers/gpu_dry_run.py)."""
+    run = gpu_dry_run.dry_run(tmp_path_factory)
+    assert run.proc.returncode == 0, run.proc.stdout[-2000:]
+    result = json.loads(run.json_out.read_text())["phases"]["share"]
+    assert result["n"] == 64  # the fake's size: the phase ran with fake=True
     rows = table_rows(result)
     checks = {name: ok for name, _, _, ok, kind in rows if kind == "check"}
     assert checks == {"share: every GEMM under the lease equals A @ B": True,

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from shared.quota import QuotaBlock
+from tests.helpers.quota_hammer import hammer_child
 from tests.helpers.quota_model import Violation, consume, release
 from tests.helpers.quota_share_model import explore_shares
 
@@ -56,33 +57,13 @@ def test_shares_scheme_never_grants_two_racers_the_last_byte() -> None:
     assert {(("ok",), ("refused",)), (("refused",), ("ok",))} <= result.outcomes
 
 
-def _hammer_child(name: str, instance: int, seed: int) -> None:
-    block = QuotaBlock.attach(name, instance=instance)
-    rng = random.Random(seed)
-    held: list[tuple[int, int]] = []
-    while True:  # until SIGKILL
-        n = rng.randrange(1, 5000)
-        try:
-            if rng.random() < 0.5:
-                block.consume_gpu_bytes(n)
-                held.append((1, n))
-            else:
-                block.consume_bytes(n)
-                held.append((0, n))
-        except Exception:  # noqa: BLE001 - MemoryExhausted or GpuMemoryExhausted: refused, free something
-            pass
-        if held and (len(held) > 8 or rng.random() < 0.5):
-            kind, m = held.pop(rng.randrange(len(held)))
-            (block.release_gpu_bytes if kind else block.release_bytes)(m)
-
-
 FORKSERVER = multiprocessing.get_context("forkserver")
 #: real SIGKILLs at random points (the model check above covers every interleaving exhaustively;
-#: this is the real-process cross-check - `twt bench quota` and `twt chaos` run longer hammers)
-KILLS = 100
+#: this is the real-process cross-check - `twt bench quota` and `twt chaos` run longer hammers; 150 kills
+#: take about a second: each child starts in a fork of a server that preloaded its module)
+KILLS = 150
 
 
-@pytest.mark.slow  # the longest test of the suite: started first in a parallel run
 @pytest.mark.timeout(180)
 def test_sigkill_hammer_reclaims_exactly() -> None:
     """150 SIGKILLs at random points of two instances' consume/release loops: after
@@ -91,14 +72,14 @@ def test_sigkill_hammer_reclaims_exactly() -> None:
     Children come from a fork server (single-threaded, so forking it is safe,
     and fast): the earlier two-step scheme failed this within the first 50 kills
     (9 underflows by the first check)."""
-    FORKSERVER.set_forkserver_preload(["shared.quota"])
+    FORKSERVER.set_forkserver_preload(["tests.helpers.quota_hammer"])
     rng = random.Random(12)
     limit = 40_000  # tight: refusals and retries happen too
     with QuotaBlock.create("hammer", memory_quota_bytes=limit, gpu_memory_bytes_cap=limit) as block:
         children: dict[int, Any] = {}  # instance -> process
 
         def start(instance: int) -> None:
-            p = FORKSERVER.Process(target=_hammer_child, args=(block.name, instance, rng.randrange(1 << 30)))
+            p = FORKSERVER.Process(target=hammer_child, args=(block.name, instance, rng.randrange(1 << 30)))
             p.start()
             children[instance] = p
 

@@ -2,7 +2,8 @@
 fake is replayed into the real cuda.bindings: its argument conversion (before libcuda loads) must
 accept them all. No GPU needed; catches a wrongly typed argument that the fake would let through.
 
-The check runs every phase but ``pytest`` (which needs a device), so the tensor ops (their kernels'
+The check (the run's one dry run, shared with tests/gpu: tests/helpers/gpu_dry_run.py) runs every
+phase (``pytest`` does nothing on the fake: it needs a device), so the tensor ops (their kernels'
 ``int`` parameters, argmax's copy into a slice of guest memory), the isolation reader, the fault
 path, the regions and the WASM host are all in the replay. Their cuBLAS calls (fake_cublas's
 ``CublasRecorder``) are replayed into the real ``nvmath.bindings.cublas`` where nvmath-python is
@@ -15,6 +16,7 @@ import ctypes
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import fake_cuda
+from tests.helpers import fake_cuda, gpu_dry_run
 from tests.helpers.fake_cublas import FakeCublas, convert_args
 from tests.helpers.replay_bindings import load_records
 
@@ -35,7 +37,7 @@ pytest.importorskip("cuda.bindings.driver")
 # what the check does not reach: the PTX fallback, pool attributes, read_into, mem_info
 EXERCISE = """
 from worker.backends.cuda import CudaBackend
-from tests.helpers import fake_cuda
+from tests.helpers import fake_cuda, gpu_dry_run
 fake_cuda.instance()._fake.nvrtc_archs = ("compute_90",)   # this NVRTC "does not know" sm_90: PTX path
 b = CudaBackend(0, gpu_cap_bytes=8 << 20, release_threshold=4 << 20,
                 driver="tests.helpers.fake_cuda", nvrtc="tests.helpers.fake_cuda")
@@ -82,7 +84,7 @@ REQUIRED = {"cuInit", "cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemPoolCr
             "cuEventQuery", "cuEventDestroy", "cuStreamQuery", "cuMemPoolTrimTo"}
 #: what the GEMM path and the check's direct baseline call (worker/backends/_cublas.py, phase_tensor_ops)
 REQUIRED_CUBLAS = {"create", "set_stream", "set_pointer_mode", "set_workspace", "get_version", "sgemm", "destroy"}
-#: every phase of the hardware check that runs on the fake (pytest needs a device)
+#: every phase of the hardware check that runs on the fake (pytest needs a device) is in the replay
 PHASES = "environment,pool,metering,isolation,residual,tenants,fault,kernels,tensor_ops,timing,regions,wasm"
 
 
@@ -94,11 +96,16 @@ def _replay(record_dir: Path) -> dict[str, object]:
     return result
 
 
-def test_every_call_through_the_fake_is_accepted_by_the_real_bindings(tmp_path: Path) -> None:
+def test_every_call_through_the_fake_is_accepted_by_the_real_bindings(tmp_path: Path,
+                                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    # the run's one dry run of the whole check, recorded (tests/helpers/gpu_dry_run.py): its records
+    # are copied, as the exercise below adds its own
+    check = gpu_dry_run.dry_run(tmp_path_factory)
+    assert check.proc.returncode == 0, check.proc.stdout[-2000:]
+    assert set(PHASES.split(",")) <= set(json.loads(check.json_out.read_text())["phases"])
+    for recorded in check.record_dir.iterdir():
+        shutil.copyfile(recorded, tmp_path / recorded.name)
     env = {**os.environ, "FAKE_CUDA_RECORD_CALLS": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    check = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
-                            "--only", PHASES], capture_output=True, text=True, timeout=200, cwd=ROOT, env=env)
-    assert check.returncode == 0, check.stdout[-2000:]
     exercise = subprocess.run([sys.executable, "-c", EXERCISE], capture_output=True, text=True, timeout=60,
                               cwd=ROOT, env=env)
     assert exercise.returncode == 0, exercise.stderr[-2000:]
