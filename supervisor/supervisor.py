@@ -329,7 +329,8 @@ class Supervisor:
         )
         admin.attach(workers, frontend, service)
         # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
-        frontend.serve_ops(admin_ops.handlers(admin, service), admin_ops.local_handlers(frontend))
+        frontend.serve_ops(admin_ops.handlers(admin, service), admin_ops.local_handlers(frontend),
+                           admin_ops.either_handlers(frontend))
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference

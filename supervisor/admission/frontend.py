@@ -27,8 +27,8 @@ resolved to the tenant's own region and forwarded; refused on TCP, whose
 peers cannot map this host's shared memory).
 May touch: the pending table (every answer goes through it), the worker set
 (to send), the registry (to verify capabilities), the event log (read:
-``events``, which either capability may send, is answered here with the
-capability's view of :class:`~supervisor.observe.event_log.EventLog`). Admin ops are
+``events``, which either capability may send: the capability is verified here and
+its op's class reads the log for it). Admin ops are
 verified here and handed to their handler, one per op (:mod:`supervisor.control.ops`,
 bound to the part that serves it: ``serve_ops``). Loop thread only.
 """
@@ -64,7 +64,7 @@ from shared.errors import (
 from shared.log import get_logger
 from shared.sizes import MAX_MODULE_BYTES
 from shared.spec import DEADLINE_GRACE_S
-from supervisor.observe.event_log import ADMIN_VIEW, EventLog, EventView
+from supervisor.observe.event_log import EventLog
 from supervisor.admission.guard import FrontendGuard
 from supervisor.runtime.loop import Loop
 from supervisor.routing.pending import PendingTable
@@ -105,6 +105,9 @@ def _ignore_reply(ok: bool, payload: object) -> None:
 AdminHandler = Callable[[bytes, int, dict[str, object]], None]
 #: a tenant op the frontend answers itself, bound to it (supervisor.control.ops): (tenant, args, body) -> the result
 LocalOp = Callable[[TenantRuntime, dict[str, object], "Body"], object]
+#: an op either capability may send, bound to the frontend (supervisor.control.ops): (the tenant the
+#: capability names, None for the admin's; args) -> the result
+EitherOp = Callable[["TenantRuntime | None", dict[str, object]], object]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
 DenialHook = Callable[["bytes | None", str], None]
 
@@ -149,6 +152,8 @@ class Frontend:
         self._verified_caps: dict[bytes, TenantRuntime] = {}
         #: the tenant ops this part answers itself, by name (serve_ops, at set-up)
         self._local_ops: Mapping[str, LocalOp] = {}
+        #: the ops either capability may send, by name (serve_ops, at set-up)
+        self._either_ops: Mapping[str, EitherOp] = {}
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
@@ -257,7 +262,7 @@ class Frontend:
             return
         try:
             if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows
-                self._events(client, rid, msg.cap_raw, msg.args, msg.size)
+                self._either_capability(client, rid, op, msg.cap_raw, msg.args, msg.size)
             elif proto.OPS[op].admin:
                 if client[:1] == _TCP and not self.config.allow_remote_admin:
                     raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
@@ -278,18 +283,21 @@ class Frontend:
             _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
             self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"), msg.cap_raw)
 
-    def serve_ops(self, admin_ops: Mapping[str, AdminHandler], local_ops: Mapping[str, LocalOp]) -> None:
+    def serve_ops(self, admin_ops: Mapping[str, AdminHandler], local_ops: Mapping[str, LocalOp],
+                  either_ops: Mapping[str, EitherOp]) -> None:
         """The handlers of the ops the supervisor serves itself, by name (``supervisor.control.ops``):
-        every admin op's, bound to its part, and every tenant op's this part answers from what it
-        holds; once, at set-up, once those parts exist. Both must match the op table."""
+        every admin op's, bound to its part; every tenant op's this part answers from what it holds;
+        every op's either capability may send. Once, at set-up, once those parts exist; each table
+        must match the op table."""
         for kind, handlers, declared in (
             ("admin", admin_ops, {n for n, spec in proto.OPS.items() if spec.admin}),
             ("frontend", local_ops,
              {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}),
+            ("either-capability", either_ops, {n for n, spec in proto.OPS.items() if spec.any_capability}),
         ):
             if set(handlers) != declared:  # the op table and the handlers disagree: a bug, at start
                 raise RuntimeError(f"{kind} ops {sorted(declared)} declared, {sorted(handlers)} served")
-        self._admin_ops, self._local_ops = admin_ops, local_ops
+        self._admin_ops, self._local_ops, self._either_ops = admin_ops, local_ops, either_ops
 
     def _admin_request(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, object]) -> None:
         """One admin request: the admin capability first, then the op's arguments, then its handler."""
@@ -327,28 +335,29 @@ class Frontend:
         self.guard.errors.sent(client, self.replies.ok_tracked(
             client, rid, {"protocol": proto.PROTOCOL_VERSION, "ready": self.ready}))
 
-    # ------------------------------------------------------------ events (supervisor.observe.event_log)
+    # ------------------------------------------------------------ either capability (``events``)
 
-    def _events(self, client: bytes, rid: int, cap_raw: bytes | None, args: dict[str, object], size: int = 0) -> None:
-        """``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``: a page of the
-        event log. The admin capability sees every event (over TCP only with ``allow_remote_admin``),
-        a tenant capability its own tenant's; answered at once, nothing held per client."""
+    def _either_capability(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, object],
+                           size: int = 0) -> None:
+        """An op either capability may send: the admin capability (over TCP only with
+        ``allow_remote_admin``) or a tenant's (admitted as every tenant request is); the op's handler
+        gets the tenant it names (None: the admin) and answers at once, nothing held per client."""
         if cap_raw is None:
-            raise TenantIsolationViolation(None, "op 'events' (no capability)", "missing")
+            raise TenantIsolationViolation(None, f"op {op!r} (no capability)", "missing")
         cap = capability_from_bytes(cap_raw)
+        rt: TenantRuntime | None = None
         if isinstance(cap, RegistryAdminCapability):
             if client[:1] == _TCP and not self.config.allow_remote_admin:
-                raise TenantIsolationViolation(None, "admin events over TCP (allow_remote_admin is false); "
+                raise TenantIsolationViolation(None, f"admin {op} over TCP (allow_remote_admin is false); "
                                                "a tenant capability follows its own tenant's events")
             self.registry.verify_admin(cap)
-            view, tenant = ADMIN_VIEW, ""
         else:
             rt = self._verify(cap_raw)
             self.guard.admission.admit(rt.tenant_id, rt.spec, size, self.clock(),
                                        in_flight=rt.in_flight + len(rt.parked))
-            view, tenant = EventView(rt.tenant_id, rt.generation), rt.tenant_id
-        proto.check_args("events", args)
-        self.pending.answer(client, rid, "events", self.event_log.page(view, args), tenant=tenant)
+        proto.check_args(op, args)
+        result = self._either_ops[op](rt, args)
+        self.pending.answer(client, rid, op, result, tenant="" if rt is None else rt.tenant_id)
 
     # ------------------------------------------------------------ tenant requests
 

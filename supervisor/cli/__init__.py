@@ -46,7 +46,7 @@ COMMANDS = {
     "supervise": "supervisor.cli.supervise",
     "status": "supervisor.cli.status",
     "top": "supervisor.cli.top",
-    "events": "supervisor.cli.events",
+    "events": "supervisor.cli.ops",
     "register": "supervisor.cli.ops",
     "capability": "supervisor.cli.ops",
     "evict": "supervisor.cli.ops",

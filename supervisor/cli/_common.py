@@ -6,7 +6,6 @@ import argparse
 import errno
 import os
 import socket
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import zmq.auth
@@ -16,7 +15,15 @@ from shared.capability import RegistryAdminCapability, read_capability_file
 from shared.config import ENV_PREFIX, default_run_dir, parse_host_port
 from shared.errors import SupervisorUnavailable
 from supervisor.client.api import SupervisorClient
-from supervisor.client.cli_args import at_least_one, non_negative_int, positive_seconds, print_json, print_table
+from supervisor.client.cli_args import (
+    at_least_one,
+    comma_list,
+    non_negative_int,
+    positive_seconds,
+    print_json,
+    print_table,
+    run_dir_of,
+)
 
 __all__ = [
     "DefaultsHelpFormatter",
@@ -58,21 +65,6 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
                 return text
             default = ",".join(str(d) for d in default)
         return f"{text} (default: {default})" if text else f"default: {default}"
-
-
-def comma_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
-    """argparse type factory: ``a,b,c`` -> a tuple, each item one of ``choices``."""
-
-    def parse(value: str) -> tuple[str, ...]:
-        items = tuple(k.strip() for k in value.split(",") if k.strip())
-        unknown = [k for k in items if k not in choices]
-        if unknown or not items:
-            raise argparse.ArgumentTypeError(
-                f"unknown {what}(s) {', '.join(unknown) or repr(value)}; known: {', '.join(choices)}"
-            )
-        return items
-
-    return parse
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -203,7 +195,3 @@ def server_key_of(text: str) -> str:
             raise ValueError(f"--server-key @{path} is not a readable certificate ({exc})") from None
         return public.decode("ascii")
     return content
-
-
-def run_dir_of(args: argparse.Namespace) -> str:
-    return str(args.run_dir or os.environ.get(f"{ENV_PREFIX}RUN_DIR") or default_run_dir())

@@ -7,7 +7,7 @@ into a file or a test, frames follow each other separated by a blank line.
 An outage does not end it: ``twt: supervisor unreachable since HH:MM:SS
 (...); retrying`` goes to stderr (``stopped`` when ``supervisor.json`` is
 gone), frames resume when the supervisor answers again
-(:mod:`supervisor.cli._outage`). Started against no supervisor, it exits 3.
+(:mod:`supervisor.client.outage`). Started against no supervisor, it exits 3.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 from shared.exitcodes import EXIT_UNAVAILABLE
 from supervisor.cli._common import add_run_dir, at_least_one, positive_seconds
-from supervisor.cli._outage import Reconnecting
+from supervisor.client.outage import Reconnecting
 from supervisor.cli.status import connect, fetch_status, render
 
 __all__ = ["add_parser", "run"]

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
-__all__ = ["at_least_one", "non_negative_int", "positive_seconds", "print_json", "print_table"]
+from shared.config import ENV_PREFIX, default_run_dir
+
+__all__ = ["at_least_one", "comma_list", "non_negative_int", "positive_seconds", "print_json", "print_table", "run_dir_of"]
 
 
 def _int(value: str) -> int:
@@ -64,3 +67,23 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: T
         out.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
         if n == 0:
             out.write("  ".join("-" * w for w in widths) + "\n")
+
+
+def run_dir_of(args: argparse.Namespace) -> str:
+    """The run dir a command names: ``--run-dir``, else ``$TWT_RUN_DIR``, else the default."""
+    return str(args.run_dir or os.environ.get(f"{ENV_PREFIX}RUN_DIR") or default_run_dir())
+
+
+def comma_list(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    """argparse type factory: ``a,b,c`` -> a tuple, each item one of ``choices``."""
+
+    def parse(value: str) -> tuple[str, ...]:
+        items = tuple(k.strip() for k in value.split(",") if k.strip())
+        unknown = [k for k in items if k not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what}(s) {', '.join(unknown) or repr(value)}; known: {', '.join(choices)}"
+            )
+        return items
+
+    return parse

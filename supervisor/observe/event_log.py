@@ -54,7 +54,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from typing import Final
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgpack
 
@@ -200,7 +200,7 @@ class EventLog:
 
     # ------------------------------------------------------------ read
 
-    def page(self, view: EventView, args: dict[str, object]) -> dict[str, object]:
+    def page(self, view: EventView, args: Mapping[str, object]) -> dict[str, object]:
         """The ``events`` op: ``{after, max, kinds, log}`` -> ``{events, next, missed, more, log}``.
 
         InvalidArgument for a bad argument (a cursor ahead of the newest event included).
@@ -234,7 +234,7 @@ class EventLog:
         return {"events": events, "next": seq - 1, "missed": missed, "more": seq <= self.last, "log": self.log_id}
 
 
-def _page_args(args: dict[str, object]) -> tuple[int | None, int, frozenset[str] | None, str | None]:
+def _page_args(args: Mapping[str, object]) -> tuple[int | None, int, frozenset[str] | None, str | None]:
     """(after, max, kinds, log) of an ``events`` request, checked (the types are checked by the op table)."""
     after = arg_opt_int(args, "after")
     if after is not None and after < 0:

@@ -28,7 +28,7 @@ from shared.sizes import format_size
 from shared.spec import TenantSpec
 from supervisor.cli import EXIT_UNAVAILABLE, build_parser, main
 from supervisor.control.ops.inject_fault import parse_param
-from supervisor.cli.events import format_event
+from supervisor.control.ops.events import format_event
 from supervisor.cli.status import format_duration, render
 from tests.helpers.cluster import FAST as FAST_SETTINGS
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
@@ -396,7 +396,7 @@ def test_register_cap_out_checked_before_registering(capsys: pytest.CaptureFixtu
 
 def test_operations_doc_covers_every_command_setting_and_event() -> None:
     from shared.config import ENV_PREFIX, SupervisorConfig
-    from supervisor.cli.events import KINDS
+    from supervisor.control.ops.events import KINDS
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()
     for name in SupervisorConfig.field_names():
@@ -713,7 +713,7 @@ def test_top_and_events_survive_a_restart(tmp_path: Path) -> None:
 def test_reconnecting_gives_up_after_its_deadline_and_resumes_when_back(tmp_path: Path) -> None:
     """The outage logic alone (no supervisor): lines said, give-up after --timeout, resume on a new client."""
     from shared.errors import SupervisorUnavailable
-    from supervisor.cli._outage import Reconnecting
+    from supervisor.client.outage import Reconnecting
 
     class _Client:
         timeout_s = 10.0

@@ -13,7 +13,7 @@ from shared import protocol as proto
 from shared.errors import TenantIsolationViolation
 from supervisor.cli import build_parser
 from supervisor.control import ops
-from supervisor.control.ops import AdminOp, FrontendOp, ServiceOp, WorkerOp, check_table, op_table
+from supervisor.control.ops import AdminOp, EitherCapabilityOp, FrontendOp, ServiceOp, WorkerOp, check_table, op_table
 from supervisor.control.ops.__main__ import main as doc_main
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -28,12 +28,13 @@ def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPar
 
 def test_every_op_is_one_class_of_the_part_that_serves_it() -> None:
     table = op_table()
-    # events: either capability, the frontend's own (the capability picks the view of the log)
-    assert [op.name for op in table] == [n for n, s in proto.OPS.items() if n != "events"]  # the wire table's order
+    assert [op.name for op in table] == list(proto.OPS)  # every op, in the wire table's order
     for op in table:
         assert op.spec is proto.OPS[op.name]
         assert op.part == op.spec.served_by
         kind = {"admin": AdminOp, "service": ServiceOp, "frontend": FrontendOp, "worker": WorkerOp}[op.part]
+        if op.spec.any_capability:  # events: the frontend verifies either capability, the class reads the log
+            kind = EitherCapabilityOp
         assert isinstance(op, kind)
         assert type(op).__module__ == f"supervisor.control.ops.{op.name}"  # one module per op, named as the op
 
@@ -47,9 +48,9 @@ def test_a_class_set_that_disagrees_with_the_wire_table_is_refused() -> None:
         check_table([*table, next(op for op in table if op.name == "evict")])
 
     class Stray(AdminOp):
-        name = "events"  # either capability: no class of its own
+        name = "no_such_op"  # no wire row
 
-    with pytest.raises(RuntimeError, match=r"of no op served here: \['events'\]"):
+    with pytest.raises(RuntimeError, match=r"of no op served here: \['no_such_op'\]"):
         check_table([*table, Stray()])
 
     class WrongPart(AdminOp):
@@ -69,6 +70,9 @@ def test_the_dispatch_tables_bind_each_op_to_its_part() -> None:
     local = ops.local_handlers(frontend)  # type: ignore[arg-type]
     assert set(local) == {"quota", "put_module", "region_create", "region_release"}
     assert all(h.args == (frontend,) and h.func.__self__.name == n for n, h in local.items())  # type: ignore[attr-defined]
+    either = ops.either_handlers(frontend)  # type: ignore[arg-type]
+    assert set(either) == {"events"}
+    assert all(h.args == (frontend,) and h.func.__self__.name == n for n, h in either.items())  # type: ignore[attr-defined]
 
 
 def test_each_command_and_its_help_come_from_its_op_class() -> None:
@@ -89,7 +93,7 @@ def test_each_command_and_its_help_come_from_its_op_class() -> None:
 def test_protocol_md_op_tables_are_generated_from_the_classes() -> None:
     assert doc_main(["--check"]) == 0, "run python -m supervisor.control.ops --write"
     text = (DOCS / "PROTOCOL.md").read_text()
-    assert ops.doc_table() in text and ops.tenant_doc_table() in text
+    assert ops.doc_table() in text and ops.tenant_doc_table() in text and ops.either_doc_table() in text
     for op in op_table():
         assert op.doc_row() in text, op.name
 

@@ -1,18 +1,17 @@
 """Every op: one module each, one class each, holding all there is of that op but its wire row.
 
-Every op of :data:`shared.protocol.OPS` but ``events`` is a class here
+Every op of :data:`shared.protocol.OPS` is a class here
 (:mod:`supervisor.control.ops._base`), by who serves it: an admin op
 (:class:`~supervisor.control.admin.AdminOps` or
 :class:`~supervisor.control.service.ServiceOps`), a tenant op the
-:class:`~supervisor.admission.frontend.Frontend` answers from what it holds, or a
-tenant op a worker answers. The class holds the op's handler (a worker op's is
+:class:`~supervisor.admission.frontend.Frontend` answers from what it holds, an op
+either capability may send (``events``: the frontend verifies the capability, the
+class reads the event log for it), or a tenant op a worker answers. The class holds the op's handler (a worker op's is
 the worker's: ``worker/server.py``, a process that never imports the
 supervisor), its ``twt`` command (arguments and rendering) and its row of
 docs/PROTOCOL.md. Its wire row stays in ``shared/protocol.py``: the decoder, the
 worker and the schema generator read it, and ``shared`` imports nothing of the
-supervisor. (``events``, which either capability may send, is the frontend's
-own: the capability picks the view of the event log it reads; its command,
-``twt events``, follows the log.)
+supervisor.
 
 The classes are found by listing this package (:func:`op_table`), so adding an
 op the supervisor serves is its wire row plus one module here (and its tests):
@@ -30,20 +29,31 @@ import importlib
 import pkgutil
 
 from shared import protocol as proto
-from supervisor.admission.frontend import Frontend, LocalOp
+from supervisor.admission.frontend import EitherOp, Frontend, LocalOp
 from supervisor.control.admin import AdminOps
-from supervisor.control.ops._base import AdminOp, Connect, FrontendOp, Op, OpHandler, ServiceOp, TenantOp, WorkerOp
+from supervisor.control.ops._base import (
+    AdminOp,
+    Connect,
+    EitherCapabilityOp,
+    FrontendOp,
+    Op,
+    OpHandler,
+    ServiceOp,
+    TenantOp,
+    WorkerOp,
+)
 from supervisor.control.service import ServiceOps
 
-__all__ = ["AdminOp", "Connect", "FrontendOp", "Op", "OpHandler", "ServiceOp", "TenantOp", "WorkerOp", "check_table",
-           "commands", "doc_table", "handlers", "local_handlers", "op_table", "served_here", "tenant_doc_table"]
+__all__ = ["AdminOp", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "ServiceOp", "TenantOp", "WorkerOp",
+           "check_table", "commands", "doc_table", "either_doc_table", "either_handlers", "handlers", "local_handlers", "op_table",
+           "served_here", "tenant_doc_table"]
 
-_KINDS = (AdminOp, ServiceOp, FrontendOp, WorkerOp)
+_KINDS = (AdminOp, ServiceOp, FrontendOp, EitherCapabilityOp, WorkerOp)
 
 
 def served_here() -> set[str]:
-    """The wire ops that have a class here: every op but those either capability may send (``events``)."""
-    return {name for name, spec in proto.OPS.items() if not spec.any_capability}
+    """The wire ops that have a class here: every one."""
+    return set(proto.OPS)
 
 
 @functools.cache
@@ -91,6 +101,11 @@ def local_handlers(frontend: Frontend) -> dict[str, LocalOp]:
     return {op.name: functools.partial(op.serve, frontend) for op in op_table() if isinstance(op, FrontendOp)}
 
 
+def either_handlers(frontend: Frontend) -> dict[str, EitherOp]:
+    """Every op either capability may send, bound to the frontend, by name."""
+    return {op.name: functools.partial(op.serve, frontend) for op in op_table() if isinstance(op, EitherCapabilityOp)}
+
+
 def commands() -> tuple[Op, ...]:
     """The ops that own a ``twt`` command, in the order of the wire table."""
     return tuple(op for op in op_table() if op.command is not None)
@@ -100,6 +115,13 @@ def doc_table() -> str:
     """docs/PROTOCOL.md's admin op table: one row per admin op class."""
     lines = ["| op | args | result | errors |", "|---|---|---|---|"]
     lines += [op.doc_row() for op in op_table() if isinstance(op, (AdminOp, ServiceOp))]
+    return "\n".join(lines)
+
+
+def either_doc_table() -> str:
+    """docs/PROTOCOL.md's table of the ops either capability may send (``events``)."""
+    lines = ["| op | args | result | errors |", "|---|---|---|---|"]
+    lines += [op.doc_row() for op in op_table() if isinstance(op, EitherCapabilityOp)]
     return "\n".join(lines)
 
 

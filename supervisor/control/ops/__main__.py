@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 from shared.protocol_doc import DOC_PATH, generate, replace_part
-from supervisor.control.ops import doc_table, tenant_doc_table
+from supervisor.control.ops import doc_table, either_doc_table, tenant_doc_table
 
 __all__ = ["main"]
 
 #: the generated parts of PROTOCOL.md, by name
-PARTS = {"admin-ops": doc_table, "tenant-ops": tenant_doc_table}
+PARTS = {"admin-ops": doc_table, "tenant-ops": tenant_doc_table, "either-ops": either_doc_table}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,9 @@
 A subclass of :class:`AdminOp` (served by :class:`~supervisor.control.admin.AdminOps`),
 :class:`ServiceOp` (served by :class:`~supervisor.control.service.ServiceOps`),
 :class:`FrontendOp` (a tenant op the :class:`~supervisor.admission.frontend.Frontend`
-answers from what the supervisor holds) or :class:`WorkerOp` (a tenant op a worker
-answers: its handler is in ``worker/server.py``) in a module of its own under
+answers from what the supervisor holds), :class:`EitherCapabilityOp` (an op either
+capability may send, ``events``: the frontend answers it too) or :class:`WorkerOp`
+(a tenant op a worker answers: its handler is in ``worker/server.py``) in a module of its own under
 :mod:`supervisor.control.ops` declares:
 
 * ``name``: the wire op. Its row in :data:`shared.protocol.OPS` (arguments,
@@ -32,7 +33,7 @@ from supervisor.control.admin import AdminOps
 from supervisor.control.service import ServiceOps
 from supervisor.runtime.tenants import TenantRuntime
 
-__all__ = ["AdminOp", "Args", "Connect", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp", "TenantOp", "WorkerOp"]
+__all__ = ["AdminOp", "Args", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp", "TenantOp", "WorkerOp"]
 
 #: an op's arguments as its handler reads them: decoded msgpack, each declared one's type checked
 #: by ``check_args`` against the wire row before the handler runs (the row is the precise type);
@@ -136,6 +137,19 @@ class FrontendOp(TenantOp):
     def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
         """The result for tenant ``rt`` (the frontend answers with it); raise a typed error to refuse.
         ``body``: the request's body frame, or None."""
+        raise NotImplementedError
+
+
+class EitherCapabilityOp(Op):
+    """An op either capability may send (``events``), answered by the frontend at once: the admin
+    capability's caller sees every tenant, a tenant capability's its own. Its wire row is in the
+    generated op list of PROTOCOL.md; it has no row in the admin or tenant op tables."""
+
+    part = "frontend"
+
+    def serve(self, frontend: Frontend, rt: TenantRuntime | None, args: Args) -> object:
+        """The result for the tenant the capability names (``rt``), or for the admin (None); the
+        frontend has verified the capability, admitted the request and checked the arguments."""
         raise NotImplementedError
 
 

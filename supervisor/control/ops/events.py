@@ -1,4 +1,8 @@
-"""``twt events``: follow the supervisor's lifecycle events, one line each.
+"""``events`` / ``twt events``: a page of the event log for either capability; follow it, one line each.
+
+The op: ``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``. The
+admin capability sees every event, a tenant capability its own tenant's (the frontend
+verifies which; :class:`Events` reads the log for it). The command:
 
     $ twt events --filter exit --filter restart
     12:01:07.513  exit           acme/0  pid=4250 signal=9(SIGKILL) reason="killed by signal 9" expected=False
@@ -29,17 +33,15 @@ from shared.capability import RegistryAdminCapability, TenantCapability, read_ca
 from shared.checks import is_int
 from shared.kinds import EVENT_KINDS
 from shared.sizes import format_size
-from supervisor.cli._common import (
-    add_run_dir,
-    at_least_one,
-    comma_list,
-    positive_seconds,
-)
-from supervisor.cli._outage import Reconnecting
-from supervisor.cli.status import connect
+from supervisor.admission.frontend import Frontend
+from supervisor.client.cli_args import at_least_one, comma_list, positive_seconds
 from supervisor.client.event_follow import MISSED, follow
+from supervisor.client.outage import Reconnecting
+from supervisor.control.ops._base import Args, Connect, EitherCapabilityOp
+from supervisor.observe.event_log import ADMIN_VIEW, EventView
+from supervisor.runtime.tenants import TenantRuntime
 
-__all__ = ["KINDS", "add_parser", "format_event", "run"]
+__all__ = ["KINDS", "Events", "format_event"]
 
 #: the event kinds the supervisor publishes (the rows of shared.kinds.EVENT_KINDS)
 KINDS = tuple(EVENT_KINDS)
@@ -48,32 +50,43 @@ _ORDER = ("worker", "pid", "exit_code", "signal", "reason", "expected", "kind")
 _HIDDEN = {"event", "ts", "tenant", "instance"}
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "events",
-        help="follow lifecycle events (spawn, ready, exit, restart, failed, evict, quota refusals ...)",
-        description="Print the supervisor's lifecycle events as they happen, one line each, until Ctrl-C, "
-        f"--timeout seconds without an event, or --count events. Kinds: {', '.join(KINDS)}.",
-    )
-    p.add_argument("--filter", dest="kinds", type=comma_list(KINDS, "event kind"), action="append", default=[], metavar="KIND",
-                   help="only these kinds (repeat, or comma-separate: --filter exit,restart; default: every kind)")
-    p.add_argument("--tenant", dest="tenants", action="append", default=[], metavar="TENANT",
-                   help="only events about this tenant (repeatable); default: every tenant")
-    p.add_argument("--json", action="store_true", help="one JSON object per event (JSON Lines)")
-    p.add_argument("--timeout", type=positive_seconds, default=None, metavar="S",
-                   help="stop after S seconds without a (matching) event; default: follow until Ctrl-C")
-    p.add_argument("--count", type=at_least_one, default=None, metavar="N",
-                   help="stop after N events; exit 1 if fewer arrived before --timeout (default: no limit)")
-    p.add_argument("--replay", action="store_true",
-                   help="first the events the supervisor's event log still holds (default: from now on)")
-    p.add_argument("--capability", type=Path, default=None, metavar="FILE",
-                   help="follow one tenant's own events with its capability file (as --cap-out writes it); "
-                   "default: every event, with the admin capability")
-    add_run_dir(p)
-    p.set_defaults(func=run)
+class Events(EitherCapabilityOp):
+    name = "events"
+    args_doc = "`{after?: int | nil, max?: int, kinds?: [str], log?: str}`"
+    result_doc = "`{events: [{seq, event, ts, ...}...], next, missed, more, log}`"
+    errors_doc = ("`InvalidArgument` (`after` < 0 or ahead of the newest event of this log, `max` < 1, more than "
+                  "64 `kinds` or one not a name of 1..64 characters, a `log` over 64 characters, a wrong type)")
+    command = "events"
+    help = "follow lifecycle events (spawn, ready, exit, restart, failed, evict, quota refusals ...)"
+    description = ("Print the supervisor's lifecycle events as they happen, one line each, until Ctrl-C, "
+                   f"--timeout seconds without an event, or --count events. Kinds: {', '.join(KINDS)}.")
+    json_help = "one JSON object per event (JSON Lines)"
+
+    def serve(self, frontend: Frontend, rt: TenantRuntime | None, args: Args) -> object:
+        view = ADMIN_VIEW if rt is None else EventView(rt.tenant_id, rt.generation)
+        return frontend.event_log.page(view, args)
+
+    def arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--filter", dest="kinds", type=comma_list(KINDS, "event kind"), action="append", default=[],
+                       metavar="KIND",
+                       help="only these kinds (repeat, or comma-separate: --filter exit,restart; default: every kind)")
+        p.add_argument("--tenant", dest="tenants", action="append", default=[], metavar="TENANT",
+                       help="only events about this tenant (repeatable); default: every tenant")
+        p.add_argument("--timeout", type=positive_seconds, default=None, metavar="S",
+                       help="stop after S seconds without a (matching) event; default: follow until Ctrl-C")
+        p.add_argument("--count", type=at_least_one, default=None, metavar="N",
+                       help="stop after N events; exit 1 if fewer arrived before --timeout (default: no limit)")
+        p.add_argument("--replay", action="store_true",
+                       help="first the events the supervisor's event log still holds (default: from now on)")
+        p.add_argument("--capability", type=Path, default=None, metavar="FILE",
+                       help="follow one tenant's own events with its capability file (as --cap-out writes it); "
+                       "default: every event, with the admin capability")
+
+    def run(self, args: argparse.Namespace, connect: Connect) -> int:
+        return _follow(args, connect)
 
 
-def run(args: argparse.Namespace) -> int:
+def _follow(args: argparse.Namespace, connect: Connect) -> int:
     kinds = sorted({k for group in args.kinds for k in group})
     tenants = set(args.tenants)
     seen = 0
@@ -88,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "connect", None) and cap is None and not args.admin_cap:
         raise ValueError("--connect: every event needs the admin capability (--admin-cap FILE, and "
                          "allow_remote_admin on the supervisor); a tenant follows its own with --capability FILE")
-    with Reconnecting(args, lambda: connect(args), deadline_s=args.timeout) as source:
+    with Reconnecting(args, connect, deadline_s=args.timeout) as source:
         stream = follow(_Resuming(source, cap), cap or source.client.admin, kinds, timeout_s=args.timeout,
                         replay=args.replay)
         try:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from shared.errors import RequestTimeout, SupervisorUnavailable, TensorWasmError
-from supervisor.cli._common import run_dir_of
 from supervisor.client.api import SupervisorClient
+from supervisor.client.cli_args import run_dir_of
 
 __all__ = ["RETRY_S", "Reconnecting"]
 
