@@ -35,7 +35,7 @@ from supervisor.tools.chaos.checks import (
     latency_table,
     reconcile,
 )
-from supervisor.tools.chaos.config import SUPERVISOR_SETTINGS, ChaosConfig, _spec
+from supervisor.tools.chaos.config import HANG_SHOWS_WITHIN_S, SUPERVISOR_SETTINGS, ChaosConfig, _spec
 from supervisor.tools.chaos.nemesis import Action, _EventLog, _Nemesis
 from supervisor.tools.chaos.recorder import Recorder
 from supervisor.tools.chaos.schedule import build_schedule, schedule_hash
@@ -293,7 +293,7 @@ class _Campaign:
                     pass  # not running: nothing to heal
         # an armed hang shows only once heartbeats are missed: settle, wait that long, settle again
         settled, recs = self._settle(main)
-        time.sleep(1.5)
+        time.sleep(HANG_SHOWS_WITHIN_S)
         settled2, recs = self._settle(main)
         for rec in recs:
             for inst in rec.instances:

@@ -38,11 +38,18 @@ _GONE_DETAILS = ("belongs to another worker instance or to one that restarted", 
 _UNANSWERED = frozenset({"lost", "untyped"})
 
 MiB = 1 << 20
+#: heartbeats of a supervisor the campaign starts: a hung worker is found within 2 s, and a healthy
+#: one stalled for a second by a loaded host is not taken for hung (at 0.75 s it once was: the
+#: campaign then reported a healthy tenant disturbed)
+HEARTBEAT_INTERVAL_S = 0.25
+HEARTBEAT_LIVENESS = 8
+#: how long an armed hang takes at most to show as missed heartbeats, and a margin for the restart
+HANG_SHOWS_WITHIN_S = HEARTBEAT_INTERVAL_S * HEARTBEAT_LIVENESS * 1.5
 #: settings of a supervisor the campaign starts itself (fast failure detection, warm restarts)
 SUPERVISOR_SETTINGS: dict[str, object] = {
     "pool_size": 2,
-    "heartbeat_interval_s": 0.25,
-    "heartbeat_liveness": 3,
+    "heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
+    "heartbeat_liveness": HEARTBEAT_LIVENESS,
     "kill_grace_s": 0.5,
     "stop_timeout_s": 3.0,
     "rss_allowance_bytes": 128 * MiB,
