@@ -3,12 +3,13 @@
 Why: wasmtime turns a guest's out-of-bounds access into a ``Trap`` with its own
 SIGSEGV/SIGBUS handler, installed once per process when the first engine is made.
 Ray's core worker, started in the test process by ``ray.init`` (the Ray tests'
-driver), installs its failure-signal handlers over it; after that, a guest's wild
-store in the same process is a real segfault - an xdist worker that ran the Ray
-tests and then the hostile-guest tests died (``tests/sdk/test_hostile.py``,
-``test_a_wild_pointer_store_is_a_bounds_trap``). Production never mixes the two:
+driver), installs its failure-signal handlers over it, and ``ray.shutdown`` resets
+them to the default; after either, a guest's wild store (SIGSEGV) or ``unreachable``
+(SIGILL) in the same process kills it - xdist workers that ran the Ray tests and
+then WASM tests died (``tests/sdk/test_hostile.py``, a wild store;
+``tests/worker/test_wasm_host.py``, an ``unreachable``), and xdist then hung. Production never mixes the two:
 workers are fresh processes that make their own engine. Tests share processes, so
-the Ray fixture puts the previous handlers back once Ray is up.
+the Ray fixture puts the previous handlers back once Ray is up and once it is down.
 
 ``signal.getsignal`` cannot see handlers installed from C, so the whole
 ``struct sigaction`` is saved and restored through libc, as opaque bytes.
