@@ -24,10 +24,12 @@ demo: $(STAMP)
 TEST_WORKERS ?= 4
 
 ## make test: the whole suite (type check first, then pytest in a fresh temp root, tests/run-suite.sh)
+#: --max-worker-restart=0: a test that kills its xdist worker fails the run at once (xdist would
+#: rerun it on fresh workers, and once hung after replacing one until CI's time limit)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy
-	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
+	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart=0 --durations=20
 
 ## make test-fast: the inner loop - every test that starts no process (no supervisor, worker, Ray)
 test-fast: $(STAMP)
