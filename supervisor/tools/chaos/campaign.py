@@ -46,6 +46,10 @@ from supervisor.client.launch import launch
 
 __all__ = ["run_chaos"]
 
+#: how long the settle waits for every tenant to run with nothing in flight (a wait for that event;
+#: a loaded host with restart backoffs after a burst of faults once needed more than 30 s)
+SETTLE_TIMEOUT_S = 60.0
+
 # --------------------------------------------------------------------------- the campaign
 
 
@@ -269,7 +273,7 @@ class _Campaign:
         """The status records of the campaign's own tenants."""
         return [r for r in main.status().tenants if r.tenant_id in self.specs]
 
-    def _settle(self, main: SupervisorClient, timeout_s: float = 30.0) -> tuple[bool, list[TenantRecord]]:
+    def _settle(self, main: SupervisorClient, timeout_s: float = SETTLE_TIMEOUT_S) -> tuple[bool, list[TenantRecord]]:
         """Wait until every tenant runs every instance with nothing in flight or parked."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -292,7 +296,7 @@ class _Campaign:
                 except TensorWasmError:
                     pass  # not running: nothing to heal
         # an armed hang shows only once heartbeats are missed: settle, wait that long, settle again
-        settled, recs = self._settle(main)
+        settled, first = self._settle(main)
         time.sleep(HANG_SHOWS_WITHIN_S)
         settled2, recs = self._settle(main)
         for rec in recs:
@@ -312,11 +316,16 @@ class _Campaign:
             if held != live[name]:
                 problems.append(f"{name}: the worker holds {len(held)} buffers, the clients {len(live[name])}")
         if not (settled and settled2):
+            unsettled = [r for r in (recs if not settled2 else first)
+                         if not (r.state == "running" and r.in_flight == 0 and r.parked == 0)]
             problems.insert(
                 0,
-                "tenants did not settle within 30 s: "
+                f"tenants did not settle within {SETTLE_TIMEOUT_S:g} s "
+                f"({'after the hang window' if not settled2 else 'before the hang window'}; "
+                f"{len(first)} of {len(self.specs)} tenants listed): "
                 + ", ".join(
-                    f"{r.tenant_id} {r.state}, {r.in_flight} in flight, {r.parked} parked" for r in recs
+                    f"{r.tenant_id} {r.state}, {r.in_flight} in flight, {r.parked} parked, instances "
+                    + "/".join(i.state for i in r.instances) for r in unsettled or first
                 ),
             )
         lost_n = sum(r.lost_buffers for r in recons) + sum(len(c.stale) for c in self.clients)
