@@ -509,6 +509,8 @@ def _op_entry(op: proto.OpSpec) -> dict[str, object]:
             schema = {"$ref": "#/$defs/tenant_spec"}
         elif op.name == "set_quota" and arg.name in proto.QUOTA_KEYS and str in arg.types:  # the byte sizes
             schema = _size_schema("null" in str(schema.get("type")))
+        elif op.name == "set_quota" and arg.name in proto.QUOTA_KEYS:  # the GPU-time policy: the spec's bounds
+            schema = dict(_spec_fields()[arg.name][0])
         note = ARG_NOTES.get((op.name, arg.name))
         if note:
             schema = {**schema, "description": note}

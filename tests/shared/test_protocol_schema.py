@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import protocol as proto
+from shared.gpu_time import check_gpu_time_cap, check_gpu_time_weight
 from shared.errors import InvalidArgument, _BY_CODE
 from shared.protocol_schema import SCHEMA_GAPS, build_schema, load_schema, tenant_spec_schema
 from shared.sizes import _UNITS, parse_size
@@ -53,7 +54,11 @@ def supervisor_accepts(op: str, args: dict[str, Any]) -> tuple[bool, str]:
             TenantSpec.from_dict(args["spec"])
         if op == "set_quota":
             for key in proto.QUOTA_KEYS:
-                if args.get(key) is not None:
+                if key == "gpu_time_weight" and key in args:
+                    check_gpu_time_weight(args[key])
+                elif key == "gpu_time_cap" and args.get(key) is not None:
+                    check_gpu_time_cap(args[key])
+                elif args.get(key) is not None:
                     parse_size(args[key], what=key)
     except (InvalidArgument, TypeError, ValueError) as exc:
         return False, str(exc)
@@ -64,6 +69,17 @@ def _gap(why: str) -> bool:
     """A refusal the schema cannot express (SCHEMA_GAPS), recognised by the supervisor's own words."""
     return ("too large" in why or "at least one 64 KiB page" in why or "got nan" in why
             or "bytes_per_s must be at least 1" in why)
+
+
+def test_set_quota_gpu_time_keys_carry_the_specs_bounds() -> None:
+    """Found by the generated cases under load: the schema took ``gpu_time_cap: -1`` (any number),
+    the supervisor refuses it; the set_quota keys now have the tenant spec's bounds."""
+    for args in ({"tenant": "t", "gpu_time_cap": -1}, {"tenant": "t", "gpu_time_cap": 0}, {"tenant": "t", "gpu_time_cap": 1.5},
+                 {"tenant": "t", "gpu_time_weight": 0}, {"tenant": "t", "gpu_time_weight": -2}):
+        assert not schema_accepts("set_quota", args) and not supervisor_accepts("set_quota", args)[0], args
+    for args in ({"tenant": "t", "gpu_time_cap": 0.25}, {"tenant": "t", "gpu_time_cap": None},
+                 {"tenant": "t", "gpu_time_weight": 3}):
+        assert schema_accepts("set_quota", args) and supervisor_accepts("set_quota", args)[0], args
 
 
 def check(op: str, args: dict[str, Any]) -> None:
