@@ -127,9 +127,9 @@ def test_weights_cap_and_live_changes(sup: SupervisorHandle) -> None:
             d = delta_until(sup, ("w7", "w3"), SHORT_WINDOW_S)
             elapsed = time.monotonic() - t0
             assert d[0] / elapsed <= 0.2 + 0.05  # the cap: a fraction of wall time, whatever w3 does
-            # with equal weights the cap can only hold w7 below w3 (how far below depends on how much
-            # CPU the host gives the stub device's w3: scheduling, not asserted here; twt bench share)
-            assert d[0] / sum(d) < 0.5
+            # how w3 fares meanwhile depends on how much CPU the host gives the stub device's w3 -
+            # scheduling, not asserted (it once got no more than the capped w7 under two burners;
+            # twt bench share measures it)
             # the cap holding w7 back is an event to wait for: on a starved host w7 may not reach
             # its fifth for a while (the policy itself is tested on a fake clock, tests/shared)
             wait_for(lambda: gpu(sup, "w7")["throttled"] > 0, timeout_s=120, interval_s=0.2,
