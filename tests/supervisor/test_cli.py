@@ -660,7 +660,18 @@ def _follower(*argv: str) -> _Lines:
 def _end(lines: _Lines) -> int:
     lines.proc.send_signal(signal.SIGINT)
     try:
-        return lines.proc.wait(30)
+        try:
+            return lines.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            # seen under load in full runs only (never alone): say how the follower stood, for the
+            # next look - its signal masks (an inherited ignored or blocked SIGINT?) and its state
+            try:
+                with open(f"/proc/{lines.proc.pid}/status") as f:
+                    status = [ln.strip() for ln in f if ln.startswith(("State", "Sig", "Shd", "Threads"))]
+            except OSError as exc:
+                status = [f"no /proc status: {exc}"]
+            raise AssertionError(f"{lines.proc.args[2:4]} did not end within 30 s of SIGINT; {status}; "
+                                 f"last lines: {lines.seen[-5:]}") from None
     finally:
         if lines.proc.poll() is None:  # pragma: no cover - a hung follower
             lines.proc.kill()
