@@ -91,13 +91,35 @@ def _filled(cell: Any) -> bool:
     return True
 
 
+#: verdicts of :func:`_starts_processes` kept across tests (each holds its function, so the id stays
+#: its own): the ~1,850 tests share their helpers and fixtures, and scanning each one afresh per
+#: test was a third of every xdist worker's collection (~2 s of CPU per worker)
+_VERDICTS: dict[int, tuple[object, bool]] = {}
+#: how many times a scan stopped at a function already being scanned (a cycle in the call graph);
+#: a "no" reached past such a stop may depend on the cycle's other half, so it is not kept
+_CUTS = [0]
+
+
 def _starts_processes(func: Callable[..., Any], seen: set[int]) -> bool:
     """Whether ``func`` (a test, fixture or helper) can start a process: a scan of the names its
     code uses (module globals, local imports, closures), followed into our own functions."""
     func = getattr(func, "__wrapped__", func)
+    known = _VERDICTS.get(id(func))
+    if known is not None and known[0] is func:
+        return known[1]
     if id(func) in seen:
+        _CUTS[0] += 1
         return False
     seen.add(id(func))
+    cuts = _CUTS[0]
+    verdict = _scan(func, seen)
+    if verdict or _CUTS[0] == cuts:  # a "yes" always holds; a "no" only when no cycle was cut
+        _VERDICTS[id(func)] = (func, verdict)
+    return verdict
+
+
+def _scan(func: Callable[..., Any], seen: set[int]) -> bool:
+    """:func:`_starts_processes`'s scan of one function (not yet judged)."""
     code = getattr(func, "__code__", None)
     if code is None:
         return False

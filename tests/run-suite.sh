@@ -16,11 +16,12 @@ trap 'rm -rf "$root"' EXIT
 # traverse-only for others: the client_group tests run a client as a second user below it
 chmod 0711 "$root"
 export TMPDIR="$root" RAY_TMPDIR="$root" PYTEST_TWT_ROOT="$root"
-# One bytecode cache for the run, inside the root: the suite starts well over a thousand Python
-# processes (supervisors, workers, twt commands, phase children) that import the same modules, and
-# without a cache each compiles every module it imports from source (a third of a supervisor's
-# start-up CPU). PYTHONDONTWRITEBYTECODE, if set, is lifted for the run: what it protects (the
-# checkout) is not written - the cache lives and dies with the root.
-unset PYTHONDONTWRITEBYTECODE
-export PYTHONPYCACHEPREFIX="$root/pyc"
+# Bytecode caches: the suite starts well over a thousand Python processes (supervisors, workers, twt
+# commands, phase children) that import the same modules, and without a cache each compiles every
+# module it imports from source (a third of a supervisor's start-up CPU). So PYTHONDONTWRITEBYTECODE,
+# if set, is lifted for the run, and Python keeps its usual caches: the installed packages' (pip
+# compiled them at install time) and our sources' __pycache__ (ignored by git). A cache per run
+# ($PYTHONPYCACHEPREFIX) would hide the installed packages' caches: each of the first processes of
+# every run compiled numpy, hypothesis, wasmtime, Ray, ... again (~1 s of CPU per process).
+unset PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX
 .venv/bin/python -m pytest --basetemp="$root/pt" "$@"

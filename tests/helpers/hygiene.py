@@ -122,7 +122,7 @@ def is_allowed_write(path: str) -> bool:
     if path.startswith("\0") or not path:  # an abstract unix socket: no file
         return True
     full = os.path.abspath(path)
-    if "/__pycache__/" in full or full.startswith(_ALLOWED_PREFIXES):
+    if "/__pycache__/" in full or full.endswith("/__pycache__") or full.startswith(_ALLOWED_PREFIXES):
         return True
     if sys.pycache_prefix and full.startswith(os.path.abspath(sys.pycache_prefix) + os.sep):
         return True  # the bytecode cache kept elsewhere (tests/run-suite.sh puts it in its root)
