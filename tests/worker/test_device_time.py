@@ -15,15 +15,19 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shared.errors import KernelTimeout
 from shared.gpu_time import GpuTimeBoard
 from shared.quota import QuotaBlock
+from shared.spec import TenantSpec
 from tests.helpers.fake_cublas import FakeCublas
 from tests.helpers.fake_cuda import FakeDriver
 from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.cuda import CudaBackend
 from worker.backends.stub import StubBackend
 from worker.chunks import plan
+from worker.context import TenantContext
 from worker.device_time import DeviceGate
+from worker.wasm import WasmHost, guest_source
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -189,6 +193,37 @@ def test_a_gate_with_a_board_takes_and_gives_back_the_device(block: QuotaBlock) 
         assert board.snapshot().holder is None
         gate.close()
         assert board.snapshot().grants == 1
+    finally:
+        board.unlink()
+        board.close()
+
+
+def test_a_run_whose_deadline_passes_waiting_for_the_device_is_a_timeout() -> None:
+    """The lease's holder (another tenant) keeps the device past this run's deadline: the op the
+    guest waited in returns an error code (long_job turns it into NaN), but the run is over - the
+    client gets ``KernelTimeout``, never the NaN as if it were the run's answer (a chaos campaign on
+    a loaded host once reported a healthy tenant's ``long_job`` returning NaN exactly so)."""
+    board = GpuTimeBoard.create(0)
+    try:
+        holder = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))
+        waiter = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))
+        holder.acquire()  # and never finishes its chunk while the run lasts
+        spec = TenantSpec.from_dict({"tenant_id": "waiter", "memory_quota_bytes": 64 << 20,
+                                     "gpu_memory_bytes_cap": 64 << 20})
+        with QuotaBlock.create("waiter", memory_quota_bytes=64 << 20, gpu_memory_bytes_cap=64 << 20) as owner:
+            ctx = TenantContext(spec, 0, 0, QuotaBlock.attach(owner.name, instance=0), StubBackend(), board=waiter)
+            host = WasmHost(ctx)
+            ctx.extensions[WasmHost.EXTENSION] = host
+            try:
+                with pytest.raises(KernelTimeout):
+                    host.run(guest_source("long_job"), "run", [256, 2], fuel=10**9, timeout_s=0.3)
+                assert owner.gpu_bytes_in_use == 0  # its buffers went with the run
+                assert board.snapshot().holder == holder.worker_slot  # the holder kept the device
+            finally:
+                ctx.close()
+        holder.release()
+        holder.close()
+        waiter.close()
     finally:
         board.unlink()
         board.close()

@@ -39,6 +39,7 @@ from typing import TypeVar
 from shared.errors import (
     GpuMemoryExhausted,
     InvalidArgument,
+    KernelTimeout,
     MemoryExhausted,
     TensorWasmError,
 )
@@ -190,6 +191,10 @@ class GuestRun:
         self.gate = ctx.gate
         self.gate.take_run_totals()  # a trapped run before this one left its figures behind
         self.deadline_ns: int | None = None
+        #: the run's deadline passed inside a device op (a wait for the device's lease that ran
+        #: out): the guest gets an error code like any failed op, but its run is over - the host
+        #: ends it as a timeout whatever the guest returns (see :meth:`WasmHost.run`)
+        self.deadline_passed: KernelTimeout | None = None
 
     # ------------------------------------------------------------ helpers
 
@@ -237,7 +242,11 @@ class GuestRun:
 
     def device_op(self, name: str, fn: Callable[..., T], args: tuple[object, ...]) -> T | None:
         """``fn(*args)`` on the device under this worker's lease (see :mod:`worker.device_time`)."""
-        return self.gate.op(name, fn, args, self.deadline_ns)
+        try:
+            return self.gate.op(name, fn, args, self.deadline_ns)
+        except KernelTimeout as exc:
+            self.deadline_passed = exc
+            raise
 
     def gpu_totals(self) -> dict[str, float]:
         """This run's device time and its waits for the device (the ``run_wasm`` reply's fields)."""

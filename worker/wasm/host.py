@@ -759,6 +759,11 @@ class WasmHost:
                     results = session.call(export, args)
                 except GuestExit as exc:
                     exit_code = exc.code
+            if session.run.deadline_passed is not None:
+                # the deadline ran out inside a device op: whatever the guest made of that op's
+                # error code (long_job returns NaN), its result is not an answer
+                self.stats["timeouts"] += 1
+                raise KernelTimeout(timeout_s, "run_wasm") from session.run.deadline_passed
             fuel_used = session.fuel_used()
             memory_bytes = session.memory.data_len(session.store) if session.memory is not None else 0
             run = session.run
