@@ -30,9 +30,9 @@ import time
 from typing import TypedDict
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from shared.log import get_logger, log_event
+from shared.zmq_monitor import recv_monitor_event
 from supervisor.admission.fdlimit import fd_budget
 from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer
 
@@ -113,10 +113,9 @@ class FrontendConnections:
         ``EVENTS_PER_TURN``, so a reconnect storm cannot keep the loop here."""
         for _ in range(EVENTS_PER_TURN):
             try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+                kind, fd = recv_monitor_event(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind, fd = event["event"], int(event["value"])
             if kind == zmq.EVENT_ACCEPTED:
                 reason = self.gate.accepted(fd)
                 if reason is not None:
@@ -130,10 +129,9 @@ class FrontendConnections:
         assert self.tcp_monitor is not None
         for _ in range(EVENTS_PER_TURN):
             try:
-                event = recv_monitor_message(self.tcp_monitor, zmq.NOBLOCK)
+                kind, fd = recv_monitor_event(self.tcp_monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind, fd = event["event"], int(event["value"])
             if kind == zmq.EVENT_ACCEPTED:
                 peer = tcp_peer(fd, self.tcp_ports)
                 if peer is None:

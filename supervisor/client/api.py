@@ -35,7 +35,6 @@ from collections.abc import Generator, Mapping, Sequence
 import enum
 from typing import TYPE_CHECKING, Final, TypeVar, cast
 
-import psutil
 import zmq
 
 from shared import protocol as proto
@@ -64,6 +63,7 @@ from shared.records import (
     TenantRecord,
 )
 from shared.spec import TenantSpec
+from shared.zmq_monitor import recv_monitor_event
 from supervisor.admission.curve import CurveKeyPair, load_client_keys, parse_public_key
 from supervisor.client.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
 from supervisor.client.event_follow import follow
@@ -134,6 +134,8 @@ class SupervisorClient:
             if info is None:
                 raise SupervisorUnavailable(self.run_dir, "no supervisor.json (not running, or not ready yet)")
             pid = info.get("pid")
+            import psutil  # here: ~18 ms of import that only this check needs (every twt command pays it)
+
             if not isinstance(pid, int) or not psutil.pid_exists(pid):
                 raise SupervisorUnavailable(self.run_dir, f"supervisor pid {pid} is not running (stale run dir)")
         self.info = info or {}
@@ -264,11 +266,9 @@ class SupervisorClient:
     def _watch_link(self) -> None:
         """Remote: read the socket monitor's queued events into the link state (never blocks)."""
         assert self._monitor is not None
-        from zmq.utils.monitor import recv_monitor_message
-
         failed: int | None = None  # the last handshake failure not followed by a success
         while self._monitor.poll(0):
-            event = int(recv_monitor_message(self._monitor)["event"])
+            event, _ = recv_monitor_event(self._monitor)
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._link_up = True
                 failed = None

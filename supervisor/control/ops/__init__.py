@@ -27,10 +27,9 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+from typing import TYPE_CHECKING
 
 from shared import protocol as proto
-from supervisor.admission.frontend import EitherOp, Frontend, LocalOp
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import (
     AdminOp,
     Connect,
@@ -42,7 +41,11 @@ from supervisor.control.ops._base import (
     TenantOp,
     WorkerOp,
 )
-from supervisor.control.service import ServiceOps
+
+if TYPE_CHECKING:
+    from supervisor.admission.frontend import EitherOp, Frontend, LocalOp
+    from supervisor.control.admin import AdminOps
+    from supervisor.control.service import ServiceOps
 
 __all__ = ["AdminOp", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "ServiceOp", "TenantOp", "WorkerOp",
            "check_table", "commands", "doc_table", "either_doc_table", "either_handlers", "handlers", "local_handlers", "op_table",

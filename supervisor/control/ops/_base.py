@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 from shared import protocol as proto
-from supervisor.admission.frontend import Frontend
 from supervisor.client.api import SupervisorClient
-from supervisor.control.admin import AdminOps
-from supervisor.control.service import ServiceOps
-from supervisor.runtime.tenants import TenantRuntime
+
+if TYPE_CHECKING:
+    from supervisor.admission.frontend import Frontend
+    from supervisor.control.admin import AdminOps
+    from supervisor.control.service import ServiceOps
+    from supervisor.runtime.tenants import TenantRuntime
 
 __all__ = ["AdminOp", "Args", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp", "TenantOp", "WorkerOp"]
 
@@ -42,7 +44,7 @@ Args = Mapping[str, object]
 #: one admin op's handler, bound to its part: ``(client, rid, args)``, answering through the pending table (at once or later)
 OpHandler = Callable[[bytes, int, Args], None]
 
-P = TypeVar("P", AdminOps, ServiceOps)
+P = TypeVar("P", "AdminOps", "ServiceOps")
 
 
 class Connect(Protocol):
@@ -98,13 +100,13 @@ class PartOp(Op, Generic[P]):
         part.pending.answer(client, rid, self.name, result)
 
 
-class AdminOp(PartOp[AdminOps]):
+class AdminOp(PartOp["AdminOps"]):
     """An op :class:`~supervisor.control.admin.AdminOps` serves."""
 
     part = "admin"
 
 
-class ServiceOp(PartOp[ServiceOps]):
+class ServiceOp(PartOp["ServiceOps"]):
     """An op :class:`~supervisor.control.service.ServiceOps` serves."""
 
     part = "service"

@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from shared.protocol import arg_str
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import add_cap_out, check_cap_out, emit_capability, tenant_argument
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["Capability"]
 

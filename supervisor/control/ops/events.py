@@ -29,17 +29,21 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
 from shared.checks import is_int
 from shared.kinds import EVENT_KINDS
 from shared.sizes import format_size
-from supervisor.admission.frontend import Frontend
 from supervisor.client.cli_args import at_least_one, comma_list, positive_seconds
 from supervisor.client.event_follow import MISSED, follow
 from supervisor.client.outage import Reconnecting
 from supervisor.control.ops._base import Args, Connect, EitherCapabilityOp
 from supervisor.observe.event_log import ADMIN_VIEW, EventView
-from supervisor.runtime.tenants import TenantRuntime
+
+if TYPE_CHECKING:
+    from supervisor.admission.frontend import Frontend
+    from supervisor.runtime.tenants import TenantRuntime
 
 __all__ = ["KINDS", "Events", "format_event"]
 

@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from shared.protocol import arg_str
 from supervisor.client.cli_args import print_json
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, tenant_argument
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["Evict"]
 

@@ -7,9 +7,12 @@ for the admin capability.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["Hello"]
 

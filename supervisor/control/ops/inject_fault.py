@@ -11,6 +11,7 @@ exit), for the process to be gone.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from shared import protocol as proto
 from shared.errors import InvalidArgument, TensorWasmError, WorkerLost
@@ -18,10 +19,11 @@ from shared.protocol import FAULT_KINDS
 from shared.records import FaultAck, FaultExit, FaultOrder
 from shared.sizes import parse_size
 from supervisor.client.cli_args import non_negative_int, print_json
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, tenant_argument
-from supervisor.runtime.workers import WorkerState
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["InjectFault", "parse_param"]
 
@@ -56,6 +58,10 @@ class InjectFault(AdminOp):
             if not 0 <= index < len(rt.slots):
                 raise InvalidArgument(f"instance must be in 0..{len(rt.slots) - 1}")
             slot = rt.slots[index]
+        # the supervisor's own state (loaded there already); here, not at the top: a twt command
+        # imports this module for its arguments and must not pull in the supervisor's runtime
+        from supervisor.runtime.workers import WorkerState
+
         worker = slot.worker
         if worker is None or not worker.control_hello or worker.state is WorkerState.DEAD:
             raise WorkerLost(tid, slot.index, reason="instance is not running")

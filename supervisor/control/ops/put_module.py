@@ -8,14 +8,17 @@ Kept per tenant in a bounded LRU (:data:`MAX_MODULES_PER_TENANT`,
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import zmq
 
 from shared.errors import InvalidArgument
 from shared.sizes import MAX_MODULE_BYTES
-from supervisor.admission.frontend import Frontend
 from supervisor.control.ops._base import Args, FrontendOp
-from supervisor.runtime.tenants import TenantRuntime
+
+if TYPE_CHECKING:
+    from supervisor.admission.frontend import Frontend
+    from supervisor.runtime.tenants import TenantRuntime
 
 __all__ = ["MAX_MODULES_PER_TENANT", "MAX_MODULE_BYTES_PER_TENANT", "PutModule"]
 

@@ -6,10 +6,13 @@ See :mod:`supervisor.routing.regions` (who owns what) and docs/PROTOCOL.md
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-from supervisor.admission.frontend import Frontend
 from supervisor.control.ops._base import Args, FrontendOp
-from supervisor.runtime.tenants import TenantRuntime
+
+if TYPE_CHECKING:
+    from supervisor.admission.frontend import Frontend
+    from supervisor.runtime.tenants import TenantRuntime
 
 __all__ = ["RegionCreate"]
 

@@ -12,13 +12,16 @@ or written with ``--cap-out FILE`` (hex and a newline, mode 0600);
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from shared.protocol import arg_map
 from shared.spec import TenantSpec
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, add_cap_out, build_spec, check_cap_out, emit_capability, spec_flags
 from supervisor.control.ops.tenant_status import fetch_tenant
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["Register"]
 

@@ -10,12 +10,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 from shared.errors import ConfigError
 from shared.exitcodes import EXIT_USAGE
 from supervisor.client.cli_args import print_json
 from supervisor.control.ops._base import Args, Connect, ServiceOp
 from supervisor.control.ops._cli import SERVICE_TIMEOUT_S
-from supervisor.control.service import ServiceOps
+
+if TYPE_CHECKING:
+    from supervisor.control.service import ServiceOps
 
 __all__ = ["Reload"]
 

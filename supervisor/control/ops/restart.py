@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from shared.protocol import arg_str
 from supervisor.client.cli_args import print_json
 from supervisor.control.ops._base import Args, Connect, ServiceOp
 from supervisor.control.ops._cli import SERVICE_TIMEOUT_S, tenant_argument, tenant_line
-from supervisor.control.service import ServiceOps
+
+if TYPE_CHECKING:
+    from supervisor.control.service import ServiceOps
 
 __all__ = ["Restart"]
 

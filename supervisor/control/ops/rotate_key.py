@@ -6,10 +6,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from supervisor.client.cli_args import print_json
 from supervisor.control.ops._base import Args, Connect, ServiceOp
-from supervisor.control.service import ServiceOps
+
+if TYPE_CHECKING:
+    from supervisor.control.service import ServiceOps
 
 __all__ = ["RotateKey"]
 

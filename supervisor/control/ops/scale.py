@@ -8,15 +8,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from shared.errors import RequestTimeout
 from shared.protocol import arg_int, arg_str
 from shared.records import TenantRecord
 from supervisor.client.cli_args import non_negative_int, positive_seconds, print_json
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import instances_line, tenant_argument
 from supervisor.control.ops.tenant_status import fetch_tenant
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["Scale"]
 

@@ -11,15 +11,18 @@ cannot be written (``StateError``) is not applied.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from shared import protocol as proto
 from shared.errors import InvalidArgument
 from shared.records import TenantRecord
 from shared.sizes import format_size
 from supervisor.client.cli_args import print_json
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.control.ops._cli import SPEC_FLAGS, limits_line, say_decimal_sizes, tenant_argument
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["SetQuota"]
 

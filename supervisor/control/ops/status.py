@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 from shared.records import StatusRecord
 from supervisor.client.api import SupervisorClient
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args
 from supervisor.control.ops._cli import unreachable_on_timeout
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["Status", "fetch_status"]
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 from shared.protocol import arg_str
 from shared.records import TenantRecord
 from supervisor.client.api import SupervisorClient
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args
 from supervisor.control.ops._cli import unreachable_on_timeout
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["TenantStatus", "fetch_tenant"]
 

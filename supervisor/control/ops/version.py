@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import platform
+from typing import TYPE_CHECKING
 
 from shared.errors import ProtocolError
 from shared.protocol import PROTOCOL_VERSION
 from supervisor.client.cli_args import print_json
-from supervisor.control.admin import AdminOps
 from supervisor.control.ops._base import AdminOp, Args, Connect
 from supervisor.observe.metrics import build_version
+
+if TYPE_CHECKING:
+    from supervisor.control.admin import AdminOps
 
 __all__ = ["Version"]
 
