@@ -41,15 +41,17 @@ from __future__ import annotations
 
 import errno
 import logging
+from typing import TYPE_CHECKING
 
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from shared.config import SupervisorConfig
 from shared.log import get_logger, log_event
 from supervisor.admission.connections import FrontendConnections
 from supervisor.admission.curve import CurveKeyPair, check_client_keys_dir
+
+if TYPE_CHECKING:
+    from supervisor.admission.zap_gate import ZapGate
 
 __all__ = ["IPC_INDEX", "LOCAL_IO_AFFINITY", "TCP_INDEX", "TCP_IO_AFFINITY", "TcpFrontend"]
 
@@ -70,23 +72,6 @@ KEEPALIVE_CNT = 4
 TCP_MAXRT_MS = 60_000
 
 
-class _Gate(ThreadAuthenticator):
-    """ZAP for the TCP frontend: the peer budget first, then the allow-list (or any key)."""
-
-    def __init__(self, zctx: zmq.Context[zmq.Socket[bytes]], frontend: TcpFrontend, max_peers: int) -> None:
-        super().__init__(zctx, log=get_logger("supervisor.zap"))
-        self._frontend = frontend
-        self._max_peers = max_peers
-        self.refused = 0  # handshakes refused for the budget (ZAP thread writes, anyone reads)
-
-    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
-        # the connection asking is counted already (accepted before its handshake can end)
-        if self._frontend.peers > self._max_peers:
-            self.refused += 1
-            return False, b"too many peers"
-        return await super()._authenticate_curve(domain, client_key)
-
-
 class TcpFrontend:
     """Binds the CURVE ROUTER; raises OSError naming the endpoint when one cannot be bound."""
 
@@ -100,14 +85,18 @@ class TcpFrontend:
         allowed = check_client_keys_dir(config.client_keys_dir) if config.client_keys_dir is not None else None
         s = zctx.socket(zmq.ROUTER)
         self.socket: zmq.Socket[bytes] = s
-        self._auth: _Gate | None = _Gate(zctx, self, config.max_tcp_peers)
+        # zmq.auth's thread (and the asyncio it runs on) is imported only by a supervisor that
+        # listens on TCP: ~15 ms of every other supervisor's start-up
+        from supervisor.admission.zap_gate import CURVE_ALLOW_ANY, ZapGate
+
+        self._auth: ZapGate | None = ZapGate(zctx, self, config.max_tcp_peers)
         try:
             self._auth.start()  # before the bind: no handshake may pass unchecked
             if config.client_keys_dir is not None:
                 self._auth.configure_curve(domain="*", location=config.client_keys_dir)
                 log_event(_log, logging.INFO, "supervisor.tcp_allow_list", dir=config.client_keys_dir, keys=allowed)
             else:
-                self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+                self._auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
             if zctx.get(zmq.IO_THREADS) > 1:  # the supervisor's: CURVE on an I/O thread of its own
                 s.setsockopt(zmq.AFFINITY, TCP_IO_AFFINITY)
             s.setsockopt(zmq.ROUTER_MANDATORY, 1)
