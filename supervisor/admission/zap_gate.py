@@ -7,7 +7,7 @@ supervisor that listens on TCP.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 from zmq.auth import CURVE_ALLOW_ANY
@@ -15,16 +15,20 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from shared.log import get_logger
 
-if TYPE_CHECKING:
-    from supervisor.admission.tcp_frontend import TcpFrontend
 
-__all__ = ["CURVE_ALLOW_ANY", "ZapGate"]
+class Counted(Protocol):
+    """What the gate reads of its frontend: how many TCP peers are connected now."""
+
+    @property
+    def peers(self) -> int: ...
+
+__all__ = ["CURVE_ALLOW_ANY", "Counted", "ZapGate"]
 
 
 class ZapGate(ThreadAuthenticator):
     """ZAP for the TCP frontend: the peer budget first, then the allow-list (or any key)."""
 
-    def __init__(self, zctx: zmq.Context[zmq.Socket[bytes]], frontend: TcpFrontend, max_peers: int) -> None:
+    def __init__(self, zctx: zmq.Context[zmq.Socket[bytes]], frontend: Counted, max_peers: int) -> None:
         super().__init__(zctx, log=get_logger("supervisor.zap"))
         self._frontend = frontend
         self._max_peers = max_peers
