@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.exitcodes import EXIT_FAILED, EXIT_OK
+from shared.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 __all__ = ["BuildError", "BuildResult", "OPTIMIZE", "add_parser", "build_module", "run", "sdk_dir"]
 
@@ -182,6 +182,38 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
     return BuildResult(out, len(wasm), exports, wasi, tuple(cmd))
 
 
+#: what :func:`prepare_toolchain` compiles: one guest per way ``twt build`` drives the compiler (C
+#: alone through ``zig cc``; Zig with a C helper through ``zig build-exe -lc``; Zig alone), each
+#: printing through libc, so every library a first build would compile lands in Zig's cache
+_PREPARE_SOURCES: dict[str, str] = {
+    "prepare_c.c": '#include <stdio.h>\n#include "tensorwasm.h"\n'
+                   'TWT_EXPORT(prepare) int prepare(void) { return printf("ready\\n") > 0 ? 0 : 1; }\n',
+    "prepare_helper.c": '#include <stdio.h>\nint prepare_helper(void) { return printf("ready\\n") > 0 ? 0 : 1; }\n',
+    "prepare_zig.zig": 'const twt = @import("tensorwasm");\n'
+                       'extern fn prepare_helper() c_int;\n'
+                       'export fn prepare() i32 { return prepare_helper(); }\n',
+    "prepare_zig_only.zig": 'const twt = @import("tensorwasm");\nexport fn prepare() i32 { return 0; }\n',
+}
+
+
+def prepare_toolchain(*, optimize: str = "safe", timeout_s: float = BUILD_TIMEOUT_S) -> list[BuildResult]:
+    """Compile what a first build compiles (wasi-libc, the compiler runtimes) into Zig's cache now.
+
+    Why: the first ``twt build`` on a machine spends ~20 s of CPU building wasi-libc and its
+    runtimes before it compiles the tenant's code (later builds take well under a second). An
+    image or a CI job pays it once at set-up instead (``make`` does, when it installs the venv).
+    Returns the three throw-away builds (C alone, Zig with a C helper, Zig alone).
+    """
+    with tempfile.TemporaryDirectory(prefix="twt-prepare-") as tmp:
+        src = Path(tmp)
+        for name, text in _PREPARE_SOURCES.items():
+            (src / name).write_text(text)
+        plans = [[src / "prepare_c.c"], [src / "prepare_zig.zig", src / "prepare_helper.c"],
+                 [src / "prepare_zig_only.zig"]]
+        return [build_module(sources, src / f"out{i}.wasm", optimize=optimize, timeout_s=timeout_s)
+                for i, sources in enumerate(plans)]
+
+
 def _size(text: str) -> int:
     try:
         value = int(text, 0)
@@ -201,8 +233,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "module for twt run. Exports are the functions marked TWT_EXPORT(name) in C or `export fn` in Zig. "
         "See docs/GUESTS.md.",
     )
-    p.add_argument("sources", type=Path, nargs="+", metavar="SRC", help="C (.c) files, or one .zig file and C files")
-    p.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.wasm", help="the module to write")
+    p.add_argument("sources", type=Path, nargs="*", metavar="SRC", help="C (.c) files, or one .zig file and C files")
+    p.add_argument("-o", "--output", type=Path, metavar="OUT.wasm", help="the module to write (required with SRC)")
+    p.add_argument("--prepare", action="store_true",
+                   help="compile no tenant: build wasi-libc and the compiler runtimes into Zig's cache now "
+                   "(a first build otherwise spends ~20 s on them; for images and CI set-up)")
     p.add_argument("-O", "--optimize", choices=tuple(OPTIMIZE), default="safe",
                    help="safe: -O2 / ReleaseSafe; fast: -O3 / ReleaseFast; small: -Oz / ReleaseSmall; "
                    "debug: -O0 -g / Debug, debug info kept")
@@ -216,6 +251,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prepare:
+        if args.sources or args.output is not None:
+            print("twt build: error: --prepare compiles no tenant: give it no SRC and no -o", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            done = prepare_toolchain(optimize=args.optimize)
+        except BuildError as exc:
+            if exc.output:
+                print(exc.output, file=sys.stderr)
+            print(f"twt build --prepare: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"prepared the Zig toolchain's cache for {len(done)} kinds of build (C; Zig with C; Zig): "
+              f"{_cache_dir()}")
+        return EXIT_OK
+    if not args.sources or args.output is None:
+        print("twt build: error: give the sources (SRC ...) and -o OUT.wasm (or --prepare)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         result = build_module(list(args.sources), args.output, optimize=args.optimize,
                               stack_size=args.stack_size, max_memory=args.max_memory)

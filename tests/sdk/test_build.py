@@ -115,6 +115,25 @@ def test_a_missing_compiler_names_the_extra(tmp_path: Path, monkeypatch: pytest.
                    "(the sdk extra: the ziglang package)")
 
 
+def test_prepare_builds_every_kind_of_guest_and_refuses_sources(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``twt build --prepare`` (make's install step runs it): the three ways a build drives the
+    compiler, each a real module with its export; with a SRC or -o it is a usage error, and a
+    plain ``twt build`` without them says what it needs."""
+    results = build_cli.prepare_toolchain()
+    assert [r.exports for r in results] == [("prepare",)] * 3
+    assert [r.command[3] for r in results] == ["cc", "build-exe", "build-exe"]
+    assert results[0].wasi and results[1].wasi  # both printed through libc: wasi-libc is in the cache
+    assert main(["build", "--prepare"]) == 0
+    assert "prepared the Zig toolchain's cache for 3 kinds of build" in capsys.readouterr().out
+    src = write(tmp_path, "a.c", "int x;")
+    assert main(["build", "--prepare", str(src)]) == 2
+    assert "--prepare compiles no tenant" in capsys.readouterr().err
+    assert main(["build"]) == 2
+    assert "give the sources (SRC ...) and -o OUT.wasm (or --prepare)" in capsys.readouterr().err
+    assert main(["build", str(src)]) == 2
+
+
 def test_zig_with_a_c_helper(tmp_path: Path) -> None:
     helper = write(tmp_path, "helper.c", "#include <string.h>\nint helper_len(const char *s) { return strlen(s); }\n")
     root = write(tmp_path, "main.zig", 'const std = @import("std");\nconst twt = @import("tensorwasm");\n'
