@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml setup.py shared/_atomics.c
 	@# the Zig toolchain's wasi-libc and runtimes, built once here rather than by the first C guest
 	@# built (~20 s of CPU on a fresh machine; the SDK tests and twt build reuse Zig's cache)
 	$(BIN)/twt build --prepare
+	@# our own modules' bytecode, as a wheel install would have compiled it (an editable install does
+	@# not): the suite's first processes no longer each compile the same ~190 modules at once
+	$(BIN)/python -m compileall -q -j 0 supervisor worker shared
 	@touch $@
 
 ## make demo: the main job - a supervisor, five tenants, bundled WASM guests
