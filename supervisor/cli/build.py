@@ -234,7 +234,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "See docs/GUESTS.md.",
     )
     p.add_argument("sources", type=Path, nargs="*", metavar="SRC", help="C (.c) files, or one .zig file and C files")
-    p.add_argument("-o", "--output", type=Path, metavar="OUT.wasm", help="the module to write (required with SRC)")
+    p.add_argument("-o", "--output", type=Path, metavar="OUT.wasm", help="the module to write (required with SRC; no default)")
     p.add_argument("--prepare", action="store_true",
                    help="compile no tenant: build wasi-libc and the compiler runtimes into Zig's cache now "
                    "(a first build otherwise spends ~20 s on them; for images and CI set-up)")
