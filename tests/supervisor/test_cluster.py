@@ -37,6 +37,7 @@ from supervisor.cluster import ClusterCapability, ClusterClient, RayCluster
 from supervisor.client.api import SupervisorClient
 from supervisor.cluster.ray_cluster import DEFAULT_NAME
 from tests.helpers import hygiene
+from tests.helpers.cluster import FAST as SUITE_FAST
 from tests.helpers.cluster import wait_for
 from tests.helpers.fault_signals import kept_fault_handlers
 from tests.helpers.tmp import short_temp_dir
@@ -48,8 +49,9 @@ MiB = 1 << 20
 _RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 _NODE: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80 * MiB, "node_ip_address": "127.0.0.1"}
-FAST = {"backend": "stub", "pool_size": 0, "heartbeat_interval_s": 0.2, "stop_timeout_s": 3.0,
-        "kill_grace_s": 0.5, "stub_device_capacity_bytes": "1GiB", "device_reserve_bytes": 0}
+#: the suite's FAST settings (a 2 s heartbeat window: with only 0.6 s, a loaded run once saw a node's
+#: worker killed and restarted between a status and a ping) on a 1 GiB stub device per node
+FAST = {**SUITE_FAST, "stub_device_capacity_bytes": "1GiB", "device_reserve_bytes": 0}
 
 
 @pytest.fixture(scope="module")
