@@ -115,7 +115,7 @@ def test_a_missing_compiler_names_the_extra(tmp_path: Path, monkeypatch: pytest.
                    "(the sdk extra: the ziglang package)")
 
 
-def test_prepare_builds_every_kind_of_guest_and_refuses_sources(tmp_path: Path,
+def test_prepare_builds_every_kind_of_guest_and_refuses_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """``twt build --prepare`` (make's install step runs it): the three ways a build drives the
     compiler, each a real module with its export; with a SRC or -o it is a usage error, and a
@@ -124,6 +124,7 @@ def test_prepare_builds_every_kind_of_guest_and_refuses_sources(tmp_path: Path,
     assert [r.exports for r in results] == [("prepare",)] * 3
     assert [r.command[3] for r in results] == ["cc", "build-exe", "build-exe"]
     assert results[0].wasi and results[1].wasi  # both printed through libc: wasi-libc is in the cache
+    monkeypatch.setattr(build_cli, "prepare_toolchain", lambda **_: results)  # the CLI's part: built above
     assert main(["build", "--prepare"]) == 0
     assert "prepared the Zig toolchain's cache for 3 kinds of build" in capsys.readouterr().out
     src = write(tmp_path, "a.c", "int x;")
