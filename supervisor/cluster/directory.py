@@ -205,7 +205,11 @@ class Directory:
 
         from supervisor.cluster.node import NodeSupervisor
 
-        actor_cls = ray.remote(NodeSupervisor)
+        # pings on a thread of their own (a "health" concurrency group): with one thread for every
+        # method, a ping waited behind a registration, and on a loaded host a registration that took
+        # 3 x ping_timeout_s got its node fenced - killed mid-call - and reported lost
+        ray.method(concurrency_group="health")(NodeSupervisor.ping)
+        actor_cls = ray.remote(concurrency_groups={"health": 1})(NodeSupervisor)
         started = {}
         for nid in node_ids:
             started[nid] = actor_cls.options(
