@@ -15,14 +15,14 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from shared.log import get_logger
 
+__all__ = ["CURVE_ALLOW_ANY", "Counted", "ZapGate"]
+
 
 class Counted(Protocol):
     """What the gate reads of its frontend: how many TCP peers are connected now."""
 
     @property
     def peers(self) -> int: ...
-
-__all__ = ["CURVE_ALLOW_ANY", "Counted", "ZapGate"]
 
 
 class ZapGate(ThreadAuthenticator):

@@ -250,6 +250,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
+def _failed(exc: BuildError, command: str) -> int:
+    """The compiler's own messages, then one line naming the command; EXIT_FAILED."""
+    if exc.output:
+        print(exc.output, file=sys.stderr)
+    print(f"{command}: error: {exc}", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def run(args: argparse.Namespace) -> int:
     if args.prepare:
         if args.sources or args.output is not None:
@@ -258,10 +266,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             done = prepare_toolchain(optimize=args.optimize)
         except BuildError as exc:
-            if exc.output:
-                print(exc.output, file=sys.stderr)
-            print(f"twt build --prepare: error: {exc}", file=sys.stderr)
-            return EXIT_FAILED
+            return _failed(exc, "twt build --prepare")
         print(f"prepared the Zig toolchain's cache for {len(done)} kinds of build (C; Zig with C; Zig): "
               f"{_cache_dir()}")
         return EXIT_OK
@@ -272,10 +277,7 @@ def run(args: argparse.Namespace) -> int:
         result = build_module(list(args.sources), args.output, optimize=args.optimize,
                               stack_size=args.stack_size, max_memory=args.max_memory)
     except BuildError as exc:
-        if exc.output:
-            print(exc.output, file=sys.stderr)
-        print(f"twt build: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return _failed(exc, "twt build")
     if args.verbose:
         print(" ".join(result.command))
     print(f"wrote {args.output} ({result.nbytes:,} B): exports {', '.join(result.exports)}"
