@@ -20,6 +20,7 @@ policies are tested without sleeping (trio's ``MockClock`` is the model).
 from __future__ import annotations
 
 import heapq
+import math
 import os
 import select
 import threading
@@ -138,7 +139,9 @@ class Loop:
             timeout_s = min(timeout_s, max(0.0, due - self.clock()))
         handlers = self._handlers
         out = []
-        for s, _ in self.poller.poll(int(max(0.0, timeout_s) * 1000)):
+        # whole milliseconds, rounded up: rounded down, the last fraction of a millisecond before a
+        # tick or timer polled with 0 and the loop spun (~15 turns per 50 ms tick, idle)
+        for s, _ in self.poller.poll(math.ceil(max(0.0, timeout_s) * 1000 - 1e-6)):
             handler = handlers.get(s)
             if handler is not None:
                 out.append(handler)

@@ -19,7 +19,7 @@ from shared.records import ExitRecord
 from shared.spec import DEADLINE_GRACE_S, TenantSpec
 from supervisor.observe.event_log import EventLog
 from supervisor.admission.frontend import Frontend, lost_buffer, pinned_instance, slot_for, with_wasm_limits
-from supervisor.runtime.loop import Handoff, Timers
+from supervisor.runtime.loop import Handoff, Loop, Timers
 from supervisor.observe.metrics import Metrics
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.regions import RegionTable
@@ -359,6 +359,32 @@ def test_timers_run_in_order_on_an_injected_clock() -> None:
     clock.now += 5
     assert timers.run_due(clock.now) == 2 and ran == ["a", "b"]
     assert timers.next_due() is None
+
+
+@pytest.mark.parametrize(("wait_s", "timer_in_s", "want_ms"), [
+    (0.0, None, 0), (0.05, None, 50), (0.07, None, 70), (0.0004, None, 1), (0.0491, None, 50), (1.0, 0.0003, 1),
+    (1.0, -1.0, 0),
+])
+def test_the_loop_never_polls_for_less_than_it_must_wait(wait_s: float, timer_in_s: float | None,
+                                                         want_ms: int) -> None:
+    """A wait is polled in whole milliseconds rounded up: rounded down, the last fraction of a
+    millisecond before each tick polled with 0 and the idle loop spun (3216 turns in 10 s, not 267)."""
+    clock = FakeClock()
+    loop = Loop(clock)
+    asked: list[int | None] = []
+
+    def poll(timeout: int | None = None) -> list[Any]:
+        asked.append(timeout)
+        return []
+
+    loop.poller.poll = poll  # type: ignore[method-assign]
+    try:
+        if timer_in_s is not None:
+            loop.timers.after(timer_in_s, lambda: None)
+        assert loop.poll(wait_s) == []
+        assert asked == [want_ms]
+    finally:
+        loop.close()
 
 
 def test_handoff_answers_a_request_with_the_next_publish() -> None:
