@@ -35,7 +35,7 @@ from shared.exitcodes import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
 )
-from supervisor.cli._common import DefaultsHelpFormatter, describe_os_error
+from supervisor.cli._text import DefaultsHelpFormatter, describe_os_error
 
 __all__ = ["main", "version"]
 
@@ -88,7 +88,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="tensor-wasm-tenant: run untrusted tenants on shared GPUs with hard quotas.",
         formatter_class=DefaultsHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     modules = [COMMANDS[command]] if command in COMMANDS else COMMANDS.values()
     for module_name in dict.fromkeys(modules):  # each module once, in order
@@ -97,6 +97,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if subparser.formatter_class is argparse.HelpFormatter:
             subparser.formatter_class = DefaultsHelpFormatter
     return parser
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the version is looked up when asked for (importlib.metadata costs a
+    supervisor's start ~20 ms of CPU, and the suite starts hundreds)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str = "show the program's version and exit") -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[object] | None, option_string: str | None = None) -> None:
+        print(f"{parser.prog} {version()}")  # stdout, as argparse's own version action
+        parser.exit()
 
 
 def version() -> str:
