@@ -470,7 +470,8 @@ class Supervisor:
             parts.frontend.guard.refresh()
             parts.frontend.reap_regions()
             parts.workers.check_rss()
-            self._refresh_metrics()
+            if self.metrics.reads_snapshots:
+                self._refresh_metrics()
             self._scan_refusals()
         if not self._stopping:
             parts.workers.refill_pool()

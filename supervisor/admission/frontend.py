@@ -52,6 +52,7 @@ from shared.errors import (
     ClientRepliesQueued,
     InFlightLimit,
     InvalidArgument,
+    KernelTimeout,
     ProtocolError,
     TenantFailed,
     TenantIsolationViolation,
@@ -586,9 +587,7 @@ class Frontend:
         rt.parked.extend(keep)
 
     def expire_parked(self, now: float) -> None:
-        """Parked requests whose deadline passed get :class:`KernelTimeout`."""
-        from shared.errors import KernelTimeout
-
+        """Parked requests whose deadline passed get :class:`KernelTimeout` (every tick: nothing to do costs one look per tenant)."""
         for rt in self.tenants.values():
             while rt.parked and rt.parked[0].deadline <= now:
                 p = rt.parked.popleft()

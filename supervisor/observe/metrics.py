@@ -189,6 +189,10 @@ class Metrics:
     def restart(self, tenant: str) -> None:
         """An instance of ``tenant`` is being restarted."""
 
+    #: whether an exporter reads :class:`MetricsSnapshot` s (``bind_source``): the loop then keeps
+    #: one fresh every second; without one (:class:`NullMetrics`) it builds none
+    reads_snapshots: bool = True
+
     def bind_source(self, snapshot: MetricsSource) -> None:
         """Give the exporter a way to read the :class:`MetricsSnapshot` at scrape time."""
 
@@ -204,3 +208,5 @@ class Metrics:
 
 class NullMetrics(Metrics):
     """Metrics switched off (the default)."""
+
+    reads_snapshots = False

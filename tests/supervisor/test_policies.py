@@ -8,9 +8,11 @@ parking limits, timers and the metrics hand-off.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from typing import Any
 
+import psutil
 import pytest
 
 from shared import protocol as proto
@@ -25,7 +27,7 @@ from supervisor.routing.pending import PendingTable
 from supervisor.routing.regions import RegionTable
 from supervisor.runtime.requests import Pending
 from supervisor.runtime.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime, TenantState
-from supervisor.runtime.workers import WorkerHandle, WorkerState
+from supervisor.runtime.workers import Spawner, WorkerHandle, WorkerState
 from supervisor.lifecycle.workerset import pool_retry_delay_s
 
 
@@ -473,3 +475,17 @@ def test_loop_polls_plain_fds_through_one_epoll_and_sockets_directly() -> None:
                 except OSError:
                     pass
         loop.close()
+
+
+def test_the_rss_backstop_reads_what_psutil_reads_and_none_for_a_gone_process() -> None:
+    """Spawner.rss reads /proc/PID/statm itself (once a second per worker, without a psutil.Process)."""
+    from shared.config import SupervisorConfig
+
+    spawner = Spawner(SupervisorConfig(), {})
+    me = WorkerHandle("w1", "t", process=None, pid=os.getpid(), sentinel=-1, spawned_at=0.0)  # type: ignore[arg-type]
+    block = bytearray(32 << 20)  # resident: both reads below see it
+    ours, theirs = spawner.rss(me), psutil.Process().memory_info().rss
+    assert ours is not None and abs(ours - theirs) < (8 << 20) and ours > len(block)
+    with open("/proc/sys/kernel/pid_max") as f:
+        never = int(f.read())  # pids stay below pid_max: no process has this one
+    assert spawner.rss(WorkerHandle("w2", "t", process=None, pid=never, sentinel=-1, spawned_at=0.0)) is None  # type: ignore[arg-type]
