@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +39,44 @@ hygiene.mark_session()
 # Hypothesis keeps its example database and constants cache in its home directory (by default
 # .hypothesis/ in the checkout): keep it in this run's temp root (make test: fresh every run).
 hypothesis_configuration.set_hypothesis_home_dir(os.path.join(hygiene.temp_root(), "twt-hypothesis"))
+
+#: the packages whose modules hypothesis treats as local (their literals seed its generation)
+_LOCAL_PACKAGES = ("shared", "supervisor", "worker", "sdk", "tests")
+
+
+def _warm_hypothesis_constants() -> None:
+    """Fill hypothesis's cache of our modules' constants once, in the xdist controller (a thread).
+
+    Each xdist worker otherwise parses every local module's source for its literals (hypothesis
+    seeds generation with them) at collection: ~1 s of CPU per worker, the same result six times.
+    With the cache (keyed by each source's hash, in this run's hypothesis home) a worker reads
+    it instead. Through hypothesis's internal ``constants_from_module``: if a hypothesis release
+    moves it, this warms nothing and each worker parses as before - slower, never wrong.
+    """
+    try:
+        from hypothesis.internal.constants_ast import constants_from_module
+    except ImportError:
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for package in _LOCAL_PACKAGES:
+        for folder, dirs, files in os.walk(os.path.join(root, package)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    stand_in = types.ModuleType("twt_constants_stand_in")  # only its __file__ is read
+                    stand_in.__file__ = os.path.join(folder, name)
+                    try:
+                        constants_from_module(stand_in)
+                    except Exception:  # noqa: BLE001 - a cache warm-up: the workers compute what it missed
+                        continue
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        # beside the workers' start-up (interpreter, plugins, test modules: seconds), which it
+        # does not delay; they reach the constants at the end of their collection
+        threading.Thread(target=_warm_hypothesis_constants, name="twt-warm-constants", daemon=True).start()
+
 
 #: callables (``module.qualname``) outside the test suite that start processes when called
 PROCESS_STARTERS = frozenset({
