@@ -25,9 +25,9 @@ $(STAMP): pyproject.toml setup.py shared/_atomics.c
 demo: $(STAMP)
 	$(BIN)/twt demo
 
-#: pytest-xdist workers for make test: most of the suite waits on real processes (supervisors,
-#: workers, Ray), so more workers than the 2 cores of the reference machine pay (docs/BUILD.md)
-TEST_WORKERS ?= 4
+#: pytest-xdist workers for make test, 3 per core of the reference machine: the suite is bound by CPU,
+#: and beside other busy processes more runnable workers keep a larger share of it (docs/BUILD.md)
+TEST_WORKERS ?= 6
 
 ## make test: the whole suite (type check first, then pytest in a fresh temp root, tests/run-suite.sh)
 #: --max-worker-restart=0: a test that kills its xdist worker fails the run at once (xdist would

@@ -43,7 +43,7 @@ from tests.helpers.cluster import wait_for
 from tests.helpers.fault_signals import kept_fault_handlers
 from tests.helpers.tmp import short_temp_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.longest, pytest.mark.slow, pytest.mark.timeout(300)]
 
 MiB = 1 << 20
 # Ray's token authentication on (Ray >= 2.52): every Ray RPC of the test cluster needs this token
