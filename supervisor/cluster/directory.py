@@ -74,6 +74,7 @@ class NodeRow(TypedDict):
     gpu_ids: list[str]
     cuda_visible_devices: str
     backend: str | None
+    niceness: int | None  # the supervisor's: above the raylet's (Ray's worker_niceness), it starves under load
     capacity_bytes: int
     committed_bytes: int
     run_dir: str
@@ -203,7 +204,7 @@ class Directory:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from supervisor.cluster.node import NodeSupervisor
+        from supervisor.cluster.node import ACTOR_RUNTIME_ENV, NodeSupervisor
 
         # pings on a thread of their own (a "health" concurrency group): with one thread for every
         # method, a ping waited behind a registration, and on a loaded host a registration that took
@@ -217,6 +218,7 @@ class Directory:
                 num_cpus=0,
                 max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+                runtime_env=ACTOR_RUNTIME_ENV,
             ).remote(self.config_doc, self.listen_host)
         errors = []
         for nid, actor in started.items():
@@ -470,6 +472,7 @@ class Directory:
                     "endpoint": n.info["endpoint"], "server_public_key": n.info["server_public_key"],
                     "supervisor_pid": n.info["pid"], "gpu_ids": n.info["gpu_ids"],
                     "cuda_visible_devices": n.info["cuda_visible_devices"], "backend": n.info["backend"],
+                    "niceness": n.info.get("niceness"),
                     "capacity_bytes": n.info["capacity_bytes"], "committed_bytes": committed,
                     "run_dir": n.info.get("run_dir"),
                     "free_bytes": n.info["capacity_bytes"] - committed, "tenants": mine,

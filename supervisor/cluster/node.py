@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from shared.capability import RegistryAdminCapability
+from shared.log import get_logger, log_event
 from shared.errors import SupervisorUnavailable
 from shared.records import EvictResult, StatusRecord, TenantRecord
 from shared.spec import TenantSpec
@@ -57,9 +59,18 @@ class NodeInfo(TypedDict):
     gpu_ids: list[str]
     cuda_visible_devices: str
     capacity_bytes: int
+    niceness: int | None  # the supervisor's (None: unreadable); higher than the raylet's: starved on a busy node
     backend: str | None
     run_dir: str
 
+_log = get_logger("supervisor.cluster.node")
+
+#: what the directory and node actors are started with: Ray's raylet runs a worker at niceness 15
+#: (``worker_niceness``) unless its runtime env says otherwise (as Ray's own job supervisor
+#: actors do). These actors are no batch work: they answer registrations, status and the
+#: directory's health pings, and at niceness 15 a busy node starved them (pings late: the node
+#: fenced as lost) and the supervisor and tenants' workers they start, which inherit it
+ACTOR_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
 READY_TIMEOUT_S = 60.0
 RUN_DIR_PREFIX = "twt-ray-"
 STALE_AFTER_S = 60.0
@@ -93,6 +104,23 @@ def _remove_stale_run_dirs() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _niceness_of(pid: int) -> int | None:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError:
+        return None
+
+
+def _raylet_niceness() -> int:
+    """The niceness of this worker's raylet (its parent), or 0: what the node's supervisor should run at.
+
+    Ray runs workers at niceness 15 (``worker_niceness``) so that its daemons win the CPU over
+    batch tasks. A supervisor is no batch task: its loop and its tenants' workers are the serving
+    path, and inherited niceness 15 starved them on a busy node (see _die_with_parent)."""
+    parent = _niceness_of(os.getppid())
+    return 0 if parent is None else parent
+
+
 class NodeSupervisor:
     """One supervisor on this node (see the module docstring)."""
 
@@ -120,8 +148,11 @@ class NodeSupervisor:
         # Ray's credentials stay with Ray: the supervisor and the tenants' workers never see them
         env = {k: v for k, v in os.environ.items() if k not in _RAY_SECRETS}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        #: the niceness the supervisor asks for: the raylet's, not the one Ray gives its workers (15)
+        self.wanted_niceness = _raylet_niceness()
         cmd = [
             sys.executable, "-m", "supervisor.cluster._die_with_parent", str(os.getpid()),
+            "--nice", str(self.wanted_niceness),
             sys.executable, "-m", "supervisor", "supervise", "--run-dir", self.run_dir,
             "--config", config_path, "--listen", f"tcp://{host}:0",
         ]
@@ -135,6 +166,10 @@ class NodeSupervisor:
             self._stop_process()
             raise
         self.capacity_bytes = sum(d.budget_limit_bytes for d in status.devices)
+        self.niceness = _niceness_of(self.proc.pid)
+        if self.niceness is not None and self.niceness > self.wanted_niceness:
+            log_event(_log, logging.WARNING, "cluster.node_niceness", node=self.node_id, niceness=self.niceness,
+                      wanted=self.wanted_niceness, fix="start Ray with RAY_worker_niceness=0 (docs/CLUSTER.md)")
 
     def _wait_ready(self) -> dict[str, Any]:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -158,6 +193,7 @@ class NodeSupervisor:
             "gpu_ids": self.gpu_ids,
             "cuda_visible_devices": self.cuda_visible_devices,
             "capacity_bytes": self.capacity_bytes,
+            "niceness": self.niceness,
             "backend": self.info.get("backend"),
             "run_dir": self.run_dir,
         }

@@ -36,6 +36,7 @@ from shared.spec import TenantSpec
 from supervisor.cluster.capability import ClusterCapability
 from supervisor.cluster.client import ClusterClient
 from supervisor.cluster.directory import NAMESPACE, ClusterStatus, Directory, ScaleResult, unwrap_ray_error
+from supervisor.cluster.node import ACTOR_RUNTIME_ENV
 
 __all__ = ["DEFAULT_NAME", "RayCluster", "ray_auth_mode", "split_tenants"]
 
@@ -154,7 +155,7 @@ class RayCluster:
             "node:__internal_head__" in (n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")) else {}
         directory = actor_cls.options(
             name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
-            max_restarts=0, resources=head,
+            max_restarts=0, resources=head, runtime_env=ACTOR_RUNTIME_ENV,
         ).remote(name, doc, address or "auto", listen_host, ping_interval_s, ping_timeout_s)
         cluster = cls(directory, name, address)
         try:

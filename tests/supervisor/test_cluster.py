@@ -205,6 +205,9 @@ def test_deploy_starts_one_supervisor_per_gpu_node(deployed: RayCluster, ray_nod
     assert len({n["endpoint"] for n in nodes}) == 3 and len({n["server_public_key"] for n in nodes}) == 3
     for n in nodes:
         assert psutil.Process(n["supervisor_pid"]).name() == "twt-supervisor"
+        # at the raylet's niceness (this process's: it started them), not at Ray's worker niceness (15):
+        # with it, a supervisor beside busy processes took over 60 s to start
+        assert n["niceness"] == psutil.Process(n["supervisor_pid"]).nice() == psutil.Process().nice()
         assert n["cuda_visible_devices"] != ""  # the GPU Ray gave the actor
         assert n["capacity_bytes"] == 1 << 30
     with pytest.raises(InvalidArgument, match="deployed already"):
