@@ -11,7 +11,9 @@ busy node's CPUs (the cluster tests' supervisors took over 60 s to start beside
 eight busy processes, against 1.7 s at niceness 0). The actor passes the
 niceness of the node's raylet. Lowering needs ``CAP_SYS_NICE`` (or
 ``RLIMIT_NICE``); without it the command runs at the niceness it has and says so
-on stderr (the node's status shows it; docs/CLUSTER.md: ``RAY_worker_niceness=0``). The node actor starts its supervisor through this instead of a
+on stderr (the node's status shows it; docs/CLUSTER.md: ``RAY_worker_niceness=0``).
+
+The node actor starts its supervisor through this instead of a
 ``preexec_fn``, which is unsafe in a process with threads (a Ray worker has
 many). SIGTERM, not SIGKILL: the supervisor stops its workers and unlinks
 its segments on the way out.

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from shared.capability import RegistryAdminCapability
-from shared.log import get_logger, log_event
 from shared.errors import SupervisorUnavailable
+from shared.log import get_logger, log_event
 from shared.records import EvictResult, StatusRecord, TenantRecord
 from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
@@ -63,6 +63,7 @@ class NodeInfo(TypedDict):
     backend: str | None
     run_dir: str
 
+
 _log = get_logger("supervisor.cluster.node")
 
 #: what the directory and node actors are started with: Ray's raylet runs a worker at niceness 15
@@ -71,6 +72,7 @@ _log = get_logger("supervisor.cluster.node")
 #: directory's health pings, and at niceness 15 a busy node starved them (pings late: the node
 #: fenced as lost) and the supervisor and tenants' workers they start, which inherit it
 ACTOR_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
+
 READY_TIMEOUT_S = 60.0
 RUN_DIR_PREFIX = "twt-ray-"
 STALE_AFTER_S = 60.0

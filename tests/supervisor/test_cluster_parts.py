@@ -1,6 +1,11 @@
-"""The cluster's parts that need no Ray: capability text, node choice, GPU-node discovery, NodeLost."""
+"""The cluster's parts that need no Ray: capability text, node choice, GPU-node discovery, NodeLost, the node
+supervisor's start wrapper (_die_with_parent)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -126,10 +131,6 @@ def test_the_node_supervisor_wrapper_lowers_the_niceness_ray_gave_and_never_rais
         start: int, asked: int, runs_at: int) -> None:
     """A node actor runs at Ray's worker niceness (15); the supervisor it starts through
     _die_with_parent asks for the raylet's (lowering needs CAP_SYS_NICE: this suite runs as root)."""
-    import os
-    import subprocess
-    import sys
-
     if os.geteuid() != 0 or os.getpriority(os.PRIO_PROCESS, 0) != 0:
         pytest.skip("lowering a niceness needs CAP_SYS_NICE; the figures assume this process runs at 0")
     cmd = [sys.executable, "-c",
@@ -141,9 +142,6 @@ def test_the_node_supervisor_wrapper_lowers_the_niceness_ray_gave_and_never_rais
 
 
 def test_the_node_supervisor_wrapper_refuses_a_bad_niceness() -> None:
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-m", "supervisor.cluster._die_with_parent", "1", "--nice", "x", "true"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "usage" in out.stderr
