@@ -3,7 +3,8 @@
 Apart from :mod:`supervisor.cli._common` (the client-side helpers: run dirs, capabilities,
 CurveZMQ keys) because :mod:`supervisor.cli` imports this module for every command,
 ``twt supervise`` included, and every supervisor a test or an embedder launches is a
-``twt supervise``: it need not import the client API, zmq.auth and their dependencies.
+``twt supervise``: it need not import the command-line client's helpers (the supervisor still
+imports the client API and zmq.auth for its own ops and CURVE frontend, elsewhere).
 """
 
 from __future__ import annotations
