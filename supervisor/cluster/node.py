@@ -113,16 +113,6 @@ def _niceness_of(pid: int) -> int | None:
         return None
 
 
-def _raylet_niceness() -> int:
-    """The niceness of this worker's raylet (its parent), or 0: what the node's supervisor should run at.
-
-    Ray runs workers at niceness 15 (``worker_niceness``) so that its daemons win the CPU over
-    batch tasks. A supervisor is no batch task: its loop and its tenants' workers are the serving
-    path, and inherited niceness 15 starved them on a busy node (see _die_with_parent)."""
-    parent = _niceness_of(os.getppid())
-    return 0 if parent is None else parent
-
-
 class NodeSupervisor:
     """One supervisor on this node (see the module docstring)."""
 
@@ -150,11 +140,8 @@ class NodeSupervisor:
         # Ray's credentials stay with Ray: the supervisor and the tenants' workers never see them
         env = {k: v for k, v in os.environ.items() if k not in _RAY_SECRETS}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        #: the niceness the supervisor asks for: the raylet's, not the one Ray gives its workers (15)
-        self.wanted_niceness = _raylet_niceness()
         cmd = [
             sys.executable, "-m", "supervisor.cluster._die_with_parent", str(os.getpid()),
-            "--nice", str(self.wanted_niceness),
             sys.executable, "-m", "supervisor", "supervise", "--run-dir", self.run_dir,
             "--config", config_path, "--listen", f"tcp://{host}:0",
         ]
@@ -168,10 +155,13 @@ class NodeSupervisor:
             self._stop_process()
             raise
         self.capacity_bytes = sum(d.budget_limit_bytes for d in status.devices)
+        # the supervisor inherits this actor's niceness (ACTOR_RUNTIME_ENV): above the raylet's, a Ray
+        # that ignored the runtime env's RAY_worker_niceness - say so where an operator looks
         self.niceness = _niceness_of(self.proc.pid)
-        if self.niceness is not None and self.niceness > self.wanted_niceness:
+        raylet = _niceness_of(os.getppid())
+        if self.niceness is not None and raylet is not None and self.niceness > raylet:
             log_event(_log, logging.WARNING, "cluster.node_niceness", node=self.node_id, niceness=self.niceness,
-                      wanted=self.wanted_niceness, fix="start Ray with RAY_worker_niceness=0 (docs/CLUSTER.md)")
+                      raylet=raylet, fix="start Ray with RAY_worker_niceness=0 (docs/CLUSTER.md)")
 
     def _wait_ready(self) -> dict[str, Any]:
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -166,14 +166,14 @@ class Spawner:
         ``psutil.Process`` per worker per second: that reads ``/proc/PID/stat`` first, and this
         runs every second for every worker); the handle is the supervisor's live child, so the
         pid is not a stranger's."""
-        try:
-            with open(f"/proc/{worker.pid}/statm", "rb") as f:
-                return int(f.read().split()[1]) * _PAGE_BYTES
-        except FileNotFoundError:
-            if _HAS_PROC:
+        if _HAS_PROC:
+            try:
+                with open(f"/proc/{worker.pid}/statm", "rb") as f:
+                    return int(f.read().split()[1]) * _PAGE_BYTES
+            except FileNotFoundError:
                 return None  # gone
-        except (OSError, ValueError, IndexError):
-            pass
+            except (OSError, ValueError, IndexError):
+                pass  # unreadable: psutil's way below
         try:
             return int(psutil.Process(worker.pid).memory_info().rss)
         except psutil.Error:

@@ -1,11 +1,6 @@
-"""The cluster's parts that need no Ray: capability text, node choice, GPU-node discovery, NodeLost, the node
-supervisor's start wrapper (_die_with_parent)."""
+"""The cluster's parts that need no Ray: capability text, node choice, GPU-node discovery, NodeLost."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -121,27 +116,3 @@ def test_cluster_cli_refuses_misplaced_arguments(capsys: pytest.CaptureFixture[s
             code = int(exc.code or 0)
         assert code == 2, argv
         assert needle in capsys.readouterr().err, argv
-
-
-_PRINT_NICENESS = "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
-
-
-@pytest.mark.parametrize(("start", "asked", "runs_at"), [(10, 3, 3), (10, 12, 10), (0, 0, 0)])
-def test_the_node_supervisor_wrapper_lowers_the_niceness_ray_gave_and_never_raises_it(
-        start: int, asked: int, runs_at: int) -> None:
-    """A node actor runs at Ray's worker niceness (15); the supervisor it starts through
-    _die_with_parent asks for the raylet's (lowering needs CAP_SYS_NICE: this suite runs as root)."""
-    if os.geteuid() != 0 or os.getpriority(os.PRIO_PROCESS, 0) != 0:
-        pytest.skip("lowering a niceness needs CAP_SYS_NICE; the figures assume this process runs at 0")
-    cmd = [sys.executable, "-c",
-           f"import os, sys; os.nice({start}); os.execv(sys.executable, [sys.executable, '-m', "
-           f"'supervisor.cluster._die_with_parent', str(os.getppid()), '--nice', '{asked}', sys.executable, '-c', "
-           f"{_PRINT_NICENESS!r}])"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
-    assert int(out.stdout) == runs_at, out.stderr
-
-
-def test_the_node_supervisor_wrapper_refuses_a_bad_niceness() -> None:
-    out = subprocess.run([sys.executable, "-m", "supervisor.cluster._die_with_parent", "1", "--nice", "x", "true"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "usage" in out.stderr
