@@ -59,7 +59,7 @@ from shared.capability import RegistryAdminCapability, capability_from_bytes
 from shared.errors import TenantIsolationViolation, TensorWasmError
 from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
 from shared.log import get_logger, log_event
-from shared.proctitle import set_process_name
+from shared.prctl import set_process_name
 from shared.quota import cleanup_stale_segments
 from supervisor.control.admin import AdminOps
 from supervisor.control import ops as admin_ops

@@ -14,8 +14,6 @@ Heavy imports (numpy, wasmtime, cuda) happen only when a request needs them.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -23,24 +21,15 @@ import sys
 import threading
 
 from shared.exitcodes import WORKER_CRASHED, WORKER_PARENT_GONE
-from shared.records import BootMessage, WorkerHello
+from shared.prctl import set_parent_death_signal, set_process_name
+from shared.worker_link import BootMessage, WorkerHello
 
 __all__ = ["run"]
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _set_parent_death_signal() -> None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: heartbeats and the parent check still end the worker
 
 
 def run(boot: BootMessage) -> None:
     """Serve one tenant instance (or wait in the pool to be bound to one)."""
-    _set_parent_death_signal()
+    set_parent_death_signal(signal.SIGKILL)  # off Linux: heartbeats and the parent check end the worker
     expected_parent = boot.parent_pid
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(WORKER_PARENT_GONE)  # the supervisor died while we were starting
@@ -50,7 +39,6 @@ def run(boot: BootMessage) -> None:
     import zmq
 
     from shared.log import configure_logging, get_logger, log_event
-    from shared.proctitle import set_process_name
     from worker.control import ControlThread
     from worker.faults import FaultState
     from worker.server import WorkerServer

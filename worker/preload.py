@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - wasmtime is a dependency; stay startab
 # The wire decoders a bind runs (shared.wire compiles one per record class on first use): compiled
 # here once, every forked worker inherits them. Measured on a forked child's first bind: 5-7 ms
 # before, 1.7-3.4 ms after (the rest: copy-on-write faults on the pages the bind touches).
-from shared.records import BindMessage
+from shared.worker_link import BindMessage
 from shared.spec import TenantSpec
 
 BindMessage.from_wire(BindMessage(spec=TenantSpec("preload"), instance=0, incarnation=0, segment="-",

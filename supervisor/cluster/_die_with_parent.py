@@ -10,22 +10,19 @@ its segments on the way out.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import signal
 import sys
 
-__all__: list[str] = []
+from shared.prctl import set_parent_death_signal
 
-_PR_SET_PDEATHSIG = 1
+__all__: list[str] = []
 
 
 def main(argv: list[str]) -> None:
     if len(argv) < 2 or not argv[0].isdigit():
         sys.exit("usage: python -m supervisor.cluster._die_with_parent PPID CMD...")
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != int(argv[0]):
         sys.exit(71)  # the parent died before the prctl took effect
     os.execv(argv[1], argv[1:])

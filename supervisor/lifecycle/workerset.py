@@ -42,7 +42,8 @@ from shared.errors import (
 )
 from shared.exitcodes import exit_cause, exit_reason
 from shared.log import get_logger, log_event
-from shared.records import BindMessage, ExitRecord, FaultAck, FaultExit, WorkerHello
+from shared.records import ExitRecord
+from shared.worker_link import BindMessage, FaultAck, FaultExit, WorkerHello
 from supervisor.observe.events import EventBus
 from supervisor.runtime.loop import Loop
 from supervisor.observe.metrics import Metrics

@@ -31,11 +31,11 @@ import psutil
 from shared.config import SupervisorConfig
 from shared.entry import EntryPoint
 from shared.log import get_logger, log_event
-from shared.records import BootMessage
+from shared.worker_link import BootMessage
 from supervisor.runtime.requests import Pending
 
 if TYPE_CHECKING:
-    from shared.records import FaultAck, FaultExit
+    from shared.worker_link import FaultAck, FaultExit
 
 __all__ = ["ProcessLike", "Spawner", "SpawnerFactory", "SpawnerLike", "WorkerHandle", "WorkerState", "kill_tree"]
 

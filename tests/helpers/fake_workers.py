@@ -30,7 +30,7 @@ import zmq
 
 from shared import protocol as proto
 from shared.config import SupervisorConfig
-from shared.records import WorkerHello
+from shared.worker_link import WorkerHello
 from supervisor.runtime.loop import Loop
 from supervisor.runtime.workers import SpawnerFactory, WorkerHandle
 

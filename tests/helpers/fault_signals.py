@@ -18,7 +18,6 @@ the Ray fixture puts the previous handlers back once Ray is up and once it is do
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,7 +30,7 @@ FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
 #: bigger than any libc's struct sigaction (glibc x86_64: 152 bytes)
 _SIGACTION_BYTES = 512
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # libc: already in the process (no ldconfig run)
 _libc.sigaction.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _libc.sigaction.restype = ctypes.c_int
 

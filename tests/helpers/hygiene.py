@@ -2,7 +2,7 @@
 
 A leak is a ``twt-*`` segment in /dev/shm, or a tensor-wasm-tenant process
 (worker processes name themselves ``twt-worker``, supervisors
-``twt-supervisor``; see ``shared.proctitle``) that appeared during the test
+``twt-supervisor``; see ``shared.prctl``) that appeared during the test
 and is still there after a grace period.
 
 Several test runs may share one machine (and /dev/shm). Only what belongs to

@@ -121,7 +121,7 @@ def test_records_are_typed_all_the_way_down() -> None:
 
 
 def test_control_messages_are_records() -> None:
-    from shared.records import FaultAck, FaultOrder, WorkerHello
+    from shared.worker_link import FaultAck, FaultOrder, WorkerHello
 
     order = FaultOrder("slow", {"ms": 5})
     assert proto.decode_control(proto.encode_control("fault", order.to_wire())) == ("fault", order.to_wire())

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from shared import protocol as proto
 from shared.errors import InvalidArgument, TensorWasmError, WorkerLost
 from shared.protocol import FAULT_KINDS
-from shared.records import FaultAck, FaultExit, FaultOrder
+from shared.worker_link import FaultAck, FaultExit, FaultOrder
 from shared.sizes import parse_size
 from supervisor.client.cli_args import non_negative_int, print_json
 from supervisor.control.ops._base import AdminOp, Args, Connect
