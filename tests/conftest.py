@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import hypothesis.configuration as hypothesis_configuration
-import psutil
 import pytest
 
 from tests.helpers import hygiene
@@ -277,15 +276,10 @@ def _children() -> set[int]:
     """Our child processes, less multiprocessing's resource tracker (started once, on the first
     use of shared memory by whichever test comes first: not a test's doing)."""
     found = set()
-    try:
-        for child in psutil.Process().children(recursive=True):
-            try:
-                if not any("resource_tracker" in a for a in child.cmdline()):
-                    found.add(child.pid)
-            except psutil.Error:
-                continue
-    except psutil.Error:
-        pass
+    for pid in hygiene.descendants():
+        args = hygiene.cmdline(pid)  # [] once it is gone or a zombie: as psutil's errors were, skipped
+        if args and not any("resource_tracker" in a for a in args):
+            found.add(pid)
     return found
 
 

@@ -194,3 +194,33 @@ def test_suite_sources_name_no_fixed_temp_directory() -> None:
                         '"/tmp' in path.read_text(errors="replace").replace("'/tmp", '"/tmp'):
                     found.append(rel)
     assert not found, f"hard-coded /tmp in {found}: use tempfile (or tests.helpers.tmp.short_temp_dir)"
+
+
+def test_the_fixtures_process_scans_see_what_psutil_sees() -> None:
+    """The leak fixture's own scans (/proc reads, tests/helpers/hygiene.py) against psutil's: a child
+    named ``twt-worker`` and its grandchild are our descendants; the child is a twt process, the
+    grandchild is not; the command line reads back."""
+    import psutil
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, time; from shared.prctl import set_process_name; "
+         "set_process_name('twt-worker'); p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); "
+         "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    grandchild = 0
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())  # printed after the name was set
+        mine = hygiene.descendants()
+        assert {child.pid, grandchild} <= mine
+        assert mine == {c.pid for c in psutil.Process().children(recursive=True)}
+        named = {pid for pid, _ in hygiene.twt_processes()}
+        assert child.pid in named and grandchild not in named
+        assert hygiene.cmdline(grandchild) == ["sleep", "60"]
+    finally:
+        if grandchild:
+            os.kill(grandchild, 9)
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    assert child.pid not in {pid for pid, _ in hygiene.twt_processes()}  # a reaped child is gone
