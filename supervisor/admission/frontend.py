@@ -82,6 +82,8 @@ from supervisor.lifecycle.workerset import WorkerSet
 READ_BATCH = 16
 #: messages read per wake-up while the fair queue is full
 BATCH_BACKLOGGED = 8
+#: with two frontend sockets, every this many messages read from one the other is asked for input
+YIELD_EVERY = 4
 
 __all__ = ["ClientMessage", "Frontend"]
 
@@ -157,24 +159,36 @@ class Frontend:
         self._either_ops: Mapping[str, EitherOp] = {}
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
+        #: each frontend socket's neighbour (ipc <-> tcp): what a read of one looks at (see _on_readable)
+        self._other: dict[bytes, tuple[zmq.Socket[bytes], bytes]] = {}
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
         if tcp_sock is not None:
+            self._other = {_IPC: (tcp_sock, _TCP), _TCP: (sock, _IPC)}
             loop.register(tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
 
     # ------------------------------------------------------------ decode
 
-    def _on_readable(self, sock: zmq.Socket[bytes], prefix: bytes) -> None:
+    def _on_readable(self, sock: zmq.Socket[bytes], prefix: bytes, follow: bool = True) -> None:
         # Read what is queued (asking ZMQ_EVENTS between messages: a recv that fails with
         # EAGAIN costs ~5 us here, the query ~1.6 us) into the fair queue; the loop's turn
         # serves it (end_turn). At most READ_BATCH a wake-up, and only a few while the
         # queue is full: a flood waits in its sender. A message without a verified
         # capability is first charged to its peer's bucket (supervisor.admission.rates): past
         # it, dropped here, before it costs anything more.
+        #
+        # Two frontend sockets (ipc and TCP) are one source: libzmq fair-queues the peers of
+        # one socket, not across sockets, so while a flood fills one, every YIELD_EVERY
+        # messages the other is asked for input, and when it has some the batch ends and the
+        # other is read right after this one is served (issue 25: a tcp-ping flood's victim on
+        # ipc waited ~0.5 ms before the loop read it, a whole batch and its serving).
         recv, events = sock.recv_multipart, sock.getsockopt
+        other = self._other.get(prefix) if follow else None
+        other_events = other[0].getsockopt if other is not None else None
         fair, admission = self.guard.fair, self.guard.admission
         now = self.clock()
         batch: list[ClientMessage] = []
-        for _ in range(fair.read_budget(READ_BATCH, BATCH_BACKLOGGED)):
+        yielded = False
+        for i in range(1, fair.read_budget(READ_BATCH, BATCH_BACKLOGGED) + 1):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -184,8 +198,17 @@ class Frontend:
                 batch.append(msg)
             if not int(events(_EVENTS)) & _POLLIN:
                 break
-        if not batch:
-            return
+            if other_events is not None and not i % YIELD_EVERY and int(other_events(_EVENTS)) & _POLLIN:
+                yielded = True
+                break
+        if batch:
+            self._take(batch)
+        if yielded and other is not None:
+            self._on_readable(other[0], other[1], follow=False)
+
+    def _take(self, batch: list[ClientMessage]) -> None:
+        """Serve or queue one read batch (see _on_readable)."""
+        fair = self.guard.fair
         # The common case, served at once: nothing waits, and the batch is one verified
         # tenant's, within its share of a turn (the fair queue would serve it as it is) -
         # in count and in time: what is left once the batch has taken a quantum waits for

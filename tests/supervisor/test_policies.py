@@ -314,6 +314,50 @@ def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenan
     return fe, cap
 
 
+def test_a_request_on_one_frontend_socket_is_read_within_a_few_messages_of_a_flood_on_the_other() -> None:
+    """ipc and TCP are one source (issue 25): libzmq fair-queues the peers of one socket only, so a
+    flood on the TCP socket must not keep a request on the ipc socket unread for a whole batch. Real
+    sockets (inproc) with 12 queued flood requests and one victim's: the victim is served right after
+    the first YIELD_EVERY, and nothing of the flood is lost or reordered."""
+    import zmq
+
+    from shared.config import SupervisorConfig
+    from supervisor.admission import frontend as fe_mod
+    from supervisor.admission.guard import FrontendGuard
+
+    table, replies, _, clock, tenants = _table()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ipc, tcp = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    victim, flooder = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        ipc.bind("inproc://policies-ipc")
+        tcp.bind("inproc://policies-tcp")
+        victim.connect("inproc://policies-ipc")
+        flooder.connect("inproc://policies-tcp")
+        fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=ipc, tcp_sock=tcp,  # type: ignore[arg-type]
+                      replies=replies, pending=table, workers=None, registry=_FakeRegistry(),  # type: ignore[arg-type]
+                      tenants=tenants, regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
+                      admin_cap=b"admin", event_log=EventLog(16))
+        fe._verified_caps[b"x"] = tenants["acme"]
+        served: list[tuple[bytes, int]] = []
+        fe.serve = lambda msg: served.append((msg.client[:1], msg.rid))  # type: ignore[method-assign]
+        for rid in range(1, 13):
+            flooder.send(proto.encode_request(rid, "ping", b"x", {}))
+        victim.send(proto.encode_request(99, "ping", b"x", {}))
+        assert tcp.poll(10_000) and ipc.poll(10_000)
+        fe._on_readable(tcp, fe_mod._TCP)
+        n = fe_mod.YIELD_EVERY
+        assert served == [(fe_mod._TCP, rid) for rid in range(1, n + 1)] + [(fe_mod._IPC, 99)]
+        for _ in range(12):  # the rest of the flood, as the loop's next wake-ups read it
+            fe._on_readable(tcp, fe_mod._TCP)
+        assert served == ([(fe_mod._TCP, rid) for rid in range(1, n + 1)] + [(fe_mod._IPC, 99)]
+                          + [(fe_mod._TCP, rid) for rid in range(n + 1, 13)])
+    finally:
+        for sock in (victim, flooder, ipc, tcp):
+            sock.close(0)
+        ctx.term()
+
+
 def test_requests_never_wait_for_an_instance_that_is_not_coming() -> None:
     table, replies, _, clock, tenants = _table()
     rt = _runtime(TenantSpec("acme", restart="never"), instances=2, ready=False)
