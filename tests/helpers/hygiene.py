@@ -266,9 +266,9 @@ def twt_segments() -> set[str]:
         return set()
 
 
-#: Linux's /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN): a process's children without a
-#: scan of every process on the machine
-_HAS_CHILDREN_FILE = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+#: Linux's /proc with per-thread children lists (CONFIG_PROC_CHILDREN): the scans below read it
+#: directly (a process's children without reading every process on the machine); elsewhere psutil
+_PROC_SCANS = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
 
 def _proc_stat(pid: int) -> tuple[str, str, int] | None:
@@ -291,7 +291,7 @@ def twt_processes() -> set[tuple[int, float]]:
     process - psutil's ``process_iter`` did the same reads with an object per process, three
     times the CPU (the fixture cost the suite ~15 s of CPU a run). The start time is only
     compared with the same function's, so ticks since boot serve as well as psutil's seconds."""
-    if not _HAS_CHILDREN_FILE:  # not Linux's /proc: psutil's way
+    if not _PROC_SCANS:  # not Linux's /proc: psutil's way
         found = set()
         for proc in psutil.process_iter(["name", "create_time", "status"]):
             info = proc.info
@@ -307,20 +307,19 @@ def twt_processes() -> set[tuple[int, float]]:
     return out
 
 
-def descendants(pid: int | None = None) -> set[int]:
-    """Every process below ``pid`` (this one by default): children, their children, ...
+def descendants() -> set[int]:
+    """Every process below this one: its children, their children, ...
 
     From each thread's /proc children list where the kernel has them (a process's children are
     listed under the thread that started them), so the cost is that of our own process tree;
     psutil's ``children(recursive=True)`` reads every process on the machine to build it."""
-    root = os.getpid() if pid is None else pid
-    if not _HAS_CHILDREN_FILE:
+    if not _PROC_SCANS:
         try:
-            return {c.pid for c in psutil.Process(root).children(recursive=True)}
+            return {c.pid for c in psutil.Process().children(recursive=True)}
         except psutil.Error:
             return set()
     found: set[int] = set()
-    todo = [root]
+    todo = [os.getpid()]
     while todo:
         parent = todo.pop()
         try:
@@ -342,7 +341,7 @@ def descendants(pid: int | None = None) -> set[int]:
 
 def cmdline(pid: int) -> list[str]:
     """The command line of ``pid`` ([] once it is gone or for a kernel thread)."""
-    if not _HAS_CHILDREN_FILE:
+    if not _PROC_SCANS:
         try:
             return list(psutil.Process(pid).cmdline())
         except psutil.Error:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -27,6 +28,6 @@ def test_name_and_parent_death_signal_are_set_without_starting_a_process() -> No
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=50, check=True)
     name, sig, started = out.stdout.split(" ", 2)
     assert name == "twt-probe-name-"  # the kernel keeps 15 bytes
-    assert int(sig) == int(__import__("signal").SIGTERM)
+    assert int(sig) == int(signal.SIGTERM)
     # ctypes.util.find_library would have run ``ldconfig -p`` here, in every worker and supervisor
     assert started.strip() == "[]"
