@@ -130,6 +130,9 @@ class SupervisorConfig:
     #: with one second's worth of burst; past them Overloaded with retry_after_s
     tenant_requests_per_s: float = 20_000.0
     tenant_bytes_per_s: int = 4 << 30
+    #: answers per second to a tenant's requests refused for its rate (a burst of one second's worth or its
+    #: max_in_flight, whichever is more); past them such requests are dropped unanswered and counted
+    tenant_refusals_per_s: float = 100.0
     #: requests per second one peer may send without a verified capability; the rest are dropped
     unauthenticated_requests_per_s: float = 200.0
     #: lifecycle events kept (numbered) for clients that poll them with the ``events`` op
@@ -196,7 +199,8 @@ class SupervisorConfig:
         s(self, "allow_remote_admin", _bool(self.allow_remote_admin, "allow_remote_admin"))
         _int(self.max_tcp_peers, "max_tcp_peers", 1, 1_000_000)
         _int(self.max_tcp_peers_per_source, "max_tcp_peers_per_source", 1, 1_000_000)
-        for name in ("tcp_handshake_timeout_s", "tenant_requests_per_s", "unauthenticated_requests_per_s"):
+        for name in ("tcp_handshake_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
+                     "unauthenticated_requests_per_s"):
             s(self, name, _pos(getattr(self, name), name))
         if self.tenant_bytes_per_s < 1:
             raise ValueError("tenant_bytes_per_s must be at least 1")
@@ -351,6 +355,7 @@ _ENV_FIELDS = (
     "max_tcp_peers_per_source",
     "tcp_handshake_timeout_s",
     "tenant_requests_per_s",
+    "tenant_refusals_per_s",
     "unauthenticated_requests_per_s",
     "gpu_time_quantum_s",
     "gpu_time_scheduler",
@@ -360,7 +365,8 @@ _ENV_FIELDS = (
 _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
                "max_tenants", "max_workers"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s",
-                 "tcp_handshake_timeout_s", "tenant_requests_per_s", "unauthenticated_requests_per_s",
+                 "tcp_handshake_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
+                 "unauthenticated_requests_per_s",
                  "gpu_time_quantum_s"}
 
 

@@ -568,7 +568,9 @@ class ClientRepliesQueued(Overloaded):
 
 class AdmissionRate(Overloaded):
     """The tenant sent more ``what`` ("requests" or "bytes") per second than its admission
-    allows (``rate``: its ``requests_per_s`` or ``bytes_per_s``); retry after ``retry_after_s``."""
+    allows (``rate``: its ``requests_per_s`` or ``bytes_per_s``); retry after ``retry_after_s``,
+    not before: past ``tenant_refusals_per_s`` such answers a second the supervisor drops the
+    tenant's refused requests unanswered."""
 
     cause: str = "rate"
     what: str = "requests"

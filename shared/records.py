@@ -184,6 +184,8 @@ class SupervisorRecord(HelloInfo):
     #: requests refused Overloaded by admission (requests or bytes per second), in all and by what
     admission_refused: int = 0
     admission_refused_by: dict[str, int] = field(default_factory=dict)
+    #: of those, dropped unanswered: past the tenant's answers to refusals (tenant_refusals_per_s)
+    admission_unanswered: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,6 +67,7 @@ from shared.sizes import MAX_MODULE_BYTES
 from shared.spec import DEADLINE_GRACE_S
 from supervisor.observe.event_log import EventLog
 from supervisor.admission.guard import FrontendGuard
+from supervisor.admission.rates import RefusalUnanswered
 from supervisor.runtime.loop import Loop
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.regions import RegionTable
@@ -293,6 +294,8 @@ class Frontend:
                 self._admin_request(client, rid, op, msg.cap_raw, msg.args)
             else:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
+        except RefusalUnanswered as exc:  # refused for its rate, past the answers to that: dropped, counted
+            self.pending.count_refusal(exc.tenant, op, "unanswered")
         except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
             self._refused(client, rid, op, exc, msg.cap_raw)
             if self.on_denied is not None:

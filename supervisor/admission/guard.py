@@ -94,6 +94,7 @@ class FrontendGuard:
         gate = self.connections.gate if self.connections is not None else None
         return FrontendCounters(
             admission_refused=tuple((t, what, n) for (t, what), n in sorted(self.admission.refused.items())),
+            admission_unanswered=tuple(sorted(self.admission.unanswered.items())),
             unauthenticated_dropped=tuple(sorted(self.dropped_by().items())),
             connections_shed=tuple(sorted(gate.shed_by.items())) if gate is not None else (),
             connections=gate.connected if gate is not None else 0,

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Final, TypeVar, cast
 import zmq
 
 from shared import protocol as proto
-from shared.capability import RegistryAdminCapability, TenantCapability
+from shared.capability import RegistryAdminCapability, TenantCapability, capability_from_bytes
 from shared.checks import is_int
 from shared.errors import (
     HandshakeFailed,
@@ -114,6 +114,16 @@ def _cap_bytes(cap: Capability | bytes | None) -> bytes | None:
     return cap.to_bytes()
 
 
+def _tenant_of(cap: Capability | bytes | None) -> str | None:
+    """The tenant a capability names; None for the admin's, none at all, or bytes that are no capability."""
+    if isinstance(cap, bytes):
+        try:
+            cap = capability_from_bytes(cap)
+        except TensorWasmError:
+            return None  # the supervisor answers it (there is no tenant to wait for)
+    return cap.tenant_id if isinstance(cap, TenantCapability) else None
+
+
 class SupervisorClient:
     """A connection to the supervisor whose run directory is ``run_dir``."""
 
@@ -173,6 +183,9 @@ class SupervisorClient:
         self._sock.connect(endpoint)
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
+        #: tenant -> (until, the refusal): the supervisor refused a request of it for its rate and said when
+        #: to come back (``retry_after_s``); until then its requests are refused here, unsent (see send)
+        self._rate_wait: dict[str, tuple[float, dict[str, object]]] = {}
         self._admin: RegistryAdminCapability | None = None
         self._closed = False
 
@@ -243,7 +256,15 @@ class SupervisorClient:
 
     def send(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None,
              body: bytes | memoryview | None = None) -> int:
-        """Send one request without waiting; returns its rid (pair with :meth:`recv`)."""
+        """Send one request without waiting; returns its rid (pair with :meth:`recv`).
+
+        Raises :class:`~shared.errors.AdmissionRate` without sending while the supervisor's
+        ``retry_after_s`` of an earlier rate refusal of the same tenant has not passed: it
+        would refuse the request too, and past a few such answers a second it drops
+        requests unanswered (``tenant_refusals_per_s``) - a caller that retries at once
+        gets the refusal here, at no cost, instead of a request that never comes back."""
+        if self._rate_wait:
+            self._honour_retry_after(cap)
         rid = next(self._rids)
         header = proto.encode_request(rid, op, _cap_bytes(cap), args or {})
         if self._monitor is not None:
@@ -262,6 +283,40 @@ class SupervisorClient:
         ProtocolError for a reply that does not decode and names no request (one that
         names its request comes back as that request's ``protocol_error``)."""
         return self._recv_one(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s), "recv")
+
+    def rate_wait_s(self, cap: Capability | bytes | None) -> float:
+        """Seconds until this capability's tenant may send again after a rate refusal (0.0: now)."""
+        tenant = _tenant_of(cap) if self._rate_wait else None
+        held = self._rate_wait.get(tenant) if tenant is not None else None
+        if held is None or tenant is None:
+            return 0.0
+        left = held[0] - time.monotonic()
+        if left <= 0:
+            del self._rate_wait[tenant]
+            return 0.0
+        return left
+
+    def _honour_retry_after(self, cap: Capability | bytes | None) -> None:
+        """Raise the tenant's last rate refusal again (its ``retry_after_s`` now what is left), unsent."""
+        left = self.rate_wait_s(cap)
+        tenant = _tenant_of(cap)
+        if not left or tenant is None:
+            return
+        err = self._rate_wait[tenant][1]
+        fields = err.get("fields")
+        raise error_from_dict({**err, "fields": {**(fields if isinstance(fields, dict) else {}),
+                                                 "retry_after_s": round(left, 6)}})
+
+    def _note_refusal(self, payload: object) -> None:
+        """A reply's error: when it is a rate refusal with ``retry_after_s``, its tenant waits that long."""
+        if not isinstance(payload, dict) or payload.get("code") != "overloaded":
+            return
+        fields = payload.get("fields")
+        if not isinstance(fields, dict) or fields.get("cause") != "rate":
+            return
+        after, tenant = fields.get("retry_after_s"), fields.get("tenant_id")
+        if isinstance(after, (int, float)) and not isinstance(after, bool) and after > 0 and isinstance(tenant, str):
+            self._rate_wait[tenant] = (time.monotonic() + min(float(after), 60.0), payload)
 
     def _watch_link(self) -> None:
         """Remote: read the socket monitor's queued events into the link state (never blocks)."""
@@ -329,6 +384,8 @@ class SupervisorClient:
             if got is None:
                 raise error from None
             return got, False, error.to_dict(), None
+        if not ok:
+            self._note_refusal(payload)
         return rid, ok, payload, frames[1] if len(frames) > 1 else None
 
     def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, object, bytes | None]:

@@ -136,6 +136,10 @@ class Transport(Protocol):
         """The next reply, whichever request it answers: (rid, ok, result or error dict, body)."""
         ...
 
+    def rate_wait_s(self, cap: bytes) -> float:
+        """Seconds until ``cap``'s tenant may send again after a rate refusal (0.0: now)."""
+        ...
+
     def _request_locked(self, op: str, cap: bytes, args: Mapping[str, object], *,
                         timeout_s: float | None = None) -> tuple[object, bytes | None]:
         """One call: send, wait for its reply, raise its error; (result, body)."""
@@ -410,8 +414,11 @@ class BulkPath:
         """Send one request per chunk, at most one in flight per slot; raise the first error.
 
         A chunk refused with ``Overloaded`` (the tenant's ``max_in_flight``) is
-        sent again once an earlier one is answered. On a timeout the region is
-        given up (late copies may still land in it); ``own``: the caller does that.
+        sent again once an earlier one is answered; refused for the tenant's rate,
+        no chunk is sent before its ``retry_after_s`` has passed (the client's
+        :meth:`~supervisor.client.api.SupervisorClient.rate_wait_s`). On a timeout
+        the region is given up (late copies may still land in it); ``own``: the
+        caller does that.
         """
         client = self._client
         timeout = client.timeout_s
@@ -463,18 +470,24 @@ class BulkPath:
             if first_error is None:
                 first_error = err
 
+        def back_off(wait: float) -> None:
+            if inflight:
+                wait_one()
+            elif time.monotonic() > deadline:
+                raise RequestTimeout(op, timeout)
+            else:  # the tenant's rate: its retry_after_s; else full of other clients' requests
+                time.sleep(max(0.001, min(wait, deadline - time.monotonic())))
+
         try:
             while True:
                 if first_error is None and retry:
                     # the tenant's max_in_flight is full: resend once a request of ours is answered
-                    if inflight:
-                        wait_one()
-                    elif time.monotonic() > deadline:
-                        raise RequestTimeout(op, timeout)
-                    else:
-                        time.sleep(0.001)  # full of other clients' requests: back off a little
-                    if first_error is None and retry:
+                    back_off(client.rate_wait_s(staging.cap))
+                    if first_error is None and retry and not client.rate_wait_s(staging.cap):
                         send(retry.popleft())
+                    continue
+                if first_error is None and queue and (wait := client.rate_wait_s(staging.cap)):
+                    back_off(wait)  # refused for the tenant's rate: nothing new before retry_after_s
                     continue
                 if first_error is None and queue:
                     chunk = queue[0]

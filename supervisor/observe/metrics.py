@@ -131,6 +131,7 @@ class FrontendCounters:
     connections now and their budget."""
 
     admission_refused: tuple[tuple[str, str, int], ...] = ()  # (tenant, "requests" | "bytes", count)
+    admission_unanswered: tuple[tuple[str, int], ...] = ()  # (tenant, count): refused and dropped unanswered
     unauthenticated_dropped: tuple[tuple[str, int], ...] = ()  # (reason, count)
     connections_shed: tuple[tuple[str, int], ...] = ()  # (reason, count)
     connections: int = 0
@@ -181,7 +182,8 @@ class Metrics:
     """Interface: what the supervisor loop reports."""
 
     def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None:
-        """A client request was answered; ``outcome`` is "ok" or the error code."""
+        """A client request was answered; ``outcome`` is "ok" or the error code (or "unanswered":
+        refused for its rate past the answers to that, dropped without a reply)."""
 
     def worker_exit(self, tenant: str | None, cause: str) -> None:
         """A worker process ended; ``cause`` is "exit", "signal", "heartbeat", "deadline", "rss", "stop"."""

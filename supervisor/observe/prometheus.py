@@ -224,6 +224,12 @@ class _StateCollector:
         for tenant, what, n in fc.admission_refused:
             refused.add_metric([self._owner.label(tenant), what], n)
         yield refused
+        unanswered = CounterMetricFamily("twt_admission_unanswered",
+                                         "Of the requests refused by admission, those dropped unanswered: past the "
+                                         "tenant's answers to refusals (tenant_refusals_per_s)", labels=["tenant"])
+        for tenant, n in fc.admission_unanswered:
+            unanswered.add_metric([self._owner.label(tenant)], n)
+        yield unanswered
         dropped = CounterMetricFamily("twt_unauthenticated_dropped",
                                       "Requests without a verified capability dropped unanswered, by reason "
                                       "(peer_rate, unread_replies, backlog_bytes)", labels=["reason"])

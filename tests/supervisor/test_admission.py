@@ -7,7 +7,7 @@ import pytest
 
 from shared.errors import AdmissionRate, Overloaded, error_from_dict
 from shared.spec import TenantSpec
-from supervisor.admission.rates import Admission, TokenBucket
+from supervisor.admission.rates import Admission, RefusalUnanswered, TokenBucket
 
 
 def test_token_bucket_refills_at_its_rate_and_says_when_to_come_back() -> None:
@@ -53,6 +53,50 @@ def test_bytes_per_second_and_a_changed_spec_take_effect() -> None:
     assert adm.refused == {("big", "bytes"): 1}
     adm.forget("big")
     assert adm.refused == {}
+
+
+def test_answers_to_rate_refusals_are_metered_past_them_dropped_and_counted() -> None:
+    """A tenant that keeps sending after its refusals: a burst of them answered (its
+    max_in_flight, or a second's worth of refusals_per_s when that is more), then dropped
+    and counted, answered again as the answers' bucket refills; forgotten with the tenant."""
+    adm = Admission(refusals_per_s=4.0)
+    spec = TenantSpec("flood", requests_per_s=1.0, max_in_flight=6)
+    adm.admit("flood", spec, 10, 0.0)  # its one request of the second
+    for _ in range(6):  # the burst: max_in_flight (6) > refusals_per_s (4)
+        with pytest.raises(AdmissionRate):
+            adm.admit("flood", spec, 10, 0.0)
+    with pytest.raises(RefusalUnanswered) as info:
+        adm.admit("flood", spec, 10, 0.0)
+    assert info.value.tenant == "flood" and not isinstance(info.value, Overloaded)  # nothing goes on the wire
+    with pytest.raises(AdmissionRate):
+        adm.admit("flood", spec, 10, 0.25)  # a quarter second: one answer back (4 a second)
+    with pytest.raises(RefusalUnanswered):
+        adm.admit("flood", spec, 10, 0.25)
+    assert adm.refused == {("flood", "requests"): 9} and adm.unanswered == {"flood": 2}
+    status = adm.status()
+    assert (status["admission_refused"], status["admission_unanswered"]) == (9, 2)
+    adm.admit("other", TenantSpec("other"), 10, 0.25)  # another tenant is not touched
+    adm.admit("flood", spec, 10, 1.25)  # a token back: served, never "unanswered"
+    adm.forget("flood")
+    assert adm.unanswered == {} and adm.status()["admission_unanswered"] == 0
+
+
+def test_the_answers_burst_follows_a_changed_max_in_flight() -> None:
+    adm = Admission(refusals_per_s=1.0)
+    spec = TenantSpec("t", requests_per_s=1.0, max_in_flight=2)
+    adm.admit("t", spec, 0, 0.0)
+    for _ in range(2):
+        with pytest.raises(AdmissionRate):
+            adm.admit("t", spec, 0, 0.0)
+    with pytest.raises(RefusalUnanswered):
+        adm.admit("t", spec, 0, 0.0)
+    wider = spec.with_max_in_flight(50)  # the same rates: the buckets stay, the burst grows
+    adm.admit("t", wider, 0, 50.0)
+    for _ in range(50):
+        with pytest.raises(AdmissionRate):
+            adm.admit("t", wider, 0, 50.0)
+    with pytest.raises(RefusalUnanswered):
+        adm.admit("t", wider, 0, 50.0)
 
 
 def test_unauthenticated_requests_are_metered_per_peer_and_the_table_is_bounded() -> None:

@@ -274,6 +274,66 @@ def test_admission_refuses_past_a_tenants_rate_typed_and_other_tenants_are_serve
         assert "twt_frontend_connection_budget" in text
 
 
+def test_a_tenant_ignoring_retry_after_gets_a_burst_of_answers_then_none_and_every_request_is_counted() -> None:
+    """The answers to rate refusals are metered (tenant_refusals_per_s): a client that keeps
+    sending past them has the rest dropped unanswered - each one counted, none lost from the
+    books (served + answered + unanswered = sent) - and exported; another tenant is served.
+    Our client honours retry_after_s: within it, the refusal is raised again without sending."""
+    tenants = [{"name": "deaf", "requests_per_s": 1, "max_in_flight": 8}, {"name": "polite", "requests_per_s": 0.01},
+               {"name": "other"}]
+    with supervisor(tenants, log_level="error", metrics_addr="127.0.0.1:0", tenant_refusals_per_s=2) as sup:
+        c = sup.client
+        deaf = c.tenant_capability(None, "deaf")
+        sock = _dealer(sup.run_dir)
+        n, ok, answered = 300, 0, 0
+
+        def read(wait_ms: int) -> None:
+            nonlocal ok, answered
+            while sock.poll(wait_ms):
+                _, good, payload = proto.decode_reply(sock.recv_multipart()[0])
+                if good:
+                    ok += 1
+                else:
+                    assert (payload["code"], payload["fields"]["cause"]) == ("overloaded", "rate"), payload
+                    answered += 1
+                wait_ms = 0
+
+        try:
+            for rid in range(1, n + 1):
+                sock.send(proto.encode_request(rid, "quota", deaf.to_bytes(), {}))
+
+            def all_served() -> bool:  # every request served or refused (answered or not)
+                read(0)
+                return ok + c.status().supervisor.admission_refused == n
+
+            wait_for(all_served, what="the 300 requests taken")
+            status = c.status().supervisor
+            while answered < status.admission_refused - status.admission_unanswered:
+                got = ok + answered
+                read(30_000)
+                assert ok + answered > got, "an answered refusal did not arrive"
+            read(100)  # and nothing more comes
+        finally:
+            sock.close(0)
+        # one request a second; the burst of answers is max_in_flight (8), two a second after it
+        assert ok >= 1 and answered >= 8 and status.admission_unanswered >= 1
+        assert ok + answered + status.admission_unanswered == n
+        assert answered == status.admission_refused - status.admission_unanswered
+        assert c.ping(c.tenant_capability(None, "other")).tenant == "other"
+        polite = c.tenant_capability(None, "polite")
+        c.quota(polite)  # its one token (0.01 a second)
+        with pytest.raises(Overloaded, match="requests_per_s"):
+            c.quota(polite)  # refused by the supervisor, answered: retry after ~100 s (60 s at most here)
+        before = c.status().supervisor.admission_refused
+        with pytest.raises(Overloaded, match="requests_per_s") as info:
+            c.quota(polite)  # refused again, here: not sent
+        assert info.value.retry_after_s is not None and 0 < info.value.retry_after_s <= 60
+        assert c.status().supervisor.admission_refused == before
+        with urllib.request.urlopen(c.info["metrics_url"], timeout=10) as resp:
+            text = resp.read().decode()
+        assert 'twt_admission_unanswered_total{tenant="' in text
+
+
 def test_unauthenticated_requests_are_metered_per_peer() -> None:
     """A peer flooding requests without a verified capability gets a few answers and the
     rest dropped (counted); a new peer still gets its typed answer, a tenant its service."""

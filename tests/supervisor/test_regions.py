@@ -442,3 +442,20 @@ def test_arrays_that_live_in_a_region_are_written_without_a_staging_copy() -> No
             fast.ping(cap)
             wait_for(lambda: _region_bytes(sup, "acme")[0] == count - 2, what="both arrays' regions released")
         assert c.quota(cap).bytes_in_use == 0
+
+
+def test_a_bulk_write_past_the_tenants_rate_waits_out_retry_after_and_lands_whole() -> None:
+    """Chunks refused for the tenant's requests_per_s are sent again once the supervisor's
+    retry_after_s has passed (none before it: nothing is dropped unanswered), and the data
+    lands whole."""
+    with supervisor([{"name": "acme", "requests_per_s": 4}], log_level="error") as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "acme")
+        data = _payload(2 * REGION + 1)
+        with _client(sup) as fast:
+            h = fast.alloc(cap, len(data))
+            fast.write(cap, h, data)  # a region lease and its chunks, past four requests a second
+            status = c.status().supervisor
+            assert status.admission_refused >= 1  # the rate did bind
+            assert status.admission_unanswered == 0  # and every refusal was waited out, not retried at once
+            assert fast.read(cap, h, len(data)) == data
