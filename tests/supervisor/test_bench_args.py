@@ -15,6 +15,8 @@ BAD = [
     ("route", ["--rounds", "-1"], "--rounds: must be a whole number >= 1"),
     ("route", ["--per-round", "x"], "--per-round: must be a whole number >= 1, got 'x'"),
     ("flood", ["--pings", "0"], "--pings: must be a whole number >= 1"),
+    ("flood", ["--flooder-rate", "0"], "--flooder-rate: must be a number per second > 0, got '0'"),
+    ("flood", ["--flooder-bytes", "12xb"], "--flooder-bytes: invalid size '12xb'"),
     ("scale", ["--samples", "0"], "--samples"),
     ("scale", ["--tenants", "63"], "--tenants: must be a whole number >= 64"),
     ("data", ["--rounds", "0"], "--rounds"),

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from itertools import repeat as _repeat
 from typing import TYPE_CHECKING, TextIO
 
+from shared.sizes import parse_size
+
 if TYPE_CHECKING:
     import zmq
 
@@ -164,6 +166,28 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def per_second(text: str) -> float:
+    """An argparse ``type``: a finite rate > 0 (per second)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number per second > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number per second > 0, got {text!r}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """An argparse ``type``: a size of at least one byte, an int or ``"256MiB"`` (shared.sizes)."""
+    try:
+        value = parse_size(text, what="size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return value
 
 

@@ -12,6 +12,13 @@ floods the supervisor as fast as it can, one flood kind at a time:
 * ``write``    - 1 MiB ``write`` requests into the flooder's buffer
 * ``tcp-ping`` - the flooder's pings over the CURVE TCP frontend (issue 30, item 9)
 
+After the victim's pings, while the same flood goes on, a raw two-hop relay
+(:mod:`supervisor.tools.bench._relay`: no supervisor, no admission) is pinged
+as many times: its p50/p99 during a flood are this host's own latency under that load -
+what a victim's round trip pays before the supervisor does anything (on 2
+CPUs, a flood that keeps both busy gives the bare relay a p99 of several ms).
+Shown, not a target.
+
 Targets, per kind, against the quiet figures of the same run (b = the quiet
 p50, at least 1/3 ms, so the first target is never below 1 ms):
 
@@ -42,6 +49,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import tempfile
 import time
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
@@ -51,10 +59,12 @@ import zmq
 
 from shared import protocol as proto
 from shared.errors import ProtocolError
-from shared.sizes import parse_size
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, socket_rtts_us
+from supervisor.tools.bench._relay import RawRelay
+from supervisor.tools.bench._report import (Report, Target, byte_size, count, format_table, per_second, percentile,
+                                             socket_rtts_us)
 from supervisor.client.launch import SupervisorHandle, launch
+from supervisor.store.rundir import temp_parent
 
 __all__ = ["KINDS", "main"]
 
@@ -136,9 +146,19 @@ def _flood(kind: str, endpoint: str, server_key: str | None, cap: bytes, handle:
     ctx.term()
 
 
-def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int, victim: zmq.Socket[bytes] | None,
-               header: bytes, n: int, seconds: float, nice: int = 0) -> tuple[list[float], FloodResult]:
-    """Flood with ``kind`` while the victim pings ``n`` times (none: the flooder alone)."""
+def _both_rtts_us(victim: zmq.Socket[bytes], header: bytes, relay: zmq.Socket[bytes],
+                  n: int) -> tuple[list[float], list[float]]:
+    """``n`` pings of the victim, then ``n`` of the raw relay. One after the other, not in turn:
+    pinged in turn, the victim's quiet p50 rose by ~30 % (each ping found the host just woken
+    for the relay's), which would loosen every target scaled from it."""
+    return socket_rtts_us(victim, header, n), socket_rtts_us(relay, header, n)
+
+
+def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int,
+               victim: tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None, header: bytes, n: int, seconds: float,
+               nice: int = 0) -> tuple[tuple[list[float], list[float]], FloodResult]:
+    """Flood with ``kind`` while the victim (and the relay beside it) pings ``n`` times
+    (none: the flooder alone)."""
     tcp = kind == "tcp-ping"
     endpoint = sup.info["listen"][0] if tcp else f"ipc://{sup.run_dir}/frontend.ipc"
     out, started = _SPAWN.Queue(), _SPAWN.Event()
@@ -150,7 +170,7 @@ def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int, victim
         if not started.wait(60):
             raise RuntimeError(f"the {kind} flooder did not start")
         time.sleep(min(0.3, seconds / 4))  # let the flood fill the queues
-        rtts = socket_rtts_us(victim, header, n) if victim is not None else []
+        rtts = _both_rtts_us(victim[0], header, victim[1], n) if victim is not None else ([], [])
         result: FloodResult = out.get(timeout=seconds + 60)
     finally:
         proc.join(10)
@@ -168,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help="flood kinds, comma-separated")
     parser.add_argument("--nice", type=int, default=0,
                         help="the flooder's nice value (a remote flooder does not compete for this host's CPUs)")
-    parser.add_argument("--flooder-rate", type=float, default=None, metavar="N",
+    parser.add_argument("--flooder-rate", type=per_second, default=None, metavar="N",
                         help="the flooder tenant's requests_per_s (default: the supervisor's tenant_requests_per_s)")
-    parser.add_argument("--flooder-bytes", type=lambda v: parse_size(v, what="--flooder-bytes"), default=None,
+    parser.add_argument("--flooder-bytes", type=byte_size, default=None,
                         metavar="SIZE", help="the flooder tenant's bytes_per_s, e.g. 256MiB (default: "
                         "the supervisor's tenant_bytes_per_s)")
     args = parser.parse_args(argv)
@@ -184,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[list[object]] = []
     targets: list[Target] = []
     data: dict[str, dict[str, float]] = {}
-    with launch(
+    with tempfile.TemporaryDirectory(prefix="twt-bench-", dir=temp_parent()) as tmp, launch(
         {"supervisor": {"pool_size": 0, "log_level": "error", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
         backend="stub",
     ) as sup:
@@ -198,24 +218,30 @@ def main(argv: list[str] | None = None) -> int:
         victim = ctx.socket(zmq.DEALER)
         victim.setsockopt(zmq.LINGER, 0)
         victim.connect(f"ipc://{sup.run_dir}/frontend.ipc")
+        relay = RawRelay(tmp)
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(relay.frontend)
+        pair = (victim, raw)
         try:
-            socket_rtts_us(victim, header, 300)  # warm up
-            quiet = socket_rtts_us(victim, header, args.pings)
+            _both_rtts_us(victim, header, raw, 300)  # warm up
+            quiet, quiet_raw = _both_rtts_us(victim, header, raw, args.pings)
             q50, q99 = percentile(quiet, 0.5), percentile(quiet, 0.99)
             base = max(q50, _FLOOR_US)
-            rows.append(["quiet", q50, q99, "", ""])
-            seconds = max(2.0, args.pings * 0.004)
+            rows.append(["quiet", q50, q99, percentile(quiet_raw, 0.5), percentile(quiet_raw, 0.99), "", ""])
+            seconds = max(2.0, args.pings * 0.006)  # the victim, then the relay, all within the flood
             solo: FloodResult | None = None
             if "ping" in kinds:
                 _, solo = _run_flood("ping", sup, flood_cap, handle, None, header, 0, 2.0, args.nice)
             for kind in kinds:
-                rtts, res = _run_flood(kind, sup, flood_cap, handle, victim, header, args.pings, seconds,
-                                       args.nice)
+                (rtts, raw_rtts), res = _run_flood(kind, sup, flood_cap, handle, pair, header, args.pings,
+                                                   seconds, args.nice)
                 p50, p99 = percentile(rtts, 0.5), percentile(rtts, 0.99)
+                r50, r99 = percentile(raw_rtts, 0.5), percentile(raw_rtts, 0.99)
                 rate = res["ok"] / res["seconds"]
-                rows.append([kind, p50, p99, res["sent"] / res["seconds"], rate])
-                data[kind] = {"p50_us": p50, "p99_us": p99, "sent_per_s": res["sent"] / res["seconds"],
-                              "ok_per_s": rate}
+                rows.append([kind, p50, p99, r50, r99, res["sent"] / res["seconds"], rate])
+                data[kind] = {"p50_us": p50, "p99_us": p99, "relay_p50_us": r50, "relay_p99_us": r99,
+                              "sent_per_s": res["sent"] / res["seconds"], "ok_per_s": rate}
                 targets.append(Target(f"victim p50 during a {kind} flood vs quiet (b = max(p50, 1/3 ms))",
                                       p50 / base, 3.0, higher_is_better=False))
                 targets.append(Target(f"victim p99 during a {kind} flood vs quiet b", p99 / base, 10.0,
@@ -227,19 +253,23 @@ def main(argv: list[str] | None = None) -> int:
                                           share, 0.5))
             stats = client.status().supervisor
         finally:
+            relay.close(raw)
+            raw.close(0)
             victim.close(0)
     limits = ", ".join(f"{k} {v:,.0f}" for k, v in (("requests_per_s", args.flooder_rate),
                                                        ("bytes_per_s", args.flooder_bytes)) if v is not None)
     report.sections.append((
-        "victim ping round trip (us) during each flood; the flooder's requests/s sent and answered OK "
+        "victim ping round trip (us) during each flood, then the raw relay's during the same flood (the "
+        "host's own latency under the same load); the flooder's requests/s sent and answered OK "
         f"(the flooder's tenant: {limits or 'the supervisor defaults'})",
-        format_table(["flood", "p50", "p99", "flood sent/s", "flood ok/s"], rows),
+        format_table(["flood", "p50", "p99", "relay p50", "relay p99", "flood sent/s", "flood ok/s"], rows),
     ))
     report.sections.append(("admission", format_table(["counter", "value"], [
         ["unauthenticated_dropped", stats.unauthenticated_dropped], ["admission_refused", stats.admission_refused],
         ["admission_unanswered", stats.admission_unanswered]])))
     report.targets += targets
-    report.data.update(quiet_us={"p50": q50, "p99": q99}, floods=data,
+    report.data.update(quiet_us={"p50": q50, "p99": q99, "relay_p50": percentile(quiet_raw, 0.5),
+                                 "relay_p99": percentile(quiet_raw, 0.99)}, floods=data,
                        flooder_spec={"requests_per_s": args.flooder_rate, "bytes_per_s": args.flooder_bytes})
     return report.emit(as_json=args.json)
 

@@ -1,9 +1,9 @@
 """``twt bench route``: what the supervisor's hop costs next to a bare pyzmq relay.
 
 Baseline, built into the bench and measured in the same run: a minimal raw
-two-hop relay - client DEALER -> relay ROUTER|ROUTER -> echo DEALER, each
-side a process, frames forwarded as they come (the client identity travels
-as an envelope frame, the least a relay can do to route the answer back).
+two-hop relay (:mod:`supervisor.tools.bench._relay`) - client DEALER -> relay
+ROUTER|ROUTER -> echo DEALER, each side a process, frames forwarded as they
+come.
 Ours: a real supervisor (stub backend) with one tenant; the client sends the
 same ``ping`` header bytes, the supervisor decodes it, checks the capability,
 picks the instance, re-frames it for the worker, and relays the answer.
@@ -24,7 +24,6 @@ Measured (round-robin rounds so both see the same machine state):
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import signal
 import statistics
@@ -36,70 +35,12 @@ import zmq
 from shared import protocol as proto
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
+from supervisor.tools.bench._relay import RawRelay
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, socket_rtts_us
 from supervisor.client.launch import launch
 from supervisor.store.rundir import temp_parent
 
 __all__ = ["main"]
-
-_SPAWN = mp.get_context("spawn")
-
-
-# ------------------------------------------------------------------ relay
-
-
-def _relay(frontend: str, backend: str) -> None:
-    ctx = zmq.Context()
-    f = ctx.socket(zmq.ROUTER)
-    b = ctx.socket(zmq.ROUTER)
-    f.bind(frontend)
-    b.bind(backend)
-    peer = b.recv_multipart()[0]  # the echo's hello
-    poller = zmq.Poller()
-    poller.register(f, zmq.POLLIN)
-    poller.register(b, zmq.POLLIN)
-    while True:
-        for sock, _ in poller.poll():
-            if sock is f:
-                frames = f.recv_multipart(copy=False)
-                if frames[1].bytes == b"quit":
-                    b.send_multipart([peer, b"quit"])
-                    return
-                b.send_multipart([peer, *frames], copy=False)
-            else:
-                frames = b.recv_multipart(copy=False)
-                f.send_multipart(frames[1:], copy=False)
-
-
-def _echo(backend: str) -> None:
-    ctx = zmq.Context()
-    d = ctx.socket(zmq.DEALER)
-    d.connect(backend)
-    d.send(b"hello")
-    while True:
-        frames = d.recv_multipart(copy=False)
-        if frames[0].bytes == b"quit":
-            return
-        d.send_multipart(frames, copy=False)
-
-
-class _RawRelay:
-    def __init__(self, directory: str) -> None:
-        self.frontend = f"ipc://{directory}/relay-front.ipc"
-        backend = f"ipc://{directory}/relay-back.ipc"
-        self.procs = [_SPAWN.Process(target=_relay, args=(self.frontend, backend), daemon=True),
-                      _SPAWN.Process(target=_echo, args=(backend,), daemon=True)]
-        for p in self.procs:
-            p.start()
-
-    def close(self, sock: zmq.Socket[bytes]) -> None:
-        sock.send(b"quit")
-        for p in self.procs:
-            p.join(5)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-
 
 # ----------------------------------------------------------------- measure
 
@@ -147,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         remote.curve_serverkey = sup.info["server_public_key"].encode()
         remote.curve_publickey, remote.curve_secretkey = zmq.curve_keypair()
         remote.connect(sup.info["listen"][0])
-        relay = _RawRelay(tmp)
+        relay = RawRelay(tmp)
         raw = ctx.socket(zmq.DEALER)
         raw.connect(relay.frontend)
         try:
