@@ -44,6 +44,15 @@ _OP, _PC, _CUR, _ACC, _J, _ATT, _ALIVE, _RECL = range(8)
 Thread = tuple[int, int, int, int, int, int, bool, bool]
 # state: (tenant word (two_step only), shares, threads, ghost held, results)
 State = tuple[int, tuple[int, ...], tuple[Thread, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
+#: a transition's label: (format string, its arguments), an argument that is a Label formatted
+#: first. Formatted only for a counterexample (_trace): the three-instance check makes ~460,000
+#: transitions, and formatting each label (an Op's dataclass repr among them) was most of its time
+Label = tuple[object, ...]
+
+
+def _fmt(label: Label) -> str:
+    fmt, *args = label
+    return str(fmt).format(*(_fmt(a) if isinstance(a, tuple) else a for a in args))
 
 
 @dataclass
@@ -64,37 +73,37 @@ class _Machine:
         self.retries = retries
         self.n = len(program)
 
-    def successors(self, st: State) -> list[tuple[str, State]]:
+    def successors(self, st: State) -> list[tuple[Label, State]]:
         tenant, shares, threads, held, results = st
-        out: list[tuple[str, State]] = []
+        out: list[tuple[Label, State]] = []
         for t, th in enumerate(threads):
             if th[_ALIVE]:
                 if th[_OP] < len(self.program[t]):
                     label, nxt = self._step(t, st)
-                    out.append((f"T{t} {self.program[t][th[_OP]]}: {label}", nxt))
+                    out.append((("T{} {}: {}", t, self.program[t][th[_OP]], label), nxt))
                 if t in self.killable:
                     dead = (*th[:_ALIVE], False, False)
-                    out.append((f"T{t} SIGKILL", (tenant, shares, _put(threads, t, dead), held, results)))
+                    out.append((("T{} SIGKILL", t), (tenant, shares, _put(threads, t, dead), held, results)))
             elif not th[_RECL]:
                 s2 = list(shares)
                 x = s2[t]
                 s2[t] = 0
                 t2 = max(tenant - x, 0) if self.algorithm == "two_step" else tenant
                 done = (*th[:_RECL], True)
-                out.append((f"reclaim T{t}: share {x}",
+                out.append((("reclaim T{}: share {}", t, x),
                             (t2, tuple(s2), _put(threads, t, done), _put(held, t, 0), results)))
         return out
 
-    def _step(self, t: int, st: State) -> tuple[str, State]:
+    def _step(self, t: int, st: State) -> tuple[Label, State]:
         tenant, shares, threads, held, results = st
         th = threads[t]
         op = self.program[t][th[_OP]]
         pc, cur, acc, j, att = th[_PC], th[_CUR], th[_ACC], th[_J], th[_ATT]
         n = op.n
 
-        def go(label: str, *, pc: int = pc, cur: int = cur, acc: int = acc, j: int = j, att: int = att,
+        def go(label: Label, *, pc: int = pc, cur: int = cur, acc: int = acc, j: int = j, att: int = att,
                shares: tuple[int, ...] = shares, tenant: int = tenant, held: tuple[int, ...] = held,
-               result: str | None = None) -> tuple[str, State]:
+               result: str | None = None) -> tuple[Label, State]:
             res = results
             if result is not None:  # op finished: next op, registers cleared
                 new_th: Thread = (th[_OP] + 1, 0, 0, 0, 0, 0, True, False)
@@ -107,53 +116,53 @@ class _Machine:
         if self.algorithm == "shares":
             if op.kind == "consume":
                 if pc == 0:
-                    return go(f"load mine -> {mine}", pc=1, cur=mine)
+                    return go(("load mine -> {}", mine), pc=1, cur=mine)
                 if pc == 1:  # single writer: the CAS cannot fail
-                    return go(f"CAS mine {cur}->{cur + n}", pc=2, acc=0, j=0, shares=_put(shares, t, cur + n))
+                    return go(("CAS mine {}->{}", cur, cur + n), pc=2, acc=0, j=0, shares=_put(shares, t, cur + n))
                 if pc in (2, 4):  # sum, one share per step
                     acc2 = acc + shares[j]
                     if j + 1 < self.n:
-                        return go(f"load share {j} -> {shares[j]}", j=j + 1, acc=acc2)
+                        return go(("load share {} -> {}", j, shares[j]), j=j + 1, acc=acc2)
                     if pc == 2:
                         if acc2 <= self.limit:
                             held2 = _put(held, t, held[t] + n)
-                            return go(f"sum {acc2} <= {self.limit}: granted", held=held2, result="ok")
-                        return go(f"sum {acc2} > {self.limit}: withdraw", pc=3)
+                            return go(("sum {} <= {}: granted", acc2, self.limit), held=held2, result="ok")
+                        return go(("sum {} > {}: withdraw", acc2, self.limit), pc=3)
                     if acc2 + n > self.limit or att + 1 >= self.retries:
-                        return go(f"others {acc2}: refused", result="refused")
-                    return go(f"others {acc2}: retry", pc=0, att=att + 1)
+                        return go(("others {}: refused", acc2), result="refused")
+                    return go(("others {}: retry", acc2), pc=0, att=att + 1)
                 if pc == 3:
-                    return go(f"CAS mine {mine}->{mine - n}", pc=4, acc=0, j=0, shares=_put(shares, t, mine - n))
+                    return go(("CAS mine {}->{}", mine, mine - n), pc=4, acc=0, j=0, shares=_put(shares, t, mine - n))
             else:
                 if pc == 0:
-                    return go(f"load mine -> {mine}", pc=1, cur=mine)
+                    return go(("load mine -> {}", mine), pc=1, cur=mine)
                 if pc == 1:
                     held2 = _put(held, t, max(held[t] - n, 0))
-                    return go(f"CAS mine {cur}->{max(cur - n, 0)}", shares=_put(shares, t, max(cur - n, 0)),
+                    return go(("CAS mine {}->{}", cur, max(cur - n, 0)), shares=_put(shares, t, max(cur - n, 0)),
                               held=held2, result="ok" if n <= cur else "underflow")
             raise AssertionError(f"bad pc {pc}")
         # two_step: the tenant word, then the share (the mirror) in a second step
         if op.kind == "consume":
             if pc == 0:
-                return go(f"load tenant -> {tenant}", pc=1, cur=tenant)
+                return go(("load tenant -> {}", tenant), pc=1, cur=tenant)
             if pc == 1:
                 if cur + n > self.limit:
-                    return go(f"{cur} + {n} > {self.limit}: refused", result="refused")
+                    return go(("{} + {} > {}: refused", cur, n, self.limit), result="refused")
                 if tenant != cur:
-                    return go(f"CAS tenant failed (tenant={tenant})", pc=1, cur=tenant)
-                return go(f"CAS tenant {cur}->{cur + n}", pc=2, tenant=cur + n, held=_put(held, t, held[t] + n))
+                    return go(("CAS tenant failed (tenant={})", tenant), pc=1, cur=tenant)
+                return go(("CAS tenant {}->{}", cur, cur + n), pc=2, tenant=cur + n, held=_put(held, t, held[t] + n))
             if pc == 2:
-                return go(f"fetch_add mine {n}", shares=_put(shares, t, mine + n), result="ok")
+                return go(("fetch_add mine {}", n), shares=_put(shares, t, mine + n), result="ok")
         else:
             if pc == 0:
-                return go(f"load tenant -> {tenant}", pc=1, cur=tenant)
+                return go(("load tenant -> {}", tenant), pc=1, cur=tenant)
             if pc == 1:
                 if tenant != cur:
-                    return go(f"CAS tenant failed (tenant={tenant})", pc=1, cur=tenant)
-                return go(f"CAS tenant {cur}->{max(cur - n, 0)}", pc=2, cur=int(n > cur), tenant=max(cur - n, 0),
+                    return go(("CAS tenant failed (tenant={})", tenant), pc=1, cur=tenant)
+                return go(("CAS tenant {}->{}", cur, max(cur - n, 0)), pc=2, cur=int(n > cur), tenant=max(cur - n, 0),
                           held=_put(held, t, max(held[t] - n, 0)))
             if pc == 2:
-                return go(f"sub mine {n}", shares=_put(shares, t, max(mine - n, 0)),
+                return go(("sub mine {}", n), shares=_put(shares, t, max(mine - n, 0)),
                           result="underflow" if cur else "ok")
         raise AssertionError(f"bad pc {pc}")
 
@@ -186,14 +195,14 @@ def _put(tup: tuple[object, ...] | tuple[int, ...] | tuple[Thread, ...] | tuple[
 
 
 #: a path of labels, newest first: (label, the path before it); None is the empty path
-_Path = tuple[str, "_Path"] | None
+_Path = tuple[Label, "_Path"] | None
 
 
 def _trace(path: _Path) -> list[str]:
     """The labels of ``path``, oldest first."""
     labels: list[str] = []
     while path is not None:
-        labels.append(path[0])
+        labels.append(_fmt(path[0]))
         path = path[1]
     return labels[::-1]
 
