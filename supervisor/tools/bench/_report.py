@@ -158,26 +158,25 @@ def at_least(low: int) -> Callable[[str], int]:
 count = at_least(1)
 
 
-def seconds(text: str) -> float:
-    """An argparse ``type``: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
+def positive(what: str) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number > 0; ``what`` names it in the usage error
+    ("a number of seconds" -> "must be a number of seconds > 0, got '0'")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what} > 0, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be {what} > 0, got {text!r}")
+        return value
+
+    return parse
 
 
-def per_second(text: str) -> float:
-    """An argparse ``type``: a finite rate > 0 (per second)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number per second > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number per second > 0, got {text!r}")
-    return value
+#: durations (seconds) and rates (per second) of the benches' options
+seconds = positive("a number of seconds")
+per_second = positive("a number per second")
 
 
 def byte_size(text: str) -> int:
