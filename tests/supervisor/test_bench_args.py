@@ -17,6 +17,7 @@ BAD = [
     ("flood", ["--pings", "0"], "--pings: must be a whole number >= 1"),
     ("flood", ["--flooder-rate", "0"], "--flooder-rate: must be a number per second > 0, got '0'"),
     ("flood", ["--flooder-bytes", "12xb"], "--flooder-bytes: invalid size '12xb'"),
+    ("host", ["--seconds", "0"], "--seconds: must be a number of seconds > 0, got '0'"),
     ("scale", ["--samples", "0"], "--samples"),
     ("scale", ["--tenants", "63"], "--tenants: must be a whole number >= 64"),
     ("data", ["--rounds", "0"], "--rounds"),

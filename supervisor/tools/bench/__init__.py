@@ -21,6 +21,7 @@ __all__ = ["BENCHES", "main", "run_bench"]
 #: name -> module with ``main(argv) -> int``. Later benches (registry, route,
 #: scale, wasm) add one line here each.
 BENCHES: dict[str, str] = {
+    "host": "supervisor.tools.bench.host",  # first: ``all`` says whether the host is steady enough to measure
     "data": "supervisor.tools.bench.data",
     "quota": "supervisor.tools.bench.quota",
     "registry": "supervisor.tools.bench.registry",
