@@ -264,7 +264,7 @@ class SupervisorClient:
         requests unanswered (``tenant_refusals_per_s``) - a caller that retries at once
         gets the refusal here, at no cost, instead of a request that never comes back."""
         if self._rate_wait:
-            self._honour_retry_after(cap)
+            self.check_rate_wait(cap)
         rid = next(self._rids)
         header = proto.encode_request(rid, op, _cap_bytes(cap), args or {})
         if self._monitor is not None:
@@ -296,8 +296,9 @@ class SupervisorClient:
             return 0.0
         return left
 
-    def _honour_retry_after(self, cap: Capability | bytes | None) -> None:
-        """Raise the tenant's last rate refusal again (its ``retry_after_s`` now what is left), unsent."""
+    def check_rate_wait(self, cap: Capability | bytes | None) -> None:
+        """While this capability's tenant waits out a rate refusal, raise that refusal again
+        (:class:`~shared.errors.AdmissionRate`, its ``retry_after_s`` now what is left); else nothing."""
         left = self.rate_wait_s(cap)
         tenant = _tenant_of(cap)
         if not left or tenant is None:

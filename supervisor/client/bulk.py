@@ -140,6 +140,10 @@ class Transport(Protocol):
         """Seconds until ``cap``'s tenant may send again after a rate refusal (0.0: now)."""
         ...
 
+    def check_rate_wait(self, cap: bytes) -> None:
+        """Raise the tenant's rate refusal again while it waits it out (else nothing)."""
+        ...
+
     def _request_locked(self, op: str, cap: bytes, args: Mapping[str, object], *,
                         timeout_s: float | None = None) -> tuple[object, bytes | None]:
         """One call: send, wait for its reply, raise its error; (result, body)."""
@@ -475,8 +479,12 @@ class BulkPath:
                 wait_one()
             elif time.monotonic() > deadline:
                 raise RequestTimeout(op, timeout)
+            elif wait > deadline - time.monotonic():
+                # the tenant may not send again before this transfer's reply deadline: its
+                # refusal, typed (AdmissionRate), not a timeout that never sent anything
+                client.check_rate_wait(staging.cap)
             else:  # the tenant's rate: its retry_after_s; else full of other clients' requests
-                time.sleep(max(0.001, min(wait, deadline - time.monotonic())))
+                time.sleep(max(0.001, wait))
 
         try:
             while True:
