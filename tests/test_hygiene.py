@@ -19,6 +19,7 @@ import pytest
 
 from shared.quota import QuotaBlock, namespace_of, segment_namespace
 from tests.helpers import hygiene
+from tests.helpers.cluster import wait_for
 from tests.helpers import segments as fab
 
 SELFTEST = "PYTEST_TWT_HYGIENE_SELFTEST"
@@ -215,7 +216,11 @@ def test_the_fixtures_process_scans_see_what_psutil_sees() -> None:
         assert mine == {c.pid for c in psutil.Process().children(recursive=True)}
         named = {pid for pid, _ in hygiene.twt_processes()}
         assert child.pid in named and grandchild not in named
-        assert hygiene.cmdline(grandchild) == ["sleep", "60"]
+        # read once the kernel has set it: Popen returns when the exec has replaced the child's memory,
+        # which is before the new program's argument area is recorded - until then /proc/PID/cmdline
+        # reads empty (a fresh-clone run failed here once; read right after Popen returns, 212 of 300
+        # were empty beside two CPU burners)
+        wait_for(lambda: hygiene.cmdline(grandchild) == ["sleep", "60"], what="the grandchild's command line")
     finally:
         if grandchild:
             os.kill(grandchild, 9)
