@@ -10,7 +10,8 @@ it: ``/proc/stat``'s steal column stayed 0 on the VM where it was measured.
 So this bench looks at the clock from busy processes. A probe is a process
 that reads ``time.perf_counter_ns()`` in a tight loop for ``--seconds`` and
 notes every gap between two reads longer than 0.2 ms - time in which it did
-not run. Two phases:
+not run, whoever took the CPU: the hypervisor, or another process of this
+machine (it cannot tell which; ``top`` can). Two phases:
 
 * **one probe alone** (every other CPU idle): what the host takes from a busy
   CPU when the guest leaves it room;
@@ -19,8 +20,9 @@ not run. Two phases:
 
 Target: with every CPU busy, at most 2 % of the clock lost to pauses longer
 than 1 ms - below that, the p99 of a bench run now is the code's; above it,
-the host's (run the bench again later). Measured on the 2-vCPU VM of
-issue 25: 0 to 3 % in a quiet hour, 34-38 % in a noisy one.
+the host's or another process's (find it, or measure later). Measured on the
+2-vCPU VM of issue 25: 0.2-3 % with nothing else running; 32 % with one stray
+CPU-bound process of our own beside the probes.
 """
 
 from __future__ import annotations
