@@ -284,26 +284,32 @@ class SupervisorClient:
         names its request comes back as that request's ``protocol_error``)."""
         return self._recv_one(time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s), "recv")
 
-    def rate_wait_s(self, cap: Capability | bytes | None) -> float:
-        """Seconds until this capability's tenant may send again after a rate refusal (0.0: now)."""
+    def _waiting(self, cap: Capability | bytes | None) -> tuple[float, dict[str, object]] | None:
+        """(seconds left, the refusal) while this capability's tenant waits out a rate refusal,
+        else None (an expired wait is forgotten here). The capability is parsed once, and only
+        while some tenant waits: no cost on the path of a client that was never refused."""
         tenant = _tenant_of(cap) if self._rate_wait else None
         held = self._rate_wait.get(tenant) if tenant is not None else None
         if held is None or tenant is None:
-            return 0.0
+            return None
         left = held[0] - time.monotonic()
         if left <= 0:
             del self._rate_wait[tenant]
-            return 0.0
-        return left
+            return None
+        return left, held[1]
+
+    def rate_wait_s(self, cap: Capability | bytes | None) -> float:
+        """Seconds until this capability's tenant may send again after a rate refusal (0.0: now)."""
+        waiting = self._waiting(cap)
+        return waiting[0] if waiting is not None else 0.0
 
     def check_rate_wait(self, cap: Capability | bytes | None) -> None:
         """While this capability's tenant waits out a rate refusal, raise that refusal again
         (:class:`~shared.errors.AdmissionRate`, its ``retry_after_s`` now what is left); else nothing."""
-        left = self.rate_wait_s(cap)
-        tenant = _tenant_of(cap)
-        if not left or tenant is None:
+        waiting = self._waiting(cap)
+        if waiting is None:
             return
-        err = self._rate_wait[tenant][1]
+        left, err = waiting
         fields = err.get("fields")
         raise error_from_dict({**err, "fields": {**(fields if isinstance(fields, dict) else {}),
                                                  "retry_after_s": round(left, 6)}})
