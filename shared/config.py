@@ -40,11 +40,21 @@ __all__ = [
     "default_run_dir",
     "load_config",
     "parse_host_port",
+    "usable_cpus",
     "read_config_file",
     "unknown_env_vars",
 ]
 
 ENV_PREFIX = "TWT_"
+#: the admission defaults' share of the host, per CPU the supervisor may run on: a tenant's
+#: requests and request bytes a second (``tenant_requests_per_s`` / ``tenant_bytes_per_s``).
+#: Why per CPU: a tenant's requests cost the supervisor's loop and I/O threads, its worker and
+#: the kernel - CPUs of this host. On 2 CPUs, 20,000 requests/s and 4 GiB/s (the fixed defaults
+#: before) never bound a flood: one tenant's pings or 1 MiB writes kept both CPUs busy and another
+#: tenant's ping p99 went to 7-16x its quiet p50 (issue 25); at 8,000/s and 256 MiB/s it stayed
+#: under 10x. On 16 CPUs the defaults are 64,000 requests/s (more than the loop serves) and 2 GiB/s.
+REQUESTS_PER_S_PER_CPU = 4000.0
+BYTES_PER_S_PER_CPU = 128 << 20
 Backend = Literal["auto", "stub", "cuda"]
 StartMethod = Literal["spawn", "forkserver"]
 
@@ -127,14 +137,18 @@ class SupervisorConfig:
     #: a TCP connection that has not finished its CURVE handshake by then is closed (ZMQ_HANDSHAKE_IVL)
     tcp_handshake_timeout_s: float = 3.0
     #: admission defaults per tenant (a spec's requests_per_s / bytes_per_s override them): token buckets
-    #: with one second's worth of burst; past them Overloaded with retry_after_s
-    tenant_requests_per_s: float = 20_000.0
-    tenant_bytes_per_s: int = 4 << 30
+    #: with one second's worth of burst; past them Overloaded with retry_after_s. By default a share of
+    #: the host: so many per CPU the supervisor may run on (see REQUESTS_PER_S_PER_CPU)
+    tenant_requests_per_s: float = field(default_factory=lambda: REQUESTS_PER_S_PER_CPU * usable_cpus())
+    tenant_bytes_per_s: int = field(default_factory=lambda: BYTES_PER_S_PER_CPU * usable_cpus())
     #: answers per second to a tenant's requests refused for its rate (a burst of one second's worth or its
     #: max_in_flight, whichever is more); past them such requests are dropped unanswered and counted
     tenant_refusals_per_s: float = 100.0
     #: requests per second one peer may send without a verified capability; the rest are dropped
     unauthenticated_requests_per_s: float = 200.0
+    #: messages per second the TCP frontend may read and drop unanswered (refusals past their answers,
+    #: garbage, forged capabilities) before the loop stops reading it for a few ms (0: never)
+    tcp_drops_per_s: float = 1000.0
     #: lifecycle events kept (numbered) for clients that poll them with the ``events`` op
     event_log_size: int = 4096
     #: GPU time (shared.gpu_time): the device lease's quantum, and whether weights and caps are
@@ -204,6 +218,9 @@ class SupervisorConfig:
             s(self, name, _pos(getattr(self, name), name))
         if self.tenant_bytes_per_s < 1:
             raise ValueError("tenant_bytes_per_s must be at least 1")
+        if not is_number(self.tcp_drops_per_s) or not 0 <= self.tcp_drops_per_s < math.inf:
+            raise ValueError(f"tcp_drops_per_s must be a number >= 0 (0: never pause); got {self.tcp_drops_per_s!r}")
+        s(self, "tcp_drops_per_s", float(self.tcp_drops_per_s))
         _int(self.event_log_size, "event_log_size", 16, 100_000)
         s(self, "gpu_time_quantum_s", _pos(self.gpu_time_quantum_s, "gpu_time_quantum_s"))
         if not 0.0001 <= self.gpu_time_quantum_s <= 1.0:
@@ -258,6 +275,14 @@ class SupervisorConfig:
 def _choice(value: object, choices: tuple[str, ...], name: str) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def _int(value: object, name: str, lo: int, hi: int) -> None:
@@ -357,6 +382,7 @@ _ENV_FIELDS = (
     "tenant_requests_per_s",
     "tenant_refusals_per_s",
     "unauthenticated_requests_per_s",
+    "tcp_drops_per_s",
     "gpu_time_quantum_s",
     "gpu_time_scheduler",
     "max_tenants",
@@ -366,7 +392,7 @@ _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_si
                "max_tenants", "max_workers"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s",
                  "tcp_handshake_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
-                 "unauthenticated_requests_per_s",
+                 "unauthenticated_requests_per_s", "tcp_drops_per_s",
                  "gpu_time_quantum_s"}
 
 

@@ -186,6 +186,10 @@ class SupervisorRecord(HelloInfo):
     admission_refused_by: dict[str, int] = field(default_factory=dict)
     #: of those, dropped unanswered: past the tenant's answers to refusals (tenant_refusals_per_s)
     admission_unanswered: int = 0
+    #: times the TCP frontend was not read for a while, and for how long in all: it read and dropped
+    #: more than tcp_drops_per_s (supervisor.admission.pacing)
+    tcp_pauses: int = 0
+    tcp_paused_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,15 +122,16 @@ class FairTurn(Generic[T]):
             return 0
         return min(backlogged, max(2, self._served_last))
 
-    def add(self, authenticated: bool, key: Hashable, item: T) -> None:
-        """Queue one message: ``key`` is its tenant when authenticated, else its peer."""
+    def add(self, authenticated: bool, key: Hashable, item: T) -> bool:
+        """Queue one message: ``key`` is its tenant when authenticated, else its peer. False:
+        dropped (an unauthenticated one past the backlog's bytes), counted in :attr:`dropped`."""
         size = self.size_of(item)
         if not authenticated:
             # the byte bound is hard for the unauthenticated, but one always fits when none
             # waits (a client's first request may carry a big body: its token is not verified yet)
             if self._unknown_bytes and self._bytes + size > self.backlog_bytes_max:
                 self.dropped += 1
-                return
+                return False
             self._unknown_bytes += size
         groups = self._known if authenticated else self._unknown
         queue = groups.get(key)
@@ -141,6 +142,7 @@ class FairTurn(Generic[T]):
         queue.append(item)
         self._count += 1
         self._bytes += size
+        return True
 
     def take(self) -> list[T]:
         """One turn: the items to serve now, in order (see the module docstring)."""

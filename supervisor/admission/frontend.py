@@ -139,6 +139,7 @@ class Frontend:
     ) -> None:
         self.config = config
         self.clock = loop.clock
+        self.loop = loop
         self.sock = sock
         self.replies = replies
         self.pending = pending
@@ -163,9 +164,14 @@ class Frontend:
         #: each frontend socket's neighbour (ipc <-> tcp): what a read of one looks at (see _on_readable)
         self._other: dict[bytes, tuple[zmq.Socket[bytes], bytes]] = {}
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
+        #: the TCP socket and its read handler (unregistered while paced: supervisor.admission.pacing)
+        self._tcp: tuple[zmq.Socket[bytes], Callable[[], None]] | None = None
+        #: the TCP socket is not read now (a pause of the pacer)
+        self.tcp_paused = False
         if tcp_sock is not None:
             self._other = {_IPC: (tcp_sock, _TCP), _TCP: (sock, _IPC)}
-            loop.register(tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
+            self._tcp = (tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
+            loop.register(tcp_sock, self._tcp[1])
 
     # ------------------------------------------------------------ decode
 
@@ -182,13 +188,16 @@ class Frontend:
         # messages the other is asked for input, and when it has some the batch ends and the
         # other is read right after this one is served (issue 25: a tcp-ping flood's victim on
         # ipc waited ~0.5 ms before the loop read it, a whole batch and its serving).
+        if self.tcp_paused and prefix == _TCP:  # (polled before the pause began, this turn)
+            return
         recv, events = sock.recv_multipart, sock.getsockopt
-        other = self._other.get(prefix) if follow else None
+        other = self._other.get(prefix) if follow and not self.tcp_paused else None
         other_events = other[0].getsockopt if other is not None else None
         fair, admission = self.guard.fair, self.guard.admission
         now = self.clock()
         batch: list[ClientMessage] = []
         yielded = False
+        dropped = 0
         for i in range(1, fair.read_budget(READ_BATCH, BATCH_BACKLOGGED) + 1):
             try:
                 frames = recv(zmq.NOBLOCK, copy=False)
@@ -197,15 +206,37 @@ class Frontend:
             msg = self.decode(frames, prefix)
             if msg is not None and (msg.key is not None or admission.admit_unauthenticated(msg.client, now)):
                 batch.append(msg)
+            else:
+                dropped += 1
             if not int(events(_EVENTS)) & _POLLIN:
                 break
             if other_events is not None and not i % YIELD_EVERY and int(other_events(_EVENTS)) & _POLLIN:
                 yielded = True
                 break
+        if dropped and prefix == _TCP:
+            self.dropped_from_tcp(dropped)
         if batch:
             self._take(batch)
         if yielded and other is not None:
             self._on_readable(other[0], other[1], follow=False)
+
+    def dropped_from_tcp(self, n: int = 1) -> None:
+        """``n`` messages read from the TCP socket were dropped unanswered: stop reading it for
+        a while when it owes too many such drops (supervisor.admission.pacing)."""
+        pacer = self.guard.pacer
+        pause = pacer.dropped(n, self.clock())
+        if not pause or self.tcp_paused or self._tcp is None:
+            return
+        self.tcp_paused = True
+        self.loop.unregister(self._tcp[0])
+        pacer.paused(pause)
+        self.loop.timers.after(pause, self._resume_tcp)
+
+    def _resume_tcp(self) -> None:
+        """The end of a pause: read the TCP socket again (unless it was closed meanwhile)."""
+        self.tcp_paused = False
+        if self._tcp is not None and not self._tcp[0].closed:
+            self.loop.register(*self._tcp)
 
     def _take(self, batch: list[ClientMessage]) -> None:
         """Serve or queue one read batch (see _on_readable)."""
@@ -227,9 +258,13 @@ class Frontend:
                         add(True, first, rest)
                     break
             return
+        dropped = 0
         for msg in batch:
             key = msg.key
-            add(key is not None, key if key is not None else msg.client, msg)
+            if not add(key is not None, key if key is not None else msg.client, msg) and msg.client[:1] == _TCP:
+                dropped += 1
+        if dropped:
+            self.dropped_from_tcp(dropped)
 
     def end_turn(self) -> None:
         """End of a loop turn: serve one bounded turn of what was read (supervisor.admission.fairness)."""
@@ -296,6 +331,8 @@ class Frontend:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
         except RefusalUnanswered as exc:  # refused for its rate, past the answers to that: dropped, counted
             self.pending.count_refusal(exc.tenant, op, "unanswered")
+            if client[:1] == _TCP:
+                self.dropped_from_tcp()
         except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
             self._refused(client, rid, op, exc, msg.cap_raw)
             if self.on_denied is not None:
@@ -347,6 +384,8 @@ class Frontend:
             err = self.guard.unauthenticated_error(client, exc)
             if err is not None:
                 self.guard.errors.sent(client, self.replies.error_tracked(client, rid, err))
+            elif client[:1] == _TCP:  # dropped: too many of its peer's error replies unread
+                self.dropped_from_tcp()
             self.pending.count_refusal("", op, exc.code)
             return
         self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)

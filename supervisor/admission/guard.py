@@ -12,6 +12,7 @@ counters status reports:
 * ``fair``: the order a loop turn serves what it read, and its backlog;
 * ``admission``: requests and bytes per second per tenant, and per peer for
   the unauthenticated (token buckets);
+* ``pacer``: the TCP frontend's debt of dropped messages (paused past it);
 * ``connections``: the frontend's connections (ipc and TCP) against the fd
   budget and the TCP bounds.
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from shared.config import SupervisorConfig
 from shared.errors import TensorWasmError
+from supervisor.admission.pacing import Pacer
 from supervisor.admission.rates import Admission, AdmissionStatus
 from supervisor.routing.budgets import HeldBytes
 from supervisor.admission.connections import ConnectionStatus, FrontendConnections
@@ -39,6 +41,8 @@ class GuardStatus(AdmissionStatus):
     (whose fields they are: mypy checks each key against it)."""
 
     held_bytes: dict[str, int]
+    tcp_pauses: int
+    tcp_paused_s: float
     unauthenticated_dropped: int
     unauthenticated_dropped_by: dict[str, int]
     unauthenticated_backlog: int
@@ -58,6 +62,8 @@ class FrontendGuard:
         # frontend, which imports this module); the frontend pushes and takes them
         self.fair: FairTurn[Any] = FairTurn(size_of=lambda msg: int(getattr(msg, "size", 0)))
         self.admission = Admission.from_config(config)
+        #: the TCP frontend's debt of dropped messages (paused past it)
+        self.pacer = Pacer(config.tcp_drops_per_s)
         self.connections = connections
 
     def unauthenticated_error(self, client: bytes, exc: TensorWasmError) -> dict[str, object] | None:
@@ -100,6 +106,8 @@ class FrontendGuard:
             connections=gate.connected if gate is not None else 0,
             tcp_connections=gate.tcp if gate is not None else 0,
             connection_budget=gate.budget if gate is not None else 0,
+            tcp_pauses=self.pacer.pauses,
+            tcp_paused_s=self.pacer.paused_s,
         )
 
     def status(self) -> GuardStatus | WatchedGuardStatus:
@@ -109,6 +117,8 @@ class FrontendGuard:
             "unauthenticated_dropped_by": self.dropped_by(),
             # the name is older than the queue: every request read and not yet served
             "unauthenticated_backlog": self.fair.backlog,
+            "tcp_pauses": self.pacer.pauses,
+            "tcp_paused_s": round(self.pacer.paused_s, 6),
             **self.admission.status(),
         }
         if self.connections is None:

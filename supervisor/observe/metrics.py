@@ -137,6 +137,8 @@ class FrontendCounters:
     connections: int = 0
     tcp_connections: int = 0
     connection_budget: int = 0
+    tcp_pauses: int = 0  # the TCP frontend not read for a while (supervisor.admission.pacing)
+    tcp_paused_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -230,6 +230,10 @@ class _StateCollector:
         for tenant, n in fc.admission_unanswered:
             unanswered.add_metric([self._owner.label(tenant)], n)
         yield unanswered
+        yield CounterMetricFamily("twt_tcp_pauses", "Times the TCP frontend was not read for a while: it read and "
+                                  "dropped more than tcp_drops_per_s", value=fc.tcp_pauses)
+        yield CounterMetricFamily("twt_tcp_paused_seconds", "Seconds the TCP frontend was not read (its pauses "
+                                  "as planned)", value=fc.tcp_paused_s)
         dropped = CounterMetricFamily("twt_unauthenticated_dropped",
                                       "Requests without a verified capability dropped unanswered, by reason "
                                       "(peer_rate, unread_replies, backlog_bytes)", labels=["reason"])

@@ -11,6 +11,7 @@ import os
 import resource
 import socket
 import time
+import urllib.request
 from contextlib import ExitStack
 from typing import Any
 
@@ -227,3 +228,71 @@ def test_a_client_shed_at_accept_gets_a_typed_error_at_once() -> None:
                     assert "max_tcp_peers_per_source" in str(info.value)
             assert first.ping(cap).tenant == "acme"  # the one inside the cap never noticed
         assert sup.client.status().supervisor.connections_shed_by["per_source"] >= 1
+
+
+def test_a_tcp_client_ignoring_its_refusals_pauses_the_tcp_frontend_and_nothing_is_lost() -> None:
+    """Issue 25: a remote client that keeps sending past its tenant's rate and past the answers
+    to those refusals had the loop read, decrypt and drop ~40,000 messages a second. The TCP
+    frontend now owes its dropped messages (tcp_drops_per_s); past the burst the loop stops
+    reading it for a few ms, leaving the flood in its sender. Here: a well-behaved remote
+    client never causes a pause; the deaf client does (counted, exported); every one of its
+    requests is still taken (served + answered + unanswered = sent: a pause queues, it never
+    loses); an ipc tenant is served throughout; and TCP serves again after the flood."""
+    tenants = [{"name": "deaf", "requests_per_s": 1, "max_in_flight": 8}, {"name": "other"}]
+    with supervisor(tenants, listen=[LOOPBACK], log_level="error", metrics_addr="127.0.0.1:0",
+                    tenant_refusals_per_s=2, tcp_drops_per_s=50) as sup:
+        c = sup.client
+        other = c.tenant_capability(None, "other")
+        with _remote(sup.info, timeout_s=60) as polite:
+            for _ in range(200):
+                assert polite.ping(other).tenant == "other"
+        assert c.status().supervisor.tcp_pauses == 0  # every message answered: nothing owed
+        deaf = c.tenant_capability(None, "deaf")
+        quota = proto.encode_request(1, "quota", deaf.to_bytes(), {})
+        ctx: zmq.Context[Any] = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.curve_serverkey = sup.info["server_public_key"].encode()
+        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+        s.connect(sup.info["listen"][0])
+        n, ok, answered = 2000, 0, 0
+
+        def read() -> None:
+            nonlocal ok, answered
+            while s.poll(0):
+                _, good, payload = proto.decode_reply(s.recv_multipart()[0])
+                if good:
+                    ok += 1
+                else:
+                    assert (payload["code"], payload["fields"]["cause"]) == ("overloaded", "rate"), payload
+                    answered += 1
+
+        try:
+            for _ in range(n):
+                s.send(quota)
+
+            def all_taken() -> bool:  # every request served or refused (answered or not)
+                read()
+                assert c.ping(other).tenant == "other"  # the ipc tenant, all along
+                return ok + c.status().supervisor.admission_refused == n
+
+            wait_for(all_taken, timeout_s=120, what="the 2,000 requests taken")
+            status = c.status().supervisor
+            while answered < status.admission_refused - status.admission_unanswered:
+                got = ok + answered
+                assert s.poll(30_000), "an answered refusal did not arrive"
+                read()
+                assert ok + answered > got
+        finally:
+            s.close(0)
+            ctx.destroy(0)
+        assert ok + answered + status.admission_unanswered == n
+        # 1,990-odd dropped against 64 + 50 a second: paused, whatever the machine's speed
+        assert status.tcp_pauses >= 1 and status.tcp_paused_s > 0
+        with _remote(sup.info, timeout_s=60) as after:
+            assert after.ping(other).tenant == "other"  # the pause ended: TCP reads again
+        with urllib.request.urlopen(c.info["metrics_url"], timeout=10) as resp:
+            text = resp.read().decode()
+        assert "twt_tcp_pauses_total " in text and "twt_tcp_paused_seconds_total " in text
+        assert c.status().supervisor.internal_errors == 0

@@ -17,7 +17,6 @@ import argparse
 import gc
 import math
 import json
-import os
 import platform
 import statistics
 import sys
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from itertools import repeat as _repeat
 from typing import TYPE_CHECKING, TextIO
 
+from shared.config import usable_cpus
 from shared.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -283,10 +283,7 @@ def _cpu_model() -> str:
 
 def environment() -> dict[str, object]:
     """Where the figures were measured."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count() or 0
+    usable = usable_cpus()
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "python": platform.python_version(),

@@ -32,13 +32,14 @@ whatever comes back, so the supervisor, not the flooder, sets the pace. It
 ignores ``retry_after_s`` too: past the answers to its rate refusals
 (``tenant_refusals_per_s``) its requests go unanswered.
 
-Both tenants run with the supervisor's defaults unless ``--flooder-rate`` /
+Both tenants run with the supervisor's defaults (a share of the host: 4,000
+requests/s and 128 MiB/s per CPU, ``shared.config``) unless ``--flooder-rate`` /
 ``--flooder-bytes`` give the flooder's tenant its own ``requests_per_s`` /
-``bytes_per_s``, as an operator sizes a tenant for the host (the defaults,
-20,000 requests/s and 4 GiB/s, are ceilings that normal use of a large host
-never reaches; on 2 CPUs a flood stays under them). The fair-share target
-then compares like with like: the flooder alone and beside the victim, both
-under its rate.
+``bytes_per_s``, as an operator sizes a tenant. The fair-share target
+compares like with like: the flooder alone and beside the victim, both
+under its rate. The TCP flooder past its rate has the TCP frontend paused
+(``tcp_drops_per_s``, :mod:`supervisor.admission.pacing`); the admission
+table shows how often and for how long.
 
 Typing: what a flooder process reports is a :class:`FloodResult`; the figures of each flood
 a ``dict[str, float]``.
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ))
     report.sections.append(("admission", format_table(["counter", "value"], [
         ["unauthenticated_dropped", stats.unauthenticated_dropped], ["admission_refused", stats.admission_refused],
-        ["admission_unanswered", stats.admission_unanswered]])))
+        ["admission_unanswered", stats.admission_unanswered], ["tcp_pauses", stats.tcp_pauses],
+        ["tcp_paused_s", stats.tcp_paused_s]])))
     report.targets += targets
     report.data.update(quiet_us={"p50": q50, "p99": q99, "relay_p50": percentile(quiet_raw, 0.5),
                                  "relay_p99": percentile(quiet_raw, 0.99)}, floods=data,

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import time
 from multiprocessing.queues import Queue
 from typing import TypedDict
 
+from shared.config import usable_cpus
 from supervisor.tools.bench._report import Report, Target, format_table, seconds
 
 __all__ = ["main", "probe"]
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--seconds", type=seconds, default=3.0, help="how long each phase's probes spin")
     args = parser.parse_args(argv)
-    cpus = len(os.sched_getaffinity(0))
+    cpus = usable_cpus()
     alone = _phase(1, args.seconds)
     busy = _phase(cpus, args.seconds)
     row_alone, lost_alone = _row("one probe, the other CPUs idle", alone)
