@@ -7,7 +7,7 @@ import pytest
 
 from shared.errors import AdmissionRate, Overloaded, error_from_dict
 from shared.spec import TenantSpec
-from supervisor.admission.rates import Admission, RefusalUnanswered, TokenBucket
+from supervisor.admission.rates import Admission, RefusalUnanswered, TokenBucket, request_burst
 
 
 def test_token_bucket_refills_at_its_rate_and_says_when_to_come_back() -> None:
@@ -108,3 +108,19 @@ def test_unauthenticated_requests_are_metered_per_peer_and_the_table_is_bounded(
     for i in range(5000):
         adm.admit_unauthenticated(i.to_bytes(4, "big"), 2.0)
     assert len(adm._peers) <= 4096
+
+
+def test_the_requests_burst_is_a_second_up_to_a_thousand_then_a_tenth_of_a_second() -> None:
+    """A flood starts with a full bucket: a second's worth of burst gave a tenant at 8,000 a
+    second twice its rate for the flood's first second (issue 25)."""
+    assert [request_burst(r) for r in (0.01, 2.0, 500.0, 1000.0, 8000.0, 20_000.0, 64_000.0)] == [
+        1.0, 2.0, 500.0, 1000.0, 1000.0, 2000.0, 6400.0]
+    adm = Admission(requests_per_s=8000.0, bytes_per_s=1e12, max_message_bytes=1 << 20)
+    spec = TenantSpec("t")
+    for _ in range(1000):
+        adm.admit("t", spec, 10, 0.0)
+    with pytest.raises(AdmissionRate) as info:
+        adm.admit("t", spec, 10, 0.0)
+    assert info.value.retry_after_s == pytest.approx(1 / 8000)
+    for _ in range(8):  # refilled at the rate: 8 a millisecond
+        adm.admit("t", spec, 10, 0.001)

@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood", action="store_true", help="(this benchmark)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--pings", type=count, default=600, help="victim pings quiet and per flood kind")
+    parser.add_argument("--victim", choices=("ipc", "tcp"), default="ipc",
+                        help="the victim's frontend: ipc (local, the default) or the CURVE TCP one - beside a "
+                        "tcp-ping flooder it shares the socket the pacer pauses (tcp_drops_per_s)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="flood kinds, comma-separated")
     parser.add_argument("--nice", type=int, default=0,
                         help="the flooder's nice value (a remote flooder does not compete for this host's CPUs)")
@@ -218,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         header = proto.encode_request(1, "ping", victim_cap.to_bytes(), {})
         victim = ctx.socket(zmq.DEALER)
         victim.setsockopt(zmq.LINGER, 0)
-        victim.connect(f"ipc://{sup.run_dir}/frontend.ipc")
+        if args.victim == "tcp":
+            victim.curve_serverkey = sup.info["server_public_key"].encode()
+            victim.curve_publickey, victim.curve_secretkey = zmq.curve_keypair()
+            victim.connect(sup.info["listen"][0])
+        else:
+            victim.connect(f"ipc://{sup.run_dir}/frontend.ipc")
         relay = RawRelay(tmp)
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
@@ -260,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = ", ".join(f"{k} {v:,.0f}" for k, v in (("requests_per_s", args.flooder_rate),
                                                        ("bytes_per_s", args.flooder_bytes)) if v is not None)
     report.sections.append((
-        "victim ping round trip (us) during each flood, then the raw relay's during the same flood (the "
-        "host's own latency under the same load); the flooder's requests/s sent and answered OK "
+        f"victim ping round trip (us) over {args.victim} during each flood, then the raw relay's during the same "
+        "flood (the host's own latency under the same load); the flooder's requests/s sent and answered OK "
         f"(the flooder's tenant: {limits or 'the supervisor defaults'})",
         format_table(["flood", "p50", "p99", "relay p50", "relay p99", "flood sent/s", "flood ok/s"], rows),
     ))
@@ -272,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     report.targets += targets
     report.data.update(quiet_us={"p50": q50, "p99": q99, "relay_p50": percentile(quiet_raw, 0.5),
                                  "relay_p99": percentile(quiet_raw, 0.99)}, floods=data,
-                       flooder_spec={"requests_per_s": args.flooder_rate, "bytes_per_s": args.flooder_bytes})
+                       flooder_spec={"requests_per_s": args.flooder_rate, "bytes_per_s": args.flooder_bytes},
+                       victim=args.victim)
     return report.emit(as_json=args.json)
 
 
