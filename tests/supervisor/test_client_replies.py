@@ -114,7 +114,9 @@ def test_buffers_with_more_than_4096_buffers_works_end_to_end() -> None:
 
     with supervisor() as sup:
         c = sup.client
-        cap = c.register(None, TenantSpec("many").with_instances(2).with_max_in_flight(256))
+        # 10,000 allocs pipelined as fast as this host goes: past the default rate on a small host
+        # (a share of its CPUs, supervisor.admission.rates), which is not what this test is about
+        cap = c.register(None, TenantSpec("many", requests_per_s=1e6).with_instances(2).with_max_in_flight(256))
         n = 10_000  # ~5,000 per instance: past the old 4,096 limit in each worker reply and merged
         sent = 0
         handles: list[int] = []
