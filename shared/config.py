@@ -137,7 +137,7 @@ class SupervisorConfig:
     #: a TCP connection that has not finished its CURVE handshake by then is closed (ZMQ_HANDSHAKE_IVL)
     tcp_handshake_timeout_s: float = 3.0
     #: admission defaults per tenant (a spec's requests_per_s / bytes_per_s override them): token buckets
-    #: with one second's worth of burst; past them Overloaded with retry_after_s. By default a share of
+    #: (bursts: supervisor.admission.rates); past them Overloaded with retry_after_s. By default a share of
     #: the host: so many per CPU the supervisor may run on (see REQUESTS_PER_S_PER_CPU)
     tenant_requests_per_s: float = field(default_factory=lambda: REQUESTS_PER_S_PER_CPU * usable_cpus())
     tenant_bytes_per_s: int = field(default_factory=lambda: BYTES_PER_S_PER_CPU * usable_cpus())
