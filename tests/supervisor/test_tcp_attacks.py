@@ -36,6 +36,17 @@ def _remote(info: dict[str, Any], **kw: Any) -> SupervisorClient:
     return SupervisorClient.remote(str(info["listen"][0]), str(info["server_public_key"]), **kw)
 
 
+def _curve_flooder(ctx: zmq.Context[Any], info: dict[str, Any]) -> zmq.Socket[Any]:
+    """A raw CURVE DEALER to the supervisor's TCP frontend that queues every send (no HWM)."""
+    s: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.curve_serverkey = str(info["server_public_key"]).encode()
+    s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+    s.connect(str(info["listen"][0]))
+    return s
+
+
 def _raw_tcp(port: int, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
     """``n`` TCP connections that never send a byte (not even the ZMTP greeting)."""
     out = []
@@ -181,12 +192,7 @@ def test_a_tcp_ping_flood_leaves_an_ipc_tenant_served_and_the_queue_bounded() ->
         flood_cap, victim = c.tenant_capability(None, "flooder"), c.tenant_capability(None, "victim")
         ping = proto.encode_request(1, "ping", flood_cap.to_bytes(), {})
         ctx: zmq.Context[Any] = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.curve_serverkey = sup.info["server_public_key"].encode()
-        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
-        s.connect(sup.info["listen"][0])
+        s = _curve_flooder(ctx, sup.info)
         try:
             for _ in range(20_000):
                 s.send(ping)
@@ -250,12 +256,7 @@ def test_a_tcp_client_ignoring_its_refusals_pauses_the_tcp_frontend_and_nothing_
         deaf = c.tenant_capability(None, "deaf")
         quota = proto.encode_request(1, "quota", deaf.to_bytes(), {})
         ctx: zmq.Context[Any] = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.curve_serverkey = sup.info["server_public_key"].encode()
-        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
-        s.connect(sup.info["listen"][0])
+        s = _curve_flooder(ctx, sup.info)
         n, ok, answered = 2000, 0, 0
 
         def read() -> None:
