@@ -147,7 +147,7 @@ class SupervisorConfig:
     #: requests per second one peer may send without a verified capability; the rest are dropped
     unauthenticated_requests_per_s: float = 200.0
     #: messages per second the TCP frontend may read and drop unanswered (refusals past their answers,
-    #: garbage, forged capabilities) before the loop stops reading it for a few ms (0: never)
+    #: garbage, forged capabilities) before the loop stops reading it, up to 1 ms at a time (0: never)
     tcp_drops_per_s: float = 1000.0
     #: lifecycle events kept (numbered) for clients that poll them with the ``events`` op
     event_log_size: int = 4096
