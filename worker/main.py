@@ -67,7 +67,9 @@ def run(boot: BootMessage) -> None:
     control.start()
 
     from shared.protocol import encode_worker_reply
+    from worker.server import warm_bind_path
 
+    warm_bind_path()  # before the hello: a pool worker's bind is on a registration's critical path
     data.send(encode_worker_reply(0, True, WorkerHello(boot.token, os.getpid()).to_wire()))
     log_event(log, logging.DEBUG, "worker.started", worker=boot.worker_id, pid=os.getpid())
     code = 0
