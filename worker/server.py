@@ -238,7 +238,7 @@ def warm_bind_path() -> None:
     _process_start_ms(os.getpid())  # cached for this process
     wire = BindMessage(spec=TenantSpec("warm-up"), instance=0, incarnation=0, segment="twt-warm-up",
                        backend="stub", backend_options={"device_index": 0}).to_wire()
-    for _ in range(2):
+    for _ in range(2):  # two runs, as measured (the first of a code path costs the most, not only it)
         BindMessage.from_wire(wire)
         encode_worker_reply(0, True, {"pid": os.getpid(), "tenant": "warm-up", "instance": 0, "incarnation": 0,
                                       "buffers": 0, "buffer_bytes": 0})

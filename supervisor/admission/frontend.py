@@ -213,16 +213,19 @@ class Frontend:
             if other_events is not None and not i % YIELD_EVERY and int(other_events(_EVENTS)) & _POLLIN:
                 yielded = True
                 break
-        if dropped and prefix == _TCP:
-            self.dropped_from_tcp(dropped)
+        if dropped:
+            self.dropped_unanswered(prefix, dropped)
         if batch:
             self._take(batch)
         if yielded and other is not None:
             self._on_readable(other[0], other[1], follow=False)
 
-    def dropped_from_tcp(self, n: int = 1) -> None:
-        """``n`` messages read from the TCP socket were dropped unanswered: stop reading it for
-        a while when it owes too many such drops (supervisor.admission.pacing)."""
+    def dropped_unanswered(self, prefix: bytes, n: int = 1) -> None:
+        """``n`` messages read from the socket ``prefix`` names were dropped unanswered: the TCP
+        socket is not read for a while when it owes too many such drops (supervisor.admission.pacing);
+        the local one is never paced."""
+        if prefix != _TCP:
+            return
         pacer = self.guard.pacer
         pause = pacer.dropped(n, self.clock())
         if not pause or self.tcp_paused or self._tcp is None:
@@ -261,10 +264,9 @@ class Frontend:
         dropped = 0
         for msg in batch:
             key = msg.key
-            if not add(key is not None, key if key is not None else msg.client, msg) and msg.client[:1] == _TCP:
-                dropped += 1
-        if dropped:
-            self.dropped_from_tcp(dropped)
+            dropped += not add(key is not None, key if key is not None else msg.client, msg)
+        if dropped:  # a batch is one socket's (_on_readable)
+            self.dropped_unanswered(batch[0].client[:1], dropped)
 
     def end_turn(self) -> None:
         """End of a loop turn: serve one bounded turn of what was read (supervisor.admission.fairness)."""
@@ -331,8 +333,7 @@ class Frontend:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
         except RefusalUnanswered as exc:  # refused for its rate, past the answers to that: dropped, counted
             self.pending.count_refusal(exc.tenant, op, "unanswered")
-            if client[:1] == _TCP:
-                self.dropped_from_tcp()
+            self.dropped_unanswered(client[:1])
         except TenantIsolationViolation as exc:  # a refused capability (revoked ones included): audited
             self._refused(client, rid, op, exc, msg.cap_raw)
             if self.on_denied is not None:
@@ -384,8 +385,8 @@ class Frontend:
             err = self.guard.unauthenticated_error(client, exc)
             if err is not None:
                 self.guard.errors.sent(client, self.replies.error_tracked(client, rid, err))
-            elif client[:1] == _TCP:  # dropped: too many of its peer's error replies unread
-                self.dropped_from_tcp()
+            else:  # dropped: too many of its peer's error replies unread
+                self.dropped_unanswered(client[:1])
             self.pending.count_refusal("", op, exc.code)
             return
         self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)

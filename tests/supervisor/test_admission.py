@@ -81,22 +81,23 @@ def test_answers_to_rate_refusals_are_metered_past_them_dropped_and_counted() ->
     assert adm.unanswered == {} and adm.status()["admission_unanswered"] == 0
 
 
+def _answered_then_dropped(adm: Admission, spec: TenantSpec, answered: int, now: float) -> None:
+    """Past its rate at ``now``: ``answered`` refusals answered, the next one dropped unanswered."""
+    for _ in range(answered):
+        with pytest.raises(AdmissionRate):
+            adm.admit("t", spec, 0, now)
+    with pytest.raises(RefusalUnanswered):
+        adm.admit("t", spec, 0, now)
+
+
 def test_the_answers_burst_follows_a_changed_max_in_flight() -> None:
     adm = Admission(refusals_per_s=1.0)
     spec = TenantSpec("t", requests_per_s=1.0, max_in_flight=2)
     adm.admit("t", spec, 0, 0.0)
-    for _ in range(2):
-        with pytest.raises(AdmissionRate):
-            adm.admit("t", spec, 0, 0.0)
-    with pytest.raises(RefusalUnanswered):
-        adm.admit("t", spec, 0, 0.0)
+    _answered_then_dropped(adm, spec, 2, 0.0)
     wider = spec.with_max_in_flight(50)  # the same rates: the buckets stay, the burst grows
     adm.admit("t", wider, 0, 50.0)
-    for _ in range(50):
-        with pytest.raises(AdmissionRate):
-            adm.admit("t", wider, 0, 50.0)
-    with pytest.raises(RefusalUnanswered):
-        adm.admit("t", wider, 0, 50.0)
+    _answered_then_dropped(adm, wider, 50, 50.0)
 
 
 def test_unauthenticated_requests_are_metered_per_peer_and_the_table_is_bounded() -> None:
