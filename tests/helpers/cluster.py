@@ -56,6 +56,28 @@ def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: fl
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate!r} (last: {last!r})")
 
 
+def wait_for_count(count: Callable[[], int], target: int, stall_s: float = MIN_WAIT_S, interval_s: float = 0.1,
+                   what: str = "") -> int:
+    """Poll ``count`` until it reaches ``target``; fail only when it stops moving for ``stall_s``.
+
+    For a test that waits for an amount of work (a flood of thousands of requests): how long that
+    work takes depends on the machine and what runs beside it, so no fixed bound fits every host.
+    As long as the count keeps growing the wait goes on (the test's own timeout still ends a
+    hang); a count that stands still fails with the figure it reached.
+    """
+    stall_s = max(stall_s, MIN_WAIT_S)
+    last = count()
+    moved = time.monotonic()
+    while last < target:
+        time.sleep(interval_s)
+        now = count()
+        if now != last:
+            last, moved = now, time.monotonic()
+        elif time.monotonic() - moved > stall_s:
+            raise AssertionError(f"{what or 'the count'} stopped at {last} of {target} (no progress for {stall_s} s)")
+    return last
+
+
 def tenant(status: StatusRecord, tenant_id: str) -> TenantRecord:
     record = status.tenant(tenant_id)
     if record is None:
