@@ -36,6 +36,7 @@ from supervisor.tools.chaos.checks import (
     reconcile,
 )
 from supervisor.tools.chaos.config import HANG_SHOWS_WITHIN_S, SUPERVISOR_SETTINGS, ChaosConfig, _spec
+from supervisor.tools.chaos.hostprobe import HostProbe
 from supervisor.tools.chaos.nemesis import Action, _EventLog, _Nemesis
 from supervisor.tools.chaos.recorder import Recorder
 from supervisor.tools.chaos.schedule import build_schedule, schedule_hash
@@ -110,6 +111,7 @@ class _Campaign:
         targets = [(role, n) for role, healthy, n in self.roles if not healthy]
         self.schedule = build_schedule(cfg.seed, cfg.faults, cfg.rate, cfg.fault_phase, targets)
         self.recorder = Recorder()
+        self.host = HostProbe(lambda: self.recorder.phase)
         self.checks: list[Check] = []
         self.clients: list[_Client] = []
         self.actions: list[Action] = []
@@ -228,6 +230,7 @@ class _Campaign:
             )
         nemesis = _Nemesis(run_dir, self.schedule, self.names, faults_on, stop_nemesis)
         try:
+            self.host.start()
             for c in self.clients:
                 c.start()
             nemesis.start()
@@ -248,6 +251,7 @@ class _Campaign:
             stop_clients.set()
             for c in self.clients:
                 c.join(120)
+            self.host.stop()
         self.fault_end = time.time()
         self.recorder.phase = "cleanup"
         self.actions = nemesis.actions
@@ -434,7 +438,9 @@ class _Campaign:
                 or "every unplanned exit followed a fault to that worker",
             ),
         ]
-        self.checks.append(_check_latency(table, sorted(self.healthy), self.cfg.latency_factor))
+        host = (self.host.p99_ms("baseline"), self.host.p99_ms("faults"))
+        self.report["host_delay_p99_ms"] = {"baseline": host[0], "faults": host[1]}
+        self.checks.append(_check_latency(table, sorted(self.healthy), self.cfg.latency_factor, host))
         tenants = []
         for name in self.order:
             rs = [r for r in records if r.tenant == name]
