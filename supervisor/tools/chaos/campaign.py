@@ -36,7 +36,7 @@ from supervisor.tools.chaos.checks import (
     reconcile,
 )
 from supervisor.tools.chaos.config import HANG_SHOWS_WITHIN_S, SUPERVISOR_SETTINGS, ChaosConfig, _spec
-from supervisor.tools.chaos.hostprobe import HostProbe
+from supervisor.tools.chaos.relayprobe import RelayProbe
 from supervisor.tools.chaos.nemesis import Action, _EventLog, _Nemesis
 from supervisor.tools.chaos.recorder import Recorder
 from supervisor.tools.chaos.schedule import build_schedule, schedule_hash
@@ -111,7 +111,7 @@ class _Campaign:
         targets = [(role, n) for role, healthy, n in self.roles if not healthy]
         self.schedule = build_schedule(cfg.seed, cfg.faults, cfg.rate, cfg.fault_phase, targets)
         self.recorder = Recorder()
-        self.host = HostProbe(lambda: self.recorder.phase)
+        self.host = RelayProbe(lambda: self.recorder.phase)
         self.checks: list[Check] = []
         self.clients: list[_Client] = []
         self.actions: list[Action] = []
@@ -439,7 +439,7 @@ class _Campaign:
             ),
         ]
         host = (self.host.p99_ms("baseline"), self.host.p99_ms("faults"))
-        self.report["host_delay_p99_ms"] = {"baseline": host[0], "faults": host[1]}
+        self.report["relay_p99_ms"] = {"baseline": host[0], "faults": host[1]}
         self.checks.append(_check_latency(table, sorted(self.healthy), self.cfg.latency_factor, host))
         tenants = []
         for name in self.order:
