@@ -297,6 +297,9 @@ class Frontend:
             return None if rid2 is None else ClientMessage(client, rid2, "", None, {}, None,
                                                            exc.with_traceback(None))
         body = frames[2] if len(frames) == 3 else None
+        if body is not None and not proto.OPS[op].body_in:
+            return ClientMessage(client, rid, op, None, {}, None,
+                                 ProtocolError(f"op {op!r} takes no body frame (PROTOCOL.md: body_in)"))
         msg = ClientMessage(client, rid, op, cap_raw, args, body, None,
                             size=len(header) + (len(body) if body is not None else 0))
         msg.key = self.verified_key(cap_raw)

@@ -317,6 +317,7 @@ def test_protocol_errors(sup: Supervisor) -> None:
         [_header(13, "no_such_op", None, {})],
         [_header(14, "ping", None, [])],  # args not a map
         [_header(15, "put_module", None, {}), b"body", b"one too many"],
+        [_header(16, "ping", None, {}), b"a body ping does not take"],  # never silently accepted
     ):
         c.send_frames(frames)
         reply = c.recv()
