@@ -41,7 +41,7 @@ from importlib import resources
 from typing import Any, Final
 
 from shared import protocol as proto
-from shared.errors import TensorWasmError, _BY_CODE
+from shared.errors import ISOLATION_REASONS, TenantIsolationViolation, TensorWasmError, _BY_CODE
 from shared.quota import MAX_INSTANCES
 from shared.records import REPLY_RECORDS
 from shared.sizes import MAX_SIZE
@@ -97,14 +97,17 @@ SCHEMA_GAPS: Final = (
 
 # ------------------------------------------------------------------ prose that the tables lack
 
+#: what every ``handle`` argument says (handles start at 2**32: a float64 client loses them)
+_HANDLE: Final = "a buffer handle from `alloc`: an integer >= 2^32 (up to 2^56), kept as a 64-bit int"
+
 #: what each argument means (op, arg) -> text; an argument without a note is documented by its type
 ARG_NOTES: Final[dict[tuple[str, str], str]] = {
     ("alloc", "nbytes"): "bytes to allocate (> 0)",
     ("alloc", "instance"): "the instance to allocate on (nil or absent: the least loaded)",
-    ("free", "handle"): "a buffer handle from `alloc`",
-    ("write", "handle"): "a buffer handle from `alloc`",
+    ("free", "handle"): _HANDLE,
+    ("write", "handle"): _HANDLE,
     ("write", "offset"): "byte offset in the buffer (default 0); the body frame holds the bytes",
-    ("read", "handle"): "a buffer handle from `alloc`",
+    ("read", "handle"): _HANDLE,
     ("read", "offset"): "byte offset in the buffer (default 0)",
     ("read", "nbytes"): "bytes to read; they come back as the body frame",
     ("run_wasm", "export"): "the exported function to call",
@@ -119,12 +122,12 @@ ARG_NOTES: Final[dict[tuple[str, str], str]] = {
     ("region_create", "nbytes"): "region size, 64 KiB..1 GiB (rounded up to pages)",
     ("region_create", "pid"): "the client's process id on the supervisor's host",
     ("region_release", "region"): "a region id from `region_create`",
-    ("write_region", "handle"): "the destination buffer",
+    ("write_region", "handle"): "the destination buffer; " + _HANDLE,
     ("write_region", "offset"): "byte offset in the buffer (default 0)",
     ("write_region", "region"): "the source region",
     ("write_region", "region_offset"): "byte offset in the region (default 0)",
     ("write_region", "nbytes"): "bytes to copy",
-    ("read_region", "handle"): "the source buffer",
+    ("read_region", "handle"): "the source buffer; " + _HANDLE,
     ("read_region", "offset"): "byte offset in the buffer (default 0)",
     ("read_region", "region"): "the destination region",
     ("read_region", "region_offset"): "byte offset in the region (default 0)",
@@ -391,6 +394,8 @@ def _error_schema(code: str, cls: type[TensorWasmError]) -> dict[str, object]:
         if isinstance(base, type) and issubclass(base, TensorWasmError):
             annotations.update(inspect.get_annotations(base))
     fields = {name: _annotation_schema(annotations.get(name, "")) for name in cls._fields}
+    if issubclass(cls, TenantIsolationViolation):  # the audit's words: a client classifies by them
+        fields["reason"] = {"enum": list(ISOLATION_REASONS)}
     # the causes of one code (Overloaded): subclasses without a code of their own, told apart by
     # ``cause``; their own fields are optional here, present when the cause is theirs
     causes: dict[str, object] = {}

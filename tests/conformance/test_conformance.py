@@ -217,6 +217,7 @@ def test_tenant_ops_of_the_main_tenant(sup: Supervisor) -> None:
     ping = sup.ok("ping", cap)
     assert ping["tenant"] == MAIN
     h = sup.ok("alloc", cap, {"nbytes": 64})["handle"]
+    assert 2**32 <= h < 2**56 and isinstance(h, int)  # PROTOCOL.md "Handles": keep it a 64-bit int
     assert sup.ok("write", cap, {"handle": h, "offset": 0}, b"x" * 64)["written"] == 64
     result, body = sup.ok("read", cap, {"handle": h, "nbytes": 64})
     assert result["nbytes"] == 64 and body == b"x" * 64

@@ -43,3 +43,18 @@ def test_rendering_replaces_only_between_the_markers() -> None:
     out = render_doc(page)
     assert "stale" not in out and all(f"before {n}" in out and f"after {n}" in out for n in sections())
     assert render_doc(out) == out
+
+
+def test_the_quota_reply_table_names_every_snapshot_field() -> None:
+    """PROTOCOL.md describes each field of the ``quota`` reply: a new counter without a line fails."""
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    from shared.quota import QuotaSnapshot
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md").read_text()
+    section = text.split("The **`quota` reply**", 1)[1].split("\n\n", 2)[1]
+    documented = {name for row in section.splitlines() if row.startswith("| `")
+                  for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert documented == {f.name for f in fields(QuotaSnapshot)}
