@@ -124,7 +124,7 @@ def _errors_section(schema: dict[str, Any]) -> str:
         retry = "yes" if meta["retryable"] else "no"
         if meta["retryable_rule"]:
             retry += " (not when `requested` > `limit`)"
-        parent = f"`{meta['parent']}`" if meta["parent"] not in (None, "internal") else ""
+        parent = f"`{meta['parent']}`" if meta["parent"] is not None else ""
         for cause, sub in meta["causes"].items():  # Overloaded: one class per cause, the code shared
             own = ", ".join(f"`{f}`" for f in sub["fields"]) or "no more fields"
             meaning += f" Cause `{cause}`: `{sub['class']}` ({own}): {sub['meaning']}"

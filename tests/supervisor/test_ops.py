@@ -39,6 +39,14 @@ def test_every_op_is_one_class_of_the_part_that_serves_it() -> None:
         assert type(op).__module__ == f"supervisor.control.ops.{op.name}"  # one module per op, named as the op
 
 
+def test_each_ops_documented_errors_name_every_error_of_its_wire_row() -> None:
+    """The errors column of PROTOCOL.md (each class's ``errors_doc``) and the schema (the wire row's
+    ``errors``) say the same: an error the row lists is named in the class's text."""
+    for op in op_table():
+        missing = [e for e in op.spec.errors if f"`{e}`" not in op.errors_doc]
+        assert not missing, f"{op.name}: the wire row lists {missing}, its errors_doc does not"
+
+
 def test_a_class_set_that_disagrees_with_the_wire_table_is_refused() -> None:
     table = list(op_table())
     check_table(table)
