@@ -290,7 +290,7 @@ class QuotaSnapshot(Record):
     def to_dict(self) -> dict[str, object]:
         """The wire map (what :meth:`Record.to_wire` gives), written out field by field: the frontend
         answers a ``quota`` request with it, and ``dataclasses.asdict``'s deep copy cost 25 us a call,
-        half of what a ``quota`` answer cost (issue 25, a quota flood)."""
+        half of what a ``quota`` answer cost during a quota flood."""
         d = {name: getattr(self, name) for name in _SNAPSHOT_FIELDS}
         d["instance_shares"] = [list(t) for t in self.instance_shares]
         d["gpu_wait_bins"] = list(self.gpu_wait_bins)

@@ -237,7 +237,7 @@ class Supervisor:
         keys = _server_keys(cfg, state) if cfg.listen else None  # a malformed key stops the start here
         # With a TCP frontend, two I/O threads: CURVE's crypto for TCP clients runs on its own
         # (TCP_IO_AFFINITY), so that a flood over TCP does not queue the local clients' and the
-        # workers' messages behind it in one I/O thread (issue 25: a tcp-ping flood's victim)
+        # workers' messages behind it in one I/O thread (a tcp-ping flood's local victim)
         z: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2 if keys is not None else 1)
 
         def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[bytes]:

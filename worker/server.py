@@ -230,8 +230,8 @@ def warm_bind_path() -> None:
     spec's decode and checks, the reply's encoding and the read of its own start time
     from /proc (the slot claims record it) - on the registration's critical path, which is
     the bind (the commit's fsync overlaps it). Run here, while the worker waits in the
-    pool: warm registration p50 3.46-3.61 ms against 3.69-3.87 ms, five alternated pairs of
-    ``twt bench registry`` runs (issue 25). Touches no segment and no device."""
+    pool: it takes a few percent off a warm registration (``twt bench registry``). Touches no
+    segment and no device."""
     from shared.quota import _process_start_ms
     from shared.spec import TenantSpec
 

@@ -2,8 +2,8 @@
 
 libzmq's ROUTER takes messages from its *peers* in turn, but a tenant may
 have many peers, and a turn that served everything it read let one tenant's
-burst delay everyone else by the whole burst (issue 25: a victim's ping 17x
-slower during another tenant's ping flood; issue 30, finding 9: 26x over TCP).
+burst delay everyone else by the whole burst (a victim's ping was 17x
+slower during another tenant's ping flood, 26x over TCP).
 Now the frontend only *reads* into this queue, and each loop turn serves one
 bounded :meth:`FairTurn.take`:
 
@@ -15,7 +15,7 @@ bounded :meth:`FairTurn.take`:
    also bounds each tenant's turn by the loop *time* its requests took:
    deficit round robin on measured cost - each waiting tenant gets
    ``quantum_s`` of credit a turn, each request served is charged what it
-   cost, and a tenant in debt waits for the next turn (issue 25: 16 ``quota``
+   cost, and a tenant in debt waits for the next turn (16 ``quota``
    requests answered by the frontend itself took ~1.5 ms, the whole of a
    victim's wait). Credit is not banked past one quantum: a tenant whose
    queue empties keeps none;

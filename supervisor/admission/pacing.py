@@ -7,7 +7,7 @@ to those refusals, or sends garbage, forged capabilities, a stranger's first
 requests past its peer's bucket - has every message decrypted (on the
 supervisor's I/O thread), read, decoded and dropped, and the faster the loop
 drops, the faster it sends. On a small host that keeps every CPU busy, and
-other tenants' round trips wait for a CPU at every hop (issue 25: a local
+other tenants' round trips wait for a CPU at every hop (a local
 victim's ping p99 13-17x its quiet p50 during a CURVE ping flood that the loop
 mostly dropped - 50,000 messages a second read, 8,000 of them served).
 

@@ -4,7 +4,7 @@
 what a tenant may make the supervisor's loop do: a client that sends cheap
 requests the frontend answers itself (``quota``, ``events``, pings past
 ``max_in_flight``) never has many outstanding, and used to take most of the
-loop from everyone else (issue 25: a victim's ping 42x slower during a
+loop from everyone else (a victim's ping was 42x slower during a
 ``quota`` flood). So every request a tenant's capability carries - every op,
 those the frontend answers included - first takes a token from two buckets
 of its tenant:
@@ -26,7 +26,7 @@ more); past them a refused request is dropped unanswered and counted
 (:class:`RefusalUnanswered`). Why: a refusal told the client when to come
 back; a client that keeps sending regardless made every answer cost the
 supervisor, its I/O thread and the host a reply each - the part of a flood
-that admission did not reach (issue 25: with the flooder held to 8,000
+that admission did not reach (with the flooder held to 8,000
 requests/s, the victim's p99 during a ping flood 13.7x its quiet p50, 7.9-8.2x
 with the refusals' answers metered). A client that honours ``retry_after_s``
 (ours does: :class:`supervisor.client.api.SupervisorClient`) has at most its
@@ -88,7 +88,7 @@ def request_burst(rate: float) -> float:
 
     Why not a second's worth throughout: a flood starts with a full bucket, so for its
     first second a tenant had twice its rate - at 8,000 a second, another tenant's ping p99
-    was 12-15x its quiet p50 during that second and 5-6x after it (issue 25). A client
+    was 12-15x its quiet p50 during that second and 5-6x after it. A client
     that keeps to its rate never has more than its ``max_in_flight`` outstanding, and a
     thousand requests at once cover any of the defaults' (64)."""
     if rate <= BURST_REQUESTS:

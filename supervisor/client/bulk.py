@@ -342,7 +342,7 @@ class BulkPath:
         # straight into the bytes object returned, as soon as its reply is in (while the
         # worker copies the next one). A bytes object is immutable to Python code, so it
         # is made uninitialized and written through its address before anyone sees it
-        # (issue 25: bytes(region) after the last reply was 0.32x a copy into new memory;
+        # (bytes(region) after the last reply was 0.32x a copy into new memory;
         # a zeroed bytearray and bytes() of it would fault in fresh pages twice).
         out = _new_bytes(nbytes)
         dst = _bytes_address(out)

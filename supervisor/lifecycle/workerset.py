@@ -58,11 +58,11 @@ __all__ = ["TenantHooks", "WorkerSet"]
 _log = get_logger("supervisor")
 
 #: messages taken from one socket per wake-up before the loop looks at the others: a few
-#: (256 before issue 25), so one tenant's burst of replies delays another's by a short turn only
+#: (not hundreds), so one tenant's burst of replies delays another's by a short turn only
 BATCH = 32
 #: and at most this much loop time of worker replies per wake-up (the first is always taken): the
 #: relays of one tenant's flood of replies delay another tenant's request by one such slice, like a
-#: tenant's share of a frontend turn (supervisor.admission.fairness, issue 25)
+#: tenant's share of a frontend turn (supervisor.admission.fairness)
 BACKEND_SLICE_S = 0.0002
 #: plain ints: ``int & zmq.POLLIN`` goes through enum.Flag (~1 us a message)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)

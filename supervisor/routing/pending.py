@@ -61,7 +61,7 @@ class PendingTable:
     clock: Clock = time.monotonic
     #: an ``alloc`` answered OK whose reply could not be sent (the client is gone or not reading):
     #: ``(tenant, handle)`` - the worker set frees it, so no allocation outlives its request
-    #: unless its client was told of it (issue 30)
+    #: unless its client was told of it
     on_undelivered_alloc: Callable[[str, int], None] | None = None
     _rid: int = field(default=0, init=False)
     _live: int = field(default=0, init=False)  # requests in flight (the heap also holds answered ones)

@@ -8,7 +8,7 @@ Touches nothing else: the parts of the supervisor register their sockets
 and fds here and get called back on the loop thread. Plain fds (every
 worker's sentinel) go into one ``epoll`` whose own fd sits in the zmq
 poller: pyzmq rebuilds its poll list on every call, so 64 tenants' sentinels
-cost each loop turn ~64 list entries (issue 25: ping 1.19x slower with 64
+cost each loop turn ~64 list entries (a ping was 1.19x slower with 64
 tenants than with one); through epoll the poller's list stays a dozen long. Every method except
 :meth:`Loop.wake` runs on the loop thread; ``wake`` is safe from a signal
 handler or any thread (a single ``os.write`` to a non-blocking pipe).

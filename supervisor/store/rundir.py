@@ -285,7 +285,7 @@ def read_ready(run_dir: str, expected_uid: int | None = None) -> dict[str, Any] 
 
     Only the right to *traverse* the run dir is needed (names are known, never
     listed): a ``client_group`` member gets 0710 - traverse, no read - and must
-    be able to use it (issue 30).
+    be able to use it.
     """
     if os.path.isdir(run_dir) and not os.access(run_dir, os.X_OK):
         raise PermissionError(f"run dir {run_dir} is not accessible to this user (it is 0700 and belongs to its "

@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 __all__ = ["TARGET", "run", "run_in_child", "table_rows"]
 
 MiB = 1 << 20
-#: region copies at least this fraction of raw pinned copies (issue 15, GPU.md item 7)
+#: region copies at least this fraction of raw pinned copies (GPU.md item 7)
 TARGET = 0.8
 
 

@@ -243,7 +243,7 @@ def test_campaign_against_a_running_supervisor() -> None:
         assert status.tenants[0].gpu_bytes_in_use == 12345 and sup.client.buffers(cap) == {h: 12345}
 
 
-# ------------------------------------------------------------------ seeds that once failed (issue 30)
+# ------------------------------------------------------------------ seeds that once failed
 
 
 def test_the_chaos_client_keeps_a_buffer_an_unrelated_invalid_argument_names() -> None:

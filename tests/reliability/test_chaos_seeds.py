@@ -18,7 +18,7 @@ def _twt(*args: str) -> subprocess.CompletedProcess[str]:
     return twt(*args, timeout=100)
 
 
-#: the schedule of ``twt chaos --duration 20 --seed 1`` (issue 30): the schedule is a function of the seed,
+#: the schedule of ``twt chaos --duration 20 --seed 1``: the schedule is a function of the seed,
 #: the faults, the rate and the fault phase's length (15 s), so a shorter baseline keeps it
 SEED1_20S_HASH = "6170997eb3590acf"
 

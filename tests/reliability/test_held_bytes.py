@@ -1,5 +1,4 @@
-"""Bytes the supervisor holds for a tenant are bounded per tenant and in total
-(issue 12, finding 2).
+"""Bytes the supervisor holds for a tenant are bounded per tenant and in total.
 
 Before: a tenant with an 8 MiB GPU cap pipelined 4 MiB reads from four client
 identities that never read their replies (+1 GiB in the supervisor), and 60

@@ -1,4 +1,4 @@
-"""No allocation outlives its request unless its client was told of it (issue 30, item 10).
+"""No allocation outlives its request unless its client was told of it.
 
 A client sends ``alloc`` and is gone before the reply (here: a ``slow`` fault holds the worker's
 reply back while the client's socket closes). The worker allocated and the tenant is charged, but

@@ -437,7 +437,7 @@ def test_workers_of_a_slot_that_was_left_are_still_served(board: GpuTimeBoard, c
 
 
 def test_a_board_has_the_capacity_its_creator_gives_and_workers_read_it(clock: FakeClock) -> None:
-    """Sized from the supervisor's max_tenants / max_workers (issue 25: it was a fixed 64 / 256)."""
+    """Sized from the supervisor's max_tenants / max_workers (it was a fixed 64 / 256)."""
     from shared.errors import SegmentError
     from shared.gpu_time import segment_bytes
 

@@ -1,4 +1,4 @@
-"""Reclaim of a SIGKILLed instance's share is exact (issue 12, finding 12).
+"""Reclaim of a SIGKILLed instance's share is exact.
 
 The model checker (``tests/helpers/quota_share_model.py``) runs every
 interleaving with a kill at every step: the earlier two-step scheme (tenant

@@ -1,4 +1,4 @@
-"""Admission policy without processes (issue 25): token buckets per tenant and per
+"""Admission policy without processes: token buckets per tenant and per
 unauthenticated peer, refusals typed with ``retry_after_s``."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_unauthenticated_requests_are_metered_per_peer_and_the_table_is_bounded(
 
 def test_the_requests_burst_is_a_second_up_to_a_thousand_then_a_tenth_of_a_second() -> None:
     """A flood starts with a full bucket: a second's worth of burst gave a tenant at 8,000 a
-    second twice its rate for the flood's first second (issue 25)."""
+    second twice its rate for the flood's first second."""
     assert [request_burst(r) for r in (0.01, 2.0, 500.0, 1000.0, 8000.0, 20_000.0, 64_000.0)] == [
         1.0, 2.0, 500.0, 1000.0, 1000.0, 2000.0, 6400.0]
     adm = Admission(requests_per_s=8000.0, bytes_per_s=1e12, max_message_bytes=1 << 20)

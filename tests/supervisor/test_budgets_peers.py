@@ -1,4 +1,4 @@
-"""Policies of the supervisor's bounds, without processes (issue 12): bytes held,
+"""Policies of the supervisor's bounds, without processes: bytes held,
 error replies to unauthenticated peers, connections past the fd budget."""
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def test_fair_turn_bounds_each_tenant_per_turn_and_serves_everything_in_order() 
 
 
 def test_fair_turn_bounds_each_tenant_by_the_time_its_requests_take() -> None:
-    """Deficit round robin on measured cost (issue 25): a tenant whose requests are dear gets
+    """Deficit round robin on measured cost: a tenant whose requests are dear gets
     fewer a turn; a debt carries over; unspent credit does not; every item is served once, in order."""
     from supervisor.admission.fairness import FairTurn
 

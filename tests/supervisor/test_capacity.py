@@ -1,5 +1,5 @@
 """How many tenants a supervisor holds: as many as ``max_tenants`` / ``max_workers`` allow, and past
-them a typed refusal (``CapacityExhausted``) that leaves nothing behind (issue 25).
+them a typed refusal (``CapacityExhausted``) that leaves nothing behind.
 
 Each device's GPU-time board (shared.gpu_time) is sized from those settings at start; before, it had a
 fixed 64 tenant slots and the 65th registration failed with a SegmentError after its quota block was made.

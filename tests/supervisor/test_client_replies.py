@@ -1,5 +1,5 @@
 """The client decodes every reply the system may produce, and reports one it cannot
-decode as a typed error, never as silence (issue 12, findings 6 and 11, client side).
+decode as a typed error, never as silence (the client side).
 
 A fake supervisor (a ROUTER on ``frontend.ipc`` in a run dir we own) answers
 with what we choose.

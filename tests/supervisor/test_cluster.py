@@ -404,7 +404,7 @@ def test_nothing_of_the_cluster_listens_beyond_loopback(
 
 
 def test_keyless_tcp_connections_to_a_node_are_shed_and_it_keeps_serving(deployed: RayCluster) -> None:
-    """Issue 30, findings 1-3 on a cluster node: raw TCP connections that never greet (no key, no
+    """On a cluster node: raw TCP connections that never greet (no key, no
     ZMTP greeting) against a node supervisor's CURVE frontend are counted and shed at accept (here:
     past ``max_tcp_peers_per_source``, 64 by default), the node supervisor stays up, and a tenant
     placed there is still served through the cluster client. Before, such a flood aborted the

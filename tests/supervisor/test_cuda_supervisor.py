@@ -442,7 +442,7 @@ def test_cuda_fault_needs_the_cuda_backend() -> None:
         cap = c.tenant_capability(None, "acme")
         pid = instance_pid(sup, "acme")
         buf = c.alloc(cap, 4096)
-        # refused when ordered (issue 30): armed, it failed the next unrelated request with an
+        # refused when ordered: armed, it failed the next unrelated request with an
         # InvalidArgument that a client could take for "this buffer is gone"
         with pytest.raises(InvalidArgument, match="cuda backend"):
             c.inject_fault(None, "acme", "cuda-fault")

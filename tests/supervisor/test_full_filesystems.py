@@ -1,4 +1,4 @@
-"""Full file systems fail cleanly (issue 30): a full state disk refuses admin ops with StateError and
+"""Full file systems fail cleanly: a full state disk refuses admin ops with StateError and
 applies nothing (an eviction never comes undone); a full /dev/shm refuses registrations and regions
 with a typed error and the supervisor stays up.
 

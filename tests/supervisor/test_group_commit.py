@@ -1,4 +1,4 @@
-"""Registrations that arrive while a commit runs share one durable commit (issue 25, admin ops at the floor).
+"""Registrations that arrive while a commit runs share one durable commit (admin ops at the floor).
 
 A registration's commit runs on the state's writer thread while the loop serves on. Here the first
 one's commit is held up on purpose - this test holds SQLite's write lock on the state database - while

@@ -1,4 +1,4 @@
-"""One admin op, one class (issue 23): the classes and the wire table agree, and the dispatch table,
+"""One admin op, one class: the classes and the wire table agree, and the dispatch table,
 the twt commands, their help and PROTOCOL.md's admin op table all come from the classes."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_operations_md_has_a_section_per_op_command() -> None:
 
 
 def test_version_names_the_running_supervisors_build(capsys: pytest.CaptureFixture[str]) -> None:
-    """The op added to count what adding an op touches (issue 23): its wire row and this one class."""
+    """The op added to count what adding an op touches: its wire row and this one class."""
     import json
     import platform
 

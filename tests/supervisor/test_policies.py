@@ -315,7 +315,7 @@ def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenan
 
 
 def test_a_request_on_one_frontend_socket_is_read_within_a_few_messages_of_a_flood_on_the_other() -> None:
-    """ipc and TCP are one source (issue 25): libzmq fair-queues the peers of one socket only, so a
+    """ipc and TCP are one source: libzmq fair-queues the peers of one socket only, so a
     flood on the TCP socket must not keep a request on the ipc socket unread for a whole batch. Real
     sockets (inproc) with 12 queued flood requests and one victim's: the victim is served right after
     the first YIELD_EVERY, and nothing of the flood is lost or reordered."""
@@ -474,7 +474,7 @@ def test_a_scale_down_answers_what_waited_for_the_instances_it_took_away() -> No
 
 
 def test_loop_polls_plain_fds_through_one_epoll_and_sockets_directly() -> None:
-    """64 worker sentinels must not make every poll 64 entries longer (issue 25, scale)."""
+    """64 worker sentinels must not make every poll 64 entries longer (scale)."""
     import os
 
     import zmq

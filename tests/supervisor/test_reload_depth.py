@@ -1,4 +1,4 @@
-"""Hostile reload files are ConfigError, never an internal error (issue 30): nesting 10,000 deep."""
+"""Hostile reload files are ConfigError, never an internal error: nesting 10,000 deep."""
 
 from __future__ import annotations
 

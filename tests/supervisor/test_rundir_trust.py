@@ -1,4 +1,4 @@
-"""Clients refuse a run dir, socket or ready file of another user (issue 12, finding 8).
+"""Clients refuse a run dir, socket or ready file of another user.
 
 The attack: another local user pre-creates the default run dir
 (``/tmp/twt-<uid>``), writes a ``supervisor.json`` naming a live pid and
@@ -125,7 +125,7 @@ else:
 def test_a_tenant_only_client_in_the_client_group_cannot_reach_the_admin_capability() -> None:
     """A real second user (created here) in the client group uses the documented
     ``SupervisorClient(run_dir, expected_uid=...)`` - the run dir is 0710, so this needs only
-    traverse permission (issue 30, item 7: it raised PermissionError) - and still cannot read
+    traverse permission (it once raised PermissionError) - and still cannot read
     the admin capability; a user outside the group cannot even connect."""
     from tests.helpers.cluster import supervisor
 

@@ -1,4 +1,4 @@
-"""A same-uid process truncating a tenant's quota block cannot crash the supervisor (issue 30, item 8).
+"""A same-uid process truncating a tenant's quota block cannot crash the supervisor.
 
 Same-uid clients are trusted (outside the threat model), but one ``ftruncate`` must not take every
 tenant down with a SIGBUS: the supervisor keeps its quota blocks' fds and checks their size before

@@ -1,4 +1,4 @@
-"""Losing and restoring the state (issue 30): a lost database is refused with one line where one was
+"""Losing and restoring the state: a lost database is refused with one line where one was
 initialized before, and `twt state backup` of a running supervisor restores tenants and capabilities.
 
 Real supervisors on the stub backend; correctness only.

@@ -1,5 +1,4 @@
-"""A process that can reach backend.ipc / control.ipc cannot squat a worker's identity
-(issue 12, finding 13).
+"""A process that can reach backend.ipc / control.ipc cannot squat a worker's identity.
 
 Worker labels (``w<nonce>-<n>``) are published on the events socket and are
 predictable; the ZeroMQ identity a worker connects with used to be that

@@ -1,5 +1,4 @@
-"""Compile bombs are bounded by the run's deadline; the compile cache by a byte budget
-(issue 12, finding 7)."""
+"""Compile bombs are bounded by the run's deadline; the compile cache by a byte budget."""
 
 from __future__ import annotations
 

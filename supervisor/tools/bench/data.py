@@ -17,7 +17,7 @@ device buffer of that size, through
   baseline is a copy into a new ``bytes``, page faults of the new memory
   included).
 
-Targets (issue 15): write and read of 64 MiB and more at least 0.5x the
+Targets: write and read of 64 MiB and more at least 0.5x the
 memcpy bandwidth of the same size; 1 MiB at least 0.15x the memcpy
 bandwidth at DRAM size (the largest size measured); and a small request's
 latency unchanged: ping p50 of a region-enabled client within 1.05x of a

@@ -10,7 +10,7 @@ floods the supervisor as fast as it can, one flood kind at a time:
 * ``garbage``  - bytes that are not a request at all
 * ``badcap``   - pings with a forged capability (an HMAC check each, unanswerable cheaply)
 * ``write``    - 1 MiB ``write`` requests into the flooder's buffer
-* ``tcp-ping`` - the flooder's pings over the CURVE TCP frontend (issue 30, item 9)
+* ``tcp-ping`` - the flooder's pings over the CURVE TCP frontend
 
 After the victim's pings, while the same flood goes on, a raw two-hop relay
 (:mod:`supervisor.tools.bench._relay`: no supervisor, no admission) is pinged

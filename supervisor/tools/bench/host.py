@@ -4,7 +4,7 @@ Every other bench measures against a baseline taken in the same run, which
 cancels a slow host but not an unsteady one: on a VM whose vCPUs the
 hypervisor pauses for milliseconds, a request path of ~8 thread wake-ups meets
 such a pause in 1-3 % of its round trips, and that is its p99 whatever the
-code does (issue 25, docs/PERFORMANCE.md "Session 7"). The guest cannot see
+code does (docs/PERFORMANCE.md, "The host"). The guest cannot see
 it: ``/proc/stat``'s steal column stayed 0 on the VM where it was measured.
 
 So this bench looks at the clock from busy processes. A probe is a process
@@ -20,9 +20,8 @@ machine (it cannot tell which; ``top`` can). Two phases:
 
 Target: with every CPU busy, at most 2 % of the clock lost to pauses longer
 than 1 ms - below that, the p99 of a bench run now is the code's; above it,
-the host's or another process's (find it, or measure later). Measured on the
-2-vCPU VM of issue 25: 0.2-3 % with nothing else running; 32 % with one stray
-CPU-bound process of our own beside the probes.
+the host's or another process's (find it, or measure later); docs/PERFORMANCE.md
+has this host's figures.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ In one run, ns per consume+release pair (medians of round-robin samples):
 
 Target: the capability check adds at most 3 us per call (per consume or release).
 
-And durable admin ops at their floor (issue 25): a supervisor (stub backend,
+And durable admin ops at their floor: a supervisor (stub backend,
 forkserver, a warm pool) with its state on the default file system; per
 round, interleaved so all three see the same machine:
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     # Two supervisors at once, one with a single tenant and one with 64, pinged in
     # alternating rounds: both see the same machine (the 64 idle workers included),
     # so the ratio is what 64 tenants cost the supervisor, not the drift of a loaded
-    # machine between two phases measured one after the other (as before issue 25).
+    # machine between two phases measured one after the other.
     with _launch("forkserver", 0) as alone, _launch("forkserver", 0) as sup:
         client = sup.client
         cap_alone = alone.client.register(None, TenantSpec("probe"))

@@ -14,8 +14,8 @@
                    loop of R calls minus a loop of 0, divided by R) against numpy's
                    ``np.matmul(a, b, out=c)`` on the same sizes in this process, interleaved
 
-Targets: axpy through the host >= 0.5x numpy's throughput on the stub backend
-(issue 7); GEMM through the host >= 0.5x numpy's matmul (issue 18). Exit
+Targets: axpy through the host >= 0.5x numpy's throughput on the stub backend;
+GEMM through the host >= 0.5x numpy's matmul. Exit
 status 0 when met, 4 when missed, 2 for bad usage.
 """
 

@@ -32,7 +32,7 @@ _GONE_CODES = frozenset({"buffer_lost"})
 #: an ``invalid_argument`` says a buffer is gone only when the worker says so about the handle
 #: (a request parked across a restart reaches the new incarnation); any other one (a bad offset,
 #: a refused fault) leaves the buffer where it is - taking it for gone loses track of bytes still
-#: charged, which is how seed 1 once "found" quota drift (issue 30)
+#: charged, which is how seed 1 once "found" quota drift
 _GONE_DETAILS = ("belongs to another worker instance or to one that restarted", "unknown buffer handle")
 #: outcomes that break "every request answered with a result or a typed error"
 _UNANSWERED = frozenset({"lost", "untyped"})
