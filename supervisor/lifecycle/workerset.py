@@ -50,6 +50,17 @@ from supervisor.observe.metrics import Metrics
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
 from supervisor.runtime.requests import Pending
+from supervisor.runtime.restart_policy import (
+    AbortRegistration,
+    Backoff,
+    Decision,
+    Drop,
+    ExitFacts,
+    Fail,
+    NotRestarted,
+    Replace,
+    after_exit,
+)
 from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.runtime.workers import SpawnerLike, WorkerHandle, WorkerState, exit_status
 
@@ -415,7 +426,7 @@ class WorkerSet:
             self._pool_failures += 1  # a worker that cannot even start: back off refilling
         elif was_pool:
             self._pool_failures = 0
-        # 4. restart policy
+        # 4. the slot's next step: a pure decision (supervisor.runtime.restart_policy), carried out here
         if rt is None or index is None or index >= len(rt.slots):
             return
         slot = rt.slots[index]
@@ -423,41 +434,52 @@ class WorkerSet:
             return
         slot.worker = None
         slot.last_exit = ExitRecord(exit_code=code, signal=sig, reason=reason, at=time.time())
-        if slot.draining or self.hooks.is_stopping() or rt.state is TenantState.EVICTING:
-            if slot.draining and index == len(rt.slots) - 1:
+        replace = slot.replace
+        if expected:
+            slot.replace = False  # asked for once, for this exit
+        decision = after_exit(ExitFacts(
+            policy=rt.spec.restart, exit_code=code, signal=sig, expected=expected,
+            killed=worker.killed and not expected, replace=replace, draining=slot.draining,
+            shutting_down=self.hooks.is_stopping() or rt.state is TenantState.EVICTING,
+            tenant_failed=rt.state is TenantState.FAILED,
+            registering=bool(rt.register_waiters) and worker.ready_at is None,
+            restart_times=tuple(rt.restart_times), now=self.clock(),
+            max_restarts=rt.spec.max_restarts, window_s=rt.spec.restart_window_s,
+        ))
+        self._carry_out(rt, slot, index, decision, code, sig, reason)
+
+    def _carry_out(self, rt: TenantRuntime, slot: InstanceSlot, index: int, decision: Decision,
+                   code: int | None, sig: int | None, reason: str) -> None:
+        """Do what :func:`~supervisor.runtime.restart_policy.after_exit` decided for the slot."""
+        if isinstance(decision, Drop):
+            if decision.trim and index == len(rt.slots) - 1:
                 while rt.slots and rt.slots[-1].draining and rt.slots[-1].worker is None:
                     rt.slots.pop()
             rt.refresh_state()
-            return
-        if expected:
-            # Stopped on purpose (rolling restart, reset, a failed tenant): never the restart
-            # policy's business, never counted against the budget.
-            replace, slot.replace = slot.replace, False
-            if replace and rt.state is not TenantState.FAILED:
-                self.start_instance(rt, slot)
+        elif isinstance(decision, Replace):
+            self.start_instance(rt, slot)
             rt.refresh_state()
-            return
-        if rt.register_waiters and worker.ready_at is None:
+        elif isinstance(decision, AbortRegistration):
             self.hooks.registration_failed(
                 rt, WorkerLost(rt.tenant_id, index, code, sig, f"died while starting: {reason}"))
-            return
-        if not rt.should_restart(code, sig, killed=worker.killed and not expected):
+        elif isinstance(decision, NotRestarted):
             rt.refresh_state()
             self.hooks.instance_not_restarted(rt, index, code, sig, reason)
-            return
-        if not rt.note_restart(self.clock()):
-            self.hooks.tenant_failed(rt, f"{len(rt.restart_times)} restarts within {rt.spec.restart_window_s:g} s")
-            return
-        delay = rt.backoff_s()
-        slot.restarts += 1
-        self.metrics.restart(rt.tenant_id)
-        self.events.emit("restart", tenant=rt.tenant_id, instance=index, delay_s=delay, restarts=slot.restarts)
-        rt.refresh_state()
-        if delay <= 0:
-            self.start_instance(rt, slot)
+        elif isinstance(decision, Fail):
+            rt.record_restart(self.clock())
+            self.hooks.tenant_failed(rt, decision.why)
         else:
-            slot.restart_at = self.clock() + delay
-            self.loop.timers.after(delay, lambda: self._restart_due(rt, slot))
+            rt.record_restart(self.clock())
+            delay = decision.delay_s if isinstance(decision, Backoff) else 0.0
+            slot.restarts += 1
+            self.metrics.restart(rt.tenant_id)
+            self.events.emit("restart", tenant=rt.tenant_id, instance=index, delay_s=delay, restarts=slot.restarts)
+            rt.refresh_state()
+            if delay <= 0:
+                self.start_instance(rt, slot)
+            else:
+                slot.restart_at = self.clock() + delay
+                self.loop.timers.after(delay, lambda: self._restart_due(rt, slot))
 
     def _restart_due(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
         if (

@@ -1,17 +1,9 @@
 """A registered tenant's runtime state in the supervisor: instances, restarts, waiting requests.
 
-Restart policy (OTP-style): when an instance's worker exits, ``always``
-restarts it, ``on-failure`` only after a non-zero exit or a signal,
-``never`` leaves the slot empty. Restarts back off exponentially (the first
-one within a window is immediate: crash recovery should be instant), and
-more than ``max_restarts`` restarts within ``restart_window_s`` mark the
-tenant ``failed``: its requests are refused with :class:`TenantFailed` until
-an operator resets it (``twt reset``: same capability) or evicts it.
-
-Only exits the supervisor did not ask for count: a worker it stopped on
-purpose (a rolling restart, a reset, a failed tenant's, a scale-down) is
-never restarted by the policy and never spends the budget; a slot marked
-``replace`` gets a new worker when its old one has exited.
+What happens to an instance after its worker exits - nothing, a successor, a restart now or
+after a back-off, or the tenant marked ``failed`` - is decided by
+:func:`supervisor.runtime.restart_policy.after_exit` (a pure function: the policy as a table);
+this module keeps the state it reads (``restart_times``, the slots).
 
 A tenant scaled to 0 instances is ``stopped``: its requests are refused at
 once with :class:`~shared.errors.TenantStopped`. Requests wait (are parked)
@@ -28,15 +20,11 @@ from dataclasses import dataclass, field
 
 from shared.quota import QuotaBlock
 from shared.records import ExitRecord
-from shared.spec import RestartPolicy, TenantSpec
+from shared.spec import TenantSpec
 from supervisor.runtime.requests import Parked
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 
 __all__ = ["InstanceSlot", "TenantRuntime", "TenantState"]
-
-BACKOFF_BASE_S = 0.05
-BACKOFF_MAX_S = 5.0
-
 
 class TenantState(str, enum.Enum):
     STARTING = "starting"  # registered, no instance ready yet
@@ -131,31 +119,14 @@ class TenantRuntime:
                     best, best_load = slot, load
         return best
 
-    def should_restart(self, exit_code: int | None, signal: int | None, *, killed: bool = False) -> bool:
-        """``killed``: the supervisor ended it (hang, deadline, bad reply, RSS) - a failure
-        even when the worker, asked with SIGTERM, exited 0."""
-        policy = self.spec.restart
-        if policy is RestartPolicy.ALWAYS:
-            return True
-        if policy is RestartPolicy.ON_FAILURE:
-            return killed or signal is not None or exit_code not in (0, None)
-        return False
-
-    def note_restart(self, now: float) -> bool:
-        """Record a restart; False when the intensity limit is exceeded."""
+    def record_restart(self, now: float) -> None:
+        """Count a restart the policy decided (:mod:`supervisor.runtime.restart_policy`): the
+        window keeps the restarts of the last ``restart_window_s``."""
         window = self.spec.restart_window_s
         self.restart_times.append(now)
         while self.restart_times and now - self.restart_times[0] > window:
             self.restart_times.popleft()
         self.restarts_total += 1
-        return len(self.restart_times) <= self.spec.max_restarts
-
-    def backoff_s(self) -> float:
-        """0 for the first restart in the window, then 50 ms, 100 ms, ... up to 5 s."""
-        recent = len(self.restart_times)
-        if recent <= 1:
-            return 0.0
-        return float(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (recent - 2)))
 
     def refresh_state(self) -> None:
         if self.state in (TenantState.FAILED, TenantState.EVICTING):

@@ -26,7 +26,7 @@ from supervisor.observe.metrics import Metrics
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.regions import RegionTable
 from supervisor.runtime.requests import Pending
-from supervisor.runtime.tenants import BACKOFF_MAX_S, InstanceSlot, TenantRuntime, TenantState
+from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
 from supervisor.runtime.workers import Spawner, WorkerHandle, WorkerState
 from supervisor.lifecycle.workerset import pool_retry_delay_s
 
@@ -84,40 +84,14 @@ def _runtime(spec: TenantSpec | None = None, instances: int = 1, ready: bool = T
 
 
 # ------------------------------------------------------------------ restart policy
+# (the decision itself: tests/supervisor/test_restart_policy.py)
 
 
-@pytest.mark.parametrize(("policy", "code", "sig", "killed", "want"), [
-    ("always", 0, None, False, True),
-    ("on-failure", 0, None, False, False),
-    ("on-failure", 0, None, True, True),  # killed by the supervisor: a failure even when it exited 0
-    ("on-failure", 3, None, False, True),
-    ("on-failure", None, 9, False, True),
-    ("never", 1, None, False, False),
-    ("never", None, 9, True, False),
-])
-def test_restart_policy(policy: str, code: int | None, sig: int | None, killed: bool, want: bool) -> None:
-    rt = _runtime(TenantSpec("acme", restart=policy))
-    assert rt.should_restart(code, sig, killed=killed) is want
-
-
-def test_backoff_is_the_documented_sequence() -> None:
-    """0 for the first restart in the window, then 50 ms doubling, capped at 5 s."""
-    rt = _runtime(TenantSpec("acme", max_restarts=100, restart_window_s=1000.0))
-    seq = []
-    for k in range(12):
-        assert rt.note_restart(float(k))
-        seq.append(rt.backoff_s())
-    assert seq[:8] == [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2]
-    assert seq[8:] == [BACKOFF_MAX_S] * 4
-
-
-def test_restart_intensity_marks_failed_and_the_window_forgets() -> None:
+def test_the_runtime_keeps_the_restarts_of_its_window() -> None:
     rt = _runtime(TenantSpec("acme", max_restarts=3, restart_window_s=10.0))
-    assert all(rt.note_restart(t) for t in (0.0, 1.0, 2.0))
-    assert not rt.note_restart(3.0)  # a 4th within 10 s
-    fresh = _runtime(TenantSpec("acme", max_restarts=3, restart_window_s=10.0))
-    assert all(fresh.note_restart(t) for t in (0.0, 11.0, 22.0, 33.0, 44.0))  # spread out: never too many
-    assert fresh.backoff_s() == 0.0
+    for t in (0.0, 1.0, 2.0, 15.0):
+        rt.record_restart(t)
+    assert list(rt.restart_times) == [15.0] and rt.restarts_total == 4  # the window forgets, the total not
 
 
 def test_pool_retry_backs_off_to_30_s() -> None:
