@@ -21,7 +21,7 @@ from pathlib import Path
 from shared.config import ENV_PREFIX
 from supervisor.cli._common import add_run_dir, print_json, run_dir_of
 from supervisor.admission.curve import CURVE_PUBLIC, CurveKeyPair, write_key_pair
-from supervisor.store.rundir import read_ready
+from shared.rundir import read_ready
 
 __all__ = ["add_parser", "run"]
 

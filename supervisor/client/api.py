@@ -64,10 +64,10 @@ from shared.records import (
 )
 from shared.spec import TenantSpec
 from shared.zmq_monitor import recv_monitor_event
-from supervisor.admission.curve import CurveKeyPair, load_client_keys, parse_public_key
+from shared.curve_keys import CurveKeyPair, load_client_keys, parse_public_key
 from supervisor.client.bulk import DEFAULT_REGION_BYTES, DEFAULT_THRESHOLD, BulkPath, byte_view
 from supervisor.client.event_follow import follow
-from supervisor.store.rundir import read_admin_capability, read_ready, verify_run_dir
+from shared.rundir import read_admin_capability, read_ready, verify_run_dir
 
 if TYPE_CHECKING:
     import numpy as np

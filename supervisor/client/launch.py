@@ -31,7 +31,7 @@ from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig, read_config_file
 from shared.errors import SupervisorUnavailable
 from supervisor.client.api import SupervisorClient
-from supervisor.store.rundir import read_admin_capability, read_ready, temp_parent
+from shared.rundir import read_admin_capability, read_ready, temp_parent
 
 __all__ = ["QUIET_LOG_LEVEL", "SupervisorHandle", "launch"]
 

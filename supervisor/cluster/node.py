@@ -44,7 +44,7 @@ from shared.log import get_logger, log_event
 from shared.records import EvictResult, StatusRecord, TenantRecord
 from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
-from supervisor.store.rundir import LOCK_FILE, read_admin_capability, read_ready, temp_parent
+from shared.rundir import LOCK_FILE, read_admin_capability, read_ready, temp_parent
 
 __all__ = ["NodeInfo", "NodeSupervisor"]
 

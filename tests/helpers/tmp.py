@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from supervisor.store.rundir import temp_parent
+from shared.rundir import temp_parent
 
 
 def short_temp_dir() -> str:

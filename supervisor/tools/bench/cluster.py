@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from shared.errors import BackendUnavailable
 from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile
-from supervisor.store.rundir import temp_parent
+from shared.rundir import temp_parent
 
 if TYPE_CHECKING:
     from supervisor.cluster import RayCluster

@@ -65,7 +65,7 @@ from supervisor.tools.bench._relay import RawRelay
 from supervisor.tools.bench._report import (Report, Target, byte_size, count, format_table, per_second, percentile,
                                              socket_rtts_us)
 from supervisor.client.launch import SupervisorHandle, launch
-from supervisor.store.rundir import temp_parent
+from shared.rundir import temp_parent
 
 __all__ = ["KINDS", "main"]
 

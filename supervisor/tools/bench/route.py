@@ -38,7 +38,7 @@ from shared.spec import TenantSpec
 from supervisor.tools.bench._relay import RawRelay
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, socket_rtts_us
 from supervisor.client.launch import launch
-from supervisor.store.rundir import temp_parent
+from shared.rundir import temp_parent
 
 __all__ = ["main"]
 
