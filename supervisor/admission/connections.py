@@ -12,7 +12,10 @@ also held to ``max_tcp_peers`` and ``max_tcp_peers_per_source``, counted at
 accept whether or not they ever send a greeting. A connection past a bound is
 shut down at once (:func:`~supervisor.admission.peers.shed` / ``shed_tcp``): the client
 sees its connection closed and retries, and every client already connected
-keeps working. Unbinding the endpoint instead would also drop those.
+keeps working. Unbinding the endpoint instead would also drop those. A TCP
+connection accepted at ``max_tcp_peers`` first evicts an idle session, and the
+frontend's timer closes sessions idle for ``tcp_idle_timeout_s``
+(:meth:`FrontendConnections.expire_idle`; the rules are the gate's).
 
 The monitors' queues are deep (:data:`MONITOR_HWM` events): a lost ACCEPTED
 would leave a connection uncounted, a lost DISCONNECTED a slot taken (until
