@@ -212,7 +212,7 @@ class Frontend:
             except zmq.Again:
                 break
             if prefix == _TCP and self._sessions is not None and not self._tcp_seen(frames[0], now):
-                msg = None  # its session was dropped: never served (the client sends it again)
+                msg = None  # its session was dropped: never served, never executed
             else:
                 msg = self.decode(frames, prefix)
             if msg is not None and (msg.key is not None or admission.admit_unauthenticated(msg.client, now)):
@@ -242,7 +242,7 @@ class Frontend:
             return True
         client = _TCP + frame.bytes
         seen = sessions.gate.seen(fd, client, now)
-        if seen == "unknown":  # its ACCEPTED is still in the monitor's queue
+        if seen != "ok":  # an ACCEPTED still in the monitor's queue may explain it
             sessions.settle()
             seen = sessions.gate.seen(fd, client, now)
         return seen != "dropped"

@@ -177,8 +177,8 @@ class ConnectionGate:
     _by_client: dict[bytes, int] = field(default_factory=dict, init=False)
     #: fds of sessions the supervisor dropped, until the fd is accepted again
     _dropped_fds: set[int] = field(default_factory=set, init=False)
-    #: client keys of sessions the supervisor dropped (bounded: the oldest forgotten)
-    _dropped_clients: OrderedDict[bytes, None] = field(default_factory=OrderedDict, init=False)
+    #: client keys of sessions the supervisor dropped -> their fd (bounded: the oldest forgotten)
+    _dropped_clients: OrderedDict[bytes, int] = field(default_factory=OrderedDict, init=False)
 
     @property
     def connected(self) -> int:
@@ -234,12 +234,22 @@ class ConnectionGate:
         """A request from ``client`` came on TCP connection ``fd`` (its ``ZMQ_SRCFD``) at ``now``.
 
         "dropped": its session was dropped by the supervisor - discard the request unserved.
-        "unknown": no ACCEPTED for ``fd`` was read yet (the monitor lags the socket): read the
-        monitor's events and ask again; still unknown then, serve it (nothing recorded).
+        "unknown": no ACCEPTED for ``fd`` was read yet (the monitor lags the socket).
+        Past either, read the monitor's events and ask again (a connection accepted since may
+        explain it); still "unknown" then, serve it (nothing recorded).
+
+        A late request of a dropped session is recognised by its client key and fd; when that
+        fd was accepted again meanwhile and the new connection has sent nothing yet, it cannot
+        be told from the new connection's own first request, and is served.
         """
-        if self._dropped_clients and client in self._dropped_clients:
-            return "dropped"
         conn = self._conns.get((True, fd))
+        old_fd = self._dropped_clients.get(client) if self._dropped_clients else None
+        if old_fd is not None:
+            if old_fd == fd and (conn is None or conn.client not in (None, client)):
+                return "dropped"  # the dropped connection's own late request
+            # the same routing id on a connection accepted since: a client that sets its own
+            # (ZMQ_ROUTING_ID) and reconnected - served from now on
+            del self._dropped_clients[client]
         if conn is None:
             return "dropped" if fd in self._dropped_fds else "unknown"
         if conn.client != client:
@@ -321,7 +331,7 @@ class ConnectionGate:
         self._forget((True, fd))
         self._dropped_fds.add(fd)
         if conn.client is not None:
-            self._dropped_clients[conn.client] = None
+            self._dropped_clients[conn.client] = fd
             while len(self._dropped_clients) > _DROPPED_CLIENTS:
                 self._dropped_clients.popitem(last=False)
         self.shed_by[reason] = self.shed_by.get(reason, 0) + 1

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import zmq
 
+from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.zmq_monitor import recv_monitor_event
 from supervisor.admission.peers import EVICT_MIN_IDLE_S, ConnectionGate
@@ -107,6 +108,40 @@ def test_a_remote_client_idle_past_the_timeout_is_served_without_an_error() -> N
             assert rc.reconnects == 0
 
 
+def test_a_raw_client_with_its_own_routing_id_is_answered_after_its_idle_drop() -> None:
+    """A raw client that sets ZMQ_ROUTING_ID comes back with the same client key after the idle
+    drop: its requests on the new connection are served (only the old connection's are not)."""
+    with supervisor([{"name": "acme"}], listen=[LOOPBACK], log_level="error", tcp_idle_timeout_s=1.0) as sup:
+        ctx: zmq.Context[Any] = zmq.Context()
+        with ExitStack() as stack:
+            stack.callback(ctx.destroy, 0)
+            s: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+            stack.callback(s.close, 0)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTING_ID, b"api-1")
+            s.curve_serverkey = str(sup.info["server_public_key"]).encode()
+            s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            stack.callback(mon.close, 0)
+            s.connect(str(sup.info["listen"][0]))
+
+            def hello(rid: int) -> None:
+                s.send(proto.encode_request(rid, "hello", None, {}))
+                assert s.poll(60_000), f"no answer to hello {rid}"
+                got, ok, _ = proto.decode_reply(s.recv())
+                assert (got, ok) == (rid, True)
+
+            hello(1)
+            dropped = reconnected = False
+            while not reconnected:  # the idle drop, then libzmq's reconnect
+                assert mon.poll(60_000), f"no drop and reconnect seen (dropped: {dropped})"
+                event, _ = recv_monitor_event(mon)
+                dropped = dropped or event == zmq.EVENT_DISCONNECTED
+                reconnected = dropped and event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+            assert _shed(sup, "idle") >= 1
+            hello(2)  # the same routing id on the new connection: answered
+
+
 def test_a_session_with_a_request_in_flight_is_not_idle() -> None:
     """A request that takes longer than ``tcp_idle_timeout_s`` keeps its session: the reply
     comes on it (a drop while it waits would be SupervisorUnavailable)."""
@@ -151,6 +186,20 @@ def test_a_dropped_sessions_requests_are_never_served_and_a_reused_fd_is_new() -
     gate.accepted(10, tcp=True, source="a", now=2.0)  # fd 10 reused by a new connection
     assert gate.seen(10, TCP + b"new", 2.0) == "ok"
     assert gate.seen(10, TCP + b"old", 2.0) == "dropped"
+
+
+def test_a_client_with_its_own_routing_id_is_served_again_after_its_session_was_dropped() -> None:
+    gate = _gate()
+    mine = TCP + b"api-1"  # ZMQ_ROUTING_ID set by the client: the same key on every connection
+    gate.accepted(10, tcp=True, source="a", now=0.0)
+    gate.seen(10, mine, 0.0)
+    gate.drop(10, "idle")
+    assert gate.seen(10, mine, 1.0) == "dropped" and gate.dropped(mine)
+    gate.accepted(11, tcp=True, source="a", now=2.0)  # it reconnected, on another fd
+    assert gate.seen(11, mine, 2.0) == "ok" and not gate.dropped(mine)
+    gate.drop(11, "idle")
+    gate.accepted(11, tcp=True, source="a", now=3.0)  # and again, on the same fd number
+    assert gate.seen(11, mine, 3.0) == "ok"
 
 
 def test_eviction_takes_the_longest_idle_anonymous_session_then_an_idle_tenant() -> None:
