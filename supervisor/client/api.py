@@ -406,6 +406,9 @@ class SupervisorClient:
                     self._link_drops += 1
                     self._down_since = time.monotonic()
                 self._link_up = False
+                # the supervisor answers a request on the connection it came on: none sent before
+                # this drop can be answered now (those already received are still read)
+                self._outstanding.clear()
             elif event in _HANDSHAKE_FAILED:
                 failed = event
         if failed is not None and not self._link_up:

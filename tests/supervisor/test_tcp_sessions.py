@@ -16,6 +16,7 @@ import zmq
 
 from shared import protocol as proto
 from shared.config import SupervisorConfig
+from shared.errors import InvalidArgument
 from shared.zmq_monitor import recv_monitor_event
 from supervisor.admission.peers import EVICT_MIN_IDLE_S, ConnectionGate
 from supervisor.client.api import SupervisorClient
@@ -227,3 +228,10 @@ def test_tcp_idle_timeout_is_a_validated_setting() -> None:
     for bad in (0, -1, float("inf"), "60", True):
         with pytest.raises(ValueError, match="tcp_idle_timeout_s"):
             SupervisorConfig(tcp_idle_timeout_s=bad)  # type: ignore[arg-type]
+
+
+def test_idle_reconnect_s_is_checked() -> None:
+    key = zmq.curve_keypair()[0]
+    for bad in (0, -1.0, float("nan"), "30", True):
+        with pytest.raises(InvalidArgument, match="idle_reconnect_s"):
+            SupervisorClient.remote("tcp://127.0.0.1:9", key, idle_reconnect_s=bad)  # type: ignore[arg-type]
