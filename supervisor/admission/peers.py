@@ -50,8 +50,8 @@ verified came on it. Two rules free slots:
 A dropped session's slot is free at once (its DISCONNECTED event, later, is ignored). Its
 messages that libzmq had read but the loop had not are never served (:meth:`ConnectionGate.seen`
 answers ``"dropped"``): a request sent on a session as the supervisor dropped it is not
-executed, so the client may send it again on a new connection (what ``SupervisorClient`` does
-before a request once its link has been idle: see ``supervisor.client.api``).
+executed (nor answered). ``SupervisorClient`` keeps its requests off such sessions: it opens a
+new connection before a request once its link has been idle (see ``supervisor.client.api``).
 
 Loop thread only.
 """
