@@ -136,6 +136,9 @@ class SupervisorConfig:
     max_tcp_peers_per_source: int = 64
     #: a TCP connection that has not finished its CURVE handshake by then is closed (ZMQ_HANDSHAKE_IVL)
     tcp_handshake_timeout_s: float = 3.0
+    #: a TCP connection that carried no request (and has none in flight) for this long is closed; the
+    #: client reconnects before its next request (supervisor.admission.peers: the idle rule and eviction)
+    tcp_idle_timeout_s: float = 60.0
     #: admission defaults per tenant (a spec's requests_per_s / bytes_per_s override them): token buckets
     #: (bursts: supervisor.admission.rates); past them Overloaded with retry_after_s. By default a share of
     #: the host: so many per CPU the supervisor may run on (see REQUESTS_PER_S_PER_CPU)
@@ -213,7 +216,7 @@ class SupervisorConfig:
         s(self, "allow_remote_admin", _bool(self.allow_remote_admin, "allow_remote_admin"))
         _int(self.max_tcp_peers, "max_tcp_peers", 1, 1_000_000)
         _int(self.max_tcp_peers_per_source, "max_tcp_peers_per_source", 1, 1_000_000)
-        for name in ("tcp_handshake_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
+        for name in ("tcp_handshake_timeout_s", "tcp_idle_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
                      "unauthenticated_requests_per_s"):
             s(self, name, _pos(getattr(self, name), name))
         if self.tenant_bytes_per_s < 1:
@@ -379,6 +382,7 @@ _ENV_FIELDS = (
     "event_log_size",
     "max_tcp_peers_per_source",
     "tcp_handshake_timeout_s",
+    "tcp_idle_timeout_s",
     "tenant_requests_per_s",
     "tenant_refusals_per_s",
     "unauthenticated_requests_per_s",
@@ -391,7 +395,7 @@ _ENV_FIELDS = (
 _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
                "max_tenants", "max_workers"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s",
-                 "tcp_handshake_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
+                 "tcp_handshake_timeout_s", "tcp_idle_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
                  "unauthenticated_requests_per_s", "tcp_drops_per_s",
                  "gpu_time_quantum_s"}
 

@@ -213,7 +213,7 @@ OPS: Final[dict[str, OpSpec]] = {
                                  Arg("log", (str, type(None)))),
                "{events: [{seq, event, ts, ...}...], next, missed, more, log}", ("InvalidArgument",),
                "events_page", "events", any_capability=True, served_by="frontend"),
-        OpSpec("region_create", False, (Arg("nbytes", _INT, True), Arg("pid", _INT, True)),
+        OpSpec("region_create", False, (Arg("nbytes", _INT, True), Arg("pid", _INT)),
                "{region, name, nbytes}", ("MemoryExhausted", "InvalidArgument"), "region_create",
                served_by="frontend", local_only=True),
         OpSpec("region_release", False, (Arg("region", _INT, True),), "{released}", ("InvalidArgument",),

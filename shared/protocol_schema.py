@@ -120,7 +120,7 @@ ARG_NOTES: Final[dict[tuple[str, str], str]] = {
     ("events", "kinds"): "event kinds to return (names of 1..64 characters, at most 64)",
     ("events", "log"): "the `log` the cursor came from (a restarted supervisor has a new one)",
     ("region_create", "nbytes"): "region size, 64 KiB..1 GiB (rounded up to pages)",
-    ("region_create", "pid"): "the client's process id on the supervisor's host",
+    ("region_create", "pid"): "ignored (older clients send their process id): the owner is the connecting process",
     ("region_release", "region"): "a region id from `region_create`",
     ("write_region", "handle"): "the destination buffer; " + _HANDLE,
     ("write_region", "offset"): "byte offset in the buffer (default 0)",

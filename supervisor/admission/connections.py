@@ -12,7 +12,10 @@ also held to ``max_tcp_peers`` and ``max_tcp_peers_per_source``, counted at
 accept whether or not they ever send a greeting. A connection past a bound is
 shut down at once (:func:`~supervisor.admission.peers.shed` / ``shed_tcp``): the client
 sees its connection closed and retries, and every client already connected
-keeps working. Unbinding the endpoint instead would also drop those.
+keeps working. Unbinding the endpoint instead would also drop those. A TCP
+connection accepted at ``max_tcp_peers`` first evicts an idle session, and the
+frontend's timer closes sessions idle for ``tcp_idle_timeout_s``
+(:meth:`FrontendConnections.expire_idle`; the rules are the gate's).
 
 The monitors' queues are deep (:data:`MONITOR_HWM` events): a lost ACCEPTED
 would leave a connection uncounted, a lost DISCONNECTED a slot taken (until
@@ -27,6 +30,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from collections.abc import Callable, Container
 from typing import TypedDict
 
 import zmq
@@ -34,7 +38,7 @@ import zmq
 from shared.log import get_logger, log_event
 from shared.zmq_monitor import recv_monitor_event
 from supervisor.admission.fdlimit import fd_budget
-from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer
+from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer_of
 
 __all__ = ["ConnectionStatus", "FrontendConnections", "watch"]
 
@@ -59,6 +63,12 @@ EVENTS_PER_TURN = 256
 MONITOR_HWM = 100_000
 #: at most one "shedding" log line per reason this often
 _LOG_EVERY_S = 10.0
+#: rounds of EVENTS_PER_TURN events :meth:`FrontendConnections.settle` reads at most
+_SETTLE_ROUNDS = 16
+
+
+def _nobody() -> Container[bytes]:
+    return ()
 
 
 def watch(sock: zmq.Socket[bytes], events: int = _EVENTS) -> zmq.Socket[bytes]:
@@ -78,8 +88,12 @@ class FrontendConnections:
     """Counts the frontend's connections and sheds those past the bounds."""
 
     def __init__(self, sock: zmq.Socket[bytes], path: str, *, max_tcp_peers: int = 1 << 30,
-                 max_tcp_peers_per_source: int = 1 << 30) -> None:
+                 max_tcp_peers_per_source: int = 1 << 30, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
+        self.clock = clock
+        #: the client keys with a request in flight (the frontend's answer, given once it exists):
+        #: a session with one is never dropped for idleness nor evicted
+        self.busy: Callable[[], Container[bytes]] = _nobody
         self.monitor: zmq.Socket[bytes] = watch(sock)
         self.tcp_monitor: zmq.Socket[bytes] | None = None
         self._tcp_sock: zmq.Socket[bytes] | None = None
@@ -133,22 +147,51 @@ class FrontendConnections:
             except zmq.Again:
                 return
             if kind == zmq.EVENT_ACCEPTED:
-                peer = tcp_peer(fd, self.tcp_ports)
+                peer = tcp_peer_of(fd, self.tcp_ports)
                 if peer is None:
                     continue  # closed already (its DISCONNECTED follows) or the fd reused
-                reason = self.gate.accepted(fd, tcp=True, source=source_key(peer))
+                source, now = source_key(peer[0]), self.clock()
+                if self.gate.full_for(source):  # at max_tcp_peers: evict an idle session for it
+                    victim = self.gate.victim(now, self.busy)
+                    if victim is not None:
+                        self.gate.drop(victim[0], "evicted")
+                        shed_tcp(victim[0], self.tcp_ports, victim[1])
+                        self._log_shed("evicted", source=victim[1][0] if victim[1] else "", by=peer[0])
+                reason = self.gate.accepted(fd, tcp=True, source=source, peer=peer, now=now)
                 if reason is not None:
-                    shed_tcp(fd, self.tcp_ports)
-                    self._log_shed(reason, source=peer)
+                    shed_tcp(fd, self.tcp_ports, peer)
+                    self._log_shed(reason, source=peer[0])
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.gate.disconnected(fd, tcp=True)
 
-    def _log_shed(self, reason: str, **fields: object) -> None:
+    def settle(self) -> None:
+        """Read the TCP monitor's queued events now (a message came on a connection whose ACCEPTED
+        is still queued: libzmq reports it before the connection can carry a message)."""
+        if self.tcp_monitor is None:
+            return
+        for _ in range(_SETTLE_ROUNDS):
+            if not self.tcp_monitor.poll(0):
+                return
+            self.on_tcp_readable()
+
+    def expire_idle(self, idle_s: float) -> int:
+        """Close the TCP sessions idle for ``idle_s`` (no request, none in flight: see
+        :meth:`ConnectionGate.expire`); how many. The monitor's events are read first, so the
+        fds are current."""
+        self.settle()
+        dropped = self.gate.expire(self.clock(), idle_s, self.busy)
+        for fd, peer in dropped:
+            shed_tcp(fd, self.tcp_ports, peer)
+        if dropped:
+            self._log_shed("idle", logging.INFO, sessions=len(dropped), idle_s=idle_s)
+        return len(dropped)
+
+    def _log_shed(self, reason: str, level: int = logging.WARNING, **fields: object) -> None:
         now = time.monotonic()
         if now - self._logged.get(reason, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._logged[reason] = now
             gate = self.gate
-            log_event(_log, logging.WARNING, "supervisor.connection_shed", reason=reason,
+            log_event(_log, level, "supervisor.connection_shed", reason=reason,
                       connections=gate.connected, budget=gate.budget, tcp=gate.tcp, max_tcp_peers=gate.max_tcp,
                       shed=gate.shed_by.get(reason, 0), **fields)
 

@@ -70,7 +70,7 @@ from supervisor.admission.guard import FrontendGuard
 from supervisor.admission.rates import RefusalUnanswered
 from supervisor.runtime.loop import Loop
 from supervisor.routing.pending import PendingTable
-from supervisor.routing.regions import RegionTable
+from supervisor.routing.regions import RegionTable, ipc_peer_pid
 from supervisor.store.registry import TenantRegistry
 from supervisor.routing.replies import Replies
 from supervisor.runtime.requests import Parked, Pending
@@ -85,6 +85,8 @@ READ_BATCH = 16
 BATCH_BACKLOGGED = 8
 #: with two frontend sockets, every this many messages read from one the other is asked for input
 YIELD_EVERY = 4
+#: the idle TCP sessions are looked for this often (or four times per tcp_idle_timeout_s, if shorter)
+IDLE_SWEEP_S = 0.5
 
 __all__ = ["ClientMessage", "Frontend"]
 
@@ -172,6 +174,12 @@ class Frontend:
             self._other = {_IPC: (tcp_sock, _TCP), _TCP: (sock, _IPC)}
             self._tcp = (tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
             loop.register(tcp_sock, self._tcp[1])
+        #: the TCP connections' activity (supervisor.admission.peers: the idle rule and the eviction)
+        self._sessions = guard.connections if tcp_sock is not None else None
+        if self._sessions is not None:
+            self._sessions.busy = self._tcp_clients_busy
+            self._sweep_s = min(IDLE_SWEEP_S, config.tcp_idle_timeout_s / 4)
+            loop.timers.after(self._sweep_s, self._sweep_idle_tcp)
 
     # ------------------------------------------------------------ decode
 
@@ -203,7 +211,10 @@ class Frontend:
                 frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            msg = self.decode(frames, prefix)
+            if prefix == _TCP and self._sessions is not None and not self._tcp_seen(frames[0], now):
+                msg = None  # its session was dropped: never served, never executed
+            else:
+                msg = self.decode(frames, prefix)
             if msg is not None and (msg.key is not None or admission.admit_unauthenticated(msg.client, now)):
                 batch.append(msg)
             else:
@@ -219,6 +230,39 @@ class Frontend:
             self._take(batch)
         if yielded and other is not None:
             self._on_readable(other[0], other[1], follow=False)
+
+    def _tcp_seen(self, frame: zmq.Frame, now: float) -> bool:
+        """A request came on the TCP socket: note its connection's activity (by the fd libzmq read
+        it from). False: its session was dropped by the supervisor, and it must not be served."""
+        sessions = self._sessions
+        assert sessions is not None
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except zmq.ZMQError:  # a libzmq without ZMQ_SRCFD: no activity is known, none is dropped
+            return True
+        client = _TCP + frame.bytes
+        seen = sessions.gate.seen(fd, client, now)
+        if seen != "ok":  # an ACCEPTED still in the monitor's queue may explain it
+            sessions.settle()
+            seen = sessions.gate.seen(fd, client, now)
+        return seen != "dropped"
+
+    def _tcp_clients_busy(self) -> set[bytes]:
+        """The TCP clients with a request in flight (at a worker, or parked): their sessions are
+        neither idle nor evicted. (One read and waiting for its turn was active a moment ago.)"""
+        busy = {p.client for w in self.workers.workers.values() for p in w.in_flight.values()
+                if p.client is not None and p.client[:1] == _TCP}
+        busy.update(p.client for rt in self.tenants.values() for p in rt.parked if p.client[:1] == _TCP)
+        return busy
+
+    def _sweep_idle_tcp(self) -> None:
+        """Timer: close the TCP sessions idle for ``tcp_idle_timeout_s`` (see supervisor.admission.peers)."""
+        if self._sessions is None or self._tcp is None or self._tcp[0].closed:
+            return
+        try:
+            self._sessions.expire_idle(self.config.tcp_idle_timeout_s)
+        finally:
+            self.loop.timers.after(self._sweep_s, self._sweep_idle_tcp)
 
     def dropped_unanswered(self, prefix: bytes, n: int = 1) -> None:
         """``n`` messages read from the socket ``prefix`` names were dropped unanswered: the TCP
@@ -300,6 +344,11 @@ class Frontend:
         if body is not None and not proto.OPS[op].body_in:
             return ClientMessage(client, rid, op, None, {}, None,
                                  ProtocolError(f"op {op!r} takes no body frame (PROTOCOL.md: body_in)"))
+        if op == "region_create":  # owned by the process the kernel names, never the one the client does
+            args = {k: v for k, v in args.items() if k != "pid"}
+            pid = _peer_pid(frames[1]) if prefix == _IPC else None
+            if pid is not None:
+                args["pid"] = pid
         msg = ClientMessage(client, rid, op, cap_raw, args, body, None,
                             size=len(header) + (len(body) if body is not None else 0))
         msg.key = self.verified_key(cap_raw)
@@ -318,6 +367,20 @@ class Frontend:
         return None
 
     def serve(self, msg: ClientMessage) -> None:
+        """Serve one request (every request read ends here, or in the drops before)."""
+        client = msg.client
+        if client[:1] == _TCP and self._sessions is not None:
+            gate = self._sessions.gate
+            if gate.dropped(client):  # read before its session was dropped: never served
+                self.dropped_unanswered(_TCP)
+                return
+            self._serve(msg)
+            if msg.key is not None or self.verified_key(msg.cap_raw) is not None:
+                gate.verified(client)  # a tenant's (or the admin's) session: evicted last
+            return
+        self._serve(msg)
+
+    def _serve(self, msg: ClientMessage) -> None:
         client, rid, op, body = msg.client, msg.rid, msg.op, msg.body
         if msg.error is not None:
             self._refused(client, rid, op, msg.error, None)
@@ -678,6 +741,14 @@ class Frontend:
 
 
 # ------------------------------------------------------------ instance choice (pure policy)
+
+
+def _peer_pid(frame: zmq.Frame) -> int | None:
+    """The pid the kernel recorded for the ipc connection ``frame`` came on (None: none known)."""
+    try:
+        return ipc_peer_pid(frame.get("Peer-Address"))
+    except zmq.ZMQError:  # no such property on this libzmq
+        return None
 
 
 def request_handles(op: str, args: dict[str, object]) -> list[int]:

@@ -32,6 +32,27 @@ of 16 replies (at 256, 300 pipelined forged requests from a reading peer lost
 replies under load); 1,024 small replies are ~300 KiB per peer. The table of peers is itself
 bounded (least recently seen forgotten).
 
+Idle TCP sessions. A completed CURVE handshake needs no allow-listed key (by default), so
+sessions that hold a slot and send nothing would lock remote clients out for good. The gate
+keeps, per TCP connection, when it last carried a request (its accept until then) and, once
+one came, its client key (the frontend's ``TCP_INDEX`` + routing id: the frontend reads the
+connection's fd from each message, ``ZMQ_SRCFD``) and whether a capability the supervisor
+verified came on it. Two rules free slots:
+
+* **idle**: a connection that carried no request for ``tcp_idle_timeout_s`` and has none in
+  flight (the frontend's sweep tells the gate which clients have) is closed;
+* **eviction**: a connection accepted while ``max_tcp_peers`` are held evicts one held
+  connection instead of being refused: the longest idle of those that never carried a
+  verified capability (anonymous sessions, handshakes still running), else the longest idle
+  of the tenants' sessions if it has been idle at least :data:`EVICT_MIN_IDLE_S` and has
+  nothing in flight. Only when neither exists is the new one refused (ZAP, then shed).
+
+A dropped session's slot is free at once (its DISCONNECTED event, later, is ignored). Its
+messages that libzmq had read but the loop had not are never served (:meth:`ConnectionGate.seen`
+answers ``"dropped"``): a request sent on a session as the supervisor dropped it is not
+executed (nor answered). ``SupervisorClient`` keeps its requests off such sessions: it opens a
+new connection before a request once its link has been idle (see ``supervisor.client.api``).
+
 Loop thread only.
 """
 
@@ -41,12 +62,14 @@ import ipaddress
 import os
 import socket
 from collections import OrderedDict, deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass, field
+from typing import Literal
 
 import zmq
 
-__all__ = ["ConnectionGate", "UnreadErrors", "shed", "shed_tcp", "short", "source_key", "tcp_peer"]
+__all__ = ["EVICT_MIN_IDLE_S", "ConnectionGate", "Seen", "UnreadErrors", "shed", "shed_tcp", "short", "source_key",
+           "tcp_peer", "tcp_peer_of"]
 
 #: the longest text an error to an unauthenticated peer carries
 MAX_ERROR_TEXT = 200
@@ -91,14 +114,29 @@ class UnreadErrors:
         return len(self._peers)
 
 
-#: why a connection was shed (a key of :attr:`ConnectionGate.shed_by`)
+#: why a connection was shed (a key of :attr:`ConnectionGate.shed_by`): fd_budget, per_source,
+#: max_tcp_peers (at accept), idle (tcp_idle_timeout_s), evicted (for a new connection at the cap)
 ShedReason = str
+#: what :meth:`ConnectionGate.seen` says of a TCP message: serve it ("ok"), its connection is not
+#: known yet (read the monitor's events, then ask again), or its session was dropped (discard it)
+Seen = Literal["ok", "unknown", "dropped"]
+#: a tenant's session (one that carried a verified capability) is evicted for a new connection
+#: only once it has been idle this long: a connection flood never closes an active client's link
+EVICT_MIN_IDLE_S = 1.0
+#: dropped sessions whose late messages are still recognised (routing ids are never reused)
+_DROPPED_CLIENTS = 4096
+#: a peer's address and port, as getpeername() gives them
+Peer = tuple[str, int]
 
 
 @dataclass
 class _Conn:
     tcp: bool
     source: str  # the peer's address (IPv6: its /64), "" for ipc
+    peer: Peer | None = None  # TCP: (address, port), so a shed never hits a reused fd's new peer
+    active_at: float = 0.0  # TCP: accepted, or its last request read (the loop's clock)
+    client: bytes | None = None  # TCP: the frontend's client key of its last request
+    verified: bool = False  # TCP: a verified capability came on it (a tenant's or the admin's session)
 
 
 @dataclass
@@ -112,10 +150,16 @@ class ConnectionGate:
     key not held is ignored, so the count never drifts for good.
     ``accepted`` answers the reason to shed the new connection, or None to keep it.
 
-    TCP past ``max_tcp``: the first ``tcp_slack`` extra connections are kept so that
-    the ZAP handler can refuse their handshake with a reason the client reads
-    (:class:`~shared.errors.HandshakeFailed` naming ``max_tcp_peers``); past that
-    they are shed at once, greeted or not.
+    TCP past ``max_tcp``: the caller first evicts a held session (:meth:`victim`,
+    :meth:`drop`); when there is none to evict, the first ``tcp_slack`` extra
+    connections are kept so that the ZAP handler can refuse their handshake with a
+    reason the client reads (:class:`~shared.errors.HandshakeFailed` naming
+    ``max_tcp_peers``); past that they are shed at once, greeted or not.
+
+    TCP sessions' activity (see the module docstring): :meth:`seen` for each request,
+    :meth:`verified` once a capability was verified on one, :meth:`expire` for the idle
+    rule, :meth:`victim` for the eviction. Two orders of the TCP connections, least
+    recently active first (anonymous ones, tenants' ones), make both O(1) per step.
     """
 
     budget: int
@@ -126,6 +170,15 @@ class ConnectionGate:
     tcp: int = field(default=0, init=False)
     _conns: dict[tuple[bool, int], _Conn] = field(default_factory=dict, init=False)
     _per_source: dict[str, int] = field(default_factory=dict, init=False)
+    #: TCP fds by last activity, oldest first: [anonymous sessions, tenants' sessions]
+    _order: tuple[OrderedDict[int, None], OrderedDict[int, None]] = field(
+        default_factory=lambda: (OrderedDict(), OrderedDict()), init=False)
+    #: client key -> the fd of the TCP connection its requests came on
+    _by_client: dict[bytes, int] = field(default_factory=dict, init=False)
+    #: fds of sessions the supervisor dropped, until the fd is accepted again
+    _dropped_fds: set[int] = field(default_factory=set, init=False)
+    #: client keys of sessions the supervisor dropped -> their fd (bounded: the oldest forgotten)
+    _dropped_clients: OrderedDict[bytes, int] = field(default_factory=OrderedDict, init=False)
 
     @property
     def connected(self) -> int:
@@ -141,11 +194,14 @@ class ConnectionGate:
     def shed(self) -> int:
         return sum(self.shed_by.values())
 
-    def accepted(self, fd: int = -1, *, tcp: bool = False, source: str = "") -> ShedReason | None:
-        """A connection was accepted; the reason it must be shed, or None (it is counted)."""
+    def accepted(self, fd: int = -1, *, tcp: bool = False, source: str = "", peer: Peer | None = None,
+                 now: float = 0.0) -> ShedReason | None:
+        """A connection was accepted (at ``now``); the reason it must be shed, or None (it is counted)."""
         key = (tcp, fd)
         if key in self._conns:
             self._forget(key)
+        if tcp:
+            self._dropped_fds.discard(fd)  # a new connection: its messages are served
         reason: ShedReason | None = None
         if len(self._conns) >= self.budget or (tcp and self.tcp >= self.tcp_budget):
             reason = "fd_budget"
@@ -156,19 +212,138 @@ class ConnectionGate:
         if reason is not None:
             self.shed_by[reason] = self.shed_by.get(reason, 0) + 1
             return reason
-        self._conns[key] = _Conn(tcp, source)
+        self._conns[key] = _Conn(tcp, source, peer, now)
         if tcp:
             self.tcp += 1
             self._per_source[source] = self._per_source.get(source, 0) + 1
+            self._order[0][fd] = None
         return None
 
     def disconnected(self, fd: int = -1, *, tcp: bool = False) -> None:
         self._forget((tcp, fd))
 
+    def full_for(self, source: str) -> bool:
+        """A TCP connection from ``source`` would be kept but for ``max_tcp``: the case where a
+        held session is evicted for it (:meth:`victim`) rather than the new one refused."""
+        return (self.tcp >= self.max_tcp and len(self._conns) < self.budget and self.tcp < self.tcp_budget
+                and self._per_source.get(source, 0) < self.max_per_source)
+
+    # ------------------------------------------------------------ TCP sessions' activity
+
+    def seen(self, fd: int, client: bytes, now: float) -> Seen:
+        """A request from ``client`` came on TCP connection ``fd`` (its ``ZMQ_SRCFD``) at ``now``.
+
+        "dropped": its session was dropped by the supervisor - discard the request unserved.
+        "unknown": no ACCEPTED for ``fd`` was read yet (the monitor lags the socket).
+        Past either, read the monitor's events and ask again (a connection accepted since may
+        explain it); still "unknown" then, serve it (nothing recorded).
+
+        A late request of a dropped session is recognised by its client key and fd; when that
+        fd was accepted again meanwhile and the new connection has sent nothing yet, it cannot
+        be told from the new connection's own first request, and is served.
+        """
+        conn = self._conns.get((True, fd))
+        old_fd = self._dropped_clients.get(client) if self._dropped_clients else None
+        if old_fd is not None:
+            if old_fd == fd and (conn is None or conn.client not in (None, client)):
+                return "dropped"  # the dropped connection's own late request
+            # the same routing id on a connection accepted since: a client that sets its own
+            # (ZMQ_ROUTING_ID) and reconnected - served from now on
+            del self._dropped_clients[client]
+        if conn is None:
+            return "dropped" if fd in self._dropped_fds else "unknown"
+        if conn.client != client:
+            if conn.client is not None and self._by_client.get(conn.client) == fd:
+                del self._by_client[conn.client]
+            conn.client = client
+            self._by_client[client] = fd
+        conn.active_at = now
+        self._order[conn.verified].move_to_end(fd)
+        return "ok"
+
+    def dropped(self, client: bytes) -> bool:
+        """``client``'s session was dropped by the supervisor: a request of it read before the drop
+        and still waiting for its turn is discarded, never served."""
+        return client in self._dropped_clients
+
+    def verified(self, client: bytes) -> None:
+        """A capability the supervisor verified came from ``client``: its session is a tenant's
+        (or the admin's), evicted only after the anonymous ones and never while active."""
+        fd = self._by_client.get(client)
+        if fd is None:
+            return
+        conn = self._conns.get((True, fd))
+        if conn is None or conn.verified:
+            return
+        conn.verified = True
+        self._order[0].pop(fd, None)
+        self._order[1][fd] = None
+
+    def expire(self, now: float, idle_s: float, busy: Callable[[], Container[bytes]]) -> list[tuple[int, Peer | None]]:
+        """Drop the TCP sessions with no request for ``idle_s`` and none in flight; returns their
+        ``(fd, peer)`` for the caller to shut down (counted as shed for "idle"). ``busy()``: the
+        client keys with a request in flight (asked only when some session is idle that long);
+        such a session counts as active now."""
+        out: list[tuple[int, Peer | None]] = []
+        in_flight: Container[bytes] | None = None
+        for order in self._order:
+            for fd in list(order):
+                conn = self._conns[(True, fd)]
+                if now - conn.active_at < idle_s:
+                    break  # the rest were active later
+                if conn.client is not None:
+                    if in_flight is None:
+                        in_flight = busy()
+                    if conn.client in in_flight:
+                        conn.active_at = now
+                        order.move_to_end(fd)
+                        continue
+                out.append((fd, conn.peer))
+        for fd, _ in out:
+            self.drop(fd, "idle")
+        return out
+
+    def victim(self, now: float, busy: Callable[[], Container[bytes]]) -> tuple[int, Peer | None] | None:
+        """The session a new connection at the cap evicts (see the module docstring), or None:
+        the longest idle anonymous one, else the longest idle tenant's one idle at least
+        :data:`EVICT_MIN_IDLE_S` with no request in flight (``busy()``: the client keys that have one)."""
+        for fd in self._order[0]:
+            return fd, self._conns[(True, fd)].peer
+        in_flight: Container[bytes] | None = None
+        for fd in self._order[1]:
+            conn = self._conns[(True, fd)]
+            if now - conn.active_at < EVICT_MIN_IDLE_S:
+                return None  # the rest were active later still
+            if conn.client is not None:
+                if in_flight is None:
+                    in_flight = busy()
+                if conn.client in in_flight:
+                    continue
+            return fd, conn.peer
+        return None
+
+    def drop(self, fd: int, reason: ShedReason) -> None:
+        """The supervisor drops TCP session ``fd`` (the caller shuts it down): its slot is free now,
+        and its requests not yet read are discarded (:meth:`seen`)."""
+        conn = self._conns.get((True, fd))
+        if conn is None:
+            return
+        self._forget((True, fd))
+        self._dropped_fds.add(fd)
+        if conn.client is not None:
+            self._dropped_clients[conn.client] = fd
+            while len(self._dropped_clients) > _DROPPED_CLIENTS:
+                self._dropped_clients.popitem(last=False)
+        self.shed_by[reason] = self.shed_by.get(reason, 0) + 1
+
     def _forget(self, key: tuple[bool, int]) -> None:
         conn = self._conns.pop(key, None)
         if conn is None or not conn.tcp:
             return
+        fd = key[1]
+        self._order[conn.verified].pop(fd, None)
+        if conn.client is not None and self._by_client.get(conn.client) == fd:
+            del self._by_client[conn.client]
         self.tcp -= 1
         left = self._per_source.get(conn.source, 0) - 1
         if left > 0:
@@ -198,6 +373,13 @@ def source_key(address: str) -> str:
 def tcp_peer(fd: int, ports: Collection[int]) -> str | None:
     """The source address of ``fd`` if it is a TCP connection accepted on one of ``ports``;
     None when the fd is gone or is something else now (closed and reused)."""
+    peer = tcp_peer_of(fd, ports)
+    return None if peer is None else peer[0]
+
+
+def tcp_peer_of(fd: int, ports: Collection[int]) -> Peer | None:
+    """``(address, port)`` of the peer of ``fd`` if it is a TCP connection accepted on one of
+    ``ports``; None when the fd is gone or is something else now (closed and reused)."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
@@ -207,16 +389,18 @@ def tcp_peer(fd: int, ports: Collection[int]) -> str | None:
             return None
         if sock.getsockname()[1] not in ports:
             return None
-        return str(sock.getpeername()[0])
+        name = sock.getpeername()
+        return str(name[0]), int(name[1])
     except OSError:
         return None
     finally:
         sock.close()  # our duplicate only
 
 
-def shed_tcp(fd: int, ports: Collection[int]) -> bool:
-    """Shut down the accepted TCP connection ``fd`` if it is still one of ``ports``' (libzmq
-    closes it on seeing EOF, its handshake done or not); False when it is gone or reused."""
+def shed_tcp(fd: int, ports: Collection[int], peer: Peer | None = None) -> bool:
+    """Shut down the accepted TCP connection ``fd`` if it is still one of ``ports``' (and, given
+    ``peer``, still that peer's: the fd may have been closed and reused by a new connection);
+    libzmq closes it on seeing EOF, its handshake done or not. False when it is gone or reused."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
@@ -224,7 +408,9 @@ def shed_tcp(fd: int, ports: Collection[int]) -> bool:
     try:
         if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.getsockname()[1] not in ports:
             return False
-        sock.getpeername()  # a connection, not a listener
+        name = sock.getpeername()  # a connection, not a listener
+        if peer is not None and (str(name[0]), int(name[1])) != peer:
+            return False
         sock.shutdown(socket.SHUT_RDWR)
         return True
     except OSError:

@@ -35,6 +35,13 @@ and closed (issue 30, finding 2; upstream zeromq/libzmq#4364). TCP keepalive
 (tuned idle/interval/count) and ``TCP_USER_TIMEOUT`` drop a peer that vanished
 without a FIN instead, and the loop's own deadlines answer every request. The
 receive queue per peer is the ipc frontend's (a flood waits in its sender).
+
+Completed handshakes do not hold a slot for good (any key completes one without
+an allow-list): the loop notes each request's connection (``ZMQ_SRCFD``), closes
+a session idle for ``tcp_idle_timeout_s`` with nothing in flight, and a
+connection accepted at ``max_tcp_peers`` evicts the longest idle session
+instead of being refused (:mod:`supervisor.admission.peers` has the rule; the
+ZAP handler then finds room).
 """
 
 from __future__ import annotations

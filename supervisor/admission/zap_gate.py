@@ -1,6 +1,10 @@
 """ZAP for the CURVE TCP frontend (:mod:`supervisor.admission.tcp_frontend`): pyzmq's
 authenticator thread with the frontend's peer budget checked before the allow-list.
 
+The budget is full here only when the loop found no session to evict for the new connection
+at its accept (:meth:`supervisor.admission.peers.ConnectionGate.victim`: an evicted session's
+slot is given back at once), or has not read its ACCEPTED yet (then it is not counted either).
+
 A module of its own so that ``zmq.auth`` (its thread runs an asyncio loop) is imported only by a
 supervisor that listens on TCP.
 """

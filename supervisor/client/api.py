@@ -18,6 +18,21 @@ wrong server key or a plaintext peer raises :class:`HandshakeFailed`, an
 endpoint that never answers :class:`SupervisorUnavailable` within the
 timeout, and a connection lost while a reply is awaited
 :class:`SupervisorUnavailable` at once (a socket monitor watches the link).
+
+Idle remote links. The supervisor closes a TCP session that carried no request
+for its ``tcp_idle_timeout_s`` (60 s by default), and a request that reaches a
+session as it closes is never executed - but it is lost, and the client cannot
+tell that from a request lost to a crash, so it never sends one twice. The rule
+is to reconnect *before* sending instead: a remote client whose link has carried
+nothing for ``idle_reconnect_s`` (30 s: half the server's default timeout; keep
+it at most half the server's) with no reply outstanding closes its socket and
+opens a new one (a new CURVE handshake) before the request. The new session is
+fresh on the server's side, so the request cannot meet an idle drop; nothing is
+re-sent, nothing is lost. A session dropped earlier than that (a server with a
+shorter timeout, or one evicted for a new client at ``max_tcp_peers``) is
+reconnected by libzmq by itself; only a request sent in the instant of such a
+drop can be lost, and it is reported (:class:`SupervisorUnavailable`), never
+retried.
 Bulk bytes: :meth:`write`, :meth:`read`, :meth:`read_into`, :meth:`put_array`
 and :meth:`get_array` move payloads from ``bulk_threshold`` (256 KiB) on
 through a shared-memory region bound to the tenant (``supervisor.client.bulk``),
@@ -95,6 +110,9 @@ def _reply_field(result: object, key: str, kind: type[T]) -> T:
     raise ProtocolError(f"the reply has no {kind.__name__} {key!r}: {type(value).__name__}")
 
 
+#: a remote client reconnects before a request once its link has carried nothing this long: half
+#: the supervisor's default tcp_idle_timeout_s (see the module docstring)
+DEFAULT_IDLE_RECONNECT_S = 30.0
 #: ZMTP heartbeats of a remote client: a silent server is dropped after the timeout
 _HEARTBEAT_IVL_MS = 2_000
 _HEARTBEAT_TIMEOUT_MS = 6_000
@@ -154,9 +172,28 @@ class SupervisorClient:
         self._open("ipc://" + os.path.join(self.run_dir, "frontend.ipc"), None, None)
         self._bulk = BulkPath(self, enabled=regions, threshold=bulk_threshold, region_bytes=region_bytes)
 
-    def _open(self, endpoint: str, keys: CurveKeyPair | None, server_key: bytes | None) -> None:
+    def _open(self, endpoint: str, keys: CurveKeyPair | None, server_key: bytes | None,
+              idle_reconnect_s: float | None = None) -> None:
         self.endpoint = endpoint
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._keys, self._server_key = keys, server_key
+        self.idle_reconnect_s = idle_reconnect_s
+        #: remote: fresh connections made before a request because the link had been idle
+        self.reconnects = 0
+        #: remote: requests sent whose reply has not been read (rid -> None); a link with one is not idle
+        self._outstanding: dict[int, None] = {}
+        self._connect_socket()
+        self._rids = itertools.count(1)
+        self._lock = threading.Lock()
+        #: tenant -> (until, the refusal): the supervisor refused a request of it for its rate and said when
+        #: to come back (``retry_after_s``); until then its requests are refused here, unsent (see send)
+        self._rate_wait: dict[str, tuple[float, dict[str, object]]] = {}
+        self._admin: RegistryAdminCapability | None = None
+        self._closed = False
+
+    def _connect_socket(self) -> None:
+        """A new DEALER (and, remote, its CURVE keys and link monitor), connected to :attr:`endpoint`."""
+        keys, server_key = self._keys, self._server_key
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
@@ -180,14 +217,26 @@ class SupervisorClient:
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
-        self._sock.connect(endpoint)
-        self._rids = itertools.count(1)
-        self._lock = threading.Lock()
-        #: tenant -> (until, the refusal): the supervisor refused a request of it for its rate and said when
-        #: to come back (``retry_after_s``); until then its requests are refused here, unsent (see send)
-        self._rate_wait: dict[str, tuple[float, dict[str, object]]] = {}
-        self._admin: RegistryAdminCapability | None = None
-        self._closed = False
+        self._sock.connect(self.endpoint)
+        #: remote: when the link last carried a request or a reply (a fresh socket counts as one)
+        self._last_io = time.monotonic()
+
+    def _close_socket(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+        self._sock.close(0)
+
+    def _fresh_link_if_idle(self) -> None:
+        """Remote, before a request: a link idle for ``idle_reconnect_s`` with no reply outstanding is
+        replaced by a new connection, so the request never meets the server's idle drop (see the
+        module docstring)."""
+        idle = self.idle_reconnect_s
+        if idle is None or self._outstanding or time.monotonic() - self._last_io < idle:
+            return
+        self._close_socket()
+        self._connect_socket()
+        self.reconnects += 1
 
     @classmethod
     def remote(
@@ -199,6 +248,7 @@ class SupervisorClient:
         *,
         admin: RegistryAdminCapability | bytes | None = None,
         connect_timeout_s: float | None = None,
+        idle_reconnect_s: float | None = DEFAULT_IDLE_RECONNECT_S,
     ) -> SupervisorClient:
         """A client of the supervisor listening on ``endpoint`` (``tcp://HOST:PORT``), over CURVE.
 
@@ -209,6 +259,8 @@ class SupervisorClient:
         supervisor accepts over TCP only with ``allow_remote_admin = true``.
         ``connect_timeout_s`` (default ``timeout_s``) bounds the wait for a
         first connection before :class:`SupervisorUnavailable`.
+        ``idle_reconnect_s``: a link idle this long is replaced by a new one before the next
+        request (at most half the server's ``tcp_idle_timeout_s``; None: never).
         """
         if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
             raise InvalidArgument(f"remote endpoint must be tcp://HOST:PORT; got {endpoint!r}")
@@ -222,7 +274,11 @@ class SupervisorClient:
         self.timeout_s = timeout_s
         self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.info = {"frontend": endpoint, "server_public_key": server_key.decode("ascii")}
-        self._open(endpoint, keys, server_key)
+        if idle_reconnect_s is not None and (not isinstance(idle_reconnect_s, (int, float))
+                                             or isinstance(idle_reconnect_s, bool) or not idle_reconnect_s > 0):
+            raise InvalidArgument(f"idle_reconnect_s must be a positive number of seconds or None; "
+                                  f"got {idle_reconnect_s!r}")
+        self._open(endpoint, keys, server_key, idle_reconnect_s)
         # a remote peer cannot map this host's shared memory: bulk bytes always travel in frames
         self._bulk = BulkPath(self, enabled=False, threshold=DEFAULT_THRESHOLD, region_bytes=DEFAULT_REGION_BYTES)
         if admin is not None:
@@ -232,6 +288,13 @@ class SupervisorClient:
     @property
     def is_remote(self) -> bool:
         return self._monitor is not None
+
+    @property
+    def link_drops(self) -> int:
+        """Remote: how often this socket's established link dropped so far (0 for a local client)."""
+        if self._monitor is not None:
+            self._watch_link()
+        return self._link_drops
 
     # ----------------------------------------------------------- plumbing
 
@@ -268,6 +331,7 @@ class SupervisorClient:
         rid = next(self._rids)
         header = proto.encode_request(rid, op, _cap_bytes(cap), args or {})
         if self._monitor is not None:
+            self._fresh_link_if_idle()
             self._watch_link()
         try:
             if body is None:
@@ -276,6 +340,9 @@ class SupervisorClient:
                 self._sock.send_multipart([header, body], zmq.NOBLOCK, copy=len(body) < 65536)
         except zmq.Again:
             raise RequestTimeout(op, 0, message=f"cannot queue {op!r}: the send queue is full") from None
+        if self._monitor is not None:
+            self._outstanding[rid] = None
+            self._last_io = time.monotonic()
         return rid
 
     def recv(self, timeout_s: float | None = None) -> tuple[int, bool, object, bytes | None]:
@@ -339,6 +406,9 @@ class SupervisorClient:
                     self._link_drops += 1
                     self._down_since = time.monotonic()
                 self._link_up = False
+                # the supervisor answers a request on the connection it came on: none sent before
+                # this drop can be answered now (those already received are still read)
+                self._outstanding.clear()
             elif event in _HANDSHAKE_FAILED:
                 failed = event
         if failed is not None and not self._link_up:
@@ -393,6 +463,9 @@ class SupervisorClient:
             return got, False, error.to_dict(), None
         if not ok:
             self._note_refusal(payload)
+        if self._monitor is not None:
+            self._outstanding.pop(rid, None)
+            self._last_io = time.monotonic()
         return rid, ok, payload, frames[1] if len(frames) > 1 else None
 
     def _recv_one(self, deadline: float, op: str) -> tuple[int, bool, object, bytes | None]:
@@ -427,8 +500,13 @@ class SupervisorClient:
             try:
                 got, ok, payload, out_body = self._recv_one(deadline, op)
             except RequestTimeout:
+                self._outstanding.pop(rid, None)  # given up: its late reply is dropped
                 raise RequestTimeout(op, timeout) from None
+            except SupervisorUnavailable:
+                self._outstanding.pop(rid, None)  # its link is gone: no reply will come on it
+                raise
             except ProtocolError as exc:  # undecodable and unattributable: ours is the one waiting
+                self._outstanding.pop(rid, None)
                 raise ProtocolError(exc.detail, message=f"{op}: {exc.message}") from None
             if got == rid:
                 break
@@ -462,10 +540,7 @@ class SupervisorClient:
                 self._bulk.close()
             finally:
                 self._closed = True
-                if self._monitor is not None:
-                    self._sock.disable_monitor()
-                    self._monitor.close(0)
-                self._sock.close(0)
+                self._close_socket()
 
     def __enter__(self) -> SupervisorClient:
         return self

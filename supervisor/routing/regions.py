@@ -1,7 +1,7 @@
 """The shared-memory data regions this supervisor owns for local clients, each bound to one tenant.
 
-    region_create {nbytes, pid}      RegionTable.create   charge the tenant's host quota, then
-                                                          create the segment (0600, unguessable name)
+    region_create {nbytes}           RegionTable.create   charge the tenant's host quota, then
+      + the peer's pid (SO_PEERCRED)                      create the segment (0600, unguessable name)
     write_region / read_region       RegionTable.resolve  the tenant's own region, or refused; the
       {region, region_offset, ...}                        forwarded args get the region's *name*
     region_release {region}          RegionTable.release  unlink, uncharge (workers are told to unmap)
@@ -23,9 +23,14 @@ sweep remove what a killed supervisor left) and charges its bytes to the
 tenant's host memory quota until it is released. A region records the client
 process that asked for it (pid and start time, so a reused pid is not taken
 for it); when that process is gone the region is reclaimed at the next
-sweep, and at the latest when its tenant is evicted. A client that names
-another live process only keeps its own region longer: it still counts
-against its own quota.
+sweep, and at the latest when its tenant is evicted. That pid is never the
+client's word: it is what the kernel recorded for the ipc connection the
+request came on (``SO_PEERCRED``, which libzmq appends to an ipc peer's
+address: ``Peer-Address`` = ``"...:uid:gid:pid"``, read by
+:func:`ipc_peer_pid`). A client that claims pid 1 (alive for ever) gets a region
+owned by itself all the same, reclaimed when it exits. A request without peer
+credentials gets no region. TCP clients get none either (they cannot map
+this host's memory: the frontend refuses the region ops there).
 
 All of it runs on the supervisor's loop thread.
 """
@@ -46,7 +51,8 @@ from shared.quota import QuotaBlock, process_alive, process_start_ms
 from shared.records import RegionRecord
 from shared.region import DATA_OFFSET, Region, round_region_size
 
-__all__ = ["MAX_REGIONS_PER_TENANT", "SHM_RESERVE_BYTES", "OwnedRegion", "RegionTable", "shm_free_bytes"]
+__all__ = ["MAX_REGIONS_PER_TENANT", "SHM_RESERVE_BYTES", "OwnedRegion", "RegionTable", "ipc_peer_pid",
+           "shm_free_bytes"]
 
 _log = get_logger("supervisor.routing.regions")
 
@@ -54,6 +60,19 @@ _log = get_logger("supervisor.routing.regions")
 MAX_REGIONS_PER_TENANT: Final = 64
 #: what regions leave free in /dev/shm: quota blocks (8 KiB each) of 1,024 more tenants
 SHM_RESERVE_BYTES: Final = 8 << 20
+
+
+def ipc_peer_pid(address: object) -> int | None:
+    """The process id in an ipc peer's address as libzmq reports it where ``SO_PEERCRED``
+    exists (``"<path>:<uid>:<gid>:<pid>"``: the message property ``Peer-Address``); None when
+    the address carries no credentials (another transport, or a libzmq built without them)."""
+    if not isinstance(address, str):
+        return None
+    parts = address.rsplit(":", 3)
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+        return None
+    pid = int(parts[3])
+    return pid if pid > 0 else None  # 0: the peer is in a pid namespace the supervisor cannot see
 
 
 def shm_free_bytes(path: str = _shm.SHM_DIR) -> int | None:
@@ -105,20 +124,22 @@ class RegionTable:
 
     def create(self, tenant_id: str, block: QuotaBlock, nbytes: object, client_pid: object,
                *, generation: int = 0) -> OwnedRegion:
-        """A new region for ``tenant_id``'s client ``client_pid``.
+        """A new region for ``tenant_id``'s client process ``client_pid``: the pid the kernel
+        reported for its connection (:func:`ipc_peer_pid`), never one the client sent; None
+        when its connection carries none.
 
-        Raises InvalidArgument (size, pid, too many regions), MemoryExhausted
-        (the tenant's host quota) or SegmentError (no room in /dev/shm past its
-        reserve, or the tenant's quota block is unusable); nothing is held then.
+        Raises InvalidArgument (size, no or a dead client process, too many regions),
+        MemoryExhausted (the tenant's host quota) or SegmentError (no room in /dev/shm past
+        its reserve, or the tenant's quota block is unusable); nothing is held then.
         """
         size = round_region_size(nbytes)
         if not is_int(client_pid) or client_pid <= 0:
-            raise InvalidArgument("region_create: pid must be the client's process id (a positive int)")
+            raise InvalidArgument("region_create: the supervisor cannot tell which process this client is (its "
+                                  "connection carries no peer credentials); regions serve local ipc clients only")
         try:
             start_ms = process_start_ms(client_pid)
         except (ProcessLookupError, OSError):
-            raise InvalidArgument(f"region_create: process {client_pid} does not run on this host "
-                                  "(regions are for local clients)") from None
+            raise InvalidArgument(f"region_create: the client process {client_pid} has exited") from None
         held = self._by_tenant.get(tenant_id, {})
         if len(held) >= self.max_per_tenant:
             raise InvalidArgument(f"tenant {tenant_id!r} holds {len(held)} regions already "

@@ -150,8 +150,7 @@ def test_out_of_range_and_bad_arguments_are_refused() -> None:
                 with pytest.raises(InvalidArgument):
                     c.call(op, cap, {**base, **args})
         for bad in ({"nbytes": 1, "pid": os.getpid()}, {"nbytes": 2 << 30, "pid": os.getpid()},
-                    {"nbytes": MIN_REGION_BYTES, "pid": 0}, {"nbytes": MIN_REGION_BYTES, "pid": 2**22 + 12345},
-                    {"nbytes": MIN_REGION_BYTES}):
+                    {"pid": os.getpid()}):
             with pytest.raises(InvalidArgument):
                 c.call("region_create", cap, bad)
         with pytest.raises(InvalidArgument, match="unknown region"):
