@@ -180,8 +180,10 @@ class BearerToken:
         self._checked = now
         try:
             st = os.stat(self.path)
-            if (st.st_ino, st.st_mtime_ns, st.st_size) == self._stamp:
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if stamp == self._stamp:
                 return
+            self._stamp = stamp  # a file that cannot be used is reported once, not every second
             self._stamp, self._token = self._load()
             log_event(_log, logging.INFO, "metrics.token_reloaded", path=self.path)
         except (OSError, ConfigError) as exc:
