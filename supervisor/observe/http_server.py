@@ -53,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from shared.errors import ConfigError
@@ -202,6 +203,7 @@ class BearerToken:
 
 
 _READING, _WAITING, _WRITING, _DRAINING = range(4)
+_T = TypeVar("_T")
 
 
 class _Conn:
@@ -321,9 +323,9 @@ class HttpServer:
                     elif sock is self._wake_r:
                         self._drain_wake()
                     else:
-                        conn = self._conns.get(key.fd)
-                        if conn is not None:
-                            self._on_event(conn, mask)
+                        target = self._conns.get(key.fd)
+                        if target is not None:
+                            self._guarded(target, self._on_event, mask)
                 self._expire(self._clock())
         except Exception as exc:  # noqa: BLE001 - logged; the supervisor keeps serving its tenants
             log_event(_log, logging.ERROR, "metrics.server_failed", error=repr(exc))
@@ -376,7 +378,15 @@ class HttpServer:
             return
         for conn in list(self._conns.values()):
             if conn.state == _WAITING and latest.number > conn.after:
-                self._answer(conn, latest)
+                self._guarded(conn, self._answer, latest)
+
+    def _guarded(self, conn: _Conn, step: Callable[[_Conn, _T], None], arg: _T) -> None:
+        """``step(conn, arg)``; a bug there costs that connection (closed, logged), never the server."""
+        try:
+            step(conn, arg)
+        except Exception as exc:  # noqa: BLE001 - one connection's bug must not stop the port
+            log_event(_log, logging.ERROR, "metrics.connection_failed", error=repr(exc), path=conn.path[:200])
+            self._close(conn)
 
     def _on_event(self, conn: _Conn, mask: int) -> None:
         if mask & selectors.EVENT_READ:
@@ -539,11 +549,12 @@ class HttpServer:
 
     def _close(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()
-        if conn.state != _WAITING:
-            try:
-                self._sel.unregister(conn.sock)
-            except (KeyError, ValueError):
-                pass
+        if fd < 0:
+            return  # closed already
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass  # WAITING: not registered
         self._conns.pop(fd, None)
         self.stats.connections = len(self._conns)
         conn.sock.close()
