@@ -89,6 +89,8 @@ REFUSAL_REASONS = ("max_connections", "deadline", "head_too_large", "bad_request
 _ACCEPTS_PER_TURN = 64
 #: after an accept failed (EMFILE, ENFILE, ENOMEM ...), the listener rests this long
 _ACCEPT_PAUSE_S = 0.25
+#: at most one "accept failed" log line this often
+_LOG_EVERY_S = 10.0
 _READ_CHUNK = 4096
 #: bytes read and dropped while draining, at most
 _DRAIN_BYTES = 64 << 10
@@ -180,8 +182,15 @@ class BearerToken:
             return
         self._checked = now
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            try:
+                st = os.stat(self.path)
+                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except OSError:
+                stamp = (-1, -1, -1)  # gone (a Secret being swapped): keep the token, say so once
+                if stamp == self._stamp:
+                    return
+                self._stamp = stamp
+                raise
             if stamp == self._stamp:
                 return
             self._stamp = stamp  # a file that cannot be used is reported once, not every second
@@ -268,6 +277,7 @@ class HttpServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._listening = True
         self._resume_at = 0.0
+        self._accept_logged = -_LOG_EVERY_S
         self._next_limit_check = clock() + 1.0
         self.cache = cache_factory(self.wake)
         self._thread = threading.Thread(target=self._serve, name="twt-metrics", daemon=True)
@@ -347,8 +357,12 @@ class HttpServer:
                 continue
             except OSError as exc:  # EMFILE / ENFILE / ENOBUFS / ENOMEM: rest, never spin
                 self.stats.refuse("accept_failed")
-                log_event(_log, logging.WARNING, "metrics.accept_failed", error=errno.errorcode.get(exc.errno or 0,
-                                                                                                  str(exc)))
+                now = self._clock()
+                if now - self._accept_logged >= _LOG_EVERY_S:
+                    self._accept_logged = now
+                    log_event(_log, logging.WARNING, "metrics.accept_failed",
+                              error=errno.errorcode.get(exc.errno or 0, str(exc)),
+                              failed=self.stats.refused["accept_failed"])
                 self._sel.unregister(self._listener)
                 self._listening = False
                 self._resume_at = self._clock() + _ACCEPT_PAUSE_S

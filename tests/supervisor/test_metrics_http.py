@@ -338,6 +338,12 @@ def test_the_token_file_is_checked_at_start_and_reread_when_it_changes(tmp_path:
     os.replace(_token_file(tmp_path, "c", name="bad"), path)  # unusable: the old one stays
     now[0] += 1.5
     assert token.accepts("Bearer " + "b" * 20)
+    os.unlink(path)  # gone for a while (a Secret being swapped): the old one stays
+    now[0] += 1.5
+    assert token.accepts("Bearer " + "b" * 20)
+    _token_file(tmp_path, "d" * 20)  # back, with a new token
+    now[0] += 1.5
+    assert token.accepts("Bearer " + "d" * 20) and not token.accepts("Bearer " + "b" * 20)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
