@@ -218,6 +218,66 @@ def test_a_client_sending_a_byte_at_a_time_is_cut_at_the_request_deadline() -> N
         metrics.close()
 
 
+_EMFILE_CHILD = r"""
+import os, resource, sys, time
+from supervisor.observe.prometheus import PrometheusMetrics
+m = PrometheusMetrics("127.0.0.1:0", process_metrics=False, max_connections=4)
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+print(m.port, flush=True)
+sys.stdin.readline()
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))  # not one fd more
+print("low", flush=True)
+deadline = time.monotonic() + 60
+while m.http.stats.refused["accept_failed"] == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(m.http.stats.refused["accept_failed"], flush=True)
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, hard))
+sys.stdin.readline()
+m.close()
+"""
+
+
+def test_an_accept_the_system_refuses_rests_the_listener_and_serving_resumes() -> None:
+    """EMFILE at accept (the process out of descriptors for a moment): counted, the listener rests
+    instead of spinning, and the connections waiting in the backlog are served once fds are back."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _EMFILE_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        port = int(proc.stdout.readline())
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "low"
+        for _ in range(3):  # in the kernel's backlog: connected before the server accepts them
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            socks.append(s)
+            s.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+        assert int(proc.stdout.readline()) >= 1  # counted (and the child raised its limit again)
+        for s in socks:  # every one answered by its route: the listener came back
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 503 ") and answer.endswith(b"\r\n\r\nstarting: the supervisor "
+                                                                          b"loop has not published a snapshot yet\n"), answer
+        code, body = _get(f"http://127.0.0.1:{port}/healthz")
+        assert code == 503 and body.startswith("starting")
+        proc.stdin.write("\n")
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+    finally:
+        for s in socks:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 # ------------------------------------------------------------------ the render rate
 
 
