@@ -59,7 +59,8 @@ from shared.log import get_logger, log_event
 from shared.protocol import PROTOCOL_VERSION
 from shared.quota import GPU_WAIT_BUCKETS_S
 from supervisor.observe.health import Health, Verdict
-from supervisor.observe.http_server import BearerToken, HttpServer, Response, Route
+from supervisor.observe.http_auth import BearerToken
+from supervisor.observe.http_server import HttpServer, Response, Route
 from supervisor.observe.metrics import (
     NO_TENANT,
     FrontendCounters,
