@@ -303,7 +303,7 @@ class _HttpCollector:
         yield refused
         answered = CounterMetricFamily("twt_metrics_http_responses", "Metrics-port answers by HTTP status code",
                                        labels=["code"])
-        for code, n in sorted(stats.responses.items()):
+        for code, n in sorted(stats.responses.items()):  # one C call: atomic under the GIL
             answered.add_metric([str(code)], n)
         yield answered
         cache = server.cache
