@@ -17,6 +17,13 @@ number of scrapers::
 * Otherwise the request asks for a render and waits for the next one that is
   published (a render already under way counts), so concurrent scrapes share
   one render and a lone scraper slower than the rate always sees a new one.
+* While a render runs, the interpreter's switch interval is lowered to
+  :data:`RENDER_SWITCH_INTERVAL_S` (and put back after): prometheus_client's
+  text formatting is pure Python (~50 ms for 100 tenants, ~13 us a sample),
+  and at the default 5 ms the loop thread waited up to 5 ms for the GIL each
+  time it gave it up for a system call - a sleeper's p99 wake-up went from
+  1 ms to 12 ms beside back-to-back renders, and to 2-5 ms with 0.2-0.5 ms.
+  Nothing else in the supervisor sets the switch interval.
 
 Threads: the render thread calls ``render`` and publishes :class:`Rendered`
 values whole (one attribute assignment), so the HTTP thread reads
@@ -30,6 +37,7 @@ Owns: the render thread.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,9 +45,30 @@ from dataclasses import dataclass
 
 from shared.log import get_logger, log_event
 
-__all__ = ["Rendered", "ScrapeCache"]
+__all__ = ["RENDER_SWITCH_INTERVAL_S", "Rendered", "ScrapeCache"]
+
+#: the interpreter's switch interval while a render runs (see the module docstring)
+RENDER_SWITCH_INTERVAL_S = 0.0005
 
 _log = get_logger("supervisor.observe.metrics")
+
+
+_switch_lock = threading.Lock()
+_switch_renders = 0
+_switch_saved = 0.0
+
+
+def _quick_switches(delta: int) -> None:
+    """A render starts (+1) or ends (-1): the first one in lowers the switch interval, the last one
+    out restores it (two caches rendering at once must not leave it lowered for good)."""
+    global _switch_renders, _switch_saved
+    with _switch_lock:
+        if delta > 0 and _switch_renders == 0:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_saved, RENDER_SWITCH_INTERVAL_S))
+        _switch_renders += delta
+        if delta < 0 and _switch_renders == 0:
+            sys.setswitchinterval(_switch_saved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +138,14 @@ class ScrapeCache:
                 self.renders += 1
                 number = self.renders
             error: str | None = None
+            _quick_switches(+1)
             try:
                 body = self._render()
             except Exception as exc:  # noqa: BLE001 - a failed render is an answer (500), never a dead thread
                 body, error = b"", repr(exc)
                 log_event(_log, logging.WARNING, "metrics.render_failed", error=error)
+            finally:
+                _quick_switches(-1)
             self.latest = Rendered(body, number, started, self._clock() - started, error)
             self._notify()
 

@@ -339,6 +339,41 @@ def test_a_scraper_faster_than_the_rate_gets_at_most_the_rate_of_renders() -> No
         metrics.close()
 
 
+def test_a_render_runs_with_quick_gil_switches_and_a_failed_one_is_an_answer() -> None:
+    """During a render the switch interval is low (the loop waits less for the GIL), and put back
+    after - also when two caches render at once and when a render raises (published with its error)."""
+    import sys
+
+    from supervisor.observe.scrape_cache import RENDER_SWITCH_INTERVAL_S, ScrapeCache
+
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+    gate = threading.Barrier(2, timeout=30)
+
+    def render() -> bytes:
+        seen.append(sys.getswitchinterval())
+        gate.wait()  # both caches inside a render at once
+        if threading.current_thread().name == "test-render-1":
+            raise RuntimeError("a collector failed")
+        return b"page"
+
+    published = threading.Semaphore(0)
+    caches = [ScrapeCache(render, 1.0, published.release, name=f"test-render-{i}") for i in range(2)]
+    try:
+        for cache in caches:
+            cache.want()
+        for _ in caches:
+            assert published.acquire(timeout=30)
+        assert seen == [min(before, RENDER_SWITCH_INTERVAL_S)] * 2
+        assert sys.getswitchinterval() == before
+        results = sorted((c.latest for c in caches if c.latest is not None), key=lambda r: r.error or "")
+        assert [(r.body, r.error) for r in results] == [(b"page", None), (b"", "RuntimeError('a collector failed')")]
+        assert all(c.fresh() is not None for c in caches)
+    finally:
+        for cache in caches:
+            cache.close()
+
+
 # ------------------------------------------------------------------ the bearer token
 
 

@@ -1,7 +1,9 @@
 """``twt bench scrape``: does scraping the metrics port slow a tenant down?
 
 A real supervisor (stub backend, ``metrics_addr`` on loopback) serves one
-tenant. The tenant pings one request at a time (the same raw DEALER and
+tenant, beside ``--tenants`` idle ones (``instances = 0``: a quota block and
+their series each, no worker) so that a render weighs what it does on a busy
+node. The tenant pings one request at a time (the same raw DEALER and
 header bytes as ``twt bench route``), in rounds: quiet, then while a second
 process scrapes ``/metrics`` at ``--scrape-rate`` a second (a new connection
 each, as Prometheus does), alternating so both see the same machine state.
@@ -12,8 +14,10 @@ the latest render. ``--renders-per-s 1000`` renders nearly every scrape, as
 the exporter did before the bound (93-167 scrapes a second then raised a
 tenant's ping p99 from 1-7 ms to 35-139 ms).
 
-Target: the tenant's ping p99 while scraped <= 1.5x its quiet p99 (the p50
-ratio is shown). Also shown: scrapes answered, refused, and renders counted
+Target: the tenant's ping p99 while scraped <= 1.5x its quiet p99, as the
+median over rounds of each round's ratio (a quiet and a scraped phase back to
+back see the same machine; one noisy burst moves one round, not the figure).
+The pooled p50/p99 are shown. Also shown: scrapes answered, refused, and renders counted
 by the supervisor (``twt_metrics_renders_total``).
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import multiprocessing as mp
+import statistics
 import time
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
@@ -32,7 +37,8 @@ import zmq
 from shared import protocol as proto
 from shared.spec import TenantSpec
 from supervisor.client.launch import launch
-from supervisor.tools.bench._report import Report, Target, count, format_table, per_second, percentile, socket_rtts_us
+from supervisor.tools.bench._report import (Report, Target, at_least, count, format_table, per_second, percentile,
+                                             socket_rtts_us)
 
 __all__ = ["main"]
 
@@ -99,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scrape-rate", type=per_second, default=200.0, help="scrapes a second (default 200)")
     parser.add_argument("--renders-per-s", type=per_second, default=None,
                         help="the supervisor's metrics_renders_per_s (default: the setting's default)")
-    parser.add_argument("--rounds", type=count, default=6)
+    parser.add_argument("--tenants", type=at_least(0), default=100,
+                        help="idle tenants beside the pinged one (instances = 0: their quota blocks and series, "
+                             "no workers), so a render weighs what it does on a busy node (default 100)")
+    parser.add_argument("--rounds", type=count, default=10)
     parser.add_argument("--per-round", type=count, default=1000, help="pings per round and side")
     args = parser.parse_args(argv)
 
@@ -110,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     with launch({"supervisor": settings, "tenant": []}, backend="stub") as sup:
         cap = sup.client.register(sup.admin_capability, TenantSpec("bench", requests_per_s=1e9))
+        for i in range(args.tenants):
+            sup.client.register(sup.admin_capability, TenantSpec.from_dict({"name": f"idle{i}", "instances": 0}))
         port = int(str(sup.info["metrics_url"]).rsplit(":", 1)[1].split("/")[0])
         header = proto.encode_request(1, "ping", cap.to_bytes(), {})
         sock = ctx.socket(zmq.DEALER)
@@ -121,16 +132,20 @@ def main(argv: list[str] | None = None) -> int:
         scraper.start()
         quiet: list[float] = []
         scraped: list[float] = []
+        p99_ratios: list[float] = []
         try:
             socket_rtts_us(sock, header, 300)  # warm up
             renders0 = _renders(port)
             for _ in range(args.rounds):
-                quiet += socket_rtts_us(sock, header, args.per_round)
+                q = socket_rtts_us(sock, header, args.per_round)
                 go.set()
                 time.sleep(0.2)  # the scrape loop at its pace before the pings are timed
-                scraped += socket_rtts_us(sock, header, args.per_round)
+                sc = socket_rtts_us(sock, header, args.per_round)
                 go.clear()
                 time.sleep(0.1)
+                quiet += q
+                scraped += sc
+                p99_ratios.append(percentile(sc, 0.99) / percentile(q, 0.99))
             stop.set()
             result = results.get(timeout=60)
             renders = _renders(port) - renders0 - 1  # the last one is this read's own
@@ -152,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         [["scrapes answered 200", result["ok"]], ["scrapes refused or failed", result["failed"]],
          ["scrapes a second (achieved)", rate], ["renders (twt_metrics_renders_total)", renders],
          ["renders a second", renders / result["seconds"] if result["seconds"] > 0 else 0.0]])))
+    p99_ratio = statistics.median(p99_ratios)
     report.targets += [
-        Target("ping p99 while scraped vs quiet", s99 / q99, P99_LIMIT, higher_is_better=False),
+        Target("ping p99 while scraped vs quiet (median of per-round ratios)", p99_ratio, P99_LIMIT,
+               higher_is_better=False),
     ]
     report.data.update(
         rtt_us={"quiet": {"p50": q50, "p99": q99}, "scraped": {"p50": s50, "p99": s99}},
-        p50_ratio=s50 / q50, p99_ratio=s99 / q99,
+        p50_ratio=s50 / q50, p99_ratio=p99_ratio, p99_ratio_pooled=s99 / q99, p99_ratios=p99_ratios,
         scrape={"rate": args.scrape_rate, "achieved": rate, "ok": result["ok"], "failed": result["failed"],
                 "renders": renders},
     )
