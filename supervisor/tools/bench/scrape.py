@@ -14,10 +14,11 @@ the latest render. ``--renders-per-s 1000`` renders nearly every scrape, as
 the exporter did before the bound (93-167 scrapes a second then raised a
 tenant's ping p99 from 1-7 ms to 35-139 ms).
 
-Target: the tenant's ping p99 while scraped <= 1.5x its quiet p99, as the
-median over rounds of each round's ratio (a quiet and a scraped phase back to
-back see the same machine; one noisy burst moves one round, not the figure).
-The pooled p50/p99 are shown. Also shown: scrapes answered, refused, and renders counted
+Target: the tenant's ping p99 while scraped <= 1.5x its quiet p99, each
+pooled over all rounds (the phases interleave, so both see the same machine;
+a round's own p99 - its 10th-largest of 1,000 - swings too much on a shared
+host to be the figure). The p50 ratio and the median of per-round p99 ratios
+are shown. Also shown: scrapes answered, refused, and renders counted
 by the supervisor (``twt_metrics_renders_total``).
 """
 
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             socket_rtts_us(sock, header, 300)  # warm up
             renders0 = _renders(port)
+            t_run = time.monotonic()
             for _ in range(args.rounds):
                 q = socket_rtts_us(sock, header, args.per_round)
                 go.set()
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 quiet += q
                 scraped += sc
                 p99_ratios.append(percentile(sc, 0.99) / percentile(q, 0.99))
+            run_s = time.monotonic() - t_run
             stop.set()
             result = results.get(timeout=60)
             renders = _renders(port) - renders0 - 1  # the last one is this read's own
@@ -166,15 +169,19 @@ def main(argv: list[str] | None = None) -> int:
         ["what", "value"],
         [["scrapes answered 200", result["ok"]], ["scrapes refused or failed", result["failed"]],
          ["scrapes a second (achieved)", rate], ["renders (twt_metrics_renders_total)", renders],
-         ["renders a second", renders / result["seconds"] if result["seconds"] > 0 else 0.0]])))
-    p99_ratio = statistics.median(p99_ratios)
+         ["renders a second, over the run (the bound: metrics_renders_per_s)", renders / run_s]])))
+    p99_ratio = s99 / q99
+    report.sections.append(("ratios, scraped / quiet", format_table(
+        ["what", "ratio"],
+        [["p50 (pooled)", s50 / q50], ["p99 (pooled: the target)", p99_ratio],
+         ["p99 (median of per-round ratios)", statistics.median(p99_ratios)]])))
     report.targets += [
-        Target("ping p99 while scraped vs quiet (median of per-round ratios)", p99_ratio, P99_LIMIT,
+        Target("ping p99 while scraped vs quiet (pooled over interleaved rounds)", p99_ratio, P99_LIMIT,
                higher_is_better=False),
     ]
     report.data.update(
         rtt_us={"quiet": {"p50": q50, "p99": q99}, "scraped": {"p50": s50, "p99": s99}},
-        p50_ratio=s50 / q50, p99_ratio=p99_ratio, p99_ratio_pooled=s99 / q99, p99_ratios=p99_ratios,
+        p50_ratio=s50 / q50, p99_ratio=p99_ratio, p99_round_ratios=p99_ratios,
         scrape={"rate": args.scrape_rate, "achieved": rate, "ok": result["ok"], "failed": result["failed"],
                 "renders": renders},
     )
