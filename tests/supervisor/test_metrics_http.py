@@ -8,6 +8,7 @@ unfinished 64 KiB head pinned ~6 MB, and every scrape rendered (and asked the lo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import socket
@@ -477,10 +478,10 @@ def test_settings_from_the_config_file_with_typed_errors(tmp_path: Path) -> None
                  "metrics_token_file"):
         assert name in text, name
     # the exporter's own defaults are the settings' defaults
-    defaults = SupervisorConfig(run_dir=str(tmp_path))
-    assert (defaults.metrics_max_connections, defaults.metrics_request_timeout_s, defaults.metrics_renders_per_s,
-            defaults.metrics_token_file) == (DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT_S,
-                                             DEFAULT_RENDERS_PER_S, None)
+    defaults = {f.name: f.default for f in dataclasses.fields(SupervisorConfig)}
+    assert (defaults["metrics_max_connections"], defaults["metrics_request_timeout_s"],
+            defaults["metrics_renders_per_s"], defaults["metrics_token_file"]) == (
+        DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RENDERS_PER_S, None)
 
 
 def test_the_metrics_port_is_reserved_in_the_fd_budget() -> None:
