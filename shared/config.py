@@ -116,6 +116,14 @@ class SupervisorConfig:
     metrics_addr: str | None = None
     #: tenant names as metric labels (default: per-supervisor pseudonyms; docs/SECURITY.md)
     metrics_tenant_names: bool = False
+    #: the metrics port's bounds (supervisor.observe.http_server): connections at once (past it closed at
+    #: accept), seconds for a request to arrive and again for its answer to be taken, page renders a
+    #: second (scrapes in between get the latest render)
+    metrics_max_connections: int = 32
+    metrics_request_timeout_s: float = 5.0
+    metrics_renders_per_s: float = 1.0
+    #: a file holding the bearer token /metrics asks for (None: no token; the probes never need one)
+    metrics_token_file: str | None = None
     #: group (name or gid) of tenant-only clients running as other users (docs/SECURITY.md)
     client_group: str | None = None
     #: bytes the supervisor holds for one tenant / for all (queued replies, parked bodies, modules)
@@ -204,6 +212,17 @@ class SupervisorConfig:
         if self.metrics_addr is not None:
             parse_host_port(self.metrics_addr, "metrics_addr")
         s(self, "metrics_tenant_names", _bool(self.metrics_tenant_names, "metrics_tenant_names"))
+        _int(self.metrics_max_connections, "metrics_max_connections", 1, 4096)
+        s(self, "metrics_request_timeout_s", _pos(self.metrics_request_timeout_s, "metrics_request_timeout_s"))
+        if self.metrics_request_timeout_s > 300:
+            raise ValueError(f"metrics_request_timeout_s must be at most 300 s; got {self.metrics_request_timeout_s!r}")
+        s(self, "metrics_renders_per_s", _pos(self.metrics_renders_per_s, "metrics_renders_per_s"))
+        if self.metrics_renders_per_s > 1000:
+            raise ValueError(f"metrics_renders_per_s must be at most 1000; got {self.metrics_renders_per_s!r}")
+        if self.metrics_token_file is not None:
+            if not isinstance(self.metrics_token_file, str) or not self.metrics_token_file:
+                raise ValueError(f"metrics_token_file must be a file path; got {self.metrics_token_file!r}")
+            s(self, "metrics_token_file", os.path.abspath(os.path.expanduser(self.metrics_token_file)))
         if self.client_group is not None:
             s(self, "client_group", str(self.client_group))
             if not self.client_group or "/" in self.client_group:
@@ -372,6 +391,10 @@ _ENV_FIELDS = (
     "cuda_nvrtc_module",
     "metrics_addr",
     "metrics_tenant_names",
+    "metrics_max_connections",
+    "metrics_request_timeout_s",
+    "metrics_renders_per_s",
+    "metrics_token_file",
     "client_group",
     "register_timeout_s",
     "listen",
@@ -393,11 +416,11 @@ _ENV_FIELDS = (
     "max_workers",
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
-               "max_tenants", "max_workers"}
+               "max_tenants", "max_workers", "metrics_max_connections"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s",
                  "tcp_handshake_timeout_s", "tcp_idle_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
                  "unauthenticated_requests_per_s", "tcp_drops_per_s",
-                 "gpu_time_quantum_s"}
+                 "gpu_time_quantum_s", "metrics_request_timeout_s", "metrics_renders_per_s"}
 
 
 #: TWT_* names that are not supervisor fields but are read elsewhere

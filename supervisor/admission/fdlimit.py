@@ -8,17 +8,31 @@ taking every tenant's workers with it. So the supervisor starts by raising
 its soft limit as far as it may (the hard limit, and the kernel's
 ``fs.nr_open``), and the frontend sheds connections well before the limit
 (``fd_budget``): the limit is a resource like any other, never a crash.
+
+Other parts of the supervisor that open descriptors on behalf of peers (the
+metrics HTTP server: its listener, its event loop and at most
+``metrics_max_connections`` connections) hold a **reservation**
+(:func:`reserve_fds`) for their worst case. ``fd_budget`` leaves it out of what
+the frontend may take, so those descriptors can never be the ones libzmq
+needed. A reservation is sized against the soft limit in force: at most
+:func:`max_reservation` descriptors each.
+
+Threads: reservations are made and released by whoever owns the server (any
+thread); ``fd_budget`` is read by the loop every second. One lock guards the table.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import resource
+import threading
 
 from shared.log import get_logger, log_event
 
-__all__ = ["fd_budget", "open_fds", "raise_fd_limit"]
+__all__ = ["FdReservation", "fd_budget", "max_reservation", "open_fds", "raise_fd_limit", "reserve_fds",
+           "reserved_fds", "soft_fd_limit"]
 
 _log = get_logger("supervisor.admission.fdlimit")
 
@@ -57,7 +71,60 @@ def open_fds() -> int:
         return 0
 
 
+def soft_fd_limit() -> int:
+    """RLIMIT_NOFILE's soft limit in force (unlimited read as 2**20)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
 def fd_budget(soft: int) -> int:
     """How many client connections the frontend may hold with a soft limit of ``soft``:
-    half of what is left after the reserve (the other half covers tenants and workers)."""
-    return max(16, (soft - RESERVE_FDS) // 2)
+    half of what is left after the reserve and the reservations (:func:`reserve_fds`; the other
+    half covers tenants and workers)."""
+    return max(16, (soft - RESERVE_FDS - reserved_fds()) // 2)
+
+
+def max_reservation(soft: int) -> int:
+    """The most descriptors one reservation may hold with a soft limit of ``soft``: an eighth
+    of it (at least 8), so no side server can take what tenants and clients need."""
+    return max(8, soft // 8)
+
+
+_lock = threading.Lock()
+_reservations: dict[int, int] = {}
+_ids = itertools.count(1)
+
+
+class FdReservation:
+    """Descriptors set aside for one owner (see the module docstring); :meth:`resize` as its
+    bound changes, :meth:`release` when it closes (idempotent)."""
+
+    def __init__(self, what: str, count: int) -> None:
+        self.what = what
+        self._id = next(_ids)
+        self.count = 0
+        self.resize(count)
+
+    def resize(self, count: int) -> None:
+        if count < 0:
+            raise ValueError(f"a reservation of {count} fds for {self.what}")
+        with _lock:
+            _reservations[self._id] = count
+        self.count = count
+
+    def release(self) -> None:
+        with _lock:
+            _reservations.pop(self._id, None)
+        self.count = 0
+
+
+def reserve_fds(what: str, count: int) -> FdReservation:
+    """Set ``count`` descriptors aside for ``what`` (e.g. the metrics HTTP server): the frontend's
+    budget shrinks by as many from its next refresh (every second) and at its construction."""
+    return FdReservation(what, count)
+
+
+def reserved_fds() -> int:
+    """Descriptors all live reservations hold together."""
+    with _lock:
+        return sum(_reservations.values())

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         if config.metrics_addr:
             from supervisor.observe.prometheus import PrometheusMetrics  # type: ignore[import-not-found,unused-ignore]
 
-            metrics = PrometheusMetrics(config.metrics_addr, tenant_names=config.metrics_tenant_names)
+            metrics = PrometheusMetrics.from_config(config)
             undo.callback(metrics.close)
         # systemd Type=notify: READY=1 once supervisor.json is written, WATCHDOG=1 from the loop, STOPPING=1
         notifier = SystemdNotifier.from_environ()  # and the variables leave the environment workers inherit

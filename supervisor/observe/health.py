@@ -3,7 +3,7 @@
 Both are judged from what the loop already publishes for the exporter, so a
 probe never touches loop state from the HTTP thread::
 
-    HTTP thread: probe ── source() ──► loop rebuilds the MetricsSnapshot (or answers within 1 s with the old one)
+    render thread: source() ──► loop rebuilds the MetricsSnapshot (or answers within 1 s with the old one)
                            observe(snapshot) ── a new object? then the loop is ticking: note the time
 
 * **live** (``/healthz``): the loop handed over a new snapshot within

@@ -2,15 +2,16 @@
 
 The loop calls the hooks on its hot path, so the default :class:`NullMetrics`
 does nothing; ``--metrics-addr`` swaps in the Prometheus implementation
-(:mod:`supervisor.observe.prometheus`), whose HTTP thread only reads.
+(:mod:`supervisor.observe.prometheus`), whose HTTP and render threads only read.
 
 State the exporter shows at scrape time (per-tenant bytes, wanted instances,
 warm pool, device budgets) travels as one :class:`MetricsSnapshot` of typed
 records, built on the loop thread (``Supervisor._refresh_metrics``) and handed
-over whole through :class:`supervisor.runtime.loop.Handoff`, so the HTTP thread never
+over whole through :class:`supervisor.runtime.loop.Handoff`, so the exporter never
 touches a quota block or a loop structure::
 
-    loop thread: _refresh_metrics() ── MetricsSnapshot ──► Handoff ◄── HTTP thread (scrape, /healthz, /readyz)
+    loop thread: _refresh_metrics() ── MetricsSnapshot ──► Handoff ◄── render thread (at most metrics_renders_per_s
+                                                                        a second; scrapes and probes read its page)
 
 A new snapshot object is also the loop's heartbeat for ``/healthz``: the
 exporter notes when it last saw one (see :mod:`supervisor.observe.health`).

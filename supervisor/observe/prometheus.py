@@ -18,13 +18,17 @@ exposition)::
   kept in each tenant's shared-memory block, the warm pool and the
   device-wide budgets, as last refreshed by the loop (every second).
 
-Threads: the HTTP server runs on daemon threads and only reads. The event
-hooks are called on the loop thread and update prometheus_client's children,
-which take their own locks. The per-tenant snapshot is never built here: a
-scrape asks the loop through :meth:`Supervisor.metrics_snapshot`
-(a :class:`supervisor.runtime.loop.Handoff`) and gets an immutable
-:class:`~supervisor.observe.metrics.MetricsSnapshot` of typed records, so no quota block is touched off
-the loop thread (closing a block while another thread reads it fails).
+Threads: the HTTP server (:mod:`supervisor.observe.http_server`: one thread,
+bounded connections, deadlines, fds reserved in the supervisor's budget) and
+the render thread (:mod:`supervisor.observe.scrape_cache`: at most
+``renders_per_s`` renders a second; scrapes in between get the latest page)
+only read. The event hooks are called on the loop thread and update
+prometheus_client's children, which take their own locks. The per-tenant
+snapshot is never built here: a render asks the loop through
+:meth:`Supervisor.metrics_snapshot` (a :class:`supervisor.runtime.loop.Handoff`)
+and gets an immutable :class:`~supervisor.observe.metrics.MetricsSnapshot` of
+typed records, so no quota block is touched off the loop thread (closing a
+block while another thread reads it fails).
 
 ``HOST:PORT`` with
 port 0 binds a free port (tests); the bound one is :attr:`PrometheusMetrics.port`
@@ -40,13 +44,11 @@ from __future__ import annotations
 import errno
 import logging
 import platform
-import socket
-import threading
-from collections.abc import Callable, Iterable, Iterator
-from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.platform_collector import PlatformCollector
@@ -56,7 +58,9 @@ from shared.config import parse_host_port
 from shared.log import get_logger, log_event
 from shared.protocol import PROTOCOL_VERSION
 from shared.quota import GPU_WAIT_BUCKETS_S
-from supervisor.observe.health import Health
+from supervisor.observe.health import Health, Verdict
+from supervisor.observe.http_auth import BearerToken
+from supervisor.observe.http_server import HttpServer, Response, Route
 from supervisor.observe.metrics import (
     NO_TENANT,
     FrontendCounters,
@@ -66,10 +70,17 @@ from supervisor.observe.metrics import (
     TenantLabels,
     build_version,
 )
+from supervisor.observe.scrape_cache import Rendered, ScrapeCache
 from supervisor.runtime.tenants import TenantState
 
+if TYPE_CHECKING:
+    from shared.config import SupervisorConfig
+
 __all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_METRICS_PORT",
+    "DEFAULT_RENDERS_PER_S",
+    "DEFAULT_REQUEST_TIMEOUT_S",
     "HEALTHZ_PATH",
     "LATENCY_BUCKETS",
     "METRICS_PATH",
@@ -86,8 +97,11 @@ _log = get_logger("supervisor.observe.metrics")
 #: request latency buckets (seconds): a ping is ~100 us, a WASM run may take seconds
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0, 60.0)
-#: a scrape connection that sends nothing is dropped after this many seconds
-_HANDLER_TIMEOUT_S = 10.0
+#: the metrics port's bounds (``metrics_max_connections``, ``metrics_request_timeout_s``,
+#: ``metrics_renders_per_s`` in shared.config; the same defaults)
+DEFAULT_MAX_CONNECTIONS = 32
+DEFAULT_REQUEST_TIMEOUT_S = 5.0
+DEFAULT_RENDERS_PER_S = 1.0
 #: the port the docs, the systemd unit and deploy/k8s use (nothing binds it unless configured)
 DEFAULT_METRICS_PORT = 9464
 METRICS_PATH = "/metrics"
@@ -98,24 +112,6 @@ READYZ_PATH = "/readyz"
 def parse_metrics_addr(addr: str) -> tuple[str, int]:
     """``--metrics-addr``: :func:`shared.config.parse_host_port`."""
     return parse_host_port(addr, "metrics address")
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr (it would break ``--log-format json``); a timeout for idle clients."""
-
-    timeout = _HANDLER_TIMEOUT_S
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
 
 
 #: every tenant state, one ``twt_tenant_state`` series each (1 for the current one, 0 for the rest)
@@ -282,18 +278,62 @@ class _StateCollector:
             yield refused
 
 
+class _HttpCollector:
+    """The metrics port's own counters: connections, refusals, answers and renders."""
+
+    def __init__(self, owner: PrometheusMetrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._owner._server
+        stats = server.stats
+        yield GaugeMetricFamily("twt_metrics_http_connections", "Connections to the metrics port now",
+                                value=stats.connections)
+        yield GaugeMetricFamily("twt_metrics_http_connection_limit", "Connections the metrics port holds at once "
+                                "(metrics_max_connections, at most an eighth of the fd limit)", value=stats.limit)
+        refused = CounterMetricFamily("twt_metrics_http_refused",
+                                      "Metrics-port connections ended without what they asked for, by reason "
+                                      "(max_connections, deadline, head_too_large, bad_request, unauthorized, "
+                                      "accept_failed)", labels=["reason"])
+        for reason, n in sorted(stats.refused.items()):
+            refused.add_metric([reason], n)
+        yield refused
+        answered = CounterMetricFamily("twt_metrics_http_responses", "Metrics-port answers by HTTP status code",
+                                       labels=["code"])
+        for code, n in sorted(stats.responses.items()):  # one C call: atomic under the GIL
+            answered.add_metric([str(code)], n)
+        yield answered
+        cache = server.cache
+        yield CounterMetricFamily("twt_metrics_renders", "Renders of the metrics page (at most metrics_renders_per_s "
+                                  "a second; scrapes in between get the latest)", value=cache.renders)
+        latest = cache.latest
+        if latest is not None:
+            yield GaugeMetricFamily("twt_metrics_last_render_seconds", "How long the previous render took "
+                                    "(the loop's snapshot included)", value=latest.seconds)
+
+
 class PrometheusMetrics(Metrics):
     """The :class:`~supervisor.observe.metrics.Metrics` hooks, exported over HTTP at ``addr``.
 
     Paths: ``/metrics`` (also ``/``), ``/healthz`` and ``/readyz`` (see
-    :mod:`supervisor.observe.health`); anything else is 404. The server starts in
-    the constructor, so a bad or busy address fails ``twt supervise`` at
-    once (``OSError`` naming the address) - after the run dir is locked.
+    :mod:`supervisor.observe.health`); anything else is 404. With ``token_file``
+    (``metrics_token_file``) ``/metrics`` needs ``Authorization: Bearer <token>``;
+    the probes never do. The server starts in the constructor, so a bad or busy
+    address fails ``twt supervise`` at once (``OSError`` naming the address) -
+    after the run dir is locked. Its bounds (``max_connections``,
+    ``request_timeout_s``, ``renders_per_s``) are :mod:`supervisor.observe.http_server`'s
+    and :mod:`supervisor.observe.scrape_cache`'s.
     """
 
     def __init__(self, addr: str, *, registry: CollectorRegistry | None = None, process_metrics: bool = True,
-                 health: Health | None = None, tenant_names: bool = True) -> None:
+                 health: Health | None = None, tenant_names: bool = True,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 renders_per_s: float = DEFAULT_RENDERS_PER_S, token_file: str | None = None) -> None:
         host, port = parse_metrics_addr(addr)
+        token = BearerToken(token_file) if token_file is not None else None  # ConfigError before anything binds
         #: until the supervisor hands over the labels keyed by its state (:meth:`use_tenant_labels`)
         self.label = TenantLabels(tenant_names)
         disable_created_metrics()  # type: ignore[no-untyped-call] # no *_created series: one per counter child, never queried
@@ -317,6 +357,7 @@ class PrometheusMetrics(Metrics):
         reg.register(_StateCollector(self))
         self._snapshot_errors = Counter("twt_metrics_snapshot_errors",
                                         "Scrapes whose per-tenant snapshot could not be read", registry=reg)
+        reg.register(_HttpCollector(self))
         if process_metrics:
             ProcessCollector(registry=reg)
             PlatformCollector(registry=reg)
@@ -324,43 +365,73 @@ class PrometheusMetrics(Metrics):
         self._req_children: dict[tuple[str, str, str], Counter] = {}
         self._lat_children: dict[str, Histogram] = {}
         self._closed = False
-        self._metrics_app = make_wsgi_app(reg)
-        server_class = _Server6 if ":" in host else _Server
+        page = Route(self._page, protected=True)
+        routes = {METRICS_PATH: page, "/": page, HEALTHZ_PATH: Route(self._probe(self.health.live)),
+                  READYZ_PATH: Route(self._probe(self.health.ready))}
         try:
-            self._server = make_server(host, port, self._app, server_class, handler_class=_QuietHandler)
+            self._server = HttpServer(
+                host, port, routes,
+                lambda notify: ScrapeCache(self._render, renders_per_s, notify),
+                max_connections=max_connections, timeout_s=request_timeout_s, token=token,
+                not_found=self._not_found,
+            )
         except OSError as exc:
             why = ("the port is in use (another supervisor or program); choose another --metrics-addr"
                    if exc.errno == errno.EADDRINUSE else str(exc.strerror or exc))
             raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {why}") from None
         self.host = host
-        self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="twt-metrics", daemon=True)
-        self._thread.start()
-        log_event(_log, logging.INFO, "metrics.listening", host=host, port=self.port, url=self.url)
+        self.port: int = self._server.port
+        log_event(_log, logging.INFO, "metrics.listening", host=host, port=self.port, url=self.url,
+                  token=token is not None, max_connections=self._server.stats.limit,
+                  renders_per_s=renders_per_s)
+
+    @classmethod
+    def from_config(cls, config: SupervisorConfig) -> PrometheusMetrics:
+        """The exporter ``twt supervise`` runs: ``metrics_addr`` and the ``metrics_*`` settings."""
+        if config.metrics_addr is None:
+            raise ValueError("metrics_addr is not set: there is no metrics port to serve")
+        return cls(config.metrics_addr, tenant_names=config.metrics_tenant_names,
+                   max_connections=config.metrics_max_connections,
+                   request_timeout_s=config.metrics_request_timeout_s,
+                   renders_per_s=config.metrics_renders_per_s, token_file=config.metrics_token_file)
+
+    @property
+    def renders(self) -> int:
+        """Renders of the page so far (``twt_metrics_renders_total``)."""
+        return self._server.cache.renders
+
+    @property
+    def http(self) -> HttpServer:
+        """The HTTP server (its :class:`~supervisor.observe.http_server.HttpStats` in ``.stats``)."""
+        return self._server
 
     def use_tenant_labels(self, labels: TenantLabels) -> None:
         """Label tenants as ``labels`` does: pseudonyms keyed by the state database, stable across restarts."""
         self.label = labels
 
-    def _app(self, environ: dict[str, object], start_response: Callable[..., object]) -> Iterable[bytes]:
-        """WSGI: the probes answer in a line of text; /metrics is prometheus-client's own app."""
-        path = environ.get("PATH_INFO") or "/"
-        if path in (HEALTHZ_PATH, READYZ_PATH):
-            if self._source is not None:
-                self._read_snapshot()  # asks the loop for a fresh one: that is the liveness signal
-            verdict = self.health.live() if path == HEALTHZ_PATH else self.health.ready()
-            start_response(verdict.status, [("Content-Type", "text/plain; charset=utf-8"),
-                                            ("Content-Length", str(len(verdict.body))),
-                                            ("Cache-Control", "no-store")])
-            return [] if environ.get("REQUEST_METHOD") == "HEAD" else [verdict.body]
-        if path in (METRICS_PATH, "/"):
-            result: Iterable[bytes] = self._metrics_app(environ, start_response)
-            return result
-        body = f"not found: {path} (try {METRICS_PATH}, {HEALTHZ_PATH} or {READYZ_PATH})\n".encode()
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8"),
-                                         ("Content-Length", str(len(body)))])
-        return [body]
+    def _render(self) -> bytes:
+        """The render thread: the whole page (the collectors ask the loop for its snapshot, which
+        also feeds the probes' health state)."""
+        return generate_latest(self.registry)
+
+    @staticmethod
+    def _page(rendered: Rendered) -> Response:
+        return Response(200, rendered.body, CONTENT_TYPE_PLAIN_0_0_4)  # what every Prometheus reads
+
+    @staticmethod
+    def _probe(verdict: Callable[[], Verdict]) -> Callable[[Rendered], Response]:
+        """A probe answers from the health state the latest render observed: a loop that publishes
+        no new snapshot makes ``/healthz`` fail."""
+
+        def answer(_rendered: Rendered) -> Response:
+            v = verdict()
+            return Response(200 if v.ok else 503, v.body)
+
+        return answer
+
+    @staticmethod
+    def _not_found(path: str) -> Response:
+        return Response(404, f"not found: {path} (try {METRICS_PATH}, {HEALTHZ_PATH} or {READYZ_PATH})\n".encode())
 
     def _read_snapshot(self) -> MetricsSnapshot:
         """The loop's latest snapshot (an empty one when unbound or unreadable); feeds the health state."""
@@ -409,7 +480,5 @@ class PrometheusMetrics(Metrics):
         if self._closed:
             return
         self._closed = True
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5.0)
+        self._server.close()
         log_event(_log, logging.DEBUG, "metrics.stopped", port=self.port)

@@ -28,6 +28,8 @@ from tests.helpers.tmp import short_temp_dir
 pytestmark = pytest.mark.timeout(60)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+#: a render per scrape: these tests change what they read between scrapes (the rate bound has tests of its own)
+EVERY_SCRAPE = 1e9
 
 
 def _scrape(url: str) -> Samples:
@@ -75,7 +77,7 @@ def test_exporter_on_port_0_hooks_and_scrape_time_snapshot() -> None:
             return {"acme": TenantGauges(block.snapshot(), state["up"], "running"),
                     "free": TenantGauges(free, 0, "failed")}
 
-        metrics = PrometheusMetrics("127.0.0.1:0", process_metrics=False)
+        metrics = PrometheusMetrics("127.0.0.1:0", process_metrics=False, renders_per_s=EVERY_SCRAPE)
         try:
             assert metrics.port > 0 and metrics.url == f"http://127.0.0.1:{metrics.port}/metrics"
             before = _scrape(metrics.url)  # nothing bound yet: the counters alone
@@ -152,7 +154,9 @@ def test_busy_address_is_a_clear_error() -> None:
 def test_supervisor_metrics_endpoint_has_the_tenant_series() -> None:
     port = _free_port()
     tenants = [{"name": "acme", "gpu_memory_bytes_cap": "1MiB", "memory_quota_bytes": "64MiB"}, {"name": "beta"}]
-    with supervisor(tenants, metrics_addr=f"127.0.0.1:{port}", metrics_tenant_names=True) as sup:
+    # a render per scrape (at most 1,000 a second): each scrape below follows a change
+    with supervisor(tenants, metrics_addr=f"127.0.0.1:{port}", metrics_tenant_names=True,
+                    metrics_renders_per_s=1000) as sup:
         url = f"http://127.0.0.1:{port}/metrics"
         c = sup.client
         acme = c.tenant_capability(None, "acme")
@@ -264,7 +268,7 @@ def test_exporter_probes_pool_devices_and_wanted_instances() -> None:
                 devices=(DeviceGauges(0, budget_limit_bytes=8 << 30, budget_used_bytes=4096, budget_refusals=3),),
             )
 
-        metrics = PrometheusMetrics("127.0.0.1:0", process_metrics=False)
+        metrics = PrometheusMetrics("127.0.0.1:0", process_metrics=False, renders_per_s=EVERY_SCRAPE)
         base = f"http://127.0.0.1:{metrics.port}"
         try:
             assert _probe(base + "/healthz") == (503, "starting: the supervisor loop has not published a snapshot yet\n")

@@ -32,6 +32,7 @@ BENCHES: dict[str, str] = {
     "cluster": "supervisor.tools.bench.cluster",
     "share": "supervisor.tools.bench.share",
     "records": "supervisor.tools.bench.records",
+    "scrape": "supervisor.tools.bench.scrape",  # a tenant's ping while the metrics port is scraped
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"
