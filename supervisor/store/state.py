@@ -254,22 +254,14 @@ class StateStore:
         lock_fd = _lock(state_dir)
         try:
             marker = os.path.join(state_dir, MARKER_FILE)
-            if os.path.exists(marker) and not os.path.exists(path):
-                raise StateError(path, _LOST.format(what="is missing", marker=marker))
             commits_path = os.path.join(state_dir, COMMITS_FILE)
             acknowledged = _read_commits(commits_path)
+            version = _check_before_writing(path, marker if os.path.exists(marker) else None, acknowledged,
+                                            commits_path)
             conn = _connect(path)
             try:
-                version = _validate(conn, path, marker if os.path.exists(marker) else None)
                 _migrate(conn, path, version)
-                if os.path.exists(marker) and _registry_key_of(conn) is None:
-                    raise StateError(path, _LOST.format(what="holds no registry key", marker=marker))
                 seq = _seq_of(conn, path)
-                # an empty file without the marker is a first start (or one afresh on purpose: the
-                # marker removed), whatever an earlier state's counter said
-                if version > 0 and acknowledged is not None and seq < acknowledged:
-                    raise StateError(path, _LOST_COMMITS.format(
-                        what=f"holds {seq} committed transaction(s)", n=acknowledged, file=commits_path))
                 commits_fd = _open_commits(commits_path)
                 try:
                     if acknowledged != seq:  # a first start, or a crash between a commit and its count
@@ -941,6 +933,37 @@ def _connect(path: str) -> sqlite3.Connection:
         return sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
     except sqlite3.Error as exc:
         raise StateError(path, f"cannot open: {exc}") from None
+
+
+def _check_before_writing(path: str, marker: str | None, acknowledged: int | None, commits_path: str) -> int:
+    """Every refusal of a start, on a read-only connection: closing a read-write one would fold
+    what is left of a WAL into ``state.db`` (and delete it) - a write to a state being refused.
+    Creates an empty file on a first start. Returns the schema version (0: a first start)."""
+    if not os.path.exists(path):
+        if marker is not None:
+            raise StateError(path, _LOST.format(what="is missing", marker=marker))
+        _connect(path).close()  # creates the file 0600; nothing written into it
+    elif not os.path.isfile(path):
+        raise StateError(path, "is not a regular file")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    except sqlite3.Error as exc:
+        raise StateError(path, f"cannot open: {exc}") from None
+    try:
+        version = _validate(conn, path, marker)
+        if version > 0 and marker is not None and _registry_key_of(conn) is None:
+            raise StateError(path, _LOST.format(what="holds no registry key", marker=marker))
+        seq = _seq_of(conn, path) if version >= 2 else 0
+        # an empty file without the marker is a first start (or one afresh on purpose: the
+        # marker removed), whatever an earlier state's counter said
+        if version > 0 and acknowledged is not None and seq < acknowledged:
+            raise StateError(path, _LOST_COMMITS.format(
+                what=f"holds {seq} committed transaction(s)", n=acknowledged, file=commits_path))
+    except sqlite3.Error as exc:
+        raise StateError(path, f"not a usable SQLite database ({exc}); restore a backup or move it away") from None
+    finally:
+        conn.close()
+    return version
 
 
 def _validate(conn: sqlite3.Connection, path: str, marker: str | None, *, warn: bool = True) -> int:
