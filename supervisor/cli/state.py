@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("action", choices=["backup", "restore", "check"], help="what to do")
     p.add_argument("file", nargs="?", metavar="FILE",
                    help="backup: the file to write (must not exist); restore: the backup to restore")
-    p.add_argument("--config", metavar="FILE", help="the supervisor's config file: its state_dir (or run_dir)")
+    p.add_argument("--config", metavar="FILE", help="the supervisor's config file: its state_dir, or <run_dir>/state "
+                   "(default: none)")
     p.add_argument("--run-dir", default=None, help=f"the supervisor's run directory (default ${ENV_PREFIX}RUN_DIR)")
     p.add_argument("--state-dir", help=f"the state directory (default: --config's, ${ENV_PREFIX}STATE_DIR, "
                                        "or <run-dir>/state)")
