@@ -88,7 +88,7 @@ def test_a_module_file_changed_on_disk_is_dropped_not_served(run_dir: str) -> No
     assert not path.exists()
 
 
-def test_a_failed_tenant_is_still_failed_after_a_crash_of_the_supervisor(run_dir: str) -> None:
+def test_a_failed_tenant_is_still_failed_after_a_crash_and_after_its_config_entry_changed(run_dir: str) -> None:
     config = [{"name": "flaky", "restart": "always", "max_restarts": 0}]
     with _start(run_dir, config) as sup:
         c = sup.client
@@ -99,6 +99,10 @@ def test_a_failed_tenant_is_still_failed_after_a_crash_of_the_supervisor(run_dir
     with _start(run_dir, config) as sup:
         rec = tenant(sup.client.status(), "flaky")
         assert rec.state == "failed" and rec.pids == (), rec
+    changed = [{**config[0], "memory_quota_bytes": "64MiB"}]  # the file's entry edited while it was down
+    with _start(run_dir, changed) as sup:
+        rec = tenant(sup.client.status(), "flaky")
+        assert rec.state == "failed" and rec.pids == () and rec.memory_quota_bytes == 64 << 20, rec
 
 
 def test_a_tenant_stored_by_a_newer_version_is_restored_without_its_unknown_field(run_dir: str) -> None:
