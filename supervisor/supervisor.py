@@ -338,7 +338,8 @@ class Supervisor:
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference
-        restore_modules(self.modules, frontend, self.tenants)  # their stored modules, without a resend
+        restore_modules(self.modules, frontend, self.tenants,  # their stored modules, without a resend
+                        {r.tenant_id: r.generation for r in state.tenants()})
         workers.refill_pool()
         return self.parts
 

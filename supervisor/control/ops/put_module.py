@@ -79,11 +79,14 @@ class PutModule(FrontendOp):
         return digest
 
 
-def restore_modules(store: ModuleStore, frontend: Frontend, tenants: Mapping[str, TenantRuntime]) -> int:
+def restore_modules(store: ModuleStore, frontend: Frontend, tenants: Mapping[str, TenantRuntime],
+                    stored: Mapping[str, int] | None = None) -> int:
     """At start, after the tenants are restored: each one's stored modules back in its LRU, oldest
     first, within the same bounds as :meth:`PutModule.keep` (what does not fit is removed); the
-    directories of tenants or generations no longer stored are removed. Returns how many came back."""
-    store.prune({tid: rt.generation for tid, rt in tenants.items()})
+    directories of tenants or generations neither running nor in ``stored`` (tenant id ->
+    generation in the state: one not restored this time keeps its modules) are removed.
+    Returns how many came back."""
+    store.prune({**(stored or {}), **{tid: rt.generation for tid, rt in tenants.items()}})
     held = frontend.guard.held
     loaded = 0
     for tid, rt in tenants.items():
