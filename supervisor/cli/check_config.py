@@ -13,7 +13,7 @@
 What ``twt supervise --config FILE`` would refuse about the file, with the
 same environment (``TWT_*``), found in one pass (:func:`shared.config.load_config`);
 ``--state`` also checks the state directory the file names
-(:func:`supervisor.store.state.check`, as ``twt state check``). Nothing is
+(:func:`supervisor.store.backup.check`, as ``twt state check``). Nothing is
 started and nothing is written.
 """
 
@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.store.state import check
+    from supervisor.store.backup import check
 
     problems: list[str] = []
     notes: list[str] = []

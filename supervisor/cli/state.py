@@ -7,12 +7,12 @@
     $ twt state check --config /etc/twt/tenants.toml      # exit 0, or 4 and every problem
     $ systemctl stop twt && twt state restore /var/backups/twt-state-2026-12-01.db --config ... && systemctl start twt
 
-``backup`` uses SQLite's online backup API (:func:`supervisor.store.state.backup`):
+``backup`` uses SQLite's online backup API (:func:`supervisor.store.backup.backup`):
 safe while the supervisor runs (it never takes ``state.lock``), the copy is one
 self-contained file (no ``-wal``), 0600, checked and fsynced. ``restore`` puts
-such a copy in place while no supervisor runs (:func:`~supervisor.store.state.restore`).
+such a copy in place while no supervisor runs (:func:`~supervisor.store.backup.restore`).
 ``check`` lists everything a start would refuse, without writing
-(:func:`~supervisor.store.state.check`). The state directory: ``--state-dir``,
+(:func:`~supervisor.store.backup.check`). The state directory: ``--state-dir``,
 else the one ``--config FILE`` names (its ``state_dir``, or its ``run_dir``'s
 ``state``), else ``$TWT_STATE_DIR``, else ``<run-dir>/state``.
 """
@@ -63,7 +63,7 @@ def state_dir_of(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.store.state import backup, check, restore
+    from supervisor.store.backup import backup, check, restore
 
     if args.action in ("backup", "restore") and not args.file:
         raise ValueError(f"twt state {args.action} needs a FILE")

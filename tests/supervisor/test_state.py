@@ -16,7 +16,8 @@ import pytest
 
 from shared.errors import StateError, UnknownTenant
 from shared.spec import TenantSpec
-from supervisor.store.state import MARKER_FILE, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore, backup
+from supervisor.store.backup import backup
+from supervisor.store.state import MARKER_FILE, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore
 
 KEY = RegistryKey(b"r" * 16, b"s" * 32)
 

@@ -17,17 +17,8 @@ import pytest
 
 from shared.errors import StateError
 from shared.spec import TenantSpec
-from supervisor.store.state import (
-    COMMITS_FILE,
-    MARKER_FILE,
-    SCHEMA_VERSION,
-    STATE_FILE,
-    RegistryKey,
-    StateStore,
-    backup,
-    check,
-    restore,
-)
+from supervisor.store.backup import backup, check, restore
+from supervisor.store.state import COMMITS_FILE, MARKER_FILE, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore
 
 KEY = RegistryKey(b"r" * 16, b"s" * 32)
 
