@@ -31,9 +31,11 @@ directory is 0700 and owned by us; the files are 0600; a ``state.lock``
 (``flock``) keeps a second supervisor off the same state.
 
 Checkpoints: the WAL is folded into ``state.db`` and truncated
-(``wal_checkpoint(TRUNCATE)``) after the first start's key creation and after
-every admin write, so ``state.db`` alone holds all acknowledged state - a
-copy of it without its WAL, or a lost WAL, loses nothing.
+(``wal_checkpoint(TRUNCATE)``) after the first start's key creation and once
+admin writes pause (the supervisor's ``CHECKPOINT_DELAY_S``), so ``state.db``
+alone then holds all acknowledged state. Until then (or while a reader's
+snapshot keeps the checkpoint from finishing) the last commits are in the WAL
+only: losing it loses them, which the commit counter below detects.
 
 The marker: once the registry key is stored, ``state.initialized`` is written
 beside the database. A start that then finds the database missing, empty or
