@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         text = str(exc)
         if args.json:
-            print_json({"config": args.file, "ok": False, "problems": text.splitlines()[1:] or [text],
-                        "notes": []})
+            listed = [line.strip().removeprefix("- ") for line in text.splitlines()[1:]]
+            print_json({"config": args.file, "ok": False, "problems": listed or [text], "notes": []})
         else:
             print(f"twt: {text}", file=sys.stderr)
         return EXIT_CHECK
