@@ -116,11 +116,12 @@ def _open_commits(path: str) -> int:
         raise StateError(path, f"cannot open the commit counter: {exc.strerror}") from None
 
 
-def _write_commits(fd: int, path: str, seq: int) -> None:
-    """One fixed-width write in place (no new blocks, a single sector), then fdatasync."""
+def _write_commits(fd: int, path: str, seq: int, *, sync: bool = True) -> None:
+    """One fixed-width write in place (no new blocks, a single sector), then fdatasync (``sync``)."""
     try:
         os.pwrite(fd, f"{seq:0{_COMMITS_WIDTH}d}\n".encode(), 0)
-        os.fdatasync(fd)
+        if sync:
+            os.fdatasync(fd)
     except OSError as exc:
         raise StateError(path, f"cannot write the commit counter: {exc.strerror}") from None
 

@@ -44,8 +44,9 @@ of silently starting afresh with a new key and no tenants (restore a backup,
 or remove the marker to start afresh on purpose).
 
 Lost commits: every write transaction also bumps the ``commits`` counter, and
-once it is committed the new count is written (and fdatasynced) to
-``state.commits`` beside the database, before the change is answered. A start
+once it is committed the new count is written to ``state.commits`` beside the
+database before the change is answered (and fdatasynced right after, on a
+thread of its own). A start
 whose database holds fewer commits than that file names lost acknowledged
 transactions - a truncated or deleted ``state.db-wal``, or a ``state.db``
 replaced by an older copy - and refuses with one :class:`StateError` naming
@@ -199,6 +200,11 @@ class StateStore:
         self._seq = seq  # the commit counter as committed (one writer: the lock keeps others off)
         self._commits_fd: int | None = commits_fd
         self._warned_unknown = False
+        # state.commits is synced by a thread of its own, off the answer's path (see _count_commit)
+        self._sync_cond = threading.Condition()
+        self._sync_wanted = False
+        self._sync_stop = False
+        self._syncer: threading.Thread | None = None
 
     @property
     def commits(self) -> int:
@@ -270,10 +276,12 @@ class StateStore:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+        self._stop_syncer()
         try:
             self._conn.close()
         finally:
             if self._commits_fd is not None:
+                self._sync_commits()
                 os.close(self._commits_fd)
                 self._commits_fd = None
             os.close(self._lock_fd)
@@ -308,16 +316,53 @@ class StateStore:
                 raise
 
     def _count_commit(self, seq: int) -> None:
-        """``state.commits`` := ``seq``, durably, before the change is answered. A failure here
-        leaves the file behind the database - the safe side (a start then raises it again) -
-        so the committed change is not reported as failed; it is logged."""
+        """``state.commits`` := ``seq`` before the change is answered, synced to the disk right
+        after (by the syncer thread, off the answer's path: an fdatasync here cost a registration
+        ~0.5 ms more). The write alone already survives the process (SIGKILL, OOM, abort); the
+        sync makes it survive the machine within milliseconds - until then a power loss can only
+        leave the file *behind* the database, the safe side. A failure leaves it behind too, so
+        the committed change is not reported as failed; it is logged."""
         fd = self._commits_fd
         if fd is None:
             return
         try:
-            _write_commits(fd, self._commits_path, seq)
+            _write_commits(fd, self._commits_path, seq, sync=False)
         except StateError as exc:
             log_event(_log, logging.WARNING, "state.commits_not_counted", error=str(exc), seq=seq)
+            return
+        with self._sync_cond:
+            self._sync_wanted = True
+            if self._syncer is None:
+                self._syncer = threading.Thread(target=self._run_syncer, name="twt-state-sync", daemon=True)
+                self._syncer.start()
+            self._sync_cond.notify()
+
+    def _run_syncer(self) -> None:
+        """Sync ``state.commits`` whenever a commit was counted (several commits, one sync)."""
+        while True:
+            with self._sync_cond:
+                self._sync_cond.wait_for(lambda: self._sync_wanted or self._sync_stop)
+                if not self._sync_wanted:
+                    return
+                self._sync_wanted = False
+            self._sync_commits()
+
+    def _sync_commits(self) -> None:
+        fd = self._commits_fd
+        if fd is None:
+            return
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            log_event(_log, logging.WARNING, "state.commits_not_synced", error=exc.strerror or str(exc))
+
+    def _stop_syncer(self) -> None:
+        with self._sync_cond:
+            self._sync_stop = True
+            self._sync_cond.notify()
+            syncer, self._syncer = self._syncer, None
+        if syncer is not None:
+            syncer.join()
 
     @property
     def _commits_path(self) -> str:
