@@ -46,11 +46,11 @@ or remove the marker to start afresh on purpose).
 Lost commits: every write transaction also bumps the ``commits`` counter, and
 once it is committed the new count is written to ``state.commits`` beside the
 database before the change is answered (and fdatasynced right after, on a
-thread of its own). A start
-whose database holds fewer commits than that file names lost acknowledged
-transactions - a truncated or deleted ``state.db-wal``, or a ``state.db``
-replaced by an older copy - and refuses with one :class:`StateError` naming
-the recovery (``twt state restore BACKUP``), instead of serving without them.
+thread of its own). A start whose database holds fewer commits than that
+file names lost acknowledged transactions - a truncated or deleted
+``state.db-wal``, or a ``state.db`` replaced by an older copy - and refuses
+with one :class:`StateError` naming the recovery (``twt state restore
+BACKUP``), on a read-only connection, instead of serving without them.
 A database *ahead* of the file (a crash between the commit and the file's
 write) is fine: the file is brought up to it. ``twt state restore`` sets the
 file to the restored copy's count (an older state on purpose).
