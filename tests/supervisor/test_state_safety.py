@@ -250,3 +250,27 @@ def test_check_lists_every_problem_at_once_and_writes_nothing(tmp_path: Path) ->
     good = check(str(live))
     bad_rows = [p for p in good.problems if "does not parse" in p]
     assert len(bad_rows) == 2 and "'acme'" in bad_rows[0] and "'beta'" in bad_rows[1], good
+
+
+def test_check_names_a_file_a_start_would_refuse_and_restore_refuses_what_it_cannot_open(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage"
+    garbage.mkdir(mode=0o700)
+    (garbage / STATE_FILE).write_bytes(b"not a database at all\n" * 300)
+    report = check(str(garbage))
+    assert not report.ok and "not a usable SQLite database" in report.problems[0]
+    live = tmp_path / "live"
+    with StateStore.open(str(live)) as store:
+        store.put_registry_key(KEY)
+    newer = tmp_path / "newer.db"
+    backup(str(live), str(newer))
+    conn = sqlite3.connect(newer)
+    conn.execute("UPDATE schema_version SET version = ?, oldest_reader = ?", (SCHEMA_VERSION + 1, SCHEMA_VERSION + 1))
+    conn.commit()
+    conn.close()
+    before = (live / STATE_FILE).read_bytes()
+    with pytest.raises(StateError, match="needs at least version"):
+        restore(str(live), str(newer))
+    with pytest.raises(StateError, match="no such backup file"):
+        restore(str(live), str(tmp_path / "nothing.db"))
+    assert (live / STATE_FILE).read_bytes() == before and not list(live.glob("*.replaced-*"))
+    assert not list(live.glob("*.restoring"))
