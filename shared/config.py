@@ -547,6 +547,7 @@ def config_dict_to_fields(doc: Mapping[str, object], where: str = "config") -> d
         problems += [f"{who}: {p}" for p in tenant_problems]
         if spec is not None:
             specs.append(spec)
+    problems += _duplicate_names(tenants)
     if problems:
         raise ConfigError.listing(where, problems)
     fields["tenants"] = tuple(specs)
@@ -559,6 +560,19 @@ def tenants_of(fields: Mapping[str, object]) -> tuple[TenantSpec, ...]:
     if not isinstance(specs, tuple) or not all(isinstance(spec, TenantSpec) for spec in specs):
         raise TypeError(f"tenants must be a tuple of TenantSpec, not {type(specs).__name__}")
     return specs
+
+
+def _duplicate_names(tables: list[object]) -> list[str]:
+    """Names given to more than one [[tenant]] table, in the same pass as every other mistake
+    (a table whose other fields are wrong still has its name)."""
+    seen: dict[str, list[int]] = {}
+    for n, table in enumerate(tables, 1):
+        if isinstance(table, Mapping):
+            name = table.get("name", table.get("tenant_id"))
+            if isinstance(name, str) and name:
+                seen.setdefault(name, []).append(n)
+    return [f"tenant {name!r} listed twice in the config ([[tenant]] #{', #'.join(map(str, at))})"
+            for name, at in seen.items() if len(at) > 1]
 
 
 def _field_problems(fields: Mapping[str, object]) -> list[str]:

@@ -91,6 +91,8 @@ from supervisor.observe.sd_notify import SystemdNotifier
 from supervisor.control.service import ServiceOps
 from supervisor.runtime.stall import StallGuard
 from supervisor.store.state import StateStore
+from supervisor.store.modules import MODULES_DIR, ModuleStore
+from supervisor.control.ops.put_module import restore_modules
 from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
@@ -163,6 +165,8 @@ class Supervisor:
         self.rundir = rundir or RunDir(config.run_dir, config.client_group)
         # opened in start(), once the run dir is ours: the registry's identity comes from the state
         self.state: StateStore | None = None
+        #: the tenants' stored modules on disk, beside the state (written on their own thread)
+        self.modules = ModuleStore(os.path.join(config.state_path, MODULES_DIR))
         self.registry: TenantRegistry | None = None
         self.loop = Loop(clock)
         self._spawner_factory = spawner
@@ -313,7 +317,7 @@ class Supervisor:
             replies=replies, pending=pending, workers=workers,
             registry=registry, tenants=self.tenants, on_denied=on_denied,
             regions=RegionTable(registry.segment_prefix), guard=guard, admin_cap=admin_cap.to_bytes(),
-            event_log=self.event_log,
+            event_log=self.event_log, module_store=self.modules,
         )
 
         def on_key_rotated(new_admin: RegistryAdminCapability) -> None:
@@ -334,6 +338,8 @@ class Supervisor:
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference
+        restore_modules(self.modules, frontend, self.tenants,  # their stored modules, without a resend
+                        {r.tenant_id: r.generation for r in state.tenants()})
         workers.refill_pool()
         return self.parts
 
@@ -498,6 +504,7 @@ class Supervisor:
             if self.registry is not None:
                 self.registry.close()
         finally:
+            self.modules.close()  # every queued module write done
             if self.state is not None:
                 self.state.close()
             if parts is not None:

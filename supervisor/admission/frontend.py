@@ -72,6 +72,7 @@ from supervisor.runtime.loop import Loop
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.regions import RegionTable, ipc_peer_pid
 from supervisor.store.registry import TenantRegistry
+from supervisor.store.modules import ModuleStore
 from supervisor.routing.replies import Replies
 from supervisor.runtime.requests import Parked, Pending
 from supervisor.admission.tcp_frontend import IPC_INDEX, TCP_INDEX
@@ -138,8 +139,11 @@ class Frontend:
         on_denied: DenialHook | None = None,
         regions: RegionTable,
         event_log: EventLog,
+        module_store: ModuleStore | None = None,
     ) -> None:
         self.config = config
+        #: the stored modules on disk (put_module), with a state directory
+        self.module_store = module_store
         self.clock = loop.clock
         self.loop = loop
         self.sock = sock
@@ -661,6 +665,8 @@ class Frontend:
         for raw in [raw for raw, cached in self._verified_caps.items() if cached is rt]:
             del self._verified_caps[raw]
         rt.modules.clear()
+        if self.module_store is not None:
+            self.module_store.drop(rt.tenant_id, rt.generation)
         self.guard.held.forget(rt.tenant_id)
         self.guard.admission.forget(rt.tenant_id)
 
