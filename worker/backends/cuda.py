@@ -76,6 +76,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, SupportsInt, TypeVar
 
+from shared.cuda_compat import cublas_workspace_bytes, default_context_bytes
 from shared.errors import BackendUnavailable, CudaError, KernelTimeout
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
@@ -202,6 +203,11 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._thread = threading.get_ident()
         self._scratch: int | None = None
         self.context_bytes = context_bytes
+        #: where context_bytes came from: "given" (the supervisor's probe, or the caller),
+        #: "measured" (here, at set-up) or "default" (not measurable: the device class's figure)
+        self.context_bytes_source = "given" if context_bytes is not None else "measured"
+        self.compute_capability = (0, 0)
+        self.cublas_workspace_bytes = 0
         self.queue_grace_s = queue_grace_s
         #: device bytes this worker holds outside the tenant's pool (context, scratch, modules, cuBLAS)
         self.overhead_bytes = 0
@@ -283,6 +289,12 @@ class CudaBackend(TensorOpsMixin, Backend):
         raw_name = drv.call("cuDeviceGetName", 256, self._dev)
         self.device_name = (raw_name.split(b"\0", 1)[0].decode(errors="replace")
                             if isinstance(raw_name, bytes) else str(raw_name))
+        attr = d.CUdevice_attribute
+        self.compute_capability = (
+            int(drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._dev)),
+            int(drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._dev)))
+        #: the workspace each run lends cuBLAS (metered as the run's buffer): per device class
+        self.cublas_workspace_bytes = cublas_workspace_bytes(self.compute_capability[0])
         self._prev_ctx = drv.call("cuCtxGetCurrent")
         # Before the context's first use: a wait (synchronize, event) sleeps on an interrupt instead
         # of spinning a core - with one context per worker, the default (SCHED_AUTO: spin while
@@ -297,6 +309,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         free_at_start = int(drv.call("cuMemGetInfo")[0])
         if self.context_bytes is None:
             self.context_bytes = self._measure_context()
+        assert self.context_bytes is not None
         self._stream = drv.call("cuStreamCreate", int(d.CUstream_flags.CU_STREAM_NON_BLOCKING))
         self.granularity = int(drv.call(
             "cuMemGetAllocationGranularity",
@@ -304,22 +317,17 @@ class CudaBackend(TensorOpsMixin, Backend):
             d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
         ))
         self.pool_max_size = 0 if self.gpu_cap_bytes is None else round_up(max(1, self.gpu_cap_bytes), self.granularity)
-        props = d.CUmemPoolProps()
-        props.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        props.handleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        props.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        props.location.id = self.device_index
-        props.maxSize = self.pool_max_size
-        self._pool = drv.call("cuMemPoolCreate", props)
+        self._pool = drv.call("cuMemPoolCreate", drv.api.pool_props(d, self.device_index, self.pool_max_size))
         # what the driver enforces may be more than asked (it rounds maxSize up): read it back, so the
-        # OOM message and status name the real backstop
+        # OOM message and status name the real backstop (cuda-bindings 12.x cannot: the size asked for)
         self.pool_max_size_effective = self.pool_max_size
-        if self.pool_max_size:
+        max_attr = drv.api.max_pool_size_attribute(d)
+        if self.pool_max_size and max_attr is not None:
             try:
-                self.pool_max_size_effective = int(drv.call(
-                    "cuMemPoolGetAttribute", self._pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE))
-            except (CudaError, AttributeError):  # a driver without the attribute: the size asked for
-                pass
+                self.pool_max_size_effective = int(drv.call("cuMemPoolGetAttribute", self._pool, max_attr))
+            except CudaError:  # a driver older than the binding: the size asked for
+                if drv.context_lost is not None:
+                    raise
         # (no CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: it stays 0, so freed memory leaves the pool)
         self._scratch = int(drv.call("cuMemAlloc", FIXED_SCRATCH_BYTES))
         self.total_bytes = 0
@@ -331,30 +339,42 @@ class CudaBackend(TensorOpsMixin, Backend):
     def _measure_context(self) -> int:
         """Device bytes one more context takes: ``cuMemGetInfo`` around a throw-away ``cuCtxCreate``.
 
-        Our own primary context is already made when a context exists to ask
-        ``cuMemGetInfo``, so a second one is measured instead (the same cost:
-        same device, same process, same loading mode). Another process
-        allocating at the same moment skews it either way; it is clamped at 0.
-        A device that refuses a second context (compute mode
-        EXCLUSIVE_PROCESS, no memory left for one) is not measured: 0, with a
-        warning - pass ``context_bytes`` there.
+        Only when the supervisor passed no figure (its probe measures once per device, before any
+        worker starts, so concurrent starts cannot skew it; a backend made directly measures here).
+        Our own primary context is already made when a context exists to ask ``cuMemGetInfo``, so
+        a second one is measured instead (the same cost: same device, same process, same loading
+        mode). Another process allocating at the same moment skews it either way; it is clamped
+        at 0. A device that refuses a second context (compute mode EXCLUSIVE_PROCESS, no memory
+        left for one) or any other non-sticky failure is never counted as free: the conservative
+        default of the device class (:func:`shared.cuda_compat.default_context_bytes`), logged.
         """
         drv = self._drv
-        free_before = int(drv.call("cuMemGetInfo")[0])
         try:
-            tmp = drv.call("cuCtxCreate", None, 0, self._dev)
+            free_before = int(drv.call("cuMemGetInfo")[0])
+            tmp = drv.create_context(0, self._dev)
         except CudaError as exc:
             if drv.context_lost is not None:
                 raise
-            log_event(_log, logging.WARNING, "cuda.context_not_measured", device=self.device_index, error=str(exc))
-            drv.call("cuCtxSetCurrent", self._ctx)
-            return 0
+            return self._context_default(exc)
         try:
             free_after = int(drv.call("cuMemGetInfo")[0])
+        except CudaError as exc:
+            if drv.context_lost is not None:
+                raise
+            return self._context_default(exc)
         finally:
             drv.call("cuCtxDestroy", tmp)
             drv.call("cuCtxSetCurrent", self._ctx)
+        self.context_bytes_source = "measured"
         return max(0, free_before - free_after)
+
+    def _context_default(self, exc: CudaError) -> int:
+        self._drv.call("cuCtxSetCurrent", self._ctx)
+        fallback = default_context_bytes(self.compute_capability[0])
+        self.context_bytes_source = "default"
+        log_event(_log, logging.WARNING, "cuda.context_not_measured", device=self.device_index, error=str(exc),
+                  compute_capability="%d.%d" % self.compute_capability, assumed_bytes=fallback)
+        return fallback
 
     # ------------------------------------------------------- fixed overhead
 
@@ -731,6 +751,10 @@ class CudaBackend(TensorOpsMixin, Backend):
         }
         out["fixed_overhead_bytes"] = self.overhead_bytes
         out["context_bytes"] = self.context_bytes
+        out["context_bytes_source"] = self.context_bytes_source
+        out["compute_capability"] = "%d.%d" % self.compute_capability
+        out["cublas_workspace_bytes"] = self.cublas_workspace_bytes
+        out["cuda_bindings"] = self._drv.api.version
         if self.environment:
             out["environment"] = dict(self.environment)
         return out
