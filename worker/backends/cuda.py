@@ -18,6 +18,8 @@
                once -> DeviceOutOfMemory
     free(b)    cuMemFreeAsync(ptr, stream); a non-sticky error keeps b (and its metered bytes)
     reclaim()  after frees: cuStreamSynchronize + cuMemPoolTrimTo(pool, 0) (memory back to the device)
+    retained_bytes()  cuMemPoolGetAttribute(RESERVED_MEM_CURRENT) - live bytes: what a free has not
+               yet given back (the device budget is credited only past it; worker.allocator)
     write/read cuMemcpyHtoDAsync / cuMemcpyDtoHAsync + cuStreamSynchronize
     pin_host   cuMemHostRegister of a mapped shared-memory region (worker.regions):
                write_host/read_host then copy from/to its address as DMA; unpin_host
@@ -118,6 +120,8 @@ class QueueOverrun(KernelTimeout):
     answers this and exits (``shared.exitcodes.WORKER_GPU_QUEUE_OVERRUN``); the
     supervisor restarts the instance as for any deadline.
     """
+#: retained_bytes() when the pool's memory comes back only with the process: above any withheld sum
+_ALL_RETAINED = 1 << 62
 #: inside the first page: never mapped in any CUDA context, so a write there always faults
 _UNMAPPED_ADDRESS = 0x100
 _get_ident = threading.get_ident
@@ -221,6 +225,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         #: set once a run's queued work outlived its deadline: the worker must exit (QueueOverrun)
         self.queue_overrun = False
         self._freed = False  # frees since the last reclaim()
+        self._pool_destroyed = False  # cuMemPoolDestroy succeeded: nothing retained any more
         self.trims = 0  # cuMemPoolTrimTo calls made
         try:
             self._setup()
@@ -487,12 +492,37 @@ class CudaBackend(TensorOpsMixin, Backend):
     def reclaim(self) -> None:
         """Give freed pool memory back to the device: synchronize (the frees are observed), then
         ``cuMemPoolTrimTo(pool, 0)``. Called after explicit frees and at run end (batched: one per
-        request or run). Errors go through the driver funnel (a sticky one ends the worker)."""
+        request or run), and by the allocator when the device budget refuses while freed bytes are
+        withheld (inside a run: the queued work is waited for within the run's limit first).
+        Errors go through the driver funnel (a sticky one ends the worker)."""
         if not self._freed or self._closed or self.queue_overrun:
             return
         self._current()
+        self.wait_idle()
         self._drv.call("cuStreamSynchronize", self._stream)
         self._trim()
+
+    def retained_bytes(self) -> int:
+        """What the pool reserves beyond the live buffers (``CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT``
+        minus their bytes): freed memory not yet back on the device, plus the pool's rounding of
+        the live ones. The device budget is credited for frees only past it (worker.allocator).
+
+        0 once the pool is destroyed; everything (a bound no withheld byte reaches) while the
+        memory can only come back with the process: a lost context, an overrun queue, a closed
+        backend whose pool was not destroyed, or a failed read (logged).
+        """
+        if self._pool_destroyed:
+            return 0
+        if self._closed or self._pool is None or self.queue_overrun or self._drv.context_lost is not None:
+            return _ALL_RETAINED
+        try:
+            self._current()
+            reserved = int(self._drv.call("cuMemPoolGetAttribute", self._pool,
+                                          self._drv.mod.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT))
+        except CudaError as exc:
+            log_event(_log, logging.WARNING, "cuda.pool_read_failed", device=self.device_index, error=str(exc))
+            return _ALL_RETAINED
+        return max(0, reserved - self.in_use)
 
     def _trim(self) -> None:
         self._drv.call("cuMemPoolTrimTo", self._pool, 0)
@@ -822,7 +852,9 @@ class CudaBackend(TensorOpsMixin, Backend):
             attempt("cuMemFree", self._scratch)
             self._scratch = None
         if self._pool is not None:
-            attempt("cuMemPoolDestroy", self._pool)
+            # its memory is back on the device once destroyed (every buffer was freed and the stream
+            # synchronized above); if not, it comes back with the process
+            self._pool_destroyed = attempt("cuMemPoolDestroy", self._pool)
             self._pool = None
         if self._stream is not None:
             attempt("cuStreamDestroy", self._stream)
