@@ -378,7 +378,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         fallback = default_context_bytes(self.compute_capability[0])
         self.context_bytes_source = "default"
         log_event(_log, logging.WARNING, "cuda.context_not_measured", device=self.device_index, error=str(exc),
-                  compute_capability="%d.%d" % self.compute_capability, assumed_bytes=fallback)
+                  compute_capability="{}.{}".format(*self.compute_capability), assumed_bytes=fallback)
         return fallback
 
     # ------------------------------------------------------- fixed overhead
@@ -782,7 +782,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         out["fixed_overhead_bytes"] = self.overhead_bytes
         out["context_bytes"] = self.context_bytes
         out["context_bytes_source"] = self.context_bytes_source
-        out["compute_capability"] = "%d.%d" % self.compute_capability
+        out["compute_capability"] = "{}.{}".format(*self.compute_capability)
         out["cublas_workspace_bytes"] = self.cublas_workspace_bytes
         out["cuda_bindings"] = self._drv.api.version
         if self.environment:
