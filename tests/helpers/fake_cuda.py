@@ -56,8 +56,8 @@ Use it two ways:
   ``<pid>.json`` there: the ``CUDA_MPS_*`` variables it saw at ``cuInit`` and
   the devices it retained a primary context on).
 
-Both cuda-bindings majors the project supports (``bindings_major``, 13 by
-default): 12.x's ``cuCtxCreate(flags, dev)``, ``CUmemPoolProps`` without
+Both cuda-bindings majors the project supports (``bindings_major``; by
+default ``FAKE_CUDA_BINDINGS``, else the installed cuda-bindings' major): 12.x's ``cuCtxCreate(flags, dev)``, ``CUmemPoolProps`` without
 ``gpuDirectRDMACapable`` and ``CUmemPool_attribute`` without ``MAX_POOL_SIZE``;
 13.x's ``cuCtxCreate(ctxCreateParams, flags, dev)`` and the extra field and
 member. A call in the other major's shape fails as that binding fails it
@@ -429,6 +429,28 @@ BINDINGS: dict[int, dict[str, Any]] = {
 _VERSIONED = frozenset(BINDINGS[13])
 
 
+def installed_bindings_major() -> int | None:
+    """The major version of the cuda-bindings this interpreter would import (None: not installed)."""
+    from importlib import metadata
+
+    try:
+        head = metadata.version("cuda-bindings").split(".", 1)[0]
+    except metadata.PackageNotFoundError:
+        return None
+    return int(head) if head.isdigit() else None
+
+
+def default_bindings_major(environ: Mapping[str, str] | None = None) -> int:
+    """The major a fake speaks unless told: ``FAKE_CUDA_BINDINGS``, else the installed cuda-bindings'
+    (so the fake stands in for the binding a test process would load), else 13."""
+    env = os.environ if environ is None else environ
+    raw = env.get("FAKE_CUDA_BINDINGS")
+    if raw:
+        return int(raw)
+    installed = installed_bindings_major()
+    return installed if installed in BINDINGS else 13
+
+
 class CUmemAllocationProp(_Struct):
     __slots__ = ("type", "requestedHandleTypes", "location", "win32HandleMetaData")
     _fields = {"type": CUmemAllocationType, "requestedHandleTypes": CUmemAllocationHandleType,
@@ -544,8 +566,10 @@ class FakeDriver:
         real_nvrtc: bool = True,
         module_bytes: int = 0,
         pool_size_granularity: int = 1,
-        bindings_major: int = 13,
+        bindings_major: int | None = None,
     ) -> None:
+        if bindings_major is None:
+            bindings_major = default_bindings_major()
         if bindings_major not in BINDINGS:
             raise ValueError(f"the fake speaks cuda-bindings majors {sorted(BINDINGS)}, not {bindings_major!r}")
         if mode not in ("ok", "no-libcuda", "no-device", "driver-mismatch"):
@@ -636,8 +660,8 @@ class FakeDriver:
             mode=env.get("FAKE_CUDA_MODE") or "ok",
             record_dir=env.get("FAKE_CUDA_RECORD_DIR") or None,
             real_nvrtc=env.get("FAKE_CUDA_REAL_NVRTC", "1") != "0",
-            driver_version=num("FAKE_CUDA_DRIVER_VERSION", 1000 * num("FAKE_CUDA_BINDINGS", 13)),
-            bindings_major=num("FAKE_CUDA_BINDINGS", 13),
+            driver_version=num("FAKE_CUDA_DRIVER_VERSION", 13000),
+            bindings_major=default_bindings_major(env),
         )
 
     # ------------------------------------------------------------- test controls
