@@ -495,8 +495,8 @@ class CudaBackend(TensorOpsMixin, Backend):
         request or run), and by the allocator when the device budget refuses while freed bytes are
         withheld (inside a run: the queued work is waited for within the run's limit first).
         Errors go through the driver funnel (a sticky one ends the worker)."""
-        if not self._freed or self._closed or self.queue_overrun:
-            return
+        if not self._freed or self._closed or self.queue_overrun or self._drv.context_lost is not None:
+            return  # (a lost context's memory comes back with the process only)
         self._current()
         self.wait_idle()
         self._drv.call("cuStreamSynchronize", self._stream)
