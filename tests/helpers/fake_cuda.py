@@ -75,6 +75,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import enum
+import functools
 import json
 import os
 import re
@@ -429,6 +430,7 @@ BINDINGS: dict[int, dict[str, Any]] = {
 _VERSIONED = frozenset(BINDINGS[13])
 
 
+@functools.cache
 def installed_bindings_major() -> int | None:
     """The major version of the cuda-bindings this interpreter would import (None: not installed)."""
     from importlib import metadata

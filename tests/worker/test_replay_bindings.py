@@ -265,3 +265,45 @@ def test_the_fake_refuses_a_launch_with_extra_none_as_the_bindings_do(tmp_path: 
                                         ((1,), (c.c_uint64,)), None)), f)
     failures = _replay(tmp_path)["failures"]
     assert isinstance(failures, list) and len(failures) == 1 and "TypeError" in failures[0]
+
+
+#: run with the real binding of one major first on the path: the fake of that major against it
+SHAPES = r"""
+import json
+import cuda.bindings
+import cuda.bindings.driver as real
+from tests.helpers import fake_cuda
+
+major = int(cuda.bindings.__version__.split(".")[0])
+f = fake_cuda.FakeDriver(bindings_major=major)
+out = {"version": cuda.bindings.__version__, "bad": []}
+for m in f.CUmemPool_attribute:
+    if int(getattr(real.CUmemPool_attribute, m.name, -1)) != int(m):
+        out["bad"].append(f"CUmemPool_attribute.{m.name}")
+out["max_pool_size"] = [hasattr(real.CUmemPool_attribute, "CU_MEMPOOL_ATTR_MAX_POOL_SIZE"),
+                        hasattr(f.CUmemPool_attribute, "CU_MEMPOOL_ATTR_MAX_POOL_SIZE")]
+real_fields = {a for a in dir(real.CUmemPoolProps()) if not a.startswith("_") and a != "getPtr"}
+out["props"] = [sorted(real_fields), sorted(f.CUmemPoolProps._fields)]
+params = real.cuCtxCreate.__doc__.split("\n", 1)[0].split("(", 1)[1].rstrip(")").split(",")
+try:
+    f.cuCtxCreate(*([None] * (len(params) - 2)), 0, fake_cuda.CUdevice(0))
+    out["ctx_create_arity"] = len(params)
+except TypeError as exc:
+    out["ctx_create_arity"] = f"the fake refuses {len(params)} arguments: {exc}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("major", MAJORS)
+def test_the_fake_of_each_major_has_that_real_bindings_shapes(major: int) -> None:
+    """Where the majors differ (pool attributes, pool props, cuCtxCreate's arguments), the fake of
+    each major has exactly the real binding's shape - checked against that real binding."""
+    proc = subprocess.run([sys.executable, "-c", SHAPES], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=replay_env(major, ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["version"].startswith(f"{major}.")
+    assert out["bad"] == []
+    assert out["max_pool_size"] == [major >= 13, major >= 13]
+    assert out["props"][0] == out["props"][1]
+    assert out["ctx_create_arity"] == (2 if major == 12 else 3)
