@@ -3,8 +3,15 @@
 The supervisor never initialises CUDA itself (a process that has must not
 fork, and the supervisor starts workers), so the probe runs in a short-lived
 child process: load the driver, ``cuInit``, count devices, read each
-device's name, total and free memory (``cuMemGetInfo`` in a briefly retained
-primary context: what the device budget starts from). The driver module is
+device's name, compute capability, total and free memory (``cuMemGetInfo`` in a
+briefly retained primary context: what the device budget starts from) and what
+one more context costs there (a throw-away second context, three samples, the
+median; where none can be made, the device class's conservative default from
+:mod:`shared.cuda_compat`, with the failed call): measured here once, before
+any worker exists, and handed to every worker as its ``context_bytes``
+(supervisor.routing.placement), so no worker measures it while others start.
+The calls whose shape differs between cuda-bindings 12 and 13 go through
+:func:`shared.cuda_compat.driver_api`. The driver module is
 ``cuda.bindings.driver`` unless ``cuda_driver_module`` names another (the
 test suite's fake), and the probe and the workers honour the same name.
 ``auto`` picks cuda when that works and finds a device, else stub, and says
@@ -196,7 +203,8 @@ def select_backend(config: SupervisorConfig) -> BackendChoice:
         names = ", ".join(f"{d.index}: {d.name}" for d in devices)
         return BackendChoice(
             "cuda",
-            f"CUDA driver {probe.get('driver_version')} with {len(found)} device(s), using [{names}]"
+            f"CUDA driver {probe.get('driver_version')} (cuda-bindings {probe.get('bindings')}) with "
+            f"{len(found)} device(s), using [{names}]"
             + (" (--backend cuda)" if config.backend == "cuda" else " (auto)")
             + nvrtc_note(probe),
             options,
