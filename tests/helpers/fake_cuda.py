@@ -57,7 +57,8 @@ Use it two ways:
   the devices it retained a primary context on).
 
 Both cuda-bindings majors the project supports (``bindings_major``; by
-default ``FAKE_CUDA_BINDINGS``, else the installed cuda-bindings' major): 12.x's ``cuCtxCreate(flags, dev)``, ``CUmemPoolProps`` without
+default ``FAKE_CUDA_BINDINGS``, else the installed cuda-bindings' major):
+12.x's ``cuCtxCreate(flags, dev)``, ``CUmemPoolProps`` without
 ``gpuDirectRDMACapable`` and ``CUmemPool_attribute`` without ``MAX_POOL_SIZE``;
 13.x's ``cuCtxCreate(ctxCreateParams, flags, dev)`` and the extra field and
 member. A call in the other major's shape fails as that binding fails it
@@ -979,6 +980,8 @@ class FakeDriver:
             raise TypeError(f"Argument 'ctxCreateParams' is not instance of type CUctxCreateParams, got {type(params)!r}")
         if not isinstance(flags, int) or isinstance(flags, bool):
             raise TypeError(f"an integer is required for flags, got {type(flags)!r}")
+        if flags < 0:
+            raise OverflowError("can't convert negative value to unsigned int")
         with self._lock:
             err = self._enter("cuCtxCreate")
             if err is not None:
@@ -986,8 +989,6 @@ class FakeDriver:
             d = self._dev(dev)
             if d is None:
                 return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
-            if flags < 0 or flags & ~0x1F:
-                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
             if self.device_reserved(d) + self.context_bytes > self.memory_bytes:
                 return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
             h = self._new() | 0xC000_0000
