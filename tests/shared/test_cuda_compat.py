@@ -109,3 +109,19 @@ def test_device_class_figures() -> None:
     assert cublas_workspace_bytes(8) == cublas_workspace_bytes(10) == CUBLAS_WORKSPACE_BYTES == 4 * MiB
     # never 0, and never below what a context is seen to take per process (~300+ MiB)
     assert [default_context_bytes(cc) for cc in (7, 8, 9, 12)] == [384 * MiB, 512 * MiB, 768 * MiB, 768 * MiB]
+
+
+def test_a_call_the_binding_refuses_is_a_clear_backend_error_not_a_type_error() -> None:
+    """Were the switch ever wrong for a binding (a major it does not know), the worker says which
+    binding refused which call - a typed BackendUnavailable, not a TypeError out of set-up."""
+    from worker.backends._driver import Driver
+
+    f = FakeDriver(bindings_major=12)
+    drv = Driver(f)
+    drv.call("cuInit", 0)
+    dev = drv.call("cuDeviceGet", 0)
+    object.__setattr__(drv, "api", DriverApi(13, "12.9.10"))  # the 13.x shape against a 12.x binding
+    with pytest.raises(BackendUnavailable, match=r"cuCtxCreate: cuda-bindings 12\.9\.10 refused"):
+        drv.create_context(0, dev)
+    with pytest.raises(BackendUnavailable, match="refused the call's arguments"):
+        drv.call("cuCtxCreate", None, 0, dev)  # the call the backend made before the switch existed

@@ -111,7 +111,14 @@ class Driver:
             result = getattr(self.mod, name)(*args)
         except RuntimeError as exc:  # libcuda missing: raised by the loader on the first call
             raise _unloadable("CUDA driver", name, exc) from None
+        except TypeError as exc:  # the binding refused the call's shape: a version this code does not know
+            raise self._refused(name, exc) from None
         return _check(name, result, self.error)
+
+    def _refused(self, name: str, exc: TypeError) -> BackendUnavailable:
+        return BackendUnavailable("cuda", (
+            f"{name}: cuda-bindings {self.api.version} refused the call's arguments ({exc}); the backend "
+            "supports cuda-bindings 12.x and 13.x (shared.cuda_compat)"))
 
     def create_context(self, flags: int, dev: object) -> Any:
         """``cuCtxCreate`` in this binding's shape (:meth:`DriverApi.ctx_create`), checked like :meth:`call`."""
@@ -119,6 +126,8 @@ class Driver:
             result = self.api.ctx_create(self.mod, flags, dev)
         except RuntimeError as exc:  # libcuda missing
             raise _unloadable("CUDA driver", "cuCtxCreate", exc) from None
+        except TypeError as exc:
+            raise self._refused("cuCtxCreate", exc) from None
         return _check("cuCtxCreate", result, self.error)
 
     def check(self, name: str, result: tuple[Any, ...]) -> Any:
