@@ -63,3 +63,26 @@ def test_a_sticky_error_while_measuring_is_not_papered_over() -> None:
     f.fail_next("cuCtxCreate", CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
     with pytest.raises(CudaError, match="sticky"):
         CudaBackend(0, driver=f, nvrtc=f)
+
+
+class _ForeignFree(FakeDriver):
+    """A device on which another process frees 1 GiB while this worker sets up (free memory grows
+    between the set-up's two cuMemGetInfo reads)."""
+
+    reads = 0
+
+    def cuMemGetInfo(self) -> tuple[object, ...]:  # noqa: N802 - the driver's name
+        err, free, total = super().cuMemGetInfo()
+        self.reads += 1
+        return (err, free + (1 << 30) if self.reads > 1 and free is not None else free, total)
+
+
+def test_memory_freed_by_another_process_during_set_up_never_hides_the_scratch() -> None:
+    from worker.backends.cuda import FIXED_SCRATCH_BYTES
+
+    f = _ForeignFree(memory_bytes=4 << 30)
+    b = CudaBackend(0, driver=f, nvrtc=f, context_bytes=300 * MiB)
+    try:
+        assert b.overhead_bytes == 300 * MiB + FIXED_SCRATCH_BYTES  # the delta said less than nothing
+    finally:
+        b.close()

@@ -339,7 +339,9 @@ class CudaBackend(TensorOpsMixin, Backend):
         free, total = drv.call("cuMemGetInfo")
         self.total_bytes = int(total)
         self.free_bytes_at_start = int(free)
-        self.overhead_bytes = self.context_bytes + max(0, free_at_start - int(free))
+        # what set-up took (stream, pool, scratch) is a cuMemGetInfo delta on a shared device: another
+        # process freeing memory meanwhile shrinks it, so it is never counted below the scratch we hold
+        self.overhead_bytes = self.context_bytes + max(FIXED_SCRATCH_BYTES, free_at_start - int(free))
 
     def _measure_context(self) -> int:
         """Device bytes one more context takes: ``cuMemGetInfo`` around a throw-away ``cuCtxCreate``.
