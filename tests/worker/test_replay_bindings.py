@@ -307,3 +307,30 @@ def test_the_fake_of_each_major_has_that_real_bindings_shapes(major: int) -> Non
     assert out["max_pool_size"] == [major >= 13, major >= 13]
     assert out["props"][0] == out["props"][1]
     assert out["ctx_create_arity"] == (2 if major == 12 else 3)
+
+
+def _shaped(major: int) -> list[tuple[str, tuple[object, ...]]]:
+    """The three calls whose shape differs, as the fake of ``major`` records them."""
+    from shared.cuda_compat import DriverApi
+
+    f = fake_cuda.FakeDriver(bindings_major=major)
+    calls: list[tuple[str, tuple[object, ...]]] = [
+        ("cuCtxCreate", (*([None] if major == 13 else []), 0, fake_cuda.CUdevice(0))),
+        ("cuMemPoolCreate", (DriverApi(major, "").pool_props(f, 0, 2 << 20),))]
+    if major == 13:
+        calls.append(("cuMemPoolGetAttribute", (fake_cuda.CUmemoryPool(16),
+                                                f.CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE)))
+    return calls
+
+
+@pytest.mark.parametrize("recorded, replayed, failing", [(13, 13, 0), (13, 12, 3), (12, 12, 0), (12, 13, 1)])
+def test_each_major_refuses_the_other_majors_shapes(recorded: int, replayed: int, failing: int,
+                                                    tmp_path: Path) -> None:
+    """The control for the two replays: 13.x's cuCtxCreate, pool props and MAX_POOL_SIZE fail in the
+    real 12.9 binding (the three places a 12.x host broke), 12.x's cuCtxCreate fails in 13.x - so a
+    call made in the wrong major's shape cannot pass either replay."""
+    with open(tmp_path / "1.calls", "wb") as f:
+        for record in _shaped(recorded):
+            pickle.dump(record, f)
+    failures = _replay(tmp_path, replayed)["failures"]
+    assert isinstance(failures, list) and len(failures) == failing, failures
