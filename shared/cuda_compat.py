@@ -5,13 +5,10 @@ shapes follow the CUDA toolkit of the same major version. The ``cuda12`` extra i
 cuda-bindings 12.9, the ``cuda`` extra 13.x; a host's driver decides which one it can use (a 13.x
 binding needs a 13.x driver). Where the two differ for the calls this project makes:
 
-==============================  ==========================  =================================
-what                            cuda-bindings 12.9          cuda-bindings 13.x
-==============================  ==========================  =================================
-``cuCtxCreate``                 ``(flags, dev)``            ``(ctxCreateParams, flags, dev)``
-``CUmemPoolProps``              no ``gpuDirectRDMACapable`` ``gpuDirectRDMACapable`` (left 0)
-``CU_MEMPOOL_ATTR_MAX_POOL_SIZE``  absent (read back: no)   present (the driver's rounding)
-==============================  ==========================  =================================
+* ``cuCtxCreate``: 12.9 ``(flags, dev)``; 13.x ``(ctxCreateParams, flags, dev)``;
+* ``CUmemPoolProps``: 12.9 has no ``gpuDirectRDMACapable`` (setting it is an AttributeError);
+  13.x has it (left 0 here);
+* ``CU_MEMPOOL_ATTR_MAX_POOL_SIZE`` (a pool's cap read back, as the driver rounded it): 13.x only.
 
 (``CU_MEM_ALLOCATION_TYPE_MANAGED`` and ``CUmemLocation.localized`` are 13.x only as well; the
 project uses neither.) Everything else the worker, the probe and the hardware check call has the
