@@ -223,6 +223,12 @@ class ProbedDevice(Record):
     total_bytes: int = 0
     free_bytes: int | None = None  # None when the probe could not measure it
     name: str = ""
+    compute_capability: str = ""  # "9.0"; "" for the stub
+    #: what one CUDA context costs there (each worker's fixed overhead starts from it): measured once
+    #: by the probe, else the device class's conservative default (never 0 for want of a measure)
+    context_bytes: int | None = None
+    context_bytes_source: str = ""  # "measured" | "default"
+    context_note: str = ""  # why it is the default (the failed call)
 
 
 @dataclass(frozen=True, slots=True)

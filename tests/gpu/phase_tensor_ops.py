@@ -213,9 +213,8 @@ def _gemm(host: Any, cublas: Any, n: int, reps: int, rounds: int) -> dict[str, A
     drv, stream = backend._drv, backend._stream
     alloc = host.ctx.allocator
     rng = np.random.default_rng(n)
-    from worker.backends._cublas import GEMM_WORKSPACE_BYTES
-
-    hs = [alloc.alloc(4 * n * n) for _ in range(3)] + [alloc.alloc(GEMM_WORKSPACE_BYTES)]
+    ws_bytes = backend.gemm_workspace_bytes()  # what the host lends per run on this device (32 MiB on Hopper)
+    hs = [alloc.alloc(4 * n * n) for _ in range(3)] + [alloc.alloc(ws_bytes)]
     try:
         bufs = [alloc.lookup(h) for h in hs[:3]]
         ws = alloc.lookup(hs[3])
@@ -235,9 +234,8 @@ def _gemm(host: Any, cublas: Any, n: int, reps: int, rounds: int) -> dict[str, A
         try:
             cublas.set_stream(handle, int(stream))  # (resets the workspace: set it after)
             cublas.set_pointer_mode(handle, int(cublas.PointerMode.HOST))
-            # the same workspace the WASM host lends per run (GEMM_WORKSPACE_BYTES): without it cuBLAS
-            # would take its default one (32 MiB on Hopper) and the two paths would differ in more than
-            # the host's overhead
+            # the same workspace the WASM host lends per run (gemm_workspace_bytes): without it cuBLAS
+            # would take its default one and the two paths would differ in more than the host's overhead
             cublas.set_workspace(handle, int(ws.ptr), ws.nbytes)
             version = int(cublas.get_version(handle))
             one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
@@ -270,7 +268,7 @@ def _gemm(host: Any, cublas: Any, n: int, reps: int, rounds: int) -> dict[str, A
             "wasm_tflops": round(flops / statistics.median(host_s) / 1e12, 3),
             "cublas_tflops": round(flops / statistics.median(direct_s) / 1e12, 3),
             "ratio": round(ratio, 3), "target": GEMM_TARGET, "verdict": "PASS" if ratio >= GEMM_TARGET else "MISS",
-            "workspace_bytes": GEMM_WORKSPACE_BYTES, "cublas_version": version}
+            "workspace_bytes": ws_bytes, "cublas_version": version}
 
 
 def phase(*, quick: bool = False, fake: bool = False) -> dict[str, Any]:

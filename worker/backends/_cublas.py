@@ -46,14 +46,16 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from shared.cuda_compat import CUBLAS_WORKSPACE_BYTES
 from shared.errors import BackendUnavailable, CudaError
 from worker.backends._driver import import_bindings
 
 __all__ = ["DEFAULT_CUBLAS_MODULE", "GEMM_WORKSPACE_BYTES", "INSTALL_HINT", "Cublas"]
 
 DEFAULT_CUBLAS_MODULE = "nvmath.bindings.cublas"
-#: the workspace lent to cuBLAS per run (cuBLAS's guidance: 4 MiB suffices for most GEMMs)
-GEMM_WORKSPACE_BYTES = 4 << 20
+#: the workspace lent to cuBLAS per run where the device class is not known: cuBLAS's recommendation
+#: for every architecture but Hopper (the backend lends shared.cuda_compat.cublas_workspace_bytes(cc))
+GEMM_WORKSPACE_BYTES = CUBLAS_WORKSPACE_BYTES
 INSTALL_HINT = "install tensor-wasm-tenant[cuda] (nvmath-python with nvidia-cublas)"
 _I32_MAX = (1 << 31) - 1
 

@@ -67,6 +67,11 @@ class Backend(abc.ABC):
     def reclaim(self) -> None:
         """Give memory freed since the last call back to the device (after explicit frees)."""
 
+    def retained_bytes(self) -> int:
+        """Device bytes this backend still holds beyond its live buffers (a pool's freed, not yet
+        returned memory): the device budget is credited for a free only past them. 0: none (host memory)."""
+        return 0
+
     def begin_run(self, limit: float | None) -> None:
         """A WASM run starts; no wait for its device work may last past ``limit`` (``time.monotonic()``)."""
 

@@ -425,6 +425,7 @@ class TensorOpsMixin:
     _cublas_spec: object
     _tensor_ops: CudaTensorOps | None
     _scratch: int | None
+    cublas_workspace_bytes: int  # per device class (set by CudaBackend from the compute capability)
 
     def _open(self) -> None: ...  # provided by CudaBackend
     def _current(self) -> None: ...  # provided by CudaBackend
@@ -456,7 +457,8 @@ class TensorOpsMixin:
             self._tensor_ops = None
 
     def gemm_workspace_bytes(self) -> int:
-        return GEMM_WORKSPACE_BYTES
+        """cuBLAS's recommended workspace for this device (32 MiB on Hopper, else 4 MiB)."""
+        return self.cublas_workspace_bytes or GEMM_WORKSPACE_BYTES
 
     def matmul_f32(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int, *,
                    workspace: DeviceBuffer | None = None) -> None:

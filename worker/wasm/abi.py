@@ -290,6 +290,7 @@ class GuestRun:
         the deadline (``started + timeout_s``) plus a grace period, and its freed memory returned
         to the device. Raises ``KernelTimeout`` (``QueueOverrun``) past that: the worker exits."""
         self.backend.end_run(self.started + timeout_s)
+        self.allocator.settle()  # the run's frees are back on the device now: the budget gets them
 
     # ------------------------------------------------------------ imports
 
