@@ -3,9 +3,10 @@ timeout (or out of fuel), never the tenant's request timeout, and the same worke
 
 The guest (tests/helpers/wasm_bombs.py ``output_flood``) makes fd_write calls of 1,024 iovecs over the
 same 1 MiB of newlines (1 GiB a call) in a loop. Handled a line at a time, one call held the worker for
-hours: the request timeout fired and the supervisor killed the worker. The request timeout here (60 s)
-is only the bound within which a run stuck inside one host call is seen for what it is on a loaded
-machine; the run's own deadline is 0.5 s, and the test asserts the outcome, not the time.
+hours: no answer came before the request timeout, and the supervisor killed the worker. The request
+timeout here (60 s, and the client's own 30 s wait) is only the bound within which a run stuck inside
+one host call is seen for what it is on a loaded machine; the run's own deadline is 0.5 s, and the test
+asserts the outcome, not the time.
 """
 
 from __future__ import annotations

@@ -23,7 +23,11 @@ wasmtime's tokio threads, after the write has returned to the guest (lines
 arrive late, out of order, or after the run ended, and a callback during
 interpreter shutdown aborts the process). ``fd_write`` here runs on the
 guest's thread, inside the call: every line is counted against the run's
-log limits before the guest continues. Why our own ``fd_fdstat_get``:
+log limits before the guest continues. Its cost is bounded by the run, not
+by the lines: every byte and newline is paid for from the store's fuel
+before it is read, the run's deadline is checked between chunks of a call
+(1,024 iovecs may name the same 4 GiB again and again), and lines past the
+log limits are counted in bulk, never handled one by one. Why our own ``fd_fdstat_get``:
 wasi-libc line-buffers stdout only on a terminal and otherwise keeps up to
 a buffer's worth until ``exit`` - which a reactor never calls, so a
 guest's ``printf`` lines would be lost at the end of each run. Fds 0-2
