@@ -46,6 +46,7 @@ from pathlib import Path
 from shared.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from supervisor.cli.build_guard import (
     BuildError,
+    NoDependencyList,
     SandboxUser,
     cache_lock,
     check_dependencies,
@@ -203,9 +204,8 @@ def _compiler_env(root: Path, cache: Path) -> dict[str, str]:
             "ZIG_GLOBAL_CACHE_DIR": str(cache), "ZIG_LOCAL_CACHE_DIR": str(cache), "LANG": "C.UTF-8"}
 
 
-def _sandbox_cache(user: SandboxUser) -> Path:
+def _sandbox_cache(user: SandboxUser, cache: Path) -> Path:
     """The sandbox's Zig cache, created for ``user``; BuildError if another user owns it (or it is a link)."""
-    cache = _cache_dir(sandbox=True)
     try:
         cache.mkdir(mode=0o700)
         os.chown(cache, user.uid, user.gid, follow_symlinks=False)
@@ -232,21 +232,26 @@ def _unstage(output: str, dirs: list[Path]) -> str:
 
 def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stack_size: int = DEFAULT_STACK,
                  max_memory: int | None = None, timeout_s: float = BUILD_TIMEOUT_S, werror: bool = False,
-                 sandbox: bool = False, notify: Callable[[str], object] | None = None) -> BuildResult:
+                 sandbox: bool = False, notify: Callable[[str], object] | None = None,
+                 cache: Path | None = None) -> BuildResult:
     """Compile ``sources`` into ``out`` (written only on success); BuildError with the compiler's output.
 
     The build runs on a staged copy of the sources' directories (see
     :mod:`supervisor.cli.build_guard`), holding the Zig cache's lock
     (``notify`` hears once that it waits for another build); ``sandbox``
-    runs the compiler as ``nobody`` with a cache of its own. The result
-    carries the compiler's warnings (empty when there are none).
+    runs the compiler as ``nobody`` with a cache of its own. ``cache`` is
+    the Zig cache to use instead of the default (the user's, or with
+    ``sandbox`` ``SANDBOX_CACHE``). The result carries the compiler's
+    warnings (empty when there are none).
     """
     out = out.resolve()
     # the checks first (absolute paths: a name like "-o.c" is staged as src0/-o.c, never read as an option)
     compile_command([src.absolute() for src in sources], out, optimize=optimize, stack_size=stack_size,
                     max_memory=max_memory)
     user = sandbox_user() if sandbox else None
-    cache = _sandbox_cache(user) if user is not None else _cache_dir()
+    cache = cache if cache is not None else _cache_dir(sandbox)
+    if user is not None:
+        _sandbox_cache(user, cache)
     toolchain = _toolchain_dir()
     with tempfile.TemporaryDirectory(prefix="twt-build-") as tmp:
         root = Path(tmp)
@@ -268,6 +273,8 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
                               stack_size=stack_size, max_memory=max_memory, werror=werror, sdk=root / "sdk",
                               cache=cache)
         cmd = [_relative(arg, root) for arg in cmd]
+        tool = "zig cc" if cmd[1] == "cc" else "zig build-exe"
+        unlisted: NoDependencyList | None = None
         with cache_lock(cache, timeout_s=timeout_s, notify=notify):
             for i, src in enumerate(s for s in staged if s.suffix in _C_SUFFIXES):
                 code, output = run_compiler(_preprocess_command(src, i, optimize), cwd=root, env=env,
@@ -276,12 +283,17 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
                     raise BuildError(f"compiling failed (zig cc exit {code}; its messages are above)",
                                      _unstage(output, dirs))
                 allowed = [root / "sdk", toolchain, *(root / f"src{n}" for n in range(len(dirs)))]
-                check_dependencies(root / "deps" / f"{i}.d", root, allowed, _unstage(str(src), dirs))
+                try:
+                    check_dependencies(root / "deps" / f"{i}.d", root, allowed, _unstage(str(src), dirs))
+                except NoDependencyList as exc:
+                    unlisted = exc  # refused whatever happens; the compile below says what is missing
+                    break
             code, output = run_compiler(cmd, cwd=root, env=env, timeout_s=timeout_s, user=user)
         output = _unstage(output, dirs)
         if code != 0:
-            tool = "zig cc" if cmd[1] == "cc" else "zig build-exe"
             raise BuildError(f"compiling failed ({tool} exit {code}; its messages are above)", output)
+        if unlisted is not None:
+            raise unlisted
         wasm = _read_regular(root / staged_out)
         exports, wasi = _exports(wasm)
         if not exports:

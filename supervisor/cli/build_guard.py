@@ -44,6 +44,7 @@ __all__ = [
     "MAX_STAGED_BYTES",
     "MAX_STAGED_FILES",
     "BuildError",
+    "NoDependencyList",
     "SandboxUser",
     "cache_lock",
     "check_dependencies",
@@ -70,6 +71,11 @@ class BuildError(Exception):
     def __init__(self, message: str, output: str = "") -> None:
         super().__init__(message)
         self.output = output
+
+
+class NoDependencyList(BuildError):
+    """The preprocessor listed no files (it does so when an ``#embed`` names nothing it finds): the build
+    is refused; the compiler's own run says why."""
 
 
 # ------------------------------------------------------------------ the staged copy
@@ -192,7 +198,8 @@ def check_dependencies(depfile: Path, cwd: Path, allowed: Sequence[Path], source
     try:
         deps = parse_depfile(depfile.read_text(errors="replace"))
     except OSError as exc:
-        raise BuildError(f"{source}: the compiler wrote no list of the files it read ({exc.strerror})") from None
+        raise NoDependencyList(f"{source}: the compiler wrote no list of the files it read "
+                               f"({exc.strerror}): is an #include or #embed missing?") from None
     for dep in deps:
         real = os.path.realpath(os.path.join(cwd, dep))
         if not any(real == r or real.startswith(r + os.sep) for r in roots):
