@@ -26,6 +26,7 @@ from supervisor.cli import main
 from supervisor.cli.build import BuildError, build_module
 from supervisor.cli.build_guard import cache_lock
 from tests.helpers.cluster import wait_for
+from tests.helpers.sdk_build import SdkBuilder
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
@@ -242,3 +243,14 @@ def test_sandbox_without_root_is_refused_plainly(tmp_path: Path, monkeypatch: py
     src.write_text('#include "tensorwasm.h"\nTWT_EXPORT(f) int f(void) { return 1; }\n')
     with pytest.raises(BuildError, match="needs root"):
         build_module([src], tmp_path / "a.wasm", sandbox=True)
+
+
+def test_the_suites_builder_compiles_each_guest_once_per_run(tmp_path: Path) -> None:
+    """Two builders over one shared folder (two xdist workers of a run): one compile, the same bytes."""
+    shared = tmp_path / "shared"
+    first, second = SdkBuilder(tmp_path / "gw0", shared), SdkBuilder(tmp_path / "gw1", shared)
+    text = f'#include "tensorwasm.h"\nTWT_EXPORT(f) int f(void) {{ return {uuid.uuid4().int % 1000}; }}\n'
+    wasm = first.source("once.c", text)
+    assert second.source("once.c", text) == wasm
+    assert (first.builds, second.builds) == (1, 0)
+    assert first.source("once.c", text) == wasm and first.builds == 1  # and the memo within one worker
