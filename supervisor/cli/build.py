@@ -221,11 +221,23 @@ def _sandbox_cache(user: SandboxUser, cache: Path) -> Path:
 _STAGED = re.compile(r"(?<![\w/.-])src(\d+)/")
 
 
-def _unstage(output: str, dirs: list[Path]) -> str:
+def _source_dirs(sources: list[Path]) -> list[str]:
+    """Each staged directory (``src<i>``, in :func:`stage_sources`' order) as the user named it: ``""``
+    for the current one, else the source's folder with a slash (so messages read as they were given)."""
+    seen: dict[Path, str] = {}
+    for src in sources:
+        real = src.resolve().parent
+        if real not in seen:
+            shown = str(src.parent)
+            seen[real] = "" if shown == "." else f"{shown}/"
+    return list(seen.values())
+
+
+def _unstage(output: str, dirs: list[str]) -> str:
     """The compiler's messages with each staged ``src<i>/`` named as the source's own directory."""
     def real(match: re.Match[str]) -> str:
         i = int(match.group(1))
-        return f"{dirs[i]}/" if i < len(dirs) else match.group(0)
+        return dirs[i] if i < len(dirs) else match.group(0)
 
     return _STAGED.sub(real, output)
 
@@ -256,8 +268,7 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
     with tempfile.TemporaryDirectory(prefix="twt-build-") as tmp:
         root = Path(tmp)
         staged = stage_sources(sources, root)
-        dirs = [src.resolve().parent for src in sources]
-        dirs = sorted(set(dirs), key=dirs.index)
+        dirs = _source_dirs(sources)
         sdk = sdk_dir()
         for part in ("c/tensorwasm.h", "zig/tensorwasm.zig"):
             (root / "sdk" / part).parent.mkdir(parents=True, exist_ok=True)

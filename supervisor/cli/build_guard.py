@@ -244,8 +244,9 @@ def run_compiler(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout_
     """Run ``cmd`` in a session of its own; ``(exit code, stderr + stdout)``.
 
     At the timeout (or any exception here) the whole process group is
-    killed - ``zig`` runs ``zig clang`` children that outlive a killed
-    parent - and reaped before this returns, as far as the system lets.
+    killed while its leader is still unreaped (so the group's id is still
+    ours) - ``zig`` runs ``zig clang`` children that outlive a killed
+    parent - and waited for before this returns, as far as the system lets.
     """
     extra: dict[str, object] = {}
     if user is not None:
@@ -261,7 +262,7 @@ def run_compiler(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout_
     except BaseException:
         kill_group(proc)
         raise
-    kill_group(proc)  # nothing of a finished build outlives it either
+    # No kill after a normal exit: the leader is reaped now, so its pid (the group's id) may be reused.
     return proc.returncode, (err + out).strip()
 
 
