@@ -251,9 +251,14 @@ def run_compiler(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout_
     extra: dict[str, object] = {}
     if user is not None:
         extra = {"user": user.uid, "group": user.gid, "extra_groups": []}
-    proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
-                            **extra)  # type: ignore[call-overload]
+    try:
+        proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
+                                **extra)  # type: ignore[call-overload]
+    except OSError as exc:
+        who = f" as the user {user.name!r}" if user is not None else ""
+        raise BuildError(f"cannot start the compiler {cmd[0]}{who}: {exc.strerror} (with --sandbox, the ziglang "
+                         "package must lie where that user can read it, outside any 0700 home directory)") from None
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

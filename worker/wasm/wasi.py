@@ -48,18 +48,18 @@ import ctypes
 import struct
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import Literal, cast
 
 import wasmtime
 
 __all__ = [
+    "CHUNK",
+    "FUEL_PER_BYTE",
+    "FUEL_PER_LINE",
     "PROGRAM",
     "WASI_FUNCTIONS",
     "WASI_MODULE",
     "WASI_REFUSED",
-    "CHUNK",
-    "FUEL_PER_BYTE",
-    "FUEL_PER_LINE",
     "OutputLines",
     "OutputStopped",
     "define_wasi",
@@ -136,9 +136,9 @@ class OutputStopped(Exception):
     and fuel exhaustion in guest code.
     """
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: Literal["deadline", "fuel"]) -> None:
         super().__init__(reason)
-        self.reason = reason
+        self.reason: Literal["deadline", "fuel"] = reason
 
 
 class OutputLines:
