@@ -49,6 +49,8 @@ __all__ = [
     "cache_lock",
     "check_dependencies",
     "chown_tree",
+    "kill_group",
+    "parse_depfile",
     "refuse_cimport",
     "run_compiler",
     "sandbox_user",
