@@ -18,9 +18,10 @@ not copied). Source names are passed as paths under the copy (``src0/-oX.c``),
 never as something the compiler could parse as an option.
 
 Owns: the staged copy, the dependency check, the compiler's process group,
-the cache lock. May touch: nothing outside the temp dir but the lock file in
-the cache (and, with ``sandbox``, the sandbox cache's owner when it creates
-it). Threads: none; the lock is an ``flock`` between processes.
+the cache lock. May touch: nothing outside the temp dir (the lock is an
+``flock`` on the cache directory; with ``sandbox``, the caller gives the
+sandbox cache it creates to ``nobody``). Threads: none; the lock is
+between processes.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
-    "LOCK_NAME",
     "MAX_STAGED_BYTES",
     "MAX_STAGED_FILES",
     "BuildError",
@@ -61,8 +61,6 @@ __all__ = [
 MAX_STAGED_FILES = 1000
 MAX_STAGED_BYTES = 64 << 20
 _MAX_DEPTH = 8
-#: the lock file in a Zig cache directory (holds the pid of the build that has it)
-LOCK_NAME = "twt-build.lock"
 #: how long the compiler's process group may take to go once killed
 _REAP_S = 5.0
 
@@ -313,29 +311,20 @@ def _group_alive(pgid: int) -> bool:
 
 @contextmanager
 def cache_lock(cache: Path, *, timeout_s: float, notify: Callable[[str], object] | None = None) -> Iterator[None]:
-    """Hold ``cache/LOCK_NAME`` exclusively (``flock``) for the ``with`` block.
+    """Hold an exclusive ``flock`` on the ``cache`` directory itself for the ``with`` block.
 
     Why: Zig's cache takes concurrent builds, but two first builds each
     compile wasi-libc side by side, and builds beside them wait minutes in
     silence. Here a build that finds the lock taken says so once through
     ``notify`` ("waiting for another build of the Zig cache ... (pid N)",
     the holder found in ``/proc/locks``) and waits up to ``timeout_s``;
-    BuildError past it. The lock file is created once and then only opened
-    for reading (``flock`` needs no more), so a build writes nothing of its
-    own into the cache.
+    BuildError past it. The lock is on the directory (opened read-only), so
+    a build writes no file of its own into the cache; Zig's own locks are on
+    files inside it.
     """
     if not cache.is_dir():
         cache.mkdir(parents=True, exist_ok=True)
-    path = cache / LOCK_NAME
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
-        except FileExistsError:
-            pass
-        fd = os.open(path, flags)
+    fd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         if not _try_lock(fd):
             holder = _lock_holder(fd)
@@ -345,7 +334,7 @@ def cache_lock(cache: Path, *, timeout_s: float, notify: Callable[[str], object]
             while not _try_lock(fd):
                 if time.monotonic() >= deadline:
                     raise BuildError(f"another build held the Zig cache {cache} for over {timeout_s:g} s "
-                                     f"(pid {holder}; the lock is {path})")
+                                     f"(pid {holder}: an flock on the directory)")
                 time.sleep(0.05)
         yield
     finally:
