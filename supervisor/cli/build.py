@@ -54,6 +54,7 @@ from supervisor.cli.build_guard import (
     refuse_cimport,
     run_compiler,
     sandbox_user,
+    source_dir,
     stage_sources,
 )
 
@@ -226,7 +227,7 @@ def _source_dirs(sources: list[Path]) -> list[str]:
     for the current one, else the source's folder with a slash (so messages read as they were given)."""
     seen: dict[Path, str] = {}
     for src in sources:
-        real = src.resolve().parent
+        real = source_dir(src)
         if real not in seen:
             shown = str(src.parent)
             seen[real] = "" if shown == "." else f"{shown}/"

@@ -54,6 +54,7 @@ __all__ = [
     "refuse_cimport",
     "run_compiler",
     "sandbox_user",
+    "source_dir",
     "stage_sources",
 ]
 
@@ -100,24 +101,31 @@ def stage_sources(sources: Sequence[Path], root: Path) -> list[Path]:
     budget = _Budget()
     staged: list[Path] = []
     for src in sources:
-        real = src.resolve()
-        if not real.is_file():
+        if src.is_symlink():  # it could name /etc/shadow, and its folder would be /etc
+            raise BuildError(f"{src}: a symlink: name the file itself (sources are copied; links are not followed)")
+        if not src.is_file():
             raise BuildError(f"{src}: no such file")
-        dest = copies.get(real.parent)
+        real = source_dir(src)
+        dest = copies.get(real)
         if dest is None:
-            dest = copies[real.parent] = root / f"src{len(copies)}"
+            dest = copies[real] = root / f"src{len(copies)}"
             dest.mkdir(mode=0o755)
-            _copy_tree(real.parent, dest, budget, 0)
-        target = dest / real.name
+            _copy_tree(real, dest, budget, 0)
+        target = dest / src.name
         if not target.is_file():  # a dot-named source, or one skipped as unreadable: copy it or fail plainly
             try:
-                _copy_file(real, target, budget)
+                _copy_file(src, target, budget)
             except OSError as exc:
                 raise BuildError(f"{src}: cannot read it ({exc.strerror})") from None
             if not target.is_file():
                 raise BuildError(f"{src}: not a regular file")
         staged.append(target.relative_to(root))
     return staged
+
+
+def source_dir(src: Path) -> Path:
+    """The directory a source is staged from: its own folder (the file itself is never a link here)."""
+    return Path(os.path.realpath(src.absolute().parent))
 
 
 def _copy_tree(src: Path, dest: Path, budget: _Budget, depth: int) -> None:

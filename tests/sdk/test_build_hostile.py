@@ -89,6 +89,17 @@ def test_a_symlink_beside_the_source_is_not_followed(tmp_path: Path) -> None:
         assert not out.exists()
 
 
+def test_a_source_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    """``tenant.c -> /etc/shadow``: compiled, its lines would come back in the compiler's errors (and its
+    folder, /etc, would be the one copied); refused before anything reads it."""
+    src, secret = layout(tmp_path)
+    (src / "tenant.c").symlink_to(secret)
+    with pytest.raises(BuildError, match="a symlink") as refused:
+        build_module([src / "tenant.c"], tmp_path / "t.wasm")
+    assert SECRET not in (str(refused.value) + refused.value.output).encode()
+    assert not (tmp_path / "t.wasm").exists()
+
+
 def test_zig_cannot_embed_outside_its_directory_or_cimport(tmp_path: Path) -> None:
     src, secret = layout(tmp_path)
     cases = {
