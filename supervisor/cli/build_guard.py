@@ -34,13 +34,16 @@ import re
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 __all__ = [
+    "MAX_OUTPUT",
     "MAX_STAGED_BYTES",
     "MAX_STAGED_FILES",
     "BuildError",
@@ -64,6 +67,8 @@ MAX_STAGED_BYTES = 64 << 20
 _MAX_DEPTH = 8
 #: how long the compiler's process group may take to go once killed
 _REAP_S = 5.0
+#: the most of the compiler's messages a build keeps (its head and tail past that)
+MAX_OUTPUT = 256 << 10
 
 
 class BuildError(Exception):
@@ -249,7 +254,8 @@ def chown_tree(root: Path, user: SandboxUser) -> None:
 
 def run_compiler(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout_s: float,
                  user: SandboxUser | None = None) -> tuple[int, str]:
-    """Run ``cmd`` in a session of its own; ``(exit code, stderr + stdout)``.
+    """Run ``cmd`` in a session of its own; ``(exit code, what it printed)`` (stdout and stderr
+    interleaved in one file; at most ``MAX_OUTPUT`` bytes kept, its head and tail).
 
     At the timeout (or any exception here) the whole process group is
     killed while its leader is still unreaped (so the group's id is still
@@ -259,27 +265,43 @@ def run_compiler(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout_
     extra: dict[str, object] = {}
     if user is not None:
         extra = {"user": user.uid, "group": user.gid, "extra_groups": []}
-    try:
-        proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
-                                **extra)  # type: ignore[call-overload]
-    except OSError as exc:
-        who = f" as the user {user.name!r}" if user is not None else ""
-        raise BuildError(f"cannot start the compiler {cmd[0]}{who}: {exc.strerror} (with --sandbox, the ziglang "
-                         "package must lie where that user can read it, outside any 0700 home directory)") from None
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        raise BuildError(f"the compiler did not finish within {timeout_s:g} s (its processes were killed)") from None
-    except BaseException:
-        kill_group(proc)
-        raise
-    # No kill after a normal exit: the leader is reaped now, so its pid (the group's id) may be reused.
-    return proc.returncode, (err + out).strip()
+    with tempfile.TemporaryFile() as sink:  # a file, not a pipe: a flood of diagnostics is not held in memory
+        try:
+            proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=sink,
+                                    stderr=sink, start_new_session=True, **extra)  # type: ignore[call-overload]
+        except OSError as exc:
+            who = f" as the user {user.name!r}" if user is not None else ""
+            raise BuildError(f"cannot start the compiler {cmd[0]}{who}: {exc.strerror} (with --sandbox, the "
+                             "ziglang package must lie where that user can read it, outside any 0700 home "
+                             "directory)") from None
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            raise BuildError(f"the compiler did not finish within {timeout_s:g} s (its processes were killed)",
+                             _bounded(sink)) from None
+        except BaseException:
+            kill_group(proc)
+            raise
+        # No kill after a normal exit: the leader is reaped now, so its pid (the group's id) may be reused.
+        return proc.returncode, _bounded(sink)
 
 
-def kill_group(proc: subprocess.Popen[str]) -> None:
+def _bounded(sink: IO[bytes]) -> str:
+    """What the compiler printed: all of it up to ``MAX_OUTPUT`` bytes, else its head and tail."""
+    size = sink.seek(0, os.SEEK_END)
+    sink.seek(0)
+    if size <= MAX_OUTPUT:
+        data = sink.read()
+    else:
+        head = sink.read(MAX_OUTPUT // 2)
+        sink.seek(size - MAX_OUTPUT // 4)
+        cut = size - MAX_OUTPUT // 2 - MAX_OUTPUT // 4
+        data = head + f"\n[... {cut:,} bytes of compiler output cut ...]\n".encode() + sink.read()
+    return data.decode(errors="replace").strip()
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL ``proc``'s process group, reap ``proc``, and wait (bounded) until the group is gone."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -288,7 +310,7 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
     except PermissionError:  # the group's members run as another user and this process is not root
         proc.kill()
     try:
-        proc.communicate(timeout=_REAP_S)
+        proc.wait(timeout=_REAP_S)
     except subprocess.TimeoutExpired:
         pass
     deadline = time.monotonic() + _REAP_S

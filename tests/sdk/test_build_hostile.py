@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.cli import build as build_cli
+from supervisor.cli import build_guard
 from supervisor.cli import main
 from supervisor.cli.build import BuildError, build_module
 from supervisor.cli.build_guard import cache_lock
@@ -174,6 +175,17 @@ def test_warnings_are_printed_when_the_build_succeeds_and_werror_fails_it(tmp_pa
     assert main(["build", str(src), "-o", str(out), "-Werror"]) == 1
     assert "error: non-void function does not return a value" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_flood_of_warnings_is_kept_to_its_head_and_tail(tmp_path: Path) -> None:
+    src = tmp_path / "noisy.c"
+    body = "".join(f"    int unused_{i};\n" for i in range(6000))  # ~1.5 MB of -Wunused-variable
+    src.write_text('#include "tensorwasm.h"\nTWT_EXPORT(f) int f(void) {\n' + body + "    return 0;\n}\n")
+    result = build_module([src], tmp_path / "noisy.wasm")
+    assert result.exports == ("f",)
+    assert "unused_0" in result.warnings and "bytes of compiler output cut" in result.warnings
+    # kept: 3/4 of MAX_OUTPUT, then the staged folder's name in each message becomes the source's own
+    assert len(result.warnings.encode()) < 2 * build_guard.MAX_OUTPUT
 
 
 def test_concurrent_builds_on_one_cache_wait_for_each_other_and_both_succeed(tmp_path: Path) -> None:
