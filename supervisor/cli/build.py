@@ -72,6 +72,8 @@ _C_SUFFIXES = {".c"}
 _ZIG_SUFFIXES = {".zig"}
 #: the longest a build may take (a first build also compiles wasi-libc into Zig's cache)
 BUILD_TIMEOUT_S = 600.0
+#: the longest a build waits for another one to let go of the Zig cache (apart from its own timeout)
+LOCK_TIMEOUT_S = 600.0
 
 
 #: the sandbox's Zig cache: outside any home directory (``nobody`` must reach it), owned by ``nobody``
@@ -251,7 +253,8 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
 
     The build runs on a staged copy of the sources' directories (see
     :mod:`supervisor.cli.build_guard`), holding the Zig cache's lock
-    (``notify`` hears once that it waits for another build); ``sandbox``
+    (``notify`` hears once that it waits for another build; the wait is
+    bounded by ``LOCK_TIMEOUT_S``, each compiler run by ``timeout_s``); ``sandbox``
     runs the compiler as ``nobody`` with a cache of its own. ``cache`` is
     the Zig cache to use instead of the default (the user's, or with
     ``sandbox`` ``SANDBOX_CACHE``). The result carries the compiler's
@@ -287,7 +290,7 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
         cmd = [_relative(arg, root) for arg in cmd]
         tool = "zig cc" if cmd[1] == "cc" else "zig build-exe"
         unlisted: NoDependencyList | None = None
-        with cache_lock(cache, timeout_s=timeout_s, notify=notify):
+        with cache_lock(cache, timeout_s=LOCK_TIMEOUT_S, notify=notify):
             for i, src in enumerate(s for s in staged if s.suffix in _C_SUFFIXES):
                 code, output = run_compiler(_preprocess_command(src, i, optimize), cwd=root, env=env,
                                             timeout_s=timeout_s, user=user)
