@@ -79,6 +79,7 @@ from worker.wasm.wasi import (
     WASI_MODULE,
     WASI_REFUSED,
     OutputLines,
+    OutputStopped,
     define_wasi,
     imports_wasi,
     wasi_config,
@@ -311,6 +312,11 @@ def _functype(name: str) -> wasmtime.FuncType:
 # ------------------------------------------------------------------ sessions
 
 
+def _count_dropped(run: GuestRun, n: int) -> None:
+    """``n`` guest output lines dropped in bulk (past the log limits): counted like any dropped line."""
+    run.logs_dropped += n
+
+
 class WasmSession:
     """One armed store with one instance: what a run (or a test) calls exports on."""
 
@@ -327,8 +333,10 @@ class WasmSession:
         self.memory: wasmtime.Memory | None = None
         #: the code of a ``proc_exit`` in a start function or ``_initialize`` (the run then calls no export)
         self.exit_code: int | None = None
-        #: WASI stdout (1) and stderr (2), line by line into the run's log
-        self.streams = {fd: OutputLines(partial(run.log_line, stream=name), MAX_LOG_BYTES)
+        #: WASI stdout (1) and stderr (2), line by line into the run's log; lines dropped in bulk are
+        #: counted in the run's ``logs_dropped``, and ``fd_write`` stops at the run's deadline
+        self.streams = {fd: OutputLines(partial(run.log_line, stream=name), MAX_LOG_BYTES,
+                                        drop=partial(_count_dropped, run), deadline_ns=run.deadline_ns)
                         for fd, name in ((1, "stdout"), (2, "stderr"))}
 
     # -- guest memory, for the imports (set as GuestRun.span)
@@ -721,6 +729,12 @@ class WasmHost:
         """Run guest code; wasmtime's traps and errors become the typed errors."""
         try:
             return fn()
+        except OutputStopped as stop:  # fd_write ran out of the run's time or fuel inside the call
+            if stop.reason == "deadline":
+                self.stats["timeouts"] += 1
+                raise KernelTimeout(session.timeout_s, "run_wasm") from None
+            self.stats["traps"] += 1
+            raise WasmTrap("out_of_fuel", "all fuel consumed by the guest's output (fd_write)") from None
         except wasmtime.ExitTrap as exited:  # WASI proc_exit: an end, not a fault
             raise GuestExit(exited.code) from None
         except wasmtime.Trap as trap:
@@ -775,7 +789,9 @@ class WasmHost:
             "gpu_peak_bytes": run.gpu_peak_bytes,
             "memory_bytes": memory_bytes,
             "logs": run.logs,
-            "logs_dropped": run.logs_dropped,
+            # every line the guest wrote and the reply does not carry: dropped by the limits, or logged
+            # by the worker past the reply's MAX_LOG_LINES_IN_REPLY
+            "logs_dropped": run.logs_dropped + run.log_lines - len(run.logs),
             "exit_code": exit_code,
             **run.gpu_totals(),
         }
