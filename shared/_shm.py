@@ -24,7 +24,7 @@ import sys
 from multiprocessing import shared_memory
 from typing import Protocol
 
-__all__ = ["SHM_DIR", "Segment", "attach", "create", "list_segments", "unlink"]
+__all__ = ["SHM_DIR", "Segment", "attach", "create", "list_segments", "reserve", "unlink"]
 
 SHM_DIR = "/dev/shm"
 
@@ -125,19 +125,23 @@ class _Attached:
             self._mmap = None
 
 
-def create(name: str, size: int, *, keep_fd: bool = False) -> _Owned:
+def create(name: str, size: int, *, keep_fd: bool = False,
+           reserve: tuple[tuple[int, int], ...] | None = None) -> _Owned:
     """Create (exclusively) and map a segment of ``size`` bytes, zero-filled, its pages reserved.
 
     ``posix_fallocate`` gives the segment its memory before anything is written: a full
     ``/dev/shm`` then refuses it here with :class:`~shared.errors.SegmentError` (nothing
     left behind), instead of a SIGBUS at the first write into a page the tmpfs cannot
-    supply. ``keep_fd``: keep a descriptor for :meth:`_Owned.truncated`.
+    supply. ``keep_fd``: keep a descriptor for :meth:`_Owned.truncated`. ``reserve``: only these
+    ``(offset, length)`` ranges get their memory now - a segment whose far part is used only as it
+    fills (the GPU-time board's tenant lines) reserves the rest with :func:`reserve` before touching it.
     """
     from shared.errors import SegmentError
 
     shm = shared_memory.SharedMemory(name=name, create=True, size=size)
     try:
-        _reserve(shm._fd, size)  # type: ignore[attr-defined]
+        for offset, length in ((0, size),) if reserve is None else reserve:
+            _reserve(shm._fd, offset, min(length, size - offset))  # type: ignore[attr-defined]
     except OSError as exc:
         shm.close()
         shm.unlink()
@@ -150,9 +154,29 @@ def create(name: str, size: int, *, keep_fd: bool = False) -> _Owned:
     return _Owned(shm, keep_fd=keep_fd)
 
 
-def _reserve(fd: int, size: int) -> None:
+def _reserve(fd: int, offset: int, length: int) -> None:
     """The seam tests use to stand in for a full /dev/shm where they cannot mount a small one."""
-    os.posix_fallocate(fd, 0, size)
+    if length > 0:
+        os.posix_fallocate(fd, offset, length)
+
+
+def reserve(name: str, offset: int, length: int) -> None:
+    """Give ``length`` bytes from ``offset`` of a segment created with a partial ``reserve`` their
+    memory before they are touched: :class:`~shared.errors.SegmentError` when /dev/shm is full
+    (instead of a SIGBUS at the first write). Opens the segment only for the call: no fd is kept."""
+    from shared.errors import SegmentError
+
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SegmentError(name, f"cannot open to reserve memory ({exc.strerror})") from None
+    try:
+        _reserve(fd, offset, length)
+    except OSError as exc:
+        raise SegmentError(name, f"no room in {SHM_DIR} for {length:,} B more ({exc.strerror}); free some "
+                                 "(released regions, evicted tenants) or enlarge it") from None
+    finally:
+        os.close(fd)
 
 
 def attach(name: str) -> _Attached:

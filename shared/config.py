@@ -169,7 +169,7 @@ class SupervisorConfig:
     #: tenants registered at once, and tenant instances (worker processes) of all tenants at once:
     #: a registration or scale past either is refused (CapacityExhausted); each device's GPU-time
     #: board is sized from them at start
-    max_tenants: int = 1024
+    max_tenants: int = 16_384
     max_workers: int = 4096
     tenants: tuple[TenantSpec, ...] = ()
     #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`

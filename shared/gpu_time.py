@@ -124,6 +124,9 @@ MAX_WEIGHT: Final = 1e6
 _MICRO: Final = 1_000_000
 _BIAS: Final = 1 << 62
 _MASK32: Final = 0xFFFFFFFF
+#: tenant lines get their /dev/shm memory this many at a time, as ``tenants high`` reaches them: a board
+#: sized for 2 x max_tenants (32,768 slots, 2 MiB at the default) reserves 64 KiB of them at its start
+TENANT_RESERVE_CHUNK: Final = 1024
 _ADD_MINUS_ONE: Final = (1 << 64) - 1
 
 _LINE = 64
@@ -254,6 +257,8 @@ class GpuTimeBoard(MappedSegment):
         self._clock = clock
         self._mine = 0 if worker is None else (worker + 1) << 1
         self._waiting_since = 0
+        #: tenant lines below this have their memory (the owner reserves more in :meth:`add_tenant`)
+        self.reserved_tenants = self.tenant_slots
         self._bind_counters()
 
     # ------------------------------------------------------------ lifecycle
@@ -274,7 +279,9 @@ class GpuTimeBoard(MappedSegment):
         if not seg_name.startswith(SEGMENT_PREFIX):
             raise ValueError(f"segment name must start with {SEGMENT_PREFIX!r}: {seg_name!r}")
         size = segment_bytes(tenants, workers)
-        seg = _shm.create(seg_name, size)
+        reserved = min(tenants, TENANT_RESERVE_CHUNK)
+        # the header, the first chunk of tenant lines and every worker line now; more tenant lines as used
+        seg = _shm.create(seg_name, size, reserve=((0, _t_off(reserved)), (_t_off(tenants), workers * _LINE)))
         try:
             buf = seg.buf
             _atomics.store(buf, _C_DEVICE, device_index)
@@ -283,7 +290,9 @@ class GpuTimeBoard(MappedSegment):
             _atomics.store(buf, _C_TENANTS, tenants)
             _atomics.store(buf, _C_WORKERS, workers)
             write_header(buf, KIND_GPU_TIME, f"gpu time {device_index}", generation, size)
-            return cls(seg, device_index, owner=True, worker=None, tenant=None, clock=clock)
+            board = cls(seg, device_index, owner=True, worker=None, tenant=None, clock=clock)
+            board.reserved_tenants = reserved
+            return board
         except BaseException:
             seg.close()
             seg.unlink()
@@ -410,6 +419,10 @@ class GpuTimeBoard(MappedSegment):
             if _atomics.load(buf, off + _T_ACTIVE) or t in named:
                 continue
             if t == high:
+                if t >= self.reserved_tenants:  # SegmentError (nothing changed) when /dev/shm is full
+                    more = min(TENANT_RESERVE_CHUNK, self.tenant_slots - self.reserved_tenants)
+                    _shm.reserve(self.name, _t_off(self.reserved_tenants), more * _LINE)
+                    self.reserved_tenants += more
                 _atomics.store(buf, _T_HIGH, high + 1)
             now = self._clock()
             for field, value in ((_T_WEIGHT, w), (_T_CAP, c), (_T_PASS, _atomics.load(buf, _VCLOCK)),

@@ -488,6 +488,45 @@ def test_a_board_has_the_capacity_its_creator_gives_and_workers_read_it(clock: F
         small.close()
 
 
+def test_tenant_lines_get_their_memory_in_chunks_as_they_are_used(clock: FakeClock,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A board sized for 2 x max_tenants (32,768 slots at the default) reserves /dev/shm for the
+    header, the worker lines and one chunk of tenant lines at its start, and the next chunk only when
+    a tenant slot reaches it; a full /dev/shm then refuses the slot (SegmentError, nothing changed)."""
+    import os
+
+    from shared import _shm
+    from shared.errors import SegmentError
+    from shared.gpu_time import TENANT_RESERVE_CHUNK, segment_bytes
+
+    board = GpuTimeBoard.create(0, tenants=32_768, workers=8192, clock=clock)
+    try:
+        allocated = os.stat(os.path.join(_shm.SHM_DIR, board.name)).st_blocks * 512
+        assert allocated < segment_bytes(32_768, 8192) // 3  # 584 KiB of 2.5 MiB
+        assert board.reserved_tenants == TENANT_RESERVE_CHUNK
+        slots = [board.add_tenant() for _ in range(TENANT_RESERVE_CHUNK)]
+        assert board.reserved_tenants == TENANT_RESERVE_CHUNK  # the last slot of the chunk needs no more
+
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(_shm, "_reserve", full)
+        with pytest.raises(SegmentError, match="no room in /dev/shm"):
+            board.add_tenant()
+        assert board.reserved_tenants == TENANT_RESERVE_CHUNK
+        assert board.free_tenant_slots() == 32_768 - TENANT_RESERVE_CHUNK  # the refused slot was not taken
+        monkeypatch.undo()
+        assert board.add_tenant() == TENANT_RESERVE_CHUNK
+        assert board.reserved_tenants == 2 * TENANT_RESERVE_CHUNK
+        grown = os.stat(os.path.join(_shm.SHM_DIR, board.name)).st_blocks * 512
+        assert grown >= allocated + TENANT_RESERVE_CHUNK * 64
+        board.remove_tenant(slots[5])
+        assert board.add_tenant() == 5  # a freed slot below the reserved ones is reused, no reservation
+    finally:
+        board.unlink()
+        board.close()
+
+
 @pytest.mark.parametrize("bad", [{"tenants": 0}, {"workers": 0}, {"tenants": 1 << 20}, {"workers": True}])
 def test_a_board_of_a_bad_size_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
