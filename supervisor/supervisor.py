@@ -179,6 +179,7 @@ class Supervisor:
         self._stopping = False
         self._stop_started: float | None = None
         self._last_rss_check = 0.0
+        self._quiet_scanned: set[str] = set()  # tenants without a worker whose refusals were read (_scan_refusals)
         self._reload_wanted = False
         # A gap of a second between housekeeping passes (every 50 ms) is a stall - and always one
         # that reaches the liveness window, the time after which a worker would be judged hung.
@@ -337,9 +338,9 @@ class Supervisor:
                            admin_ops.either_handlers(frontend))
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
-        service.restore()  # every stored tenant, then the config file's difference
+        service.restore(stored)  # every stored tenant, then the config file's difference
         restore_modules(self.modules, frontend, self.tenants,  # their stored modules, without a resend
-                        {r.tenant_id: r.generation for r in state.tenants()})
+                        state.tenant_generations())
         workers.refill_pool()
         return self.parts
 
@@ -586,9 +587,22 @@ class Supervisor:
         ))
 
     def _scan_refusals(self) -> None:
-        for rt in self.tenants.values():
+        """Emit ``quota_refusal`` for each tenant whose refusal counters grew. Only workers write
+        them, so a tenant without a worker is read once after its last one went, then skipped:
+        10,000 registered tenants do not cost the loop a pass over 10,000 blocks each second."""
+        quiet = self._quiet_scanned
+        if len(quiet) > len(self.tenants):
+            quiet.intersection_update(self.tenants)
+        for tid, rt in self.tenants.items():
             if rt.block.closed:
                 continue
+            working = any(s.worker is not None for s in rt.slots)
+            if not working and tid in quiet:
+                continue
+            if working:
+                quiet.discard(tid)
+            else:
+                quiet.add(tid)
             snap = rt.block.snapshot()
             total = snap.cpu_refusals + snap.gpu_refusals
             if total > rt.seen_refusals:

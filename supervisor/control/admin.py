@@ -149,6 +149,7 @@ class AdminOps:
         self._internal_errors = counters
         self._on_settled = on_settled
         self.started = time.time()
+        self._quiet_sampled: set[str] = set()  # tenants without a worker sampled once (sample_gpu_time)
         self._workers: WorkerSet | None = None
         self._frontend: Frontend | None = None
         self._service: ServiceHooks | None = None
@@ -201,7 +202,7 @@ class AdminOps:
         # capacity, placement and the MPS check first: a refusal must leave nothing registered
         if spec.tenant_id not in self.tenants:  # a second registration is AlreadyRegistered (the registry)
             self.check_capacity(tenants=1, workers=spec.instances)
-        device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
+        device = self.placement.place(spec, self._tenants_on())
         isolation = self.placement.isolation(spec)
         fresh = self.placement.gpu_time_slot(spec.tenant_id) is None
         if fresh:  # the board slot before the registry: CapacityExhausted leaves nothing behind
@@ -232,6 +233,13 @@ class AdminOps:
             raise
         self._checkpoint_soon()
         self._check_registered(rt)
+
+    def _tenants_on(self) -> Counter[int]:
+        """Tenants per device, the placement's tie-breaker: counted only where there is a choice
+        (a registration among 10,000 tenants on one device must not cost a pass over them all)."""
+        if len(self.placement.indexes) < 2:
+            return Counter()
+        return Counter(t.device for t in self.tenants.values())
 
     def check_capacity(self, *, tenants: int, workers: int) -> None:
         """CapacityExhausted unless ``tenants`` more tenants and ``workers`` more instances fit
@@ -347,7 +355,7 @@ class AdminOps:
     def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None) -> None:
         """Bring back a tenant from the state at start: same generation (its capabilities work),
         its instances started - unless it was failed, which it stays until ``twt reset``."""
-        device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
+        device = self.placement.place(spec, self._tenants_on())
         isolation = self.placement.isolation(spec)
         cap = self.registry.restore_with_capability(self.admin_cap, spec, generation)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=generation,
@@ -558,8 +566,18 @@ class AdminOps:
     def sample_gpu_time(self) -> None:
         """Feed each tenant's accounted GPU time to the share window (a loop timer, every second)."""
         now = time.monotonic()
+        quiet = self._quiet_sampled  # without a worker, its time cannot grow: sampled once, then skipped
+        if len(quiet) > len(self.tenants):
+            quiet.intersection_update(self.tenants)
         for tid, rt in self.tenants.items():
             if not rt.block.closed:
+                working = any(s.worker is not None for s in rt.slots)
+                if not working and tid in quiet:
+                    continue
+                if working:
+                    quiet.discard(tid)
+                else:
+                    quiet.add(tid)
                 self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
         self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 

@@ -42,7 +42,7 @@ from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
 from supervisor.store.registry import TenantRegistry
 from supervisor.lifecycle.reload import ReloadPlan, SpecChange, TenantNow, plan_reload
-from supervisor.store.state import RegistryKey, StateStore
+from supervisor.store.state import RegistryKey, StateStore, StoredTenant
 from supervisor.runtime.tenants import TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerState
 from supervisor.lifecycle.workerset import WorkerSet
@@ -81,15 +81,17 @@ class ServiceOps:
 
     # ------------------------------------------------------------ start
 
-    def restore(self) -> dict[str, int]:
-        """Bring back every stored tenant, then register the config file's new ones.
+    def restore(self, records: list[StoredTenant] | None = None) -> dict[str, int]:
+        """Bring back every stored tenant, then register the config file's new ones
+        (``records``: the stored tenants, when the caller has just read them: not parsed twice).
 
         A stored file tenant whose entry changed while the supervisor was down
         comes back with the file's spec; one removed from the file is evicted.
         Started without a config file, nothing is compared: every stored tenant
         comes back as it was.
         """
-        records = self.state.tenants()
+        if records is None:
+            records = self.state.tenants()
         if self.config.config_file is None:
             plan = ReloadPlan()
         else:

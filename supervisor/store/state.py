@@ -472,7 +472,9 @@ class StateStore:
         for tid, spec, registered, origin, gen, failed, reg_at, upd_at in rows:
             try:
                 now_spec, unknown = _split_spec(spec)
-                registered_spec, unknown_registered = _split_spec(registered)
+                # most tenants run the spec they registered with: one parse (a restore reads 10,000)
+                registered_spec, unknown_registered = (now_spec, unknown) if registered == spec else \
+                    _split_spec(registered)
                 keys = tuple(sorted({*unknown, *unknown_registered}))
                 record = StoredTenant(
                     spec=now_spec,
@@ -499,6 +501,12 @@ class StateStore:
 
     def tenant(self, tenant_id: str) -> StoredTenant | None:
         return next((r for r in self.tenants() if r.tenant_id == tenant_id), None)
+
+    def tenant_generations(self) -> dict[str, int]:
+        """The generation of each stored tenant (one query, no spec parsed: cheap at 10,000)."""
+        with self._use:
+            rows = self._conn.execute("SELECT tenant_id, generation FROM tenants").fetchall()
+        return {str(t): int(g) for t, g in rows}
 
     def generations(self) -> dict[str, int]:
         """The last generation issued per tenant id (evicted ones included)."""
