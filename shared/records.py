@@ -49,7 +49,10 @@ __all__ = [
     "ReloadChange",
     "ReloadResult",
     "RunResult",
+    "STATUS_PAGE_DEFAULT",
+    "STATUS_PAGE_MAX",
     "StatusRecord",
+    "StatusSummary",
     "SupervisorRecord",
     "TenantRecord",
     "TenantSpec",
@@ -232,12 +235,34 @@ class ProbedDevice(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class StatusSummary(Record):
+    """Every registered tenant counted, whichever page of them a ``status`` reply holds: a
+    supervisor of 10,000 tenants is read at a glance without sending 10,000 records."""
+
+    tenants: int = 0
+    states: dict[str, int] = field(default_factory=dict)  # tenants per state ("running": 12, ...)
+    instances: int = 0  # instances wanted, all tenants together (draining ones not counted)
+    ready: int = 0  # of which ready
+
+
+#: the tenants a ``status`` reply holds when the request names no ``limit`` (every tenant of a
+#: supervisor that held up to 1,024, the former max_tenants), and the most it ever holds
+STATUS_PAGE_DEFAULT: Final = 1024
+STATUS_PAGE_MAX: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
 class StatusRecord(Record):
-    """The ``status`` reply."""
+    """The ``status`` reply: one page of tenant records (by tenant id), the summary of all.
+
+    ``next``: the ``after`` to ask for the next page; None when this page is the last (or the
+    supervisor is too old to page, and sent every tenant)."""
 
     supervisor: SupervisorRecord
     tenants: tuple[TenantRecord, ...] = ()
     devices: tuple[DeviceRecord, ...] = ()
+    summary: StatusSummary | None = None  # None only from a supervisor too old to send it
+    next: str | None = None
 
     def tenant(self, tenant_id: str) -> TenantRecord | None:
         return next((t for t in self.tenants if t.tenant_id == tenant_id), None)

@@ -47,6 +47,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -77,6 +78,7 @@ from supervisor.observe.metrics import (
     Metrics,
     MetricsSnapshot,
     NullMetrics,
+    QUIET_STATES,
     TenantGauges,
     TenantLabels,
     tenant_label_key,
@@ -568,20 +570,23 @@ class Supervisor:
     def _refresh_metrics(self) -> None:
         """Loop thread: rebuild the exporter's snapshot (tenants, warm pool, device budgets)."""
         tenants = {}
+        states: Counter[str] = Counter()
         for tid, rt in self.tenants.items():
-            if rt.block.closed:
+            state = rt.state.value
+            states[state] += 1
+            if rt.block.closed or state in QUIET_STATES:  # counted by state only: no worker, nothing moves
                 continue
             tenants[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value,
                                         wanted=sum(1 for s in rt.slots if not s.draining),
                                         gpu_time_weight=rt.spec.gpu_time_weight, gpu_time_cap=rt.spec.gpu_time_cap)
         parts = self.parts
         if parts is None:
-            self._metrics.publish(MetricsSnapshot(tenants=tenants))
+            self._metrics.publish(MetricsSnapshot(tenants=tenants, states=dict(states)))
             return
         devices = tuple(DeviceGauges(d.index, d.budget_limit_bytes, d.budget_used_bytes, d.budget_refusals)
                         for d in parts.placement.status())
         self._metrics.publish(MetricsSnapshot(
-            tenants=tenants, pool_idle=len(parts.workers.pool), pool_starting=parts.workers.pool_starting,
+            tenants=tenants, states=dict(states), pool_idle=len(parts.workers.pool), pool_starting=parts.workers.pool_starting,
             pool_size=self.config.pool_size, backend=parts.admin.backend_name, devices=devices,
             frontend=parts.frontend.guard.counters(),
         ))

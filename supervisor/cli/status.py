@@ -1,14 +1,17 @@
-"""``twt status``: one table row per tenant, or the raw status record with ``--json``.
+"""``twt status``: every tenant counted, one table row per tenant of the first page (``--all``:
+every tenant), or the raw status record with ``--json``.
 
     $ twt status
     supervisor pid 4242  backend stub  start spawn  pool 2/2 idle  workers 5  rss 61.2MiB  up 3h02m
+    tenants 1 (running 1)  instances 2/2 ready
     TENANT  STATE    INST  PIDS       CPU USED/LIMIT  GPU USED/CAP  HIGH CPU/GPU  REFUSED CPU/GPU  RESTARTS  UPTIME
     ------  -------  ----  ---------  --------------  ------------  ------------  ---------------  --------  ------
     acme    running  2/2   4250,4251  0B/8GiB         1MiB/2GiB     0B/1.5MiB     0/3              1         3h01m
 
 ``twt top`` refreshes the same table (:func:`render`). The exit status is
-for scripts: 0 every tenant shown is running (or stopped), 1 one is starting,
-degraded, failed or evicting (:func:`exit_status`), 3 no supervisor.
+for scripts: 0 every tenant is running (or stopped), 1 one is starting,
+degraded, failed or evicting (:func:`exit_status`; the summary covers the
+tenants past the first page), 3 no supervisor.
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ import dataclasses
 import io
 from collections.abc import Sequence
 
-from shared.errors import UnknownTenant
 from shared.exitcodes import EXIT_FAILED, EXIT_OK
-from shared.records import ExitRecord, StatusRecord, SupervisorRecord, TenantRecord
+from shared.records import STATUS_PAGE_MAX, ExitRecord, StatusRecord, StatusSummary, SupervisorRecord, TenantRecord
 from shared.sizes import format_size
 from supervisor.cli._common import add_run_dir, client_of, print_json, print_table
 from supervisor.client.api import SupervisorClient
@@ -31,6 +33,8 @@ __all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant
 
 #: seconds a read-only command waits for an answer before calling the supervisor unreachable
 READ_TIMEOUT_S = 10.0
+#: tenants the table lists unless --all or --limit says otherwise (the summary line counts them all)
+PAGE = 100
 HEADERS = ("TENANT", "STATE", "INST", "PIDS", "CPU USED/LIMIT", "GPU USED/CAP", "HIGH CPU/GPU",
            "REFUSED CPU/GPU", "RESTARTS", "UPTIME",
            "GPU WEIGHT/CAP", "GPU TIME", "SHARE")  # GPU time: accounted, and its share over the last 10 s
@@ -48,7 +52,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "evicting, 3 when no supervisor answers.",
     )
     p.add_argument("tenant", nargs="?", metavar="TENANT", help="show only this tenant")
-    p.add_argument("--json", action="store_true", help="print the raw status record (JSON) instead of a table")
+    p.add_argument("--json", action="store_true", help="print the raw status record (JSON) instead of a table "
+                   "(every tenant, unless --limit, --after or --state is given)")
+    p.add_argument("--all", action="store_true", help=f"list every tenant (the table shows the first {PAGE})")
+    p.add_argument("--limit", type=_page_size, metavar="N",
+                   help=f"list at most N tenants (1..{STATUS_PAGE_MAX}; the table's default: {PAGE})")
+    p.add_argument("--after", metavar="ID", help="list the tenants after this tenant id (the next page)")
+    p.add_argument("--state", metavar="STATE", help="list only tenants in this state (running, stopped, ...)")
     add_run_dir(p)
     p.set_defaults(func=run)
 
@@ -62,29 +72,45 @@ def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> Supe
 HEALTHY_STATES = frozenset({"running", "stopped"})
 
 
-def exit_status(tenants: Sequence[TenantRecord]) -> int:
+def exit_status(tenants: Sequence[TenantRecord], summary: StatusSummary | None = None) -> int:
     """0 when every tenant shown is running (or stopped: scaled to 0); 1 when any is starting,
-    degraded, failed or evicting - so ``twt status acme || alert`` works in a script."""
-    return EXIT_OK if all(t.state in HEALTHY_STATES for t in tenants) else EXIT_FAILED
+    degraded, failed or evicting - so ``twt status acme || alert`` works in a script. With the
+    ``summary`` of every tenant (a table of the first page), those not shown count too."""
+    healthy = all(t.state in HEALTHY_STATES for t in tenants)
+    if summary is not None:
+        healthy = healthy and all(state in HEALTHY_STATES for state, n in summary.states.items() if n)
+    return EXIT_OK if healthy else EXIT_FAILED
+
+
+def _page_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= STATUS_PAGE_MAX:
+        raise argparse.ArgumentTypeError(f"must be an int in 1..{STATUS_PAGE_MAX}, got {text!r}")
+    return n
 
 
 def run(args: argparse.Namespace) -> int:
+    paged = args.limit is not None or args.after is not None or args.state is not None
     with connect(args) as client:
-        if args.json:
-            if args.tenant is not None:
-                record = fetch_tenant(client, args.tenant)
+        if args.tenant is not None:
+            record = fetch_tenant(client, args.tenant)
+            if args.json:
                 print_json(record.to_wire())
-                return exit_status([record])
-            full = fetch_status(client)
+            else:
+                status = fetch_status(client, limit=1)
+                print(render(dataclasses.replace(status, tenants=(record,), summary=None, next=None)), end="")
+            return exit_status([record])
+        if args.json:
+            full = fetch_status(client, limit=args.limit if paged else None, after=args.after, state=args.state)
             print_json(full.to_wire())
             return exit_status(full.tenants)
-        status = fetch_status(client)
-    if args.tenant is not None:
-        status = dataclasses.replace(status, tenants=tuple(t for t in status.tenants if t.tenant_id == args.tenant))
-        if not status.tenants:
-            raise UnknownTenant(args.tenant)
+        limit = None if args.all else (args.limit or PAGE)
+        status = fetch_status(client, limit=limit, after=args.after, state=args.state)
     print(render(status), end="")
-    return exit_status(status.tenants)
+    return exit_status(status.tenants, status.summary if args.state is None else None)
 
 
 # ------------------------------------------------------------------ rendering
@@ -184,15 +210,29 @@ def _exit_text(last: ExitRecord) -> str:
     return f"exit code {last.exit_code}"
 
 
+def summary_line(summary: StatusSummary) -> str:
+    """``tenants 10000 (running 12, stopped 9988)  instances 12/12 ready``."""
+    states = ", ".join(f"{state} {n}" for state, n in summary.states.items() if n)
+    return (f"tenants {summary.tenants}" + (f" ({states})" if states else "")
+            + f"  instances {summary.ready}/{summary.instances} ready")
+
+
 def render(status: StatusRecord) -> str:
-    """The header line, the tenant table and notes on unhealthy tenants, as text."""
+    """The header line, the summary of every tenant, the tenant table (the page the record holds)
+    and notes on unhealthy tenants, as text."""
     out = io.StringIO()
     out.write(header_line(status.supervisor) + "\n")
+    summary = status.summary
+    if summary is not None and summary.tenants:
+        out.write(summary_line(summary) + "\n")
     if not status.tenants:
-        out.write("no tenants registered\n")
+        out.write("no tenants registered\n" if summary is None or not summary.tenants else "no tenants listed\n")
         return out.getvalue()
     print_table(HEADERS, [tenant_row(t) for t in status.tenants], out)
     notes = [n for t in status.tenants for n in _notes(t)]
     if notes:
         out.write("\n" + "\n".join(notes) + "\n")
+    if status.next is not None:
+        out.write(f"\n{len(status.tenants)} listed; more after {status.next!r}: twt status --after "
+                  f"{status.next} (or --all)\n")
     return out.getvalue()

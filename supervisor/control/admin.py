@@ -34,6 +34,7 @@ goes through it), events. Loop thread only.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
@@ -60,14 +61,18 @@ from shared.errors import (
     UnknownTenant,
     WorkerLost,
 )
+from shared.checks import is_int
 from shared.log import get_logger, log_event
 from shared.mps import MpsDecision
 from shared.quota import MAX_INSTANCES, QuotaSnapshot
 from shared.records import (
     HelloInfo,
     InstanceRecord,
+    STATUS_PAGE_DEFAULT,
+    STATUS_PAGE_MAX,
     PoolRecord,
     StatusRecord,
+    StatusSummary,
     SupervisorRecord,
     TenantRecord,
 )
@@ -640,12 +645,35 @@ class AdminOps:
             gpu_time=self._gpu_time_record(rt, snap) if snap else {},
         )
 
-    def status(self) -> StatusRecord:
+    def status(self, *, after: str | None = None, limit: int = STATUS_PAGE_DEFAULT,
+               state: str | None = None) -> StatusRecord:
+        """The supervisor, its devices, the summary of every tenant, and one page of tenant records:
+        up to ``limit`` of them by tenant id, those after ``after`` (the previous page's ``next``),
+        only those in ``state`` when given. A cursor, not an offset: a tenant registered or evicted
+        between two pages does not shift the others, so one pass sees every tenant that stayed
+        registered exactly once. InvalidArgument for a limit outside 1..STATUS_PAGE_MAX or an
+        unknown state."""
+        if not is_int(limit) or not 1 <= limit <= STATUS_PAGE_MAX:
+            raise InvalidArgument(f"status: limit must be an int in 1..{STATUS_PAGE_MAX}, got {limit!r}")
+        states = [s.value for s in TenantState]
+        if state is not None and state not in states:
+            raise InvalidArgument(f"status: state must be one of {', '.join(states)}, got {state!r}")
         hello = self.hello_info()
         ws = self.workers
         by_device: dict[int, list[str]] = {}
+        counts: Counter[str] = Counter()
+        wanted = ready = 0
         for tid, rt in self.tenants.items():
             by_device.setdefault(rt.device, []).append(tid)
+            counts[rt.state.value] += 1
+            for slot in rt.slots:
+                if not slot.draining:
+                    wanted += 1
+                    ready += slot.ready
+        ids = sorted(tid for tid, rt in self.tenants.items() if state is None or rt.state.value == state)
+        start = 0 if after is None else bisect.bisect_right(ids, after)
+        page = ids[start:start + limit]
+        more = start + limit < len(ids)
         return StatusRecord(
             supervisor=SupervisorRecord(
                 **{f.name: getattr(hello, f.name) for f in fields(hello)},
@@ -657,8 +685,11 @@ class AdminOps:
                 rss_bytes=psutil.Process().memory_info().rss,
                 **self.guard.status(),
             ),
-            tenants=tuple(self.tenant_record(rt) for _, rt in sorted(self.tenants.items())),
+            tenants=tuple(self.tenant_record(self.tenants[tid]) for tid in page),
             devices=tuple(self.placement.status(by_device)),
+            summary=StatusSummary(tenants=len(self.tenants), states=dict(sorted(counts.items())), instances=wanted,
+                                  ready=ready),
+            next=page[-1] if more and page else None,
         )
 
 

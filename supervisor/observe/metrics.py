@@ -23,7 +23,7 @@ import hmac
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 from collections.abc import Callable
 
 from shared.quota import QuotaSnapshot
@@ -37,6 +37,7 @@ __all__ = [
     "MetricsSnapshot",
     "MetricsSource",
     "NullMetrics",
+    "QUIET_STATES",
     "TenantGauges",
     "TenantLabels",
     "as_snapshot",
@@ -147,12 +148,21 @@ class MetricsSnapshot:
     """What the loop publishes for the exporter; ``None`` means "this loop does not say"."""
 
     tenants: Mapping[str, TenantGauges] = field(default_factory=dict)
+    #: every registered tenant by state, those in ``tenants`` and those left out of it (a tenant in a
+    #: :data:`QUIET_STATES` state exports no series of its own); empty: count ``tenants``
+    states: Mapping[str, int] = field(default_factory=dict)
     pool_idle: int | None = None
     pool_starting: int | None = None
     pool_size: int | None = None
     backend: str | None = None
     devices: tuple[DeviceGauges, ...] = ()
     frontend: FrontendCounters | None = None
+
+
+#: tenant states without per-tenant series on /metrics: such a tenant has no worker, so its gauges do
+#: not move; it is counted in ``twt_tenants_by_state`` instead. 10,000 registered tenants, nearly all
+#: of them stopped, then cost a scrape what the few with workers cost (docs/OPERATIONS.md)
+QUIET_STATES: Final = frozenset({"stopped"})
 
 
 #: what the exporter calls at scrape time: the snapshot, or just tenant id -> its gauges

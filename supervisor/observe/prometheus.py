@@ -44,6 +44,7 @@ from __future__ import annotations
 import errno
 import logging
 import platform
+from collections import Counter as Counter_
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -165,8 +166,15 @@ class _StateCollector:
         weight = _gauge("twt_tenant_gpu_time_weight", "The tenant's GPU-time weight (gpu_time_weight)", t)
         time_cap = _gauge("twt_tenant_gpu_time_cap",
                           "The tenant's GPU-time ceiling (gpu_time_cap, a fraction); +Inf when uncapped", t)
+        # every tenant counted by state; per-tenant series only for tenants in ``tenants`` (a
+        # tenant in a QUIET_STATES state, without a worker, is left out of it by the loop)
+        states = dict(snap.states) if snap.states else dict(Counter_(rec.state for rec in tenants.values()))
         count = _gauge("twt_tenants", "Tenants registered with this supervisor", [])
-        count.add_metric([], len(tenants))
+        count.add_metric([], sum(states.values()))
+        by_state = _gauge("twt_tenants_by_state", "Tenants registered with this supervisor, by state (tenants "
+                          "stopped - no worker - have no per-tenant series: they are counted only here)", ["state"])
+        for name in (*TENANT_STATES, *sorted(set(states) - set(TENANT_STATES))):
+            by_state.add_metric([name], states.get(name, 0))
         for tid, rec in sorted(tenants.items()):
             quota = rec.quota
             label = self._owner.label(str(tid))
@@ -199,6 +207,7 @@ class _StateCollector:
                 weight.add_metric(who, rec.gpu_time_weight)
                 time_cap.add_metric(who, float("inf") if rec.gpu_time_cap is None else rec.gpu_time_cap)
         yield count
+        yield by_state
         yield from g.values()
         yield state
         yield refusals

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared.records import StatusRecord
+from shared.protocol import arg_opt_int, arg_opt_str
+from shared.records import STATUS_PAGE_DEFAULT, STATUS_PAGE_MAX, StatusRecord
 from supervisor.client.api import SupervisorClient
 from supervisor.control.ops._base import AdminOp, Args
 from supervisor.control.ops._cli import unreachable_on_timeout
@@ -17,12 +18,25 @@ __all__ = ["Status", "fetch_status"]
 
 class Status(AdminOp):
     name = "status"
-    result_doc = "`{supervisor: {...pool, workers, rss_bytes}, devices: [...], tenants: [record...]}`"
+    args_doc = (f"`{{after?, limit?, state?}}`: the page after tenant id `after` (the previous reply's `next`), "
+                f"at most `limit` tenants (1..{STATUS_PAGE_MAX}, default {STATUS_PAGE_DEFAULT}), only those in "
+                "`state` (e.g. `running`, `stopped`)")
+    result_doc = ("`{supervisor: {...pool, workers, rss_bytes}, devices: [...], tenants: [record...], "
+                  "summary: {tenants, states: {state: count}, instances, ready}, next}`: one page of tenant "
+                  "records by id; `summary` counts every tenant; `next` is the `after` of the next page (nil: "
+                  "the last)")
+    errors_doc = "`InvalidArgument` (a limit out of range, an unknown state)"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, part.status().to_wire())
+        limit = arg_opt_int(args, "limit")
+        record = part.status(after=arg_opt_str(args, "after"), state=arg_opt_str(args, "state"),
+                             limit=STATUS_PAGE_DEFAULT if limit is None else limit)
+        self.answer(part, client, rid, record.to_wire())
 
 
-def fetch_status(client: SupervisorClient) -> StatusRecord:
-    """The status record; a supervisor that does not answer in time counts as unreachable (exit 3)."""
-    return unreachable_on_timeout(client, client.status)
+def fetch_status(client: SupervisorClient, *, limit: int | None = None, after: str | None = None,
+                 state: str | None = None) -> StatusRecord:
+    """The status record (every tenant, or the page ``limit``/``after`` names; see
+    :meth:`SupervisorClient.status`); a supervisor that does not answer in time counts as
+    unreachable (exit 3)."""
+    return unreachable_on_timeout(client, lambda: client.status(limit=limit, after=after, state=state))
