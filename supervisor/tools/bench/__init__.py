@@ -33,6 +33,7 @@ BENCHES: dict[str, str] = {
     "share": "supervisor.tools.bench.share",
     "records": "supervisor.tools.bench.records",
     "scrape": "supervisor.tools.bench.scrape",  # a tenant's ping while the metrics port is scraped
+    "density": "supervisor.tools.bench.density",  # 10,000 registered tenants on one supervisor
 }
 
 _USAGE = "usage: twt bench {NAME|all} [--json] [bench options]   (NAME: " + ", ".join(BENCHES) + ")"

@@ -1,0 +1,287 @@
+"""``twt bench density``: ten thousand registered tenants on one supervisor (stub backend).
+
+In one run:
+
+* **registration**: ``--clients`` concurrent clients register ``--tenants`` tenants with
+  ``instances = 0`` (state ``stopped``: no worker) against a supervisor with durable state;
+  registrations per second, each answered only once its row is committed (group commit);
+  ``--active`` more tenants get one instance each (a worker), so /metrics has tenants of both kinds;
+* **status**: one page (100 records) and the summary of every tenant, read by the client and by
+  ``twt status`` (a new process: its start-up counted);
+* **/metrics**: a scrape's time and size (median of 3, each after a fresh render);
+* **supervisor RSS per registered tenant** (RSS with the tenants minus RSS before them), its open
+  fds and the /dev/shm segments, against the workers alive;
+* **restart**: the supervisor is stopped and started on the same state; start to ready (every
+  stored tenant back: the status summary counts them all), and the same for an empty state.
+
+Not measured yet (needs parking: idle tenants whose workers exit and come back on the next
+request): the activation overhead under a Zipf(1.1) stream, a parked tenant's buffer restore, the
+first ``run_wasm`` after activation. ``--ray`` adds what a user would pick instead: a Ray actor's
+creation plus its first call (p50; a local one-node Ray, as ``twt bench cluster`` starts it),
+off by default because starting Ray costs about ten seconds and a few hundred MiB.
+
+Goals (the issue's): >= 200 registrations/s; restart-to-ready <= 5 s; status and ``twt status``
+< 1 s; /metrics <= 5 MB and < 1 s; RSS <= 2 KiB per registered tenant (met only once a tenant
+without a worker holds no shared-memory segment: today each holds its quota block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from contextlib import AbstractContextManager
+from typing import Any
+
+from shared._shm import SHM_DIR
+from shared.rundir import temp_parent
+from shared.spec import TenantSpec
+from supervisor.client.launch import SupervisorHandle, launch
+from supervisor.tools.bench._report import Report, Target, at_least, format_table
+
+__all__ = ["main"]
+
+KiB = 1 << 10
+MiB = 1 << 20
+#: the issue's goals
+REGISTRATIONS_PER_S = 200.0
+RESTART_READY_S = 5.0
+STATUS_S = 1.0
+METRICS_BYTES = 5_000_000
+METRICS_S = 1.0
+RSS_PER_TENANT = 2 * KiB
+#: records in the status page read (the table twt status shows by default)
+STATUS_PAGE = 100
+
+
+def _start(state_dir: str, metrics: bool) -> AbstractContextManager[SupervisorHandle]:
+    return launch(
+        {"supervisor": {"pool_size": 1, "log_level": "warning", "max_tenants": 16_384}, "tenant": []},
+        backend="stub",
+        extra_args=["--state-dir", state_dir],
+        metrics_addr="127.0.0.1:0" if metrics else None,
+        ready_timeout_s=600.0,
+    )
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * KiB
+    return 0
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _segments() -> int:
+    try:
+        return sum(1 for name in os.listdir(SHM_DIR) if name.startswith("twt-"))
+    except OSError:
+        return 0
+
+
+def _register(sup: SupervisorHandle, names: list[str], clients: int, instances: int) -> float:
+    """Register ``names`` from ``clients`` threads (a client each); the wall time."""
+    admin = sup.client.admin
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            with sup.connect(timeout_s=120.0) as client:
+                for name in names[k::clients]:
+                    client.register(admin, TenantSpec(name, instances=instances))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(min(clients, len(names)))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return elapsed
+
+
+def _metrics_url(sup: SupervisorHandle) -> str | None:
+    url = sup.info.get("metrics_url")
+    return url if isinstance(url, str) else None
+
+
+def _scrape(url: str) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=60) as r:
+        body = r.read()
+    return time.perf_counter() - t0, len(body)
+
+
+def _twt_status(run_dir: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "supervisor", "status", "--run-dir", run_dir],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False, timeout=120)
+    return time.perf_counter() - t0
+
+
+def _ready(state: str, n: int) -> tuple[float, int]:
+    """Start a supervisor on ``state``: seconds from launch until its status summary counts ``n``
+    tenants (every stored one restored), and the count it reached."""
+    t0 = time.perf_counter()
+    with _start(state, metrics=False) as sup:
+        with sup.connect(timeout_s=120.0) as client:
+            while True:
+                summary = client.status(limit=1).summary
+                seen = summary.tenants if summary is not None else 0
+                if seen >= n or time.perf_counter() - t0 > 120:
+                    return time.perf_counter() - t0, seen
+                time.sleep(0.01)
+
+
+def _ray_actor_p50(rounds: int) -> float | None:
+    """A Ray actor's creation plus its first call, p50 (seconds), on a local one-node Ray."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.pop("RAY_ADDRESS", None)
+    temp_dir = tempfile.mkdtemp(prefix="twt-bench-ray-", dir=temp_parent())
+    import ray
+
+    from supervisor.tools.bench.cluster import _Echo
+
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 * MiB,
+                 _node_ip_address="127.0.0.1", _temp_dir=temp_dir, logging_level=logging.WARNING,
+                 log_to_driver=False, namespace="twt")
+        echo = ray.remote(_Echo)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            actor = echo.remote()
+            ray.get(actor.ping.remote())
+            times.append(time.perf_counter() - t0)
+            ray.kill(actor)
+        return float(statistics.median(times))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:  # a JSON report row, read back by key
+    state = tempfile.mkdtemp(prefix="twt-bench-density-", dir=temp_parent())
+    empty = tempfile.mkdtemp(prefix="twt-bench-density-empty-", dir=temp_parent())
+    out: dict[str, Any] = {"tenants": args.tenants, "active": args.active, "clients": args.clients}
+    try:
+        with _start(state, metrics=True) as sup:
+            time.sleep(0.5)  # the warm pool's worker up: not counted against the tenants
+            rss0, fds0, seg0 = _rss(sup.pid), _fds(sup.pid), _segments()
+            names = [f"d{i:05d}" for i in range(args.tenants)]
+            out["register_s"] = _register(sup, names, args.clients, 0)
+            out["registrations_per_s"] = args.tenants / out["register_s"]
+            _register(sup, [f"a{i:03d}" for i in range(args.active)], min(args.clients, 4), 1)
+            total = args.tenants + args.active
+            out["rss_bytes"], out["rss0_bytes"] = _rss(sup.pid), rss0
+            out["rss_per_tenant"] = (out["rss_bytes"] - rss0) / total
+            out["fds"], out["fds_per_tenant"] = _fds(sup.pid), (_fds(sup.pid) - fds0) / total
+            out["segments"], out["segments_per_tenant"] = _segments(), (_segments() - seg0) / total
+            with sup.connect(timeout_s=120.0) as client:
+                pages = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    page = client.status(limit=STATUS_PAGE)
+                    pages.append(time.perf_counter() - t0)
+                out["status_page_s"] = float(statistics.median(pages))
+                out["status_summary"] = page.summary.to_wire() if page.summary is not None else None
+                out["workers"] = page.supervisor.workers
+                t0 = time.perf_counter()
+                full = client.status()
+                out["status_all_s"] = time.perf_counter() - t0
+                out["status_all_tenants"] = len(full.tenants)
+            out["twt_status_s"] = float(statistics.median(_twt_status(sup.run_dir) for _ in range(3)))
+            url = _metrics_url(sup)
+            if url is not None:
+                scrapes = []
+                for _ in range(3):
+                    time.sleep(1.1)  # past the render interval: each scrape waits for a fresh render
+                    scrapes.append(_scrape(url))
+                out["metrics_s"] = float(statistics.median(s for s, _ in scrapes))
+                out["metrics_bytes"] = max(n for _, n in scrapes)
+        out["restart_s"], out["restored"] = _ready(state, total)
+        out["empty_start_s"], _ = _ready(empty, 0)
+        if args.ray:
+            out["ray_actor_p50_s"] = _ray_actor_p50(args.ray_rounds)
+        return out
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(empty, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="twt bench density", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tenants", type=at_least(1), default=10_000,
+                        help="tenants registered with instances = 0 (default 10000)")
+    parser.add_argument("--active", type=at_least(0), default=8, help="tenants with one worker each (default 8)")
+    parser.add_argument("--clients", type=at_least(1), default=16, help="concurrent registering clients (default 16)")
+    parser.add_argument("--ray", action="store_true",
+                        help="also a Ray actor's creation + first call (p50; starts a local Ray: ~10 s)")
+    parser.add_argument("--ray-rounds", type=at_least(1), default=10)
+    args = parser.parse_args(argv)
+    r = _measure(args)
+    report = Report("density")
+    total = args.tenants + args.active
+    summary = r.get("status_summary") or {}
+    rows: list[list[object]] = [
+        [f"registrations/s ({args.tenants} tenants, instances=0, {args.clients} clients, durable)",
+         r["registrations_per_s"]],
+        [f"restart to ready, {total} stored tenants (s)", r["restart_s"]],
+        ["  the same, empty state (s)", r["empty_start_s"]],
+        ["  tenants restored", r["restored"]],
+        [f"status: a page of {STATUS_PAGE} + the summary, client (s)", r["status_page_s"]],
+        ["twt status (a new process, first page) (s)", r["twt_status_s"]],
+        [f"status: every tenant, {r['status_all_tenants']} records in pages (s)", r["status_all_s"]],
+        ["summary: states", summary.get("states")],
+        ["/metrics scrape (s)", r.get("metrics_s", "not measured")],
+        ["/metrics size (bytes)", r.get("metrics_bytes", "not measured")],
+        ["supervisor RSS (MiB), before the tenants", r["rss0_bytes"] / MiB],
+        ["supervisor RSS (MiB), with them", r["rss_bytes"] / MiB],
+        ["RSS per registered tenant (bytes)", r["rss_per_tenant"]],
+        ["open fds (per registered tenant)", f"{r['fds']} ({r['fds_per_tenant']:.2f})"],
+        ["/dev/shm segments (per registered tenant)", f"{r['segments']} ({r['segments_per_tenant']:.2f})"],
+        ["workers alive", r["workers"]],
+        ["Ray actor creation + first call, p50 (s)",
+         r["ray_actor_p50_s"] if "ray_actor_p50_s" in r else "not measured (--ray)"],
+    ]
+    report.sections.append((f"{total} registered tenants ({args.active} with a worker), stub backend",
+                            format_table(["figure", "value"], rows)))
+    report.sections.append(("not measured: needs parking", "\n".join([
+        "activation overhead p50/p99 under a Zipf(1.1) stream, at most 64 active (goal: p99 <= 20 ms over "
+        "an active tenant)",
+        "a tenant parked with 64 MiB of buffers: restore rate (goal >= 0.5x memcpy)",
+        "first run_wasm after activation vs a warm one (goal <= 2x)",
+    ])))
+    report.targets += [
+        Target("registrations/s with durable state", r["registrations_per_s"], REGISTRATIONS_PER_S, unit="/s"),
+        Target(f"restart to ready with {total} stored tenants", r["restart_s"], RESTART_READY_S,
+               higher_is_better=False, unit=" s"),
+        Target("status page + summary (client)", r["status_page_s"], STATUS_S, higher_is_better=False, unit=" s"),
+        Target("twt status", r["twt_status_s"], STATUS_S, higher_is_better=False, unit=" s"),
+        Target("RSS per registered tenant", r["rss_per_tenant"], RSS_PER_TENANT, higher_is_better=False, unit=" B"),
+    ]
+    if "metrics_s" in r:
+        report.targets += [
+            Target("/metrics scrape", r["metrics_s"], METRICS_S, higher_is_better=False, unit=" s"),
+            Target("/metrics size", float(r["metrics_bytes"]), METRICS_BYTES, higher_is_better=False, unit=" B"),
+        ]
+    report.data.update(r)
+    return report.emit(as_json=args.json)
