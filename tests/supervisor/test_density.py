@@ -1,0 +1,199 @@
+"""Many registered tenants on one supervisor: ``status`` in pages with a summary of them all,
+/metrics bounded per tenant (a tenant without a worker is counted by state, not exported alone),
+``max_tenants`` at its default, and a restart that brings every stored tenant back.
+
+Each test asserts what is served, never how fast (``twt bench density`` measures that).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shared.config import SupervisorConfig
+from shared.errors import CapacityExhausted, InvalidArgument
+from shared.records import STATUS_PAGE_MAX, StatusRecord
+from shared.spec import TenantSpec
+from supervisor.client.launch import SupervisorHandle, launch
+from supervisor.control.admin import AdminOps
+from tests.helpers.cluster import FAST, wait_for
+from tests.helpers.tmp import short_temp_dir
+
+pytestmark = pytest.mark.timeout(600)
+
+#: tenants registered with instances = 0 (state stopped: no worker), and with one worker each
+STOPPED = 1500
+RUNNING = 2
+
+
+def _register_many(sup: SupervisorHandle, names: list[str], instances: int, clients: int = 8) -> None:
+    admin = sup.client.admin
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            with sup.connect(timeout_s=300.0) as client:
+                for name in names[k::clients]:
+                    client.register(admin, TenantSpec(name, instances=instances), timeout_s=300.0)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+@pytest.fixture(scope="module")
+def many() -> Iterator[tuple[SupervisorHandle, str]]:
+    """A supervisor (metrics on) holding STOPPED stopped tenants and RUNNING running ones; its run dir."""
+    run_dir = tempfile.mkdtemp(prefix="twt-d", dir=short_temp_dir())
+    try:
+        with launch({"supervisor": {**FAST, "log_level": "warning"}, "tenant": []}, run_dir=run_dir,
+                    metrics_addr="127.0.0.1:0", ready_timeout_s=300) as sup:
+            _register_many(sup, [f"s{i:04d}" for i in range(STOPPED)], 0)
+            _register_many(sup, [f"r{i}" for i in range(RUNNING)], 1, clients=RUNNING)
+            yield sup, run_dir
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _pages(sup: SupervisorHandle, limit: int, state: str | None = None) -> list[StatusRecord]:
+    pages = [sup.client.status(limit=limit, state=state)]
+    while pages[-1].next is not None:
+        pages.append(sup.client.status(limit=limit, after=pages[-1].next, state=state))
+    return pages
+
+
+def test_paging_sees_every_tenant_once_in_order_and_the_summary_counts_them_all(
+        many: tuple[SupervisorHandle, str]) -> None:
+    sup, _ = many
+    every = sorted([f"s{i:04d}" for i in range(STOPPED)] + [f"r{i}" for i in range(RUNNING)])
+    pages = _pages(sup, 97)
+    seen = [t.tenant_id for p in pages for t in p.tenants]
+    assert seen == every  # each exactly once, by id
+    assert all(len(p.tenants) == 97 for p in pages[:-1]) and 0 < len(pages[-1].tenants) <= 97
+    summary = pages[0].summary
+    assert summary is not None
+    assert summary.tenants == STOPPED + RUNNING
+    assert summary.states == {"running": RUNNING, "stopped": STOPPED}
+    assert summary.instances == RUNNING and summary.ready == RUNNING
+    # the state filter pages too; the summary still counts every tenant
+    running = _pages(sup, 1, state="running")
+    assert [t.tenant_id for p in running for t in p.tenants] == ["r0", "r1"]
+    assert running[0].summary == summary
+    # without a limit the client joins the pages: what callers of status() always got
+    full = sup.client.status()
+    assert [t.tenant_id for t in full.tenants] == every and full.next is None
+    # with no limit named, a page holds the default: every tenant here
+    assert len(StatusRecord.from_wire(sup.client.call("status", sup.client.admin)).tenants) == STATUS_PAGE_MAX
+
+
+def test_a_tenant_registered_or_evicted_between_pages_shifts_no_other(many: tuple[SupervisorHandle, str]) -> None:
+    sup, _ = many
+    first = sup.client.status(limit=500)
+    assert first.next is not None
+    sup.client.register(None, TenantSpec("a-new", instances=0))  # sorts before the cursor
+    sup.client.register(None, TenantSpec("z-new", instances=0))  # sorts after it
+    try:
+        rest = []
+        cursor: str | None = first.next
+        while cursor is not None:
+            page = sup.client.status(limit=500, after=cursor)
+            rest += [t.tenant_id for t in page.tenants]
+            cursor = page.next
+        seen = [t.tenant_id for t in first.tenants] + rest
+        assert len(seen) == len(set(seen))
+        assert set(seen) >= {f"s{i:04d}" for i in range(STOPPED)} | {"r0", "r1", "z-new"}
+    finally:
+        sup.client.evict(None, "a-new")
+        sup.client.evict(None, "z-new")
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    ({"limit": 0}, "limit"), ({"limit": STATUS_PAGE_MAX + 1}, "limit"), ({"state": "sleeping"}, "state"),
+    ({"limit": "10"}, "limit"), ({"after": 3}, "after")])
+def test_bad_paging_arguments_are_refused_typed(many: tuple[SupervisorHandle, str], args: dict[str, Any],
+                                                match: str) -> None:
+    sup, _ = many
+    with pytest.raises(InvalidArgument, match=match):
+        sup.client.call("status", sup.client.admin, args)
+
+
+def test_twt_status_shows_the_summary_and_a_page_and_all_with_all(many: tuple[SupervisorHandle, str]) -> None:
+    sup, run_dir = many
+
+    def twt(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "supervisor", "status", "--run-dir", run_dir, *args],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    first = twt()
+    assert f"tenants {STOPPED + RUNNING} (running {RUNNING}, stopped {STOPPED})" in first
+    rows = [line for line in first.splitlines() if re.match(r"^[rs]\d+ ", line)]
+    assert len(rows) == 100
+    assert "more after 's0097'" in first  # r0, r1, s0000 .. s0097
+    assert len([line for line in twt("--all").splitlines() if re.match(r"^[rs]\d+ ", line)]) == STOPPED + RUNNING
+    assert [line.split()[0] for line in twt("--state", "running").splitlines()
+            if re.match(r"^[rs]\d+ ", line)] == ["r0", "r1"]
+
+
+def test_metrics_export_tenants_with_workers_and_count_the_rest_by_state(many: tuple[SupervisorHandle, str]) -> None:
+    sup, _ = many
+    url = sup.info["metrics_url"]
+
+    def body() -> str:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            text: str = r.read().decode()
+        return text
+
+    def counted() -> str:
+        text = body()
+        return text if f'twt_tenants_by_state{{state="stopped"}} {STOPPED}.0' in text else ""
+
+    text = wait_for(counted, what="a render with every tenant")
+    assert f"twt_tenants {STOPPED + RUNNING}.0" in text
+    assert f'twt_tenants_by_state{{state="running"}} {RUNNING}.0' in text
+    labelled = {m for m in re.findall(r'tenant="([^"]+)"', text) if m != "-"}
+    assert len(labelled) == RUNNING  # the running tenants' pseudonyms only
+    # bounded per registered tenant: a stopped tenant adds nothing (each running one ~4 KB)
+    assert len(text.encode()) < 100_000 + 8_000 * RUNNING
+    assert len(text.encode()) / (STOPPED + RUNNING) < 100
+
+
+def test_a_restart_restores_every_stored_tenant(many: tuple[SupervisorHandle, str]) -> None:
+    sup, run_dir = many
+    before = {t.tenant_id: t.generation for t in sup.client.status().tenants}
+    sup.process.terminate()
+    sup.process.wait(timeout=120)
+    with launch({"supervisor": {**FAST, "log_level": "warning"}, "tenant": []}, run_dir=run_dir,
+                ready_timeout_s=300) as again:
+        status = again.client.status()
+        assert {t.tenant_id: t.generation for t in status.tenants} == before
+        assert status.summary is not None
+        assert status.summary.states == {"stopped": STOPPED, "running": RUNNING}
+
+
+def test_max_tenants_defaults_to_16384_and_past_it_registration_is_refused() -> None:
+    cfg = SupervisorConfig()
+    assert cfg.max_tenants == 16_384
+    full = SimpleNamespace(config=cfg, tenants=dict.fromkeys(range(16_384)))
+    with pytest.raises(CapacityExhausted) as info:
+        AdminOps.check_capacity(full, tenants=1, workers=0)  # type: ignore[arg-type]
+    assert info.value.fields() == {"what": "tenants", "in_use": 16_384, "wanted": 1, "limit": 16_384,
+                                   "setting": "max_tenants"}
+    AdminOps.check_capacity(SimpleNamespace(config=cfg, tenants=dict.fromkeys(range(16_383))),  # type: ignore[arg-type]
+                            tenants=1, workers=0)
