@@ -181,7 +181,7 @@ class Supervisor:
         self._stopping = False
         self._stop_started: float | None = None
         self._last_rss_check = 0.0
-        self._quiet_scanned: set[str] = set()  # tenants without a worker whose refusals were read (_scan_refusals)
+        self._restoring = False  # service.restore() runs: not ready yet, whatever has settled
         self._reload_wanted = False
         # A gap of a second between housekeeping passes (every 50 ms) is a stall - and always one
         # that reaches the liveness window, the time after which a worker would be judged hung.
@@ -340,7 +340,13 @@ class Supervisor:
                            admin_ops.either_handlers(frontend))
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
-        service.restore(stored)  # every stored tenant, then the config file's difference
+        # every stored tenant, then the config file's difference; not ready before the last one is
+        # back (each restored tenant settles on its own: the first one used to write the ready file)
+        self._restoring = True
+        try:
+            service.restore(stored)
+        finally:
+            self._restoring = False
         restore_modules(self.modules, frontend, self.tenants,  # their stored modules, without a resend
                         state.tenant_generations())
         workers.refill_pool()
@@ -526,7 +532,7 @@ class Supervisor:
     def _maybe_ready(self) -> None:
         """Write the ready file once every configured tenant is up (or failed)."""
         parts = self.parts
-        if self.ready or parts is None or not parts.admin.settled():
+        if self.ready or parts is None or self._restoring or not parts.admin.settled():
             return
         self.ready = True
         parts.frontend.ready = True  # hello without a capability says so from now on
@@ -595,7 +601,10 @@ class Supervisor:
         """Emit ``quota_refusal`` for each tenant whose refusal counters grew. Only workers write
         them, so a tenant without a worker is read once after its last one went, then skipped:
         10,000 registered tenants do not cost the loop a pass over 10,000 blocks each second."""
-        quiet = self._quiet_scanned
+        parts = self.parts
+        if parts is None:
+            return
+        quiet = parts.admin.quiet_refusals
         if len(quiet) > len(self.tenants):
             quiet.intersection_update(self.tenants)
         for tid, rt in self.tenants.items():

@@ -154,7 +154,10 @@ class AdminOps:
         self._internal_errors = counters
         self._on_settled = on_settled
         self.started = time.time()
-        self._quiet_sampled: set[str] = set()  # tenants without a worker sampled once (sample_gpu_time)
+        #: tenants without a worker whose block was read since their last worker went (or that never
+        #: had one: a new block is all zeros): sample_gpu_time and the refusal scan skip them
+        self._quiet_sampled: set[str] = set()
+        self.quiet_refusals: set[str] = set()
         self._workers: WorkerSet | None = None
         self._frontend: Frontend | None = None
         self._service: ServiceHooks | None = None
@@ -384,6 +387,9 @@ class AdminOps:
         self.placement.gpu_time_join(spec, device)  # before any worker binds: it gets the board slot
         rt.slots = [InstanceSlot(i) for i in range(spec.instances)]
         self.tenants[spec.tenant_id] = rt
+        if not start or not rt.slots:  # no worker will write its new block: nothing to read until one does
+            self._quiet_sampled.add(spec.tenant_id)
+            self.quiet_refusals.add(spec.tenant_id)
         if waiter is not None:
             rt.register_waiters.append(waiter)
             self.loop.timers.after(self.config.register_timeout_s, lambda: self._register_timeout(rt))
