@@ -31,6 +31,8 @@ BAD = [
     ("share", ["--reps", "0"], "--reps"),
     ("wasm", ["--calls", "0"], "--calls"),
     ("cluster", ["--per-round", "0"], "--per-round"),
+    ("density", ["--tenants", "0"], "--tenants: must be a whole number >= 1"),
+    ("density", ["--clients", "x"], "--clients"),
 ]
 
 

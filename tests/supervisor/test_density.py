@@ -58,13 +58,14 @@ def _register_many(sup: SupervisorHandle, names: list[str], instances: int, clie
 
 @pytest.fixture(scope="module")
 def many() -> Iterator[tuple[SupervisorHandle, str]]:
-    """A supervisor (metrics on) holding STOPPED stopped tenants and RUNNING running ones; its run dir."""
+    """A supervisor (metrics on) holding STOPPED stopped tenants and RUNNING running ones; its run dir.
+    The running ones sort last: a restart brings back tenants without a worker first."""
     run_dir = tempfile.mkdtemp(prefix="twt-d", dir=short_temp_dir())
     try:
         with launch({"supervisor": {**FAST, "log_level": "warning"}, "tenant": []}, run_dir=run_dir,
                     metrics_addr="127.0.0.1:0", ready_timeout_s=300) as sup:
             _register_many(sup, [f"s{i:04d}" for i in range(STOPPED)], 0)
-            _register_many(sup, [f"r{i}" for i in range(RUNNING)], 1, clients=RUNNING)
+            _register_many(sup, [f"x{i}" for i in range(RUNNING)], 1, clients=RUNNING)
             yield sup, run_dir
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -80,7 +81,7 @@ def _pages(sup: SupervisorHandle, limit: int, state: str | None = None) -> list[
 def test_paging_sees_every_tenant_once_in_order_and_the_summary_counts_them_all(
         many: tuple[SupervisorHandle, str]) -> None:
     sup, _ = many
-    every = sorted([f"s{i:04d}" for i in range(STOPPED)] + [f"r{i}" for i in range(RUNNING)])
+    every = sorted([f"s{i:04d}" for i in range(STOPPED)] + [f"x{i}" for i in range(RUNNING)])
     pages = _pages(sup, 97)
     seen = [t.tenant_id for p in pages for t in p.tenants]
     assert seen == every  # each exactly once, by id
@@ -92,7 +93,7 @@ def test_paging_sees_every_tenant_once_in_order_and_the_summary_counts_them_all(
     assert summary.instances == RUNNING and summary.ready == RUNNING
     # the state filter pages too; the summary still counts every tenant
     running = _pages(sup, 1, state="running")
-    assert [t.tenant_id for p in running for t in p.tenants] == ["r0", "r1"]
+    assert [t.tenant_id for p in running for t in p.tenants] == ["x0", "x1"]
     assert running[0].summary == summary
     # without a limit the client joins the pages: what callers of status() always got
     full = sup.client.status()
@@ -116,7 +117,7 @@ def test_a_tenant_registered_or_evicted_between_pages_shifts_no_other(many: tupl
             cursor = page.next
         seen = [t.tenant_id for t in first.tenants] + rest
         assert len(seen) == len(set(seen))
-        assert set(seen) >= {f"s{i:04d}" for i in range(STOPPED)} | {"r0", "r1", "z-new"}
+        assert set(seen) >= {f"s{i:04d}" for i in range(STOPPED)} | {"x0", "x1", "z-new"}
     finally:
         sup.client.evict(None, "a-new")
         sup.client.evict(None, "z-new")
@@ -143,12 +144,12 @@ def test_twt_status_shows_the_summary_and_a_page_and_all_with_all(many: tuple[Su
 
     first = twt()
     assert f"tenants {STOPPED + RUNNING} (running {RUNNING}, stopped {STOPPED})" in first
-    rows = [line for line in first.splitlines() if re.match(r"^[rs]\d+ ", line)]
+    rows = [line for line in first.splitlines() if re.match(r"^[sx]\d+ ", line)]
     assert len(rows) == 100
-    assert "more after 's0097'" in first  # r0, r1, s0000 .. s0097
-    assert len([line for line in twt("--all").splitlines() if re.match(r"^[rs]\d+ ", line)]) == STOPPED + RUNNING
+    assert "more after 's0099'" in first
+    assert len([line for line in twt("--all").splitlines() if re.match(r"^[sx]\d+ ", line)]) == STOPPED + RUNNING
     assert [line.split()[0] for line in twt("--state", "running").splitlines()
-            if re.match(r"^[rs]\d+ ", line)] == ["r0", "r1"]
+            if re.match(r"^[sx]\d+ ", line)] == ["x0", "x1"]
 
 
 def test_metrics_export_tenants_with_workers_and_count_the_rest_by_state(many: tuple[SupervisorHandle, str]) -> None:
@@ -179,12 +180,17 @@ def test_a_restart_restores_every_stored_tenant(many: tuple[SupervisorHandle, st
     before = {t.tenant_id: t.generation for t in sup.client.status().tenants}
     sup.process.terminate()
     sup.process.wait(timeout=120)
-    with launch({"supervisor": {**FAST, "log_level": "warning"}, "tenant": []}, run_dir=run_dir,
-                ready_timeout_s=300) as again:
-        status = again.client.status()
-        assert {t.tenant_id: t.generation for t in status.tenants} == before
-        assert status.summary is not None
-        assert status.summary.states == {"stopped": STOPPED, "running": RUNNING}
+    with tempfile.TemporaryFile() as log:
+        with launch({"supervisor": {**FAST, "log_level": "info"}, "tenant": []}, run_dir=run_dir,
+                    ready_timeout_s=300, stderr=log) as again:
+            status = again.client.status()
+            assert {t.tenant_id: t.generation for t in status.tenants} == before
+            assert status.summary is not None
+            assert status.summary.states == {"stopped": STOPPED, "running": RUNNING}
+        log.seek(0)
+        ready = [line for line in log.read().decode().splitlines() if "supervisor.ready" in line]
+    # ready once the last stored tenant is back, not the first (each settles on its own)
+    assert len(ready) == 1 and f"tenants={STOPPED + RUNNING}" in ready[0], ready
 
 
 def test_max_tenants_defaults_to_16384_and_past_it_registration_is_refused() -> None:
