@@ -341,7 +341,7 @@ class Supervisor:
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         # every stored tenant, then the config file's difference; not ready before the last one is
-        # back (each restored tenant settles on its own: the first one used to write the ready file)
+        # back (each restored tenant settles on its own, and the first would otherwise make it ready)
         self._restoring = True
         try:
             service.restore(stored)
@@ -592,7 +592,8 @@ class Supervisor:
         devices = tuple(DeviceGauges(d.index, d.budget_limit_bytes, d.budget_used_bytes, d.budget_refusals)
                         for d in parts.placement.status())
         self._metrics.publish(MetricsSnapshot(
-            tenants=tenants, states=dict(states), pool_idle=len(parts.workers.pool), pool_starting=parts.workers.pool_starting,
+            tenants=tenants, states=dict(states), pool_idle=len(parts.workers.pool),
+            pool_starting=parts.workers.pool_starting,
             pool_size=self.config.pool_size, backend=parts.admin.backend_name, devices=devices,
             frontend=parts.frontend.guard.counters(),
         ))
