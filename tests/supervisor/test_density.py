@@ -123,6 +123,19 @@ def test_a_tenant_registered_or_evicted_between_pages_shifts_no_other(many: tupl
         sup.client.evict(None, "z-new")
 
 
+def test_page_edges(many: tuple[SupervisorHandle, str]) -> None:
+    """Past the last id: an empty page, no next. A last page that is exactly full names no next
+    (no empty page to fetch). A state no tenant is in: an empty page, the summary still whole."""
+    sup, _ = many
+    past = sup.client.status(limit=10, after="zzz")
+    assert past.tenants == () and past.next is None
+    exact = sup.client.status(limit=RUNNING, after="w")  # the running ones sort last: x0, x1
+    assert [t.tenant_id for t in exact.tenants] == ["x0", "x1"] and exact.next is None
+    failed = sup.client.status(limit=10, state="failed")
+    assert failed.tenants == () and failed.next is None
+    assert failed.summary is not None and failed.summary.tenants == STOPPED + RUNNING
+
+
 @pytest.mark.parametrize(("args", "match"), [
     ({"limit": 0}, "limit"), ({"limit": STATUS_PAGE_MAX + 1}, "limit"), ({"state": "sleeping"}, "state"),
     ({"limit": "10"}, "limit"), ({"after": 3}, "after")])
