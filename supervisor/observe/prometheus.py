@@ -16,7 +16,10 @@ exposition)::
   per-tenant host/GPU bytes in use, limits, high-water marks, instances up
   and wanted, state (one series per state), the refusal/underflow counters
   kept in each tenant's shared-memory block, the warm pool and the
-  device-wide budgets, as last refreshed by the loop (every second).
+  device-wide budgets, as last refreshed by the loop (every second). A tenant
+  without a worker (``QUIET_STATES``: stopped) has no series of its own: it is
+  counted in ``twt_tenants_by_state``, so 10,000 registered tenants cost a
+  scrape what the few with workers cost.
 
 Threads: the HTTP server (:mod:`supervisor.observe.http_server`: one thread,
 bounded connections, deadlines, fds reserved in the supervisor's budget) and
