@@ -63,7 +63,11 @@ its config, ``max_tenants`` and ``max_workers``); a worker reads T and W from li
 is bounded by a high-water mark, not by the capacity: ``workers high`` (one past the highest
 worker slot ever claimed) for :meth:`GpuTimeBoard.pick` and the death sweep, ``tenants high``
 for snapshots and slot allocation - a board of 4,096 tenant slots costs a launch what a board
-of 64 does (``tests/shared/test_gpu_time.py``, docs/PERFORMANCE.md).
+of 64 does (``tests/shared/test_gpu_time.py``, docs/PERFORMANCE.md). Its /dev/shm memory is
+reserved for the header, the worker lines and the first ``TENANT_RESERVE_CHUNK`` tenant lines at
+creation, and for the next chunk when ``tenants high`` reaches it (:meth:`GpuTimeBoard.add_tenant`:
+a full /dev/shm refuses that slot, never a SIGBUS later): a board sized for 32,768 tenants costs a
+supervisor's start what one of 2,048 does.
 
 Death: a worker that dies holding the device loses it as soon as the
 supervisor sees the death (:meth:`GpuTimeBoard.reclaim_dead`, called where
