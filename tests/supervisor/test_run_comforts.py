@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 NAMED = """
 (module
   (func $boom (unreachable))
-  (func $run (export "run") (call $boom))
+  (func (export "run") (call $boom))
   (func (export "ok") (result i32) (i32.const 7))
   (func (export "spin") (loop $l (br $l))))
 """

@@ -216,6 +216,8 @@ class CompiledModule:
     exports: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     #: imports WASI preview 1: its store gets a WASI context (worker.wasm.wasi)
     wasi: bool = False
+    #: function index -> export name: what a trap's frame is called when the module has no name section
+    export_names: dict[int, str] = field(default_factory=dict)
 
 
 class GuestExit(Exception):
@@ -237,6 +239,32 @@ def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return result, pos
         shift += 7
+
+
+def function_exports(wasm: bytes) -> dict[int, str]:
+    """Function index -> export name, from the export section (id 7) of validated bytes; {} when
+    the module has none (or, defensively, when the bytes do not parse)."""
+    out: dict[int, str] = {}
+    try:
+        pos = 8
+        while pos < len(wasm):
+            section = wasm[pos]
+            size, pos = _leb_u32(wasm, pos + 1)
+            end = pos + size
+            if section == 7:
+                count, p = _leb_u32(wasm, pos)
+                for _ in range(count):
+                    length, p = _leb_u32(wasm, p)
+                    name = bytes(wasm[p : p + length]).decode("utf-8", errors="replace")
+                    kind = wasm[p + length]
+                    index, p = _leb_u32(wasm, p + length + 1)
+                    if kind == 0:
+                        out.setdefault(index, name)
+                return out
+            pos = end
+    except (ValueError, IndexError):
+        return {}
+    return out
 
 
 def memory_limits(wasm: bytes) -> tuple[int, int | None] | None:
@@ -285,11 +313,11 @@ _FRAME = re.compile(r"^\s*(\d+):\s+0x[0-9a-f]+ - ")
 _AT = re.compile(r"^\s+at (.+):(\d+)(?::(\d+))?\s*$")
 
 
-def trap_location(trap: wasmtime.Trap) -> str:
+def trap_location(trap: wasmtime.Trap, export_names: dict[int, str] | None = None) -> str:
     """The guest's frames of a trap, innermost first: ``crash+0x32 (t.c:3:11) <- run+0x55 (t.c:8:12)``.
 
-    Names and offsets come from wasmtime's frames (a module's name section; ``func[N]`` without
-    one); ``file:line:col`` from the backtrace text, present when the module carries DWARF (``twt
+    Names and offsets come from wasmtime's frames (a module's name section, else the name a
+    function is exported under, else ``func[N]``); ``file:line:col`` from the backtrace text, present when the module carries DWARF (``twt
     build -O debug``) and WASMTIME_BACKTRACE_DETAILS is on (see :func:`_config`). Never raises:
     a location is a courtesy, the trap itself is the error.
     """
@@ -308,7 +336,7 @@ def trap_location(trap: wasmtime.Trap) -> str:
                 lines[current] = where
         parts = []
         for i, frame in enumerate(frames[:MAX_TRAP_FRAMES]):
-            name = frame.func_name or f"func[{frame.func_index}]"
+            name = frame.func_name or (export_names or {}).get(frame.func_index) or f"func[{frame.func_index}]"
             part = f"{name}+{frame.func_offset:#x}"
             if i in lines:
                 part += f" ({lines[i]})"
@@ -623,7 +651,7 @@ class WasmHost:
             if isinstance(e.type, wasmtime.FuncType)
         }
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
-                                  imports_wasi(module))
+                                  imports_wasi(module), function_exports(wasm))
         self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         self.stats["compiles"] += 1
         log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
@@ -782,7 +810,7 @@ class WasmHost:
                 detail = (f"the run's fuel budget of {session.fuel:,} units is spent; give it more with "
                           f"`twt run --fuel N` (run_wasm's `fuel`), up to the tenant's `wasm_fuel` ceiling")
             fuel_limit = session.fuel if code is wasmtime.TrapCode.OUT_OF_FUEL else None
-            raise WasmTrap(name, detail, trap_location(trap), fuel_limit) from None
+            raise WasmTrap(name, detail, trap_location(trap, session.compiled.export_names), fuel_limit) from None
         except wasmtime.WasmtimeError as exc:
             if instantiate:
                 raise WasmCompile(f"instantiation failed: {_short(str(exc))}") from None
