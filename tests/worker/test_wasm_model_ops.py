@@ -145,6 +145,15 @@ def test_gather_checks_every_index_and_its_guest_range() -> None:
         assert call(s, "gather_rows_f32", ht, size, 0, 3, ho) == OK  # nothing to read
 
 
+def test_empty_matrices_with_a_huge_batch_return_at_once() -> None:
+    """m = 0 bounds no buffer, so batch may be anything: nothing is written and nothing loops over it."""
+    with session() as (_, s):
+        h = put(s, np.ones(64))
+        for m, n in ((0, 5), (5, 0)):
+            assert call(s, "gemm_strided_batched_f32", 0, 0, m, n, 3, 1.0, h, 0, h, 0, 0.0, put(s, [0.0]), 0,
+                        1 << 62) == OK
+
+
 def test_bad_handles_come_first_for_every_new_op() -> None:
     with session() as (_, s):
         for op in TENSOR_OPS:

@@ -590,7 +590,11 @@ class CudaTensorOps:
                                  workspace: tuple[int, int]) -> None:
         if m == 0 or n == 0 or batch == 0:
             return
-        if k == 0:
+        if k == 0:  # C = beta C per matrix: one launch when they are packed, else one each
+            if sc == m * n:
+                self._launch(b"twt_scale_any", _grid(batch * m * n), (c, 0, float(beta), batch * m * n),
+                             (_P, _I, _F, _U))
+                return
             for i in range(batch):
                 self._launch(b"twt_scale_any", _grid(m * n), (c + 4 * i * sc, 0, float(beta), m * n),
                              (_P, _I, _F, _U))

@@ -311,6 +311,8 @@ class StubBackend(Backend):
                                  a: DeviceBuffer, stride_a: int, b: DeviceBuffer, stride_b: int, beta: float,
                                  c: DeviceBuffer, stride_c: int, batch: int, *,
                                  workspace: DeviceBuffer | None = None) -> None:
+        if m == 0 or n == 0:  # nothing to write (and batch is then bounded by no buffer: never loop on it)
+            return
         for i in range(batch):
             self._gemm_into(trans_a, trans_b, m, n, k, alpha, self._typed(a, 0, m * k, i * stride_a),
                             self._typed(b, 0, k * n, i * stride_b), beta, self._typed(c, 0, m * n, i * stride_c))
