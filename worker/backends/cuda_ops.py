@@ -10,6 +10,17 @@
       max_f32         per-block maxima into a fixed scratch, the host takes the max of those
       argmax_rows     one block per row, rows in chunks of the scratch, each chunk copied
                       straight into guest memory
+      gemm_f32, gemm_strided_batched_f32, gemm_ex
+                      cuBLAS sgemm / sgemmStridedBatched / GemmEx (CUBLAS_COMPUTE_32F) with the
+                      transposes, alpha and beta mapped to column-major (worker.backends._cublas);
+                      k == 0: C = beta C by a kernel
+      binary, binary_rows, scalar, causal_mask, cast, copy
+                      one grid-stride launch each (binary ops: one kernel, the selector an argument;
+                      f16 through PTX cvt.rn, bf16 rounded to nearest even by bits)
+      reduce_rows, layernorm_rows
+                      one block per row, sums in double rounded once to float
+      gather_rows     the checked row indices copied into the scratch (a chunk of them at a time,
+                      stream-ordered), then one launch
 
 Every launch goes on the tenant's stream. Ops that leave their result on
 the device are stream-ordered and return at once: everything else the
