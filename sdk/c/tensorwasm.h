@@ -125,7 +125,7 @@ TWT_IMPORT(copy) int32_t twt_copy(twt_handle src, int64_t src_off, twt_handle ds
 TWT_IMPORT(causal_mask_f32) int32_t twt_causal_mask_f32(twt_handle x, int64_t rows, int64_t cols, int64_t offset);
 /* converts `n` elements of `src` (dtype `TWT_F32`, `TWT_F16` or `TWT_BF16`) into `dst` of another dtype, rounding to nearest even (NaN stays NaN); an unknown dtype or `dst` aliasing `src` is `INVALID`. */
 TWT_IMPORT(cast) int32_t twt_cast(twt_handle src, int32_t src_dtype, twt_handle dst, int32_t dst_dtype, int64_t n);
-/* `gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, `TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`. */
+/* `gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, `TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`; `c_dtype` must be `ab_dtype` or `TWT_F32` (cuBLAS has no other pairs), else `INVALID`. */
 TWT_IMPORT(gemm_ex) int32_t twt_gemm_ex(int32_t trans_a, int32_t trans_b, int64_t m, int64_t n, int64_t k, float alpha, twt_handle a, int32_t ab_dtype, twt_handle b, float beta, twt_handle c, int32_t c_dtype);
 
 /* The name of an error code ("GPU_QUOTA" ...), for messages. */

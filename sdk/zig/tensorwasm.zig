@@ -188,7 +188,7 @@ pub const raw = struct {
     pub extern "tensorwasm" fn causal_mask_f32(x: Handle, rows: i64, cols: i64, offset: i64) i32;
     /// converts `n` elements of `src` (dtype `TWT_F32`, `TWT_F16` or `TWT_BF16`) into `dst` of another dtype, rounding to nearest even (NaN stays NaN); an unknown dtype or `dst` aliasing `src` is `INVALID`.
     pub extern "tensorwasm" fn cast(src: Handle, src_dtype: i32, dst: Handle, dst_dtype: i32, n: i64) i32;
-    /// `gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, `TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`.
+    /// `gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, `TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`; `c_dtype` must be `ab_dtype` or `TWT_F32` (cuBLAS has no other pairs), else `INVALID`.
     pub extern "tensorwasm" fn gemm_ex(trans_a: i32, trans_b: i32, m: i64, n: i64, k: i64, alpha: f32, a: Handle, ab_dtype: i32, b: Handle, beta: f32, c: Handle, c_dtype: i32) i32;
 };
 
@@ -345,7 +345,7 @@ pub fn cast(src: Handle, src_dtype: DType, dst: Handle, dst_dtype: DType, n: i64
     return check(raw.cast(src, @intFromEnum(src_dtype), dst, @intFromEnum(dst_dtype), n));
 }
 
-/// `gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, `TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`.
+/// `gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, `TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`; `c_dtype` must be `ab_dtype` or `TWT_F32` (cuBLAS has no other pairs), else `INVALID`.
 pub fn gemm_ex(trans_a: bool, trans_b: bool, m: i64, n: i64, k: i64, alpha: f32, a: Handle, ab_dtype: DType, b: Handle, beta: f32, c: Handle, c_dtype: DType) Error!void {
     return check(raw.gemm_ex(@intFromBool(trans_a), @intFromBool(trans_b), m, n, k, alpha, a, @intFromEnum(ab_dtype), b, beta, c, @intFromEnum(c_dtype)));
 }

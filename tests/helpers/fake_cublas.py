@@ -242,6 +242,8 @@ class FakeCublas:
                                 ctype, ldc, compute_type, algo))
         if atype != btype or atype not in _CUDA_TYPES or ctype not in _CUDA_TYPES or compute_type != _COMPUTE_32F:
             raise cuBLASError(Status.NOT_SUPPORTED)
+        if ctype not in (atype, 0):  # cuBLAS's COMPUTE_32F table: C is float32 or the inputs' type
+            raise cuBLASError(Status.NOT_SUPPORTED)
         self._gemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bits=32,
                    types=(_CUDA_TYPES[atype], _CUDA_TYPES[ctype]))
 

@@ -93,6 +93,8 @@ def test_selectors_flags_and_dtypes_outside_their_range_are_invalid() -> None:
             ("cast", (h[0], 0, h[1], 3, 4)), ("cast", (h[0], -1, h[1], 1, 4)), ("cast", (h[0], 0, h[0], 1, 4)),
             ("gemm_ex", (0, 0, 2, 2, 2, 1.0, h[0], 3, h[1], 0.0, h[2], 0)),
             ("gemm_ex", (0, 0, 2, 2, 2, 1.0, h[0], 1, h[1], 0.0, h[2], 7)),
+            ("gemm_ex", (0, 0, 2, 2, 2, 1.0, h[0], 1, h[1], 0.0, h[2], 2)),  # f16 inputs, a bf16 C
+            ("gemm_ex", (0, 0, 2, 2, 2, 1.0, h[0], 0, h[1], 0.0, h[2], 1)),  # f32 inputs, an f16 C
             ("causal_mask_f32", (h[0], 2, 2, -1)),
         ]
         before = [get(s, x, 64).tobytes() for x in h]

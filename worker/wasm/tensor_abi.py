@@ -363,8 +363,9 @@ TENSOR_OPS: tuple[TensorOp, ...] = (
              lambda trans_a, trans_b, m, n, k, ab_dtype, c_dtype: (
                  m * k * DTYPE_BYTES[ab_dtype], k * n * DTYPE_BYTES[ab_dtype], m * n * DTYPE_BYTES[c_dtype]),
              unit=1, valid=lambda trans_a, trans_b, m, n, k, ab_dtype, c_dtype:
-             _trans_ok(trans_a, trans_b) and _dtype_ok(ab_dtype, c_dtype),
+             _trans_ok(trans_a, trans_b) and _dtype_ok(ab_dtype, c_dtype) and c_dtype in (0, ab_dtype),
              distinct=(("c", "a"), ("c", "b")), gemm=True,
              doc="`gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, "
-                 "`TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`"),
+                 "`TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`; `c_dtype` "
+                 "must be `ab_dtype` or `TWT_F32` (cuBLAS has no other pairs), else `INVALID`"),
 )
