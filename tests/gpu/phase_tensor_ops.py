@@ -7,8 +7,11 @@ In one process (CUDA inside), through a real WasmHost over a real
 QuotaBlock and the cuda backend (NVRTC kernels, cuBLAS from nvmath-python):
 
 1. every op equal to numpy within float32 tolerance on awkward shapes
-   (matmul, add, mul, add_rows, the 7 unary ops, scale, softmax_rows, max,
-   argmax_rows, transpose), and the bundled MLP guest;
+   (matmul, add, mul, add_rows, the 12 unary ops, scale, softmax_rows, max,
+   argmax_rows, transpose), the model operations once each (``model_ops``:
+   GEMM flags and batches, every selector, row reductions, layer norm,
+   gather, copy, mask, casts and GemmEx; tests/helpers/model_ops.py), and
+   the bundled MLP guest;
 2. GEMM throughput: ``matmul_f32`` in a guest loop (``bench.wat``
    ``matmul_loop``, a loop of R minus a loop of 0, then a stream
    synchronize) against cuBLAS called directly (nvmath's ``sgemm`` on the
