@@ -84,6 +84,9 @@ def zig_source() -> str:
     cases = "\n".join(f"        {i} => @intFromPtr(&twt.raw.{n})," for i, n in enumerate(names))
     codes = ", ".join(f"twt.code.{c.name}" for c in ErrorCode)
     ops = ", ".join(f".{op}" for op in UNARY_OPS)
+    # every checked wrapper analysed (Zig compiles only what is referenced); write/read are generic
+    # (anytype) and exercised by slices() instead
+    wrapped = "\n".join(f"    n +%= @intFromPtr(&twt.{name});" for name in names if name not in ("write", "read"))
     sel = ", ".join([f"@intFromEnum(twt.Binary.{o})" for o in BINARY_OPS]
                     + [f"@intFromEnum(twt.Reduce.{o})" for o in REDUCE_OPS]
                     + [f"@intFromEnum(twt.DType.{d})" for d in DTYPES])
@@ -100,6 +103,11 @@ export fn code(i: u32) i64 {{ return codes[i]; }}
 export fn op(i: u32) i32 {{ return @intFromEnum(ops[i]); }}
 export fn roundtrip(c: i32) i32 {{ return twt.toCode(twt.fromCode(c)); }}
 export fn checked(c: i32) i32 {{ twt.check(c) catch |err| return twt.toCode(err); return 0; }}
+export fn wrappers() usize {{
+    var n: usize = 0;
+{wrapped}
+    return n;
+}}
 const sels = [_]i32{{ {sel} }};
 export fn sel(i: u32) i32 {{ return sels[i]; }}
 // write and read take any slice or array pointer, not only bytes
@@ -141,3 +149,4 @@ def test_the_bindings_declare_exactly_the_host_imports(sdk: SdkBuilder, lang: st
             assert call("checked", 0) == 0 and call("checked", 7) == 0
             assert call("roundtrip", -99) == int(ErrorCode.INVALID)  # Unknown: a code this SDK predates
             assert call("slices") == 1
+            assert call("wrappers") != 0
