@@ -410,9 +410,14 @@ class WasmTrap(TensorWasmError):
     code = "wasm_trap"
     trap_code: str
     detail: str = ""
+    #: where: the guest's frames, innermost first, ``func+0xOFF`` and ``(file:line:col)`` with DWARF
+    location: str = ""
+    #: the run's fuel budget, for ``out_of_fuel`` (None otherwise)
+    fuel_limit: int | None = None
 
     def _default_message(self) -> str:
-        return f"wasm trap {self.trap_code}" + (f": {self.detail}" if self.detail else "")
+        return (f"wasm trap {self.trap_code}" + (f": {self.detail}" if self.detail else "")
+                + (f" at {self.location}" if self.location else ""))
 
 
 class WasmCompile(TensorWasmError):

@@ -269,6 +269,8 @@ class RunResult(Record):
     exit_code: int | None = None  # the guest called exit() (WASI proc_exit): the run's outcome
     gpu_time_s: float = 0.0  # device time the run's kernels used (shared GPU-time accounting)
     gpu_wait_s: float = 0.0  # time the run waited for its GPU-time turn
+    fuel_limit: int | None = None  # the run's fuel budget (the request's, capped by the tenant's wasm_fuel)
+    timeout_s: float | None = None  # the run's deadline (the request's, capped by the tenant's wasm_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,7 +55,7 @@ SAMPLES: dict[type[TensorWasmError], dict[str, Any]] = {
     TenantIsolationViolation: {"tenant_id": "acme", "resource": "run_wasm", "reason": "forged"},
     CapabilityRevoked: {"tenant_id": "acme", "resource": "alloc", "reason": "revoked"},
     CudaError: {"call": "cuMemAllocFromPoolAsync", "result_name": "CUDA_ERROR_OUT_OF_MEMORY", "result_code": 2},
-    WasmTrap: {"trap_code": "unreachable", "detail": "at func 3"},
+    WasmTrap: {"trap_code": "unreachable", "detail": "at func 3", "location": "f+0x3 <- run+0x9", "fuel_limit": None},
     WasmCompile: {"detail": "unknown import tensorwasm.nope"},
     KernelTimeout: {"timeout_s": 2.5, "op": "run_wasm"},
     WorkerLost: {"tenant_id": "acme", "instance": 1, "exit_code": None, "signal": 9, "reason": "oom"},
