@@ -44,7 +44,7 @@ from collections.abc import Callable
 import zmq
 
 from shared import protocol as proto
-from shared.capability import RegistryAdminCapability, TenantCapability, capability_from_bytes
+from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability, capability_from_bytes
 from shared.checks import is_int
 from shared.config import SupervisorConfig
 from shared.errors import (
@@ -90,6 +90,8 @@ __all__ = ["ClientMessage", "Frontend"]
 
 _log = get_logger("supervisor")
 
+#: the fairness key of the verified monitor capability (no tenant id has parentheses)
+MONITOR_KEY = "(monitor)"
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
@@ -150,6 +152,8 @@ class Frontend:
         self._admin_ops: Mapping[str, AdminHandler] = {}
         self.guard = guard
         self._admin_raw = admin_cap
+        #: the monitor capability's bytes, once verified (forget_verified drops them)
+        self._monitor_raw: bytes | None = None
         self.on_denied = on_denied
         self.regions = regions
         self.event_log = event_log
@@ -312,6 +316,8 @@ class Frontend:
             return rt.tenant_id
         if hmac.compare_digest(cap_raw, self._admin_raw):
             return "admin"
+        if self._monitor_raw is not None and hmac.compare_digest(cap_raw, self._monitor_raw):
+            return MONITOR_KEY
         return None
 
     def serve(self, msg: ClientMessage) -> None:
@@ -326,8 +332,6 @@ class Frontend:
             if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows
                 self._either_capability(client, rid, op, msg.cap_raw, msg.args, msg.size)
             elif proto.OPS[op].admin:
-                if client[:1] == _TCP and not self.config.allow_remote_admin:
-                    raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
                 self._admin_request(client, rid, op, msg.cap_raw, msg.args)
             else:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
@@ -368,9 +372,29 @@ class Frontend:
         """One admin request: the admin capability first, then the op's arguments, then its handler."""
         if cap_raw is None:
             raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
-        self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
+        if not self._monitor_allowed(op, cap_raw):
+            if client[:1] == _TCP and not self.config.allow_remote_admin:
+                raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)"
+                                               + ("; the monitor capability reads it remotely"
+                                                  if proto.OPS[op].monitor else ""))
+            self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
         proto.check_args(op, args)
         self._admin_ops[op](client, rid, args)
+
+    def _monitor_allowed(self, op: str, cap_raw: bytes) -> bool:
+        """True when ``cap_raw`` is this registry's monitor capability and ``op`` is one it grants
+        (read-only: from either frontend, ``allow_remote_admin`` or not). False when it is no
+        monitor capability (the admin checks follow); a forged or foreign one, or one offered for
+        an op it does not grant, is refused here."""
+        cap = capability_from_bytes(cap_raw)
+        if not isinstance(cap, MonitorCapability):
+            return False
+        if not proto.OPS[op].monitor:
+            raise TenantIsolationViolation(None, f"op {op!r} (the monitor capability grants read-only ops only: "
+                                           f"{', '.join(sorted(proto.MONITOR_OPS))})", "wrong_kind")
+        self.registry.verify_monitor(cap)
+        self._monitor_raw = cap_raw  # its next requests are served as verified (verified_key)
+        return True
 
     def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError, cap_raw: bytes | None) -> None:
         """Answer a request the supervisor itself refused (and count it).
@@ -389,7 +413,7 @@ class Frontend:
                 self.dropped_unanswered(client[:1])
             self.pending.count_refusal("", op, exc.code)
             return
-        self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)
+        self.pending.refuse(client, rid, op, exc, tenant="" if key in ("admin", MONITOR_KEY) else key)
 
     def _anonymous(self, client: bytes, rid: int) -> None:
         """``hello`` without a capability, on either frontend: the liveness probe. It answers the
@@ -413,7 +437,9 @@ class Frontend:
             raise TenantIsolationViolation(None, f"op {op!r} (no capability)", "missing")
         cap = capability_from_bytes(cap_raw)
         rt: TenantRuntime | None = None
-        if isinstance(cap, RegistryAdminCapability):
+        if self._monitor_allowed(op, cap_raw):
+            pass  # the monitor's view is the admin's, read-only
+        elif isinstance(cap, RegistryAdminCapability):
             if client[:1] == _TCP and not self.config.allow_remote_admin:
                 raise TenantIsolationViolation(None, f"admin {op} over TCP (allow_remote_admin is false); "
                                                "a tenant capability follows its own tenant's events")
@@ -511,6 +537,7 @@ class Frontend:
     def forget_verified(self) -> None:
         """Drop the verified-capability cache (the registry key was rotated: nothing verified before counts)."""
         self._verified_caps.clear()
+        self._monitor_raw = None
 
     def _verify(self, cap_raw: bytes) -> TenantRuntime:
         # Fast path: these exact bytes were verified for this very tenant runtime
@@ -524,6 +551,7 @@ class Frontend:
             raise UnknownTenant(tid)
         if len(self._verified_caps) >= _VERIFIED_CAP_CACHE:
             self._verified_caps.clear()
+        self._monitor_raw = None
         self._verified_caps[cap_raw] = rt
         return rt
 
