@@ -144,6 +144,7 @@ RETRYABLE = {
     WorkerLost,
     NodeLost,
     Overloaded,
+    errors.Draining,
     errors.InFlightLimit,
     errors.WorkerQueueFull,
     errors.HeldBytesLimit,
