@@ -66,6 +66,7 @@ from shared.log import get_logger
 from shared.sizes import MAX_MODULE_BYTES
 from shared.spec import DEADLINE_GRACE_S
 from supervisor.observe.event_log import EventLog
+from supervisor.lifecycle.drain import Drain
 from supervisor.admission.guard import FrontendGuard
 from supervisor.admission.rates import RefusalUnanswered
 from supervisor.runtime.loop import Loop
@@ -165,6 +166,9 @@ class Frontend:
         self._either_ops: Mapping[str, EitherOp] = {}
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
+        #: the supervisor's drain once a stop began (supervisor.lifecycle.drain): new requests but the
+        #: read-only ones are refused ``Draining`` while what is in flight finishes
+        self.drain: Drain | None = None
         #: each frontend socket's neighbour (ipc <-> tcp): what a read of one looks at (see _on_readable)
         self._other: dict[bytes, tuple[zmq.Socket[bytes], bytes]] = {}
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
@@ -327,6 +331,9 @@ class Frontend:
             return
         if msg.cap_raw is None and proto.OPS[op].anonymous:
             self._anonymous(client, rid)
+            return
+        if self.drain is not None and self.drain.active and op not in proto.MONITOR_OPS:
+            self._refused(client, rid, op, self.drain.refusal(self.clock()), msg.cap_raw)
             return
         try:
             if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows

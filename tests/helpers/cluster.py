@@ -22,6 +22,7 @@ FAST = {
     "kill_grace_s": 0.5,
     "pool_size": 0,
     "backend": "stub",
+    "drain_timeout_s": 2.0,
 }
 
 
