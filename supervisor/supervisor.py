@@ -300,7 +300,9 @@ class Supervisor:
             placement=placement, pending=pending, events=self.events, rundir=self.rundir,
             backend_name=choice.name, backend_reason=choice.reason,
             counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard, tenant_label=labels,
+            backend_versions=(choice.driver_version, choice.cuda_version),
         )
+        self.metrics.backend_info(choice.name, choice.device_labels(), choice.driver_version, choice.cuda_version)
         workers = WorkerSet(
             cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
             control=control_sock, placement=placement, backend_name=choice.name,

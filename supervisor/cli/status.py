@@ -2,7 +2,7 @@
 
     $ twt status
     supervisor pid 4242  backend stub  start spawn  pool 2/2 idle  workers 5  rss 61.2MiB  up 3h02m
-    TENANT  STATE    INST  PIDS       CPU USED/LIMIT  GPU USED/CAP  HIGH CPU/GPU  REFUSED CPU/GPU  RESTARTS  UPTIME
+    TENANT  STATE    INST  PIDS       HOST USED/LIMIT  GPU USED/CAP  HIGH HOST/GPU  REFUSED HOST/GPU  RESTARTS  UPTIME
     ------  -------  ----  ---------  --------------  ------------  ------------  ---------------  --------  ------
     acme    running  2/2   4250,4251  0B/8GiB         1MiB/2GiB     0B/1.5MiB     0/3              1         3h01m
 
@@ -31,8 +31,8 @@ __all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant
 
 #: seconds a read-only command waits for an answer before calling the supervisor unreachable
 READ_TIMEOUT_S = 10.0
-HEADERS = ("TENANT", "STATE", "INST", "PIDS", "CPU USED/LIMIT", "GPU USED/CAP", "HIGH CPU/GPU",
-           "REFUSED CPU/GPU", "RESTARTS", "UPTIME",
+HEADERS = ("TENANT", "STATE", "INST", "PIDS", "HOST USED/LIMIT", "GPU USED/CAP", "HIGH HOST/GPU",
+           "REFUSED HOST/GPU", "RESTARTS", "UPTIME",
            "GPU WEIGHT/CAP", "GPU TIME", "SHARE")  # GPU time: accounted, and its share over the last 10 s
 _MAX_PIDS_SHOWN = 4
 
@@ -119,7 +119,8 @@ def header_line(sup: SupervisorRecord) -> str:
     pool = sup.pool
     parts = [
         f"supervisor pid {sup.pid}",
-        f"backend {sup.backend}",
+        f"backend {sup.backend}" + (f" (driver {sup.driver_version}, CUDA {sup.cuda_version})"
+                                    if sup.driver_version or sup.cuda_version else ""),
         f"start {sup.start_method}",
         f"pool {pool.idle}/{pool.size} idle" + (f" ({pool.starting} starting)" if pool.starting else ""),
         f"workers {sup.workers}",

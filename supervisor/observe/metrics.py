@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 from collections.abc import Callable
@@ -192,6 +192,9 @@ class Metrics:
 
     def restart(self, tenant: str) -> None:
         """An instance of ``tenant`` is being restarted."""
+
+    def backend_info(self, backend: str, devices: Sequence[str], driver_version: str, cuda_version: str) -> None:
+        """The backend chosen at start: ``twt_backend_info``, one series per device (``INDEX:NAME``)."""
 
     #: whether an exporter reads :class:`MetricsSnapshot` s (``bind_source``): the loop then keeps
     #: one fresh every second; without one (:class:`NullMetrics`) it builds none

@@ -42,7 +42,7 @@ import logging
 import platform
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -397,6 +397,21 @@ class PrometheusMetrics(Metrics):
 
     def restart(self, tenant: str) -> None:
         self._restarts.labels(self.label(tenant)).inc()
+
+    #: twt_backend_info, made at the first backend_info
+    _backend_gauge: Gauge | None = None
+
+    def backend_info(self, backend: str, devices: Sequence[str], driver_version: str, cuda_version: str) -> None:
+        # set once at start, like twt_build_info: which backend, device and driver serve (a stub where a
+        # GPU was meant shows here; deploy/ configures backend = "cuda" so that never happens silently)
+        info = self._backend_gauge
+        if info is None:
+            info = self._backend_gauge = Gauge(
+                "twt_backend_info", "Always 1; the labels say which backend, device and driver serve",
+                ["backend", "device", "driver_version", "cuda_version"], registry=self.registry)
+        info.clear()
+        for device in devices or ("none",):
+            info.labels(backend, device, driver_version, cuda_version).set(1)
 
     def bind_source(self, snapshot: MetricsSource) -> None:
         self._source = snapshot
