@@ -42,6 +42,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_WORKER_REPLY_BYTES",
     "MAX_WORKER_REPLY_ITEMS",
+    "METERED_OPS",
     "MONITOR_OPS",
     "OPS",
     "PROTOCOL_VERSION",
@@ -156,6 +157,10 @@ class OpSpec:
     #: the monitor capability grants it too (the read-only role: status, events, quota views):
     #: it changes nothing, so it is accepted over TCP without ``allow_remote_admin``
     monitor: bool = False
+    #: counted in twt_requests_total and the latency histogram (a tenant op: its workload); false for
+    #: ``events``, which a follower (``twt events``) polls every 0.2 s: its polls would swamp both
+    #: with requests that measure nothing of the tenants' work
+    metered: bool = True
 
     def __post_init__(self) -> None:
         if self.monitor and not (self.admin or self.any_capability):
@@ -218,7 +223,7 @@ OPS: Final[dict[str, OpSpec]] = {
         OpSpec("events", False, (Arg("after", (int, type(None))), Arg("max", _INT), Arg("kinds", (list,)),
                                  Arg("log", (str, type(None)))),
                "{events: [{seq, event, ts, ...}...], next, missed, more, log}", ("InvalidArgument",),
-               "events_page", "events", any_capability=True, served_by="frontend", monitor=True),
+               "events_page", "events", any_capability=True, served_by="frontend", monitor=True, metered=False),
         OpSpec("region_create", False, (Arg("nbytes", _INT, True), Arg("pid", _INT, True)),
                "{region, name, nbytes}", ("MemoryExhausted", "InvalidArgument"), "region_create",
                served_by="frontend", local_only=True),
@@ -280,6 +285,9 @@ TENANT_OPS: Final = frozenset(name for name, op in OPS.items() if not op.admin)
 ADMIN_OPS: Final = frozenset(name for name, op in OPS.items() if op.admin)
 #: ops the monitor capability grants too: read-only, none changes any state
 MONITOR_OPS: Final = frozenset(name for name, op in OPS.items() if op.monitor)
+#: ops counted in the request metrics (twt_requests_total, twt_request_duration_seconds): the tenant ops
+#: but the event follows
+METERED_OPS: Final = frozenset(name for name in TENANT_OPS if OPS[name].metered)
 #: worker-side ops whose handle argument pins them to one instance (``alloc`` may name one: ``instance``)
 HANDLE_OPS: Final = frozenset(name for name, op in OPS.items() if op.handle)
 #: control-channel message kinds (supervisor <-> worker)

@@ -432,12 +432,18 @@ class Supervisor:
         if self._reload_wanted and not self._stop_wanted:
             self._reload_wanted = False
             self.notifier.reloading()
+            failed: str | None = None
             try:
-                parts.service.reload_quietly()
-            except Exception:  # noqa: BLE001 - as above
+                error = parts.service.reload_quietly()
+                failed = None if error is None else str(error)
+            except Exception as exc:  # noqa: BLE001 - as above
                 self._internal_error("reload")
+                failed = f"internal error: {exc!r}"
             if self.ready:
-                self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded")
+                # systemd ends a reload (RELOADING=1) at the next READY=1, failed or not; STATUS says which
+                self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded" if failed is None else
+                                    f"reload failed, still serving {len(self.tenants)} tenant(s) on the previous "
+                                    f"config: {failed}")
         now = loop.clock()
         try:
             loop.timers.run_due(now)

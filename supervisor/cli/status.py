@@ -7,7 +7,7 @@
     acme    running  2/2   4250,4251  0B/8GiB         1MiB/2GiB     0B/1.5MiB     0/3              1         3h01m
 
 ``twt top`` refreshes the same table (:func:`render`). The exit status is
-for scripts: 0 every tenant shown is running (or stopped), 1 one is starting,
+for scripts: 0 every tenant shown is running (or stopped, or completed), 1 one is starting,
 degraded, failed or evicting (:func:`exit_status`), 3 no supervisor.
 """
 
@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Print one row per tenant (state, ready/wanted instances and their pids, host and GPU "
         "bytes used against their limits, high-water marks, quota refusals, restarts, uptime) under a "
         "header line about the supervisor. --json prints the raw status record for scripts. Exit status: 0 when "
-        "every tenant shown is running (or stopped: scaled to 0), 1 when any is starting, degraded, failed or "
+        "every tenant shown is running (or stopped: scaled to 0, or completed: its workers exited 0 and its restart "
+        "policy keeps them so), 1 when any is starting, degraded, failed or "
         "evicting, 3 when no supervisor answers.",
     )
     p.add_argument("tenant", nargs="?", metavar="TENANT", help="show only this tenant")
@@ -59,11 +60,12 @@ def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> Supe
 
 
 #: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose)
-HEALTHY_STATES = frozenset({"running", "stopped"})
+HEALTHY_STATES = frozenset({"running", "stopped", "completed"})
 
 
 def exit_status(tenants: Sequence[TenantRecord]) -> int:
-    """0 when every tenant shown is running (or stopped: scaled to 0); 1 when any is starting,
+    """0 when every tenant shown is running (or stopped: scaled to 0, or completed: every instance exited 0
+    and its restart policy keeps it so); 1 when any is starting,
     degraded, failed or evicting - so ``twt status acme || alert`` works in a script."""
     return EXIT_OK if all(t.state in HEALTHY_STATES for t in tenants) else EXIT_FAILED
 

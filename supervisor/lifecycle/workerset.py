@@ -206,6 +206,7 @@ class WorkerSet:
     def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
         """Give a slot a worker: a warm one from the pool, else a fresh process."""
         slot.restart_at = None
+        slot.completed = False
         slot.incarnation += 1
         worker = self.pool.pop() if self.pool else None
         if worker is None:
@@ -442,6 +443,7 @@ class WorkerSet:
                 rt, WorkerLost(rt.tenant_id, index, code, sig, f"died while starting: {reason}"))
             return
         if not rt.should_restart(code, sig, killed=worker.killed and not expected):
+            slot.completed = code == 0 and sig is None and not worker.killed
             rt.refresh_state()
             self.hooks.instance_not_restarted(rt, index, code, sig, reason)
             return

@@ -2,7 +2,9 @@
 
 Restart policy (OTP-style): when an instance's worker exits, ``always``
 restarts it, ``on-failure`` only after a non-zero exit or a signal,
-``never`` leaves the slot empty. Restarts back off exponentially (the first
+``never`` leaves the slot empty. An instance whose worker exited 0 and is not
+restarted is *completed*; a tenant whose instances all are is ``completed``, a
+terminal state that is no failure (``twt status`` exits 0 for it). Restarts back off exponentially (the first
 one within a window is immediate: crash recovery should be instant), and
 more than ``max_restarts`` restarts within ``restart_window_s`` mark the
 tenant ``failed``: its requests are refused with :class:`TenantFailed` until
@@ -45,6 +47,10 @@ class TenantState(str, enum.Enum):
     FAILED = "failed"  # restart intensity exceeded
     STOPPED = "stopped"  # scaled to 0 instances: requests refused at once (TenantStopped)
     EVICTING = "evicting"
+    #: every wanted instance ended cleanly (exit 0) and its restart policy (on-failure, never) keeps it
+    #: ended: the tenant's work is done - terminal and healthy, not an alert (``twt scale``/``twt restart``
+    #: start it again)
+    COMPLETED = "completed"
 
 
 @dataclass(eq=False)
@@ -57,6 +63,8 @@ class InstanceSlot:
     last_exit: ExitRecord | None = None
     draining: bool = False  # being scaled away
     replace: bool = False  # start a new worker when the current one (stopped on purpose) exits
+    #: its worker exited 0 and the restart policy left it so (on-failure, never): done, not down
+    completed: bool = False
 
     @property
     def ready(self) -> bool:
@@ -162,10 +170,14 @@ class TenantRuntime:
             return
         wanted = self.wanted_slots()
         ready = [s for s in wanted if s.ready]
+        done = [s for s in wanted if s.completed and s.worker is None and s.restart_at is None]
         if not wanted:
             self.state = TenantState.STOPPED
         elif len(ready) == len(wanted):
             self.state = TenantState.RUNNING
+        elif len(ready) + len(done) == len(wanted):
+            # the rest ended cleanly and stay ended: running while one serves, else completed
+            self.state = TenantState.RUNNING if ready else TenantState.COMPLETED
         elif any(s.last_exit is not None for s in wanted):
             self.state = TenantState.DEGRADED
         else:
