@@ -558,7 +558,6 @@ class Frontend:
             raise UnknownTenant(tid)
         if len(self._verified_caps) >= _VERIFIED_CAP_CACHE:
             self._verified_caps.clear()
-        self._monitor_raw = None
         self._verified_caps[cap_raw] = rt
         return rt
 

@@ -83,3 +83,16 @@ def test_a_second_sigterm_ends_the_drain() -> None:
         got, ok, payload, _ = c.recv(timeout_s=60)
         assert got == rid and not ok  # answered (the worker was stopped), not left hanging
         assert sup.process.wait(60) == 0
+
+
+def test_drain_and_fault_injection_settings_are_checked() -> None:
+    from shared.config import SupervisorConfig, load_config
+
+    assert SupervisorConfig().drain_timeout_s >= 35.0  # at least the default request deadline and its grace
+    for bad in (-1, float("nan"), float("inf"), "soon", True):
+        with pytest.raises(ValueError, match="drain_timeout_s"):
+            SupervisorConfig(drain_timeout_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fault_injection"):
+        SupervisorConfig(fault_injection="maybe")  # type: ignore[arg-type]
+    env = load_config(None, environ={"TWT_DRAIN_TIMEOUT_S": "90", "TWT_FAULT_INJECTION": "false"})
+    assert env.drain_timeout_s == 90.0 and env.fault_injection is False
