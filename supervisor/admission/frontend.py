@@ -796,8 +796,10 @@ def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError
     who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
     reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
               f"last exit of {rt.tenant_id}/{gone.index}: {last.reason if last else 'unknown'})")
+    again = (f"`twt restart {rt.tenant_id}` runs it again" if rt.state is TenantState.COMPLETED
+             else f"`twt scale {rt.tenant_id} N` starts instances again")
     return WorkerLost(rt.tenant_id, gone.index, last.exit_code if last else None, last.signal if last else None, reason,
-                      message=f"{reason}; `twt scale {rt.tenant_id} N` starts instances again")
+                      message=f"{reason}; {again}")
 
 
 def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:

@@ -48,8 +48,8 @@ class TenantState(str, enum.Enum):
     STOPPED = "stopped"  # scaled to 0 instances: requests refused at once (TenantStopped)
     EVICTING = "evicting"
     #: every wanted instance ended cleanly (exit 0) and its restart policy (on-failure, never) keeps it
-    #: ended: the tenant's work is done - terminal and healthy, not an alert (``twt scale``/``twt restart``
-    #: start it again)
+    #: ended: the tenant's work is done - terminal and healthy, not an alert (``twt restart`` runs it
+    #: again)
     COMPLETED = "completed"
 
 

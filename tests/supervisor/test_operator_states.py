@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from shared import protocol as proto
+from shared.errors import WorkerLost
 from supervisor.cli.status import HEADERS, exit_status, render
 from supervisor.client.launch import launch
 from tests.helpers.cli import twt
@@ -41,10 +42,13 @@ def test_an_on_failure_tenant_whose_worker_exits_0_is_completed_and_healthy() ->
         again = wait_for(lambda: (t := tenant(c.status(), "crashy")).state == "running" and t.pids != first and t,
                          what="crashy restarted")
         assert again.restarts == 1
-        # scaled up again, the completed tenant serves once more
-        c.scale(None, "batch", 2)
+        # a request says how to run it again; restarted, the completed tenant serves once more
+        batch = c.tenant_capability(None, "batch")
+        with pytest.raises(WorkerLost, match="twt restart batch"):
+            c.ping(batch)
+        c.restart_tenant(None, "batch")
         wait_for(lambda: tenant(c.status(), "batch").state == "running", what="batch running again")
-        assert c.ping(c.tenant_capability(None, "batch")).tenant == "batch"
+        assert c.ping(batch).tenant == "batch"
 
 
 def _free_port() -> int:
