@@ -473,6 +473,7 @@ class Supervisor:
         if self._drain.begin(now):
             parts.frontend.drain = self._drain
             parts.frontend.ready = False
+            self.metrics.mark_draining()  # /readyz: not ready, and why
             self.notifier.stopping(f"draining {in_flight} request(s) in flight "
                                    f"(at most {self.config.drain_timeout_s:g} s)")
             log_event(_log, logging.INFO, "supervisor.draining", in_flight=in_flight,

@@ -209,6 +209,9 @@ class Metrics:
     def mark_ready(self) -> None:
         """Start-up is complete: backend chosen, configured tenants registered (``/readyz``)."""
 
+    def mark_draining(self) -> None:
+        """A stop began: no new work is admitted (``/readyz`` says not ready, and why)."""
+
     def close(self) -> None:
         """Stop any exporter thread."""
 

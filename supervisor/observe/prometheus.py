@@ -419,6 +419,9 @@ class PrometheusMetrics(Metrics):
     def mark_ready(self) -> None:
         self.health.mark_ready()
 
+    def mark_draining(self) -> None:
+        self.health.mark_draining()
+
     def close(self) -> None:
         """Stop serving and free the port (idempotent)."""
         if self._closed:

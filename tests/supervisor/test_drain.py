@@ -8,6 +8,9 @@ by signal 9 (shutdown)``; a new request meanwhile gets the retryable ``Draining`
 from __future__ import annotations
 
 import signal
+import socket
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -47,12 +50,25 @@ def _draining(client: SupervisorClient, cap: object) -> Draining | None:
     return None
 
 
+def _readyz(port: int) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def test_sigterm_lets_a_long_run_in_flight_finish_refuses_new_work_then_exits() -> None:
-    # the worker's stop would come after stop_timeout_s (3 s): the run takes longer than that
-    with supervisor([{"name": "acme"}], drain_timeout_s=60.0, stop_timeout_s=1.0) as sup:
+    # the worker's stop would come after stop_timeout_s (1 s here): the run takes longer than that
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with supervisor([{"name": "acme"}], drain_timeout_s=60.0, stop_timeout_s=1.0,
+                    metrics_addr=f"127.0.0.1:{port}") as sup:
         c = sup.client
         cap = c.tenant_capability(None, "acme")
-        c.inject_fault(None, "acme", "slow", ms=4000)  # every request waits 4 s in the worker first
+        # every request waits 12 s in the worker first: long enough for the checks below on a loaded host
+        c.inject_fault(None, "acme", "slow", ms=12000)
         rid = c.send("run_wasm", cap, {"export": "add", "args": [2, 3]}, guest_path("probe").read_bytes())
         with sup.connect() as watcher:
             wait_for(lambda: tenant(watcher.status(), "acme").in_flight == 1, what="the run in flight")
@@ -62,6 +78,8 @@ def test_sigterm_lets_a_long_run_in_flight_finish_refuses_new_work_then_exits() 
             assert refusal.drain_timeout_s == 60.0
             # the read-only ops still answer while draining: the operator sees the drain
             assert tenant(watcher.status(), "acme").in_flight == 1
+            code, body = _readyz(port)
+            assert code == 503 and "draining" in body
         got, ok, payload, _ = c.recv(timeout_s=60)
         assert got == rid
         assert ok, error_from_dict(payload)
@@ -96,3 +114,18 @@ def test_drain_and_fault_injection_settings_are_checked() -> None:
         SupervisorConfig(fault_injection="maybe")  # type: ignore[arg-type]
     env = load_config(None, environ={"TWT_DRAIN_TIMEOUT_S": "90", "TWT_FAULT_INJECTION": "false"})
     assert env.drain_timeout_s == 90.0 and env.fault_injection is False
+
+
+def test_readiness_ends_with_the_drain() -> None:
+    from supervisor.observe.health import Health
+    from supervisor.observe.metrics import MetricsSnapshot
+
+    now = [0.0]
+    health = Health(stall_after_s=5.0, clock=lambda: now[0])
+    health.observe(MetricsSnapshot())
+    health.mark_ready()
+    assert health.ready().ok
+    health.mark_draining()
+    verdict = health.ready()
+    assert not verdict.ok and "draining" in verdict.reason
+    assert health.live().ok  # still alive: the kubelet must not restart a draining pod
