@@ -190,6 +190,10 @@ class SupervisorRecord(HelloInfo):
     #: more than tcp_drops_per_s (supervisor.admission.pacing)
     tcp_pauses: int = 0
     tcp_paused_s: float = 0.0
+    #: the backend's driver: the NVIDIA kernel driver's version and the CUDA version it supports
+    #: ("" on the stub; the same as twt_backend_info's labels)
+    driver_version: str = ""
+    cuda_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,6 +96,7 @@ from supervisor.control.ops.put_module import restore_modules
 from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
+from supervisor.lifecycle.drain import Drain
 from supervisor.lifecycle.workerset import WorkerSet
 
 __all__ = ["Supervisor"]
@@ -178,6 +179,9 @@ class Supervisor:
         self.ready = False
         self._stopping = False
         self._stop_started: float | None = None
+        #: a stop was asked for (a signal, request_stop): the drain runs first (supervisor.lifecycle.drain)
+        self._stop_wanted = False
+        self._drain = Drain(config.drain_timeout_s, config.stop_timeout_s + 2 * config.kill_grace_s)
         self._last_rss_check = 0.0
         self._reload_wanted = False
         # A gap of a second between housekeeping passes (every 50 ms) is a stall - and always one
@@ -300,7 +304,9 @@ class Supervisor:
             placement=placement, pending=pending, events=self.events, rundir=self.rundir,
             backend_name=choice.name, backend_reason=choice.reason,
             counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard, tenant_label=labels,
+            backend_versions=(choice.driver_version, choice.cuda_version),
         )
+        self.metrics.backend_info(choice.name, choice.device_labels(), choice.driver_version, choice.cuda_version)
         workers = WorkerSet(
             cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
             control=control_sock, placement=placement, backend_name=choice.name,
@@ -351,8 +357,11 @@ class Supervisor:
     # ------------------------------------------------------------ run and stop
 
     def request_stop(self) -> None:
-        """Begin a graceful stop (safe from a signal handler or another thread)."""
-        self._stopping = True
+        """Begin a graceful stop: drain, then stop the workers (safe from a signal handler or another
+        thread). A second call ends the drain at once (a second SIGTERM/SIGINT)."""
+        if self._stop_wanted:
+            self._drain.hurry()
+        self._stop_wanted = True
         self.loop.wake()
 
     def request_reload(self) -> None:
@@ -426,15 +435,21 @@ class Supervisor:
             self._internal_error("dispatch")
         if self._metrics.wanted():
             self._refresh_metrics()
-        if self._reload_wanted and not self._stopping:
+        if self._reload_wanted and not self._stop_wanted:
             self._reload_wanted = False
             self.notifier.reloading()
+            failed: str | None = None
             try:
-                parts.service.reload_quietly()
-            except Exception:  # noqa: BLE001 - as above
+                error = parts.service.reload_quietly()
+                failed = None if error is None else str(error)
+            except Exception as exc:  # noqa: BLE001 - as above
                 self._internal_error("reload")
+                failed = f"internal error: {exc!r}"
             if self.ready:
-                self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded")
+                # systemd ends a reload (RELOADING=1) at the next READY=1, failed or not; STATUS says which
+                self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded" if failed is None else
+                                    f"reload failed, still serving {len(self.tenants)} tenant(s) on the previous "
+                                    f"config: {failed}")
         now = loop.clock()
         try:
             loop.timers.run_due(now)
@@ -443,6 +458,8 @@ class Supervisor:
                 self._housekeeping(parts, now)
         except Exception:  # noqa: BLE001 - as above
             self._internal_error("housekeeping")
+        if self._stop_wanted and not self._stopping:
+            self._drain_turn(parts, now)
         if self._stopping:
             if self._stop_started is None:
                 self._stop_started = now
@@ -453,6 +470,25 @@ class Supervisor:
             if not parts.workers.workers or waited > self.config.stop_timeout_s + 2 * self.config.kill_grace_s:
                 return False
         return True
+
+    def _drain_turn(self, parts: _Parts, now: float) -> None:
+        """The drain between a stop's signal and the workers' stop: new requests refused
+        ``Draining`` (the frontend asks the drain), in-flight ones answered; over when none is
+        left, at ``drain_timeout_s``, or at a second signal."""
+        in_flight = len(parts.pending) + sum(len(rt.parked) for rt in self.tenants.values())
+        if self._drain.begin(now):
+            parts.frontend.drain = self._drain
+            parts.frontend.ready = False
+            self.metrics.mark_draining()  # /readyz: not ready, and why
+            self.notifier.stopping(f"draining {in_flight} request(s) in flight "
+                                   f"(at most {self.config.drain_timeout_s:g} s)")
+            log_event(_log, logging.INFO, "supervisor.draining", in_flight=in_flight,
+                      drain_timeout_s=self.config.drain_timeout_s)
+        if self._drain.over(now, in_flight):
+            if in_flight:
+                log_event(_log, logging.WARNING, "supervisor.drain_timeout", in_flight=in_flight,
+                          drain_timeout_s=self.config.drain_timeout_s, hurried=self._drain.hurried)
+            self._stopping = True
 
     def _housekeeping(self, parts: _Parts, now: float) -> None:
         self.notifier.watchdog(now)  # systemd's WatchdogSec: only a turning loop sends it
@@ -479,7 +515,7 @@ class Supervisor:
             if self.metrics.reads_snapshots:
                 self._refresh_metrics()
             self._scan_refusals()
-        if not self._stopping:
+        if not self._stop_wanted:
             parts.workers.refill_pool()
 
     def _internal_error(self, where: str) -> None:
