@@ -67,10 +67,15 @@ def test_event_follows_stay_out_of_the_request_metrics() -> None:
             c.events_page(acme, 0)
             c.events_page(None, 0)
         c.ping(acme)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        requests = [ln for ln in text.splitlines() if ln.startswith(("twt_requests_total{", "twt_request_duration"))]
-        assert any('op="ping"' in ln for ln in requests)
+
+        def request_lines() -> list[str]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            return [ln for ln in text.splitlines() if ln.startswith(("twt_requests_total{", "twt_request_duration"))]
+
+        # the page is a render at most 1/metrics_renders_per_s old: wait for one made after the ping
+        requests = wait_for(lambda: (lines := request_lines()) and any('op="ping"' in ln for ln in lines) and lines,
+                            what="a render that counts the ping")
         assert not [ln for ln in requests if 'op="events"' in ln], requests
 
 
