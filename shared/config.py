@@ -51,7 +51,7 @@ ENV_PREFIX = "TWT_"
 #: Why per CPU: a tenant's requests cost the supervisor's loop and I/O threads, its worker and
 #: the kernel - CPUs of this host. On 2 CPUs, 20,000 requests/s and 4 GiB/s (the fixed defaults
 #: before) never bound a flood: one tenant's pings or 1 MiB writes kept both CPUs busy and another
-#: tenant's ping p99 went to 7-16x its quiet p50 (issue 25); at 8,000/s and 256 MiB/s it stayed
+#: tenant's ping p99 went to 7-16x its quiet p50; at 8,000/s and 256 MiB/s it stayed
 #: under 10x. On 16 CPUs the defaults are 64,000 requests/s (more than the loop serves) and 2 GiB/s.
 REQUESTS_PER_S_PER_CPU = 4000.0
 BYTES_PER_S_PER_CPU = 128 << 20

@@ -206,7 +206,7 @@ class Frontend:
         # Two frontend sockets (ipc and TCP) are one source: libzmq fair-queues the peers of
         # one socket, not across sockets, so while a flood fills one, every YIELD_EVERY
         # messages the other is asked for input, and when it has some the batch ends and the
-        # other is read right after this one is served (issue 25: a tcp-ping flood's victim on
+        # other is read right after this one is served (a tcp-ping flood's victim on
         # ipc waited ~0.5 ms before the loop read it, a whole batch and its serving).
         if self.tcp_paused and prefix == _TCP:  # (polled before the pause began, this turn)
             return
