@@ -219,8 +219,7 @@ class AdminOps:
         if client is not None:
             # A client's registration: its commit runs on the writer thread from now on, while
             # the loop starts the instances and serves their binds; answered once both are done.
-            # (Submitted after the binds instead, it measured the same: 5.3-6.2 ms against
-            # 5.6-6.2 ms per warm registration, three interleaved runs each, 2026-12-01.)
+            # (Submitted after the binds instead, a warm registration measured the same.)
             self._unwritten.add(spec.tenant_id)
             self._submit_registration(spec, cap.generation, stored_origin)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
