@@ -800,7 +800,7 @@ class GpuTimeBoard(MappedSegment):
             return True
         if not _atomics.load(buf, _WAITING):
             return False
-        if last and self._gap_ns > _HANDOVER_GRACE_NS:
+        if last and self._gap_ns > _HANDOVER_GRACE_NS // 2:
             nxt = self.pick(now)  # the holder is not a candidate: it has no op to run now
         else:
             quantum_over = now - _atomics.load(buf, _GRANT_NS) >= _atomics.load(buf, _C_QUANTUM)
