@@ -458,6 +458,11 @@ class TensorOpsMixin:
     def gemm_workspace_bytes(self) -> int:
         return GEMM_WORKSPACE_BYTES
 
+    def device_rates(self) -> tuple[float, float]:
+        """(flop/s, byte/s) the chunk cost model starts from: below any data-centre GPU's fp32 rate
+        and bandwidth (an H200: ~60 TFLOP/s, 4.8 TB/s), so a first chunk is short; measured after."""
+        return 5e12, 5e11
+
     def matmul_f32(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int, *,
                    workspace: DeviceBuffer | None = None) -> None:
         ws = (0, 0) if workspace is None else (_addr(workspace), workspace.nbytes)
