@@ -319,3 +319,34 @@ def test_a_run_whose_deadline_passes_waiting_for_the_device_is_a_timeout() -> No
     finally:
         board.unlink()
         board.close()
+
+
+def test_a_run_refused_device_time_stops_instead_of_spinning(caplog: pytest.LogCaptureFixture) -> None:
+    """A capped tenant with no GPU time left before its run's deadline: its first op is refused at
+    once, the guest (a GEMM loop that goes on after errors) is stopped at its next loop or call, and
+    the run is a timeout."""
+    board = GpuTimeBoard.create(0)
+    try:
+        slot = board.add_tenant(1.0, cap=0.01)
+        waiter = GpuTimeBoard.attach(board.name, tenant_slot=slot)
+        waiter.acquire()
+        waiter.finish(10**9)  # its bucket is ~100 s in debt: nothing before a 30 s deadline
+        spec = TenantSpec.from_dict({"tenant_id": "capped", "memory_quota_bytes": 64 << 20,
+                                     "gpu_memory_bytes_cap": 64 << 20})
+        with QuotaBlock.create("capped", memory_quota_bytes=64 << 20, gpu_memory_bytes_cap=64 << 20) as owner:
+            ctx = TenantContext(spec, 0, 0, QuotaBlock.attach(owner.name, instance=0), StubBackend(), board=waiter)
+            host = WasmHost(ctx)
+            ctx.extensions[WasmHost.EXTENSION] = host
+            caplog.set_level("WARNING")
+            try:
+                with pytest.raises(KernelTimeout):
+                    host.run(guest_source("share"), "gemm_loop", [8, 10**7], fuel=10**12, timeout_s=30.0)
+                # stopped at its next loop or function entry: the two fills before its loop, no GEMM
+                assert ctx.gate.refused == 2
+                failed = [r for r in caplog.records if "op_failed" in r.getMessage() or "refused" in r.getMessage()]
+                assert len(failed) <= 3  # the gate's one line and the two ops', not one per op
+            finally:
+                ctx.close()
+    finally:
+        board.unlink()
+        board.close()
