@@ -133,7 +133,7 @@ _CONF = 3 * _LINE
 _C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ, _T_HIGH = (_CONF + 8 * i for i in range(8))
 _TENANTS = 4 * _LINE
 _T_ACTIVE, _T_WEIGHT, _T_CAP, _T_PASS, _T_USED, _T_CREDIT, _T_STAMP, _T_THROTTLED = (8 * i for i in range(8))
-_W_CLAIMED, _W_PID, _W_START, _W_TENANT, _W_WAITING, _W_IDLE = (8 * i for i in range(6))
+_W_CLAIMED, _W_PID, _W_START, _W_TENANT, _W_WAITING, _W_IDLE, _W_LENT = (8 * i for i in range(7))
 #: the gap estimate (EWMA) starts at 0: a new worker is assumed busy until it shows host gaps
 _GAP_EWMA_SHIFT = 2
 
@@ -159,6 +159,11 @@ _MIN_SLEEP_NS = 50_000
 #: work while another waits; a next op already on its way (a GEMM loop's next call, ~10-50 us
 #: through the WASM host) comes within it
 _HANDOVER_GRACE_NS = 100_000
+#: a holder whose host gap between ops (an average) is longer than this hands the device over at
+#: an op's end when another worker waits, rather than hold it idle until stolen from: below the
+#: grace, so a tenant looping with 0.1 ms of host work between ops lends it; a GEMM loop through
+#: the WASM host (~20-60 us between ops on a loaded 2-core host) keeps it
+_LEND_GAP_NS = 75_000
 #: a waiter looks at a held device at least this often (an idle holder past its grace is stolen from)
 _POLL_NS = 1_000_000
 #: a capped tenant's token bucket holds this many quanta: over any span W it gets at most
@@ -484,7 +489,9 @@ class GpuTimeBoard(MappedSegment):
           siblings rotate by quanta;
         - inside its quantum: only a waiter behind the holder by at least the
           holder's quantum of pass takes it (a tenant back from host work, a
-          chatty one) - two busy tenants keep alternating by whole quanta.
+          chatty one) - two busy tenants keep alternating by whole quanta -
+          or a waiter with a smaller pass that *lent* the device (gave it up
+          at an op's end, or had it stolen, for its host work only).
         """
         buf = self._check()
         vclock = _atomics.load(buf, _VCLOCK)
@@ -495,6 +502,7 @@ class GpuTimeBoard(MappedSegment):
             step = _LINE // 8
             waiting = [(words[w * step + 4], w, words[w * step + 3] - 1) for w in range(high)
                        if words[w * step + 4] and words[w * step + 3]]
+            lent = {w for _, w, _ in waiting if words[w * step + 6]}
         finally:
             words.release()
         if _atomics.load(buf, _C_MODE) != 1:
@@ -504,6 +512,7 @@ class GpuTimeBoard(MappedSegment):
             active = [w for since, w, t in sorted(waiting) if 0 <= t < self.tenant_slots]
             return active[0] if active else None
         best: tuple[int, int, int, int] | None = None  # (pass, since, worker, tenant)
+        lender: dict[int, bool] = {}  # tenant -> one of its waiting workers lent the device
         seen: dict[int, int | None] = {}
         for since, w, t in sorted(waiting):
             if t in seen:
@@ -516,6 +525,7 @@ class GpuTimeBoard(MappedSegment):
                 cap = _atomics.load(buf, t_off + _T_CAP)
                 eligible = not cap or self._credit(buf, t_off, cap, now) > 0
             seen[t] = w if eligible else None
+            lender[t] = lender.get(t, False) or w in lent
             if eligible:
                 p = self._effective_pass(buf, t_off, vclock, quantum)
                 if best is None or (p, since) < best[:2]:
@@ -531,6 +541,8 @@ class GpuTimeBoard(MappedSegment):
             if quantum_over:
                 if held <= best[0]:
                     return None
+            elif lender.get(best[3]) and held > best[0]:
+                pass  # it gave the device up between two of its ops, not for its pass: it takes it back
             elif held - best[0] < quantum * _MICRO // (_atomics.load(buf, t_off + _T_WEIGHT) or 1):
                 return None
         return best[2]
@@ -542,6 +554,7 @@ class GpuTimeBoard(MappedSegment):
         The granted worker may already be running when this runs, so the pass and the virtual clock
         only grow, by CAS (a store could undo the charge of its first chunk).
         """
+        _atomics.store(buf, self._w_off(worker) + _W_LENT, 0)
         t = _atomics.load(buf, self._w_off(worker) + _W_TENANT) - 1
         if 0 <= t < self.tenant_slots:
             t_off = _t_off(t)
@@ -561,6 +574,14 @@ class GpuTimeBoard(MappedSegment):
         _atomics.fetch_add(buf, counter, 1)
         _wake(buf)
         return True
+
+    def _steal(self, buf: memoryview, current: int, nxt: int, now: int) -> None:
+        """Take the device from an idle holder (owner word ``current``) for ``nxt``; the holder
+        lent it (its next op may take it back at a chunk boundary, pass permitting)."""
+        if self._give(buf, current, nxt, now, _STEALS):
+            victim = (current >> 1) - 1
+            if 0 <= victim < self.worker_slots:
+                _atomics.store(buf, self._w_off(victim) + _W_LENT, 1)
 
     def _hand_over(self, buf: memoryview, current: int, now: int) -> None:
         """Give the device from owner word ``current`` (idle) to the pick, or free it; wake waiters."""
@@ -668,12 +689,15 @@ class GpuTimeBoard(MappedSegment):
             if free:
                 self._hand_over(buf, 0, now)
             else:
-                self._give(buf, owner, nxt, now, _STEALS)
+                self._steal(buf, owner, nxt, now)
             return False
         if _atomics.compare_exchange(buf, _OWNER, owner, mine | 1):
             self._grant(buf, w, now)
             if not free:
                 _atomics.fetch_add(buf, _STEALS, 1)
+                victim = (owner >> 1) - 1
+                if 0 <= victim < self.worker_slots:
+                    _atomics.store(buf, self._w_off(victim) + _W_LENT, 1)
             self._began(self._waiting_since or now)
             self.unwant()
             return True
@@ -800,8 +824,10 @@ class GpuTimeBoard(MappedSegment):
             return True
         if not _atomics.load(buf, _WAITING):
             return False
-        if last and self._gap_ns > _HANDOVER_GRACE_NS // 2:
+        if last and self._gap_ns > _LEND_GAP_NS:
             nxt = self.pick(now)  # the holder is not a candidate: it has no op to run now
+            if nxt is not None:
+                _atomics.store(buf, self._w_off(w) + _W_LENT, 1)
         else:
             quantum_over = now - _atomics.load(buf, _GRANT_NS) >= _atomics.load(buf, _C_QUANTUM)
             nxt = self.pick(now, holder_tenant=t, quantum_over=quantum_over)
@@ -943,6 +969,7 @@ def _claim_worker(name: str, buf: memoryview, tenant: int, base: int, slots: int
         if _atomics.exchange(buf, off + _W_CLAIMED, 1) == 0:  # test-and-set: slot w is ours
             _atomics.store(buf, off + _W_WAITING, 0)
             _atomics.store(buf, off + _W_IDLE, 0)
+            _atomics.store(buf, off + _W_LENT, 0)
             _atomics.store(buf, off + _W_START, start)
             _atomics.store(buf, off + _W_PID, pid)
             _atomics.store(buf, off + _W_TENANT, tenant + 1)

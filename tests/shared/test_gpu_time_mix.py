@@ -269,3 +269,27 @@ def test_a_steal_that_loses_its_cas_grants_nothing(board: GpuTimeBoard, clock: F
              board.snapshot().tenants[pick_t]["pass"])
     assert after == before
     assert board.snapshot().steals == 0
+
+
+def test_a_worker_that_lent_the_device_takes_it_back_at_a_chunk_boundary(board: GpuTimeBoard, clock: FakeClock,
+                                                                        workers: list[GpuTimeBoard]) -> None:
+    """Lending (an op-end handover for host work) does not cost the lender its place: its next op
+    takes the device back at the borrower's next chunk end while its pass is the smaller, not a
+    whole quantum later."""
+    lender = attach(board, clock, workers, board.add_tenant())
+    borrower = attach(board, clock, workers, board.add_tenant())
+    for _ in range(8):  # a history of 0.2 ms host gaps
+        lender.acquire()
+        clock.t += 10 * US
+        lender.finish(10 * US)
+        clock.t += 200 * US
+    borrower.want(clock.t)
+    assert lender.try_acquire(clock.t)
+    clock.t += 10 * US
+    assert lender.finish(10 * US)  # lent at its op's end
+    assert borrower.try_acquire(clock.t)
+    clock.t += 200 * US
+    lender.want(clock.t)  # its next op, one host gap later
+    clock.t += 2 * MS
+    assert borrower.finish(2 * MS)  # one chunk, not a quantum: handed back
+    assert lender.try_acquire(clock.t)
