@@ -262,7 +262,7 @@ def test_cuda_ops_are_timed_with_events_on_the_stream(block: QuotaBlock) -> None
         x = put(be, np.ones(1024))
         gate.op("scale_f32", be.scale_f32, (x, 2.0, 1024))
         assert fake.calls.count("cuEventCreate") == 2
-        assert fake.calls.count("cuEventRecord") == 2 and "cuEventElapsedTime" in fake.calls
+        assert fake.calls.count("cuEventRecord") == 3 and "cuEventElapsedTime" in fake.calls  # start moved once
         assert block.gpu_time_ns > 0
         gate.close()
         assert fake.calls.count("cuEventDestroy") == 2 and not fake.events
@@ -350,3 +350,40 @@ def test_a_run_refused_device_time_stops_instead_of_spinning(caplog: pytest.LogC
     finally:
         board.unlink()
         board.close()
+
+
+@pytest.mark.parametrize("name", ["fill_f32", "sum_f32", "max_f32", "argmax_rows_f32", "matmul_f32", "scale_f32"])
+def test_cuda_events_are_recorded_right_around_the_device_work(block: QuotaBlock, name: str) -> None:
+    """The charged interval is the launch only: the start event is (re-)recorded right before the
+    first launch (after the launch preparation), the end event right after the last, and the op's
+    own synchronize or copy of its result to the host comes after the end event, not inside."""
+    fake = FakeDriver(memory_bytes=1 << 30)
+    be = CudaBackend(driver=fake, nvrtc=fake, cublas=FakeCublas(fake))
+    try:
+        gate = DeviceGate(block, be)
+        x = put(be, np.arange(64, dtype=np.float32))
+        y = put(be, np.zeros(64))
+        out = memoryview(bytearray(4 * 8))
+        args: dict[str, tuple[Any, ...]] = {
+            "fill_f32": (x, 1.0, 64), "sum_f32": (x, 64), "max_f32": (x, 64, out[:4]),
+            "argmax_rows_f32": (x, 8, 8, out), "matmul_f32": (x, x, y, 8, 8, 8), "scale_f32": (x, 2.0, 64)}
+        gate.op(name, getattr(be, name), args[name])  # warm: kernels compiled, cuBLAS loaded
+        fake.calls.clear()
+        gate.op(name, getattr(be, name), args[name])
+        calls = list(fake.calls)
+        records = [i for i, c in enumerate(calls) if c == "cuEventRecord"]
+        if name == "matmul_f32":  # cuBLAS's own calls are not the driver's: between the start's re-record and the end
+            assert calls[:4] == ["cuEventRecord"] * 3 + ["cuEventSynchronize"], calls
+            gate.close()
+            return
+        launches = [i for i, c in enumerate(calls) if c == "cuLaunchKernel"]
+        assert launches and len(records) >= 2, calls
+        first, last = launches[0], launches[-1]
+        assert calls[first - 1] == "cuEventRecord" or calls[first - 1].startswith("cublasSet"), calls
+        assert records[-1] > last and all(c == "cuEventRecord" for c in calls[last + 1:records[-1] + 1]), calls
+        syncs = [i for i, c in enumerate(calls) if c in ("cuStreamSynchronize", "cuMemcpyDtoHAsync")]
+        assert all(i > records[-1] or i < records[0] for i in syncs), calls  # no host sync inside
+        assert block.gpu_time_ns > 0
+        gate.close()
+    finally:
+        be.close()
