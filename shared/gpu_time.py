@@ -133,7 +133,7 @@ _CONF = 3 * _LINE
 _C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ, _T_HIGH = (_CONF + 8 * i for i in range(8))
 _TENANTS = 4 * _LINE
 _T_ACTIVE, _T_WEIGHT, _T_CAP, _T_PASS, _T_USED, _T_CREDIT, _T_STAMP, _T_THROTTLED = (8 * i for i in range(8))
-_W_CLAIMED, _W_PID, _W_START, _W_TENANT, _W_WAITING, _W_IDLE, _W_LENT = (8 * i for i in range(7))
+_W_CLAIMED, _W_PID, _W_START, _W_TENANT, _W_WAITING, _W_IDLE, _W_LENT, _W_GRACE = (8 * i for i in range(8))
 #: the gap estimate (EWMA) starts at 0: a new worker is assumed busy until it shows host gaps
 _GAP_EWMA_SHIFT = 2
 
@@ -270,6 +270,10 @@ class GpuTimeBoard(MappedSegment):
         self._last_end = 0
         self._op_open = False
         self._gap_ns = 0
+        #: this worker's device time per op (EWMA, ns; the chunks of one op summed) and the op so far
+        self._op_ns = 0
+        self._op_sum = 0
+        self._grace_ns = 0
         self._bind_counters()
 
     # ------------------------------------------------------------ lifecycle
@@ -629,7 +633,8 @@ class GpuTimeBoard(MappedSegment):
         grant = _atomics.load(buf, _GRANT_NS)
         last = _atomics.load(buf, _LAST_END)
         if last > grant:
-            return now - last >= _HANDOVER_GRACE_NS
+            grace = _atomics.load(buf, self._w_off((owner >> 1) - 1) + _W_GRACE) or _HANDOVER_GRACE_NS
+            return now - last >= grace
         return now - grant >= _atomics.load(buf, _C_QUANTUM)
 
     def _began(self, now: int) -> None:
@@ -763,8 +768,9 @@ class GpuTimeBoard(MappedSegment):
             grant = _atomics.load(buf, _GRANT_NS)
             last = _atomics.load(buf, _LAST_END)
             if not owner & 1 and last > grant:
-                # idle between ops: stolen from once the grace is over
-                sleep = last + _HANDOVER_GRACE_NS - now
+                # idle between ops: stolen from once its grace is over
+                grace = _atomics.load(buf, self._w_off((owner >> 1) - 1) + _W_GRACE) or _HANDOVER_GRACE_NS
+                sleep = last + grace - now
             else:
                 # busy (its chunk end may hand over and wake us; if it then idles, we look again
                 # within a poll), or granted and not started yet (stolen from at its quantum end)
@@ -814,6 +820,17 @@ class GpuTimeBoard(MappedSegment):
                 capped_out = credit <= 0 and _atomics.load(buf, _C_MODE) == 1
         self._op_open = not last
         self._last_end = now
+        self._op_sum += max(0, charged_ns)
+        if last:
+            op, self._op_sum = self._op_sum, 0
+            self._op_ns += (op - self._op_ns) >> _GAP_EWMA_SHIFT if self._op_ns else op
+            # the idle time this worker may hold between ops before a waiter takes the device: a
+            # quarter of its ops' length, at least the grace: lending costs the lender up to a chunk
+            # at its next op, worth it only for a gap that is long next to its ops (a chatty tenant)
+            grace = min(max(_HANDOVER_GRACE_NS, self._op_ns // 4), _atomics.load(buf, _C_QUANTUM) // 2)
+            if grace != self._grace_ns:
+                self._grace_ns = grace
+                _atomics.store(buf, self._w_off(w) + _W_GRACE, grace)
         _atomics.store(buf, _LAST_END, now)
         if not _atomics.compare_exchange(buf, _OWNER, mine | 1, mine):
             return True  # not ours any more (the supervisor took it: should not happen while alive)
@@ -824,7 +841,7 @@ class GpuTimeBoard(MappedSegment):
             return True
         if not _atomics.load(buf, _WAITING):
             return False
-        if last and self._gap_ns > _LEND_GAP_NS:
+        if last and self._gap_ns > max(_LEND_GAP_NS, self._grace_ns * 3 // 4):
             nxt = self.pick(now)  # the holder is not a candidate: it has no op to run now
             if nxt is not None:
                 _atomics.store(buf, self._w_off(w) + _W_LENT, 1)
@@ -970,6 +987,7 @@ def _claim_worker(name: str, buf: memoryview, tenant: int, base: int, slots: int
             _atomics.store(buf, off + _W_WAITING, 0)
             _atomics.store(buf, off + _W_IDLE, 0)
             _atomics.store(buf, off + _W_LENT, 0)
+            _atomics.store(buf, off + _W_GRACE, 0)
             _atomics.store(buf, off + _W_START, start)
             _atomics.store(buf, off + _W_PID, pid)
             _atomics.store(buf, off + _W_TENANT, tenant + 1)
