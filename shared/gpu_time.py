@@ -478,7 +478,8 @@ class GpuTimeBoard(MappedSegment):
         weight = _atomics.load(buf, t_off + _T_WEIGHT) or 1
         return max(_atomics.load(buf, t_off + _T_PASS), vclock - quantum * _MICRO // weight)
 
-    def pick(self, now: int, *, holder_tenant: int | None = None, quantum_over: bool = True) -> int | None:
+    def pick(self, now: int, *, holder_tenant: int | None = None, quantum_over: bool = True,
+             prefer_tenant: int | None = None) -> int | None:
         """The waiting worker slot whose tenant should run next, or None.
 
         Candidates: workers waiting for this device whose tenant is not held
@@ -496,6 +497,10 @@ class GpuTimeBoard(MappedSegment):
           chatty one) - two busy tenants keep alternating by whole quanta -
           or a waiter with a smaller pass that *lent* the device (gave it up
           at an op's end, or had it stolen, for its host work only).
+
+        With ``prefer_tenant`` (a lend at an op's end) a waiting worker of that
+        tenant, if any, gets the device: a sibling covers the lender's gap and
+        the tenant keeps its share.
         """
         buf = self._check()
         vclock = _atomics.load(buf, _VCLOCK)
@@ -536,6 +541,8 @@ class GpuTimeBoard(MappedSegment):
                     best = (p, since, w, t)
         if best is None:
             return None
+        if prefer_tenant is not None and seen.get(prefer_tenant) is not None:
+            return seen[prefer_tenant]  # a lend within the tenant: its share stays its own
         if holder_tenant is not None and 0 <= holder_tenant < self.tenant_slots:
             if best[3] == holder_tenant:
                 # a sibling: the same pass; it gets the device at the quantum's end, never inside it
@@ -551,19 +558,24 @@ class GpuTimeBoard(MappedSegment):
                 return None
         return best[2]
 
-    def _grant(self, buf: memoryview, worker: int, now: int) -> None:
+    def _grant(self, buf: memoryview, worker: int, now: int, *, sibling: bool = False) -> None:
         """Bookkeeping of a new lease for ``worker``, by the process that just won the owner word for
         it with a CAS (never before: a lost race must not renew a grant or move the virtual clock).
 
         The granted worker may already be running when this runs, so the pass and the virtual clock
-        only grow, by CAS (a store could undo the charge of its first chunk).
+        only grow, by CAS (a store could undo the charge of its first chunk). ``sibling``: the device
+        passes between two workers of one tenant, which was busy all along - its pass is not raised
+        to the floor of a tenant back from idle (that would cut its credit at every rotation).
         """
         _atomics.store(buf, self._w_off(worker) + _W_LENT, 0)
         t = _atomics.load(buf, self._w_off(worker) + _W_TENANT) - 1
         if 0 <= t < self.tenant_slots:
             t_off = _t_off(t)
             vclock = _atomics.load(buf, _VCLOCK)
-            floor = self._effective_pass(buf, t_off, vclock, _atomics.load(buf, _C_QUANTUM))
+            if sibling:
+                floor = _atomics.load(buf, t_off + _T_PASS)
+            else:
+                floor = self._effective_pass(buf, t_off, vclock, _atomics.load(buf, _C_QUANTUM))
             p = _raise_to(buf, t_off + _T_PASS, floor)
             _raise_to(buf, _VCLOCK, p)
         _atomics.store(buf, _GRANT_NS, now)
@@ -574,7 +586,8 @@ class GpuTimeBoard(MappedSegment):
         the ``counter`` (handoffs or steals) and a wake-up. False: someone else changed it first."""
         if not _atomics.compare_exchange(buf, _OWNER, current, (nxt + 1) << 1):
             return False
-        self._grant(buf, nxt, now)
+        held = _atomics.load(buf, self._w_off((current >> 1) - 1) + _W_TENANT) if current else 0
+        self._grant(buf, nxt, now, sibling=held != 0 and held == _atomics.load(buf, self._w_off(nxt) + _W_TENANT))
         _atomics.fetch_add(buf, counter, 1)
         _wake(buf)
         return True
@@ -824,10 +837,13 @@ class GpuTimeBoard(MappedSegment):
         if last:
             op, self._op_sum = self._op_sum, 0
             self._op_ns += (op - self._op_ns) >> _GAP_EWMA_SHIFT if self._op_ns else op
-            # the idle time this worker may hold between ops before a waiter takes the device: a
-            # quarter of its ops' length, at least the grace: lending costs the lender up to a chunk
-            # at its next op, worth it only for a gap that is long next to its ops (a chatty tenant)
-            grace = min(max(_HANDOVER_GRACE_NS, self._op_ns // 4), _atomics.load(buf, _C_QUANTUM) // 2)
+            # the idle time this worker may hold between ops before a waiter takes the device: four
+            # times its ops' length, at least the grace. Lending costs the lender up to a chunk at
+            # its next op and hands its idle time to whoever waits, whatever the passes: right for a
+            # tenant mostly idle (a chatty one: 20 us ops, 0.1-1 ms gaps), wrong for one that keeps
+            # the device busy between host hiccups (GEMMs of 0.3 ms, 0.3-1 ms apart on a loaded
+            # 2-core host: lending to them turned 7:3 into 58:42 - weights no longer decided)
+            grace = min(max(_HANDOVER_GRACE_NS, 4 * self._op_ns), _atomics.load(buf, _C_QUANTUM) // 2)
             if grace != self._grace_ns:
                 self._grace_ns = grace
                 _atomics.store(buf, self._w_off(w) + _W_GRACE, grace)
@@ -842,7 +858,7 @@ class GpuTimeBoard(MappedSegment):
         if not _atomics.load(buf, _WAITING):
             return False
         if last and self._gap_ns > max(_LEND_GAP_NS, self._grace_ns * 3 // 4):
-            nxt = self.pick(now)  # the holder is not a candidate: it has no op to run now
+            nxt = self.pick(now, prefer_tenant=t)  # not the holder: it has no op to run now
             if nxt is not None:
                 _atomics.store(buf, self._w_off(w) + _W_LENT, 1)
         else:
@@ -862,6 +878,7 @@ class GpuTimeBoard(MappedSegment):
         buf, _ = self._need_worker()
         self.unwant()
         self._op_open = False
+        self._last_end = 0  # the time to the next run is no host gap of this run's: not measured
         mine = self._mine
         owner = _atomics.load(buf, _OWNER)
         if owner == mine | 1:  # interrupted mid-chunk (an exception): not busy any more

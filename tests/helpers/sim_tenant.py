@@ -44,8 +44,9 @@ class SimBackend(StubBackend):
 
 
 def tenant(role: str, board_name: str, slot: int, block_name: str, op_s: float, gap_s: float, start_at: float,
-           seconds: float, out: Any) -> None:
-    """One tenant's process (spawned); puts ``{role, ops, device_ns, waits_ns}`` or ``{role, error}``."""
+           seconds: float, out: Any, tag: int = 0) -> None:
+    """One tenant's process (spawned); puts ``{role, board: tag, ops, device_ns, waits_ns}`` or
+    ``{role, board, error}``."""
     from shared.gpu_time import GpuTimeBoard
     from shared.quota import QuotaBlock
     from worker.device_time import DeviceGate
@@ -69,10 +70,11 @@ def tenant(role: str, board_name: str, slot: int, block_name: str, op_s: float, 
                     time.sleep(gap_s)
                 ops += 1
             gate.release()
-            out.put({"role": role, "ops": ops, "device_ns": block.gpu_time_ns - ns0, "waits_ns": waits})
+            out.put({"role": role, "board": tag, "ops": ops, "device_ns": block.gpu_time_ns - ns0,
+                     "waits_ns": waits})
         finally:
             gate.close()
             block.close()
             backend.close()
     except Exception as exc:  # noqa: BLE001 - one result either way
-        out.put({"role": role, "error": f"{type(exc).__name__}: {exc}"})
+        out.put({"role": role, "board": tag, "error": f"{type(exc).__name__}: {exc}"})

@@ -156,8 +156,8 @@ def test_an_idle_holder_is_stolen_from_after_the_grace(board: GpuTimeBoard, cloc
     holder = attach(board, clock, workers, board.add_tenant())
     waiter = attach(board, clock, workers, board.add_tenant())
     assert holder.try_acquire(clock.t)
-    clock.t += 200 * US
-    assert not holder.finish(200 * US)  # nobody waits: kept
+    clock.t += 20 * US
+    assert not holder.finish(20 * US)  # a tiny op (its grace: the floor); nobody waits: kept
     waiter.want(clock.t)
     clock.t += _HANDOVER_GRACE_NS // 2
     assert not waiter.try_acquire(clock.t)  # within the grace: the holder's next op may be on its way
@@ -297,9 +297,9 @@ def test_a_worker_that_lent_the_device_takes_it_back_at_a_chunk_boundary(board: 
 
 def test_a_holder_of_long_ops_keeps_the_device_through_a_short_gap(board: GpuTimeBoard, clock: FakeClock,
                                                                    workers: list[GpuTimeBoard]) -> None:
-    """The grace grows with the holder's ops (a quarter of their length): a GEMM tenant whose next op
-    comes 300 us after a 4 ms one is not stolen from - the thief would hold a whole chunk for 300 us of
-    idle device, and weights would no longer decide the shares."""
+    """The grace grows with the holder's ops (four times their length, at most half a quantum): a GEMM
+    tenant whose next op comes 0.3-1 ms after a 4 ms one is not stolen from - the thief would hold a
+    whole chunk for a short idle spell, and weights would no longer decide the shares."""
     holder = attach(board, clock, workers, board.add_tenant())
     waiter = attach(board, clock, workers, board.add_tenant())
     for _ in range(4):
@@ -309,6 +309,6 @@ def test_a_holder_of_long_ops_keeps_the_device_through_a_short_gap(board: GpuTim
         clock.t += 300 * US
     waiter.want(clock.t)
     clock.t += 300 * US
-    assert not waiter.try_acquire(clock.t)  # idle 0.6 ms: within a quarter of its 4 ms ops
-    clock.t += 500 * US  # idle 1.1 ms: past it, now it is
+    assert not waiter.try_acquire(clock.t)  # idle 0.6 ms: within its grace (2.5 ms: half a quantum)
+    clock.t += 2 * MS  # idle 2.6 ms: past it, now it is
     assert waiter.try_acquire(clock.t)

@@ -26,40 +26,44 @@ _SPAWN = mp.get_context("spawn")
 HEAVY_OP_S, CHATTY_OP_S, GAP_S, SECONDS = 0.002, 0.00005, 0.0003, 1.5
 
 
-def _round(chatty_role: str) -> dict[str, dict[str, Any]]:
-    board = GpuTimeBoard.create(0, quantum_s=0.01)
-    blocks = [QuotaBlock.create(f"mix{i}") for i in range(2)]
+def _rounds(chatty_roles: tuple[str, ...]) -> list[dict[str, dict[str, Any]]]:
+    """One board per chatty role (each with a heavy tenant beside it), all running at the same time:
+    the control and the mix see the same host load."""
+    boards = [GpuTimeBoard.create(0, quantum_s=0.01) for _ in chatty_roles]
+    blocks = [[QuotaBlock.create(f"mix{i}") for i in range(2)] for _ in chatty_roles]
     out = _SPAWN.Queue()
     procs = []
     try:
-        slots = [board.add_tenant(1.0) for _ in range(2)]
-        start_at = time.monotonic() + 3.0  # both processes imported and attached by then
-        for (role, op_s), slot, block in zip((("heavy", HEAVY_OP_S), (chatty_role, CHATTY_OP_S)), slots, blocks):
-            p = _SPAWN.Process(target=tenant, args=(role, board.name, slot, block.name, op_s, GAP_S, start_at,
-                                                    SECONDS, out))
-            p.start()
-            procs.append(p)
+        start_at = time.monotonic() + 3.0  # every process imported and attached by then
+        for k, (chatty_role, board) in enumerate(zip(chatty_roles, boards)):
+            slots = [board.add_tenant(1.0) for _ in range(2)]
+            for (role, op_s), slot, block in zip((("heavy", HEAVY_OP_S), (chatty_role, CHATTY_OP_S)), slots,
+                                                 blocks[k]):
+                p = _SPAWN.Process(target=tenant, args=(role, board.name, slot, block.name, op_s, GAP_S, start_at,
+                                                        SECONDS, out, k))
+                p.start()
+                procs.append(p)
         results = [out.get(timeout=120) for _ in procs]
         for p in procs:
             p.join(30)
-        by_role = {r["role"]: r for r in results}
         assert not [r["error"] for r in results if "error" in r]
-        return by_role
+        return [{r["role"]: r for r in results if r["board"] == k} for k in range(len(chatty_roles))]
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(10)
-        for b in blocks:
-            b.unlink()
-            b.close()
-        board.unlink()
-        board.close()
+        for bs in blocks:
+            for b in bs:
+                b.unlink()
+                b.close()
+        for board in boards:
+            board.unlink()
+            board.close()
 
 
 def test_a_chatty_tenant_does_not_hold_the_device_through_its_host_work() -> None:
-    control = _round("control")
-    mix = _round("chatty")
+    control, mix = _rounds(("control", "chatty"))
     heavy_c, heavy_m, chatty = control["heavy"], mix["heavy"], mix["chatty"]
     # charged exactly the simulated device time of the ops each ran: the GPU clock, not wall time
     assert heavy_c["device_ns"] == heavy_c["ops"] * round(HEAVY_OP_S * 1e9)
