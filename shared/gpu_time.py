@@ -164,6 +164,9 @@ _HANDOVER_GRACE_NS = 100_000
 #: grace, so a tenant looping with 0.1 ms of host work between ops lends it; a GEMM loop through
 #: the WASM host (~20-60 us between ops on a loaded 2-core host) keeps it
 _LEND_GAP_NS = 75_000
+#: a sibling (an instance of the holder's tenant) takes the device at a quantum's end once it has
+#: waited this many quanta: a rotation costs the device a wake-up, instances need no finer turns
+_SIBLING_WAIT_QUANTA = 4
 #: a waiter looks at a held device at least this often (an idle holder past its grace is stolen from)
 _POLL_NS = 1_000_000
 #: a capped tenant's token bucket holds this many quanta: over any span W it gets at most
@@ -545,8 +548,9 @@ class GpuTimeBoard(MappedSegment):
             return seen[prefer_tenant]  # a lend within the tenant: its share stays its own
         if holder_tenant is not None and 0 <= holder_tenant < self.tenant_slots:
             if best[3] == holder_tenant:
-                # a sibling: the same pass; it gets the device at the quantum's end, never inside it
-                return best[2] if quantum_over else None
+                # a sibling: the same pass; it gets the device at a quantum's end once it waited a few
+                # (each rotation costs a wake-up; instances of a tenant need no finer fairness)
+                return best[2] if quantum_over and now - best[1] >= _SIBLING_WAIT_QUANTA * quantum else None
             t_off = _t_off(holder_tenant)
             held = _atomics.load(buf, t_off + _T_PASS)  # busy all along: not raised like a returning waiter
             if quantum_over:
@@ -765,9 +769,13 @@ class GpuTimeBoard(MappedSegment):
             self.unwant()
 
     def _next_up(self, buf: memoryview, owner: int, now: int) -> bool:
-        """True when a busy holder's quantum ends within a chunk and this worker is the pick."""
+        """True when a busy holder's quantum ends within a chunk, or it runs short ops (a chatty
+        holder: it hands the device back within a grace), and this worker is the pick."""
         if not owner & 1:
             return False
+        grace = _atomics.load(buf, self._w_off((owner >> 1) - 1) + _W_GRACE)
+        if grace and grace <= _HANDOVER_GRACE_NS:
+            return self.pick(now) == self._worker
         left = _atomics.load(buf, _GRANT_NS) + _atomics.load(buf, _C_QUANTUM) - now
         if left > _SPIN_NS or left < -2 * _SPIN_NS:  # not yet; or a chunk overran: its end wakes us
             return False

@@ -486,7 +486,7 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
     phase = Phase(sup, args.n, args.reps)
     try:
         heavy = phase.add("heavy", gpu_time_weight=1.0)
-        chatty = phase.add("chatty", instances=1, gpu_time_weight=1.0)
+        chatty = phase.add("chatty", instances=1, gpu_time_weight=1.0, wasm_fuel=1 << 50)
         phase.sample_every(0.01)
         per_ms = _calibrate_spin(phase, chatty)
         gaps: list[MixGap] = []
