@@ -11,9 +11,13 @@ take turns through this board, and each turn is charged exactly::
                ── else: mark waiting, try_acquire / futex_wait on the owner word
     op chunk (<= ~2 ms of device time)
     finish(ns) ── pass[t] += ns / weight[t]; used[t] += ns; cap bucket -= ns
-               ── quantum over and someone waits? ──► pick(): min pass among eligible
-                                                       waiters *and* the holder; hand the
-                                                       owner word over, futex_wake
+               ── someone waits? ──► op end, host gaps long next to its ops: *lend* it now
+                                     (a sibling first); else pick(): at the quantum's end
+                                     min pass among eligible waiters *and* the holder, inside
+                                     it only a waiter a quantum behind or one that lent it;
+                                     hand the owner word over (CAS, then the grant), futex_wake
+    (guest code) an idle holder past its grace (4x its op length, >= 100 us) is stolen from;
+               retaking an idle lease while others wait charges the idle span to its pass
     release()  ── end of the run: hand over (or free) the device
 
 The policy is stride scheduling on ``used / weight`` ("pass", in ns at weight
@@ -30,8 +34,10 @@ ceiling.
 
 Every decision is made by whoever sees the device change hands: the holder
 at a chunk boundary, a waiter that finds the device free or held idle past
-its quantum (it may *steal* it: the holder is between ops, in guest code),
-or the supervisor when the holder died.
+the holder's grace (it may *steal* it: the holder is between ops, in guest
+code), or the supervisor when the holder died. Why lending, stealing and the
+idle charge (a chatty tenant held an idle device and a heavy one got 5-7 %
+of it): docs/GPU-QUOTAS.md, "Tenants that differ".
 
 Mode ``off`` (``gpu_time_scheduler = false``) keeps the same leases and
 quanta but picks the longest-waiting worker, whatever its weight, and ignores
@@ -56,7 +62,8 @@ Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label):
                            last chunk end ns | wake sequence | tenants high (max slot ever used + 1)
     line 4+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
                            credit stamp ns | throttled
-    line 4+T+w    worker w claimed | pid | start ms | tenant + 1 | waiting since ns
+    line 4+T+w    worker w claimed | pid | start ms | tenant + 1 | waiting since ns | idle charged ns |
+                           lent (gave the device up for host work) | grace ns
 
 Capacity: the owner sizes the board (``tenants``, ``workers``: the supervisor takes them from
 its config, ``max_tenants`` and ``max_workers``); a worker reads T and W from line 3. Every scan
