@@ -224,7 +224,19 @@ class Backend(abc.ABC):
     def cast(self, src: DeviceBuffer, src_dtype: int, dst: DeviceBuffer, dst_dtype: int, n: int) -> None:
         """``n`` elements converted between dtypes, rounding to nearest even."""
 
-    # -- GPU-time sharing (shared.gpu_time, worker.device_time)
+    # -- GPU-time sharing (shared.gpu_time, worker.device_time, worker.chunks)
+
+    #: True when :meth:`transpose_block_f32` is implemented (a transpose then runs in chunks)
+    transposes_in_blocks: bool = False
+
+    def transpose_block_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int, r0: int, r1: int) -> None:
+        """``out[:, r0:r1] = x[r0:r1, :].T`` of the whole ``rows x cols`` transpose (one chunk of it)."""
+        raise NotImplementedError(f"{self.name} has no block transpose")
+
+    def device_rates(self) -> tuple[float, float]:
+        """(flop/s, byte/s) the chunk cost model starts from (worker.chunks): deliberately low, so
+        a first chunk is short; measurement corrects them per op and shape."""
+        return 2e10, 4e9
 
     def op_timer(self) -> OpTimer:
         """What measures an op's device time (charged to the tenant): wall time for host backends."""

@@ -62,6 +62,7 @@ from shared.log import get_logger, log_event
 from worker.backends._cublas import GEMM_WORKSPACE_BYTES, Cublas
 from worker.backends._driver import Driver, Nvrtc
 from worker.backends.base import DeviceBuffer
+from worker.backends.cuda_timing import NO_HOOKS, LaunchHooks, TimerHooks
 from worker.backends.kernels import compile_source
 
 __all__ = ["OPS_SOURCE", "SCRATCH_BYTES", "CudaTensorOps", "TensorOpsMixin"]
@@ -441,6 +442,8 @@ def _grid(n: int, cap: int = MAX_GRID) -> int:
 
 
 class CudaTensorOps:
+    #: told around each launch (the backend: its current op timer records its events there)
+    hooks: LaunchHooks = NO_HOOKS
     """The compiled op kernels and the cuBLAS handle of one backend; use :meth:`load`."""
 
     def __init__(self, drv: Driver, module: object, functions: dict[bytes, Any], scratch: int, stream: object,
@@ -491,7 +494,9 @@ class CudaTensorOps:
         return ops
 
     def _launch(self, name: bytes, grid: int, args: tuple[object, ...], types: tuple[object, ...]) -> None:
+        self.hooks.launching()
         self._drv.call("cuLaunchKernel", self._fn[name], grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
+        self.hooks.launched()
         self._on_enqueued()
 
     def _sync(self, what: str) -> None:
@@ -537,8 +542,11 @@ class CudaTensorOps:
             return
         if workspace == (0, 0):
             workspace = self._fallback_workspace  # never NULL: cuBLAS may refuse some GEMMs without one
+        cublas = self.cublas  # the handle's first use (a load) is launch preparation, not device work
         try:
-            self.cublas.sgemm_row_major(a, b, c, m, k, n, workspace)
+            self.hooks.launching()
+            cublas.sgemm_row_major(a, b, c, m, k, n, workspace)
+            self.hooks.launched()
         except CudaError as exc:
             if exc.call.startswith("cublas"):
                 self._after_cublas_error()
@@ -746,7 +754,15 @@ class TensorOpsMixin:
                 self._drv, nvrtc, self._dev, self._stream, self._cublas_spec, scratch=base,
                 fallback_workspace=fallback, on_enqueued=self.note_enqueued, measured=self._measured,
                 wait_idle=self.wait_idle))
+            self._tensor_ops.hooks = self.launch_hooks()
         return self._tensor_ops
+
+    def launch_hooks(self) -> TimerHooks:
+        """What the kernels and tensor ops tell around each launch: the current op timer's events."""
+        hooks = getattr(self, "_launch_hooks", None)
+        if hooks is None:
+            hooks = self._launch_hooks = TimerHooks()
+        return hooks
 
     def _close_tensor_ops(self) -> None:
         if self._tensor_ops is not None:
@@ -756,6 +772,11 @@ class TensorOpsMixin:
     def gemm_workspace_bytes(self) -> int:
         """cuBLAS's recommended workspace for this device (32 MiB on Hopper, else 4 MiB)."""
         return self.cublas_workspace_bytes or GEMM_WORKSPACE_BYTES
+
+    def device_rates(self) -> tuple[float, float]:
+        """(flop/s, byte/s) the chunk cost model starts from: below any data-centre GPU's fp32 rate
+        and bandwidth (an H200: ~60 TFLOP/s, 4.8 TB/s), so a first chunk is short; measured after."""
+        return 5e12, 5e11
 
     def matmul_f32(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int, *,
                    workspace: DeviceBuffer | None = None) -> None:

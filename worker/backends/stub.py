@@ -414,6 +414,12 @@ class StubBackend(Backend):
                 d[:] = s.astype(np.float32).astype(d.dtype)
             else:
                 d[:] = s.astype(d.dtype)
+    transposes_in_blocks = True
+
+    def transpose_block_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int, r0: int, r1: int) -> None:
+        import numpy as np
+
+        np.copyto(self._mat(out, cols, rows)[:, r0:r1], self._mat(x, rows, cols)[r0:r1].T)
 
     def info(self) -> dict[str, object]:
         return {

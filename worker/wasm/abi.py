@@ -195,6 +195,9 @@ class GuestRun:
         #: out): the guest gets an error code like any failed op, but its run is over - the host
         #: ends it as a timeout whatever the guest returns (see :meth:`WasmHost.run`)
         self.deadline_passed: KernelTimeout | None = None
+        #: ends the guest's execution at its next loop or call (set by the host): a run refused
+        #: device time must not spin on ops that all fail (each one logged)
+        self.interrupt: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ helpers
 
@@ -250,6 +253,9 @@ class GuestRun:
             return self.gate.op(name, fn, args, self.deadline_ns)
         except KernelTimeout as exc:
             self.deadline_passed = exc
+            interrupt, self.interrupt = self.interrupt, None
+            if interrupt is not None:
+                interrupt()
             raise
 
     def gpu_totals(self) -> dict[str, float]:

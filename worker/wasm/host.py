@@ -37,6 +37,7 @@ dev box); the public path is the fallback and is tested too.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -186,6 +187,12 @@ class EpochTicker:
                     continue  # the run ended during this tick: no trailing tick while idle
             self.engine.increment_epoch()
             self.ticks += 1
+
+    def expire(self, ticks: int) -> None:
+        """Move the epoch ``ticks`` on at once: the running store, whose deadline is at most that
+        far, traps at its next check (a run refused device time stops instead of spinning)."""
+        for _ in range(ticks + 1):
+            self.engine.increment_epoch()
 
     @property
     def running(self) -> bool:
@@ -760,6 +767,7 @@ class WasmHost:
             run.deadline_ns = time.monotonic_ns() + int(timeout_s * 1e9)
             session = WasmSession(self, compiled, store, run, fuel, timeout_s, reservation)
             run.span = session.span_raw if self.fast_imports else session.span_checked
+            run.interrupt = functools.partial(self.ticker.expire, self.ticker.deadline_ticks(timeout_s))
             self._session = session
             self.ticker.acquire()
             ticking = True
