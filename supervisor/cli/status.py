@@ -58,12 +58,13 @@ def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> Supe
     return client_of(args, timeout_s)
 
 
-#: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose)
-HEALTHY_STATES = frozenset({"running", "stopped"})
+#: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose; parked:
+#: idle, its workers gone until its next request)
+HEALTHY_STATES = frozenset({"running", "stopped", "parked"})
 
 
 def exit_status(tenants: Sequence[TenantRecord]) -> int:
-    """0 when every tenant shown is running (or stopped: scaled to 0); 1 when any is starting,
+    """0 when every tenant shown is running (or stopped: scaled to 0, or parked); 1 when any is starting,
     degraded, failed or evicting - so ``twt status acme || alert`` works in a script."""
     return EXIT_OK if all(t.state in HEALTHY_STATES for t in tenants) else EXIT_FAILED
 

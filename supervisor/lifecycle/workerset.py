@@ -217,7 +217,8 @@ class WorkerSet:
     def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
         """Give a slot a worker: a warm one from the pool, else a fresh process."""
         slot.restart_at = None
-        slot.incarnation += 1
+        if not slot.keep_incarnation:  # parked buffers: their handles name the incarnation they come back to
+            slot.incarnation += 1
         worker = self.pool.pop() if self.pool else None
         if worker is None:
             worker = self._spawn()

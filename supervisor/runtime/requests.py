@@ -46,6 +46,8 @@ class Pending:
     forwarded: bool = False  # in the table (counted in its tenant's in_flight)
     #: reply bytes reserved for it at admission (supervisor.routing.budgets); Replies gives them back
     held: int = 0
+    #: the supervisor's own requests whose reply has a body (parking's export_chunk) get it here first
+    on_body: Callable[[zmq.Frame | bytes | memoryview | None], None] | None = None
 
 
 @dataclass(eq=False)

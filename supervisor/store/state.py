@@ -80,7 +80,7 @@ STATE_FILE = "state.db"
 LOCK_FILE = "state.lock"
 #: written beside the database once it holds a registry key (see the module docstring)
 MARKER_FILE = "state.initialized"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 Origin = Literal["file", "runtime"]
 _ORIGINS = ("file", "runtime")
 
@@ -106,6 +106,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
             updated_at REAL NOT NULL)""",
         "CREATE TABLE generations (tenant_id TEXT PRIMARY KEY, generation INTEGER NOT NULL)",
     ),
+    # parked tenants come back parked (supervisor.lifecycle.parking)
+    2: ("ALTER TABLE tenants ADD COLUMN parked INTEGER NOT NULL DEFAULT 0",),
 }
 _TABLES = frozenset({"schema_version", "key_material", "retired_keys", "tenants", "generations"})
 
@@ -137,6 +139,8 @@ class StoredTenant:
     failed_reason: str | None = None
     registered_at: float = 0.0
     updated_at: float = 0.0
+    #: it was parked when last written: restored without starting a worker
+    parked: bool = False
 
     @property
     def tenant_id(self) -> str:
@@ -344,9 +348,9 @@ class StateStore:
         with self._use:
             rows = self._conn.execute(
                 "SELECT tenant_id, spec, registered_spec, origin, generation, failed_reason, registered_at, "
-                "updated_at FROM tenants ORDER BY tenant_id"
+                "updated_at, parked FROM tenants ORDER BY tenant_id"
             ).fetchall()
-        for tid, spec, registered, origin, gen, failed, reg_at, upd_at in rows:
+        for tid, spec, registered, origin, gen, failed, reg_at, upd_at, parked in rows:
             try:
                 record = StoredTenant(
                     spec=TenantSpec.from_dict(json.loads(spec)),
@@ -356,6 +360,7 @@ class StateStore:
                     failed_reason=failed,
                     registered_at=float(reg_at),
                     updated_at=float(upd_at),
+                    parked=bool(parked),
                 )
             except (ValueError, TypeError) as exc:
                 raise StateError(self.path, f"tenant {tid!r} does not parse: {exc}") from None
@@ -422,6 +427,11 @@ class StateStore:
             )
             if cur.rowcount != 1:
                 raise UnknownTenant(tenant_id)
+
+    def set_parked(self, tenant_id: str, parked: bool) -> None:
+        """The tenant was parked, or activated (a tenant evicted meanwhile: nothing to do)."""
+        with self._tx() as c:
+            c.execute("UPDATE tenants SET parked = ? WHERE tenant_id = ?", (int(parked), tenant_id))
 
     def evict(self, tenant_id: str) -> None:
         """The tenant is gone; its generation is kept (its capabilities stay revoked)."""
