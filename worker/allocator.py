@@ -204,6 +204,7 @@ class MeteredAllocator:
         instance and incarnation (the supervisor binds a restored instance with the incarnation
         its handles carry). Returns the bytes written."""
         self.restore_seq(seq)
+        self._seq = max(self._seq, handle & 0xFFFFFFFF)  # never a new handle equal to a restored one
         if handle_instance(handle) != self.instance or handle_incarnation(handle) != self.incarnation & 0xFFFF:
             raise InvalidArgument(f"handle {handle:#x} does not belong to instance {self.instance} "
                                   f"incarnation {self.incarnation}: it cannot be restored here")
