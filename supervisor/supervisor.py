@@ -334,7 +334,8 @@ class Supervisor:
         )
         admin.attach(workers, frontend, service)
         parking = Parking(tenants=self.tenants, workers=workers, events=self.events, on_active=admin.instance_ready,
-                          clock=self.loop.clock, persist=_parked_flag_writer(state))
+                          clock=self.loop.clock, persist=_parked_flag_writer(state),
+                          stopping=lambda: self._stopping)
         frontend.wake_parked = parking.wake
         hooks.parking = parking
         # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)

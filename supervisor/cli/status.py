@@ -170,6 +170,8 @@ def _notes(t: TenantRecord) -> list[str]:
     notes = []
     if t.failed_reason:
         notes.append(f"{t.tenant_id}: failed: {t.failed_reason}")
+    if t.state == "parked":
+        return notes  # idle on purpose: its instances are down until its next request
     for inst in t.instances:
         if inst.state in ("ready", "idle") or inst.draining:
             continue

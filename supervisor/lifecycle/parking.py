@@ -78,17 +78,19 @@ class Parking:
 
     def __init__(self, *, tenants: Mapping[str, TenantRuntime], workers: WorkerSet, events: EventBus,
                  on_active: Callable[[TenantRuntime], None], clock: Callable[[], float],
-                 persist: Callable[[str, bool], None] | None = None) -> None:
+                 persist: Callable[[str, bool], None] | None = None,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         """``on_active(rt)``: the tenant serves again (a park cancelled, an activation done) - what
         an instance that became ready means: its waiting requests are sent, its waiters answered
         (``AdminOps.instance_ready``). ``persist(tenant, parked)``: record the parked flag durably
-        (None: not recorded)."""
+        (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then)."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
         self.on_active = on_active
         self.clock = clock
         self.persist = persist
+        self.stopping = stopping
         #: parks and activations done, and parks refused (status and tests read them)
         self.parks = 0
         self.activations = 0
@@ -250,7 +252,7 @@ class Parking:
                          host_bytes=rec.host_bytes, park_ms=round((self.clock() - rec.since) * 1000, 3))
         if self.persist is not None:
             self.persist(rt.tenant_id, True)
-        if rec.wanted or rt.parked:
+        if (rec.wanted or rt.parked) and not self.stopping():
             self.activate(rt)
 
     def _died_exporting(self, rt: TenantRuntime, rec: ParkRecord, worker: WorkerHandle) -> None:
@@ -294,7 +296,7 @@ class Parking:
             self._cancel(rt, rec)
         elif rec.phase is ParkPhase.STOPPING:
             rec.wanted = True  # activated once its workers are gone
-        elif rec.phase is ParkPhase.PARKED:
+        elif rec.phase is ParkPhase.PARKED and not self.stopping():
             self.activate(rt)
 
     def activate(self, rt: TenantRuntime) -> None:

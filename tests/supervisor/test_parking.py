@@ -227,7 +227,7 @@ def test_kill_9_of_the_worker_while_parking_loses_no_quota() -> None:
         base = c.quota(cap)
         pid = _ready_pid(c, "victim")
         assert pid is not None
-        c.inject_fault(None, "victim", "slow", ms=1500)  # each reply of the copy waits 1.5 s
+        c.inject_fault(None, "victim", "slow", ms=3000)  # each reply of the copy waits 3 s
         try:
             # the manifest came (the copy is charged to the memory quota); a chunk is being copied
             wait_for(lambda: c.quota(cap).bytes_in_use == base.bytes_in_use + (1 << 20),
