@@ -10,19 +10,23 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.errors import BufferLost, InvalidArgument
 from shared.region import Region
 from shared.spec import TenantSpec
+from supervisor.cli import main
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import SupervisorHandle, launch
 from supervisor.lifecycle.parking import PARK_CHUNK_BYTES
@@ -55,6 +59,14 @@ def _wait_event(c: SupervisorClient, kind: str, tid: str, after: int) -> dict[st
     return found
 
 
+def _park_soon(c: SupervisorClient, tid: str) -> dict[str, Any]:
+    """Give ``tid`` the tiny idle time now (set up first, then parked: no race with the set-up)
+    and wait for its park."""
+    mark = _cursor(c)
+    c.set_quota(None, tid, idle_timeout_s=IDLE)
+    return _wait_event(c, "park", tid, mark)
+
+
 def _pattern(n: int, seed: int) -> bytes:
     return bytes((i * 31 + seed) & 0xFF for i in range(n))
 
@@ -73,7 +85,7 @@ def _gone(pid: int) -> bool:
 
 def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> None:
     big = PARK_CHUNK_BYTES + 12345  # more than one chunk each way
-    with supervisor([{"name": "sleepy", "idle_timeout_s": IDLE}, {"name": "busy"}]) as sup:
+    with supervisor([{"name": "sleepy"}, {"name": "busy"}]) as sup:
         c = sup.client
         cap = c.tenant_capability(None, "sleepy")
         small = c.alloc(cap, 4096)
@@ -83,8 +95,7 @@ def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> 
         before = c.quota(cap)
         old_pid = _ready_pid(c, "sleepy")
         assert old_pid is not None and before.gpu_bytes_in_use == 4096 + big
-        after = _cursor(c)
-        park = _wait_event(c, "park", "sleepy", after)
+        park = _park_soon(c, "sleepy")
         assert park["buffers"] == 2 and park["host_bytes"] == 4096 + big
         rec = tenant(c.status(), "sleepy")
         assert rec.state == "parked" and rec.pids == ()
@@ -122,19 +133,20 @@ def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> 
 
 def test_each_kind_of_request_activates_a_parked_tenant() -> None:
     probe = guest_path("probe").read_bytes()
-    with supervisor([{"name": "lazy", "idle_timeout_s": IDLE}]) as sup:
+    with supervisor([{"name": "lazy"}]) as sup:
         c = sup.client
         cap = c.tenant_capability(None, "lazy")
         buf = c.alloc(cap, 8192)
         c.write(cap, buf, _pattern(8192, 3))
+        seen = [_cursor(c)]  # the last activate event's number: the next park comes after it
+        c.set_quota(None, "lazy", idle_timeout_s=IDLE)
 
         def parked_then(call: Any) -> Any:
-            mark = _cursor(c)
-            _wait_event(c, "park", "lazy", mark)
+            _wait_event(c, "park", "lazy", seen[0])
             assert tenant(c.status(), "lazy").state == "parked"
             mark = _cursor(c)
             result = call()
-            _wait_event(c, "activate", "lazy", mark)
+            seen[0] = _wait_event(c, "activate", "lazy", mark)["seq"]
             return result
 
         # a plain tenant op
@@ -152,8 +164,7 @@ def test_each_kind_of_request_activates_a_parked_tenant() -> None:
             c.region_release(cap, grant.region)
         assert parked_then(lambda: c.read(cap, buf, 8192)) == _pattern(8192, 9)
         # requests that come together during an activation wait in order and are all served
-        mark = _cursor(c)
-        _wait_event(c, "park", "lazy", mark)
+        _wait_event(c, "park", "lazy", seen[0])
         results: list[bytes] = []
         errors: list[BaseException] = []
 
@@ -220,7 +231,7 @@ def test_idle_timeout_is_validated_and_changes_live() -> None:
 def test_kill_9_of_the_worker_while_parking_loses_no_quota() -> None:
     """The worker dies while its buffers are copied out: the park is abandoned, the copy's charge
     released, and the death is an ordinary crash (restarted; its buffers went with it)."""
-    with supervisor([{"name": "victim", "idle_timeout_s": IDLE}]) as sup:
+    with supervisor([{"name": "victim"}]) as sup:
         c = sup.client
         cap = c.tenant_capability(None, "victim")
         h = c.alloc(cap, 1 << 20)
@@ -228,6 +239,7 @@ def test_kill_9_of_the_worker_while_parking_loses_no_quota() -> None:
         pid = _ready_pid(c, "victim")
         assert pid is not None
         c.inject_fault(None, "victim", "slow", ms=3000)  # each reply of the copy waits 3 s
+        c.set_quota(None, "victim", idle_timeout_s=IDLE)
         try:
             # the manifest came (the copy is charged to the memory quota); a chunk is being copied
             wait_for(lambda: c.quota(cap).bytes_in_use == base.bytes_in_use + (1 << 20),
@@ -235,30 +247,30 @@ def test_kill_9_of_the_worker_while_parking_loses_no_quota() -> None:
             assert tenant(c.status(), "victim").instances[0].in_flight >= 1
         finally:
             os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: (p := _ready_pid(c, "victim")) is not None and p != pid, what="the restarted worker")
+        # restarted (it may park again at once: it holds nothing now)
+        wait_for(lambda: (r := tenant(c.status(), "victim")).restarts == 1 and r.state in ("running", "parked"),
+                 what="the restarted worker")
         q = c.quota(cap)
         assert q.bytes_in_use == base.bytes_in_use  # the host copy's charge released
         assert q.gpu_bytes_in_use == 0  # the dead worker's share reclaimed
-        assert tenant(c.status(), "victim").state == "running"
+        mark = _cursor(c)
         with pytest.raises(BufferLost):
             c.read(cap, h, 16)
         # and the tenant parks cleanly afterwards
-        mark = _cursor(c)
         _wait_event(c, "park", "victim", mark)
 
 
 def test_kill_9_of_the_worker_while_activating_loses_no_bytes() -> None:
     """The pool worker taken for the activation is killed before the import is confirmed: the host
     copy is kept, a new worker is bound with the same incarnation and the buffers come back whole."""
-    with supervisor([{"name": "phoenix", "idle_timeout_s": IDLE}], pool_size=1) as sup:
+    with supervisor([{"name": "phoenix"}], pool_size=1) as sup:
         c = sup.client
         cap = c.tenant_capability(None, "phoenix")
         n = 3 * PARK_CHUNK_BYTES // 2
         h = c.alloc(cap, n)
         c.write(cap, h, _pattern(n, 7))
         base = c.quota(cap).bytes_in_use  # the client's staging region, if it used one
-        mark = _cursor(c)
-        _wait_event(c, "park", "phoenix", mark)
+        _park_soon(c, "phoenix")
         pool = wait_for(lambda: c.status().supervisor.pool.pids, what="a warm pool worker")
         victim = pool[0]
         os.kill(victim, signal.SIGSTOP)  # it is bound for the activation but cannot finish it
@@ -303,13 +315,10 @@ def _start(run_dir: str, tenants: list[dict[str, Any]] | None = None) -> Any:
 def test_a_restart_brings_a_parked_tenant_back_parked(run_dir: str) -> None:
     with _start(run_dir) as sup:
         c = sup.client
-        cap_raw = c.register(None, TenantSpec("dormant", idle_timeout_s=IDLE)).to_bytes()
+        cap_raw = c.register(None, TenantSpec("dormant")).to_bytes()
         c.register(None, TenantSpec("awake"))
-        mark = _cursor(c)
-        _wait_event(c, "park", "dormant", mark)
-        h = c.alloc(TenantCapability.from_bytes(cap_raw), 64)  # activates, then parks again
-        mark = _cursor(c)
-        _wait_event(c, "park", "dormant", mark)
+        h = c.alloc(TenantCapability.from_bytes(cap_raw), 64)
+        _park_soon(c, "dormant")  # idle_timeout_s set with set_quota: stored too
     sup2: SupervisorHandle
     with _start(run_dir) as sup2:
         c = sup2.client
@@ -321,3 +330,38 @@ def test_a_restart_brings_a_parked_tenant_back_parked(run_dir: str) -> None:
         # the host copies did not survive the restart (docs/OPERATIONS.md): the old handle is lost
         with pytest.raises(BufferLost):
             c.read(cap, h, 16)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_the_parked_state_shows_in_twt_status_and_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
+    port = _free_port()
+    with supervisor([{"name": "napper"}], metrics_addr=f"127.0.0.1:{port}",
+                    metrics_tenant_names=True, metrics_renders_per_s=1000) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "napper")
+        c.alloc(cap, 4096)
+        _park_soon(c, "napper")
+        samples = _scrape(f"http://127.0.0.1:{port}/metrics")
+        assert samples[("twt_tenant_state", (("state", "parked"), ("tenant", "napper")))] == 1
+        assert samples[("twt_tenant_state", (("state", "running"), ("tenant", "napper")))] == 0
+        assert samples[("twt_tenant_gpu_in_use_bytes", (("tenant", "napper"),))] == 0
+        assert samples[("twt_tenant_host_in_use_bytes", (("tenant", "napper"),))] == 4096
+        assert samples[("twt_tenant_instances_up", (("tenant", "napper"),))] == 0
+        code = main(["status", "--run-dir", sup.run_dir])
+        out, _ = capsys.readouterr()
+        row = next(line for line in out.splitlines() if line.startswith("napper"))
+        assert row.split()[1:3] == ["parked", "0/1"], row
+        assert code == 0  # parked is healthy
+        assert "napper/0" not in out  # no "instance down" note for an idle tenant
