@@ -452,7 +452,7 @@ def _parkable(rt: TenantRuntime) -> bool:
     wanted = rt.wanted_slots()
     return (rt.state is TenantState.RUNNING and rt.in_flight == 0 and not rt.parked and not rt.register_waiters
             and not rt.ready_waiters and not rt.rolling and rt.rolling_slot is None and bool(wanted)
-            and all(s.ready and not s.worker.in_flight for s in wanted if s.worker is not None)
+            and all(s.ready and s.worker is not None and not s.worker.in_flight for s in wanted)
             and all(s.worker is None for s in rt.slots if s.draining) and not rt.block.closed)
 
 
