@@ -18,6 +18,7 @@ The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom)
     Frontend      (frontend.py)   client requests: capability, back-pressure, instance choice, parking
     AdminOps      (admin.py)      admin ops and the tenant lifecycle (register ... evict, failed)
     ServiceOps    (service.py)    restore at start, reload (SIGHUP), reset, rolling restart, rotate-key
+    Parking       (parking.py)    idle tenants parked (buffers to host memory, workers gone) and activated
     StateStore    (state.py)      the durable state: registry key, tenants, generations (SQLite)
     Supervisor    (this module)   sockets, wiring, the loop body, housekeeping, start and stop
 
