@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml setup.py shared/_atomics.c
 	$(BIN)/python -m compileall -q -j 0 supervisor worker shared
 	@touch $@
 
+#: the cuda-bindings major the venv lacks (12.x beside 13.x, or the reverse), for the replay test
+#: (tests/helpers/replay_bindings.py): a pip install --target beside the venv, once
+OTHER_BINDINGS := $(VENV)/.twt-other-bindings
+$(OTHER_BINDINGS): $(STAMP) tests/helpers/replay_bindings.py
+	$(BIN)/python -m tests.helpers.replay_bindings --prepare
+	@touch $@
+
 ## make demo: the main job - a supervisor, five tenants, bundled WASM guests
 demo: $(STAMP)
 	$(BIN)/twt demo
@@ -32,7 +39,7 @@ TEST_WORKERS ?= 6
 ## make test: the whole suite (type check first, then pytest in a fresh temp root, tests/run-suite.sh)
 #: --max-worker-restart=0: a test that kills its xdist worker fails the run at once (xdist would
 #: rerun it on fresh workers, and once hung after replacing one until CI's time limit)
-test: $(STAMP)
+test: $(STAMP) $(OTHER_BINDINGS)
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy
 	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart=0 --durations=20

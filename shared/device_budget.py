@@ -10,6 +10,10 @@ and consumes from it *after* its tenant's counter::
     worker alloc(n):  tenant block.consume_gpu_bytes(n)   refused -> nothing else happens
                       budget.consume(n)                   refused -> tenant bytes released again
                       driver alloc                        OOM     -> both released again
+    worker free(n):   tenant block released at once; the budget only for what the backend's pool
+                      has given back to the device (worker.allocator: a pool keeps freed memory
+                      until a synchronize or trim, and credited earlier the budget would admit an
+                      allocation the driver then refuses)
 
 Layout (``uint64`` fields; lines 0-1 are :mod:`shared.quota`'s header and
 label, written and checked by its helpers with ``KIND_DEVICE``)::

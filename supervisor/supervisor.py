@@ -94,9 +94,12 @@ from supervisor.observe.sd_notify import SystemdNotifier
 from supervisor.control.service import ServiceOps
 from supervisor.runtime.stall import StallGuard
 from supervisor.store.state import StateStore
+from supervisor.store.modules import MODULES_DIR, ModuleStore
+from supervisor.control.ops.put_module import restore_modules
 from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
+from supervisor.lifecycle.drain import Drain
 from supervisor.lifecycle.parking import Parking
 from supervisor.lifecycle.workerset import WorkerSet
 
@@ -168,6 +171,8 @@ class Supervisor:
         self.rundir = rundir or RunDir(config.run_dir, config.client_group)
         # opened in start(), once the run dir is ours: the registry's identity comes from the state
         self.state: StateStore | None = None
+        #: the tenants' stored modules on disk, beside the state (written on their own thread)
+        self.modules = ModuleStore(os.path.join(config.state_path, MODULES_DIR))
         self.registry: TenantRegistry | None = None
         self.loop = Loop(clock)
         self._spawner_factory = spawner
@@ -179,6 +184,9 @@ class Supervisor:
         self.ready = False
         self._stopping = False
         self._stop_started: float | None = None
+        #: a stop was asked for (a signal, request_stop): the drain runs first (supervisor.lifecycle.drain)
+        self._stop_wanted = False
+        self._drain = Drain(config.drain_timeout_s, config.stop_timeout_s + 2 * config.kill_grace_s)
         self._last_rss_check = 0.0
         self._reload_wanted = False
         # A gap of a second between housekeeping passes (every 50 ms) is a stall - and always one
@@ -301,7 +309,9 @@ class Supervisor:
             placement=placement, pending=pending, events=self.events, rundir=self.rundir,
             backend_name=choice.name, backend_reason=choice.reason,
             counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard, tenant_label=labels,
+            backend_versions=(choice.driver_version, choice.cuda_version),
         )
+        self.metrics.backend_info(choice.name, choice.device_labels(), choice.driver_version, choice.cuda_version)
         hooks = _Hooks(self, admin)
         workers = WorkerSet(
             cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
@@ -319,7 +329,7 @@ class Supervisor:
             replies=replies, pending=pending, workers=workers,
             registry=registry, tenants=self.tenants, on_denied=on_denied,
             regions=RegionTable(registry.segment_prefix), guard=guard, admin_cap=admin_cap.to_bytes(),
-            event_log=self.event_log,
+            event_log=self.event_log, module_store=self.modules,
         )
 
         def on_key_rotated(new_admin: RegistryAdminCapability) -> None:
@@ -345,6 +355,8 @@ class Supervisor:
         self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, parking, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference
+        restore_modules(self.modules, frontend, self.tenants,  # their stored modules, without a resend
+                        {r.tenant_id: r.generation for r in state.tenants()})
         workers.refill_pool()
         return self.parts
 
@@ -356,8 +368,11 @@ class Supervisor:
     # ------------------------------------------------------------ run and stop
 
     def request_stop(self) -> None:
-        """Begin a graceful stop (safe from a signal handler or another thread)."""
-        self._stopping = True
+        """Begin a graceful stop: drain, then stop the workers (safe from a signal handler or another
+        thread). A second call ends the drain at once (a second SIGTERM/SIGINT)."""
+        if self._stop_wanted:
+            self._drain.hurry()
+        self._stop_wanted = True
         self.loop.wake()
 
     def request_reload(self) -> None:
@@ -431,15 +446,21 @@ class Supervisor:
             self._internal_error("dispatch")
         if self._metrics.wanted():
             self._refresh_metrics()
-        if self._reload_wanted and not self._stopping:
+        if self._reload_wanted and not self._stop_wanted:
             self._reload_wanted = False
             self.notifier.reloading()
+            failed: str | None = None
             try:
-                parts.service.reload_quietly()
-            except Exception:  # noqa: BLE001 - as above
+                error = parts.service.reload_quietly()
+                failed = None if error is None else str(error)
+            except Exception as exc:  # noqa: BLE001 - as above
                 self._internal_error("reload")
+                failed = f"internal error: {exc!r}"
             if self.ready:
-                self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded")
+                # systemd ends a reload (RELOADING=1) at the next READY=1, failed or not; STATUS says which
+                self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded" if failed is None else
+                                    f"reload failed, still serving {len(self.tenants)} tenant(s) on the previous "
+                                    f"config: {failed}")
         now = loop.clock()
         try:
             loop.timers.run_due(now)
@@ -448,6 +469,8 @@ class Supervisor:
                 self._housekeeping(parts, now)
         except Exception:  # noqa: BLE001 - as above
             self._internal_error("housekeeping")
+        if self._stop_wanted and not self._stopping:
+            self._drain_turn(parts, now)
         if self._stopping:
             if self._stop_started is None:
                 self._stop_started = now
@@ -458,6 +481,25 @@ class Supervisor:
             if not parts.workers.workers or waited > self.config.stop_timeout_s + 2 * self.config.kill_grace_s:
                 return False
         return True
+
+    def _drain_turn(self, parts: _Parts, now: float) -> None:
+        """The drain between a stop's signal and the workers' stop: new requests refused
+        ``Draining`` (the frontend asks the drain), in-flight ones answered; over when none is
+        left, at ``drain_timeout_s``, or at a second signal."""
+        in_flight = len(parts.pending) + sum(len(rt.parked) for rt in self.tenants.values())
+        if self._drain.begin(now):
+            parts.frontend.drain = self._drain
+            parts.frontend.ready = False
+            self.metrics.mark_draining()  # /readyz: not ready, and why
+            self.notifier.stopping(f"draining {in_flight} request(s) in flight "
+                                   f"(at most {self.config.drain_timeout_s:g} s)")
+            log_event(_log, logging.INFO, "supervisor.draining", in_flight=in_flight,
+                      drain_timeout_s=self.config.drain_timeout_s)
+        if self._drain.over(now, in_flight):
+            if in_flight:
+                log_event(_log, logging.WARNING, "supervisor.drain_timeout", in_flight=in_flight,
+                          drain_timeout_s=self.config.drain_timeout_s, hurried=self._drain.hurried)
+            self._stopping = True
 
     def _housekeeping(self, parts: _Parts, now: float) -> None:
         self.notifier.watchdog(now)  # systemd's WatchdogSec: only a turning loop sends it
@@ -484,8 +526,8 @@ class Supervisor:
             if self.metrics.reads_snapshots:
                 self._refresh_metrics()
             self._scan_refusals()
-        if not self._stopping:
-            parts.parking.check_idle(now)
+        if not self._stop_wanted:
+            parts.parking.check_idle(now)  # no new park once a stop is asked for (the drain)
             parts.workers.refill_pool()
 
     def _internal_error(self, where: str) -> None:
@@ -510,6 +552,7 @@ class Supervisor:
             if self.registry is not None:
                 self.registry.close()
         finally:
+            self.modules.close()  # every queued module write done
             if self.state is not None:
                 self.state.close()
             if parts is not None:

@@ -3,7 +3,21 @@
     alloc(n):  block.consume_gpu_bytes(n)      refused -> GpuMemoryExhausted, no backend call
                budget.consume(n)               (device budget, when present) refused -> roll back
                backend.alloc(n)                DeviceOutOfMemory -> roll back both, GpuMemoryExhausted
-    free(h):   backend.free(buf); budget.release(n); block.release_gpu_bytes(n)
+    free(h):   backend.free(buf); block.release_gpu_bytes(n); budget credited only for what the
+               backend has really returned to the device (settle)
+
+Why the device budget is not credited at the free itself: ``cuMemFreeAsync``
+returns memory to the tenant's *pool*, which gives it back to the device only
+at a synchronize or a trim (``reclaim``, batched per request or run). Credited
+at the free, the budget would admit another tenant's allocation that the
+driver then refuses for want of memory still reserved here. So freed bytes are
+*withheld* and :meth:`MeteredAllocator.settle` credits the budget with what
+the backend no longer holds (``backend.retained_bytes()``: the pool's reserved
+memory beyond its live buffers, read from the driver) - after every free, after
+an allocation (it may reuse retained memory), after ``reclaim`` and at the end
+of a run. A budget refusal while bytes are withheld reclaims (synchronize +
+trim), settles and asks once more. The tenant's own counter is credited at the
+free: its pool reuses what it retains, and its ``maxSize`` bounds both.
 
 Handles are ints that name (instance, incarnation, sequence) so the
 supervisor can route a handle to the process holding it, and a handle from a
@@ -62,6 +76,8 @@ class MeteredAllocator:
         #: run-scope buffers whose free failed while the backend still holds them (still metered)
         self._stuck: list[DeviceBuffer] = []
         self._seq = 0
+        #: freed bytes still charged to the device budget: the backend has not returned them yet
+        self.withheld_bytes = 0
 
     # ----------------------------------------------------------- metering
 
@@ -74,14 +90,14 @@ class MeteredAllocator:
         self.block.consume_gpu_bytes(nbytes)  # refusal: nothing else happens
         if self.budget is not None:
             try:
-                self.budget.consume(nbytes)
+                self._consume_budget(nbytes)
             except BaseException:
                 self.block.release_gpu_bytes(nbytes)
                 raise
         try:
             if self.faults is not None and self.faults.take_oom():
                 raise DeviceOutOfMemory(nbytes, 0, 0, "injected out-of-memory (fault 'oom')")
-            return self.backend.alloc(nbytes)
+            buf = self.backend.alloc(nbytes)
         except DeviceOutOfMemory as oom:
             self._unmeter(nbytes)
             raise GpuMemoryExhausted(
@@ -94,6 +110,37 @@ class MeteredAllocator:
         except BaseException:
             self._unmeter(nbytes)
             raise
+        if self.withheld_bytes:
+            self.settle()  # the pool may have served it from memory it retained: credited now
+        return buf
+
+    def _consume_budget(self, nbytes: int) -> None:
+        """The device budget's consume; refused while freed bytes are withheld: return them to the
+        device (the backend's reclaim: synchronize + trim), credit what came back, ask once more."""
+        assert self.budget is not None
+        try:
+            self.budget.consume(nbytes)
+            return
+        except GpuMemoryExhausted:
+            if not self.withheld_bytes:
+                raise
+        self.backend.reclaim()
+        self.settle()
+        self.budget.consume(nbytes)
+
+    def settle(self) -> None:
+        """Credit the device budget with the withheld bytes the backend no longer holds.
+
+        Never more than was withheld, never what the backend's pool still reserves
+        (``retained_bytes``): the budget stays at or above what this worker really holds.
+        """
+        if self.budget is None or not self.withheld_bytes:
+            return
+        retained = self.backend.retained_bytes()
+        credit = self.withheld_bytes - min(self.withheld_bytes, max(0, retained))
+        if credit:
+            self.withheld_bytes -= credit
+            self.budget.release(credit)
 
     def free_buffer(self, buf: DeviceBuffer) -> None:
         """Free a buffer from :meth:`alloc_buffer` and release its bytes.
@@ -110,19 +157,27 @@ class MeteredAllocator:
                     self._stuck.append(buf)
                 raise
             self._forget_stuck(buf)
-            self._unmeter(buf.nbytes)
+            self._unmeter(buf.nbytes, freed=True)
             raise
         self._forget_stuck(buf)
-        self._unmeter(buf.nbytes)
+        self._unmeter(buf.nbytes, freed=True)
 
     def _forget_stuck(self, buf: DeviceBuffer) -> None:
         if self._stuck and buf in self._stuck:
             self._stuck.remove(buf)
 
-    def _unmeter(self, nbytes: int) -> None:
-        if self.budget is not None:
-            self.budget.release(nbytes)
-        self.block.release_gpu_bytes(nbytes)
+    def _unmeter(self, nbytes: int, *, freed: bool = False) -> None:
+        """Release ``nbytes`` from the tenant's counter and the device budget; a freed buffer's bytes
+        reach the budget through :meth:`settle` (only once the backend has given them back)."""
+        try:
+            if self.budget is not None:
+                if freed:
+                    self.withheld_bytes += nbytes
+                    self.settle()
+                else:
+                    self.budget.release(nbytes)
+        finally:
+            self.block.release_gpu_bytes(nbytes)
 
     # ------------------------------------------------------------ handles
 
@@ -166,6 +221,7 @@ class MeteredAllocator:
                 if buf in self._stuck:
                     self._stuck.remove(buf)
         self.backend.reclaim()
+        self.settle()
         return buf.nbytes
 
     def check_range(self, buf: DeviceBuffer, offset: object, nbytes: int, what: str = "access") -> int:
@@ -253,4 +309,10 @@ class MeteredAllocator:
                           handle=0, nbytes=buf.nbytes, error=repr(exc))
             else:
                 total += buf.nbytes
+        try:
+            self.backend.reclaim()  # back on the device, so the budget is credited now
+            self.settle()
+        except Exception as exc:  # noqa: BLE001 - shutdown: the rest is credited at close or with the slot
+            log_event(_log, logging.WARNING, "buffer.reclaim_failed", tenant=self.tenant_id,
+                      withheld=self.withheld_bytes, error=repr(exc))
         return total

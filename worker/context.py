@@ -136,6 +136,7 @@ class TenantContext:
             log_event(_log, logging.WARNING, "context.gate_close_failed", error=repr(exc))
         try:
             self.backend.close()
+            self.allocator.settle()  # the pool is gone: what its frees still withheld goes back to the budget
         except Exception as exc:  # noqa: BLE001 - logged, never raised from cleanup
             log_event(_log, logging.WARNING, "context.backend_close_failed", error=repr(exc))
         self.block.close()

@@ -44,7 +44,7 @@ from collections.abc import Callable
 import zmq
 
 from shared import protocol as proto
-from shared.capability import RegistryAdminCapability, TenantCapability, capability_from_bytes
+from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability, capability_from_bytes
 from shared.checks import is_int
 from shared.config import SupervisorConfig
 from shared.errors import (
@@ -66,12 +66,14 @@ from shared.log import get_logger
 from shared.sizes import MAX_MODULE_BYTES
 from shared.spec import DEADLINE_GRACE_S
 from supervisor.observe.event_log import EventLog
+from supervisor.lifecycle.drain import Drain
 from supervisor.admission.guard import FrontendGuard
 from supervisor.admission.rates import RefusalUnanswered
 from supervisor.runtime.loop import Loop
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.regions import RegionTable, ipc_peer_pid
 from supervisor.store.registry import TenantRegistry
+from supervisor.store.modules import ModuleStore
 from supervisor.routing.replies import Replies
 from supervisor.runtime.requests import Parked, Pending
 from supervisor.admission.tcp_frontend import IPC_INDEX, TCP_INDEX
@@ -92,6 +94,8 @@ __all__ = ["ClientMessage", "Frontend"]
 
 _log = get_logger("supervisor")
 
+#: the fairness key of the verified monitor capability (no tenant id has parentheses)
+MONITOR_KEY = "(monitor)"
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
@@ -142,8 +146,11 @@ class Frontend:
         on_denied: DenialHook | None = None,
         regions: RegionTable,
         event_log: EventLog,
+        module_store: ModuleStore | None = None,
     ) -> None:
         self.config = config
+        #: the stored modules on disk (put_module), with a state directory
+        self.module_store = module_store
         self.clock = loop.clock
         self.loop = loop
         self.sock = sock
@@ -156,6 +163,8 @@ class Frontend:
         self._admin_ops: Mapping[str, AdminHandler] = {}
         self.guard = guard
         self._admin_raw = admin_cap
+        #: the monitor capability's bytes, once verified (forget_verified drops them)
+        self._monitor_raw: bytes | None = None
         self.on_denied = on_denied
         self.regions = regions
         self.event_log = event_log
@@ -167,6 +176,9 @@ class Frontend:
         self._either_ops: Mapping[str, EitherOp] = {}
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
+        #: the supervisor's drain once a stop began (supervisor.lifecycle.drain): new requests but the
+        #: read-only ones are refused ``Draining`` while what is in flight finishes
+        self.drain: Drain | None = None
         #: a request that needs a worker came for a parked tenant (supervisor.lifecycle.parking, set at set-up)
         self.wake_parked: Callable[[TenantRuntime], None] = _ignore_wake
         #: each frontend socket's neighbour (ipc <-> tcp): what a read of one looks at (see _on_readable)
@@ -200,7 +212,7 @@ class Frontend:
         # Two frontend sockets (ipc and TCP) are one source: libzmq fair-queues the peers of
         # one socket, not across sockets, so while a flood fills one, every YIELD_EVERY
         # messages the other is asked for input, and when it has some the batch ends and the
-        # other is read right after this one is served (issue 25: a tcp-ping flood's victim on
+        # other is read right after this one is served (a tcp-ping flood's victim on
         # ipc waited ~0.5 ms before the loop read it, a whole batch and its serving).
         if self.tcp_paused and prefix == _TCP:  # (polled before the pause began, this turn)
             return
@@ -370,6 +382,8 @@ class Frontend:
             return rt.tenant_id
         if hmac.compare_digest(cap_raw, self._admin_raw):
             return "admin"
+        if self._monitor_raw is not None and hmac.compare_digest(cap_raw, self._monitor_raw):
+            return MONITOR_KEY
         return None
 
     def serve(self, msg: ClientMessage) -> None:
@@ -394,12 +408,13 @@ class Frontend:
         if msg.cap_raw is None and proto.OPS[op].anonymous:
             self._anonymous(client, rid)
             return
+        if self.drain is not None and self.drain.active and op not in proto.MONITOR_OPS:
+            self._refused(client, rid, op, self.drain.refusal(self.clock()), msg.cap_raw)
+            return
         try:
             if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows
                 self._either_capability(client, rid, op, msg.cap_raw, msg.args, msg.size)
             elif proto.OPS[op].admin:
-                if client[:1] == _TCP and not self.config.allow_remote_admin:
-                    raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
                 self._admin_request(client, rid, op, msg.cap_raw, msg.args)
             else:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
@@ -440,9 +455,29 @@ class Frontend:
         """One admin request: the admin capability first, then the op's arguments, then its handler."""
         if cap_raw is None:
             raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
-        self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
+        if not self._monitor_allowed(op, cap_raw):
+            if client[:1] == _TCP and not self.config.allow_remote_admin:
+                raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)"
+                                               + ("; the monitor capability reads it remotely"
+                                                  if proto.OPS[op].monitor else ""))
+            self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
         proto.check_args(op, args)
         self._admin_ops[op](client, rid, args)
+
+    def _monitor_allowed(self, op: str, cap_raw: bytes) -> bool:
+        """True when ``cap_raw`` is this registry's monitor capability and ``op`` is one it grants
+        (read-only: from either frontend, ``allow_remote_admin`` or not). False when it is no
+        monitor capability (the admin checks follow); a forged or foreign one, or one offered for
+        an op it does not grant, is refused here."""
+        cap = capability_from_bytes(cap_raw)
+        if not isinstance(cap, MonitorCapability):
+            return False
+        if not proto.OPS[op].monitor:
+            raise TenantIsolationViolation(None, f"op {op!r} (the monitor capability grants read-only ops only: "
+                                           f"{', '.join(sorted(proto.MONITOR_OPS))})", "wrong_kind")
+        self.registry.verify_monitor(cap)
+        self._monitor_raw = cap_raw  # its next requests are served as verified (verified_key)
+        return True
 
     def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError, cap_raw: bytes | None) -> None:
         """Answer a request the supervisor itself refused (and count it).
@@ -461,7 +496,7 @@ class Frontend:
                 self.dropped_unanswered(client[:1])
             self.pending.count_refusal("", op, exc.code)
             return
-        self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)
+        self.pending.refuse(client, rid, op, exc, tenant="" if key in ("admin", MONITOR_KEY) else key)
 
     def _anonymous(self, client: bytes, rid: int) -> None:
         """``hello`` without a capability, on either frontend: the liveness probe. It answers the
@@ -485,7 +520,9 @@ class Frontend:
             raise TenantIsolationViolation(None, f"op {op!r} (no capability)", "missing")
         cap = capability_from_bytes(cap_raw)
         rt: TenantRuntime | None = None
-        if isinstance(cap, RegistryAdminCapability):
+        if self._monitor_allowed(op, cap_raw):
+            pass  # the monitor's view is the admin's, read-only
+        elif isinstance(cap, RegistryAdminCapability):
             if client[:1] == _TCP and not self.config.allow_remote_admin:
                 raise TenantIsolationViolation(None, f"admin {op} over TCP (allow_remote_admin is false); "
                                                "a tenant capability follows its own tenant's events")
@@ -592,6 +629,7 @@ class Frontend:
     def forget_verified(self) -> None:
         """Drop the verified-capability cache (the registry key was rotated: nothing verified before counts)."""
         self._verified_caps.clear()
+        self._monitor_raw = None
 
     def _verify(self, cap_raw: bytes) -> TenantRuntime:
         # Fast path: these exact bytes were verified for this very tenant runtime
@@ -676,6 +714,8 @@ class Frontend:
         for raw in [raw for raw, cached in self._verified_caps.items() if cached is rt]:
             del self._verified_caps[raw]
         rt.modules.clear()
+        if self.module_store is not None:
+            self.module_store.drop(rt.tenant_id, rt.generation)
         self.guard.held.forget(rt.tenant_id)
         self.guard.admission.forget(rt.tenant_id)
 
@@ -861,8 +901,10 @@ def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError
     who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
     reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
               f"last exit of {rt.tenant_id}/{gone.index}: {last.reason if last else 'unknown'})")
+    again = (f"`twt restart {rt.tenant_id}` runs it again" if rt.state is TenantState.COMPLETED
+             else f"`twt scale {rt.tenant_id} N` starts instances again")
     return WorkerLost(rt.tenant_id, gone.index, last.exit_code if last else None, last.signal if last else None, reason,
-                      message=f"{reason}; `twt scale {rt.tenant_id} N` starts instances again")
+                      message=f"{reason}; {again}")
 
 
 def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:

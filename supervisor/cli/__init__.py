@@ -73,6 +73,7 @@ COMMANDS = {
     "cleanup": "supervisor.cli.cleanup",
     "build": "supervisor.cli.build",
     "state": "supervisor.cli.state",
+    "check-config": "supervisor.cli.check_config",
 }
 
 __all__ += ["EXIT_CHECK", "EXIT_FAILED", "EXIT_INTERNAL", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE"]

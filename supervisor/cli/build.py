@@ -19,6 +19,15 @@ written only when the build and the export check succeed.
 
 The SDK is the ``sdk/`` folder of the checkout this package is installed
 from (``pip install -e``, as ``make`` does).
+
+Sources are untrusted (an operator may build a tenant's code): the build
+runs on a copy of each source's directory in a fresh temp dir, refuses a C
+file that read anything outside it (``#include`` / ``#embed`` of
+``/etc/shadow``, ``..``), kills the compiler's whole process group at the
+timeout, and with ``--sandbox`` runs the compiler as ``nobody``
+(:mod:`supervisor.cli.build_guard`). Builds on one Zig cache take turns
+(a lock, with a message while waiting). The compiler's warnings are printed
+when the build succeeds too; ``-Werror`` makes them errors.
 """
 
 from __future__ import annotations
@@ -26,13 +35,28 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import subprocess
+import re
+import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from supervisor.cli.build_guard import (
+    BuildError,
+    NoDependencyList,
+    SandboxUser,
+    cache_lock,
+    check_dependencies,
+    chown_tree,
+    refuse_cimport,
+    run_compiler,
+    sandbox_user,
+    source_dir,
+    stage_sources,
+)
 
 __all__ = ["BuildError", "BuildResult", "OPTIMIZE", "add_parser", "build_module", "run", "sdk_dir"]
 
@@ -48,25 +72,24 @@ _C_SUFFIXES = {".c"}
 _ZIG_SUFFIXES = {".zig"}
 #: the longest a build may take (a first build also compiles wasi-libc into Zig's cache)
 BUILD_TIMEOUT_S = 600.0
+#: the longest a build waits for another one to let go of the Zig cache (apart from its own timeout)
+LOCK_TIMEOUT_S = 600.0
 
 
-class BuildError(Exception):
-    """A build failed: ``message`` is one line; ``output`` holds the compiler's own messages, if any."""
-
-    def __init__(self, message: str, output: str = "") -> None:
-        super().__init__(message)
-        self.output = output
+#: the sandbox's Zig cache: outside any home directory (``nobody`` must reach it), owned by ``nobody``
+SANDBOX_CACHE = Path("/var/tmp/twt-zig-sandbox")
 
 
 @dataclass(frozen=True)
 class BuildResult:
-    """What ``twt build`` made: the module's path, size and exported functions."""
+    """What ``twt build`` made: the module's path, size and exported functions, and the compiler's warnings."""
 
     out: Path
     nbytes: int
     exports: tuple[str, ...]
     wasi: bool
     command: tuple[str, ...]
+    warnings: str = ""
 
 
 def sdk_dir() -> Path:
@@ -82,22 +105,36 @@ def sdk_dir() -> Path:
 TOOLCHAIN = "ziglang"
 
 
-def _zig() -> list[str]:
-    if importlib.util.find_spec(TOOLCHAIN) is None:
+def _toolchain_dir() -> Path:
+    """The ``ziglang`` package's folder: the ``zig`` binary and ``lib/`` (wasi-libc's headers)."""
+    spec = importlib.util.find_spec(TOOLCHAIN)
+    if spec is None or not spec.submodule_search_locations:
         raise BuildError("the Zig toolchain is not installed: pip install 'tensor-wasm-tenant[sdk]' "
                          "(the sdk extra: the ziglang package)")
-    return [sys.executable, "-m", TOOLCHAIN]
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _cache_dir() -> Path:
+def _zig() -> list[str]:
+    """The ``zig`` binary itself (what ``python -m ziglang`` execs): no interpreter a sandbox must reach."""
+    return [str(_toolchain_dir() / "zig")]
+
+
+def _cache_dir(sandbox: bool = False) -> Path:
     """Zig's global cache, passed explicitly so no ``.zig-cache`` appears next to the sources."""
+    if sandbox:
+        return SANDBOX_CACHE
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "zig"
 
 
 def compile_command(sources: list[Path], out: Path, *, optimize: str = "safe",
-                    stack_size: int = DEFAULT_STACK, max_memory: int | None = None) -> list[str]:
-    """The compiler command line for ``sources`` (C files, or one Zig root plus C files)."""
+                    stack_size: int = DEFAULT_STACK, max_memory: int | None = None, werror: bool = False,
+                    sdk: Path | None = None, cache: Path | None = None) -> list[str]:
+    """The compiler command line for ``sources`` (C files, or one Zig root plus C files).
+
+    ``sdk`` is the SDK folder to name (default: the checkout's), ``cache`` Zig's cache (default: the
+    user's). A source whose path starts with ``-`` is refused (the compiler would read it as an option).
+    """
     if optimize not in OPTIMIZE:
         raise BuildError(f"unknown optimisation {optimize!r}: one of {', '.join(OPTIMIZE)}")
     if not sources:
@@ -110,32 +147,35 @@ def compile_command(sources: list[Path], out: Path, *, optimize: str = "safe",
         raise BuildError(f"one Zig root file per module, got {len(zig_roots)}: "
                          f"{', '.join(map(str, zig_roots))} (import the others from it)")
     for src in sources:
+        if str(src).startswith("-"):
+            raise BuildError(f"{src}: a source path starting with '-' would be read as an option: name it ./{src}")
         if not src.is_file():
             raise BuildError(f"{src}: no such file")
     if stack_size < 4096 or stack_size % 16:
         raise BuildError(f"stack size must be at least 4096 and a multiple of 16, got {stack_size}")
     if max_memory is not None and (max_memory < 65536 or max_memory % 65536):
         raise BuildError(f"max memory must be a positive multiple of 65536 (a page), got {max_memory}")
-    sdk = sdk_dir()
+    sdk = sdk if sdk is not None else sdk_dir()
     zig = _zig()
     c_flags, zig_mode = OPTIMIZE[optimize]
+    warn = ["-Wall", *(["-Werror"] if werror else [])]
     link = [f"-Wl,-z,stack-size={stack_size}"] + ([f"-Wl,--max-memory={max_memory}"] if max_memory else [])
     strip = [] if optimize == "debug" else ["-s"]
     include = ["-I", str(sdk / "c")]
     if not zig_roots:
-        return [*zig, "cc", "--target=wasm32-wasi", "-mexec-model=reactor", *c_flags, "-Wall", *strip, *include,
+        return [*zig, "cc", "--target=wasm32-wasi", "-mexec-model=reactor", *c_flags, *warn, *strip, *include,
                 *link, "-o", str(out), *map(str, sources)]
     root = zig_roots[0]
     c_files = [str(s) for s in sources if s.suffix in _C_SUFFIXES]
     cmd = [*zig, "build-exe", "-target", "wasm32-wasi", "-mexec-model=reactor", "-fno-entry", "-rdynamic",
-           "-O", zig_mode, "--stack", str(stack_size), "--cache-dir", str(_cache_dir()),
+           "-O", zig_mode, "--stack", str(stack_size), "--cache-dir", str(cache or _cache_dir()),
            f"-femit-bin={out}", "--name", out.stem]
     if optimize != "debug":
         cmd.append("-fstrip")
     if max_memory:
         cmd.append(f"--max-memory={max_memory}")
     if c_files:
-        cmd += ["-lc", *include, "-cflags", *c_flags, "-Wall", "--", *c_files]
+        cmd += ["-lc", *include, "-cflags", *c_flags, *warn, "--", *c_files]
     cmd += ["--dep", "tensorwasm", f"-Mroot={root}", f"-Mtensorwasm={sdk / 'zig' / 'tensorwasm.zig'}"]
     return cmd
 
@@ -154,23 +194,122 @@ def _exports(wasm: bytes) -> tuple[tuple[str, ...], bool]:
     return names, wasi
 
 
+def _preprocess_command(source: Path, index: int, optimize: str) -> list[str]:
+    """Preprocess one staged C file only, listing every file it read (``#embed`` too) in ``deps/<index>.d``."""
+    c_flags, _ = OPTIMIZE[optimize]
+    return [*_zig(), "cc", "--target=wasm32-wasi", *c_flags, "-w", "-I", "sdk/c", "-E", "-MD",
+            "-MF", f"deps/{index}.d", "-o", f"deps/{index}.i", str(source)]
+
+
+def _compiler_env(root: Path, cache: Path) -> dict[str, str]:
+    """The compiler's whole environment: nothing of the caller's but PATH."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(root), "TMPDIR": str(root / "tmp"),
+            "ZIG_GLOBAL_CACHE_DIR": str(cache), "ZIG_LOCAL_CACHE_DIR": str(cache), "LANG": "C.UTF-8"}
+
+
+def _sandbox_cache(user: SandboxUser, cache: Path) -> Path:
+    """The sandbox's Zig cache, created for ``user``; BuildError if another user owns it (or it is a link)."""
+    try:
+        cache.mkdir(mode=0o700)
+        os.chown(cache, user.uid, user.gid, follow_symlinks=False)
+    except FileExistsError:
+        pass
+    info = os.lstat(cache)
+    if not os.path.isdir(cache) or os.path.islink(cache) or info.st_uid != user.uid:
+        raise BuildError(f"the sandbox's Zig cache {cache} is not a directory of the user {user.name!r}: "
+                         "remove it (twt build --sandbox creates it)")
+    return cache
+
+
+_STAGED = re.compile(r"(?<![\w/.-])src(\d+)/")
+
+
+def _source_dirs(sources: list[Path]) -> list[str]:
+    """Each staged directory (``src<i>``, in :func:`stage_sources`' order) as the user named it: ``""``
+    for the current one, else the source's folder with a slash (so messages read as they were given)."""
+    seen: dict[Path, str] = {}
+    for src in sources:
+        real = source_dir(src)
+        if real not in seen:
+            shown = str(src.parent)
+            seen[real] = "" if shown == "." else f"{shown}/"
+    return list(seen.values())
+
+
+def _unstage(output: str, dirs: list[str]) -> str:
+    """The compiler's messages with each staged ``src<i>/`` named as the source's own directory."""
+    def real(match: re.Match[str]) -> str:
+        i = int(match.group(1))
+        return dirs[i] if i < len(dirs) else match.group(0)
+
+    return _STAGED.sub(real, output)
+
+
 def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stack_size: int = DEFAULT_STACK,
-                 max_memory: int | None = None, timeout_s: float = BUILD_TIMEOUT_S) -> BuildResult:
-    """Compile ``sources`` into ``out`` (written only on success); BuildError with the compiler's output."""
+                 max_memory: int | None = None, timeout_s: float = BUILD_TIMEOUT_S, werror: bool = False,
+                 sandbox: bool = False, notify: Callable[[str], object] | None = None,
+                 cache: Path | None = None) -> BuildResult:
+    """Compile ``sources`` into ``out`` (written only on success); BuildError with the compiler's output.
+
+    The build runs on a staged copy of the sources' directories (see
+    :mod:`supervisor.cli.build_guard`), holding the Zig cache's lock
+    (``notify`` hears once that it waits for another build; the wait is
+    bounded by ``LOCK_TIMEOUT_S``, each compiler run by ``timeout_s``); ``sandbox``
+    runs the compiler as ``nobody`` with a cache of its own. ``cache`` is
+    the Zig cache to use instead of the default (the user's, or with
+    ``sandbox`` ``SANDBOX_CACHE``). The result carries the compiler's
+    warnings (empty when there are none).
+    """
     out = out.resolve()
+    # the checks first (absolute paths: a name like "-o.c" is staged as src0/-o.c, never read as an option)
+    compile_command([src.absolute() for src in sources], out, optimize=optimize, stack_size=stack_size,
+                    max_memory=max_memory)
+    user = sandbox_user() if sandbox else None
+    cache = cache if cache is not None else _cache_dir(sandbox)
+    if user is not None:
+        _sandbox_cache(user, cache)
+    toolchain = _toolchain_dir()
     with tempfile.TemporaryDirectory(prefix="twt-build-") as tmp:
-        staged = Path(tmp) / (out.stem + ".wasm")
-        cmd = compile_command(sources, staged, optimize=optimize, stack_size=stack_size, max_memory=max_memory)
-        try:
-            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
-            raise BuildError(f"the compiler did not finish within {timeout_s:g} s") from None
-        output = (proc.stderr + proc.stdout).strip()
-        if proc.returncode != 0:
-            tool = "zig cc" if cmd[3] == "cc" else "zig build-exe"
-            raise BuildError(f"compiling failed ({tool} exit {proc.returncode}; its messages are above)", output)
-        wasm = staged.read_bytes()
+        root = Path(tmp)
+        staged = stage_sources(sources, root)
+        dirs = _source_dirs(sources)
+        sdk = sdk_dir()
+        for part in ("c/tensorwasm.h", "zig/tensorwasm.zig"):
+            (root / "sdk" / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(sdk / part, root / "sdk" / part)
+        refuse_cimport(root)
+        for sub in ("out", "deps", "tmp"):
+            (root / sub).mkdir()
+        if user is not None:
+            chown_tree(root, user)
+        env = _compiler_env(root, cache)
+        staged_out = Path("out") / (out.stem + ".wasm")
+        cmd = compile_command([root / s for s in staged], root / staged_out, optimize=optimize,
+                              stack_size=stack_size, max_memory=max_memory, werror=werror, sdk=root / "sdk",
+                              cache=cache)
+        cmd = [_relative(arg, root) for arg in cmd]
+        tool = "zig cc" if cmd[1] == "cc" else "zig build-exe"
+        unlisted: NoDependencyList | None = None
+        with cache_lock(cache, timeout_s=LOCK_TIMEOUT_S, notify=notify):
+            for i, src in enumerate(s for s in staged if s.suffix in _C_SUFFIXES):
+                code, output = run_compiler(_preprocess_command(src, i, optimize), cwd=root, env=env,
+                                            timeout_s=timeout_s, user=user)
+                if code != 0:
+                    raise BuildError(f"compiling failed (zig cc exit {code}; its messages are above)",
+                                     _unstage(output, dirs))
+                allowed = [root / "sdk", toolchain, *(root / f"src{n}" for n in range(len(dirs)))]
+                try:
+                    check_dependencies(root / "deps" / f"{i}.d", root, allowed, _unstage(str(src), dirs))
+                except NoDependencyList as exc:
+                    unlisted = exc  # refused whatever happens; the compile below says what is missing
+                    break
+            code, output = run_compiler(cmd, cwd=root, env=env, timeout_s=timeout_s, user=user)
+        output = _unstage(output, dirs)
+        if code != 0:
+            raise BuildError(f"compiling failed ({tool} exit {code}; its messages are above)", output)
+        if unlisted is not None:
+            raise unlisted
+        wasm = _read_regular(root / staged_out)
         exports, wasi = _exports(wasm)
         if not exports:
             raise BuildError("the module exports no function: mark one with TWT_EXPORT(name) in C or "
@@ -179,7 +318,28 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
         tmp_out = out.with_name(out.name + ".tmp")
         tmp_out.write_bytes(wasm)
         tmp_out.replace(out)
-    return BuildResult(out, len(wasm), exports, wasi, tuple(cmd))
+    return BuildResult(out, len(wasm), exports, wasi, tuple(cmd), output)
+
+
+def _relative(arg: str, root: Path) -> str:
+    """``arg`` with the staged root's absolute prefix dropped (the compiler runs in ``root``)."""
+    prefix = f"{root}/"
+    if arg.startswith(prefix):
+        return arg[len(prefix):]
+    for flag in ("-femit-bin=", "-Mroot=", "-Mtensorwasm="):
+        if arg.startswith(flag + prefix):
+            return flag + arg[len(flag) + len(prefix):]
+    return arg
+
+
+def _read_regular(path: Path) -> bytes:
+    """The module the compiler wrote, opened without following a link (a sandboxed build owns the folder)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise BuildError(f"the compiler wrote no module ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 #: what :func:`prepare_toolchain` compiles: one guest per way ``twt build`` drives the compiler (C
@@ -196,13 +356,15 @@ _PREPARE_SOURCES: dict[str, str] = {
 }
 
 
-def prepare_toolchain(*, optimize: str = "safe", timeout_s: float = BUILD_TIMEOUT_S) -> list[BuildResult]:
+def prepare_toolchain(*, optimize: str = "safe", timeout_s: float = BUILD_TIMEOUT_S, sandbox: bool = False,
+                      notify: Callable[[str], object] | None = None) -> list[BuildResult]:
     """Compile what a first build compiles (wasi-libc, the compiler runtimes) into Zig's cache now.
 
     Why: the first ``twt build`` on a machine spends ~20 s of CPU building wasi-libc and its
     runtimes before it compiles the tenant's code (later builds take well under a second). An
     image or a CI job pays it once at set-up instead (``make`` does, when it installs the venv).
-    Returns the three throw-away builds (C alone, Zig with a C helper, Zig alone).
+    Returns the three throw-away builds (C alone, Zig with a C helper, Zig alone). ``sandbox``
+    prepares the sandbox's own cache (``--sandbox`` builds use it).
     """
     with tempfile.TemporaryDirectory(prefix="twt-prepare-") as tmp:
         src = Path(tmp)
@@ -210,7 +372,8 @@ def prepare_toolchain(*, optimize: str = "safe", timeout_s: float = BUILD_TIMEOU
             (src / name).write_text(text)
         plans = [[src / "prepare_c.c"], [src / "prepare_zig.zig", src / "prepare_helper.c"],
                  [src / "prepare_zig_only.zig"]]
-        return [build_module(sources, src / f"out{i}.wasm", optimize=optimize, timeout_s=timeout_s)
+        return [build_module(sources, src / f"out{i}.wasm", optimize=optimize, timeout_s=timeout_s,
+                             sandbox=sandbox, notify=notify)
                 for i, sources in enumerate(plans)]
 
 
@@ -246,8 +409,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-memory", type=_size, default=None, metavar="BYTES",
                    help="declare a maximum linear memory (a multiple of 65536): a run is charged only this much "
                    "of the tenant's host-memory quota (default: none, the tenant's wasm_max_memory_bytes)")
+    p.add_argument("-Werror", dest="werror", action="store_true",
+                   help="make the C compiler's warnings (-Wall) errors; without it they are printed and the "
+                   "build goes on")
+    p.add_argument("--sandbox", action="store_true",
+                   help=f"run the compiler as the user nobody (needs root), with a Zig cache of its own "
+                   f"({SANDBOX_CACHE}): for building sources you do not trust; see docs/SECURITY.md")
     p.add_argument("-v", "--verbose", action="store_true", help="print the compiler command line")
     p.set_defaults(func=run)
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _failed(exc: BuildError, command: str) -> int:
@@ -264,20 +437,23 @@ def run(args: argparse.Namespace) -> int:
             print("twt build: error: --prepare compiles no tenant: give it no SRC and no -o", file=sys.stderr)
             return EXIT_USAGE
         try:
-            done = prepare_toolchain(optimize=args.optimize)
+            done = prepare_toolchain(optimize=args.optimize, sandbox=args.sandbox, notify=_to_stderr)
         except BuildError as exc:
             return _failed(exc, "twt build --prepare")
         print(f"prepared the Zig toolchain's cache for {len(done)} kinds of build (C; Zig with C; Zig): "
-              f"{_cache_dir()}")
+              f"{_cache_dir(args.sandbox)}")
         return EXIT_OK
     if not args.sources or args.output is None:
         print("twt build: error: give the sources (SRC ...) and -o OUT.wasm (or --prepare)", file=sys.stderr)
         return EXIT_USAGE
     try:
         result = build_module(list(args.sources), args.output, optimize=args.optimize,
-                              stack_size=args.stack_size, max_memory=args.max_memory)
+                              stack_size=args.stack_size, max_memory=args.max_memory, werror=args.werror,
+                              sandbox=args.sandbox, notify=_to_stderr)
     except BuildError as exc:
         return _failed(exc, "twt build")
+    if result.warnings:  # -Wall's findings are worth reading even when the module was written
+        print(result.warnings, file=sys.stderr)
     if args.verbose:
         print(" ".join(result.command))
     print(f"wrote {args.output} ({result.nbytes:,} B): exports {', '.join(result.exports)}"

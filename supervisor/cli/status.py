@@ -2,12 +2,12 @@
 
     $ twt status
     supervisor pid 4242  backend stub  start spawn  pool 2/2 idle  workers 5  rss 61.2MiB  up 3h02m
-    TENANT  STATE    INST  PIDS       CPU USED/LIMIT  GPU USED/CAP  HIGH CPU/GPU  REFUSED CPU/GPU  RESTARTS  UPTIME
+    TENANT  STATE    INST  PIDS       HOST USED/LIMIT  GPU USED/CAP  HIGH HOST/GPU  REFUSED HOST/GPU  RESTARTS  UPTIME
     ------  -------  ----  ---------  --------------  ------------  ------------  ---------------  --------  ------
     acme    running  2/2   4250,4251  0B/8GiB         1MiB/2GiB     0B/1.5MiB     0/3              1         3h01m
 
 ``twt top`` refreshes the same table (:func:`render`). The exit status is
-for scripts: 0 every tenant shown is running (or stopped), 1 one is starting,
+for scripts: 0 every tenant shown is running (or stopped, or completed), 1 one is starting,
 degraded, failed or evicting (:func:`exit_status`), 3 no supervisor.
 """
 
@@ -31,8 +31,8 @@ __all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant
 
 #: seconds a read-only command waits for an answer before calling the supervisor unreachable
 READ_TIMEOUT_S = 10.0
-HEADERS = ("TENANT", "STATE", "INST", "PIDS", "CPU USED/LIMIT", "GPU USED/CAP", "HIGH CPU/GPU",
-           "REFUSED CPU/GPU", "RESTARTS", "UPTIME",
+HEADERS = ("TENANT", "STATE", "INST", "PIDS", "HOST USED/LIMIT", "GPU USED/CAP", "HIGH HOST/GPU",
+           "REFUSED HOST/GPU", "RESTARTS", "UPTIME",
            "GPU WEIGHT/CAP", "GPU TIME", "SHARE")  # GPU time: accounted, and its share over the last 10 s
 _MAX_PIDS_SHOWN = 4
 
@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Print one row per tenant (state, ready/wanted instances and their pids, host and GPU "
         "bytes used against their limits, high-water marks, quota refusals, restarts, uptime) under a "
         "header line about the supervisor. --json prints the raw status record for scripts. Exit status: 0 when "
-        "every tenant shown is running (or stopped: scaled to 0), 1 when any is starting, degraded, failed or "
+        "every tenant shown is running (or stopped: scaled to 0, or completed: its workers exited 0 and its restart "
+        "policy keeps them so), 1 when any is starting, degraded, failed or "
         "evicting, 3 when no supervisor answers.",
     )
     p.add_argument("tenant", nargs="?", metavar="TENANT", help="show only this tenant")
@@ -60,11 +61,12 @@ def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> Supe
 
 #: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose; parked:
 #: idle, its workers gone until its next request)
-HEALTHY_STATES = frozenset({"running", "stopped", "parked"})
+HEALTHY_STATES = frozenset({"running", "stopped", "completed", "parked"})
 
 
 def exit_status(tenants: Sequence[TenantRecord]) -> int:
-    """0 when every tenant shown is running (or stopped: scaled to 0, or parked); 1 when any is starting,
+    """0 when every tenant shown is running (or stopped: scaled to 0, or completed: every instance exited 0
+    and its restart policy keeps it so, or parked); 1 when any is starting,
     degraded, failed or evicting - so ``twt status acme || alert`` works in a script."""
     return EXIT_OK if all(t.state in HEALTHY_STATES for t in tenants) else EXIT_FAILED
 
@@ -120,7 +122,8 @@ def header_line(sup: SupervisorRecord) -> str:
     pool = sup.pool
     parts = [
         f"supervisor pid {sup.pid}",
-        f"backend {sup.backend}",
+        f"backend {sup.backend}" + (f" (driver {sup.driver_version}, CUDA {sup.cuda_version})"
+                                    if sup.driver_version or sup.cuda_version else ""),
         f"start {sup.start_method}",
         f"pool {pool.idle}/{pool.size} idle" + (f" ({pool.starting} starting)" if pool.starting else ""),
         f"workers {sup.workers}",

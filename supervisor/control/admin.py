@@ -129,8 +129,10 @@ class AdminOps:
         on_settled: Callable[[], None],
         guard: FrontendGuard,
         tenant_label: Callable[[str], str] | None = None,
+        backend_versions: tuple[str, str] = ("", ""),
     ) -> None:
-        """``tenant_label``: a tenant's metric label (``supervisor.observe.metrics.TenantLabels``), shown in its record."""
+        """``tenant_label``: a tenant's metric label (``supervisor.observe.metrics.TenantLabels``), shown in its record.
+        ``backend_versions``: the driver's and CUDA's versions (``BackendChoice``), shown in the status."""
         self.config = config
         self.guard = guard
         self.tenant_label = tenant_label
@@ -146,6 +148,7 @@ class AdminOps:
         self.rundir = rundir
         self.backend_name = backend_name
         self.backend_reason = backend_reason
+        self.backend_versions = backend_versions
         self._internal_errors = counters
         self._on_settled = on_settled
         self.started = time.time()
@@ -216,8 +219,7 @@ class AdminOps:
         if client is not None:
             # A client's registration: its commit runs on the writer thread from now on, while
             # the loop starts the instances and serves their binds; answered once both are done.
-            # (Submitted after the binds instead, it measured the same: 5.3-6.2 ms against
-            # 5.6-6.2 ms per warm registration, three interleaved runs each, 2026-12-01.)
+            # (Submitted after the binds instead, a warm registration measured the same.)
             self._unwritten.add(spec.tenant_id)
             self._submit_registration(spec, cap.generation, stored_origin)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
@@ -643,6 +645,8 @@ class AdminOps:
                 workers=len(ws.workers),
                 internal_errors=self._internal_errors(),
                 rss_bytes=psutil.Process().memory_info().rss,
+                driver_version=self.backend_versions[0],
+                cuda_version=self.backend_versions[1],
                 **self.guard.status(),
             ),
             tenants=tuple(self.tenant_record(rt) for _, rt in sorted(self.tenants.items())),

@@ -150,12 +150,14 @@ class ServiceOps:
         self.events.emit("reload", path=path, **summary)
         return summary
 
-    def reload_quietly(self) -> None:
-        """SIGHUP: as :meth:`reload`; a bad file is reported (event, log) and the loop goes on."""
+    def reload_quietly(self) -> ConfigError | None:
+        """SIGHUP: as :meth:`reload`; a bad file is reported (event, log) and the loop goes on.
+        Returns the error of a file that could not be applied (None: applied)."""
         try:
             self.reload()
-        except ConfigError:
-            pass
+        except ConfigError as exc:
+            return exc
+        return None
 
     def _plan(self, path: str) -> ReloadPlan:
         try:

@@ -3,13 +3,23 @@
 The supervisor never initialises CUDA itself (a process that has must not
 fork, and the supervisor starts workers), so the probe runs in a short-lived
 child process: load the driver, ``cuInit``, count devices, read each
-device's name, total and free memory (``cuMemGetInfo`` in a briefly retained
-primary context: what the device budget starts from). The driver module is
+device's name, compute capability, total and free memory (``cuMemGetInfo`` in a
+briefly retained primary context: what the device budget starts from) and what
+one more context costs there (a throw-away second context, three samples, the
+median; where none can be made, the device class's conservative default from
+:mod:`shared.cuda_compat`, with the failed call): measured here once, before
+any worker exists, and handed to every worker as its ``context_bytes``
+(supervisor.routing.placement), so no worker measures it while others start.
+The calls whose shape differs between cuda-bindings 12 and 13 go through
+:func:`shared.cuda_compat.driver_api`. The driver module is
 ``cuda.bindings.driver`` unless ``cuda_driver_module`` names another (the
 test suite's fake), and the probe and the workers honour the same name.
 ``auto`` picks cuda when that works and finds a device, else stub, and says
 why; ``cuda`` without a usable driver fails at start with
-:class:`BackendUnavailable` and the reason.
+:class:`BackendUnavailable` and the reason: a production node configured for
+the GPU (deploy/ sets ``backend = "cuda"``) never serves the stub because its
+driver injection failed - it refuses to start, and the orchestrator says so.
+The choice carries the driver's versions (``twt_backend_info``, ``twt status``).
 
 The probe's report is JSON from its process; its devices are checked as shared.records.ProbedDevice.
 """
@@ -17,6 +27,7 @@ The probe's report is JSON from its process; its devices are checked as shared.r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -26,7 +37,10 @@ from shared.config import SupervisorConfig
 from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable
 from shared.records import ProbedDevice
 
-__all__ = ["BackendChoice", "nvrtc_note", "probe_cuda", "select_backend"]
+__all__ = ["BackendChoice", "cuda_version_text", "nvidia_driver_version", "nvrtc_note", "probe_cuda", "select_backend"]
+
+#: where the NVIDIA kernel module says its version ("... Kernel Module  550.54.15  ...")
+NVIDIA_VERSION_FILE = "/proc/driver/nvidia/version"
 
 _PROBE = r"""
 import importlib, json, sys
@@ -36,6 +50,14 @@ try:
 except Exception as e:
     out["reason"] = f"cuda-bindings not importable: {type(e).__name__}: {e}"
     print(json.dumps(out)); sys.exit(0)
+from shared.cuda_compat import default_context_bytes, driver_api
+from shared.errors import BackendUnavailable
+try:
+    api = driver_api(d)
+except BackendUnavailable as e:
+    out["reason"] = e.reason
+    print(json.dumps(out)); sys.exit(0)
+out["bindings"] = api.version
 try:
     err, = d.cuInit(0)
 except Exception as e:  # libcuda missing: a RuntimeError subclass from the loader
@@ -48,24 +70,60 @@ err, n = d.cuDeviceGetCount()
 if err != d.CUresult.CUDA_SUCCESS or n == 0:
     out["reason"] = "no CUDA device" if n == 0 else f"cuDeviceGetCount failed: {err.name}"
     print(json.dumps(out)); sys.exit(0)
+OK = d.CUresult.CUDA_SUCCESS
+SAMPLES = 3
+
+
+def context_cost(dev, primary):
+    # cuMemGetInfo around a throw-away second context, SAMPLES times, the median: this probe runs
+    # before any worker, so no other start of ours skews it; a foreign allocation skews one sample
+    samples = []
+    for _ in range(SAMPLES):
+        err, before, _ = d.cuMemGetInfo()
+        if err != OK:
+            return None, f"cuMemGetInfo: {err.name}"
+        err, ctx = api.ctx_create(d, 0, dev)
+        if err != OK:
+            d.cuCtxSetCurrent(primary)
+            return None, f"cuCtxCreate: {err.name}"
+        err, after, _ = d.cuMemGetInfo()
+        d.cuCtxDestroy(ctx)
+        d.cuCtxSetCurrent(primary)
+        if err != OK:
+            return None, f"cuMemGetInfo: {err.name}"
+        samples.append(max(0, int(before) - int(after)))
+    return sorted(samples)[len(samples) // 2], ""
+
+
 devices = []
+attr = d.CUdevice_attribute
 for i in range(n):
     _, dev = d.cuDeviceGet(i)
     _, name = d.cuDeviceGetName(256, dev)
     _, total = d.cuDeviceTotalMem(dev)
-    free = None
+    err, major = d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+    err2, minor = d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+    major, minor = (int(major), int(minor)) if err == OK and err2 == OK else (0, 0)
+    free, ctx_bytes, note = None, None, "no primary context"
     try:
         err, ctx = d.cuDevicePrimaryCtxRetain(dev)
-        if err == d.CUresult.CUDA_SUCCESS:
+        if err == OK:
             d.cuCtxSetCurrent(ctx)
             err, f, _ = d.cuMemGetInfo()
-            free = int(f) if err == d.CUresult.CUDA_SUCCESS else None
+            free = int(f) if err == OK else None
+            ctx_bytes, note = context_cost(dev, ctx)
             d.cuCtxSetCurrent(d.CUcontext(0))
             d.cuDevicePrimaryCtxRelease(dev)
-    except Exception:
-        free = None
+        else:
+            note = f"cuDevicePrimaryCtxRetain: {err.name}"
+    except Exception as e:
+        note = f"{type(e).__name__}: {e}"
+    source = "measured"
+    if ctx_bytes is None:  # never 0: the device class's conservative figure, and why
+        ctx_bytes, source = default_context_bytes(major), "default"
     devices.append({"index": i, "name": name.split(b"\0")[0].decode(errors="replace"), "total_bytes": int(total),
-                    "free_bytes": free})
+                    "free_bytes": free, "compute_capability": f"{major}.{minor}", "context_bytes": ctx_bytes,
+                    "context_bytes_source": source, "context_note": note})
 _, ver = d.cuDriverGetVersion()
 out.update(ok=True, devices=devices, driver_version=int(ver))
 try:  # NVRTC: only the tensor kernels need it; its own reason when it is missing
@@ -87,6 +145,33 @@ class BackendChoice:
     reason: str
     options: dict[str, object] = field(default_factory=dict)
     devices: tuple[ProbedDevice, ...] = ()
+    #: the NVIDIA kernel driver's version ("550.54.15"; "" on the stub, "unknown" where unreadable)
+    driver_version: str = ""
+    #: the CUDA version the driver supports, from cuDriverGetVersion ("12.4"; "" on the stub)
+    cuda_version: str = ""
+
+    def device_labels(self) -> tuple[str, ...]:
+        """One ``INDEX:NAME`` per device used: the ``device`` label of ``twt_backend_info``."""
+        return tuple(f"{d.index}:{d.name}" for d in self.devices)
+
+
+def cuda_version_text(version: object) -> str:
+    """``cuDriverGetVersion``'s integer as people write it: 12040 -> "12.4" ("" when not an int)."""
+    if not isinstance(version, int) or isinstance(version, bool) or version <= 0:
+        return ""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def nvidia_driver_version(path: str = NVIDIA_VERSION_FILE) -> str:
+    """The NVIDIA kernel module's version from ``/proc/driver/nvidia/version``; "unknown" without it
+    (a container without the file, or the fake driver of the tests)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(4096)
+    except OSError:
+        return "unknown"
+    found = re.search(r"Kernel Module(?:\s+for\s+\S+)?\s+([0-9][0-9.]*)", text)
+    return found.group(1) if found else "unknown"
 
 
 def probe_cuda(timeout_s: float = 60.0, driver_module: str | None = None,
@@ -152,11 +237,14 @@ def select_backend(config: SupervisorConfig) -> BackendChoice:
         names = ", ".join(f"{d.index}: {d.name}" for d in devices)
         return BackendChoice(
             "cuda",
-            f"CUDA driver {probe.get('driver_version')} with {len(found)} device(s), using [{names}]"
+            f"CUDA driver {probe.get('driver_version')} (cuda-bindings {probe.get('bindings')}) with "
+            f"{len(found)} device(s), using [{names}]"
             + (" (--backend cuda)" if config.backend == "cuda" else " (auto)")
             + nvrtc_note(probe),
             options,
             devices,
+            driver_version=nvidia_driver_version(),
+            cuda_version=cuda_version_text(probe.get("driver_version")),
         )
     reason = str(probe.get("reason", "unknown"))
     if config.backend == "cuda":

@@ -221,6 +221,7 @@ class WorkerSet:
     def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
         """Give a slot a worker: a warm one from the pool, else a fresh process."""
         slot.restart_at = None
+        slot.completed = False
         if not slot.keep_incarnation:  # parked buffers: their handles name the incarnation they come back to
             slot.incarnation += 1
         worker = self.pool.pop() if self.pool else None
@@ -468,6 +469,7 @@ class WorkerSet:
             self.hooks.registration_failed(
                 rt, WorkerLost(rt.tenant_id, index, code, sig, f"died while starting: {reason}"))
         elif isinstance(decision, NotRestarted):
+            slot.completed = decision.completed
             rt.refresh_state()
             self.hooks.instance_not_restarted(rt, index, code, sig, reason)
         elif isinstance(decision, Fail):

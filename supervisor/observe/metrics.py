@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 from collections.abc import Callable
@@ -194,6 +194,9 @@ class Metrics:
     def restart(self, tenant: str) -> None:
         """An instance of ``tenant`` is being restarted."""
 
+    def backend_info(self, backend: str, devices: Sequence[str], driver_version: str, cuda_version: str) -> None:
+        """The backend chosen at start: ``twt_backend_info``, one series per device (``INDEX:NAME``)."""
+
     #: whether an exporter reads :class:`MetricsSnapshot` s (``bind_source``): the loop then keeps
     #: one fresh every second; without one (:class:`NullMetrics`) it builds none
     reads_snapshots: bool = True
@@ -206,6 +209,9 @@ class Metrics:
 
     def mark_ready(self) -> None:
         """Start-up is complete: backend chosen, configured tenants registered (``/readyz``)."""
+
+    def mark_draining(self) -> None:
+        """A stop began: no new work is admitted (``/readyz`` says not ready, and why)."""
 
     def close(self) -> None:
         """Stop any exporter thread."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 import errno
 import logging
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -469,11 +469,29 @@ class PrometheusMetrics(Metrics):
     def restart(self, tenant: str) -> None:
         self._restarts.labels(self.label(tenant)).inc()
 
+    #: twt_backend_info, made at the first backend_info
+    _backend_gauge: Gauge | None = None
+
+    def backend_info(self, backend: str, devices: Sequence[str], driver_version: str, cuda_version: str) -> None:
+        # set once at start, like twt_build_info: which backend, device and driver serve (a stub where a
+        # GPU was meant shows here; deploy/ configures backend = "cuda" so that never happens silently)
+        info = self._backend_gauge
+        if info is None:
+            info = self._backend_gauge = Gauge(
+                "twt_backend_info", "Always 1; the labels say which backend, device and driver serve",
+                ["backend", "device", "driver_version", "cuda_version"], registry=self.registry)
+        info.clear()
+        for device in devices or ("none",):
+            info.labels(backend, device, driver_version, cuda_version).set(1)
+
     def bind_source(self, snapshot: MetricsSource) -> None:
         self._source = snapshot
 
     def mark_ready(self) -> None:
         self.health.mark_ready()
+
+    def mark_draining(self) -> None:
+        self.health.mark_draining()
 
     def close(self) -> None:
         """Stop serving and free the port (idempotent)."""

@@ -86,6 +86,8 @@ class _Device:
     total_bytes: int
     free_bytes: int | None
     budget: DeviceBudget
+    #: one CUDA context's cost on this device (the probe's), handed to each worker: None for the stub
+    context_bytes: int | None = None
 
 
 class Placement:
@@ -145,7 +147,11 @@ class Placement:
                     reserve_bytes=min(reserve, capacity),
                     name=new_segment_name(segment_prefix, f"dev{index}"),
                 )
-                made.append(_Device(index, dev.name, total, free, budget))
+                made.append(_Device(index, dev.name, total, free, budget, dev.context_bytes))
+                if dev.context_bytes_source == "default":  # the probe could not measure a context here
+                    log_event(_log, logging.WARNING, "device.context_not_measured", device=index,
+                              compute_capability=dev.compute_capability, assumed_bytes=dev.context_bytes,
+                              reason=dev.context_note)
                 boards[index] = GpuTimeBoard.create(index, quantum_s=gpu_time_quantum_s,
                                                     scheduler=gpu_time_scheduler,
                                                     tenants=gpu_time_tenants, workers=gpu_time_workers,
@@ -161,7 +167,7 @@ class Placement:
         for d in made:
             log_event(_log, logging.INFO, "device.budget", device=d.index, name=d.name, backend=backend,
                       capacity=d.budget.capacity_bytes, reserve=d.budget.reserve_bytes, limit=d.budget.limit_bytes,
-                      segment=d.budget.name)
+                      segment=d.budget.name, context_bytes=d.context_bytes)
         placement = cls(backend, made, policy, detect, no_mps_dir)
         placement.boards = boards
         return placement
@@ -284,6 +290,8 @@ class Placement:
             "gpu_memory_bytes_cap": spec.gpu_memory_bytes_cap,
             "recorded_cuda_mem_pool_quota": spec.recorded_cuda_mem_pool_quota,
         }
+        if self._devices[device].context_bytes is not None:  # measured once, not by each worker at its start
+            opts["context_bytes"] = self._devices[device].context_bytes
         held = self._gpu_time.get(spec.tenant_id)
         if held is not None and held[0] == device and device in self.boards:
             opts["gpu_time_segment"] = self.boards[device].name

@@ -3,7 +3,9 @@
 What happens to an instance after its worker exits - nothing, a successor, a restart now or
 after a back-off, or the tenant marked ``failed`` - is decided by
 :func:`supervisor.runtime.restart_policy.after_exit` (a pure function: the policy as a table);
-this module keeps the state it reads (``restart_times``, the slots).
+this module keeps the state it reads (``restart_times``, the slots). An instance whose worker
+exited 0 and is not restarted is *completed*; a tenant whose instances all are is
+``completed``, a terminal state that is no failure (``twt status`` exits 0 for it).
 
 A tenant scaled to 0 instances is ``stopped``: its requests are refused at
 once with :class:`~shared.errors.TenantStopped`. Requests wait (are parked)
@@ -41,6 +43,10 @@ class TenantState(str, enum.Enum):
     FAILED = "failed"  # restart intensity exceeded
     STOPPED = "stopped"  # scaled to 0 instances: requests refused at once (TenantStopped)
     EVICTING = "evicting"
+    #: every wanted instance ended cleanly (exit 0) and its restart policy (on-failure, never) keeps it
+    #: ended: the tenant's work is done - terminal and healthy, not an alert (``twt restart`` runs it
+    #: again)
+    COMPLETED = "completed"
     PARKED = "parked"  # idle: no worker, its buffers held by the supervisor (supervisor.lifecycle.parking)
 
 
@@ -96,6 +102,8 @@ class InstanceSlot:
     replace: bool = False  # start a new worker when the current one (stopped on purpose) exits
     #: its buffers are parked: the next worker keeps the incarnation their handles carry
     keep_incarnation: bool = False
+    #: its worker exited 0 and the restart policy left it so (on-failure, never): done, not down
+    completed: bool = False
 
     @property
     def ready(self) -> bool:
@@ -191,10 +199,14 @@ class TenantRuntime:
             return
         wanted = self.wanted_slots()
         ready = [s for s in wanted if s.ready]
+        done = [s for s in wanted if s.completed and s.worker is None and s.restart_at is None]
         if not wanted:
             self.state = TenantState.STOPPED
         elif len(ready) == len(wanted):
             self.state = TenantState.RUNNING
+        elif len(ready) + len(done) == len(wanted):
+            # the rest ended cleanly and stay ended: running while one serves, else completed
+            self.state = TenantState.RUNNING if ready else TenantState.COMPLETED
         elif any(s.last_exit is not None for s in wanted):
             self.state = TenantState.DEGRADED
         else:

@@ -12,6 +12,8 @@ What it holds, and why each piece must outlive the process::
     generations      the last generation issued per tenant id, kept after an
                      eviction so a re-registered tenant never reuses one (the
                      evicted tenant's capabilities stay revoked)
+    commits          one row: how many write transactions this state has committed
+                     (the commit counter, see "Lost commits" below)
 
 Durability: WAL with ``synchronous=FULL``; every admin change is exactly one
 ``BEGIN IMMEDIATE ... COMMIT`` transaction, so a SIGKILL at any instant leaves
@@ -29,9 +31,11 @@ directory is 0700 and owned by us; the files are 0600; a ``state.lock``
 (``flock``) keeps a second supervisor off the same state.
 
 Checkpoints: the WAL is folded into ``state.db`` and truncated
-(``wal_checkpoint(TRUNCATE)``) after the first start's key creation and after
-every admin write, so ``state.db`` alone holds all acknowledged state - a
-copy of it without its WAL, or a lost WAL, loses nothing.
+(``wal_checkpoint(TRUNCATE)``) after the first start's key creation and once
+admin writes pause (the supervisor's ``CHECKPOINT_DELAY_S``), so ``state.db``
+alone then holds all acknowledged state. Until then (or while a reader's
+snapshot keeps the checkpoint from finishing) the last commits are in the WAL
+only: losing it loses them, which the commit counter below detects.
 
 The marker: once the registry key is stored, ``state.initialized`` is written
 beside the database. A start that then finds the database missing, empty or
@@ -39,9 +43,29 @@ without its registry key refuses with one :class:`StateError` line instead
 of silently starting afresh with a new key and no tenants (restore a backup,
 or remove the marker to start afresh on purpose).
 
-A backup of a running supervisor: ``twt state backup DEST`` (SQLite's online
-backup API, :func:`backup`), or ``sqlite3 state.db ".backup copy.db"`` (see
-docs/OPERATIONS.md).
+Lost commits: every write transaction also bumps the ``commits`` counter, and
+once it is committed the new count is written to ``state.commits`` beside the
+database before the change is answered (and fdatasynced right after, on a
+thread of its own). A start whose database holds fewer commits than that
+file names lost acknowledged transactions - a truncated or deleted
+``state.db-wal``, or a ``state.db`` replaced by an older copy - and refuses
+with one :class:`StateError` naming the recovery (``twt state restore
+BACKUP``), on a read-only connection, instead of serving without them.
+A database *ahead* of the file (a crash between the commit and the file's
+write) is fine: the file is brought up to it. ``twt state restore`` sets the
+file to the restored copy's count (an older state on purpose).
+
+Newer schemas: ``schema_version`` also records ``oldest_reader``, the oldest
+schema version whose code may open the file. A migration that only adds (a
+table, a column with a default, a spec key) keeps it; one that changes the
+meaning of what is there raises it. An older supervisor opens a newer file
+whose ``oldest_reader`` it meets (with one warning, nothing migrated); past
+it, it refuses with :class:`StateError`. A stored tenant spec with keys this
+version does not know is restored without them (one warning per start) and
+they are kept in the row across later changes.
+
+A backup of a running supervisor, a restore, a check without writing:
+:mod:`supervisor.store.backup` (``twt state backup|restore|check``).
 """
 
 from __future__ import annotations
@@ -49,25 +73,40 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from shared.errors import StateError, UnknownTenant
+from shared.log import get_logger, log_event
 from shared.spec import TenantSpec
+from supervisor.store._schema import (
+    _KEY_REGISTRY_ID,
+    _KEY_REGISTRY_SECRET,
+    SCHEMA_VERSION,
+    _check_before_writing,
+    _connect,
+    _fsync_dir,
+    _migrate,
+    _open_commits,
+    _read_commits,
+    _seq_of,
+    _write_commits,
+)
 
 __all__ = [
+    "COMMITS_FILE",
     "MARKER_FILE",
     "SCHEMA_VERSION",
     "STATE_FILE",
-    "backup",
     "Origin",
     "RegistryKey",
     "StateStore",
@@ -75,41 +114,16 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_log = get_logger("supervisor")
 
 STATE_FILE = "state.db"
 LOCK_FILE = "state.lock"
 #: written beside the database once it holds a registry key (see the module docstring)
 MARKER_FILE = "state.initialized"
-SCHEMA_VERSION = 2
+#: the commit counter acknowledged so far, outside the database (see "Lost commits")
+COMMITS_FILE = "state.commits"
 Origin = Literal["file", "runtime"]
 _ORIGINS = ("file", "runtime")
-
-#: names in ``key_material`` this module owns; other names are free for callers
-#: (e.g. ``curve.public`` / ``curve.secret`` for the TCP frontend)
-_KEY_REGISTRY_ID = "registry.id"
-_KEY_REGISTRY_SECRET = "registry.secret"
-
-#: version -> the statements that bring version-1 to it (applied in order, each
-#: migration one transaction together with its version bump)
-_MIGRATIONS: dict[int, tuple[str, ...]] = {
-    1: (
-        "CREATE TABLE key_material (name TEXT PRIMARY KEY, material BLOB NOT NULL, updated_at REAL NOT NULL)",
-        "CREATE TABLE retired_keys (registry_id BLOB PRIMARY KEY, retired_at REAL NOT NULL)",
-        """CREATE TABLE tenants (
-            tenant_id TEXT PRIMARY KEY,
-            spec TEXT NOT NULL,
-            registered_spec TEXT NOT NULL,
-            origin TEXT NOT NULL CHECK (origin IN ('file', 'runtime')),
-            generation INTEGER NOT NULL,
-            failed_reason TEXT,
-            registered_at REAL NOT NULL,
-            updated_at REAL NOT NULL)""",
-        "CREATE TABLE generations (tenant_id TEXT PRIMARY KEY, generation INTEGER NOT NULL)",
-    ),
-    # parked tenants come back parked (supervisor.lifecycle.parking)
-    2: ("ALTER TABLE tenants ADD COLUMN parked INTEGER NOT NULL DEFAULT 0",),
-}
-_TABLES = frozenset({"schema_version", "key_material", "retired_keys", "tenants", "generations"})
 
 
 @dataclass(frozen=True)
@@ -139,6 +153,8 @@ class StoredTenant:
     failed_reason: str | None = None
     registered_at: float = 0.0
     updated_at: float = 0.0
+    #: spec keys a newer version stored that this one does not know (kept in the row, ignored here)
+    unknown_keys: tuple[str, ...] = ()
     #: it was parked when last written: restored without starting a worker
     parked: bool = False
 
@@ -151,8 +167,23 @@ class StoredTenant:
         return self.failed_reason is not None
 
 
-def _spec_json(spec: TenantSpec) -> str:
-    return json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":"))
+def _spec_json(spec: TenantSpec, keep: Mapping[str, object] | None = None) -> str:
+    """The spec as stored; ``keep``: keys a newer version stored that this one carries along unread."""
+    data = {**(keep or {}), **spec.to_dict()}
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+def _split_spec(raw: str) -> tuple[TenantSpec, dict[str, object]]:
+    """A stored spec and the keys of it this version does not know (a newer version's fields).
+
+    ValueError / TypeError when what is left does not make a spec.
+    """
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise TypeError(f"a stored spec must be an object, not {type(data).__name__}")
+    known = set(TenantSpec.field_names()) | {"name"}
+    unknown = {k: v for k, v in data.items() if k not in known}
+    return TenantSpec.from_dict({k: v for k, v in data.items() if k in known}), unknown
 
 
 class StateStore:
@@ -161,13 +192,26 @@ class StateStore:
     Open with :meth:`open`; every mutating method is one transaction.
     """
 
-    def __init__(self, conn: sqlite3.Connection, path: str, lock_fd: int) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: str, lock_fd: int, seq: int, commits_fd: int) -> None:
         """Internal: use :meth:`open`."""
         self._conn = conn
         self.path = path
         self._lock_fd: int | None = lock_fd
         self._use = threading.RLock()  # the connection: the loop thread, or the writer thread
         self._writer: ThreadPoolExecutor | None = None
+        self._seq = seq  # the commit counter as committed (one writer: the lock keeps others off)
+        self._commits_fd: int | None = commits_fd
+        self._warned_unknown = False
+        # state.commits is synced by a thread of its own, off the answer's path (see _count_commit)
+        self._sync_cond = threading.Condition()
+        self._sync_wanted = False
+        self._sync_stop = False
+        self._syncer: threading.Thread | None = None
+
+    @property
+    def commits(self) -> int:
+        """How many write transactions this state has committed (see "Lost commits")."""
+        return self._seq
 
     # ------------------------------------------------------------- opening
 
@@ -191,13 +235,23 @@ class StateStore:
         lock_fd = _lock(state_dir)
         try:
             marker = os.path.join(state_dir, MARKER_FILE)
-            if os.path.exists(marker) and not os.path.exists(path):
-                raise StateError(path, _LOST.format(what="is missing", marker=marker))
+            commits_path = os.path.join(state_dir, COMMITS_FILE)
+            acknowledged = _read_commits(commits_path)
+            version = _check_before_writing(path, marker if os.path.exists(marker) else None, acknowledged,
+                                            commits_path)
             conn = _connect(path)
             try:
-                _check_and_migrate(conn, path, marker if os.path.exists(marker) else None)
-                if os.path.exists(marker) and _registry_key_of(conn) is None:
-                    raise StateError(path, _LOST.format(what="holds no registry key", marker=marker))
+                _migrate(conn, path, version)
+                seq = _seq_of(conn, path)
+                commits_fd = _open_commits(commits_path)
+                try:
+                    if acknowledged != seq:  # a first start, or a crash between a commit and its count
+                        _write_commits(commits_fd, commits_path, seq)
+                    if acknowledged is None:
+                        _fsync_dir(state_dir, commits_path)
+                except BaseException:
+                    os.close(commits_fd)
+                    raise
             except BaseException:
                 conn.close()
                 raise
@@ -209,7 +263,7 @@ class StateStore:
                 os.chmod(path + suffix, 0o600)
             except FileNotFoundError:
                 pass
-        return cls(conn, path, lock_fd)
+        return cls(conn, path, lock_fd, seq, commits_fd)
 
     def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn(*args)`` (a method of this store) on its one writer thread, in submission order."""
@@ -224,9 +278,14 @@ class StateStore:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+        self._stop_syncer()
         try:
             self._conn.close()
         finally:
+            if self._commits_fd is not None:
+                self._sync_commits()
+                os.close(self._commits_fd)
+                self._commits_fd = None
             os.close(self._lock_fd)
             self._lock_fd = None
 
@@ -244,7 +303,11 @@ class StateStore:
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 yield conn
+                seq = self._seq + 1
+                conn.execute("UPDATE commits SET seq = ?", (seq,))
                 conn.execute("COMMIT")
+                self._seq = seq
+                self._count_commit(seq)
             except sqlite3.Error as exc:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
@@ -253,6 +316,59 @@ class StateStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+
+    def _count_commit(self, seq: int) -> None:
+        """``state.commits`` := ``seq`` before the change is answered, synced to the disk right
+        after (by the syncer thread, off the answer's path: an fdatasync here cost a registration
+        ~0.5 ms more). The write alone already survives the process (SIGKILL, OOM, abort); the
+        sync makes it survive the machine within milliseconds - until then a power loss can only
+        leave the file *behind* the database, the safe side. A failure leaves it behind too, so
+        the committed change is not reported as failed; it is logged."""
+        fd = self._commits_fd
+        if fd is None:
+            return
+        try:
+            _write_commits(fd, self._commits_path, seq, sync=False)
+        except StateError as exc:
+            log_event(_log, logging.WARNING, "state.commits_not_counted", error=str(exc), seq=seq)
+            return
+        with self._sync_cond:
+            self._sync_wanted = True
+            if self._syncer is None:
+                self._syncer = threading.Thread(target=self._run_syncer, name="twt-state-sync", daemon=True)
+                self._syncer.start()
+            self._sync_cond.notify()
+
+    def _run_syncer(self) -> None:
+        """Sync ``state.commits`` whenever a commit was counted (several commits, one sync)."""
+        while True:
+            with self._sync_cond:
+                self._sync_cond.wait_for(lambda: self._sync_wanted or self._sync_stop)
+                if not self._sync_wanted:
+                    return
+                self._sync_wanted = False
+            self._sync_commits()
+
+    def _sync_commits(self) -> None:
+        fd = self._commits_fd
+        if fd is None:
+            return
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            log_event(_log, logging.WARNING, "state.commits_not_synced", error=exc.strerror or str(exc))
+
+    def _stop_syncer(self) -> None:
+        with self._sync_cond:
+            self._sync_stop = True
+            self._sync_cond.notify()
+            syncer, self._syncer = self._syncer, None
+        if syncer is not None:
+            syncer.join()
+
+    @property
+    def _commits_path(self) -> str:
+        return os.path.join(os.path.dirname(self.path), COMMITS_FILE)
 
     # -------------------------------------------------------- key material
 
@@ -343,30 +459,45 @@ class StateStore:
     # -------------------------------------------------------------- tenants
 
     def tenants(self) -> list[StoredTenant]:
-        """Every stored tenant, by id. Raises :class:`StateError` for a row that does not parse."""
+        """Every stored tenant, by id. Raises :class:`StateError` for a row that does not parse.
+
+        Spec keys a newer version stored are left out of the spec (``unknown_keys``
+        names them) and logged once per store, not refused: a rollback keeps serving.
+        """
         out = []
         with self._use:
             rows = self._conn.execute(
                 "SELECT tenant_id, spec, registered_spec, origin, generation, failed_reason, registered_at, "
                 "updated_at, parked FROM tenants ORDER BY tenant_id"
             ).fetchall()
+        ignored: dict[str, list[str]] = {}
         for tid, spec, registered, origin, gen, failed, reg_at, upd_at, parked in rows:
             try:
+                now_spec, unknown = _split_spec(spec)
+                registered_spec, unknown_registered = _split_spec(registered)
+                keys = tuple(sorted({*unknown, *unknown_registered}))
                 record = StoredTenant(
-                    spec=TenantSpec.from_dict(json.loads(spec)),
-                    registered_spec=TenantSpec.from_dict(json.loads(registered)),
+                    spec=now_spec,
+                    registered_spec=registered_spec,
                     origin=origin,
                     generation=int(gen),
                     failed_reason=failed,
                     registered_at=float(reg_at),
                     updated_at=float(upd_at),
+                    unknown_keys=keys,
                     parked=bool(parked),
                 )
             except (ValueError, TypeError) as exc:
                 raise StateError(self.path, f"tenant {tid!r} does not parse: {exc}") from None
             if record.tenant_id != tid or origin not in _ORIGINS:
                 raise StateError(self.path, f"tenant row {tid!r} is inconsistent")
+            if keys:
+                ignored[tid] = list(keys)
             out.append(record)
+        if ignored and not self._warned_unknown:
+            self._warned_unknown = True
+            log_event(_log, logging.WARNING, "state.unknown_keys_ignored", state=self.path, tenants=ignored,
+                      detail="stored by a newer version; kept in the state, ignored by this one")
         return out
 
     def tenant(self, tenant_id: str) -> StoredTenant | None:
@@ -407,16 +538,21 @@ class StateStore:
         return [StoredTenant(spec, spec, origin, generation, None, now, now) for spec, generation, origin in batch]
 
     def update_spec(self, spec: TenantSpec, *, registered_spec: TenantSpec | None = None) -> None:
-        """A live change (set_quota, scale, reload); ``registered_spec``: what the file now says."""
-        sets = ["spec = ?", "updated_at = ?"]
-        values: list[object] = [_spec_json(spec), time.time()]
-        if registered_spec is not None:
-            sets.append("registered_spec = ?")
-            values.append(_spec_json(registered_spec))
+        """A live change (set_quota, scale, reload); ``registered_spec``: what the file now says.
+
+        Keys of the stored spec this version does not know (a newer version's) are kept.
+        """
         with self._tx() as c:
-            cur = c.execute(f"UPDATE tenants SET {', '.join(sets)} WHERE tenant_id = ?", (*values, spec.tenant_id))
-            if cur.rowcount != 1:
+            row = c.execute("SELECT spec, registered_spec FROM tenants WHERE tenant_id = ?",
+                            (spec.tenant_id,)).fetchone()
+            if row is None:
                 raise UnknownTenant(spec.tenant_id)
+            sets = ["spec = ?", "updated_at = ?"]
+            values: list[object] = [_spec_json(spec, _unknown_of(row[0])), time.time()]
+            if registered_spec is not None:
+                sets.append("registered_spec = ?")
+                values.append(_spec_json(registered_spec, _unknown_of(row[1])))
+            c.execute(f"UPDATE tenants SET {', '.join(sets)} WHERE tenant_id = ?", (*values, spec.tenant_id))
 
     def set_failed(self, tenant_id: str, reason: str | None) -> None:
         """Mark a tenant failed (restart intensity exceeded), or clear it (``reset``)."""
@@ -452,72 +588,16 @@ def _put_key(c: sqlite3.Connection, name: str, material: bytes) -> None:
     )
 
 
-_LOST = ("{what}, but this state directory was initialized before ({marker} exists): its data is lost or "
-         "was not restored with it (a copy without its -wal file?); restore a backup (docs/OPERATIONS.md, "
-         "\"Backing up the state\"), or remove the marker to start afresh with a new key and no tenants")
-
-
-def _registry_key_of(conn: sqlite3.Connection) -> bytes | None:
-    row = conn.execute("SELECT material FROM key_material WHERE name = ?", (_KEY_REGISTRY_SECRET,)).fetchone()
-    return None if row is None else bytes(row[0])
-
-
-def backup(state_dir: str, dest: str) -> dict[str, object]:
-    """Copy the state database to ``dest`` with SQLite's online backup API.
-
-    Safe while a supervisor runs (a read transaction: it never takes ``state.lock``
-    and sees one consistent snapshot, WAL included). ``dest`` must not exist; it is
-    written 0600 as a single self-contained file (rollback journal, no WAL), checked
-    with ``quick_check`` and fsynced. Returns what was copied (path, bytes, tenants).
-    Raises :class:`StateError`.
-    """
-    path = os.path.join(os.path.abspath(state_dir), STATE_FILE)
-    dest = os.path.abspath(dest)
-    if not os.path.isfile(path):
-        raise StateError(path, "no state database to back up")
-    if os.path.lexists(dest):
-        raise StateError(dest, "exists already; the backup never overwrites a file")
+def _unknown_of(raw: str) -> dict[str, object]:
+    """The keys of a stored spec this version does not know (kept across a rewrite)."""
     try:
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.close(fd)
-    except OSError as exc:
-        raise StateError(dest, f"cannot create: {exc.strerror}") from None
-    try:
-        src = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
-        try:
-            dst = sqlite3.connect(dest, isolation_level=None)
-            try:
-                src.backup(dst)
-                dst.execute("PRAGMA journal_mode = DELETE").fetchone()
-                check = dst.execute("PRAGMA quick_check").fetchall()
-                tenants = dst.execute("SELECT COUNT(*) FROM tenants").fetchone()[0]
-                has_key = _registry_key_of(dst) is not None
-            finally:
-                dst.close()
-        finally:
-            src.close()
-        if check != [("ok",)]:
-            raise StateError(dest, f"the copy fails quick_check: {check[:3]!r}")
-        fd = os.open(dest, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except sqlite3.Error as exc:
-        _remove_quietly(dest)
-        raise StateError(path, f"backup failed: {exc}") from None
-    except BaseException:
-        _remove_quietly(dest)
-        raise
-    return {"source": path, "backup": dest, "bytes": os.path.getsize(dest), "tenants": int(tenants),
-            "registry_key": has_key}
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+        data = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    known = set(TenantSpec.field_names()) | {"name"}
+    return {k: v for k, v in data.items() if k not in known}
 
 
 def _lock(state_dir: str) -> int:
@@ -539,81 +619,3 @@ def _lock(state_dir: str) -> int:
     return fd
 
 
-def _connect(path: str) -> sqlite3.Connection:
-    """Connect without writing anything (a new file is created 0600 first)."""
-    if not os.path.exists(path):
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise StateError(path, f"cannot create: {exc.strerror}") from None
-    elif not os.path.isfile(path):
-        raise StateError(path, "is not a regular file")
-    try:
-        # isolation_level=None: transactions are explicit (_tx), nothing is begun behind our back
-        return sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
-    except sqlite3.Error as exc:
-        raise StateError(path, f"cannot open: {exc}") from None
-
-
-def _check_and_migrate(conn: sqlite3.Connection, path: str, marker: str | None = None) -> None:
-    """Validate read-only first; write (WAL, migrations) only once the file is known good.
-    ``marker``: the state was initialized before, so an empty file is a loss, not a first start."""
-    try:
-        check = conn.execute("PRAGMA quick_check").fetchall()
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    except sqlite3.DatabaseError as exc:
-        raise StateError(path, f"not a usable SQLite database ({exc}); restore a backup or move it away") from None
-    if check != [("ok",)]:
-        detail = "; ".join(str(r[0]) for r in check[:3])
-        raise StateError(path, f"corrupt (quick_check: {detail}); restore a backup or move it away")
-    version = 0
-    if not tables and marker is not None:
-        raise StateError(path, _LOST.format(what="is empty", marker=marker))
-    if tables:
-        if "schema_version" not in tables:
-            raise StateError(path, f"not a tensor-wasm-tenant state database (tables: {', '.join(sorted(tables))})")
-        try:
-            rows = conn.execute("SELECT version FROM schema_version").fetchall()
-        except sqlite3.DatabaseError as exc:
-            raise StateError(path, f"unreadable schema_version ({exc})") from None
-        if len(rows) != 1 or not isinstance(rows[0][0], int):
-            raise StateError(path, f"schema_version must hold one integer row; found {rows!r:.80}")
-        version = rows[0][0]
-        if version > SCHEMA_VERSION:
-            raise StateError(
-                path,
-                f"schema version {version} is newer than this supervisor's ({SCHEMA_VERSION}); "
-                "run the newer version, or restore a backup made for this one",
-            )
-        missing = sorted(t for t in _TABLES if t not in tables and _created_by(t) <= version)
-        if missing:
-            raise StateError(path, f"schema version {version} but table(s) missing: {', '.join(missing)}")
-    try:
-        conn.execute("PRAGMA journal_mode = WAL").fetchone()
-        conn.execute("PRAGMA synchronous = FULL")
-        conn.execute("PRAGMA foreign_keys = ON")
-        for target in range(version + 1, SCHEMA_VERSION + 1):
-            conn.execute("BEGIN IMMEDIATE")
-            if target == 1:
-                conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-                conn.execute("INSERT INTO schema_version (version) VALUES (0)")
-            for statement in _MIGRATIONS[target]:
-                conn.execute(statement)
-            conn.execute("UPDATE schema_version SET version = ?", (target,))
-            conn.execute("COMMIT")
-    except sqlite3.Error as exc:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise StateError(path, f"cannot prepare the database: {exc}") from None
-
-
-def _created_by(table: str) -> int:
-    """The schema version that introduced ``table``."""
-    if table == "schema_version":
-        return 1
-    for version, statements in sorted(_MIGRATIONS.items()):
-        if any(f"CREATE TABLE {table} " in s for s in statements):
-            return version
-    return SCHEMA_VERSION + 1

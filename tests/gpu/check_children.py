@@ -26,6 +26,8 @@ import time
 from typing import Any
 from collections.abc import Callable
 
+from shared.cuda_compat import driver_api
+
 MiB = 1 << 20
 NONCE_FLOATS = 256  # 1 KiB written by tenant A in the isolation phase
 #: an allocation size no granule or alignment divides (3 MiB + 4097 B): the pool's rounding shows
@@ -110,14 +112,10 @@ def child_pool(args: list[str]) -> dict[str, Any]:
     dev = primary_context(d)
     stream = ok("cuStreamCreate", d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)))
 
+    api = driver_api(d)  # the pool props' and MAX_POOL_SIZE's shape differ between cuda-bindings 12 and 13
+
     def pool(max_size: int, threshold: int | None) -> Any:
-        props = d.CUmemPoolProps()
-        props.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        props.handleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        props.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        props.location.id = 0
-        props.maxSize = max_size
-        p = ok("cuMemPoolCreate", d.cuMemPoolCreate(props))
+        p = ok("cuMemPoolCreate", d.cuMemPoolCreate(api.pool_props(d, 0, max_size)))
         if threshold is not None:
             ok("cuMemPoolSetAttribute", d.cuMemPoolSetAttribute(
                 p, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(threshold)))
@@ -131,8 +129,9 @@ def child_pool(args: list[str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     capped = pool(64 * MiB, None)
-    out["cap64_max_pool_size_readback"] = int(ok("get", d.cuMemPoolGetAttribute(
-        capped, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE)))
+    max_attr = api.max_pool_size_attribute(d)  # None with cuda-bindings 12: not readable there
+    out["cap64_max_pool_size_readback"] = None if max_attr is None else int(ok("get", d.cuMemPoolGetAttribute(
+        capped, max_attr)))
     err, ptr = d.cuMemAllocFromPoolAsync(128 * MiB, capped, stream)
     out["cap64_alloc128"] = err_name(err)
     ptrs = [ptr] if not err else []

@@ -51,9 +51,20 @@ Use it two ways:
   | no-device | driver-mismatch), ``FAKE_CUDA_DEVICES``,
   ``FAKE_CUDA_MEMORY`` (bytes per device), ``FAKE_CUDA_CONTEXT_BYTES``,
   ``FAKE_CUDA_GRANULARITY``, ``FAKE_CUDA_DRIVER_VERSION`` (``cuDriverGetVersion``, 13000),
+  ``FAKE_CUDA_BINDINGS`` (12 | 13: which cuda-bindings major's call shapes it has, below),
   ``FAKE_CUDA_RECORD_DIR`` (each process writes
   ``<pid>.json`` there: the ``CUDA_MPS_*`` variables it saw at ``cuInit`` and
   the devices it retained a primary context on).
+
+Both cuda-bindings majors the project supports (``bindings_major``; by
+default ``FAKE_CUDA_BINDINGS``, else the installed cuda-bindings' major):
+12.x's ``cuCtxCreate(flags, dev)``, ``CUmemPoolProps`` without
+``gpuDirectRDMACapable`` and ``CUmemPool_attribute`` without ``MAX_POOL_SIZE``;
+13.x's ``cuCtxCreate(ctxCreateParams, flags, dev)`` and the extra field and
+member. A call in the other major's shape fails as that binding fails it
+(``TypeError`` / ``AttributeError`` before anything happens), and the module
+attributes ``CUmemPoolProps``, ``CUmemPool_attribute`` and ``BINDINGS_VERSION``
+follow the process's fake (``shared.cuda_compat`` reads the last).
 
 Not modelled: memory shared between *processes* (each process sees a whole
 device), MPS itself, time (queued work runs when something waits for it,
@@ -65,6 +76,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import enum
+import functools
 import json
 import os
 import re
@@ -124,7 +136,9 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_UNKNOWN = 999
 
 
-class CUmemPool_attribute(enum.IntEnum):
+class _CUmemPool_attribute13(enum.IntEnum):
+    """cuda-bindings 13.x's ``CUmemPool_attribute`` (the members the project uses)."""
+
     CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1
     CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC = 2
     CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 3
@@ -134,6 +148,25 @@ class CUmemPool_attribute(enum.IntEnum):
     CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7
     CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8
     CU_MEMPOOL_ATTR_MAX_POOL_SIZE = 13
+
+
+class _CUmemPool_attribute12(enum.IntEnum):
+    """cuda-bindings 12.9's: no ``CU_MEMPOOL_ATTR_MAX_POOL_SIZE`` (a 12.x pool's cap is not readable)."""
+
+    CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC = 2
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 3
+    CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5
+    CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6
+    CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7
+    CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8
+
+
+# named as the bindings name them (the replay finds the real class by this name; pickling goes by
+# the qualified name, which stays the module-level one)
+_CUmemPool_attribute13.__name__ = _CUmemPool_attribute12.__name__ = "CUmemPool_attribute"
+_PoolAttr = _CUmemPool_attribute13  # the fake's own logic: the superset
 
 
 class CUctx_flags(enum.IntEnum):
@@ -367,12 +400,58 @@ class CUmemLocation(_Struct):
     _fields = {"type": CUmemLocationType, "id": int}
 
 
-class CUmemPoolProps(_Struct):
+class _CUmemPoolProps13(_Struct):
+    """cuda-bindings 13.x's ``CUmemPoolProps``."""
+
     __slots__ = ("allocType", "handleTypes", "location", "win32SecurityAttributes", "maxSize", "usage",
                  "gpuDirectRDMACapable")
     _fields = {"allocType": CUmemAllocationType, "handleTypes": CUmemAllocationHandleType,
                "location": CUmemLocation, "win32SecurityAttributes": int, "maxSize": int, "usage": int,
                "gpuDirectRDMACapable": int}
+
+
+class _CUmemPoolProps12(_Struct):
+    """cuda-bindings 12.9's: no ``gpuDirectRDMACapable`` (setting it is an AttributeError there)."""
+
+    __slots__ = ("allocType", "handleTypes", "location", "win32SecurityAttributes", "maxSize", "usage")
+    _fields = {"allocType": CUmemAllocationType, "handleTypes": CUmemAllocationHandleType,
+               "location": CUmemLocation, "win32SecurityAttributes": int, "maxSize": int, "usage": int}
+
+
+_CUmemPoolProps13.__name__ = _CUmemPoolProps12.__name__ = "CUmemPoolProps"
+
+#: per cuda-bindings major: the version the fake reports, and the names whose shape differs
+BINDINGS: dict[int, dict[str, Any]] = {
+    12: {"BINDINGS_VERSION": "12.9.10", "CUmemPool_attribute": _CUmemPool_attribute12,
+         "CUmemPoolProps": _CUmemPoolProps12},
+    13: {"BINDINGS_VERSION": "13.0.0", "CUmemPool_attribute": _CUmemPool_attribute13,
+         "CUmemPoolProps": _CUmemPoolProps13},
+}
+#: module attributes that follow this process's fake's binding version (module ``__getattr__``)
+_VERSIONED = frozenset(BINDINGS[13])
+
+
+@functools.cache
+def installed_bindings_major() -> int | None:
+    """The major version of the cuda-bindings this interpreter would import (None: not installed)."""
+    from importlib import metadata
+
+    try:
+        head = metadata.version("cuda-bindings").split(".", 1)[0]
+    except metadata.PackageNotFoundError:
+        return None
+    return int(head) if head.isdigit() else None
+
+
+def default_bindings_major(environ: Mapping[str, str] | None = None) -> int:
+    """The major a fake speaks unless told: ``FAKE_CUDA_BINDINGS``, else the installed cuda-bindings'
+    (so the fake stands in for the binding a test process would load), else 13."""
+    env = os.environ if environ is None else environ
+    raw = env.get("FAKE_CUDA_BINDINGS")
+    if raw:
+        return int(raw)
+    installed = installed_bindings_major()
+    return installed if installed in BINDINGS else 13
 
 
 class CUmemAllocationProp(_Struct):
@@ -449,7 +528,7 @@ class FakeDriver:
 
     # the module-level names the backend reads from "the module"
     CUresult = CUresult
-    CUmemPool_attribute = CUmemPool_attribute
+    CUmemPool_attribute: type[enum.IntEnum] = _CUmemPool_attribute13  # per bindings_major (__init__)
     CUstream_flags = CUstream_flags
     CUctx_flags = CUctx_flags
     CUevent_flags = CUevent_flags
@@ -459,7 +538,8 @@ class FakeDriver:
     CUmemLocationType = CUmemLocationType
     CUmemAllocationGranularity_flags = CUmemAllocationGranularity_flags
     CUdevice_attribute = CUdevice_attribute
-    CUmemPoolProps = CUmemPoolProps
+    CUmemPoolProps: type[_Struct] = _CUmemPoolProps13
+    BINDINGS_VERSION = "13.0.0"
     CUmemAllocationProp = CUmemAllocationProp
     CUmemLocation = CUmemLocation
     cuuint64_t = cuuint64_t
@@ -489,7 +569,12 @@ class FakeDriver:
         real_nvrtc: bool = True,
         module_bytes: int = 0,
         pool_size_granularity: int = 1,
+        bindings_major: int | None = None,
     ) -> None:
+        if bindings_major is None:
+            bindings_major = default_bindings_major()
+        if bindings_major not in BINDINGS:
+            raise ValueError(f"the fake speaks cuda-bindings majors {sorted(BINDINGS)}, not {bindings_major!r}")
         if mode not in ("ok", "no-libcuda", "no-device", "driver-mismatch"):
             raise ValueError(f"unknown fake CUDA mode {mode!r}")
         self.__name__ = "tests.helpers.fake_cuda"
@@ -504,6 +589,10 @@ class FakeDriver:
         self.pools_supported = pools_supported
         self.record_dir = record_dir
         self.driver_version = driver_version
+        #: which cuda-bindings major's call shapes this fake has (cuCtxCreate, CUmemPoolProps ...)
+        self.bindings_major = bindings_major
+        for name, value in BINDINGS[bindings_major].items():
+            setattr(self, name, value)
         #: every call made, by name, in order (the tests' view of "was the driver called?")
         self.calls: list[str] = []
         #: name -> list of results the next calls return instead of running
@@ -575,6 +664,7 @@ class FakeDriver:
             record_dir=env.get("FAKE_CUDA_RECORD_DIR") or None,
             real_nvrtc=env.get("FAKE_CUDA_REAL_NVRTC", "1") != "0",
             driver_version=num("FAKE_CUDA_DRIVER_VERSION", 13000),
+            bindings_major=default_bindings_major(env),
         )
 
     # ------------------------------------------------------------- test controls
@@ -875,8 +965,23 @@ class FakeDriver:
         assert d is not None
         return (CUresult.CUDA_SUCCESS, self.primary_flags[d])
 
-    def cuCtxCreate(self, params: Any, flags: int, dev: Any) -> tuple[Any, ...]:
-        """A regular (non-primary) context made current; it costs ``context_bytes`` until destroyed."""
+    def cuCtxCreate(self, *args: Any) -> tuple[Any, ...]:
+        """A regular (non-primary) context made current; it costs ``context_bytes`` until destroyed.
+
+        The binding's shape: ``(flags, dev)`` in 12.x, ``(ctxCreateParams, flags, dev)`` in 13.x;
+        any other count is the binding's ``TypeError`` (before anything happens).
+        """
+        want = 2 if self.bindings_major == 12 else 3
+        if len(args) != want:
+            raise TypeError(f"cuCtxCreate() takes exactly {want} positional arguments ({len(args)} given)")
+        params = None if want == 2 else args[0]
+        flags, dev = args[-2:]
+        if params is not None:
+            raise TypeError(f"Argument 'ctxCreateParams' is not instance of type CUctxCreateParams, got {type(params)!r}")
+        if not isinstance(flags, int) or isinstance(flags, bool):
+            raise TypeError(f"an integer is required for flags, got {type(flags)!r}")
+        if flags < 0:
+            raise OverflowError("can't convert negative value to unsigned int")
         with self._lock:
             err = self._enter("cuCtxCreate")
             if err is not None:
@@ -884,8 +989,6 @@ class FakeDriver:
             d = self._dev(dev)
             if d is None:
                 return (CUresult.CUDA_ERROR_INVALID_DEVICE, None)
-            if params is not None or not isinstance(flags, int):
-                return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
             if self.device_reserved(d) + self.context_bytes > self.memory_bytes:
                 return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
             h = self._new() | 0xC000_0000
@@ -1115,7 +1218,7 @@ class FakeDriver:
             err = self._enter("cuMemPoolCreate", needs_ctx=True)
             if err is not None:
                 return (err, None)
-            if not isinstance(props, CUmemPoolProps):
+            if not isinstance(props, self.CUmemPoolProps):  # the other major's struct: refused, as the binding does
                 raise TypeError(f"Argument 'poolProps' is not instance of type CUmemPoolProps, got {type(props)!r}")
             d = self._dev(props.location.id)
             if (
@@ -1165,28 +1268,28 @@ class FakeDriver:
             p = self.pools.get(int(pool))
             if p is None or p.destroyed:
                 return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-            a = CUmemPool_attribute(int(attr))
+            a = _PoolAttr(int(attr))
             if a in (
-                CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
-                CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                _PoolAttr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                _PoolAttr.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+                _PoolAttr.CU_MEMPOOL_ATTR_USED_MEM_HIGH,
             ):
                 if not isinstance(value, cuuint64_t):  # the bindings insist on the type
                     raise TypeError(f"Argument 'value' for {a.name} must be cuuint64_t, got {type(value)!r}")
                 v = int(value)
-                if a is CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD:
+                if a is _PoolAttr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD:
                     p.release_threshold = v
                 elif v != 0:
                     return (CUresult.CUDA_ERROR_INVALID_VALUE,)  # the high marks can only be reset
-                elif a is CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+                elif a is _PoolAttr.CU_MEMPOOL_ATTR_USED_MEM_HIGH:
                     p.used_high = p.used
                 else:
                     p.reserved_high = p.reserved
                 return (CUresult.CUDA_SUCCESS,)
             if a in (
-                CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
-                CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
-                CUmemPool_attribute.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                _PoolAttr.CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+                _PoolAttr.CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+                _PoolAttr.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
             ):
                 return (CUresult.CUDA_SUCCESS,)
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
@@ -1198,15 +1301,17 @@ class FakeDriver:
         p = self.pools.get(int(pool))
         if p is None or p.destroyed:
             return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
-        a = CUmemPool_attribute(int(attr))
+        if int(attr) not in {int(m) for m in self.CUmemPool_attribute}:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, None)  # e.g. MAX_POOL_SIZE from a 12.x driver
+        a = _PoolAttr(int(attr))
         values = {
-            CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: p.release_threshold,
-            CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: p.reserved,
-            CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: p.reserved_high,
-            CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_CURRENT: p.used,
-            CUmemPool_attribute.CU_MEMPOOL_ATTR_USED_MEM_HIGH: p.used_high,
+            _PoolAttr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: p.release_threshold,
+            _PoolAttr.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: p.reserved,
+            _PoolAttr.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: p.reserved_high,
+            _PoolAttr.CU_MEMPOOL_ATTR_USED_MEM_CURRENT: p.used,
+            _PoolAttr.CU_MEMPOOL_ATTR_USED_MEM_HIGH: p.used_high,
             # what the driver made of the maxSize asked for: it may round it up (pool_size_granularity)
-            CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE: _round_up(p.max_size, self.pool_size_granularity)
+            _PoolAttr.CU_MEMPOOL_ATTR_MAX_POOL_SIZE: _round_up(p.max_size, self.pool_size_granularity)
             if p.max_size else 0,
         }
         if a not in values:
@@ -1891,6 +1996,6 @@ def reset(driver: FakeDriver | None = None) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name.startswith(("cu", "nvrtc")) and hasattr(FakeDriver, name):
+    if (name.startswith(("cu", "nvrtc")) and hasattr(FakeDriver, name)) or name in _VERSIONED:
         return getattr(instance(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

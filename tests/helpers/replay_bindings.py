@@ -1,6 +1,16 @@
 """Replay calls recorded through the fake driver into the real ``cuda.bindings`` (no GPU needed).
 
-    python -m tests.helpers.replay_bindings RECORD_DIR    -> one JSON line: calls, names, failures
+    python -m tests.helpers.replay_bindings RECORD_DIR    -> one JSON line: calls, names, failures,
+                                                             the bindings' version
+    python -m tests.helpers.replay_bindings --prepare     -> install the other major (below), once
+
+Both cuda-bindings majors the project supports (12.x and 13.x, shared.cuda_compat) are replayed
+into: the environment's own (``pip install -e .`` resolves cuda-bindings 13, ``.[cuda12]`` 12.9)
+and the other one, installed on first use with ``pip install --target`` into a directory beside
+the virtual environment (``<venv>/twt-cuda12`` or ``twt-cuda13``) by make's install step
+(``--prepare``), or by the first replay that needs it where make did not run (a file lock makes
+concurrent test workers install it once). Both import without a GPU: the replay runs in a child process whose ``PYTHONPATH`` puts that directory first
+(:func:`bindings_path`). :data:`OTHER_MAJOR_SPEC` names the release each major installs.
 
 The real bindings convert every argument (handles, structs, enums, buffers,
 kernel parameter tuples) *before* they load libcuda / libnvrtc, so a call
@@ -25,13 +35,88 @@ never reach a real cuBLAS). Otherwise the result says why it was skipped.
 from __future__ import annotations
 
 import enum
+import fcntl
 import json
 import os
 import pickle
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 REFUSED = (TypeError, ValueError, OverflowError, AttributeError, BufferError)
+#: what ``pip install --target`` installs for a major the environment does not have
+OTHER_MAJOR_SPEC = {12: "cuda-bindings==12.9.*", 13: "cuda-bindings>=13,<14"}
+_DONE = ".twt-complete"  # written last: a directory without it is an interrupted install
+PIP_TIMEOUT_S = 600
+
+
+def installed_major() -> int | None:
+    """The cuda-bindings major this interpreter imports by default (None: none installed)."""
+    from tests.helpers.fake_cuda import installed_bindings_major
+
+    return installed_bindings_major()
+
+
+def _target(major: int) -> Path:
+    """Where the other major lives: beside the virtual environment (its lifetime), else the user's cache."""
+    if sys.prefix != sys.base_prefix:
+        return Path(sys.prefix) / f"twt-cuda{major}"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "twt" / f"cuda{major}"
+
+
+def bindings_path(major: int) -> Path | None:
+    """The ``PYTHONPATH`` entry that makes ``cuda.bindings`` that major: None for the environment's own,
+    else the installed target directory (installed now, under a lock, when missing).
+
+    Raises ``RuntimeError`` with pip's own words when it cannot be installed (no network to the
+    package index, say): the replay into that major is part of ``make test``, never skipped quietly.
+    """
+    if major not in OTHER_MAJOR_SPEC:
+        raise ValueError(f"cuda-bindings major {major} is not one the project supports ({sorted(OTHER_MAJOR_SPEC)})")
+    if installed_major() == major:
+        return None
+    target = _target(major)
+    if (target / _DONE).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second test worker waits here, then finds it done
+        if (target / _DONE).exists():
+            return target
+        staging = target.parent / f".{target.name}.tmp{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                               "--no-input", "--target", str(staging), OTHER_MAJOR_SPEC[major]],
+                              capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+        if proc.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise RuntimeError(f"pip install --target {staging} {OTHER_MAJOR_SPEC[major]} failed "
+                               f"(exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()[-2000:]}")
+        shutil.rmtree(target, ignore_errors=True)
+        os.rename(staging, target)
+        (target / _DONE).write_text(OTHER_MAJOR_SPEC[major] + "\n")
+    return target
+
+
+def replay_env(major: int, root: Path) -> dict[str, str]:
+    """The environment of a replay child process that imports cuda-bindings ``major``.
+
+    The other major comes from make's install step (``--prepare``); where that step has not run
+    (a suite started without make), the same ``--prepare`` runs here, in a child process, once.
+    """
+    extra: Path | None = None
+    if installed_major() != major:
+        extra = _target(major)
+        if not (extra / _DONE).exists():
+            proc = subprocess.run([sys.executable, "-m", "tests.helpers.replay_bindings", "--prepare"],
+                                  capture_output=True, text=True, timeout=PIP_TIMEOUT_S + 60, cwd=root, check=False)
+            if proc.returncode != 0 or not (extra / _DONE).exists():
+                raise RuntimeError(f"cuda-bindings {major}.x for the replay could not be installed: "
+                                   f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
+    path = [str(p) for p in (extra, root) if p is not None]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 
 
 def _block_library_loading() -> None:
@@ -85,6 +170,7 @@ def load_records(record_dir: str, suffix: str = ".calls") -> list[tuple[str, tup
 def replay(records: list[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
     """Call the real binding with each record's arguments; collect the ones it refuses."""
     _block_library_loading()
+    import cuda.bindings
     from cuda.bindings import driver as drv
     from cuda.bindings import nvrtc
 
@@ -108,7 +194,8 @@ def replay(records: list[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
             failures.append(f"{name}({shapes}): {type(exc).__name__}: {exc}")
         except RuntimeError:
             pass  # the library loader: the arguments were accepted
-    return {"calls": len(records), "names": sorted(names), "failures": failures}
+    return {"calls": len(records), "names": sorted(names), "failures": failures,
+            "bindings_version": cuda.bindings.__version__}
 
 
 def _libcuda_loadable() -> bool:
@@ -158,6 +245,12 @@ def replay_cublas(records: list[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--prepare"]:  # make's install step: the major this environment lacks, installed once
+        for major in OTHER_MAJOR_SPEC:
+            where = bindings_path(major)
+            if where is not None:
+                print(f"cuda-bindings {major}.x for the replay test: {where}")
+        return 0
     result = replay(load_records(argv[0]))
     result["cublas"] = replay_cublas(load_records(argv[0], ".cublas"))
     print(json.dumps(result))

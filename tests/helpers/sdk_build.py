@@ -1,32 +1,56 @@
-"""Compiling guest sources for the SDK tests, once per session per distinct input.
+"""Compiling guest sources for the SDK tests, once per run per distinct input, shared by xdist workers.
 
 ``SdkBuilder.build(...)`` runs ``twt build``'s library function and keeps
 the module bytes keyed by the sha256 of everything that decides them: each
-source's name and bytes, the SDK's bindings, the options. Zig's own cache
-(``~/.cache/zig``) makes a rebuild after a change cheap too; the first build
-of a fresh machine compiles wasi-libc once (tens of seconds on one core).
+source's name and bytes, the SDK's bindings, the options. The modules live
+in one folder per test run (beside the xdist workers' own temp folders, the
+way tests/helpers/gpu_dry_run.py shares its run), each built under an
+``flock`` of its own: the first worker to need a guest builds it, the others
+wait for that build and read its module - never a second compiler for the
+same guest. Builds of different guests still run side by side, and take
+turns on Zig's cache through ``twt build``'s own lock. The first build of a
+fresh machine compiles wasi-libc once (tens of seconds on one core).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from supervisor.cli.build import build_module, sdk_dir
 
-__all__ = ["EXAMPLES", "ROOT", "SdkBuilder"]
+__all__ = ["EXAMPLES", "ROOT", "SdkBuilder", "shared_build_dir"]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "sdk" / "examples"
 
 
-class SdkBuilder:
-    """Builds C / Zig sources into module bytes, each distinct input once per session."""
+def shared_build_dir(factory: pytest.TempPathFactory) -> Path:
+    """The run's one folder of built guests: shared by every xdist worker of the run, fresh per run."""
+    base = factory.getbasetemp()
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id and base.name.startswith("popen-gw"):  # an xdist worker: its siblings share the parent
+        path = base.parent / f"sdk-build-{run_id[:16]}"
+    else:
+        path = base / "sdk-build"
+    path.mkdir(exist_ok=True)
+    return path
 
-    def __init__(self, workdir: Path) -> None:
+
+class SdkBuilder:
+    """Builds C / Zig sources into module bytes, each distinct input once per run (see the module doc)."""
+
+    def __init__(self, workdir: Path, shared: Path | None = None) -> None:
         self.workdir = workdir
+        self.shared = shared if shared is not None else workdir / "modules"
+        self.shared.mkdir(parents=True, exist_ok=True)
         self._cache: dict[str, bytes] = {}
+        #: guests this process compiled (the rest it read from another worker's build, or its memo)
         self.builds = 0
 
     def _key(self, sources: list[Path], options: dict[str, Any]) -> str:
@@ -37,16 +61,23 @@ class SdkBuilder:
         return digest.hexdigest()
 
     def build(self, *sources: Path, **options: Any) -> bytes:
-        """The module built from ``sources`` with ``build_module`` ``options`` (cached)."""
+        """The module built from ``sources`` with ``build_module`` ``options`` (once per run)."""
         paths = list(sources)
         key = self._key(paths, options)
         found = self._cache.get(key)
         if found is None:
-            out = self.workdir / f"{key[:16]}.wasm"
-            build_module(paths, out, **options)
-            found = self._cache[key] = out.read_bytes()
-            self.builds += 1
+            found = self._cache[key] = self._built(key, paths, options)
         return found
+
+    def _built(self, key: str, paths: list[Path], options: dict[str, Any]) -> bytes:
+        """The run's module for ``key``: read if a worker built it, else built here under its lock."""
+        out = self.shared / f"{key[:24]}.wasm"
+        with open(self.shared / f"{key[:24]}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another worker building this guest: wait for its module
+            if not out.exists():
+                build_module(paths, out, **options)  # written whole (a rename) or not at all
+                self.builds += 1
+            return out.read_bytes()
 
     def example(self, lang: str, name: str) -> bytes:
         """``sdk/examples/<lang>/<name>.<c|zig>``, built."""

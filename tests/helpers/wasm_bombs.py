@@ -6,11 +6,17 @@ Cranelift's compile time grows superlinearly with that (measured here: 2,000
 locals 0.08 s, 8,000 0.9 s, 16,000 3.4 s, for one function of 144 KB); a
 2 MiB module of such functions compiles for about a minute. Fuel and epochs
 do not apply while compiling.
+
+``output_flood``: a WASI guest whose ``fd_write`` calls carry 1,024 iovecs
+over 1 MiB of newlines (``once``: the 1 MiB split across them; ``flood``:
+each names the whole 1 MiB, so one call is 1 GiB, made again and again).
+Handled a line at a time in Python (~12.7 us a line), one call of ``once``
+held the worker ~13 s and one of ``flood`` hours, past any deadline.
 """
 
 from __future__ import annotations
 
-__all__ = ["compile_bomb", "small_module"]
+__all__ = ["OUTPUT_FLOOD_LINES", "compile_bomb", "output_flood", "small_module"]
 
 
 def _leb(n: int) -> bytes:
@@ -68,3 +74,40 @@ def _sleb(n: int) -> bytes:
             out.append(b)
             return bytes(out)
         out.append(b | 0x80)
+
+
+#: newlines in the output flood's buffer (one call of ``once`` writes exactly these)
+OUTPUT_FLOOD_LINES = 1 << 20
+
+
+def output_flood() -> bytes:
+    """WAT of a WASI guest: ``once`` (one fd_write, 1,024 iovecs over 1 MiB of newlines) and ``flood``
+    (fd_write of 1,024 iovecs each naming the same 1 MiB, in an endless loop); both return the errno."""
+    return f"""
+(module
+  (import "wasi_snapshot_preview1" "fd_write" (func $w (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 18 18)
+  ;; the newlines at 65536; 1,024 iovecs at 0: each 1 KiB of them (spread) or all of them
+  (func $setup (param $spread i32)
+    (local $i i32)
+    (memory.fill (i32.const 65536) (i32.const 10) (i32.const {OUTPUT_FLOOD_LINES}))
+    (loop $next
+      (i32.store (i32.shl (local.get $i) (i32.const 3))
+        (select (i32.add (i32.const 65536) (i32.shl (local.get $i) (i32.const 10))) (i32.const 65536)
+                (local.get $spread)))
+      (i32.store offset=4 (i32.shl (local.get $i) (i32.const 3))
+        (select (i32.const 1024) (i32.const {OUTPUT_FLOOD_LINES}) (local.get $spread)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $next (i32.lt_u (local.get $i) (i32.const 1024)))))
+  (func (export "once") (result i32)
+    (call $setup (i32.const 1))
+    (call $w (i32.const 1) (i32.const 0) (i32.const 1024) (i32.const 8192)))
+  (func (export "flood") (result i32)
+    (local $errno i32)
+    (call $setup (i32.const 0))
+    (loop $again
+      (local.set $errno (call $w (i32.const 1) (i32.const 0) (i32.const 1024) (i32.const 8192)))
+      (br_if $again (i32.eqz (local.get $errno))))
+    (local.get $errno))
+)
+""".encode()

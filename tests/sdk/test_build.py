@@ -122,7 +122,7 @@ def test_prepare_builds_every_kind_of_guest_and_refuses_sources(tmp_path: Path, 
     plain ``twt build`` without them says what it needs."""
     results = build_cli.prepare_toolchain()
     assert [r.exports for r in results] == [("prepare",)] * 3
-    assert [r.command[3] for r in results] == ["cc", "build-exe", "build-exe"]
+    assert [r.command[1] for r in results] == ["cc", "build-exe", "build-exe"]
     assert results[0].wasi and results[1].wasi  # both printed through libc: wasi-libc is in the cache
     monkeypatch.setattr(build_cli, "prepare_toolchain", lambda **_: results)  # the CLI's part: built above
     assert main(["build", "--prepare"]) == 0

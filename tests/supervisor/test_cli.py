@@ -466,6 +466,7 @@ _LOCAL_ARGV = {
     "keys": [], "supervise": [], "demo": [], "chaos": [], "mps": [], "cluster": ["status"], "cleanup": ["--dry-run"],
     "state": ["backup", "x.db"],  # reads the state database of this host (SQLite's backup API)
     "build": ["x.c", "-o", "x.wasm"],  # a compiler run on this host; no supervisor at all
+    "check-config": ["x.toml"],  # reads a file on this host; no supervisor at all
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -83,6 +84,33 @@ def test_auto_picks_cuda_when_the_driver_loads_and_a_device_exists() -> None:
         # the budget also carries the bound worker's fixed overhead (worker.backends.cuda): with the
         # fake driver (no context bytes) that is its fixed scratch, one 2 MiB granule
         assert (dev.budget_limit_bytes, dev.budget_used_bytes) == (GiB, 4 * MiB + 2 * MiB)
+
+
+def test_workers_take_the_probes_context_figure_and_never_measure_it_themselves(tmp_path: Path) -> None:
+    """One context's cost is measured once per device by the start-up probe (in its child process,
+    before any worker runs) and handed to every worker in its backend options: the workers create no
+    throw-away context, so concurrent starts cannot skew the figure, and the budget charges it."""
+    with cuda_supervisor({"memory": GiB, "context_bytes": 48 * MiB}, env={"FAKE_CUDA_RECORD_CALLS": str(tmp_path)},
+                         device_reserve_bytes=0) as sup:
+        c = sup.client
+        c.register(None, TenantSpec("acme"))
+        pid = wait_for(lambda: instance_pid(sup, "acme"))
+        # the probe's figure (its own primary context was live, so its free bytes are 1 GiB - 48 MiB)
+        # plus the worker's 2 MiB scratch
+        wait_for(lambda: c.status().devices[0].budget_used_bytes == 48 * MiB + 2 * MiB, what="bound worker charged")
+    per_pid = {int(f.stem): [name for name, _ in _records(f)] for f in tmp_path.glob("*.calls")}
+    assert per_pid[pid].count("cuCtxCreate") == 0 and "cuMemPoolCreate" in per_pid[pid]
+    assert sorted(names.count("cuCtxCreate") for names in per_pid.values())[-1] == 3  # the probe: 3 samples
+
+
+def _records(path: Path) -> list[tuple[str, tuple[Any, ...]]]:
+    out = []
+    with open(path, "rb") as f:
+        while True:
+            try:
+                out.append(pickle.load(f))
+            except EOFError:
+                return out
 
 
 def test_auto_falls_back_to_stub_and_says_why() -> None:

@@ -3,14 +3,13 @@ schema before it (the migration keeps every tenant, not parked)."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from pathlib import Path
 
 import pytest
 
 from shared.spec import TenantSpec
-from supervisor.store.state import _MIGRATIONS, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore
+from supervisor.store.state import SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,13 +37,12 @@ def test_the_parked_flag_round_trips_and_a_new_registration_clears_it(tmp_path: 
 def test_a_database_of_the_schema_before_gains_the_flag(tmp_path: Path) -> None:
     with StateStore.open(str(tmp_path)) as store:
         store.put_registry_key(KEY)
-    conn = sqlite3.connect(tmp_path / STATE_FILE)  # turn it back into a version-1 database
+        store.register(TenantSpec("old"), 3, "runtime")
+        store.set_parked("old", True)
+    conn = sqlite3.connect(tmp_path / STATE_FILE)  # turn it back into a database of the version before
     try:
-        conn.execute("DROP TABLE tenants")
-        conn.execute(_MIGRATIONS[1][2])
-        conn.execute("INSERT INTO tenants VALUES ('old', ?, ?, 'runtime', 3, NULL, 0, 0)",
-                     (json.dumps(TenantSpec("old").to_dict()),) * 2)
-        conn.execute("UPDATE schema_version SET version = 1")
+        conn.execute("ALTER TABLE tenants DROP COLUMN parked")
+        conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION - 1,))
         conn.commit()
     finally:
         conn.close()

@@ -16,7 +16,8 @@ import pytest
 
 from shared.errors import StateError, UnknownTenant
 from shared.spec import TenantSpec
-from supervisor.store.state import MARKER_FILE, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore, backup
+from supervisor.store.backup import backup
+from supervisor.store.state import MARKER_FILE, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore
 
 KEY = RegistryKey(b"r" * 16, b"s" * 32)
 
@@ -133,11 +134,12 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     StateStore.open(str(tmp_path)).close()
     path = tmp_path / STATE_FILE
     conn = sqlite3.connect(path)
-    conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    conn.execute("UPDATE schema_version SET version = ?, oldest_reader = ?", (SCHEMA_VERSION + 1, SCHEMA_VERSION + 1))
     conn.commit()
     conn.close()
     err = _untouched(path, "newer")
     assert f"schema version {SCHEMA_VERSION + 1} is newer" in err.detail
+    assert f"needs at least version {SCHEMA_VERSION + 1}" in err.detail and "twt state restore" in err.detail
 
 
 def test_someone_elses_database_is_refused(tmp_path: Path) -> None:
@@ -153,7 +155,7 @@ def test_someone_elses_database_is_refused(tmp_path: Path) -> None:
 def test_a_row_that_does_not_parse_is_an_error_not_a_crash(tmp_path: Path) -> None:
     with StateStore.open(str(tmp_path)) as store:
         store.register(TenantSpec("acme"), 1, "file")
-        store._conn.execute("UPDATE tenants SET spec = '{\"tenant_id\": \"acme\", \"bogus\": 1}'")
+        store._conn.execute("UPDATE tenants SET spec = '{\"tenant_id\": \"acme\", \"instances\": \"many\"}'")
         with pytest.raises(StateError, match="tenant 'acme' does not parse"):
             store.tenants()
 
@@ -254,7 +256,7 @@ def test_state_dir_setting(tmp_path: Path) -> None:
         load_config(bad, environ={})
 
 
-# ----------------------------------------------------------------------- issue 30: WAL, marker, backup
+# ----------------------------------------------------------------------- WAL, marker, backup
 
 
 def test_the_key_and_every_admin_write_reach_the_database_file_without_the_wal(tmp_path: Path) -> None:

@@ -2,6 +2,13 @@
 fake is replayed into the real cuda.bindings: its argument conversion (before libcuda loads) must
 accept them all. No GPU needed; catches a wrongly typed argument that the fake would let through.
 
+Into both supported majors: the fake speaks the call shapes of either (``FAKE_CUDA_BINDINGS``), and
+the calls it recorded in each are replayed into the real binding of that major - the environment's
+own, and the other one installed on first use beside the virtual environment
+(tests/helpers/replay_bindings.py, ``bindings_path``). The environment's major replays the run's
+one dry run of the whole check; the other one the check's phases that make every backend call
+(:data:`OTHER_MAJOR_PHASES`), the exercise below and the supervisor's probe.
+
 The check (the run's one dry run, shared with tests/gpu: tests/helpers/gpu_dry_run.py) runs every
 phase (``pytest`` does nothing on the fake: it needs a device), so the tensor ops (their kernels'
 ``int`` parameters, argmax's copy into a slice of guest memory), the isolation reader, the fault
@@ -26,7 +33,7 @@ import pytest
 
 from tests.helpers import fake_cuda, gpu_dry_run
 from tests.helpers.fake_cublas import FakeCublas, convert_args
-from tests.helpers.replay_bindings import load_records
+from tests.helpers.replay_bindings import load_records, replay_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +76,15 @@ b.reclaim()                            # cuStreamSynchronize + cuMemPoolTrimTo
 b.close()
 from tests.gpu.phase_regions import run   # the GPU check's region phase (cuMemAllocHost baseline)
 run("tests.helpers.fake_cuda", sizes_mib=(1,), repeat=1)
+from supervisor.lifecycle.backend_select import probe_cuda   # its child measures a context per device
+probe = probe_cuda(driver_module="tests.helpers.fake_cuda", nvrtc_module="tests.helpers.fake_cuda")
+assert probe["ok"] and probe["devices"][0]["context_bytes_source"] == "measured", probe
 """
+#: the cuda-bindings majors the project supports: each one's calls replayed into its real binding
+MAJORS = (12, 13)
+#: the hardware check's phases recorded for the major that the run's one dry run does not cover:
+#: every backend call is in them (the share, WASM and supervisor phases repeat the same calls)
+OTHER_MAJOR_PHASES = "environment,pool,metering,isolation,kernels,tensor_ops,timing,regions"
 
 REQUIRED = {"cuInit", "cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemPoolCreate", "cuMemPoolSetAttribute",
             "cuMemPoolGetAttribute", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemcpyHtoDAsync",
@@ -79,7 +94,7 @@ REQUIRED = {"cuInit", "cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemPoolCr
             "nvrtcDestroyProgram", "cuMemAlloc", "cuMemFree", "cuModuleUnload", "cuDeviceGetAttribute",
             "cuDeviceGetName", "cuDriverGetVersion", "cuMemGetAllocationGranularity", "cuMemPoolDestroy",
             "cuStreamDestroy", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent", "cuCtxGetCurrent", "nvrtcVersion",
-            # issue 29: context flags, the context's measured cost, queued-work events, trims
+            # context flags, the context's measured cost, queued-work events, trims
             "cuDevicePrimaryCtxSetFlags", "cuCtxCreate", "cuCtxDestroy", "cuEventCreate", "cuEventRecord",
             "cuEventQuery", "cuEventDestroy", "cuStreamQuery", "cuMemPoolTrimTo"}
 #: what the GEMM path and the check's direct baseline call (worker/backends/_cublas.py, phase_tensor_ops)
@@ -88,29 +103,47 @@ REQUIRED_CUBLAS = {"create", "set_stream", "set_pointer_mode", "set_workspace", 
 PHASES = "environment,pool,metering,isolation,residual,tenants,fault,kernels,tensor_ops,timing,regions,wasm"
 
 
-def _replay(record_dir: Path) -> dict[str, object]:
+OWN_MAJOR = fake_cuda.installed_bindings_major()
+
+
+def _replay(record_dir: Path, major: int | None = None) -> dict[str, object]:
+    """Replay ``record_dir`` into the real cuda-bindings ``major`` (the environment's own by default)."""
     proc = subprocess.run([sys.executable, "-m", "tests.helpers.replay_bindings", str(record_dir)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=replay_env(major or OWN_MAJOR or 13, ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if major is not None:  # the binding replayed into is the one asked for, not the environment's
+        assert str(result["bindings_version"]).startswith(f"{major}."), result["bindings_version"]
     return result
 
 
-def test_every_call_through_the_fake_is_accepted_by_the_real_bindings(tmp_path: Path,
+@pytest.mark.parametrize("major", MAJORS)
+def test_every_call_through_the_fake_is_accepted_by_the_real_bindings(major: int, tmp_path: Path,
                                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
-    # the run's one dry run of the whole check, recorded (tests/helpers/gpu_dry_run.py): its records
-    # are copied, as the exercise below adds its own
-    check = gpu_dry_run.dry_run(tmp_path_factory)
-    assert check.proc.returncode == 0, check.proc.stdout[-2000:]
-    assert set(PHASES.split(",")) <= set(json.loads(check.json_out.read_text())["phases"])
-    for recorded in check.record_dir.iterdir():
-        shutil.copyfile(recorded, tmp_path / recorded.name)
-    env = {**os.environ, "FAKE_CUDA_RECORD_CALLS": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "FAKE_CUDA_RECORD_CALLS": str(tmp_path), "PYTHONPATH": str(ROOT),
+           "FAKE_CUDA_BINDINGS": str(major)}
+    if major == OWN_MAJOR:
+        # the run's one dry run of the whole check, recorded (tests/helpers/gpu_dry_run.py): its records
+        # are copied, as the exercise below adds its own
+        check = gpu_dry_run.dry_run(tmp_path_factory)
+        assert check.proc.returncode == 0, check.proc.stdout[-2000:]
+        assert set(PHASES.split(",")) <= set(json.loads(check.json_out.read_text())["phases"])
+        for recorded in check.record_dir.iterdir():
+            shutil.copyfile(recorded, tmp_path / recorded.name)
+    else:
+        other = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake",
+                                "--quick", "--only", OTHER_MAJOR_PHASES], capture_output=True, text=True,
+                               timeout=gpu_dry_run.TIMEOUT_S, cwd=ROOT, env=env)
+        assert other.returncode == 0, other.stdout[-2000:]
     exercise = subprocess.run([sys.executable, "-c", EXERCISE], capture_output=True, text=True, timeout=60,
                               cwd=ROOT, env=env)
     assert exercise.returncode == 0, exercise.stderr[-2000:]
-    result = _replay(tmp_path)
+    result = _replay(tmp_path, major)
     assert result["failures"] == []
+    # the calls whose shape differs between the majors were made in this major's shape
+    shapes = {(name, len(args)) for name, args in load_records(str(tmp_path)) if name == "cuCtxCreate"}
+    assert shapes == {("cuCtxCreate", 2 if major == 12 else 3)}, shapes
     assert REQUIRED <= set(result["names"]), REQUIRED - set(result["names"])  # type: ignore[arg-type]
     # the tensor ops were in it: their kernels take ``int`` parameters, argmax copies into a slice
     records = load_records(str(tmp_path))
@@ -232,3 +265,72 @@ def test_the_fake_refuses_a_launch_with_extra_none_as_the_bindings_do(tmp_path: 
                                         ((1,), (c.c_uint64,)), None)), f)
     failures = _replay(tmp_path)["failures"]
     assert isinstance(failures, list) and len(failures) == 1 and "TypeError" in failures[0]
+
+
+#: run with the real binding of one major first on the path: the fake of that major against it
+SHAPES = r"""
+import json
+import cuda.bindings
+import cuda.bindings.driver as real
+from tests.helpers import fake_cuda
+
+major = int(cuda.bindings.__version__.split(".")[0])
+f = fake_cuda.FakeDriver(bindings_major=major)
+out = {"version": cuda.bindings.__version__, "bad": []}
+for m in f.CUmemPool_attribute:
+    if int(getattr(real.CUmemPool_attribute, m.name, -1)) != int(m):
+        out["bad"].append(f"CUmemPool_attribute.{m.name}")
+out["max_pool_size"] = [hasattr(real.CUmemPool_attribute, "CU_MEMPOOL_ATTR_MAX_POOL_SIZE"),
+                        hasattr(f.CUmemPool_attribute, "CU_MEMPOOL_ATTR_MAX_POOL_SIZE")]
+real_fields = {a for a in dir(real.CUmemPoolProps()) if not a.startswith("_") and a != "getPtr"}
+out["props"] = [sorted(real_fields), sorted(f.CUmemPoolProps._fields)]
+params = real.cuCtxCreate.__doc__.split("\n", 1)[0].split("(", 1)[1].rstrip(")").split(",")
+try:
+    f.cuCtxCreate(*([None] * (len(params) - 2)), 0, fake_cuda.CUdevice(0))
+    out["ctx_create_arity"] = len(params)
+except TypeError as exc:
+    out["ctx_create_arity"] = f"the fake refuses {len(params)} arguments: {exc}"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("major", MAJORS)
+def test_the_fake_of_each_major_has_that_real_bindings_shapes(major: int) -> None:
+    """Where the majors differ (pool attributes, pool props, cuCtxCreate's arguments), the fake of
+    each major has exactly the real binding's shape - checked against that real binding."""
+    proc = subprocess.run([sys.executable, "-c", SHAPES], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=replay_env(major, ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["version"].startswith(f"{major}.")
+    assert out["bad"] == []
+    assert out["max_pool_size"] == [major >= 13, major >= 13]
+    assert out["props"][0] == out["props"][1]
+    assert out["ctx_create_arity"] == (2 if major == 12 else 3)
+
+
+def _shaped(major: int) -> list[tuple[str, tuple[object, ...]]]:
+    """The three calls whose shape differs, as the fake of ``major`` records them."""
+    from shared.cuda_compat import DriverApi
+
+    f = fake_cuda.FakeDriver(bindings_major=major)
+    calls: list[tuple[str, tuple[object, ...]]] = [
+        ("cuCtxCreate", (*([None] if major == 13 else []), 0, fake_cuda.CUdevice(0))),
+        ("cuMemPoolCreate", (DriverApi(major, "").pool_props(f, 0, 2 << 20),))]
+    if major == 13:
+        calls.append(("cuMemPoolGetAttribute", (fake_cuda.CUmemoryPool(16),
+                                                f.CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE)))
+    return calls
+
+
+@pytest.mark.parametrize("recorded, replayed, failing", [(13, 13, 0), (13, 12, 3), (12, 12, 0), (12, 13, 1)])
+def test_each_major_refuses_the_other_majors_shapes(recorded: int, replayed: int, failing: int,
+                                                    tmp_path: Path) -> None:
+    """The control for the two replays: 13.x's cuCtxCreate, pool props and MAX_POOL_SIZE fail in the
+    real 12.9 binding (the three places a 12.x host broke), 12.x's cuCtxCreate fails in 13.x - so a
+    call made in the wrong major's shape cannot pass either replay."""
+    with open(tmp_path / "1.calls", "wb") as f:
+        for record in _shaped(recorded):
+            pickle.dump(record, f)
+    failures = _replay(tmp_path, replayed)["failures"]
+    assert isinstance(failures, list) and len(failures) == failing, failures

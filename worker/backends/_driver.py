@@ -31,6 +31,11 @@ test suite's fake driver), passed to the worker in its backend options. A
 module object can also be handed in directly (unit tests). The backend never
 knows which one it got.
 
+The few calls whose shape differs between cuda-bindings 12.x and 13.x
+(``cuCtxCreate``, ``CUmemPoolProps``, the ``MAX_POOL_SIZE`` attribute) are
+built by :attr:`Driver.api` (:mod:`shared.cuda_compat`, the one version
+switch) and checked here like every other call (:meth:`Driver.check`).
+
 Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
 (mypy: ignore_missing_imports). The handles they give are held as ``object`` and passed back; a
 bindings module and what its calls return stay dynamically typed, converted (int(), bytes) where read.
@@ -42,6 +47,7 @@ import importlib
 from typing import Any, SupportsInt
 from collections.abc import Callable
 
+from shared.cuda_compat import DriverApi, driver_api
 from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable, CudaError
 from shared.exitcodes import is_sticky_cuda_error
 
@@ -94,6 +100,8 @@ class Driver:
         self.module_name: str = getattr(self.mod, "__name__", type(self.mod).__name__)
         self.CUresult = self.mod.CUresult
         self.OUT_OF_MEMORY = self.mod.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        #: the call shapes of this module's cuda-bindings major (12.x or 13.x): the one version switch
+        self.api: DriverApi = driver_api(self.mod)
         #: the first sticky error seen (its driver name): the context is unusable from then on
         self.context_lost: str | None = None
 
@@ -103,7 +111,24 @@ class Driver:
             result = getattr(self.mod, name)(*args)
         except RuntimeError as exc:  # libcuda missing: raised by the loader on the first call
             raise _unloadable("CUDA driver", name, exc) from None
+        except TypeError as exc:  # the binding refused the call's shape: a version this code does not know
+            raise self._refused(name, exc) from None
         return _check(name, result, self.error)
+
+    def _refused(self, name: str, exc: TypeError) -> BackendUnavailable:
+        return BackendUnavailable("cuda", (
+            f"{name}: cuda-bindings {self.api.version} refused the call's arguments ({exc}); the backend "
+            "supports cuda-bindings 12.x and 13.x (shared.cuda_compat)"))
+
+    def create_context(self, flags: int, dev: object) -> Any:
+        """``cuCtxCreate`` in this binding's shape (:meth:`DriverApi.ctx_create`), checked like :meth:`call`."""
+        try:
+            result = self.api.ctx_create(self.mod, flags, dev)
+        except RuntimeError as exc:  # libcuda missing
+            raise _unloadable("CUDA driver", "cuCtxCreate", exc) from None
+        except TypeError as exc:
+            raise self._refused("cuCtxCreate", exc) from None
+        return _check("cuCtxCreate", result, self.error)
 
     def check(self, name: str, result: tuple[Any, ...]) -> Any:
         """Check the result tuple of a call made directly (the hot paths)."""

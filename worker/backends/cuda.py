@@ -18,6 +18,8 @@
                once -> DeviceOutOfMemory
     free(b)    cuMemFreeAsync(ptr, stream); a non-sticky error keeps b (and its metered bytes)
     reclaim()  after frees: cuStreamSynchronize + cuMemPoolTrimTo(pool, 0) (memory back to the device)
+    retained_bytes()  cuMemPoolGetAttribute(RESERVED_MEM_CURRENT) - live bytes: what a free has not
+               yet given back (the device budget is credited only past it; worker.allocator)
     write/read cuMemcpyHtoDAsync / cuMemcpyDtoHAsync + cuStreamSynchronize
     pin_host   cuMemHostRegister of a mapped shared-memory region (worker.regions):
                write_host/read_host then copy from/to its address as DMA; unpin_host
@@ -76,6 +78,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, SupportsInt, TypeVar
 
+from shared.cuda_compat import cublas_workspace_bytes, default_context_bytes
 from shared.errors import BackendUnavailable, CudaError, KernelTimeout
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
@@ -117,6 +120,8 @@ class QueueOverrun(KernelTimeout):
     answers this and exits (``shared.exitcodes.WORKER_GPU_QUEUE_OVERRUN``); the
     supervisor restarts the instance as for any deadline.
     """
+#: retained_bytes() when the pool's memory comes back only with the process: above any withheld sum
+_ALL_RETAINED = 1 << 62
 #: inside the first page: never mapped in any CUDA context, so a write there always faults
 _UNMAPPED_ADDRESS = 0x100
 _get_ident = threading.get_ident
@@ -202,6 +207,11 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._thread = threading.get_ident()
         self._scratch: int | None = None
         self.context_bytes = context_bytes
+        #: where context_bytes came from: "given" (the supervisor's probe, or the caller),
+        #: "measured" (here, at set-up) or "default" (not measurable: the device class's figure)
+        self.context_bytes_source = "given" if context_bytes is not None else "measured"
+        self.compute_capability = (0, 0)
+        self.cublas_workspace_bytes = 0
         self.queue_grace_s = queue_grace_s
         #: device bytes this worker holds outside the tenant's pool (context, scratch, modules, cuBLAS)
         self.overhead_bytes = 0
@@ -215,6 +225,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         #: set once a run's queued work outlived its deadline: the worker must exit (QueueOverrun)
         self.queue_overrun = False
         self._freed = False  # frees since the last reclaim()
+        self._pool_destroyed = False  # cuMemPoolDestroy succeeded: nothing retained any more
         self.trims = 0  # cuMemPoolTrimTo calls made
         try:
             self._setup()
@@ -283,6 +294,12 @@ class CudaBackend(TensorOpsMixin, Backend):
         raw_name = drv.call("cuDeviceGetName", 256, self._dev)
         self.device_name = (raw_name.split(b"\0", 1)[0].decode(errors="replace")
                             if isinstance(raw_name, bytes) else str(raw_name))
+        attr = d.CUdevice_attribute
+        self.compute_capability = (
+            int(drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._dev)),
+            int(drv.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._dev)))
+        #: the workspace each run lends cuBLAS (metered as the run's buffer): per device class
+        self.cublas_workspace_bytes = cublas_workspace_bytes(self.compute_capability[0])
         self._prev_ctx = drv.call("cuCtxGetCurrent")
         # Before the context's first use: a wait (synchronize, event) sleeps on an interrupt instead
         # of spinning a core - with one context per worker, the default (SCHED_AUTO: spin while
@@ -297,6 +314,7 @@ class CudaBackend(TensorOpsMixin, Backend):
         free_at_start = int(drv.call("cuMemGetInfo")[0])
         if self.context_bytes is None:
             self.context_bytes = self._measure_context()
+        assert self.context_bytes is not None
         self._stream = drv.call("cuStreamCreate", int(d.CUstream_flags.CU_STREAM_NON_BLOCKING))
         self.granularity = int(drv.call(
             "cuMemGetAllocationGranularity",
@@ -304,57 +322,66 @@ class CudaBackend(TensorOpsMixin, Backend):
             d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
         ))
         self.pool_max_size = 0 if self.gpu_cap_bytes is None else round_up(max(1, self.gpu_cap_bytes), self.granularity)
-        props = d.CUmemPoolProps()
-        props.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        props.handleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        props.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        props.location.id = self.device_index
-        props.maxSize = self.pool_max_size
-        self._pool = drv.call("cuMemPoolCreate", props)
+        self._pool = drv.call("cuMemPoolCreate", drv.api.pool_props(d, self.device_index, self.pool_max_size))
         # what the driver enforces may be more than asked (it rounds maxSize up): read it back, so the
-        # OOM message and status name the real backstop
+        # OOM message and status name the real backstop (cuda-bindings 12.x cannot: the size asked for)
         self.pool_max_size_effective = self.pool_max_size
-        if self.pool_max_size:
+        max_attr = drv.api.max_pool_size_attribute(d)
+        if self.pool_max_size and max_attr is not None:
             try:
-                self.pool_max_size_effective = int(drv.call(
-                    "cuMemPoolGetAttribute", self._pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_MAX_POOL_SIZE))
-            except (CudaError, AttributeError):  # a driver without the attribute: the size asked for
-                pass
+                self.pool_max_size_effective = int(drv.call("cuMemPoolGetAttribute", self._pool, max_attr))
+            except CudaError:  # a driver older than the binding: the size asked for
+                if drv.context_lost is not None:
+                    raise
         # (no CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: it stays 0, so freed memory leaves the pool)
         self._scratch = int(drv.call("cuMemAlloc", FIXED_SCRATCH_BYTES))
         self.total_bytes = 0
         free, total = drv.call("cuMemGetInfo")
         self.total_bytes = int(total)
         self.free_bytes_at_start = int(free)
-        self.overhead_bytes = self.context_bytes + max(0, free_at_start - int(free))
+        # what set-up took (stream, pool, scratch) is a cuMemGetInfo delta on a shared device: another
+        # process freeing memory meanwhile shrinks it, so it is never counted below the scratch we hold
+        self.overhead_bytes = self.context_bytes + max(FIXED_SCRATCH_BYTES, free_at_start - int(free))
 
     def _measure_context(self) -> int:
         """Device bytes one more context takes: ``cuMemGetInfo`` around a throw-away ``cuCtxCreate``.
 
-        Our own primary context is already made when a context exists to ask
-        ``cuMemGetInfo``, so a second one is measured instead (the same cost:
-        same device, same process, same loading mode). Another process
-        allocating at the same moment skews it either way; it is clamped at 0.
-        A device that refuses a second context (compute mode
-        EXCLUSIVE_PROCESS, no memory left for one) is not measured: 0, with a
-        warning - pass ``context_bytes`` there.
+        Only when the supervisor passed no figure (its probe measures once per device, before any
+        worker starts, so concurrent starts cannot skew it; a backend made directly measures here).
+        Our own primary context is already made when a context exists to ask ``cuMemGetInfo``, so
+        a second one is measured instead (the same cost: same device, same process, same loading
+        mode). Another process allocating at the same moment skews it either way; it is clamped
+        at 0. A device that refuses a second context (compute mode EXCLUSIVE_PROCESS, no memory
+        left for one) or any other non-sticky failure is never counted as free: the conservative
+        default of the device class (:func:`shared.cuda_compat.default_context_bytes`), logged.
         """
         drv = self._drv
-        free_before = int(drv.call("cuMemGetInfo")[0])
         try:
-            tmp = drv.call("cuCtxCreate", None, 0, self._dev)
+            free_before = int(drv.call("cuMemGetInfo")[0])
+            tmp = drv.create_context(0, self._dev)
         except CudaError as exc:
             if drv.context_lost is not None:
                 raise
-            log_event(_log, logging.WARNING, "cuda.context_not_measured", device=self.device_index, error=str(exc))
-            drv.call("cuCtxSetCurrent", self._ctx)
-            return 0
+            return self._context_default(exc)
         try:
             free_after = int(drv.call("cuMemGetInfo")[0])
+        except CudaError as exc:
+            if drv.context_lost is not None:
+                raise
+            return self._context_default(exc)
         finally:
             drv.call("cuCtxDestroy", tmp)
             drv.call("cuCtxSetCurrent", self._ctx)
+        self.context_bytes_source = "measured"
         return max(0, free_before - free_after)
+
+    def _context_default(self, exc: CudaError) -> int:
+        self._drv.call("cuCtxSetCurrent", self._ctx)
+        fallback = default_context_bytes(self.compute_capability[0])
+        self.context_bytes_source = "default"
+        log_event(_log, logging.WARNING, "cuda.context_not_measured", device=self.device_index, error=str(exc),
+                  compute_capability="{}.{}".format(*self.compute_capability), assumed_bytes=fallback)
+        return fallback
 
     # ------------------------------------------------------- fixed overhead
 
@@ -467,12 +494,37 @@ class CudaBackend(TensorOpsMixin, Backend):
     def reclaim(self) -> None:
         """Give freed pool memory back to the device: synchronize (the frees are observed), then
         ``cuMemPoolTrimTo(pool, 0)``. Called after explicit frees and at run end (batched: one per
-        request or run). Errors go through the driver funnel (a sticky one ends the worker)."""
-        if not self._freed or self._closed or self.queue_overrun:
-            return
+        request or run), and by the allocator when the device budget refuses while freed bytes are
+        withheld (inside a run: the queued work is waited for within the run's limit first).
+        Errors go through the driver funnel (a sticky one ends the worker)."""
+        if not self._freed or self._closed or self.queue_overrun or self._drv.context_lost is not None:
+            return  # (a lost context's memory comes back with the process only)
         self._current()
+        self.wait_idle()
         self._drv.call("cuStreamSynchronize", self._stream)
         self._trim()
+
+    def retained_bytes(self) -> int:
+        """What the pool reserves beyond the live buffers (``CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT``
+        minus their bytes): freed memory not yet back on the device, plus the pool's rounding of
+        the live ones. The device budget is credited for frees only past it (worker.allocator).
+
+        0 once the pool is destroyed; everything (a bound no withheld byte reaches) while the
+        memory can only come back with the process: a lost context, an overrun queue, a closed
+        backend whose pool was not destroyed, or a failed read (logged).
+        """
+        if self._pool_destroyed:
+            return 0
+        if self._closed or self._pool is None or self.queue_overrun or self._drv.context_lost is not None:
+            return _ALL_RETAINED
+        try:
+            self._current()
+            reserved = int(self._drv.call("cuMemPoolGetAttribute", self._pool,
+                                          self._drv.mod.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT))
+        except CudaError as exc:
+            log_event(_log, logging.WARNING, "cuda.pool_read_failed", device=self.device_index, error=str(exc))
+            return _ALL_RETAINED
+        return max(0, reserved - self.in_use)
 
     def _trim(self) -> None:
         self._drv.call("cuMemPoolTrimTo", self._pool, 0)
@@ -731,6 +783,10 @@ class CudaBackend(TensorOpsMixin, Backend):
         }
         out["fixed_overhead_bytes"] = self.overhead_bytes
         out["context_bytes"] = self.context_bytes
+        out["context_bytes_source"] = self.context_bytes_source
+        out["compute_capability"] = "{}.{}".format(*self.compute_capability)
+        out["cublas_workspace_bytes"] = self.cublas_workspace_bytes
+        out["cuda_bindings"] = self._drv.api.version
         if self.environment:
             out["environment"] = dict(self.environment)
         return out
@@ -798,7 +854,9 @@ class CudaBackend(TensorOpsMixin, Backend):
             attempt("cuMemFree", self._scratch)
             self._scratch = None
         if self._pool is not None:
-            attempt("cuMemPoolDestroy", self._pool)
+            # its memory is back on the device once destroyed (every buffer was freed and the stream
+            # synchronized above); if not, it comes back with the process
+            self._pool_destroyed = attempt("cuMemPoolDestroy", self._pool)
             self._pool = None
         if self._stream is not None:
             attempt("cuStreamDestroy", self._stream)

@@ -226,6 +226,10 @@ class GuestRun:
         quota has no room for it the GEMM runs with the backend's fixed
         fallback workspace (cuda: 64 KiB of its scratch) rather than failing.
         """
+        self.backend.matmul_f32(a, b, c, m, k, n, workspace=self.gemm_workspace())
+
+    def gemm_workspace(self) -> DeviceBuffer | None:
+        """The run's GEMM workspace (every GEMM-like op's, see :meth:`gemm`), allocated on first use."""
         if not self.workspace_tried:
             self.workspace_tried = True
             want = self.backend.gemm_workspace_bytes()
@@ -238,7 +242,7 @@ class GuestRun:
                 else:
                     self.gpu_bytes += want
                     self.gpu_peak_bytes = max(self.gpu_peak_bytes, self.gpu_bytes)
-        self.backend.matmul_f32(a, b, c, m, k, n, workspace=self.workspace)
+        return self.workspace
 
     def device_op(self, name: str, fn: Callable[..., T], args: tuple[object, ...]) -> T | None:
         """``fn(*args)`` on the device under this worker's lease (see :mod:`worker.device_time`)."""
@@ -290,6 +294,7 @@ class GuestRun:
         the deadline (``started + timeout_s``) plus a grace period, and its freed memory returned
         to the device. Raises ``KernelTimeout`` (``QueueOverrun``) past that: the worker exits."""
         self.backend.end_run(self.started + timeout_s)
+        self.allocator.settle()  # the run's frees are back on the device now: the budget gets them
 
     # ------------------------------------------------------------ imports
 

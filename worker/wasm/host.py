@@ -40,6 +40,7 @@ import ctypes
 import hashlib
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -79,6 +80,7 @@ from worker.wasm.wasi import (
     WASI_MODULE,
     WASI_REFUSED,
     OutputLines,
+    OutputStopped,
     define_wasi,
     imports_wasi,
     wasi_config,
@@ -102,7 +104,14 @@ _INTERNAL = int(ErrorCode.INTERNAL)
 _KINDS = {"i32", "i64", "f32", "f64"}
 
 
+#: frames a trap's location names (innermost first); deeper ones are counted, not listed
+MAX_TRAP_FRAMES = 4
+
+
 def _config() -> wasmtime.Config:
+    # A trap's backtrace with file:line from the module's DWARF (a debug build's): wasmtime reads
+    # this when the engine is made. Modules without DWARF pay nothing; an operator may set it to 0.
+    os.environ.setdefault("WASMTIME_BACKTRACE_DETAILS", "1")
     cfg = wasmtime.Config()
     cfg.consume_fuel = True
     cfg.epoch_interruption = True
@@ -208,6 +217,8 @@ class CompiledModule:
     exports: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     #: imports WASI preview 1: its store gets a WASI context (worker.wasm.wasi)
     wasi: bool = False
+    #: function index -> export name: what a trap's frame is called when the module has no name section
+    export_names: dict[int, str] = field(default_factory=dict)
 
 
 class GuestExit(Exception):
@@ -229,6 +240,32 @@ def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return result, pos
         shift += 7
+
+
+def function_exports(wasm: bytes) -> dict[int, str]:
+    """Function index -> export name, from the export section (id 7) of validated bytes; {} when
+    the module has none (or, defensively, when the bytes do not parse)."""
+    out: dict[int, str] = {}
+    try:
+        pos = 8
+        while pos < len(wasm):
+            section = wasm[pos]
+            size, pos = _leb_u32(wasm, pos + 1)
+            end = pos + size
+            if section == 7:
+                count, p = _leb_u32(wasm, pos)
+                for _ in range(count):
+                    length, p = _leb_u32(wasm, p)
+                    name = bytes(wasm[p : p + length]).decode("utf-8", errors="replace")
+                    kind = wasm[p + length]
+                    index, p = _leb_u32(wasm, p + length + 1)
+                    if kind == 0:
+                        out.setdefault(index, name)
+                return out
+            pos = end
+    except (ValueError, IndexError):
+        return {}
+    return out
 
 
 def memory_limits(wasm: bytes) -> tuple[int, int | None] | None:
@@ -273,6 +310,45 @@ def _short(message: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_FRAME = re.compile(r"^\s*(\d+):\s+0x[0-9a-f]+ - ")
+_AT = re.compile(r"^\s+at (.+):(\d+)(?::(\d+))?\s*$")
+
+
+def trap_location(trap: wasmtime.Trap, export_names: dict[int, str] | None = None) -> str:
+    """The guest's frames of a trap, innermost first: ``crash+0x32 (t.c:3:11) <- run+0x55 (t.c:8:12)``.
+
+    Names and offsets come from wasmtime's frames (a module's name section, else the name a
+    function is exported under, else ``func[N]``); ``file:line:col`` from the backtrace text, present when the module carries DWARF (``twt
+    build -O debug``) and WASMTIME_BACKTRACE_DETAILS is on (see :func:`_config`). Never raises:
+    a location is a courtesy, the trap itself is the error.
+    """
+    try:
+        frames = trap.frames
+        lines: dict[int, str] = {}
+        current = -1
+        for text in str(trap).splitlines():
+            m = _FRAME.match(text)
+            if m:
+                current = int(m[1])
+                continue
+            at = _AT.match(text)
+            if at and current >= 0 and current not in lines:
+                where = os.path.basename(at[1]) + ":" + at[2] + (f":{at[3]}" if at[3] else "")
+                lines[current] = where
+        parts = []
+        for i, frame in enumerate(frames[:MAX_TRAP_FRAMES]):
+            name = frame.func_name or (export_names or {}).get(frame.func_index) or f"func[{frame.func_index}]"
+            part = f"{name}+{frame.func_offset:#x}"
+            if i in lines:
+                part += f" ({lines[i]})"
+            parts.append(part)
+        if len(frames) > MAX_TRAP_FRAMES:
+            parts.append(f"... {len(frames) - MAX_TRAP_FRAMES} more")
+        return _short(" <- ".join(parts), 600) if parts else ""
+    except Exception:  # noqa: BLE001 - a location is best effort; the trap is reported either way
+        return ""
+
+
 def _wat_error(message: str) -> str:
     """``expected `)` (line 1, column 14)`` from wat2wasm's multi-line report."""
     first = message.strip().splitlines()[0] if message.strip() else "syntax error"
@@ -311,6 +387,11 @@ def _functype(name: str) -> wasmtime.FuncType:
 # ------------------------------------------------------------------ sessions
 
 
+def _count_dropped(run: GuestRun, n: int) -> None:
+    """``n`` guest output lines dropped in bulk (past the log limits): counted like any dropped line."""
+    run.logs_dropped += n
+
+
 class WasmSession:
     """One armed store with one instance: what a run (or a test) calls exports on."""
 
@@ -327,8 +408,10 @@ class WasmSession:
         self.memory: wasmtime.Memory | None = None
         #: the code of a ``proc_exit`` in a start function or ``_initialize`` (the run then calls no export)
         self.exit_code: int | None = None
-        #: WASI stdout (1) and stderr (2), line by line into the run's log
-        self.streams = {fd: OutputLines(partial(run.log_line, stream=name), MAX_LOG_BYTES)
+        #: WASI stdout (1) and stderr (2), line by line into the run's log; lines dropped in bulk are
+        #: counted in the run's ``logs_dropped``, and ``fd_write`` stops at the run's deadline
+        self.streams = {fd: OutputLines(partial(run.log_line, stream=name), MAX_LOG_BYTES,
+                                        drop=partial(_count_dropped, run), deadline_ns=run.deadline_ns)
                         for fd, name in ((1, "stdout"), (2, "stderr"))}
 
     # -- guest memory, for the imports (set as GuestRun.span)
@@ -576,7 +659,7 @@ class WasmHost:
             if isinstance(e.type, wasmtime.FuncType)
         }
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
-                                  imports_wasi(module))
+                                  imports_wasi(module), function_exports(wasm))
         self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         self.stats["compiles"] += 1
         log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
@@ -721,6 +804,12 @@ class WasmHost:
         """Run guest code; wasmtime's traps and errors become the typed errors."""
         try:
             return fn()
+        except OutputStopped as stop:  # fd_write ran out of the run's time or fuel inside the call
+            if stop.reason == "deadline":
+                self.stats["timeouts"] += 1
+                raise KernelTimeout(session.timeout_s, "run_wasm") from None
+            self.stats["traps"] += 1
+            raise WasmTrap("out_of_fuel", "all fuel consumed by the guest's output (fd_write)") from None
         except wasmtime.ExitTrap as exited:  # WASI proc_exit: an end, not a fault
             raise GuestExit(exited.code) from None
         except wasmtime.Trap as trap:
@@ -730,7 +819,12 @@ class WasmHost:
                 raise KernelTimeout(session.timeout_s, "run_wasm") from None
             self.stats["traps"] += 1
             name = code.name.lower() if code is not None else "host"
-            raise WasmTrap(name, _short(str(trap))) from None
+            detail = _short(str(trap))
+            if code is wasmtime.TrapCode.OUT_OF_FUEL:
+                detail = (f"the run's fuel budget of {session.fuel:,} units is spent; give it more with "
+                          f"`twt run --fuel N` (run_wasm's `fuel`), up to the tenant's `wasm_fuel` ceiling")
+            fuel_limit = session.fuel if code is wasmtime.TrapCode.OUT_OF_FUEL else None
+            raise WasmTrap(name, detail, trap_location(trap, session.compiled.export_names), fuel_limit) from None
         except wasmtime.WasmtimeError as exc:
             if instantiate:
                 raise WasmCompile(f"instantiation failed: {_short(str(exc))}") from None
@@ -775,9 +869,15 @@ class WasmHost:
             "gpu_peak_bytes": run.gpu_peak_bytes,
             "memory_bytes": memory_bytes,
             "logs": run.logs,
-            "logs_dropped": run.logs_dropped,
+            # every line the guest wrote and the reply does not carry: dropped by the limits, or logged
+            # by the worker past the reply's MAX_LOG_LINES_IN_REPLY
+            "logs_dropped": run.logs_dropped + run.log_lines - len(run.logs),
             "exit_code": exit_code,
             **run.gpu_totals(),
+            # the limits this run had (the request's, capped by the tenant's spec): a client can tell
+            # its user that an asked-for --fuel or --timeout was cut to the ceiling
+            "fuel_limit": fuel,
+            "timeout_s": timeout_s,
         }
 
     def info(self) -> dict[str, object]:

@@ -23,7 +23,11 @@ wasmtime's tokio threads, after the write has returned to the guest (lines
 arrive late, out of order, or after the run ended, and a callback during
 interpreter shutdown aborts the process). ``fd_write`` here runs on the
 guest's thread, inside the call: every line is counted against the run's
-log limits before the guest continues. Why our own ``fd_fdstat_get``:
+log limits before the guest continues. Its cost is bounded by the run, not
+by the lines: every byte and newline is paid for from the store's fuel
+before it is read, the run's deadline is checked between chunks of a call
+(1,024 iovecs may name the same 4 GiB again and again), and lines past the
+log limits are counted in bulk, never handled one by one. Why our own ``fd_fdstat_get``:
 wasi-libc line-buffers stdout only on a terminal and otherwise keeps up to
 a buffer's worth until ``exit`` - which a reactor never calls, so a
 guest's ``printf`` lines would be lost at the end of each run. Fds 0-2
@@ -42,16 +46,22 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import time
 from collections.abc import Callable
+from typing import Literal, cast
 
 import wasmtime
 
 __all__ = [
+    "CHUNK",
+    "FUEL_PER_BYTE",
+    "FUEL_PER_LINE",
     "PROGRAM",
     "WASI_FUNCTIONS",
     "WASI_MODULE",
     "WASI_REFUSED",
     "OutputLines",
+    "OutputStopped",
     "define_wasi",
     "imports_wasi",
     "wasi_config",
@@ -94,6 +104,13 @@ _RIGHT_POLL_FD_READWRITE = 1 << 27
 
 #: iovecs one fd_write may pass (POSIX IOV_MAX)
 IOV_MAX = 1024
+#: fuel a byte written to stdout / stderr costs (about what a guest instruction costs: the host's copy
+#: and newline scan run at about a byte a nanosecond)
+FUEL_PER_BYTE = 1
+#: fuel a newline costs on top (a line's bookkeeping, even when it is dropped)
+FUEL_PER_LINE = 100
+#: bytes ``fd_write`` handles between two checks of the run's fuel and deadline
+CHUNK = 256 << 10
 _U32 = 0xFFFFFFFF
 _STDOUT, _STDERR = 1, 2
 
@@ -110,30 +127,67 @@ def wasi_config() -> wasmtime.WasiConfig:
     return config
 
 
+class OutputStopped(Exception):
+    """Internal: ``fd_write`` ended the run (``reason``: ``"deadline"`` or ``"fuel"``).
+
+    Raised inside the host call; wasmtime hands it back out of the guest's
+    call unchanged, and the host turns it into ``KernelTimeout`` or a
+    ``WasmTrap("out_of_fuel")`` - the same outcomes as the epoch deadline
+    and fuel exhaustion in guest code.
+    """
+
+    def __init__(self, reason: Literal["deadline", "fuel"]) -> None:
+        super().__init__(reason)
+        self.reason: Literal["deadline", "fuel"] = reason
+
+
 class OutputLines:
     """One guest stream (stdout or stderr) cut into lines, each handed to ``emit(raw, truncated)``.
 
     A line longer than ``max_bytes`` is cut there: the rest up to the next
     newline is dropped and the line is flagged as truncated (one line
     still). :meth:`close` emits a last line that had no newline.
+
+    ``emit`` returns a false value (``None`` or ``0``: ``OK``) when it kept
+    the line and a true one when it dropped it (over the run's or the
+    worker's log limits). Once a line of one :meth:`write` is dropped, the
+    rest of that write's complete lines are only counted (``bytes.count``,
+    no Python work per line) and handed to ``drop(n)``: a write of a
+    million newlines costs one scan of its bytes, not a million calls.
+
+    ``deadline_ns`` (``time.monotonic_ns``) is the run's deadline, checked
+    by ``fd_write`` between chunks of a call.
     """
 
-    def __init__(self, emit: Callable[[bytes, bool], object], max_bytes: int) -> None:
+    def __init__(self, emit: Callable[[bytes, bool], object], max_bytes: int, *,
+                 drop: Callable[[int], object] | None = None, deadline_ns: int | None = None) -> None:
         self._emit = emit
+        self._drop = drop
         self._max = max_bytes
         self._line = bytearray()
         self._truncated = False
+        self.deadline_ns = deadline_ns
+        #: lines counted as dropped in bulk (also handed to ``drop``)
+        self.dropped = 0
 
     def write(self, data: bytes) -> None:
-        start = 0
-        while True:
+        end = data.find(b"\n")
+        if end < 0:
+            self._append(data, 0, len(data))
+            return
+        last = data.rfind(b"\n")
+        self._append(data, 0, end)
+        kept = self._flush()
+        start = end + 1
+        while kept and start <= last:
             end = data.find(b"\n", start)
-            if end < 0:
-                self._append(data, start, len(data))
-                return
             self._append(data, start, end)
-            self._flush()
+            kept = self._flush()
             start = end + 1
+        if start <= last:  # a line was dropped: the rest of this write's complete lines are too
+            self._count_dropped(data.count(b"\n", start, last + 1))
+            start = last + 1
+        self._append(data, start, len(data))
 
     def _append(self, data: bytes, start: int, end: int) -> None:
         room = self._max - len(self._line)
@@ -143,11 +197,17 @@ class OutputLines:
         if end > start:
             self._line += data[start:end]
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Hand the line to ``emit``; whether it was kept."""
         raw, truncated = bytes(self._line), self._truncated
         self._line.clear()
         self._truncated = False
-        self._emit(raw, truncated)
+        return not self._emit(raw, truncated)
+
+    def _count_dropped(self, n: int) -> None:
+        self.dropped += n
+        if self._drop is not None:
+            self._drop(n)
 
     def close(self) -> None:
         if self._line or self._truncated:
@@ -167,6 +227,17 @@ def _memory(caller: wasmtime.Caller) -> tuple[int, int] | None:
     return address, mem.data_len(caller)
 
 
+def _charge(caller: wasmtime.Caller, amount: int) -> None:
+    """Take ``amount`` fuel from the caller's store; ``OutputStopped("fuel")`` (fuel left at 0) when it has less."""
+    # Inside a host call the Caller is its store's context: Store.get_fuel / set_fuel only use ``_context()``.
+    store = cast(wasmtime.Store, caller)
+    left = wasmtime.Store.get_fuel(store)
+    if left < amount:
+        wasmtime.Store.set_fuel(store, 0)
+        raise OutputStopped("fuel")
+    wasmtime.Store.set_fuel(store, left - amount)
+
+
 def fd_write(stream_of: StreamOf, caller: wasmtime.Caller, fd: int, iovs: int, iovs_len: int,
              nwritten: int) -> int:
     """``fd_write(fd, iovs, iovs_len, nwritten_ptr) -> errno`` for fds 1 and 2, into the run's log.
@@ -175,6 +246,15 @@ def fd_write(stream_of: StreamOf, caller: wasmtime.Caller, fd: int, iovs: int, i
     host's business, not an error libc would retry). Any other fd is
     ``EBADF``; an iovec outside linear memory is ``EFAULT`` before any byte
     is taken.
+
+    What bounds one call (1,024 iovecs may name the same 4 GiB again and
+    again): the bytes are handled in chunks of at most ``CHUNK`` bytes,
+    each paid for before it is read - ``FUEL_PER_BYTE`` a byte and
+    ``FUEL_PER_LINE`` a newline from the store's fuel - and the run's
+    deadline is checked before each chunk. Past either the call raises
+    :class:`OutputStopped` and the run ends as the guest's own code would
+    (``out_of_fuel`` / ``KernelTimeout``). Lines past the log limits are
+    counted per chunk, not handled one by one (:class:`OutputLines`).
     """
     stream = stream_of(fd)
     if stream is None:
@@ -193,11 +273,22 @@ def fd_write(stream_of: StreamOf, caller: wasmtime.Caller, fd: int, iovs: int, i
     vectors = list(struct.iter_unpack("<II", ctypes.string_at(base + iovs, 8 * count))) if count else []
     if any(ptr + length > size for ptr, length in vectors):
         return ERRNO_FAULT
+    deadline = stream.deadline_ns
     total = 0
     for ptr, length in vectors:
-        if length:
-            stream.write(ctypes.string_at(base + ptr, length))
-            total += length
+        while length:
+            if deadline is not None and time.monotonic_ns() >= deadline:
+                raise OutputStopped("deadline")
+            part = min(length, CHUNK)
+            _charge(caller, part * FUEL_PER_BYTE)
+            chunk = ctypes.string_at(base + ptr, part)
+            lines = chunk.count(b"\n")
+            if lines:
+                _charge(caller, lines * FUEL_PER_LINE)
+            stream.write(chunk)
+            ptr += part
+            length -= part
+            total += part
     ctypes.memmove(base + out, ctypes.byref(ctypes.c_uint32(total & _U32)), 4)
     return ERRNO_SUCCESS
 
@@ -237,6 +328,8 @@ def define_wasi(linker: wasmtime.Linker, stream_of: StreamOf) -> list[object]:
     def write(caller: wasmtime.Caller, fd: int, iovs: int, iovs_len: int, nwritten: int) -> int:
         try:
             return fd_write(stream_of, caller, fd, iovs, iovs_len, nwritten)
+        except OutputStopped:
+            raise  # the end of the run (the host maps it), not a failed write
         except Exception:  # noqa: BLE001 - a host bug must not become the guest's trap
             return ERRNO_IO
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.capability import TenantCapability, capability_to_text, read_capability_file, write_capability_file
+from shared.capability import MonitorCapability, TenantCapability, capability_to_text, read_capability_file, write_capability_file
 from shared.errors import RequestTimeout, SupervisorUnavailable
 from shared.records import TenantRecord
 from shared.sizes import decimal_size_note, format_size, parse_size
@@ -232,7 +232,7 @@ def check_cap_out(path: str | None) -> None:
         raise ValueError(f"--cap-out {path} is a directory")
 
 
-def emit_capability(args: argparse.Namespace, tenant_id: str, cap: TenantCapability,
+def emit_capability(args: argparse.Namespace, tenant_id: str, cap: TenantCapability | MonitorCapability,
                      applied: TenantRecord | None = None) -> None:
     """The capability (stdout, or --cap-out) and, from register, the limits the supervisor applied:
     on stdout beside --cap-out, else on stderr (``CAP=$(twt register acme)`` captures only the capability)."""

@@ -2,25 +2,36 @@
 
 Kept per tenant in a bounded LRU (:data:`MAX_MODULES_PER_TENANT`,
 :data:`MAX_MODULE_BYTES_PER_TENANT`), and counted in the held-bytes budgets
-(``HeldBytesLimit`` past them).
+(``HeldBytesLimit`` past them). With a state directory the same modules are
+on disk too (:mod:`supervisor.store.modules`: per tenant and generation,
+content-addressed): a restarted supervisor serves a run by digest without the
+module being sent again (:func:`restore_modules`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import TYPE_CHECKING
 
 import zmq
 
 from shared.errors import InvalidArgument
 from shared.sizes import MAX_MODULE_BYTES
+from shared.errors import HeldBytesLimit
+from shared.log import get_logger, log_event
 from supervisor.control.ops._base import Args, FrontendOp
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from supervisor.admission.frontend import Frontend
     from supervisor.runtime.tenants import TenantRuntime
+    from supervisor.store.modules import ModuleStore
 
-__all__ = ["MAX_MODULES_PER_TENANT", "MAX_MODULE_BYTES_PER_TENANT", "PutModule"]
+__all__ = ["MAX_MODULES_PER_TENANT", "MAX_MODULE_BYTES_PER_TENANT", "PutModule", "restore_modules"]
+
+_log = get_logger("supervisor")
 
 MAX_MODULES_PER_TENANT = 32
 MAX_MODULE_BYTES_PER_TENANT = 256 << 20
@@ -51,13 +62,49 @@ class PutModule(FrontendOp):
         # Room first among the tenant's own modules (LRU), then the held-bytes budgets
         # (per tenant and for all tenants together): HeldBytesLimit beyond them.
         held = frontend.guard.held
+        store = frontend.module_store
         while rt.modules and (
             len(rt.modules) >= MAX_MODULES_PER_TENANT
             or sum(map(len, rt.modules.values())) + len(data) > MAX_MODULE_BYTES_PER_TENANT
         ):
-            _, old = rt.modules.popitem(last=False)
+            gone, old = rt.modules.popitem(last=False)
             held.release(rt.tenant_id, "modules", len(old))
+            if store is not None:
+                store.remove(rt.tenant_id, rt.generation, gone)
         held.reserve(rt.tenant_id, "modules", len(data), in_flight=rt.in_flight + len(rt.parked),
                      max_in_flight=rt.spec.max_in_flight)
         rt.modules[digest] = data
+        if store is not None:
+            store.save(rt.tenant_id, rt.generation, digest, data)  # on the store's thread: never waited for
         return digest
+
+
+def restore_modules(store: ModuleStore, frontend: Frontend, tenants: Mapping[str, TenantRuntime],
+                    stored: Mapping[str, int] | None = None) -> int:
+    """At start, after the tenants are restored: each one's stored modules back in its LRU, oldest
+    first, within the same bounds as :meth:`PutModule.keep` (what does not fit is removed); the
+    directories of tenants or generations neither running nor in ``stored`` (tenant id ->
+    generation in the state: one not restored this time keeps its modules) are removed.
+    Returns how many came back."""
+    store.prune({**(stored or {}), **{tid: rt.generation for tid, rt in tenants.items()}})
+    held = frontend.guard.held
+    loaded = 0
+    for tid, rt in tenants.items():
+        modules = store.load(tid, rt.generation)
+        total = 0
+        for n, module in enumerate(reversed(modules)):  # the newest first: those are kept when over
+            fits = n < MAX_MODULES_PER_TENANT and total + len(module.data) <= MAX_MODULE_BYTES_PER_TENANT
+            if fits:
+                try:
+                    held.reserve(tid, "modules", len(module.data), in_flight=0, max_in_flight=rt.spec.max_in_flight)
+                except HeldBytesLimit:
+                    fits = False
+            if not fits:
+                log_event(_log, logging.WARNING, "modules.over_bound", tenant=tid, digest=module.digest)
+                store.remove(tid, rt.generation, module.digest)
+                continue
+            total += len(module.data)
+            rt.modules[module.digest] = module.data
+            rt.modules.move_to_end(module.digest, last=False)  # oldest at the front (the LRU's end)
+            loaded += 1
+    return loaded
