@@ -9,7 +9,10 @@ is starting or restarting, the request is parked, bounded by
 ``max_in_flight`` and its deadline, and sent as soon as one is
 (:meth:`Frontend.dispatch_parked`); a tenant scaled to 0 is answered
 :class:`~shared.errors.TenantStopped`, and one whose instances are gone for
-good :class:`~shared.errors.WorkerLost`, at once.
+good :class:`~shared.errors.WorkerLost`, at once. A request that needs a worker
+for a *parked* tenant (:mod:`supervisor.lifecycle.parking`) waits the same way and
+wakes it (``wake_parked``); nothing is sent while its buffers move
+(``TenantRuntime.park`` set).
 
 Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
 one when ``listen`` is set: the same decode, checks and limits for both; at

@@ -52,7 +52,9 @@ class Pending:
 
 @dataclass(eq=False)
 class Parked:
-    """A request waiting for an instance to become ready (e.g. during a restart)."""
+    """A request waiting for an instance to become ready (e.g. during a restart, or while its
+    parked tenant activates: a *waiting request*, not to be confused with a parked tenant,
+    ``TenantState.PARKED``)."""
 
     client: bytes
     rid: int

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared import protocol as proto
 from shared.capability import TenantCapability
-from shared.errors import BufferLost, InvalidArgument
+from shared.errors import BufferLost, InvalidArgument, TensorWasmError
 from shared.region import Region
 from shared.spec import TenantSpec
 from supervisor.cli import main
@@ -370,3 +370,28 @@ def test_the_parked_state_shows_in_twt_status_and_the_metrics(capsys: pytest.Cap
         assert row.split()[1:3] == ["parked", "0/1"], row
         assert code == 0  # parked is healthy
         assert "napper/0" not in out  # no "instance down" note for an idle tenant
+
+
+def test_every_instance_of_a_tenant_parks_and_comes_back_and_a_parked_tenant_can_be_evicted() -> None:
+    with supervisor([{"name": "pair", "instances": 2}, {"name": "gone"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "pair")
+        h0 = c.alloc(cap, 3000, instance=0)
+        h1 = c.alloc(cap, 5000, instance=1)
+        c.write(cap, h0, _pattern(3000, 11))
+        c.write(cap, h1, _pattern(5000, 12))
+        park = _park_soon(c, "pair")
+        assert park["buffers"] == 2 and park["host_bytes"] == 8000
+        assert tenant(c.status(), "pair").pids == ()
+        mark = _cursor(c)
+        assert c.read(cap, h1, 5000) == _pattern(5000, 12)  # activates both instances
+        _wait_event(c, "activate", "pair", mark)
+        assert c.read(cap, h0, 3000) == _pattern(3000, 11)
+        assert c.buffers(cap) == {h0: 3000, h1: 5000}
+        # a parked tenant is evicted like any other: nothing to stop, its capability revoked
+        gone = c.tenant_capability(None, "gone")
+        _park_soon(c, "gone")
+        assert c.evict(None, "gone").pids == ()
+        assert "gone" not in {t.tenant_id for t in c.status().tenants}
+        with pytest.raises(TensorWasmError):
+            c.ping(gone)
