@@ -370,6 +370,12 @@ def test_the_parked_state_shows_in_twt_status_and_the_metrics(capsys: pytest.Cap
         assert row.split()[1:3] == ["parked", "0/1"], row
         assert code == 0  # parked is healthy
         assert "napper/0" not in out  # no "instance down" note for an idle tenant
+        # the key from the command line: set-quota changes it, register takes it
+        assert main(["set-quota", "napper", "--idle-timeout", "none", "--run-dir", sup.run_dir]) == 0
+        assert tenant(c.status(), "napper").spec.idle_timeout_s is None
+        assert main(["register", "late", "--idle-timeout", "2.5", "--run-dir", sup.run_dir]) == 0
+        assert tenant(c.status(), "late").spec.idle_timeout_s == 2.5
+        capsys.readouterr()
 
 
 def test_every_instance_of_a_tenant_parks_and_comes_back_and_a_parked_tenant_can_be_evicted() -> None:
