@@ -149,18 +149,26 @@ class Parking:
         if not isinstance(listed, list) or not isinstance(seq, int):
             self._abandon(rt, rec, "export_buffers answered an unusable manifest")
             return
-        buffers = []
+        sizes: list[tuple[int, int]] = []
         for entry in listed:
             if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, int) for x in entry)
                     and entry[1] > 0):
                 self._abandon(rt, rec, "export_buffers answered an unusable manifest")
                 return
-            buffers.append(ParkedBuffer(entry[0], bytearray(entry[1])))
-        need = sum(len(b.data) for b in buffers)
+            sizes.append((entry[0], entry[1]))
+        need = sum(n for _, n in sizes)
         try:
-            self._charge(rt, rec, need)
+            self._charge(rt, rec, need)  # before a byte of host memory is taken for the copies
+            buffers = [ParkedBuffer(handle, bytearray(n)) for handle, n in sizes]
         except MemoryExhausted as exc:
             self._refuse(rt, rec, exc)
+            return
+        except MemoryError:  # within the quota, but the supervisor's host has not that much free
+            snap = rt.block.snapshot()
+            self._refuse(rt, rec, MemoryExhausted(
+                rt.tenant_id, need, snap.memory_quota_bytes, snap.bytes_in_use,
+                message=f"tenant {rt.tenant_id!r} was not parked: the supervisor could not take {need:,} B of "
+                "host memory for its buffers; it stays active"))
             return
         rec.buffers[slot.index] = buffers
         rec.seqs[slot.index] = seq
