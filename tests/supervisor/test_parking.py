@@ -401,3 +401,25 @@ def test_every_instance_of_a_tenant_parks_and_comes_back_and_a_parked_tenant_can
         assert "gone" not in {t.tenant_id for t in c.status().tenants}
         with pytest.raises(TensorWasmError):
             c.ping(gone)
+
+
+def test_a_tenant_on_the_cuda_backend_parks_and_comes_back_whole() -> None:
+    """The cuda backend on the fake driver (tests/helpers/fake_cuda.py, as the cuda supervisor tests
+    run it): the buffers leave device memory through the backend's copies and come back."""
+    fake = "tests.helpers.fake_cuda"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_CUDA_", "CUDA_MPS_"))}
+    env["FAKE_CUDA_MEMORY"] = str(1 << 30)
+    settings = {**FAST, "backend": "cuda", "cuda_driver_module": fake, "cuda_nvrtc_module": fake,
+                "device_reserve_bytes": 0}
+    n = PARK_CHUNK_BYTES + 4099
+    with launch({"supervisor": settings, "tenant": []}, env=env) as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("gpu-tenant", gpu_memory_bytes_cap=64 << 20))
+        h = c.alloc(cap, n)
+        c.write(cap, h, _pattern(n, 21))
+        assert c.quota(cap).gpu_bytes_in_use >= n
+        park = _park_soon(c, "gpu-tenant")
+        assert park["host_bytes"] == n and c.quota(cap).gpu_bytes_in_use == 0
+        with SupervisorClient(sup.run_dir, regions=False) as own:
+            assert own.read(cap, h, n) == _pattern(n, 21)
+        assert c.quota(cap).gpu_bytes_in_use >= n or tenant(c.status(), "gpu-tenant").state == "parked"
