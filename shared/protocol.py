@@ -183,10 +183,11 @@ _MAP = (dict,)
 
 #: the limits set_quota changes live (each a TenantSpec field)
 QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota",
-                     "gpu_time_weight", "gpu_time_cap")
-#: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy: numbers)
+                     "gpu_time_weight", "gpu_time_cap", "idle_timeout_s")
+#: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy, the idle time: numbers)
 _QUOTA_TYPES: Final[dict[str, tuple[type, ...]]] = {"gpu_time_weight": (int, float),
-                                                    "gpu_time_cap": (int, float, type(None))}
+                                                    "gpu_time_cap": (int, float, type(None)),
+                                                    "idle_timeout_s": (int, float, type(None))}
 #: what inject_fault accepts (the "worker" rows of shared.kinds.FAULT_TABLE; docs/RELIABILITY.md describes each)
 FAULT_KINDS: Final = WORKER_FAULT_KINDS
 

@@ -18,6 +18,7 @@ The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom)
     Frontend      (frontend.py)   client requests: capability, back-pressure, instance choice, parking
     AdminOps      (admin.py)      admin ops and the tenant lifecycle (register ... evict, failed)
     ServiceOps    (service.py)    restore at start, reload (SIGHUP), reset, rolling restart, rotate-key
+    Parking       (parking.py)    idle tenants parked (buffers to host memory, workers gone) and activated
     StateStore    (state.py)      the durable state: registry key, tenants, generations (SQLite)
     Supervisor    (this module)   sockets, wiring, the loop body, housekeeping, start and stop
 
@@ -47,6 +48,8 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -97,6 +100,7 @@ from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
 from supervisor.lifecycle.drain import Drain
+from supervisor.lifecycle.parking import Parking
 from supervisor.lifecycle.workerset import WorkerSet
 
 __all__ = ["Supervisor"]
@@ -125,6 +129,7 @@ class _Parts:
     admin: AdminOps
     service: ServiceOps
     audit: DeniedAudit
+    parking: Parking
     tcp: TcpFrontend | None = None
 
 
@@ -307,10 +312,11 @@ class Supervisor:
             backend_versions=(choice.driver_version, choice.cuda_version),
         )
         self.metrics.backend_info(choice.name, choice.device_labels(), choice.driver_version, choice.cuda_version)
+        hooks = _Hooks(self, admin)
         workers = WorkerSet(
             cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
             control=control_sock, placement=placement, backend_name=choice.name,
-            backend_options=choice.options, events=self.events, metrics=self.metrics, hooks=_Hooks(self, admin),
+            backend_options=choice.options, events=self.events, metrics=self.metrics, hooks=hooks,
         )
         pending.on_undelivered_alloc = workers.free_undelivered
         audit = DeniedAudit(self.events.emit)
@@ -338,10 +344,15 @@ class Supervisor:
             pending=pending, events=self.events, on_key_rotated=on_key_rotated,
         )
         admin.attach(workers, frontend, service)
+        parking = Parking(tenants=self.tenants, workers=workers, events=self.events, on_active=admin.instance_ready,
+                          clock=self.loop.clock, persist=_parked_flag_writer(state),
+                          stopping=lambda: self._stopping)
+        frontend.wake_parked = parking.wake
+        hooks.parking = parking
         # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
         frontend.serve_ops(admin_ops.handlers(admin, service), admin_ops.local_handlers(frontend),
                            admin_ops.either_handlers(frontend))
-        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
+        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, parking, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         service.restore()  # every stored tenant, then the config file's difference
         restore_modules(self.modules, frontend, self.tenants,  # their stored modules, without a resend
@@ -516,6 +527,7 @@ class Supervisor:
                 self._refresh_metrics()
             self._scan_refusals()
         if not self._stop_wanted:
+            parts.parking.check_idle(now)  # no new park once a stop is asked for (the drain)
             parts.workers.refill_pool()
 
     def _internal_error(self, where: str) -> None:
@@ -633,14 +645,34 @@ class Supervisor:
                 rt.seen_refusals = total
 
 
+def _parked_flag_writer(state: StateStore) -> Callable[[str, bool], None]:
+    """Parking's ``persist``: the parked flag written on the state's writer thread (never on the
+    loop: an activation does not wait for an fsync); a failed write is logged - a restart then
+    brings the tenant back in the state written last."""
+
+    def persist(tenant: str, parked: bool) -> None:
+        def done(future: Future[None]) -> None:
+            exc = future.exception()
+            if exc is not None:
+                log_event(_log, logging.ERROR, "state.write_failed", tenant=tenant, error=str(exc))
+
+        state.submit(state.set_parked, tenant, parked).add_done_callback(done)
+
+    return persist
+
+
 class _Hooks:
     """What a worker event means for its tenant: the worker set's view of the other parts."""
 
     def __init__(self, sup: Supervisor, admin: AdminOps) -> None:
         self._sup = sup
         self._admin = admin
+        #: parking, built after the worker set (Supervisor._setup): an activation restores buffers first
+        self.parking: Parking | None = None
 
     def instance_ready(self, rt: TenantRuntime) -> None:
+        if self.parking is not None:
+            self.parking.instance_ready(rt)  # during an activation: the buffers go back in before any request
         self._admin.instance_ready(rt)
 
     def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None:
@@ -649,9 +681,13 @@ class _Hooks:
     def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
                                reason: str) -> None:
         self._admin.instance_not_restarted(rt, index, code, sig, reason)
+        if self.parking is not None:
+            self.parking.activation_stopped(rt)
 
     def tenant_failed(self, rt: TenantRuntime, why: str) -> None:
         self._admin.tenant_failed(rt, why)
+        if self.parking is not None:
+            self.parking.activation_stopped(rt)
 
     def is_stopping(self) -> bool:
         return self._sup._stopping

@@ -9,7 +9,10 @@ is starting or restarting, the request is parked, bounded by
 ``max_in_flight`` and its deadline, and sent as soon as one is
 (:meth:`Frontend.dispatch_parked`); a tenant scaled to 0 is answered
 :class:`~shared.errors.TenantStopped`, and one whose instances are gone for
-good :class:`~shared.errors.WorkerLost`, at once.
+good :class:`~shared.errors.WorkerLost`, at once. A request that needs a worker
+for a *parked* tenant (:mod:`supervisor.lifecycle.parking`) waits the same way and
+wakes it (``wake_parked``); nothing is sent while its buffers move
+(``TenantRuntime.park`` set).
 
 Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
 one when ``listen`` is set: the same decode, checks and limits for both; at
@@ -77,7 +80,7 @@ from supervisor.store.modules import ModuleStore
 from supervisor.routing.replies import Replies
 from supervisor.runtime.requests import Parked, Pending
 from supervisor.admission.tcp_frontend import IPC_INDEX, TCP_INDEX
-from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
+from supervisor.runtime.tenants import InstanceSlot, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.lifecycle.workerset import WorkerSet
 
 #: messages read from one frontend socket per wake-up: a turn's share of one tenant, so a lone
@@ -109,6 +112,10 @@ Body = zmq.Frame | bytes | None
 
 def _ignore_reply(ok: bool, payload: object) -> None:
     """Callback of the supervisor's own fire-and-forget worker requests."""
+
+
+def _ignore_wake(rt: TenantRuntime) -> None:
+    """``wake_parked`` until parking is wired in (a supervisor without it never parks)."""
 
 
 #: an admin op's handler, bound to the part that serves it: (client, rid, args) (supervisor.control.ops)
@@ -175,6 +182,8 @@ class Frontend:
         #: the supervisor's drain once a stop began (supervisor.lifecycle.drain): new requests but the
         #: read-only ones are refused ``Draining`` while what is in flight finishes
         self.drain: Drain | None = None
+        #: a request that needs a worker came for a parked tenant (supervisor.lifecycle.parking, set at set-up)
+        self.wake_parked: Callable[[TenantRuntime], None] = _ignore_wake
         #: each frontend socket's neighbour (ipc <-> tcp): what a read of one looks at (see _on_readable)
         self._other: dict[bytes, tuple[zmq.Socket[bytes], bytes]] = {}
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
@@ -558,6 +567,8 @@ class Frontend:
         if spec.served_by == "frontend":  # answered here, from what the supervisor holds
             self.pending.answer(client, rid, op, self._local_ops[op](rt, args, body), tenant=tid)
             return
+        # only what needs a worker keeps a tenant awake: a poll of its quota does not (parking)
+        rt.last_request = self.clock()
         if op == "write_region" or op == "read_region":
             # the tenant's own region or refused; the worker learns its name from us only
             args = {**args, "region_name": self.regions.resolve(tid, args.get("region")).name}
@@ -576,6 +587,9 @@ class Frontend:
                 raise ClientRepliesQueued(tid, in_flight, max_in_flight, queued=queued,
                                           budget=self.config.max_client_reply_bytes)
         if op == "buffers":
+            if rt.park is not None and rt.park.phase is not ParkPhase.EXPORTING:
+                self.pending.answer(client, rid, op, parked_buffers(rt.park), tenant=tid)  # no activation
+                return
             self._buffers_of_every_instance(rt, client, rid)
             return
         pinned = pinned_instance(rt, op, args)
@@ -583,9 +597,13 @@ class Frontend:
             lost = lost_buffer(rt, op, args)
             if lost is not None:
                 raise lost
-        slot = slot_for(rt, pinned)
+        # a parked tenant: the request waits (below) while parking activates the tenant
+        slot = slot_for(rt, pinned) if rt.park is None else None
         now = self.clock()
-        if slot is None:
+        if rt.park is not None:
+            self.wake_parked(rt)
+            slot = slot_for(rt, pinned) if rt.park is None else None  # a park cancelled: serve at once
+        if slot is None and rt.park is None:
             if not (rt.coming_up() if pinned is None else rt.slots[pinned].coming_up):
                 raise _nothing_coming_up(rt, pinned)
         # What the supervisor will hold for this request, reserved before it holds it
@@ -735,7 +753,10 @@ class Frontend:
     # ------------------------------------------------------------ parked requests
 
     def dispatch_parked(self, rt: TenantRuntime) -> None:
-        """An instance became ready: send what waited for one."""
+        """An instance became ready: send what waited for one (not while the tenant's buffers are
+        moving: parking sends them once it is active, supervisor.lifecycle.parking)."""
+        if rt.park is not None:
+            return
         now = self.clock()
         keep: list[Parked] = []
         while rt.parked:
@@ -853,9 +874,16 @@ def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, object]) -> BufferLo
         if index >= len(rt.slots):
             continue  # refused by pinned_instance
         slot = rt.slots[index]
-        if slot.worker is None or slot.incarnation & 0xFFFF != proto.handle_incarnation(h):
+        gone = slot.worker is None and rt.park is None  # a parked slot's buffers wait in the supervisor
+        if gone or slot.incarnation & 0xFFFF != proto.handle_incarnation(h):
             return BufferLost(rt.tenant_id, proto.format_handle(h), index, slot.incarnation)
     return None
+
+
+def parked_buffers(park: ParkRecord) -> dict[str, object]:
+    """``buffers`` of a parked tenant, answered from its host copies (it is not activated for it)."""
+    listed = sorted((b.handle, len(b.data)) for bufs in park.buffers.values() for b in bufs)
+    return {"buffers": listed, "bytes": sum(n for _, n in listed)}
 
 
 def expected_reply_bytes(op: str, args: dict[str, object], limit: int) -> int:

@@ -59,13 +59,14 @@ def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> Supe
     return client_of(args, timeout_s)
 
 
-#: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose)
-HEALTHY_STATES = frozenset({"running", "stopped", "completed"})
+#: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose; parked:
+#: idle, its workers gone until its next request)
+HEALTHY_STATES = frozenset({"running", "stopped", "completed", "parked"})
 
 
 def exit_status(tenants: Sequence[TenantRecord]) -> int:
     """0 when every tenant shown is running (or stopped: scaled to 0, or completed: every instance exited 0
-    and its restart policy keeps it so); 1 when any is starting,
+    and its restart policy keeps it so, or parked); 1 when any is starting,
     degraded, failed or evicting - so ``twt status acme || alert`` works in a script."""
     return EXIT_OK if all(t.state in HEALTHY_STATES for t in tenants) else EXIT_FAILED
 
@@ -172,6 +173,8 @@ def _notes(t: TenantRecord) -> list[str]:
     notes = []
     if t.failed_reason:
         notes.append(f"{t.tenant_id}: failed: {t.failed_reason}")
+    if t.state == "parked":
+        return notes  # idle on purpose: its instances are down until its next request
     for inst in t.instances:
         if inst.state in ("ready", "idle") or inst.draining:
             continue

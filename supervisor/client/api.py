@@ -609,12 +609,15 @@ class SupervisorClient:
                   gpu_memory_bytes_cap: int | str | None | _Unchanged = _UNCHANGED,
                   recorded_cuda_mem_pool_quota: int | str | None | _Unchanged = _UNCHANGED,
                   gpu_time_weight: float | _Unchanged = _UNCHANGED,
-                  gpu_time_cap: float | None | _Unchanged = _UNCHANGED) -> TenantRecord:
-        """Change limits live (omitted ones stay; ``None`` removes the GPU cap, or the GPU-time cap)."""
+                  gpu_time_cap: float | None | _Unchanged = _UNCHANGED,
+                  idle_timeout_s: float | None | _Unchanged = _UNCHANGED) -> TenantRecord:
+        """Change limits live (omitted ones stay; ``None`` removes the GPU cap, or the GPU-time cap;
+        ``idle_timeout_s=None``: the tenant never parks)."""
         args: dict[str, object] = {"tenant": tenant_id}
         for name, value in (("memory_quota_bytes", memory_quota_bytes), ("gpu_memory_bytes_cap", gpu_memory_bytes_cap),
                             ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota),
-                            ("gpu_time_weight", gpu_time_weight), ("gpu_time_cap", gpu_time_cap)):
+                            ("gpu_time_weight", gpu_time_weight), ("gpu_time_cap", gpu_time_cap),
+                            ("idle_timeout_s", idle_timeout_s)):
             if value is not _UNCHANGED:
                 args[name] = value
         return TenantRecord.from_wire(self.call("set_quota", admin or self.admin, args))

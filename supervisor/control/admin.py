@@ -83,7 +83,7 @@ from supervisor.runtime.requests import Parked
 from supervisor.store.rundir import RunDir
 from supervisor.admission.guard import FrontendGuard
 from supervisor.store.state import Origin, StateStore
-from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
+from supervisor.runtime.tenants import InstanceSlot, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 from supervisor.lifecycle.workerset import WorkerSet
 
@@ -346,18 +346,24 @@ class AdminOps:
         write(*args, **kwargs)
         self._checkpoint_soon()
 
-    def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None) -> None:
+    def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None, *,
+                parked: bool = False) -> None:
         """Bring back a tenant from the state at start: same generation (its capabilities work),
-        its instances started - unless it was failed, which it stays until ``twt reset``."""
+        its instances started - unless it was failed, which it stays until ``twt reset``, or
+        parked, which it stays until its next request (its buffers' host copies did not survive
+        the restart: its old handles answer ``BufferLost``)."""
         device = self.placement.place(spec, Counter(t.device for t in self.tenants.values()))
         isolation = self.placement.isolation(spec)
         cap = self.registry.restore_with_capability(self.admin_cap, spec, generation)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=generation,
-                         restored=True, failed=failed_reason is not None)
+                         restored=True, failed=failed_reason is not None, parked=parked)
         if failed_reason is not None:
             rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
             rt.state = TenantState.FAILED
             rt.failed_reason = failed_reason
+        elif parked and spec.instances > 0:
+            rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
+            rt.park = ParkRecord(ParkPhase.PARKED, self.clock())
         else:
             rt = self._start_tenant(spec, generation, device, isolation, origin, (None, None, cap.to_bytes()))
             rt.restoring = True

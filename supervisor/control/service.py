@@ -111,7 +111,8 @@ class ServiceOps:
             elif tid in adopted:
                 self.admin.record(self.state.update_spec, spec, registered_spec=spec)
             try:
-                self.admin.restore(spec, record.generation, record.origin, record.failed_reason)
+                self.admin.restore(spec, record.generation, record.origin, record.failed_reason,
+                                   parked=record.parked)
             except TensorWasmError as exc:  # e.g. a pinned device this supervisor no longer manages
                 log_event(_log, logging.ERROR, "tenant.restore_failed", tenant=tid, error=str(exc))
                 self.events.emit("state_error", path=self.state.path, error=f"tenant {tid!r} not restored: {exc}")

@@ -12,6 +12,10 @@ events and metrics. What a death or a bind means for the *tenant*
 (registration answered, parked requests sent or refused, tenant failed) is
 decided by the supervisor through :class:`TenantHooks`. Loop thread only.
 
+A slot whose buffers are parked (``InstanceSlot.keep_incarnation``, set by
+:mod:`supervisor.lifecycle.parking`) keeps its incarnation when a worker starts in it, so the
+restored buffers answer to their old handles.
+
 Death handling (the sentinel fired): every in-flight request is answered
 (:class:`WorkerLost`, or :class:`MemoryExhausted` after the RSS backstop),
 the instance's quota share is reclaimed, an ``exit`` event is published and
@@ -218,7 +222,8 @@ class WorkerSet:
         """Give a slot a worker: a warm one from the pool, else a fresh process."""
         slot.restart_at = None
         slot.completed = False
-        slot.incarnation += 1
+        if not slot.keep_incarnation:  # parked buffers: their handles name the incarnation they come back to
+            slot.incarnation += 1
         worker = self.pool.pop() if self.pool else None
         if worker is None:
             worker = self._spawn()

@@ -192,6 +192,8 @@ class PendingTable:
         if pending.callback is not None:
             self.replies.release(pending.tenant, "replies", pending.held)
             pending.held = 0
+            if ok and pending.on_body is not None:
+                pending.on_body(body)
             pending.callback(ok, payload)
             return
         if pending.forwarded:

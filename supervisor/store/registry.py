@@ -503,6 +503,7 @@ class TenantRegistry:
         recorded_cuda_mem_pool_quota: object,
         gpu_time_weight: object = UNCHANGED,
         gpu_time_cap: object = UNCHANGED,
+        idle_timeout_s: object = UNCHANGED,
     ) -> TenantInfo:
         self._check_admin(admin_cap, strict)
         changes = {
@@ -513,6 +514,7 @@ class TenantRegistry:
                 ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota),
                 ("gpu_time_weight", gpu_time_weight),
                 ("gpu_time_cap", gpu_time_cap),
+                ("idle_timeout_s", idle_timeout_s),
             )
             if v is not UNCHANGED
         }
