@@ -4,6 +4,8 @@
     worker.wasm.TENSOR_OPS      parameter names and roles, one doc line       per tensor op
     shared.wasm_abi.ErrorCode   TWT_<NAME> / error.<Name>
     worker.wasm.UNARY_OPS       TWT_OP_<NAME> / Unary.<name>
+    BINARY_OPS, REDUCE_OPS      TWT_BIN_<NAME> / Binary.<name>, TWT_RED_<NAME> / Reduce.<name>
+    DTYPES                      TWT_<NAME> / DType.<name>
     BASE below                  names, C types and docs of the eight base imports
 
 Run it after changing the ABI: ``.venv/bin/python sdk/generate.py`` (``--check``
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from shared.wasm_abi import ErrorCode
 from worker.wasm.abi import IMPORT_MODULE, IMPORTS
-from worker.wasm.tensor_abi import TENSOR_OPS, UNARY_OPS
+from worker.wasm.tensor_abi import BINARY_OPS, DTYPES, REDUCE_OPS, TENSOR_OPS, UNARY_OPS
 
 SDK = Path(__file__).resolve().parent
 C_HEADER = SDK / "c" / "tensorwasm.h"
@@ -49,13 +51,26 @@ BASE: dict[str, tuple[str, list[tuple[str, str]], str]] = {
 }
 #: C type of each tensor-op role; a ``ptr`` parameter is typed per op below
 _ROLE_C = {"buf": "twt_handle", "dim": "int64_t", "f32": "float", "op": "int32_t"}
-_PTR_C = {"max_f32": "float *", "argmax_rows_f32": "int32_t *"}
+_PTR_C = {"max_f32": "float *", "argmax_rows_f32": "int32_t *", "gather_rows_f32": "const int32_t *"}
+#: Zig enum of an ``op``-role parameter (by op and parameter name); the rest stay i32
+_ZIG_ENUM = {("unary_f32", "op"): "Unary", ("binary_f32", "op"): "Binary", ("binary_rows_f32", "op"): "Binary",
+             ("scalar_f32", "op"): "Binary", ("reduce_rows_f32", "op"): "Reduce",
+             ("cast", "src_dtype"): "DType", ("cast", "dst_dtype"): "DType",
+             ("gemm_ex", "ab_dtype"): "DType", ("gemm_ex", "c_dtype"): "DType"}
+#: the Zig wrappers whose doc differs from the C one (they take slices, not pointer and length)
+_ZIG_DOC = {
+    "write": "Copies the bytes of `src` (any slice or array pointer: `[]const u8`, `[]const f32` ...) into "
+             "the buffer at byte offset `dst_off`.",
+    "read": "Fills `dst` (any mutable slice or array pointer: `[]u8`, `[]f32` ...) with the buffer's bytes "
+            "from byte offset `src_off`.",
+    "log": "One log line (UTF-8) into the run's `logs`; error.RateLimited when dropped.",
+}
 #: wasm type of each C type used above (what clang lowers it to on wasm32)
 _C_WASM = {"twt_handle": "i64", "int64_t": "i64", "int32_t": "i32", "uint32_t": "i32", "float": "f32"}
 #: C type -> Zig type in the raw externs
 _C_ZIG = {"twt_handle": "Handle", "int64_t": "i64", "int32_t": "i32", "uint32_t": "u32", "float": "f32",
           "const void *": "[*]const u8", "void *": "[*]u8", "const char *": "[*]const u8", "float *": "*f32",
-          "int32_t *": "[*]i32"}
+          "int32_t *": "[*]i32", "const int32_t *": "[*]const i32"}
 
 
 def _wasm_of(ctype: str) -> str:
@@ -116,6 +131,15 @@ def c_header() -> str:
     lines += ["", "/* unary_f32 operations. */"]
     for i, op in enumerate(UNARY_OPS):
         lines.append(f"#define TWT_OP_{op.upper()} {i}")
+    lines += ["", "/* binary_f32, binary_rows_f32 and scalar_f32 operations. */"]
+    for i, op in enumerate(BINARY_OPS):
+        lines.append(f"#define TWT_BIN_{op.upper()} {i}")
+    lines += ["", "/* reduce_rows_f32 operations. */"]
+    for i, op in enumerate(REDUCE_OPS):
+        lines.append(f"#define TWT_RED_{op.upper()} {i}")
+    lines += ["", "/* Element types of twt_cast and twt_gemm_ex (f16: IEEE half, bf16: bfloat16). */"]
+    for i, dt in enumerate(DTYPES):
+        lines.append(f"#define TWT_{dt.upper()} {i}")
     lines += [
         "",
         "/* Marks a function as an export the host can call: `TWT_EXPORT(forward) int32_t forward(...)`. */",
@@ -165,15 +189,20 @@ def _zig_wrapper(name: str, params: list[tuple[str, str]], result: str, doc: str
     before: list[str] = []
     ret, tail = "void", "return check(raw.{call});"
     for pname, ctype in params:
-        if name in ("write", "log") and ctype in ("const void *", "const char *"):
+        if name == "log" and ctype == "const char *":
             zparams.append(f"{pname}: []const u8")
             args.append(f"{pname}.ptr")
-        elif name == "read" and ctype == "void *":
-            zparams.append(f"{pname}: []u8")
+        elif name in ("write", "read") and ctype in ("const void *", "void *"):
+            zparams.append(f"{pname}: anytype")
+            before.append(f"const bytes = std.mem.sliceAsBytes({pname});")
+            args.append("bytes.ptr")
+        elif pname == "len" and name in ("write", "read"):
+            args.append("@intCast(bytes.len)")
+        elif pname == "len" and name == "log":
+            args.append("@intCast(msg.len)")
+        elif ctype == "const int32_t *":
+            zparams.append(f"{pname}: []const i32")
             args.append(f"{pname}.ptr")
-        elif pname == "len" and name in ("write", "read", "log"):
-            src = "src" if name == "write" else "dst" if name == "read" else "msg"
-            args.append(f"@intCast({src}.len)")
         elif ctype == "float *":
             before.append(f"var {pname}: f32 = undefined;")
             args.append(f"&{pname}")
@@ -184,9 +213,12 @@ def _zig_wrapper(name: str, params: list[tuple[str, str]], result: str, doc: str
         elif ctype.endswith("*"):
             zparams.append(f"{pname}: {_C_ZIG.get(ctype, '[*]u8')}")
             args.append(pname)
-        elif pname == "op" and name == "unary_f32":
-            zparams.append(f"{pname}: Unary")
+        elif (name, pname) in _ZIG_ENUM:
+            zparams.append(f"{pname}: {_ZIG_ENUM[name, pname]}")
             args.append(f"@intFromEnum({pname})")
+        elif pname in ("trans_a", "trans_b"):
+            zparams.append(f"{pname}: bool")
+            args.append(f"@intFromBool({pname})")
         else:
             zparams.append(f"{pname}: {_C_ZIG[ctype]}")
             args.append(pname)
@@ -194,7 +226,7 @@ def _zig_wrapper(name: str, params: list[tuple[str, str]], result: str, doc: str
     if result == "twt_handle":
         ret = "Handle"
         tail = "const h = raw.{call};\nif (h < 0) return fromCode(h);\nreturn h;"
-    lines = [f"/// {doc}", f"pub fn {name}({', '.join(zparams)}) Error!{ret} {{"]
+    lines = [f"/// {_ZIG_DOC.get(name, doc)}", f"pub fn {name}({', '.join(zparams)}) Error!{ret} {{"]
     lines += [f"    {b}" for b in before]
     lines += [f"    {t}" for t in tail.format(call=call).split("\n")]
     lines.append("}")
@@ -210,6 +242,8 @@ def zig_module() -> str:
         '//! `const twt = @import("tensorwasm");` then `try twt.matmul_f32(...)`; error codes are `twt.Error`.',
         "//! `twt.raw` has the imports as declared by the host (negative codes, no error set).",
         "//! Build with `twt build tenant.zig -o tenant.wasm`; exports are `export fn`.",
+        "",
+        'const std = @import("std");',
         "",
         "/// A buffer (device memory) of this run: 1, 2, 3 ... in the order obtained; client buffers first.",
         "pub const Handle = i64;",
@@ -267,6 +301,11 @@ def zig_module() -> str:
     ]
     for i, op in enumerate(UNARY_OPS):
         lines.append(f"    {op} = {i},")
+    for title, enum, names in (("binary_f32, binary_rows_f32 and scalar_f32 operations.", "Binary", BINARY_OPS),
+                               ("reduce_rows_f32 operations.", "Reduce", REDUCE_OPS),
+                               ("Element types of cast and gemm_ex.", "DType", DTYPES)):
+        lines += ["};", "", f"/// {title}", f"pub const {enum} = enum(i32) {{"]
+        lines += [f"    {n} = {i}," for i, n in enumerate(names)]
     lines += [
         "};",
         "",

@@ -33,7 +33,9 @@ from shared.errors import TenantIsolationViolation
 
 __all__ = [
     "CAPABILITY_VERSION",
+    "AnyCapability",
     "Capability",
+    "MonitorCapability",
     "RegistryAdminCapability",
     "TenantCapability",
     "capability_bytes_from_text",
@@ -47,6 +49,7 @@ __all__ = [
 CAPABILITY_VERSION = 1
 KIND_ADMIN = 1
 KIND_TENANT = 2
+KIND_MONITOR = 3
 REGISTRY_ID_BYTES = 16
 MAC_BYTES = 32
 _FIXED = struct.Struct(">BB16sQB")  # version, kind, registry id, generation, tenant length
@@ -77,7 +80,7 @@ def _refuse(detail: str, reason: str = "malformed") -> TenantIsolationViolation:
 
 
 class Capability(metaclass=_NoPublicConstructor):
-    """Common shape of both token kinds (immutable; compare and hash by bytes)."""
+    """Common shape of every token kind (immutable; compare and hash by bytes)."""
 
     __slots__ = ("_raw", "_registry_id", "_generation", "_tenant_id", "_body_len")
     KIND: ClassVar[int] = 0
@@ -162,10 +165,27 @@ class TenantCapability(Capability):
         )
 
 
-_KINDS: dict[int, type[Capability]] = {KIND_ADMIN: RegistryAdminCapability, KIND_TENANT: TenantCapability}
+class MonitorCapability(Capability):
+    """Grants the read-only ops of the one registry that minted it (status, events, quota views).
+
+    The monitoring role: a Prometheus sidecar or a remote ``twt status`` holds it instead of the
+    admin capability, which can also evict, rotate the key and inject faults. Minted from the
+    registry key like the admin capability (the same bytes across restarts; a key rotation
+    revokes it), and accepted over TCP without ``allow_remote_admin``: it changes nothing.
+    """
+
+    __slots__ = ()
+    KIND = KIND_MONITOR
 
 
-def capability_from_bytes(data: bytes) -> RegistryAdminCapability | TenantCapability:
+_KINDS: dict[int, type[Capability]] = {KIND_ADMIN: RegistryAdminCapability, KIND_TENANT: TenantCapability,
+                                       KIND_MONITOR: MonitorCapability}
+
+#: any kind of token, as parsed
+AnyCapability = RegistryAdminCapability | TenantCapability | MonitorCapability
+
+
+def capability_from_bytes(data: bytes) -> AnyCapability:
     """Parse either kind of token (shape only). Malformed -> :class:`TenantIsolationViolation`."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise _refuse(f"expected bytes, got {type(data).__name__}")
@@ -180,7 +200,7 @@ def capability_from_bytes(data: bytes) -> RegistryAdminCapability | TenantCapabi
         raise _refuse(f"unknown kind {kind}")
     if len(raw) != _FIXED.size + n + MAC_BYTES:
         raise _refuse(f"length {len(raw)} does not match its tenant field ({n})", "truncated")
-    if (kind == KIND_ADMIN) != (n == 0):
+    if (kind == KIND_TENANT) == (n == 0):
         raise _refuse("tenant field does not match the kind")
     try:
         tenant = raw[_FIXED.size : _FIXED.size + n].decode("ascii")
@@ -188,6 +208,8 @@ def capability_from_bytes(data: bytes) -> RegistryAdminCapability | TenantCapabi
         raise _refuse("tenant id is not ascii") from None
     if cls is RegistryAdminCapability:
         return _construct(RegistryAdminCapability, raw, registry_id, generation, tenant)
+    if cls is MonitorCapability:
+        return _construct(MonitorCapability, raw, registry_id, generation, tenant)
     return _construct(TenantCapability, raw, registry_id, generation, tenant)
 
 
@@ -227,12 +249,12 @@ def capability_bytes_from_text(data: bytes | str) -> bytes:
     return raw  # legacy: the raw token (its first byte, the version, is never a hex digit)
 
 
-def capability_from_text(data: bytes | str) -> RegistryAdminCapability | TenantCapability:
+def capability_from_text(data: bytes | str) -> AnyCapability:
     """Parse either kind of token from its text form or legacy raw bytes (shape only)."""
     return capability_from_bytes(capability_bytes_from_text(data))
 
 
-def read_capability_file(path: str | os.PathLike[str]) -> RegistryAdminCapability | TenantCapability:
+def read_capability_file(path: str | os.PathLike[str]) -> AnyCapability:
     """Read a capability file (hex text, or legacy raw bytes).
 
     Raises ``OSError`` when the file cannot be read and

@@ -51,7 +51,7 @@ ENV_PREFIX = "TWT_"
 #: Why per CPU: a tenant's requests cost the supervisor's loop and I/O threads, its worker and
 #: the kernel - CPUs of this host. On 2 CPUs, 20,000 requests/s and 4 GiB/s (the fixed defaults
 #: before) never bound a flood: one tenant's pings or 1 MiB writes kept both CPUs busy and another
-#: tenant's ping p99 went to 7-16x its quiet p50 (issue 25); at 8,000/s and 256 MiB/s it stayed
+#: tenant's ping p99 went to 7-16x its quiet p50; at 8,000/s and 256 MiB/s it stayed
 #: under 10x. On 16 CPUs the defaults are 64,000 requests/s (more than the loop serves) and 2 GiB/s.
 REQUESTS_PER_S_PER_CPU = 4000.0
 BYTES_PER_S_PER_CPU = 128 << 20
@@ -138,6 +138,11 @@ class SupervisorConfig:
     client_keys_dir: str | None = None
     #: admin ops over TCP; refused (TenantIsolationViolation) unless true
     allow_remote_admin: bool = False
+    #: the inject_fault op; false (the production setting, deploy/) refuses it (FaultInjectionDisabled)
+    fault_injection: bool = True
+    #: SIGTERM drains: new requests are refused (Draining), in-flight ones finish within this long, then
+    #: the workers stop. At least the longest request deadline (request_timeout_s, 30 s by default)
+    drain_timeout_s: float = 35.0
     #: TCP connections at once, greeted or not: past it handshakes are refused (ZAP), a few more shed at accept
     max_tcp_peers: int = 1024
     #: TCP connections from one source address (an IPv6 /64) at once; past it shed at accept
@@ -233,6 +238,11 @@ class SupervisorConfig:
         if self.client_keys_dir is not None:
             s(self, "client_keys_dir", os.path.abspath(os.path.expanduser(str(self.client_keys_dir))))
         s(self, "allow_remote_admin", _bool(self.allow_remote_admin, "allow_remote_admin"))
+        s(self, "fault_injection", _bool(self.fault_injection, "fault_injection"))
+        if not is_number(self.drain_timeout_s) or not 0 <= self.drain_timeout_s <= 86_400:
+            raise ValueError(f"drain_timeout_s must be a number of seconds in 0..86400 (0: no drain); "
+                             f"got {self.drain_timeout_s!r}")
+        s(self, "drain_timeout_s", float(self.drain_timeout_s))
         _int(self.max_tcp_peers, "max_tcp_peers", 1, 1_000_000)
         _int(self.max_tcp_peers_per_source, "max_tcp_peers_per_source", 1, 1_000_000)
         for name in ("tcp_handshake_timeout_s", "tcp_idle_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
@@ -401,6 +411,8 @@ _ENV_FIELDS = (
     "server_key_file",
     "client_keys_dir",
     "allow_remote_admin",
+    "fault_injection",
+    "drain_timeout_s",
     "max_tcp_peers",
     "event_log_size",
     "max_tcp_peers_per_source",
@@ -417,7 +429,7 @@ _ENV_FIELDS = (
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
                "max_tenants", "max_workers", "metrics_max_connections"}
-_FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "kill_grace_s", "register_timeout_s",
+_FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "drain_timeout_s", "kill_grace_s", "register_timeout_s",
                  "tcp_handshake_timeout_s", "tcp_idle_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
                  "unauthenticated_requests_per_s", "tcp_drops_per_s",
                  "gpu_time_quantum_s", "metrics_request_timeout_s", "metrics_renders_per_s"}

@@ -44,6 +44,8 @@ metaclass tells mypy the same, so constructor calls stay type-checked::
     |   +-- HeldBytesLimit           bytes held for tenants              (cause "held_bytes")
     |   +-- ClientRepliesQueued      a client not reading its replies    (cause "client_replies")
     |   +-- AdmissionRate            requests or bytes per second        (cause "rate")
+    +-- Draining                     the supervisor is stopping; retry   retryable (retry_after_s)
+    +-- FaultInjectionDisabled       inject_fault with fault_injection off
     +-- ProtocolError                malformed or schema-violating frame (ValueError)
     +-- InvalidArgument              well-formed request, bad argument   (ValueError)
     +-- BackendUnavailable           requested backend cannot be used
@@ -83,6 +85,8 @@ __all__ = [
     "ClientRepliesQueued",
     "ConfigError",
     "CudaError",
+    "Draining",
+    "FaultInjectionDisabled",
     "GpuMemoryExhausted",
     "HandshakeFailed",
     "HeldBytesLimit",
@@ -410,9 +414,14 @@ class WasmTrap(TensorWasmError):
     code = "wasm_trap"
     trap_code: str
     detail: str = ""
+    #: where: the guest's frames, innermost first, ``func+0xOFF`` and ``(file:line:col)`` with DWARF
+    location: str = ""
+    #: the run's fuel budget, for ``out_of_fuel`` (None otherwise)
+    fuel_limit: int | None = None
 
     def _default_message(self) -> str:
-        return f"wasm trap {self.trap_code}" + (f": {self.detail}" if self.detail else "")
+        return (f"wasm trap {self.trap_code}" + (f": {self.detail}" if self.detail else "")
+                + (f" at {self.location}" if self.location else ""))
 
 
 class WasmCompile(TensorWasmError):
@@ -599,6 +608,28 @@ class CapacityExhausted(TensorWasmError):
     wanted: int
     limit: int
     setting: str
+
+
+class Draining(TensorWasmError):
+    """The supervisor is stopping (SIGTERM: a rollout, a node drain) and admits no new work; what
+    was in flight finishes and is answered. Retry after ``retry_after_s`` seconds - by then its
+    replacement serves (or another node: a cluster client re-places the tenant)."""
+
+    code = "draining"
+    retryable = True
+    _template = ("the supervisor is draining (stopping after its in-flight requests, at most "
+                 "{drain_timeout_s:g} s); retry after {retry_after_s:g} s")
+    retry_after_s: float
+    drain_timeout_s: float
+
+
+class FaultInjectionDisabled(TensorWasmError):
+    """``inject_fault`` was refused: this supervisor runs with ``fault_injection = false`` (the
+    production setting); faults are for test and staging supervisors that enable it."""
+
+    code = "fault_injection_disabled"
+    _template = "fault injection is disabled on this supervisor (fault_injection = false); {op} refused"
+    op: str
 
 
 class ProtocolError(TensorWasmError, ValueError):

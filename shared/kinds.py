@@ -69,6 +69,9 @@ EVENT_KINDS: Final[dict[str, EventKind]] = {k.name: k for k in (
     EventKind("rotate_key", _W, False, "the registry key was replaced: every capability revoked"),
     EventKind("stall", _W, False, "the supervisor loop stalled"),
     EventKind("state_error", _E, False, "an admin change could not be written to the state store"),
+    EventKind("park", _I, True, "an idle tenant was parked: its workers exited, its buffers held by the supervisor"),
+    EventKind("park_refused", _W, True, "an idle tenant could not be parked (its buffers do not fit its memory quota)"),
+    EventKind("activate", _I, True, "a parked tenant is active again: its buffers restored with the same handles"),
 )}
 #: the kinds a tenant capability sees (of its own tenant): its instances' lifecycle and its own changes
 TENANT_EVENT_KINDS: Final = frozenset(k.name for k in EVENT_KINDS.values() if k.tenant_visible)

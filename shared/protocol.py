@@ -42,6 +42,8 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_WORKER_REPLY_BYTES",
     "MAX_WORKER_REPLY_ITEMS",
+    "METERED_OPS",
+    "MONITOR_OPS",
     "OPS",
     "PROTOCOL_VERSION",
     "QUOTA_KEYS",
@@ -152,8 +154,17 @@ class OpSpec:
     #: answered without a capability too, with a part that names nothing of any tenant
     #: (``hello``: ``{protocol, ready}``, the liveness probe); with its capability, in full
     anonymous: bool = False
+    #: the monitor capability grants it too (the read-only role: status, events, quota views):
+    #: it changes nothing, so it is accepted over TCP without ``allow_remote_admin``
+    monitor: bool = False
+    #: counted in twt_requests_total and the latency histogram (a tenant op: its workload); false for
+    #: ``events``, which a follower (``twt events``) polls every 0.2 s: its polls would swamp both
+    #: with requests that measure nothing of the tenants' work
+    metered: bool = True
 
     def __post_init__(self) -> None:
+        if self.monitor and not (self.admin or self.any_capability):
+            raise ValueError(f"op {self.name!r}: the monitor capability grants admin-side ops only")
         if self.served_by not in SERVED_BY:
             raise ValueError(f"op {self.name!r}: served_by must be one of {SERVED_BY}")
         if self.admin != (self.served_by in ("admin", "service")):
@@ -172,10 +183,11 @@ _MAP = (dict,)
 
 #: the limits set_quota changes live (each a TenantSpec field)
 QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota",
-                     "gpu_time_weight", "gpu_time_cap")
-#: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy: numbers)
+                     "gpu_time_weight", "gpu_time_cap", "idle_timeout_s")
+#: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy, the idle time: numbers)
 _QUOTA_TYPES: Final[dict[str, tuple[type, ...]]] = {"gpu_time_weight": (int, float),
-                                                    "gpu_time_cap": (int, float, type(None))}
+                                                    "gpu_time_cap": (int, float, type(None)),
+                                                    "idle_timeout_s": (int, float, type(None))}
 #: what inject_fault accepts (the "worker" rows of shared.kinds.FAULT_TABLE; docs/RELIABILITY.md describes each)
 FAULT_KINDS: Final = WORKER_FAULT_KINDS
 
@@ -212,7 +224,7 @@ OPS: Final[dict[str, OpSpec]] = {
         OpSpec("events", False, (Arg("after", (int, type(None))), Arg("max", _INT), Arg("kinds", (list,)),
                                  Arg("log", (str, type(None)))),
                "{events: [{seq, event, ts, ...}...], next, missed, more, log}", ("InvalidArgument",),
-               "events_page", "events", any_capability=True, served_by="frontend"),
+               "events_page", "events", any_capability=True, served_by="frontend", monitor=True, metered=False),
         OpSpec("region_create", False, (Arg("nbytes", _INT, True), Arg("pid", _INT)),
                "{region, name, nbytes}", ("MemoryExhausted", "InvalidArgument"), "region_create",
                served_by="frontend", local_only=True),
@@ -228,12 +240,13 @@ OPS: Final[dict[str, OpSpec]] = {
                local_only=True),
         # ---- admin ops (the admin capability)
         OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
-               (), "hello", "status", served_by="admin", anonymous=True),
+               (), "hello", "status", served_by="admin", anonymous=True, monitor=True),
         OpSpec("register", True, (Arg("spec", _MAP, True, _check_spec),), "{capability, tenant: {...}}",
                ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost",
                 "CapacityExhausted"),
                "register", "register", served_by="admin"),
-        OpSpec("capability", True, (Arg(_T, _STR, True),), "{capability}", ("UnknownTenant",),
+        OpSpec("capability", True, (Arg(_T, _STR), Arg("role", _STR)), "{capability}",
+               ("UnknownTenant", "InvalidArgument"),
                "tenant_capability", "capability", served_by="admin"),
         OpSpec("evict", True, (Arg(_T, _STR, True),), "{evicted, pids}", ("UnknownTenant",), "evict", "evict",
                served_by="admin"),
@@ -245,16 +258,18 @@ OPS: Final[dict[str, OpSpec]] = {
         OpSpec("scale", True, (Arg(_T, _STR, True), Arg("instances", _INT, True)), "tenant status record",
                ("UnknownTenant", "InvalidArgument", "CapacityExhausted"), "scale", "scale", served_by="admin"),
         OpSpec("status", True, (Arg("after", (str, type(None))), Arg("limit", (int, type(None))),
-                              Arg("state", (str, type(None)))),
+                                Arg("state", (str, type(None)))),
                "{supervisor, devices, tenants, summary, next}", ("InvalidArgument",), "status", "status",
-               served_by="admin"),
+               served_by="admin", monitor=True),
         OpSpec("tenant_status", True, (Arg(_T, _STR, True),), "tenant status record", ("UnknownTenant",),
-               "tenant_status", "status", served_by="admin"),
+               "tenant_status", "status", served_by="admin", monitor=True),
         OpSpec("inject_fault", True,
                (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
-               "{tenant, instance, pid, kind, ...armed}", ("UnknownTenant", "InvalidArgument", "WorkerLost"),
+               "{tenant, instance, pid, kind, ...armed}",
+               ("UnknownTenant", "InvalidArgument", "WorkerLost", "FaultInjectionDisabled"),
                "inject_fault", "fault", served_by="admin"),
-        OpSpec("version", True, (), "{version, python, protocol}", (), "call", "version", served_by="admin"),
+        OpSpec("version", True, (), "{version, python, protocol}", (), "call", "version", served_by="admin",
+               monitor=True),
         # ---- service ops (the admin capability; supervisor.control.service)
         OpSpec("reload", True, (),
                "{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "
@@ -271,6 +286,11 @@ OPS: Final[dict[str, OpSpec]] = {
 TENANT_OPS: Final = frozenset(name for name, op in OPS.items() if not op.admin)
 #: ops the admin capability grants (handled by the supervisor)
 ADMIN_OPS: Final = frozenset(name for name, op in OPS.items() if op.admin)
+#: ops the monitor capability grants too: read-only, none changes any state
+MONITOR_OPS: Final = frozenset(name for name, op in OPS.items() if op.monitor)
+#: ops counted in the request metrics (twt_requests_total, twt_request_duration_seconds): the tenant ops
+#: but the event follows
+METERED_OPS: Final = frozenset(name for name in TENANT_OPS if OPS[name].metered)
 #: worker-side ops whose handle argument pins them to one instance (``alloc`` may name one: ``instance``)
 HANDLE_OPS: Final = frozenset(name for name, op in OPS.items() if op.handle)
 #: control-channel message kinds (supervisor <-> worker)

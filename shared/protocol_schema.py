@@ -139,6 +139,7 @@ ARG_NOTES: Final[dict[tuple[str, str], str]] = {
     ("set_quota", "memory_quota_bytes"): "new host byte quota: bytes or a size string",
     ("set_quota", "gpu_memory_bytes_cap"): "new GPU byte cap: bytes, a size string, or nil (no cap)",
     ("set_quota", "recorded_cuda_mem_pool_quota"): "new pool retention hint: bytes, a size string, or nil",
+    ("set_quota", "idle_timeout_s"): "new idle time before parking, seconds, or nil (never parks)",
     ("scale", "tenant"): "tenant name",
     ("scale", "instances"): f"instances wanted, 0..{MAX_INSTANCES} (0: stopped)",
     ("tenant_status", "tenant"): "tenant name",
@@ -206,6 +207,8 @@ def _spec_fields() -> dict[str, tuple[dict[str, object], str]]:
                             "work-conserving weight of its GPU time on its device (docs/GPU-QUOTAS.md)"),
         "gpu_time_cap": ({"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
                          "hard ceiling on its fraction of the device's time; nil: none"),
+        "idle_timeout_s": ({"type": ["number", "null"], "minimum": 0.001, "maximum": 1e7},
+                           "seconds without a request before the tenant is parked; nil: never"),
     }
 
 

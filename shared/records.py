@@ -193,6 +193,10 @@ class SupervisorRecord(HelloInfo):
     #: more than tcp_drops_per_s (supervisor.admission.pacing)
     tcp_pauses: int = 0
     tcp_paused_s: float = 0.0
+    #: the backend's driver: the NVIDIA kernel driver's version and the CUDA version it supports
+    #: ("" on the stub; the same as twt_backend_info's labels)
+    driver_version: str = ""
+    cuda_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +298,8 @@ class RunResult(Record):
     exit_code: int | None = None  # the guest called exit() (WASI proc_exit): the run's outcome
     gpu_time_s: float = 0.0  # device time the run's kernels used (shared GPU-time accounting)
     gpu_wait_s: float = 0.0  # time the run waited for its GPU-time turn
+    fuel_limit: int | None = None  # the run's fuel budget (the request's, capped by the tenant's wasm_fuel)
+    timeout_s: float | None = None  # the run's deadline (the request's, capped by the tenant's wasm_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)

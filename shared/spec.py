@@ -100,7 +100,10 @@ class TenantSpec:
     supervisor's ``tenant_requests_per_s`` / ``tenant_bytes_per_s``). GPU time:
     ``gpu_time_weight`` (> 0, default 1: a work-conserving share) and
     ``gpu_time_cap`` (a fraction in (0, 1], default None: a hard ceiling);
-    see docs/GPU-QUOTAS.md.
+    see docs/GPU-QUOTAS.md. Density: ``idle_timeout_s`` (``None``, the default: never parks) -
+    a tenant that received no request for that long is parked: its workers exit, its buffers
+    wait in the supervisor's memory and come back with the same handles on its next request
+    (docs/ARCHITECTURE.md, "Parked tenants").
     """
 
     tenant_id: str  # validated into a TenantId
@@ -126,6 +129,9 @@ class TenantSpec:
     #: optional hard ceiling on its fraction of the device's time (None: no ceiling)
     gpu_time_weight: float = 1.0
     gpu_time_cap: float | None = None
+    #: parking (supervisor.lifecycle.parking): seconds without a request before the tenant is
+    #: parked; None: never
+    idle_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -171,6 +177,8 @@ class TenantSpec:
                 raise ValueError("bytes_per_s must be at least 1")
         s(self, "gpu_time_weight", check_gpu_time_weight(self.gpu_time_weight))  # InvalidArgument naming the key
         s(self, "gpu_time_cap", check_gpu_time_cap(self.gpu_time_cap))
+        if self.idle_timeout_s is not None:
+            s(self, "idle_timeout_s", _float(self.idle_timeout_s, "idle_timeout_s", 0.001, 1e7))
 
     # ------------------------------------------------------------ builder
 
@@ -213,6 +221,10 @@ class TenantSpec:
         if cap is not ...:
             changes["gpu_time_cap"] = cap
         return self._with(**changes)
+
+    def with_idle_timeout_s(self, seconds: float | None) -> TenantSpec:
+        """Park the tenant after ``seconds`` without a request (``None``: never)."""
+        return self._with(idle_timeout_s=seconds)
 
     def with_instances(self, n: int) -> TenantSpec:
         return self._with(instances=n)

@@ -18,6 +18,7 @@ The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom)
     Frontend      (frontend.py)   client requests: capability, back-pressure, instance choice, parking
     AdminOps      (admin.py)      admin ops and the tenant lifecycle (register ... evict, failed)
     ServiceOps    (service.py)    restore at start, reload (SIGHUP), reset, rolling restart, rotate-key
+    Parking       (parking.py)    idle tenants parked (buffers to host memory, workers gone) and activated
     StateStore    (state.py)      the durable state: registry key, tenants, generations (SQLite)
     Supervisor    (this module)   sockets, wiring, the loop body, housekeeping, start and stop
 
@@ -48,6 +49,8 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -98,6 +101,8 @@ from supervisor.control.ops.put_module import restore_modules
 from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
+from supervisor.lifecycle.drain import Drain
+from supervisor.lifecycle.parking import Parking
 from supervisor.lifecycle.workerset import WorkerSet
 
 __all__ = ["Supervisor"]
@@ -126,6 +131,7 @@ class _Parts:
     admin: AdminOps
     service: ServiceOps
     audit: DeniedAudit
+    parking: Parking
     tcp: TcpFrontend | None = None
 
 
@@ -180,6 +186,9 @@ class Supervisor:
         self.ready = False
         self._stopping = False
         self._stop_started: float | None = None
+        #: a stop was asked for (a signal, request_stop): the drain runs first (supervisor.lifecycle.drain)
+        self._stop_wanted = False
+        self._drain = Drain(config.drain_timeout_s, config.stop_timeout_s + 2 * config.kill_grace_s)
         self._last_rss_check = 0.0
         self._restoring = False  # service.restore() runs: not ready yet, whatever has settled
         self._reload_wanted = False
@@ -303,11 +312,14 @@ class Supervisor:
             placement=placement, pending=pending, events=self.events, rundir=self.rundir,
             backend_name=choice.name, backend_reason=choice.reason,
             counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard, tenant_label=labels,
+            backend_versions=(choice.driver_version, choice.cuda_version),
         )
+        self.metrics.backend_info(choice.name, choice.device_labels(), choice.driver_version, choice.cuda_version)
+        hooks = _Hooks(self, admin)
         workers = WorkerSet(
             cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
             control=control_sock, placement=placement, backend_name=choice.name,
-            backend_options=choice.options, events=self.events, metrics=self.metrics, hooks=_Hooks(self, admin),
+            backend_options=choice.options, events=self.events, metrics=self.metrics, hooks=hooks,
         )
         pending.on_undelivered_alloc = workers.free_undelivered
         audit = DeniedAudit(self.events.emit)
@@ -335,10 +347,15 @@ class Supervisor:
             pending=pending, events=self.events, on_key_rotated=on_key_rotated,
         )
         admin.attach(workers, frontend, service)
+        parking = Parking(tenants=self.tenants, workers=workers, events=self.events, on_active=admin.instance_ready,
+                          clock=self.loop.clock, persist=_parked_flag_writer(state),
+                          stopping=lambda: self._stopping)
+        frontend.wake_parked = parking.wake
+        hooks.parking = parking
         # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
         frontend.serve_ops(admin_ops.handlers(admin, service), admin_ops.local_handlers(frontend),
                            admin_ops.either_handlers(frontend))
-        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, tcp)
+        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, parking, tcp)
         self.metrics.bind_source(self.metrics_snapshot)
         # every stored tenant, then the config file's difference; not ready before the last one is
         # back (each restored tenant settles on its own, and the first would otherwise make it ready)
@@ -360,8 +377,11 @@ class Supervisor:
     # ------------------------------------------------------------ run and stop
 
     def request_stop(self) -> None:
-        """Begin a graceful stop (safe from a signal handler or another thread)."""
-        self._stopping = True
+        """Begin a graceful stop: drain, then stop the workers (safe from a signal handler or another
+        thread). A second call ends the drain at once (a second SIGTERM/SIGINT)."""
+        if self._stop_wanted:
+            self._drain.hurry()
+        self._stop_wanted = True
         self.loop.wake()
 
     def request_reload(self) -> None:
@@ -435,15 +455,21 @@ class Supervisor:
             self._internal_error("dispatch")
         if self._metrics.wanted():
             self._refresh_metrics()
-        if self._reload_wanted and not self._stopping:
+        if self._reload_wanted and not self._stop_wanted:
             self._reload_wanted = False
             self.notifier.reloading()
+            failed: str | None = None
             try:
-                parts.service.reload_quietly()
-            except Exception:  # noqa: BLE001 - as above
+                error = parts.service.reload_quietly()
+                failed = None if error is None else str(error)
+            except Exception as exc:  # noqa: BLE001 - as above
                 self._internal_error("reload")
+                failed = f"internal error: {exc!r}"
             if self.ready:
-                self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded")
+                # systemd ends a reload (RELOADING=1) at the next READY=1, failed or not; STATUS says which
+                self.notifier.ready(f"serving {len(self.tenants)} tenant(s); reloaded" if failed is None else
+                                    f"reload failed, still serving {len(self.tenants)} tenant(s) on the previous "
+                                    f"config: {failed}")
         now = loop.clock()
         try:
             loop.timers.run_due(now)
@@ -452,6 +478,8 @@ class Supervisor:
                 self._housekeeping(parts, now)
         except Exception:  # noqa: BLE001 - as above
             self._internal_error("housekeeping")
+        if self._stop_wanted and not self._stopping:
+            self._drain_turn(parts, now)
         if self._stopping:
             if self._stop_started is None:
                 self._stop_started = now
@@ -462,6 +490,25 @@ class Supervisor:
             if not parts.workers.workers or waited > self.config.stop_timeout_s + 2 * self.config.kill_grace_s:
                 return False
         return True
+
+    def _drain_turn(self, parts: _Parts, now: float) -> None:
+        """The drain between a stop's signal and the workers' stop: new requests refused
+        ``Draining`` (the frontend asks the drain), in-flight ones answered; over when none is
+        left, at ``drain_timeout_s``, or at a second signal."""
+        in_flight = len(parts.pending) + sum(len(rt.parked) for rt in self.tenants.values())
+        if self._drain.begin(now):
+            parts.frontend.drain = self._drain
+            parts.frontend.ready = False
+            self.metrics.mark_draining()  # /readyz: not ready, and why
+            self.notifier.stopping(f"draining {in_flight} request(s) in flight "
+                                   f"(at most {self.config.drain_timeout_s:g} s)")
+            log_event(_log, logging.INFO, "supervisor.draining", in_flight=in_flight,
+                      drain_timeout_s=self.config.drain_timeout_s)
+        if self._drain.over(now, in_flight):
+            if in_flight:
+                log_event(_log, logging.WARNING, "supervisor.drain_timeout", in_flight=in_flight,
+                          drain_timeout_s=self.config.drain_timeout_s, hurried=self._drain.hurried)
+            self._stopping = True
 
     def _housekeeping(self, parts: _Parts, now: float) -> None:
         self.notifier.watchdog(now)  # systemd's WatchdogSec: only a turning loop sends it
@@ -488,7 +535,8 @@ class Supervisor:
             if self.metrics.reads_snapshots:
                 self._refresh_metrics()
             self._scan_refusals()
-        if not self._stopping:
+        if not self._stop_wanted:
+            parts.parking.check_idle(now)  # no new park once a stop is asked for (the drain)
             parts.workers.refill_pool()
 
     def _internal_error(self, where: str) -> None:
@@ -577,22 +625,27 @@ class Supervisor:
         """Loop thread: rebuild the exporter's snapshot (tenants, warm pool, device budgets)."""
         tenants = {}
         states: Counter[str] = Counter()
+        quiet_host: Counter[str] = Counter()
         for tid, rt in self.tenants.items():
             state = rt.state.value
             states[state] += 1
-            if rt.block.closed or state in QUIET_STATES:  # counted by state only: no worker, nothing moves
+            if rt.block.closed:
+                continue
+            if state in QUIET_STATES:  # counted by state only: no worker, nothing moves but its copies
+                quiet_host[state] += rt.block.bytes_in_use
                 continue
             tenants[tid] = TenantGauges(rt.block.snapshot(), len(rt.live_slots()), rt.state.value,
                                         wanted=sum(1 for s in rt.slots if not s.draining),
                                         gpu_time_weight=rt.spec.gpu_time_weight, gpu_time_cap=rt.spec.gpu_time_cap)
         parts = self.parts
         if parts is None:
-            self._metrics.publish(MetricsSnapshot(tenants=tenants, states=dict(states)))
+            self._metrics.publish(MetricsSnapshot(tenants=tenants, states=dict(states),
+                                                  quiet_host_bytes=dict(quiet_host)))
             return
         devices = tuple(DeviceGauges(d.index, d.budget_limit_bytes, d.budget_used_bytes, d.budget_refusals)
                         for d in parts.placement.status())
         self._metrics.publish(MetricsSnapshot(
-            tenants=tenants, states=dict(states), pool_idle=len(parts.workers.pool),
+            tenants=tenants, states=dict(states), quiet_host_bytes=dict(quiet_host), pool_idle=len(parts.workers.pool),
             pool_starting=parts.workers.pool_starting,
             pool_size=self.config.pool_size, backend=parts.admin.backend_name, devices=devices,
             frontend=parts.frontend.guard.counters(),
@@ -626,14 +679,34 @@ class Supervisor:
                 rt.seen_refusals = total
 
 
+def _parked_flag_writer(state: StateStore) -> Callable[[str, bool], None]:
+    """Parking's ``persist``: the parked flag written on the state's writer thread (never on the
+    loop: an activation does not wait for an fsync); a failed write is logged - a restart then
+    brings the tenant back in the state written last."""
+
+    def persist(tenant: str, parked: bool) -> None:
+        def done(future: Future[None]) -> None:
+            exc = future.exception()
+            if exc is not None:
+                log_event(_log, logging.ERROR, "state.write_failed", tenant=tenant, error=str(exc))
+
+        state.submit(state.set_parked, tenant, parked).add_done_callback(done)
+
+    return persist
+
+
 class _Hooks:
     """What a worker event means for its tenant: the worker set's view of the other parts."""
 
     def __init__(self, sup: Supervisor, admin: AdminOps) -> None:
         self._sup = sup
         self._admin = admin
+        #: parking, built after the worker set (Supervisor._setup): an activation restores buffers first
+        self.parking: Parking | None = None
 
     def instance_ready(self, rt: TenantRuntime) -> None:
+        if self.parking is not None:
+            self.parking.instance_ready(rt)  # during an activation: the buffers go back in before any request
         self._admin.instance_ready(rt)
 
     def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None:
@@ -642,9 +715,13 @@ class _Hooks:
     def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
                                reason: str) -> None:
         self._admin.instance_not_restarted(rt, index, code, sig, reason)
+        if self.parking is not None:
+            self.parking.activation_stopped(rt)
 
     def tenant_failed(self, rt: TenantRuntime, why: str) -> None:
         self._admin.tenant_failed(rt, why)
+        if self.parking is not None:
+            self.parking.activation_stopped(rt)
 
     def is_stopping(self) -> bool:
         return self._sup._stopping

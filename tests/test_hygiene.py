@@ -172,7 +172,7 @@ def test_suite_sources_name_no_fixed_temp_directory() -> None:
         "shared/mps.py",  # NVIDIA's default MPS pipe directory: read, never written
         "shared/errors.py", "supervisor/client/api.py", "supervisor/routing/placement.py",
         "supervisor/cli/supervise.py",  # docs and help text
-        "supervisor/store/rundir.py",  # temp_parent(): /tmp when $TMPDIR is too long for unix sockets
+        "shared/rundir.py",  # temp_parent(): /tmp when $TMPDIR is too long for unix sockets
         "tests/shared/test_errors.py", "tests/supervisor/test_operator.py",  # error texts naming a path
         "tests/supervisor/test_rundir_trust.py",  # its docstring
         "tests/supervisor/test_supervisor.py",  # a run dir that does not exist (a client's error)

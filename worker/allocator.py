@@ -246,6 +246,43 @@ class MeteredAllocator:
         off = self.check_range(buf, offset, nbytes, "read")
         return self.backend.read(buf, off, nbytes)
 
+    # ------------------------------------------------------------ parking (worker.parking)
+
+    @property
+    def seq(self) -> int:
+        """The sequence of the last handle made: a restored instance continues after it, so a
+        freed handle never names a new buffer."""
+        return self._seq
+
+    def import_buffer(self, handle: int, nbytes: int, offset: int, data: memoryview, seq: int) -> int:
+        """Restore a parked buffer under its old ``handle``: the chunk at ``offset`` 0 allocates it
+        (metered like :meth:`alloc`), every chunk is written in place. The handle must name this
+        instance and incarnation (the supervisor binds a restored instance with the incarnation
+        its handles carry). Returns the bytes written."""
+        self.restore_seq(seq)
+        self._seq = max(self._seq, handle & 0xFFFFFFFF)  # never a new handle equal to a restored one
+        if handle_instance(handle) != self.instance or handle_incarnation(handle) != self.incarnation & 0xFFFF:
+            raise InvalidArgument(f"handle {handle:#x} does not belong to instance {self.instance} "
+                                  f"incarnation {self.incarnation}: it cannot be restored here")
+        if offset == 0:
+            if handle in self._buffers:
+                raise InvalidArgument(f"buffer {handle:#x} exists already: it cannot be restored again")
+            if len(self._buffers) >= MAX_BUFFERS_PER_INSTANCE:
+                raise InvalidArgument(f"this instance holds {MAX_BUFFERS_PER_INSTANCE:,} buffers already")
+            self._buffers[handle] = self.alloc_buffer(nbytes)
+        buf = self.lookup(handle)
+        if buf.nbytes != nbytes:
+            raise InvalidArgument(f"buffer {handle:#x} holds {buf.nbytes} B, the restore says {nbytes}")
+        off = self.check_range(buf, offset, len(data), "restore")
+        self.backend.write(buf, off, data)
+        return len(data)
+
+    def restore_seq(self, seq: object) -> None:
+        """Continue handles after ``seq`` (never goes back)."""
+        if not is_int(seq) or not 0 <= seq <= 0xFFFFFFFF:
+            raise InvalidArgument(f"seq must be an int in 0..2**32-1, got {seq!r}")
+        self._seq = max(self._seq, seq)
+
     def handles(self) -> dict[int, int]:
         """handle -> size of every live buffer."""
         return {h: b.nbytes for h, b in self._buffers.items()}

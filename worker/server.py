@@ -58,6 +58,10 @@ _LAZY_OPS: dict[str, str] = {
     "write_region": "worker.regions:op_write_region",
     "read_region": "worker.regions:op_read_region",
     "region_drop": "worker.regions:op_region_drop",
+    # parking: the supervisor moves the buffers out before the worker exits, and back into a new one
+    "export_buffers": "worker.parking:op_export_buffers",
+    "export_chunk": "worker.parking:op_export_chunk",
+    "import_buffer": "worker.parking:op_import_buffer",
 }
 _OPS: dict[str, Handler] = {}
 

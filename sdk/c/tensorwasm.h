@@ -39,6 +39,29 @@ typedef int64_t twt_handle;
 #define TWT_OP_NEG 4
 #define TWT_OP_SQRT 5
 #define TWT_OP_ABS 6
+#define TWT_OP_LOG 7
+#define TWT_OP_GELU 8
+#define TWT_OP_SILU 9
+#define TWT_OP_RSQRT 10
+#define TWT_OP_RECIP 11
+
+/* binary_f32, binary_rows_f32 and scalar_f32 operations. */
+#define TWT_BIN_ADD 0
+#define TWT_BIN_SUB 1
+#define TWT_BIN_MUL 2
+#define TWT_BIN_DIV 3
+#define TWT_BIN_MAX 4
+#define TWT_BIN_MIN 5
+
+/* reduce_rows_f32 operations. */
+#define TWT_RED_SUM 0
+#define TWT_RED_MAX 1
+#define TWT_RED_MEAN 2
+
+/* Element types of twt_cast and twt_gemm_ex (f16: IEEE half, bf16: bfloat16). */
+#define TWT_F32 0
+#define TWT_F16 1
+#define TWT_BF16 2
 
 /* Marks a function as an export the host can call: `TWT_EXPORT(forward) int32_t forward(...)`. */
 #define TWT_EXPORT(name) __attribute__((export_name(#name)))
@@ -80,6 +103,30 @@ TWT_IMPORT(max_f32) int32_t twt_max_f32(twt_handle x, int64_t count, float *out)
 TWT_IMPORT(argmax_rows_f32) int32_t twt_argmax_rows_f32(twt_handle x, int64_t rows, int64_t cols, int32_t *out);
 /* `out[cols, rows] = x[rows, cols].T`; `out` aliasing `x` is `INVALID`. */
 TWT_IMPORT(transpose_f32) int32_t twt_transpose_f32(twt_handle x, twt_handle out, int64_t rows, int64_t cols);
+/* `C[m,n] = alpha * op(A) @ op(B) + beta * C`, row-major; `op(A)` is `A[m,k]`, or `A[k,m]^T` when `trans_a` is 1 (`B[k,n]`, or `B[n,k]^T` when `trans_b` is 1); a `trans_*` other than 0 or 1 is `INVALID`; `beta = 0` does not read C; `c` aliasing `a` or `b` is `INVALID`. */
+TWT_IMPORT(gemm_f32) int32_t twt_gemm_f32(int32_t trans_a, int32_t trans_b, int64_t m, int64_t n, int64_t k, float alpha, twt_handle a, twt_handle b, float beta, twt_handle c);
+/* `batch` GEMMs as `gemm_f32`, matrix `i` at element `i * stride_*` of each buffer (strides in floats; a stride of 0 uses one matrix for every batch); `stride_c < m * n` with `batch > 1` (overlapping outputs) is `INVALID`. */
+TWT_IMPORT(gemm_strided_batched_f32) int32_t twt_gemm_strided_batched_f32(int32_t trans_a, int32_t trans_b, int64_t m, int64_t n, int64_t k, float alpha, twt_handle a, int64_t stride_a, twt_handle b, int64_t stride_b, float beta, twt_handle c, int64_t stride_c, int64_t batch);
+/* `out[:n] = x[:n] <op> y[:n]`, `op` a `TWT_BIN_*` (0 add, 1 sub, 2 mul, 3 div, 4 max, 5 min; max/min propagate NaN like numpy); another `op` is `INVALID`; `out` may be `x` or `y`. */
+TWT_IMPORT(binary_f32) int32_t twt_binary_f32(int32_t op, twt_handle x, twt_handle y, twt_handle out, int64_t n);
+/* `out[r, :] = m[r, :] <op> v[:cols]` for every row (`op` a `TWT_BIN_*`); `out` may be `m`; `out` aliasing `v` is `INVALID`. */
+TWT_IMPORT(binary_rows_f32) int32_t twt_binary_rows_f32(int32_t op, twt_handle m, twt_handle v, twt_handle out, int64_t rows, int64_t cols);
+/* `out[:n] = x[:n] <op> a` (`op` a `TWT_BIN_*`, e.g. `TWT_BIN_SUB`: `x - a`); `out` may be `x`. */
+TWT_IMPORT(scalar_f32) int32_t twt_scalar_f32(int32_t op, twt_handle x, float a, twt_handle out, int64_t n);
+/* `out[r]` = sum, max or mean (`TWT_RED_SUM`, `_MAX`, `_MEAN`) of row `r` of `x[rows, cols]` (float32 result; max propagates NaN); `cols = 0` with `rows > 0` is `INVALID`; `out` aliasing `x` is `INVALID`. */
+TWT_IMPORT(reduce_rows_f32) int32_t twt_reduce_rows_f32(int32_t op, twt_handle x, int64_t rows, int64_t cols, twt_handle out);
+/* per row: `out = (x - mean) / sqrt(var + eps) * gamma + beta` (`var` the biased variance, as PyTorch's LayerNorm); `out` may be `x`; `out` aliasing `gamma` or `beta`, or `cols = 0` with `rows > 0`, is `INVALID`. */
+TWT_IMPORT(layernorm_rows_f32) int32_t twt_layernorm_rows_f32(twt_handle x, twt_handle gamma, twt_handle beta, twt_handle out, int64_t rows, int64_t cols, float eps);
+/* `out[i, :] = table[idx[i], :]` for `i < n`, rows of `cols` floats; `idx` points at `n` i32 row indices in guest memory (`MEMORY_BOUNDS` outside it); an index < 0 or past the table's last whole row is `BUFFER_BOUNDS`; `out` aliasing `table` is `INVALID`. */
+TWT_IMPORT(gather_rows_f32) int32_t twt_gather_rows_f32(twt_handle table, const int32_t *idx, int64_t n, int64_t cols, twt_handle out);
+/* copies `nbytes` bytes from `src` at byte offset `src_off` to `dst` at `dst_off`, on the device; `src` may be `dst` when the ranges do not overlap (overlap is `INVALID`). */
+TWT_IMPORT(copy) int32_t twt_copy(twt_handle src, int64_t src_off, twt_handle dst, int64_t dst_off, int64_t nbytes);
+/* `x[r, c] = -inf` where `c > r + offset`, in place (attention's causal mask; `offset`: positions before row 0, e.g. a KV cache's length). */
+TWT_IMPORT(causal_mask_f32) int32_t twt_causal_mask_f32(twt_handle x, int64_t rows, int64_t cols, int64_t offset);
+/* converts `n` elements of `src` (dtype `TWT_F32`, `TWT_F16` or `TWT_BF16`) into `dst` of another dtype, rounding to nearest even (NaN stays NaN); an unknown dtype or `dst` aliasing `src` is `INVALID`. */
+TWT_IMPORT(cast) int32_t twt_cast(twt_handle src, int32_t src_dtype, twt_handle dst, int32_t dst_dtype, int64_t n);
+/* `gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, `TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`; `c_dtype` must be `ab_dtype` or `TWT_F32` (cuBLAS has no other pairs), else `INVALID`. */
+TWT_IMPORT(gemm_ex) int32_t twt_gemm_ex(int32_t trans_a, int32_t trans_b, int64_t m, int64_t n, int64_t k, float alpha, twt_handle a, int32_t ab_dtype, twt_handle b, float beta, twt_handle c, int32_t c_dtype);
 
 /* The name of an error code ("GPU_QUOTA" ...), for messages. */
 static inline const char *twt_strerror(int64_t code) {

@@ -5,6 +5,8 @@
 //! `twt.raw` has the imports as declared by the host (negative codes, no error set).
 //! Build with `twt build tenant.zig -o tenant.wasm`; exports are `export fn`.
 
+const std = @import("std");
+
 /// A buffer (device memory) of this run: 1, 2, 3 ... in the order obtained; client buffers first.
 pub const Handle = i64;
 
@@ -95,6 +97,35 @@ pub const Unary = enum(i32) {
     neg = 4,
     sqrt = 5,
     abs = 6,
+    log = 7,
+    gelu = 8,
+    silu = 9,
+    rsqrt = 10,
+    recip = 11,
+};
+
+/// binary_f32, binary_rows_f32 and scalar_f32 operations.
+pub const Binary = enum(i32) {
+    add = 0,
+    sub = 1,
+    mul = 2,
+    div = 3,
+    max = 4,
+    min = 5,
+};
+
+/// reduce_rows_f32 operations.
+pub const Reduce = enum(i32) {
+    sum = 0,
+    max = 1,
+    mean = 2,
+};
+
+/// Element types of cast and gemm_ex.
+pub const DType = enum(i32) {
+    f32 = 0,
+    f16 = 1,
+    bf16 = 2,
 };
 
 /// The imports exactly as the host declares them.
@@ -135,6 +166,30 @@ pub const raw = struct {
     pub extern "tensorwasm" fn argmax_rows_f32(x: Handle, rows: i64, cols: i64, out: [*]i32) i32;
     /// `out[cols, rows] = x[rows, cols].T`; `out` aliasing `x` is `INVALID`.
     pub extern "tensorwasm" fn transpose_f32(x: Handle, out: Handle, rows: i64, cols: i64) i32;
+    /// `C[m,n] = alpha * op(A) @ op(B) + beta * C`, row-major; `op(A)` is `A[m,k]`, or `A[k,m]^T` when `trans_a` is 1 (`B[k,n]`, or `B[n,k]^T` when `trans_b` is 1); a `trans_*` other than 0 or 1 is `INVALID`; `beta = 0` does not read C; `c` aliasing `a` or `b` is `INVALID`.
+    pub extern "tensorwasm" fn gemm_f32(trans_a: i32, trans_b: i32, m: i64, n: i64, k: i64, alpha: f32, a: Handle, b: Handle, beta: f32, c: Handle) i32;
+    /// `batch` GEMMs as `gemm_f32`, matrix `i` at element `i * stride_*` of each buffer (strides in floats; a stride of 0 uses one matrix for every batch); `stride_c < m * n` with `batch > 1` (overlapping outputs) is `INVALID`.
+    pub extern "tensorwasm" fn gemm_strided_batched_f32(trans_a: i32, trans_b: i32, m: i64, n: i64, k: i64, alpha: f32, a: Handle, stride_a: i64, b: Handle, stride_b: i64, beta: f32, c: Handle, stride_c: i64, batch: i64) i32;
+    /// `out[:n] = x[:n] <op> y[:n]`, `op` a `TWT_BIN_*` (0 add, 1 sub, 2 mul, 3 div, 4 max, 5 min; max/min propagate NaN like numpy); another `op` is `INVALID`; `out` may be `x` or `y`.
+    pub extern "tensorwasm" fn binary_f32(op: i32, x: Handle, y: Handle, out: Handle, n: i64) i32;
+    /// `out[r, :] = m[r, :] <op> v[:cols]` for every row (`op` a `TWT_BIN_*`); `out` may be `m`; `out` aliasing `v` is `INVALID`.
+    pub extern "tensorwasm" fn binary_rows_f32(op: i32, m: Handle, v: Handle, out: Handle, rows: i64, cols: i64) i32;
+    /// `out[:n] = x[:n] <op> a` (`op` a `TWT_BIN_*`, e.g. `TWT_BIN_SUB`: `x - a`); `out` may be `x`.
+    pub extern "tensorwasm" fn scalar_f32(op: i32, x: Handle, a: f32, out: Handle, n: i64) i32;
+    /// `out[r]` = sum, max or mean (`TWT_RED_SUM`, `_MAX`, `_MEAN`) of row `r` of `x[rows, cols]` (float32 result; max propagates NaN); `cols = 0` with `rows > 0` is `INVALID`; `out` aliasing `x` is `INVALID`.
+    pub extern "tensorwasm" fn reduce_rows_f32(op: i32, x: Handle, rows: i64, cols: i64, out: Handle) i32;
+    /// per row: `out = (x - mean) / sqrt(var + eps) * gamma + beta` (`var` the biased variance, as PyTorch's LayerNorm); `out` may be `x`; `out` aliasing `gamma` or `beta`, or `cols = 0` with `rows > 0`, is `INVALID`.
+    pub extern "tensorwasm" fn layernorm_rows_f32(x: Handle, gamma: Handle, beta: Handle, out: Handle, rows: i64, cols: i64, eps: f32) i32;
+    /// `out[i, :] = table[idx[i], :]` for `i < n`, rows of `cols` floats; `idx` points at `n` i32 row indices in guest memory (`MEMORY_BOUNDS` outside it); an index < 0 or past the table's last whole row is `BUFFER_BOUNDS`; `out` aliasing `table` is `INVALID`.
+    pub extern "tensorwasm" fn gather_rows_f32(table: Handle, idx: [*]const i32, n: i64, cols: i64, out: Handle) i32;
+    /// copies `nbytes` bytes from `src` at byte offset `src_off` to `dst` at `dst_off`, on the device; `src` may be `dst` when the ranges do not overlap (overlap is `INVALID`).
+    pub extern "tensorwasm" fn copy(src: Handle, src_off: i64, dst: Handle, dst_off: i64, nbytes: i64) i32;
+    /// `x[r, c] = -inf` where `c > r + offset`, in place (attention's causal mask; `offset`: positions before row 0, e.g. a KV cache's length).
+    pub extern "tensorwasm" fn causal_mask_f32(x: Handle, rows: i64, cols: i64, offset: i64) i32;
+    /// converts `n` elements of `src` (dtype `TWT_F32`, `TWT_F16` or `TWT_BF16`) into `dst` of another dtype, rounding to nearest even (NaN stays NaN); an unknown dtype or `dst` aliasing `src` is `INVALID`.
+    pub extern "tensorwasm" fn cast(src: Handle, src_dtype: i32, dst: Handle, dst_dtype: i32, n: i64) i32;
+    /// `gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, `TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`; `c_dtype` must be `ab_dtype` or `TWT_F32` (cuBLAS has no other pairs), else `INVALID`.
+    pub extern "tensorwasm" fn gemm_ex(trans_a: i32, trans_b: i32, m: i64, n: i64, k: i64, alpha: f32, a: Handle, ab_dtype: i32, b: Handle, beta: f32, c: Handle, c_dtype: i32) i32;
 };
 
 /// A new buffer of `nbytes` (> 0) bytes, metered against the tenant's GPU quota; its handle (> 0) or a negative error code (TWT_GPU_QUOTA, TWT_DEVICE_OOM, TWT_TOO_MANY_HANDLES ...).
@@ -149,14 +204,16 @@ pub fn free(h: Handle) Error!void {
     return check(raw.free(h));
 }
 
-/// Copies `len` bytes of guest memory at `src` into the buffer at byte offset `dst_off`.
-pub fn write(h: Handle, dst_off: i64, src: []const u8) Error!void {
-    return check(raw.write(h, dst_off, src.ptr, @intCast(src.len)));
+/// Copies the bytes of `src` (any slice or array pointer: `[]const u8`, `[]const f32` ...) into the buffer at byte offset `dst_off`.
+pub fn write(h: Handle, dst_off: i64, src: anytype) Error!void {
+    const bytes = std.mem.sliceAsBytes(src);
+    return check(raw.write(h, dst_off, bytes.ptr, @intCast(bytes.len)));
 }
 
-/// Copies `len` bytes of the buffer from byte offset `src_off` into guest memory at `dst`.
-pub fn read(h: Handle, src_off: i64, dst: []u8) Error!void {
-    return check(raw.read(h, src_off, dst.ptr, @intCast(dst.len)));
+/// Fills `dst` (any mutable slice or array pointer: `[]u8`, `[]f32` ...) with the buffer's bytes from byte offset `src_off`.
+pub fn read(h: Handle, src_off: i64, dst: anytype) Error!void {
+    const bytes = std.mem.sliceAsBytes(dst);
+    return check(raw.read(h, src_off, bytes.ptr, @intCast(bytes.len)));
 }
 
 /// Sets the first `count` floats of the buffer to `value`.
@@ -176,7 +233,7 @@ pub fn sum_f32(h: Handle, count: i64) Error!f32 {
     return out;
 }
 
-/// One log line (UTF-8) into the run's `logs`; TWT_RATE_LIMITED when dropped.
+/// One log line (UTF-8) into the run's `logs`; error.RateLimited when dropped.
 pub fn log(msg: []const u8) Error!void {
     return check(raw.log(msg.ptr, @intCast(msg.len)));
 }
@@ -231,4 +288,64 @@ pub fn argmax_rows_f32(x: Handle, rows: i64, cols: i64, out: []i32) Error!void {
 /// `out[cols, rows] = x[rows, cols].T`; `out` aliasing `x` is `INVALID`.
 pub fn transpose_f32(x: Handle, out: Handle, rows: i64, cols: i64) Error!void {
     return check(raw.transpose_f32(x, out, rows, cols));
+}
+
+/// `C[m,n] = alpha * op(A) @ op(B) + beta * C`, row-major; `op(A)` is `A[m,k]`, or `A[k,m]^T` when `trans_a` is 1 (`B[k,n]`, or `B[n,k]^T` when `trans_b` is 1); a `trans_*` other than 0 or 1 is `INVALID`; `beta = 0` does not read C; `c` aliasing `a` or `b` is `INVALID`.
+pub fn gemm_f32(trans_a: bool, trans_b: bool, m: i64, n: i64, k: i64, alpha: f32, a: Handle, b: Handle, beta: f32, c: Handle) Error!void {
+    return check(raw.gemm_f32(@intFromBool(trans_a), @intFromBool(trans_b), m, n, k, alpha, a, b, beta, c));
+}
+
+/// `batch` GEMMs as `gemm_f32`, matrix `i` at element `i * stride_*` of each buffer (strides in floats; a stride of 0 uses one matrix for every batch); `stride_c < m * n` with `batch > 1` (overlapping outputs) is `INVALID`.
+pub fn gemm_strided_batched_f32(trans_a: bool, trans_b: bool, m: i64, n: i64, k: i64, alpha: f32, a: Handle, stride_a: i64, b: Handle, stride_b: i64, beta: f32, c: Handle, stride_c: i64, batch: i64) Error!void {
+    return check(raw.gemm_strided_batched_f32(@intFromBool(trans_a), @intFromBool(trans_b), m, n, k, alpha, a, stride_a, b, stride_b, beta, c, stride_c, batch));
+}
+
+/// `out[:n] = x[:n] <op> y[:n]`, `op` a `TWT_BIN_*` (0 add, 1 sub, 2 mul, 3 div, 4 max, 5 min; max/min propagate NaN like numpy); another `op` is `INVALID`; `out` may be `x` or `y`.
+pub fn binary_f32(op: Binary, x: Handle, y: Handle, out: Handle, n: i64) Error!void {
+    return check(raw.binary_f32(@intFromEnum(op), x, y, out, n));
+}
+
+/// `out[r, :] = m[r, :] <op> v[:cols]` for every row (`op` a `TWT_BIN_*`); `out` may be `m`; `out` aliasing `v` is `INVALID`.
+pub fn binary_rows_f32(op: Binary, m: Handle, v: Handle, out: Handle, rows: i64, cols: i64) Error!void {
+    return check(raw.binary_rows_f32(@intFromEnum(op), m, v, out, rows, cols));
+}
+
+/// `out[:n] = x[:n] <op> a` (`op` a `TWT_BIN_*`, e.g. `TWT_BIN_SUB`: `x - a`); `out` may be `x`.
+pub fn scalar_f32(op: Binary, x: Handle, a: f32, out: Handle, n: i64) Error!void {
+    return check(raw.scalar_f32(@intFromEnum(op), x, a, out, n));
+}
+
+/// `out[r]` = sum, max or mean (`TWT_RED_SUM`, `_MAX`, `_MEAN`) of row `r` of `x[rows, cols]` (float32 result; max propagates NaN); `cols = 0` with `rows > 0` is `INVALID`; `out` aliasing `x` is `INVALID`.
+pub fn reduce_rows_f32(op: Reduce, x: Handle, rows: i64, cols: i64, out: Handle) Error!void {
+    return check(raw.reduce_rows_f32(@intFromEnum(op), x, rows, cols, out));
+}
+
+/// per row: `out = (x - mean) / sqrt(var + eps) * gamma + beta` (`var` the biased variance, as PyTorch's LayerNorm); `out` may be `x`; `out` aliasing `gamma` or `beta`, or `cols = 0` with `rows > 0`, is `INVALID`.
+pub fn layernorm_rows_f32(x: Handle, gamma: Handle, beta: Handle, out: Handle, rows: i64, cols: i64, eps: f32) Error!void {
+    return check(raw.layernorm_rows_f32(x, gamma, beta, out, rows, cols, eps));
+}
+
+/// `out[i, :] = table[idx[i], :]` for `i < n`, rows of `cols` floats; `idx` points at `n` i32 row indices in guest memory (`MEMORY_BOUNDS` outside it); an index < 0 or past the table's last whole row is `BUFFER_BOUNDS`; `out` aliasing `table` is `INVALID`.
+pub fn gather_rows_f32(table: Handle, idx: []const i32, n: i64, cols: i64, out: Handle) Error!void {
+    return check(raw.gather_rows_f32(table, idx.ptr, n, cols, out));
+}
+
+/// copies `nbytes` bytes from `src` at byte offset `src_off` to `dst` at `dst_off`, on the device; `src` may be `dst` when the ranges do not overlap (overlap is `INVALID`).
+pub fn copy(src: Handle, src_off: i64, dst: Handle, dst_off: i64, nbytes: i64) Error!void {
+    return check(raw.copy(src, src_off, dst, dst_off, nbytes));
+}
+
+/// `x[r, c] = -inf` where `c > r + offset`, in place (attention's causal mask; `offset`: positions before row 0, e.g. a KV cache's length).
+pub fn causal_mask_f32(x: Handle, rows: i64, cols: i64, offset: i64) Error!void {
+    return check(raw.causal_mask_f32(x, rows, cols, offset));
+}
+
+/// converts `n` elements of `src` (dtype `TWT_F32`, `TWT_F16` or `TWT_BF16`) into `dst` of another dtype, rounding to nearest even (NaN stays NaN); an unknown dtype or `dst` aliasing `src` is `INVALID`.
+pub fn cast(src: Handle, src_dtype: DType, dst: Handle, dst_dtype: DType, n: i64) Error!void {
+    return check(raw.cast(src, @intFromEnum(src_dtype), dst, @intFromEnum(dst_dtype), n));
+}
+
+/// `gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, `TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`; `c_dtype` must be `ab_dtype` or `TWT_F32` (cuBLAS has no other pairs), else `INVALID`.
+pub fn gemm_ex(trans_a: bool, trans_b: bool, m: i64, n: i64, k: i64, alpha: f32, a: Handle, ab_dtype: DType, b: Handle, beta: f32, c: Handle, c_dtype: DType) Error!void {
+    return check(raw.gemm_ex(@intFromBool(trans_a), @intFromBool(trans_b), m, n, k, alpha, a, @intFromEnum(ab_dtype), b, beta, c, @intFromEnum(c_dtype)));
 }

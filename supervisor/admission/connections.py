@@ -1,5 +1,4 @@
-"""The frontend's connections, ipc and TCP, counted and shed before the fd limit
-(issue 12, finding 1; issue 30, findings 1 and 3).
+"""The frontend's connections, ipc and TCP, counted and shed before the fd limit.
 
 libzmq accepts a client's connection on its I/O thread (one fd each) and
 aborts the whole process when an ipc ``accept`` fails with EMFILE. So the

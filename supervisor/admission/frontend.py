@@ -9,7 +9,10 @@ is starting or restarting, the request is parked, bounded by
 ``max_in_flight`` and its deadline, and sent as soon as one is
 (:meth:`Frontend.dispatch_parked`); a tenant scaled to 0 is answered
 :class:`~shared.errors.TenantStopped`, and one whose instances are gone for
-good :class:`~shared.errors.WorkerLost`, at once.
+good :class:`~shared.errors.WorkerLost`, at once. A request that needs a worker
+for a *parked* tenant (:mod:`supervisor.lifecycle.parking`) waits the same way and
+wakes it (``wake_parked``); nothing is sent while its buffers move
+(``TenantRuntime.park`` set).
 
 Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
 one when ``listen`` is set: the same decode, checks and limits for both; at
@@ -44,7 +47,7 @@ from collections.abc import Callable
 import zmq
 
 from shared import protocol as proto
-from shared.capability import RegistryAdminCapability, TenantCapability, capability_from_bytes
+from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability, capability_from_bytes
 from shared.checks import is_int
 from shared.config import SupervisorConfig
 from shared.errors import (
@@ -66,6 +69,7 @@ from shared.log import get_logger
 from shared.sizes import MAX_MODULE_BYTES
 from shared.spec import DEADLINE_GRACE_S
 from supervisor.observe.event_log import EventLog
+from supervisor.lifecycle.drain import Drain
 from supervisor.admission.guard import FrontendGuard
 from supervisor.admission.rates import RefusalUnanswered
 from supervisor.runtime.loop import Loop
@@ -76,7 +80,7 @@ from supervisor.store.modules import ModuleStore
 from supervisor.routing.replies import Replies
 from supervisor.runtime.requests import Parked, Pending
 from supervisor.admission.tcp_frontend import IPC_INDEX, TCP_INDEX
-from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
+from supervisor.runtime.tenants import InstanceSlot, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.lifecycle.workerset import WorkerSet
 
 #: messages read from one frontend socket per wake-up: a turn's share of one tenant, so a lone
@@ -93,6 +97,8 @@ __all__ = ["ClientMessage", "Frontend"]
 
 _log = get_logger("supervisor")
 
+#: the fairness key of the verified monitor capability (no tenant id has parentheses)
+MONITOR_KEY = "(monitor)"
 #: entries of the verified-capability cache before it is cleared
 _VERIFIED_CAP_CACHE = 65536
 
@@ -106,6 +112,10 @@ Body = zmq.Frame | bytes | None
 
 def _ignore_reply(ok: bool, payload: object) -> None:
     """Callback of the supervisor's own fire-and-forget worker requests."""
+
+
+def _ignore_wake(rt: TenantRuntime) -> None:
+    """``wake_parked`` until parking is wired in (a supervisor without it never parks)."""
 
 
 #: an admin op's handler, bound to the part that serves it: (client, rid, args) (supervisor.control.ops)
@@ -156,6 +166,8 @@ class Frontend:
         self._admin_ops: Mapping[str, AdminHandler] = {}
         self.guard = guard
         self._admin_raw = admin_cap
+        #: the monitor capability's bytes, once verified (forget_verified drops them)
+        self._monitor_raw: bytes | None = None
         self.on_denied = on_denied
         self.regions = regions
         self.event_log = event_log
@@ -167,6 +179,11 @@ class Frontend:
         self._either_ops: Mapping[str, EitherOp] = {}
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
+        #: the supervisor's drain once a stop began (supervisor.lifecycle.drain): new requests but the
+        #: read-only ones are refused ``Draining`` while what is in flight finishes
+        self.drain: Drain | None = None
+        #: a request that needs a worker came for a parked tenant (supervisor.lifecycle.parking, set at set-up)
+        self.wake_parked: Callable[[TenantRuntime], None] = _ignore_wake
         #: each frontend socket's neighbour (ipc <-> tcp): what a read of one looks at (see _on_readable)
         self._other: dict[bytes, tuple[zmq.Socket[bytes], bytes]] = {}
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
@@ -198,7 +215,7 @@ class Frontend:
         # Two frontend sockets (ipc and TCP) are one source: libzmq fair-queues the peers of
         # one socket, not across sockets, so while a flood fills one, every YIELD_EVERY
         # messages the other is asked for input, and when it has some the batch ends and the
-        # other is read right after this one is served (issue 25: a tcp-ping flood's victim on
+        # other is read right after this one is served (a tcp-ping flood's victim on
         # ipc waited ~0.5 ms before the loop read it, a whole batch and its serving).
         if self.tcp_paused and prefix == _TCP:  # (polled before the pause began, this turn)
             return
@@ -368,6 +385,8 @@ class Frontend:
             return rt.tenant_id
         if hmac.compare_digest(cap_raw, self._admin_raw):
             return "admin"
+        if self._monitor_raw is not None and hmac.compare_digest(cap_raw, self._monitor_raw):
+            return MONITOR_KEY
         return None
 
     def serve(self, msg: ClientMessage) -> None:
@@ -392,12 +411,13 @@ class Frontend:
         if msg.cap_raw is None and proto.OPS[op].anonymous:
             self._anonymous(client, rid)
             return
+        if self.drain is not None and self.drain.active and op not in proto.MONITOR_OPS:
+            self._refused(client, rid, op, self.drain.refusal(self.clock()), msg.cap_raw)
+            return
         try:
             if proto.OPS[op].any_capability:  # ``events``: the capability picks what it shows
                 self._either_capability(client, rid, op, msg.cap_raw, msg.args, msg.size)
             elif proto.OPS[op].admin:
-                if client[:1] == _TCP and not self.config.allow_remote_admin:
-                    raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)")
                 self._admin_request(client, rid, op, msg.cap_raw, msg.args)
             else:
                 self._tenant_request(client, rid, op, msg.cap_raw, msg.args, body, msg.size)
@@ -438,9 +458,29 @@ class Frontend:
         """One admin request: the admin capability first, then the op's arguments, then its handler."""
         if cap_raw is None:
             raise TenantIsolationViolation(None, f"admin op {op!r} (no capability)", "missing")
-        self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
+        if not self._monitor_allowed(op, cap_raw):
+            if client[:1] == _TCP and not self.config.allow_remote_admin:
+                raise TenantIsolationViolation(None, f"admin op {op!r} over TCP (allow_remote_admin is false)"
+                                               + ("; the monitor capability reads it remotely"
+                                                  if proto.OPS[op].monitor else ""))
+            self.registry.verify_admin(RegistryAdminCapability.from_bytes(cap_raw))
         proto.check_args(op, args)
         self._admin_ops[op](client, rid, args)
+
+    def _monitor_allowed(self, op: str, cap_raw: bytes) -> bool:
+        """True when ``cap_raw`` is this registry's monitor capability and ``op`` is one it grants
+        (read-only: from either frontend, ``allow_remote_admin`` or not). False when it is no
+        monitor capability (the admin checks follow); a forged or foreign one, or one offered for
+        an op it does not grant, is refused here."""
+        cap = capability_from_bytes(cap_raw)
+        if not isinstance(cap, MonitorCapability):
+            return False
+        if not proto.OPS[op].monitor:
+            raise TenantIsolationViolation(None, f"op {op!r} (the monitor capability grants read-only ops only: "
+                                           f"{', '.join(sorted(proto.MONITOR_OPS))})", "wrong_kind")
+        self.registry.verify_monitor(cap)
+        self._monitor_raw = cap_raw  # its next requests are served as verified (verified_key)
+        return True
 
     def _refused(self, client: bytes, rid: int, op: str, exc: TensorWasmError, cap_raw: bytes | None) -> None:
         """Answer a request the supervisor itself refused (and count it).
@@ -459,7 +499,7 @@ class Frontend:
                 self.dropped_unanswered(client[:1])
             self.pending.count_refusal("", op, exc.code)
             return
-        self.pending.refuse(client, rid, op, exc, tenant="" if key == "admin" else key)
+        self.pending.refuse(client, rid, op, exc, tenant="" if key in ("admin", MONITOR_KEY) else key)
 
     def _anonymous(self, client: bytes, rid: int) -> None:
         """``hello`` without a capability, on either frontend: the liveness probe. It answers the
@@ -483,7 +523,9 @@ class Frontend:
             raise TenantIsolationViolation(None, f"op {op!r} (no capability)", "missing")
         cap = capability_from_bytes(cap_raw)
         rt: TenantRuntime | None = None
-        if isinstance(cap, RegistryAdminCapability):
+        if self._monitor_allowed(op, cap_raw):
+            pass  # the monitor's view is the admin's, read-only
+        elif isinstance(cap, RegistryAdminCapability):
             if client[:1] == _TCP and not self.config.allow_remote_admin:
                 raise TenantIsolationViolation(None, f"admin {op} over TCP (allow_remote_admin is false); "
                                                "a tenant capability follows its own tenant's events")
@@ -525,6 +567,8 @@ class Frontend:
         if spec.served_by == "frontend":  # answered here, from what the supervisor holds
             self.pending.answer(client, rid, op, self._local_ops[op](rt, args, body), tenant=tid)
             return
+        # only what needs a worker keeps a tenant awake: a poll of its quota does not (parking)
+        rt.last_request = self.clock()
         if op == "write_region" or op == "read_region":
             # the tenant's own region or refused; the worker learns its name from us only
             args = {**args, "region_name": self.regions.resolve(tid, args.get("region")).name}
@@ -543,6 +587,9 @@ class Frontend:
                 raise ClientRepliesQueued(tid, in_flight, max_in_flight, queued=queued,
                                           budget=self.config.max_client_reply_bytes)
         if op == "buffers":
+            if rt.park is not None and rt.park.phase is not ParkPhase.EXPORTING:
+                self.pending.answer(client, rid, op, parked_buffers(rt.park), tenant=tid)  # no activation
+                return
             self._buffers_of_every_instance(rt, client, rid)
             return
         pinned = pinned_instance(rt, op, args)
@@ -550,9 +597,13 @@ class Frontend:
             lost = lost_buffer(rt, op, args)
             if lost is not None:
                 raise lost
-        slot = slot_for(rt, pinned)
+        # a parked tenant: the request waits (below) while parking activates the tenant
+        slot = slot_for(rt, pinned) if rt.park is None else None
         now = self.clock()
-        if slot is None:
+        if rt.park is not None:
+            self.wake_parked(rt)
+            slot = slot_for(rt, pinned) if rt.park is None else None  # a park cancelled: serve at once
+        if slot is None and rt.park is None:
             if not (rt.coming_up() if pinned is None else rt.slots[pinned].coming_up):
                 raise _nothing_coming_up(rt, pinned)
         # What the supervisor will hold for this request, reserved before it holds it
@@ -581,6 +632,7 @@ class Frontend:
     def forget_verified(self) -> None:
         """Drop the verified-capability cache (the registry key was rotated: nothing verified before counts)."""
         self._verified_caps.clear()
+        self._monitor_raw = None
 
     def _verify(self, cap_raw: bytes) -> TenantRuntime:
         # Fast path: these exact bytes were verified for this very tenant runtime
@@ -701,7 +753,10 @@ class Frontend:
     # ------------------------------------------------------------ parked requests
 
     def dispatch_parked(self, rt: TenantRuntime) -> None:
-        """An instance became ready: send what waited for one."""
+        """An instance became ready: send what waited for one (not while the tenant's buffers are
+        moving: parking sends them once it is active, supervisor.lifecycle.parking)."""
+        if rt.park is not None:
+            return
         now = self.clock()
         keep: list[Parked] = []
         while rt.parked:
@@ -819,9 +874,16 @@ def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, object]) -> BufferLo
         if index >= len(rt.slots):
             continue  # refused by pinned_instance
         slot = rt.slots[index]
-        if slot.worker is None or slot.incarnation & 0xFFFF != proto.handle_incarnation(h):
+        gone = slot.worker is None and rt.park is None  # a parked slot's buffers wait in the supervisor
+        if gone or slot.incarnation & 0xFFFF != proto.handle_incarnation(h):
             return BufferLost(rt.tenant_id, proto.format_handle(h), index, slot.incarnation)
     return None
+
+
+def parked_buffers(park: ParkRecord) -> dict[str, object]:
+    """``buffers`` of a parked tenant, answered from its host copies (it is not activated for it)."""
+    listed = sorted((b.handle, len(b.data)) for bufs in park.buffers.values() for b in bufs)
+    return {"buffers": listed, "bytes": sum(n for _, n in listed)}
 
 
 def expected_reply_bytes(op: str, args: dict[str, object], limit: int) -> int:
@@ -842,8 +904,10 @@ def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError
     who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
     reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
               f"last exit of {rt.tenant_id}/{gone.index}: {last.reason if last else 'unknown'})")
+    again = (f"`twt restart {rt.tenant_id}` runs it again" if rt.state is TenantState.COMPLETED
+             else f"`twt scale {rt.tenant_id} N` starts instances again")
     return WorkerLost(rt.tenant_id, gone.index, last.exit_code if last else None, last.signal if last else None, reason,
-                      message=f"{reason}; `twt scale {rt.tenant_id} N` starts instances again")
+                      message=f"{reason}; {again}")
 
 
 def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:

@@ -10,7 +10,7 @@ connection accepted past a bound: the fd budget
 (:func:`supervisor.admission.fdlimit.fd_budget`, half of the fds left) for ipc and TCP
 together, and for TCP also ``max_tcp_peers`` and ``max_tcp_peers_per_source``,
 counted at accept - a raw TCP connection that never sends the ZMTP greeting
-never reaches ZAP, so only the accept can see it (issue 30, finding 1). libzmq
+never reaches ZAP, so only the accept can see it. libzmq
 sees the peer gone and closes it, the client sees a refused connection (and
 retries), and every connected client keeps working. :class:`ConnectionGate` is
 the count and the decision; :func:`shed` / :func:`shed_tcp` the act.

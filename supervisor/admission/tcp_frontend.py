@@ -14,7 +14,7 @@ as bound (port 0 resolved). What it may touch: nothing of the loop's; the
 loop polls :attr:`socket` beside the ipc frontend (telling the two apart by
 the first byte of a client key, :data:`TCP_INDEX`). Its connections are
 counted by :class:`supervisor.admission.connections.FrontendConnections` from the
-socket's monitor, in the same fd budget as the ipc ones (issue 30, finding 1):
+socket's monitor, in the same fd budget as the ipc ones:
 every accepted connection, greeted or not, counts; one past the fd budget,
 past ``max_tcp_peers_per_source`` for its address, or more than a few past
 ``max_tcp_peers`` is shut down at accept.
@@ -31,7 +31,7 @@ is dropped by libzmq, and one that has not finished it within
 ``tcp_handshake_timeout_s`` (``ZMQ_HANDSHAKE_IVL``) is closed. ZMTP
 heartbeats are off on this socket: with them on, libzmq 4.3.5 aborted on
 ``!_io_error`` (stream_engine_base.cpp:310) when keyless CURVE peers flooded
-and closed (issue 30, finding 2; upstream zeromq/libzmq#4364). TCP keepalive
+and closed (upstream zeromq/libzmq#4364). TCP keepalive
 (tuned idle/interval/count) and ``TCP_USER_TIMEOUT`` drop a peer that vanished
 without a FIN instead, and the loop's own deadlines answer every request. The
 receive queue per peer is the ipc frontend's (a flood waits in its sender).

@@ -10,7 +10,7 @@ from pathlib import Path
 import zmq.auth
 from zmq.utils import z85
 
-from shared.capability import RegistryAdminCapability, read_capability_file
+from shared.capability import MonitorCapability, RegistryAdminCapability, read_capability_file
 from shared.config import ENV_PREFIX, default_run_dir, parse_host_port
 from shared.errors import SupervisorUnavailable
 from supervisor.client.api import SupervisorClient
@@ -59,8 +59,9 @@ def add_run_dir(parser: argparse.ArgumentParser) -> None:
     remote.add_argument("--client-key", metavar="FILE",
                         help="our key pair (NAME.key_secret), when it has an allow-list (default: a fresh pair)")
     remote.add_argument("--admin-cap", metavar="FILE",
-                        help="the admin capability file, for admin ops (the supervisor needs allow_remote_admin) "
-                        "(default: none)")
+                        help="the admin capability file, for admin ops (the supervisor needs allow_remote_admin), "
+                        "or the monitor one (`twt capability --role monitor`), for the read-only ops: status, "
+                        "events, version (default: none)")
 
 
 def client_of(args: argparse.Namespace, timeout_s: float) -> SupervisorClient:
@@ -73,11 +74,11 @@ def client_of(args: argparse.Namespace, timeout_s: float) -> SupervisorClient:
     if not args.server_key:
         raise ValueError("--connect needs --server-key KEY (twt keys prints it on the supervisor's host)")
     server_key = server_key_of(args.server_key)
-    admin: RegistryAdminCapability | None = None
+    admin: RegistryAdminCapability | MonitorCapability | None = None
     if args.admin_cap:
         cap = read_capability_file(args.admin_cap)
-        if not isinstance(cap, RegistryAdminCapability):
-            raise ValueError(f"{args.admin_cap} holds a tenant capability, not the admin capability")
+        if not isinstance(cap, (RegistryAdminCapability, MonitorCapability)):
+            raise ValueError(f"{args.admin_cap} holds a tenant capability, not the admin or monitor capability")
         admin = cap
     if not isinstance(connect, str) or not connect.startswith("tcp://"):
         raise ValueError(f"--connect must be tcp://HOST:PORT; got {connect!r}")

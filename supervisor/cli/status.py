@@ -4,12 +4,12 @@ every tenant), or the raw status record with ``--json``.
     $ twt status
     supervisor pid 4242  backend stub  start spawn  pool 2/2 idle  workers 5  rss 61.2MiB  up 3h02m
     tenants 1 (running 1)  instances 2/2 ready
-    TENANT  STATE    INST  PIDS       CPU USED/LIMIT  GPU USED/CAP  HIGH CPU/GPU  REFUSED CPU/GPU  RESTARTS  UPTIME
+    TENANT  STATE    INST  PIDS       HOST USED/LIMIT  GPU USED/CAP  HIGH HOST/GPU  REFUSED HOST/GPU  RESTARTS  UPTIME
     ------  -------  ----  ---------  --------------  ------------  ------------  ---------------  --------  ------
     acme    running  2/2   4250,4251  0B/8GiB         1MiB/2GiB     0B/1.5MiB     0/3              1         3h01m
 
 ``twt top`` refreshes the same table (:func:`render`). The exit status is
-for scripts: 0 every tenant is running (or stopped), 1 one is starting,
+for scripts: 0 every tenant is running (or stopped, completed or parked), 1 one is starting,
 degraded, failed or evicting (:func:`exit_status`; the summary covers the
 tenants past the first page), 3 no supervisor.
 """
@@ -35,8 +35,8 @@ __all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant
 READ_TIMEOUT_S = 10.0
 #: tenants the table lists unless --all or --limit says otherwise (the summary line counts them all)
 PAGE = 100
-HEADERS = ("TENANT", "STATE", "INST", "PIDS", "CPU USED/LIMIT", "GPU USED/CAP", "HIGH CPU/GPU",
-           "REFUSED CPU/GPU", "RESTARTS", "UPTIME",
+HEADERS = ("TENANT", "STATE", "INST", "PIDS", "HOST USED/LIMIT", "GPU USED/CAP", "HIGH HOST/GPU",
+           "REFUSED HOST/GPU", "RESTARTS", "UPTIME",
            "GPU WEIGHT/CAP", "GPU TIME", "SHARE")  # GPU time: accounted, and its share over the last 10 s
 _MAX_PIDS_SHOWN = 4
 
@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Print one row per tenant (state, ready/wanted instances and their pids, host and GPU "
         "bytes used against their limits, high-water marks, quota refusals, restarts, uptime) under a "
         "header line about the supervisor. --json prints the raw status record for scripts. Exit status: 0 when "
-        "every tenant shown is running (or stopped: scaled to 0), 1 when any is starting, degraded, failed or "
+        "every tenant shown is running (or stopped: scaled to 0, or completed: its workers exited 0 and its restart "
+        "policy keeps them so), 1 when any is starting, degraded, failed or "
         "evicting, 3 when no supervisor answers.",
     )
     p.add_argument("tenant", nargs="?", metavar="TENANT", help="show only this tenant")
@@ -68,14 +69,16 @@ def connect(args: argparse.Namespace, timeout_s: float = READ_TIMEOUT_S) -> Supe
     return client_of(args, timeout_s)
 
 
-#: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose)
-HEALTHY_STATES = frozenset({"running", "stopped"})
+#: tenant states that count as healthy for the exit status (stopped: scaled to 0 on purpose; parked:
+#: idle, its workers gone until its next request)
+HEALTHY_STATES = frozenset({"running", "stopped", "completed", "parked"})
 
 
 def exit_status(tenants: Sequence[TenantRecord], summary: StatusSummary | None = None) -> int:
-    """0 when every tenant shown is running (or stopped: scaled to 0); 1 when any is starting,
-    degraded, failed or evicting - so ``twt status acme || alert`` works in a script. With the
-    ``summary`` of every tenant (a table of the first page), those not shown count too."""
+    """0 when every tenant shown is running (or stopped: scaled to 0, or completed: every instance exited 0
+    and its restart policy keeps it so, or parked); 1 when any is starting, degraded, failed or
+    evicting - so ``twt status acme || alert`` works in a script. With the ``summary`` of every tenant
+    (a table of the first page), those not shown count too."""
     healthy = all(t.state in HEALTHY_STATES for t in tenants)
     if summary is not None:
         healthy = healthy and all(state in HEALTHY_STATES for state, n in summary.states.items() if n)
@@ -145,7 +148,8 @@ def header_line(sup: SupervisorRecord) -> str:
     pool = sup.pool
     parts = [
         f"supervisor pid {sup.pid}",
-        f"backend {sup.backend}",
+        f"backend {sup.backend}" + (f" (driver {sup.driver_version}, CUDA {sup.cuda_version})"
+                                    if sup.driver_version or sup.cuda_version else ""),
         f"start {sup.start_method}",
         f"pool {pool.idle}/{pool.size} idle" + (f" ({pool.starting} starting)" if pool.starting else ""),
         f"workers {sup.workers}",
@@ -195,6 +199,8 @@ def _notes(t: TenantRecord) -> list[str]:
     notes = []
     if t.failed_reason:
         notes.append(f"{t.tenant_id}: failed: {t.failed_reason}")
+    if t.state == "parked":
+        return notes  # idle on purpose: its instances are down until its next request
     for inst in t.instances:
         if inst.state in ("ready", "idle") or inst.draining:
             continue

@@ -36,7 +36,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "supervise",
         help="run a supervisor in the foreground",
         description="Run a supervisor: one worker process per tenant instance, ZeroMQ routing, "
-        "crash and hang recovery. Stops gracefully on SIGTERM/SIGINT; SIGHUP re-reads --config (as twt reload). "
+        "crash and hang recovery. Stops gracefully on SIGTERM/SIGINT: new requests are refused (Draining) while "
+        "those in flight finish (drain_timeout_s; a second signal cuts it short), then the workers stop. "
+        "SIGHUP re-reads --config (as twt reload). "
         "Tenants come back from the state directory after a restart. Settings: defaults < "
         "[supervisor] table of --config < TWT_* environment < these flags.",
     )

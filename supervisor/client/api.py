@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Final, TypeVar, cast
 import zmq
 
 from shared import protocol as proto
-from shared.capability import RegistryAdminCapability, TenantCapability, capability_from_bytes
+from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability, capability_from_bytes
 from shared.checks import is_int
 from shared.errors import (
     HandshakeFailed,
@@ -100,7 +100,7 @@ class _Unchanged(enum.Enum):
 
 
 _UNCHANGED: Final = _Unchanged.TOKEN
-Capability = TenantCapability | RegistryAdminCapability
+Capability = TenantCapability | RegistryAdminCapability | MonitorCapability
 T = TypeVar("T")
 
 
@@ -191,6 +191,8 @@ class SupervisorClient:
         #: to come back (``retry_after_s``); until then its requests are refused here, unsent (see send)
         self._rate_wait: dict[str, tuple[float, dict[str, object]]] = {}
         self._admin: RegistryAdminCapability | None = None
+        #: the read-only monitor capability (a remote client given one instead of the admin's)
+        self._monitor_cap: MonitorCapability | None = None
         self._closed = False
 
     def _connect_socket(self) -> None:
@@ -248,7 +250,7 @@ class SupervisorClient:
         client_keys: str | os.PathLike[str] | CurveKeyPair | tuple[bytes | str, bytes | str] | None = None,
         timeout_s: float = 30.0,
         *,
-        admin: RegistryAdminCapability | bytes | None = None,
+        admin: RegistryAdminCapability | MonitorCapability | bytes | None = None,
         connect_timeout_s: float | None = None,
         idle_reconnect_s: float | None = DEFAULT_IDLE_RECONNECT_S,
     ) -> SupervisorClient:
@@ -258,7 +260,9 @@ class SupervisorClient:
         (or ``supervisor.json``); ``client_keys`` a certificate file with our
         key pair (needed when the supervisor has an allow-list), or None for a
         fresh pair. ``admin`` is the admin capability for admin ops, which the
-        supervisor accepts over TCP only with ``allow_remote_admin = true``.
+        supervisor accepts over TCP only with ``allow_remote_admin = true``, or the
+        monitor capability (``twt capability --role monitor``) for the read-only ones
+        (status, events, version), accepted without it.
         ``connect_timeout_s`` (default ``timeout_s``) bounds the wait for a
         first connection before :class:`SupervisorUnavailable`.
         ``idle_reconnect_s``: a link idle this long is replaced by a new one before the next
@@ -284,7 +288,11 @@ class SupervisorClient:
         # a remote peer cannot map this host's shared memory: bulk bytes always travel in frames
         self._bulk = BulkPath(self, enabled=False, threshold=DEFAULT_THRESHOLD, region_bytes=DEFAULT_REGION_BYTES)
         if admin is not None:
-            self._admin = admin if isinstance(admin, RegistryAdminCapability) else RegistryAdminCapability.from_bytes(admin)
+            cap = admin if not isinstance(admin, bytes) else capability_from_bytes(admin)
+            if isinstance(cap, MonitorCapability):
+                self._monitor_cap = cap
+            else:
+                self._admin = RegistryAdminCapability.from_bytes(cap.to_bytes())
         return self
 
     @property
@@ -304,6 +312,10 @@ class SupervisorClient:
     def admin(self) -> RegistryAdminCapability:
         """The admin capability from ``<run_dir>/admin/admin.cap`` (read once)."""
         if self._admin is None:
+            if self._monitor_cap is not None:
+                raise InvalidArgument(
+                    f"this client holds the monitor capability ({self.endpoint}): it grants the read-only ops "
+                    "only (status, events, version); this one needs the admin capability")
             if self.is_remote:
                 raise InvalidArgument(
                     f"a remote client has no admin.cap ({self.endpoint}): give the admin capability file with "
@@ -318,6 +330,14 @@ class SupervisorClient:
                 raise SupervisorUnavailable(
                     self.run_dir, "no admin/admin.cap (not running, or not the operator?)") from None
         return self._admin
+
+    @property
+    def reader(self) -> RegistryAdminCapability | MonitorCapability:
+        """The capability for the read-only ops: the monitor capability this client was given, else
+        the admin one (:attr:`admin`)."""
+        if self._admin is None and self._monitor_cap is not None:
+            return self._monitor_cap
+        return self.admin
 
     def send(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None,
              body: bytes | memoryview | None = None) -> int:
@@ -552,9 +572,9 @@ class SupervisorClient:
 
     # -------------------------------------------------------------- admin
 
-    def hello(self, admin: RegistryAdminCapability | None = None) -> HelloInfo:
+    def hello(self, admin: RegistryAdminCapability | MonitorCapability | None = None) -> HelloInfo:
         """Supervisor identity: pid, registry id, backend (and why), start method, uptime."""
-        return HelloInfo.from_wire(self.call("hello", admin or self.admin))
+        return HelloInfo.from_wire(self.call("hello", admin or self.reader))
 
     def alive(self) -> AliveInfo:
         """``hello`` without a capability: protocol and readiness, nothing else (a liveness probe
@@ -573,6 +593,12 @@ class SupervisorClient:
         result = self.call("capability", admin or self.admin, {"tenant": tenant_id})
         return TenantCapability.from_bytes(_reply_field(result, "capability", bytes))
 
+    def role_capability(self, admin: RegistryAdminCapability | None, role: str = "monitor") -> MonitorCapability:
+        """A role's capability: ``monitor``, the read-only ops (status, events, version), which the
+        supervisor accepts over TCP without ``allow_remote_admin``; revoked by a key rotation."""
+        result = self.call("capability", admin or self.admin, {"role": role})
+        return MonitorCapability.from_bytes(_reply_field(result, "capability", bytes))
+
     def evict(self, admin: RegistryAdminCapability | None, tenant_id: str) -> EvictResult:
         """Stop the tenant's workers, revoke its capabilities, unlink its block (returns after the workers exit)."""
         return EvictResult.from_wire(
@@ -585,17 +611,20 @@ class SupervisorClient:
                   gpu_memory_bytes_cap: int | str | None | _Unchanged = _UNCHANGED,
                   recorded_cuda_mem_pool_quota: int | str | None | _Unchanged = _UNCHANGED,
                   gpu_time_weight: float | _Unchanged = _UNCHANGED,
-                  gpu_time_cap: float | None | _Unchanged = _UNCHANGED) -> TenantRecord:
-        """Change limits live (omitted ones stay; ``None`` removes the GPU cap, or the GPU-time cap)."""
+                  gpu_time_cap: float | None | _Unchanged = _UNCHANGED,
+                  idle_timeout_s: float | None | _Unchanged = _UNCHANGED) -> TenantRecord:
+        """Change limits live (omitted ones stay; ``None`` removes the GPU cap, or the GPU-time cap;
+        ``idle_timeout_s=None``: the tenant never parks)."""
         args: dict[str, object] = {"tenant": tenant_id}
         for name, value in (("memory_quota_bytes", memory_quota_bytes), ("gpu_memory_bytes_cap", gpu_memory_bytes_cap),
                             ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota),
-                            ("gpu_time_weight", gpu_time_weight), ("gpu_time_cap", gpu_time_cap)):
+                            ("gpu_time_weight", gpu_time_weight), ("gpu_time_cap", gpu_time_cap),
+                            ("idle_timeout_s", idle_timeout_s)):
             if value is not _UNCHANGED:
                 args[name] = value
         return TenantRecord.from_wire(self.call("set_quota", admin or self.admin, args))
 
-    def status(self, admin: RegistryAdminCapability | None = None, *, limit: int | None = None,
+    def status(self, admin: RegistryAdminCapability | MonitorCapability | None = None, *, limit: int | None = None,
                after: str | None = None, state: str | None = None) -> StatusRecord:
         """The supervisor, its devices, the summary of every tenant and their records by tenant id.
 
@@ -605,7 +634,7 @@ class SupervisorClient:
         next page. At 10,000 tenants one page and the summary are what a dashboard should read:
         every record costs the supervisor's loop ~0.1 ms to build.
         """
-        admin = admin or self.admin
+        cap = admin or self.reader
 
         def page(after: str | None, limit: int) -> StatusRecord:
             args: dict[str, object] = {"limit": limit}
@@ -613,7 +642,7 @@ class SupervisorClient:
                 args["after"] = after
             if state is not None:
                 args["state"] = state
-            return StatusRecord.from_wire(self.call("status", admin, args))
+            return StatusRecord.from_wire(self.call("status", cap, args))
 
         if limit is not None:
             return page(after, limit)
@@ -628,8 +657,8 @@ class SupervisorClient:
             cursor = more.next
         return dataclasses.replace(first, tenants=tuple(tenants), next=None)
 
-    def tenant_status(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantRecord:
-        return TenantRecord.from_wire(self.call("tenant_status", admin or self.admin, {"tenant": tenant_id}))
+    def tenant_status(self, admin: RegistryAdminCapability | MonitorCapability | None, tenant_id: str) -> TenantRecord:
+        return TenantRecord.from_wire(self.call("tenant_status", admin or self.reader, {"tenant": tenant_id}))
 
     def scale(self, admin: RegistryAdminCapability | None, tenant_id: str, instances: int) -> TenantRecord:
         """Run ``instances`` workers for the tenant (live; scaling down drains first)."""
@@ -885,7 +914,7 @@ class SupervisorClient:
             args["kinds"] = list(kinds)
         if max_events is not None:
             args["max"] = max_events
-        result = self.call("events", cap or self.admin, args)
+        result = self.call("events", cap or self.reader, args)
         if not isinstance(result, dict):
             raise ProtocolError(f"the events reply is not a map: {type(result).__name__}")
         return result
@@ -896,10 +925,11 @@ class SupervisorClient:
         ``replay``: first the events the supervisor still holds), local or remote alike.
 
         ``cap``: a tenant capability follows that tenant's own events; default the admin
-        capability (every event; remote: the supervisor needs ``allow_remote_admin``). A gap
+        capability (every event; remote: the supervisor needs ``allow_remote_admin``), or the monitor
+        one this client was given (every event, remote without it). A gap
         comes as a ``{"event": "missed", ...}`` record (``supervisor.client.event_follow``).
         """
-        return follow(self, cap or self.admin, kinds, timeout_s=timeout_s, replay=replay)
+        return follow(self, cap or self.reader, kinds, timeout_s=timeout_s, replay=replay)
 
 
 def _array_layout(dtype: npt.DTypeLike, shape: int | Sequence[int]) -> tuple[np.dtype[np.generic], tuple[int, ...], int]:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Generator, Sequence
 from typing import Protocol
 
-from shared.capability import RegistryAdminCapability, TenantCapability
+from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability
 from shared.records import EventsPage
 
 __all__ = ["MISSED", "POLL_S", "PageSource", "follow"]
@@ -40,14 +40,15 @@ class PageSource(Protocol):
     """What the follower needs of a client: one page of the event log
     (``SupervisorClient.events_page``). A Protocol, so this module never imports the client."""
 
-    def events_page(self, cap: TenantCapability | RegistryAdminCapability | None, after: int | None = None, *,
+    def events_page(self, cap: TenantCapability | RegistryAdminCapability | MonitorCapability | None,
+                    after: int | None = None, *,
                     kinds: Sequence[str] = (), max_events: int | None = None,
                     log: str | None = None) -> dict[str, object]: ...
 
 
 def follow(
     client: PageSource,
-    cap: TenantCapability | RegistryAdminCapability,
+    cap: TenantCapability | RegistryAdminCapability | MonitorCapability,
     kinds: Sequence[str] = (),
     *,
     timeout_s: float | None = None,
@@ -64,7 +65,7 @@ def follow(
     return _follow(client, cap, kinds, first, timeout_s, poll_s)
 
 
-def _follow(client: PageSource, cap: TenantCapability | RegistryAdminCapability, kinds: Sequence[str],
+def _follow(client: PageSource, cap: TenantCapability | RegistryAdminCapability | MonitorCapability, kinds: Sequence[str],
             first: dict[str, object], timeout_s: float | None, poll_s: float) -> Generator[dict[str, object], None, None]:
     page = EventsPage.from_wire(first)  # checked: a malformed page is a ProtocolError, not a TypeError here
     log = page.log

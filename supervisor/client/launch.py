@@ -158,10 +158,17 @@ def launch(
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM (the supervisor drains what is in flight), a second SIGTERM after half of
+    ``timeout_s`` (the drain ends: the workers stop, the segments are unlinked), SIGKILL at its end."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout_s)
+            proc.wait(timeout_s / 2)
+            return
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s / 2)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)

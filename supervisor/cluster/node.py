@@ -220,11 +220,17 @@ class NodeSupervisor:
         return code
 
     def _stop_process(self) -> int | None:
+        """SIGTERM (the supervisor drains its in-flight requests), a second SIGTERM after
+        STOP_TIMEOUT_S (the drain ends: workers stopped, segments unlinked), SIGKILL after as long again."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
         return self.proc.returncode

@@ -88,7 +88,7 @@ from supervisor.runtime.requests import Parked
 from supervisor.store.rundir import RunDir
 from supervisor.admission.guard import FrontendGuard
 from supervisor.store.state import Origin, StateStore
-from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
+from supervisor.runtime.tenants import InstanceSlot, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 from supervisor.lifecycle.workerset import WorkerSet
 
@@ -134,8 +134,10 @@ class AdminOps:
         on_settled: Callable[[], None],
         guard: FrontendGuard,
         tenant_label: Callable[[str], str] | None = None,
+        backend_versions: tuple[str, str] = ("", ""),
     ) -> None:
-        """``tenant_label``: a tenant's metric label (``supervisor.observe.metrics.TenantLabels``), shown in its record."""
+        """``tenant_label``: a tenant's metric label (``supervisor.observe.metrics.TenantLabels``), shown in its record.
+        ``backend_versions``: the driver's and CUDA's versions (``BackendChoice``), shown in the status."""
         self.config = config
         self.guard = guard
         self.tenant_label = tenant_label
@@ -151,6 +153,7 @@ class AdminOps:
         self.rundir = rundir
         self.backend_name = backend_name
         self.backend_reason = backend_reason
+        self.backend_versions = backend_versions
         self._internal_errors = counters
         self._on_settled = on_settled
         self.started = time.time()
@@ -225,8 +228,7 @@ class AdminOps:
         if client is not None:
             # A client's registration: its commit runs on the writer thread from now on, while
             # the loop starts the instances and serves their binds; answered once both are done.
-            # (Submitted after the binds instead, it measured the same: 5.3-6.2 ms against
-            # 5.6-6.2 ms per warm registration, three interleaved runs each, 2026-12-01.)
+            # (Submitted after the binds instead, a warm registration measured the same.)
             self._unwritten.add(spec.tenant_id)
             self._submit_registration(spec, cap.generation, stored_origin)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
@@ -360,18 +362,24 @@ class AdminOps:
         write(*args, **kwargs)
         self._checkpoint_soon()
 
-    def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None) -> None:
+    def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None, *,
+                parked: bool = False) -> None:
         """Bring back a tenant from the state at start: same generation (its capabilities work),
-        its instances started - unless it was failed, which it stays until ``twt reset``."""
+        its instances started - unless it was failed, which it stays until ``twt reset``, or
+        parked, which it stays until its next request (its buffers' host copies did not survive
+        the restart: its old handles answer ``BufferLost``)."""
         device = self.placement.place(spec, self._tenants_on())
         isolation = self.placement.isolation(spec)
         cap = self.registry.restore_with_capability(self.admin_cap, spec, generation)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=generation,
-                         restored=True, failed=failed_reason is not None)
+                         restored=True, failed=failed_reason is not None, parked=parked)
         if failed_reason is not None:
             rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
             rt.state = TenantState.FAILED
             rt.failed_reason = failed_reason
+        elif parked and spec.instances > 0:
+            rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
+            rt.park = ParkRecord(ParkPhase.PARKED, self.clock())
         else:
             rt = self._start_tenant(spec, generation, device, isolation, origin, (None, None, cap.to_bytes()))
             rt.restoring = True
@@ -689,6 +697,8 @@ class AdminOps:
                 workers=len(ws.workers),
                 internal_errors=self._internal_errors(),
                 rss_bytes=psutil.Process().memory_info().rss,
+                driver_version=self.backend_versions[0],
+                cuda_version=self.backend_versions[1],
                 **self.guard.status(),
             ),
             tenants=tuple(self.tenant_record(self.tenants[tid]) for tid in page),

@@ -113,7 +113,8 @@ class ServiceOps:
             elif tid in adopted:
                 self.admin.record(self.state.update_spec, spec, registered_spec=spec)
             try:
-                self.admin.restore(spec, record.generation, record.origin, record.failed_reason)
+                self.admin.restore(spec, record.generation, record.origin, record.failed_reason,
+                                   parked=record.parked)
             except TensorWasmError as exc:  # e.g. a pinned device this supervisor no longer manages
                 log_event(_log, logging.ERROR, "tenant.restore_failed", tenant=tid, error=str(exc))
                 self.events.emit("state_error", path=self.state.path, error=f"tenant {tid!r} not restored: {exc}")
@@ -151,12 +152,14 @@ class ServiceOps:
         self.events.emit("reload", path=path, **summary)
         return summary
 
-    def reload_quietly(self) -> None:
-        """SIGHUP: as :meth:`reload`; a bad file is reported (event, log) and the loop goes on."""
+    def reload_quietly(self) -> ConfigError | None:
+        """SIGHUP: as :meth:`reload`; a bad file is reported (event, log) and the loop goes on.
+        Returns the error of a file that could not be applied (None: applied)."""
         try:
             self.reload()
-        except ConfigError:
-            pass
+        except ConfigError as exc:
+            return exc
+        return None
 
     def _plan(self, path: str) -> ReloadPlan:
         try:

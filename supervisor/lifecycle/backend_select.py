@@ -16,7 +16,10 @@ The calls whose shape differs between cuda-bindings 12 and 13 go through
 test suite's fake), and the probe and the workers honour the same name.
 ``auto`` picks cuda when that works and finds a device, else stub, and says
 why; ``cuda`` without a usable driver fails at start with
-:class:`BackendUnavailable` and the reason.
+:class:`BackendUnavailable` and the reason: a production node configured for
+the GPU (deploy/ sets ``backend = "cuda"``) never serves the stub because its
+driver injection failed - it refuses to start, and the orchestrator says so.
+The choice carries the driver's versions (``twt_backend_info``, ``twt status``).
 
 The probe's report is JSON from its process; its devices are checked as shared.records.ProbedDevice.
 """
@@ -24,6 +27,7 @@ The probe's report is JSON from its process; its devices are checked as shared.r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -33,7 +37,10 @@ from shared.config import SupervisorConfig
 from shared.errors import NVRTC_INSTALL_HINT, BackendUnavailable
 from shared.records import ProbedDevice
 
-__all__ = ["BackendChoice", "nvrtc_note", "probe_cuda", "select_backend"]
+__all__ = ["BackendChoice", "cuda_version_text", "nvidia_driver_version", "nvrtc_note", "probe_cuda", "select_backend"]
+
+#: where the NVIDIA kernel module says its version ("... Kernel Module  550.54.15  ...")
+NVIDIA_VERSION_FILE = "/proc/driver/nvidia/version"
 
 _PROBE = r"""
 import importlib, json, sys
@@ -138,6 +145,33 @@ class BackendChoice:
     reason: str
     options: dict[str, object] = field(default_factory=dict)
     devices: tuple[ProbedDevice, ...] = ()
+    #: the NVIDIA kernel driver's version ("550.54.15"; "" on the stub, "unknown" where unreadable)
+    driver_version: str = ""
+    #: the CUDA version the driver supports, from cuDriverGetVersion ("12.4"; "" on the stub)
+    cuda_version: str = ""
+
+    def device_labels(self) -> tuple[str, ...]:
+        """One ``INDEX:NAME`` per device used: the ``device`` label of ``twt_backend_info``."""
+        return tuple(f"{d.index}:{d.name}" for d in self.devices)
+
+
+def cuda_version_text(version: object) -> str:
+    """``cuDriverGetVersion``'s integer as people write it: 12040 -> "12.4" ("" when not an int)."""
+    if not isinstance(version, int) or isinstance(version, bool) or version <= 0:
+        return ""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def nvidia_driver_version(path: str = NVIDIA_VERSION_FILE) -> str:
+    """The NVIDIA kernel module's version from ``/proc/driver/nvidia/version``; "unknown" without it
+    (a container without the file, or the fake driver of the tests)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(4096)
+    except OSError:
+        return "unknown"
+    found = re.search(r"Kernel Module(?:\s+for\s+\S+)?\s+([0-9][0-9.]*)", text)
+    return found.group(1) if found else "unknown"
 
 
 def probe_cuda(timeout_s: float = 60.0, driver_module: str | None = None,
@@ -209,6 +243,8 @@ def select_backend(config: SupervisorConfig) -> BackendChoice:
             + nvrtc_note(probe),
             options,
             devices,
+            driver_version=nvidia_driver_version(),
+            cuda_version=cuda_version_text(probe.get("driver_version")),
         )
     reason = str(probe.get("reason", "unknown"))
     if config.backend == "cuda":

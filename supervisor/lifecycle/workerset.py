@@ -12,6 +12,10 @@ events and metrics. What a death or a bind means for the *tenant*
 (registration answered, parked requests sent or refused, tenant failed) is
 decided by the supervisor through :class:`TenantHooks`. Loop thread only.
 
+A slot whose buffers are parked (``InstanceSlot.keep_incarnation``, set by
+:mod:`supervisor.lifecycle.parking`) keeps its incarnation when a worker starts in it, so the
+restored buffers answer to their old handles.
+
 Death handling (the sentinel fired): every in-flight request is answered
 (:class:`WorkerLost`, or :class:`MemoryExhausted` after the RSS backstop),
 the instance's quota share is reclaimed, an ``exit`` event is published and
@@ -217,7 +221,9 @@ class WorkerSet:
     def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
         """Give a slot a worker: a warm one from the pool, else a fresh process."""
         slot.restart_at = None
-        slot.incarnation += 1
+        slot.completed = False
+        if not slot.keep_incarnation:  # parked buffers: their handles name the incarnation they come back to
+            slot.incarnation += 1
         worker = self.pool.pop() if self.pool else None
         if worker is None:
             worker = self._spawn()
@@ -463,6 +469,7 @@ class WorkerSet:
             self.hooks.registration_failed(
                 rt, WorkerLost(rt.tenant_id, index, code, sig, f"died while starting: {reason}"))
         elif isinstance(decision, NotRestarted):
+            slot.completed = decision.completed
             rt.refresh_state()
             self.hooks.instance_not_restarted(rt, index, code, sig, reason)
         elif isinstance(decision, Fail):

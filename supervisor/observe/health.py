@@ -13,7 +13,9 @@ probe never touches loop state from the HTTP thread::
   backend chosen, configured tenants registered, state restored) and the
   warm pool filled once since start (when the snapshot reports the pool).
   Readiness does not flap when registrations drain the pool later: the
-  pool being refilled is normal service.
+  pool being refilled is normal service. From a stop's drain on
+  (:meth:`Health.mark_draining`) it is not ready again: new requests are
+  refused ``Draining`` while the in-flight ones finish.
 
 The clock is injectable, so the policy is tested without sleeping.
 """
@@ -61,6 +63,7 @@ class Health:
         self._last_obj: object = None
         self._last_new: float | None = None
         self._ready = False
+        self._draining = False
         self._pool_filled = False
         self._pool_text = ""
 
@@ -83,6 +86,10 @@ class Health:
         with self._lock:
             self._ready = True
 
+    def mark_draining(self) -> None:
+        with self._lock:
+            self._draining = True
+
     def live(self) -> Verdict:
         with self._lock:
             last = self._last_new
@@ -100,6 +107,9 @@ class Health:
             return Verdict(False, f"not ready: {live.reason}")
         with self._lock:
             ready, pool_filled, pool_text = self._ready, self._pool_filled, self._pool_text
+            draining = self._draining
+        if draining:
+            return Verdict(False, "not ready: draining (stopping: new requests are refused, those in flight finish)")
         if not ready:
             return Verdict(False, "not ready: starting (backend and configured tenants not up yet)")
         if not pool_filled:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 from collections.abc import Callable
@@ -151,6 +151,8 @@ class MetricsSnapshot:
     #: every registered tenant by state, those in ``tenants`` and those left out of it (a tenant in a
     #: :data:`QUIET_STATES` state exports no series of its own); empty: count ``tenants``
     states: Mapping[str, int] = field(default_factory=dict)
+    #: host bytes held by the tenants left out of ``tenants``, by state (a parked tenant's buffer copies)
+    quiet_host_bytes: Mapping[str, int] = field(default_factory=dict)
     pool_idle: int | None = None
     pool_starting: int | None = None
     pool_size: int | None = None
@@ -160,9 +162,10 @@ class MetricsSnapshot:
 
 
 #: tenant states without per-tenant series on /metrics: such a tenant has no worker, so its gauges do
-#: not move; it is counted in ``twt_tenants_by_state`` instead. 10,000 registered tenants, nearly all
-#: of them stopped, then cost a scrape what the few with workers cost (docs/OPERATIONS.md)
-QUIET_STATES: Final = frozenset({"stopped"})
+#: not move; it is counted in ``twt_tenants_by_state`` and its host bytes summed per state instead.
+#: 10,000 registered tenants, nearly all of them stopped or parked, then cost a scrape what the few
+#: with workers cost (docs/OPERATIONS.md)
+QUIET_STATES: Final = frozenset({"stopped", "parked"})
 
 
 #: what the exporter calls at scrape time: the snapshot, or just tenant id -> its gauges
@@ -204,6 +207,9 @@ class Metrics:
     def restart(self, tenant: str) -> None:
         """An instance of ``tenant`` is being restarted."""
 
+    def backend_info(self, backend: str, devices: Sequence[str], driver_version: str, cuda_version: str) -> None:
+        """The backend chosen at start: ``twt_backend_info``, one series per device (``INDEX:NAME``)."""
+
     #: whether an exporter reads :class:`MetricsSnapshot` s (``bind_source``): the loop then keeps
     #: one fresh every second; without one (:class:`NullMetrics`) it builds none
     reads_snapshots: bool = True
@@ -216,6 +222,9 @@ class Metrics:
 
     def mark_ready(self) -> None:
         """Start-up is complete: backend chosen, configured tenants registered (``/readyz``)."""
+
+    def mark_draining(self) -> None:
+        """A stop began: no new work is admitted (``/readyz`` says not ready, and why)."""
 
     def close(self) -> None:
         """Stop any exporter thread."""

@@ -17,8 +17,9 @@ exposition)::
   and wanted, state (one series per state), the refusal/underflow counters
   kept in each tenant's shared-memory block, the warm pool and the
   device-wide budgets, as last refreshed by the loop (every second). A tenant
-  without a worker (``QUIET_STATES``: stopped) has no series of its own: it is
-  counted in ``twt_tenants_by_state``, so 10,000 registered tenants cost a
+  without a worker (``QUIET_STATES``: stopped, parked) has no series of its
+  own: it is counted in ``twt_tenants_by_state`` (its host bytes summed in
+  ``twt_tenants_host_in_use_bytes``), so 10,000 registered tenants cost a
   scrape what the few with workers cost.
 
 Threads: the HTTP server (:mod:`supervisor.observe.http_server`: one thread,
@@ -48,7 +49,7 @@ import errno
 import logging
 import platform
 from collections import Counter as Counter_
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -67,6 +68,7 @@ from supervisor.observe.http_auth import BearerToken
 from supervisor.observe.http_server import HttpServer, Response, Route
 from supervisor.observe.metrics import (
     NO_TENANT,
+    QUIET_STATES,
     FrontendCounters,
     Metrics,
     MetricsSnapshot,
@@ -175,9 +177,13 @@ class _StateCollector:
         count = _gauge("twt_tenants", "Tenants registered with this supervisor", [])
         count.add_metric([], sum(states.values()))
         by_state = _gauge("twt_tenants_by_state", "Tenants registered with this supervisor, by state (tenants "
-                          "stopped - no worker - have no per-tenant series: they are counted only here)", ["state"])
+                          "stopped or parked - no worker - have no per-tenant series: they are counted here)", ["state"])
         for name in (*TENANT_STATES, *sorted(set(states) - set(TENANT_STATES))):
             by_state.add_metric([name], states.get(name, 0))
+        quiet_host = _gauge("twt_tenants_host_in_use_bytes", "Host bytes held by the tenants without per-tenant "
+                            "series (stopped, parked: a parked tenant's buffer copies), by state", ["state"])
+        for name in sorted(QUIET_STATES):
+            quiet_host.add_metric([name], snap.quiet_host_bytes.get(name, 0))
         for tid, rec in sorted(tenants.items()):
             quota = rec.quota
             label = self._owner.label(str(tid))
@@ -211,6 +217,7 @@ class _StateCollector:
                 time_cap.add_metric(who, float("inf") if rec.gpu_time_cap is None else rec.gpu_time_cap)
         yield count
         yield by_state
+        yield quiet_host
         yield from g.values()
         yield state
         yield refusals
@@ -481,11 +488,29 @@ class PrometheusMetrics(Metrics):
     def restart(self, tenant: str) -> None:
         self._restarts.labels(self.label(tenant)).inc()
 
+    #: twt_backend_info, made at the first backend_info
+    _backend_gauge: Gauge | None = None
+
+    def backend_info(self, backend: str, devices: Sequence[str], driver_version: str, cuda_version: str) -> None:
+        # set once at start, like twt_build_info: which backend, device and driver serve (a stub where a
+        # GPU was meant shows here; deploy/ configures backend = "cuda" so that never happens silently)
+        info = self._backend_gauge
+        if info is None:
+            info = self._backend_gauge = Gauge(
+                "twt_backend_info", "Always 1; the labels say which backend, device and driver serve",
+                ["backend", "device", "driver_version", "cuda_version"], registry=self.registry)
+        info.clear()
+        for device in devices or ("none",):
+            info.labels(backend, device, driver_version, cuda_version).set(1)
+
     def bind_source(self, snapshot: MetricsSource) -> None:
         self._source = snapshot
 
     def mark_ready(self) -> None:
         self.health.mark_ready()
+
+    def mark_draining(self) -> None:
+        self.health.mark_draining()
 
     def close(self) -> None:
         """Stop serving and free the port (idempotent)."""

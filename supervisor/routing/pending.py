@@ -181,7 +181,7 @@ class PendingTable:
     def count_refusal(self, tenant: str, op: str, code: str) -> None:
         """A refusal answered (or dropped) without a Pending: only its metric (unauthenticated
         requests count under the empty tenant label)."""
-        if op in proto.TENANT_OPS:
+        if op in proto.METERED_OPS:
             self.metrics.request_done(tenant, op, code, 0.0)
 
     # ------------------------------------------------------------ THE place
@@ -192,6 +192,8 @@ class PendingTable:
         if pending.callback is not None:
             self.replies.release(pending.tenant, "replies", pending.held)
             pending.held = 0
+            if ok and pending.on_body is not None:
+                pending.on_body(body)
             pending.callback(ok, payload)
             return
         if pending.forwarded:
@@ -209,6 +211,6 @@ class PendingTable:
         else:
             self.replies.error(pending.client, pending.client_rid, payload)
             self.replies.release(pending.tenant, "replies", held)
-        if pending.client is not None and pending.op in proto.TENANT_OPS:
+        if pending.client is not None and pending.op in proto.METERED_OPS:
             outcome = "ok" if ok else str(payload.get("code") if isinstance(payload, dict) else "error")
             self.metrics.request_done(pending.tenant, pending.op, outcome, self.clock() - pending.started)

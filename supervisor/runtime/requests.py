@@ -46,11 +46,15 @@ class Pending:
     forwarded: bool = False  # in the table (counted in its tenant's in_flight)
     #: reply bytes reserved for it at admission (supervisor.routing.budgets); Replies gives them back
     held: int = 0
+    #: the supervisor's own requests whose reply has a body (parking's export_chunk) get it here first
+    on_body: Callable[[zmq.Frame | bytes | memoryview | None], None] | None = None
 
 
 @dataclass(eq=False)
 class Parked:
-    """A request waiting for an instance to become ready (e.g. during a restart)."""
+    """A request waiting for an instance to become ready (e.g. during a restart, or while its
+    parked tenant activates: a *waiting request*, not to be confused with a parked tenant,
+    ``TenantState.PARKED``)."""
 
     client: bytes
     rid: int

@@ -99,7 +99,10 @@ class AbortRegistration:
 
 @dataclass(frozen=True)
 class NotRestarted:
-    """The tenant's policy does not restart this exit: the slot stays empty."""
+    """The tenant's policy does not restart this exit: the slot stays empty. ``completed``: the
+    worker ended cleanly (exit 0, no signal, not ended by the supervisor) - done, not down."""
+
+    completed: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,7 @@ def after_exit(facts: ExitFacts) -> Decision:
     if facts.registering:
         return AbortRegistration()
     if not wants_restart(facts.policy, facts.exit_code, facts.signal, killed=facts.killed):
-        return NotRestarted()
+        return NotRestarted(completed=facts.exit_code == 0 and facts.signal is None and not facts.killed)
     recent = restarts_in_window(facts.restart_times, facts.now, facts.window_s) + 1  # this one too
     if recent > facts.max_restarts:
         return Fail(recent, facts.window_s)

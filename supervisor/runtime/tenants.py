@@ -3,12 +3,22 @@
 What happens to an instance after its worker exits - nothing, a successor, a restart now or
 after a back-off, or the tenant marked ``failed`` - is decided by
 :func:`supervisor.runtime.restart_policy.after_exit` (a pure function: the policy as a table);
-this module keeps the state it reads (``restart_times``, the slots).
+this module keeps the state it reads (``restart_times``, the slots). An instance whose worker
+exited 0 and is not restarted is *completed*; a tenant whose instances all are is
+``completed``, a terminal state that is no failure (``twt status`` exits 0 for it).
 
 A tenant scaled to 0 instances is ``stopped``: its requests are refused at
 once with :class:`~shared.errors.TenantStopped`. Requests wait (are parked)
 only while a wanted instance is starting or restarting
 (:meth:`TenantRuntime.coming_up`).
+
+A tenant with ``idle_timeout_s`` is *parked* after that long without a request
+(:mod:`supervisor.lifecycle.parking`): ``TenantRuntime.park`` then holds its
+buffers' host copies and the phase of the move (:class:`ParkRecord`), and its
+state is ``parked``. Mind the two meanings: ``TenantRuntime.parked`` is the queue
+of *waiting requests* (:class:`~supervisor.runtime.requests.Parked` records, a
+name older than parking tenants); ``TenantState.PARKED`` / ``TenantRuntime.park``
+are the tenant's own parked state.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from shared.spec import TenantSpec
 from supervisor.runtime.requests import Parked
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 
-__all__ = ["InstanceSlot", "TenantRuntime", "TenantState"]
+__all__ = ["InstanceSlot", "ParkPhase", "ParkRecord", "ParkedBuffer", "TenantRuntime", "TenantState"]
 
 class TenantState(str, enum.Enum):
     STARTING = "starting"  # registered, no instance ready yet
@@ -33,6 +43,51 @@ class TenantState(str, enum.Enum):
     FAILED = "failed"  # restart intensity exceeded
     STOPPED = "stopped"  # scaled to 0 instances: requests refused at once (TenantStopped)
     EVICTING = "evicting"
+    #: every wanted instance ended cleanly (exit 0) and its restart policy (on-failure, never) keeps it
+    #: ended: the tenant's work is done - terminal and healthy, not an alert (``twt restart`` runs it
+    #: again)
+    COMPLETED = "completed"
+    PARKED = "parked"  # idle: no worker, its buffers held by the supervisor (supervisor.lifecycle.parking)
+
+
+class ParkPhase(str, enum.Enum):
+    """Where a tenant is in parking or activation (:mod:`supervisor.lifecycle.parking`)."""
+
+    EXPORTING = "exporting"  # its buffers are copied to the supervisor; its workers still serve nothing new
+    STOPPING = "stopping"  # the copy is whole; its workers were told to exit
+    PARKED = "parked"  # no worker; the host copy is all there is
+    ACTIVATING = "activating"  # workers bound with the old incarnation; the buffers go back in
+
+
+@dataclass(eq=False)
+class ParkedBuffer:
+    """One buffer's host copy (filled chunk by chunk while exporting)."""
+
+    handle: int
+    data: bytearray
+
+
+@dataclass(eq=False)
+class ParkRecord:
+    """A parked (or parking, or activating) tenant's buffers and progress."""
+
+    phase: ParkPhase
+    since: float
+    #: instance index -> its buffers' host copies, and the sequence of its last handle
+    buffers: dict[int, list[ParkedBuffer]] = field(default_factory=dict)
+    seqs: dict[int, int] = field(default_factory=dict)
+    #: host bytes charged to the tenant's memory quota for the copies (the supervisor's share)
+    charged: int = 0
+    #: instance indexes whose export (or import) is not done yet
+    todo: set[int] = field(default_factory=set)
+    #: the instance indexes an import is running on, with the worker doing it
+    importing: dict[int, object] = field(default_factory=dict)
+    #: a request came while the workers were stopping: activate once they are gone
+    wanted: bool = False
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(len(b.data) for bufs in self.buffers.values() for b in bufs)
 
 
 @dataclass(eq=False)
@@ -45,6 +100,10 @@ class InstanceSlot:
     last_exit: ExitRecord | None = None
     draining: bool = False  # being scaled away
     replace: bool = False  # start a new worker when the current one (stopped on purpose) exits
+    #: its buffers are parked: the next worker keeps the incarnation their handles carry
+    keep_incarnation: bool = False
+    #: its worker exited 0 and the restart policy left it so (on-failure, never): done, not down
+    completed: bool = False
 
     @property
     def ready(self) -> bool:
@@ -86,6 +145,10 @@ class TenantRuntime:
     rolling: collections.deque[int] = field(default_factory=collections.deque)
     rolling_slot: InstanceSlot | None = None
     rolling_incarnation: int = 0
+    #: the loop clock of the last tenant request (0: none yet): the idle time before parking
+    last_request: float = 0.0
+    #: parked, parking or activating (supervisor.lifecycle.parking); None: active
+    park: ParkRecord | None = None
 
     @property
     def tenant_id(self) -> str:
@@ -131,12 +194,19 @@ class TenantRuntime:
     def refresh_state(self) -> None:
         if self.state in (TenantState.FAILED, TenantState.EVICTING):
             return
+        if self.park is not None and self.park.phase is not ParkPhase.EXPORTING:
+            self.state = TenantState.STARTING if self.park.phase is ParkPhase.ACTIVATING else TenantState.PARKED
+            return
         wanted = self.wanted_slots()
         ready = [s for s in wanted if s.ready]
+        done = [s for s in wanted if s.completed and s.worker is None and s.restart_at is None]
         if not wanted:
             self.state = TenantState.STOPPED
         elif len(ready) == len(wanted):
             self.state = TenantState.RUNNING
+        elif len(ready) + len(done) == len(wanted):
+            # the rest ended cleanly and stay ended: running while one serves, else completed
+            self.state = TenantState.RUNNING if ready else TenantState.COMPLETED
         elif any(s.last_exit is not None for s in wanted):
             self.state = TenantState.DEGRADED
         else:

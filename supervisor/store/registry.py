@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
 
 from shared import capability as _cap
-from shared.capability import RegistryAdminCapability, TenantCapability
+from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability
 from shared.checks import is_int
 from shared.errors import (
     AlreadyRegistered,
@@ -158,6 +158,12 @@ class TenantRegistry:
     def _admin_capability(self) -> RegistryAdminCapability:
         return _cap.mint(RegistryAdminCapability, self._secret, self._rid, 0)
 
+    def monitor_capability(self, admin_cap: RegistryAdminCapability) -> MonitorCapability:
+        """The read-only monitoring capability (status, events, quota views). Minted from the key,
+        like the admin one: the same bytes for as long as the key lives, revoked by :meth:`rotate_key`."""
+        self._check_admin(admin_cap, False)
+        return _cap.mint(MonitorCapability, self._secret, self._rid, 0)
+
     def export_key(self, admin_cap: RegistryAdminCapability) -> RegistryKey:
         """The registry's identity, for the state store only (the secret never leaves the supervisor)."""
         self._check_admin(admin_cap, False)
@@ -279,6 +285,15 @@ class TenantRegistry:
     def verify_admin(self, cap: object) -> None:
         """Check an admin capability (raises when it is not this registry's)."""
         self._check_admin(cap, False)
+
+    def verify_monitor(self, cap: object) -> None:
+        """Check a monitor capability (raises when it is no monitor capability of this registry's key)."""
+        if not isinstance(cap, MonitorCapability):
+            raise TenantIsolationViolation(None, "read-only operations (not a monitor capability)", "wrong_kind")
+        if cap._registry_id != self._rid:
+            self._foreign(cap, "", False)
+        if not self._mac_ok(cap):
+            raise TenantIsolationViolation(None, "read-only operations (forged capability)", "forged")
 
     # ---------------------------------------------------------- registration
 
@@ -488,6 +503,7 @@ class TenantRegistry:
         recorded_cuda_mem_pool_quota: object,
         gpu_time_weight: object = UNCHANGED,
         gpu_time_cap: object = UNCHANGED,
+        idle_timeout_s: object = UNCHANGED,
     ) -> TenantInfo:
         self._check_admin(admin_cap, strict)
         changes = {
@@ -498,6 +514,7 @@ class TenantRegistry:
                 ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota),
                 ("gpu_time_weight", gpu_time_weight),
                 ("gpu_time_cap", gpu_time_cap),
+                ("idle_timeout_s", idle_timeout_s),
             )
             if v is not UNCHANGED
         }

@@ -155,6 +155,8 @@ class StoredTenant:
     updated_at: float = 0.0
     #: spec keys a newer version stored that this one does not know (kept in the row, ignored here)
     unknown_keys: tuple[str, ...] = ()
+    #: it was parked when last written: restored without starting a worker
+    parked: bool = False
 
     @property
     def tenant_id(self) -> str:
@@ -466,10 +468,10 @@ class StateStore:
         with self._use:
             rows = self._conn.execute(
                 "SELECT tenant_id, spec, registered_spec, origin, generation, failed_reason, registered_at, "
-                "updated_at FROM tenants ORDER BY tenant_id"
+                "updated_at, parked FROM tenants ORDER BY tenant_id"
             ).fetchall()
         ignored: dict[str, list[str]] = {}
-        for tid, spec, registered, origin, gen, failed, reg_at, upd_at in rows:
+        for tid, spec, registered, origin, gen, failed, reg_at, upd_at, parked in rows:
             try:
                 now_spec, unknown = _split_spec(spec)
                 # most tenants run the spec they registered with: one parse (a restore reads 10,000)
@@ -485,6 +487,7 @@ class StateStore:
                     registered_at=float(reg_at),
                     updated_at=float(upd_at),
                     unknown_keys=keys,
+                    parked=bool(parked),
                 )
             except (ValueError, TypeError) as exc:
                 raise StateError(self.path, f"tenant {tid!r} does not parse: {exc}") from None
@@ -568,6 +571,11 @@ class StateStore:
             )
             if cur.rowcount != 1:
                 raise UnknownTenant(tenant_id)
+
+    def set_parked(self, tenant_id: str, parked: bool) -> None:
+        """The tenant was parked, or activated (a tenant evicted meanwhile: nothing to do)."""
+        with self._tx() as c:
+            c.execute("UPDATE tenants SET parked = ? WHERE tenant_id = ?", (int(parked), tenant_id))
 
     def evict(self, tenant_id: str) -> None:
         """The tenant is gone; its generation is kept (its capabilities stay revoked)."""

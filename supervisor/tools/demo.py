@@ -1,4 +1,4 @@
-"""``twt demo``: the main job - a supervisor, five tenants, five bundled WASM guests, checked outcomes.
+"""``twt demo``: the main job - a supervisor, six tenants, six WASM guests (one built from C), checked outcomes.
 
     launch(backend=auto) ──► register alpha, bravo, charlie, delta, echo (different quotas)
       alpha    axpy_sum.wat   y = a*x + y and sum(y) on client buffers   -> ok, equal to numpy
@@ -7,11 +7,16 @@
       delta    long_job.wat   its worker is SIGKILLed mid-run             -> WorkerLost, restart, retry ok
       echo     mlp.wat        a 2-layer MLP on a batch (matmul, bias,     -> ok, probabilities and classes
                               relu, matmul, bias, softmax)                   equal to numpy
+      foxtrot  transformer.c  a GPT-style block built from C with the SDK -> ok, equal to numpy (1e-4;
+                              (gather, layer norm, 4-head causal             bf16 weights within 1e-2)
+                              attention, GELU MLP), f32 and bf16 weights
     then: free, check every quota counter is back to zero, evict all, check none is left.
 
-The guests are WAT files in ``worker/guests`` read as plain files (the
+The WAT guests are files in ``worker/guests`` read as plain files (the
 supervisor side never imports ``worker`` and never compiles WASM: the
-worker does). Each outcome is compared with what was expected; the exit
+worker does). foxtrot's guest is ``sdk/examples/c/transformer.c``, built
+here with ``twt build``'s toolchain (the sdk extra, installed by ``make``);
+without that toolchain its row says so and counts as skipped, not failed. Each outcome is compared with what was expected; the exit
 status is 0 only when all were as expected and everything was reclaimed.
 """
 
@@ -49,7 +54,10 @@ DEMO_TENANTS: tuple[TenantSpec, ...] = (
                wasm_fuel=10**13, wasm_timeout_s=0.5),
     TenantSpec(TenantId("delta"), memory_quota_bytes=256 * MiB, gpu_memory_bytes_cap=32 * MiB),
     TenantSpec(TenantId("echo"), memory_quota_bytes=256 * MiB, gpu_memory_bytes_cap=32 * MiB),
+    TenantSpec(TenantId("foxtrot"), memory_quota_bytes=256 * MiB, gpu_memory_bytes_cap=32 * MiB),
 )
+#: foxtrot's transformer block: tokens, model width, heads, MLP width, vocabulary
+TRANSFORMER_SHAPE = (64, 128, 4, 512, 1000)
 #: echo's MLP: a batch of 512 rows of 256 features, 512 hidden units, 10 classes
 MLP_SHAPE = (512, 256, 512, 10)
 
@@ -76,6 +84,8 @@ class Outcome:
     fuel: int | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    #: not run for want of a tool (foxtrot without the C toolchain): shown, not a failure
+    skipped: bool = False
 
 
 def _mib(n: int | None) -> str:
@@ -250,6 +260,51 @@ class _Demo:
         if status == 0 and classes != want_classes:
             row.notes.append(f"echo: sum of argmax {classes} != numpy {want_classes}")
 
+    def foxtrot(self, row: Outcome) -> None:
+        import numpy as np
+
+        from supervisor.tools.transformer_ref import (
+            DTYPE_CODES,
+            TOLERANCE,
+            WEIGHT_NAMES,
+            transformer_inputs,
+            transformer_reference,
+        )
+
+        module = _build_transformer(row)
+        if module is None:
+            return
+        cap = self.caps["foxtrot"]
+        t, c, heads, f, vocab = TRANSFORMER_SHAPE
+        results = []
+        for wdtype in ("f32", "bf16"):
+            p = transformer_inputs(t, c, heads, f, vocab, seed=12, wdtype=wdtype)
+            handles: dict[str, int] = {}
+            try:
+                for name in WEIGHT_NAMES:
+                    handles[name] = self.client.alloc(cap, p[name].nbytes)
+                    self.client.write(cap, handles[name], np.ascontiguousarray(p[name]).tobytes())
+                handles["out"] = self.client.alloc(cap, 4 * t * c)
+                args = [{"handle": handles[k]} for k in (*WEIGHT_NAMES, "out")]
+                reply = self.client.run_wasm(cap, module, "forward", [*args, t, c, heads, f, DTYPE_CODES[wdtype]])
+                got = np.frombuffer(self.client.read(cap, handles["out"], 4 * t * c), dtype=np.float32)
+            finally:
+                for h in handles.values():
+                    self.client.free(cap, h)
+            status = reply.results[0]
+            row.fuel = (row.fuel or 0) + (reply.fuel_used or 0)
+            if status != 0:
+                results.append((wdtype, False, f"{wdtype}: status {status}"))
+                row.notes += [f"foxtrot guest log: {line}" for line in reply.logs]
+                continue
+            ref = transformer_reference(p, heads, wdtype).ravel()
+            rtol, atol = TOLERANCE[wdtype]
+            err = float(np.abs(got - ref).max())
+            ok = bool(np.allclose(got, ref, rtol=rtol, atol=atol))
+            results.append((wdtype, ok, f"{wdtype} {'==' if ok else '!='} numpy (max err {err:.1e})"))
+        row.ok = all(ok for _, ok, _ in results)
+        row.outcome = f"{t} tokens x {c}, {heads} heads: " + ", ".join(text for _, _, text in results)
+
     # ---------------------------------------------------------- reclaim
 
     def reclaim(self) -> list[str]:
@@ -265,6 +320,40 @@ class _Demo:
         if left:
             problems.append(f"tenants still registered after evict: {left}")
         return problems
+
+
+def _build_transformer(row: Outcome) -> bytes | None:
+    """``sdk/examples/c/transformer.c`` built with ``twt build``'s toolchain; None (the row marked
+    skipped, which is not a failure) where the checkout has no SDK or the sdk extra is missing."""
+    import importlib.util
+
+    from supervisor.cli.build import BuildError, build_module, sdk_dir
+
+    try:
+        source = sdk_dir() / "examples" / "c" / "transformer.c"
+    except BuildError as exc:
+        _skip(row, str(exc))
+        return None
+    if importlib.util.find_spec("ziglang") is None:
+        _skip(row, "the Zig toolchain (the sdk extra) is not installed")
+        return None
+    with tempfile.TemporaryDirectory(prefix="twt-demo-") as tmp:
+        out = Path(tmp) / "transformer.wasm"
+        try:
+            build_module([source], out)
+        except BuildError as exc:
+            row.outcome = f"twt build failed: {str(exc).splitlines()[0]}"
+            row.notes += [f"foxtrot build: {line}" for line in (exc.output or str(exc)).splitlines()[-10:]]
+            return None
+        return out.read_bytes()
+
+
+def _skip(row: Outcome, why: str) -> None:
+    """foxtrot cannot build its guest here: shown as skipped, which does not fail the demo."""
+    row.ok = True
+    row.skipped = True
+    row.outcome = "skipped: no C toolchain"
+    row.notes.append(f"foxtrot: {why}; `make` installs it (pip install -e '.[sdk]')")
 
 
 def _table(rows: list[Outcome]) -> str:
@@ -290,6 +379,7 @@ def run_demo(*, backend: str = "auto", start_method: str | None = None, out: IO[
         Outcome("charlie", "runaway.wat", "KernelTimeout"),
         Outcome("delta", "long_job.wat", "WorkerLost, retry ok"),
         Outcome("echo", "mlp.wat", "ok, equal to numpy"),
+        Outcome("foxtrot", "transformer.c", "ok, equal to numpy"),
     ]
     with tempfile.TemporaryFile("w+b", prefix="twt-demo-", suffix=".log") as log:
         config = {"supervisor": {"log_level": "warning", "pool_size": 0}}
@@ -301,7 +391,8 @@ def run_demo(*, backend: str = "auto", start_method: str | None = None, out: IO[
             demo.say(f"twt demo: supervisor pid {sup.pid}, backend {hello.backend}"
                      + (f" ({reason})" if reason else ""))
             demo.register()
-            for row, workload in zip(rows, (demo.alpha, demo.bravo, demo.charlie, demo.delta, demo.echo)):
+            for row, workload in zip(rows, (demo.alpha, demo.bravo, demo.charlie, demo.delta, demo.echo,
+                                            demo.foxtrot)):
                 demo.measure(row, partial(workload, row))
             demo.say("")
             demo.say(_table(rows))
@@ -318,8 +409,11 @@ def run_demo(*, backend: str = "auto", start_method: str | None = None, out: IO[
             out.write("reclaimed: every run-scoped buffer freed, GPU and host counters back to 0, "
                       f"{len(rows)} tenants evicted\n")
         elapsed = time.perf_counter() - t0
+        skipped = [r.tenant for r in rows if r.skipped]
         if ok:
-            out.write(f"demo: all {len(rows)} outcomes as expected ({elapsed:.1f} s)\n")
+            out.write(f"demo: all {len(rows) - len(skipped)} outcomes as expected"
+                      + (f", {len(skipped)} skipped ({', '.join(skipped)})" if skipped else "")
+                      + f" ({elapsed:.1f} s)\n")
             return 0
         out.write(f"demo: UNEXPECTED outcomes ({elapsed:.1f} s); supervisor log tail:\n")
         log.flush()

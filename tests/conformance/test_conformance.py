@@ -35,6 +35,8 @@ UNREACHABLE = {
     "segment_error": "needs a damaged quota segment",
     "state_error": "needs a state database that refuses writes (rotate_key)",
     "internal": "a bug in the supervisor",
+    "draining": "needs a supervisor that is stopping (tests/supervisor/test_drain.py)",
+    "fault_injection_disabled": "needs a supervisor with fault_injection = false (tests/supervisor/test_roles.py)",
 }
 
 ADD = b'(module (func (export "add") (param i32 i32) (result i32) local.get 0 local.get 1 i32.add))'
@@ -308,6 +310,24 @@ def test_refused_capabilities(sup: Supervisor) -> None:
         denied = [e for e in page["events"] if e["op"] == "status" and e["reason"] == "other"]
         assert denied and denied[-1]["verified"] is False and denied[-1]["tenant"] is None
         assert "claimed" not in denied[-1]  # an admin capability names no tenant
+
+
+def test_the_monitor_capability_reads_and_changes_nothing(sup: Supervisor) -> None:
+    """``capability {role: "monitor"}``: a token of kind 3 that the read-only ops accept - over TCP
+    without allow_remote_admin too - and every op that changes state refuses."""
+    monitor = sup.ok("capability", sup.admin(), {"role": "monitor"})["capability"]
+    assert monitor[:2] == b"\x01\x03" and monitor[2:18].hex() == sup.info["registry_id"]
+    for client in filter(None, (sup.client, sup.tcp_no_admin)):
+        assert MAIN in {t["tenant_id"] for t in client.ok("status", monitor)["tenants"]}
+        assert client.ok("version", monitor)["protocol"] == VERSION
+        assert client.ok("tenant_status", monitor, {"tenant": MAIN})["tenant_id"] == MAIN
+        assert "events" in client.ok("events", monitor, {"after": 0, "max": 1})
+        client.error("isolation_violation", "evict", monitor, {"tenant": MAIN})
+        client.error("isolation_violation", "capability", monitor, {"tenant": MAIN})
+        client.error("isolation_violation", "ping", monitor)
+        sup.client.seen_codes |= client.seen_codes
+    sup.error("invalid_argument", "capability", sup.admin(), {"role": "root"})
+    sup.error("invalid_argument", "capability", sup.admin(), {})
 
 
 def test_protocol_errors(sup: Supervisor) -> None:

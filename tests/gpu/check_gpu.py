@@ -28,6 +28,9 @@ Phases, in order (``PHASES``); each returns rows of the final table:
     regions     H2D / D2H through a cuMemHostRegister'ed shared-memory region, in pipeline chunks,
                 against raw cuMemcpy*Async from cuMemAllocHost memory (>= 0.8x; bytes intact: a check)
     wasm        a tensor op through the WASM host against numpy
+    share       GPU-time shares between contexts: 7:3, a cap, the scheduler's overhead (phase_share.py)
+    mix         tenants that differ: heavy beside chatty, k instances, the holder SIGKILLed mid-chunk,
+                the longest hold, a spin kernel against its charge (phase_mix.py)
     mps         (--mps only) a private MPS daemon, one MPS tenant, the daemon stopped whatever happens
 
 Rows are *checks* (they decide the exit code: 0 when none FAILed) or
@@ -634,6 +637,16 @@ def phase_share(ctx: Context) -> list[Row]:
             for name, got, want, ok, kind in table_rows(result)]
 
 
+def phase_mix(ctx: Context) -> list[Row]:
+    """GPU-time shares between tenants that differ (tests/gpu/phase_mix.py, in a child): heavy beside
+    chatty, k instances, the holder killed mid-chunk, the longest hold, a spin kernel's charge."""
+    from tests.gpu.phase_mix import run_in_child, table_rows
+
+    result = ctx.results["mix"] = run_in_child(quick=ctx.quick, timeout_s=budget(200))
+    return [(check if kind == "check" else timing)("mix", name, got, want, ok)
+            for name, got, want, ok, kind in table_rows(result)]
+
+
 def phase_mps(ctx: Context) -> list[Row]:
     from shared.spec import TenantSpec
     from supervisor.client.launch import launch
@@ -695,6 +708,7 @@ PHASES: list[Phase] = [
     Phase("regions", phase_regions),
     Phase("wasm", phase_wasm),
     Phase("share", phase_share),
+    Phase("mix", phase_mix),
     Phase("pytest", phase_pytest),
 ]
 OPTIONAL_PHASES: dict[str, Phase] = {"mps": Phase("mps", phase_mps)}

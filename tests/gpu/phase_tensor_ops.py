@@ -7,8 +7,11 @@ In one process (CUDA inside), through a real WasmHost over a real
 QuotaBlock and the cuda backend (NVRTC kernels, cuBLAS from nvmath-python):
 
 1. every op equal to numpy within float32 tolerance on awkward shapes
-   (matmul, add, mul, add_rows, the 7 unary ops, scale, softmax_rows, max,
-   argmax_rows, transpose), and the bundled MLP guest;
+   (matmul, add, mul, add_rows, the 12 unary ops, scale, softmax_rows, max,
+   argmax_rows, transpose), the model operations once each (``model_ops``:
+   GEMM flags and batches, every selector, row reductions, layer norm,
+   gather, copy, mask, casts and GemmEx; tests/helpers/model_ops.py), and
+   the bundled MLP guest;
 2. GEMM throughput: ``matmul_f32`` in a guest loop (``bench.wat``
    ``matmul_loop``, a loop of R minus a loop of 0, then a stream
    synchronize) against cuBLAS called directly (nvmath's ``sgemm`` on the
@@ -135,12 +138,15 @@ def _correctness(host: Any, quick: bool) -> dict[str, Any]:
             unary = {"relu": (np.where((x > 0) | np.isnan(x), x, np.float32(0)), 0), "exp": (np.exp(x), 2e-6),
                      "tanh": (np.tanh(x), 2e-6), "sigmoid": (1 / (1 + np.exp(-x)), 2e-6), "neg": (-x, 0),
                      "sqrt": (np.sqrt(x), 0), "abs": (np.abs(x), 0)}
+            from tests.helpers.model_ops import ref_unary
             from worker.wasm.tensor_abi import UNARY_OPS
 
+            for name in ("log", "gelu", "silu", "rsqrt", "recip"):  # CUDA's logf/tanhf/expf: a few ulp
+                unary[name] = (ref_unary(name, x), 0 if name in ("rsqrt", "recip") else 2e-6)
             for op, name in enumerate(UNARY_OPS):
                 ref, rtol = unary[name]
                 ok = call("unary_f32", op, hx, ho, n) == 0
-                res = _close(get(ho, n), ref, rtol=rtol, atol=1e-37)
+                res = _close(get(ho, n), ref, rtol=rtol, atol=1e-5 if name in ("gelu", "silu") else 1e-37)
                 record(f"unary_f32/{name}", ok and res[0], res[1])
             hz = put(x)
             ok = call("scale_f32", hz, -1.5, n) == 0
@@ -177,6 +183,16 @@ def _correctness(host: Any, quick: bool) -> dict[str, Any]:
             record("softmax_rows_f32", ok and res[0], res[1])
             for h in (hm, hv, ht):
                 call("free", h)
+        # the second-round ops (GEMM flags and batches, selectors, reductions, norms, gather, copy,
+        # mask, f16/bf16), each against numpy (tests/helpers/model_ops.py)
+        from tests.helpers.model_ops import check_every_op
+
+        try:
+            check_every_op(s, seed=5)
+            record("model_ops", True, 0.0)
+        except AssertionError as exc:
+            print(f"model_ops: {exc}", file=sys.stderr)
+            record("model_ops", False, 1.0)
     out["mlp"] = _mlp(host)
     return out
 

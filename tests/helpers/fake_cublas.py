@@ -93,7 +93,12 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "set_workspace": (_P, _P, _S),
     "sgemm": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _I),
     "sgemm_64": (_P, _I, _I, _L, _L, _L, _P, _P, _L, _P, _L, _P, _P, _L),
+    "sgemm_strided_batched": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _L, _P, _I, _L, _P, _P, _I, _L, _I),
+    "gemm_ex": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _I),
 }
+#: cudaDataType_t -> numpy dtype name (bf16 through ml_dtypes)
+_CUDA_TYPES = {0: "float32", 2: "float16", 14: "bfloat16"}
+_COMPUTE_32F = 68
 _RANGES = {_P: (-(1 << 63), 1 << 63), _L: (-(1 << 63), 1 << 63), _I: (-(1 << 31), 1 << 31), _S: (0, 1 << 64)}
 
 
@@ -218,17 +223,43 @@ class FakeCublas:
         self._enter("sgemm_64", (handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
         self._gemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bits=64)
 
+    def sgemm_strided_batched(self, handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int,
+                              a: int, lda: int, stride_a: int, b: int, ldb: int, stride_b: int, beta: int, c: int,
+                              ldc: int, stride_c: int, batch: int) -> None:
+        args = (handle, transa, transb, m, n, k, alpha, a, lda, stride_a, b, ldb, stride_b, beta, c, ldc, stride_c,
+                batch)
+        self._enter("sgemm_strided_batched", args)
+        if batch < 0:
+            raise cuBLASError(Status.INVALID_VALUE)
+        for i in range(batch):
+            self._gemm(handle, transa, transb, m, n, k, alpha, a + 4 * i * stride_a, lda, b + 4 * i * stride_b, ldb,
+                       beta, c + 4 * i * stride_c, ldc, bits=32)
+
+    def gemm_ex(self, handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, a: int,
+                atype: int, lda: int, b: int, btype: int, ldb: int, beta: int, c: int, ctype: int, ldc: int,
+                compute_type: int, algo: int) -> None:
+        self._enter("gemm_ex", (handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c,
+                                ctype, ldc, compute_type, algo))
+        if atype != btype or atype not in _CUDA_TYPES or ctype not in _CUDA_TYPES or compute_type != _COMPUTE_32F:
+            raise cuBLASError(Status.NOT_SUPPORTED)
+        if ctype not in (atype, 0):  # cuBLAS's COMPUTE_32F table: C is float32 or the inputs' type
+            raise cuBLASError(Status.NOT_SUPPORTED)
+        self._gemm(handle, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, bits=32,
+                   types=(_CUDA_TYPES[atype], _CUDA_TYPES[ctype]))
+
     def _gemm(self, handle: int, transa: int, transb: int, m: int, n: int, k: int, alpha: int, a: int,
-              lda: int, b: int, ldb: int, beta: int, c: int, ldc: int, *, bits: int) -> None:
+              lda: int, b: int, ldb: int, beta: int, c: int, ldc: int, *, bits: int,
+              types: tuple[str, str] = ("float32", "float32")) -> None:
         import numpy as np
 
         h = self._handle(handle)
         limit = (1 << (bits - 1)) - 1
         if min(m, n, k) < 0 or max(m, n, k, lda, ldb, ldc) > limit:
             raise cuBLASError(Status.INVALID_VALUE)
-        if (transa, transb) != (Operation.N, Operation.N):
+        if transa not in (Operation.N, Operation.T) or transb not in (Operation.N, Operation.T):
             raise cuBLASError(Status.NOT_SUPPORTED)  # the fake does only what the backend needs
-        if lda < max(1, m) or ldb < max(1, k) or ldc < max(1, m):
+        a_rows, b_rows = (m if transa == Operation.N else k), (k if transb == Operation.N else n)
+        if lda < max(1, a_rows) or ldb < max(1, b_rows) or ldc < max(1, m):
             raise cuBLASError(Status.INVALID_VALUE)
         if h["mode"] != PointerMode.HOST:
             raise cuBLASError(Status.NOT_SUPPORTED)
@@ -245,25 +276,41 @@ class FakeCublas:
         class _Fault(Exception):
             pass
 
-        def colmajor(ptr: int, rows: int, cols: int, ld: int) -> Any:
-            flat = drv._f32(ptr, ld * (cols - 1) + rows) if cols else None
-            if flat is None:
+        def dtype(name: str) -> Any:
+            if name == "bfloat16":
+                import ml_dtypes
+
+                return np.dtype(ml_dtypes.bfloat16)
+            return np.dtype(name)
+
+        ab_t, c_t = dtype(types[0]), dtype(types[1])
+
+        def colmajor(ptr: int, rows: int, cols: int, ld: int, dt: Any) -> Any:
+            count = ld * (cols - 1) + rows if cols else 0
+            found = drv._resolve(int(ptr), count * dt.itemsize) if cols else None
+            if found is None:
                 raise _Fault
-            full = np.lib.stride_tricks.as_strided(flat, shape=(rows, cols), strides=(4, 4 * ld))
-            return full
+            buf, off = found
+            flat = np.frombuffer(buf.buf(), dtype=dt, count=count, offset=off)
+            return np.lib.stride_tricks.as_strided(flat, shape=(rows, cols), strides=(dt.itemsize, dt.itemsize * ld))
+
+        def op(x: Any, t: int) -> Any:
+            return x.T if t == Operation.T else x
 
         def run() -> None:  # when the stream gets there
             try:
-                cm = colmajor(c, m, n, ldc)
+                cm = colmajor(c, m, n, ldc, c_t)
                 if k == 0:
                     prod = np.zeros((m, n), np.float32)
                 else:
-                    prod = colmajor(a, m, k, lda) @ colmajor(b, k, n, ldb)
+                    am = op(colmajor(a, a_rows, k if transa == Operation.N else m, lda, ab_t), transa)
+                    bm = op(colmajor(b, b_rows, n if transb == Operation.N else k, ldb, ab_t), transb)
+                    prod = am.astype(np.float32) @ bm.astype(np.float32)
             except _Fault:
                 drv.sticky.setdefault(dev, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
                 return
-            result = np.float32(al) * prod + (np.float32(be) * cm if be != 0 else np.float32(0))
-            cm[...] = result.astype(np.float32)
+            result = np.float32(al) * prod + (np.float32(be) * cm.astype(np.float32) if be != 0 else np.float32(0))
+            cm[...] = result.astype(np.float32).astype(c_t)
 
         drv._enqueue(h["stream"], run)
 

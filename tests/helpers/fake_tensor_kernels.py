@@ -35,7 +35,52 @@ def _unary(op: int, x: Any) -> Any:
             return -x
         if op == 5:
             return np.sqrt(x)
-        return np.abs(x)
+        if op == 6:
+            return np.abs(x)
+        if op == 7:
+            return np.log(x)
+        if op == 8:  # the kernel's GELU, step by step in float32
+            t = x * x
+            t = t * x
+            t = t * np.float32(0.044715)
+            t = t + x
+            t = t * np.float32(0.7978845608028654)
+            t = np.tanh(t)
+            t = t + np.float32(1)
+            t = t * x
+            return t * np.float32(0.5)
+        if op == 9:
+            return x / (np.float32(1) + np.exp(-x))
+        if op == 10:
+            return np.float32(1) / np.sqrt(x)
+        return np.float32(1) / x
+
+
+def _binop(op: int, x: Any, y: Any) -> Any:
+    import numpy as np
+
+    return (np.add, np.subtract, np.multiply, np.divide, np.maximum, np.minimum)[op](x, y)
+
+
+def _dtype(code: int) -> Any:
+    import numpy as np
+
+    if code == 2:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(np.float16 if code == 1 else np.float32)
+
+
+def _typed(drv: FakeDriver, addr: int, n: int, code: int) -> Any:
+    import numpy as np
+
+    dt = _dtype(code)
+    found = drv._resolve(int(addr), n * dt.itemsize)
+    if found is None:
+        return None
+    a, off = found
+    return np.frombuffer(a.buf(), dtype=dt, count=n, offset=off)
 
 
 def run_tensor_kernel(drv: FakeDriver, name: bytes, grid: int, block: int, args: tuple[Any, ...]) -> bool:
@@ -49,7 +94,7 @@ def run_tensor_kernel(drv: FakeDriver, name: bytes, grid: int, block: int, args:
             xv, yv, ov = f32(x, n), f32(y, n), f32(out, n)
             if xv is None or yv is None or ov is None:
                 return False
-            ov[:] = xv + yv if op == 0 else xv * yv
+            ov[:] = _binop(op, xv, yv)
         elif name == b"twt_add_rows_f32":
             m, v, rows, cols = args
             mv, vv = f32(m, rows * cols), f32(v, cols)
@@ -104,6 +149,73 @@ def run_tensor_kernel(drv: FakeDriver, name: bytes, grid: int, block: int, args:
             if xv is None or ov is None:
                 return False
             ov[:] = xv.reshape(count, cols).argmax(axis=1)
+        elif name == b"twt_binary_rows_f32":
+            op, m, v, out, rows, cols = args
+            mv, vv, ov = f32(m, rows * cols), f32(v, cols), f32(out, rows * cols)
+            if mv is None or vv is None or ov is None:
+                return False
+            ov.reshape(rows, cols)[:] = _binop(op, mv.reshape(rows, cols), vv)
+        elif name == b"twt_scalar_f32":
+            op, x, a, out, n = args
+            xv, ov = f32(x, n), f32(out, n)
+            if xv is None or ov is None:
+                return False
+            ov[:] = _binop(op, xv, np.float32(a))
+        elif name == b"twt_reduce_rows_f32":
+            op, x, rows, cols, out = args
+            xv, ov = f32(x, rows * cols), f32(out, rows)
+            if xv is None or ov is None:
+                return False
+            mat = xv.reshape(rows, cols)
+            if op == 1:
+                ov[:] = mat.max(axis=1)
+            else:  # double sums rounded once, as the kernel
+                total = mat.astype(np.float64).sum(axis=1).astype(np.float32)
+                ov[:] = total / np.float32(cols) if op == 2 else total
+        elif name == b"twt_layernorm_rows_f32":
+            x, g, b, out, rows, cols, eps = args
+            xv, gv, bv, ov = f32(x, rows * cols), f32(g, cols), f32(b, cols), f32(out, rows * cols)
+            if xv is None or gv is None or bv is None or ov is None:
+                return False
+            mat = xv.reshape(rows, cols).copy()
+            mean = mat.astype(np.float64).sum(axis=1, keepdims=True).astype(np.float32) / np.float32(cols)
+            d = mat - mean
+            var = (d * d).astype(np.float64).sum(axis=1, keepdims=True).astype(np.float32) / np.float32(cols)
+            ov.reshape(rows, cols)[:] = d / np.sqrt(var + np.float32(eps)) * gv + bv
+        elif name == b"twt_gather_rows_f32":
+            table, idx, n, cols, out = args
+            iv, ov = drv._f32(idx, n, "int32"), f32(out, n * cols)
+            if iv is None or ov is None:
+                return False
+            rows = int(iv.max()) + 1 if n else 0
+            tv = f32(table, rows * cols)
+            if tv is None or (n and int(iv.min()) < 0):
+                return False
+            ov.reshape(n, cols)[:] = tv.reshape(rows, cols)[iv]
+        elif name == b"twt_copy_bytes":
+            src, dst, n = args
+            sv, dv = drv._f32(src, n, "uint8"), drv._f32(dst, n, "uint8")
+            if sv is None or dv is None:
+                return False
+            dv[:] = sv
+        elif name == b"twt_causal_mask_f32":
+            x, rows, cols, offset = args
+            xv = f32(x, rows * cols)
+            if xv is None:
+                return False
+            xv.reshape(rows, cols)[np.arange(cols)[None, :] > np.arange(rows)[:, None] + offset] = -np.inf
+        elif name == b"twt_cast":
+            src, sd, dst, dd, n = args
+            sv, dv = _typed(drv, src, n, sd), _typed(drv, dst, n, dd)
+            if sv is None or dv is None:
+                return False
+            dv[:] = sv.astype(np.float32).astype(dv.dtype)
+        elif name == b"twt_scale_any":
+            p, dt, beta, n = args
+            pv = _typed(drv, p, n, dt)
+            if pv is None:
+                return False
+            pv[:] = 0 if beta == 0 else (pv.astype(np.float32) * np.float32(beta)).astype(pv.dtype)
         else:
             return False
     return True

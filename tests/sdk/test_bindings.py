@@ -22,6 +22,7 @@ from tests.helpers.sdk_build import ROOT, SdkBuilder
 from tests.helpers.wasm_env import tenant_env
 from worker.backends.stub import StubBackend
 from worker.wasm import IMPORT_MODULE, IMPORTS, UNARY_OPS
+from worker.wasm.tensor_abi import BINARY_OPS, DTYPES, REDUCE_OPS
 
 pytestmark = pytest.mark.timeout(300)  # the first build of a session compiles wasi-libc
 
@@ -58,6 +59,8 @@ def c_source() -> str:
     cases = "\n".join(f"    case {i}: return (uintptr_t)&twt_{n};" for i, n in enumerate(names))
     codes = ", ".join(f"TWT_{c.name}" for c in ErrorCode)
     ops = ", ".join(f"TWT_OP_{op.upper()}" for op in UNARY_OPS)
+    sel = ", ".join([f"TWT_BIN_{o.upper()}" for o in BINARY_OPS] + [f"TWT_RED_{o.upper()}" for o in REDUCE_OPS]
+                    + [f"TWT_{d.upper()}" for d in DTYPES])
     return f"""#include <stdint.h>
 #include "tensorwasm.h"
 TWT_EXPORT(fn_at) uintptr_t fn_at(int32_t i) {{
@@ -70,6 +73,8 @@ static const int64_t codes[] = {{{codes}}};
 static const int32_t ops[] = {{{ops}}};
 TWT_EXPORT(code) int64_t code(int32_t i) {{ return codes[i]; }}
 TWT_EXPORT(op) int32_t op(int32_t i) {{ return ops[i]; }}
+static const int32_t sels[] = {{{sel}}};
+TWT_EXPORT(sel) int32_t sel(int32_t i) {{ return sels[i]; }}
 TWT_EXPORT(name_is) int32_t name_is(int32_t i, int32_t c) {{ return twt_strerror(codes[i])[0] == c; }}
 """
 
@@ -79,6 +84,12 @@ def zig_source() -> str:
     cases = "\n".join(f"        {i} => @intFromPtr(&twt.raw.{n})," for i, n in enumerate(names))
     codes = ", ".join(f"twt.code.{c.name}" for c in ErrorCode)
     ops = ", ".join(f".{op}" for op in UNARY_OPS)
+    # every checked wrapper analysed (Zig compiles only what is referenced); write/read are generic
+    # (anytype) and exercised by slices() instead
+    wrapped = "\n".join(f"    n +%= @intFromPtr(&twt.{name});" for name in names if name not in ("write", "read"))
+    sel = ", ".join([f"@intFromEnum(twt.Binary.{o})" for o in BINARY_OPS]
+                    + [f"@intFromEnum(twt.Reduce.{o})" for o in REDUCE_OPS]
+                    + [f"@intFromEnum(twt.DType.{d})" for d in DTYPES])
     return f"""const twt = @import("tensorwasm");
 export fn fn_at(i: u32) usize {{
     return switch (i) {{
@@ -92,6 +103,24 @@ export fn code(i: u32) i64 {{ return codes[i]; }}
 export fn op(i: u32) i32 {{ return @intFromEnum(ops[i]); }}
 export fn roundtrip(c: i32) i32 {{ return twt.toCode(twt.fromCode(c)); }}
 export fn checked(c: i32) i32 {{ twt.check(c) catch |err| return twt.toCode(err); return 0; }}
+export fn wrappers() usize {{
+    var n: usize = 0;
+{wrapped}
+    return n;
+}}
+const sels = [_]i32{{ {sel} }};
+export fn sel(i: u32) i32 {{ return sels[i]; }}
+// write and read take any slice or array pointer, not only bytes
+export fn slices() i32 {{
+    const h = twt.alloc(16) catch |err| return twt.toCode(err);
+    const v = [_]f32{{ 1.5, 2.5, 3.5, 4.5 }};
+    twt.write(h, 0, &v) catch |err| return twt.toCode(err);
+    const tail: []const f32 = v[2..];
+    twt.write(h, 0, tail) catch |err| return twt.toCode(err);
+    var back: [4]f32 = undefined;
+    twt.read(h, 0, back[0..]) catch |err| return twt.toCode(err);
+    return if (back[0] == 3.5 and back[1] == 4.5 and back[2] == 3.5) 1 else 0;
+}}
 """
 
 
@@ -108,6 +137,8 @@ def test_the_bindings_declare_exactly_the_host_imports(sdk: SdkBuilder, lang: st
         assert all(call("fn_at", i) != 0 for i in range(len(IMPORTS)))
         assert [call("code", i) for i in range(len(ErrorCode))] == [int(c) for c in ErrorCode]
         assert [call("op", i) for i in range(len(UNARY_OPS))] == list(range(len(UNARY_OPS)))
+        selectors = [*range(len(BINARY_OPS)), *range(len(REDUCE_OPS)), *range(len(DTYPES))]
+        assert [call("sel", i) for i in range(len(selectors))] == selectors
         if lang == "c":
             assert all(call("name_is", i, ord(c.name[0])) == 1 for i, c in enumerate(ErrorCode))
         else:
@@ -117,3 +148,5 @@ def test_the_bindings_declare_exactly_the_host_imports(sdk: SdkBuilder, lang: st
                     assert call("checked", int(c)) == int(c)
             assert call("checked", 0) == 0 and call("checked", 7) == 0
             assert call("roundtrip", -99) == int(ErrorCode.INVALID)  # Unknown: a code this SDK predates
+            assert call("slices") == 1
+            assert call("wrappers") != 0

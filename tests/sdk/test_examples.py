@@ -214,3 +214,68 @@ def test_the_digits_classifier_on_the_cuda_backend(sdk: SdkBuilder, digits_model
             pred = read(env, h["pred"], np.int32, n)
     np.testing.assert_array_equal(pred, m["predict"])
     assert reply["results"] == [int((m["predict"] == m["labels"]).sum())]
+
+
+# ------------------------------------------------------------------ the transformer block
+
+
+def _transformer(env: Env, module: bytes, p: dict[str, Any], t: int, c: int, heads: int, f: int,
+                 wdtype: str) -> tuple[dict[str, Any], Any]:
+    from supervisor.tools.transformer_ref import DTYPE_CODES, WEIGHT_NAMES
+
+    with client_buffers(env, {name: p[name] for name in WEIGHT_NAMES}, {"out": 4 * t * c}) as h:
+        args = [{"handle": h[name]} for name in (*WEIGHT_NAMES, "out")]
+        reply = run(env, module, "forward", [*args, t, c, heads, f, DTYPE_CODES[wdtype]])
+        return reply, read(env, h["out"], np.float32, t * c).reshape(t, c).copy()
+
+
+@pytest.mark.parametrize("wdtype", ["f32", "f16", "bf16"])
+def test_the_transformer_block_equals_numpy(sdk: SdkBuilder, env: Env, wdtype: str) -> None:
+    """Embedding gather, layer norm, 4-head causal attention, residuals, a GELU MLP: equal to numpy to
+    1e-4 in float32; the f16/bf16 weights variant within its documented tolerance."""
+    from supervisor.tools.transformer_ref import TOLERANCE, transformer_inputs, transformer_reference
+
+    module = sdk.example("c", "transformer")
+    t, c, heads, f, vocab = 24, 32, 4, 64, 50
+    p = transformer_inputs(t, c, heads, f, vocab, seed=4, wdtype=wdtype)
+    reply, got = _transformer(env, module, p, t, c, heads, f, wdtype)
+    assert reply["results"] == [0], reply["logs"]
+    rtol, atol = TOLERANCE[wdtype]
+    np.testing.assert_allclose(got, transformer_reference(p, heads, wdtype), rtol=rtol, atol=atol)
+    assert reply["logs"] == [f"transformer: {t} tokens, d_model {c}, {heads} heads, {wdtype} weights"]
+    assert env.counters() == (0, 0)  # every scratch buffer of the run freed
+    if wdtype != "f32":  # and against the float32 block on the same (rounded) weights: mixed precision is close
+        full = transformer_reference(p, heads, "f32")
+        assert float(np.abs(got - full).max()) < 10 * atol
+
+
+def test_the_transformer_block_on_the_cuda_backend(sdk: SdkBuilder) -> None:
+    """The same guest over the cuda backend (fake driver and cuBLAS, the kernels' numpy twins)."""
+    from supervisor.tools.transformer_ref import TOLERANCE, transformer_inputs, transformer_reference
+    from tests.helpers.fake_cublas import FakeCublas
+    from tests.helpers.fake_cuda import FakeDriver
+    from worker.backends.cuda import CudaBackend
+
+    module = sdk.example("c", "transformer")
+    t, c, heads, f, vocab = 16, 32, 2, 48, 40
+    fake = FakeDriver(memory_bytes=1 << 30)
+    backend = CudaBackend(driver=fake, nvrtc=fake, gpu_cap_bytes=64 * MiB, cublas=FakeCublas(fake))
+    with tenant_env("sdk", backend, gpu_cap=64 * MiB, max_memory=4 * MiB, wasm_timeout_s=30.0) as env:
+        for wdtype in ("f32", "bf16"):
+            p = transformer_inputs(t, c, heads, f, vocab, seed=6, wdtype=wdtype)
+            reply, got = _transformer(env, module, p, t, c, heads, f, wdtype)
+            assert reply["results"] == [0], reply["logs"]
+            rtol, atol = TOLERANCE[wdtype]
+            np.testing.assert_allclose(got, transformer_reference(p, heads, wdtype), rtol=rtol, atol=atol)
+
+
+def test_the_transformer_block_refuses_a_token_past_the_vocabulary(sdk: SdkBuilder, env: Env) -> None:
+    from supervisor.tools.transformer_ref import transformer_inputs
+
+    module = sdk.example("c", "transformer")
+    t, c, heads, f, vocab = 8, 16, 2, 32, 10
+    p = transformer_inputs(t, c, heads, f, vocab, seed=1)
+    p["tok"][3] = vocab
+    reply, _ = _transformer(env, module, p, t, c, heads, f, "f32")
+    assert reply["results"] == [-4]  # TWT_BUFFER_BOUNDS from the gather, returned by forward
+    assert env.counters() == (0, 0)

@@ -58,6 +58,8 @@ def supervisor_accepts(op: str, args: dict[str, Any]) -> tuple[bool, str]:
                     check_gpu_time_weight(args[key])
                 elif key == "gpu_time_cap" and args.get(key) is not None:
                     check_gpu_time_cap(args[key])
+                elif key == "idle_timeout_s" and args.get(key) is not None:
+                    TenantSpec("t", idle_timeout_s=args[key])
                 elif args.get(key) is not None:
                     parse_size(args[key], what=key)
     except (InvalidArgument, TypeError, ValueError) as exc:

@@ -1,4 +1,4 @@
-"""File descriptors are a bounded resource, never an abort (issue 12, finding 1)."""
+"""File descriptors are a bounded resource, never an abort."""
 
 from __future__ import annotations
 

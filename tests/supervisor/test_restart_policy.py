@@ -33,11 +33,12 @@ def _facts(policy: RestartPolicy = ALWAYS, code: int | None = 1, sig: int | None
     # the tenant's policy, for an exit nobody asked for
     (_facts(ALWAYS, 0), Restart()),
     (_facts(ALWAYS, None, 9), Restart()),
-    (_facts(ON_FAILURE, 0), NotRestarted()),
+    (_facts(ON_FAILURE, 0), NotRestarted(completed=True)),  # its work is done: healthy, terminal
     (_facts(ON_FAILURE, 0, killed=True), Restart()),  # ended by the supervisor: a failure even at exit 0
     (_facts(ON_FAILURE, 3), Restart()),
     (_facts(ON_FAILURE, None, 9), Restart()),
     (_facts(NEVER, 1), NotRestarted()),
+    (_facts(NEVER, 0), NotRestarted(completed=True)),
     (_facts(NEVER, None, 9, killed=True), NotRestarted()),
     # what comes before the policy
     (_facts(ALWAYS, 1, draining=True), Drop(trim=True)),  # scaled away: its slot goes

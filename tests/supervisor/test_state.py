@@ -256,7 +256,7 @@ def test_state_dir_setting(tmp_path: Path) -> None:
         load_config(bad, environ={})
 
 
-# ----------------------------------------------------------------------- issue 30: WAL, marker, backup
+# ----------------------------------------------------------------------- WAL, marker, backup
 
 
 def test_the_key_and_every_admin_write_reach_the_database_file_without_the_wal(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Keyless attacks on the CURVE TCP frontend, each against a real supervisor on
-127.0.0.1 (issue 30: findings 1, 2, 3 and 9). Every test bounds its own loops
+127.0.0.1. Every test bounds its own loops
 and asserts what must hold - the supervisor alive, legitimate clients served,
 resources bounded, refusals typed - never a latency (that is ``twt bench route
 --flood``'s job).
@@ -237,7 +237,7 @@ def test_a_client_shed_at_accept_gets_a_typed_error_at_once() -> None:
 
 
 def test_a_tcp_client_ignoring_its_refusals_pauses_the_tcp_frontend_and_nothing_is_lost() -> None:
-    """Issue 25: a remote client that keeps sending past its tenant's rate and past the answers
+    """A remote client that keeps sending past its tenant's rate and past the answers
     to those refusals had the loop read, decrypt and drop ~40,000 messages a second. The TCP
     frontend now owes its dropped messages (tcp_drops_per_s); past the burst the loop stops
     reading it for a few ms, leaving the flood in its sender. Here: a well-behaved remote

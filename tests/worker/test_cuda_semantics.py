@@ -1,12 +1,11 @@
-"""The cuda backend against the driver's *semantics*, not only its types (issue 29).
+"""The cuda backend against the driver's *semantics*, not only its types.
 
 The fake driver queues work on a stream and runs it later (at a synchronize,
 an event or stream query), surfaces a kernel's fault only there, keeps a
 free's bytes outstanding until it has run, lets a release threshold keep
 freed memory until a synchronize, has primary-context flags and charges
 contexts, modules and cuBLAS's default pool against the device. Each test
-here is for one behaviour the backend must get right on hardware; each
-fails on the backend before issue 29.
+here is for one behaviour the backend must get right on hardware.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from shared.errors import BackendUnavailable, CudaError
 from shared.log import TextFormatter
 from tests.helpers.fake_cublas import FakeCublas, Status
 from tests.helpers.fake_cuda import FakeDriver
+from tests.helpers.model_ops import ref_unary
 from tests.helpers.wasm_env import Env, mlp_forward, softmax, tenant_env
 from tests.helpers.wasm_env import probe as wasm_probe
 from worker.backends._cublas import Cublas
@@ -109,11 +110,7 @@ def test_every_op_matches_numpy_on_the_cuda_backend() -> None:
             close(get(s, ho, m * n), x.ravel() * (x.ravel() + get(s, hc, m * n)))
             for op, name in enumerate(UNARY_OPS):
                 assert call(s, "unary_f32", op, hx, ho, m * n) == 0
-                with np.errstate(all="ignore"):
-                    ref = {"relu": lambda t: np.maximum(t, 0), "exp": np.exp, "tanh": np.tanh,
-                           "sigmoid": lambda t: 1 / (1 + np.exp(-t)), "neg": np.negative, "sqrt": np.sqrt,
-                           "abs": np.abs}[name](x.ravel())
-                close(get(s, ho, m * n), ref)
+                close(get(s, ho, m * n), ref_unary(name, x.ravel()))
             assert call(s, "transpose_f32", hx, ho, m, n) == 0
             close(get(s, ho, m * n).reshape(n, m), x.T)
             assert call(s, "add_rows_f32", hx, hy, m, n) == 0
@@ -309,7 +306,7 @@ def test_the_gpu_phase_script_runs_against_the_fakes() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] is True and result["gpu_bytes_after"] == 0
-    assert len(result["ops"]) == 17 and result["gemm"][0]["verdict"] in ("PASS", "MISS")
+    assert len(result["ops"]) == 23 and result["ops"]["model_ops"]["ok"] and result["gemm"][0]["verdict"] in ("PASS", "MISS")
 
 
 def test_an_unloadable_libcublas_is_backend_unavailable() -> None:

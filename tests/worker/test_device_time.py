@@ -9,6 +9,7 @@ comes from CUDA events on the tenant stream.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from tests.helpers.fake_cuda import FakeDriver
 from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.cuda import CudaBackend
 from worker.backends.stub import StubBackend
-from worker.chunks import plan
+from worker.chunks import CostModel, plan
 from worker.context import TenantContext
 from worker.device_time import DeviceGate
 from worker.wasm import WasmHost, guest_source
@@ -134,13 +135,104 @@ def test_argmax_rows_split_writes_each_rows_answer(block: QuotaBlock) -> None:
     assert list(np.frombuffer(out, dtype="<i4")) == list(x.reshape(rows, cols).argmax(axis=1))
 
 
-def test_reductions_and_transpose_run_whole() -> None:
+def test_reductions_and_transpose_split_too(backend: Backend, block: QuotaBlock) -> None:
+    """max, argmax and transpose are bit-identical in chunks; sum within float32 rounding."""
+    rng = np.random.default_rng(3)
+    rows, cols = 41, 17
+    x = rng.standard_normal(rows * cols).astype(np.float32)
+    gate = DeviceGate(block, backend, chunk_s=1e-9)
+    xb = put(backend, x)
+    before = gate.chunks
+    total = gate.op("sum_f32", backend.sum_f32, (xb, rows * cols))
+    assert gate.chunks - before > 3
+    assert total == pytest.approx(float(x.astype(np.float64).sum()), rel=1e-5, abs=1e-4)
+    out = bytearray(4)
+    before = gate.chunks
+    gate.op("max_f32", backend.max_f32, (xb, rows * cols, memoryview(out)))
+    assert gate.chunks - before > 3
+    assert np.frombuffer(out, dtype="<f4")[0] == x.max()
+    x[200] = np.nan
+    gate.op("max_f32", backend.max_f32, (put(backend, x), rows * cols, memoryview(out)))
+    assert np.isnan(np.frombuffer(out, dtype="<f4")[0])  # a NaN still wins
+    if backend.transposes_in_blocks:
+        t = put(backend, np.zeros(rows * cols))
+        before = gate.chunks
+        gate.op("transpose_f32", backend.transpose_f32, (put(backend, x), t, rows, cols))
+        assert gate.chunks - before > 3
+        np.testing.assert_array_equal(get(backend, t, rows * cols).reshape(cols, rows), x.reshape(rows, cols).T)
+    gate.close()
+
+
+def test_a_new_shape_starts_with_a_short_chunk() -> None:
+    """Chunk sizes come from a cost model per op and shape: a skinny GEMM after square ones gets a
+    first chunk near the target, not one sized by the square GEMMs' ns per row."""
     be = StubBackend()
-    buf = put(be, np.ones(64))
-    assert plan("sum_f32", be, (buf, 64)) is None
-    assert plan("max_f32", be, (buf, 64, memoryview(bytearray(4)))) is None
-    assert plan("transpose_f32", be, (buf, buf, 8, 8)) is None
-    assert plan("matmul_f32", be, (buf, buf, buf, 8, 0, 8)) is None  # k = 0: zeros, one launch
+    costs = CostModel(*be.device_rates())
+    square = plan("matmul_f32", be, (put(be, np.ones(4)), put(be, np.ones(4)), put(be, np.ones(4)), 512, 512, 512))
+    skinny = plan("matmul_f32", be, (put(be, np.ones(4)), put(be, np.ones(4)), put(be, np.ones(4)), 1 << 20, 8, 8))
+    assert square is not None and skinny is not None and square.shape != skinny.shape
+    target = 2_000_000
+    # the device does 40 GFLOP/s on the square GEMM (2x the model's rate), but a skinny one is
+    # memory-bound at 5 GB/s (near the model's 4): sized by the square one's ns per flop, its first
+    # chunk would be ~6x the target
+    assert be.device_rates() == (2e10, 4e9)
+    true_ns = {square.shape: lambda u: u * square.flops / 40.0,
+               skinny.shape: lambda u: u * skinny.bytes / 5.0 + skinny.fixed_bytes / 5.0}
+    for _ in range(20):
+        units = costs.units_for("matmul_f32", square, target, square.units)
+        costs.observe("matmul_f32", square, units, int(true_ns[square.shape](units)))
+    units = costs.units_for("matmul_f32", skinny, target, skinny.units)
+    first = true_ns[skinny.shape](units)
+    assert first <= 2 * target
+    # what one rate per op name (ns per k*n of a row, learned on the square GEMMs) would have given
+    per_name = square.flops / 40.0 / (512 * 512)
+    assert true_ns[skinny.shape](target / (per_name * 8 * 8)) > 4 * target
+    costs.observe("matmul_f32", skinny, units, int(first))
+    units = costs.units_for("matmul_f32", skinny, target, skinny.units)
+    assert 0.5 * target <= true_ns[skinny.shape](units) <= 1.5 * target  # corrected by measurement
+
+
+def test_the_cost_model_keeps_a_bounded_number_of_shapes() -> None:
+    be = StubBackend()
+    costs = CostModel(*be.device_rates())
+    buf = put(be, np.ones(4))
+    for cols in range(1, 3000):
+        p = plan("softmax_rows_f32", be, (buf, 1, cols))
+        assert p is not None
+        costs.observe("softmax_rows_f32", p, 1, 1000)
+    assert len(costs._factor) <= 1024
+
+
+def test_refused_ops_are_counted_and_logged_at_a_bounded_rate(block: QuotaBlock,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A capped tenant with no GPU time before its deadline: refused at once (no wait, no spin), every
+    later op of the run too; one log line, not one per op."""
+    board = GpuTimeBoard.create(0)
+    try:
+        slot = board.add_tenant(1.0, cap=0.01)
+        worker = GpuTimeBoard.attach(board.name, tenant_slot=slot)
+        be = StubBackend()
+        gate = DeviceGate(block, be, worker)
+        x = put(be, np.ones(1 << 16))
+        worker.acquire()
+        worker.finish(10**9)  # a second of device time: the 1 % cap has nothing left for ~100 s
+        deadline = time.monotonic_ns() + 10**9
+        caplog.set_level("WARNING", logger="twt.worker.device_time")
+        t0 = time.monotonic()
+        for _ in range(500):
+            with pytest.raises(KernelTimeout):
+                gate.op("scale_f32", be.scale_f32, (x, 1.0, 1 << 16), deadline)
+        assert time.monotonic() - t0 < 0.9  # none of them waited for the deadline
+        assert gate.refused == 500
+        assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
+        gate.take_run_totals()
+        gate.release()  # the next run is judged afresh
+        board.set_policy(slot, cap=None)
+        gate.op("scale_f32", be.scale_f32, (x, 1.0, 1 << 16), deadline)
+        gate.close()
+    finally:
+        board.unlink()
+        board.close()
 
 
 def test_ops_are_charged_to_the_tenant_block(backend: Backend, block: QuotaBlock) -> None:
@@ -170,7 +262,7 @@ def test_cuda_ops_are_timed_with_events_on_the_stream(block: QuotaBlock) -> None
         x = put(be, np.ones(1024))
         gate.op("scale_f32", be.scale_f32, (x, 2.0, 1024))
         assert fake.calls.count("cuEventCreate") == 2
-        assert fake.calls.count("cuEventRecord") == 2 and "cuEventElapsedTime" in fake.calls
+        assert fake.calls.count("cuEventRecord") == 3 and "cuEventElapsedTime" in fake.calls  # start moved once
         assert block.gpu_time_ns > 0
         gate.close()
         assert fake.calls.count("cuEventDestroy") == 2 and not fake.events
@@ -227,3 +319,71 @@ def test_a_run_whose_deadline_passes_waiting_for_the_device_is_a_timeout() -> No
     finally:
         board.unlink()
         board.close()
+
+
+def test_a_run_refused_device_time_stops_instead_of_spinning(caplog: pytest.LogCaptureFixture) -> None:
+    """A capped tenant with no GPU time left before its run's deadline: its first op is refused at
+    once, the guest (a GEMM loop that goes on after errors) is stopped at its next loop or call, and
+    the run is a timeout."""
+    board = GpuTimeBoard.create(0)
+    try:
+        slot = board.add_tenant(1.0, cap=0.01)
+        waiter = GpuTimeBoard.attach(board.name, tenant_slot=slot)
+        waiter.acquire()
+        waiter.finish(10**9)  # its bucket is ~100 s in debt: nothing before a 30 s deadline
+        spec = TenantSpec.from_dict({"tenant_id": "capped", "memory_quota_bytes": 64 << 20,
+                                     "gpu_memory_bytes_cap": 64 << 20})
+        with QuotaBlock.create("capped", memory_quota_bytes=64 << 20, gpu_memory_bytes_cap=64 << 20) as owner:
+            ctx = TenantContext(spec, 0, 0, QuotaBlock.attach(owner.name, instance=0), StubBackend(), board=waiter)
+            host = WasmHost(ctx)
+            ctx.extensions[WasmHost.EXTENSION] = host
+            caplog.set_level("WARNING")
+            try:
+                with pytest.raises(KernelTimeout):
+                    host.run(guest_source("share"), "gemm_loop", [8, 10**7], fuel=10**12, timeout_s=30.0)
+                # stopped at its next loop or function entry: the two fills before its loop, no GEMM
+                assert ctx.gate.refused == 2
+                failed = [r for r in caplog.records if "op_failed" in r.getMessage() or "refused" in r.getMessage()]
+                assert len(failed) <= 3  # the gate's one line and the two ops', not one per op
+            finally:
+                ctx.close()
+    finally:
+        board.unlink()
+        board.close()
+
+
+@pytest.mark.parametrize("name", ["fill_f32", "sum_f32", "max_f32", "argmax_rows_f32", "matmul_f32", "scale_f32"])
+def test_cuda_events_are_recorded_right_around_the_device_work(block: QuotaBlock, name: str) -> None:
+    """The charged interval is the launch only: the start event is (re-)recorded right before the
+    first launch (after the launch preparation), the end event right after the last, and the op's
+    own synchronize or copy of its result to the host comes after the end event, not inside."""
+    fake = FakeDriver(memory_bytes=1 << 30)
+    be = CudaBackend(driver=fake, nvrtc=fake, cublas=FakeCublas(fake))
+    try:
+        gate = DeviceGate(block, be)
+        x = put(be, np.arange(64, dtype=np.float32))
+        y = put(be, np.zeros(64))
+        out = memoryview(bytearray(4 * 8))
+        args: dict[str, tuple[Any, ...]] = {
+            "fill_f32": (x, 1.0, 64), "sum_f32": (x, 64), "max_f32": (x, 64, out[:4]),
+            "argmax_rows_f32": (x, 8, 8, out), "matmul_f32": (x, x, y, 8, 8, 8), "scale_f32": (x, 2.0, 64)}
+        gate.op(name, getattr(be, name), args[name])  # warm: kernels compiled, cuBLAS loaded
+        fake.calls.clear()
+        gate.op(name, getattr(be, name), args[name])
+        calls = list(fake.calls)
+        records = [i for i, c in enumerate(calls) if c == "cuEventRecord"]
+        if name == "matmul_f32":  # cuBLAS's own calls are not the driver's: between the start's re-record and the end
+            assert calls[:4] == ["cuEventRecord"] * 3 + ["cuEventSynchronize"], calls
+            gate.close()
+            return
+        launches = [i for i, c in enumerate(calls) if c == "cuLaunchKernel"]
+        assert launches and len(records) >= 2, calls
+        first, last = launches[0], launches[-1]
+        assert calls[first - 1] == "cuEventRecord" or calls[first - 1].startswith("cublasSet"), calls
+        assert records[-1] > last and all(c == "cuEventRecord" for c in calls[last + 1:records[-1] + 1]), calls
+        syncs = [i for i, c in enumerate(calls) if c in ("cuStreamSynchronize", "cuMemcpyDtoHAsync")]
+        assert all(i > records[-1] or i < records[0] for i in syncs), calls  # no host sync inside
+        assert block.gpu_time_ns > 0
+        gate.close()
+    finally:
+        be.close()

@@ -94,7 +94,7 @@ REQUIRED = {"cuInit", "cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemPoolCr
             "nvrtcDestroyProgram", "cuMemAlloc", "cuMemFree", "cuModuleUnload", "cuDeviceGetAttribute",
             "cuDeviceGetName", "cuDriverGetVersion", "cuMemGetAllocationGranularity", "cuMemPoolDestroy",
             "cuStreamDestroy", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent", "cuCtxGetCurrent", "nvrtcVersion",
-            # issue 29: context flags, the context's measured cost, queued-work events, trims
+            # context flags, the context's measured cost, queued-work events, trims
             "cuDevicePrimaryCtxSetFlags", "cuCtxCreate", "cuCtxDestroy", "cuEventCreate", "cuEventRecord",
             "cuEventQuery", "cuEventDestroy", "cuStreamQuery", "cuMemPoolTrimTo"}
 #: what the GEMM path and the check's direct baseline call (worker/backends/_cublas.py, phase_tensor_ops)

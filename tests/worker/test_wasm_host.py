@@ -55,7 +55,9 @@ def env() -> Iterator[Env]:
 
 
 def run(env: Env, body: bytes, export: str, args: list[Any] | None = None, *, fuel: int = 10**9,
-        timeout_s: float = 5.0) -> dict[str, Any]:
+        timeout_s: float = 60.0) -> dict[str, Any]:
+    """One run; ``timeout_s`` is a hang guard unless a test is about deadlines (the compile counts
+    against it, and a loaded host once took more than 5 s to compile the probe guest)."""
     return env.host.run(body, export, args or [], fuel=fuel, timeout_s=timeout_s)
 
 

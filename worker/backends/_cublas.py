@@ -50,7 +50,7 @@ from shared.cuda_compat import CUBLAS_WORKSPACE_BYTES
 from shared.errors import BackendUnavailable, CudaError
 from worker.backends._driver import import_bindings
 
-__all__ = ["DEFAULT_CUBLAS_MODULE", "GEMM_WORKSPACE_BYTES", "INSTALL_HINT", "Cublas"]
+__all__ = ["CUDA_DATA_TYPES", "DEFAULT_CUBLAS_MODULE", "GEMM_WORKSPACE_BYTES", "INSTALL_HINT", "Cublas"]
 
 DEFAULT_CUBLAS_MODULE = "nvmath.bindings.cublas"
 #: the workspace lent to cuBLAS per run where the device class is not known: cuBLAS's recommendation
@@ -58,6 +58,10 @@ DEFAULT_CUBLAS_MODULE = "nvmath.bindings.cublas"
 GEMM_WORKSPACE_BYTES = CUBLAS_WORKSPACE_BYTES
 INSTALL_HINT = "install tensor-wasm-tenant[cuda] (nvmath-python with nvidia-cublas)"
 _I32_MAX = (1 << 31) - 1
+#: cudaDataType_t of the ABI dtypes (f32, f16, bf16): CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF
+CUDA_DATA_TYPES: tuple[int, ...] = (0, 2, 14)
+_COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F
+_GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT
 
 
 def load_cublas_module(module: object) -> Any:
@@ -131,6 +135,77 @@ class Cublas:
         self.calls += 1
         _checked(mod, "cublasSgemm", fn, self.handle, self._n, self._n, n, m, k,
                  self._alpha_p, b, n, a, k, self._beta_p, c, n)
+
+    # -- the BLAS-style GEMMs of the ABI's second round. Row-major ``C = alpha op(A) op(B) + beta C`` is
+    #    column-major ``C^T = alpha op(B)^T op(A)^T + beta C^T``: B first, each operand transposed as the
+    #    guest asked, leading dimensions the row lengths of the stored matrices.
+
+    def _scalars(self, alpha: float, beta: float) -> tuple[int, int]:
+        """Host pointers to ``alpha`` and ``beta`` as float32 (read by cuBLAS at the call)."""
+        self._alpha.value = alpha
+        self._beta.value = beta
+        return self._alpha_p, self._beta_p
+
+    def _prepare(self, workspace: tuple[int, int], what: str, *dims: int) -> None:
+        if workspace != self._workspace:
+            _checked(self.mod, "cublasSetWorkspace", self._set_workspace, self.handle, workspace[0], workspace[1])
+            self._workspace = workspace
+        if max(dims) > _I32_MAX:
+            raise CudaError(what, "CUBLAS_STATUS_NOT_SUPPORTED", 15,
+                            message=f"{what}: a dimension or stride beyond int32 ({max(dims):,}); split the GEMM")
+
+    def gemm_row_major(self, ta: int, tb: int, m: int, n: int, k: int, alpha: float, a: int, b: int, beta: float,
+                       c: int, workspace: tuple[int, int]) -> None:
+        """``C[m,n] = alpha op(A) @ op(B) + beta C``, row-major float32 (m, n, k >= 1)."""
+        mod = self.mod
+        if workspace != self._workspace:
+            _checked(mod, "cublasSetWorkspace", self._set_workspace, self.handle, workspace[0], workspace[1])
+            self._workspace = workspace
+        big = max(m, n, k) > _I32_MAX
+        if big and self._sgemm_64 is None:
+            raise CudaError("cublasSgemm", "CUBLAS_STATUS_NOT_SUPPORTED", 15,
+                            message=f"a GEMM of {m}x{k} @ {k}x{n} needs cublasSgemm_64 (cuBLAS >= 12)")
+        al, be = self._scalars(alpha, beta)
+        ops = (int(mod.Operation.N), int(mod.Operation.T))
+        self.calls += 1
+        try:
+            _checked(mod, "cublasSgemm", self._sgemm_64 if big else self._sgemm, self.handle, ops[tb], ops[ta],
+                     n, m, k, al, b, k if tb else n, a, m if ta else k, be, c, n)
+        finally:
+            self._scalars(1.0, 0.0)
+
+    def gemm_strided_batched_row_major(self, ta: int, tb: int, m: int, n: int, k: int, alpha: float, a: int,
+                                       sa: int, b: int, sb: int, beta: float, c: int, sc: int, batch: int,
+                                       workspace: tuple[int, int]) -> None:
+        """``batch`` row-major GEMMs, matrix ``i`` at float ``i * s*`` of each operand (strides in floats)."""
+        mod = self.mod
+        self._prepare(workspace, "cublasSgemmStridedBatched", m, n, k, batch)
+        al, be = self._scalars(alpha, beta)
+        ops = (int(mod.Operation.N), int(mod.Operation.T))
+        self.calls += 1
+        try:
+            _checked(mod, "cublasSgemmStridedBatched", mod.sgemm_strided_batched, self.handle, ops[tb], ops[ta],
+                     n, m, k, al, b, k if tb else n, sb, a, m if ta else k, sa, be, c, n, sc, batch)
+        finally:
+            self._scalars(1.0, 0.0)
+
+    def gemm_ex_row_major(self, ta: int, tb: int, m: int, n: int, k: int, alpha: float, a: int, ab: int, b: int,
+                          beta: float, c: int, cd: int, workspace: tuple[int, int]) -> None:
+        """:meth:`gemm_row_major` with A, B of ABI dtype ``ab`` and C of ``cd``, accumulated in float32
+        (``CUBLAS_COMPUTE_32F``: no TF32, no reduced-precision sums)."""
+        mod = self.mod
+        self._prepare(workspace, "cublasGemmEx", m, n, k)
+        al, be = self._scalars(alpha, beta)
+        ops = (int(mod.Operation.N), int(mod.Operation.T))
+        compute = int(getattr(getattr(mod, "ComputeType", None), "COMPUTE_32F", _COMPUTE_32F))
+        algo = int(getattr(getattr(mod, "GemmAlgo", None), "DEFAULT", _GEMM_DEFAULT))
+        self.calls += 1
+        try:
+            _checked(mod, "cublasGemmEx", mod.gemm_ex, self.handle, ops[tb], ops[ta], n, m, k, al,
+                     b, CUDA_DATA_TYPES[ab], k if tb else n, a, CUDA_DATA_TYPES[ab], m if ta else k, be,
+                     c, CUDA_DATA_TYPES[cd], n, compute, algo)
+        finally:
+            self._scalars(1.0, 0.0)
 
     def close(self) -> None:
         """Destroy the handle (errors are the caller's to log)."""

@@ -165,7 +165,78 @@ class Backend(abc.ABC):
     def transpose_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int) -> None:
         """``out[cols, rows] = x[rows, cols].T`` (``out`` is not ``x``)."""
 
-    # -- GPU-time sharing (shared.gpu_time, worker.device_time)
+    # -- the second round (selectors and dtypes as in worker.wasm.tensor_abi: BINARY_OPS, REDUCE_OPS,
+    #    DTYPES); the GEMMs take the run's metered workspace like matmul_f32
+
+    @abc.abstractmethod
+    def gemm_f32(self, trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float, a: DeviceBuffer,
+                 b: DeviceBuffer, beta: float, c: DeviceBuffer, *, workspace: DeviceBuffer | None = None) -> None:
+        """``C[m,n] = alpha op(A) @ op(B) + beta C`` row-major (``beta == 0``: C is not read)."""
+
+    @abc.abstractmethod
+    def gemm_strided_batched_f32(self, trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float,
+                                 a: DeviceBuffer, stride_a: int, b: DeviceBuffer, stride_b: int, beta: float,
+                                 c: DeviceBuffer, stride_c: int, batch: int, *,
+                                 workspace: DeviceBuffer | None = None) -> None:
+        """``batch`` of :meth:`gemm_f32`, matrix ``i`` at float ``i * stride_*`` of each buffer."""
+
+    @abc.abstractmethod
+    def gemm_ex(self, trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float, a: DeviceBuffer,
+                ab_dtype: int, b: DeviceBuffer, beta: float, c: DeviceBuffer, c_dtype: int, *,
+                workspace: DeviceBuffer | None = None) -> None:
+        """:meth:`gemm_f32` over A, B of ``ab_dtype`` and C of ``c_dtype``, accumulated in float32."""
+
+    @abc.abstractmethod
+    def binary_f32(self, op: int, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        """``out[:n] = x[:n] <op> y[:n]`` (``out`` may be ``x`` or ``y``)."""
+
+    @abc.abstractmethod
+    def binary_rows_f32(self, op: int, m: DeviceBuffer, v: DeviceBuffer, out: DeviceBuffer, rows: int,
+                        cols: int) -> None:
+        """``out[r, :] = m[r, :] <op> v[:cols]`` (``out`` may be ``m``, never ``v``)."""
+
+    @abc.abstractmethod
+    def scalar_f32(self, op: int, x: DeviceBuffer, a: float, out: DeviceBuffer, n: int) -> None:
+        """``out[:n] = x[:n] <op> a`` (``out`` may be ``x``)."""
+
+    @abc.abstractmethod
+    def reduce_rows_f32(self, op: int, x: DeviceBuffer, rows: int, cols: int, out: DeviceBuffer) -> None:
+        """``out[r]`` = sum / max / mean of row ``r`` (``cols >= 1`` when ``rows >= 1``)."""
+
+    @abc.abstractmethod
+    def layernorm_rows_f32(self, x: DeviceBuffer, gamma: DeviceBuffer, beta: DeviceBuffer, out: DeviceBuffer,
+                           rows: int, cols: int, eps: float) -> None:
+        """Per row ``(x - mean) / sqrt(var + eps) * gamma + beta`` (``out`` may be ``x``)."""
+
+    @abc.abstractmethod
+    def gather_rows_f32(self, table: DeviceBuffer, idx: memoryview, n: int, cols: int, out: DeviceBuffer) -> None:
+        """``out[i] = table[idx[i]]``, rows of ``cols`` floats; ``idx``: ``n`` i32, already checked."""
+
+    @abc.abstractmethod
+    def copy(self, src: DeviceBuffer, src_off: int, dst: DeviceBuffer, dst_off: int, nbytes: int) -> None:
+        """Device-to-device copy of ``nbytes`` (ranges of one buffer never overlap)."""
+
+    @abc.abstractmethod
+    def causal_mask_f32(self, x: DeviceBuffer, rows: int, cols: int, offset: int) -> None:
+        """``x[r, c] = -inf`` where ``c > r + offset``."""
+
+    @abc.abstractmethod
+    def cast(self, src: DeviceBuffer, src_dtype: int, dst: DeviceBuffer, dst_dtype: int, n: int) -> None:
+        """``n`` elements converted between dtypes, rounding to nearest even."""
+
+    # -- GPU-time sharing (shared.gpu_time, worker.device_time, worker.chunks)
+
+    #: True when :meth:`transpose_block_f32` is implemented (a transpose then runs in chunks)
+    transposes_in_blocks: bool = False
+
+    def transpose_block_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int, r0: int, r1: int) -> None:
+        """``out[:, r0:r1] = x[r0:r1, :].T`` of the whole ``rows x cols`` transpose (one chunk of it)."""
+        raise NotImplementedError(f"{self.name} has no block transpose")
+
+    def device_rates(self) -> tuple[float, float]:
+        """(flop/s, byte/s) the chunk cost model starts from (worker.chunks): deliberately low, so
+        a first chunk is short; measurement corrects them per op and shape."""
+        return 2e10, 4e9
 
     def op_timer(self) -> OpTimer:
         """What measures an op's device time (charged to the tenant): wall time for host backends."""

@@ -243,7 +243,9 @@ class CudaBackend(TensorOpsMixin, Backend):
         from worker.backends.cuda_timing import CudaEventTimer
 
         self._open()
-        return CudaEventTimer(self._drv, self._stream, self._current)
+        timer = CudaEventTimer(self._drv, self._stream, self._current)
+        self.launch_hooks().timer = timer  # the kernels record its events right around their launches
+        return timer
 
     def view(self, buf: DeviceBuffer, offset: int, nbytes: int) -> CudaBuffer:
         """A window on ``buf`` for chunked ops (never in ``_live``: never freed)."""
@@ -722,6 +724,7 @@ class CudaBackend(TensorOpsMixin, Backend):
             scratch = self._scratch
             self._kernels = self._measured(lambda: Kernels.load(self._drv, nvrtc, self._dev, self._stream, scratch,
                                                                 wait_idle=self.wait_idle))
+            self._kernels.hooks = self.launch_hooks()
         return self._kernels
 
     def fill_f32(self, buf: DeviceBuffer, value: float, count: int) -> None:

@@ -10,6 +10,17 @@
       max_f32         per-block maxima into a fixed scratch, the host takes the max of those
       argmax_rows     one block per row, rows in chunks of the scratch, each chunk copied
                       straight into guest memory
+      gemm_f32, gemm_strided_batched_f32, gemm_ex
+                      cuBLAS sgemm / sgemmStridedBatched / GemmEx (CUBLAS_COMPUTE_32F) with the
+                      transposes, alpha and beta mapped to column-major (worker.backends._cublas);
+                      k == 0: C = beta C by a kernel
+      binary, binary_rows, scalar, causal_mask, cast, copy
+                      one grid-stride launch each (binary ops: one kernel, the selector an argument;
+                      f16 through PTX cvt.rn, bf16 rounded to nearest even by bits)
+      reduce_rows, layernorm_rows
+                      one block per row, sums in double rounded once to float
+      gather_rows     the checked row indices copied into the scratch (a chunk of them at a time,
+                      stream-ordered), then one launch
 
 Every launch goes on the tenant's stream. Ops that leave their result on
 the device are stream-ordered and return at once: everything else the
@@ -51,6 +62,7 @@ from shared.log import get_logger, log_event
 from worker.backends._cublas import GEMM_WORKSPACE_BYTES, Cublas
 from worker.backends._driver import Driver, Nvrtc
 from worker.backends.base import DeviceBuffer
+from worker.backends.cuda_timing import NO_HOOKS, LaunchHooks, TimerHooks
 from worker.backends.kernels import compile_source
 
 __all__ = ["OPS_SOURCE", "SCRATCH_BYTES", "CudaTensorOps", "TensorOpsMixin"]
@@ -95,10 +107,26 @@ OPS_SOURCE = r"""
 /* NaN-propagating max, as numpy's */
 __device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
+/* NaN-propagating min, as numpy's */
+__device__ __forceinline__ float nan_min(float a, float b) { return (b < a || b != b) ? b : a; }
+
+/* the BINARY_OPS selectors: 0 add, 1 sub, 2 mul, 3 div, 4 max, 5 min (NaN wins, as np.maximum) */
+__device__ __forceinline__ float binop(int op, float a, float b)
+{
+    switch (op) {
+    case 0: return a + b;
+    case 1: return a - b;
+    case 2: return a * b;
+    case 3: return a / b;
+    case 4: return (a != a) ? a : nan_max(a, b);
+    default: return (a != a) ? a : nan_min(a, b);
+    }
+}
+
 /* x, y and out may be the same buffer: no __restrict__ */
 extern "C" __global__ void twt_binary_f32(int op, const float* x, const float* y, float* out, unsigned long long n)
 {
-    GRID_STRIDE(i, n) out[i] = op == 0 ? x[i] + y[i] : x[i] * y[i];
+    GRID_STRIDE(i, n) out[i] = binop(op, x[i], y[i]);
 }
 
 extern "C" __global__ void twt_add_rows_f32(float* __restrict__ m, const float* __restrict__ v,
@@ -119,7 +147,23 @@ extern "C" __global__ void twt_unary_f32(int op, const float* x, float* out, uns
         case 3: r = 1.0f / (1.0f + expf(-v)); break;           /* sigmoid */
         case 4: r = -v; break;
         case 5: r = sqrtf(v); break;
-        default: r = fabsf(v); break;
+        case 6: r = fabsf(v); break;
+        case 7: r = logf(v); break;
+        case 8: {                                              /* GELU, tanh form, numpy's order */
+            float t = v * v;
+            t = t * v;
+            t = t * 0.044715f;
+            t = t + v;
+            t = t * 0.7978845608028654f;
+            t = tanhf(t);
+            t = t + 1.0f;
+            t = t * v;
+            r = t * 0.5f;
+            break;
+        }
+        case 9: r = v / (1.0f + expf(-v)); break;              /* SiLU */
+        case 10: r = 1.0f / sqrtf(v); break;                   /* rsqrt, IEEE sqrt and division */
+        default: r = 1.0f / v; break;                          /* recip */
         }
         out[i] = r;
     }
@@ -178,6 +222,161 @@ extern "C" __global__ void twt_softmax_rows_f32(float* x, unsigned long long row
     }
 }
 
+/* out may be m (never v) */
+extern "C" __global__ void twt_binary_rows_f32(int op, const float* m, const float* __restrict__ v, float* out,
+                                               unsigned long long rows, unsigned long long cols)
+{
+    GRID_STRIDE(i, rows * cols) out[i] = binop(op, m[i], v[i % cols]);
+}
+
+extern "C" __global__ void twt_scalar_f32(int op, const float* x, float a, float* out, unsigned long long n)
+{
+    GRID_STRIDE(i, n) out[i] = binop(op, x[i], a);
+}
+
+/* a block's sum of per-thread doubles, in s[0] (all threads must call it) */
+__device__ double block_sum(double* s, double v)
+{
+    __syncthreads();
+    s[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned int h = blockDim.x / 2; h > 0; h >>= 1) {
+        if (threadIdx.x < h) s[threadIdx.x] += s[threadIdx.x + h];
+        __syncthreads();
+    }
+    return s[0];
+}
+
+/* one block per row: 0 sum, 1 max (NaN wins), 2 mean; sums in double, rounded once to float
+   (mean: the float sum divided by cols, numpy's two roundings) */
+extern "C" __global__ void twt_reduce_rows_f32(int op, const float* __restrict__ x, unsigned long long rows,
+                                               unsigned long long cols, float* __restrict__ out)
+{
+    __shared__ double s[256];
+    __shared__ float sm[256];
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* row = x + r * cols;
+        if (op == 1) {
+            float m = NEG_INF;
+            for (unsigned long long j = threadIdx.x; j < cols; j += blockDim.x) m = nan_max(m, row[j]);
+            __syncthreads();
+            sm[threadIdx.x] = m;
+            __syncthreads();
+            for (unsigned int h = blockDim.x / 2; h > 0; h >>= 1) {
+                if (threadIdx.x < h) sm[threadIdx.x] = nan_max(sm[threadIdx.x], sm[threadIdx.x + h]);
+                __syncthreads();
+            }
+            if (threadIdx.x == 0) out[r] = sm[0];
+        } else {
+            double acc = 0.0;
+            for (unsigned long long j = threadIdx.x; j < cols; j += blockDim.x) acc += (double)row[j];
+            float total = (float)block_sum(s, acc);
+            if (threadIdx.x == 0) out[r] = op == 2 ? total / (float)cols : total;
+        }
+    }
+}
+
+/* one block per row: mean and biased variance (sums in double, each rounded once to float), then
+   out = (x - mean) / sqrt(var + eps) * gamma + beta in float, numpy's order; out may be x */
+extern "C" __global__ void twt_layernorm_rows_f32(const float* x, const float* __restrict__ g,
+                                                  const float* __restrict__ b, float* out,
+                                                  unsigned long long rows, unsigned long long cols, float eps)
+{
+    __shared__ double s[256];
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* row = x + r * cols;
+        float* dst = out + r * cols;
+        double acc = 0.0;
+        for (unsigned long long j = threadIdx.x; j < cols; j += blockDim.x) acc += (double)row[j];
+        float mean = (float)block_sum(s, acc) / (float)cols;
+        acc = 0.0;
+        for (unsigned long long j = threadIdx.x; j < cols; j += blockDim.x) {
+            float d = row[j] - mean;
+            acc += (double)(d * d);
+        }
+        float var = (float)block_sum(s, acc) / (float)cols;
+        float denom = sqrtf(var + eps);
+        __syncthreads();  /* every thread read its row before any writes (out may be x) */
+        for (unsigned long long j = threadIdx.x; j < cols; j += blockDim.x) {
+            float d = row[j] - mean;
+            d = d / denom;
+            d = d * g[j];
+            dst[j] = d + b[j];
+        }
+    }
+}
+
+/* out[i, :] = table[idx[i], :]; idx already checked against the table */
+extern "C" __global__ void twt_gather_rows_f32(const float* __restrict__ table, const int* __restrict__ idx,
+                                               unsigned long long n, unsigned long long cols,
+                                               float* __restrict__ out)
+{
+    GRID_STRIDE(i, n * cols) out[i] = table[(unsigned long long)idx[i / cols] * cols + i % cols];
+}
+
+/* nbytes from src to dst (never overlapping): 16 bytes a thread when everything is aligned */
+extern "C" __global__ void twt_copy_bytes(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                          unsigned long long n)
+{
+    if ((((unsigned long long)src | (unsigned long long)dst | n) & 15ull) == 0) {
+        GRID_STRIDE(i, n / 16) ((uint4*)dst)[i] = ((const uint4*)src)[i];
+    } else {
+        GRID_STRIDE(i, n) dst[i] = src[i];
+    }
+}
+
+extern "C" __global__ void twt_causal_mask_f32(float* x, unsigned long long rows, unsigned long long cols,
+                                               unsigned long long offset)
+{
+    GRID_STRIDE(i, rows * cols) if (i % cols > i / cols + offset) x[i] = NEG_INF;
+}
+
+/* the dtypes: 0 f32, 1 f16 (PTX cvt, round to nearest even), 2 bf16 (by bits, round to nearest even,
+   NaN kept quiet with its sign) */
+__device__ __forceinline__ float h2f(unsigned short h)
+{
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short f2h(float f)
+{
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float b2f(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
+__device__ __forceinline__ unsigned short f2b(float f)
+{
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ float load_as(const void* p, int dt, unsigned long long i)
+{
+    if (dt == 0) return ((const float*)p)[i];
+    unsigned short v = ((const unsigned short*)p)[i];
+    return dt == 1 ? h2f(v) : b2f(v);
+}
+__device__ __forceinline__ void store_as(void* p, int dt, unsigned long long i, float f)
+{
+    if (dt == 0) ((float*)p)[i] = f;
+    else ((unsigned short*)p)[i] = dt == 1 ? f2h(f) : f2b(f);
+}
+
+extern "C" __global__ void twt_cast(const void* __restrict__ src, int sd, void* __restrict__ dst, int dd,
+                                    unsigned long long n)
+{
+    GRID_STRIDE(i, n) store_as(dst, dd, i, load_as(src, sd, i));
+}
+
+/* p[:n] = beta * p[:n] in dtype dt, or zeros when beta == 0 (a GEMM with k == 0: BLAS's C = beta C) */
+extern "C" __global__ void twt_scale_any(void* p, int dt, float beta, unsigned long long n)
+{
+    GRID_STRIDE(i, n) store_as(p, dt, i, beta == 0.0f ? 0.0f : load_as(p, dt, i) * beta);
+}
+
 extern "C" __global__ void twt_max_f32(const float* __restrict__ x, unsigned long long n, float* __restrict__ partial)
 {
     __shared__ float s[256];
@@ -230,7 +429,11 @@ extern "C" __global__ void twt_argmax_rows_f32(const float* __restrict__ x, unsi
 """
 
 _NAMES = (b"twt_binary_f32", b"twt_add_rows_f32", b"twt_unary_f32", b"twt_scale_f32", b"twt_zero_f32",
-          b"twt_transpose_f32", b"twt_softmax_rows_f32", b"twt_max_f32", b"twt_argmax_rows_f32")
+          b"twt_transpose_f32", b"twt_softmax_rows_f32", b"twt_max_f32", b"twt_argmax_rows_f32",
+          b"twt_binary_rows_f32", b"twt_scalar_f32", b"twt_reduce_rows_f32", b"twt_layernorm_rows_f32",
+          b"twt_gather_rows_f32", b"twt_copy_bytes", b"twt_causal_mask_f32", b"twt_cast", b"twt_scale_any")
+#: gather's row indices go through the scratch: this many a launch
+_GATHER_ROWS = SCRATCH_BYTES // 4
 _P, _F, _I, _U = ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_uint64
 
 
@@ -239,6 +442,8 @@ def _grid(n: int, cap: int = MAX_GRID) -> int:
 
 
 class CudaTensorOps:
+    #: told around each launch (the backend: its current op timer records its events there)
+    hooks: LaunchHooks = NO_HOOKS
     """The compiled op kernels and the cuBLAS handle of one backend; use :meth:`load`."""
 
     def __init__(self, drv: Driver, module: object, functions: dict[bytes, Any], scratch: int, stream: object,
@@ -289,7 +494,9 @@ class CudaTensorOps:
         return ops
 
     def _launch(self, name: bytes, grid: int, args: tuple[object, ...], types: tuple[object, ...]) -> None:
+        self.hooks.launching()
         self._drv.call("cuLaunchKernel", self._fn[name], grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
+        self.hooks.launched()
         self._on_enqueued()
 
     def _sync(self, what: str) -> None:
@@ -335,8 +542,11 @@ class CudaTensorOps:
             return
         if workspace == (0, 0):
             workspace = self._fallback_workspace  # never NULL: cuBLAS may refuse some GEMMs without one
+        cublas = self.cublas  # the handle's first use (a load) is launch preparation, not device work
         try:
-            self.cublas.sgemm_row_major(a, b, c, m, k, n, workspace)
+            self.hooks.launching()
+            cublas.sgemm_row_major(a, b, c, m, k, n, workspace)
+            self.hooks.launched()
         except CudaError as exc:
             if exc.call.startswith("cublas"):
                 self._after_cublas_error()
@@ -368,6 +578,101 @@ class CudaTensorOps:
     def softmax_rows_f32(self, x: int, rows: int, cols: int) -> None:
         if rows and cols:
             self._launch(b"twt_softmax_rows_f32", min(rows, MAX_GRID), (x, rows, cols), (_P, _U, _U))
+
+    # ------------------------------------------------------------ the second round
+
+    def _ws(self, workspace: tuple[int, int]) -> tuple[int, int]:
+        return self._fallback_workspace if workspace == (0, 0) else workspace
+
+    def _cublas_call(self, fn: Callable[[Cublas], None]) -> None:
+        """One cuBLAS call queued on the stream; a cuBLAS error asks the stream for a sticky fault."""
+        try:
+            fn(self.cublas)
+        except CudaError as exc:
+            if exc.call.startswith("cublas"):
+                self._after_cublas_error()
+            raise
+        self._on_enqueued()
+
+    def gemm_f32(self, ta: int, tb: int, m: int, n: int, k: int, alpha: float, a: int, b: int, beta: float,
+                 c: int, workspace: tuple[int, int]) -> None:
+        if m == 0 or n == 0:
+            return
+        if k == 0:  # C = beta C (BLAS), without cuBLAS
+            self._launch(b"twt_scale_any", _grid(m * n), (c, 0, float(beta), m * n), (_P, _I, _F, _U))
+            return
+        ws = self._ws(workspace)
+        self._cublas_call(lambda cb: cb.gemm_row_major(ta, tb, m, n, k, alpha, a, b, beta, c, ws))
+
+    def gemm_strided_batched_f32(self, ta: int, tb: int, m: int, n: int, k: int, alpha: float, a: int, sa: int,
+                                 b: int, sb: int, beta: float, c: int, sc: int, batch: int,
+                                 workspace: tuple[int, int]) -> None:
+        if m == 0 or n == 0 or batch == 0:
+            return
+        if k == 0:  # C = beta C per matrix: one launch when they are packed, else one each
+            if sc == m * n:
+                self._launch(b"twt_scale_any", _grid(batch * m * n), (c, 0, float(beta), batch * m * n),
+                             (_P, _I, _F, _U))
+                return
+            for i in range(batch):
+                self._launch(b"twt_scale_any", _grid(m * n), (c + 4 * i * sc, 0, float(beta), m * n),
+                             (_P, _I, _F, _U))
+            return
+        ws = self._ws(workspace)
+        self._cublas_call(lambda cb: cb.gemm_strided_batched_row_major(
+            ta, tb, m, n, k, alpha, a, sa, b, sb, beta, c, sc, batch, ws))
+
+    def gemm_ex(self, ta: int, tb: int, m: int, n: int, k: int, alpha: float, a: int, ab: int, b: int,
+                beta: float, c: int, cd: int, workspace: tuple[int, int]) -> None:
+        if m == 0 or n == 0:
+            return
+        if k == 0:
+            self._launch(b"twt_scale_any", _grid(m * n), (c, cd, float(beta), m * n), (_P, _I, _F, _U))
+            return
+        ws = self._ws(workspace)
+        self._cublas_call(lambda cb: cb.gemm_ex_row_major(ta, tb, m, n, k, alpha, a, ab, b, beta, c, cd, ws))
+
+    def binary_rows_f32(self, op: int, m: int, v: int, out: int, rows: int, cols: int) -> None:
+        if rows and cols:
+            self._launch(b"twt_binary_rows_f32", _grid(rows * cols), (op, m, v, out, rows, cols),
+                         (_I, _P, _P, _P, _U, _U))
+
+    def scalar_f32(self, op: int, x: int, a: float, out: int, n: int) -> None:
+        if n:
+            self._launch(b"twt_scalar_f32", _grid(n), (op, x, float(a), out, n), (_I, _P, _F, _P, _U))
+
+    def reduce_rows_f32(self, op: int, x: int, rows: int, cols: int, out: int) -> None:
+        if rows:
+            self._launch(b"twt_reduce_rows_f32", min(rows, MAX_GRID), (op, x, rows, cols, out), (_I, _P, _U, _U, _P))
+
+    def layernorm_rows_f32(self, x: int, g: int, b: int, out: int, rows: int, cols: int, eps: float) -> None:
+        if rows:
+            self._launch(b"twt_layernorm_rows_f32", min(rows, MAX_GRID), (x, g, b, out, rows, cols, float(eps)),
+                         (_P, _P, _P, _P, _U, _U, _F))
+
+    def gather_rows_f32(self, table: int, idx: memoryview, n: int, cols: int, out: int) -> None:
+        """Indices through the scratch, ``_GATHER_ROWS`` a launch; stream order keeps each launch's
+        indices in place until it ran (the next copy into the scratch queues behind it)."""
+        if n == 0 or cols == 0:
+            return
+        for first in range(0, n, _GATHER_ROWS):
+            count = min(_GATHER_ROWS, n - first)
+            self._drv.call("cuMemcpyHtoDAsync", self._scratch, idx[4 * first : 4 * (first + count)], 4 * count,
+                           self._stream)
+            self._launch(b"twt_gather_rows_f32", _grid(count * cols), (table, self._scratch, count, cols,
+                                                                       out + 4 * first * cols), (_P, _P, _U, _U, _P))
+
+    def copy(self, src: int, dst: int, nbytes: int) -> None:
+        if nbytes:
+            self._launch(b"twt_copy_bytes", _grid(nbytes), (src, dst, nbytes), (_P, _P, _U))
+
+    def causal_mask_f32(self, x: int, rows: int, cols: int, offset: int) -> None:
+        if rows and cols:
+            self._launch(b"twt_causal_mask_f32", _grid(rows * cols), (x, rows, cols, offset), (_P, _U, _U, _U))
+
+    def cast(self, src: int, sd: int, dst: int, dd: int, n: int) -> None:
+        if n:
+            self._launch(b"twt_cast", _grid(n), (src, sd, dst, dd, n), (_P, _I, _P, _I, _U))
 
     # ------------------------------------------------------------ reductions to the host
 
@@ -449,7 +754,15 @@ class TensorOpsMixin:
                 self._drv, nvrtc, self._dev, self._stream, self._cublas_spec, scratch=base,
                 fallback_workspace=fallback, on_enqueued=self.note_enqueued, measured=self._measured,
                 wait_idle=self.wait_idle))
+            self._tensor_ops.hooks = self.launch_hooks()
         return self._tensor_ops
+
+    def launch_hooks(self) -> TimerHooks:
+        """What the kernels and tensor ops tell around each launch: the current op timer's events."""
+        hooks = getattr(self, "_launch_hooks", None)
+        if hooks is None:
+            hooks = self._launch_hooks = TimerHooks()
+        return hooks
 
     def _close_tensor_ops(self) -> None:
         if self._tensor_ops is not None:
@@ -460,6 +773,11 @@ class TensorOpsMixin:
         """cuBLAS's recommended workspace for this device (32 MiB on Hopper, else 4 MiB)."""
         return self.cublas_workspace_bytes or GEMM_WORKSPACE_BYTES
 
+    def device_rates(self) -> tuple[float, float]:
+        """(flop/s, byte/s) the chunk cost model starts from: below any data-centre GPU's fp32 rate
+        and bandwidth (an H200: ~60 TFLOP/s, 4.8 TB/s), so a first chunk is short; measured after."""
+        return 5e12, 5e11
+
     def matmul_f32(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int, *,
                    workspace: DeviceBuffer | None = None) -> None:
         ws = (0, 0) if workspace is None else (_addr(workspace), workspace.nbytes)
@@ -469,7 +787,7 @@ class TensorOpsMixin:
         self.tensor_ops().binary_f32(0, _addr(x), _addr(y), _addr(out), n)
 
     def mul_f32(self, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
-        self.tensor_ops().binary_f32(1, _addr(x), _addr(y), _addr(out), n)
+        self.tensor_ops().binary_f32(2, _addr(x), _addr(y), _addr(out), n)
 
     def add_rows_f32(self, m: DeviceBuffer, v: DeviceBuffer, rows: int, cols: int) -> None:
         self.tensor_ops().add_rows_f32(_addr(m), _addr(v), rows, cols)
@@ -491,6 +809,57 @@ class TensorOpsMixin:
 
     def transpose_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int) -> None:
         self.tensor_ops().transpose_f32(_addr(x), _addr(out), rows, cols)
+
+    @staticmethod
+    def _ws(workspace: DeviceBuffer | None) -> tuple[int, int]:
+        return (0, 0) if workspace is None else (_addr(workspace), workspace.nbytes)
+
+    def gemm_f32(self, trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float, a: DeviceBuffer,
+                 b: DeviceBuffer, beta: float, c: DeviceBuffer, *, workspace: DeviceBuffer | None = None) -> None:
+        self.tensor_ops().gemm_f32(trans_a, trans_b, m, n, k, alpha, _addr(a), _addr(b), beta, _addr(c),
+                                   self._ws(workspace))
+
+    def gemm_strided_batched_f32(self, trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float,
+                                 a: DeviceBuffer, stride_a: int, b: DeviceBuffer, stride_b: int, beta: float,
+                                 c: DeviceBuffer, stride_c: int, batch: int, *,
+                                 workspace: DeviceBuffer | None = None) -> None:
+        self.tensor_ops().gemm_strided_batched_f32(trans_a, trans_b, m, n, k, alpha, _addr(a), stride_a, _addr(b),
+                                                   stride_b, beta, _addr(c), stride_c, batch, self._ws(workspace))
+
+    def gemm_ex(self, trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float, a: DeviceBuffer,
+                ab_dtype: int, b: DeviceBuffer, beta: float, c: DeviceBuffer, c_dtype: int, *,
+                workspace: DeviceBuffer | None = None) -> None:
+        self.tensor_ops().gemm_ex(trans_a, trans_b, m, n, k, alpha, _addr(a), ab_dtype, _addr(b), beta, _addr(c),
+                                  c_dtype, self._ws(workspace))
+
+    def binary_f32(self, op: int, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        self.tensor_ops().binary_f32(op, _addr(x), _addr(y), _addr(out), n)
+
+    def binary_rows_f32(self, op: int, m: DeviceBuffer, v: DeviceBuffer, out: DeviceBuffer, rows: int,
+                        cols: int) -> None:
+        self.tensor_ops().binary_rows_f32(op, _addr(m), _addr(v), _addr(out), rows, cols)
+
+    def scalar_f32(self, op: int, x: DeviceBuffer, a: float, out: DeviceBuffer, n: int) -> None:
+        self.tensor_ops().scalar_f32(op, _addr(x), a, _addr(out), n)
+
+    def reduce_rows_f32(self, op: int, x: DeviceBuffer, rows: int, cols: int, out: DeviceBuffer) -> None:
+        self.tensor_ops().reduce_rows_f32(op, _addr(x), rows, cols, _addr(out))
+
+    def layernorm_rows_f32(self, x: DeviceBuffer, gamma: DeviceBuffer, beta: DeviceBuffer, out: DeviceBuffer,
+                           rows: int, cols: int, eps: float) -> None:
+        self.tensor_ops().layernorm_rows_f32(_addr(x), _addr(gamma), _addr(beta), _addr(out), rows, cols, eps)
+
+    def gather_rows_f32(self, table: DeviceBuffer, idx: memoryview, n: int, cols: int, out: DeviceBuffer) -> None:
+        self.tensor_ops().gather_rows_f32(_addr(table), idx, n, cols, _addr(out))
+
+    def copy(self, src: DeviceBuffer, src_off: int, dst: DeviceBuffer, dst_off: int, nbytes: int) -> None:
+        self.tensor_ops().copy(_addr(src) + src_off, _addr(dst) + dst_off, nbytes)
+
+    def causal_mask_f32(self, x: DeviceBuffer, rows: int, cols: int, offset: int) -> None:
+        self.tensor_ops().causal_mask_f32(_addr(x), rows, cols, offset)
+
+    def cast(self, src: DeviceBuffer, src_dtype: int, dst: DeviceBuffer, dst_dtype: int, n: int) -> None:
+        self.tensor_ops().cast(_addr(src), src_dtype, _addr(dst), dst_dtype, n)
 
 
 def _addr(buf: DeviceBuffer) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 from shared.errors import CudaError
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
+from worker.backends.cuda_timing import NO_HOOKS, LaunchHooks
 
 __all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "MAX_SUM_BLOCKS", "Kernels", "compile_source"]
 
@@ -96,6 +97,8 @@ def _grid(n: int, cap: int) -> int:
 
 
 class Kernels:
+    #: told around each launch (the backend: its current op timer records its events there)
+    hooks: LaunchHooks = NO_HOOKS
     """The three kernels loaded into the current context; use :meth:`load`."""
 
     def __init__(self, drv: Driver, module: object, functions: dict[bytes, Any], scratch: int, stream: object,
@@ -137,7 +140,9 @@ class Kernels:
 
     def _launch(self, fn: object, name: str, grid: int, args: tuple[object, ...], types: tuple[object, ...]) -> None:
         drv = self._drv
+        self.hooks.launching()
         drv.call("cuLaunchKernel", fn, grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
+        self.hooks.launched()  # the synchronize below is not device work: after the end event
         try:
             self._wait_idle()
             drv.call("cuStreamSynchronize", self._stream)

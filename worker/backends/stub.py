@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
 
@@ -20,6 +20,29 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 __all__ = ["StubBackend", "StubBuffer"]
+
+
+def _np_dtype(dtype: int) -> Any:
+    """numpy's type for ABI dtype 0 (float32), 1 (float16), 2 (bfloat16, from ``ml_dtypes``)."""
+    import numpy as np
+
+    if dtype == 2:
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.float16 if dtype == 1 else np.float32
+
+
+class _Binary:
+    """The ``binary_f32`` selectors as numpy ufuncs (0 add ... 5 min), looked up on first use."""
+
+    def __getitem__(self, op: int) -> Any:
+        import numpy as np
+
+        return (np.add, np.subtract, np.multiply, np.divide, np.maximum, np.minimum)[op]
+
+
+_BINARY = _Binary()
 
 
 class StubBuffer(DeviceBuffer):
@@ -174,6 +197,28 @@ class StubBackend(Backend):
                 np.sqrt(src, out=dst)
             elif op == 6:
                 np.abs(src, out=dst)
+            elif op == 7:
+                np.log(src, out=dst)
+            elif op == 8:  # GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+                t = src * src
+                np.multiply(t, src, out=t)
+                np.multiply(t, np.float32(0.044715), out=t)
+                np.add(t, src, out=t)
+                np.multiply(t, np.float32(0.7978845608028654), out=t)
+                np.tanh(t, out=t)
+                np.add(t, np.float32(1), out=t)
+                np.multiply(t, src, out=t)
+                np.multiply(t, np.float32(0.5), out=dst)
+            elif op == 9:  # SiLU: x / (1 + exp(-x))
+                t = np.negative(src)
+                np.exp(t, out=t)
+                np.add(t, np.float32(1), out=t)
+                np.divide(src, t, out=dst)
+            elif op == 10:
+                np.sqrt(src, out=dst)
+                np.reciprocal(dst, out=dst)
+            elif op == 11:
+                np.reciprocal(src, out=dst)
             else:  # the ABI checked op already
                 raise ValueError(f"unknown unary op {op}")
 
@@ -221,6 +266,160 @@ class StubBackend(Backend):
         import numpy as np
 
         np.copyto(self._mat(out, cols, rows), self._mat(x, rows, cols).T)
+
+    # -- the second round of ops: BLAS-style GEMMs, elementwise with a selector, row reductions and
+    #    norms, gather, copy, mask, dtypes. Each is numpy's own algorithm on views (the tests' reference)
+
+    @staticmethod
+    def _typed(buf: DeviceBuffer, dtype: int, count: int, offset: int = 0) -> npt.NDArray[Any]:
+        """``count`` elements of ABI dtype ``dtype`` (0 f32, 1 f16, 2 bf16) from element ``offset``."""
+        import numpy as np
+
+        assert isinstance(buf, StubBuffer)
+        dt = _np_dtype(dtype)
+        return np.frombuffer(buf.data, dtype=dt, count=count, offset=offset * np.dtype(dt).itemsize)
+
+    @staticmethod
+    def _gemm_into(trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float, a: npt.NDArray[np.float32],
+                   b: npt.NDArray[np.float32], beta: float, c: npt.NDArray[np.float32]) -> None:
+        """``c = alpha op(a) @ op(b) + beta c`` over flat float32 arrays; ``beta == 0`` does not read c."""
+        import numpy as np
+
+        if m == 0 or n == 0:
+            return
+        am = a.reshape(k, m).T if trans_a else a.reshape(m, k)
+        bm = b.reshape(n, k).T if trans_b else b.reshape(k, n)
+        cm = c.reshape(m, n)
+        with np.errstate(all="ignore"):
+            if alpha == 1.0 and beta == 0.0:
+                np.matmul(am, bm, out=cm)
+                return
+            t = np.matmul(am, bm)
+            np.multiply(t, np.float32(alpha), out=t)
+            if beta == 0.0:
+                np.copyto(cm, t)
+            else:
+                np.multiply(cm, np.float32(beta), out=cm)
+                np.add(cm, t, out=cm)
+
+    def gemm_f32(self, trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float, a: DeviceBuffer,
+                 b: DeviceBuffer, beta: float, c: DeviceBuffer, *, workspace: DeviceBuffer | None = None) -> None:
+        self._gemm_into(trans_a, trans_b, m, n, k, alpha, self._f32(a, m * k), self._f32(b, k * n), beta,
+                        self._f32(c, m * n))
+
+    def gemm_strided_batched_f32(self, trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float,
+                                 a: DeviceBuffer, stride_a: int, b: DeviceBuffer, stride_b: int, beta: float,
+                                 c: DeviceBuffer, stride_c: int, batch: int, *,
+                                 workspace: DeviceBuffer | None = None) -> None:
+        if m == 0 or n == 0:  # nothing to write (and batch is then bounded by no buffer: never loop on it)
+            return
+        for i in range(batch):
+            self._gemm_into(trans_a, trans_b, m, n, k, alpha, self._typed(a, 0, m * k, i * stride_a),
+                            self._typed(b, 0, k * n, i * stride_b), beta, self._typed(c, 0, m * n, i * stride_c))
+
+    def gemm_ex(self, trans_a: int, trans_b: int, m: int, n: int, k: int, alpha: float, a: DeviceBuffer,
+                ab_dtype: int, b: DeviceBuffer, beta: float, c: DeviceBuffer, c_dtype: int, *,
+                workspace: DeviceBuffer | None = None) -> None:
+        import numpy as np
+
+        af = self._typed(a, ab_dtype, m * k).astype(np.float32)  # exact: f16 and bf16 are subsets of f32
+        bf = self._typed(b, ab_dtype, k * n).astype(np.float32)
+        cv = self._typed(c, c_dtype, m * n)
+        if c_dtype == 0:
+            self._gemm_into(trans_a, trans_b, m, n, k, alpha, af, bf, beta, cv)
+            return
+        cf = cv.astype(np.float32) if beta != 0.0 else np.empty(m * n, np.float32)
+        self._gemm_into(trans_a, trans_b, m, n, k, alpha, af, bf, beta, cf)
+        cv[:] = cf.astype(cv.dtype)  # one rounding, to nearest even
+
+    def binary_f32(self, op: int, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
+        import numpy as np
+
+        with np.errstate(all="ignore"):
+            _BINARY[op](self._f32(x, n), self._f32(y, n), out=self._f32(out, n))
+
+    def binary_rows_f32(self, op: int, m: DeviceBuffer, v: DeviceBuffer, out: DeviceBuffer, rows: int,
+                        cols: int) -> None:
+        import numpy as np
+
+        with np.errstate(all="ignore"):
+            _BINARY[op](self._mat(m, rows, cols), self._f32(v, cols), out=self._mat(out, rows, cols))
+
+    def scalar_f32(self, op: int, x: DeviceBuffer, a: float, out: DeviceBuffer, n: int) -> None:
+        import numpy as np
+
+        with np.errstate(all="ignore"):
+            _BINARY[op](self._f32(x, n), np.float32(a), out=self._f32(out, n))
+
+    def reduce_rows_f32(self, op: int, x: DeviceBuffer, rows: int, cols: int, out: DeviceBuffer) -> None:
+        import numpy as np
+
+        if rows == 0:
+            return
+        mat, dst = self._mat(x, rows, cols), self._f32(out, rows)
+        with np.errstate(all="ignore"):
+            if op == 1:
+                np.maximum.reduce(mat, axis=1, out=dst)
+            else:
+                np.add.reduce(mat, axis=1, dtype=np.float32, out=dst)
+                if op == 2:
+                    np.divide(dst, np.float32(cols), out=dst)
+
+    def layernorm_rows_f32(self, x: DeviceBuffer, gamma: DeviceBuffer, beta: DeviceBuffer, out: DeviceBuffer,
+                           rows: int, cols: int, eps: float) -> None:
+        import numpy as np
+
+        if rows == 0:
+            return
+        src, dst = self._mat(x, rows, cols), self._mat(out, rows, cols)
+        g, bt = self._f32(gamma, cols), self._f32(beta, cols)
+        step = max(1, (1 << 16) // cols)
+        n = np.float32(cols)
+        with np.errstate(all="ignore"):
+            for r in range(0, rows, step):
+                blk = src[r : r + step]
+                mean = np.add.reduce(blk, axis=1, dtype=np.float32, keepdims=True) / n
+                d = blk - mean
+                var = np.add.reduce(d * d, axis=1, dtype=np.float32, keepdims=True) / n
+                np.divide(d, np.sqrt(var + np.float32(eps)), out=d)
+                np.multiply(d, g, out=d)
+                np.add(d, bt, out=dst[r : r + step])
+
+    def gather_rows_f32(self, table: DeviceBuffer, idx: memoryview, n: int, cols: int, out: DeviceBuffer) -> None:
+        import numpy as np
+
+        if n == 0 or cols == 0:
+            return
+        rows = table.nbytes // (4 * cols)
+        np.take(self._mat(table, rows, cols), np.frombuffer(idx, dtype="<i4", count=n), axis=0,
+                out=self._mat(out, n, cols))
+
+    def copy(self, src: DeviceBuffer, src_off: int, dst: DeviceBuffer, dst_off: int, nbytes: int) -> None:
+        assert isinstance(src, StubBuffer) and isinstance(dst, StubBuffer)
+        memoryview(dst.data)[dst_off : dst_off + nbytes] = memoryview(src.data)[src_off : src_off + nbytes]
+
+    def causal_mask_f32(self, x: DeviceBuffer, rows: int, cols: int, offset: int) -> None:
+        import numpy as np
+
+        mat = self._mat(x, rows, cols)
+        for r in range(min(rows, max(0, cols - offset - 1))):  # rows past that have nothing to mask
+            mat[r, r + offset + 1 :] = -np.inf
+
+    def cast(self, src: DeviceBuffer, src_dtype: int, dst: DeviceBuffer, dst_dtype: int, n: int) -> None:
+        import numpy as np
+
+        s, d = self._typed(src, src_dtype, n), self._typed(dst, dst_dtype, n)
+        with np.errstate(all="ignore"):
+            if src_dtype and dst_dtype:  # f16 <-> bf16: through f32 (exact), then one rounding
+                d[:] = s.astype(np.float32).astype(d.dtype)
+            else:
+                d[:] = s.astype(d.dtype)
+    transposes_in_blocks = True
+
+    def transpose_block_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int, r0: int, r1: int) -> None:
+        import numpy as np
+
+        np.copyto(self._mat(out, cols, rows)[:, r0:r1], self._mat(x, rows, cols)[r0:r1].T)
 
     def info(self) -> dict[str, object]:
         return {

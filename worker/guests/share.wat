@@ -4,6 +4,10 @@
 ;;                                 the guest counts itself); -1 when a buffer cannot be allocated
 ;;   small_op(n) -> i32            one n x n GEMM on fresh buffers: a latency-sensitive tenant's op
 ;;   one_gemm(a, b, c, n) -> i32   exactly one device op: C = A @ B on client buffers (n x n)
+;;   chatty(ops, spin, device) -> i64   a chatty tenant (an inference loop's shape): ops times a tiny
+;;                                 device op (fill_f32 of 64 floats; skipped when device = 0: the
+;;                                 control, same host work) then `spin` iterations of guest
+;;                                 arithmetic (host work); returns the loop count (+0 * the arithmetic)
 (module
   (import "tensorwasm" "alloc" (func $alloc (param i64) (result i64)))
   (import "tensorwasm" "fill_f32" (func $fill (param i64 f32 i64) (result i32)))
@@ -44,4 +48,24 @@
 
   (func (export "one_gemm") (param $a i64) (param $b i64) (param $c i64) (param $n i64) (result i32)
     (call $matmul (local.get $a) (local.get $b) (local.get $c) (local.get $n) (local.get $n) (local.get $n)))
+
+  (func (export "chatty") (param $ops i64) (param $spin i64) (param $device i32) (result i64)
+    (local $buf i64) (local $i i64) (local $j i64) (local $acc i64)
+    (local.set $buf (call $alloc (i64.const 256)))
+    (if (i64.lt_s (local.get $buf) (i64.const 0)) (then (return (i64.const -1))))
+    (block $end
+      (loop $op
+        (br_if $end (i64.ge_s (local.get $i) (local.get $ops)))
+        (if (local.get $device)
+          (then (drop (call $fill (local.get $buf) (f32.const 1) (i64.const 64)))))
+        (local.set $j (i64.const 0))
+        (block $host
+          (loop $work
+            (br_if $host (i64.ge_s (local.get $j) (local.get $spin)))
+            (local.set $acc (i64.add (i64.mul (local.get $acc) (i64.const 31)) (local.get $j)))
+            (local.set $j (i64.add (local.get $j) (i64.const 1)))
+            (br $work)))
+        (local.set $i (i64.add (local.get $i) (i64.const 1)))
+        (br $op)))
+    (i64.add (local.get $i) (i64.mul (local.get $acc) (i64.const 0))))
 )

@@ -195,6 +195,9 @@ class GuestRun:
         #: out): the guest gets an error code like any failed op, but its run is over - the host
         #: ends it as a timeout whatever the guest returns (see :meth:`WasmHost.run`)
         self.deadline_passed: KernelTimeout | None = None
+        #: ends the guest's execution at its next loop or call (set by the host): a run refused
+        #: device time must not spin on ops that all fail (each one logged)
+        self.interrupt: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ helpers
 
@@ -226,6 +229,10 @@ class GuestRun:
         quota has no room for it the GEMM runs with the backend's fixed
         fallback workspace (cuda: 64 KiB of its scratch) rather than failing.
         """
+        self.backend.matmul_f32(a, b, c, m, k, n, workspace=self.gemm_workspace())
+
+    def gemm_workspace(self) -> DeviceBuffer | None:
+        """The run's GEMM workspace (every GEMM-like op's, see :meth:`gemm`), allocated on first use."""
         if not self.workspace_tried:
             self.workspace_tried = True
             want = self.backend.gemm_workspace_bytes()
@@ -238,7 +245,7 @@ class GuestRun:
                 else:
                     self.gpu_bytes += want
                     self.gpu_peak_bytes = max(self.gpu_peak_bytes, self.gpu_bytes)
-        self.backend.matmul_f32(a, b, c, m, k, n, workspace=self.workspace)
+        return self.workspace
 
     def device_op(self, name: str, fn: Callable[..., T], args: tuple[object, ...]) -> T | None:
         """``fn(*args)`` on the device under this worker's lease (see :mod:`worker.device_time`)."""
@@ -246,6 +253,9 @@ class GuestRun:
             return self.gate.op(name, fn, args, self.deadline_ns)
         except KernelTimeout as exc:
             self.deadline_passed = exc
+            interrupt, self.interrupt = self.interrupt, None
+            if interrupt is not None:
+                interrupt()
             raise
 
     def gpu_totals(self) -> dict[str, float]:

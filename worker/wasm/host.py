@@ -37,9 +37,11 @@ dev box); the public path is the fallback and is tested too.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -103,7 +105,14 @@ _INTERNAL = int(ErrorCode.INTERNAL)
 _KINDS = {"i32", "i64", "f32", "f64"}
 
 
+#: frames a trap's location names (innermost first); deeper ones are counted, not listed
+MAX_TRAP_FRAMES = 4
+
+
 def _config() -> wasmtime.Config:
+    # A trap's backtrace with file:line from the module's DWARF (a debug build's): wasmtime reads
+    # this when the engine is made. Modules without DWARF pay nothing; an operator may set it to 0.
+    os.environ.setdefault("WASMTIME_BACKTRACE_DETAILS", "1")
     cfg = wasmtime.Config()
     cfg.consume_fuel = True
     cfg.epoch_interruption = True
@@ -179,6 +188,12 @@ class EpochTicker:
             self.engine.increment_epoch()
             self.ticks += 1
 
+    def expire(self, ticks: int) -> None:
+        """Move the epoch ``ticks`` on at once: the running store, whose deadline is at most that
+        far, traps at its next check (a run refused device time stops instead of spinning)."""
+        for _ in range(ticks + 1):
+            self.engine.increment_epoch()
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -209,6 +224,8 @@ class CompiledModule:
     exports: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     #: imports WASI preview 1: its store gets a WASI context (worker.wasm.wasi)
     wasi: bool = False
+    #: function index -> export name: what a trap's frame is called when the module has no name section
+    export_names: dict[int, str] = field(default_factory=dict)
 
 
 class GuestExit(Exception):
@@ -230,6 +247,32 @@ def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return result, pos
         shift += 7
+
+
+def function_exports(wasm: bytes) -> dict[int, str]:
+    """Function index -> export name, from the export section (id 7) of validated bytes; {} when
+    the module has none (or, defensively, when the bytes do not parse)."""
+    out: dict[int, str] = {}
+    try:
+        pos = 8
+        while pos < len(wasm):
+            section = wasm[pos]
+            size, pos = _leb_u32(wasm, pos + 1)
+            end = pos + size
+            if section == 7:
+                count, p = _leb_u32(wasm, pos)
+                for _ in range(count):
+                    length, p = _leb_u32(wasm, p)
+                    name = bytes(wasm[p : p + length]).decode("utf-8", errors="replace")
+                    kind = wasm[p + length]
+                    index, p = _leb_u32(wasm, p + length + 1)
+                    if kind == 0:
+                        out.setdefault(index, name)
+                return out
+            pos = end
+    except (ValueError, IndexError):
+        return {}
+    return out
 
 
 def memory_limits(wasm: bytes) -> tuple[int, int | None] | None:
@@ -272,6 +315,45 @@ def _short(message: str, limit: int = 400) -> str:
     lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
     text = _NOISE.sub("", lines[-1] if lines else message)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_FRAME = re.compile(r"^\s*(\d+):\s+0x[0-9a-f]+ - ")
+_AT = re.compile(r"^\s+at (.+):(\d+)(?::(\d+))?\s*$")
+
+
+def trap_location(trap: wasmtime.Trap, export_names: dict[int, str] | None = None) -> str:
+    """The guest's frames of a trap, innermost first: ``crash+0x32 (t.c:3:11) <- run+0x55 (t.c:8:12)``.
+
+    Names and offsets come from wasmtime's frames (a module's name section, else the name a
+    function is exported under, else ``func[N]``); ``file:line:col`` from the backtrace text, present when the module carries DWARF (``twt
+    build -O debug``) and WASMTIME_BACKTRACE_DETAILS is on (see :func:`_config`). Never raises:
+    a location is a courtesy, the trap itself is the error.
+    """
+    try:
+        frames = trap.frames
+        lines: dict[int, str] = {}
+        current = -1
+        for text in str(trap).splitlines():
+            m = _FRAME.match(text)
+            if m:
+                current = int(m[1])
+                continue
+            at = _AT.match(text)
+            if at and current >= 0 and current not in lines:
+                where = os.path.basename(at[1]) + ":" + at[2] + (f":{at[3]}" if at[3] else "")
+                lines[current] = where
+        parts = []
+        for i, frame in enumerate(frames[:MAX_TRAP_FRAMES]):
+            name = frame.func_name or (export_names or {}).get(frame.func_index) or f"func[{frame.func_index}]"
+            part = f"{name}+{frame.func_offset:#x}"
+            if i in lines:
+                part += f" ({lines[i]})"
+            parts.append(part)
+        if len(frames) > MAX_TRAP_FRAMES:
+            parts.append(f"... {len(frames) - MAX_TRAP_FRAMES} more")
+        return _short(" <- ".join(parts), 600) if parts else ""
+    except Exception:  # noqa: BLE001 - a location is best effort; the trap is reported either way
+        return ""
 
 
 def _wat_error(message: str) -> str:
@@ -584,7 +666,7 @@ class WasmHost:
             if isinstance(e.type, wasmtime.FuncType)
         }
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
-                                  imports_wasi(module))
+                                  imports_wasi(module), function_exports(wasm))
         self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         self.stats["compiles"] += 1
         log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
@@ -685,6 +767,7 @@ class WasmHost:
             run.deadline_ns = time.monotonic_ns() + int(timeout_s * 1e9)
             session = WasmSession(self, compiled, store, run, fuel, timeout_s, reservation)
             run.span = session.span_raw if self.fast_imports else session.span_checked
+            run.interrupt = functools.partial(self.ticker.expire, self.ticker.deadline_ticks(timeout_s))
             self._session = session
             self.ticker.acquire()
             ticking = True
@@ -744,7 +827,12 @@ class WasmHost:
                 raise KernelTimeout(session.timeout_s, "run_wasm") from None
             self.stats["traps"] += 1
             name = code.name.lower() if code is not None else "host"
-            raise WasmTrap(name, _short(str(trap))) from None
+            detail = _short(str(trap))
+            if code is wasmtime.TrapCode.OUT_OF_FUEL:
+                detail = (f"the run's fuel budget of {session.fuel:,} units is spent; give it more with "
+                          f"`twt run --fuel N` (run_wasm's `fuel`), up to the tenant's `wasm_fuel` ceiling")
+            fuel_limit = session.fuel if code is wasmtime.TrapCode.OUT_OF_FUEL else None
+            raise WasmTrap(name, detail, trap_location(trap, session.compiled.export_names), fuel_limit) from None
         except wasmtime.WasmtimeError as exc:
             if instantiate:
                 raise WasmCompile(f"instantiation failed: {_short(str(exc))}") from None
@@ -794,6 +882,10 @@ class WasmHost:
             "logs_dropped": run.logs_dropped + run.log_lines - len(run.logs),
             "exit_code": exit_code,
             **run.gpu_totals(),
+            # the limits this run had (the request's, capped by the tenant's spec): a client can tell
+            # its user that an asked-for --fuel or --timeout was cut to the ceiling
+            "fuel_limit": fuel,
+            "timeout_s": timeout_s,
         }
 
     def info(self) -> dict[str, object]:

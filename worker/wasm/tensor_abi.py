@@ -35,6 +35,7 @@ import path: both stay dynamically typed here.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -46,14 +47,22 @@ from shared.log import get_logger, log_event
 from shared.wasm_abi import ErrorCode
 from worker.backends.base import Backend, DeviceBuffer
 
-__all__ = ["TENSOR_OPS", "UNARY_OPS", "OpRun", "TensorOp"]
+__all__ = ["BINARY_OPS", "DTYPES", "DTYPE_BYTES", "REDUCE_OPS", "TENSOR_OPS", "UNARY_OPS", "OpRun", "TensorOp"]
 
 T = TypeVar("T")
 
 _log = get_logger("worker.wasm")
 
 #: ``unary_f32`` selectors, in ABI order (docs/WASM-ABI.md)
-UNARY_OPS: tuple[str, ...] = ("relu", "exp", "tanh", "sigmoid", "neg", "sqrt", "abs")
+UNARY_OPS: tuple[str, ...] = ("relu", "exp", "tanh", "sigmoid", "neg", "sqrt", "abs",
+                              "log", "gelu", "silu", "rsqrt", "recip")
+#: ``binary_f32`` / ``binary_rows_f32`` / ``scalar_f32`` selectors (C: ``TWT_BIN_<NAME>``)
+BINARY_OPS: tuple[str, ...] = ("add", "sub", "mul", "div", "max", "min")
+#: ``reduce_rows_f32`` selectors (C: ``TWT_RED_<NAME>``)
+REDUCE_OPS: tuple[str, ...] = ("sum", "max", "mean")
+#: element types of ``cast`` and ``gemm_ex`` (C: ``TWT_<NAME>``), and their sizes in bytes
+DTYPES: tuple[str, ...] = ("f32", "f16", "bf16")
+DTYPE_BYTES: tuple[int, ...] = (4, 2, 2)
 
 _WASM_TYPE = {"buf": "i64", "dim": "i64", "f32": "f32", "op": "i32", "ptr": "i32"}
 _U32 = 0xFFFFFFFF
@@ -86,6 +95,10 @@ class OpRun(Protocol):
         """``matmul_f32`` on the backend with the run's metered workspace."""
         ...
 
+    def gemm_workspace(self) -> DeviceBuffer | None:
+        """The run's metered GEMM workspace (allocated on first use), or None: the backend's fallback."""
+        ...
+
     def device_op(self, name: str, fn: Callable[..., T], args: tuple[object, ...]) -> T | None:
         """``fn(*args)`` under the device lease, timed and charged, in chunks (worker.device_time)."""
         ...
@@ -97,7 +110,7 @@ class TensorOp:
 
     name: str
     params: tuple[str, ...]
-    #: float32 elements each buffer parameter must hold, in parameter order
+    #: extent units (``unit`` bytes each, float32 elements by default) each buffer parameter must hold
     extents: Callable[..., tuple[int, ...]]
     #: pairs of buffer parameter names that must be different buffers (else INVALID)
     distinct: tuple[tuple[str, str], ...] = ()
@@ -109,6 +122,11 @@ class TensorOp:
     doc: str = ""
     #: a GEMM: runs through :meth:`GuestRun.gemm`, which lends the backend a metered workspace
     gemm: bool = False
+    #: bytes per ``extents`` unit: 4 (float32 elements), 1 for ops that count bytes (copy, dtypes)
+    unit: int = 4
+    #: a last rule over the checked arguments (buffers, dims, the guest view), run just before the
+    #: backend: 0, or an error code (a gather's row indices, a copy's overlap); may replace arguments
+    check: Callable[[list[Any]], int] | None = None
     #: (role, name) per parameter, derived
     roles: tuple[tuple[str, str], ...] = field(init=False)
     # argument positions, derived: buffers, dims and op, sizes (>= 0), the pointer (-1: none), distinct pairs
@@ -167,8 +185,9 @@ class TensorOp:
         for i, j in self._distinct:
             if a[i] is a[j]:
                 return _INVALID
+        unit = self.unit
         for i, count in zip(self._bufs, self.extents(*dims)):
-            if count * 4 > a[i].nbytes:
+            if count * unit > a[i].nbytes:
                 return _BUFFER_BOUNDS
         p = self._ptr
         if p >= 0:
@@ -177,8 +196,19 @@ class TensorOp:
             if isinstance(got, int):
                 return got
             a[p] = got
+        if self.check is not None:
+            code = self.check(a)
+            if code:
+                return code
+        fn: Callable[..., object]
+        if not self.gemm:
+            fn = getattr(run.backend, self.name)
+        elif self.name == "matmul_f32":
+            fn = run.gemm
+        else:
+            fn = functools.partial(getattr(run.backend, self.name), workspace=run.gemm_workspace())
         try:
-            run.device_op(self.name, run.gemm if self.gemm else getattr(run.backend, self.name), tuple(a))
+            run.device_op(self.name, fn, tuple(a))
         except TensorWasmError as exc:  # CudaError, BackendUnavailable (cuBLAS missing) ...
             log_event(_log, logging.WARNING, "wasm.op_failed", tenant=run.tenant_id, op=self.name,
                       error=f"{type(exc).__name__}: {exc}")
@@ -188,6 +218,51 @@ class TensorOp:
 
 def _unary_ok(op: int, n: int) -> bool:
     return 0 <= op < len(UNARY_OPS)
+
+
+def _trans_ok(trans_a: int, trans_b: int) -> bool:
+    return trans_a in (0, 1) and trans_b in (0, 1)
+
+
+def _strided(stride: int, size: int, batch: int) -> int:
+    """Elements a strided batch of ``batch`` matrices of ``size`` elements spans (0: none is read)."""
+    return 0 if batch == 0 or size == 0 else (batch - 1) * stride + size
+
+
+def _batched_ok(trans_a: int, trans_b: int, m: int, n: int, k: int, stride_a: int, stride_b: int,
+                stride_c: int, batch: int) -> bool:
+    # the outputs of a batch must not overlap (their order of writes is not defined); inputs may
+    # (a stride of 0 broadcasts one matrix to every batch)
+    return _trans_ok(trans_a, trans_b) and (batch <= 1 or stride_c >= m * n)
+
+
+def _dtype_ok(*dtypes: int) -> bool:
+    return all(0 <= d < len(DTYPES) for d in dtypes)
+
+
+def _gather_check(a: list[Any]) -> int:
+    """Every row index inside the table (``table.nbytes // (4 * cols)`` rows), else BUFFER_BOUNDS.
+
+    The indices are copied out of guest memory first, so the backend uses exactly the ones checked.
+    """
+    import numpy as np
+
+    table, view, n, cols = a[0], a[1], a[2], a[3]
+    idx = np.frombuffer(view, dtype="<i4", count=n).copy()
+    if n and cols:
+        rows = table.nbytes // (4 * cols)
+        if int(idx.min()) < 0 or int(idx.max()) >= rows:
+            return _BUFFER_BOUNDS
+    a[1] = memoryview(idx.tobytes())
+    return _OK
+
+
+def _copy_check(a: list[Any]) -> int:
+    """Overlapping ranges of one buffer are INVALID (a device copy of overlapping memory is undefined)."""
+    src, src_off, dst, dst_off, nbytes = a
+    if src is dst and nbytes and src_off < dst_off + nbytes and dst_off < src_off + nbytes:
+        return _INVALID
+    return _OK
 
 
 def _rows_ok(rows: int, cols: int) -> bool:
@@ -222,4 +297,75 @@ TENSOR_OPS: tuple[TensorOp, ...] = (
     TensorOp("transpose_f32", ("x:buf", "out:buf", "rows:dim", "cols:dim"),
              lambda rows, cols: (rows * cols, rows * cols), distinct=(("out", "x"),),
              doc="`out[cols, rows] = x[rows, cols].T`; `out` aliasing `x` is `INVALID`"),
+    TensorOp("gemm_f32", ("trans_a:op", "trans_b:op", "m:dim", "n:dim", "k:dim", "alpha:f32", "a:buf", "b:buf",
+                          "beta:f32", "c:buf"),
+             lambda trans_a, trans_b, m, n, k: (m * k, k * n, m * n), valid=lambda trans_a, trans_b, m, n, k:
+             _trans_ok(trans_a, trans_b), distinct=(("c", "a"), ("c", "b")), gemm=True,
+             doc="`C[m,n] = alpha * op(A) @ op(B) + beta * C`, row-major; `op(A)` is `A[m,k]`, or `A[k,m]^T` "
+                 "when `trans_a` is 1 (`B[k,n]`, or `B[n,k]^T` when `trans_b` is 1); a `trans_*` other than 0 or 1 "
+                 "is `INVALID`; `beta = 0` does not read C; `c` aliasing `a` or `b` is `INVALID`"),
+    TensorOp("gemm_strided_batched_f32",
+             ("trans_a:op", "trans_b:op", "m:dim", "n:dim", "k:dim", "alpha:f32", "a:buf", "stride_a:dim", "b:buf",
+              "stride_b:dim", "beta:f32", "c:buf", "stride_c:dim", "batch:dim"),
+             lambda trans_a, trans_b, m, n, k, stride_a, stride_b, stride_c, batch: (
+                 _strided(stride_a, m * k, batch), _strided(stride_b, k * n, batch), _strided(stride_c, m * n, batch)),
+             valid=_batched_ok, distinct=(("c", "a"), ("c", "b")), gemm=True,
+             doc="`batch` GEMMs as `gemm_f32`, matrix `i` at element `i * stride_*` of each buffer (strides in "
+                 "floats; a stride of 0 uses one matrix for every batch); `stride_c < m * n` with `batch > 1` "
+                 "(overlapping outputs) is `INVALID`"),
+    TensorOp("binary_f32", ("op:op", "x:buf", "y:buf", "out:buf", "n:dim"), lambda op, n: (n, n, n),
+             valid=lambda op, n: 0 <= op < len(BINARY_OPS),
+             doc="`out[:n] = x[:n] <op> y[:n]`, `op` a `TWT_BIN_*` (0 add, 1 sub, 2 mul, 3 div, 4 max, 5 min; "
+                 "max/min propagate NaN like numpy); another `op` is `INVALID`; `out` may be `x` or `y`"),
+    TensorOp("binary_rows_f32", ("op:op", "m:buf", "v:buf", "out:buf", "rows:dim", "cols:dim"),
+             lambda op, rows, cols: (rows * cols, cols, rows * cols), valid=lambda op, rows, cols:
+             0 <= op < len(BINARY_OPS), distinct=(("out", "v"),),
+             doc="`out[r, :] = m[r, :] <op> v[:cols]` for every row (`op` a `TWT_BIN_*`); `out` may be `m`; "
+                 "`out` aliasing `v` is `INVALID`"),
+    TensorOp("scalar_f32", ("op:op", "x:buf", "a:f32", "out:buf", "n:dim"), lambda op, n: (n, n),
+             valid=lambda op, n: 0 <= op < len(BINARY_OPS),
+             doc="`out[:n] = x[:n] <op> a` (`op` a `TWT_BIN_*`, e.g. `TWT_BIN_SUB`: `x - a`); `out` may be `x`"),
+    TensorOp("reduce_rows_f32", ("op:op", "x:buf", "rows:dim", "cols:dim", "out:buf"),
+             lambda op, rows, cols: (rows * cols, rows),
+             valid=lambda op, rows, cols: 0 <= op < len(REDUCE_OPS) and _rows_ok(rows, cols),
+             distinct=(("out", "x"),),
+             doc="`out[r]` = sum, max or mean (`TWT_RED_SUM`, `_MAX`, `_MEAN`) of row `r` of `x[rows, cols]` "
+                 "(float32 result; max propagates NaN); `cols = 0` with `rows > 0` is `INVALID`; `out` aliasing "
+                 "`x` is `INVALID`"),
+    TensorOp("layernorm_rows_f32", ("x:buf", "gamma:buf", "beta:buf", "out:buf", "rows:dim", "cols:dim", "eps:f32"),
+             lambda rows, cols: (rows * cols, cols, cols, rows * cols), valid=_rows_ok,
+             distinct=(("out", "gamma"), ("out", "beta")),
+             doc="per row: `out = (x - mean) / sqrt(var + eps) * gamma + beta` (`var` the biased variance, "
+                 "as PyTorch's LayerNorm); `out` may be `x`; `out` aliasing `gamma` or `beta`, or `cols = 0` "
+                 "with `rows > 0`, is `INVALID`"),
+    TensorOp("gather_rows_f32", ("table:buf", "idx:ptr", "n:dim", "cols:dim", "out:buf"),
+             lambda n, cols: (0, n * cols), out_bytes=lambda n, cols: 4 * n, distinct=(("out", "table"),),
+             check=_gather_check,
+             doc="`out[i, :] = table[idx[i], :]` for `i < n`, rows of `cols` floats; `idx` points at `n` i32 "
+                 "row indices in guest memory (`MEMORY_BOUNDS` outside it); an index < 0 or past the table's "
+                 "last whole row is `BUFFER_BOUNDS`; `out` aliasing `table` is `INVALID`"),
+    TensorOp("copy", ("src:buf", "src_off:dim", "dst:buf", "dst_off:dim", "nbytes:dim"),
+             lambda src_off, dst_off, nbytes: (src_off + nbytes, dst_off + nbytes), unit=1, check=_copy_check,
+             doc="copies `nbytes` bytes from `src` at byte offset `src_off` to `dst` at `dst_off`, on the device; "
+                 "`src` may be `dst` when the ranges do not overlap (overlap is `INVALID`)"),
+    TensorOp("causal_mask_f32", ("x:buf", "rows:dim", "cols:dim", "offset:dim"),
+             lambda rows, cols, offset: (rows * cols,),
+             doc="`x[r, c] = -inf` where `c > r + offset`, in place (attention's causal mask; `offset`: "
+                 "positions before row 0, e.g. a KV cache's length)"),
+    TensorOp("cast", ("src:buf", "src_dtype:op", "dst:buf", "dst_dtype:op", "n:dim"),
+             lambda src_dtype, dst_dtype, n: (n * DTYPE_BYTES[src_dtype], n * DTYPE_BYTES[dst_dtype]), unit=1,
+             valid=lambda src_dtype, dst_dtype, n: _dtype_ok(src_dtype, dst_dtype), distinct=(("dst", "src"),),
+             doc="converts `n` elements of `src` (dtype `TWT_F32`, `TWT_F16` or `TWT_BF16`) into `dst` of "
+                 "another dtype, rounding to nearest even (NaN stays NaN); an unknown dtype or `dst` aliasing "
+                 "`src` is `INVALID`"),
+    TensorOp("gemm_ex", ("trans_a:op", "trans_b:op", "m:dim", "n:dim", "k:dim", "alpha:f32", "a:buf",
+                         "ab_dtype:op", "b:buf", "beta:f32", "c:buf", "c_dtype:op"),
+             lambda trans_a, trans_b, m, n, k, ab_dtype, c_dtype: (
+                 m * k * DTYPE_BYTES[ab_dtype], k * n * DTYPE_BYTES[ab_dtype], m * n * DTYPE_BYTES[c_dtype]),
+             unit=1, valid=lambda trans_a, trans_b, m, n, k, ab_dtype, c_dtype:
+             _trans_ok(trans_a, trans_b) and _dtype_ok(ab_dtype, c_dtype) and c_dtype in (0, ab_dtype),
+             distinct=(("c", "a"), ("c", "b")), gemm=True,
+             doc="`gemm_f32` over `A`, `B` of dtype `ab_dtype` and `C` of `c_dtype` (`TWT_F32`, `TWT_F16`, "
+                 "`TWT_BF16`), products accumulated in float32, the result rounded once to `c_dtype`; `c_dtype` "
+                 "must be `ab_dtype` or `TWT_F32` (cuBLAS has no other pairs), else `INVALID`"),
 )

@@ -17,7 +17,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.capability import TenantCapability, capability_to_text, read_capability_file, write_capability_file
+from shared.capability import MonitorCapability, TenantCapability, capability_to_text, read_capability_file, write_capability_file
 from shared.errors import RequestTimeout, SupervisorUnavailable
 from shared.records import TenantRecord
 from shared.sizes import decimal_size_note, format_size, parse_size
@@ -110,6 +110,13 @@ def _fraction_or_none(value: str) -> float | None:
     return number
 
 
+def _seconds_or_none(value: str) -> float | None:
+    """A time in seconds > 0, or ``none``."""
+    if value.strip().lower() in _NONE_WORDS:
+        return None
+    return positive_seconds(value)
+
+
 # ----------------------------------------------------------------- the tenant spec's flags
 
 #: register flag -> (TenantSpec field, argparse type, metavar, help)
@@ -132,6 +139,8 @@ SPEC_FLAGS: tuple[tuple[str, str, Callable[[str], object], str, str], ...] = (
      "work-conserving weight of the tenant's GPU time on its device (default 1)"),
     ("--gpu-time-cap", "gpu_time_cap", _fraction_or_none, "F|none",
      "hard ceiling on the tenant's fraction of its device's time, 0 < F <= 1 (default none)"),
+    ("--idle-timeout", "idle_timeout_s", _seconds_or_none, "S|none",
+     "park the tenant after S seconds without a request (default none: never parks)"),
 )
 def spec_flags(p: argparse.ArgumentParser) -> None:
     """``--file TOML`` and every tenant spec flag (``twt register``, ``twt cluster register``)."""
@@ -223,7 +232,7 @@ def check_cap_out(path: str | None) -> None:
         raise ValueError(f"--cap-out {path} is a directory")
 
 
-def emit_capability(args: argparse.Namespace, tenant_id: str, cap: TenantCapability,
+def emit_capability(args: argparse.Namespace, tenant_id: str, cap: TenantCapability | MonitorCapability,
                      applied: TenantRecord | None = None) -> None:
     """The capability (stdout, or --cap-out) and, from register, the limits the supervisor applied:
     on stdout beside --cap-out, else on stderr (``CAP=$(twt register acme)`` captures only the capability)."""

@@ -1,7 +1,14 @@
-"""``capability`` / ``twt capability``: the capability of a registered tenant.
+"""``capability`` / ``twt capability``: the capability of a registered tenant, or of a role.
 
     twt capability acme                          # as hex on stdout
     twt capability acme --cap-out acme.cap       # hex and a newline, mode 0600
+    twt capability --role monitor --cap-out monitor.cap   # the read-only monitoring capability
+
+The monitor capability grants the read-only ops only (``shared.protocol.MONITOR_OPS``:
+status, events, version, hello) and is accepted over TCP without
+``allow_remote_admin``: a monitoring host holds it instead of the admin one. It is
+minted from the registry key like the admin capability: the same bytes across
+restarts, revoked (with every other capability) by ``twt rotate-key``.
 """
 
 from __future__ import annotations
@@ -9,39 +16,63 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from shared.protocol import arg_str
+from shared.errors import InvalidArgument
+from shared.protocol import arg_opt_str
 from supervisor.control.ops._base import AdminOp, Args, Connect
-from supervisor.control.ops._cli import add_cap_out, check_cap_out, emit_capability, tenant_argument
+from supervisor.control.ops._cli import add_cap_out, check_cap_out, emit_capability
 
 if TYPE_CHECKING:
     from supervisor.control.admin import AdminOps
 
-__all__ = ["Capability"]
+__all__ = ["ROLES", "Capability"]
+
+#: the roles ``--role`` names (a tenant's capability is asked for by its name instead)
+ROLES = ("monitor",)
 
 
 class Capability(AdminOp):
     name = "capability"
-    args_doc = "`{tenant}`"
-    result_doc = "`{capability}`: the registered tenant's token (how tenants from the config file get theirs)"
-    errors_doc = "`UnknownTenant`"
+    args_doc = "`{tenant}` or `{role: \"monitor\"}`"
+    result_doc = ("`{capability}`: the registered tenant's token (how tenants from the config file get theirs), "
+                  "or the monitor role's (read-only ops only, accepted over TCP without `allow_remote_admin`)")
+    errors_doc = "`UnknownTenant`, `InvalidArgument` (neither or both of tenant and role, an unknown role)"
     command = "capability"
-    help = "print the capability of a registered tenant"
+    help = "print the capability of a registered tenant, or of the read-only monitor role"
     description = ("Print (or write with --cap-out) the current capability of a registered tenant, e.g. one "
-                   "registered from the supervisor's config file. Capabilities minted before an eviction stay "
-                   "revoked.")
+                   "registered from the supervisor's config file, or with --role monitor the read-only "
+                   "monitoring capability (status, events, version; remote without allow_remote_admin). "
+                   "Capabilities minted before an eviction stay revoked; rotate-key revokes them all.")
     json_help = "print {tenant, capability} as JSON"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        cap = part.registry.tenant_capability(part.admin_cap, arg_str(args, "tenant"))
-        self.answer(part, client, rid, {"capability": cap.to_bytes()})
+        tenant, role = arg_opt_str(args, "tenant"), arg_opt_str(args, "role")
+        if (tenant is None) == (role is None):
+            raise InvalidArgument("capability: name a tenant or a role (role: one of " + ", ".join(ROLES) + ")")
+        if role is not None:
+            if role not in ROLES:
+                raise InvalidArgument(f"capability: unknown role {role!r:.40} (known: {', '.join(ROLES)})")
+            cap = part.registry.monitor_capability(part.admin_cap)
+            self.answer(part, client, rid, {"capability": cap.to_bytes()})
+            return
+        assert tenant is not None
+        tcap = part.registry.tenant_capability(part.admin_cap, tenant)
+        self.answer(part, client, rid, {"capability": tcap.to_bytes()})
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
-        tenant_argument(p)
+        p.add_argument("tenant", metavar="TENANT", nargs="?", help="the tenant (or --role)")
+        p.add_argument("--role", choices=ROLES,
+                       help="a role's capability instead of a tenant's: monitor = the read-only ops (status, "
+                       "events, version), accepted remotely without allow_remote_admin (default: none)")
         add_cap_out(p)
 
     def run(self, args: argparse.Namespace, connect: Connect) -> int:
+        if (args.tenant is None) == (args.role is None):
+            raise ValueError("name a TENANT or a --role (not both)")
         check_cap_out(args.cap_out)
         with connect() as client:
+            if args.role is not None:
+                emit_capability(args, args.role, client.role_capability(None, args.role))
+                return 0
             cap = client.tenant_capability(None, args.tenant)
         emit_capability(args, args.tenant, cap)
         return 0

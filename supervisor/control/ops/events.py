@@ -31,7 +31,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from shared.capability import RegistryAdminCapability, TenantCapability, read_capability_file
+from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability, read_capability_file
 from shared.checks import is_int
 from shared.kinds import EVENT_KINDS
 from shared.sizes import format_size
@@ -103,10 +103,11 @@ def _follow(args: argparse.Namespace, connect: Connect) -> int:
             raise ValueError(f"--capability {args.capability} holds the admin capability: leave it out "
                              "(or give --admin-cap with --connect) to follow every event")
     if getattr(args, "connect", None) and cap is None and not args.admin_cap:
-        raise ValueError("--connect: every event needs the admin capability (--admin-cap FILE, and "
-                         "allow_remote_admin on the supervisor); a tenant follows its own with --capability FILE")
+        raise ValueError("--connect: every event needs the monitor capability (--admin-cap FILE with "
+                         "`twt capability --role monitor`'s token) or the admin one (and allow_remote_admin on the "
+                         "supervisor); a tenant follows its own with --capability FILE")
     with Reconnecting(args, connect, deadline_s=args.timeout) as source:
-        stream = follow(_Resuming(source, cap), cap or source.client.admin, kinds, timeout_s=args.timeout,
+        stream = follow(_Resuming(source, cap), cap or source.client.reader, kinds, timeout_s=args.timeout,
                         replay=args.replay)
         try:
             for event in stream:
@@ -148,7 +149,8 @@ class _Resuming:
         self._source = source
         self._cap = cap
 
-    def events_page(self, cap: TenantCapability | RegistryAdminCapability | None, after: int | None = None, *,
+    def events_page(self, cap: TenantCapability | RegistryAdminCapability | MonitorCapability | None,
+                    after: int | None = None, *,
                     kinds: Sequence[str] = (), max_events: int | None = None,
                     log: str | None = None) -> dict[str, object]:
         page = self._source.call(lambda c: c.events_page(self._cap, after, kinds=kinds, max_events=max_events,

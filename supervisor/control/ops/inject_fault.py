@@ -14,7 +14,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from shared import protocol as proto
-from shared.errors import InvalidArgument, TensorWasmError, WorkerLost
+from shared.errors import FaultInjectionDisabled, InvalidArgument, TensorWasmError, WorkerLost
 from shared.protocol import FAULT_KINDS
 from shared.worker_link import FaultAck, FaultExit, FaultOrder
 from shared.sizes import parse_size
@@ -33,7 +33,8 @@ class InjectFault(AdminOp):
     args_doc = "`{tenant, kind, instance?, params}`"
     result_doc = ("`{tenant, instance, pid, kind, ...armed}` once armed; for `crash`, `segfault` and `exit`, "
                   "`{..., exited, exit_code, signal}` once the process is gone")
-    errors_doc = "`UnknownTenant`, `InvalidArgument`, `WorkerLost` (no live instance)"
+    errors_doc = ("`UnknownTenant`, `InvalidArgument`, `WorkerLost` (no live instance), `FaultInjectionDisabled` "
+                  "(the supervisor runs with `fault_injection = false`)")
     command = "fault"
     help = "inject a fault into one of a tenant's workers (testing)"
     description = ("Break one worker on purpose. Kinds: crash (SIGKILL), segfault, exit (param code), "
@@ -43,6 +44,8 @@ class InjectFault(AdminOp):
     json_help = "print the supervisor's answer as JSON"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
+        if not part.config.fault_injection:  # the production setting: first, before the tenant is even named
+            raise FaultInjectionDisabled("inject_fault")
         tid = proto.arg_str(args, "tenant")
         rt = part.runtime(tid)
         kind = proto.arg_str(args, "kind")

@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 from shared import protocol as proto
-from shared.exitcodes import EXIT_FAILED, EXIT_OK
+from shared.errors import KernelTimeout, SupervisorUnavailable, TensorWasmError, WasmTrap
+from shared.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from shared.records import RunResult
 from supervisor.client.cli_args import print_json
 from supervisor.control.ops._base import Connect, WorkerOp
 from supervisor.control.ops._buffers import connect_tenant, resolve_handle
@@ -29,8 +31,9 @@ class RunWasm(WorkerOp):
     args_doc = "`{export, args: [int, float or {handle}], fuel?, timeout_s?, digest?}`"
     body_in_doc = "module bytes, or none with a `digest` from `put_module`"
     result_doc = ("`{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs, logs_dropped, "
-                  "exit_code, gpu_time_s, gpu_wait_s}` (`gpu_time_s`: device time the run's ops were charged; "
-                  "`gpu_wait_s`: how long they waited for the device lease)")
+                  "exit_code, gpu_time_s, gpu_wait_s, fuel_limit, timeout_s}` (`gpu_time_s`: device time the run's "
+                  "ops were charged; `gpu_wait_s`: how long they waited for the device lease; `fuel_limit`, "
+                  "`timeout_s`: the budget and deadline the run had, the request's capped by the tenant's spec)")
     errors_doc = ("`WasmCompile`, `WasmTrap` (`trap_code`), `KernelTimeout`, `MemoryExhausted`, `UnknownModule`, "
                   "`InvalidArgument` (also: buffers on different instances), `BufferLost`")
     command = "run"
@@ -55,19 +58,34 @@ class RunWasm(WorkerOp):
         add_capability_option(p)
 
     def run(self, args: argparse.Namespace, connect: Connect) -> int:
-        module = args.module.read_bytes()
-        client, cap = connect_tenant(args, connect, 30.0)
-        with client:
-            wasm_args = list(args.args)
-            if any(isinstance(a, dict) for a in wasm_args):
-                held = client.buffers(cap)
-                wasm_args = [{"handle": resolve_handle(a["handle"], held, args.tenant)} if isinstance(a, dict)
-                             else a for a in wasm_args]
-            reply = client.run_wasm(cap, module, args.invoke, wasm_args, fuel=args.fuel, timeout_s=args.timeout)
+        try:
+            module = args.module.read_bytes()
+            client, cap = connect_tenant(args, connect, 30.0)
+            with client:
+                wasm_args = list(args.args)
+                if any(isinstance(a, dict) for a in wasm_args):
+                    held = client.buffers(cap)
+                    wasm_args = [{"handle": resolve_handle(a["handle"], held, args.tenant)} if isinstance(a, dict)
+                                 else a for a in wasm_args]
+                reply = client.run_wasm(cap, module, args.invoke, wasm_args, fuel=args.fuel,
+                                        timeout_s=args.timeout)
+        except (TensorWasmError, OSError, ValueError) as exc:
+            notes = _capped_notes(args, exc)
+            if not args.json:
+                for note in notes:
+                    print(f"twt: note: {note}", file=sys.stderr)
+                raise  # printed by twt's one error handler, with its exit status
+            print_json({"ok": False, "error": _error_json(exc), "notes": notes})
+            if isinstance(exc, SupervisorUnavailable):
+                return EXIT_UNAVAILABLE
+            return EXIT_USAGE if isinstance(exc, ValueError) and not isinstance(exc, TensorWasmError) else EXIT_FAILED
+        notes = _capped_notes(args, reply)
         if args.json:
-            print_json(reply.to_wire())
-            return 0
+            print_json({"ok": reply.exit_code in (None, 0), **reply.to_wire(), "notes": notes})
+            return EXIT_OK if reply.exit_code in (None, 0) else EXIT_FAILED
         out = sys.stdout
+        for note in notes:
+            out.write(f"note: {note}\n")
         out.write(f"results: {list(reply.results)}\n")
         cached = "cached module" if reply.cached else "compiled"
         out.write(f"fuel used: {reply.fuel_used or 0:,}   time: {reply.elapsed_s * 1000:.3f} ms in the worker "
@@ -82,6 +100,35 @@ class RunWasm(WorkerOp):
             out.write(f"exit code: {exit_code}\n")
             return EXIT_OK if exit_code == 0 else EXIT_FAILED
         return EXIT_OK
+
+
+def _capped_notes(args: argparse.Namespace, outcome: object) -> list[str]:
+    """What the user asked for that the tenant's ceilings cut (``--timeout``, ``--fuel``), said so."""
+    timeout = fuel = None
+    if isinstance(outcome, RunResult):
+        timeout, fuel = outcome.timeout_s, outcome.fuel_limit
+    elif isinstance(outcome, KernelTimeout):
+        timeout = outcome.timeout_s
+    elif isinstance(outcome, WasmTrap):
+        fuel = outcome.fuel_limit
+    notes = []
+    if args.timeout is not None and timeout is not None and timeout < args.timeout:
+        notes.append(f"--timeout {args.timeout:g} s is above tenant {args.tenant}'s ceiling (its wasm_timeout_s): "
+                     f"the run was capped to {timeout:g} s")
+    if args.fuel is not None and fuel is not None and fuel < args.fuel:
+        notes.append(f"--fuel {args.fuel:,} is above tenant {args.tenant}'s ceiling (its wasm_fuel): "
+                     f"the run was capped to {fuel:,}")
+    return notes
+
+
+def _error_json(exc: BaseException) -> dict[str, object]:
+    """A failure as JSON: the typed error's wire form, or an OS / usage error's text."""
+    if isinstance(exc, TensorWasmError):
+        return {"type": type(exc).__name__, **exc.to_dict()}
+    if isinstance(exc, OSError):
+        text = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+        return {"type": type(exc).__name__, "code": "os_error", "message": text, "fields": {}}
+    return {"type": type(exc).__name__, "code": "usage", "message": str(exc), "fields": {}}
 
 
 def parse_wasm_arg(text: str) -> object:

@@ -33,6 +33,7 @@ _SET_QUOTA_HELP = {
     "recorded_cuda_mem_pool_quota": "recorded CUDA pool quota (retention hint); none clears it (default: unchanged)",
     "gpu_time_weight": "GPU-time weight, > 0 (default: unchanged)",
     "gpu_time_cap": "GPU-time ceiling, a fraction in (0, 1]; none removes it (default: unchanged)",
+    "idle_timeout_s": "seconds without a request before the tenant parks; none: never (default: unchanged)",
 }
 
 
@@ -40,7 +41,7 @@ class SetQuota(AdminOp):
     name = "set_quota"
     args_doc = ("`{tenant, memory_quota_bytes?, gpu_memory_bytes_cap? (nil: no cap), recorded_cuda_mem_pool_quota?}` "
                 "(ints or size strings), `gpu_time_weight?` (a number > 0), `gpu_time_cap?` (a number in (0, 1]; "
-                "nil: no cap)")
+                "nil: no cap), `idle_timeout_s?` (seconds; nil: never parks)")
     result_doc = "the tenant's status record"
     errors_doc = ("`UnknownTenant`, `InvalidArgument` (naming the key: a weight <= 0, NaN or infinite, a cap outside "
                   "(0, 1], a bool or a string for either; nothing is applied then)")
@@ -84,7 +85,7 @@ class SetQuota(AdminOp):
         changes = {k: getattr(args, k) for k in proto.QUOTA_KEYS if hasattr(args, k)}
         if not changes:
             raise ValueError("set-quota needs at least one of --memory-quota, --gpu-cap, --pool-quota, "
-                             "--gpu-time-weight, --gpu-time-cap")
+                             "--gpu-time-weight, --gpu-time-cap, --idle-timeout")
         with connect() as client:
             rec = client.set_quota(None, args.tenant, **changes)
         if args.json:

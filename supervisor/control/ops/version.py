@@ -40,7 +40,7 @@ class Version(AdminOp):
 
     def run(self, args: argparse.Namespace, connect: Connect) -> int:
         with connect() as client:
-            running = client.call("version", client.admin)
+            running = client.call("version", client.reader)
         if not isinstance(running, dict):
             raise ProtocolError(f"the version reply is not a map: {type(running).__name__}")
         if args.json:

@@ -27,7 +27,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,7 @@ from shared.errors import BackendUnavailable
 from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile
 from shared.rundir import temp_parent
+from supervisor.cluster.ray_bind import init_loopback_ray, private_ray_temp_dir
 
 if TYPE_CHECKING:
     from supervisor.cluster import RayCluster
@@ -71,25 +71,24 @@ def main(argv: list[str] | None = None) -> int:
     local = args.address is None
     temp_dir = None
     if local:
-        # loopback only, and no usage report: set before Ray is imported (read at import)
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # no usage report: set before Ray is imported (read at import); loopback: init_loopback_ray
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         other = os.environ.pop("RAY_ADDRESS", None)
         if other:
             print(f"twt bench cluster: RAY_ADDRESS={other} is left alone: starting an isolated local Ray "
                   "(give --address to use that cluster)", file=sys.stderr)
-        temp_dir = tempfile.mkdtemp(prefix="twt-bench-ray-", dir=temp_parent())  # short: Ray's socket paths
+        temp_dir = private_ray_temp_dir(temp_parent())  # short: Ray's socket paths; 0700, unlike Ray's own
     import ray
 
     from supervisor.cluster import RayCluster
     from supervisor.cluster.ray_cluster import ray_auth_mode
 
     try:
-        if local:
-            # address="local": always a new cluster of our own, never one found on the machine
-            ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False,
-                     object_store_memory=80 * MiB, _node_ip_address="127.0.0.1", _temp_dir=temp_dir,
-                     logging_level=logging.WARNING, log_to_driver=False, namespace="twt")
+        if temp_dir is not None:
+            # address="local": always a new cluster of our own, never one found on the machine;
+            # every Ray process on 127.0.0.1 only (supervisor.cluster.ray_bind)
+            init_loopback_ray(temp_dir, num_cpus=2, num_gpus=1, object_store_memory=80 * MiB,
+                              logging_level=logging.WARNING, log_to_driver=False, namespace="twt")
         else:
             _check_reachable(args.address)
             try:
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if ray.is_initialized():
             ray.shutdown()
         if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+            shutil.rmtree(os.path.dirname(temp_dir), ignore_errors=True)
 
 
 def _check_reachable(address: str) -> None:

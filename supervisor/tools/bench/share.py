@@ -21,6 +21,16 @@ memory, sampled by this process every few milliseconds.
     decision      what one lease decision costs here (shared memory, this process) against a
                   supervisor round trip (a ZeroMQ ipc request to another process)
 
+``--mix`` runs tenants that differ instead (one supervisor, scheduler on, weights 1:1):
+
+    heavy+chatty  a heavy GEMM tenant beside a chatty one (``chatty``: a 64-float fill, then
+                  0.1 / 0.3 / 1 ms of guest arithmetic, in a loop), in rounds alternating with a
+                  control whose chatty loop makes no device op (the same CPU competition): the
+                  heavy tenant's work rate vs the control's, the chatty op's wait for the device
+                  (p99 from the tenant's wait histogram), and the device busy time vs the control's
+    k instances   a tenant of k instances against one of one instance, all saturating: the
+                  accounted shares by tenant (50/50) and by instance
+
 ``--plot FILE.png`` (the ``plot`` extra: matplotlib) draws each tenant's
 share per 1 s window of the 7:3 and 8-tenant phases. Exit status 0 when
 every target is met, 4 when one is missed, 2 for bad usage.
@@ -402,6 +412,176 @@ def _cap(sup: SupervisorHandle, args: argparse.Namespace) -> CapResult:
         phase.close()
 
 
+# ----------------------------------------------------------------- mixes
+
+
+class MixGap(TypedDict):
+    gap_ms: float
+    spin: int
+    control_rates: list[float]  # heavy GEMMs/s beside the chatty loop without device ops
+    mix_rates: list[float]  # ... with them
+    ratio: float  # median of paired rounds
+    chatty_ops: int
+    chatty_wait_bins: list[int]  # per-op waits (GPU_WAIT_BUCKETS_S and +Inf) over the mix rounds
+    chatty_p99_ms: float  # the upper edge of the bin holding the 99th percentile
+    busy_control: float  # accounted device s per wall s
+    busy_mix: float
+
+
+class KResult(TypedDict):
+    k: int
+    accounted_s: list[float]  # the k instances' tenant, then the single one
+    tenant_share: float  # the k-instance tenant's share of the accounted time
+    busy: float  # accounted device s per wall s (below ~0.9 the host's CPUs, not the lease, decide)
+
+
+def _p99_ms(bins: Sequence[int]) -> float:
+    """The upper edge (ms) of the histogram bin that holds the 99th percentile (inf past the last)."""
+    from shared.quota import GPU_WAIT_BUCKETS_S
+
+    total = sum(bins)
+    if not total:
+        return float("inf")
+    seen = 0
+    for i, c in enumerate(bins):
+        seen += c
+        if seen >= 0.99 * total:
+            return GPU_WAIT_BUCKETS_S[i] * 1e3 if i < len(GPU_WAIT_BUCKETS_S) else float("inf")
+    return float("inf")
+
+
+def _chatty_loop(phase: Phase, t: Tenant, stop: threading.Event, ops: int, spin: int, device: int,
+                 counts: list[int]) -> Callable[[], None]:
+    def loop() -> None:
+        client = phase.sup.connect(timeout_s=600.0)
+        try:
+            while not stop.is_set():
+                done = client.run_wasm(t.cap, t.digest, "chatty", [ops, spin, device], fuel=1 << 62).results[0]
+                counts.append(int(done))
+        finally:
+            client.close()
+
+    return loop
+
+
+def _calibrate_spin(phase: Phase, t: Tenant) -> float:
+    """Guest arithmetic iterations per ms on this host (no device op; the median of 5 runs)."""
+    client = phase.sup.client
+    spin, ops = 200_000, 20
+    client.run_wasm(t.cap, t.digest, "chatty", [1, 1, 0], fuel=1 << 62)
+    per_ms = []
+    for _ in range(5):
+        t0 = time.monotonic()
+        client.run_wasm(t.cap, t.digest, "chatty", [ops, spin, 0], fuel=1 << 62)
+        t1 = time.monotonic()
+        client.run_wasm(t.cap, t.digest, "chatty", [ops, 0, 0], fuel=1 << 62)  # the run's own cost
+        t2 = time.monotonic()
+        per_ms.append(ops * spin / max(1e-6, ((t1 - t0) - (t2 - t1)) * 1e3))
+    return statistics.median(per_ms)
+
+
+def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap], KResult]:
+    from shared.quota import GPU_WAIT_BUCKETS_S
+
+    phase = Phase(sup, args.n, args.reps)
+    try:
+        heavy = phase.add("heavy", gpu_time_weight=1.0)
+        chatty = phase.add("chatty", instances=1, gpu_time_weight=1.0, wasm_fuel=1 << 50)
+        phase.sample_every(0.01)
+        per_ms = _calibrate_spin(phase, chatty)
+        gaps: list[MixGap] = []
+        for gap_ms in args.gaps:
+            spin = max(1, round(per_ms * gap_ms))
+            ops = max(10, round(250 / (gap_ms + 0.05)))  # runs of ~0.25 s: the lease's run-end release is rare
+            rates: dict[int, list[float]] = {0: [], 1: []}
+            busy: dict[int, list[float]] = {0: [], 1: []}
+            bins = [0] * (len(GPU_WAIT_BUCKETS_S) + 1)
+            chatty_ops = 0
+            for r in range(args.rounds):
+                for device in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    heavy.runs.clear()
+                    stop = threading.Event()
+                    counts: list[int] = []
+                    before = chatty.block.snapshot()
+                    loops = [phase.gemm_loop(heavy, stop) for _ in range(2)]
+                    loops.append(_chatty_loop(phase, chatty, stop, ops, spin, device, counts))
+                    t0, t1 = run_for(phase, loops, stop, args.seconds, warm_s=0.5)
+                    rates[device].append(heavy.work_between(t0, t1) / (t1 - t0))
+                    acc = (phase.accounted("heavy", t1) - phase.accounted("heavy", t0)
+                           + phase.accounted("chatty", t1) - phase.accounted("chatty", t0))
+                    busy[device].append(acc / (t1 - t0))
+                    if device:
+                        after = chatty.block.snapshot()
+                        bins = [b + a - c for b, a, c in zip(bins, after.gpu_wait_bins, before.gpu_wait_bins)]
+                        chatty_ops += after.gpu_waits - before.gpu_waits
+            gaps.append({"gap_ms": gap_ms, "spin": spin, "control_rates": rates[0], "mix_rates": rates[1],
+                         "ratio": statistics.median(m / c for m, c in zip(rates[1], rates[0]) if c),
+                         "chatty_ops": chatty_ops, "chatty_wait_bins": bins, "chatty_p99_ms": _p99_ms(bins),
+                         "busy_control": statistics.median(busy[0]), "busy_mix": statistics.median(busy[1])})
+    finally:
+        phase.close()
+    k = args.k
+    phase = Phase(sup, args.n, args.reps)
+    try:
+        many = phase.add("k-inst", instances=k, gpu_time_weight=1.0)
+        one = phase.add("one-inst", instances=1, gpu_time_weight=1.0)
+        phase.sample_every(0.01)
+        stop = threading.Event()
+        # two client threads per instance: each instance always has its next run queued
+        loops = [phase.gemm_loop(many, stop) for _ in range(2 * k)] + [phase.gemm_loop(one, stop) for _ in range(2)]
+        t0, t1 = run_for(phase, loops, stop, args.seconds, warm_s=2.0)
+        split = [phase.accounted(t.name, t1) - phase.accounted(t.name, t0) for t in (many, one)]
+        kres: KResult = {"k": k, "accounted_s": split, "tenant_share": split[0] / (sum(split) or 1.0),
+                         "busy": sum(split) / (t1 - t0)}
+    finally:
+        phase.close()
+    return gaps, kres
+
+
+def _mix_main(args: argparse.Namespace) -> int:
+    report = Report("share --mix")
+    base = {"log_level": "warning", "pool_size": 0, "backend": "stub", "gpu_time_quantum_s": args.quantum}
+    q_ms = args.quantum * 1e3
+    with launch({"supervisor": {**base, "gpu_time_scheduler": True}}) as on:
+        gaps, kres = _mix(on, args)
+    rows = []
+    for g in gaps:
+        rows.append([f"{g['gap_ms']:g}", " ".join(f"{r:.0f}" for r in g["control_rates"]),
+                     " ".join(f"{r:.0f}" for r in g["mix_rates"]), f"{g['ratio']:.2f}x", g["chatty_ops"],
+                     f"<= {g['chatty_p99_ms']:g}", f"{g['busy_control']:.0%}", f"{g['busy_mix']:.0%}"])
+    report.sections.append((
+        f"a heavy GEMM tenant ({args.n}^3, 2 instances) beside a chatty one (fill of 64 floats, then host work), "
+        f"weights 1:1, {args.rounds} rounds of {args.seconds:g} s alternating with the control",
+        format_table(["host gap ms", "heavy GEMMs/s control", "beside chatty", "ratio", "chatty ops",
+                      "chatty wait p99 ms", "busy control", "busy mix"], rows),
+    ))
+    report.sections.append((
+        f"{kres['k']} instances of one tenant against one instance of another, weights 1:1",
+        f"accounted device s: {kres['accounted_s'][0]:.2f} vs {kres['accounted_s'][1]:.2f} "
+        f"({kres['tenant_share']:.1%} to the {kres['k']}-instance tenant); device busy {kres['busy']:.0%} of the "
+        "wall time (the share is the lease's only while the device is the bottleneck, not the host's CPUs)",
+    ))
+    report.data.update({"mix": gaps, "k_instances": kres,
+                        "config": {"n": args.n, "reps": args.reps, "seconds": args.seconds, "rounds": args.rounds,
+                                   "quantum_s": args.quantum, "gaps_ms": args.gaps, "k": args.k}})
+    pts = " pts"
+    for g in gaps:
+        report.targets += [
+            Target(f"heavy beside chatty at {g['gap_ms']:g} ms gaps vs the control (work rate)", g["ratio"], 0.9),
+            Target(f"chatty wait per op at {g['gap_ms']:g} ms gaps, p99 (ms, bin edge) <= 1 quantum",
+                   g["chatty_p99_ms"], q_ms, higher_is_better=False, unit=" ms"),
+            Target(f"device busy beside chatty at {g['gap_ms']:g} ms gaps vs the control", g["busy_mix"]
+                   / (g["busy_control"] or 1.0), 0.95),
+        ]
+    report.targets.append(Target(f"{kres['k']} instances vs 1: distance of the tenant share from 50 %",
+                                 abs(kres["tenant_share"] - 0.5) * 100, 5.0, higher_is_better=False, unit=pts))
+    report.targets.append(Target("load threads that failed", float(len(ERRORS)), 0.0, higher_is_better=False,
+                                 unit=""))
+    if ERRORS:
+        report.sections.append(("errors", "\n".join(ERRORS[:20])))
+    return report.emit(as_json=args.json)
+
+
 # -------------------------------------------------------------- decision cost
 
 
@@ -525,6 +705,16 @@ def _plot(path: str, split: SplitResult, eight: EightResult) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _gap_list(text: str) -> list[float]:
+    try:
+        gaps = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"host gaps are ms, comma-separated: {text!r}") from None
+    if not gaps or any(not 0 < g <= 100 for g in gaps):
+        raise argparse.ArgumentTypeError(f"host gaps must be in (0, 100] ms: {text!r}")
+    return gaps
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench share", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
@@ -536,10 +726,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=count, default=64, help="GEMMs per guest run (default 64)")
     parser.add_argument("--quantum", type=seconds, default=0.01, help="gpu_time_quantum_s (default 0.01)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the shares per 1 s window (needs matplotlib)")
+    parser.add_argument("--mix", action="store_true",
+                        help="tenants that differ: a heavy one beside a chatty one, k instances against one")
+    parser.add_argument("--gaps", type=_gap_list, default=[0.1, 0.3, 1.0],
+                        help="--mix: the chatty tenant's host gaps, ms, comma-separated (default 0.1,0.3,1)")
+    parser.add_argument("--k", type=count, default=3, help="--mix: instances of the many-instance tenant (default 3)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0) and 2
+    if args.mix:
+        return _mix_main(args)
     report = Report("share")
     base = {"log_level": "warning", "pool_size": 0, "backend": "stub", "gpu_time_quantum_s": args.quantum}
     q_ms = args.quantum * 1e3

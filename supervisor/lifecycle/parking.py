@@ -1,0 +1,474 @@
+"""Parking: an idle tenant's workers exit, its buffers wait in the supervisor, and come back.
+
+    active ──idle_timeout_s without a request──► EXPORTING   export_buffers, export_chunk ... per instance
+       ▲                                            │ the copy is whole (a request meanwhile: cancelled,
+       │                                            │ the tenant stays active; no fit: park_refused)
+       │                                            ▼
+       │                                         STOPPING    its workers told to exit (an expected stop)
+       │                                            │ every worker gone
+       │                                            ▼
+       │                                         PARKED      no process; the host copies, charged to
+       │                                            │        the tenant's memory quota
+       │                                            │ any request that needs a worker
+       │                                            ▼
+       └──────── every instance imported ─────── ACTIVATING  pool workers bound with the old incarnation;
+                 (the host copy released;                    import_buffer ... per instance; requests wait
+                  the waiting requests sent)                 in order in ``TenantRuntime.parked``
+
+The rules that keep bytes and quota whole:
+
+* **Copy first, stop after.** The workers are told to exit only once every
+  buffer is whole in host memory. A worker that dies while exporting takes its
+  buffers with it exactly as an active tenant's crash would (its handles answer
+  ``BufferLost``); the park is abandoned, the partial copy dropped and its
+  charge released, and the restart policy handles the death as usual.
+* **Keep the copy until the import is confirmed.** A worker that dies while
+  importing is restarted by the restart policy with the *same* incarnation
+  (``InstanceSlot.keep_incarnation``), and the import starts over from the host
+  copy; the dead worker's partial imports are reclaimed with its quota share.
+* **Handles survive.** A handle encodes instance + incarnation + sequence
+  (:func:`shared.protocol.make_handle`). A parked slot keeps its incarnation:
+  the activating worker is bound with it, the buffers are imported under their
+  old handles, and the allocator continues after the old sequence, so a freed
+  handle never names a new buffer. An incarnation therefore is the life of a
+  slot's buffers, not of a process: only a death that loses them bumps it.
+* **Quota.** The host copies are charged to the tenant's memory quota (the
+  supervisor's share of its block) from the moment the manifest is known until
+  the import is confirmed; a park whose copies do not fit is refused with
+  :class:`~shared.errors.MemoryExhausted` (event ``park_refused``) and the tenant
+  stays active, its idle clock restarted. The GPU bytes leave the block when the
+  stopped workers' shares are reclaimed and come back as the imports allocate.
+  High-water marks, refusals and GPU time stay in the block: it is kept while
+  the tenant is parked (its segment is referenced by the registry, the status
+  and metrics readers and the regions' accounting; see docs/ARCHITECTURE.md).
+
+Owns: every tenant's :class:`~supervisor.runtime.tenants.ParkRecord` and its
+transitions. May touch: the worker set (requests, start, stop), the frontend's
+waiting requests (sent once activation is done), the tenant's quota block (the
+host copies' charge), events and the state store (the parked flag, written on
+its writer thread). Loop thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Final
+
+import zmq
+
+from shared.errors import MemoryExhausted, TensorWasmError
+from shared.log import get_logger, log_event
+from supervisor.lifecycle.workerset import WorkerSet
+from supervisor.observe.events import EventBus
+from supervisor.runtime.requests import Pending
+from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, ParkRecord, TenantRuntime, TenantState
+from supervisor.runtime.workers import WorkerHandle, WorkerState
+
+__all__ = ["PARK_CHUNK_BYTES", "Parking"]
+
+_log = get_logger("supervisor")
+
+#: the largest chunk of a buffer one export or import message carries
+PARK_CHUNK_BYTES: Final = 4 << 20
+
+
+class Parking:
+    """Parks idle tenants and activates them on their next request (see the module docstring)."""
+
+    def __init__(self, *, tenants: Mapping[str, TenantRuntime], workers: WorkerSet, events: EventBus,
+                 on_active: Callable[[TenantRuntime], None], clock: Callable[[], float],
+                 persist: Callable[[str, bool], None] | None = None,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
+        """``on_active(rt)``: the tenant serves again (a park cancelled, an activation done) - what
+        an instance that became ready means: its waiting requests are sent, its waiters answered
+        (``AdminOps.instance_ready``). ``persist(tenant, parked)``: record the parked flag durably
+        (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then)."""
+        self.tenants = tenants
+        self.workers = workers
+        self.events = events
+        self.on_active = on_active
+        self.clock = clock
+        self.persist = persist
+        self.stopping = stopping
+        #: parks and activations done, and parks refused (status and tests read them)
+        self.parks = 0
+        self.activations = 0
+        self.refusals = 0
+        #: the death watches of an export in progress, by tenant: taken off when it ends
+        self._watches: dict[str, list[tuple[WorkerHandle, Callable[[WorkerHandle], None]]]] = {}
+
+    # ------------------------------------------------------------ parking
+
+    def check_idle(self, now: float) -> None:
+        """Housekeeping: park every tenant idle past its ``idle_timeout_s``."""
+        for rt in list(self.tenants.values()):
+            timeout = rt.spec.idle_timeout_s
+            if timeout is None or rt.park is not None:
+                continue
+            if rt.last_request == 0.0:
+                rt.last_request = now  # the idle clock starts with the first look
+                continue
+            if now - rt.last_request >= timeout and _parkable(rt):
+                self.park(rt, now)
+
+    def park(self, rt: TenantRuntime, now: float) -> None:
+        """Begin parking ``rt``: ask each instance for its buffer list."""
+        rec = ParkRecord(ParkPhase.EXPORTING, now)
+        rt.park = rec
+        for slot in rt.wanted_slots():
+            worker = slot.worker
+            assert worker is not None  # _parkable: every wanted slot is ready
+            rec.todo.add(slot.index)
+
+            def died(w: WorkerHandle, rt: TenantRuntime = rt, rec: ParkRecord = rec) -> None:
+                self._died_exporting(rt, rec, w)
+
+            worker.death_waiters.append(died)
+            self._watches.setdefault(rt.tenant_id, []).append((worker, died))
+            self._send(rt, slot, worker, "export_buffers", {}, None, self._manifest_of(rt, rec, slot))
+        log_event(_log, logging.INFO, "tenant.parking", tenant=rt.tenant_id, instances=len(rec.todo))
+
+    def _manifest_of(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> Callable[[bool, object], None]:
+        def done(ok: bool, payload: object) -> None:
+            self._on_manifest(rt, rec, slot, ok, payload)
+
+        return done
+
+    def _current(self, rt: TenantRuntime, rec: ParkRecord, phase: ParkPhase) -> bool:
+        return self.tenants.get(rt.tenant_id) is rt and rt.park is rec and rec.phase is phase
+
+    def _on_manifest(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, ok: bool, payload: object) -> None:
+        if not self._current(rt, rec, ParkPhase.EXPORTING):
+            return
+        if not ok or not isinstance(payload, dict):
+            self._abandon(rt, rec, f"export_buffers failed: {_message(payload)}")
+            return
+        listed = payload.get("buffers")
+        seq = payload.get("seq")
+        if not isinstance(listed, list) or not isinstance(seq, int):
+            self._abandon(rt, rec, "export_buffers answered an unusable manifest")
+            return
+        sizes: list[tuple[int, int]] = []
+        for entry in listed:
+            if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, int) for x in entry)
+                    and entry[1] > 0):
+                self._abandon(rt, rec, "export_buffers answered an unusable manifest")
+                return
+            sizes.append((entry[0], entry[1]))
+        need = sum(n for _, n in sizes)
+        try:
+            self._charge(rt, rec, need)  # before a byte of host memory is taken for the copies
+            buffers = [ParkedBuffer(handle, bytearray(n)) for handle, n in sizes]
+        except MemoryExhausted as exc:
+            self._refuse(rt, rec, exc)
+            return
+        except MemoryError:  # within the quota, but the supervisor's host has not that much free
+            snap = rt.block.snapshot()
+            self._refuse(rt, rec, MemoryExhausted(
+                rt.tenant_id, need, snap.memory_quota_bytes, snap.bytes_in_use,
+                message=f"tenant {rt.tenant_id!r} was not parked: the supervisor could not take {need:,} B of "
+                "host memory for its buffers; it stays active"))
+            return
+        rec.buffers[slot.index] = buffers
+        rec.seqs[slot.index] = seq
+        self._export_next(rt, rec, slot, 0, 0)
+
+    def _charge(self, rt: TenantRuntime, rec: ParkRecord, need: int) -> None:
+        """Charge ``need`` host bytes to the tenant's memory quota, or MemoryExhausted (nothing
+        charged, no refusal counted: a park that does not fit is not the tenant's allocation)."""
+        if need == 0:
+            return
+        snap = rt.block.snapshot()
+        if snap.bytes_in_use + need > snap.memory_quota_bytes:
+            raise MemoryExhausted(
+                rt.tenant_id, need, snap.memory_quota_bytes, snap.bytes_in_use,
+                message=f"tenant {rt.tenant_id!r} was not parked: its buffers need {need + rec.charged:,} B of host "
+                f"memory and its memory quota has {max(0, snap.memory_quota_bytes - snap.bytes_in_use + rec.charged):,} B "
+                f"free of {snap.memory_quota_bytes:,} B; it stays active (raise memory_quota_bytes or free buffers)",
+            )
+        rt.block.consume_bytes(need)
+        rec.charged += need
+
+    def _release(self, rt: TenantRuntime, rec: ParkRecord) -> None:
+        if rec.charged and not rt.block.closed:
+            rt.block.release_bytes(rec.charged)
+        rec.charged = 0
+
+    def _export_next(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, index: int, offset: int) -> None:
+        """Copy the next chunk of instance ``slot``'s buffers (buffer ``index`` at ``offset``)."""
+        buffers = rec.buffers[slot.index]
+        if index >= len(buffers):
+            rec.todo.discard(slot.index)
+            if not rec.todo:
+                self._exported(rt, rec)
+            return
+        buf = buffers[index]
+        n = min(PARK_CHUNK_BYTES, len(buf.data) - offset)
+        worker = slot.worker
+        if worker is None or worker.state is not WorkerState.READY:
+            self._abandon(rt, rec, "an instance went away while its buffers were copied")
+            return
+
+        def on_body(body: zmq.Frame | bytes | memoryview | None) -> None:
+            data = memoryview(body.buffer if isinstance(body, zmq.Frame) else body or b"")
+            if len(data) == n:
+                buf.data[offset:offset + n] = data
+
+        def done(ok: bool, payload: object) -> None:
+            if not self._current(rt, rec, ParkPhase.EXPORTING):
+                return
+            if not ok or not isinstance(payload, dict) or payload.get("nbytes") != n:
+                self._abandon(rt, rec, f"export_chunk failed: {_message(payload)}")
+                return
+            if offset + n < len(buf.data):
+                self._export_next(rt, rec, slot, index, offset + n)
+            else:
+                self._export_next(rt, rec, slot, index + 1, 0)
+
+        self._send(rt, slot, worker, "export_chunk", {"handle": buf.handle, "offset": offset, "nbytes": n}, None,
+                   done, on_body)
+
+    def _exported(self, rt: TenantRuntime, rec: ParkRecord) -> None:
+        """Every buffer is whole in host memory: now the workers may go."""
+        self._unwatch(rt)
+        rec.phase = ParkPhase.STOPPING
+        workers = []
+        for slot in rt.wanted_slots():
+            slot.keep_incarnation = True
+            if slot.worker is not None and slot.worker.state is not WorkerState.DEAD:
+                workers.append(slot.worker)
+        remaining = {w.worker_id for w in workers}
+        rt.refresh_state()
+
+        def gone(worker: WorkerHandle) -> None:
+            remaining.discard(worker.worker_id)
+            if not remaining and self.tenants.get(rt.tenant_id) is rt and rt.park is rec:
+                self._parked(rt, rec)
+
+        for worker in workers:
+            worker.death_waiters.append(gone)
+            self.workers.stop_worker(worker, "parked")
+        if not workers:
+            self._parked(rt, rec)
+
+    def _parked(self, rt: TenantRuntime, rec: ParkRecord) -> None:
+        rec.phase = ParkPhase.PARKED
+        rt.refresh_state()
+        self.parks += 1
+        self.events.emit("park", tenant=rt.tenant_id, buffers=sum(len(b) for b in rec.buffers.values()),
+                         host_bytes=rec.host_bytes, park_ms=round((self.clock() - rec.since) * 1000, 3))
+        if self.persist is not None:
+            self.persist(rt.tenant_id, True)
+        if (rec.wanted or rt.parked) and not self.stopping():
+            self.activate(rt)
+
+    def _died_exporting(self, rt: TenantRuntime, rec: ParkRecord, worker: WorkerHandle) -> None:
+        """A worker died while its buffers were copied: they went with it, as in any crash."""
+        if self._current(rt, rec, ParkPhase.EXPORTING):
+            self._abandon(rt, rec, f"worker {worker.worker_id} died while its buffers were copied")
+
+    def _abandon(self, rt: TenantRuntime, rec: ParkRecord, why: str) -> None:
+        """The park did not happen: the tenant stays active, its idle clock restarted."""
+        log_event(_log, logging.WARNING, "tenant.park_abandoned", tenant=rt.tenant_id, reason=why)
+        self._cancel(rt, rec)
+
+    def _refuse(self, rt: TenantRuntime, rec: ParkRecord, exc: MemoryExhausted) -> None:
+        self.refusals += 1
+        self.events.emit("park_refused", tenant=rt.tenant_id, error=exc.to_dict())
+        self._cancel(rt, rec)
+
+    def _cancel(self, rt: TenantRuntime, rec: ParkRecord) -> None:
+        self._unwatch(rt)
+        self._release(rt, rec)
+        rec.buffers.clear()
+        rt.park = None
+        rt.last_request = self.clock()
+        rt.refresh_state()
+        self.on_active(rt)
+
+    def _unwatch(self, rt: TenantRuntime) -> None:
+        for worker, watch in self._watches.pop(rt.tenant_id, ()):
+            if worker.state is not WorkerState.DEAD and watch in worker.death_waiters:  # a dead one's are being run
+                worker.death_waiters.remove(watch)
+
+    # ------------------------------------------------------------ activation
+
+    def wake(self, rt: TenantRuntime) -> None:
+        """A request that needs a worker came for a parked (or parking) tenant; it waits in
+        ``rt.parked`` until this is done."""
+        rec = rt.park
+        if rec is None:
+            return
+        if rec.phase is ParkPhase.EXPORTING:  # nothing stopped yet: the tenant simply stays active
+            self._cancel(rt, rec)
+        elif rec.phase is ParkPhase.STOPPING:
+            rec.wanted = True  # activated once its workers are gone
+        elif rec.phase is ParkPhase.PARKED and not self.stopping():
+            self.activate(rt)
+
+    def activate(self, rt: TenantRuntime) -> None:
+        """Bind a worker to each instance (a warm one from the pool, else a fresh one), keeping
+        the incarnation; :meth:`instance_ready` restores the buffers."""
+        rec = rt.park
+        assert rec is not None
+        rec.phase = ParkPhase.ACTIVATING
+        rec.since = self.clock()
+        rec.wanted = False
+        rec.todo = {slot.index for slot in rt.wanted_slots()}
+        rec.importing.clear()
+        rt.refresh_state()
+        for slot in rt.wanted_slots():
+            slot.keep_incarnation = True
+            # a worker that is DEAD here is one whose death is being handled (its death waiters
+            # run before the slot is emptied): the slot is free; the rest of that handling sees
+            # the slot taken and leaves it
+            if slot.worker is None or slot.worker.state is WorkerState.DEAD:
+                self.workers.start_instance(rt, slot)
+        if not rec.todo:
+            self._activated(rt, rec)
+        else:
+            self.instance_ready(rt)  # a slot whose worker was still there (none today) imports at once
+
+    def instance_ready(self, rt: TenantRuntime) -> bool:
+        """An instance of ``rt`` became ready: during an activation, its buffers go back in first.
+        True when this was parking's business (the caller then sends nothing yet)."""
+        rec = rt.park
+        if rec is None:
+            return False
+        if rec.phase is ParkPhase.PARKED:  # started by something else (scale, reset): activate it now
+            rec.phase = ParkPhase.ACTIVATING
+            rec.since = self.clock()
+            rec.todo = {slot.index for slot in rt.wanted_slots()}
+        if rec.phase is not ParkPhase.ACTIVATING:
+            return False
+        for slot in rt.wanted_slots():
+            worker = slot.worker
+            if (slot.index in rec.todo and slot.ready and worker is not None
+                    and rec.importing.get(slot.index) is not worker):
+                rec.importing[slot.index] = worker
+                self._import_next(rt, rec, slot, worker, 0, 0, first=True)
+        return True
+
+    def _import_next(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle,
+                     index: int, offset: int, *, first: bool = False) -> None:
+        buffers = rec.buffers.get(slot.index, [])
+        seq = rec.seqs.get(slot.index, 0)
+        if index >= len(buffers) and not first:
+            rec.todo.discard(slot.index)
+            rec.importing.pop(slot.index, None)
+            if not rec.todo:
+                self._activated(rt, rec)
+            return
+
+        def done(ok: bool, payload: object) -> None:
+            if not (self.tenants.get(rt.tenant_id) is rt and rt.park is rec and rec.phase is ParkPhase.ACTIVATING
+                    and rec.importing.get(slot.index) is worker):
+                return
+            if not ok:
+                if worker.state is WorkerState.DEAD:
+                    return  # restarted with the same incarnation; the import starts over then
+                self._activation_failed(rt, rec, payload)
+                return
+            if index >= len(buffers):
+                self._import_next(rt, rec, slot, worker, index, 0)
+            elif offset + n < len(buffers[index].data):
+                self._import_next(rt, rec, slot, worker, index, offset + n)
+            else:
+                self._import_next(rt, rec, slot, worker, index + 1, 0)
+
+        if index >= len(buffers):  # an instance without buffers: only its handle sequence
+            n = 0
+            self._send(rt, slot, worker, "import_buffer", {"handle": None, "seq": seq}, None, done)
+            return
+        buf = buffers[index]
+        n = min(PARK_CHUNK_BYTES, len(buf.data) - offset)
+        body = memoryview(buf.data)[offset:offset + n]
+        self._send(rt, slot, worker, "import_buffer",
+                   {"handle": buf.handle, "nbytes": len(buf.data), "offset": offset, "seq": seq}, body, done)
+
+    def _activated(self, rt: TenantRuntime, rec: ParkRecord) -> None:
+        """Every instance holds its buffers again: the host copy goes, the waiting requests are sent."""
+        self._release(rt, rec)
+        restored = sum(len(b) for b in rec.buffers.values())
+        host_bytes = rec.host_bytes
+        rec.buffers.clear()
+        for slot in rt.slots:
+            slot.keep_incarnation = False
+        rt.park = None
+        rt.last_request = self.clock()
+        rt.refresh_state()
+        self.activations += 1
+        self.events.emit("activate", tenant=rt.tenant_id, buffers=restored, host_bytes=host_bytes,
+                         activate_ms=round((self.clock() - rec.since) * 1000, 3))
+        if self.persist is not None:
+            self.persist(rt.tenant_id, False)
+        self.on_active(rt)
+
+    def _activation_failed(self, rt: TenantRuntime, rec: ParkRecord, payload: object) -> None:
+        """An import was refused (the GPU cap was lowered below the buffers while parked): the
+        tenant goes back to parked with its host copy, and what waited is answered the error."""
+        exc = _error(payload)
+        log_event(_log, logging.WARNING, "tenant.activation_failed", tenant=rt.tenant_id, error=str(exc))
+        rec.phase = ParkPhase.STOPPING
+        rec.importing.clear()
+        workers = [s.worker for s in rt.wanted_slots() if s.worker is not None and s.worker.state is not WorkerState.DEAD]
+        remaining = {w.worker_id for w in workers}
+
+        def gone(worker: WorkerHandle) -> None:
+            remaining.discard(worker.worker_id)
+            if not remaining and self.tenants.get(rt.tenant_id) is rt and rt.park is rec:
+                rec.phase = ParkPhase.PARKED
+                rt.refresh_state()
+
+        for worker in workers:
+            worker.death_waiters.append(gone)
+            self.workers.stop_worker(worker, "activation failed")
+        if not workers:
+            rec.phase = ParkPhase.PARKED
+        rt.refresh_state()
+        while rt.parked:
+            self.workers.pending.refuse_parked(rt.tenant_id, rt.parked.popleft(), exc)
+
+    def activation_stopped(self, rt: TenantRuntime) -> None:
+        """The tenant failed, or an instance is not restarted, during an activation: it stays
+        parked with its host copy (the next request, or ``twt reset``, activates it again)."""
+        rec = rt.park
+        if rec is not None and rec.phase is ParkPhase.ACTIVATING:
+            rec.importing.clear()
+            if not any(s.coming_up for s in rt.wanted_slots()):
+                rec.phase = ParkPhase.PARKED
+                if rt.state is not TenantState.FAILED:
+                    rt.refresh_state()
+
+    # ------------------------------------------------------------ sending
+
+    def _send(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, op: str, args: dict[str, object],
+              body: memoryview | None, done: Callable[[bool, object], None],
+              on_body: Callable[[zmq.Frame | bytes | memoryview | None], None] | None = None) -> None:
+        now = self.clock()
+        pending = Pending(None, 0, op, rt.tenant_id, slot.index, now, now + rt.spec.request_timeout_s, done,
+                          on_body=on_body)
+        try:
+            self.workers.send_request(worker, op, args, body, pending)
+        except TensorWasmError as exc:
+            done(False, exc.to_dict())
+
+
+def _parkable(rt: TenantRuntime) -> bool:
+    """Idle and whole: running, nothing in flight or waiting, no registration or rolling restart."""
+    wanted = rt.wanted_slots()
+    return (rt.state is TenantState.RUNNING and rt.in_flight == 0 and not rt.parked and not rt.register_waiters
+            and not rt.ready_waiters and not rt.rolling and rt.rolling_slot is None and bool(wanted)
+            and all(s.ready and s.worker is not None and not s.worker.in_flight for s in wanted)
+            and all(s.worker is None for s in rt.slots if s.draining) and not rt.block.closed)
+
+
+def _message(payload: object) -> str:
+    return str(payload.get("message")) if isinstance(payload, dict) else repr(payload)
+
+
+def _error(payload: object) -> TensorWasmError:
+    from shared.errors import error_from_dict
+
+    return error_from_dict(payload if isinstance(payload, dict) else {"message": repr(payload)})

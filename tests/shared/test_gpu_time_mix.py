@@ -1,0 +1,314 @@
+"""The lease board with tenants that differ, on a fake clock: a chatty tenant beside a heavy one,
+idle holds, siblings of one tenant, and the steal path's race.
+
+A small event simulation drives worker handles in this process: the heavy
+tenant runs 2 ms chunks back to back (its next request 20 us after each), the
+chatty one asks for a tiny op, then does ``gap`` of host work (no request),
+and again. Device time is what the simulation charges; the clock only moves
+forward, by chunks, ops and 10 us polls (a waiter looking again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from shared import _atomics
+from shared.gpu_time import _GRANT_NS, _HANDOVER_GRACE_NS, _VCLOCK, GpuTimeBoard
+
+pytestmark = pytest.mark.timeout(60)
+
+US = 1_000
+MS = 1_000_000
+QUANTUM = 5 * MS
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 10**12
+
+    def __call__(self) -> int:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def board(clock: FakeClock) -> Iterator[GpuTimeBoard]:
+    b = GpuTimeBoard.create(0, quantum_s=QUANTUM / 1e9, clock=clock)
+    try:
+        yield b
+    finally:
+        b.unlink()
+        b.close()
+
+
+@pytest.fixture
+def workers(board: GpuTimeBoard, clock: FakeClock) -> Iterator[list[GpuTimeBoard]]:
+    made: list[GpuTimeBoard] = []
+    yield made
+    for w in made:
+        w.close()
+
+
+def attach(board: GpuTimeBoard, clock: FakeClock, made: list[GpuTimeBoard], tenant: int) -> GpuTimeBoard:
+    w = GpuTimeBoard.attach(board.name, tenant_slot=tenant, clock=clock)
+    made.append(w)
+    return w
+
+
+def p99(values: list[int]) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def run_mix(board: GpuTimeBoard, clock: FakeClock, made: list[GpuTimeBoard], gap: int, *, chatty_ops: bool,
+            span: int = 1000 * MS, op: int = 20 * US, chunk: int = 2 * MS, heavy_gap: int = 20 * US
+            ) -> tuple[int, int, list[int]]:
+    """(heavy device ns, chatty device ns, chatty waits) over ``span`` of fake time; with
+    ``chatty_ops`` False the chatty loop does its host work only (the control)."""
+    heavy = attach(board, clock, made, board.add_tenant(1.0))
+    chatty = attach(board, clock, made, board.add_tenant(1.0))
+    end = clock.t + span
+    next_h = next_c = clock.t
+    c_asked: int | None = None
+    heavy_ns = chatty_ns = 0
+    waits: list[int] = []
+
+    def requests() -> None:
+        nonlocal c_asked, next_c
+        if clock.t >= next_h:
+            heavy.want(next_h)
+        if chatty_ops and c_asked is None and clock.t >= next_c:
+            c_asked = next_c
+            chatty.want(c_asked)
+
+    while clock.t < end:
+        requests()
+        if c_asked is not None and chatty.try_acquire(clock.t):
+            waits.append(clock.t - c_asked)
+            clock.t += op
+            chatty_ns += op
+            requests()
+            chatty.finish(op)
+            c_asked, next_c = None, clock.t + gap
+            continue
+        if clock.t >= next_h and heavy.try_acquire(clock.t):
+            clock.t += chunk
+            heavy_ns += chunk
+            requests()
+            heavy.finish(chunk)
+            next_h = clock.t + heavy_gap
+            continue
+        clock.t += 10 * US
+    return heavy_ns, chatty_ns, waits
+
+
+@pytest.mark.parametrize("gap", [100 * US, 300 * US, 1 * MS])
+def test_a_heavy_tenant_keeps_the_device_beside_a_chatty_one(gap: int, clock: FakeClock,
+                                                             workers: list[GpuTimeBoard]) -> None:
+    """The chatty tenant's host work is not spent holding the device: the heavy tenant keeps >= 0.9x
+    of its rate beside a chatty loop that makes no device op, and the chatty op waits < a quantum."""
+    rates = {}
+    for chatty_ops in (False, True):
+        board = GpuTimeBoard.create(0, quantum_s=QUANTUM / 1e9, clock=clock)
+        try:
+            heavy_ns, chatty_ns, waits = run_mix(board, clock, workers, gap, chatty_ops=chatty_ops)
+            rates[chatty_ops] = heavy_ns
+            if chatty_ops:
+                assert len(waits) > 100
+                assert p99(waits) <= QUANTUM
+                snap = board.snapshot()
+                used = sorted(int(v["used_ns"] or 0) for v in snap.tenants.values())
+                assert used == sorted([heavy_ns, chatty_ns])  # charged device time, nothing else
+        finally:
+            for w in workers:
+                w.close()
+            workers.clear()
+            board.unlink()
+            board.close()
+    assert rates[True] >= 0.9 * rates[False]
+
+
+def test_a_holder_with_long_host_gaps_hands_over_at_its_op_end(board: GpuTimeBoard, clock: FakeClock,
+                                                               workers: list[GpuTimeBoard]) -> None:
+    chatty = attach(board, clock, workers, board.add_tenant())
+    other = attach(board, clock, workers, board.add_tenant())
+    for _ in range(8):  # its history: an op, then 0.5 ms of host work
+        chatty.acquire()
+        clock.t += 10 * US
+        assert not chatty.finish(10 * US)
+        clock.t += 500 * US
+    assert chatty.try_acquire(clock.t)
+    other.want(clock.t)
+    clock.t += 10 * US
+    assert chatty.finish(10 * US)  # someone waits: handed over now, not held through host work
+    assert other.try_acquire(clock.t)
+    assert board.snapshot().handoffs == 1
+
+
+def test_an_idle_holder_is_stolen_from_after_the_grace(board: GpuTimeBoard, clock: FakeClock,
+                                                       workers: list[GpuTimeBoard]) -> None:
+    holder = attach(board, clock, workers, board.add_tenant())
+    waiter = attach(board, clock, workers, board.add_tenant())
+    assert holder.try_acquire(clock.t)
+    clock.t += 20 * US
+    assert not holder.finish(20 * US)  # a tiny op (its grace: the floor); nobody waits: kept
+    waiter.want(clock.t)
+    clock.t += _HANDOVER_GRACE_NS // 2
+    assert not waiter.try_acquire(clock.t)  # within the grace: the holder's next op may be on its way
+    clock.t += _HANDOVER_GRACE_NS // 2
+    assert waiter.try_acquire(clock.t)  # idle past it: the device does not wait for host work
+    assert board.snapshot().steals == 1
+
+
+def test_an_idle_hold_while_others_wait_is_charged_to_the_holder(board: GpuTimeBoard, clock: FakeClock,
+                                                                 workers: list[GpuTimeBoard]) -> None:
+    t = board.add_tenant(2.0)
+    holder = attach(board, clock, workers, t)
+    waiter = attach(board, clock, workers, board.add_tenant())
+    assert holder.try_acquire(clock.t)
+    clock.t += MS
+    holder.finish(MS)
+    pass_before = int(board.snapshot().tenants[t]["pass"] or 0)
+    waiter.want(clock.t)  # the waiter sleeps through the grace (a late wake-up): nobody steals
+    clock.t += 400 * US
+    assert holder.acquire() == 0  # fast path: it still held the device
+    snap = board.snapshot()
+    assert snap.tenants[t]["pass"] == pass_before + 400 * US // 2  # the idle hold, at weight 2
+    assert snap.tenants[t]["used_ns"] == MS  # not device time: the quota is not charged
+
+
+def test_alone_an_idle_hold_costs_nothing(board: GpuTimeBoard, clock: FakeClock,
+                                          workers: list[GpuTimeBoard]) -> None:
+    t = board.add_tenant()
+    holder = attach(board, clock, workers, t)
+    assert holder.try_acquire(clock.t)
+    clock.t += MS
+    holder.finish(MS)
+    clock.t += 5 * MS
+    assert holder.acquire() == 0
+    assert board.snapshot().tenants[t]["pass"] == MS
+
+
+def share_by_worker(board: GpuTimeBoard, clock: FakeClock, ws: list[GpuTimeBoard], span: int) -> list[int]:
+    """Every worker always wants the device; the holder tries first (the order that favours it)."""
+    got = [0] * len(ws)
+    end = clock.t + span
+    for w in ws:
+        w.want(clock.t)
+    while clock.t < end:
+        order = sorted(range(len(ws)), key=lambda i: not ws[i].holds())
+        for i in order:
+            if ws[i].try_acquire(clock.t):
+                d = 1 * MS
+                clock.t += d
+                got[i] += d
+                ws[i].finish(d)
+                clock.t += 5 * US
+                for w in ws:
+                    if not w.holds():
+                        w.want(clock.t)
+                break
+        else:
+            clock.t += 10 * US
+    return got
+
+
+def test_siblings_of_one_tenant_share_its_time(board: GpuTimeBoard, clock: FakeClock,
+                                               workers: list[GpuTimeBoard]) -> None:
+    """A tie on pass (two instances of one tenant) does not keep the holder for ever."""
+    t = board.add_tenant()
+    ws = [attach(board, clock, workers, t) for _ in range(2)]
+    got = share_by_worker(board, clock, ws, 1000 * MS)
+    assert min(got) / sum(got) == pytest.approx(0.5, abs=0.05)
+
+
+def test_k_instances_against_one_split_by_tenant(board: GpuTimeBoard, clock: FakeClock,
+                                                 workers: list[GpuTimeBoard]) -> None:
+    a, b = board.add_tenant(), board.add_tenant()
+    ws = [attach(board, clock, workers, a) for _ in range(3)] + [attach(board, clock, workers, b)]
+    got = share_by_worker(board, clock, ws, 2000 * MS)
+    total = sum(got)
+    assert got[3] / total == pytest.approx(0.5, abs=0.03)  # 50/50 by tenant, not 75/25 by worker
+    for i in range(3):
+        assert got[i] / total == pytest.approx(0.5 / 3, abs=0.04)  # and the siblings split theirs
+
+
+def test_a_steal_that_loses_its_cas_grants_nothing(board: GpuTimeBoard, clock: FakeClock,
+                                                   workers: list[GpuTimeBoard]) -> None:
+    """The decider picks another waiter and CASes the owner word; the holder retook it meanwhile:
+    no grant is counted, and neither the pick's pass nor the virtual clock moves."""
+    holder = attach(board, clock, workers, board.add_tenant())
+    decider = attach(board, clock, workers, board.add_tenant())
+    pick_t = board.add_tenant()
+    pick = attach(board, clock, workers, pick_t)
+    assert holder.try_acquire(clock.t)
+    clock.t += 20 * MS
+    holder.finish(20 * MS)
+    pick.want(clock.t - MS)  # waiting longer, a smaller pass: the policy's pick
+    clock.t += 2 * _HANDOVER_GRACE_NS  # the holder idle past the grace: stealable
+    real_pick = decider.pick
+
+    def racing_pick(now: int, **kw: object) -> int | None:
+        chosen = real_pick(now, **kw)  # type: ignore[arg-type]
+        assert holder.try_acquire(clock.t)  # the holder's next op wins the owner word first
+        return chosen
+
+    decider.pick = racing_pick  # type: ignore[method-assign]
+    buf = board._buf  # the words the lost race must not touch
+    before = (board.snapshot().grants, _atomics.load(buf, _GRANT_NS), _atomics.load(buf, _VCLOCK),
+              board.snapshot().tenants[pick_t]["pass"])
+    assert not decider.try_acquire(clock.t)
+    assert holder.holds()
+    after = (board.snapshot().grants, _atomics.load(buf, _GRANT_NS), _atomics.load(buf, _VCLOCK),
+             board.snapshot().tenants[pick_t]["pass"])
+    assert after == before
+    assert board.snapshot().steals == 0
+
+
+def test_a_worker_that_lent_the_device_takes_it_back_at_a_chunk_boundary(board: GpuTimeBoard, clock: FakeClock,
+                                                                        workers: list[GpuTimeBoard]) -> None:
+    """Lending (an op-end handover for host work) does not cost the lender its place: its next op
+    takes the device back at the borrower's next chunk end while its pass is the smaller, not a
+    whole quantum later."""
+    lender = attach(board, clock, workers, board.add_tenant())
+    borrower = attach(board, clock, workers, board.add_tenant())
+    for _ in range(8):  # a history of 0.2 ms host gaps
+        lender.acquire()
+        clock.t += 10 * US
+        lender.finish(10 * US)
+        clock.t += 200 * US
+    borrower.want(clock.t)
+    assert lender.try_acquire(clock.t)
+    clock.t += 10 * US
+    assert lender.finish(10 * US)  # lent at its op's end
+    assert borrower.try_acquire(clock.t)
+    clock.t += 200 * US
+    lender.want(clock.t)  # its next op, one host gap later
+    clock.t += 2 * MS
+    assert borrower.finish(2 * MS)  # one chunk, not a quantum: handed back
+    assert lender.try_acquire(clock.t)
+
+
+def test_a_holder_of_long_ops_keeps_the_device_through_a_short_gap(board: GpuTimeBoard, clock: FakeClock,
+                                                                   workers: list[GpuTimeBoard]) -> None:
+    """The grace grows with the holder's ops (four times their length, at most half a quantum): a GEMM
+    tenant whose next op comes 0.3-1 ms after a 4 ms one is not stolen from - the thief would hold a
+    whole chunk for a short idle spell, and weights would no longer decide the shares."""
+    holder = attach(board, clock, workers, board.add_tenant())
+    waiter = attach(board, clock, workers, board.add_tenant())
+    for _ in range(4):
+        holder.acquire()
+        clock.t += 4 * MS
+        holder.finish(4 * MS)
+        clock.t += 300 * US
+    waiter.want(clock.t)
+    clock.t += 300 * US
+    assert not waiter.try_acquire(clock.t)  # idle 0.6 ms: within its grace (2.5 ms: half a quantum)
+    clock.t += 2 * MS  # idle 2.6 ms: past it, now it is
+    assert waiter.try_acquire(clock.t)

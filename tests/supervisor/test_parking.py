@@ -1,0 +1,426 @@
+"""Parking: an idle tenant's workers exit, its buffers wait in the supervisor and come back with
+the same handles on its next request; refusals, kill -9 in each phase, and a restart.
+
+Real supervisors on the stub backend. Every wait is for an event (the supervisor's event log) or
+a state, never for a duration; ``idle_timeout_s`` is tiny so the tests park at once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import protocol as proto
+from shared.capability import TenantCapability
+from shared.errors import BufferLost, InvalidArgument, TensorWasmError
+from shared.region import Region
+from shared.spec import TenantSpec
+from supervisor.cli import main
+from supervisor.client.api import SupervisorClient
+from supervisor.client.launch import SupervisorHandle, launch
+from supervisor.lifecycle.parking import PARK_CHUNK_BYTES
+from supervisor.tools.demo import guest_path
+from tests.helpers.cluster import FAST, supervisor, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
+
+pytestmark = pytest.mark.timeout(180)
+
+IDLE = 0.3
+
+
+def _cursor(c: SupervisorClient) -> int:
+    nxt = c.events_page(None)["next"]
+    assert isinstance(nxt, int)
+    return nxt
+
+
+def _wait_event(c: SupervisorClient, kind: str, tid: str, after: int) -> dict[str, Any]:
+    """The first ``kind`` event of ``tid`` after sequence number ``after`` (polls the event log)."""
+
+    def find() -> dict[str, Any] | None:
+        page = c.events_page(None, after, kinds=[kind])
+        events = page["events"]
+        assert isinstance(events, list)
+        return next((e for e in events if isinstance(e, dict) and e.get("tenant") == tid), None)
+
+    found = wait_for(find, what=f"a {kind} event of {tid}")
+    assert found is not None
+    return found
+
+
+def _park_soon(c: SupervisorClient, tid: str) -> dict[str, Any]:
+    """Give ``tid`` the tiny idle time now (set up first, then parked: no race with the set-up)
+    and wait for its park."""
+    mark = _cursor(c)
+    c.set_quota(None, tid, idle_timeout_s=IDLE)
+    return _wait_event(c, "park", tid, mark)
+
+
+def _pattern(n: int, seed: int) -> bytes:
+    return bytes((i * 31 + seed) & 0xFF for i in range(n))
+
+
+def _ready_pid(c: SupervisorClient, tid: str) -> int | None:
+    inst = tenant(c.status(), tid).instances[0]
+    return inst.pid if inst.state == "ready" else None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> None:
+    big = PARK_CHUNK_BYTES + 12345  # more than one chunk each way
+    with supervisor([{"name": "sleepy"}, {"name": "busy"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "sleepy")
+        small = c.alloc(cap, 4096)
+        large = c.alloc(cap, big)
+        c.write(cap, small, _pattern(4096, 1))
+        c.write(cap, large, _pattern(big, 2))
+        before = c.quota(cap)
+        old_pid = _ready_pid(c, "sleepy")
+        assert old_pid is not None and before.gpu_bytes_in_use == 4096 + big
+        park = _park_soon(c, "sleepy")
+        assert park["buffers"] == 2 and park["host_bytes"] == 4096 + big
+        rec = tenant(c.status(), "sleepy")
+        assert rec.state == "parked" and rec.pids == ()
+        wait_for(lambda: _gone(old_pid), what="the parked worker gone")
+        assert tenant(c.status(), "busy").state == "running"  # no idle_timeout_s: never parks
+        # quota kept exactly: the bytes moved from the device to the supervisor's host copy
+        parked = c.quota(cap)
+        assert parked.gpu_bytes_in_use == 0
+        assert parked.bytes_in_use == before.bytes_in_use + 4096 + big
+        assert parked.gpu_high_water == before.gpu_high_water
+        assert parked.gpu_refusals == before.gpu_refusals and parked.cpu_refusals == before.cpu_refusals
+        # the listing is answered from the host copy: no activation
+        assert c.buffers(cap) == {small: 4096, large: big}
+        assert tenant(c.status(), "sleepy").state == "parked"
+        # a read activates it: same handles, same bytes, a new process
+        mark = _cursor(c)
+        assert c.read(cap, large, big) == _pattern(big, 2)
+        activated = _wait_event(c, "activate", "sleepy", mark)
+        assert activated["buffers"] == 2
+        assert c.read(cap, small, 4096) == _pattern(4096, 1)
+        new_pid = _ready_pid(c, "sleepy")
+        assert new_pid is not None and new_pid != old_pid
+        rec = tenant(c.status(), "sleepy")
+        assert rec.state in ("running", "parked")  # it may park again at once: idle_timeout_s is tiny
+        active = c.quota(cap)
+        assert active.bytes_in_use == before.bytes_in_use or active.gpu_bytes_in_use == 0
+        # handles go on after the old ones: a new buffer never takes a freed or restored one's name
+        c.free(cap, small)
+        fresh = c.alloc(cap, 64)
+        assert proto.handle_seq(fresh) > max(proto.handle_seq(small), proto.handle_seq(large))
+        assert proto.handle_incarnation(fresh) == proto.handle_incarnation(large)
+        with pytest.raises(InvalidArgument, match="unknown buffer handle"):
+            c.read(cap, small, 16)
+
+
+def test_each_kind_of_request_activates_a_parked_tenant() -> None:
+    probe = guest_path("probe").read_bytes()
+    with supervisor([{"name": "lazy"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "lazy")
+        buf = c.alloc(cap, 8192)
+        c.write(cap, buf, _pattern(8192, 3))
+        seen = [_cursor(c)]  # the last activate event's number: the next park comes after it
+        c.set_quota(None, "lazy", idle_timeout_s=IDLE)
+
+        def parked_then(call: Any) -> Any:
+            _wait_event(c, "park", "lazy", seen[0])
+            assert tenant(c.status(), "lazy").state == "parked"
+            mark = _cursor(c)
+            result = call()
+            seen[0] = _wait_event(c, "activate", "lazy", mark)["seq"]
+            return result
+
+        # a plain tenant op
+        assert parked_then(lambda: c.ping(cap)).tenant == "lazy"
+        # run_wasm
+        assert parked_then(lambda: c.run_wasm(cap, probe, "add", [1, 2])).results == (3,)
+        # a region op (write_region: region bytes into the restored buffer)
+        grant = c.region_create(cap, 65536)  # answered by the supervisor: no worker needed
+        region = Region.attach(grant.name)
+        try:
+            region.span(0, 8192)[:] = _pattern(8192, 9)
+            assert parked_then(lambda: c.write_region(cap, buf, grant.region, 8192)) == 8192
+        finally:
+            region.close()
+            c.region_release(cap, grant.region)
+        assert parked_then(lambda: c.read(cap, buf, 8192)) == _pattern(8192, 9)
+        # requests that come together during an activation wait in order and are all served
+        _wait_event(c, "park", "lazy", seen[0])
+        results: list[bytes] = []
+        errors: list[BaseException] = []
+
+        def reader(k: int) -> None:
+            try:
+                with SupervisorClient(sup.run_dir) as own:
+                    results.append(own.read(cap, buf, 8192))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and results == [_pattern(8192, 9)] * 4
+
+
+def test_park_refused_when_the_buffers_do_not_fit_the_memory_quota() -> None:
+    with supervisor([{"name": "tight", "idle_timeout_s": IDLE, "memory_quota_bytes": "1MiB"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "tight")
+        h = c.alloc(cap, 2 << 20)  # GPU bytes: not bounded by the host quota
+        c.write(cap, h, _pattern(2 << 20, 5))
+        pid = _ready_pid(c, "tight")
+        before = c.quota(cap)
+        refused = _wait_event(c, "park_refused", "tight", 0)
+        err = refused["error"]
+        assert isinstance(err, dict) and err["code"] == "memory_exhausted", err
+        assert "was not parked" in str(err["message"])
+        # the tenant stays active: same worker, same buffer, counters untouched
+        rec = tenant(c.status(), "tight")
+        assert rec.state == "running" and _ready_pid(c, "tight") == pid
+        after = c.quota(cap)
+        assert after.bytes_in_use == before.bytes_in_use and after.cpu_refusals == before.cpu_refusals
+        assert c.read(cap, h, 2 << 20) == _pattern(2 << 20, 5)
+        # raising the quota lets it park
+        mark = _cursor(c)
+        c.set_quota(None, "tight", memory_quota_bytes=64 << 20)
+        _wait_event(c, "park", "tight", mark)
+        assert c.read(cap, h, 2 << 20) == _pattern(2 << 20, 5)
+
+
+def test_idle_timeout_is_validated_and_changes_live() -> None:
+    with pytest.raises(ValueError, match="idle_timeout_s"):
+        TenantSpec("x", idle_timeout_s=0)
+    with pytest.raises(TypeError, match="idle_timeout_s"):
+        TenantSpec("x", idle_timeout_s="soon")  # type: ignore[arg-type]
+    assert TenantSpec("x").idle_timeout_s is None
+    with supervisor([{"name": "later"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "later")
+        with pytest.raises(InvalidArgument, match="idle_timeout_s"):
+            c.set_quota(None, "later", idle_timeout_s=-1.0)
+        mark = _cursor(c)
+        rec = c.set_quota(None, "later", idle_timeout_s=IDLE)
+        assert rec.spec.idle_timeout_s == IDLE
+        _wait_event(c, "park", "later", mark)
+        assert c.ping(cap).tenant == "later"
+        c.set_quota(None, "later", idle_timeout_s=None)  # never parks again
+        assert tenant(c.status(), "later").spec.idle_timeout_s is None
+
+
+def test_kill_9_of_the_worker_while_parking_loses_no_quota() -> None:
+    """The worker dies while its buffers are copied out: the park is abandoned, the copy's charge
+    released, and the death is an ordinary crash (restarted; its buffers went with it)."""
+    with supervisor([{"name": "victim"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "victim")
+        h = c.alloc(cap, 1 << 20)
+        base = c.quota(cap)
+        pid = _ready_pid(c, "victim")
+        assert pid is not None
+        c.inject_fault(None, "victim", "slow", ms=3000)  # each reply of the copy waits 3 s
+        c.set_quota(None, "victim", idle_timeout_s=IDLE)
+        try:
+            # the manifest came (the copy is charged to the memory quota); a chunk is being copied
+            wait_for(lambda: c.quota(cap).bytes_in_use == base.bytes_in_use + (1 << 20),
+                     what="the park's copy charged")
+            assert tenant(c.status(), "victim").instances[0].in_flight >= 1
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        # restarted (it may park again at once: it holds nothing now)
+        wait_for(lambda: (r := tenant(c.status(), "victim")).restarts == 1 and r.state in ("running", "parked"),
+                 what="the restarted worker")
+        q = c.quota(cap)
+        assert q.bytes_in_use == base.bytes_in_use  # the host copy's charge released
+        assert q.gpu_bytes_in_use == 0  # the dead worker's share reclaimed
+        mark = _cursor(c)
+        with pytest.raises(BufferLost):
+            c.read(cap, h, 16)
+        # and the tenant parks cleanly afterwards
+        _wait_event(c, "park", "victim", mark)
+
+
+def test_kill_9_of_the_worker_while_activating_loses_no_bytes() -> None:
+    """The pool worker taken for the activation is killed before the import is confirmed: the host
+    copy is kept, a new worker is bound with the same incarnation and the buffers come back whole."""
+    with supervisor([{"name": "phoenix"}], pool_size=1) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "phoenix")
+        n = 3 * PARK_CHUNK_BYTES // 2
+        h = c.alloc(cap, n)
+        c.write(cap, h, _pattern(n, 7))
+        base = c.quota(cap).bytes_in_use  # the client's staging region, if it used one
+        _park_soon(c, "phoenix")
+        pool = wait_for(lambda: c.status().supervisor.pool.pids, what="a warm pool worker")
+        victim = pool[0]
+        os.kill(victim, signal.SIGSTOP)  # it is bound for the activation but cannot finish it
+        got: list[bytes] = []
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                with SupervisorClient(sup.run_dir, regions=False) as own:  # no region charged to the quota
+                    got.append(own.read(cap, h, n))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        t = threading.Thread(target=reader)
+        mark = _cursor(c)
+        t.start()
+        try:
+            wait_for(lambda: tenant(c.status(), "phoenix").instances[0].pid == victim,
+                     what="the pool worker taken for the activation")
+        finally:
+            os.kill(victim, signal.SIGKILL)
+        t.join(120)
+        assert not errors, errors
+        assert got == [_pattern(n, 7)]
+        _wait_event(c, "activate", "phoenix", mark)
+        c.set_quota(None, "phoenix", idle_timeout_s=None)  # no more parks (one under way ends first)
+
+        def settled() -> bool:
+            q = c.quota(cap)  # active (n on the device), or parked again (n in the supervisor's copy)
+            return (tenant(c.status(), "phoenix").state in ("running", "parked")
+                    and q.bytes_in_use + q.gpu_bytes_in_use == base + n)  # nothing lost, nothing charged twice
+
+        wait_for(settled, what="the bytes in one place")
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="twt-p", dir=short_temp_dir())
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _start(run_dir: str, tenants: list[dict[str, Any]] | None = None) -> Any:
+    return launch({"supervisor": {**FAST, "log_level": "warning"}, "tenant": tenants or []}, run_dir=run_dir)
+
+
+def test_a_restart_brings_a_parked_tenant_back_parked(run_dir: str) -> None:
+    with _start(run_dir) as sup:
+        c = sup.client
+        cap_raw = c.register(None, TenantSpec("dormant")).to_bytes()
+        c.register(None, TenantSpec("awake"))
+        h = c.alloc(TenantCapability.from_bytes(cap_raw), 64)
+        _park_soon(c, "dormant")  # idle_timeout_s set with set_quota: stored too
+    sup2: SupervisorHandle
+    with _start(run_dir) as sup2:
+        c = sup2.client
+        rec = tenant(c.status(), "dormant")
+        assert rec.state == "parked" and rec.pids == ()  # not started at all
+        assert tenant(c.status(), "awake").state == "running"
+        cap = TenantCapability.from_bytes(cap_raw)  # still valid
+        assert c.ping(cap).tenant == "dormant"
+        # the host copies did not survive the restart (docs/OPERATIONS.md): the old handle is lost
+        with pytest.raises(BufferLost):
+            c.read(cap, h, 16)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_the_parked_state_shows_in_twt_status_and_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
+    port = _free_port()
+    with supervisor([{"name": "napper"}], metrics_addr=f"127.0.0.1:{port}",
+                    metrics_tenant_names=True, metrics_renders_per_s=1000) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "napper")
+        c.alloc(cap, 4096)
+        _park_soon(c, "napper")
+        samples = _scrape(f"http://127.0.0.1:{port}/metrics")
+        # a parked tenant has no series of its own (10,000 of them must not cost a scrape 30 MB):
+        # counted by state, its buffer copies in the parked tenants' host bytes
+        assert samples[("twt_tenants_by_state", (("state", "parked"),))] == 1
+        assert samples[("twt_tenants_by_state", (("state", "running"),))] == 0
+        assert samples[("twt_tenants_host_in_use_bytes", (("state", "parked"),))] == 4096
+        assert not [key for key in samples if ("tenant", "napper") in key[1]]
+        code = main(["status", "--run-dir", sup.run_dir])
+        out, _ = capsys.readouterr()
+        row = next(line for line in out.splitlines() if line.startswith("napper"))
+        assert row.split()[1:3] == ["parked", "0/1"], row
+        assert code == 0  # parked is healthy
+        assert "napper/0" not in out  # no "instance down" note for an idle tenant
+        # the key from the command line: set-quota changes it, register takes it
+        assert main(["set-quota", "napper", "--idle-timeout", "none", "--run-dir", sup.run_dir]) == 0
+        assert tenant(c.status(), "napper").spec.idle_timeout_s is None
+        assert main(["register", "late", "--idle-timeout", "2.5", "--run-dir", sup.run_dir]) == 0
+        assert tenant(c.status(), "late").spec.idle_timeout_s == 2.5
+        capsys.readouterr()
+
+
+def test_every_instance_of_a_tenant_parks_and_comes_back_and_a_parked_tenant_can_be_evicted() -> None:
+    with supervisor([{"name": "pair", "instances": 2}, {"name": "gone"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "pair")
+        h0 = c.alloc(cap, 3000, instance=0)
+        h1 = c.alloc(cap, 5000, instance=1)
+        c.write(cap, h0, _pattern(3000, 11))
+        c.write(cap, h1, _pattern(5000, 12))
+        park = _park_soon(c, "pair")
+        assert park["buffers"] == 2 and park["host_bytes"] == 8000
+        assert tenant(c.status(), "pair").pids == ()
+        mark = _cursor(c)
+        assert c.read(cap, h1, 5000) == _pattern(5000, 12)  # activates both instances
+        _wait_event(c, "activate", "pair", mark)
+        assert c.read(cap, h0, 3000) == _pattern(3000, 11)
+        assert c.buffers(cap) == {h0: 3000, h1: 5000}
+        # a parked tenant is evicted like any other: nothing to stop, its capability revoked
+        gone = c.tenant_capability(None, "gone")
+        _park_soon(c, "gone")
+        assert c.evict(None, "gone").pids == ()
+        assert "gone" not in {t.tenant_id for t in c.status().tenants}
+        with pytest.raises(TensorWasmError):
+            c.ping(gone)
+
+
+def test_a_tenant_on_the_cuda_backend_parks_and_comes_back_whole() -> None:
+    """The cuda backend on the fake driver (tests/helpers/fake_cuda.py, as the cuda supervisor tests
+    run it): the buffers leave device memory through the backend's copies and come back."""
+    fake = "tests.helpers.fake_cuda"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_CUDA_", "CUDA_MPS_"))}
+    env["FAKE_CUDA_MEMORY"] = str(1 << 30)
+    settings = {**FAST, "backend": "cuda", "cuda_driver_module": fake, "cuda_nvrtc_module": fake,
+                "device_reserve_bytes": 0}
+    n = PARK_CHUNK_BYTES + 4099
+    with launch({"supervisor": settings, "tenant": []}, env=env) as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("gpu-tenant", gpu_memory_bytes_cap=64 << 20))
+        h = c.alloc(cap, n)
+        c.write(cap, h, _pattern(n, 21))
+        assert c.quota(cap).gpu_bytes_in_use >= n
+        park = _park_soon(c, "gpu-tenant")
+        assert park["host_bytes"] == n and c.quota(cap).gpu_bytes_in_use == 0
+        with SupervisorClient(sup.run_dir, regions=False) as own:
+            assert own.read(cap, h, n) == _pattern(n, 21)
+        assert c.quota(cap).gpu_bytes_in_use >= n or tenant(c.status(), "gpu-tenant").state == "parked"
