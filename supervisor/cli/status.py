@@ -58,8 +58,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--all", action="store_true", help=f"list every tenant (the table shows the first {PAGE})")
     p.add_argument("--limit", type=_page_size, metavar="N",
                    help=f"list at most N tenants (1..{STATUS_PAGE_MAX}; the table's default: {PAGE})")
-    p.add_argument("--after", metavar="ID", help="list the tenants after this tenant id (the next page)")
-    p.add_argument("--state", metavar="STATE", help="list only tenants in this state (running, stopped, ...)")
+    p.add_argument("--after", metavar="ID", help="list the tenants after this tenant id (the next page; default: from the first)")
+    p.add_argument("--state", metavar="STATE", help="list only tenants in this state (running, stopped, ...; default: every state)")
     add_run_dir(p)
     p.set_defaults(func=run)
 
