@@ -164,6 +164,38 @@ def test_echo_is_answered_by_the_tenants_worker_through_the_typed_call() -> None
         proto.Echo.Args(text="x").reply({"text": 1})
 
 
+def _op_name_branches(path: Path) -> list[str]:
+    """Comparisons of an ``op`` (a name or an attribute so called) with an op's name in ``path``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        if not any(isinstance(n, ast.Name) and n.id == "op" or isinstance(n, ast.Attribute) and n.attr == "op"
+                   for n in sides):
+            continue
+        names = [c.value for side in sides for c in ast.walk(side) if isinstance(c, ast.Constant)]
+        if any(isinstance(v, str) and v in proto.OPS for v in names):
+            found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_the_request_path_names_no_op(tmp_path: Path) -> None:
+    """The frontend, the routing (the pending table), the admission and the spec read the ops'
+    declared properties: none compares an op with an op's name."""
+    root = Path(__file__).resolve().parents[2]
+    files = [*sorted((root / "supervisor" / "admission").glob("*.py")),
+             *sorted((root / "supervisor" / "routing").glob("*.py")), root / "shared" / "spec.py"]
+    assert [b for f in files for b in _op_name_branches(f)] == []
+    probe = root / "supervisor" / "admission" / "frontend.py"
+    assert _op_name_branches(probe) == [] and "def _serve" in probe.read_text()  # the scan reads real code
+    fake = tmp_path / "_probe_branch.py"  # and it finds a branch when there is one
+    fake.write_text('def f(op: str) -> bool:\n    return op == "run_wasm" or op in ("a", "buffers")\n')
+    assert _op_name_branches(fake) == ["_probe_branch.py:2", "_probe_branch.py:2"]
+
+
 def test_version_names_the_running_supervisors_build(capsys: pytest.CaptureFixture[str]) -> None:
     """An admin op the supervisor serves: its definition and its one class (handler, command, doc notes)."""
     import json
