@@ -58,6 +58,7 @@ __all__ = [
     "OpSpec",
     "WireArgs",
     "WireReply",
+    "wire_fields",
     "arg_int",
     "arg_map",
     "arg_opt_int",
@@ -227,7 +228,7 @@ class OpSpec:
               client: str = "invoke", **flags: typing.Any) -> OpSpec:
         """The definition of a typed op: its argument rows and reply text derived from its
         :class:`WireArgs` and reply dataclasses (one declaration of each)."""
-        return cls(name, flags.pop("admin", False), _arg_rows(args_type), _reply_text(reply_type), errors, client,
+        return cls(name, flags.pop("admin", False), wire_fields(args_type), _reply_text(reply_type), errors, client,
                    args_type=args_type, reply_type=reply_type, **flags)
 
     def handles(self, args: Mapping[str, object]) -> list[int]:
@@ -352,8 +353,8 @@ def _field_types(cls: type) -> dict[dataclasses.Field[object], tuple[type, ...]]
     return out
 
 
-def _arg_rows(args_type: type) -> tuple[Arg, ...]:
-    """The argument rows of a typed op: a field without a default is required."""
+def wire_fields(args_type: type) -> tuple[Arg, ...]:
+    """The fields of a typed op's arguments or reply as rows: a field without a default is required."""
     return tuple(Arg(field.name, types_, field.default is dataclasses.MISSING
                      and field.default_factory is dataclasses.MISSING)
                  for field, types_ in _field_types(args_type).items())
