@@ -19,6 +19,7 @@ unpacker per message with explicit ``max_*_len`` limits and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import types
 import typing
@@ -292,7 +293,7 @@ class WireReply:
         if not isinstance(payload, dict):
             raise ProtocolError(f"{cls.__name__}: the reply is no map")
         values: dict[str, object] = {}
-        for field, types_ in _field_types(cls).items():
+        for field, types_ in _field_types(typing.cast(type, cls)).items():
             if field.name not in payload:
                 if field.default is dataclasses.MISSING:
                     raise ProtocolError(f"{cls.__name__}: the reply has no {field.name!r}")
@@ -306,7 +307,7 @@ class WireReply:
 
 class WireArgs(Generic[R]):
     """Base of a typed op's argument dataclass: its op's name, its wire map, its reply type (the
-    type parameter, e.g. ``WireArgs[EchoReply]``)."""
+    type parameter, e.g. ``WireArgs[Echo.Reply]``)."""
 
     #: the wire op these arguments are sent with
     op: ClassVar[str]
@@ -333,8 +334,10 @@ _WIRE_TYPES: Final[dict[object, tuple[type, ...]]] = {str: (str,), int: (int,), 
                                                      bytes: (bytes,), list: (list,), dict: (dict,)}
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[dataclasses.Field[object], tuple[type, ...]]:
-    """Each field of a dataclass and the wire types its annotation allows (``X | None`` adds nil)."""
+    """Each field of a dataclass and the wire types its annotation allows (``X | None`` adds nil;
+    once per class: a typed reply is checked against it at each call)."""
     hints = typing.get_type_hints(cls)
     out: dict[dataclasses.Field[object], tuple[type, ...]] = {}
     for field in dataclasses.fields(cls):
