@@ -61,6 +61,13 @@ def test_each_ops_documented_errors_are_its_definitions() -> None:
     with pytest.raises(RuntimeError, match=r"definition does not list: \[\"ping: \['UnknownTenant'\]\"\]"):
         check_table([op for op in op_table() if op.name != "ping"] + [StrayNote()])
 
+    class ByHand(WorkerOp):
+        name = "ping"
+        errors_doc = "`WorkerLost`, `Overloaded`"  # type: ignore[assignment]  # the column is derived, never written
+
+    with pytest.raises(RuntimeError, match=r"ping: errors_doc written by hand"):
+        check_table([op for op in op_table() if op.name != "ping"] + [ByHand()])
+
 
 def test_a_class_set_that_disagrees_with_the_wire_table_is_refused() -> None:
     table = list(op_table())

@@ -97,6 +97,8 @@ def check_table(found: list[Op]) -> None:
     wrong = [op.name for op in found if op.name in defined and proto.OPS[op.name].served_by != op.part]
     stray_notes = [f"{op.name}: {sorted(set(op.error_notes) - set(op.spec.errors))}" for op in found
                    if op.name in defined and not set(op.error_notes) <= set(op.spec.errors)]
+    stray_notes += [f"{op.name}: errors_doc written by hand (its definition's errors and error_notes make it)"
+                    for op in found if type(op).errors_doc is not Op.errors_doc]
     if (not needed <= set(names) or not set(names) <= defined or len(names) != len(set(names)) or wrong
             or stray_notes):
         raise RuntimeError(f"ops without a class: {sorted(needed - set(names))}; classes of no op served here: "
