@@ -63,7 +63,9 @@ def test_sigterm_lets_a_long_run_in_flight_finish_refuses_new_work_then_exits() 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with supervisor([{"name": "acme"}], drain_timeout_s=60.0, stop_timeout_s=1.0,
+    # a 10 s heartbeat window: the run lasts 12 s, and a worker starved of CPU for 2.3 s beside four
+    # burners was once killed for missed heartbeats (this test is about the drain, not liveness)
+    with supervisor([{"name": "acme"}], drain_timeout_s=60.0, stop_timeout_s=1.0, heartbeat_liveness=50,
                     metrics_addr=f"127.0.0.1:{port}") as sup:
         c = sup.client
         cap = c.tenant_capability(None, "acme")
