@@ -71,6 +71,7 @@ EVENT_KINDS: Final[dict[str, EventKind]] = {k.name: k for k in (
     EventKind("state_error", _E, False, "an admin change could not be written to the state store"),
     EventKind("park", _I, True, "an idle tenant was parked: its workers exited, its buffers held by the supervisor"),
     EventKind("park_refused", _W, True, "an idle tenant could not be parked (its buffers do not fit its memory quota)"),
+    EventKind("activation_refused", _W, True, "a parked tenant could not be activated: no room under max_active"),
     EventKind("activate", _I, True, "a parked tenant is active again: its buffers restored with the same handles"),
 )}
 #: the kinds a tenant capability sees (of its own tenant): its instances' lifecycle and its own changes
