@@ -52,6 +52,7 @@ its writer thread). Loop thread only.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -74,6 +75,10 @@ PARK_CHUNK_BYTES: Final = 4 << 20
 #: a refused activation's ``retry_after_s`` when no active tenant will park by itself (none has an
 #: ``idle_timeout_s``): room comes only from an eviction or a tenant going idle, which nothing predicts
 RETRY_AFTER_UNKNOWN_S: Final = 1.0
+#: a tenant whose park was refused (its copies do not fit its memory quota) is not parked early
+#: again for this long: it would be refused again, and the activation that waits for it should be
+#: answered instead
+EARLY_PARK_BACKOFF_S: Final = 5.0
 
 
 class Parking:
@@ -109,6 +114,8 @@ class Parking:
         #: parked tenants whose activation waits for the room early parks are making, in arrival order
         self._room_waiters: list[TenantRuntime] = []
         self._early: set[str] = set()
+        #: when each tenant's last park was refused (see EARLY_PARK_BACKOFF_S)
+        self._refused_at: dict[str, float] = {}
         self._retrying = False
         #: the death watches of an export in progress, by tenant: taken off when it ends
         self._watches: dict[str, list[tuple[WorkerHandle, Callable[[WorkerHandle], None]]]] = {}
@@ -119,6 +126,8 @@ class Parking:
         """Housekeeping: park every tenant idle past its ``idle_timeout_s``; activations waiting
         for room look again (room also comes from evictions and deaths)."""
         self._retry_room_waiters()
+        if self._refused_at:
+            self._refused_at = {t: at for t, at in self._refused_at.items() if now - at < EARLY_PARK_BACKOFF_S}
         for rt in list(self.tenants.values()):
             timeout = rt.spec.idle_timeout_s
             if timeout is None or rt.park is not None:
@@ -295,6 +304,7 @@ class Parking:
 
     def _refuse(self, rt: TenantRuntime, rec: ParkRecord, exc: MemoryExhausted) -> None:
         self.refusals += 1
+        self._refused_at[rt.tenant_id] = self.clock()
         self.events.emit("park_refused", tenant=rt.tenant_id, error=exc.to_dict())
         self._cancel(rt, rec)
 
@@ -372,7 +382,8 @@ class Parking:
         if short_all > 0 or short_dev > 0:
             now = self.clock()
             idle = sorted((o for o in self.tenants.values()
-                           if o is not rt and o.park is None and o.spec.idle_timeout_s is not None and _parkable(o)),
+                           if o is not rt and o.park is None and o.spec.idle_timeout_s is not None and _parkable(o)
+                           and now - self._refused_at.get(o.tenant_id, -math.inf) >= EARLY_PARK_BACKOFF_S),
                           key=lambda o: o.last_request)
             for victim in idle:  # the least recently used first
                 if short_all <= 0 and short_dev <= 0:

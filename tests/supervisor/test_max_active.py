@@ -119,3 +119,21 @@ def test_the_warm_pool_grows_with_the_demand_up_to_pool_max() -> None:
         wait_for(lambda: c.status().supervisor.pool.idle >= 1, what="the pool refilled")
         pool = c.status().supervisor.pool
         assert 1 <= pool.size <= 2 and pool.idle + pool.starting <= 2
+
+
+def test_a_waiting_activation_is_refused_when_the_park_making_room_is_refused() -> None:
+    tenants = [{"name": "sleeper"}, {"name": "tight", "memory_quota_bytes": "1MiB"}]
+    with supervisor(tenants, max_active=1) as sup:
+        c = sup.client
+        sleeper = c.tenant_capability(None, "sleeper")
+        tight = c.tenant_capability(None, "tight")
+        h = c.alloc(tight, 2 << 20)  # GPU bytes whose host copy does not fit the 1 MiB memory quota
+        _park(c, "sleeper", None)
+        c.set_quota(None, "tight", idle_timeout_s=LONG)
+        mark = _cursor(c)
+        with pytest.raises(CapacityExhausted) as info:
+            c.ping(sleeper)  # waits for "tight" to park; its park is refused: answered, not queued on
+        assert info.value.setting == "max_active"
+        assert _wait_event(c, "park_refused", "tight", mark)["error"]["code"] == "memory_exhausted"
+        assert tenant(c.status(), "tight").state == "running" and c.buffers(tight) == {h: 2 << 20}
+        assert tenant(c.status(), "sleeper").state == "parked"
