@@ -137,3 +137,20 @@ def test_a_waiting_activation_is_refused_when_the_park_making_room_is_refused() 
         assert _wait_event(c, "park_refused", "tight", mark)["error"]["code"] == "memory_exhausted"
         assert tenant(c.status(), "tight").state == "running" and c.buffers(tight) == {h: 2 << 20}
         assert tenant(c.status(), "sleeper").state == "parked"
+
+
+def test_each_cuda_device_is_bounded_by_its_budget_over_one_context() -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    from shared.device_budget import DeviceBudget
+    from supervisor.routing.placement import Placement, _Device
+
+    def dev(index: int, limit: int, context: int | None) -> _Device:
+        budget = cast(DeviceBudget, SimpleNamespace(limit_bytes=limit))
+        return _Device(index, f"gpu{index}", limit, limit, budget, context)
+
+    gib, mib = 1 << 30, 1 << 20
+    placement = Placement("cuda", [dev(0, 80 * gib, 512 * mib), dev(1, 100 * mib, 512 * mib), dev(2, gib, None)])
+    # 160 contexts fit device 0; device 1 cannot hold one but still gets one worker; no cost known: no bound
+    assert placement.context_bounds() == {0: 160, 1: 1}
