@@ -18,10 +18,14 @@ unpacker per message with explicit ``max_*_len`` limits and
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final, Generic, Protocol, TypeVar
 from collections.abc import Callable
 
 import msgpack
@@ -50,7 +54,12 @@ __all__ = [
     "SERVED_BY",
     "TENANT_OPS",
     "Arg",
+    "Echo",
+    "FromWire",
     "OpSpec",
+    "WireArgs",
+    "WireReply",
+    "wire_fields",
     "arg_int",
     "arg_map",
     "arg_opt_int",
@@ -94,11 +103,15 @@ MAX_CLIENT_REPLY_ITEMS: Final = 64 * MAX_BUFFERS_PER_INSTANCE + 1024
 
 # ------------------------------------------------------------------ the op table
 #
-# Every wire op is declared once, here (an admin op's handler, command and doc row are its class
-# in supervisor/control/ops/). The supervisor dispatches by ``OPS[op].served_by``
-# and checks arguments with :func:`check_args`; SupervisorClient has a method named
-# ``OPS[op].client`` for each; ``OPS[op].cli`` names the ``twt`` command that issues it;
-# docs/PROTOCOL.md lists every op (tests/shared/test_protocol.py checks all three).
+# Every wire op is defined once, here: its :class:`OpSpec` is the one source of truth of what the op
+# is - its arguments, its reply, its errors, who serves it, who may send it, and every property the
+# supervisor's request path reads (pins, local-only, big reply, its deadline, body in/out, the
+# argument the frontend fills in ...). The frontend, the pending table and the spec read those
+# properties generically and never name an op. The handlers register against the definition from
+# their own layers: the supervisor's under supervisor/control/ops/ (and its twt command and doc
+# notes), the worker's with ``worker.server.register_op``; SupervisorClient sends any op through
+# the generic :meth:`~supervisor.client.api.SupervisorClient.invoke` (typed ops) or ``call``, and
+# has a named method ``OPS[op].client`` for most. docs/PROTOCOL.md and the schema are generated.
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +174,39 @@ class OpSpec:
     #: ``events``, which a follower (``twt events``) polls every 0.2 s: its polls would swamp both
     #: with requests that measure nothing of the tenants' work
     metered: bool = True
+    # ---- what the frontend does for it, read generically (the request path names no op)
+    #: the argument the frontend sets to the pid the kernel reports for the local connection (an
+    #: ipc peer's credentials), dropping the client's own value: the owner of what it creates
+    peer_pid_arg: str | None = None
+    #: its body is a WASM module: refused above ``shared.sizes.MAX_MODULE_BYTES``
+    module_body: bool = False
+    #: sent without a body, its ``digest`` argument names a module stored by ``put_module``
+    stored_module: bool = False
+    #: the argument naming one of the tenant's shared-memory regions: resolved by the frontend
+    #: (the tenant's own region or refused) and handed to the worker as ``region_name``
+    region_arg: str | None = None
+    #: the argument naming the instance to send it to (``alloc``'s ``instance``)
+    instance_arg: str | None = None
+    #: the list argument whose ``{handle}`` items name buffers (``run_wasm``'s ``args``): they pin it
+    handle_list_arg: str | None = None
+    #: the argument whose value is the size of the reply body (``read``'s ``nbytes``): reserved
+    #: against the tenant's reply budget before it is sent
+    reply_body_arg: str | None = None
+    #: it runs guest code: its ``fuel`` and ``timeout_s`` are the spec's limits at most, and its
+    #: deadline is its run time plus ``shared.spec.DEADLINE_GRACE_S`` (see :meth:`deadline_s`)
+    guest_run: bool = False
+    #: its reply's ``handle`` names a buffer made for it: when the reply cannot be delivered (its
+    #: client is gone) the supervisor frees that buffer
+    makes_handle: bool = False
+    #: sent to every ready instance of the tenant; the replies are merged by this function
+    #: (``buffers``: one list of every instance's buffers)
+    merge: Callable[[Sequence[Mapping[str, object]]], object] | None = None
+    #: it lists the tenant's buffers: while the tenant is parked its held copies answer it, and it
+    #: wakes no instance (supervisor.lifecycle.parking)
+    lists_buffers: bool = False
+    #: the typed arguments and reply of a typed op (:class:`WireArgs`, :meth:`OpSpec.typed`)
+    args_type: type | None = None
+    reply_type: type | None = None
 
     def __post_init__(self) -> None:
         if self.monitor and not (self.admin or self.any_capability):
@@ -169,10 +215,184 @@ class OpSpec:
             raise ValueError(f"op {self.name!r}: served_by must be one of {SERVED_BY}")
         if self.admin != (self.served_by in ("admin", "service")):
             raise ValueError(f"op {self.name!r}: admin ops are served by AdminOps or ServiceOps, and only they")
+        named = {arg.name for arg in self.args}
+        for what, arg_name in (("peer_pid_arg", self.peer_pid_arg), ("region_arg", self.region_arg),
+                               ("instance_arg", self.instance_arg), ("handle_list_arg", self.handle_list_arg),
+                               ("reply_body_arg", self.reply_body_arg)):
+            if arg_name is not None and arg_name not in named:
+                raise ValueError(f"op {self.name!r}: its {what} {arg_name!r} is none of its arguments")
+        if (self.handle or self.instance_arg or self.handle_list_arg) and not self.pins:
+            raise ValueError(f"op {self.name!r}: an op naming buffers or an instance pins")
+
+    @classmethod
+    def typed(cls, name: str, args_type: type[WireArgs[R]], reply_type: type[R], errors: tuple[str, ...],
+              client: str = "invoke", **flags: typing.Any) -> OpSpec:
+        """The definition of a typed op: its argument rows and reply text derived from its
+        :class:`WireArgs` and reply dataclasses (one declaration of each)."""
+        return cls(name, flags.pop("admin", False), wire_fields(args_type), _reply_text(reply_type), errors, client,
+                   args_type=args_type, reply_type=reply_type, **flags)
+
+    def handles(self, args: Mapping[str, object]) -> list[int]:
+        """The buffer handles a request of this op names (its ``handle``, or the ``{handle}`` items
+        of its handle list). InvalidArgument for a ``handle`` that is no non-negative int."""
+        if self.handle:
+            handle = args.get("handle")
+            if not is_int(handle) or handle < 0:
+                raise InvalidArgument("handle must be a non-negative int")
+            return [handle]
+        if self.handle_list_arg is not None:
+            items = args.get(self.handle_list_arg)
+            return [handle for a in (items if isinstance(items, list) else ())
+                    if isinstance(a, dict) and is_int(handle := a.get("handle"))]
+        return []
+
+    def deadline_s(self, spec: TenantSpec, timeout_s: object = None) -> float:
+        """THE deadline rule: how long after it arrives the supervisor answers this op at the
+        latest - a guest run its run time plus grace (:meth:`TenantSpec.run_deadline_s` of its
+        ``timeout_s``), every other op ``request_timeout_s``. The supervisor applies it and the
+        chaos checker checks against it."""
+        return spec.run_deadline_s(timeout_s) if self.guest_run else spec.request_timeout_s
+
+    def reply_body_bytes(self, args: Mapping[str, object], limit: int) -> int:
+        """The reply body a request will bring back (its ``reply_body_arg``, at most ``limit``)."""
+        if self.reply_body_arg is None:
+            return 0
+        n = args.get(self.reply_body_arg)
+        if not is_int(n) or n <= 0:
+            return 0
+        return min(n, limit)
 
 
 #: the parts of the supervisor that answer ops (OpSpec.served_by)
 SERVED_BY: Final = ("worker", "frontend", "admin", "service")
+
+
+# ------------------------------------------------------------------ typed ops
+#
+# A typed op declares its arguments and its reply as dataclasses (the wire maps are their fields);
+# ``OpSpec.typed`` derives the argument rows and the reply text from them, and
+# ``SupervisorClient.invoke(cap, Op.Args(...))`` sends one and answers its reply type.
+
+
+class FromWire(Protocol):
+    """A reply type: built from the decoded reply map, refusing a malformed one with ProtocolError."""
+
+    @classmethod
+    def from_wire(cls, payload: object) -> typing.Self: ...
+
+
+R = TypeVar("R", bound=FromWire)
+
+
+class WireReply:
+    """Base of a typed reply dataclass: :meth:`from_wire` checks each field's type."""
+
+    @classmethod
+    def from_wire(cls, payload: object) -> typing.Self:
+        """The reply from its decoded map; ProtocolError when a field is missing or of another type."""
+        if not isinstance(payload, dict):
+            raise ProtocolError(f"{cls.__name__}: the reply is no map")
+        values: dict[str, object] = {}
+        for field, types_ in _field_types(typing.cast(type, cls)).items():
+            if field.name not in payload:
+                if field.default is dataclasses.MISSING:
+                    raise ProtocolError(f"{cls.__name__}: the reply has no {field.name!r}")
+                continue
+            value = payload[field.name]
+            if (isinstance(value, bool) and bool not in types_) or not isinstance(value, types_):
+                raise ProtocolError(f"{cls.__name__}: {field.name} is a {type(value).__name__}")
+            values[field.name] = value
+        return cls(**values)
+
+
+class WireArgs(Generic[R]):
+    """Base of a typed op's argument dataclass: its op's name, its wire map, its reply type (the
+    type parameter, e.g. ``WireArgs[Echo.Reply]``)."""
+
+    #: the wire op these arguments are sent with
+    op: ClassVar[str]
+    #: the reply type (from the type parameter)
+    reply_type: ClassVar[type[FromWire]]
+
+    def __init_subclass__(cls, **kwargs: typing.Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if typing.get_origin(base) is WireArgs:
+                cls.reply_type = typing.get_args(base)[0]
+
+    def to_wire(self) -> dict[str, object]:
+        """The argument map (an absent optional argument, None, is left out)."""
+        return {f.name: value for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                if (value := getattr(self, f.name)) is not None}
+
+    def reply(self, payload: object) -> R:
+        """The typed reply of a request with these arguments."""
+        return typing.cast(R, self.reply_type.from_wire(payload))
+
+
+_WIRE_TYPES: Final[dict[object, tuple[type, ...]]] = {str: (str,), int: (int,), float: (int, float), bool: (bool,),
+                                                     bytes: (bytes,), list: (list,), dict: (dict,)}
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[dataclasses.Field[object], tuple[type, ...]]:
+    """Each field of a dataclass and the wire types its annotation allows (``X | None`` adds nil;
+    once per class: a typed reply is checked against it at each call)."""
+    hints = typing.get_type_hints(cls)
+    out: dict[dataclasses.Field[object], tuple[type, ...]] = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        parts = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        allowed: tuple[type, ...] = ()
+        for part in parts:
+            if part is type(None):
+                allowed += (type(None),)
+                continue
+            wire = _WIRE_TYPES.get(typing.get_origin(part) or part)
+            if wire is None:
+                raise TypeError(f"{cls.__name__}.{field.name}: {part!r} is no wire type")
+            allowed += wire
+        out[field] = allowed
+    return out
+
+
+def wire_fields(args_type: type) -> tuple[Arg, ...]:
+    """The fields of a typed op's arguments or reply as rows: a field without a default is required."""
+    return tuple(Arg(field.name, types_, field.default is dataclasses.MISSING
+                     and field.default_factory is dataclasses.MISSING)
+                 for field, types_ in _field_types(args_type).items())
+
+
+def _reply_text(reply_type: type) -> str:
+    """The reply's shape as PROTOCOL.md shows it: ``{field, field?}``."""
+    return "{" + ", ".join(f.name + ("" if f.default is dataclasses.MISSING else "?")
+                           for f in dataclasses.fields(reply_type)) + "}"
+
+
+def _merge_buffers(parts: Sequence[Mapping[str, object]]) -> object:
+    """``buffers`` of every instance as one reply: every instance's list, sorted, and their bytes."""
+    merged: list[tuple[int, int]] = []
+    for part in parts:
+        items = part.get("buffers")
+        merged.extend(items if isinstance(items, list) else ())
+    merged.sort()
+    return {"buffers": merged, "bytes": sum(n for _, n in merged)}
+
+
+class Echo:
+    """``echo``: the tenant's worker answers the text it was sent (the smallest typed op: a
+    definition, a worker handler, a test)."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        text: str
+
+    @dataclass(frozen=True, slots=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "echo"
+        text: str
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("echo", Args, Reply, ())
 
 _INT = (int,)
 _NUM = (int, float)
@@ -198,19 +418,21 @@ OPS: Final[dict[str, OpSpec]] = {
         # ---- tenant ops (a tenant capability)
         OpSpec("ping", False, (), "{pid, tenant, instance, requests, uptime_s}", ("WorkerLost",), "ping"),
         OpSpec("alloc", False, (Arg("nbytes", _INT, True), Arg("instance", (int, type(None)))), "{handle, nbytes}",
-               ("GpuMemoryExhausted", "InvalidArgument"), "alloc", "alloc", pins=True),
+               ("GpuMemoryExhausted", "InvalidArgument"), "alloc", "alloc", pins=True,
+               instance_arg="instance", makes_handle=True),
         OpSpec("free", False, (Arg("handle", _INT, True),), "{freed}", ("InvalidArgument", "BufferLost"),
                "free", "free", handle=True, pins=True),
         OpSpec("write", False, (Arg("handle", _INT, True), Arg("offset", _INT)), "{written}",
                ("InvalidArgument", "BufferLost"), "write", "write", body_in=True, handle=True, pins=True),
         OpSpec("read", False, (Arg("handle", _INT, True), Arg("offset", _INT), Arg("nbytes", _INT, True)),
                "{nbytes}", ("InvalidArgument", "BufferLost", "Overloaded"), "read", "read", body_out=True,
-               handle=True, pins=True, big_reply=True),
+               handle=True, pins=True, big_reply=True, reply_body_arg="nbytes"),
+        Echo.spec,
         OpSpec("buffers", False, (), "{buffers: [[handle, nbytes]...], bytes}", ("WorkerLost",), "buffers",
-               "buffers"),
+               "buffers", merge=_merge_buffers, lists_buffers=True),
         OpSpec("quota", False, (), "QuotaSnapshot map", (), "quota", served_by="frontend"),
         OpSpec("put_module", False, (), "{digest}", ("InvalidArgument",), "put_module", body_in=True,
-               served_by="frontend"),
+               served_by="frontend", module_body=True),
         OpSpec("run_wasm", False,
                (Arg("export", _STR, True), Arg("args", (list,)), Arg("fuel", _INT), Arg("timeout_s", _NUM),
                 Arg("digest", _STR)),
@@ -218,7 +440,8 @@ OPS: Final[dict[str, OpSpec]] = {
                "gpu_time_s, gpu_wait_s}",
                ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument",
                 "BufferLost"),
-               "run_wasm", "run", body_in=True, pins=True, big_reply=True),
+               "run_wasm", "run", body_in=True, pins=True, big_reply=True, module_body=True, stored_module=True,
+               handle_list_arg="args", guest_run=True),
         # ---- shared-memory regions of local clients (shared.region, supervisor.routing.regions)
         # ---- either capability, each seeing its own part (supervisor.observe.event_log)
         OpSpec("events", False, (Arg("after", (int, type(None))), Arg("max", _INT), Arg("kinds", (list,)),
@@ -227,17 +450,17 @@ OPS: Final[dict[str, OpSpec]] = {
                "events_page", "events", any_capability=True, served_by="frontend", monitor=True, metered=False),
         OpSpec("region_create", False, (Arg("nbytes", _INT, True), Arg("pid", _INT)),
                "{region, name, nbytes}", ("MemoryExhausted", "InvalidArgument"), "region_create",
-               served_by="frontend", local_only=True),
+               served_by="frontend", local_only=True, peer_pid_arg="pid"),
         OpSpec("region_release", False, (Arg("region", _INT, True),), "{released}", ("InvalidArgument",),
                "region_release", served_by="frontend", local_only=True),
         OpSpec("write_region", False,
                (Arg("handle", _INT, True), Arg("offset", _INT), Arg("region", _INT, True), Arg("region_offset", _INT),
                 Arg("nbytes", _INT, True)), "{written}", ("InvalidArgument",), "write_region", handle=True, pins=True,
-               local_only=True),
+               local_only=True, region_arg="region"),
         OpSpec("read_region", False,
                (Arg("handle", _INT, True), Arg("offset", _INT), Arg("region", _INT, True), Arg("region_offset", _INT),
                 Arg("nbytes", _INT, True)), "{nbytes}", ("InvalidArgument",), "read_region", handle=True, pins=True,
-               local_only=True),
+               local_only=True, region_arg="region"),
         # ---- admin ops (the admin capability)
         OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
                (), "hello", "status", served_by="admin", anonymous=True, monitor=True),

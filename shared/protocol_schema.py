@@ -493,6 +493,10 @@ def _reply_schema(op: proto.OpSpec) -> dict[str, object]:
         return {"$ref": f"#/$defs/records/{record.__name__}"}
     keys = _reply_keys(op.reply)
     schema: dict[str, object] = {"type": "object", "required": keys}
+    if op.reply_type is not None:  # a typed op: its reply's fields and their types
+        fields = proto.wire_fields(op.reply_type)
+        schema["required"] = [f.name for f in fields if f.required]
+        schema["properties"] = {f.name: _arg_schema(f) for f in fields}
     if op.name == "register":
         schema["properties"] = {"capability": {"x-msgpack": "bin", "description": "the tenant's capability bytes"}}
     if op.name == "rotate_key":

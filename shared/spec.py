@@ -31,7 +31,7 @@ from shared.sizes import parse_size
 __all__ = ["DEADLINE_GRACE_S", "IsolationKind", "RestartPolicy", "TenantSpec"]
 
 #: how much longer than its run limit a ``run_wasm`` may take before the supervisor answers
-#: ``KernelTimeout`` (compile, copy and reply time; see :meth:`TenantSpec.deadline_s`)
+#: ``KernelTimeout`` (compile, copy and reply time; see :meth:`TenantSpec.run_deadline_s`)
 DEADLINE_GRACE_S = 2.0
 
 
@@ -271,16 +271,12 @@ class TenantSpec:
             return min(float(requested), self.wasm_timeout_s)
         return self.wasm_timeout_s
 
-    def deadline_s(self, op: str, timeout_s: object = None) -> float:
-        """THE deadline rule: how long after it arrives the supervisor answers ``op`` at the latest.
-
-        A ``run_wasm`` gets its run time (:meth:`wasm_run_s` of its ``timeout_s``) plus
-        :data:`DEADLINE_GRACE_S`, at least ``request_timeout_s``; every other op gets
-        ``request_timeout_s``. The supervisor applies it and the chaos checker checks against it.
-        """
-        if op == "run_wasm":
-            return max(self.wasm_run_s(timeout_s) + DEADLINE_GRACE_S, self.request_timeout_s)
-        return self.request_timeout_s
+    def run_deadline_s(self, timeout_s: object = None) -> float:
+        """How long after it arrives a guest run is answered at the latest: its run time
+        (:meth:`wasm_run_s` of its ``timeout_s``) plus :data:`DEADLINE_GRACE_S`, at least
+        ``request_timeout_s`` (every other op gets ``request_timeout_s``: the rule is
+        ``shared.protocol.OpSpec.deadline_s``)."""
+        return max(self.wasm_run_s(timeout_s) + DEADLINE_GRACE_S, self.request_timeout_s)
 
     # -------------------------------------------------------- (de)serialise
 

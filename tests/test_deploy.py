@@ -125,7 +125,7 @@ def test_daemonset_gpu_user_volumes_and_grace() -> None:
     need = float(pre_stop[1]) + config.drain_timeout_s + config.stop_timeout_s + 2 * config.kill_grace_s + 5
     assert spec["terminationGracePeriodSeconds"] > need
     # a drain covers the longest request deadline of the shipped tenants
-    assert config.drain_timeout_s >= max(t.deadline_s("run_wasm") for t in config.tenants)
+    assert config.drain_timeout_s >= max(t.run_deadline_s() for t in config.tenants)
     # the pods the PodMonitor selects are these, on the named port and the code's path
     pm = docs["PodMonitor"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()

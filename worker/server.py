@@ -299,3 +299,9 @@ def op_buffers(server: WorkerServer, args: dict[str, object], body: zmq.Frame | 
     ctx = server.require_context()
     handles = ctx.allocator.handles()
     return {"buffers": sorted(handles.items()), "bytes": sum(handles.values())}, None
+
+
+@register_op("echo")
+def op_echo(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
+    """``echo {text}`` -> ``{text}`` (shared.protocol.Echo: its arguments were checked against it)."""
+    return {"text": args["text"]}, None

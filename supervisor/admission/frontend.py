@@ -365,11 +365,12 @@ class Frontend:
         if body is not None and not proto.OPS[op].body_in:
             return ClientMessage(client, rid, op, None, {}, None,
                                  ProtocolError(f"op {op!r} takes no body frame (PROTOCOL.md: body_in)"))
-        if op == "region_create":  # owned by the process the kernel names, never the one the client does
-            args = {k: v for k, v in args.items() if k != "pid"}
+        pid_arg = proto.OPS[op].peer_pid_arg
+        if pid_arg is not None:  # owned by the process the kernel names, never the one the client does
+            args = {k: v for k, v in args.items() if k != pid_arg}
             pid = _peer_pid(frames[1]) if prefix == _IPC else None
             if pid is not None:
-                args["pid"] = pid
+                args[pid_arg] = pid
         msg = ClientMessage(client, rid, op, cap_raw, args, body, None,
                             size=len(header) + (len(body) if body is not None else 0))
         msg.key = self.verified_key(cap_raw)
@@ -558,9 +559,9 @@ class Frontend:
         in_flight, max_in_flight = rt.in_flight + len(rt.parked), rt.spec.max_in_flight
         if in_flight >= max_in_flight:
             raise InFlightLimit(tid, in_flight, max_in_flight)
-        if body is not None and op in ("run_wasm", "put_module") and len(body) > MAX_MODULE_BYTES:
-            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         spec = proto.OPS[op]
+        if body is not None and spec.module_body and len(body) > MAX_MODULE_BYTES:
+            raise InvalidArgument(f"module of {len(body):,} B exceeds the {MAX_MODULE_BYTES:,}-byte limit")
         if spec.local_only and client[:1] == _TCP:
             raise InvalidArgument(f"{op}: shared-memory regions serve local (ipc) clients only; "
                                   "a remote client sends its bytes in frames")
@@ -569,10 +570,10 @@ class Frontend:
             return
         # only what needs a worker keeps a tenant awake: a poll of its quota does not (parking)
         rt.last_request = self.clock()
-        if op == "write_region" or op == "read_region":
+        if spec.region_arg is not None:
             # the tenant's own region or refused; the worker learns its name from us only
-            args = {**args, "region_name": self.regions.resolve(tid, args.get("region")).name}
-        if op == "run_wasm" and body is None:
+            args = {**args, "region_name": self.regions.resolve(tid, args.get(spec.region_arg)).name}
+        if spec.stored_module and body is None:
             digest = args.get("digest")
             stored = rt.modules.get(digest) if isinstance(digest, str) else None
             if stored is None or not isinstance(digest, str):
@@ -586,11 +587,11 @@ class Frontend:
             if queued > self.config.max_client_reply_bytes:
                 raise ClientRepliesQueued(tid, in_flight, max_in_flight, queued=queued,
                                           budget=self.config.max_client_reply_bytes)
-        if op == "buffers":
-            if rt.park is not None and rt.park.phase is not ParkPhase.EXPORTING:
+        if spec.merge is not None:
+            if spec.lists_buffers and rt.park is not None and rt.park.phase is not ParkPhase.EXPORTING:
                 self.pending.answer(client, rid, op, parked_buffers(rt.park), tenant=tid)  # no activation
                 return
-            self._buffers_of_every_instance(rt, client, rid)
+            self._fan_out(rt, client, rid, op, spec.merge)
             return
         pinned = pinned_instance(rt, op, args)
         if pinned is not None:
@@ -609,7 +610,7 @@ class Frontend:
         # What the supervisor will hold for this request, reserved before it holds it
         # (supervisor.routing.budgets): a read's reply, and a parked request's body.
         held = self.guard.held
-        reply = expected_reply_bytes(op, args, self.config.max_message_bytes)
+        reply = spec.reply_body_bytes(args, self.config.max_message_bytes)
         held.reserve(tid, "replies", reply, in_flight=in_flight, max_in_flight=max_in_flight)
         try:
             if slot is None:
@@ -617,7 +618,7 @@ class Frontend:
                 size = len(body) if body is not None else 0
                 held.reserve(tid, "parked", size, in_flight=in_flight, max_in_flight=max_in_flight)
                 rt.parked.append(Parked(client, rid, op, args, body, now,
-                                        now + rt.spec.deadline_s(op, args.get("timeout_s")), pinned,
+                                        now + spec.deadline_s(rt.spec, args.get("timeout_s")), pinned,
                                         held_reply=reply, held_body=size))
                 return
             self._forward(rt, slot, client, rid, op, args, body, now, held=reply)
@@ -649,17 +650,19 @@ class Frontend:
         self._verified_caps[cap_raw] = rt
         return rt
 
-    def _buffers_of_every_instance(self, rt: TenantRuntime, client: bytes, rid: int) -> None:
-        """``buffers`` lists the tenant's buffers on every ready instance (a fan-out, merged)."""
+    def _fan_out(self, rt: TenantRuntime, client: bytes, rid: int, op: str,
+                 merge: Callable[[list[Mapping[str, object]]], object]) -> None:
+        """An op sent to every ready instance of the tenant (``OpSpec.merge``): the first error, or
+        every instance's reply merged into one."""
         slots = rt.live_slots()
         if not slots:
-            raise WorkerLost(rt.tenant_id, 0, reason="no ready instance to list buffers on")
+            raise WorkerLost(rt.tenant_id, 0, reason=f"no ready instance to send {op} to")
         now = self.clock()
         deadline = now + rt.spec.request_timeout_s
         remaining = {slot.index for slot in slots}
-        merged: list[tuple[int, int]] = []  # (handle, bytes) of each instance's buffers reply
+        parts: list[Mapping[str, object]] = []  # each instance's reply
         errors: list[object] = []
-        request = Pending(client, rid, "buffers", rt.tenant_id, 0, now, deadline)
+        request = Pending(client, rid, op, rt.tenant_id, 0, now, deadline)
 
         def collect(index: int) -> Callable[[bool, object], None]:
             def done(ok: bool, payload: object) -> None:
@@ -667,7 +670,7 @@ class Frontend:
                     return
                 remaining.discard(index)
                 if ok and isinstance(payload, dict):
-                    merged.extend(payload.get("buffers") or ())
+                    parts.append(payload)
                 else:
                     errors.append(payload)
                 if remaining:
@@ -675,17 +678,16 @@ class Frontend:
                 if errors:
                     self.pending.finish(request, False, errors[0])
                 else:
-                    self.pending.finish(request, True, {"buffers": sorted(merged),
-                                                        "bytes": sum(n for _, n in merged)})
+                    self.pending.finish(request, True, merge(parts))
 
             return done
 
         for slot in slots:
             assert slot.worker is not None
             done = collect(slot.index)
-            part = Pending(None, 0, "buffers", rt.tenant_id, slot.index, now, deadline, done)
+            part = Pending(None, 0, op, rt.tenant_id, slot.index, now, deadline, done)
             try:
-                self.workers.send_request(slot.worker, "buffers", {}, None, part)
+                self.workers.send_request(slot.worker, op, {}, None, part)
             except TensorWasmError as exc:
                 done(False, exc.to_dict())
 
@@ -742,9 +744,10 @@ class Frontend:
         ``held``: reply bytes reserved for it, handed to its Pending (raises: not taken)."""
         worker = slot.worker
         assert worker is not None
-        if op == "run_wasm":
+        spec = proto.OPS[op]
+        if spec.guest_run:
             args = with_wasm_limits(rt, args, None if deadline is None else deadline - now - DEADLINE_GRACE_S)
-        own = now + rt.spec.deadline_s(op, args.get("timeout_s"))
+        own = now + spec.deadline_s(rt.spec, args.get("timeout_s"))
         deadline = own if deadline is None else min(own, deadline)
         pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline,
                           held=held)
@@ -813,37 +816,27 @@ def _peer_pid(frame: zmq.Frame) -> int | None:
 
 
 def request_handles(op: str, args: dict[str, object]) -> list[int]:
-    """The buffer handles a request names (``handle``, or run_wasm's ``{handle}`` arguments)."""
-    if op in proto.HANDLE_OPS:
-        handle = args.get("handle")
-        if not is_int(handle) or handle < 0:
-            raise InvalidArgument("handle must be a non-negative int")
-        return [handle]
-    if op == "run_wasm":
-        run_args = args.get("args")
-        return [
-            handle
-            for a in (run_args if isinstance(run_args, list) else ())
-            if isinstance(a, dict) and is_int(handle := a.get("handle"))
-        ]
-    return []
+    """The buffer handles a request names (``OpSpec.handles``: ``handle``, or the ``{handle}`` items of its list)."""
+    return proto.OPS[op].handles(args)
 
 
 def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, object]) -> int | None:
-    """The instance a request must go to: the one holding the buffers it names, or ``alloc``'s ``instance``.
+    """The instance a request must go to: the one holding the buffers it names, or the one its
+    ``instance_arg`` names (``alloc``'s ``instance``).
 
     InvalidArgument when its buffers live on different instances (naming them),
     or when the instance is not one the tenant runs.
     """
-    if not proto.OPS[op].pins:
+    spec = proto.OPS[op]
+    if not spec.pins:
         return None  # the hot path (ping, quota-free ops): nothing to look at
-    if op == "alloc":
-        pinned = args.get("instance")
+    if spec.instance_arg is not None:
+        pinned = args.get(spec.instance_arg)
         if pinned is not None and (not is_int(pinned) or pinned < 0):
-            raise InvalidArgument("alloc: instance must be a non-negative int")
-        what = "alloc names"
+            raise InvalidArgument(f"{op}: {spec.instance_arg} must be a non-negative int")
+        what = f"{op} names"
     else:
-        handles = request_handles(op, args)
+        handles = spec.handles(args)
         where: dict[int, list[str]] = {}
         for h in handles:
             where.setdefault(proto.handle_instance(h), []).append(proto.format_handle(h))
@@ -881,17 +874,15 @@ def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, object]) -> BufferLo
 
 
 def parked_buffers(park: ParkRecord) -> dict[str, object]:
-    """``buffers`` of a parked tenant, answered from its host copies (it is not activated for it)."""
+    """The answer of an op that lists buffers (``OpSpec.lists_buffers``) for a parked tenant, from
+    its host copies (it is not activated for it)."""
     listed = sorted((b.handle, len(b.data)) for bufs in park.buffers.values() for b in bufs)
     return {"buffers": listed, "bytes": sum(n for _, n in listed)}
 
 
 def expected_reply_bytes(op: str, args: dict[str, object], limit: int) -> int:
-    """The reply body a request will bring back: a ``read``'s ``nbytes`` (at most ``limit``)."""
-    n = args.get("nbytes") if op == "read" else None
-    if not is_int(n) or n <= 0:
-        return 0
-    return min(n, limit)
+    """The reply body a request will bring back (``OpSpec.reply_body_bytes``: a ``read``'s ``nbytes``, at most ``limit``)."""
+    return proto.OPS[op].reply_body_bytes(args, limit)
 
 
 def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError:

@@ -102,6 +102,7 @@ class _Unchanged(enum.Enum):
 _UNCHANGED: Final = _Unchanged.TOKEN
 Capability = TenantCapability | RegistryAdminCapability | MonitorCapability
 T = TypeVar("T")
+R = TypeVar("R", bound=proto.FromWire)
 
 
 def _reply_field(result: object, key: str, kind: type[T]) -> T:
@@ -545,6 +546,13 @@ class SupervisorClient:
              body: bytes | memoryview | None = None, timeout_s: float | None = None) -> object:
         """One call's decoded result (a msgpack map, unchecked: the typed methods decode it into records)."""
         return self.request(op, cap, args, body, timeout_s=timeout_s)[0]
+
+    def invoke(self, cap: Capability | bytes | None, args: proto.WireArgs[R], *,
+               timeout_s: float | None = None) -> R:
+        """The generic typed call: send a typed op's arguments (``client.invoke(cap,
+        Echo.Args(text="hi"))``) and decode its reply into the op's reply type (``Echo.Reply``);
+        ProtocolError when the reply is not of that type."""
+        return args.reply(self.call(args.op, cap, args.to_wire(), timeout_s=timeout_s))
 
     def release_regions(self) -> None:
         """Release this client's shared-memory regions now (they count against their tenants'

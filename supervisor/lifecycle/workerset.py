@@ -201,7 +201,7 @@ class WorkerSet:
                 self.kill(worker, "could not free an allocation whose reply was lost", "protocol")
 
         now = self.clock()
-        pending = Pending(None, 0, "free", tenant, index, now, now + rt.spec.deadline_s("free"), done)
+        pending = Pending(None, 0, "free", tenant, index, now, now + proto.OPS["free"].deadline_s(rt.spec), done)
         try:
             self.send_request(worker, "free", {"handle": handle}, None, pending)
         except TensorWasmError:

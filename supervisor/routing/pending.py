@@ -204,7 +204,7 @@ class PendingTable:
         if ok:
             told = self.replies.ok(pending.client, pending.client_rid, payload, body, tenant=pending.tenant,
                                    held=held)
-            if not told and pending.op == "alloc" and self.on_undelivered_alloc is not None:
+            if not told and self.on_undelivered_alloc is not None and _makes_handle(pending.op):
                 handle = payload.get("handle") if isinstance(payload, dict) else None
                 if isinstance(handle, int) and not isinstance(handle, bool):
                     self.on_undelivered_alloc(pending.tenant, handle)
@@ -214,3 +214,9 @@ class PendingTable:
         if pending.client is not None and pending.op in proto.METERED_OPS:
             outcome = "ok" if ok else str(payload.get("code") if isinstance(payload, dict) else "error")
             self.metrics.request_done(pending.tenant, pending.op, outcome, self.clock() - pending.started)
+
+
+def _makes_handle(op: str) -> bool:
+    """Its reply's ``handle`` names a buffer made for it (``OpSpec.makes_handle``)."""
+    spec = proto.OPS.get(op)
+    return spec is not None and spec.makes_handle

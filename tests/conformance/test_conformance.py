@@ -233,6 +233,13 @@ def test_tenant_ops_of_the_main_tenant(sup: Supervisor) -> None:
     assert all(e.get("tenant") == MAIN for e in page["events"])
 
 
+def test_echo_answers_the_text_it_was_sent(sup: Supervisor) -> None:
+    assert sup.ok("echo", sup.cap(), {"text": "héllo"}) == {"text": "héllo"}  # its reply checked by the schema
+    sup.error("invalid_argument", "echo", sup.cap(), {"text": 3})
+    sup.error("invalid_argument", "echo", sup.cap(), {})
+    sup.error("protocol_error", "echo", sup.cap(), {"text": "x"}, b"a body")  # it takes no body
+
+
 def test_admin_ops_on_the_main_tenant(sup: Supervisor) -> None:
     admin = sup.admin()
     status = sup.ok("status", admin)

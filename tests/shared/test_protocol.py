@@ -168,3 +168,26 @@ def test_reply_records_name_ops_and_the_schema_uses_them() -> None:
     assert set(REPLY_RECORDS) <= set(proto.OPS)
     for op, record in REPLY_RECORDS.items():
         assert replies[op] == {"$ref": f"#/$defs/records/{record.__name__}"}
+
+
+def test_a_definition_whose_request_path_properties_name_no_argument_is_refused() -> None:
+    """What the frontend does for an op is read from its definition: a property naming an argument
+    the op does not declare, or naming buffers without pinning, is refused when it is defined."""
+    with pytest.raises(ValueError, match="its region_arg 'region' is none of its arguments"):
+        proto.OpSpec("x", False, (), "{}", (), "call", region_arg="region")
+    with pytest.raises(ValueError, match="its reply_body_arg 'nbytes' is none of its arguments"):
+        proto.OpSpec("x", False, (proto.Arg("n", (int,)),), "{}", (), "call", reply_body_arg="nbytes")
+    with pytest.raises(ValueError, match="an op naming buffers or an instance pins"):
+        proto.OpSpec("x", False, (proto.Arg("handle", (int,), True),), "{}", (), "call", handle=True)
+    run = proto.OPS["run_wasm"]
+    assert run.handles({"args": [1, {"handle": 7}, {"handle": True}, {"h": 2}]}) == [7]
+    assert proto.OPS["read"].reply_body_bytes({"nbytes": 10}, 4) == 4 and proto.OPS["ping"].reply_body_bytes({}, 4) == 0
+
+
+def test_a_typed_reply_is_checked_field_by_field() -> None:
+    with pytest.raises(ProtocolError, match="the reply has no 'text'"):
+        proto.Echo.Reply.from_wire({})
+    with pytest.raises(ProtocolError, match="the reply is no map"):
+        proto.Echo.Reply.from_wire([1])
+    assert proto.Echo.Reply.from_wire({"text": "a", "extra": 1}) == proto.Echo.Reply("a")  # a later field is ignored
+    assert proto.Echo.Args.reply_type is proto.Echo.Reply and proto.Echo.Args.op == "echo"

@@ -30,6 +30,10 @@ def test_every_op_is_one_class_of_the_part_that_serves_it() -> None:
     table = op_table()
     assert [op.name for op in table] == list(proto.OPS)  # every op, in the wire table's order
     for op in table:
+        if type(op).__module__ == "supervisor.control.ops._base":  # a worker op with no module: its stand-in
+            assert op.spec.served_by == "worker" and op.spec.cli is None and op.name not in ops.served_here()
+            assert isinstance(op, WorkerOp) and not op.error_notes and not op.args_doc
+            continue
         assert op.spec is proto.OPS[op.name]
         assert op.part == op.spec.served_by
         kind = {"admin": AdminOp, "service": ServiceOp, "frontend": FrontendOp, "worker": WorkerOp}[op.part]
@@ -39,12 +43,30 @@ def test_every_op_is_one_class_of_the_part_that_serves_it() -> None:
         assert type(op).__module__ == f"supervisor.control.ops.{op.name}"  # one module per op, named as the op
 
 
-def test_each_ops_documented_errors_name_every_error_of_its_wire_row() -> None:
-    """The errors column of PROTOCOL.md (each class's ``errors_doc``) and the schema (the wire row's
-    ``errors``) say the same: an error the row lists is named in the class's text."""
+def test_each_ops_documented_errors_are_its_definitions() -> None:
+    """The errors column of PROTOCOL.md (each class's ``errors_doc``) is derived from the
+    definition's ``errors`` (the schema's): every error named, in its order, none added; a class
+    only adds notes, and a note on an error the definition does not list is refused."""
     for op in op_table():
-        missing = [e for e in op.spec.errors if f"`{e}`" not in op.errors_doc]
-        assert not missing, f"{op.name}: the wire row lists {missing}, its errors_doc does not"
+        named = re.findall(r"`([A-Z][A-Za-z]+)`(?: \(|,|$)", op.errors_doc)
+        assert [e for e in named if e in op.spec.errors] == list(op.spec.errors), op.name
+        assert set(op.error_notes) <= set(op.spec.errors), op.name
+    alloc = next(op for op in op_table() if op.name == "alloc")
+    assert alloc.errors_doc.startswith("`GpuMemoryExhausted` (tenant cap")
+
+    class StrayNote(WorkerOp):
+        name = "ping"
+        error_notes = {"UnknownTenant": "ping names no tenant"}  # not among ping's errors
+
+    with pytest.raises(RuntimeError, match=r"definition does not list: \[\"ping: \['UnknownTenant'\]\"\]"):
+        check_table([op for op in op_table() if op.name != "ping"] + [StrayNote()])
+
+    class ByHand(WorkerOp):
+        name = "ping"
+        errors_doc = "`WorkerLost`, `Overloaded`"  # type: ignore[assignment]  # the column is derived, never written
+
+    with pytest.raises(RuntimeError, match=r"ping: errors_doc written by hand"):
+        check_table([op for op in op_table() if op.name != "ping"] + [ByHand()])
 
 
 def test_a_class_set_that_disagrees_with_the_wire_table_is_refused() -> None:
@@ -112,8 +134,77 @@ def test_operations_md_has_a_section_per_op_command() -> None:
         assert re.search(rf"^### .*`twt {re.escape(str(op.command))}`", text, re.M), op.command
 
 
+def test_adding_a_worker_op_is_its_definition_and_its_handler() -> None:
+    """What adding an op touches: ``echo`` is its definition (shared.protocol.Echo: typed arguments
+    and reply, errors, who serves it), its worker handler and its test - no module here, no client
+    method, no branch of the request path; its doc rows and schema entry are generated."""
+    import worker.server
+    from supervisor.client.api import SupervisorClient
+
+    spec = proto.OPS["echo"]
+    assert spec is proto.Echo.spec and spec.served_by == "worker" and spec.cli is None
+    assert [(a.name, a.types, a.required) for a in spec.args] == [("text", (str,), True)]
+    assert spec.reply == "{text}" and spec.errors == ()
+    assert not (Path(ops.__file__).parent / "echo.py").exists()  # no class of its own
+    echo = next(op for op in op_table() if op.name == "echo")
+    assert echo.doc_row() == "| `echo` | `{text: str}` | | `{text}` | | |"
+    assert not hasattr(SupervisorClient, "echo") and spec.client == "invoke"  # sent by the generic call
+    assert worker.server._resolve("echo") is worker.server.op_echo
+    assert proto.Echo.Args(text="hi").to_wire() == {"text": "hi"}
+    assert proto.Echo.Args(text="hi").reply({"text": "hi"}) == proto.Echo.Reply("hi")
+
+
+def test_echo_is_answered_by_the_tenants_worker_through_the_typed_call() -> None:
+    from shared.errors import InvalidArgument, ProtocolError
+    from tests.helpers.cluster import supervisor
+
+    with supervisor([{"name": "acme"}]) as sup:
+        cap = sup.client.tenant_capability(None, "acme")
+        assert sup.client.invoke(cap, proto.Echo.Args(text="héllo")) == proto.Echo.Reply(text="héllo")
+        with pytest.raises(InvalidArgument, match="echo: text must be str, not int"):  # the definition checks it
+            sup.client.call("echo", cap, {"text": 3})
+        with pytest.raises(InvalidArgument, match="echo needs the argument 'text'"):
+            sup.client.call("echo", cap, {})
+        with pytest.raises(TenantIsolationViolation):  # a tenant op: the admin capability is not a tenant's
+            sup.client.invoke(sup.client.admin, proto.Echo.Args(text="x"))
+    with pytest.raises(ProtocolError, match="Reply: text is a int"):  # a reply not of its type is refused
+        proto.Echo.Args(text="x").reply({"text": 1})
+
+
+def _op_name_branches(path: Path) -> list[str]:
+    """Comparisons of an ``op`` (a name or an attribute so called) with an op's name in ``path``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        if not any(isinstance(n, ast.Name) and n.id == "op" or isinstance(n, ast.Attribute) and n.attr == "op"
+                   for n in sides):
+            continue
+        names = [c.value for side in sides for c in ast.walk(side) if isinstance(c, ast.Constant)]
+        if any(isinstance(v, str) and v in proto.OPS for v in names):
+            found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_the_request_path_names_no_op(tmp_path: Path) -> None:
+    """The frontend, the routing (the pending table), the admission and the spec read the ops'
+    declared properties: none compares an op with an op's name."""
+    root = Path(__file__).resolve().parents[2]
+    files = [*sorted((root / "supervisor" / "admission").glob("*.py")),
+             *sorted((root / "supervisor" / "routing").glob("*.py")), root / "shared" / "spec.py"]
+    assert [b for f in files for b in _op_name_branches(f)] == []
+    probe = root / "supervisor" / "admission" / "frontend.py"
+    assert _op_name_branches(probe) == [] and "def _serve" in probe.read_text()  # the scan reads real code
+    fake = tmp_path / "_probe_branch.py"  # and it finds a branch when there is one
+    fake.write_text('def f(op: str) -> bool:\n    return op == "run_wasm" or op in ("a", "buffers")\n')
+    assert _op_name_branches(fake) == ["_probe_branch.py:2", "_probe_branch.py:2"]
+
+
 def test_version_names_the_running_supervisors_build(capsys: pytest.CaptureFixture[str]) -> None:
-    """The op added to count what adding an op touches: its wire row and this one class."""
+    """An admin op the supervisor serves: its definition and its one class (handler, command, doc notes)."""
     import json
     import platform
 

@@ -176,12 +176,12 @@ def test_handle_text_round_trip() -> None:
 
 def test_deadline_rule() -> None:
     spec = TenantSpec("acme", request_timeout_s=5.0, wasm_timeout_s=10.0)
-    assert spec.deadline_s("alloc") == 5.0
-    assert spec.deadline_s("run_wasm") == 10.0 + DEADLINE_GRACE_S
-    assert spec.deadline_s("run_wasm", 1.0) == 5.0  # never below request_timeout_s
-    assert spec.deadline_s("run_wasm", 4.0) == 4.0 + DEADLINE_GRACE_S
-    assert spec.deadline_s("run_wasm", 99.0) == 10.0 + DEADLINE_GRACE_S  # capped by the spec
-    assert spec.deadline_s("run_wasm", True) == spec.deadline_s("run_wasm")  # a bool is no timeout
+    assert proto.OPS["alloc"].deadline_s(spec) == 5.0
+    assert proto.OPS["run_wasm"].deadline_s(spec) == 10.0 + DEADLINE_GRACE_S
+    assert proto.OPS["run_wasm"].deadline_s(spec, 1.0) == 5.0  # never below request_timeout_s
+    assert proto.OPS["run_wasm"].deadline_s(spec, 4.0) == 4.0 + DEADLINE_GRACE_S
+    assert proto.OPS["run_wasm"].deadline_s(spec, 99.0) == 10.0 + DEADLINE_GRACE_S  # capped by the spec
+    assert proto.OPS["run_wasm"].deadline_s(spec, True) == proto.OPS["run_wasm"].deadline_s(spec)  # a bool is no timeout
     limited = with_wasm_limits(_runtime(spec), {"fuel": 10**30, "timeout_s": -1})
     assert limited["fuel"] == spec.wasm_fuel and limited["timeout_s"] == spec.wasm_timeout_s
 

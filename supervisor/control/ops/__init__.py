@@ -9,17 +9,19 @@ either capability may send (``events``: the frontend verifies the capability, th
 class reads the event log for it), or a tenant op a worker answers. The class holds the op's handler (a worker op's is
 the worker's: ``worker/server.py``, a process that never imports the
 supervisor), its ``twt`` command (arguments and rendering) and its row of
-docs/PROTOCOL.md. Its wire row stays in ``shared/protocol.py``: the decoder, the
-worker and the schema generator read it, and ``shared`` imports nothing of the
-supervisor.
+docs/PROTOCOL.md (notes on its errors; the errors themselves, its arguments and its reply
+come from the definition unless the class words them). The op's definition stays in
+``shared/protocol.py``: the decoder, the client, the worker and the schema generator read
+it, and ``shared`` imports nothing of the supervisor.
 
 The classes are found by listing this package (:func:`op_table`), so adding an
-op the supervisor serves is its wire row plus one module here (and its tests):
+op the supervisor serves is its definition plus one module here (and its tests):
 the dispatch tables (:func:`handlers`, :func:`local_handlers`), the ``twt``
 commands (``supervisor.cli.ops``) and the doc rows (``python -m
-supervisor.control.ops --write``) follow. :func:`op_table` refuses a module set
-that does not match the wire rows one to one, so the supervisor does not start
-with an op it cannot serve.
+supervisor.control.ops --write``) follow. A worker op without a ``twt`` command needs
+no module here (a plain :class:`WorkerOp` stands in: its doc row is its definition).
+:func:`op_table` refuses a module set that does not match the definitions, so the
+supervisor does not start with an op it cannot serve.
 """
 
 from __future__ import annotations
@@ -55,8 +57,15 @@ _KINDS = (AdminOp, ServiceOp, FrontendOp, EitherCapabilityOp, WorkerOp)
 
 
 def served_here() -> set[str]:
-    """The wire ops that have a class here: every one."""
-    return set(proto.OPS)
+    """The wire ops that must have a class here: every one the supervisor serves, and every one
+    with a ``twt`` command (a worker op with neither may have one: for its doc notes)."""
+    return {name for name, spec in proto.OPS.items() if spec.served_by != "worker" or spec.cli is not None}
+
+
+def _stand_in(name: str) -> WorkerOp:
+    """The class of a worker op that has no module here: its doc row is its definition."""
+    cls: type[WorkerOp] = type(f"WorkerOp[{name}]", (WorkerOp,), {"name": name, "__module__": WorkerOp.__module__})
+    return cls()
 
 
 @functools.cache
@@ -72,20 +81,30 @@ def op_table() -> tuple[Op, ...]:
         module = importlib.import_module(f"{__name__}.{info.name}")
         found += [obj() for obj in vars(module).values()
                   if isinstance(obj, type) and issubclass(obj, _KINDS) and obj.__module__ == module.__name__]
+    have = {op.name for op in found}
+    found += [_stand_in(name) for name, spec in proto.OPS.items() if name not in have and spec.served_by == "worker"
+              and spec.cli is None]
     check_table(found)
     order = list(proto.OPS)
     return tuple(sorted(found, key=lambda op: order.index(op.name)))
 
 
 def check_table(found: list[Op]) -> None:
-    """RuntimeError unless ``found`` holds exactly one op of the right part per op :func:`served_here`."""
+    """RuntimeError unless ``found`` holds exactly one op of the right part per wire op (every
+    one :func:`served_here` among them), each noting only errors its definition lists."""
     names = [op.name for op in found]
-    declared = served_here()
-    wrong = [op.name for op in found if op.name in declared and proto.OPS[op.name].served_by != op.part]
-    if set(names) != declared or len(names) != len(set(names)) or wrong:
-        raise RuntimeError(f"ops without a class: {sorted(declared - set(names))}; classes of no op served here: "
-                           f"{sorted(set(names) - declared)}; of the wrong part: {wrong}; "
-                           f"twice: {sorted({n for n in names if names.count(n) > 1})}")
+    needed, defined = served_here(), set(proto.OPS)
+    wrong = [op.name for op in found if op.name in defined and proto.OPS[op.name].served_by != op.part]
+    stray_notes = [f"{op.name}: {sorted(set(op.error_notes) - set(op.spec.errors))}" for op in found
+                   if op.name in defined and not set(op.error_notes) <= set(op.spec.errors)]
+    stray_notes += [f"{op.name}: errors_doc written by hand (its definition's errors and error_notes make it)"
+                    for op in found if type(op).errors_doc is not Op.errors_doc]
+    if (not needed <= set(names) or not set(names) <= defined or len(names) != len(set(names)) or wrong
+            or stray_notes):
+        raise RuntimeError(f"ops without a class: {sorted(needed - set(names))}; classes of no op served here: "
+                           f"{sorted(set(names) - defined)}; of the wrong part: {wrong}; "
+                           f"twice: {sorted({n for n in names if names.count(n) > 1})}; "
+                           f"notes on errors the definition does not list: {stray_notes}")
 
 
 def handlers(admin: AdminOps, service: ServiceOps) -> dict[str, OpHandler]:

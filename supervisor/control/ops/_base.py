@@ -8,16 +8,23 @@ capability may send, ``events``: the frontend answers it too) or :class:`WorkerO
 (a tenant op a worker answers: its handler is in ``worker/server.py``) in a module of its own under
 :mod:`supervisor.control.ops` declares:
 
-* ``name``: the wire op. Its row in :data:`shared.protocol.OPS` (arguments,
-  reply, errors, who serves it) is the contract, kept in ``shared/`` because
-  the decoder, the worker and the schema generator read it too;
+* ``name``: the wire op. Its definition in :data:`shared.protocol.OPS` (arguments,
+  reply, errors, who serves it, what the request path does for it) is the contract,
+  kept in ``shared/`` because the decoder, the client, the worker and the schema
+  generator read it too; this class registers the op's server side against it;
 * ``serve``: the handler (not for a worker op). The frontend has already verified
   the capability, admitted the request and checked its arguments against the row;
 * ``command``, ``help``, ``description``, ``json_help``, :meth:`Op.arguments`
   and :meth:`Op.run`: its ``twt`` command, if it owns one (``supervisor.cli.ops``
   adds the run-dir options and ``--json``, and hands :meth:`Op.run` a way to connect);
-* ``args_doc``, ``result_doc``, ``errors_doc`` (and for a tenant op ``body_in_doc``,
-  ``body_out_doc``): its row of docs/PROTOCOL.md (``python -m supervisor.control.ops --write``).
+* ``args_doc``, ``result_doc``, ``error_notes`` (and for a tenant op ``body_in_doc``,
+  ``body_out_doc``): its row of docs/PROTOCOL.md (``python -m supervisor.control.ops --write``),
+  each derived from the definition unless given: the errors column is always the
+  definition's errors, each with its note from ``error_notes`` (a note of an error the
+  definition does not list is refused by :func:`~supervisor.control.ops.check_table`).
+
+A worker op with no ``twt`` command and nothing to say beyond its definition needs no
+class: :func:`~supervisor.control.ops.op_table` stands a plain :class:`WorkerOp` in for it.
 """
 
 from __future__ import annotations
@@ -61,10 +68,11 @@ class Op:
     name: ClassVar[str]
     #: the part that serves it: the row's ``served_by``
     part: ClassVar[str]
-    #: its row of PROTOCOL.md: the arguments, the result and the errors, in words
-    args_doc: ClassVar[str] = "`{}`"
+    #: its row of PROTOCOL.md: the arguments and the result in words (empty: from the definition)
+    args_doc: ClassVar[str] = ""
     result_doc: ClassVar[str] = ""
-    errors_doc: ClassVar[str] = ""
+    #: a few words on an error of the definition's ``errors`` (when it is answered), by its name
+    error_notes: ClassVar[Mapping[str, str]] = {}
     #: the ``twt`` command it owns (None: another command sends it, or the library only)
     command: ClassVar[str | None] = None
     help: ClassVar[str] = ""
@@ -76,9 +84,28 @@ class Op:
         """The wire row (arguments, reply, errors, who serves it)."""
         return proto.OPS[self.name]
 
+    @property
+    def errors_doc(self) -> str:
+        """The errors column of its PROTOCOL.md row: the definition's errors, each with its note."""
+        notes = self.error_notes
+        return ", ".join(f"`{e}`" + (f" ({notes[e]})" if e in notes else "") for e in self.spec.errors)
+
+    @property
+    def args_text(self) -> str:
+        """The arguments column: ``args_doc``, or the definition's arguments and their types."""
+        if self.args_doc:
+            return self.args_doc
+        return "`{" + ", ".join(f"{a.name}{'' if a.required else '?'}: {_types(a.types)}"
+                                for a in self.spec.args) + "}`"
+
+    @property
+    def result_text(self) -> str:
+        """The result column: ``result_doc``, or the definition's reply."""
+        return self.result_doc or f"`{self.spec.reply}`"
+
     def doc_row(self) -> str:
         """Its row of PROTOCOL.md's table of its kind of op."""
-        return _row(f"`{self.name}`", self.args_doc, self.result_doc, self.errors_doc)
+        return _row(f"`{self.name}`", self.args_text, self.result_text, self.errors_doc)
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         """The command's own arguments (``--json`` and the run-dir options are added for it)."""
@@ -119,7 +146,7 @@ class TenantOp(Op):
     body_out_doc: ClassVar[str] = ""
 
     def doc_row(self) -> str:
-        return _row(f"`{self.name}`", self.args_doc, self.body_in_doc, self.result_doc, self.body_out_doc,
+        return _row(f"`{self.name}`", self.args_text, self.body_in_doc, self.result_text, self.body_out_doc,
                     self.errors_doc)
 
 
@@ -153,6 +180,11 @@ class EitherCapabilityOp(Op):
         """The result for the tenant the capability names (``rt``), or for the admin (None); the
         frontend has verified the capability, admitted the request and checked the arguments."""
         raise NotImplementedError
+
+
+def _types(types: tuple[type, ...]) -> str:
+    """An argument's wire types as PROTOCOL.md writes them (``int | nil``)."""
+    return " | ".join("nil" if t is type(None) else t.__name__ for t in types)
 
 
 def _row(*cells: str) -> str:

@@ -21,8 +21,10 @@ class Alloc(WorkerOp):
     name = "alloc"
     args_doc = "`{nbytes: int, instance?: int}`"
     result_doc = "`{handle, nbytes}`"
-    errors_doc = ("`GpuMemoryExhausted` (tenant cap, device budget or driver OOM; nothing allocated), "
-                  "`InvalidArgument` (also: `instance` not one the tenant runs)")
+    error_notes = {
+        "GpuMemoryExhausted": "tenant cap, device budget or driver OOM; nothing allocated",
+        "InvalidArgument": "also: `instance` not one the tenant runs",
+    }
     command = "alloc"
     help = "allocate a device buffer for a tenant; prints its handle"
     description = ("Allocate SIZE bytes of device memory for TENANT, metered against its GPU cap. "

@@ -20,7 +20,9 @@ __all__ = ["Buffers"]
 class Buffers(WorkerOp):
     name = "buffers"
     result_doc = "`{buffers: [[handle, nbytes]...], bytes}` across every ready instance (a fan-out, merged)"
-    errors_doc = "`WorkerLost` (an instance died while answering)"
+    error_notes = {
+        "WorkerLost": "an instance died while answering",
+    }
     command = "buffers"
     help = "list a tenant's device buffers on every instance"
     description = "List the buffers TENANT holds, on every ready instance: handle, instance, size."

@@ -35,7 +35,9 @@ class Capability(AdminOp):
     args_doc = "`{tenant}` or `{role: \"monitor\"}`"
     result_doc = ("`{capability}`: the registered tenant's token (how tenants from the config file get theirs), "
                   "or the monitor role's (read-only ops only, accepted over TCP without `allow_remote_admin`)")
-    errors_doc = "`UnknownTenant`, `InvalidArgument` (neither or both of tenant and role, an unknown role)"
+    error_notes = {
+        "InvalidArgument": "neither or both of tenant and role, an unknown role",
+    }
     command = "capability"
     help = "print the capability of a registered tenant, or of the read-only monitor role"
     description = ("Print (or write with --cap-out) the current capability of a registered tenant, e.g. one "

@@ -58,8 +58,9 @@ class Events(EitherCapabilityOp):
     name = "events"
     args_doc = "`{after?: int | nil, max?: int, kinds?: [str], log?: str}`"
     result_doc = "`{events: [{seq, event, ts, ...}...], next, missed, more, log}`"
-    errors_doc = ("`InvalidArgument` (`after` < 0 or ahead of the newest event of this log, `max` < 1, more than "
-                  "64 `kinds` or one not a name of 1..64 characters, a `log` over 64 characters, a wrong type)")
+    error_notes = {
+        "InvalidArgument": "`after` < 0 or ahead of the newest event of this log, `max` < 1, more than 64 `kinds` or one not a name of 1..64 characters, a `log` over 64 characters, a wrong type",
+    }
     command = "events"
     help = "follow lifecycle events (spawn, ready, exit, restart, failed, evict, quota refusals ...)"
     description = ("Print the supervisor's lifecycle events as they happen, one line each, until Ctrl-C, "

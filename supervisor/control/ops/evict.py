@@ -24,7 +24,6 @@ class Evict(AdminOp):
     args_doc = "`{tenant}`"
     result_doc = ("`{evicted, pids}`, sent once its workers have exited; capabilities are revoked and the block "
                   "unlinked at once")
-    errors_doc = "`UnknownTenant`"
     command = "evict"
     help = "stop a tenant's workers, revoke its capabilities, free its quota block"
     description = ("Evict a tenant: its workers are stopped (in-flight requests answered), every capability "

@@ -20,8 +20,10 @@ class Free(WorkerOp):
     name = "free"
     args_doc = "`{handle}`"
     result_doc = "`{freed: nbytes}`"
-    errors_doc = ("`InvalidArgument` (unknown or freed handle, an instance the tenant does not run), "
-                  "`BufferLost` (its instance restarted)")
+    error_notes = {
+        "InvalidArgument": "unknown or freed handle, an instance the tenant does not run",
+        "BufferLost": "its instance restarted",
+    }
     command = "free"
     help = "free a tenant's device buffer"
     description = "Free the buffer HANDLE (INSTANCE:SEQ, or the raw integer) of TENANT."

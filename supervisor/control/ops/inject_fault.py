@@ -33,8 +33,10 @@ class InjectFault(AdminOp):
     args_doc = "`{tenant, kind, instance?, params}`"
     result_doc = ("`{tenant, instance, pid, kind, ...armed}` once armed; for `crash`, `segfault` and `exit`, "
                   "`{..., exited, exit_code, signal}` once the process is gone")
-    errors_doc = ("`UnknownTenant`, `InvalidArgument`, `WorkerLost` (no live instance), `FaultInjectionDisabled` "
-                  "(the supervisor runs with `fault_injection = false`)")
+    error_notes = {
+        "WorkerLost": "no live instance",
+        "FaultInjectionDisabled": "the supervisor runs with `fault_injection = false`",
+    }
     command = "fault"
     help = "inject a fault into one of a tenant's workers (testing)"
     description = ("Break one worker on purpose. Kinds: crash (SIGKILL), segfault, exit (param code), "

@@ -10,4 +10,3 @@ __all__ = ["Ping"]
 class Ping(WorkerOp):
     name = "ping"
     result_doc = "`{pid, tenant, instance, requests, uptime_s}`"
-    errors_doc = "`WorkerLost`"

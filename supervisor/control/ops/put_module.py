@@ -41,7 +41,9 @@ class PutModule(FrontendOp):
     name = "put_module"
     body_in_doc = "module bytes (wasm or WAT text)"
     result_doc = "`{digest}` (sha256 hex; kept per tenant, LRU of 32 modules / 256 MiB)"
-    errors_doc = "`InvalidArgument` (empty, > 32 MiB)"
+    error_notes = {
+        "InvalidArgument": "empty, > 32 MiB",
+    }
 
     def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
         return {"digest": self.keep(frontend, rt, body)}

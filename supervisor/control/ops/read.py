@@ -27,8 +27,9 @@ class Read(WorkerOp):
     args_doc = "`{handle, offset=0, nbytes}`"
     result_doc = "`{nbytes}`"
     body_out_doc = "the bytes"
-    errors_doc = ("`InvalidArgument`, `BufferLost`; `Overloaded` while this client leaves more than "
-                  "`max_client_reply_bytes` of big replies unread")
+    error_notes = {
+        "Overloaded": "while this client leaves more than `max_client_reply_bytes` of big replies unread",
+    }
     command = "read"
     help = "read a tenant's device buffer"
     description = ("Read the buffer HANDLE of TENANT: into --out FILE, or else print its size and "

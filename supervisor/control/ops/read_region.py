@@ -12,4 +12,3 @@ class ReadRegion(WorkerOp):
     name = "read_region"
     args_doc = "`{handle, offset=0, region, region_offset, nbytes}`"
     result_doc = "`{nbytes}` (the bytes are in the region)"
-    errors_doc = "`InvalidArgument`"

@@ -22,9 +22,10 @@ class RegionCreate(FrontendOp):
     args_doc = ("`{nbytes, pid?}` (64 KiB..1 GiB; `pid` is ignored: the region belongs to the process the "
                 "kernel says is at the other end of the ipc connection, `SO_PEERCRED`)")
     result_doc = "`{region, name, nbytes}` (answered by the supervisor; `nbytes` rounded up to pages)"
-    errors_doc = ("`MemoryExhausted` (the tenant's host quota), `InvalidArgument` (size, a connection without "
-                  "peer credentials, more than 64 regions; any region op over the TCP frontend: regions "
-                  "serve local clients only)")
+    error_notes = {
+        "MemoryExhausted": "the tenant's host quota",
+        "InvalidArgument": "size, a connection without peer credentials, more than 64 regions; any region op over the TCP frontend: regions serve local clients only",
+    }
 
     def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
         # "pid" here is the one the frontend read from the connection's peer credentials (the

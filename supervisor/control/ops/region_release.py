@@ -17,7 +17,9 @@ class RegionRelease(FrontendOp):
     name = "region_release"
     args_doc = "`{region}`"
     result_doc = "`{released: nbytes}` (answered by the supervisor)"
-    errors_doc = "`InvalidArgument` (unknown region, or another tenant's)"
+    error_notes = {
+        "InvalidArgument": "unknown region, or another tenant's",
+    }
 
     def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
         owned = frontend.regions.release(rt.tenant_id, args.get("region"))

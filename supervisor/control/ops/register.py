@@ -30,10 +30,13 @@ class Register(AdminOp):
     name = "register"
     args_doc = "`{spec}`: a map of the keys in [The tenant spec](#the-tenant-spec) (sizes as ints or size strings)"
     result_doc = "`{capability: bytes, tenant: {tenant_id, state, generation, device, pids}}`, sent once every instance is ready"
-    errors_doc = ("`AlreadyRegistered`, `InvalidArgument` (spec, placement), `BackendUnavailable` (e.g. "
-                  "`isolation=\"mps\"` without a daemon), `KernelTimeout` (`register_timeout_s`), `WorkerLost` "
-                  "(died while starting), `CapacityExhausted` (`max_tenants` or `max_workers` reached; nothing "
-                  "registered)")
+    error_notes = {
+        "InvalidArgument": "spec, placement",
+        "BackendUnavailable": 'e.g. `isolation="mps"` without a daemon',
+        "KernelTimeout": "`register_timeout_s`",
+        "WorkerLost": "died while starting",
+        "CapacityExhausted": "`max_tenants` or `max_workers` reached; nothing registered",
+    }
     command = "register"
     help = "register a tenant (flags or a TOML file) and print its capability"
     description = ("Register a tenant with the running supervisor and print its capability as hex "

@@ -28,7 +28,9 @@ class Reload(ServiceOp):
     name = "reload"
     result_doc = ("`{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "
                   "settings_not_applied, errors}`: the config file read again and its difference applied (as SIGHUP)")
-    errors_doc = "`ConfigError` (`path`, `detail`: the file cannot be applied; nothing changed)"
+    error_notes = {
+        "ConfigError": "`path`, `detail`: the file cannot be applied; nothing changed",
+    }
     command = "reload"
     help = "re-read the config file and apply the difference (as SIGHUP)"
     description = ("Re-read the supervisor's --config file and apply the difference: new [[tenant]] tables are "

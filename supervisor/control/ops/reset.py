@@ -24,7 +24,10 @@ class Reset(ServiceOp):
     args_doc = "`{tenant}`"
     result_doc = ("the tenant's status record, once it runs: its failed state and restart history cleared, its "
                   "instances started, its capability unchanged")
-    errors_doc = "`UnknownTenant` (also: evicted meanwhile), `TenantFailed` (it failed again while starting)"
+    error_notes = {
+        "UnknownTenant": "also: evicted meanwhile",
+        "TenantFailed": "it failed again while starting",
+    }
     command = "reset"
     help = "clear a failed tenant and start its instances again (same capability)"
     description = ("A tenant that exceeded its restart intensity is marked failed and stays down. reset clears "

@@ -24,7 +24,9 @@ class Restart(ServiceOp):
     args_doc = "`{tenant}`"
     result_doc = ("the tenant's status record, once every instance was replaced by a new worker, one at a time "
                   "(no restart counted)")
-    errors_doc = "`UnknownTenant`, `TenantFailed` (reset it first)"
+    error_notes = {
+        "TenantFailed": "reset it first",
+    }
     command = "restart"
     help = "restart a tenant's worker processes, one instance at a time"
     description = ("Replace every instance of a tenant with a new worker process, one at a time: each is "

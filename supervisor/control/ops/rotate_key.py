@@ -21,7 +21,9 @@ class RotateKey(ServiceOp):
     name = "rotate_key"
     result_doc = ("`{admin_capability, registry_id}`: a new registry key; every capability minted before is "
                   "refused as revoked")
-    errors_doc = "`StateError` (the new key could not be stored; nothing rotated)"
+    error_notes = {
+        "StateError": "the new key could not be stored; nothing rotated",
+    }
     command = "rotate-key"
     help = "replace the registry key: every capability is revoked"
     description = ("Draw a new registry key and id. Every tenant capability and the old admin capability are "

@@ -34,8 +34,10 @@ class RunWasm(WorkerOp):
                   "exit_code, gpu_time_s, gpu_wait_s, fuel_limit, timeout_s}` (`gpu_time_s`: device time the run's "
                   "ops were charged; `gpu_wait_s`: how long they waited for the device lease; `fuel_limit`, "
                   "`timeout_s`: the budget and deadline the run had, the request's capped by the tenant's spec)")
-    errors_doc = ("`WasmCompile`, `WasmTrap` (`trap_code`), `KernelTimeout`, `MemoryExhausted`, `UnknownModule`, "
-                  "`InvalidArgument` (also: buffers on different instances), `BufferLost`")
+    error_notes = {
+        "WasmTrap": "`trap_code`",
+        "InvalidArgument": "also: buffers on different instances",
+    }
     command = "run"
     help = "run an export of a WASM module in a tenant's worker"
     description = ("Send a module (binary .wasm or .wat text) to the tenant's worker and call one export. "

@@ -29,7 +29,9 @@ class Scale(AdminOp):
     args_doc = "`{tenant, instances}`"
     result_doc = ("the tenant's status record (new instances start; removed ones drain, then stop; 0: state "
                   "`stopped`)")
-    errors_doc = "`UnknownTenant`, `InvalidArgument`, `CapacityExhausted` (`max_workers` reached; nothing changed)"
+    error_notes = {
+        "CapacityExhausted": "`max_workers` reached; nothing changed",
+    }
     command = "scale"
     help = "run N worker instances for a tenant (live)"
     description = ("Change how many worker processes serve a tenant. New instances share the tenant's quota; "

@@ -43,8 +43,9 @@ class SetQuota(AdminOp):
                 "(ints or size strings), `gpu_time_weight?` (a number > 0), `gpu_time_cap?` (a number in (0, 1]; "
                 "nil: no cap), `idle_timeout_s?` (seconds; nil: never parks)")
     result_doc = "the tenant's status record"
-    errors_doc = ("`UnknownTenant`, `InvalidArgument` (naming the key: a weight <= 0, NaN or infinite, a cap outside "
-                  "(0, 1], a bool or a string for either; nothing is applied then)")
+    error_notes = {
+        "InvalidArgument": "naming the key: a weight <= 0, NaN or infinite, a cap outside (0, 1], a bool or a string for either; nothing is applied then",
+    }
     command = "set-quota"
     help = "change a tenant's limits live"
     description = ("Change a tenant's limits while it runs (the limits live in its shared-memory block). "

@@ -25,7 +25,7 @@ class Status(AdminOp):
                   "summary: {tenants, states: {state: count}, instances, ready}, next}`: one page of tenant "
                   "records by id; `summary` counts every tenant; `next` is the `after` of the next page (nil: "
                   "the last)")
-    errors_doc = "`InvalidArgument` (a limit out of range, an unknown state)"
+    error_notes = {"InvalidArgument": "a limit out of range, an unknown state"}
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         limit = arg_opt_int(args, "limit")

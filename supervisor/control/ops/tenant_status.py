@@ -20,7 +20,6 @@ class TenantStatus(AdminOp):
     name = "tenant_status"
     args_doc = "`{tenant}`"
     result_doc = "one record"
-    errors_doc = "`UnknownTenant`"
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
         self.answer(part, client, rid, part.tenant_record(part.runtime(arg_str(args, "tenant"))).to_wire())

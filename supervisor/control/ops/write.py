@@ -25,7 +25,9 @@ class Write(WorkerOp):
     args_doc = "`{handle, offset=0}`"
     body_in_doc = "the bytes"
     result_doc = "`{written}`"
-    errors_doc = "`InvalidArgument` (out of range), `BufferLost`"
+    error_notes = {
+        "InvalidArgument": "out of range",
+    }
     command = "write"
     help = "write bytes into a tenant's device buffer"
     description = ("Write a file's bytes (--from) or one float32 value repeated (--fill) into the "

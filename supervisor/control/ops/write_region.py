@@ -12,4 +12,6 @@ class WriteRegion(WorkerOp):
     name = "write_region"
     args_doc = "`{handle, offset=0, region, region_offset, nbytes}`"
     result_doc = "`{written}`"
-    errors_doc = "`InvalidArgument` (unknown region, or another tenant's; either range)"
+    error_notes = {
+        "InvalidArgument": "unknown region, or another tenant's; either range",
+    }

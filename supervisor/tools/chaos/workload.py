@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.errors import (
     RequestTimeout,
@@ -85,7 +86,7 @@ class _Client(threading.Thread):
         self.crashed: BaseException | None = None
         self.last_detail = ""  # the detail of the last call's error
         # the client gives up well after the supervisor must have answered: that is "lost"
-        self.timeout_s = 2 * spec.deadline_s("run_wasm") + 10.0
+        self.timeout_s = 2 * proto.OPS["run_wasm"].deadline_s(spec) + 10.0
 
     # ------------------------------------------------------------ plumbing
 
@@ -117,7 +118,7 @@ class _Client(threading.Thread):
                 t0,
                 latency,
                 outcome,
-                self.spec.deadline_s(op, wasm_timeout_s),
+                proto.OPS[op].deadline_s(self.spec, wasm_timeout_s),
                 detail,
             )
         )
@@ -133,7 +134,7 @@ class _Client(threading.Thread):
                 time.monotonic(),
                 0.0,
                 "wrong_data",
-                self.spec.deadline_s(op),
+                proto.OPS[op].deadline_s(self.spec),
                 detail[:200],
             )
         )
