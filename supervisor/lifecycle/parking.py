@@ -42,6 +42,12 @@ The rules that keep bytes and quota whole:
   the tenant is parked (its segment is referenced by the registry, the status
   and metrics readers and the regions' accounting; see docs/ARCHITECTURE.md).
 
+* **Room.** An activation starts workers only within ``max_active`` (all tenant
+  workers alive) and each device's context bound; short of room it parks the
+  least recently used idle tenants early and waits for their workers to exit,
+  or - nothing parkable - answers its requests ``CapacityExhausted`` with
+  ``retry_after_s``. It never waits on a park that cannot happen.
+
 Owns: every tenant's :class:`~supervisor.runtime.tenants.ParkRecord` and its
 transitions. May touch: the worker set (requests, start, stop), the frontend's
 waiting requests (sent once activation is done), the tenant's quota block (the
