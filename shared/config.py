@@ -176,6 +176,12 @@ class SupervisorConfig:
     #: board is sized from them at start
     max_tenants: int = 16_384
     max_workers: int = 4096
+    #: tenant workers alive at once (bound to a tenant: active, activating, parking); an activation
+    #: past it parks the least recently used idle tenant early, or is refused (CapacityExhausted).
+    #: None: no bound but each device's memory budget over its context cost (GPU-QUOTAS.md)
+    max_active: int | None = None
+    #: the warm pool grows with the activation rate up to this many (None: ``pool_size``, a fixed pool)
+    pool_max: int | None = None
     tenants: tuple[TenantSpec, ...] = ()
     #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`
     config_file: str | None = None
@@ -259,6 +265,12 @@ class SupervisorConfig:
             raise ValueError(f"gpu_time_quantum_s must be in 0.0001..1 s; got {self.gpu_time_quantum_s!r}")
         _int(self.max_tenants, "max_tenants", 1, 65_536)
         _int(self.max_workers, "max_workers", 1, 131_072)
+        if self.max_active is not None:
+            _int(self.max_active, "max_active", 1, 131_072)
+        if self.pool_max is not None:
+            _int(self.pool_max, "pool_max", 0, 1024)
+            if self.pool_max < self.pool_size:
+                raise ValueError(f"pool_max must be at least pool_size ({self.pool_size}); got {self.pool_max!r}")
         s(self, "gpu_time_scheduler", _bool(self.gpu_time_scheduler, "gpu_time_scheduler"))
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
@@ -426,9 +438,11 @@ _ENV_FIELDS = (
     "gpu_time_scheduler",
     "max_tenants",
     "max_workers",
+    "max_active",
+    "pool_max",
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
-               "max_tenants", "max_workers", "metrics_max_connections"}
+               "max_tenants", "max_workers", "metrics_max_connections", "max_active", "pool_max"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "drain_timeout_s", "kill_grace_s", "register_timeout_s",
                  "tcp_handshake_timeout_s", "tcp_idle_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
                  "unauthenticated_requests_per_s", "tcp_drops_per_s",

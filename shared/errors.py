@@ -608,6 +608,8 @@ class CapacityExhausted(TensorWasmError):
     wanted: int
     limit: int
     setting: str
+    #: an activation refused for room (``max_active``): when an active tenant may have parked
+    retry_after_s: float | None = None
 
 
 class Draining(TensorWasmError):

@@ -27,6 +27,7 @@ __all__ = [
     "FAULT_TABLE",
     "FaultKind",
     "SIGNAL_FAULT_KINDS",
+    "SUPERVISOR_FAULT_KINDS",
     "TENANT_EVENT_KINDS",
     "WORKER_FAULT_KINDS",
 ]
@@ -71,6 +72,7 @@ EVENT_KINDS: Final[dict[str, EventKind]] = {k.name: k for k in (
     EventKind("state_error", _E, False, "an admin change could not be written to the state store"),
     EventKind("park", _I, True, "an idle tenant was parked: its workers exited, its buffers held by the supervisor"),
     EventKind("park_refused", _W, True, "an idle tenant could not be parked (its buffers do not fit its memory quota)"),
+    EventKind("activation_refused", _W, True, "a parked tenant could not be activated: no room under max_active"),
     EventKind("activate", _I, True, "a parked tenant is active again: its buffers restored with the same handles"),
 )}
 #: the kinds a tenant capability sees (of its own tenant): its instances' lifecycle and its own changes
@@ -82,8 +84,9 @@ class FaultKind:
     """One kind of injected fault."""
 
     name: str
-    #: "worker": ``inject_fault`` (the worker applies it to itself); "signal": the chaos nemesis signals the pid
-    via: Literal["worker", "signal"]
+    #: "worker": ``inject_fault`` (the worker applies it to itself); "signal": the chaos nemesis signals the pid;
+    #: "supervisor": the chaos nemesis changes the tenant through the supervisor's admin ops
+    via: Literal["worker", "signal", "supervisor"]
     #: ends the worker or gets it killed (a leak only when big): a worker death is put down to the latest one
     disruptive: bool
     doc: str
@@ -103,9 +106,13 @@ FAULT_TABLE: Final[dict[str, FaultKind]] = {k.name: k for k in (
     FaultKind("cuda-fault", "worker", False, "the next request meets a sticky CUDA error (a faulting kernel first)"),
     FaultKind("sigkill", "signal", True, "SIGKILL to the worker's pid"),
     FaultKind("sigstop", "signal", True, "SIGSTOP to the worker's pid (heartbeats stop)"),
+    FaultKind("park", "supervisor", False, "the tenant's idle_timeout_s is made tiny: it parks when idle and its "
+              "next request activates it (healed later: idle_timeout_s none)"),
 )}
 #: the kinds ``inject_fault`` accepts
 WORKER_FAULT_KINDS: Final = tuple(k.name for k in FAULT_TABLE.values() if k.via == "worker")
 #: the kinds the chaos nemesis delivers as signals
 SIGNAL_FAULT_KINDS: Final = tuple(k.name for k in FAULT_TABLE.values() if k.via == "signal")
+#: the kinds the chaos nemesis delivers through the supervisor (admin ops)
+SUPERVISOR_FAULT_KINDS: Final = tuple(k.name for k in FAULT_TABLE.values() if k.via == "supervisor")
 DISRUPTIVE_FAULTS: Final = frozenset(k.name for k in FAULT_TABLE.values() if k.disruptive)

@@ -349,7 +349,8 @@ class Supervisor:
         admin.attach(workers, frontend, service)
         parking = Parking(tenants=self.tenants, workers=workers, events=self.events, on_active=admin.instance_ready,
                           clock=self.loop.clock, persist=_parked_flag_writer(state),
-                          stopping=lambda: self._stopping)
+                          stopping=lambda: self._stopping, max_active=cfg.max_active,
+                          device_bounds=placement.context_bounds())
         frontend.wake_parked = parking.wake
         hooks.parking = parking
         # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
@@ -647,7 +648,7 @@ class Supervisor:
         self._metrics.publish(MetricsSnapshot(
             tenants=tenants, states=dict(states), quiet_host_bytes=dict(quiet_host), pool_idle=len(parts.workers.pool),
             pool_starting=parts.workers.pool_starting,
-            pool_size=self.config.pool_size, backend=parts.admin.backend_name, devices=devices,
+            pool_size=parts.workers.pool_target, backend=parts.admin.backend_name, devices=devices,
             frontend=parts.frontend.guard.counters(),
         ))
 

@@ -692,7 +692,7 @@ class AdminOps:
             supervisor=SupervisorRecord(
                 **{f.name: getattr(hello, f.name) for f in fields(hello)},
                 run_dir=self.rundir.path,
-                pool=PoolRecord(idle=len(ws.pool), starting=ws.pool_starting, size=self.config.pool_size,
+                pool=PoolRecord(idle=len(ws.pool), starting=ws.pool_starting, size=ws.pool_target,
                                 pids=tuple(w.pid for w in ws.pool)),
                 workers=len(ws.workers),
                 internal_errors=self._internal_errors(),

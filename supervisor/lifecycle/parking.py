@@ -42,6 +42,12 @@ The rules that keep bytes and quota whole:
   the tenant is parked (its segment is referenced by the registry, the status
   and metrics readers and the regions' accounting; see docs/ARCHITECTURE.md).
 
+* **Room.** An activation starts workers only within ``max_active`` (all tenant
+  workers alive) and each device's context bound; short of room it parks the
+  least recently used idle tenants early and waits for their workers to exit,
+  or - nothing parkable - answers its requests ``CapacityExhausted`` with
+  ``retry_after_s``. It never waits on a park that cannot happen.
+
 Owns: every tenant's :class:`~supervisor.runtime.tenants.ParkRecord` and its
 transitions. May touch: the worker set (requests, start, stop), the frontend's
 waiting requests (sent once activation is done), the tenant's quota block (the
@@ -52,12 +58,13 @@ its writer thread). Loop thread only.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Final
 
 import zmq
 
-from shared.errors import MemoryExhausted, TensorWasmError
+from shared.errors import CapacityExhausted, MemoryExhausted, TensorWasmError
 from shared.log import get_logger, log_event
 from supervisor.lifecycle.workerset import WorkerSet
 from supervisor.observe.events import EventBus
@@ -65,12 +72,19 @@ from supervisor.runtime.requests import Pending
 from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 
-__all__ = ["PARK_CHUNK_BYTES", "Parking"]
+__all__ = ["PARK_CHUNK_BYTES", "Parking", "RETRY_AFTER_UNKNOWN_S"]
 
 _log = get_logger("supervisor")
 
 #: the largest chunk of a buffer one export or import message carries
 PARK_CHUNK_BYTES: Final = 4 << 20
+#: a refused activation's ``retry_after_s`` when no active tenant will park by itself (none has an
+#: ``idle_timeout_s``): room comes only from an eviction or a tenant going idle, which nothing predicts
+RETRY_AFTER_UNKNOWN_S: Final = 1.0
+#: a tenant whose park was refused (its copies do not fit its memory quota) is not parked early
+#: again for this long: it would be refused again, and the activation that waits for it should be
+#: answered instead
+EARLY_PARK_BACKOFF_S: Final = 5.0
 
 
 class Parking:
@@ -79,11 +93,14 @@ class Parking:
     def __init__(self, *, tenants: Mapping[str, TenantRuntime], workers: WorkerSet, events: EventBus,
                  on_active: Callable[[TenantRuntime], None], clock: Callable[[], float],
                  persist: Callable[[str, bool], None] | None = None,
-                 stopping: Callable[[], bool] = lambda: False) -> None:
+                 stopping: Callable[[], bool] = lambda: False, max_active: int | None = None,
+                 device_bounds: Mapping[int, int] | None = None) -> None:
         """``on_active(rt)``: the tenant serves again (a park cancelled, an activation done) - what
         an instance that became ready means: its waiting requests are sent, its waiters answered
         (``AdminOps.instance_ready``). ``persist(tenant, parked)``: record the parked flag durably
-        (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then)."""
+        (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then).
+        ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
+        the same per device, where its memory budget over a worker's context cost bounds it."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
@@ -95,13 +112,28 @@ class Parking:
         self.parks = 0
         self.activations = 0
         self.refusals = 0
+        self.max_active = max_active
+        self.device_bounds = dict(device_bounds or {})
+        #: parks begun to make room (before the tenant's idle time), and activations refused for room
+        self.early_parks = 0
+        self.capacity_refusals = 0
+        #: parked tenants whose activation waits for the room early parks are making, in arrival order
+        self._room_waiters: list[TenantRuntime] = []
+        self._early: set[str] = set()
+        #: when each tenant's last park was refused (see EARLY_PARK_BACKOFF_S)
+        self._refused_at: dict[str, float] = {}
+        self._retrying = False
         #: the death watches of an export in progress, by tenant: taken off when it ends
         self._watches: dict[str, list[tuple[WorkerHandle, Callable[[WorkerHandle], None]]]] = {}
 
     # ------------------------------------------------------------ parking
 
     def check_idle(self, now: float) -> None:
-        """Housekeeping: park every tenant idle past its ``idle_timeout_s``."""
+        """Housekeeping: park every tenant idle past its ``idle_timeout_s``; activations waiting
+        for room look again (room also comes from evictions and deaths)."""
+        self._retry_room_waiters()
+        if self._refused_at:
+            self._refused_at = {t: at for t, at in self._refused_at.items() if now - at < EARLY_PARK_BACKOFF_S}
         for rt in list(self.tenants.values()):
             timeout = rt.spec.idle_timeout_s
             if timeout is None or rt.park is not None:
@@ -256,12 +288,15 @@ class Parking:
         rec.phase = ParkPhase.PARKED
         rt.refresh_state()
         self.parks += 1
+        early = rt.tenant_id in self._early
+        self._early.discard(rt.tenant_id)
         self.events.emit("park", tenant=rt.tenant_id, buffers=sum(len(b) for b in rec.buffers.values()),
-                         host_bytes=rec.host_bytes, park_ms=round((self.clock() - rec.since) * 1000, 3))
+                         host_bytes=rec.host_bytes, park_ms=round((self.clock() - rec.since) * 1000, 3), early=early)
         if self.persist is not None:
             self.persist(rt.tenant_id, True)
-        if (rec.wanted or rt.parked) and not self.stopping():
+        if (rec.wanted or rt.parked) and not self.stopping() and self._make_room(rt) is True:
             self.activate(rt)
+        self._retry_room_waiters()  # its workers' room is free now
 
     def _died_exporting(self, rt: TenantRuntime, rec: ParkRecord, worker: WorkerHandle) -> None:
         """A worker died while its buffers were copied: they went with it, as in any crash."""
@@ -275,6 +310,7 @@ class Parking:
 
     def _refuse(self, rt: TenantRuntime, rec: ParkRecord, exc: MemoryExhausted) -> None:
         self.refusals += 1
+        self._refused_at[rt.tenant_id] = self.clock()
         self.events.emit("park_refused", tenant=rt.tenant_id, error=exc.to_dict())
         self._cancel(rt, rec)
 
@@ -285,7 +321,9 @@ class Parking:
         rt.park = None
         rt.last_request = self.clock()
         rt.refresh_state()
+        self._early.discard(rt.tenant_id)
         self.on_active(rt)
+        self._retry_room_waiters()  # a park that was making room did not: they look elsewhere, or are refused
 
     def _unwatch(self, rt: TenantRuntime) -> None:
         for worker, watch in self._watches.pop(rt.tenant_id, ()):
@@ -296,7 +334,8 @@ class Parking:
 
     def wake(self, rt: TenantRuntime) -> None:
         """A request that needs a worker came for a parked (or parking) tenant; it waits in
-        ``rt.parked`` until this is done."""
+        ``rt.parked`` until this is done. Raises CapacityExhausted when there is no room for its
+        workers (``max_active``) and none can be made: the request is refused, not queued."""
         rec = rt.park
         if rec is None:
             return
@@ -304,8 +343,118 @@ class Parking:
             self._cancel(rt, rec)
         elif rec.phase is ParkPhase.STOPPING:
             rec.wanted = True  # activated once its workers are gone
-        elif rec.phase is ParkPhase.PARKED and not self.stopping():
-            self.activate(rt)
+        elif rec.phase is ParkPhase.PARKED and not self.stopping() and rt not in self._room_waiters:
+            room = self._make_room(rt)
+            if room is True:
+                self.activate(rt)
+            elif isinstance(room, CapacityExhausted):
+                raise room
+
+    # ------------------------------------------------------------ room (max_active)
+
+    def _alive(self) -> tuple[int, dict[int, int]]:
+        """Tenant workers alive now (bound to a tenant, not yet dead: starting, ready, stopping),
+        in all and per device."""
+        total = 0
+        per: dict[int, int] = {}
+        for worker in self.workers.workers.values():
+            if worker.tenant is None or worker.state is WorkerState.DEAD:
+                continue
+            total += 1
+            owner = self.tenants.get(worker.tenant)
+            if owner is not None:
+                per[owner.device] = per.get(owner.device, 0) + 1
+        return total, per
+
+    def _make_room(self, rt: TenantRuntime) -> bool | CapacityExhausted:
+        """Whether parked ``rt`` may start its workers now (True), waits for the room early parks
+        are making (False: queued in ``_room_waiters``), or cannot be placed (the error; the
+        requests that waited for it are answered with it)."""
+        bound = self.device_bounds.get(rt.device)
+        if self.max_active is None and bound is None:
+            return True
+        need = len(rt.wanted_slots())
+        total, per = self._alive()
+        short_all = total + need - self.max_active if self.max_active is not None else 0
+        short_dev = per.get(rt.device, 0) + need - bound if bound is not None else 0
+        if short_all <= 0 and short_dev <= 0:
+            return True
+        for other in self.tenants.values():  # parks in progress free their workers' room soon
+            if other is not rt and other.park is not None and other.park.phase in (ParkPhase.EXPORTING,
+                                                                                   ParkPhase.STOPPING):
+                n = sum(1 for s in other.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD)
+                short_all -= n
+                short_dev -= n if other.device == rt.device else 0
+        if short_all > 0 or short_dev > 0:
+            now = self.clock()
+            idle = sorted((o for o in self.tenants.values()
+                           if o is not rt and o.park is None and o.spec.idle_timeout_s is not None and _parkable(o)
+                           and now - self._refused_at.get(o.tenant_id, -math.inf) >= EARLY_PARK_BACKOFF_S),
+                          key=lambda o: o.last_request)
+            for victim in idle:  # the least recently used first
+                if short_all <= 0 and short_dev <= 0:
+                    break
+                same = victim.device == rt.device
+                if short_dev > 0 and not same and (short_all <= 0 or bound is not None):
+                    continue  # it would not free this device
+                n = len(victim.wanted_slots())
+                self._early.add(victim.tenant_id)
+                self.early_parks += 1
+                log_event(_log, logging.INFO, "tenant.park_early", tenant=victim.tenant_id, for_tenant=rt.tenant_id)
+                self.park(victim, now)
+                short_all -= n
+                short_dev -= n if same else 0
+        if short_all > 0 or short_dev > 0:
+            return self._refuse_room(rt, need, total, per.get(rt.device, 0), bound)
+        if rt not in self._room_waiters:
+            self._room_waiters.append(rt)
+        return False
+
+    def _refuse_room(self, rt: TenantRuntime, need: int, total: int, on_device: int,
+                     bound: int | None) -> CapacityExhausted:
+        """No room and none can be made: the waiting requests are answered, the tenant stays parked."""
+        if self.max_active is not None and (bound is None or total + need - self.max_active > 0):
+            in_use, limit, setting = total, self.max_active, "max_active"
+        else:
+            assert bound is not None
+            in_use, limit, setting = on_device, bound, f"device {rt.device}'s context bound"
+        retry = self._retry_after()
+        exc = CapacityExhausted(
+            "workers", in_use, need, limit, setting, retry_after_s=retry,
+            message=f"tenant {rt.tenant_id!r} cannot be activated: {in_use} tenant workers alive of at most {limit} "
+            f"({setting}), {need} more wanted, and no idle tenant can be parked to make room; retry after "
+            f"{retry:g} s (or give more tenants an idle_timeout_s)")
+        self.capacity_refusals += 1
+        self.events.emit("activation_refused", tenant=rt.tenant_id, error=exc.to_dict())
+        while rt.parked:
+            self.workers.pending.refuse_parked(rt.tenant_id, rt.parked.popleft(), exc)
+        return exc
+
+    def _retry_after(self) -> float:
+        """When room may come: the soonest an active tenant reaches its idle timeout (it parks then,
+        if idle), at least 0.1 s; RETRY_AFTER_UNKNOWN_S when no active tenant ever parks."""
+        now = self.clock()
+        due = [rt.last_request + rt.spec.idle_timeout_s - now for rt in self.tenants.values()
+               if rt.park is None and rt.spec.idle_timeout_s is not None]
+        return round(max(0.1, min(due)), 3) if due else RETRY_AFTER_UNKNOWN_S
+
+    def _retry_room_waiters(self) -> None:
+        """Activations waiting for room look again, in order: activated, still waiting, or refused.
+        One whose requests all expired or were answered stops waiting (its next request wakes it)."""
+        if self._retrying or not self._room_waiters:
+            return
+        self._retrying = True
+        try:
+            for rt in list(self._room_waiters):
+                self._room_waiters.remove(rt)
+                rec = rt.park
+                if (self.tenants.get(rt.tenant_id) is not rt or rec is None or rec.phase is not ParkPhase.PARKED
+                        or not rt.parked or self.stopping()):
+                    continue
+                if self._make_room(rt) is True:
+                    self.activate(rt)
+        finally:
+            self._retrying = False
 
     def activate(self, rt: TenantRuntime) -> None:
         """Bind a worker to each instance (a warm one from the pool, else a fresh one), keeping

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import signal
 import time
 from collections.abc import Mapping
@@ -75,6 +76,14 @@ _log = get_logger("supervisor")
 #: messages taken from one socket per wake-up before the loop looks at the others: a few
 #: (not hundreds), so one tenant's burst of replies delays another's by a short turn only
 BATCH = 32
+
+#: the adaptive pool's demand window: instance starts are counted with weight exp(-age / this)
+POOL_RATE_WINDOW_S = 30.0
+#: a pool worker's spawn-to-ready time until one has been measured
+POOL_DEFAULT_REFILL_S = 1.0
+#: the decayed count of recent instance starts from which the pool keeps workers beyond ``pool_size``
+#: (0.5: a start within the last ~20 s, or several within the window)
+POOL_MIN_DEMAND = 0.5
 #: and at most this much loop time of worker replies per wake-up (the first is always taken): the
 #: relays of one tenant's flood of replies delay another tenant's request by one such slice, like a
 #: tenant's share of a frontend turn (supervisor.admission.fairness)
@@ -136,6 +145,13 @@ class WorkerSet:
         self.pool_starting = 0
         self._pool_failures = 0
         self._pool_retry_at = 0.0
+        #: the warm pool's size now: ``pool_size`` .. ``pool_max``, following the demand (see pool_target_now)
+        self.pool_target = config.pool_size
+        #: demand on the pool: an exponentially decayed rate of instance starts (per s), when last
+        #: decayed, and a pool worker's mean spawn-to-ready time (s), the time one refill takes
+        self._demand_rate = 0.0
+        self._demand_at = 0.0
+        self._refill_s: float | None = None
         self._last_beat = 0.0
         loop.register(backend, self._on_backend)
         loop.register(control, self._on_control)
@@ -213,13 +229,41 @@ class WorkerSet:
             return
         if self._pool_failures:
             self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
-        while len(self.pool) + self.pool_starting < self.config.pool_size:
+        target = self.pool_target = self.pool_target_now(now)
+        while len(self.pool) + self.pool_starting < target:
             worker = self._spawn()
             worker.tenant = None
             self.pool_starting += 1
+        while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
+            self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
+
+    def pool_target_now(self, now: float) -> int:
+        """The warm pool's size for the demand now: ``pool_size`` plus the workers taken while one
+        refill starts (the start rate, decayed over POOL_RATE_WINDOW_S, times a pool worker's mean
+        spawn-to-ready time, rounded up: at least one while there is recent demand, POOL_MIN_DEMAND),
+        at most ``pool_max``. Without ``pool_max`` it is ``pool_size``."""
+        cfg = self.config
+        if cfg.pool_max is None or cfg.pool_max <= cfg.pool_size:
+            return cfg.pool_size
+        rate = self._decayed_rate(now)
+        refill_s = self._refill_s if self._refill_s is not None else POOL_DEFAULT_REFILL_S
+        if rate * POOL_RATE_WINDOW_S < POOL_MIN_DEMAND:
+            return cfg.pool_size
+        return min(cfg.pool_max, cfg.pool_size + max(1, math.ceil(rate * refill_s)))
+
+    def _decayed_rate(self, now: float) -> float:
+        if now > self._demand_at:
+            self._demand_rate *= math.exp(-(now - self._demand_at) / POOL_RATE_WINDOW_S)
+            self._demand_at = now
+        return self._demand_rate
+
+    def _note_demand(self) -> None:
+        """An instance asked for a worker (an activation, a registration, a restart): one more in the rate."""
+        self._demand_rate = self._decayed_rate(self.clock()) + 1.0 / POOL_RATE_WINDOW_S
 
     def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
         """Give a slot a worker: a warm one from the pool, else a fresh process."""
+        self._note_demand()
         slot.restart_at = None
         slot.completed = False
         if not slot.keep_incarnation:  # parked buffers: their handles name the incarnation they come back to
@@ -245,6 +289,8 @@ class WorkerSet:
             self.pool_starting -= 1
             worker.state = WorkerState.IDLE
             worker.ready_at = self.clock()
+            took = max(0.0, worker.ready_at - worker.spawned_at)
+            self._refill_s = took if self._refill_s is None else 0.8 * self._refill_s + 0.2 * took
             self.pool.append(worker)
             self.events.emit("ready", worker=worker.worker_id, pid=worker.pid, pool=True)
             return

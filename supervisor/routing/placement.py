@@ -176,6 +176,12 @@ class Placement:
     def indexes(self) -> list[int]:
         return sorted(self._devices)
 
+    def context_bounds(self) -> dict[int, int]:
+        """The most tenant workers each device holds: its budget over one worker's context cost,
+        for the devices where the probe gave that cost (cuda; the stub has none)."""
+        return {d.index: max(1, d.budget.limit_bytes // d.context_bytes)
+                for d in self._devices.values() if d.context_bytes}
+
     def budget(self, device: int) -> DeviceBudget:
         return self._devices[device].budget
 

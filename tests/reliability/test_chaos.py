@@ -243,6 +243,28 @@ def test_campaign_against_a_running_supervisor() -> None:
         assert status.tenants[0].gpu_bytes_in_use == 12345 and sup.client.buffers(cap) == {h: 12345}
 
 
+@pytest.mark.slow
+def test_park_and_activate_as_a_nemesis_keep_every_invariant() -> None:
+    """``--faults park,sigkill``: tenants park and wake under load and kills; bytes and quota whole."""
+    proc = _twt("chaos", "--duration", "8", "--seed", "7", "--rate", "2", "--tenants", "3", "--faults",
+                "park,sigkill", "--latency-factor", "0", "--grace", "10", "--json")
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        raise AssertionError(proc.stdout[-4000:] + proc.stderr[-2000:]) from None
+    assert report["ok"], [c for c in report["checks"] if not c["ok"]]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert report["faults"]["park"].get("parked", 0) >= 1
+    # the faults did what they are for: a tenant parked and its workload woke it
+    assert report["parking"]["park"] >= 1 and report["parking"]["activate"] >= 1, report["parking"]
+
+
+def test_park_is_a_fault_kind_outside_the_defaults() -> None:
+    schedule = build_schedule(7, ("park",), 2.0, 20.0, TARGETS)
+    assert schedule and all(f.kind == "park" and f.params == () and not f.heal for f in schedule)
+    assert "park" in chaos.ALL_FAULTS and "park" not in chaos.DEFAULT_FAULTS
+
+
 # ------------------------------------------------------------------ seeds that once failed
 
 

@@ -75,7 +75,7 @@ SAMPLES: dict[type[TensorWasmError], dict[str, Any]] = {
     errors.AdmissionRate: {"tenant_id": "acme", "in_flight": 3, "limit": 64, "retry_after_s": 0.25,
                            "cause": "rate", "what": "bytes", "rate": 2000.0},
     errors.CapacityExhausted: {"what": "tenants", "in_use": 1024, "wanted": 1, "limit": 1024,
-                               "setting": "max_tenants"},
+                               "setting": "max_tenants", "retry_after_s": None},
     errors.Draining: {"retry_after_s": 5.0, "drain_timeout_s": 35.0},
     errors.FaultInjectionDisabled: {"op": "inject_fault"},
     ProtocolError: {"detail": "header too large"},

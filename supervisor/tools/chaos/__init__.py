@@ -39,6 +39,7 @@ from supervisor.tools.chaos.config import (
     ALL_FAULTS,
     DEFAULT_FAULTS,
     SIGNAL_FAULTS,
+    SUPERVISOR_FAULTS,
     ChaosConfig,
 )
 from supervisor.tools.chaos.nemesis import Action
@@ -50,6 +51,7 @@ __all__ = [
     "ALL_FAULTS",
     "DEFAULT_FAULTS",
     "SIGNAL_FAULTS",
+    "SUPERVISOR_FAULTS",
     "Action",
     "ChaosConfig",
     "Check",

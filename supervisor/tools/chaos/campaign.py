@@ -211,6 +211,9 @@ class _Campaign:
         stop_clients, stop_nemesis, faults_on = threading.Event(), threading.Event(), threading.Event()
         modules = _Modules.load()
         warmed = threading.Barrier(cfg.n_clients + 1)
+        go = {name: threading.Event() for name in self.order}
+        for ev in go.values():
+            ev.set()
         for i in range(cfg.n_clients):
             name = self.order[i % len(self.order)]
             self.clients.append(
@@ -226,9 +229,10 @@ class _Campaign:
                     stop_clients,
                     modules,
                     warmed,
+                    go[name],
                 )
             )
-        nemesis = _Nemesis(run_dir, self.schedule, self.names, faults_on, stop_nemesis)
+        nemesis = _Nemesis(run_dir, self.schedule, self.names, faults_on, stop_nemesis, go)
         try:
             self.host.start()
             for c in self.clients:
@@ -292,7 +296,15 @@ class _Campaign:
 
     def settle_and_reconcile(self, main: SupervisorClient) -> None:
         """Counters against the buffers the clients hold, once nothing moves."""
-        self.say("settling: heal slow faults, wait for every instance")
+        self.say("settling: heal slow and park faults, wait for every instance")
+        for role, healthy, _ in self.roles:  # parks healed first: a parked tenant activated again
+            if healthy or "park" not in self.cfg.faults:
+                continue
+            try:
+                main.set_quota(None, self.names[role], idle_timeout_s=None)
+                main.ping(self.caps[self.names[role]])
+            except TensorWasmError:
+                pass  # an instance restarting: the settle waits for it
         for role, healthy, instances in self.roles:
             for i in range(0 if healthy else instances):
                 try:
@@ -485,6 +497,10 @@ class _Campaign:
                     "not_from_a_fault": len(unexplained),
                 },
                 "events": len(self.events),
+                "parking": {
+                    kind: sum(e.get("event") == kind and e.get("tenant") in self.specs for e in self.events)
+                    for kind in ("park", "activate", "park_refused")
+                },
                 "checks": [c.to_dict() for c in self.checks],
                 "ok": all(c.ok for c in self.checks),
                 "elapsed_s": round(time.monotonic() - self.t_start, 1),

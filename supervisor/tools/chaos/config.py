@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.kinds import SIGNAL_FAULT_KINDS
+from shared.kinds import SIGNAL_FAULT_KINDS, SUPERVISOR_FAULT_KINDS
 from shared.protocol import FAULT_KINDS
 from shared.spec import TenantSpec
 
@@ -17,14 +17,24 @@ __all__ = [
     "LEAK_BIG",
     "LEAK_SMALL",
     "MAX_LIVE_BUFFERS",
+    "PARK_IDLE_S",
+    "PARK_WAIT_S",
     "SIGNAL_FAULTS",
+    "SUPERVISOR_FAULTS",
 ]
 
 #: faults the worker applies to itself (``inject_fault``; the kinds are the protocol's)
 DEFAULT_FAULTS: tuple[str, ...] = FAULT_KINDS
 #: faults the nemesis delivers as signals to the worker's pid
 SIGNAL_FAULTS: tuple[str, ...] = SIGNAL_FAULT_KINDS
-ALL_FAULTS = DEFAULT_FAULTS + SIGNAL_FAULTS
+#: faults the nemesis delivers through the supervisor: ``park`` (not in the default campaign: each
+#: park and activation costs a worker start, which slows the default run; ``--faults`` adds it)
+SUPERVISOR_FAULTS: tuple[str, ...] = SUPERVISOR_FAULT_KINDS
+ALL_FAULTS = DEFAULT_FAULTS + SIGNAL_FAULTS + SUPERVISOR_FAULTS
+#: the idle time a ``park`` fault gives its tenant while its clients pause, and how long the nemesis
+#: waits for the park (a tenant with a request that never ends does not park: the fault is then "armed")
+PARK_IDLE_S = 0.05
+PARK_WAIT_S = 3.0
 #: error codes that say the instance that held a buffer died (or is being killed)
 _DEATH_CODES = frozenset({"worker_lost", "kernel_timeout", "memory_exhausted"})
 #: error codes that say a buffer is gone already: its instance restarted since it was allocated

@@ -16,7 +16,7 @@ from shared.errors import (
     TensorWasmError,
     WorkerLost,
 )
-from supervisor.tools.chaos.config import SIGNAL_FAULTS
+from supervisor.tools.chaos.config import PARK_IDLE_S, PARK_WAIT_S, SIGNAL_FAULTS, SUPERVISOR_FAULTS
 from supervisor.tools.chaos.schedule import Fault
 from supervisor.client.api import SupervisorClient
 from supervisor.observe.events import TOPIC_PREFIX, decode_event
@@ -60,7 +60,7 @@ class Action:
 
     fault: Fault
     wall: float  # time.time() just before the fault was delivered
-    outcome: str  # armed | exited | signalled | skipped | refused:<code> | lost
+    outcome: str  # armed | exited | signalled | parked | skipped | refused:<code> | lost
     pid: int | None = None
     latency_s: float = 0.0
     detail: str = ""
@@ -74,13 +74,16 @@ class _Nemesis(threading.Thread):
         names: Mapping[str, str],
         start: threading.Event,
         stop: threading.Event,
+        go: Mapping[str, threading.Event] | None = None,
     ) -> None:
+        """``go``: per tenant name, set while its clients may send (a ``park`` clears it for a while)."""
         super().__init__(name="chaos-nemesis", daemon=True)
         self.run_dir = run_dir
         self.schedule = schedule
         self.names = names
         self.start_event = start
         self.stop_event = stop
+        self.go = go or {}
         self.actions: list[Action] = []
         self.crashed: BaseException | None = None
 
@@ -103,7 +106,9 @@ class _Nemesis(threading.Thread):
         wall, t0 = time.time(), time.monotonic()
         action = Action(fault, wall, "skipped")
         try:
-            if fault.kind in SIGNAL_FAULTS:
+            if fault.kind in SUPERVISOR_FAULTS:
+                action.outcome = self._park(client, name)
+            elif fault.kind in SIGNAL_FAULTS:
                 inst = client.tenant_status(None, name).instances[fault.instance]
                 if inst.state != "ready" or inst.pid is None:
                     action.detail = f"instance {inst.state}"
@@ -126,3 +131,25 @@ class _Nemesis(threading.Thread):
             action.outcome, action.detail = f"refused:{exc.code}", str(exc)[:200]
         action.latency_s = time.monotonic() - t0
         return action
+
+    def _park(self, client: SupervisorClient, name: str) -> str:
+        """The tenant goes idle: its clients pause after their request in flight, a tiny idle
+        timeout parks it, then the timeout is taken off and the clients go on - their next
+        request activates it. "parked" when it was seen parked, else "armed"."""
+        go = self.go.get(name)
+        if go is not None:
+            go.clear()
+        try:
+            client.set_quota(None, name, idle_timeout_s=PARK_IDLE_S)
+            try:
+                deadline = time.monotonic() + PARK_WAIT_S
+                while time.monotonic() < deadline and not self.stop_event.is_set():
+                    if client.tenant_status(None, name).state == "parked":
+                        return "parked"
+                    time.sleep(0.02)
+                return "armed"
+            finally:
+                client.set_quota(None, name, idle_timeout_s=None)
+        finally:
+            if go is not None:
+                go.set()

@@ -65,7 +65,9 @@ class _Client(threading.Thread):
         stop: threading.Event,
         modules: _Modules,
         warmed: threading.Barrier | None,
+        go: threading.Event | None = None,
     ) -> None:
+        """``go``: set while the client may send (the nemesis clears it to let the tenant go idle)."""
         super().__init__(name=f"chaos-client-{index}", daemon=True)
         self.tenant = tenant
         self.healthy = healthy
@@ -77,6 +79,7 @@ class _Client(threading.Thread):
         self.stop_event = stop
         self.modules = modules
         self.warmed = warmed
+        self.go = go
         self.live: dict[int, _Buf] = {}
         self.stale: list[tuple[int, int]] = []  # (handle, nbytes) dropped: their instance died
         self.client: SupervisorClient | None = None
@@ -269,6 +272,8 @@ class _Client(threading.Thread):
             while not self.stop_event.is_set():
                 self.step()
                 self.stop_event.wait(self.rng.uniform(0.005, 0.02))
+                while self.go is not None and not self.go.wait(0.05) and not self.stop_event.is_set():
+                    pass  # paused: the tenant is meant to be idle
         except BaseException as exc:  # noqa: BLE001 - reported as a violation by the campaign
             self.crashed = exc
         finally:
