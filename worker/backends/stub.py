@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
+from worker.backends.timing import OpTimer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -43,6 +46,24 @@ class _Binary:
 
 
 _BINARY = _Binary()
+
+
+class ThreadTimer:
+    """The CPU time of the thread that ran the op (``time.thread_time_ns``): the stub device's busy time.
+
+    Queued ops (worker.device_time) run on the worker's device thread while
+    the guest's host code runs on another; the process's CPU time would charge
+    that host work as device time. The stub runs one BLAS thread per op (see
+    :class:`StubBackend`), so the calling thread's CPU time is all of the op's.
+    """
+
+    def time(self, fn: Callable[..., object], *args: object) -> int:
+        t0 = time.thread_time_ns()
+        fn(*args)
+        return time.thread_time_ns() - t0
+
+    def close(self) -> None:
+        pass
 
 
 class StubBuffer(DeviceBuffer):
@@ -93,6 +114,10 @@ class StubBackend(Backend):
         # through a memoryview: ``bytearray[a:b] = view`` copies the view into a temporary
         # bytearray first (CPython), one whole extra copy per write
         memoryview(buf.data)[offset : offset + len(data)] = data
+
+    def op_timer(self) -> OpTimer:
+        """The device thread's own CPU time per op (:class:`ThreadTimer`)."""
+        return ThreadTimer()
 
     def view(self, buf: DeviceBuffer, offset: int, nbytes: int) -> StubBuffer:
         assert isinstance(buf, StubBuffer)

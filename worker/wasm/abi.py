@@ -252,11 +252,44 @@ class GuestRun:
         try:
             return self.gate.op(name, fn, args, self.deadline_ns)
         except KernelTimeout as exc:
-            self.deadline_passed = exc
-            interrupt, self.interrupt = self.interrupt, None
-            if interrupt is not None:
-                interrupt()
+            self._timed_out(exc)
             raise
+
+    def device_submit(self, name: str, fn: Callable[..., object], args: tuple[object, ...]) -> None:
+        """Queue ``fn(*args)`` for the device and return (an op whose result the guest does not read
+        at once; see :mod:`worker.device_time`). Raises ``KernelTimeout`` when the run is over."""
+        try:
+            self.gate.submit(name, fn, args, self.deadline_ns)
+        except KernelTimeout as exc:
+            self._timed_out(exc)
+            raise
+
+    def device_sync(self) -> None:
+        """Wait for the queued device work (the guest is about to read or reuse what it wrote);
+        raises what a queued op raised, once."""
+        try:
+            self.gate.sync(self.deadline_ns)
+        except KernelTimeout as exc:
+            self._timed_out(exc)
+            raise
+
+    def end_sync(self) -> None:
+        """The guest returned: its queued work is waited for. A deadline that passed in it ends the
+        run as a timeout; another queued error nobody read is logged (the guest never asked)."""
+        try:
+            self.gate.sync(self.deadline_ns)
+        except KernelTimeout as exc:
+            self.deadline_passed = exc
+        except TensorWasmError as exc:
+            self._op_failed("queued", exc)
+        except Exception:  # noqa: BLE001 - a host bug in a queued op: logged as the import adapter does
+            _log.exception("wasm.host_import_failed import=queued")
+
+    def _timed_out(self, exc: KernelTimeout) -> None:
+        self.deadline_passed = exc
+        interrupt, self.interrupt = self.interrupt, None
+        if interrupt is not None:
+            interrupt()
 
     def gpu_totals(self) -> dict[str, float]:
         """This run's device time and its waits for the device (the ``run_wasm`` reply's fields)."""
@@ -273,6 +306,7 @@ class GuestRun:
     def release(self) -> int:
         """Free every buffer this run allocated (return, trap or timeout); bytes released."""
         released = 0
+        self.gate.release(self.deadline_ns)  # queued work first (it uses these buffers); the device goes on
         for handle, (buf, owned) in list(self.buffers.items()):
             if not owned:
                 continue
@@ -283,7 +317,6 @@ class GuestRun:
                           handle=handle, nbytes=buf.nbytes, error=repr(exc))
             released += buf.nbytes
         self.buffers.clear()
-        self.gate.release()  # the run is over: the device goes to the next tenant now
         if self.workspace is not None:
             ws, self.workspace = self.workspace, None
             try:
@@ -343,6 +376,11 @@ class GuestRun:
         buf, owned = entry
         if not owned:
             return _NOT_OWNED
+        code = _OK
+        try:
+            self.device_sync()  # a queued op may still use it
+        except TensorWasmError as exc:  # a queued op's error: reported here, the buffer still freed
+            code = self._op_failed("queued", exc)
         del self.buffers[handle]
         self.gpu_bytes -= buf.nbytes
         try:
@@ -350,7 +388,7 @@ class GuestRun:
         except Exception as exc:  # noqa: BLE001 - quota already released; report, do not trap
             log_event(_log, logging.WARNING, "wasm.free_failed", tenant=self.tenant_id, error=repr(exc))
             return _BACKEND
-        return _OK
+        return code
 
     def write(self, caller: object, handle: int, dst_off: int, src_ptr: int, length: int) -> int:
         """guest memory[src_ptr : src_ptr+len] -> buffer[dst_off : dst_off+len]."""
@@ -379,6 +417,10 @@ class GuestRun:
         if address is None:
             return _MEMORY_BOUNDS
         if n:
+            try:
+                self.device_sync()  # a read sees the queued ops' results; a write lands after their reads
+            except TensorWasmError as exc:
+                return self._op_failed("queued", exc)
             view = guest_view(address, n, writable=to_guest)
             if to_guest:
                 self.backend.read_into(buf, off, view)
@@ -403,7 +445,7 @@ class GuestRun:
             return buf
         if count:
             try:
-                self.device_op("fill_f32", self.backend.fill_f32, (buf, value, count))
+                self.device_submit("fill_f32", self.backend.fill_f32, (buf, value, count))
             except TensorWasmError as exc:
                 return self._op_failed("fill_f32", exc)
         return _OK
@@ -420,7 +462,7 @@ class GuestRun:
             return _BUFFER_BOUNDS
         if n:
             try:
-                self.device_op("axpy_f32", self.backend.axpy_f32, (n, a, xe[0], ye[0]))
+                self.device_submit("axpy_f32", self.backend.axpy_f32, (n, a, xe[0], ye[0]))
             except TensorWasmError as exc:
                 return self._op_failed("axpy_f32", exc)
         return _OK

@@ -1,0 +1,378 @@
+"""Queued device ops (worker.device_time): an op that writes device buffers only is queued and the
+host call returns; what the guest reads synchronises.
+
+Gate-level tests block the device thread on an event to order things
+deterministically (never on a duration); WASM-level tests run a guest loop of
+queued ops then a read, on the stub and on the fake CUDA driver, against the
+result the synchronous path gives.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import numpy as np
+import pytest
+
+from shared.errors import CudaError, KernelTimeout
+from shared.gpu_time import GpuTimeBoard
+from shared.quota import QuotaBlock
+from shared.spec import TenantSpec
+from tests.helpers.fake_cublas import FakeCublas
+from tests.helpers.fake_cuda import FakeDriver
+from worker.backends.base import Backend, DeviceBuffer
+from worker.backends.cuda import CudaBackend
+from worker.backends.stub import StubBackend
+from worker.context import TenantContext
+from worker.device_time import MAX_QUEUED_OPS, DeviceGate, DeviceQueue
+from worker.wasm import ErrorCode, WasmHost
+
+pytestmark = pytest.mark.timeout(120)
+
+#: how long a test waits for a state it means (a thread blocked, an op started) before failing
+WAIT_S = 30.0
+
+
+def wait_for(cond: Callable[[], bool]) -> None:
+    end = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < end, "the state waited for never came"
+        time.sleep(0.001)
+
+
+@pytest.fixture
+def block() -> Iterator[QuotaBlock]:
+    with QuotaBlock.create("async") as owner:
+        attached = QuotaBlock.attach(owner.name, instance=0)
+        try:
+            yield attached
+        finally:
+            attached.close()
+
+
+def make_backend(kind: str) -> Backend:
+    if kind == "stub":
+        return StubBackend()
+    fake = FakeDriver(memory_bytes=1 << 30)
+    return CudaBackend(driver=fake, nvrtc=fake, cublas=FakeCublas(fake))
+
+
+# ------------------------------------------------------------------ the gate and its queue
+
+
+def test_host_work_overlaps_device_work(block: QuotaBlock) -> None:
+    """A submit returns while the device thread still runs the op (event order, not speed)."""
+    gate = DeviceGate(block, StubBackend())
+    events: list[str] = []
+    go = threading.Event()
+    started = threading.Event()
+
+    def op() -> None:
+        started.set()
+        assert go.wait(WAIT_S)
+        events.append("device op done")
+
+    try:
+        gate.submit("op", op, ())
+        assert started.wait(WAIT_S)
+        events.append("host returned")  # the device is still inside the op: host work overlaps it
+        gate.submit("op2", lambda: events.append("second op"), ())
+        assert gate.queue is not None and gate.queue.overlapped >= 1
+        go.set()
+        gate.sync()
+        assert events == ["host returned", "device op done", "second op"]
+        assert gate.queue.ran == 2 and gate.queue.pending == 0
+    finally:
+        go.set()
+        gate.close()
+
+
+def test_a_full_queue_makes_the_host_wait_and_memory_stays_bounded(block: QuotaBlock) -> None:
+    """A guest submitting far more than the bound waits for room: never more than the bound queued."""
+    gate = DeviceGate(block, StubBackend())
+    go = threading.Event()
+    ran: list[int] = []
+
+    def first() -> None:
+        assert go.wait(WAIT_S)
+
+    total = 10 * MAX_QUEUED_OPS
+    submitted = threading.Event()
+
+    def host() -> None:
+        gate.submit("op", first, ())
+        for i in range(total):
+            gate.submit("op", ran.append, (i,))
+        submitted.set()
+
+    t = threading.Thread(target=host)
+    t.start()
+    try:
+        wait_for(lambda: gate.queue is not None and gate.queue.waited_full > 0)
+        assert not submitted.is_set()  # the host is held at the bound, not queueing on
+        assert gate.queue is not None and gate.queue.pending <= MAX_QUEUED_OPS + 1
+        go.set()
+        assert submitted.wait(WAIT_S)
+        gate.sync()
+        assert ran == list(range(total))  # in order, none lost
+        assert gate.queue.peak_ops <= MAX_QUEUED_OPS
+    finally:
+        go.set()
+        t.join(WAIT_S)
+        gate.close()
+
+
+def test_the_queue_is_bounded_in_bytes_too() -> None:
+    """Ops naming more buffer bytes than the bound wait; one op larger than the bound runs alone."""
+    q = DeviceQueue(max_ops=100, max_bytes=1000)
+    go = threading.Event()
+    try:
+        q.submit(lambda: go.wait(WAIT_S), 600)
+        q.submit(lambda: None, 300)  # 900 queued or running... the first is running: 300 queued
+        done = threading.Event()
+
+        def more() -> None:
+            q.submit(lambda: None, 800)  # 300 + 800 > 1000: waits until the 300 ran
+            q.submit(lambda: None, 5000)  # alone larger than the bound: admitted into an empty queue
+            done.set()
+
+        t = threading.Thread(target=more)
+        t.start()
+        wait_for(lambda: q.waited_full > 0)
+        assert not done.is_set()
+        go.set()
+        assert done.wait(WAIT_S)
+        t.join(WAIT_S)
+        assert q.sync()
+        assert q.peak_bytes <= 5000 and q.ran == 4
+    finally:
+        go.set()
+        q.close()
+
+
+def test_a_queued_ops_error_surfaces_at_the_next_sync_and_drops_the_rest(block: QuotaBlock) -> None:
+    gate = DeviceGate(block, StubBackend())
+    after: list[int] = []
+    go = threading.Event()
+
+    def fault() -> None:
+        assert go.wait(WAIT_S)
+        raise CudaError("cuLaunchKernel", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    try:
+        gate.submit("bad", fault, ())  # returns: the fault happens later, on the device
+        gate.submit("after", after.append, (1,))
+        go.set()
+        wait_for(lambda: gate.queue is not None and gate.queue.pending == 0)
+        gate.submit("after the fault", after.append, (2,))  # dropped too, and raises nothing
+        with pytest.raises(CudaError, match="ILLEGAL_ADDRESS"):
+            gate.op("sum_f32", lambda: 1.0, ())  # the next synchronising call
+        assert after == []  # dropped behind the fault, as on a CUDA stream
+        assert gate.op("sum_f32", lambda: 2.0, ()) == 2.0  # reported once
+    finally:
+        go.set()
+        gate.close()
+
+
+def test_a_deadline_with_queued_work_ends_in_a_timeout_and_drops_it(block: QuotaBlock) -> None:
+    gate = DeviceGate(block, StubBackend())
+    go = threading.Event()
+    later: list[int] = []
+    deadline = time.monotonic_ns() + 50_000_000
+    try:
+        gate.submit("slow", lambda: go.wait(WAIT_S), (), deadline)
+        for i in range(5):
+            gate.submit("op", later.append, (i,), deadline)
+        wait_for(lambda: time.monotonic_ns() > deadline)
+        go.set()  # the op in flight ends past the deadline; the queued ones must not start
+        with pytest.raises(KernelTimeout, match="deadline"):
+            gate.sync(deadline)
+        assert later == []
+        assert gate.refused == 1
+    finally:
+        go.set()
+        gate.close()
+
+
+class CountingBoard:
+    """A board that counts what the gate asks of it (the real board's methods, no device)."""
+
+    def __init__(self, scheduler: bool) -> None:
+        self.scheduler = scheduler
+        self.calls: dict[str, int] = {"acquire": 0, "finish": 0, "release": 0, "throttled_wait_ns": 0}
+
+    def acquire(self, deadline_ns: int | None = None) -> int:
+        self.calls["acquire"] += 1
+        return 0
+
+    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True) -> bool:
+        self.calls["finish"] += 1
+        return False
+
+    def throttled_wait_ns(self) -> int:
+        self.calls["throttled_wait_ns"] += 1
+        return 0
+
+    def release(self) -> None:
+        self.calls["release"] += 1
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_with_the_scheduler_off_the_board_is_never_asked(block: QuotaBlock, scheduler: bool) -> None:
+    board = CountingBoard(scheduler)
+    be = StubBackend()
+    gate = DeviceGate(block, be, cast(GpuTimeBoard, board))
+    try:
+        buf = be.alloc(4096)
+        gate.submit("fill_f32", be.fill_f32, (buf, 1.0, 1024), time.monotonic_ns() + 10**10)
+        assert gate.op("sum_f32", be.sum_f32, (buf, 1024), time.monotonic_ns() + 10**10) == 1024.0
+        gate.release()
+        asked = sum(board.calls.values())
+        if scheduler:
+            assert board.calls["acquire"] >= 2 and board.calls["release"] == 1
+        else:
+            assert asked == 0, board.calls
+        assert gate.run_time_ns > 0  # timed and charged all the same
+    finally:
+        gate.close()
+
+
+def test_queued_ops_take_the_real_lease_on_the_device_thread(block: QuotaBlock) -> None:
+    """With a real board the device thread holds the lease while the queued work runs; release hands it back."""
+    board = GpuTimeBoard.create(0)
+    try:
+        mine = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))
+        be = StubBackend()
+        gate = DeviceGate(block, be, mine)
+        try:
+            buf = be.alloc(4096)
+            for _ in range(10):
+                gate.submit("fill_f32", be.fill_f32, (buf, 2.0, 1024), time.monotonic_ns() + 10**10)
+            gate.sync()
+            assert board.snapshot().holder == mine.worker_slot
+            gate.release()
+            assert board.snapshot().holder != mine.worker_slot
+            assert block.gpu_time_ns > 0
+        finally:
+            gate.close()
+            mine.close()
+    finally:
+        board.unlink()
+        board.close()
+
+
+# ------------------------------------------------------------------ through a WASM guest
+
+#: fill y with 1 and x with 2, then ``n`` times y += 0.5 * x and z = y + y (queued), then the sum
+#: read z[0] back (synchronises), then the sum of z into memory: the read's code if not OK, else the sum's
+GUEST = """(module
+  (import "tensorwasm" "alloc" (func $alloc (param i64) (result i64)))
+  (import "tensorwasm" "fill_f32" (func $fill (param i64 f32 i64) (result i32)))
+  (import "tensorwasm" "axpy_f32" (func $axpy (param i64 f32 i64 i64) (result i32)))
+  (import "tensorwasm" "add_f32" (func $add (param i64 i64 i64 i64) (result i32)))
+  (import "tensorwasm" "sum_f32" (func $sum (param i64 i64 i32) (result i32)))
+  (import "tensorwasm" "read" (func $read (param i64 i64 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "run") (param $n i32) (result i32)
+    (local $x i64) (local $y i64) (local $z i64) (local $i i32) (local $r i32)
+    (local.set $x (call $alloc (i64.const 4096)))
+    (local.set $y (call $alloc (i64.const 4096)))
+    (local.set $z (call $alloc (i64.const 4096)))
+    (drop (call $fill (local.get $x) (f32.const 2) (i64.const 1024)))
+    (drop (call $fill (local.get $y) (f32.const 1) (i64.const 1024)))
+    (block $done
+      (loop $again
+        (br_if $done (i32.ge_u (local.get $i) (local.get $n)))
+        (drop (call $axpy (i64.const 1024) (f32.const 0.5) (local.get $x) (local.get $y)))
+        (drop (call $add (local.get $y) (local.get $y) (local.get $z) (i64.const 1024)))
+        (local.set $i (i32.add (local.get $i) (i32.const 1)))
+        (br $again)))
+    (local.set $r (call $read (local.get $z) (i64.const 0) (i32.const 16) (i32.const 4)))
+    (if (result i32) (local.get $r)
+      (then (local.get $r))
+      (else (call $sum (local.get $z) (i64.const 1024) (i32.const 0))))))"""
+
+
+def run_guest(be: Backend, n: int, *, patch: Callable[[Backend], None] | None = None) -> tuple[int, float, float, Any]:
+    spec = TenantSpec.from_dict({"tenant_id": "queued", "memory_quota_bytes": 64 << 20,
+                                 "gpu_memory_bytes_cap": 64 << 20})
+    with QuotaBlock.create("queued", memory_quota_bytes=64 << 20, gpu_memory_bytes_cap=64 << 20) as owner:
+        ctx = TenantContext(spec, 0, 0, QuotaBlock.attach(owner.name, instance=0), be)
+        host = WasmHost(ctx)
+        ctx.extensions[WasmHost.EXTENSION] = host
+        if patch is not None:
+            patch(be)
+        try:
+            reply = host.run(GUEST.encode(), "run", [n], fuel=10**10, timeout_s=60.0)
+            queue = ctx.gate.queue
+            assert queue is not None
+            return (int(cast(list[Any], reply["results"])[0]), float(reply["gpu_time_s"]),
+                    float(queue.submitted), queue)
+        finally:
+            ctx.close()
+
+
+@pytest.mark.parametrize("kind", ["stub", "cuda"])
+def test_a_guest_loop_of_queued_ops_then_a_read_equals_the_synchronous_result(kind: str) -> None:
+    n = 200
+    be = make_backend(kind)
+    sums: list[float] = []
+    real_sum = be.sum_f32
+
+    def keep_sum(b: Backend) -> None:
+        def sum_f32(buf: DeviceBuffer, count: int) -> float:
+            got = real_sum(buf, count)
+            sums.append(got)
+            return got
+        b.sum_f32 = sum_f32  # type: ignore[method-assign]
+
+    code, gpu_s, submitted, _ = run_guest(be, n, patch=keep_sum)
+    assert code == 0
+    # the synchronous result: numpy on the host, the same float32 operations in the same order
+    x = np.full(1024, 2.0, np.float32)
+    y = np.full(1024, 1.0, np.float32)
+    z = np.zeros(1024, np.float32)
+    for _ in range(n):
+        y = np.float32(0.5) * x + y
+        z = y + y
+    assert sums and sums[-1] == pytest.approx(float(z.sum(dtype=np.float32)), rel=1e-6)
+    assert submitted == 2 + 2 * n  # every fill, axpy and add was queued
+    assert gpu_s > 0
+
+
+def test_an_error_of_a_queued_op_surfaces_at_the_guests_next_read() -> None:
+    """The add fails on the device after its call returned OK; the read (the next sync) returns BACKEND."""
+    be = StubBackend()
+
+    def failing(b: Backend) -> None:
+        def add_f32(*args: object) -> None:
+            raise CudaError("cuLaunchKernel", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+        b.add_f32 = add_f32  # type: ignore[method-assign]
+
+    code, _, _, queue = run_guest(be, 3, patch=failing)
+    assert code == int(ErrorCode.BACKEND)  # what the add would have returned synchronously
+    assert queue.dropped > 0  # the ops queued behind the fault never ran
+
+
+def test_read_bytes_are_the_queued_results() -> None:
+    """``read`` synchronises: the bytes it copies are what the queued ops wrote."""
+    be = StubBackend()
+    got: list[bytes] = []
+    real = be.read_into
+
+    def keep(b: Backend) -> None:
+        def read_into(buf: DeviceBuffer, offset: int, dest: memoryview) -> None:
+            real(buf, offset, dest)
+            got.append(bytes(dest))
+        b.read_into = read_into  # type: ignore[method-assign]
+
+    run_guest(be, 4, patch=keep)
+    # y after 4 axpys = 1 + 4 * 0.5 * 2 = 5; z = 10
+    assert got == [struct.pack("<f", 10.0)]
