@@ -19,7 +19,9 @@ second, not once per op.
 Without a board (a context made by a test, or a supervisor of an older
 layout) ops are still timed and charged, just not scheduled. With the
 scheduler off (``gpu_time_scheduler = false``) there is no gate at all: ops
-run without asking the board (no acquire, finish or release).
+run without asking the board (no acquire, finish or release); the stub,
+whose device is this host's CPU, still runs one op at a time per device (an
+``flock`` on the board's file), as a GPU's contexts time-slice.
 
 **Queued ops.** An op whose result the guest does not read at once (every
 tensor op that writes a device buffer and returns nothing: fill, axpy,
@@ -59,7 +61,9 @@ thread at a time (the queue's condition orders them).
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -257,6 +261,8 @@ class DeviceGate:
         self.queue: DeviceQueue | None = None
         #: this worker took the lease since the last release (with the scheduler off it never does)
         self._leased = False
+        #: with the scheduler off on a host-serial backend: the fd whose flock serialises the device
+        self._serial = -1
 
     def _timer_(self) -> OpTimer:
         if self._timer is None:
@@ -343,7 +349,9 @@ class DeviceGate:
             raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
         if queued and deadline_ns is not None and time.monotonic_ns() > deadline_ns:
             raise self._refuse(KernelTimeout(0.0, message="the run's deadline passed with device work queued"))
+        serial = -1
         if board is not None and not board.scheduler:
+            serial = self._serial_fd(board)
             board = None  # scheduler off: no gate at all (the board is not asked)
         if board is not None:
             if deadline_ns is not None:
@@ -360,9 +368,13 @@ class DeviceGate:
         self.run_wait_ns += waited
         ns = 0
         result: list[T] = []
+        if serial >= 0:
+            fcntl.flock(serial, fcntl.LOCK_EX)
         try:
             ns = self._timer_().time(lambda: result.append(fn(*args)))
         finally:
+            if serial >= 0:
+                fcntl.flock(serial, fcntl.LOCK_UN)
             self.chunks += 1
             self.run_time_ns += ns
             self.block.charge_gpu_time(ns)
@@ -370,6 +382,20 @@ class DeviceGate:
                 if board.finish(ns, last=last) and board.throttled_wait_ns():
                     self.block.count_gpu_throttled()
         return ns, waited, result[0] if result else None
+
+    def _serial_fd(self, board: GpuTimeBoard) -> int:
+        """With the scheduler off, a backend whose device is this host's CPU (the stub) still runs
+        one op at a time per device, as a GPU's contexts time-slice: an ``flock`` on the board's
+        /dev/shm file (no board call, no file of its own). -1 for other backends (the GPU does it)."""
+        if not getattr(self.backend, "serial_device", False):
+            return -1
+        if self._serial < 0:
+            try:
+                self._serial = os.open(os.path.join("/dev/shm", board.name), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                log_event(_log, logging.WARNING, "device_time.serial_unavailable", error=repr(exc))
+                self._serial = -2  # not again: ops then overlap on the host's cores
+        return self._serial
 
     def take_run_totals(self) -> tuple[int, int]:
         """(device ns, wait ns) since the last call: one run's figures for its reply (a new run
@@ -404,6 +430,9 @@ class DeviceGate:
         if self.queue is not None:
             self.queue.close()
             self.queue = None
+        if self._serial >= 0:
+            os.close(self._serial)
+            self._serial = -1
         if self.board is not None:
             self.board.close()
             self.board = None

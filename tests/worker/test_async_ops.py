@@ -201,6 +201,8 @@ def test_a_deadline_with_queued_work_ends_in_a_timeout_and_drops_it(block: Quota
 class CountingBoard:
     """A board that counts what the gate asks of it (the real board's methods, no device)."""
 
+    name = "twt-test-no-such-board"  # no /dev/shm file: the stub's serialising flock is skipped (logged)
+
     def __init__(self, scheduler: bool) -> None:
         self.scheduler = scheduler
         self.calls: dict[str, int] = {"acquire": 0, "finish": 0, "release": 0, "throttled_wait_ns": 0}
@@ -242,6 +244,48 @@ def test_with_the_scheduler_off_the_board_is_never_asked(block: QuotaBlock, sche
         assert gate.run_time_ns > 0  # timed and charged all the same
     finally:
         gate.close()
+
+
+def test_with_the_scheduler_off_the_stub_device_still_runs_one_op_at_a_time() -> None:
+    """No board call, but two workers' stub ops never overlap (a GPU time-slices its contexts)."""
+    board = GpuTimeBoard.create(0, scheduler=False)
+    blocks: list[QuotaBlock] = []
+    gates: list[DeviceGate] = []
+    try:
+        with QuotaBlock.create("serial") as owner:
+            for _ in range(2):
+                blocks.append(QuotaBlock.attach(owner.name, instance=0))
+                w = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))
+                gates.append(DeviceGate(blocks[-1], StubBackend(), w))
+            inside = [0]
+            most = [0]
+            lock = threading.Lock()
+
+            def op() -> None:
+                with lock:
+                    inside[0] += 1
+                    most[0] = max(most[0], inside[0])
+                time.sleep(0.0005)  # the GIL is released: without the device lock the other op runs now
+                with lock:
+                    inside[0] -= 1
+
+            for g in gates:
+                for _ in range(40):
+                    g.submit("op", op, ())
+            for g in gates:
+                g.sync()
+            assert most[0] == 1
+            assert board.snapshot().holder != gates[0].board.worker_slot  # type: ignore[union-attr]
+            for g in gates:
+                g.close()
+            gates.clear()
+    finally:
+        for g in gates:
+            g.close()
+        for b in blocks:
+            b.close()
+        board.unlink()
+        board.close()
 
 
 def test_queued_ops_take_the_real_lease_on_the_device_thread(block: QuotaBlock) -> None:

@@ -78,6 +78,9 @@ class StubBackend(Backend):
     """Host-memory simulation of one device context with ``capacity_bytes`` of memory."""
 
     name = "stub"
+    #: the device is this host's CPU: with the GPU-time scheduler off the gate still runs one op
+    #: at a time per device (worker.device_time), as a GPU time-slices its contexts
+    serial_device = True
 
     def __init__(self, capacity_bytes: int = 16 << 30, device_index: int = 0) -> None:
         # The simulated device is one serial executor (shared.gpu_time): one BLAS thread per op, like
