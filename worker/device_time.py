@@ -259,6 +259,8 @@ class DeviceGate:
         self._run_refused: KernelTimeout | None = None
         #: the worker's queued ops (created on the first submit)
         self.queue: DeviceQueue | None = None
+        #: the name of the last queued op that failed (its error is reported at the next sync)
+        self.failed_op = ""
         #: this worker took the lease since the last release (with the scheduler off it never does)
         self._leased = False
         #: with the scheduler off on a host-serial backend: the fd whose flock serialises the device
@@ -291,7 +293,11 @@ class DeviceGate:
         """A queued op on the device thread: refused at once when it starts past the deadline."""
         if deadline_ns is not None and time.monotonic_ns() > deadline_ns:
             raise self._refuse(KernelTimeout(0.0, message="the run's deadline passed with device work queued"))
-        self._op(name, fn, args, deadline_ns, queued=True)
+        try:
+            self._op(name, fn, args, deadline_ns, queued=True)
+        except BaseException:
+            self.failed_op = name  # the sync that reports the error names the op
+            raise
 
     def sync(self, deadline_ns: int | None = None) -> None:
         """Wait for every queued op; raise a queued op's error (once). A wait lasts at most until

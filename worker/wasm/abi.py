@@ -281,9 +281,9 @@ class GuestRun:
         except KernelTimeout as exc:
             self.deadline_passed = exc
         except TensorWasmError as exc:
-            self._op_failed("queued", exc)
+            self._op_failed(self.gate.failed_op or "queued", exc)
         except Exception:  # noqa: BLE001 - a host bug in a queued op: logged as the import adapter does
-            _log.exception("wasm.host_import_failed import=queued")
+            _log.exception("wasm.host_import_failed import=%s", self.gate.failed_op or "queued")
 
     def _timed_out(self, exc: KernelTimeout) -> None:
         self.deadline_passed = exc
@@ -380,7 +380,7 @@ class GuestRun:
         try:
             self.device_sync()  # a queued op may still use it
         except TensorWasmError as exc:  # a queued op's error: reported here, the buffer still freed
-            code = self._op_failed("queued", exc)
+            code = self._op_failed(self.gate.failed_op or "queued", exc)
         del self.buffers[handle]
         self.gpu_bytes -= buf.nbytes
         try:
@@ -420,7 +420,7 @@ class GuestRun:
             try:
                 self.device_sync()  # a read sees the queued ops' results; a write lands after their reads
             except TensorWasmError as exc:
-                return self._op_failed("queued", exc)
+                return self._op_failed(self.gate.failed_op or "queued", exc)
             view = guest_view(address, n, writable=to_guest)
             if to_guest:
                 self.backend.read_into(buf, off, view)
