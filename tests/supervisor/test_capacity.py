@@ -51,7 +51,7 @@ def test_a_full_supervisor_refuses_typed_and_leaves_nothing_behind() -> None:
         with pytest.raises(CapacityExhausted) as info:
             c.register(None, TenantSpec("b", instances=2))
         assert info.value.fields() == {"what": "workers", "in_use": 2, "wanted": 2, "limit": 3,
-                                       "setting": "max_workers"}
+                                       "setting": "max_workers", "retry_after_s": None}
         with pytest.raises(CapacityExhausted, match="max_workers"):
             c.scale(None, "a", 4)
         spec = tenant(c.status(), "a").spec
@@ -61,7 +61,7 @@ def test_a_full_supervisor_refuses_typed_and_leaves_nothing_behind() -> None:
         with pytest.raises(CapacityExhausted) as info:
             c.register(None, TenantSpec("c"))
         assert info.value.fields() == {"what": "tenants", "in_use": 2, "wanted": 1, "limit": 2,
-                                       "setting": "max_tenants"}
+                                       "setting": "max_tenants", "retry_after_s": None}
         assert "evict a tenant or raise max_tenants" in str(info.value)
         status = c.status()
         assert sorted(t.tenant_id for t in status.tenants) == ["a", "b"]

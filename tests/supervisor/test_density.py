@@ -213,6 +213,6 @@ def test_max_tenants_defaults_to_16384_and_past_it_registration_is_refused() -> 
     with pytest.raises(CapacityExhausted) as info:
         AdminOps.check_capacity(full, tenants=1, workers=0)  # type: ignore[arg-type]
     assert info.value.fields() == {"what": "tenants", "in_use": 16_384, "wanted": 1, "limit": 16_384,
-                                   "setting": "max_tenants"}
+                                   "setting": "max_tenants", "retry_after_s": None}
     AdminOps.check_capacity(SimpleNamespace(config=cfg, tenants=dict.fromkeys(range(16_383))),  # type: ignore[arg-type]
                             tenants=1, workers=0)
