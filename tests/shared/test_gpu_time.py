@@ -21,18 +21,11 @@ import pytest
 from shared.errors import InvalidArgument
 from shared.gpu_time import GpuTimeBoard, check_gpu_time_cap, check_gpu_time_weight
 from shared.spec import TenantSpec
+from tests.helpers.ns_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
 MS = 1_000_000
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 10**12
-
-    def __call__(self) -> int:
-        return self.t
 
 
 @pytest.fixture

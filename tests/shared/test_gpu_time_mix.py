@@ -16,20 +16,13 @@ import pytest
 
 from shared import _atomics
 from shared.gpu_time import _GRANT_NS, _HANDOVER_GRACE_NS, _VCLOCK, GpuTimeBoard
+from tests.helpers.ns_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
 US = 1_000
 MS = 1_000_000
 QUANTUM = 5 * MS
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 10**12
-
-    def __call__(self) -> int:
-        return self.t
 
 
 @pytest.fixture
