@@ -87,7 +87,7 @@ def test_put_module_honours_the_module_cap_max_in_flight_and_failed_tenants() ->
 
 
 def test_eviction_drops_cached_tokens_runtimes_and_modules() -> None:
-    """Before: +100 MiB per register/put_module/evict cycle, with no tenant left."""
+    """A register/put_module/evict cycle leaves nothing behind: RSS does not grow with the count."""
     with supervisor(log_level="error") as sup:
         c = sup.client
         proc = psutil.Process(sup.pid)
@@ -99,12 +99,16 @@ def test_eviction_drops_cached_tokens_runtimes_and_modules() -> None:
             c.ping(cap)  # its token is now in the frontend's verified cache
             c.evict(None, f"cycle{i}")
 
+        per_cycle = 3 * 30 * MiB
         cycle(0)
         rss0 = proc.memory_info().rss
-        for i in range(1, 6):
+        for i in range(1, 7):
             cycle(i)
         growth = proc.memory_info().rss - rss0
-        assert growth < 64 * MiB, f"supervisor grew {growth >> 20} MiB over 5 cycles with no tenant left"
+        # A leak keeps every cycle's modules (6 x 90 MiB); the allocator may keep the
+        # last cycle's freed buffers and the module writer the one it is writing, so
+        # the bound is two cycles' bytes - the test is about growth with the count.
+        assert growth < 2 * per_cycle, f"supervisor grew {growth >> 20} MiB over 6 cycles with no tenant left"
         held = c.status().supervisor.held_bytes
         assert held["modules"] == 0 and held["total"] == 0
 
