@@ -13,7 +13,7 @@ binding needs a 13.x driver). Where the two differ for the calls this project ma
 (``CU_MEM_ALLOCATION_TYPE_MANAGED`` and ``CUmemLocation.localized`` are 13.x only as well; the
 project uses neither.) Everything else the worker, the probe and the hardware check call has the
 same shape in both, which the test suite checks by replaying every recorded call into both real
-binding versions (tests/worker/test_replay_bindings.py).
+binding versions (tests/worker/backends/test_replay_bindings.py).
 
 Which major a module speaks is read, never guessed from behaviour: the real module's package
 (``cuda.bindings``) carries ``__version__``; a module-shaped stand-in (the test suite's fake

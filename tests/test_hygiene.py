@@ -149,7 +149,7 @@ def test_the_process_marker_is_applied_at_collection(request: pytest.FixtureRequ
     on the safe side: naming a function that starts processes counts as calling it, so this test
     is marked too.)"""
     from tests import conftest
-    from tests.supervisor import test_client_replies, test_supervisor
+    from tests.supervisor.client import test_client_replies, test_supervisor
 
     def scan(func: object) -> bool:
         return conftest._starts_processes(func, set())  # type: ignore[arg-type]
@@ -173,12 +173,12 @@ def test_suite_sources_name_no_fixed_temp_directory() -> None:
         "shared/errors.py", "supervisor/client/api.py", "supervisor/routing/placement.py",
         "supervisor/cli/supervise.py",  # docs and help text
         "shared/rundir.py",  # temp_parent(): /tmp when $TMPDIR is too long for unix sockets
-        "tests/shared/test_errors.py", "tests/supervisor/test_operator.py",  # error texts naming a path
-        "tests/supervisor/test_rundir_trust.py",  # its docstring
-        "tests/supervisor/test_supervisor.py",  # a run dir that does not exist (a client's error)
+        "tests/shared/test_errors.py", "tests/supervisor/cli/test_operator.py",  # error texts naming a path
+        "tests/supervisor/client/test_rundir_trust.py",  # its docstring
+        "tests/supervisor/client/test_supervisor.py",  # a run dir that does not exist (a client's error)
         "tests/run-suite.sh",  # makes the root
         "tests/test_deploy.py",  # a mount in the k8s manifest
-        "tests/worker/test_cuda_backend.py",  # an MPS pipe directory named to a fake, never made
+        "tests/worker/backends/test_cuda_backend.py",  # an MPS pipe directory named to a fake, never made
         "tests/gpu/fake_mps_control.py",  # NVIDIA's default, read
         "tests/gpu/check_gpu.py",  # the real-GPU MPS phase (a daemon's pipe dir: short); not in make test
         "tests/test_hygiene.py",  # this list

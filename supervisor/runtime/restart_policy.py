@@ -5,7 +5,7 @@ publishes the exit; what comes *next* for the slot - nothing, a successor, a res
 a back-off, or the tenant marked failed - depends only on facts about the exit, the tenant's
 policy and its recent restarts. :func:`after_exit` decides that from an :class:`ExitFacts`
 without touching anything, so the whole policy is a table in a test
-(tests/supervisor/test_restart_policy.py); :meth:`WorkerSet.on_death` only carries it out.
+(tests/supervisor/runtime/test_restart_policy.py); :meth:`WorkerSet.on_death` only carries it out.
 
 The policy (Erlang/OTP's supervisor restart intensity, with an exponential back-off):
 

@@ -35,8 +35,8 @@ UNREACHABLE = {
     "segment_error": "needs a damaged quota segment",
     "state_error": "needs a state database that refuses writes (rotate_key)",
     "internal": "a bug in the supervisor",
-    "draining": "needs a supervisor that is stopping (tests/supervisor/test_drain.py)",
-    "fault_injection_disabled": "needs a supervisor with fault_injection = false (tests/supervisor/test_roles.py)",
+    "draining": "needs a supervisor that is stopping (tests/supervisor/lifecycle/test_drain.py)",
+    "fault_injection_disabled": "needs a supervisor with fault_injection = false (tests/supervisor/control/test_roles.py)",
 }
 
 ADD = b'(module (func (export "add") (param i32 i32) (result i32) local.get 0 local.get 1 i32.add))'

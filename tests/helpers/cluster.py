@@ -23,7 +23,7 @@ FAST = {
     "pool_size": 0,
     "backend": "stub",
     # a stop drains what is in flight for at most this long (production: 35 s): a test that stops its
-    # supervisor with a hung request waits no longer (tests/supervisor/test_drain.py sets its own)
+    # supervisor with a hung request waits no longer (tests/supervisor/lifecycle/test_drain.py sets its own)
     "drain_timeout_s": 2.0,
 }
 

@@ -1950,7 +1950,7 @@ def _shape(value: Any) -> Any:
 class CallRecorder:
     """Wraps a :class:`FakeDriver`: every ``cu*`` / ``nvrtc*`` call's arguments go to a file.
 
-    The replay test (tests/worker/test_replay_bindings.py) feeds them into the
+    The replay test (tests/worker/backends/test_replay_bindings.py) feeds them into the
     real ``cuda.bindings``, whose argument conversion runs before it loads
     libcuda/libnvrtc: a wrongly typed argument shows there as a ``TypeError``.
     Each distinct (call, argument types) shape is kept a few times only, and

@@ -7,7 +7,7 @@ driver), installs its failure-signal handlers over it, and ``ray.shutdown`` rese
 them to the default; after either, a guest's wild store (SIGSEGV) or ``unreachable``
 (SIGILL) in the same process kills it - xdist workers that ran the Ray tests and
 then WASM tests died (``tests/sdk/test_hostile.py``, a wild store;
-``tests/worker/test_wasm_host.py``, an ``unreachable``), and xdist then hung. Production never mixes the two:
+``tests/worker/wasm/test_wasm_host.py``, an ``unreachable``), and xdist then hung. Production never mixes the two:
 workers are fresh processes that make their own engine. Tests share processes, so
 the Ray fixture puts the previous handlers back once Ray is up and once it is down.
 

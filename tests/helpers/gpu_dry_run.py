@@ -3,7 +3,7 @@
 The hardware check's dry run on the fake driver takes about 10 s of CPU (30 s of wall time, most of
 it the share phase's timed rounds). Three test modules read one: tests/gpu/test_check_script.py (the
 phases, the JSON, the figures the docs name), tests/gpu/test_phase_share.py (the share phase's
-result) and tests/worker/test_replay_bindings.py (every driver, NVRTC and cuBLAS call the check
+result) and tests/worker/backends/test_replay_bindings.py (every driver, NVRTC and cuBLAS call the check
 makes, recorded through ``FAKE_CUDA_RECORD_CALLS`` and replayed into the real bindings). Each used
 to run its own. :func:`dry_run` runs it once, with the calls recorded, and hands every caller the
 same result:

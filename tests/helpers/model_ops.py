@@ -1,7 +1,7 @@
 """Every op of the ABI's second round (GEMM flags, selectors, row reductions, norms, gather, copy,
 mask, dtypes) against numpy, through a probe session on any backend.
 
-Used by tests/worker/test_wasm_model_ops.py (stub) and test_cuda_model_ops.py (the cuda backend on
+Used by tests/worker/wasm/test_wasm_model_ops.py (stub) and test_cuda_model_ops.py (the cuda backend on
 the fake driver), so both backends answer the same calls with the same references. ``F32_TOL`` is
 float32 rounding of the same algorithm (a GEMM's BLAS may sum in another order); the f16/bf16
 tolerances are the ones docs/WASM-ABI.md documents.

@@ -1,6 +1,6 @@
 """In-process WASM test environments: a real TenantContext over a real QuotaBlock, the stub backend, a WasmHost.
 
-Shared by the host and ABI tests (tests/worker/test_wasm_host.py,
+Shared by the host and ABI tests (tests/worker/wasm/test_wasm_host.py,
 test_wasm_abi.py, test_wasm_tensor_ops.py, test_cuda_tensor_ops.py):
 ``tenant_env`` builds the context on any backend, ``make_env`` the ABI tests'
 stub one, ``probe`` opens a session on ``worker/guests/probe.wat`` (every

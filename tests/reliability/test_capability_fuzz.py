@@ -35,7 +35,7 @@ GENERATION_OFFSET = 18  # version, kind, registry id (16): then the generation, 
 @pytest.fixture
 def sup() -> Iterator[SupervisorHandle]:
     # refusals are what this module checks: the per-peer meter of unauthenticated requests (which
-    # drops a flood unanswered, tests/supervisor/test_hardening.py) is out of the way here
+    # drops a flood unanswered, tests/supervisor/admission/test_hardening.py) is out of the way here
     with supervisor(log_level="error", unauthenticated_requests_per_s=1e9) as handle:
         yield handle
 

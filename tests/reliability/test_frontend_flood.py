@@ -121,7 +121,7 @@ class Fuzzer:
 @pytest.fixture
 def sup() -> Iterator[SupervisorHandle]:
     # the per-peer rate of unauthenticated requests would drop most of the fuzz unanswered
-    # (supervisor.admission.rates; tests/supervisor/test_hardening.py checks it): this test is about decoding
+    # (supervisor.admission.rates; tests/supervisor/admission/test_hardening.py checks it): this test is about decoding
     with supervisor(max_message_bytes="1MiB", max_header_bytes=MAX_HEADER, log_level="error",
                     unauthenticated_requests_per_s=1e9) as handle:
         yield handle

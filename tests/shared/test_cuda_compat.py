@@ -1,6 +1,6 @@
 """The one version switch between cuda-bindings 12.x and 13.x (shared.cuda_compat), against the fake
 driver in both majors and the real binding installed here. That every call the backend makes is
-accepted by both real majors is tests/worker/test_replay_bindings.py's part."""
+accepted by both real majors is tests/worker/backends/test_replay_bindings.py's part."""
 
 from __future__ import annotations
 

@@ -183,7 +183,7 @@ def test_instance_shares_in_process() -> None:
 def test_a_tentative_share_never_shows_as_use_past_the_cap() -> None:
     """A consume publishes its share, sums, and withdraws it when refused (``_atomics.c``): a
     reader between the two steps must not report the refused bytes as in use (seen once in
-    tests/supervisor/test_pool_instances.py: 9 MiB "in use" under an 8 MiB cap)."""
+    tests/supervisor/lifecycle/test_pool_instances.py: 9 MiB "in use" under an 8 MiB cap)."""
     cap = 8 << 20
     with QuotaBlock.create("acme", memory_quota_bytes=cap, gpu_memory_bytes_cap=cap) as owner:
         a = QuotaBlock.attach(owner.name, instance=0)

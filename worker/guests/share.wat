@@ -1,4 +1,4 @@
-;; GPU-time sharing guest (twt bench share, tests/supervisor/test_gpu_share.py).
+;; GPU-time sharing guest (twt bench share, tests/supervisor/observe/test_gpu_share.py).
 ;;   gemm_loop(n, reps) -> i64     allocates A, B, C (n x n float32), fills A and B, then runs
 ;;                                 C = A @ B reps times; returns the GEMMs that succeeded (the work
 ;;                                 the guest counts itself); -1 when a buffer cannot be allocated

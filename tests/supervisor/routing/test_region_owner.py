@@ -111,7 +111,7 @@ from shared.errors import TensorWasmError
 from shared.spec import TenantSpec
 from supervisor.client.launch import launch
 from tests.helpers.cluster import FAST, tenant, wait_for
-from tests.supervisor.test_region_owner import _LIAR
+from tests.supervisor.routing.test_region_owner import _LIAR
 
 def outcome(fn):
     try:

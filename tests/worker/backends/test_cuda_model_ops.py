@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.model_ops import call, check_every_op, get, put
-from tests.worker.test_cuda_tensor_ops import cuda_env, probe
+from tests.worker.backends.test_cuda_tensor_ops import cuda_env, probe
 from worker.backends import cuda_ops
 from worker.wasm import ErrorCode
 

@@ -20,7 +20,7 @@ from supervisor.client.event_follow import MISSED
 from tests.helpers.cluster import supervisor
 
 LOOPBACK = "tcp://127.0.0.1:0"
-ROOT = str(Path(__file__).resolve().parents[2])
+ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def _remote(info: dict[str, Any], **kw: Any) -> SupervisorClient:

@@ -314,7 +314,7 @@ def test_node_loss_replaces_tenants_and_old_capabilities_follow(
 
 
 def test_cli_cluster_status(deployed: RayCluster, ray_nodes: tuple[Any, dict[str, Any]]) -> None:
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     out = subprocess.run([sys.executable, "-m", "supervisor", "cluster", "status", "--address", ray_nodes[0].address,
                           "--json"], capture_output=True, text=True, timeout=120, cwd=root,
                          env={**os.environ, "PYTHONPATH": root})

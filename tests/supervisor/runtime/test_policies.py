@@ -84,7 +84,7 @@ def _runtime(spec: TenantSpec | None = None, instances: int = 1, ready: bool = T
 
 
 # ------------------------------------------------------------------ restart policy
-# (the decision itself: tests/supervisor/test_restart_policy.py)
+# (the decision itself: tests/supervisor/runtime/test_restart_policy.py)
 
 
 def test_the_runtime_keeps_the_restarts_of_its_window() -> None:

@@ -30,7 +30,7 @@ from tests.helpers.cluster import supervisor, wait_for
 from tests.helpers.tmp import short_temp_dir
 
 LOOPBACK = "tcp://127.0.0.1:0"
-ROOT = str(Path(__file__).resolve().parents[2])
+ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def _remote(sup_info: dict[str, object], **kw: object) -> SupervisorClient:

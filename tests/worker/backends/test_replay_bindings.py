@@ -35,7 +35,7 @@ from tests.helpers import fake_cuda, gpu_dry_run
 from tests.helpers.fake_cublas import FakeCublas, convert_args
 from tests.helpers.replay_bindings import load_records, replay_env
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -31,7 +31,7 @@ from supervisor.store.rundir import read_admin_capability
 from tests.helpers.cluster import FAST, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from tests.helpers.tmp import short_temp_dir
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 #: the recipe's flags (docs/CLUSTER.md, "Securing a real cluster"), on loopback
 RECIPE = ["--head", "--node-ip-address=127.0.0.1", "--port=0", "--include-dashboard=false",
           "--num-cpus=1", "--num-gpus=0", "--disable-usage-stats"]

@@ -24,7 +24,7 @@ from supervisor.store.state import COMMITS_FILE, MARKER_FILE, STATE_FILE
 from tests.helpers.cluster import FAST
 from tests.helpers.tmp import short_temp_dir
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -300,7 +300,7 @@ def test_the_gpu_phase_script_runs_against_the_fakes() -> None:
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "gpu" / "phase_tensor_ops.py"
+    script = Path(__file__).resolve().parents[2] / "gpu" / "phase_tensor_ops.py"
     proc = subprocess.run([sys.executable, str(script), "--dry-run-fake", "--quick"], capture_output=True, text=True,
                           timeout=100)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -17,7 +17,7 @@ from supervisor.tools.progress import LiveLine, progress_stream
 
 pytestmark = pytest.mark.timeout(150)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _in_pty(*args: str, timeout_s: float = 120.0) -> tuple[int, str]:

@@ -398,7 +398,7 @@ def test_operations_doc_covers_every_command_setting_and_event() -> None:
     from shared.config import ENV_PREFIX, SupervisorConfig
     from supervisor.control.ops.events import KINDS
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "OPERATIONS.md").read_text()
     for name in SupervisorConfig.field_names():
         if name == "config_file":
             continue  # not a setting: where the settings came from (--config)

@@ -193,7 +193,7 @@ _WRITER = textwrap.dedent(
 @pytest.mark.parametrize("round_", range(3))
 def test_sigkill_in_the_middle_of_admin_writes_leaves_old_or_new_state(tmp_path: Path, round_: int) -> None:
     """A writer is SIGKILLed at an arbitrary moment; the file holds a state it committed, whole."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     proc = subprocess.Popen(
         [sys.executable, "-c", _WRITER, str(tmp_path)],
         stdout=subprocess.PIPE,

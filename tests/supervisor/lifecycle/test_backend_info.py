@@ -16,7 +16,7 @@ from supervisor.lifecycle.backend_select import cuda_version_text, nvidia_driver
 from supervisor.observe.prometheus import PrometheusMetrics
 from tests.helpers.cli import twt
 from tests.helpers.cluster import supervisor
-from tests.supervisor.test_cuda_supervisor import cuda_supervisor
+from tests.supervisor.lifecycle.test_cuda_supervisor import cuda_supervisor
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,7 @@ from supervisor.control import ops
 from supervisor.control.ops import AdminOp, EitherCapabilityOp, FrontendOp, ServiceOp, WorkerOp, check_table, op_table
 from supervisor.control.ops.__main__ import main as doc_main
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -192,7 +192,7 @@ def _op_name_branches(path: Path) -> list[str]:
 def test_the_request_path_names_no_op(tmp_path: Path) -> None:
     """The frontend, the routing (the pending table), the admission and the spec read the ops'
     declared properties: none compares an op with an op's name."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     files = [*sorted((root / "supervisor" / "admission").glob("*.py")),
              *sorted((root / "supervisor" / "routing").glob("*.py")), root / "shared" / "spec.py"]
     assert [b for f in files for b in _op_name_branches(f)] == []
