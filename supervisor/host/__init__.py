@@ -1,3 +1,3 @@
-"""What the supervisor learns from the host it runs on: whether an NVIDIA MPS daemon is alive."""
+"""What the supervisor asks of the host it runs on: NVIDIA MPS, file descriptors, secret files' modes."""
 
 __all__: list[str] = []
