@@ -46,6 +46,7 @@ from shared.quota import MAX_INSTANCES
 from shared.records import REPLY_RECORDS
 from shared.sizes import MAX_SIZE
 from shared.spec import TenantSpec
+from shared.wire import Record
 
 __all__ = [
     "ANONYMOUS_HELLO_KEYS",
@@ -493,10 +494,11 @@ def _reply_schema(op: proto.OpSpec) -> dict[str, object]:
         return {"$ref": f"#/$defs/records/{record.__name__}"}
     keys = _reply_keys(op.reply)
     schema: dict[str, object] = {"type": "object", "required": keys}
-    if op.reply_type is not None:  # a typed op: its reply's fields and their types
+    if op.reply_type is not None and not issubclass(op.reply_type, Record):  # a flat typed reply: its fields
         fields = proto.wire_fields(op.reply_type)
         schema["required"] = [f.name for f in fields if f.required]
-        schema["properties"] = {f.name: _arg_schema(f) for f in fields}
+        schema["properties"] = {f.name: {"x-msgpack": "bin"} if f.types == (bytes,) else _arg_schema(f)
+                                for f in fields}
     if op.name == "register":
         schema["properties"] = {"capability": {"x-msgpack": "bin", "description": "the tenant's capability bytes"}}
     if op.name == "rotate_key":
