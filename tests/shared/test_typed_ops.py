@@ -24,6 +24,8 @@ def test_every_op_has_typed_arguments_and_reply() -> None:
         assert op.args_type.reply_type is op.reply_type
         assert dataclasses.is_dataclass(op.reply_type)
         assert issubclass(op.reply_type, (proto.WireReply, Record)), f"{name}: its reply cannot decode itself"
+        holder = op.args_type.__qualname__.split(".")[0]  # Alloc.Args -> Alloc: the op's class, exported
+        assert holder in proto.__all__ and getattr(proto, holder).spec is op, name
 
 
 def test_the_rows_are_the_arguments() -> None:
