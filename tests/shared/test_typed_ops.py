@@ -28,6 +28,14 @@ def test_every_op_has_typed_arguments_and_reply() -> None:
         assert holder in proto.__all__ and getattr(proto, holder).spec is op, name
 
 
+def test_the_schema_records_are_the_reply_types() -> None:
+    """An op whose reply the schema describes as a record (``REPLY_RECORDS``) answers that record."""
+    from shared.records import REPLY_RECORDS
+
+    for name, record in REPLY_RECORDS.items():
+        assert proto.OPS[name].reply_type is record, name
+
+
 def test_the_rows_are_the_arguments() -> None:
     """One declaration: each op's argument row is its ``Args`` dataclass's fields, checks included."""
     for name, op in proto.OPS.items():
