@@ -1,7 +1,10 @@
-"""Code both the supervisor and the workers import: ids, errors, sizes, logging,
-the shared-memory quota block and its C atomics helper, data regions.
+"""What the supervisor, its client and the workers share: the wire contract (the ops and their
+typed arguments and replies, records, errors, capabilities, the run dir's and keys' client
+formats, the config file) and the shared-memory primitives (the quota block and its C atomics
+helper, the device budget, the GPU-time board, data regions), with ids, sizes and logging.
 
-Nothing here imports :mod:`supervisor` or :mod:`worker`.
+Nothing here imports :mod:`supervisor` or :mod:`worker` (tests/test_boundaries.py); a module
+only the supervisor uses lives under ``supervisor/``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ unpacker per message with explicit ``max_*_len`` limits and
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import threading
 import types
@@ -33,6 +34,19 @@ import msgpack
 from shared.checks import is_int
 from shared.errors import InvalidArgument, ProtocolError
 from shared.kinds import WORKER_FAULT_KINDS
+from shared.quota import QuotaSnapshot
+from shared.records import (
+    EventsPage,
+    EvictResult,
+    FaultResult,
+    HelloInfo,
+    PingInfo,
+    RegionGrant,
+    ReloadResult,
+    RunResult,
+    StatusRecord,
+    TenantRecord,
+)
 from shared.spec import TenantSpec
 
 __all__ = [
@@ -53,12 +67,43 @@ __all__ = [
     "QUOTA_KEYS",
     "SERVED_BY",
     "TENANT_OPS",
+    "ABSENT",
+    "Absent",
+    "Alloc",
     "Arg",
+    "Buffers",
+    "Capability",
     "Echo",
+    "Events",
+    "Evict",
+    "Free",
     "FromWire",
+    "Hello",
+    "InjectFault",
     "OpSpec",
+    "Ping",
+    "PutModule",
+    "Quota",
+    "Read",
+    "ReadRegion",
+    "RegionCreate",
+    "RegionRelease",
+    "Register",
+    "Reload",
+    "Reset",
+    "Restart",
+    "RotateKey",
+    "RunWasm",
+    "Scale",
+    "SetQuota",
+    "Status",
+    "TenantStatus",
+    "Version",
     "WireArgs",
     "WireReply",
+    "Write",
+    "WriteRegion",
+    "checked",
     "wire_fields",
     "arg_int",
     "arg_map",
@@ -226,10 +271,12 @@ class OpSpec:
 
     @classmethod
     def typed(cls, name: str, args_type: type[WireArgs[R]], reply_type: type[R], errors: tuple[str, ...],
-              client: str = "invoke", **flags: typing.Any) -> OpSpec:
-        """The definition of a typed op: its argument rows and reply text derived from its
-        :class:`WireArgs` and reply dataclasses (one declaration of each)."""
-        return cls(name, flags.pop("admin", False), wire_fields(args_type), _reply_text(reply_type), errors, client,
+              client: str = "invoke", *, reply: str | None = None, **flags: typing.Any) -> OpSpec:
+        """The definition of a typed op: its argument rows derived from its :class:`WireArgs`
+        dataclass, its reply text from its reply dataclass unless ``reply`` says it in words (a
+        record's nested shape: ``tenant status record``)."""
+        return cls(name, flags.pop("admin", False), wire_fields(args_type),
+                   _reply_text(reply_type) if reply is None else reply, errors, client,
                    args_type=args_type, reply_type=reply_type, **flags)
 
     def handles(self, args: Mapping[str, object]) -> list[int]:
@@ -305,6 +352,23 @@ class WireReply:
         return cls(**values)
 
 
+class Absent(enum.Enum):
+    """The default of a typed op's optional argument: left out of the request (the server's default
+    applies). Distinct from None, which is nil on the wire where the argument takes nil."""
+
+    ABSENT = "absent"
+
+
+#: an optional argument not given (:class:`Absent`)
+ABSENT: Final = Absent.ABSENT
+
+
+def checked(check: Callable[[object], None]) -> typing.Any:
+    """A required argument field whose value ``check`` refuses with InvalidArgument when malformed
+    (``register``'s ``spec``): its row's :attr:`Arg.check`."""
+    return dataclasses.field(metadata={"check": check})
+
+
 class WireArgs(Generic[R]):
     """Base of a typed op's argument dataclass: its op's name, its wire map, its reply type (the
     type parameter, e.g. ``WireArgs[Echo.Reply]``)."""
@@ -321,9 +385,10 @@ class WireArgs(Generic[R]):
                 cls.reply_type = typing.get_args(base)[0]
 
     def to_wire(self) -> dict[str, object]:
-        """The argument map (an absent optional argument, None, is left out)."""
+        """The argument map: an optional argument left :data:`ABSENT` is left out (None is sent as nil,
+        which some arguments take: ``set_quota``'s ``gpu_time_cap=None`` lifts the cap)."""
         return {f.name: value for f in dataclasses.fields(self)  # type: ignore[arg-type]
-                if (value := getattr(self, f.name)) is not None}
+                if (value := getattr(self, f.name)) is not ABSENT}
 
     def reply(self, payload: object) -> R:
         """The typed reply of a request with these arguments."""
@@ -336,8 +401,9 @@ _WIRE_TYPES: Final[dict[object, tuple[type, ...]]] = {str: (str,), int: (int,), 
 
 @functools.cache
 def _field_types(cls: type) -> dict[dataclasses.Field[object], tuple[type, ...]]:
-    """Each field of a dataclass and the wire types its annotation allows (``X | None`` adds nil;
-    once per class: a typed reply is checked against it at each call)."""
+    """Each field of a dataclass and the wire types its annotation allows (``X | None`` adds nil,
+    ``X | Absent`` none: it may be left out; once per class: a typed reply is checked against it at
+    each call)."""
     hints = typing.get_type_hints(cls)
     out: dict[dataclasses.Field[object], tuple[type, ...]] = {}
     for field in dataclasses.fields(cls):
@@ -345,6 +411,8 @@ def _field_types(cls: type) -> dict[dataclasses.Field[object], tuple[type, ...]]
         parts = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         allowed: tuple[type, ...] = ()
         for part in parts:
+            if part is Absent:
+                continue  # not a wire value: the argument is left out
             if part is type(None):
                 allowed += (type(None),)
                 continue
@@ -357,9 +425,10 @@ def _field_types(cls: type) -> dict[dataclasses.Field[object], tuple[type, ...]]
 
 
 def wire_fields(args_type: type) -> tuple[Arg, ...]:
-    """The fields of a typed op's arguments or reply as rows: a field without a default is required."""
+    """The fields of a typed op's arguments or reply as rows: a field without a default is required;
+    its ``check`` (:func:`checked`) comes along."""
     return tuple(Arg(field.name, types_, field.default is dataclasses.MISSING
-                     and field.default_factory is dataclasses.MISSING)
+                     and field.default_factory is dataclasses.MISSING, field.metadata.get("check"))
                  for field, types_ in _field_types(args_type).items())
 
 
@@ -394,116 +463,502 @@ class Echo:
 
     spec: ClassVar[OpSpec] = OpSpec.typed("echo", Args, Reply, ())
 
-_INT = (int,)
-_NUM = (int, float)
-_STR = (str,)
-_SIZE = (int, str)
-_SIZE_OR_NIL = (int, str, type(None))
-_MAP = (dict,)
+# ------------------------------------------------------------------ the typed ops: per op, its arguments and its reply as dataclasses; OPS holds their rows.
+# An optional argument defaults to ABSENT (left out of the request); ``X | None`` takes nil too.
+
+
+class Ping:
+    """``ping``: an instance of the tenant answers who it is."""
+
+    Reply = PingInfo
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[PingInfo]):
+        op: ClassVar[str] = "ping"
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("ping", Args, PingInfo, ("WorkerLost",), "ping",
+                                          reply="{pid, tenant, instance, requests, uptime_s}")
+
+
+class Alloc:
+    """``alloc``: a device buffer of ``nbytes`` on one of the tenant's instances (``instance``, or the
+    least loaded)."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        handle: int
+        nbytes: int
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "alloc"
+        nbytes: int
+        instance: int | None | Absent = ABSENT
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("alloc", Args, Reply, ("GpuMemoryExhausted", "InvalidArgument"), "alloc",
+                                          cli="alloc", pins=True, instance_arg="instance", makes_handle=True)
+
+
+class Free:
+    """``free``: the buffer ``handle`` freed; ``freed`` is its size."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        freed: int
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "free"
+        handle: int
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("free", Args, Reply, ("InvalidArgument", "BufferLost"), "free",
+                                          cli="free", handle=True, pins=True)
+
+
+class Write:
+    """``write``: the body frame written into the buffer ``handle`` at ``offset``."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        written: int
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "write"
+        handle: int
+        offset: int | Absent = ABSENT
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("write", Args, Reply, ("InvalidArgument", "BufferLost"), "write",
+                                          cli="write", body_in=True, handle=True, pins=True)
+
+
+class Read:
+    """``read``: ``nbytes`` of the buffer ``handle`` from ``offset``, as the reply's body frame."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        nbytes: int
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "read"
+        handle: int
+        offset: int | Absent = ABSENT
+        nbytes: int
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("read", Args, Reply, ("InvalidArgument", "BufferLost", "Overloaded"),
+                                          "read", cli="read", body_out=True, handle=True, pins=True,
+                                          big_reply=True, reply_body_arg="nbytes")
+
+
+class Buffers:
+    """``buffers``: the tenant's live buffers on every instance, ``[handle, nbytes]`` pairs sorted,
+    and their bytes."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        buffers: list[list[int]]
+        bytes: int
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "buffers"
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("buffers", Args, Reply, ("WorkerLost",), "buffers", cli="buffers",
+                                          reply="{buffers: [[handle, nbytes]...], bytes}", merge=_merge_buffers,
+                                          lists_buffers=True)
+
+
+class Quota:
+    """``quota``: the tenant's quota block as the supervisor reads it."""
+
+    Reply = QuotaSnapshot
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[QuotaSnapshot]):
+        op: ClassVar[str] = "quota"
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("quota", Args, QuotaSnapshot, (), "quota", reply="QuotaSnapshot map",
+                                          served_by="frontend")
+
+
+class PutModule:
+    """``put_module``: the body frame (a WASM module) kept under its digest for later runs."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        digest: str
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "put_module"
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("put_module", Args, Reply, ("InvalidArgument",), "put_module",
+                                          body_in=True, served_by="frontend", module_body=True)
+
+
+class RunWasm:
+    """``run_wasm``: the export of a module (the body frame, or the stored ``digest``) run on an instance."""
+
+    Reply = RunResult
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[RunResult]):
+        op: ClassVar[str] = "run_wasm"
+        export: str
+        args: list[object] | Absent = ABSENT
+        fuel: int | Absent = ABSENT
+        timeout_s: float | Absent = ABSENT
+        digest: str | Absent = ABSENT
+
+    spec: ClassVar[OpSpec] = OpSpec.typed(
+        "run_wasm", Args, RunResult,
+        ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument",
+         "BufferLost"),
+        "run_wasm", cli="run",
+        reply="{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs, logs_dropped, exit_code, "
+              "gpu_time_s, gpu_wait_s}",
+        body_in=True, pins=True, big_reply=True, module_body=True, stored_module=True, handle_list_arg="args",
+        guest_run=True)
+
+
+class Events:
+    """``events``: a page of the event log the capability may see."""
+
+    Reply = EventsPage
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[EventsPage]):
+        op: ClassVar[str] = "events"
+        after: int | None | Absent = ABSENT
+        max: int | Absent = ABSENT
+        kinds: list[str] | Absent = ABSENT
+        log: str | None | Absent = ABSENT
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("events", Args, EventsPage, ("InvalidArgument",), "events_page",
+                                          cli="events", reply="{events: [{seq, event, ts, ...}...], next, missed, "
+                                                              "more, log}",
+                                          any_capability=True, served_by="frontend", monitor=True, metered=False)
+
+
+class RegionCreate:
+    """``region_create``: a shared-memory region of this host for a local client's bulk data."""
+
+    Reply = RegionGrant
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[RegionGrant]):
+        op: ClassVar[str] = "region_create"
+        nbytes: int
+        pid: int | Absent = ABSENT
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("region_create", Args, RegionGrant, ("MemoryExhausted", "InvalidArgument"),
+                                          "region_create", reply="{region, name, nbytes}", served_by="frontend",
+                                          local_only=True, peer_pid_arg="pid")
+
+
+class RegionRelease:
+    """``region_release``: the region released; ``released`` is its size."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        released: int
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "region_release"
+        region: int
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("region_release", Args, Reply, ("InvalidArgument",), "region_release",
+                                          served_by="frontend", local_only=True)
+
+
+class WriteRegion:
+    """``write_region``: ``nbytes`` of the tenant's region copied into the buffer ``handle``."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        written: int
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "write_region"
+        handle: int
+        offset: int | Absent = ABSENT
+        region: int
+        region_offset: int | Absent = ABSENT
+        nbytes: int
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("write_region", Args, Reply, ("InvalidArgument",), "write_region",
+                                          handle=True, pins=True, local_only=True, region_arg="region")
+
+
+class ReadRegion:
+    """``read_region``: ``nbytes`` of the buffer ``handle`` copied into the tenant's region."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        nbytes: int
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "read_region"
+        handle: int
+        offset: int | Absent = ABSENT
+        region: int
+        region_offset: int | Absent = ABSENT
+        nbytes: int
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("read_region", Args, Reply, ("InvalidArgument",), "read_region",
+                                          handle=True, pins=True, local_only=True, region_arg="region")
+
+
+class Hello:
+    """``hello``: the supervisor's identity (without a capability: only ``{protocol, ready}``)."""
+
+    Reply = HelloInfo
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[HelloInfo]):
+        op: ClassVar[str] = "hello"
+
+    spec: ClassVar[OpSpec] = OpSpec.typed(
+        "hello", Args, HelloInfo, (), "hello", cli="status", admin=True,
+        reply="{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
+        served_by="admin", anonymous=True, monitor=True)
+
+
+class Register:
+    """``register``: a tenant registered from its spec; its capability and status."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        capability: bytes
+        tenant: dict[str, object]
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "register"
+        spec: dict[str, object] = checked(_check_spec)
+
+    spec: ClassVar[OpSpec] = OpSpec.typed(
+        "register", Args, Reply,
+        ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost",
+         "CapacityExhausted"),
+        "register", cli="register", admin=True, reply="{capability, tenant: {...}}", served_by="admin")
+
+
+class Capability:
+    """``capability``: a tenant's capability (or one of another ``role``) issued again."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        capability: bytes
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "capability"
+        tenant: str | Absent = ABSENT
+        role: str | Absent = ABSENT
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("capability", Args, Reply, ("UnknownTenant", "InvalidArgument"),
+                                          "tenant_capability", cli="capability", admin=True, served_by="admin")
+
+
+class Evict:
+    """``evict``: a tenant stopped and forgotten."""
+
+    Reply = EvictResult
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[EvictResult]):
+        op: ClassVar[str] = "evict"
+        tenant: str
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("evict", Args, EvictResult, ("UnknownTenant",), "evict", cli="evict",
+                                          admin=True, reply="{evicted, pids}", served_by="admin")
+
+
+class SetQuota:
+    """``set_quota``: a tenant's limits changed live (:data:`QUOTA_KEYS`; a byte size is an int or a
+    size string, nil lifts a limit that may be lifted)."""
+
+    Reply = TenantRecord
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[TenantRecord]):
+        op: ClassVar[str] = "set_quota"
+        tenant: str
+        memory_quota_bytes: int | str | Absent = ABSENT
+        gpu_memory_bytes_cap: int | str | None | Absent = ABSENT
+        recorded_cuda_mem_pool_quota: int | str | None | Absent = ABSENT
+        gpu_time_weight: float | Absent = ABSENT
+        gpu_time_cap: float | None | Absent = ABSENT
+        idle_timeout_s: float | None | Absent = ABSENT
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("set_quota", Args, TenantRecord, ("UnknownTenant", "InvalidArgument"),
+                                          "set_quota", cli="set-quota", admin=True, reply="tenant status record",
+                                          served_by="admin")
+
+
+class Scale:
+    """``scale``: a tenant's instance count set."""
+
+    Reply = TenantRecord
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[TenantRecord]):
+        op: ClassVar[str] = "scale"
+        tenant: str
+        instances: int
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("scale", Args, TenantRecord,
+                                          ("UnknownTenant", "InvalidArgument", "CapacityExhausted"), "scale",
+                                          cli="scale", admin=True, reply="tenant status record", served_by="admin")
+
+
+class Status:
+    """``status``: the supervisor, its devices and a page of its tenants."""
+
+    Reply = StatusRecord
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[StatusRecord]):
+        op: ClassVar[str] = "status"
+        after: str | None | Absent = ABSENT
+        limit: int | None | Absent = ABSENT
+        state: str | None | Absent = ABSENT
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("status", Args, StatusRecord, ("InvalidArgument",), "status",
+                                          cli="status", admin=True, reply="{supervisor, devices, tenants, summary, next}",
+                                          served_by="admin", monitor=True)
+
+
+class TenantStatus:
+    """``tenant_status``: one tenant's status record."""
+
+    Reply = TenantRecord
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[TenantRecord]):
+        op: ClassVar[str] = "tenant_status"
+        tenant: str
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("tenant_status", Args, TenantRecord, ("UnknownTenant",), "tenant_status",
+                                          cli="status", admin=True, reply="tenant status record", served_by="admin",
+                                          monitor=True)
+
+
+class InjectFault:
+    """``inject_fault``: a fault armed in one of a tenant's workers (``fault_injection`` set)."""
+
+    Reply = FaultResult
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[FaultResult]):
+        op: ClassVar[str] = "inject_fault"
+        tenant: str
+        kind: str
+        instance: int | None | Absent = ABSENT
+        params: dict[str, object] | Absent = ABSENT
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("inject_fault", Args, FaultResult,
+                                          ("UnknownTenant", "InvalidArgument", "WorkerLost", "FaultInjectionDisabled"),
+                                          "inject_fault", cli="fault", admin=True,
+                                          reply="{tenant, instance, pid, kind, ...armed}", served_by="admin")
+
+
+class Version:
+    """``version``: the supervisor's version, Python and protocol."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        version: str
+        python: str
+        protocol: int
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "version"
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("version", Args, Reply, (), "call", cli="version", admin=True,
+                                          served_by="admin", monitor=True)
+
+
+class Reload:
+    """``reload``: the config file read again and applied."""
+
+    Reply = ReloadResult
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[ReloadResult]):
+        op: ClassVar[str] = "reload"
+
+    spec: ClassVar[OpSpec] = OpSpec.typed(
+        "reload", Args, ReloadResult, ("ConfigError",), "reload", cli="reload", admin=True,
+        reply="{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "
+              "settings_not_applied, errors}",
+        served_by="service")
+
+
+class Reset:
+    """``reset``: a failed tenant started again."""
+
+    Reply = TenantRecord
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[TenantRecord]):
+        op: ClassVar[str] = "reset"
+        tenant: str
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("reset", Args, TenantRecord, ("UnknownTenant", "TenantFailed"), "reset",
+                                          cli="reset", admin=True, reply="tenant status record (once it runs)",
+                                          served_by="service")
+
+
+class Restart:
+    """``restart``: every instance of a tenant replaced, one at a time."""
+
+    Reply = TenantRecord
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[TenantRecord]):
+        op: ClassVar[str] = "restart"
+        tenant: str
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("restart", Args, TenantRecord, ("UnknownTenant", "TenantFailed"),
+                                          "restart_tenant", cli="restart", admin=True,
+                                          reply="tenant status record (once every instance is new)",
+                                          served_by="service")
+
+
+class RotateKey:
+    """``rotate_key``: a new registry key: every capability issued before is void."""
+
+    @dataclass(frozen=True, slots=True)
+    class Reply(WireReply):
+        admin_capability: bytes
+        registry_id: str
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Args(WireArgs[Reply]):
+        op: ClassVar[str] = "rotate_key"
+
+    spec: ClassVar[OpSpec] = OpSpec.typed("rotate_key", Args, Reply, ("StateError",), "rotate_key",
+                                          cli="rotate-key", admin=True, served_by="service")
+
 
 #: the limits set_quota changes live (each a TenantSpec field)
-QUOTA_KEYS: Final = ("memory_quota_bytes", "gpu_memory_bytes_cap", "recorded_cuda_mem_pool_quota",
-                     "gpu_time_weight", "gpu_time_cap", "idle_timeout_s")
-#: the wire types of set_quota's keys that are no byte sizes (the GPU-time policy, the idle time: numbers)
-_QUOTA_TYPES: Final[dict[str, tuple[type, ...]]] = {"gpu_time_weight": (int, float),
-                                                    "gpu_time_cap": (int, float, type(None)),
-                                                    "idle_timeout_s": (int, float, type(None))}
+QUOTA_KEYS: Final = tuple(f.name for f in dataclasses.fields(SetQuota.Args) if f.name != "tenant")
 #: what inject_fault accepts (the "worker" rows of shared.kinds.FAULT_TABLE; docs/RELIABILITY.md describes each)
 FAULT_KINDS: Final = WORKER_FAULT_KINDS
 
-_T = "tenant"
+#: every op, in the order of PROTOCOL.md: the tenant ops, the region ops, the admin ops, the service ops
 OPS: Final[dict[str, OpSpec]] = {
-    op.name: op
-    for op in (
-        # ---- tenant ops (a tenant capability)
-        OpSpec("ping", False, (), "{pid, tenant, instance, requests, uptime_s}", ("WorkerLost",), "ping"),
-        OpSpec("alloc", False, (Arg("nbytes", _INT, True), Arg("instance", (int, type(None)))), "{handle, nbytes}",
-               ("GpuMemoryExhausted", "InvalidArgument"), "alloc", "alloc", pins=True,
-               instance_arg="instance", makes_handle=True),
-        OpSpec("free", False, (Arg("handle", _INT, True),), "{freed}", ("InvalidArgument", "BufferLost"),
-               "free", "free", handle=True, pins=True),
-        OpSpec("write", False, (Arg("handle", _INT, True), Arg("offset", _INT)), "{written}",
-               ("InvalidArgument", "BufferLost"), "write", "write", body_in=True, handle=True, pins=True),
-        OpSpec("read", False, (Arg("handle", _INT, True), Arg("offset", _INT), Arg("nbytes", _INT, True)),
-               "{nbytes}", ("InvalidArgument", "BufferLost", "Overloaded"), "read", "read", body_out=True,
-               handle=True, pins=True, big_reply=True, reply_body_arg="nbytes"),
-        Echo.spec,
-        OpSpec("buffers", False, (), "{buffers: [[handle, nbytes]...], bytes}", ("WorkerLost",), "buffers",
-               "buffers", merge=_merge_buffers, lists_buffers=True),
-        OpSpec("quota", False, (), "QuotaSnapshot map", (), "quota", served_by="frontend"),
-        OpSpec("put_module", False, (), "{digest}", ("InvalidArgument",), "put_module", body_in=True,
-               served_by="frontend", module_body=True),
-        OpSpec("run_wasm", False,
-               (Arg("export", _STR, True), Arg("args", (list,)), Arg("fuel", _INT), Arg("timeout_s", _NUM),
-                Arg("digest", _STR)),
-               "{results, fuel_used, elapsed_s, cached, gpu_peak_bytes, memory_bytes, logs, logs_dropped, exit_code, "
-               "gpu_time_s, gpu_wait_s}",
-               ("WasmCompile", "WasmTrap", "KernelTimeout", "MemoryExhausted", "UnknownModule", "InvalidArgument",
-                "BufferLost"),
-               "run_wasm", "run", body_in=True, pins=True, big_reply=True, module_body=True, stored_module=True,
-               handle_list_arg="args", guest_run=True),
-        # ---- shared-memory regions of local clients (shared.region, supervisor.routing.regions)
-        # ---- either capability, each seeing its own part (supervisor.observe.event_log)
-        OpSpec("events", False, (Arg("after", (int, type(None))), Arg("max", _INT), Arg("kinds", (list,)),
-                                 Arg("log", (str, type(None)))),
-               "{events: [{seq, event, ts, ...}...], next, missed, more, log}", ("InvalidArgument",),
-               "events_page", "events", any_capability=True, served_by="frontend", monitor=True, metered=False),
-        OpSpec("region_create", False, (Arg("nbytes", _INT, True), Arg("pid", _INT)),
-               "{region, name, nbytes}", ("MemoryExhausted", "InvalidArgument"), "region_create",
-               served_by="frontend", local_only=True, peer_pid_arg="pid"),
-        OpSpec("region_release", False, (Arg("region", _INT, True),), "{released}", ("InvalidArgument",),
-               "region_release", served_by="frontend", local_only=True),
-        OpSpec("write_region", False,
-               (Arg("handle", _INT, True), Arg("offset", _INT), Arg("region", _INT, True), Arg("region_offset", _INT),
-                Arg("nbytes", _INT, True)), "{written}", ("InvalidArgument",), "write_region", handle=True, pins=True,
-               local_only=True, region_arg="region"),
-        OpSpec("read_region", False,
-               (Arg("handle", _INT, True), Arg("offset", _INT), Arg("region", _INT, True), Arg("region_offset", _INT),
-                Arg("nbytes", _INT, True)), "{nbytes}", ("InvalidArgument",), "read_region", handle=True, pins=True,
-               local_only=True, region_arg="region"),
-        # ---- admin ops (the admin capability)
-        OpSpec("hello", True, (), "{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}",
-               (), "hello", "status", served_by="admin", anonymous=True, monitor=True),
-        OpSpec("register", True, (Arg("spec", _MAP, True, _check_spec),), "{capability, tenant: {...}}",
-               ("AlreadyRegistered", "InvalidArgument", "BackendUnavailable", "KernelTimeout", "WorkerLost",
-                "CapacityExhausted"),
-               "register", "register", served_by="admin"),
-        OpSpec("capability", True, (Arg(_T, _STR), Arg("role", _STR)), "{capability}",
-               ("UnknownTenant", "InvalidArgument"),
-               "tenant_capability", "capability", served_by="admin"),
-        OpSpec("evict", True, (Arg(_T, _STR, True),), "{evicted, pids}", ("UnknownTenant",), "evict", "evict",
-               served_by="admin"),
-        OpSpec("set_quota", True, (Arg(_T, _STR, True), *(Arg(k, _QUOTA_TYPES.get(k, _SIZE_OR_NIL)
-                                                               if k != "memory_quota_bytes"
-                                                               else _SIZE) for k in QUOTA_KEYS)),
-               "tenant status record", ("UnknownTenant", "InvalidArgument"), "set_quota", "set-quota",
-               served_by="admin"),
-        OpSpec("scale", True, (Arg(_T, _STR, True), Arg("instances", _INT, True)), "tenant status record",
-               ("UnknownTenant", "InvalidArgument", "CapacityExhausted"), "scale", "scale", served_by="admin"),
-        OpSpec("status", True, (Arg("after", (str, type(None))), Arg("limit", (int, type(None))),
-                                Arg("state", (str, type(None)))),
-               "{supervisor, devices, tenants, summary, next}", ("InvalidArgument",), "status", "status",
-               served_by="admin", monitor=True),
-        OpSpec("tenant_status", True, (Arg(_T, _STR, True),), "tenant status record", ("UnknownTenant",),
-               "tenant_status", "status", served_by="admin", monitor=True),
-        OpSpec("inject_fault", True,
-               (Arg(_T, _STR, True), Arg("kind", _STR, True), Arg("instance", (int, type(None))), Arg("params", _MAP)),
-               "{tenant, instance, pid, kind, ...armed}",
-               ("UnknownTenant", "InvalidArgument", "WorkerLost", "FaultInjectionDisabled"),
-               "inject_fault", "fault", served_by="admin"),
-        OpSpec("version", True, (), "{version, python, protocol}", (), "call", "version", served_by="admin",
-               monitor=True),
-        # ---- service ops (the admin capability; supervisor.control.service)
-        OpSpec("reload", True, (),
-               "{registered, changed: [{tenant, fields, restart, scale}], evicted, unchanged, conflicts, "
-               "settings_not_applied, errors}", ("ConfigError",), "reload", "reload", served_by="service"),
-        OpSpec("reset", True, (Arg(_T, _STR, True),), "tenant status record (once it runs)",
-               ("UnknownTenant", "TenantFailed"), "reset", "reset", served_by="service"),
-        OpSpec("restart", True, (Arg(_T, _STR, True),), "tenant status record (once every instance is new)",
-               ("UnknownTenant", "TenantFailed"), "restart_tenant", "restart", served_by="service"),
-        OpSpec("rotate_key", True, (), "{admin_capability, registry_id}", ("StateError",), "rotate_key",
-               "rotate-key", served_by="service"),
-    )
+    op.spec.name: op.spec
+    for op in (Ping, Alloc, Free, Write, Read, Echo, Buffers, Quota, PutModule, RunWasm, Events, RegionCreate,
+               RegionRelease, WriteRegion, ReadRegion, Hello, Register, Capability, Evict, SetQuota, Scale, Status,
+               TenantStatus, InjectFault, Version, Reload, Reset, Restart, RotateKey)
 }
 #: ops a tenant capability grants (routed to one of the tenant's workers)
 TENANT_OPS: Final = frozenset(name for name, op in OPS.items() if not op.admin)

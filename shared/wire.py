@@ -9,8 +9,8 @@ raises :class:`~shared.errors.ProtocolError` naming the record, the field and
 both types.
 
 Why dataclasses and a converter table rather than attrs or msgspec: the
-records already are dataclasses (the JSON Schema generator in
-:mod:`shared.protocol_schema` reads them), and one converter per field, built
+records already are dataclasses (the supervisor's JSON Schema generator
+reads them), and one converter per field, built
 once per class from its annotations, decodes as fast as a hand-written
 ``cls(**d)`` with checks (docs/PERFORMANCE.md "record decode"), without a
 dependency.

@@ -72,7 +72,7 @@ from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys,
 from supervisor.observe.event_log import EventLog
 from supervisor.observe.events import EventBus
 from supervisor.admission.connections import FrontendConnections
-from supervisor.admission.fdlimit import raise_fd_limit
+from supervisor.host.fdlimit import raise_fd_limit
 from supervisor.admission.frontend import Frontend
 from supervisor.admission.guard import FrontendGuard
 from supervisor.runtime.loop import Clock, Handoff, Loop
@@ -219,7 +219,7 @@ class Supervisor:
 
     def _setup(self) -> _Parts:
         cfg = self.config
-        raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.admission.fdlimit)
+        raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.host.fdlimit)
         state, registry, admin_cap = self._open_state()
         labels = TenantLabels(cfg.metrics_tenant_names, tenant_label_key(state))  # stable across restarts
         self.metrics.use_tenant_labels(labels)

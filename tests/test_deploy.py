@@ -228,7 +228,8 @@ def _secret_mode(default_mode: int, fs_group: int | None) -> tuple[int, int, int
 
 
 def test_the_key_secret_as_mounted_with_fsgroup_is_accepted(tmp_path: Path) -> None:
-    from supervisor.admission.curve import CurveKeyPair, key_file_mode_problem, load_server_key_file, write_key_pair
+    from supervisor.admission.curve import CurveKeyPair, load_server_key_file, write_key_pair
+    from supervisor.host.secret_files import key_file_mode_problem
 
     ds = _docs()["DaemonSet"]
     pod = ds["spec"]["template"]["spec"]

@@ -169,7 +169,7 @@ def test_suite_sources_name_no_fixed_temp_directory() -> None:
     docs, and a name a test only reads, are listed here."""
     allowed = {
         "shared/config.py",  # the default run dir /tmp/twt-<uid> when XDG_RUNTIME_DIR is unset (documented)
-        "shared/mps.py",  # NVIDIA's default MPS pipe directory: read, never written
+        "supervisor/host/mps.py",  # NVIDIA's default MPS pipe directory: read, never written
         "shared/errors.py", "supervisor/client/api.py", "supervisor/routing/placement.py",
         "supervisor/cli/supervise.py",  # docs and help text
         "shared/rundir.py",  # temp_parent(): /tmp when $TMPDIR is too long for unix sockets

@@ -28,27 +28,19 @@ buffer (see :func:`shared.protocol.make_handle`).
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 from shared.checks import is_int
 from shared.errors import GpuMemoryExhausted, InvalidArgument
 from shared.log import get_logger, log_event
 from shared.protocol import MAX_BUFFERS_PER_INSTANCE, handle_incarnation, handle_instance, make_handle
 from shared.quota import QuotaBlock
-from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
+from worker.backends.base import Backend, ByteMeter, DeviceBuffer, DeviceOutOfMemory
 from worker.faults import FaultState
 
-__all__ = ["ByteMeter", "MeteredAllocator"]
+__all__ = ["MeteredAllocator"]
 
 MAX_BUFFER_BYTES = (1 << 63) - 1
 _log = get_logger("worker.allocator")
-
-
-class ByteMeter(Protocol):
-    """A second counter consumed after the tenant's (the per-device budget)."""
-
-    def consume(self, n: int) -> None: ...
-    def release(self, n: int) -> None: ...
 
 
 class MeteredAllocator:

@@ -17,7 +17,8 @@ from shared.gpu_time import GpuTimeBoard
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from worker.allocator import ByteMeter, MeteredAllocator
+from worker.allocator import MeteredAllocator
+from worker.backends.base import ByteMeter
 from worker.backends import Backend, create_backend
 from worker.device_time import DeviceGate
 from worker.faults import FaultState

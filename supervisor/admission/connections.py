@@ -5,7 +5,7 @@ aborts the whole process when an ipc ``accept`` fails with EMFILE. So the
 supervisor watches each frontend socket's monitor: every ACCEPTED event
 carries the new connection's fd, every DISCONNECTED one ends a connection.
 One :class:`~supervisor.admission.peers.ConnectionGate` counts both transports against
-one budget (:func:`supervisor.admission.fdlimit.fd_budget` of the soft limit in force,
+one budget (:func:`supervisor.host.fdlimit.fd_budget` of the soft limit in force,
 re-read every second so a lowered limit is honoured); TCP connections are
 also held to ``max_tcp_peers`` and ``max_tcp_peers_per_source``, counted at
 accept whether or not they ever send a greeting. A connection past a bound is
@@ -36,7 +36,7 @@ import zmq
 
 from shared.log import get_logger, log_event
 from shared.zmq_monitor import recv_monitor_event
-from supervisor.admission.fdlimit import fd_budget
+from supervisor.host.fdlimit import fd_budget
 from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer_of
 
 __all__ = ["ConnectionStatus", "FrontendConnections", "watch"]

@@ -22,7 +22,6 @@ behind the operator's back.
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 import zmq
@@ -30,6 +29,7 @@ import zmq.auth
 
 from shared.curve_keys import CurveKeyPair, load_client_keys, load_key_pair, parse_public_key
 from shared.errors import StateError
+from supervisor.host.secret_files import key_file_mode_problem
 from supervisor.store.state import StateStore
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "check_client_keys_dir",
     "load_client_keys",
     "load_or_create_server_keys",
-    "key_file_mode_problem",
     "load_server_key_file",
     "parse_public_key",
     "write_key_pair",
@@ -118,27 +117,6 @@ def load_server_key_file(path: str) -> CurveKeyPair:
     if problem is not None:
         raise PermissionError(f"{path} {problem}")
     return load_key_pair(p, "server key file")
-
-
-def key_file_mode_problem(mode: int, owner: int, group: int, *, uid: int, gid: int) -> str | None:
-    """Why a secret key file with this mode, owner and group must not be used by (``uid``, ``gid``); None: fine.
-
-    Accepted: 0600/0400 (or stricter) owned by us, and - the mode a Kubernetes Secret has when the pod
-    sets ``fsGroup`` (kubelet adds group read to ``defaultMode: 0400``) - 0440 owned by root or us in
-    *our own* group (``gid``: the process's effective group, ``runAsGroup``). Never: any permission
-    for others, group write or execute, or group read for any group but ours.
-    """
-    perms = stat.S_IMODE(mode)
-    if perms & stat.S_IRWXO:
-        return f"is readable by others (mode {oct(perms)}); chmod 600 it"
-    if perms & stat.S_IRWXG:
-        if perms & (stat.S_IWGRP | stat.S_IXGRP) or group != gid or owner not in (0, uid):
-            return (f"is readable by its group {group} (mode {oct(perms)}, owner {owner}); chmod 600 it, or "
-                    f"make it 0440, owned by root or uid {uid}, in this process's own group {gid} "
-                    "(Kubernetes: runAsGroup = fsGroup)")
-    elif owner != uid:
-        return f"belongs to uid {owner}, not to this process's uid {uid}; chown it"
-    return None
 
 
 def check_client_keys_dir(path: str) -> int:

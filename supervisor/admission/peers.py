@@ -7,7 +7,7 @@ EMFILE. It has no connection limit (and unbinding an endpoint would also drop
 every connected client), so the frontend watches its sockets' monitors
 (ACCEPTED / DISCONNECTED, with the connection's fd) and shuts down each
 connection accepted past a bound: the fd budget
-(:func:`supervisor.admission.fdlimit.fd_budget`, half of the fds left) for ipc and TCP
+(:func:`supervisor.host.fdlimit.fd_budget`, half of the fds left) for ipc and TCP
 together, and for TCP also ``max_tcp_peers`` and ``max_tcp_peers_per_source``,
 counted at accept - a raw TCP connection that never sends the ZMTP greeting
 never reaches ZAP, so only the accept can see it. libzmq

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.mps import Mps, detect_mps
+from supervisor.host.mps import Mps, detect_mps
 from supervisor.cli._common import print_json
 
 __all__ = ["add_parser", "run"]

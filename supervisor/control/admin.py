@@ -63,7 +63,7 @@ from shared.errors import (
 )
 from shared.checks import is_int
 from shared.log import get_logger, log_event
-from shared.mps import MpsDecision
+from supervisor.host.mps import MpsDecision
 from shared.quota import MAX_INSTANCES, QuotaSnapshot
 from shared.records import (
     HelloInfo,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from shared.errors import ConfigError
 from shared.log import get_logger, log_event
-from supervisor.admission.curve import key_file_mode_problem
+from supervisor.host.secret_files import key_file_mode_problem
 
 __all__ = ["BearerToken"]
 
@@ -30,7 +30,7 @@ class BearerToken:
 
     The file holds one token (16..4096 visible ASCII characters; surrounding
     whitespace ignored) and must be a secret file: not readable by others
-    (:func:`supervisor.admission.curve.key_file_mode_problem`, the rule the
+    (:func:`supervisor.host.secret_files.key_file_mode_problem`, the rule the
     CURVE key file follows). It is read again when it changes (a rotated
     Kubernetes Secret), at most once a second; if the new content is unusable the
     old token stays in force and the problem is logged. Compared in constant time.

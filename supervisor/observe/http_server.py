@@ -19,9 +19,9 @@ Here every cost is bounded before it is paid::
 
 * **Descriptors**: the listener, the selector, the wake-up pair and the
   connections are reserved in the supervisor's fd budget
-  (:func:`supervisor.admission.fdlimit.reserve_fds`): the frontend's budget
+  (:func:`supervisor.host.fdlimit.reserve_fds`): the frontend's budget
   leaves them out, so the metrics port can never take the descriptor libzmq
-  needs. ``max_connections`` is held to :func:`~supervisor.admission.fdlimit.max_reservation`
+  needs. ``max_connections`` is held to :func:`~supervisor.host.fdlimit.max_reservation`
   of the soft limit (re-read every second, as the frontend does).
 * **Memory**: at most ``max_connections`` x :data:`MAX_HEAD_BYTES` of request
   heads; answers share the render's bytes.
@@ -57,7 +57,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from shared.log import get_logger, log_event
-from supervisor.admission.fdlimit import FdReservation, max_reservation, reserve_fds, soft_fd_limit
+from supervisor.host.fdlimit import FdReservation, max_reservation, reserve_fds, soft_fd_limit
 from supervisor.observe.http_auth import BearerToken
 from supervisor.observe.scrape_cache import Rendered, ScrapeCache
 

@@ -42,7 +42,7 @@ from shared.device_budget import DeviceBudget
 from shared.gpu_time import DEFAULT_QUANTUM_S, DEFAULT_TENANT_SLOTS, DEFAULT_WORKER_SLOTS, GpuTimeBoard
 from shared.errors import BackendUnavailable, CapacityExhausted, InvalidArgument, SegmentError
 from shared.log import get_logger, log_event
-from shared.mps import Fallback, Mps, MpsDecision, detect_mps
+from supervisor.host.mps import Fallback, Mps, MpsDecision, detect_mps
 from shared.quota import new_segment_name
 from shared.records import DeviceRecord, ProbedDevice
 from shared.spec import IsolationKind, TenantSpec

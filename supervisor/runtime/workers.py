@@ -4,7 +4,7 @@ Workers are started with ``multiprocessing`` (``spawn`` by default,
 ``forkserver`` with a preload of the worker's imports as the fast option) and
 never with plain ``fork``: CUDA and wasmtime's compiler threads are not
 fork-safe, and the supervisor must stay free of both anyway. The target is
-:class:`shared.entry.EntryPoint` ("worker.main:run"), so the supervisor never
+:class:`supervisor.runtime.entry.EntryPoint` ("worker.main:run"), so the supervisor never
 imports the worker package.
 
 Each process's ``sentinel`` fd is polled by the supervisor loop next to its
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import psutil
 
 from shared.config import SupervisorConfig
-from shared.entry import EntryPoint
+from supervisor.runtime.entry import EntryPoint
 from shared.log import get_logger, log_event
 from shared.worker_link import BootMessage
 from supervisor.runtime.requests import Pending

@@ -37,7 +37,7 @@ from shared.errors import (
     TenantIsolationViolation,
     UnknownTenant,
 )
-from shared.mps import MPS_PROBE_MAX_AGE_S, MpsDecision, mps_or_fallback
+from supervisor.host.mps import MPS_PROBE_MAX_AGE_S, MpsDecision, mps_or_fallback
 from shared.protocol import QUOTA_KEYS
 from shared.quota import UNCHANGED, QuotaBlock, QuotaSnapshot, Unchanged, new_segment_name
 from shared.spec import TenantSpec

@@ -327,7 +327,7 @@ def _build_transformer(row: Outcome) -> bytes | None:
     skipped, which is not a failure) where the checkout has no SDK or the sdk extra is missing."""
     import importlib.util
 
-    from supervisor.cli.build import BuildError, build_module, sdk_dir
+    from supervisor.tools.build import BuildError, build_module, sdk_dir
 
     try:
         source = sdk_dir() / "examples" / "c" / "transformer.c"

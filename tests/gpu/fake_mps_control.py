@@ -3,7 +3,7 @@
     fake_mps_control.py -d      start the "daemon": detached, listening on $CUDA_MPS_PIPE_DIRECTORY/control
     echo quit | fake_mps_control.py     send the commands on stdin to it; "quit" stops it
 
-What the supervisor's MPS detection (``shared.mps.detect_mps``) looks for is
+What the supervisor's MPS detection (``supervisor.host.mps.detect_mps``) looks for is
 a control socket in the pipe directory that accepts connections; this gives
 it one. It proves the phase's flow (the daemon started with private
 directories, the supervisor and its MPS tenant given them, the daemon

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.cli.build import build_module, sdk_dir
+from supervisor.tools.build import build_module, sdk_dir
 
 __all__ = ["EXAMPLES", "ROOT", "SdkBuilder", "shared_build_dir"]
 

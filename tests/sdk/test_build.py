@@ -15,7 +15,8 @@ import wasmtime
 from shared.spec import TenantSpec
 from supervisor.cli import main
 from supervisor.cli import build as build_cli
-from supervisor.cli.build import BuildError, build_module
+from supervisor.tools import build as builder
+from supervisor.tools.build import BuildError, build_module
 from tests.helpers.cli import twt
 from tests.helpers.cluster import supervisor
 from tests.helpers.wasm_env import tenant_env
@@ -107,7 +108,7 @@ def test_a_module_without_exports_is_an_error(tmp_path: Path, capsys: pytest.Cap
 
 def test_a_missing_compiler_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(build_cli, "TOOLCHAIN", "ziglang_not_installed_here")
+    monkeypatch.setattr(builder, "TOOLCHAIN", "ziglang_not_installed_here")
     src = write(tmp_path, "a.c", "int x;")
     assert main(["build", str(src), "-o", str(tmp_path / "a.wasm")]) == 1
     err = capsys.readouterr().err.strip()
@@ -120,7 +121,7 @@ def test_prepare_builds_every_kind_of_guest_and_refuses_sources(tmp_path: Path, 
     """``twt build --prepare`` (make's install step runs it): the three ways a build drives the
     compiler, each a real module with its export; with a SRC or -o it is a usage error, and a
     plain ``twt build`` without them says what it needs."""
-    results = build_cli.prepare_toolchain()
+    results = builder.prepare_toolchain()
     assert [r.exports for r in results] == [("prepare",)] * 3
     assert [r.command[1] for r in results] == ["cc", "build-exe", "build-exe"]
     assert results[0].wasi and results[1].wasi  # both printed through libc: wasi-libc is in the cache

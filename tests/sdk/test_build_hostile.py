@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli import build as build_cli
-from supervisor.cli import build_guard
+from supervisor.tools import build as builder
+from supervisor.tools import build_guard
 from supervisor.cli import main
-from supervisor.cli.build import BuildError, build_module
-from supervisor.cli.build_guard import cache_lock
+from supervisor.tools.build import BuildError, build_module
+from supervisor.tools.build_guard import cache_lock
 from tests.helpers.cluster import wait_for
 from tests.helpers.sdk_build import SdkBuilder
 
@@ -191,7 +191,7 @@ def test_a_flood_of_warnings_is_kept_to_its_head_and_tail(tmp_path: Path) -> Non
 def test_concurrent_builds_on_one_cache_wait_for_each_other_and_both_succeed(tmp_path: Path) -> None:
     """The test holds the cache's lock while two ``twt build`` processes start: each says it waits,
     naming this process; released, both finish with their module."""
-    cache = build_cli._cache_dir()
+    cache = builder.cache_dir()
     procs: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
     try:
         with cache_lock(cache, timeout_s=60.0):
@@ -232,14 +232,14 @@ def _nobody_can_run(zig: Path, user: pwd.struct_passwd) -> bool:
 @pytest.mark.skipif(os.geteuid() != 0, reason="--sandbox switches to the user nobody, which needs root")
 def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     nobody = pwd.getpwnam("nobody")
-    zig = Path(build_cli._zig()[0])
+    zig = Path(builder._zig()[0])
     if not _nobody_can_run(zig, nobody):
         pytest.skip(f"nobody cannot run {zig} (the checkout is under a directory only its owner enters)")
     # a cache nobody can reach (under the run's 0711 temp root), seeded from the user's so no wasi-libc build
     holder = Path(tempfile.mkdtemp())
     holder.chmod(0o711)
     cache = holder / "zig"
-    user_cache = build_cli._cache_dir()
+    user_cache = builder.cache_dir()
     if user_cache.is_dir():
         try:  # other builds may be writing it meanwhile: what vanished is rebuilt if needed
             shutil.copytree(user_cache, cache, symlinks=True, ignore=shutil.ignore_patterns("tmp"))

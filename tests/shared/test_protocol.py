@@ -161,7 +161,7 @@ def test_register_spec_is_checked_with_the_arguments(spec: dict[str, object]) ->
 def test_reply_records_name_ops_and_the_schema_uses_them() -> None:
     """Each typed reply is declared once (shared.records.REPLY_RECORDS); the JSON Schema's reply of
     the op is that record, so the conformance suite checks real replies against the records."""
-    from shared.protocol_schema import build_schema
+    from supervisor.docgen.protocol_schema import build_schema
     from shared.records import REPLY_RECORDS
 
     replies = build_schema()["$defs"]["replies"]

@@ -13,14 +13,19 @@ per-thread), never concurrently.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from worker.backends.timing import HostTimer, OpTimer
 
-if TYPE_CHECKING:
-    from worker.allocator import ByteMeter
+__all__ = ["Backend", "ByteMeter", "DeviceBuffer", "DeviceOutOfMemory"]
 
-__all__ = ["Backend", "DeviceBuffer", "DeviceOutOfMemory"]
+
+class ByteMeter(Protocol):
+    """A second counter consumed after the tenant's (the per-device budget): the allocator charges
+    tenant buffers to it, a backend the device memory it holds outside any buffer."""
+
+    def consume(self, n: int) -> None: ...
+    def release(self, n: int) -> None: ...
 
 
 class DeviceOutOfMemory(Exception):

@@ -11,7 +11,7 @@
       cuMemGetAllocationGranularity      maxSize = gpu cap rounded up to it (0 = no cap)
       cuMemPoolCreate(pinned, device, maxSize)          <- the driver-level hard cap
       cuMemAlloc(FIXED_SCRATCH_BYTES)    the one fixed scratch (sum/max partials, argmax rows,
-                                         cuBLAS's fallback workspace)
+                                         cuBLAS's fallback workspace: worker.backends.cuda_scratch)
       cuMemGetInfo                       fixed overhead = context + what set-up took
 
     alloc(n)   cuMemAllocFromPoolAsync(n, pool, stream)   OOM -> drain, cuMemPoolTrimTo(0), retry
@@ -82,27 +82,20 @@ from shared.cuda_compat import cublas_workspace_bytes, default_context_bytes
 from shared.errors import BackendUnavailable, CudaError, KernelTimeout
 from shared.log import get_logger, log_event
 from worker.backends._driver import Driver, Nvrtc
-from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
+from worker.backends.base import Backend, ByteMeter, DeviceBuffer, DeviceOutOfMemory
 from worker.backends.cuda_ops import Closable, TensorOpsMixin
+from worker.backends.cuda_scratch import FIXED_SCRATCH_BYTES
 
 if TYPE_CHECKING:
-    from worker.allocator import ByteMeter
     from worker.backends.kernels import Kernels
     from worker.backends.timing import OpTimer
 
-__all__ = ["FIXED_SCRATCH_BYTES", "QUEUE_EVENT_EVERY", "QUEUE_GRACE_S", "QUEUE_MAX_EVENTS", "CudaBackend",
+__all__ = ["QUEUE_EVENT_EVERY", "QUEUE_GRACE_S", "QUEUE_MAX_EVENTS", "CudaBackend",
            "CudaBuffer", "QueueOverrun", "round_up"]
 
 T = TypeVar("T", bound=Closable)
 
 _log = get_logger("worker.cuda")
-#: the fixed scratch, one cuMemAlloc made at set-up: [sum partials | op scratch | cuBLAS fallback workspace]
-SUM_SCRATCH_BYTES = 8 << 10  # MAX_SUM_BLOCKS doubles
-OPS_SCRATCH_BYTES = 64 << 10  # cuda_ops.SCRATCH_BYTES
-#: cuBLAS's workspace when the metered one could not be had: >= 16 KiB, which cuBLAS documents as
-#: enough that no routine fails with CUBLAS_STATUS_ALLOC_FAILED for want of one
-CUBLAS_FALLBACK_WORKSPACE_BYTES = 64 << 10
-FIXED_SCRATCH_BYTES = SUM_SCRATCH_BYTES + OPS_SCRATCH_BYTES + CUBLAS_FALLBACK_WORKSPACE_BYTES
 #: queued GPU work per run: an event recorded every QUEUE_EVENT_EVERY async ops; when
 #: QUEUE_MAX_EVENTS are outstanding the oldest is waited for (at most ~ EVERY x MAX ops in flight)
 QUEUE_EVENT_EVERY = 16

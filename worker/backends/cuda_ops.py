@@ -37,9 +37,10 @@ do), relu keeps NaN like ``np.maximum``, max and argmax let a NaN win like
 ``exp(x - max) / sum`` per row. Transcendentals (``expf``, ``tanhf``) are
 CUDA's, within a few ulp of numpy's.
 
-The scratch (``SCRATCH_BYTES``) is a slice of the backend's fixed scratch
-(one ``cuMemAlloc`` outside the tenant's pool, charged to the device budget
-as fixed overhead), so a tenant exactly at its cap can still reduce.
+The scratch (``OPS_SCRATCH_BYTES``) is a slice of the backend's fixed scratch
+(:mod:`worker.backends.cuda_scratch`: one ``cuMemAlloc`` outside the tenant's pool,
+charged to the device budget as fixed overhead), so a tenant exactly at its cap
+can still reduce.
 Nothing here allocates per call.
 
 The compile step is :func:`worker.backends.kernels.compile_source` (a cubin for the
@@ -62,10 +63,11 @@ from shared.log import get_logger, log_event
 from worker.backends._cublas import GEMM_WORKSPACE_BYTES, Cublas
 from worker.backends._driver import Driver, Nvrtc
 from worker.backends.base import DeviceBuffer
+from worker.backends.cuda_scratch import CUBLAS_FALLBACK_WORKSPACE_BYTES, OPS_SCRATCH_BYTES, SUM_SCRATCH_BYTES
 from worker.backends.cuda_timing import NO_HOOKS, LaunchHooks, TimerHooks
 from worker.backends.kernels import compile_source
 
-__all__ = ["OPS_SOURCE", "SCRATCH_BYTES", "CudaTensorOps", "TensorOpsMixin"]
+__all__ = ["OPS_SOURCE", "CudaTensorOps", "TensorOpsMixin"]
 
 
 class Closable(Protocol):
@@ -90,10 +92,8 @@ _log = get_logger("worker.cuda_ops")
 
 BLOCK = 256
 MAX_GRID = 65535
-#: scratch for max partials (MAX_GRID floats would be more than needed: 1024 blocks) and argmax rows
-SCRATCH_BYTES = 64 << 10
 _MAX_BLOCKS = 1024
-_ARGMAX_ROWS = SCRATCH_BYTES // 4
+_ARGMAX_ROWS = OPS_SCRATCH_BYTES // 4
 #: argmax answers int32 indices (the WASM ABI's): a row wider than this has columns it cannot name
 MAX_ARGMAX_COLS = (1 << 31) - 1
 
@@ -433,7 +433,7 @@ _NAMES = (b"twt_binary_f32", b"twt_add_rows_f32", b"twt_unary_f32", b"twt_scale_
           b"twt_binary_rows_f32", b"twt_scalar_f32", b"twt_reduce_rows_f32", b"twt_layernorm_rows_f32",
           b"twt_gather_rows_f32", b"twt_copy_bytes", b"twt_causal_mask_f32", b"twt_cast", b"twt_scale_any")
 #: gather's row indices go through the scratch: this many a launch
-_GATHER_ROWS = SCRATCH_BYTES // 4
+_GATHER_ROWS = OPS_SCRATCH_BYTES // 4
 _P, _F, _I, _U = ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_uint64
 
 
@@ -472,7 +472,7 @@ class CudaTensorOps:
              measured: Measure | None = None, wait_idle: Callable[[], None] | None = None) -> CudaTensorOps:
         """Compile (NVRTC) and load the op kernels into the current context; cuBLAS waits for a GEMM.
 
-        ``scratch``: ``SCRATCH_BYTES`` of device memory the reductions may use;
+        ``scratch``: ``OPS_SCRATCH_BYTES`` of device memory the reductions may use;
         ``fallback_workspace``: (address, bytes) cuBLAS gets when a run has no
         metered workspace; ``on_enqueued()`` after each queued op;
         ``measured(load)`` runs a load and charges what it took (the cuBLAS handle);
@@ -745,11 +745,9 @@ class TensorOpsMixin:
         self._current()
         if self._tensor_ops is None:
             nvrtc = self._nvrtc_spec if isinstance(self._nvrtc_spec, Nvrtc) else Nvrtc(self._nvrtc_spec)
-            from worker.backends.cuda import CUBLAS_FALLBACK_WORKSPACE_BYTES, SUM_SCRATCH_BYTES
-
             assert self._scratch is not None
             base = self._scratch + SUM_SCRATCH_BYTES
-            fallback = (base + SCRATCH_BYTES, CUBLAS_FALLBACK_WORKSPACE_BYTES)
+            fallback = (base + OPS_SCRATCH_BYTES, CUBLAS_FALLBACK_WORKSPACE_BYTES)
             self._tensor_ops = self._measured(lambda: CudaTensorOps.load(
                 self._drv, nvrtc, self._dev, self._stream, self._cublas_spec, scratch=base,
                 fallback_workspace=fallback, on_enqueued=self.note_enqueued, measured=self._measured,

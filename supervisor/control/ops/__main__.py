@@ -4,7 +4,7 @@
     python -m supervisor.control.ops --check     exit 1 when it is out of date (what the test checks)
 
 The wire parts of the page (the op reference, the errors) come from
-``python -m shared.protocol_doc``; these are the ops in words: their arguments,
+``python -m supervisor.docgen.protocol_doc``; these are the ops in words: their arguments,
 results and errors as each op's class says them.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shared.protocol_doc import DOC_PATH, generate, replace_part
+from supervisor.docgen.protocol_doc import DOC_PATH, generate, replace_part
 from supervisor.control.ops import doc_table, either_doc_table, tenant_doc_table
 
 __all__ = ["main"]

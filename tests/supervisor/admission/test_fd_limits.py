@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 from contextlib import contextmanager
 
-from supervisor.admission.fdlimit import fd_budget, open_fds, raise_fd_limit
+from supervisor.host.fdlimit import fd_budget, open_fds, raise_fd_limit
 from tests.helpers.cluster import supervisor
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from shared.errors import BackendUnavailable, GpuMemoryExhausted, InvalidArgument, SupervisorUnavailable
-from shared.mps import Fallback, Mps
+from supervisor.host.mps import Fallback, Mps
 from shared.spec import TenantSpec
 from supervisor.lifecycle.backend_select import probe_cuda
 from supervisor.client.launch import SupervisorHandle, launch

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.config import SupervisorConfig, load_config
 from shared.errors import ConfigError
-from supervisor.admission.fdlimit import fd_budget, max_reservation, reserve_fds, reserved_fds
+from supervisor.host.fdlimit import fd_budget, max_reservation, reserve_fds, reserved_fds
 from supervisor.observe.http_auth import BearerToken
 from supervisor.observe.http_server import MAX_HEAD_BYTES, OVERHEAD_FDS
 from supervisor.observe.metrics import MetricsSnapshot

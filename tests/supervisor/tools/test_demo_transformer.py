@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from supervisor.cli import build
+from supervisor.tools import build
 from supervisor.tools import demo
 
 pytestmark = pytest.mark.timeout(300)  # a first build compiles wasi-libc

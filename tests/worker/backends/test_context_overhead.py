@@ -78,7 +78,7 @@ class _ForeignFree(FakeDriver):
 
 
 def test_memory_freed_by_another_process_during_set_up_never_hides_the_scratch() -> None:
-    from worker.backends.cuda import FIXED_SCRATCH_BYTES
+    from worker.backends.cuda_scratch import FIXED_SCRATCH_BYTES
 
     f = _ForeignFree(memory_bytes=4 << 30)
     b = CudaBackend(0, driver=f, nvrtc=f, context_bytes=300 * MiB)

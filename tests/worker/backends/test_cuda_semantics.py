@@ -28,12 +28,12 @@ from tests.helpers.wasm_env import probe as wasm_probe
 from tests.helpers.wasm_env import tenant_env
 from worker.allocator import MeteredAllocator
 from worker.backends.cuda import (
-    FIXED_SCRATCH_BYTES,
     QUEUE_EVENT_EVERY,
     QUEUE_MAX_EVENTS,
     CudaBackend,
     QueueOverrun,
 )
+from worker.backends.cuda_scratch import FIXED_SCRATCH_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -135,9 +135,9 @@ def test_every_op_matches_numpy_on_the_cuda_backend() -> None:
 
 
 def test_argmax_of_many_rows_is_chunked_through_the_scratch() -> None:
-    from worker.backends import cuda_ops
+    from worker.backends.cuda_scratch import OPS_SCRATCH_BYTES
 
-    rows = cuda_ops.SCRATCH_BYTES // 4 + 5  # one full chunk and a bit
+    rows = OPS_SCRATCH_BYTES // 4 + 5  # one full chunk and a bit
     x = np.random.default_rng(5).standard_normal((rows, 2), dtype=np.float32)
     with cuda_env() as env:
         backend = env.ctx.backend
@@ -190,7 +190,7 @@ def test_gemm_without_room_for_a_workspace_still_multiplies() -> None:
         assert s.run.workspace is None
         ((_, state),) = env.cublas.handles.items()
         # never cuBLAS's own default, never (NULL, 0): the fixed scratch's >= 16 KiB fallback
-        from worker.backends.cuda import CUBLAS_FALLBACK_WORKSPACE_BYTES
+        from worker.backends.cuda_scratch import CUBLAS_FALLBACK_WORKSPACE_BYTES
 
         ws_addr, ws_bytes = state["workspace"]
         assert ws_bytes == CUBLAS_FALLBACK_WORKSPACE_BYTES >= 16 << 10

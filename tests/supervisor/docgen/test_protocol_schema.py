@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from shared import protocol as proto
 from shared.gpu_time import check_gpu_time_cap, check_gpu_time_weight
 from shared.errors import InvalidArgument, _BY_CODE
-from shared.protocol_schema import SCHEMA_GAPS, build_schema, load_schema, tenant_spec_schema
+from supervisor.docgen.protocol_schema import SCHEMA_GAPS, build_schema, load_schema, tenant_spec_schema
 from shared.sizes import _UNITS, parse_size
 from shared.spec import TenantSpec
 
@@ -211,7 +211,7 @@ def op_args(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 def test_the_schema_is_a_valid_json_schema_and_the_shipped_file_is_current() -> None:
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
-    assert load_schema() == SCHEMA, "run: python -m shared.protocol_doc --write"
+    assert load_schema() == SCHEMA, "run: python -m supervisor.docgen.protocol_doc --write"
 
 
 def test_every_op_error_and_spec_key_is_in_the_schema() -> None:

@@ -1,7 +1,7 @@
 """The wire protocol as data: a JSON Schema built from the op table and the error registry.
 
 Clients in other languages get the contract from ``shared/protocol.schema.json``
-(package data, written by ``python -m shared.protocol_doc --write``), which
+(package data, written by ``python -m supervisor.docgen.protocol_doc --write``), which
 :func:`build_schema` makes at run time from what the code itself uses:
 
 * :data:`shared.protocol.OPS`: every op, who may call it, its arguments and
@@ -18,7 +18,7 @@ A row added to any of those tables flows into the schema (and into
 docs/PROTOCOL.md) with no edit here; the notes below only add prose. The
 argument schemas say what :func:`shared.protocol.check_args` and the spec
 and size parsers accept, no more and no less, except where JSON Schema has
-no words for it (:data:`SCHEMA_GAPS`): tests/shared/test_protocol_schema.py
+no words for it (:data:`SCHEMA_GAPS`): tests/supervisor/docgen/test_protocol_schema.py
 proves the two agree on generated arguments.
 
 Two conventions a validator must follow, because msgpack keeps apart what
@@ -46,6 +46,7 @@ from shared.quota import MAX_INSTANCES
 from shared.records import REPLY_RECORDS
 from shared.sizes import MAX_SIZE
 from shared.spec import TenantSpec
+from shared.wire import Record
 
 __all__ = [
     "ANONYMOUS_HELLO_KEYS",
@@ -152,7 +153,7 @@ ARG_NOTES: Final[dict[tuple[str, str], str]] = {
 }
 
 #: the register spec's keys: (schema, unit/meaning). A key of TenantSpec missing here is described
-#: from its annotation (tests/shared/test_protocol_schema.py then shows where the two differ)
+#: from its annotation (tests/supervisor/docgen/test_protocol_schema.py then shows where the two differ)
 _SIZE_NOTE = "bytes: an int, or a size string (`\"512MiB\"`, `\"2GiB\"`, `\"1.5GB\"`, `\"4096\"`)"
 
 
@@ -493,10 +494,11 @@ def _reply_schema(op: proto.OpSpec) -> dict[str, object]:
         return {"$ref": f"#/$defs/records/{record.__name__}"}
     keys = _reply_keys(op.reply)
     schema: dict[str, object] = {"type": "object", "required": keys}
-    if op.reply_type is not None:  # a typed op: its reply's fields and their types
+    if op.reply_type is not None and not issubclass(op.reply_type, Record):  # a flat typed reply: its fields
         fields = proto.wire_fields(op.reply_type)
         schema["required"] = [f.name for f in fields if f.required]
-        schema["properties"] = {f.name: _arg_schema(f) for f in fields}
+        schema["properties"] = {f.name: {"x-msgpack": "bin"} if f.types == (bytes,) else _arg_schema(f)
+                                for f in fields}
     if op.name == "register":
         schema["properties"] = {"capability": {"x-msgpack": "bin", "description": "the tenant's capability bytes"}}
     if op.name == "rotate_key":
@@ -595,7 +597,7 @@ def build_schema() -> dict[str, object]:
         "$id": f"urn:tensor-wasm-tenant:protocol:{proto.PROTOCOL_VERSION}",
         "title": "tensor-wasm-tenant wire protocol",
         "description": "Generated from shared/protocol.py OPS and the shared/errors.py registry by "
-                       "`python -m shared.protocol_doc --write`; docs/PROTOCOL.md explains it. Validate "
+                       "`python -m supervisor.docgen.protocol_doc --write`; docs/PROTOCOL.md explains it. Validate "
                        "args against `#/$defs/args/<op>` with a strict integer type (a msgpack float is no int).",
         "x-twt": {
             "protocol": proto.PROTOCOL_VERSION,

@@ -34,7 +34,7 @@ from shared.log import get_logger, log_event
 __all__ = ["FdReservation", "fd_budget", "max_reservation", "open_fds", "raise_fd_limit", "reserve_fds",
            "reserved_fds", "soft_fd_limit"]
 
-_log = get_logger("supervisor.admission.fdlimit")
+_log = get_logger("supervisor.host.fdlimit")
 
 #: fds kept free for what the supervisor itself opens (workers, segments, logs, sqlite, ...)
 RESERVE_FDS = 256

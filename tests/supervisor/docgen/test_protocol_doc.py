@@ -8,14 +8,14 @@ import pytest
 
 from shared import protocol as proto
 from shared.errors import _BY_CODE
-from shared.protocol_doc import DOC_PATH, SCHEMA_PATH, main, render_doc, sections
-from shared.protocol_schema import schema_text
+from supervisor.docgen.protocol_doc import DOC_PATH, SCHEMA_PATH, main, render_doc, sections
+from supervisor.docgen.protocol_schema import schema_text
 
 
 def test_the_generated_parts_of_protocol_md_are_current() -> None:
     text = DOC_PATH.read_text(encoding="utf-8")
-    assert render_doc(text) == text, "run: python -m shared.protocol_doc --write"
-    assert SCHEMA_PATH.read_text(encoding="utf-8") == schema_text(), "run: python -m shared.protocol_doc --write"
+    assert render_doc(text) == text, "run: python -m supervisor.docgen.protocol_doc --write"
+    assert SCHEMA_PATH.read_text(encoding="utf-8") == schema_text(), "run: python -m supervisor.docgen.protocol_doc --write"
     assert main(["--check"]) == 0
 
 
@@ -49,11 +49,10 @@ def test_the_quota_reply_table_names_every_snapshot_field() -> None:
     """PROTOCOL.md describes each field of the ``quota`` reply: a new counter without a line fails."""
     import re
     from dataclasses import fields
-    from pathlib import Path
 
     from shared.quota import QuotaSnapshot
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md").read_text()
+    text = DOC_PATH.read_text(encoding="utf-8")
     section = text.split("The **`quota` reply**", 1)[1].split("\n\n", 2)[1]
     documented = {name for row in section.splitlines() if row.startswith("| `")
                   for name in re.findall(r"`(\w+)`", row.split("|")[1])}

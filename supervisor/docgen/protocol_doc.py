@@ -1,14 +1,14 @@
 """Generate the op reference and the error table of docs/PROTOCOL.md, and the JSON Schema, from the code.
 
-    python -m shared.protocol_doc --write     rewrite the generated parts (and shared/protocol.schema.json)
-    python -m shared.protocol_doc --check     exit 1 when either is out of date (what the test checks)
+    python -m supervisor.docgen.protocol_doc --write     rewrite the generated parts (and shared/protocol.schema.json)
+    python -m supervisor.docgen.protocol_doc --check     exit 1 when either is out of date (what the test checks)
 
 The generated parts of PROTOCOL.md sit between ``<!-- generated:NAME -->``
 and ``<!-- end generated:NAME -->`` lines; everything else on the page is
-written by hand and left alone. Both come from :func:`shared.protocol_schema.build_schema`,
+written by hand and left alone. Both come from :func:`supervisor.docgen.protocol_schema.build_schema`,
 which reads the op table, the error registry and the tenant spec at run time,
 so a new op, argument, error class or spec key appears here as soon as it is
-declared there (``tests/shared/test_protocol_doc.py`` fails until the files
+declared there (``tests/supervisor/docgen/test_protocol_doc.py`` fails until the files
 are regenerated).
 
 Typing: the JSON Schema document is read by key (nested maps and lists); its values stay
@@ -24,15 +24,16 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Final
 
-from shared.protocol_schema import SCHEMA_FILE, build_schema, schema_text
+import shared
+from supervisor.docgen.protocol_schema import SCHEMA_FILE, build_schema, schema_text
 from shared.sizes import format_size
 
 __all__ = ["DOC_PATH", "SCHEMA_PATH", "main", "generate", "render_doc", "replace_part", "sections"]
 
-_ROOT = Path(__file__).resolve().parent
-SCHEMA_PATH: Final = _ROOT / SCHEMA_FILE
+#: the schema is package data of ``shared`` (the contract ships with the client, the generator does not)
+SCHEMA_PATH: Final = Path(shared.__file__).resolve().parent / SCHEMA_FILE
 #: docs/ beside the packages in a checkout (an installed package has no docs)
-DOC_PATH: Final = _ROOT.parent / "docs" / "PROTOCOL.md"
+DOC_PATH: Final = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 
 _MSGPACK: Final = {"integer": "int", "number": "float or int", "string": "str", "null": "nil",
                    "object": "map", "array": "array", "boolean": "bool"}
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         schema = build_schema()
         return {SCHEMA_PATH: schema_text(schema), DOC_PATH: render_doc(DOC_PATH.read_text(encoding="utf-8"), schema)}
 
-    return generate(argv, "python -m shared.protocol_doc", __doc__.splitlines()[0], wanted)
+    return generate(argv, "python -m supervisor.docgen.protocol_doc", __doc__.splitlines()[0], wanted)
 
 
 def generate(argv: list[str] | None, prog: str, description: str, wanted: Callable[[], dict[Path, str]]) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.mps import DEFAULT_PIPE_DIR, Fallback, Mps, detect_mps
+from supervisor.host.mps import DEFAULT_PIPE_DIR, Fallback, Mps, detect_mps
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_default_directory_used_without_env() -> None:
 
 def test_mps_or_fallback_sees_a_daemon_started_later(pipe_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Not cached for the life of the process: a later daemon is seen once the answer is max_age_s old."""
-    from shared import mps
+    from supervisor.host import mps
     from supervisor.store.registry import TenantRegistry
 
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe_dir))
