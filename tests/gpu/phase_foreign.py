@@ -67,7 +67,7 @@ def table_rows(result: Result) -> list[TableRow]:
                  f"50% +- {SPLIT_TOLERANCE * 100:g} points", abs(share - 0.5) <= SPLIT_TOLERANCE, "timing"))
 
     def rate(ts: list[Result]) -> float:
-        return sum(t["ops"] / max(t["seconds"], 1e-9) for t in ts if t["tenant"])
+        return float(sum(t["ops"] / max(t["seconds"], 1e-9) for t in ts if t["tenant"]))
 
     ratio = rate(mixed) / max(rate(alone), 1e-9)
     rows.append(("foreign: tenants' GEMMs/s beside the foreign process vs without it", f"{ratio:.2f}x",

@@ -135,7 +135,7 @@ def _tenant(role: str, index: int, board_name: str | None, slot: int | None, blo
         out.put({"index": index, "role": role, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def _round(tenants: list[tuple[str, int]], *, n: int, seconds: float, fake: bool,
+def _round(tenants: list[tuple[str, str]], *, n: int, seconds: float, fake: bool,
            opts: dict[str, Any] | None = None) -> dict[str, Any]:
     """Processes for ``(role, tenant)`` pairs (one tenant slot per distinct tenant, weight 1) on one
     board, started together; their figures and the board's counters. Tenant "": a foreign process
