@@ -59,7 +59,10 @@ def supervisor(extra: dict[str, Any] | None = None) -> Iterator[Any]:
     puts ``TWT_CUDA_*_MODULE`` in the environment every child inherits)."""
     from supervisor.client.launch import launch
 
-    settings = {"backend": "cuda", "pool_size": 0, "heartbeat_interval_s": 0.5, **(extra or {})}
+    # a generous heartbeat: these phases measure shares and waits, not how fast a dead worker is seen,
+    # and eight workers starting at once on a loaded CI host must not be killed as silent
+    settings = {"backend": "cuda", "pool_size": 0, "heartbeat_interval_s": 2.0, "heartbeat_liveness": 10,
+                **(extra or {})}
     with launch({"supervisor": settings}) as sup:
         yield sup
 
