@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -44,7 +43,14 @@ if str(ROOT) not in sys.path:
 
 __all__ = ["run", "run_in_child", "table_rows"]
 
-_SPAWN = mp.get_context("spawn")
+
+
+def _context() -> Any:
+    from tests.gpu.phase_kit import tenant_context
+
+    return tenant_context()
+
+
 QUANTUM_S = 0.01
 CHUNK_S = 0.002
 
@@ -148,11 +154,11 @@ def _round(tenants: list[tuple[str, str]], *, n: int, seconds: float, fake: bool
     board = GpuTimeBoard.create(0, quantum_s=QUANTUM_S, name=f"{prefix}-gt")
     names = sorted({t for _, t in tenants})
     blocks = {t: QuotaBlock.create(f"mix{t}", name=f"{prefix}-{t}") for t in names}
-    out = _SPAWN.Queue()
+    out = _context().Queue()
     try:
         slots = {t: board.add_tenant(1.0) for t in names if t}  # tenant "": a foreign process, not on the board
-        start = _SPAWN.Barrier(len(tenants) + 1)  # every process past its CUDA start-up, then all at once
-        procs = [_SPAWN.Process(target=_tenant, args=(role, i, board.name if t else None, slots.get(t), blocks[t].name,
+        start = _context().Barrier(len(tenants) + 1)  # every process past its CUDA start-up, then all at once
+        procs = [_context().Process(target=_tenant, args=(role, i, board.name if t else None, slots.get(t), blocks[t].name,
                                                       n, start, seconds, fake, opts or {}, out))
                  for i, (role, t) in enumerate(tenants)]
         for p in procs:
@@ -185,11 +191,11 @@ def _kill_round(*, n: int, fake: bool) -> dict[str, Any]:
     prefix = f"twt-gpucheck{os.getpid()}-kill"
     board = GpuTimeBoard.create(0, quantum_s=QUANTUM_S, name=f"{prefix}-gt")
     blocks = [QuotaBlock.create(f"kill{i}", name=f"{prefix}-{i}") for i in range(2)]
-    out = _SPAWN.Queue()
+    out = _context().Queue()
     proc = None
     try:
         slots = [board.add_tenant(1.0) for _ in range(2)]
-        proc = _SPAWN.Process(target=_tenant, args=("holder", 0, board.name, slots[0], blocks[0].name, n,
+        proc = _context().Process(target=_tenant, args=("holder", 0, board.name, slots[0], blocks[0].name, n,
                                                     None, 0.0, fake, {}, out))
         proc.start()
         ready = out.get(timeout=120)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -43,7 +42,14 @@ if str(ROOT) not in sys.path:
 
 __all__ = ["run", "run_in_child", "table_rows"]
 
-_SPAWN = mp.get_context("spawn")
+
+
+def _context() -> Any:
+    from tests.gpu.phase_kit import tenant_context
+
+    return tenant_context()
+
+
 
 
 def _backend(fake: bool) -> Any:
@@ -124,11 +130,11 @@ def _round(tenants: list[tuple[float, float | None]], *, n: int, seconds: float,
     prefix = f"twt-gpucheck{os.getpid()}-share"
     board = GpuTimeBoard.create(0, quantum_s=quantum_s, scheduler=scheduler, name=f"{prefix}-gt")
     blocks = [QuotaBlock.create(f"share{i}", name=f"{prefix}-{i}") for i in range(len(tenants))]
-    out = _SPAWN.Queue()
+    out = _context().Queue()
     try:
         slots = [board.add_tenant(w, c) for w, c in tenants]
-        start = _SPAWN.Barrier(len(tenants) + 1)  # every process past its CUDA start-up, then all at once
-        procs = [_SPAWN.Process(target=_tenant, args=(i, None if raw else board.name, slot, block.name, n,
+        start = _context().Barrier(len(tenants) + 1)  # every process past its CUDA start-up, then all at once
+        procs = [_context().Process(target=_tenant, args=(i, None if raw else board.name, slot, block.name, n,
                                                       start, seconds, fake, raw, out))
                  for i, (slot, block) in enumerate(zip(slots, blocks))]
         for p in procs:
