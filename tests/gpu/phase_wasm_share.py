@@ -118,9 +118,9 @@ def _round(sup: Any, loads: list[tuple[_Tenant, str, list[Any], bool]], seconds:
 
 def run(*, quick: bool = False, fake: bool = False) -> Result:
     """The phase's figures (see the module docstring)."""
-    seconds = 0.3 if fake else (2.0 if quick else 4.0)
+    seconds = 0.15 if fake else (2.0 if quick else 4.0)
     n, reps = 2048, 16
-    heavy: tuple[str, list[Any]] = ("chatty", [200, 0, 1]) if fake else ("gemm_loop", [n, reps])
+    heavy: tuple[str, list[Any]] = ("chatty", [50, 0, 1]) if fake else ("gemm_loop", [n, reps])
     out: Result = {"seconds": seconds, "load": heavy[0], "quantum_s": QUANTUM_S}
     with supervisor({"gpu_time_scheduler": True, "gpu_time_quantum_s": QUANTUM_S}) as sup:
         tenants = [_Tenant(sup, "w7", 7.0), _Tenant(sup, "w3", 3.0)]
