@@ -62,7 +62,8 @@ def run(*, quick: bool = False, fake: bool = False) -> Result:
         be.read(c, 0, 4)  # blocked here until the GEMMs are done
         bare_wall, bare_cpu = time.perf_counter() - w0, time.process_time() - c0
         enqueue_s = w0 - t_enqueue
-        gate = DeviceGate(QuotaBlock.attach(block.name, instance=0), be)
+        attached = QuotaBlock.attach(block.name, instance=0)
+        gate = DeviceGate(attached, be)
         try:
             w0, c0 = time.perf_counter(), time.process_time()
             for _ in range(reps):
@@ -71,6 +72,7 @@ def run(*, quick: bool = False, fake: bool = False) -> Result:
             chunks = gate.chunks
         finally:
             gate.close()
+            attached.close()
         got = np.frombuffer(be.read(c, 0, 4 * n), dtype=np.float32)
         correct = bool(np.allclose(got, 0.125 * n, rtol=1e-4))
         for buf in (a, b, c):
