@@ -7,9 +7,11 @@
 # into a private target directory (and those in .whl-extra/ only if nvmath does not import without them), builds the C atomics helper in place with the C compiler (no setuptools
 # needed), then runs tests/gpu/check_gpu.py: pool maxSize vs RELEASE_THRESHOLD, metering before any
 # CUDA call, cross-tenant isolation, two tenants (cap refusal, crash reclaim), a kernel fault that
-# ends one worker only, kernels vs numpy, `pytest -m gpu`, timings, WASM.
+# ends one worker only, kernels vs numpy, `pytest -m gpu`, timings, WASM, GPU-time shares (share, mix,
+# wasm_share, foreign), a worker's CPU in a sync, 8 workers' budget vs cuMemGetInfo, the residual probe over
+# most of the device, a run overrunning its deadline. tests/gpu/prepare_device.sh prepares the device call.
 # Prints a short table last; exit 0 when every functional check passed (timings never decide it).
-# About 2-3 minutes on one GPU; no phase starts after --deadline-s (250 s), and --json-out is rewritten
+# About 4-5 minutes on one GPU; no phase starts after --deadline-s (320 s), and --json-out is rewritten
 # after every phase, so an outer timeout still leaves the figures measured so far.
 # Never changes clocks, power, compute mode, MIG or persistence; --mps starts and always stops a
 # private MPS daemon (its own pipe and log directories under /tmp).

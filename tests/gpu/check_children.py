@@ -361,6 +361,67 @@ def child_residual_reader(args: list[str]) -> dict[str, Any]:
     return {"mib": chunk * len(bufs), "mark_floats_found": found, "nonzero_floats": nonzero}
 
 
+def child_residual_reader_most(args: list[str]) -> dict[str, Any]:
+    """Tenant B taking most of the device: ``cuMemGetInfo``'s free memory times ``args[0]`` (0.9),
+    allocated in ``args[1]`` MiB buffers (256) *without writing them*, each searched for A's
+    RESIDUE_MARK - wherever the driver put A's old pages, B's buffers cover them. Each buffer's max
+    and min come from device reductions (the whole device in well under a second); a buffer that is
+    not all zeros is read back and its floats counted."""
+    import numpy as np
+
+    fraction = float(args[0]) if args else 0.9
+    chunk_mib = int(args[1]) if len(args) > 1 else 256
+    device_scan = (args[2] if len(args) > 2 else "1") == "1"  # "0": read every buffer back (the fake's
+    # reductions run float by float in Python)
+    be = backend(None)
+    free, total = _mem_info(be)
+    want = int(free * fraction) // (chunk_mib * MiB)
+    bufs = []
+    t0 = time.perf_counter()
+    for _ in range(want):
+        try:
+            bufs.append(be.alloc(chunk_mib * MiB))
+        except Exception:  # noqa: BLE001 - the device's last bytes may be the driver's: stop there
+            break
+    mark = np.float32(RESIDUE_MARK)
+    found = nonzero = 0
+    piece = min(chunk_mib, 64) * MiB
+    floats = chunk_mib * MiB // 4
+    read_back = 0
+    for buf in bufs:
+        if device_scan and _all_zero(be, buf, floats):
+            continue
+        read_back += 1
+        for off in range(0, chunk_mib * MiB, piece):
+            got = np.frombuffer(be.read(buf, off, piece), np.float32)
+            found += int(np.count_nonzero(got == mark))
+            nonzero += int(np.count_nonzero(got))
+    seconds = time.perf_counter() - t0
+    be.close()
+    return {"free_before": int(free), "total": int(total), "fraction": fraction, "mib": chunk_mib * len(bufs),
+            "mark_floats_found": found, "nonzero_floats": nonzero, "buffers_read_back": read_back,
+            "seconds": seconds}
+
+
+def _all_zero(be: Any, buf: Any, floats: int) -> bool:
+    """Every float of ``buf`` is 0, by two device reductions (max of x and of -x, both 0; a NaN
+    anywhere wins a max, so it is never taken for zero)."""
+    import numpy as np
+
+    hi, lo = bytearray(4), bytearray(4)
+    be.max_f32(buf, floats, memoryview(hi))
+    be.scale_f32(buf, -1.0, floats)
+    be.max_f32(buf, floats, memoryview(lo))
+    be.scale_f32(buf, -1.0, floats)
+    return bool(np.frombuffer(bytes(hi), np.float32)[0] == 0 and np.frombuffer(bytes(lo), np.float32)[0] == 0)
+
+
+def _mem_info(be: Any) -> tuple[int, int]:
+    """``cuMemGetInfo`` in the backend's context (the backend has no public call for it)."""
+    free, total = be._drv.call("cuMemGetInfo")
+    return int(free), int(total)
+
+
 def child_kernels(args: list[str]) -> dict[str, Any]:
     """fill, axpy and sum against numpy (float32 tolerance), after a real NVRTC compile."""
     import numpy as np
@@ -541,6 +602,7 @@ def child_sleep(args: list[str]) -> dict[str, Any]:
 
 CHILDREN: dict[str, Callable[[list[str]], dict[str, Any]]] = {
     "environment": child_environment,
+    "residual_reader_most": child_residual_reader_most,
     "sleep": child_sleep,
     "pool": child_pool,
     "nocall": child_nocall,

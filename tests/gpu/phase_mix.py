@@ -13,10 +13,11 @@ process per tenant instance, each with its own context, stream and pool, every o
                   chatty op's wait for the device p99 (target <= 1 quantum), at 0.1 / 0.3 / 1 ms gaps
     k instances   3 processes of one tenant against 1 of another at 1:1: event time by tenant (50/50)
     kill          the lease holder SIGKILLed mid-chunk (a long GEMM): the board owner reclaims its
-                  lease, the waiting tenant's next op runs (check) and how long that took (timing)
+                  lease, the waiting tenant's next op runs (check) and how long that took (timing);
+                  the time charged before the kill is kept (check), the chunk in flight is charged
+                  (timing: at least the time it was seen busy)
     longest hold  the longest single chunk (events) of a huge transpose and of a skinny GEMM right
-                  after square ones (target <= 2x the 2 ms chunk target; transpose: informative
-                  until the cuda transpose kernel runs in blocks)
+                  after square ones (target <= 2x the 2 ms chunk target, both)
     spin          a kernel spinning a known number of SM clock cycles (``clock64``) against the
                   events' charge for it (hardware only: the fake driver has no such kernel)
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -43,7 +43,14 @@ if str(ROOT) not in sys.path:
 
 __all__ = ["run", "run_in_child", "table_rows"]
 
-_SPAWN = mp.get_context("spawn")
+
+
+def _context() -> Any:
+    from tests.gpu.phase_kit import tenant_context
+
+    return tenant_context()
+
+
 QUANTUM_S = 0.01
 CHUNK_S = 0.002
 
@@ -67,10 +74,11 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def _tenant(role: str, index: int, board_name: str, slot: int, block_name: str, n: int, start_at: float,
+def _tenant(role: str, index: int, board_name: str | None, slot: int | None, block_name: str, n: int, start: Any,
             seconds: float, fake: bool, opts: dict[str, Any], out: Any) -> None:
     """One tenant instance's process; puts its figures. ``role``: heavy, chatty, control (the chatty
-    loop without its device op), gemm (a plain GEMM loop), holder (one endless long op: killed)."""
+    loop without its device op), gemm (a plain GEMM loop), holder (one endless long op: killed),
+    foreign (a GEMM loop of another program on the GPU: no board, ``board_name`` None)."""
     import numpy as np
 
     from shared.gpu_time import GpuTimeBoard
@@ -80,7 +88,7 @@ def _tenant(role: str, index: int, board_name: str, slot: int, block_name: str, 
     try:
         backend = _backend(fake)
         block = QuotaBlock.attach(block_name, instance=0)
-        board = GpuTimeBoard.attach(board_name, tenant_slot=slot)
+        board = GpuTimeBoard.attach(board_name, tenant_slot=slot) if board_name is not None else None
         gate = DeviceGate(block, backend, board)
         try:
             bufs = [backend.alloc(4 * n * n) for _ in range(3)]
@@ -91,7 +99,8 @@ def _tenant(role: str, index: int, board_name: str, slot: int, block_name: str, 
             gate.op("matmul_f32", backend.matmul_f32, gemm)  # warm: cuBLAS handle, events, the cost model
             gate.op("fill_f32", backend.fill_f32, (small, 1.0, 64))
             gate.release()
-            time.sleep(max(0.0, start_at - time.time()))
+            if start is not None:  # every process past its CUDA start-up: all begin together
+                start.wait(timeout=120)
             ns0 = block.gpu_time_ns
             done, waits, t0 = 0, [], time.monotonic()
             end = t0 + seconds
@@ -103,6 +112,9 @@ def _tenant(role: str, index: int, board_name: str, slot: int, block_name: str, 
             while time.monotonic() < end:
                 if role in ("heavy", "gemm"):
                     gate.op("matmul_f32", backend.matmul_f32, gemm)
+                elif role == "foreign":  # no lease: a process the supervisor does not know
+                    backend.matmul_f32(*gemm)
+                    backend.read(bufs[2], 0, 4)  # waits for the stream
                 elif role == "chatty":
                     w0 = gate.run_wait_ns
                     gate.op("fill_f32", backend.fill_f32, (small, 1.0, 64))
@@ -114,7 +126,7 @@ def _tenant(role: str, index: int, board_name: str, slot: int, block_name: str, 
             elapsed = time.monotonic() - t0
             gate.release()
             got = np.frombuffer(backend.read(bufs[2], 0, 4 * n), dtype=np.float32)
-            correct = role not in ("heavy", "gemm") or bool(np.allclose(got, 0.125 * n, rtol=1e-4))
+            correct = role not in ("heavy", "gemm", "foreign") or bool(np.allclose(got, 0.125 * n, rtol=1e-4))
             for b in (*bufs, small):
                 backend.free(b)
             out.put({"index": index, "role": role, "ops": done, "seconds": elapsed, "correct": correct,
@@ -124,29 +136,34 @@ def _tenant(role: str, index: int, board_name: str, slot: int, block_name: str, 
             block.close()
             backend.close()
     except Exception as exc:  # noqa: BLE001 - one result either way
+        if start is not None:
+            start.abort()  # the others (and the phase) stop waiting for this one
         out.put({"index": index, "role": role, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def _round(tenants: list[tuple[str, int]], *, n: int, seconds: float, fake: bool,
+def _round(tenants: list[tuple[str, str]], *, n: int, seconds: float, fake: bool,
            opts: dict[str, Any] | None = None) -> dict[str, Any]:
     """Processes for ``(role, tenant)`` pairs (one tenant slot per distinct tenant, weight 1) on one
-    board, started together; their figures and the board's counters."""
+    board, started together; their figures and the board's counters. Tenant "": a foreign process
+    on the same GPU that is not on the board (its ops go through no lease)."""
     from shared.gpu_time import GpuTimeBoard
+    from tests.gpu.phase_kit import start_together
     from shared.quota import QuotaBlock
 
     prefix = f"twt-gpucheck{os.getpid()}-mix"
     board = GpuTimeBoard.create(0, quantum_s=QUANTUM_S, name=f"{prefix}-gt")
     names = sorted({t for _, t in tenants})
     blocks = {t: QuotaBlock.create(f"mix{t}", name=f"{prefix}-{t}") for t in names}
-    out = _SPAWN.Queue()
+    out = _context().Queue()
     try:
-        slots = {t: board.add_tenant(1.0) for t in names}
-        start_at = time.time() + (5.0 if not fake else 2.0)
-        procs = [_SPAWN.Process(target=_tenant, args=(role, i, board.name, slots[t], blocks[t].name, n, start_at,
-                                                      seconds, fake, opts or {}, out))
+        slots = {t: board.add_tenant(1.0) for t in names if t}  # tenant "": a foreign process, not on the board
+        start = _context().Barrier(len(tenants) + 1)  # every process past its CUDA start-up, then all at once
+        procs = [_context().Process(target=_tenant, args=(role, i, board.name if t else None, slots.get(t), blocks[t].name,
+                                                      n, start, seconds, fake, opts or {}, out))
                  for i, (role, t) in enumerate(tenants)]
         for p in procs:
             p.start()
+        start_together(start)
         results = [out.get(timeout=seconds + 120) for _ in procs]
         for p in procs:
             p.join(30)
@@ -174,12 +191,12 @@ def _kill_round(*, n: int, fake: bool) -> dict[str, Any]:
     prefix = f"twt-gpucheck{os.getpid()}-kill"
     board = GpuTimeBoard.create(0, quantum_s=QUANTUM_S, name=f"{prefix}-gt")
     blocks = [QuotaBlock.create(f"kill{i}", name=f"{prefix}-{i}") for i in range(2)]
-    out = _SPAWN.Queue()
+    out = _context().Queue()
     proc = None
     try:
         slots = [board.add_tenant(1.0) for _ in range(2)]
-        proc = _SPAWN.Process(target=_tenant, args=("holder", 0, board.name, slots[0], blocks[0].name, n,
-                                                    time.time(), 0.0, fake, {}, out))
+        proc = _context().Process(target=_tenant, args=("holder", 0, board.name, slots[0], blocks[0].name, n,
+                                                    None, 0.0, fake, {}, out))
         proc.start()
         ready = out.get(timeout=120)
         if "error" in ready:
@@ -189,9 +206,13 @@ def _kill_round(*, n: int, fake: bool) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 return {"error": "the holder never held the device busy"}
             time.sleep(0.0005)
+        busy_since = time.monotonic_ns()  # the chunk began no later than this
         waiter = GpuTimeBoard.attach(board.name, tenant_slot=slots[1])
         try:
             waiter.want(time.monotonic_ns())
+            used_before = int(board.snapshot().tenants[slots[0]]["used_ns"] or 0)
+            block_before = blocks[0].gpu_time_ns
+            killed_at = time.monotonic_ns()
             os.kill(ready["pid"], signal.SIGKILL)  # mid-chunk: the owner word says busy
             proc.join(30)
             t0 = time.monotonic()
@@ -199,8 +220,15 @@ def _kill_round(*, n: int, fake: bool) -> dict[str, Any]:
             got = waiter.acquire(time.monotonic_ns() + 10**10)
             took = time.monotonic() - t0
             waiter.finish(0)
+            snap = board.snapshot()
+            used_after = int(snap.tenants[slots[0]]["used_ns"] or 0) if slots[0] in snap.tenants else None
             return {"reclaimed": [list(r) for r in reclaimed], "held": any(r[2] for r in reclaimed),
-                    "waiter_got_it_s": took, "waited_ns": got}
+                    "waiter_got_it_s": took, "waited_ns": got,
+                    # charges made before the kill are kept; the killed chunk's own time (at least
+                    # killed_at - busy_since of device work) should be charged to its tenant too
+                    "used_before_ns": used_before, "used_after_ns": used_after,
+                    "block_before_ns": block_before, "block_after_ns": blocks[0].gpu_time_ns,
+                    "in_flight_seen_ns": killed_at - busy_since}
         finally:
             waiter.close()
     finally:
@@ -342,7 +370,7 @@ def _spin_kernel(*, fake: bool) -> dict[str, Any]:
 def run(*, quick: bool = False, fake: bool = False) -> dict[str, Any]:
     """The phase's figures (see the module docstring)."""
     n = 64 if fake else 4096
-    seconds = 0.5 if fake else (1.5 if quick else 3.0)
+    seconds = 0.15 if fake else (1.5 if quick else 3.0)  # the fake: the wiring, not the figures
     out: dict[str, Any] = {"n": n, "seconds": seconds, "quantum_s": QUANTUM_S, "gaps": {}}
     for gap_ms in ((0.3,) if fake else (0.1, 1.0) if quick else (0.1, 0.3, 1.0)):
         opts = {"gap_s": gap_ms / 1e3}
@@ -412,6 +440,17 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None,
         rows.append(("mix: holder SIGKILLed mid-chunk, its lease reclaimed, the waiter runs",
                      f"held={kill['held']}, {kill['waiter_got_it_s'] * 1e3:.1f} ms", "held=True", bool(kill["held"]),
                      "check"))
+        if "used_before_ns" in kill:
+            after, block_after = kill["used_after_ns"], kill["block_after_ns"]
+            kept = after is not None and after >= kill["used_before_ns"] and block_after >= kill["block_before_ns"]
+            rows.append(("mix: holder SIGKILLed, the time charged before the kill kept (board, quota block)",
+                         f"{kill['used_before_ns'] / 1e6:.2f} -> {(after or 0) / 1e6:.2f} ms, "
+                         f"{kill['block_before_ns'] / 1e6:.2f} -> {block_after / 1e6:.2f} ms", "never less", kept,
+                         "check"))
+            charged = (after or 0) - kill["used_before_ns"]
+            rows.append(("mix: holder SIGKILLed, its chunk in flight charged", f"{charged / 1e6:.3f} ms charged, "
+                         f">= {kill['in_flight_seen_ns'] / 1e6:.3f} ms of it seen busy", ">= the time seen busy",
+                         charged >= kill["in_flight_seen_ns"], "timing"))
     hold = result.get("hold", {})
     if "error" in hold:
         rows.append(("mix: longest hold", hold["error"][:160], "run", False, "check"))
@@ -424,7 +463,8 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None,
                      f"{sk['first_ns'] / 1e6:.2f} / {sk['longest_ns'] / 1e6:.2f} ms ({sk['chunks']} chunks)",
                      "<= 4 ms", sk["longest_ns"] <= limit, "timing"))
         rows.append((f"mix: transpose {tr['rows']}x{tr['cols']}, longest chunk",
-                     f"{tr['longest_ns'] / 1e6:.2f} ms ({tr['chunks']} chunks)", "informative", None, "timing"))
+                     f"{tr['longest_ns'] / 1e6:.2f} ms ({tr['chunks']} chunks)", "<= 4 ms",
+                     tr["longest_ns"] <= limit, "timing"))
     spin = result.get("spin", {})
     if "skipped" in spin:
         rows.append(("mix: spin kernel of known length vs its charge", spin["skipped"], "hardware", None, "timing"))

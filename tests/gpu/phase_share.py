@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -43,7 +42,14 @@ if str(ROOT) not in sys.path:
 
 __all__ = ["run", "run_in_child", "table_rows"]
 
-_SPAWN = mp.get_context("spawn")
+
+
+def _context() -> Any:
+    from tests.gpu.phase_kit import tenant_context
+
+    return tenant_context()
+
+
 
 
 def _backend(fake: bool) -> Any:
@@ -58,9 +64,9 @@ def _backend(fake: bool) -> Any:
     return CudaBackend(0)
 
 
-def _tenant(index: int, board_name: str | None, slot: int | None, block_name: str, n: int, start_at: float,
+def _tenant(index: int, board_name: str | None, slot: int | None, block_name: str, n: int, start: Any,
             seconds: float, fake: bool, raw: bool, out: Any) -> None:
-    """One tenant's process: GEMM loop from ``start_at`` (wall clock) for ``seconds``; puts its figures."""
+    """One tenant's process: GEMM loop for ``seconds`` once every tenant passed ``start`` (a barrier); puts its figures."""
     import numpy as np
 
     from shared.gpu_time import GpuTimeBoard
@@ -85,7 +91,8 @@ def _tenant(index: int, board_name: str | None, slot: int | None, block_name: st
 
             gate.op("matmul_f32", backend.matmul_f32, args)  # warm: cuBLAS handle, events, the rate estimate
             gate.release()
-            time.sleep(max(0.0, start_at - time.time()))
+            if start is not None:  # every process past its CUDA start-up: all begin together
+                start.wait(timeout=120)
             ns0 = block.gpu_time_ns  # the warm-up's time is not the loop's
             done, t0 = 0, time.monotonic()
             end = t0 + seconds
@@ -108,6 +115,8 @@ def _tenant(index: int, board_name: str | None, slot: int | None, block_name: st
             block.close()
             backend.close()
     except Exception as exc:  # noqa: BLE001 - one result either way
+        if start is not None:
+            start.abort()  # the others (and the phase) stop waiting for this one
         out.put({"index": index, "error": f"{type(exc).__name__}: {exc}"})
 
 
@@ -116,19 +125,21 @@ def _round(tenants: list[tuple[float, float | None]], *, n: int, seconds: float,
     """Processes for (weight, cap) tenants on one board, started together; their figures."""
     from shared.gpu_time import GpuTimeBoard
     from shared.quota import QuotaBlock
+    from tests.gpu.phase_kit import start_together
 
     prefix = f"twt-gpucheck{os.getpid()}-share"
     board = GpuTimeBoard.create(0, quantum_s=quantum_s, scheduler=scheduler, name=f"{prefix}-gt")
     blocks = [QuotaBlock.create(f"share{i}", name=f"{prefix}-{i}") for i in range(len(tenants))]
-    out = _SPAWN.Queue()
+    out = _context().Queue()
     try:
         slots = [board.add_tenant(w, c) for w, c in tenants]
-        start_at = time.time() + (5.0 if not fake else 2.0)  # every process past its CUDA start-up by then
-        procs = [_SPAWN.Process(target=_tenant, args=(i, None if raw else board.name, slot, block.name, n,
-                                                      start_at, seconds, fake, raw, out))
+        start = _context().Barrier(len(tenants) + 1)  # every process past its CUDA start-up, then all at once
+        procs = [_context().Process(target=_tenant, args=(i, None if raw else board.name, slot, block.name, n,
+                                                      start, seconds, fake, raw, out))
                  for i, (slot, block) in enumerate(zip(slots, blocks))]
         for p in procs:
             p.start()
+        start_together(start)
         results = [out.get(timeout=seconds + 120) for _ in procs]
         for p in procs:
             p.join(30)
@@ -149,8 +160,8 @@ def _round(tenants: list[tuple[float, float | None]], *, n: int, seconds: float,
 def run(*, quick: bool = False, fake: bool = False) -> dict[str, Any]:
     """The phase's figures (see the module docstring)."""
     n = 64 if fake else 4096
-    # on the fake (the wiring: correct GEMMs, both tenants served) half a second of busy loop per round
-    seconds = 0.5 if fake else (3.0 if quick else 6.0)
+    # on the fake (the wiring: correct GEMMs, both tenants served) a short busy loop per round
+    seconds = 0.15 if fake else (3.0 if quick else 6.0)
     out: dict[str, Any] = {"n": n, "seconds": seconds}
     out["split"] = _round([(7.0, None), (3.0, None)], n=n, seconds=seconds, fake=fake)
     out["cap"] = _round([(1.0, 0.25)], n=n, seconds=seconds, fake=fake)
