@@ -21,15 +21,23 @@ registrations that arrive while a commit runs share the next transaction
 thread once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a
 reply's path. The service
 ops (reload, reset, restart, rotate-key, and the restore at start) live in
-:mod:`supervisor.control.service`, which drives the ops here; the lifecycle tells it
-what it must know (an instance ready, a tenant gone)
-through :class:`ServiceHooks`, so this module never imports it.
+:mod:`supervisor.control.service`, which drives the ops here; what it must know
+of a tenant (an instance ready, a tenant gone) it hears from the tenant signals
+(:mod:`supervisor.lifecycle.signals`), so this module never imports it.
+
+The methods here are the domain: they take tenants and specs, never a client
+or a request id. One that answers at once returns its result; one that waits
+on workers (a registration answered once every instance is ready, an eviction
+once its workers are gone) returns a :class:`~supervisor.runtime.completion.Completion`.
+The op adapters (:mod:`supervisor.control.ops`) turn either into the wire's
+answer; an internal caller (a restore, a reload) may ignore it.
 
 Owns: the tenants table (``tenants``: id -> :class:`TenantRuntime`) and each
 tenant's registration waiters. May touch: the registry (capabilities, quota
 blocks), the state store, placement, the worker set (start, stop, drain,
-faults), the frontend's parked requests, the pending table (every answer
-goes through it), events. Loop thread only.
+faults), the dispatcher's parked requests, the regions, events. Hears from the
+signals: an instance ready, a registration failed, an instance not restarted,
+a tenant failed; tells them: a tenant down, a tenant evicted. Loop thread only.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import fields
-from typing import ParamSpec, Protocol
+from typing import ParamSpec
 from collections.abc import Callable
 
 import psutil
@@ -78,11 +86,12 @@ from shared.records import (
 )
 from shared.spec import TenantSpec
 from supervisor.observe.events import EventBus
-from supervisor.admission.frontend import Frontend
 from supervisor.observe.gpu_share import SAMPLE_EVERY_S, GpuShareWindow
+from supervisor.runtime.completion import Completion
 from supervisor.runtime.loop import Loop, Timer
-from supervisor.routing.pending import PendingTable
+from supervisor.routing.dispatcher import Dispatcher
 from supervisor.routing.placement import Placement
+from supervisor.routing.regions import RegionTable
 from supervisor.store.registry import TenantRegistry
 from supervisor.runtime.requests import Parked
 from supervisor.store.rundir import RunDir
@@ -90,9 +99,10 @@ from supervisor.admission.guard import FrontendGuard
 from supervisor.store.state import Origin, StateStore
 from supervisor.runtime.tenants import InstanceSlot, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
+from supervisor.lifecycle.signals import Stage, TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
 
-__all__ = ["AdminOps", "ServiceHooks"]
+__all__ = ["AdminOps", "Registered"]
 
 _log = get_logger("supervisor")
 #: a state write and its arguments (AdminOps.write / record)
@@ -102,14 +112,8 @@ W = ParamSpec("W")
 #: group of registrations) pays its fsyncs once, after its replies, not one per op
 CHECKPOINT_DELAY_S = 0.25
 
-
-class ServiceHooks(Protocol):
-    """What the tenant lifecycle hands up to the service ops (implemented by
-    :class:`supervisor.control.service.ServiceOps`, which drives the ops here): an
-    instance that became ready, a tenant gone."""
-
-    def instance_ready(self, rt: TenantRuntime) -> None: ...
-    def tenant_down(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
+#: a registration's result once every instance is ready: ``{capability, tenant}`` (the wire's reply)
+Registered = dict[str, object]
 
 
 class AdminOps:
@@ -125,7 +129,10 @@ class AdminOps:
         admin_cap: RegistryAdminCapability,
         state: StateStore,
         placement: Placement,
-        pending: PendingTable,
+        workers: WorkerSet,
+        dispatcher: Dispatcher,
+        regions: RegionTable,
+        signals: TenantSignals,
         events: EventBus,
         rundir: RunDir,
         backend_name: str,
@@ -148,7 +155,10 @@ class AdminOps:
         self.admin_cap = admin_cap
         self.state = state
         self.placement = placement
-        self.pending = pending
+        self.workers = workers
+        self.dispatcher = dispatcher
+        self.regions = regions
+        self.signals = signals
         self.events = events
         self.rundir = rundir
         self.backend_name = backend_name
@@ -161,9 +171,6 @@ class AdminOps:
         #: had one: a new block is all zeros): sample_gpu_time and the refusal scan skip them
         self._quiet_sampled: set[str] = set()
         self.quiet_refusals: set[str] = set()
-        self._workers: WorkerSet | None = None
-        self._frontend: Frontend | None = None
-        self._service: ServiceHooks | None = None
         #: registrations waiting for the writer thread; it takes all there are into one
         #: transaction (group commit) - the loop appends, the writer takes, under the lock
         self._to_write: list[tuple[TenantSpec, int, Origin]] = []
@@ -178,25 +185,10 @@ class AdminOps:
         #: each tenant's GPU-time share over the last window (sampled by a loop timer)
         self.gpu_share = GpuShareWindow()
         loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
-
-    def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
-        """The parts this one calls, which are built after it (they call it too); once, at set-up."""
-        self._workers, self._frontend, self._service = workers, frontend, service
-
-    @property
-    def workers(self) -> WorkerSet:
-        assert self._workers is not None, "AdminOps used before Supervisor._setup attached its parts"
-        return self._workers
-
-    @property
-    def frontend(self) -> Frontend:
-        assert self._frontend is not None, "AdminOps used before Supervisor._setup attached its parts"
-        return self._frontend
-
-    @property
-    def service(self) -> ServiceHooks:
-        assert self._service is not None, "AdminOps used before Supervisor._setup attached its parts"
-        return self._service
+        signals.on_instance_ready(Stage.TENANT, self.instance_ready)
+        signals.on_registration_failed(self.registration_failed)
+        signals.on_instance_not_restarted(Stage.TENANT, self.instance_not_restarted)
+        signals.on_tenant_failed(Stage.TENANT, self.tenant_failed)
 
     def runtime(self, tid: str) -> TenantRuntime:
         """The tenant's runtime; UnknownTenant when none is registered as ``tid``."""
@@ -207,9 +199,12 @@ class AdminOps:
 
     # ------------------------------------------------------------ register
 
-    def register(self, spec: TenantSpec, client: bytes | None, rid: int | None, *, origin: str = "runtime") -> None:
-        """Register a tenant (``origin``: "file" for the config file's, "runtime" for a register
-        request), record it in the state, start its instances; answered once they are ready."""
+    def register(self, spec: TenantSpec, *, origin: str = "runtime") -> Completion[Registered]:
+        """Register a tenant, record it in the state, start its instances; completed once they are
+        ready (with its capability and record), or failed. ``origin``: "runtime" for a client's
+        register request - committed on the state's writer thread while the instances start, and
+        completed once both are done; "file" for the config file's - written before this returns.
+        Raises a typed error (nothing registered) when it is refused at once."""
         # capacity, placement and the MPS check first: a refusal must leave nothing registered
         if spec.tenant_id not in self.tenants:  # a second registration is AlreadyRegistered (the registry)
             self.check_capacity(tenants=1, workers=spec.instances)
@@ -225,24 +220,27 @@ class AdminOps:
                 self.placement.gpu_time_leave(spec.tenant_id)
             raise
         stored_origin: Origin = "file" if origin == "file" else "runtime"
-        if client is not None:
+        asked = origin != "file"
+        if asked:
             # A client's registration: its commit runs on the writer thread from now on, while
             # the loop starts the instances and serves their binds; answered once both are done.
             # (Submitted after the binds instead, a warm registration measured the same.)
             self._unwritten.add(spec.tenant_id)
             self._submit_registration(spec, cap.generation, stored_origin)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
-        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
-        if client is not None:
-            return
+        done: Completion[Registered] = Completion()
+        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (done, cap.to_bytes()))
+        if asked:
+            return done
         try:
             self.state.register(spec, cap.generation, stored_origin)
         except StateError:
             rt.register_waiters.clear()
-            self.evict(spec.tenant_id, None, None, durable=False)  # not durable: not registered
+            self.evict(spec.tenant_id, durable=False)  # not durable: not registered
             raise
         self._checkpoint_soon()
         self._check_registered(rt)
+        return done
 
     def _tenants_on(self) -> Counter[int]:
         """Tenants per device, the placement's tie-breaker: counted only where there is a choice
@@ -322,9 +320,9 @@ class AdminOps:
                           tenants=len(tids))
                 for rt in live:
                     waiters, rt.register_waiters = rt.register_waiters, []
-                    self.evict(rt.tenant_id, None, None, durable=False)  # never stored: nothing to delete
-                    for client, rid, _cap in waiters:
-                        self.pending.refuse(client, rid or 0, "register", failed)
+                    self.evict(rt.tenant_id, durable=False)  # never stored: nothing to delete
+                    for done, _cap in waiters:
+                        done.fail(failed)
                 self._on_settled()
                 continue
             if len(tids) > 1:
@@ -381,12 +379,12 @@ class AdminOps:
             rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
             rt.park = ParkRecord(ParkPhase.PARKED, self.clock())
         else:
-            rt = self._start_tenant(spec, generation, device, isolation, origin, (None, None, cap.to_bytes()))
-            rt.restoring = True
+            rt = self._start_tenant(spec, generation, device, isolation, origin, (Completion(), cap.to_bytes()))
+            rt.restoring = True  # nobody waits for its completion: it marks the tenant as coming up
         self._check_registered(rt)
 
     def _start_tenant(self, spec: TenantSpec, generation: int, device: int, isolation: MpsDecision, origin: str,
-                      waiter: tuple[bytes | None, int | None, bytes] | None, *, start: bool = True) -> TenantRuntime:
+                      waiter: tuple[Completion[Registered], bytes] | None, *, start: bool = True) -> TenantRuntime:
         block = self.registry.block(self.admin_cap, spec.tenant_id)
         rt = TenantRuntime(spec, block, generation)
         rt.device = device
@@ -422,8 +420,8 @@ class AdminOps:
             "device": rt.device,
             "pids": [s.worker.pid for s in rt.slots if s.worker],
         }
-        for client, rid, cap_raw in waiters:
-            self.pending.answer(client, rid or 0, "register", {"capability": cap_raw, "tenant": tenant})
+        for done, cap_raw in waiters:
+            done.resolve({"capability": cap_raw, "tenant": tenant})
         rt.restoring = False
         self._on_settled()
 
@@ -442,9 +440,9 @@ class AdminOps:
                 self.tenant_failed(rt, f"did not start after the supervisor restarted: {exc}")
             self._on_settled()
             return
-        self.evict(rt.tenant_id, None, None, durable=False)
-        for client, rid, _ in waiters:
-            self.pending.refuse(client, rid or 0, "register", exc)
+        self.evict(rt.tenant_id, durable=False)
+        for done, _ in waiters:
+            done.fail(exc)
         self._on_settled()
 
     def settled(self) -> bool:
@@ -454,25 +452,26 @@ class AdminOps:
     # ------------------------------------------------------------ tenant events (from the worker set)
 
     def instance_ready(self, rt: TenantRuntime) -> None:
+        """An instance of ``rt`` is ready (or the tenant serves again): its registration may be
+        answered, and what waited for an instance is sent."""
         self._check_registered(rt)
-        self.frontend.dispatch_parked(rt)
-        self.service.instance_ready(rt)
+        self.dispatcher.dispatch_parked(rt)
 
     def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
                                reason: str) -> None:
         """Instance ``index`` is not coming back: answer what can only go there."""
         restarting = rt.coming_up()
         exc = WorkerLost(rt.tenant_id, index, code, sig, f"{reason}; not restarted (restart={rt.spec.restart.value})")
-        self.frontend.refuse_all_parked(rt, lambda p: exc if p.instance == index or not restarting else None)
+        self.dispatcher.refuse_all_parked(rt, lambda p: exc if p.instance == index or not restarting else None)
 
     def tenant_failed(self, rt: TenantRuntime, why: str) -> None:
         rt.state = TenantState.FAILED
         rt.failed_reason = why
         self.record(self.state.set_failed, rt.tenant_id, why)
         self.events.emit("failed", tenant=rt.tenant_id, reason=why, restarts=rt.restarts_total)
-        self.service.tenant_down(rt, TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s))
+        self.signals.tenant_down(rt, TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s))
         exc = TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s)
-        self.frontend.refuse_all_parked(rt, lambda p: exc)
+        self.dispatcher.refuse_all_parked(rt, lambda p: exc)
         for slot in rt.slots:
             if slot.worker is not None:
                 self.workers.stop_worker(slot.worker, "tenant failed")
@@ -481,8 +480,9 @@ class AdminOps:
 
     # ------------------------------------------------------------ evict, set_quota, scale
 
-    def evict(self, tid: str, client: bytes | None, rid: int | None, *, durable: bool = True) -> None:
-        """Evict ``tid``. ``durable``: written first - StateError and nothing revoked when the
+    def evict(self, tid: str, *, durable: bool = True) -> Completion[dict[str, object]]:
+        """Evict ``tid``; completed with ``{evicted, pids}`` once its workers are gone.
+        ``durable``: written first - StateError and nothing revoked when the
         write fails, so an eviction that was answered never comes undone at a restart. Without
         it (a registration that failed, never answered), written after, on a best effort."""
         rt = self.runtime(tid)
@@ -491,35 +491,34 @@ class AdminOps:
         else:
             self._unwritten.discard(tid)
         rt.state = TenantState.EVICTING
-        self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
+        self.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
         self.placement.gpu_time_leave(tid)  # its workers stop; a lease one holds passes on at its death
         self.gpu_share.forget(tid)
         del self.tenants[tid]
         if not durable:
             self.record(self.state.evict, tid)
-        self.service.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
-        self.frontend.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
-        self.frontend.forget(rt)  # verified tokens, modules, held bytes: nothing of it stays
+        self.signals.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
+        self.dispatcher.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
+        self.signals.evicted(rt)  # verified tokens, modules, held bytes: nothing of it stays
         workers = [s.worker for s in rt.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD]
         for worker in workers:
             self.workers.stop_worker(worker, "evicted")
         self.events.emit("evict", tenant=tid, workers=[w.pid for w in workers])
-        if client is None:
-            return
-        result = {"evicted": tid, "pids": [w.pid for w in workers]}
+        result: dict[str, object] = {"evicted": tid, "pids": [w.pid for w in workers]}
         remaining = {w.worker_id for w in workers}
         if not remaining:
-            self.pending.answer(client, rid or 0, "evict", result)
-            return
+            return Completion.resolved(result)
+        done: Completion[dict[str, object]] = Completion()
 
         def on_dead(worker: WorkerHandle) -> None:
             remaining.discard(worker.worker_id)
             if not remaining:
-                self.pending.answer(client, rid or 0, "evict", result)
+                done.resolve(result)
 
         for worker in workers:
             worker.death_waiters.append(on_dead)
+        return done
 
     def scale(self, tid: str, n: int) -> TenantRecord:
         rt = self.runtime(tid)
@@ -552,7 +551,7 @@ class AdminOps:
                 slot.restart_at = None
                 if slot.worker is not None:
                     self.workers.drain(slot.worker)
-            self.frontend.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
+            self.dispatcher.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
         self.events.emit("scale", tenant=tid, instances=n)
         rt.refresh_state()
         return self.tenant_record(rt)
@@ -653,7 +652,7 @@ class AdminOps:
             gpu_bytes_in_use=snap.gpu_bytes_in_use if snap else 0,
             gpu_memory_bytes_cap=snap.gpu_memory_bytes_cap if snap else rt.spec.gpu_memory_bytes_cap,
             quota=snap,
-            regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
+            regions=tuple(r.to_record() for r in self.regions.of_tenant(rt.tenant_id)),
             origin=rt.origin,
             metrics_label=self.tenant_label(rt.tenant_id) if self.tenant_label is not None else "",
             gpu_time=self._gpu_time_record(rt, snap) if snap else {},

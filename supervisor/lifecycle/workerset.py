@@ -614,6 +614,9 @@ class WorkerSet:
                 continue
             if not self.pending.on_reply(worker, rid, ok, payload, frames[2] if len(frames) > 2 else None):
                 continue  # answered already (deadline) - the late reply is dropped
+            if self.pending.undelivered:  # an allocation its client was never told of
+                for tenant, handle in self.pending.take_undelivered():
+                    self.free_undelivered(tenant, handle)
             worker.served += 1
             if worker.state is WorkerState.DRAINING and not worker.in_flight:
                 self.stop_worker(worker, "scaled down")

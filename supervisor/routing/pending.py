@@ -59,10 +59,11 @@ class PendingTable:
     metrics: Metrics
     tenants: Mapping[str, TenantRuntime]
     clock: Clock = time.monotonic
-    #: an ``alloc`` answered OK whose reply could not be sent (the client is gone or not reading):
-    #: ``(tenant, handle)`` - the worker set frees it, so no allocation outlives its request
-    #: unless its client was told of it
-    on_undelivered_alloc: Callable[[str, int], None] | None = None
+    #: ``alloc``s answered OK whose reply could not be sent (the client is gone or not reading):
+    #: ``(tenant, handle)``, taken by the worker set right after it handed in the reply
+    #: (:meth:`take_undelivered`) and freed, so no allocation outlives its request unless its
+    #: client was told of it
+    undelivered: list[tuple[str, int]] = field(default_factory=list, init=False)
     _rid: int = field(default=0, init=False)
     _live: int = field(default=0, init=False)  # requests in flight (the heap also holds answered ones)
     _deadlines: list[tuple[float, int, WorkerHandle]] = field(default_factory=list, init=False)
@@ -178,6 +179,11 @@ class PendingTable:
         parked.held_body = 0
         self.finish(pending, False, exc.to_dict())
 
+    def take_undelivered(self) -> list[tuple[str, int]]:
+        """The allocations answered but never told since the last call (see ``undelivered``)."""
+        taken, self.undelivered = self.undelivered, []
+        return taken
+
     def count_refusal(self, tenant: str, op: str, code: str) -> None:
         """A refusal answered (or dropped) without a Pending: only its metric (unauthenticated
         requests count under the empty tenant label)."""
@@ -204,10 +210,10 @@ class PendingTable:
         if ok:
             told = self.replies.ok(pending.client, pending.client_rid, payload, body, tenant=pending.tenant,
                                    held=held)
-            if not told and self.on_undelivered_alloc is not None and _makes_handle(pending.op):
+            if not told and _makes_handle(pending.op):
                 handle = payload.get("handle") if isinstance(payload, dict) else None
                 if isinstance(handle, int) and not isinstance(handle, bool):
-                    self.on_undelivered_alloc(pending.tenant, handle)
+                    self.undelivered.append((pending.tenant, handle))
         else:
             self.replies.error(pending.client, pending.client_rid, payload)
             self.replies.release(pending.tenant, "replies", held)

@@ -19,7 +19,7 @@ from shared.protocol import FAULT_KINDS
 from shared.worker_link import FaultAck, FaultExit, FaultOrder
 from shared.sizes import parse_size
 from supervisor.client.cli_args import non_negative_int, print_json
-from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, tenant_argument
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class InjectFault(AdminOp):
                    "crash/segfault/exit.")
     json_help = "print the supervisor's answer as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         if not part.config.fault_injection:  # the production setting: first, before the tenant is even named
             raise FaultInjectionDisabled("inject_fault")
         tid = proto.arg_str(args, "tenant")
@@ -81,11 +81,11 @@ class InjectFault(AdminOp):
             answered = True
             if isinstance(result, FaultAck) and not result.ok:
                 err = result.error or TensorWasmError("worker refused the fault without a reason").to_dict()
-                part.pending.answer_error(client, rid, "inject_fault", err)
+                reply.error_dict(err)
             elif isinstance(result, FaultAck):
-                part.pending.answer(client, rid, "inject_fault", {**info, "ok": True, "armed": result.armed})
+                reply.ok({**info, "ok": True, "armed": result.armed})
             else:
-                part.pending.answer(client, rid, "inject_fault", {**info, **result.to_wire()})
+                reply.ok({**info, **result.to_wire()})
 
         part.workers.on_fault_answer(worker, answer)
         part.events.emit("fault", **info, params=params)

@@ -18,7 +18,7 @@ from shared.errors import InvalidArgument
 from shared.records import TenantRecord
 from shared.sizes import format_size
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
 from supervisor.control.ops._cli import SPEC_FLAGS, limits_line, say_decimal_sizes, tenant_argument
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ class SetQuota(AdminOp):
                    "already allocated is taken away. Omitted limits stay as they are.")
     json_help = "print the tenant's status record as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, self.apply(part, args).to_wire())
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
+        reply.ok(self.apply(part, args).to_wire())
 
     def apply(self, part: AdminOps, args: Args) -> TenantRecord:
         """Change the limits ``args`` names: written to the state, then to the quota block and the lease board."""
