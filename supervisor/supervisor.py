@@ -2,25 +2,28 @@
 
     clients ──DEALER──► ROUTER frontend ─┐ Frontend: decode header only; check capability;
     remote  ──CURVE───► ROUTER tcp://… ──┤ (TcpFrontend, when ``listen`` is set: same path)
-                                         │ back-pressure (max_in_flight); pick instance
+                                         │ back-pressure (max_in_flight); Dispatcher: pick instance
     workers ◄──DEALER── ROUTER backend ◄─┘ WorkerSet: forward [hdr'|body] (body not copied)
     workers ──DEALER──► ROUTER control     WorkerSet: hello / heartbeats / fault acks
     subscribers ◄─SUB── PUB events         spawn, ready, exit, restart, failed ...
                         EventLog           the same events, numbered and bounded: the ``events`` op
     worker sentinels (fds) ─► poller       WorkerSet.on_death: a death is seen at once
 
-The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom):
+The parts, each owning its own state, built bottom-up by one factory
+(:func:`supervisor.wiring.build_parts`; docs/ARCHITECTURE.md draws who calls whom):
 
     Loop          (loop.py)       poller, timers, wake pipe; the clock
+    TenantSignals (signals.py)    news from below (a worker ready, a tenant failed) to the parts above
     PendingTable  (pending.py)    requests in flight, deadlines, THE one place a request is finished
     Replies       (replies.py)    answers out on the frontend socket, bounded per client
     WorkerSet     (workerset.py)  pool, spawn, bind, stop, kill, death, restart, liveness
-    Frontend      (frontend.py)   client requests: capability, back-pressure, instance choice, parking
+    Parking       (parking.py)    idle tenants parked (buffers to host memory, workers gone) and activated
+    Dispatcher    (dispatcher.py) a tenant request to an instance: choice, forwarding, parked requests
     AdminOps      (admin.py)      admin ops and the tenant lifecycle (register ... evict, failed)
     ServiceOps    (service.py)    restore at start, reload (SIGHUP), reset, rolling restart, rotate-key
-    Parking       (parking.py)    idle tenants parked (buffers to host memory, workers gone) and activated
+    Frontend      (frontend.py)   client requests: decode, capability, admission, back-pressure
     StateStore    (state.py)      the durable state: registry key, tenants, generations (SQLite)
-    Supervisor    (this module)   sockets, wiring, the loop body, housekeeping, start and stop
+    Supervisor    (this module)   the state and run dir, the loop body, housekeeping, start and stop
 
 Two guards sit in the loop body: a :class:`~supervisor.runtime.stall.StallGuard`
 (a supervisor that was itself stopped or starved does not take its own
@@ -28,8 +31,9 @@ lateness for its workers' deaths) and the denied-event audit
 (:class:`~supervisor.store.audit.DeniedAudit`, every refused capability published,
 rate-limited).
 
-Owns: the ZMQ context and sockets, signal handlers, the run dir's ready
-file and the metrics snapshot hand-off. Everything the loop does is
+Owns: the parts (:class:`~supervisor.wiring.Parts`: the ZMQ context and
+sockets among them), signal handlers, the run dir's ready file and the
+metrics snapshot hand-off. Everything the loop does is
 non-blocking; sends use ``NOBLOCK`` and a full peer (a slow client) loses
 its reply rather than stalling everyone. The quota hot path never passes
 through here: workers consume and release on their tenant's shared-memory
@@ -314,8 +318,7 @@ class Supervisor:
         left, at ``drain_timeout_s``, or at a second signal."""
         in_flight = len(parts.pending) + sum(len(rt.parked) for rt in self.tenants.values())
         if self._drain.begin(now):
-            parts.frontend.drain = self._drain
-            parts.frontend.ready = False
+            parts.frontend.begin_drain(self._drain)
             self.metrics.mark_draining()  # /readyz: not ready, and why
             self.notifier.stopping(f"draining {in_flight} request(s) in flight "
                                    f"(at most {self.config.drain_timeout_s:g} s)")
@@ -400,7 +403,7 @@ class Supervisor:
         if self.ready or parts is None or self._restoring or not parts.admin.settled():
             return
         self.ready = True
-        parts.frontend.ready = True  # hello without a capability says so from now on
+        parts.frontend.mark_ready()  # hello without a capability says so from now on
         if self._owns_process:
             set_process_name("twt-supervisor")  # only the daemon's own process, never an embedder's
         self.rundir.write_ready(self._ready_info(parts.admin))

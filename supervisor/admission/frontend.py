@@ -575,6 +575,16 @@ class Frontend:
                                           budget=self.config.max_client_reply_bytes)
         self.dispatcher.route(rt, client, rid, op, args, body, in_flight=in_flight, max_in_flight=max_in_flight)
 
+    def mark_ready(self) -> None:
+        """Every configured tenant is up: ``hello`` without a capability says ready from now on."""
+        self.ready = True
+
+    def begin_drain(self, drain: DrainState) -> None:
+        """A stop began: new requests but the read-only ones are refused ``Draining`` (``drain``
+        says for how long), and ``hello`` without a capability says not ready."""
+        self.drain = drain
+        self.ready = False
+
     def _key_rotated(self, new_admin: RegistryAdminCapability) -> None:
         """The registry key was rotated: nothing verified before counts (the verified-capability
         cache dropped), and requests carrying the new admin capability's bytes are verified."""

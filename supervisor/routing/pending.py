@@ -5,9 +5,9 @@ Every answer the supervisor gives a client goes through :meth:`PendingTable.fini
     worker reply ............ WorkerSet._on_backend  -> PendingTable.on_reply   -> finish
     worker death ............ WorkerSet.on_death     -> PendingTable.fail_worker -> finish
     deadline passed ......... housekeeping           -> PendingTable.expire      -> finish
-    parked too long / never . Frontend, AdminOps     -> PendingTable.refuse_parked -> finish
-    refused on arrival ...... Frontend               -> PendingTable.refuse      -> finish
-    answered by the loop .... Frontend, AdminOps     -> PendingTable.answer      -> finish
+    parked too long / never . Dispatcher             -> PendingTable.refuse_parked -> finish
+    refused on arrival ...... Frontend, an op's Reply -> PendingTable.refuse     -> finish
+    answered by the loop .... Frontend, an op's Reply -> PendingTable.answer     -> finish
     supervisor stopping ..... Supervisor._teardown   -> PendingTable.abandon     -> finish
 
 ``finish`` replies (or calls the supervisor's own callback, e.g. a bind),
