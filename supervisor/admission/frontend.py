@@ -36,7 +36,7 @@ import hmac
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 
@@ -58,7 +58,6 @@ from shared.errors import (
 )
 from shared.log import get_logger
 from shared.sizes import MAX_MODULE_BYTES
-from supervisor.observe.event_log import EventLog
 from supervisor.admission.guard import FrontendGuard
 from supervisor.admission.rates import RefusalUnanswered
 from supervisor.runtime.loop import Loop
@@ -82,7 +81,7 @@ YIELD_EVERY = 4
 #: the idle TCP sessions are looked for this often (or four times per tcp_idle_timeout_s, if shorter)
 IDLE_SWEEP_S = 0.5
 
-__all__ = ["AdminHandler", "ClientMessage", "DenialHook", "DrainState", "EitherOp", "Frontend", "LocalOp", "TenantSignalsLike"]
+__all__ = ["AdminHandler", "ClientMessage", "DenialHook", "DrainState", "EitherOp", "EventPages", "Frontend", "LocalOp", "TenantSignalsLike"]
 
 _log = get_logger("supervisor")
 
@@ -115,6 +114,12 @@ class DrainState(Protocol):
     def refusal(self, now: float) -> Draining: ...
 
 
+class EventPages(Protocol):
+    """The event log the ``events`` op pages through (:class:`supervisor.observe.event_log.EventLog`)."""
+
+    def page(self, view: Any, args: Mapping[str, object]) -> dict[str, object]: ...
+
+
 class TenantSignalsLike(Protocol):
     """What the frontend hears of the tenant signals (:class:`supervisor.lifecycle.signals.TenantSignals`)."""
 
@@ -142,7 +147,7 @@ class Frontend:
         admin_cap: bytes,
         on_denied: DenialHook | None = None,
         regions: RegionTable,
-        event_log: EventLog,
+        event_log: EventPages,
         module_store: ModuleStore | None = None,
         admin_ops: Mapping[str, AdminHandler],
         local_ops: Mapping[str, LocalOp],

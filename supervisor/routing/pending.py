@@ -30,13 +30,12 @@ import heapq
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from collections.abc import Callable
 
 from shared import protocol as proto
 from shared.errors import KernelTimeout, TensorWasmError, WorkerLost
 from supervisor.runtime.loop import Clock
-from supervisor.observe.metrics import Metrics
 from supervisor.routing.replies import Replies
 from supervisor.runtime.requests import Parked, Pending
 from supervisor.runtime.tenants import TenantRuntime
@@ -45,10 +44,16 @@ from supervisor.runtime.workers import WorkerHandle
 if TYPE_CHECKING:
     import zmq
 
-__all__ = ["PendingTable"]
+__all__ = ["PendingTable", "RequestMetrics"]
 
 #: rebuild the deadline heap when it holds this many more entries than are live
 _COMPACT_SLACK = 64
+
+
+class RequestMetrics(Protocol):
+    """Where a finished request is counted (:class:`supervisor.observe.metrics.Metrics`)."""
+
+    def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None: ...
 
 
 @dataclass(eq=False)
@@ -56,7 +61,7 @@ class PendingTable:
     """In-flight requests, their deadlines, and the one ``finish`` (see the module docstring)."""
 
     replies: Replies
-    metrics: Metrics
+    metrics: RequestMetrics
     tenants: Mapping[str, TenantRuntime]
     clock: Clock = time.monotonic
     #: ``alloc``s answered OK whose reply could not be sent (the client is gone or not reading):

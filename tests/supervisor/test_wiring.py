@@ -157,8 +157,8 @@ def test_the_domain_methods_take_no_wire_identity() -> None:
 
 #: a package -> the supervisor packages it must never import (they stand above it)
 _BELOW = {
-    "routing": ("admission", "lifecycle", "control", "cli", "wiring", "supervisor"),
-    "admission": ("lifecycle", "control", "cli", "wiring", "supervisor"),
+    "routing": ("admission", "observe", "lifecycle", "control", "cli", "wiring", "supervisor"),
+    "admission": ("observe", "lifecycle", "control", "cli", "wiring", "supervisor"),
     "lifecycle": ("admission", "control", "cli", "wiring", "supervisor"),
     "control": ("cli", "wiring", "supervisor"),
 }
