@@ -407,10 +407,10 @@ class Supervisor:
         if self._owns_process:
             set_process_name("twt-supervisor")  # only the daemon's own process, never an embedder's
         self.rundir.write_ready(self._ready_info(parts.admin))
-        self.notifier.ready(f"serving {len(self.tenants)} tenant(s) on the {parts.admin.backend_name} backend")
+        self.notifier.ready(f"serving {len(self.tenants)} tenant(s) on the {parts.records.backend_name} backend")
         self.metrics.mark_ready()  # /readyz (it also waits for the warm pool, from the snapshot)
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
-                  backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
+                  backend=parts.records.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
 
     def _ready_info(self, admin: AdminOps) -> dict[str, object]:
         tcp = self.parts.tcp if self.parts is not None else None
@@ -418,10 +418,10 @@ class Supervisor:
             "pid": os.getpid(),
             "version": proto.PROTOCOL_VERSION,
             "registry_id": admin.registry.registry_id,
-            "backend": admin.backend_name,
+            "backend": admin.records.backend_name,
             "frontend": self.rundir.endpoint("frontend"),
             "events": self.rundir.endpoint("events"),
-            "started": admin.started,
+            "started": admin.records.started,
             "metrics_url": getattr(self.metrics, "url", None),
             "state_dir": self.config.state_path,
             # the TCP frontend as bound (port 0 resolved) and its CURVE public key (Z85)
@@ -467,7 +467,7 @@ class Supervisor:
         self._metrics.publish(MetricsSnapshot(
             tenants=tenants, states=dict(states), quiet_host_bytes=dict(quiet_host), pool_idle=len(parts.workers.pool),
             pool_starting=parts.workers.pool_starting,
-            pool_size=parts.workers.pool_target, backend=parts.admin.backend_name, devices=devices,
+            pool_size=parts.workers.pool_target, backend=parts.records.backend_name, devices=devices,
             frontend=parts.frontend.guard.counters(),
         ))
 
@@ -478,7 +478,7 @@ class Supervisor:
         parts = self.parts
         if parts is None:
             return
-        quiet = parts.admin.quiet_refusals
+        quiet = parts.records.quiet_refusals
         if len(quiet) > len(self.tenants):
             quiet.intersection_update(self.tenants)
         for tid, rt in self.tenants.items():

@@ -7,7 +7,7 @@ rotated - goes through the :class:`~supervisor.lifecycle.signals.TenantSignals`
 built first, to which the parts above subscribe in their own constructors::
 
     signals ─ placement ─ sockets ─ replies ─ pending ─ workers (WorkerSet) ─ parking
-       ─ dispatcher (routing) ─ admin (AdminOps) ─ service (ServiceOps) ─ frontend
+       ─ dispatcher (routing) ─ records ─ admin (AdminOps) ─ service (ServiceOps) ─ frontend
 
     Frontend ─► AdminOps/ServiceOps (the op handlers) ─► Dispatcher ─► WorkerSet ─► PendingTable ─► Replies
     WorkerSet ─► TenantSignals ─► Parking · AdminOps · ServiceOps · Frontend · the Supervisor
@@ -47,6 +47,7 @@ from supervisor.admission.guard import FrontendGuard
 from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.control import ops as admin_ops
 from supervisor.control.admin import AdminOps
+from supervisor.control.records import Records
 from supervisor.control.service import ServiceOps
 from supervisor.lifecycle.backend_select import BackendChoice, select_backend
 from supervisor.lifecycle.parking import Parking
@@ -120,6 +121,7 @@ class Parts:
     workers: WorkerSet
     parking: Parking
     dispatcher: Dispatcher
+    records: Records
     admin: AdminOps
     service: ServiceOps
     frontend: Frontend
@@ -203,13 +205,13 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
                       device_bounds=placement.context_bounds())
     dispatcher = Dispatcher(cfg, clock=loop.clock, pending=pending, sender=workers, held=guard.held,
                             regions=regions, tenants=tenants, wake=parking.wake)
-    admin = AdminOps(
-        cfg, loop=loop, tenants=tenants, registry=s.registry, admin_cap=s.admin_cap, state=s.state,
-        placement=placement, workers=workers, dispatcher=dispatcher, regions=regions, signals=signals,
-        events=events, rundir=s.rundir, backend_name=choice.name, backend_reason=choice.reason,
-        counters=s.internal_errors, on_settled=s.on_settled, guard=guard, tenant_label=labels,
-        backend_versions=(choice.driver_version, choice.cuda_version),
-    )
+    records = Records(cfg, loop=loop, tenants=tenants, registry=s.registry, placement=placement, workers=workers,
+                      regions=regions, guard=guard, rundir=s.rundir, backend_name=choice.name,
+                      backend_reason=choice.reason, counters=s.internal_errors, tenant_label=labels,
+                      backend_versions=(choice.driver_version, choice.cuda_version))
+    admin = AdminOps(cfg, loop=loop, tenants=tenants, registry=s.registry, admin_cap=s.admin_cap, state=s.state,
+                     placement=placement, workers=workers, dispatcher=dispatcher, regions=regions, signals=signals,
+                     events=events, records=records, on_settled=s.on_settled)
     service = ServiceOps(cfg, admin=admin, workers=workers, registry=s.registry, state=s.state,
                          placement=placement, signals=signals, events=events)
     audit = DeniedAudit(events.emit)
@@ -227,8 +229,8 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
         admin_ops=admin_ops.handlers(admin, service, pending), local_ops=admin_ops.local_handlers(),
         either_ops=admin_ops.either_handlers(), signals=signals,
     )
-    return Parts(z, events, signals, placement, regions, replies, pending, workers, parking, dispatcher, admin,
-                 service, frontend, audit, stored, tcp)
+    return Parts(z, events, signals, placement, regions, replies, pending, workers, parking, dispatcher, records,
+                 admin, service, frontend, audit, stored, tcp)
 
 
 def _placement(s: Surroundings, choice: BackendChoice, stored: list[StoredTenant]) -> Placement:

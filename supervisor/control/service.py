@@ -319,7 +319,7 @@ class ServiceOps:
         if rt.state is not TenantState.RUNNING:
             return
         waiters, rt.ready_waiters = rt.ready_waiters, []
-        record = self.admin.tenant_record(rt).to_wire()
+        record = self.admin.records.tenant_record(rt).to_wire()
         for done in waiters:
             done.resolve(record)
 

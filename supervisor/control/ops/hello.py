@@ -23,4 +23,4 @@ class Hello(AdminOp):
                   "capability only `{protocol, ready}` ([liveness](#hello-without-a-capability-liveness))")
 
     def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
-        reply.ok(part.hello_info().to_wire())
+        reply.ok(part.records.hello_info().to_wire())

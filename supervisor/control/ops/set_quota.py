@@ -72,7 +72,7 @@ class SetQuota(AdminOp):
         rt.spec = info.spec
         part.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
         part.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
-        return part.tenant_record(rt)
+        return part.records.tenant_record(rt)
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         tenant_argument(p)

@@ -29,7 +29,7 @@ class Status(AdminOp):
 
     def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         limit = arg_opt_int(args, "limit")
-        record = part.status(after=arg_opt_str(args, "after"), state=arg_opt_str(args, "state"),
+        record = part.records.status(after=arg_opt_str(args, "after"), state=arg_opt_str(args, "state"),
                              limit=STATUS_PAGE_DEFAULT if limit is None else limit)
         reply.ok(record.to_wire())
 

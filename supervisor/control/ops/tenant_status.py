@@ -22,7 +22,7 @@ class TenantStatus(AdminOp):
     result_doc = "one record"
 
     def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
-        reply.ok(part.tenant_record(part.runtime(arg_str(args, "tenant"))).to_wire())
+        reply.ok(part.records.tenant_record(part.runtime(arg_str(args, "tenant"))).to_wire())
 
 
 def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:
