@@ -2,10 +2,11 @@
 
 Each admin op is a class of its own under :mod:`supervisor.control.ops` (its
 handler, its ``twt`` command, its doc row); the handlers of register, evict,
-set_quota, scale, inject_fault, capability, status, tenant_status and hello
-call what is here: the tenants table and what a tenant goes through: registration answered once every
+set_quota, scale, inject_fault and capability call what is here: the tenants
+table and what a tenant goes through: registration answered once every
 instance is ready (or failed), the tenant marked failed after too many
 restarts, parked requests refused when their instance is not coming back.
+What status, tenant_status and hello show is :mod:`supervisor.control.records`.
 
 Every change an admin op makes is written to the state store
 (:mod:`supervisor.store.state`) as one transaction - register, evict, set_quota,
