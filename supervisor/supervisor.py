@@ -163,9 +163,10 @@ class Supervisor:
         """Build the parts (:func:`supervisor.wiring.build_parts`), then bring back every stored
         tenant and the config file's difference, their stored modules, and the warm pool."""
         state, registry, admin_cap = self._open_state()
+        stored = state.tenants()
         parts = self.parts = build_parts(Surroundings(
             self.config, self.loop, self.rundir, state, registry, admin_cap, self.tenants, self.metrics,
-            self.event_log, self.modules, self._spawner_factory, stopping=lambda: self._stopping,
+            self.event_log, self.modules, self._spawner_factory, stored, stopping=lambda: self._stopping,
             internal_errors=lambda: self.internal_errors, on_settled=self._maybe_ready,
             on_key_rotated=self._key_rotated,
         ))
@@ -175,7 +176,7 @@ class Supervisor:
         # back (each restored tenant settles on its own, and the first would otherwise make it ready)
         self._restoring = True
         try:
-            parts.service.restore(parts.stored)
+            parts.service.restore(stored)
         finally:
             self._restoring = False
         restore_modules(self.modules, parts.frontend, self.tenants,  # their stored modules, without a resend

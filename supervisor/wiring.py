@@ -97,6 +97,8 @@ class Surroundings:
     event_log: EventLog
     modules: ModuleStore
     spawner: SpawnerFactory
+    #: the tenants in the state at start (read once: the placement is sized for them, then restored)
+    stored: list[StoredTenant]
     #: the supervisor is stopping (no worker is restarted, nothing activated)
     stopping: Callable[[], bool]
     #: bugs the loop's safety net caught (shown in status)
@@ -126,8 +128,6 @@ class Parts:
     service: ServiceOps
     frontend: Frontend
     audit: DeniedAudit
-    #: the tenants in the state at start (the supervisor restores them)
-    stored: list[StoredTenant]
     tcp: TcpFrontend | None = None
 
 
@@ -142,8 +142,7 @@ def build_parts(s: Surroundings) -> Parts:
     if removed:
         log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
     choice = select_backend(cfg)
-    stored = s.state.tenants()
-    placement = _placement(s, choice, stored)
+    placement = _placement(s, choice)
     log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
               devices=placement.indexes)
     keys = _server_keys(cfg, s.state) if cfg.listen else None  # a malformed key stops the start here
@@ -152,7 +151,7 @@ def build_parts(s: Surroundings) -> Parts:
     # workers' messages behind it in one I/O thread (a tcp-ping flood's local victim)
     z: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2 if keys is not None else 1)
     try:
-        return _build(s, z, keys, placement, labels, choice, stored)
+        return _build(s, z, keys, placement, labels, choice)
     except BaseException:
         z.destroy(linger=0)
         placement.close()
@@ -160,7 +159,7 @@ def build_parts(s: Surroundings) -> Parts:
 
 
 def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPair | None, placement: Placement,
-           labels: TenantLabels, choice: BackendChoice, stored: list[StoredTenant]) -> Parts:
+           labels: TenantLabels, choice: BackendChoice) -> Parts:
     cfg, loop, tenants = s.config, s.loop, s.tenants
     signals = TenantSignals(stopping=s.stopping, key_rotated=(s.on_key_rotated,))
 
@@ -230,14 +229,14 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
         either_ops=admin_ops.either_handlers(), signals=signals,
     )
     return Parts(z, events, signals, placement, regions, replies, pending, workers, parking, dispatcher, records,
-                 admin, service, frontend, audit, stored, tcp)
+                 admin, service, frontend, audit, tcp)
 
 
-def _placement(s: Surroundings, choice: BackendChoice, stored: list[StoredTenant]) -> Placement:
+def _placement(s: Surroundings, choice: BackendChoice) -> Placement:
     """The devices' placement. Each device's GPU-time board holds every tenant the config allows,
     with room for the slots of evicted tenants whose workers are still stopping (and every stored
     tenant, should a restart have lowered the limits: restoring is never refused)."""
-    cfg = s.config
+    cfg, stored = s.config, s.stored
     tenant_slots = 2 * max(cfg.max_tenants, len(stored) + len(cfg.tenants))
     worker_slots = 2 * max(cfg.max_workers, sum(r.spec.instances for r in stored)
                            + sum(t.instances for t in cfg.tenants))

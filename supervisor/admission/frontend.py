@@ -174,7 +174,7 @@ class Frontend:
         self.tenants = tenants
         self.guard = guard
         self._admin_raw = admin_cap
-        #: the monitor capability's bytes, once verified (forget_verified drops them)
+        #: the monitor capability's bytes, once verified (a key rotation drops them)
         self._monitor_raw: bytes | None = None
         self.on_denied = on_denied
         self.regions = regions
