@@ -18,8 +18,8 @@ the loop; the in-process tests reach it through the supervisor, with a fake
 clock and workers that live on the loop.
 
 Owns: nothing after it returns; on a failure half-way it destroys the ZMQ
-context and unlinks the device budgets it made (the supervisor's teardown
-has no :class:`Parts` to undo then).
+context and unlinks the device budgets it made, newest first (the
+supervisor's teardown has no :class:`Parts` to undo then).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import zmq
@@ -142,20 +143,20 @@ def build_parts(s: Surroundings) -> Parts:
     if removed:
         log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
     choice = select_backend(cfg)
-    placement = _placement(s, choice)
-    log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
-              devices=placement.indexes)
-    keys = _server_keys(cfg, s.state) if cfg.listen else None  # a malformed key stops the start here
-    # With a TCP frontend, two I/O threads: CURVE's crypto for TCP clients runs on its own
-    # (TCP_IO_AFFINITY), so that a flood over TCP does not queue the local clients' and the
-    # workers' messages behind it in one I/O thread (a tcp-ping flood's local victim)
-    z: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2 if keys is not None else 1)
-    try:
-        return _build(s, z, keys, placement, labels, choice)
-    except BaseException:
-        z.destroy(linger=0)
-        placement.close()
-        raise
+    with ExitStack() as undo:  # a failure half-way undoes what was made, newest first
+        placement = _placement(s, choice)
+        undo.callback(placement.close)  # unlink the device budget segments
+        log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
+                  devices=placement.indexes)
+        keys = _server_keys(cfg, s.state) if cfg.listen else None  # a malformed key stops the start here
+        # With a TCP frontend, two I/O threads: CURVE's crypto for TCP clients runs on its own
+        # (TCP_IO_AFFINITY), so that a flood over TCP does not queue the local clients' and the
+        # workers' messages behind it in one I/O thread (a tcp-ping flood's local victim)
+        z: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2 if keys is not None else 1)
+        undo.callback(z.destroy, linger=0)
+        parts = _build(s, z, keys, placement, labels, choice)
+        undo.pop_all()  # built: the supervisor's teardown owns them now
+        return parts
 
 
 def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPair | None, placement: Placement,
