@@ -140,6 +140,35 @@ class Dispatcher:
             held.release(tid, "replies", reply)
             raise
 
+    def _forward(
+        self,
+        rt: TenantRuntime,
+        slot: InstanceSlot,
+        client: bytes,
+        rid: int,
+        op: str,
+        args: dict[str, object],
+        body: Body,
+        now: float,
+        *,
+        started: float | None = None,
+        deadline: float | None = None,
+        held: int = 0,
+    ) -> None:
+        """Send to the slot's worker. A request that waited (parked) keeps its
+        original start and deadline; a run is shortened to fit what is left.
+        ``held``: reply bytes reserved for it, handed to its Pending (raises: not taken)."""
+        worker = slot.worker
+        assert worker is not None
+        spec = proto.OPS[op]
+        if spec.guest_run:
+            args = with_wasm_limits(rt, args, None if deadline is None else deadline - now - DEADLINE_GRACE_S)
+        own = now + spec.deadline_s(rt.spec, args.get("timeout_s"))
+        deadline = own if deadline is None else min(own, deadline)
+        pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline,
+                          held=held)
+        self.sender.send_request(worker, op, args, body, pending)
+
     def _fan_out(self, rt: TenantRuntime, client: bytes, rid: int, op: str,
                  merge: Callable[[list[Mapping[str, object]]], object]) -> None:
         """An op sent to every ready instance of the tenant (``OpSpec.merge``): the first error, or
@@ -181,7 +210,6 @@ class Dispatcher:
             except TensorWasmError as exc:
                 done(False, exc.to_dict())
 
-
     # ------------------------------------------------------------ regions
 
     def unmap_region(self, rt: TenantRuntime, name: str) -> None:
@@ -203,37 +231,6 @@ class Dispatcher:
             rt = self.tenants.get(owned.tenant_id)
             if rt is not None:
                 self.unmap_region(rt, owned.name)
-
-
-    def _forward(
-        self,
-        rt: TenantRuntime,
-        slot: InstanceSlot,
-        client: bytes,
-        rid: int,
-        op: str,
-        args: dict[str, object],
-        body: Body,
-        now: float,
-        *,
-        started: float | None = None,
-        deadline: float | None = None,
-        held: int = 0,
-    ) -> None:
-        """Send to the slot's worker. A request that waited (parked) keeps its
-        original start and deadline; a run is shortened to fit what is left.
-        ``held``: reply bytes reserved for it, handed to its Pending (raises: not taken)."""
-        worker = slot.worker
-        assert worker is not None
-        spec = proto.OPS[op]
-        if spec.guest_run:
-            args = with_wasm_limits(rt, args, None if deadline is None else deadline - now - DEADLINE_GRACE_S)
-        own = now + spec.deadline_s(rt.spec, args.get("timeout_s"))
-        deadline = own if deadline is None else min(own, deadline)
-        pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline,
-                          held=held)
-        self.sender.send_request(worker, op, args, body, pending)
-
 
     # ------------------------------------------------------------ parked requests
 
