@@ -49,9 +49,9 @@ import threading
 from collections import Counter
 from concurrent.futures import Future
 from typing import ParamSpec
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-
+from shared import protocol as proto
 from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig
 from shared.errors import (
@@ -68,9 +68,7 @@ from shared.errors import (
 from shared.log import get_logger, log_event
 from shared.mps import MpsDecision
 from shared.quota import MAX_INSTANCES
-from shared.records import (
-    TenantRecord,
-)
+from shared.records import TenantRecord
 from shared.spec import TenantSpec
 from supervisor.control.records import Records
 from supervisor.observe.events import EventBus
@@ -518,6 +516,25 @@ class AdminOps:
             self.dispatcher.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
         self.events.emit("scale", tenant=tid, instances=n)
         rt.refresh_state()
+        return self.records.tenant_record(rt)
+
+    def set_quota(self, tid: str, changes: Mapping[str, object]) -> TenantRecord:
+        """Change the limits ``changes`` names (``QUOTA_KEYS``): written to the state, then to the
+        quota block and the lease board. InvalidArgument (nothing written) for none or a bad value;
+        StateError (nothing applied) when the write fails."""
+        rt = self.runtime(tid)
+        if not changes:
+            raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
+        new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
+        self.write(self.state.update_spec, new_spec)  # StateError: nothing applied
+        try:
+            info = self.registry.set_quota_from(self.admin_cap, rt.tenant_id, changes)
+        except BaseException:
+            self.record(self.state.update_spec, rt.spec)  # put the stored spec back
+            raise
+        rt.spec = info.spec
+        self.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
+        self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
         return self.records.tenant_record(rt)
 
     def record(self, write: Callable[W, None], *args: W.args, **kwargs: W.kwargs) -> None:
