@@ -48,6 +48,7 @@ import os
 import threading
 from collections import Counter
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import ParamSpec
 from collections.abc import Callable, Mapping
 
@@ -56,6 +57,7 @@ from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig
 from shared.errors import (
     CapacityExhausted,
+    FaultInjectionDisabled,
     InvalidArgument,
     KernelTimeout,
     StateError,
@@ -70,6 +72,7 @@ from shared.mps import MpsDecision
 from shared.quota import MAX_INSTANCES
 from shared.records import TenantRecord
 from shared.spec import TenantSpec
+from shared.worker_link import FaultAck, FaultExit, FaultOrder
 from supervisor.control.records import Records
 from supervisor.observe.events import EventBus
 from supervisor.runtime.completion import Completion
@@ -85,7 +88,7 @@ from supervisor.runtime.workers import WorkerHandle, WorkerState
 from supervisor.lifecycle.signals import Stage, TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
 
-__all__ = ["AdminOps", "Registered"]
+__all__ = ["AdminOps", "FaultAnswer", "Registered"]
 
 _log = get_logger("supervisor")
 #: a state write and its arguments (AdminOps.write / record)
@@ -97,6 +100,15 @@ CHECKPOINT_DELAY_S = 0.25
 
 #: a registration's result once every instance is ready: ``{capability, tenant}`` (the wire's reply)
 Registered = dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class FaultAnswer:
+    """A fault's outcome: ``ok`` with the result, or the worker's refusal as the worker worded
+    it (a wire error, answered as it came: the worker is the authority on why it refused)."""
+
+    ok: bool
+    result: dict[str, object]
 
 
 class AdminOps:
@@ -536,6 +548,47 @@ class AdminOps:
         self.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
         self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
         return self.records.tenant_record(rt)
+
+    # ------------------------------------------------------------ faults
+
+    def inject_fault(self, tid: str, kind: str, instance: int | None,
+                     params: Mapping[str, object]) -> Completion[FaultAnswer]:
+        """Order a fault into instance ``instance`` of ``tid`` (None: the first live one); completed
+        once its worker acknowledged it or, for the kinds that end the process, once it is gone.
+        FaultInjectionDisabled first (the production setting), before the tenant is even named."""
+        if not self.config.fault_injection:
+            raise FaultInjectionDisabled("inject_fault")
+        rt = self.runtime(tid)
+        if kind not in proto.FAULT_KINDS:
+            raise InvalidArgument(f"unknown fault kind {kind!r}")
+        if instance is None:
+            live = rt.live_slots()
+            if not live:
+                raise WorkerLost(tid, 0, reason="no live instance to inject into")
+            slot = live[0]
+        else:
+            if not 0 <= instance < len(rt.slots):
+                raise InvalidArgument(f"instance must be in 0..{len(rt.slots) - 1}")
+            slot = rt.slots[instance]
+        worker = slot.worker
+        if worker is None or not worker.control_hello or worker.state is WorkerState.DEAD:
+            raise WorkerLost(tid, slot.index, reason="instance is not running")
+        info: dict[str, object] = {"tenant": tid, "instance": slot.index, "pid": worker.pid, "kind": kind}
+        done: Completion[FaultAnswer] = Completion()
+
+        def answer(result: FaultAck | FaultExit) -> None:
+            if isinstance(result, FaultAck) and not result.ok:
+                err = result.error or TensorWasmError("worker refused the fault without a reason").to_dict()
+                done.resolve(FaultAnswer(False, err))
+            elif isinstance(result, FaultAck):
+                done.resolve(FaultAnswer(True, {**info, "ok": True, "armed": result.armed}))
+            else:
+                done.resolve(FaultAnswer(True, {**info, **result.to_wire()}))
+
+        self.workers.on_fault_answer(worker, answer)
+        self.events.emit("fault", **info, params=params)
+        self.workers.send_control(worker, proto.encode_control("fault", FaultOrder(kind, dict(params)).to_wire()))
+        return done
 
     def record(self, write: Callable[W, None], *args: W.args, **kwargs: W.kwargs) -> None:
         """Write a change no client asked for that is already applied (a tenant marked failed, a
