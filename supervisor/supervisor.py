@@ -2,25 +2,28 @@
 
     clients ──DEALER──► ROUTER frontend ─┐ Frontend: decode header only; check capability;
     remote  ──CURVE───► ROUTER tcp://… ──┤ (TcpFrontend, when ``listen`` is set: same path)
-                                         │ back-pressure (max_in_flight); pick instance
+                                         │ back-pressure (max_in_flight); Dispatcher: pick instance
     workers ◄──DEALER── ROUTER backend ◄─┘ WorkerSet: forward [hdr'|body] (body not copied)
     workers ──DEALER──► ROUTER control     WorkerSet: hello / heartbeats / fault acks
     subscribers ◄─SUB── PUB events         spawn, ready, exit, restart, failed ...
                         EventLog           the same events, numbered and bounded: the ``events`` op
     worker sentinels (fds) ─► poller       WorkerSet.on_death: a death is seen at once
 
-The parts, each owning its own state (docs/ARCHITECTURE.md draws who calls whom):
+The parts, each owning its own state, built bottom-up by one factory
+(:func:`supervisor.wiring.build_parts`; docs/ARCHITECTURE.md draws who calls whom):
 
     Loop          (loop.py)       poller, timers, wake pipe; the clock
+    TenantSignals (signals.py)    news from below (a worker ready, a tenant failed) to the parts above
     PendingTable  (pending.py)    requests in flight, deadlines, THE one place a request is finished
     Replies       (replies.py)    answers out on the frontend socket, bounded per client
     WorkerSet     (workerset.py)  pool, spawn, bind, stop, kill, death, restart, liveness
-    Frontend      (frontend.py)   client requests: capability, back-pressure, instance choice, parking
+    Parking       (parking.py)    idle tenants parked (buffers to host memory, workers gone) and activated
+    Dispatcher    (dispatcher.py) a tenant request to an instance: choice, forwarding, parked requests
     AdminOps      (admin.py)      admin ops and the tenant lifecycle (register ... evict, failed)
     ServiceOps    (service.py)    restore at start, reload (SIGHUP), reset, rolling restart, rotate-key
-    Parking       (parking.py)    idle tenants parked (buffers to host memory, workers gone) and activated
+    Frontend      (frontend.py)   client requests: decode, capability, admission, back-pressure
     StateStore    (state.py)      the durable state: registry key, tenants, generations (SQLite)
-    Supervisor    (this module)   sockets, wiring, the loop body, housekeeping, start and stop
+    Supervisor    (this module)   the state and run dir, the loop body, housekeeping, start and stop
 
 Two guards sit in the loop body: a :class:`~supervisor.runtime.stall.StallGuard`
 (a supervisor that was itself stopped or starved does not take its own
@@ -28,8 +31,9 @@ lateness for its workers' deaths) and the denied-event audit
 (:class:`~supervisor.store.audit.DeniedAudit`, every refused capability published,
 rate-limited).
 
-Owns: the ZMQ context and sockets, signal handlers, the run dir's ready
-file and the metrics snapshot hand-off. Everything the loop does is
+Owns: the parts (:class:`~supervisor.wiring.Parts`: the ZMQ context and
+sockets among them), signal handlers, the run dir's ready file and the
+metrics snapshot hand-off. Everything the loop does is
 non-blocking; sends use ``NOBLOCK`` and a full peer (a slow client) loses
 its reply rather than stalling everyone. The quota hot path never passes
 through here: workers consume and release on their tenant's shared-memory
@@ -49,33 +53,19 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-import zmq
-
 from shared import protocol as proto
 from shared.config import SupervisorConfig
-from shared.capability import RegistryAdminCapability, capability_from_bytes
-from shared.errors import TenantIsolationViolation, TensorWasmError
-from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
+from shared.capability import RegistryAdminCapability
 from shared.log import get_logger, log_event
 from shared.prctl import set_process_name
-from shared.quota import cleanup_stale_segments
 from supervisor.control.admin import AdminOps
-from supervisor.control import ops as admin_ops
-from supervisor.store.audit import DeniedAudit
-from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
+from supervisor.control.ops.put_module import restore_modules
+from supervisor.lifecycle.drain import Drain
 from supervisor.observe.event_log import EventLog
 from supervisor.observe.events import EventBus
-from supervisor.admission.connections import FrontendConnections
-from supervisor.host.fdlimit import raise_fd_limit
-from supervisor.admission.frontend import Frontend
-from supervisor.admission.guard import FrontendGuard
-from supervisor.runtime.loop import Clock, Handoff, Loop
 from supervisor.observe.metrics import (
     DeviceGauges,
     Metrics,
@@ -83,75 +73,27 @@ from supervisor.observe.metrics import (
     NullMetrics,
     QUIET_STATES,
     TenantGauges,
-    TenantLabels,
-    tenant_label_key,
 )
-from supervisor.routing.pending import PendingTable
-from supervisor.routing.placement import Placement
-from supervisor.routing.regions import RegionTable
-from supervisor.store.registry import TenantRegistry
-from supervisor.routing.replies import Replies
-from supervisor.store.rundir import RunDir
 from supervisor.observe.sd_notify import SystemdNotifier
-from supervisor.control.service import ServiceOps
+from supervisor.runtime.loop import Clock, Handoff, Loop
 from supervisor.runtime.stall import StallGuard
-from supervisor.store.state import StateStore
-from supervisor.store.modules import MODULES_DIR, ModuleStore
-from supervisor.control.ops.put_module import restore_modules
-from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
-from supervisor.lifecycle.drain import Drain
-from supervisor.lifecycle.parking import Parking
-from supervisor.lifecycle.workerset import WorkerSet
+from supervisor.store.modules import MODULES_DIR, ModuleStore
+from supervisor.store.registry import TenantRegistry
+from supervisor.store.rundir import RunDir
+from supervisor.store.state import StateStore
+from supervisor.wiring import Parts, Surroundings, build_parts
 
 __all__ = ["Supervisor"]
 
 _log = get_logger("supervisor")
 
 TICK_S = 0.05
-#: messages libzmq may queue from one client before the loop reads them
-FRONTEND_RCVHWM = 1000
 #: after a stall of the loop, how long deadline expiries wait (a few turns of the loop, each
 #: reading up to a batch of queued replies per socket)
 STALL_GRACE_S = 0.25
 RSS_CHECK_INTERVAL_S = 1.0
-
-
-@dataclass
-class _Parts:
-    """Everything :meth:`Supervisor._setup` builds (absent until then)."""
-
-    zctx: zmq.Context[zmq.Socket[bytes]]
-    placement: Placement
-    replies: Replies
-    pending: PendingTable
-    workers: WorkerSet
-    frontend: Frontend
-    admin: AdminOps
-    service: ServiceOps
-    audit: DeniedAudit
-    parking: Parking
-    tcp: TcpFrontend | None = None
-
-
-def _admin_refusal(op: str, cap_raw: bytes | None) -> bool:
-    """Whether a refused capability was offered as the admin one: the op's, or for an op either
-    capability grants (``events``) the kind the token claims (the audit's ``wrong_kind`` check)."""
-    spec = proto.OPS[op]
-    if not spec.any_capability or cap_raw is None:
-        return spec.admin
-    try:
-        return isinstance(capability_from_bytes(cap_raw), RegistryAdminCapability)
-    except TenantIsolationViolation:
-        return False
-
-
-def _server_keys(cfg: SupervisorConfig, state: StateStore) -> CurveKeyPair:
-    """The TCP frontend's key pair: the operator's file, or made once and kept in the state database."""
-    if cfg.server_key_file:
-        return load_server_key_file(cfg.server_key_file)
-    return load_or_create_server_keys(state)
 
 
 class Supervisor:
@@ -199,7 +141,7 @@ class Supervisor:
         self.stall = StallGuard(threshold_s=min(max(1.0, config.heartbeat_interval_s), window),
                                 grace_s=STALL_GRACE_S)
         self._metrics = Handoff(self.loop.wake, MetricsSnapshot())
-        self.parts: _Parts | None = None
+        self.parts: Parts | None = None
         self._next_tick = 0.0
         self._closed = False
         self._acquired = False
@@ -217,158 +159,37 @@ class Supervisor:
         self.registry, admin_cap = TenantRegistry.from_state(self.state, segment_prefix=self.rundir.new_segment_prefix())
         return self.state, self.registry, admin_cap
 
-    def _setup(self) -> _Parts:
-        cfg = self.config
-        raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.host.fdlimit)
+    def _setup(self) -> Parts:
+        """Build the parts (:func:`supervisor.wiring.build_parts`), then bring back every stored
+        tenant and the config file's difference, their stored modules, and the warm pool."""
         state, registry, admin_cap = self._open_state()
-        labels = TenantLabels(cfg.metrics_tenant_names, tenant_label_key(state))  # stable across restarts
-        self.metrics.use_tenant_labels(labels)
-        removed = cleanup_stale_segments(namespace=self.rundir.segment_namespace)  # never another run dir's
-        if removed:
-            log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
-        from supervisor.lifecycle.backend_select import select_backend
-
-        choice = select_backend(cfg)
-        # each device's GPU-time board holds every tenant the config allows, with room for the slots of
-        # evicted tenants whose workers are still stopping (and every stored tenant, should a restart
-        # have lowered the limits: restoring is never refused)
         stored = state.tenants()
-        tenant_slots = 2 * max(cfg.max_tenants, len(stored) + len(cfg.tenants))
-        worker_slots = 2 * max(cfg.max_workers, sum(r.spec.instances for r in stored)
-                               + sum(t.instances for t in cfg.tenants))
-        placement = Placement.create(
-            choice.name,
-            choice.devices,
-            reserve_bytes=cfg.device_reserve_bytes,
-            policy=cfg.placement,
-            segment_prefix=registry.segment_prefix,
-            no_mps_dir=os.path.join(self.rundir.path, "no-mps"),
-            gpu_time_quantum_s=cfg.gpu_time_quantum_s,
-            gpu_time_scheduler=cfg.gpu_time_scheduler,
-            gpu_time_tenants=min(tenant_slots, LIMIT_TENANT_SLOTS),
-            gpu_time_workers=min(worker_slots, LIMIT_WORKER_SLOTS),
-        )
-        log_event(_log, logging.INFO, "supervisor.backend", backend=choice.name, reason=choice.reason,
-                  devices=placement.indexes)
-        keys = _server_keys(cfg, state) if cfg.listen else None  # a malformed key stops the start here
-        # With a TCP frontend, two I/O threads: CURVE's crypto for TCP clients runs on its own
-        # (TCP_IO_AFFINITY), so that a flood over TCP does not queue the local clients' and the
-        # workers' messages behind it in one I/O thread (a tcp-ping flood's local victim)
-        z: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2 if keys is not None else 1)
-
-        def router(name: str, max_msg: int, hwm: int, rcvhwm: int | None = None) -> zmq.Socket[bytes]:
-            s: zmq.Socket[bytes] = z.socket(zmq.ROUTER)
-            if keys is not None:
-                s.setsockopt(zmq.AFFINITY, LOCAL_IO_AFFINITY)
-            s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.MAXMSGSIZE, max_msg)
-            s.setsockopt(zmq.SNDHWM, hwm)
-            s.setsockopt(zmq.RCVHWM, hwm if rcvhwm is None else rcvhwm)
-            s.bind(self.rundir.endpoint(name))
-            return s
-
-        # libzmq queues a client's *incoming* messages up to RCVHWM before the loop reads
-        # them: keep that small, so a flood waits in its sender, not in our memory (set
-        # before bind: a listener copies the options its connections get).
-        frontend_sock = router("frontend", cfg.max_message_bytes, 10_000, FRONTEND_RCVHWM)
-        # one fd budget for every frontend connection, ipc and TCP (supervisor.admission.connections)
-        connections = FrontendConnections(frontend_sock, self.rundir.file("frontend.ipc"),
-                                          max_tcp_peers=cfg.max_tcp_peers,
-                                          max_tcp_peers_per_source=cfg.max_tcp_peers_per_source)
-        self.loop.register(connections.monitor, connections.on_readable)
-        tcp = None
-        if keys is not None:
-            try:  # OSError naming an endpoint that cannot be bound
-                tcp = TcpFrontend(z, cfg, keys, 10_000, connections, rcvhwm=FRONTEND_RCVHWM)
-            except BaseException:
-                z.destroy(linger=0)
-                raise
-            assert connections.tcp_monitor is not None
-            self.loop.register(connections.tcp_monitor, connections.on_tcp_readable)
-        backend_sock = router("backend", cfg.max_message_bytes, 10_000)
-        control_sock = router("control", 1 << 20, 10_000)
-        pub = z.socket(zmq.PUB)
-        if keys is not None:
-            pub.setsockopt(zmq.AFFINITY, LOCAL_IO_AFFINITY)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, 10_000)
-        pub.bind(self.rundir.endpoint("events"))
-        self.events = EventBus(pub, self.event_log)
-        self.rundir.secure_sockets()
-        self.rundir.write_admin_capability(admin_cap.to_bytes())
-        # Tracked frames (big reply bodies, see Replies.ok) need pyzmq's garbage-collector
-        # thread and context; start it now so the process's fds are stable from the start.
-        zmq.Frame(bytes(1 << 17), track=True)  # large enough for pyzmq's zero-copy (tracked) path
-
-        spawner = self._spawner_factory(cfg, {"backend": self.rundir.endpoint("backend"),
-                                               "control": self.rundir.endpoint("control")})
-        spawner.warm_up()
-        guard = FrontendGuard(cfg, connections)
-        replies = Replies([frontend_sock] + ([tcp.socket] if tcp is not None else []), guard.held)
-        pending = PendingTable(replies, self.metrics, self.tenants, self.loop.clock)
-        admin = AdminOps(
-            cfg, loop=self.loop, tenants=self.tenants, registry=registry, admin_cap=admin_cap, state=state,
-            placement=placement, pending=pending, events=self.events, rundir=self.rundir,
-            backend_name=choice.name, backend_reason=choice.reason,
-            counters=lambda: self.internal_errors, on_settled=self._maybe_ready, guard=guard, tenant_label=labels,
-            backend_versions=(choice.driver_version, choice.cuda_version),
-        )
-        self.metrics.backend_info(choice.name, choice.device_labels(), choice.driver_version, choice.cuda_version)
-        hooks = _Hooks(self, admin)
-        workers = WorkerSet(
-            cfg, loop=self.loop, pending=pending, tenants=self.tenants, spawner=spawner, backend=backend_sock,
-            control=control_sock, placement=placement, backend_name=choice.name,
-            backend_options=choice.options, events=self.events, metrics=self.metrics, hooks=hooks,
-        )
-        pending.on_undelivered_alloc = workers.free_undelivered
-        audit = DeniedAudit(self.events.emit)
-
-        def on_denied(cap_raw: bytes | None, op: str) -> None:
-            audit.record(registry.explain_refusal(cap_raw, admin=_admin_refusal(op, cap_raw)), op)
-
-        frontend = Frontend(
-            cfg, loop=self.loop, sock=frontend_sock, tcp_sock=tcp.socket if tcp is not None else None,
-            replies=replies, pending=pending, workers=workers,
-            registry=registry, tenants=self.tenants, on_denied=on_denied,
-            regions=RegionTable(registry.segment_prefix), guard=guard, admin_cap=admin_cap.to_bytes(),
-            event_log=self.event_log, module_store=self.modules,
-        )
-
-        def on_key_rotated(new_admin: RegistryAdminCapability) -> None:
-            frontend.forget_verified()  # bytes verified under the old key prove nothing now
-            frontend.set_admin_capability(new_admin.to_bytes())
-            self.rundir.write_admin_capability(new_admin.to_bytes())
-            if self.ready:
-                self.rundir.write_ready({**self._ready_info(admin), "registry_id": registry.registry_id})
-
-        service = ServiceOps(
-            cfg, admin=admin, workers=workers, registry=registry, state=state, placement=placement,
-            pending=pending, events=self.events, on_key_rotated=on_key_rotated,
-        )
-        admin.attach(workers, frontend, service)
-        parking = Parking(tenants=self.tenants, workers=workers, events=self.events, on_active=admin.instance_ready,
-                          clock=self.loop.clock, persist=_parked_flag_writer(state),
-                          stopping=lambda: self._stopping, max_active=cfg.max_active,
-                          device_bounds=placement.context_bounds())
-        frontend.wake_parked = parking.wake
-        hooks.parking = parking
-        # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
-        frontend.serve_ops(admin_ops.handlers(admin, service), admin_ops.local_handlers(frontend),
-                           admin_ops.either_handlers(frontend))
-        self.parts = _Parts(z, placement, replies, pending, workers, frontend, admin, service, audit, parking, tcp)
+        parts = self.parts = build_parts(Surroundings(
+            self.config, self.loop, self.rundir, state, registry, admin_cap, self.tenants, self.metrics,
+            self.event_log, self.modules, self._spawner_factory, stored, stopping=lambda: self._stopping,
+            internal_errors=lambda: self.internal_errors, on_settled=self._maybe_ready,
+            on_key_rotated=self._key_rotated,
+        ))
+        self.events = parts.events
         self.metrics.bind_source(self.metrics_snapshot)
         # every stored tenant, then the config file's difference; not ready before the last one is
         # back (each restored tenant settles on its own, and the first would otherwise make it ready)
         self._restoring = True
         try:
-            service.restore(stored)
+            parts.service.restore(stored)
         finally:
             self._restoring = False
-        restore_modules(self.modules, frontend, self.tenants,  # their stored modules, without a resend
+        restore_modules(self.modules, parts.frontend, self.tenants,  # their stored modules, without a resend
                         state.tenant_generations())
-        workers.refill_pool()
-        return self.parts
+        parts.workers.refill_pool()
+        return parts
+
+    def _key_rotated(self, new_admin: RegistryAdminCapability) -> None:
+        """The registry key was rotated: the run dir's admin capability and ready files follow."""
+        self.rundir.write_admin_capability(new_admin.to_bytes())
+        if self.ready and self.parts is not None:
+            self.rundir.write_ready({**self._ready_info(self.parts.admin),
+                                     "registry_id": self.parts.admin.registry.registry_id})
 
     def _generation_of(self, tenant: str) -> int | None:
         """The generation ``tenant`` is registered with now (the event log tags its events with it)."""
@@ -492,14 +313,13 @@ class Supervisor:
                 return False
         return True
 
-    def _drain_turn(self, parts: _Parts, now: float) -> None:
+    def _drain_turn(self, parts: Parts, now: float) -> None:
         """The drain between a stop's signal and the workers' stop: new requests refused
         ``Draining`` (the frontend asks the drain), in-flight ones answered; over when none is
         left, at ``drain_timeout_s``, or at a second signal."""
         in_flight = len(parts.pending) + sum(len(rt.parked) for rt in self.tenants.values())
         if self._drain.begin(now):
-            parts.frontend.drain = self._drain
-            parts.frontend.ready = False
+            parts.frontend.begin_drain(self._drain)
             self.metrics.mark_draining()  # /readyz: not ready, and why
             self.notifier.stopping(f"draining {in_flight} request(s) in flight "
                                    f"(at most {self.config.drain_timeout_s:g} s)")
@@ -511,7 +331,7 @@ class Supervisor:
                           drain_timeout_s=self.config.drain_timeout_s, hurried=self._drain.hurried)
             self._stopping = True
 
-    def _housekeeping(self, parts: _Parts, now: float) -> None:
+    def _housekeeping(self, parts: Parts, now: float) -> None:
         self.notifier.watchdog(now)  # systemd's WatchdogSec: only a turning loop sends it
         stalled = self.stall.tick(now)
         if stalled is not None:
@@ -524,14 +344,14 @@ class Supervisor:
                 timeout = pending.deadline - pending.started
                 parts.workers.kill(worker, f"request {pending.op!r} exceeded its deadline of {timeout:g} s",
                                    "deadline")
-            parts.frontend.expire_parked(now)
+            parts.dispatcher.expire_parked(now)
         parts.workers.check_liveness(now, self.stall.silence)
         if now - self._last_rss_check >= RSS_CHECK_INTERVAL_S:
             self._last_rss_check = now
             parts.audit.flush()
             parts.replies.prune()
             parts.frontend.guard.refresh()
-            parts.frontend.reap_regions()
+            parts.dispatcher.reap_regions()
             parts.workers.check_rss()
             if self.metrics.reads_snapshots:
                 self._refresh_metrics()
@@ -558,7 +378,7 @@ class Supervisor:
             if parts is not None:
                 parts.pending.abandon(list(parts.workers.workers.values()), "the supervisor is stopping")
                 parts.workers.kill_all_now()
-                parts.frontend.regions.close()  # none outlives the supervisor
+                parts.regions.close()  # none outlives the supervisor
             if self.registry is not None:
                 self.registry.close()
         finally:
@@ -584,14 +404,14 @@ class Supervisor:
         if self.ready or parts is None or self._restoring or not parts.admin.settled():
             return
         self.ready = True
-        parts.frontend.ready = True  # hello without a capability says so from now on
+        parts.frontend.mark_ready()  # hello without a capability says so from now on
         if self._owns_process:
             set_process_name("twt-supervisor")  # only the daemon's own process, never an embedder's
         self.rundir.write_ready(self._ready_info(parts.admin))
-        self.notifier.ready(f"serving {len(self.tenants)} tenant(s) on the {parts.admin.backend_name} backend")
+        self.notifier.ready(f"serving {len(self.tenants)} tenant(s) on the {parts.records.backend_name} backend")
         self.metrics.mark_ready()  # /readyz (it also waits for the warm pool, from the snapshot)
         log_event(_log, logging.INFO, "supervisor.ready", run_dir=self.rundir.path, pid=os.getpid(),
-                  backend=parts.admin.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
+                  backend=parts.records.backend_name, start_method=self.config.start_method, tenants=len(self.tenants))
 
     def _ready_info(self, admin: AdminOps) -> dict[str, object]:
         tcp = self.parts.tcp if self.parts is not None else None
@@ -599,10 +419,10 @@ class Supervisor:
             "pid": os.getpid(),
             "version": proto.PROTOCOL_VERSION,
             "registry_id": admin.registry.registry_id,
-            "backend": admin.backend_name,
+            "backend": admin.records.backend_name,
             "frontend": self.rundir.endpoint("frontend"),
             "events": self.rundir.endpoint("events"),
-            "started": admin.started,
+            "started": admin.records.started,
             "metrics_url": getattr(self.metrics, "url", None),
             "state_dir": self.config.state_path,
             # the TCP frontend as bound (port 0 resolved) and its CURVE public key (Z85)
@@ -648,7 +468,7 @@ class Supervisor:
         self._metrics.publish(MetricsSnapshot(
             tenants=tenants, states=dict(states), quiet_host_bytes=dict(quiet_host), pool_idle=len(parts.workers.pool),
             pool_starting=parts.workers.pool_starting,
-            pool_size=parts.workers.pool_target, backend=parts.admin.backend_name, devices=devices,
+            pool_size=parts.workers.pool_target, backend=parts.records.backend_name, devices=devices,
             frontend=parts.frontend.guard.counters(),
         ))
 
@@ -659,7 +479,7 @@ class Supervisor:
         parts = self.parts
         if parts is None:
             return
-        quiet = parts.admin.quiet_refusals
+        quiet = parts.records.quiet_refusals
         if len(quiet) > len(self.tenants):
             quiet.intersection_update(self.tenants)
         for tid, rt in self.tenants.items():
@@ -678,52 +498,3 @@ class Supervisor:
                 self.events.emit("quota_refusal", tenant=rt.tenant_id, new=total - rt.seen_refusals,
                                  cpu_refusals=snap.cpu_refusals, gpu_refusals=snap.gpu_refusals)
                 rt.seen_refusals = total
-
-
-def _parked_flag_writer(state: StateStore) -> Callable[[str, bool], None]:
-    """Parking's ``persist``: the parked flag written on the state's writer thread (never on the
-    loop: an activation does not wait for an fsync); a failed write is logged - a restart then
-    brings the tenant back in the state written last."""
-
-    def persist(tenant: str, parked: bool) -> None:
-        def done(future: Future[None]) -> None:
-            exc = future.exception()
-            if exc is not None:
-                log_event(_log, logging.ERROR, "state.write_failed", tenant=tenant, error=str(exc))
-
-        state.submit(state.set_parked, tenant, parked).add_done_callback(done)
-
-    return persist
-
-
-class _Hooks:
-    """What a worker event means for its tenant: the worker set's view of the other parts."""
-
-    def __init__(self, sup: Supervisor, admin: AdminOps) -> None:
-        self._sup = sup
-        self._admin = admin
-        #: parking, built after the worker set (Supervisor._setup): an activation restores buffers first
-        self.parking: Parking | None = None
-
-    def instance_ready(self, rt: TenantRuntime) -> None:
-        if self.parking is not None:
-            self.parking.instance_ready(rt)  # during an activation: the buffers go back in before any request
-        self._admin.instance_ready(rt)
-
-    def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None:
-        self._admin.registration_failed(rt, exc)
-
-    def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
-                               reason: str) -> None:
-        self._admin.instance_not_restarted(rt, index, code, sig, reason)
-        if self.parking is not None:
-            self.parking.activation_stopped(rt)
-
-    def tenant_failed(self, rt: TenantRuntime, why: str) -> None:
-        self._admin.tenant_failed(rt, why)
-        if self.parking is not None:
-            self.parking.activation_stopped(rt)
-
-    def is_stopping(self) -> bool:
-        return self._sup._stopping
-

@@ -1,18 +1,9 @@
-"""The frontend: client requests in - decode, capability check, back-pressure, instance choice, forwarding.
+"""The frontend: client requests in - decode, capability check, admission, back-pressure.
 
-A request names no worker: the supervisor picks the least-loaded ready
-instance of the capability's tenant, or the instance that holds the buffer
-handles it names (buffer affinity; ``alloc`` may name an instance). A handle
-from an earlier incarnation of its instance is answered
-:class:`~shared.errors.BufferLost` at once. When no instance is ready but one
-is starting or restarting, the request is parked, bounded by
-``max_in_flight`` and its deadline, and sent as soon as one is
-(:meth:`Frontend.dispatch_parked`); a tenant scaled to 0 is answered
-:class:`~shared.errors.TenantStopped`, and one whose instances are gone for
-good :class:`~shared.errors.WorkerLost`, at once. A request that needs a worker
-for a *parked* tenant (:mod:`supervisor.lifecycle.parking`) waits the same way and
-wakes it (``wake_parked``); nothing is sent while its buffers move
-(``TenantRuntime.park`` set).
+Whether a request is served is decided here; where and when it goes - which
+instance, now or parked until one is ready - is the dispatcher's
+(:mod:`supervisor.routing.dispatcher`), to which every admitted tenant request
+that needs a worker is handed.
 
 Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
 one when ``listen`` is set: the same decode, checks and limits for both; at
@@ -28,34 +19,35 @@ the shared-memory data regions of local clients (``regions``: a
 ``region_release`` are answered here, ``write_region`` / ``read_region`` are
 resolved to the tenant's own region and forwarded; refused on TCP, whose
 peers cannot map this host's shared memory).
-May touch: the pending table (every answer goes through it), the worker set
-(to send), the registry (to verify capabilities), the event log (read:
+May touch: the pending table (every answer goes through it), the dispatcher
+(to route), the registry (to verify capabilities), the event log (read:
 ``events``, which either capability may send: the capability is verified here and
 its op's class reads the log for it). Admin ops are
 verified here and handed to their handler, one per op (:mod:`supervisor.control.ops`,
-bound to the part that serves it: ``serve_ops``). Loop thread only.
+bound to the part that serves it, given at construction). Told by the tenant
+signals (:mod:`supervisor.lifecycle.signals`) of an evicted tenant (nothing of it
+stays here) and of a rotated registry key (nothing verified before counts).
+Loop thread only.
 """
 
 from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from collections.abc import Callable
+from typing import Any, Protocol
 
 import zmq
 
 from shared import protocol as proto
 from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability, capability_from_bytes
-from shared.checks import is_int
 from shared.config import SupervisorConfig
 from shared.errors import (
-    BufferLost,
     ClientRepliesQueued,
+    Draining,
     InFlightLimit,
     InvalidArgument,
-    KernelTimeout,
     ProtocolError,
     TenantFailed,
     TenantIsolationViolation,
@@ -63,25 +55,21 @@ from shared.errors import (
     TensorWasmError,
     UnknownModule,
     UnknownTenant,
-    WorkerLost,
 )
 from shared.log import get_logger
 from shared.sizes import MAX_MODULE_BYTES
-from shared.spec import DEADLINE_GRACE_S
-from supervisor.observe.event_log import EventLog
-from supervisor.lifecycle.drain import Drain
 from supervisor.admission.guard import FrontendGuard
 from supervisor.admission.rates import RefusalUnanswered
 from supervisor.runtime.loop import Loop
+from supervisor.routing.dispatcher import Body, Dispatcher
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.regions import RegionTable, ipc_peer_pid
 from supervisor.store.registry import TenantRegistry
 from supervisor.store.modules import ModuleStore
 from supervisor.routing.replies import Replies
-from supervisor.runtime.requests import Parked, Pending
 from supervisor.admission.tcp_frontend import IPC_INDEX, TCP_INDEX
-from supervisor.runtime.tenants import InstanceSlot, ParkPhase, ParkRecord, TenantRuntime, TenantState
-from supervisor.lifecycle.workerset import WorkerSet
+from supervisor.runtime.tenants import TenantRuntime, TenantState
+from supervisor.runtime.workers import WorkerHandle
 
 #: messages read from one frontend socket per wake-up: a turn's share of one tenant, so a lone
 #: tenant's batch is served at once and a flood of garbage delays a verified request by one short read
@@ -93,7 +81,7 @@ YIELD_EVERY = 4
 #: the idle TCP sessions are looked for this often (or four times per tcp_idle_timeout_s, if shorter)
 IDLE_SWEEP_S = 0.5
 
-__all__ = ["ClientMessage", "Frontend"]
+__all__ = ["AdminHandler", "ClientMessage", "DenialHook", "DrainState", "EitherOp", "EventPages", "Frontend", "LocalOp", "TenantSignalsLike"]
 
 _log = get_logger("supervisor")
 
@@ -106,27 +94,37 @@ _VERIFIED_CAP_CACHE = 65536
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _IPC = bytes([IPC_INDEX])
 _TCP = bytes([TCP_INDEX])
-#: a request's body: its frame as received, or a module put_module stored (a run by digest)
-Body = zmq.Frame | bytes | None
-
-
-def _ignore_reply(ok: bool, payload: object) -> None:
-    """Callback of the supervisor's own fire-and-forget worker requests."""
-
-
-def _ignore_wake(rt: TenantRuntime) -> None:
-    """``wake_parked`` until parking is wired in (a supervisor without it never parks)."""
-
 
 #: an admin op's handler, bound to the part that serves it: (client, rid, args) (supervisor.control.ops)
 AdminHandler = Callable[[bytes, int, dict[str, object]], None]
-#: a tenant op the frontend answers itself, bound to it (supervisor.control.ops): (tenant, args, body) -> the result
-LocalOp = Callable[[TenantRuntime, dict[str, object], "Body"], object]
-#: an op either capability may send, bound to the frontend (supervisor.control.ops): (the tenant the
-#: capability names, None for the admin's; args) -> the result
-EitherOp = Callable[["TenantRuntime | None", dict[str, object]], object]
+#: a tenant op the frontend answers itself (supervisor.control.ops): (this frontend, tenant, args, body) -> the result
+LocalOp = Callable[["Frontend", TenantRuntime, dict[str, object], Body], object]
+#: an op either capability may send, answered by the frontend (supervisor.control.ops): (this frontend,
+#: the tenant the capability names, None for the admin's; args) -> the result
+EitherOp = Callable[["Frontend", "TenantRuntime | None", dict[str, object]], object]
 #: told of every refused capability: (the capability bytes or None, the op) - the denied-event audit
 DenialHook = Callable[["bytes | None", str], None]
+
+
+class DrainState(Protocol):
+    """The supervisor's drain once a stop began (:class:`supervisor.lifecycle.drain.Drain`)."""
+
+    @property
+    def active(self) -> bool: ...
+    def refusal(self, now: float) -> Draining: ...
+
+
+class EventPages(Protocol):
+    """The event log the ``events`` op pages through (:class:`supervisor.observe.event_log.EventLog`)."""
+
+    def page(self, view: Any, args: Mapping[str, object]) -> dict[str, object]: ...
+
+
+class TenantSignalsLike(Protocol):
+    """What the frontend hears of the tenant signals (:class:`supervisor.lifecycle.signals.TenantSignals`)."""
+
+    def on_evicted(self, slot: Callable[[TenantRuntime], None]) -> None: ...
+    def on_key_rotated(self, slot: Callable[[RegistryAdminCapability], None]) -> None: ...
 
 
 class Frontend:
@@ -141,16 +139,27 @@ class Frontend:
         tcp_sock: zmq.Socket[bytes] | None = None,
         replies: Replies,
         pending: PendingTable,
-        workers: WorkerSet,
+        dispatcher: Dispatcher,
+        workers: Mapping[bytes, WorkerHandle],
         registry: TenantRegistry,
         tenants: Mapping[str, TenantRuntime],
         guard: FrontendGuard,
         admin_cap: bytes,
         on_denied: DenialHook | None = None,
         regions: RegionTable,
-        event_log: EventLog,
+        event_log: EventPages,
         module_store: ModuleStore | None = None,
+        admin_ops: Mapping[str, AdminHandler],
+        local_ops: Mapping[str, LocalOp],
+        either_ops: Mapping[str, EitherOp],
+        signals: TenantSignalsLike | None = None,
     ) -> None:
+        """``workers``: every worker by identity (the worker set's table: whose TCP sessions are busy).
+        ``admin_ops``, ``local_ops``, ``either_ops``: the handlers of the ops the supervisor serves
+        itself, by name (``supervisor.control.ops``): every admin op's, bound to its part; every
+        tenant op's this part answers from what it holds; every op's either capability may send.
+        Each table must match the op table (RuntimeError: a bug, at start). ``signals``: told of
+        evictions and key rotations (None: a frontend of a test that has neither)."""
         self.config = config
         #: the stored modules on disk (put_module), with a state directory
         self.module_store = module_store
@@ -159,31 +168,29 @@ class Frontend:
         self.sock = sock
         self.replies = replies
         self.pending = pending
+        self.dispatcher = dispatcher
         self.workers = workers
         self.registry = registry
         self.tenants = tenants
-        #: the admin ops' handlers, by name (serve_ops, at set-up)
-        self._admin_ops: Mapping[str, AdminHandler] = {}
         self.guard = guard
         self._admin_raw = admin_cap
-        #: the monitor capability's bytes, once verified (forget_verified drops them)
+        #: the monitor capability's bytes, once verified (a key rotation drops them)
         self._monitor_raw: bytes | None = None
         self.on_denied = on_denied
         self.regions = regions
         self.event_log = event_log
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
-        #: the tenant ops this part answers itself, by name (serve_ops, at set-up)
-        self._local_ops: Mapping[str, LocalOp] = {}
-        #: the ops either capability may send, by name (serve_ops, at set-up)
-        self._either_ops: Mapping[str, EitherOp] = {}
+        _check_ops(admin_ops, local_ops, either_ops)
+        self._admin_ops, self._local_ops, self._either_ops = admin_ops, local_ops, either_ops
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
         #: the supervisor's drain once a stop began (supervisor.lifecycle.drain): new requests but the
         #: read-only ones are refused ``Draining`` while what is in flight finishes
-        self.drain: Drain | None = None
-        #: a request that needs a worker came for a parked tenant (supervisor.lifecycle.parking, set at set-up)
-        self.wake_parked: Callable[[TenantRuntime], None] = _ignore_wake
+        self.drain: DrainState | None = None
+        if signals is not None:
+            signals.on_evicted(self.forget)
+            signals.on_key_rotated(self._key_rotated)
         #: each frontend socket's neighbour (ipc <-> tcp): what a read of one looks at (see _on_readable)
         self._other: dict[bytes, tuple[zmq.Socket[bytes], bytes]] = {}
         loop.register(sock, lambda: self._on_readable(sock, _IPC))
@@ -271,7 +278,7 @@ class Frontend:
     def _tcp_clients_busy(self) -> set[bytes]:
         """The TCP clients with a request in flight (at a worker, or parked): their sessions are
         neither idle nor evicted. (One read and waiting for its turn was active a moment ago.)"""
-        busy = {p.client for w in self.workers.workers.values() for p in w.in_flight.values()
+        busy = {p.client for w in self.workers.values() for p in w.in_flight.values()
                 if p.client is not None and p.client[:1] == _TCP}
         busy.update(p.client for rt in self.tenants.values() for p in rt.parked if p.client[:1] == _TCP)
         return busy
@@ -439,22 +446,6 @@ class Frontend:
             _log.error("supervisor.request_failed", exc_info=True, extra={"twt_fields": {"op": op}})
             self._refused(client, rid, op, TensorWasmError(f"internal error handling {op!r}: {exc!r}"), msg.cap_raw)
 
-    def serve_ops(self, admin_ops: Mapping[str, AdminHandler], local_ops: Mapping[str, LocalOp],
-                  either_ops: Mapping[str, EitherOp]) -> None:
-        """The handlers of the ops the supervisor serves itself, by name (``supervisor.control.ops``):
-        every admin op's, bound to its part; every tenant op's this part answers from what it holds;
-        every op's either capability may send. Once, at set-up, once those parts exist; each table
-        must match the op table."""
-        for kind, handlers, declared in (
-            ("admin", admin_ops, {n for n, spec in proto.OPS.items() if spec.admin}),
-            ("frontend", local_ops,
-             {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}),
-            ("either-capability", either_ops, {n for n, spec in proto.OPS.items() if spec.any_capability}),
-        ):
-            if set(handlers) != declared:  # the op table and the handlers disagree: a bug, at start
-                raise RuntimeError(f"{kind} ops {sorted(declared)} declared, {sorted(handlers)} served")
-        self._admin_ops, self._local_ops, self._either_ops = admin_ops, local_ops, either_ops
-
     def _admin_request(self, client: bytes, rid: int, op: str, cap_raw: bytes | None, args: dict[str, object]) -> None:
         """One admin request: the admin capability first, then the op's arguments, then its handler."""
         if cap_raw is None:
@@ -536,7 +527,7 @@ class Frontend:
             self.guard.admission.admit(rt.tenant_id, rt.spec, size, self.clock(),
                                        in_flight=rt.in_flight + len(rt.parked))
         proto.check_args(op, args)
-        result = self._either_ops[op](rt, args)
+        result = self._either_ops[op](self, rt, args)
         self.pending.answer(client, rid, op, result, tenant="" if rt is None else rt.tenant_id)
 
     # ------------------------------------------------------------ tenant requests
@@ -566,7 +557,7 @@ class Frontend:
             raise InvalidArgument(f"{op}: shared-memory regions serve local (ipc) clients only; "
                                   "a remote client sends its bytes in frames")
         if spec.served_by == "frontend":  # answered here, from what the supervisor holds
-            self.pending.answer(client, rid, op, self._local_ops[op](rt, args, body), tenant=tid)
+            self.pending.answer(client, rid, op, self._local_ops[op](self, rt, args, body), tenant=tid)
             return
         # only what needs a worker keeps a tenant awake: a poll of its quota does not (parking)
         rt.last_request = self.clock()
@@ -587,53 +578,24 @@ class Frontend:
             if queued > self.config.max_client_reply_bytes:
                 raise ClientRepliesQueued(tid, in_flight, max_in_flight, queued=queued,
                                           budget=self.config.max_client_reply_bytes)
-        if spec.merge is not None:
-            if spec.lists_buffers and rt.park is not None and rt.park.phase is not ParkPhase.EXPORTING:
-                self.pending.answer(client, rid, op, parked_buffers(rt.park), tenant=tid)  # no activation
-                return
-            self._fan_out(rt, client, rid, op, spec.merge)
-            return
-        pinned = pinned_instance(rt, op, args)
-        if pinned is not None:
-            lost = lost_buffer(rt, op, args)
-            if lost is not None:
-                raise lost
-        # a parked tenant: the request waits (below) while parking activates the tenant
-        slot = slot_for(rt, pinned) if rt.park is None else None
-        now = self.clock()
-        if rt.park is not None:
-            self.wake_parked(rt)
-            slot = slot_for(rt, pinned) if rt.park is None else None  # a park cancelled: serve at once
-        if slot is None and rt.park is None:
-            if not (rt.coming_up() if pinned is None else rt.slots[pinned].coming_up):
-                raise _nothing_coming_up(rt, pinned)
-        # What the supervisor will hold for this request, reserved before it holds it
-        # (supervisor.routing.budgets): a read's reply, and a parked request's body.
-        held = self.guard.held
-        reply = spec.reply_body_bytes(args, self.config.max_message_bytes)
-        held.reserve(tid, "replies", reply, in_flight=in_flight, max_in_flight=max_in_flight)
-        try:
-            if slot is None:
-                # no ready instance, but one is starting or restarting: wait for it, bounded
-                size = len(body) if body is not None else 0
-                held.reserve(tid, "parked", size, in_flight=in_flight, max_in_flight=max_in_flight)
-                rt.parked.append(Parked(client, rid, op, args, body, now,
-                                        now + spec.deadline_s(rt.spec, args.get("timeout_s")), pinned,
-                                        held_reply=reply, held_body=size))
-                return
-            self._forward(rt, slot, client, rid, op, args, body, now, held=reply)
-        except BaseException:
-            held.release(tid, "replies", reply)
-            raise
+        self.dispatcher.route(rt, client, rid, op, args, body, in_flight=in_flight, max_in_flight=max_in_flight)
 
-    def set_admin_capability(self, raw: bytes) -> None:
-        """The admin capability's bytes changed (key rotation): requests carrying them are verified."""
-        self._admin_raw = raw
+    def mark_ready(self) -> None:
+        """Every configured tenant is up: ``hello`` without a capability says ready from now on."""
+        self.ready = True
 
-    def forget_verified(self) -> None:
-        """Drop the verified-capability cache (the registry key was rotated: nothing verified before counts)."""
+    def begin_drain(self, drain: DrainState) -> None:
+        """A stop began: new requests but the read-only ones are refused ``Draining`` (``drain``
+        says for how long), and ``hello`` without a capability says not ready."""
+        self.drain = drain
+        self.ready = False
+
+    def _key_rotated(self, new_admin: RegistryAdminCapability) -> None:
+        """The registry key was rotated: nothing verified before counts (the verified-capability
+        cache dropped), and requests carrying the new admin capability's bytes are verified."""
         self._verified_caps.clear()
         self._monitor_raw = None
+        self._admin_raw = new_admin.to_bytes()
 
     def _verify(self, cap_raw: bytes) -> TenantRuntime:
         # Fast path: these exact bytes were verified for this very tenant runtime
@@ -650,69 +612,6 @@ class Frontend:
         self._verified_caps[cap_raw] = rt
         return rt
 
-    def _fan_out(self, rt: TenantRuntime, client: bytes, rid: int, op: str,
-                 merge: Callable[[list[Mapping[str, object]]], object]) -> None:
-        """An op sent to every ready instance of the tenant (``OpSpec.merge``): the first error, or
-        every instance's reply merged into one."""
-        slots = rt.live_slots()
-        if not slots:
-            raise WorkerLost(rt.tenant_id, 0, reason=f"no ready instance to send {op} to")
-        now = self.clock()
-        deadline = now + rt.spec.request_timeout_s
-        remaining = {slot.index for slot in slots}
-        parts: list[Mapping[str, object]] = []  # each instance's reply
-        errors: list[object] = []
-        request = Pending(client, rid, op, rt.tenant_id, 0, now, deadline)
-
-        def collect(index: int) -> Callable[[bool, object], None]:
-            def done(ok: bool, payload: object) -> None:
-                if index not in remaining:
-                    return
-                remaining.discard(index)
-                if ok and isinstance(payload, dict):
-                    parts.append(payload)
-                else:
-                    errors.append(payload)
-                if remaining:
-                    return
-                if errors:
-                    self.pending.finish(request, False, errors[0])
-                else:
-                    self.pending.finish(request, True, merge(parts))
-
-            return done
-
-        for slot in slots:
-            assert slot.worker is not None
-            done = collect(slot.index)
-            part = Pending(None, 0, op, rt.tenant_id, slot.index, now, deadline, done)
-            try:
-                self.workers.send_request(slot.worker, op, {}, None, part)
-            except TensorWasmError as exc:
-                done(False, exc.to_dict())
-
-    # ------------------------------------------------------------ regions
-
-    def unmap_region(self, rt: TenantRuntime, name: str) -> None:
-        """Tell the tenant's live workers to unpin and unmap a released region (best effort:
-        a worker that misses it unmaps at exit, and the name is unlinked already)."""
-        now = self.clock()
-        for slot in rt.live_slots():
-            assert slot.worker is not None
-            part = Pending(None, 0, "region_drop", rt.tenant_id, slot.index, now,
-                           now + rt.spec.request_timeout_s, _ignore_reply)
-            try:
-                self.workers.send_request(slot.worker, "region_drop", {"name": name}, None, part)
-            except TensorWasmError:
-                pass  # dying or flooded: its mapping ends with it
-
-    def reap_regions(self) -> None:
-        """Housekeeping: reclaim the regions whose client process died."""
-        for owned in self.regions.reap():
-            rt = self.tenants.get(owned.tenant_id)
-            if rt is not None:
-                self.unmap_region(rt, owned.name)
-
     def forget(self, rt: TenantRuntime) -> None:
         """An evicted tenant leaves nothing behind here: its verified tokens (which kept
         its runtime alive), stored modules and held bytes."""
@@ -724,87 +623,18 @@ class Frontend:
         self.guard.held.forget(rt.tenant_id)
         self.guard.admission.forget(rt.tenant_id)
 
-    def _forward(
-        self,
-        rt: TenantRuntime,
-        slot: InstanceSlot,
-        client: bytes,
-        rid: int,
-        op: str,
-        args: dict[str, object],
-        body: Body,
-        now: float,
-        *,
-        started: float | None = None,
-        deadline: float | None = None,
-        held: int = 0,
-    ) -> None:
-        """Send to the slot's worker. A request that waited (parked) keeps its
-        original start and deadline; a run is shortened to fit what is left.
-        ``held``: reply bytes reserved for it, handed to its Pending (raises: not taken)."""
-        worker = slot.worker
-        assert worker is not None
-        spec = proto.OPS[op]
-        if spec.guest_run:
-            args = with_wasm_limits(rt, args, None if deadline is None else deadline - now - DEADLINE_GRACE_S)
-        own = now + spec.deadline_s(rt.spec, args.get("timeout_s"))
-        deadline = own if deadline is None else min(own, deadline)
-        pending = Pending(client, rid, op, rt.tenant_id, slot.index, started if started is not None else now, deadline,
-                          held=held)
-        self.workers.send_request(worker, op, args, body, pending)
 
-    # ------------------------------------------------------------ parked requests
-
-    def dispatch_parked(self, rt: TenantRuntime) -> None:
-        """An instance became ready: send what waited for one (not while the tenant's buffers are
-        moving: parking sends them once it is active, supervisor.lifecycle.parking)."""
-        if rt.park is not None:
-            return
-        now = self.clock()
-        keep: list[Parked] = []
-        while rt.parked:
-            p = rt.parked.popleft()
-            slot = slot_for(rt, p.instance)
-            if slot is None:
-                keep.append(p)
-                continue
-            lost = lost_buffer(rt, p.op, p.args) if p.instance is not None else None
-            if lost is not None:  # its instance restarted while it waited: the buffer went with it
-                self.pending.refuse_parked(rt.tenant_id, p, lost)
-                continue
-            # the body leaves the parked budget: it goes to the worker now
-            self.guard.held.release(rt.tenant_id, "parked", p.held_body)
-            p.held_body = 0
-            try:
-                self._forward(rt, slot, p.client, p.rid, p.op, p.args, p.body, now,
-                              started=p.started, deadline=p.deadline, held=p.held_reply)
-            except TensorWasmError as exc:
-                self.pending.refuse_parked(rt.tenant_id, p, exc)
-        rt.parked.extend(keep)
-
-    def expire_parked(self, now: float) -> None:
-        """Parked requests whose deadline passed get :class:`KernelTimeout` (every tick: nothing to do costs one look per tenant)."""
-        for rt in self.tenants.values():
-            while rt.parked and rt.parked[0].deadline <= now:
-                p = rt.parked.popleft()
-                waited = p.deadline - p.started
-                self.pending.refuse_parked(rt.tenant_id, p, KernelTimeout(
-                    waited, p.op, message=f"no instance of {rt.tenant_id!r} became ready within {waited:g} s"))
-
-    def refuse_all_parked(self, rt: TenantRuntime, exc_of: Callable[[Parked], TensorWasmError | None]) -> None:
-        """Answer the parked requests for which ``exc_of`` gives an error; keep the others."""
-        keep = []
-        while rt.parked:
-            p = rt.parked.popleft()
-            exc = exc_of(p)
-            if exc is None:
-                keep.append(p)
-            else:
-                self.pending.refuse_parked(rt.tenant_id, p, exc)
-        rt.parked.extend(keep)
-
-
-# ------------------------------------------------------------ instance choice (pure policy)
+def _check_ops(admin_ops: Mapping[str, AdminHandler], local_ops: Mapping[str, LocalOp],
+               either_ops: Mapping[str, EitherOp]) -> None:
+    """RuntimeError unless each handler table holds exactly the ops of its kind in the op table."""
+    for kind, handlers, declared in (
+        ("admin", admin_ops, {n for n, spec in proto.OPS.items() if spec.admin}),
+        ("frontend", local_ops,
+         {n for n, spec in proto.OPS.items() if spec.served_by == "frontend" and not spec.any_capability}),
+        ("either-capability", either_ops, {n for n, spec in proto.OPS.items() if spec.any_capability}),
+    ):
+        if set(handlers) != declared:  # the op table and the handlers disagree: a bug, at start
+            raise RuntimeError(f"{kind} ops {sorted(declared)} declared, {sorted(handlers)} served")
 
 
 def _peer_pid(frame: zmq.Frame) -> int | None:
@@ -813,119 +643,6 @@ def _peer_pid(frame: zmq.Frame) -> int | None:
         return ipc_peer_pid(frame.get("Peer-Address"))
     except zmq.ZMQError:  # no such property on this libzmq
         return None
-
-
-def request_handles(op: str, args: dict[str, object]) -> list[int]:
-    """The buffer handles a request names (``OpSpec.handles``: ``handle``, or the ``{handle}`` items of its list)."""
-    return proto.OPS[op].handles(args)
-
-
-def pinned_instance(rt: TenantRuntime, op: str, args: dict[str, object]) -> int | None:
-    """The instance a request must go to: the one holding the buffers it names, or the one its
-    ``instance_arg`` names (``alloc``'s ``instance``).
-
-    InvalidArgument when its buffers live on different instances (naming them),
-    or when the instance is not one the tenant runs.
-    """
-    spec = proto.OPS[op]
-    if not spec.pins:
-        return None  # the hot path (ping, quota-free ops): nothing to look at
-    if spec.instance_arg is not None:
-        pinned = args.get(spec.instance_arg)
-        if pinned is not None and (not is_int(pinned) or pinned < 0):
-            raise InvalidArgument(f"{op}: {spec.instance_arg} must be a non-negative int")
-        what = f"{op} names"
-    else:
-        handles = spec.handles(args)
-        where: dict[int, list[str]] = {}
-        for h in handles:
-            where.setdefault(proto.handle_instance(h), []).append(proto.format_handle(h))
-        if len(where) > 1:
-            held = "; ".join(f"{', '.join(names)} on {rt.tenant_id}/{i}" for i, names in sorted(where.items()))
-            raise InvalidArgument(
-                f"{op}: its buffers live on different instances ({held}); a run sees the buffers of one instance: "
-                f"allocate them on one (twt alloc {rt.tenant_id} SIZE --instance N, or alloc(cap, n, instance=N))"
-            )
-        pinned = next(iter(where), None)
-        what = "buffer handle names"
-    if pinned is not None and (pinned >= len(rt.slots) or rt.slots[pinned].draining):
-        running = ", ".join(str(s.index) for s in rt.wanted_slots()) or "none"
-        raise InvalidArgument(f"{what} instance {pinned}, which {rt.tenant_id!r} does not run "
-                              f"(its instances: {running})")
-    return pinned
-
-
-def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, object]) -> BufferLost | None:
-    """:class:`BufferLost` for the first handle whose instance restarted since (or died with it), else None.
-
-    A handle is alive while its slot's worker is the incarnation that made it;
-    a slot with no worker lost it (a restart is pending), one with a newer
-    incarnation restarted.
-    """
-    for h in request_handles(op, args):
-        index = proto.handle_instance(h)
-        if index >= len(rt.slots):
-            continue  # refused by pinned_instance
-        slot = rt.slots[index]
-        gone = slot.worker is None and rt.park is None  # a parked slot's buffers wait in the supervisor
-        if gone or slot.incarnation & 0xFFFF != proto.handle_incarnation(h):
-            return BufferLost(rt.tenant_id, proto.format_handle(h), index, slot.incarnation)
-    return None
-
-
-def parked_buffers(park: ParkRecord) -> dict[str, object]:
-    """The answer of an op that lists buffers (``OpSpec.lists_buffers``) for a parked tenant, from
-    its host copies (it is not activated for it)."""
-    listed = sorted((b.handle, len(b.data)) for bufs in park.buffers.values() for b in bufs)
-    return {"buffers": listed, "bytes": sum(n for _, n in listed)}
-
-
-def expected_reply_bytes(op: str, args: dict[str, object], limit: int) -> int:
-    """The reply body a request will bring back (``OpSpec.reply_body_bytes``: a ``read``'s ``nbytes``, at most ``limit``)."""
-    return proto.OPS[op].reply_body_bytes(args, limit)
-
-
-def _nothing_coming_up(rt: TenantRuntime, pinned: int | None) -> TensorWasmError:
-    """The answer when no instance (or not the pinned one) is ready or coming (so waiting is useless)."""
-    wanted = rt.wanted_slots()
-    if not wanted:
-        return TenantStopped(rt.tenant_id)
-    gone = rt.slots[pinned] if pinned is not None else max(wanted, key=lambda s: s.last_exit.at if s.last_exit else 0.0)
-    last = gone.last_exit
-    who = f"instance {gone.index} of {rt.tenant_id!r} is not" if pinned is not None else f"no instance of {rt.tenant_id!r} is"
-    reason = (f"{who} running or restarting (restart={rt.spec.restart.value}; "
-              f"last exit of {rt.tenant_id}/{gone.index}: {last.reason if last else 'unknown'})")
-    again = (f"`twt restart {rt.tenant_id}` runs it again" if rt.state is TenantState.COMPLETED
-             else f"`twt scale {rt.tenant_id} N` starts instances again")
-    return WorkerLost(rt.tenant_id, gone.index, last.exit_code if last else None, last.signal if last else None, reason,
-                      message=f"{reason}; {again}")
-
-
-def slot_for(rt: TenantRuntime, pinned: int | None) -> InstanceSlot | None:
-    """The ready instance to send to (least loaded, or the pinned one), None when none is ready."""
-    if pinned is None:
-        return rt.pick_slot()
-    if pinned < len(rt.slots) and rt.slots[pinned].ready:
-        return rt.slots[pinned]
-    return None
-
-
-def with_wasm_limits(rt: TenantRuntime, args: dict[str, object], left_s: float | None = None) -> dict[str, object]:
-    """A run's fuel and time: defaults from the spec, and never above it (nor above ``left_s``,
-    what a parked request has left of its deadline, if given)."""
-    spec = rt.spec
-    fuel = args.get("fuel")
-    out = dict(args)
-    out["fuel"] = (
-        min(fuel, spec.wasm_fuel)
-        if is_int(fuel) and fuel > 0
-        else spec.wasm_fuel
-    )
-    timeout_s = spec.wasm_run_s(args.get("timeout_s"))
-    out["timeout_s"] = timeout_s if left_s is None or left_s >= timeout_s else max(0.001, left_s)
-    return out
-
-
 
 
 @dataclass(eq=False, slots=True)

@@ -30,7 +30,7 @@ from supervisor.admission.rates import Admission, AdmissionStatus
 from supervisor.routing.budgets import HeldBytes
 from supervisor.admission.connections import ConnectionStatus, FrontendConnections
 from supervisor.admission.fairness import FairTurn
-from supervisor.observe.metrics import FrontendCounters
+from supervisor.admission.counters import FrontendCounters
 from supervisor.admission.peers import MAX_ERROR_TEXT, UnreadErrors, short
 
 __all__ = ["FrontendGuard", "GuardStatus", "WatchedGuardStatus"]

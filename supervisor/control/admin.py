@@ -2,10 +2,11 @@
 
 Each admin op is a class of its own under :mod:`supervisor.control.ops` (its
 handler, its ``twt`` command, its doc row); the handlers of register, evict,
-set_quota, scale, inject_fault, capability, status, tenant_status and hello
-call what is here: the tenants table and what a tenant goes through: registration answered once every
+set_quota, scale, inject_fault and capability call what is here: the tenants
+table and what a tenant goes through: registration answered once every
 instance is ready (or failed), the tenant marked failed after too many
 restarts, parked requests refused when their instance is not coming back.
+What status, tenant_status and hello show is :mod:`supervisor.control.records`.
 
 Every change an admin op makes is written to the state store
 (:mod:`supervisor.store.state`) as one transaction - register, evict, set_quota,
@@ -21,37 +22,42 @@ registrations that arrive while a commit runs share the next transaction
 thread once admin writes pause (:data:`CHECKPOINT_DELAY_S`), never on a
 reply's path. The service
 ops (reload, reset, restart, rotate-key, and the restore at start) live in
-:mod:`supervisor.control.service`, which drives the ops here; the lifecycle tells it
-what it must know (an instance ready, a tenant gone)
-through :class:`ServiceHooks`, so this module never imports it.
+:mod:`supervisor.control.service`, which drives the ops here; what it must know
+of a tenant (an instance ready, a tenant gone) it hears from the tenant signals
+(:mod:`supervisor.lifecycle.signals`), so this module never imports it.
+
+The methods here are the domain: they take tenants and specs, never a client
+or a request id. One that answers at once returns its result; one that waits
+on workers (a registration answered once every instance is ready, an eviction
+once its workers are gone) returns a :class:`~supervisor.runtime.completion.Completion`.
+The op adapters (:mod:`supervisor.control.ops`) turn either into the wire's
+answer; an internal caller (a restore, a reload) may ignore it.
 
 Owns: the tenants table (``tenants``: id -> :class:`TenantRuntime`) and each
 tenant's registration waiters. May touch: the registry (capabilities, quota
 blocks), the state store, placement, the worker set (start, stop, drain,
-faults), the frontend's parked requests, the pending table (every answer
-goes through it), events. Loop thread only.
+faults), the dispatcher's parked requests, the regions, events. Hears from the
+signals: an instance ready, a registration failed, an instance not restarted,
+a tenant failed; tells them: a tenant down, a tenant evicted. Loop thread only.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import threading
-import time
 from collections import Counter
 from concurrent.futures import Future
-from dataclasses import fields
-from typing import ParamSpec, Protocol
-from collections.abc import Callable
-
-import psutil
+from dataclasses import dataclass
+from typing import ParamSpec
+from collections.abc import Callable, Mapping
 
 from shared import protocol as proto
 from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig
 from shared.errors import (
     CapacityExhausted,
+    FaultInjectionDisabled,
     InvalidArgument,
     KernelTimeout,
     StateError,
@@ -61,38 +67,28 @@ from shared.errors import (
     UnknownTenant,
     WorkerLost,
 )
-from shared.checks import is_int
 from shared.log import get_logger, log_event
 from supervisor.host.mps import MpsDecision
-from shared.quota import MAX_INSTANCES, QuotaSnapshot
-from shared.records import (
-    HelloInfo,
-    InstanceRecord,
-    STATUS_PAGE_DEFAULT,
-    STATUS_PAGE_MAX,
-    PoolRecord,
-    StatusRecord,
-    StatusSummary,
-    SupervisorRecord,
-    TenantRecord,
-)
+from shared.quota import MAX_INSTANCES
+from shared.records import TenantRecord
 from shared.spec import TenantSpec
+from shared.worker_link import FaultAck, FaultExit, FaultOrder
+from supervisor.control.records import Records
 from supervisor.observe.events import EventBus
-from supervisor.admission.frontend import Frontend
-from supervisor.observe.gpu_share import SAMPLE_EVERY_S, GpuShareWindow
+from supervisor.runtime.completion import Completion
 from supervisor.runtime.loop import Loop, Timer
-from supervisor.routing.pending import PendingTable
+from supervisor.routing.dispatcher import Dispatcher
 from supervisor.routing.placement import Placement
+from supervisor.routing.regions import RegionTable
 from supervisor.store.registry import TenantRegistry
 from supervisor.runtime.requests import Parked
-from supervisor.store.rundir import RunDir
-from supervisor.admission.guard import FrontendGuard
 from supervisor.store.state import Origin, StateStore
 from supervisor.runtime.tenants import InstanceSlot, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
+from supervisor.lifecycle.signals import Stage, TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
 
-__all__ = ["AdminOps", "ServiceHooks"]
+__all__ = ["AdminOps", "FaultAnswer", "Registered"]
 
 _log = get_logger("supervisor")
 #: a state write and its arguments (AdminOps.write / record)
@@ -102,14 +98,17 @@ W = ParamSpec("W")
 #: group of registrations) pays its fsyncs once, after its replies, not one per op
 CHECKPOINT_DELAY_S = 0.25
 
+#: a registration's result once every instance is ready: ``{capability, tenant}`` (the wire's reply)
+Registered = dict[str, object]
 
-class ServiceHooks(Protocol):
-    """What the tenant lifecycle hands up to the service ops (implemented by
-    :class:`supervisor.control.service.ServiceOps`, which drives the ops here): an
-    instance that became ready, a tenant gone."""
 
-    def instance_ready(self, rt: TenantRuntime) -> None: ...
-    def tenant_down(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
+@dataclass(frozen=True, slots=True)
+class FaultAnswer:
+    """A fault's outcome: ``ok`` with the result, or the worker's refusal as the worker worded
+    it (a wire error, answered as it came: the worker is the authority on why it refused)."""
+
+    ok: bool
+    result: dict[str, object]
 
 
 class AdminOps:
@@ -125,22 +124,18 @@ class AdminOps:
         admin_cap: RegistryAdminCapability,
         state: StateStore,
         placement: Placement,
-        pending: PendingTable,
+        workers: WorkerSet,
+        dispatcher: Dispatcher,
+        regions: RegionTable,
+        signals: TenantSignals,
         events: EventBus,
-        rundir: RunDir,
-        backend_name: str,
-        backend_reason: str,
-        counters: Callable[[], int],
+        records: Records,
         on_settled: Callable[[], None],
-        guard: FrontendGuard,
-        tenant_label: Callable[[str], str] | None = None,
-        backend_versions: tuple[str, str] = ("", ""),
     ) -> None:
-        """``tenant_label``: a tenant's metric label (``supervisor.observe.metrics.TenantLabels``), shown in its record.
-        ``backend_versions``: the driver's and CUDA's versions (``BackendChoice``), shown in the status."""
+        """``records``: the records the ops answer with (a scale's, a quota change's).
+        ``on_settled()``: no registration waits for its instances any more (the supervisor may be ready)."""
         self.config = config
-        self.guard = guard
-        self.tenant_label = tenant_label
+        self.records = records
         self.loop = loop
         self.clock = loop.clock
         self.tenants = tenants
@@ -148,22 +143,12 @@ class AdminOps:
         self.admin_cap = admin_cap
         self.state = state
         self.placement = placement
-        self.pending = pending
+        self.workers = workers
+        self.dispatcher = dispatcher
+        self.regions = regions
+        self.signals = signals
         self.events = events
-        self.rundir = rundir
-        self.backend_name = backend_name
-        self.backend_reason = backend_reason
-        self.backend_versions = backend_versions
-        self._internal_errors = counters
         self._on_settled = on_settled
-        self.started = time.time()
-        #: tenants without a worker whose block was read since their last worker went (or that never
-        #: had one: a new block is all zeros): sample_gpu_time and the refusal scan skip them
-        self._quiet_sampled: set[str] = set()
-        self.quiet_refusals: set[str] = set()
-        self._workers: WorkerSet | None = None
-        self._frontend: Frontend | None = None
-        self._service: ServiceHooks | None = None
         #: registrations waiting for the writer thread; it takes all there are into one
         #: transaction (group commit) - the loop appends, the writer takes, under the lock
         self._to_write: list[tuple[TenantSpec, int, Origin]] = []
@@ -175,28 +160,10 @@ class AdminOps:
         self._written_r: int | None = None  # the writer thread's "done" pipe (made on first use)
         self._written_w: int | None = None
         self._checkpoint_timer: Timer | None = None
-        #: each tenant's GPU-time share over the last window (sampled by a loop timer)
-        self.gpu_share = GpuShareWindow()
-        loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
-
-    def attach(self, workers: WorkerSet, frontend: Frontend, service: ServiceHooks) -> None:
-        """The parts this one calls, which are built after it (they call it too); once, at set-up."""
-        self._workers, self._frontend, self._service = workers, frontend, service
-
-    @property
-    def workers(self) -> WorkerSet:
-        assert self._workers is not None, "AdminOps used before Supervisor._setup attached its parts"
-        return self._workers
-
-    @property
-    def frontend(self) -> Frontend:
-        assert self._frontend is not None, "AdminOps used before Supervisor._setup attached its parts"
-        return self._frontend
-
-    @property
-    def service(self) -> ServiceHooks:
-        assert self._service is not None, "AdminOps used before Supervisor._setup attached its parts"
-        return self._service
+        signals.on_instance_ready(Stage.TENANT, self.instance_ready)
+        signals.on_registration_failed(self.registration_failed)
+        signals.on_instance_not_restarted(Stage.TENANT, self.instance_not_restarted)
+        signals.on_tenant_failed(Stage.TENANT, self.tenant_failed)
 
     def runtime(self, tid: str) -> TenantRuntime:
         """The tenant's runtime; UnknownTenant when none is registered as ``tid``."""
@@ -207,9 +174,12 @@ class AdminOps:
 
     # ------------------------------------------------------------ register
 
-    def register(self, spec: TenantSpec, client: bytes | None, rid: int | None, *, origin: str = "runtime") -> None:
-        """Register a tenant (``origin``: "file" for the config file's, "runtime" for a register
-        request), record it in the state, start its instances; answered once they are ready."""
+    def register(self, spec: TenantSpec, *, origin: str = "runtime") -> Completion[Registered]:
+        """Register a tenant, record it in the state, start its instances; completed once they are
+        ready (with its capability and record), or failed. ``origin``: "runtime" for a client's
+        register request - committed on the state's writer thread while the instances start, and
+        completed once both are done; "file" for the config file's - written before this returns.
+        Raises a typed error (nothing registered) when it is refused at once."""
         # capacity, placement and the MPS check first: a refusal must leave nothing registered
         if spec.tenant_id not in self.tenants:  # a second registration is AlreadyRegistered (the registry)
             self.check_capacity(tenants=1, workers=spec.instances)
@@ -225,24 +195,27 @@ class AdminOps:
                 self.placement.gpu_time_leave(spec.tenant_id)
             raise
         stored_origin: Origin = "file" if origin == "file" else "runtime"
-        if client is not None:
+        asked = origin != "file"
+        if asked:
             # A client's registration: its commit runs on the writer thread from now on, while
             # the loop starts the instances and serves their binds; answered once both are done.
             # (Submitted after the binds instead, a warm registration measured the same.)
             self._unwritten.add(spec.tenant_id)
             self._submit_registration(spec, cap.generation, stored_origin)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
-        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (client, rid, cap.to_bytes()))
-        if client is not None:
-            return
+        done: Completion[Registered] = Completion()
+        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (done, cap.to_bytes()))
+        if asked:
+            return done
         try:
             self.state.register(spec, cap.generation, stored_origin)
         except StateError:
             rt.register_waiters.clear()
-            self.evict(spec.tenant_id, None, None, durable=False)  # not durable: not registered
+            self.evict(spec.tenant_id, durable=False)  # not durable: not registered
             raise
         self._checkpoint_soon()
         self._check_registered(rt)
+        return done
 
     def _tenants_on(self) -> Counter[int]:
         """Tenants per device, the placement's tie-breaker: counted only where there is a choice
@@ -322,9 +295,9 @@ class AdminOps:
                           tenants=len(tids))
                 for rt in live:
                     waiters, rt.register_waiters = rt.register_waiters, []
-                    self.evict(rt.tenant_id, None, None, durable=False)  # never stored: nothing to delete
-                    for client, rid, _cap in waiters:
-                        self.pending.refuse(client, rid or 0, "register", failed)
+                    self.evict(rt.tenant_id, durable=False)  # never stored: nothing to delete
+                    for done, _cap in waiters:
+                        done.fail(failed)
                 self._on_settled()
                 continue
             if len(tids) > 1:
@@ -381,12 +354,12 @@ class AdminOps:
             rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
             rt.park = ParkRecord(ParkPhase.PARKED, self.clock())
         else:
-            rt = self._start_tenant(spec, generation, device, isolation, origin, (None, None, cap.to_bytes()))
-            rt.restoring = True
+            rt = self._start_tenant(spec, generation, device, isolation, origin, (Completion(), cap.to_bytes()))
+            rt.restoring = True  # nobody waits for its completion: it marks the tenant as coming up
         self._check_registered(rt)
 
     def _start_tenant(self, spec: TenantSpec, generation: int, device: int, isolation: MpsDecision, origin: str,
-                      waiter: tuple[bytes | None, int | None, bytes] | None, *, start: bool = True) -> TenantRuntime:
+                      waiter: tuple[Completion[Registered], bytes] | None, *, start: bool = True) -> TenantRuntime:
         block = self.registry.block(self.admin_cap, spec.tenant_id)
         rt = TenantRuntime(spec, block, generation)
         rt.device = device
@@ -396,8 +369,7 @@ class AdminOps:
         rt.slots = [InstanceSlot(i) for i in range(spec.instances)]
         self.tenants[spec.tenant_id] = rt
         if not start or not rt.slots:  # no worker will write its new block: nothing to read until one does
-            self._quiet_sampled.add(spec.tenant_id)
-            self.quiet_refusals.add(spec.tenant_id)
+            self.records.quiet(spec.tenant_id)
         if waiter is not None:
             rt.register_waiters.append(waiter)
             self.loop.timers.after(self.config.register_timeout_s, lambda: self._register_timeout(rt))
@@ -422,8 +394,8 @@ class AdminOps:
             "device": rt.device,
             "pids": [s.worker.pid for s in rt.slots if s.worker],
         }
-        for client, rid, cap_raw in waiters:
-            self.pending.answer(client, rid or 0, "register", {"capability": cap_raw, "tenant": tenant})
+        for done, cap_raw in waiters:
+            done.resolve({"capability": cap_raw, "tenant": tenant})
         rt.restoring = False
         self._on_settled()
 
@@ -442,9 +414,9 @@ class AdminOps:
                 self.tenant_failed(rt, f"did not start after the supervisor restarted: {exc}")
             self._on_settled()
             return
-        self.evict(rt.tenant_id, None, None, durable=False)
-        for client, rid, _ in waiters:
-            self.pending.refuse(client, rid or 0, "register", exc)
+        self.evict(rt.tenant_id, durable=False)
+        for done, _ in waiters:
+            done.fail(exc)
         self._on_settled()
 
     def settled(self) -> bool:
@@ -454,25 +426,26 @@ class AdminOps:
     # ------------------------------------------------------------ tenant events (from the worker set)
 
     def instance_ready(self, rt: TenantRuntime) -> None:
+        """An instance of ``rt`` is ready (or the tenant serves again): its registration may be
+        answered, and what waited for an instance is sent."""
         self._check_registered(rt)
-        self.frontend.dispatch_parked(rt)
-        self.service.instance_ready(rt)
+        self.dispatcher.dispatch_parked(rt)
 
     def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
                                reason: str) -> None:
         """Instance ``index`` is not coming back: answer what can only go there."""
         restarting = rt.coming_up()
         exc = WorkerLost(rt.tenant_id, index, code, sig, f"{reason}; not restarted (restart={rt.spec.restart.value})")
-        self.frontend.refuse_all_parked(rt, lambda p: exc if p.instance == index or not restarting else None)
+        self.dispatcher.refuse_all_parked(rt, lambda p: exc if p.instance == index or not restarting else None)
 
     def tenant_failed(self, rt: TenantRuntime, why: str) -> None:
         rt.state = TenantState.FAILED
         rt.failed_reason = why
         self.record(self.state.set_failed, rt.tenant_id, why)
         self.events.emit("failed", tenant=rt.tenant_id, reason=why, restarts=rt.restarts_total)
-        self.service.tenant_down(rt, TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s))
+        self.signals.tenant_down(rt, TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s))
         exc = TenantFailed(rt.tenant_id, len(rt.restart_times), rt.spec.restart_window_s)
-        self.frontend.refuse_all_parked(rt, lambda p: exc)
+        self.dispatcher.refuse_all_parked(rt, lambda p: exc)
         for slot in rt.slots:
             if slot.worker is not None:
                 self.workers.stop_worker(slot.worker, "tenant failed")
@@ -481,8 +454,9 @@ class AdminOps:
 
     # ------------------------------------------------------------ evict, set_quota, scale
 
-    def evict(self, tid: str, client: bytes | None, rid: int | None, *, durable: bool = True) -> None:
-        """Evict ``tid``. ``durable``: written first - StateError and nothing revoked when the
+    def evict(self, tid: str, *, durable: bool = True) -> Completion[dict[str, object]]:
+        """Evict ``tid``; completed with ``{evicted, pids}`` once its workers are gone.
+        ``durable``: written first - StateError and nothing revoked when the
         write fails, so an eviction that was answered never comes undone at a restart. Without
         it (a registration that failed, never answered), written after, on a best effort."""
         rt = self.runtime(tid)
@@ -491,35 +465,34 @@ class AdminOps:
         else:
             self._unwritten.discard(tid)
         rt.state = TenantState.EVICTING
-        self.frontend.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
+        self.regions.release_tenant(tid)  # before the block goes: their bytes are charged to it
         self.registry.unregister(self.admin_cap, tid)  # revokes capabilities, unlinks the block
         self.placement.gpu_time_leave(tid)  # its workers stop; a lease one holds passes on at its death
-        self.gpu_share.forget(tid)
+        self.records.forget(tid)
         del self.tenants[tid]
         if not durable:
             self.record(self.state.evict, tid)
-        self.service.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
-        self.frontend.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
-        self.frontend.forget(rt)  # verified tokens, modules, held bytes: nothing of it stays
+        self.signals.tenant_down(rt, UnknownTenant(tid, message=f"tenant {tid!r} was evicted"))
+        self.dispatcher.refuse_all_parked(rt, lambda p: WorkerLost(tid, p.instance or 0, reason="tenant evicted"))
+        self.signals.evicted(rt)  # verified tokens, modules, held bytes: nothing of it stays
         workers = [s.worker for s in rt.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD]
         for worker in workers:
             self.workers.stop_worker(worker, "evicted")
         self.events.emit("evict", tenant=tid, workers=[w.pid for w in workers])
-        if client is None:
-            return
-        result = {"evicted": tid, "pids": [w.pid for w in workers]}
+        result: dict[str, object] = {"evicted": tid, "pids": [w.pid for w in workers]}
         remaining = {w.worker_id for w in workers}
         if not remaining:
-            self.pending.answer(client, rid or 0, "evict", result)
-            return
+            return Completion.resolved(result)
+        done: Completion[dict[str, object]] = Completion()
 
         def on_dead(worker: WorkerHandle) -> None:
             remaining.discard(worker.worker_id)
             if not remaining:
-                self.pending.answer(client, rid or 0, "evict", result)
+                done.resolve(result)
 
         for worker in workers:
             worker.death_waiters.append(on_dead)
+        return done
 
     def scale(self, tid: str, n: int) -> TenantRecord:
         rt = self.runtime(tid)
@@ -552,10 +525,70 @@ class AdminOps:
                 slot.restart_at = None
                 if slot.worker is not None:
                     self.workers.drain(slot.worker)
-            self.frontend.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
+            self.dispatcher.refuse_all_parked(rt, lambda p: _scaled_away(rt, p))
         self.events.emit("scale", tenant=tid, instances=n)
         rt.refresh_state()
-        return self.tenant_record(rt)
+        return self.records.tenant_record(rt)
+
+    def set_quota(self, tid: str, changes: Mapping[str, object]) -> TenantRecord:
+        """Change the limits ``changes`` names (``QUOTA_KEYS``): written to the state, then to the
+        quota block and the lease board. InvalidArgument (nothing written) for none or a bad value;
+        StateError (nothing applied) when the write fails."""
+        rt = self.runtime(tid)
+        if not changes:
+            raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
+        new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
+        self.write(self.state.update_spec, new_spec)  # StateError: nothing applied
+        try:
+            info = self.registry.set_quota_from(self.admin_cap, rt.tenant_id, changes)
+        except BaseException:
+            self.record(self.state.update_spec, rt.spec)  # put the stored spec back
+            raise
+        rt.spec = info.spec
+        self.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
+        self.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
+        return self.records.tenant_record(rt)
+
+    # ------------------------------------------------------------ faults
+
+    def inject_fault(self, tid: str, kind: str, instance: int | None,
+                     params: Mapping[str, object]) -> Completion[FaultAnswer]:
+        """Order a fault into instance ``instance`` of ``tid`` (None: the first live one); completed
+        once its worker acknowledged it or, for the kinds that end the process, once it is gone.
+        FaultInjectionDisabled first (the production setting), before the tenant is even named."""
+        if not self.config.fault_injection:
+            raise FaultInjectionDisabled("inject_fault")
+        rt = self.runtime(tid)
+        if kind not in proto.FAULT_KINDS:
+            raise InvalidArgument(f"unknown fault kind {kind!r}")
+        if instance is None:
+            live = rt.live_slots()
+            if not live:
+                raise WorkerLost(tid, 0, reason="no live instance to inject into")
+            slot = live[0]
+        else:
+            if not 0 <= instance < len(rt.slots):
+                raise InvalidArgument(f"instance must be in 0..{len(rt.slots) - 1}")
+            slot = rt.slots[instance]
+        worker = slot.worker
+        if worker is None or not worker.control_hello or worker.state is WorkerState.DEAD:
+            raise WorkerLost(tid, slot.index, reason="instance is not running")
+        info: dict[str, object] = {"tenant": tid, "instance": slot.index, "pid": worker.pid, "kind": kind}
+        done: Completion[FaultAnswer] = Completion()
+
+        def answer(result: FaultAck | FaultExit) -> None:
+            if isinstance(result, FaultAck) and not result.ok:
+                err = result.error or TensorWasmError("worker refused the fault without a reason").to_dict()
+                done.resolve(FaultAnswer(False, err))
+            elif isinstance(result, FaultAck):
+                done.resolve(FaultAnswer(True, {**info, "ok": True, "armed": result.armed}))
+            else:
+                done.resolve(FaultAnswer(True, {**info, **result.to_wire()}))
+
+        self.workers.on_fault_answer(worker, answer)
+        self.events.emit("fault", **info, params=params)
+        self.workers.send_control(worker, proto.encode_control("fault", FaultOrder(kind, dict(params)).to_wire()))
+        return done
 
     def record(self, write: Callable[W, None], *args: W.args, **kwargs: W.kwargs) -> None:
         """Write a change no client asked for that is already applied (a tenant marked failed, a
@@ -568,145 +601,6 @@ class AdminOps:
         except StateError as exc:
             log_event(_log, logging.ERROR, "state.write_failed", error=str(exc))
             self.events.emit("state_error", path=exc.path, error=exc.detail)
-
-    # ------------------------------------------------------------ records
-
-    def hello_info(self) -> HelloInfo:
-        return HelloInfo(
-            pid=os.getpid(),
-            registry_id=self.registry.registry_id,
-            backend=self.backend_name,
-            backend_reason=self.backend_reason,
-            start_method=self.config.start_method,
-            protocol=proto.PROTOCOL_VERSION,
-            uptime_s=round(time.time() - self.started, 3),
-        )
-
-    def sample_gpu_time(self) -> None:
-        """Feed each tenant's accounted GPU time to the share window (a loop timer, every second)."""
-        now = time.monotonic()
-        quiet = self._quiet_sampled  # without a worker, its time cannot grow: sampled once, then skipped
-        if len(quiet) > len(self.tenants):
-            quiet.intersection_update(self.tenants)
-        for tid, rt in self.tenants.items():
-            if not rt.block.closed:
-                working = any(s.worker is not None for s in rt.slots)
-                if not working and tid in quiet:
-                    continue
-                if working:
-                    quiet.discard(tid)
-                else:
-                    quiet.add(tid)
-                self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
-        self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
-
-    def _gpu_time_record(self, rt: TenantRuntime, snap: QuotaSnapshot) -> dict[str, object]:
-        """What status and top show of the tenant's GPU time (docs/GPU-QUOTAS.md)."""
-        gpu_ns = snap.gpu_time_ns
-        share = self.gpu_share.share(rt.tenant_id, time.monotonic(), gpu_ns)
-        waits = snap.gpu_waits
-        return {
-            "weight": rt.spec.gpu_time_weight,
-            "cap": rt.spec.gpu_time_cap,
-            "gpu_time_s": round(gpu_ns / 1e9, 6),
-            "share": None if share is None else round(share, 4),
-            "window_s": self.gpu_share.window_s,
-            "throttled": snap.gpu_throttled,
-            "ops": snap.gpu_ops,
-            "wait_mean_s": round(snap.gpu_wait_ns / waits / 1e9, 6) if waits else 0.0,
-        }
-
-    def tenant_record(self, rt: TenantRuntime) -> TenantRecord:
-        snap = rt.block.snapshot() if not rt.block.closed else None
-        now = self.clock()
-        instances = []
-        for slot in rt.slots:
-            w = slot.worker
-            instances.append(InstanceRecord(
-                index=slot.index,
-                pid=w.pid if w else None,
-                state=(w.state.value if w else ("restarting" if slot.restart_at else "down")),
-                in_flight=len(w.in_flight) if w else 0,
-                incarnation=slot.incarnation,
-                restarts=slot.restarts,
-                uptime_s=round(now - w.ready_at, 3) if w and w.ready_at else None,
-                draining=slot.draining,
-                last_exit=slot.last_exit,
-            ))
-        return TenantRecord(
-            tenant_id=rt.tenant_id,
-            state=rt.state.value,
-            generation=rt.generation,
-            failed_reason=rt.failed_reason,
-            pids=tuple(i.pid for i in instances if i.pid is not None),
-            instances=tuple(instances),
-            restarts=rt.restarts_total,
-            in_flight=rt.in_flight,
-            parked=len(rt.parked),
-            uptime_s=round(time.time() - rt.registered_at, 3),
-            backend=self.backend_name,
-            device=rt.device,
-            isolation=self.placement.isolation_of(rt.tenant_id),
-            spec=rt.spec,
-            bytes_in_use=snap.bytes_in_use if snap else 0,
-            memory_quota_bytes=snap.memory_quota_bytes if snap else rt.spec.memory_quota_bytes,
-            gpu_bytes_in_use=snap.gpu_bytes_in_use if snap else 0,
-            gpu_memory_bytes_cap=snap.gpu_memory_bytes_cap if snap else rt.spec.gpu_memory_bytes_cap,
-            quota=snap,
-            regions=tuple(r.to_record() for r in self.frontend.regions.of_tenant(rt.tenant_id)),
-            origin=rt.origin,
-            metrics_label=self.tenant_label(rt.tenant_id) if self.tenant_label is not None else "",
-            gpu_time=self._gpu_time_record(rt, snap) if snap else {},
-        )
-
-    def status(self, *, after: str | None = None, limit: int = STATUS_PAGE_DEFAULT,
-               state: str | None = None) -> StatusRecord:
-        """The supervisor, its devices, the summary of every tenant, and one page of tenant records:
-        up to ``limit`` of them by tenant id, those after ``after`` (the previous page's ``next``),
-        only those in ``state`` when given. A cursor, not an offset: a tenant registered or evicted
-        between two pages does not shift the others, so one pass sees every tenant that stayed
-        registered exactly once. InvalidArgument for a limit outside 1..STATUS_PAGE_MAX or an
-        unknown state."""
-        if not is_int(limit) or not 1 <= limit <= STATUS_PAGE_MAX:
-            raise InvalidArgument(f"status: limit must be an int in 1..{STATUS_PAGE_MAX}, got {limit!r}")
-        states = [s.value for s in TenantState]
-        if state is not None and state not in states:
-            raise InvalidArgument(f"status: state must be one of {', '.join(states)}, got {state!r}")
-        hello = self.hello_info()
-        ws = self.workers
-        by_device: dict[int, list[str]] = {}
-        counts: Counter[str] = Counter()
-        wanted = ready = 0
-        for tid, rt in self.tenants.items():
-            by_device.setdefault(rt.device, []).append(tid)
-            counts[rt.state.value] += 1
-            for slot in rt.slots:
-                if not slot.draining:
-                    wanted += 1
-                    ready += slot.ready
-        ids = sorted(tid for tid, rt in self.tenants.items() if state is None or rt.state.value == state)
-        start = 0 if after is None else bisect.bisect_right(ids, after)
-        page = ids[start:start + limit]
-        more = start + limit < len(ids)
-        return StatusRecord(
-            supervisor=SupervisorRecord(
-                **{f.name: getattr(hello, f.name) for f in fields(hello)},
-                run_dir=self.rundir.path,
-                pool=PoolRecord(idle=len(ws.pool), starting=ws.pool_starting, size=ws.pool_target,
-                                pids=tuple(w.pid for w in ws.pool)),
-                workers=len(ws.workers),
-                internal_errors=self._internal_errors(),
-                rss_bytes=psutil.Process().memory_info().rss,
-                driver_version=self.backend_versions[0],
-                cuda_version=self.backend_versions[1],
-                **self.guard.status(),
-            ),
-            tenants=tuple(self.tenant_record(self.tenants[tid]) for tid in page),
-            devices=tuple(self.placement.status(by_device)),
-            summary=StatusSummary(tenants=len(self.tenants), states=dict(sorted(counts.items())), instances=wanted,
-                                  ready=ready),
-            next=page[-1] if more and page else None,
-        )
 
 
 def _scaled_away(rt: TenantRuntime, parked: Parked) -> TensorWasmError | None:

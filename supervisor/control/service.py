@@ -19,11 +19,16 @@ handlers of the reload, reset, restart and rotate_key ops (classes under
     rotate-key ..... rotate_key() a new registry key, stored first, then swapped in: every
                                   capability is revoked, the new admin capability written
 
+A reset or a restart waits for the tenant to run again: it returns a
+:class:`~supervisor.runtime.completion.Completion` of the tenant's record,
+which the op adapter answers with; no method here sees a client or a request id.
+
 Owns: the rolling restarts and the reset/restart waiters (fields of
 :class:`TenantRuntime`), the config file's ``[supervisor]`` table as last
 read. May touch: the admin ops (register, evict, scale, restore, records),
 the worker set (start, drain), the registry, the state store, placement,
-the pending table (answers), events. Loop thread only.
+events. Hears from the tenant signals (:mod:`supervisor.lifecycle.signals`): an
+instance ready, a tenant down; tells them: the registry key rotated. Loop thread only.
 """
 
 from __future__ import annotations
@@ -32,19 +37,19 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-from shared.capability import RegistryAdminCapability
 from shared.config import SupervisorConfig, read_config_file, tenants_of
 from shared.errors import ConfigError, StateError, TenantFailed, TensorWasmError
 from shared.log import get_logger, log_event
 from supervisor.control.admin import AdminOps
 from supervisor.observe.events import EventBus
-from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
 from supervisor.store.registry import TenantRegistry
 from supervisor.lifecycle.reload import ReloadPlan, SpecChange, TenantNow, plan_reload
 from supervisor.store.state import RegistryKey, StateStore, StoredTenant
+from supervisor.runtime.completion import Completion
 from supervisor.runtime.tenants import TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerState
+from supervisor.lifecycle.signals import Stage, TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
 
 __all__ = ["ServiceOps"]
@@ -64,9 +69,8 @@ class ServiceOps:
         registry: TenantRegistry,
         state: StateStore,
         placement: Placement,
-        pending: PendingTable,
+        signals: TenantSignals,
         events: EventBus,
-        on_key_rotated: Callable[[RegistryAdminCapability], None],
     ) -> None:
         self.config = config
         self.admin = admin
@@ -74,10 +78,11 @@ class ServiceOps:
         self.registry = registry
         self.state = state
         self.placement = placement
-        self.pending = pending
+        self.signals = signals
         self.events = events
-        self._on_key_rotated = on_key_rotated
         self._file_settings = _settings_of(config.config_file)
+        signals.on_instance_ready(Stage.SERVICE, self.instance_ready)
+        signals.on_tenant_down(self.tenant_down)
 
     # ------------------------------------------------------------ start
 
@@ -123,7 +128,7 @@ class ServiceOps:
             failed += record.failed
         for spec in plan.register:
             try:
-                self.admin.register(spec, None, None, origin="file")
+                self.admin.register(spec, origin="file")
             except TensorWasmError as exc:
                 log_event(_log, logging.ERROR, "tenant.register_failed", tenant=spec.tenant_id, error=str(exc))
         for tid in plan.conflicts:
@@ -192,9 +197,9 @@ class ServiceOps:
     def _apply(self, plan: ReloadPlan) -> list[str]:
         errors: list[str] = []
         for tid in plan.evict:
-            self._try(errors, tid, lambda t=tid: self.admin.evict(t, None, None))  # type: ignore[misc]
+            self._try(errors, tid, lambda t=tid: self.admin.evict(t))  # type: ignore[misc]
         for spec in plan.register:
-            self._try(errors, spec.tenant_id, lambda s=spec: self.admin.register(s, None, None, origin="file"))  # type: ignore[misc]
+            self._try(errors, spec.tenant_id, lambda s=spec: self.admin.register(s, origin="file"))  # type: ignore[misc]
         for change in plan.change:
             self._try(errors, change.tenant_id, lambda c=change: self._apply_change(c))  # type: ignore[misc]
         for spec in plan.adopt:
@@ -204,7 +209,7 @@ class ServiceOps:
         return errors
 
     @staticmethod
-    def _try(errors: list[str], tid: str, fn: Callable[[], None]) -> None:
+    def _try(errors: list[str], tid: str, fn: Callable[[], object]) -> None:
         try:
             fn()
         except TensorWasmError as exc:
@@ -232,8 +237,9 @@ class ServiceOps:
 
     # ------------------------------------------------------------ reset and restart
 
-    def reset(self, tid: str, client: bytes | None, rid: int) -> None:
-        """Clear a failed tenant (and its restart history) and start its instances; answered when it runs."""
+    def reset(self, tid: str) -> Completion[dict[str, object]]:
+        """Clear a failed tenant (and its restart history) and start its instances; completed with
+        its record once it runs (failed if it goes down first)."""
         rt = self.admin.runtime(tid)
         was_failed = rt.state is TenantState.FAILED
         if was_failed:
@@ -253,19 +259,22 @@ class ServiceOps:
                 slot.replace = True  # the failed tenant's worker is still stopping: its successor follows
         self.events.emit("reset", tenant=tid, was_failed=was_failed)
         rt.refresh_state()
-        if client is not None:
-            rt.ready_waiters.append((client, rid, "reset"))
+        done: Completion[dict[str, object]] = Completion()
+        rt.ready_waiters.append(done)
         self._answer_ready(rt)
+        return done
 
-    def restart(self, tid: str, client: bytes | None, rid: int) -> None:
-        """Replace every instance with a new worker, one at a time; answered when the last one is ready."""
+    def restart(self, tid: str) -> Completion[dict[str, object]]:
+        """Replace every instance with a new worker, one at a time; completed with the tenant's
+        record once the last one is ready (failed if the tenant goes down first)."""
         rt = self.admin.runtime(tid)
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s,
                                message=f"tenant {tid!r} is failed: 'twt reset {tid}' starts it again")
-        if client is not None:
-            rt.ready_waiters.append((client, rid, "restart"))
+        done: Completion[dict[str, object]] = Completion()
+        rt.ready_waiters.append(done)
         self._start_rolling(rt)
+        return done
 
     def _start_rolling(self, rt: TenantRuntime) -> None:
         queued = [s.index for s in rt.slots if not s.draining and s.index not in rt.rolling and s is not rt.rolling_slot]
@@ -310,17 +319,17 @@ class ServiceOps:
         if rt.state is not TenantState.RUNNING:
             return
         waiters, rt.ready_waiters = rt.ready_waiters, []
-        record = self.admin.tenant_record(rt).to_wire()
-        for client, rid, op in waiters:
-            self.pending.answer(client, rid, op, record)
+        record = self.admin.records.tenant_record(rt).to_wire()
+        for done in waiters:
+            done.resolve(record)
 
     def tenant_down(self, rt: TenantRuntime, exc: TensorWasmError) -> None:
         """The tenant failed or was evicted: its rolling restart stops, its waiters get ``exc``."""
         rt.rolling.clear()
         rt.rolling_slot = None
         waiters, rt.ready_waiters = rt.ready_waiters, []
-        for client, rid, op in waiters:
-            self.pending.refuse(client, rid, op, exc)
+        for done in waiters:
+            done.fail(exc)
 
     # ------------------------------------------------------------ rotate-key
 
@@ -335,7 +344,7 @@ class ServiceOps:
             raise  # nothing rotated
         key, new_admin = self.registry.rotate_key(self.admin.admin_cap, key)
         self.admin.admin_cap = new_admin
-        self._on_key_rotated(new_admin)
+        self.signals.key_rotated(new_admin)
         self.events.emit("rotate_key", registry=self.registry.registry_id[:8], retired=old.hex()[:8])
         return {"admin_capability": new_admin.to_bytes(), "registry_id": self.registry.registry_id}
 

@@ -66,6 +66,7 @@ import zmq
 
 from shared.errors import CapacityExhausted, MemoryExhausted, TensorWasmError
 from shared.log import get_logger, log_event
+from supervisor.lifecycle.signals import Stage, TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
 from supervisor.observe.events import EventBus
 from supervisor.runtime.requests import Pending
@@ -91,20 +92,21 @@ class Parking:
     """Parks idle tenants and activates them on their next request (see the module docstring)."""
 
     def __init__(self, *, tenants: Mapping[str, TenantRuntime], workers: WorkerSet, events: EventBus,
-                 on_active: Callable[[TenantRuntime], None], clock: Callable[[], float],
+                 signals: TenantSignals, clock: Callable[[], float],
                  persist: Callable[[str, bool], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False, max_active: int | None = None,
                  device_bounds: Mapping[int, int] | None = None) -> None:
-        """``on_active(rt)``: the tenant serves again (a park cancelled, an activation done) - what
-        an instance that became ready means: its waiting requests are sent, its waiters answered
-        (``AdminOps.instance_ready``). ``persist(tenant, parked)``: record the parked flag durably
-        (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then).
+        """``signals``: the tenant signals - parking hears of a ready instance first (an activation
+        puts the buffers back before any request is sent) and of a stopped activation last, and
+        tells them when a tenant serves again (a park cancelled, an activation done: what a ready
+        instance means, ``TenantSignals.serving``: its waiting requests are sent, its waiters
+        answered). ``persist(tenant, parked)``: record the parked flag durably (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then).
         ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
         the same per device, where its memory budget over a worker's context cost bounds it."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
-        self.on_active = on_active
+        self.on_active = signals.serving
         self.clock = clock
         self.persist = persist
         self.stopping = stopping
@@ -125,6 +127,12 @@ class Parking:
         self._retrying = False
         #: the death watches of an export in progress, by tenant: taken off when it ends
         self._watches: dict[str, list[tuple[WorkerHandle, Callable[[WorkerHandle], None]]]] = {}
+        signals.on_instance_ready(Stage.BUFFERS, self._on_instance_ready)
+        signals.on_instance_not_restarted(Stage.AFTER, lambda rt, *_: self.activation_stopped(rt))
+        signals.on_tenant_failed(Stage.AFTER, lambda rt, _why: self.activation_stopped(rt))
+
+    def _on_instance_ready(self, rt: TenantRuntime) -> None:
+        self.instance_ready(rt)  # its answer is for activate(); the signals go on to the other stages
 
     # ------------------------------------------------------------ parking
 

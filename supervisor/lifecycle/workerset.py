@@ -10,7 +10,8 @@ tenants' instance slots (which worker serves which slot), the quota block
 of a dead instance (reclaim), placement (a dead instance's device bytes),
 events and metrics. What a death or a bind means for the *tenant*
 (registration answered, parked requests sent or refused, tenant failed) is
-decided by the supervisor through :class:`TenantHooks`. Loop thread only.
+decided by the parts above, told through :class:`TenantHooks` (the tenant
+signals, :mod:`supervisor.lifecycle.signals`). Loop thread only.
 
 A slot whose buffers are parked (``InstanceSlot.keep_incarnation``, set by
 :mod:`supervisor.lifecycle.parking`) keeps its incarnation when a worker starts in it, so the
@@ -95,7 +96,8 @@ HELLO_TIMEOUT_S = 60.0
 
 
 class TenantHooks(Protocol):
-    """What a worker event means for its tenant (implemented by the supervisor)."""
+    """Where the worker set tells what happened to a tenant's worker (implemented by
+    :class:`~supervisor.lifecycle.signals.TenantSignals`, which the parts above hear)."""
 
     def instance_ready(self, rt: TenantRuntime) -> None: ...
     def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
@@ -614,6 +616,9 @@ class WorkerSet:
                 continue
             if not self.pending.on_reply(worker, rid, ok, payload, frames[2] if len(frames) > 2 else None):
                 continue  # answered already (deadline) - the late reply is dropped
+            if self.pending.undelivered:  # an allocation its client was never told of
+                for tenant, handle in self.pending.take_undelivered():
+                    self.free_undelivered(tenant, handle)
             worker.served += 1
             if worker.state is WorkerState.DRAINING and not worker.in_flight:
                 self.stop_worker(worker, "scaled down")

@@ -27,6 +27,7 @@ from typing import Final, Protocol
 from collections.abc import Callable
 
 from shared.quota import QuotaSnapshot
+from supervisor.admission.counters import FrontendCounters
 
 __all__ = [
     "LABEL_KEY_NAME",
@@ -124,23 +125,6 @@ class DeviceGauges:
     budget_limit_bytes: int
     budget_used_bytes: int
     budget_refusals: int
-
-
-@dataclass(frozen=True, slots=True)
-class FrontendCounters:
-    """The frontend's guard counters (supervisor.admission.guard): admission refusals by tenant and
-    what was exceeded, unauthenticated requests dropped and connections shed by reason,
-    connections now and their budget."""
-
-    admission_refused: tuple[tuple[str, str, int], ...] = ()  # (tenant, "requests" | "bytes", count)
-    admission_unanswered: tuple[tuple[str, int], ...] = ()  # (tenant, count): refused and dropped unanswered
-    unauthenticated_dropped: tuple[tuple[str, int], ...] = ()  # (reason, count)
-    connections_shed: tuple[tuple[str, int], ...] = ()  # (reason, count)
-    connections: int = 0
-    tcp_connections: int = 0
-    connection_budget: int = 0
-    tcp_pauses: int = 0  # the TCP frontend not read for a while (supervisor.admission.pacing)
-    tcp_paused_s: float = 0.0
 
 
 @dataclass(frozen=True)

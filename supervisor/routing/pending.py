@@ -5,9 +5,9 @@ Every answer the supervisor gives a client goes through :meth:`PendingTable.fini
     worker reply ............ WorkerSet._on_backend  -> PendingTable.on_reply   -> finish
     worker death ............ WorkerSet.on_death     -> PendingTable.fail_worker -> finish
     deadline passed ......... housekeeping           -> PendingTable.expire      -> finish
-    parked too long / never . Frontend, AdminOps     -> PendingTable.refuse_parked -> finish
-    refused on arrival ...... Frontend               -> PendingTable.refuse      -> finish
-    answered by the loop .... Frontend, AdminOps     -> PendingTable.answer      -> finish
+    parked too long / never . Dispatcher             -> PendingTable.refuse_parked -> finish
+    refused on arrival ...... Frontend, an op's Reply -> PendingTable.refuse     -> finish
+    answered by the loop .... Frontend, an op's Reply -> PendingTable.answer     -> finish
     supervisor stopping ..... Supervisor._teardown   -> PendingTable.abandon     -> finish
 
 ``finish`` replies (or calls the supervisor's own callback, e.g. a bind),
@@ -30,13 +30,12 @@ import heapq
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from collections.abc import Callable
 
 from shared import protocol as proto
 from shared.errors import KernelTimeout, TensorWasmError, WorkerLost
 from supervisor.runtime.loop import Clock
-from supervisor.observe.metrics import Metrics
 from supervisor.routing.replies import Replies
 from supervisor.runtime.requests import Parked, Pending
 from supervisor.runtime.tenants import TenantRuntime
@@ -45,10 +44,16 @@ from supervisor.runtime.workers import WorkerHandle
 if TYPE_CHECKING:
     import zmq
 
-__all__ = ["PendingTable"]
+__all__ = ["PendingTable", "RequestMetrics"]
 
 #: rebuild the deadline heap when it holds this many more entries than are live
 _COMPACT_SLACK = 64
+
+
+class RequestMetrics(Protocol):
+    """Where a finished request is counted (:class:`supervisor.observe.metrics.Metrics`)."""
+
+    def request_done(self, tenant: str, op: str, outcome: str, seconds: float) -> None: ...
 
 
 @dataclass(eq=False)
@@ -56,13 +61,14 @@ class PendingTable:
     """In-flight requests, their deadlines, and the one ``finish`` (see the module docstring)."""
 
     replies: Replies
-    metrics: Metrics
+    metrics: RequestMetrics
     tenants: Mapping[str, TenantRuntime]
     clock: Clock = time.monotonic
-    #: an ``alloc`` answered OK whose reply could not be sent (the client is gone or not reading):
-    #: ``(tenant, handle)`` - the worker set frees it, so no allocation outlives its request
-    #: unless its client was told of it
-    on_undelivered_alloc: Callable[[str, int], None] | None = None
+    #: ``alloc``s answered OK whose reply could not be sent (the client is gone or not reading):
+    #: ``(tenant, handle)``, taken by the worker set right after it handed in the reply
+    #: (:meth:`take_undelivered`) and freed, so no allocation outlives its request unless its
+    #: client was told of it
+    undelivered: list[tuple[str, int]] = field(default_factory=list, init=False)
     _rid: int = field(default=0, init=False)
     _live: int = field(default=0, init=False)  # requests in flight (the heap also holds answered ones)
     _deadlines: list[tuple[float, int, WorkerHandle]] = field(default_factory=list, init=False)
@@ -178,6 +184,11 @@ class PendingTable:
         parked.held_body = 0
         self.finish(pending, False, exc.to_dict())
 
+    def take_undelivered(self) -> list[tuple[str, int]]:
+        """The allocations answered but never told since the last call (see ``undelivered``)."""
+        taken, self.undelivered = self.undelivered, []
+        return taken
+
     def count_refusal(self, tenant: str, op: str, code: str) -> None:
         """A refusal answered (or dropped) without a Pending: only its metric (unauthenticated
         requests count under the empty tenant label)."""
@@ -204,10 +215,10 @@ class PendingTable:
         if ok:
             told = self.replies.ok(pending.client, pending.client_rid, payload, body, tenant=pending.tenant,
                                    held=held)
-            if not told and self.on_undelivered_alloc is not None and _makes_handle(pending.op):
+            if not told and _makes_handle(pending.op):
                 handle = payload.get("handle") if isinstance(payload, dict) else None
                 if isinstance(handle, int) and not isinstance(handle, bool):
-                    self.on_undelivered_alloc(pending.tenant, handle)
+                    self.undelivered.append((pending.tenant, handle))
         else:
             self.replies.error(pending.client, pending.client_rid, payload)
             self.replies.release(pending.tenant, "replies", held)

@@ -1,6 +1,6 @@
 """A client request as the supervisor holds it, before it is answered: plain records.
 
-    client request ──► Frontend ─┬─► Parked    no instance of its tenant is ready yet: waits in
+    client request ──► Dispatcher┬─► Parked    no instance of its tenant is ready yet: waits in
                                  │     │       ``TenantRuntime.parked`` (supervisor.runtime.tenants)
                                  │     ▼ an instance is ready
                                  └─► Pending   forwarded to a worker: in ``WorkerHandle.in_flight``

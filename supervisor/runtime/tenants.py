@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from shared.quota import QuotaBlock
 from shared.records import ExitRecord
 from shared.spec import TenantSpec
+from supervisor.runtime.completion import Completion
 from supervisor.runtime.requests import Parked
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 
@@ -131,16 +132,16 @@ class TenantRuntime:
     device: int = 0
     seen_refusals: int = 0
     rr: int = 0  # round-robin start for pick_slot
-    #: (client, rid, capability bytes) of register requests answered once every instance is ready
-    register_waiters: list[tuple[bytes | None, int | None, bytes]] = field(default_factory=list)
+    #: registrations waiting for every instance to be ready: (its completion, the capability bytes)
+    register_waiters: list[tuple[Completion[dict[str, object]], bytes]] = field(default_factory=list)
     #: modules sent with put_module (digest -> bytes), least recently used first
     modules: collections.OrderedDict[str, bytes] = field(default_factory=collections.OrderedDict)
     #: where the tenant came from: the config file ("file") or a register request ("runtime")
     origin: str = "runtime"
     #: brought back from the state at start: a failure to start marks it failed, never evicts it
     restoring: bool = False
-    #: (client, rid, op) of reset/restart requests answered once the tenant runs (ServiceOps)
-    ready_waiters: list[tuple[bytes | None, int, str]] = field(default_factory=list)
+    #: resets and restarts waiting for the tenant to run (ServiceOps): completed with its record
+    ready_waiters: list[Completion[dict[str, object]]] = field(default_factory=list)
     #: a rolling restart: instance indexes still to replace, and the one being replaced
     rolling: collections.deque[int] = field(default_factory=collections.deque)
     rolling_slot: InstanceSlot | None = None

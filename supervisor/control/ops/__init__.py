@@ -39,17 +39,19 @@ from supervisor.control.ops._base import (
     FrontendOp,
     Op,
     OpHandler,
+    Reply,
     ServiceOp,
     TenantOp,
     WorkerOp,
 )
 
 if TYPE_CHECKING:
-    from supervisor.admission.frontend import EitherOp, Frontend, LocalOp
+    from supervisor.admission.frontend import EitherOp, LocalOp
     from supervisor.control.admin import AdminOps
     from supervisor.control.service import ServiceOps
+    from supervisor.routing.pending import PendingTable
 
-__all__ = ["AdminOp", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "ServiceOp", "TenantOp", "WorkerOp",
+__all__ = ["AdminOp", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "Reply", "ServiceOp", "TenantOp", "WorkerOp",
            "check_table", "commands", "doc_table", "either_doc_table", "either_handlers", "handlers", "local_handlers", "op_table",
            "served_here", "tenant_doc_table"]
 
@@ -107,25 +109,28 @@ def check_table(found: list[Op]) -> None:
                            f"notes on errors the definition does not list: {stray_notes}")
 
 
-def handlers(admin: AdminOps, service: ServiceOps) -> dict[str, OpHandler]:
-    """Every admin op's handler bound to the part that serves it, by name: the frontend's dispatch table."""
-    table: dict[str, OpHandler] = {}
-    for op in op_table():
+def handlers(admin: AdminOps, service: ServiceOps, pending: PendingTable) -> dict[str, OpHandler]:
+    """Every admin op's handler bound to the part that serves it, by name: the frontend's dispatch
+    table. Each request's answer goes through ``pending`` (its :class:`Reply`)."""
+
+    def bind(op: AdminOp | ServiceOp) -> OpHandler:
+        name = op.name
         if isinstance(op, AdminOp):
-            table[op.name] = functools.partial(op.serve, admin)
-        elif isinstance(op, ServiceOp):
-            table[op.name] = functools.partial(op.serve, service)
-    return table
+            return lambda client, rid, args: op.serve(admin, Reply(pending, client, rid, name), args)
+        return lambda client, rid, args: op.serve(service, Reply(pending, client, rid, name), args)
+
+    return {op.name: bind(op) for op in op_table() if isinstance(op, (AdminOp, ServiceOp))}
 
 
-def local_handlers(frontend: Frontend) -> dict[str, LocalOp]:
-    """Every tenant op the frontend answers itself, bound to it, by name."""
-    return {op.name: functools.partial(op.serve, frontend) for op in op_table() if isinstance(op, FrontendOp)}
+def local_handlers() -> dict[str, LocalOp]:
+    """Every tenant op the frontend answers itself, by name: ``(frontend, tenant, args, body) -> result``
+    (the frontend hands itself in: it is built with this table)."""
+    return {op.name: op.serve for op in op_table() if isinstance(op, FrontendOp)}
 
 
-def either_handlers(frontend: Frontend) -> dict[str, EitherOp]:
-    """Every op either capability may send, bound to the frontend, by name."""
-    return {op.name: functools.partial(op.serve, frontend) for op in op_table() if isinstance(op, EitherCapabilityOp)}
+def either_handlers() -> dict[str, EitherOp]:
+    """Every op either capability may send, by name: ``(frontend, tenant or None, args) -> result``."""
+    return {op.name: op.serve for op in op_table() if isinstance(op, EitherCapabilityOp)}
 
 
 def commands() -> tuple[Op, ...]:

@@ -13,7 +13,12 @@ capability may send, ``events``: the frontend answers it too) or :class:`WorkerO
   kept in ``shared/`` because the decoder, the client, the worker and the schema
   generator read it too; this class registers the op's server side against it;
 * ``serve``: the handler (not for a worker op). The frontend has already verified
-  the capability, admitted the request and checked its arguments against the row;
+  the capability, admitted the request and checked its arguments against the row.
+  An admin op's handler is the adapter between the wire and the domain: it reads
+  the arguments, calls its part (:class:`~supervisor.control.admin.AdminOps`,
+  :class:`~supervisor.control.service.ServiceOps`, whose methods take no client
+  identity and return a result or a completion) and answers through its
+  :class:`Reply` - the one place the request's client and id are held;
 * ``command``, ``help``, ``description``, ``json_help``, :meth:`Op.arguments`
   and :meth:`Op.run`: its ``twt`` command, if it owns one (``supervisor.cli.ops``
   adds the run-dir options and ``--json``, and hands :meth:`Op.run` a way to connect);
@@ -31,18 +36,23 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 from shared import protocol as proto
+from shared.errors import TensorWasmError
 from supervisor.client.api import SupervisorClient
 
 if TYPE_CHECKING:
     from supervisor.admission.frontend import Frontend
     from supervisor.control.admin import AdminOps
     from supervisor.control.service import ServiceOps
+    from supervisor.routing.pending import PendingTable
+    from supervisor.runtime.completion import Completion
     from supervisor.runtime.tenants import TenantRuntime
 
-__all__ = ["AdminOp", "Args", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "PartOp", "ServiceOp", "TenantOp", "WorkerOp"]
+__all__ = ["AdminOp", "Args", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "PartOp", "Reply",
+           "ServiceOp", "TenantOp", "WorkerOp"]
 
 #: an op's arguments as its handler reads them: decoded msgpack, each declared one's type checked
 #: by ``check_args`` against the wire row before the handler runs (the row is the precise type);
@@ -52,6 +62,34 @@ Args = Mapping[str, object]
 OpHandler = Callable[[bytes, int, Args], None]
 
 P = TypeVar("P", "AdminOps", "ServiceOps")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Where one admin request's answer goes: its client and id, which only the op adapter
+    holds (the domain methods never see them); every answer goes through the pending table."""
+
+    pending: PendingTable
+    client: bytes
+    rid: int
+    op: str
+
+    def ok(self, result: object) -> None:
+        """Answer ``result`` now."""
+        self.pending.answer(self.client, self.rid, self.op, result)
+
+    def refuse(self, exc: TensorWasmError) -> None:
+        """Answer ``exc`` now."""
+        self.pending.refuse(self.client, self.rid, self.op, exc)
+
+    def error_dict(self, err: dict[str, object]) -> None:
+        """Answer an error handed over as a wire dict (a worker's refusal of a fault)."""
+        self.pending.answer_error(self.client, self.rid, self.op, err)
+
+    def when(self, done: Completion[T]) -> None:
+        """Answer once ``done`` completes: its value, or its error."""
+        done.then(self.ok, self.refuse)
 
 
 class Connect(Protocol):
@@ -118,13 +156,10 @@ class Op:
 class PartOp(Op, Generic[P]):
     """An admin op: served by the part ``P``, which may answer at once or later."""
 
-    def serve(self, part: P, client: bytes, rid: int, args: Args) -> None:
-        """Answer one request (through ``part.pending``, at once or later); raise a typed error to refuse it."""
+    def serve(self, part: P, reply: Reply, args: Args) -> None:
+        """Answer one request through ``reply`` (at once, or when the part's completion comes);
+        raise a typed error to refuse it."""
         raise NotImplementedError
-
-    def answer(self, part: P, client: bytes, rid: int, result: object) -> None:
-        """The request's answer, at once."""
-        part.pending.answer(client, rid, self.name, result)
 
 
 class AdminOp(PartOp["AdminOps"]):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from shared.errors import InvalidArgument
 from shared.protocol import arg_opt_str
-from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
 from supervisor.control.ops._cli import add_cap_out, check_cap_out, emit_capability
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class Capability(AdminOp):
                    "Capabilities minted before an eviction stay revoked; rotate-key revokes them all.")
     json_help = "print {tenant, capability} as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         tenant, role = arg_opt_str(args, "tenant"), arg_opt_str(args, "role")
         if (tenant is None) == (role is None):
             raise InvalidArgument("capability: name a tenant or a role (role: one of " + ", ".join(ROLES) + ")")
@@ -54,11 +54,11 @@ class Capability(AdminOp):
             if role not in ROLES:
                 raise InvalidArgument(f"capability: unknown role {role!r:.40} (known: {', '.join(ROLES)})")
             cap = part.registry.monitor_capability(part.admin_cap)
-            self.answer(part, client, rid, {"capability": cap.to_bytes()})
+            reply.ok({"capability": cap.to_bytes()})
             return
         assert tenant is not None
         tcap = part.registry.tenant_capability(part.admin_cap, tenant)
-        self.answer(part, client, rid, {"capability": tcap.to_bytes()})
+        reply.ok({"capability": tcap.to_bytes()})
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("tenant", metavar="TENANT", nargs="?", help="the tenant (or --role)")

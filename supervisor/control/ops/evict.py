@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from shared.protocol import arg_str
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, tenant_argument
 
 if TYPE_CHECKING:
@@ -31,8 +31,8 @@ class Evict(AdminOp):
                    "workers exited.")
     json_help = "print the supervisor's answer as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        part.evict(arg_str(args, "tenant"), client, rid)
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
+        reply.when(part.evict(arg_str(args, "tenant")))
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         tenant_argument(p)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from supervisor.control.ops._base import AdminOp, Args
+from supervisor.control.ops._base import AdminOp, Args, Reply
 
 if TYPE_CHECKING:
     from supervisor.control.admin import AdminOps
@@ -22,5 +22,5 @@ class Hello(AdminOp):
     result_doc = ("`{pid, registry_id, backend, backend_reason, start_method, protocol, uptime_s}`; without a "
                   "capability only `{protocol, ready}` ([liveness](#hello-without-a-capability-liveness))")
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, part.hello_info().to_wire())
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
+        reply.ok(part.records.hello_info().to_wire())

@@ -14,12 +14,10 @@ import argparse
 from typing import TYPE_CHECKING
 
 from shared import protocol as proto
-from shared.errors import FaultInjectionDisabled, InvalidArgument, TensorWasmError, WorkerLost
 from shared.protocol import FAULT_KINDS
-from shared.worker_link import FaultAck, FaultExit, FaultOrder
 from shared.sizes import parse_size
 from supervisor.client.cli_args import non_negative_int, print_json
-from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, tenant_argument
 
 if TYPE_CHECKING:
@@ -45,51 +43,12 @@ class InjectFault(AdminOp):
                    "crash/segfault/exit.")
     json_help = "print the supervisor's answer as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        if not part.config.fault_injection:  # the production setting: first, before the tenant is even named
-            raise FaultInjectionDisabled("inject_fault")
-        tid = proto.arg_str(args, "tenant")
-        rt = part.runtime(tid)
-        kind = proto.arg_str(args, "kind")
-        if kind not in proto.FAULT_KINDS:
-            raise InvalidArgument(f"unknown fault kind {kind!r}")
-        index = proto.arg_opt_int(args, "instance")
-        if index is None:
-            live = rt.live_slots()
-            if not live:
-                raise WorkerLost(tid, 0, reason="no live instance to inject into")
-            slot = live[0]
-        else:
-            if not 0 <= index < len(rt.slots):
-                raise InvalidArgument(f"instance must be in 0..{len(rt.slots) - 1}")
-            slot = rt.slots[index]
-        # the supervisor's own state (loaded there already); here, not at the top: a twt command
-        # imports this module for its arguments and must not pull in the supervisor's runtime
-        from supervisor.runtime.workers import WorkerState
-
-        worker = slot.worker
-        if worker is None or not worker.control_hello or worker.state is WorkerState.DEAD:
-            raise WorkerLost(tid, slot.index, reason="instance is not running")
-        params = proto.arg_opt_map(args, "params") or {}
-        info = {"tenant": tid, "instance": slot.index, "pid": worker.pid, "kind": kind}
-        answered = False
-
-        def answer(result: FaultAck | FaultExit) -> None:
-            nonlocal answered
-            if answered:
-                return
-            answered = True
-            if isinstance(result, FaultAck) and not result.ok:
-                err = result.error or TensorWasmError("worker refused the fault without a reason").to_dict()
-                part.pending.answer_error(client, rid, "inject_fault", err)
-            elif isinstance(result, FaultAck):
-                part.pending.answer(client, rid, "inject_fault", {**info, "ok": True, "armed": result.armed})
-            else:
-                part.pending.answer(client, rid, "inject_fault", {**info, **result.to_wire()})
-
-        part.workers.on_fault_answer(worker, answer)
-        part.events.emit("fault", **info, params=params)
-        part.workers.send_control(worker, proto.encode_control("fault", FaultOrder(kind, params).to_wire()))
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
+        done = part.inject_fault(proto.arg_str(args, "tenant"), proto.arg_str(args, "kind"),
+                                 proto.arg_opt_int(args, "instance"), proto.arg_opt_map(args, "params") or {})
+        # a worker's refusal is its own error, answered as the worker worded it
+        done.then(lambda answer: reply.ok(answer.result) if answer.ok else reply.error_dict(answer.result),
+                  reply.refuse)
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         tenant_argument(p)

@@ -23,5 +23,5 @@ class RegionRelease(FrontendOp):
 
     def serve(self, frontend: Frontend, rt: TenantRuntime, args: Args, body: object) -> object:
         owned = frontend.regions.release(rt.tenant_id, args.get("region"))
-        frontend.unmap_region(rt, owned.name)
+        frontend.dispatcher.unmap_region(rt, owned.name)
         return {"released": owned.nbytes}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from shared.protocol import arg_map
 from shared.spec import TenantSpec
-from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
 from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, add_cap_out, build_spec, check_cap_out, emit_capability, spec_flags
 from supervisor.control.ops.tenant_status import fetch_tenant
 
@@ -45,8 +45,8 @@ class Register(AdminOp):
                    "[supervisor] table is ignored, so the supervisor's own config file works); flags override it.")
     json_help = "print {tenant, capability} as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        part.register(TenantSpec.from_dict(arg_map(args, "spec")), client, rid)
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
+        reply.when(part.register(TenantSpec.from_dict(arg_map(args, "spec"))))
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("tenant", nargs="?", metavar="TENANT", help="tenant id (optional with --file)")

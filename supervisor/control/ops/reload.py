@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from shared.errors import ConfigError
 from shared.exitcodes import EXIT_USAGE
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import Args, Connect, ServiceOp
+from supervisor.control.ops._base import Args, Connect, Reply, ServiceOp
 from supervisor.control.ops._cli import SERVICE_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -40,8 +40,8 @@ class Reload(ServiceOp):
                    "changes nothing (exit 2).")
     json_help = "print the supervisor's answer as JSON"
 
-    def serve(self, part: ServiceOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, part.reload())
+    def serve(self, part: ServiceOps, reply: Reply, args: Args) -> None:
+        reply.ok(part.reload())
 
     def run(self, args: argparse.Namespace, connect: Connect) -> int:
         try:

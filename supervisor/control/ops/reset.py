@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from shared.protocol import arg_str
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import Args, Connect, ServiceOp
+from supervisor.control.ops._base import Args, Connect, Reply, ServiceOp
 from supervisor.control.ops._cli import SERVICE_TIMEOUT_S, tenant_argument, tenant_line
 
 if TYPE_CHECKING:
@@ -35,8 +35,8 @@ class Reset(ServiceOp):
                    "Returns once every instance is ready.")
     json_help = "print the tenant's status record as JSON"
 
-    def serve(self, part: ServiceOps, client: bytes, rid: int, args: Args) -> None:
-        part.reset(arg_str(args, "tenant"), client, rid)
+    def serve(self, part: ServiceOps, reply: Reply, args: Args) -> None:
+        reply.when(part.reset(arg_str(args, "tenant")))
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         tenant_argument(p)

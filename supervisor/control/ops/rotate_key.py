@@ -9,7 +9,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import Args, Connect, ServiceOp
+from supervisor.control.ops._base import Args, Connect, Reply, ServiceOp
 
 if TYPE_CHECKING:
     from supervisor.control.service import ServiceOps
@@ -31,8 +31,8 @@ class RotateKey(ServiceOp):
                    "'twt capability TENANT'. The new admin capability is written to admin.cap. Needs --yes.")
     json_help = "print the new registry id as JSON"
 
-    def serve(self, part: ServiceOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, part.rotate_key())
+    def serve(self, part: ServiceOps, reply: Reply, args: Args) -> None:
+        reply.ok(part.rotate_key())
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--yes", action="store_true", help="really revoke every capability")

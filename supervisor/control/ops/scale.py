@@ -14,7 +14,7 @@ from shared.errors import RequestTimeout
 from shared.protocol import arg_int, arg_str
 from shared.records import TenantRecord
 from supervisor.client.cli_args import non_negative_int, positive_seconds, print_json
-from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
 from supervisor.control.ops._cli import instances_line, tenant_argument
 from supervisor.control.ops.tenant_status import fetch_tenant
 
@@ -38,8 +38,8 @@ class Scale(AdminOp):
                    "scaling down drains instances (their in-flight requests finish) before stopping them.")
     json_help = "print the tenant's status record as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, part.scale(arg_str(args, "tenant"), arg_int(args, "instances")).to_wire())
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
+        reply.ok(part.scale(arg_str(args, "tenant"), arg_int(args, "instances")).to_wire())
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         tenant_argument(p)

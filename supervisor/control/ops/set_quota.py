@@ -14,11 +14,10 @@ import argparse
 from typing import TYPE_CHECKING
 
 from shared import protocol as proto
-from shared.errors import InvalidArgument
 from shared.records import TenantRecord
 from shared.sizes import format_size
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
 from supervisor.control.ops._cli import SPEC_FLAGS, limits_line, say_decimal_sizes, tenant_argument
 
 if TYPE_CHECKING:
@@ -53,26 +52,9 @@ class SetQuota(AdminOp):
                    "already allocated is taken away. Omitted limits stay as they are.")
     json_help = "print the tenant's status record as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, self.apply(part, args).to_wire())
-
-    def apply(self, part: AdminOps, args: Args) -> TenantRecord:
-        """Change the limits ``args`` names: written to the state, then to the quota block and the lease board."""
-        rt = part.runtime(proto.arg_str(args, "tenant"))
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         changes = {k: args[k] for k in proto.QUOTA_KEYS if k in args}
-        if not changes:
-            raise InvalidArgument(f"set_quota needs at least one of {', '.join(proto.QUOTA_KEYS)}")
-        new_spec = rt.spec._with(**changes)  # validates (InvalidArgument: nothing written)
-        part.write(part.state.update_spec, new_spec)  # StateError: nothing applied
-        try:
-            info = part.registry.set_quota_from(part.admin_cap, rt.tenant_id, changes)
-        except BaseException:
-            part.record(part.state.update_spec, rt.spec)  # put the stored spec back
-            raise
-        rt.spec = info.spec
-        part.placement.gpu_time_join(rt.spec, rt.device)  # weight and cap: live on the lease board
-        part.events.emit("set_quota", tenant=rt.tenant_id, **{k: getattr(info.spec, k) for k in changes})
-        return part.tenant_record(rt)
+        reply.ok(part.set_quota(proto.arg_str(args, "tenant"), changes).to_wire())
 
     def arguments(self, p: argparse.ArgumentParser) -> None:
         tenant_argument(p)

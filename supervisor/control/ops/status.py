@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from shared.protocol import arg_opt_int, arg_opt_str
 from shared.records import STATUS_PAGE_DEFAULT, STATUS_PAGE_MAX, StatusRecord
 from supervisor.client.api import SupervisorClient
-from supervisor.control.ops._base import AdminOp, Args
+from supervisor.control.ops._base import AdminOp, Args, Reply
 from supervisor.control.ops._cli import unreachable_on_timeout
 
 if TYPE_CHECKING:
@@ -27,11 +27,11 @@ class Status(AdminOp):
                   "the last)")
     error_notes = {"InvalidArgument": "a limit out of range, an unknown state"}
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         limit = arg_opt_int(args, "limit")
-        record = part.status(after=arg_opt_str(args, "after"), state=arg_opt_str(args, "state"),
+        record = part.records.status(after=arg_opt_str(args, "after"), state=arg_opt_str(args, "state"),
                              limit=STATUS_PAGE_DEFAULT if limit is None else limit)
-        self.answer(part, client, rid, record.to_wire())
+        reply.ok(record.to_wire())
 
 
 def fetch_status(client: SupervisorClient, *, limit: int | None = None, after: str | None = None,

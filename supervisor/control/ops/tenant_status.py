@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from shared.protocol import arg_str
 from shared.records import TenantRecord
 from supervisor.client.api import SupervisorClient
-from supervisor.control.ops._base import AdminOp, Args
+from supervisor.control.ops._base import AdminOp, Args, Reply
 from supervisor.control.ops._cli import unreachable_on_timeout
 
 if TYPE_CHECKING:
@@ -21,8 +21,8 @@ class TenantStatus(AdminOp):
     args_doc = "`{tenant}`"
     result_doc = "one record"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, part.tenant_record(part.runtime(arg_str(args, "tenant"))).to_wire())
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
+        reply.ok(part.records.tenant_record(part.runtime(arg_str(args, "tenant"))).to_wire())
 
 
 def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from shared.errors import ProtocolError
 from shared.protocol import PROTOCOL_VERSION
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import AdminOp, Args, Connect
+from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
 from supervisor.observe.metrics import build_version
 
 if TYPE_CHECKING:
@@ -34,8 +34,8 @@ class Version(AdminOp):
                    "beside this command's own: after an upgrade the daemon runs the old build until it restarts.")
     json_help = "print {client, supervisor: {version, python, protocol}} as JSON"
 
-    def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
-        self.answer(part, client, rid, {"version": build_version(), "python": platform.python_version(),
+    def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
+        reply.ok({"version": build_version(), "python": platform.python_version(),
                                         "protocol": PROTOCOL_VERSION})
 
     def run(self, args: argparse.Namespace, connect: Connect) -> int:

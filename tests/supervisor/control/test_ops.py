@@ -13,7 +13,8 @@ from shared import protocol as proto
 from shared.errors import TenantIsolationViolation
 from supervisor.cli import build_parser
 from supervisor.control import ops
-from supervisor.control.ops import AdminOp, EitherCapabilityOp, FrontendOp, ServiceOp, WorkerOp, check_table, op_table
+from supervisor.control.ops import (AdminOp, EitherCapabilityOp, FrontendOp, Reply, ServiceOp, WorkerOp, check_table,
+                                    op_table)
 from supervisor.control.ops.__main__ import main as doc_main
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
@@ -90,19 +91,28 @@ def test_a_class_set_that_disagrees_with_the_wire_table_is_refused() -> None:
         check_table([op for op in table if op.name != "reload"] + [WrongPart()])
 
 
-def test_the_dispatch_tables_bind_each_op_to_its_part() -> None:
-    admin, service, frontend = object(), object(), object()
-    table = ops.handlers(admin, service)  # type: ignore[arg-type]
+def test_the_dispatch_tables_bind_each_op_to_its_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each admin op's handler calls its class's ``serve`` with its part and a Reply that alone
+    holds the request's client and id; the frontend's tables hand the ops to the frontend."""
+    admin, service, pending = object(), object(), object()
+    seen: list[tuple[object, ...]] = []
+    for op in op_table():
+        if isinstance(op, (AdminOp, ServiceOp)):
+            monkeypatch.setattr(type(op), "serve", lambda self, part, reply, args: seen.append((self.name, part, reply,
+                                                                                                args)))
+    table = ops.handlers(admin, service, pending)  # type: ignore[arg-type]
     assert set(table) == {n for n, s in proto.OPS.items() if s.admin}
     for name, handler in table.items():
-        assert handler.func.__self__.name == name  # type: ignore[attr-defined]
-        assert handler.args == ((admin,) if proto.OPS[name].served_by == "admin" else (service,))  # type: ignore[attr-defined]
-    local = ops.local_handlers(frontend)  # type: ignore[arg-type]
+        handler(b"client", 7, {"tenant": "acme"})
+        part = admin if proto.OPS[name].served_by == "admin" else service
+        assert seen == [(name, part, Reply(pending, b"client", 7, name), {"tenant": "acme"})]  # type: ignore[arg-type]
+        seen.clear()
+    local = ops.local_handlers()
     assert set(local) == {"quota", "put_module", "region_create", "region_release"}
-    assert all(h.args == (frontend,) and h.func.__self__.name == n for n, h in local.items())  # type: ignore[attr-defined]
-    either = ops.either_handlers(frontend)  # type: ignore[arg-type]
+    assert all(h.__self__.name == n for n, h in local.items())  # type: ignore[attr-defined]
+    either = ops.either_handlers()
     assert set(either) == {"events"}
-    assert all(h.args == (frontend,) and h.func.__self__.name == n for n, h in either.items())  # type: ignore[attr-defined]
+    assert all(h.__self__.name == n for n, h in either.items())  # type: ignore[attr-defined]
 
 
 def test_each_command_and_its_help_come_from_its_op_class() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,13 @@ class Harness:
                 handler()
             self.sup.turn(0.0)
             quiet = 0 if handled else quiet + 1
+
+    def until(self, done: Callable[[], bool]) -> None:
+        """Turn the loop until ``done()`` (a writer thread's commit, a worker's exit) or STUCK_S."""
+        deadline = time.monotonic() + STUCK_S
+        while not done():
+            assert time.monotonic() < deadline, f"not done within {STUCK_S} s"
+            self.settle(quiet_turns=1)
 
     def tick(self, seconds: float, step: float = 0.25) -> None:
         """Move the clock by ``seconds`` in steps (each past a housekeeping tick), settling at each."""
@@ -243,3 +250,27 @@ def test_evict_stops_workers_and_revokes_the_capability(h: Harness) -> None:
     assert all(not w.alive for w in workers)
     err = h.error("ping", {}, cap)
     assert err["code"] in ("capability_revoked", "isolation_violation", "unknown_tenant"), err
+
+
+def test_the_domain_answers_a_registration_and_an_eviction_through_completions(h: Harness) -> None:
+    """AdminOps takes no client identity: register and evict return completions, done once the
+    workers are bound (or gone); the parts came from the one factory, as the daemon's do."""
+    parts = h.sup.parts
+    assert parts is not None
+    registered: list[object] = []
+    done = parts.admin.register(TenantSpec("acme", instances=2))
+    done.then(registered.append, registered.append)
+    assert not done.done  # committed on the writer thread; its instances bind on later turns
+    h.until(lambda: done.done)
+    (result,) = registered
+    assert isinstance(result, dict) and result["capability"] and result["tenant"]["tenant_id"] == "acme"
+    assert result["tenant"]["state"] == "running" and len(result["tenant"]["pids"]) == 2
+    pids = sorted(w.process.pid for w in h.spawner.of("acme"))
+    gone = parts.admin.evict("acme")
+    assert not gone.done  # its two workers are still stopping
+    h.until(lambda: gone.done)
+    evicted: list[object] = []
+    gone.then(evicted.append, evicted.append)
+    assert len(evicted) == 1 and isinstance(evicted[0], dict)
+    assert evicted[0]["evicted"] == "acme" and sorted(evicted[0]["pids"]) == pids
+    assert not h.spawner.of("acme")

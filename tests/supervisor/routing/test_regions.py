@@ -381,7 +381,7 @@ def test_region_table_binds_each_region_to_one_tenant_and_reaps_dead_clients() -
     import sys
 
     from shared.quota import QuotaBlock
-    from supervisor.admission.frontend import pinned_instance
+    from supervisor.routing.dispatcher import pinned_instance
     from supervisor.routing.regions import RegionTable
 
     table = RegionTable(f"tbl{os.getpid()}", max_per_tenant=2)

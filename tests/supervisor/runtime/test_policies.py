@@ -20,7 +20,8 @@ from shared.errors import BufferLost, InvalidArgument, Overloaded, TenantStopped
 from shared.records import ExitRecord
 from shared.spec import DEADLINE_GRACE_S, TenantSpec
 from supervisor.observe.event_log import EventLog
-from supervisor.admission.frontend import Frontend, lost_buffer, pinned_instance, slot_for, with_wasm_limits
+from supervisor.admission.frontend import Frontend
+from supervisor.routing.dispatcher import Dispatcher, lost_buffer, pinned_instance, slot_for, with_wasm_limits
 from supervisor.runtime.loop import Handoff, Loop, Timers
 from supervisor.observe.metrics import Metrics
 from supervisor.routing.pending import PendingTable
@@ -268,21 +269,34 @@ def test_requests_park_while_no_instance_is_ready_bounded_by_max_in_flight() -> 
     with pytest.raises(Overloaded):
         fe._tenant_request(b"c", 4, "ping", cap, {}, None)
     clock.now += 2.5
-    fe.expire_parked(clock.now)
+    fe.dispatcher.expire_parked(clock.now)
     assert not rt.parked
     assert [(rid, ok, err["code"]) for _, rid, ok, err in replies.sent] == [(i, False, "kernel_timeout")
                                                                            for i in (1, 2, 3)]
 
 
-def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenants: dict[str, TenantRuntime],
-              rt: TenantRuntime) -> tuple[Frontend, bytes]:
+def _new_frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenants: dict[str, TenantRuntime],
+                  sock: Any = None, tcp_sock: Any = None) -> Frontend:
+    """A frontend and its dispatcher over the fake parts (no worker set: nothing is sent)."""
     from shared.config import SupervisorConfig
     from supervisor.admission.guard import FrontendGuard
+    from supervisor.control import ops
 
-    fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=None, replies=replies,  # type: ignore[arg-type]
-                  pending=table, workers=None, registry=_FakeRegistry(), tenants=tenants,  # type: ignore[arg-type]
-                  regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
-                  admin_cap=b"admin", event_log=EventLog(16))
+    cfg = SupervisorConfig()
+    guard = FrontendGuard(cfg)
+    regions = RegionTable("policytest")
+    dispatcher = Dispatcher(cfg, clock=clock, pending=table, sender=None, held=guard.held,  # type: ignore[arg-type]
+                            regions=regions, tenants=tenants)
+    admin = {name: lambda client, rid, args: None for name, spec in proto.OPS.items() if spec.admin}
+    return Frontend(cfg, loop=_FakeLoop(clock), sock=sock, tcp_sock=tcp_sock, replies=replies,  # type: ignore[arg-type]
+                    pending=table, dispatcher=dispatcher, workers={}, registry=_FakeRegistry(),  # type: ignore[arg-type]
+                    tenants=tenants, regions=regions, guard=guard, admin_cap=b"admin", event_log=EventLog(16),
+                    admin_ops=admin, local_ops=ops.local_handlers(), either_ops=ops.either_handlers())
+
+
+def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenants: dict[str, TenantRuntime],
+              rt: TenantRuntime) -> tuple[Frontend, bytes]:
+    fe = _new_frontend(table, replies, clock, tenants)
     cap = b"x"
     fe._verified_caps[cap] = rt
     return fe, cap
@@ -295,9 +309,7 @@ def test_a_request_on_one_frontend_socket_is_read_within_a_few_messages_of_a_flo
     the first YIELD_EVERY, and nothing of the flood is lost or reordered."""
     import zmq
 
-    from shared.config import SupervisorConfig
     from supervisor.admission import frontend as fe_mod
-    from supervisor.admission.guard import FrontendGuard
 
     table, replies, _, clock, tenants = _table()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -308,10 +320,7 @@ def test_a_request_on_one_frontend_socket_is_read_within_a_few_messages_of_a_flo
         tcp.bind("inproc://policies-tcp")
         victim.connect("inproc://policies-ipc")
         flooder.connect("inproc://policies-tcp")
-        fe = Frontend(SupervisorConfig(), loop=_FakeLoop(clock), sock=ipc, tcp_sock=tcp,  # type: ignore[arg-type]
-                      replies=replies, pending=table, workers=None, registry=_FakeRegistry(),  # type: ignore[arg-type]
-                      tenants=tenants, regions=RegionTable("policytest"), guard=FrontendGuard(SupervisorConfig()),
-                      admin_cap=b"admin", event_log=EventLog(16))
+        fe = _new_frontend(table, replies, clock, tenants, ipc, tcp)
         fe._verified_caps[b"x"] = tenants["acme"]
         served: list[tuple[bytes, int]] = []
         fe.serve = lambda msg: served.append((msg.client[:1], msg.rid))  # type: ignore[method-assign]

@@ -1,0 +1,31 @@
+"""The frontend's guard counters, as a record: what the metrics exporter shows of admission.
+
+Filled by :meth:`supervisor.admission.guard.FrontendGuard.counters` and read by
+:mod:`supervisor.observe.metrics` (its snapshot) and the Prometheus exporter; a plain
+record here, so the admission parts import nothing of the exporter's.
+
+Owns: nothing (an immutable record).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FrontendCounters"]
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendCounters:
+    """The frontend's guard counters (supervisor.admission.guard): admission refusals by tenant and
+    what was exceeded, unauthenticated requests dropped and connections shed by reason,
+    connections now and their budget."""
+
+    admission_refused: tuple[tuple[str, str, int], ...] = ()  # (tenant, "requests" | "bytes", count)
+    admission_unanswered: tuple[tuple[str, int], ...] = ()  # (tenant, count): refused and dropped unanswered
+    unauthenticated_dropped: tuple[tuple[str, int], ...] = ()  # (reason, count)
+    connections_shed: tuple[tuple[str, int], ...] = ()  # (reason, count)
+    connections: int = 0
+    tcp_connections: int = 0
+    connection_budget: int = 0
+    tcp_pauses: int = 0  # the TCP frontend not read for a while (supervisor.admission.pacing)
+    tcp_paused_s: float = 0.0
