@@ -350,7 +350,7 @@ class Supervisor:
         parking = Parking(tenants=self.tenants, workers=workers, events=self.events, on_active=admin.instance_ready,
                           clock=self.loop.clock, persist=_parked_flag_writer(state),
                           stopping=lambda: self._stopping, max_active=cfg.max_active,
-                          device_bounds=placement.context_bounds())
+                          device_bounds=placement.context_bounds(), modules=self.modules)
         frontend.wake_parked = parking.wake
         hooks.parking = parking
         # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)

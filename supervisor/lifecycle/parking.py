@@ -42,6 +42,13 @@ The rules that keep bytes and quota whole:
   the tenant is parked (its segment is referenced by the registry, the status
   and metrics readers and the regions' accounting; see docs/ARCHITECTURE.md).
 
+* **Compiled modules.** After its buffers, each instance hands over the
+  wasmtime artifacts of the stored modules it compiled (``export_modules``);
+  they are written to this tenant's own directory (supervisor.store.artifacts),
+  and an activating instance gets them back after its buffers
+  (``import_modules``), so its first ``run_wasm`` does not compile. Neither step
+  can fail a park or an activation: what is missing is compiled at its run.
+
 * **Room.** An activation starts workers only within ``max_active`` (all tenant
   workers alive) and each device's context bound; short of room it parks the
   least recently used idle tenants early and waits for their workers to exit,
@@ -71,6 +78,7 @@ from supervisor.observe.events import EventBus
 from supervisor.runtime.requests import Pending
 from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
+from supervisor.store.modules import ModuleStore
 
 __all__ = ["PARK_CHUNK_BYTES", "Parking", "RETRY_AFTER_UNKNOWN_S"]
 
@@ -94,13 +102,14 @@ class Parking:
                  on_active: Callable[[TenantRuntime], None], clock: Callable[[], float],
                  persist: Callable[[str, bool], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False, max_active: int | None = None,
-                 device_bounds: Mapping[int, int] | None = None) -> None:
+                 device_bounds: Mapping[int, int] | None = None, modules: ModuleStore | None = None) -> None:
         """``on_active(rt)``: the tenant serves again (a park cancelled, an activation done) - what
         an instance that became ready means: its waiting requests are sent, its waiters answered
         (``AdminOps.instance_ready``). ``persist(tenant, parked)``: record the parked flag durably
         (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then).
         ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
-        the same per device, where its memory budget over a worker's context cost bounds it."""
+        the same per device, where its memory budget over a worker's context cost bounds it.
+        ``modules``: where compiled-module artifacts are kept (None: modules compile after activation)."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
@@ -113,6 +122,9 @@ class Parking:
         self.activations = 0
         self.refusals = 0
         self.max_active = max_active
+        self.modules = modules
+        #: compiled modules an activation put back without a compile, by tenant (its ``activate`` event)
+        self._artifacts_loaded: dict[str, int] = {}
         self.device_bounds = dict(device_bounds or {})
         #: parks begun to make room (before the tenant's idle time), and activations refused for room
         self.early_parks = 0
@@ -231,9 +243,7 @@ class Parking:
         """Copy the next chunk of instance ``slot``'s buffers (buffer ``index`` at ``offset``)."""
         buffers = rec.buffers[slot.index]
         if index >= len(buffers):
-            rec.todo.discard(slot.index)
-            if not rec.todo:
-                self._exported(rt, rec)
+            self._export_modules(rt, rec, slot)
             return
         buf = buffers[index]
         n = min(PARK_CHUNK_BYTES, len(buf.data) - offset)
@@ -260,6 +270,49 @@ class Parking:
 
         self._send(rt, slot, worker, "export_chunk", {"handle": buf.handle, "offset": offset, "nbytes": n}, None,
                    done, on_body)
+
+    def _export_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
+        """The instance's buffers are whole: its compiled stored modules next, as artifacts kept in
+        this tenant's own directory. Whatever fails here costs only a compile after activation."""
+        worker = slot.worker
+        if self.modules is None or not rt.modules or worker is None or worker.state is not WorkerState.READY:
+            self._slot_exported(rt, rec, slot)
+            return
+        got: list[bytes] = []
+
+        def on_body(body: zmq.Frame | bytes | memoryview | None) -> None:
+            got.append(body.bytes if isinstance(body, zmq.Frame) else bytes(body or b""))
+
+        def done(ok: bool, payload: object) -> None:
+            if not self._current(rt, rec, ParkPhase.EXPORTING):
+                return
+            if ok:
+                self._store_artifacts(rt, payload, got[0] if got else b"")
+            self._slot_exported(rt, rec, slot)
+
+        self._send(rt, slot, worker, "export_modules", {"digests": list(rt.modules)}, None, done, on_body)
+
+    def _store_artifacts(self, rt: TenantRuntime, payload: object, body: bytes) -> None:
+        """Keep what a worker of ``rt`` exported, under ``rt`` only, and only for its stored modules."""
+        assert self.modules is not None
+        listed = payload.get("artifacts") if isinstance(payload, dict) else None
+        fingerprint = payload.get("fingerprint") if isinstance(payload, dict) else None
+        if (not isinstance(listed, list) or not isinstance(fingerprint, str)
+                or not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int)
+                           and e[1] > 0 for e in listed)
+                or sum(e[1] for e in listed) != len(body)):
+            log_event(_log, logging.WARNING, "tenant.artifacts_unusable", tenant=rt.tenant_id)
+            return
+        pos = 0
+        for digest, n in listed:
+            if digest in rt.modules:
+                self.modules.save_artifact(rt.tenant_id, rt.generation, digest, fingerprint, body[pos:pos + n])
+            pos += n
+
+    def _slot_exported(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
+        rec.todo.discard(slot.index)
+        if not rec.todo:
+            self._exported(rt, rec)
 
     def _exported(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         """Every buffer is whole in host memory: now the workers may go."""
@@ -504,10 +557,7 @@ class Parking:
         buffers = rec.buffers.get(slot.index, [])
         seq = rec.seqs.get(slot.index, 0)
         if index >= len(buffers) and not first:
-            rec.todo.discard(slot.index)
-            rec.importing.pop(slot.index, None)
-            if not rec.todo:
-                self._activated(rt, rec)
+            self._import_modules(rt, rec, slot, worker)
             return
 
         def done(ok: bool, payload: object) -> None:
@@ -536,6 +586,46 @@ class Parking:
         self._send(rt, slot, worker, "import_buffer",
                    {"handle": buf.handle, "nbytes": len(buf.data), "offset": offset, "seq": seq}, body, done)
 
+    def _import_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
+        """The instance's buffers are back: its tenant's artifacts next (those of its stored modules
+        only), so the first run does not compile. A worker's refusal is never the activation's:
+        stale and refused artifacts are removed and those modules compile at their run."""
+        artifacts = (self.modules.load_artifacts(rt.tenant_id, rt.generation, rt.modules)
+                     if self.modules is not None and rt.modules else [])
+        if not artifacts:
+            self._slot_imported(rt, rec, slot)
+            return
+        modules = self.modules
+        assert modules is not None
+        entries = [[a.digest, a.fingerprint, len(rt.modules[a.digest]), len(a.data)] for a in artifacts]
+        fingerprints = {a.digest: a.fingerprint for a in artifacts}
+        body = memoryview(b"".join(part for a in artifacts for part in (rt.modules[a.digest], a.data)))
+
+        def done(ok: bool, payload: object) -> None:
+            if not (self.tenants.get(rt.tenant_id) is rt and rt.park is rec and rec.phase is ParkPhase.ACTIVATING
+                    and rec.importing.get(slot.index) is worker):
+                return
+            if not ok and worker.state is WorkerState.DEAD:
+                return  # restarted with the same incarnation; the import starts over then
+            if ok and isinstance(payload, dict):
+                for key in ("stale", "refused"):
+                    named = payload.get(key)
+                    for digest in named if isinstance(named, list) else ():
+                        if isinstance(digest, str) and digest in fingerprints:
+                            modules.remove_artifact(rt.tenant_id, rt.generation, digest, fingerprints[digest])
+                loaded = payload.get("loaded")
+                if isinstance(loaded, list):
+                    self._artifacts_loaded[rt.tenant_id] = self._artifacts_loaded.get(rt.tenant_id, 0) + len(loaded)
+            self._slot_imported(rt, rec, slot)
+
+        self._send(rt, slot, worker, "import_modules", {"modules": entries}, body, done)
+
+    def _slot_imported(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
+        rec.todo.discard(slot.index)
+        rec.importing.pop(slot.index, None)
+        if not rec.todo:
+            self._activated(rt, rec)
+
     def _activated(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         """Every instance holds its buffers again: the host copy goes, the waiting requests are sent."""
         self._release(rt, rec)
@@ -549,7 +639,8 @@ class Parking:
         rt.refresh_state()
         self.activations += 1
         self.events.emit("activate", tenant=rt.tenant_id, buffers=restored, host_bytes=host_bytes,
-                         activate_ms=round((self.clock() - rec.since) * 1000, 3))
+                         activate_ms=round((self.clock() - rec.since) * 1000, 3),
+                         artifacts=self._artifacts_loaded.pop(rt.tenant_id, 0))
         if self.persist is not None:
             self.persist(rt.tenant_id, False)
         self.on_active(rt)
