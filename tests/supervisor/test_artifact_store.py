@@ -1,0 +1,120 @@
+"""The compiled-module artifacts on disk (supervisor.store.artifacts, ModuleStore's artifact half):
+sealed for one tenant, generation, module and engine fingerprint; anything else is removed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from supervisor.store.artifacts import ARTIFACT_KEY_FILE, load_or_create_key, seal, unseal
+from supervisor.store.modules import ModuleStore
+from tests.helpers.tmp import short_temp_dir
+
+pytestmark = pytest.mark.timeout(60)
+
+MODULE = b"\0asm\1\0\0\0"
+DIGEST = hashlib.sha256(MODULE).hexdigest()
+FP = "ab" * 16
+KEY = bytes(range(32))
+
+
+@pytest.fixture
+def state() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="twt-art-", dir=short_temp_dir())
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _store(state: str) -> ModuleStore:
+    return ModuleStore(os.path.join(state, "modules"))
+
+
+def test_a_sealed_artifact_opens_only_for_its_own_tenant_generation_module_and_fingerprint() -> None:
+    raw = seal(KEY, "a", 1, DIGEST, FP, b"native code")
+    assert unseal(KEY, "a", 1, DIGEST, FP, raw) == b"native code"
+    other_digest = hashlib.sha256(b"x").hexdigest()
+    for args in (("b", 1, DIGEST, FP), ("a", 2, DIGEST, FP), ("a", 1, other_digest, FP), ("a", 1, DIGEST, "cd" * 16)):
+        assert unseal(KEY, *args, raw) is None
+    assert unseal(bytes(32), "a", 1, DIGEST, FP, raw) is None  # another supervisor's key
+    assert unseal(KEY, "a", 1, DIGEST, FP, raw[:-1]) is None  # truncated
+    assert unseal(KEY, "a", 1, DIGEST, FP, raw[:-1] + bytes([raw[-1] ^ 1])) is None  # one bit changed
+    assert unseal(KEY, "a", 1, DIGEST, FP, raw[:10]) is None
+
+
+def test_the_key_is_created_0600_and_kept(state: str) -> None:
+    path = os.path.join(state, ARTIFACT_KEY_FILE)
+    key = load_or_create_key(path)
+    assert len(key) == 32 and os.stat(path).st_mode & 0o777 == 0o600
+    assert load_or_create_key(path) == key
+    os.chmod(path, 0o644)  # readable by others: not trusted, replaced
+    assert load_or_create_key(path) != key and os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_artifacts_round_trip_and_are_found_before_they_reach_the_disk(state: str) -> None:
+    store = _store(state)
+    try:
+        store.save("t", 1, DIGEST, MODULE)
+        assert store.save_artifact("t", 1, DIGEST, FP, b"compiled")
+        found = store.load_artifacts("t", 1, {DIGEST})  # queued or written: found either way
+        assert [(a.digest, a.fingerprint, a.data) for a in found] == [(DIGEST, FP, b"compiled")]
+        assert store.flush(30)
+        path = os.path.join(state, "modules", "t", "g1", f"{DIGEST}.{FP}.cwasm")
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert [a.data for a in store.load_artifacts("t", 1, {DIGEST})] == [b"compiled"]
+        assert store.load_artifacts("u", 1, {DIGEST}) == [] and store.load_artifacts("t", 2, {DIGEST}) == []
+        # the module still loads beside its artifact (the artifact is not taken for a bad module)
+        assert [m.digest for m in store.load("t", 1)] == [DIGEST] and os.path.exists(path)
+        # another supervisor instance on the same state (a restart) opens it with the kept key
+        again = _store(state)
+        assert [a.data for a in again.load_artifacts("t", 1, {DIGEST})] == [b"compiled"]
+        again.close()
+    finally:
+        store.close()
+
+
+def test_a_bad_or_orphaned_artifact_is_removed_and_a_removed_module_takes_its_artifacts(state: str) -> None:
+    store = _store(state)
+    try:
+        store.save("t", 1, DIGEST, MODULE)
+        store.save_artifact("t", 1, DIGEST, FP, b"compiled")
+        assert store.flush(30)
+        path = os.path.join(state, "modules", "t", "g1", f"{DIGEST}.{FP}.cwasm")
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 1)
+        assert store.load_artifacts("t", 1, {DIGEST}) == [] and not os.path.exists(path)
+        assert store.artifacts_dropped == 1
+        # an artifact whose module is no longer the tenant's is removed when looked at
+        store.save_artifact("t", 1, DIGEST, FP, b"compiled")
+        assert store.flush(30) and os.path.exists(path)
+        assert store.load_artifacts("t", 1, set()) == [] and not os.path.exists(path)
+        # the module leaving the LRU takes its artifacts with it
+        store.save_artifact("t", 1, DIGEST, FP, b"compiled")
+        store.remove("t", 1, DIGEST)
+        assert store.flush(30) and not os.path.exists(path)
+        # an artifact of a module not on disk is not written (nothing would ever load it)
+        store.save_artifact("t", 1, DIGEST, FP, b"compiled")
+        assert store.flush(30) and not os.path.exists(path)
+        # names that are not hex are refused
+        assert not store.save_artifact("t", 1, "../x", FP, b"c") and not store.save_artifact("t", 1, DIGEST, "../", b"c")
+    finally:
+        store.close()
+
+
+def test_an_eviction_drops_the_artifacts_with_the_modules(state: str) -> None:
+    store = _store(state)
+    try:
+        store.save("t", 1, DIGEST, MODULE)
+        store.save_artifact("t", 1, DIGEST, FP, b"compiled")
+        store.drop("t", 1)
+        assert store.flush(30)
+        assert not os.path.exists(os.path.join(state, "modules", "t"))
+        assert store.load_artifacts("t", 1, {DIGEST}) == []
+    finally:
+        store.close()
