@@ -86,6 +86,9 @@ _log = get_logger("supervisor")
 
 #: the largest chunk of a buffer one export or import message carries
 PARK_CHUNK_BYTES: Final = 4 << 20
+#: import chunks in flight per instance at most: the supervisor's sends, the socket and the
+#: worker's copies overlap instead of waiting for each other chunk by chunk
+IMPORT_WINDOW: Final = 4
 #: a refused activation's ``retry_after_s`` when no active tenant will park by itself (none has an
 #: ``idle_timeout_s``): room comes only from an eviction or a tenant going idle, which nothing predicts
 RETRY_AFTER_UNKNOWN_S: Final = 1.0
@@ -549,42 +552,51 @@ class Parking:
             if (slot.index in rec.todo and slot.ready and worker is not None
                     and rec.importing.get(slot.index) is not worker):
                 rec.importing[slot.index] = worker
-                self._import_next(rt, rec, slot, worker, 0, 0, first=True)
+                self._import_start(rt, rec, slot, worker)
         return True
 
-    def _import_next(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle,
-                     index: int, offset: int, *, first: bool = False) -> None:
-        buffers = rec.buffers.get(slot.index, [])
+    def _import_start(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
+        """Send instance ``slot``'s buffers back, chunk by chunk, up to IMPORT_WINDOW chunks in
+        flight (the worker takes them in order: a buffer's first chunk allocates it), then its
+        compiled modules. An instance without buffers gets only its handle sequence."""
         seq = rec.seqs.get(slot.index, 0)
-        if index >= len(buffers) and not first:
-            self._import_modules(rt, rec, slot, worker)
-            return
+        chunks = [(buf, offset, min(PARK_CHUNK_BYTES, len(buf.data) - offset))
+                  for buf in rec.buffers.get(slot.index, []) for offset in range(0, len(buf.data), PARK_CHUNK_BYTES)]
+        sent = 0
+        in_flight = 0
+        failed = False
 
         def done(ok: bool, payload: object) -> None:
+            nonlocal in_flight, failed
             if not (self.tenants.get(rt.tenant_id) is rt and rt.park is rec and rec.phase is ParkPhase.ACTIVATING
-                    and rec.importing.get(slot.index) is worker):
+                    and rec.importing.get(slot.index) is worker) or failed:
                 return
+            in_flight -= 1
             if not ok:
-                if worker.state is WorkerState.DEAD:
-                    return  # restarted with the same incarnation; the import starts over then
-                self._activation_failed(rt, rec, payload)
+                failed = True
+                if worker.state is not WorkerState.DEAD:  # a dead one is restarted; the import starts over then
+                    self._activation_failed(rt, rec, payload)
                 return
-            if index >= len(buffers):
-                self._import_next(rt, rec, slot, worker, index, 0)
-            elif offset + n < len(buffers[index].data):
-                self._import_next(rt, rec, slot, worker, index, offset + n)
+            if sent == len(chunks) and in_flight == 0:
+                self._import_modules(rt, rec, slot, worker)
             else:
-                self._import_next(rt, rec, slot, worker, index + 1, 0)
+                pump()
 
-        if index >= len(buffers):  # an instance without buffers: only its handle sequence
-            n = 0
+        def pump() -> None:
+            nonlocal sent, in_flight
+            while sent < len(chunks) and in_flight < IMPORT_WINDOW and not failed:
+                buf, offset, n = chunks[sent]
+                sent += 1
+                in_flight += 1
+                self._send(rt, slot, worker, "import_buffer",
+                           {"handle": buf.handle, "nbytes": len(buf.data), "offset": offset, "seq": seq},
+                           memoryview(buf.data)[offset:offset + n], done)
+
+        if not chunks:
+            in_flight = 1
             self._send(rt, slot, worker, "import_buffer", {"handle": None, "seq": seq}, None, done)
-            return
-        buf = buffers[index]
-        n = min(PARK_CHUNK_BYTES, len(buf.data) - offset)
-        body = memoryview(buf.data)[offset:offset + n]
-        self._send(rt, slot, worker, "import_buffer",
-                   {"handle": buf.handle, "nbytes": len(buf.data), "offset": offset, "seq": seq}, body, done)
+        else:
+            pump()
 
     def _import_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
         """The instance's buffers are back: its tenant's artifacts next (those of its stored modules
