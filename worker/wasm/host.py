@@ -257,7 +257,7 @@ class CompiledModule:
     from_artifact: bool = False
 
 
-def _check_size(body: bytes | bytearray | memoryview) -> str:
+def _digest_within_limits(body: bytes | bytearray | memoryview) -> str:
     """The sha256 of a module body within the size limits, else WasmCompile."""
     if len(body) > MAX_MODULE_BYTES:
         raise WasmCompile(f"module of {len(body):,} B is larger than the {MAX_MODULE_BYTES:,} B limit")
@@ -677,7 +677,7 @@ class WasmHost:
         :class:`CompileOverrun` (the compiler thread keeps running until the
         worker exits; the caller must make it exit).
         """
-        digest = _check_size(body)
+        digest = _digest_within_limits(body)
         cached = self._cache.get(digest)
         if cached is not None:
             self.stats["cache_hits"] += 1
@@ -703,7 +703,7 @@ class WasmHost:
         compiling it. False (nothing cached) when the artifact does not deserialize on this engine;
         WasmCompile when ``body`` is not the module ``digest`` names or no longer passes the checks.
         The module's own facts (memory limits, export names) come from ``body``, never the artifact."""
-        if _check_size(body) != digest:
+        if _digest_within_limits(body) != digest:
             raise WasmCompile("the module bytes do not match the digest their artifact was stored under")
         if digest in self._cache:
             return True
