@@ -82,6 +82,8 @@ def test_an_exported_artifact_loads_into_a_fresh_worker_without_a_compile() -> N
         reply = _import(second, artifacts)
         assert sorted(reply["loaded"]) == sorted(hashlib.sha256(m).hexdigest() for m in (PROBE, TRAPS))
         assert reply["stale"] == [] and reply["refused"] == []
+        # a run follows an activation: the epoch thread is started already (not by the first run)
+        assert second.host.ticker.running and second.host.stats["runs"] == 0
         run = _run(second, PROBE, "add", [1, 2])
         assert run["results"] == [3] and run["cached"] is True
         assert _run(second, TRAPS, "ok", [])["cached"] is True

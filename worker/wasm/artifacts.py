@@ -108,4 +108,6 @@ def op_import_modules(server: WorkerServer, args: dict[str, object], body: zmq.F
         except WasmCompile:
             ok = False  # the module itself is refused: its run says why
         (loaded if ok else refused).append(digest)
+    if loaded:
+        host.ticker.prestart()  # a run follows: its epoch thread is up by then
     return {"loaded": loaded, "stale": stale, "refused": refused}, None

@@ -190,10 +190,21 @@ class EpochTicker:
             if self._stopping:
                 raise RuntimeError("epoch ticker is closed")
             self._active += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="twt-wasm-epoch", daemon=True)
-                self._thread.start()
+            self._start_locked()
             self._cond.notify()
+
+    def prestart(self) -> None:
+        """Start the (idle) thread now, ahead of the first run: starting a thread waits for it to
+        be scheduled, which a loaded host makes the first run's slowest step (a run soon follows
+        an activation that loaded compiled modules)."""
+        with self._cond:
+            if not self._stopping:
+                self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="twt-wasm-epoch", daemon=True)
+            self._thread.start()
 
     def release(self) -> None:
         with self._cond:
