@@ -80,7 +80,7 @@ from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, Pa
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 from supervisor.store.modules import ModuleStore
 
-__all__ = ["PARK_CHUNK_BYTES", "Parking", "RETRY_AFTER_UNKNOWN_S"]
+__all__ = ["ARTIFACT_MESSAGE_BYTES", "IMPORT_WINDOW", "PARK_CHUNK_BYTES", "Parking", "RETRY_AFTER_UNKNOWN_S"]
 
 _log = get_logger("supervisor")
 
@@ -96,6 +96,9 @@ RETRY_AFTER_UNKNOWN_S: Final = 1.0
 #: again for this long: it would be refused again, and the activation that waits for it should be
 #: answered instead
 EARLY_PARK_BACKOFF_S: Final = 5.0
+#: compiled-module bytes one export reply or import message carries at most (what does not fit is
+#: compiled at its run); the supervisor lowers it to half the configured message size
+ARTIFACT_MESSAGE_BYTES: Final = 32 << 20
 
 
 class Parking:
@@ -105,14 +108,17 @@ class Parking:
                  on_active: Callable[[TenantRuntime], None], clock: Callable[[], float],
                  persist: Callable[[str, bool], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False, max_active: int | None = None,
-                 device_bounds: Mapping[int, int] | None = None, modules: ModuleStore | None = None) -> None:
+                 device_bounds: Mapping[int, int] | None = None, modules: ModuleStore | None = None,
+                 artifact_bytes: int = ARTIFACT_MESSAGE_BYTES) -> None:
         """``on_active(rt)``: the tenant serves again (a park cancelled, an activation done) - what
         an instance that became ready means: its waiting requests are sent, its waiters answered
         (``AdminOps.instance_ready``). ``persist(tenant, parked)``: record the parked flag durably
         (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then).
         ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
         the same per device, where its memory budget over a worker's context cost bounds it.
-        ``modules``: where compiled-module artifacts are kept (None: modules compile after activation)."""
+        ``modules``: where compiled-module artifacts are kept (None: modules compile after activation);
+        ``artifact_bytes``: the most one export reply or import message of them carries (it must fit
+        the backend socket's message size)."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
@@ -126,6 +132,7 @@ class Parking:
         self.refusals = 0
         self.max_active = max_active
         self.modules = modules
+        self.artifact_bytes = artifact_bytes
         #: compiled modules an activation put back without a compile, by tenant (its ``activate`` event)
         self._artifacts_loaded: dict[str, int] = {}
         self.device_bounds = dict(device_bounds or {})
@@ -293,7 +300,8 @@ class Parking:
                 self._store_artifacts(rt, payload, got[0] if got else b"")
             self._slot_exported(rt, rec, slot)
 
-        self._send(rt, slot, worker, "export_modules", {"digests": list(rt.modules)}, None, done, on_body)
+        self._send(rt, slot, worker, "export_modules", {"digests": list(rt.modules), "max_bytes": self.artifact_bytes},
+                   None, done, on_body)
 
     def _store_artifacts(self, rt: TenantRuntime, payload: object, body: bytes) -> None:
         """Keep what a worker of ``rt`` exported, under ``rt`` only, and only for its stored modules."""
@@ -604,6 +612,14 @@ class Parking:
         stale and refused artifacts are removed and those modules compile at their run."""
         artifacts = (self.modules.load_artifacts(rt.tenant_id, rt.generation, rt.modules)
                      if self.modules is not None and rt.modules else [])
+        total = 0
+        fitting = []
+        for a in artifacts:  # one message: the modules and their artifacts within artifact_bytes
+            size = len(rt.modules[a.digest]) + len(a.data)
+            if total + size <= self.artifact_bytes:
+                total += size
+                fitting.append(a)
+        artifacts = fitting
         if not artifacts:
             self._slot_imported(rt, rec, slot)
             return

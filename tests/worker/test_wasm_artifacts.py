@@ -160,3 +160,16 @@ def test_malformed_exports_are_invalid_arguments() -> None:
         for bad in ("x", ["nothex"], [1]):
             with pytest.raises(InvalidArgument):
                 op_export_modules(_Server(e), {"digests": bad}, None)  # type: ignore[arg-type]
+
+
+def test_an_export_stays_within_max_bytes() -> None:
+    with env() as e:
+        _run(e, PROBE, "add", [1, 1])
+        digests = [hashlib.sha256(PROBE).hexdigest()]
+        reply, body = op_export_modules(_Server(e), {"digests": digests, "max_bytes": 100}, None)  # type: ignore[arg-type]
+        assert reply["artifacts"] == [] and body is None  # the artifact is larger than 100 B
+        reply, body = op_export_modules(_Server(e), {"digests": digests, "max_bytes": 1 << 30}, None)  # type: ignore[arg-type]
+        assert len(reply["artifacts"]) == 1 and len(body or b"") == reply["artifacts"][0][1]
+        for bad in (0, -1, True, "1"):
+            with pytest.raises(InvalidArgument):
+                op_export_modules(_Server(e), {"digests": digests, "max_bytes": bad}, None)  # type: ignore[arg-type]

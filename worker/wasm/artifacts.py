@@ -59,14 +59,18 @@ def _digests(value: object) -> list[str]:
 
 
 def op_export_modules(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
-    """``export_modules {digests}`` -> ``{fingerprint, artifacts: [[digest, nbytes]...]}`` + body:
-    the serialized modules among ``digests`` this worker compiled, end to end."""
+    """``export_modules {digests, max_bytes}`` -> ``{fingerprint, artifacts: [[digest, nbytes]...]}`` +
+    body: the serialized modules among ``digests`` this worker compiled, end to end, at most
+    ``max_bytes`` (default and ceiling :data:`MAX_EXPORT_BYTES`: the reply must fit a message)."""
     digests = _digests(args.get("digests"))
+    max_bytes = args.get("max_bytes", MAX_EXPORT_BYTES)
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        raise InvalidArgument(f"max_bytes must be a positive int, got {max_bytes!r}")
     ctx = server.require_context()
     host = ctx.extensions.get(WasmHost.EXTENSION)
     if not isinstance(host, WasmHost) or not digests:
         return {"fingerprint": engine_fingerprint(), "artifacts": []}, None
-    found = host.artifacts(digests, MAX_EXPORT_BYTES)
+    found = host.artifacts(digests, min(max_bytes, MAX_EXPORT_BYTES))
     return ({"fingerprint": engine_fingerprint(), "artifacts": [[d, len(data)] for d, data in found]},
             b"".join(data for _, data in found) if found else None)
 
