@@ -102,7 +102,8 @@ from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.runtime.tenants import TenantRuntime
 from supervisor.runtime.workers import Spawner, SpawnerFactory
 from supervisor.lifecycle.drain import Drain
-from supervisor.lifecycle.parking import ARTIFACT_MESSAGE_BYTES, Parking
+from supervisor.lifecycle.module_artifacts import ARTIFACT_MESSAGE_BYTES, ModuleArtifacts
+from supervisor.lifecycle.parking import Parking
 from supervisor.lifecycle.workerset import WorkerSet
 
 __all__ = ["Supervisor"]
@@ -350,8 +351,8 @@ class Supervisor:
         parking = Parking(tenants=self.tenants, workers=workers, events=self.events, on_active=admin.instance_ready,
                           clock=self.loop.clock, persist=_parked_flag_writer(state),
                           stopping=lambda: self._stopping, max_active=cfg.max_active,
-                          device_bounds=placement.context_bounds(), modules=self.modules,
-                          artifact_bytes=min(ARTIFACT_MESSAGE_BYTES, cfg.max_message_bytes // 2))
+                          device_bounds=placement.context_bounds(),
+                          artifacts=ModuleArtifacts(self.modules, min(ARTIFACT_MESSAGE_BYTES, cfg.max_message_bytes // 2)))
         frontend.wake_parked = parking.wake
         hooks.parking = parking
         # dispatch: one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)

@@ -78,9 +78,9 @@ from supervisor.observe.events import EventBus
 from supervisor.runtime.requests import Pending
 from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
-from supervisor.store.modules import ModuleStore
+from supervisor.lifecycle.module_artifacts import ModuleArtifacts
 
-__all__ = ["ARTIFACT_MESSAGE_BYTES", "IMPORT_WINDOW", "PARK_CHUNK_BYTES", "Parking", "RETRY_AFTER_UNKNOWN_S"]
+__all__ = ["IMPORT_WINDOW", "PARK_CHUNK_BYTES", "Parking", "RETRY_AFTER_UNKNOWN_S"]
 
 _log = get_logger("supervisor")
 
@@ -96,9 +96,6 @@ RETRY_AFTER_UNKNOWN_S: Final = 1.0
 #: again for this long: it would be refused again, and the activation that waits for it should be
 #: answered instead
 EARLY_PARK_BACKOFF_S: Final = 5.0
-#: compiled-module bytes one export reply or import message carries at most (what does not fit is
-#: compiled at its run); the supervisor lowers it to half the configured message size
-ARTIFACT_MESSAGE_BYTES: Final = 32 << 20
 
 
 class Parking:
@@ -108,17 +105,15 @@ class Parking:
                  on_active: Callable[[TenantRuntime], None], clock: Callable[[], float],
                  persist: Callable[[str, bool], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False, max_active: int | None = None,
-                 device_bounds: Mapping[int, int] | None = None, modules: ModuleStore | None = None,
-                 artifact_bytes: int = ARTIFACT_MESSAGE_BYTES) -> None:
+                 device_bounds: Mapping[int, int] | None = None, artifacts: ModuleArtifacts | None = None) -> None:
         """``on_active(rt)``: the tenant serves again (a park cancelled, an activation done) - what
         an instance that became ready means: its waiting requests are sent, its waiters answered
         (``AdminOps.instance_ready``). ``persist(tenant, parked)``: record the parked flag durably
         (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then).
         ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
         the same per device, where its memory budget over a worker's context cost bounds it.
-        ``modules``: where compiled-module artifacts are kept (None: modules compile after activation);
-        ``artifact_bytes``: the most one export reply or import message of them carries (it must fit
-        the backend socket's message size)."""
+        ``artifacts``: the tenants' compiled modules kept across a park (None: they compile after
+        an activation)."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
@@ -131,8 +126,7 @@ class Parking:
         self.activations = 0
         self.refusals = 0
         self.max_active = max_active
-        self.modules = modules
-        self.artifact_bytes = artifact_bytes
+        self.artifacts = artifacts
         #: compiled modules an activation put back without a compile, by tenant (its ``activate`` event)
         self._artifacts_loaded: dict[str, int] = {}
         self.device_bounds = dict(device_bounds or {})
@@ -283,9 +277,10 @@ class Parking:
 
     def _export_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
         """The instance's buffers are whole: its compiled stored modules next, as artifacts kept in
-        this tenant's own directory. Whatever fails here costs only a compile after activation."""
+        this tenant's own directory (module_artifacts). A failure costs only a compile later."""
         worker = slot.worker
-        if self.modules is None or not rt.modules or worker is None or worker.state is not WorkerState.READY:
+        args = self.artifacts.export_args(rt) if self.artifacts is not None else None
+        if args is None or worker is None or worker.state is not WorkerState.READY:
             self._slot_exported(rt, rec, slot)
             return
         got: list[bytes] = []
@@ -296,29 +291,11 @@ class Parking:
         def done(ok: bool, payload: object) -> None:
             if not self._current(rt, rec, ParkPhase.EXPORTING):
                 return
-            if ok:
-                self._store_artifacts(rt, payload, got[0] if got else b"")
+            if ok and self.artifacts is not None:
+                self.artifacts.keep(rt, payload, got[0] if got else b"")
             self._slot_exported(rt, rec, slot)
 
-        self._send(rt, slot, worker, "export_modules", {"digests": list(rt.modules), "max_bytes": self.artifact_bytes},
-                   None, done, on_body)
-
-    def _store_artifacts(self, rt: TenantRuntime, payload: object, body: bytes) -> None:
-        """Keep what a worker of ``rt`` exported, under ``rt`` only, and only for its stored modules."""
-        assert self.modules is not None
-        listed = payload.get("artifacts") if isinstance(payload, dict) else None
-        fingerprint = payload.get("fingerprint") if isinstance(payload, dict) else None
-        if (not isinstance(listed, list) or not isinstance(fingerprint, str)
-                or not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int)
-                           and e[1] > 0 for e in listed)
-                or sum(e[1] for e in listed) != len(body)):
-            log_event(_log, logging.WARNING, "tenant.artifacts_unusable", tenant=rt.tenant_id)
-            return
-        pos = 0
-        for digest, n in listed:
-            if digest in rt.modules:
-                self.modules.save_artifact(rt.tenant_id, rt.generation, digest, fingerprint, body[pos:pos + n])
-            pos += n
+        self._send(rt, slot, worker, "export_modules", args, None, done, on_body)
 
     def _slot_exported(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
         rec.todo.discard(slot.index)
@@ -607,27 +584,14 @@ class Parking:
             pump()
 
     def _import_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
-        """The instance's buffers are back: its tenant's artifacts next (those of its stored modules
-        only), so the first run does not compile. A worker's refusal is never the activation's:
-        stale and refused artifacts are removed and those modules compile at their run."""
-        artifacts = (self.modules.load_artifacts(rt.tenant_id, rt.generation, rt.modules)
-                     if self.modules is not None and rt.modules else [])
-        total = 0
-        fitting = []
-        for a in artifacts:  # one message: the modules and their artifacts within artifact_bytes
-            size = len(rt.modules[a.digest]) + len(a.data)
-            if total + size <= self.artifact_bytes:
-                total += size
-                fitting.append(a)
-        artifacts = fitting
-        if not artifacts:
+        """The instance's buffers are back: its tenant's own artifacts next, so the first run does
+        not compile. A worker's refusal is never the activation's (the module compiles at its run)."""
+        artifacts = self.artifacts
+        message = artifacts.message(rt) if artifacts is not None else None
+        if artifacts is None or message is None:
             self._slot_imported(rt, rec, slot)
             return
-        modules = self.modules
-        assert modules is not None
-        entries = [[a.digest, a.fingerprint, len(rt.modules[a.digest]), len(a.data)] for a in artifacts]
-        fingerprints = {a.digest: a.fingerprint for a in artifacts}
-        body = memoryview(b"".join(part for a in artifacts for part in (rt.modules[a.digest], a.data)))
+        args, body, sent = message
 
         def done(ok: bool, payload: object) -> None:
             if not (self.tenants.get(rt.tenant_id) is rt and rt.park is rec and rec.phase is ParkPhase.ACTIVATING
@@ -635,18 +599,12 @@ class Parking:
                 return
             if not ok and worker.state is WorkerState.DEAD:
                 return  # restarted with the same incarnation; the import starts over then
-            if ok and isinstance(payload, dict):
-                for key in ("stale", "refused"):
-                    named = payload.get(key)
-                    for digest in named if isinstance(named, list) else ():
-                        if isinstance(digest, str) and digest in fingerprints:
-                            modules.remove_artifact(rt.tenant_id, rt.generation, digest, fingerprints[digest])
-                loaded = payload.get("loaded")
-                if isinstance(loaded, list):
-                    self._artifacts_loaded[rt.tenant_id] = self._artifacts_loaded.get(rt.tenant_id, 0) + len(loaded)
+            if ok:
+                loaded = artifacts.settle(rt, payload, sent)
+                self._artifacts_loaded[rt.tenant_id] = self._artifacts_loaded.get(rt.tenant_id, 0) + loaded
             self._slot_imported(rt, rec, slot)
 
-        self._send(rt, slot, worker, "import_modules", {"modules": entries}, body, done)
+        self._send(rt, slot, worker, "import_modules", args, body, done)
 
     def _slot_imported(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
         rec.todo.discard(slot.index)

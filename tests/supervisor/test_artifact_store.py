@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
 import shutil
 import tempfile
 from collections.abc import Iterator
 
 import pytest
 
+from supervisor.lifecycle.module_artifacts import ModuleArtifacts
 from supervisor.store.artifacts import ARTIFACT_KEY_FILE, load_or_create_key, seal, unseal
 from supervisor.store.modules import ModuleStore
 from tests.helpers.tmp import short_temp_dir
@@ -116,5 +119,43 @@ def test_an_eviction_drops_the_artifacts_with_the_modules(state: str) -> None:
         assert store.flush(30)
         assert not os.path.exists(os.path.join(state, "modules", "t"))
         assert store.load_artifacts("t", 1, {DIGEST}) == []
+    finally:
+        store.close()
+
+
+@dataclass
+class _Tenant:
+    """What ModuleArtifacts reads of a tenant's runtime."""
+
+    tenant_id: str
+    generation: int
+    modules: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
+
+
+def test_what_a_worker_exports_is_kept_for_its_own_tenant_and_stored_modules_only(state: str) -> None:
+    store = _store(state)
+    try:
+        art = ModuleArtifacts(store)
+        t = _Tenant("t", 1, OrderedDict([(DIGEST, MODULE)]))
+        assert art.export_args(_Tenant("u", 1)) is None  # no stored module: nothing to ask
+        assert art.export_args(t) == {"digests": [DIGEST], "max_bytes": art.max_bytes}
+        store.save("t", 1, DIGEST, MODULE)
+        other = hashlib.sha256(b"not the tenant's").hexdigest()
+        payload = {"fingerprint": FP, "artifacts": [[DIGEST, 3], [other, 2]]}
+        assert art.keep(t, payload, b"abcde") == 1  # the digest the tenant does not hold is dropped
+        for bad, body in (({"fingerprint": FP, "artifacts": [[DIGEST, 4]]}, b"abc"),  # sizes do not add up
+                          ({"fingerprint": 1, "artifacts": []}, b""), ({"artifacts": [[DIGEST, True]]}, b"a"), (None, b"")):
+            assert art.keep(t, bad, body) == 0
+        assert store.flush(30)
+        message = art.message(t)
+        assert message is not None
+        args, body, sent = message
+        assert args == {"modules": [[DIGEST, FP, len(MODULE), 3]]} and bytes(body) == MODULE + b"abc"
+        assert sent == {DIGEST: FP}
+        assert art.message(_Tenant("u", 1, OrderedDict([(DIGEST, MODULE)]))) is None  # another tenant: none
+        assert ModuleArtifacts(store, max_bytes=len(MODULE) + 2).message(t) is None  # does not fit one message
+        # the worker found it stale: removed, so the next park stores a fresh one
+        assert art.settle(t, {"loaded": [], "stale": [DIGEST], "refused": []}, sent) == 0
+        assert store.flush(30) and art.message(t) is None
     finally:
         store.close()
