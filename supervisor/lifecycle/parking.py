@@ -73,12 +73,12 @@ import zmq
 
 from shared.errors import CapacityExhausted, MemoryExhausted, TensorWasmError
 from shared.log import get_logger, log_event
+from supervisor.lifecycle.module_artifacts import ModuleArtifacts
 from supervisor.lifecycle.workerset import WorkerSet
 from supervisor.observe.events import EventBus
 from supervisor.runtime.requests import Pending
 from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
-from supervisor.lifecycle.module_artifacts import ModuleArtifacts
 
 __all__ = ["IMPORT_WINDOW", "PARK_CHUNK_BYTES", "Parking", "RETRY_AFTER_UNKNOWN_S"]
 
@@ -635,6 +635,7 @@ class Parking:
         """An import was refused (the GPU cap was lowered below the buffers while parked): the
         tenant goes back to parked with its host copy, and what waited is answered the error."""
         exc = _error(payload)
+        self._artifacts_loaded.pop(rt.tenant_id, None)
         log_event(_log, logging.WARNING, "tenant.activation_failed", tenant=rt.tenant_id, error=str(exc))
         rec.phase = ParkPhase.STOPPING
         rec.importing.clear()
@@ -660,6 +661,7 @@ class Parking:
         """The tenant failed, or an instance is not restarted, during an activation: it stays
         parked with its host copy (the next request, or ``twt reset``, activates it again)."""
         rec = rt.park
+        self._artifacts_loaded.pop(rt.tenant_id, None)
         if rec is not None and rec.phase is ParkPhase.ACTIVATING:
             rec.importing.clear()
             if not any(s.coming_up for s in rt.wanted_slots()):
