@@ -335,7 +335,7 @@ class ModuleStore:
         against its MAC, most recent first, at most :data:`MAX_LOADED_ARTIFACT_BYTES`; those still
         waiting for the disk included. A file that does not verify, or whose module is not in
         ``digests``, is removed (with a warning for the first). Runs on the loop (an activation):
-        small files, read whole."""
+        only the files that fit the budget are read (their size known first)."""
         found: dict[str, tuple[float, StoredArtifact]] = {}
         try:
             key = self._key
@@ -348,20 +348,36 @@ class ModuleStore:
                         and job.digest is not None and job.digest in digests and job.data is not None
                         and job.fingerprint is not None):
                     found[artifact_name(job.digest, job.fingerprint)] = (
-                        1e18 - order, StoredArtifact(job.digest, job.fingerprint, job.data))
+                        1e18 + order, StoredArtifact(job.digest, job.fingerprint, job.data))
+        out: list[StoredArtifact] = []
+        total = 0
+        for _, artifact in sorted(found.values(), key=lambda item: -item[0]):  # waiting ones: the newest
+            if total + len(artifact.data) <= MAX_LOADED_ARTIFACT_BYTES:
+                total += len(artifact.data)
+                out.append(artifact)
         path = self._dir(tenant_id, generation)
         try:
             names = os.listdir(path)
         except FileNotFoundError:
             names = []
+        on_disk: list[tuple[float, int, str, tuple[str, str]]] = []
         for name in names:
             parsed = parse_artifact_name(name)
             if parsed is None or name in found:
                 continue
             full = os.path.join(path, name)
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
             if parsed[0] not in digests:
                 _unlink_quietly(full)  # its module left the tenant's LRU
                 continue
+            on_disk.append((st.st_mtime, st.st_size, name, parsed))
+        for _, size, name, parsed in sorted(on_disk, reverse=True):  # the newest first, read only what fits
+            if total + size - 64 > MAX_LOADED_ARTIFACT_BYTES:
+                continue
+            full = os.path.join(path, name)
             raw = self._read(full, MAX_ARTIFACT_BYTES + 64)
             data = unseal(key, tenant_id, generation, parsed[0], parsed[1], raw[1]) if raw else None
             if raw is None or data is None:
@@ -370,14 +386,9 @@ class ModuleStore:
                 self.artifacts_dropped += 1
                 _unlink_quietly(full)
                 continue
-            found[name] = (raw[0], StoredArtifact(parsed[0], parsed[1], data))
-        out: list[StoredArtifact] = []
-        total = 0
-        for _, artifact in sorted(found.values(), key=lambda item: -item[0]):
-            if total + len(artifact.data) > MAX_LOADED_ARTIFACT_BYTES:
-                continue
-            total += len(artifact.data)
-            out.append(artifact)
+            if total + len(data) <= MAX_LOADED_ARTIFACT_BYTES:
+                total += len(data)
+                out.append(StoredArtifact(parsed[0], parsed[1], data))
         self.artifacts_loaded += len(out)
         return out
 

@@ -159,3 +159,29 @@ def test_what_a_worker_exports_is_kept_for_its_own_tenant_and_stored_modules_onl
         assert store.flush(30) and art.message(t) is None
     finally:
         store.close()
+
+
+def test_an_activation_gets_the_newest_artifacts_within_the_budget_and_reads_no_more(
+        state: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import supervisor.store.modules as modules_mod
+
+    store = _store(state)
+    try:
+        other = b"\0asm\1\0\0\0" + b"\0" * 8
+        other_digest = hashlib.sha256(other).hexdigest()
+        store.save("t", 1, DIGEST, MODULE)
+        store.save("t", 1, other_digest, other)
+        store.save_artifact("t", 1, DIGEST, FP, b"a" * 100)
+        assert store.flush(30)
+        old = os.path.join(state, "modules", "t", "g1", f"{DIGEST}.{FP}.cwasm")
+        os.utime(old, (1, 1))  # the older one
+        store.save_artifact("t", 1, other_digest, FP, b"b" * 100)
+        assert store.flush(30)
+        monkeypatch.setattr(modules_mod, "MAX_LOADED_ARTIFACT_BYTES", 150)
+        found = store.load_artifacts("t", 1, {DIGEST, other_digest})
+        assert [a.digest for a in found] == [other_digest]  # the newest; the other does not fit
+        assert os.path.exists(old)  # not read, not removed: a later activation with room loads it
+        monkeypatch.setattr(modules_mod, "MAX_LOADED_ARTIFACT_BYTES", 1000)
+        assert {a.digest for a in store.load_artifacts("t", 1, {DIGEST, other_digest})} == {DIGEST, other_digest}
+    finally:
+        store.close()
