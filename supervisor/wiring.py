@@ -51,6 +51,7 @@ from supervisor.control.admin import AdminOps
 from supervisor.control.records import Records
 from supervisor.control.service import ServiceOps
 from supervisor.lifecycle.backend_select import BackendChoice, select_backend
+from supervisor.lifecycle.module_artifacts import ARTIFACT_MESSAGE_BYTES, ModuleArtifacts
 from supervisor.lifecycle.parking import Parking
 from supervisor.lifecycle.signals import TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
@@ -202,7 +203,8 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
     )
     parking = Parking(tenants=tenants, workers=workers, events=events, signals=signals, clock=loop.clock,
                       persist=_parked_flag_writer(s.state), stopping=s.stopping, max_active=cfg.max_active,
-                      device_bounds=placement.context_bounds())
+                      device_bounds=placement.context_bounds(),
+                      artifacts=ModuleArtifacts(s.modules, min(ARTIFACT_MESSAGE_BYTES, cfg.max_message_bytes // 2)))
     dispatcher = Dispatcher(cfg, clock=loop.clock, pending=pending, sender=workers, held=guard.held,
                             regions=regions, tenants=tenants, wake=parking.wake)
     records = Records(cfg, loop=loop, tenants=tenants, registry=s.registry, placement=placement, workers=workers,

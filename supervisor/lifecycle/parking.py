@@ -42,6 +42,13 @@ The rules that keep bytes and quota whole:
   the tenant is parked (its segment is referenced by the registry, the status
   and metrics readers and the regions' accounting; see docs/ARCHITECTURE.md).
 
+* **Compiled modules.** After its buffers, each instance hands over the
+  wasmtime artifacts of the stored modules it compiled (``export_modules``);
+  they are written to this tenant's own directory (supervisor.store.artifacts),
+  and an activating instance gets them back after its buffers
+  (``import_modules``), so its first ``run_wasm`` does not compile. Neither step
+  can fail a park or an activation: what is missing is compiled at its run.
+
 * **Room.** An activation starts workers only within ``max_active`` (all tenant
   workers alive) and each device's context bound; short of room it parks the
   least recently used idle tenants early and waits for their workers to exit,
@@ -66,6 +73,7 @@ import zmq
 
 from shared.errors import CapacityExhausted, MemoryExhausted, TensorWasmError
 from shared.log import get_logger, log_event
+from supervisor.lifecycle.module_artifacts import ModuleArtifacts
 from supervisor.lifecycle.signals import Stage, TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
 from supervisor.observe.events import EventBus
@@ -73,12 +81,15 @@ from supervisor.runtime.requests import Pending
 from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 
-__all__ = ["PARK_CHUNK_BYTES", "Parking", "RETRY_AFTER_UNKNOWN_S"]
+__all__ = ["IMPORT_WINDOW", "PARK_CHUNK_BYTES", "Parking", "RETRY_AFTER_UNKNOWN_S"]
 
 _log = get_logger("supervisor")
 
 #: the largest chunk of a buffer one export or import message carries
 PARK_CHUNK_BYTES: Final = 4 << 20
+#: import chunks in flight per instance at most: the supervisor's sends, the socket and the
+#: worker's copies overlap instead of waiting for each other chunk by chunk
+IMPORT_WINDOW: Final = 4
 #: a refused activation's ``retry_after_s`` when no active tenant will park by itself (none has an
 #: ``idle_timeout_s``): room comes only from an eviction or a tenant going idle, which nothing predicts
 RETRY_AFTER_UNKNOWN_S: Final = 1.0
@@ -95,14 +106,16 @@ class Parking:
                  signals: TenantSignals, clock: Callable[[], float],
                  persist: Callable[[str, bool], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False, max_active: int | None = None,
-                 device_bounds: Mapping[int, int] | None = None) -> None:
+                 device_bounds: Mapping[int, int] | None = None, artifacts: ModuleArtifacts | None = None) -> None:
         """``signals``: the tenant signals - parking hears of a ready instance first (an activation
         puts the buffers back before any request is sent) and of a stopped activation last, and
         tells them when a tenant serves again (a park cancelled, an activation done: what a ready
         instance means, ``TenantSignals.serving``: its waiting requests are sent, its waiters
         answered). ``persist(tenant, parked)``: record the parked flag durably (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then).
         ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
-        the same per device, where its memory budget over a worker's context cost bounds it."""
+        the same per device, where its memory budget over a worker's context cost bounds it.
+        ``artifacts``: the tenants' compiled modules kept across a park (None: they compile after
+        an activation)."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
@@ -115,6 +128,9 @@ class Parking:
         self.activations = 0
         self.refusals = 0
         self.max_active = max_active
+        self.artifacts = artifacts
+        #: compiled modules an activation put back without a compile, by tenant (its ``activate`` event)
+        self._artifacts_loaded: dict[str, int] = {}
         self.device_bounds = dict(device_bounds or {})
         #: parks begun to make room (before the tenant's idle time), and activations refused for room
         self.early_parks = 0
@@ -239,9 +255,7 @@ class Parking:
         """Copy the next chunk of instance ``slot``'s buffers (buffer ``index`` at ``offset``)."""
         buffers = rec.buffers[slot.index]
         if index >= len(buffers):
-            rec.todo.discard(slot.index)
-            if not rec.todo:
-                self._exported(rt, rec)
+            self._export_modules(rt, rec, slot)
             return
         buf = buffers[index]
         n = min(PARK_CHUNK_BYTES, len(buf.data) - offset)
@@ -268,6 +282,33 @@ class Parking:
 
         self._send(rt, slot, worker, "export_chunk", {"handle": buf.handle, "offset": offset, "nbytes": n}, None,
                    done, on_body)
+
+    def _export_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
+        """The instance's buffers are whole: its compiled stored modules next, as artifacts kept in
+        this tenant's own directory (module_artifacts). A failure costs only a compile later."""
+        worker = slot.worker
+        args = self.artifacts.export_args(rt) if self.artifacts is not None else None
+        if args is None or worker is None or worker.state is not WorkerState.READY:
+            self._slot_exported(rt, rec, slot)
+            return
+        got: list[bytes] = []
+
+        def on_body(body: zmq.Frame | bytes | memoryview | None) -> None:
+            got.append(body.bytes if isinstance(body, zmq.Frame) else bytes(body or b""))
+
+        def done(ok: bool, payload: object) -> None:
+            if not self._current(rt, rec, ParkPhase.EXPORTING):
+                return
+            if ok and self.artifacts is not None:
+                self.artifacts.keep(rt, payload, got[0] if got else b"")
+            self._slot_exported(rt, rec, slot)
+
+        self._send(rt, slot, worker, "export_modules", args, None, done, on_body)
+
+    def _slot_exported(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
+        rec.todo.discard(slot.index)
+        if not rec.todo:
+            self._exported(rt, rec)
 
     def _exported(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         """Every buffer is whole in host memory: now the workers may go."""
@@ -504,45 +545,80 @@ class Parking:
             if (slot.index in rec.todo and slot.ready and worker is not None
                     and rec.importing.get(slot.index) is not worker):
                 rec.importing[slot.index] = worker
-                self._import_next(rt, rec, slot, worker, 0, 0, first=True)
+                self._import_start(rt, rec, slot, worker)
         return True
 
-    def _import_next(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle,
-                     index: int, offset: int, *, first: bool = False) -> None:
-        buffers = rec.buffers.get(slot.index, [])
+    def _import_start(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
+        """Send instance ``slot``'s buffers back, chunk by chunk, up to IMPORT_WINDOW chunks in
+        flight (the worker takes them in order: a buffer's first chunk allocates it), then its
+        compiled modules. An instance without buffers gets only its handle sequence."""
         seq = rec.seqs.get(slot.index, 0)
-        if index >= len(buffers) and not first:
-            rec.todo.discard(slot.index)
-            rec.importing.pop(slot.index, None)
-            if not rec.todo:
-                self._activated(rt, rec)
+        chunks = [(buf, offset, min(PARK_CHUNK_BYTES, len(buf.data) - offset))
+                  for buf in rec.buffers.get(slot.index, []) for offset in range(0, len(buf.data), PARK_CHUNK_BYTES)]
+        sent = 0
+        in_flight = 0
+        failed = False
+
+        def done(ok: bool, payload: object) -> None:
+            nonlocal in_flight, failed
+            if not (self.tenants.get(rt.tenant_id) is rt and rt.park is rec and rec.phase is ParkPhase.ACTIVATING
+                    and rec.importing.get(slot.index) is worker) or failed:
+                return
+            in_flight -= 1
+            if not ok:
+                failed = True
+                if worker.state is not WorkerState.DEAD:  # a dead one is restarted; the import starts over then
+                    self._activation_failed(rt, rec, payload)
+                return
+            if sent == len(chunks) and in_flight == 0:
+                self._import_modules(rt, rec, slot, worker)
+            else:
+                pump()
+
+        def pump() -> None:
+            nonlocal sent, in_flight
+            while sent < len(chunks) and in_flight < IMPORT_WINDOW and not failed:
+                buf, offset, n = chunks[sent]
+                sent += 1
+                in_flight += 1
+                self._send(rt, slot, worker, "import_buffer",
+                           {"handle": buf.handle, "nbytes": len(buf.data), "offset": offset, "seq": seq},
+                           memoryview(buf.data)[offset:offset + n], done)
+
+        if not chunks:
+            in_flight = 1
+            self._send(rt, slot, worker, "import_buffer", {"handle": None, "seq": seq}, None, done)
+        else:
+            pump()
+
+    def _import_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
+        """The instance's buffers are back: its tenant's own artifacts next, so the first run does
+        not compile. A worker's refusal is never the activation's (the module compiles at its run)."""
+        artifacts = self.artifacts
+        message = artifacts.message(rt) if artifacts is not None else None
+        if artifacts is None or message is None:
+            self._slot_imported(rt, rec, slot)
             return
+        args, body, sent = message
 
         def done(ok: bool, payload: object) -> None:
             if not (self.tenants.get(rt.tenant_id) is rt and rt.park is rec and rec.phase is ParkPhase.ACTIVATING
                     and rec.importing.get(slot.index) is worker):
                 return
-            if not ok:
-                if worker.state is WorkerState.DEAD:
-                    return  # restarted with the same incarnation; the import starts over then
-                self._activation_failed(rt, rec, payload)
-                return
-            if index >= len(buffers):
-                self._import_next(rt, rec, slot, worker, index, 0)
-            elif offset + n < len(buffers[index].data):
-                self._import_next(rt, rec, slot, worker, index, offset + n)
-            else:
-                self._import_next(rt, rec, slot, worker, index + 1, 0)
+            if not ok and worker.state is WorkerState.DEAD:
+                return  # restarted with the same incarnation; the import starts over then
+            if ok:
+                loaded = artifacts.settle(rt, payload, sent)
+                self._artifacts_loaded[rt.tenant_id] = self._artifacts_loaded.get(rt.tenant_id, 0) + loaded
+            self._slot_imported(rt, rec, slot)
 
-        if index >= len(buffers):  # an instance without buffers: only its handle sequence
-            n = 0
-            self._send(rt, slot, worker, "import_buffer", {"handle": None, "seq": seq}, None, done)
-            return
-        buf = buffers[index]
-        n = min(PARK_CHUNK_BYTES, len(buf.data) - offset)
-        body = memoryview(buf.data)[offset:offset + n]
-        self._send(rt, slot, worker, "import_buffer",
-                   {"handle": buf.handle, "nbytes": len(buf.data), "offset": offset, "seq": seq}, body, done)
+        self._send(rt, slot, worker, "import_modules", args, body, done)
+
+    def _slot_imported(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
+        rec.todo.discard(slot.index)
+        rec.importing.pop(slot.index, None)
+        if not rec.todo:
+            self._activated(rt, rec)
 
     def _activated(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         """Every instance holds its buffers again: the host copy goes, the waiting requests are sent."""
@@ -557,7 +633,8 @@ class Parking:
         rt.refresh_state()
         self.activations += 1
         self.events.emit("activate", tenant=rt.tenant_id, buffers=restored, host_bytes=host_bytes,
-                         activate_ms=round((self.clock() - rec.since) * 1000, 3))
+                         activate_ms=round((self.clock() - rec.since) * 1000, 3),
+                         artifacts=self._artifacts_loaded.pop(rt.tenant_id, 0))
         if self.persist is not None:
             self.persist(rt.tenant_id, False)
         self.on_active(rt)
@@ -566,6 +643,7 @@ class Parking:
         """An import was refused (the GPU cap was lowered below the buffers while parked): the
         tenant goes back to parked with its host copy, and what waited is answered the error."""
         exc = _error(payload)
+        self._artifacts_loaded.pop(rt.tenant_id, None)
         log_event(_log, logging.WARNING, "tenant.activation_failed", tenant=rt.tenant_id, error=str(exc))
         rec.phase = ParkPhase.STOPPING
         rec.importing.clear()
@@ -591,6 +669,7 @@ class Parking:
         """The tenant failed, or an instance is not restarted, during an activation: it stays
         parked with its host copy (the next request, or ``twt reset``, activates it again)."""
         rec = rt.park
+        self._artifacts_loaded.pop(rt.tenant_id, None)
         if rec is not None and rec.phase is ParkPhase.ACTIVATING:
             rec.importing.clear()
             if not any(s.coming_up for s in rt.wanted_slots()):

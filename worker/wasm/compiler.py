@@ -94,6 +94,10 @@ class ModuleCache(Generic[M]):
             self._modules.move_to_end(digest)
         return found
 
+    def peek(self, digest: str) -> M | None:
+        """The cached module, without counting it as used (an export reads them all)."""
+        return self._modules.get(digest)
+
     def put(self, digest: str, module: M) -> None:
         """Keep ``module`` (unless it alone is over the byte budget), evicting the least recent."""
         if module.nbytes > self.max_bytes or digest in self._modules:

@@ -17,9 +17,11 @@
     {results, fuel_used, elapsed_s, ..., exit_code}  |  WasmCompile / WasmTrap(trap_code) / KernelTimeout
 
 One engine per worker, created here - in the worker, after the spawn or
-fork, never inherited. Nothing is ever deserialized: compiled modules stay
-in memory as ``wasmtime.Module`` objects, keyed by the sha256 of the bytes
-the worker itself received and hashed.
+fork, never inherited. Compiled modules stay in memory as ``wasmtime.Module``
+objects, keyed by the sha256 of the bytes the worker itself received and
+hashed. The one thing deserialized is an artifact of this same tenant, which
+a worker of this tenant serialized before it was parked
+(:mod:`worker.wasm.artifacts`: the trust boundary is the tenant).
 
 Why reserve the whole linear-memory cap up front: wasmtime-py exposes no
 growth callback (``ResourceLimiter`` is Rust-only), and ``memory.grow`` runs
@@ -39,13 +41,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.metadata
+import json
 import logging
 import math
 import os
+import platform
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -87,7 +92,7 @@ from worker.wasm.wasi import (
     wasi_config,
 )
 
-__all__ = ["CompiledModule", "EpochTicker", "GuestExit", "WasmHost", "WasmSession"]
+__all__ = ["CompiledModule", "EpochTicker", "GuestExit", "WasmHost", "WasmSession", "engine_fingerprint"]
 
 T = TypeVar("T")
 
@@ -109,29 +114,51 @@ _KINDS = {"i32", "i64", "f32", "f64"}
 MAX_TRAP_FRAMES = 4
 
 
+#: every engine setting of ours that is not wasmtime's default: part of the artifact fingerprint
+_CONFIG_FLAGS: dict[str, bool] = {
+    "consume_fuel": True,
+    "epoch_interruption": True,
+    # Only what the ABI needs: 32-bit memories, no shared memory or threads,
+    # no GC heaps (outside the memory limit), one memory per module.
+    "wasm_threads": False,
+    "shared_memory": False,
+    "wasm_memory64": False,
+    "wasm_multi_memory": False,
+    "wasm_gc": False,
+    "wasm_function_references": False,
+    "wasm_exceptions": False,
+    "wasm_stack_switching": False,
+    "wasm_component_model": False,
+    "wasm_custom_page_sizes": False,
+    # A compile bomb (a small module that takes minutes to compile) may use one
+    # core, not all of them; its time is bounded by the run's deadline (compile()).
+    "parallel_compilation": False,
+}
+
+
 def _config() -> wasmtime.Config:
     # A trap's backtrace with file:line from the module's DWARF (a debug build's): wasmtime reads
     # this when the engine is made. Modules without DWARF pay nothing; an operator may set it to 0.
     os.environ.setdefault("WASMTIME_BACKTRACE_DETAILS", "1")
     cfg = wasmtime.Config()
-    cfg.consume_fuel = True
-    cfg.epoch_interruption = True
-    # Only what the ABI needs: 32-bit memories, no shared memory or threads,
-    # no GC heaps (outside the memory limit), one memory per module.
-    cfg.wasm_threads = False
-    cfg.shared_memory = False
-    cfg.wasm_memory64 = False
-    cfg.wasm_multi_memory = False
-    cfg.wasm_gc = False
-    cfg.wasm_function_references = False
-    cfg.wasm_exceptions = False
-    cfg.wasm_stack_switching = False
-    cfg.wasm_component_model = False
-    cfg.wasm_custom_page_sizes = False
-    # A compile bomb (a small module that takes minutes to compile) may use one
-    # core, not all of them; its time is bounded by the run's deadline (compile()).
-    cfg.parallel_compilation = False
+    for name, value in _CONFIG_FLAGS.items():
+        setattr(cfg, name, value)
     return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def engine_fingerprint() -> str:
+    """What a serialized module depends on: the wasmtime release, our engine settings and the
+    machine. An artifact stored under another fingerprint is never deserialized (a wasmtime
+    upgrade or a settings change makes every stored artifact stale; they are compiled again)."""
+    try:
+        version = importlib.metadata.version("wasmtime")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    described = json.dumps({"wasmtime": version, "machine": platform.machine(), "flags": _CONFIG_FLAGS,
+                            "backtrace_details": os.environ.get("WASMTIME_BACKTRACE_DETAILS", "1")},
+                           sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()[:32]
 
 
 # ------------------------------------------------------------------ ticker
@@ -163,10 +190,21 @@ class EpochTicker:
             if self._stopping:
                 raise RuntimeError("epoch ticker is closed")
             self._active += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="twt-wasm-epoch", daemon=True)
-                self._thread.start()
+            self._start_locked()
             self._cond.notify()
+
+    def prestart(self) -> None:
+        """Start the (idle) thread now, ahead of the first run: starting a thread waits for it to
+        be scheduled, which a loaded host makes the first run's slowest step (a run soon follows
+        an activation that loaded compiled modules)."""
+        with self._cond:
+            if not self._stopping:
+                self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="twt-wasm-epoch", daemon=True)
+            self._thread.start()
 
     def release(self) -> None:
         with self._cond:
@@ -226,6 +264,32 @@ class CompiledModule:
     wasi: bool = False
     #: function index -> export name: what a trap's frame is called when the module has no name section
     export_names: dict[int, str] = field(default_factory=dict)
+    #: deserialized from a stored artifact rather than compiled here (not exported again)
+    from_artifact: bool = False
+
+
+def _digest_within_limits(body: bytes | bytearray | memoryview) -> str:
+    """The sha256 of a module body within the size limits, else WasmCompile."""
+    if len(body) > MAX_MODULE_BYTES:
+        raise WasmCompile(f"module of {len(body):,} B is larger than the {MAX_MODULE_BYTES:,} B limit")
+    if not len(body):
+        raise WasmCompile("empty module")
+    return hashlib.sha256(body).hexdigest()
+
+
+def _binary(body: bytes | bytearray | memoryview) -> bytes:
+    """The module's binary: ``body`` itself, or its WAT text assembled (WasmCompile if neither)."""
+    wasm = bytes(body)
+    if wasm.startswith(b"\0asm"):
+        return wasm
+    try:
+        text = wasm.decode("utf-8")
+    except UnicodeDecodeError:
+        raise WasmCompile("neither a WebAssembly binary (no \\0asm magic) nor UTF-8 WAT text") from None
+    try:
+        return bytes(wasmtime.wat2wasm(text))
+    except wasmtime.WasmtimeError as exc:
+        raise WasmCompile(f"WAT does not parse: {_wat_error(str(exc))}") from None
 
 
 class GuestExit(Exception):
@@ -535,7 +599,7 @@ class WasmHost:
             else:
                 self._define_checked(name)
         self._keep += define_wasi(self.linker, self._stream_of)
-        self.stats = {"runs": 0, "compiles": 0, "cache_hits": 0, "traps": 0, "timeouts": 0}
+        self.stats = {"runs": 0, "compiles": 0, "artifact_loads": 0, "cache_hits": 0, "traps": 0, "timeouts": 0}
         self._closed = False
 
     @classmethod
@@ -624,26 +688,13 @@ class WasmHost:
         :class:`CompileOverrun` (the compiler thread keeps running until the
         worker exits; the caller must make it exit).
         """
-        if len(body) > MAX_MODULE_BYTES:
-            raise WasmCompile(f"module of {len(body):,} B is larger than the {MAX_MODULE_BYTES:,} B limit")
-        if not len(body):
-            raise WasmCompile("empty module")
-        digest = hashlib.sha256(body).hexdigest()
+        digest = _digest_within_limits(body)
         cached = self._cache.get(digest)
         if cached is not None:
             self.stats["cache_hits"] += 1
             return cached
         t0 = time.perf_counter()
-        wasm = bytes(body)
-        if not wasm.startswith(b"\0asm"):
-            try:
-                text = wasm.decode("utf-8")
-            except UnicodeDecodeError:
-                raise WasmCompile("neither a WebAssembly binary (no \\0asm magic) nor UTF-8 WAT text") from None
-            try:
-                wasm = bytes(wasmtime.wat2wasm(text))
-            except wasmtime.WasmtimeError as exc:
-                raise WasmCompile(f"WAT does not parse: {_wat_error(str(exc))}") from None
+        wasm = _binary(body)
         try:
             module = compile_bounded(self.engine, wasm, deadline)
         except CompileOverrun:
@@ -651,6 +702,57 @@ class WasmHost:
             raise
         except wasmtime.WasmtimeError as exc:
             raise WasmCompile(_short(str(exc))) from None
+        compiled = self._admit(digest, module, wasm, t0, from_artifact=False)
+        self.stats["compiles"] += 1
+        log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
+                  nbytes=len(wasm), duration_ms=round(compiled.compile_s * 1000, 3))
+        return compiled
+
+    def load_artifact(self, body: bytes | bytearray | memoryview, digest: str, artifact: bytes | memoryview) -> bool:
+        """Put ``body``'s compiled module in the cache from ``artifact`` (its ``serialize()``d form,
+        produced by a worker of this same tenant: see :mod:`worker.wasm.artifacts`) instead of
+        compiling it. False (nothing cached) when the artifact does not deserialize on this engine;
+        WasmCompile when ``body`` is not the module ``digest`` names or no longer passes the checks.
+        The module's own facts (memory limits, export names) come from ``body``, never the artifact."""
+        if _digest_within_limits(body) != digest:
+            raise WasmCompile("the module bytes do not match the digest their artifact was stored under")
+        if digest in self._cache:
+            return True
+        t0 = time.perf_counter()
+        wasm = _binary(body)
+        try:
+            module = wasmtime.Module.deserialize(self.engine, bytes(artifact))
+        except (wasmtime.WasmtimeError, ValueError) as exc:
+            log_event(_log, logging.WARNING, "wasm.artifact_refused", tenant=self.ctx.tenant_id, digest=digest[:16],
+                      error=_short(str(exc)))
+            return False
+        compiled = self._admit(digest, module, wasm, t0, from_artifact=True)
+        self.stats["artifact_loads"] += 1
+        log_event(_log, logging.INFO, "wasm.artifact_loaded", tenant=self.ctx.tenant_id, digest=digest[:16],
+                  nbytes=len(artifact), duration_ms=round(compiled.compile_s * 1000, 3))
+        return True
+
+    def artifacts(self, digests: Iterable[str], max_bytes: int) -> list[tuple[str, bytes]]:
+        """``serialize()`` of the cached modules among ``digests`` that this worker compiled itself
+        (one loaded from an artifact is stored already), at most ``max_bytes`` of them, most
+        recently used first."""
+        wanted = set(digests)
+        out: list[tuple[str, bytes]] = []
+        total = 0
+        for digest in reversed(list(self._cache)):
+            compiled = self._cache.peek(digest)
+            if compiled is None or compiled.from_artifact or digest not in wanted:
+                continue
+            data = bytes(compiled.module.serialize())
+            if total + len(data) > max_bytes:
+                continue
+            total += len(data)
+            out.append((digest, data))
+        return out
+
+    def _admit(self, digest: str, module: wasmtime.Module, wasm: bytes, t0: float, *,
+               from_artifact: bool) -> CompiledModule:
+        """Check a compiled (or deserialized) module's imports, link it ahead and cache it."""
         self._check_imports(module)
         try:
             pre = self.linker.instantiate_pre(module)
@@ -666,11 +768,8 @@ class WasmHost:
             if isinstance(e.type, wasmtime.FuncType)
         }
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
-                                  imports_wasi(module), function_exports(wasm))
+                                  imports_wasi(module), function_exports(wasm), from_artifact)
         self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
-        self.stats["compiles"] += 1
-        log_event(_log, logging.INFO, "wasm.compiled", tenant=self.ctx.tenant_id, digest=digest[:16],
-                  nbytes=len(wasm), duration_ms=round(compiled.compile_s * 1000, 3))
         return compiled
 
     @staticmethod

@@ -33,6 +33,8 @@ BAD = [
     ("cluster", ["--per-round", "0"], "--per-round"),
     ("density", ["--tenants", "0"], "--tenants: must be a whole number >= 1"),
     ("density", ["--clients", "x"], "--clients"),
+    ("density", ["--requests", "0"], "--requests"),
+    ("density", ["--rounds", "0"], "--rounds"),
 ]
 
 

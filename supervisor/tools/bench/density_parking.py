@@ -1,0 +1,294 @@
+"""``twt bench density``'s parking half: parked tenants woken by a Zipf(1.1) stream, at most 64 active.
+
+Measured in one run (stub backend, each figure beside its baseline):
+
+* **the stream**: the bench's registered tenants (``d00000`` ...) are stored as a supervisor that
+  parked them all would have stored them (one instance, ``idle_timeout_s``, the parked flag: the
+  registrations themselves are measured before, with ``instances = 0``), and a supervisor with
+  ``max_active = 64`` restarts on that state (restart to ready: every tenant back, none started).
+  One client then sends a Zipf(1.1) stream over them, half ``ping`` and half a small ``run_wasm``
+  (a stored module, run by digest), one request at a time. A request whose tenant was activated for
+  it (an ``activate`` event of that tenant while it was served) is *cold*, the others *warm*; the
+  activation overhead is a cold request's time minus the warm p50 of the same op. Past 64 active
+  tenants, each activation parks the least recently used idle one first (``max_active``).
+* **fds and /dev/shm segments** of the supervisor after the stream, beside the workers alive.
+* **64 MiB restore**: a tenant holding one 64 MiB buffer is parked and woken by a ping; its
+  restore time is its activation time (the ``activate`` event's ``activate_ms``) minus that of a
+  tenant without buffers woken the same way, round by round. Against a memcpy of the same 64 MiB
+  into fresh memory in the bench's process (what a restore must do at least: new pages, one copy).
+* **first run after activation**: a tenant runs a stored module (compiled), is parked, is woken by
+  a ping, then its first ``run_wasm`` is timed against its warm runs; the same for a module stored
+  but never run before the park (no artifact: compiled at that run), for comparison.
+
+Typing: the report rows are JSON-shaped dicts, read back by key.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from shared.capability import TenantCapability
+from shared.errors import CapacityExhausted
+from shared.rundir import temp_parent
+from shared.spec import TenantSpec
+from supervisor.client.api import SupervisorClient
+from supervisor.client.launch import SupervisorHandle, launch
+from supervisor.store.state import StateStore
+from supervisor.tools.demo import guest_path
+
+__all__ = ["MAX_ACTIVE", "ZIPF_S", "measure_buffers_and_first_run", "measure_stream", "park_all", "zipf_stream"]
+
+MiB = 1 << 20
+MAX_ACTIVE = 64
+ZIPF_S = 1.1
+#: the parked tenants' idle time: long enough that the stream's parks are max_active's (LRU)
+IDLE_S = 30.0
+#: a tiny idle time that parks a tenant at the next housekeeping
+PARK_NOW_S = 0.2
+BIG = 64 * MiB
+
+
+def zipf_stream(n: int, count: int, s: float, seed: int) -> list[int]:
+    """``count`` draws of tenant indexes 0..n-1 with P(rank k) ~ 1/k**s, ranks shuffled over the
+    indexes (the popular tenants are not the first registered)."""
+    rng = random.Random(seed)
+    cum = list(itertools.accumulate(k ** -s for k in range(1, n + 1)))
+    order = list(range(n))
+    rng.shuffle(order)
+    return [order[min(bisect.bisect_left(cum, rng.random() * cum[-1]), n - 1)] for _ in range(count)]
+
+
+def park_all(state_dir: str, names: list[str]) -> None:
+    """Store ``names`` (registered, stopped supervisor) as parked tenants with one instance and
+    ``idle_timeout_s``: two transactions."""
+    store = StateStore.open(state_dir)
+    try:
+        wanted = set(names)
+        stored = [t for t in store.tenants() if t.spec.tenant_id in wanted]
+        store.register_many([(replace(t.spec, instances=1, idle_timeout_s=IDLE_S), t.generation, "runtime")
+                             for t in stored])
+        store.set_parked_many([t.spec.tenant_id for t in stored], True)
+    finally:
+        store.close()
+
+
+def start_dense(state_dir: str, *, max_active: int | None) -> Any:
+    """A supervisor for the parking workload (forkserver workers, an adaptive warm pool)."""
+    settings: dict[str, object] = {"pool_size": 2, "pool_max": 8, "log_level": "warning", "max_tenants": 16_384,
+                                   "start_method": "forkserver"}
+    if max_active is not None:
+        settings["max_active"] = max_active
+    return launch({"supervisor": settings, "tenant": []}, backend="stub", extra_args=["--state-dir", state_dir],
+                  ready_timeout_s=600.0)
+
+
+def _cursor(c: SupervisorClient) -> int:
+    nxt = c.events_page(None)["next"]
+    assert isinstance(nxt, int)
+    return nxt
+
+
+def _events(c: SupervisorClient, kind: str, tid: str, after: int) -> list[dict[str, Any]]:
+    events = c.events_page(None, after, kinds=[kind])["events"]
+    assert isinstance(events, list)
+    return [e for e in events if isinstance(e, dict) and e.get("tenant") == tid]
+
+
+def _wait_event(c: SupervisorClient, kind: str, tid: str, after: int, timeout_s: float = 120.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = _events(c, kind, tid, after)
+        if found:
+            return found[0]
+        time.sleep(0.005)
+    raise TimeoutError(f"no {kind} event of {tid} within {timeout_s:g} s")
+
+
+def _pool_full(c: SupervisorClient, timeout_s: float = 60.0) -> None:
+    """Wait until the warm pool is refilled (an activation then binds a warm worker)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pool = c.status(limit=1).supervisor.pool
+        if pool.idle >= pool.size and pool.starting == 0:
+            return
+        time.sleep(0.01)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed: int) -> dict[str, Any]:
+    """The Zipf stream over ``names`` on a restarted ``max_active`` supervisor (see the module docstring)."""
+    module = guest_path("probe").read_bytes()
+    stream = zipf_stream(len(names), requests, ZIPF_S, seed)
+    rng = random.Random(seed + 1)
+    caps: dict[int, TenantCapability] = {}
+    stored: set[int] = set()
+    ran: set[int] = set()
+    first_compiles: list[float] = []
+    artifact_misses = 0
+    times: dict[tuple[str, bool], list[float]] = {("ping", False): [], ("ping", True): [],
+                                                  ("run_wasm", False): [], ("run_wasm", True): []}
+    refused = 0
+    out: dict[str, Any] = {}
+    with sup.connect(timeout_s=120.0) as c:
+        digest = ""
+        t_stream = time.perf_counter()
+        for index in stream:
+            tid = names[index]
+            cap = caps.get(index)
+            if cap is None:
+                cap = caps[index] = c.tenant_capability(None, tid)
+            op = "run_wasm" if rng.random() < 0.5 else "ping"
+            if op == "run_wasm" and index not in stored:
+                digest = c.put_module(cap, module)  # served by the supervisor: no activation
+                stored.add(index)
+            call: Callable[[], object] = ((lambda: c.ping(cap)) if op == "ping"
+                                          else (lambda: c.run_wasm(cap, digest, "add", [2, 40]).cached))
+            mark = _cursor(c)
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    cached = call()
+                except CapacityExhausted as exc:  # no room and none could be made: counted, retried
+                    refused += 1
+                    time.sleep(exc.retry_after_s or 0.05)
+                    continue
+                dt = time.perf_counter() - t0
+                break
+            activated = bool(_events(c, "activate", tid, mark))
+            if op == "run_wasm" and index not in ran:
+                # the tenant's first run ever compiles its module: not an activation's cost
+                ran.add(index)
+                first_compiles.append(dt)
+                continue
+            if op == "run_wasm" and cached is False:
+                artifact_misses += 1  # compiled before, parked since: the artifact should have served it
+            times[(op, activated)].append(dt)
+        out["stream_s"] = time.perf_counter() - t_stream
+        status = c.status(limit=1)
+        out["workers_alive"] = status.supervisor.workers
+        out["pool_idle"] = status.supervisor.pool.idle
+        out["tenant_states"] = status.summary.to_wire().get("states") if status.summary is not None else None
+    out["requests"] = requests
+    out["distinct_tenants"] = len(set(stream))
+    out["capacity_refusals"] = refused
+    out["first_compiles_n"] = len(first_compiles)
+    out["first_compile_p50_s"] = statistics.median(first_compiles) if first_compiles else None
+    out["artifact_misses"] = artifact_misses
+    for op in ("ping", "run_wasm"):
+        warm, cold = times[(op, False)], times[(op, True)]
+        out[f"{op}_warm_n"], out[f"{op}_cold_n"] = len(warm), len(cold)
+        base = statistics.median(warm) if warm else 0.0
+        out[f"{op}_warm_p50_s"] = base
+        out[f"{op}_cold_p50_s"] = statistics.median(cold) if cold else None
+        out[f"{op}_cold_p99_s"] = _pct(cold, 0.99) if cold else None
+        out[f"{op}_overhead_p50_s"] = statistics.median(cold) - base if cold else None
+        out[f"{op}_overhead_p99_s"] = _pct(cold, 0.99) - base if cold else None
+    return out
+
+
+def _memcpy(src: bytes, rounds: int) -> tuple[float, float]:
+    """Bytes per second of a copy of ``src`` into fresh memory (allocation and first touch
+    counted: what a restore into a new worker must do at least), and into memory touched before."""
+    fresh: list[float] = []
+    hot: list[float] = []
+    dst = bytearray(len(src))
+    dst[:] = src
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        new = bytearray(src)
+        fresh.append(time.perf_counter() - t0)
+        del new
+        t0 = time.perf_counter()
+        dst[:] = src
+        hot.append(time.perf_counter() - t0)
+    return len(src) / statistics.median(fresh), len(src) / statistics.median(hot)
+
+
+def _park_and_wake(c: SupervisorClient, cap: TenantCapability, tid: str) -> dict[str, Any]:
+    """Park ``tid`` now, wait for it, then wake it with a ping: its ``activate`` event."""
+    mark = _cursor(c)
+    c.set_quota(None, tid, idle_timeout_s=PARK_NOW_S)
+    _wait_event(c, "park", tid, mark)
+    c.set_quota(None, tid, idle_timeout_s=3600.0)
+    _pool_full(c)
+    mark = _cursor(c)
+    c.ping(cap)
+    return _wait_event(c, "activate", tid, mark)
+
+
+def measure_buffers_and_first_run(rounds: int) -> dict[str, Any]:
+    """The 64 MiB restore and the first run after activation, on a supervisor of their own
+    (no ``max_active``: an activation waits for no other tenant's park)."""
+    state = tempfile.mkdtemp(prefix="twt-bench-density-park-", dir=temp_parent())
+    out: dict[str, Any] = {}
+    src = random.Random(7).randbytes(BIG)
+    try:
+        with start_dense(state, max_active=None) as sup, sup.connect(timeout_s=120.0) as c:
+            quota = {"memory_quota_bytes": 4 * BIG, "gpu_memory_bytes_cap": 2 * BIG}
+            big = c.register(None, TenantSpec.from_dict({"tenant_id": "big", **quota}))
+            empty = c.register(None, TenantSpec.from_dict({"tenant_id": "empty", **quota}))
+            handle = c.alloc(big, BIG)
+            c.write(big, handle, src)
+            restore: list[float] = []
+            memcpy: list[float] = []
+            memcpy_hot: list[float] = []
+            for _ in range(rounds):
+                full = _park_and_wake(c, big, "big")
+                bare = _park_and_wake(c, empty, "empty")
+                restore.append(max(1e-6, (float(full["activate_ms"]) - float(bare["activate_ms"])) / 1000))
+                out.setdefault("activate_ms_big", []).append(full["activate_ms"])
+                out.setdefault("activate_ms_empty", []).append(bare["activate_ms"])
+                fresh, hot = _memcpy(src, 3)
+                memcpy.append(fresh)
+                memcpy_hot.append(hot)
+            if c.read(big, handle, 4096) != src[:4096]:
+                raise AssertionError("the restored buffer's bytes differ")
+            out["restore_s"] = statistics.median(restore)
+            out["restore_bytes_per_s"] = BIG / out["restore_s"]
+            out["memcpy_bytes_per_s"] = statistics.median(memcpy)
+            out["memcpy_hot_bytes_per_s"] = statistics.median(memcpy_hot)
+
+            wasm = c.register(None, TenantSpec.from_dict({"tenant_id": "wasm", **quota}))
+            probe = guest_path("probe").read_bytes()
+            other = probe + b"\n;; the same code under another digest: stored, never run before the park\n"
+            digest = c.put_module(wasm, probe)
+            cold_digest = c.put_module(wasm, other)
+            c.run_wasm(wasm, digest, "add", [1, 2])  # compiled before the park: kept as an artifact
+            first: list[float] = []
+            warm: list[float] = []
+            compiled: list[float] = []
+            cached_first: list[bool] = []
+            for _ in range(rounds):
+                _park_and_wake(c, wasm, "wasm")
+                t0 = time.perf_counter()
+                cached_first.append(c.run_wasm(wasm, digest, "add", [1, 2]).cached)
+                first.append(time.perf_counter() - t0)
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    c.run_wasm(wasm, digest, "add", [1, 2])
+                    warm.append(time.perf_counter() - t0)
+            # a module stored but never run before the park: no artifact, compiled at its first run
+            _park_and_wake(c, wasm, "wasm")
+            t0 = time.perf_counter()
+            c.run_wasm(wasm, cold_digest, "add", [1, 2])
+            compiled.append(time.perf_counter() - t0)
+            out["first_run_s"] = statistics.median(first)
+            out["warm_run_s"] = statistics.median(warm)
+            out["first_run_compiling_s"] = statistics.median(compiled)
+            out["first_run_cached"] = all(cached_first)
+        return out
+    finally:
+        shutil.rmtree(state, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""``twt bench density``'s parking workload, the parts that decide what it measures: the Zipf
+stream and the parked state a restart starts from (the bench itself is a program, run by hand)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from shared.spec import TenantSpec
+from supervisor.store.state import StateStore
+from supervisor.tools.bench.density_parking import IDLE_S, park_all, zipf_stream
+from tests.helpers.tmp import short_temp_dir
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="twt-density-", dir=short_temp_dir())
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_zipf_stream_is_seeded_and_skewed_as_zipf_1_1() -> None:
+    stream = zipf_stream(1000, 20_000, 1.1, seed=3)
+    assert stream == zipf_stream(1000, 20_000, 1.1, seed=3) and stream != zipf_stream(1000, 20_000, 1.1, seed=4)
+    assert all(0 <= i < 1000 for i in stream)
+    counts = [n for _, n in Counter(stream).most_common()]
+    # P(rank 1) / P(rank 2) = 2**1.1 = 2.14; P(1) / P(10) = 10**1.1 = 12.6
+    assert 1.7 < counts[0] / counts[1] < 2.7
+    assert 9 < counts[0] / counts[9] < 17
+    # ranks are shuffled over the tenants: the popular ones are not the first registered
+    assert [i for i, _ in Counter(stream).most_common(3)] != [0, 1, 2]
+
+
+def test_park_all_stores_the_tenants_as_parked_with_one_instance_and_an_idle_timeout(state_dir: str) -> None:
+    store = StateStore.open(state_dir)
+    store.register_many([(TenantSpec(f"t{i}", instances=0), 1, "runtime") for i in range(3)] +
+                        [(TenantSpec("other", instances=0), 4, "runtime")])
+    store.close()
+    park_all(state_dir, ["t0", "t1", "t2"])
+    store = StateStore.open(state_dir)
+    try:
+        tenants = {t.tenant_id: t for t in store.tenants()}
+        for name in ("t0", "t1", "t2"):
+            t = tenants[name]
+            assert t.parked and t.spec.instances == 1 and t.spec.idle_timeout_s == IDLE_S and t.generation == 1
+        assert not tenants["other"].parked and tenants["other"].spec.instances == 0
+        assert tenants["other"].generation == 4
+    finally:
+        store.close()

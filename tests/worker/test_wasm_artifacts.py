@@ -1,0 +1,175 @@
+"""Compiled modules as wasmtime artifacts (worker.wasm.artifacts): a worker's serialized modules
+load into a fresh worker's cache without a compile; a stale, corrupt or mismatched one is not
+loaded and the module is compiled at its run, as before."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from shared.errors import InvalidArgument
+from tests.helpers.wasm_env import PROBE, Env, tenant_env
+from worker.backends.stub import StubBackend
+from worker.wasm import guest_source
+from worker.wasm.artifacts import op_export_modules, op_import_modules
+from worker.wasm.host import engine_fingerprint
+
+pytestmark = pytest.mark.timeout(60)
+
+TRAPS = guest_source("traps")
+
+
+@contextmanager
+def env(name: str = "art") -> Iterator[Env]:
+    with tenant_env(name, StubBackend()) as e:
+        yield e
+
+
+class _Frame:
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+
+class _Server:
+    def __init__(self, e: Env) -> None:
+        self.context = e.ctx
+
+    def require_context(self) -> Any:
+        return self.context
+
+
+def _run(e: Env, body: bytes, export: str, args: list[Any]) -> dict[str, Any]:
+    return e.host.run(body, export, args, fuel=10**9, timeout_s=60.0)
+
+
+def _export(e: Env, *modules: bytes) -> tuple[dict[str, Any], bytes]:
+    reply, body = op_export_modules(_Server(e), {"digests": [hashlib.sha256(m).hexdigest() for m in modules]},
+                                    None)  # type: ignore[arg-type]
+    return reply, bytes(body or b"")
+
+
+def _import(e: Env, entries: list[tuple[bytes, str, bytes]]) -> dict[str, Any]:
+    """``entries``: (module, fingerprint, artifact)."""
+    wire = [[hashlib.sha256(m).hexdigest(), fp, len(m), len(a)] for m, fp, a in entries]
+    body = b"".join(m + a for m, _, a in entries)
+    reply, _ = op_import_modules(_Server(e), {"modules": wire}, _Frame(body))  # type: ignore[arg-type]
+    return reply
+
+
+def _artifacts_of(e: Env, *modules: bytes) -> list[tuple[bytes, str, bytes]]:
+    reply, body = _export(e, *modules)
+    out = []
+    pos = 0
+    by_digest = {hashlib.sha256(m).hexdigest(): m for m in modules}
+    for digest, n in reply["artifacts"]:
+        out.append((by_digest[digest], reply["fingerprint"], body[pos:pos + n]))
+        pos += n
+    assert pos == len(body)
+    return out
+
+
+def test_an_exported_artifact_loads_into_a_fresh_worker_without_a_compile() -> None:
+    with env() as first:
+        assert _run(first, PROBE, "add", [2, 40])["results"] == [42]
+        assert _run(first, TRAPS, "ok", [])["results"] == [42]
+        artifacts = _artifacts_of(first, PROBE, TRAPS)
+        assert {a[0] for a in artifacts} == {PROBE, TRAPS} and all(a[1] == engine_fingerprint() for a in artifacts)
+    with env() as second:
+        reply = _import(second, artifacts)
+        assert sorted(reply["loaded"]) == sorted(hashlib.sha256(m).hexdigest() for m in (PROBE, TRAPS))
+        assert reply["stale"] == [] and reply["refused"] == []
+        # a run follows an activation: the epoch thread is started already (not by the first run)
+        assert second.host.ticker.running and second.host.stats["runs"] == 0
+        run = _run(second, PROBE, "add", [1, 2])
+        assert run["results"] == [3] and run["cached"] is True
+        assert _run(second, TRAPS, "ok", [])["cached"] is True
+        assert second.host.stats["compiles"] == 0 and second.host.stats["artifact_loads"] == 2
+        # a module loaded from an artifact is stored already: it is not exported again
+        assert _export(second, PROBE, TRAPS)[0]["artifacts"] == []
+
+
+def test_only_asked_and_compiled_modules_are_exported() -> None:
+    with env() as e:
+        assert _export(e, PROBE)[0]["artifacts"] == []  # nothing compiled yet
+        _run(e, PROBE, "add", [1, 1])
+        assert _export(e, TRAPS)[0]["artifacts"] == []  # not compiled: nothing to give
+        assert [d for d, _ in _export(e, PROBE)[0]["artifacts"]] == [hashlib.sha256(PROBE).hexdigest()]
+
+
+def test_a_stale_fingerprint_is_not_deserialized_and_the_run_compiles() -> None:
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        (module, _, artifact), = _artifacts_of(first, PROBE)
+    with env() as second:
+        other = "0" * 32  # another wasmtime release or engine settings
+        reply = _import(second, [(module, other, artifact)])
+        assert reply == {"loaded": [], "stale": [hashlib.sha256(PROBE).hexdigest()], "refused": []}
+        run = _run(second, PROBE, "add", [1, 1])
+        assert run["cached"] is False and second.host.stats["compiles"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "empty-ish"])
+def test_a_corrupt_artifact_is_refused_and_the_run_compiles(damage: str) -> None:
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        (module, fp, artifact), = _artifacts_of(first, PROBE)
+    bad = {"truncated": artifact[: len(artifact) // 2],
+           "flipped": artifact[:16] + bytes(b ^ 0xFF for b in artifact[16:64]) + artifact[64:],
+           "empty-ish": b"\0"}[damage]
+    with env() as second:
+        reply = _import(second, [(module, fp, bad)])
+        assert reply["loaded"] == [] and reply["refused"] == [hashlib.sha256(PROBE).hexdigest()]
+        run = _run(second, PROBE, "add", [20, 22])
+        assert run["results"] == [42] and run["cached"] is False and second.host.stats["compiles"] == 1
+        # compiled here, so the next park exports (and the supervisor replaces) it
+        assert len(_export(second, PROBE)[0]["artifacts"]) == 1
+
+
+def test_an_artifact_under_another_modules_digest_is_refused() -> None:
+    """The module bytes must be the ones the digest names; the artifact of another module
+    deserializes, but is refused where the bytes do not match."""
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        (_, fp, artifact), = _artifacts_of(first, PROBE)
+    with env() as second:
+        wire = [[hashlib.sha256(PROBE).hexdigest(), fp, len(TRAPS), len(artifact)]]
+        reply, _ = op_import_modules(_Server(second), {"modules": wire}, _Frame(TRAPS + artifact))  # type: ignore[arg-type]
+        assert reply["refused"] == [hashlib.sha256(PROBE).hexdigest()] and reply["loaded"] == []
+        assert _run(second, TRAPS, "ok", [])["cached"] is False
+
+
+@pytest.mark.parametrize("args", [
+    {"modules": "x"},
+    {"modules": [["ab", "0" * 32, 1, 1]]},
+    {"modules": [["a" * 64, "zz", 1, 1]]},
+    {"modules": [["a" * 64, "0" * 32, 0, 1]]},
+    {"modules": [["a" * 64, "0" * 32, True, 1]]},
+    {"modules": [["a" * 64, "0" * 32, 5, 5]]},  # the body is not 10 bytes
+])
+def test_malformed_imports_are_invalid_arguments(args: dict[str, Any]) -> None:
+    with env() as e, pytest.raises(InvalidArgument):
+        op_import_modules(_Server(e), args, _Frame(b"abc"))  # type: ignore[arg-type]
+
+
+def test_malformed_exports_are_invalid_arguments() -> None:
+    with env() as e:
+        for bad in ("x", ["nothex"], [1]):
+            with pytest.raises(InvalidArgument):
+                op_export_modules(_Server(e), {"digests": bad}, None)  # type: ignore[arg-type]
+
+
+def test_an_export_stays_within_max_bytes() -> None:
+    with env() as e:
+        _run(e, PROBE, "add", [1, 1])
+        digests = [hashlib.sha256(PROBE).hexdigest()]
+        reply, body = op_export_modules(_Server(e), {"digests": digests, "max_bytes": 100}, None)  # type: ignore[arg-type]
+        assert reply["artifacts"] == [] and body is None  # the artifact is larger than 100 B
+        reply, body = op_export_modules(_Server(e), {"digests": digests, "max_bytes": 1 << 30}, None)  # type: ignore[arg-type]
+        assert len(reply["artifacts"]) == 1 and len(body or b"") == reply["artifacts"][0][1]
+        for bad in (0, -1, True, "1"):
+            with pytest.raises(InvalidArgument):
+                op_export_modules(_Server(e), {"digests": digests, "max_bytes": bad}, None)  # type: ignore[arg-type]

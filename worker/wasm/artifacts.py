@@ -1,0 +1,117 @@
+"""Compiled modules that survive parking: the worker's side of wasmtime's serialized artifacts.
+
+    supervisor (supervisor.lifecycle.parking)                 worker (this module)
+    park:     export_modules {digests}                 ───►  {fingerprint, artifacts: [[digest, n]...]}
+                                                              + body: the artifacts, end to end
+              the supervisor writes them to the state dir, into this tenant's own directory only
+              (supervisor.store.artifacts: named by digest + fingerprint, MAC'd)
+    activate: import_modules {modules: [[digest, fingerprint, module_n, artifact_n]...]}
+              + body: each module's bytes, then its artifact  ───►  {loaded, stale, refused}
+
+Who writes what: a worker never writes an artifact anywhere and never reads the
+state directory. It hands its serialized modules to the supervisor, which
+stores them under the tenant (and registration) the worker is bound to, and
+later hands them back to a worker bound to that same tenant only.
+``wasmtime.Module.deserialize`` trusts its input (a crafted artifact is native
+code), so this is the trust boundary: an artifact is only ever deserialized by
+a worker of the tenant whose worker produced it, so a compromised worker can at
+worst compromise its own tenant's later workers - what it already controls.
+
+An artifact under another engine fingerprint (a wasmtime upgrade, other engine
+settings) is ``stale`` and one that does not deserialize is ``refused``: both
+are compiled again at their next run, and the supervisor removes their files
+(the next park stores fresh ones). Only modules this worker compiled itself are
+exported: one loaded from an artifact is stored already.
+
+Threads: the executor thread, like every op.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from shared.errors import InvalidArgument, WasmCompile
+from shared.sizes import MAX_MODULE_BYTES
+from worker.wasm.compiler import CACHE_ENTRIES
+from worker.wasm.host import WasmHost, engine_fingerprint
+
+if TYPE_CHECKING:
+    import zmq
+
+    from worker.server import Reply, WorkerServer
+
+__all__ = ["MAX_EXPORT_BYTES", "op_export_modules", "op_import_modules"]
+
+#: artifact bytes one ``export_modules`` reply carries at most (what does not fit is compiled again)
+MAX_EXPORT_BYTES = 32 << 20
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_FINGERPRINT = re.compile(r"[0-9a-f]{16,64}")
+
+
+def _digests(value: object) -> list[str]:
+    if not isinstance(value, list) or len(value) > 4 * CACHE_ENTRIES:
+        raise InvalidArgument(f"digests must be a list of at most {4 * CACHE_ENTRIES} sha256 hex strings")
+    for d in value:
+        if not isinstance(d, str) or not _HEX64.fullmatch(d):
+            raise InvalidArgument(f"not a sha256 hex digest: {d!r}")
+    return list(value)
+
+
+def op_export_modules(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
+    """``export_modules {digests, max_bytes}`` -> ``{fingerprint, artifacts: [[digest, nbytes]...]}`` +
+    body: the serialized modules among ``digests`` this worker compiled, end to end, at most
+    ``max_bytes`` (default and ceiling :data:`MAX_EXPORT_BYTES`: the reply must fit a message)."""
+    digests = _digests(args.get("digests"))
+    max_bytes = args.get("max_bytes", MAX_EXPORT_BYTES)
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        raise InvalidArgument(f"max_bytes must be a positive int, got {max_bytes!r}")
+    ctx = server.require_context()
+    host = ctx.extensions.get(WasmHost.EXTENSION)
+    if not isinstance(host, WasmHost) or not digests:
+        return {"fingerprint": engine_fingerprint(), "artifacts": []}, None
+    found = host.artifacts(digests, min(max_bytes, MAX_EXPORT_BYTES))
+    return ({"fingerprint": engine_fingerprint(), "artifacts": [[d, len(data)] for d, data in found]},
+            b"".join(data for _, data in found) if found else None)
+
+
+def op_import_modules(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
+    """``import_modules {modules: [[digest, fingerprint, module_nbytes, artifact_nbytes]...]}`` + body
+    -> ``{loaded, stale, refused}`` (digests): the tenant's compiled modules back in the cache."""
+    entries = args.get("modules")
+    if not isinstance(entries, list) or len(entries) > CACHE_ENTRIES:
+        raise InvalidArgument(f"modules must be a list of at most {CACHE_ENTRIES} entries")
+    data = body.buffer if body is not None else memoryview(b"")
+    parsed: list[tuple[str, str, int, int]] = []
+    total = 0
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+                and _HEX64.fullmatch(entry[0]) and isinstance(entry[1], str) and _FINGERPRINT.fullmatch(entry[1])
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in entry[2:])
+                and 0 < entry[2] <= MAX_MODULE_BYTES and 0 < entry[3] <= MAX_EXPORT_BYTES):
+            raise InvalidArgument("modules entries are [sha256 hex, fingerprint hex, module bytes, artifact bytes]")
+        parsed.append((entry[0], entry[1], entry[2], entry[3]))
+        total += entry[2] + entry[3]
+    if total != len(data):
+        raise InvalidArgument(f"the body holds {len(data):,} B, the entries name {total:,} B")
+    host = WasmHost.for_context(server.require_context())
+    mine = engine_fingerprint()
+    loaded: list[str] = []
+    stale: list[str] = []
+    refused: list[str] = []
+    pos = 0
+    for digest, fingerprint, module_n, artifact_n in parsed:
+        module = data[pos:pos + module_n]
+        artifact = data[pos + module_n:pos + module_n + artifact_n]
+        pos += module_n + artifact_n
+        if fingerprint != mine:
+            stale.append(digest)
+            continue
+        try:
+            ok = host.load_artifact(module, digest, artifact)
+        except WasmCompile:
+            ok = False  # the module itself is refused: its run says why
+        (loaded if ok else refused).append(digest)
+    if loaded:
+        host.ticker.prestart()  # a run follows: its epoch thread is up by then
+    return {"loaded": loaded, "stale": stale, "refused": refused}, None
