@@ -79,4 +79,5 @@ def tenant(role: str, board_name: str, slot: int, block_name: str, op_s: float, 
             block.close()
             backend.close()
     except Exception as exc:  # noqa: BLE001 - one result either way
+        start.abort()  # the others waiting for this one fail at once (BrokenBarrierError), not at the guard
         out.put({"role": role, "board": tag, "error": f"{type(exc).__name__}: {exc}"})
