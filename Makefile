@@ -28,6 +28,13 @@ $(OTHER_BINDINGS): $(STAMP) tests/helpers/replay_bindings.py
 	$(BIN)/python -m tests.helpers.replay_bindings --prepare
 	@touch $@
 
+#: Zig's Debug-mode wasi-libc and runtimes (what a `twt build -O debug` compiles first: ~70 s of CPU on a
+#: fresh machine, which tests/sdk/test_trap_lines.py's debug build paid inside the suite), once beside the venv
+DEBUG_TOOLCHAIN := $(VENV)/.twt-debug-toolchain
+$(DEBUG_TOOLCHAIN): $(STAMP)
+	$(BIN)/twt build --prepare -O debug
+	@touch $@
+
 ## make demo: the main job - a supervisor, five tenants, bundled WASM guests
 demo: $(STAMP)
 	$(BIN)/twt demo
@@ -39,14 +46,15 @@ TEST_WORKERS ?= 6
 ## make test: the whole suite (type check first, then pytest in a fresh temp root, tests/run-suite.sh)
 #: --max-worker-restart=0: a test that kills its xdist worker fails the run at once (xdist would
 #: rerun it on fresh workers, and once hung after replacing one until CI's time limit)
-test: $(STAMP) $(OTHER_BINDINGS)
+test: $(STAMP) $(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN)
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy
 	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart=0 --durations=20
 
-## make test-fast: the inner loop - every test that starts no process (no supervisor, worker, Ray)
+## make test-fast: the inner loop - every test that starts no process (no supervisor, worker, Ray),
+## less the `slow` ones (exhaustive model checks, long hypothesis runs: make test runs them)
 test-fast: $(STAMP)
-	tests/run-suite.sh -n 2 -m "not process and not gpu"
+	tests/run-suite.sh -n 2 -m "not process and not gpu and not slow"
 
 ## make bench: every benchmark program, ratios against baselines measured in the same run
 bench: $(STAMP)

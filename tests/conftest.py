@@ -31,7 +31,7 @@ from typing import Any
 import hypothesis.configuration as hypothesis_configuration
 import pytest
 
-from tests.helpers import hygiene
+from tests.helpers import hygiene, timeouts
 
 hygiene.mark_session()
 
@@ -239,7 +239,7 @@ def _item_starts_processes(item: pytest.Item) -> bool:
 #: every test's timeout (pytest-timeout: the ini default or its own mark) times this. A timeout is
 #: a hang guard sized on a quiet machine; a loaded one (CPU burners, parallel workers) runs a
 #: test several times slower, and a passing test never waits for its timeout.
-TIMEOUT_SCALE = float(os.environ.get("PYTEST_TWT_TIMEOUT_SCALE", "3"))
+TIMEOUT_SCALE = timeouts.TIMEOUT_SCALE
 
 
 def _scale_timeout(item: pytest.Item, default: float) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests.conformance.raw_client import SCHEMA, VERSION, RawClient, read_admin_cap, read_ready
+from tests.helpers.timeouts import scaled
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -113,12 +114,12 @@ def sup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
     clients: list[RawClient] = []
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while not os.path.exists(os.path.join(run_dir, "supervisor.json")):
             if proc.poll() is not None:
                 raise RuntimeError(f"twt supervise exited {proc.returncode}: {log.read_text()[-2000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError("twt supervise did not become ready in 120 s")
+                raise RuntimeError(f"twt supervise did not become ready in {scaled(120):.0f} s")
             time.sleep(0.05)
         info = read_ready(run_dir)
         tcp_endpoint, server_key = info["listen"][0], info["server_public_key"].encode("ascii")
@@ -445,7 +446,7 @@ def test_lifecycle_errors(sup: Supervisor) -> None:
 
 def _wait_state(sup: Supervisor, name: str, state: str) -> None:
     """Poll tenant_status until the tenant is in ``state`` (the event it waits for), at most a minute."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while sup.ok("tenant_status", sup.admin(), {"tenant": name})["state"] != state:
         assert time.monotonic() < deadline, f"{name} never became {state}"
         time.sleep(0.05)

@@ -43,10 +43,12 @@ class SimBackend(StubBackend):
         return _SimTimer(self.op_ns)
 
 
-def tenant(role: str, board_name: str, slot: int, block_name: str, op_s: float, gap_s: float, start_at: float,
+def tenant(role: str, board_name: str, slot: int, block_name: str, op_s: float, gap_s: float, start: Any,
            seconds: float, out: Any, tag: int = 0) -> None:
     """One tenant's process (spawned); puts ``{role, board: tag, ops, device_ns, waits_ns}`` or
-    ``{role, board, error}``."""
+    ``{role, board, error}``. ``start`` is a ``multiprocessing`` barrier of every tenant process that
+    must run side by side: each starts its ``seconds`` once all of them are imported and attached
+    (however long a loaded host takes for that), never at a fixed moment."""
     from shared.gpu_time import GpuTimeBoard
     from shared.quota import QuotaBlock
     from worker.device_time import DeviceGate
@@ -58,7 +60,7 @@ def tenant(role: str, board_name: str, slot: int, block_name: str, op_s: float, 
         gate = DeviceGate(block, backend, board)
         buf = backend.alloc(4 * 64)
         try:
-            time.sleep(max(0.0, start_at - time.monotonic()))
+            start.wait(120)  # a hang guard only: the others' import and attach
             ns0, ops, waits = block.gpu_time_ns, 0, []
             end = time.monotonic() + seconds
             while time.monotonic() < end:
@@ -77,4 +79,5 @@ def tenant(role: str, board_name: str, slot: int, block_name: str, op_s: float, 
             block.close()
             backend.close()
     except Exception as exc:  # noqa: BLE001 - one result either way
+        start.abort()  # the others waiting for this one fail at once (BrokenBarrierError), not at the guard
         out.put({"role": role, "board": tag, "error": f"{type(exc).__name__}: {exc}"})

@@ -27,6 +27,7 @@ from shared import protocol as proto
 from shared.spec import TenantSpec
 from supervisor.client.launch import SupervisorHandle
 from tests.helpers.cluster import supervisor
+from tests.helpers.timeouts import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -158,7 +159,7 @@ def _flood(sup: SupervisorHandle, fuzz: Fuzzer, count: int) -> tuple[int, Counte
                 drain()
         # The flood emptied this peer's unauthenticated bucket (supervisor.admission.rates): what it
         # sends past it is dropped, the marker too, until tokens come back - so resend it.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)  # the backlog read, then the bucket refilled
         while True:
             sock.send(_packb([proto.PROTOCOL_VERSION, MARKER, "hello", None, {}]))
             if drain(1000):

@@ -356,6 +356,7 @@ def _registered() -> list[type[TensorWasmError]]:
     return classes
 
 
+@pytest.mark.slow  # 40 generated cases for each of ~60 classes: make test runs it, make test-fast not
 @pytest.mark.parametrize("cls", _registered(), ids=lambda c: c.__name__)
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())

@@ -136,6 +136,7 @@ def test_limit_drop_to_zero_refuses_later_consumes() -> None:
     assert shared[0] == 0 and results[0][1][0] == "refused"  # type: ignore[index]
 
 
+@pytest.mark.slow  # the largest exploration of this file: make test runs it, make test-fast not
 def test_weak_cas_spurious_failures() -> None:
     # The C code uses the weak CAS: it may fail although the value matched.
     program, limit = THREE_THREADS["three-with-underflow"]
@@ -232,6 +233,7 @@ def quota_warnings() -> Iterator[_Records]:
         logger.removeHandler(handler)
 
 
+@pytest.mark.slow  # 150 differential runs against the C helper: make test runs it, make test-fast not
 @settings(
     max_examples=150,
     deadline=None,

@@ -11,7 +11,6 @@ was work-conserving it got under a fifth (the chatty tenant held it through its 
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 from typing import Any
 
 import pytest
@@ -34,12 +33,13 @@ def _rounds(chatty_roles: tuple[str, ...]) -> list[dict[str, dict[str, Any]]]:
     out = _SPAWN.Queue()
     procs = []
     try:
-        start_at = time.monotonic() + 3.0  # every process imported and attached by then
+        # every process starts its span once all of them are imported and attached
+        start = _SPAWN.Barrier(2 * len(chatty_roles))
         for k, (chatty_role, board) in enumerate(zip(chatty_roles, boards)):
             slots = [board.add_tenant(1.0) for _ in range(2)]
             for (role, op_s), slot, block in zip((("heavy", HEAVY_OP_S), (chatty_role, CHATTY_OP_S)), slots,
                                                  blocks[k]):
-                p = _SPAWN.Process(target=tenant, args=(role, board.name, slot, block.name, op_s, GAP_S, start_at,
+                p = _SPAWN.Process(target=tenant, args=(role, board.name, slot, block.name, op_s, GAP_S, start,
                                                         SECONDS, out, k))
                 p.start()
                 procs.append(p)

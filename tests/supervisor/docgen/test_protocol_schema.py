@@ -225,12 +225,14 @@ def test_every_op_error_and_spec_key_is_in_the_schema() -> None:
         assert set(declared.get("required", ())) == {a.name for a in op.args if a.required}
 
 
+@pytest.mark.slow  # 800 generated cases: make test runs it, make test-fast not
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(op_args())
 def test_schema_and_supervisor_agree_on_generated_args(case: tuple[str, dict[str, Any]]) -> None:
     check(*case)
 
 
+@pytest.mark.slow  # 500 generated specs: make test runs it, make test-fast not
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs())
 def test_schema_and_supervisor_agree_on_generated_tenant_specs(spec: dict[str, Any]) -> None:

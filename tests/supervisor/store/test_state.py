@@ -18,6 +18,7 @@ from shared.errors import StateError, UnknownTenant
 from shared.spec import TenantSpec
 from supervisor.store.backup import backup
 from supervisor.store.state import MARKER_FILE, SCHEMA_VERSION, STATE_FILE, RegistryKey, StateStore
+from tests.helpers.timeouts import scaled
 
 KEY = RegistryKey(b"r" * 16, b"s" * 32)
 
@@ -202,7 +203,7 @@ def test_sigkill_in_the_middle_of_admin_writes_leaves_old_or_new_state(tmp_path:
     )
     assert proc.stdout is not None
     last = 0
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     want = 20 + 17 * round_  # kill at a different point in each round
     try:
         while last < want and time.monotonic() < deadline:

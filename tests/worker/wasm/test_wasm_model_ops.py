@@ -174,6 +174,7 @@ _VALUE = {
 }
 
 
+@pytest.mark.slow  # 600 generated calls: make test runs it, make test-fast not
 def test_hostile_arguments_are_always_a_code_never_a_trap() -> None:
     with session() as (_, s):
         for _ in range(3):
