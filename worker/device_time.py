@@ -128,7 +128,7 @@ class DeviceQueue:
     Counters for tests and status: ``submitted``, ``ran``, ``dropped``,
     ``overlapped`` (submits that returned while the device ran an earlier op:
     host work overlapping device work), ``waited_full`` (submits that waited
-    for room), ``peak_ops``.
+    for room), ``peak_ops`` and ``peak_bytes`` (the most queued at once).
     """
 
     def __init__(self, run: Callable[[_Item], None], end: Callable[[], None], *,
