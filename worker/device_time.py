@@ -39,8 +39,9 @@ memory, and the run's end::
   stretch: it acquires the lease once, runs op after op (each chunked as
   above), and tells the board (``finish``) only at a chunk boundary after
   ~:data:`CHUNK_S` of holding - where the board may hand the device over
-  (the quantum's end, a waiter's claim) - and when the queue runs empty (the
-  stretch's end: the board may lend the device at once). The board charges
+  (the quantum's end, a waiter's claim) - and when the queue runs empty and
+  no op follows within :data:`QUEUE_LINGER_S` (the stretch's end: the device
+  is lent to a waiter at once). The board charges
   the device time of what ran in between; an op's wait is the time it was
   ready (submitted, its worker's earlier ops done) and not running.
 * **Bounded.** At most :data:`MAX_QUEUED_OPS` ops and :data:`MAX_QUEUED_BYTES`
@@ -98,6 +99,10 @@ _REFUSED_LOG_INTERVAL_S = 1.0
 MAX_QUEUED_OPS = 64
 #: the most bytes of device buffers the queued ops name (inputs and outputs, counted per op)
 MAX_QUEUED_BYTES = 256 << 20
+#: when the queue runs empty the device thread waits this long for the guest's next op before it
+#: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
+#: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
+QUEUE_LINGER_S = 50e-6
 #: how long past the run's deadline a wait for queued work may last (one chunk in flight ends well
 #: inside it; work that does not is a queue overrun: the run ends and the worker exits)
 QUEUE_GRACE_S = 1.0
@@ -253,6 +258,9 @@ class DeviceQueue:
                     self._items.clear()
                     self._bytes = 0
                 idle = not self._items
+                if idle and not self._closed and err is None:
+                    cond.wait(QUEUE_LINGER_S)  # the guest's next op may be a host call away
+                    idle = not self._items
             if idle:
                 try:
                     self._end_stretch()  # the board hears of the stretch's end before anyone syncs
