@@ -821,23 +821,10 @@ class GpuTimeBoard(MappedSegment):
         quantum = _atomics.load(buf, _C_QUANTUM)
         if grace and grace <= max(_HANDOVER_GRACE_NS, quantum // _SHORT_HOLD_QUANTUM_DIV):
             return self.pick(now) == self._worker
-        if self._waiting_since and now - self._waiting_since >= quantum // _BATCH_QUANTUM_DIV - _SPIN_NS // 4:
-            # a claim about to be served at the holder's next chunk boundary: be on a CPU then
-            return self.pick(now, holder_tenant=self._holder_tenant(buf, owner), quantum_over=False) == self._worker
         left = _atomics.load(buf, _GRANT_NS) + _atomics.load(buf, _C_QUANTUM) - now
         if left > _SPIN_NS or left < -2 * _SPIN_NS:  # not yet; or a chunk overran: its end wakes us
             return False
         return self.pick(now) == self._worker
-
-    def _holder_tenant(self, buf: memoryview, owner: int) -> int | None:
-        """The tenant slot of the worker holding owner word ``owner`` (None: free or unknown)."""
-        if not owner:
-            return None
-        w = (owner >> 1) - 1
-        if not 0 <= w < self.worker_slots:
-            return None
-        t = _atomics.load(buf, self._w_off(w) + _W_TENANT) - 1
-        return t if t >= 0 else None
 
     def _sleep_ns(self, buf: memoryview, owner: int, now: int) -> int:
         """How long a waiter sleeps before looking again (a wake-up cuts it short)."""
