@@ -156,6 +156,8 @@ class DeviceQueue:
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        #: threads waiting in :meth:`sync` (the device thread does not linger for more work then)
+        self._syncing = 0
         #: wall ns the device thread spent running this worker's ops (an op's wait excludes them)
         self.own_busy_ns = 0
         self.submitted = 0
@@ -213,9 +215,14 @@ class DeviceQueue:
         """Wait until every queued op ran (or was dropped); raise a queued op's error (once) unless
         ``raise_error`` is false. False when ``deadline_ns`` passed first (work still queued)."""
         with self._cond:
-            while self._items or self._running:
-                if not self._wait(deadline_ns):
-                    return False
+            self._syncing += 1
+            self._cond.notify_all()  # a device thread lingering for the next op ends its stretch now
+            try:
+                while self._items or self._running:
+                    if not self._wait(deadline_ns):
+                        return False
+            finally:
+                self._syncing -= 1
             if raise_error:
                 err, self._error = self._error, None
                 if err is not None:
@@ -265,7 +272,7 @@ class DeviceQueue:
                     self._items.clear()
                     self._bytes = 0
                 idle = not self._items
-                if idle and not self._closed and err is None:
+                if idle and not self._closed and err is None and not self._syncing:
                     cond.wait(QUEUE_LINGER_S)  # the guest's next op may be a host call away
                     idle = not self._items
             if idle:
