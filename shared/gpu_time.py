@@ -817,9 +817,13 @@ class GpuTimeBoard(MappedSegment):
         holder: it hands the device back within a grace), and this worker is the pick."""
         if not owner & 1:
             return False
-        grace = _atomics.load(buf, self._w_off((owner >> 1) - 1) + _W_GRACE)
+        holder = self._w_off((owner >> 1) - 1)
+        grace = _atomics.load(buf, holder + _W_GRACE)
         quantum = _atomics.load(buf, _C_QUANTUM)
-        if grace and grace <= max(_HANDOVER_GRACE_NS, quantum // _SHORT_HOLD_QUANTUM_DIV):
+        if grace and (grace <= _HANDOVER_GRACE_NS or (
+                grace <= quantum // _SHORT_HOLD_QUANTUM_DIV and self._tenant is not None
+                and _atomics.load(buf, holder + _W_TENANT) != self._tenant + 1)):
+            # a short-stretch holder of another tenant (a sibling's turns come by quanta)
             return self.pick(now) == self._worker
         left = _atomics.load(buf, _GRANT_NS) + _atomics.load(buf, _C_QUANTUM) - now
         if left > _SPIN_NS or left < -2 * _SPIN_NS:  # not yet; or a chunk overran: its end wakes us
