@@ -825,10 +825,14 @@ class GpuTimeBoard(MappedSegment):
                 and _atomics.load(buf, holder + _W_TENANT) != self._tenant + 1)):
             # a short-stretch holder of another tenant (a sibling's turns come by quanta)
             return self.pick(now) == self._worker
-        left = _atomics.load(buf, _GRANT_NS) + _atomics.load(buf, _C_QUANTUM) - now
+        left = _atomics.load(buf, _GRANT_NS) + quantum - now
         if left > _SPIN_NS or left < -2 * _SPIN_NS:  # not yet; or a chunk overran: its end wakes us
             return False
-        return self.pick(now) == self._worker
+        # the holder's own pick at its quantum's end: a sibling that has not waited its quanta yet, or
+        # a tenant whose pass is not the smaller, would yield the CPU for nothing
+        held = _atomics.load(buf, holder + _W_TENANT) - 1
+        return self.pick(now + max(0, left), holder_tenant=held if held >= 0 else None,
+                         quantum_over=True) == self._worker
 
     def _sleep_ns(self, buf: memoryview, owner: int, now: int) -> int:
         """How long a waiter sleeps before looking again (a wake-up cuts it short)."""
