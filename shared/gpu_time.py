@@ -665,6 +665,11 @@ class GpuTimeBoard(MappedSegment):
             raise SegmentError(self.name, "this board handle holds no worker slot")
         return buf, self._worker
 
+    def others_waiting(self) -> bool:
+        """True when a worker other than this one waits for the device (one atomic load)."""
+        buf, _ = self._need_worker()
+        return _atomics.load(buf, _WAITING) - (1 if self._waiting_since else 0) > 0
+
     def holds(self) -> bool:
         """True while this worker holds the device (idle or busy)."""
         buf, _ = self._need_worker()

@@ -223,6 +223,10 @@ class CountingBoard:
         self.calls["throttled_wait_ns"] += 1
         return 0
 
+    def others_waiting(self) -> bool:
+        self.calls["others_waiting"] = self.calls.get("others_waiting", 0) + 1
+        return False
+
     def release(self) -> None:
         self.calls["release"] += 1
 
