@@ -25,9 +25,11 @@ memory, sampled by this process every few milliseconds.
 
     heavy+chatty  a heavy GEMM tenant beside a chatty one (``chatty``: a 64-float fill, then
                   0.1 / 0.3 / 1 ms of guest arithmetic, in a loop), in rounds alternating with a
-                  control whose chatty loop makes no device op (the same CPU competition): the
-                  heavy tenant's work rate vs the control's, the chatty op's wait for the device
-                  (p99 from the tenant's wait histogram), and the device busy time vs the control's
+                  control whose chatty loop makes the same host call with a count of 0 (the host's
+                  work without the device's: the same CPU competition): the heavy tenant's work
+                  rate vs the control's, the chatty op's wait for the device (p99 from the
+                  tenant's wait histogram), the device busy time vs the control's, and how often
+                  the lease changed hands (handoffs + steals per second, from the board)
     k instances   a tenant of k instances against one of one instance, all saturating: the
                   accounted shares by tenant (50/50) and by instance
 
