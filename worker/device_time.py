@@ -327,6 +327,8 @@ class DeviceGate:
         #: busy) with ``_pending_ns`` of device time not yet told to the board
         self._held_since = 0
         self._pending_ns = 0
+        #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
+        self._held_board = False
         self._qtimer: OpTimer | None = None
         #: this worker's queued ops (EWMAs, ns): the interval between its submits inside a run, and
         #: each op's device time - a stretch's end lends the device only for a mostly idle worker
@@ -438,6 +440,7 @@ class DeviceGate:
         if board is not None and not self._held_since:
             waited = self._acquire(board, deadline_ns)
             self._held_since = time.monotonic_ns()
+            self._held_board = True
         elif not self._held_since:
             self._held_since = time.monotonic_ns()
         self.run_wait_ns += waited
@@ -473,7 +476,9 @@ class DeviceGate:
             return
         self._held_since = self._pending_ns = 0
         self.block.charge_gpu_time(pending)
-        board = self._scheduling_board()
+        # the board that granted the stretch hears of its end even if the scheduler was switched off since
+        board = self.board if self._held_board else None
+        self._held_board = False
         if board is not None and board.finish(pending, last=last, idle=idle) and board.throttled_wait_ns():
             self.block.count_gpu_throttled()
 
