@@ -210,6 +210,8 @@ class CountingBoard:
     def __init__(self, scheduler: bool) -> None:
         self.scheduler = scheduler
         self.calls: dict[str, int] = {"acquire": 0, "finish": 0, "release": 0, "throttled_wait_ns": 0}
+        #: the ``idle`` flag of every finish (a stretch's end that lends the device)
+        self.idle: list[bool] = []
 
     def acquire(self, deadline_ns: int | None = None) -> int:
         self.calls["acquire"] += 1
@@ -217,6 +219,7 @@ class CountingBoard:
 
     def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False) -> bool:
         self.calls["finish"] += 1
+        self.idle.append(idle)
         return False
 
     def throttled_wait_ns(self) -> int:
@@ -551,3 +554,23 @@ def test_sigkill_with_a_non_empty_queue_releases_the_lease() -> None:
     finally:
         board.unlink()
         board.close()
+
+
+@pytest.mark.parametrize("gap_us, op_us, lends", [(500, 5, True), (500, 400, False), (50, 1, False)])
+def test_a_stretch_end_lends_only_for_a_mostly_idle_worker(block: QuotaBlock, gap_us: int, op_us: int,
+                                                            lends: bool) -> None:
+    """A chatty worker (ops far apart next to their device time) lends the device when its queue runs
+    empty; a busy one (a GEMM loop whose guest thread came late) keeps it within its grace - lending
+    at every empty queue turned a 7:3 split into 58:42 end to end."""
+    board = CountingBoard(True)
+    gate = DeviceGate(block, StubBackend(), cast(GpuTimeBoard, board), chunk_s=3600.0)
+    try:
+        gate.submit("op", lambda: None, ())
+        gate.sync()
+        assert board.idle == [False]  # one op: no interval known yet, nothing lent
+        gate._submit_gap_ns, gate._op_dev_ns = gap_us * 1000, op_us * 1000
+        gate._held_since, gate._held_board = time.monotonic_ns(), True  # a stretch in progress
+        gate._end_stretch()
+        assert board.idle[-1] is lends
+    finally:
+        gate.close()
