@@ -183,6 +183,14 @@ _LEND_GAP_NS = 75_000
 _SIBLING_WAIT_QUANTA = 4
 #: a waiter looks at a held device at least this often (an idle holder past its grace is stolen from)
 _POLL_NS = 1_000_000
+#: inside the holder's quantum a waiter with a claim (it lent the device, or is a quantum behind) takes
+#: it at the first chunk boundary after it has waited this fraction of a quantum, not at the very next
+#: one: its ops queue meanwhile (worker.device_time) and run as one stretch, so the holder pays one
+#: handover per batch instead of one per chunk, and the waiter's op still waits under one quantum
+_BATCH_QUANTUM_DIV = 4
+#: a busy holder whose grace is at most this fraction of a quantum runs short stretches (a chatty
+#: tenant): the policy's pick yields the CPU in a loop instead of sleeping, to take the device at once
+_SHORT_HOLD_QUANTUM_DIV = 8
 #: a capped tenant's token bucket holds this many quanta: over any span W it gets at most
 #: ``cap * W`` plus this burst; a bucket of one quantum lost credit to every wake-up that came late
 _CAP_BURST_QUANTA = 4
@@ -590,6 +598,8 @@ class GpuTimeBoard(MappedSegment):
             if quantum_over:
                 if held <= best[0]:
                     return None
+            elif now - best[1] < quantum // _BATCH_QUANTUM_DIV:
+                return None  # inside the quantum a claim is served in batches (see _BATCH_QUANTUM_DIV)
             elif lender.get(best[3]) and held > best[0]:
                 pass  # it gave the device up between two of its ops, not for its pass: it takes it back
             elif held - best[0] < quantum * _MICRO // (_atomics.load(buf, t_off + _T_WEIGHT) or 1):
@@ -654,6 +664,11 @@ class GpuTimeBoard(MappedSegment):
         if self._worker is None:
             raise SegmentError(self.name, "this board handle holds no worker slot")
         return buf, self._worker
+
+    def others_waiting(self) -> bool:
+        """True when a worker other than this one waits for the device (one atomic load)."""
+        buf, _ = self._need_worker()
+        return _atomics.load(buf, _WAITING) - (1 if self._waiting_since else 0) > 0
 
     def holds(self) -> bool:
         """True while this worker holds the device (idle or busy)."""
@@ -807,13 +822,22 @@ class GpuTimeBoard(MappedSegment):
         holder: it hands the device back within a grace), and this worker is the pick."""
         if not owner & 1:
             return False
-        grace = _atomics.load(buf, self._w_off((owner >> 1) - 1) + _W_GRACE)
-        if grace and grace <= _HANDOVER_GRACE_NS:
+        holder = self._w_off((owner >> 1) - 1)
+        grace = _atomics.load(buf, holder + _W_GRACE)
+        quantum = _atomics.load(buf, _C_QUANTUM)
+        if grace and (grace <= _HANDOVER_GRACE_NS or (
+                grace <= quantum // _SHORT_HOLD_QUANTUM_DIV and self._tenant is not None
+                and _atomics.load(buf, holder + _W_TENANT) != self._tenant + 1)):
+            # a short-stretch holder of another tenant (a sibling's turns come by quanta)
             return self.pick(now) == self._worker
-        left = _atomics.load(buf, _GRANT_NS) + _atomics.load(buf, _C_QUANTUM) - now
+        left = _atomics.load(buf, _GRANT_NS) + quantum - now
         if left > _SPIN_NS or left < -2 * _SPIN_NS:  # not yet; or a chunk overran: its end wakes us
             return False
-        return self.pick(now) == self._worker
+        # the holder's own pick at its quantum's end: a sibling that has not waited its quanta yet, or
+        # a tenant whose pass is not the smaller, would yield the CPU for nothing
+        held = _atomics.load(buf, holder + _W_TENANT) - 1
+        return self.pick(now + max(0, left), holder_tenant=held if held >= 0 else None,
+                         quantum_over=True) == self._worker
 
     def _sleep_ns(self, buf: memoryview, owner: int, now: int) -> int:
         """How long a waiter sleeps before looking again (a wake-up cuts it short)."""
@@ -842,7 +866,7 @@ class GpuTimeBoard(MappedSegment):
                     sleep = max(sleep, (1 - credit) * _MICRO // cap)
         return int(min(_MAX_SLEEP_NS, max(_MIN_SLEEP_NS, sleep)))
 
-    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True) -> bool:
+    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False) -> bool:
         """End a chunk that ran ``charged_ns`` on the device: charge it, maybe hand the device over.
 
         ``last``: the chunk ends an op (False: another chunk of the same op follows at once, so
@@ -850,7 +874,9 @@ class GpuTimeBoard(MappedSegment):
         a waiter with a better claim (see :meth:`pick`), this tenant's cap ran out
         (``throttled`` is counted then), or - at an op's end, while another worker waits - this
         worker's host gaps between ops are longer than the grace (it would hold the device
-        idle: it hands over now rather than be stolen from later).
+        idle: it hands over now rather than be stolen from later). ``idle`` (with ``last``): the
+        holder has nothing queued to run next (a worker's queue ran empty: the end of a stretch of
+        queued work), so it lends the device to a waiter now whatever its host gaps.
         """
         buf, w = self._need_worker()
         now = self._clock() if now is None else now
@@ -899,7 +925,7 @@ class GpuTimeBoard(MappedSegment):
             return True
         if not _atomics.load(buf, _WAITING):
             return False
-        if last and self._gap_ns > max(_LEND_GAP_NS, self._grace_ns * 3 // 4):
+        if last and (idle or self._gap_ns > max(_LEND_GAP_NS, self._grace_ns * 3 // 4)):
             nxt = self.pick(now, prefer_tenant=t)  # not the holder: it has no op to run now
             if nxt is not None:
                 _atomics.store(buf, self._w_off(w) + _W_LENT, 1)

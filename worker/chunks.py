@@ -13,7 +13,7 @@ into pieces of the *same algorithm* on contiguous parts of its buffers
     add_rows_f32      m[r0:r1] += v                      by rows
     softmax_rows_f32  each row is independent            by rows
     argmax_rows_f32   each row is independent            by rows (out sliced alike)
-    transpose_f32     out[:, r0:r1] = x[r0:r1].T         by input rows (a backend with a block transpose)
+    transpose_f32     out[:, r0:r1] = x[r0:r1].T         by input rows (stub and cuda: a block transpose)
     max_f32           max of the chunks' maxima          by element ranges (exact: NaN still wins)
     sum_f32           sum of the chunks' sums            by element ranges (rounding: see below)
     gemm_f32, gemm_ex C[r0:r1] by row blocks as matmul_f32 (with trans_a = 1, A's rows are not

@@ -17,28 +17,75 @@ waiting again. Refusals are counted (``refused``) and logged at most once a
 second, not once per op.
 
 Without a board (a context made by a test, or a supervisor of an older
-layout) ops are still timed and charged, just not scheduled.
+layout) ops are still timed and charged, just not scheduled. With the
+scheduler off (``gpu_time_scheduler = false``) there is no gate at all: ops
+run without asking the board (no acquire, finish or release); the stub,
+whose device is this host's CPU, still runs one op at a time per device (an
+``flock`` on the board's file), as a GPU time-slices its contexts.
 
-Threads: only the worker's executor thread calls the gate (tensor ops run
-there), so it keeps no lock.
+**Queued ops** (a backend with ``queues_ops``: the stub). An op whose result
+the guest does not read at once (every op that only writes device buffers:
+fill, axpy, GEMM, elementwise ...) is *submitted* (:meth:`DeviceGate.submit`)
+to the worker's :class:`DeviceQueue` and the host call returns: the guest's
+host code overlaps the device's work. One device thread runs the queued ops
+in order. What the guest reads synchronises (:meth:`DeviceGate.sync`):
+``read``/``write`` of a buffer, ``free``, ``sum_f32``, an op writing guest
+memory, and the run's end::
+
+    guest (executor thread) ── submit ──► [ <= MAX_QUEUED_OPS ops, <= MAX_QUEUED_BYTES ] ──► device thread
+                            ◄── sync ───  waits until the queue is empty; raises a queued op's error
+
+* **One stretch of work.** The device thread treats the queued work as one
+  stretch: it acquires the lease once, runs op after op (each chunked as
+  above), and tells the board (``finish``) only at a chunk boundary after
+  ~:data:`CHUNK_S` of holding - where the board may hand the device over
+  (the quantum's end, a waiter's claim) - and when the queue runs empty and
+  no op follows within :data:`QUEUE_LINGER_S` (the stretch's end: the device
+  is lent to a waiter at once). The board charges
+  the device time of what ran in between; an op's wait is the time it was
+  ready (submitted, its worker's earlier ops done) and not running.
+* **Bounded.** At most :data:`MAX_QUEUED_OPS` ops and :data:`MAX_QUEUED_BYTES`
+  bytes of the device buffers they name (an op larger alone is admitted into
+  an empty queue); a full queue makes ``submit`` wait, until the deadline.
+* **Errors** of a queued op are kept and raised at the next synchronising
+  call, once - the exception the op would have raised; the ops behind it
+  are dropped (as on a CUDA stream after a fault). A ``KernelTimeout`` is
+  raised at the next submit too: the run is over.
+* **Deadlines bound queued work.** A queued op (each chunk) is refused past
+  the run's deadline and the rest of the queue dropped; a wait for queued
+  work is therefore one chunk in flight past the deadline at most, and gives
+  up at the deadline plus :data:`QUEUE_GRACE_S` (``QueueOverrun``: the
+  worker exits, as for the cuda backend's queue).
+
+Threads: the executor thread submits and syncs; queued ops run on the device
+thread; a synchronous op runs on the executor thread once the queue is empty
+(and the device thread has told the board its stretch ended). The board,
+timers and totals are thus used by one thread at a time, ordered by the
+queue's condition.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from shared.errors import KernelTimeout
 from shared.gpu_time import GpuTimeBoard
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock
-from worker.backends.base import Backend
+from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.timing import OpTimer
 from worker.chunks import CostModel, plan
 
-__all__ = ["CHUNK_S", "DeviceGate"]
+__all__ = ["CHUNK_S", "MAX_QUEUED_BYTES", "MAX_QUEUED_OPS", "QUEUE_GRACE_S", "DeviceGate", "DeviceQueue",
+           "QueueOverrun"]
 
 T = TypeVar("T")
 
@@ -48,6 +95,203 @@ _log = get_logger("worker.device_time")
 CHUNK_S = 0.002
 #: refused ops (no GPU time before the run's deadline) are logged at most once per this many seconds
 _REFUSED_LOG_INTERVAL_S = 1.0
+#: the most ops a worker keeps queued for the device: a guest submitting more waits for room
+MAX_QUEUED_OPS = 64
+#: the most bytes of device buffers the queued ops name (inputs and outputs, counted per op)
+MAX_QUEUED_BYTES = 256 << 20
+#: EWMA weight of the newest sample (1 / 2**shift)
+_EWMA_SHIFT = 2
+#: a stretch's end lends the device when the worker's ops come more than this far apart on average
+#: (the board's own floor for lending at an op's end) ...
+_LEND_GAP_NS = 75_000
+#: ... and more than this many times their device time apart (the board's grace: four op lengths)
+_LEND_RATIO = 4
+#: when the queue runs empty the device thread waits this long for the guest's next op before it
+#: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
+#: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
+QUEUE_LINGER_S = 50e-6
+#: how long past the run's deadline a wait for queued work may last (one chunk in flight ends well
+#: inside it; work that does not is a queue overrun: the run ends and the worker exits)
+QUEUE_GRACE_S = 1.0
+
+
+class QueueOverrun(KernelTimeout):
+    """Queued device work still ran past the run's deadline plus :data:`QUEUE_GRACE_S`: it cannot be
+    cancelled, so the worker must exit (the supervisor restarts it; the lease goes with the process)."""
+
+
+@dataclass(slots=True)
+class _Item:
+    """One queued op: what to run, the bytes it names, when it was submitted and how much device
+    time (wall ns of this worker's own ops) had run by then (its wait excludes its own queue)."""
+
+    name: str
+    fn: Callable[..., object]
+    args: tuple[object, ...]
+    deadline_ns: int | None
+    nbytes: int
+    submit_ns: int
+    own_busy_ns: int
+
+
+class DeviceQueue:
+    """A bounded FIFO of queued ops and the device thread that runs them (see the module doc).
+
+    Counters for tests and status: ``submitted``, ``ran``, ``dropped``,
+    ``overlapped`` (submits that returned while the device ran an earlier op:
+    host work overlapping device work), ``waited_full`` (submits that waited
+    for room), ``peak_ops`` and ``peak_bytes`` (the most queued at once).
+    """
+
+    def __init__(self, run: Callable[[_Item], None], end: Callable[[], None], *,
+                 max_ops: int = MAX_QUEUED_OPS, max_bytes: int = MAX_QUEUED_BYTES) -> None:
+        self.max_ops = max_ops
+        self.max_bytes = max_bytes
+        self._run_item = run
+        self._end_stretch = end
+        self._cond = threading.Condition()
+        self._items: deque[_Item] = deque()
+        self._bytes = 0
+        self._running = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        #: threads waiting in :meth:`sync` (the device thread does not linger for more work then)
+        self._syncing = 0
+        #: wall ns the device thread spent running this worker's ops (an op's wait excludes them)
+        self.own_busy_ns = 0
+        self.submitted = 0
+        self.ran = 0
+        self.dropped = 0
+        self.overlapped = 0
+        self.waited_full = 0
+        self.peak_ops = 0
+        self.peak_bytes = 0
+
+    @property
+    def pending(self) -> int:
+        """Ops queued or running."""
+        with self._cond:
+            return len(self._items) + (1 if self._running else 0)
+
+    def more(self) -> bool:
+        """Whether another op is queued behind the running one (the device thread asks)."""
+        return bool(self._items)
+
+    def submit(self, item: _Item) -> None:
+        """Queue ``item``; waits while the queue is full (``KernelTimeout`` at its deadline). Behind
+        a failed queued op the item is dropped (the next :meth:`sync` reports the failure); a queued
+        op's ``KernelTimeout`` is raised here (once): the run is over."""
+        with self._cond:
+            while (self._items or self._running) and (
+                    len(self._items) >= self.max_ops or self._bytes + item.nbytes > self.max_bytes):
+                if self._error is not None:
+                    break
+                self.waited_full += 1
+                if not self._wait(item.deadline_ns):
+                    raise KernelTimeout(0.0, message="waiting for room in the device queue: the run's deadline passed")
+            err = self._error
+            if err is not None:
+                if isinstance(err, KernelTimeout):
+                    self._error = None
+                    raise err
+                self.dropped += 1
+                return
+            if self._closed:
+                raise RuntimeError("the device queue is closed")
+            self._items.append(item)
+            self._bytes += item.nbytes
+            self.submitted += 1
+            self.peak_ops = max(self.peak_ops, len(self._items))
+            self.peak_bytes = max(self.peak_bytes, self._bytes)
+            if self._running:
+                self.overlapped += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="twt-device", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def sync(self, deadline_ns: int | None = None, *, raise_error: bool = True) -> bool:
+        """Wait until every queued op ran (or was dropped); raise a queued op's error (once) unless
+        ``raise_error`` is false. False when ``deadline_ns`` passed first (work still queued)."""
+        with self._cond:
+            self._syncing += 1
+            self._cond.notify_all()  # a device thread lingering for the next op ends its stretch now
+            try:
+                while self._items or self._running:
+                    if not self._wait(deadline_ns):
+                        return False
+            finally:
+                self._syncing -= 1
+            if raise_error:
+                err, self._error = self._error, None
+                if err is not None:
+                    raise err
+            return True
+
+    def take_error(self) -> BaseException | None:
+        """The error a queued op raised that nobody was told of yet (cleared)."""
+        with self._cond:
+            err, self._error = self._error, None
+            return err
+
+    def _wait(self, deadline_ns: int | None) -> bool:
+        if deadline_ns is None:
+            self._cond.wait()
+            return True
+        left = deadline_ns - time.monotonic_ns()
+        if left <= 0:
+            return False
+        self._cond.wait(left / 1e9)
+        return True
+
+    def _loop(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                while not self._items and not self._closed:
+                    cond.wait()
+                if not self._items:
+                    return
+                item = self._items.popleft()
+                self._running = True
+            t0 = time.monotonic_ns()
+            err: BaseException | None = None
+            try:
+                self._run_item(item)
+            except BaseException as exc:  # noqa: BLE001 - kept for the next call into the gate
+                err = exc
+            busy = time.monotonic_ns() - t0
+            with cond:
+                self.own_busy_ns += busy
+                self.ran += 1
+                self._bytes -= item.nbytes
+                if err is not None:
+                    self._error = err
+                    self.dropped += len(self._items)
+                    self._items.clear()
+                    self._bytes = 0
+                idle = not self._items
+                if idle and not self._closed and err is None and not self._syncing:
+                    cond.wait(QUEUE_LINGER_S)  # the guest's next op may be a host call away
+                    idle = not self._items
+            if idle:
+                try:
+                    self._end_stretch()  # the board hears of the stretch's end before anyone syncs
+                except Exception as exc:  # noqa: BLE001 - a closed board at shutdown: logged
+                    log_event(_log, logging.WARNING, "device_time.stretch_end_failed", error=repr(exc))
+            with cond:
+                self._running = False
+                cond.notify_all()
+
+    def close(self, timeout_s: float = QUEUE_GRACE_S) -> None:
+        """Stop the device thread once the queue is empty (waits at most ``timeout_s``)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout_s)
 
 
 class DeviceGate:
@@ -73,6 +317,27 @@ class DeviceGate:
         self._refused_log_at = 0.0
         #: this run was refused once: every later op of it is refused at once (no board, no wait)
         self._run_refused: KernelTimeout | None = None
+        #: the worker's queued ops (a backend with ``queues_ops``; made on the first submit)
+        self.queue: DeviceQueue | None = None
+        #: the name of the last queued op that failed (the sync reporting its error names it)
+        self.failed_op = ""
+        #: a run's queued work outlived its deadline plus the grace: the worker must exit
+        self.queue_overrun = False
+        #: the device thread's stretch: it holds the lease busy since ``_held_since`` (0: not held
+        #: busy) with ``_pending_ns`` of device time not yet told to the board
+        self._held_since = 0
+        self._pending_ns = 0
+        #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
+        self._held_board = False
+        self._qtimer: OpTimer | None = None
+        #: this worker's queued ops (EWMAs, ns): the interval between its submits inside a run, and
+        #: each op's device time - a stretch's end lends the device only for a mostly idle worker
+        self._submit_at = 0
+        self._submit_gap_ns = 0
+        self._op_dev_ns = 0
+        #: with the scheduler off on a host-serial backend (the stub): the fd whose flock serialises
+        #: the device (-1 not opened, -2 unavailable)
+        self._serial = -1
 
     def _timer_(self) -> OpTimer:
         if self._timer is None:
@@ -80,21 +345,61 @@ class DeviceGate:
         return self._timer
 
     def op(self, name: str, fn: Callable[..., T], args: tuple[object, ...], deadline_ns: int | None = None) -> T | None:
-        """Run op ``name`` = ``fn(*args)`` on the device, in chunks where it splits (see module doc);
-        the op's result (a sum), or None."""
+        """Run op ``name`` = ``fn(*args)`` on the device now, after every queued op (whose error, if
+        any, is raised first), in chunks where it splits (see module doc); its result (a sum), or None."""
+        self.sync(deadline_ns)
+        return cast("T | None", self._op(name, fn, args, deadline_ns, self._run))
+
+    def submit(self, name: str, fn: Callable[..., object], args: tuple[object, ...],
+               deadline_ns: int | None = None) -> None:
+        """Queue op ``name`` = ``fn(*args)`` (an op that only writes device buffers: its result is
+        dropped) and return; waits while the queue is full. Run at once (:meth:`op`) on a backend
+        that queues no ops. ``KernelTimeout`` once the run is over (see the module doc)."""
+        if not self.backend.queues_ops:
+            self.op(name, fn, args, deadline_ns)
+            return
+        if self._run_refused is not None:
+            raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
+        queue = self.queue
+        if queue is None:
+            queue = self.queue = DeviceQueue(self._queued, self._end_stretch)
+        nbytes = sum(a.nbytes for a in args if isinstance(a, DeviceBuffer))
+        now = time.monotonic_ns()
+        if self._submit_at:
+            gap = now - self._submit_at
+            self._submit_gap_ns += (gap - self._submit_gap_ns) >> _EWMA_SHIFT if self._submit_gap_ns else gap
+        self._submit_at = now
+        try:
+            queue.submit(_Item(name, fn, args, deadline_ns, nbytes, now, queue.own_busy_ns))
+        except KernelTimeout as exc:
+            raise self._refuse(exc) from None
+
+    def sync(self, deadline_ns: int | None = None) -> None:
+        """Wait for every queued op; raise a queued op's error (once). The wait ends at the deadline
+        plus :data:`QUEUE_GRACE_S` at most (the deadline is checked before every queued chunk, so
+        only a chunk in flight runs past it): :class:`QueueOverrun` beyond."""
+        queue = self.queue
+        if queue is None:
+            return
+        bound = None if deadline_ns is None else deadline_ns + int(QUEUE_GRACE_S * 1e9)
+        if not queue.sync(bound):
+            raise QueueOverrun(QUEUE_GRACE_S, message="queued device work still running past the run's deadline")
+
+    def _op(self, name: str, fn: Callable[..., object], args: tuple[object, ...], deadline_ns: int | None,
+            run: Callable[..., tuple[int, int, object]], wait0: int = 0) -> object:
         p = plan(name, self.backend, args)
         if p is None:
-            ns, waited, result = self._run(fn, args, deadline_ns, last=True)
-            self.block.observe_gpu_wait(waited)
+            ns, waited, result = run(fn, args, deadline_ns, last=True)
+            self.block.observe_gpu_wait(wait0 + waited)
             return result
         call = p.call or fn
         costs = self.costs
         lo = 0
-        wait = 0
+        wait = wait0
         results: list[object] = []
         while lo < p.units:
             hi = lo + costs.units_for(name, p, self.chunk_ns, p.units - lo)
-            ns, waited, got = self._run(call, p.chunk(lo, hi), deadline_ns, last=hi >= p.units)
+            ns, waited, got = run(call, p.chunk(lo, hi), deadline_ns, last=hi >= p.units)
             wait += waited
             costs.observe(name, p, hi - lo, ns)
             if p.combine is not None:
@@ -102,6 +407,89 @@ class DeviceGate:
             lo = hi
         self.block.observe_gpu_wait(wait)
         return p.combine(results) if p.combine is not None else None
+
+    # ------------------------------------------------------------ the device thread
+
+    def _queued(self, item: _Item) -> None:
+        """A queued op on the device thread. Its wait: from when it was ready (submitted, and the
+        worker's own earlier ops done) to its start, the lease wait of its first chunk included."""
+        queue = self.queue
+        assert queue is not None
+        ready_wait = max(0, time.monotonic_ns() - item.submit_ns - (queue.own_busy_ns - item.own_busy_ns))
+        try:
+            if self._run_refused is not None:
+                raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
+            before = self.run_time_ns
+            self._op(item.name, item.fn, item.args, item.deadline_ns, self._run_queued, wait0=ready_wait)
+            ns = self.run_time_ns - before
+            self._op_dev_ns += (ns - self._op_dev_ns) >> _EWMA_SHIFT if self._op_dev_ns else ns
+        except BaseException:
+            self.failed_op = item.name
+            raise
+
+    def _run_queued(self, fn: Callable[..., T], args: tuple[object, ...], deadline_ns: int | None, *,
+                    last: bool) -> tuple[int, int, T | None]:
+        """One chunk of a queued op inside the stretch: the lease is acquired only when not already
+        held busy; the board hears of it (:meth:`_flush`) once ~a chunk's time has passed since,
+        or at the stretch's end (:meth:`_end_stretch`)."""
+        if deadline_ns is not None and time.monotonic_ns() > deadline_ns:
+            self._flush(last=True)
+            raise self._refuse(KernelTimeout(0.0, message="the run's deadline passed with device work queued"))
+        board = self._scheduling_board()
+        waited = 0
+        if board is not None and not self._held_since:
+            waited = self._acquire(board, deadline_ns)
+            self._held_since = time.monotonic_ns()
+            self._held_board = True
+        elif not self._held_since:
+            self._held_since = time.monotonic_ns()
+        self.run_wait_ns += waited
+        if self._qtimer is None:
+            self._qtimer = self.backend.queue_timer()
+        result: list[T] = []
+        ns = 0
+        serial = self._serial_fd() if board is None else -1
+        if serial >= 0:
+            fcntl.flock(serial, fcntl.LOCK_EX)
+        try:
+            ns = self._qtimer.time(lambda: result.append(fn(*args)))
+        finally:
+            if serial >= 0:
+                fcntl.flock(serial, fcntl.LOCK_UN)
+            self.chunks += 1
+            self.run_time_ns += ns
+            self._pending_ns += ns
+            # a chunk boundary every ~chunk held; a quarter of that while another worker waits (its
+            # claim is served at the first boundary after it is due: a boundary costs a few us)
+            held = time.monotonic_ns() - self._held_since
+            if not last or held >= self.chunk_ns or (
+                    held >= self.chunk_ns // 4 and board is not None and board.others_waiting()):
+                self._flush(last=False)
+        return ns, waited, result[0] if result else None
+
+    def _flush(self, *, last: bool, idle: bool = False) -> None:
+        """Tell the board and the quota block what ran since the last flush (a chunk boundary:
+        the board may hand the device over); ``last``: the stretch ended; ``idle``: nothing is queued
+        behind it (the board lends the device to a waiter now)."""
+        held, pending = self._held_since, self._pending_ns
+        if not held:
+            return
+        self._held_since = self._pending_ns = 0
+        self.block.charge_gpu_time(pending)
+        # the board that granted the stretch hears of its end even if the scheduler was switched off since
+        board = self.board if self._held_board else None
+        self._held_board = False
+        if board is not None and board.finish(pending, last=last, idle=idle) and board.throttled_wait_ns():
+            self.block.count_gpu_throttled()
+
+    def _end_stretch(self) -> None:
+        """The queue ran empty: the stretch ends. A worker whose ops come far apart next to their
+        device time (a chatty tenant: 20 us ops, 0.1-1 ms of host work between them) lends the
+        device to a waiter now; one that keeps the device busy (a GEMM loop whose guest thread
+        was late) keeps it within its grace, as the board decides for any op's end - lending to
+        such tenants at every hiccup of a loaded host turned a 7:3 split into 58:42."""
+        gap = self._submit_gap_ns
+        self._flush(last=True, idle=gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns)
 
     def _refuse(self, exc: KernelTimeout) -> KernelTimeout:
         """Count a refused op; log at most one line a second (with how many were not logged)."""
@@ -115,30 +503,44 @@ class DeviceGate:
         self._run_refused = exc
         return exc
 
+    def _scheduling_board(self) -> GpuTimeBoard | None:
+        """The board to ask, or None: none given, or the scheduler is off (then there is no gate)."""
+        board = self.board
+        return board if board is not None and board.scheduler else None
+
+    def _acquire(self, board: GpuTimeBoard, deadline_ns: int | None) -> int:
+        """The lease for a chunk (ns waited); a refusal past the deadline or for the tenant's cap."""
+        if deadline_ns is not None:
+            throttled = board.throttled_wait_ns()
+            if throttled and time.monotonic_ns() + throttled > deadline_ns:
+                raise self._refuse(KernelTimeout(0.0, message=(
+                    f"waiting for the device: the tenant's GPU-time cap gives it no time before the "
+                    f"run's deadline (next in {throttled / 1e6:.1f} ms)"))) from None
+        try:
+            return board.acquire(deadline_ns)
+        except TimeoutError as exc:
+            raise self._refuse(KernelTimeout(0.0, message=f"waiting for the device: {exc}")) from None
+
     def _run(self, fn: Callable[..., T], args: tuple[object, ...], deadline_ns: int | None, *,
              last: bool) -> tuple[int, int, T | None]:
         """One launch under the lease: (device ns, ns waited for the device, its result)."""
-        board = self.board
         waited = 0
         if self._run_refused is not None:
             raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
+        board = self._scheduling_board()
         if board is not None:
-            if deadline_ns is not None:
-                throttled = board.throttled_wait_ns()
-                if throttled and time.monotonic_ns() + throttled > deadline_ns:
-                    raise self._refuse(KernelTimeout(0.0, message=(
-                        f"waiting for the device: the tenant's GPU-time cap gives it no time before the "
-                        f"run's deadline (next in {throttled / 1e6:.1f} ms)"))) from None
-            try:
-                waited = board.acquire(deadline_ns)
-            except TimeoutError as exc:
-                raise self._refuse(KernelTimeout(0.0, message=f"waiting for the device: {exc}")) from None
+            waited = self._acquire(board, deadline_ns)
         self.run_wait_ns += waited
         ns = 0
         result: list[T] = []
+        serial = self._serial_fd() if board is None else -1
+        if serial >= 0:
+            fcntl.flock(serial, fcntl.LOCK_EX)
         try:
             ns = self._timer_().time(lambda: result.append(fn(*args)))
         finally:
+            if serial >= 0:
+                fcntl.flock(serial, fcntl.LOCK_UN)
             self.chunks += 1
             self.run_time_ns += ns
             self.block.charge_gpu_time(ns)
@@ -146,6 +548,21 @@ class DeviceGate:
                 if board.finish(ns, last=last) and board.throttled_wait_ns():
                     self.block.count_gpu_throttled()
         return ns, waited, result[0] if result else None
+
+    def _serial_fd(self) -> int:
+        """With the scheduler off, a backend whose device is this host's CPU (the stub) still runs one
+        op at a time per device, as a GPU time-slices its contexts: an ``flock`` on the board's
+        /dev/shm file (no board call). -1 for other backends and without a board."""
+        board = self.board
+        if board is None or not getattr(self.backend, "serial_device", False):
+            return -1
+        if self._serial == -1:
+            try:
+                self._serial = os.open(os.path.join("/dev/shm", board.name), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                log_event(_log, logging.WARNING, "device_time.serial_unavailable", error=repr(exc))
+                self._serial = -2  # not again: ops then overlap on the host's cores
+        return self._serial
 
     def take_run_totals(self) -> tuple[int, int]:
         """(device ns, wait ns) since the last call: one run's figures for its reply (a new run
@@ -155,18 +572,40 @@ class DeviceGate:
         self._run_refused = None
         return out
 
-    def release(self) -> None:
-        """End of a run: the device goes to the next tenant (never raises)."""
+    def release(self, deadline_ns: int | None = None) -> bool:
+        """End of a run: its queued work is waited for (bounded as :meth:`sync`; an error nobody
+        read is logged), then the device goes to the next tenant. Never raises; False when queued
+        work outlived the wait (a queue overrun: the caller must end the worker)."""
+        ok = True
+        queue = self.queue
+        if queue is not None:
+            bound = None if deadline_ns is None else deadline_ns + int(QUEUE_GRACE_S * 1e9)
+            if not queue.sync(bound, raise_error=False):
+                ok = False
+                self.queue_overrun = True
+                log_event(_log, logging.WARNING, "device_time.queue_overrun", pending=queue.pending)
+            err = queue.take_error()
+            if err is not None and not isinstance(err, KernelTimeout):
+                log_event(_log, logging.WARNING, "device_time.queued_op_failed", op=self.failed_op, error=repr(err))
         self._run_refused = None
-        if self.board is None:
-            return
+        self._submit_at = 0  # the time to the next run is no gap between this run's ops
+        if self.board is None or not ok:
+            return ok  # an overrun: the device thread may still hold the lease; the process exit frees it
         try:
-            self.board.release()
+            if self.board.scheduler:  # off: the board was never asked (a lease taken before a live switch
+                self.board.release()  # to off is stolen from once idle past its grace)
         except Exception as exc:  # noqa: BLE001 - a closed board at shutdown: logged
             log_event(_log, logging.WARNING, "device_time.release_failed", error=repr(exc))
+        return ok
 
     def close(self) -> None:
         """Give the device back, free the worker slot, release the timer's events."""
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
+        if self._serial >= 0:
+            os.close(self._serial)
+            self._serial = -1
         if self.board is not None:
             self.board.close()
             self.board = None

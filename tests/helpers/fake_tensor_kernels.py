@@ -120,11 +120,11 @@ def run_tensor_kernel(drv: FakeDriver, name: bytes, grid: int, block: int, args:
                 return False
             pv[:] = 0
         elif name == b"twt_transpose_f32":
-            x, out, rows, cols = args
+            x, out, rows, cols, r0, r1 = args
             xv, ov = f32(x, rows * cols), f32(out, rows * cols)
             if xv is None or ov is None:
                 return False
-            ov.reshape(cols, rows)[:] = xv.reshape(rows, cols).T
+            ov.reshape(cols, rows)[:, r0:r1] = xv.reshape(rows, cols)[r0:r1].T
         elif name == b"twt_softmax_rows_f32":
             x, rows, cols = args
             xv = f32(x, rows * cols)

@@ -305,3 +305,50 @@ def test_a_holder_of_long_ops_keeps_the_device_through_a_short_gap(board: GpuTim
     assert not waiter.try_acquire(clock.t)  # idle 0.6 ms: within its grace (2.5 ms: half a quantum)
     clock.t += 2 * MS  # idle 2.6 ms: past it, now it is
     assert waiter.try_acquire(clock.t)
+
+
+# ------------------------------------------------------------------ stretches of queued work
+
+
+def test_a_stretch_end_lends_the_device_whatever_the_host_gaps(board: GpuTimeBoard, clock: FakeClock,
+                                                               workers: list[GpuTimeBoard]) -> None:
+    """A worker whose queue ran empty (``idle``) hands the device to a waiter at once, though no host
+    gap of its own was ever measured (the gap rule alone would keep it through its quantum)."""
+    a = attach(board, clock, workers, board.add_tenant(1.0))
+    b = attach(board, clock, workers, board.add_tenant(1.0))
+    assert a.try_acquire(clock.t)
+    clock.t += 100 * US
+    b.want(clock.t)
+    clock.t += 100 * US
+    assert not a.finish(100 * US, clock.t, last=True)  # no gap known, inside its quantum: kept
+    assert a.try_acquire(clock.t)
+    clock.t += 100 * US
+    assert a.finish(100 * US, clock.t, last=True, idle=True)  # nothing queued behind: lent now
+    assert b.try_acquire(clock.t) and b.holds()
+
+
+def test_a_claim_inside_the_quantum_is_served_in_batches(board: GpuTimeBoard, clock: FakeClock,
+                                                         workers: list[GpuTimeBoard]) -> None:
+    """A lender (a chatty tenant's queue) waiting for the device takes it back at the holder's first
+    chunk boundary after it has waited a quarter of a quantum, not at the very next one: its ops
+    queue meanwhile and run as one stretch; its wait stays under a quantum."""
+    heavy = attach(board, clock, workers, board.add_tenant(1.0))
+    chatty = attach(board, clock, workers, board.add_tenant(1.0))
+    assert chatty.try_acquire(clock.t)
+    heavy.want(clock.t)
+    clock.t += 20 * US
+    assert chatty.finish(20 * US, clock.t, last=True, idle=True)  # lent to the heavy tenant
+    assert heavy.try_acquire(clock.t)
+    asked = clock.t + 100 * US
+    chatty.want(asked)  # its next op is queued: it claims the device back
+    boundaries = []
+    while not chatty.holds():
+        clock.t += 500 * US  # the heavy tenant's chunks
+        assert clock.t - asked < QUANTUM, "the claim was not served within a quantum"
+        if heavy.finish(500 * US, clock.t, last=False):
+            boundaries.append(clock.t - asked)
+            break
+        assert heavy.try_acquire(clock.t)
+    assert chatty.try_acquire(clock.t)
+    # served at the first boundary at or past a quarter quantum of waiting, not before
+    assert boundaries and QUANTUM // 4 <= boundaries[0] < QUANTUM // 4 + 500 * US

@@ -247,6 +247,15 @@ class Backend(abc.ABC):
         """What measures an op's device time (charged to the tenant): wall time for host backends."""
         return HostTimer()
 
+    #: True when ops whose results the guest does not read at once may be queued and run on a
+    #: device thread of the worker (worker.device_time.DeviceQueue): the backend's calls must be
+    #: safe from that thread, one at a time. The stub's device is that thread.
+    queues_ops: bool = False
+
+    def queue_timer(self) -> OpTimer:
+        """What measures a queued op's device time on the device thread (see :attr:`queues_ops`)."""
+        return self.op_timer()
+
     def view(self, buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer | None:
         """A buffer aliasing ``buf[offset:offset+nbytes]`` (in range, never freed), so a long op can run
         in chunks of rows or elements; None when this backend cannot (the op then runs whole)."""

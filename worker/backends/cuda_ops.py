@@ -179,12 +179,14 @@ extern "C" __global__ void twt_zero_f32(float* p, unsigned long long n)
     GRID_STRIDE(i, n) p[i] = 0.0f;
 }
 
+/* out[:, r0:r1] = x[r0:r1, :].T of the whole rows x cols transpose (r0 = 0, r1 = rows: all of it) */
 extern "C" __global__ void twt_transpose_f32(const float* __restrict__ x, float* __restrict__ out,
-                                             unsigned long long rows, unsigned long long cols)
+                                             unsigned long long rows, unsigned long long cols,
+                                             unsigned long long r0, unsigned long long r1)
 {
-    GRID_STRIDE(i, rows * cols) {
-        unsigned long long r = i / cols, c = i % cols;
-        out[c * rows + r] = x[i];
+    GRID_STRIDE(i, (r1 - r0) * cols) {
+        unsigned long long r = r0 + i / cols, c = i % cols;
+        out[c * rows + r] = x[r * cols + c];
     }
 }
 
@@ -571,9 +573,14 @@ class CudaTensorOps:
         if n:
             self._launch(b"twt_scale_f32", _grid(n), (x, float(a), n), (_P, _F, _U))
 
-    def transpose_f32(self, x: int, out: int, rows: int, cols: int) -> None:
-        if rows and cols:
-            self._launch(b"twt_transpose_f32", _grid(rows * cols), (x, out, rows, cols), (_P, _P, _U, _U))
+    def transpose_f32(self, x: int, out: int, rows: int, cols: int, r0: int = 0, r1: int | None = None) -> None:
+        """``out[:, r0:r1] = x[r0:r1].T`` of the ``rows x cols`` transpose (default: all rows)."""
+        r1 = rows if r1 is None else r1
+        if not (0 <= r0 <= r1 <= rows):
+            raise ValueError(f"transpose rows {r0}:{r1} outside 0:{rows}")
+        if r1 > r0 and cols:
+            self._launch(b"twt_transpose_f32", _grid((r1 - r0) * cols), (x, out, rows, cols, r0, r1),
+                         (_P, _P, _U, _U, _U, _U))
 
     def softmax_rows_f32(self, x: int, rows: int, cols: int) -> None:
         if rows and cols:
@@ -807,6 +814,13 @@ class TensorOpsMixin:
 
     def transpose_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int) -> None:
         self.tensor_ops().transpose_f32(_addr(x), _addr(out), rows, cols)
+
+    #: the kernel takes a row range: a transpose runs in chunks of input rows (worker.chunks)
+    transposes_in_blocks = True
+
+    def transpose_block_f32(self, x: DeviceBuffer, out: DeviceBuffer, rows: int, cols: int, r0: int, r1: int) -> None:
+        """``out[:, r0:r1] = x[r0:r1].T``: one chunk of the whole transpose, one launch on the whole buffers."""
+        self.tensor_ops().transpose_f32(_addr(x), _addr(out), rows, cols, r0, r1)
 
     @staticmethod
     def _ws(workspace: DeviceBuffer | None) -> tuple[int, int]:

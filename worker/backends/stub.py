@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
+from worker.backends.timing import OpTimer, ThreadTimer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,6 +58,12 @@ class StubBackend(Backend):
     """Host-memory simulation of one device context with ``capacity_bytes`` of memory."""
 
     name = "stub"
+    #: the simulated device is the worker's device thread: ops the guest does not read at once
+    #: are queued there (worker.device_time), and the guest's host code overlaps them
+    queues_ops = True
+    #: the device is this host's CPU: with the GPU-time scheduler off the gate still runs one op
+    #: at a time per device (an flock, worker.device_time), as a GPU time-slices its contexts
+    serial_device = True
 
     def __init__(self, capacity_bytes: int = 16 << 30, device_index: int = 0) -> None:
         # The simulated device is one serial executor (shared.gpu_time): one BLAS thread per op, like
@@ -93,6 +100,10 @@ class StubBackend(Backend):
         # through a memoryview: ``bytearray[a:b] = view`` copies the view into a temporary
         # bytearray first (CPython), one whole extra copy per write
         memoryview(buf.data)[offset : offset + len(data)] = data
+
+    def queue_timer(self) -> OpTimer:
+        """The device thread's own CPU time per queued op (:class:`ThreadTimer`)."""
+        return ThreadTimer()
 
     def view(self, buf: DeviceBuffer, offset: int, nbytes: int) -> StubBuffer:
         assert isinstance(buf, StubBuffer)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["HostTimer", "OpTimer"]
+__all__ = ["HostTimer", "OpTimer", "ThreadTimer"]
 
 
 class OpTimer(Protocol):
@@ -46,6 +46,25 @@ class HostTimer:
         t0 = time.process_time_ns()
         fn(*args)
         return time.process_time_ns() - t0
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadTimer:
+    """The CPU time of the calling thread (``time.thread_time_ns``): the stub's queued ops.
+
+    Queued ops (worker.device_time) run on the worker's device thread while the
+    guest's host code runs on another thread of the same process: the
+    process's CPU time would charge that host work as device time. The stub
+    runs one BLAS thread per op, so the device thread's own CPU time is all of
+    the op's work.
+    """
+
+    def time(self, fn: Callable[..., object], *args: object) -> int:
+        t0 = time.thread_time_ns()
+        fn(*args)
+        return time.thread_time_ns() - t0
 
     def close(self) -> None:
         pass

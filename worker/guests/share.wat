@@ -5,9 +5,10 @@
 ;;   small_op(n) -> i32            one n x n GEMM on fresh buffers: a latency-sensitive tenant's op
 ;;   one_gemm(a, b, c, n) -> i32   exactly one device op: C = A @ B on client buffers (n x n)
 ;;   chatty(ops, spin, device) -> i64   a chatty tenant (an inference loop's shape): ops times a tiny
-;;                                 device op (fill_f32 of 64 floats; skipped when device = 0: the
-;;                                 control, same host work) then `spin` iterations of guest
-;;                                 arithmetic (host work); returns the loop count (+0 * the arithmetic)
+;;                                 device op (fill_f32 of 64 floats; when device = 0, the control,
+;;                                 the same host call with a count of 0: the host's work without
+;;                                 the device's) then `spin` iterations of guest arithmetic (host
+;;                                 work); returns the loop count (+0 * the arithmetic)
 (module
   (import "tensorwasm" "alloc" (func $alloc (param i64) (result i64)))
   (import "tensorwasm" "fill_f32" (func $fill (param i64 f32 i64) (result i32)))
@@ -56,8 +57,8 @@
     (block $end
       (loop $op
         (br_if $end (i64.ge_s (local.get $i) (local.get $ops)))
-        (if (local.get $device)
-          (then (drop (call $fill (local.get $buf) (f32.const 1) (i64.const 64)))))
+        (drop (call $fill (local.get $buf) (f32.const 1)
+                    (select (i64.const 64) (i64.const 0) (local.get $device))))
         (local.set $j (i64.const 0))
         (block $host
           (loop $work

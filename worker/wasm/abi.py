@@ -47,6 +47,7 @@ from shared.log import get_logger, log_event
 from shared.wasm_abi import ErrorCode
 from worker.backends.base import DeviceBuffer
 from worker.context import TenantContext
+from worker.device_time import QUEUE_GRACE_S, QueueOverrun
 from worker.wasm.tensor_abi import TENSOR_OPS
 
 __all__ = [
@@ -195,6 +196,8 @@ class GuestRun:
         #: out): the guest gets an error code like any failed op, but its run is over - the host
         #: ends it as a timeout whatever the guest returns (see :meth:`WasmHost.run`)
         self.deadline_passed: KernelTimeout | None = None
+        #: the run's queued device work outlived its deadline plus the grace: the worker must exit
+        self.queue_overrun = False
         #: ends the guest's execution at its next loop or call (set by the host): a run refused
         #: device time must not spin on ops that all fail (each one logged)
         self.interrupt: Callable[[], None] | None = None
@@ -248,15 +251,50 @@ class GuestRun:
         return self.workspace
 
     def device_op(self, name: str, fn: Callable[..., T], args: tuple[object, ...]) -> T | None:
-        """``fn(*args)`` on the device under this worker's lease (see :mod:`worker.device_time`)."""
+        """``fn(*args)`` on the device under this worker's lease (see :mod:`worker.device_time`),
+        after the queued ops (the guest reads its result at once)."""
         try:
             return self.gate.op(name, fn, args, self.deadline_ns)
         except KernelTimeout as exc:
-            self.deadline_passed = exc
-            interrupt, self.interrupt = self.interrupt, None
-            if interrupt is not None:
-                interrupt()
+            self._timed_out(exc)
             raise
+
+    def device_submit(self, name: str, fn: Callable[..., object], args: tuple[object, ...]) -> None:
+        """Queue ``fn(*args)`` for the device and return (an op whose result the guest does not read
+        at once; see :mod:`worker.device_time`). ``KernelTimeout`` when the run is over."""
+        try:
+            self.gate.submit(name, fn, args, self.deadline_ns)
+        except KernelTimeout as exc:
+            self._timed_out(exc)
+            raise
+
+    def device_sync(self) -> None:
+        """Wait for the queued device work (the guest is about to read or reuse what it wrote);
+        raises what a queued op raised, once."""
+        try:
+            self.gate.sync(self.deadline_ns)
+        except KernelTimeout as exc:
+            self._timed_out(exc)
+            raise
+
+    def end_sync(self) -> None:
+        """The guest returned: its queued work is part of the call and is waited for. A deadline
+        that passed in it ends the run as a timeout; another error nobody read is logged (the
+        guest never asked for it)."""
+        try:
+            self.gate.sync(self.deadline_ns)
+        except KernelTimeout as exc:
+            self.deadline_passed = exc
+        except TensorWasmError as exc:
+            self._op_failed(self.gate.failed_op or "queued", exc)
+        except Exception:  # noqa: BLE001 - a host bug in a queued op: logged as the import adapter does
+            _log.exception("wasm.host_import_failed import=%s", self.gate.failed_op or "queued")
+
+    def _timed_out(self, exc: KernelTimeout) -> None:
+        self.deadline_passed = exc
+        interrupt, self.interrupt = self.interrupt, None
+        if interrupt is not None:
+            interrupt()
 
     def gpu_totals(self) -> dict[str, float]:
         """This run's device time and its waits for the device (the ``run_wasm`` reply's fields)."""
@@ -273,6 +311,8 @@ class GuestRun:
     def release(self) -> int:
         """Free every buffer this run allocated (return, trap or timeout); bytes released."""
         released = 0
+        # queued work first (it uses these buffers); then the device goes to the next tenant
+        self.queue_overrun = not self.gate.release(self.deadline_ns)
         for handle, (buf, owned) in list(self.buffers.items()):
             if not owned:
                 continue
@@ -283,7 +323,6 @@ class GuestRun:
                           handle=handle, nbytes=buf.nbytes, error=repr(exc))
             released += buf.nbytes
         self.buffers.clear()
-        self.gate.release()  # the run is over: the device goes to the next tenant now
         if self.workspace is not None:
             ws, self.workspace = self.workspace, None
             try:
@@ -299,6 +338,8 @@ class GuestRun:
         """The run-end hook (after :meth:`release`): its queued device work is waited for until
         the deadline (``started + timeout_s``) plus a grace period, and its freed memory returned
         to the device. Raises ``KernelTimeout`` (``QueueOverrun``) past that: the worker exits."""
+        if self.queue_overrun:
+            raise QueueOverrun(QUEUE_GRACE_S, message="queued device work still running past the run's deadline")
         self.backend.end_run(self.started + timeout_s)
         self.allocator.settle()  # the run's frees are back on the device now: the budget gets them
 
@@ -343,6 +384,11 @@ class GuestRun:
         buf, owned = entry
         if not owned:
             return _NOT_OWNED
+        code = _OK
+        try:
+            self.device_sync()  # a queued op may still use it
+        except TensorWasmError as exc:  # a queued op's error: reported here, the buffer still freed
+            code = self._op_failed(self.gate.failed_op or "queued", exc)
         del self.buffers[handle]
         self.gpu_bytes -= buf.nbytes
         try:
@@ -350,7 +396,7 @@ class GuestRun:
         except Exception as exc:  # noqa: BLE001 - quota already released; report, do not trap
             log_event(_log, logging.WARNING, "wasm.free_failed", tenant=self.tenant_id, error=repr(exc))
             return _BACKEND
-        return _OK
+        return code
 
     def write(self, caller: object, handle: int, dst_off: int, src_ptr: int, length: int) -> int:
         """guest memory[src_ptr : src_ptr+len] -> buffer[dst_off : dst_off+len]."""
@@ -379,6 +425,10 @@ class GuestRun:
         if address is None:
             return _MEMORY_BOUNDS
         if n:
+            try:
+                self.device_sync()  # a read sees the queued ops' results; a write lands after their reads
+            except TensorWasmError as exc:
+                return self._op_failed(self.gate.failed_op or "queued", exc)
             view = guest_view(address, n, writable=to_guest)
             if to_guest:
                 self.backend.read_into(buf, off, view)
@@ -403,7 +453,7 @@ class GuestRun:
             return buf
         if count:
             try:
-                self.device_op("fill_f32", self.backend.fill_f32, (buf, value, count))
+                self.device_submit("fill_f32", self.backend.fill_f32, (buf, value, count))
             except TensorWasmError as exc:
                 return self._op_failed("fill_f32", exc)
         return _OK
@@ -420,7 +470,7 @@ class GuestRun:
             return _BUFFER_BOUNDS
         if n:
             try:
-                self.device_op("axpy_f32", self.backend.axpy_f32, (n, a, xe[0], ye[0]))
+                self.device_submit("axpy_f32", self.backend.axpy_f32, (n, a, xe[0], ye[0]))
             except TensorWasmError as exc:
                 return self._op_failed("axpy_f32", exc)
         return _OK

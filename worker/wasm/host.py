@@ -539,7 +539,10 @@ class WasmSession:
         for kind in _valtypes(ftype.results):
             if kind not in _KINDS:
                 raise InvalidArgument(f"export {export!r} returns a {kind}; only i32/i64/f32/f64 results are supported")
-        result = self.host._guarded_call(self, lambda: func(self.store, *values))
+        try:
+            result = self.host._guarded_call(self, lambda: func(self.store, *values))
+        finally:
+            self.run.end_sync()  # the guest's queued device work is part of the call (bounded)
         if result is None:
             return []
         return list(result) if isinstance(result, list) else [result]

@@ -74,7 +74,7 @@ def op_run_wasm(server: WorkerServer, args: dict[str, object], body: zmq.Frame |
         server.stop_event.set()
         raise
     except KernelTimeout:
-        if getattr(ctx.backend, "queue_overrun", False):
+        if getattr(ctx.backend, "queue_overrun", False) or ctx.gate.queue_overrun:
             # queued GPU work outlived the deadline: only the context's destruction (our exit) cancels it
             server.exit_code = WORKER_GPU_QUEUE_OVERRUN
             server.stop_event.set()

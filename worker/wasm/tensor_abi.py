@@ -103,6 +103,10 @@ class OpRun(Protocol):
         """``fn(*args)`` under the device lease, timed and charged, in chunks (worker.device_time)."""
         ...
 
+    def device_submit(self, name: str, fn: Callable[..., object], args: tuple[object, ...]) -> None:
+        """Queue ``fn(*args)`` for the device (as :meth:`device_op`) and return at once."""
+        ...
+
 
 @dataclass(frozen=True)
 class TensorOp:
@@ -204,11 +208,15 @@ class TensorOp:
         if not self.gemm:
             fn = getattr(run.backend, self.name)
         elif self.name == "matmul_f32":
+            run.gemm_workspace()  # allocated here, on the executor thread, before the op may be queued
             fn = run.gemm
         else:
             fn = functools.partial(getattr(run.backend, self.name), workspace=run.gemm_workspace())
         try:
-            run.device_op(self.name, fn, tuple(a))
+            if p >= 0:  # the result goes to guest memory: the guest reads it as soon as we return
+                run.device_op(self.name, fn, tuple(a))
+            else:  # writes device buffers only: queued, the guest goes on (worker.device_time)
+                run.device_submit(self.name, fn, tuple(a))
         except TensorWasmError as exc:  # CudaError, BackendUnavailable (cuBLAS missing) ...
             log_event(_log, logging.WARNING, "wasm.op_failed", tenant=run.tenant_id, op=self.name,
                       error=f"{type(exc).__name__}: {exc}")

@@ -25,9 +25,11 @@ memory, sampled by this process every few milliseconds.
 
     heavy+chatty  a heavy GEMM tenant beside a chatty one (``chatty``: a 64-float fill, then
                   0.1 / 0.3 / 1 ms of guest arithmetic, in a loop), in rounds alternating with a
-                  control whose chatty loop makes no device op (the same CPU competition): the
-                  heavy tenant's work rate vs the control's, the chatty op's wait for the device
-                  (p99 from the tenant's wait histogram), and the device busy time vs the control's
+                  control whose chatty loop makes the same host call with a count of 0 (the host's
+                  work without the device's: the same CPU competition): the heavy tenant's work
+                  rate vs the control's, the chatty op's wait for the device (p99 from the
+                  tenant's wait histogram), the device busy time vs the control's, and how often
+                  the lease changed hands (handoffs + steals per second, from the board)
     k instances   a tenant of k instances against one of one instance, all saturating: the
                   accounted shares by tenant (50/50) and by instance
 
@@ -52,6 +54,7 @@ from multiprocessing.synchronize import Event
 from typing import TypedDict
 
 from shared.capability import TenantCapability
+from shared.gpu_time import GpuTimeBoard
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, seconds
@@ -203,10 +206,13 @@ class Phase:
 
 
 def run_for(phase: Phase, loops: Sequence[Callable[[], None]], stop: threading.Event, seconds: float,
-             warm_s: float = 1.0) -> tuple[float, float]:
-    """Start the loops, measure ``seconds`` after ``warm_s``; (t0, t1) of the measured span."""
+             warm_s: float = 1.0, at_start: Callable[[], None] | None = None) -> tuple[float, float]:
+    """Start the loops, measure ``seconds`` after ``warm_s``; (t0, t1) of the measured span
+    (``at_start`` runs right before t0: a counter's first reading)."""
     threads = phase.start(loops)
     time.sleep(warm_s)
+    if at_start is not None:
+        at_start()
     t0 = time.monotonic()
     time.sleep(seconds)
     t1 = time.monotonic()
@@ -426,6 +432,8 @@ class MixGap(TypedDict):
     chatty_p99_ms: float  # the upper edge of the bin holding the 99th percentile
     busy_control: float  # accounted device s per wall s
     busy_mix: float
+    handovers_control: float  # the lease changing hands (handoffs + steals) per wall s, median of rounds
+    handovers_mix: float
 
 
 class KResult(TypedDict):
@@ -480,13 +488,31 @@ def _calibrate_spin(phase: Phase, t: Tenant) -> float:
     return statistics.median(per_ms)
 
 
+def _board(sup: SupervisorHandle) -> GpuTimeBoard | None:
+    """Device 0's lease board, attached read-only (its handoff and steal counters), or None."""
+    for dev in sup.client.status().devices:
+        segment = dev.gpu_time.get("segment") if dev.index == 0 and dev.gpu_time else None
+        if isinstance(segment, str):
+            return GpuTimeBoard.attach(segment, tenant_slot=None)
+    return None
+
+
+def _handovers(board: GpuTimeBoard | None) -> int:
+    if board is None:
+        return 0
+    snap = board.snapshot()
+    return snap.handoffs + snap.steals
+
+
 def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap], KResult]:
     from shared.quota import GPU_WAIT_BUCKETS_S
 
     phase = Phase(sup, args.n, args.reps)
+    board: GpuTimeBoard | None = None
     try:
         heavy = phase.add("heavy", gpu_time_weight=1.0)
         chatty = phase.add("chatty", instances=1, gpu_time_weight=1.0, wasm_fuel=1 << 50)
+        board = _board(sup)
         phase.sample_every(0.01)
         per_ms = _calibrate_spin(phase, chatty)
         gaps: list[MixGap] = []
@@ -495,6 +521,7 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
             ops = max(10, round(250 / (gap_ms + 0.05)))  # runs of ~0.25 s: the lease's run-end release is rare
             rates: dict[int, list[float]] = {0: [], 1: []}
             busy: dict[int, list[float]] = {0: [], 1: []}
+            hands: dict[int, list[float]] = {0: [], 1: []}
             bins = [0] * (len(GPU_WAIT_BUCKETS_S) + 1)
             chatty_ops = 0
             for r in range(args.rounds):
@@ -505,7 +532,10 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
                     before = chatty.block.snapshot()
                     loops = [phase.gemm_loop(heavy, stop) for _ in range(2)]
                     loops.append(_chatty_loop(phase, chatty, stop, ops, spin, device, counts))
-                    t0, t1 = run_for(phase, loops, stop, args.seconds, warm_s=0.5)
+                    h0 = [0]
+                    t0, t1 = run_for(phase, loops, stop, args.seconds, warm_s=0.5,
+                                     at_start=lambda: h0.__setitem__(0, _handovers(board)))
+                    hands[device].append((_handovers(board) - h0[0]) / (t1 - t0))
                     rates[device].append(heavy.work_between(t0, t1) / (t1 - t0))
                     acc = (phase.accounted("heavy", t1) - phase.accounted("heavy", t0)
                            + phase.accounted("chatty", t1) - phase.accounted("chatty", t0))
@@ -517,8 +547,12 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
             gaps.append({"gap_ms": gap_ms, "spin": spin, "control_rates": rates[0], "mix_rates": rates[1],
                          "ratio": statistics.median(m / c for m, c in zip(rates[1], rates[0]) if c),
                          "chatty_ops": chatty_ops, "chatty_wait_bins": bins, "chatty_p99_ms": _p99_ms(bins),
-                         "busy_control": statistics.median(busy[0]), "busy_mix": statistics.median(busy[1])})
+                         "busy_control": statistics.median(busy[0]), "busy_mix": statistics.median(busy[1]),
+                         "handovers_control": statistics.median(hands[0]),
+                         "handovers_mix": statistics.median(hands[1])})
     finally:
+        if board is not None:
+            board.close()
         phase.close()
     k = args.k
     phase = Phase(sup, args.n, args.reps)
@@ -548,12 +582,14 @@ def _mix_main(args: argparse.Namespace) -> int:
     for g in gaps:
         rows.append([f"{g['gap_ms']:g}", " ".join(f"{r:.0f}" for r in g["control_rates"]),
                      " ".join(f"{r:.0f}" for r in g["mix_rates"]), f"{g['ratio']:.2f}x", g["chatty_ops"],
-                     f"<= {g['chatty_p99_ms']:g}", f"{g['busy_control']:.0%}", f"{g['busy_mix']:.0%}"])
+                     f"<= {g['chatty_p99_ms']:g}", f"{g['busy_control']:.0%}", f"{g['busy_mix']:.0%}",
+                     f"{g['handovers_control']:.0f}", f"{g['handovers_mix']:.0f}"])
     report.sections.append((
         f"a heavy GEMM tenant ({args.n}^3, 2 instances) beside a chatty one (fill of 64 floats, then host work), "
         f"weights 1:1, {args.rounds} rounds of {args.seconds:g} s alternating with the control",
         format_table(["host gap ms", "heavy GEMMs/s control", "beside chatty", "ratio", "chatty ops",
-                      "chatty wait p99 ms", "busy control", "busy mix"], rows),
+                      "chatty wait p99 ms", "busy control", "busy mix", "handovers/s control", "handovers/s mix"],
+                     rows),
     ))
     report.sections.append((
         f"{kres['k']} instances of one tenant against one instance of another, weights 1:1",

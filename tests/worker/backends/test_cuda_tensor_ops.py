@@ -343,3 +343,32 @@ def test_each_run_lends_its_own_workspace_and_cublas_is_told() -> None:
         assert env.cublas.calls.count("set_workspace") >= 1
         assert env.cublas.default_workspace_gemms == 0
         assert env.block.gpu_bytes_in_use == 0
+
+
+def test_a_transpose_runs_in_row_chunks_through_the_gate() -> None:
+    """The gate cuts a cuda transpose into launches over input rows (``out[:, r0:r1] = x[r0:r1].T``
+    on the whole buffers), as on the stub: a huge transpose no longer holds the device in one launch."""
+    from worker.device_time import DeviceGate
+
+    rows, cols = 301, 7
+    x = np.random.default_rng(7).standard_normal((rows, cols), dtype=np.float32)
+    with cuda_env() as env:
+        backend = env.ctx.backend
+        assert backend.transposes_in_blocks
+        gate = DeviceGate(env.block, backend, chunk_s=1e-8)  # a few rows a chunk
+        xb, ob = backend.alloc(x.nbytes), backend.alloc(x.nbytes)
+        try:
+            backend.write(xb, 0, memoryview(x.tobytes()))
+            backend.write(ob, 0, memoryview(np.full(rows * cols, np.nan, np.float32).tobytes()))
+            before = [n for n, _, _ in env.fake.launches].count(b"twt_transpose_f32")
+            gate.op("transpose_f32", backend.transpose_f32, (xb, ob, rows, cols))
+            launched = [n for n, _, _ in env.fake.launches].count(b"twt_transpose_f32") - before
+            got = np.frombuffer(backend.read(ob, 0, x.nbytes), dtype=np.float32).reshape(cols, rows)
+            np.testing.assert_array_equal(got, x.T)
+            assert launched >= 3, launched
+            with pytest.raises(ValueError, match="outside"):
+                backend.tensor_ops().transpose_f32(0, 0, rows, cols, 5, rows + 1)
+        finally:
+            gate.close()
+            backend.free(xb)
+            backend.free(ob)

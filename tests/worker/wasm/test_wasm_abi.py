@@ -383,9 +383,14 @@ def test_a_host_bug_is_an_internal_code_not_a_trap(env: Env, monkeypatch: pytest
 
     with probe(env) as s:
         h = call(s, "alloc", 16)
-        monkeypatch.setattr(env.ctx.backend, "fill_f32", broken)
+        monkeypatch.setattr(env.ctx.backend, "sum_f32", broken)  # a synchronous op (its result is read)
         with caplog.at_level(logging.ERROR, logger="twt.worker.wasm"):
-            assert call(s, "fill_f32", h, 1.0, 4) == ErrorCode.INTERNAL
+            assert call(s, "sum_f32", h, 4, 0) == ErrorCode.INTERNAL
+        assert "simulated host bug" in caplog.text
+        caplog.clear()
+        monkeypatch.setattr(env.ctx.backend, "fill_f32", broken)  # a queued op: the call returns first,
+        with caplog.at_level(logging.ERROR, logger="twt.worker.wasm"):  # the bug is logged at the sync
+            assert call(s, "fill_f32", h, 1.0, 4) == 0
         assert "simulated host bug" in caplog.text
         assert call(s, "add", 1, 1) == 2
 

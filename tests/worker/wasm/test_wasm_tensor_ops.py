@@ -374,7 +374,12 @@ def test_a_backend_failure_is_a_backend_code(env: Env, monkeypatch: pytest.Monke
         h = put(s, np.ones(4))
         hc = put(s, np.ones(4))
         monkeypatch.setattr(env.ctx.backend, "matmul_f32", unavailable)
-        assert call(s, "matmul_f32", h, h, hc, 2, 2, 2) == ErrorCode.BACKEND
+        monkeypatch.setattr(env.ctx.backend, "sum_f32", unavailable)
+        # a synchronous op (its result goes to guest memory) returns the code at once
+        assert call(s, "sum_f32", h, 4, 0) == ErrorCode.BACKEND
+        # a queued one returns OK; its error is the code of the next synchronising call (one guest
+        # call here: tests/worker/test_async_ops.py), or logged at the call's end
+        assert call(s, "matmul_f32", h, h, hc, 2, 2, 2) == ErrorCode.OK
         assert call(s, "add", 1, 2) == 3  # the run goes on
 
 
