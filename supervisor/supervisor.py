@@ -214,7 +214,8 @@ class Supervisor:
         registry id is the same after a restart, and a killed supervisor's segments may still exist.
         """
         self.state = StateStore.open(self.config.state_path)
-        self.registry, admin_cap = TenantRegistry.from_state(self.state, segment_prefix=self.rundir.new_segment_prefix())
+        self.registry, admin_cap = TenantRegistry.from_state(self.state, segment_prefix=self.rundir.new_segment_prefix(),
+                                                             lazy_segments=True)  # a segment only while a worker runs
         return self.state, self.registry, admin_cap
 
     def _setup(self) -> _Parts:

@@ -313,14 +313,6 @@ class WorkerSet:
         opts = dict(self.backend_options)
         opts["device_index"] = rt.device
         opts.update(self.placement.worker_options(rt.spec, rt.device))  # budget, caps, MPS environment
-        message = BindMessage(
-            spec=rt.spec,
-            instance=slot.index,
-            incarnation=slot.incarnation,
-            segment=rt.block.name,
-            backend=self.backend_name,
-            backend_options=opts,
-        )
         now = self.clock()
 
         def done(ok: bool, payload: object) -> None:
@@ -328,6 +320,14 @@ class WorkerSet:
 
         pending = Pending(None, 0, "bind", rt.tenant_id, slot.index, now, now + self.config.register_timeout_s, done)
         try:
+            message = BindMessage(
+                spec=rt.spec,
+                instance=slot.index,
+                incarnation=slot.incarnation,
+                segment=rt.block.open(),  # a tenant without a worker has no segment: made now, same counters
+                backend=self.backend_name,
+                backend_options=opts,
+            )
             self.send_request(worker, "bind", message.to_wire(), None, pending)
         except TensorWasmError as exc:
             done(False, exc.to_dict())
@@ -499,6 +499,19 @@ class WorkerSet:
             max_restarts=rt.spec.max_restarts, window_s=rt.spec.restart_window_s,
         ))
         self._carry_out(rt, slot, index, decision, code, sig, reason)
+        self.release_idle_segment(rt)
+
+    def release_idle_segment(self, rt: TenantRuntime) -> None:
+        """Take down the quota segment of a tenant no worker holds and none is about to
+        (parked, stopped, failed, completed): its counters stay in its record, and the next
+        bind makes the segment again (:class:`~supervisor.store.tenant_quota.TenantQuota`).
+        An instance waiting for a back-off restart keeps it (the restart is moments away)."""
+        if self.tenants.get(rt.tenant_id) is not rt or rt.state is TenantState.EVICTING:
+            return
+        for slot in rt.slots:
+            if slot.restart_at is not None or (slot.worker is not None and slot.worker.state is not WorkerState.DEAD):
+                return
+        rt.block.close_segment()
 
     def _carry_out(self, rt: TenantRuntime, slot: InstanceSlot, index: int, decision: Decision,
                    code: int | None, sig: int | None, reason: str) -> None:

@@ -28,10 +28,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.quota import QuotaBlock
 from shared.records import ExitRecord
 from shared.spec import TenantSpec
 from supervisor.runtime.requests import Parked
+from supervisor.store.tenant_quota import TenantQuota
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 
 __all__ = ["InstanceSlot", "ParkPhase", "ParkRecord", "ParkedBuffer", "TenantRuntime", "TenantState"]
@@ -118,7 +118,7 @@ class InstanceSlot:
 @dataclass(eq=False)
 class TenantRuntime:
     spec: TenantSpec
-    block: QuotaBlock
+    block: TenantQuota
     generation: int
     registered_at: float = field(default_factory=time.time)
     state: TenantState = TenantState.STARTING
