@@ -497,7 +497,7 @@ class Supervisor:
         """The drain between a stop's signal and the workers' stop: new requests refused
         ``Draining`` (the frontend asks the drain), in-flight ones answered; over when none is
         left, at ``drain_timeout_s``, or at a second signal."""
-        in_flight = len(parts.pending) + sum(len(rt.parked) for rt in self.tenants.values())
+        in_flight = len(parts.pending) + sum(rt.waiting for rt in self.tenants.values())
         if self._drain.begin(now):
             parts.frontend.drain = self._drain
             parts.frontend.ready = False

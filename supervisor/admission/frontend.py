@@ -273,7 +273,7 @@ class Frontend:
         neither idle nor evicted. (One read and waiting for its turn was active a moment ago.)"""
         busy = {p.client for w in self.workers.workers.values() for p in w.in_flight.values()
                 if p.client is not None and p.client[:1] == _TCP}
-        busy.update(p.client for rt in self.tenants.values() for p in rt.parked if p.client[:1] == _TCP)
+        busy.update(p.client for rt in self.tenants.values() if rt.waiting for p in rt.parked if p.client[:1] == _TCP)
         return busy
 
     def _sweep_idle_tcp(self) -> None:
@@ -534,7 +534,7 @@ class Frontend:
         else:
             rt = self._verify(cap_raw)
             self.guard.admission.admit(rt.tenant_id, rt.spec, size, self.clock(),
-                                       in_flight=rt.in_flight + len(rt.parked))
+                                       in_flight=rt.in_flight + rt.waiting)
         proto.check_args(op, args)
         result = self._either_ops[op](rt, args)
         self.pending.answer(client, rid, op, result, tenant="" if rt is None else rt.tenant_id)
@@ -552,11 +552,11 @@ class Frontend:
         # Every limit applies to every op, before anything is done for it: admission
         # (requests and bytes per second), the failed tenant, max_in_flight (quota and
         # put_module count, though answered at once), the module cap.
-        self.guard.admission.admit(tid, rt.spec, size, self.clock(), in_flight=rt.in_flight + len(rt.parked))
+        self.guard.admission.admit(tid, rt.spec, size, self.clock(), in_flight=rt.in_flight + rt.waiting)
         proto.check_args(op, args)
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
-        in_flight, max_in_flight = rt.in_flight + len(rt.parked), rt.spec.max_in_flight
+        in_flight, max_in_flight = rt.in_flight + rt.waiting, rt.spec.max_in_flight
         if in_flight >= max_in_flight:
             raise InFlightLimit(tid, in_flight, max_in_flight)
         spec = proto.OPS[op]
@@ -762,7 +762,7 @@ class Frontend:
             return
         now = self.clock()
         keep: list[Parked] = []
-        while rt.parked:
+        while rt.waiting:
             p = rt.parked.popleft()
             slot = slot_for(rt, p.instance)
             if slot is None:
@@ -780,12 +780,13 @@ class Frontend:
                               started=p.started, deadline=p.deadline, held=p.held_reply)
             except TensorWasmError as exc:
                 self.pending.refuse_parked(rt.tenant_id, p, exc)
-        rt.parked.extend(keep)
+        if keep:
+            rt.parked.extend(keep)
 
     def expire_parked(self, now: float) -> None:
         """Parked requests whose deadline passed get :class:`KernelTimeout` (every tick: nothing to do costs one look per tenant)."""
         for rt in self.tenants.values():
-            while rt.parked and rt.parked[0].deadline <= now:
+            while rt.waiting and rt.parked[0].deadline <= now:  # waiting: no queue made for a look
                 p = rt.parked.popleft()
                 waited = p.deadline - p.started
                 self.pending.refuse_parked(rt.tenant_id, p, KernelTimeout(
@@ -794,14 +795,15 @@ class Frontend:
     def refuse_all_parked(self, rt: TenantRuntime, exc_of: Callable[[Parked], TensorWasmError | None]) -> None:
         """Answer the parked requests for which ``exc_of`` gives an error; keep the others."""
         keep = []
-        while rt.parked:
+        while rt.waiting:
             p = rt.parked.popleft()
             exc = exc_of(p)
             if exc is None:
                 keep.append(p)
             else:
                 self.pending.refuse_parked(rt.tenant_id, p, exc)
-        rt.parked.extend(keep)
+        if keep:
+            rt.parked.extend(keep)
 
 
 # ------------------------------------------------------------ instance choice (pure policy)

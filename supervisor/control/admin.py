@@ -642,7 +642,7 @@ class AdminOps:
             instances=tuple(instances),
             restarts=rt.restarts_total,
             in_flight=rt.in_flight,
-            parked=len(rt.parked),
+            parked=rt.waiting,
             uptime_s=round(time.time() - rt.registered_at, 3),
             backend=self.backend_name,
             device=rt.device,

@@ -173,7 +173,7 @@ class WorkerSet:
             # EHOSTUNREACH: the worker's socket is gone (it is dying); EAGAIN: its queue is full
             if exc.errno == zmq.EAGAIN:
                 rt = self.tenants.get(pending.tenant)
-                raise WorkerQueueFull(pending.tenant, rt.in_flight + len(rt.parked) if rt is not None else 0,
+                raise WorkerQueueFull(pending.tenant, rt.in_flight + rt.waiting if rt is not None else 0,
                                       rt.spec.max_in_flight if rt is not None else 0, instance=pending.instance,
                                       queued=len(worker.in_flight)) from None
             raise WorkerLost(pending.tenant, pending.instance, reason=f"worker unreachable: {exc.strerror}") from None
