@@ -408,6 +408,13 @@ class QuotaCounters:
         #: (ns, ops, waits, wait ns, throttled, *wait bins), or None while all are zero
         self.gpu_time: tuple[int, ...] | None = None
 
+    def copy(self) -> QuotaCounters:
+        """An equal record of its own (records are shared between tenants until one changes)."""
+        twin = QuotaCounters.__new__(QuotaCounters)
+        for name in QuotaCounters.__slots__:
+            setattr(twin, name, getattr(self, name))
+        return twin
+
     # the use, derived as on the block: the sum of the shares
     @property
     def bytes_in_use(self) -> int:

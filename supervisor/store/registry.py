@@ -48,6 +48,8 @@ from supervisor.store.tenant_quota import TenantQuota
 __all__ = ["TenantInfo", "TenantRegistry"]
 
 _VERIFIED_MAX = 1 << 16
+#: distinct (generation, limits) whose fresh quota record tenants share (past it: a record each)
+_SHARED_RECORDS_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class TenantRegistry:
         self._verified: set[bytes] = set()
         self._retired: set[bytes] = set()
         self._lazy = lazy_segments
+        #: the quota records new tenants share until they change (by generation and limits; bounded)
+        self._records: dict[tuple[int, int, int | None, int | None], QuotaCounters] = {}
         #: one bound method shared by every tenant's quota (a pointer each, not an object each)
         self._namer = self._next_segment_name
 
@@ -346,13 +350,15 @@ class TenantRegistry:
             if restore is not None and restore < last:
                 raise ValueError(f"tenant {tid!r}: generation {restore} is behind {last}, already issued")
             generation = last + 1 if restore is None else restore
-            record = QuotaCounters(
-                generation=generation,
-                memory_quota_bytes=spec.memory_quota_bytes,
-                gpu_memory_bytes_cap=spec.gpu_memory_bytes_cap,
-                cuda_mem_pool_quota_bytes=spec.recorded_cuda_mem_pool_quota,
-            )
-            block = TenantQuota(tid, record, self._namer)
+            key = (generation, spec.memory_quota_bytes, spec.gpu_memory_bytes_cap, spec.recorded_cuda_mem_pool_quota)
+            record = self._records.get(key)
+            if record is None:
+                record = QuotaCounters(generation=generation, memory_quota_bytes=spec.memory_quota_bytes,
+                                       gpu_memory_bytes_cap=spec.gpu_memory_bytes_cap,
+                                       cuda_mem_pool_quota_bytes=spec.recorded_cuda_mem_pool_quota)
+                if len(self._records) < _SHARED_RECORDS_MAX:
+                    self._records[key] = record
+            block = TenantQuota(tid, record, self._namer, shared=key in self._records)
             if not self._lazy:
                 block.open()
             self._generations[tid] = generation

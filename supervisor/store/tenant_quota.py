@@ -15,8 +15,10 @@ hundred bytes, and ``open()`` makes a fresh segment from it (a new name, the
 same counters) before the next bind is sent: nothing a snapshot shows changes
 across the round trip except the segment's name.
 
-The supervisor's own charges (a parked tenant's buffer copies, its data
-regions) go to the record while there is no segment, with the block's rules
+Tenants registered with the same limits at the same generation share one
+record until one of them changes (copy on write): ten thousand fresh tenants
+cost one record, not ten thousand. The supervisor's own charges (a parked
+tenant's buffer copies, its data regions) go to the record while there is no segment, with the block's rules
 (:class:`~shared.quota.QuotaCounters`), and move into the segment's
 unattributed share when it is made.
 
@@ -43,17 +45,19 @@ class TenantQuota:
     charges, reclaiming a dead instance's share) work in both forms.
     """
 
-    __slots__ = ("tenant_id", "_block", "_record", "_namer", "_closed")
+    __slots__ = ("tenant_id", "_block", "_record", "_namer", "_closed", "_shared")
 
     def __init__(self, tenant_id: str, record: QuotaCounters, namer: Callable[[], str], *,
-                 block: QuotaBlock | None = None) -> None:
+                 block: QuotaBlock | None = None, shared: bool = False) -> None:
         """``namer()`` names each new segment (the registry's prefix and a fresh slot). With
-        ``block``, the tenant starts with its segment (``record`` is then unused)."""
+        ``block``, the tenant starts with its segment (``record`` is then unused). ``shared``:
+        ``record`` is shared with other tenants (copied before this one changes it)."""
         self.tenant_id = TenantId(tenant_id)
         self._block = block
         self._record: QuotaCounters | None = None if block is not None else record
         self._namer = namer
         self._closed = False
+        self._shared = shared and block is None
 
     # ------------------------------------------------------------ the segment
 
@@ -75,6 +79,7 @@ class TenantQuota:
             except OSError as exc:  # /dev/shm full or out of descriptors: the bind fails, typed
                 raise SegmentError("", f"cannot create the quota segment of {self.tenant_id!r}: {exc}") from None
             self._record = None
+            self._shared = False
         return self._block.name
 
     def close_segment(self) -> bool:
@@ -86,6 +91,7 @@ class TenantQuota:
         if block.closed:  # truncated under us: nothing readable to keep; the limits still stand
             return False
         self._record = block.counters()
+        self._shared = False
         self._block = None
         block.unlink()
         block.close()
@@ -97,6 +103,14 @@ class TenantQuota:
         record = self._record
         if record is None or self._closed:
             raise SegmentError("", "quota block is closed")
+        return record
+
+    def _own(self) -> QuotaCounters:
+        """The record, made this tenant's own before it changes (copy on write)."""
+        record = self._rec()
+        if self._shared:
+            record = self._record = record.copy()
+            self._shared = False
         return record
 
     @property
@@ -158,25 +172,25 @@ class TenantQuota:
         if self._block is not None:
             self._block.consume_bytes(n)
         else:
-            self._rec().consume_bytes(n, self.tenant_id)
+            self._own().consume_bytes(n, self.tenant_id)
 
     def release_bytes(self, n: int) -> None:
         if self._block is not None:
             self._block.release_bytes(n)
         else:
-            self._rec().release_bytes(n, self.tenant_id)
+            self._own().release_bytes(n, self.tenant_id)
 
     def consume_gpu_bytes(self, n: int) -> None:
         if self._block is not None:
             self._block.consume_gpu_bytes(n)
         else:
-            self._rec().consume_gpu_bytes(n, self.tenant_id)
+            self._own().consume_gpu_bytes(n, self.tenant_id)
 
     def release_gpu_bytes(self, n: int) -> None:
         if self._block is not None:
             self._block.release_gpu_bytes(n)
         else:
-            self._rec().release_gpu_bytes(n, self.tenant_id)
+            self._own().release_gpu_bytes(n, self.tenant_id)
 
     # ------------------------------------------------------------ admin
 
@@ -187,19 +201,19 @@ class TenantQuota:
         gpu_memory_bytes_cap: int | None | Unchanged = UNCHANGED,
         recorded_cuda_mem_pool_quota: int | None | Unchanged = UNCHANGED,
     ) -> None:
-        target = self._block if self._block is not None else self._rec()
+        target = self._block if self._block is not None else self._own()
         target.set_limits(memory_quota_bytes=memory_quota_bytes, gpu_memory_bytes_cap=gpu_memory_bytes_cap,
                           recorded_cuda_mem_pool_quota=recorded_cuda_mem_pool_quota)
 
     def reclaim_instance(self, index: int) -> tuple[int, int]:
         if self._block is not None:
             return self._block.reclaim_instance(index)
-        return self._rec().reclaim_instance(index)
+        return self._own().reclaim_instance(index)
 
     def reclaim_instance_gpu(self, index: int) -> int:
         if self._block is not None:
             return self._block.reclaim_instance_gpu(index)
-        record = self._rec()
+        record = self._own()
         cpu, gpu = record.reclaim_instance(index)
         if cpu:
             record.instance_shares = (*record.instance_shares, (index, cpu, 0))

@@ -90,3 +90,29 @@ def test_the_record_follows_the_blocks_rules() -> None:
         q.open()
     with pytest.raises(SegmentError):
         q.snapshot()
+
+
+def test_tenants_share_a_fresh_record_until_one_changes_it() -> None:
+    from shared.spec import TenantSpec
+    from supervisor.store.registry import TenantRegistry
+
+    registry, admin = TenantRegistry.new(segment_prefix=f"test{os.getpid()}", lazy_segments=True)
+    with registry:
+        for name in ("a", "b", "c"):
+            registry.register_with_capability(admin, TenantSpec(name, memory_quota_bytes=1 << 20))
+        a, b, c = (registry.block(admin, n) for n in ("a", "b", "c"))
+        assert a.segment is None and a.name == ""  # lazy: no segment until a worker is bound
+        a.consume_bytes(1000)
+        with pytest.raises(MemoryExhausted):
+            b.consume_bytes(2 << 20)
+        registry.set_quota(admin, "c", memory_quota_bytes=4096)
+        assert (a.bytes_in_use, a.snapshot().cpu_refusals, a.memory_quota_bytes) == (1000, 0, 1 << 20)
+        assert (b.bytes_in_use, b.snapshot().cpu_refusals, b.memory_quota_bytes) == (0, 1, 1 << 20)
+        assert (c.bytes_in_use, c.snapshot().cpu_refusals, c.memory_quota_bytes) == (0, 0, 4096)
+        registry.register_with_capability(admin, TenantSpec("d", memory_quota_bytes=1 << 20))
+        d = registry.block(admin, "d")
+        assert d.snapshot().to_dict() | {"tenant_id": "a"} == registry.block(admin, "a").snapshot().to_dict() | {
+            "bytes_in_use": 0, "cpu_high_water": 0}  # a fresh tenant starts clean
+        name = d.open()
+        assert os.path.exists(f"/dev/shm/{name}")
+    assert not os.path.exists(f"/dev/shm/{name}")  # the registry's close unlinks what it made
