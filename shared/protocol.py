@@ -481,7 +481,7 @@ OPS: Final[dict[str, OpSpec]] = {
         OpSpec("scale", True, (Arg(_T, _STR, True), Arg("instances", _INT, True)), "tenant status record",
                ("UnknownTenant", "InvalidArgument", "CapacityExhausted"), "scale", "scale", served_by="admin"),
         OpSpec("status", True, (Arg("after", (str, type(None))), Arg("limit", (int, type(None))),
-                                Arg("state", (str, type(None)))),
+                                Arg("state", (str, type(None))), Arg("view", (str, type(None)))),
                "{supervisor, devices, tenants, summary, next}", ("InvalidArgument",), "status", "status",
                served_by="admin", monitor=True),
         OpSpec("tenant_status", True, (Arg(_T, _STR, True),), "tenant status record", ("UnknownTenant",),

@@ -80,6 +80,7 @@ from shared.spec import TenantSpec
 from supervisor.observe.events import EventBus
 from supervisor.admission.frontend import Frontend
 from supervisor.observe.gpu_share import SAMPLE_EVERY_S, GpuShareWindow
+from supervisor.observe.status_rows import tenant_row
 from supervisor.runtime.loop import Loop, Timer
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
@@ -661,7 +662,7 @@ class AdminOps:
         )
 
     def status(self, *, after: str | None = None, limit: int = STATUS_PAGE_DEFAULT,
-               state: str | None = None) -> StatusRecord:
+               state: str | None = None, rows: bool = False) -> StatusRecord:
         """The supervisor, its devices, the summary of every tenant, and one page of tenant records:
         up to ``limit`` of them by tenant id, those after ``after`` (the previous page's ``next``),
         only those in ``state`` when given. A cursor, not an offset: a tenant registered or evicted
@@ -702,7 +703,8 @@ class AdminOps:
                 cuda_version=self.backend_versions[1],
                 **self.guard.status(),
             ),
-            tenants=tuple(self.tenant_record(self.tenants[tid]) for tid in page),
+            tenants=() if rows else tuple(self.tenant_record(self.tenants[tid]) for tid in page),
+            rows=tuple(tenant_row(self.tenants[tid], self.gpu_share, time.monotonic()) for tid in page) if rows else (),
             devices=tuple(self.placement.status(by_device)),
             summary=StatusSummary(tenants=len(self.tenants), states=dict(sorted(counts.items())), instances=wanted,
                                   ready=ready),
