@@ -607,8 +607,8 @@ class Parking:
 def _parkable(rt: TenantRuntime) -> bool:
     """Idle and whole: running, nothing in flight or waiting, no registration or rolling restart."""
     wanted = rt.wanted_slots()
-    return (rt.state is TenantState.RUNNING and rt.in_flight == 0 and not rt.waiting and not rt.register_waiters
-            and not rt.ready_waiters and not rt.rolling_left and rt.rolling_slot is None and bool(wanted)
+    return (rt.state is TenantState.RUNNING and rt.in_flight == 0 and not rt.waiting and not rt.waiters
+            and not rt.rolling_left and rt.rolling_slot is None and bool(wanted)
             and all(s.ready and s.worker is not None and not s.worker.in_flight for s in wanted)
             and all(s.worker is None for s in rt.slots if s.draining) and not rt.block.closed)
 

@@ -120,7 +120,7 @@ class TenantRuntime:
     """A registered tenant in the supervisor's loop.
 
     Slotted, and its queues made on first use (``parked``, ``restart_times``, ``rolling``,
-    ``modules``): an empty deque costs 760 B, and ten thousand registered tenants most of which
+    ``modules``, ``register_waiters``, ``ready_waiters``): an empty deque costs 760 B, and ten thousand registered tenants most of which
     never queue a request, restart or roll must cost the supervisor little more than their
     records (docs/OPERATIONS.md, "What a tenant costs"). Read them freely; only a tenant that
     uses one pays for it.
@@ -138,14 +138,10 @@ class TenantRuntime:
     device: int = 0
     seen_refusals: int = 0
     rr: int = 0  # round-robin start for pick_slot
-    #: (client, rid, capability bytes) of register requests answered once every instance is ready
-    register_waiters: list[tuple[bytes | None, int | None, bytes]] = field(default_factory=list)
     #: where the tenant came from: the config file ("file") or a register request ("runtime")
     origin: str = "runtime"
     #: brought back from the state at start: a failure to start marks it failed, never evicts it
     restoring: bool = False
-    #: (client, rid, op) of reset/restart requests answered once the tenant runs (ServiceOps)
-    ready_waiters: list[tuple[bytes | None, int, str]] = field(default_factory=list)
     rolling_slot: InstanceSlot | None = None
     rolling_incarnation: int = 0
     #: the loop clock of the last tenant request (0: none yet): the idle time before parking
@@ -157,6 +153,38 @@ class TenantRuntime:
     _parked: collections.deque[Parked] | None = None
     _modules: collections.OrderedDict[str, bytes] | None = None
     _rolling: collections.deque[int] | None = None
+    _register_waiters: list[tuple[bytes | None, int | None, bytes]] | None = None
+    _ready_waiters: list[tuple[bytes | None, int, str]] | None = None
+
+    @property
+    def register_waiters(self) -> list[tuple[bytes | None, int | None, bytes]]:
+        """(client, rid, capability bytes) of register requests answered once every instance is
+        ready. Assigning an empty list drops the list (it is made again when next used)."""
+        if self._register_waiters is None:
+            self._register_waiters = []
+        return self._register_waiters
+
+    @register_waiters.setter
+    def register_waiters(self, value: list[tuple[bytes | None, int | None, bytes]]) -> None:
+        self._register_waiters = value or None
+
+    @property
+    def ready_waiters(self) -> list[tuple[bytes | None, int, str]]:
+        """(client, rid, op) of reset/restart requests answered once the tenant runs (ServiceOps).
+        Assigning an empty list drops the list (it is made again when next used)."""
+        if self._ready_waiters is None:
+            self._ready_waiters = []
+        return self._ready_waiters
+
+    @ready_waiters.setter
+    def ready_waiters(self, value: list[tuple[bytes | None, int, str]]) -> None:
+        self._ready_waiters = value or None
+
+    @property
+    def waiters(self) -> bool:
+        """Whether a register, reset or restart request waits for the tenant (read without making
+        the lists)."""
+        return bool(self._register_waiters) or bool(self._ready_waiters)
 
     @property
     def restart_times(self) -> collections.deque[float]:
