@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import tempfile
 import threading
+from collections.abc import Iterator
 
 import pytest
 
 from shared.errors import GpuMemoryExhausted
 from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
-from tests.helpers.cluster import supervisor, tenant, wait_for
+from supervisor.client.launch import launch
+from tests.helpers.cluster import FAST, supervisor, tenant, wait_for
+from tests.helpers.tmp import short_temp_dir
 from tests.supervisor.test_parking import IDLE, _cursor, _park_soon, _pattern, _ready_pid, _wait_event
 
 pytestmark = pytest.mark.timeout(180)
@@ -204,3 +209,28 @@ def test_a_tenant_stopped_or_failed_gives_its_segment_back_and_keeps_its_counter
         c.alloc(cap, 8192)
         q = c.quota(cap)
         assert q.name and q.gpu_refusals == 1 and q.gpu_memory_bytes_cap == 8192 and q.gpu_bytes_in_use == 8192
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="twt-pf", dir=short_temp_dir())
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_restart_brings_parked_and_stopped_tenants_back_without_a_segment(run_dir: str) -> None:
+    config = {"supervisor": {**FAST, "log_level": "warning"}, "tenant": []}
+    with launch(config, run_dir=run_dir) as sup:
+        c = sup.client
+        c.register(None, TenantSpec("dormant"))
+        c.register(None, TenantSpec("off", instances=0))
+        c.register(None, TenantSpec("awake"))
+        _park_soon(c, "dormant")
+    with launch(config, run_dir=run_dir) as sup:
+        c = sup.client
+        assert tenant(c.status(), "dormant").state == "parked" and tenant(c.status(), "off").state == "stopped"
+        awake = tenant(c.status(), "awake").quota.name
+        assert tenant(c.status(), "dormant").quota.name == "" and tenant(c.status(), "off").quota.name == ""
+        assert _held(sup.pid) == {awake} and _in_dev_shm(_prefix(awake)) == {awake}
+        assert c.ping(c.tenant_capability(None, "dormant")).tenant == "dormant"  # woken: a segment again
+        assert tenant(c.status(), "dormant").quota.name in _held(sup.pid)

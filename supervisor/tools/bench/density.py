@@ -22,8 +22,8 @@ creation plus its first call (p50; a local one-node Ray, as ``twt bench cluster`
 off by default because starting Ray costs about ten seconds and a few hundred MiB.
 
 Goals (the issue's): >= 200 registrations/s; restart-to-ready <= 5 s; status and ``twt status``
-< 1 s; /metrics <= 5 MB and < 1 s; RSS <= 2 KiB per registered tenant (met only once a tenant
-without a worker holds no shared-memory segment: today each holds its quota block).
+< 1 s; /metrics <= 5 MB and < 1 s; RSS <= 2 KiB per registered tenant (a tenant without a worker
+holds no shared-memory segment and no descriptor: its fds and segments per tenant read 0).
 """
 
 from __future__ import annotations
