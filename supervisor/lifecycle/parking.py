@@ -38,9 +38,12 @@ The rules that keep bytes and quota whole:
   :class:`~shared.errors.MemoryExhausted` (event ``park_refused``) and the tenant
   stays active, its idle clock restarted. The GPU bytes leave the block when the
   stopped workers' shares are reclaimed and come back as the imports allocate.
-  High-water marks, refusals and GPU time stay in the block: it is kept while
-  the tenant is parked (its segment is referenced by the registry, the status
-  and metrics readers and the regions' accounting; see docs/ARCHITECTURE.md).
+  High-water marks, refusals, GPU time and the copies' charge move with the
+  tenant's quota: once its last worker is gone the segment is taken down and
+  every counter kept in the supervisor's record of it; the activation's first
+  bind makes a fresh segment from that record before any worker attaches
+  (:class:`~supervisor.store.tenant_quota.TenantQuota`; a parked tenant holds
+  no segment and no descriptor).
 
 * **Room.** An activation starts workers only within ``max_active`` (all tenant
   workers alive) and each device's context bound; short of room it parks the

@@ -25,8 +25,8 @@ class Status(AdminOp):
                 "table's columns only, in `rows`: what `twt top` reads)")
     result_doc = ("`{supervisor: {...pool, workers, rss_bytes}, devices: [...], tenants: [record...], "
                   "summary: {tenants, states: {state: count}, instances, ready}, next}`: one page of tenant "
-                  "records by id; `summary` counts every tenant; `next` is the `after` of the next page (nil: "
-                  "the last)")
+                  "records by id (with `view = rows`: `rows` instead, `tenants` empty); `summary` counts every "
+                  "tenant; `next` is the `after` of the next page (nil: the last)")
     error_notes = {"InvalidArgument": "a limit out of range, an unknown state or view"}
 
     def serve(self, part: AdminOps, client: bytes, rid: int, args: Args) -> None:
