@@ -828,6 +828,7 @@ class Status:
         after: str | None | Absent = ABSENT
         limit: int | None | Absent = ABSENT
         state: str | None | Absent = ABSENT
+        view: str | None | Absent = ABSENT
 
     spec: ClassVar[OpSpec] = OpSpec.typed("status", Args, StatusRecord, ("InvalidArgument",), "status",
                                           cli="status", admin=True, reply="{supervisor, devices, tenants, summary, next}",

@@ -67,6 +67,7 @@ __all__ = [
     "SEGMENT_PREFIX",
     "UNCHANGED",
     "QuotaBlock",
+    "QuotaCounters",
     "QuotaSnapshot",
     "SegmentHeader",
     "Unchanged",
@@ -373,6 +374,140 @@ def is_legacy_name(name: str) -> bool:
     return _LEGACY_NAME.match(name) is not None
 
 
+class QuotaCounters:
+    """Everything a tenant's block holds, without the segment: what a tenant with no worker keeps.
+
+    A block's state is its limits, its high-water marks, refusal and underflow counts, the
+    shares (normally only the unattributed one - the supervisor's own charges - once every
+    instance is reclaimed) and the GPU-time figures. :meth:`QuotaBlock.counters` reads them and
+    ``QuotaBlock.create(counters=...)`` writes them into a fresh segment, so a block taken down
+    and made again reads the same :meth:`snapshot`. Meanwhile the supervisor charges and
+    releases here (:meth:`consume_bytes` and friends, the block's rules in Python: refused past
+    the limit with the typed error and a refusal counted, an over-release saturates and counts
+    an underflow). Slotted and small: a parked tenant's whole quota footprint is this object.
+    """
+
+    __slots__ = ("generation", "memory_quota_bytes", "gpu_memory_bytes_cap", "cuda_mem_pool_quota_bytes",
+                 "cpu_high_water", "cpu_refusals", "cpu_underflows", "gpu_high_water", "gpu_refusals",
+                 "gpu_underflows", "cpu_held", "gpu_held", "instance_shares", "gpu_time")
+
+    def __init__(self, *, generation: int, memory_quota_bytes: int, gpu_memory_bytes_cap: int | None,
+                 cuda_mem_pool_quota_bytes: int | None) -> None:
+        self.generation = _check_amount(generation, "generation")
+        self.memory_quota_bytes = _check_amount(memory_quota_bytes, "memory_quota_bytes")
+        _limit_to_raw(gpu_memory_bytes_cap, "gpu_memory_bytes_cap")
+        _limit_to_raw(cuda_mem_pool_quota_bytes, "recorded_cuda_mem_pool_quota")
+        self.gpu_memory_bytes_cap = gpu_memory_bytes_cap
+        self.cuda_mem_pool_quota_bytes = cuda_mem_pool_quota_bytes
+        self.cpu_high_water = self.cpu_refusals = self.cpu_underflows = 0
+        self.gpu_high_water = self.gpu_refusals = self.gpu_underflows = 0
+        #: the unattributed share (the supervisor's charges: parked buffers' host copies, regions)
+        self.cpu_held = self.gpu_held = 0
+        #: (instance, cpu, gpu) of instances still holding bytes (none once every worker is reclaimed)
+        self.instance_shares: tuple[tuple[int, int, int], ...] = ()
+        #: (ns, ops, waits, wait ns, throttled, *wait bins), or None while all are zero
+        self.gpu_time: tuple[int, ...] | None = None
+
+    def copy(self) -> QuotaCounters:
+        """An equal record of its own (records are shared between tenants until one changes)."""
+        twin = QuotaCounters.__new__(QuotaCounters)
+        for name in QuotaCounters.__slots__:
+            setattr(twin, name, getattr(self, name))
+        return twin
+
+    # the use, derived as on the block: the sum of the shares
+    @property
+    def bytes_in_use(self) -> int:
+        return self.cpu_held + sum(c for _, c, _ in self.instance_shares)
+
+    @property
+    def gpu_bytes_in_use(self) -> int:
+        return self.gpu_held + sum(g for _, _, g in self.instance_shares)
+
+    @property
+    def gpu_time_ns(self) -> int:
+        return self.gpu_time[0] if self.gpu_time else 0
+
+    def snapshot(self, tenant_id: str, name: str = "") -> QuotaSnapshot:
+        """The block's snapshot as it would read (``name``: no segment, "")."""
+        gt = self.gpu_time or (0,) * (5 + len(GPU_WAIT_BUCKETS_S) + 1)
+        return QuotaSnapshot(
+            tenant_id=tenant_id, name=name, generation=self.generation,
+            bytes_in_use=self.bytes_in_use, memory_quota_bytes=self.memory_quota_bytes,
+            cpu_high_water=self.cpu_high_water, cpu_refusals=self.cpu_refusals,
+            cpu_underflows=self.cpu_underflows, gpu_bytes_in_use=self.gpu_bytes_in_use,
+            gpu_memory_bytes_cap=self.gpu_memory_bytes_cap, gpu_high_water=self.gpu_high_water,
+            gpu_refusals=self.gpu_refusals, gpu_underflows=self.gpu_underflows,
+            cuda_mem_pool_quota_bytes=self.cuda_mem_pool_quota_bytes, instance_shares=self.instance_shares,
+            gpu_time_ns=gt[0], gpu_ops=gt[1], gpu_waits=gt[2], gpu_wait_ns=gt[3], gpu_throttled=gt[4],
+            gpu_wait_bins=tuple(gt[5:]),
+        )
+
+    def set_limits(self, *, memory_quota_bytes: int | Unchanged = UNCHANGED,
+                   gpu_memory_bytes_cap: int | None | Unchanged = UNCHANGED,
+                   recorded_cuda_mem_pool_quota: int | None | Unchanged = UNCHANGED) -> None:
+        """As :meth:`QuotaBlock.set_limits` (validated all first: nothing half-applied)."""
+        mem = None if memory_quota_bytes is UNCHANGED else _check_amount(memory_quota_bytes, "memory_quota_bytes")
+        if gpu_memory_bytes_cap is not UNCHANGED:
+            _limit_to_raw(gpu_memory_bytes_cap, "gpu_memory_bytes_cap")
+        if recorded_cuda_mem_pool_quota is not UNCHANGED:
+            _limit_to_raw(recorded_cuda_mem_pool_quota, "recorded_cuda_mem_pool_quota")
+        if mem is not None:
+            self.memory_quota_bytes = mem
+        if gpu_memory_bytes_cap is not UNCHANGED:
+            self.gpu_memory_bytes_cap = gpu_memory_bytes_cap
+        if recorded_cuda_mem_pool_quota is not UNCHANGED:
+            self.cuda_mem_pool_quota_bytes = recorded_cuda_mem_pool_quota
+
+    def consume_bytes(self, n: int, tenant_id: str) -> None:
+        """Charge ``n`` host bytes to the unattributed share, or MemoryExhausted (a refusal counted)."""
+        n = _check_amount(n, "n")
+        used = self.bytes_in_use
+        if used + n > self.memory_quota_bytes:
+            self.cpu_refusals += 1
+            raise MemoryExhausted(tenant_id, n, self.memory_quota_bytes, used)
+        self.cpu_held += n
+        self.cpu_high_water = max(self.cpu_high_water, used + n)
+
+    def consume_gpu_bytes(self, n: int, tenant_id: str) -> None:
+        """Charge ``n`` GPU bytes to the unattributed share, or GpuMemoryExhausted (a refusal counted)."""
+        n = _check_amount(n, "n")
+        used = self.gpu_bytes_in_use
+        cap = self.gpu_memory_bytes_cap
+        if cap is not None and used + n > cap:
+            self.gpu_refusals += 1
+            raise GpuMemoryExhausted(tenant_id, n, cap, used)
+        self.gpu_held += n
+        self.gpu_high_water = max(self.gpu_high_water, used + n)
+
+    def release_bytes(self, n: int, tenant_id: str) -> None:
+        """Give back ``n`` host bytes of the unattributed share; more than it holds saturates at 0
+        and counts (and logs) an underflow, as the block does."""
+        n = _check_amount(n, "n")
+        if n > self.cpu_held:
+            self.cpu_underflows += 1
+            log_event(_log, logging.WARNING, "quota.underflow", tenant=tenant_id, resource="cpu", released=n,
+                      in_use=self.bytes_in_use, segment="")
+        self.cpu_held = max(0, self.cpu_held - n)
+
+    def release_gpu_bytes(self, n: int, tenant_id: str) -> None:
+        """As :meth:`release_bytes` for GPU bytes."""
+        n = _check_amount(n, "n")
+        if n > self.gpu_held:
+            self.gpu_underflows += 1
+            log_event(_log, logging.WARNING, "quota.underflow", tenant=tenant_id, resource="gpu", released=n,
+                      in_use=self.gpu_bytes_in_use, segment="")
+        self.gpu_held = max(0, self.gpu_held - n)
+
+    def reclaim_instance(self, index: int) -> tuple[int, int]:
+        """Take an instance's share out (what :meth:`QuotaBlock.reclaim_instance` does)."""
+        if not 0 <= index < MAX_INSTANCES:
+            raise ValueError(f"instance {index} out of range 0..{MAX_INSTANCES - 1}")
+        found = [(c, g) for i, c, g in self.instance_shares if i == index]
+        self.instance_shares = tuple(t for t in self.instance_shares if t[0] != index)
+        return found[0] if found else (0, 0)
+
+
 class QuotaBlock(MappedSegment):
     """One tenant's CPU and GPU byte quotas, shared by its processes.
 
@@ -446,12 +581,21 @@ class QuotaBlock(MappedSegment):
         recorded_cuda_mem_pool_quota: int | None = None,
         name: str | None = None,
         generation: int = 0,
+        counters: QuotaCounters | None = None,
     ) -> QuotaBlock:
         """Create the tenant's segment; this process owns it and must :meth:`unlink` it.
 
         ``gpu_memory_bytes_cap=None`` means operator trust: GPU bytes are
         counted, never refused. ``name`` defaults to a fresh ``twt-<hex>-0``.
+        ``counters`` (what :meth:`counters` read from an earlier block of the tenant) are written
+        into the new segment before anyone can attach: limits, marks, counts, shares, GPU time
+        (the limit and generation arguments are then ignored).
         """
+        if counters is not None:
+            memory_quota_bytes = counters.memory_quota_bytes
+            gpu_memory_bytes_cap = counters.gpu_memory_bytes_cap
+            recorded_cuda_mem_pool_quota = counters.cuda_mem_pool_quota_bytes
+            generation = counters.generation
         tid = TenantId(tenant_id)
         cpu_limit = _check_amount(memory_quota_bytes, "memory_quota_bytes")
         gpu_limit = _limit_to_raw(gpu_memory_bytes_cap, "gpu_memory_bytes_cap")
@@ -467,6 +611,8 @@ class QuotaBlock(MappedSegment):
             _atomics.store(buf, _CPU + _atomics.F_LIMIT, cpu_limit)
             _atomics.store(buf, _GPU + _atomics.F_LIMIT, gpu_limit)
             _atomics.store(buf, _S_POOL_QUOTA, pool_quota)
+            if counters is not None:
+                _restore(buf, counters)
             write_header(buf, KIND_TENANT, tid, generation, SEGMENT_BYTES)
             return cls(seg, tid, owner=True, instance=None)
         except BaseException:
@@ -603,6 +749,22 @@ class QuotaBlock(MappedSegment):
             gpu_wait_bins=tuple(load(_GT_BINS + 8 * i) for i in range(len(GPU_WAIT_BUCKETS_S) + 1)),
         )
 
+    def counters(self) -> QuotaCounters:
+        """Every counter, as a :class:`QuotaCounters` a later block of the tenant is created from
+        (read when no worker holds the block: a share that changed meanwhile would be lost)."""
+        snap = self.snapshot()
+        c = QuotaCounters(generation=snap.generation, memory_quota_bytes=snap.memory_quota_bytes,
+                          gpu_memory_bytes_cap=snap.gpu_memory_bytes_cap,
+                          cuda_mem_pool_quota_bytes=snap.cuda_mem_pool_quota_bytes)
+        c.cpu_high_water, c.cpu_refusals, c.cpu_underflows = snap.cpu_high_water, snap.cpu_refusals, snap.cpu_underflows
+        c.gpu_high_water, c.gpu_refusals, c.gpu_underflows = snap.gpu_high_water, snap.gpu_refusals, snap.gpu_underflows
+        off = _instance_off(_UNATTRIBUTED)
+        c.cpu_held, c.gpu_held = self._load(off), self._load(off + 8)
+        c.instance_shares = snap.instance_shares
+        gt = (snap.gpu_time_ns, snap.gpu_ops, snap.gpu_waits, snap.gpu_wait_ns, snap.gpu_throttled, *snap.gpu_wait_bins)
+        c.gpu_time = gt if any(gt) else None
+        return c
+
     # ------------------------------------------------------------ GPU time
 
     @property
@@ -695,6 +857,29 @@ class QuotaBlock(MappedSegment):
         if self._closed:
             raise SegmentError(self.name, "quota block is closed")
         return _atomics.exchange(self._buf, _instance_off(index) + 8, 0)
+
+
+def _restore(buf: memoryview, c: QuotaCounters) -> None:
+    """Write ``c``'s marks, counts, shares and GPU time into a fresh block (before its magic)."""
+    store = partial(_atomics.store, buf)
+    for line, (hw, refusals, underflows) in ((_CPU, (c.cpu_high_water, c.cpu_refusals, c.cpu_underflows)),
+                                             (_GPU, (c.gpu_high_water, c.gpu_refusals, c.gpu_underflows))):
+        store(line + _atomics.F_HIGH_WATER, hw)
+        store(line + _atomics.F_REFUSALS, refusals)
+        store(line + _atomics.F_UNDERFLOWS, underflows)
+    off = _instance_off(_UNATTRIBUTED)
+    store(off, c.cpu_held)
+    store(off + 8, c.gpu_held)
+    for index, cpu, gpu in c.instance_shares:
+        store(_instance_off(index), cpu)
+        store(_instance_off(index) + 8, gpu)
+    if c.instance_shares:
+        store(_S_NSLOTS, max(i for i, _, _ in c.instance_shares) + 1)
+    if c.gpu_time is not None:
+        for k, off in enumerate((_GT_NS, _GT_OPS, _GT_WAITS, _GT_WAIT_NS, _GT_THROTTLED)):
+            store(off, c.gpu_time[k])
+        for i, v in enumerate(c.gpu_time[5:]):
+            store(_GT_BINS + 8 * i, v)
 
 
 def _attach(name: str, missing: str) -> _shm._Attached:

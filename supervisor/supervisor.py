@@ -156,7 +156,8 @@ class Supervisor:
         registry id is the same after a restart, and a killed supervisor's segments may still exist.
         """
         self.state = StateStore.open(self.config.state_path)
-        self.registry, admin_cap = TenantRegistry.from_state(self.state, segment_prefix=self.rundir.new_segment_prefix())
+        self.registry, admin_cap = TenantRegistry.from_state(self.state, segment_prefix=self.rundir.new_segment_prefix(),
+                                                             lazy_segments=True)  # a segment only while a worker runs
         return self.state, self.registry, admin_cap
 
     def _setup(self) -> Parts:
@@ -317,7 +318,7 @@ class Supervisor:
         """The drain between a stop's signal and the workers' stop: new requests refused
         ``Draining`` (the frontend asks the drain), in-flight ones answered; over when none is
         left, at ``drain_timeout_s``, or at a second signal."""
-        in_flight = len(parts.pending) + sum(len(rt.parked) for rt in self.tenants.values())
+        in_flight = len(parts.pending) + sum(rt.waiting for rt in self.tenants.values())
         if self._drain.begin(now):
             parts.frontend.begin_drain(self._drain)
             self.metrics.mark_draining()  # /readyz: not ready, and why

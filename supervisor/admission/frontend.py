@@ -280,7 +280,7 @@ class Frontend:
         neither idle nor evicted. (One read and waiting for its turn was active a moment ago.)"""
         busy = {p.client for w in self.workers.values() for p in w.in_flight.values()
                 if p.client is not None and p.client[:1] == _TCP}
-        busy.update(p.client for rt in self.tenants.values() for p in rt.parked if p.client[:1] == _TCP)
+        busy.update(p.client for rt in self.tenants.values() if rt.waiting for p in rt.parked if p.client[:1] == _TCP)
         return busy
 
     def _sweep_idle_tcp(self) -> None:
@@ -525,7 +525,7 @@ class Frontend:
         else:
             rt = self._verify(cap_raw)
             self.guard.admission.admit(rt.tenant_id, rt.spec, size, self.clock(),
-                                       in_flight=rt.in_flight + len(rt.parked))
+                                       in_flight=rt.in_flight + rt.waiting)
         proto.check_args(op, args)
         result = self._either_ops[op](self, rt, args)
         self.pending.answer(client, rid, op, result, tenant="" if rt is None else rt.tenant_id)
@@ -543,11 +543,11 @@ class Frontend:
         # Every limit applies to every op, before anything is done for it: admission
         # (requests and bytes per second), the failed tenant, max_in_flight (quota and
         # put_module count, though answered at once), the module cap.
-        self.guard.admission.admit(tid, rt.spec, size, self.clock(), in_flight=rt.in_flight + len(rt.parked))
+        self.guard.admission.admit(tid, rt.spec, size, self.clock(), in_flight=rt.in_flight + rt.waiting)
         proto.check_args(op, args)
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
-        in_flight, max_in_flight = rt.in_flight + len(rt.parked), rt.spec.max_in_flight
+        in_flight, max_in_flight = rt.in_flight + rt.waiting, rt.spec.max_in_flight
         if in_flight >= max_in_flight:
             raise InFlightLimit(tid, in_flight, max_in_flight)
         spec = proto.OPS[op]

@@ -372,7 +372,8 @@ class AdminOps:
             self.records.quiet(spec.tenant_id)
         if waiter is not None:
             rt.register_waiters.append(waiter)
-            self.loop.timers.after(self.config.register_timeout_s, lambda: self._register_timeout(rt))
+            if start and rt.slots:  # only a worker can keep it waiting (a timer costs ~330 B until it is due)
+                self.loop.timers.after(self.config.register_timeout_s, lambda: self._register_timeout(rt))
         if start:
             for slot in rt.slots:
                 self.workers.start_instance(rt, slot)

@@ -41,6 +41,7 @@ from shared.records import (
 from supervisor.admission.guard import FrontendGuard
 from supervisor.lifecycle.workerset import WorkerSet
 from supervisor.observe.gpu_share import SAMPLE_EVERY_S, GpuShareWindow
+from supervisor.observe.status_rows import tenant_row
 from supervisor.routing.placement import Placement
 from supervisor.routing.regions import RegionTable
 from supervisor.runtime.loop import Loop
@@ -179,7 +180,7 @@ class Records:
             instances=tuple(instances),
             restarts=rt.restarts_total,
             in_flight=rt.in_flight,
-            parked=len(rt.parked),
+            parked=rt.waiting,
             uptime_s=round(time.time() - rt.registered_at, 3),
             backend=self.backend_name,
             device=rt.device,
@@ -197,7 +198,7 @@ class Records:
         )
 
     def status(self, *, after: str | None = None, limit: int = STATUS_PAGE_DEFAULT,
-               state: str | None = None) -> StatusRecord:
+               state: str | None = None, rows: bool = False) -> StatusRecord:
         """The supervisor, its devices, the summary of every tenant, and one page of tenant records:
         up to ``limit`` of them by tenant id, those after ``after`` (the previous page's ``next``),
         only those in ``state`` when given. A cursor, not an offset: a tenant registered or evicted
@@ -238,7 +239,8 @@ class Records:
                 cuda_version=self.backend_versions[1],
                 **self.guard.status(),
             ),
-            tenants=tuple(self.tenant_record(self.tenants[tid]) for tid in page),
+            tenants=() if rows else tuple(self.tenant_record(self.tenants[tid]) for tid in page),
+            rows=tuple(tenant_row(self.tenants[tid], self.gpu_share, time.monotonic()) for tid in page) if rows else (),
             devices=tuple(self.placement.status(by_device)),
             summary=StatusSummary(tenants=len(self.tenants), states=dict(sorted(counts.items())), instances=wanted,
                                   ready=ready),

@@ -38,9 +38,12 @@ The rules that keep bytes and quota whole:
   :class:`~shared.errors.MemoryExhausted` (event ``park_refused``) and the tenant
   stays active, its idle clock restarted. The GPU bytes leave the block when the
   stopped workers' shares are reclaimed and come back as the imports allocate.
-  High-water marks, refusals and GPU time stay in the block: it is kept while
-  the tenant is parked (its segment is referenced by the registry, the status
-  and metrics readers and the regions' accounting; see docs/ARCHITECTURE.md).
+  High-water marks, refusals, GPU time and the copies' charge move with the
+  tenant's quota: once its last worker is gone the segment is taken down and
+  every counter kept in the supervisor's record of it; the activation's first
+  bind makes a fresh segment from that record before any worker attaches
+  (:class:`~supervisor.store.tenant_quota.TenantQuota`; a parked tenant holds
+  no segment and no descriptor).
 
 * **Compiled modules.** After its buffers, each instance hands over the
   wasmtime artifacts of the stored modules it compiled (``export_modules``);
@@ -343,7 +346,7 @@ class Parking:
                          host_bytes=rec.host_bytes, park_ms=round((self.clock() - rec.since) * 1000, 3), early=early)
         if self.persist is not None:
             self.persist(rt.tenant_id, True)
-        if (rec.wanted or rt.parked) and not self.stopping() and self._make_room(rt) is True:
+        if (rec.wanted or rt.waiting) and not self.stopping() and self._make_room(rt) is True:
             self.activate(rt)
         self._retry_room_waiters()  # its workers' room is free now
 
@@ -475,7 +478,7 @@ class Parking:
             f"{retry:g} s (or give more tenants an idle_timeout_s)")
         self.capacity_refusals += 1
         self.events.emit("activation_refused", tenant=rt.tenant_id, error=exc.to_dict())
-        while rt.parked:
+        while rt.waiting:
             self.workers.pending.refuse_parked(rt.tenant_id, rt.parked.popleft(), exc)
         return exc
 
@@ -498,7 +501,7 @@ class Parking:
                 self._room_waiters.remove(rt)
                 rec = rt.park
                 if (self.tenants.get(rt.tenant_id) is not rt or rec is None or rec.phase is not ParkPhase.PARKED
-                        or not rt.parked or self.stopping()):
+                        or not rt.waiting or self.stopping()):
                     continue
                 if self._make_room(rt) is True:
                     self.activate(rt)
@@ -662,7 +665,7 @@ class Parking:
         if not workers:
             rec.phase = ParkPhase.PARKED
         rt.refresh_state()
-        while rt.parked:
+        while rt.waiting:
             self.workers.pending.refuse_parked(rt.tenant_id, rt.parked.popleft(), exc)
 
     def activation_stopped(self, rt: TenantRuntime) -> None:
@@ -694,8 +697,8 @@ class Parking:
 def _parkable(rt: TenantRuntime) -> bool:
     """Idle and whole: running, nothing in flight or waiting, no registration or rolling restart."""
     wanted = rt.wanted_slots()
-    return (rt.state is TenantState.RUNNING and rt.in_flight == 0 and not rt.parked and not rt.register_waiters
-            and not rt.ready_waiters and not rt.rolling and rt.rolling_slot is None and bool(wanted)
+    return (rt.state is TenantState.RUNNING and rt.in_flight == 0 and not rt.waiting and not rt.waiters
+            and not rt.rolling_left and rt.rolling_slot is None and bool(wanted)
             and all(s.ready and s.worker is not None and not s.worker.in_flight for s in wanted)
             and all(s.worker is None for s in rt.slots if s.draining) and not rt.block.closed)
 

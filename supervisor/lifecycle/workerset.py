@@ -175,7 +175,7 @@ class WorkerSet:
             # EHOSTUNREACH: the worker's socket is gone (it is dying); EAGAIN: its queue is full
             if exc.errno == zmq.EAGAIN:
                 rt = self.tenants.get(pending.tenant)
-                raise WorkerQueueFull(pending.tenant, rt.in_flight + len(rt.parked) if rt is not None else 0,
+                raise WorkerQueueFull(pending.tenant, rt.in_flight + rt.waiting if rt is not None else 0,
                                       rt.spec.max_in_flight if rt is not None else 0, instance=pending.instance,
                                       queued=len(worker.in_flight)) from None
             raise WorkerLost(pending.tenant, pending.instance, reason=f"worker unreachable: {exc.strerror}") from None
@@ -315,14 +315,6 @@ class WorkerSet:
         opts = dict(self.backend_options)
         opts["device_index"] = rt.device
         opts.update(self.placement.worker_options(rt.spec, rt.device))  # budget, caps, MPS environment
-        message = BindMessage(
-            spec=rt.spec,
-            instance=slot.index,
-            incarnation=slot.incarnation,
-            segment=rt.block.name,
-            backend=self.backend_name,
-            backend_options=opts,
-        )
         now = self.clock()
 
         def done(ok: bool, payload: object) -> None:
@@ -330,6 +322,14 @@ class WorkerSet:
 
         pending = Pending(None, 0, "bind", rt.tenant_id, slot.index, now, now + self.config.register_timeout_s, done)
         try:
+            message = BindMessage(
+                spec=rt.spec,
+                instance=slot.index,
+                incarnation=slot.incarnation,
+                segment=rt.block.open(),  # a tenant without a worker has no segment: made now, same counters
+                backend=self.backend_name,
+                backend_options=opts,
+            )
             self.send_request(worker, "bind", message.to_wire(), None, pending)
         except TensorWasmError as exc:
             done(False, exc.to_dict())
@@ -501,6 +501,19 @@ class WorkerSet:
             max_restarts=rt.spec.max_restarts, window_s=rt.spec.restart_window_s,
         ))
         self._carry_out(rt, slot, index, decision, code, sig, reason)
+        self.release_idle_segment(rt)
+
+    def release_idle_segment(self, rt: TenantRuntime) -> None:
+        """Take down the quota segment of a tenant no worker holds and none is about to
+        (parked, stopped, failed, completed): its counters stay in its record, and the next
+        bind makes the segment again (:class:`~supervisor.store.tenant_quota.TenantQuota`).
+        An instance waiting for a back-off restart keeps it (the restart is moments away)."""
+        if self.tenants.get(rt.tenant_id) is not rt or rt.state is TenantState.EVICTING:
+            return
+        for slot in rt.slots:
+            if slot.restart_at is not None or (slot.worker is not None and slot.worker.state is not WorkerState.DEAD):
+                return
+        rt.block.close_segment()
 
     def _carry_out(self, rt: TenantRuntime, slot: InstanceSlot, index: int, decision: Decision,
                    code: int | None, sig: int | None, reason: str) -> None:

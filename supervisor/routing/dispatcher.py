@@ -241,7 +241,7 @@ class Dispatcher:
             return
         now = self.clock()
         keep: list[Parked] = []
-        while rt.parked:
+        while rt.waiting:
             p = rt.parked.popleft()
             slot = slot_for(rt, p.instance)
             if slot is None:
@@ -259,12 +259,13 @@ class Dispatcher:
                               started=p.started, deadline=p.deadline, held=p.held_reply)
             except TensorWasmError as exc:
                 self.pending.refuse_parked(rt.tenant_id, p, exc)
-        rt.parked.extend(keep)
+        if keep:
+            rt.parked.extend(keep)
 
     def expire_parked(self, now: float) -> None:
         """Parked requests whose deadline passed get :class:`KernelTimeout` (every tick: nothing to do costs one look per tenant)."""
         for rt in self.tenants.values():
-            while rt.parked and rt.parked[0].deadline <= now:
+            while rt.waiting and rt.parked[0].deadline <= now:  # waiting: no queue made for a look
                 p = rt.parked.popleft()
                 waited = p.deadline - p.started
                 self.pending.refuse_parked(rt.tenant_id, p, KernelTimeout(
@@ -273,14 +274,15 @@ class Dispatcher:
     def refuse_all_parked(self, rt: TenantRuntime, exc_of: Callable[[Parked], TensorWasmError | None]) -> None:
         """Answer the parked requests for which ``exc_of`` gives an error; keep the others."""
         keep = []
-        while rt.parked:
+        while rt.waiting:
             p = rt.parked.popleft()
             exc = exc_of(p)
             if exc is None:
                 keep.append(p)
             else:
                 self.pending.refuse_parked(rt.tenant_id, p, exc)
-        rt.parked.extend(keep)
+        if keep:
+            rt.parked.extend(keep)
 
 
 # ------------------------------------------------------------ instance choice (pure policy)

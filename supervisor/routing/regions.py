@@ -47,9 +47,10 @@ from shared import _shm
 from shared.checks import is_int
 from shared.errors import InvalidArgument, SegmentError
 from shared.log import get_logger, log_event
-from shared.quota import QuotaBlock, process_alive, process_start_ms
+from shared.quota import process_alive, process_start_ms
 from shared.records import RegionRecord
 from shared.region import DATA_OFFSET, Region, round_region_size
+from supervisor.store.tenant_quota import TenantQuota
 
 __all__ = ["MAX_REGIONS_PER_TENANT", "SHM_RESERVE_BYTES", "OwnedRegion", "RegionTable", "ipc_peer_pid",
            "shm_free_bytes"]
@@ -91,7 +92,7 @@ class OwnedRegion:
     region_id: int
     tenant_id: str
     region: Region
-    block: QuotaBlock
+    block: TenantQuota
     client_pid: int
     client_start_ms: int
     created_at: float = field(default_factory=time.time)
@@ -122,7 +123,7 @@ class RegionTable:
         self._by_tenant: dict[str, dict[int, OwnedRegion]] = {}
         self._next_id = 1
 
-    def create(self, tenant_id: str, block: QuotaBlock, nbytes: object, client_pid: object,
+    def create(self, tenant_id: str, block: TenantQuota, nbytes: object, client_pid: object,
                *, generation: int = 0) -> OwnedRegion:
         """A new region for ``tenant_id``'s client process ``client_pid``: the pid the kernel
         reported for its connection (:func:`ipc_peer_pid`), never one the client sent; None

@@ -28,11 +28,11 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.quota import QuotaBlock
 from shared.records import ExitRecord
 from shared.spec import TenantSpec
 from supervisor.runtime.completion import Completion
 from supervisor.runtime.requests import Parked
+from supervisor.store.tenant_quota import TenantQuota
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 
 __all__ = ["InstanceSlot", "ParkPhase", "ParkRecord", "ParkedBuffer", "TenantRuntime", "TenantState"]
@@ -91,7 +91,7 @@ class ParkRecord:
         return sum(len(b.data) for bufs in self.buffers.values() for b in bufs)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class InstanceSlot:
     index: int
     worker: WorkerHandle | None = None
@@ -116,40 +116,115 @@ class InstanceSlot:
         return not self.draining and (self.worker is not None or self.restart_at is not None)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TenantRuntime:
+    """A registered tenant in the supervisor's loop.
+
+    Slotted, and its queues made on first use (``parked``, ``restart_times``, ``rolling``,
+    ``modules``, ``register_waiters``, ``ready_waiters``): an empty deque costs 760 B, and ten thousand registered tenants most of which
+    never queue a request, restart or roll must cost the supervisor little more than their
+    records (docs/OPERATIONS.md, "What a tenant costs"). Read them freely; only a tenant that
+    uses one pays for it.
+    """
+
     spec: TenantSpec
-    block: QuotaBlock
+    block: TenantQuota
     generation: int
     registered_at: float = field(default_factory=time.time)
     state: TenantState = TenantState.STARTING
     slots: list[InstanceSlot] = field(default_factory=list)
-    restart_times: collections.deque[float] = field(default_factory=collections.deque)
     restarts_total: int = 0
     in_flight: int = 0
-    parked: collections.deque[Parked] = field(default_factory=collections.deque)
     failed_reason: str | None = None
     device: int = 0
     seen_refusals: int = 0
     rr: int = 0  # round-robin start for pick_slot
-    #: registrations waiting for every instance to be ready: (its completion, the capability bytes)
-    register_waiters: list[tuple[Completion[dict[str, object]], bytes]] = field(default_factory=list)
-    #: modules sent with put_module (digest -> bytes), least recently used first
-    modules: collections.OrderedDict[str, bytes] = field(default_factory=collections.OrderedDict)
     #: where the tenant came from: the config file ("file") or a register request ("runtime")
     origin: str = "runtime"
     #: brought back from the state at start: a failure to start marks it failed, never evicts it
     restoring: bool = False
-    #: resets and restarts waiting for the tenant to run (ServiceOps): completed with its record
-    ready_waiters: list[Completion[dict[str, object]]] = field(default_factory=list)
-    #: a rolling restart: instance indexes still to replace, and the one being replaced
-    rolling: collections.deque[int] = field(default_factory=collections.deque)
     rolling_slot: InstanceSlot | None = None
     rolling_incarnation: int = 0
     #: the loop clock of the last tenant request (0: none yet): the idle time before parking
     last_request: float = 0.0
     #: parked, parking or activating (supervisor.lifecycle.parking); None: active
     park: ParkRecord | None = None
+    # the containers behind the properties below: None until first used
+    _restart_times: collections.deque[float] | None = None
+    _parked: collections.deque[Parked] | None = None
+    _modules: collections.OrderedDict[str, bytes] | None = None
+    _rolling: collections.deque[int] | None = None
+    _register_waiters: list[tuple[Completion[dict[str, object]], bytes]] | None = None
+    _ready_waiters: list[Completion[dict[str, object]]] | None = None
+
+    @property
+    def register_waiters(self) -> list[tuple[Completion[dict[str, object]], bytes]]:
+        """(client, rid, capability bytes) of register requests answered once every instance is
+        ready. Assigning an empty list drops the list (it is made again when next used)."""
+        if self._register_waiters is None:
+            self._register_waiters = []
+        return self._register_waiters
+
+    @register_waiters.setter
+    def register_waiters(self, value: list[tuple[Completion[dict[str, object]], bytes]]) -> None:
+        self._register_waiters = value or None
+
+    @property
+    def ready_waiters(self) -> list[Completion[dict[str, object]]]:
+        """(client, rid, op) of reset/restart requests answered once the tenant runs (ServiceOps).
+        Assigning an empty list drops the list (it is made again when next used)."""
+        if self._ready_waiters is None:
+            self._ready_waiters = []
+        return self._ready_waiters
+
+    @ready_waiters.setter
+    def ready_waiters(self, value: list[Completion[dict[str, object]]]) -> None:
+        self._ready_waiters = value or None
+
+    @property
+    def waiters(self) -> bool:
+        """Whether a register, reset or restart request waits for the tenant (read without making
+        the lists)."""
+        return bool(self._register_waiters) or bool(self._ready_waiters)
+
+    @property
+    def restart_times(self) -> collections.deque[float]:
+        """When the restarts within ``restart_window_s`` happened (the restart intensity)."""
+        if self._restart_times is None:
+            self._restart_times = collections.deque()
+        return self._restart_times
+
+    @property
+    def parked(self) -> collections.deque[Parked]:
+        """Requests waiting for an instance (or an activation), in arrival order."""
+        if self._parked is None:
+            self._parked = collections.deque()
+        return self._parked
+
+    @property
+    def waiting(self) -> int:
+        """How many requests wait in :attr:`parked` (read without making the queue)."""
+        return len(self._parked) if self._parked is not None else 0
+
+    @property
+    def rolling_left(self) -> int:
+        """How many instances a rolling restart still has to replace (read without making the queue)."""
+        return len(self._rolling) if self._rolling is not None else 0
+
+    @property
+    def modules(self) -> collections.OrderedDict[str, bytes]:
+        """Modules sent with put_module (digest -> bytes), least recently used first."""
+        if self._modules is None:
+            self._modules = collections.OrderedDict()
+        return self._modules
+
+    @property
+    def rolling(self) -> collections.deque[int]:
+        """A rolling restart: the instance indexes still to replace (``rolling_slot``: the one
+        being replaced)."""
+        if self._rolling is None:
+            self._rolling = collections.deque()
+        return self._rolling
 
     @property
     def tenant_id(self) -> str:

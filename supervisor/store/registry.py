@@ -39,14 +39,17 @@ from shared.errors import (
 )
 from supervisor.host.mps import MPS_PROBE_MAX_AGE_S, MpsDecision, mps_or_fallback
 from shared.protocol import QUOTA_KEYS
-from shared.quota import UNCHANGED, QuotaBlock, QuotaSnapshot, Unchanged, new_segment_name
+from shared.quota import UNCHANGED, QuotaCounters, QuotaSnapshot, Unchanged, new_segment_name
 from shared.spec import TenantSpec
 from supervisor.store.audit import Denial
 from supervisor.store.state import RegistryKey, StateStore
+from supervisor.store.tenant_quota import TenantQuota
 
 __all__ = ["TenantInfo", "TenantRegistry"]
 
 _VERIFIED_MAX = 1 << 16
+#: distinct (generation, limits) whose fresh quota record tenants share (past it: a record each)
+_SHARED_RECORDS_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class TenantInfo:
 class _Tenant:
     __slots__ = ("spec", "block", "generation", "registered_at")
 
-    def __init__(self, spec: TenantSpec, block: QuotaBlock, generation: int) -> None:
+    def __init__(self, spec: TenantSpec, block: TenantQuota, generation: int) -> None:
         self.spec = spec
         self.block = block
         self.generation = generation
@@ -88,7 +91,8 @@ class TenantRegistry:
     capability. Safe to use from several threads.
     """
 
-    def __init__(self, *, _secret: bytes, _registry_id: bytes, segment_prefix: str | None = None) -> None:
+    def __init__(self, *, _secret: bytes, _registry_id: bytes, segment_prefix: str | None = None,
+                 lazy_segments: bool = False) -> None:
         """Internal: use :meth:`new`."""
         self._secret = _secret
         self._rid = _registry_id
@@ -100,6 +104,16 @@ class TenantRegistry:
         self._closed = False
         self._verified: set[bytes] = set()
         self._retired: set[bytes] = set()
+        self._lazy = lazy_segments
+        #: the quota records new tenants share until they change (by generation and limits; bounded)
+        self._records: dict[tuple[int, int, int | None, int | None], QuotaCounters] = {}
+        #: one bound method shared by every tenant's quota (a pointer each, not an object each)
+        self._namer = self._next_segment_name
+
+    def _next_segment_name(self) -> str:
+        """A fresh segment name: ``twt-<prefix>-<slot>``, a slot never used before by this registry."""
+        self._slot += 1
+        return new_segment_name(self._prefix, self._slot)
 
     @classmethod
     def new(
@@ -109,6 +123,7 @@ class TenantRegistry:
         key: RegistryKey | None = None,
         generations: Mapping[str, int] | None = None,
         retired: Iterable[bytes] = (),
+        lazy_segments: bool = False,
     ) -> tuple[TenantRegistry, RegistryAdminCapability]:
         """A registry and its admin capability.
 
@@ -120,7 +135,10 @@ class TenantRegistry:
         :meth:`rotate_key` (their capabilities are refused as revoked).
 
         Segments are named ``twt-<segment_prefix>-<slot>``; the prefix defaults
-        to the first 8 hex digits of the registry id.
+        to the first 8 hex digits of the registry id. With ``lazy_segments`` (the
+        supervisor's) a tenant is registered without a segment: its quota is a record
+        until :meth:`TenantQuota.open <supervisor.store.tenant_quota.TenantQuota.open>`
+        (a worker is about to be bound); without, each tenant's block is made at once.
         """
         if segment_prefix is not None and (
             not segment_prefix or not all(c.isalnum() or c in "-_" for c in segment_prefix)
@@ -132,14 +150,15 @@ class TenantRegistry:
             raise ValueError(
                 f"registry key must have a {_cap.REGISTRY_ID_BYTES}-byte id and a secret of at least 16 bytes"
             )
-        registry = cls(_secret=key.secret, _registry_id=key.registry_id, segment_prefix=segment_prefix)
+        registry = cls(_secret=key.secret, _registry_id=key.registry_id, segment_prefix=segment_prefix,
+                       lazy_segments=lazy_segments)
         registry._generations.update(generations or {})
         registry._retired.update(retired)
         return registry, registry._admin_capability()
 
     @classmethod
     def from_state(
-        cls, store: StateStore, *, segment_prefix: str | None = None
+        cls, store: StateStore, *, segment_prefix: str | None = None, lazy_segments: bool = False
     ) -> tuple[TenantRegistry, RegistryAdminCapability]:
         """The registry of a supervisor with durable state: the stored identity, or on a
         first start a fresh one that is stored at once (so the admin capability written
@@ -153,6 +172,7 @@ class TenantRegistry:
             key=key,
             generations=store.generations(),
             retired=store.retired_registry_ids(),
+            lazy_segments=lazy_segments,
         )
 
     def _admin_capability(self) -> RegistryAdminCapability:
@@ -330,15 +350,17 @@ class TenantRegistry:
             if restore is not None and restore < last:
                 raise ValueError(f"tenant {tid!r}: generation {restore} is behind {last}, already issued")
             generation = last + 1 if restore is None else restore
-            self._slot += 1
-            block = QuotaBlock.create(
-                tid,
-                memory_quota_bytes=spec.memory_quota_bytes,
-                gpu_memory_bytes_cap=spec.gpu_memory_bytes_cap,
-                recorded_cuda_mem_pool_quota=spec.recorded_cuda_mem_pool_quota,
-                name=new_segment_name(self._prefix, self._slot),
-                generation=generation,
-            )
+            key = (generation, spec.memory_quota_bytes, spec.gpu_memory_bytes_cap, spec.recorded_cuda_mem_pool_quota)
+            record = self._records.get(key)
+            if record is None:
+                record = QuotaCounters(generation=generation, memory_quota_bytes=spec.memory_quota_bytes,
+                                       gpu_memory_bytes_cap=spec.gpu_memory_bytes_cap,
+                                       cuda_mem_pool_quota_bytes=spec.recorded_cuda_mem_pool_quota)
+                if len(self._records) < _SHARED_RECORDS_MAX:
+                    self._records[key] = record
+            block = TenantQuota(tid, record, self._namer, shared=key in self._records)
+            if not self._lazy:
+                block.open()
             self._generations[tid] = generation
             self._tenants[tid] = _Tenant(spec, block, generation)
         return _cap.mint(TenantCapability, self._secret, self._rid, generation, tid)
@@ -397,7 +419,7 @@ class TenantRegistry:
     def release_gpu_bytes_with_capability_strict(self, cap: TenantCapability, n: int) -> None:
         self._quota(cap, True).release_gpu_bytes(n)
 
-    def _quota(self, cap: TenantCapability, strict: bool) -> QuotaBlock:
+    def _quota(self, cap: TenantCapability, strict: bool) -> TenantQuota:
         block = self._check_tenant(cap, strict).block
         if block.closed:  # evicted between the check and now
             raise CapabilityRevoked(cap._tenant_id, f"generation {cap._generation}")
@@ -443,8 +465,9 @@ class TenantRegistry:
             raise UnknownTenant(tenant_id)
         return self._info(tenant_id, entry)
 
-    def block(self, admin_cap: RegistryAdminCapability, tenant_id: str) -> QuotaBlock:
-        """The tenant's quota block itself (the supervisor reads and reclaims on it)."""
+    def block(self, admin_cap: RegistryAdminCapability, tenant_id: str) -> TenantQuota:
+        """The tenant's quota (its block, or its record while it has none): the supervisor reads
+        and reclaims on it."""
         self._check_admin(admin_cap, False)
         entry = self._tenants.get(tenant_id)
         if entry is None:

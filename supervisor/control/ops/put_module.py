@@ -73,7 +73,7 @@ class PutModule(FrontendOp):
             held.release(rt.tenant_id, "modules", len(old))
             if store is not None:
                 store.remove(rt.tenant_id, rt.generation, gone)
-        held.reserve(rt.tenant_id, "modules", len(data), in_flight=rt.in_flight + len(rt.parked),
+        held.reserve(rt.tenant_id, "modules", len(data), in_flight=rt.in_flight + rt.waiting,
                      max_in_flight=rt.spec.max_in_flight)
         rt.modules[digest] = data
         if store is not None:

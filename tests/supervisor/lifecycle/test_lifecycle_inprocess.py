@@ -10,6 +10,7 @@ decided by events, not by how fast the machine is.
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -274,3 +275,37 @@ def test_the_domain_answers_a_registration_and_an_eviction_through_completions(h
     assert len(evicted) == 1 and isinstance(evicted[0], dict)
     assert evicted[0]["evicted"] == "acme" and sorted(evicted[0]["pids"]) == pids
     assert not h.spawner.of("acme")
+
+
+def test_the_quota_segment_lives_while_a_worker_may_hold_it(h: Harness) -> None:
+    """Made at the bind, kept through a crash whose restart is immediate or backed off (the restart
+    is moments away), taken down once the tenant failed (no worker will come): the counters stay."""
+    cap = h.register("acme", instances=1, max_restarts=2, restart_window_s=600)
+    rt = h.sup.tenants["acme"]
+    first = rt.block.name
+    assert first and rt.block.segment is not None
+    h.register("idle", instances=0)
+    assert h.sup.tenants["idle"].block.segment is None  # never started: never a segment
+    (worker,) = h.spawner.of("acme")
+    worker.crash()
+    h.turn(5)
+    assert rt.block.name == first  # restarted at once: the same segment
+    h.tick(1.0)
+    (worker,) = h.spawner.of("acme")
+    worker.crash()
+    h.settle(quiet_turns=3)
+    assert any(s.restart_at is not None for s in rt.slots) and not h.spawner.of("acme")  # backing off
+    assert rt.block.name == first  # a back-off restart keeps it
+    h.tick(1.0)
+    (worker,) = h.spawner.of("acme")
+    worker.crash()
+    h.tick(1.0)
+    assert h.tenant("acme")["state"] == "failed"
+    assert rt.block.segment is None and rt.block.name == ""  # no worker will come: the segment went
+    assert not os.path.exists(f"/dev/shm/{first}")
+    assert rt.block.snapshot().memory_quota_bytes == rt.spec.memory_quota_bytes
+    h.call("reset", {"tenant": "acme"})
+    h.settle()
+    (worker,) = h.spawner.of("acme")
+    assert h.call("ping", {}, cap)["pid"] == worker.process.pid
+    assert rt.block.name not in ("", first)  # made again for the new worker

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from shared.errors import CapacityExhausted
+from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
 from supervisor.lifecycle.parking import RETRY_AFTER_UNKNOWN_S
 from tests.helpers.cluster import supervisor, tenant, wait_for
@@ -92,6 +93,36 @@ def test_an_activation_with_no_room_and_nothing_parkable_is_refused_with_retry_a
         assert c.ping(sleeper).tenant == "sleeper"
         assert tenant(c.status(), "busy").state == "parked"
         assert tenant(c.status(), "sleeper").state == "running"
+
+
+def test_only_workers_alive_count_against_max_active_not_registrations_or_the_pool() -> None:
+    """Tenants registered without a worker (instances = 0), parked tenants and warm pool workers
+    take no room: with one tenant worker allowed, a parked tenant is activated at once beside
+    forty such registrations and two idle pool workers - no early park, no refusal."""
+    with supervisor([{"name": "sleeper"}, {"name": "napper"}], max_active=1, pool_size=2) as sup:
+        c = sup.client
+        for i in range(40):
+            c.register(None, TenantSpec(f"idle{i:02d}", instances=0))
+        _park(c, "napper", LONG)
+        _park(c, "sleeper", LONG)
+        wait_for(lambda: _alive(c) == 0, what="no tenant worker alive")
+        wait_for(lambda: len(c.status().supervisor.pool.pids) == 2, what="two warm pool workers")
+        c.register(None, TenantSpec("late", instances=0))  # registered with max_active reached by nobody
+        mark = _cursor(c)
+        assert c.ping(c.tenant_capability(None, "sleeper")).tenant == "sleeper"
+        _wait_event(c, "activate", "sleeper", mark)
+        refused = c.events_page(None, mark, kinds=["activation_refused"])["events"]
+        early = [e for e in c.events_page(None, mark, kinds=["park"])["events"]
+                 if isinstance(e, dict) and e.get("early")]
+        assert refused == [] and early == []
+        assert tenant(c.status(), "napper").state == "parked"  # not parked early: it already was
+        assert _alive(c) == 1 and c.status().summary is not None and c.status().summary.tenants == 43
+        # now the one worker is taken: the next activation makes room (sleeper, the least recently
+        # used idle tenant, parks early for napper)
+        mark = _cursor(c)
+        assert c.ping(c.tenant_capability(None, "napper")).tenant == "napper"
+        assert _wait_event(c, "park", "sleeper", mark)["early"] is True
+        assert _alive(c) == 1
 
 
 def test_max_active_and_pool_max_are_validated() -> None:
