@@ -318,7 +318,7 @@ def test_a_holder_killed_mid_chunk_is_charged_its_chunk(board: GpuTimeBoard, clo
         wa.finish(2 * MS, last=True)  # a chunk before the kill, charged by the holder itself
         clock.t += MS  # host work between ops
         assert wa.acquire() == 0  # the chunk that is running when it dies
-        pass_before = board.snapshot().tenants[a]["pass"]
+        pass_before = int(board.snapshot().tenants[a]["pass"] or 0)
         wb.want(clock.t)
         clock.t += ran_ms * MS
         _dies(board, wa)
