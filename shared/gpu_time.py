@@ -1014,8 +1014,9 @@ class GpuTimeBoard(MappedSegment):
             if held:
                 now = self._clock()
                 if owner & 1:
-                    # it died mid-chunk: nobody can finish that chunk now (the CAS keeps a racing
-                    # finish from being charged twice: only one of them clears the busy bit)
+                    # it died mid-chunk: nobody will finish that chunk, so it is charged here (once:
+                    # only the reclaim that clears the busy bit charges; the owner word may have
+                    # moved since it was read)
                     if _atomics.compare_exchange(buf, _OWNER, owner, owner & ~1):
                         self._charge_in_flight(buf, tenant, now)
                     owner &= ~1
