@@ -61,7 +61,9 @@ Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label):
     line 3        config   device | quantum ns | mode (1 on, 0 off) | tenant slots T | worker slots W |
                            last chunk end ns | wake sequence | tenants high (max slot ever used + 1)
     line 4        lease    busy since ns (when the running chunk began: written by the worker that set the
-                           busy bit, read by the supervisor when that worker dies mid-chunk) | layout mark
+                           busy bit, read by the supervisor when that worker dies mid-chunk) | layout mark |
+                           handover gap ns | handovers timed (the device idle from a grant another
+                           process made to the grantee's first chunk: what a handover costs)
     line 5+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
                            credit stamp ns | throttled
     line 5+T+w    worker w claimed | pid | start ms | tenant + 1 | waiting since ns | idle charged ns |
@@ -153,7 +155,7 @@ _OWNER, _GRANT_NS, _VCLOCK, _WAITING, _GRANTS, _STEALS, _HANDOFFS, _HIGH = (_CTR
 _CONF = 3 * _LINE
 _C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ, _T_HIGH = (_CONF + 8 * i for i in range(8))
 _LEASE = 4 * _LINE
-_BUSY_SINCE, _LAYOUT_MARK = _LEASE, _LEASE + 8
+_BUSY_SINCE, _LAYOUT_MARK, _GAP_NS, _GAP_N = (_LEASE + 8 * i for i in range(4))
 #: this build's board layout, written by its creator and checked by every attach: a worker of another
 #: build (an in-place upgrade while a supervisor runs) must not read tenant lines at the wrong offsets.
 #: "twtgt" and a version: larger than any weight word, which a board without this line has there
@@ -316,6 +318,9 @@ class GpuTimeBoard(MappedSegment):
         self._op_ns = 0
         self._op_sum = 0
         self._grace_ns = 0
+        #: the grant under which this worker last started a chunk (a new one at a chunk start: the
+        #: device was handed to it by another process since, and the gap is timed)
+        self._grant_seen = 0
         self._bind_counters()
 
     # ------------------------------------------------------------ lifecycle
@@ -717,6 +722,24 @@ class GpuTimeBoard(MappedSegment):
             return now - last >= grace
         return now - grant >= _atomics.load(buf, _C_QUANTUM)
 
+    def _timed_handover(self, buf: memoryview, now: int) -> None:
+        """At a chunk start on a lease this worker held idle: when another process granted it since
+        this worker's last chunk start, the device sat idle from that grant to now - added to the
+        board's handover gap (:meth:`handover_gap`)."""
+        grant = _atomics.load(buf, _GRANT_NS)
+        if grant != self._grant_seen:
+            self._grant_seen = grant
+            if 0 < grant <= now:
+                _atomics.fetch_add(buf, _GAP_NS, now - grant)
+                _atomics.fetch_add(buf, _GAP_N, 1)
+
+    def handover_gap(self) -> tuple[int, int]:
+        """(ns, count): the device's idle time from each grant another process made (a handoff, a
+        steal for another worker, the reclaim of a dead holder) to the grantee's first chunk - what
+        handovers cost the device, summed - and how many such handovers were timed."""
+        buf = self._check()
+        return _atomics.load(buf, _GAP_NS), _atomics.load(buf, _GAP_N)
+
     def _began(self, now: int) -> None:
         """Bookkeeping when this worker starts a chunk it asked for at ``now``: the host gap
         since its last op (its request, not its grant: a wait for the device is no host gap),
@@ -759,6 +782,7 @@ class GpuTimeBoard(MappedSegment):
             if owner == mine | 1 or _atomics.compare_exchange(buf, _OWNER, mine, mine | 1):
                 if owner == mine:
                     _atomics.store(buf, _BUSY_SINCE, now)
+                    self._timed_handover(buf, now)
                 if owner == mine and _atomics.load(buf, _WAITING) - (1 if self._waiting_since else 0) > 0:
                     self._charge_idle(buf, now)
                 self._began(self._waiting_since or now)
@@ -781,6 +805,7 @@ class GpuTimeBoard(MappedSegment):
         if _atomics.compare_exchange(buf, _OWNER, owner, mine | 1):
             _atomics.store(buf, _BUSY_SINCE, now)
             self._grant(buf, w, now)
+            self._grant_seen = now  # its own grant: no handover gap
             if not free:
                 _atomics.fetch_add(buf, _STEALS, 1)
                 victim = (owner >> 1) - 1
@@ -802,6 +827,7 @@ class GpuTimeBoard(MappedSegment):
         if _atomics.compare_exchange(buf, _OWNER, mine, mine | 1):
             now = self._clock()
             _atomics.store(buf, _BUSY_SINCE, now)
+            self._timed_handover(buf, now)
             if self._last_end and not self._op_open:
                 if _atomics.load(buf, _WAITING):
                     self._charge_idle(buf, now)
@@ -953,6 +979,7 @@ class GpuTimeBoard(MappedSegment):
             if nxt is None:
                 if quantum_over:
                     _atomics.store(buf, _GRANT_NS, now)  # the holder's pass is still the smallest: renew
+                    self._grant_seen = now
                 return False
         if nxt is None:
             return False

@@ -622,3 +622,36 @@ def test_a_board_of_another_layout_is_refused(board: GpuTimeBoard) -> None:
     finally:
         _atomics.store(board._buf, _LAYOUT_MARK, good)
     GpuTimeBoard.attach(board.name, tenant_slot=t).close()
+
+
+def test_the_handover_gap_is_the_device_idle_from_a_grant_to_the_grantees_first_chunk(
+        board: GpuTimeBoard, clock: FakeClock) -> None:
+    """What a handover costs the device, summed on the board: from the grant another worker made to
+    the grantee's first chunk. A worker taking a free device (its own grant) and a holder renewing
+    its quantum add nothing."""
+    a, b = board.add_tenant(1.0), board.add_tenant(1.0)
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    try:
+        assert wa.try_acquire(clock.t)  # a free device: its own grant
+        clock.t += 6 * MS
+        assert not wa.finish(6 * MS, last=False)  # quantum over, nobody waits: kept
+        assert wa.acquire() == 0
+        clock.t += MS
+        assert wa.finish(MS, last=False) is False
+        assert board.handover_gap() == (0, 0)
+        wb.want(clock.t)
+        clock.t += 5 * MS
+        assert wa.acquire() == 0
+        clock.t += MS
+        assert wa.finish(MS, last=False)  # a's quantum is over and b's pass is smaller: handed to b
+        clock.t += 300_000  # b wakes up
+        assert wb.try_acquire(clock.t)
+        assert board.handover_gap() == (300_000, 1)
+        clock.t += MS
+        wb.finish(MS, last=True)
+        assert wb.acquire() == 0  # b's next chunk: the same grant, no new gap
+        assert board.handover_gap() == (300_000, 1)
+    finally:
+        wa.close()
+        wb.close()

@@ -282,6 +282,12 @@ class SplitResult(TypedDict):
     together_busy: float
     solo_per_device_s: float
     together_per_device_s: float
+    #: the device idle at handovers (from a grant another process made to the grantee's first chunk)
+    #: per wall s, and per handover timed (us)
+    solo_gap: float
+    together_gap: float
+    solo_gap_us: float
+    together_gap_us: float
 
 
 class EightWindow(TypedDict):
@@ -348,24 +354,27 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
         together: list[float] = []
         together_dev: list[float] = []
         hands: dict[str, list[float]] = {"solo": [], "together": []}
+        gaps: dict[str, list[tuple[float, float]]] = {"solo": [], "together": []}
         segments: list[tuple[float, float]] = []
         board = _board(sup)
         try:
             for _ in range(args.rounds):
                 stop = threading.Event()
-                h0 = _handovers(board)
+                h0, g0 = _handovers(board), _gap(board)
                 w0 = time.monotonic()
                 t0, t1 = run_for(phase, [phase.gemm_loop(solo, stop) for _ in range(4)], stop, args.solo_seconds,
                                   warm_s=0.5)
                 hands["solo"].append((_handovers(board) - h0) / (time.monotonic() - w0))
+                gaps["solo"].append(_gap_rates(g0, _gap(board), time.monotonic() - w0))
                 solo_work.append(solo.work_between(t0, t1) / (t1 - t0))
                 solo_dev.append((phase.accounted("alone", t1) - phase.accounted("alone", t0)) / (t1 - t0))
                 stop = threading.Event()
-                h0 = _handovers(board)
+                h0, g0 = _handovers(board), _gap(board)
                 w0 = time.monotonic()
                 t0, t1 = run_for(phase, [phase.gemm_loop(t, stop) for t in (a, a, b, b)], stop,
                                   args.seconds / args.rounds, warm_s=0.5)
                 hands["together"].append((_handovers(board) - h0) / (time.monotonic() - w0))
+                gaps["together"].append(_gap_rates(g0, _gap(board), time.monotonic() - w0))
                 segments.append((t0, t1))
                 together.append((a.work_between(t0, t1) + b.work_between(t0, t1)) / (t1 - t0))
                 together_dev.append((phase.accounted("w7", t1) - phase.accounted("w7", t0)
@@ -418,6 +427,10 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
             "solo_busy": statistics.median(solo_dev), "together_busy": statistics.median(together_dev),
             "solo_per_device_s": statistics.median(w / d for w, d in zip(solo_work, solo_dev) if d > 0),
             "together_per_device_s": statistics.median(w / d for w, d in zip(together, together_dev) if d > 0),
+            "solo_gap": statistics.median(g for g, _ in gaps["solo"]),
+            "together_gap": statistics.median(g for g, _ in gaps["together"]),
+            "solo_gap_us": statistics.median(u for _, u in gaps["solo"]),
+            "together_gap_us": statistics.median(u for _, u in gaps["together"]),
         }
     finally:
         phase.close()
@@ -534,6 +547,17 @@ def _board(sup: SupervisorHandle) -> GpuTimeBoard | None:
         if isinstance(segment, str):
             return GpuTimeBoard.attach(segment, tenant_slot=None)
     return None
+
+
+def _gap(board: GpuTimeBoard | None) -> tuple[int, int]:
+    """The board's summed handover gap (ns, handovers timed); zeros without a board."""
+    return (0, 0) if board is None else board.handover_gap()
+
+
+def _gap_rates(before: tuple[int, int], after: tuple[int, int], wall_s: float) -> tuple[float, float]:
+    """(device idle at handovers per wall s, us per handover) between two readings of :func:`_gap`."""
+    ns, n = after[0] - before[0], after[1] - before[1]
+    return ns / 1e9 / max(wall_s, 1e-9), ns / 1e3 / n if n else 0.0
 
 
 def _handovers(board: GpuTimeBoard | None) -> int:
@@ -857,7 +881,9 @@ def main(argv: list[str] | None = None) -> int:
         + f"\nwhere the rate goes (medians, together / alone): device busy {split['together_busy']:.0%} / "
         f"{split['solo_busy']:.0%} of the wall time, {split['together_per_device_s']:.0f} / "
         f"{split['solo_per_device_s']:.0f} GEMMs per accounted device s, the lease changing hands "
-        f"{split['together_handovers']:.0f} / {split['solo_handovers']:.0f} times a s",
+        f"{split['together_handovers']:.0f} / {split['solo_handovers']:.0f} times a s, the device idle at "
+        f"handovers {split['together_gap']:.1%} / {split['solo_gap']:.1%} of the wall time "
+        f"({split['together_gap_us']:.0f} / {split['solo_gap_us']:.0f} us each)",
     ))
     report.sections.append((
         "when the weight-3 tenant goes idle",
