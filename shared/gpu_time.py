@@ -63,7 +63,9 @@ Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label):
     line 4        lease    busy since ns (when the running chunk began: written by the worker that set the
                            busy bit, read by the supervisor when that worker dies mid-chunk) | layout mark |
                            handover gap ns | handovers timed (the device idle from a grant another
-                           process made to the grantee's first chunk: what a handover costs)
+                           process made to the grantee's first chunk: what a handover costs) |
+                           held idle ns (the device held idle before each steal: from the holder's
+                           last chunk end, or its grant, to the steal)
     line 5+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
                            credit stamp ns | throttled
     line 5+T+w    worker w claimed | pid | start ms | tenant + 1 | waiting since ns | idle charged ns |
@@ -155,7 +157,7 @@ _OWNER, _GRANT_NS, _VCLOCK, _WAITING, _GRANTS, _STEALS, _HANDOFFS, _HIGH = (_CTR
 _CONF = 3 * _LINE
 _C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ, _T_HIGH = (_CONF + 8 * i for i in range(8))
 _LEASE = 4 * _LINE
-_BUSY_SINCE, _LAYOUT_MARK, _GAP_NS, _GAP_N = (_LEASE + 8 * i for i in range(4))
+_BUSY_SINCE, _LAYOUT_MARK, _GAP_NS, _GAP_N, _STOLEN_IDLE_NS = (_LEASE + 8 * i for i in range(5))
 #: this build's board layout, written by its creator and checked by every attach: a worker of another
 #: build (an in-place upgrade while a supervisor runs) must not read tenant lines at the wrong offsets.
 #: "twtgt" and a version: larger than any weight word, which a board without this line has there
@@ -662,7 +664,9 @@ class GpuTimeBoard(MappedSegment):
     def _steal(self, buf: memoryview, current: int, nxt: int, now: int) -> None:
         """Take the device from an idle holder (owner word ``current``) for ``nxt``; the holder
         lent it (its next op may take it back at a chunk boundary, pass permitting)."""
+        idle = self._held_idle(buf, now)
         if self._give(buf, current, nxt, now, _STEALS):
+            _atomics.fetch_add(buf, _STOLEN_IDLE_NS, idle)
             victim = (current >> 1) - 1
             if 0 <= victim < self.worker_slots:
                 _atomics.store(buf, self._w_off(victim) + _W_LENT, 1)
@@ -733,12 +737,19 @@ class GpuTimeBoard(MappedSegment):
                 _atomics.fetch_add(buf, _GAP_NS, now - grant)
                 _atomics.fetch_add(buf, _GAP_N, 1)
 
-    def handover_gap(self) -> tuple[int, int]:
-        """(ns, count): the device's idle time from each grant another process made (a handoff, a
-        steal for another worker, the reclaim of a dead holder) to the grantee's first chunk - what
-        handovers cost the device, summed - and how many such handovers were timed."""
+    def handover_gap(self) -> tuple[int, int, int]:
+        """(ns, count, held idle ns): the device's idle time from each grant another process made
+        (a handoff, a steal for another worker, the reclaim of a dead holder) to the grantee's first
+        chunk - what handovers cost the device, summed - how many such handovers were timed, and
+        the idle time holders kept the device before it was stolen from them (their grace)."""
         buf = self._check()
-        return _atomics.load(buf, _GAP_NS), _atomics.load(buf, _GAP_N)
+        return _atomics.load(buf, _GAP_NS), _atomics.load(buf, _GAP_N), _atomics.load(buf, _STOLEN_IDLE_NS)
+
+    @staticmethod
+    def _held_idle(buf: memoryview, now: int) -> int:
+        """How long an idle holder has kept the device idle by ``now``: since its last chunk's end,
+        or since its grant when it has run none under it."""
+        return max(0, now - max(_atomics.load(buf, _LAST_END), _atomics.load(buf, _GRANT_NS)))
 
     def _began(self, now: int) -> None:
         """Bookkeeping when this worker starts a chunk it asked for at ``now``: the host gap
@@ -802,12 +813,14 @@ class GpuTimeBoard(MappedSegment):
             else:
                 self._steal(buf, owner, nxt, now)
             return False
+        idle = 0 if free else self._held_idle(buf, now)
         if _atomics.compare_exchange(buf, _OWNER, owner, mine | 1):
             _atomics.store(buf, _BUSY_SINCE, now)
             self._grant(buf, w, now)
             self._grant_seen = now  # its own grant: no handover gap
             if not free:
                 _atomics.fetch_add(buf, _STEALS, 1)
+                _atomics.fetch_add(buf, _STOLEN_IDLE_NS, idle)
                 victim = (owner >> 1) - 1
                 if 0 <= victim < self.worker_slots:
                     _atomics.store(buf, self._w_off(victim) + _W_LENT, 1)

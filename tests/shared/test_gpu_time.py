@@ -639,7 +639,7 @@ def test_the_handover_gap_is_the_device_idle_from_a_grant_to_the_grantees_first_
         assert wa.acquire() == 0
         clock.t += MS
         assert wa.finish(MS, last=False) is False
-        assert board.handover_gap() == (0, 0)
+        assert board.handover_gap() == (0, 0, 0)
         wb.want(clock.t)
         clock.t += 5 * MS
         assert wa.acquire() == 0
@@ -647,11 +647,17 @@ def test_the_handover_gap_is_the_device_idle_from_a_grant_to_the_grantees_first_
         assert wa.finish(MS, last=False)  # a's quantum is over and b's pass is smaller: handed to b
         clock.t += 300_000  # b wakes up
         assert wb.try_acquire(clock.t)
-        assert board.handover_gap() == (300_000, 1)
+        assert board.handover_gap() == (300_000, 1, 0)
         clock.t += MS
         wb.finish(MS, last=True)
         assert wb.acquire() == 0  # b's next chunk: the same grant, no new gap
-        assert board.handover_gap() == (300_000, 1)
+        assert board.handover_gap() == (300_000, 1, 0)
+        clock.t += MS
+        wb.finish(MS, last=True)
+        wa.want(clock.t)
+        clock.t += 3 * MS  # b holds the device idle (guest code) past its grace: a steals it
+        assert wa.try_acquire(clock.t)
+        assert board.handover_gap() == (300_000, 1, 3 * MS)  # a's own grant: no gap; b's idle hold counted
     finally:
         wa.close()
         wb.close()

@@ -288,6 +288,9 @@ class SplitResult(TypedDict):
     together_gap: float
     solo_gap_us: float
     together_gap_us: float
+    #: the device held idle by a holder before a steal, per wall s
+    solo_held_idle: float
+    together_held_idle: float
 
 
 class EightWindow(TypedDict):
@@ -354,7 +357,7 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
         together: list[float] = []
         together_dev: list[float] = []
         hands: dict[str, list[float]] = {"solo": [], "together": []}
-        gaps: dict[str, list[tuple[float, float]]] = {"solo": [], "together": []}
+        gaps: dict[str, list[tuple[float, float, float]]] = {"solo": [], "together": []}
         segments: list[tuple[float, float]] = []
         board = _board(sup)
         try:
@@ -427,10 +430,12 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
             "solo_busy": statistics.median(solo_dev), "together_busy": statistics.median(together_dev),
             "solo_per_device_s": statistics.median(w / d for w, d in zip(solo_work, solo_dev) if d > 0),
             "together_per_device_s": statistics.median(w / d for w, d in zip(together, together_dev) if d > 0),
-            "solo_gap": statistics.median(g for g, _ in gaps["solo"]),
-            "together_gap": statistics.median(g for g, _ in gaps["together"]),
-            "solo_gap_us": statistics.median(u for _, u in gaps["solo"]),
-            "together_gap_us": statistics.median(u for _, u in gaps["together"]),
+            "solo_gap": statistics.median(g[0] for g in gaps["solo"]),
+            "together_gap": statistics.median(g[0] for g in gaps["together"]),
+            "solo_gap_us": statistics.median(g[1] for g in gaps["solo"]),
+            "together_gap_us": statistics.median(g[1] for g in gaps["together"]),
+            "solo_held_idle": statistics.median(g[2] for g in gaps["solo"]),
+            "together_held_idle": statistics.median(g[2] for g in gaps["together"]),
         }
     finally:
         phase.close()
@@ -549,15 +554,18 @@ def _board(sup: SupervisorHandle) -> GpuTimeBoard | None:
     return None
 
 
-def _gap(board: GpuTimeBoard | None) -> tuple[int, int]:
-    """The board's summed handover gap (ns, handovers timed); zeros without a board."""
-    return (0, 0) if board is None else board.handover_gap()
+def _gap(board: GpuTimeBoard | None) -> tuple[int, int, int]:
+    """The board's summed handover gap (ns, handovers timed, held idle before steals); zeros without a board."""
+    return (0, 0, 0) if board is None else board.handover_gap()
 
 
-def _gap_rates(before: tuple[int, int], after: tuple[int, int], wall_s: float) -> tuple[float, float]:
-    """(device idle at handovers per wall s, us per handover) between two readings of :func:`_gap`."""
-    ns, n = after[0] - before[0], after[1] - before[1]
-    return ns / 1e9 / max(wall_s, 1e-9), ns / 1e3 / n if n else 0.0
+def _gap_rates(before: tuple[int, int, int], after: tuple[int, int, int],
+               wall_s: float) -> tuple[float, float, float]:
+    """(device idle at handovers per wall s, us per handover, device held idle before steals per
+    wall s) between two readings of :func:`_gap`."""
+    ns, n, held = (x - y for x, y in zip(after, before))
+    wall = max(wall_s, 1e-9)
+    return ns / 1e9 / wall, ns / 1e3 / n if n else 0.0, held / 1e9 / wall
 
 
 def _handovers(board: GpuTimeBoard | None) -> int:
@@ -883,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{split['solo_per_device_s']:.0f} GEMMs per accounted device s, the lease changing hands "
         f"{split['together_handovers']:.0f} / {split['solo_handovers']:.0f} times a s, the device idle at "
         f"handovers {split['together_gap']:.1%} / {split['solo_gap']:.1%} of the wall time "
-        f"({split['together_gap_us']:.0f} / {split['solo_gap_us']:.0f} us each)",
+        f"({split['together_gap_us']:.0f} / {split['solo_gap_us']:.0f} us each), held idle before a steal "
+        f"{split['together_held_idle']:.1%} / {split['solo_held_idle']:.1%}",
     ))
     report.sections.append((
         "when the weight-3 tenant goes idle",
