@@ -428,8 +428,8 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
             "solo_handovers": statistics.median(hands["solo"]),
             "together_handovers": statistics.median(hands["together"]),
             "solo_busy": statistics.median(solo_dev), "together_busy": statistics.median(together_dev),
-            "solo_per_device_s": statistics.median(w / d for w, d in zip(solo_work, solo_dev) if d > 0),
-            "together_per_device_s": statistics.median(w / d for w, d in zip(together, together_dev) if d > 0),
+            "solo_per_device_s": _median_or_0([w / d for w, d in zip(solo_work, solo_dev) if d > 0]),
+            "together_per_device_s": _median_or_0([w / d for w, d in zip(together, together_dev) if d > 0]),
             "solo_gap": statistics.median(g[0] for g in gaps["solo"]),
             "together_gap": statistics.median(g[0] for g in gaps["together"]),
             "solo_gap_us": statistics.median(g[1] for g in gaps["solo"]),
@@ -552,6 +552,11 @@ def _board(sup: SupervisorHandle) -> GpuTimeBoard | None:
         if isinstance(segment, str):
             return GpuTimeBoard.attach(segment, tenant_slot=None)
     return None
+
+
+def _median_or_0(values: list[float]) -> float:
+    """The median, 0.0 for no values (a round in which nothing was accounted: reported, not a crash)."""
+    return statistics.median(values) if values else 0.0
 
 
 def _gap(board: GpuTimeBoard | None) -> tuple[int, int, int]:
