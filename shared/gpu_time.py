@@ -60,9 +60,15 @@ Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label):
     line 2        control  owner | grant ns | vclock | waiting | grants | steals | handoffs | workers high
     line 3        config   device | quantum ns | mode (1 on, 0 off) | tenant slots T | worker slots W |
                            last chunk end ns | wake sequence | tenants high (max slot ever used + 1)
-    line 4+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
+    line 4        lease    busy since ns (when the running chunk began: written by the worker that set the
+                           busy bit, read by the supervisor when that worker dies mid-chunk) | layout mark |
+                           handover gap ns | handovers timed (the device idle from a grant another
+                           process made to the grantee's first chunk: what a handover costs) |
+                           held idle ns (the device held idle before each steal: from the holder's
+                           last chunk end, or its grant, to the steal)
+    line 5+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
                            credit stamp ns | throttled
-    line 4+T+w    worker w claimed | pid | start ms | tenant + 1 | waiting since ns | idle charged ns |
+    line 5+T+w    worker w claimed | pid | start ms | tenant + 1 | waiting since ns | idle charged ns |
                            lent (gave the device up for host work) | grace ns
 
 Capacity: the owner sizes the board (``tenants``, ``workers``: the supervisor takes them from
@@ -79,7 +85,12 @@ supervisor's start what one of 2,048 does.
 Death: a worker that dies holding the device loses it as soon as the
 supervisor sees the death (:meth:`GpuTimeBoard.reclaim_dead`, called where
 the quota shares are reclaimed); a hung op is bounded by the run's deadline,
-after which the supervisor kills the worker.
+after which the supervisor kills the worker. A worker killed mid-chunk never
+reports that chunk, so the reclaim charges its tenant the time from the
+chunk's start (the lease line's ``busy since``) to the reclaim, at most one
+quantum: the device may have run it all that time (a kernel is not stopped by
+its process's death before the context is torn down), and a tenant must not
+get device time free by dying inside its chunks.
 """
 
 from __future__ import annotations
@@ -145,7 +156,13 @@ _CTRL = 2 * _LINE
 _OWNER, _GRANT_NS, _VCLOCK, _WAITING, _GRANTS, _STEALS, _HANDOFFS, _HIGH = (_CTRL + 8 * i for i in range(8))
 _CONF = 3 * _LINE
 _C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ, _T_HIGH = (_CONF + 8 * i for i in range(8))
-_TENANTS = 4 * _LINE
+_LEASE = 4 * _LINE
+_BUSY_SINCE, _LAYOUT_MARK, _GAP_NS, _GAP_N, _STOLEN_IDLE_NS = (_LEASE + 8 * i for i in range(5))
+#: this build's board layout, written by its creator and checked by every attach: a worker of another
+#: build (an in-place upgrade while a supervisor runs) must not read tenant lines at the wrong offsets.
+#: "twtgt" and a version: larger than any weight word, which a board without this line has there
+_LAYOUT = (0x7477_7467_74 << 16) | 2
+_TENANTS = 5 * _LINE
 _T_ACTIVE, _T_WEIGHT, _T_CAP, _T_PASS, _T_USED, _T_CREDIT, _T_STAMP, _T_THROTTLED = (8 * i for i in range(8))
 _W_CLAIMED, _W_PID, _W_START, _W_TENANT, _W_WAITING, _W_IDLE, _W_LENT, _W_GRACE = (8 * i for i in range(8))
 #: the gap estimate (EWMA) starts at 0: a new worker is assumed busy until it shows host gaps
@@ -303,6 +320,9 @@ class GpuTimeBoard(MappedSegment):
         self._op_ns = 0
         self._op_sum = 0
         self._grace_ns = 0
+        #: the grant under which this worker last started a chunk (a new one at a chunk start: the
+        #: device was handed to it by another process since, and the gap is timed)
+        self._grant_seen = 0
         self._bind_counters()
 
     # ------------------------------------------------------------ lifecycle
@@ -333,6 +353,7 @@ class GpuTimeBoard(MappedSegment):
             _atomics.store(buf, _C_MODE, 1 if scheduler else 0)
             _atomics.store(buf, _C_TENANTS, tenants)
             _atomics.store(buf, _C_WORKERS, workers)
+            _atomics.store(buf, _LAYOUT_MARK, _LAYOUT)
             write_header(buf, KIND_GPU_TIME, f"gpu time {device_index}", generation, size)
             board = cls(seg, device_index, owner=True, worker=None, tenant=None, clock=clock)
             board.reserved_tenants = reserved
@@ -356,7 +377,7 @@ class GpuTimeBoard(MappedSegment):
             tenants = _atomics.load(buf, _C_TENANTS) if len(buf) >= _TENANTS else 0
             workers = _atomics.load(buf, _C_WORKERS) if len(buf) >= _TENANTS else 0
             if not (1 <= tenants <= LIMIT_TENANT_SLOTS and 1 <= workers <= LIMIT_WORKER_SLOTS
-                    and len(buf) >= _layout_bytes(tenants, workers)):
+                    and len(buf) >= _layout_bytes(tenants, workers) and _atomics.load(buf, _LAYOUT_MARK) == _LAYOUT):
                 raise SegmentError(name, "gpu time board layout does not match this build")
             device = _atomics.load(buf, _C_DEVICE)
             worker = None
@@ -643,7 +664,9 @@ class GpuTimeBoard(MappedSegment):
     def _steal(self, buf: memoryview, current: int, nxt: int, now: int) -> None:
         """Take the device from an idle holder (owner word ``current``) for ``nxt``; the holder
         lent it (its next op may take it back at a chunk boundary, pass permitting)."""
+        idle = self._held_idle(buf, now)
         if self._give(buf, current, nxt, now, _STEALS):
+            _atomics.fetch_add(buf, _STOLEN_IDLE_NS, idle)
             victim = (current >> 1) - 1
             if 0 <= victim < self.worker_slots:
                 _atomics.store(buf, self._w_off(victim) + _W_LENT, 1)
@@ -703,6 +726,31 @@ class GpuTimeBoard(MappedSegment):
             return now - last >= grace
         return now - grant >= _atomics.load(buf, _C_QUANTUM)
 
+    def _timed_handover(self, buf: memoryview, now: int) -> None:
+        """At a chunk start on a lease this worker held idle: when another process granted it since
+        this worker's last chunk start, the device sat idle from that grant to now - added to the
+        board's handover gap (:meth:`handover_gap`)."""
+        grant = _atomics.load(buf, _GRANT_NS)
+        if grant != self._grant_seen:
+            self._grant_seen = grant
+            if 0 < grant <= now:
+                _atomics.fetch_add(buf, _GAP_NS, now - grant)
+                _atomics.fetch_add(buf, _GAP_N, 1)
+
+    def handover_gap(self) -> tuple[int, int, int]:
+        """(ns, count, held idle ns): the device's idle time from each grant another process made
+        (a handoff, a steal for another worker, the reclaim of a dead holder) to the grantee's first
+        chunk - what handovers cost the device, summed - how many such handovers were timed, and
+        the idle time holders kept the device before it was stolen from them (their grace)."""
+        buf = self._check()
+        return _atomics.load(buf, _GAP_NS), _atomics.load(buf, _GAP_N), _atomics.load(buf, _STOLEN_IDLE_NS)
+
+    @staticmethod
+    def _held_idle(buf: memoryview, now: int) -> int:
+        """How long an idle holder has kept the device idle by ``now``: since its last chunk's end,
+        or since its grant when it has run none under it."""
+        return max(0, now - max(_atomics.load(buf, _LAST_END), _atomics.load(buf, _GRANT_NS)))
+
     def _began(self, now: int) -> None:
         """Bookkeeping when this worker starts a chunk it asked for at ``now``: the host gap
         since its last op (its request, not its grant: a wait for the device is no host gap),
@@ -743,6 +791,9 @@ class GpuTimeBoard(MappedSegment):
         owner = _atomics.load(buf, _OWNER)
         if owner == mine or owner == mine | 1:
             if owner == mine | 1 or _atomics.compare_exchange(buf, _OWNER, mine, mine | 1):
+                if owner == mine:
+                    _atomics.store(buf, _BUSY_SINCE, now)
+                    self._timed_handover(buf, now)
                 if owner == mine and _atomics.load(buf, _WAITING) - (1 if self._waiting_since else 0) > 0:
                     self._charge_idle(buf, now)
                 self._began(self._waiting_since or now)
@@ -762,10 +813,14 @@ class GpuTimeBoard(MappedSegment):
             else:
                 self._steal(buf, owner, nxt, now)
             return False
+        idle = 0 if free else self._held_idle(buf, now)
         if _atomics.compare_exchange(buf, _OWNER, owner, mine | 1):
+            _atomics.store(buf, _BUSY_SINCE, now)
             self._grant(buf, w, now)
+            self._grant_seen = now  # its own grant: no handover gap
             if not free:
                 _atomics.fetch_add(buf, _STEALS, 1)
+                _atomics.fetch_add(buf, _STOLEN_IDLE_NS, idle)
                 victim = (owner >> 1) - 1
                 if 0 <= victim < self.worker_slots:
                     _atomics.store(buf, self._w_off(victim) + _W_LENT, 1)
@@ -783,8 +838,10 @@ class GpuTimeBoard(MappedSegment):
         buf, w = self._need_worker()
         mine = self._mine
         if _atomics.compare_exchange(buf, _OWNER, mine, mine | 1):
+            now = self._clock()
+            _atomics.store(buf, _BUSY_SINCE, now)
+            self._timed_handover(buf, now)
             if self._last_end and not self._op_open:
-                now = self._clock()
                 if _atomics.load(buf, _WAITING):
                     self._charge_idle(buf, now)
                 self._began(now)
@@ -935,6 +992,7 @@ class GpuTimeBoard(MappedSegment):
             if nxt is None:
                 if quantum_over:
                     _atomics.store(buf, _GRANT_NS, now)  # the holder's pass is still the smallest: renew
+                    self._grant_seen = now
                 return False
         if nxt is None:
             return False
@@ -973,7 +1031,10 @@ class GpuTimeBoard(MappedSegment):
         """Free the slot of every dead worker; ``[(worker slot, pid, held the device)]``.
 
         A dead holder's lease goes to the next pick at once (or the device is
-        freed). Called by the supervisor when it sees a worker die.
+        freed). A holder that died mid-chunk (the busy bit set) never reported
+        that chunk: its tenant is charged the time from the chunk's start to
+        now, at most one quantum (:meth:`_charge_in_flight`). Called by the
+        supervisor when it sees a worker die.
         """
         buf = self._check()
         found = []
@@ -984,18 +1045,53 @@ class GpuTimeBoard(MappedSegment):
             pid = _atomics.load(buf, off + _W_PID)
             if pid == 0 or _owner_alive(pid, _atomics.load(buf, off + _W_START)):
                 continue
+            tenant = _atomics.load(buf, off + _W_TENANT) - 1
             _atomics.store(buf, off + _W_TENANT, 0)
             if _atomics.exchange(buf, off + _W_WAITING, 0):
                 _atomics.fetch_add(buf, _WAITING, _ADD_MINUS_ONE)
             owner = _atomics.load(buf, _OWNER)
             held = owner != 0 and (owner >> 1) - 1 == w
             if held:
-                self._hand_over(buf, owner, self._clock())
+                now = self._clock()
+                if owner & 1:
+                    # it died mid-chunk: nobody will finish that chunk, so it is charged here (once:
+                    # only the reclaim that clears the busy bit charges; the owner word may have
+                    # moved since it was read)
+                    if _atomics.compare_exchange(buf, _OWNER, owner, owner & ~1):
+                        self._charge_in_flight(buf, tenant, now)
+                    owner &= ~1
+                self._hand_over(buf, owner, now)
             _atomics.store(buf, off + _W_PID, 0)
             _atomics.store(buf, off + _W_START, 0)
             _atomics.store(buf, off + _W_CLAIMED, 0)
             found.append((w, pid, held))
         return found
+
+    def _charge_in_flight(self, buf: memoryview, tenant: int, now: int) -> int:
+        """Charge ``tenant`` (a dead holder's) for the chunk it was running: from the chunk's start
+        to ``now``, at most one quantum; the ns charged.
+
+        The start is the lease line's ``busy since``, raised to the last chunk end and the grant
+        (a holder killed between its CAS and that store leaves the previous chunk's start there:
+        the running chunk began after both). Charged like :meth:`finish` charges a chunk: pass,
+        used time, the cap's bucket - but the device is not handed over here (the caller does).
+        """
+        start = max(_atomics.load(buf, _BUSY_SINCE), _atomics.load(buf, _LAST_END), _atomics.load(buf, _GRANT_NS))
+        ns = min(max(0, now - start), _atomics.load(buf, _C_QUANTUM))
+        if ns <= 0 or not 0 <= tenant < self.tenant_slots:
+            return 0
+        t_off = _t_off(tenant)
+        if not _atomics.load(buf, t_off + _T_ACTIVE):
+            return 0  # the tenant left (evicted): nothing to charge
+        weight = _atomics.load(buf, t_off + _T_WEIGHT) or 1
+        _atomics.fetch_add(buf, t_off + _T_PASS, ns * _MICRO // weight)
+        _atomics.fetch_add(buf, t_off + _T_USED, ns)
+        cap = _atomics.load(buf, t_off + _T_CAP)
+        if cap:
+            _atomics.store(buf, t_off + _T_CREDIT, _BIAS + self._credit(buf, t_off, cap, now) - ns)
+            _atomics.store(buf, t_off + _T_STAMP, now)
+        _atomics.store(buf, _LAST_END, now)
+        return ns
 
     # ----------------------------------------------------------------- reads
 

@@ -292,6 +292,86 @@ def test_a_dead_holders_lease_passes_on(board: GpuTimeBoard, clock: FakeClock) -
         wa.close()
 
 
+def _dies(board: GpuTimeBoard, handle: GpuTimeBoard) -> None:
+    """Make ``handle``'s worker slot name a pid that has exited (its process "died")."""
+    from shared import _atomics
+    from shared.gpu_time import _W_PID
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert handle.worker_slot is not None
+    _atomics.store(board._buf, board._w_off(handle.worker_slot) + _W_PID, dead.pid)
+
+
+@pytest.mark.parametrize("ran_ms, charged_ms", [(3, 3), (40, 5)])
+def test_a_holder_killed_mid_chunk_is_charged_its_chunk(board: GpuTimeBoard, clock: FakeClock, ran_ms: int,
+                                                        charged_ms: int) -> None:
+    """A holder killed mid-chunk never finishes that chunk: the reclaim charges its tenant the time
+    from the chunk's start to the reclaim, at most one quantum (5 ms here) - pass and used time,
+    as ``finish`` would; the time charged before the kill is kept, the waiter's tenant pays nothing."""
+    a, b = board.add_tenant(2.0), board.add_tenant(1.0)
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    try:
+        assert wa.try_acquire(clock.t)
+        clock.t += 2 * MS
+        wa.finish(2 * MS, last=True)  # a chunk before the kill, charged by the holder itself
+        clock.t += MS  # host work between ops
+        assert wa.acquire() == 0  # the chunk that is running when it dies
+        pass_before = int(board.snapshot().tenants[a]["pass"] or 0)
+        wb.want(clock.t)
+        clock.t += ran_ms * MS
+        _dies(board, wa)
+        found = board.reclaim_dead()
+        assert [(w, held) for w, _, held in found] == [(wa.worker_slot, True)]
+        snap = board.snapshot()
+        assert snap.tenants[a]["used_ns"] == 2 * MS + charged_ms * MS
+        assert snap.tenants[a]["pass"] == pass_before + charged_ms * MS // 2  # weight 2
+        assert snap.tenants[b]["used_ns"] == 0
+        assert wb.holds() and wb.try_acquire(clock.t)
+    finally:
+        wb.close()
+        wa._worker = None  # its slot was freed by the reclaim
+        wa.close()
+
+
+def test_a_holder_killed_between_chunks_is_charged_nothing_more(board: GpuTimeBoard, clock: FakeClock) -> None:
+    """Killed while holding the device idle (guest code, no chunk running): no device work was in
+    flight, so the reclaim charges nothing beyond what it finished; a capped tenant's bucket is
+    charged with the in-flight chunk like any chunk."""
+    a = board.add_tenant(1.0)
+    c = board.add_tenant(1.0, cap=0.5)
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wc = GpuTimeBoard.attach(board.name, tenant_slot=c, clock=clock)
+    try:
+        assert wa.try_acquire(clock.t)
+        clock.t += MS
+        wa.finish(MS, last=True)
+        clock.t += 30 * MS
+        _dies(board, wa)
+        assert [held for _, _, held in board.reclaim_dead()] == [True]
+        assert board.used_ns(a) == MS
+        assert board.snapshot().holder is None
+        # the capped tenant: its bucket (4 quanta = 20 ms) loses the killed chunk's 5 ms (one quantum)
+        assert wc.try_acquire(clock.t)
+        clock.t += 5 * MS
+        wc.finish(5 * MS, last=False)  # 15 ms of credit left
+        assert wc.acquire() == 0
+        clock.t += 9 * MS  # its bucket refills by 4.5 ms meanwhile (cap 0.5)
+        _dies(board, wc)
+        board.reclaim_dead()
+        assert board.used_ns(c) == 10 * MS
+        assert wc.throttled_wait_ns() == 0
+        from shared import _atomics
+        from shared.gpu_time import _BIAS, _T_CREDIT, _t_off
+
+        assert _atomics.load(board._buf, _t_off(c) + _T_CREDIT) - _BIAS == 15 * MS + 9 * MS // 2 - 5 * MS
+    finally:
+        for h in (wa, wc):
+            h._worker = None
+            h.close()
+
+
 def test_close_gives_the_device_back(board: GpuTimeBoard, clock: FakeClock) -> None:
     t = board.add_tenant()
     w = GpuTimeBoard.attach(board.name, tenant_slot=t, clock=clock)
@@ -524,3 +604,60 @@ def test_tenant_lines_get_their_memory_in_chunks_as_they_are_used(clock: FakeClo
 def test_a_board_of_a_bad_size_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         GpuTimeBoard.create(0, **bad)
+
+
+def test_a_board_of_another_layout_is_refused(board: GpuTimeBoard) -> None:
+    """A worker of another build (an in-place upgrade under a running supervisor) must not attach to a
+    board whose lines sit at other offsets: refused, naming the layout, nothing claimed."""
+    from shared import _atomics
+    from shared.errors import SegmentError
+    from shared.gpu_time import _LAYOUT_MARK
+
+    t = board.add_tenant(1.0)
+    good = _atomics.load(board._buf, _LAYOUT_MARK)
+    _atomics.store(board._buf, _LAYOUT_MARK, 1_000_000)  # what a board of the older layout has there
+    try:
+        with pytest.raises(SegmentError, match="layout does not match"):
+            GpuTimeBoard.attach(board.name, tenant_slot=t)
+    finally:
+        _atomics.store(board._buf, _LAYOUT_MARK, good)
+    GpuTimeBoard.attach(board.name, tenant_slot=t).close()
+
+
+def test_the_handover_gap_is_the_device_idle_from_a_grant_to_the_grantees_first_chunk(
+        board: GpuTimeBoard, clock: FakeClock) -> None:
+    """What a handover costs the device, summed on the board: from the grant another worker made to
+    the grantee's first chunk. A worker taking a free device (its own grant) and a holder renewing
+    its quantum add nothing."""
+    a, b = board.add_tenant(1.0), board.add_tenant(1.0)
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    try:
+        assert wa.try_acquire(clock.t)  # a free device: its own grant
+        clock.t += 6 * MS
+        assert not wa.finish(6 * MS, last=False)  # quantum over, nobody waits: kept
+        assert wa.acquire() == 0
+        clock.t += MS
+        assert wa.finish(MS, last=False) is False
+        assert board.handover_gap() == (0, 0, 0)
+        wb.want(clock.t)
+        clock.t += 5 * MS
+        assert wa.acquire() == 0
+        clock.t += MS
+        assert wa.finish(MS, last=False)  # a's quantum is over and b's pass is smaller: handed to b
+        clock.t += 300_000  # b wakes up
+        assert wb.try_acquire(clock.t)
+        assert board.handover_gap() == (300_000, 1, 0)
+        clock.t += MS
+        wb.finish(MS, last=True)
+        assert wb.acquire() == 0  # b's next chunk: the same grant, no new gap
+        assert board.handover_gap() == (300_000, 1, 0)
+        clock.t += MS
+        wb.finish(MS, last=True)
+        wa.want(clock.t)
+        clock.t += 3 * MS  # b holds the device idle (guest code) past its grace: a steals it
+        assert wa.try_acquire(clock.t)
+        assert board.handover_gap() == (300_000, 1, 3 * MS)  # a's own grant: no gap; b's idle hold counted
+    finally:
+        wa.close()
+        wb.close()

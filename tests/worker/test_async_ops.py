@@ -536,7 +536,8 @@ def test_sigkill_with_a_non_empty_queue_releases_the_lease() -> None:
     try:
         with QuotaBlock.create("killed") as owner:
             ready = spawn.Event()
-            p = spawn.Process(target=_holder_with_a_queue, args=(board.name, board.add_tenant(1.0), owner.name, ready))
+            slot = board.add_tenant(1.0)
+            p = spawn.Process(target=_holder_with_a_queue, args=(board.name, slot, owner.name, ready))
             p.start()
             try:
                 assert ready.wait(WAIT_S)
@@ -547,6 +548,8 @@ def test_sigkill_with_a_non_empty_queue_releases_the_lease() -> None:
                 (reclaimed,) = board.reclaim_dead()
                 assert reclaimed[1:] == (p.pid, True)
                 assert board.snapshot().holder is None  # nobody waits: the device is free
+                # its op never finished: the reclaim charged the chunk it was running (<= a quantum)
+                assert 0 < board.used_ns(slot) <= board.quantum_ns
             finally:
                 if p.is_alive():
                     p.kill()
