@@ -387,7 +387,7 @@ class WireArgs(Generic[R]):
     def to_wire(self) -> dict[str, object]:
         """The argument map: an optional argument left :data:`ABSENT` is left out (None is sent as nil,
         which some arguments take: ``set_quota``'s ``gpu_time_cap=None`` lifts the cap)."""
-        return {name: value for name in _field_names(type(self)) if (value := getattr(self, name)) is not ABSENT}
+        return {name: value for name in _field_names(typing.cast(type, type(self))) if (value := getattr(self, name)) is not ABSENT}
 
     def reply(self, payload: object) -> R:
         """The typed reply of a request with these arguments."""
