@@ -11,6 +11,11 @@ Remote errors are raised as the same classes with the same fields
 :class:`SupervisorUnavailable`. One client is one DEALER socket: use one
 client per thread (calls on one client from several threads are serialised).
 For pipelining, :meth:`send` and :meth:`recv` expose the raw request/reply.
+Every op goes through one typed call, :meth:`invoke` (``client.invoke(cap,
+Echo.Args(text="hi")) -> Echo.Reply``; a body frame where the op's definition
+takes one): each named method builds its op's arguments, invokes, and returns
+the reply or a part of it, so an op without a named method (``echo``) is sent
+the same way.
 
 Remote supervisors (their ``listen`` TCP frontend, CURVE-encrypted) are
 reached with :meth:`SupervisorClient.remote`; the methods are the same. A
@@ -535,9 +540,10 @@ class SupervisorClient:
             raise error_from_dict(payload if isinstance(payload, dict) else {"code": "internal", "message": str(payload), "fields": {}})
         return payload, out_body
 
-    def _call_locked(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None,
-                     *, timeout_s: float | None = None) -> object:
-        return self._request_locked(op, cap, args, timeout_s=timeout_s)[0]
+    def _invoke_locked(self, cap: Capability | bytes | None, args: proto.WireArgs[R], *,
+                       timeout_s: float | None = None) -> R:
+        """:meth:`invoke` with ``self._lock`` held by the caller (the bulk path's region requests)."""
+        return args.reply(self._request_locked(args.op, cap, args.to_wire(), timeout_s=timeout_s)[0])
 
     def call(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None, *,
              body: bytes | memoryview | None = None, timeout_s: float | None = None) -> object:

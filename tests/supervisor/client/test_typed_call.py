@@ -24,9 +24,9 @@ from supervisor.client.api import SupervisorClient
 
 #: the client's plumbing: the raw request primitives and the typed call over them (all else goes through these)
 _PLUMBING = frozenset({"send", "recv", "request", "call", "invoke", "invoke_body", "_exchange", "_request_locked",
-                       "_call_locked", "_recv_one", "_recv_remote", "_read_reply"})
+                       "_invoke_locked", "_recv_one", "_recv_remote", "_read_reply"})
 #: what only the plumbing may call: sending a request by its op's name and an argument map
-_RAW = frozenset({"send", "request", "call", "_request_locked", "_call_locked"})
+_RAW = frozenset({"send", "request", "call", "_request_locked"})
 _TYPED = frozenset({"invoke", "invoke_body", "_exchange"})
 
 
