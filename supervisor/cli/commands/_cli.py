@@ -13,11 +13,17 @@ import argparse
 import os
 import sys
 import tomllib
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
-from shared.capability import MonitorCapability, TenantCapability, capability_to_text, read_capability_file, write_capability_file
+from shared.capability import (
+    MonitorCapability,
+    TenantCapability,
+    capability_to_text,
+    read_capability_file,
+    write_capability_file,
+)
 from shared.errors import RequestTimeout, SupervisorUnavailable
 from shared.records import StatusRecord, TenantRecord
 from shared.sizes import decimal_size_note, format_size, parse_size

@@ -9,11 +9,10 @@ import argparse
 
 from shared import protocol as proto
 from shared.sizes import format_size
-from supervisor.client.cli_args import non_negative_int, print_json
+from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.cli.commands._buffers import buffer_size, connect_tenant, record
 from supervisor.cli.commands._cli import add_capability_option
-from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.client.cli_args import non_negative_int, print_json
 
 __all__ = ["AllocCommand"]
 

@@ -9,11 +9,10 @@ import argparse
 
 from shared import protocol as proto
 from shared.sizes import format_size
-from supervisor.client.cli_args import print_json, print_table
+from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.cli.commands._buffers import connect_tenant, record
 from supervisor.cli.commands._cli import add_capability_option
-from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.client.cli_args import print_json, print_table
 
 __all__ = ["BuffersCommand"]
 

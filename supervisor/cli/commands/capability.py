@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 
+from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.cli.commands._cli import add_cap_out, check_cap_out, emit_capability
 from supervisor.control.ops.capability import ROLES
-from supervisor.cli.commands._base import Connect, OpCommand
-
 
 __all__ = ["CapabilityCommand"]
 

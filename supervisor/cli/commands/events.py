@@ -2,7 +2,7 @@
 
 The op: ``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``. The
 admin capability sees every event, a tenant capability its own tenant's (the frontend
-verifies which; :class:`Events` reads the log for it). The command:
+verifies which; :class:`~supervisor.control.ops.events.Events` reads the log for it). The command:
 
     $ twt events --filter exit --filter restart
     12:01:07.513  exit           acme/0  pid=4250 signal=9(SIGKILL) reason="killed by signal 9" expected=False
@@ -22,22 +22,21 @@ first prints what the log still holds.
 from __future__ import annotations
 
 import argparse
-
 import json
 import signal as signal_mod
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
 from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability, read_capability_file
 from shared.checks import is_int
 from shared.kinds import EVENT_KINDS
 from shared.sizes import format_size
+from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.client.cli_args import at_least_one, comma_list, positive_seconds
 from supervisor.client.event_follow import MISSED, follow
 from supervisor.client.outage import Reconnecting
-from supervisor.cli.commands._base import Connect, OpCommand
-
 
 __all__ = ["EventsCommand", "KINDS", "format_event"]
 

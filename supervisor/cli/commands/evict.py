@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from supervisor.client.cli_args import print_json
-from supervisor.cli.commands._cli import ADMIN_TIMEOUT_S, tenant_argument
 from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.cli.commands._cli import ADMIN_TIMEOUT_S, tenant_argument
+from supervisor.client.cli_args import print_json
 
 __all__ = ["EvictCommand"]
 

@@ -9,10 +9,9 @@ import argparse
 
 from shared import protocol as proto
 from shared.sizes import format_size
+from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.cli.commands._buffers import connect_tenant, held_buffer, report
 from supervisor.cli.commands._cli import add_capability_option
-from supervisor.cli.commands._base import Connect, OpCommand
-
 
 __all__ = ["FreeCommand"]
 

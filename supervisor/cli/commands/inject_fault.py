@@ -14,10 +14,9 @@ import argparse
 
 from shared.protocol import FAULT_KINDS
 from shared.sizes import parse_size
-from supervisor.client.cli_args import non_negative_int, print_json
-from supervisor.cli.commands._cli import ADMIN_TIMEOUT_S, tenant_argument
 from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.cli.commands._cli import ADMIN_TIMEOUT_S, tenant_argument
+from supervisor.client.cli_args import non_negative_int, print_json
 
 __all__ = ["InjectFaultCommand", "parse_param"]
 

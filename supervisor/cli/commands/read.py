@@ -6,16 +6,15 @@
 from __future__ import annotations
 
 import argparse
-
 import struct
 import sys
 from pathlib import Path
+
 from shared import protocol as proto
-from supervisor.client.cli_args import non_negative_int, print_json
+from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.cli.commands._buffers import connect_tenant, held_buffer
 from supervisor.cli.commands._cli import add_capability_option
-from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.client.cli_args import non_negative_int, print_json
 
 __all__ = ["ReadCommand"]
 

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import argparse
 
-from supervisor.cli.commands._cli import ADMIN_TIMEOUT_S, add_cap_out, build_spec, check_cap_out, emit_capability, spec_flags
-from supervisor.cli.commands._cli import fetch_tenant
 from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.cli.commands._cli import (
+    ADMIN_TIMEOUT_S,
+    add_cap_out,
+    build_spec,
+    check_cap_out,
+    emit_capability,
+    fetch_tenant,
+    spec_flags,
+)
 
 __all__ = ["RegisterCommand"]
 

@@ -7,15 +7,14 @@ the problems are printed, logged and published as a ``reload_failed`` event).
 from __future__ import annotations
 
 import argparse
-
 import sys
 from collections.abc import Sequence
+
 from shared.errors import ConfigError
 from shared.exitcodes import EXIT_USAGE
-from supervisor.client.cli_args import print_json
-from supervisor.cli.commands._cli import SERVICE_TIMEOUT_S
 from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.cli.commands._cli import SERVICE_TIMEOUT_S
+from supervisor.client.cli_args import print_json
 
 __all__ = ["ReloadCommand"]
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from supervisor.client.cli_args import print_json
 from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.client.cli_args import print_json
 
 __all__ = ["RotateKeyCommand"]
 

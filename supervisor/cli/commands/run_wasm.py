@@ -10,19 +10,18 @@ own). Prints the results, or the typed error and exits 1; a guest that called
 from __future__ import annotations
 
 import argparse
-
 import math
 import sys
 from pathlib import Path
+
 from shared import protocol as proto
 from shared.errors import KernelTimeout, SupervisorUnavailable, TensorWasmError, WasmTrap
 from shared.exitcodes import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from shared.records import RunResult
-from supervisor.client.cli_args import print_json
+from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.cli.commands._buffers import connect_tenant, resolve_handle
 from supervisor.cli.commands._cli import add_capability_option
-from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.client.cli_args import print_json
 
 __all__ = ["RunWasmCommand", "parse_wasm_arg"]
 

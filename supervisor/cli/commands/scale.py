@@ -6,16 +6,14 @@
 from __future__ import annotations
 
 import argparse
-
 import sys
 import time
+
 from shared.errors import RequestTimeout
 from shared.records import TenantRecord
-from supervisor.client.cli_args import non_negative_int, positive_seconds, print_json
-from supervisor.cli.commands._cli import instances_line, tenant_argument
-from supervisor.cli.commands._cli import fetch_tenant
 from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.cli.commands._cli import fetch_tenant, instances_line, tenant_argument
+from supervisor.client.cli_args import non_negative_int, positive_seconds, print_json
 
 __all__ = ["ScaleCommand"]
 

@@ -15,10 +15,9 @@ import argparse
 from shared import protocol as proto
 from shared.records import TenantRecord
 from shared.sizes import format_size
-from supervisor.client.cli_args import print_json
-from supervisor.cli.commands._cli import SPEC_FLAGS, limits_line, say_decimal_sizes, tenant_argument
 from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.cli.commands._cli import SPEC_FLAGS, limits_line, say_decimal_sizes, tenant_argument
+from supervisor.client.cli_args import print_json
 
 __all__ = ["SetQuotaCommand"]
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 
 from shared.errors import ProtocolError
+from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.client.cli_args import print_json
 from supervisor.observe.metrics import build_version
-from supervisor.cli.commands._base import Connect, OpCommand
-
 
 __all__ = ["VersionCommand"]
 

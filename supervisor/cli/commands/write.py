@@ -7,16 +7,15 @@
 from __future__ import annotations
 
 import argparse
-
 import struct
 from pathlib import Path
+
 from shared import protocol as proto
 from shared.errors import InvalidArgument
-from supervisor.client.cli_args import non_negative_int
+from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.cli.commands._buffers import connect_tenant, held_buffer, report
 from supervisor.cli.commands._cli import add_capability_option
-from supervisor.cli.commands._base import Connect, OpCommand
-
+from supervisor.client.cli_args import non_negative_int
 
 __all__ = ["WriteCommand"]
 

@@ -2,7 +2,8 @@
 
 The op: ``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``. The
 admin capability sees every event, a tenant capability its own tenant's (the frontend
-verifies which; :class:`Events` reads the log for it). The command:
+verifies which; :class:`Events` reads the log for it). The command
+(:mod:`supervisor.cli.commands.events`):
 
     $ twt events --filter exit --filter restart
     12:01:07.513  exit           acme/0  pid=4250 signal=9(SIGKILL) reason="killed by signal 9" expected=False
@@ -44,6 +45,3 @@ class Events(EitherCapabilityOp):
     def serve(self, frontend: Frontend, rt: TenantRuntime | None, args: Args) -> object:
         view = ADMIN_VIEW if rt is None else EventView(rt.tenant_id, rt.generation)
         return frontend.event_log.page(view, args)
-
-
-# ------------------------------------------------------------------ rendering
