@@ -10,8 +10,9 @@ restarted; ``twt --version`` names only the installed one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from shared.errors import ProtocolError
+from shared import protocol as proto
 from supervisor.cli.commands._base import Connect, OpCommand
 from supervisor.client.cli_args import print_json
 from supervisor.observe.metrics import build_version
@@ -29,12 +30,10 @@ class VersionCommand(OpCommand):
 
     def run(self, args: argparse.Namespace, connect: Connect) -> int:
         with connect() as client:
-            running = client.call("version", client.reader)
-        if not isinstance(running, dict):
-            raise ProtocolError(f"the version reply is not a map: {type(running).__name__}")
+            running = client.invoke(client.reader, proto.Version.Args())
         if args.json:
-            print_json({"client": build_version(), "supervisor": running})
+            print_json({"client": build_version(), "supervisor": dataclasses.asdict(running)})
         else:
-            print(f"twt {build_version()} (this command); supervisor {running.get('version')} "
-                  f"(python {running.get('python')}, protocol {running.get('protocol')})")
+            print(f"twt {build_version()} (this command); supervisor {running.version} "
+                  f"(python {running.python}, protocol {running.protocol})")
         return 0
