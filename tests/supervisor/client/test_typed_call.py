@@ -104,3 +104,13 @@ def test_the_typed_call_carries_bodies_and_ops_without_a_named_method() -> None:
         assert digest == hashlib.sha256(module).hexdigest()
         assert c.run_wasm(cap, digest, "seven").results == (7,)  # the stored module, named by its digest
         c.invoke(cap, proto.Free.Args(handle=handle))
+
+
+def test_the_bulk_path_names_no_op_by_its_string() -> None:
+    """The region requests of the bulk path are typed arguments too (``RegionCreate.Args`` ...):
+    no op name is written out in it, so none can drift from its definition."""
+    from supervisor.client import bulk
+
+    strings = {node.value for node in ast.walk(ast.parse(inspect.getsource(bulk)))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert not strings & set(proto.OPS), sorted(strings & set(proto.OPS))
