@@ -387,12 +387,18 @@ class WireArgs(Generic[R]):
     def to_wire(self) -> dict[str, object]:
         """The argument map: an optional argument left :data:`ABSENT` is left out (None is sent as nil,
         which some arguments take: ``set_quota``'s ``gpu_time_cap=None`` lifts the cap)."""
-        return {f.name: value for f in dataclasses.fields(self)  # type: ignore[arg-type]
-                if (value := getattr(self, f.name)) is not ABSENT}
+        return {name: value for name in _field_names(typing.cast(type, type(self))) if (value := getattr(self, name)) is not ABSENT}
 
     def reply(self, payload: object) -> R:
         """The typed reply of a request with these arguments."""
         return typing.cast(R, self.reply_type.from_wire(payload))
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A typed op's argument names, once per class (every named call of the client builds its map
+    from them)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 _WIRE_TYPES: Final[dict[object, tuple[type, ...]]] = {str: (str,), int: (int,), float: (int, float), bool: (bool,),

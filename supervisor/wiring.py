@@ -43,7 +43,7 @@ from shared.quota import cleanup_stale_segments
 from supervisor.admission.connections import FrontendConnections
 from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.host.fdlimit import raise_fd_limit
-from supervisor.admission.frontend import Frontend
+from supervisor.admission.frontend import Frontend, Handlers, Holdings, Routes, Sockets
 from supervisor.admission.guard import FrontendGuard
 from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
 from supervisor.control import ops as admin_ops
@@ -223,13 +223,13 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
         audit.record(registry.explain_refusal(cap_raw, admin=_admin_refusal(op, cap_raw)), op)
 
     frontend = Frontend(
-        cfg, loop=loop, sock=frontend_sock, tcp_sock=tcp.socket if tcp is not None else None,
-        replies=replies, pending=pending, dispatcher=dispatcher, workers=workers.workers,
-        registry=registry, tenants=tenants, on_denied=on_denied, regions=regions, guard=guard,
-        admin_cap=s.admin_cap.to_bytes(), event_log=s.event_log, module_store=s.modules,
+        cfg, loop=loop, sockets=Sockets(frontend_sock, tcp.socket if tcp is not None else None), guard=guard,
+        routes=Routes(pending, replies, dispatcher, regions),
+        holdings=Holdings(registry, tenants, workers.workers, s.admin_cap.to_bytes(), s.event_log, s.modules),
         # one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
-        admin_ops=admin_ops.handlers(admin, service, pending), local_ops=admin_ops.local_handlers(),
-        either_ops=admin_ops.either_handlers(), signals=signals,
+        handlers=Handlers(admin_ops.handlers(admin, service, pending), admin_ops.local_handlers(),
+                          admin_ops.either_handlers()),
+        signals=signals, on_denied=on_denied,
     )
     return Parts(z, events, signals, placement, regions, replies, pending, workers, parking, dispatcher, records,
                  admin, service, frontend, audit, tcp)

@@ -193,3 +193,46 @@ def test_the_supervisor_parts_import_in_one_direction(graph: dict[str, set[str]]
                                     for t in ts if t.startswith(b + ".") or t == b)
               for part in found for a in part for b in part if b in rooms.get(a, ())}
     assert found == [], detail
+
+
+#: what the daemon loads: its process and every op class it serves (found by listing the package;
+#: its ``__main__``, the doc writer, is a program of its own)
+_DAEMON_ROOTS = ("supervisor.supervisor", "supervisor.wiring", "supervisor.control.ops")
+
+
+def _daemon_closure(graph: Mapping[str, Iterable[str]]) -> set[str]:
+    roots = [m for m in graph if (m in _DAEMON_ROOTS or m.startswith("supervisor.control.ops."))
+             and not m.endswith(".__main__")]  # ``python -m supervisor.control.ops``: the doc writer
+    seen: set[str] = set()
+    while roots:
+        module = roots.pop()
+        if module not in seen:
+            seen.add(module)
+            roots.extend(graph.get(module, ()))
+    return seen
+
+
+def test_the_daemon_loads_neither_the_client_nor_the_command_line(graph: dict[str, set[str]]) -> None:
+    """The supervisor process's modules (its op classes included) import nothing of
+    ``supervisor.client`` or ``supervisor.cli`` and no ``argparse``: an op's command half is
+    its class under ``supervisor.cli.commands``."""
+    closure = _daemon_closure(graph)
+    assert "supervisor.control.ops.alloc" in closure and "supervisor.admission.frontend" in closure
+    loaded = sorted(m for m in closure if m.startswith(("supervisor.client", "supervisor.cli")))
+    assert loaded == []
+    argparse_users = sorted(m for m in closure if "argparse" in _stdlib_imports(m))
+    assert argparse_users == []
+
+
+def _stdlib_imports(module: str) -> set[str]:
+    """The top names a module of the tree imports (wherever the import stands)."""
+    root = Path(REPO)
+    base = root.joinpath(*module.split("."))
+    path = base / "__init__.py" if (base / "__init__.py").is_file() else base.with_suffix(".py")
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names

@@ -81,7 +81,8 @@ YIELD_EVERY = 4
 #: the idle TCP sessions are looked for this often (or four times per tcp_idle_timeout_s, if shorter)
 IDLE_SWEEP_S = 0.5
 
-__all__ = ["AdminHandler", "ClientMessage", "DenialHook", "DrainState", "EitherOp", "EventPages", "Frontend", "LocalOp", "TenantSignalsLike"]
+__all__ = ["AdminHandler", "ClientMessage", "DenialHook", "DrainState", "EitherOp", "EventPages", "Frontend", "Handlers",
+           "Holdings", "LocalOp", "Routes", "Sockets", "TenantSignalsLike"]
 
 _log = get_logger("supervisor")
 
@@ -127,62 +128,89 @@ class TenantSignalsLike(Protocol):
     def on_key_rotated(self, slot: Callable[[RegistryAdminCapability], None]) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Handlers:
+    """The handlers of the ops the supervisor serves itself, by name (``supervisor.control.ops``):
+    every admin op's, bound to its part; every tenant op's the frontend answers from what it
+    holds; every op's either capability may send. Each table must hold exactly the ops of its
+    kind in the op table (RuntimeError at construction: a bug, found at start)."""
+
+    admin: Mapping[str, AdminHandler]
+    local: Mapping[str, LocalOp]
+    either: Mapping[str, EitherOp]
+
+    def __post_init__(self) -> None:
+        _check_ops(self.admin, self.local, self.either)
+
+
+@dataclass(frozen=True, slots=True)
+class Sockets:
+    """The frontend ROUTER sockets it reads: the local (ipc) one, and the CURVE TCP one when
+    ``listen`` is set."""
+
+    ipc: zmq.Socket[bytes]
+    tcp: zmq.Socket[bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """Where an admitted request goes and how it is answered: the pending table (every answer),
+    the replies (its sockets' send side), the dispatcher (a tenant request that needs a worker)
+    and the local clients' shared-memory regions."""
+
+    pending: PendingTable
+    replies: Replies
+    dispatcher: Dispatcher
+    regions: RegionTable
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What the frontend reads to verify and answer: the registry (capabilities), the tenants and
+    the workers by identity (the worker set's table: whose TCP sessions are busy), the admin
+    capability's bytes, the event log (``events``) and the stored modules (``put_module``; None:
+    none kept)."""
+
+    registry: TenantRegistry
+    tenants: Mapping[str, TenantRuntime]
+    workers: Mapping[bytes, WorkerHandle]
+    admin_cap: bytes
+    event_log: EventPages
+    module_store: ModuleStore | None = None
+
+
 class Frontend:
     """Client requests to workers (see the module docstring)."""
 
-    def __init__(
-        self,
-        config: SupervisorConfig,
-        *,
-        loop: Loop,
-        sock: zmq.Socket[bytes],
-        tcp_sock: zmq.Socket[bytes] | None = None,
-        replies: Replies,
-        pending: PendingTable,
-        dispatcher: Dispatcher,
-        workers: Mapping[bytes, WorkerHandle],
-        registry: TenantRegistry,
-        tenants: Mapping[str, TenantRuntime],
-        guard: FrontendGuard,
-        admin_cap: bytes,
-        on_denied: DenialHook | None = None,
-        regions: RegionTable,
-        event_log: EventPages,
-        module_store: ModuleStore | None = None,
-        admin_ops: Mapping[str, AdminHandler],
-        local_ops: Mapping[str, LocalOp],
-        either_ops: Mapping[str, EitherOp],
-        signals: TenantSignalsLike | None = None,
-    ) -> None:
-        """``workers``: every worker by identity (the worker set's table: whose TCP sessions are busy).
-        ``admin_ops``, ``local_ops``, ``either_ops``: the handlers of the ops the supervisor serves
-        itself, by name (``supervisor.control.ops``): every admin op's, bound to its part; every
-        tenant op's this part answers from what it holds; every op's either capability may send.
-        Each table must match the op table (RuntimeError: a bug, at start). ``signals``: told of
-        evictions and key rotations (None: a frontend of a test that has neither)."""
+    def __init__(self, config: SupervisorConfig, *, loop: Loop, sockets: Sockets, guard: FrontendGuard,
+                 routes: Routes, holdings: Holdings, handlers: Handlers, signals: TenantSignalsLike | None = None,
+                 on_denied: DenialHook | None = None) -> None:
+        """``guard``: the bounds every request passes (admission, fairness, held bytes, the TCP
+        connections). ``signals``: told of evictions and key rotations (None: a frontend of a test
+        that has neither). ``on_denied``: told of every refused capability (the denied-event audit)."""
         self.config = config
         #: the stored modules on disk (put_module), with a state directory
-        self.module_store = module_store
+        self.module_store = holdings.module_store
         self.clock = loop.clock
         self.loop = loop
+        sock, tcp_sock = sockets.ipc, sockets.tcp
         self.sock = sock
-        self.replies = replies
-        self.pending = pending
-        self.dispatcher = dispatcher
-        self.workers = workers
-        self.registry = registry
-        self.tenants = tenants
+        self.replies = routes.replies
+        self.pending = routes.pending
+        self.dispatcher = routes.dispatcher
+        self.workers = holdings.workers
+        self.registry = holdings.registry
+        self.tenants = holdings.tenants
         self.guard = guard
-        self._admin_raw = admin_cap
+        self._admin_raw = holdings.admin_cap
         #: the monitor capability's bytes, once verified (a key rotation drops them)
         self._monitor_raw: bytes | None = None
         self.on_denied = on_denied
-        self.regions = regions
-        self.event_log = event_log
+        self.regions = routes.regions
+        self.event_log = holdings.event_log
         #: raw capability bytes -> the tenant runtime they were verified for
         self._verified_caps: dict[bytes, TenantRuntime] = {}
-        _check_ops(admin_ops, local_ops, either_ops)
-        self._admin_ops, self._local_ops, self._either_ops = admin_ops, local_ops, either_ops
+        self._admin_ops, self._local_ops, self._either_ops = handlers.admin, handlers.local, handlers.either
         #: the supervisor is ready (every configured tenant up): ``hello`` without a capability says so
         self.ready = False
         #: the supervisor's drain once a stop began (supervisor.lifecycle.drain): new requests but the

@@ -44,7 +44,7 @@ ACTIONS = ("up", "status", "down", "register", "evict", "scale")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from supervisor.control.ops._cli import spec_flags
+    from supervisor.cli.commands._cli import spec_flags
 
     p = sub.add_parser(
         "cluster",
@@ -124,7 +124,7 @@ def _needs(args: argparse.Namespace, *, tenant: bool, instances: bool = False) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from supervisor.control.ops._cli import build_spec, has_spec_flags
+    from supervisor.cli.commands._cli import build_spec, has_spec_flags
 
     action = args.action
     _needs(args, tenant=action in ("register", "evict", "scale"), instances=action == "scale")

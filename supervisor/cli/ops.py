@@ -1,6 +1,6 @@
-"""The op commands: one ``twt`` command per op that owns one (:mod:`supervisor.control.ops`).
+"""The op commands: one ``twt`` command per op that owns one (:mod:`supervisor.cli.commands`).
 
-Each op's class holds its command's help, arguments and rendering; this
+Each op's command class holds its help, arguments and rendering; this
 module adds what every command that calls a supervisor takes (``--json``,
 ``--run-dir`` and the remote options) and connects for it.
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from supervisor.cli._common import add_run_dir
 from supervisor.cli.status import connect
 from supervisor.client.api import SupervisorClient
-from supervisor.control.ops import Op, commands
+from supervisor.cli.commands import OpCommand, commands
 
 __all__ = ["add_parser"]
 
@@ -32,7 +32,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     order = list(COMMANDS)
     for op in sorted(commands(), key=lambda op: order.index(op.command) if op.command in order else len(order)):
-        assert op.command is not None
         p = sub.add_parser(op.command, help=op.help, description=op.description)
         op.arguments(p)
         p.add_argument("--json", action="store_true", help=op.json_help)
@@ -40,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p.set_defaults(func=_runner(op))
 
 
-def _runner(op: Op) -> Callable[[argparse.Namespace], int]:
+def _runner(op: OpCommand) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         def connect_here(timeout_s: float | None = None) -> SupervisorClient:
             return connect(args) if timeout_s is None else connect(args, timeout_s)

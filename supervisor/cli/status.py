@@ -26,8 +26,7 @@ from shared.records import STATUS_PAGE_MAX, ExitRecord, StatusRecord, StatusSumm
 from shared.sizes import format_size
 from supervisor.cli._common import add_run_dir, client_of, print_json, print_table
 from supervisor.client.api import SupervisorClient
-from supervisor.control.ops.status import fetch_status
-from supervisor.control.ops.tenant_status import fetch_tenant
+from supervisor.cli.commands._cli import fetch_status, fetch_tenant
 
 __all__ = ["add_parser", "connect", "exit_status", "fetch_status", "fetch_tenant", "format_duration", "render", "run"]
 

@@ -11,6 +11,11 @@ Remote errors are raised as the same classes with the same fields
 :class:`SupervisorUnavailable`. One client is one DEALER socket: use one
 client per thread (calls on one client from several threads are serialised).
 For pipelining, :meth:`send` and :meth:`recv` expose the raw request/reply.
+Every op goes through one typed call, :meth:`invoke` (``client.invoke(cap,
+Echo.Args(text="hi")) -> Echo.Reply``; a body frame where the op's definition
+takes one): each named method builds its op's arguments, invokes, and returns
+the reply or a part of it, so an op without a named method (``echo``) is sent
+the same way.
 
 Remote supervisors (their ``listen`` TCP frontend, CURVE-encrypted) are
 reached with :meth:`SupervisorClient.remote`; the methods are the same. A
@@ -105,12 +110,9 @@ T = TypeVar("T")
 R = TypeVar("R", bound=proto.FromWire)
 
 
-def _reply_field(result: object, key: str, kind: type[T]) -> T:
-    """``result[key]`` of a reply, checked to be a ``kind`` (an int is never a bool); ProtocolError if not."""
-    value = result.get(key) if isinstance(result, dict) else None
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return value
-    raise ProtocolError(f"the reply has no {kind.__name__} {key!r}: {type(value).__name__}")
+def _given(value: T | _Unchanged) -> T | proto.Absent:
+    """A set_quota limit as its typed argument: one not given is left out of the request."""
+    return proto.ABSENT if isinstance(value, _Unchanged) else value
 
 
 #: a remote client reconnects before a request once its link has carried nothing this long: half
@@ -538,9 +540,10 @@ class SupervisorClient:
             raise error_from_dict(payload if isinstance(payload, dict) else {"code": "internal", "message": str(payload), "fields": {}})
         return payload, out_body
 
-    def _call_locked(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None,
-                     *, timeout_s: float | None = None) -> object:
-        return self._request_locked(op, cap, args, timeout_s=timeout_s)[0]
+    def _invoke_locked(self, cap: Capability | bytes | None, args: proto.WireArgs[R], *,
+                       timeout_s: float | None = None) -> R:
+        """:meth:`invoke` with ``self._lock`` held by the caller (the bulk path's region requests)."""
+        return args.reply(self._request_locked(args.op, cap, args.to_wire(), timeout_s=timeout_s)[0])
 
     def call(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None, *,
              body: bytes | memoryview | None = None, timeout_s: float | None = None) -> object:
@@ -548,11 +551,34 @@ class SupervisorClient:
         return self.request(op, cap, args, body, timeout_s=timeout_s)[0]
 
     def invoke(self, cap: Capability | bytes | None, args: proto.WireArgs[R], *,
-               timeout_s: float | None = None) -> R:
+               body: bytes | memoryview | None = None, timeout_s: float | None = None) -> R:
         """The generic typed call: send a typed op's arguments (``client.invoke(cap,
-        Echo.Args(text="hi"))``) and decode its reply into the op's reply type (``Echo.Reply``);
-        ProtocolError when the reply is not of that type."""
-        return args.reply(self.call(args.op, cap, args.to_wire(), timeout_s=timeout_s))
+        Echo.Args(text="hi"))``), with ``body`` as its body frame when the op takes one
+        (``Write.Args(handle=h)``, ``body=data``), and decode its reply into the op's reply type
+        (``Echo.Reply``); ProtocolError when the reply is not of that type. Every named method of
+        this client is a wrapper of this call (or of :meth:`invoke_body`, for an op that answers
+        with a body): it builds the op's arguments, invokes, and returns the reply or a part of it."""
+        return args.reply(self._exchange(cap, args, body, timeout_s)[0])
+
+    def invoke_body(self, cap: Capability | bytes | None, args: proto.WireArgs[R], *,
+                    body: bytes | memoryview | None = None, timeout_s: float | None = None) -> tuple[R, bytes]:
+        """:meth:`invoke` of an op that answers with a body frame (``read``): its typed reply and
+        the body (empty when the reply has none)."""
+        payload, out = self._exchange(cap, args, body, timeout_s)
+        return args.reply(payload), out or b""
+
+    def _exchange(self, cap: Capability | bytes | None, args: proto.WireArgs[R],
+                  body: bytes | memoryview | None, timeout_s: float | None) -> tuple[object, bytes | None]:
+        """The one typed request: the op's argument map from ``args``, its body frame, the reply's
+        decoded payload and body. A body for an op whose definition takes none (``body_in``) is
+        refused here, unsent, with InvalidArgument: the supervisor refuses it too, and a caller
+        learns it without a round trip. Rate waits, reconnects and the deadline are
+        :meth:`request`'s, as for every request."""
+        if body is not None:
+            spec = proto.OPS.get(args.op)
+            if spec is None or not spec.body_in:
+                raise InvalidArgument(f"{args.op} takes no body frame: send its arguments alone")
+        return self.request(args.op, cap, args.to_wire(), body, timeout_s=timeout_s)
 
     def release_regions(self) -> None:
         """Release this client's shared-memory regions now (they count against their tenants'
@@ -582,35 +608,35 @@ class SupervisorClient:
 
     def hello(self, admin: RegistryAdminCapability | MonitorCapability | None = None) -> HelloInfo:
         """Supervisor identity: pid, registry id, backend (and why), start method, uptime."""
-        return HelloInfo.from_wire(self.call("hello", admin or self.reader))
+        return self.invoke(admin or self.reader, proto.Hello.Args())
 
     def alive(self) -> AliveInfo:
         """``hello`` without a capability: protocol and readiness, nothing else (a liveness probe
         that needs no secret; docs/PROTOCOL.md "hello without a capability")."""
-        return AliveInfo.from_wire(self.call("hello", None))
+        return AliveInfo.from_wire(self._exchange(None, proto.Hello.Args(), None, None)[0])
 
     def register(self, admin: RegistryAdminCapability | None, spec: TenantSpec, *,
                  timeout_s: float | None = None) -> TenantCapability:
         """Register a tenant; returns once every instance is ready, with its capability."""
-        result = self.call("register", admin or self.admin, {"spec": spec.to_dict()},
-                           timeout_s=timeout_s or max(self.timeout_s, 60.0))
-        return TenantCapability.from_bytes(_reply_field(result, "capability", bytes))
+        reply = self.invoke(admin or self.admin, proto.Register.Args(spec=spec.to_dict()),
+                            timeout_s=timeout_s or max(self.timeout_s, 60.0))
+        return TenantCapability.from_bytes(reply.capability)
 
     def tenant_capability(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantCapability:
         """The capability of a registered tenant (e.g. one from the config file) to hand to it."""
-        result = self.call("capability", admin or self.admin, {"tenant": tenant_id})
-        return TenantCapability.from_bytes(_reply_field(result, "capability", bytes))
+        reply = self.invoke(admin or self.admin, proto.Capability.Args(tenant=tenant_id))
+        return TenantCapability.from_bytes(reply.capability)
 
     def role_capability(self, admin: RegistryAdminCapability | None, role: str = "monitor") -> MonitorCapability:
         """A role's capability: ``monitor``, the read-only ops (status, events, version), which the
         supervisor accepts over TCP without ``allow_remote_admin``; revoked by a key rotation."""
-        result = self.call("capability", admin or self.admin, {"role": role})
-        return MonitorCapability.from_bytes(_reply_field(result, "capability", bytes))
+        reply = self.invoke(admin or self.admin, proto.Capability.Args(role=role))
+        return MonitorCapability.from_bytes(reply.capability)
 
     def evict(self, admin: RegistryAdminCapability | None, tenant_id: str) -> EvictResult:
         """Stop the tenant's workers, revoke its capabilities, unlink its block (returns after the workers exit)."""
-        return EvictResult.from_wire(
-            self.call("evict", admin or self.admin, {"tenant": tenant_id}, timeout_s=max(self.timeout_s, 30.0)))
+        return self.invoke(admin or self.admin, proto.Evict.Args(tenant=tenant_id),
+                           timeout_s=max(self.timeout_s, 30.0))
 
     unregister = evict
 
@@ -623,14 +649,12 @@ class SupervisorClient:
                   idle_timeout_s: float | None | _Unchanged = _UNCHANGED) -> TenantRecord:
         """Change limits live (omitted ones stay; ``None`` removes the GPU cap, or the GPU-time cap;
         ``idle_timeout_s=None``: the tenant never parks)."""
-        args: dict[str, object] = {"tenant": tenant_id}
-        for name, value in (("memory_quota_bytes", memory_quota_bytes), ("gpu_memory_bytes_cap", gpu_memory_bytes_cap),
-                            ("recorded_cuda_mem_pool_quota", recorded_cuda_mem_pool_quota),
-                            ("gpu_time_weight", gpu_time_weight), ("gpu_time_cap", gpu_time_cap),
-                            ("idle_timeout_s", idle_timeout_s)):
-            if value is not _UNCHANGED:
-                args[name] = value
-        return TenantRecord.from_wire(self.call("set_quota", admin or self.admin, args))
+        return self.invoke(admin or self.admin, proto.SetQuota.Args(
+            tenant=tenant_id, memory_quota_bytes=_given(memory_quota_bytes),
+            gpu_memory_bytes_cap=_given(gpu_memory_bytes_cap),
+            recorded_cuda_mem_pool_quota=_given(recorded_cuda_mem_pool_quota),
+            gpu_time_weight=_given(gpu_time_weight), gpu_time_cap=_given(gpu_time_cap),
+            idle_timeout_s=_given(idle_timeout_s)))
 
     def status(self, admin: RegistryAdminCapability | MonitorCapability | None = None, *, limit: int | None = None,
                after: str | None = None, state: str | None = None) -> StatusRecord:
@@ -645,12 +669,8 @@ class SupervisorClient:
         cap = admin or self.reader
 
         def page(after: str | None, limit: int) -> StatusRecord:
-            args: dict[str, object] = {"limit": limit}
-            if after is not None:
-                args["after"] = after
-            if state is not None:
-                args["state"] = state
-            return StatusRecord.from_wire(self.call("status", cap, args))
+            return self.invoke(cap, proto.Status.Args(limit=limit, after=proto.ABSENT if after is None else after,
+                                                      state=proto.ABSENT if state is None else state))
 
         if limit is not None:
             return page(after, limit)
@@ -666,12 +686,11 @@ class SupervisorClient:
         return dataclasses.replace(first, tenants=tuple(tenants), next=None)
 
     def tenant_status(self, admin: RegistryAdminCapability | MonitorCapability | None, tenant_id: str) -> TenantRecord:
-        return TenantRecord.from_wire(self.call("tenant_status", admin or self.reader, {"tenant": tenant_id}))
+        return self.invoke(admin or self.reader, proto.TenantStatus.Args(tenant=tenant_id))
 
     def scale(self, admin: RegistryAdminCapability | None, tenant_id: str, instances: int) -> TenantRecord:
         """Run ``instances`` workers for the tenant (live; scaling down drains first)."""
-        return TenantRecord.from_wire(
-            self.call("scale", admin or self.admin, {"tenant": tenant_id, "instances": instances}))
+        return self.invoke(admin or self.admin, proto.Scale.Args(tenant=tenant_id, instances=instances))
 
     def inject_fault(self, admin: RegistryAdminCapability | None, tenant_id: str, kind: str, *,
                      instance: int | None = None, **params: int | float | str | bool) -> FaultResult:
@@ -680,10 +699,8 @@ class SupervisorClient:
         Returns once the fault is armed, or - for crash, segfault and exit -
         once the worker process is gone.
         """
-        args: dict[str, object] = {"tenant": tenant_id, "kind": kind, "params": params}
-        if instance is not None:
-            args["instance"] = instance
-        return FaultResult.from_wire(self.call("inject_fault", admin or self.admin, args))
+        return self.invoke(admin or self.admin, proto.InjectFault.Args(
+            tenant=tenant_id, kind=kind, params=dict(params), instance=proto.ABSENT if instance is None else instance))
 
     def reload(self, admin: RegistryAdminCapability | None = None) -> ReloadResult:
         """Read the supervisor's config file again and apply the difference (as SIGHUP does).
@@ -692,34 +709,33 @@ class SupervisorClient:
         settings not applied; a file that cannot be applied raises
         :class:`~shared.errors.ConfigError` and changes nothing.
         """
-        return ReloadResult.from_wire(self.call("reload", admin or self.admin, timeout_s=max(self.timeout_s, 60.0)))
+        return self.invoke(admin or self.admin, proto.Reload.Args(), timeout_s=max(self.timeout_s, 60.0))
 
     def reset(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantRecord:
         """Clear a failed tenant and start its instances (same capability); returns once they are ready."""
-        return TenantRecord.from_wire(self.call("reset", admin or self.admin, {"tenant": tenant_id},
-                                                timeout_s=max(self.timeout_s, 60.0)))
+        return self.invoke(admin or self.admin, proto.Reset.Args(tenant=tenant_id), timeout_s=max(self.timeout_s, 60.0))
 
     def restart_tenant(self, admin: RegistryAdminCapability | None, tenant_id: str) -> TenantRecord:
         """Restart a tenant's instances one at a time (new processes, same capability); returns when done."""
-        return TenantRecord.from_wire(self.call("restart", admin or self.admin, {"tenant": tenant_id},
-                                                timeout_s=max(self.timeout_s, 120.0)))
+        return self.invoke(admin or self.admin, proto.Restart.Args(tenant=tenant_id),
+                           timeout_s=max(self.timeout_s, 120.0))
 
     def rotate_key(self, admin: RegistryAdminCapability | None = None) -> RegistryAdminCapability:
         """Replace the registry key: every capability is revoked; returns the new admin capability
         (also written to ``admin.cap``, and used by this client from now on)."""
-        result = self.call("rotate_key", admin or self.admin)
-        new = RegistryAdminCapability.from_bytes(_reply_field(result, "admin_capability", bytes))
+        reply = self.invoke(admin or self.admin, proto.RotateKey.Args())
+        new = RegistryAdminCapability.from_bytes(reply.admin_capability)
         self._admin = new
         return new
 
     # ------------------------------------------------------------- tenant
 
     def ping(self, cap: TenantCapability) -> PingInfo:
-        return PingInfo.from_wire(self.call("ping", cap))
+        return self.invoke(cap, proto.Ping.Args())
 
     def quota(self, cap: TenantCapability) -> QuotaSnapshot:
         """The tenant's own quota snapshot (answered by the supervisor from shared memory)."""
-        return QuotaSnapshot.from_wire(self.call("quota", cap))
+        return self.invoke(cap, proto.Quota.Args())
 
     def alloc(self, cap: TenantCapability, nbytes: int, instance: int | None = None) -> int:
         """A device buffer of ``nbytes``; returns its handle. GpuMemoryExhausted when refused.
@@ -727,13 +743,11 @@ class SupervisorClient:
         ``instance``: allocate on that instance of the tenant (buffers a run
         uses together must live on one instance); default: the least loaded.
         """
-        args: dict[str, object] = {"nbytes": nbytes}
-        if instance is not None:
-            args["instance"] = instance
-        return _reply_field(self.call("alloc", cap, args), "handle", int)
+        return self.invoke(cap, proto.Alloc.Args(nbytes=nbytes,
+                                                 instance=proto.ABSENT if instance is None else instance)).handle
 
     def free(self, cap: TenantCapability, handle: int) -> int:
-        return _reply_field(self.call("free", cap, {"handle": handle}), "freed", int)
+        return self.invoke(cap, proto.Free.Args(handle=handle)).freed
 
     def write(self, cap: TenantCapability, handle: int, data: object, offset: int = 0) -> int:
         """Copy ``data`` (bytes-like or a numpy array, in C order) into the buffer at ``offset``.
@@ -748,7 +762,7 @@ class SupervisorClient:
                 self._check_open()
                 if self._bulk.write(raw, handle, view, offset):
                     return len(view)
-        return _reply_field(self.call("write", cap, {"handle": handle, "offset": offset}, body=view), "written", int)
+        return self.invoke(cap, proto.Write.Args(handle=handle, offset=offset), body=view).written
 
     def read(self, cap: TenantCapability, handle: int, nbytes: int, offset: int = 0) -> bytes:
         """``nbytes`` of the buffer at ``offset`` (:meth:`read_into` and :meth:`get_array`
@@ -760,8 +774,7 @@ class SupervisorClient:
                 data = self._bulk.read_bytes(raw, handle, nbytes, offset)
             if data is not None:
                 return data
-        _, body = self.request("read", cap, {"handle": handle, "offset": offset, "nbytes": nbytes})
-        return body or b""
+        return self.invoke_body(cap, proto.Read.Args(handle=handle, offset=offset, nbytes=nbytes))[1]
 
     def read_into(self, cap: TenantCapability, handle: int, out: object, offset: int = 0) -> int:
         """Fill ``out`` (a writable, C-contiguous buffer or numpy array) from the buffer at ``offset``."""
@@ -780,8 +793,7 @@ class SupervisorClient:
                 self._check_open()
                 if self._bulk.read_into(raw, handle, view, offset):
                     return len(view)
-        _, body = self.request("read", cap, {"handle": handle, "offset": offset, "nbytes": len(view)})
-        data = body or b""
+        data = self.invoke_body(cap, proto.Read.Args(handle=handle, offset=offset, nbytes=len(view)))[1]
         view[: len(data)] = data
         return len(data)
 
@@ -790,25 +802,23 @@ class SupervisorClient:
     def region_create(self, cap: TenantCapability, nbytes: int) -> RegionGrant:
         """A shared-memory region of ``nbytes`` for this process, charged to the tenant's host
         quota; map it with ``shared.region.Region.attach(grant.name)``."""
-        return RegionGrant.from_wire(self.call("region_create", cap, {"nbytes": nbytes, "pid": os.getpid()}))
+        return self.invoke(cap, proto.RegionCreate.Args(nbytes=nbytes, pid=os.getpid()))
 
     def region_release(self, cap: TenantCapability, region: int) -> int:
         """Release a region made by :meth:`region_create`; the bytes it held."""
-        return _reply_field(self.call("region_release", cap, {"region": region}), "released", int)
+        return self.invoke(cap, proto.RegionRelease.Args(region=region)).released
 
     def write_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
                      offset: int = 0, region_offset: int = 0) -> int:
         """Copy ``nbytes`` at ``region_offset`` of the region into the buffer at ``offset``."""
-        return _reply_field(self.call("write_region", cap, {"handle": handle, "offset": offset, "region": region,
-                                                            "region_offset": region_offset, "nbytes": nbytes}),
-                            "written", int)
+        return self.invoke(cap, proto.WriteRegion.Args(handle=handle, offset=offset, region=region,
+                                                       region_offset=region_offset, nbytes=nbytes)).written
 
     def read_region(self, cap: TenantCapability, handle: int, region: int, nbytes: int, *,
                     offset: int = 0, region_offset: int = 0) -> int:
         """Copy ``nbytes`` of the buffer at ``offset`` into the region at ``region_offset``."""
-        return _reply_field(self.call("read_region", cap, {"handle": handle, "offset": offset, "region": region,
-                                                           "region_offset": region_offset, "nbytes": nbytes}),
-                            "nbytes", int)
+        return self.invoke(cap, proto.ReadRegion.Args(handle=handle, offset=offset, region=region,
+                                                      region_offset=region_offset, nbytes=nbytes)).nbytes
 
     def put_array(self, cap: TenantCapability, array: object) -> int:
         """A new device buffer holding ``array``'s bytes (C order); returns its handle."""
@@ -878,14 +888,14 @@ class SupervisorClient:
 
     def buffers(self, cap: TenantCapability) -> dict[int, int]:
         """handle -> size of the tenant's live buffers (across instances)."""
-        pairs = _reply_field(self.call("buffers", cap), "buffers", list)
+        pairs = self.invoke(cap, proto.Buffers.Args()).buffers
         if not all(isinstance(p, list) and len(p) == 2 and all(map(is_int, p)) for p in pairs):
             raise ProtocolError("the buffers reply is not a list of [handle, nbytes] pairs")
         return {h: n for h, n in pairs}
 
     def put_module(self, cap: TenantCapability, module: bytes) -> str:
         """Upload a WASM module once; later ``run_wasm`` calls can name it by digest."""
-        return _reply_field(self.call("put_module", cap, {}, body=module), "digest", str)
+        return self.invoke(cap, proto.PutModule.Args(), body=module).digest
 
     def run_wasm(self, cap: TenantCapability, module: bytes | str, export: str,
                  args: Sequence[int | float | dict[str, int]] = (), *, fuel: int | None = None,
@@ -896,19 +906,17 @@ class SupervisorClient:
         ``args`` items are ints, floats or ``{"handle": h}`` buffer references.
         Returns the results, the fuel used and the time it took (:class:`~shared.records.RunResult`).
         """
-        req: dict[str, object] = {"export": export, "args": [_wasm_arg(a) for a in args]}
-        if fuel is not None:
-            req["fuel"] = fuel
-        if timeout_s is not None:
-            req["timeout_s"] = timeout_s
         body: bytes | None = None
         if isinstance(module, str):
-            req["digest"] = module
+            digest = module
         else:
             body = bytes(module)
-            req["digest"] = hashlib.sha256(body).hexdigest()
+            digest = hashlib.sha256(body).hexdigest()
+        req = proto.RunWasm.Args(export=export, args=[_wasm_arg(a) for a in args],
+                                 fuel=proto.ABSENT if fuel is None else fuel,
+                                 timeout_s=proto.ABSENT if timeout_s is None else timeout_s, digest=digest)
         wait = request_timeout_s or max(self.timeout_s, (timeout_s or 0) + 10.0)
-        return RunResult.from_wire(self.call("run_wasm", cap, req, body=body, timeout_s=wait))
+        return self.invoke(cap, req, body=body, timeout_s=wait)
 
     # ------------------------------------------------------------- events
 
@@ -917,12 +925,9 @@ class SupervisorClient:
         """One page of the event log: the events after sequence number ``after`` (None: none, only
         the cursor of now) -> ``{events, next, missed, more, log}`` (``supervisor.observe.event_log``).
         ``cap``: the admin capability (None: this client's) sees every event, a tenant's its own."""
-        args: dict[str, object] = {"after": after, "log": log}
-        if kinds:
-            args["kinds"] = list(kinds)
-        if max_events is not None:
-            args["max"] = max_events
-        result = self.call("events", cap or self.reader, args)
+        args = proto.Events.Args(after=after, log=log, kinds=list(kinds) if kinds else proto.ABSENT,
+                                 max=proto.ABSENT if max_events is None else max_events)
+        result = self._exchange(cap or self.reader, args, None, None)[0]
         if not isinstance(result, dict):
             raise ProtocolError(f"the events reply is not a map: {type(result).__name__}")
         return result

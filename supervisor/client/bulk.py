@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol, cast
+from typing import TYPE_CHECKING, Final, Protocol, TypeVar, cast
 
 from shared.errors import (
     InvalidArgument,
@@ -42,7 +42,7 @@ from shared.errors import (
     TensorWasmError,
     error_from_dict,
 )
-from shared.records import RegionGrant
+from shared import protocol as proto
 from shared.region import (
     DEFAULT_CHUNK_BYTES,
     MAX_REGION_BYTES,
@@ -57,6 +57,11 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = ["DEFAULT_REGION_BYTES", "DEFAULT_THRESHOLD", "BulkPath", "Transport", "byte_view"]
+
+R = TypeVar("R", bound=proto.FromWire)
+#: the typed arguments of a copy between a buffer and a region: ``write_region`` or ``read_region``
+#: (the same fields; which one says the direction)
+RegionCopy = type[proto.WriteRegion.Args] | type[proto.ReadRegion.Args]
 
 #: payloads from this size on take the region path (below it, one frame is as fast)
 DEFAULT_THRESHOLD: Final = 256 << 10
@@ -149,8 +154,8 @@ class Transport(Protocol):
         """One call: send, wait for its reply, raise its error; (result, body)."""
         ...
 
-    def _call_locked(self, op: str, cap: bytes, args: Mapping[str, object], *, timeout_s: float | None = None) -> object:
-        """:meth:`_request_locked`'s result alone."""
+    def _invoke_locked(self, cap: bytes, args: proto.WireArgs[R], *, timeout_s: float | None = None) -> R:
+        """The typed call (``SupervisorClient.invoke``): send ``args``, wait, raise its error; its typed reply."""
         ...
 
 
@@ -198,8 +203,8 @@ class BulkPath:
     def _create(self, cap: bytes, nbytes: int) -> _Staging | None:
         """A new region of ``nbytes`` for the tenant; None (and frames for a while) when refused."""
         try:
-            grant = RegionGrant.from_wire(self._client._call_locked(
-                "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()}))
+            grant = self._client._invoke_locked(
+                cap, proto.RegionCreate.Args(nbytes=max(MIN_REGION_BYTES, nbytes), pid=os.getpid()))
         except (MemoryExhausted, InvalidArgument, SegmentError):
             self._refused_until[cap] = time.monotonic() + _REFUSED_FOR_S
             return None
@@ -234,7 +239,8 @@ class BulkPath:
         """Release without waiting: the reply is dropped as a late one (the supervisor also
         reclaims a region whose client died)."""
         try:
-            self._client.send("region_release", cap, {"region": region_id})
+            release = proto.RegionRelease.Args(region=region_id)
+            self._client.send(release.op, cap, release.to_wire())
         except TensorWasmError:
             pass
 
@@ -258,7 +264,7 @@ class BulkPath:
         while self._released_leases:
             cap, region_id = self._released_leases.pop()
             try:
-                self._client._call_locked("region_release", cap, {"region": region_id}, timeout_s=5.0)
+                self._client._invoke_locked(cap, proto.RegionRelease.Args(region=region_id), timeout_s=5.0)
             except TensorWasmError:
                 pass  # gone already (evicted tenant, stopped supervisor): nothing left to release
 
@@ -287,7 +293,7 @@ class BulkPath:
 
     def read_into(self, cap: bytes, handle: int, out: memoryview, offset: int) -> bool:
         """Fill ``out`` from the buffer through the tenant's region; False: use frames."""
-        return self._retry_stale(cap, lambda: self._staged(cap, "read_region", handle, out, offset))
+        return self._retry_stale(cap, lambda: self._staged(cap, proto.ReadRegion.Args, handle, out, offset))
 
     def _write(self, cap: bytes, handle: int, data: memoryview, offset: int) -> bool:
         leased = self._leased(cap, data)
@@ -295,11 +301,11 @@ class BulkPath:
             lease, start = leased
             size = self._chunk(len(data))
             chunks = [Chunk(p, min(size, len(data) - p), i, start + p) for i, p in enumerate(range(0, len(data), size))]
-            self._pipeline(lease, "write_region", handle, offset, chunks, before=None, after=None, own=True)
+            self._pipeline(lease, proto.WriteRegion.Args, handle, offset, chunks, before=None, after=None, own=True)
             return True
-        return self._staged(cap, "write_region", handle, data, offset)
+        return self._staged(cap, proto.WriteRegion.Args, handle, data, offset)
 
-    def _staged(self, cap: bytes, op: str, handle: int, view: memoryview, offset: int) -> bool:
+    def _staged(self, cap: bytes, op: RegionCopy, handle: int, view: memoryview, offset: int) -> bool:
         """Move ``view`` through the tenant's staging region in chunks: ``write_region`` copies
         each chunk into its slot before its request, ``read_region`` out of it after the reply.
         False: no staging region (use frames)."""
@@ -307,7 +313,7 @@ class BulkPath:
         if staging is None:
             return False
         region = staging.region.data
-        writing = op == "write_region"
+        writing = op is proto.WriteRegion.Args
 
         def copy(chunk: Chunk) -> None:
             here = slice(chunk.position, chunk.position + chunk.nbytes)
@@ -352,7 +358,7 @@ class BulkPath:
             ctypes.memmove(dst + chunk.position, src + chunk.region_offset, chunk.nbytes)
 
         chunks = plan_chunks(nbytes, staging.capacity, chunk_bytes=self._chunk(nbytes))
-        self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=keep)
+        self._pipeline(staging, proto.ReadRegion.Args, handle, offset, chunks, before=None, after=keep)
         return out
 
     # ------------------------------------------------------------ leases
@@ -374,8 +380,8 @@ class BulkPath:
         """
         self.flush_leases()
         try:
-            grant = RegionGrant.from_wire(self._client._call_locked(
-                "region_create", cap, {"nbytes": max(MIN_REGION_BYTES, nbytes), "pid": os.getpid()}))
+            grant = self._client._invoke_locked(
+                cap, proto.RegionCreate.Args(nbytes=max(MIN_REGION_BYTES, nbytes), pid=os.getpid()))
         except (MemoryExhausted, InvalidArgument, SegmentError):
             return None
         region_id = grant.region
@@ -388,7 +394,7 @@ class BulkPath:
         try:
             if handle is not None:
                 chunks = plan_chunks(nbytes, region.capacity, chunk_bytes=self._chunk(nbytes), max_slots=1 << 20)
-                self._pipeline(staging, "read_region", handle, offset, chunks, before=None, after=None, own=True)
+                self._pipeline(staging, proto.ReadRegion.Args, handle, offset, chunks, before=None, after=None, own=True)
         except BaseException:
             region.close()
             self._release_quietly(cap, region_id)
@@ -412,7 +418,7 @@ class BulkPath:
                 return staging, addr - base
         return None
 
-    def _pipeline(self, staging: _Staging, op: str, handle: int, offset: int, chunks: list[Chunk], *,
+    def _pipeline(self, staging: _Staging, copy: RegionCopy, handle: int, offset: int, chunks: list[Chunk], *,
                   before: Callable[[Chunk], None] | None, after: Callable[[Chunk], None] | None,
                   own: bool = False) -> None:
         """Send one request per chunk, at most one in flight per slot; raise the first error.
@@ -426,14 +432,18 @@ class BulkPath:
         """
         client = self._client
         timeout = client.timeout_s
+        op = copy.op
+
+        def request(chunk: Chunk) -> dict[str, object]:
+            return copy(handle=handle, offset=offset + chunk.position, region=staging.region_id,
+                        region_offset=chunk.region_offset, nbytes=chunk.nbytes).to_wire()
+
         if len(chunks) == 1:  # nothing to overlap: one plain request (the common small case)
             chunk = chunks[0]
             if before is not None:
                 before(chunk)
             try:
-                client._request_locked(op, staging.cap, {
-                    "handle": handle, "offset": offset + chunk.position, "region": staging.region_id,
-                    "region_offset": chunk.region_offset, "nbytes": chunk.nbytes})
+                client._request_locked(op, staging.cap, request(chunk))
             except RequestTimeout:
                 if not own:
                     self._drop_staging(staging)
@@ -449,9 +459,7 @@ class BulkPath:
         deadline = time.monotonic() + timeout
 
         def send(chunk: Chunk) -> None:
-            rid = client.send(op, staging.cap, {
-                "handle": handle, "offset": offset + chunk.position, "region": staging.region_id,
-                "region_offset": chunk.region_offset, "nbytes": chunk.nbytes})
+            rid = client.send(op, staging.cap, request(chunk))
             inflight[rid] = chunk
 
         def wait_one() -> None:

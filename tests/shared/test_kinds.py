@@ -35,7 +35,7 @@ def test_every_emitted_event_kind_is_a_row_and_every_row_is_emitted() -> None:
 
 
 def test_event_users_read_the_table() -> None:
-    from supervisor.control.ops.events import KINDS
+    from supervisor.cli.commands.events import KINDS
     from supervisor.observe.event_log import TENANT_KINDS
 
     assert KINDS == tuple(EVENT_KINDS)

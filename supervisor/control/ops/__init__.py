@@ -8,17 +8,17 @@ Every op of :data:`shared.protocol.OPS` is a class here
 either capability may send (``events``: the frontend verifies the capability, the
 class reads the event log for it), or a tenant op a worker answers. The class holds the op's handler (a worker op's is
 the worker's: ``worker/server.py``, a process that never imports the
-supervisor), its ``twt`` command (arguments and rendering) and its row of
-docs/PROTOCOL.md (notes on its errors; the errors themselves, its arguments and its reply
+supervisor) and its row of docs/PROTOCOL.md (notes on its errors; the errors themselves, its arguments and its reply
 come from the definition unless the class words them). The op's definition stays in
 ``shared/protocol.py``: the decoder, the client, the worker and the schema generator read
 it, and ``shared`` imports nothing of the supervisor.
 
 The classes are found by listing this package (:func:`op_table`), so adding an
 op the supervisor serves is its definition plus one module here (and its tests):
-the dispatch tables (:func:`handlers`, :func:`local_handlers`), the ``twt``
-commands (``supervisor.cli.ops``) and the doc rows (``python -m
-supervisor.control.ops --write``) follow. A worker op without a ``twt`` command needs
+the dispatch tables (:func:`handlers`, :func:`local_handlers`) and the doc rows
+(``python -m supervisor.control.ops --write``) follow. Its ``twt`` command, if it has one,
+is a module of :mod:`supervisor.cli.commands`, registered against the same definition (the
+daemon never loads it). A worker op with nothing to say beyond its definition needs
 no module here (a plain :class:`WorkerOp` stands in: its doc row is its definition).
 :func:`op_table` refuses a module set that does not match the definitions, so the
 supervisor does not start with an op it cannot serve.
@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 from shared import protocol as proto
 from supervisor.control.ops._base import (
     AdminOp,
-    Connect,
     EitherCapabilityOp,
     FrontendOp,
     Op,
@@ -51,8 +50,8 @@ if TYPE_CHECKING:
     from supervisor.control.service import ServiceOps
     from supervisor.routing.pending import PendingTable
 
-__all__ = ["AdminOp", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "Reply", "ServiceOp", "TenantOp", "WorkerOp",
-           "check_table", "commands", "doc_table", "either_doc_table", "either_handlers", "handlers", "local_handlers", "op_table",
+__all__ = ["AdminOp", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "Reply", "ServiceOp", "TenantOp", "WorkerOp",
+           "check_table", "doc_table", "either_doc_table", "either_handlers", "handlers", "local_handlers", "op_table",
            "served_here", "tenant_doc_table"]
 
 _KINDS = (AdminOp, ServiceOp, FrontendOp, EitherCapabilityOp, WorkerOp)
@@ -131,11 +130,6 @@ def local_handlers() -> dict[str, LocalOp]:
 def either_handlers() -> dict[str, EitherOp]:
     """Every op either capability may send, by name: ``(frontend, tenant or None, args) -> result``."""
     return {op.name: op.serve for op in op_table() if isinstance(op, EitherCapabilityOp)}
-
-
-def commands() -> tuple[Op, ...]:
-    """The ops that own a ``twt`` command, in the order of the wire table."""
-    return tuple(op for op in op_table() if op.command is not None)
 
 
 def doc_table() -> str:

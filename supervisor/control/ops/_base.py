@@ -1,4 +1,4 @@
-"""What one op the supervisor serves is: its wire row, its handler, its ``twt`` command and its doc row, in one class.
+"""What one op the supervisor serves is: its handler and its doc row, in one class, registered against its definition.
 
 A subclass of :class:`AdminOp` (served by :class:`~supervisor.control.admin.AdminOps`),
 :class:`ServiceOp` (served by :class:`~supervisor.control.service.ServiceOps`),
@@ -19,29 +19,26 @@ capability may send, ``events``: the frontend answers it too) or :class:`WorkerO
   :class:`~supervisor.control.service.ServiceOps`, whose methods take no client
   identity and return a result or a completion) and answers through its
   :class:`Reply` - the one place the request's client and id are held;
-* ``command``, ``help``, ``description``, ``json_help``, :meth:`Op.arguments`
-  and :meth:`Op.run`: its ``twt`` command, if it owns one (``supervisor.cli.ops``
-  adds the run-dir options and ``--json``, and hands :meth:`Op.run` a way to connect);
 * ``args_doc``, ``result_doc``, ``error_notes`` (and for a tenant op ``body_in_doc``,
   ``body_out_doc``): its row of docs/PROTOCOL.md (``python -m supervisor.control.ops --write``),
   each derived from the definition unless given: the errors column is always the
   definition's errors, each with its note from ``error_notes`` (a note of an error the
   definition does not list is refused by :func:`~supervisor.control.ops.check_table`).
 
-A worker op with no ``twt`` command and nothing to say beyond its definition needs no
-class: :func:`~supervisor.control.ops.op_table` stands a plain :class:`WorkerOp` in for it.
+An op's ``twt`` command registers against the same definition from the command line's
+layer (:mod:`supervisor.cli.commands`): the daemon loads this package, never that one, so it
+loads neither the client nor argparse. A worker op with nothing to say beyond its definition
+needs no class: :func:`~supervisor.control.ops.op_table` stands a plain :class:`WorkerOp` in for it.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 from shared import protocol as proto
 from shared.errors import TensorWasmError
-from supervisor.client.api import SupervisorClient
 
 if TYPE_CHECKING:
     from supervisor.admission.frontend import Frontend
@@ -51,7 +48,7 @@ if TYPE_CHECKING:
     from supervisor.runtime.completion import Completion
     from supervisor.runtime.tenants import TenantRuntime
 
-__all__ = ["AdminOp", "Args", "Connect", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "PartOp", "Reply",
+__all__ = ["AdminOp", "Args", "EitherCapabilityOp", "FrontendOp", "Op", "OpHandler", "PartOp", "Reply",
            "ServiceOp", "TenantOp", "WorkerOp"]
 
 #: an op's arguments as its handler reads them: decoded msgpack, each declared one's type checked
@@ -92,15 +89,8 @@ class Reply:
         done.then(self.ok, self.refuse)
 
 
-class Connect(Protocol):
-    """A client of the supervisor the command line names (``--run-dir`` or ``--connect``); the
-    read-only commands' timeout unless one is given (the ops that wait for workers give theirs)."""
-
-    def __call__(self, timeout_s: float | None = None) -> SupervisorClient: ...
-
-
 class Op:
-    """One op the supervisor serves (see the module docstring): its command and its doc row."""
+    """One op the supervisor serves (see the module docstring): its doc row (and, by kind, its handler)."""
 
     #: the wire op: its row in shared.protocol.OPS
     name: ClassVar[str]
@@ -111,11 +101,6 @@ class Op:
     result_doc: ClassVar[str] = ""
     #: a few words on an error of the definition's ``errors`` (when it is answered), by its name
     error_notes: ClassVar[Mapping[str, str]] = {}
-    #: the ``twt`` command it owns (None: another command sends it, or the library only)
-    command: ClassVar[str | None] = None
-    help: ClassVar[str] = ""
-    description: ClassVar[str] = ""
-    json_help: ClassVar[str] = ""
 
     @property
     def spec(self) -> proto.OpSpec:
@@ -144,13 +129,6 @@ class Op:
     def doc_row(self) -> str:
         """Its row of PROTOCOL.md's table of its kind of op."""
         return _row(f"`{self.name}`", self.args_text, self.result_text, self.errors_doc)
-
-    def arguments(self, p: argparse.ArgumentParser) -> None:
-        """The command's own arguments (``--json`` and the run-dir options are added for it)."""
-
-    def run(self, args: argparse.Namespace, connect: Connect) -> int:
-        """The command: call the supervisor, print the answer; the exit status."""
-        raise NotImplementedError(f"op {self.name!r} has no twt command")
 
 
 class PartOp(Op, Generic[P]):
@@ -187,8 +165,7 @@ class TenantOp(Op):
 
 class WorkerOp(TenantOp):
     """A tenant op one of the tenant's workers answers: its handler is the worker's
-    (``worker/server.py``, a process that never imports the supervisor); here are its
-    command and its doc row."""
+    (``worker/server.py``, a process that never imports the supervisor); here is its doc row."""
 
     part = "worker"
 

@@ -13,13 +13,11 @@ restarts, revoked (with every other capability) by ``twt rotate-key``.
 
 from __future__ import annotations
 
-import argparse
 from typing import TYPE_CHECKING
 
 from shared.errors import InvalidArgument
 from shared.protocol import arg_opt_str
-from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
-from supervisor.control.ops._cli import add_cap_out, check_cap_out, emit_capability
+from supervisor.control.ops._base import AdminOp, Args, Reply
 
 if TYPE_CHECKING:
     from supervisor.control.admin import AdminOps
@@ -38,13 +36,6 @@ class Capability(AdminOp):
     error_notes = {
         "InvalidArgument": "neither or both of tenant and role, an unknown role",
     }
-    command = "capability"
-    help = "print the capability of a registered tenant, or of the read-only monitor role"
-    description = ("Print (or write with --cap-out) the current capability of a registered tenant, e.g. one "
-                   "registered from the supervisor's config file, or with --role monitor the read-only "
-                   "monitoring capability (status, events, version; remote without allow_remote_admin). "
-                   "Capabilities minted before an eviction stay revoked; rotate-key revokes them all.")
-    json_help = "print {tenant, capability} as JSON"
 
     def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         tenant, role = arg_opt_str(args, "tenant"), arg_opt_str(args, "role")
@@ -59,22 +50,3 @@ class Capability(AdminOp):
         assert tenant is not None
         tcap = part.registry.tenant_capability(part.admin_cap, tenant)
         reply.ok({"capability": tcap.to_bytes()})
-
-    def arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("tenant", metavar="TENANT", nargs="?", help="the tenant (or --role)")
-        p.add_argument("--role", choices=ROLES,
-                       help="a role's capability instead of a tenant's: monitor = the read-only ops (status, "
-                       "events, version), accepted remotely without allow_remote_admin (default: none)")
-        add_cap_out(p)
-
-    def run(self, args: argparse.Namespace, connect: Connect) -> int:
-        if (args.tenant is None) == (args.role is None):
-            raise ValueError("name a TENANT or a --role (not both)")
-        check_cap_out(args.cap_out)
-        with connect() as client:
-            if args.role is not None:
-                emit_capability(args, args.role, client.role_capability(None, args.role))
-                return 0
-            cap = client.tenant_capability(None, args.tenant)
-        emit_capability(args, args.tenant, cap)
-        return 0

@@ -11,14 +11,11 @@ or written with ``--cap-out FILE`` (hex and a newline, mode 0600);
 
 from __future__ import annotations
 
-import argparse
 from typing import TYPE_CHECKING
 
 from shared.protocol import arg_map
 from shared.spec import TenantSpec
-from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
-from supervisor.control.ops._cli import ADMIN_TIMEOUT_S, add_cap_out, build_spec, check_cap_out, emit_capability, spec_flags
-from supervisor.control.ops.tenant_status import fetch_tenant
+from supervisor.control.ops._base import AdminOp, Args, Reply
 
 if TYPE_CHECKING:
     from supervisor.control.admin import AdminOps
@@ -37,27 +34,6 @@ class Register(AdminOp):
         "WorkerLost": "died while starting",
         "CapacityExhausted": "`max_tenants` or `max_workers` reached; nothing registered",
     }
-    command = "register"
-    help = "register a tenant (flags or a TOML file) and print its capability"
-    description = ("Register a tenant with the running supervisor and print its capability as hex "
-                   "(or write it to --cap-out). Returns once every instance is ready. With --file, the tenant "
-                   "comes from a TOML file: one tenant table, or [[tenant]] tables (name the one to register; a "
-                   "[supervisor] table is ignored, so the supervisor's own config file works); flags override it.")
-    json_help = "print {tenant, capability} as JSON"
 
     def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         reply.when(part.register(TenantSpec.from_dict(arg_map(args, "spec"))))
-
-    def arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("tenant", nargs="?", metavar="TENANT", help="tenant id (optional with --file)")
-        spec_flags(p)
-        add_cap_out(p)
-
-    def run(self, args: argparse.Namespace, connect: Connect) -> int:
-        spec = build_spec(args)
-        check_cap_out(args.cap_out)
-        with connect(ADMIN_TIMEOUT_S) as client:
-            cap = client.register(None, spec)
-            rec = fetch_tenant(client, str(spec.tenant_id))
-        emit_capability(args, str(spec.tenant_id), cap, rec)
-        return 0

@@ -5,18 +5,10 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
 from typing import TYPE_CHECKING
 
-from shared.errors import RequestTimeout
 from shared.protocol import arg_int, arg_str
-from shared.records import TenantRecord
-from supervisor.client.cli_args import non_negative_int, positive_seconds, print_json
-from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
-from supervisor.control.ops._cli import instances_line, tenant_argument
-from supervisor.control.ops.tenant_status import fetch_tenant
+from supervisor.control.ops._base import AdminOp, Args, Reply
 
 if TYPE_CHECKING:
     from supervisor.control.admin import AdminOps
@@ -32,44 +24,6 @@ class Scale(AdminOp):
     error_notes = {
         "CapacityExhausted": "`max_workers` reached; nothing changed",
     }
-    command = "scale"
-    help = "run N worker instances for a tenant (live)"
-    description = ("Change how many worker processes serve a tenant. New instances share the tenant's quota; "
-                   "scaling down drains instances (their in-flight requests finish) before stopping them.")
-    json_help = "print the tenant's status record as JSON"
 
     def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         reply.ok(part.scale(arg_str(args, "tenant"), arg_int(args, "instances")).to_wire())
-
-    def arguments(self, p: argparse.ArgumentParser) -> None:
-        tenant_argument(p)
-        p.add_argument("instances", type=non_negative_int, metavar="N")
-        p.add_argument("--wait", action="store_true", help="return once exactly N instances are ready")
-        p.add_argument("--timeout", type=positive_seconds, default=60.0, metavar="S",
-                       help="with --wait: give up (exit 1) after S seconds (default 60)")
-
-    def run(self, args: argparse.Namespace, connect: Connect) -> int:
-        with connect() as client:
-            rec = client.scale(None, args.tenant, args.instances)
-            if args.wait:
-                deadline = time.monotonic() + args.timeout
-                while not _scaled(rec, args.instances):
-                    if time.monotonic() >= deadline:
-                        print(instances_line(rec), file=sys.stderr)
-                        raise RequestTimeout("scale", args.timeout, message=(
-                            f"{args.tenant} did not reach {args.instances} ready instance(s) within "
-                            f"{args.timeout:g} s"))
-                    time.sleep(0.05)
-                    rec = fetch_tenant(client, args.tenant)
-        if args.json:
-            print_json(rec.to_wire())
-        else:
-            print(instances_line(rec))
-        return 0
-
-
-def _scaled(rec: TenantRecord, n: int) -> bool:
-    wanted = [i for i in rec.instances if not i.draining]
-    # drained instances must be gone too, so "scale 1 --wait" means one process left
-    return (len(wanted) == n and all(i.state == "ready" for i in wanted)
-            and not any(i.draining and i.pid is not None for i in rec.instances))

@@ -6,15 +6,13 @@ from typing import TYPE_CHECKING
 
 from shared.errors import InvalidArgument
 from shared.protocol import arg_opt_int, arg_opt_str
-from shared.records import STATUS_PAGE_DEFAULT, STATUS_PAGE_MAX, StatusRecord
-from supervisor.client.api import SupervisorClient
+from shared.records import STATUS_PAGE_DEFAULT, STATUS_PAGE_MAX
 from supervisor.control.ops._base import AdminOp, Args, Reply
-from supervisor.control.ops._cli import unreachable_on_timeout
 
 if TYPE_CHECKING:
     from supervisor.control.admin import AdminOps
 
-__all__ = ["Status", "fetch_status"]
+__all__ = ["Status"]
 
 
 class Status(AdminOp):
@@ -37,11 +35,3 @@ class Status(AdminOp):
         record = part.records.status(after=arg_opt_str(args, "after"), state=arg_opt_str(args, "state"),
                                      limit=STATUS_PAGE_DEFAULT if limit is None else limit, rows=view == "rows")
         reply.ok(record.to_wire())
-
-
-def fetch_status(client: SupervisorClient, *, limit: int | None = None, after: str | None = None,
-                 state: str | None = None) -> StatusRecord:
-    """The status record (every tenant, or the page ``limit``/``after`` names; see
-    :meth:`SupervisorClient.status`); a supervisor that does not answer in time counts as
-    unreachable (exit 3)."""
-    return unreachable_on_timeout(client, lambda: client.status(limit=limit, after=after, state=state))

@@ -5,15 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shared.protocol import arg_str
-from shared.records import TenantRecord
-from supervisor.client.api import SupervisorClient
 from supervisor.control.ops._base import AdminOp, Args, Reply
-from supervisor.control.ops._cli import unreachable_on_timeout
 
 if TYPE_CHECKING:
     from supervisor.control.admin import AdminOps
 
-__all__ = ["TenantStatus", "fetch_tenant"]
+__all__ = ["TenantStatus"]
 
 
 class TenantStatus(AdminOp):
@@ -23,8 +20,3 @@ class TenantStatus(AdminOp):
 
     def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         reply.ok(part.records.tenant_record(part.runtime(arg_str(args, "tenant"))).to_wire())
-
-
-def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:
-    """One tenant's record (as :func:`~supervisor.control.ops.status.fetch_status`, for one tenant)."""
-    return unreachable_on_timeout(client, lambda: client.tenant_status(None, tenant))

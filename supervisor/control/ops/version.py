@@ -9,14 +9,11 @@ restarted; ``twt --version`` names only the installed one.
 
 from __future__ import annotations
 
-import argparse
 import platform
 from typing import TYPE_CHECKING
 
-from shared.errors import ProtocolError
 from shared.protocol import PROTOCOL_VERSION
-from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import AdminOp, Args, Connect, Reply
+from supervisor.control.ops._base import AdminOp, Args, Reply
 from supervisor.observe.metrics import build_version
 
 if TYPE_CHECKING:
@@ -28,24 +25,7 @@ __all__ = ["Version"]
 class Version(AdminOp):
     name = "version"
     result_doc = "`{version, python, protocol}`: the running supervisor's build, its Python, its protocol version"
-    command = "version"
-    help = "print the running supervisor's version beside this command's"
-    description = ("Print the build version of the running supervisor (with its Python and protocol version) "
-                   "beside this command's own: after an upgrade the daemon runs the old build until it restarts.")
-    json_help = "print {client, supervisor: {version, python, protocol}} as JSON"
 
     def serve(self, part: AdminOps, reply: Reply, args: Args) -> None:
         reply.ok({"version": build_version(), "python": platform.python_version(),
                                         "protocol": PROTOCOL_VERSION})
-
-    def run(self, args: argparse.Namespace, connect: Connect) -> int:
-        with connect() as client:
-            running = client.call("version", client.reader)
-        if not isinstance(running, dict):
-            raise ProtocolError(f"the version reply is not a map: {type(running).__name__}")
-        if args.json:
-            print_json({"client": build_version(), "supervisor": running})
-        else:
-            print(f"twt {build_version()} (this command); supervisor {running.get('version')} "
-                  f"(python {running.get('python')}, protocol {running.get('protocol')})")
-        return 0

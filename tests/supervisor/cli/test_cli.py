@@ -27,8 +27,8 @@ from shared.records import PoolRecord, StatusRecord, SupervisorRecord, TenantRec
 from shared.sizes import format_size
 from shared.spec import TenantSpec
 from supervisor.cli import EXIT_UNAVAILABLE, build_parser, main
-from supervisor.control.ops.inject_fault import parse_param
-from supervisor.control.ops.events import format_event
+from supervisor.cli.commands.inject_fault import parse_param
+from supervisor.cli.commands.events import format_event
 from supervisor.cli.status import format_duration, render
 from tests.helpers.cluster import FAST as FAST_SETTINGS
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
@@ -396,7 +396,7 @@ def test_register_cap_out_checked_before_registering(capsys: pytest.CaptureFixtu
 
 def test_operations_doc_covers_every_command_setting_and_event() -> None:
     from shared.config import ENV_PREFIX, SupervisorConfig
-    from supervisor.control.ops.events import KINDS
+    from supervisor.cli.commands.events import KINDS
 
     doc = (Path(__file__).resolve().parents[3] / "docs" / "OPERATIONS.md").read_text()
     for name in SupervisorConfig.field_names():

@@ -10,13 +10,16 @@ import collections
 import itertools
 import time
 from collections.abc import Mapping
-from typing import cast
+from typing import TypeVar, cast
 
 import pytest
 
+from shared import protocol as proto
 from shared.errors import AdmissionRate, RequestTimeout
 from shared.region import Region, plan_chunks
 from supervisor.client.bulk import BulkPath, _Staging
+
+R = TypeVar("R", bound=proto.FromWire)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,7 +72,7 @@ class ScriptedTransport:
                         timeout_s: float | None = None) -> tuple[object, bytes | None]:
         raise AssertionError("a transfer of several chunks is pipelined")
 
-    def _call_locked(self, op: str, cap: bytes, args: Mapping[str, object], *, timeout_s: float | None = None) -> object:
+    def _invoke_locked(self, cap: bytes, args: proto.WireArgs[R], *, timeout_s: float | None = None) -> R:
         raise AssertionError("not used by the pipeline")
 
 
@@ -78,7 +81,7 @@ def _pipeline(transport: ScriptedTransport, total: int) -> list[int]:
     staging = _Staging(1, cast(Region, None), b"cap")
     chunks = plan_chunks(total, 4 * CHUNK, chunk_bytes=CHUNK)
     done: list[int] = []
-    bulk._pipeline(staging, "write_region", 7, 0, chunks, before=None, after=lambda c: done.append(c.position))
+    bulk._pipeline(staging, proto.WriteRegion.Args, 7, 0, chunks, before=None, after=lambda c: done.append(c.position))
     return done
 
 

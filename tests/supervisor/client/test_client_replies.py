@@ -88,7 +88,7 @@ def test_large_replies_the_supervisor_produces_decode(fake: Callable[[Answer], S
     assert len(got.tenants) == 5000 and len(proto.encode_reply(1, True, status)) > 1 << 20
     assert got.tenants[4999].spec == TenantSpec("t4999") and got.tenant("t7") == tenants[7]
     buffers = [[h, 4096] for h in range(200_000)]
-    c2 = fake(lambda rid: [proto.encode_reply(rid, True, {"buffers": buffers})])
+    c2 = fake(lambda rid: [proto.encode_reply(rid, True, {"buffers": buffers, "bytes": 4096 * len(buffers)})])
     assert len(c2.buffers(b"cap")) == 200_000  # type: ignore[arg-type]
 
 

@@ -1,9 +1,8 @@
-"""One admin op, one class: the classes and the wire table agree, and the dispatch table,
-the twt commands, their help and PROTOCOL.md's admin op table all come from the classes."""
+"""One admin op, one class: the classes and the wire table agree, and the dispatch table and
+PROTOCOL.md's op tables come from the classes (the twt commands: tests/supervisor/cli/test_commands.py)."""
 
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
@@ -11,20 +10,12 @@ import pytest
 
 from shared import protocol as proto
 from shared.errors import TenantIsolationViolation
-from supervisor.cli import build_parser
 from supervisor.control import ops
 from supervisor.control.ops import (AdminOp, EitherCapabilityOp, FrontendOp, Reply, ServiceOp, WorkerOp, check_table,
                                     op_table)
 from supervisor.control.ops.__main__ import main as doc_main
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
-
-
-def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    raise AssertionError("twt has no sub-commands")
 
 
 def test_every_op_is_one_class_of_the_part_that_serves_it() -> None:
@@ -115,33 +106,12 @@ def test_the_dispatch_tables_bind_each_op_to_its_part(monkeypatch: pytest.Monkey
     assert all(h.__self__.name == n for n, h in either.items())  # type: ignore[attr-defined]
 
 
-def test_each_command_and_its_help_come_from_its_op_class() -> None:
-    parsers = _commands(build_parser())
-    for op in ops.commands():
-        assert op.command is not None and op.command == op.spec.cli
-        p = parsers[op.command]
-        assert p.description == op.description
-        assert "--json" in p._option_string_actions and "--run-dir" in p._option_string_actions
-        assert p._option_string_actions["--json"].help == op.json_help
-    help_of = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0]._choices_actions}  # type: ignore[union-attr]
-    assert {op.command: op.help for op in ops.commands()} == {op.command: help_of[op.command] for op in ops.commands()}
-    # an op without a command of its own is sent by another (hello, status, tenant_status: twt status)
-    for op in op_table():
-        assert op.spec.cli is None or op.spec.cli in parsers, op.name
-
-
 def test_protocol_md_op_tables_are_generated_from_the_classes() -> None:
     assert doc_main(["--check"]) == 0, "run python -m supervisor.control.ops --write"
     text = (DOCS / "PROTOCOL.md").read_text()
     assert ops.doc_table() in text and ops.tenant_doc_table() in text and ops.either_doc_table() in text
     for op in op_table():
         assert op.doc_row() in text, op.name
-
-
-def test_operations_md_has_a_section_per_op_command() -> None:
-    text = (DOCS / "OPERATIONS.md").read_text()
-    for op in ops.commands():
-        assert re.search(rf"^### .*`twt {re.escape(str(op.command))}`", text, re.M), op.command
 
 
 def test_adding_a_worker_op_is_its_definition_and_its_handler() -> None:

@@ -20,7 +20,7 @@ from shared.errors import BufferLost, InvalidArgument, Overloaded, TenantStopped
 from shared.records import ExitRecord
 from shared.spec import DEADLINE_GRACE_S, TenantSpec
 from supervisor.observe.event_log import EventLog
-from supervisor.admission.frontend import Frontend
+from supervisor.admission.frontend import Frontend, Handlers, Holdings, Routes, Sockets
 from supervisor.routing.dispatcher import Dispatcher, lost_buffer, pinned_instance, slot_for, with_wasm_limits
 from supervisor.runtime.loop import Handoff, Loop, Timers
 from supervisor.observe.metrics import Metrics
@@ -288,10 +288,10 @@ def _new_frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, t
     dispatcher = Dispatcher(cfg, clock=clock, pending=table, sender=None, held=guard.held,  # type: ignore[arg-type]
                             regions=regions, tenants=tenants)
     admin = {name: lambda client, rid, args: None for name, spec in proto.OPS.items() if spec.admin}
-    return Frontend(cfg, loop=_FakeLoop(clock), sock=sock, tcp_sock=tcp_sock, replies=replies,  # type: ignore[arg-type]
-                    pending=table, dispatcher=dispatcher, workers={}, registry=_FakeRegistry(),  # type: ignore[arg-type]
-                    tenants=tenants, regions=regions, guard=guard, admin_cap=b"admin", event_log=EventLog(16),
-                    admin_ops=admin, local_ops=ops.local_handlers(), either_ops=ops.either_handlers())
+    return Frontend(cfg, loop=_FakeLoop(clock), sockets=Sockets(sock, tcp_sock), guard=guard,  # type: ignore[arg-type]
+                    routes=Routes(table, replies, dispatcher, regions),  # type: ignore[arg-type]
+                    holdings=Holdings(_FakeRegistry(), tenants, {}, b"admin", EventLog(16)),  # type: ignore[arg-type]
+                    handlers=Handlers(admin, ops.local_handlers(), ops.either_handlers()))
 
 
 def _frontend(table: PendingTable, replies: FakeReplies, clock: FakeClock, tenants: dict[str, TenantRuntime],

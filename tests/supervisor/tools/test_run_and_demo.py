@@ -13,7 +13,7 @@ import wasmtime
 
 from shared.errors import InvalidArgument, KernelTimeout, UnknownModule, WasmCompile, WasmTrap
 from shared.spec import TenantSpec
-from supervisor.control.ops.run_wasm import parse_wasm_arg
+from supervisor.cli.commands.run_wasm import parse_wasm_arg
 from supervisor.tools.demo import guest_path
 from tests.helpers.cli import twt
 from tests.helpers.cluster import instance_pid, supervisor, tenant

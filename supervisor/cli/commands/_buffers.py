@@ -26,10 +26,10 @@ from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.errors import InvalidArgument
 from shared.sizes import format_size, parse_size
+from supervisor.cli.commands._base import Connect
+from supervisor.cli.commands._cli import tenant_capability_file, tenant_capability_of
 from supervisor.client.api import SupervisorClient
 from supervisor.client.cli_args import print_json
-from supervisor.control.ops._base import Connect
-from supervisor.control.ops._cli import tenant_capability_file, tenant_capability_of
 
 __all__ = ["BUFFER_TIMEOUT_S", "buffer_size", "connect_tenant", "format_held", "held_buffer", "record", "report",
            "resolve_handle"]

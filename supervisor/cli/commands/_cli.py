@@ -13,13 +13,19 @@ import argparse
 import os
 import sys
 import tomllib
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
-from shared.capability import MonitorCapability, TenantCapability, capability_to_text, read_capability_file, write_capability_file
+from shared.capability import (
+    MonitorCapability,
+    TenantCapability,
+    capability_to_text,
+    read_capability_file,
+    write_capability_file,
+)
 from shared.errors import RequestTimeout, SupervisorUnavailable
-from shared.records import TenantRecord
+from shared.records import StatusRecord, TenantRecord
 from shared.sizes import decimal_size_note, format_size, parse_size
 from shared.spec import IsolationKind, RestartPolicy, TenantSpec
 from supervisor.client.api import SupervisorClient
@@ -34,6 +40,8 @@ __all__ = [
     "build_spec",
     "check_cap_out",
     "emit_capability",
+    "fetch_tenant",
+    "fetch_status",
     "has_spec_flags",
     "instances_line",
     "limits_line",
@@ -358,3 +366,16 @@ def tenant_capability_of(client: SupervisorClient, tenant: str, from_file: Tenan
     if cap.tenant_id != tenant:  # pragma: no cover - the supervisor answers for the name asked
         raise ValueError(f"capability is for {cap.tenant_id!r}, not {tenant!r}")
     return cap
+
+
+def fetch_status(client: SupervisorClient, *, limit: int | None = None, after: str | None = None,
+                 state: str | None = None) -> StatusRecord:
+    """The status record (every tenant, or the page ``limit``/``after`` names; see
+    :meth:`SupervisorClient.status`); a supervisor that does not answer in time counts as
+    unreachable (exit 3)."""
+    return unreachable_on_timeout(client, lambda: client.status(limit=limit, after=after, state=state))
+
+
+def fetch_tenant(client: SupervisorClient, tenant: str) -> TenantRecord:
+    """One tenant's record (as :func:`fetch_status`, for one tenant)."""
+    return unreachable_on_timeout(client, lambda: client.tenant_status(None, tenant))
