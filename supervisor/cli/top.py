@@ -46,7 +46,7 @@ from supervisor.cli.status import (
 )
 from supervisor.client.api import SupervisorClient
 from supervisor.client.outage import Reconnecting
-from supervisor.control.ops._cli import unreachable_on_timeout
+from supervisor.cli.commands._cli import unreachable_on_timeout
 
 __all__ = ["add_parser", "fetch_rows", "render_rows", "row_cells", "run"]
 
