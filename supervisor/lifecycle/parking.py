@@ -26,6 +26,10 @@ The rules that keep bytes and quota whole:
   importing is restarted by the restart policy with the *same* incarnation
   (``InstanceSlot.keep_incarnation``), and the import starts over from the host
   copy; the dead worker's partial imports are reclaimed with its quota share.
+  "Confirmed" is every instance's import: an instance whose buffers are back
+  but whose worker dies while another instance still imports goes back on the
+  to-do list, and its replacement imports the host copy again (no request
+  reached it in between, so the copy is exact).
 * **Handles survive.** A handle encodes instance + incarnation + sequence
   (:func:`shared.protocol.make_handle`). A parked slot keeps its incarnation:
   the activating worker is bound with it, the buffers are imported under their
@@ -619,9 +623,20 @@ class Parking:
 
     def _slot_imported(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
         rec.todo.discard(slot.index)
-        rec.importing.pop(slot.index, None)
+        worker = rec.importing.pop(slot.index, None)
         if not rec.todo:
             self._activated(rt, rec)
+            return
+        # Other instances still import. Should this one's worker die before they are done, its
+        # replacement keeps the incarnation (the client's handles name it) and must get the
+        # buffers again from the host copy, which is kept until every instance is confirmed: no
+        # request has reached the instance since, so the copy is still exact.
+        if isinstance(worker, WorkerHandle):
+            def lost(_w: WorkerHandle, rt: TenantRuntime = rt, rec: ParkRecord = rec, index: int = slot.index) -> None:
+                if self._current(rt, rec, ParkPhase.ACTIVATING):
+                    rec.todo.add(index)
+
+            worker.death_waiters.append(lost)
 
     def _activated(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         """Every instance holds its buffers again: the host copy goes, the waiting requests are sent."""
