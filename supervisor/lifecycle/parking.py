@@ -56,11 +56,17 @@ The rules that keep bytes and quota whole:
   (``import_modules``), so its first ``run_wasm`` does not compile. Neither step
   can fail a park or an activation: what is missing is compiled at its run.
 
-* **Room.** An activation starts workers only within ``max_active`` (all tenant
-  workers alive) and each device's context bound; short of room it parks the
-  least recently used idle tenants early and waits for their workers to exit,
-  or - nothing parkable - answers its requests ``CapacityExhausted`` with
-  ``retry_after_s``. It never waits on a park that cannot happen.
+* **Room.** An activation starts workers only within ``max_active`` and each
+  device's context bound; short of room it parks the least recently used idle
+  tenants early and waits for their buffers to be copied out (``max_active``)
+  or their workers to exit (a device's bound), or - nothing parkable - answers
+  its requests ``CapacityExhausted`` with ``retry_after_s``. It never waits on
+  a park that cannot happen. What ``max_active`` counts is the tenant workers
+  alive *and in use*: a worker told to exit by a park whose copy is whole
+  serves nothing more and its bytes are in the supervisor's host copy, so it
+  no longer counts, and for the moments until it exits the processes may
+  number ``max_active`` plus those stopping ones. A device's bound counts every
+  worker until its process is gone (its context holds the device's memory).
 
 Owns: every tenant's :class:`~supervisor.runtime.tenants.ParkRecord` and its
 transitions. May touch: the worker set (requests, start, stop), the frontend's
@@ -339,6 +345,8 @@ class Parking:
             self.workers.stop_worker(worker, "parked")
         if not workers:
             self._parked(rt, rec)
+        else:
+            self._retry_room_waiters()  # its stopping workers take no room in all now (see _alive)
 
     def _parked(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         rec.phase = ParkPhase.PARKED
@@ -409,17 +417,24 @@ class Parking:
     # ------------------------------------------------------------ room (max_active)
 
     def _alive(self) -> tuple[int, dict[int, int]]:
-        """Tenant workers alive now (bound to a tenant, not yet dead: starting, ready, stopping),
-        in all and per device."""
+        """Tenant workers that take room now, in all (``max_active``) and per device.
+
+        In all: every worker bound to a tenant and not dead (starting, ready, stopping) except
+        the stopping workers of a tenant whose buffers are already whole in host memory (its
+        park in STOPPING): such a worker serves nothing more, holds nothing the tenant needs
+        back, and only has to exit - an activation waiting for it would wait out a process exit
+        for no reason. Per device: every one of them, stopping or not, since a worker's device
+        context takes the device's memory until its process is gone."""
         total = 0
         per: dict[int, int] = {}
         for worker in self.workers.workers.values():
             if worker.tenant is None or worker.state is WorkerState.DEAD:
                 continue
-            total += 1
             owner = self.tenants.get(worker.tenant)
             if owner is not None:
                 per[owner.device] = per.get(owner.device, 0) + 1
+            if not _leaving(owner, worker):
+                total += 1
         return total, per
 
     def _make_room(self, rt: TenantRuntime) -> bool | CapacityExhausted:
@@ -439,7 +454,8 @@ class Parking:
             if other is not rt and other.park is not None and other.park.phase in (ParkPhase.EXPORTING,
                                                                                    ParkPhase.STOPPING):
                 n = sum(1 for s in other.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD)
-                short_all -= n
+                if other.park.phase is ParkPhase.EXPORTING:  # a STOPPING one's are not counted in all
+                    short_all -= n
                 short_dev -= n if other.device == rt.device else 0
         if short_all > 0 or short_dev > 0:
             now = self.clock()
@@ -716,6 +732,13 @@ def _parkable(rt: TenantRuntime) -> bool:
             and not rt.rolling_left and rt.rolling_slot is None and bool(wanted)
             and all(s.ready and s.worker is not None and not s.worker.in_flight for s in wanted)
             and all(s.worker is None for s in rt.slots if s.draining) and not rt.block.closed)
+
+
+def _leaving(owner: TenantRuntime | None, worker: WorkerHandle) -> bool:
+    """``worker`` is being stopped by a park whose copy is whole (see ``Parking._alive``)."""
+    rec = owner.park if owner is not None else None
+    return (rec is not None and rec.phase is ParkPhase.STOPPING and worker.expected_exit
+            and worker.state is WorkerState.STOPPING)
 
 
 def _message(payload: object) -> str:
