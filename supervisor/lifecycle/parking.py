@@ -53,7 +53,10 @@ The rules that keep bytes and quota whole:
   wasmtime artifacts of the stored modules it compiled (``export_modules``);
   they are written to this tenant's own directory (supervisor.store.artifacts),
   and an activating instance gets them back after its buffers
-  (``import_modules``), so its first ``run_wasm`` does not compile. Neither step
+  (``import_modules``), so its first ``run_wasm`` does not compile. The
+  activation does not wait for that answer (the worker takes the artifacts
+  before the requests sent after them); a worker that dies after its buffers
+  were confirmed is an ordinary crash once the activation is done. Neither step
   can fail a park or an activation: what is missing is compiled at its run.
 
 * **Room.** An activation starts workers only within ``max_active`` and each
@@ -144,6 +147,10 @@ class Parking:
         self.artifacts = artifacts
         #: compiled modules an activation put back without a compile, by tenant (its ``activate`` event)
         self._artifacts_loaded: dict[str, int] = {}
+        #: ``import_modules`` sent and not answered yet, by tenant; an ``activate`` event waiting
+        #: for those answers (its other fields)
+        self._modules_pending: dict[str, int] = {}
+        self._activate_events: dict[str, dict[str, object]] = {}
         self.device_bounds = dict(device_bounds or {})
         #: parks begun to make room (before the tenant's idle time), and activations refused for room
         self.early_parks = 0
@@ -616,26 +623,38 @@ class Parking:
 
     def _import_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
         """The instance's buffers are back: its tenant's own artifacts next, so the first run does
-        not compile. A worker's refusal is never the activation's (the module compiles at its run)."""
+        not compile. They are off the activation's path: the instance counts as imported when they
+        are sent, and the worker takes them before any request sent after them (its requests are
+        served in order), so a ``ping`` that woke the tenant does not wait for their answer. A
+        worker's refusal is never the activation's (the module compiles at its run); the
+        ``activate`` event waits for the answers to count the artifacts loaded."""
         artifacts = self.artifacts
         message = artifacts.message(rt) if artifacts is not None else None
         if artifacts is None or message is None:
             self._slot_imported(rt, rec, slot)
             return
         args, body, sent = message
+        tid = rt.tenant_id
+        self._modules_pending[tid] = self._modules_pending.get(tid, 0) + 1
 
         def done(ok: bool, payload: object) -> None:
-            if not (self.tenants.get(rt.tenant_id) is rt and rt.park is rec and rec.phase is ParkPhase.ACTIVATING
-                    and rec.importing.get(slot.index) is worker):
-                return
-            if not ok and worker.state is WorkerState.DEAD:
-                return  # restarted with the same incarnation; the import starts over then
-            if ok:
+            if ok and self.tenants.get(tid) is rt:
                 loaded = artifacts.settle(rt, payload, sent)
-                self._artifacts_loaded[rt.tenant_id] = self._artifacts_loaded.get(rt.tenant_id, 0) + loaded
-            self._slot_imported(rt, rec, slot)
+                self._artifacts_loaded[tid] = self._artifacts_loaded.get(tid, 0) + loaded
+            left = self._modules_pending.get(tid, 1) - 1
+            if left > 0:
+                self._modules_pending[tid] = left
+                return
+            self._modules_pending.pop(tid, None)
+            fields = self._activate_events.pop(tid, None)
+            if fields is not None:
+                self._emit_activate(tid, fields)
 
         self._send(rt, slot, worker, "import_modules", args, body, done)
+        self._slot_imported(rt, rec, slot)
+
+    def _emit_activate(self, tid: str, fields: dict[str, object]) -> None:
+        self.events.emit("activate", tenant=tid, **fields, artifacts=self._artifacts_loaded.pop(tid, 0))
 
     def _slot_imported(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
         rec.todo.discard(slot.index)
@@ -666,9 +685,12 @@ class Parking:
         rt.last_request = self.clock()
         rt.refresh_state()
         self.activations += 1
-        self.events.emit("activate", tenant=rt.tenant_id, buffers=restored, host_bytes=host_bytes,
-                         activate_ms=round((self.clock() - rec.since) * 1000, 3),
-                         artifacts=self._artifacts_loaded.pop(rt.tenant_id, 0))
+        fields: dict[str, object] = {"buffers": restored, "host_bytes": host_bytes,
+                                     "activate_ms": round((self.clock() - rec.since) * 1000, 3)}
+        if self._modules_pending.get(rt.tenant_id):  # emitted with the artifacts' count once answered
+            self._activate_events[rt.tenant_id] = fields
+        else:
+            self._emit_activate(rt.tenant_id, fields)
         if self.persist is not None:
             self.persist(rt.tenant_id, False)
         self.on_active(rt)
