@@ -311,7 +311,7 @@ def test_kill_9_of_an_instance_already_restored_while_another_still_imports_lose
     """Instance 0's buffers are back and confirmed while instance 1 still imports; instance 0's new
     worker is killed then. Its replacement keeps the incarnation (the client's handles), so it must
     get the buffers from the host copy again: the bytes come back and the quota counts them."""
-    with supervisor([{"name": "pair", "instances": 2}], pool_size=2) as sup:
+    with supervisor([{"name": "pair", "instances": 2}], pool_size=2, pool_max=2) as sup:  # no third warm one
         c = sup.client
         cap = c.tenant_capability(None, "pair")
         h0 = c.alloc(cap, 3000, instance=0)
