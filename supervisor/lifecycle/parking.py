@@ -26,6 +26,10 @@ The rules that keep bytes and quota whole:
   importing is restarted by the restart policy with the *same* incarnation
   (``InstanceSlot.keep_incarnation``), and the import starts over from the host
   copy; the dead worker's partial imports are reclaimed with its quota share.
+  "Confirmed" is every instance's import: an instance whose buffers are back
+  but whose worker dies while another instance still imports goes back on the
+  to-do list, and its replacement imports the host copy again (no request
+  reached it in between, so the copy is exact).
 * **Handles survive.** A handle encodes instance + incarnation + sequence
   (:func:`shared.protocol.make_handle`). A parked slot keeps its incarnation:
   the activating worker is bound with it, the buffers are imported under their
@@ -49,14 +53,23 @@ The rules that keep bytes and quota whole:
   wasmtime artifacts of the stored modules it compiled (``export_modules``);
   they are written to this tenant's own directory (supervisor.store.artifacts),
   and an activating instance gets them back after its buffers
-  (``import_modules``), so its first ``run_wasm`` does not compile. Neither step
+  (``import_modules``), so its first ``run_wasm`` does not compile. The
+  activation does not wait for that answer (the worker takes the artifacts
+  before the requests sent after them); a worker that dies after its buffers
+  were confirmed is an ordinary crash once the activation is done. Neither step
   can fail a park or an activation: what is missing is compiled at its run.
 
-* **Room.** An activation starts workers only within ``max_active`` (all tenant
-  workers alive) and each device's context bound; short of room it parks the
-  least recently used idle tenants early and waits for their workers to exit,
-  or - nothing parkable - answers its requests ``CapacityExhausted`` with
-  ``retry_after_s``. It never waits on a park that cannot happen.
+* **Room.** An activation starts workers only within ``max_active`` and each
+  device's context bound; short of room it parks the least recently used idle
+  tenants early and waits for their buffers to be copied out (``max_active``)
+  or their workers to exit (a device's bound), or - nothing parkable - answers
+  its requests ``CapacityExhausted`` with ``retry_after_s``. It never waits on
+  a park that cannot happen. What ``max_active`` counts is the tenant workers
+  alive *and in use*: a worker told to exit by a park whose copy is whole
+  serves nothing more and its bytes are in the supervisor's host copy, so it
+  no longer counts, and for the moments until it exits the processes may
+  number ``max_active`` plus those stopping ones. A device's bound counts every
+  worker until its process is gone (its context holds the device's memory).
 
 Owns: every tenant's :class:`~supervisor.runtime.tenants.ParkRecord` and its
 transitions. May touch: the worker set (requests, start, stop), the frontend's
@@ -134,6 +147,10 @@ class Parking:
         self.artifacts = artifacts
         #: compiled modules an activation put back without a compile, by tenant (its ``activate`` event)
         self._artifacts_loaded: dict[str, int] = {}
+        #: ``import_modules`` sent and not answered yet, by tenant; an ``activate`` event waiting
+        #: for those answers (its other fields)
+        self._modules_pending: dict[str, int] = {}
+        self._activate_events: dict[str, dict[str, object]] = {}
         self.device_bounds = dict(device_bounds or {})
         #: parks begun to make room (before the tenant's idle time), and activations refused for room
         self.early_parks = 0
@@ -335,6 +352,8 @@ class Parking:
             self.workers.stop_worker(worker, "parked")
         if not workers:
             self._parked(rt, rec)
+        else:
+            self._retry_room_waiters()  # its stopping workers take no room in all now (see _alive)
 
     def _parked(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         rec.phase = ParkPhase.PARKED
@@ -405,17 +424,24 @@ class Parking:
     # ------------------------------------------------------------ room (max_active)
 
     def _alive(self) -> tuple[int, dict[int, int]]:
-        """Tenant workers alive now (bound to a tenant, not yet dead: starting, ready, stopping),
-        in all and per device."""
+        """Tenant workers that take room now, in all (``max_active``) and per device.
+
+        In all: every worker bound to a tenant and not dead (starting, ready, stopping) except
+        the stopping workers of a tenant whose buffers are already whole in host memory (its
+        park in STOPPING): such a worker serves nothing more, holds nothing the tenant needs
+        back, and only has to exit - an activation waiting for it would wait out a process exit
+        for no reason. Per device: every one of them, stopping or not, since a worker's device
+        context takes the device's memory until its process is gone."""
         total = 0
         per: dict[int, int] = {}
         for worker in self.workers.workers.values():
             if worker.tenant is None or worker.state is WorkerState.DEAD:
                 continue
-            total += 1
             owner = self.tenants.get(worker.tenant)
             if owner is not None:
                 per[owner.device] = per.get(owner.device, 0) + 1
+            if not _leaving(owner, worker):
+                total += 1
         return total, per
 
     def _make_room(self, rt: TenantRuntime) -> bool | CapacityExhausted:
@@ -435,7 +461,8 @@ class Parking:
             if other is not rt and other.park is not None and other.park.phase in (ParkPhase.EXPORTING,
                                                                                    ParkPhase.STOPPING):
                 n = sum(1 for s in other.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD)
-                short_all -= n
+                if other.park.phase is ParkPhase.EXPORTING:  # a STOPPING one's are not counted in all
+                    short_all -= n
                 short_dev -= n if other.device == rt.device else 0
         if short_all > 0 or short_dev > 0:
             now = self.clock()
@@ -596,32 +623,55 @@ class Parking:
 
     def _import_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
         """The instance's buffers are back: its tenant's own artifacts next, so the first run does
-        not compile. A worker's refusal is never the activation's (the module compiles at its run)."""
+        not compile. They are off the activation's path: the instance counts as imported when they
+        are sent, and the worker takes them before any request sent after them (its requests are
+        served in order), so a ``ping`` that woke the tenant does not wait for their answer. A
+        worker's refusal is never the activation's (the module compiles at its run); the
+        ``activate`` event waits for the answers to count the artifacts loaded."""
         artifacts = self.artifacts
         message = artifacts.message(rt) if artifacts is not None else None
         if artifacts is None or message is None:
             self._slot_imported(rt, rec, slot)
             return
         args, body, sent = message
+        tid = rt.tenant_id
+        self._modules_pending[tid] = self._modules_pending.get(tid, 0) + 1
 
         def done(ok: bool, payload: object) -> None:
-            if not (self.tenants.get(rt.tenant_id) is rt and rt.park is rec and rec.phase is ParkPhase.ACTIVATING
-                    and rec.importing.get(slot.index) is worker):
-                return
-            if not ok and worker.state is WorkerState.DEAD:
-                return  # restarted with the same incarnation; the import starts over then
-            if ok:
+            if ok and self.tenants.get(tid) is rt:
                 loaded = artifacts.settle(rt, payload, sent)
-                self._artifacts_loaded[rt.tenant_id] = self._artifacts_loaded.get(rt.tenant_id, 0) + loaded
-            self._slot_imported(rt, rec, slot)
+                self._artifacts_loaded[tid] = self._artifacts_loaded.get(tid, 0) + loaded
+            left = self._modules_pending.get(tid, 1) - 1
+            if left > 0:
+                self._modules_pending[tid] = left
+                return
+            self._modules_pending.pop(tid, None)
+            fields = self._activate_events.pop(tid, None)
+            if fields is not None:
+                self._emit_activate(tid, fields)
 
         self._send(rt, slot, worker, "import_modules", args, body, done)
+        self._slot_imported(rt, rec, slot)
+
+    def _emit_activate(self, tid: str, fields: dict[str, object]) -> None:
+        self.events.emit("activate", tenant=tid, **fields, artifacts=self._artifacts_loaded.pop(tid, 0))
 
     def _slot_imported(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot) -> None:
         rec.todo.discard(slot.index)
-        rec.importing.pop(slot.index, None)
+        worker = rec.importing.pop(slot.index, None)
         if not rec.todo:
             self._activated(rt, rec)
+            return
+        # Other instances still import. Should this one's worker die before they are done, its
+        # replacement keeps the incarnation (the client's handles name it) and must get the
+        # buffers again from the host copy, which is kept until every instance is confirmed: no
+        # request has reached the instance since, so the copy is still exact.
+        if isinstance(worker, WorkerHandle):
+            def lost(_w: WorkerHandle, rt: TenantRuntime = rt, rec: ParkRecord = rec, index: int = slot.index) -> None:
+                if self._current(rt, rec, ParkPhase.ACTIVATING):
+                    rec.todo.add(index)
+
+            worker.death_waiters.append(lost)
 
     def _activated(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         """Every instance holds its buffers again: the host copy goes, the waiting requests are sent."""
@@ -635,9 +685,12 @@ class Parking:
         rt.last_request = self.clock()
         rt.refresh_state()
         self.activations += 1
-        self.events.emit("activate", tenant=rt.tenant_id, buffers=restored, host_bytes=host_bytes,
-                         activate_ms=round((self.clock() - rec.since) * 1000, 3),
-                         artifacts=self._artifacts_loaded.pop(rt.tenant_id, 0))
+        fields: dict[str, object] = {"buffers": restored, "host_bytes": host_bytes,
+                                     "activate_ms": round((self.clock() - rec.since) * 1000, 3)}
+        if self._modules_pending.get(rt.tenant_id):  # emitted with the artifacts' count once answered
+            self._activate_events[rt.tenant_id] = fields
+        else:
+            self._emit_activate(rt.tenant_id, fields)
         if self.persist is not None:
             self.persist(rt.tenant_id, False)
         self.on_active(rt)
@@ -701,6 +754,13 @@ def _parkable(rt: TenantRuntime) -> bool:
             and not rt.rolling_left and rt.rolling_slot is None and bool(wanted)
             and all(s.ready and s.worker is not None and not s.worker.in_flight for s in wanted)
             and all(s.worker is None for s in rt.slots if s.draining) and not rt.block.closed)
+
+
+def _leaving(owner: TenantRuntime | None, worker: WorkerHandle) -> bool:
+    """``worker`` is being stopped by a park whose copy is whole (see ``Parking._alive``)."""
+    rec = owner.park if owner is not None else None
+    return (rec is not None and rec.phase is ParkPhase.STOPPING and worker.expected_exit
+            and worker.state is WorkerState.STOPPING)
 
 
 def _message(payload: object) -> str:

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared import protocol as proto
 from shared.capability import TenantCapability
 from shared.errors import BufferLost, InvalidArgument, TensorWasmError
+from shared.records import InstanceRecord
 from shared.region import Region
 from shared.spec import TenantSpec
 from supervisor.cli import main
@@ -304,6 +305,73 @@ def test_kill_9_of_the_worker_while_activating_loses_no_bytes() -> None:
                     and q.bytes_in_use + q.gpu_bytes_in_use == base + n)  # nothing lost, nothing charged twice
 
         wait_for(settled, what="the bytes in one place")
+
+
+def test_kill_9_of_an_instance_already_restored_while_another_still_imports_loses_no_bytes() -> None:
+    """Instance 0's buffers are back and confirmed while instance 1 still imports; instance 0's new
+    worker is killed then. Its replacement keeps the incarnation (the client's handles), so it must
+    get the buffers from the host copy again: the bytes come back and the quota counts them."""
+    with supervisor([{"name": "pair", "instances": 2}], pool_size=2, pool_max=2) as sup:  # no third warm one
+        c = sup.client
+        cap = c.tenant_capability(None, "pair")
+        h0 = c.alloc(cap, 3000, instance=0)
+        h1 = c.alloc(cap, 5000, instance=1)
+        c.write(cap, h0, _pattern(3000, 21))
+        c.write(cap, h1, _pattern(5000, 22))
+        _park_soon(c, "pair")
+        c.set_quota(None, "pair", idle_timeout_s=None)  # parked now; no second park after the activation
+        pool: tuple[int, ...] = wait_for(lambda: tuple(c.status().supervisor.pool.pids) if
+                                         len(c.status().supervisor.pool.pids) >= 2 else (), what="two warm workers")
+        for pid in pool:
+            os.kill(pid, signal.SIGSTOP)  # bound for the activation, neither can answer yet
+        got: list[bytes] = []
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                with SupervisorClient(sup.run_dir, regions=False) as own:
+                    got.append(own.read(cap, h1, 5000))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        stopped = set(pool)
+        try:
+            def bound() -> tuple[InstanceRecord, ...]:
+                insts = tenant(c.status(), "pair").instances
+                return insts if all(x.pid in stopped for x in insts) else ()
+
+            insts = wait_for(bound, what="both pool workers bound")
+            first, second = insts[0].pid, insts[1].pid
+            assert first is not None and second is not None
+            os.kill(first, signal.SIGCONT)
+
+            def restored() -> bool:  # instance 0 imported, and its reply handled by the supervisor
+                rec = tenant(c.status(), "pair")
+                inst = rec.instances[0]
+                shares = {i: g for i, _c, g in (rec.quota.instance_shares if rec.quota else ())}
+                return inst.state == "ready" and inst.in_flight == 0 and shares.get(0) == 3000
+
+            wait_for(restored, what="instance 0 restored while instance 1 waits")
+            assert tenant(c.status(), "pair").state == "starting"  # the activation waits for instance 1
+            os.kill(first, signal.SIGKILL)
+            wait_for(lambda: tenant(c.status(), "pair").instances[0].pid not in (None, first),
+                     what="instance 0 restarted")
+        finally:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        t.join(120)
+        assert not errors, errors
+        assert got == [_pattern(5000, 22)]
+        assert c.read(cap, h0, 3000) == _pattern(3000, 21)  # the restarted instance got its buffer again
+        rec = tenant(c.status(), "pair")
+        shares = {i: g for i, _c, g in (rec.quota.instance_shares if rec.quota else ())}
+        assert shares == {0: 3000, 1: 5000} and rec.gpu_bytes_in_use == 8000
+        assert c.buffers(cap) == {h0: 3000, h1: 5000}
 
 
 @pytest.fixture

@@ -1,0 +1,70 @@
+"""The room rule of ``max_active`` in isolation: which tenant workers take room for an activation.
+
+A :class:`~supervisor.lifecycle.parking.Parking` over hand-built tenants and worker handles (no
+process, no socket): the answer of ``_make_room`` is a pure function of the phases and states.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shared.spec import TenantSpec
+from supervisor.lifecycle.parking import Parking
+from supervisor.lifecycle.signals import TenantSignals
+from supervisor.observe.events import EventBus
+from supervisor.runtime.tenants import InstanceSlot, ParkPhase, ParkRecord, TenantRuntime, TenantState
+from supervisor.runtime.workers import WorkerHandle, WorkerState
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _tenant(name: str, phase: ParkPhase | None) -> TenantRuntime:
+    rt = TenantRuntime(TenantSpec(name), None, 1)  # type: ignore[arg-type]  # no block: never read here
+    rt.slots.append(InstanceSlot(0))
+    rt.park = ParkRecord(phase, 0.0) if phase is not None else None
+    rt.state = TenantState.RUNNING if phase is None else TenantState.PARKED
+    return rt
+
+
+def _worker(rt: TenantRuntime, state: WorkerState, *, expected_exit: bool) -> WorkerHandle:
+    w = WorkerHandle(f"w-{rt.tenant_id}", "t", None, 1, -1, 0.0)  # type: ignore[arg-type]  # never a process
+    w.tenant, w.instance, w.state, w.expected_exit = rt.tenant_id, 0, state, expected_exit
+    rt.slots[0].worker = w
+    return w
+
+
+def _parking(tenants: list[TenantRuntime], workers: list[WorkerHandle], **kw: Any) -> Parking:
+    fake_set: Any = SimpleNamespace(workers={w.worker_id: w for w in workers})
+    return Parking(tenants={t.tenant_id: t for t in tenants}, workers=fake_set, events=EventBus(None),
+                   signals=TenantSignals(stopping=lambda: False), clock=lambda: 100.0, **kw)
+
+
+def test_a_stopping_worker_whose_copy_is_whole_takes_no_room_in_max_active() -> None:
+    """The victim's buffers are in host memory and its worker is exiting: the activation goes on
+    now, without waiting for the process to end (max_active counts workers in use)."""
+    leaving, wanted = _tenant("leaving", ParkPhase.STOPPING), _tenant("wanted", ParkPhase.PARKED)
+    w = _worker(leaving, WorkerState.STOPPING, expected_exit=True)
+    parking = _parking([leaving, wanted], [w], max_active=1)
+    assert parking._make_room(wanted) is True
+    assert parking._alive() == (0, {0: 1})  # still one on the device: its context is there until it exits
+
+
+def test_a_device_bound_still_waits_for_the_stopping_worker_to_exit() -> None:
+    leaving, wanted = _tenant("leaving", ParkPhase.STOPPING), _tenant("wanted", ParkPhase.PARKED)
+    w = _worker(leaving, WorkerState.STOPPING, expected_exit=True)
+    parking = _parking([leaving, wanted], [w], device_bounds={0: 1})
+    assert parking._make_room(wanted) is False  # waits for the exit (the park in progress frees it)
+
+
+@pytest.mark.parametrize("phase", [ParkPhase.EXPORTING, None])
+def test_a_worker_still_in_use_takes_room(phase: ParkPhase | None) -> None:
+    """A park still copying (its worker holds the only copy of the buffers), or an active tenant's
+    worker being stopped for another reason: the worker counts until it is gone."""
+    other, wanted = _tenant("other", phase), _tenant("wanted", ParkPhase.PARKED)
+    w = _worker(other, WorkerState.STOPPING if phase is None else WorkerState.READY, expected_exit=phase is None)
+    parking = _parking([other, wanted], [w], max_active=1)
+    assert parking._alive()[0] == 1
+    assert parking._make_room(wanted) is not True
