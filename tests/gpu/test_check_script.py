@@ -34,7 +34,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comple
 def test_dry_run_on_the_fake_passes_every_phase_and_writes_the_json(
         dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     proc, out = dry_run
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, gpu_dry_run.why_failed(proc)
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("PASSED")  # the table comes last
     doc = json.loads(out.read_text())

@@ -17,7 +17,7 @@ def test_the_mix_phase_runs_on_the_fake_and_its_checks_pass(tmp_path_factory: py
     """Heavy beside chatty, k instances, the holder SIGKILLed mid-chunk (its lease reclaimed, the
     waiter served), the longest hold: every check passes on the fake; the spin kernel is hardware only."""
     run = gpu_dry_run.dry_run(tmp_path_factory)
-    assert run.proc.returncode == 0, run.proc.stdout[-2000:]
+    assert run.proc.returncode == 0, gpu_dry_run.why_failed(run.proc)
     result = json.loads(run.json_out.read_text())["phases"]["mix"]
     assert result["n"] == 64  # the fake's size: the phase ran with fake=True
     rows = table_rows(result)

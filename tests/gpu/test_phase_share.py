@@ -17,7 +17,7 @@ def test_the_share_phase_runs_on_the_fake_and_every_gemm_is_right(tmp_path_facto
     """The phase's result as the check's dry run got it from its child (``run(fake=True)`` there; the
     run is shared with tests/gpu/test_check_script.py: tests/helpers/gpu_dry_run.py)."""
     run = gpu_dry_run.dry_run(tmp_path_factory)
-    assert run.proc.returncode == 0, run.proc.stdout[-2000:]
+    assert run.proc.returncode == 0, gpu_dry_run.why_failed(run.proc)
     result = json.loads(run.json_out.read_text())["phases"]["share"]
     assert result["n"] == 64  # the fake's size: the phase ran with fake=True
     rows = table_rows(result)

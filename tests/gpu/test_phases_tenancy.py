@@ -34,7 +34,7 @@ MODULES: dict[str, TableRows] = {
 @pytest.fixture(scope="module")
 def doc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run = gpu_dry_run.dry_run(tmp_path_factory)
-    assert run.proc.returncode == 0, run.proc.stdout[-3000:]
+    assert run.proc.returncode == 0, gpu_dry_run.why_failed(run.proc)
     result: dict[str, Any] = json.loads(run.json_out.read_text())
     return result
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["DryRun", "dry_run"]
+__all__ = ["DryRun", "dry_run", "why_failed"]
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the check's own timeout inside a test (the tests' pytest timeouts are larger)
@@ -95,3 +95,11 @@ def dry_run(factory: pytest.TempPathFactory) -> DryRun:
             fcntl.flock(lock, fcntl.LOCK_UN)
     _memo.append(result)
     return result
+
+
+def why_failed(proc: subprocess.CompletedProcess[str]) -> str:
+    """What a failed dry run says: its FAIL rows first (a check that failed may be far from the
+    end of a long table), then the ends of its output."""
+    fails = [line for line in proc.stdout.splitlines() if line.startswith("FAIL") or " FAIL " in line[:20]]
+    return "\n".join(["failed checks:", *fails, "--- stdout (end):", proc.stdout[-2000:],
+                      "--- stderr (end):", proc.stderr[-2000:]])
