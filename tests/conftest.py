@@ -285,8 +285,7 @@ def _children() -> set[int]:
     use of shared memory by whichever test comes first: not a test's doing) and the suite's
     zygote (started by the first launch, kept for the session)."""
     found = set()
-    helper = zygote.server_pid()
-    for pid in hygiene.descendants() - {helper}:
+    for pid in hygiene.descendants() - zygote.server_pids():
         args = hygiene.cmdline(pid)  # [] once it is gone or a zombie: as psutil's errors were, skipped
         if args and not any("resource_tracker" in a for a in args):
             found.add(pid)

@@ -42,7 +42,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ZygoteProcess", "enabled", "install", "popen", "server_pid", "stop"]
+__all__ = ["ZygoteProcess", "enabled", "install", "popen", "server_pids", "stop"]
 
 #: the modules a ``supervise`` start imports (what the zygote loads once)
 PRELOAD = ("supervisor.cli", "supervisor.supervisor", "supervisor.wiring", "supervisor.client.api")
@@ -73,7 +73,7 @@ def _serve(ctl: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     signal.set_wakeup_fd(wake_w)
     children: dict[int, socket.socket] = {}
     while True:
-        ready, _, _ = select.select([ctl, wake_r], [], [])
+        ready, _, _ = select.select([ctl.fileno(), wake_r], [], [])
         if wake_r in ready:
             try:
                 while os.read(wake_r, 512):
@@ -81,14 +81,17 @@ def _serve(ctl: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
             except BlockingIOError:
                 pass
             _reap(children)
-        if ctl not in ready:
+        if ctl.fileno() not in ready:
             continue
         try:
             data, fds, _, _ = socket.recv_fds(ctl, _MAX_REQUEST, 4)
         except ConnectionError:
             data, fds = b"", []
-        if not data:
-            return None  # the test process is gone (or stopped us): its supervisors live on, as Popen's do
+        if not data:  # the test process is gone (or stopped us): its supervisors live on, as Popen's do
+            for sock in children.values():
+                sock.close()
+            ctl.close()
+            return None
         request = json.loads(data)
         problem = _unfit()
         if problem or len(fds) != 4:
@@ -158,7 +161,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         sys.path[0] = cwd  # -m puts the working directory first
     import multiprocessing.process
 
-    multiprocessing.process.ORIGINAL_DIR = cwd
+    multiprocessing.process.ORIGINAL_DIR = cwd  # type: ignore[attr-defined]  # spawn hands it to workers
     multiprocessing.current_process().authkey = os.urandom(32)
     sys.argv = ["-m", *request["args"]]
     import runpy
@@ -188,10 +191,10 @@ class ZygoteProcess(subprocess.Popen):  # type: ignore[type-arg]
     Not a child of this process (the zygote's): its exit status comes from the zygote, over
     ``status`` (a socket of its own, readable once the child is reaped)."""
 
-    def __init__(self, pid: int, args: Sequence[str], status: socket.socket) -> None:  # noqa: D107 - no Popen.__init__
+    def __init__(self, pid: int, args: Sequence[str], status: socket.socket) -> None:
         self.args = list(args)
         self.pid = pid
-        self.returncode: int | None = None  # type: ignore[assignment]
+        self.returncode: int | None = None
         self.stdin = self.stdout = self.stderr = None
         self._child_created = False  # Popen.__del__: nothing of ours to reap
         self._status = status
@@ -232,7 +235,7 @@ class ZygoteProcess(subprocess.Popen):  # type: ignore[type-arg]
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[None, None]:  # noqa: A002
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[None, None]:
         self.wait(timeout)
         return None, None
 
@@ -297,7 +300,10 @@ class _Zygote:
             self.proc.wait()
 
 
-_zygote: _Zygote | None = None
+#: the zygotes, by the interpreter-level environment they were started with (a few at most: the
+#: launcher's, a test's own PYTHONPATH...)
+_zygotes: dict[frozenset[tuple[str, str]], _Zygote] = {}
+_MAX_ZYGOTES = 4
 _broken = False
 _start_lock = threading.Lock()
 
@@ -306,9 +312,21 @@ def enabled() -> bool:
     return os.environ.get(_ENABLE_ENV, "1") != "0" and not _broken
 
 
-def server_pid() -> int | None:
-    """The zygote's pid (None: none running): a helper process of the suite, not a test's."""
-    return _zygote.pid if _zygote is not None and _zygote.proc.poll() is None else None
+def server_pids() -> set[int]:
+    """The running zygotes' pids: helper processes of the suite, not a test's."""
+    return {z.pid for z in list(_zygotes.values()) if z.proc.poll() is None}
+
+
+def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
+    key = frozenset(_interpreter_env(env).items())
+    with _start_lock:
+        found = _zygotes.get(key)
+        if found is not None and found.proc.poll() is None:
+            return found
+        if found is None and len(_zygotes) >= _MAX_ZYGOTES:
+            return None
+        _zygotes[key] = _Zygote(env)
+        return _zygotes[key]
 
 
 def _stdio_fd(stream: Any, default: int) -> tuple[int, bool]:
@@ -326,10 +344,10 @@ def _stdio_fd(stream: Any, default: int) -> tuple[int, bool]:
 
 
 def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignore[type-arg]
-    """``subprocess.Popen(cmd, **kwargs)``, forked from the zygote when ``cmd`` is ``python -m
-    supervisor ...`` with arguments the zygote reproduces exactly (env, stdin/stdout/stderr as a
+    """``subprocess.Popen(cmd, **kwargs)``, forked from a zygote when ``cmd`` is ``python -m
+    supervisor ...`` with arguments a zygote reproduces exactly (env, stdin/stdout/stderr as a
     descriptor, DEVNULL or inherited; nothing else); a plain Popen otherwise."""
-    global _zygote, _broken
+    global _broken
     env = kwargs.get("env")
     env = dict(os.environ if env is None else env)
     fits = (enabled() and len(cmd) >= 3 and list(cmd[:3]) == [sys.executable, "-m", MODULE]
@@ -344,18 +362,14 @@ def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignor
             stdio.append(fd)
             if mine:
                 opened.append(fd)
+        zygote = _zygote_for(env)
+        child = None
+        if zygote is not None:
+            # the same audit event a Popen raises: the suite's hygiene hook records the run dir and the start
+            sys.audit("subprocess.Popen", cmd[0], list(cmd), None, env)
+            child = zygote.start(cmd[3:], env, (stdio[0], stdio[1], stdio[2]))
     except ValueError:
         return subprocess.Popen(cmd, **kwargs)
-    try:
-        with _start_lock:
-            if _zygote is None or _zygote.proc.poll() is not None:
-                _zygote = _Zygote(env)
-            zygote = _zygote
-        if _interpreter_env(env) != _interpreter_env(zygote.env):
-            return subprocess.Popen(cmd, **kwargs)
-        # the same audit event a Popen raises: the suite's hygiene hook records the run dir and the start
-        sys.audit("subprocess.Popen", cmd[0], list(cmd), None, env)
-        child = zygote.start(cmd[3:], env, (stdio[0], stdio[1], stdio[2]))
     except OSError:
         _broken = True  # no zygote on this host: every start is a plain one from now on
         return subprocess.Popen(cmd, **kwargs)
@@ -381,11 +395,12 @@ def install(module: types.ModuleType) -> None:
 
 
 def stop() -> None:
-    """Stop the zygote (the end of the test session)."""
-    global _zygote
-    if _zygote is not None:
-        _zygote.close()
-        _zygote = None
+    """Stop the zygotes (the end of the test session); the children they forked live on."""
+    with _start_lock:
+        zygotes = list(_zygotes.values())
+        _zygotes.clear()
+    for z in zygotes:
+        z.close()
 
 
 if __name__ == "__main__":

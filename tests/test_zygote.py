@@ -1,0 +1,87 @@
+"""The suite's zygote (tests/helpers/zygote.py): a forked ``python -m supervisor`` is what a fresh
+one would be - exit codes, stdio, environment, directory, process group, signals - and a start it
+cannot reproduce is a plain process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import hygiene, zygote
+from supervisor.client.launch import launch
+from tests.helpers.cluster import FAST, supervisor
+
+pytestmark = [pytest.mark.process,
+              pytest.mark.skipif(not zygote.enabled(), reason="the zygote is turned off (TWT_TEST_ZYGOTE=0)")]
+
+TWT = [sys.executable, "-m", "supervisor"]
+
+
+def _run(tmp_path: Path, *args: str, **kwargs: object) -> tuple[subprocess.Popen[bytes], int, str, str]:
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        proc = zygote.popen([*TWT, *args], stdout=o, stderr=e, stdin=subprocess.DEVNULL, **kwargs)
+        code = proc.wait(60)
+    return proc, code, out.read_text(), err.read_text()
+
+
+def test_a_forked_command_exits_and_writes_as_python_m_would(tmp_path: Path) -> None:
+    proc, code, out, _ = _run(tmp_path, "--help")
+    assert isinstance(proc, zygote.ZygoteProcess)
+    assert code == 0 and proc.returncode == 0 and proc.poll() == 0
+    assert out.startswith("usage: twt")
+    proc, code, _, err = _run(tmp_path, "no-such-command")
+    assert isinstance(proc, zygote.ZygoteProcess)
+    assert code == 2 and "invalid choice: 'no-such-command'" in err
+
+
+def test_the_child_takes_the_callers_environment_and_directory(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "c.toml").write_text("[supervisor]\n")
+    monkeypatch.chdir(tmp_path)  # a relative config path resolves against the caller's directory
+    for backend in ("stub", "cuda"):
+        env = {**os.environ, "TWT_BACKEND": backend}
+        proc, code, out, err = _run(tmp_path, "check-config", "c.toml", env=env)
+        assert isinstance(proc, zygote.ZygoteProcess)
+        assert code == 0, err
+        assert f"backend {backend}" in out
+
+
+def test_a_start_it_cannot_reproduce_is_a_plain_process(tmp_path: Path) -> None:
+    proc, code, out, _ = _run(tmp_path, "--help", cwd=str(tmp_path))  # an argument it does not pass on
+    assert type(proc) is subprocess.Popen and code == 0 and out.startswith("usage: twt")
+    proc = zygote.popen([*TWT, "--help"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)  # a pipe it cannot share
+    out_bytes, _ = proc.communicate(timeout=60)
+    assert type(proc) is subprocess.Popen and proc.returncode == 0 and out_bytes.startswith(b"usage: twt")
+
+
+def test_another_interpreter_environment_gets_a_zygote_of_its_own() -> None:
+    """``PYTHON*`` variables act before any code runs: a child needs a zygote that started with them."""
+    parents = set()
+    for warnings in ("default", "ignore::DeprecationWarning"):
+        env = {**os.environ, "PYTHONWARNINGS": warnings}
+        with launch({"supervisor": FAST}, env=env) as handle:
+            assert isinstance(handle.process, zygote.ZygoteProcess)
+            parents.add(psutil.Process(handle.pid).ppid())
+    assert len(parents) == 2 and parents <= zygote.server_pids()
+
+
+def test_a_launched_supervisor_is_a_forked_process_of_the_callers_group() -> None:
+    with supervisor() as handle:
+        assert isinstance(handle.process, zygote.ZygoteProcess)
+        child = psutil.Process(handle.pid)
+        assert child.ppid() in zygote.server_pids()  # forked by the zygote, never by this process
+        assert os.getpgid(handle.pid) == os.getpgid(0)  # the caller's process group, as a Popen child's
+        # this run's marker, which the leak checks read from /proc/PID/environ
+        assert child.environ().get(hygiene.SESSION_ENV) == os.environ[hygiene.SESSION_ENV]
+        assert handle.client.status() is not None
+        assert handle.process.poll() is None
+        handle.process.send_signal(signal.SIGKILL)
+        assert handle.process.wait(60) == -signal.SIGKILL
+        assert handle.process.poll() == -signal.SIGKILL
