@@ -54,7 +54,7 @@ def test_the_child_takes_the_callers_environment_and_directory(tmp_path: Path,
 
 
 def test_a_start_it_cannot_reproduce_is_a_plain_process(tmp_path: Path) -> None:
-    proc, code, out, _ = _run(tmp_path, "--help", cwd=str(tmp_path))  # an argument it does not pass on
+    proc, code, out, _ = _run(tmp_path, "--help", start_new_session=True)  # an argument it does not pass on
     assert type(proc) is subprocess.Popen and code == 0 and out.startswith("usage: twt")
     proc = zygote.popen([*TWT, "--help"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)  # a pipe it cannot share
     out_bytes, _ = proc.communicate(timeout=60)
@@ -85,3 +85,13 @@ def test_a_launched_supervisor_is_a_forked_process_of_the_callers_group() -> Non
         handle.process.send_signal(signal.SIGKILL)
         assert handle.process.wait(60) == -signal.SIGKILL
         assert handle.process.poll() == -signal.SIGKILL
+
+
+def test_run_captures_a_forked_commands_output_as_subprocess_run_does(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text("[supervisor]\nno_such_key = 1\n")
+    done = zygote.run([*TWT, "check-config", "c.toml"], timeout=60, cwd=str(tmp_path),
+                      env={**os.environ, "TWT_BACKEND": "stub"})
+    plain = subprocess.run([*TWT, "check-config", "c.toml"], capture_output=True, text=True, timeout=60,
+                           cwd=str(tmp_path), env={**os.environ, "TWT_BACKEND": "stub"}, check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert done.returncode == 4 and "no_such_key" in done.stdout + done.stderr

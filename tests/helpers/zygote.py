@@ -31,6 +31,7 @@ runs). Any other start - and any start when the zygote cannot run - is a plain
 from __future__ import annotations
 
 import json
+import locale
 import os
 import select
 import signal
@@ -38,11 +39,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["ZygoteProcess", "enabled", "install", "popen", "server_pids", "stop"]
+__all__ = ["ZygoteProcess", "enabled", "install", "popen", "run", "server_pids", "stop"]
 
 #: the modules a ``supervise`` start imports (what the zygote loads once)
 PRELOAD = ("supervisor.cli", "supervisor.supervisor", "supervisor.wiring", "supervisor.client.api")
@@ -273,9 +275,10 @@ class _Zygote:
         self.cwd = str(info["cwd"])
         self.lock = threading.Lock()
 
-    def start(self, args: Sequence[str], env: Mapping[str, str], stdio: tuple[int, int, int]) -> ZygoteProcess | None:
+    def start(self, args: Sequence[str], env: Mapping[str, str], stdio: tuple[int, int, int],
+              cwd: str) -> ZygoteProcess | None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = {"args": list(args), "env": dict(env), "cwd": os.getcwd(), "zygote_cwd": self.cwd}
+        request = {"args": list(args), "env": dict(env), "cwd": cwd, "zygote_cwd": self.cwd}
         try:
             with self.lock:
                 socket.send_fds(self.ctl, [json.dumps(request).encode()], [*stdio, theirs.fileno()])
@@ -345,13 +348,13 @@ def _stdio_fd(stream: Any, default: int) -> tuple[int, bool]:
 
 def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignore[type-arg]
     """``subprocess.Popen(cmd, **kwargs)``, forked from a zygote when ``cmd`` is ``python -m
-    supervisor ...`` with arguments a zygote reproduces exactly (env, stdin/stdout/stderr as a
+    supervisor ...`` with arguments a zygote reproduces exactly (env, cwd, stdin/stdout/stderr as a
     descriptor, DEVNULL or inherited; nothing else); a plain Popen otherwise."""
     global _broken
     env = kwargs.get("env")
     env = dict(os.environ if env is None else env)
     fits = (enabled() and len(cmd) >= 3 and list(cmd[:3]) == [sys.executable, "-m", MODULE]
-            and set(kwargs) <= {"env", "stdin", "stdout", "stderr"})
+            and set(kwargs) <= {"env", "cwd", "stdin", "stdout", "stderr"})
     if not fits:
         return subprocess.Popen(cmd, **kwargs)
     opened: list[int] = []
@@ -367,7 +370,8 @@ def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignor
         if zygote is not None:
             # the same audit event a Popen raises: the suite's hygiene hook records the run dir and the start
             sys.audit("subprocess.Popen", cmd[0], list(cmd), None, env)
-            child = zygote.start(cmd[3:], env, (stdio[0], stdio[1], stdio[2]))
+            cwd = os.path.abspath(os.fspath(kwargs.get("cwd") or os.getcwd()))
+            child = zygote.start(cmd[3:], env, (stdio[0], stdio[1], stdio[2]), cwd)
     except ValueError:
         return subprocess.Popen(cmd, **kwargs)
     except OSError:
@@ -377,6 +381,53 @@ def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignor
         for fd in opened:
             os.close(fd)
     return child if child is not None else subprocess.Popen(cmd, **kwargs)
+
+
+def run(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
+        cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
+    check=False)``, the child forked by :func:`popen` where it can be: output read through pipes
+    until both close (as ``communicate`` does), the child killed and reaped at the timeout."""
+    kwargs: dict[str, Any] = {"env": env, "cwd": cwd} if cwd is not None else {"env": env}
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, **kwargs)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    deadline = time.monotonic() + timeout
+    try:
+        open_fds = [out_r, err_r]
+        while open_fds:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select(open_fds, [], [], max(left, 0))
+            if not ready:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(list(cmd), timeout)
+            for fd in ready:
+                data = os.read(fd, 65536)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    open_fds.remove(fd)
+        code = proc.wait(max(deadline - time.monotonic(), 0.001))
+    except subprocess.TimeoutExpired:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        os.close(out_r)
+        os.close(err_r)
+
+    def text(fd: int) -> str:  # as text=True decodes: the locale's encoding, universal newlines
+        raw = b"".join(chunks[fd]).decode(locale.getpreferredencoding(False))
+        return raw.replace("\r\n", "\n").replace("\r", "\n")
+
+    return subprocess.CompletedProcess(list(cmd), code, text(out_r), text(err_r))
 
 
 class _SubprocessShim(types.ModuleType):
