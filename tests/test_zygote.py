@@ -18,7 +18,7 @@ from supervisor.client.launch import launch
 from tests.helpers.cluster import FAST, supervisor
 
 pytestmark = [pytest.mark.process,
-              pytest.mark.skipif(not zygote.enabled(), reason="the zygote is turned off (TWT_TEST_ZYGOTE=0)")]
+              pytest.mark.skipif(not zygote.enabled(), reason="the zygote is turned off (PYTEST_TWT_ZYGOTE=0)")]
 
 TWT = [sys.executable, "-m", "supervisor"]
 

@@ -25,7 +25,8 @@ the child and sends its exit status over a socket of that child's own.
 Only a start the zygote can make identical is forked: the same interpreter and the same
 interpreter-level environment (every ``PYTHON*`` and ``LD_*`` variable, read before any code
 runs). Any other start - and any start when the zygote cannot run - is a plain
-:class:`subprocess.Popen`. ``TWT_TEST_ZYGOTE=0`` turns the zygote off.
+:class:`subprocess.Popen`. ``PYTEST_TWT_ZYGOTE=0`` turns the zygote off (not ``TWT_``-prefixed: that prefix is the
+product's configuration, and a supervisor warns about a ``TWT_`` variable it does not know).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ __all__ = ["ZygoteProcess", "enabled", "install", "popen", "run", "server_pids",
 PRELOAD = ("supervisor.cli", "supervisor.supervisor", "supervisor.wiring", "supervisor.client.api")
 #: the module each forked child runs (as ``python -m``)
 MODULE = "supervisor"
-_ENABLE_ENV = "TWT_TEST_ZYGOTE"
+_ENABLE_ENV = "PYTEST_TWT_ZYGOTE"
 _MAX_REQUEST = 1 << 20
 #: how long the zygote's imports may take (a hang guard: a loaded machine is slow)
 _READY_TIMEOUT_S = 120.0
