@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import hygiene, zygote
 from supervisor.client.launch import launch
-from tests.helpers.cluster import FAST, supervisor
+from tests.helpers.cluster import FAST, supervisor, wait_for
 
 pytestmark = [pytest.mark.process,
               pytest.mark.skipif(not zygote.enabled(), reason="the zygote is turned off (PYTEST_TWT_ZYGOTE=0)")]
@@ -95,3 +95,17 @@ def test_run_captures_a_forked_commands_output_as_subprocess_run_does(tmp_path: 
                            cwd=str(tmp_path), env={**os.environ, "TWT_BACKEND": "stub"}, check=False)
     assert (done.returncode, done.stdout, done.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     assert done.returncode == 4 and "no_such_key" in done.stdout + done.stderr
+
+
+def test_a_child_that_outlives_its_zygote_is_still_stopped_and_waited_for() -> None:
+    with supervisor() as handle:
+        parent = psutil.Process(handle.pid).ppid()
+        assert parent in zygote.server_pids()
+        os.kill(parent, signal.SIGKILL)
+        wait_for(lambda: parent not in zygote.server_pids(), what="the zygote's end")
+        assert handle.process.poll() is None  # its status is lost with the zygote; that it runs is not
+        assert handle.client.status() is not None
+    assert handle.process.returncode is not None  # stopped by launch() and seen gone
+    with supervisor() as handle:  # the next start gets a new zygote
+        assert isinstance(handle.process, zygote.ZygoteProcess)
+        assert psutil.Process(handle.pid).ppid() in zygote.server_pids() - {parent}

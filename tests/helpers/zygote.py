@@ -188,6 +188,15 @@ def _main() -> None:
 # --------------------------------------------------------------------------- the client
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 class ZygoteProcess(subprocess.Popen):  # type: ignore[type-arg]
     """A forked ``python -m supervisor``, as :class:`subprocess.Popen` shows a child.
 
@@ -201,20 +210,35 @@ class ZygoteProcess(subprocess.Popen):  # type: ignore[type-arg]
         self.stdin = self.stdout = self.stderr = None
         self._child_created = False  # Popen.__del__: nothing of ours to reap
         self._status = status
+        self._orphan = False
         self._lock = threading.Lock()
 
     def _read_status(self, timeout: float | None) -> int | None:
         with self._lock:
             if self.returncode is not None:
                 return self.returncode
+            if self._orphan:
+                return self._orphan_status(timeout)
             ready, _, _ = select.select([self._status], [], [], timeout)
             if not ready:
                 return None
             data = self._status.recv(4096)
             self._status.close()
-            # no message: the zygote died first - the child's status is lost; report it as killed
-            self.returncode = json.loads(data)["returncode"] if data else -signal.SIGKILL
-            return self.returncode
+            if data:
+                self.returncode = int(json.loads(data)["returncode"])
+                return self.returncode
+            # the zygote died before the child: its status is lost, only whether it runs is known
+            self._orphan = True
+            return self._orphan_status(timeout)
+
+    def _orphan_status(self, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while _alive(self.pid):
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+        self.returncode = -signal.SIGKILL  # gone, with a status nobody kept: reported as killed
+        return self.returncode
 
     def poll(self) -> int | None:
         return self._read_status(0)
@@ -327,7 +351,9 @@ def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
         found = _zygotes.get(key)
         if found is not None and found.proc.poll() is None:
             return found
-        if found is None and len(_zygotes) >= _MAX_ZYGOTES:
+        if found is not None:
+            found.close()  # died (killed by a test?): a new one in its place
+        elif len(_zygotes) >= _MAX_ZYGOTES:
             return None
         _zygotes[key] = _Zygote(env)
         return _zygotes[key]
