@@ -61,10 +61,11 @@ def main() -> None:
             for i in range(workers):
                 wait_for(lambda: instance_pid(handle, f"t{i}"), what=f"t{i}'s worker")
         _reap()
-    cpu, wall = _tree_cpu() - cpu0, time.monotonic() - t0
+    wall = time.monotonic() - t0
+    cpu = _tree_cpu() - cpu0
     how = "forked from the zygote" if zygote.enabled() else "fresh interpreters"
     print(f"{n} starts with {workers} worker(s), {how}: {cpu / n:.3f} s of CPU per start "
-          f"(wall {wall / n:.3f} s; the 0.5 s settle of the measurement not included)")
+          f"(wall {wall / n:.3f} s)")
     zygote.stop()
 
 
