@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import zygote
+
 #: the repository root: the command runs from here, with it first on PYTHONPATH
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,5 +18,5 @@ def twt(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     caller's to check (nothing raised for it)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(ROOT), check=False)
+    # forked from the suite's preloaded zygote (tests/helpers/zygote.py) where it can be
+    return zygote.run([sys.executable, "-m", "supervisor", *args], timeout=timeout, env=env, cwd=str(ROOT))

@@ -1,0 +1,485 @@
+"""A preloaded fork server for the suite's ``python -m supervisor`` processes.
+
+The suite starts a supervisor about a thousand times; each fresh interpreter spends most of its
+start-up CPU (~0.2 s) importing the same ~200 modules. A zygote is a plain ``python -m
+tests.helpers.zygote`` process, one per test process (started on the first launch), that imports
+the supervisor's modules once and then forks one child per start. The child becomes exactly what
+``python -m supervisor ARGS`` would be:
+
+* it runs the module as ``-m`` does (``runpy``'s ``_run_module_as_main``: ``__main__`` is
+  ``supervisor.__main__``, ``sys.argv[0]`` its file), and exits as an interpreter does (atexit,
+  thread shutdown, the exit code or ``-signal``);
+* stdin, stdout and stderr are the caller's (its descriptors travel with the request), its
+  environment and working directory are the caller's, its process group is the caller's (the
+  zygote was started in it and never leaves it), and signal dispositions are a fresh
+  interpreter's (the zygote's SIGCHLD handler and wake-up fd are undone);
+* it inherits no thread, no socket and no secret: the zygote is a fresh interpreter that has only
+  imported modules (checked before every fork: one thread, no multiprocessing resource tracker),
+  never the test process; multiprocessing's authentication key and original directory are
+  renewed in the child.
+
+The caller gets a :class:`ZygoteProcess` shaped like :class:`subprocess.Popen` (``pid``,
+``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``): the zygote reaps
+the child and sends its exit status over a socket of that child's own.
+
+Only a start the zygote can make identical is forked: the same interpreter and the same
+interpreter-level environment (every ``PYTHON*`` and ``LD_*`` variable, read before any code
+runs). Any other start - and any start when the zygote cannot run - is a plain
+:class:`subprocess.Popen`. ``PYTEST_TWT_ZYGOTE=0`` turns the zygote off (not ``TWT_``-prefixed: that prefix is the
+product's configuration, and a supervisor warns about a ``TWT_`` variable it does not know).
+"""
+
+from __future__ import annotations
+
+import json
+import locale
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["ZygoteProcess", "enabled", "install", "popen", "run", "server_pids", "stop"]
+
+#: the modules a ``supervise`` start imports (what the zygote loads once)
+PRELOAD = ("supervisor.cli", "supervisor.supervisor", "supervisor.wiring", "supervisor.client.api")
+#: the module each forked child runs (as ``python -m``)
+MODULE = "supervisor"
+_ENABLE_ENV = "PYTEST_TWT_ZYGOTE"
+_MAX_REQUEST = 1 << 20
+#: how long the zygote's imports may take (a hang guard: a loaded machine is slow)
+_READY_TIMEOUT_S = 120.0
+
+
+def _interpreter_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables an interpreter reads before running code: a start that differs in one of
+    them cannot be a fork of a zygote that was started without it."""
+    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_"))}
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def _serve(ctl: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """The zygote's loop: fork a child per request, report each child's exit. Returns in a
+    forked child (its request and descriptors); returns None in the zygote when the caller is gone."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    children: dict[int, socket.socket] = {}
+    while True:
+        ready, _, _ = select.select([ctl.fileno(), wake_r], [], [])
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+            _reap(children)
+        if ctl.fileno() not in ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(ctl, _MAX_REQUEST, 4)
+        except ConnectionError:
+            data, fds = b"", []
+        if not data:  # the test process is gone (or stopped us): its supervisors live on, as Popen's do
+            for sock in children.values():
+                sock.close()
+            ctl.close()
+            return None
+        request = json.loads(data)
+        problem = _unfit()
+        if problem or len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            ctl.send(json.dumps({"error": problem or f"{len(fds)} descriptors"}).encode())
+            continue
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for sock in children.values():
+                sock.close()
+            ctl.close()
+            os.close(wake_r)
+            os.close(wake_w)
+            return request, fds
+        children[pid] = socket.socket(fileno=fds[3])
+        for fd in fds[:3]:
+            os.close(fd)
+        ctl.send(json.dumps({"pid": pid}).encode())
+        _reap(children)
+
+
+def _unfit() -> str:
+    """Why the zygote may not fork now ("" when it may): it must hold nothing but imports."""
+    if threading.active_count() != 1:
+        return f"{threading.active_count()} threads"
+    tracker = sys.modules.get("multiprocessing.resource_tracker")
+    if tracker is not None and getattr(getattr(tracker, "_resource_tracker", None), "_fd", None) is not None:
+        return "a resource tracker"
+    return ""
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        sock = children.pop(pid, None)
+        if sock is not None:
+            try:
+                sock.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+            except OSError:
+                pass  # the caller dropped its handle
+            sock.close()
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> None:
+    """In a forked child: take the caller's descriptors, environment and directory, then run
+    the module as ``python -m`` does (an exception or SystemExit ends the interpreter as usual)."""
+    os.close(fds[3])
+    for target, fd in enumerate(fds[:3]):
+        if fd != target:
+            os.dup2(fd, target)
+    for fd in fds[:3]:
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    cwd = os.getcwd()
+    if sys.path and sys.path[0] == request["zygote_cwd"]:
+        sys.path[0] = cwd  # -m puts the working directory first
+    import multiprocessing.process
+
+    multiprocessing.process.ORIGINAL_DIR = cwd  # type: ignore[attr-defined]  # spawn hands it to workers
+    multiprocessing.current_process().authkey = os.urandom(32)
+    sys.argv = ["-m", *request["args"]]
+    import runpy
+
+    runpy._run_module_as_main(MODULE, alter_argv=True)  # type: ignore[attr-defined]  # what -m runs
+
+
+def _main() -> None:
+    ctl = socket.socket(fileno=int(sys.argv[1]))
+    for name in PRELOAD:
+        __import__(name)
+    problem = _unfit()
+    if problem:
+        sys.exit(f"zygote: preloading left {problem}")
+    ctl.send(json.dumps({"ready": os.getpid(), "cwd": os.getcwd()}).encode())
+    forked = _serve(ctl)
+    if forked is not None:
+        _become(*forked)
+
+
+# --------------------------------------------------------------------------- the client
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+class ZygoteProcess(subprocess.Popen):  # type: ignore[type-arg]
+    """A forked ``python -m supervisor``, as :class:`subprocess.Popen` shows a child.
+
+    Not a child of this process (the zygote's): its exit status comes from the zygote, over
+    ``status`` (a socket of its own, readable once the child is reaped)."""
+
+    def __init__(self, pid: int, args: Sequence[str], status: socket.socket) -> None:
+        self.args = list(args)
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin = self.stdout = self.stderr = None
+        self._child_created = False  # Popen.__del__: nothing of ours to reap
+        self._status = status
+        self._orphan = False
+        self._lock = threading.Lock()
+
+    def _read_status(self, timeout: float | None) -> int | None:
+        with self._lock:
+            if self.returncode is not None:
+                return self.returncode
+            if self._orphan:
+                return self._orphan_status(timeout)
+            ready, _, _ = select.select([self._status], [], [], timeout)
+            if not ready:
+                return None
+            data = self._status.recv(4096)
+            self._status.close()
+            if data:
+                self.returncode = int(json.loads(data)["returncode"])
+                return self.returncode
+            # the zygote died before the child: its status is lost, only whether it runs is known
+            self._orphan = True
+            return self._orphan_status(timeout)
+
+    def _orphan_status(self, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while _alive(self.pid):
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+        self.returncode = -signal.SIGKILL  # gone, with a status nobody kept: reported as killed
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._read_status(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._read_status(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never signal a pid that may have been reused
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[None, None]:
+        self.wait(timeout)
+        return None, None
+
+    def __exit__(self, *exc: object) -> None:
+        self.wait()
+
+    def __del__(self) -> None:
+        status = getattr(self, "_status", None)
+        if status is not None:
+            status.close()
+
+
+class _Zygote:
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.env = dict(env)
+        # the zygote's own stdio: nothing of the test's (each child gets the caller's per start)
+        with open(os.devnull, "rb") as null_in, open(os.devnull, "wb") as null_out:
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], env=self.env,
+                                         pass_fds=(theirs.fileno(),), stdin=null_in, stdout=null_out,
+                                         stderr=None, close_fds=True)
+        theirs.close()
+        self.ctl.settimeout(_READY_TIMEOUT_S)
+        try:
+            hello = self.ctl.recv(4096)
+        except TimeoutError:
+            self.proc.kill()
+            hello = b""
+        self.ctl.settimeout(None)
+        if not hello:
+            self.proc.wait()
+            raise OSError(f"the zygote exited with {self.proc.returncode} before it was ready")
+        info = json.loads(hello)
+        self.pid = int(info["ready"])
+        self.cwd = str(info["cwd"])
+        self.lock = threading.Lock()
+
+    def start(self, args: Sequence[str], env: Mapping[str, str], stdio: tuple[int, int, int],
+              cwd: str) -> ZygoteProcess | None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        request = {"args": list(args), "env": dict(env), "cwd": cwd, "zygote_cwd": self.cwd}
+        try:
+            with self.lock:
+                socket.send_fds(self.ctl, [json.dumps(request).encode()], [*stdio, theirs.fileno()])
+                reply = self.ctl.recv(4096)
+        finally:
+            theirs.close()
+        if not reply:
+            ours.close()
+            raise OSError("the zygote is gone")
+        answer = json.loads(reply)
+        if "pid" not in answer:
+            ours.close()
+            return None
+        return ZygoteProcess(int(answer["pid"]), [sys.executable, "-m", MODULE, *args], ours)
+
+    def close(self) -> None:
+        self.ctl.close()  # the zygote sees EOF and exits; its children live on
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+#: the zygotes, by the interpreter-level environment they were started with (a few at most: the
+#: launcher's, a test's own PYTHONPATH...)
+_zygotes: dict[frozenset[tuple[str, str]], _Zygote] = {}
+_MAX_ZYGOTES = 4
+_broken = False
+_start_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get(_ENABLE_ENV, "1") != "0" and not _broken
+
+
+def server_pids() -> set[int]:
+    """The running zygotes' pids: helper processes of the suite, not a test's."""
+    return {z.pid for z in list(_zygotes.values()) if z.proc.poll() is None}
+
+
+def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
+    key = frozenset(_interpreter_env(env).items())
+    with _start_lock:
+        found = _zygotes.get(key)
+        if found is not None and found.proc.poll() is None:
+            return found
+        if found is not None:
+            found.close()  # died (killed by a test?): a new one in its place
+        elif len(_zygotes) >= _MAX_ZYGOTES:
+            return None
+        _zygotes[key] = _Zygote(env)
+        return _zygotes[key]
+
+
+def _stdio_fd(stream: Any, default: int) -> tuple[int, bool]:
+    """(descriptor, opened here) for a Popen-style stdio argument we can pass on; raises
+    ValueError for PIPE and other forms a forked child cannot share."""
+    if stream is None:
+        return default, False
+    if stream == subprocess.DEVNULL:
+        return os.open(os.devnull, os.O_RDWR), True
+    if isinstance(stream, int) and stream >= 0:
+        return stream, False
+    if hasattr(stream, "fileno"):
+        return stream.fileno(), False
+    raise ValueError(f"cannot pass {stream!r} to a forked child")
+
+
+def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignore[type-arg]
+    """``subprocess.Popen(cmd, **kwargs)``, forked from a zygote when ``cmd`` is ``python -m
+    supervisor ...`` with arguments a zygote reproduces exactly (env, cwd, stdin/stdout/stderr as a
+    descriptor, DEVNULL or inherited; nothing else); a plain Popen otherwise."""
+    global _broken
+    env = kwargs.get("env")
+    env = dict(os.environ if env is None else env)
+    fits = (enabled() and len(cmd) >= 3 and list(cmd[:3]) == [sys.executable, "-m", MODULE]
+            and set(kwargs) <= {"env", "cwd", "stdin", "stdout", "stderr"})
+    if not fits:
+        return subprocess.Popen(cmd, **kwargs)
+    opened: list[int] = []
+    try:
+        stdio = []
+        for name, default in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+            fd, mine = _stdio_fd(kwargs.get(name), default)
+            stdio.append(fd)
+            if mine:
+                opened.append(fd)
+        zygote = _zygote_for(env)
+        child = None
+        if zygote is not None:
+            # the same audit event a Popen raises: the suite's hygiene hook records the run dir and the start
+            sys.audit("subprocess.Popen", cmd[0], list(cmd), None, env)
+            cwd = os.path.abspath(os.fspath(kwargs.get("cwd") or os.getcwd()))
+            child = zygote.start(cmd[3:], env, (stdio[0], stdio[1], stdio[2]), cwd)
+    except ValueError:
+        return subprocess.Popen(cmd, **kwargs)
+    except OSError:
+        _broken = True  # no zygote on this host: every start is a plain one from now on
+        return subprocess.Popen(cmd, **kwargs)
+    finally:
+        for fd in opened:
+            os.close(fd)
+    return child if child is not None else subprocess.Popen(cmd, **kwargs)
+
+
+def run(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
+        cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
+    check=False)``, the child forked by :func:`popen` where it can be: output read through pipes
+    until both close (as ``communicate`` does), the child killed and reaped at the timeout."""
+    kwargs: dict[str, Any] = {"env": env, "cwd": cwd} if cwd is not None else {"env": env}
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = popen(cmd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, **kwargs)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    deadline = time.monotonic() + timeout
+    try:
+        open_fds = [out_r, err_r]
+        while open_fds:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select(open_fds, [], [], max(left, 0))
+            if not ready:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(list(cmd), timeout)
+            for fd in ready:
+                data = os.read(fd, 65536)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    open_fds.remove(fd)
+        code = proc.wait(max(deadline - time.monotonic(), 0.001))
+    except subprocess.TimeoutExpired:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        os.close(out_r)
+        os.close(err_r)
+
+    def text(fd: int) -> str:  # as text=True decodes: the locale's encoding, universal newlines
+        raw = b"".join(chunks[fd]).decode(locale.getpreferredencoding(False))
+        return raw.replace("\r\n", "\n").replace("\r", "\n")
+
+    return subprocess.CompletedProcess(list(cmd), code, text(out_r), text(err_r))
+
+
+class _SubprocessShim(types.ModuleType):
+    """:mod:`subprocess` with :func:`popen` as ``Popen``: what :func:`install` gives a module."""
+
+    Popen = staticmethod(popen)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
+def install(module: types.ModuleType) -> None:
+    """Route ``module``'s ``subprocess.Popen`` (the supervisor launcher's) through :func:`popen`."""
+    if getattr(module, "subprocess", None) is subprocess:
+        module.subprocess = _SubprocessShim("subprocess")  # type: ignore[attr-defined]
+
+
+def stop() -> None:
+    """Stop the zygotes (the end of the test session); the children they forked live on."""
+    with _start_lock:
+        zygotes = list(_zygotes.values())
+        _zygotes.clear()
+    for z in zygotes:
+        z.close()
+
+
+if __name__ == "__main__":
+    _main()

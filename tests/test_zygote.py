@@ -1,0 +1,111 @@
+"""The suite's zygote (tests/helpers/zygote.py): a forked ``python -m supervisor`` is what a fresh
+one would be - exit codes, stdio, environment, directory, process group, signals - and a start it
+cannot reproduce is a plain process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import hygiene, zygote
+from supervisor.client.launch import launch
+from tests.helpers.cluster import FAST, supervisor, wait_for
+
+pytestmark = [pytest.mark.process,
+              pytest.mark.skipif(not zygote.enabled(), reason="the zygote is turned off (PYTEST_TWT_ZYGOTE=0)")]
+
+TWT = [sys.executable, "-m", "supervisor"]
+
+
+def _run(tmp_path: Path, *args: str, **kwargs: object) -> tuple[subprocess.Popen[bytes], int, str, str]:
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        proc = zygote.popen([*TWT, *args], stdout=o, stderr=e, stdin=subprocess.DEVNULL, **kwargs)
+        code = proc.wait(60)
+    return proc, code, out.read_text(), err.read_text()
+
+
+def test_a_forked_command_exits_and_writes_as_python_m_would(tmp_path: Path) -> None:
+    proc, code, out, _ = _run(tmp_path, "--help")
+    assert isinstance(proc, zygote.ZygoteProcess)
+    assert code == 0 and proc.returncode == 0 and proc.poll() == 0
+    assert out.startswith("usage: twt")
+    proc, code, _, err = _run(tmp_path, "no-such-command")
+    assert isinstance(proc, zygote.ZygoteProcess)
+    assert code == 2 and "invalid choice: 'no-such-command'" in err
+
+
+def test_the_child_takes_the_callers_environment_and_directory(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "c.toml").write_text("[supervisor]\n")
+    monkeypatch.chdir(tmp_path)  # a relative config path resolves against the caller's directory
+    for backend in ("stub", "cuda"):
+        env = {**os.environ, "TWT_BACKEND": backend}
+        proc, code, out, err = _run(tmp_path, "check-config", "c.toml", env=env)
+        assert isinstance(proc, zygote.ZygoteProcess)
+        assert code == 0, err
+        assert f"backend {backend}" in out
+
+
+def test_a_start_it_cannot_reproduce_is_a_plain_process(tmp_path: Path) -> None:
+    proc, code, out, _ = _run(tmp_path, "--help", start_new_session=True)  # an argument it does not pass on
+    assert type(proc) is subprocess.Popen and code == 0 and out.startswith("usage: twt")
+    proc = zygote.popen([*TWT, "--help"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)  # a pipe it cannot share
+    out_bytes, _ = proc.communicate(timeout=60)
+    assert type(proc) is subprocess.Popen and proc.returncode == 0 and out_bytes.startswith(b"usage: twt")
+
+
+def test_another_interpreter_environment_gets_a_zygote_of_its_own() -> None:
+    """``PYTHON*`` variables act before any code runs: a child needs a zygote that started with them."""
+    parents = set()
+    for warnings in ("default", "ignore::DeprecationWarning"):
+        env = {**os.environ, "PYTHONWARNINGS": warnings}
+        with launch({"supervisor": FAST}, env=env) as handle:
+            assert isinstance(handle.process, zygote.ZygoteProcess)
+            parents.add(psutil.Process(handle.pid).ppid())
+    assert len(parents) == 2 and parents <= zygote.server_pids()
+
+
+def test_a_launched_supervisor_is_a_forked_process_of_the_callers_group() -> None:
+    with supervisor() as handle:
+        assert isinstance(handle.process, zygote.ZygoteProcess)
+        child = psutil.Process(handle.pid)
+        assert child.ppid() in zygote.server_pids()  # forked by the zygote, never by this process
+        assert os.getpgid(handle.pid) == os.getpgid(0)  # the caller's process group, as a Popen child's
+        # this run's marker, which the leak checks read from /proc/PID/environ
+        assert child.environ().get(hygiene.SESSION_ENV) == os.environ[hygiene.SESSION_ENV]
+        assert handle.client.status() is not None
+        assert handle.process.poll() is None
+        handle.process.send_signal(signal.SIGKILL)
+        assert handle.process.wait(60) == -signal.SIGKILL
+        assert handle.process.poll() == -signal.SIGKILL
+
+
+def test_run_captures_a_forked_commands_output_as_subprocess_run_does(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text("[supervisor]\nno_such_key = 1\n")
+    done = zygote.run([*TWT, "check-config", "c.toml"], timeout=60, cwd=str(tmp_path),
+                      env={**os.environ, "TWT_BACKEND": "stub"})
+    plain = subprocess.run([*TWT, "check-config", "c.toml"], capture_output=True, text=True, timeout=60,
+                           cwd=str(tmp_path), env={**os.environ, "TWT_BACKEND": "stub"}, check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert done.returncode == 4 and "no_such_key" in done.stdout + done.stderr
+
+
+def test_a_child_that_outlives_its_zygote_is_still_stopped_and_waited_for() -> None:
+    with supervisor() as handle:
+        parent = psutil.Process(handle.pid).ppid()
+        assert parent in zygote.server_pids()
+        os.kill(parent, signal.SIGKILL)
+        wait_for(lambda: parent not in zygote.server_pids(), what="the zygote's end")
+        assert handle.process.poll() is None  # its status is lost with the zygote; that it runs is not
+        assert handle.client.status() is not None
+    assert handle.process.returncode is not None  # stopped by launch() and seen gone
+    with supervisor() as handle:  # the next start gets a new zygote
+        assert isinstance(handle.process, zygote.ZygoteProcess)
+        assert psutil.Process(handle.pid).ppid() in zygote.server_pids() - {parent}
