@@ -116,6 +116,7 @@ class ModuleStore:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._busy = False
+        self._current: _Job | None = None  # the job the writer is carrying out (off the queue, not yet on disk)
         self.failed_writes = 0
         self.skipped_saves = 0
 
@@ -203,6 +204,7 @@ class ModuleStore:
                     return  # closing, and nothing left
                 job = self._jobs.popleft()
                 self._busy = True
+                self._current = job
             try:
                 if job.kind == "save":
                     assert job.data is not None and job.digest is not None
@@ -228,6 +230,7 @@ class ModuleStore:
                     if job.data is not None:
                         self._queued_bytes -= len(job.data)
                     self._busy = False
+                    self._current = None
                     self._cond.notify_all()
 
     @property
@@ -343,7 +346,10 @@ class ModuleStore:
             log_event(_log, logging.WARNING, "modules.artifact_key_unusable", error=exc.strerror or str(exc))
             return []
         with self._cond:
-            for order, job in enumerate(self._jobs):
+            # the queued jobs and the one being written: between leaving the queue and reaching
+            # the disk an artifact is in neither, and an activation then would miss it
+            waiting = [*([self._current] if self._current is not None else []), *self._jobs]  # oldest first
+            for order, job in enumerate(waiting):
                 if (job.kind == "artifact" and job.tenant_id == tenant_id and job.generation == generation
                         and job.digest is not None and job.digest in digests and job.data is not None
                         and job.fingerprint is not None):

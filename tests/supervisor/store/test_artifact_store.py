@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 import shutil
@@ -79,6 +80,29 @@ def test_artifacts_round_trip_and_are_found_before_they_reach_the_disk(state: st
         assert [a.data for a in again.load_artifacts("t", 1, {DIGEST})] == [b"compiled"]
         again.close()
     finally:
+        store.close()
+
+
+def test_an_artifact_being_written_is_found(state: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between leaving the writer's queue and reaching the disk an artifact is still found (an
+    activation in that moment once missed it and compiled again)."""
+    store = _store(state)
+    writing, release = threading.Event(), threading.Event()
+    real = store._save_artifact
+
+    def slow_save(*args: object) -> None:
+        writing.set()
+        assert release.wait(30)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "_save_artifact", slow_save)
+    try:
+        store.save("t", 1, DIGEST, MODULE)
+        assert store.save_artifact("t", 1, DIGEST, FP, b"compiled")
+        assert writing.wait(30)  # off the queue, not on disk
+        assert [a.data for a in store.load_artifacts("t", 1, {DIGEST})] == [b"compiled"]
+    finally:
+        release.set()
         store.close()
 
 
