@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 __all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT", "supervisor_alive"]
 
 _log = get_logger("worker.control")
+#: how long the look for already-sent messages before a silence judgement waits (ms): not 0, so a
+#: beat still on its way through libzmq's I/O thread (in the ipc socket, not yet in this socket's
+#: queue: that thread was starved too) is seen as well; once per interval at most, when silent
+_QUEUED_LOOK_MS = 50
 
 EXIT_SUPERVISOR_SILENT = WORKER_SUPERVISOR_SILENT  # defined in shared.exitcodes
 EXIT_PARENT_GONE = WORKER_PARENT_GONE
@@ -131,7 +135,7 @@ class ControlThread(threading.Thread):
                     sock.send(encode_control("hb", {"requests": self.stats.requests}), zmq.NOBLOCK)
                 next_beat = now + interval
             silent = now - last_heard
-            if silent > silent_after and now >= next_look and sock.poll(0):
+            if silent > silent_after and now >= next_look and sock.poll(_QUEUED_LOOK_MS):
                 # A message is waiting: this thread was itself starved (the poll timed out, then
                 # it waited for a CPU or the interpreter while the supervisor's beats came in).
                 # Read them before judging anyone slow.
