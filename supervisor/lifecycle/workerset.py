@@ -156,8 +156,9 @@ class WorkerSet:
         self._demand_at = 0.0
         self._refill_s: float | None = None
         self._last_beat = 0.0
-        #: a worker that missed a beat: its threads' run-queue waits then (ns by thread id)
-        self._starve_base: dict[str, dict[int, int]] = {}
+        #: a worker that missed a beat: its last beat then, and its threads' run-queue waits then
+        #: (ns by thread id)
+        self._starve_base: dict[str, tuple[float, dict[int, int]]] = {}
         loop.register(backend, self._on_backend)
         loop.register(control, self._on_control)
 
@@ -607,10 +608,11 @@ class WorkerSet:
         if silent <= cfg.heartbeat_interval_s:
             self._starve_base.pop(worker.worker_id, None)
             return 0.0
-        base = self._starve_base.get(worker.worker_id)
-        if base is None:
-            self._starve_base[worker.worker_id] = run_delay_ns(worker.pid) or {}
+        taken = self._starve_base.get(worker.worker_id)
+        if taken is None or taken[0] != worker.last_heartbeat:  # none yet, or it beat since: a new silence
+            self._starve_base[worker.worker_id] = (worker.last_heartbeat, run_delay_ns(worker.pid) or {})
             return 0.0
+        base = taken[1]
         now = run_delay_ns(worker.pid)
         if not now:
             return 0.0
