@@ -11,9 +11,11 @@ there. So silence alone (``interval * liveness`` without a message) is only
 a reason to look: the worker exits (:data:`EXIT_SUPERVISOR_SILENT`) when the
 supervisor process is dead or replaced (pid and start time from the boot
 record), and otherwise keeps serving and logs ``worker.supervisor_slow``
-once per stall. Besides that, it exits (:data:`EXIT_PARENT_GONE`) when its
-parent is no longer the process that started it, and ``PR_SET_PDEATHSIG``
-(see :mod:`worker.main`) kills it with its parent.
+once per stall (after reading what is already queued: a worker thread that
+was itself starved finds the supervisor's beats waiting). Besides that, it
+exits (:data:`EXIT_PARENT_GONE`) when its parent is no longer the process
+that started it, and ``PR_SET_PDEATHSIG`` (see :mod:`worker.main`) kills it
+with its parent.
 
 Threads: this thread owns its control socket and nothing else. It shares
 with the executor thread (:class:`worker.server.WorkerServer`) only
@@ -46,6 +48,10 @@ if TYPE_CHECKING:
 __all__ = ["ControlThread", "EXIT_PARENT_GONE", "EXIT_SUPERVISOR_SILENT", "supervisor_alive"]
 
 _log = get_logger("worker.control")
+#: how long the look for already-sent messages before a silence judgement waits (ms): not 0, so a
+#: beat still on its way through libzmq's I/O thread (in the ipc socket, not yet in this socket's
+#: queue: that thread was starved too) is seen as well; once per interval at most, when silent
+_QUEUED_LOOK_MS = 50
 
 EXIT_SUPERVISOR_SILENT = WORKER_SUPERVISOR_SILENT  # defined in shared.exitcodes
 EXIT_PARENT_GONE = WORKER_PARENT_GONE
@@ -129,6 +135,11 @@ class ControlThread(threading.Thread):
                     sock.send(encode_control("hb", {"requests": self.stats.requests}), zmq.NOBLOCK)
                 next_beat = now + interval
             silent = now - last_heard
+            if silent > silent_after and now >= next_look and sock.poll(_QUEUED_LOOK_MS):
+                # A message is waiting: this thread was itself starved (the poll timed out, then
+                # it waited for a CPU or the interpreter while the supervisor's beats came in).
+                # Read them before judging anyone slow.
+                continue
             if silent > silent_after and now >= next_look:
                 # Silent: gone, or only stalled? Look at the process, at most once per interval.
                 next_look = now + interval

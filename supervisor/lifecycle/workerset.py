@@ -56,6 +56,7 @@ from supervisor.observe.metrics import Metrics
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
 from supervisor.runtime.requests import Pending
+from supervisor.runtime.stall import run_delay_ns
 from supervisor.runtime.restart_policy import (
     AbortRegistration,
     Backoff,
@@ -155,6 +156,9 @@ class WorkerSet:
         self._demand_at = 0.0
         self._refill_s: float | None = None
         self._last_beat = 0.0
+        #: a worker that missed a beat: its last beat then, and its threads' run-queue waits then
+        #: (ns by thread id)
+        self._starve_base: dict[str, tuple[float, dict[int, int]]] = {}
         loop.register(backend, self._on_backend)
         loop.register(control, self._on_control)
 
@@ -572,13 +576,16 @@ class WorkerSet:
             self._last_beat = now
             beat = proto.encode_control("hb")
             silent_after = cfg.heartbeat_interval_s * cfg.heartbeat_liveness
+            if self._starve_base:  # the dead ones' baselines go
+                live = {w.worker_id for w in self.workers.values() if w.state is not WorkerState.DEAD}
+                self._starve_base = {k: v for k, v in self._starve_base.items() if k in live}
             for worker in list(self.workers.values()):
                 if worker.state is WorkerState.DEAD:
                     continue
                 if worker.control_hello:
                     self.send_control(worker, beat)
                     silent = quiet(worker.last_heartbeat, now)
-                    if worker.kill_at is None and silent > silent_after:
+                    if worker.kill_at is None and silent - self._starved(worker, silent) > silent_after:
                         self.kill(worker, f"missed heartbeats for {silent:.1f} s", "heartbeat")
                 elif worker.kill_at is None and quiet(worker.spawned_at, now) > HELLO_TIMEOUT_S:
                     self.kill(worker, "never said hello", "startup")
@@ -586,6 +593,31 @@ class WorkerSet:
             if worker.kill_at is not None and now >= worker.kill_at and worker.state is not WorkerState.DEAD:
                 self.spawner.signal(worker, signal.SIGKILL)
                 worker.kill_at = float("inf")
+
+    def _starved(self, worker: WorkerHandle, silent: float) -> float:
+        """How much of ``worker``'s silence it spent waiting for a CPU (seconds, at most one
+        liveness window): a worker starved on a loaded host beats late, it is not hung.
+
+        Measured from the moment it first missed a beat (a baseline of its threads' run-queue
+        waits, :func:`~supervisor.runtime.stall.run_delay_ns`, read only then: a worker that beats
+        on time costs nothing) as the longest wait of any one of its threads since: the thread
+        that beats, or the one holding the interpreter it needs. A stopped or really hung worker
+        does not wait on a run queue, so it is killed on time; one that spins without beating is
+        killed one window later at most."""
+        cfg = self.config
+        if silent <= cfg.heartbeat_interval_s:
+            self._starve_base.pop(worker.worker_id, None)
+            return 0.0
+        taken = self._starve_base.get(worker.worker_id)
+        if taken is None or taken[0] != worker.last_heartbeat:  # none yet, or it beat since: a new silence
+            self._starve_base[worker.worker_id] = (worker.last_heartbeat, run_delay_ns(worker.pid) or {})
+            return 0.0
+        base = taken[1]
+        now = run_delay_ns(worker.pid)
+        if not now:
+            return 0.0
+        waited = max((ns - base.get(tid, ns) for tid, ns in now.items()), default=0) / 1e9
+        return min(waited, cfg.heartbeat_interval_s * cfg.heartbeat_liveness)
 
     def check_rss(self) -> None:
         """The RSS backstop: a worker above its tenant's memory quota plus an allowance is killed."""

@@ -23,6 +23,7 @@ import zmq
 from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.spec import TenantSpec
+from supervisor.lifecycle import workerset
 from supervisor.store.rundir import read_admin_capability
 from supervisor.supervisor import Supervisor
 from tests.helpers.fake_workers import FakeClock, FakeSpawner
@@ -215,6 +216,40 @@ def test_silent_worker_is_killed_for_missed_heartbeats(h: Harness) -> None:
     (worker,) = h.spawner.of("acme")
     worker.silent = True
     cfg = h.sup.config
+    h.tick(cfg.heartbeat_interval_s * (cfg.heartbeat_liveness + 2))
+    assert signal.SIGTERM in worker.signals and not worker.alive
+
+
+def _starving(waited_s: Callable[[], float]) -> Callable[[int], dict[int, int]]:
+    """A run-queue reading whose one thread has waited ``waited_s()`` seconds for a CPU by now."""
+    return lambda pid: {pid: int(waited_s() * 1e9)}
+
+
+def test_a_worker_starved_of_cpu_is_not_killed_for_beats_it_could_not_send(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded host: the worker's threads wait on a run queue and its beats come late. What it
+    waited for a CPU is not silence, up to one liveness window more; past that it is killed."""
+    h.register("acme", instances=1)
+    (worker,) = h.spawner.of("acme")
+    cfg = h.sup.config
+    window = cfg.heartbeat_interval_s * cfg.heartbeat_liveness
+    start = h.clock()
+    # starved all the time since it went silent (the worst a loaded host does)
+    monkeypatch.setattr(workerset, "run_delay_ns", _starving(lambda: h.clock() - start))
+    worker.silent = True
+    h.tick(window + 1.5)
+    assert worker.alive and worker.signals == []
+    h.tick(window + 1.0)  # twice the window and more: starved or not, it is killed
+    assert signal.SIGTERM in worker.signals and not worker.alive
+
+
+def test_a_silent_worker_that_is_not_waiting_for_a_cpu_is_killed_on_time(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    h.register("acme", instances=1)
+    (worker,) = h.spawner.of("acme")
+    cfg = h.sup.config
+    monkeypatch.setattr(workerset, "run_delay_ns", _starving(lambda: 0.25))  # stopped: no waiting grows
+    worker.silent = True
     h.tick(cfg.heartbeat_interval_s * (cfg.heartbeat_liveness + 2))
     assert signal.SIGTERM in worker.signals and not worker.alive
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from typing import Any
 
 import psutil
@@ -15,7 +16,7 @@ from shared.errors import CapabilityRevoked, TenantIsolationViolation
 from shared.spec import TenantSpec
 from supervisor.store.audit import DeniedAudit, Denial
 from supervisor.store.registry import TenantRegistry
-from supervisor.runtime.stall import StallGuard
+from supervisor.runtime.stall import StallGuard, run_delay_ns
 from worker.control import supervisor_alive
 
 
@@ -143,6 +144,36 @@ def test_stall_guard_counts_silence_from_the_resume_and_delays_judgement() -> No
     assert guard.silence(last_heard=20.08, now=20.1) == pytest.approx(0.02)
     with pytest.raises(ValueError):
         StallGuard(0, 1)
+
+
+def test_stall_guard_leaves_a_late_loops_lateness_out_of_silence() -> None:
+    """A loop that turns, but each turn late (a loaded host: no single gap is a stall), may not
+    yet have read a heartbeat that came: the part of each gap beyond the slack is not silence."""
+    guard = StallGuard(threshold_s=1.0, grace_s=3.0, slack_s=0.25, clock=_Clock())
+    assert guard.tick(0.0) is None
+    for i in range(1, 5):  # four turns 0.75 s apart: 0.5 s late each, never a stall
+        assert guard.tick(i * 0.75) is None
+    assert guard.stalls == 0 and guard.late_s == pytest.approx(2.0)
+    assert guard.silence(last_heard=0.0, now=3.0) == pytest.approx(1.0)
+    # only the lateness after the last message counts; a gap straddling it counts its part after it
+    assert guard.silence(last_heard=2.25, now=3.0) == pytest.approx(0.25)
+    assert guard.silence(last_heard=2.7, now=3.0) == pytest.approx(0.0)
+    assert guard.silence(last_heard=3.0, now=3.2) == pytest.approx(0.2)
+    # ordinary turns (within the slack) are no lateness
+    for i in range(1, 41):
+        guard.tick(3.0 + i * 0.05)
+    assert guard.late_s == pytest.approx(2.0)
+    assert guard.silence(last_heard=3.0, now=5.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        StallGuard(1.0, 1.0, slack_s=2.0)
+
+
+def test_run_delay_of_this_process_names_its_threads() -> None:
+    delays = run_delay_ns(os.getpid())
+    if delays is None:
+        pytest.skip("no per-thread schedstat on this kernel")
+    assert threading.get_native_id() in delays and all(ns >= 0 for ns in delays.values())
+    assert run_delay_ns(4_194_304 + 12345) is None  # above pid_max: no such process
 
 
 def _exit_now() -> None:
