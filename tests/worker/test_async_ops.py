@@ -482,10 +482,13 @@ def test_a_wait_past_the_deadline_and_grace_is_a_typed_queue_overrun(block: Quot
     monkeypatch.setattr(device_time, "QUEUE_GRACE_S", 0.05)
     gate = DeviceGate(block, StubBackend())
     slow = _Slow()
-    deadline = time.monotonic_ns() + 20_000_000
+    # The op is queued with a deadline it cannot miss before it starts (a device thread scheduled
+    # late on a loaded host refuses an op whose deadline passed: it would never start); the
+    # deadline that matters is the wait's, set once the op runs, and already past.
     try:
-        gate.submit("hung", slow, (), deadline)
+        gate.submit("hung", slow, (), time.monotonic_ns() + int(3600e9))
         assert slow.started.wait(WAIT_S)
+        deadline = time.monotonic_ns()
         with pytest.raises(QueueOverrun, match="past the run's deadline"):
             gate.sync(deadline)
         assert gate.release(deadline) is False and gate.queue_overrun
@@ -498,10 +501,10 @@ def test_a_full_queue_past_the_deadline_refuses_the_submit_with_a_timeout(block:
     gate = DeviceGate(block, StubBackend())
     gate.queue = DeviceQueue(gate._queued, gate._end_stretch, max_ops=2)
     slow = _Slow()
-    deadline = time.monotonic_ns() + 30_000_000
     try:
-        gate.submit("hung", slow, (), deadline)
+        gate.submit("hung", slow, (), time.monotonic_ns() + int(3600e9))  # started whatever the load
         assert slow.started.wait(WAIT_S)
+        deadline = time.monotonic_ns()  # passed: a full queue refuses at once
         gate.submit("a", lambda: None, (), deadline)
         gate.submit("b", lambda: None, (), deadline)
         with pytest.raises(KernelTimeout, match="room in the device queue"):
