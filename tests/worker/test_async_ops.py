@@ -45,6 +45,18 @@ def wait_for(cond: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
+class _Slow:
+    """An op the test releases: it waits on ``go``, and says it started."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.started = threading.Event()
+
+    def __call__(self, *args: object) -> None:
+        self.started.set()
+        assert self.go.wait(WAIT_S)
+
+
 @pytest.fixture
 def block() -> Iterator[QuotaBlock]:
     with QuotaBlock.create("async") as owner:
@@ -184,21 +196,23 @@ def test_a_queued_ops_error_surfaces_at_the_next_sync_and_drops_the_rest(block: 
 
 def test_a_deadline_with_queued_work_ends_in_a_timeout_and_drops_it(block: QuotaBlock) -> None:
     gate = DeviceGate(block, StubBackend())
-    go = threading.Event()
+    slow = _Slow()
     later: list[int] = []
-    deadline = time.monotonic_ns() + 50_000_000
     try:
-        gate.submit("slow", lambda: go.wait(WAIT_S), (), deadline)
+        # in flight whatever the load (a device thread scheduled late would refuse it unstarted)
+        gate.submit("slow", slow, (), time.monotonic_ns() + int(3600e9))
+        assert slow.started.wait(WAIT_S)
+        deadline = time.monotonic_ns() + 50_000_000
         for i in range(5):
             gate.submit("op", later.append, (i,), deadline)
         wait_for(lambda: time.monotonic_ns() > deadline)
-        go.set()  # the op in flight ends past the deadline; the queued ones must not start
-        with pytest.raises(KernelTimeout, match="deadline"):
-            gate.sync(deadline)
+        slow.go.set()  # the op in flight ends past the deadline; the queued ones must not start
+        with pytest.raises(KernelTimeout, match="deadline passed with device work queued"):
+            gate.sync()  # waits for the refusal itself (a starved device thread is no overrun here)
         assert later == []
         assert gate.refused == 1
     finally:
-        go.set()
+        slow.go.set()
         gate.close()
 
 
@@ -438,18 +452,6 @@ def test_read_bytes_are_the_queued_results() -> None:
 # ------------------------------------------------------------------ stretches, overruns, death
 
 
-class _Slow:
-    """An op the test releases: it waits on ``go``, and says it started."""
-
-    def __init__(self) -> None:
-        self.go = threading.Event()
-        self.started = threading.Event()
-
-    def __call__(self, *args: object) -> None:
-        self.started.set()
-        assert self.go.wait(WAIT_S)
-
-
 def test_queued_work_is_one_stretch_under_the_lease(block: QuotaBlock) -> None:
     """Fifty queued ops acquire the lease once and tell the board once, at the stretch's end (the
     chunk target is longer than the whole stretch here: no boundary falls inside it)."""
@@ -482,10 +484,13 @@ def test_a_wait_past_the_deadline_and_grace_is_a_typed_queue_overrun(block: Quot
     monkeypatch.setattr(device_time, "QUEUE_GRACE_S", 0.05)
     gate = DeviceGate(block, StubBackend())
     slow = _Slow()
-    deadline = time.monotonic_ns() + 20_000_000
+    # The op is queued with a deadline it cannot miss before it starts (a device thread scheduled
+    # late on a loaded host refuses an op whose deadline passed: it would never start); the
+    # deadline that matters is the wait's, set once the op runs, and already past.
     try:
-        gate.submit("hung", slow, (), deadline)
+        gate.submit("hung", slow, (), time.monotonic_ns() + int(3600e9))
         assert slow.started.wait(WAIT_S)
+        deadline = time.monotonic_ns()
         with pytest.raises(QueueOverrun, match="past the run's deadline"):
             gate.sync(deadline)
         assert gate.release(deadline) is False and gate.queue_overrun
@@ -498,10 +503,10 @@ def test_a_full_queue_past_the_deadline_refuses_the_submit_with_a_timeout(block:
     gate = DeviceGate(block, StubBackend())
     gate.queue = DeviceQueue(gate._queued, gate._end_stretch, max_ops=2)
     slow = _Slow()
-    deadline = time.monotonic_ns() + 30_000_000
     try:
-        gate.submit("hung", slow, (), deadline)
+        gate.submit("hung", slow, (), time.monotonic_ns() + int(3600e9))  # started whatever the load
         assert slow.started.wait(WAIT_S)
+        deadline = time.monotonic_ns()  # passed: a full queue refuses at once
         gate.submit("a", lambda: None, (), deadline)
         gate.submit("b", lambda: None, (), deadline)
         with pytest.raises(KernelTimeout, match="room in the device queue"):

@@ -543,6 +543,13 @@ class WasmSession:
             result = self.host._guarded_call(self, lambda: func(self.store, *values))
         finally:
             self.run.end_sync()  # the guest's queued device work is part of the call (bounded)
+        passed = self.run.deadline_passed
+        if passed is not None:
+            # The run's deadline passed inside a device op (refused: the guest saw BACKEND) before
+            # the epoch stopped the guest - on a loaded host the ticker runs late. Whatever the guest
+            # made of that code (long_job returns NaN), its result is no answer: the call is a timeout.
+            self.host.stats["timeouts"] += 1
+            raise KernelTimeout(self.timeout_s, "run_wasm") from passed
         if result is None:
             return []
         return list(result) if isinstance(result, list) else [result]
@@ -964,8 +971,8 @@ class WasmHost:
                 except GuestExit as exc:
                     exit_code = exc.code
             if session.run.deadline_passed is not None:
-                # the deadline ran out inside a device op: whatever the guest made of that op's
-                # error code (long_job returns NaN), its result is not an answer
+                # the deadline ran out inside a device op of a guest that then exited (proc_exit:
+                # no call result); a call that returned raised this already (WasmSession.call)
                 self.stats["timeouts"] += 1
                 raise KernelTimeout(timeout_s, "run_wasm") from session.run.deadline_passed
             fuel_used = session.fuel_used()

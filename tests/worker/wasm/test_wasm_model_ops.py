@@ -30,13 +30,17 @@ INVALID = ErrorCode.INVALID
 BAD_HANDLE = ErrorCode.BAD_HANDLE
 BUFFER_BOUNDS = ErrorCode.BUFFER_BOUNDS
 MEMORY_BOUNDS = ErrorCode.MEMORY_BOUNDS
+#: the run time of a session that serves a whole hypothesis test (hundreds of examples)
+SESSION_S = 3600.0
 NEW_OPS = ("gemm_f32", "gemm_strided_batched_f32", "binary_f32", "binary_rows_f32", "scalar_f32", "reduce_rows_f32",
            "layernorm_rows_f32", "gather_rows_f32", "copy", "causal_mask_f32", "cast", "gemm_ex")
 
 
 @contextmanager
 def session(fast: bool = True) -> Iterator[tuple[Env, WasmSession]]:
-    with make_env(fast, gpu_cap=None) as env, probe(env) as s:
+    """One session for every example of a test: its run's deadline must outlast them all on a loaded
+    host (past it every device op is refused: the test's timeout bounds it instead)."""
+    with make_env(fast, gpu_cap=None) as env, probe(env, timeout_s=SESSION_S) as s:
         yield env, s
 
 

@@ -11,6 +11,7 @@ calling matmul in a loop stopped by its deadline.
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,6 +38,8 @@ INVALID = ErrorCode.INVALID
 BAD_HANDLE = ErrorCode.BAD_HANDLE
 BUFFER_BOUNDS = ErrorCode.BUFFER_BOUNDS
 MEMORY_BOUNDS = ErrorCode.MEMORY_BOUNDS
+#: the run time of a session that serves a whole hypothesis test (hundreds of examples)
+SESSION_S = 3600.0
 
 
 def put(s: WasmSession, values: Any, extra: int = 0) -> int:
@@ -90,7 +93,9 @@ floats = st.floats(-4, 4, width=32, allow_nan=False)
 
 @contextmanager
 def session(fast: bool = True) -> Iterator[tuple[Env, WasmSession]]:
-    with make_env(fast, gpu_cap=None) as env, probe(env) as s:
+    """One session for every example of a test: its run's deadline must outlast them all on a loaded
+    host (past it every device op is refused: the test's timeout bounds it instead)."""
+    with make_env(fast, gpu_cap=None) as env, probe(env, timeout_s=SESSION_S) as s:
         yield env, s
 
 
@@ -364,6 +369,23 @@ def test_pointer_ops_without_memory_are_no_memory(env: Env) -> None:
         (call $am (local.get $h) (i64.const 2) (i64.const 2) (i32.const 0))))"""
     reply = env.host.run(guest, "run", [], fuel=10**6, timeout_s=5)
     assert reply["results"] == [int(ErrorCode.NO_MEMORY)] * 2
+
+
+def test_a_deadline_that_passed_in_a_device_op_makes_the_call_a_timeout(env: Env) -> None:
+    """On a loaded host the epoch ticker runs late: the run's deadline can pass while the guest still
+    runs, and its next device op is refused (the guest sees BACKEND, as for any failed op). The call
+    is then the deadline's ``KernelTimeout``, never a result built on that code, and so is every
+    later call of the run; an op refused for no deadline stays a plain BACKEND code (next test)."""
+    with probe(env, timeout_s=SESSION_S) as s:
+        h = call(s, "alloc", 64)
+        assert call(s, "fill_f32", h, 1.0, 16) == OK
+        timeouts = env.host.stats["timeouts"]
+        s.run.deadline_ns = time.monotonic_ns() - 1  # the deadline passed; the ticker has not caught up
+        with pytest.raises(KernelTimeout):
+            call(s, "fill_f32", h, 2.0, 16)
+        with pytest.raises(KernelTimeout):
+            call(s, "add_rows_f32", h, h, 0, 0)
+        assert env.host.stats["timeouts"] == timeouts + 2
 
 
 def test_a_backend_failure_is_a_backend_code(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
