@@ -1,6 +1,6 @@
 """``alloc`` / ``twt alloc``: a device buffer for a tenant, metered against its GPU cap.
 
-    twt alloc acme 1MiB --instance 1
+The command and its examples: :mod:`supervisor.cli.commands.alloc`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``buffers`` / ``twt buffers``: the buffers a tenant holds, on every ready instance (a fan-out, merged).
 
-    twt buffers acme
+The command and its examples: :mod:`supervisor.cli.commands.buffers`.
 """
 
 from __future__ import annotations

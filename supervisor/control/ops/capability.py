@@ -1,14 +1,12 @@
 """``capability`` / ``twt capability``: the capability of a registered tenant, or of a role.
 
-    twt capability acme                          # as hex on stdout
-    twt capability acme --cap-out acme.cap       # hex and a newline, mode 0600
-    twt capability --role monitor --cap-out monitor.cap   # the read-only monitoring capability
-
 The monitor capability grants the read-only ops only (``shared.protocol.MONITOR_OPS``:
 status, events, version, hello) and is accepted over TCP without
 ``allow_remote_admin``: a monitoring host holds it instead of the admin one. It is
 minted from the registry key like the admin capability: the same bytes across
 restarts, revoked (with every other capability) by ``twt rotate-key``.
+
+The command and its examples: :mod:`supervisor.cli.commands.capability`.
 """
 
 from __future__ import annotations

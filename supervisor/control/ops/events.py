@@ -2,22 +2,8 @@
 
 The op: ``events {after, max, kinds, log}`` -> ``{events, next, missed, more, log}``. The
 admin capability sees every event, a tenant capability its own tenant's (the frontend
-verifies which; :class:`Events` reads the log for it). The command
-(:mod:`supervisor.cli.commands.events`):
-
-    $ twt events --filter exit --filter restart
-    12:01:07.513  exit           acme/0  pid=4250 signal=9(SIGKILL) reason="killed by signal 9" expected=False
-    12:01:07.514  restart        acme/0  delay_s=0.1 restarts=1
-
-``--json`` prints each event record as one JSON object per line (JSON Lines).
-The same works against a remote supervisor (``--connect tcp://HOST:PORT
---server-key=KEY``): the admin capability (``--admin-cap``, and the
-supervisor's ``allow_remote_admin``) sees every event, a tenant's capability
-(``--capability FILE``) only that tenant's. Events come from the
-supervisor's bounded event log (``event_log_size``); a follower that falls
-so far behind that events left it before it read them is told so by a
-``missed`` line, never silently (``supervisor.client.event_follow``). ``--replay``
-first prints what the log still holds.
+verifies which; :class:`Events` reads the log for it). The command, its output and how a
+follower is told of missed events: :mod:`supervisor.cli.commands.events`.
 """
 
 from __future__ import annotations

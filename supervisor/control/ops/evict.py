@@ -1,6 +1,6 @@
 """``evict`` / ``twt evict``: stop a tenant's workers, revoke its capabilities, free its quota block.
 
-    twt evict acme
+The command and its examples: :mod:`supervisor.cli.commands.evict`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``free`` / ``twt free``: free a tenant's device buffer.
 
-    twt free acme 1:7
+The command and its examples: :mod:`supervisor.cli.commands.free`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``inject_fault`` / ``twt fault``: break one of a tenant's workers on purpose (testing).
 
-    twt fault acme crash --instance 0
-    twt fault acme slow --param ms=500
-
 The order goes to the worker's control thread; the answer waits for its
 acknowledgement, or, for the kinds that end the process (crash, segfault,
 exit), for the process to be gone.
+
+The command and its examples: :mod:`supervisor.cli.commands.inject_fault`.
 """
 
 from __future__ import annotations

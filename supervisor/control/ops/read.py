@@ -1,6 +1,6 @@
 """``read`` / ``twt read``: a tenant's device buffer, into a file or shown as float32 values.
 
-    twt read acme 1:7 --out data.bin
+The command and its examples: :mod:`supervisor.cli.commands.read`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """``register`` / ``twt register``: a new tenant, answered once every instance is ready.
 
-    twt register acme --memory-quota 2GiB --gpu-cap 512MiB --instances 2 --cap-out acme.cap
-    twt register --file tenants.toml acme        # a [[tenant]] table (flags given as well override it)
-
 A tenant capability is printed as hex on stdout (``CAP=$(twt register acme)``)
 or written with ``--cap-out FILE`` (hex and a newline, mode 0600);
 ``shared.capability.read_capability_file(path)`` reads it back (so does
 ``twt run --capability FILE``).
+
+The command and its examples: :mod:`supervisor.cli.commands.register`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``reset`` / ``twt reset``: clear a failed tenant and start its instances again (same capability).
 
-    twt reset acme
+The command and its examples: :mod:`supervisor.cli.commands.reset`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``restart`` / ``twt restart``: new worker processes for a tenant, one instance at a time.
 
-    twt restart acme
+The command and its examples: :mod:`supervisor.cli.commands.restart`.
 """
 
 from __future__ import annotations

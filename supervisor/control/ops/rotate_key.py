@@ -1,6 +1,6 @@
 """``rotate_key`` / ``twt rotate-key``: a new registry key; every capability minted before is revoked.
 
-    twt rotate-key --yes
+The command and its examples: :mod:`supervisor.cli.commands.rotate_key`.
 """
 
 from __future__ import annotations

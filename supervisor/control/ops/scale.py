@@ -1,6 +1,6 @@
 """``scale`` / ``twt scale``: run N worker instances for a tenant, live.
 
-    twt scale acme 3 --wait
+The command and its examples: :mod:`supervisor.cli.commands.scale`.
 """
 
 from __future__ import annotations

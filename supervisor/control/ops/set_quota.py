@@ -1,11 +1,11 @@
 """``set_quota`` / ``twt set-quota``: change a tenant's limits live.
 
-    twt set-quota acme --gpu-cap 1GiB            # --gpu-cap none removes the cap
-
 The limits live in the tenant's shared-memory block, so its workers see a
 change at their next allocation; GPU-time weight and cap change on the
 device's lease board. The change is written to the state first: one that
 cannot be written (``StateError``) is not applied.
+
+The command and its examples: :mod:`supervisor.cli.commands.set_quota`.
 """
 
 from __future__ import annotations

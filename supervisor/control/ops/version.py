@@ -1,10 +1,9 @@
 """``version`` / ``twt version``: the running supervisor's build, beside this command's own.
 
-    twt version
-    twt 0.4.0 (this command); supervisor 0.4.0 (python 3.12.3, protocol 1)
-
 After an upgrade the daemon may still run the old build until it is
 restarted; ``twt --version`` names only the installed one.
+
+The command and its examples: :mod:`supervisor.cli.commands.version`.
 """
 
 from __future__ import annotations

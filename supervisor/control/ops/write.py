@@ -1,7 +1,6 @@
 """``write`` / ``twt write``: bytes into a tenant's device buffer (the body frame).
 
-    twt write acme 1:7 --from data.bin
-    twt write acme 1:7 --fill 1.5
+The command and its examples: :mod:`supervisor.cli.commands.write`.
 """
 
 from __future__ import annotations
