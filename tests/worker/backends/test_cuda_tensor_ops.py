@@ -32,7 +32,7 @@ from tests.helpers.wasm_env import Env, mlp_forward, softmax, tenant_env
 from tests.helpers.wasm_env import probe as wasm_probe
 from worker.backends._cublas import Cublas
 from worker.backends.cuda import CudaBackend
-from worker.wasm import ErrorCode, WasmSession
+from worker.wasm import WasmSession
 from worker.wasm.tensor_abi import UNARY_OPS
 
 pytestmark = pytest.mark.timeout(120)
