@@ -67,8 +67,8 @@ with QuotaBlock.create("replay") as owner:   # queued ops under the gate: the de
     for _ in range(3):
         gate.submit("scale_f32", b.scale_f32, (x, 1.0, 1024), until)
     gate.submit("fill_f32", b.fill_f32, (x, 1.0, 1024), until)
-    y = b.alloc(1024)
-    gate.submit("matmul_f32", b.matmul_f32, (x, x, y, 16, 16, 16), until)
+    y = b.alloc(4096)
+    gate.submit("add_f32", b.add_f32, (x, x, y, 1024), until)
     gate.sync(until)                     # settled: cuEventQuery, cuEventElapsedTime per pair
     assert gate._qtimer.pairs_settled >= 5 and blk.gpu_time_ns > 0, gate._qtimer.pairs_settled
     gate.close()                         # the ring's events destroyed
