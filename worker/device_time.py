@@ -23,7 +23,7 @@ run without asking the board (no acquire, finish or release); the stub,
 whose device is this host's CPU, still runs one op at a time per device (an
 ``flock`` on the board's file), as a GPU time-slices its contexts.
 
-**Queued ops** (a backend with ``queues_ops``: the stub). An op whose result
+**Queued ops** (a backend with ``queues_ops``: the stub, cuda). An op whose result
 the guest does not read at once (every op that only writes device buffers:
 fill, axpy, GEMM, elementwise ...) is *submitted* (:meth:`DeviceGate.submit`)
 to the worker's :class:`DeviceQueue` and the host call returns: the guest's
@@ -44,6 +44,13 @@ memory, and the run's end::
   is lent to a waiter at once). The board charges
   the device time of what ran in between; an op's wait is the time it was
   ready (submitted, its worker's earlier ops done) and not running.
+* **Pending device time** (cuda: a ``PendingTimer``). The launches return
+  at once; each chunk's time is read from its events only when the timer is
+  *settled* (:meth:`DeviceGate._settle`): before every flush - so the board
+  hears of work only once it is complete - and when the timer's ring is
+  full. The flush rule then counts the cost model's estimate of the pending
+  chunks, not the time held (docs/GPU-QUOTAS.md, "Asynchronous cuda under
+  the gate").
 * **Bounded.** At most :data:`MAX_QUEUED_OPS` ops and :data:`MAX_QUEUED_BYTES`
   bytes of the device buffers they name (an op larger alone is admitted into
   an empty queue); a full queue makes ``submit`` wait, until the deadline.
@@ -333,6 +340,8 @@ class DeviceGate:
         #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
         self._held_board = False
         self._qtimer: OpTimer | None = None
+        #: ``_qtimer`` when its chunks are pending until settled (cuda's stretch timer), else None
+        self._pending_timer: PendingTimer | None = None
         #: an asynchronous queue timer's (``PendingTimer``: cuda) chunks not yet settled, in order:
         #: (op, plan, units, estimated ns); the estimates' sum decides the next flush
         self._unsettled: list[tuple[str, Plan | None, int, int]] = []
@@ -461,8 +470,9 @@ class DeviceGate:
         self.run_wait_ns += waited
         if self._qtimer is None:
             self._qtimer = self.backend.queue_timer()
+            self._pending_timer = self._qtimer if isinstance(self._qtimer, PendingTimer) else None
         self._stretch_deadline_ns = deadline_ns
-        pending = self._qtimer if isinstance(self._qtimer, PendingTimer) else None
+        pending = self._pending_timer
         if pending is not None and pending.full():
             self._settle()  # a full ring settles early (no board boundary)
         before = pending.pending if pending is not None else 0
@@ -525,8 +535,8 @@ class DeviceGate:
         deadline plus :data:`QUEUE_GRACE_S`; past it the timer raises the backend's queue overrun),
         add their device time to what the next flush charges, let the cost model learn each. A
         fault names the first chunk that failed (``failed_op``) and is raised."""
-        timer = self._qtimer
-        if not self._unsettled or not isinstance(timer, PendingTimer):
+        timer = self._pending_timer
+        if not self._unsettled or timer is None:
             return
         deadline = self._stretch_deadline_ns
         try:
@@ -685,4 +695,4 @@ class DeviceGate:
             self._timer = None
         if self._qtimer is not None:
             self._qtimer.close()
-            self._qtimer = None
+            self._qtimer = self._pending_timer = None
