@@ -317,3 +317,57 @@ def test_reads_wait_for_the_settle_of_the_queued_work(cuda: tuple[FakeDriver, Cu
         assert got["value"] == expected[read]
     finally:
         gate.close()
+
+
+class WaitedBoard(CountingBoard):
+    """A counting board on which another worker always waits."""
+
+    def others_waiting(self) -> bool:
+        super().others_waiting()
+        return True
+
+
+@contextmanager
+def device_keeps_up(fake: FakeDriver) -> Iterator[None]:
+    """The fake device runs whatever is launched, soon after (a thread catching it up)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(0.0005):
+            fake.catch_up()
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        runner.join(10)
+
+
+@pytest.mark.parametrize("waited", [False, True])
+def test_the_flush_follows_the_estimate_of_the_pending_work(cuda: tuple[FakeDriver, CudaBackend],
+                                                            block: QuotaBlock, waited: bool) -> None:
+    """Launches return at once, so the flush counts device time, not host time: with each op learned
+    at 50 us and a 200 us chunk target, twelve queued ops flush every fourth op - and at every op
+    (a quarter of the target) while another worker waits for the device."""
+    fake, be = cuda
+    x = ready(fake, be)
+    board = WaitedBoard(True) if waited else CountingBoard(True)
+    gate = DeviceGate(block, be, cast(GpuTimeBoard, board), chunk_s=4 * LAUNCH_NS / 1e9)
+    try:
+        with device_keeps_up(fake):
+            gate.submit("scale_f32", be.scale_f32, (x, 1.0, N), deadline())  # the cost model learns 50 us
+            gate.sync()
+            assert gate.costs.predict_ns("scale_f32", cast(Any, _plan(be, x)), N) == pytest.approx(LAUNCH_NS)
+            finishes, settles = board.calls["finish"], stretch_timer(gate).settles
+            with device_thread_held(fake):
+                for _ in range(12):
+                    gate.submit("scale_f32", be.scale_f32, (x, 1.0, N), deadline())
+            gate.sync()
+        flushes = 12 if waited else 3
+        assert board.calls["finish"] - finishes == flushes
+        assert stretch_timer(gate).settles - settles == flushes
+        assert block.gpu_time_ns == 13 * LAUNCH_NS
+    finally:
+        gate.close()
