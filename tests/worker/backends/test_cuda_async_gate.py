@@ -371,3 +371,24 @@ def test_the_flush_follows_the_estimate_of_the_pending_work(cuda: tuple[FakeDriv
         assert block.gpu_time_ns == 13 * LAUNCH_NS
     finally:
         gate.close()
+
+
+def test_the_context_is_made_current_once_per_thread(cuda: tuple[FakeDriver, CudaBackend], block: QuotaBlock) -> None:
+    """Queued ops on the device thread and synchronous ones on the executor's alternate: neither
+    thread pays a cuCtxSetCurrent per switch (the device thread made the context current once)."""
+    fake, be = cuda
+    x = ready(fake, be)
+    fake.device_clock = False
+    gate = DeviceGate(block, be)
+    try:
+        gate.submit("scale_f32", be.scale_f32, (x, 1.0, N), deadline())
+        gate.op("sum_f32", be.sum_f32, (x, N))
+        made_current = fake.calls.count("cuCtxSetCurrent")
+        assert made_current == 1  # the device thread's, once
+        for _ in range(5):
+            gate.submit("scale_f32", be.scale_f32, (x, 1.0, N), deadline())
+            assert gate.op("sum_f32", be.sum_f32, (x, N)) == float(N)
+            be.read(x, 0, 4)
+        assert fake.calls.count("cuCtxSetCurrent") == made_current
+    finally:
+        gate.close()
