@@ -349,12 +349,13 @@ def device_keeps_up(fake: FakeDriver) -> Iterator[None]:
 def test_the_flush_follows_the_estimate_of_the_pending_work(cuda: tuple[FakeDriver, CudaBackend],
                                                             block: QuotaBlock, waited: bool) -> None:
     """Launches return at once, so the flush counts device time, not host time: with each op learned
-    at 50 us and a 200 us chunk target, twelve queued ops flush every fourth op - and at every op
-    (a quarter of the target) while another worker waits for the device."""
+    at 50 us and a 175 us chunk target, twelve queued ops flush every fourth op - and at every op
+    (a quarter of the target) while another worker waits for the device. (Targets between the
+    multiples of 50 us: an estimate a rounding below one never decides.)"""
     fake, be = cuda
     x = ready(fake, be)
     board = WaitedBoard(True) if waited else CountingBoard(True)
-    gate = DeviceGate(block, be, cast(GpuTimeBoard, board), chunk_s=4 * LAUNCH_NS / 1e9)
+    gate = DeviceGate(block, be, cast(GpuTimeBoard, board), chunk_s=3.5 * LAUNCH_NS / 1e9)
     try:
         with device_keeps_up(fake):
             gate.submit("scale_f32", be.scale_f32, (x, 1.0, N), deadline())  # the cost model learns 50 us
