@@ -23,7 +23,7 @@ run without asking the board (no acquire, finish or release); the stub,
 whose device is this host's CPU, still runs one op at a time per device (an
 ``flock`` on the board's file), as a GPU time-slices its contexts.
 
-**Queued ops** (a backend with ``queues_ops``: the stub). An op whose result
+**Queued ops** (a backend with ``queues_ops``: the stub, cuda). An op whose result
 the guest does not read at once (every op that only writes device buffers:
 fill, axpy, GEMM, elementwise ...) is *submitted* (:meth:`DeviceGate.submit`)
 to the worker's :class:`DeviceQueue` and the host call returns: the guest's
@@ -44,6 +44,13 @@ memory, and the run's end::
   is lent to a waiter at once). The board charges
   the device time of what ran in between; an op's wait is the time it was
   ready (submitted, its worker's earlier ops done) and not running.
+* **Pending device time** (cuda: a ``PendingTimer``). The launches return
+  at once; each chunk's time is read from its events only when the timer is
+  *settled* (:meth:`DeviceGate._settle`): before every flush - so the board
+  hears of work only once it is complete - and when the timer's ring is
+  full. The flush rule then counts the cost model's estimate of the pending
+  chunks, not the time held (docs/GPU-QUOTAS.md, "Asynchronous cuda under
+  the gate").
 * **Bounded.** At most :data:`MAX_QUEUED_OPS` ops and :data:`MAX_QUEUED_BYTES`
   bytes of the device buffers they name (an op larger alone is admitted into
   an empty queue); a full queue makes ``submit`` wait, until the deadline.
@@ -81,8 +88,8 @@ from shared.gpu_time import GpuTimeBoard
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock
 from worker.backends.base import Backend, DeviceBuffer
-from worker.backends.timing import OpTimer
-from worker.chunks import CostModel, plan
+from worker.backends.timing import OpTimer, PendingTimer
+from worker.chunks import CostModel, Plan, plan
 
 __all__ = ["CHUNK_S", "MAX_QUEUED_BYTES", "MAX_QUEUED_OPS", "QUEUE_GRACE_S", "DeviceGate", "DeviceQueue",
            "QueueOverrun"]
@@ -280,6 +287,9 @@ class DeviceQueue:
                     self._end_stretch()  # the board hears of the stretch's end before anyone syncs
                 except Exception as exc:  # noqa: BLE001 - a closed board at shutdown: logged
                     log_event(_log, logging.WARNING, "device_time.stretch_end_failed", error=repr(exc))
+                    with cond:  # (a queued op's fault found at the settle): reported at the next sync
+                        if self._error is None:
+                            self._error = exc
             with cond:
                 self._running = False
                 cond.notify_all()
@@ -330,6 +340,17 @@ class DeviceGate:
         #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
         self._held_board = False
         self._qtimer: OpTimer | None = None
+        #: ``_qtimer`` when its chunks are pending until settled (cuda's stretch timer), else None
+        self._pending_timer: PendingTimer | None = None
+        #: an asynchronous queue timer's (``PendingTimer``: cuda) chunks not yet settled, in order:
+        #: (op, plan, units, estimated ns); the estimates' sum decides the next flush
+        self._unsettled: list[tuple[str, Plan | None, int, int]] = []
+        self._unsettled_est_ns = 0
+        #: the chunk about to run (set by :meth:`_op`), and the deadline a settle is bounded by
+        self._chunk: tuple[str, Plan | None, int] = ("", None, 0)
+        self._stretch_deadline_ns: int | None = None
+        #: the error a settle raised (it names its own op in ``failed_op``)
+        self._settle_error: BaseException | None = None
         #: this worker's queued ops (EWMAs, ns): the interval between its submits inside a run, and
         #: each op's device time - a stretch's end lends the device only for a mostly idle worker
         self._submit_at = 0
@@ -389,6 +410,7 @@ class DeviceGate:
             run: Callable[..., tuple[int, int, object]], wait0: int = 0) -> object:
         p = plan(name, self.backend, args)
         if p is None:
+            self._chunk = (name, None, 0)
             ns, waited, result = run(fn, args, deadline_ns, last=True)
             self.block.observe_gpu_wait(wait0 + waited)
             return result
@@ -399,6 +421,7 @@ class DeviceGate:
         results: list[object] = []
         while lo < p.units:
             hi = lo + costs.units_for(name, p, self.chunk_ns, p.units - lo)
+            self._chunk = (name, p, hi - lo)
             ns, waited, got = run(call, p.chunk(lo, hi), deadline_ns, last=hi >= p.units)
             wait += waited
             costs.observe(name, p, hi - lo, ns)
@@ -419,12 +442,13 @@ class DeviceGate:
         try:
             if self._run_refused is not None:
                 raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
-            before = self.run_time_ns
+            before = self.run_time_ns + self._unsettled_est_ns  # pending chunks: their estimates
             self._op(item.name, item.fn, item.args, item.deadline_ns, self._run_queued, wait0=ready_wait)
-            ns = self.run_time_ns - before
+            ns = max(0, self.run_time_ns + self._unsettled_est_ns - before)
             self._op_dev_ns += (ns - self._op_dev_ns) >> _EWMA_SHIFT if self._op_dev_ns else ns
-        except BaseException:
-            self.failed_op = item.name
+        except BaseException as exc:
+            if exc is not self._settle_error:  # a settle's fault names the chunk that failed
+                self.failed_op = item.name
             raise
 
     def _run_queued(self, fn: Callable[..., T], args: tuple[object, ...], deadline_ns: int | None, *,
@@ -446,6 +470,12 @@ class DeviceGate:
         self.run_wait_ns += waited
         if self._qtimer is None:
             self._qtimer = self.backend.queue_timer()
+            self._pending_timer = self._qtimer if isinstance(self._qtimer, PendingTimer) else None
+        self._stretch_deadline_ns = deadline_ns
+        pending = self._pending_timer
+        if pending is not None and pending.full():
+            self._settle()  # a full ring settles early (no board boundary)
+        before = pending.pending if pending is not None else 0
         result: list[T] = []
         ns = 0
         serial = self._serial_fd() if board is None else -1
@@ -462,6 +492,15 @@ class DeviceGate:
             # a chunk boundary every ~chunk held; a quarter of that while another worker waits (its
             # claim is served at the first boundary after it is due: a boundary costs a few us)
             held = time.monotonic_ns() - self._held_since
+            if pending is not None:
+                # launches return in microseconds: what is held is the device work pending, the
+                # cost model's estimate of the unsettled chunks (an op it cannot split: a whole chunk)
+                if pending.pending > before:
+                    name, p, units = self._chunk
+                    est = self.chunk_ns if p is None else int(self.costs.predict_ns(name, p, units))
+                    self._unsettled.append((name, p, units, est))
+                    self._unsettled_est_ns += est
+                held = self._unsettled_est_ns
             if not last or held >= self.chunk_ns or (
                     held >= self.chunk_ns // 4 and board is not None and board.others_waiting()):
                 self._flush(last=False)
@@ -471,9 +510,16 @@ class DeviceGate:
         """Tell the board and the quota block what ran since the last flush (a chunk boundary:
         the board may hand the device over); ``last``: the stretch ended; ``idle``: nothing is queued
         behind it (the board lends the device to a waiter now)."""
-        held, pending = self._held_since, self._pending_ns
-        if not held:
+        if not self._held_since:
             return
+        error: BaseException | None = None
+        try:
+            self._settle()  # the lease moves only once this worker's pending work is complete
+        except KernelTimeout:
+            raise  # overran: the work may still run, so the stretch keeps the lease until the exit
+        except Exception as exc:  # noqa: BLE001 - a fault: charged what settled, the board told, then raised
+            error = exc
+        pending = self._pending_ns
         self._held_since = self._pending_ns = 0
         self.block.charge_gpu_time(pending)
         # the board that granted the stretch hears of its end even if the scheduler was switched off since
@@ -481,6 +527,39 @@ class DeviceGate:
         self._held_board = False
         if board is not None and board.finish(pending, last=last, idle=idle) and board.throttled_wait_ns():
             self.block.count_gpu_throttled()
+        if error is not None:
+            raise error
+
+    def _settle(self) -> None:
+        """An asynchronous queue timer's pending chunks: wait for them (bounded by the run's
+        deadline plus :data:`QUEUE_GRACE_S`; past it the timer raises the backend's queue overrun),
+        add their device time to what the next flush charges, let the cost model learn each. A
+        fault names the first chunk that failed (``failed_op``) and is raised."""
+        timer = self._pending_timer
+        if not self._unsettled or timer is None:
+            return
+        deadline = self._stretch_deadline_ns
+        try:
+            times, error = timer.settle(None if deadline is None else deadline + int(QUEUE_GRACE_S * 1e9))
+        except KernelTimeout:
+            self.queue_overrun = True
+            raise
+        done, self._unsettled = self._unsettled[:len(times)], self._unsettled[len(times):]
+        total = 0
+        for (name, p, units, _), ns in zip(done, times):
+            if p is not None:
+                self.costs.observe(name, p, units, ns)
+            total += ns
+        self.run_time_ns += total
+        self._pending_ns += total
+        if error is not None:
+            if self._unsettled:
+                self.failed_op = self._unsettled[0][0]
+            self._unsettled = []
+            self._settle_error = error
+        self._unsettled_est_ns = sum(est for *_, est in self._unsettled)
+        if error is not None:
+            raise error
 
     def _end_stretch(self) -> None:
         """The queue ran empty: the stretch ends. A worker whose ops come far apart next to their
@@ -589,6 +668,8 @@ class DeviceGate:
                 log_event(_log, logging.WARNING, "device_time.queued_op_failed", op=self.failed_op, error=repr(err))
         self._run_refused = None
         self._submit_at = 0  # the time to the next run is no gap between this run's ops
+        if self.queue_overrun:  # (a settle's too: its work may still run on the device)
+            ok = False
         if self.board is None or not ok:
             return ok  # an overrun: the device thread may still hold the lease; the process exit frees it
         try:
@@ -612,3 +693,6 @@ class DeviceGate:
         if self._timer is not None:
             self._timer.close()
             self._timer = None
+        if self._qtimer is not None:
+            self._qtimer.close()
+            self._qtimer = self._pending_timer = None

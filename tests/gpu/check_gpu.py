@@ -34,6 +34,7 @@ Phases, in order (``PHASES``); each returns rows of the final table:
     wasm_share  7:3 and heavy beside chatty through a supervisor and the WASM host (phase_wasm_share.py)
     foreign     a process not on the board running GEMMs during a 1:1 split (phase_foreign.py)
     sync_cpu    the CPU time of a worker blocked in a synchronize (phase_sync_cpu.py)
+    settle      queued cuda ops settled once per flush against a synchronise per chunk (phase_settle.py)
     budget_burst  8 workers started at once: the device budget against cuMemGetInfo (phase_budget_burst.py)
     residual_full the residual-data probe with the reader taking 90 % of free memory (phase_residual_full.py)
     overrun     a run past its deadline with device work queued, timed; a light tenant beside it (phase_overrun.py)
@@ -743,6 +744,7 @@ PHASES: list[Phase] = [
     Phase("wasm_share", _child_phase("wasm_share", "phase_wasm_share", 120)),
     Phase("foreign", _child_phase("foreign", "phase_foreign", 90)),
     Phase("sync_cpu", _child_phase("sync_cpu", "phase_sync_cpu", 60)),
+    Phase("settle", _child_phase("settle", "phase_settle", 90)),
     Phase("budget_burst", _child_phase("budget_burst", "phase_budget_burst", 90)),
     Phase("residual_full", phase_residual_full),
     Phase("overrun", _child_phase("overrun", "phase_overrun", 90)),

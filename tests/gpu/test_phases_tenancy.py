@@ -1,7 +1,7 @@
 """The hardware check's tenancy phases on the fake driver: each ran in the check's dry run, its rows are
 well-formed, and its checks pass where the fake can model them (the figures are the hardware's).
 
-wasm_share, foreign, sync_cpu, budget_burst, residual_full, overrun: the dry run is the run's one
+wasm_share, foreign, sync_cpu, settle, budget_burst, residual_full, overrun: the dry run is the run's one
 ``check_gpu.py --dry-run-fake --quick`` (tests/helpers/gpu_dry_run.py), shared with
 test_check_script.py, test_phase_share.py and test_phase_mix.py; the tests here only read its JSON.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.gpu import (phase_budget_burst, phase_foreign, phase_overrun, phase_residual_full, phase_sync_cpu,
-                       phase_wasm_share)
+from tests.gpu import (phase_budget_burst, phase_foreign, phase_overrun, phase_residual_full, phase_settle,
+                       phase_sync_cpu, phase_wasm_share)
 from tests.helpers import gpu_dry_run
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,6 +25,7 @@ MODULES: dict[str, TableRows] = {
     "wasm_share": phase_wasm_share.table_rows,
     "foreign": phase_foreign.table_rows,
     "sync_cpu": phase_sync_cpu.table_rows,
+    "settle": phase_settle.table_rows,
     "budget_burst": phase_budget_burst.table_rows,
     "residual_full": phase_residual_full.table_rows,
     "overrun": phase_overrun.table_rows,
@@ -77,6 +78,15 @@ def test_foreign_ran_a_process_off_the_board(doc: dict[str, Any]) -> None:
 def test_sync_cpu_measured_both_waits(doc: dict[str, Any]) -> None:
     r = doc["phases"]["sync_cpu"]
     assert r["bare_wall_s"] > 0 and r["gate_wall_s"] > 0 and r["gate_chunks"] >= r["reps"]
+
+
+def test_settle_ran_both_ways_with_fewer_settles_than_chunks(doc: dict[str, Any]) -> None:
+    r = doc["phases"]["settle"]
+    for work in ("small", "gemm"):
+        sync, queued = r[work]["sync"], r[work]["queued"]
+        assert sync["timer"] == "CudaEventTimer" and sync["settles"] == 0 and sync["chunks"] >= r["reps"]
+        assert queued["timer"] == "CudaStretchTimer" and 0 < queued["settles"] < queued["chunks"]
+        assert queued["charged_s"] > 0
 
 
 def test_budget_burst_started_eight_and_counted_their_bytes(doc: dict[str, Any]) -> None:

@@ -312,7 +312,7 @@ class FakeCublas:
             result = np.float32(al) * prod + (np.float32(be) * cm.astype(np.float32) if be != 0 else np.float32(0))
             cm[...] = result.astype(np.float32).astype(c_t)
 
-        drv._enqueue(h["stream"], run)
+        drv._enqueue(h["stream"], run, getattr(drv, "launch_ns", 0))
 
 
 class CublasRecorder:

@@ -66,6 +66,17 @@ member. A call in the other major's shape fails as that binding fails it
 attributes ``CUmemPoolProps``, ``CUmemPool_attribute`` and ``BINDINGS_VERSION``
 follow the process's fake (``shared.cuda_compat`` reads the last).
 
+An asynchronous device model, off by default (``device_clock``): every
+launch (and fake cuBLAS GEMM) costs ``launch_ns`` of device time on its
+stream's clock, starting where the stream's work ends or where the device
+has got to, whichever is later; ``cuEventRecord`` stamps the stream's clock;
+``cuEventQuery`` (and ``cuStreamQuery``) answer ``CUDA_ERROR_NOT_READY`` until
+the fake device has caught up with the stamp - a test moves it with
+:meth:`FakeDriver.step` / :meth:`FakeDriver.catch_up`; a blocking wait
+(``cuEventSynchronize``, ``cuStreamSynchronize``) catches the device up at
+once; ``cuEventElapsedTime`` is the difference of the two stamps, exactly.
+``not_ready_answers`` counts the queries it answered NOT_READY.
+
 Not modelled: memory shared between *processes* (each process sees a whole
 device), MPS itself, time (queued work runs when something waits for it,
 all at once, unless its stream is stalled).
@@ -646,6 +657,14 @@ class FakeDriver:
         #: cuDevicePrimaryCtxSetFlags calls made while that primary context was active
         self.flags_set_while_active = 0
         self.extra_ctx: dict[int, int] = {}  # cuCtxCreate'd context -> device
+        # ---- the asynchronous device model (module doc): off unless a test turns it on
+        self.device_clock = False
+        #: device ns one launch takes in that model
+        self.launch_ns = 10_000
+        self.stream_clock: dict[int, int] = {}  # stream -> device ns at which its queued work ends
+        self.device_now: dict[int, int] = {}  # stream -> device ns the fake device has run it to
+        self.event_stamp: dict[int, int] = {}  # event -> the stream's clock when it was recorded
+        self.not_ready_answers = 0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FakeDriver:
@@ -675,6 +694,27 @@ class FakeDriver:
 
     def count(self, name: str) -> int:
         return self.calls.count(name)
+
+    def step(self, ns: int, stream: Any = None) -> None:
+        """The asynchronous model's device runs ``ns`` on ``stream`` (every stream when None)."""
+        with self._lock:
+            for h in ([int(stream)] if stream is not None else list(self.streams)):
+                self.device_now[h] = self.device_now.get(h, 0) + ns
+
+    def catch_up(self, stream: Any = None) -> None:
+        """The asynchronous model's device finishes what is queued on ``stream`` (every stream)."""
+        with self._lock:
+            for h in ([int(stream)] if stream is not None else list(self.streams)):
+                self.device_now[h] = max(self.device_now.get(h, 0), self.stream_clock.get(h, 0))
+
+    def backlog_ns(self, stream: Any) -> int:
+        """Device ns queued on ``stream`` that the model's device has not run yet."""
+        with self._lock:
+            h = int(stream)
+            return max(0, self.stream_clock.get(h, 0) - self.device_now.get(h, 0))
+
+    def _reached(self, h: int, stamp: int) -> bool:
+        return not self.device_clock or stamp <= self.device_now.get(h, 0)
 
     def device_reserved(self, device: int) -> int:
         pools = sum(p.reserved for p in self.pools.values() if p.device == device)
@@ -764,12 +804,15 @@ class FakeDriver:
 
     # ------------------------------------------------------------- asynchronous execution
 
-    def _enqueue(self, stream: Any, op: Callable[[], None]) -> None:
-        """Queue ``op`` on ``stream`` (the null stream runs it at once)."""
+    def _enqueue(self, stream: Any, op: Callable[[], None], cost_ns: int = 0) -> None:
+        """Queue ``op`` on ``stream`` (the null stream runs it at once); ``cost_ns``: its device time
+        in the asynchronous model."""
         h = 0 if stream is None else int(stream)
         if h == 0:
             op()
             return
+        if self.device_clock:
+            self.stream_clock[h] = max(self.stream_clock.get(h, 0), self.device_now.get(h, 0)) + cost_ns
         seq = self.enqueued.get(h, 0) + 1
         self.enqueued[h] = seq
         self.queues.setdefault(h, []).append((seq, op))
@@ -1077,6 +1120,8 @@ class FakeDriver:
             h = int(stream) if stream is not None else 0
             if h in self.stalled and self.queues.get(h):
                 self.blocking_waits += 1  # on hardware this call would block until the work ends
+            if self.device_clock:
+                self.device_now[h] = max(self.device_now.get(h, 0), self.stream_clock.get(h, 0))
             self._run_stream(h)
             lost = self._lost()
             if lost is not None:
@@ -1098,7 +1143,7 @@ class FakeDriver:
             if not self._stream_ok(stream):
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             h = int(stream) if stream is not None else 0
-            if h in self.stalled and self.queues.get(h):
+            if h in self.stalled and self.queues.get(h) or not self._reached(h, self.stream_clock.get(h, 0)):
                 return (CUresult.CUDA_ERROR_NOT_READY,)
             self._run_stream(h)
             lost = self._lost()
@@ -1127,6 +1172,8 @@ class FakeDriver:
             h = int(stream) if stream is not None else 0
             self.events[int(event)] = (h, self.enqueued.get(h, 0))
             self.event_done_ns.pop(int(event), None)
+            if self.device_clock:
+                self.event_stamp[int(event)] = max(self.stream_clock.get(h, 0), self.device_now.get(h, 0))
             if self._event_done(int(event)):
                 self._done_at(int(event))  # nothing before it on the stream: complete now
             return (CUresult.CUDA_SUCCESS,)
@@ -1136,6 +1183,8 @@ class FakeDriver:
         if mark is None:
             return True  # never recorded: complete, as cuda.h says
         h, seq = mark
+        if not self._reached(h, self.event_stamp.get(event, 0)):
+            return False
         return self.completed.get(h, 0) >= seq or not any(q <= seq for q, _ in self.queues.get(h, []))
 
     def cuEventQuery(self, event: Any) -> tuple[Any, ...]:
@@ -1155,6 +1204,11 @@ class FakeDriver:
             if e not in self.events:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             mark = self.events[e]
+            if mark is not None and not self._reached(mark[0], self.event_stamp.get(e, 0)):
+                if not block:
+                    self.not_ready_answers += 1
+                    return (CUresult.CUDA_ERROR_NOT_READY,)
+                self.device_now[mark[0]] = self.event_stamp.get(e, 0)  # a blocking wait: the device catches up
             if mark is not None and not self._event_done(e):
                 if mark[0] in self.stalled:
                     if not block:
@@ -1174,6 +1228,7 @@ class FakeDriver:
             if self.events.pop(int(event), 0) == 0:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
             self.event_done_ns.pop(int(event), None)
+            self.event_stamp.pop(int(event), None)
             return (CUresult.CUDA_SUCCESS,)
 
     def cuEventElapsedTime(self, start: Any, end: Any) -> tuple[Any, ...]:
@@ -1190,6 +1245,8 @@ class FakeDriver:
                 return (CUresult.CUDA_ERROR_INVALID_HANDLE, None)  # the driver: not recorded yet
             if not (self._event_done(e0) and self._event_done(e1)):
                 return (CUresult.CUDA_ERROR_NOT_READY, None)
+            if self.device_clock:
+                return (CUresult.CUDA_SUCCESS, max(0, self.event_stamp.get(e1, 0) - self.event_stamp.get(e0, 0)) / 1e6)
             t0, t1 = self._done_at(e0), self._done_at(e1)
             return (CUresult.CUDA_SUCCESS, max(0, t1 - t0) / 1e6)
 
@@ -1612,7 +1669,7 @@ class FakeDriver:
                     # (a synchronize, a query) and at every call after it: the context is lost
                     self.sticky.setdefault(dev, CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
 
-            self._enqueue(stream, run_kernel)
+            self._enqueue(stream, run_kernel, self.launch_ns)
             return (CUresult.CUDA_SUCCESS,)
 
     def _f32(self, addr: int, n: int, dtype: str = "float32") -> Any:

@@ -27,6 +27,9 @@
     fill/axpy/sum   NVRTC kernels on the stream (worker.backends.kernels)
     matmul, softmax ... the WASM ABI's tensor ops: cuBLAS + NVRTC kernels (worker.backends.cuda_ops),
                queued: an event every QUEUE_EVENT_EVERY ops, wait when QUEUE_MAX_EVENTS are out
+    queued ops  under the gate (``queues_ops``): write-only ops run on the worker's device thread
+               (worker.device_time), the context made current there once; a CudaStretchTimer's
+               event pairs time them and the gate settles them at board boundaries
     end_run(deadline)  wait for the run's queued work until deadline + grace; past it the
                worker must exit (QueueOverrun): only destroying the context cancels queued work
     close()    free every buffer, synchronize, unpin, unload kernels, free the scratch, destroy
@@ -58,9 +61,11 @@ reserve, so the driver itself refuses past it. It is fixed when the pool is
 created: a cap raised live (``twt set-quota``) is metered at once but reaches
 the driver cap only when the instance restarts.
 
-All calls come from the worker's executor thread. The context is made
-current again if a call ever arrives on another thread (CUDA contexts are
-per thread).
+Calls come from the worker's executor thread and, for queued ops, its device
+thread (one at a time for device work: the gate runs a synchronous op only
+once the queue is empty; an allocation may overlap a queued launch, which
+the driver orders on the stream). The context is made current once on each
+thread that calls (CUDA contexts are current per thread).
 
 Typing: cuda-python's bindings (and the tests' fake driver and cuBLAS) are untyped modules
 (mypy: ignore_missing_imports). The handles they give are held as ``object`` and passed back; a
@@ -87,6 +92,7 @@ from worker.backends.cuda_ops import Closable, TensorOpsMixin
 from worker.backends.cuda_scratch import FIXED_SCRATCH_BYTES
 
 if TYPE_CHECKING:
+    from worker.backends.cuda_timing import CudaStretchTimer
     from worker.backends.kernels import Kernels
     from worker.backends.timing import OpTimer
 
@@ -154,6 +160,9 @@ class CudaBackend(TensorOpsMixin, Backend):
     """A CUDA context, non-blocking stream and capped pool on one device, for one tenant process."""
 
     name = "cuda"
+    #: write-only ops are queued and run on the worker's device thread (worker.device_time), timed
+    #: by a :class:`~worker.backends.cuda_timing.CudaStretchTimer` settled at board boundaries
+    queues_ops = True
 
     def __init__(
         self,
@@ -198,6 +207,11 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._pool: object = None
         self._dev: object = None
         self._thread = threading.get_ident()
+        #: per thread: whether our context was made current on it (a new thread object starts False,
+        #: even one that reuses a dead thread's ident)
+        self._ctx_tls = threading.local()
+        #: the device thread of queued ops (its stretch timer bounds its work: no note_enqueued events)
+        self._queue_thread: int | None = None
         self._scratch: int | None = None
         self.context_bytes = context_bytes
         #: where context_bytes came from: "given" (the supervisor's probe, or the caller),
@@ -238,6 +252,19 @@ class CudaBackend(TensorOpsMixin, Backend):
         self._open()
         timer = CudaEventTimer(self._drv, self._stream, self._current)
         self.launch_hooks().timer = timer  # the kernels record its events right around their launches
+        return timer
+
+    def queue_timer(self) -> CudaStretchTimer:
+        """The device thread's timer of queued ops (called there): the context made current on
+        that thread, a ring of event pairs made once, the launch hooks of this thread forwarded
+        to it. Its settle past the run's limit is this backend's :class:`QueueOverrun`."""
+        from worker.backends.cuda_timing import CudaStretchTimer
+
+        self._open()
+        self._current()
+        timer = CudaStretchTimer(self._drv, self._stream, self._current, self._overrun)
+        self.launch_hooks().timer = timer
+        self._queue_thread = threading.get_ident()
         return timer
 
     def view(self, buf: DeviceBuffer, offset: int, nbytes: int) -> CudaBuffer:
@@ -306,6 +333,7 @@ class CudaBackend(TensorOpsMixin, Backend):
             log_event(_log, logging.WARNING, "cuda.ctx_flags_refused", device=self.device_index, error=str(exc))
         self._ctx = drv.call("cuDevicePrimaryCtxRetain", self._dev)
         drv.call("cuCtxSetCurrent", self._ctx)
+        self._ctx_tls.current = True
         free_at_start = int(drv.call("cuMemGetInfo")[0])
         if self.context_bytes is None:
             self.context_bytes = self._measure_context()
@@ -422,10 +450,14 @@ class CudaBackend(TensorOpsMixin, Backend):
         return prop
 
     def _current(self) -> None:
-        """Make our context current if this call comes from a thread we have not seen."""
-        if threading.get_ident() != self._thread:
-            self._drv.call("cuCtxSetCurrent", self._ctx)
-            self._thread = threading.get_ident()
+        """Make our context current on the calling thread, once per thread (the executor's and the
+        device thread's calls alternate; neither pays a cuCtxSetCurrent per switch)."""
+        tid = threading.get_ident()
+        if tid != self._thread:
+            if not getattr(self._ctx_tls, "current", False):
+                self._drv.call("cuCtxSetCurrent", self._ctx)
+                self._ctx_tls.current = True
+            self._thread = tid
 
     def _open(self) -> None:
         if self._closed:
@@ -544,7 +576,11 @@ class CudaBackend(TensorOpsMixin, Backend):
 
     def note_enqueued(self) -> None:
         """One more asynchronous op is on the stream: bound the queue (an event every
-        QUEUE_EVENT_EVERY ops; with QUEUE_MAX_EVENTS out, wait for the oldest)."""
+        QUEUE_EVENT_EVERY ops; with QUEUE_MAX_EVENTS out, wait for the oldest). Not on the device
+        thread of queued ops: its stretch timer's ring and the gate's settles bound that work, and
+        these events are the executor thread's."""
+        if self._queue_thread is not None and _get_ident() == self._queue_thread:
+            return
         self._since_event += 1
         if self._since_event < QUEUE_EVENT_EVERY:
             return

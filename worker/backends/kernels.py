@@ -143,6 +143,8 @@ class Kernels:
         self.hooks.launching()
         drv.call("cuLaunchKernel", fn, grid, 1, 1, BLOCK, 1, 1, 0, self._stream, (args, types), 0)
         self.hooks.launched()  # the synchronize below is not device work: after the end event
+        if self.hooks.defers_sync():
+            return  # a queued op: its fault surfaces at the gate's settle of its events
         try:
             self._wait_idle()
             drv.call("cuStreamSynchronize", self._stream)

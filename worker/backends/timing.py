@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["HostTimer", "OpTimer", "ThreadTimer"]
+__all__ = ["HostTimer", "OpTimer", "PendingTimer", "ThreadTimer"]
 
 
 class OpTimer(Protocol):
@@ -25,6 +25,31 @@ class OpTimer(Protocol):
 
     def close(self) -> None:
         """Release whatever the timer holds (events); never raises."""
+        ...
+
+
+@runtime_checkable
+class PendingTimer(Protocol):
+    """A queue timer whose ``time()`` returns 0 at once - the chunk's device time is *pending* -
+    until the gate settles it (the cuda backend's :class:`~worker.backends.cuda_timing.CudaStretchTimer`)."""
+
+    def time(self, fn: Callable[..., object], *args: object) -> int: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def pending(self) -> int:
+        """Chunks timed and not yet settled."""
+        ...
+
+    def full(self) -> bool:
+        """No room for another pending chunk: settle first."""
+        ...
+
+    def settle(self, until_ns: int | None) -> tuple[list[int], BaseException | None]:
+        """Wait for the pending chunks (not past ``until_ns``, monotonic: then it raises a
+        ``KernelTimeout``); their ns in order, and the error that ended the settle early (the
+        chunk after the last time returned failed) or None."""
         ...
 
 

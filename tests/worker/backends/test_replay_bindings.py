@@ -57,6 +57,23 @@ b.begin_run(None)                      # queued work: events every few ops, a dr
 for _ in range(40):
     b.add_f32(x, x, x, 1024)
 b.end_run(None)
+import time
+from shared.quota import QuotaBlock
+from worker.device_time import DeviceGate
+with QuotaBlock.create("replay") as owner:   # queued ops under the gate: the device thread's stretch timer
+    blk = QuotaBlock.attach(owner.name, instance=0)
+    gate = DeviceGate(blk, b)
+    until = time.monotonic_ns() + 60 * 10**9
+    for _ in range(3):
+        gate.submit("scale_f32", b.scale_f32, (x, 1.0, 1024), until)
+    gate.submit("fill_f32", b.fill_f32, (x, 1.0, 1024), until)
+    y = b.alloc(4096)
+    gate.submit("add_f32", b.add_f32, (x, x, y, 1024), until)
+    gate.sync(until)                     # settled: cuEventQuery, cuEventElapsedTime per pair
+    assert gate._qtimer.pairs_settled >= 5 and blk.gpu_time_ns > 0, gate._qtimer.pairs_settled
+    gate.close()                         # the ring's events destroyed
+    blk.close()
+    b.free(y)
 b._drv.call("cuStreamQuery", b._stream)   # as after a cuBLAS error
 b.read_into(x, 8, memoryview(bytearray(16)))
 b.pool_attribute("USED_MEM_CURRENT")
@@ -96,7 +113,7 @@ REQUIRED = {"cuInit", "cuDevicePrimaryCtxRetain", "cuStreamCreate", "cuMemPoolCr
             "cuStreamDestroy", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent", "cuCtxGetCurrent", "nvrtcVersion",
             # context flags, the context's measured cost, queued-work events, trims
             "cuDevicePrimaryCtxSetFlags", "cuCtxCreate", "cuCtxDestroy", "cuEventCreate", "cuEventRecord",
-            "cuEventQuery", "cuEventDestroy", "cuStreamQuery", "cuMemPoolTrimTo"}
+            "cuEventQuery", "cuEventDestroy", "cuStreamQuery", "cuMemPoolTrimTo", "cuEventElapsedTime"}
 #: what the GEMM path and the check's direct baseline call (worker/backends/_cublas.py, phase_tensor_ops)
 REQUIRED_CUBLAS = {"create", "set_stream", "set_pointer_mode", "set_workspace", "get_version", "sgemm", "destroy"}
 #: every phase of the hardware check that runs on the fake (pytest needs a device) is in the replay
