@@ -323,6 +323,11 @@ class GpuTimeBoard(MappedSegment):
         #: the grant under which this worker last started a chunk (a new one at a chunk start: the
         #: device was handed to it by another process since, and the gap is timed)
         self._grant_seen = 0
+        #: a waiter may yield the CPU in a loop to be running when the device passes to it (see
+        #: :meth:`acquire`). False where the device *is* this host's CPU (the stub): a spinning waiter
+        #: is then a third runnable thread beside the holder's device thread and the guests, and
+        #: takes its CPU share from the device itself (set by the worker's gate)
+        self.spin = True
         self._bind_counters()
 
     # ------------------------------------------------------------ lifecycle
@@ -861,7 +866,7 @@ class GpuTimeBoard(MappedSegment):
                 if deadline_ns is not None and now >= deadline_ns:
                     raise TimeoutError(f"no GPU time on device {self.device_index} before the run's deadline")
                 owner = _atomics.load(buf, _OWNER)
-                if spun < _MAX_SPIN and self._next_up(buf, owner, now):
+                if self.spin and spun < _MAX_SPIN and self._next_up(buf, owner, now):
                     # the device passes to us within a chunk: be on a CPU when it does, not a
                     # scheduler wake-up later (measured: ~1 ms per handoff on a loaded host)
                     os.sched_yield()

@@ -312,6 +312,8 @@ class DeviceGate:
         self.block = block
         self.backend = backend
         self.board = board
+        if board is not None and getattr(backend, "serial_device", False):
+            board.spin = False  # the device is this host's CPU: a waiter sleeps, never spins
         self.chunk_ns = int(chunk_s * 1e9)
         self._timer: OpTimer | None = None
         #: chunk sizes per op and shape (worker.chunks)

@@ -352,3 +352,42 @@ def test_a_claim_inside_the_quantum_is_served_in_batches(board: GpuTimeBoard, cl
     assert chatty.try_acquire(clock.t)
     # served at the first boundary at or past a quarter quantum of waiting, not before
     assert boundaries and QUANTUM // 4 <= boundaries[0] < QUANTUM // 4 + 500 * US
+
+
+@pytest.mark.parametrize("spin", [True, False])
+def test_a_waiter_yields_the_cpu_in_a_loop_only_where_the_cpu_is_not_the_device(
+        board: GpuTimeBoard, clock: FakeClock, workers: list[GpuTimeBoard], monkeypatch: pytest.MonkeyPatch,
+        spin: bool) -> None:
+    """Next up at a busy holder's quantum end, a waiter yields the CPU in a loop to be running when the
+    device passes to it - unless the device is this host's CPU (the stub), where a spinning waiter is a
+    runnable thread that takes its share from the holder's device work: it sleeps then."""
+    from shared import gpu_time
+
+    heavy, light = board.add_tenant(1.0), board.add_tenant(1.0)
+    holder = attach(board, clock, workers, heavy)
+    waiter = attach(board, clock, workers, light)
+    waiter.spin = spin
+    holder.acquire()
+    clock.t += 2 * MS
+    holder.finish(2 * MS, last=False)  # its pass is ahead of the waiter's ...
+    holder.acquire()  # ... a chunk runs (busy) ...
+    clock.t += QUANTUM - 3 * MS  # ... and the holder's quantum ends within a chunk: the waiter is next
+    yields: list[int] = []
+    sleeps: list[int] = []
+
+    def yield_cpu() -> None:
+        yields.append(1)
+        clock.t += 100 * US
+
+    def sleep(buf: object, offset: int, value: int, ns: int) -> None:
+        sleeps.append(ns)
+        clock.t += ns
+
+    monkeypatch.setattr(gpu_time.os, "sched_yield", yield_cpu)
+    monkeypatch.setattr(gpu_time._atomics, "futex_wait", sleep)
+    with pytest.raises(TimeoutError):
+        waiter.acquire(deadline_ns=clock() + 3 * MS)  # the holder never finishes its chunk here
+    if spin:
+        assert yields
+    else:
+        assert not yields and sleeps

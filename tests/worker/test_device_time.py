@@ -294,6 +294,20 @@ def test_a_gate_with_a_board_takes_and_gives_back_the_device(block: QuotaBlock) 
         board.close()
 
 
+def test_a_gate_on_a_host_cpu_device_never_spins_for_the_device(block: QuotaBlock, backend: Backend) -> None:
+    """The stub's device is this host's CPU: its workers wait for the lease asleep (a spinning waiter
+    would take its CPU share from the holder's device work); a GPU's waiters may spin."""
+    board = GpuTimeBoard.create(0)
+    try:
+        worker = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))
+        gate = DeviceGate(block, backend, worker)
+        assert worker.spin is (not isinstance(backend, StubBackend))
+        gate.close()
+    finally:
+        board.unlink()
+        board.close()
+
+
 def test_a_run_whose_deadline_passes_waiting_for_the_device_is_a_timeout() -> None:
     """The lease's holder (another tenant) keeps the device past this run's deadline: the op the
     guest waited in returns an error code (long_job turns it into NaN), but the run is over - the
