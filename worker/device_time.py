@@ -113,6 +113,11 @@ _EWMA_SHIFT = 2
 _LEND_GAP_NS = 75_000
 #: ... and more than this many times their device time apart (the board's grace: four op lengths)
 _LEND_RATIO = 4
+#: while another worker waits, a stretch whose device work is under 1/this of the time it has held the
+#: lease since its last boundary ends at the next op's end (the device is lent): a chatty tenant whose
+#: ops arrive as fast as the device thread's own per-op host work runs them would otherwise hold an
+#: idle device until its quantum ends, its queue never running empty
+_LEND_BUSY_DIV = 8
 #: when the queue runs empty the device thread waits this long for the guest's next op before it
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
@@ -503,8 +508,12 @@ class DeviceGate:
                     self._unsettled.append((name, p, units, est))
                     self._unsettled_est_ns += est
                 held = self._unsettled_est_ns
-            if not last or held >= self.chunk_ns or (
-                    held >= self.chunk_ns // 4 and board is not None and board.others_waiting()):
+            waiting = board is not None and held >= self.chunk_ns // 4 and board.others_waiting()
+            if waiting and last and pending is None and self._pending_ns * _LEND_BUSY_DIV < held:
+                # the device mostly idle under this stretch: its pace is the worker's host side (a
+                # chatty tenant's ops arriving as fast as this thread runs them), not device work
+                self._flush(last=True, idle=True)
+            elif not last or held >= self.chunk_ns or waiting:
                 self._flush(last=False)
         return ns, waited, result[0] if result else None
 

@@ -338,6 +338,75 @@ def test_queued_ops_take_the_real_lease_on_the_device_thread(block: QuotaBlock) 
         board.close()
 
 
+class _Charge:
+    """A queue timer charging ``factor`` times each op's wall time: 0 for a device left idle (the op is
+    the device thread's own host work), 4 for one kept busy whatever the host's load (the stretch's
+    hold would have to stall 32x an op's time between ops to look idle)."""
+
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+
+    def time(self, fn: Callable[..., object], *args: object) -> int:
+        t0 = time.monotonic_ns()
+        fn(*args)
+        return self.factor * (time.monotonic_ns() - t0)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("device_work", [False, True])
+def test_a_stretch_holding_an_idle_device_lends_it_to_a_waiter(block: QuotaBlock, monkeypatch: pytest.MonkeyPatch,
+                                                               device_work: bool) -> None:
+    """While another worker waits, a stretch whose device work is a small part of its hold (a chatty
+    tenant whose ops arrive as fast as the device thread's own host work runs them: its queue never
+    runs empty) lends the device at an op's end; a stretch of device work keeps it inside its quantum."""
+    board = GpuTimeBoard.create(0, quantum_s=1.0)  # the longest: no claim comes due inside the test
+    try:
+        # the holder's weight keeps its pass from running a quantum ahead of the waiter's, however long a
+        # loaded host makes the test: only the lend can hand the device over inside the stretch
+        mine = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1000.0))
+        other = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))
+        be = StubBackend()
+        monkeypatch.setattr(be, "queue_timer", lambda: _Charge(4 if device_work else 0))
+        gate = DeviceGate(block, be, mine)
+        got: list[int] = []  # how many of the gate's ops had run when the waiter got the device
+
+        def waiter() -> None:
+            other.acquire(time.monotonic_ns() + 10**11)
+            queue = gate.queue
+            got.append(queue.ran if queue is not None else -1)
+            other.finish(1000)
+            other.release()
+
+        try:
+            slow = _Slow()
+            gate.submit("host_paced", slow, (), time.monotonic_ns() + 10**11)
+            assert slow.started.wait(WAIT_S)  # the stretch holds the lease, busy
+            thread = threading.Thread(target=waiter)
+            thread.start()
+            wait_for(lambda: board.snapshot().waiting == 1)
+            for _ in range(5):
+                gate.submit("host_paced", time.sleep, (0.001,), time.monotonic_ns() + 10**11)
+            slow.go.set()
+            gate.sync()
+            ran_all = gate.queue is not None and gate.queue.ran == 6
+            gate.release()
+            thread.join(WAIT_S)
+            assert ran_all and got
+            if device_work:
+                assert got == [6]  # it waited for the run's end
+            else:
+                assert got[0] < 6  # lent at an op's end inside the stretch
+        finally:
+            gate.close()
+            mine.close()
+            other.close()
+    finally:
+        board.unlink()
+        board.close()
+
+
 # ------------------------------------------------------------------ through a WASM guest
 
 #: fill y with 1 and x with 2, then ``n`` times y += 0.5 * x and z = y + y (queued), then the sum

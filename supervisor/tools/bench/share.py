@@ -491,6 +491,7 @@ class MixGap(TypedDict):
     busy_mix: float
     handovers_control: float  # the lease changing hands (handoffs + steals) per wall s, median of rounds
     handovers_mix: float
+    idle_at_handovers_mix: float  # the device idle from each grant to its grantee's first chunk, per wall s
 
 
 class KResult(TypedDict):
@@ -598,6 +599,7 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
             rates: dict[int, list[float]] = {0: [], 1: []}
             busy: dict[int, list[float]] = {0: [], 1: []}
             hands: dict[int, list[float]] = {0: [], 1: []}
+            idle: list[float] = []
             bins = [0] * (len(GPU_WAIT_BUCKETS_S) + 1)
             chatty_ops = 0
             for r in range(args.rounds):
@@ -609,9 +611,15 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
                     loops = [phase.gemm_loop(heavy, stop) for _ in range(2)]
                     loops.append(_chatty_loop(phase, chatty, stop, ops, spin, device, counts))
                     h0 = [0]
-                    t0, t1 = run_for(phase, loops, stop, args.seconds, warm_s=0.5,
-                                     at_start=lambda: h0.__setitem__(0, _handovers(board)))
+                    g0 = [_gap(board)]
+
+                    def at_start() -> None:
+                        h0[0], g0[0] = _handovers(board), _gap(board)
+
+                    t0, t1 = run_for(phase, loops, stop, args.seconds, warm_s=0.5, at_start=at_start)
                     hands[device].append((_handovers(board) - h0[0]) / (t1 - t0))
+                    if device:
+                        idle.append(_gap_rates(g0[0], _gap(board), t1 - t0)[0])
                     rates[device].append(heavy.work_between(t0, t1) / (t1 - t0))
                     acc = (phase.accounted("heavy", t1) - phase.accounted("heavy", t0)
                            + phase.accounted("chatty", t1) - phase.accounted("chatty", t0))
@@ -625,7 +633,7 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
                          "chatty_ops": chatty_ops, "chatty_wait_bins": bins, "chatty_p99_ms": _p99_ms(bins),
                          "busy_control": statistics.median(busy[0]), "busy_mix": statistics.median(busy[1]),
                          "handovers_control": statistics.median(hands[0]),
-                         "handovers_mix": statistics.median(hands[1])})
+                         "handovers_mix": statistics.median(hands[1]), "idle_at_handovers_mix": _median_or_0(idle)})
     finally:
         if board is not None:
             board.close()
@@ -659,12 +667,14 @@ def _mix_main(args: argparse.Namespace) -> int:
         rows.append([f"{g['gap_ms']:g}", " ".join(f"{r:.0f}" for r in g["control_rates"]),
                      " ".join(f"{r:.0f}" for r in g["mix_rates"]), f"{g['ratio']:.2f}x", g["chatty_ops"],
                      f"<= {g['chatty_p99_ms']:g}", f"{g['busy_control']:.0%}", f"{g['busy_mix']:.0%}",
-                     f"{g['handovers_control']:.0f}", f"{g['handovers_mix']:.0f}"])
+                     f"{g['handovers_control']:.0f}", f"{g['handovers_mix']:.0f}",
+                     f"{g['idle_at_handovers_mix']:.1%}"])
     report.sections.append((
         f"a heavy GEMM tenant ({args.n}^3, 2 instances) beside a chatty one (fill of 64 floats, then host work), "
         f"weights 1:1, {args.rounds} rounds of {args.seconds:g} s alternating with the control",
         format_table(["host gap ms", "heavy GEMMs/s control", "beside chatty", "ratio", "chatty ops",
-                      "chatty wait p99 ms", "busy control", "busy mix", "handovers/s control", "handovers/s mix"],
+                      "chatty wait p99 ms", "busy control", "busy mix", "handovers/s control", "handovers/s mix",
+                      "idle at handovers mix"],
                      rows),
     ))
     report.sections.append((
