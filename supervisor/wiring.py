@@ -39,7 +39,7 @@ from shared.config import SupervisorConfig
 from shared.errors import TenantIsolationViolation
 from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
 from shared.log import get_logger, log_event
-from shared.quota import cleanup_stale_segments
+from shared.quota import QuotaSnapshot, cleanup_stale_segments
 from supervisor.admission.connections import FrontendConnections
 from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.host.fdlimit import raise_fd_limit
@@ -302,16 +302,17 @@ def _server_keys(cfg: SupervisorConfig, state: StateStore) -> CurveKeyPair:
     return load_or_create_server_keys(state)
 
 
-def _parked_flag_writer(state: StateStore) -> Callable[[str, bool], None]:
-    """Parking's ``persist``: the parked flag written on the state's writer thread (never on the
-    loop: an activation does not wait for an fsync); a failed write is logged - a restart then
-    brings the tenant back in the state written last."""
-    def persist(tenant: str, parked: bool) -> None:
+def _parked_flag_writer(state: StateStore) -> Callable[[str, bool, QuotaSnapshot | None], None]:
+    """Parking's ``persist``: the parked flag (and a parked tenant's quota counters, in the same
+    transaction) written on the state's writer thread (never on the loop: an activation does not
+    wait for an fsync); a failed write is logged - a restart then brings the tenant back in the
+    state written last."""
+    def persist(tenant: str, parked: bool, quota: QuotaSnapshot | None) -> None:
         def done(future: Future[None]) -> None:
             exc = future.exception()
             if exc is not None:
                 log_event(_log, logging.ERROR, "state.write_failed", tenant=tenant, error=str(exc))
 
-        state.submit(state.set_parked, tenant, parked).add_done_callback(done)
+        state.submit(state.set_parked, tenant, parked, quota).add_done_callback(done)
 
     return persist

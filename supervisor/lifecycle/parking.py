@@ -89,6 +89,7 @@ import zmq
 
 from shared.errors import CapacityExhausted, MemoryExhausted, TensorWasmError
 from shared.log import get_logger, log_event
+from shared.quota import QuotaSnapshot
 from supervisor.lifecycle.module_artifacts import ModuleArtifacts
 from supervisor.lifecycle.signals import Stage, TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
@@ -120,14 +121,16 @@ class Parking:
 
     def __init__(self, *, tenants: Mapping[str, TenantRuntime], workers: WorkerSet, events: EventBus,
                  signals: TenantSignals, clock: Callable[[], float],
-                 persist: Callable[[str, bool], None] | None = None,
+                 persist: Callable[[str, bool, QuotaSnapshot | None], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False, max_active: int | None = None,
                  device_bounds: Mapping[int, int] | None = None, artifacts: ModuleArtifacts | None = None) -> None:
         """``signals``: the tenant signals - parking hears of a ready instance first (an activation
         puts the buffers back before any request is sent) and of a stopped activation last, and
         tells them when a tenant serves again (a park cancelled, an activation done: what a ready
         instance means, ``TenantSignals.serving``: its waiting requests are sent, its waiters
-        answered). ``persist(tenant, parked)``: record the parked flag durably (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then).
+        answered). ``persist(tenant, parked, quota)``: record the parked flag durably, and a parked
+        tenant's quota counters with it (None: not recorded). ``stopping()``: the supervisor is
+        stopping (nothing is activated then).
         ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
         the same per device, where its memory budget over a worker's context cost bounds it.
         ``artifacts``: the tenants' compiled modules kept across a park (None: they compile after
@@ -363,11 +366,17 @@ class Parking:
         self._early.discard(rt.tenant_id)
         self.events.emit("park", tenant=rt.tenant_id, buffers=sum(len(b) for b in rec.buffers.values()),
                          host_bytes=rec.host_bytes, park_ms=round((self.clock() - rec.since) * 1000, 3), early=early)
-        if self.persist is not None:
-            self.persist(rt.tenant_id, True)
+        self._persist_parked(rt)
         if (rec.wanted or rt.waiting) and not self.stopping() and self._make_room(rt) is True:
             self.activate(rt)
         self._retry_room_waiters()  # its workers' room is free now
+
+    def _persist_parked(self, rt: TenantRuntime) -> None:
+        """Store that ``rt`` is parked, with its quota counters as they are now (its workers are
+        gone: nothing changes them until it is activated, see supervisor.store.tenant_quota)."""
+        if self.persist is None or rt.block.closed:
+            return
+        self.persist(rt.tenant_id, True, rt.block.snapshot())
 
     def _died_exporting(self, rt: TenantRuntime, rec: ParkRecord, worker: WorkerHandle) -> None:
         """A worker died while its buffers were copied: they went with it, as in any crash."""
@@ -692,7 +701,7 @@ class Parking:
         else:
             self._emit_activate(rt.tenant_id, fields)
         if self.persist is not None:
-            self.persist(rt.tenant_id, False)
+            self.persist(rt.tenant_id, False, None)
         self.on_active(rt)
 
     def _activation_failed(self, rt: TenantRuntime, rec: ParkRecord, payload: object) -> None:
@@ -711,12 +720,14 @@ class Parking:
             if not remaining and self.tenants.get(rt.tenant_id) is rt and rt.park is rec:
                 rec.phase = ParkPhase.PARKED
                 rt.refresh_state()
+                self._persist_parked(rt)  # the refused import counted against its quota
 
         for worker in workers:
             worker.death_waiters.append(gone)
             self.workers.stop_worker(worker, "activation failed")
         if not workers:
             rec.phase = ParkPhase.PARKED
+            self._persist_parked(rt)
         rt.refresh_state()
         while rt.waiting:
             self.workers.pending.refuse_parked(rt.tenant_id, rt.parked.popleft(), exc)

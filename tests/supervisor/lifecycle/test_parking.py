@@ -405,6 +405,43 @@ def test_a_restart_brings_a_parked_tenant_back_parked(run_dir: str) -> None:
             c.read(cap, h, 16)
 
 
+def _kept(q: Any) -> dict[str, object]:
+    """What a parked tenant keeps of its quota across a restart: every counter but what it holds."""
+    return {k: getattr(q, k) for k in ("generation", "memory_quota_bytes", "gpu_memory_bytes_cap", "cpu_high_water",
+                                       "cpu_refusals", "cpu_underflows", "gpu_high_water", "gpu_refusals",
+                                       "gpu_underflows", "gpu_time_ns", "gpu_ops", "gpu_waits", "gpu_wait_ns",
+                                       "gpu_throttled", "gpu_wait_bins")}
+
+
+def test_a_restart_keeps_a_parked_tenants_quota_counters_exactly(run_dir: str) -> None:
+    """Marks, refusals and GPU time of a parked tenant come back after a restart as they were; it
+    holds nothing then (its host copies did not survive), and they go on from there."""
+    with _start(run_dir) as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("frugal", gpu_memory_bytes_cap=1 << 20))
+        n = 30_000
+        hx, hy = c.alloc(cap, 4 * n), c.alloc(cap, 4 * n)
+        for _ in range(2):  # two refusals past the GPU cap
+            with pytest.raises(TensorWasmError):
+                c.alloc(cap, 2 << 20)
+        # device work: accounted GPU time
+        c.run_wasm(cap, guest_path("axpy_sum").read_bytes(), "run", [{"handle": hx}, {"handle": hy}, n, 2.0])
+        _park_soon(c, "frugal")
+        parked = c.quota(cap)
+        assert tenant(c.status(), "frugal").state == "parked"
+        assert parked.gpu_refusals == 2 and parked.gpu_high_water >= 8 * n and parked.gpu_time_ns > 0
+    with _start(run_dir) as sup2:
+        c = sup2.client
+        assert tenant(c.status(), "frugal").state == "parked"
+        restored = c.quota(cap)
+        assert _kept(restored) == _kept(parked)
+        assert restored.bytes_in_use == 0 and restored.gpu_bytes_in_use == 0  # nothing held survived
+        c.ping(cap)  # activated: the counters go on from the kept ones
+        with pytest.raises(TensorWasmError):
+            c.alloc(cap, 2 << 20)
+        assert c.quota(cap).gpu_refusals == 3
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
