@@ -609,7 +609,11 @@ class WasmHost:
             else:
                 self._define_checked(name)
         self._keep += define_wasi(self.linker, self._stream_of)
-        self.stats = {"runs": 0, "compiles": 0, "artifact_loads": 0, "cache_hits": 0, "traps": 0, "timeouts": 0}
+        #: stored artifacts an activation handed over, deserialized at their module's first run
+        #: (worker.wasm.artifacts): digest -> (module bytes, artifact bytes)
+        self._held: dict[str, tuple[bytes, bytes]] = {}
+        self.stats = {"runs": 0, "compiles": 0, "artifact_loads": 0, "artifact_refusals": 0, "cache_hits": 0,
+                      "traps": 0, "timeouts": 0}
         self._closed = False
 
     @classmethod
@@ -703,6 +707,11 @@ class WasmHost:
         if cached is not None:
             self.stats["cache_hits"] += 1
             return cached
+        held = self._held.pop(digest, None)
+        if held is not None:
+            loaded = self._deserialize(digest, *held)
+            if loaded is not None:
+                return loaded
         t0 = time.perf_counter()
         wasm = _binary(body)
         try:
@@ -718,29 +727,42 @@ class WasmHost:
                   nbytes=len(wasm), duration_ms=round(compiled.compile_s * 1000, 3))
         return compiled
 
-    def load_artifact(self, body: bytes | bytearray | memoryview, digest: str, artifact: bytes | memoryview) -> bool:
-        """Put ``body``'s compiled module in the cache from ``artifact`` (its ``serialize()``d form,
-        produced by a worker of this same tenant: see :mod:`worker.wasm.artifacts`) instead of
-        compiling it. False (nothing cached) when the artifact does not deserialize on this engine;
-        WasmCompile when ``body`` is not the module ``digest`` names or no longer passes the checks.
-        The module's own facts (memory limits, export names) come from ``body``, never the artifact."""
+    def hold_artifact(self, body: bytes | bytearray | memoryview, digest: str,
+                      artifact: bytes | bytearray | memoryview) -> None:
+        """Keep ``body``'s compiled form ``artifact`` (its ``serialize()``d module, produced by a
+        worker of this same tenant: see :mod:`worker.wasm.artifacts`) until the module's first
+        run, which deserializes it instead of compiling (:meth:`compile`). Nothing is
+        deserialized now: an activation does not pay for modules its requests do not run.
+        WasmCompile when ``body`` is not the module ``digest`` names."""
         if _digest_within_limits(body) != digest:
             raise WasmCompile("the module bytes do not match the digest their artifact was stored under")
-        if digest in self._cache:
-            return True
+        if digest not in self._cache:
+            self._held[digest] = (bytes(body), bytes(artifact))
+
+    @property
+    def held_artifacts(self) -> int:
+        """Artifacts handed over and not deserialized yet (their modules have not run)."""
+        return len(self._held)
+
+    def _deserialize(self, digest: str, body: bytes, artifact: bytes) -> CompiledModule | None:
+        """The compiled module from a held artifact, cached; None when the artifact does not
+        deserialize on this engine or its module no longer passes the checks (the run then
+        compiles, and the next park stores a fresh artifact in its place). The module's own
+        facts (memory limits, export names) come from ``body``, never the artifact."""
         t0 = time.perf_counter()
-        wasm = _binary(body)
         try:
-            module = wasmtime.Module.deserialize(self.engine, bytes(artifact))
-        except (wasmtime.WasmtimeError, ValueError) as exc:
+            wasm = _binary(body)
+            module = wasmtime.Module.deserialize(self.engine, artifact)
+            compiled = self._admit(digest, module, wasm, t0, from_artifact=True)
+        except (wasmtime.WasmtimeError, ValueError, WasmCompile) as exc:
+            self.stats["artifact_refusals"] += 1
             log_event(_log, logging.WARNING, "wasm.artifact_refused", tenant=self.ctx.tenant_id, digest=digest[:16],
                       error=_short(str(exc)))
-            return False
-        compiled = self._admit(digest, module, wasm, t0, from_artifact=True)
+            return None
         self.stats["artifact_loads"] += 1
         log_event(_log, logging.INFO, "wasm.artifact_loaded", tenant=self.ctx.tenant_id, digest=digest[:16],
                   nbytes=len(artifact), duration_ms=round(compiled.compile_s * 1000, 3))
-        return True
+        return compiled
 
     def artifacts(self, digests: Iterable[str], max_bytes: int) -> list[tuple[str, bytes]]:
         """``serialize()`` of the cached modules among ``digests`` that this worker compiled itself
@@ -953,7 +975,9 @@ class WasmHost:
         """One complete run: the ``run_wasm`` reply, or a typed error."""
         t0 = time.perf_counter()
         self.stats["runs"] += 1
-        hits = self.stats["cache_hits"]
+        # "cached": not compiled by this run - found in the cache, or deserialized from the
+        # tenant's own artifact an activation handed over (compiled before, by this tenant)
+        hits = self.stats["cache_hits"] + self.stats["artifact_loads"]
         # Compiling counts against the run's time: the deadline covers both.
         deadline = time.monotonic() + timeout_s
         compiled = self.compile(body, deadline=deadline)
@@ -982,7 +1006,7 @@ class WasmHost:
             "results": results,
             "fuel_used": fuel_used,
             "elapsed_s": round(time.perf_counter() - t0, 6),
-            "cached": self.stats["cache_hits"] > hits,
+            "cached": self.stats["cache_hits"] + self.stats["artifact_loads"] > hits,
             "gpu_peak_bytes": run.gpu_peak_bytes,
             "memory_bytes": memory_bytes,
             "logs": run.logs,

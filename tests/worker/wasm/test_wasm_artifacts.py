@@ -1,6 +1,7 @@
 """Compiled modules as wasmtime artifacts (worker.wasm.artifacts): a worker's serialized modules
-load into a fresh worker's cache without a compile; a stale, corrupt or mismatched one is not
-loaded and the module is compiled at its run, as before."""
+load into a fresh worker's cache without a compile, each at its module's first run (an import
+deserializes nothing); a stale, corrupt or mismatched one is not loaded and the module is
+compiled at its run, as before."""
 
 from __future__ import annotations
 
@@ -84,10 +85,16 @@ def test_an_exported_artifact_loads_into_a_fresh_worker_without_a_compile() -> N
         assert reply["stale"] == [] and reply["refused"] == []
         # a run follows an activation: the epoch thread is started already (not by the first run)
         assert second.host.ticker.running and second.host.stats["runs"] == 0
+        # held, not deserialized: the import paid for neither module
+        assert second.host.stats["artifact_loads"] == 0 and second.host.held_artifacts == 2
         run = _run(second, PROBE, "add", [1, 2])
         assert run["results"] == [3] and run["cached"] is True
+        # each module is deserialized at its own first run, the other still held
+        assert second.host.stats["artifact_loads"] == 1 and second.host.held_artifacts == 1
         assert _run(second, TRAPS, "ok", [])["cached"] is True
         assert second.host.stats["compiles"] == 0 and second.host.stats["artifact_loads"] == 2
+        assert second.host.held_artifacts == 0
+        assert _run(second, PROBE, "add", [1, 2])["cached"] is True and second.host.stats["artifact_loads"] == 2
         # a module loaded from an artifact is stored already: it is not exported again
         assert _export(second, PROBE, TRAPS)[0]["artifacts"] == []
 
@@ -121,10 +128,11 @@ def test_a_corrupt_artifact_is_refused_and_the_run_compiles(damage: str) -> None
            "flipped": artifact[:16] + bytes(b ^ 0xFF for b in artifact[16:64]) + artifact[64:],
            "empty-ish": b"\0"}[damage]
     with env() as second:
-        reply = _import(second, [(module, fp, bad)])
-        assert reply["loaded"] == [] and reply["refused"] == [hashlib.sha256(PROBE).hexdigest()]
-        run = _run(second, PROBE, "add", [20, 22])
+        reply = _import(second, [(module, fp, bad)])  # taken: nothing is deserialized before the run
+        assert reply["loaded"] == [hashlib.sha256(PROBE).hexdigest()] and reply["refused"] == []
+        run = _run(second, PROBE, "add", [20, 22])  # refused then, and compiled
         assert run["results"] == [42] and run["cached"] is False and second.host.stats["compiles"] == 1
+        assert second.host.stats["artifact_refusals"] == 1 and second.host.held_artifacts == 0
         # compiled here, so the next park exports (and the supervisor replaces) it
         assert len(_export(second, PROBE)[0]["artifacts"]) == 1
 
