@@ -154,6 +154,11 @@ class Parking:
         #: for those answers (its other fields)
         self._modules_pending: dict[str, int] = {}
         self._activate_events: dict[str, dict[str, object]] = {}
+        #: an activation in progress, by tenant: how each instance got its worker (warm, starting,
+        #: spawned: WorkerSet.start_instance) and when the last instance's import began (its
+        #: ``activate`` event splits activate_ms into bind_ms and restore_ms from these)
+        self._how: dict[str, dict[str, int]] = {}
+        self._bound_at: dict[str, float] = {}
         self.device_bounds = dict(device_bounds or {})
         #: parks begun to make room (before the tenant's idle time), and activations refused for room
         self.early_parks = 0
@@ -555,13 +560,16 @@ class Parking:
         rec.todo = {slot.index for slot in rt.wanted_slots()}
         rec.importing.clear()
         rt.refresh_state()
+        how = self._how[rt.tenant_id] = {}
+        self._bound_at.pop(rt.tenant_id, None)
         for slot in rt.wanted_slots():
             slot.keep_incarnation = True
             # a worker that is DEAD here is one whose death is being handled (its death waiters
             # run before the slot is emptied): the slot is free; the rest of that handling sees
             # the slot taken and leaves it
             if slot.worker is None or slot.worker.state is WorkerState.DEAD:
-                self.workers.start_instance(rt, slot)
+                got = self.workers.start_instance(rt, slot)
+                how[got] = how.get(got, 0) + 1
         if not rec.todo:
             self._activated(rt, rec)
         else:
@@ -591,6 +599,7 @@ class Parking:
         """Send instance ``slot``'s buffers back, chunk by chunk, up to IMPORT_WINDOW chunks in
         flight (the worker takes them in order: a buffer's first chunk allocates it), then its
         compiled modules. An instance without buffers gets only its handle sequence."""
+        self._bound_at[rt.tenant_id] = self.clock()
         seq = rec.seqs.get(slot.index, 0)
         chunks = [(buf, offset, min(PARK_CHUNK_BYTES, len(buf.data) - offset))
                   for buf in rec.buffers.get(slot.index, []) for offset in range(0, len(buf.data), PARK_CHUNK_BYTES)]
@@ -694,8 +703,15 @@ class Parking:
         rt.last_request = self.clock()
         rt.refresh_state()
         self.activations += 1
+        now = self.clock()
+        bound_at = self._bound_at.pop(rt.tenant_id, now)
         fields: dict[str, object] = {"buffers": restored, "host_bytes": host_bytes,
-                                     "activate_ms": round((self.clock() - rec.since) * 1000, 3)}
+                                     "activate_ms": round((now - rec.since) * 1000, 3),
+                                     # its phases: workers bound (a warm one: the bind; else the
+                                     # process start too), then the buffers imported
+                                     "bind_ms": round((bound_at - rec.since) * 1000, 3),
+                                     "restore_ms": round((now - bound_at) * 1000, 3),
+                                     "workers": self._how.pop(rt.tenant_id, {})}
         if self._modules_pending.get(rt.tenant_id):  # emitted with the artifacts' count once answered
             self._activate_events[rt.tenant_id] = fields
         else:
@@ -708,7 +724,7 @@ class Parking:
         """An import was refused (the GPU cap was lowered below the buffers while parked): the
         tenant goes back to parked with its host copy, and what waited is answered the error."""
         exc = _error(payload)
-        self._artifacts_loaded.pop(rt.tenant_id, None)
+        self._forget_activation(rt.tenant_id)
         log_event(_log, logging.WARNING, "tenant.activation_failed", tenant=rt.tenant_id, error=str(exc))
         rec.phase = ParkPhase.STOPPING
         rec.importing.clear()
@@ -736,13 +752,19 @@ class Parking:
         """The tenant failed, or an instance is not restarted, during an activation: it stays
         parked with its host copy (the next request, or ``twt reset``, activates it again)."""
         rec = rt.park
-        self._artifacts_loaded.pop(rt.tenant_id, None)
+        self._forget_activation(rt.tenant_id)
         if rec is not None and rec.phase is ParkPhase.ACTIVATING:
             rec.importing.clear()
             if not any(s.coming_up for s in rt.wanted_slots()):
                 rec.phase = ParkPhase.PARKED
                 if rt.state is not TenantState.FAILED:
                     rt.refresh_state()
+
+    def _forget_activation(self, tid: str) -> None:
+        """An activation ended without being done: what its ``activate`` event would have said goes."""
+        self._artifacts_loaded.pop(tid, None)
+        self._how.pop(tid, None)
+        self._bound_at.pop(tid, None)
 
     # ------------------------------------------------------------ sending
 

@@ -116,6 +116,11 @@ def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> 
         assert c.read(cap, large, big) == _pattern(big, 2)
         activated = _wait_event(c, "activate", "sleepy", mark)
         assert activated["buffers"] == 2
+        # its phases: the worker got (warm from the pool, a pool worker starting, or spawned) and
+        # bound, then the buffers imported; together the whole activation
+        assert sum(activated["workers"].values()) == 1 and set(activated["workers"]) <= {"warm", "starting", "spawned"}
+        assert activated["bind_ms"] >= 0 and activated["restore_ms"] >= 0
+        assert abs(activated["bind_ms"] + activated["restore_ms"] - activated["activate_ms"]) < 0.01
         assert c.read(cap, small, 4096) == _pattern(4096, 1)
         new_pid = _ready_pid(c, "sleepy")
         assert new_pid is not None and new_pid != old_pid
