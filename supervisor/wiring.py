@@ -69,6 +69,7 @@ from supervisor.runtime.workers import SpawnerFactory
 from supervisor.store.audit import DeniedAudit
 from supervisor.store.modules import ModuleStore
 from supervisor.store.registry import TenantRegistry
+from supervisor.store.parked_bytes import remove_stale as remove_stale_parked
 from supervisor.store.rundir import RunDir
 from supervisor.store.state import StateStore, StoredTenant
 
@@ -143,6 +144,9 @@ def build_parts(s: Surroundings) -> Parts:
     removed = cleanup_stale_segments(namespace=s.rundir.segment_namespace)  # never another run dir's
     if removed:
         log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
+    stale_parked = remove_stale_parked(s.rundir.path)  # a killed supervisor's host copies: never restored
+    if stale_parked:
+        log_event(_log, logging.INFO, "supervisor.stale_parked_files_removed", count=stale_parked)
     choice = select_backend(cfg)
     with ExitStack() as undo:  # a failure half-way undoes what was made, newest first
         placement = _placement(s, choice)
@@ -204,7 +208,8 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
     parking = Parking(tenants=tenants, workers=workers, events=events, signals=signals, clock=loop.clock,
                       persist=_parked_flag_writer(s.state), stopping=s.stopping, max_active=cfg.max_active,
                       device_bounds=placement.context_bounds(),
-                      artifacts=ModuleArtifacts(s.modules, min(ARTIFACT_MESSAGE_BYTES, cfg.max_message_bytes // 2)))
+                      artifacts=ModuleArtifacts(s.modules, min(ARTIFACT_MESSAGE_BYTES, cfg.max_message_bytes // 2)),
+                      run_dir=s.rundir.path)
     dispatcher = Dispatcher(cfg, clock=loop.clock, pending=pending, sender=workers, held=guard.held,
                             regions=regions, tenants=tenants, wake=parking.wake)
     records = Records(cfg, loop=loop, tenants=tenants, registry=s.registry, placement=placement, workers=workers,

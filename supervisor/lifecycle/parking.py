@@ -93,6 +93,7 @@ from shared.quota import QuotaSnapshot
 from supervisor.lifecycle.module_artifacts import ModuleArtifacts
 from supervisor.lifecycle.signals import Stage, TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
+from supervisor.store.parked_bytes import ParkedBytes, ParkedSpan
 from supervisor.observe.events import EventBus
 from supervisor.runtime.requests import Pending
 from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, ParkRecord, TenantRuntime, TenantState
@@ -123,7 +124,8 @@ class Parking:
                  signals: TenantSignals, clock: Callable[[], float],
                  persist: Callable[[str, bool, QuotaSnapshot | None], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False, max_active: int | None = None,
-                 device_bounds: Mapping[int, int] | None = None, artifacts: ModuleArtifacts | None = None) -> None:
+                 device_bounds: Mapping[int, int] | None = None, artifacts: ModuleArtifacts | None = None,
+                 run_dir: str | None = None) -> None:
         """``signals``: the tenant signals - parking hears of a ready instance first (an activation
         puts the buffers back before any request is sent) and of a stopped activation last, and
         tells them when a tenant serves again (a park cancelled, an activation done: what a ready
@@ -134,7 +136,9 @@ class Parking:
         ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
         the same per device, where its memory budget over a worker's context cost bounds it.
         ``artifacts``: the tenants' compiled modules kept across a park (None: they compile after
-        an activation)."""
+        an activation). ``run_dir``: where the host copies are kept as mapped files, restored
+        with one copy (supervisor.store.parked_bytes; None: in the supervisor's memory, restored
+        in chunks through the socket)."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
@@ -160,6 +164,9 @@ class Parking:
         self._how: dict[str, dict[str, int]] = {}
         self._bound_at: dict[str, float] = {}
         self.device_bounds = dict(device_bounds or {})
+        self.run_dir = run_dir
+        #: the mapped files of parked instances, by tenant and instance (see _import_start)
+        self._files: dict[str, dict[int, ParkedBytes]] = {}
         #: parks begun to make room (before the tenant's idle time), and activations refused for room
         self.early_parks = 0
         self.capacity_refusals = 0
@@ -184,6 +191,8 @@ class Parking:
         """Housekeeping: park every tenant idle past its ``idle_timeout_s``; activations waiting
         for room look again (room also comes from evictions and deaths)."""
         self._retry_room_waiters()
+        for tid in [t for t in self._files if (o := self.tenants.get(t)) is None or o.park is None]:
+            self._drop_files(tid)  # evicted while parked (or parking): its files go with it
         if self._refused_at:
             self._refused_at = {t: at for t, at in self._refused_at.items() if now - at < EARLY_PARK_BACKOFF_S}
         for rt in list(self.tenants.values()):
@@ -243,7 +252,7 @@ class Parking:
         need = sum(n for _, n in sizes)
         try:
             self._charge(rt, rec, need)  # before a byte of host memory is taken for the copies
-            buffers = [ParkedBuffer(handle, bytearray(n)) for handle, n in sizes]
+            buffers = self._host_copies(rt, slot, sizes, need)
         except MemoryExhausted as exc:
             self._refuse(rt, rec, exc)
             return
@@ -257,6 +266,32 @@ class Parking:
         rec.buffers[slot.index] = buffers
         rec.seqs[slot.index] = seq
         self._export_next(rt, rec, slot, 0, 0)
+
+    def _host_copies(self, rt: TenantRuntime, slot: InstanceSlot, sizes: list[tuple[int, int]],
+                     need: int) -> list[ParkedBuffer]:
+        """The host copies of one instance's buffers: windows of one mapped file in the run dir
+        (restored with one copy), or - without a run dir, or when the file cannot be made (no
+        space, no descriptor) - bytearrays (restored in chunks). MemoryError when neither fits."""
+        if self.run_dir is not None and need > 0:
+            try:
+                parked = ParkedBytes.create(self.run_dir, need)
+            except OSError as exc:
+                log_event(_log, logging.WARNING, "tenant.park_file_failed", tenant=rt.tenant_id, nbytes=need,
+                          error=str(exc), detail="its copy is kept in the supervisor's memory instead")
+            else:
+                self._files.setdefault(rt.tenant_id, {})[slot.index] = parked
+                out = []
+                offset = 0
+                for handle, n in sizes:
+                    out.append(ParkedBuffer(handle, ParkedSpan(parked, offset, n)))
+                    offset += n
+                return out
+        return [ParkedBuffer(handle, bytearray(n)) for handle, n in sizes]
+
+    def _drop_files(self, tid: str) -> None:
+        """The host copies' files of ``tid`` go (the park cancelled, or the activation confirmed)."""
+        for parked in self._files.pop(tid, {}).values():
+            parked.close()
 
     def _charge(self, rt: TenantRuntime, rec: ParkRecord, need: int) -> None:
         """Charge ``need`` host bytes to the tenant's memory quota, or MemoryExhausted (nothing
@@ -292,16 +327,28 @@ class Parking:
             self._abandon(rt, rec, "an instance went away while its buffers were copied")
             return
 
+        unwritten: list[str] = []
+
         def on_body(body: zmq.Frame | bytes | memoryview | None) -> None:
             data = memoryview(body.buffer if isinstance(body, zmq.Frame) else body or b"")
-            if len(data) == n:
+            if len(data) != n:
+                return
+            if isinstance(buf.data, bytearray):
                 buf.data[offset:offset + n] = data
+                return
+            try:
+                buf.data.write(offset, data)  # through to the instance's parked file
+            except OSError as exc:
+                unwritten.append(str(exc))
 
         def done(ok: bool, payload: object) -> None:
             if not self._current(rt, rec, ParkPhase.EXPORTING):
                 return
             if not ok or not isinstance(payload, dict) or payload.get("nbytes") != n:
                 self._abandon(rt, rec, f"export_chunk failed: {_message(payload)}")
+                return
+            if unwritten:
+                self._abandon(rt, rec, f"the parked file could not take the copy: {unwritten[0]}")
                 return
             if offset + n < len(buf.data):
                 self._export_next(rt, rec, slot, index, offset + n)
@@ -341,6 +388,8 @@ class Parking:
     def _exported(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         """Every buffer is whole in host memory: now the workers may go."""
         self._unwatch(rt)
+        for parked in self._files.get(rt.tenant_id, {}).values():
+            parked.seal()  # a parked tenant holds no descriptor
         rec.phase = ParkPhase.STOPPING
         workers = []
         for slot in rt.wanted_slots():
@@ -403,6 +452,7 @@ class Parking:
         self._unwatch(rt)
         self._release(rt, rec)
         rec.buffers.clear()
+        self._drop_files(rt.tenant_id)
         rt.park = None
         rt.last_request = self.clock()
         rt.refresh_state()
@@ -601,8 +651,10 @@ class Parking:
         compiled modules. An instance without buffers gets only its handle sequence."""
         self._bound_at[rt.tenant_id] = self.clock()
         seq = rec.seqs.get(slot.index, 0)
-        chunks = [(buf, offset, min(PARK_CHUNK_BYTES, len(buf.data) - offset))
-                  for buf in rec.buffers.get(slot.index, []) for offset in range(0, len(buf.data), PARK_CHUNK_BYTES)]
+        parked = self._files.get(rt.tenant_id, {}).get(slot.index)
+        chunks = [] if parked is not None else [
+            (buf, offset, min(PARK_CHUNK_BYTES, len(buf.data) - offset))
+            for buf in rec.buffers.get(slot.index, []) for offset in range(0, len(buf.data), PARK_CHUNK_BYTES)]
         sent = 0
         in_flight = 0
         failed = False
@@ -627,13 +679,23 @@ class Parking:
             nonlocal sent, in_flight
             while sent < len(chunks) and in_flight < IMPORT_WINDOW and not failed:
                 buf, offset, n = chunks[sent]
+                assert isinstance(buf.data, bytearray)  # chunks are only sent of copies in memory
                 sent += 1
                 in_flight += 1
                 self._send(rt, slot, worker, "import_buffer",
                            {"handle": buf.handle, "nbytes": len(buf.data), "offset": offset, "seq": seq},
                            memoryview(buf.data)[offset:offset + n], done)
 
-        if not chunks:
+        if parked is not None:  # one message: the worker maps the file and copies each buffer once
+            in_flight = 1
+            entries: list[list[int]] = []
+            offset = 0
+            for buf in rec.buffers.get(slot.index, []):
+                entries.append([buf.handle, len(buf.data), offset])
+                offset += len(buf.data)
+            self._send(rt, slot, worker, "import_mapped", {"path": parked.path, "buffers": entries, "seq": seq},
+                       None, done)
+        elif not chunks:
             in_flight = 1
             self._send(rt, slot, worker, "import_buffer", {"handle": None, "seq": seq}, None, done)
         else:
@@ -697,6 +759,7 @@ class Parking:
         restored = sum(len(b) for b in rec.buffers.values())
         host_bytes = rec.host_bytes
         rec.buffers.clear()
+        self._drop_files(rt.tenant_id)
         for slot in rt.slots:
             slot.keep_incarnation = False
         rt.park = None

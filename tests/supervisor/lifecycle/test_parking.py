@@ -7,6 +7,7 @@ a state, never for a duration; ``idle_timeout_s`` is tiny so the tests park at o
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -135,6 +136,30 @@ def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> 
         assert proto.handle_incarnation(fresh) == proto.handle_incarnation(large)
         with pytest.raises(InvalidArgument, match="unknown buffer handle"):
             c.read(cap, small, 16)
+
+
+def test_a_parked_instances_buffers_wait_in_one_file_of_the_run_dir_that_the_activation_removes() -> None:
+    """The one-copy restore's file: the buffers end to end in handle order, no descriptor held
+    while parked, gone once the activation is done."""
+    with supervisor([{"name": "filed"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "filed")
+        sizes = (PARK_CHUNK_BYTES + 3, 5000)
+        handles = [c.alloc(cap, n) for n in sizes]
+        for k, (h, n) in enumerate(zip(handles, sizes)):
+            c.write(cap, h, _pattern(n, 40 + k))
+        _park_soon(c, "filed")
+        (path,) = glob.glob(os.path.join(sup.run_dir, "parked", "p*"))
+        with open(path, "rb") as f:
+            held = f.read()
+        by_handle = sorted(zip(handles, sizes, range(2)))
+        assert held == b"".join(_pattern(n, 40 + k) for _, n, k in by_handle)
+        assert path not in {f.path for f in psutil.Process(sup.pid).open_files()}  # no descriptor held
+        mark = _cursor(c)
+        assert c.read(cap, handles[0], sizes[0]) == _pattern(sizes[0], 40)
+        assert _wait_event(c, "activate", "filed", mark)["buffers"] == 2
+        assert c.read(cap, handles[1], sizes[1]) == _pattern(sizes[1], 41)
+        wait_for(lambda: not os.path.exists(path), what="the parked file removed")
 
 
 def test_each_kind_of_request_activates_a_parked_tenant() -> None:
