@@ -66,6 +66,7 @@ _LAZY_OPS: dict[str, str] = {
     # ... and its compiled modules as wasmtime artifacts (stored per tenant by the supervisor)
     "export_modules": "worker.wasm.artifacts:op_export_modules",
     "import_modules": "worker.wasm.artifacts:op_import_modules",
+    "load_modules": "worker.wasm.artifacts:op_load_modules",
 }
 _OPS: dict[str, Handler] = {}
 

@@ -163,6 +163,9 @@ class Parking:
         #: ``activate`` event splits activate_ms into bind_ms and restore_ms from these)
         self._how: dict[str, dict[str, int]] = {}
         self._bound_at: dict[str, float] = {}
+        #: the workers an activation handed compiled modules to, by tenant: told to load them
+        #: (``load_modules``) after the requests the activation was made for
+        self._load_after: dict[str, list[tuple[InstanceSlot, WorkerHandle]]] = {}
         self.device_bounds = dict(device_bounds or {})
         self.run_dir = run_dir
         #: the mapped files of parked instances, by tenant and instance (see _import_start)
@@ -731,6 +734,7 @@ class Parking:
                 self._emit_activate(tid, fields)
 
         self._send(rt, slot, worker, "import_modules", args, body, done)
+        self._load_after.setdefault(tid, []).append((slot, worker))
         self._slot_imported(rt, rec, slot)
 
     def _emit_activate(self, tid: str, fields: dict[str, object]) -> None:
@@ -781,7 +785,10 @@ class Parking:
             self._emit_activate(rt.tenant_id, fields)
         if self.persist is not None:
             self.persist(rt.tenant_id, False, None)
-        self.on_active(rt)
+        self.on_active(rt)  # its waiting requests are sent: they go first
+        for slot, worker in self._load_after.pop(rt.tenant_id, ()):
+            if slot.worker is worker and worker.state is WorkerState.READY:
+                self._send(rt, slot, worker, "load_modules", {}, None, lambda _ok, _payload: None)
 
     def _activation_failed(self, rt: TenantRuntime, rec: ParkRecord, payload: object) -> None:
         """An import was refused (the GPU cap was lowered below the buffers while parked): the
@@ -828,6 +835,7 @@ class Parking:
         self._artifacts_loaded.pop(tid, None)
         self._how.pop(tid, None)
         self._bound_at.pop(tid, None)
+        self._load_after.pop(tid, None)
 
     # ------------------------------------------------------------ sending
 

@@ -88,7 +88,6 @@ from worker.wasm.wasi import (
     OutputLines,
     OutputStopped,
     define_wasi,
-    imports_wasi,
     wasi_config,
 )
 
@@ -266,6 +265,15 @@ class CompiledModule:
     export_names: dict[int, str] = field(default_factory=dict)
     #: deserialized from a stored artifact rather than compiled here (not exported again)
     from_artifact: bool = False
+
+
+def _export_types(module: wasmtime.Module) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Each exported function's (param kinds, result kinds)."""
+    return {
+        e.name: (_valtypes(e.type.params), _valtypes(e.type.results))
+        for e in module.exports
+        if isinstance(e.type, wasmtime.FuncType)
+    }
 
 
 def _digest_within_limits(body: bytes | bytearray | memoryview) -> str:
@@ -739,6 +747,17 @@ class WasmHost:
         if digest not in self._cache:
             self._held[digest] = (bytes(body), bytes(artifact))
 
+    def load_held(self, idle: Callable[[], bool]) -> int:
+        """Deserialize held artifacts, the oldest first, while ``idle()`` (no request waits);
+        returns how many were loaded. What is still held then loads at its first run."""
+        loaded = 0
+        while self._held and idle():
+            digest = next(iter(self._held))
+            body, artifact = self._held.pop(digest)
+            if digest not in self._cache and self._deserialize(digest, body, artifact) is not None:
+                loaded += 1
+        return loaded
+
     @property
     def held_artifacts(self) -> int:
         """Artifacts handed over and not deserialized yet (their modules have not run)."""
@@ -784,8 +803,14 @@ class WasmHost:
 
     def _admit(self, digest: str, module: wasmtime.Module, wasm: bytes, t0: float, *,
                from_artifact: bool) -> CompiledModule:
-        """Check a compiled (or deserialized) module's imports, link it ahead and cache it."""
-        self._check_imports(module)
+        """Check a compiled (or deserialized) module's imports, link it ahead and cache it.
+
+        A module deserialized from its tenant's artifact was checked in full when it was
+        compiled; here its import *names* are checked again (what the guest may reach) and their
+        types are left to the linker (``instantiate_pre`` refuses an import whose type is not
+        the host's): reading every import's type through the wasmtime binding is most of what
+        loading an artifact costs."""
+        wasi = self._check_imports(module, types=not from_artifact)
         try:
             pre = self.linker.instantiate_pre(module)
             memory = memory_limits(wasm)
@@ -794,24 +819,25 @@ class WasmHost:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             last = _short(str(exc))
             raise WasmCompile(last if first in last else f"{first}: {last}") from None
-        exports = {
-            e.name: (_valtypes(e.type.params), _valtypes(e.type.results))
-            for e in module.exports
-            if isinstance(e.type, wasmtime.FuncType)
-        }
+        exports = _export_types(module)
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
-                                  imports_wasi(module), function_exports(wasm), from_artifact)
+                                  wasi, function_exports(wasm), from_artifact)
         self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         return compiled
 
     @staticmethod
-    def _check_imports(module: wasmtime.Module) -> None:
+    def _check_imports(module: wasmtime.Module, *, types: bool = True) -> bool:
+        """Refuse an import the guest may not have (WasmCompile); whether it imports WASI.
+        ``types``: also check each host import's type here, for a precise message (without,
+        the linker refuses a wrong type)."""
+        wasi = False
         for imp in module.imports:
             where = f"import {imp.module}::{imp.name}"
             if imp.module == WASI_MODULE:
+                wasi = True
                 if imp.name in WASI_REFUSED:
                     raise WasmCompile(f"{where} is refused: a guest has no network (no WASI sockets)")
-                if imp.name not in WASI_FUNCTIONS or not isinstance(imp.type, wasmtime.FuncType):
+                if imp.name not in WASI_FUNCTIONS or (types and not isinstance(imp.type, wasmtime.FuncType)):
                     raise WasmCompile(f"{where} is not provided: not a WASI preview 1 function")
                 continue  # its type is checked when the module is linked (instantiate_pre)
             if imp.module != IMPORT_MODULE or imp.name not in IMPORTS:
@@ -819,6 +845,8 @@ class WasmHost:
                     f"{where} is not provided: a guest may import only {IMPORT_MODULE}::"
                     f"{{{', '.join(IMPORTS)}}} and WASI preview 1 ({WASI_MODULE}) functions"
                 )
+            if not types:
+                continue
             ty = imp.type
             params, result = IMPORTS[imp.name]
             if not isinstance(ty, wasmtime.FuncType):
@@ -829,6 +857,7 @@ class WasmHost:
                     f"{where} has type ({', '.join(got[0])}) -> ({', '.join(got[1])}); "
                     f"the ABI type is ({', '.join(params)}) -> ({result})"
                 )
+        return wasi
 
     # -------------------------------------------------------------- memory
 
