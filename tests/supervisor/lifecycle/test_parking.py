@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import tempfile
 import threading
 import urllib.request
@@ -470,6 +471,45 @@ def test_a_restart_keeps_a_parked_tenants_quota_counters_exactly(run_dir: str) -
         with pytest.raises(TensorWasmError):
             c.alloc(cap, 2 << 20)
         assert c.quota(cap).gpu_refusals == 3
+
+
+def _stored_parked_quota(run_dir: str, tid: str) -> str | None:
+    """The parked counters the state database holds for ``tid`` (read-only, beside the supervisor)."""
+    conn = sqlite3.connect(f"file:{os.path.join(run_dir, 'state', 'state.db')}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT parked_quota FROM tenants WHERE tenant_id = ?", (tid,)).fetchone()
+    finally:
+        conn.close()
+    return None if row is None else row[0]
+
+
+def test_a_supervisor_killed_with_a_parked_tenant_comes_back_with_its_counters_and_without_its_file(
+        run_dir: str) -> None:
+    """kill -9 of the supervisor while a tenant is parked: the next start finds it parked with
+    the counters it parked with, and removes the dead supervisor's parked file (its bytes are
+    lost with the supervisor, as documented)."""
+    with _start(run_dir) as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("held", gpu_memory_bytes_cap=1 << 20))
+        h = c.alloc(cap, 70_000)
+        c.write(cap, h, _pattern(70_000, 9))
+        with pytest.raises(TensorWasmError):
+            c.alloc(cap, 2 << 20)
+        _park_soon(c, "held")
+        parked = c.quota(cap)
+        (path,) = glob.glob(os.path.join(run_dir, "parked", "p*"))
+        wait_for(lambda: _stored_parked_quota(run_dir, "held"), what="the parked counters stored")
+        sup.process.kill()
+        sup.process.wait(30)
+    assert os.path.exists(path)  # left behind by the killed supervisor
+    with _start(run_dir) as sup2:
+        c = sup2.client
+        assert not os.path.exists(path)
+        assert tenant(c.status(), "held").state == "parked"
+        restored = c.quota(cap)
+        assert _kept(restored) == _kept(parked) and restored.gpu_refusals == 1
+        with pytest.raises(BufferLost):
+            c.read(cap, h, 16)
 
 
 def _free_port() -> int:
