@@ -1,4 +1,4 @@
-"""Parking: an idle tenant's workers exit, its buffers wait in the supervisor, and come back.
+"""Parking: an idle tenant's workers exit, its buffers wait in a file of the run dir, and come back.
 
     active ──idle_timeout_s without a request──► EXPORTING   export_buffers, export_chunk ... per instance
        ▲                                            │ the copy is whole (a request meanwhile: cancelled,
@@ -12,8 +12,9 @@
        │                                            │ any request that needs a worker
        │                                            ▼
        └──────── every instance imported ─────── ACTIVATING  pool workers bound with the old incarnation;
-                 (the host copy released;                    import_buffer ... per instance; requests wait
-                  the waiting requests sent)                 in order in ``TenantRuntime.parked``
+                 (the host copy released;                    import_mapped per instance (import_buffer
+                  the waiting requests sent,                 chunks for a copy kept in memory); requests
+                  then load_modules)                         wait in order in ``TenantRuntime.parked``
 
 The rules that keep bytes and quota whole:
 
@@ -47,15 +48,26 @@ The rules that keep bytes and quota whole:
   every counter kept in the supervisor's record of it; the activation's first
   bind makes a fresh segment from that record before any worker attaches
   (:class:`~supervisor.store.tenant_quota.TenantQuota`; a parked tenant holds
-  no segment and no descriptor).
+  no segment and no descriptor). Whenever a tenant parks, its counters are stored
+  with the parked flag (``persist``): a restart brings them back.
+
+* **Where the copies are.** Each instance's copies are one file of the run dir
+  (:class:`~supervisor.store.parked_bytes.ParkedBytes`): the export writes each
+  chunk through to it, its descriptor is closed once the copy is whole, and the
+  activating worker maps it and copies each buffer once (``import_mapped``). A
+  file that cannot be made leaves the copies in the supervisor's memory
+  (one ``bytearray`` per buffer, sent back in chunks). The file goes with the host copy:
+  when the import is confirmed, the park cancelled, or the tenant evicted.
 
 * **Compiled modules.** After its buffers, each instance hands over the
   wasmtime artifacts of the stored modules it compiled (``export_modules``);
   they are written to this tenant's own directory (supervisor.store.artifacts),
   and an activating instance gets them back after its buffers
-  (``import_modules``), so its first ``run_wasm`` does not compile. The
-  activation does not wait for that answer (the worker takes the artifacts
-  before the requests sent after them); a worker that dies after its buffers
+  (``import_modules``: the worker holds them), so its first ``run_wasm`` does
+  not compile; they are deserialized after the requests the activation was
+  made for (``load_modules``) or at that run. The activation does not wait for
+  the answer (the worker takes the artifacts before the requests sent after
+  them); a worker that dies after its buffers
   were confirmed is an ordinary crash once the activation is done. Neither step
   can fail a park or an activation: what is missing is compiled at its run.
 
@@ -74,8 +86,9 @@ The rules that keep bytes and quota whole:
 Owns: every tenant's :class:`~supervisor.runtime.tenants.ParkRecord` and its
 transitions. May touch: the worker set (requests, start, stop), the frontend's
 waiting requests (sent once activation is done), the tenant's quota block (the
-host copies' charge), events and the state store (the parked flag, written on
-its writer thread). Loop thread only.
+host copies' charge), the parked files (supervisor.store.parked_bytes), events
+and the state store (the parked flag and counters, written on its writer
+thread). Loop thread only.
 """
 
 from __future__ import annotations
@@ -136,9 +149,9 @@ class Parking:
         ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
         the same per device, where its memory budget over a worker's context cost bounds it.
         ``artifacts``: the tenants' compiled modules kept across a park (None: they compile after
-        an activation). ``run_dir``: where the host copies are kept as mapped files, restored
-        with one copy (supervisor.store.parked_bytes; None: in the supervisor's memory, restored
-        in chunks through the socket)."""
+        an activation). ``run_dir``: where the host copies are kept, a file per instance that its
+        next worker restores with one copy (supervisor.store.parked_bytes; None: in the
+        supervisor's memory, restored in chunks through the socket)."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
@@ -168,7 +181,7 @@ class Parking:
         self._load_after: dict[str, list[tuple[InstanceSlot, WorkerHandle]]] = {}
         self.device_bounds = dict(device_bounds or {})
         self.run_dir = run_dir
-        #: the mapped files of parked instances, by tenant and instance (see _import_start)
+        #: the parked files of instances, by tenant and instance (see _host_copies)
         self._files: dict[str, dict[int, ParkedBytes]] = {}
         #: parks begun to make room (before the tenant's idle time), and activations refused for room
         self.early_parks = 0
@@ -272,9 +285,9 @@ class Parking:
 
     def _host_copies(self, rt: TenantRuntime, slot: InstanceSlot, sizes: list[tuple[int, int]],
                      need: int) -> list[ParkedBuffer]:
-        """The host copies of one instance's buffers: windows of one mapped file in the run dir
-        (restored with one copy), or - without a run dir, or when the file cannot be made (no
-        space, no descriptor) - bytearrays (restored in chunks). MemoryError when neither fits."""
+        """The host copies of one instance's buffers: spans of one file in the run dir (restored
+        with one copy), or - without a run dir, or when the file cannot be made (no space, no
+        descriptor) - bytearrays (restored in chunks). MemoryError when neither fits."""
         if self.run_dir is not None and need > 0:
             try:
                 parked = ParkedBytes.create(self.run_dir, need)
@@ -710,7 +723,9 @@ class Parking:
         are sent, and the worker takes them before any request sent after them (its requests are
         served in order), so a ``ping`` that woke the tenant does not wait for their answer. A
         worker's refusal is never the activation's (the module compiles at its run); the
-        ``activate`` event waits for the answers to count the artifacts loaded."""
+        ``activate`` event waits for the answers to count the artifacts handed over. The worker
+        only holds them: ``load_modules``, sent after the waiting requests (:meth:`_activated`),
+        deserializes them, or each module's first run does."""
         artifacts = self.artifacts
         message = artifacts.message(rt) if artifacts is not None else None
         if artifacts is None or message is None:

@@ -64,7 +64,7 @@ class ParkPhase(str, enum.Enum):
 @dataclass(eq=False)
 class ParkedBuffer:
     """One buffer's host copy (filled chunk by chunk while exporting): its own bytearray, or its
-    window of the instance's parked file (supervisor.store.parked_bytes)."""
+    span of the instance's parked file (supervisor.store.parked_bytes)."""
 
     handle: int
     data: bytearray | ParkedSpan

@@ -163,6 +163,22 @@ def test_a_parked_instances_buffers_wait_in_one_file_of_the_run_dir_that_the_act
         wait_for(lambda: not os.path.exists(path), what="the parked file removed")
 
 
+def test_where_no_parked_file_can_be_made_the_copy_waits_in_memory_and_comes_back_in_chunks() -> None:
+    with supervisor([{"name": "nofile"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "nofile")
+        big = PARK_CHUNK_BYTES * 2 + 7  # three chunks back
+        h = c.alloc(cap, big)
+        c.write(cap, h, _pattern(big, 77))
+        with open(os.path.join(sup.run_dir, "parked"), "w"):  # where the directory would be
+            pass
+        park = _park_soon(c, "nofile")
+        assert park["host_bytes"] == big
+        mark = _cursor(c)
+        assert c.read(cap, h, big) == _pattern(big, 77)
+        assert _wait_event(c, "activate", "nofile", mark)["buffers"] == 1
+
+
 def test_each_kind_of_request_activates_a_parked_tenant() -> None:
     probe = guest_path("probe").read_bytes()
     with supervisor([{"name": "lazy"}]) as sup:
