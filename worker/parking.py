@@ -118,7 +118,10 @@ def op_import_mapped(server: WorkerServer, args: dict[str, object], body: zmq.Fr
             return {"written": 0}, None
         # private: the backend may take a writable view (the cuda backend's host address); a write
         # would copy the page, never reach the file - and none happens
-        mapping = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            mapping = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:  # no address space or commit charge left for it
+            raise SegmentError(os.path.basename(path), f"cannot map the parked file: {exc.strerror}") from None
     finally:
         os.close(fd)
     written = 0
