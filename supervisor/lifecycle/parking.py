@@ -309,6 +309,12 @@ class Parking:
         for parked in self._files.pop(tid, {}).values():
             parked.close()
 
+    def close(self) -> None:
+        """The supervisor is stopping: every parked file goes (the host copies do not survive it,
+        as documented; the next start would remove them anyway)."""
+        for tid in list(self._files):
+            self._drop_files(tid)
+
     def _charge(self, rt: TenantRuntime, rec: ParkRecord, need: int) -> None:
         """Charge ``need`` host bytes to the tenant's memory quota, or MemoryExhausted (nothing
         charged, no refusal counted: a park that does not fit is not the tenant's allocation)."""

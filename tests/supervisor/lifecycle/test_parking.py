@@ -439,6 +439,8 @@ def test_a_restart_brings_a_parked_tenant_back_parked(run_dir: str) -> None:
         c.register(None, TenantSpec("awake"))
         h = c.alloc(TenantCapability.from_bytes(cap_raw), 64)
         _park_soon(c, "dormant")  # idle_timeout_s set with set_quota: stored too
+        assert len(glob.glob(os.path.join(run_dir, "parked", "p*"))) == 1
+    assert glob.glob(os.path.join(run_dir, "parked", "p*")) == []  # a stop takes the host copies with it
     sup2: SupervisorHandle
     with _start(run_dir) as sup2:
         c = sup2.client
