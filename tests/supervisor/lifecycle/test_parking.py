@@ -583,15 +583,23 @@ def test_every_instance_of_a_tenant_parks_and_comes_back_and_a_parked_tenant_can
         park = _park_soon(c, "pair")
         assert park["buffers"] == 2 and park["host_bytes"] == 8000
         assert tenant(c.status(), "pair").pids == ()
+        assert len(glob.glob(os.path.join(sup.run_dir, "parked", "p*"))) == 2
         mark = _cursor(c)
         assert c.read(cap, h1, 5000) == _pattern(5000, 12)  # activates both instances
         _wait_event(c, "activate", "pair", mark)
         assert c.read(cap, h0, 3000) == _pattern(3000, 11)
         assert c.buffers(cap) == {h0: 3000, h1: 5000}
-        # a parked tenant is evicted like any other: nothing to stop, its capability revoked
+        # a parked tenant is evicted like any other: nothing to stop, its capability revoked, its
+        # parked files removed (pair, idle again at once, may be parking or parked: either way)
+        c.evict(None, "pair")
+        parked_dir = os.path.join(sup.run_dir, "parked", "p*")
+        wait_for(lambda: not glob.glob(parked_dir), what="pair's parked files removed")
         gone = c.tenant_capability(None, "gone")
+        c.write(gone, c.alloc(gone, 100), _pattern(100, 13))
         _park_soon(c, "gone")
+        (path,) = glob.glob(parked_dir)
         assert c.evict(None, "gone").pids == ()
+        wait_for(lambda: not os.path.exists(path), what="the evicted tenant's parked file removed")
         assert "gone" not in {t.tenant_id for t in c.status().tenants}
         with pytest.raises(TensorWasmError):
             c.ping(gone)
