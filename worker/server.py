@@ -62,9 +62,11 @@ _LAZY_OPS: dict[str, str] = {
     "export_buffers": "worker.parking:op_export_buffers",
     "export_chunk": "worker.parking:op_export_chunk",
     "import_buffer": "worker.parking:op_import_buffer",
+    "import_mapped": "worker.parking:op_import_mapped",
     # ... and its compiled modules as wasmtime artifacts (stored per tenant by the supervisor)
     "export_modules": "worker.wasm.artifacts:op_export_modules",
     "import_modules": "worker.wasm.artifacts:op_import_modules",
+    "load_modules": "worker.wasm.artifacts:op_load_modules",
 }
 _OPS: dict[str, Handler] = {}
 
