@@ -92,7 +92,7 @@ MONITOR_KEY = "(monitor)"
 _VERIFIED_CAP_CACHE = 65536
 
 #: plain ints: ``int & zmq.POLLIN`` goes through enum.Flag (~1 us a message)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _IPC = bytes([IPC_INDEX])
 _TCP = bytes([TCP_INDEX])
 
@@ -264,7 +264,7 @@ class Frontend:
         dropped = 0
         for i in range(1, fair.read_budget(READ_BATCH, BATCH_BACKLOGGED) + 1):
             try:
-                frames = recv(zmq.NOBLOCK, copy=False)
+                frames = recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
             if prefix == _TCP and self._sessions is not None and not self._tcp_seen(frames[0], now):
