@@ -113,13 +113,17 @@ class WorkerServer:
         # Pipelined requests are read back to back, one poll per burst instead of per request.
         sock = self.sock
         stop = self.stop_event
-        recv, events = sock.recv_multipart, sock.getsockopt
+        recv, events = sock.recv, sock.getsockopt
         items = [(sock, _POLLIN)]
         while not stop.is_set():
             if not int(events(_EVENTS)) & _POLLIN and not zmq.zmq_poll(items, 200):
                 continue
-            try:
-                frames = recv(_NOBLOCK, copy=False)
+            try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
+                frame = recv(_NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:
+                    frame = recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
             except zmq.Again:  # a spurious wake-up (a message is delivered whole): look again
                 continue
             self.requests += 1

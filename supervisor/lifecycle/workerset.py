@@ -642,13 +642,17 @@ class WorkerSet:
 
     def _on_backend(self) -> None:
         sock = self.backend
-        recv, events, clock = sock.recv_multipart, sock.getsockopt, time.perf_counter
+        recv, events, clock = sock.recv, sock.getsockopt, time.perf_counter
         end = clock() + BACKEND_SLICE_S
         for n in range(BATCH):
             if n and (not int(events(_EVENTS)) & _POLLIN or clock() >= end):
                 return
-            try:
-                frames = recv(_NOBLOCK, copy=False)
+            try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
+                frame = recv(_NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:
+                    frame = recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
             except zmq.Again:
                 return
             worker = self.workers.get(frames[0].bytes)

@@ -19,6 +19,8 @@ Measured (round-robin rounds so both see the same machine state):
 * remote ping: the same ping over the CURVE TCP frontend on loopback, next
   to the local ipc one (target: within 2x of ipc; CURVE's per-message crypto
   and TCP are the difference)
+* ``--profile``: the loop's CPU per pipelined request, split by stage
+  (:mod:`supervisor.tools.bench.route_profile`)
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         from supervisor.tools.bench import flood
 
         return flood.main(argv)
+    if argv is not None and "--profile" in argv:  # where the loop's time goes (supervisor.tools.bench.route_profile)
+        from supervisor.tools.bench import route_profile
+
+        return route_profile.main(argv)
     parser = argparse.ArgumentParser(prog="twt bench route", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rounds", type=count, default=6)
