@@ -107,8 +107,8 @@ class WorkerServer:
     # --------------------------------------------------------------- loop
 
     def serve(self) -> None:
-        # What is queued is read without a poll (ZMQ_EVENTS says whether a message waits:
-        # one getsockopt, no syscall); only an empty queue is polled, through one zmq_poll item
+        # What is queued is read without a poll (ZMQ_EVENTS says whether a message waits,
+        # one getsockopt); only an empty queue is polled, through one zmq_poll item
         # list (``Socket.poll`` builds a Poller and a dict per call, twice zmq_poll's cost).
         # Pipelined requests are read back to back, one poll per burst instead of per request.
         sock = self.sock
