@@ -10,7 +10,6 @@ import pytest
 import zmq
 
 from shared import protocol as proto
-from worker import server as server_mod
 from worker.faults import FaultState
 from worker.server import WorkerServer
 
@@ -34,7 +33,7 @@ def test_queued_requests_are_read_without_a_poll_each(monkeypatch: pytest.Monkey
             server.stop_event.set()  # everything queued is served: end the loop
         return real_poll(items, min(timeout, 50))
 
-    monkeypatch.setattr(server_mod.zmq, "zmq_poll", counting_poll)
+    monkeypatch.setattr(zmq, "zmq_poll", counting_poll)  # the loop calls zmq.zmq_poll
     dealer.send(b"hello")  # the router learns the dealer's identity
     assert router.recv_multipart()[0] == b"w1"
     # three requests queued before the loop starts: the last with a body frame
