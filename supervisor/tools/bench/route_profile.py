@@ -6,7 +6,7 @@ in flight. Measured, per request:
 
 * the loop thread's CPU time (``time.thread_time``), unprobed;
 * the worker processes' CPU time (``/proc``: every process this one started
-  but the client);
+  but the client; counted in clock ticks, so a figure wants 20,000 requests or more);
 * then, in a second pass, the loop's CPU time split by stage: each function of
   the request path listed in :data:`STAGES` is wrapped in a probe that adds its
   *exclusive* thread CPU time (its callees' probed time taken out) to its
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=count, default=20000, help="pipelined pings per pass")
     parser.add_argument("--depth", type=count, default=64, help="requests in flight")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="twt-bench-", dir=temp_parent()) as tmp:
@@ -269,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     scale = plain_us / (sum(own.values()) / n / 1000) if sum(own.values()) else 0.0
     rows = [[stage, ns / n / 1000, probes.calls[stage] / n, own[stage] / n / 1000 * scale]
             for stage, ns in probes.ns.most_common()]
+    if args.json:
+        print(json.dumps({
+            "bench": "route --profile", "requests": n, "depth": args.depth, "load": os.getloadavg()[0],
+            "replies_per_s": {"unprobed": rate, "probed": probed_rate}, "probe_cost_ns": cost,
+            "loop_cpu_us": {"unprobed": plain_us, "probed": probed_us}, "worker_cpu_us": worker_us,
+            "stages_us": {row[0]: {"probed": row[1], "calls": row[2], "estimate": row[3]} for row in rows},
+        }))
+        return 0
     print(f"twt bench route --profile: {n} pings, {args.depth} in flight, load {os.getloadavg()[0]:.1f}")
     print(f"replies/s: {rate:,.0f} unprobed, {probed_rate:,.0f} probed; probes' cost {cost:.0f} ns a call")
     print(f"loop thread CPU per request: {plain_us:.1f} us unprobed, {probed_us:.1f} us probed")
