@@ -92,6 +92,7 @@ POOL_MIN_DEMAND = 0.5
 BACKEND_SLICE_S = 0.0002
 #: plain ints: ``int & zmq.POLLIN`` goes through enum.Flag (~1 us a message)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 #: a worker that has not said hello on both sockets by then is killed
 HELLO_TIMEOUT_S = 60.0
 
@@ -171,10 +172,12 @@ class WorkerSet:
         rid = self.pending.new_rid()
         header = proto.encode_worker_request(rid, op, args)
         try:
-            if body is None:
-                self.backend.send_multipart([worker.ident, header], zmq.NOBLOCK)
+            if body is None:  # two plain sends: send_multipart's per-frame checks and enum flags cost more
+                send = self.backend.send
+                send(worker.ident, _MORE)
+                send(header, _NOBLOCK)
             else:
-                self.backend.send_multipart([worker.ident, header, body], zmq.NOBLOCK, copy=False)
+                self.backend.send_multipart([worker.ident, header, body], _NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the worker's socket is gone (it is dying); EAGAIN: its queue is full
             if exc.errno == zmq.EAGAIN:
@@ -657,13 +660,17 @@ class WorkerSet:
 
     def _on_backend(self) -> None:
         sock = self.backend
-        recv, events, clock = sock.recv_multipart, sock.getsockopt, time.perf_counter
+        recv, events, clock = sock.recv, sock.getsockopt, time.perf_counter
         end = clock() + BACKEND_SLICE_S
         for n in range(BATCH):
             if n and (not int(events(_EVENTS)) & _POLLIN or clock() >= end):
                 return
-            try:
-                frames = recv(zmq.NOBLOCK, copy=False)
+            try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
+                frame = recv(_NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:
+                    frame = recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
             except zmq.Again:
                 return
             worker = self.workers.get(frames[0].bytes)
