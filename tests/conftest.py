@@ -32,7 +32,7 @@ import hypothesis.configuration as hypothesis_configuration
 import pytest
 
 import supervisor.client.launch
-from tests.helpers import hygiene, timeouts, zygote
+from tests.helpers import cpu_profile, hygiene, timeouts, zygote
 
 hygiene.mark_session()
 # every launched supervisor is forked from a preloaded interpreter (tests/helpers/zygote.py): a
@@ -274,6 +274,18 @@ def _run_order(item: pytest.Item) -> int:
         if item.get_closest_marker(marker):
             return rank
     return 3
+
+
+_CPU_LOG = os.environ.get(cpu_profile.ENV)
+if _CPU_LOG:  # CPU per test, for finding where the suite's time goes (tests/helpers/cpu_profile.py)
+    _RECORDER = cpu_profile.Recorder(f"{_CPU_LOG}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}",
+                                     zygote.server_pids)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        _RECORDER.start()
+        yield
+        _RECORDER.stop(item.nodeid)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
