@@ -20,7 +20,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib
+import json
 import os
 import sys
 import threading
@@ -255,11 +257,41 @@ def _scale_timeout(item: pytest.Item, default: float) -> None:
         item.add_marker(pytest.mark.timeout(float(value) * TIMEOUT_SCALE), append=False)  # the closest
 
 
+def _process_verdicts(items: list[pytest.Item]) -> dict[str, bool]:
+    """:func:`_item_starts_processes` for each test not marked ``process`` by hand, by node id.
+
+    Every xdist worker collects the same tests, and the scan is a third of a worker's collection
+    (~1 s of CPU each). So under xdist the first worker to take the lock scans and writes the
+    verdicts to a file of this run (in its temp root, named after xdist's run id); the others wait
+    on the lock (a blocked ``flock``: no CPU) and read them, scanning only a test the file lacks.
+    """
+    unmarked = [item for item in items if not item.get_closest_marker("process")]
+    run_id, root = os.environ.get("PYTEST_XDIST_TESTRUNUID"), os.environ.get("PYTEST_TWT_ROOT")
+    if not (run_id and root and os.path.isdir(root)):
+        return {item.nodeid: _item_starts_processes(item) for item in unmarked}
+    path = os.path.join(root, f"twt-process-marks-{run_id[:16]}.json")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(path, encoding="utf-8") as f:
+                known: dict[str, bool] = json.load(f)
+        except (OSError, ValueError):
+            known = {}
+        missing = {item.nodeid: _item_starts_processes(item) for item in unmarked if item.nodeid not in known}
+        if missing:
+            known.update(missing)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(known, f)
+            os.replace(path + ".tmp", path)
+    return known
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     default_timeout = float(config.getini("timeout") or 0)
+    verdicts = _process_verdicts(items)
     for item in items:
         _scale_timeout(item, default_timeout)
-        if not item.get_closest_marker("process") and _item_starts_processes(item):
+        if not item.get_closest_marker("process") and verdicts[item.nodeid]:
             item.add_marker(pytest.mark.process)
     # Longest first (a stable sort: each module's tests stay together and in order): the longest
     # module (the Ray cluster's: ~4 min of a loaded run's 5, which once started 26 s late behind
