@@ -11,7 +11,7 @@
 * Every timeout is scaled by :data:`TIMEOUT_SCALE` (3): timeouts guard against hangs, never
   measure speed, and a loaded machine is slower.
 * Tests run longest first: ``slow``, then ``process``, then the rest (each module's tests stay
-  together, in order).
+  together, in order); the hardware check's dry run is started first and read late (below).
 * Under pytest-xdist ``make test`` runs ``--dist loadscope``: each module's tests share one
   worker, so a module-scoped fixture (the Ray cluster, the fuzzed supervisor) starts once.
   (``--dist loadgroup`` with ``xdist_group`` marks would be finer, but pytest-xdist 3.8 renames
@@ -34,7 +34,7 @@ import hypothesis.configuration as hypothesis_configuration
 import pytest
 
 import supervisor.client.launch
-from tests.helpers import cpu_profile, hygiene, timeouts, zygote
+from tests.helpers import cpu_profile, gpu_dry_run, hygiene, timeouts, zygote
 
 hygiene.mark_session()
 # every launched supervisor is forked from a preloaded interpreter (tests/helpers/zygote.py): a
@@ -298,10 +298,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # another slow module on its worker and ended the run), then the slow and process-starting
     # tests while every worker is free, the ~1,250 quick ones fill the end, so no worker is left
     # alone with a long test at the end of a parallel run.
-    items.sort(key=_run_order)
+    # The hardware check's dry run (tests/helpers/gpu_dry_run.py: ~35 s, mostly its timed rounds) is
+    # run once for every module that reads it, by the first to ask; the others wait for it on a
+    # lock. So the first such module goes first (its worker runs the check while the others work)
+    # and the other readers after every other process test, when the result is there to read:
+    # before, all of them came early and up to four workers sat blocked on the lock at once.
+    readers = [m for m in dict.fromkeys(_module_of_item(item) for item in items) if _reads_the_dry_run(m)]
+    first = readers[0] if readers else None
+    items.sort(key=lambda item: _run_order(item, first))
 
 
-def _run_order(item: pytest.Item) -> int:
+def _module_of_item(item: pytest.Item) -> types.ModuleType | None:
+    module = getattr(item, "module", None)
+    return module if isinstance(module, types.ModuleType) else None
+
+
+def _reads_the_dry_run(module: types.ModuleType | None) -> bool:
+    return module is not None and getattr(module, "gpu_dry_run", None) is gpu_dry_run
+
+
+def _run_order(item: pytest.Item, dry_run_first: types.ModuleType | None = None) -> float:
+    module = _module_of_item(item)
+    if module is not None and module is dry_run_first:
+        return 0
+    if _reads_the_dry_run(module):
+        return 2.5
     for rank, marker in enumerate(("longest", "slow", "process")):
         if item.get_closest_marker(marker):
             return rank
