@@ -303,9 +303,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # lock. So the first such module goes first (its worker runs the check while the others work)
     # and the other readers after every other process test, when the result is there to read:
     # before, all of them came early and up to four workers sat blocked on the lock at once.
-    readers = [m for m in dict.fromkeys(_module_of_item(item) for item in items) if _reads_the_dry_run(m)]
-    first = readers[0] if readers else None
+    first = _dry_run_producer(items)
     items.sort(key=lambda item: _run_order(item, first))
+
+
+def _dry_run_producer(items: list[pytest.Item]) -> types.ModuleType | None:
+    """The first module (in collection order) that reads the hardware check's dry run."""
+    return next((m for m in dict.fromkeys(map(_module_of_item, items)) if _reads_the_dry_run(m)), None)
 
 
 def _module_of_item(item: pytest.Item) -> types.ModuleType | None:

@@ -76,8 +76,9 @@ def summarize(prefix: str, top: int = 20) -> str:
     for path in sorted(glob.glob(prefix + ".*")):
         worker = path.rsplit(".", 1)[1]
         first, last, busy = float("inf"), 0.0, 0.0
-        for raw in open(path, encoding="utf-8"):
-            line = json.loads(raw)
+        with open(path, encoding="utf-8") as f:
+            lines = [json.loads(raw) for raw in f]
+        for line in lines:
             entry = modules[line["id"].split("::", 1)[0]]
             entry[0] += line["cpu"]
             entry[1] += line["t1"] - line["t0"]
