@@ -43,13 +43,18 @@ demo: $(STAMP)
 #: and beside other busy processes more runnable workers keep a larger share of it (docs/BUILD.md)
 TEST_WORKERS ?= 6
 
-## make test: the whole suite (type check first, then pytest in a fresh temp root, tests/run-suite.sh)
+## make test: the whole suite (lint first, then pytest in a fresh temp root, tests/run-suite.sh, with the
+## type check beside it); it fails if either fails
 #: --max-worker-restart=0: a test that kills its xdist worker fails the run at once (xdist would
-#: rerun it on fresh workers, and once hung after replacing one until CI's time limit)
+#: rerun it on fresh workers, and once hung after replacing one until CI's time limit).
+#: mypy runs on one core (~10 s of CPU on a fresh clone, no cache): beside the tests it no longer
+#: leaves the other core idle before them; its output is printed after theirs.
 test: $(STAMP) $(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN)
 	$(BIN)/ruff check .
-	$(BIN)/python -m mypy
-	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart=0 --durations=20
+	@$(BIN)/python -m mypy > $(VENV)/.twt-mypy.log 2>&1 & mypy=$$!; \
+	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart=0 --durations=20; \
+	rc=$$?; wait $$mypy; mrc=$$?; echo "mypy:"; cat $(VENV)/.twt-mypy.log; \
+	if [ $$mrc -ne 0 ]; then echo "make test: the type check failed (above)"; exit $$mrc; fi; exit $$rc
 
 ## make test-fast: the inner loop - every test that starts no process (no supervisor, worker, Ray),
 ## less the `slow` ones (exhaustive model checks, long hypothesis runs: make test runs them)

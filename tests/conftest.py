@@ -11,7 +11,7 @@
 * Every timeout is scaled by :data:`TIMEOUT_SCALE` (3): timeouts guard against hangs, never
   measure speed, and a loaded machine is slower.
 * Tests run longest first: ``slow``, then ``process``, then the rest (each module's tests stay
-  together, in order).
+  together, in order); the hardware check's dry run is started first and read late (below).
 * Under pytest-xdist ``make test`` runs ``--dist loadscope``: each module's tests share one
   worker, so a module-scoped fixture (the Ray cluster, the fuzzed supervisor) starts once.
   (``--dist loadgroup`` with ``xdist_group`` marks would be finer, but pytest-xdist 3.8 renames
@@ -20,7 +20,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib
+import json
 import os
 import sys
 import threading
@@ -32,7 +34,7 @@ import hypothesis.configuration as hypothesis_configuration
 import pytest
 
 import supervisor.client.launch
-from tests.helpers import hygiene, timeouts, zygote
+from tests.helpers import cpu_profile, gpu_dry_run, hygiene, timeouts, zygote
 
 hygiene.mark_session()
 # every launched supervisor is forked from a preloaded interpreter (tests/helpers/zygote.py): a
@@ -255,25 +257,92 @@ def _scale_timeout(item: pytest.Item, default: float) -> None:
         item.add_marker(pytest.mark.timeout(float(value) * TIMEOUT_SCALE), append=False)  # the closest
 
 
+def _process_verdicts(items: list[pytest.Item]) -> dict[str, bool]:
+    """:func:`_item_starts_processes` for each test not marked ``process`` by hand, by node id.
+
+    Every xdist worker collects the same tests, and the scan is a third of a worker's collection
+    (~1 s of CPU each). So under xdist the first worker to take the lock scans and writes the
+    verdicts to a file of this run (in its temp root, named after xdist's run id); the others wait
+    on the lock (a blocked ``flock``: no CPU) and read them, scanning only a test the file lacks.
+    """
+    unmarked = [item for item in items if not item.get_closest_marker("process")]
+    run_id, root = os.environ.get("PYTEST_XDIST_TESTRUNUID"), os.environ.get("PYTEST_TWT_ROOT")
+    if not (run_id and root and os.path.isdir(root)):
+        return {item.nodeid: _item_starts_processes(item) for item in unmarked}
+    path = os.path.join(root, f"twt-process-marks-{run_id[:16]}.json")
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(path, encoding="utf-8") as f:
+                known: dict[str, bool] = json.load(f)
+        except (OSError, ValueError):
+            known = {}
+        missing = {item.nodeid: _item_starts_processes(item) for item in unmarked if item.nodeid not in known}
+        if missing:
+            known.update(missing)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(known, f)
+            os.replace(path + ".tmp", path)
+    return known
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     default_timeout = float(config.getini("timeout") or 0)
+    verdicts = _process_verdicts(items)
     for item in items:
         _scale_timeout(item, default_timeout)
-        if not item.get_closest_marker("process") and _item_starts_processes(item):
+        if not item.get_closest_marker("process") and verdicts[item.nodeid]:
             item.add_marker(pytest.mark.process)
     # Longest first (a stable sort: each module's tests stay together and in order): the longest
     # module (the Ray cluster's: ~4 min of a loaded run's 5, which once started 26 s late behind
     # another slow module on its worker and ended the run), then the slow and process-starting
     # tests while every worker is free, the ~1,250 quick ones fill the end, so no worker is left
     # alone with a long test at the end of a parallel run.
-    items.sort(key=_run_order)
+    # The hardware check's dry run (tests/helpers/gpu_dry_run.py: ~35 s, mostly its timed rounds) is
+    # run once for every module that reads it, by the first to ask; the others wait for it on a
+    # lock. So the first such module goes first (its worker runs the check while the others work)
+    # and the other readers after every other process test, when the result is there to read:
+    # before, all of them came early and up to four workers sat blocked on the lock at once.
+    first = _dry_run_producer(items)
+    items.sort(key=lambda item: _run_order(item, first))
 
 
-def _run_order(item: pytest.Item) -> int:
+def _dry_run_producer(items: list[pytest.Item]) -> types.ModuleType | None:
+    """The first module (in collection order) that reads the hardware check's dry run."""
+    return next((m for m in dict.fromkeys(map(_module_of_item, items)) if _reads_the_dry_run(m)), None)
+
+
+def _module_of_item(item: pytest.Item) -> types.ModuleType | None:
+    module = getattr(item, "module", None)
+    return module if isinstance(module, types.ModuleType) else None
+
+
+def _reads_the_dry_run(module: types.ModuleType | None) -> bool:
+    return module is not None and getattr(module, "gpu_dry_run", None) is gpu_dry_run
+
+
+def _run_order(item: pytest.Item, dry_run_first: types.ModuleType | None = None) -> float:
+    module = _module_of_item(item)
+    if module is not None and module is dry_run_first:
+        return 0
+    if _reads_the_dry_run(module):
+        return 2.5
     for rank, marker in enumerate(("longest", "slow", "process")):
         if item.get_closest_marker(marker):
             return rank
     return 3
+
+
+_CPU_LOG = os.environ.get(cpu_profile.ENV)
+if _CPU_LOG:  # CPU per test, for finding where the suite's time goes (tests/helpers/cpu_profile.py)
+    _RECORDER = cpu_profile.Recorder(f"{_CPU_LOG}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}",
+                                     zygote.server_pids)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        _RECORDER.start()
+        yield
+        _RECORDER.stop(item.nodeid)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -31,11 +31,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import timeouts
+
 __all__ = ["DryRun", "dry_run", "why_failed"]
 
 ROOT = Path(__file__).resolve().parents[2]
-#: the check's own timeout inside a test (the tests' pytest timeouts are larger)
-TIMEOUT_S = 220
+#: the check's own timeout inside a test: a hang guard, scaled as every test timeout is (the check
+#: runs first, beside the run's heaviest modules: on a busy machine its ~35 s took over 220 s);
+#: the reading tests' pytest timeouts are larger
+TIMEOUT_S = timeouts.scaled(200)
 
 
 @dataclass(frozen=True)

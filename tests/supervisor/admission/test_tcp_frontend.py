@@ -26,6 +26,7 @@ from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
 from supervisor.admission.curve import CURVE_PUBLIC, CURVE_SECRET, CurveKeyPair, load_or_create_server_keys, write_key_pair
 from supervisor.store.state import StateStore
+from tests.helpers import zygote
 from tests.helpers.cluster import supervisor, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -190,10 +191,10 @@ def _start_fails(tmp_path: Path, *args: str) -> str:
     """Start a supervisor that must refuse: its one error line (no traceback)."""
     run_dir = tempfile.mkdtemp(prefix="twt-", dir=short_temp_dir())  # short: ipc paths are limited
     try:
-        proc = subprocess.run(
+        proc = zygote.run(
             [sys.executable, "-m", "supervisor", "supervise", "--run-dir", run_dir, "--backend", "stub",
              "--pool-size", "0", *args],
-            capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+            timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
         )
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -242,8 +243,9 @@ def test_server_key_file_from_the_operator(tmp_path: Path) -> None:
 
 
 def _twt(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    """``python -m supervisor ARGS``, forked from the suite's preloaded zygote (tests/helpers/zygote.py)."""
+    return zygote.run([sys.executable, "-m", "supervisor", *args], timeout=60, cwd=ROOT,
+                      env={**os.environ, "PYTHONPATH": ROOT})
 
 
 def test_cli_connects_to_a_remote_supervisor() -> None:

@@ -31,6 +31,7 @@ from supervisor.cli.commands.inject_fault import parse_param
 from supervisor.cli.commands.events import format_event
 from supervisor.cli.status import format_duration, render
 from tests.helpers.cluster import FAST as FAST_SETTINGS
+from tests.helpers import zygote
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -40,8 +41,9 @@ MY_COMMANDS = ("status", "top", "events", "register", "capability", "evict", "se
 
 
 def _twt(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    """``python -m supervisor ARGS`` as a process of its own (exit code, stdout, stderr), forked from
+    the suite's preloaded zygote (tests/helpers/zygote.py): what a fresh interpreter would do."""
+    return zygote.run([sys.executable, "-m", "supervisor", *args], timeout=timeout)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -96,8 +98,8 @@ def test_commands_without_a_supervisor_exit_3(capsys: pytest.CaptureFixture[str]
     assert proc.returncode == 3 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"twt: no supervisor at {missing}: no supervisor.json "
                                                 "(not running, or not ready yet)"]
-    env_proc = subprocess.run([sys.executable, "-m", "supervisor", "top", "--iterations", "1"], capture_output=True,
-                              text=True, timeout=30, env={**os.environ, "TWT_RUN_DIR": missing})
+    env_proc = zygote.run([sys.executable, "-m", "supervisor", "top", "--iterations", "1"], timeout=30,
+                          env={**os.environ, "TWT_RUN_DIR": missing})
     assert env_proc.returncode == 3 and missing in env_proc.stderr and "Traceback" not in env_proc.stderr
 
 

@@ -21,6 +21,7 @@ from supervisor.cli import COMMANDS, build_parser, version
 from supervisor.cli._common import describe_os_error
 from supervisor.client.launch import launch
 from supervisor.store.rundir import RunDir
+from tests.helpers import zygote
 from tests.helpers.cluster import FAST, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -28,12 +29,19 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def _twt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m supervisor ARGS`` as a process of its own, forked from the suite's preloaded zygote
+    (tests/helpers/zygote.py; a plain process where the zygote cannot reproduce ``env``)."""
+    return zygote.run([sys.executable, "-m", "supervisor", *args], timeout=60, env=env)
+
+
+def _twt_cold(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m supervisor ARGS`` in a fresh interpreter: the real entry point, no zygote."""
     return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True, text=True, timeout=60,
-                          stdin=subprocess.DEVNULL, env=env)
+                          stdin=subprocess.DEVNULL)
 
 
 def test_version() -> None:
-    proc = _twt("--version")
+    proc = _twt_cold("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"twt {version()}"
     assert version() != "unknown"  # the editable install is a distribution
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,6 +25,7 @@ from shared.records import STATUS_PAGE_MAX, StatusRecord
 from shared.spec import TenantSpec
 from supervisor.client.launch import SupervisorHandle, launch
 from supervisor.control.admin import AdminOps
+from tests.helpers import zygote
 from tests.helpers.cluster import FAST, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -150,8 +150,8 @@ def test_twt_status_shows_the_summary_and_a_page_and_all_with_all(many: tuple[Su
     sup, run_dir = many
 
     def twt(*args: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "supervisor", "status", "--run-dir", run_dir, *args],
-                              capture_output=True, text=True, timeout=300)
+        done = zygote.run([sys.executable, "-m", "supervisor", "status", "--run-dir", run_dir, *args],
+                          timeout=300)
         assert done.returncode == 0, done.stderr
         return done.stdout
 

@@ -303,28 +303,29 @@ def test_exporter_probes_pool_devices_and_wanted_instances() -> None:
 
 def test_second_supervisor_on_the_same_run_dir_and_port_reports_the_lock(tmp_path: Path) -> None:
     """Start-up order: the run dir is locked before the metrics port is bound."""
-    import subprocess
     import sys
+
+    from tests.helpers import zygote
 
     port = _free_port()
     with supervisor([], metrics_addr=f"127.0.0.1:{port}") as sup:
         base = f"http://127.0.0.1:{port}"
         assert _probe(base + "/healthz") == (200, "ok\n")
         wait_for(lambda: _probe(base + "/readyz") == (200, "ready\n"), what="/readyz ready")
-        proc = subprocess.run(
+        proc = zygote.run(
             [sys.executable, "-m", "supervisor", "supervise", "--run-dir", sup.run_dir, "--backend", "stub",
              "--metrics-addr", f"127.0.0.1:{port}", "--pool-size", "0"],
-            capture_output=True, text=True, timeout=60,
+            timeout=60,
         )
         assert proc.returncode == 1
         assert f"RunDirLocked: another supervisor (pid {sup.pid}) is running on {sup.run_dir}" in proc.stderr
         assert "Address already in use" not in proc.stderr and RunDirLocked.code == "run_dir_locked"
         assert _probe(base + "/healthz") == (200, "ok\n")  # the first one is untouched
         # and on another run dir, the busy port is named in one sentence
-        other = subprocess.run(
+        other = zygote.run(
             [sys.executable, "-m", "supervisor", "supervise", "--run-dir", str(tmp_path / "rd"), "--backend", "stub",
              "--metrics-addr", f"127.0.0.1:{port}", "--pool-size", "0"],
-            capture_output=True, text=True, timeout=60,
+            timeout=60,
         )
         assert other.returncode == 1
         assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in other.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from shared.errors import InvalidArgument, TenantIsolationViolation
 from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
 from supervisor.client.event_follow import MISSED
+from tests.helpers import zygote
 from tests.helpers.cluster import supervisor
 
 LOOPBACK = "tcp://127.0.0.1:0"
@@ -169,17 +169,16 @@ def test_twt_events_follows_a_remote_supervisor(tmp_path: Path) -> None:
         sup.client.register(None, TenantSpec("beta"))
         remote = ["--connect", sup.info["listen"][0], f"--server-key={sup.info['server_public_key']}"]
         base = [sys.executable, "-m", "supervisor", "events", "--replay", "--timeout", "1", "--json", *remote]
-        env_run = {"capture_output": True, "text": True, "timeout": 120, "cwd": ROOT}
-        admin = subprocess.run([*base, "--admin-cap", str(admin_file)], **env_run)  # type: ignore[call-overload]
+        admin = zygote.run([*base, "--admin-cap", str(admin_file)], timeout=120, cwd=ROOT)
         assert admin.returncode == 0, admin.stderr
         kinds = {(json.loads(line)["event"], json.loads(line).get("tenant")) for line in admin.stdout.splitlines()}
         assert {("register", "acme"), ("register", "beta"), ("ready", "beta")} <= kinds
-        tenant = subprocess.run([*base, "--capability", str(acme_file)], **env_run)  # type: ignore[call-overload]
+        tenant = zygote.run([*base, "--capability", str(acme_file)], timeout=120, cwd=ROOT)
         assert tenant.returncode == 0, tenant.stderr
         lines = [json.loads(line) for line in tenant.stdout.splitlines()]
         assert lines and {e["tenant"] for e in lines} == {"acme"} and "beta" not in tenant.stdout
         # without the admin capability a remote follower of every event is told what to do
-        refused = subprocess.run([*base], **env_run)  # type: ignore[call-overload]
+        refused = zygote.run(base, timeout=120, cwd=ROOT)
         assert refused.returncode != 0 and "admin" in refused.stderr and "Traceback" not in refused.stderr
 
 
@@ -187,9 +186,8 @@ def test_twt_events_prints_a_gap_line(tmp_path: Path) -> None:
     with supervisor([{"name": "acme"}], event_log_size=16) as sup:
         for i in range(30):
             sup.client.set_quota(None, "acme", memory_quota_bytes=(1 + i) << 20)
-        out = subprocess.run([sys.executable, "-m", "supervisor", "events", "--replay", "--timeout", "0.5",
-                              "--filter", "set_quota", "--run-dir", sup.run_dir],
-                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        out = zygote.run([sys.executable, "-m", "supervisor", "events", "--replay", "--timeout", "0.5",
+                          "--filter", "set_quota", "--run-dir", sup.run_dir], timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert " missed " in lines[0] and "event(s) not shown" in lines[0], lines

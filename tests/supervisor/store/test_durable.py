@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,6 +27,7 @@ from shared.records import ReloadChange
 from supervisor.observe.events import TOPIC_PREFIX, decode_event
 from supervisor.client.launch import SupervisorHandle, launch
 from supervisor.store.rundir import read_admin_capability
+from tests.helpers import zygote
 from tests.helpers.cluster import FAST, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -142,8 +142,8 @@ def test_a_failed_tenant_stays_failed_across_a_restart_and_reset_starts_it_with_
         c = sup.client
         rec = tenant(c.status(), "flaky")
         assert rec.state == "failed" and "restarts within" in rec.failed_reason and rec.pids == ()
-        out = subprocess.run([sys.executable, "-m", "supervisor", "reset", "flaky", "--run-dir", run_dir],
-                             capture_output=True, text=True, timeout=120, cwd=REPO)
+        out = zygote.run([sys.executable, "-m", "supervisor", "reset", "flaky", "--run-dir", run_dir],
+                         timeout=120, cwd=str(REPO))
         assert out.returncode == 0, out.stderr
         assert "state running" in out.stdout
         assert c.ping(cap).tenant == "flaky"  # the same capability
@@ -158,8 +158,8 @@ def test_a_corrupt_state_stops_the_start_with_one_line_and_is_left_alone(run_dir
     db = state / "state.db"
     db.write_bytes(b"definitely not sqlite " * 100)
     before = db.read_bytes()
-    out = subprocess.run([sys.executable, "-m", "supervisor", "supervise", "--run-dir", run_dir, "--backend", "stub",
-                          "--log-level", "error"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = zygote.run([sys.executable, "-m", "supervisor", "supervise", "--run-dir", run_dir, "--backend", "stub",
+                      "--log-level", "error"], timeout=60, cwd=str(REPO))
     assert out.returncode == 1
     lines = [line for line in out.stderr.splitlines() if line.startswith("twt:")]
     assert len(lines) == 1 and str(db) in lines[0] and "StateError" in lines[0], out.stderr
@@ -185,8 +185,8 @@ def test_rotate_key_revokes_every_capability_durably_and_denials_are_published(r
             first = events.of("denied")[0]
             assert first["reason"] == "forged" and first["tenant"] is None and first["verified"] is False
             assert first["claimed"] == "acme" and first["op"] == "ping"
-            out = subprocess.run([sys.executable, "-m", "supervisor", "rotate-key", "--run-dir", run_dir],
-                                 capture_output=True, text=True, timeout=60, cwd=REPO)
+            out = zygote.run([sys.executable, "-m", "supervisor", "rotate-key", "--run-dir", run_dir],
+                             timeout=60, cwd=str(REPO))
             assert out.returncode == 2 and "--yes" in out.stderr  # it asks first
             new_admin = c.rotate_key(None)
             assert read_admin_capability(run_dir) == new_admin.to_bytes()
@@ -286,8 +286,8 @@ def test_reload_applies_the_difference_and_a_bad_file_changes_nothing(run_dir: s
         cfg.write_text(cfg.read_text() + '\n[[tenant]]\nname = "d"\nbogus = 1\n')
         with pytest.raises(ConfigError, match="bogus"):
             c.reload(None)
-        out = subprocess.run([sys.executable, "-m", "supervisor", "reload", "--run-dir", run_dir],
-                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        out = zygote.run([sys.executable, "-m", "supervisor", "reload", "--run-dir", run_dir],
+                         timeout=60, cwd=str(REPO))
         assert out.returncode == 2 and "bogus" in out.stderr and "nothing changed" in out.stderr
         after = c.status().tenants
         assert [(t.tenant_id, t.spec, t.pids) for t in after] == \

@@ -24,6 +24,7 @@ from shared.quota import namespace_of, read_header, segment_namespace
 from supervisor.cli import main
 from supervisor.store.rundir import RunDir, read_ready
 from tests.helpers import segments as fab
+from tests.helpers import zygote
 from tests.helpers.cluster import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _supervise(run_dir: Path, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as err:
-        return subprocess.Popen(
+        return zygote.popen(
             [sys.executable, "-m", "supervisor", "supervise", "--run-dir", str(run_dir), "--backend", "stub",
              "--pool-size", "0", "--log-format", "json", "--log-level", "info"],
             stderr=err, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)

@@ -21,6 +21,7 @@ import pytest
 from shared.spec import TenantSpec
 from supervisor.client.launch import launch
 from supervisor.store.state import COMMITS_FILE, MARKER_FILE, STATE_FILE
+from tests.helpers import zygote
 from tests.helpers.cluster import FAST
 from tests.helpers.tmp import short_temp_dir
 
@@ -41,8 +42,8 @@ def _start(run_dir: str) -> Any:
 
 
 def _supervise(run_dir: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", "supervise", "--run-dir", run_dir, "--backend", "stub",
-                           "--log-level", "error"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    return zygote.run([sys.executable, "-m", "supervisor", "supervise", "--run-dir", run_dir, "--backend", "stub",
+                       "--log-level", "error"], timeout=60, cwd=str(REPO))
 
 
 def test_a_lost_wal_or_database_is_refused_with_one_line_not_a_silent_first_start(run_dir: str) -> None:
@@ -67,15 +68,15 @@ def test_a_backup_of_a_running_supervisor_restores_tenants_and_capabilities(run_
         c = sup.client
         cap = c.register(None, TenantSpec("acme"))
         c.set_quota(None, "acme", memory_quota_bytes="64MiB")
-        out = subprocess.run([sys.executable, "-m", "supervisor", "state", "backup", str(dest), "--run-dir", run_dir],
-                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        out = zygote.run([sys.executable, "-m", "supervisor", "state", "backup", str(dest), "--run-dir", run_dir],
+                         timeout=60, cwd=str(REPO))
         assert out.returncode == 0, out.stderr
         assert "1 tenants" in out.stdout and "registry key" in out.stdout
         c.register(None, TenantSpec("later"))  # after the backup: not in it
     assert (os.stat(dest).st_mode & 0o777) == 0o600
     state = Path(run_dir) / "state"
-    out = subprocess.run([sys.executable, "-m", "supervisor", "state", "restore", str(dest), "--run-dir", run_dir],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = zygote.run([sys.executable, "-m", "supervisor", "state", "restore", str(dest), "--run-dir", run_dir],
+                     timeout=60, cwd=str(REPO))
     assert out.returncode == 0, out.stderr
     assert "1 tenants" in out.stdout and list(state.glob(STATE_FILE + ".replaced-*"))
     with _start(run_dir) as sup:
@@ -86,8 +87,7 @@ def test_a_backup_of_a_running_supervisor_restores_tenants_and_capabilities(run_
 
 
 def _twt(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", *argv], capture_output=True, text=True, timeout=60,
-                          cwd=REPO)
+    return zygote.run([sys.executable, "-m", "supervisor", *argv], timeout=60, cwd=str(REPO))
 
 
 @pytest.mark.parametrize("loss", ["truncated", "deleted"])

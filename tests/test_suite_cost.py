@@ -1,0 +1,115 @@
+"""The suite's own cost machinery: the shared ``process`` scan, the dry run's place in the order, and
+the per-test CPU record (tests/conftest.py, tests/helpers/cpu_profile.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tests.conftest as suite
+from tests.helpers import cpu_profile, gpu_dry_run
+
+
+class _Item:
+    """What the collection hooks read of a pytest item: its node id, module and markers."""
+
+    def __init__(self, nodeid: str, module: types.ModuleType | None = None, *markers: str) -> None:
+        self.nodeid = nodeid
+        self.module = module
+        self._markers = set(markers)
+
+    def get_closest_marker(self, name: str) -> object | None:
+        return name if name in self._markers else None
+
+
+def _counting_scan(monkeypatch: pytest.MonkeyPatch, verdict: dict[str, bool]) -> list[str]:
+    scanned: list[str] = []
+
+    def scan(item: Any) -> bool:
+        scanned.append(item.nodeid)
+        return verdict[item.nodeid]
+
+    monkeypatch.setattr(suite, "_item_starts_processes", scan)
+    return scanned
+
+
+def test_the_process_scan_runs_once_per_run_and_the_other_workers_read_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    verdict = {"a.py::t1": True, "a.py::t2": False, "b.py::t3": False}
+    items: Any = [_Item(n) for n in verdict] + [_Item("c.py::marked", None, "process")]
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "0123456789abcdef0123")
+    monkeypatch.setenv("PYTEST_TWT_ROOT", str(tmp_path))
+    scanned = _counting_scan(monkeypatch, verdict)
+    first = suite._process_verdicts(items)  # the first worker: scans every unmarked test
+    assert sorted(scanned) == sorted(verdict) and first == verdict
+    scanned.clear()
+    again = suite._process_verdicts(items)  # another worker of the same run: reads, scans nothing
+    assert scanned == [] and again == verdict
+    more: Any = [*items, _Item("d.py::t4")]  # a test the file lacks is scanned, and kept
+    verdict["d.py::t4"] = True
+    assert suite._process_verdicts(more)["d.py::t4"] is True and scanned == ["d.py::t4"]
+    monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", "ffffffffffffffff0123")  # another run: its own scan
+    scanned.clear()
+    assert suite._process_verdicts(items) == {k: verdict[k] for k in ("a.py::t1", "a.py::t2", "b.py::t3")}
+    assert len(scanned) == 3
+
+
+def test_without_xdist_every_test_is_scanned_and_nothing_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID", raising=False)
+    monkeypatch.setenv("PYTEST_TWT_ROOT", str(tmp_path))
+    scanned = _counting_scan(monkeypatch, {"a.py::t": False})
+    assert suite._process_verdicts([_Item("a.py::t")]) == {"a.py::t": False}  # type: ignore[list-item]
+    assert scanned == ["a.py::t"] and list(tmp_path.iterdir()) == []
+
+
+def test_the_dry_run_goes_first_and_its_other_readers_after_the_process_tests() -> None:
+    def module(name: str, reads: bool) -> types.ModuleType:
+        m = types.ModuleType(name)
+        if reads:
+            m.gpu_dry_run = gpu_dry_run  # type: ignore[attr-defined]
+        return m
+
+    producer, reader, plain = module("p", True), module("r", True), module("x", False)
+    items: Any = [_Item("r::read", reader, "process"), _Item("p::check", producer, "process"), _Item("x::quick", plain),
+                  _Item("x::proc", plain, "process"), _Item("x::slow", plain, "slow"),
+                  _Item("x::ray", plain, "longest", "slow")]
+    assert suite._dry_run_producer(items) is reader  # the first reader collected runs the check
+    items[0], items[1] = items[1], items[0]
+    assert suite._dry_run_producer(items) is producer
+    assert suite._dry_run_producer([i for i in items if i.module is plain]) is None
+    order = sorted(items, key=lambda i: suite._run_order(i, producer))
+    assert [i.nodeid for i in order] == ["p::check", "x::ray", "x::slow", "x::proc", "r::read", "x::quick"]
+
+
+def test_the_cpu_record_counts_a_childs_cpu_and_sums_per_module(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "cpu")
+    recorder = cpu_profile.Recorder(prefix + ".gw0", lambda: ())
+    recorder.start()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.3: pass"], check=True, timeout=60)
+    recorder.stop("tests/x.py::t1")
+    with open(prefix + ".gw1", "w", encoding="utf-8") as f:
+        f.write(json.dumps({"id": "tests/x.py::t2", "t0": 0.0, "t1": 1.0, "cpu": 1.5}) + "\n")
+        f.write(json.dumps({"id": "tests/y.py::t3", "t0": 1.0, "t1": 3.0, "cpu": 0.25}) + "\n")
+    (line,) = [json.loads(x) for x in Path(prefix + ".gw0").read_text(encoding="utf-8").splitlines()]
+    assert line["id"] == "tests/x.py::t1" and line["cpu"] >= 0.3  # the reaped child's CPU is the test's
+    report = cpu_profile.summarize(prefix)
+    module_rows = {r.split()[-1]: r.split() for r in report.splitlines() if r.split()[-1].startswith("tests/")
+                   and "::" not in r}
+    assert float(module_rows["tests/x.py"][0]) == pytest.approx(1.5 + line["cpu"], abs=0.06)
+    assert module_rows["tests/x.py"][2] == "2" and module_rows["tests/y.py"][2] == "1"
+    assert "gw0" in report and "gw1" in report
+
+
+def test_a_zygotes_children_count_once_reaped() -> None:
+    """The zygotes' forks are reaped by the zygote, not by the test process: read from /proc."""
+    assert cpu_profile._tree_cpu(os.getpid()) > 0
+    assert cpu_profile._tree_cpu(2 ** 22 + 1) == 0.0  # no such process
