@@ -48,6 +48,7 @@ from shared.records import (
     TenantRecord,
 )
 from shared.spec import TenantSpec
+from shared.wire import Record
 
 __all__ = [
     "ADMIN_OPS",
@@ -65,6 +66,7 @@ __all__ = [
     "OPS",
     "PROTOCOL_VERSION",
     "QUOTA_KEYS",
+    "REPLY_RECORDS",
     "SERVED_BY",
     "TENANT_OPS",
     "ABSENT",
@@ -966,6 +968,14 @@ OPS: Final[dict[str, OpSpec]] = {
     for op in (Ping, Alloc, Free, Write, Read, Echo, Buffers, Quota, PutModule, RunWasm, Events, RegionCreate,
                RegionRelease, WriteRegion, ReadRegion, Hello, Register, Capability, Evict, SetQuota, Scale, Status,
                TenantStatus, InjectFault, Version, Reload, Reset, Restart, RotateKey)
+}
+#: the record each op's success reply decodes as, read from the ops' reply types (``SupervisorClient``
+#: returns these; the JSON Schema's reply of the op is this record's). The other ops reply with a
+#: flat typed map (their ``Reply`` dataclass). ``hello`` answers a :class:`~shared.records.HelloInfo`
+#: with a capability; without one an ``AliveInfo``.
+REPLY_RECORDS: Final[dict[str, type[Record]]] = {
+    name: op.reply_type for name, op in OPS.items()
+    if isinstance(op.reply_type, type) and issubclass(op.reply_type, Record)
 }
 #: ops a tenant capability grants (routed to one of the tenant's workers)
 TENANT_OPS: Final = frozenset(name for name, op in OPS.items() if not op.admin)

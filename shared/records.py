@@ -45,7 +45,6 @@ __all__ = [
     "TenantRow",
     "Record",
     "RegionGrant",
-    "REPLY_RECORDS",
     "RegionRecord",
     "ReloadChange",
     "ReloadResult",
@@ -404,23 +403,3 @@ class FaultResult(Record):
     exit_code: int | None = None
     signal: int | None = None
     exited: bool | None = None  # set when the fault ended the worker
-
-
-#: the record each op's success reply decodes as (``SupervisorClient`` returns these; the JSON
-#: Schema's reply of the op is this record's). Ops not listed reply with a small map of scalars.
-REPLY_RECORDS: Final[dict[str, type[Record]]] = {
-    "hello": HelloInfo,  # with a capability; without one the reply is an AliveInfo
-    "status": StatusRecord,
-    "tenant_status": TenantRecord,
-    "set_quota": TenantRecord,
-    "scale": TenantRecord,
-    "reset": TenantRecord,
-    "restart": TenantRecord,
-    "quota": QuotaSnapshot,
-    "evict": EvictResult,
-    "run_wasm": RunResult,
-    "ping": PingInfo,
-    "region_create": RegionGrant,
-    "reload": ReloadResult,
-    "inject_fault": FaultResult,
-}

@@ -380,6 +380,7 @@ class Supervisor:
                 parts.pending.abandon(list(parts.workers.workers.values()), "the supervisor is stopping")
                 parts.workers.kill_all_now()
                 parts.regions.close()  # none outlives the supervisor
+                parts.parking.close()  # the parked copies' files: host copies never outlive it
             if self.registry is not None:
                 self.registry.close()
         finally:

@@ -39,7 +39,7 @@ from shared.config import SupervisorConfig
 from shared.errors import TenantIsolationViolation
 from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
 from shared.log import get_logger, log_event
-from shared.quota import cleanup_stale_segments
+from shared.quota import QuotaSnapshot, cleanup_stale_segments
 from supervisor.admission.connections import FrontendConnections
 from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.host.fdlimit import raise_fd_limit
@@ -69,6 +69,7 @@ from supervisor.runtime.workers import SpawnerFactory
 from supervisor.store.audit import DeniedAudit
 from supervisor.store.modules import ModuleStore
 from supervisor.store.registry import TenantRegistry
+from supervisor.store.parked_bytes import remove_stale as remove_stale_parked
 from supervisor.store.rundir import RunDir
 from supervisor.store.state import StateStore, StoredTenant
 
@@ -143,6 +144,9 @@ def build_parts(s: Surroundings) -> Parts:
     removed = cleanup_stale_segments(namespace=s.rundir.segment_namespace)  # never another run dir's
     if removed:
         log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
+    stale_parked = remove_stale_parked(s.rundir.path)  # a killed supervisor's host copies: never restored
+    if stale_parked:
+        log_event(_log, logging.INFO, "supervisor.stale_parked_files_removed", count=stale_parked)
     choice = select_backend(cfg)
     with ExitStack() as undo:  # a failure half-way undoes what was made, newest first
         placement = _placement(s, choice)
@@ -204,7 +208,8 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
     parking = Parking(tenants=tenants, workers=workers, events=events, signals=signals, clock=loop.clock,
                       persist=_parked_flag_writer(s.state), stopping=s.stopping, max_active=cfg.max_active,
                       device_bounds=placement.context_bounds(),
-                      artifacts=ModuleArtifacts(s.modules, min(ARTIFACT_MESSAGE_BYTES, cfg.max_message_bytes // 2)))
+                      artifacts=ModuleArtifacts(s.modules, min(ARTIFACT_MESSAGE_BYTES, cfg.max_message_bytes // 2)),
+                      run_dir=s.rundir.path)
     dispatcher = Dispatcher(cfg, clock=loop.clock, pending=pending, sender=workers, held=guard.held,
                             regions=regions, tenants=tenants, wake=parking.wake)
     records = Records(cfg, loop=loop, tenants=tenants, registry=s.registry, placement=placement, workers=workers,
@@ -302,16 +307,17 @@ def _server_keys(cfg: SupervisorConfig, state: StateStore) -> CurveKeyPair:
     return load_or_create_server_keys(state)
 
 
-def _parked_flag_writer(state: StateStore) -> Callable[[str, bool], None]:
-    """Parking's ``persist``: the parked flag written on the state's writer thread (never on the
-    loop: an activation does not wait for an fsync); a failed write is logged - a restart then
-    brings the tenant back in the state written last."""
-    def persist(tenant: str, parked: bool) -> None:
+def _parked_flag_writer(state: StateStore) -> Callable[[str, bool, QuotaSnapshot | None], None]:
+    """Parking's ``persist``: the parked flag (and a parked tenant's quota counters, in the same
+    transaction) written on the state's writer thread (never on the loop: an activation does not
+    wait for an fsync); a failed write is logged - a restart then brings the tenant back in the
+    state written last."""
+    def persist(tenant: str, parked: bool, quota: QuotaSnapshot | None) -> None:
         def done(future: Future[None]) -> None:
             exc = future.exception()
             if exc is not None:
                 log_event(_log, logging.ERROR, "state.write_failed", tenant=tenant, error=str(exc))
 
-        state.submit(state.set_parked, tenant, parked).add_done_callback(done)
+        state.submit(state.set_parked, tenant, parked, quota).add_done_callback(done)
 
     return persist

@@ -92,7 +92,7 @@ MONITOR_KEY = "(monitor)"
 _VERIFIED_CAP_CACHE = 65536
 
 #: plain ints: ``int & zmq.POLLIN`` goes through enum.Flag (~1 us a message)
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _IPC = bytes([IPC_INDEX])
 _TCP = bytes([TCP_INDEX])
 
@@ -254,7 +254,7 @@ class Frontend:
         # ipc waited ~0.5 ms before the loop read it, a whole batch and its serving).
         if self.tcp_paused and prefix == _TCP:  # (polled before the pause began, this turn)
             return
-        recv, events = sock.recv_multipart, sock.getsockopt
+        recv, events = sock.recv, sock.getsockopt
         other = self._other.get(prefix) if follow and not self.tcp_paused else None
         other_events = other[0].getsockopt if other is not None else None
         fair, admission = self.guard.fair, self.guard.admission
@@ -263,8 +263,12 @@ class Frontend:
         yielded = False
         dropped = 0
         for i in range(1, fair.read_budget(READ_BATCH, BATCH_BACKLOGGED) + 1):
-            try:
-                frames = recv(zmq.NOBLOCK, copy=False)
+            try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
+                frame = recv(_NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:
+                    frame = recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
             except zmq.Again:
                 break
             if prefix == _TCP and self._sessions is not None and not self._tcp_seen(frames[0], now):

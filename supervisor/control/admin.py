@@ -69,7 +69,7 @@ from shared.errors import (
 )
 from shared.log import get_logger, log_event
 from supervisor.host.mps import MpsDecision
-from shared.quota import MAX_INSTANCES
+from shared.quota import MAX_INSTANCES, QuotaCounters
 from shared.records import TenantRecord
 from shared.spec import TenantSpec
 from shared.worker_link import FaultAck, FaultExit, FaultOrder
@@ -336,14 +336,16 @@ class AdminOps:
         self._checkpoint_soon()
 
     def restore(self, spec: TenantSpec, generation: int, origin: str, failed_reason: str | None, *,
-                parked: bool = False) -> None:
+                parked: bool = False, quota: QuotaCounters | None = None) -> None:
         """Bring back a tenant from the state at start: same generation (its capabilities work),
         its instances started - unless it was failed, which it stays until ``twt reset``, or
         parked, which it stays until its next request (its buffers' host copies did not survive
-        the restart: its old handles answer ``BufferLost``)."""
+        the restart: its old handles answer ``BufferLost``). ``quota``: the counters a parked
+        tenant kept in the state (its marks, refusals and GPU time go on from them)."""
         device = self.placement.place(spec, self._tenants_on())
         isolation = self.placement.isolation(spec)
-        cap = self.registry.restore_with_capability(self.admin_cap, spec, generation)
+        kept = quota if parked and failed_reason is None else None
+        cap = self.registry.restore_with_capability(self.admin_cap, spec, generation, kept)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=generation,
                          restored=True, failed=failed_reason is not None, parked=parked)
         if failed_reason is not None:

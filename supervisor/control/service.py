@@ -119,7 +119,7 @@ class ServiceOps:
                 self.admin.record(self.state.update_spec, spec, registered_spec=spec)
             try:
                 self.admin.restore(spec, record.generation, record.origin, record.failed_reason,
-                                   parked=record.parked)
+                                   parked=record.parked, quota=record.quota)
             except TensorWasmError as exc:  # e.g. a pinned device this supervisor no longer manages
                 log_event(_log, logging.ERROR, "tenant.restore_failed", tenant=tid, error=str(exc))
                 self.events.emit("state_error", path=self.state.path, error=f"tenant {tid!r} not restored: {exc}")

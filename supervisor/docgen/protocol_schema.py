@@ -11,8 +11,8 @@ Clients in other languages get the contract from ``shared/protocol.schema.json``
   retryable, and its parent class (subclassing never shows on the wire);
 * :class:`shared.spec.TenantSpec`: the ``register`` spec's keys, with the
   ranges, enums and size strings ``TenantSpec.from_dict`` accepts;
-* the reply records of :mod:`shared.records` (``REPLY_RECORDS``: the record
-  each op's success reply decodes as, nested records by reference).
+* the reply records of :mod:`shared.records` (``shared.protocol.REPLY_RECORDS``, read from the
+  ops' reply types: the record each op's success reply decodes as, nested records by reference).
 
 A row added to any of those tables flows into the schema (and into
 docs/PROTOCOL.md) with no edit here; the notes below only add prose. The
@@ -43,7 +43,6 @@ from typing import Any, Final
 from shared import protocol as proto
 from shared.errors import ISOLATION_REASONS, TenantIsolationViolation, TensorWasmError, _BY_CODE
 from shared.quota import MAX_INSTANCES
-from shared.records import REPLY_RECORDS
 from shared.sizes import MAX_SIZE
 from shared.spec import TenantSpec
 from shared.wire import Record
@@ -485,7 +484,7 @@ def _reply_keys(text: str) -> list[str]:
 
 
 def _reply_record(op: proto.OpSpec) -> type | None:
-    return REPLY_RECORDS.get(op.name)
+    return proto.REPLY_RECORDS.get(op.name)
 
 
 def _reply_schema(op: proto.OpSpec) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""Parking: an idle tenant's workers exit, its buffers wait in the supervisor, and come back.
+"""Parking: an idle tenant's workers exit, its buffers wait in a file of the run dir, and come back.
 
     active ──idle_timeout_s without a request──► EXPORTING   export_buffers, export_chunk ... per instance
        ▲                                            │ the copy is whole (a request meanwhile: cancelled,
@@ -12,8 +12,9 @@
        │                                            │ any request that needs a worker
        │                                            ▼
        └──────── every instance imported ─────── ACTIVATING  pool workers bound with the old incarnation;
-                 (the host copy released;                    import_buffer ... per instance; requests wait
-                  the waiting requests sent)                 in order in ``TenantRuntime.parked``
+                 (the host copy released;                    import_mapped per instance (import_buffer
+                  the waiting requests sent,                 chunks for a copy kept in memory); requests
+                  then load_modules)                         wait in order in ``TenantRuntime.parked``
 
 The rules that keep bytes and quota whole:
 
@@ -47,15 +48,26 @@ The rules that keep bytes and quota whole:
   every counter kept in the supervisor's record of it; the activation's first
   bind makes a fresh segment from that record before any worker attaches
   (:class:`~supervisor.store.tenant_quota.TenantQuota`; a parked tenant holds
-  no segment and no descriptor).
+  no segment and no descriptor). Whenever a tenant parks, its counters are stored
+  with the parked flag (``persist``): a restart brings them back.
+
+* **Where the copies are.** Each instance's copies are one file of the run dir
+  (:class:`~supervisor.store.parked_bytes.ParkedBytes`): the export writes each
+  chunk through to it, its descriptor is closed once the copy is whole, and the
+  activating worker maps it and copies each buffer once (``import_mapped``). A
+  file that cannot be made leaves the copies in the supervisor's memory
+  (one ``bytearray`` per buffer, sent back in chunks). The file goes with the host copy:
+  when the import is confirmed, the park cancelled, or the tenant evicted.
 
 * **Compiled modules.** After its buffers, each instance hands over the
   wasmtime artifacts of the stored modules it compiled (``export_modules``);
   they are written to this tenant's own directory (supervisor.store.artifacts),
   and an activating instance gets them back after its buffers
-  (``import_modules``), so its first ``run_wasm`` does not compile. The
-  activation does not wait for that answer (the worker takes the artifacts
-  before the requests sent after them); a worker that dies after its buffers
+  (``import_modules``: the worker holds them), so its first ``run_wasm`` does
+  not compile; they are deserialized after the requests the activation was
+  made for (``load_modules``) or at that run. The activation does not wait for
+  the answer (the worker takes the artifacts before the requests sent after
+  them); a worker that dies after its buffers
   were confirmed is an ordinary crash once the activation is done. Neither step
   can fail a park or an activation: what is missing is compiled at its run.
 
@@ -74,8 +86,9 @@ The rules that keep bytes and quota whole:
 Owns: every tenant's :class:`~supervisor.runtime.tenants.ParkRecord` and its
 transitions. May touch: the worker set (requests, start, stop), the frontend's
 waiting requests (sent once activation is done), the tenant's quota block (the
-host copies' charge), events and the state store (the parked flag, written on
-its writer thread). Loop thread only.
+host copies' charge), the parked files (supervisor.store.parked_bytes), events
+and the state store (the parked flag and counters, written on its writer
+thread). Loop thread only.
 """
 
 from __future__ import annotations
@@ -89,9 +102,11 @@ import zmq
 
 from shared.errors import CapacityExhausted, MemoryExhausted, TensorWasmError
 from shared.log import get_logger, log_event
+from shared.quota import QuotaSnapshot
 from supervisor.lifecycle.module_artifacts import ModuleArtifacts
 from supervisor.lifecycle.signals import Stage, TenantSignals
 from supervisor.lifecycle.workerset import WorkerSet
+from supervisor.store.parked_bytes import ParkedBytes, ParkedSpan
 from supervisor.observe.events import EventBus
 from supervisor.runtime.requests import Pending
 from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, ParkRecord, TenantRuntime, TenantState
@@ -120,18 +135,23 @@ class Parking:
 
     def __init__(self, *, tenants: Mapping[str, TenantRuntime], workers: WorkerSet, events: EventBus,
                  signals: TenantSignals, clock: Callable[[], float],
-                 persist: Callable[[str, bool], None] | None = None,
+                 persist: Callable[[str, bool, QuotaSnapshot | None], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False, max_active: int | None = None,
-                 device_bounds: Mapping[int, int] | None = None, artifacts: ModuleArtifacts | None = None) -> None:
+                 device_bounds: Mapping[int, int] | None = None, artifacts: ModuleArtifacts | None = None,
+                 run_dir: str | None = None) -> None:
         """``signals``: the tenant signals - parking hears of a ready instance first (an activation
         puts the buffers back before any request is sent) and of a stopped activation last, and
         tells them when a tenant serves again (a park cancelled, an activation done: what a ready
         instance means, ``TenantSignals.serving``: its waiting requests are sent, its waiters
-        answered). ``persist(tenant, parked)``: record the parked flag durably (None: not recorded). ``stopping()``: the supervisor is stopping (nothing is activated then).
+        answered). ``persist(tenant, parked, quota)``: record the parked flag durably, and a parked
+        tenant's quota counters with it (None: not recorded). ``stopping()``: the supervisor is
+        stopping (nothing is activated then).
         ``max_active``: the most tenant workers alive at once (None: unbounded); ``device_bounds``:
         the same per device, where its memory budget over a worker's context cost bounds it.
         ``artifacts``: the tenants' compiled modules kept across a park (None: they compile after
-        an activation)."""
+        an activation). ``run_dir``: where the host copies are kept, a file per instance that its
+        next worker restores with one copy (supervisor.store.parked_bytes; None: in the
+        supervisor's memory, restored in chunks through the socket)."""
         self.tenants = tenants
         self.workers = workers
         self.events = events
@@ -151,7 +171,18 @@ class Parking:
         #: for those answers (its other fields)
         self._modules_pending: dict[str, int] = {}
         self._activate_events: dict[str, dict[str, object]] = {}
+        #: an activation in progress, by tenant: how each instance got its worker (warm, starting,
+        #: spawned: WorkerSet.start_instance) and when the last instance's import began (its
+        #: ``activate`` event splits activate_ms into bind_ms and restore_ms from these)
+        self._how: dict[str, dict[str, int]] = {}
+        self._bound_at: dict[str, float] = {}
+        #: the workers an activation handed compiled modules to, by tenant: told to load them
+        #: (``load_modules``) after the requests the activation was made for
+        self._load_after: dict[str, list[tuple[InstanceSlot, WorkerHandle]]] = {}
         self.device_bounds = dict(device_bounds or {})
+        self.run_dir = run_dir
+        #: the parked files of instances, by tenant and instance (see _host_copies)
+        self._files: dict[str, dict[int, ParkedBytes]] = {}
         #: parks begun to make room (before the tenant's idle time), and activations refused for room
         self.early_parks = 0
         self.capacity_refusals = 0
@@ -176,6 +207,8 @@ class Parking:
         """Housekeeping: park every tenant idle past its ``idle_timeout_s``; activations waiting
         for room look again (room also comes from evictions and deaths)."""
         self._retry_room_waiters()
+        for tid in [t for t in self._files if (o := self.tenants.get(t)) is None or o.park is None]:
+            self._drop_files(tid)  # evicted while parked (or parking): its files go with it
         if self._refused_at:
             self._refused_at = {t: at for t, at in self._refused_at.items() if now - at < EARLY_PARK_BACKOFF_S}
         for rt in list(self.tenants.values()):
@@ -235,7 +268,7 @@ class Parking:
         need = sum(n for _, n in sizes)
         try:
             self._charge(rt, rec, need)  # before a byte of host memory is taken for the copies
-            buffers = [ParkedBuffer(handle, bytearray(n)) for handle, n in sizes]
+            buffers = self._host_copies(rt, slot, sizes, need)
         except MemoryExhausted as exc:
             self._refuse(rt, rec, exc)
             return
@@ -249,6 +282,38 @@ class Parking:
         rec.buffers[slot.index] = buffers
         rec.seqs[slot.index] = seq
         self._export_next(rt, rec, slot, 0, 0)
+
+    def _host_copies(self, rt: TenantRuntime, slot: InstanceSlot, sizes: list[tuple[int, int]],
+                     need: int) -> list[ParkedBuffer]:
+        """The host copies of one instance's buffers: spans of one file in the run dir (restored
+        with one copy), or - without a run dir, or when the file cannot be made (no space, no
+        descriptor) - bytearrays (restored in chunks). MemoryError when neither fits."""
+        if self.run_dir is not None and need > 0:
+            try:
+                parked = ParkedBytes.create(self.run_dir, need)
+            except OSError as exc:
+                log_event(_log, logging.WARNING, "tenant.park_file_failed", tenant=rt.tenant_id, nbytes=need,
+                          error=str(exc), detail="its copy is kept in the supervisor's memory instead")
+            else:
+                self._files.setdefault(rt.tenant_id, {})[slot.index] = parked
+                out = []
+                offset = 0
+                for handle, n in sizes:
+                    out.append(ParkedBuffer(handle, ParkedSpan(parked, offset, n)))
+                    offset += n
+                return out
+        return [ParkedBuffer(handle, bytearray(n)) for handle, n in sizes]
+
+    def _drop_files(self, tid: str) -> None:
+        """The host copies' files of ``tid`` go (the park cancelled, or the activation confirmed)."""
+        for parked in self._files.pop(tid, {}).values():
+            parked.close()
+
+    def close(self) -> None:
+        """The supervisor is stopping: every parked file goes (the host copies do not survive it,
+        as documented; the next start would remove them anyway)."""
+        for tid in list(self._files):
+            self._drop_files(tid)
 
     def _charge(self, rt: TenantRuntime, rec: ParkRecord, need: int) -> None:
         """Charge ``need`` host bytes to the tenant's memory quota, or MemoryExhausted (nothing
@@ -284,16 +349,28 @@ class Parking:
             self._abandon(rt, rec, "an instance went away while its buffers were copied")
             return
 
+        unwritten: list[str] = []
+
         def on_body(body: zmq.Frame | bytes | memoryview | None) -> None:
             data = memoryview(body.buffer if isinstance(body, zmq.Frame) else body or b"")
-            if len(data) == n:
+            if len(data) != n:
+                return
+            if isinstance(buf.data, bytearray):
                 buf.data[offset:offset + n] = data
+                return
+            try:
+                buf.data.write(offset, data)  # through to the instance's parked file
+            except OSError as exc:
+                unwritten.append(str(exc))
 
         def done(ok: bool, payload: object) -> None:
             if not self._current(rt, rec, ParkPhase.EXPORTING):
                 return
             if not ok or not isinstance(payload, dict) or payload.get("nbytes") != n:
                 self._abandon(rt, rec, f"export_chunk failed: {_message(payload)}")
+                return
+            if unwritten:
+                self._abandon(rt, rec, f"the parked file could not take the copy: {unwritten[0]}")
                 return
             if offset + n < len(buf.data):
                 self._export_next(rt, rec, slot, index, offset + n)
@@ -333,6 +410,8 @@ class Parking:
     def _exported(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         """Every buffer is whole in host memory: now the workers may go."""
         self._unwatch(rt)
+        for parked in self._files.get(rt.tenant_id, {}).values():
+            parked.seal()  # a parked tenant holds no descriptor
         rec.phase = ParkPhase.STOPPING
         workers = []
         for slot in rt.wanted_slots():
@@ -363,11 +442,17 @@ class Parking:
         self._early.discard(rt.tenant_id)
         self.events.emit("park", tenant=rt.tenant_id, buffers=sum(len(b) for b in rec.buffers.values()),
                          host_bytes=rec.host_bytes, park_ms=round((self.clock() - rec.since) * 1000, 3), early=early)
-        if self.persist is not None:
-            self.persist(rt.tenant_id, True)
+        self._persist_parked(rt)
         if (rec.wanted or rt.waiting) and not self.stopping() and self._make_room(rt) is True:
             self.activate(rt)
         self._retry_room_waiters()  # its workers' room is free now
+
+    def _persist_parked(self, rt: TenantRuntime) -> None:
+        """Store that ``rt`` is parked, with its quota counters as they are now (its workers are
+        gone: nothing changes them until it is activated, see supervisor.store.tenant_quota)."""
+        if self.persist is None or rt.block.closed:
+            return
+        self.persist(rt.tenant_id, True, rt.block.snapshot())
 
     def _died_exporting(self, rt: TenantRuntime, rec: ParkRecord, worker: WorkerHandle) -> None:
         """A worker died while its buffers were copied: they went with it, as in any crash."""
@@ -389,6 +474,7 @@ class Parking:
         self._unwatch(rt)
         self._release(rt, rec)
         rec.buffers.clear()
+        self._drop_files(rt.tenant_id)
         rt.park = None
         rt.last_request = self.clock()
         rt.refresh_state()
@@ -546,13 +632,16 @@ class Parking:
         rec.todo = {slot.index for slot in rt.wanted_slots()}
         rec.importing.clear()
         rt.refresh_state()
+        how = self._how[rt.tenant_id] = {}
+        self._bound_at.pop(rt.tenant_id, None)
         for slot in rt.wanted_slots():
             slot.keep_incarnation = True
             # a worker that is DEAD here is one whose death is being handled (its death waiters
             # run before the slot is emptied): the slot is free; the rest of that handling sees
             # the slot taken and leaves it
             if slot.worker is None or slot.worker.state is WorkerState.DEAD:
-                self.workers.start_instance(rt, slot)
+                got = self.workers.start_instance(rt, slot)
+                how[got] = how.get(got, 0) + 1
         if not rec.todo:
             self._activated(rt, rec)
         else:
@@ -582,9 +671,12 @@ class Parking:
         """Send instance ``slot``'s buffers back, chunk by chunk, up to IMPORT_WINDOW chunks in
         flight (the worker takes them in order: a buffer's first chunk allocates it), then its
         compiled modules. An instance without buffers gets only its handle sequence."""
+        self._bound_at[rt.tenant_id] = self.clock()
         seq = rec.seqs.get(slot.index, 0)
-        chunks = [(buf, offset, min(PARK_CHUNK_BYTES, len(buf.data) - offset))
-                  for buf in rec.buffers.get(slot.index, []) for offset in range(0, len(buf.data), PARK_CHUNK_BYTES)]
+        parked = self._files.get(rt.tenant_id, {}).get(slot.index)
+        chunks = [] if parked is not None else [
+            (buf, offset, min(PARK_CHUNK_BYTES, len(buf.data) - offset))
+            for buf in rec.buffers.get(slot.index, []) for offset in range(0, len(buf.data), PARK_CHUNK_BYTES)]
         sent = 0
         in_flight = 0
         failed = False
@@ -609,13 +701,23 @@ class Parking:
             nonlocal sent, in_flight
             while sent < len(chunks) and in_flight < IMPORT_WINDOW and not failed:
                 buf, offset, n = chunks[sent]
+                assert isinstance(buf.data, bytearray)  # chunks are only sent of copies in memory
                 sent += 1
                 in_flight += 1
                 self._send(rt, slot, worker, "import_buffer",
                            {"handle": buf.handle, "nbytes": len(buf.data), "offset": offset, "seq": seq},
                            memoryview(buf.data)[offset:offset + n], done)
 
-        if not chunks:
+        if parked is not None:  # one message: the worker maps the file and copies each buffer once
+            in_flight = 1
+            entries: list[list[int]] = []
+            offset = 0
+            for buf in rec.buffers.get(slot.index, []):
+                entries.append([buf.handle, len(buf.data), offset])
+                offset += len(buf.data)
+            self._send(rt, slot, worker, "import_mapped", {"path": parked.path, "buffers": entries, "seq": seq},
+                       None, done)
+        elif not chunks:
             in_flight = 1
             self._send(rt, slot, worker, "import_buffer", {"handle": None, "seq": seq}, None, done)
         else:
@@ -627,7 +729,9 @@ class Parking:
         are sent, and the worker takes them before any request sent after them (its requests are
         served in order), so a ``ping`` that woke the tenant does not wait for their answer. A
         worker's refusal is never the activation's (the module compiles at its run); the
-        ``activate`` event waits for the answers to count the artifacts loaded."""
+        ``activate`` event waits for the answers to count the artifacts handed over. The worker
+        only holds them: ``load_modules``, sent after the waiting requests (:meth:`_activated`),
+        deserializes them, or each module's first run does."""
         artifacts = self.artifacts
         message = artifacts.message(rt) if artifacts is not None else None
         if artifacts is None or message is None:
@@ -651,6 +755,7 @@ class Parking:
                 self._emit_activate(tid, fields)
 
         self._send(rt, slot, worker, "import_modules", args, body, done)
+        self._load_after.setdefault(tid, []).append((slot, worker))
         self._slot_imported(rt, rec, slot)
 
     def _emit_activate(self, tid: str, fields: dict[str, object]) -> None:
@@ -679,27 +784,38 @@ class Parking:
         restored = sum(len(b) for b in rec.buffers.values())
         host_bytes = rec.host_bytes
         rec.buffers.clear()
+        self._drop_files(rt.tenant_id)
         for slot in rt.slots:
             slot.keep_incarnation = False
         rt.park = None
         rt.last_request = self.clock()
         rt.refresh_state()
         self.activations += 1
+        now = self.clock()
+        bound_at = self._bound_at.pop(rt.tenant_id, now)
         fields: dict[str, object] = {"buffers": restored, "host_bytes": host_bytes,
-                                     "activate_ms": round((self.clock() - rec.since) * 1000, 3)}
+                                     "activate_ms": round((now - rec.since) * 1000, 3),
+                                     # its phases: workers bound (a warm one: the bind; else the
+                                     # process start too), then the buffers imported
+                                     "bind_ms": round((bound_at - rec.since) * 1000, 3),
+                                     "restore_ms": round((now - bound_at) * 1000, 3),
+                                     "workers": self._how.pop(rt.tenant_id, {})}
         if self._modules_pending.get(rt.tenant_id):  # emitted with the artifacts' count once answered
             self._activate_events[rt.tenant_id] = fields
         else:
             self._emit_activate(rt.tenant_id, fields)
         if self.persist is not None:
-            self.persist(rt.tenant_id, False)
-        self.on_active(rt)
+            self.persist(rt.tenant_id, False, None)
+        self.on_active(rt)  # its waiting requests are sent: they go first
+        for slot, worker in self._load_after.pop(rt.tenant_id, ()):
+            if slot.worker is worker and worker.state is WorkerState.READY:
+                self._send(rt, slot, worker, "load_modules", {}, None, lambda _ok, _payload: None)
 
     def _activation_failed(self, rt: TenantRuntime, rec: ParkRecord, payload: object) -> None:
         """An import was refused (the GPU cap was lowered below the buffers while parked): the
         tenant goes back to parked with its host copy, and what waited is answered the error."""
         exc = _error(payload)
-        self._artifacts_loaded.pop(rt.tenant_id, None)
+        self._forget_activation(rt.tenant_id)
         log_event(_log, logging.WARNING, "tenant.activation_failed", tenant=rt.tenant_id, error=str(exc))
         rec.phase = ParkPhase.STOPPING
         rec.importing.clear()
@@ -711,12 +827,14 @@ class Parking:
             if not remaining and self.tenants.get(rt.tenant_id) is rt and rt.park is rec:
                 rec.phase = ParkPhase.PARKED
                 rt.refresh_state()
+                self._persist_parked(rt)  # the refused import counted against its quota
 
         for worker in workers:
             worker.death_waiters.append(gone)
             self.workers.stop_worker(worker, "activation failed")
         if not workers:
             rec.phase = ParkPhase.PARKED
+            self._persist_parked(rt)
         rt.refresh_state()
         while rt.waiting:
             self.workers.pending.refuse_parked(rt.tenant_id, rt.parked.popleft(), exc)
@@ -725,13 +843,20 @@ class Parking:
         """The tenant failed, or an instance is not restarted, during an activation: it stays
         parked with its host copy (the next request, or ``twt reset``, activates it again)."""
         rec = rt.park
-        self._artifacts_loaded.pop(rt.tenant_id, None)
+        self._forget_activation(rt.tenant_id)
         if rec is not None and rec.phase is ParkPhase.ACTIVATING:
             rec.importing.clear()
             if not any(s.coming_up for s in rt.wanted_slots()):
                 rec.phase = ParkPhase.PARKED
                 if rt.state is not TenantState.FAILED:
                     rt.refresh_state()
+
+    def _forget_activation(self, tid: str) -> None:
+        """An activation ended without being done: what its ``activate`` event would have said goes."""
+        self._artifacts_loaded.pop(tid, None)
+        self._how.pop(tid, None)
+        self._bound_at.pop(tid, None)
+        self._load_after.pop(tid, None)
 
     # ------------------------------------------------------------ sending
 

@@ -92,6 +92,7 @@ POOL_MIN_DEMAND = 0.5
 BACKEND_SLICE_S = 0.0002
 #: plain ints: ``int & zmq.POLLIN`` goes through enum.Flag (~1 us a message)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _MORE = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 #: a worker that has not said hello on both sockets by then is killed
 HELLO_TIMEOUT_S = 60.0
 
@@ -171,10 +172,12 @@ class WorkerSet:
         rid = self.pending.new_rid()
         header = proto.encode_worker_request(rid, op, args)
         try:
-            if body is None:
-                self.backend.send_multipart([worker.ident, header], zmq.NOBLOCK)
+            if body is None:  # two plain sends: send_multipart's per-frame checks and enum flags cost more
+                send = self.backend.send
+                send(worker.ident, _MORE)
+                send(header, _NOBLOCK)
             else:
-                self.backend.send_multipart([worker.ident, header, body], zmq.NOBLOCK, copy=False)
+                self.backend.send_multipart([worker.ident, header, body], _NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the worker's socket is gone (it is dying); EAGAIN: its queue is full
             if exc.errno == zmq.EAGAIN:
@@ -267,26 +270,44 @@ class WorkerSet:
         """An instance asked for a worker (an activation, a registration, a restart): one more in the rate."""
         self._demand_rate = self._decayed_rate(self.clock()) + 1.0 / POOL_RATE_WINDOW_S
 
-    def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> None:
-        """Give a slot a worker: a warm one from the pool, else a fresh process."""
+    def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> str:
+        """Give a slot a worker at once: a warm one from the pool (bound now); else a pool worker
+        already starting (bound when its hellos arrive: it is further along than a new process,
+        and a new one would compete with it for the CPU); else a fresh process. Returns which:
+        ``warm``, ``starting`` or ``spawned`` (an activation's ``activate`` event counts them).
+        The pool is refilled by housekeeping, never here: starting a process blocks the loop for
+        a few ms, which would delay this very request's bind."""
         self._note_demand()
         slot.restart_at = None
         slot.completed = False
         if not slot.keep_incarnation:  # parked buffers: their handles name the incarnation they come back to
             slot.incarnation += 1
         worker = self.pool.pop() if self.pool else None
-        if worker is None:
-            worker = self._spawn()
+        if worker is not None:
             worker.tenant = rt.tenant_id
             worker.instance = slot.index
             slot.worker = worker
-            return  # bound when its hellos arrive
+            self._bind(rt, slot, worker, self.clock())  # a warm worker: its startup is the bind, not its spawn
+            return "warm"
+        worker = self._starting_pool_worker()
+        how = "starting"
+        if worker is not None:
+            self.pool_starting -= 1  # the tenant's now: not the pool's (its death is the instance's)
+        else:
+            worker = self._spawn()
+            how = "spawned"
         worker.tenant = rt.tenant_id
         worker.instance = slot.index
         slot.worker = worker
-        self._bind(rt, slot, worker, self.clock())  # a warm worker: its startup is the bind, not its spawn
-        # No refill here: starting a process blocks the loop for a few ms, which
-        # would delay this very registration's reply. Housekeeping refills.
+        return how  # bound when its hellos arrive
+
+    def _starting_pool_worker(self) -> WorkerHandle | None:
+        """The pool worker started first among those not connected yet (None: none is starting)."""
+        if not self.pool_starting:
+            return None
+        starting = [w for w in self.workers.values()
+                    if w.tenant is None and w.state is WorkerState.STARTING and not w.expected_exit and not w.killed]
+        return min(starting, key=lambda w: w.spawned_at) if starting else None
 
     def _on_connected(self, worker: WorkerHandle) -> None:
         if not worker.connected:
@@ -639,13 +660,17 @@ class WorkerSet:
 
     def _on_backend(self) -> None:
         sock = self.backend
-        recv, events, clock = sock.recv_multipart, sock.getsockopt, time.perf_counter
+        recv, events, clock = sock.recv, sock.getsockopt, time.perf_counter
         end = clock() + BACKEND_SLICE_S
         for n in range(BATCH):
             if n and (not int(events(_EVENTS)) & _POLLIN or clock() >= end):
                 return
-            try:
-                frames = recv(zmq.NOBLOCK, copy=False)
+            try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
+                frame = recv(_NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:
+                    frame = recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
             except zmq.Again:
                 return
             worker = self.workers.get(frames[0].bytes)

@@ -32,6 +32,7 @@ from shared.records import ExitRecord
 from shared.spec import TenantSpec
 from supervisor.runtime.completion import Completion
 from supervisor.runtime.requests import Parked
+from supervisor.store.parked_bytes import ParkedSpan
 from supervisor.store.tenant_quota import TenantQuota
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 
@@ -62,10 +63,11 @@ class ParkPhase(str, enum.Enum):
 
 @dataclass(eq=False)
 class ParkedBuffer:
-    """One buffer's host copy (filled chunk by chunk while exporting)."""
+    """One buffer's host copy (filled chunk by chunk while exporting): its own bytearray, or its
+    span of the instance's parked file (supervisor.store.parked_bytes)."""
 
     handle: int
-    data: bytearray
+    data: bytearray | ParkedSpan
 
 
 @dataclass(eq=False)

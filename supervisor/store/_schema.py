@@ -19,7 +19,7 @@ __all__ = ["OLDEST_READER", "SCHEMA_VERSION"]
 
 _log = get_logger("supervisor")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: the oldest schema version whose code may open a database of this version (see "Newer schemas")
 OLDEST_READER = 2
 #: ``state.commits`` holds the count as this many decimal digits and a newline (one in-place write)
@@ -58,6 +58,9 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # parked tenants come back parked (supervisor.lifecycle.parking); a version-2 supervisor reads
     # this file as it is (the column has a default), so the oldest reader stays 2
     3: ("ALTER TABLE tenants ADD COLUMN parked INTEGER NOT NULL DEFAULT 0",),
+    # a parked tenant's quota counters (supervisor.store.tenant_quota.kept_counters_json), so a
+    # restart brings them back; NULL for an active tenant. Only added: the oldest reader stays 2
+    4: ("ALTER TABLE tenants ADD COLUMN parked_quota TEXT",),
 }
 _TABLES = frozenset({"schema_version", "key_material", "retired_keys", "tenants", "generations", "commits"})
 

@@ -326,17 +326,24 @@ class TenantRegistry:
         return self._register(admin_cap, spec, True)
 
     def restore_with_capability(
-        self, admin_cap: RegistryAdminCapability, spec: TenantSpec, generation: int
+        self, admin_cap: RegistryAdminCapability, spec: TenantSpec, generation: int,
+        counters: QuotaCounters | None = None,
     ) -> TenantCapability:
         """Register a tenant again at the generation it had (a supervisor restart):
         capabilities minted for it before verify again. ``generation`` may not go
-        back behind one already issued (that would un-revoke old capabilities)."""
+        back behind one already issued (that would un-revoke old capabilities).
+        ``counters``: the quota counters a parked tenant kept in the state (its marks,
+        refusals, GPU time), its own record from now on; its limits and generation are
+        ``spec``'s and ``generation`` whatever the record says."""
         if not is_int(generation) or generation < 1:
             raise ValueError(f"generation must be an int >= 1; got {generation!r}")
-        return self._register(admin_cap, spec, False, generation)
+        if counters is not None and not isinstance(counters, QuotaCounters):
+            raise TypeError(f"counters must be QuotaCounters, not {type(counters).__name__}")
+        return self._register(admin_cap, spec, False, generation, counters)
 
     def _register(
-        self, admin_cap: RegistryAdminCapability, spec: TenantSpec, strict: bool, restore: int | None = None
+        self, admin_cap: RegistryAdminCapability, spec: TenantSpec, strict: bool, restore: int | None = None,
+        counters: QuotaCounters | None = None,
     ) -> TenantCapability:
         self._check_admin(admin_cap, strict)
         if not isinstance(spec, TenantSpec):
@@ -351,14 +358,17 @@ class TenantRegistry:
                 raise ValueError(f"tenant {tid!r}: generation {restore} is behind {last}, already issued")
             generation = last + 1 if restore is None else restore
             key = (generation, spec.memory_quota_bytes, spec.gpu_memory_bytes_cap, spec.recorded_cuda_mem_pool_quota)
-            record = self._records.get(key)
-            if record is None:
-                record = QuotaCounters(generation=generation, memory_quota_bytes=spec.memory_quota_bytes,
-                                       gpu_memory_bytes_cap=spec.gpu_memory_bytes_cap,
-                                       cuda_mem_pool_quota_bytes=spec.recorded_cuda_mem_pool_quota)
-                if len(self._records) < _SHARED_RECORDS_MAX:
-                    self._records[key] = record
-            block = TenantQuota(tid, record, self._namer, shared=key in self._records)
+            if counters is not None:  # a parked tenant's kept counters: its own record
+                block = TenantQuota(tid, _own_counters(counters, spec, generation), self._namer)
+            else:
+                record = self._records.get(key)
+                if record is None:
+                    record = QuotaCounters(generation=generation, memory_quota_bytes=spec.memory_quota_bytes,
+                                           gpu_memory_bytes_cap=spec.gpu_memory_bytes_cap,
+                                           cuda_mem_pool_quota_bytes=spec.recorded_cuda_mem_pool_quota)
+                    if len(self._records) < _SHARED_RECORDS_MAX:
+                        self._records[key] = record
+                block = TenantQuota(tid, record, self._namer, shared=key in self._records)
             if not self._lazy:
                 block.open()
             self._generations[tid] = generation
@@ -604,3 +614,13 @@ class TenantRegistry:
     def mps_or_fallback(*, max_age_s: float = MPS_PROBE_MAX_AGE_S) -> MpsDecision:
         """Whether NVIDIA MPS is usable here: probed again once the last answer is ``max_age_s`` old."""
         return mps_or_fallback(max_age_s=max_age_s)
+
+
+def _own_counters(counters: QuotaCounters, spec: TenantSpec, generation: int) -> QuotaCounters:
+    """A copy of kept ``counters`` under ``spec``'s limits and ``generation`` (a config file may
+    have changed the limits while the supervisor was down; the spec is what is enforced)."""
+    record = counters.copy()
+    record.generation = generation
+    record.set_limits(memory_quota_bytes=spec.memory_quota_bytes, gpu_memory_bytes_cap=spec.gpu_memory_bytes_cap,
+                      recorded_cuda_mem_pool_quota=spec.recorded_cuda_mem_pool_quota)
+    return record

@@ -8,7 +8,9 @@ What it holds, and why each piece must outlive the process::
     retired_keys     registry ids replaced by ``rotate-key``: their capabilities
                      are refused as *revoked*, not as foreign
     tenants          each tenant's spec as registered (file or runtime) and as
-                     changed since, its generation, failed state and reason, origin
+                     changed since, its generation, failed state and reason, origin;
+                     parked or not, and a parked tenant's quota counters (its marks,
+                     refusals and GPU time come back exactly after a restart)
     generations      the last generation issued per tenant id, kept after an
                      eviction so a re-registered tenant never reuses one (the
                      evicted tenant's capabilities stay revoked)
@@ -87,6 +89,7 @@ from typing import Literal, TypeVar
 
 from shared.errors import StateError, UnknownTenant
 from shared.log import get_logger, log_event
+from shared.quota import QuotaCounters, QuotaSnapshot
 from shared.spec import TenantSpec
 from supervisor.store._schema import (
     _KEY_REGISTRY_ID,
@@ -101,6 +104,7 @@ from supervisor.store._schema import (
     _seq_of,
     _write_commits,
 )
+from supervisor.store.tenant_quota import kept_counters, kept_counters_json
 
 __all__ = [
     "COMMITS_FILE",
@@ -157,6 +161,10 @@ class StoredTenant:
     unknown_keys: tuple[str, ...] = ()
     #: it was parked when last written: restored without starting a worker
     parked: bool = False
+    #: a parked tenant's quota counters as it parked (its spec's limits, nothing held: see
+    #: supervisor.store.tenant_quota.kept_counters); None for an active tenant, or one parked by
+    #: a version that did not keep them
+    quota: QuotaCounters | None = None
 
     @property
     def tenant_id(self) -> str:
@@ -468,16 +476,22 @@ class StateStore:
         with self._use:
             rows = self._conn.execute(
                 "SELECT tenant_id, spec, registered_spec, origin, generation, failed_reason, registered_at, "
-                "updated_at, parked FROM tenants ORDER BY tenant_id"
+                "updated_at, parked, parked_quota FROM tenants ORDER BY tenant_id"
             ).fetchall()
         ignored: dict[str, list[str]] = {}
-        for tid, spec, registered, origin, gen, failed, reg_at, upd_at, parked in rows:
+        for tid, spec, registered, origin, gen, failed, reg_at, upd_at, parked, parked_quota in rows:
             try:
                 now_spec, unknown = _split_spec(spec)
                 # most tenants run the spec they registered with: one parse (a restore reads 10,000)
                 registered_spec, unknown_registered = (now_spec, unknown) if registered == spec else \
                     _split_spec(registered)
                 keys = tuple(sorted({*unknown, *unknown_registered}))
+                quota = None
+                if parked and parked_quota is not None:
+                    quota = kept_counters(str(parked_quota), generation=int(gen),
+                                          memory_quota_bytes=now_spec.memory_quota_bytes,
+                                          gpu_memory_bytes_cap=now_spec.gpu_memory_bytes_cap,
+                                          cuda_mem_pool_quota_bytes=now_spec.recorded_cuda_mem_pool_quota)
                 record = StoredTenant(
                     spec=now_spec,
                     registered_spec=registered_spec,
@@ -488,6 +502,7 @@ class StateStore:
                     updated_at=float(upd_at),
                     unknown_keys=keys,
                     parked=bool(parked),
+                    quota=quota,
                 )
             except (ValueError, TypeError) as exc:
                 raise StateError(self.path, f"tenant {tid!r} does not parse: {exc}") from None
@@ -572,16 +587,23 @@ class StateStore:
             if cur.rowcount != 1:
                 raise UnknownTenant(tenant_id)
 
-    def set_parked(self, tenant_id: str, parked: bool) -> None:
-        """The tenant was parked, or activated (a tenant evicted meanwhile: nothing to do)."""
+    def set_parked(self, tenant_id: str, parked: bool, quota: QuotaSnapshot | None = None) -> None:
+        """The tenant was parked, or activated (a tenant evicted meanwhile: nothing to do).
+
+        ``quota``: a parked tenant's counters, kept in the same transaction as the flag so a
+        restart finds both or neither (:func:`~supervisor.store.tenant_quota.kept_counters_json`);
+        an activation clears them (its live counters are in its segment again)."""
+        kept = kept_counters_json(quota) if parked and quota is not None else None
         with self._tx() as c:
-            c.execute("UPDATE tenants SET parked = ? WHERE tenant_id = ?", (int(parked), tenant_id))
+            c.execute("UPDATE tenants SET parked = ?, parked_quota = ? WHERE tenant_id = ?",
+                      (int(parked), kept, tenant_id))
 
     def set_parked_many(self, tenant_ids: Sequence[str], parked: bool) -> None:
         """:meth:`set_parked` for many tenants in one transaction (one fsync): what a supervisor that
         parked them all would have stored (``twt bench density`` prepares its parked tenants so)."""
         with self._tx() as c:
-            c.executemany("UPDATE tenants SET parked = ? WHERE tenant_id = ?", [(int(parked), t) for t in tenant_ids])
+            c.executemany("UPDATE tenants SET parked = ?, parked_quota = NULL WHERE tenant_id = ?",
+                          [(int(parked), t) for t in tenant_ids])
 
     def evict(self, tenant_id: str) -> None:
         """The tenant is gone; its generation is kept (its capabilities stay revoked)."""

@@ -29,13 +29,73 @@ never closes them early, so its threads see a plain block).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from shared.errors import SegmentError
 from shared.ids import TenantId
-from shared.quota import UNCHANGED, QuotaBlock, QuotaCounters, QuotaSnapshot, Unchanged
+from shared.quota import GPU_WAIT_BUCKETS_S, UNCHANGED, QuotaBlock, QuotaCounters, QuotaSnapshot, Unchanged
 
-__all__ = ["TenantQuota"]
+__all__ = ["TenantQuota", "kept_counters", "kept_counters_json"]
+
+#: the counters a parked tenant's state row keeps across a supervisor restart: what only grows
+#: (high-water marks, refusals, underflows) and the GPU time accounted. The limits are the spec's
+#: (stored with it), the generation is the row's, and what the tenant *holds* is not kept: its
+#: host copies and regions live in the supervisor's memory and do not survive the restart, so
+#: a restored tenant holds nothing
+_KEPT_MARKS = ("cpu_high_water", "cpu_refusals", "cpu_underflows", "gpu_high_water", "gpu_refusals", "gpu_underflows")
+_KEPT_GPU_TIME = ("gpu_time_ns", "gpu_ops", "gpu_waits", "gpu_wait_ns", "gpu_throttled")
+#: the form of the kept counters (a later one that cannot be read is refused, never misread)
+_KEPT_FORM = 1
+
+
+def kept_counters_json(snap: QuotaSnapshot) -> str:
+    """What a parked tenant's state row keeps of its quota (see _KEPT_MARKS), as compact JSON."""
+    data: dict[str, object] = {"form": _KEPT_FORM}
+    data.update({name: getattr(snap, name) for name in _KEPT_MARKS})
+    data.update({name: getattr(snap, name) for name in _KEPT_GPU_TIME})
+    data["gpu_wait_bins"] = list(snap.gpu_wait_bins)
+    return json.dumps(data, separators=(",", ":"))
+
+
+def kept_counters(raw: str, *, generation: int, memory_quota_bytes: int, gpu_memory_bytes_cap: int | None,
+                  cuda_mem_pool_quota_bytes: int | None) -> QuotaCounters:
+    """The record a restored parked tenant starts from: ``raw`` (:func:`kept_counters_json`) with
+    the limits and generation given (the spec's and the row's). Holds nothing (see _KEPT_MARKS).
+    ValueError naming the problem when ``raw`` is not kept counters of a form this version reads.
+
+    A wait histogram of another bucket count (GPU_WAIT_BUCKETS_S changed between versions)
+    cannot be mapped bucket to bucket: its totals are kept and the histogram starts empty."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"kept quota counters are not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("form") != _KEPT_FORM:
+        raise ValueError(f"kept quota counters of an unknown form: {str(raw)[:80]!r}")
+    record = QuotaCounters(generation=generation, memory_quota_bytes=memory_quota_bytes,
+                           gpu_memory_bytes_cap=gpu_memory_bytes_cap,
+                           cuda_mem_pool_quota_bytes=cuda_mem_pool_quota_bytes)
+
+    for name in _KEPT_MARKS:
+        setattr(record, name, _amount(name, data.get(name, 0)))
+    times = tuple(_amount(name, data.get(name, 0)) for name in _KEPT_GPU_TIME)
+    bins = data.get("gpu_wait_bins", [])
+    if not isinstance(bins, list):
+        raise ValueError(f"kept quota counter gpu_wait_bins must be a list, got {bins!r:.40}")
+    width = len(GPU_WAIT_BUCKETS_S) + 1
+    kept_bins = [_amount("gpu_wait_bins", b) for b in bins]
+    if len(kept_bins) != width:
+        kept_bins = [0] * width
+    gpu_time = (*times, *kept_bins)
+    record.gpu_time = gpu_time if any(gpu_time) else None
+    return record
+
+
+def _amount(name: str, value: object) -> int:
+    """One kept count (ValueError when it is not a non-negative int)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"kept quota counter {name} must be a non-negative int, got {value!r:.40}")
+    return value
 
 
 class TenantQuota:

@@ -14,6 +14,7 @@ from shared.errors import InvalidArgument, ProtocolError
 from shared.quota import QuotaSnapshot
 from shared.records import ExitRecord, InstanceRecord, RunResult, StatusRecord, TenantRecord
 from shared.spec import TenantSpec
+from shared.wire import Record
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -159,15 +160,22 @@ def test_register_spec_is_checked_with_the_arguments(spec: dict[str, object]) ->
 
 
 def test_reply_records_name_ops_and_the_schema_uses_them() -> None:
-    """Each typed reply is declared once (shared.records.REPLY_RECORDS); the JSON Schema's reply of
-    the op is that record, so the conformance suite checks real replies against the records."""
+    """Each typed reply is declared once, as its op's ``Reply`` type (``shared.protocol.REPLY_RECORDS`` is
+    read from them); the JSON Schema's reply of the op is that record, so the conformance suite checks
+    real replies against the records - ``events``' page included."""
     from supervisor.docgen.protocol_schema import build_schema
-    from shared.records import REPLY_RECORDS
+    from shared.protocol import REPLY_RECORDS
 
     replies = build_schema()["$defs"]["replies"]
     assert set(REPLY_RECORDS) <= set(proto.OPS)
     for op, record in REPLY_RECORDS.items():
         assert replies[op] == {"$ref": f"#/$defs/records/{record.__name__}"}
+    records = {name for name, op in proto.OPS.items()
+               if isinstance(op.reply_type, type) and issubclass(op.reply_type, Record)}
+    assert set(REPLY_RECORDS) == records
+    assert replies["events"] == {"$ref": "#/$defs/records/EventsPage"}
+    page = build_schema()["$defs"]["records"]["EventsPage"]
+    assert set(page["required"]) == {"events", "next", "missed", "more", "log"}
 
 
 def test_a_definition_whose_request_path_properties_name_no_argument_is_refused() -> None:

@@ -30,7 +30,7 @@ def test_every_op_has_typed_arguments_and_reply() -> None:
 
 def test_the_schema_records_are_the_reply_types() -> None:
     """An op whose reply the schema describes as a record (``REPLY_RECORDS``) answers that record."""
-    from shared.records import REPLY_RECORDS
+    from shared.protocol import REPLY_RECORDS
 
     for name, record in REPLY_RECORDS.items():
         assert proto.OPS[name].reply_type is record, name

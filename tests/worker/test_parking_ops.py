@@ -4,14 +4,16 @@ backend against the fake driver (tests/helpers/fake_cuda.py)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shared import protocol as proto
-from shared.errors import GpuMemoryExhausted, InvalidArgument
+from shared.errors import GpuMemoryExhausted, InvalidArgument, SegmentError
 from shared.quota import QuotaBlock
 from tests.helpers.fake_cuda import FakeDriver
 from worker import parking
@@ -167,3 +169,80 @@ def test_an_import_past_the_gpu_cap_is_a_typed_refusal() -> None:
         with pytest.raises(GpuMemoryExhausted):
             alloc.import_buffer(proto.make_handle(0, 1, 1), 2 * MiB, 0, memoryview(bytes(16)), 1)
         assert alloc.handles() == {} and blk.gpu_bytes_in_use == 0
+
+
+def _parked_file(tmp_path: Path, buffers: list[tuple[int, bytes]]) -> tuple[str, list[list[int]]]:
+    """What the supervisor keeps of a parked instance: its buffers end to end in one file of the
+    run dir's parked directory (supervisor.store.parked_bytes), and the entries naming them."""
+    directory = tmp_path / "parked"
+    directory.mkdir(exist_ok=True)
+    path = directory / ("p" + os.urandom(16).hex())
+    path.write_bytes(b"".join(data for _, data in buffers))
+    entries = []
+    offset = 0
+    for handle, data in buffers:
+        entries.append([handle, len(data), offset])
+        offset += len(data)
+    return str(path), entries
+
+
+@pytest.mark.parametrize("kind", sorted(BACKENDS))
+def test_a_mapped_import_restores_every_buffer_from_the_parked_file(kind: str, block: QuotaBlock,
+                                                                    tmp_path: Path) -> None:
+    old_backend = BACKENDS[kind]()
+    old = MeteredAllocator("acme", block, old_backend, instance=1, incarnation=5)
+    sizes = (100, CHUNK * 3 + 17, 1)
+    handles = [old.alloc(n) for n in sizes]
+    for k, (h, n) in enumerate(zip(handles, sizes)):
+        old.write(h, 0, memoryview(_pattern(n, k)))
+    exported, seq = _export(old)
+    old.free_all()
+    old_backend.close()
+    path, entries = _parked_file(tmp_path, exported)
+    before = Path(path).read_bytes()
+
+    new_backend = BACKENDS[kind]()
+    new = MeteredAllocator("acme", block, new_backend, instance=1, incarnation=5)
+    try:
+        reply, body = _op(parking.op_import_mapped, new, {"path": path, "buffers": entries, "seq": seq})
+        assert reply == {"written": sum(sizes)} and body is None
+        assert new.handles() == dict(zip(handles, sizes))
+        for k in range(3):
+            assert new.read(handles[k], 0, sizes[k]) == _pattern(sizes[k], k)
+        assert block.gpu_bytes_in_use == sum(sizes)  # metered like any allocation
+        assert Path(path).read_bytes() == before  # only read: the supervisor's copy stays whole
+        assert proto.handle_seq(new.alloc(8)) == seq + 1
+    finally:
+        new.free_all()
+        new_backend.close()
+
+
+def test_a_mapped_import_of_no_buffers_keeps_the_handle_sequence(block: QuotaBlock, tmp_path: Path) -> None:
+    alloc = MeteredAllocator("acme", block, StubBackend(), instance=0, incarnation=1)
+    path, _ = _parked_file(tmp_path, [])
+    assert _op(parking.op_import_mapped, alloc, {"path": path, "buffers": [], "seq": 9})[0] == {"written": 0}
+    assert proto.handle_seq(alloc.alloc(1)) == 10
+    alloc.free_all()
+
+
+def test_a_mapped_import_refuses_other_paths_bad_entries_and_a_missing_file(block: QuotaBlock,
+                                                                           tmp_path: Path) -> None:
+    alloc = MeteredAllocator("acme", block, StubBackend(), instance=0, incarnation=1)
+    handle = proto.make_handle(0, 1, 1)
+    path, entries = _parked_file(tmp_path, [(handle, bytes(64))])
+    try:
+        for bad_path in ("/etc/passwd", str(tmp_path / "parked" / "x"), "parked/p" + "0" * 32, 7,
+                         str(tmp_path / "other" / os.path.basename(path))):
+            with pytest.raises(InvalidArgument, match="path must name a parked file"):
+                _op(parking.op_import_mapped, alloc, {"path": bad_path, "buffers": entries, "seq": 1})
+        for bad in ("x", [[handle, 0, 0]], [[handle, 8]], [[handle, -1, 0]], [[True, 8, 0]]):
+            with pytest.raises(InvalidArgument, match="buffers"):
+                _op(parking.op_import_mapped, alloc, {"path": path, "buffers": bad, "seq": 1})
+        with pytest.raises(InvalidArgument, match="past the parked file"):
+            _op(parking.op_import_mapped, alloc, {"path": path, "buffers": [[handle, 64, 1]], "seq": 1})
+        missing = str(tmp_path / "parked" / ("p" + "0" * 32))
+        with pytest.raises(SegmentError, match="cannot open the parked file"):
+            _op(parking.op_import_mapped, alloc, {"path": missing, "buffers": entries, "seq": 1})
+        assert alloc.handles() == {}
+    finally:
+        alloc.free_all()

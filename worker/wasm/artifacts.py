@@ -7,6 +7,10 @@
               (supervisor.store.artifacts: named by digest + fingerprint, MAC'd)
     activate: import_modules {modules: [[digest, fingerprint, module_n, artifact_n]...]}
               + body: each module's bytes, then its artifact  ───►  {loaded, stale, refused}
+              (loaded: held; each is deserialized at its module's first run_wasm ...)
+              ... the requests the activation was made for ...
+              load_modules {}                                  ───►  {loaded, held}
+              (... or here, after them, while no other request waits)
 
 Who writes what: a worker never writes an artifact anywhere and never reads the
 state directory. It hands its serialized modules to the supervisor, which
@@ -17,11 +21,24 @@ code), so this is the trust boundary: an artifact is only ever deserialized by
 a worker of the tenant whose worker produced it, so a compromised worker can at
 worst compromise its own tenant's later workers - what it already controls.
 
+Lazy: an import only checks each entry (its fingerprint, and that the module
+bytes are the ones its digest names) and holds the bytes; the artifact is
+deserialized when the first ``run_wasm`` of its module arrives
+(:meth:`WasmHost.compile <worker.wasm.host.WasmHost.compile>`), or at the
+``load_modules`` the supervisor sends after the requests the activation was
+made for - one module at a time, and only while no other request waits (one
+arriving meanwhile waits for one module's load at most). So the requests that
+woke the tenant never wait for modules they do not run. A deserialized
+module's import names are checked again here and their types by the linker.
+
 An artifact under another engine fingerprint (a wasmtime upgrade, other engine
-settings) is ``stale`` and one that does not deserialize is ``refused``: both
-are compiled again at their next run, and the supervisor removes their files
-(the next park stores fresh ones). Only modules this worker compiled itself are
-exported: one loaded from an artifact is stored already.
+settings) is ``stale`` and one whose module bytes do not match its digest is
+``refused``: both are compiled again at their next run, and the supervisor
+removes their files (the next park stores fresh ones). One that does not
+deserialize at its first run (counted in the host's ``artifact_refusals``) is
+compiled then, and the next park exports the fresh compile under the same name.
+Only modules this worker compiled itself are exported: one loaded from an
+artifact is stored already.
 
 Threads: the executor thread, like every op.
 """
@@ -41,7 +58,7 @@ if TYPE_CHECKING:
 
     from worker.server import Reply, WorkerServer
 
-__all__ = ["MAX_EXPORT_BYTES", "op_export_modules", "op_import_modules"]
+__all__ = ["MAX_EXPORT_BYTES", "op_export_modules", "op_import_modules", "op_load_modules"]
 
 #: artifact bytes one ``export_modules`` reply carries at most (what does not fit is compiled again)
 MAX_EXPORT_BYTES = 32 << 20
@@ -77,7 +94,8 @@ def op_export_modules(server: WorkerServer, args: dict[str, object], body: zmq.F
 
 def op_import_modules(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
     """``import_modules {modules: [[digest, fingerprint, module_nbytes, artifact_nbytes]...]}`` + body
-    -> ``{loaded, stale, refused}`` (digests): the tenant's compiled modules back in the cache."""
+    -> ``{loaded, stale, refused}`` (digests): the tenant's compiled modules held for their first
+    run (``loaded``; deserialized then, not now: see the module docstring)."""
     entries = args.get("modules")
     if not isinstance(entries, list) or len(entries) > CACHE_ENTRIES:
         raise InvalidArgument(f"modules must be a list of at most {CACHE_ENTRIES} entries")
@@ -108,10 +126,25 @@ def op_import_modules(server: WorkerServer, args: dict[str, object], body: zmq.F
             stale.append(digest)
             continue
         try:
-            ok = host.load_artifact(module, digest, artifact)
+            host.hold_artifact(module, digest, artifact)
         except WasmCompile:
-            ok = False  # the module itself is refused: its run says why
-        (loaded if ok else refused).append(digest)
+            refused.append(digest)  # not the module its digest names (or past the limits): its run says why
+            continue
+        loaded.append(digest)
     if loaded:
         host.ticker.prestart()  # a run follows: its epoch thread is up by then
     return {"loaded": loaded, "stale": stale, "refused": refused}, None
+
+
+def op_load_modules(server: WorkerServer, args: dict[str, object], body: zmq.Frame | None) -> Reply:
+    """``load_modules {}`` -> ``{loaded, held}``: deserialize the artifacts ``import_modules`` held,
+    while no other request waits for this worker (see the module docstring)."""
+    host = server.require_context().extensions.get(WasmHost.EXTENSION)
+    if not isinstance(host, WasmHost):
+        return {"loaded": 0, "held": 0}, None
+    sock = getattr(server, "sock", None)
+
+    def idle() -> bool:
+        return sock is None or not sock.poll(0)
+
+    return {"loaded": host.load_held(idle), "held": host.held_artifacts}, None

@@ -88,7 +88,6 @@ from worker.wasm.wasi import (
     OutputLines,
     OutputStopped,
     define_wasi,
-    imports_wasi,
     wasi_config,
 )
 
@@ -266,6 +265,15 @@ class CompiledModule:
     export_names: dict[int, str] = field(default_factory=dict)
     #: deserialized from a stored artifact rather than compiled here (not exported again)
     from_artifact: bool = False
+
+
+def _export_types(module: wasmtime.Module) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Each exported function's (param kinds, result kinds)."""
+    return {
+        e.name: (_valtypes(e.type.params), _valtypes(e.type.results))
+        for e in module.exports
+        if isinstance(e.type, wasmtime.FuncType)
+    }
 
 
 def _digest_within_limits(body: bytes | bytearray | memoryview) -> str:
@@ -609,7 +617,11 @@ class WasmHost:
             else:
                 self._define_checked(name)
         self._keep += define_wasi(self.linker, self._stream_of)
-        self.stats = {"runs": 0, "compiles": 0, "artifact_loads": 0, "cache_hits": 0, "traps": 0, "timeouts": 0}
+        #: stored artifacts an activation handed over, deserialized at their module's first run
+        #: (worker.wasm.artifacts): digest -> (module bytes, artifact bytes)
+        self._held: dict[str, tuple[bytes, bytes]] = {}
+        self.stats = {"runs": 0, "compiles": 0, "artifact_loads": 0, "artifact_refusals": 0, "cache_hits": 0,
+                      "traps": 0, "timeouts": 0}
         self._closed = False
 
     @classmethod
@@ -703,6 +715,11 @@ class WasmHost:
         if cached is not None:
             self.stats["cache_hits"] += 1
             return cached
+        held = self._held.pop(digest, None)
+        if held is not None:
+            loaded = self._deserialize(digest, *held)
+            if loaded is not None:
+                return loaded
         t0 = time.perf_counter()
         wasm = _binary(body)
         try:
@@ -718,29 +735,53 @@ class WasmHost:
                   nbytes=len(wasm), duration_ms=round(compiled.compile_s * 1000, 3))
         return compiled
 
-    def load_artifact(self, body: bytes | bytearray | memoryview, digest: str, artifact: bytes | memoryview) -> bool:
-        """Put ``body``'s compiled module in the cache from ``artifact`` (its ``serialize()``d form,
-        produced by a worker of this same tenant: see :mod:`worker.wasm.artifacts`) instead of
-        compiling it. False (nothing cached) when the artifact does not deserialize on this engine;
-        WasmCompile when ``body`` is not the module ``digest`` names or no longer passes the checks.
-        The module's own facts (memory limits, export names) come from ``body``, never the artifact."""
+    def hold_artifact(self, body: bytes | bytearray | memoryview, digest: str,
+                      artifact: bytes | bytearray | memoryview) -> None:
+        """Keep ``body``'s compiled form ``artifact`` (its ``serialize()``d module, produced by a
+        worker of this same tenant: see :mod:`worker.wasm.artifacts`) until the module's first
+        run, which deserializes it instead of compiling (:meth:`compile`). Nothing is
+        deserialized now: an activation does not pay for modules its requests do not run.
+        WasmCompile when ``body`` is not the module ``digest`` names."""
         if _digest_within_limits(body) != digest:
             raise WasmCompile("the module bytes do not match the digest their artifact was stored under")
-        if digest in self._cache:
-            return True
+        if digest not in self._cache:
+            self._held[digest] = (bytes(body), bytes(artifact))
+
+    def load_held(self, idle: Callable[[], bool]) -> int:
+        """Deserialize held artifacts, the oldest first, while ``idle()`` (no request waits);
+        returns how many were loaded. What is still held then loads at its first run."""
+        loaded = 0
+        while self._held and idle():
+            digest = next(iter(self._held))
+            body, artifact = self._held.pop(digest)
+            if digest not in self._cache and self._deserialize(digest, body, artifact) is not None:
+                loaded += 1
+        return loaded
+
+    @property
+    def held_artifacts(self) -> int:
+        """Artifacts handed over and not deserialized yet (their modules have not run)."""
+        return len(self._held)
+
+    def _deserialize(self, digest: str, body: bytes, artifact: bytes) -> CompiledModule | None:
+        """The compiled module from a held artifact, cached; None when the artifact does not
+        deserialize on this engine or its module no longer passes the checks (the run then
+        compiles, and the next park stores a fresh artifact in its place). The module's own
+        facts (memory limits, export names) come from ``body``, never the artifact."""
         t0 = time.perf_counter()
-        wasm = _binary(body)
         try:
-            module = wasmtime.Module.deserialize(self.engine, bytes(artifact))
-        except (wasmtime.WasmtimeError, ValueError) as exc:
+            wasm = _binary(body)
+            module = wasmtime.Module.deserialize(self.engine, artifact)
+            compiled = self._admit(digest, module, wasm, t0, from_artifact=True)
+        except (wasmtime.WasmtimeError, ValueError, WasmCompile) as exc:
+            self.stats["artifact_refusals"] += 1
             log_event(_log, logging.WARNING, "wasm.artifact_refused", tenant=self.ctx.tenant_id, digest=digest[:16],
                       error=_short(str(exc)))
-            return False
-        compiled = self._admit(digest, module, wasm, t0, from_artifact=True)
+            return None
         self.stats["artifact_loads"] += 1
         log_event(_log, logging.INFO, "wasm.artifact_loaded", tenant=self.ctx.tenant_id, digest=digest[:16],
                   nbytes=len(artifact), duration_ms=round(compiled.compile_s * 1000, 3))
-        return True
+        return compiled
 
     def artifacts(self, digests: Iterable[str], max_bytes: int) -> list[tuple[str, bytes]]:
         """``serialize()`` of the cached modules among ``digests`` that this worker compiled itself
@@ -762,8 +803,14 @@ class WasmHost:
 
     def _admit(self, digest: str, module: wasmtime.Module, wasm: bytes, t0: float, *,
                from_artifact: bool) -> CompiledModule:
-        """Check a compiled (or deserialized) module's imports, link it ahead and cache it."""
-        self._check_imports(module)
+        """Check a compiled (or deserialized) module's imports, link it ahead and cache it.
+
+        A module deserialized from its tenant's artifact was checked in full when it was
+        compiled; here its import *names* are checked again (what the guest may reach) and their
+        types are left to the linker (``instantiate_pre`` refuses an import whose type is not
+        the host's): reading every import's type through the wasmtime binding is most of what
+        loading an artifact costs."""
+        wasi = self._check_imports(module, types=not from_artifact)
         try:
             pre = self.linker.instantiate_pre(module)
             memory = memory_limits(wasm)
@@ -772,24 +819,25 @@ class WasmHost:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             last = _short(str(exc))
             raise WasmCompile(last if first in last else f"{first}: {last}") from None
-        exports = {
-            e.name: (_valtypes(e.type.params), _valtypes(e.type.results))
-            for e in module.exports
-            if isinstance(e.type, wasmtime.FuncType)
-        }
+        exports = _export_types(module)
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
-                                  imports_wasi(module), function_exports(wasm), from_artifact)
+                                  wasi, function_exports(wasm), from_artifact)
         self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         return compiled
 
     @staticmethod
-    def _check_imports(module: wasmtime.Module) -> None:
+    def _check_imports(module: wasmtime.Module, *, types: bool = True) -> bool:
+        """Refuse an import the guest may not have (WasmCompile); whether it imports WASI.
+        ``types``: also check each host import's type here, for a precise message (without,
+        the linker refuses a wrong type)."""
+        wasi = False
         for imp in module.imports:
             where = f"import {imp.module}::{imp.name}"
             if imp.module == WASI_MODULE:
+                wasi = True
                 if imp.name in WASI_REFUSED:
                     raise WasmCompile(f"{where} is refused: a guest has no network (no WASI sockets)")
-                if imp.name not in WASI_FUNCTIONS or not isinstance(imp.type, wasmtime.FuncType):
+                if imp.name not in WASI_FUNCTIONS or (types and not isinstance(imp.type, wasmtime.FuncType)):
                     raise WasmCompile(f"{where} is not provided: not a WASI preview 1 function")
                 continue  # its type is checked when the module is linked (instantiate_pre)
             if imp.module != IMPORT_MODULE or imp.name not in IMPORTS:
@@ -797,6 +845,8 @@ class WasmHost:
                     f"{where} is not provided: a guest may import only {IMPORT_MODULE}::"
                     f"{{{', '.join(IMPORTS)}}} and WASI preview 1 ({WASI_MODULE}) functions"
                 )
+            if not types:
+                continue
             ty = imp.type
             params, result = IMPORTS[imp.name]
             if not isinstance(ty, wasmtime.FuncType):
@@ -807,6 +857,7 @@ class WasmHost:
                     f"{where} has type ({', '.join(got[0])}) -> ({', '.join(got[1])}); "
                     f"the ABI type is ({', '.join(params)}) -> ({result})"
                 )
+        return wasi
 
     # -------------------------------------------------------------- memory
 
@@ -953,7 +1004,9 @@ class WasmHost:
         """One complete run: the ``run_wasm`` reply, or a typed error."""
         t0 = time.perf_counter()
         self.stats["runs"] += 1
-        hits = self.stats["cache_hits"]
+        # "cached": not compiled by this run - found in the cache, or deserialized from the
+        # tenant's own artifact an activation handed over (compiled before, by this tenant)
+        hits = self.stats["cache_hits"] + self.stats["artifact_loads"]
         # Compiling counts against the run's time: the deadline covers both.
         deadline = time.monotonic() + timeout_s
         compiled = self.compile(body, deadline=deadline)
@@ -982,7 +1035,7 @@ class WasmHost:
             "results": results,
             "fuel_used": fuel_used,
             "elapsed_s": round(time.perf_counter() - t0, 6),
-            "cached": self.stats["cache_hits"] > hits,
+            "cached": self.stats["cache_hits"] + self.stats["artifact_loads"] > hits,
             "gpu_peak_bytes": run.gpu_peak_bytes,
             "memory_bytes": memory_bytes,
             "logs": run.logs,

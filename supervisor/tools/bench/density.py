@@ -330,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
          f"{pair(st['run_wasm_cold_p50_s'], st['run_wasm_cold_p99_s'])} [{st['run_wasm_cold_n']}]"],
         ["  run_wasm: activation overhead p50 / p99 (ms)",
          pair(st["run_wasm_overhead_p50_s"], st["run_wasm_overhead_p99_s"])],
+        ["  activations (supervisor's account): bind / restore / whole, p50 (ms)",
+         " / ".join("none" if st[f"activate_{k}_p50_ms"] is None else f"{st[f'activate_{k}_p50_ms']:.2f}"
+                    for k in ("bind", "restore", "total"))],
+        ["  activations: bind / restore / whole, p99 (ms)",
+         " / ".join("none" if st[f"activate_{k}_p99_ms"] is None else f"{st[f'activate_{k}_p99_ms']:.2f}"
+                    for k in ("bind", "restore", "total"))],
+        ["  activations' workers: warm from the pool / a pool worker starting / spawned",
+         " / ".join(str(st["activation_workers"].get(k, 0)) for k in ("warm", "starting", "spawned"))],
         ["  run_wasm: a tenant's first run ever (compiles; not counted above): p50 (ms) [n]",
          f"{fig(st['first_compile_p50_s'])} [{st['first_compiles_n']}]"],
         ["  run_wasm: compiled again after an activation (artifact missed)", st["artifact_misses"]],

@@ -10,7 +10,10 @@ Measured in one run (stub backend, each figure beside its baseline):
   (a stored module, run by digest), one request at a time. A request whose tenant was activated for
   it (an ``activate`` event of that tenant while it was served) is *cold*, the others *warm*; the
   activation overhead is a cold request's time minus the warm p50 of the same op. Past 64 active
-  tenants, each activation parks the least recently used idle one first (``max_active``).
+  tenants, each activation parks the least recently used idle one first (``max_active``). The
+  ``activate`` events split each activation: its workers bound (``bind_ms``: a warm pool worker's
+  bind, or a pool worker still starting, or a new process), its buffers restored (``restore_ms``),
+  and count how its workers came (warm / starting / spawned): where a tail comes from.
 * **fds and /dev/shm segments** of the supervisor after the stream, beside the workers alive.
 * **64 MiB restore**: a tenant holding one 64 MiB buffer is parked and woken by a ping; its
   restore time is its activation time (the ``activate`` event's ``activate_ms``) minus that of a
@@ -142,6 +145,8 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
                                                   ("run_wasm", False): [], ("run_wasm", True): []}
     refused = 0
     out: dict[str, Any] = {}
+    phases: dict[str, list[float]] = {"bind": [], "restore": [], "total": []}
+    got: dict[str, int] = {}
     with sup.connect(timeout_s=120.0) as c:
         digest = ""
         t_stream = time.perf_counter()
@@ -167,7 +172,14 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
                     continue
                 dt = time.perf_counter() - t0
                 break
-            activated = bool(_events(c, "activate", tid, mark))
+            woke = _events(c, "activate", tid, mark)
+            activated = bool(woke)
+            for event in woke:  # where the activation's time went, and how its worker came
+                phases["bind"].append(float(event.get("bind_ms", 0.0)))
+                phases["restore"].append(float(event.get("restore_ms", 0.0)))
+                phases["total"].append(float(event.get("activate_ms", 0.0)))
+                for how, n in (event.get("workers") or {}).items():
+                    got[how] = got.get(how, 0) + int(n)
             if op == "run_wasm" and index not in ran:
                 # the tenant's first run ever compiles its module: not an activation's cost
                 ran.add(index)
@@ -187,6 +199,10 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
     out["first_compiles_n"] = len(first_compiles)
     out["first_compile_p50_s"] = statistics.median(first_compiles) if first_compiles else None
     out["artifact_misses"] = artifact_misses
+    for phase, values in phases.items():  # the supervisor's own account (activate events), ms
+        out[f"activate_{phase}_p50_ms"] = statistics.median(values) if values else None
+        out[f"activate_{phase}_p99_ms"] = _pct(values, 0.99) if values else None
+    out["activation_workers"] = got
     for op in ("ping", "run_wasm"):
         warm, cold = times[(op, False)], times[(op, True)]
         out[f"{op}_warm_n"], out[f"{op}_cold_n"] = len(warm), len(cold)

@@ -11,7 +11,7 @@ picks the instance, re-frames it for the worker, and relays the answer.
 Measured (round-robin rounds so both see the same machine state):
 
 * ping round trip p50/p99, one request at a time  (target: ours within 1.3x of the relay)
-* pipelined throughput with 64 requests in flight  (target: ours >= 0.75x of the relay)
+* pipelined throughput with 64 requests in flight  (target: ours >= 0.85x of the relay)
 * crash detection: SIGKILL a worker -> its quota share reclaimed in shared
   memory (target: p50 <= 20 ms)
 * cold registration: a tenant with no warm pool, spawn to ready (p50/p99)
@@ -19,6 +19,8 @@ Measured (round-robin rounds so both see the same machine state):
 * remote ping: the same ping over the CURVE TCP frontend on loopback, next
   to the local ipc one (target: within 2x of ipc; CURVE's per-message crypto
   and TCP are the difference)
+* ``--profile``: the loop's CPU per pipelined request, split by stage
+  (:mod:`supervisor.tools.bench.route_profile`)
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         from supervisor.tools.bench import flood
 
         return flood.main(argv)
+    if argv is not None and "--profile" in argv:  # where the loop's time goes (supervisor.tools.bench.route_profile)
+        from supervisor.tools.bench import route_profile
+
+        return route_profile.main(argv)
     parser = argparse.ArgumentParser(prog="twt bench route", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rounds", type=count, default=6)
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     tp_ratio = statistics.median(o / r for o, r in zip(tp_ours, tp_raw, strict=True))
     report.targets += [
         Target("ping p50 vs raw relay (median of per-round ratios)", p50_ratio, 1.3, higher_is_better=False),
-        Target("pipelined throughput vs raw relay (median of per-round ratios)", tp_ratio, 0.75),
+        Target("pipelined throughput vs raw relay (median of per-round ratios)", tp_ratio, 0.85),
         Target("crash detection p50", statistics.median(detect_ms), 20.0, higher_is_better=False, unit=" ms"),
         Target("remote ping p50 (CURVE, TCP loopback) vs local ipc", statistics.median(remote_ratios), 2.0,
                higher_is_better=False),

@@ -14,6 +14,8 @@ BAD = [
     ("route", ["--kills", "0"], "--kills: must be a whole number >= 1, got '0'"),
     ("route", ["--rounds", "-1"], "--rounds: must be a whole number >= 1"),
     ("route", ["--per-round", "x"], "--per-round: must be a whole number >= 1, got 'x'"),
+    ("route", ["--profile", "--requests", "0"], "--requests: must be a whole number >= 1"),
+    ("route", ["--profile", "--depth", "x"], "--depth: must be a whole number >= 1"),
     ("flood", ["--pings", "0"], "--pings: must be a whole number >= 1"),
     ("flood", ["--flooder-rate", "0"], "--flooder-rate: must be a number per second > 0, got '0'"),
     ("flood", ["--flooder-bytes", "12xb"], "--flooder-bytes: invalid size '12xb'"),

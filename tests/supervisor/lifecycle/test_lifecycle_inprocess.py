@@ -344,3 +344,35 @@ def test_the_quota_segment_lives_while_a_worker_may_hold_it(h: Harness) -> None:
     (worker,) = h.spawner.of("acme")
     assert h.call("ping", {}, cap)["pid"] == worker.process.pid
     assert rt.block.name not in ("", first)  # made again for the new worker
+
+
+def test_an_empty_pool_hands_over_a_pool_worker_already_starting_rather_than_spawning_another(h: Harness) -> None:
+    """An instance that finds the pool empty while a pool worker is starting takes that worker
+    (further along than a new process, which would compete with it for the CPU); the pool
+    refills behind it."""
+    from tests.helpers.fake_workers import FakeWorker
+
+    h.settle()
+    assert len(h.spawner.workers) == 1  # the warm pool
+    held: list[FakeWorker] = []
+
+    def hold_hello(worker: FakeWorker) -> None:  # the new workers stay starting until released
+        held.append(worker)
+        worker.say_hello = lambda: None  # type: ignore[method-assign]
+
+    h.spawner.on_spawn.append(hold_hello)
+    h.register("first", instances=1)  # the warm worker
+    h.tick(0.25)  # housekeeping refills the pool: one worker starting
+    assert len(held) == 1 and held[0].handle.tenant is None and h.sup.parts.workers.pool_starting == 1
+    rid = h.send("register", {"spec": TenantSpec("second").to_dict()})
+    h.turn(5)
+    starting = held[0]
+    assert starting.handle.tenant == "second", "the starting pool worker was handed over"
+    assert len(h.spawner.workers) == 2 and h.sup.parts.workers.pool_starting == 0  # no process spawned for it
+    FakeWorker.say_hello(starting)
+    ok, payload = h.answer(rid)
+    assert ok, payload
+    assert [w.handle.worker_id for w in h.spawner.of("second")] == [starting.handle.worker_id]
+    assert starting.received[0] == "bind"
+    h.tick(0.25)  # and the pool refills behind it
+    assert len(held) == 2 and held[1].handle.tenant is None

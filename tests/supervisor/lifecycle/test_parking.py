@@ -7,10 +7,12 @@ a state, never for a duration; ``idle_timeout_s`` is tiny so the tests park at o
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
 import socket
+import sqlite3
 import tempfile
 import threading
 import urllib.request
@@ -116,6 +118,11 @@ def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> 
         assert c.read(cap, large, big) == _pattern(big, 2)
         activated = _wait_event(c, "activate", "sleepy", mark)
         assert activated["buffers"] == 2
+        # its phases: the worker got (warm from the pool, a pool worker starting, or spawned) and
+        # bound, then the buffers imported; together the whole activation
+        assert sum(activated["workers"].values()) == 1 and set(activated["workers"]) <= {"warm", "starting", "spawned"}
+        assert activated["bind_ms"] >= 0 and activated["restore_ms"] >= 0
+        assert abs(activated["bind_ms"] + activated["restore_ms"] - activated["activate_ms"]) < 0.01
         assert c.read(cap, small, 4096) == _pattern(4096, 1)
         new_pid = _ready_pid(c, "sleepy")
         assert new_pid is not None and new_pid != old_pid
@@ -130,6 +137,46 @@ def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> 
         assert proto.handle_incarnation(fresh) == proto.handle_incarnation(large)
         with pytest.raises(InvalidArgument, match="unknown buffer handle"):
             c.read(cap, small, 16)
+
+
+def test_a_parked_instances_buffers_wait_in_one_file_of_the_run_dir_that_the_activation_removes() -> None:
+    """The one-copy restore's file: the buffers end to end in handle order, no descriptor held
+    while parked, gone once the activation is done."""
+    with supervisor([{"name": "filed"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "filed")
+        sizes = (PARK_CHUNK_BYTES + 3, 5000)
+        handles = [c.alloc(cap, n) for n in sizes]
+        for k, (h, n) in enumerate(zip(handles, sizes)):
+            c.write(cap, h, _pattern(n, 40 + k))
+        _park_soon(c, "filed")
+        (path,) = glob.glob(os.path.join(sup.run_dir, "parked", "p*"))
+        with open(path, "rb") as f:
+            held = f.read()
+        by_handle = sorted(zip(handles, sizes, range(2)))
+        assert held == b"".join(_pattern(n, 40 + k) for _, n, k in by_handle)
+        assert path not in {f.path for f in psutil.Process(sup.pid).open_files()}  # no descriptor held
+        mark = _cursor(c)
+        assert c.read(cap, handles[0], sizes[0]) == _pattern(sizes[0], 40)
+        assert _wait_event(c, "activate", "filed", mark)["buffers"] == 2
+        assert c.read(cap, handles[1], sizes[1]) == _pattern(sizes[1], 41)
+        wait_for(lambda: not os.path.exists(path), what="the parked file removed")
+
+
+def test_where_no_parked_file_can_be_made_the_copy_waits_in_memory_and_comes_back_in_chunks() -> None:
+    with supervisor([{"name": "nofile"}]) as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "nofile")
+        big = PARK_CHUNK_BYTES * 2 + 7  # three chunks back
+        h = c.alloc(cap, big)
+        c.write(cap, h, _pattern(big, 77))
+        with open(os.path.join(sup.run_dir, "parked"), "w"):  # where the directory would be
+            pass
+        park = _park_soon(c, "nofile")
+        assert park["host_bytes"] == big
+        mark = _cursor(c)
+        assert c.read(cap, h, big) == _pattern(big, 77)
+        assert _wait_event(c, "activate", "nofile", mark)["buffers"] == 1
 
 
 def test_each_kind_of_request_activates_a_parked_tenant() -> None:
@@ -392,6 +439,8 @@ def test_a_restart_brings_a_parked_tenant_back_parked(run_dir: str) -> None:
         c.register(None, TenantSpec("awake"))
         h = c.alloc(TenantCapability.from_bytes(cap_raw), 64)
         _park_soon(c, "dormant")  # idle_timeout_s set with set_quota: stored too
+        assert len(glob.glob(os.path.join(run_dir, "parked", "p*"))) == 1
+    assert glob.glob(os.path.join(run_dir, "parked", "p*")) == []  # a stop takes the host copies with it
     sup2: SupervisorHandle
     with _start(run_dir) as sup2:
         c = sup2.client
@@ -401,6 +450,82 @@ def test_a_restart_brings_a_parked_tenant_back_parked(run_dir: str) -> None:
         cap = TenantCapability.from_bytes(cap_raw)  # still valid
         assert c.ping(cap).tenant == "dormant"
         # the host copies did not survive the restart (docs/OPERATIONS.md): the old handle is lost
+        with pytest.raises(BufferLost):
+            c.read(cap, h, 16)
+
+
+def _kept(q: Any) -> dict[str, object]:
+    """What a parked tenant keeps of its quota across a restart: every counter but what it holds."""
+    return {k: getattr(q, k) for k in ("generation", "memory_quota_bytes", "gpu_memory_bytes_cap", "cpu_high_water",
+                                       "cpu_refusals", "cpu_underflows", "gpu_high_water", "gpu_refusals",
+                                       "gpu_underflows", "gpu_time_ns", "gpu_ops", "gpu_waits", "gpu_wait_ns",
+                                       "gpu_throttled", "gpu_wait_bins")}
+
+
+def test_a_restart_keeps_a_parked_tenants_quota_counters_exactly(run_dir: str) -> None:
+    """Marks, refusals and GPU time of a parked tenant come back after a restart as they were; it
+    holds nothing then (its host copies did not survive), and they go on from there."""
+    with _start(run_dir) as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("frugal", gpu_memory_bytes_cap=1 << 20))
+        n = 30_000
+        hx, hy = c.alloc(cap, 4 * n), c.alloc(cap, 4 * n)
+        for _ in range(2):  # two refusals past the GPU cap
+            with pytest.raises(TensorWasmError):
+                c.alloc(cap, 2 << 20)
+        # device work: accounted GPU time
+        c.run_wasm(cap, guest_path("axpy_sum").read_bytes(), "run", [{"handle": hx}, {"handle": hy}, n, 2.0])
+        _park_soon(c, "frugal")
+        parked = c.quota(cap)
+        assert tenant(c.status(), "frugal").state == "parked"
+        assert parked.gpu_refusals == 2 and parked.gpu_high_water >= 8 * n and parked.gpu_time_ns > 0
+    with _start(run_dir) as sup2:
+        c = sup2.client
+        assert tenant(c.status(), "frugal").state == "parked"
+        restored = c.quota(cap)
+        assert _kept(restored) == _kept(parked)
+        assert restored.bytes_in_use == 0 and restored.gpu_bytes_in_use == 0  # nothing held survived
+        c.ping(cap)  # activated: the counters go on from the kept ones
+        with pytest.raises(TensorWasmError):
+            c.alloc(cap, 2 << 20)
+        assert c.quota(cap).gpu_refusals == 3
+
+
+def _stored_parked_quota(run_dir: str, tid: str) -> str | None:
+    """The parked counters the state database holds for ``tid`` (read-only, beside the supervisor)."""
+    conn = sqlite3.connect(f"file:{os.path.join(run_dir, 'state', 'state.db')}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT parked_quota FROM tenants WHERE tenant_id = ?", (tid,)).fetchone()
+    finally:
+        conn.close()
+    return None if row is None else row[0]
+
+
+def test_a_supervisor_killed_with_a_parked_tenant_comes_back_with_its_counters_and_without_its_file(
+        run_dir: str) -> None:
+    """kill -9 of the supervisor while a tenant is parked: the next start finds it parked with
+    the counters it parked with, and removes the dead supervisor's parked file (its bytes are
+    lost with the supervisor, as documented)."""
+    with _start(run_dir) as sup:
+        c = sup.client
+        cap = c.register(None, TenantSpec("held", gpu_memory_bytes_cap=1 << 20))
+        h = c.alloc(cap, 70_000)
+        c.write(cap, h, _pattern(70_000, 9))
+        with pytest.raises(TensorWasmError):
+            c.alloc(cap, 2 << 20)
+        _park_soon(c, "held")
+        parked = c.quota(cap)
+        (path,) = glob.glob(os.path.join(run_dir, "parked", "p*"))
+        wait_for(lambda: _stored_parked_quota(run_dir, "held"), what="the parked counters stored")
+        sup.process.kill()
+        sup.process.wait(30)
+    assert os.path.exists(path)  # left behind by the killed supervisor
+    with _start(run_dir) as sup2:
+        c = sup2.client
+        assert not os.path.exists(path)
+        assert tenant(c.status(), "held").state == "parked"
+        restored = c.quota(cap)
+        assert _kept(restored) == _kept(parked) and restored.gpu_refusals == 1
         with pytest.raises(BufferLost):
             c.read(cap, h, 16)
 
@@ -458,15 +583,23 @@ def test_every_instance_of_a_tenant_parks_and_comes_back_and_a_parked_tenant_can
         park = _park_soon(c, "pair")
         assert park["buffers"] == 2 and park["host_bytes"] == 8000
         assert tenant(c.status(), "pair").pids == ()
+        assert len(glob.glob(os.path.join(sup.run_dir, "parked", "p*"))) == 2
         mark = _cursor(c)
         assert c.read(cap, h1, 5000) == _pattern(5000, 12)  # activates both instances
         _wait_event(c, "activate", "pair", mark)
         assert c.read(cap, h0, 3000) == _pattern(3000, 11)
         assert c.buffers(cap) == {h0: 3000, h1: 5000}
-        # a parked tenant is evicted like any other: nothing to stop, its capability revoked
+        # a parked tenant is evicted like any other: nothing to stop, its capability revoked, its
+        # parked files removed (pair, idle again at once, may be parking or parked: either way)
+        c.evict(None, "pair")
+        parked_dir = os.path.join(sup.run_dir, "parked", "p*")
+        wait_for(lambda: not glob.glob(parked_dir), what="pair's parked files removed")
         gone = c.tenant_capability(None, "gone")
+        c.write(gone, c.alloc(gone, 100), _pattern(100, 13))
         _park_soon(c, "gone")
+        (path,) = glob.glob(parked_dir)
         assert c.evict(None, "gone").pids == ()
+        wait_for(lambda: not os.path.exists(path), what="the evicted tenant's parked file removed")
         assert "gone" not in {t.tenant_id for t in c.status().tenants}
         with pytest.raises(TensorWasmError):
             c.ping(gone)

@@ -1,6 +1,7 @@
 """Compiled modules as wasmtime artifacts (worker.wasm.artifacts): a worker's serialized modules
-load into a fresh worker's cache without a compile; a stale, corrupt or mismatched one is not
-loaded and the module is compiled at its run, as before."""
+load into a fresh worker's cache without a compile, each at its module's first run (an import
+deserializes nothing); a stale, corrupt or mismatched one is not loaded and the module is
+compiled at its run, as before."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from shared.errors import InvalidArgument
+from shared.errors import InvalidArgument, WasmCompile
 from tests.helpers.wasm_env import PROBE, Env, tenant_env
 from worker.backends.stub import StubBackend
 from worker.wasm import guest_source
-from worker.wasm.artifacts import op_export_modules, op_import_modules
+from worker.wasm.artifacts import op_export_modules, op_import_modules, op_load_modules
 from worker.wasm.host import engine_fingerprint
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,10 +85,16 @@ def test_an_exported_artifact_loads_into_a_fresh_worker_without_a_compile() -> N
         assert reply["stale"] == [] and reply["refused"] == []
         # a run follows an activation: the epoch thread is started already (not by the first run)
         assert second.host.ticker.running and second.host.stats["runs"] == 0
+        # held, not deserialized: the import paid for neither module
+        assert second.host.stats["artifact_loads"] == 0 and second.host.held_artifacts == 2
         run = _run(second, PROBE, "add", [1, 2])
         assert run["results"] == [3] and run["cached"] is True
+        # each module is deserialized at its own first run, the other still held
+        assert second.host.stats["artifact_loads"] == 1 and second.host.held_artifacts == 1
         assert _run(second, TRAPS, "ok", [])["cached"] is True
         assert second.host.stats["compiles"] == 0 and second.host.stats["artifact_loads"] == 2
+        assert second.host.held_artifacts == 0
+        assert _run(second, PROBE, "add", [1, 2])["cached"] is True and second.host.stats["artifact_loads"] == 2
         # a module loaded from an artifact is stored already: it is not exported again
         assert _export(second, PROBE, TRAPS)[0]["artifacts"] == []
 
@@ -121,10 +128,11 @@ def test_a_corrupt_artifact_is_refused_and_the_run_compiles(damage: str) -> None
            "flipped": artifact[:16] + bytes(b ^ 0xFF for b in artifact[16:64]) + artifact[64:],
            "empty-ish": b"\0"}[damage]
     with env() as second:
-        reply = _import(second, [(module, fp, bad)])
-        assert reply["loaded"] == [] and reply["refused"] == [hashlib.sha256(PROBE).hexdigest()]
-        run = _run(second, PROBE, "add", [20, 22])
+        reply = _import(second, [(module, fp, bad)])  # taken: nothing is deserialized before the run
+        assert reply["loaded"] == [hashlib.sha256(PROBE).hexdigest()] and reply["refused"] == []
+        run = _run(second, PROBE, "add", [20, 22])  # refused then, and compiled
         assert run["results"] == [42] and run["cached"] is False and second.host.stats["compiles"] == 1
+        assert second.host.stats["artifact_refusals"] == 1 and second.host.held_artifacts == 0
         # compiled here, so the next park exports (and the supervisor replaces) it
         assert len(_export(second, PROBE)[0]["artifacts"]) == 1
 
@@ -173,3 +181,52 @@ def test_an_export_stays_within_max_bytes() -> None:
         for bad in (0, -1, True, "1"):
             with pytest.raises(InvalidArgument):
                 op_export_modules(_Server(e), {"digests": digests, "max_bytes": bad}, None)  # type: ignore[arg-type]
+
+
+class _Waiting:
+    """A worker's data socket on which a request arrives after ``after`` idle looks."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+
+    def poll(self, timeout: int) -> bool:
+        self.after -= 1
+        return self.after < 0
+
+
+def test_load_modules_deserializes_held_artifacts_until_a_request_waits() -> None:
+    """After the requests an activation was made for, ``load_modules`` loads what is held, one
+    module at a time, and stops as soon as another request waits (the rest load at their run)."""
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        _run(first, TRAPS, "ok", [])
+        artifacts = _artifacts_of(first, PROBE, TRAPS)
+    with env() as second:
+        _import(second, artifacts)
+        server = _Server(second)
+        server.sock = _Waiting(after=1)  # type: ignore[attr-defined]
+        reply, _ = op_load_modules(server, {}, None)  # type: ignore[arg-type]
+        assert reply == {"loaded": 1, "held": 1} and second.host.stats["artifact_loads"] == 1
+        reply, _ = op_load_modules(_Server(second), {}, None)  # type: ignore[arg-type]
+        assert reply == {"loaded": 1, "held": 0} and second.host.stats["artifact_loads"] == 2
+        assert _run(second, PROBE, "add", [1, 2])["cached"] is True
+        assert _run(second, TRAPS, "ok", [])["cached"] is True and second.host.stats["compiles"] == 0
+        assert op_load_modules(_Server(second), {}, None)[0] == {"loaded": 0, "held": 0}  # type: ignore[arg-type]
+    with env() as bare:  # no module ever handed over: nothing to load
+        assert op_load_modules(_Server(bare), {}, None)[0] == {"loaded": 0, "held": 0}  # type: ignore[arg-type]
+
+
+def test_a_deserialized_module_importing_what_a_guest_may_not_have_is_refused() -> None:
+    """The artifact path checks import names again (its types are the linker's): a module that
+    imports a function the host does not offer is refused at its run, never linked."""
+    bad = b'(module (import "env" "system" (func)) (func (export "ok") (result i32) i32.const 1))'
+    with env() as e:
+        engine = e.host.engine
+        import wasmtime
+
+        artifact = bytes(wasmtime.Module(engine, wasmtime.wat2wasm(bad.decode())).serialize())
+        digest = hashlib.sha256(bad).hexdigest()
+        assert _import(e, [(bad, engine_fingerprint(), artifact)])["loaded"] == [digest]
+        with pytest.raises(WasmCompile, match="env::system is not provided"):
+            _run(e, bad, "ok", [])
+        assert e.host.stats["artifact_refusals"] == 1

@@ -1,0 +1,74 @@
+"""A parked instance's buffers as one file of the run dir (supervisor.store.parked_bytes): written
+chunk by chunk through its spans, no descriptor once sealed, the file gone on close or when
+dropped, and a dead supervisor's files removed at the next start."""
+
+from __future__ import annotations
+
+import gc
+import os
+import stat
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor.store.parked_bytes import PARKED_DIR, ParkedBytes, ParkedSpan, remove_stale
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _fds() -> int:
+    return psutil.Process().num_fds()
+
+
+def test_a_parked_file_takes_its_buffers_chunks_and_holds_no_descriptor_once_sealed(tmp_path: Path) -> None:
+    fds = _fds()
+    parked = ParkedBytes.create(str(tmp_path), 10)
+    try:
+        info = os.stat(parked.path)
+        assert info.st_size == 10 and stat.S_IMODE(info.st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(tmp_path / PARKED_DIR).st_mode) == 0o700
+        a, b = ParkedSpan(parked, 0, 4), ParkedSpan(parked, 4, 6)
+        assert (len(a), len(b)) == (4, 6)
+        a.write(0, b"abcd")
+        b.write(2, memoryview(b"wxyz"))
+        for span, offset, data in ((a, 2, b"xyz"), (b, -1, b"x")):
+            with pytest.raises(ValueError, match="outside"):
+                span.write(offset, data)
+        assert not parked.sealed and _fds() == fds + 1  # the export writes through its descriptor
+        parked.seal()
+        parked.seal()  # idempotent
+        assert parked.sealed and _fds() == fds  # parked: no descriptor
+        assert Path(parked.path).read_bytes() == b"abcd\0\0wxyz"  # what the worker maps
+        with pytest.raises(ValueError, match="sealed"):
+            a.write(0, b"z")
+    finally:
+        parked.close()
+    assert parked.closed and not os.path.exists(parked.path) and _fds() == fds
+    parked.close()  # idempotent
+    with pytest.raises(ValueError):
+        ParkedBytes.create(str(tmp_path), 0)
+
+
+def test_a_parked_file_closed_or_dropped_before_its_seal_leaves_neither_file_nor_descriptor(tmp_path: Path) -> None:
+    fds = _fds()
+    closed = ParkedBytes.create(str(tmp_path), 64)
+    closed.close()
+    dropped = ParkedBytes.create(str(tmp_path), 4096)
+    path = dropped.path
+    ParkedSpan(dropped, 0, 16).write(0, bytes(16))
+    del dropped
+    gc.collect()
+    assert not os.path.exists(closed.path) and not os.path.exists(path) and _fds() == fds
+
+
+def test_a_dead_supervisors_parked_files_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    assert remove_stale(str(tmp_path)) == 0  # no directory yet
+    left = [ParkedBytes.create(str(tmp_path), 8) for _ in range(2)]
+    paths = [p.path for p in left]
+    other = tmp_path / PARKED_DIR / "not-ours"
+    other.write_bytes(b"x")
+    assert remove_stale(str(tmp_path)) == 2
+    assert not any(os.path.exists(p) for p in paths) and other.exists()
+    for parked in left:
+        parked.close()  # already unlinked: closing still closes its descriptor, without an error
