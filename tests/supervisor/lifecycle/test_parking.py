@@ -294,6 +294,8 @@ def test_kill_9_of_the_worker_while_parking_loses_no_quota() -> None:
                      what="the park's copy charged")
             assert tenant(c.status(), "victim").instances[0].in_flight >= 1
         finally:
+            # before the kill: the restarted worker holds nothing and may park before the next line runs
+            mark = _cursor(c)
             os.kill(pid, signal.SIGKILL)
         # restarted (it may park again at once: it holds nothing now)
         wait_for(lambda: (r := tenant(c.status(), "victim")).restarts == 1 and r.state in ("running", "parked"),
@@ -301,7 +303,6 @@ def test_kill_9_of_the_worker_while_parking_loses_no_quota() -> None:
         q = c.quota(cap)
         assert q.bytes_in_use == base.bytes_in_use  # the host copy's charge released
         assert q.gpu_bytes_in_use == 0  # the dead worker's share reclaimed
-        mark = _cursor(c)
         with pytest.raises(BufferLost):
             c.read(cap, h, 16)
         # and the tenant parks cleanly afterwards
