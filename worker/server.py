@@ -294,16 +294,18 @@ def warm_bind_path() -> None:
 
 
 def wasm_warm_up() -> Iterator[None]:
-    """A pool worker's idle work (:attr:`WorkerServer.idle_work`): import the WASM host, then warm
-    it step by step (:func:`worker.wasm.host.pool_warm_up`: the engine, the linker with the host
-    functions, one run of our own module). Runs while the worker waits in the pool, so the first
-    ``run_wasm`` after an activation pays only for the tenant's own module. Imported lazily:
-    worker.wasm pulls in wasmtime and numpy."""
+    """A pool worker's idle work (:attr:`WorkerServer.idle_work`): import the modules of the ops
+    an activation sends (the parking imports, the WASM host; one a step), then warm the host
+    step by step (:func:`worker.wasm.host.pool_warm_up`: the engine, the linker with the host
+    functions, the engine's fingerprint, one run of our own module). Runs while the worker waits
+    in the pool, so an activation and its first ``run_wasm`` pay only for the tenant's own state
+    and module. Lazily imported: worker.wasm pulls in wasmtime and numpy."""
     yield  # nothing before the loop has looked at the queue once
-    host = importlib.import_module("worker.wasm.host")
-    importlib.import_module("worker.wasm.ops")  # run_wasm's handler module, resolved at the first run
-    yield
-    yield from host.pool_warm_up()
+    for op in _LAZY_OPS:  # an activation's ops (import_buffer, import_modules, run_wasm ...): their modules
+        if op not in _OPS:
+            _resolve(op)
+            yield
+    yield from importlib.import_module("worker.wasm.host").pool_warm_up()
 
 
 @register_op("ping")

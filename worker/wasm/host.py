@@ -348,6 +348,95 @@ def function_exports(wasm: bytes) -> dict[int, str]:
     return out
 
 
+#: value type encodings (what ``str(wasmtime.ValType)`` calls them): the engine's settings allow no others
+_VALTYPE_CODES: Final = {0x7F: "i32", 0x7E: "i64", 0x7D: "f32", 0x7C: "f64", 0x7B: "v128",
+                         0x70: str(wasmtime.ValType.funcref()), 0x6F: str(wasmtime.ValType.externref())}
+
+ExportTypes = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+
+
+def _name(data: bytes, pos: int) -> tuple[str, int]:
+    n, pos = _leb_u32(data, pos)
+    if pos + n > len(data):
+        raise ValueError("a name runs past the end of the module")
+    return data[pos:pos + n].decode("utf-8"), pos + n
+
+
+def _skip_limits(data: bytes, pos: int) -> int:
+    flags = data[pos]
+    _, pos = _leb_u32(data, pos + 1)
+    if flags & 1:
+        _, pos = _leb_u32(data, pos)
+    return pos
+
+
+def module_interface(wasm: bytes) -> tuple[list[tuple[str, str]], ExportTypes]:
+    """Every import's (module, name) and each exported function's (param kinds, result kinds),
+    read from the type, import, function and export sections of bytes wasmtime has validated.
+
+    What an artifact's load needs of its module, without asking the wasmtime binding for each
+    import and export (a Python object and a C call per name and per type: most of a load's
+    time, and the load of a woken tenant's modules delays its first run). ValueError (or
+    KeyError, IndexError) on anything unexpected: the caller then asks the binding."""
+    types: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    imports: list[tuple[str, str]] = []
+    func_types: list[int] = []  # type index of each function, imported ones first
+    exports: ExportTypes = {}
+    pos = 8
+    while pos < len(wasm):
+        section = wasm[pos]
+        size, pos = _leb_u32(wasm, pos + 1)
+        end = pos + size
+        if end > len(wasm):
+            raise ValueError("section runs past the end of the module")
+        p = pos
+        if section == 1:
+            count, p = _leb_u32(wasm, p)
+            for _ in range(count):
+                if wasm[p] != 0x60:
+                    raise ValueError("not a function type")
+                n, p = _leb_u32(wasm, p + 1)
+                params = tuple(_VALTYPE_CODES[b] for b in wasm[p:p + n])
+                n, p = _leb_u32(wasm, p + n)
+                results = tuple(_VALTYPE_CODES[b] for b in wasm[p:p + n])
+                p += n
+                types.append((params, results))
+        elif section == 2:
+            count, p = _leb_u32(wasm, p)
+            for _ in range(count):
+                module, p = _name(wasm, p)
+                name, p = _name(wasm, p)
+                kind = wasm[p]
+                p += 1
+                imports.append((module, name))
+                if kind == 0:
+                    index, p = _leb_u32(wasm, p)
+                    func_types.append(index)
+                elif kind == 1:  # a table: its element type, then its limits
+                    p = _skip_limits(wasm, p + 1)
+                elif kind == 2:
+                    p = _skip_limits(wasm, p)
+                elif kind == 3:  # a global: its type and mutability
+                    p += 2
+                else:
+                    raise ValueError(f"import kind {kind}")
+        elif section == 3:
+            count, p = _leb_u32(wasm, p)
+            for _ in range(count):
+                index, p = _leb_u32(wasm, p)
+                func_types.append(index)
+        elif section == 7:
+            count, p = _leb_u32(wasm, p)
+            for _ in range(count):
+                name, p = _name(wasm, p)
+                kind = wasm[p]
+                index, p = _leb_u32(wasm, p + 1)
+                if kind == 0:
+                    exports[name] = types[func_types[index]]
+        pos = end
+    return imports, exports
+
+
 def memory_limits(wasm: bytes) -> tuple[int, int | None] | None:
     """(min, max) pages of the module's defined memory, from its memory section (id 5).
 
@@ -830,7 +919,16 @@ class WasmHost:
         types are left to the linker (``instantiate_pre`` refuses an import whose type is not
         the host's): reading every import's type through the wasmtime binding is most of what
         loading an artifact costs."""
-        wasi = self._check_imports(module, types=not from_artifact)
+        interface = None
+        if from_artifact:
+            try:
+                interface = module_interface(wasm)
+            except (ValueError, KeyError, IndexError, UnicodeDecodeError):
+                interface = None  # read through the binding instead
+        if interface is not None:
+            wasi = self._check_import_names(interface[0])
+        else:
+            wasi = self._check_imports(module, types=not from_artifact)
         try:
             pre = self.linker.instantiate_pre(module)
             memory = memory_limits(wasm)
@@ -839,11 +937,31 @@ class WasmHost:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             last = _short(str(exc))
             raise WasmCompile(last if first in last else f"{first}: {last}") from None
-        exports = _export_types(module)
+        exports = interface[1] if interface is not None else _export_types(module)
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
                                   wasi, function_exports(wasm), from_artifact)
         self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         return compiled
+
+    @staticmethod
+    def _check_import_names(imports: Iterable[tuple[str, str]]) -> bool:
+        """:meth:`_check_imports` on (module, name) pairs read from the bytes (an artifact's
+        module): the names only; the linker checks the types (``instantiate_pre``)."""
+        wasi = False
+        for module, name in imports:
+            where = f"import {module}::{name}"
+            if module == WASI_MODULE:
+                wasi = True
+                if name in WASI_REFUSED:
+                    raise WasmCompile(f"{where} is refused: a guest has no network (no WASI sockets)")
+                if name not in WASI_FUNCTIONS:
+                    raise WasmCompile(f"{where} is not provided: not a WASI preview 1 function")
+            elif module != IMPORT_MODULE or name not in IMPORTS:
+                raise WasmCompile(
+                    f"{where} is not provided: a guest may import only {IMPORT_MODULE}::"
+                    f"{{{', '.join(IMPORTS)}}} and WASI preview 1 ({WASI_MODULE}) functions"
+                )
+        return wasi
 
     @staticmethod
     def _check_imports(module: wasmtime.Module, *, types: bool = True) -> bool:
@@ -1085,6 +1203,7 @@ class WasmHost:
         wasm = _binary(WARM_UP_WAT)
         module = wasmtime.Module(self.engine, wasm)
         self._check_imports(module)
+        self._check_import_names(module_interface(wasm)[0])  # an artifact's load reads the bytes
         pre = self.linker.instantiate_pre(module)
         memory_limits(wasm)
         _export_types(module)
@@ -1171,6 +1290,8 @@ def pool_warm_up() -> Iterator[None]:
         return
     host = WasmHost(None)
     _pool_host = host
+    yield
+    engine_fingerprint()  # an activation's import_modules asks for it (the wasmtime version: ms to find)
     yield
     if host is _pool_host:  # not adopted meanwhile (a bound host runs only its tenant's modules)
         host.warm_up()

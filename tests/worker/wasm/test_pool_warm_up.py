@@ -17,7 +17,7 @@ from shared.errors import InvalidArgument
 from worker.backends.stub import StubBackend
 from worker.faults import FaultState
 from worker.server import WorkerServer, wasm_warm_up
-from worker.wasm import WasmHost, guest_source
+from worker.wasm import GUEST_DIR, WasmHost, guest_source
 from worker.wasm import host as host_mod
 from tests.helpers.wasm_env import PROBE, tenant_env
 
@@ -140,3 +140,30 @@ def test_the_workers_warm_up_imports_the_host_then_warms_it() -> None:
     host = host_mod._pool_host
     assert host is not None and host.warmed
     assert guest_source("probe")  # the bundled guests are untouched by it
+
+
+_ALL_KINDS = b"""(module
+  (import "env" "t" (table 2 8 funcref))
+  (import "env" "m" (memory 1 4))
+  (import "env" "g" (global (mut i64)))
+  (import "wasi_snapshot_preview1" "fd_write" (func (param i32 i32 i32 i32) (result i32)))
+  (func (export "f") (param f32 f64 externref) (result i64 i32) (i64.const 1) (i32.const 2))
+  (global (export "answer") i32 (i32.const 42)))
+"""
+
+
+def test_an_artifacts_imports_and_exports_are_read_from_its_bytes_as_wasmtime_reads_them() -> None:
+    """The artifact load's reader of the module's interface (no binding call per name) agrees with
+    wasmtime on every bundled guest and on imports of every kind."""
+    import wasmtime
+
+    engine = wasmtime.Engine(host_mod._config())
+    bodies = [path.read_bytes() for path in sorted(GUEST_DIR.glob("*.wat"))] + [_ALL_KINDS]
+    for body in bodies:
+        wasm = host_mod._binary(body)
+        module = wasmtime.Module(engine, wasm)
+        imports, exports = host_mod.module_interface(wasm)
+        assert imports == [(i.module, i.name) for i in module.imports]
+        assert exports == host_mod._export_types(module)
+    with pytest.raises(ValueError):
+        host_mod.module_interface(host_mod._binary(PROBE)[:200])  # cut short: the binding reads it instead
