@@ -1195,13 +1195,16 @@ class WasmHost:
         the engine's first store, the linker resolving host functions and WASI, the first
         instantiate (the runtime's lazy state), the first WAT parse, the epoch thread's start.
         Done here, on :data:`WARM_UP_WAT` (our module, never a tenant's), the tenant's first run
-        pays only for its own module. Holds nothing afterwards: the store, its linear memory and
-        the module are dropped, nothing enters the tenant's module cache, and no quota is
+        pays only for its own module (and an artifact's load, the engine's first deserialize
+        done here too, only for its own). Holds nothing afterwards: the store, its linear memory
+        and the module are dropped, nothing enters the tenant's module cache, and no quota is
         touched (there is no tenant yet). Refused once the host is bound."""
         if self._ctx is not None:
             raise InvalidArgument("a bound WASM host is not warmed: its runs are the tenant's")
         wasm = _binary(WARM_UP_WAT)
         module = wasmtime.Module(self.engine, wasm)
+        # an activation deserializes the tenant's artifacts: the engine's first deserialize is here
+        module = wasmtime.Module.deserialize(self.engine, module.serialize())
         self._check_imports(module)
         self._check_import_names(module_interface(wasm)[0])  # an artifact's load reads the bytes
         pre = self.linker.instantiate_pre(module)
