@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -45,7 +45,7 @@ from shared.worker_link import BindMessage
 from worker.context import TenantContext
 from worker.faults import FaultState
 
-__all__ = ["Reply", "WorkerServer", "register_op", "warm_bind_path"]
+__all__ = ["Reply", "WorkerServer", "register_op", "warm_bind_path", "wasm_warm_up"]
 
 _log = get_logger("worker")
 
@@ -105,6 +105,9 @@ class WorkerServer:
         self.requests = 0
         #: the process exit code once this worker must end (a lost CUDA context), else None
         self.exit_code: int | None = None
+        #: work for an unbound (pool) worker while no request waits, one step per empty look at
+        #: the queue (:func:`wasm_warm_up`); dropped at the bind, or at its first error
+        self.idle_work: Iterator[None] | None = None
 
     # --------------------------------------------------------------- loop
 
@@ -118,8 +121,12 @@ class WorkerServer:
         recv, events = sock.recv, sock.getsockopt
         items = [(sock, _POLLIN)]
         while not stop.is_set():
-            if not int(events(_EVENTS)) & _POLLIN and not zmq.zmq_poll(items, 200):
-                continue
+            if not int(events(_EVENTS)) & _POLLIN:
+                if self.idle_work is not None:
+                    self._idle_step()  # one step, then look at the queue again
+                    continue
+                if not zmq.zmq_poll(items, 200):
+                    continue
             try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
                 frame = recv(_NOBLOCK, copy=False)
                 frames = [frame]
@@ -131,6 +138,23 @@ class WorkerServer:
             self.requests += 1
             self.faults.block_if_hung()
             self.handle(frames)
+
+    def _idle_step(self) -> None:
+        """One step of :attr:`idle_work`; none once the worker is bound (its time is the tenant's)
+        or the work is done. An error ends the work, never the worker: a warm-up is an optimisation."""
+        work = self.idle_work
+        if work is None:
+            return
+        if self.context is not None:
+            self.idle_work = None
+            return
+        try:
+            next(work)
+        except StopIteration:
+            self.idle_work = None
+        except Exception:  # noqa: BLE001 - the first run then does the set-up itself
+            _log.exception("worker.warm_up_failed")
+            self.idle_work = None
 
     def handle(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -267,6 +291,21 @@ def warm_bind_path() -> None:
         BindMessage.from_wire(wire)
         encode_worker_reply(0, True, {"pid": os.getpid(), "tenant": "warm-up", "instance": 0, "incarnation": 0,
                                       "buffers": 0, "buffer_bytes": 0})
+
+
+def wasm_warm_up() -> Iterator[None]:
+    """A pool worker's idle work (:attr:`WorkerServer.idle_work`): import the modules of the ops
+    an activation sends (the parking imports, the WASM host; one a step), then warm the host
+    step by step (:func:`worker.wasm.host.pool_warm_up`: the engine, the linker with the host
+    functions, the engine's fingerprint, one run of our own module). Runs while the worker waits
+    in the pool, so an activation and its first ``run_wasm`` pay only for the tenant's own state
+    and module. Lazily imported: worker.wasm pulls in wasmtime and numpy."""
+    yield  # nothing before the loop has looked at the queue once
+    for op in _LAZY_OPS:  # an activation's ops (import_buffer, import_modules, run_wasm ...): their modules
+        if op not in _OPS:
+            _resolve(op)
+            yield
+    yield from importlib.import_module("worker.wasm.host").pool_warm_up()
 
 
 @register_op("ping")

@@ -183,6 +183,9 @@ class Parking:
         self.run_dir = run_dir
         #: the parked files of instances, by tenant and instance (see _host_copies)
         self._files: dict[str, dict[int, ParkedBytes]] = {}
+        #: buffers an activation in progress found lost with their parked file, by tenant (its
+        #: ``activate`` event's ``lost``)
+        self._lost: dict[str, int] = {}
         #: parks begun to make room (before the tenant's idle time), and activations refused for room
         self.early_parks = 0
         self.capacity_refusals = 0
@@ -674,6 +677,11 @@ class Parking:
         self._bound_at[rt.tenant_id] = self.clock()
         seq = rec.seqs.get(slot.index, 0)
         parked = self._files.get(rt.tenant_id, {}).get(slot.index)
+        if parked is not None:
+            why = parked.check()
+            if why is not None:  # deleted or changed from outside while parked: its buffers are gone
+                self._lose_file(rt, rec, slot, why)
+                parked = None
         chunks = [] if parked is not None else [
             (buf, offset, min(PARK_CHUNK_BYTES, len(buf.data) - offset))
             for buf in rec.buffers.get(slot.index, []) for offset in range(0, len(buf.data), PARK_CHUNK_BYTES)]
@@ -715,13 +723,56 @@ class Parking:
             for buf in rec.buffers.get(slot.index, []):
                 entries.append([buf.handle, len(buf.data), offset])
                 offset += len(buf.data)
+            file = parked
+
+            def mapped(ok: bool, payload: object) -> None:
+                # the worker could not open or map the file: lost from outside since the check (a
+                # race), or not (no address space for the mapping: the activation fails as before)
+                if (not ok and isinstance(payload, dict) and payload.get("code") == "segment_error"
+                        and self.tenants.get(rt.tenant_id) is rt and rt.park is rec
+                        and rec.phase is ParkPhase.ACTIVATING and rec.importing.get(slot.index) is worker):
+                    why = file.check()
+                    if why is not None:
+                        self._lose_file(rt, rec, slot, why)
+                        self._send(rt, slot, worker, "import_buffer", {"handle": None, "seq": seq}, None, done)
+                        return
+                done(ok, payload)
+
             self._send(rt, slot, worker, "import_mapped", {"path": parked.path, "buffers": entries, "seq": seq},
-                       None, done)
+                       None, mapped)
         elif not chunks:
             in_flight = 1
             self._send(rt, slot, worker, "import_buffer", {"handle": None, "seq": seq}, None, done)
         else:
             pump()
+
+    def _lose_file(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, why: str) -> None:
+        """Instance ``slot``'s parked file cannot be imported (``why``: deleted, truncated or made
+        unreadable from outside): its buffers are lost, the rest of the tenant is not. Their
+        handles answer ``BufferLost`` (``InstanceSlot.lost``, until the slot's next incarnation);
+        the instance is imported without them (its handle sequence still restored, so no new
+        handle equals a lost one), their host charge is released now and the file's name goes."""
+        tid = rt.tenant_id
+        lost = rec.buffers.pop(slot.index, [])
+        files = self._files.get(tid, {})
+        parked = files.pop(slot.index, None)
+        if parked is not None:
+            parked.close()
+        if not files:
+            self._files.pop(tid, None)
+        nbytes = sum(len(b.data) for b in lost)
+        if lost:
+            if slot.lost is None:
+                slot.lost = set()
+            slot.lost.update(b.handle for b in lost)
+        give_back = min(nbytes, rec.charged)
+        if give_back and not rt.block.closed:
+            rt.block.release_bytes(give_back)
+            rec.charged -= give_back
+        self._lost[tid] = self._lost.get(tid, 0) + len(lost)
+        log_event(_log, logging.WARNING, "tenant.parked_file_lost", tenant=tid, instance=slot.index,
+                  buffers=len(lost), nbytes=nbytes, error=why,
+                  detail="its buffers' handles answer BufferLost; the tenant activates without them")
 
     def _import_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
         """The instance's buffers are back: its tenant's own artifacts next, so the first run does
@@ -799,6 +850,8 @@ class Parking:
                                      # process start too), then the buffers imported
                                      "bind_ms": round((bound_at - rec.since) * 1000, 3),
                                      "restore_ms": round((now - bound_at) * 1000, 3),
+                                     # buffers whose parked file was lost from outside (BufferLost)
+                                     "lost": self._lost.pop(rt.tenant_id, 0),
                                      "workers": self._how.pop(rt.tenant_id, {})}
         if self._modules_pending.get(rt.tenant_id):  # emitted with the artifacts' count once answered
             self._activate_events[rt.tenant_id] = fields
@@ -854,6 +907,7 @@ class Parking:
     def _forget_activation(self, tid: str) -> None:
         """An activation ended without being done: what its ``activate`` event would have said goes."""
         self._artifacts_loaded.pop(tid, None)
+        self._lost.pop(tid, None)
         self._how.pop(tid, None)
         self._bound_at.pop(tid, None)
         self._load_after.pop(tid, None)

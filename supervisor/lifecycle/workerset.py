@@ -282,6 +282,7 @@ class WorkerSet:
         slot.completed = False
         if not slot.keep_incarnation:  # parked buffers: their handles name the incarnation they come back to
             slot.incarnation += 1
+            slot.lost = None  # the incarnation check answers them BufferLost from now on
         worker = self.pool.pop() if self.pool else None
         if worker is not None:
             worker.tenant = rt.tenant_id

@@ -341,7 +341,8 @@ def lost_buffer(rt: TenantRuntime, op: str, args: dict[str, object]) -> BufferLo
             continue  # refused by pinned_instance
         slot = rt.slots[index]
         gone = slot.worker is None and rt.park is None  # a parked slot's buffers wait in the supervisor
-        if gone or slot.incarnation & 0xFFFF != proto.handle_incarnation(h):
+        if (gone or slot.incarnation & 0xFFFF != proto.handle_incarnation(h)
+                or (slot.lost is not None and h in slot.lost)):  # its parked file was lost
             return BufferLost(rt.tenant_id, proto.format_handle(h), index, slot.incarnation)
     return None
 

@@ -107,6 +107,9 @@ class InstanceSlot:
     keep_incarnation: bool = False
     #: its worker exited 0 and the restart policy left it so (on-failure, never): done, not down
     completed: bool = False
+    #: handles of this incarnation whose bytes are gone without a restart (a parked file lost
+    #: before its import): they answer BufferLost; None while there are none, emptied by a restart
+    lost: set[int] | None = None
 
     @property
     def ready(self) -> bool:

@@ -37,6 +37,7 @@ import errno
 import os
 import re
 import secrets
+import stat
 import weakref
 from typing import Final
 
@@ -124,6 +125,30 @@ class ParkedBytes:
         """The copy is whole: close the descriptor (idempotent); the file stays for the import."""
         if self._fd:
             os.close(self._fd.pop())
+
+    def check(self) -> str | None:
+        """Why the file cannot be imported, or None when it can: it is still there, a regular
+        file of the size written and readable. Something outside the supervisor may have
+        deleted, truncated, replaced or locked it (an operator cleaning the run dir); its
+        buffers are then lost (parking answers their handles ``BufferLost``) rather than
+        failing every activation. Opens and closes it: no descriptor is kept."""
+        if self.closed:
+            return "the parked file was removed"
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            return f"cannot open the parked file: {exc.strerror}"
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            return f"cannot read the parked file: {exc.strerror}"
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "the parked file is no longer a regular file"
+        if st.st_size != self.nbytes:
+            return f"the parked file holds {st.st_size} B, not the {self.nbytes} B written"
+        return None
 
     def close(self) -> None:
         """Unlink the file (and close its descriptor, if still open); idempotent."""

@@ -55,7 +55,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import wasmtime
 
@@ -91,7 +91,8 @@ from worker.wasm.wasi import (
     wasi_config,
 )
 
-__all__ = ["CompiledModule", "EpochTicker", "GuestExit", "WasmHost", "WasmSession", "engine_fingerprint"]
+__all__ = ["WARM_UP_WAT", "CompiledModule", "EpochTicker", "GuestExit", "WasmHost", "WasmSession", "engine_fingerprint",
+           "pool_warm_up"]
 
 T = TypeVar("T")
 
@@ -347,6 +348,95 @@ def function_exports(wasm: bytes) -> dict[int, str]:
     return out
 
 
+#: value type encodings (what ``str(wasmtime.ValType)`` calls them): the engine's settings allow no others
+_VALTYPE_CODES: Final = {0x7F: "i32", 0x7E: "i64", 0x7D: "f32", 0x7C: "f64", 0x7B: "v128",
+                         0x70: str(wasmtime.ValType.funcref()), 0x6F: str(wasmtime.ValType.externref())}
+
+ExportTypes = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+
+
+def _name(data: bytes, pos: int) -> tuple[str, int]:
+    n, pos = _leb_u32(data, pos)
+    if pos + n > len(data):
+        raise ValueError("a name runs past the end of the module")
+    return data[pos:pos + n].decode("utf-8"), pos + n
+
+
+def _skip_limits(data: bytes, pos: int) -> int:
+    flags = data[pos]
+    _, pos = _leb_u32(data, pos + 1)
+    if flags & 1:
+        _, pos = _leb_u32(data, pos)
+    return pos
+
+
+def module_interface(wasm: bytes) -> tuple[list[tuple[str, str]], ExportTypes]:
+    """Every import's (module, name) and each exported function's (param kinds, result kinds),
+    read from the type, import, function and export sections of bytes wasmtime has validated.
+
+    What an artifact's load needs of its module, without asking the wasmtime binding for each
+    import and export (a Python object and a C call per name and per type: most of a load's
+    time, and the load of a woken tenant's modules delays its first run). ValueError (or
+    KeyError, IndexError) on anything unexpected: the caller then asks the binding."""
+    types: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+    imports: list[tuple[str, str]] = []
+    func_types: list[int] = []  # type index of each function, imported ones first
+    exports: ExportTypes = {}
+    pos = 8
+    while pos < len(wasm):
+        section = wasm[pos]
+        size, pos = _leb_u32(wasm, pos + 1)
+        end = pos + size
+        if end > len(wasm):
+            raise ValueError("section runs past the end of the module")
+        p = pos
+        if section == 1:
+            count, p = _leb_u32(wasm, p)
+            for _ in range(count):
+                if wasm[p] != 0x60:
+                    raise ValueError("not a function type")
+                n, p = _leb_u32(wasm, p + 1)
+                params = tuple(_VALTYPE_CODES[b] for b in wasm[p:p + n])
+                n, p = _leb_u32(wasm, p + n)
+                results = tuple(_VALTYPE_CODES[b] for b in wasm[p:p + n])
+                p += n
+                types.append((params, results))
+        elif section == 2:
+            count, p = _leb_u32(wasm, p)
+            for _ in range(count):
+                module, p = _name(wasm, p)
+                name, p = _name(wasm, p)
+                kind = wasm[p]
+                p += 1
+                imports.append((module, name))
+                if kind == 0:
+                    index, p = _leb_u32(wasm, p)
+                    func_types.append(index)
+                elif kind == 1:  # a table: its element type, then its limits
+                    p = _skip_limits(wasm, p + 1)
+                elif kind == 2:
+                    p = _skip_limits(wasm, p)
+                elif kind == 3:  # a global: its type and mutability
+                    p += 2
+                else:
+                    raise ValueError(f"import kind {kind}")
+        elif section == 3:
+            count, p = _leb_u32(wasm, p)
+            for _ in range(count):
+                index, p = _leb_u32(wasm, p)
+                func_types.append(index)
+        elif section == 7:
+            count, p = _leb_u32(wasm, p)
+            for _ in range(count):
+                name, p = _name(wasm, p)
+                kind = wasm[p]
+                index, p = _leb_u32(wasm, p + 1)
+                if kind == 0:
+                    exports[name] = types[func_types[index]]
+        pos = end
+    return imports, exports
+
+
 def memory_limits(wasm: bytes) -> tuple[int, int | None] | None:
     """(min, max) pages of the module's defined memory, from its memory section (id 5).
 
@@ -597,9 +687,11 @@ class WasmHost:
 
     EXTENSION = "wasm"
 
-    def __init__(self, ctx: TenantContext, *, fast_imports: bool | None = None, tick_s: float = TICK_S,
+    def __init__(self, ctx: TenantContext | None, *, fast_imports: bool | None = None, tick_s: float = TICK_S,
                  cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES) -> None:
-        self.ctx = ctx
+        """``ctx`` None: a pool worker's host, made before any tenant is bound (:func:`pool_warm_up`);
+        the tenant's context is set when :meth:`for_context` adopts it at the first use after the bind."""
+        self._ctx = ctx
         self.engine = wasmtime.Engine(_config())
         self.linker = wasmtime.Linker(self.engine)
         self.ticker = EpochTicker(self.engine, tick_s)
@@ -623,15 +715,32 @@ class WasmHost:
         self.stats = {"runs": 0, "compiles": 0, "artifact_loads": 0, "artifact_refusals": 0, "cache_hits": 0,
                       "traps": 0, "timeouts": 0}
         self._closed = False
+        #: :meth:`warm_up` ran (a pool host, before its bind)
+        self.warmed = False
 
     @classmethod
     def for_context(cls, ctx: TenantContext) -> WasmHost:
-        """The worker's host, created on first use and closed with the context."""
+        """The worker's host, created on first use and closed with the context. A pool worker's
+        host, warmed before the bind (:func:`pool_warm_up`), is adopted instead of making one."""
         host = ctx.extensions.get(cls.EXTENSION)
         if not isinstance(host, WasmHost):
-            host = cls(ctx)
+            host = _adopt_pool_host(ctx)
+            if host is None:
+                host = cls(ctx)
             ctx.extensions[cls.EXTENSION] = host
         return host
+
+    @property
+    def ctx(self) -> TenantContext:
+        """The bound tenant's context; a pool host (not adopted yet) has none and runs no module."""
+        ctx = self._ctx
+        if ctx is None:
+            raise InvalidArgument("the WASM host is not bound to a tenant yet")
+        return ctx
+
+    @property
+    def bound(self) -> bool:
+        return self._ctx is not None
 
     # -------------------------------------------------------------- imports
 
@@ -810,7 +919,16 @@ class WasmHost:
         types are left to the linker (``instantiate_pre`` refuses an import whose type is not
         the host's): reading every import's type through the wasmtime binding is most of what
         loading an artifact costs."""
-        wasi = self._check_imports(module, types=not from_artifact)
+        interface = None
+        if from_artifact:
+            try:
+                interface = module_interface(wasm)
+            except (ValueError, KeyError, IndexError, UnicodeDecodeError):
+                interface = None  # read through the binding instead
+        if interface is not None:
+            wasi = self._check_import_names(interface[0])
+        else:
+            wasi = self._check_imports(module, types=not from_artifact)
         try:
             pre = self.linker.instantiate_pre(module)
             memory = memory_limits(wasm)
@@ -819,11 +937,31 @@ class WasmHost:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             last = _short(str(exc))
             raise WasmCompile(last if first in last else f"{first}: {last}") from None
-        exports = _export_types(module)
+        exports = interface[1] if interface is not None else _export_types(module)
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
                                   wasi, function_exports(wasm), from_artifact)
         self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         return compiled
+
+    @staticmethod
+    def _check_import_names(imports: Iterable[tuple[str, str]]) -> bool:
+        """:meth:`_check_imports` on (module, name) pairs read from the bytes (an artifact's
+        module): the names only; the linker checks the types (``instantiate_pre``)."""
+        wasi = False
+        for module, name in imports:
+            where = f"import {module}::{name}"
+            if module == WASI_MODULE:
+                wasi = True
+                if name in WASI_REFUSED:
+                    raise WasmCompile(f"{where} is refused: a guest has no network (no WASI sockets)")
+                if name not in WASI_FUNCTIONS:
+                    raise WasmCompile(f"{where} is not provided: not a WASI preview 1 function")
+            elif module != IMPORT_MODULE or name not in IMPORTS:
+                raise WasmCompile(
+                    f"{where} is not provided: a guest may import only {IMPORT_MODULE}::"
+                    f"{{{', '.join(IMPORTS)}}} and WASI preview 1 ({WASI_MODULE}) functions"
+                )
+        return wasi
 
     @staticmethod
     def _check_imports(module: wasmtime.Module, *, types: bool = True) -> bool:
@@ -1050,6 +1188,54 @@ class WasmHost:
             "timeout_s": timeout_s,
         }
 
+    def warm_up(self) -> None:
+        """Run the tenant-free parts of a first run once, on this (pool) host before it is bound.
+
+        A worker's first ``run_wasm`` paid for set-up that is the same whatever the module:
+        the engine's first store, the linker resolving host functions and WASI, the first
+        instantiate (the runtime's lazy state), the first WAT parse, the epoch thread's start.
+        Done here, on :data:`WARM_UP_WAT` (our module, never a tenant's), the tenant's first run
+        pays only for its own module (and an artifact's load, the engine's first deserialize
+        done here too, only for its own). Holds nothing afterwards: the store, its linear memory
+        and the module are dropped, nothing enters the tenant's module cache, and no quota is
+        touched (there is no tenant yet). Refused once the host is bound."""
+        if self._ctx is not None:
+            raise InvalidArgument("a bound WASM host is not warmed: its runs are the tenant's")
+        wasm = _binary(WARM_UP_WAT)
+        module = wasmtime.Module(self.engine, wasm)
+        # an activation deserializes the tenant's artifacts: the engine's first deserialize is here
+        module = wasmtime.Module.deserialize(self.engine, module.serialize())
+        self._check_imports(module)
+        self._check_import_names(module_interface(wasm)[0])  # an artifact's load reads the bytes
+        pre = self.linker.instantiate_pre(module)
+        memory_limits(wasm)
+        _export_types(module)
+        function_exports(wasm)
+        self.ticker.prestart()
+        for _ in range(2):  # the second run of a code path still costs more than a warm one
+            store = wasmtime.Store(self.engine)
+            self.ticker.acquire()
+            try:
+                store.set_limits(memory_size=PAGE, table_elements=MAX_TABLE_ELEMENTS, instances=1,
+                                 tables=MAX_TABLES, memories=1)
+                store.set_fuel(WARM_UP_FUEL)
+                store.set_wasi(wasi_config())
+                store.set_epoch_deadline(self.ticker.deadline_ticks(1.0))
+                instance = pre.instantiate(store)
+                exports = instance.exports(store)
+                run = exports.get("run")
+                memory = exports.get("memory")
+                assert isinstance(run, wasmtime.Func) and isinstance(memory, wasmtime.Memory)
+                run.type(store)
+                run(store, 64)
+                store.get_fuel()
+                memory.data_len(store)
+                memory.data_ptr(store)
+            finally:
+                self.ticker.release()
+                store.close()
+        self.warmed = True
+
     def info(self) -> dict[str, object]:
         return {"fast_imports": self.fast_imports, "cached_modules": len(self._cache), **self.stats}
 
@@ -1061,3 +1247,54 @@ class WasmHost:
         self.ticker.close()
         self._cache.clear()
 
+
+
+# ------------------------------------------------------------------ the pool's warm-up
+
+#: what a pool worker runs before it is bound (WasmHost.warm_up): ours, not a tenant's. It imports
+#: a host function and a WASI one (the linker resolves both kinds), has a one-page memory and a loop
+WARM_UP_WAT: Final = b"""(module
+  (import "tensorwasm" "free" (func $free (param i64) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1 1)
+  (func (export "run") (param $n i32) (result i32) (local $sum i32)
+    (block $done (loop $next
+      (br_if $done (i32.eqz (local.get $n)))
+      (i32.store (i32.const 0) (i32.add (i32.load (i32.const 0)) (local.get $n)))
+      (local.set $sum (i32.add (local.get $sum) (local.get $n)))
+      (local.set $n (i32.sub (local.get $n) (i32.const 1)))
+      (br $next)))
+    (local.get $sum)))
+"""
+#: the warm-up run's fuel: its loop of 64 needs about a thousand units
+WARM_UP_FUEL: Final = 100_000
+
+#: a pool worker's host, warmed before its bind and adopted by the tenant's first use (one per process)
+_pool_host: WasmHost | None = None
+
+
+def _adopt_pool_host(ctx: TenantContext) -> WasmHost | None:
+    """The pool's host, now ``ctx``'s (once: a worker serves one tenant), or None if there is none."""
+    global _pool_host
+    host, _pool_host = _pool_host, None
+    if host is None or host._closed or host._ctx is not None:
+        return None
+    host._ctx = ctx
+    return host
+
+
+def pool_warm_up() -> Iterator[None]:
+    """A pool worker's WASM warm-up in steps (``WorkerServer.idle_work``: one step at a time, while
+    no request waits, never after the bind): the engine and the linker with the host functions,
+    then one warm-up run (:meth:`WasmHost.warm_up`). The host is offered for adoption from the
+    first step on, so a bind that comes mid-way still finds the engine made."""
+    global _pool_host
+    if _pool_host is not None:
+        return
+    host = WasmHost(None)
+    _pool_host = host
+    yield
+    engine_fingerprint()  # an activation's import_modules asks for it (the wasmtime version: ms to find)
+    yield
+    if host is _pool_host:  # not adopted meanwhile (a bound host runs only its tenant's modules)
+        host.warm_up()

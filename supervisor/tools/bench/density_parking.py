@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import random
 import shutil
 import statistics
@@ -48,7 +49,8 @@ from supervisor.client.launch import SupervisorHandle, launch
 from supervisor.store.state import StateStore
 from supervisor.tools.demo import guest_path
 
-__all__ = ["MAX_ACTIVE", "ZIPF_S", "measure_buffers_and_first_run", "measure_stream", "park_all", "zipf_stream"]
+__all__ = ["MAX_ACTIVE", "ZIPF_S", "measure_buffers_and_first_run", "measure_first_run", "measure_stream", "park_all",
+           "zipf_stream"]
 
 MiB = 1 << 20
 MAX_ACTIVE = 64
@@ -277,34 +279,62 @@ def measure_buffers_and_first_run(rounds: int) -> dict[str, Any]:
             out["memcpy_bytes_per_s"] = statistics.median(memcpy)
             out["memcpy_hot_bytes_per_s"] = statistics.median(memcpy_hot)
 
-            wasm = c.register(None, TenantSpec.from_dict({"tenant_id": "wasm", **quota}))
-            probe = guest_path("probe").read_bytes()
-            other = probe + b"\n;; the same code under another digest: stored, never run before the park\n"
-            digest = c.put_module(wasm, probe)
-            cold_digest = c.put_module(wasm, other)
-            c.run_wasm(wasm, digest, "add", [1, 2])  # compiled before the park: kept as an artifact
-            first: list[float] = []
-            warm: list[float] = []
-            compiled: list[float] = []
-            cached_first: list[bool] = []
-            for _ in range(rounds):
-                _park_and_wake(c, wasm, "wasm")
-                t0 = time.perf_counter()
-                cached_first.append(c.run_wasm(wasm, digest, "add", [1, 2]).cached)
-                first.append(time.perf_counter() - t0)
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    c.run_wasm(wasm, digest, "add", [1, 2])
-                    warm.append(time.perf_counter() - t0)
-            # a module stored but never run before the park: no artifact, compiled at its first run
-            _park_and_wake(c, wasm, "wasm")
-            t0 = time.perf_counter()
-            c.run_wasm(wasm, cold_digest, "add", [1, 2])
-            compiled.append(time.perf_counter() - t0)
-            out["first_run_s"] = statistics.median(first)
-            out["warm_run_s"] = statistics.median(warm)
-            out["first_run_compiling_s"] = statistics.median(compiled)
-            out["first_run_cached"] = all(cached_first)
+            out.update(_first_runs(c, rounds, quota))
         return out
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+def measure_first_run(rounds: int) -> dict[str, Any]:
+    """Only the first run after activation against a warm one (``--first-run-only``), ``rounds``
+    activations on a supervisor of its own: a short run, labelled with the host's load."""
+    state = tempfile.mkdtemp(prefix="twt-bench-density-first-", dir=temp_parent())
+    try:
+        with start_dense(state, max_active=None) as sup, sup.connect(timeout_s=120.0) as c:
+            return _first_runs(c, rounds, {"memory_quota_bytes": 4 * BIG, "gpu_memory_bytes_cap": 2 * BIG})
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _first_runs(c: SupervisorClient, rounds: int, quota: dict[str, int]) -> dict[str, Any]:
+    """``rounds`` times: park tenant ``wasm``, wake it with a ping (a warm pool worker is bound),
+    time its first ``run_wasm`` of a module compiled before the park (its artifact), then five warm
+    ones; and once a module never run before the park (compiled at that run). Medians, the
+    per-activation ratios' median, and the 1-minute load average before and after."""
+    out: dict[str, Any] = {"load_before": os.getloadavg()[0]}
+    wasm = c.register(None, TenantSpec.from_dict({"tenant_id": "wasm", **quota}))
+    probe = guest_path("probe").read_bytes()
+    other = probe + b"\n;; the same code under another digest: stored, never run before the park\n"
+    digest = c.put_module(wasm, probe)
+    cold_digest = c.put_module(wasm, other)
+    c.run_wasm(wasm, digest, "add", [1, 2])  # compiled before the park: kept as an artifact
+    first: list[float] = []
+    warm: list[float] = []
+    compiled: list[float] = []
+    cached_first: list[bool] = []
+    woke: list[dict[str, Any]] = []
+    for _ in range(rounds):
+        woke.append(_park_and_wake(c, wasm, "wasm"))
+        t0 = time.perf_counter()
+        cached_first.append(c.run_wasm(wasm, digest, "add", [1, 2]).cached)
+        first.append(time.perf_counter() - t0)
+        for _ in range(5):
+            t0 = time.perf_counter()
+            c.run_wasm(wasm, digest, "add", [1, 2])
+            warm.append(time.perf_counter() - t0)
+    # a module stored but never run before the park: no artifact, compiled at its first run
+    _park_and_wake(c, wasm, "wasm")
+    t0 = time.perf_counter()
+    c.run_wasm(wasm, cold_digest, "add", [1, 2])
+    compiled.append(time.perf_counter() - t0)
+    out["first_run_s"] = statistics.median(first)
+    out["warm_run_s"] = statistics.median(warm)
+    out["first_run_compiling_s"] = statistics.median(compiled)
+    out["first_run_cached"] = all(cached_first)
+    ratios = [f / statistics.median(warm[i * 5:i * 5 + 5]) for i, f in enumerate(first)]
+    out["first_run_ratio_p50"] = statistics.median(ratios)
+    out["first_run_rounds"] = len(first)
+    for phase in ("activate_ms", "bind_ms", "restore_ms"):  # the ping's activation, by phase
+        out[f"first_run_{phase}_p50"] = statistics.median(float(e.get(phase, 0.0)) for e in woke)
+    out["load_after"] = os.getloadavg()[0]
+    return out

@@ -72,3 +72,30 @@ def test_a_dead_supervisors_parked_files_are_removed_and_nothing_else(tmp_path: 
     assert not any(os.path.exists(p) for p in paths) and other.exists()
     for parked in left:
         parked.close()  # already unlinked: closing still closes its descriptor, without an error
+
+
+def test_check_says_why_a_parked_file_changed_from_outside_cannot_be_imported(tmp_path: Path) -> None:
+    fds = _fds()
+    whole = ParkedBytes.create(str(tmp_path), 8)
+    whole.write(0, b"12345678")
+    whole.seal()
+    assert whole.check() is None and _fds() == fds  # opened and closed: no descriptor kept
+    cut = ParkedBytes.create(str(tmp_path), 8)
+    cut.seal()
+    os.truncate(cut.path, 3)
+    assert "holds 3 B, not the 8 B" in str(cut.check())
+    gone = ParkedBytes.create(str(tmp_path), 8)
+    gone.seal()
+    os.unlink(gone.path)
+    assert "cannot open" in str(gone.check())
+    swapped = ParkedBytes.create(str(tmp_path), 8)
+    swapped.seal()
+    os.unlink(swapped.path)
+    os.mkfifo(swapped.path)  # not a regular file (opened without blocking)
+    assert "regular file" in str(swapped.check())
+    closed = ParkedBytes.create(str(tmp_path), 8)
+    closed.close()
+    assert "removed" in str(closed.check())
+    for parked in (whole, cut, gone, swapped):
+        parked.close()
+    assert _fds() == fds and not os.listdir(tmp_path / PARKED_DIR)

@@ -1,0 +1,169 @@
+"""A pool worker warms its WASM path before it is bound (worker.wasm.host.pool_warm_up), and the
+tenant's first use adopts that host: the engine and linker made, our own module run once, nothing
+of it in the tenant's cache or quota; the executor loop runs the steps only while unbound and idle."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+import shared._shm
+from shared import protocol as proto
+from shared.errors import InvalidArgument
+from worker.backends.stub import StubBackend
+from worker.faults import FaultState
+from worker.server import WorkerServer, wasm_warm_up
+from worker.wasm import GUEST_DIR, WasmHost, guest_source
+from worker.wasm import host as host_mod
+from tests.helpers.wasm_env import PROBE, tenant_env
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def no_pool_host() -> Iterator[None]:
+    """Each test starts and ends with no pool host in this process (it is per process)."""
+    host_mod._pool_host = None
+    yield
+    left = host_mod._pool_host
+    host_mod._pool_host = None
+    if left is not None:
+        left.close()
+
+
+def _warm(monkeypatch: pytest.MonkeyPatch) -> WasmHost:
+    def no_segment(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the warm-up touched a shared-memory segment")
+
+    monkeypatch.setattr(shared._shm, "attach", no_segment)
+    monkeypatch.setattr(shared._shm, "create", no_segment)
+    for _ in host_mod.pool_warm_up():
+        pass
+    host = host_mod._pool_host
+    assert host is not None and host.warmed and not host.bound
+    monkeypatch.undo()
+    return host
+
+
+def test_the_warm_up_runs_our_module_and_holds_nothing_of_a_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    host = _warm(monkeypatch)
+    assert host.ticker.running  # the epoch thread is up before the first run
+    assert host.info()["cached_modules"] == 0 and host.stats["runs"] == 0 and host.held_artifacts == 0
+    with pytest.raises(InvalidArgument, match="not bound"):
+        host.run(PROBE, "add", [1, 2], fuel=10**6, timeout_s=5.0)  # a pool host runs no tenant module
+
+
+def test_the_first_use_after_the_bind_adopts_the_warm_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    warm = _warm(monkeypatch)
+    with tenant_env("adopt", StubBackend()) as env:
+        env.ctx.extensions.pop(WasmHost.EXTENSION).close()  # as a fresh worker's context: no host yet
+        host = WasmHost.for_context(env.ctx)
+        assert host is warm and host.ctx is env.ctx and host_mod._pool_host is None
+        reply = host.run(PROBE, "add", [2, 40], fuel=10**6, timeout_s=30.0)
+        assert reply["results"] == [42] and reply["cached"] is False  # the tenant's module, compiled for it
+        assert host.info()["cached_modules"] == 1
+        assert WasmHost.for_context(env.ctx) is host
+        with pytest.raises(InvalidArgument, match="bound"):
+            host.warm_up()  # its runs are the tenant's now
+        assert env.counters() == (0, 0)  # the run's linear memory was the tenant's, and is back
+    # a worker serves one tenant: the pool host is adopted once, a later context makes its own
+    with tenant_env("other", StubBackend()) as env2:
+        env2.ctx.extensions.pop(WasmHost.EXTENSION).close()
+        assert WasmHost.for_context(env2.ctx) is not warm
+
+
+def test_the_loop_runs_idle_work_only_while_unbound(monkeypatch: pytest.MonkeyPatch) -> None:
+    zctx = zmq.Context()
+    router: zmq.Socket[Any] = zctx.socket(zmq.ROUTER)
+    dealer: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+    router.bind("inproc://worker-idle")
+    dealer.setsockopt(zmq.IDENTITY, b"w1")
+    dealer.connect("inproc://worker-idle")
+    server = WorkerServer(dealer, FaultState())
+    steps: list[int] = []
+    second = threading.Event()
+
+    def work() -> Iterator[None]:
+        steps.append(server.requests)
+        yield
+        steps.append(server.requests)
+        second.set()
+        yield
+        raise RuntimeError("a failing step ends the work, not the worker")
+
+    server.idle_work = work()
+    dealer.send(b"hello")
+    assert router.recv_multipart()[0] == b"w1"
+    router.send_multipart([b"w1", proto.encode_worker_request(1, "ping", {})])
+    thread = threading.Thread(target=server.serve)
+    thread.start()
+    try:
+        assert proto.decode_worker_reply(router.recv_multipart()[1])[1] is True
+        assert second.wait(30)
+        router.send_multipart([b"w1", proto.encode_worker_request(2, "ping", {})])
+        assert proto.decode_worker_reply(router.recv_multipart()[1])[1] is True  # it still serves
+    finally:
+        server.stop_event.set()
+        thread.join(30)
+        dealer.close(0)
+        router.close(0)
+        zctx.term()
+    assert not thread.is_alive()
+    assert steps[0] == 1  # the queued request was served before the first step
+    assert server.idle_work is None
+
+
+def test_a_bound_worker_drops_its_idle_work() -> None:
+    server = WorkerServer(None, FaultState())  # type: ignore[arg-type]  # no socket: only _idle_step is used
+    ran: list[int] = []
+
+    def work() -> Iterator[None]:
+        ran.append(1)
+        yield
+
+    server.idle_work = work()
+    server.context = object()  # type: ignore[assignment]  # bound: the time is the tenant's
+    server._idle_step()
+    assert ran == [] and server.idle_work is None
+
+
+def test_the_workers_warm_up_imports_the_host_then_warms_it() -> None:
+    steps = wasm_warm_up()
+    next(steps)  # nothing before the loop's first look at the queue
+    assert host_mod._pool_host is None
+    for _ in steps:
+        pass
+    host = host_mod._pool_host
+    assert host is not None and host.warmed
+    assert guest_source("probe")  # the bundled guests are untouched by it
+
+
+_ALL_KINDS = b"""(module
+  (import "env" "t" (table 2 8 funcref))
+  (import "env" "m" (memory 1 4))
+  (import "env" "g" (global (mut i64)))
+  (import "wasi_snapshot_preview1" "fd_write" (func (param i32 i32 i32 i32) (result i32)))
+  (func (export "f") (param f32 f64 externref) (result i64 i32) (i64.const 1) (i32.const 2))
+  (global (export "answer") i32 (i32.const 42)))
+"""
+
+
+def test_an_artifacts_imports_and_exports_are_read_from_its_bytes_as_wasmtime_reads_them() -> None:
+    """The artifact load's reader of the module's interface (no binding call per name) agrees with
+    wasmtime on every bundled guest and on imports of every kind."""
+    import wasmtime
+
+    engine = wasmtime.Engine(host_mod._config())
+    bodies = [path.read_bytes() for path in sorted(GUEST_DIR.glob("*.wat"))] + [_ALL_KINDS]
+    for body in bodies:
+        wasm = host_mod._binary(body)
+        module = wasmtime.Module(engine, wasm)
+        imports, exports = host_mod.module_interface(wasm)
+        assert imports == [(i.module, i.name) for i in module.imports]
+        assert exports == host_mod._export_types(module)
+    with pytest.raises(ValueError):
+        host_mod.module_interface(host_mod._binary(PROBE)[:200])  # cut short: the binding reads it instead
