@@ -9,7 +9,6 @@ import os
 import stat
 from pathlib import Path
 
-import psutil
 import pytest
 
 from supervisor.store.parked_bytes import PARKED_DIR, ParkedBytes, ParkedSpan, remove_stale
@@ -17,12 +16,21 @@ from supervisor.store.parked_bytes import PARKED_DIR, ParkedBytes, ParkedSpan, r
 pytestmark = pytest.mark.timeout(60)
 
 
-def _fds() -> int:
-    return psutil.Process().num_fds()
+def _fds(under: Path) -> int:
+    """Descriptors of this process open on files below ``under`` (the test's own: a count of all of
+    them moved with whatever other tests in the same process opened or closed meanwhile)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor among them)
+        n += target.startswith(str(under))
+    return n
 
 
 def test_a_parked_file_takes_its_buffers_chunks_and_holds_no_descriptor_once_sealed(tmp_path: Path) -> None:
-    fds = _fds()
+    fds = _fds(tmp_path)
     parked = ParkedBytes.create(str(tmp_path), 10)
     try:
         info = os.stat(parked.path)
@@ -35,23 +43,23 @@ def test_a_parked_file_takes_its_buffers_chunks_and_holds_no_descriptor_once_sea
         for span, offset, data in ((a, 2, b"xyz"), (b, -1, b"x")):
             with pytest.raises(ValueError, match="outside"):
                 span.write(offset, data)
-        assert not parked.sealed and _fds() == fds + 1  # the export writes through its descriptor
+        assert not parked.sealed and _fds(tmp_path) == fds + 1  # the export writes through its descriptor
         parked.seal()
         parked.seal()  # idempotent
-        assert parked.sealed and _fds() == fds  # parked: no descriptor
+        assert parked.sealed and _fds(tmp_path) == fds  # parked: no descriptor
         assert Path(parked.path).read_bytes() == b"abcd\0\0wxyz"  # what the worker maps
         with pytest.raises(ValueError, match="sealed"):
             a.write(0, b"z")
     finally:
         parked.close()
-    assert parked.closed and not os.path.exists(parked.path) and _fds() == fds
+    assert parked.closed and not os.path.exists(parked.path) and _fds(tmp_path) == fds
     parked.close()  # idempotent
     with pytest.raises(ValueError):
         ParkedBytes.create(str(tmp_path), 0)
 
 
 def test_a_parked_file_closed_or_dropped_before_its_seal_leaves_neither_file_nor_descriptor(tmp_path: Path) -> None:
-    fds = _fds()
+    fds = _fds(tmp_path)
     closed = ParkedBytes.create(str(tmp_path), 64)
     closed.close()
     dropped = ParkedBytes.create(str(tmp_path), 4096)
@@ -59,7 +67,7 @@ def test_a_parked_file_closed_or_dropped_before_its_seal_leaves_neither_file_nor
     ParkedSpan(dropped, 0, 16).write(0, bytes(16))
     del dropped
     gc.collect()
-    assert not os.path.exists(closed.path) and not os.path.exists(path) and _fds() == fds
+    assert not os.path.exists(closed.path) and not os.path.exists(path) and _fds(tmp_path) == fds
 
 
 def test_a_dead_supervisors_parked_files_are_removed_and_nothing_else(tmp_path: Path) -> None:
@@ -75,11 +83,11 @@ def test_a_dead_supervisors_parked_files_are_removed_and_nothing_else(tmp_path: 
 
 
 def test_check_says_why_a_parked_file_changed_from_outside_cannot_be_imported(tmp_path: Path) -> None:
-    fds = _fds()
+    fds = _fds(tmp_path)
     whole = ParkedBytes.create(str(tmp_path), 8)
     whole.write(0, b"12345678")
     whole.seal()
-    assert whole.check() is None and _fds() == fds  # opened and closed: no descriptor kept
+    assert whole.check() is None and _fds(tmp_path) == fds  # opened and closed: no descriptor kept
     cut = ParkedBytes.create(str(tmp_path), 8)
     cut.seal()
     os.truncate(cut.path, 3)
@@ -98,4 +106,4 @@ def test_check_says_why_a_parked_file_changed_from_outside_cannot_be_imported(tm
     assert "removed" in str(closed.check())
     for parked in (whole, cut, gone, swapped):
         parked.close()
-    assert _fds() == fds and not os.listdir(tmp_path / PARKED_DIR)
+    assert _fds(tmp_path) == fds and not os.listdir(tmp_path / PARKED_DIR)
