@@ -22,7 +22,7 @@ free: its pool reuses what it retains, and its ``maxSize`` bounds both.
 Handles are ints that name (instance, incarnation, sequence) so the
 supervisor can route a handle to the process holding it, and a handle from a
 previous incarnation of the instance is refused rather than aliasing a new
-buffer (see :func:`shared.protocol.make_handle`).
+buffer (see :func:`shared.frames.make_handle`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import logging
 from shared.checks import is_int
 from shared.errors import GpuMemoryExhausted, InvalidArgument
 from shared.log import get_logger, log_event
-from shared.protocol import MAX_BUFFERS_PER_INSTANCE, handle_incarnation, handle_instance, make_handle
+from shared.frames import MAX_BUFFERS_PER_INSTANCE, handle_incarnation, handle_instance, make_handle
 from shared.quota import QuotaBlock
 from worker.backends.base import Backend, ByteMeter, DeviceBuffer, DeviceOutOfMemory
 from worker.faults import FaultState
@@ -175,7 +175,7 @@ class MeteredAllocator:
 
     def alloc(self, nbytes: int) -> int:
         if len(self._buffers) >= MAX_BUFFERS_PER_INSTANCE:
-            # bounded, so the ``buffers`` reply listing them always decodes (shared.protocol)
+            # bounded, so the ``buffers`` reply listing them always decodes (shared.frames)
             raise InvalidArgument(
                 f"this instance holds {len(self._buffers):,} buffers, the most one instance may hold "
                 f"({MAX_BUFFERS_PER_INSTANCE:,}); free some first"

@@ -38,7 +38,7 @@ import zmq
 from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.exitcodes import WORKER_PARENT_GONE, WORKER_SUPERVISOR_SILENT
 from shared.log import get_logger, log_event
-from shared.protocol import decode_control, encode_control
+from shared.frames import decode_control, encode_control
 from shared.worker_link import BootMessage, FaultAck, FaultOrder, WorkerHello
 from worker.faults import FaultState
 

@@ -24,7 +24,7 @@ import time
 
 from shared.checks import is_int
 from shared.errors import InvalidArgument
-from shared.protocol import FAULT_KINDS
+from shared.kinds import WORKER_FAULT_KINDS as FAULT_KINDS
 
 __all__ = ["FAULT_KINDS", "FaultState"]
 

@@ -66,7 +66,7 @@ def run(boot: BootMessage) -> None:
     control = ControlThread(zctx, boot, faults, server.stop_event, server)
     control.start()
 
-    from shared.protocol import encode_worker_reply
+    from shared.frames import encode_worker_reply
     from worker.server import warm_bind_path, wasm_warm_up
 
     warm_bind_path()  # before the hello: a pool worker's bind is on a registration's critical path

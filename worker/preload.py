@@ -12,7 +12,7 @@ import msgpack  # noqa: F401
 import psutil  # noqa: F401
 import zmq  # noqa: F401
 
-import shared.protocol
+import shared.frames
 import shared.quota
 import shared.spec  # noqa: F401
 import worker.context

@@ -40,7 +40,7 @@ from shared.errors import InvalidArgument, ProtocolError, TensorWasmError
 from shared.gpu_time import GpuTimeBoard
 from shared.log import get_logger, log_event
 from shared.exitcodes import context_lost_exit_code
-from shared.protocol import decode_worker_request, encode_worker_reply
+from shared.frames import decode_worker_request, encode_worker_reply
 from shared.worker_link import BindMessage
 from worker.context import TenantContext
 from worker.faults import FaultState
