@@ -30,8 +30,9 @@ WASM_TIMEOUT_S = 2.0
 PING_DEADLINE_S = 10.0
 #: how long the blocker run holds the worker's executor (its own time limit)
 BLOCKER_S = 60.0
-#: the restart backoff while the two requests are sent (at least this long: a few sends and status polls)
-PARK_AT_LEAST_S = 1.6
+#: the restart backoff while the two requests are sent and seen parked (at least this long: two sends
+#: and a few status polls, on a loaded machine)
+PARK_AT_LEAST_S = 3.2
 
 
 def _spec() -> TenantSpec:
@@ -84,13 +85,13 @@ def test_parked_then_dispatched_request_keeps_its_deadline() -> None:
     with supervisor(pool_size=1, log_level="error") as sup:
         c = sup.client
         cap = c.register(None, spec)
-        _restarting_for(sup, PARK_AT_LEAST_S)
+        runaway = guest_path("runaway").read_bytes()
         waiter = sup.connect(timeout_s=BLOCKER_S + LATE_S)
         try:
+            _restarting_for(sup, PARK_AT_LEAST_S)  # then nothing but the two sends before the restart
             # one socket: the supervisor receives them in this order, parks both, and sends both,
             # in this order, to the restarted worker, which runs one request at a time
-            blocker = waiter.send("run_wasm", cap, {"export": "run", "timeout_s": BLOCKER_S},
-                                  guest_path("runaway").read_bytes())
+            blocker = waiter.send("run_wasm", cap, {"export": "run", "timeout_s": BLOCKER_S}, runaway)
             t0 = time.monotonic()
             ping = waiter.send("ping", cap)
             wait_for(lambda: tenant(c.status(), "parky").parked == 2, interval_s=0.002, what="both parked")
