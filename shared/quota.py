@@ -79,6 +79,7 @@ __all__ = [
     "read_header",
     "segment_namespace",
     "stale_segments",
+    "unfinished_segments",
 ]
 
 _log = get_logger("quota")
@@ -944,7 +945,43 @@ def stale_segments(prefix: str = SEGMENT_PREFIX, *, namespace: str | None = None
     return found
 
 
-def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX, *, namespace: str | None = None) -> list[str]:
+def _unfinished(name: str) -> bool:
+    """Was this segment created and never given its header? Its creator died between
+    ``shm_open`` and the magic (:func:`write_header` writes the magic last): a segment still
+    empty (never sized), or sized but with no magic yet. Anything else - a complete header, a
+    foreign magic, a segment too small to hold one - is not called unfinished."""
+    try:
+        seg = _shm.attach(name)
+    except FileNotFoundError:
+        return False
+    except ValueError:  # "segment is empty" / "cannot mmap an empty file": never sized
+        return True
+    except OSError:
+        return False
+    try:
+        buf = seg.buf
+        return len(buf) >= _H_MAGIC + 8 and _atomics.load(buf, _H_MAGIC) == 0
+    finally:
+        seg.close()
+
+
+def unfinished_segments(namespace: str, prefix: str = SEGMENT_PREFIX) -> list[str]:
+    """The names of ``namespace``'s segments whose creation never finished (no header: no owner
+    recorded, so :func:`stale_segments` cannot tell whether their owner lives).
+
+    Only the supervisor of a run dir creates that run dir's segments, so a caller that holds the
+    run dir's lock (a supervisor's start, before it creates any) knows every such segment's
+    creator is dead: a whole process tree killed while a segment was being made leaves one.
+    Anyone else must not remove them - a live supervisor's segment is unfinished for a moment.
+    """
+    _check_namespace(namespace)
+    if not prefix.startswith(SEGMENT_PREFIX):
+        raise ValueError(f"prefix must start with {SEGMENT_PREFIX!r}")
+    return [name for name in _shm.list_segments(prefix) if namespace_of(name) == namespace and _unfinished(name)]
+
+
+def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX, *, namespace: str | None = None,
+                           run_dir_locked: bool = False) -> list[str]:
     """Unlink the segments :func:`stale_segments` lists; return their names.
 
     A supervisor's start passes its run dir's ``namespace``: it removes what a
@@ -952,7 +989,13 @@ def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX, *, namespace: str | Non
     segments (that supervisor's own restart reclaims and reports those).
     Without ``namespace`` every dead owner's segment on the host goes:
     ``twt cleanup --all-run-dirs``, an operator's act.
+
+    ``run_dir_locked``: the caller holds the lock of the run dir of ``namespace`` and has
+    created no segment yet (a supervisor's start): the namespace's unfinished segments
+    (:func:`unfinished_segments`) go too, their creator being dead.
     """
+    if run_dir_locked and namespace is None:
+        raise ValueError("run_dir_locked needs the namespace of the locked run dir")
     removed = []
     for header in stale_segments(prefix, namespace=namespace):
         name = header.name
@@ -970,4 +1013,13 @@ def cleanup_stale_segments(prefix: str = SEGMENT_PREFIX, *, namespace: str | Non
             label=header.label,
             namespace=namespace_of(name),
         )
+    if run_dir_locked:
+        assert namespace is not None
+        for name in unfinished_segments(namespace, prefix):
+            try:
+                _shm.unlink(name)
+            except FileNotFoundError:
+                continue
+            removed.append(name)
+            log_event(_log, logging.INFO, "quota.unfinished_segment_removed", segment=name, namespace=namespace)
     return removed

@@ -141,7 +141,9 @@ def build_parts(s: Surroundings) -> Parts:
     raise_fd_limit()  # fds are a resource like any other: never an abort (supervisor.host.fdlimit)
     labels = TenantLabels(cfg.metrics_tenant_names, tenant_label_key(s.state))  # stable across restarts
     s.metrics.use_tenant_labels(labels)
-    removed = cleanup_stale_segments(namespace=s.rundir.segment_namespace)  # never another run dir's
+    # never another run dir's; with the run dir locked (Supervisor.start) and nothing created yet, a
+    # segment of this namespace that was never finished is a killed predecessor's too
+    removed = cleanup_stale_segments(namespace=s.rundir.segment_namespace, run_dir_locked=s.rundir.locked)
     if removed:
         log_event(_log, logging.INFO, "supervisor.stale_segments_removed", count=len(removed))
     stale_parked = remove_stale_parked(s.rundir.path)  # a killed supervisor's host copies: never restored

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.check_gpu import PHASES, Row
-from tests.helpers import gpu_dry_run
+from tests.helpers import gpu_dry_run, timeouts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,9 +78,9 @@ def test_the_cuda_majors_must_match_or_the_check_stops_with_one_line() -> None:
 def test_a_driver_of_another_cuda_major_stops_the_check_with_one_line(tmp_path: Path) -> None:
     """The fake NVRTC is 13.0; a driver reporting CUDA 12.8 must not get as far as failed kernels."""
     out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
-                           "--only", "environment,pool,kernels", "--json-out", str(out)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={**os.environ, "FAKE_CUDA_DRIVER_VERSION": "12080"})
+    proc = gpu_dry_run.run_check(["--dry-run-fake", "--quick", "--only", "environment,pool,kernels", "--json-out",
+                                  str(out)], timeout_s=timeouts.scaled(120),
+                                 env={**os.environ, "FAKE_CUDA_DRIVER_VERSION": "12080"})
     assert proc.returncode == 1
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("check_gpu:")]
     assert line.startswith("check_gpu: environment: NVRTC 13.0 does not match the driver's CUDA 12.8")
@@ -97,8 +97,7 @@ def test_a_missed_timing_target_never_fails_the_run() -> None:
 
 
 def test_an_unknown_phase_is_refused() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake",
-                           "--only", "nosuch"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = gpu_dry_run.run_check(["--dry-run-fake", "--only", "nosuch"], timeout_s=timeouts.scaled(60))
     assert proc.returncode == 2 and "unknown phase" in proc.stderr
 
 
@@ -106,8 +105,8 @@ def test_an_unknown_phase_is_refused() -> None:
 
 
 def _check(*argv: str, env: dict[str, str] | None = None, timeout_s: float = 200) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), *argv], capture_output=True,
-                          text=True, timeout=timeout_s, cwd=ROOT, env=env)
+    """The check with ``argv``; ``timeout_s``: a quiet machine's hang guard (scaled here)."""
+    return gpu_dry_run.run_check(list(argv), timeout_s=timeouts.scaled(timeout_s), env=env)
 
 
 def test_phases_past_the_deadline_are_reported_not_run_and_the_json_is_written(tmp_path: Path) -> None:

@@ -24,8 +24,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,13 +35,17 @@ import pytest
 
 from tests.helpers import timeouts
 
-__all__ = ["DryRun", "dry_run", "why_failed"]
+__all__ = ["DryRun", "dry_run", "run_check", "why_failed"]
 
 ROOT = Path(__file__).resolve().parents[2]
+CHECK = ROOT / "tests" / "gpu" / "check_gpu.py"
 #: the check's own timeout inside a test: a hang guard, scaled as every test timeout is (the check
 #: runs first, beside the run's heaviest modules: on a busy machine its ~35 s took over 220 s);
 #: the reading tests' pytest timeouts are larger
 TIMEOUT_S = timeouts.scaled(200)
+#: how long a timed-out check's process group gets to stop after SIGTERM (its supervisor's graceful
+#: stop unlinks its segments) before SIGKILL; a hang guard too, so scaled
+STOP_GRACE_S = timeouts.scaled(10)
 
 
 @dataclass(frozen=True)
@@ -65,13 +71,67 @@ def _shared_dir(factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we cannot signal is still a member
+        return True
+    return True
+
+
+def _stop_group(proc: subprocess.Popen[str]) -> None:
+    """Stop a timed-out check and everything it started (its supervisor, their workers): SIGTERM to
+    the whole group - the supervisor stops gracefully and unlinks its segments - then SIGKILL to
+    whatever is left after :data:`STOP_GRACE_S`. Killing the check alone would leave its supervisor
+    running, and the next test's hygiene check would report it."""
+    pgid = proc.pid  # start_new_session: the check leads a group of its own
+    for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        until = time.monotonic() + grace
+        while time.monotonic() < until:
+            proc.poll()  # reap the leader: a zombie still counts as a member of its group
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.05)
+
+
+def _rest(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """What a stopped check wrote still (nothing, if a member that left its group holds the pipes)."""
+    try:
+        return proc.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return "", ""
+
+
+def run_check(argv: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``check_gpu.py`` with ``argv`` (output captured, text), in a session of its own so that a
+    timeout stops the whole tree it started (:func:`_stop_group`) before ``TimeoutExpired`` is raised."""
+    proc = subprocess.Popen([sys.executable, str(CHECK), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        out, err = _rest(proc)
+        raise subprocess.TimeoutExpired(proc.args, timeout_s, out, err) from None
+    except BaseException:  # an interrupt (pytest-timeout's signal): the tree goes with the test
+        _stop_group(proc)
+        _rest(proc)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _run(where: Path) -> DryRun:
     out, records = where / "check.json", where / "calls"
     records.mkdir(exist_ok=True)
     env = {**os.environ, "FAKE_CUDA_RECORD_CALLS": str(records), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
-                           "--json-out", str(out)], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT,
-                          env=env)
+    proc = run_check(["--dry-run-fake", "--quick", "--json-out", str(out)], timeout_s=TIMEOUT_S, env=env)
     return DryRun(proc, out, records)
 
 

@@ -24,8 +24,15 @@ GRACE_S = 2.0  # how long the restart lasts past the deadline
 LATE_S = 10.0
 REQUEST_TIMEOUT_S = 1.0
 WASM_TIMEOUT_S = 2.0
-#: what supervisor.routing gives a run_wasm: its run time plus DEADLINE_GRACE_S (2 s), at least request_timeout_s
-RUN_DEADLINE_S = WASM_TIMEOUT_S + 2.0
+#: the parked-then-dispatched ping's deadline: far above what a restart takes on a loaded machine, so
+#: that the ping is dispatched before it, and far below the blocker's run time, so that it expires
+#: while the worker is busy
+PING_DEADLINE_S = 10.0
+#: how long the blocker run holds the worker's executor (its own time limit)
+BLOCKER_S = 60.0
+#: the restart backoff while the two requests are sent and seen parked (at least this long: two sends
+#: and a few status polls, on a loaded machine)
+PARK_AT_LEAST_S = 3.2
 
 
 def _spec() -> TenantSpec:
@@ -65,23 +72,48 @@ def test_parked_request_expires_at_its_deadline() -> None:
 
 
 def test_parked_then_dispatched_request_keeps_its_deadline() -> None:
-    """Parked until a restart 0.8-1.6 s away, then sent to the restarted worker, which does not answer:
-    still answered by its original deadline."""
+    """Parked until a restart, then sent to the restarted worker, which does not answer it: answered
+    KernelTimeout by its original deadline, counted from when the supervisor received it.
+
+    The worker does not answer because it is busy: a runaway run parked just before the ping holds
+    its one executor for ``BLOCKER_S`` (the run's own limit, shortened to fit its deadline; a
+    loaded machine only makes it later), far past the ping's deadline. So nothing here races the
+    host's speed - no fault armed after the dispatch, no window in which to observe the dispatch.
+    """
+    spec = TenantSpec("parky", request_timeout_s=PING_DEADLINE_S, wasm_timeout_s=BLOCKER_S,
+                      wasm_fuel=(1 << 62), max_restarts=50, restart_window_s=600.0)
     with supervisor(pool_size=1, log_level="error") as sup:
         c = sup.client
-        cap = c.register(None, _spec())
-        _restarting_for(sup, 0.8)
-        waiter = sup.connect(timeout_s=30)
-        t0 = time.monotonic()
-        # about half a second of real work in the guest, well inside its 2 s run limit
-        waiter.send("run_wasm", cap, {"export": "run", "args": [1 << 18, 1500], "timeout_s": WASM_TIMEOUT_S},
-                    guest_path("long_job").read_bytes())
-        wait_for(lambda: tenant(c.status(), "parky").parked == 1, interval_s=0.002, what="parked")
-        wait_for(lambda: tenant(c.status(), "parky").in_flight == 1, interval_s=0.002, what="dispatched")
-        c.inject_fault(None, "parky", "slow", instance=0, ms=30_000)  # the run's reply will not come in time
-        _, ok, payload, _ = waiter.recv()
-        latency = time.monotonic() - t0
-        waiter.close()
-        assert not ok and isinstance(error_from_dict(payload), KernelTimeout), payload
-        assert latency <= RUN_DEADLINE_S + LATE_S, (
-            f"answered {latency:.2f} s after it was sent; its deadline was {RUN_DEADLINE_S:g} s")
+        cap = c.register(None, spec)
+        runaway = guest_path("runaway").read_bytes()
+        waiter = sup.connect(timeout_s=BLOCKER_S + LATE_S)
+        try:
+            _restarting_for(sup, PARK_AT_LEAST_S)  # then nothing but the two sends before the restart
+            # one socket: the supervisor receives them in this order, parks both, and sends both,
+            # in this order, to the restarted worker, which runs one request at a time
+            blocker = waiter.send("run_wasm", cap, {"export": "run", "timeout_s": BLOCKER_S}, runaway)
+            t0 = time.monotonic()
+            ping = waiter.send("ping", cap)
+            wait_for(lambda: tenant(c.status(), "parky").parked == 2, interval_s=0.002, what="both parked")
+            replies = {}
+            while ping not in replies:
+                rid, ok, payload, _ = waiter.recv()
+                replies[rid] = (ok, payload, time.monotonic() - t0)
+            ok, payload, latency = replies[ping]
+            assert not ok, payload
+            exc = error_from_dict(payload)
+            assert isinstance(exc, KernelTimeout), payload
+            # answered from the worker's side of the deadline (dispatched), not as a parked request
+            # that no instance came for: the ping deadline is far above a restart's duration
+            assert "no instance" not in str(exc), exc
+            # the deadline it was answered at is the one set when it arrived, not one restarted at dispatch
+            assert exc.timeout_s == pytest.approx(PING_DEADLINE_S), exc
+            assert PING_DEADLINE_S - 0.05 <= latency <= PING_DEADLINE_S + LATE_S, (
+                f"answered {latency:.2f} s after it was sent; its deadline was {PING_DEADLINE_S:g} s")
+            # the blocker's worker was killed for the missed deadline: it is answered too, never left hanging
+            while blocker not in replies:
+                rid, ok, payload, _ = waiter.recv()
+                replies[rid] = (ok, payload, time.monotonic() - t0)
+            assert not replies[blocker][0], replies[blocker]
+        finally:
+            waiter.close()

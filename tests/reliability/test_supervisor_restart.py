@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterator
 import psutil
 import pytest
 
+from shared import quota
 from shared.errors import RequestTimeout, SupervisorUnavailable
 from shared.spec import TenantSpec
 from supervisor.client.launch import SupervisorHandle, launch
 from tests.helpers import hygiene
+from tests.helpers import segments as fab
 from tests.helpers.cluster import tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -156,3 +158,41 @@ def test_repeated_supervisor_sigkill_and_restart_on_one_run_dir(run_dir: str) ->
     with launch({"supervisor": SETTINGS, "tenant": TENANTS}, run_dir=run_dir) as sup:
         assert not (stale & hygiene.twt_segments())
         assert sup.client.hello().pid == sup.pid
+
+
+def _unfinished(name: str, size: int) -> str:
+    """A segment as a creator killed between ``shm_open`` and its header's magic leaves it:
+    ``size`` bytes (0: never sized), all zero."""
+    fd = os.open(os.path.join(hygiene.SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return name
+
+
+def test_segments_whose_creation_a_whole_tree_kill_interrupted_are_removed_by_the_next_start(run_dir: str) -> None:
+    """A whole-tree kill (SIGSTOP, then SIGKILL) can land inside a segment's creation: the name
+    exists, but no header says whose it is. Only the next supervisor on the run dir, holding its
+    lock, can know its creator is dead: it removes them; an operator's ``twt cleanup`` (no lock,
+    a live supervisor's segment is unfinished for a moment) and other run dirs' starts leave them."""
+    ns = quota.segment_namespace(run_dir)
+    other_ns = quota.segment_namespace(run_dir + "-other")
+    empty = _unfinished(fab.namespaced_name(ns, "3"), 0)  # shm_open done, ftruncate not
+    headerless = _unfinished(fab.namespaced_name(ns, "4"), quota.SEGMENT_BYTES)  # sized, magic not yet written
+    others = _unfinished(fab.namespaced_name(other_ns, "3"), quota.SEGMENT_BYTES)
+    try:
+        # without the run dir's lock nothing tells them from a live supervisor's segment in the making
+        assert quota.cleanup_stale_segments(namespace=ns) == []
+        assert fab.exists(empty) and fab.exists(headerless)
+        assert sorted(quota.unfinished_segments(ns)) == sorted([empty, headerless])
+        with pytest.raises(ValueError):
+            quota.cleanup_stale_segments(run_dir_locked=True)  # a lock is one run dir's: a namespace is needed
+        with launch({"supervisor": SETTINGS, "tenant": TENANTS}, run_dir=run_dir) as sup:
+            assert not fab.exists(empty) and not fab.exists(headerless)
+            assert fab.exists(others)  # another run dir's: its own start decides
+            # and the running supervisor's own segments are whole: nothing of it reads as unfinished
+            assert quota.unfinished_segments(ns) == []
+            assert sup.client.hello().pid == sup.pid
+    finally:
+        fab.remove(empty, headerless, others)
