@@ -7,7 +7,6 @@ Real supervisors on the stub backend; every wait is for an event or a state, nev
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 
@@ -16,6 +15,7 @@ from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
 from supervisor.lifecycle.parking import RETRY_AFTER_UNKNOWN_S
 from tests.helpers.cluster import supervisor, tenant, wait_for
+from tests.helpers.events import event_cursor, wait_event
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,28 +24,15 @@ IDLE = 0.3
 LONG = 3600.0
 
 
-def _cursor(c: SupervisorClient) -> int:
-    nxt = c.events_page(None)["next"]
-    assert isinstance(nxt, int)
-    return nxt
 
 
-def _wait_event(c: SupervisorClient, kind: str, tid: str, after: int) -> dict[str, Any]:
-    def find() -> dict[str, Any] | None:
-        events = c.events_page(None, after, kinds=[kind])["events"]
-        assert isinstance(events, list)
-        return next((e for e in events if isinstance(e, dict) and e.get("tenant") == tid), None)
-
-    found = wait_for(find, what=f"a {kind} event of {tid}")
-    assert found is not None
-    return found
 
 
 def _park(c: SupervisorClient, tid: str, then_idle_s: float | None) -> None:
     """Park ``tid`` now (a tiny idle time), then give it ``then_idle_s`` (it stays parked)."""
-    mark = _cursor(c)
+    mark = event_cursor(c)
     c.set_quota(None, tid, idle_timeout_s=IDLE)
-    _wait_event(c, "park", tid, mark)
+    wait_event(c, "park", tid, mark)
     c.set_quota(None, tid, idle_timeout_s=then_idle_s)
 
 
@@ -64,9 +51,9 @@ def test_past_max_active_the_least_recently_used_idle_tenant_parks_early() -> No
         c.ping(caps["old"])  # activated: 1 alive
         c.ping(caps["recent"])  # activated: 2 alive, "old" the least recently used
         assert tenant(c.status(), "old").state == "running" and tenant(c.status(), "recent").state == "running"
-        mark = _cursor(c)
+        mark = event_cursor(c)
         assert c.ping(caps["wanted"]).tenant == "wanted"  # waits for "old" to park, then is served
-        early = _wait_event(c, "park", "old", mark)
+        early = wait_event(c, "park", "old", mark)
         assert early["early"] is True
         assert tenant(c.status(), "old").state == "parked"
         assert tenant(c.status(), "recent").state == "running"
@@ -80,13 +67,13 @@ def test_an_activation_with_no_room_and_nothing_parkable_is_refused_with_retry_a
         c = sup.client
         sleeper = c.tenant_capability(None, "sleeper")
         _park(c, "sleeper", None)  # parked, and never parks by itself again
-        mark = _cursor(c)
+        mark = event_cursor(c)
         with pytest.raises(CapacityExhausted) as info:
             c.ping(sleeper)  # "busy" holds the one worker and has no idle_timeout_s: it cannot park
         err = info.value
         assert err.setting == "max_active" and err.limit == 1 and err.in_use == 1 and err.wanted == 1
         assert err.retry_after_s == RETRY_AFTER_UNKNOWN_S  # no active tenant parks by itself
-        _wait_event(c, "activation_refused", "sleeper", mark)
+        wait_event(c, "activation_refused", "sleeper", mark)
         assert tenant(c.status(), "sleeper").state == "parked"
         # once "busy" can park, the room is made and the request served
         c.set_quota(None, "busy", idle_timeout_s=LONG)
@@ -108,9 +95,9 @@ def test_only_workers_alive_count_against_max_active_not_registrations_or_the_po
         wait_for(lambda: _alive(c) == 0, what="no tenant worker alive")
         wait_for(lambda: len(c.status().supervisor.pool.pids) == 2, what="two warm pool workers")
         c.register(None, TenantSpec("late", instances=0))  # registered with max_active reached by nobody
-        mark = _cursor(c)
+        mark = event_cursor(c)
         assert c.ping(c.tenant_capability(None, "sleeper")).tenant == "sleeper"
-        _wait_event(c, "activate", "sleeper", mark)
+        wait_event(c, "activate", "sleeper", mark)
         refused = c.events_page(None, mark, kinds=["activation_refused"])["events"]
         early = [e for e in c.events_page(None, mark, kinds=["park"])["events"]
                  if isinstance(e, dict) and e.get("early")]
@@ -119,9 +106,9 @@ def test_only_workers_alive_count_against_max_active_not_registrations_or_the_po
         assert _alive(c) == 1 and c.status().summary is not None and c.status().summary.tenants == 43
         # now the one worker is taken: the next activation makes room (sleeper, the least recently
         # used idle tenant, parks early for napper)
-        mark = _cursor(c)
+        mark = event_cursor(c)
         assert c.ping(c.tenant_capability(None, "napper")).tenant == "napper"
-        assert _wait_event(c, "park", "sleeper", mark)["early"] is True
+        assert wait_event(c, "park", "sleeper", mark)["early"] is True
         assert _alive(c) == 1
 
 
@@ -161,11 +148,11 @@ def test_a_waiting_activation_is_refused_when_the_park_making_room_is_refused() 
         h = c.alloc(tight, 2 << 20)  # GPU bytes whose host copy does not fit the 1 MiB memory quota
         _park(c, "sleeper", None)
         c.set_quota(None, "tight", idle_timeout_s=LONG)
-        mark = _cursor(c)
+        mark = event_cursor(c)
         with pytest.raises(CapacityExhausted) as info:
             c.ping(sleeper)  # waits for "tight" to park; its park is refused: answered, not queued on
         assert info.value.setting == "max_active"
-        assert _wait_event(c, "park_refused", "tight", mark)["error"]["code"] == "memory_exhausted"
+        assert wait_event(c, "park_refused", "tight", mark)["error"]["code"] == "memory_exhausted"
         assert tenant(c.status(), "tight").state == "running" and c.buffers(tight) == {h: 2 << 20}
         assert tenant(c.status(), "sleeper").state == "parked"
 

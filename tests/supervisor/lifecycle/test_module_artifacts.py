@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any
 
 import pytest
 
@@ -21,6 +20,7 @@ from supervisor.client.launch import SupervisorHandle
 from supervisor.store.artifacts import ARTIFACT_KEY_FILE, parse_artifact_name, seal, unseal
 from supervisor.tools.demo import guest_path
 from tests.helpers.cluster import supervisor, wait_for
+from tests.helpers.events import event_cursor, wait_event
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,27 +28,14 @@ IDLE = 0.3
 PROBE = guest_path("probe").read_bytes()
 
 
-def _cursor(c: SupervisorClient) -> int:
-    nxt = c.events_page(None)["next"]
-    assert isinstance(nxt, int)
-    return nxt
 
 
-def _event(c: SupervisorClient, kind: str, tid: str, after: int) -> dict[str, Any]:
-    def find() -> dict[str, Any] | None:
-        events = c.events_page(None, after, kinds=[kind])["events"]
-        assert isinstance(events, list)
-        return next((e for e in events if isinstance(e, dict) and e.get("tenant") == tid), None)
-
-    found = wait_for(find, what=f"a {kind} event of {tid}")
-    assert found is not None
-    return found
 
 
 def _park(c: SupervisorClient, tid: str) -> None:
-    mark = _cursor(c)
+    mark = event_cursor(c)
     c.set_quota(None, tid, idle_timeout_s=IDLE)
-    _event(c, "park", tid, mark)
+    wait_event(c, "park", tid, mark)
     c.set_quota(None, tid, idle_timeout_s=3600.0)  # parked now; it stays so until a request
 
 
@@ -58,10 +45,10 @@ def _artifacts(sup: SupervisorHandle, tid: str) -> list[str]:
 
 def _run_after_activation(c: SupervisorClient, cap: TenantCapability, tid: str, digest: str) -> tuple[bool, int]:
     """The first run of a parked tenant: (its ``cached``, the artifacts its activation loaded)."""
-    mark = _cursor(c)
+    mark = event_cursor(c)
     result = c.run_wasm(cap, digest, "add", [20, 22])
     assert result.results == (42,)
-    return result.cached, int(_event(c, "activate", tid, mark)["artifacts"])
+    return result.cached, int(wait_event(c, "activate", tid, mark)["artifacts"])
 
 
 def test_the_first_run_after_activation_loads_the_artifact_and_another_tenant_never_does() -> None:

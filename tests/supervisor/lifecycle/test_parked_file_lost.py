@@ -14,38 +14,24 @@ from shared import protocol as proto
 from shared.errors import BufferLost
 from supervisor.client.api import SupervisorClient
 from supervisor.tools.demo import guest_path
-from tests.helpers.cluster import supervisor, tenant, wait_for
+from tests.helpers.cluster import supervisor, tenant
+from tests.helpers.events import event_cursor, pattern, wait_event
 
 pytestmark = pytest.mark.timeout(180)
 
 IDLE = 0.3
 
 
-def _cursor(c: SupervisorClient) -> int:
-    nxt = c.events_page(None)["next"]
-    assert isinstance(nxt, int)
-    return nxt
 
 
-def _wait_event(c: SupervisorClient, kind: str, tid: str, after: int) -> dict[str, Any]:
-    def find() -> dict[str, Any] | None:
-        events = c.events_page(None, after, kinds=[kind])["events"]
-        assert isinstance(events, list)
-        return next((e for e in events if isinstance(e, dict) and e.get("tenant") == tid), None)
-
-    found = wait_for(find, what=f"a {kind} event of {tid}")
-    assert found is not None
-    return found
 
 
-def _pattern(n: int, seed: int) -> bytes:
-    return bytes((i * 31 + seed) & 0xFF for i in range(n))
 
 
 def _park(c: SupervisorClient, tid: str) -> dict[str, Any]:
-    mark = _cursor(c)
+    mark = event_cursor(c)
     c.set_quota(None, tid, idle_timeout_s=IDLE)
-    park = _wait_event(c, "park", tid, mark)
+    park = wait_event(c, "park", tid, mark)
     c.set_quota(None, tid, idle_timeout_s=3600.0)  # parked now: it stays active once woken
     return park
 
@@ -65,21 +51,21 @@ def test_a_lost_parked_file_loses_its_buffers_and_the_tenant_activates_with_the_
         cap = c.tenant_capability(None, "torn")
         lost = c.alloc(cap, 6000, instance=0)
         kept = c.alloc(cap, 5000, instance=1)
-        c.write(cap, lost, _pattern(6000, 3))
-        c.write(cap, kept, _pattern(5000, 4))
+        c.write(cap, lost, pattern(6000, 3))
+        c.write(cap, kept, pattern(5000, 4))
         digest = c.put_module(cap, guest_path("probe").read_bytes())
         assert c.run_wasm(cap, digest, "add", [2, 3]).results == (5,)
         before = c.quota(cap)
         park = _park(c, "torn")
         assert park["buffers"] == 2
-        path = _file_holding(sup.run_dir, _pattern(6000, 3))
+        path = _file_holding(sup.run_dir, pattern(6000, 3))
         if how == "deleted":
             os.unlink(path)
         else:
             os.truncate(path, 100)
-        mark = _cursor(c)
-        assert c.read(cap, kept, 5000) == _pattern(5000, 4)  # the request that wakes it is served
-        woke = _wait_event(c, "activate", "torn", mark)
+        mark = event_cursor(c)
+        assert c.read(cap, kept, 5000) == pattern(5000, 4)  # the request that wakes it is served
+        woke = wait_event(c, "activate", "torn", mark)
         assert woke["lost"] == 1 and woke["buffers"] == 1
         assert tenant(c.status(), "torn").state == "running"
         for op in (lambda: c.read(cap, lost, 16), lambda: c.write(cap, lost, b"x"), lambda: c.free(cap, lost)):
@@ -99,9 +85,9 @@ def test_a_lost_parked_file_loses_its_buffers_and_the_tenant_activates_with_the_
         assert not os.path.exists(path)  # its name went when it was found lost
         # parked and woken again: the lost handle still answers BufferLost, the rest comes back
         _park(c, "torn")
-        mark = _cursor(c)
+        mark = event_cursor(c)
         assert c.read(cap, fresh, 4) == b"back"
-        assert _wait_event(c, "activate", "torn", mark)["lost"] == 0
+        assert wait_event(c, "activate", "torn", mark)["lost"] == 0
         with pytest.raises(BufferLost):
             c.read(cap, lost, 16)
-        assert c.read(cap, kept, 5000) == _pattern(5000, 4)
+        assert c.read(cap, kept, 5000) == pattern(5000, 4)

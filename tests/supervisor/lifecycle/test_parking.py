@@ -35,6 +35,7 @@ from supervisor.client.launch import SupervisorHandle, launch
 from supervisor.lifecycle.parking import PARK_CHUNK_BYTES
 from supervisor.tools.demo import guest_path
 from tests.helpers.cluster import FAST, supervisor, tenant, wait_for
+from tests.helpers.events import event_cursor, pattern, wait_event
 from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(180)
@@ -42,36 +43,18 @@ pytestmark = pytest.mark.timeout(180)
 IDLE = 0.3
 
 
-def _cursor(c: SupervisorClient) -> int:
-    nxt = c.events_page(None)["next"]
-    assert isinstance(nxt, int)
-    return nxt
 
 
-def _wait_event(c: SupervisorClient, kind: str, tid: str, after: int) -> dict[str, Any]:
-    """The first ``kind`` event of ``tid`` after sequence number ``after`` (polls the event log)."""
-
-    def find() -> dict[str, Any] | None:
-        page = c.events_page(None, after, kinds=[kind])
-        events = page["events"]
-        assert isinstance(events, list)
-        return next((e for e in events if isinstance(e, dict) and e.get("tenant") == tid), None)
-
-    found = wait_for(find, what=f"a {kind} event of {tid}")
-    assert found is not None
-    return found
 
 
 def _park_soon(c: SupervisorClient, tid: str) -> dict[str, Any]:
     """Give ``tid`` the tiny idle time now (set up first, then parked: no race with the set-up)
     and wait for its park."""
-    mark = _cursor(c)
+    mark = event_cursor(c)
     c.set_quota(None, tid, idle_timeout_s=IDLE)
-    return _wait_event(c, "park", tid, mark)
+    return wait_event(c, "park", tid, mark)
 
 
-def _pattern(n: int, seed: int) -> bytes:
-    return bytes((i * 31 + seed) & 0xFF for i in range(n))
 
 
 def _ready_pid(c: SupervisorClient, tid: str) -> int | None:
@@ -93,8 +76,8 @@ def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> 
         cap = c.tenant_capability(None, "sleepy")
         small = c.alloc(cap, 4096)
         large = c.alloc(cap, big)
-        c.write(cap, small, _pattern(4096, 1))
-        c.write(cap, large, _pattern(big, 2))
+        c.write(cap, small, pattern(4096, 1))
+        c.write(cap, large, pattern(big, 2))
         before = c.quota(cap)
         old_pid = _ready_pid(c, "sleepy")
         assert old_pid is not None and before.gpu_bytes_in_use == 4096 + big
@@ -114,16 +97,16 @@ def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> 
         assert c.buffers(cap) == {small: 4096, large: big}
         assert tenant(c.status(), "sleepy").state == "parked"
         # a read activates it: same handles, same bytes, a new process
-        mark = _cursor(c)
-        assert c.read(cap, large, big) == _pattern(big, 2)
-        activated = _wait_event(c, "activate", "sleepy", mark)
+        mark = event_cursor(c)
+        assert c.read(cap, large, big) == pattern(big, 2)
+        activated = wait_event(c, "activate", "sleepy", mark)
         assert activated["buffers"] == 2
         # its phases: the worker got (warm from the pool, a pool worker starting, or spawned) and
         # bound, then the buffers imported; together the whole activation
         assert sum(activated["workers"].values()) == 1 and set(activated["workers"]) <= {"warm", "starting", "spawned"}
         assert activated["bind_ms"] >= 0 and activated["restore_ms"] >= 0
         assert abs(activated["bind_ms"] + activated["restore_ms"] - activated["activate_ms"]) < 0.01
-        assert c.read(cap, small, 4096) == _pattern(4096, 1)
+        assert c.read(cap, small, 4096) == pattern(4096, 1)
         new_pid = _ready_pid(c, "sleepy")
         assert new_pid is not None and new_pid != old_pid
         rec = tenant(c.status(), "sleepy")
@@ -148,18 +131,18 @@ def test_a_parked_instances_buffers_wait_in_one_file_of_the_run_dir_that_the_act
         sizes = (PARK_CHUNK_BYTES + 3, 5000)
         handles = [c.alloc(cap, n) for n in sizes]
         for k, (h, n) in enumerate(zip(handles, sizes)):
-            c.write(cap, h, _pattern(n, 40 + k))
+            c.write(cap, h, pattern(n, 40 + k))
         _park_soon(c, "filed")
         (path,) = glob.glob(os.path.join(sup.run_dir, "parked", "p*"))
         with open(path, "rb") as f:
             held = f.read()
         by_handle = sorted(zip(handles, sizes, range(2)))
-        assert held == b"".join(_pattern(n, 40 + k) for _, n, k in by_handle)
+        assert held == b"".join(pattern(n, 40 + k) for _, n, k in by_handle)
         assert path not in {f.path for f in psutil.Process(sup.pid).open_files()}  # no descriptor held
-        mark = _cursor(c)
-        assert c.read(cap, handles[0], sizes[0]) == _pattern(sizes[0], 40)
-        assert _wait_event(c, "activate", "filed", mark)["buffers"] == 2
-        assert c.read(cap, handles[1], sizes[1]) == _pattern(sizes[1], 41)
+        mark = event_cursor(c)
+        assert c.read(cap, handles[0], sizes[0]) == pattern(sizes[0], 40)
+        assert wait_event(c, "activate", "filed", mark)["buffers"] == 2
+        assert c.read(cap, handles[1], sizes[1]) == pattern(sizes[1], 41)
         wait_for(lambda: not os.path.exists(path), what="the parked file removed")
 
 
@@ -169,14 +152,14 @@ def test_where_no_parked_file_can_be_made_the_copy_waits_in_memory_and_comes_bac
         cap = c.tenant_capability(None, "nofile")
         big = PARK_CHUNK_BYTES * 2 + 7  # three chunks back
         h = c.alloc(cap, big)
-        c.write(cap, h, _pattern(big, 77))
+        c.write(cap, h, pattern(big, 77))
         with open(os.path.join(sup.run_dir, "parked"), "w"):  # where the directory would be
             pass
         park = _park_soon(c, "nofile")
         assert park["host_bytes"] == big
-        mark = _cursor(c)
-        assert c.read(cap, h, big) == _pattern(big, 77)
-        assert _wait_event(c, "activate", "nofile", mark)["buffers"] == 1
+        mark = event_cursor(c)
+        assert c.read(cap, h, big) == pattern(big, 77)
+        assert wait_event(c, "activate", "nofile", mark)["buffers"] == 1
 
 
 def test_each_kind_of_request_activates_a_parked_tenant() -> None:
@@ -185,16 +168,16 @@ def test_each_kind_of_request_activates_a_parked_tenant() -> None:
         c = sup.client
         cap = c.tenant_capability(None, "lazy")
         buf = c.alloc(cap, 8192)
-        c.write(cap, buf, _pattern(8192, 3))
-        seen = [_cursor(c)]  # the last activate event's number: the next park comes after it
+        c.write(cap, buf, pattern(8192, 3))
+        seen = [event_cursor(c)]  # the last activate event's number: the next park comes after it
         c.set_quota(None, "lazy", idle_timeout_s=IDLE)
 
         def parked_then(call: Any) -> Any:
-            _wait_event(c, "park", "lazy", seen[0])
+            wait_event(c, "park", "lazy", seen[0])
             assert tenant(c.status(), "lazy").state == "parked"
-            mark = _cursor(c)
+            mark = event_cursor(c)
             result = call()
-            seen[0] = _wait_event(c, "activate", "lazy", mark)["seq"]
+            seen[0] = wait_event(c, "activate", "lazy", mark)["seq"]
             return result
 
         # a plain tenant op
@@ -205,14 +188,14 @@ def test_each_kind_of_request_activates_a_parked_tenant() -> None:
         grant = c.region_create(cap, 65536)  # answered by the supervisor: no worker needed
         region = Region.attach(grant.name)
         try:
-            region.span(0, 8192)[:] = _pattern(8192, 9)
+            region.span(0, 8192)[:] = pattern(8192, 9)
             assert parked_then(lambda: c.write_region(cap, buf, grant.region, 8192)) == 8192
         finally:
             region.close()
             c.region_release(cap, grant.region)
-        assert parked_then(lambda: c.read(cap, buf, 8192)) == _pattern(8192, 9)
+        assert parked_then(lambda: c.read(cap, buf, 8192)) == pattern(8192, 9)
         # requests that come together during an activation wait in order and are all served
-        _wait_event(c, "park", "lazy", seen[0])
+        wait_event(c, "park", "lazy", seen[0])
         results: list[bytes] = []
         errors: list[BaseException] = []
 
@@ -228,7 +211,7 @@ def test_each_kind_of_request_activates_a_parked_tenant() -> None:
             t.start()
         for t in threads:
             t.join(60)
-        assert not errors and results == [_pattern(8192, 9)] * 4
+        assert not errors and results == [pattern(8192, 9)] * 4
 
 
 def test_park_refused_when_the_buffers_do_not_fit_the_memory_quota() -> None:
@@ -236,10 +219,10 @@ def test_park_refused_when_the_buffers_do_not_fit_the_memory_quota() -> None:
         c = sup.client
         cap = c.tenant_capability(None, "tight")
         h = c.alloc(cap, 2 << 20)  # GPU bytes: not bounded by the host quota
-        c.write(cap, h, _pattern(2 << 20, 5))
+        c.write(cap, h, pattern(2 << 20, 5))
         pid = _ready_pid(c, "tight")
         before = c.quota(cap)
-        refused = _wait_event(c, "park_refused", "tight", 0)
+        refused = wait_event(c, "park_refused", "tight", 0)
         err = refused["error"]
         assert isinstance(err, dict) and err["code"] == "memory_exhausted", err
         assert "was not parked" in str(err["message"])
@@ -248,12 +231,12 @@ def test_park_refused_when_the_buffers_do_not_fit_the_memory_quota() -> None:
         assert rec.state == "running" and _ready_pid(c, "tight") == pid
         after = c.quota(cap)
         assert after.bytes_in_use == before.bytes_in_use and after.cpu_refusals == before.cpu_refusals
-        assert c.read(cap, h, 2 << 20) == _pattern(2 << 20, 5)
+        assert c.read(cap, h, 2 << 20) == pattern(2 << 20, 5)
         # raising the quota lets it park
-        mark = _cursor(c)
+        mark = event_cursor(c)
         c.set_quota(None, "tight", memory_quota_bytes=64 << 20)
-        _wait_event(c, "park", "tight", mark)
-        assert c.read(cap, h, 2 << 20) == _pattern(2 << 20, 5)
+        wait_event(c, "park", "tight", mark)
+        assert c.read(cap, h, 2 << 20) == pattern(2 << 20, 5)
 
 
 def test_idle_timeout_is_validated_and_changes_live() -> None:
@@ -267,10 +250,10 @@ def test_idle_timeout_is_validated_and_changes_live() -> None:
         cap = c.tenant_capability(None, "later")
         with pytest.raises(InvalidArgument, match="idle_timeout_s"):
             c.set_quota(None, "later", idle_timeout_s=-1.0)
-        mark = _cursor(c)
+        mark = event_cursor(c)
         rec = c.set_quota(None, "later", idle_timeout_s=IDLE)
         assert rec.spec.idle_timeout_s == IDLE
-        _wait_event(c, "park", "later", mark)
+        wait_event(c, "park", "later", mark)
         assert c.ping(cap).tenant == "later"
         c.set_quota(None, "later", idle_timeout_s=None)  # never parks again
         assert tenant(c.status(), "later").spec.idle_timeout_s is None
@@ -295,7 +278,7 @@ def test_kill_9_of_the_worker_while_parking_loses_no_quota() -> None:
             assert tenant(c.status(), "victim").instances[0].in_flight >= 1
         finally:
             # before the kill: the restarted worker holds nothing and may park before the next line runs
-            mark = _cursor(c)
+            mark = event_cursor(c)
             os.kill(pid, signal.SIGKILL)
         # restarted (it may park again at once: it holds nothing now)
         wait_for(lambda: (r := tenant(c.status(), "victim")).restarts == 1 and r.state in ("running", "parked"),
@@ -306,7 +289,7 @@ def test_kill_9_of_the_worker_while_parking_loses_no_quota() -> None:
         with pytest.raises(BufferLost):
             c.read(cap, h, 16)
         # and the tenant parks cleanly afterwards
-        _wait_event(c, "park", "victim", mark)
+        wait_event(c, "park", "victim", mark)
 
 
 def test_kill_9_of_the_worker_while_activating_loses_no_bytes() -> None:
@@ -317,7 +300,7 @@ def test_kill_9_of_the_worker_while_activating_loses_no_bytes() -> None:
         cap = c.tenant_capability(None, "phoenix")
         n = 3 * PARK_CHUNK_BYTES // 2
         h = c.alloc(cap, n)
-        c.write(cap, h, _pattern(n, 7))
+        c.write(cap, h, pattern(n, 7))
         base = c.quota(cap).bytes_in_use  # the client's staging region, if it used one
         _park_soon(c, "phoenix")
         pool = wait_for(lambda: c.status().supervisor.pool.pids, what="a warm pool worker")
@@ -334,7 +317,7 @@ def test_kill_9_of_the_worker_while_activating_loses_no_bytes() -> None:
                 errors.append(exc)
 
         t = threading.Thread(target=reader)
-        mark = _cursor(c)
+        mark = event_cursor(c)
         t.start()
         try:
             wait_for(lambda: tenant(c.status(), "phoenix").instances[0].pid == victim,
@@ -343,8 +326,8 @@ def test_kill_9_of_the_worker_while_activating_loses_no_bytes() -> None:
             os.kill(victim, signal.SIGKILL)
         t.join(120)
         assert not errors, errors
-        assert got == [_pattern(n, 7)]
-        _wait_event(c, "activate", "phoenix", mark)
+        assert got == [pattern(n, 7)]
+        wait_event(c, "activate", "phoenix", mark)
         c.set_quota(None, "phoenix", idle_timeout_s=None)  # no more parks (one under way ends first)
 
         def settled() -> bool:
@@ -364,8 +347,8 @@ def test_kill_9_of_an_instance_already_restored_while_another_still_imports_lose
         cap = c.tenant_capability(None, "pair")
         h0 = c.alloc(cap, 3000, instance=0)
         h1 = c.alloc(cap, 5000, instance=1)
-        c.write(cap, h0, _pattern(3000, 21))
-        c.write(cap, h1, _pattern(5000, 22))
+        c.write(cap, h0, pattern(3000, 21))
+        c.write(cap, h1, pattern(5000, 22))
         _park_soon(c, "pair")
         c.set_quota(None, "pair", idle_timeout_s=None)  # parked now; no second park after the activation
         pool: tuple[int, ...] = wait_for(lambda: tuple(c.status().supervisor.pool.pids) if
@@ -414,8 +397,8 @@ def test_kill_9_of_an_instance_already_restored_while_another_still_imports_lose
                     pass
         t.join(120)
         assert not errors, errors
-        assert got == [_pattern(5000, 22)]
-        assert c.read(cap, h0, 3000) == _pattern(3000, 21)  # the restarted instance got its buffer again
+        assert got == [pattern(5000, 22)]
+        assert c.read(cap, h0, 3000) == pattern(3000, 21)  # the restarted instance got its buffer again
         rec = tenant(c.status(), "pair")
         shares = {i: g for i, _c, g in (rec.quota.instance_shares if rec.quota else ())}
         assert shares == {0: 3000, 1: 5000} and rec.gpu_bytes_in_use == 8000
@@ -511,7 +494,7 @@ def test_a_supervisor_killed_with_a_parked_tenant_comes_back_with_its_counters_a
         c = sup.client
         cap = c.register(None, TenantSpec("held", gpu_memory_bytes_cap=1 << 20))
         h = c.alloc(cap, 70_000)
-        c.write(cap, h, _pattern(70_000, 9))
+        c.write(cap, h, pattern(70_000, 9))
         with pytest.raises(TensorWasmError):
             c.alloc(cap, 2 << 20)
         _park_soon(c, "held")
@@ -579,16 +562,16 @@ def test_every_instance_of_a_tenant_parks_and_comes_back_and_a_parked_tenant_can
         cap = c.tenant_capability(None, "pair")
         h0 = c.alloc(cap, 3000, instance=0)
         h1 = c.alloc(cap, 5000, instance=1)
-        c.write(cap, h0, _pattern(3000, 11))
-        c.write(cap, h1, _pattern(5000, 12))
+        c.write(cap, h0, pattern(3000, 11))
+        c.write(cap, h1, pattern(5000, 12))
         park = _park_soon(c, "pair")
         assert park["buffers"] == 2 and park["host_bytes"] == 8000
         assert tenant(c.status(), "pair").pids == ()
         assert len(glob.glob(os.path.join(sup.run_dir, "parked", "p*"))) == 2
-        mark = _cursor(c)
-        assert c.read(cap, h1, 5000) == _pattern(5000, 12)  # activates both instances
-        _wait_event(c, "activate", "pair", mark)
-        assert c.read(cap, h0, 3000) == _pattern(3000, 11)
+        mark = event_cursor(c)
+        assert c.read(cap, h1, 5000) == pattern(5000, 12)  # activates both instances
+        wait_event(c, "activate", "pair", mark)
+        assert c.read(cap, h0, 3000) == pattern(3000, 11)
         assert c.buffers(cap) == {h0: 3000, h1: 5000}
         # a parked tenant is evicted like any other: nothing to stop, its capability revoked, its
         # parked files removed (pair, idle again at once, may be parking or parked: either way)
@@ -596,7 +579,7 @@ def test_every_instance_of_a_tenant_parks_and_comes_back_and_a_parked_tenant_can
         parked_dir = os.path.join(sup.run_dir, "parked", "p*")
         wait_for(lambda: not glob.glob(parked_dir), what="pair's parked files removed")
         gone = c.tenant_capability(None, "gone")
-        c.write(gone, c.alloc(gone, 100), _pattern(100, 13))
+        c.write(gone, c.alloc(gone, 100), pattern(100, 13))
         _park_soon(c, "gone")
         (path,) = glob.glob(parked_dir)
         assert c.evict(None, "gone").pids == ()
@@ -619,10 +602,10 @@ def test_a_tenant_on_the_cuda_backend_parks_and_comes_back_whole() -> None:
         c = sup.client
         cap = c.register(None, TenantSpec("gpu-tenant", gpu_memory_bytes_cap=64 << 20))
         h = c.alloc(cap, n)
-        c.write(cap, h, _pattern(n, 21))
+        c.write(cap, h, pattern(n, 21))
         assert c.quota(cap).gpu_bytes_in_use >= n
         park = _park_soon(c, "gpu-tenant")
         assert park["host_bytes"] == n and c.quota(cap).gpu_bytes_in_use == 0
         with SupervisorClient(sup.run_dir, regions=False) as own:
-            assert own.read(cap, h, n) == _pattern(n, 21)
+            assert own.read(cap, h, n) == pattern(n, 21)
         assert c.quota(cap).gpu_bytes_in_use >= n or tenant(c.status(), "gpu-tenant").state == "parked"
