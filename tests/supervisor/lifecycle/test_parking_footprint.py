@@ -22,7 +22,8 @@ from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import launch
 from tests.helpers.cluster import FAST, supervisor, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
-from tests.supervisor.lifecycle.test_parking import _cursor, _park_soon, _pattern, _ready_pid, _wait_event
+from tests.helpers.events import event_cursor, pattern, wait_event
+from tests.supervisor.lifecycle.test_parking import _park_soon, _ready_pid
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -68,7 +69,7 @@ def test_parked_and_never_started_tenants_hold_no_segment_descriptor_or_mapping(
         old: dict[str, str] = {}
         for i in range(n_parked):
             cap = c.tenant_capability(None, f"p{i}")
-            c.write(cap, c.alloc(cap, 4096), _pattern(4096, i))
+            c.write(cap, c.alloc(cap, 4096), pattern(4096, i))
             old[f"p{i}"] = tenant(c.status(), f"p{i}").quota.name
         assert _held(sup.pid) >= set(old.values()) | {busy_seg}
         for i in range(n_parked):
@@ -88,7 +89,7 @@ def test_parked_and_never_started_tenants_hold_no_segment_descriptor_or_mapping(
         # activation makes a fresh segment before the first request is served
         cap = c.tenant_capability(None, "p0")
         c.set_quota(None, "p0", idle_timeout_s=None)  # stays active once woken
-        assert c.read(cap, next(iter(c.buffers(cap))), 4096) == _pattern(4096, 0)
+        assert c.read(cap, next(iter(c.buffers(cap))), 4096) == pattern(4096, 0)
         seg = tenant(c.status(), "p0").quota.name
         assert seg and seg != old["p0"]
         assert _held(sup.pid) == {busy_seg, seg} and _in_dev_shm(prefix) == {busy_seg, seg}
@@ -99,7 +100,7 @@ def test_quota_counters_and_gpu_time_are_equal_across_park_and_activate_round_tr
         c = sup.client
         cap = c.tenant_capability(None, "keeper")
         h = c.alloc(cap, 256 << 10)
-        c.write(cap, h, _pattern(256 << 10, 4))
+        c.write(cap, h, pattern(256 << 10, 4))
         with pytest.raises(GpuMemoryExhausted):
             c.alloc(cap, 2 << 20)  # a refusal counted in the block
         c.free(cap, c.alloc(cap, 512 << 10))  # a high-water mark above what is held
@@ -121,10 +122,10 @@ def test_quota_counters_and_gpu_time_are_equal_across_park_and_activate_round_tr
             # copy while the workers still hold the GPU bytes (by design: no request is served
             # then), which is not the state this round means.
             c.set_quota(None, "keeper", idle_timeout_s=None)
-            mark = _cursor(c)
+            mark = event_cursor(c)
             with SupervisorClient(sup.run_dir, regions=False) as own:
-                assert own.read(cap, h, 256 << 10) == _pattern(256 << 10, 4)
-            _wait_event(c, "activate", "keeper", mark)
+                assert own.read(cap, h, 256 << 10) == pattern(256 << 10, 4)
+            wait_event(c, "activate", "keeper", mark)
             # the read was served: the host copy's charge went before it was sent, so the bytes
             # are in one place (never charged twice while serving), every mark and count the
             # same; GPU time only ever grows
@@ -145,7 +146,7 @@ def test_kill_9_while_activating_keeps_every_counter() -> None:
         cap = c.tenant_capability(None, "phoenix")
         n = 1 << 20
         h = c.alloc(cap, n)
-        c.write(cap, h, _pattern(n, 7))
+        c.write(cap, h, pattern(n, 7))
         with pytest.raises(GpuMemoryExhausted):
             c.alloc(cap, 8 << 20)
         _park_soon(c, "phoenix")
@@ -165,7 +166,7 @@ def test_kill_9_while_activating_keeps_every_counter() -> None:
                 errors.append(exc)
 
         t = threading.Thread(target=reader)
-        mark = _cursor(c)
+        mark = event_cursor(c)
         t.start()
         try:
             wait_for(lambda: tenant(c.status(), "phoenix").instances[0].pid == victim,
@@ -176,8 +177,8 @@ def test_kill_9_while_activating_keeps_every_counter() -> None:
         finally:
             os.kill(victim, signal.SIGKILL)
         t.join(120)
-        assert not errors and got == [_pattern(n, 7)]
-        _wait_event(c, "activate", "phoenix", mark)
+        assert not errors and got == [pattern(n, 7)]
+        wait_event(c, "activate", "phoenix", mark)
         c.set_quota(None, "phoenix", idle_timeout_s=None)
 
         def settled() -> bool:
