@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -55,16 +55,6 @@ class _Slow:
     def __call__(self, *args: object) -> None:
         self.started.set()
         assert self.go.wait(WAIT_S)
-
-
-@pytest.fixture
-def block() -> Iterator[QuotaBlock]:
-    with QuotaBlock.create("async") as owner:
-        attached = QuotaBlock.attach(owner.name, instance=0)
-        try:
-            yield attached
-        finally:
-            attached.close()
 
 
 def make_backend(kind: str) -> Backend:

@@ -33,16 +33,6 @@ from worker.wasm import WasmHost, guest_source
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def block() -> Iterator[QuotaBlock]:
-    with QuotaBlock.create("gate") as owner:
-        attached = QuotaBlock.attach(owner.name, instance=0)
-        try:
-            yield attached
-        finally:
-            attached.close()
-
-
 @pytest.fixture(params=["stub", "cuda"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     be: Backend

@@ -87,23 +87,13 @@ STAGES: tuple[tuple[Any, str, str], ...] = (
 
 #: the client process: ``total`` pings with ``depth`` in flight, once per line read on stdin; prints replies/s
 _CLIENT = """
-import sys, time, zmq
+import sys, zmq
+from supervisor.tools.bench.route import _pipelined
 endpoint, header, depth = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
 sock = zmq.Context.instance().socket(zmq.DEALER)
 sock.connect(endpoint)
 for line in sys.stdin:
-    total = int(line)
-    t0 = time.perf_counter()
-    for _ in range(depth):
-        sock.send(header)
-    sent, got = depth, 0
-    while got < total:
-        sock.recv_multipart()
-        got += 1
-        if sent < total:
-            sock.send(header)
-            sent += 1
-    print(total / (time.perf_counter() - t0), flush=True)
+    print(_pipelined(sock, header, int(line), depth), flush=True)
 """
 
 

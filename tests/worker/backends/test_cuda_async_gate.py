@@ -35,16 +35,6 @@ N = 1024
 
 
 @pytest.fixture
-def block() -> Iterator[QuotaBlock]:
-    with QuotaBlock.create("async-cuda") as owner:
-        attached = QuotaBlock.attach(owner.name, instance=0)
-        try:
-            yield attached
-        finally:
-            attached.close()
-
-
-@pytest.fixture
 def cuda() -> Iterator[tuple[FakeDriver, CudaBackend]]:
     fake = FakeDriver(memory_bytes=1 << 30)
     be = CudaBackend(driver=fake, nvrtc=fake, cublas=FakeCublas(fake))
