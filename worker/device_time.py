@@ -118,6 +118,11 @@ _LEND_RATIO = 4
 #: ops arrive as fast as the device thread's own per-op host work runs them would otherwise hold an
 #: idle device until its quantum ends, its queue never running empty
 _LEND_BUSY_DIV = 8
+#: a queued op estimated under 1/this of a chunk is small: a run of small ops goes to the device as one
+#: launch (:meth:`DeviceGate._queued_batch`) ...
+_SMALL_DIV = 8
+#: ... estimated under 1/this of a chunk together
+_BATCH_DIV = 2
 #: when the queue runs empty the device thread waits this long for the guest's next op before it
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
@@ -155,16 +160,24 @@ class DeviceQueue:
     for room), ``peak_ops`` and ``peak_bytes`` (the most queued at once).
     """
 
-    def __init__(self, run: Callable[[_Item], None], end: Callable[[], None], *,
-                 max_ops: int = MAX_QUEUED_OPS, max_bytes: int = MAX_QUEUED_BYTES) -> None:
+    def __init__(self, run: Callable[[list[_Item]], tuple[int, BaseException | None]], end: Callable[[], None], *,
+                 max_ops: int = MAX_QUEUED_OPS, max_bytes: int = MAX_QUEUED_BYTES,
+                 linger: Callable[[], bool] | None = None) -> None:
         self.max_ops = max_ops
         self.max_bytes = max_bytes
-        self._run_item = run
+        #: runs the ops taken off the queue, in order: (how many ran whole, the error of the next
+        #: one or None); one call for every op queued when the device thread looked
+        self._run_items = run
         self._end_stretch = end
+        #: whether an empty queue waits :data:`QUEUE_LINGER_S` for the guest's next op (None: always)
+        self._linger = linger
         self._cond = threading.Condition()
         self._items: deque[_Item] = deque()
         self._bytes = 0
         self._running = False
+        #: ops taken off the queue by the device thread and not finished (all but the one running
+        #: still count as queued)
+        self._inflight = 0
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -184,11 +197,7 @@ class DeviceQueue:
     def pending(self) -> int:
         """Ops queued or running."""
         with self._cond:
-            return len(self._items) + (1 if self._running else 0)
-
-    def more(self) -> bool:
-        """Whether another op is queued behind the running one (the device thread asks)."""
-        return bool(self._items)
+            return len(self._items) + self._inflight
 
     def submit(self, item: _Item) -> None:
         """Queue ``item``; waits while the queue is full (``KernelTimeout`` at its deadline). Behind
@@ -196,7 +205,7 @@ class DeviceQueue:
         op's ``KernelTimeout`` is raised here (once): the run is over."""
         with self._cond:
             while (self._items or self._running) and (
-                    len(self._items) >= self.max_ops or self._bytes + item.nbytes > self.max_bytes):
+                    len(self._items) + max(0, self._inflight - 1) >= self.max_ops or self._bytes + item.nbytes > self.max_bytes):
                 if self._error is not None:
                     break
                 self.waited_full += 1
@@ -214,7 +223,7 @@ class DeviceQueue:
             self._items.append(item)
             self._bytes += item.nbytes
             self.submitted += 1
-            self.peak_ops = max(self.peak_ops, len(self._items))
+            self.peak_ops = max(self.peak_ops, len(self._items) + max(0, self._inflight - 1))
             self.peak_bytes = max(self.peak_bytes, self._bytes)
             if self._running:
                 self.overlapped += 1
@@ -265,26 +274,27 @@ class DeviceQueue:
                     cond.wait()
                 if not self._items:
                     return
-                item = self._items.popleft()
+                # every op queued now, in one call: the gate runs a run of small ops as one launch
+                items = list(self._items)
+                self._items.clear()
+                self._inflight = len(items)
                 self._running = True
-            t0 = time.monotonic_ns()
-            err: BaseException | None = None
             try:
-                self._run_item(item)
+                ran, err = self._run_items(items)
             except BaseException as exc:  # noqa: BLE001 - kept for the next call into the gate
-                err = exc
-            busy = time.monotonic_ns() - t0
+                ran, err = 0, exc
             with cond:
-                self.own_busy_ns += busy
-                self.ran += 1
-                self._bytes -= item.nbytes
+                self.ran += ran + (1 if err is not None else 0)
+                self._bytes -= sum(item.nbytes for item in items)
+                self._inflight = 0
                 if err is not None:
                     self._error = err
-                    self.dropped += len(self._items)
+                    self.dropped += len(items) - ran - 1 + len(self._items)
+                    self._bytes -= sum(item.nbytes for item in self._items)
                     self._items.clear()
-                    self._bytes = 0
                 idle = not self._items
-                if idle and not self._closed and err is None and not self._syncing:
+                if idle and not self._closed and err is None and not self._syncing and (
+                        self._linger is None or self._linger()):
                     cond.wait(QUEUE_LINGER_S)  # the guest's next op may be a host call away
                     idle = not self._items
             if idle:
@@ -363,6 +373,10 @@ class DeviceGate:
         self._submit_at = 0
         self._submit_gap_ns = 0
         self._op_dev_ns = 0
+        #: ops of the batch being launched that ran whole, and its ops' plans and estimates
+        #: (:meth:`_queued_batch`)
+        self._batch_ran = 0
+        self._batch_plans: list[tuple[Plan, int]] = []
         #: with the scheduler off on a host-serial backend (the stub): the fd whose flock serialises
         #: the device (-1 not opened, -2 unavailable)
         self._serial = -1
@@ -390,7 +404,7 @@ class DeviceGate:
             raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
         queue = self.queue
         if queue is None:
-            queue = self.queue = DeviceQueue(self._queued, self._end_stretch)
+            queue = self.queue = DeviceQueue(self._queued_items, self._end_stretch, linger=self._linger)
         nbytes = sum(a.nbytes for a in args if isinstance(a, DeviceBuffer))
         now = time.monotonic_ns()
         if self._submit_at:
@@ -440,6 +454,127 @@ class DeviceGate:
 
     # ------------------------------------------------------------ the device thread
 
+    def _queued_items(self, items: list[_Item]) -> tuple[int, BaseException | None]:
+        """The device thread's turn: every op queued when it looked, in order (the queue's runner).
+        A run of small ops (:meth:`_small`) goes to the device as one launch (:meth:`_queued_batch`),
+        any other op alone (:meth:`_queued`). Returns (ops run whole, the error of the next or None)."""
+        queue = self.queue
+        assert queue is not None
+        i, n = 0, len(items)
+        while i < n:
+            batch = self._small_run(items, i)
+            t0 = time.monotonic_ns()
+            try:
+                if batch > 1:
+                    self._queued_batch(items[i:i + batch])
+                else:
+                    self._queued(items[i])
+            except BaseException as exc:  # noqa: BLE001 - the queue keeps it for the next sync
+                return i + (self._batch_ran if batch > 1 else 0), exc
+            finally:
+                queue.own_busy_ns += time.monotonic_ns() - t0  # one writer: this thread
+            i += max(1, batch)
+        return n, None
+
+    def _small_run(self, items: list[_Item], i: int) -> int:
+        """How many ops from ``items[i]`` on are small enough to go to the device as one launch: each
+        one whose cost model estimate is under 1/:data:`_SMALL_DIV` of a chunk (so it is one chunk),
+        together under 1/:data:`_BATCH_DIV` of one (the preemption bound holds for the batch); their
+        plans and estimates are kept in ``_batch_plans``. The launch of a small op is mostly this
+        thread's own per-op work (planning, timing, charging: ~15 us for a 1 us fill), and a chatty
+        tenant's stretch held the device idle for it. Only where a chunk's time is known when it
+        returns (the stub): cuda's event pairs name the op that faulted, one pair per op."""
+        self._batch_plans = []
+        if self._run_refused is not None or self._queue_timer() is self._pending_timer:
+            return 0
+        budget = self.chunk_ns // _BATCH_DIV
+        small = self.chunk_ns // _SMALL_DIV
+        costs = self.costs
+        j = i
+        end = min(len(items), i + MAX_QUEUED_OPS)
+        while j < end:
+            item = items[j]
+            p = plan(item.name, self.backend, item.args)
+            if p is None or p.combine is not None:
+                break
+            est = int(costs.predict_ns(item.name, p, p.units))
+            if est > small or est > budget:  # (under a chunk: one launch whole)
+                break
+            budget -= est
+            self._batch_plans.append((p, est))
+            j += 1
+        return j - i
+
+    def _queue_timer(self) -> OpTimer:
+        """The timer of queued chunks (made on first use; ``_pending_timer`` too where it is one)."""
+        if self._qtimer is None:
+            self._qtimer = self.backend.queue_timer()
+            self._pending_timer = self._qtimer if isinstance(self._qtimer, PendingTimer) else None
+        return self._qtimer
+
+    def _queued_batch(self, items: list[_Item]) -> None:
+        """Small queued ops (:meth:`_small_run`) as one launch: one lease check, one measurement, one
+        flush decision, each op its own function on its own arguments in order. Each op's wait is
+        observed (from when it was ready to the launch); the batch's device time is charged whole.
+        An op that raises ends the batch: the ops before it ran (``_batch_ran``), the rest are dropped."""
+        queue = self.queue
+        assert queue is not None
+        self._batch_ran = 0
+        if self._run_refused is not None:
+            raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
+        started = 0
+
+        def launch() -> None:
+            nonlocal started
+            started = time.monotonic_ns()
+            for it in items:
+                it.fn(*it.args)
+                self._batch_ran += 1
+
+        deadlines = [it.deadline_ns for it in items if it.deadline_ns is not None]
+        self._chunk = (items[0].name, None, 0)
+        own = queue.own_busy_ns
+        try:
+            ns, _, _ = self._run_queued(launch, (), min(deadlines) if deadlines else None, last=True)
+        except BaseException:
+            if self._batch_ran < len(items):
+                self.failed_op = items[self._batch_ran].name
+            raise
+        finally:
+            if started:
+                observe = self.block.observe_gpu_wait
+                for it in items:
+                    observe(max(0, started - it.submit_ns - (own - it.own_busy_ns)))
+        self.chunks += len(items) - 1  # launches, as one op each would count
+        self._learn_batch(items, ns)
+        per = ns // len(items)
+        self._op_dev_ns += (per - self._op_dev_ns) >> _EWMA_SHIFT if self._op_dev_ns else per
+
+    def _learn_batch(self, items: list[_Item], ns: int) -> None:
+        """The cost model learns from a batch: its device time shared by the ops' estimates, one
+        observation per op and shape (a batch of one shape is one observation of all its units)."""
+        plans = self._batch_plans
+        total = sum(est for _, est in plans)
+        if ns <= 0 or total <= 0 or len(plans) != len(items):
+            return
+        groups: dict[tuple[str, tuple[int, ...]], tuple[Plan, int, int]] = {}
+        for it, (p, est) in zip(items, plans):
+            key = (it.name, p.shape)
+            first, units, share = groups.get(key, (p, 0, 0))
+            groups[key] = (first, units + p.units, share + est)
+        for (name, _), (p, units, share) in groups.items():
+            self.costs.observe(name, p, units, ns * share // total)
+
+    def _linger(self) -> bool:
+        """Whether the device thread, its queue empty, waits for the guest's next op before the
+        stretch ends: not while another worker waits for a worker whose ops come far apart (it lends
+        at the stretch's end anyway: the wait would only hold the device idle)."""
+        board = self._scheduling_board()
+        if board is None or not self._held_board:
+            return True
+        gap = self._submit_gap_ns
+        return not (gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns and board.others_waiting())
+
     def _queued(self, item: _Item) -> None:
         """A queued op on the device thread. Its wait: from when it was ready (submitted, and the
         worker's own earlier ops done) to its start, the lease wait of its first chunk included."""
@@ -475,9 +610,7 @@ class DeviceGate:
         elif not self._held_since:
             self._held_since = time.monotonic_ns()
         self.run_wait_ns += waited
-        if self._qtimer is None:
-            self._qtimer = self.backend.queue_timer()
-            self._pending_timer = self._qtimer if isinstance(self._qtimer, PendingTimer) else None
+        qtimer = self._queue_timer()
         self._stretch_deadline_ns = deadline_ns
         pending = self._pending_timer
         if pending is not None and pending.full():
@@ -489,7 +622,7 @@ class DeviceGate:
         if serial >= 0:
             fcntl.flock(serial, fcntl.LOCK_EX)
         try:
-            ns = self._qtimer.time(lambda: result.append(fn(*args)))
+            ns = qtimer.time(lambda: result.append(fn(*args)))
         finally:
             if serial >= 0:
                 fcntl.flock(serial, fcntl.LOCK_UN)

@@ -132,7 +132,7 @@ def test_a_full_queue_makes_the_host_wait_and_memory_stays_bounded(block: QuotaB
 def test_the_queue_is_bounded_in_bytes_too(block: QuotaBlock) -> None:
     """Ops naming more buffer bytes than the bound wait; one op larger than the bound runs alone."""
     gate = DeviceGate(block, StubBackend())
-    gate.queue = DeviceQueue(gate._queued, gate._end_stretch, max_ops=100, max_bytes=1000)
+    gate.queue = DeviceQueue(gate._queued_items, gate._end_stretch, max_ops=100, max_bytes=1000)
     be = StubBackend()
     bufs = {n: be.alloc(n) for n in (600, 300, 800, 5000)}
     go = threading.Event()
@@ -560,7 +560,7 @@ def test_a_wait_past_the_deadline_and_grace_is_a_typed_queue_overrun(block: Quot
 
 def test_a_full_queue_past_the_deadline_refuses_the_submit_with_a_timeout(block: QuotaBlock) -> None:
     gate = DeviceGate(block, StubBackend())
-    gate.queue = DeviceQueue(gate._queued, gate._end_stretch, max_ops=2)
+    gate.queue = DeviceQueue(gate._queued_items, gate._end_stretch, max_ops=2)
     slow = _Slow()
     try:
         gate.submit("hung", slow, (), time.monotonic_ns() + int(3600e9))  # started whatever the load

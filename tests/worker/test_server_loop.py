@@ -55,4 +55,6 @@ def test_queued_requests_are_read_without_a_poll_each(monkeypatch: pytest.Monkey
     assert replies[1][2] == {"text": "hi"}
     err = replies[2][2]
     assert isinstance(err, dict) and "not bound" in str(err.get("message"))  # read whole: header and body
-    assert polled_at and polled_at[0] == 3, polled_at  # no poll before the queued three were served
+    # no poll before the queued three were served (the loop may also have stopped before polling at
+    # all: the test sets the stop event once it has the replies)
+    assert all(n >= 3 for n in polled_at), polled_at

@@ -1,0 +1,189 @@
+"""Small queued ops go to the device as one launch (worker.device_time ``DeviceGate._queued_batch``):
+one lease check, one measurement and one flush decision for a run of them, each op still its own
+call in order, its wait observed, its error its own; a batch stays inside the preemption bound; the
+cuda backend launches each op alone (its event pairs name the op that faulted).
+
+And the device thread, its queue empty, does not hold the device waiting for the next op of a
+worker whose ops come far apart while another worker waits (it would lend at the stretch's end).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import cast
+
+import numpy as np
+import pytest
+
+from shared.errors import CudaError
+from shared.gpu_time import GpuTimeBoard
+from shared.quota import QuotaBlock
+from tests.worker.test_async_ops import WAIT_S, CountingBoard, _Slow, make_backend, wait_for
+from worker.backends.stub import StubBackend
+from worker.backends.timing import ThreadTimer
+from worker.device_time import DeviceGate, _Item
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _CountingTimer(ThreadTimer):
+    """The stub's queue timer, counting its measurements (one per launch)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def time(self, fn: Callable[..., object], *args: object) -> int:
+        self.calls += 1
+        return super().time(fn, *args)
+
+
+def _gate(block: QuotaBlock, board: CountingBoard | None = None,
+          chunk_s: float = 0.002) -> tuple[DeviceGate, StubBackend, _CountingTimer]:
+    be = StubBackend()
+    timer = _CountingTimer()
+    be.queue_timer = lambda: timer  # type: ignore[method-assign]
+    return DeviceGate(block, be, cast(GpuTimeBoard, board) if board is not None else None,
+                      chunk_s=chunk_s), be, timer
+
+
+def _values(be: StubBackend, buf: object, n: int) -> list[float]:
+    return [float(v) for v in np.frombuffer(be.read(buf, 0, 4 * n), dtype=np.float32)]  # type: ignore[arg-type]
+
+
+def test_a_run_of_small_queued_ops_is_one_launch_each_op_still_its_own(block: QuotaBlock) -> None:
+    board = CountingBoard(True)
+    gate, be, timer = _gate(block, board)
+    slow = _Slow()
+    try:
+        bufs = [be.alloc(64 * 4) for _ in range(30)]
+        gate.submit("slow", slow, ())  # an op of no known plan: launched alone
+        assert slow.started.wait(WAIT_S)
+        for i, buf in enumerate(bufs):  # queued meanwhile: one run of small ops
+            gate.submit("fill_f32", be.fill_f32, (buf, float(i), 64))
+        slow.go.set()
+        gate.sync()
+        assert [_values(be, b, 64) for b in bufs] == [[float(i)] * 64 for i in range(30)]  # each op, in order
+        assert timer.calls == 2  # the slow op, then the 30 fills as one launch (30 + 1 before)
+        assert gate.chunks == 31  # launches are still counted per op
+        assert board.calls["acquire"] == 1
+        assert block.snapshot().gpu_waits == 31  # every op's wait observed
+        assert block.gpu_time_ns == gate.run_time_ns > 0
+    finally:
+        slow.go.set()
+        gate.close()
+
+
+def test_an_op_failing_inside_a_batch_keeps_the_ops_before_and_drops_the_rest(block: QuotaBlock) -> None:
+    gate, be, timer = _gate(block)
+    slow = _Slow()
+
+    def fault(*_: object) -> None:
+        raise CudaError("cuLaunchKernel", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    try:
+        before, after = be.alloc(64 * 4), be.alloc(64 * 4)
+        gate.submit("slow", slow, ())
+        assert slow.started.wait(WAIT_S)
+        for _ in range(3):
+            gate.submit("fill_f32", be.fill_f32, (before, 2.0, 64))
+        gate.submit("axpy_f32", fault, (64, 1.0, before, after))  # small too: inside the batch
+        for _ in range(2):
+            gate.submit("fill_f32", be.fill_f32, (after, 3.0, 64))
+        slow.go.set()
+        with pytest.raises(CudaError, match="ILLEGAL_ADDRESS"):
+            gate.sync()
+        assert timer.calls == 2  # the fault was inside the one launch of the small ops
+        assert gate.failed_op == "axpy_f32"
+        assert _values(be, before, 64) == [2.0] * 64 and _values(be, after, 64) == [0.0] * 64
+        queue = gate.queue
+        assert queue is not None and queue.ran == 5 and queue.dropped == 2  # slow, 3 fills, the fault
+    finally:
+        slow.go.set()
+        gate.close()
+
+
+def test_a_batch_stays_inside_the_preemption_bound(block: QuotaBlock) -> None:
+    """Small ops whose estimates add up past half a chunk go in several launches, in order."""
+    gate, be, timer = _gate(block, chunk_s=20e-6)  # a tiny chunk: ~9 fills of 1024 floats per launch
+    slow = _Slow()
+    sizes: list[int] = []
+    original = gate._queued_batch
+
+    def record(items: list[_Item]) -> None:
+        assert sum(est for _, est in gate._batch_plans) <= gate.chunk_ns // 2
+        sizes.append(len(items))
+        original(items)
+
+    gate._queued_batch = record  # type: ignore[method-assign]
+    try:
+        buf = be.alloc(1024 * 4)
+        gate.submit("slow", slow, ())
+        assert slow.started.wait(WAIT_S)
+        for i in range(60):
+            gate.submit("fill_f32", be.fill_f32, (buf, float(i), 1024))
+        slow.go.set()
+        gate.sync()
+        assert _values(be, buf, 64) == [59.0] * 64  # in order: the last fill wins
+        assert len(sizes) > 1 and sum(sizes) <= 60 and max(sizes) < 60
+    finally:
+        slow.go.set()
+        gate.close()
+
+
+def test_the_cuda_backend_launches_each_queued_op_alone(block: QuotaBlock) -> None:
+    be = make_backend("cuda")
+    gate = DeviceGate(block, be)
+    try:
+        buf = be.alloc(64 * 4)
+        items = [_Item("fill_f32", be.fill_f32, (buf, 1.0, 64), None, 256, time.monotonic_ns(), 0)
+                 for _ in range(8)]
+        assert gate._small_run(items, 0) == 0  # its chunks' times come from event pairs, one per op
+        stub = DeviceGate(block, StubBackend())
+        sbuf = stub.backend.alloc(64 * 4)
+        assert stub._small_run([_Item("fill_f32", stub.backend.fill_f32, (sbuf, 1.0, 64), None, 256,
+                                      time.monotonic_ns(), 0)] * 8, 0) == 8
+        stub.close()
+    finally:
+        gate.close()
+
+
+class _WaitingBoard(CountingBoard):
+    """Another worker waits for the device all along."""
+
+    def others_waiting(self) -> bool:
+        super().others_waiting()
+        return True
+
+
+@pytest.mark.parametrize("chatty", [True, False])
+def test_an_empty_queue_lends_at_once_for_a_chatty_worker_while_another_waits(
+        block: QuotaBlock, monkeypatch: pytest.MonkeyPatch, chatty: bool) -> None:
+    """A worker whose ops come far apart next to their device time does not wait for its next op
+    with the device held while another worker waits: the stretch ends (lent) at once. A busy worker
+    still waits the linger for its next op (here made endless: it ends only at the next submit)."""
+    import worker.device_time as device_time
+
+    monkeypatch.setattr(device_time, "QUEUE_LINGER_S", 3600.0)
+    board = _WaitingBoard(True)
+    gate = DeviceGate(block, StubBackend(), cast(GpuTimeBoard, board), chunk_s=3600.0)
+    done = threading.Event()
+    try:
+        gate._submit_gap_ns, gate._op_dev_ns = (500_000, 1_000) if chatty else (20_000, 10_000)
+        gate._submit_at = 0  # the next submit does not move the interval
+        gate.submit("op", done.set, ())
+        assert done.wait(WAIT_S)
+        if chatty:
+            wait_for(lambda: board.calls["finish"] == 1)
+            assert board.idle == [True]  # lent at the stretch's end
+        else:
+            # the device thread holds on for the next op: the stretch goes on through it
+            wait_for(lambda: gate.queue is not None and gate.queue.ran == 1)
+            assert board.calls["finish"] == 0
+            again = threading.Event()
+            gate.submit("op", again.set, ())
+            assert again.wait(WAIT_S)
+            assert board.calls["acquire"] == 1
+    finally:
+        gate.close()
