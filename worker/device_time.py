@@ -140,7 +140,9 @@ class QueueOverrun(KernelTimeout):
 @dataclass(slots=True)
 class _Item:
     """One queued op: what to run, the bytes it names, when it was submitted and how much device
-    time (wall ns of this worker's own ops) had run by then (its wait excludes its own queue)."""
+    time (wall ns of this worker's own ops) had run by then (its wait excludes its own queue); its
+    chunk plan (None: it runs whole) and the cost model's estimate of it whole (-1: no plan), made
+    by the submitting thread, outside the device thread's hold of the lease (``planned``)."""
 
     name: str
     fn: Callable[..., object]
@@ -149,6 +151,9 @@ class _Item:
     nbytes: int
     submit_ns: int
     own_busy_ns: int
+    plan: Plan | None = None
+    est: int = -1
+    planned: bool = False
 
 
 class DeviceQueue:
@@ -249,6 +254,17 @@ class DeviceQueue:
                 if err is not None:
                     raise err
             return True
+
+    def take_more(self, items: list[_Item]) -> int:
+        """The device thread takes what was queued since it last looked onto ``items`` (the list it
+        is running: they are in flight from now on); how many."""
+        with self._cond:
+            n = len(self._items)
+            if n:
+                items.extend(self._items)
+                self._items.clear()
+                self._inflight += n
+            return n
 
     def take_error(self) -> BaseException | None:
         """The error a queued op raised that nobody was told of yet (cleared)."""
@@ -411,8 +427,10 @@ class DeviceGate:
             gap = now - self._submit_at
             self._submit_gap_ns += (gap - self._submit_gap_ns) >> _EWMA_SHIFT if self._submit_gap_ns else gap
         self._submit_at = now
+        p = plan(name, self.backend, args)
+        est = int(self.costs.predict_ns(name, p, p.units)) if p is not None else -1
         try:
-            queue.submit(_Item(name, fn, args, deadline_ns, nbytes, now, queue.own_busy_ns))
+            queue.submit(_Item(name, fn, args, deadline_ns, nbytes, now, queue.own_busy_ns, p, est, True))
         except KernelTimeout as exc:
             raise self._refuse(exc) from None
 
@@ -428,8 +446,8 @@ class DeviceGate:
             raise QueueOverrun(QUEUE_GRACE_S, message="queued device work still running past the run's deadline")
 
     def _op(self, name: str, fn: Callable[..., object], args: tuple[object, ...], deadline_ns: int | None,
-            run: Callable[..., tuple[int, int, object]], wait0: int = 0) -> object:
-        p = plan(name, self.backend, args)
+            run: Callable[..., tuple[int, int, object]], wait0: int = 0, planned: Plan | None | bool = False) -> object:
+        p = plan(name, self.backend, args) if planned is False else cast("Plan | None", planned)
         if p is None:
             self._chunk = (name, None, 0)
             ns, waited, result = run(fn, args, deadline_ns, last=True)
@@ -456,12 +474,20 @@ class DeviceGate:
 
     def _queued_items(self, items: list[_Item]) -> tuple[int, BaseException | None]:
         """The device thread's turn: every op queued when it looked, in order (the queue's runner).
-        A run of small ops (:meth:`_small`) goes to the device as one launch (:meth:`_queued_batch`),
+        The lease is taken first (:meth:`_hold`), then what was queued meanwhile is taken too; a run
+        of small ops (:meth:`_small_run`) goes to the device as one launch (:meth:`_queued_batch`),
         any other op alone (:meth:`_queued`). Returns (ops run whole, the error of the next or None)."""
         queue = self.queue
         assert queue is not None
-        i, n = 0, len(items)
-        while i < n:
+        i = 0
+        while i < len(items):
+            if not self._held_since and self._scheduling_board() is not None:
+                try:
+                    self._hold(items[i].deadline_ns)
+                except BaseException as exc:  # noqa: BLE001 - refused: the op's own error
+                    self.failed_op = items[i].name
+                    return i, exc
+                queue.take_more(items)  # what the guest queued during the wait joins this stretch
             batch = self._small_run(items, i)
             t0 = time.monotonic_ns()
             try:
@@ -474,7 +500,20 @@ class DeviceGate:
             finally:
                 queue.own_busy_ns += time.monotonic_ns() - t0  # one writer: this thread
             i += max(1, batch)
-        return n, None
+        return len(items), None
+
+    def _hold(self, deadline_ns: int | None) -> None:
+        """The lease for the stretch ahead, before its ops are looked at: the guest's ops queued
+        during the wait run in the same stretch (a run of small ones as one launch). An op refused
+        already, or past its deadline, is left to refuse itself; a refusal here is the op's."""
+        board = self._scheduling_board()
+        if board is None or self._held_since or self._run_refused is not None or (
+                deadline_ns is not None and time.monotonic_ns() > deadline_ns):
+            return
+        waited = self._acquire(board, deadline_ns)
+        self._held_since = time.monotonic_ns()
+        self._held_board = True
+        self.run_wait_ns += waited
 
     def _small_run(self, items: list[_Item], i: int) -> int:
         """How many ops from ``items[i]`` on are small enough to go to the device as one launch: each
@@ -494,11 +533,11 @@ class DeviceGate:
         end = min(len(items), i + MAX_QUEUED_OPS)
         while j < end:
             item = items[j]
-            p = plan(item.name, self.backend, item.args)
-            if p is None or p.combine is not None:
-                break
-            est = int(costs.predict_ns(item.name, p, p.units))
-            if est > small or est > budget:  # (under a chunk: one launch whole)
+            p, est = item.plan, item.est
+            if not item.planned:
+                p = plan(item.name, self.backend, item.args)
+                est = int(costs.predict_ns(item.name, p, p.units)) if p is not None else -1
+            if p is None or p.combine is not None or est > small or est > budget:  # (small: one launch whole)
                 break
             budget -= est
             self._batch_plans.append((p, est))
@@ -585,7 +624,8 @@ class DeviceGate:
             if self._run_refused is not None:
                 raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
             before = self.run_time_ns + self._unsettled_est_ns  # pending chunks: their estimates
-            self._op(item.name, item.fn, item.args, item.deadline_ns, self._run_queued, wait0=ready_wait)
+            self._op(item.name, item.fn, item.args, item.deadline_ns, self._run_queued, wait0=ready_wait,
+                     planned=item.plan if item.planned else False)
             ns = max(0, self.run_time_ns + self._unsettled_est_ns - before)
             self._op_dev_ns += (ns - self._op_dev_ns) >> _EWMA_SHIFT if self._op_dev_ns else ns
         except BaseException as exc:

@@ -54,7 +54,8 @@ def _values(be: StubBackend, buf: object, n: int) -> list[float]:
 
 def test_a_run_of_small_queued_ops_is_one_launch_each_op_still_its_own(block: QuotaBlock) -> None:
     board = CountingBoard(True)
-    gate, be, timer = _gate(block, board)
+    # the chunk target longer than the test: no boundary falls inside the stretch however slow the host
+    gate, be, timer = _gate(block, board, chunk_s=3600.0)
     slow = _Slow()
     try:
         bufs = [be.alloc(64 * 4) for _ in range(30)]
@@ -76,12 +77,12 @@ def test_a_run_of_small_queued_ops_is_one_launch_each_op_still_its_own(block: Qu
 
 
 def test_an_op_failing_inside_a_batch_keeps_the_ops_before_and_drops_the_rest(block: QuotaBlock) -> None:
-    gate, be, timer = _gate(block)
     slow = _Slow()
 
     def fault(*_: object) -> None:
         raise CudaError("cuLaunchKernel", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
 
+    gate, be, timer = _gate(block, chunk_s=3600.0)
     try:
         before, after = be.alloc(64 * 4), be.alloc(64 * 4)
         gate.submit("slow", slow, ())
@@ -187,3 +188,37 @@ def test_an_empty_queue_lends_at_once_for_a_chatty_worker_while_another_waits(
             assert board.calls["acquire"] == 1
     finally:
         gate.close()
+
+
+def test_ops_queued_while_the_lease_is_awaited_join_the_first_ones_launch(block: QuotaBlock) -> None:
+    """The device thread takes the lease before it looks at the queue's ops: what the guest queues
+    during the wait goes to the device in the same launch as the op that started the wait."""
+    board = GpuTimeBoard.create(0, quantum_s=0.01)
+    try:
+        mine = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))
+        other = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))
+        be = StubBackend()
+        timer = _CountingTimer()
+        be.queue_timer = lambda: timer  # type: ignore[method-assign]
+        gate = DeviceGate(block, be, mine, chunk_s=3600.0)
+        try:
+            other.acquire(time.monotonic_ns() + int(60e9))  # the device is another worker's
+            buf = be.alloc(64 * 4)
+            gate.submit("fill_f32", be.fill_f32, (buf, 0.0, 64))
+            wait_for(lambda: board.snapshot().waiting == 1)  # the device thread waits for the lease
+            for i in range(1, 21):
+                gate.submit("fill_f32", be.fill_f32, (buf, float(i), 64))
+            other.finish(1000)
+            other.release()
+            gate.sync()
+            assert _values(be, buf, 64) == [20.0] * 64
+            assert timer.calls == 1 and gate.chunks == 21
+            assert block.snapshot().gpu_waits == 21
+            gate.release()
+        finally:
+            gate.close()
+            mine.close()
+            other.close()
+    finally:
+        board.unlink()
+        board.close()
