@@ -36,12 +36,17 @@ memory, and the run's end::
                             ◄── sync ───  waits until the queue is empty; raises a queued op's error
 
 * **One stretch of work.** The device thread treats the queued work as one
-  stretch: it acquires the lease once, runs op after op (each chunked as
-  above), and tells the board (``finish``) only at a chunk boundary after
+  stretch: it acquires the lease once - before it looks at the queue, so
+  that what the guest queues during the wait joins the stretch - runs op
+  after op (each chunked as above; a run of *small* ops, each planned and
+  estimated by the submitting thread, as one launch: one lease check, one
+  measurement, one flush decision, each op still its own call with its own
+  wait and error), and tells the board (``finish``) only at a chunk boundary after
   ~:data:`CHUNK_S` of holding - where the board may hand the device over
   (the quantum's end, a waiter's claim) - and when the queue runs empty and
   no op follows within :data:`QUEUE_LINGER_S` (the stretch's end: the device
-  is lent to a waiter at once). The board charges
+  is lent to a waiter at once; a worker whose ops come far apart does not
+  wait for its next op while another worker waits). The board charges
   the device time of what ran in between; an op's wait is the time it was
   ready (submitted, its worker's earlier ops done) and not running.
 * **Pending device time** (cuda: a ``PendingTimer``). The launches return

@@ -10,6 +10,10 @@
                    against numpy's ``y += a * x`` on arrays of the same size in this process,
                    interleaved round by round
 
+    small op       ``axpy_f32`` on 64 floats (a queued op whose device work is ~1 us: what a chatty
+                   tenant issues), a guest loop of ``--small-reps`` calls then the sync at the run's
+                   end, minus a loop of 0, divided by the calls: the gate's own cost per queued op
+
     gemm           ``C = A @ B`` on 512 x 512 float32 client buffers (``matmul_f32`` in a guest
                    loop of R calls minus a loop of 0, divided by R) against numpy's
                    ``np.matmul(a, b, out=c)`` on the same sizes in this process, interleaved
@@ -102,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=count, default=4, help="axpy calls per guest run (default 4)")
     parser.add_argument("--rounds", type=count, default=5, help="interleaved measurement rounds (default 5)")
     parser.add_argument("--calls", type=count, default=200_000, help="host calls per guest run (default 200k)")
+    parser.add_argument("--small-reps", type=count, default=20_000,
+                        help="axpy_f32 calls on 64 floats per guest run (default 20k)")
     parser.add_argument("--gemm-n", type=count, default=512, help="GEMM size n (n x n @ n x n, default 512)")
     parser.add_argument("--gemm-reps", type=count, default=20, help="matmul calls per guest run (default 20)")
     parser.add_argument("--backend", default="stub", help="supervisor backend (default stub)")
@@ -153,6 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         c.free(cap, hx)
         c.free(cap, hy)
 
+        # -- a small queued op: axpy_f32 on 64 floats, the gate's own cost per op
+        sx, sy = c.alloc(cap, 4 * 64), c.alloc(cap, 4 * 64)
+        x64, y64 = x[:64].copy(), y[:64].copy()
+        small_args = [{"handle": sx}, {"handle": sy}, 64, float(a)]
+        small_host, small_numpy = _host_vs_numpy(
+            lambda r: c.run_wasm(cap, digest, "axpy_loop", [*small_args, r]),
+            lambda: np.add(y64, a * x64, out=y64), args.small_reps, rounds)
+        c.free(cap, sx)
+        c.free(cap, sy)
+
         # -- GEMM n x n: through the host vs numpy's matmul here
         gn, greps = args.gemm_n, args.gemm_reps
         ga = rng.standard_normal((gn, gn), dtype=np.float32)
@@ -201,6 +217,15 @@ def main(argv: list[str] | None = None) -> int:
              ["numpy y += a * x (this process)", numpy_axpy * 1e3, moved / numpy_axpy / 1e9]],
         ),
     ))
+    small_us, small_np_us = statistics.median(small_host) * 1e6, statistics.median(small_numpy) * 1e6
+    report.sections.append((
+        f"a small queued op: axpy_f32 on 64 float32, median of {rounds} rounds x {args.small_reps:,}",
+        format_table(
+            ["path", "us per op", "vs one host call"],
+            [["through the WASM host: queued, under the gate", small_us, f"{small_us / host_call_us:.1f}x"],
+             ["numpy y += a * x on 64 floats (this process)", small_np_us, f"{small_np_us / host_call_us:.1f}x"]],
+        ),
+    ))
     gemm_ratio = statistics.median(gemm_numpy) / statistics.median(gemm_host)
     gflop = 2.0 * gn**3 / 1e9
     report.sections.append((
@@ -220,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                  "ratio": round(gemm_ratio, 3)},
         "round_trip_us": {"ping": round(ping_us, 1), "run_wasm_nop": round(wasm_us, 1)},
         "host_call_us": round(host_call_us, 3),
+        "small_op_us": {"host": round(small_us, 3), "numpy": round(small_np_us, 3)},
         "axpy": {"floats": n, "host_ms": round(host_axpy * 1e3, 3), "numpy_ms": round(numpy_axpy * 1e3, 3),
                  "ratios": [round(r, 3) for r in ratios]},
     })
