@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         # -- a small queued op: axpy_f32 on 64 floats, the gate's own cost per op
         sx, sy = c.alloc(cap, 4 * 64), c.alloc(cap, 4 * 64)
         x64, y64 = x[:64].copy(), y[:64].copy()
-        small_args = [{"handle": sx}, {"handle": sy}, 64, float(a)]
+        small_args: list[int | float | dict[str, int]] = [{"handle": sx}, {"handle": sy}, 64, float(a)]
         small_host, small_numpy = _host_vs_numpy(
             lambda r: c.run_wasm(cap, digest, "axpy_loop", [*small_args, r]),
             lambda: np.add(y64, a * x64, out=y64), args.small_reps, rounds)
