@@ -123,11 +123,14 @@ _LEND_RATIO = 4
 #: ops arrive as fast as the device thread's own per-op host work runs them would otherwise hold an
 #: idle device until its quantum ends, its queue never running empty
 _LEND_BUSY_DIV = 8
-#: a queued op estimated under 1/this of a chunk is small: a run of small ops goes to the device as one
-#: launch (:meth:`DeviceGate._queued_batch`) ...
-_SMALL_DIV = 8
-#: ... estimated under 1/this of a chunk together
-_BATCH_DIV = 2
+#: a queued op estimated under 1/this of a chunk (~30 us) is small: its launch is mostly the device
+#: thread's own per-op work, and a run of small ops goes to the device as one launch
+#: (:meth:`DeviceGate._queued_batch`) ...
+_SMALL_DIV = 64
+#: ... estimated under 1/this of a chunk together (~250 us: a batch holds the device no longer than a
+#: few ops would; batches of GEMMs of ~1 ms, descheduled mid-way on a loaded host, held the lease for
+#: 10-20 ms with no boundary inside, and a chatty tenant's ops waited that long)
+_BATCH_DIV = 8
 #: when the queue runs empty the device thread waits this long for the guest's next op before it
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
