@@ -166,15 +166,93 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
     multiprocessing.process.ORIGINAL_DIR = cwd  # type: ignore[attr-defined]  # spawn hands it to workers
     multiprocessing.current_process().authkey = os.urandom(32)
+    if _wants_forkserver(request["args"]):
+        _start_forkserver()
     sys.argv = ["-m", *request["args"]]
     import runpy
 
     runpy._run_module_as_main(MODULE, alter_argv=True)  # type: ignore[attr-defined]  # what -m runs
 
 
+def _wants_forkserver(args: Sequence[str]) -> bool:
+    """Whether ``args`` start a supervisor whose workers come from a fork server."""
+    args = list(args)
+    if not args or args[0] != "supervise":
+        return False
+    return "--start-method=forkserver" in args or any(
+        a == "--start-method" and b == "forkserver" for a, b in zip(args, args[1:]))
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return list(range(3, os.sysconf("SC_OPEN_MAX")))
+
+
+def _start_forkserver() -> None:
+    """In a forked child about to become ``supervise --start-method forkserver``: start its fork
+    server as a fork of this process rather than as a fresh interpreter.
+
+    This is ``multiprocessing.forkserver.ForkServer.ensure_running`` less its ``exec``: the same
+    listener (a 0600 unix socket in multiprocessing's temp dir), the same "alive" pipe, the same
+    ``forkserver.main`` loop with the supervisor's preload list, a child of the supervisor (which
+    finds it running and uses it, as it would one it had started itself). The zygote has imported
+    that preload already (:func:`_main`), and this process holds nothing but imports yet (one
+    thread: checked before the fork that made it), so the fork is what a fresh fork server would be
+    after its preload: ~0.2 s of CPU less per supervisor, and each worker it forks starts warm. What
+    differs: the fork server's memory also holds the supervisor's modules (its workers' too; a
+    worker's own imports are checked in a fresh interpreter by tests/worker/test_start_imports.py),
+    and its ``/proc/PID/cmdline`` is the zygote's.
+    """
+    from multiprocessing import connection, forkserver
+
+    from supervisor.runtime.workers import FORKSERVER_PRELOAD
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the fork server: only stdio, its listener and the pipe, as spawnv_passfds leaves it
+            code = 1
+            try:
+                keep = {0, 1, 2, listener.fileno(), alive_r}
+                for fd in _open_fds():
+                    if fd not in keep:
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                forkserver.main(listener.fileno(), alive_r, list(FORKSERVER_PRELOAD))
+                code = 0
+            except SystemExit as exc:  # main's end: every holder of the alive pipe is gone
+                code = exc.code if isinstance(exc.code, int) else 0
+            except BaseException:  # noqa: BLE001 - reported as a fresh interpreter would, then gone
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    server._preload_modules = list(FORKSERVER_PRELOAD)
+
+
 def _main() -> None:
     ctl = socket.socket(fileno=int(sys.argv[1]))
-    for name in PRELOAD:
+    # what a supervisor's fork server preloads (worker.preload: zmq, wasmtime, the worker's
+    # modules; no thread), first, then the supervisor's own modules
+    from supervisor.runtime.workers import FORKSERVER_PRELOAD
+
+    import multiprocessing.forkserver  # noqa: F401  (its main loop runs in a forked child)
+
+    for name in (*FORKSERVER_PRELOAD, *PRELOAD):
         __import__(name)
     problem = _unfit()
     if problem:
