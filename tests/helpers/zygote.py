@@ -130,7 +130,9 @@ def _unfit() -> str:
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
-    while children:
+    """Reap every child that has exited: a forked start (its status to its caller) or an orphan
+    handed to us as the subreaper (a supervisor's fork server, tracker or worker that outlived it)."""
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
@@ -318,12 +320,28 @@ def _start_forkserver() -> None:
     server._preload_modules = list(FORKSERVER_PRELOAD)
 
 
+def _become_subreaper() -> None:
+    """Make the zygote its descendants' reaper (Linux's ``PR_SET_CHILD_SUBREAPER``; not inherited
+    by its children): what a forked supervisor leaves running when it exits - its fork server and
+    resource tracker end after it, a worker may outlive a killed one - is handed to the zygote, which
+    reaps it, rather than to init. So their CPU lands in the zygote's children's time, which the
+    suite's CPU log reads (tests/helpers/cpu_profile.py): a fork server's workers are its children,
+    not the supervisor's, and without this a run's log left them out."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass  # not Linux: orphans go to init, as a plain Popen's do
+
+
 def _main() -> None:
     import warnings
 
     _FRESH_WARNINGS[0][:] = warnings.filters
     _FRESH_WARNINGS[1][:] = sys.warnoptions
     ctl = socket.socket(fileno=int(sys.argv[1]))
+    _become_subreaper()
     # what a supervisor's fork server preloads (worker.preload: zmq, wasmtime, the worker's
     # modules; no thread), first, then the supervisor's own modules
     from supervisor.runtime.workers import FORKSERVER_PRELOAD
