@@ -219,12 +219,20 @@ def _fork_resource_tracker_on_first_use() -> None:
 
     def ensure_running() -> None:
         with tracker._lock:
-            if tracker._fd is None and threading.active_count() == 1:
+            if tracker._fd is None and _one_thread():
                 tracker._fd, tracker._pid = _fork_resource_tracker(resource_tracker)
         original(tracker)
 
     tracker.ensure_running = ensure_running
     resource_tracker.ensure_running = ensure_running  # type: ignore[attr-defined]  # the module's alias
+
+
+def _one_thread() -> bool:
+    """Whether this process has one thread: Python's and the C libraries' (zmq's I/O threads) alike."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
 
 
 def _fork_resource_tracker(resource_tracker: types.ModuleType) -> tuple[int, int]:
