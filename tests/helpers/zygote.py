@@ -31,6 +31,7 @@ product's configuration, and a supervisor warns about a ``TWT_`` variable it doe
 
 from __future__ import annotations
 
+import gc
 import json
 import locale
 import os
@@ -361,6 +362,11 @@ def _main() -> None:
     problem = _unfit()
     if problem:
         sys.exit(f"zygote: preloading left {problem}")
+    # The preloaded objects into the collector's permanent generation (what CPython's gc docs
+    # advise before fork without exec): a forked supervisor, fork server or worker's collections
+    # never walk them, which would cost CPU and copy the pages they touch (the objects' headers).
+    gc.collect()
+    gc.freeze()
     ctl.send(json.dumps({"ready": os.getpid(), "cwd": os.getcwd()}).encode())
     forked = _serve(ctl)
     if forked is not None:
