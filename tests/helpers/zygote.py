@@ -18,6 +18,12 @@ the supervisor's modules once and then forks one child per start. The child beco
   never the test process; multiprocessing's authentication key and original directory are
   renewed in the child.
 
+A ``supervise`` child also gets its multiprocessing resource tracker, and with ``--start-method
+forkserver`` its fork server, as forks of itself rather than fresh interpreters (the zygote has the
+fork server's preload, ``worker.preload``, imported too): see :func:`_start_forkserver` and
+:func:`_fork_resource_tracker_on_first_use`. The zygote is its descendants' subreaper, and its
+preloaded objects are frozen out of the garbage collector's walks before it forks.
+
 The caller gets a :class:`ZygoteProcess` shaped like :class:`subprocess.Popen` (``pid``,
 ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``): the zygote reaps
 the child and sends its exit status over a socket of that child's own.
