@@ -12,7 +12,12 @@ all: test
 $(STAMP): pyproject.toml setup.py shared/_atomics.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	@# an editable install as a plain path in a .pth file (setuptools' compat mode), not the
+	@# default's import finder: that finder's module (and the pathlib it imports) ran in every
+	@# interpreter the suite starts, well over a thousand a run: ~8 ms of CPU each that a process
+	@# would not otherwise spend (docs/BUILD.md, "A worker's start"). Where a setuptools no longer has compat mode, the default install.
+	$(BIN)/python -m pip install -q -e '.[test]' --config-settings editable_mode=compat 2>/dev/null \
+		|| $(BIN)/python -m pip install -q -e '.[test]'
 	@# the Zig toolchain's wasi-libc and runtimes, built once here rather than by the first C guest
 	@# built (~20 s of CPU on a fresh machine; the SDK tests and twt build reuse Zig's cache)
 	$(BIN)/twt build --prepare

@@ -113,3 +113,21 @@ def test_a_zygotes_children_count_once_reaped() -> None:
     """The zygotes' forks are reaped by the zygote, not by the test process: read from /proc."""
     assert cpu_profile._tree_cpu(os.getpid()) > 0
     assert cpu_profile._tree_cpu(2 ** 22 + 1) == 0.0  # no such process
+
+
+def test_tree_cpu_counts_what_outlives_its_parent() -> None:
+    """tests.helpers.tree_cpu is the tree's subreaper: a grandchild that burns CPU after its parent
+    exited (as a supervisor's fork server or tracker does) is reaped, and counted, there."""
+    orphan = ("import os, time\n"
+              "if os.fork() == 0:\n"
+              "    time.sleep(0.2)\n"  # its parent is gone by now: reparented
+              "    t = time.process_time()\n"
+              "    while time.process_time() - t < 0.4: pass\n"
+              "os._exit(0)\n")
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.tree_cpu", "--linger", "60", "--",
+                           sys.executable, "-c", orphan], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1], check=False)
+    assert done.returncode == 0, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    cpu = float(line.split("CPU ", 1)[1].split(" s", 1)[0])
+    assert cpu >= 0.4 and "0 descendant(s) still running" in line, line

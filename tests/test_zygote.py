@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import hygiene, zygote
 from supervisor.client.launch import launch
-from tests.helpers.cluster import FAST, supervisor, wait_for
+from tests.helpers.cluster import FAST, instance_pid, supervisor, tenant, wait_for
 
 pytestmark = [pytest.mark.process,
               pytest.mark.skipif(not zygote.enabled(), reason="the zygote is turned off (PYTEST_TWT_ZYGOTE=0)")]
@@ -109,3 +109,40 @@ def test_a_child_that_outlives_its_zygote_is_still_stopped_and_waited_for() -> N
     with supervisor() as handle:  # the next start gets a new zygote
         assert isinstance(handle.process, zygote.ZygoteProcess)
         assert psutil.Process(handle.pid).ppid() in zygote.server_pids() - {parent}
+
+
+def _forked(pid: int) -> bool:
+    """Whether ``pid`` was forked from a zygote's child (its command line is the zygote's), not exec'd."""
+    return psutil.Process(pid).cmdline()[1:3] == ["-m", zygote.__name__]
+
+
+def test_a_forkserver_supervisors_workers_come_from_a_fork_server_forked_off_its_start() -> None:
+    """cluster.supervisor()'s default under the zygote: the fork server is the supervisor's child, a
+    fork of the (preloaded) zygote child rather than a fresh interpreter, it forks every worker, and
+    it goes when the supervisor does."""
+    with supervisor([{"name": "a"}, {"name": "b"}]) as handle:
+        assert handle.client.hello().start_method == "forkserver"
+        pids = [wait_for(lambda t=t: instance_pid(handle, t), what=f"{t}'s worker") for t in ("a", "b")]
+        servers = {psutil.Process(pid).ppid() for pid in pids}
+        assert len(servers) == 1, "one fork server forks every worker"
+        server = servers.pop()
+        assert psutil.Process(server).ppid() == handle.pid and _forked(server)
+        assert handle.client.status() is not None
+    wait_for(lambda: not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE,
+             what="the fork server's end after its supervisor's")
+
+
+def test_a_supervisors_resource_tracker_is_forked_and_unlinks_a_killed_supervisors_segments() -> None:
+    """The tracker every supervisor starts is a fork of its start (with the supervisor's -W filter),
+    and does the tracker's job: a SIGKILLed supervisor's tracked segments are unlinked."""
+    with supervisor([{"name": "t0"}], start_method="spawn") as handle:
+        wait_for(lambda: instance_pid(handle, "t0"), what="t0's worker")
+        segment = tenant(handle.client.status(), "t0").quota.name
+        assert segment and os.path.exists(f"/dev/shm/{segment}")
+        trackers = [c.pid for c in psutil.Process(handle.pid).children() if _forked(c.pid)]
+        assert len(trackers) == 1, "the supervisor's only forked child (spawn: its workers are exec'd)"
+        handle.process.send_signal(signal.SIGKILL)
+        assert handle.process.wait(60) == -signal.SIGKILL
+        wait_for(lambda: not os.path.exists(f"/dev/shm/{segment}"), what="the killed supervisor's segment unlinked")
+        wait_for(lambda: not psutil.pid_exists(trackers[0]) or psutil.Process(trackers[0]).status() == psutil.STATUS_ZOMBIE,
+                 what="the tracker's end")

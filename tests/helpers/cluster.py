@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from shared.records import StatusRecord, TenantRecord
 from supervisor.client.launch import SupervisorHandle, launch
+from tests.helpers import zygote
 
 T = TypeVar("T")
 
@@ -28,11 +29,26 @@ FAST = {
 }
 
 
+def default_start_method() -> str | None:
+    """How :func:`supervisor`'s supervisors start workers unless a test names a method.
+
+    ``forkserver`` while the suite's zygote forks supervisors (tests/helpers/zygote.py): the
+    supervisor's fork server is then a fork of the zygote's child, which has the workers' preload
+    imported already, so each worker costs a fork (~0.03 s of CPU) instead of a fresh ``spawn``
+    interpreter (~0.15 s), and the fork server itself almost nothing; the suite starts hundreds of
+    workers. Without the zygote (``PYTEST_TWT_ZYGOTE=0``) the product's default (``spawn``): a
+    cold fork server costs more than it saves for one or two workers. ``spawn`` stays covered:
+    every test that names it, and every supervisor started through ``launch()`` directly.
+    """
+    return "forkserver" if zygote.enabled() else None
+
+
 @contextmanager
 def supervisor(tenants: list[dict[str, Any]] | None = None, **settings: Any) -> Iterator[SupervisorHandle]:
-    """A launched supervisor on the stub backend with FAST settings (overridable)."""
+    """A launched supervisor on the stub backend with FAST settings (overridable), its workers
+    started by :func:`default_start_method` unless ``start_method`` is given."""
     sup_settings = {**FAST, **settings}
-    start_method = sup_settings.pop("start_method", None)
+    start_method = sup_settings.pop("start_method", None) or default_start_method()
     with launch({"supervisor": sup_settings, "tenant": tenants or []}, start_method=start_method) as handle:
         yield handle
 

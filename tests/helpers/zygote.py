@@ -18,6 +18,12 @@ the supervisor's modules once and then forks one child per start. The child beco
   never the test process; multiprocessing's authentication key and original directory are
   renewed in the child.
 
+A ``supervise`` child also gets its multiprocessing resource tracker, and with ``--start-method
+forkserver`` its fork server, as forks of itself rather than fresh interpreters (the zygote has the
+fork server's preload, ``worker.preload``, imported too): see :func:`_start_forkserver` and
+:func:`_fork_resource_tracker_on_first_use`. The zygote is its descendants' subreaper, and its
+preloaded objects are frozen out of the garbage collector's walks before it forks.
+
 The caller gets a :class:`ZygoteProcess` shaped like :class:`subprocess.Popen` (``pid``,
 ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``): the zygote reaps
 the child and sends its exit status over a socket of that child's own.
@@ -31,6 +37,7 @@ product's configuration, and a supervisor warns about a ``TWT_`` variable it doe
 
 from __future__ import annotations
 
+import gc
 import json
 import locale
 import os
@@ -130,7 +137,9 @@ def _unfit() -> str:
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
-    while children:
+    """Reap every child that has exited: a forked start (its status to its caller) or an orphan
+    handed to us as the subreaper (a supervisor's fork server, tracker or worker that outlived it)."""
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
@@ -166,19 +175,204 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
     multiprocessing.process.ORIGINAL_DIR = cwd  # type: ignore[attr-defined]  # spawn hands it to workers
     multiprocessing.current_process().authkey = os.urandom(32)
+    if _wants_forkserver(request["args"]):
+        _start_forkserver()
+    if request["args"][:1] == ["supervise"]:  # after the fork server: its workers keep multiprocessing's own
+        _fork_resource_tracker_on_first_use()
     sys.argv = ["-m", *request["args"]]
     import runpy
 
     runpy._run_module_as_main(MODULE, alter_argv=True)  # type: ignore[attr-defined]  # what -m runs
 
 
+def _wants_forkserver(args: Sequence[str]) -> bool:
+    """Whether ``args`` start a supervisor whose workers come from a fork server."""
+    args = list(args)
+    if not args or args[0] != "supervise":
+        return False
+    return "--start-method=forkserver" in args or any(
+        a == "--start-method" and b == "forkserver" for a, b in zip(args, args[1:]))
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return list(range(3, os.sysconf("SC_OPEN_MAX")))
+
+
+#: a fresh interpreter's warning filters and options (the zygote's, read before its preload): what
+#: a resource tracker started as ``python -W ... -c ...`` would begin with
+_FRESH_WARNINGS: tuple[list[Any], list[str]] = ([], [])
+
+
+def _fork_resource_tracker_on_first_use() -> None:
+    """In a forked child about to become ``supervise``: its multiprocessing resource tracker, when
+    first wanted, is a fork of this process rather than a fresh interpreter (~0.03 s of CPU per
+    supervisor; every supervisor starts one).
+
+    ``ResourceTracker.ensure_running`` is wrapped: while the process has one thread (the
+    supervisor asks for its tracker early in its start), it forks the tracker first -
+    ``resource_tracker.main`` on a pipe, stdio and that pipe its only descriptors, SIGINT and
+    SIGTERM blocked across the fork as multiprocessing does, and the warning filters a fresh
+    interpreter would have (its start's, then every ``-W`` option added since, such as the
+    supervisor's own filter for the tracker's "leaked" warning) - and then runs the original,
+    which finds it alive. With more than one thread it spawns one as usual.
+    """
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    original = type(tracker).ensure_running
+
+    def ensure_running() -> None:
+        with tracker._lock:
+            if tracker._fd is None and _one_thread():
+                tracker._fd, tracker._pid = _fork_resource_tracker(resource_tracker)
+        original(tracker)
+
+    tracker.ensure_running = ensure_running
+    resource_tracker.ensure_running = ensure_running  # type: ignore[attr-defined]  # the module's alias
+
+
+def _one_thread() -> bool:
+    """Whether this process has one thread: Python's and the C libraries' (zmq's I/O threads) alike."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _fork_resource_tracker(resource_tracker: types.ModuleType) -> tuple[int, int]:
+    """(write end, pid) of a resource tracker forked from this single-threaded process."""
+    import warnings
+
+    r, w = os.pipe()
+    ignored = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, ignored)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for fd in _open_fds():
+                    if fd > 2 and fd != r:
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                filters, options = _FRESH_WARNINGS
+                warnings.filters[:] = filters
+                warnings._filters_mutated()  # type: ignore[attr-defined]
+                warnings._processoptions(sys.warnoptions[len(options):])  # type: ignore[attr-defined]
+                resource_tracker.main(r)  # sets SIGINT and SIGTERM to ignored, then unblocks them
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported as a fresh interpreter would, then gone
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)
+        os.close(r)
+    return w, pid
+
+
+def _start_forkserver() -> None:
+    """In a forked child about to become ``supervise --start-method forkserver``: start its fork
+    server as a fork of this process rather than as a fresh interpreter.
+
+    This is ``multiprocessing.forkserver.ForkServer.ensure_running`` less its ``exec``: the same
+    listener (a 0600 unix socket in multiprocessing's temp dir), the same "alive" pipe, the same
+    ``forkserver.main`` loop with the supervisor's preload list, a child of the supervisor (which
+    finds it running and uses it, as it would one it had started itself). The zygote has imported
+    that preload already (:func:`_main`), and this process holds nothing but imports yet (one
+    thread: checked before the fork that made it), so the fork is what a fresh fork server would be
+    after its preload: ~0.2 s of CPU less per supervisor, and each worker it forks starts warm. What
+    differs: the fork server's memory also holds the supervisor's modules (its workers' too; a
+    worker's own imports are checked in a fresh interpreter by tests/worker/test_start_imports.py),
+    and its ``/proc/PID/cmdline`` is the zygote's.
+    """
+    from multiprocessing import connection, forkserver
+
+    from supervisor.runtime.workers import FORKSERVER_PRELOAD
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the fork server: only stdio, its listener and the pipe, as spawnv_passfds leaves it
+            code = 1
+            try:
+                keep = {0, 1, 2, listener.fileno(), alive_r}
+                for fd in _open_fds():
+                    if fd not in keep:
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                forkserver.main(listener.fileno(), alive_r, list(FORKSERVER_PRELOAD))
+                code = 0
+            except SystemExit as exc:  # main's end: every holder of the alive pipe is gone
+                code = exc.code if isinstance(exc.code, int) else 0
+            except BaseException:  # noqa: BLE001 - reported as a fresh interpreter would, then gone
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    server._preload_modules = list(FORKSERVER_PRELOAD)
+
+
+def _become_subreaper() -> None:
+    """Make the zygote its descendants' reaper (Linux's ``PR_SET_CHILD_SUBREAPER``; not inherited
+    by its children): what a forked supervisor leaves running when it exits - its fork server and
+    resource tracker end after it, a worker may outlive a killed one - is handed to the zygote, which
+    reaps it, rather than to init. So their CPU lands in the zygote's children's time, which the
+    suite's CPU log reads (tests/helpers/cpu_profile.py): a fork server's workers are its children,
+    not the supervisor's, and without this a run's log left them out."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass  # not Linux: orphans go to init, as a plain Popen's do
+
+
 def _main() -> None:
+    import warnings
+
+    _FRESH_WARNINGS[0][:] = warnings.filters
+    _FRESH_WARNINGS[1][:] = sys.warnoptions
     ctl = socket.socket(fileno=int(sys.argv[1]))
-    for name in PRELOAD:
+    _become_subreaper()
+    # what a supervisor's fork server preloads (worker.preload: zmq, wasmtime, the worker's
+    # modules; no thread), first, then the supervisor's own modules
+    from supervisor.runtime.workers import FORKSERVER_PRELOAD
+
+    import multiprocessing.forkserver  # noqa: F401  (its main loop runs in a forked child)
+
+    for name in (*FORKSERVER_PRELOAD, *PRELOAD):
         __import__(name)
     problem = _unfit()
     if problem:
         sys.exit(f"zygote: preloading left {problem}")
+    # The preloaded objects into the collector's permanent generation (what CPython's gc docs
+    # advise before fork without exec): a forked supervisor, fork server or worker's collections
+    # never walk them, which would cost CPU and copy the pages they touch (the objects' headers).
+    gc.collect()
+    gc.freeze()
     ctl.send(json.dumps({"ready": os.getpid(), "cwd": os.getcwd()}).encode())
     forked = _serve(ctl)
     if forked is not None:

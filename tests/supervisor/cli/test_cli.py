@@ -150,7 +150,9 @@ def test_rendering_helpers() -> None:
 
 
 def test_status_json_and_table_reflect_real_counters(capsys: pytest.CaptureFixture[str]) -> None:
-    with supervisor([{"name": "acme", "gpu_memory_bytes_cap": "1MiB", "memory_quota_bytes": "64MiB"}]) as sup:
+    # the product's default start method, which the table's first line names
+    with supervisor([{"name": "acme", "gpu_memory_bytes_cap": "1MiB", "memory_quota_bytes": "64MiB"}],
+                    start_method="spawn") as sup:
         c = sup.client
         cap = c.tenant_capability(None, "acme")
         h1 = c.alloc(cap, 512 << 10)
