@@ -101,6 +101,7 @@ class TenantHooks(Protocol):
     """Where the worker set tells what happened to a tenant's worker (implemented by
     :class:`~supervisor.lifecycle.signals.TenantSignals`, which the parts above hear)."""
 
+    def bind_sent(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle) -> None: ...
     def instance_ready(self, rt: TenantRuntime) -> None: ...
     def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
     def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
@@ -359,6 +360,8 @@ class WorkerSet:
             self.send_request(worker, "bind", message.to_wire(), None, pending)
         except TensorWasmError as exc:
             done(False, exc.to_dict())
+            return
+        self.hooks.bind_sent(rt, slot, worker)
 
     def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: object,
                   asked_at: float) -> None:

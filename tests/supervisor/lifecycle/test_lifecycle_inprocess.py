@@ -376,3 +376,95 @@ def test_an_empty_pool_hands_over_a_pool_worker_already_starting_rather_than_spa
     assert starting.received[0] == "bind"
     h.tick(0.25)  # and the pool refills behind it
     assert len(held) == 2 and held[1].handle.tenant is None
+
+
+def _parked_tenant_harness(tmp: Path, name: str) -> Harness:
+    """A supervisor restarted on a state dir where ``name`` (one instance, no buffers) is stored
+    parked: it comes back parked, and its first request activates it."""
+    from supervisor.store.state import StateStore
+
+    state = str(tmp / "state")
+    first = Harness(tmp / "first", state_dir=state)
+    try:
+        first.register(name, instances=1, idle_timeout_s=3600.0)
+    finally:
+        first.close()
+    store = StateStore.open(state)
+    try:
+        store.set_parked_many([name], True)
+    finally:
+        store.close()
+    harness = Harness(tmp / "second", state_dir=state)
+    harness.settle()
+    assert harness.tenant(name)["state"] == "parked"
+    return harness
+
+
+def test_an_activation_sends_the_import_right_behind_the_bind_without_waiting_for_its_answer(
+        tmp_path: Path) -> None:
+    """The warm worker's bind and the instance's import leave together: the activation waits for
+    one answer from the worker, not for the bind's and then the import's."""
+    h = _parked_tenant_harness(tmp_path, "sleepy")
+    try:
+        (pool_worker,) = list(h.spawner.alive())
+        assert pool_worker.handle.tenant is None
+        pool_worker.hang_ops.add("bind")  # its bind is never answered
+        cap = h.call("capability", {"tenant": "sleepy"})["capability"]
+        h.send("ping", {}, cap)
+        h.until(lambda: len(pool_worker.received) >= 2)
+        assert pool_worker.received[:2] == ["bind", "import_buffer"]
+        assert h.tenant("sleepy")["state"] != "running"  # nothing confirmed: the bind is unanswered
+    finally:
+        h.close()
+
+
+def test_an_activation_whose_import_went_behind_the_bind_serves_the_waiting_request(tmp_path: Path) -> None:
+    h = _parked_tenant_harness(tmp_path, "sleepy")
+    try:
+        (pool_worker,) = list(h.spawner.alive())
+        cap = h.call("capability", {"tenant": "sleepy"})["capability"]
+        assert h.call("ping", {}, cap)["pid"] == pool_worker.process.pid
+        assert pool_worker.received[:3] == ["bind", "import_buffer", "ping"]
+        assert h.tenant("sleepy")["state"] == "running"
+    finally:
+        h.close()
+
+
+def test_a_failed_bind_fails_the_import_behind_it_and_the_next_worker_imports_again(tmp_path: Path) -> None:
+    """A bind refused by the worker is that worker's failure (it is killed), not the activation's:
+    the import sent behind it is refused too, and the worker that replaces it binds and imports."""
+    from tests.helpers.fake_workers import FakeWorker
+
+    h = _parked_tenant_harness(tmp_path, "sleepy")
+    try:
+        (pool_worker,) = list(h.spawner.alive())
+
+        def failing_bind(worker: FakeWorker = pool_worker) -> None:
+            while worker.alive:
+                try:
+                    frames = worker.data.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                rid, op, _args = proto.decode_worker_request(frames[0])
+                worker.received.append(op)
+                error = {"code": "invalid_argument", "message": "bind refused" if op == "bind" else "not bound"}
+                worker.data.send(proto.encode_worker_reply(rid, False, error))
+
+        h.sup.loop.unregister(pool_worker.data)
+        h.sup.loop.register(pool_worker.data, failing_bind)
+        pool_worker.ignore_sigterm = True  # the import's refusal is read while it is being killed
+        cap = h.call("capability", {"tenant": "sleepy"})["capability"]
+        rid = h.send("ping", {}, cap)
+        h.until(lambda: pool_worker.signals == [signal.SIGTERM])
+        assert pool_worker.received[:2] == ["bind", "import_buffer"]
+        h.settle()
+        assert pool_worker.alive and h.tenant("sleepy")["state"] != "parked"  # still activating
+        h.tick(h.sup.config.kill_grace_s + 2.0)  # SIGKILL; the restart's back-off; the next bind and import
+        ok, payload = h.answer(rid)
+        assert ok, payload
+        (served_by,) = h.spawner.of("sleepy")
+        assert served_by is not pool_worker and payload["pid"] == served_by.process.pid
+        assert served_by.received[:3] == ["bind", "import_buffer", "ping"]
+        assert h.tenant("sleepy")["state"] == "running"
+    finally:
+        h.close()
