@@ -65,6 +65,14 @@ class WorkerHello(Record):
 
     token: str
     pid: int
+    #: a pool worker that warms up after its hello: it says ``warmed`` once done (WORKER_WARMED),
+    #: and counts as ready from then on
+    warming: bool = False
+
+
+#: what a pool worker says on its data socket (request id 0, like its hello) once its warm-up is
+#: done: from then on it counts as a ready pool worker
+WORKER_WARMED: dict[str, object] = {"warmed": True}
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ from shared.errors import (
 from shared.exitcodes import exit_cause, exit_reason
 from shared.log import get_logger, log_event
 from shared.records import ExitRecord
-from shared.worker_link import BindMessage, FaultAck, FaultExit, WorkerHello
+from shared.worker_link import WORKER_WARMED, BindMessage, FaultAck, FaultExit, WorkerHello
 from supervisor.observe.events import EventBus
 from supervisor.runtime.loop import Loop
 from supervisor.observe.metrics import Metrics
@@ -146,7 +146,12 @@ class WorkerSet:
         self.hooks = hooks
         self.workers: dict[bytes, WorkerHandle] = {}
         self.by_token: dict[str, WorkerHandle] = {}
-        self.pool: list[WorkerHandle] = []  # idle, unbound, ready to bind
+        self.pool: list[WorkerHandle] = []  # idle, unbound, ready to bind (warmed up)
+        #: pool workers connected and still warming up (their hello said so): bound only when the
+        #: pool is empty, counted in ``pool_starting`` until they say ``warmed``
+        self.warming: list[WorkerHandle] = []
+        #: workers whose hello said they warm up (by worker id), until they say ``warmed`` or are bound
+        self._will_warm: set[str] = set()
         self.pool_starting = 0
         self._pool_failures = 0
         self._pool_retry_at = 0.0
@@ -234,8 +239,14 @@ class WorkerSet:
         return worker
 
     def refill_pool(self) -> None:
+        """Start pool workers up to the target (and stop idle ones beyond it). Not while a bind
+        is in flight, as long as a warm worker is left: a new process's start and warm-up take
+        tens of ms of CPU, which on a small host the bind (an activation waiting on it) would
+        wait behind; the next housekeeping tick refills."""
         now = self.clock()
         if self._pool_failures and now < self._pool_retry_at:
+            return
+        if self.pool and self.binding():
             return
         if self._pool_failures:
             self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
@@ -246,6 +257,10 @@ class WorkerSet:
             self.pool_starting += 1
         while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
             self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
+
+    def binding(self) -> bool:
+        """Whether a bind is in flight (an activation's or a registration's, or a restart's)."""
+        return any(w.state is WorkerState.BINDING for w in self.workers.values())
 
     def pool_target_now(self, now: float) -> int:
         """The warm pool's size for the demand now: ``pool_size`` plus the workers taken while one
@@ -275,7 +290,8 @@ class WorkerSet:
         """Give a slot a worker at once: a warm one from the pool (bound now); else a pool worker
         already starting (bound when its hellos arrive: it is further along than a new process,
         and a new one would compete with it for the CPU); else a fresh process. Returns which:
-        ``warm``, ``starting`` or ``spawned`` (an activation's ``activate`` event counts them).
+        ``warm``, ``warming`` (connected, its warm-up cut short), ``starting`` or ``spawned`` (an
+        activation's ``activate`` event counts them).
         The pool is refilled by housekeeping, never here: starting a process blocks the loop for
         a few ms, which would delay this very request's bind."""
         self._note_demand()
@@ -285,12 +301,18 @@ class WorkerSet:
             slot.incarnation += 1
             slot.lost = None  # the incarnation check answers them BufferLost from now on
         worker = self.pool.pop() if self.pool else None
+        how = "warm"
+        if worker is None and self.warming:  # connected, its warm-up not done: the bind cuts it short
+            worker = self.warming.pop(0)
+            self._will_warm.discard(worker.worker_id)
+            self.pool_starting -= 1
+            how = "warming"
         if worker is not None:
             worker.tenant = rt.tenant_id
             worker.instance = slot.index
             slot.worker = worker
-            self._bind(rt, slot, worker, self.clock())  # a warm worker: its startup is the bind, not its spawn
-            return "warm"
+            self._bind(rt, slot, worker, self.clock())  # a pool worker: its startup is the bind, not its spawn
+            return how
         worker = self._starting_pool_worker()
         how = "starting"
         if worker is not None:
@@ -315,13 +337,11 @@ class WorkerSet:
         if not worker.connected:
             return
         if worker.tenant is None:
-            self.pool_starting -= 1
             worker.state = WorkerState.IDLE
-            worker.ready_at = self.clock()
-            took = max(0.0, worker.ready_at - worker.spawned_at)
-            self._refill_s = took if self._refill_s is None else 0.8 * self._refill_s + 0.2 * took
-            self.pool.append(worker)
-            self.events.emit("ready", worker=worker.worker_id, pid=worker.pid, pool=True)
+            if worker.worker_id in self._will_warm:
+                self.warming.append(worker)  # ready once it says ``warmed`` (_on_warmed)
+                return
+            self._pool_ready(worker)
             return
         rt = self.tenants.get(worker.tenant)
         slot = (
@@ -333,6 +353,35 @@ class WorkerSet:
             self.stop_worker(worker, "tenant gone before bind")
             return
         self._bind(rt, slot, worker, worker.spawned_at)
+
+    def _pool_ready(self, worker: WorkerHandle) -> None:
+        """A pool worker is ready to bind: connected and, where it warms up, warmed."""
+        self.pool_starting -= 1
+        worker.ready_at = self.clock()
+        took = max(0.0, worker.ready_at - worker.spawned_at)
+        self._refill_s = took if self._refill_s is None else 0.8 * self._refill_s + 0.2 * took
+        self.pool.append(worker)
+        self.events.emit("ready", worker=worker.worker_id, pid=worker.pid, pool=True)
+
+    def _on_warmed(self, worker: WorkerHandle) -> None:
+        """A pool worker says its warm-up is done: it joins the pool. Ignored from a worker not
+        warming up now: bound meanwhile (the bind cut its warm-up short, and its notice crossed
+        the bind), stopping, or saying it again (nothing it says makes it bindable twice)."""
+        if worker.worker_id not in self._will_warm:
+            return
+        self._will_warm.discard(worker.worker_id)
+        if worker in self.warming:
+            self.warming.remove(worker)
+            self._pool_ready(worker)
+
+    def _leave_pool(self, worker: WorkerHandle) -> None:
+        """``worker`` leaves the pool for good (stopped, killed, dead)."""
+        if worker in self.pool:
+            self.pool.remove(worker)
+        if worker in self.warming:
+            self.warming.remove(worker)
+            self.pool_starting -= 1
+        self._will_warm.discard(worker.worker_id)
 
     def _bind(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, asked_at: float) -> None:
         """``asked_at``: when the instance asked for this worker (its spawn, or the bind of a pool
@@ -407,8 +456,7 @@ class WorkerSet:
         worker.state = WorkerState.STOPPING
         worker.expected_exit = True
         worker.kill_reason = worker.kill_reason or reason
-        if worker in self.pool:
-            self.pool.remove(worker)
+        self._leave_pool(worker)
         if worker.control_hello:
             self.send_control(worker, proto.encode_control("stop"))
         else:
@@ -431,8 +479,7 @@ class WorkerSet:
         log_event(_log, logging.WARNING, "worker.kill", **fields, reason=reason, cause=cause)
         self.events.emit("kill", **fields, reason=reason)
         worker.state = WorkerState.STOPPING
-        if worker in self.pool:
-            self.pool.remove(worker)
+        self._leave_pool(worker)
         self.spawner.signal(worker, signal.SIGTERM)
         worker.kill_at = self.clock() + self.config.kill_grace_s
 
@@ -457,8 +504,7 @@ class WorkerSet:
         was_pool = worker.tenant is None
         if was_pool and worker.state is WorkerState.STARTING:
             self.pool_starting -= 1
-        if worker in self.pool:
-            self.pool.remove(worker)
+        self._leave_pool(worker)
         expected = worker.expected_exit
         worker.state = WorkerState.DEAD
         code, sig = exit_status(worker.process)
@@ -698,10 +744,15 @@ class WorkerSet:
                 self.stop_worker(worker, "scaled down")
 
     def _on_data_hello(self, worker: WorkerHandle, payload: object) -> None:
+        if worker.data_hello and payload == WORKER_WARMED:
+            self._on_warmed(worker)
+            return
         if not _hello_of(worker, payload) or worker.data_hello:
             self.kill(worker, "bad hello on the data socket", "protocol")
             return
         worker.data_hello = True
+        if worker.tenant is None and WorkerHello.from_wire(payload).warming:
+            self._will_warm.add(worker.worker_id)
         self._on_connected(worker)
 
     def _on_control(self) -> None:

@@ -341,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         ["  activations: bind / restore / whole, p99 (ms)",
          " / ".join("none" if st[f"activate_{k}_p99_ms"] is None else f"{st[f'activate_{k}_p99_ms']:.2f}"
                     for k in ("bind", "restore", "total"))],
-        ["  activations' workers: warm from the pool / a pool worker starting / spawned",
-         " / ".join(str(st["activation_workers"].get(k, 0)) for k in ("warm", "starting", "spawned"))],
+        ["  activations' workers: warm from the pool / still warming up / a pool worker starting / spawned",
+         " / ".join(str(st["activation_workers"].get(k, 0)) for k in ("warm", "warming", "starting", "spawned"))],
         ["  run_wasm: a tenant's first run ever (compiles; not counted above): p50 (ms) [n]",
          f"{fig(st['first_compile_p50_s'])} [{st['first_compiles_n']}]"],
         ["  run_wasm: compiled again after an activation (artifact missed)", st["artifact_misses"]],

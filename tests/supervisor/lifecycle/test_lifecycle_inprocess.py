@@ -468,3 +468,116 @@ def test_a_failed_bind_fails_the_import_behind_it_and_the_next_worker_imports_ag
         assert h.tenant("sleepy")["state"] == "running"
     finally:
         h.close()
+
+
+def _warms_up(worker: Any) -> None:
+    """A fake worker that, like a real one, says in its hello that it warms up (and is then
+    ready for the pool only once it says ``warmed``: :func:`_say_warmed`)."""
+    from shared.worker_link import WorkerHello
+
+    def hello() -> None:
+        wire = WorkerHello(worker.handle.token, worker.process.pid, warming=True).to_wire()
+        worker.data.send(proto.encode_worker_reply(0, True, wire))
+        worker.control.send(proto.encode_control("hello", wire))
+
+    worker.say_hello = hello
+
+
+def _say_warmed(worker: Any) -> None:
+    from shared.worker_link import WORKER_WARMED
+
+    worker.data.send(proto.encode_worker_reply(0, True, WORKER_WARMED))
+
+
+def test_a_pool_worker_that_warms_up_joins_the_pool_once_it_says_warmed(h: Harness) -> None:
+    h.settle()
+    h.spawner.on_spawn.append(_warms_up)
+    h.register("first", instances=1)  # takes the pool's worker
+    h.tick(0.25)  # housekeeping refills: a worker that warms up after its hello
+    fresh = h.spawner.workers[-1]
+    ws = h.sup.parts.workers
+    assert fresh.handle.tenant is None and fresh.handle.connected
+    assert ws.pool == [] and ws.warming == [fresh.handle] and ws.pool_starting == 1  # not ready yet
+    status = h.call("status", {"limit": 1})["supervisor"]["pool"]
+    assert (status["idle"], status["starting"]) == (0, 1)
+    _say_warmed(fresh)
+    h.settle()
+    assert ws.pool == [fresh.handle] and ws.warming == [] and ws.pool_starting == 0
+    _say_warmed(fresh)  # said again: ignored, never a second place in the pool
+    h.settle()
+    assert ws.pool == [fresh.handle] and fresh.alive
+    h.register("second", instances=1)
+    assert [w.handle.worker_id for w in h.spawner.of("second")] == [fresh.handle.worker_id]
+
+
+def test_with_the_pool_empty_a_warming_worker_is_bound_rather_than_a_process_spawned(h: Harness) -> None:
+    h.settle()
+    h.spawner.on_spawn.append(_warms_up)
+    h.register("first", instances=1)
+    h.tick(0.25)
+    warming = h.spawner.workers[-1]
+    spawned = len(h.spawner.workers)
+    h.register("second", instances=1)  # no warm worker: the warming one is bound, its warm-up cut short
+    assert [w.handle.worker_id for w in h.spawner.of("second")] == [warming.handle.worker_id]
+    assert len(h.spawner.workers) == spawned  # nothing spawned for it
+    ws = h.sup.parts.workers
+    assert ws.warming == [] and ws.pool_starting == 0
+    _say_warmed(warming)  # its notice crossed the bind: ignored
+    h.settle()
+    assert ws.pool == [] and warming.alive and warming.handle.tenant == "second"
+
+
+def test_a_warming_pool_worker_that_dies_leaves_the_pool_count(h: Harness) -> None:
+    h.settle()
+    h.spawner.on_spawn.append(_warms_up)
+    h.register("first", instances=1)
+    h.tick(0.25)
+    warming = h.spawner.workers[-1]
+    ws = h.sup.parts.workers
+    assert ws.pool_starting == 1
+    warming.crash()
+    h.settle()
+    assert ws.warming == [] and warming.handle not in ws.pool and ws.pool_starting <= 1
+    h.tick(1.0)  # refilled (after the failed start's back-off)
+    assert len(ws.warming) + len(ws.pool) == 1 and ws.pool_starting == 1
+
+
+def test_the_pool_is_not_refilled_while_a_bind_is_in_flight(tmp_path: Path) -> None:
+    """A new pool process's start and warm-up would compete with a bind for the CPU: the refill
+    waits for the bind's answer (a warm worker is still there for the next activation)."""
+    h = Harness(tmp_path, pool_size=2)
+    try:
+        h.settle()
+        held: list[tuple[Any, list[bytes]]] = []
+        for worker in list(h.spawner.alive()):
+            def hold_bind(worker: Any = worker) -> None:
+                while worker.alive:
+                    try:
+                        frames = worker.data.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        return
+                    rid, op, _args = proto.decode_worker_request(frames[0])
+                    worker.received.append(op)
+                    if op == "bind":
+                        held.append((worker, frames))
+                    else:
+                        worker.data.send(proto.encode_worker_reply(rid, True, {}))
+
+            h.sup.loop.unregister(worker.data)
+            h.sup.loop.register(worker.data, hold_bind)
+        spawned = len(h.spawner.workers)
+        rid = h.send("register", {"spec": TenantSpec("slow", instances=1).to_dict()})
+        h.until(lambda: bool(held))
+        ws = h.sup.parts.workers
+        assert len(ws.pool) == 1 and ws.binding()
+        h.tick(0.5)  # housekeeping ticks: the pool is below its size, and no process is started
+        assert len(h.spawner.workers) == spawned
+        worker, frames = held[0]
+        bind_rid = proto.decode_worker_request(frames[0])[0]
+        worker.data.send(proto.encode_worker_reply(bind_rid, True, {"pid": worker.process.pid}))
+        ok, payload = h.answer(rid)
+        assert ok, payload
+        h.tick(0.25)
+        assert len(h.spawner.workers) == spawned + 1  # refilled once the bind was answered
+    finally:
+        h.close()
