@@ -153,6 +153,8 @@ class WorkerSet:
         #: workers whose hello said they warm up (by worker id), until they say ``warmed`` or are bound
         self._will_warm: set[str] = set()
         self.pool_starting = 0
+        #: the last refill was put off for a bind in flight (the next one is not: see refill_pool)
+        self._refill_put_off = False
         self._pool_failures = 0
         self._pool_retry_at = 0.0
         #: the warm pool's size now: ``pool_size`` .. ``pool_max``, following the demand (see pool_target_now)
@@ -242,12 +244,16 @@ class WorkerSet:
         """Start pool workers up to the target (and stop idle ones beyond it). Not while a bind
         is in flight, as long as a warm worker is left: a new process's start and warm-up take
         tens of ms of CPU, which on a small host the bind (an activation waiting on it) would
-        wait behind; the next housekeeping tick refills."""
+        wait behind; the next housekeeping tick refills. Put off one tick at most: under a
+        stream of activations a bind is in flight at many ticks, and a pool never refilled
+        would hand out starting processes instead."""
         now = self.clock()
         if self._pool_failures and now < self._pool_retry_at:
             return
-        if self.pool and self.binding():
+        if self.pool and not self._refill_put_off and self.binding():
+            self._refill_put_off = True
             return
+        self._refill_put_off = False
         if self._pool_failures:
             self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
         target = self.pool_target = self.pool_target_now(now)
