@@ -170,3 +170,25 @@ def test_an_artifacts_imports_and_exports_are_read_from_its_bytes_as_wasmtime_re
         assert exports == host_mod._export_types(module)
     with pytest.raises(ValueError):
         host_mod.module_interface(host_mod._binary(PROBE)[:200])  # cut short: the binding reads it instead
+
+
+def test_the_warm_up_comes_in_small_steps_and_stops_once_the_host_is_adopted() -> None:
+    """A bind that arrives mid-way waits for one step of the warm-up (assemble, compile,
+    deserialize, link, a run, the other run), not all of it; a host adopted by a tenant runs
+    no more of it."""
+    whole = list(host_mod.pool_warm_up())
+    assert len(whole) >= 7 and host_mod._pool_host is not None and host_mod._pool_host.warmed
+    host_mod._pool_host.close()
+    host_mod._pool_host = None
+    steps = host_mod.pool_warm_up()
+    for _ in range(5):  # the host made, its module assembled and compiled: no run yet
+        next(steps)
+    host = host_mod._pool_host
+    assert host is not None and not host.warmed
+    with tenant_env("mid-way", StubBackend()) as env:
+        env.ctx.extensions.pop(WasmHost.EXTENSION).close()
+        assert WasmHost.for_context(env.ctx) is host  # adopted at the bind's first use
+        runs_before = host.ticker.ticks
+        for _ in steps:  # were the loop to call it again, nothing of ours runs in the tenant's host
+            pass
+        assert not host.warmed and host.ticker.ticks == runs_before and host.stats["runs"] == 0
