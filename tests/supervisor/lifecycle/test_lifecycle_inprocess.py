@@ -584,3 +584,28 @@ def test_the_pool_refill_waits_one_tick_for_a_bind_in_flight(tmp_path: Path) -> 
         assert ok, payload
     finally:
         h.close()
+
+
+def test_the_tenants_artifacts_go_right_behind_the_import_before_its_answer(tmp_path: Path) -> None:
+    """The compiled modules follow the instance's import at once (the worker takes them after its
+    buffers, while the supervisor reads the import's answer), still ahead of the request that
+    woke the tenant."""
+    h = _parked_tenant_harness(tmp_path, "sleepy")
+    try:
+        cap = h.call("capability", {"tenant": "sleepy"})["capability"]
+        module = b"(module (func (export \"f\") (result i32) i32.const 7))"
+        rid = next(h._rid)
+        h.client.send_multipart([proto.encode_request(rid, "put_module", cap, {}), module])
+        ok, stored = h.answer(rid)
+        assert ok, stored
+        rt = h.sup.tenants["sleepy"]
+        parking = h.sup.parts.parking
+        assert parking.artifacts is not None and h.tenant("sleepy")["state"] == "parked"
+        parking.artifacts.store.save_artifact("sleepy", rt.generation, stored["digest"], "ab" * 16, b"compiled")
+        (pool_worker,) = list(h.spawner.alive())
+        pool_worker.hang_ops.update({"bind", "import_buffer"})  # neither is answered
+        h.send("ping", {}, cap)
+        h.until(lambda: len(pool_worker.received) >= 3)
+        assert pool_worker.received[:3] == ["bind", "import_buffer", "import_modules"]
+    finally:
+        h.close()
