@@ -381,11 +381,15 @@ class WorkerSet:
             self._pool_ready(worker)
 
     def _leave_pool(self, worker: WorkerHandle) -> None:
-        """``worker`` leaves the pool for good (stopped, killed, dead)."""
+        """``worker`` leaves the pool for good (stopped, killed, dead; called before its state
+        changes): a pool worker still starting or warming up no longer counts in
+        ``pool_starting`` - counted once, however many of stop, kill and death it goes through."""
         if worker in self.pool:
             self.pool.remove(worker)
         if worker in self.warming:
             self.warming.remove(worker)
+            self.pool_starting -= 1
+        elif worker.tenant is None and worker.state is WorkerState.STARTING:
             self.pool_starting -= 1
         self._will_warm.discard(worker.worker_id)
 
@@ -459,10 +463,10 @@ class WorkerSet:
         """Planned stop: ``stop`` on control (SIGTERM if it never connected), SIGKILL after the timeout."""
         if worker.state in (WorkerState.DEAD, WorkerState.STOPPING):
             return
+        self._leave_pool(worker)
         worker.state = WorkerState.STOPPING
         worker.expected_exit = True
         worker.kill_reason = worker.kill_reason or reason
-        self._leave_pool(worker)
         if worker.control_hello:
             self.send_control(worker, proto.encode_control("stop"))
         else:
@@ -484,8 +488,8 @@ class WorkerSet:
         fields = dict(worker=worker.worker_id, pid=worker.pid, tenant=worker.tenant, instance=worker.instance)
         log_event(_log, logging.WARNING, "worker.kill", **fields, reason=reason, cause=cause)
         self.events.emit("kill", **fields, reason=reason)
-        worker.state = WorkerState.STOPPING
         self._leave_pool(worker)
+        worker.state = WorkerState.STOPPING
         self.spawner.signal(worker, signal.SIGTERM)
         worker.kill_at = self.clock() + self.config.kill_grace_s
 
@@ -508,8 +512,6 @@ class WorkerSet:
         self.workers.pop(worker.ident, None)
         self.by_token.pop(worker.token, None)
         was_pool = worker.tenant is None
-        if was_pool and worker.state is WorkerState.STARTING:
-            self.pool_starting -= 1
         self._leave_pool(worker)
         expected = worker.expected_exit
         worker.state = WorkerState.DEAD

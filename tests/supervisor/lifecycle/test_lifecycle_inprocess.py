@@ -609,3 +609,24 @@ def test_the_tenants_artifacts_go_right_behind_the_import_before_its_answer(tmp_
         assert pool_worker.received[:3] == ["bind", "import_buffer", "import_modules"]
     finally:
         h.close()
+
+
+def test_a_pool_worker_killed_before_its_hello_leaves_the_pool_count_and_is_replaced(h: Harness) -> None:
+    """A pool worker that never says hello is killed; it counted as starting, and no longer does
+    (a count left behind would keep the pool below its size for good)."""
+    h.settle()
+    silent: list[Any] = []
+
+    def no_hello(worker: Any) -> None:
+        silent.append(worker)
+        worker.say_hello = lambda: None
+
+    h.spawner.on_spawn.append(no_hello)
+    h.register("first", instances=1)  # takes the pool's worker
+    h.tick(0.25)  # the refill: a worker that stays silent
+    ws = h.sup.parts.workers
+    assert len(silent) == 1 and ws.pool_starting == 1
+    h.spawner.on_spawn.clear()
+    h.tick(workerset.HELLO_TIMEOUT_S + 1.0)  # killed for its silence; a new one replaces it
+    assert not silent[0].alive
+    assert ws.pool_starting == 0 and len(ws.pool) == 1
