@@ -81,6 +81,9 @@ BATCH = 32
 
 #: the adaptive pool's demand window: instance starts are counted with weight exp(-age / this)
 POOL_RATE_WINDOW_S = 30.0
+#: and its burst window: the same count over a few seconds, which a burst of activations raises at
+#: once (the pool follows the larger of the two rates)
+POOL_BURST_WINDOW_S = 2.0
 #: a pool worker's spawn-to-ready time until one has been measured
 POOL_DEFAULT_REFILL_S = 1.0
 #: the decayed count of recent instance starts from which the pool keeps workers beyond ``pool_size``
@@ -163,6 +166,9 @@ class WorkerSet:
         #: decayed, and a pool worker's mean spawn-to-ready time (s), the time one refill takes
         self._demand_rate = 0.0
         self._demand_at = 0.0
+        #: the same over POOL_BURST_WINDOW_S: a burst's rate
+        self._burst_rate = 0.0
+        self._burst_at = 0.0
         self._refill_s: float | None = None
         self._last_beat = 0.0
         #: a worker that missed a beat: its last beat then, and its threads' run-queue waits then
@@ -270,9 +276,12 @@ class WorkerSet:
 
     def pool_target_now(self, now: float) -> int:
         """The warm pool's size for the demand now: ``pool_size`` plus the workers taken while one
-        refill starts (the start rate, decayed over POOL_RATE_WINDOW_S, times a pool worker's mean
-        spawn-to-ready time, rounded up: at least one while there is recent demand, POOL_MIN_DEMAND),
-        at most ``pool_max``. Without ``pool_max`` it is ``pool_size``."""
+        refill starts (the start rate times a pool worker's mean spawn-to-ready time, rounded up:
+        at least one while there is recent demand, POOL_MIN_DEMAND), at most ``pool_max``. The
+        rate is the larger of two decayed rates: over POOL_RATE_WINDOW_S (it keeps the pool up
+        through a steady stream) and over POOL_BURST_WINDOW_S (a burst of activations raises the
+        target within it; the long rate rises by 1/30 a start, and a pool of ``pool_size`` runs
+        dry first). Without ``pool_max`` it is ``pool_size``."""
         cfg = self.config
         if cfg.pool_max is None or cfg.pool_max <= cfg.pool_size:
             return cfg.pool_size
@@ -280,6 +289,7 @@ class WorkerSet:
         refill_s = self._refill_s if self._refill_s is not None else POOL_DEFAULT_REFILL_S
         if rate * POOL_RATE_WINDOW_S < POOL_MIN_DEMAND:
             return cfg.pool_size
+        rate = max(rate, self._decayed_burst(now))
         return min(cfg.pool_max, cfg.pool_size + max(1, math.ceil(rate * refill_s)))
 
     def _decayed_rate(self, now: float) -> float:
@@ -288,9 +298,17 @@ class WorkerSet:
             self._demand_at = now
         return self._demand_rate
 
+    def _decayed_burst(self, now: float) -> float:
+        if now > self._burst_at:
+            self._burst_rate *= math.exp(-(now - self._burst_at) / POOL_BURST_WINDOW_S)
+            self._burst_at = now
+        return self._burst_rate
+
     def _note_demand(self) -> None:
-        """An instance asked for a worker (an activation, a registration, a restart): one more in the rate."""
-        self._demand_rate = self._decayed_rate(self.clock()) + 1.0 / POOL_RATE_WINDOW_S
+        """An instance asked for a worker (an activation, a registration, a restart): one more in the rates."""
+        now = self.clock()
+        self._demand_rate = self._decayed_rate(now) + 1.0 / POOL_RATE_WINDOW_S
+        self._burst_rate = self._decayed_burst(now) + 1.0 / POOL_BURST_WINDOW_S
 
     def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> str:
         """Give a slot a worker at once: a warm one from the pool (bound now); else a pool worker

@@ -630,3 +630,23 @@ def test_a_pool_worker_killed_before_its_hello_leaves_the_pool_count_and_is_repl
     h.tick(workerset.HELLO_TIMEOUT_S + 1.0)  # killed for its silence; a new one replaces it
     assert not silent[0].alive
     assert ws.pool_starting == 0 and len(ws.pool) == 1
+
+
+def test_a_burst_of_instance_starts_raises_the_pool_target_at_once(tmp_path: Path) -> None:
+    """Ten starts within a moment: the pool grows for them now (their rate over a few seconds),
+    not by a thirtieth of a worker each (their rate over the 30 s window), and settles back to
+    the long window's target once the burst is seconds old."""
+    h = Harness(tmp_path, pool_size=1, pool_max=8)
+    try:
+        ws = h.sup.parts.workers
+        ws._refill_s = 0.5  # a pool worker's spawn-to-ready time, as measured
+        now = h.clock()
+        assert ws.pool_target_now(now) == 1
+        for _ in range(10):
+            ws._note_demand()
+        # 10 starts at once: 5/s over the burst window, 2.5 workers taken while one refill starts
+        assert ws.pool_target_now(now) == 1 + 3
+        later = now + 10 * workerset.POOL_BURST_WINDOW_S
+        assert ws.pool_target_now(later) == 1 + 1  # the long window's: recent demand, one more
+    finally:
+        h.close()
