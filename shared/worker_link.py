@@ -10,6 +10,7 @@ Encoding and checked decoding as for every record (:mod:`shared.wire`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from shared.spec import TenantSpec
 from shared.wire import Record
@@ -72,7 +73,7 @@ class WorkerHello(Record):
 
 #: what a pool worker says on its data socket (request id 0, like its hello) once its warm-up is
 #: done: from then on it counts as a ready pool worker
-WORKER_WARMED: dict[str, object] = {"warmed": True}
+WORKER_WARMED: Final[dict[str, object]] = {"warmed": True}
 
 
 @dataclass(frozen=True, slots=True)
