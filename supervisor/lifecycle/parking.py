@@ -12,10 +12,9 @@
        │                                            │ any request that needs a worker
        │                                            ▼
        └──────── every instance imported ─────── ACTIVATING  pool workers bound with the old incarnation;
-                 (the host copy released;                    right behind each bind: import_mapped
-                  the waiting requests sent,                 (import_buffer chunks for a copy kept in
-                  then load_modules)                         memory), import_modules; requests wait in
-                                                             order in ``TenantRuntime.parked``
+                 (the host copy released;                    import_mapped per instance (import_buffer
+                  the waiting requests sent,                 chunks for a copy kept in memory); requests
+                  then load_modules)                         wait in order in ``TenantRuntime.parked``
 
 The rules that keep bytes and quota whole:
 
@@ -726,7 +725,7 @@ class Parking:
                     del rec.importing[slot.index]
                 return
             if sent == len(chunks) and in_flight == 0:
-                self._slot_imported(rt, rec, slot)
+                self._import_modules(rt, rec, slot, worker)
             else:
                 pump()
 
@@ -770,8 +769,6 @@ class Parking:
             self._send(rt, slot, worker, "import_buffer", {"handle": None, "seq": seq}, None, done)
         else:
             pump()
-        if not failed:
-            self._send_modules(rt, slot, worker)
 
     def _lose_file(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, why: str) -> None:
         """Instance ``slot``'s parked file cannot be imported (``why``: deleted, truncated or made
@@ -801,21 +798,19 @@ class Parking:
                   buffers=len(lost), nbytes=nbytes, error=why,
                   detail="its buffers' handles answer BufferLost; the tenant activates without them")
 
-    def _send_modules(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle) -> None:
-        """The tenant's own artifacts, right behind the instance's import (so the first run does
-        not compile): the worker takes them after its buffers and before any request sent after
-        them (its requests are served in order), while the supervisor reads the import's answer -
-        not after it, where the requests that woke the tenant would wait behind them. They are off
-        the activation's path: the instance counts as imported once its buffers are, and a ``ping``
-        that woke the tenant does not wait for their answer. A worker's refusal is never the
-        activation's (the module compiles at its run; one refused because its bind or its import
-        failed is sent again to the worker that imports next); the ``activate`` event waits for
-        the answers to count the artifacts handed over. The worker only holds them:
-        ``load_modules``, sent after the waiting requests (:meth:`_activated`), deserializes
-        them, or each module's first run does."""
+    def _import_modules(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
+        """The instance's buffers are back: its tenant's own artifacts next, so the first run does
+        not compile. They are off the activation's path: the instance counts as imported when they
+        are sent, and the worker takes them before any request sent after them (its requests are
+        served in order), so a ``ping`` that woke the tenant does not wait for their answer. A
+        worker's refusal is never the activation's (the module compiles at its run); the
+        ``activate`` event waits for the answers to count the artifacts handed over. The worker
+        only holds them: ``load_modules``, sent after the waiting requests (:meth:`_activated`),
+        deserializes them, or each module's first run does."""
         artifacts = self.artifacts
         message = artifacts.message(rt) if artifacts is not None else None
         if artifacts is None or message is None:
+            self._slot_imported(rt, rec, slot)
             return
         args, body, sent = message
         tid = rt.tenant_id
@@ -836,6 +831,7 @@ class Parking:
 
         self._send(rt, slot, worker, "import_modules", args, body, done)
         self._load_after.setdefault(tid, []).append((slot, worker))
+        self._slot_imported(rt, rec, slot)
 
     def _emit_activate(self, tid: str, fields: dict[str, object]) -> None:
         self.events.emit("activate", tenant=tid, **fields, artifacts=self._artifacts_loaded.pop(tid, 0))
