@@ -12,9 +12,10 @@
        │                                            │ any request that needs a worker
        │                                            ▼
        └──────── every instance imported ─────── ACTIVATING  pool workers bound with the old incarnation;
-                 (the host copy released;                    import_mapped per instance (import_buffer
-                  the waiting requests sent,                 chunks for a copy kept in memory); requests
-                  then load_modules)                         wait in order in ``TenantRuntime.parked``
+                 (the host copy released;                    right behind each bind, not waiting for its
+                  the waiting requests sent,                 answer: import_mapped (import_buffer chunks
+                  then load_modules)                         for a copy kept in memory); requests wait
+                                                             in order in ``TenantRuntime.parked``
 
 The rules that keep bytes and quota whole:
 
