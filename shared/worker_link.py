@@ -10,6 +10,7 @@ Encoding and checked decoding as for every record (:mod:`shared.wire`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from shared.spec import TenantSpec
 from shared.wire import Record
@@ -65,6 +66,14 @@ class WorkerHello(Record):
 
     token: str
     pid: int
+    #: a pool worker that warms up after its hello: it says ``warmed`` once done (WORKER_WARMED),
+    #: and counts as ready from then on
+    warming: bool = False
+
+
+#: what a pool worker says on its data socket (request id 0, like its hello) once its warm-up is
+#: done: from then on it counts as a ready pool worker
+WORKER_WARMED: Final[dict[str, object]] = {"warmed": True}
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,8 +70,10 @@ def run(boot: BootMessage) -> None:
     from worker.server import warm_bind_path, wasm_warm_up
 
     warm_bind_path()  # before the hello: a pool worker's bind is on a registration's critical path
-    server.idle_work = wasm_warm_up()  # after the hello, while it idles in the pool (never after the bind)
-    data.send(encode_worker_reply(0, True, WorkerHello(boot.token, os.getpid()).to_wire()))
+    # after the hello, while it idles in the pool (never after the bind); it says ``warmed`` when
+    # done, and the supervisor counts it ready only then (a bind may still come before: it wins)
+    server.idle_work = wasm_warm_up()
+    data.send(encode_worker_reply(0, True, WorkerHello(boot.token, os.getpid(), warming=True).to_wire()))
     log_event(log, logging.DEBUG, "worker.started", worker=boot.worker_id, pid=os.getpid())
     code = 0
     try:

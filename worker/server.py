@@ -41,7 +41,7 @@ from shared.gpu_time import GpuTimeBoard
 from shared.log import get_logger, log_event
 from shared.exitcodes import context_lost_exit_code
 from shared.frames import decode_worker_request, encode_worker_reply
-from shared.worker_link import BindMessage
+from shared.worker_link import WORKER_WARMED, BindMessage
 from worker.context import TenantContext
 from worker.faults import FaultState
 
@@ -150,11 +150,17 @@ class WorkerServer:
             return
         try:
             next(work)
+            return
         except StopIteration:
-            self.idle_work = None
+            pass
         except Exception:  # noqa: BLE001 - the first run then does the set-up itself
             _log.exception("worker.warm_up_failed")
-            self.idle_work = None
+        self.idle_work = None
+        # done (or given up): the supervisor counts this pool worker ready from now on
+        try:
+            self.sock.send(encode_worker_reply(0, True, WORKER_WARMED), _NOBLOCK)
+        except zmq.Again:
+            log_event(_log, logging.WARNING, "worker.reply_dropped", rid=0, reason="send queue full")
 
     def handle(self, frames: list[zmq.Frame]) -> None:
         try:

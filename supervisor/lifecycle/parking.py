@@ -12,9 +12,10 @@
        │                                            │ any request that needs a worker
        │                                            ▼
        └──────── every instance imported ─────── ACTIVATING  pool workers bound with the old incarnation;
-                 (the host copy released;                    import_mapped per instance (import_buffer
-                  the waiting requests sent,                 chunks for a copy kept in memory); requests
-                  then load_modules)                         wait in order in ``TenantRuntime.parked``
+                 (the host copy released;                    right behind each bind, not waiting for its
+                  the waiting requests sent,                 answer: import_mapped (import_buffer chunks
+                  then load_modules)                         for a copy kept in memory); requests wait
+                                                             in order in ``TenantRuntime.parked``
 
 The rules that keep bytes and quota whole:
 
@@ -197,12 +198,27 @@ class Parking:
         self._retrying = False
         #: the death watches of an export in progress, by tenant: taken off when it ends
         self._watches: dict[str, list[tuple[WorkerHandle, Callable[[WorkerHandle], None]]]] = {}
+        signals.on_bind_sent(self._on_bind_sent)
         signals.on_instance_ready(Stage.BUFFERS, self._on_instance_ready)
         signals.on_instance_not_restarted(Stage.AFTER, lambda rt, *_: self.activation_stopped(rt))
         signals.on_tenant_failed(Stage.AFTER, lambda rt, _why: self.activation_stopped(rt))
 
     def _on_instance_ready(self, rt: TenantRuntime) -> None:
         self.instance_ready(rt)  # its answer is for activate(); the signals go on to the other stages
+
+    def _on_bind_sent(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle) -> None:
+        """A worker's bind to an instance being activated is on its way: the instance's import
+        follows it at once, without waiting for the bind's answer (the worker serves them in
+        order). The activation then waits for one answer (the import's) instead of two, one
+        after the other - on a loaded host each answer is a wait for the worker to get a CPU,
+        and then for the supervisor to. A bind that fails fails the import behind it too; that
+        worker is killed for it and its replacement imports again (see :meth:`_import_start`)."""
+        rec = rt.park
+        if (rec is None or rec.phase is not ParkPhase.ACTIVATING or slot.index not in rec.todo
+                or rec.importing.get(slot.index) is worker or slot.worker is not worker):
+            return
+        rec.importing[slot.index] = worker
+        self._import_start(rt, rec, slot, worker)
 
     # ------------------------------------------------------------ parking
 
@@ -664,8 +680,10 @@ class Parking:
             return False
         for slot in rt.wanted_slots():
             worker = slot.worker
-            if (slot.index in rec.todo and slot.ready and worker is not None
-                    and rec.importing.get(slot.index) is not worker):
+            if slot.index not in rec.todo or not slot.ready or worker is None:
+                continue
+            self._bound_at[rt.tenant_id] = self.clock()  # the last instance's bind answered
+            if rec.importing.get(slot.index) is not worker:  # its import was not sent behind the bind
                 rec.importing[slot.index] = worker
                 self._import_start(rt, rec, slot, worker)
         return True
@@ -673,8 +691,11 @@ class Parking:
     def _import_start(self, rt: TenantRuntime, rec: ParkRecord, slot: InstanceSlot, worker: WorkerHandle) -> None:
         """Send instance ``slot``'s buffers back, chunk by chunk, up to IMPORT_WINDOW chunks in
         flight (the worker takes them in order: a buffer's first chunk allocates it), then its
-        compiled modules. An instance without buffers gets only its handle sequence."""
-        self._bound_at[rt.tenant_id] = self.clock()
+        compiled modules. An instance without buffers gets only its handle sequence.
+
+        Sent right behind the worker's bind (:meth:`_on_bind_sent`), before its answer: a refusal
+        from a worker that is not ``READY`` then is its failed bind's (it is being killed for
+        it, and its replacement imports again), not the import's."""
         seq = rec.seqs.get(slot.index, 0)
         parked = self._files.get(rt.tenant_id, {}).get(slot.index)
         if parked is not None:
@@ -697,8 +718,12 @@ class Parking:
             in_flight -= 1
             if not ok:
                 failed = True
-                if worker.state is not WorkerState.DEAD:  # a dead one is restarted; the import starts over then
+                # a dead one is restarted, and one whose bind failed is killed: the import starts
+                # over in the next worker then
+                if worker.state is WorkerState.READY:
                     self._activation_failed(rt, rec, payload)
+                elif rec.importing.get(slot.index) is worker:
+                    del rec.importing[slot.index]
                 return
             if sent == len(chunks) and in_flight == 0:
                 self._import_modules(rt, rec, slot, worker)

@@ -9,7 +9,7 @@ which every part is handed: the one that has the news calls it, and a part
 that must hear it subscribes in its own constructor. No part is assigned a
 callback after it is built, and no part imports the parts above it::
 
-    WorkerSet ──instance_ready / registration_failed / not_restarted / tenant_failed──┐
+    WorkerSet ──bind_sent / instance_ready / registration_failed / not_restarted / tenant_failed──┐
     AdminOps  ──tenant_down / evicted────────────────────────────────────────────┐    │
     ServiceOps ─key_rotated────────────────────────────────────────────────┐     │    │
                                                                            ▼     ▼    ▼
@@ -35,7 +35,8 @@ from typing import TypeVar
 
 from shared.capability import RegistryAdminCapability
 from shared.errors import TensorWasmError
-from supervisor.runtime.tenants import TenantRuntime
+from supervisor.runtime.tenants import InstanceSlot, TenantRuntime
+from supervisor.runtime.workers import WorkerHandle
 
 __all__ = ["Stage", "TenantSignals"]
 
@@ -45,6 +46,8 @@ S = TypeVar("S")
 TenantSlot = Callable[[TenantRuntime], None]
 #: a subscriber told of an instance not restarted: (tenant, index, exit code, signal, reason)
 NotRestartedSlot = Callable[[TenantRuntime, int, "int | None", "int | None", str], None]
+#: a subscriber told of a bind sent: (tenant, instance slot, its worker)
+BindSentSlot = Callable[[TenantRuntime, InstanceSlot, WorkerHandle], None]
 #: a subscriber told of a failed tenant: (tenant, why)
 FailedSlot = Callable[[TenantRuntime, str], None]
 #: a subscriber told of a tenant gone (failed or evicted), with what its waiters are told
@@ -77,6 +80,7 @@ class TenantSignals:
         before the signals and rewrites its run dir's files)."""
         self._stopping = stopping
         self._ready: list[tuple[Stage, TenantSlot]] = []
+        self._bind_sent: list[BindSentSlot] = []
         self._registration_failed: list[Callable[[TenantRuntime, TensorWasmError], None]] = []
         self._not_restarted: list[tuple[Stage, NotRestartedSlot]] = []
         self._failed: list[tuple[Stage, FailedSlot]] = []
@@ -88,6 +92,9 @@ class TenantSignals:
 
     def on_instance_ready(self, stage: Stage, slot: TenantSlot) -> None:
         _insert(self._ready, stage, slot)
+
+    def on_bind_sent(self, slot: BindSentSlot) -> None:
+        self._bind_sent.append(slot)
 
     def on_registration_failed(self, slot: Callable[[TenantRuntime, TensorWasmError], None]) -> None:
         self._registration_failed.append(slot)
@@ -113,6 +120,14 @@ class TenantSignals:
         """An instance of ``rt`` is ready (the worker set): every stage, parking's first."""
         for _, slot in self._ready:
             slot(rt)
+
+    def bind_sent(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle) -> None:
+        """A ``bind`` of ``worker`` to ``slot`` of ``rt`` was just sent (the worker set), its answer
+        not yet in: what must reach the worker right after its bind may be sent now - the worker
+        serves its messages in order, so it comes after the bind without waiting for its answer
+        (parking: an activation's import, one round trip fewer)."""
+        for slot_ in self._bind_sent:
+            slot_(rt, slot, worker)
 
     def serving(self, rt: TenantRuntime) -> None:
         """``rt`` serves again (parking: an activation done, a park cancelled): what a ready

@@ -49,7 +49,7 @@ from shared.errors import (
 from shared.exitcodes import exit_cause, exit_reason
 from shared.log import get_logger, log_event
 from shared.records import ExitRecord
-from shared.worker_link import BindMessage, FaultAck, FaultExit, WorkerHello
+from shared.worker_link import WORKER_WARMED, BindMessage, FaultAck, FaultExit, WorkerHello
 from supervisor.observe.events import EventBus
 from supervisor.runtime.loop import Loop
 from supervisor.observe.metrics import Metrics
@@ -81,6 +81,9 @@ BATCH = 32
 
 #: the adaptive pool's demand window: instance starts are counted with weight exp(-age / this)
 POOL_RATE_WINDOW_S = 30.0
+#: and its burst window: the same count over a few seconds, which a burst of activations raises at
+#: once (the pool follows the larger of the two rates)
+POOL_BURST_WINDOW_S = 2.0
 #: a pool worker's spawn-to-ready time until one has been measured
 POOL_DEFAULT_REFILL_S = 1.0
 #: the decayed count of recent instance starts from which the pool keeps workers beyond ``pool_size``
@@ -101,6 +104,7 @@ class TenantHooks(Protocol):
     """Where the worker set tells what happened to a tenant's worker (implemented by
     :class:`~supervisor.lifecycle.signals.TenantSignals`, which the parts above hear)."""
 
+    def bind_sent(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle) -> None: ...
     def instance_ready(self, rt: TenantRuntime) -> None: ...
     def registration_failed(self, rt: TenantRuntime, exc: TensorWasmError) -> None: ...
     def instance_not_restarted(self, rt: TenantRuntime, index: int, code: int | None, sig: int | None,
@@ -145,8 +149,15 @@ class WorkerSet:
         self.hooks = hooks
         self.workers: dict[bytes, WorkerHandle] = {}
         self.by_token: dict[str, WorkerHandle] = {}
-        self.pool: list[WorkerHandle] = []  # idle, unbound, ready to bind
+        self.pool: list[WorkerHandle] = []  # idle, unbound, ready to bind (warmed up)
+        #: pool workers connected and still warming up (their hello said so): bound only when the
+        #: pool is empty, counted in ``pool_starting`` until they say ``warmed``
+        self.warming: list[WorkerHandle] = []
+        #: workers whose hello said they warm up (by worker id), until they say ``warmed`` or are bound
+        self._will_warm: set[str] = set()
         self.pool_starting = 0
+        #: the last refill was put off for a bind in flight (the next one is not: see refill_pool)
+        self._refill_put_off = False
         self._pool_failures = 0
         self._pool_retry_at = 0.0
         #: the warm pool's size now: ``pool_size`` .. ``pool_max``, following the demand (see pool_target_now)
@@ -155,6 +166,9 @@ class WorkerSet:
         #: decayed, and a pool worker's mean spawn-to-ready time (s), the time one refill takes
         self._demand_rate = 0.0
         self._demand_at = 0.0
+        #: the same over POOL_BURST_WINDOW_S: a burst's rate
+        self._burst_rate = 0.0
+        self._burst_at = 0.0
         self._refill_s: float | None = None
         self._last_beat = 0.0
         #: a worker that missed a beat: its last beat then, and its threads' run-queue waits then
@@ -233,9 +247,19 @@ class WorkerSet:
         return worker
 
     def refill_pool(self) -> None:
+        """Start pool workers up to the target (and stop idle ones beyond it). Not while a bind
+        is in flight, as long as a warm worker is left: a new process's start and warm-up take
+        tens of ms of CPU, which on a small host the bind (an activation waiting on it) would
+        wait behind; the next housekeeping tick refills. Put off one tick at most: under a
+        stream of activations a bind is in flight at many ticks, and a pool never refilled
+        would hand out starting processes instead."""
         now = self.clock()
         if self._pool_failures and now < self._pool_retry_at:
             return
+        if self.pool and not self._refill_put_off and self.binding():
+            self._refill_put_off = True
+            return
+        self._refill_put_off = False
         if self._pool_failures:
             self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
         target = self.pool_target = self.pool_target_now(now)
@@ -246,11 +270,18 @@ class WorkerSet:
         while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
             self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
 
+    def binding(self) -> bool:
+        """Whether a bind is in flight (an activation's or a registration's, or a restart's)."""
+        return any(w.state is WorkerState.BINDING for w in self.workers.values())
+
     def pool_target_now(self, now: float) -> int:
         """The warm pool's size for the demand now: ``pool_size`` plus the workers taken while one
-        refill starts (the start rate, decayed over POOL_RATE_WINDOW_S, times a pool worker's mean
-        spawn-to-ready time, rounded up: at least one while there is recent demand, POOL_MIN_DEMAND),
-        at most ``pool_max``. Without ``pool_max`` it is ``pool_size``."""
+        refill starts (the start rate times a pool worker's mean spawn-to-ready time, rounded up:
+        at least one while there is recent demand, POOL_MIN_DEMAND), at most ``pool_max``. The
+        rate is the larger of two decayed rates: over POOL_RATE_WINDOW_S (it keeps the pool up
+        through a steady stream) and over POOL_BURST_WINDOW_S (a burst of activations raises the
+        target within it; the long rate rises by 1/30 a start, and a pool of ``pool_size`` runs
+        dry first). Without ``pool_max`` it is ``pool_size``."""
         cfg = self.config
         if cfg.pool_max is None or cfg.pool_max <= cfg.pool_size:
             return cfg.pool_size
@@ -258,6 +289,7 @@ class WorkerSet:
         refill_s = self._refill_s if self._refill_s is not None else POOL_DEFAULT_REFILL_S
         if rate * POOL_RATE_WINDOW_S < POOL_MIN_DEMAND:
             return cfg.pool_size
+        rate = max(rate, self._decayed_burst(now))
         return min(cfg.pool_max, cfg.pool_size + max(1, math.ceil(rate * refill_s)))
 
     def _decayed_rate(self, now: float) -> float:
@@ -266,15 +298,24 @@ class WorkerSet:
             self._demand_at = now
         return self._demand_rate
 
+    def _decayed_burst(self, now: float) -> float:
+        if now > self._burst_at:
+            self._burst_rate *= math.exp(-(now - self._burst_at) / POOL_BURST_WINDOW_S)
+            self._burst_at = now
+        return self._burst_rate
+
     def _note_demand(self) -> None:
-        """An instance asked for a worker (an activation, a registration, a restart): one more in the rate."""
-        self._demand_rate = self._decayed_rate(self.clock()) + 1.0 / POOL_RATE_WINDOW_S
+        """An instance asked for a worker (an activation, a registration, a restart): one more in the rates."""
+        now = self.clock()
+        self._demand_rate = self._decayed_rate(now) + 1.0 / POOL_RATE_WINDOW_S
+        self._burst_rate = self._decayed_burst(now) + 1.0 / POOL_BURST_WINDOW_S
 
     def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> str:
         """Give a slot a worker at once: a warm one from the pool (bound now); else a pool worker
         already starting (bound when its hellos arrive: it is further along than a new process,
         and a new one would compete with it for the CPU); else a fresh process. Returns which:
-        ``warm``, ``starting`` or ``spawned`` (an activation's ``activate`` event counts them).
+        ``warm``, ``warming`` (connected, its warm-up cut short), ``starting`` or ``spawned`` (an
+        activation's ``activate`` event counts them).
         The pool is refilled by housekeeping, never here: starting a process blocks the loop for
         a few ms, which would delay this very request's bind."""
         self._note_demand()
@@ -284,12 +325,18 @@ class WorkerSet:
             slot.incarnation += 1
             slot.lost = None  # the incarnation check answers them BufferLost from now on
         worker = self.pool.pop() if self.pool else None
+        how = "warm"
+        if worker is None and self.warming:  # connected, its warm-up not done: the bind cuts it short
+            worker = self.warming.pop(0)
+            self._will_warm.discard(worker.worker_id)
+            self.pool_starting -= 1
+            how = "warming"
         if worker is not None:
             worker.tenant = rt.tenant_id
             worker.instance = slot.index
             slot.worker = worker
-            self._bind(rt, slot, worker, self.clock())  # a warm worker: its startup is the bind, not its spawn
-            return "warm"
+            self._bind(rt, slot, worker, self.clock())  # a pool worker: its startup is the bind, not its spawn
+            return how
         worker = self._starting_pool_worker()
         how = "starting"
         if worker is not None:
@@ -314,13 +361,11 @@ class WorkerSet:
         if not worker.connected:
             return
         if worker.tenant is None:
-            self.pool_starting -= 1
             worker.state = WorkerState.IDLE
-            worker.ready_at = self.clock()
-            took = max(0.0, worker.ready_at - worker.spawned_at)
-            self._refill_s = took if self._refill_s is None else 0.8 * self._refill_s + 0.2 * took
-            self.pool.append(worker)
-            self.events.emit("ready", worker=worker.worker_id, pid=worker.pid, pool=True)
+            if worker.worker_id in self._will_warm:
+                self.warming.append(worker)  # ready once it says ``warmed`` (_on_warmed)
+                return
+            self._pool_ready(worker)
             return
         rt = self.tenants.get(worker.tenant)
         slot = (
@@ -332,6 +377,39 @@ class WorkerSet:
             self.stop_worker(worker, "tenant gone before bind")
             return
         self._bind(rt, slot, worker, worker.spawned_at)
+
+    def _pool_ready(self, worker: WorkerHandle) -> None:
+        """A pool worker is ready to bind: connected and, where it warms up, warmed."""
+        self.pool_starting -= 1
+        worker.ready_at = self.clock()
+        took = max(0.0, worker.ready_at - worker.spawned_at)
+        self._refill_s = took if self._refill_s is None else 0.8 * self._refill_s + 0.2 * took
+        self.pool.append(worker)
+        self.events.emit("ready", worker=worker.worker_id, pid=worker.pid, pool=True)
+
+    def _on_warmed(self, worker: WorkerHandle) -> None:
+        """A pool worker says its warm-up is done: it joins the pool. Ignored from a worker not
+        warming up now: bound meanwhile (the bind cut its warm-up short, and its notice crossed
+        the bind), stopping, or saying it again (nothing it says makes it bindable twice)."""
+        if worker.worker_id not in self._will_warm:
+            return
+        self._will_warm.discard(worker.worker_id)
+        if worker in self.warming:
+            self.warming.remove(worker)
+            self._pool_ready(worker)
+
+    def _leave_pool(self, worker: WorkerHandle) -> None:
+        """``worker`` leaves the pool for good (stopped, killed, dead; called before its state
+        changes): a pool worker still starting or warming up no longer counts in
+        ``pool_starting`` - counted once, however many of stop, kill and death it goes through."""
+        if worker in self.pool:
+            self.pool.remove(worker)
+        if worker in self.warming:
+            self.warming.remove(worker)
+            self.pool_starting -= 1
+        elif worker.tenant is None and worker.state is WorkerState.STARTING:
+            self.pool_starting -= 1
+        self._will_warm.discard(worker.worker_id)
 
     def _bind(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, asked_at: float) -> None:
         """``asked_at``: when the instance asked for this worker (its spawn, or the bind of a pool
@@ -359,6 +437,8 @@ class WorkerSet:
             self.send_request(worker, "bind", message.to_wire(), None, pending)
         except TensorWasmError as exc:
             done(False, exc.to_dict())
+            return
+        self.hooks.bind_sent(rt, slot, worker)
 
     def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: object,
                   asked_at: float) -> None:
@@ -401,11 +481,10 @@ class WorkerSet:
         """Planned stop: ``stop`` on control (SIGTERM if it never connected), SIGKILL after the timeout."""
         if worker.state in (WorkerState.DEAD, WorkerState.STOPPING):
             return
+        self._leave_pool(worker)
         worker.state = WorkerState.STOPPING
         worker.expected_exit = True
         worker.kill_reason = worker.kill_reason or reason
-        if worker in self.pool:
-            self.pool.remove(worker)
         if worker.control_hello:
             self.send_control(worker, proto.encode_control("stop"))
         else:
@@ -427,9 +506,8 @@ class WorkerSet:
         fields = dict(worker=worker.worker_id, pid=worker.pid, tenant=worker.tenant, instance=worker.instance)
         log_event(_log, logging.WARNING, "worker.kill", **fields, reason=reason, cause=cause)
         self.events.emit("kill", **fields, reason=reason)
+        self._leave_pool(worker)
         worker.state = WorkerState.STOPPING
-        if worker in self.pool:
-            self.pool.remove(worker)
         self.spawner.signal(worker, signal.SIGTERM)
         worker.kill_at = self.clock() + self.config.kill_grace_s
 
@@ -452,10 +530,7 @@ class WorkerSet:
         self.workers.pop(worker.ident, None)
         self.by_token.pop(worker.token, None)
         was_pool = worker.tenant is None
-        if was_pool and worker.state is WorkerState.STARTING:
-            self.pool_starting -= 1
-        if worker in self.pool:
-            self.pool.remove(worker)
+        self._leave_pool(worker)
         expected = worker.expected_exit
         worker.state = WorkerState.DEAD
         code, sig = exit_status(worker.process)
@@ -695,10 +770,15 @@ class WorkerSet:
                 self.stop_worker(worker, "scaled down")
 
     def _on_data_hello(self, worker: WorkerHandle, payload: object) -> None:
+        if worker.data_hello and payload == WORKER_WARMED:
+            self._on_warmed(worker)
+            return
         if not _hello_of(worker, payload) or worker.data_hello:
             self.kill(worker, "bad hello on the data socket", "protocol")
             return
         worker.data_hello = True
+        if worker.tenant is None and WorkerHello.from_wire(payload).warming:
+            self._will_warm.add(worker.worker_id)
         self._on_connected(worker)
 
     def _on_control(self) -> None:

@@ -321,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     def pair(a: float | None, b: float | None) -> str:
         return " / ".join("none" if v is None else f"{v * ms:.2f}" for v in (a, b))
 
+    def by_how(kind: str) -> str:
+        """The activations of one kind's whole time, p50 / p99 (ms; the events count in ms)."""
+        return " / ".join("none" if st[f"activate_{kind}_{q}_ms"] is None else f"{st[f'activate_{kind}_{q}_ms']:.2f}"
+                          for q in ("p50", "p99"))
+
     ray = r.get("ray_actor_p50_s")
     park_rows: list[list[object]] = [
         [f"restart to ready, {total} tenants stored parked (s)", r["parked_restart_s"]],
@@ -341,8 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         ["  activations: bind / restore / whole, p99 (ms)",
          " / ".join("none" if st[f"activate_{k}_p99_ms"] is None else f"{st[f'activate_{k}_p99_ms']:.2f}"
                     for k in ("bind", "restore", "total"))],
-        ["  activations' workers: warm from the pool / a pool worker starting / spawned",
-         " / ".join(str(st["activation_workers"].get(k, 0)) for k in ("warm", "starting", "spawned"))],
+        ["  activations' workers: warm from the pool / still warming up / a pool worker starting / spawned",
+         " / ".join(str(st["activation_workers"].get(k, 0)) for k in ("warm", "warming", "starting", "spawned"))],
+        ["  activations with a warm pool worker; with another: whole p50 / p99 (ms) [n]",
+         "; ".join(f"{by_how(k)} [{st[f'activate_{k}_n']}]" for k in ("warm", "other"))],
+        ["  activations without a warm worker: when, s into the stream",
+         ", ".join(f"{t:g}" for t in st["activate_other_at_s"][:16]) or "none"],
         ["  run_wasm: a tenant's first run ever (compiles; not counted above): p50 (ms) [n]",
          f"{fig(st['first_compile_p50_s'])} [{st['first_compiles_n']}]"],
         ["  run_wasm: compiled again after an activation (artifact missed)", st["artifact_misses"]],

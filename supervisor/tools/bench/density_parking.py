@@ -148,6 +148,10 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
     refused = 0
     out: dict[str, Any] = {}
     phases: dict[str, list[float]] = {"bind": [], "restore": [], "total": []}
+    #: the whole activation, by how its worker came: a warm pool worker's, or not (the tail's source)
+    by_how: dict[str, list[float]] = {"warm": [], "other": []}
+    #: when (s into the stream) each activation that did not get a warm worker happened
+    cold_at: list[float] = []
     got: dict[str, int] = {}
     with sup.connect(timeout_s=120.0) as c:
         digest = ""
@@ -180,8 +184,13 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
                 phases["bind"].append(float(event.get("bind_ms", 0.0)))
                 phases["restore"].append(float(event.get("restore_ms", 0.0)))
                 phases["total"].append(float(event.get("activate_ms", 0.0)))
-                for how, n in (event.get("workers") or {}).items():
+                workers = event.get("workers") or {}
+                for how, n in workers.items():
                     got[how] = got.get(how, 0) + int(n)
+                pooled = set(workers) <= {"warm"}
+                by_how["warm" if pooled else "other"].append(float(event.get("activate_ms", 0.0)))
+                if not pooled:
+                    cold_at.append(time.perf_counter() - t_stream)
             if op == "run_wasm" and index not in ran:
                 # the tenant's first run ever compiles its module: not an activation's cost
                 ran.add(index)
@@ -205,6 +214,11 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
         out[f"activate_{phase}_p50_ms"] = statistics.median(values) if values else None
         out[f"activate_{phase}_p99_ms"] = _pct(values, 0.99) if values else None
     out["activation_workers"] = got
+    for how, values in by_how.items():
+        out[f"activate_{how}_n"] = len(values)
+        out[f"activate_{how}_p50_ms"] = statistics.median(values) if values else None
+        out[f"activate_{how}_p99_ms"] = _pct(values, 0.99) if values else None
+    out["activate_other_at_s"] = [round(t, 2) for t in cold_at]
     for op in ("ping", "run_wasm"):
         warm, cold = times[(op, False)], times[(op, True)]
         out[f"{op}_warm_n"], out[f"{op}_cold_n"] = len(warm), len(cold)

@@ -376,3 +376,276 @@ def test_an_empty_pool_hands_over_a_pool_worker_already_starting_rather_than_spa
     assert starting.received[0] == "bind"
     h.tick(0.25)  # and the pool refills behind it
     assert len(held) == 2 and held[1].handle.tenant is None
+
+
+def _parked_tenant_harness(tmp: Path, name: str) -> Harness:
+    """A supervisor restarted on a state dir where ``name`` (one instance, no buffers) is stored
+    parked: it comes back parked, and its first request activates it."""
+    from supervisor.store.state import StateStore
+
+    state = str(tmp / "state")
+    first = Harness(tmp / "first", state_dir=state)
+    try:
+        first.register(name, instances=1, idle_timeout_s=3600.0)
+    finally:
+        first.close()
+    store = StateStore.open(state)
+    try:
+        store.set_parked_many([name], True)
+    finally:
+        store.close()
+    harness = Harness(tmp / "second", state_dir=state)
+    harness.settle()
+    assert harness.tenant(name)["state"] == "parked"
+    return harness
+
+
+def test_an_activation_sends_the_import_right_behind_the_bind_without_waiting_for_its_answer(
+        tmp_path: Path) -> None:
+    """The warm worker's bind and the instance's import leave together: the activation waits for
+    one answer from the worker, not for the bind's and then the import's."""
+    h = _parked_tenant_harness(tmp_path, "sleepy")
+    try:
+        (pool_worker,) = list(h.spawner.alive())
+        assert pool_worker.handle.tenant is None
+        pool_worker.hang_ops.add("bind")  # its bind is never answered
+        cap = h.call("capability", {"tenant": "sleepy"})["capability"]
+        h.send("ping", {}, cap)
+        h.until(lambda: len(pool_worker.received) >= 2)
+        assert pool_worker.received[:2] == ["bind", "import_buffer"]
+        assert h.tenant("sleepy")["state"] != "running"  # nothing confirmed: the bind is unanswered
+    finally:
+        h.close()
+
+
+def test_an_activation_whose_import_went_behind_the_bind_serves_the_waiting_request(tmp_path: Path) -> None:
+    h = _parked_tenant_harness(tmp_path, "sleepy")
+    try:
+        (pool_worker,) = list(h.spawner.alive())
+        cap = h.call("capability", {"tenant": "sleepy"})["capability"]
+        assert h.call("ping", {}, cap)["pid"] == pool_worker.process.pid
+        assert pool_worker.received[:3] == ["bind", "import_buffer", "ping"]
+        assert h.tenant("sleepy")["state"] == "running"
+    finally:
+        h.close()
+
+
+def test_a_failed_bind_fails_the_import_behind_it_and_the_next_worker_imports_again(tmp_path: Path) -> None:
+    """A bind refused by the worker is that worker's failure (it is killed), not the activation's:
+    the import sent behind it is refused too, and the worker that replaces it binds and imports."""
+    from tests.helpers.fake_workers import FakeWorker
+
+    h = _parked_tenant_harness(tmp_path, "sleepy")
+    try:
+        (pool_worker,) = list(h.spawner.alive())
+
+        def failing_bind(worker: FakeWorker = pool_worker) -> None:
+            while worker.alive:
+                try:
+                    frames = worker.data.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                rid, op, _args = proto.decode_worker_request(frames[0])
+                worker.received.append(op)
+                error = {"code": "invalid_argument", "message": "bind refused" if op == "bind" else "not bound"}
+                worker.data.send(proto.encode_worker_reply(rid, False, error))
+
+        h.sup.loop.unregister(pool_worker.data)
+        h.sup.loop.register(pool_worker.data, failing_bind)
+        pool_worker.ignore_sigterm = True  # the import's refusal is read while it is being killed
+        cap = h.call("capability", {"tenant": "sleepy"})["capability"]
+        rid = h.send("ping", {}, cap)
+        h.until(lambda: pool_worker.signals == [signal.SIGTERM])
+        assert pool_worker.received[:2] == ["bind", "import_buffer"]
+        h.settle()
+        assert pool_worker.alive and h.tenant("sleepy")["state"] != "parked"  # still activating
+        h.tick(h.sup.config.kill_grace_s + 2.0)  # SIGKILL; the restart's back-off; the next bind and import
+        ok, payload = h.answer(rid)
+        assert ok, payload
+        (served_by,) = h.spawner.of("sleepy")
+        assert served_by is not pool_worker and payload["pid"] == served_by.process.pid
+        assert served_by.received[:3] == ["bind", "import_buffer", "ping"]
+        assert h.tenant("sleepy")["state"] == "running"
+    finally:
+        h.close()
+
+
+def _warms_up(worker: Any) -> None:
+    """A fake worker that, like a real one, says in its hello that it warms up (and is then
+    ready for the pool only once it says ``warmed``: :func:`_say_warmed`)."""
+    from shared.worker_link import WorkerHello
+
+    def hello() -> None:
+        wire = WorkerHello(worker.handle.token, worker.process.pid, warming=True).to_wire()
+        worker.data.send(proto.encode_worker_reply(0, True, wire))
+        worker.control.send(proto.encode_control("hello", wire))
+
+    worker.say_hello = hello
+
+
+def _say_warmed(worker: Any) -> None:
+    from shared.worker_link import WORKER_WARMED
+
+    worker.data.send(proto.encode_worker_reply(0, True, WORKER_WARMED))
+
+
+def test_a_pool_worker_that_warms_up_joins_the_pool_once_it_says_warmed(h: Harness) -> None:
+    h.settle()
+    h.spawner.on_spawn.append(_warms_up)
+    h.register("first", instances=1)  # takes the pool's worker
+    h.tick(0.25)  # housekeeping refills: a worker that warms up after its hello
+    fresh = h.spawner.workers[-1]
+    ws = h.sup.parts.workers
+    assert fresh.handle.tenant is None and fresh.handle.connected
+    assert ws.pool == [] and ws.warming == [fresh.handle] and ws.pool_starting == 1  # not ready yet
+    status = h.call("status", {"limit": 1})["supervisor"]["pool"]
+    assert (status["idle"], status["starting"]) == (0, 1)
+    _say_warmed(fresh)
+    h.settle()
+    assert ws.pool == [fresh.handle] and ws.warming == [] and ws.pool_starting == 0
+    _say_warmed(fresh)  # said again: ignored, never a second place in the pool
+    h.settle()
+    assert ws.pool == [fresh.handle] and fresh.alive
+    h.register("second", instances=1)
+    assert [w.handle.worker_id for w in h.spawner.of("second")] == [fresh.handle.worker_id]
+
+
+def test_with_the_pool_empty_a_warming_worker_is_bound_rather_than_a_process_spawned(h: Harness) -> None:
+    h.settle()
+    h.spawner.on_spawn.append(_warms_up)
+    h.register("first", instances=1)
+    h.tick(0.25)
+    warming = h.spawner.workers[-1]
+    spawned = len(h.spawner.workers)
+    h.register("second", instances=1)  # no warm worker: the warming one is bound, its warm-up cut short
+    assert [w.handle.worker_id for w in h.spawner.of("second")] == [warming.handle.worker_id]
+    assert len(h.spawner.workers) == spawned  # nothing spawned for it
+    ws = h.sup.parts.workers
+    assert ws.warming == [] and ws.pool_starting == 0
+    _say_warmed(warming)  # its notice crossed the bind: ignored
+    h.settle()
+    assert ws.pool == [] and warming.alive and warming.handle.tenant == "second"
+
+
+def test_a_warming_pool_worker_that_dies_leaves_the_pool_count(h: Harness) -> None:
+    h.settle()
+    h.spawner.on_spawn.append(_warms_up)
+    h.register("first", instances=1)
+    h.tick(0.25)
+    warming = h.spawner.workers[-1]
+    ws = h.sup.parts.workers
+    assert ws.pool_starting == 1
+    warming.crash()
+    h.settle()
+    assert ws.warming == [] and warming.handle not in ws.pool and ws.pool_starting <= 1
+    h.tick(1.0)  # refilled (after the failed start's back-off)
+    assert len(ws.warming) + len(ws.pool) == 1 and ws.pool_starting == 1
+
+
+def test_the_pool_refill_waits_one_tick_for_a_bind_in_flight(tmp_path: Path) -> None:
+    """A new pool process's start and warm-up would compete with a bind for the CPU: the refill
+    is put off while a bind is in flight (a warm worker is still there for the next activation),
+    for one housekeeping tick at most (a stream of activations must not drain the pool)."""
+    from supervisor.supervisor import TICK_S
+
+    h = Harness(tmp_path, pool_size=2)
+    try:
+        h.settle()
+        held: list[tuple[Any, list[bytes]]] = []
+        for worker in list(h.spawner.alive()):
+            def hold_bind(worker: Any = worker) -> None:
+                while worker.alive:
+                    try:
+                        frames = worker.data.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        return
+                    rid, op, _args = proto.decode_worker_request(frames[0])
+                    worker.received.append(op)
+                    if op == "bind":
+                        held.append((worker, frames))
+                    else:
+                        worker.data.send(proto.encode_worker_reply(rid, True, {}))
+
+            h.sup.loop.unregister(worker.data)
+            h.sup.loop.register(worker.data, hold_bind)
+        spawned = len(h.spawner.workers)
+        rid = h.send("register", {"spec": TenantSpec("slow", instances=1).to_dict()})
+        h.until(lambda: bool(held))
+        ws = h.sup.parts.workers
+        assert len(ws.pool) == 1 and ws.binding()
+        h.tick(TICK_S * 1.2, step=TICK_S * 1.2)  # a housekeeping tick: below its size, and no process started
+        assert len(h.spawner.workers) == spawned and ws.binding()
+        h.tick(TICK_S * 1.2, step=TICK_S * 1.2)  # the next one refills, the bind still unanswered
+        assert len(h.spawner.workers) == spawned + 1 and ws.binding()
+        worker, frames = held[0]
+        bind_rid = proto.decode_worker_request(frames[0])[0]
+        worker.data.send(proto.encode_worker_reply(bind_rid, True, {"pid": worker.process.pid}))
+        ok, payload = h.answer(rid)
+        assert ok, payload
+    finally:
+        h.close()
+
+
+def test_the_tenants_artifacts_go_after_the_import_and_before_the_waking_request(tmp_path: Path) -> None:
+    """The compiled modules follow the instance's import once it is answered (sent behind it,
+    their hold competed with the supervisor's turn on a loaded host, and the waking request
+    waited behind them either way), ahead of the request that woke the tenant; their load
+    comes after it."""
+    h = _parked_tenant_harness(tmp_path, "sleepy")
+    try:
+        cap = h.call("capability", {"tenant": "sleepy"})["capability"]
+        module = b"(module (func (export \"f\") (result i32) i32.const 7))"
+        rid = next(h._rid)
+        h.client.send_multipart([proto.encode_request(rid, "put_module", cap, {}), module])
+        ok, stored = h.answer(rid)
+        assert ok, stored
+        rt = h.sup.tenants["sleepy"]
+        parking = h.sup.parts.parking
+        assert parking.artifacts is not None and h.tenant("sleepy")["state"] == "parked"
+        parking.artifacts.store.save_artifact("sleepy", rt.generation, stored["digest"], "ab" * 16, b"compiled")
+        (pool_worker,) = list(h.spawner.alive())
+        assert h.call("ping", {}, cap)["pid"] == pool_worker.process.pid
+        h.until(lambda: "load_modules" in pool_worker.received)
+        assert pool_worker.received[:5] == ["bind", "import_buffer", "import_modules", "ping", "load_modules"]
+    finally:
+        h.close()
+
+def test_a_pool_worker_killed_before_its_hello_leaves_the_pool_count_and_is_replaced(h: Harness) -> None:
+    """A pool worker that never says hello is killed; it counted as starting, and no longer does
+    (a count left behind would keep the pool below its size for good)."""
+    h.settle()
+    silent: list[Any] = []
+
+    def no_hello(worker: Any) -> None:
+        silent.append(worker)
+        worker.say_hello = lambda: None
+
+    h.spawner.on_spawn.append(no_hello)
+    h.register("first", instances=1)  # takes the pool's worker
+    h.tick(0.25)  # the refill: a worker that stays silent
+    ws = h.sup.parts.workers
+    assert len(silent) == 1 and ws.pool_starting == 1
+    h.spawner.on_spawn.clear()
+    h.tick(workerset.HELLO_TIMEOUT_S + 1.0)  # killed for its silence; a new one replaces it
+    assert not silent[0].alive
+    assert ws.pool_starting == 0 and len(ws.pool) == 1
+
+
+def test_a_burst_of_instance_starts_raises_the_pool_target_at_once(tmp_path: Path) -> None:
+    """Ten starts within a moment: the pool grows for them now (their rate over a few seconds),
+    not by a thirtieth of a worker each (their rate over the 30 s window), and settles back to
+    the long window's target once the burst is seconds old."""
+    h = Harness(tmp_path, pool_size=1, pool_max=8)
+    try:
+        ws = h.sup.parts.workers
+        ws._refill_s = 0.5  # a pool worker's spawn-to-ready time, as measured
+        now = h.clock()
+        assert ws.pool_target_now(now) == 1
+        for _ in range(10):
+            ws._note_demand()
+        # 10 starts at once: 5/s over the burst window, 2.5 workers taken while one refill starts
+        assert ws.pool_target_now(now) == 1 + 3
+        later = now + 10 * workerset.POOL_BURST_WINDOW_S
+        assert ws.pool_target_now(later) == 1 + 1  # the long window's: recent demand, one more
+    finally:
+        h.close()

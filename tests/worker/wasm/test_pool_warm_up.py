@@ -13,6 +13,7 @@ import zmq
 
 import shared._shm
 from shared import protocol as proto
+from shared.worker_link import WORKER_WARMED
 from shared.errors import InvalidArgument
 from worker.backends.stub import StubBackend
 from worker.faults import FaultState
@@ -102,10 +103,12 @@ def test_the_loop_runs_idle_work_only_while_unbound(monkeypatch: pytest.MonkeyPa
     thread = threading.Thread(target=server.serve)
     thread.start()
     try:
-        assert proto.decode_worker_reply(router.recv_multipart()[1])[1] is True
+        assert proto.decode_worker_reply(router.recv_multipart()[1])[:2] == (1, True)
         assert second.wait(30)
+        # the work ended (here by its error): the worker says it is warmed, ready for a bind
+        assert proto.decode_worker_reply(router.recv_multipart()[1]) == (0, True, WORKER_WARMED)
         router.send_multipart([b"w1", proto.encode_worker_request(2, "ping", {})])
-        assert proto.decode_worker_reply(router.recv_multipart()[1])[1] is True  # it still serves
+        assert proto.decode_worker_reply(router.recv_multipart()[1])[:2] == (2, True)  # it still serves
     finally:
         server.stop_event.set()
         thread.join(30)
@@ -127,7 +130,7 @@ def test_a_bound_worker_drops_its_idle_work() -> None:
 
     server.idle_work = work()
     server.context = object()  # type: ignore[assignment]  # bound: the time is the tenant's
-    server._idle_step()
+    server._idle_step()  # no socket: a ``warmed`` notice would fail here (a bound worker sends none)
     assert ran == [] and server.idle_work is None
 
 
@@ -167,3 +170,25 @@ def test_an_artifacts_imports_and_exports_are_read_from_its_bytes_as_wasmtime_re
         assert exports == host_mod._export_types(module)
     with pytest.raises(ValueError):
         host_mod.module_interface(host_mod._binary(PROBE)[:200])  # cut short: the binding reads it instead
+
+
+def test_the_warm_up_comes_in_small_steps_and_stops_once_the_host_is_adopted() -> None:
+    """A bind that arrives mid-way waits for one step of the warm-up (assemble, compile,
+    deserialize, link, a run, the other run), not all of it; a host adopted by a tenant runs
+    no more of it."""
+    whole = list(host_mod.pool_warm_up())
+    assert len(whole) >= 7 and host_mod._pool_host is not None and host_mod._pool_host.warmed
+    host_mod._pool_host.close()
+    host_mod._pool_host = None
+    steps = host_mod.pool_warm_up()
+    for _ in range(5):  # the host made, its module assembled and compiled: no run yet
+        next(steps)
+    host = host_mod._pool_host
+    assert host is not None and not host.warmed
+    with tenant_env("mid-way", StubBackend()) as env:
+        env.ctx.extensions.pop(WasmHost.EXTENSION).close()
+        assert WasmHost.for_context(env.ctx) is host  # adopted at the bind's first use
+        runs_before = host.ticker.ticks
+        for _ in steps:  # were the loop to call it again, nothing of ours runs in the tenant's host
+            pass
+        assert not host.warmed and host.ticker.ticks == runs_before and host.stats["runs"] == 0

@@ -230,3 +230,53 @@ def test_a_deserialized_module_importing_what_a_guest_may_not_have_is_refused() 
         with pytest.raises(WasmCompile, match="env::system is not provided"):
             _run(e, bad, "ok", [])
         assert e.host.stats["artifact_refusals"] == 1
+
+
+def test_an_artifact_carries_its_modules_binary_so_a_load_assembles_no_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A WAT module's text is assembled once, where it is compiled: its artifact carries the
+    binary, and the load after an activation reads the imports, memory and exports from it."""
+    import wasmtime
+
+    from worker.wasm.host import unpack_artifact
+
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        (module, fp, artifact), = _artifacts_of(first, PROBE)
+    serialized, wasm = unpack_artifact(artifact)
+    assert wasm == wasmtime.wat2wasm(PROBE.decode()) and serialized
+    with env() as second:
+        def no_assembly(text: str) -> bytes:
+            raise AssertionError("a load assembled the module's text again")
+
+        monkeypatch.setattr(wasmtime, "wat2wasm", no_assembly)
+        assert _import(second, [(module, fp, artifact)])["loaded"] == [hashlib.sha256(PROBE).hexdigest()]
+        assert op_load_modules(_Server(second), {}, None)[0] == {"loaded": 1, "held": 0}  # type: ignore[arg-type]
+        run = _run(second, PROBE, "add", [20, 22])
+        assert run["results"] == [42] and run["cached"] is True and second.host.stats["compiles"] == 0
+
+
+def test_an_artifact_stored_without_the_binary_still_loads() -> None:
+    """An artifact that is wasmtime's serialized module alone (stored before artifacts carried
+    the binary) loads as before: its module's text is assembled at the load."""
+    from worker.wasm.host import unpack_artifact
+
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        (module, fp, artifact), = _artifacts_of(first, PROBE)
+    with env() as second:
+        _import(second, [(module, fp, unpack_artifact(artifact)[0])])
+        run = _run(second, PROBE, "add", [1, 2])
+        assert run["results"] == [3] and run["cached"] is True and second.host.stats["compiles"] == 0
+
+
+def test_an_artifact_whose_parts_do_not_add_up_is_refused_and_the_run_compiles() -> None:
+    from worker.wasm.host import ARTIFACT_MAGIC
+
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        (module, fp, artifact), = _artifacts_of(first, PROBE)
+    bad = ARTIFACT_MAGIC + (len(artifact) * 2).to_bytes(4, "little") + artifact[len(ARTIFACT_MAGIC) + 4:]
+    with env() as second:
+        _import(second, [(module, fp, bad)])
+        run = _run(second, PROBE, "add", [1, 2])
+        assert run["results"] == [3] and run["cached"] is False and second.host.stats["artifact_refusals"] == 1
