@@ -284,7 +284,10 @@ def test_a_worker_that_lent_the_device_takes_it_back_at_a_chunk_boundary(board: 
     clock.t += 200 * US
     lender.want(clock.t)  # its next op, one host gap later
     clock.t += 2 * MS
-    assert borrower.finish(2 * MS)  # one chunk, not a quantum: handed back
+    assert not borrower.finish(2 * MS, last=False)  # a claim is served once it waited half a quantum ...
+    assert borrower.try_acquire(clock.t)
+    clock.t += 2 * MS
+    assert borrower.finish(2 * MS)  # ... at the next chunk end, not a quantum later: handed back
     assert lender.try_acquire(clock.t)
 
 
@@ -330,7 +333,7 @@ def test_a_stretch_end_lends_the_device_whatever_the_host_gaps(board: GpuTimeBoa
 def test_a_claim_inside_the_quantum_is_served_in_batches(board: GpuTimeBoard, clock: FakeClock,
                                                          workers: list[GpuTimeBoard]) -> None:
     """A lender (a chatty tenant's queue) waiting for the device takes it back at the holder's first
-    chunk boundary after it has waited a quarter of a quantum, not at the very next one: its ops
+    chunk boundary after it has waited half a quantum, not at the very next one: its ops
     queue meanwhile and run as one stretch; its wait stays under a quantum."""
     heavy = attach(board, clock, workers, board.add_tenant(1.0))
     chatty = attach(board, clock, workers, board.add_tenant(1.0))
@@ -350,8 +353,8 @@ def test_a_claim_inside_the_quantum_is_served_in_batches(board: GpuTimeBoard, cl
             break
         assert heavy.try_acquire(clock.t)
     assert chatty.try_acquire(clock.t)
-    # served at the first boundary at or past a quarter quantum of waiting, not before
-    assert boundaries and QUANTUM // 4 <= boundaries[0] < QUANTUM // 4 + 500 * US
+    # served at the first boundary at or past half a quantum of waiting, not before
+    assert boundaries and QUANTUM // 2 <= boundaries[0] < QUANTUM // 2 + 500 * US
 
 
 @pytest.mark.parametrize("spin", [True, False])
