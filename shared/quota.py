@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from bisect import bisect_left
 import logging
 import os
 import re
@@ -48,7 +49,7 @@ import secrets
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Final
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
@@ -792,6 +793,24 @@ class QuotaBlock(MappedSegment):
         while i < len(bounds) and ns > bounds[i]:
             i += 1
         _atomics.fetch_add(buf, _GT_BINS + 8 * i, 1)
+
+    def observe_gpu_waits(self, waits: Sequence[int]) -> None:
+        """Record many ops' waits at once (a batch of small ops launched together): the same
+        counters as one :meth:`observe_gpu_wait` each, one atomic add per bin touched."""
+        if self._closed:
+            raise SegmentError(self.name, "quota block is closed")
+        if not waits:
+            return
+        bounds = _GT_BOUNDS_NS
+        bins: dict[int, int] = {}
+        for ns in waits:
+            i = bisect_left(bounds, ns)  # the first bound >= ns: as the loop in observe_gpu_wait
+            bins[i] = bins.get(i, 0) + 1
+        buf = self._buf
+        _atomics.fetch_add(buf, _GT_WAITS, len(waits))
+        _atomics.fetch_add(buf, _GT_WAIT_NS, sum(waits))
+        for i, n in bins.items():
+            _atomics.fetch_add(buf, _GT_BINS + 8 * i, n)
 
     def count_gpu_throttled(self) -> None:
         """One more time the tenant's ``gpu_time_cap`` held it back."""

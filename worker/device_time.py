@@ -589,9 +589,8 @@ class DeviceGate:
             raise
         finally:
             if started:
-                observe = self.block.observe_gpu_wait
-                for it in items:
-                    observe(max(0, started - it.submit_ns - (own - it.own_busy_ns)))
+                self.block.observe_gpu_waits(
+                    [max(0, started - it.submit_ns - (own - it.own_busy_ns)) for it in items])
         self.chunks += len(items) - 1  # launches, as one op each would count
         self._learn_batch(items, ns)
         per = ns // len(items)

@@ -22,11 +22,14 @@ from multiprocessing import resource_tracker
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shared import _atomics, _shm, quota
 from shared.errors import GpuMemoryExhausted, MemoryExhausted, SegmentError
 from shared.quota import (
     DEFAULT_QUOTA_BYTES,
+    GPU_WAIT_BUCKETS_S,
     MAX_INSTANCES,
     QuotaBlock,
     QuotaSnapshot,
@@ -797,3 +800,18 @@ def test_instance_indexes_out_of_range(index: int) -> None:
 def test_read_header_of_missing_segment() -> None:
     with pytest.raises(SegmentError, match="does not exist"):
         read_header(unique_prefix() + "missing")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(sorted({0, 1, *(b + d for b in (round(s * 1e9) for s in GPU_WAIT_BUCKETS_S)
+                                          for d in (-1, 0, 1)), 10**12})) | st.integers(0, 10**11),
+                max_size=80))
+def test_waits_observed_at_once_count_as_one_by_one(waits: list[int]) -> None:
+    """A batch of small ops records its waits at once: the counters and every histogram bin (the
+    bounds themselves and one ns either side included) equal one observation per wait."""
+    with QuotaBlock.create("waits-bulk") as one, QuotaBlock.create("waits-each") as each:
+        one.observe_gpu_waits(waits)
+        for ns in waits:
+            each.observe_gpu_wait(ns)
+        a, b = one.snapshot(), each.snapshot()
+        assert (a.gpu_waits, a.gpu_wait_ns, a.gpu_wait_bins) == (b.gpu_waits, b.gpu_wait_ns, b.gpu_wait_bins)
