@@ -180,6 +180,10 @@ class SupervisorConfig:
     #: past it parks the least recently used idle tenant early, or is refused (CapacityExhausted).
     #: None: no bound but each device's memory budget over its context cost (GPU-QUOTAS.md)
     max_active: int | None = None
+    #: with ``max_active``, this many of its places are kept free: the least recently used idle tenants
+    #: past ``max_active - park_ahead`` are parked ahead, so that an activation finds room without
+    #: waiting for a park. None: ``max_active // 16`` (0 below 16)
+    park_ahead: int | None = None
     #: the warm pool grows with the activation rate up to this many (None: ``pool_size``, a fixed pool)
     pool_max: int | None = None
     tenants: tuple[TenantSpec, ...] = ()
@@ -267,6 +271,10 @@ class SupervisorConfig:
         _int(self.max_workers, "max_workers", 1, 131_072)
         if self.max_active is not None:
             _int(self.max_active, "max_active", 1, 131_072)
+        if self.park_ahead is not None:
+            _int(self.park_ahead, "park_ahead", 0, 131_071)
+            if self.max_active is not None and self.park_ahead >= self.max_active:
+                raise ValueError(f"park_ahead must be below max_active ({self.max_active}); got {self.park_ahead!r}")
         if self.pool_max is not None:
             _int(self.pool_max, "pool_max", 0, 1024)
             if self.pool_max < self.pool_size:
@@ -439,10 +447,12 @@ _ENV_FIELDS = (
     "max_tenants",
     "max_workers",
     "max_active",
+    "park_ahead",
     "pool_max",
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
-               "max_tenants", "max_workers", "metrics_max_connections", "max_active", "pool_max"}
+               "max_tenants", "max_workers", "metrics_max_connections", "max_active", "park_ahead",
+               "pool_max"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "drain_timeout_s", "kill_grace_s", "register_timeout_s",
                  "tcp_handshake_timeout_s", "tcp_idle_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
                  "unauthenticated_requests_per_s", "tcp_drops_per_s",

@@ -211,7 +211,7 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
                       persist=_parked_flag_writer(s.state), stopping=s.stopping, max_active=cfg.max_active,
                       device_bounds=placement.context_bounds(),
                       artifacts=ModuleArtifacts(s.modules, min(ARTIFACT_MESSAGE_BYTES, cfg.max_message_bytes // 2)),
-                      run_dir=s.rundir.path)
+                      run_dir=s.rundir.path, park_ahead=cfg.park_ahead)
     dispatcher = Dispatcher(cfg, clock=loop.clock, pending=pending, sender=workers, held=guard.held,
                             regions=regions, tenants=tenants, wake=parking.wake)
     records = Records(cfg, loop=loop, tenants=tenants, registry=s.registry, placement=placement, workers=workers,

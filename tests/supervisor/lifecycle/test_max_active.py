@@ -62,6 +62,34 @@ def test_past_max_active_the_least_recently_used_idle_tenant_parks_early() -> No
         assert c.read(caps["old"], buf, 4096) == bytes(range(256)) * 16
 
 
+def test_park_ahead_keeps_a_place_free_so_the_next_activation_waits_for_no_park() -> None:
+    """With ``park_ahead = 1`` under ``max_active = 3``, the activation that takes the last place is
+    followed by a park of the least recently used idle tenant; the next parked tenant's activation
+    then finds a free place and parks nobody."""
+    names = ("old", "mid", "new", "next")
+    with supervisor([{"name": t} for t in names], max_active=3, park_ahead=1) as sup:
+        c = sup.client
+        caps = {t: c.tenant_capability(None, t) for t in names}
+        for tid in names:
+            _park(c, tid, LONG)
+        c.ping(caps["old"])
+        c.ping(caps["mid"])  # 2 alive: one place free, nothing parked ahead
+        assert tenant(c.status(), "old").state == "running"
+        mark = event_cursor(c)
+        c.ping(caps["new"])  # the last place: "old", the least recently used, is parked ahead
+        ahead = wait_event(c, "park", "old", mark)
+        assert ahead["early"] is True
+        assert tenant(c.status(), "mid").state == "running" and tenant(c.status(), "new").state == "running"
+        mark = event_cursor(c)
+        c.ping(caps["next"])  # a free place: activated without a park first ...
+        activated = wait_event(c, "activate", "next", mark)
+        parks = c.events_page(None, mark, kinds=["park"])["events"]
+        assert isinstance(parks, list)
+        # ... the park that follows (keeping a place free again) comes after it, not before
+        assert all(e["seq"] > activated["seq"] for e in parks if isinstance(e, dict)), parks
+        wait_for(lambda: _alive(c) <= 3, what="at most max_active workers alive")
+
+
 def test_an_activation_with_no_room_and_nothing_parkable_is_refused_with_retry_after() -> None:
     with supervisor([{"name": "sleeper"}, {"name": "busy"}], max_active=1) as sup:
         c = sup.client
@@ -120,6 +148,11 @@ def test_max_active_and_pool_max_are_validated() -> None:
     with pytest.raises(ValueError, match="pool_max must be at least pool_size"):
         SupervisorConfig(pool_size=4, pool_max=2)
     assert SupervisorConfig().max_active is None and SupervisorConfig().pool_max is None
+    with pytest.raises(ValueError, match="park_ahead must be below max_active"):
+        SupervisorConfig(max_active=4, park_ahead=4)
+    with pytest.raises(ValueError, match="park_ahead"):
+        SupervisorConfig(max_active=4, park_ahead=-1)
+    assert SupervisorConfig(max_active=4, park_ahead=3).park_ahead == 3
 
 
 def test_the_warm_pool_grows_with_the_demand_up_to_pool_max() -> None:
