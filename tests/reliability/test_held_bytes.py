@@ -102,7 +102,10 @@ def test_parked_bodies_are_bounded_in_bytes() -> None:
             growth = proc.memory_info().rss - rss0
             assert growth < HELD + 96 * MiB, f"supervisor grew {growth >> 20} MiB parking 60 x 16 MiB"
             codes += _codes(sock, 60 - len(codes))  # the parked ones go to the worker once it is back
-            assert len(codes) == 60 and codes.count("overloaded") >= 60 - HELD // (16 * MiB)
+            # every request answered; the held bytes' bound refused some (how many depends on how many
+            # of the 960 MiB arrived before the instance was back: those after it are sent, not parked -
+            # the bound itself is asserted above, on what waited)
+            assert len(codes) == 60 and codes.count("overloaded") >= 1, codes
             assert set(codes) <= {"overloaded", "wasm_compile", "kernel_timeout", "worker_lost"}
             assert "wasm_compile" in codes, codes  # parked, then sent once the instance was back
         finally:
