@@ -100,7 +100,9 @@ class FakeWorker:
         self.data.send(proto.encode_worker_reply(0, True, hello))
         self.control.send(proto.encode_control("hello", hello))
 
-    def on_data(self) -> None:
+    def requests(self) -> Iterator[tuple[int, str, Any, list[bytes]]]:
+        """The requests waiting on its data socket, each decoded and noted in ``received``: what an
+        ``on_data`` (this one, or a test's own) answers."""
         while self.alive:
             try:
                 frames = self.data.recv_multipart(zmq.NOBLOCK)
@@ -108,6 +110,10 @@ class FakeWorker:
                 return
             rid, op, args = proto.decode_worker_request(frames[0])
             self.received.append(op)
+            yield rid, op, args, frames
+
+    def on_data(self) -> None:
+        for rid, op, args, _frames in self.requests():
             if op in self.hang_ops:
                 continue
             if op == "bind":

@@ -241,6 +241,14 @@ class CountingBoard:
         pass
 
 
+class WaitedBoard(CountingBoard):
+    """A counting board on which another worker always waits."""
+
+    def others_waiting(self) -> bool:
+        super().others_waiting()
+        return True
+
+
 @pytest.mark.parametrize("scheduler", [False, True])
 def test_with_the_scheduler_off_the_board_is_never_asked(block: QuotaBlock, scheduler: bool) -> None:
     board = CountingBoard(scheduler)

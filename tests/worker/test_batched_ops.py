@@ -20,7 +20,7 @@ import pytest
 from shared.errors import CudaError
 from shared.gpu_time import GpuTimeBoard
 from shared.quota import QuotaBlock
-from tests.worker.test_async_ops import WAIT_S, CountingBoard, _Slow, make_backend, wait_for
+from tests.worker.test_async_ops import WAIT_S, CountingBoard, WaitedBoard, _Slow, make_backend, wait_for
 from worker.backends.stub import StubBackend
 from worker.backends.timing import ThreadTimer
 from worker.device_time import _BATCH_DIV, DeviceGate, _Item
@@ -150,14 +150,6 @@ def test_the_cuda_backend_launches_each_queued_op_alone(block: QuotaBlock) -> No
         gate.close()
 
 
-class _WaitingBoard(CountingBoard):
-    """Another worker waits for the device all along."""
-
-    def others_waiting(self) -> bool:
-        super().others_waiting()
-        return True
-
-
 @pytest.mark.parametrize("chatty", [True, False])
 def test_an_empty_queue_lends_at_once_for_a_chatty_worker_while_another_waits(
         block: QuotaBlock, monkeypatch: pytest.MonkeyPatch, chatty: bool) -> None:
@@ -167,7 +159,7 @@ def test_an_empty_queue_lends_at_once_for_a_chatty_worker_while_another_waits(
     import worker.device_time as device_time
 
     monkeypatch.setattr(device_time, "QUEUE_LINGER_S", 3600.0)
-    board = _WaitingBoard(True)
+    board = WaitedBoard(True)
     gate = DeviceGate(block, StubBackend(), cast(GpuTimeBoard, board), chunk_s=3600.0)
     done = threading.Event()
     try:

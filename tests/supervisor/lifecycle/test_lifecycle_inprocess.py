@@ -440,13 +440,7 @@ def test_a_failed_bind_fails_the_import_behind_it_and_the_next_worker_imports_ag
         (pool_worker,) = list(h.spawner.alive())
 
         def failing_bind(worker: FakeWorker = pool_worker) -> None:
-            while worker.alive:
-                try:
-                    frames = worker.data.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return
-                rid, op, _args = proto.decode_worker_request(frames[0])
-                worker.received.append(op)
+            for rid, op, _args, _frames in worker.requests():
                 error = {"code": "invalid_argument", "message": "bind refused" if op == "bind" else "not bound"}
                 worker.data.send(proto.encode_worker_reply(rid, False, error))
 
@@ -554,13 +548,7 @@ def test_the_pool_refill_waits_one_tick_for_a_bind_in_flight(tmp_path: Path) -> 
         held: list[tuple[Any, list[bytes]]] = []
         for worker in list(h.spawner.alive()):
             def hold_bind(worker: Any = worker) -> None:
-                while worker.alive:
-                    try:
-                        frames = worker.data.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        return
-                    rid, op, _args = proto.decode_worker_request(frames[0])
-                    worker.received.append(op)
+                for rid, op, _args, frames in worker.requests():
                     if op == "bind":
                         held.append((worker, frames))
                     else:

@@ -24,7 +24,7 @@ from shared.gpu_time import GpuTimeBoard
 from shared.quota import QuotaBlock
 from tests.helpers.fake_cublas import FakeCublas
 from tests.helpers.fake_cuda import FakeDriver
-from tests.worker.test_async_ops import CountingBoard
+from tests.worker.test_async_ops import CountingBoard, WaitedBoard
 from worker import device_time
 from worker.backends.cuda import CudaBackend, CudaBuffer
 from worker.backends.cuda_timing import STRETCH_RING_PAIRS, CudaStretchTimer
@@ -307,14 +307,6 @@ def test_reads_wait_for_the_settle_of_the_queued_work(cuda: tuple[FakeDriver, Cu
         assert got["value"] == expected[read]
     finally:
         gate.close()
-
-
-class WaitedBoard(CountingBoard):
-    """A counting board on which another worker always waits."""
-
-    def others_waiting(self) -> bool:
-        super().others_waiting()
-        return True
 
 
 @contextmanager
