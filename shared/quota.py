@@ -788,11 +788,7 @@ class QuotaBlock(MappedSegment):
         buf = self._buf
         _atomics.fetch_add(buf, _GT_WAITS, 1)
         _atomics.fetch_add(buf, _GT_WAIT_NS, ns)
-        i = 0
-        bounds = _GT_BOUNDS_NS
-        while i < len(bounds) and ns > bounds[i]:
-            i += 1
-        _atomics.fetch_add(buf, _GT_BINS + 8 * i, 1)
+        _atomics.fetch_add(buf, _GT_BINS + 8 * bisect_left(_GT_BOUNDS_NS, ns), 1)  # the first bound >= ns
 
     def observe_gpu_waits(self, waits: Sequence[int]) -> None:
         """Record many ops' waits at once (a batch of small ops launched together): the same
@@ -804,7 +800,7 @@ class QuotaBlock(MappedSegment):
         bounds = _GT_BOUNDS_NS
         bins: dict[int, int] = {}
         for ns in waits:
-            i = bisect_left(bounds, ns)  # the first bound >= ns: as the loop in observe_gpu_wait
+            i = bisect_left(bounds, ns)  # the first bound >= ns, as in observe_gpu_wait
             bins[i] = bins.get(i, 0) + 1
         buf = self._buf
         _atomics.fetch_add(buf, _GT_WAITS, len(waits))

@@ -392,12 +392,32 @@ def _name(data: bytes, pos: int) -> tuple[str, int]:
     return data[pos:pos + n].decode("utf-8"), pos + n
 
 
-def _skip_limits(data: bytes, pos: int) -> int:
+def _limits(data: bytes, pos: int) -> tuple[int, int | None, int]:
+    """A table's or memory's limits at ``pos``: (min, max or None, the position after them)."""
     flags = data[pos]
-    _, pos = _leb_u32(data, pos + 1)
+    minimum, pos = _leb_u32(data, pos + 1)
+    maximum = None
     if flags & 1:
-        _, pos = _leb_u32(data, pos)
-    return pos
+        maximum, pos = _leb_u32(data, pos)
+    return minimum, maximum, pos
+
+
+def _skip_limits(data: bytes, pos: int) -> int:
+    return _limits(data, pos)[2]
+
+
+def _sections(wasm: bytes) -> Iterator[tuple[int, int]]:
+    """Each section of a module's bytes: (its id, where its contents start). ``ValueError`` for a
+    section that runs past the end."""
+    pos = 8
+    while pos < len(wasm):
+        section = wasm[pos]
+        size, pos = _leb_u32(wasm, pos + 1)
+        end = pos + size
+        if end > len(wasm):
+            raise ValueError("section runs past the end of the module")
+        yield section, pos
+        pos = end
 
 
 def module_interface(wasm: bytes) -> tuple[list[tuple[str, str]], ExportTypes]:
@@ -412,14 +432,7 @@ def module_interface(wasm: bytes) -> tuple[list[tuple[str, str]], ExportTypes]:
     imports: list[tuple[str, str]] = []
     func_types: list[int] = []  # type index of each function, imported ones first
     exports: ExportTypes = {}
-    pos = 8
-    while pos < len(wasm):
-        section = wasm[pos]
-        size, pos = _leb_u32(wasm, pos + 1)
-        end = pos + size
-        if end > len(wasm):
-            raise ValueError("section runs past the end of the module")
-        p = pos
+    for section, p in _sections(wasm):
         if section == 1:
             count, p = _leb_u32(wasm, p)
             for _ in range(count):
@@ -463,7 +476,6 @@ def module_interface(wasm: bytes) -> tuple[list[tuple[str, str]], ExportTypes]:
                 index, p = _leb_u32(wasm, p + 1)
                 if kind == 0:
                     exports[name] = types[func_types[index]]
-        pos = end
     return imports, exports
 
 
@@ -474,24 +486,13 @@ def memory_limits(wasm: bytes) -> tuple[int, int | None] | None:
     at most one, not shared), so the layout is known good; a malformed
     section still fails cleanly with ``ValueError``.
     """
-    pos = 8
-    while pos < len(wasm):
-        section = wasm[pos]
-        size, pos = _leb_u32(wasm, pos + 1)
-        end = pos + size
-        if end > len(wasm):
-            raise ValueError("section runs past the end of the module")
+    for section, pos in _sections(wasm):
         if section == 5:
             count, p = _leb_u32(wasm, pos)
             if count == 0:
                 return None
-            flags = wasm[p]
-            minimum, p = _leb_u32(wasm, p + 1)
-            maximum = None
-            if flags & 1:
-                maximum, p = _leb_u32(wasm, p)
+            minimum, maximum, _ = _limits(wasm, p)
             return minimum, maximum
-        pos = end
     return None
 
 
