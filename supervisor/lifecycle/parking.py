@@ -201,6 +201,8 @@ class Parking:
         #: parked tenants whose activation waits for the room early parks are making, in arrival order
         self._room_waiters: list[TenantRuntime] = []
         self._early: set[str] = set()
+        #: of those, the parks begun to keep ``park_ahead`` places free (not for a waiting activation)
+        self._ahead: set[str] = set()
         #: when each tenant's last park was refused (see EARLY_PARK_BACKOFF_S)
         self._refused_at: dict[str, float] = {}
         self._retrying = False
@@ -467,9 +469,12 @@ class Parking:
         rt.refresh_state()
         self.parks += 1
         early = rt.tenant_id in self._early
+        ahead = rt.tenant_id in self._ahead
         self._early.discard(rt.tenant_id)
+        self._ahead.discard(rt.tenant_id)
         self.events.emit("park", tenant=rt.tenant_id, buffers=sum(len(b) for b in rec.buffers.values()),
-                         host_bytes=rec.host_bytes, park_ms=round((self.clock() - rec.since) * 1000, 3), early=early)
+                         host_bytes=rec.host_bytes, park_ms=round((self.clock() - rec.since) * 1000, 3), early=early,
+                         ahead=ahead)
         self._persist_parked(rt)
         if (rec.wanted or rt.waiting) and not self.stopping() and self._make_room(rt) is True:
             self.activate(rt)
@@ -507,6 +512,7 @@ class Parking:
         rt.last_request = self.clock()
         rt.refresh_state()
         self._early.discard(rt.tenant_id)
+        self._ahead.discard(rt.tenant_id)
         self.on_active(rt)
         self._retry_room_waiters()  # a park that was making room did not: they look elsewhere, or are refused
 
@@ -628,6 +634,7 @@ class Parking:
             if free >= ahead:
                 break
             self._early.add(victim.tenant_id)
+            self._ahead.add(victim.tenant_id)
             self.ahead_parks += 1
             log_event(_log, logging.INFO, "tenant.park_ahead", tenant=victim.tenant_id, free=free, ahead=ahead)
             self.park(victim, now)
