@@ -201,12 +201,14 @@ _SIBLING_WAIT_QUANTA = 4
 #: a waiter looks at a held device at least this often (an idle holder past its grace is stolen from)
 _POLL_NS = 1_000_000
 #: inside the holder's quantum a waiter with a claim (it lent the device, or is a quantum behind) takes
-#: it at the first chunk boundary after it has waited this fraction of a quantum, not at the very next
-#: one: its ops queue meanwhile (worker.device_time) and run as one stretch, so the holder pays one
-#: handover per batch instead of one per chunk, and the waiter's op still waits under one quantum
-#: (half a quantum, a boundary and a wake-up). Half, not a quarter: each batch costs the device two
-#: wake-ups (~120 us each on a 2-core host), and a quarter gave a chatty tenant ~270 batches a second
-_BATCH_QUANTUM_DIV = 2
+#: it at the holder's last chunk boundary before it would have waited this fraction of a quantum (the
+#: holder's next chunk, as long as its recent ones, would end past it), not at the very next boundary:
+#: its ops queue meanwhile (worker.device_time) and run as one stretch, so the holder pays one handover
+#: per batch instead of one per chunk, and the claimant's op still waits under one quantum (this
+#: fraction, a wake-up, and a quarter of a quantum of margin for a holder descheduled mid-chunk). Each
+#: batch costs the device two wake-ups (~120 us each on a 2-core host): a claim served at a quarter of
+#: a quantum gave a chatty tenant ~270 batches a second, at half ~170 (4 % of the device idle)
+_CLAIM_SERVE_NUM, _CLAIM_SERVE_DEN = 3, 4
 #: a busy holder whose grace is at most this fraction of a quantum runs short stretches (a chatty
 #: tenant): the policy's pick yields the CPU in a loop instead of sleeping, to take the device at once
 _SHORT_HOLD_QUANTUM_DIV = 8
@@ -321,6 +323,8 @@ class GpuTimeBoard(MappedSegment):
         #: this worker's device time per op (EWMA, ns; the chunks of one op summed) and the op so far
         self._op_ns = 0
         self._op_sum = 0
+        #: this worker's chunks' wall time, start to end (EWMA, ns)
+        self._chunk_ns = 0
         self._grace_ns = 0
         #: the grant under which this worker last started a chunk (a new one at a chunk start: the
         #: device was handed to it by another process since, and the gap is timed)
@@ -552,7 +556,7 @@ class GpuTimeBoard(MappedSegment):
         return max(_atomics.load(buf, t_off + _T_PASS), vclock - quantum * _MICRO // weight)
 
     def pick(self, now: int, *, holder_tenant: int | None = None, quantum_over: bool = True,
-             prefer_tenant: int | None = None) -> int | None:
+             prefer_tenant: int | None = None, next_ns: int = 0) -> int | None:
         """The waiting worker slot whose tenant should run next, or None.
 
         Candidates: workers waiting for this device whose tenant is not held
@@ -570,6 +574,10 @@ class GpuTimeBoard(MappedSegment):
           chatty one) - two busy tenants keep alternating by whole quanta -
           or a waiter with a smaller pass that *lent* the device (gave it up
           at an op's end, or had it stolen, for its host work only).
+
+        ``next_ns``: how long the holder's next chunk is expected to last (its recent chunks' wall
+        time): a claim inside the quantum is served at the last boundary before the claimant's wait
+        would pass its bound, so the chunk that would carry it past is not started.
 
         With ``prefer_tenant`` (a lend at an op's end) a waiting worker of that
         tenant, if any, gets the device: a sibling covers the lender's gap and
@@ -626,8 +634,8 @@ class GpuTimeBoard(MappedSegment):
             if quantum_over:
                 if held <= best[0]:
                     return None
-            elif now - best[1] < quantum // _BATCH_QUANTUM_DIV:
-                return None  # inside the quantum a claim is served in batches (see _BATCH_QUANTUM_DIV)
+            elif now - best[1] + next_ns < quantum * _CLAIM_SERVE_NUM // _CLAIM_SERVE_DEN:
+                return None  # inside the quantum a claim is served in batches (see _CLAIM_SERVE_NUM)
             elif lender.get(best[3]) and held > best[0]:
                 pass  # it gave the device up between two of its ops, not for its pass: it takes it back
             elif held - best[0] < quantum * _MICRO // (_atomics.load(buf, t_off + _T_WEIGHT) or 1):
@@ -963,6 +971,10 @@ class GpuTimeBoard(MappedSegment):
                 _atomics.store(buf, t_off + _T_CREDIT, _BIAS + credit)
                 _atomics.store(buf, t_off + _T_STAMP, now)
                 capped_out = credit <= 0 and _atomics.load(buf, _C_MODE) == 1
+        # the chunk's wall time (its start to now): what the next one will likely take, for a claim's
+        # deadline (see pick's next_ns) - the larger of the last and the average, a claim errs early
+        chunk = max(0, now - _atomics.load(buf, _BUSY_SINCE))
+        self._chunk_ns += (chunk - self._chunk_ns) >> _GAP_EWMA_SHIFT if self._chunk_ns else chunk
         self._op_open = not last
         self._last_end = now
         self._op_sum += max(0, charged_ns)
@@ -995,7 +1007,7 @@ class GpuTimeBoard(MappedSegment):
                 _atomics.store(buf, self._w_off(w) + _W_LENT, 1)
         else:
             quantum_over = now - _atomics.load(buf, _GRANT_NS) >= _atomics.load(buf, _C_QUANTUM)
-            nxt = self.pick(now, holder_tenant=t, quantum_over=quantum_over)
+            nxt = self.pick(now, holder_tenant=t, quantum_over=quantum_over, next_ns=max(chunk, self._chunk_ns))
             if nxt is None:
                 if quantum_over:
                     _atomics.store(buf, _GRANT_NS, now)  # the holder's pass is still the smallest: renew

@@ -283,11 +283,14 @@ def test_a_worker_that_lent_the_device_takes_it_back_at_a_chunk_boundary(board: 
     assert borrower.try_acquire(clock.t)
     clock.t += 200 * US
     lender.want(clock.t)  # its next op, one host gap later
-    clock.t += 2 * MS
-    assert not borrower.finish(2 * MS, last=False)  # a claim is served once it waited half a quantum ...
+    clock.t += 1 * MS
+    assert not borrower.finish(1 * MS, last=False)  # a claim waits for its batch (see below) ...
     assert borrower.try_acquire(clock.t)
-    clock.t += 2 * MS
-    assert borrower.finish(2 * MS)  # ... at the next chunk end, not a quantum later: handed back
+    clock.t += 1 * MS
+    assert not borrower.finish(1 * MS, last=False)
+    assert borrower.try_acquire(clock.t)
+    clock.t += 1 * MS
+    assert borrower.finish(1 * MS)  # ... and is served at a chunk end, not a quantum later: handed back
     assert lender.try_acquire(clock.t)
 
 
@@ -332,9 +335,9 @@ def test_a_stretch_end_lends_the_device_whatever_the_host_gaps(board: GpuTimeBoa
 
 def test_a_claim_inside_the_quantum_is_served_in_batches(board: GpuTimeBoard, clock: FakeClock,
                                                          workers: list[GpuTimeBoard]) -> None:
-    """A lender (a chatty tenant's queue) waiting for the device takes it back at the holder's first
-    chunk boundary after it has waited half a quantum, not at the very next one: its ops
-    queue meanwhile and run as one stretch; its wait stays under a quantum."""
+    """A lender (a chatty tenant's queue) waiting for the device takes it back at the holder's last
+    chunk boundary before its wait would pass three quarters of a quantum, not at the very next one:
+    its ops queue meanwhile and run as one stretch; its wait stays under a quantum."""
     heavy = attach(board, clock, workers, board.add_tenant(1.0))
     chatty = attach(board, clock, workers, board.add_tenant(1.0))
     assert chatty.try_acquire(clock.t)
@@ -353,8 +356,34 @@ def test_a_claim_inside_the_quantum_is_served_in_batches(board: GpuTimeBoard, cl
             break
         assert heavy.try_acquire(clock.t)
     assert chatty.try_acquire(clock.t)
-    # served at the first boundary at or past half a quantum of waiting, not before
-    assert boundaries and QUANTUM // 2 <= boundaries[0] < QUANTUM // 2 + 500 * US
+    # served at the last boundary before the next 0.5 ms chunk would end past 3/4 of a quantum of waiting
+    assert boundaries and 3 * QUANTUM // 4 - 500 * US <= boundaries[0] < 3 * QUANTUM // 4
+
+
+@pytest.mark.parametrize("chunk_us", [200, 500, 1_000, 2_000])
+def test_a_claim_is_served_before_the_holders_next_chunk_would_carry_it_past_its_bound(
+        board: GpuTimeBoard, clock: FakeClock, workers: list[GpuTimeBoard], chunk_us: int) -> None:
+    """The boundary that serves a claim depends on how long the holder's chunks last: the longer they
+    are, the earlier the claim is served, so that the wait ends within three quarters of a quantum
+    whatever the holder runs (a fixed wait before serving plus a 2 ms chunk would end past it)."""
+    heavy = attach(board, clock, workers, board.add_tenant(1.0))
+    chatty = attach(board, clock, workers, board.add_tenant(1.0))
+    assert chatty.try_acquire(clock.t)
+    heavy.want(clock.t)
+    clock.t += 20 * US
+    assert chatty.finish(20 * US, clock.t, last=True, idle=True)
+    assert heavy.try_acquire(clock.t)
+    asked = clock.t + 10 * US
+    chatty.want(asked)
+    served = None
+    while served is None:
+        clock.t += chunk_us * US
+        if heavy.finish(chunk_us * US, clock.t, last=False):
+            served = clock.t - asked
+        else:
+            assert heavy.try_acquire(clock.t)
+    assert served <= 3 * QUANTUM // 4, "the wait ran past its bound"
+    assert served > 3 * QUANTUM // 4 - 2 * chunk_us * US, "served earlier than one chunk before the bound"
 
 
 @pytest.mark.parametrize("spin", [True, False])
