@@ -270,6 +270,12 @@ class WorkerSet:
         while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
             self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
 
+    def serving_tenants(self) -> set[str]:
+        """The tenants some live worker of this set serves (starting, binding, ready or stopping).
+        A pass over the workers - the active ones, the pool and those stopping - for the loop's
+        periodic looks at tenants, which at 10,000 registered tenants must not pass over them all."""
+        return {w.tenant for w in self.workers.values() if w.tenant is not None and w.state is not WorkerState.DEAD}
+
     def binding(self) -> bool:
         """Whether a bind is in flight (an activation's or a registration's, or a restart's)."""
         return any(w.state is WorkerState.BINDING for w in self.workers.values())
