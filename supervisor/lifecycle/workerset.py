@@ -247,16 +247,12 @@ class WorkerSet:
         return worker
 
     def refill_pool(self) -> None:
-        """Start a pool worker while the pool is below its target (and stop idle ones beyond it).
-        One a call (a housekeeping tick): a start holds the loop until the fork server has forked
-        (~3 ms on a quiet 2-core host, tens of ms on a loaded one), and the pool's burst of
-        several at once held every request arriving meanwhile that many times as long; one a
-        tick still starts 20 a second, more than a pool worker's warm-up lets a host ready.
-        Not while a bind is in flight, as long as a warm worker is left: a new process's start
-        and warm-up take tens of ms of CPU, which on a small host the bind (an activation
-        waiting on it) would wait behind; the next housekeeping tick refills. Put off one tick
-        at most: under a stream of activations a bind is in flight at many ticks, and a pool
-        never refilled would hand out starting processes instead."""
+        """Start pool workers up to the target (and stop idle ones beyond it). Not while a bind
+        is in flight, as long as a warm worker is left: a new process's start and warm-up take
+        tens of ms of CPU, which on a small host the bind (an activation waiting on it) would
+        wait behind; the next housekeeping tick refills. Put off one tick at most: under a
+        stream of activations a bind is in flight at many ticks, and a pool never refilled
+        would hand out starting processes instead."""
         now = self.clock()
         if self._pool_failures and now < self._pool_retry_at:
             return
@@ -267,7 +263,7 @@ class WorkerSet:
         if self._pool_failures:
             self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
         target = self.pool_target = self.pool_target_now(now)
-        if len(self.pool) + self.pool_starting < target:
+        while len(self.pool) + self.pool_starting < target:
             worker = self._spawn()
             worker.tenant = None
             self.pool_starting += 1

@@ -638,27 +638,3 @@ def test_a_burst_of_instance_starts_raises_the_pool_target_at_once(tmp_path: Pat
     finally:
         h.close()
 
-
-def test_the_pool_starts_one_worker_a_tick_up_to_a_raised_target(tmp_path: Path) -> None:
-    """A raised pool target is reached one start a housekeeping tick, not all at once: each start
-    holds the loop until the fork server has forked, and a burst of them held every request
-    arriving meanwhile for all of them."""
-    h = Harness(tmp_path, pool_size=1, pool_max=8)
-    try:
-        h.settle()
-        ws = h.sup.parts.workers
-        assert len(ws.pool) == 1
-        ws._refill_s = 0.5
-        for _ in range(10):
-            ws._note_demand()  # a burst: the target rises to 4
-        assert ws.pool_target_now(h.clock()) == 4
-        spawned = h.spawner._seq
-        ws.refill_pool()
-        assert h.spawner._seq == spawned + 1 and ws.pool_starting == 1
-        ws.refill_pool()
-        ws.refill_pool()
-        assert h.spawner._seq == spawned + 3 and len(ws.pool) + ws.pool_starting == 4
-        ws.refill_pool()  # at the target: none more
-        assert h.spawner._seq == spawned + 3
-    finally:
-        h.close()
