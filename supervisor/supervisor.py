@@ -484,12 +484,13 @@ class Supervisor:
         quiet = parts.records.quiet_refusals
         if len(quiet) > len(self.tenants):
             quiet.intersection_update(self.tenants)
-        for tid, rt in self.tenants.items():
-            if rt.block.closed:
+        serving = parts.workers.serving_tenants()
+        # those a worker serves, and those not quiet yet: not a pass over every registered tenant
+        for tid in serving | (self.tenants.keys() - quiet):
+            rt = self.tenants.get(tid)
+            if rt is None or rt.block.closed:
                 continue
-            working = any(s.worker is not None for s in rt.slots)
-            if not working and tid in quiet:
-                continue
+            working = tid in serving
             if working:
                 quiet.discard(tid)
             else:

@@ -24,6 +24,12 @@ try:
     import wasmtime  # noqa: F401
 
     import worker.wasm.ops  # noqa: F401  (the host and the ABI; no engine or thread until a run)
+    from worker.wasm.host import engine_fingerprint
+
+    # Found once here (cached), not in each pool worker's warm-up: the wasmtime version's lookup
+    # reads the installed packages' metadata, ~3 ms of CPU a worker, and an activation's
+    # import_modules asks for it. It reads only the environment the forked workers inherit.
+    engine_fingerprint()
 except ImportError:  # pragma: no cover - wasmtime is a dependency; stay startable without it
     pass
 

@@ -126,11 +126,12 @@ class Records:
         quiet = self._quiet_sampled  # without a worker, its time cannot grow: sampled once, then skipped
         if len(quiet) > len(self.tenants):
             quiet.intersection_update(self.tenants)
-        for tid, rt in self.tenants.items():
-            if not rt.block.closed:
-                working = any(s.worker is not None for s in rt.slots)
-                if not working and tid in quiet:
-                    continue
+        serving = self.workers.serving_tenants()
+        # those a worker serves, and those not quiet yet: not a pass over every registered tenant
+        for tid in serving | (self.tenants.keys() - quiet):
+            rt = self.tenants.get(tid)
+            if rt is not None and not rt.block.closed:
+                working = tid in serving
                 if working:
                     quiet.discard(tid)
                 else:

@@ -84,6 +84,12 @@ POOL_RATE_WINDOW_S = 30.0
 #: and its burst window: the same count over a few seconds, which a burst of activations raises at
 #: once (the pool follows the larger of the two rates)
 POOL_BURST_WINDOW_S = 2.0
+#: a burst's rate is read over its own span while that is short (a decayed count that starts from
+#: nothing holds only 1 - exp(-span / window) of its rate: a burst of activations at 15/s counted
+#: 3/s half a second in, when the pool needed to grow), once it counts this many starts spread over
+#: at least POOL_BURST_MIN_SPAN_S (starts at one moment - a tenant's instances - are not a rate)
+POOL_BURST_MIN_STARTS = 3
+POOL_BURST_MIN_SPAN_S = 0.25
 #: a pool worker's spawn-to-ready time until one has been measured
 POOL_DEFAULT_REFILL_S = 1.0
 #: the decayed count of recent instance starts from which the pool keeps workers beyond ``pool_size``
@@ -169,6 +175,10 @@ class WorkerSet:
         #: the same over POOL_BURST_WINDOW_S: a burst's rate
         self._burst_rate = 0.0
         self._burst_at = 0.0
+        #: when the burst now counted began (its count had fallen below one start before it), and
+        #: its last start
+        self._burst_began = 0.0
+        self._burst_last = 0.0
         self._refill_s: float | None = None
         self._last_beat = 0.0
         #: a worker that missed a beat: its last beat then, and its threads' run-queue waits then
@@ -270,6 +280,12 @@ class WorkerSet:
         while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
             self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
 
+    def serving_tenants(self) -> set[str]:
+        """The tenants some live worker of this set serves (starting, binding, ready or stopping).
+        A pass over the workers - the active ones, the pool and those stopping - for the loop's
+        periodic looks at tenants, which at 10,000 registered tenants must not pass over them all."""
+        return {w.tenant for w in self.workers.values() if w.tenant is not None and w.state is not WorkerState.DEAD}
+
     def binding(self) -> bool:
         """Whether a bind is in flight (an activation's or a registration's, or a restart's)."""
         return any(w.state is WorkerState.BINDING for w in self.workers.values())
@@ -289,8 +305,18 @@ class WorkerSet:
         refill_s = self._refill_s if self._refill_s is not None else POOL_DEFAULT_REFILL_S
         if rate * POOL_RATE_WINDOW_S < POOL_MIN_DEMAND:
             return cfg.pool_size
-        rate = max(rate, self._decayed_burst(now))
+        rate = max(rate, self._burst_estimate(now))
         return min(cfg.pool_max, cfg.pool_size + max(1, math.ceil(rate * refill_s)))
+
+    def _burst_estimate(self, now: float) -> float:
+        """The burst window's rate, read over the burst's span while that is short (see
+        POOL_BURST_MIN_STARTS): the opening of a stream of activations raises the pool's target
+        while it happens, not seconds later when the pool has long run dry."""
+        burst = self._decayed_burst(now)
+        span = self._burst_last - self._burst_began
+        if burst * POOL_BURST_WINDOW_S < POOL_BURST_MIN_STARTS or span < POOL_BURST_MIN_SPAN_S:
+            return burst
+        return burst / (1.0 - math.exp(-span / POOL_BURST_WINDOW_S))
 
     def _decayed_rate(self, now: float) -> float:
         if now > self._demand_at:
@@ -308,6 +334,9 @@ class WorkerSet:
         """An instance asked for a worker (an activation, a registration, a restart): one more in the rates."""
         now = self.clock()
         self._demand_rate = self._decayed_rate(now) + 1.0 / POOL_RATE_WINDOW_S
+        if self._decayed_burst(now) * POOL_BURST_WINDOW_S < 1.0:
+            self._burst_began = now  # a new burst: nothing of the last one is left to count
+        self._burst_last = now
         self._burst_rate = self._decayed_burst(now) + 1.0 / POOL_BURST_WINDOW_S
 
     def start_instance(self, rt: TenantRuntime, slot: InstanceSlot) -> str:

@@ -94,6 +94,9 @@ class Dispatcher:
         self.regions = regions
         self.tenants = tenants
         self.wake = wake
+        #: the tenants a request was parked for since their queue was last seen empty: what
+        #: :meth:`expire_parked` looks at each tick, instead of every registered tenant
+        self._waiting: dict[str, TenantRuntime] = {}
 
     def route(self, rt: TenantRuntime, client: bytes, rid: int, op: str, args: dict[str, object], body: Body,
               *, in_flight: int, max_in_flight: int) -> None:
@@ -134,6 +137,7 @@ class Dispatcher:
                 rt.parked.append(Parked(client, rid, op, args, body, now,
                                         now + spec.deadline_s(rt.spec, args.get("timeout_s")), pinned,
                                         held_reply=reply, held_body=size))
+                self._waiting[tid] = rt
                 return
             self._forward(rt, slot, client, rid, op, args, body, now, held=reply)
         except BaseException:
@@ -263,8 +267,13 @@ class Dispatcher:
             rt.parked.extend(keep)
 
     def expire_parked(self, now: float) -> None:
-        """Parked requests whose deadline passed get :class:`KernelTimeout` (every tick: nothing to do costs one look per tenant)."""
-        for rt in self.tenants.values():
+        """Parked requests whose deadline passed get :class:`KernelTimeout` (every tick: one look
+        per tenant that had a request parked since the last tick that found its queue empty - not
+        one per registered tenant, which at 10,000 tenants held every request up ~5 ms a tick)."""
+        for tid, rt in list(self._waiting.items()):
+            if not rt.waiting or self.tenants.get(tid) is not rt:
+                del self._waiting[tid]  # nothing waits (or the tenant went): its next parked request adds it
+                continue
             while rt.waiting and rt.parked[0].deadline <= now:  # waiting: no queue made for a look
                 p = rt.parked.popleft()
                 waited = p.deadline - p.started

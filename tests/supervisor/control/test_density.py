@@ -216,3 +216,57 @@ def test_max_tenants_defaults_to_16384_and_past_it_registration_is_refused() -> 
                                    "setting": "max_tenants", "retry_after_s": None}
     AdminOps.check_capacity(SimpleNamespace(config=cfg, tenants=dict.fromkeys(range(16_383))),  # type: ignore[arg-type]
                             tenants=1, workers=0)
+
+
+class _Untouchable:
+    """A registered tenant without a worker whose block was read after its last worker went: the
+    loop's once-a-second scans must not read it again."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"a quiet tenant was looked at ({name})")
+
+
+def _block(gpu_ns: int = 0, refusals: int = 0) -> Any:
+    snap = SimpleNamespace(cpu_refusals=refusals, gpu_refusals=0)
+    return SimpleNamespace(closed=False, gpu_time_ns=gpu_ns, snapshot=lambda: snap)
+
+
+def _scanned(quiet: set[str]) -> tuple[dict[str, Any], Any]:
+    """1,000 quiet tenants, ``busy`` (a worker serves it) and ``gone`` (its last worker went)."""
+    tenants: dict[str, Any] = {tid: _Untouchable() for tid in quiet}
+    tenants["busy"] = SimpleNamespace(tenant_id="busy", block=_block(5, 2), seen_refusals=0)
+    tenants["gone"] = SimpleNamespace(tenant_id="gone", block=_block(7, 1), seen_refusals=0)
+    return tenants, SimpleNamespace(serving_tenants=lambda: {"busy"})
+
+
+def test_the_gpu_time_sample_reads_only_tenants_served_or_not_quiet_yet() -> None:
+    """The GPU-time sample (every second) reads the tenants a worker serves and, once, those whose
+    last worker went: never the quiet ones (at 10,000 parked tenants a pass over them all held the
+    loop tens of ms each second, and the requests arriving then with it)."""
+    from supervisor.control.records import Records
+
+    quiet = {f"q{i:04d}" for i in range(1000)}
+    tenants, workers = _scanned(quiet)
+    seen: list[tuple[str, int]] = []
+    fake: Any = SimpleNamespace(_quiet_sampled=set(quiet), tenants=tenants, workers=workers,
+                                gpu_share=SimpleNamespace(observe=lambda tid, now, ns: seen.append((tid, ns))),
+                                loop=SimpleNamespace(timers=SimpleNamespace(after=lambda *_: None)), sample_gpu_time=None)
+    Records.sample_gpu_time(fake)
+    assert sorted(seen) == [("busy", 5), ("gone", 7)]
+    assert "gone" in fake._quiet_sampled and "busy" not in fake._quiet_sampled
+    Records.sample_gpu_time(fake)  # gone is quiet now: read once only
+    assert sorted(seen) == [("busy", 5), ("busy", 5), ("gone", 7)]
+
+
+def test_the_refusal_scan_reads_only_tenants_served_or_not_quiet_yet() -> None:
+    from supervisor.supervisor import Supervisor
+
+    quiet = {f"q{i:04d}" for i in range(1000)}
+    tenants, workers = _scanned(quiet)
+    emitted: list[tuple[str, int]] = []
+    records = SimpleNamespace(quiet_refusals=set(quiet))
+    fake: Any = SimpleNamespace(parts=SimpleNamespace(records=records, workers=workers), tenants=tenants,
+                                events=SimpleNamespace(emit=lambda kind, tenant, new, **_: emitted.append((tenant, new))))
+    Supervisor._scan_refusals(fake)
+    assert sorted(emitted) == [("busy", 2), ("gone", 1)]
+    assert "gone" in records.quiet_refusals and "busy" not in records.quiet_refusals

@@ -622,7 +622,8 @@ def test_a_pool_worker_killed_before_its_hello_leaves_the_pool_count_and_is_repl
 def test_a_burst_of_instance_starts_raises_the_pool_target_at_once(tmp_path: Path) -> None:
     """Ten starts within a moment: the pool grows for them now (their rate over a few seconds),
     not by a thirtieth of a worker each (their rate over the 30 s window), and settles back to
-    the long window's target once the burst is seconds old."""
+    the long window's target once the burst is seconds old. Starts at one moment are not read
+    over their span (none): a tenant's instances do not fill the pool to its most."""
     h = Harness(tmp_path, pool_size=1, pool_max=8)
     try:
         ws = h.sup.parts.workers
@@ -633,7 +634,36 @@ def test_a_burst_of_instance_starts_raises_the_pool_target_at_once(tmp_path: Pat
             ws._note_demand()
         # 10 starts at once: 5/s over the burst window, 2.5 workers taken while one refill starts
         assert ws.pool_target_now(now) == 1 + 3
+        assert ws.pool_target_now(now + 0.5) == 1 + 2  # decayed, not read over a span: they came at one moment
         later = now + 10 * workerset.POOL_BURST_WINDOW_S
         assert ws.pool_target_now(later) == 1 + 1  # the long window's: recent demand, one more
     finally:
         h.close()
+
+
+def test_the_opening_of_a_stream_of_activations_raises_the_pool_target_to_its_rate(tmp_path: Path) -> None:
+    """Starts at 15/s: half a second in, the pool's target covers 15/s times a refill (a decayed
+    count that starts from nothing held a fifth of that rate then: the pool ran dry through a
+    stream's opening); seconds in, the burst's reading is its decayed rate as before. Two starts
+    moments apart raise it as little as before."""
+    h = Harness(tmp_path, pool_size=1, pool_max=8)
+    try:
+        ws = h.sup.parts.workers
+        ws._refill_s = 0.2
+        ws._note_demand()
+        h.clock.advance(0.01)
+        ws._note_demand()
+        assert ws.pool_target_now(h.clock()) == 1 + 1
+        h.clock.advance(10 * workerset.POOL_BURST_WINDOW_S)
+        for _ in range(8):
+            h.clock.advance(1 / 15)
+            ws._note_demand()
+        assert ws.pool_target_now(h.clock()) >= 1 + 3  # 15/s x 0.2 s
+        for _ in range(150):
+            h.clock.advance(1 / 15)
+            ws._note_demand()
+        now = h.clock()
+        assert ws._burst_estimate(now) == pytest.approx(ws._decayed_burst(now), rel=0.02)
+    finally:
+        h.close()
+

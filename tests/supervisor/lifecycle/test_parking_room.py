@@ -68,3 +68,57 @@ def test_a_worker_still_in_use_takes_room(phase: ParkPhase | None) -> None:
     parking = _parking([other, wanted], [w], max_active=1)
     assert parking._alive()[0] == 1
     assert parking._make_room(wanted) is not True
+
+
+class _Untouchable:
+    """A registered tenant without a worker (parked, stopped) that the loop's periodic looks must
+    not read: any attribute of it fails the test."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"a tenant without a worker was looked at ({name})")
+
+
+def _idle(name: str, sent: list[tuple[str, str]]) -> tuple[TenantRuntime, WorkerHandle]:
+    rt = TenantRuntime(TenantSpec(name, idle_timeout_s=1.0), SimpleNamespace(closed=False), 0)  # type: ignore[arg-type]
+    rt.slots.append(InstanceSlot(0))
+    rt.state, rt.last_request = TenantState.RUNNING, 10.0
+    return rt, _worker(rt, WorkerState.READY, expected_exit=False)
+
+
+def _parking_over_many(rts: list[TenantRuntime], workers: list[WorkerHandle], sent: list[tuple[str, str]],
+                       **kw: Any) -> Parking:
+    """A Parking whose registry holds ``rts`` and 1,000 tenants without a worker it must not read."""
+    tenants: dict[str, Any] = {f"p{i:04d}": _Untouchable() for i in range(1000)}
+    tenants.update({t.tenant_id: t for t in rts})
+
+    def send_request(worker: WorkerHandle, op: str, *_: Any) -> None:
+        sent.append((str(worker.tenant), op))
+
+    fake_set: Any = SimpleNamespace(workers={w.worker_id: w for w in workers}, send_request=send_request)
+    return Parking(tenants=tenants, workers=fake_set, events=EventBus(None),
+                   signals=TenantSignals(stopping=lambda: False), clock=lambda: 100.0, **kw)
+
+
+def test_idle_parks_and_room_look_only_at_the_tenants_a_worker_serves() -> None:
+    """Housekeeping (every 50 ms) and each activation's room look at the tenants some worker
+    serves, never at every registered one: at 10,000 parked tenants a pass over all of them held
+    the loop - and the requests waiting on it - ~10 ms each time. The idle tenant is still parked,
+    and the activation waits for its export."""
+    sent: list[tuple[str, str]] = []
+    idle, w = _idle("idle", sent)
+    wanted = _tenant("wanted", ParkPhase.PARKED)
+    parking = _parking_over_many([idle, wanted], [w], sent, max_active=1)
+    parking.check_idle(100.0)
+    assert idle.park is not None and idle.park.phase is ParkPhase.EXPORTING
+    assert sent == [("idle", "export_buffers")]
+    assert parking._make_room(wanted) is False  # waits for the export in progress, parks nothing more
+    assert sent == [("idle", "export_buffers")]
+
+
+def test_park_ahead_looks_only_at_the_tenants_a_worker_serves() -> None:
+    sent: list[tuple[str, str]] = []
+    idle, w = _idle("idle", sent)
+    idle.spec = TenantSpec("idle", idle_timeout_s=3600.0)  # not idle long enough: parked ahead only
+    parking = _parking_over_many([idle], [w], sent, max_active=1, park_ahead=1)
+    parking._keep_room()
+    assert parking.ahead_parks == 1 and sent == [("idle", "export_buffers")]
