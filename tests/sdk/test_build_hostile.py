@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from supervisor.cli import main
 from supervisor.tools.build import BuildError, build_module
 from supervisor.tools.build_guard import cache_lock
 from tests.helpers.cluster import wait_for
-from tests.helpers.sdk_build import SdkBuilder
+from tests.helpers.sdk_build import SdkBuilder, seed_sandbox_cache
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
@@ -235,19 +234,12 @@ def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     zig = Path(builder._zig()[0])
     if not _nobody_can_run(zig, nobody):
         pytest.skip(f"nobody cannot run {zig} (the checkout is under a directory only its owner enters)")
-    # a cache nobody can reach (under the run's 0711 temp root), seeded from the user's so no wasi-libc build
+    # a cache nobody can reach (under the run's 0711 temp root), seeded from the user's so no wasi-libc build:
+    # its objects hard links nobody can read but not write, what a build writes nobody's own copies
     holder = Path(tempfile.mkdtemp())
     holder.chmod(0o711)
     cache = holder / "zig"
-    user_cache = builder.cache_dir()
-    if user_cache.is_dir():
-        try:  # other builds may be writing it meanwhile: what vanished is rebuilt if needed
-            shutil.copytree(user_cache, cache, symlinks=True, ignore=shutil.ignore_patterns("tmp"))
-        except shutil.Error:
-            pass
-        for dirpath, dirnames, filenames in os.walk(cache):
-            for name in (".", *dirnames, *filenames):
-                os.chown(os.path.join(dirpath, name), nobody.pw_uid, nobody.pw_gid, follow_symlinks=False)
+    seed_sandbox_cache(builder.cache_dir(), cache, nobody.pw_uid, nobody.pw_gid)
     before = {p for p in cache.rglob("*")} if cache.exists() else set()
     src = tmp_path / "boxed.c"
     src.write_text(f'#include <stdio.h>\n#include "tensorwasm.h"\n'
@@ -258,6 +250,10 @@ def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     assert made, "the sandboxed compiler wrote nothing into its cache"
     assert {p.lstat().st_uid for p in made} == {nobody.pw_uid}  # what the compiler made, it made as nobody
     assert os.lstat(cache).st_uid == nobody.pw_uid
+    # the seed's objects shared with the user's cache (hard links) are nobody's to read, never to write
+    shared = subprocess.run(["find", str(cache / "o"), "-type", "f", "-links", "+1", "(", "-user", str(nobody.pw_uid),
+                             "-o", "-perm", "-o+w", ")", "-print", "-quit"], capture_output=True, text=True, timeout=120)
+    assert shared.returncode == 0 and shared.stdout == "", shared
 
 
 def test_sandbox_without_root_is_refused_plainly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
