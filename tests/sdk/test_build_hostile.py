@@ -256,6 +256,38 @@ def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     assert shared.returncode == 0 and shared.stdout == "", shared
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving the seeded cache to nobody needs root")
+def test_the_sandbox_cache_seed_shares_objects_read_only_and_copies_what_a_build_writes(tmp_path: Path) -> None:
+    """The seed of the sandboxed build's cache (tests.helpers.sdk_build.seed_sandbox_cache): no file
+    the invoking user's builds read becomes writable by nobody."""
+    nobody = pwd.getpwnam("nobody")
+    source = tmp_path / "user-zig"
+    for rel, mode in (("o/aa/libc.a", 0o644), ("o/bb/open.o", 0o666), ("h/0123", 0o644), ("z/4567", 0o644),
+                      ("tmp/scratch", 0o644)):
+        path = source / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rel.encode())
+        path.chmod(mode)
+    holder = tmp_path / "holder"
+    holder.mkdir(mode=0o711)
+    cache = holder / "zig"
+    seed_sandbox_cache(source, cache, nobody.pw_uid, nobody.pw_gid)
+    shared = cache / "o" / "aa" / "libc.a"  # an object: the user's own file, linked, read-only to nobody
+    assert shared.stat().st_ino == (source / "o" / "aa" / "libc.a").stat().st_ino
+    assert shared.stat().st_uid == 0 and not shared.stat().st_mode & 0o022
+    assert (cache / "o" / "aa").stat().st_uid == 0  # its directory too: nothing can be put in it
+    private = cache / "o" / "bb" / "open.o"  # a file others may write is not shared, but copied
+    assert private.stat().st_ino != (source / "o" / "bb" / "open.o").stat().st_ino
+    assert private.stat().st_uid == nobody.pw_uid and private.read_bytes() == b"o/bb/open.o"
+    for rel in ("h/0123", "z/4567"):  # what a build writes: nobody's own copies
+        copy = cache / rel
+        assert copy.read_bytes() == rel.encode() and copy.stat().st_uid == nobody.pw_uid
+        assert copy.stat().st_ino != (source / rel).stat().st_ino
+    assert {p.stat().st_uid for p in (cache, cache / "o", cache / "h", cache / "z")} == {nobody.pw_uid}
+    assert not (cache / "tmp").exists()
+    assert (source / "o" / "aa" / "libc.a").stat().st_uid == 0  # the user's cache unchanged
+
+
 def test_sandbox_without_root_is_refused_plainly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     src = tmp_path / "a.c"
