@@ -44,9 +44,10 @@ $(DEBUG_TOOLCHAIN): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/twt demo
 
-#: pytest-xdist workers for make test, 3 per core of the reference machine: the suite is bound by CPU,
-#: and beside other busy processes more runnable workers keep a larger share of it (docs/BUILD.md)
-TEST_WORKERS ?= 6
+#: pytest-xdist workers for make test, 2 per core of the reference machine: the suite is bound by CPU,
+#: and each worker costs ~3 s of CPU to start and collect (6 workers: 18.7 s, 4: 12.9 s) while a quiet
+#: run takes as long on 4 as on 6 (docs/BUILD.md, "Parallel workers")
+TEST_WORKERS ?= 4
 
 ## make test: the whole suite (lint first, then pytest in a fresh temp root, tests/run-suite.sh, with the
 ## type check beside it); it fails if either fails

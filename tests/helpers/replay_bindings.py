@@ -2,6 +2,8 @@
 
     python -m tests.helpers.replay_bindings RECORD_DIR    -> one JSON line: calls, names, failures,
                                                              the bindings' version
+    python -m tests.helpers.replay_bindings --serve       -> the same for each RECORD_DIR read from stdin,
+                                                             one JSON line each, until stdin closes
     python -m tests.helpers.replay_bindings --prepare     -> install the other major (below), once
 
 Both cuda-bindings majors the project supports (12.x and 13.x, shared.cuda_compat) are replayed
@@ -39,11 +41,15 @@ import fcntl
 import json
 import os
 import pickle
+import select
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 REFUSED = (TypeError, ValueError, OverflowError, AttributeError, BufferError)
 #: what ``pip install --target`` installs for a major the environment does not have
@@ -244,16 +250,96 @@ def replay_cublas(records: list[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
     return {"calls": len(records), "names": sorted(names), "failures": failures, "outcomes": outcomes}
 
 
+def replay_dir(record_dir: str) -> dict[str, Any]:
+    """Both replays of one record directory: the driver's and NVRTC's calls, and cuBLAS's."""
+    result = replay(load_records(record_dir))
+    result["cublas"] = replay_cublas(load_records(record_dir, ".cublas"))
+    return result
+
+
+def serve(requests: IO[str], answers: IO[str]) -> None:
+    """One :func:`replay_dir` per line of ``requests`` (a record directory), one JSON line each on
+    ``answers`` (``{"error": traceback}`` for a replay that raised), until ``requests`` ends.
+
+    Why a server: each replay in a fresh interpreter paid the bindings' imports (~1.2 s of CPU), and
+    a test module replays a dozen times into each major. A replay keeps no state between directories:
+    every call converts its arguments before the (blocked) library loader, in the first replay of a
+    process as in the tenth - the controls that replay wrongly typed calls (tests/worker/backends/
+    test_replay_bindings.py) run in the same server after the others, so they would see it if not."""
+    for line in requests:
+        record_dir = line.rstrip("\n")
+        try:
+            answer = replay_dir(record_dir)
+        except Exception:  # noqa: BLE001 - one answer per request either way
+            answer = {"error": traceback.format_exc()}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+class Replayer:
+    """A ``--serve`` child for cuda-bindings ``major`` (:func:`replay_env`), kept for many replays."""
+
+    def __init__(self, major: int, root: Path) -> None:
+        self.major = major
+        self._err = tempfile.TemporaryFile()  # a file, not a pipe: nobody has to drain it
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.replay_bindings", "--serve"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, bufsize=0,
+                                     cwd=root, env=replay_env(major, root))
+        self._pending = b""
+
+    def replay(self, record_dir: Path, timeout_s: float) -> dict[str, Any]:
+        """What ``python -m tests.helpers.replay_bindings RECORD_DIR`` prints, from the server;
+        RuntimeError (with the server's stderr) when it died or did not answer within ``timeout_s``."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(os.fsencode(record_dir) + b"\n")
+        except BrokenPipeError:
+            raise RuntimeError(f"the replay server ended: {self._stderr()}") from None
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise RuntimeError(f"the replay server did not answer within {timeout_s:g} s: {self._stderr()}")
+            data = os.read(fd, 1 << 16)
+            if not data:
+                raise RuntimeError(f"the replay server ended: {self._stderr()}")
+            self._pending += data
+        line, self._pending = self._pending.split(b"\n", 1)
+        result: dict[str, Any] = json.loads(line)
+        if "error" in result:
+            raise RuntimeError(f"the replay raised: {result['error']}")
+        return result
+
+    def _stderr(self) -> str:
+        self._err.seek(0)
+        return self._err.read().decode(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        """End the server (its stdin closed) and reap it; killed if it does not end in 30 s."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._err.close()
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"]:
+        serve(sys.stdin, sys.stdout)
+        return 0
     if argv[:1] == ["--prepare"]:  # make's install step: the major this environment lacks, installed once
         for major in OTHER_MAJOR_SPEC:
             where = bindings_path(major)
             if where is not None:
                 print(f"cuda-bindings {major}.x for the replay test: {where}")
         return 0
-    result = replay(load_records(argv[0]))
-    result["cublas"] = replay_cublas(load_records(argv[0], ".cublas"))
-    print(json.dumps(result))
+    print(json.dumps(replay_dir(argv[0])))
     return 0
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ import pytest
 
 from supervisor.tools.build import build_module, sdk_dir
 
-__all__ = ["EXAMPLES", "ROOT", "SdkBuilder", "shared_build_dir"]
+__all__ = ["EXAMPLES", "ROOT", "SdkBuilder", "seed_sandbox_cache", "shared_build_dir"]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "sdk" / "examples"
@@ -40,6 +42,59 @@ def shared_build_dir(factory: pytest.TempPathFactory) -> Path:
         path = base / "sdk-build"
     path.mkdir(exist_ok=True)
     return path
+
+
+#: the parts of a Zig cache that a build opens for writing (``h``: the manifests, opened read-write
+#: under a lock and rewritten; ``z``: the ZIR caches; ``b``: the build runner's): a seeded sandbox
+#: cache gets private copies of them, owned by its user
+_WRITTEN = ("h", "z", "b")
+#: the part a build only reads once it is there (``o``: objects and archives, each written whole into
+#: a new hash directory and then only read - wasi-libc's and the runtimes' among them: most of the bytes)
+_READ_ONLY = ("o",)
+
+
+def seed_sandbox_cache(source: Path, cache: Path, uid: int, gid: int) -> None:
+    """Make ``cache`` a Zig cache for the user ``uid``:``gid`` that already holds what ``source`` (the
+    invoking user's cache) compiled, so that a sandboxed build in it compiles no wasi-libc.
+
+    Why not a copy: the user's cache is hundreds of MB (a copy and a chown of every file cost the suite
+    ~19 s of CPU). ``o`` becomes a tree of hard links: the files stay the invoking user's inodes with
+    their modes, which the sandbox's user can read but not write (a file others may write is copied
+    instead), and its directories stay the invoking user's, so nothing can be added to or changed in
+    them either; only ``cache`` and ``cache/o`` themselves are the sandbox user's (new hash directories
+    go there). What a build writes into (``h``, ``z``, ``b``) is a private copy owned by that user.
+    So the sandbox's user still cannot write a byte that the invoking user's builds read. Another
+    filesystem (no hard links) gets a copy. Other builds may write ``source`` meanwhile: what vanishes
+    halfway is left out (a build compiles it again if it needs it)."""
+    cache.mkdir(mode=0o700)
+    os.chown(cache, uid, gid)
+    if not source.is_dir():
+        return
+    linkable = os.stat(source).st_dev == os.stat(cache).st_dev
+    for name in sorted(os.listdir(source)):
+        if name not in _WRITTEN + _READ_ONLY:  # tmp: a build's scratch
+            continue
+        src, dst = source / name, cache / name
+        if name in _READ_ONLY and linkable:
+            # cp's exit status is ignored: a file removed under it is reported and skipped
+            subprocess.run(["cp", "-al", "--", str(src), str(dst)], stderr=subprocess.DEVNULL, check=False)
+            writable = subprocess.run(["find", str(dst), "-type", "f", "-perm", "-o+w", "-print0"],
+                                      capture_output=True, check=False).stdout
+            for path in filter(None, writable.split(b"\0")):  # a file others may write: not shared
+                private = Path(os.fsdecode(path))
+                data = private.read_bytes()
+                private.unlink()
+                private.write_bytes(data)
+                os.chown(private, uid, gid)
+        else:
+            subprocess.run(["cp", "-r", "--", str(src), str(dst)], stderr=subprocess.DEVNULL, check=False)
+            subprocess.run(["chown", "-R", "--no-dereference", f"{uid}:{gid}", "--", str(dst)], check=False)
+        if dst.is_dir():
+            os.chown(dst, uid, gid)
+        else:  # nothing of it arrived: an empty one of the sandbox's user
+            shutil.rmtree(dst, ignore_errors=True)
+            dst.mkdir()
+            os.chown(dst, uid, gid)
 
 
 class SdkBuilder:

@@ -190,16 +190,20 @@ def test_cli_exits_4_when_an_invariant_fails(monkeypatch: pytest.MonkeyPatch,
 
 # ------------------------------------------------------------------ campaigns
 
+#: a 6 s fault phase after a 1 s baseline (the latency it is for is not checked here) whose schedule
+#: holds every default fault kind: 14 faults, at 1.5/s (seed 3's 7.5 s phase of 16 had no crash,
+#: segfault or leak)
+SHORT_CAMPAIGN = ("--duration", "7", "--baseline", "1", "--seed", "59", "--rate", "1.5")
+
 
 @pytest.mark.slow
 def test_short_campaign_passes_every_invariant() -> None:
-    """``twt chaos --duration 10``: its own supervisor, every fault kind, all invariants."""
+    """``twt chaos``: its own supervisor, every fault kind, all invariants."""
     # Latency ratios are figures of the campaign (``twt chaos`` checks them by default), not a test
     # assertion: on a loaded 2-core machine a healthy tenant's p99 can exceed 3x its baseline.
     # The deadline grace is generous for the same reason: "answered" is the invariant, "how soon
     # past the deadline" is a statistical bound that a loaded machine stretches.
-    proc = _twt("chaos", "--duration", "10", "--seed", "3", "--rate", "1.5", "--latency-factor", "0",
-                "--grace", "10", "--json")
+    proc = _twt("chaos", *SHORT_CAMPAIGN, "--latency-factor", "0", "--grace", "10", "--json")
     try:
         report = json.loads(proc.stdout)
     except ValueError:
@@ -212,9 +216,10 @@ def test_short_campaign_passes_every_invariant() -> None:
         "quota counters equal live allocations", "counters zero after cleanup", "no process or segment leaked",
         "healthy latency (not checked)"}
     assert all(t["healthy"] is False or "p99_ms" in t["latency"]["faults"] for t in report["tenants"])
-    schedule = _twt("chaos", "--schedule", "--json", "--duration", "10", "--seed", "3", "--rate", "1.5")
+    schedule = _twt("chaos", "--schedule", "--json", *SHORT_CAMPAIGN)
     assert json.loads(schedule.stdout)["hash"] == report["schedule"]["hash"]
-    # the campaign lasts its 10 s: a loaded machine may end it before the last scheduled fault or
+    assert set(chaos.DEFAULT_FAULTS) <= set(report["schedule"]["by_kind"])  # every kind, its heals beside
+    # the campaign lasts its 7 s: a loaded machine may end it before the last scheduled fault or
     # two, and serve fewer requests in it (counts of a time window, not invariants)
     assert 1 <= len(report["actions"]) <= report["schedule"]["faults"]
     assert sum(s.get("deaths", 0) for s in report["faults"].values()) >= 1
@@ -228,7 +233,8 @@ def test_campaign_against_a_running_supervisor() -> None:
     with supervisor([{"name": "bystander"}], start_method="forkserver", pool_size=1, log_level="error") as sup:
         cap = sup.client.tenant_capability(None, "bystander")
         h = sup.client.alloc(cap, 12345)
-        proc = _twt("chaos", "--run-dir", sup.run_dir, "--duration", "5", "--seed", "11", "--rate", "3",
+        # a 3 s fault phase after a 1 s baseline (the latency it is for is not checked here)
+        proc = _twt("chaos", "--run-dir", sup.run_dir, "--duration", "4", "--baseline", "1", "--seed", "11", "--rate", "3",
                     "--tenants", "3", "--faults", "crash,sigkill,corrupt,oom", "--latency-factor", "0",
                     "--grace", "10", "--json")
         try:
@@ -246,8 +252,9 @@ def test_campaign_against_a_running_supervisor() -> None:
 @pytest.mark.slow
 def test_park_and_activate_as_a_nemesis_keep_every_invariant() -> None:
     """``--faults park,sigkill``: tenants park and wake under load and kills; bytes and quota whole."""
-    proc = _twt("chaos", "--duration", "8", "--seed", "7", "--rate", "2", "--tenants", "3", "--faults",
-                "park,sigkill", "--latency-factor", "0", "--grace", "10", "--json")
+    # a 4 s fault phase (5 parks, 3 SIGKILLs) after a 1 s baseline (the latency it is for is not checked here)
+    proc = _twt("chaos", "--duration", "5", "--baseline", "1", "--seed", "7", "--rate", "2", "--tenants", "3",
+                "--faults", "park,sigkill", "--latency-factor", "0", "--grace", "10", "--json")
     try:
         report = json.loads(proc.stdout)
     except ValueError:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from supervisor.cli import main
 from supervisor.tools.build import BuildError, build_module
 from supervisor.tools.build_guard import cache_lock
 from tests.helpers.cluster import wait_for
-from tests.helpers.sdk_build import SdkBuilder
+from tests.helpers.sdk_build import SdkBuilder, seed_sandbox_cache
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
@@ -235,19 +234,12 @@ def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     zig = Path(builder._zig()[0])
     if not _nobody_can_run(zig, nobody):
         pytest.skip(f"nobody cannot run {zig} (the checkout is under a directory only its owner enters)")
-    # a cache nobody can reach (under the run's 0711 temp root), seeded from the user's so no wasi-libc build
+    # a cache nobody can reach (under the run's 0711 temp root), seeded from the user's so no wasi-libc build:
+    # its objects hard links nobody can read but not write, what a build writes nobody's own copies
     holder = Path(tempfile.mkdtemp())
     holder.chmod(0o711)
     cache = holder / "zig"
-    user_cache = builder.cache_dir()
-    if user_cache.is_dir():
-        try:  # other builds may be writing it meanwhile: what vanished is rebuilt if needed
-            shutil.copytree(user_cache, cache, symlinks=True, ignore=shutil.ignore_patterns("tmp"))
-        except shutil.Error:
-            pass
-        for dirpath, dirnames, filenames in os.walk(cache):
-            for name in (".", *dirnames, *filenames):
-                os.chown(os.path.join(dirpath, name), nobody.pw_uid, nobody.pw_gid, follow_symlinks=False)
+    seed_sandbox_cache(builder.cache_dir(), cache, nobody.pw_uid, nobody.pw_gid)
     before = {p for p in cache.rglob("*")} if cache.exists() else set()
     src = tmp_path / "boxed.c"
     src.write_text(f'#include <stdio.h>\n#include "tensorwasm.h"\n'
@@ -258,6 +250,42 @@ def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     assert made, "the sandboxed compiler wrote nothing into its cache"
     assert {p.lstat().st_uid for p in made} == {nobody.pw_uid}  # what the compiler made, it made as nobody
     assert os.lstat(cache).st_uid == nobody.pw_uid
+    # the seed's objects shared with the user's cache (hard links) are nobody's to read, never to write
+    shared = subprocess.run(["find", str(cache / "o"), "-type", "f", "-links", "+1", "(", "-user", str(nobody.pw_uid),
+                             "-o", "-perm", "-o+w", ")", "-print", "-quit"], capture_output=True, text=True, timeout=120)
+    assert shared.returncode == 0 and shared.stdout == "", shared
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving the seeded cache to nobody needs root")
+def test_the_sandbox_cache_seed_shares_objects_read_only_and_copies_what_a_build_writes(tmp_path: Path) -> None:
+    """The seed of the sandboxed build's cache (tests.helpers.sdk_build.seed_sandbox_cache): no file
+    the invoking user's builds read becomes writable by nobody."""
+    nobody = pwd.getpwnam("nobody")
+    source = tmp_path / "user-zig"
+    for rel, mode in (("o/aa/libc.a", 0o644), ("o/bb/open.o", 0o666), ("h/0123", 0o644), ("z/4567", 0o644),
+                      ("tmp/scratch", 0o644)):
+        path = source / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rel.encode())
+        path.chmod(mode)
+    holder = tmp_path / "holder"
+    holder.mkdir(mode=0o711)
+    cache = holder / "zig"
+    seed_sandbox_cache(source, cache, nobody.pw_uid, nobody.pw_gid)
+    shared = cache / "o" / "aa" / "libc.a"  # an object: the user's own file, linked, read-only to nobody
+    assert shared.stat().st_ino == (source / "o" / "aa" / "libc.a").stat().st_ino
+    assert shared.stat().st_uid == 0 and not shared.stat().st_mode & 0o022
+    assert (cache / "o" / "aa").stat().st_uid == 0  # its directory too: nothing can be put in it
+    private = cache / "o" / "bb" / "open.o"  # a file others may write is not shared, but copied
+    assert private.stat().st_ino != (source / "o" / "bb" / "open.o").stat().st_ino
+    assert private.stat().st_uid == nobody.pw_uid and private.read_bytes() == b"o/bb/open.o"
+    for rel in ("h/0123", "z/4567"):  # what a build writes: nobody's own copies
+        copy = cache / rel
+        assert copy.read_bytes() == rel.encode() and copy.stat().st_uid == nobody.pw_uid
+        assert copy.stat().st_ino != (source / rel).stat().st_ino
+    assert {p.stat().st_uid for p in (cache, cache / "o", cache / "h", cache / "z")} == {nobody.pw_uid}
+    assert not (cache / "tmp").exists()
+    assert (source / "o" / "aa" / "libc.a").stat().st_uid == 0  # the user's cache unchanged
 
 
 def test_sandbox_without_root_is_refused_plainly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

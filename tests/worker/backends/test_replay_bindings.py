@@ -26,6 +26,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ import pytest
 
 from tests.helpers import fake_cuda, gpu_dry_run
 from tests.helpers.fake_cublas import FakeCublas, convert_args
-from tests.helpers.replay_bindings import load_records, replay_env
+from tests.helpers.replay_bindings import Replayer, load_records, replay_env
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -123,13 +124,24 @@ PHASES = "environment,pool,metering,isolation,residual,tenants,fault,kernels,ten
 OWN_MAJOR = fake_cuda.installed_bindings_major()
 
 
+#: one replay server per major for the module (tests/helpers/replay_bindings.py, ``Replayer``): a
+#: replay in a fresh interpreter paid the bindings' imports each time
+_REPLAYERS: dict[int, Replayer] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _replay_servers() -> Iterator[None]:
+    yield
+    while _REPLAYERS:
+        _REPLAYERS.popitem()[1].close()
+
+
 def _replay(record_dir: Path, major: int | None = None) -> dict[str, object]:
     """Replay ``record_dir`` into the real cuda-bindings ``major`` (the environment's own by default)."""
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.replay_bindings", str(record_dir)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=replay_env(major or OWN_MAJOR or 13, ROOT))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = major or OWN_MAJOR or 13
+    if want not in _REPLAYERS:
+        _REPLAYERS[want] = Replayer(want, ROOT)
+    result: dict[str, object] = _REPLAYERS[want].replay(record_dir, timeout_s=120)
     if major is not None:  # the binding replayed into is the one asked for, not the environment's
         assert str(result["bindings_version"]).startswith(f"{major}."), result["bindings_version"]
     return result
