@@ -360,15 +360,31 @@ def test_a_run_refused_device_time_stops_instead_of_spinning(caplog: pytest.LogC
         board.close()
 
 
+def charged_intervals(calls: list[str]) -> list[list[str]]:
+    """The driver calls of each chunk, cut after each chunk's ``cuEventElapsedTime`` (the timer reads
+    every chunk's pair of events on its own, so a chunk is everything up to and including its read)."""
+    chunks: list[list[str]] = [[]]
+    for c in calls:
+        chunks[-1].append(c)
+        if c == "cuEventElapsedTime":
+            chunks.append([])
+    assert chunks[-1] == [], calls  # nothing after the last chunk's read
+    return chunks[:-1]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("name", ["fill_f32", "sum_f32", "max_f32", "argmax_rows_f32", "matmul_f32", "scale_f32"])
-def test_cuda_events_are_recorded_right_around_the_device_work(block: QuotaBlock, name: str) -> None:
-    """The charged interval is the launch only: the start event is (re-)recorded right before the
-    first launch (after the launch preparation), the end event right after the last, and the op's
-    own synchronize or copy of its result to the host comes after the end event, not inside."""
+def test_cuda_events_are_recorded_right_around_the_device_work(block: QuotaBlock, name: str, split: bool) -> None:
+    """The charged interval of every chunk is its launch only: the start event is (re-)recorded right
+    before the chunk's first launch (after the launch preparation), the end event right after its
+    last, and the chunk's own synchronize or copy of its result to the host comes after the end
+    event, not inside. However many chunks an op is cut into (the chunk size follows the measured
+    time, so a loaded host cuts an op the quiet one runs whole; ``split`` forces many), each chunk
+    holds this on its own."""
     fake = FakeDriver(memory_bytes=1 << 30)
     be = CudaBackend(driver=fake, nvrtc=fake, cublas=FakeCublas(fake))
     try:
-        gate = DeviceGate(block, be)
+        gate = DeviceGate(block, be, chunk_s=1e-9) if split else DeviceGate(block, be)
         x = put(be, np.arange(64, dtype=np.float32))
         y = put(be, np.zeros(64))
         out = memoryview(bytearray(4 * 8))
@@ -377,24 +393,28 @@ def test_cuda_events_are_recorded_right_around_the_device_work(block: QuotaBlock
             "argmax_rows_f32": (x, 8, 8, out), "matmul_f32": (x, x, y, 8, 8, 8), "scale_f32": (x, 2.0, 64)}
         gate.op(name, getattr(be, name), args[name])  # warm: kernels compiled, cuBLAS loaded
         fake.calls.clear()
+        before = gate.chunks
         gate.op(name, getattr(be, name), args[name])
         calls = list(fake.calls)
-        records = [i for i, c in enumerate(calls) if c == "cuEventRecord"]
-        if name == "matmul_f32":  # cuBLAS's own calls are not the driver's: between the start's re-record and the end
-            assert calls[:4] == ["cuEventRecord"] * 3 + ["cuEventSynchronize"], calls
-            gate.close()
-            return
-        launches = [i for i, c in enumerate(calls) if c == "cuLaunchKernel"]
-        assert launches and len(records) >= 2, calls
-        first, last = launches[0], launches[-1]
-        assert calls[first - 1] == "cuEventRecord" or calls[first - 1].startswith("cublasSet"), calls
-        assert records[-1] > last and all(c == "cuEventRecord" for c in calls[last + 1:records[-1] + 1]), calls
-        syncs = [i for i, c in enumerate(calls) if c in ("cuStreamSynchronize", "cuMemcpyDtoHAsync")]
-        # no host sync inside - but for an op that returns its result to the host chunk by chunk (max,
-        # sum, argmax) and was split into several launches (the chunk size follows the measured time, so
-        # a loaded host splits it): each chunk's copy is still inside, a known gap (docs/GPU-QUOTAS.md)
-        if not (name in ("argmax_rows_f32", "max_f32", "sum_f32") and len(launches) > 1):
-            assert all(i > records[-1] or i < records[0] for i in syncs), calls
+        chunks = charged_intervals(calls)
+        assert len(chunks) == gate.chunks - before, calls  # one pair of events read per chunk
+        if split:
+            assert len(chunks) > 3, calls
+        for chunk in chunks:
+            records = [i for i, c in enumerate(chunk) if c == "cuEventRecord"]
+            if name == "matmul_f32":  # cuBLAS's own calls are not the driver's: between the start's re-record and the end
+                assert chunk == ["cuEventRecord"] * 3 + ["cuEventSynchronize", "cuEventElapsedTime"], calls
+                continue
+            launches = [i for i, c in enumerate(chunk) if c == "cuLaunchKernel"]
+            assert launches and len(records) >= 2, calls
+            first, last = launches[0], launches[-1]
+            assert chunk[first - 1] == "cuEventRecord" or chunk[first - 1].startswith("cublasSet"), calls
+            start = max(i for i in records if i < first)  # the re-record that counts
+            end = last + 1  # launched(): the end event is recorded right after the last launch
+            assert chunk[end] == "cuEventRecord", calls  # (a later record: the backend's untimed queue mark)
+            syncs = [i for i, c in enumerate(chunk) if c in ("cuStreamSynchronize", "cuMemcpyDtoHAsync")]
+            assert all(i > end or i < start for i in syncs), calls  # no host sync inside the charged interval
+            assert chunk.index("cuEventSynchronize") > end, calls  # the end event is read after it is recorded
         assert block.gpu_time_ns > 0
         gate.close()
     finally:
