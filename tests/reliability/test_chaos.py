@@ -123,6 +123,22 @@ def test_checks_catch_each_kind_of_violation() -> None:
     assert chaos_checks._check_latency(slow, ["healthy-0"], None).ok  # reported, not checked
 
 
+def test_deadline_check_allows_the_hosts_own_request_latency() -> None:
+    """Past a deadline the supervisor still stops the worker and answers: a loaded host stretches that as it
+    stretches every request, so the bound grows by the healthy tenants' baseline p99 - and no more."""
+    late = [_rec("worker_lost", latency=3.4, healthy=False)]  # a 2 s deadline, answered 1.4 s past it
+    assert not chaos_checks._check_deadlines(late, grace_s=1.0).ok  # a quiet host's bound: 3 s
+    table = chaos.latency_table([_rec(phase="baseline", latency=0.6)] * 100 + [_rec(latency=0.6)] * 100,
+                                ["healthy-0"])
+    host_ms = chaos_checks.host_request_ms(table, ["healthy-0"])
+    assert host_ms == 600.0
+    busy = chaos_checks._check_deadlines(late, grace_s=1.0, host_ms=host_ms)
+    assert busy.ok and "600 ms" in busy.detail, busy.detail
+    assert not chaos_checks._check_deadlines([_rec("worker_lost", latency=3.7, healthy=False)], grace_s=1.0,
+                                             host_ms=host_ms).ok  # 3.6 s: beyond even this host's latency
+    assert chaos_checks.host_request_ms(chaos.latency_table([], ["healthy-0"]), ["healthy-0"]) is None
+
+
 def test_latency_check_allows_what_the_host_itself_added() -> None:
     """A host whose own request path (a raw relay) grew slower in the fault phase (restarts beside
     CPU burners) excuses that much; a supervisor that holds a healthy tenant up does not."""

@@ -32,6 +32,7 @@ from supervisor.tools.chaos.checks import (
     _check_latency,
     _ts,
     fault_stats,
+    host_request_ms,
     latency_table,
     reconcile,
 )
@@ -437,7 +438,7 @@ class _Campaign:
         ]
         self.checks[1:1] = [
             _check_answered(records, self.actions),
-            _check_deadlines(records, self.cfg.grace_s),
+            _check_deadlines(records, self.cfg.grace_s, host_request_ms(table, sorted(self.healthy))),
             _check_data(records),
             _check_healthy(records, self.events, self.healthy, self.fault_end),
             Check(
