@@ -147,8 +147,13 @@ def test_latency_check_allows_what_the_host_itself_added() -> None:
     assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (1.0, 1.0)).ok  # the host did not change
     busy = chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (1.0, 3.5))  # 3 ms + 2.5 ms >= 5 ms
     assert busy.ok and "allowance +2.50 ms" in busy.detail, busy.detail
-    assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (1.0, 2.0)).ok  # 3 + 1 ms < 5 ms
+    assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (1.0, 1.5)).ok  # 3 + 0.5 ms, 3 x 1.5 < 5 ms
     assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (3.0, 1.0)).ok  # a quieter host adds nothing
+    # the host's round trip twice as slow makes every request of it about twice as slow: 3 x 2 x 1 ms >= 5 ms,
+    # where the relay's own growth (+0.2 ms) would not cover it
+    twice = chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (0.2, 0.4))
+    assert twice.ok and "x2.00" in twice.detail, twice.detail
+    assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (0.2, 0.3)).ok  # 3 x 1.5 ms < 5 ms
 
 
 @pytest.mark.process
