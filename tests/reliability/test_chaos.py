@@ -139,6 +139,33 @@ def test_deadline_check_allows_the_hosts_own_request_latency() -> None:
     assert chaos_checks.host_request_ms(chaos.latency_table([], ["healthy-0"]), ["healthy-0"]) is None
 
 
+def test_death_check_counts_a_faulty_tenants_enforced_run_deadline_apart() -> None:
+    """A worker that ends itself because its run's queued GPU work (or compile) outlived the run's deadline
+    enforces that deadline: for a faulty tenant (1 s runs, a loaded host's stub device) it is counted, not a
+    violation; for a healthy one, and for any other unplanned exit of an unfaulted worker, it is."""
+    from shared.exitcodes import WORKER_GPU_QUEUE_OVERRUN
+
+    tenants, healthy = {"faulty-0", "healthy-0"}, {"healthy-0"}
+
+    def exit_(tenant: str, pid: int, code: int | None, ts: float = 1.0) -> dict[str, object]:
+        return {"event": "exit", "tenant": tenant, "instance": 0, "pid": pid, "exit_code": code, "ts": ts,
+                "expected": False, "reason": f"code {code}"}
+
+    overrun = exit_("faulty-0", 11, WORKER_GPU_QUEUE_OVERRUN)
+    check, unexplained, enforced = chaos_checks._check_deaths([overrun], tenants, healthy, set(), until=10.0)
+    assert check.ok and (unexplained, enforced) == (0, 1) and "1 more" in check.detail, check.detail
+    for bad in (exit_("healthy-0", 12, WORKER_GPU_QUEUE_OVERRUN), exit_("faulty-0", 13, 1),
+                exit_("faulty-0", 14, None)):
+        check, unexplained, _ = chaos_checks._check_deaths([overrun, bad], tenants, healthy, set(), until=10.0)
+        assert not check.ok and unexplained == 1 and f"pid {bad['pid']}" in check.detail, check.detail
+    faulted = exit_("faulty-0", 15, 1)
+    assert chaos_checks._check_deaths([faulted], tenants, healthy, {15}, until=10.0)[0].ok  # a fault's death
+    later = exit_("faulty-0", 16, 1, ts=20.0)
+    assert chaos_checks._check_deaths([later], tenants, healthy, set(), until=10.0)[0].ok  # after the faults
+    other = {**exit_("faulty-0", 17, 1), "tenant": "someone-else"}
+    assert chaos_checks._check_deaths([other], tenants, healthy, set(), until=10.0)[0].ok  # not ours
+
+
 def test_latency_check_allows_what_the_host_itself_added() -> None:
     """A host whose own request path (a raw relay) grew slower in the fault phase (restarts beside
     CPU burners) excuses that much; a supervisor that holds a healthy tenant up does not."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TypedDict
 
 from shared import protocol as proto
+from shared.exitcodes import WORKER_COMPILE_OVERRUN, WORKER_GPU_QUEUE_OVERRUN
 from shared.kinds import DISRUPTIVE_FAULTS
 from shared.records import TenantRecord
 from supervisor.tools.chaos.config import _UNANSWERED, LEAK_BIG
@@ -168,6 +169,40 @@ def _check_healthy(
         )
     n = sum(r.healthy for r in records)
     return Check("healthy tenants undisturbed", True, f"{n} requests, no error, no worker death")
+
+
+#: a worker's own exit that enforces its run's deadline (the run got ``KernelTimeout``): queued GPU work
+#: or a compile past it, which only the process's end stops
+DEADLINE_EXITS = frozenset({WORKER_GPU_QUEUE_OVERRUN, WORKER_COMPILE_OVERRUN})
+
+
+def _check_deaths(events: Sequence[Mapping[str, object]], tenants: Collection[str], healthy: Collection[str],
+                  faulted: Collection[object], until: float) -> tuple[Check, int, int]:
+    """Every unplanned exit of a campaign tenant's worker (before ``until``) is of a pid the nemesis
+    faulted; (the check, deaths not from a fault, deadline exits of faulty tenants).
+
+    A faulty tenant's runs have a 1 s deadline (its hangs must end quickly). A run whose queued device
+    work or compile is still going past it ends its worker (:data:`DEADLINE_EXITS`): the deadline
+    enforced as designed - on a loaded host that happens with no fault, the stub's device being the
+    host's CPU. Those exits are counted, not violations; a healthy tenant's (a 10 s hang guard) is one.
+    """
+    unexplained: list[Mapping[str, object]] = []
+    deadline_exits = 0
+    for e in events:
+        if (e.get("event") != "exit" or e.get("expected") or e.get("tenant") not in tenants or _ts(e) >= until
+                or e.get("pid") in faulted):
+            continue
+        if e.get("exit_code") in DEADLINE_EXITS and e.get("tenant") not in healthy:
+            deadline_exits += 1
+        else:
+            unexplained.append(e)
+    detail = "; ".join(
+        f"{e.get('tenant')}/{e.get('instance')} pid {e.get('pid')}: {e.get('reason')}" for e in unexplained[:5]
+    ) or "every unplanned exit followed a fault to that worker"
+    if deadline_exits:
+        detail += (f" ({deadline_exits} more: a faulty tenant's run deadline enforced - its queued GPU work or "
+                   "compile past it ended the worker)")
+    return Check("no worker died without a fault", not unexplained, detail), len(unexplained), deadline_exits
 
 
 class Latency(TypedDict):
