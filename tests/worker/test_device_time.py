@@ -315,8 +315,11 @@ def test_a_run_whose_deadline_passes_waiting_for_the_device_is_a_timeout() -> No
             host = WasmHost(ctx)
             ctx.extensions[WasmHost.EXTENSION] = host
             try:
+                host.compile(guest_source("long_job"))  # no deadline: the run's 0.3 s go to its wait for the device
+                compiles = host.stats["compiles"]
                 with pytest.raises(KernelTimeout):
                     host.run(guest_source("long_job"), "run", [256, 2], fuel=10**9, timeout_s=0.3)
+                assert host.stats["compiles"] == compiles  # (a compile past the deadline is a KernelTimeout too)
                 assert owner.gpu_bytes_in_use == 0  # its buffers went with the run
                 assert board.snapshot().holder == holder.worker_slot  # the holder kept the device
             finally:
