@@ -121,6 +121,11 @@ def test_checks_catch_each_kind_of_violation() -> None:
     slow = chaos.latency_table(base + [_rec(latency=0.0031)] * 100, ["healthy-0"])
     assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0).ok
     assert chaos_checks._check_latency(slow, ["healthy-0"], None).ok  # reported, not checked
+    by_op = chaos_checks.latency_by_op([*base, _rec(latency=0.0031, op="run_wasm"), _rec("worker_lost", healthy=False)])
+    assert by_op == {"read": {"baseline": {"n": 100, "p50_ms": 1.0, "p99_ms": 1.0},
+                              "faults": {"n": 0, "p50_ms": None, "p99_ms": None}},
+                     "run_wasm": {"baseline": {"n": 0, "p50_ms": None, "p99_ms": None},
+                                  "faults": {"n": 1, "p50_ms": 3.1, "p99_ms": 3.1}}}
 
 
 def test_deadline_check_allows_the_hosts_own_request_latency() -> None:

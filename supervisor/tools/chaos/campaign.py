@@ -33,6 +33,7 @@ from supervisor.tools.chaos.checks import (
     _check_latency,
     fault_stats,
     host_request_ms,
+    latency_by_op,
     latency_table,
     reconcile,
 )
@@ -456,6 +457,7 @@ class _Campaign:
         self.report.update(
             {
                 "tenants": tenants,
+                "healthy_latency_by_op": latency_by_op(records),
                 "faults": fault_stats(self.actions, self.events),
                 "actions": [
                     {

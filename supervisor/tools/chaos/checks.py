@@ -21,7 +21,8 @@ from supervisor.tools.chaos.nemesis import Action
 from supervisor.tools.chaos.recorder import Record, percentile
 from supervisor.tools.chaos.schedule import Fault
 
-__all__ = ["Check", "Reconciliation", "fault_stats", "host_request_ms", "latency_table", "reconcile"]
+__all__ = ["Check", "Reconciliation", "fault_stats", "host_request_ms", "latency_by_op", "latency_table",
+           "reconcile"]
 
 # --------------------------------------------------------------------------- checks
 
@@ -233,6 +234,21 @@ def latency_table(records: Sequence[Record], tenants: Sequence[str]) -> dict[str
                 "p99_ms": None if p99 is None else round(p99 * 1000, 3),
             }
         out[name] = row
+    return out
+
+
+def latency_by_op(records: Sequence[Record]) -> dict[str, dict[str, Latency]]:
+    """The healthy tenants' successful requests per op, baseline and fault phase: which op a grown p99
+    comes from (a ``run_wasm`` waiting for the device, or every op: the host)."""
+    out: dict[str, dict[str, Latency]] = {}
+    for op in sorted({r.op for r in records if r.healthy}):
+        row: dict[str, Latency] = {}
+        for phase in ("baseline", "faults"):
+            lat = [r.latency_s for r in records if r.healthy and r.op == op and r.phase == phase and r.outcome == "ok"]
+            p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
+            row[phase] = {"n": len(lat), "p50_ms": None if p50 is None else round(p50 * 1000, 3),
+                          "p99_ms": None if p99 is None else round(p99 * 1000, 3)}
+        out[op] = row
     return out
 
 
