@@ -9,8 +9,12 @@ comes from CUDA events on the tenant stream.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +25,7 @@ from shared.gpu_time import GpuTimeBoard
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
 from tests.helpers.fake_cublas import FakeCublas
+from tests.helpers import timeouts
 from tests.helpers.fake_cuda import FakeDriver
 from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.cuda import CudaBackend
@@ -31,6 +36,8 @@ from worker.device_time import DeviceGate
 from worker.wasm import WasmHost, guest_source
 
 pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["stub", "cuda"])
@@ -70,6 +77,17 @@ def whole_and_chunked(be: Backend, block: QuotaBlock, name: str, make: Callable[
     gate.op(name, getattr(be, name), args)
     assert gate.chunks - chunks_before > 3, "the op was not split"
     return whole, result(args), gate
+
+
+def test_the_stub_loads_numpy_with_the_backend_not_under_the_first_ops_lease() -> None:
+    """A stub op runs under the device lease: a fresh worker whose first op imported numpy held every other
+    tenant's device work up for the import. In a fresh process, numpy is loaded once the backend exists."""
+    code = ("import sys\nfrom worker.backends.stub import StubBackend\nassert 'numpy' not in sys.modules\n"
+            "StubBackend()\nprint('numpy' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeouts.scaled(60),
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "True"
 
 
 def test_gemm_by_row_blocks_matches_within_rounding(backend: Backend, block: QuotaBlock) -> None:
