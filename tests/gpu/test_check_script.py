@@ -120,6 +120,31 @@ def test_phases_past_the_deadline_are_reported_not_run_and_the_json_is_written(t
     assert all(r["ok"] is None and "not run" in r["got"] for r in doc["rows"])
 
 
+#: the check with its hardware deadline (DEFAULT_DEADLINE_S) already passed when it starts
+_PAST_DEFAULT_DEADLINE = """
+import sys
+from tests.gpu import check_gpu
+check_gpu.DEFAULT_DEADLINE_S = 0.0
+sys.exit(check_gpu.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("fake", [True, False], ids=["dry-run", "hardware"])
+def test_a_dry_run_has_no_deadline_of_its_own(fake: bool) -> None:
+    """The default deadline fits the device call's outer limit; a dry run's caller (a test) bounds it with
+    its own timeout, so a loaded host that takes longer than that deadline still runs every phase. The
+    hardware default stays (the phase asked for is skipped; no GPU is touched)."""
+    argv = ["--dry-run-fake"] if fake else []
+    proc = subprocess.run([sys.executable, "-c", _PAST_DEFAULT_DEADLINE, *argv, "--quick", "--only", "environment"],
+                          capture_output=True, text=True, timeout=timeouts.scaled(120), cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    last = proc.stdout.strip().splitlines()[-1]
+    if fake:
+        assert proc.returncode == 0 and last.startswith("PASSED"), proc.stdout[-2000:] + proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 1 and last.startswith("INCOMPLETE"), proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 def test_the_json_is_rewritten_after_every_phase(tmp_path: Path) -> None:
     """A run killed by an outer timeout keeps what it measured: the JSON exists after the first phase."""
     out = tmp_path / "check.json"

@@ -121,6 +121,54 @@ def test_checks_catch_each_kind_of_violation() -> None:
     slow = chaos.latency_table(base + [_rec(latency=0.0031)] * 100, ["healthy-0"])
     assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0).ok
     assert chaos_checks._check_latency(slow, ["healthy-0"], None).ok  # reported, not checked
+    by_op = chaos_checks.latency_by_op([*base, _rec(latency=0.0031, op="run_wasm"), _rec("worker_lost", healthy=False)])
+    assert by_op == {"read": {"baseline": {"n": 100, "p50_ms": 1.0, "p99_ms": 1.0},
+                              "faults": {"n": 0, "p50_ms": None, "p99_ms": None}},
+                     "run_wasm": {"baseline": {"n": 0, "p50_ms": None, "p99_ms": None},
+                                  "faults": {"n": 1, "p50_ms": 3.1, "p99_ms": 3.1}}}
+
+
+def test_deadline_check_allows_the_hosts_own_request_latency() -> None:
+    """Past a deadline the supervisor still stops the worker and answers: a loaded host stretches that as it
+    stretches every request, so the bound grows by the healthy tenants' baseline p99 - and no more."""
+    late = [_rec("worker_lost", latency=3.4, healthy=False)]  # a 2 s deadline, answered 1.4 s past it
+    assert not chaos_checks._check_deadlines(late, grace_s=1.0).ok  # a quiet host's bound: 3 s
+    table = chaos.latency_table([_rec(phase="baseline", latency=0.6)] * 100 + [_rec(latency=0.6)] * 100,
+                                ["healthy-0"])
+    host_ms = chaos_checks.host_request_ms(table, ["healthy-0"])
+    assert host_ms == 600.0
+    busy = chaos_checks._check_deadlines(late, grace_s=1.0, host_ms=host_ms)
+    assert busy.ok and "600 ms" in busy.detail, busy.detail
+    assert not chaos_checks._check_deadlines([_rec("worker_lost", latency=3.7, healthy=False)], grace_s=1.0,
+                                             host_ms=host_ms).ok  # 3.6 s: beyond even this host's latency
+    assert chaos_checks.host_request_ms(chaos.latency_table([], ["healthy-0"]), ["healthy-0"]) is None
+
+
+def test_death_check_counts_a_faulty_tenants_enforced_run_deadline_apart() -> None:
+    """A worker that ends itself because its run's queued GPU work (or compile) outlived the run's deadline
+    enforces that deadline: for a faulty tenant (1 s runs, a loaded host's stub device) it is counted, not a
+    violation; for a healthy one, and for any other unplanned exit of an unfaulted worker, it is."""
+    from shared.exitcodes import WORKER_GPU_QUEUE_OVERRUN
+
+    tenants, healthy = {"faulty-0", "healthy-0"}, {"healthy-0"}
+
+    def exit_(tenant: str, pid: int, code: int | None, ts: float = 1.0) -> dict[str, object]:
+        return {"event": "exit", "tenant": tenant, "instance": 0, "pid": pid, "exit_code": code, "ts": ts,
+                "expected": False, "reason": f"code {code}"}
+
+    overrun = exit_("faulty-0", 11, WORKER_GPU_QUEUE_OVERRUN)
+    check, unexplained, enforced = chaos_checks._check_deaths([overrun], tenants, healthy, set(), until=10.0)
+    assert check.ok and (unexplained, enforced) == (0, 1) and "1 more" in check.detail, check.detail
+    for bad in (exit_("healthy-0", 12, WORKER_GPU_QUEUE_OVERRUN), exit_("faulty-0", 13, 1),
+                exit_("faulty-0", 14, None)):
+        check, unexplained, _ = chaos_checks._check_deaths([overrun, bad], tenants, healthy, set(), until=10.0)
+        assert not check.ok and unexplained == 1 and f"pid {bad['pid']}" in check.detail, check.detail
+    faulted = exit_("faulty-0", 15, 1)
+    assert chaos_checks._check_deaths([faulted], tenants, healthy, {15}, until=10.0)[0].ok  # a fault's death
+    later = exit_("faulty-0", 16, 1, ts=20.0)
+    assert chaos_checks._check_deaths([later], tenants, healthy, set(), until=10.0)[0].ok  # after the faults
+    other = {**exit_("faulty-0", 17, 1), "tenant": "someone-else"}
+    assert chaos_checks._check_deaths([other], tenants, healthy, set(), until=10.0)[0].ok  # not ours
 
 
 def test_latency_check_allows_what_the_host_itself_added() -> None:
@@ -131,8 +179,13 @@ def test_latency_check_allows_what_the_host_itself_added() -> None:
     assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (1.0, 1.0)).ok  # the host did not change
     busy = chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (1.0, 3.5))  # 3 ms + 2.5 ms >= 5 ms
     assert busy.ok and "allowance +2.50 ms" in busy.detail, busy.detail
-    assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (1.0, 2.0)).ok  # 3 + 1 ms < 5 ms
+    assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (1.0, 1.5)).ok  # 3 + 0.5 ms, 3 x 1.5 < 5 ms
     assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (3.0, 1.0)).ok  # a quieter host adds nothing
+    # the host's round trip twice as slow makes every request of it about twice as slow: 3 x 2 x 1 ms >= 5 ms,
+    # where the relay's own growth (+0.2 ms) would not cover it
+    twice = chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (0.2, 0.4))
+    assert twice.ok and "x2.00" in twice.detail, twice.detail
+    assert not chaos_checks._check_latency(slow, ["healthy-0"], 3.0, (0.2, 0.3)).ok  # 3 x 1.5 ms < 5 ms
 
 
 @pytest.mark.process

@@ -9,8 +9,12 @@ comes from CUDA events on the tenant stream.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +25,7 @@ from shared.gpu_time import GpuTimeBoard
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
 from tests.helpers.fake_cublas import FakeCublas
+from tests.helpers import timeouts
 from tests.helpers.fake_cuda import FakeDriver
 from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.cuda import CudaBackend
@@ -31,6 +36,8 @@ from worker.device_time import DeviceGate
 from worker.wasm import WasmHost, guest_source
 
 pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["stub", "cuda"])
@@ -70,6 +77,17 @@ def whole_and_chunked(be: Backend, block: QuotaBlock, name: str, make: Callable[
     gate.op(name, getattr(be, name), args)
     assert gate.chunks - chunks_before > 3, "the op was not split"
     return whole, result(args), gate
+
+
+def test_the_stub_loads_numpy_with_the_backend_not_under_the_first_ops_lease() -> None:
+    """A stub op runs under the device lease: a fresh worker whose first op imported numpy held every other
+    tenant's device work up for the import. In a fresh process, numpy is loaded once the backend exists."""
+    code = ("import sys\nfrom worker.backends.stub import StubBackend\nassert 'numpy' not in sys.modules\n"
+            "StubBackend()\nprint('numpy' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeouts.scaled(60),
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "True"
 
 
 def test_gemm_by_row_blocks_matches_within_rounding(backend: Backend, block: QuotaBlock) -> None:
@@ -315,8 +333,11 @@ def test_a_run_whose_deadline_passes_waiting_for_the_device_is_a_timeout() -> No
             host = WasmHost(ctx)
             ctx.extensions[WasmHost.EXTENSION] = host
             try:
+                host.compile(guest_source("long_job"))  # no deadline: the run's 0.3 s go to its wait for the device
+                compiles = host.stats["compiles"]
                 with pytest.raises(KernelTimeout):
                     host.run(guest_source("long_job"), "run", [256, 2], fuel=10**9, timeout_s=0.3)
+                assert host.stats["compiles"] == compiles  # (a compile past the deadline is a KernelTimeout too)
                 assert owner.gpu_bytes_in_use == 0  # its buffers went with the run
                 assert board.snapshot().holder == holder.worker_slot  # the holder kept the device
             finally:
@@ -360,15 +381,31 @@ def test_a_run_refused_device_time_stops_instead_of_spinning(caplog: pytest.LogC
         board.close()
 
 
+def charged_intervals(calls: list[str]) -> list[list[str]]:
+    """The driver calls of each chunk, cut after each chunk's ``cuEventElapsedTime`` (the timer reads
+    every chunk's pair of events on its own, so a chunk is everything up to and including its read)."""
+    chunks: list[list[str]] = [[]]
+    for c in calls:
+        chunks[-1].append(c)
+        if c == "cuEventElapsedTime":
+            chunks.append([])
+    assert chunks[-1] == [], calls  # nothing after the last chunk's read
+    return chunks[:-1]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("name", ["fill_f32", "sum_f32", "max_f32", "argmax_rows_f32", "matmul_f32", "scale_f32"])
-def test_cuda_events_are_recorded_right_around_the_device_work(block: QuotaBlock, name: str) -> None:
-    """The charged interval is the launch only: the start event is (re-)recorded right before the
-    first launch (after the launch preparation), the end event right after the last, and the op's
-    own synchronize or copy of its result to the host comes after the end event, not inside."""
+def test_cuda_events_are_recorded_right_around_the_device_work(block: QuotaBlock, name: str, split: bool) -> None:
+    """The charged interval of every chunk is its launch only: the start event is (re-)recorded right
+    before the chunk's first launch (after the launch preparation), the end event right after its
+    last, and the chunk's own synchronize or copy of its result to the host comes after the end
+    event, not inside. However many chunks an op is cut into (the chunk size follows the measured
+    time, so a loaded host cuts an op the quiet one runs whole; ``split`` forces many), each chunk
+    holds this on its own."""
     fake = FakeDriver(memory_bytes=1 << 30)
     be = CudaBackend(driver=fake, nvrtc=fake, cublas=FakeCublas(fake))
     try:
-        gate = DeviceGate(block, be)
+        gate = DeviceGate(block, be, chunk_s=1e-9) if split else DeviceGate(block, be)
         x = put(be, np.arange(64, dtype=np.float32))
         y = put(be, np.zeros(64))
         out = memoryview(bytearray(4 * 8))
@@ -377,24 +414,28 @@ def test_cuda_events_are_recorded_right_around_the_device_work(block: QuotaBlock
             "argmax_rows_f32": (x, 8, 8, out), "matmul_f32": (x, x, y, 8, 8, 8), "scale_f32": (x, 2.0, 64)}
         gate.op(name, getattr(be, name), args[name])  # warm: kernels compiled, cuBLAS loaded
         fake.calls.clear()
+        before = gate.chunks
         gate.op(name, getattr(be, name), args[name])
         calls = list(fake.calls)
-        records = [i for i, c in enumerate(calls) if c == "cuEventRecord"]
-        if name == "matmul_f32":  # cuBLAS's own calls are not the driver's: between the start's re-record and the end
-            assert calls[:4] == ["cuEventRecord"] * 3 + ["cuEventSynchronize"], calls
-            gate.close()
-            return
-        launches = [i for i, c in enumerate(calls) if c == "cuLaunchKernel"]
-        assert launches and len(records) >= 2, calls
-        first, last = launches[0], launches[-1]
-        assert calls[first - 1] == "cuEventRecord" or calls[first - 1].startswith("cublasSet"), calls
-        assert records[-1] > last and all(c == "cuEventRecord" for c in calls[last + 1:records[-1] + 1]), calls
-        syncs = [i for i, c in enumerate(calls) if c in ("cuStreamSynchronize", "cuMemcpyDtoHAsync")]
-        # no host sync inside - but for an op that returns its result to the host chunk by chunk (max,
-        # sum, argmax) and was split into several launches (the chunk size follows the measured time, so
-        # a loaded host splits it): each chunk's copy is still inside, a known gap (docs/GPU-QUOTAS.md)
-        if not (name in ("argmax_rows_f32", "max_f32", "sum_f32") and len(launches) > 1):
-            assert all(i > records[-1] or i < records[0] for i in syncs), calls
+        chunks = charged_intervals(calls)
+        assert len(chunks) == gate.chunks - before, calls  # one pair of events read per chunk
+        if split:
+            assert len(chunks) > 3, calls
+        for chunk in chunks:
+            records = [i for i, c in enumerate(chunk) if c == "cuEventRecord"]
+            if name == "matmul_f32":  # cuBLAS's own calls are not the driver's: between the start's re-record and the end
+                assert chunk == ["cuEventRecord"] * 3 + ["cuEventSynchronize", "cuEventElapsedTime"], calls
+                continue
+            launches = [i for i, c in enumerate(chunk) if c == "cuLaunchKernel"]
+            assert launches and len(records) >= 2, calls
+            first, last = launches[0], launches[-1]
+            assert chunk[first - 1] == "cuEventRecord" or chunk[first - 1].startswith("cublasSet"), calls
+            start = max(i for i in records if i < first)  # the re-record that counts
+            end = last + 1  # launched(): the end event is recorded right after the last launch
+            assert chunk[end] == "cuEventRecord", calls  # (a later record: the backend's untimed queue mark)
+            syncs = [i for i, c in enumerate(chunk) if c in ("cuStreamSynchronize", "cuMemcpyDtoHAsync")]
+            assert all(i > end or i < start for i in syncs), calls  # no host sync inside the charged interval
+            assert chunk.index("cuEventSynchronize") > end, calls  # the end event is read after it is recorded
         assert block.gpu_time_ns > 0
         gate.close()
     finally:

@@ -72,6 +72,11 @@ class StubBackend(Backend):
         if "numpy" not in sys.modules:
             for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
                 os.environ.setdefault(var, "1")
+        # numpy loads here, with the context, not in the first op: an op runs under the device lease, and
+        # a fresh worker's first op importing numpy held every other tenant's device work up for the
+        # import (a healthy tenant's run waited ~1 s for the device after a neighbour's restart, on a
+        # loaded host)
+        import numpy  # noqa: F401
         self.capacity_bytes = capacity_bytes
         self.device_index = device_index
         self.in_use = 0

@@ -85,7 +85,8 @@ def format_report(report: Mapping[str, Any]) -> str:
         lines.append(
             f"\nallocations lost with dead instances (reclaimed): {lost['buffers']} buffers, "
             f"{lost['bytes']:,} B; worker deaths: {report['worker_deaths']['total']} "
-            f"({report['worker_deaths']['not_from_a_fault']} not from a fault)"
+            f"({report['worker_deaths']['not_from_a_fault']} not from a fault, "
+            f"{report['worker_deaths'].get('deadline_enforced', 0)} a faulty tenant's run deadline enforced)"
         )
     lines.append("")
     for c in report.get("checks", []):

@@ -21,15 +21,22 @@ from tests.helpers.cluster import instance_pid, supervisor, tenant
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
+#: a run's deadline covers its module's compile: where a test needs every run to finish, the tenant's
+#: ceiling is a hang guard (a loaded host took more than 0.3 s to compile the probe guest), and the
+#: ceiling that a test asserts is checked with SPIN, a module whose compile is negligible
+HANG_GUARD_S = 60.0
+SPIN = b'(module (func (export "spin") (loop $l (br $l))))'
 
 
 def test_run_wasm_through_the_supervisor() -> None:
-    spec = TenantSpec.from_dict({"tenant_id": "acme", "gpu_memory_bytes_cap": 16 * MiB, "wasm_timeout_s": 0.5,
-                                 "wasm_fuel": 10**12})
+    spec = TenantSpec.from_dict({"tenant_id": "acme", "gpu_memory_bytes_cap": 16 * MiB,
+                                 "wasm_timeout_s": HANG_GUARD_S, "wasm_fuel": 10**12})
+    capped_spec = TenantSpec.from_dict({"tenant_id": "capped", "wasm_timeout_s": 0.5})
     traps = guest_path("traps").read_bytes()
     with supervisor() as sup:
         c = sup.client
         cap = c.register(None, spec)
+        capped = c.register(None, capped_spec)
         pid = instance_pid(sup, "acme")
         assert c.run_wasm(cap, guest_path("probe").read_bytes(), "add", [2, 3]).results == (5,)
 
@@ -44,7 +51,10 @@ def test_run_wasm_through_the_supervisor() -> None:
             c.run_wasm(cap, traps, "spin", fuel=1000)
         assert trap.value.trap_code == "out_of_fuel"
         with pytest.raises(KernelTimeout) as timeout:
-            c.run_wasm(cap, traps, "spin", timeout_s=60)  # capped to the spec's 0.5 s
+            c.run_wasm(cap, traps, "spin", timeout_s=0.5)  # the run's own deadline
+        assert timeout.value.timeout_s == 0.5
+        with pytest.raises(KernelTimeout) as timeout:
+            c.run_wasm(capped, SPIN, "spin", timeout_s=60)  # capped to the spec's 0.5 s
         assert timeout.value.timeout_s == 0.5
         with pytest.raises(WasmCompile):
             c.run_wasm(cap, os.urandom(64), "f")
@@ -53,7 +63,7 @@ def test_run_wasm_through_the_supervisor() -> None:
         assert c.run_wasm(cap, traps, "grow", [1 << 16]).results == (-1,)
         assert c.run_wasm(cap, traps, "ok").results == (42,)
         assert instance_pid(sup, "acme") == pid
-        assert tenant(c.status(), "acme").restarts == 0
+        assert tenant(c.status(), "acme").restarts == 0 and tenant(c.status(), "capped").restarts == 0
 
         # a module stored once, run by digest
         digest = c.put_module(cap, traps)
@@ -101,7 +111,9 @@ def test_twt_run_end_to_end(tmp_path: Path) -> None:
     wat.write_bytes(guest_path("probe").read_bytes())
     wasm = tmp_path / "traps.wasm"
     wasm.write_bytes(bytes(wasmtime.wat2wasm(guest_path("traps").read_text())))
-    with supervisor([{"name": "acme", "wasm_timeout_s": 0.3}]) as sup:
+    spin = tmp_path / "spin.wat"
+    spin.write_bytes(SPIN)
+    with supervisor([{"name": "acme", "wasm_timeout_s": HANG_GUARD_S}, {"name": "capped", "wasm_timeout_s": 0.3}]) as sup:
         rd = sup.run_dir
         ok = twt("run", "acme", str(wat), "--invoke", "add", "--arg", "2", "--arg", "3", "--run-dir", rd)
         assert ok.returncode == 0, ok.stderr
@@ -115,7 +127,7 @@ def test_twt_run_end_to_end(tmp_path: Path) -> None:
         assert trap.returncode == 1
         assert "WasmTrap" in trap.stderr and "unreachable" in trap.stderr
 
-        slow = twt("run", "acme", str(wasm), "--invoke", "spin", "--timeout", "5", "--run-dir", rd)
+        slow = twt("run", "capped", str(spin), "--invoke", "spin", "--timeout", "5", "--run-dir", rd)
         assert slow.returncode == 1 and "KernelTimeout" in slow.stderr and "0.3 s" in slow.stderr
 
         unknown = twt("run", "nobody", str(wat), "--invoke", "add", "--run-dir", rd)
@@ -124,6 +136,7 @@ def test_twt_run_end_to_end(tmp_path: Path) -> None:
         usage = twt("run", "acme", str(wat), "--run-dir", rd)
         assert usage.returncode == 2 and "--invoke" in usage.stderr
         assert tenant(sup.client.status(), "acme").restarts == 0
+        assert tenant(sup.client.status(), "capped").restarts == 0
     gone = twt("run", "acme", str(wat), "--invoke", "add", "--run-dir", rd)
     assert gone.returncode == 3
 

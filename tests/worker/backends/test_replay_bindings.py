@@ -156,7 +156,7 @@ def test_every_call_through_the_fake_is_accepted_by_the_real_bindings(major: int
         # the run's one dry run of the whole check, recorded (tests/helpers/gpu_dry_run.py): its records
         # are copied, as the exercise below adds its own
         check = gpu_dry_run.dry_run(tmp_path_factory)
-        assert check.proc.returncode == 0, check.proc.stdout[-2000:]
+        assert check.proc.returncode == 0, gpu_dry_run.why_failed(check.proc)
         assert set(PHASES.split(",")) <= set(json.loads(check.json_out.read_text())["phases"])
         for recorded in check.record_dir.iterdir():
             shutil.copyfile(recorded, tmp_path / recorded.name)
@@ -164,7 +164,7 @@ def test_every_call_through_the_fake_is_accepted_by_the_real_bindings(major: int
         other = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake",
                                 "--quick", "--only", OTHER_MAJOR_PHASES], capture_output=True, text=True,
                                timeout=gpu_dry_run.TIMEOUT_S, cwd=ROOT, env=env)
-        assert other.returncode == 0, other.stdout[-2000:]
+        assert other.returncode == 0, gpu_dry_run.why_failed(other)
     exercise = subprocess.run([sys.executable, "-c", EXERCISE], capture_output=True, text=True, timeout=60,
                               cwd=ROOT, env=env)
     assert exercise.returncode == 0, exercise.stderr[-2000:]
