@@ -397,6 +397,8 @@ class DeviceGate:
         self._submit_at = 0
         self._submit_gap_ns = 0
         self._op_dev_ns = 0
+        #: op kinds whose first-use loads the backend made before the lease (:meth:`_prepare`)
+        self._prepared: set[str] = set()
         #: ops of the batch being launched that ran whole, and its ops' plans and estimates
         #: (:meth:`_queued_batch`)
         self._batch_ran = 0
@@ -414,6 +416,7 @@ class DeviceGate:
         """Run op ``name`` = ``fn(*args)`` on the device now, after every queued op (whose error, if
         any, is raised first), in chunks where it splits (see module doc); its result (a sum), or None."""
         self.sync(deadline_ns)
+        self._prepare(name)
         return cast("T | None", self._op(name, fn, args, deadline_ns, self._run))
 
     def submit(self, name: str, fn: Callable[..., object], args: tuple[object, ...],
@@ -429,6 +432,8 @@ class DeviceGate:
         queue = self.queue
         if queue is None:
             queue = self.queue = DeviceQueue(self._queued_items, self._end_stretch, linger=self._linger)
+        if name not in self._prepared and not queue.pending:
+            self._prepare(name)
         nbytes = sum(a.nbytes for a in args if isinstance(a, DeviceBuffer))
         now = time.monotonic_ns()
         if self._submit_at:
@@ -441,6 +446,19 @@ class DeviceGate:
             queue.submit(_Item(name, fn, args, deadline_ns, nbytes, now, queue.own_busy_ns, p, est, True))
         except KernelTimeout as exc:
             raise self._refuse(exc) from None
+
+    def _prepare(self, name: str) -> None:
+        """The backend loads what op ``name`` loads on first use (kernels, a BLAS handle) before the
+        lease is taken for it (:meth:`Backend.prepare`), once per op kind; only with nothing queued
+        (the device thread is not using the backend meanwhile). A failed load is left to the op: it
+        fails again there, where its error is reported, as it did without this."""
+        if name in self._prepared:
+            return
+        self._prepared.add(name)
+        try:
+            self.backend.prepare(name)
+        except Exception:  # noqa: BLE001 - see the docstring: the op reports it
+            pass
 
     def sync(self, deadline_ns: int | None = None) -> None:
         """Wait for every queued op; raise a queued op's error (once). The wait ends at the deadline

@@ -266,6 +266,64 @@ def test_ops_are_charged_to_the_tenant_block(backend: Backend, block: QuotaBlock
     gate.close()
 
 
+@pytest.mark.parametrize(("name", "queued"), [("fill_f32", False), ("fill_f32", True), ("scale_f32", False),
+                                             ("scale_f32", True), ("gemm_f32", False)])
+def test_a_cuda_ops_first_use_loads_before_the_device_lease(block: QuotaBlock, name: str, queued: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's first op of a kind compiles its kernels (NVRTC) or loads cuBLAS: that happens before the
+    gate takes the device lease for it, not under it (a compile held every other tenant's device work up)."""
+    fake = FakeDriver(memory_bytes=1 << 30)
+    blas = FakeCublas(fake)
+    be = CudaBackend(driver=fake, nvrtc=fake, cublas=blas)
+    board = GpuTimeBoard.create(0)
+    try:
+        worker = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))
+        gate = DeviceGate(block, be, worker)
+        order: list[str] = []
+        acquire = gate._acquire
+
+        def lease(*args: Any) -> int:
+            order.append("lease")
+            return acquire(*args)
+
+        monkeypatch.setattr(gate, "_acquire", lease)
+        monkeypatch.setattr(fake, "cuModuleLoadData", _recording(fake.cuModuleLoadData, order, "module"))
+        monkeypatch.setattr(blas, "create", _recording(blas.create, order, "cublas"))
+        x, y, out = put(be, np.ones(64)), put(be, np.ones(64)), put(be, np.zeros(64))
+        ops: dict[str, tuple[Any, tuple[Any, ...]]] = {
+            "fill_f32": (be.fill_f32, (x, 2.0, 64)),
+            "scale_f32": (be.scale_f32, (x, 2.0, 64)),
+            "gemm_f32": (be.gemm_f32, (0, 0, 8, 8, 8, 1.0, x, y, 0.0, out)),
+        }
+        fn, args = ops[name]
+        if queued:
+            gate.submit(name, fn, args)  # the device thread takes the lease: the load is the guest thread's
+            gate.sync()
+        else:
+            gate.op(name, fn, args)
+        assert "lease" in order and "module" in order, order
+        loads = [i for i, what in enumerate(order) if what in ("module", "cublas")]
+        assert max(loads) < order.index("lease"), f"a load ran under the lease: {order}"
+        if name == "gemm_f32":
+            assert "cublas" in order
+        gate.op(name, fn, args)  # loaded once: the second op loads nothing
+        assert order.count("module") == len([i for i in loads if order[i] == "module"])
+        gate.release()
+        gate.close()
+        worker.close()
+    finally:
+        be.close()
+        board.unlink()
+        board.close()
+
+
+def _recording(fn: Callable[..., Any], order: list[str], what: str) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        order.append(what)
+        return fn(*args, **kwargs)
+    return call
+
+
 def test_cuda_ops_are_timed_with_events_on_the_stream(block: QuotaBlock) -> None:
     fake = FakeDriver(memory_bytes=1 << 30)
     be = CudaBackend(driver=fake, nvrtc=fake, cublas=FakeCublas(fake))

@@ -123,6 +123,10 @@ class QueueOverrun(KernelTimeout):
 _ALL_RETAINED = 1 << 62
 #: inside the first page: never mapped in any CUDA context, so a write there always faults
 _UNMAPPED_ADDRESS = 0x100
+#: ops whose first use compiles this backend's own kernels (:meth:`CudaBackend.kernels`)
+_KERNEL_OPS = frozenset({"fill_f32", "axpy_f32", "sum_f32"})
+#: tensor ops that call cuBLAS (its handle is loaded on the first)
+_BLAS_OPS = frozenset({"matmul_f32", "gemm_f32", "gemm_strided_batched_f32", "gemm_ex"})
 _get_ident = threading.get_ident
 
 
@@ -755,6 +759,16 @@ class CudaBackend(TensorOpsMixin, Backend):
                                                                 wait_idle=self.wait_idle))
             self._kernels.hooks = self.launch_hooks()
         return self._kernels
+
+    def prepare(self, op: str) -> None:
+        """Compile the kernels ``op`` launches (NVRTC) and load cuBLAS for a GEMM, before the device
+        gate takes the lease for it (see :meth:`Backend.prepare`)."""
+        if op in _KERNEL_OPS:
+            self.kernels()
+        elif op in _BLAS_OPS:
+            _ = self.tensor_ops().cublas
+        elif callable(getattr(TensorOpsMixin, op, None)):
+            self.tensor_ops()
 
     def fill_f32(self, buf: DeviceBuffer, value: float, count: int) -> None:
         assert isinstance(buf, CudaBuffer)
