@@ -44,6 +44,8 @@ ADD = b'(module (func (export "add") (param i32 i32) (result i32) local.get 0 lo
 TRAP = b'(module (func (export "boom") unreachable))'
 SPIN = b'(module (func (export "spin") (loop (br 0))))'
 BIG_MEMORY = b'(module (memory 2048) (func (export "f")))'  # 128 MiB of linear memory: above the quota
+#: a run deadline that only turns a hang into a failure (scaled: a loaded host's compile fits it)
+HANG_GUARD_S = scaled(60)
 
 MAIN = "conf-main"  # from the config file: its capability comes from the `capability` op
 CONFIG = f"""
@@ -411,16 +413,23 @@ def test_wasm_errors(sup: Supervisor) -> None:
 def test_lifecycle_errors(sup: Supervisor) -> None:
     """One tenant through overload, a deadline, a restart, a stop, a crash, a failure and a reset."""
     name = "conf-life"
-    cap = _register(sup, name, max_in_flight=1, max_restarts=0, wasm_timeout_s=1, wasm_fuel=1 << 62)
+    # the tenant's ceiling is a hang guard: a run's deadline covers its module's compile, and a loaded
+    # host's first compile in a fresh worker outlasted a short one (the worker then exits, and with
+    # max_restarts = 0 the tenant failed); the deadline asserted below is the run's own
+    cap = _register(sup, name, max_in_flight=1, max_restarts=0, wasm_timeout_s=HANG_GUARD_S, wasm_fuel=1 << 62)
     admin = sup.admin()
     c = sup.client
     try:
+        # SPIN compiled first, with no deadline that matters: a small fuel ends it, and the worker's
+        # cache has it, so the short deadline below covers the run alone
+        sup.error("wasm_trap", "run_wasm", cap, {"export": "spin", "fuel": 1000}, SPIN)
         # overloaded while its one request slot runs a guest that never ends; that run's deadline
         spin = c.send("run_wasm", cap, {"export": "spin", "timeout_s": 0.5}, SPIN)
         ping = c.send("ping", cap)
         replies = {r.rid: r for r in (c.recv(), c.recv())}
         assert replies[ping].code == "overloaded" and replies[spin].code == "kernel_timeout", replies
         assert replies[ping].payload["fields"]["limit"] == 1
+        assert replies[spin].payload["fields"]["timeout_s"] == 0.5  # the run's own deadline stopped it
         sup.ops_seen |= {"run_wasm", "ping"}
         # a handle from before a restart
         h = sup.ok("alloc", cap, {"nbytes": 16})["handle"]

@@ -215,7 +215,7 @@ def test_restart_replaces_every_instance_one_at_a_time_without_spending_the_budg
         c = sup.client
         cap = c.register(None, TenantSpec("acme").with_instances(2).with_restart("always", max_restarts=0))
         before = _pids(sup, "acme")
-        events = _Events(run_dir, ("exit", "ready", "restart", "failed", "scale"))
+        events = _Events(run_dir, ("exit", "ready", "restart", "failed", "kill", "scale"))
         try:
             # the subscription joins asynchronously: a harmless admin change shows when it has
             wait_for(lambda: (c.scale(None, "acme", 2), events.of("scale"))[1], timeout_s=10,
@@ -235,6 +235,10 @@ def test_restart_replaces_every_instance_one_at_a_time_without_spending_the_budg
             assert not events.of("restart") and not events.of("failed")
         finally:
             events.close()
+            # shown with a failure (pytest prints a failed test's output): seen failing only beside
+            # heavy load, never reproduced - what the supervisor published says which step went wrong
+            print("events seen:", [{k: e.get(k) for k in ("event", "pid", "instance", "expected", "reason",
+                                                         "exit_code", "signal")} for e in events.seen])
 
 
 # ----------------------------------------------------------------------- reload
