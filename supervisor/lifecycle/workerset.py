@@ -339,8 +339,6 @@ class WorkerSet:
                     kind, args = cast("tuple[str, object]", message)
                     if kind == "hello":
                         self._on_control_hello(worker, args, self.clock())
-            if self.hooks.is_stopping():
-                self.stop_worker(worker, "shutdown")  # started after the stop's stop_all: it goes too
 
     def _early_data_message(self, worker: WorkerHandle, frames: object) -> None:
         """A data-socket message a starting worker sent before the loop had its handle: its hello

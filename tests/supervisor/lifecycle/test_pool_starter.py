@@ -130,26 +130,3 @@ def test_a_start_in_flight_at_teardown_is_waited_for_and_its_worker_killed(tmp_p
     (handle,) = spawner.handles
     with pytest.raises(ValueError, match="closed"):  # killed, reaped and closed by the teardown
         _ = handle.process.exitcode
-
-
-def test_a_pool_worker_whose_start_ends_after_the_stop_began_is_stopped_too(tmp_path: Path) -> None:
-    sup, made = _supervisor(tmp_path, HeldSpawner)
-    try:
-        sup.start()
-        spawner = made[0]
-        assert isinstance(spawner, HeldSpawner) and sup.parts is not None
-        deadline = time.monotonic() + STUCK_S
-        while not spawner.in_start and time.monotonic() < deadline:
-            sup.turn(0.01)
-        sup.request_stop()
-        while not sup._stopping and time.monotonic() < deadline:  # the stop's stop_all has run
-            sup.turn(0.01)
-        spawner.release.set()
-        (handle,) = spawner.handles
-        workers = sup.parts.workers
-        while handle.ident not in workers.workers and time.monotonic() < deadline:
-            sup.turn(0.01)
-        late = workers.workers[handle.ident]
-        assert late.expected_exit and late.kill_reason == "shutdown"  # stopped, not waited on
-    finally:
-        sup.close()
