@@ -11,9 +11,7 @@ of a dead instance (reclaim), placement (a dead instance's device bytes),
 events and metrics. What a death or a bind means for the *tenant*
 (registration answered, parked requests sent or refused, tenant failed) is
 decided by the parts above, told through :class:`TenantHooks` (the tenant
-signals, :mod:`supervisor.lifecycle.signals`). Loop thread only, but for
-one thread that starts pool workers' processes (:class:`_Starter`: the
-wait for a fork is off the loop) and touches nothing else.
+signals, :mod:`supervisor.lifecycle.signals`). Loop thread only.
 
 A slot whose buffers are parked (``InstanceSlot.keep_incarnation``, set by
 :mod:`supervisor.lifecycle.parking`) keeps its incarnation when a worker starts in it, so the
@@ -31,14 +29,10 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-import os
-import queue
 import signal
-import threading
 import time
-from collections import deque
 from collections.abc import Mapping
-from typing import Protocol, cast
+from typing import Protocol
 from collections.abc import Callable
 
 import zmq
@@ -76,7 +70,7 @@ from supervisor.runtime.restart_policy import (
     after_exit,
 )
 from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
-from supervisor.runtime.workers import PreparedStart, Spawner, SpawnerLike, WorkerHandle, WorkerState, exit_status
+from supervisor.runtime.workers import SpawnerLike, WorkerHandle, WorkerState, exit_status
 
 __all__ = ["TenantHooks", "WorkerSet"]
 
@@ -103,9 +97,6 @@ POOL_DEFAULT_REFILL_S = 1.0
 #: live worker: tens of ms at tens of workers on a loaded host, so not at every death - a death
 #: the loop saw is reclaimed by its pid alone); the net for an owner gone unseen
 RECLAIM_SCAN_INTERVAL_S = 10.0
-#: messages held from a pool worker whose process is starting on the starter thread (its hellos:
-#: it can say them before the loop has its handle); more than this from one is dropped
-EARLY_MESSAGES_MAX = 4
 #: the decayed count of recent instance starts from which the pool keeps workers beyond ``pool_size``
 #: (0.5: a start within the last ~20 s, or several within the window)
 POOL_MIN_DEMAND = 0.5
@@ -196,11 +187,6 @@ class WorkerSet:
         self._refill_s: float | None = None
         self._last_beat = 0.0
         self._last_reclaim_scan = 0.0
-        #: pool workers start on this thread (made at the first such start; None: none yet, or a
-        #: spawner that starts in the loop - the tests' stand-in)
-        self._starter: _Starter | None = None
-        #: the messages of pool workers whose start is in flight on it, by routing id
-        self._early: dict[bytes, list[tuple[bool, object]]] = {}
         #: a worker that missed a beat: its last beat then, and its threads' run-queue waits then
         #: (ns by thread id)
         self._starve_base: dict[str, tuple[float, dict[int, int]]] = {}
@@ -269,10 +255,7 @@ class WorkerSet:
     # ------------------------------------------------------------ pool and start
 
     def _spawn(self) -> WorkerHandle:
-        return self._track(self.spawner.spawn())
-
-    def _track(self, worker: WorkerHandle) -> WorkerHandle:
-        """The worker set takes a started worker in: by identity and token, its sentinel on the loop."""
+        worker = self.spawner.spawn()
         self.workers[worker.ident] = worker
         self.by_token[worker.token] = worker
         self.loop.register(worker.sentinel, lambda: self.on_death(worker))
@@ -297,65 +280,11 @@ class WorkerSet:
             self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
         target = self.pool_target = self.pool_target_now(now)
         while len(self.pool) + self.pool_starting < target:
-            self._start_pool_worker()
+            worker = self._spawn()
+            worker.tenant = None
             self.pool_starting += 1
         while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
             self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
-
-    def _start_pool_worker(self) -> None:
-        """Start one pool worker: on the starter thread where the spawner is a real one (a start
-        waits for the fork server's fork - 1-5 ms quiet, tens of ms on a loaded host - which on
-        the loop held every request behind it), else here. Its messages until the loop has its
-        handle are held (:meth:`_on_started`)."""
-        if not isinstance(self.spawner, Spawner):
-            self._spawn().tenant = None
-            return
-        if self._starter is None:
-            self._starter = _Starter(self.spawner.start, self.loop, self._on_started)
-        prepared = self.spawner.prepare()
-        self._early[prepared.ident] = []
-        self._starter.submit(prepared)
-
-    def _on_started(self) -> None:
-        """Starts the starter thread finished: each worker is taken in as a pool worker and the
-        hellos it sent meanwhile are read now; a start that failed counts as a pool failure."""
-        if self._starter is None:
-            return
-        for prepared, worker, error in self._starter.take():
-            held = self._early.pop(prepared.ident, [])
-            if worker is None:
-                self.pool_starting = max(0, self.pool_starting - 1)
-                self._pool_failures += 1
-                self._pool_retry_at = self.clock() + pool_retry_delay_s(self._pool_failures)
-                log_event(_log, logging.ERROR, "worker.start_failed", worker=prepared.worker_id, error=repr(error))
-                continue
-            self._track(worker).tenant = None
-            for on_backend, message in held:
-                if worker.state is WorkerState.DEAD or worker.killed:
-                    break
-                if on_backend:
-                    self._early_data_message(worker, message)
-                else:
-                    kind, args = cast("tuple[str, object]", message)
-                    if kind == "hello":
-                        self._on_control_hello(worker, args, self.clock())
-
-    def _early_data_message(self, worker: WorkerHandle, frames: object) -> None:
-        """A data-socket message a starting worker sent before the loop had its handle: its hello
-        (no request was sent to it, so nothing else is an answer)."""
-        try:
-            rid, _, payload = proto.decode_worker_reply(frames[1].bytes)  # type: ignore[index]
-        except (ProtocolError, IndexError, AttributeError) as exc:
-            self.kill(worker, f"malformed reply ({exc})", "protocol")
-            return
-        if rid == 0:
-            self._on_data_hello(worker, payload)
-
-    def _hold_early(self, ident: bytes, on_backend: bool, message: object) -> None:
-        """Keep a message of a worker whose start is in flight (dropped if its identity is not one)."""
-        held = self._early.get(ident)
-        if held is not None and len(held) < EARLY_MESSAGES_MAX:
-            held.append((on_backend, message))
 
     def serving_tenants(self) -> set[str]:
         """The tenants some live worker of this set serves (starting, binding, ready or stopping).
@@ -620,12 +549,6 @@ class WorkerSet:
     def kill_all_now(self, timeout_s: float = 5.0) -> None:
         """Teardown: SIGKILL whatever is alive, wait (bounded) for it, forget every worker."""
         deadline = time.monotonic() + timeout_s
-        if self._starter is not None:  # its starts in flight finish first, then die with the rest
-            for _, started, _ in self._starter.close(self.loop, timeout_s / 2):
-                if started is not None:
-                    self.workers[started.ident] = started
-            self._starter = None
-            self._early.clear()
         for worker in list(self.workers.values()):
             self.spawner.signal(worker, signal.SIGKILL)
         for worker in list(self.workers.values()):
@@ -867,11 +790,7 @@ class WorkerSet:
             except zmq.Again:
                 return
             worker = self.workers.get(frames[0].bytes)
-            if worker is None:
-                if self._early:
-                    self._hold_early(frames[0].bytes, True, frames)
-                continue
-            if worker.state is WorkerState.DEAD:
+            if worker is None or worker.state is WorkerState.DEAD:
                 continue
             try:
                 rid, ok, payload = proto.decode_worker_reply(frames[1].bytes)
@@ -915,15 +834,16 @@ class WorkerSet:
             except ProtocolError:
                 continue
             worker = self.workers.get(ident)
-            if worker is None:
-                if self._early:
-                    self._hold_early(ident, False, (kind, args))
-                continue
-            if worker.state is WorkerState.DEAD:
+            if worker is None or worker.state is WorkerState.DEAD:
                 continue
             now = self.clock()
             if kind == "hello":
-                self._on_control_hello(worker, args, now)
+                if not _hello_of(worker, args) or worker.control_hello:
+                    self.kill(worker, "bad hello on the control socket", "protocol")
+                    continue
+                worker.control_hello = True
+                worker.last_heartbeat = now
+                self._on_connected(worker)
             elif kind == "hb":
                 worker.last_heartbeat = now
             elif kind == "fault_ack":
@@ -935,14 +855,6 @@ class WorkerSet:
                     continue
                 if worker.fault_waiters:
                     worker.fault_waiters.pop(0)(ack)
-
-    def _on_control_hello(self, worker: WorkerHandle, args: object, now: float) -> None:
-        if not _hello_of(worker, args) or worker.control_hello:
-            self.kill(worker, "bad hello on the control socket", "protocol")
-            return
-        worker.control_hello = True
-        worker.last_heartbeat = now
-        self._on_connected(worker)
 
     def on_fault_answer(self, worker: WorkerHandle, answer: Callable[[FaultAck | FaultExit], None]) -> None:
         """``answer`` gets the worker's fault ack, or its exit if the fault ends the process."""
@@ -962,64 +874,3 @@ def pool_retry_delay_s(failures: int) -> float:
     """How long the pool waits before refilling after ``failures`` workers in a row failed to start:
     0.2 s, 0.4 s, 0.8 s ... up to 30 s."""
     return float(min(30.0, 0.1 * 2 ** min(failures, 9)))
-
-
-_Started = tuple[PreparedStart, WorkerHandle | None, BaseException | None]
-
-
-class _Starter:
-    """Starts pool workers on a thread of its own, so that the loop does not wait for a fork.
-
-    ``submit`` (loop thread) queues a prepared start; the thread starts the process and posts
-    the handle (or the error), then writes a byte to a pipe the loop polls, whose handler
-    ``take``s what finished (loop thread). ``close`` ends the thread after the starts queued
-    (bounded) and hands back what they started, for teardown to kill.
-    """
-
-    def __init__(self, start: Callable[[PreparedStart], WorkerHandle], loop: Loop, on_done: Callable[[], None]) -> None:
-        self._start = start
-        self._jobs: queue.SimpleQueue[PreparedStart | None] = queue.SimpleQueue()
-        self._done: deque[_Started] = deque()
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-        loop.register(self._read, on_done)
-        self._thread = threading.Thread(target=self._run, name="twt-worker-starter", daemon=True)
-        self._thread.start()
-
-    def submit(self, prepared: PreparedStart) -> None:
-        self._jobs.put(prepared)
-
-    def _run(self) -> None:
-        while (prepared := self._jobs.get()) is not None:
-            try:
-                self._done.append((prepared, self._start(prepared), None))
-            except BaseException as exc:  # noqa: BLE001 - the loop thread reports and counts it
-                self._done.append((prepared, None, exc))
-            try:
-                os.write(self._write, b"\0")
-            except OSError:
-                pass  # pipe full: the loop is woken already
-
-    def take(self) -> list[_Started]:
-        """What finished since the last take (loop thread)."""
-        try:
-            while os.read(self._read, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        out = []
-        while self._done:
-            out.append(self._done.popleft())
-        return out
-
-    def close(self, loop: Loop, timeout_s: float) -> list[_Started]:
-        """End the thread once the queued starts are done (at most ``timeout_s``); what they started."""
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
-        loop.unregister(self._read)
-        found = self.take()
-        if not self._thread.is_alive():  # else it may still write: its fds stay (a daemon thread, at teardown)
-            os.close(self._read)
-            os.close(self._write)
-        return found

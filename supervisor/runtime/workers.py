@@ -37,7 +37,7 @@ from supervisor.runtime.requests import Pending
 if TYPE_CHECKING:
     from shared.worker_link import FaultAck, FaultExit
 
-__all__ = ["PreparedStart", "ProcessLike", "Spawner", "SpawnerFactory", "SpawnerLike", "WorkerHandle", "WorkerState", "kill_tree"]
+__all__ = ["ProcessLike", "Spawner", "SpawnerFactory", "SpawnerLike", "WorkerHandle", "WorkerState", "kill_tree"]
 
 _log = get_logger("supervisor.runtime.workers")
 _WORKER_ENTRY = EntryPoint("worker.main:run")
@@ -195,9 +195,7 @@ class Spawner:
         except psutil.Error:
             return None
 
-    def prepare(self) -> PreparedStart:
-        """A new worker's identity and boot message (loop thread: the sequence number is not
-        locked). Its routing id is known from here, before its process can say hello."""
+    def spawn(self) -> WorkerHandle:
         self._seq += 1
         worker_id = f"w{self._nonce}-{self._seq}"
         token = secrets.token_hex(16)
@@ -219,50 +217,24 @@ class Spawner:
             supervisor_pid=os.getpid(),
             supervisor_started=self._started,
         )
-        return PreparedStart(worker_id, token, routing_id, boot)
-
-    def start(self, prepared: PreparedStart) -> WorkerHandle:
-        """Start the prepared worker's process; returns once it has a pid (the fork server has
-        forked, or the spawn has exec'd). Safe on a thread other than the loop's (the worker
-        set's starter): it touches nothing of the supervisor's."""
         t0 = time.monotonic()
         process_cls = getattr(self.ctx, "Process")  # noqa: B009 - typeshed's BaseContext lacks Process
-        proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(prepared.boot,),
-                                        name=f"twt-worker-{prepared.worker_id}", daemon=False)
+        proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(boot,), name=f"twt-worker-{worker_id}", daemon=False)
         proc.start()
         _untrack(proc)
         assert proc.pid is not None
         handle = WorkerHandle(
-            worker_id=prepared.worker_id,
-            token=prepared.token,
-            routing_id=prepared.routing_id,
+            worker_id=worker_id,
+            token=token,
+            routing_id=routing_id,
             process=proc,
             pid=proc.pid,
             sentinel=proc.sentinel,
             spawned_at=t0,
         )
-        log_event(_log, logging.DEBUG, "worker.process_started", worker=prepared.worker_id, pid=proc.pid,
-                  method=self.method, start_ms=round((time.monotonic() - t0) * 1000, 3))
+        log_event(_log, logging.DEBUG, "worker.process_started", worker=worker_id, pid=proc.pid, method=self.method,
+                  start_ms=round((time.monotonic() - t0) * 1000, 3))
         return handle
-
-    def spawn(self) -> WorkerHandle:
-        """Prepare and start a worker on this thread."""
-        return self.start(self.prepare())
-
-
-@dataclass(frozen=True)
-class PreparedStart:
-    """A worker about to start: its public id, hello token, routing id and boot message."""
-
-    worker_id: str
-    token: str
-    routing_id: str
-    boot: BootMessage
-
-    @property
-    def ident(self) -> bytes:
-        """The ZeroMQ identity its messages will carry (:attr:`WorkerHandle.ident`)."""
-        return self.routing_id.encode()
 
 
 class SpawnerLike(Protocol):
