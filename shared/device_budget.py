@@ -297,9 +297,10 @@ class DeviceBudget(MappedSegment):
     def reclaim_dead(self) -> list[tuple[int, int, int]]:
         """Return the share of every slot whose owner process is gone; ``[(slot, pid, bytes)]``.
 
-        Called by the supervisor after a worker dies (its GPU memory was freed
-        by the driver). A slot whose owner has not recorded its pid yet (it is
-        between claiming and recording) is left alone.
+        Reads ``/proc`` for every live owner: the supervisor's periodic safety
+        net; a worker death it saw is reclaimed by :meth:`reclaim_pid`. A slot
+        whose owner has not recorded its pid yet (it is between claiming and
+        recording) is left alone.
         """
         if self._closed:
             raise SegmentError(self.name, "device budget is closed")
@@ -312,17 +313,45 @@ class DeviceBudget(MappedSegment):
             pid = _atomics.load(buf, off + _S_PID)
             if pid == 0 or _owner_alive(pid, _atomics.load(buf, off + _S_START)):
                 continue
-            share = _atomics.exchange(buf, off + _S_SHARE, 0)
-            if share:
-                under = _atomics.release(buf, _COUNTER, share)
-                if under is not None:
-                    log_event(_log, logging.WARNING, "device_budget.underflow", device=self.device_index,
-                              released=share, in_use=under, segment=self.name)
-            _atomics.store(buf, off + _S_PID, 0)
-            _atomics.store(buf, off + _S_START, 0)
-            _atomics.release(buf, off, 1)  # the slot is free again
-            found.append((i, pid, share))
+            found.append((i, pid, self._free_dead(buf, off)))
         return found
+
+    def reclaim_pid(self, pid: int) -> list[tuple[int, int, int]]:
+        """Return the share of the slots owned by ``pid``, a process the supervisor saw die (it
+        reaped it); as :meth:`reclaim_dead`.
+
+        Called after a worker dies (its GPU memory was freed by the driver). Only
+        that pid's ``/proc`` entry is read (a reused pid is told apart by its start
+        time), not every live owner's: at tens of workers the full scan held the
+        supervisor's loop for tens of ms at each death.
+        """
+        if self._closed:
+            raise SegmentError(self.name, "device budget is closed")
+        buf = self._buf
+        found: list[tuple[int, int, int]] = []
+        if pid <= 0:
+            return found
+        for i in _claimed_slots(buf):
+            off = _slot_off(i)
+            if not _atomics.load(buf, off) or _atomics.load(buf, off + _S_PID) != pid:
+                continue
+            if _owner_alive(pid, _atomics.load(buf, off + _S_START)):
+                continue
+            found.append((i, pid, self._free_dead(buf, off)))
+        return found
+
+    def _free_dead(self, buf: memoryview, off: int) -> int:
+        """Free the slot at ``off`` of a dead owner; its share (released from the counter)."""
+        share = _atomics.exchange(buf, off + _S_SHARE, 0)
+        if share:
+            under = _atomics.release(buf, _COUNTER, share)
+            if under is not None:
+                log_event(_log, logging.WARNING, "device_budget.underflow", device=self.device_index,
+                          released=share, in_use=under, segment=self.name)
+        _atomics.store(buf, off + _S_PID, 0)
+        _atomics.store(buf, off + _S_START, 0)
+        _atomics.release(buf, off, 1)  # the slot is free again
+        return share
 
 
 def _claim_slot(name: str, buf: memoryview) -> int:

@@ -1052,8 +1052,9 @@ class GpuTimeBoard(MappedSegment):
         A dead holder's lease goes to the next pick at once (or the device is
         freed). A holder that died mid-chunk (the busy bit set) never reported
         that chunk: its tenant is charged the time from the chunk's start to
-        now, at most one quantum (:meth:`_charge_in_flight`). Called by the
-        supervisor when it sees a worker die.
+        now, at most one quantum (:meth:`_charge_in_flight`). This reads
+        ``/proc`` for every live worker on the board: the supervisor's periodic
+        safety net; a death it saw is reclaimed by :meth:`reclaim_pid`.
         """
         buf = self._check()
         found = []
@@ -1064,27 +1065,51 @@ class GpuTimeBoard(MappedSegment):
             pid = _atomics.load(buf, off + _W_PID)
             if pid == 0 or _owner_alive(pid, _atomics.load(buf, off + _W_START)):
                 continue
-            tenant = _atomics.load(buf, off + _W_TENANT) - 1
-            _atomics.store(buf, off + _W_TENANT, 0)
-            if _atomics.exchange(buf, off + _W_WAITING, 0):
-                _atomics.fetch_add(buf, _WAITING, _ADD_MINUS_ONE)
-            owner = _atomics.load(buf, _OWNER)
-            held = owner != 0 and (owner >> 1) - 1 == w
-            if held:
-                now = self._clock()
-                if owner & 1:
-                    # it died mid-chunk: nobody will finish that chunk, so it is charged here (once:
-                    # only the reclaim that clears the busy bit charges; the owner word may have
-                    # moved since it was read)
-                    if _atomics.compare_exchange(buf, _OWNER, owner, owner & ~1):
-                        self._charge_in_flight(buf, tenant, now)
-                    owner &= ~1
-                self._hand_over(buf, owner, now)
-            _atomics.store(buf, off + _W_PID, 0)
-            _atomics.store(buf, off + _W_START, 0)
-            _atomics.store(buf, off + _W_CLAIMED, 0)
-            found.append((w, pid, held))
+            found.append((w, pid, self._free_dead(buf, w, off)))
         return found
+
+    def reclaim_pid(self, pid: int) -> list[tuple[int, int, bool]]:
+        """Free the slots of one process the supervisor saw die (it reaped it); as :meth:`reclaim_dead`.
+
+        Only the slots that name ``pid`` are looked at, and only that pid's ``/proc`` entry is read
+        (a reused pid is told apart by its start time): a death costs one read, not one per live
+        worker - at tens of workers the full scan held the supervisor's loop for tens of ms."""
+        buf = self._check()
+        found: list[tuple[int, int, bool]] = []
+        if pid <= 0:
+            return found
+        for w in range(_atomics.load(buf, _HIGH)):
+            off = self._w_off(w)
+            if not _atomics.load(buf, off + _W_CLAIMED) or _atomics.load(buf, off + _W_PID) != pid:
+                continue
+            if _owner_alive(pid, _atomics.load(buf, off + _W_START)):
+                continue
+            found.append((w, pid, self._free_dead(buf, w, off)))
+        return found
+
+    def _free_dead(self, buf: memoryview, w: int, off: int) -> bool:
+        """Free worker slot ``w`` (at ``off``) of a dead process; whether it held the device (then
+        the lease passes on, and a chunk it was running is charged to its tenant)."""
+        tenant = _atomics.load(buf, off + _W_TENANT) - 1
+        _atomics.store(buf, off + _W_TENANT, 0)
+        if _atomics.exchange(buf, off + _W_WAITING, 0):
+            _atomics.fetch_add(buf, _WAITING, _ADD_MINUS_ONE)
+        owner = _atomics.load(buf, _OWNER)
+        held = owner != 0 and (owner >> 1) - 1 == w
+        if held:
+            now = self._clock()
+            if owner & 1:
+                # it died mid-chunk: nobody will finish that chunk, so it is charged here (once:
+                # only the reclaim that clears the busy bit charges; the owner word may have
+                # moved since it was read)
+                if _atomics.compare_exchange(buf, _OWNER, owner, owner & ~1):
+                    self._charge_in_flight(buf, tenant, now)
+                owner &= ~1
+            self._hand_over(buf, owner, now)
+        _atomics.store(buf, off + _W_PID, 0)
+        _atomics.store(buf, off + _W_START, 0)
+        _atomics.store(buf, off + _W_CLAIMED, 0)
+        return held
 
     def _charge_in_flight(self, buf: memoryview, tenant: int, now: int) -> int:
         """Charge ``tenant`` (a dead holder's) for the chunk it was running: from the chunk's start

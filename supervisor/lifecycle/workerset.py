@@ -19,8 +19,9 @@ restored buffers answer to their old handles.
 
 Death handling (the sentinel fired): every in-flight request is answered
 (:class:`WorkerLost`, or :class:`MemoryExhausted` after the RSS backstop),
-the instance's quota share is reclaimed, an ``exit`` event is published and
-the restart policy decides (see :mod:`supervisor.runtime.tenants`).
+the instance's quota share is reclaimed (its device slots by its pid), an
+``exit`` event is published and the restart policy decides (see
+:mod:`supervisor.runtime.tenants`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ POOL_BURST_MIN_STARTS = 3
 POOL_BURST_MIN_SPAN_S = 0.25
 #: a pool worker's spawn-to-ready time until one has been measured
 POOL_DEFAULT_REFILL_S = 1.0
+#: how often every device-budget and GPU-time slot's owner is checked for life (a ``/proc`` read per
+#: live worker: tens of ms at tens of workers on a loaded host, so not at every death - a death
+#: the loop saw is reclaimed by its pid alone); the net for an owner gone unseen
+RECLAIM_SCAN_INTERVAL_S = 10.0
 #: the decayed count of recent instance starts from which the pool keeps workers beyond ``pool_size``
 #: (0.5: a start within the last ~20 s, or several within the window)
 POOL_MIN_DEMAND = 0.5
@@ -181,6 +186,7 @@ class WorkerSet:
         self._burst_last = 0.0
         self._refill_s: float | None = None
         self._last_beat = 0.0
+        self._last_reclaim_scan = 0.0
         #: a worker that missed a beat: its last beat then, and its threads' run-queue waits then
         #: (ns by thread id)
         self._starve_base: dict[str, tuple[float, dict[int, int]]] = {}
@@ -585,7 +591,9 @@ class WorkerSet:
         reclaimed = (0, 0)
         if rt is not None and index is not None and not rt.block.closed:
             reclaimed = rt.block.reclaim_instance(index)
-            self.placement.reclaim_dead()  # by slot owner: exact even if it died mid-alloc
+        # its device-budget share and GPU-time slot, by slot owner (exact even if it died mid-alloc):
+        # this pid's slots only, not a /proc read per live worker (the periodic scan is the net)
+        self.placement.reclaim_pid(worker.pid)
         # 3. tell the world
         if worker.rss_exceeded:
             cause = "rss"
@@ -719,6 +727,9 @@ class WorkerSet:
             if worker.kill_at is not None and now >= worker.kill_at and worker.state is not WorkerState.DEAD:
                 self.spawner.signal(worker, signal.SIGKILL)
                 worker.kill_at = float("inf")
+        if now - self._last_reclaim_scan >= RECLAIM_SCAN_INTERVAL_S:
+            self._last_reclaim_scan = now
+            self.placement.reclaim_dead()  # the safety net: any owner gone that no death told of
 
     def _starved(self, worker: WorkerHandle, silent: float) -> float:
         """How much of ``worker``'s silence it spent waiting for a CPU (seconds, at most one

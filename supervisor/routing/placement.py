@@ -11,8 +11,9 @@
                                                    "process" opts out of a live daemon (see below)
     bind ──► worker_options(spec, device)          budget segment, GPU cap, pool quota, MPS environment,
                                                    the device's GPU-time board and the tenant's slot on it
-    worker death ──► reclaim_dead()                shares of dead workers come back to their device;
+    worker death ──► reclaim_pid(pid)              shares of dead workers come back to their device;
                                                    a dead worker's device lease passes on at once
+    every 10 s ──► reclaim_dead()                  the same for any owner gone unseen (reads /proc per owner)
 
 GPU time: one :class:`~shared.gpu_time.GpuTimeBoard` per device as well. A
 tenant joins the board of its device at start (``gpu_time_join``: a tenant
@@ -331,6 +332,28 @@ class Placement:
             if board.closed:
                 continue
             for slot, pid, held in board.reclaim_dead():
+                if held:
+                    log_event(_log, logging.INFO, "device.gpu_lease_reclaimed", device=index, worker_slot=slot,
+                              pid=pid)
+        return total
+
+    def reclaim_pid(self, pid: int) -> int:
+        """Return the shares and the GPU-time slots of one worker the supervisor saw die (it
+        reaped it) on every device; bytes reclaimed in all. Reads that pid's ``/proc`` entry
+        only; :meth:`reclaim_dead`'s scan of every owner is the periodic safety net."""
+        total = 0
+        for d in self._devices.values():
+            if d.budget.closed:
+                continue
+            for slot, _, share in d.budget.reclaim_pid(pid):
+                total += share
+                if share:
+                    log_event(_log, logging.INFO, "device.budget_reclaimed", device=d.index, slot=slot, pid=pid,
+                              bytes=share)
+        for index, board in self.boards.items():
+            if board.closed:
+                continue
+            for slot, _, held in board.reclaim_pid(pid):
                 if held:
                     log_event(_log, logging.INFO, "device.gpu_lease_reclaimed", device=index, worker_slot=slot,
                               pid=pid)

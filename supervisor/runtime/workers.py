@@ -133,6 +133,22 @@ def _detach_main_module() -> None:
         main.__spec__ = importlib.machinery.ModuleSpec("supervisor.__main__", None)
 
 
+def _untrack(proc: BaseProcess) -> None:
+    """Take a started worker out of ``multiprocessing``'s set of live children.
+
+    Every ``Process.start()`` first polls each child still in that set (``_cleanup``: a
+    zero-timeout select on each forkserver child's sentinel) - ~64 polls per start at
+    ``max_active`` 64, on the supervisor's loop. The supervisor tracks its workers itself (each
+    one's sentinel is on the loop) and reaps each at its death (:func:`exit_status`, then
+    ``close``), so the set only costs. Out of it, ``multiprocessing.active_children()`` does not
+    list workers and the interpreter's exit does not join them (teardown kills them; a worker
+    whose supervisor is gone exits by itself).
+    """
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.discard(proc)
+
+
 class Spawner:
     """Starts worker processes with the configured start method."""
 
@@ -205,6 +221,7 @@ class Spawner:
         process_cls = getattr(self.ctx, "Process")  # noqa: B009 - typeshed's BaseContext lacks Process
         proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(boot,), name=f"twt-worker-{worker_id}", daemon=False)
         proc.start()
+        _untrack(proc)
         assert proc.pid is not None
         handle = WorkerHandle(
             worker_id=worker_id,

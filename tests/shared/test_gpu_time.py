@@ -10,6 +10,7 @@ against the policy's promises (docs/GPU-QUOTAS.md).
 from __future__ import annotations
 
 import math
+import os
 import random
 import subprocess
 import sys
@@ -301,6 +302,51 @@ def _dies(board: GpuTimeBoard, handle: GpuTimeBoard) -> None:
     dead.wait()
     assert handle.worker_slot is not None
     _atomics.store(board._buf, board._w_off(handle.worker_slot) + _W_PID, dead.pid)
+
+
+def test_a_reclaim_by_pid_reads_only_that_pids_proc_entry_and_passes_its_lease_on(
+        board: GpuTimeBoard, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor reclaims a worker it saw die by its pid: only that pid's ``/proc`` entry is
+    read (a full scan reads one per live worker), its slot is freed and a lease it held passes on;
+    the other slots - even ones naming pids that are gone - wait for the periodic full scan."""
+    from shared import quota
+
+    a, b = board.add_tenant(1.0), board.add_tenant(1.0)
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    wc = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    reads: list[int] = []
+    real = quota._proc_stat
+
+    def counting(pid: int) -> tuple[bytes, int] | None:
+        reads.append(pid)
+        return real(pid)
+
+    try:
+        assert wa.try_acquire(clock.t)  # a holds the device, busy
+        wb.want(clock.t)
+        _dies(board, wa)
+        _dies(board, wc)  # gone too, but not the death being reclaimed
+        from shared import _atomics
+        from shared.gpu_time import _W_PID
+
+        assert wa.worker_slot is not None
+        dead = _atomics.load(board._buf, board._w_off(wa.worker_slot) + _W_PID)
+        monkeypatch.setattr(quota, "_proc_stat", counting)
+        assert board.reclaim_pid(os.getpid()) == []  # wb lives: kept
+        reads.clear()
+        assert board.reclaim_pid(dead) == [(wa.worker_slot, dead, True)]
+        assert reads == [dead]
+        assert wb.holds() and wb.try_acquire(clock.t)  # the lease passed on at once
+        reads.clear()
+        assert board.reclaim_pid(dead) == [] and board.reclaim_pid(0) == []
+        assert reads == []
+        assert [w for w, _, _ in board.reclaim_dead()] == [wc.worker_slot]  # the net
+    finally:
+        wb.close()
+        wa._worker = wc._worker = None  # their slots were freed by the reclaims
+        wa.close()
+        wc.close()
 
 
 @pytest.mark.parametrize("ran_ms, charged_ms", [(3, 3), (40, 5)])

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import zmq
 
+from shared import _atomics
 from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.spec import TenantSpec
@@ -29,6 +30,8 @@ from supervisor.supervisor import Supervisor
 from tests.helpers.fake_workers import FakeClock, FakeSpawner
 
 pytestmark = pytest.mark.timeout(60)
+
+MIB = 1 << 20
 
 #: real seconds a call may take before the test calls it stuck: messages cross real sockets
 #: (libzmq's I/O thread), so the loop waits on its poller for them - never a fixed sleep
@@ -667,3 +670,53 @@ def test_the_opening_of_a_stream_of_activations_raises_the_pool_target_to_its_ra
     finally:
         h.close()
 
+
+
+def test_a_workers_death_reclaims_its_device_slot_by_its_pid_reading_no_other_workers_proc_entry(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A death the loop saw frees that worker's device-budget share by its pid alone: no ``/proc``
+    read of any other worker (a scan of every owner held the loop ~0.3 ms a live worker on a loaded
+    host). The full scan stays as the periodic net: a slot whose owner is gone unseen is freed
+    within ``RECLAIM_SCAN_INTERVAL_S``."""
+    from shared import quota
+    from shared.device_budget import _S_PID, _S_START, DeviceBudget, _slot_off
+
+    h.register("acme", instances=3)
+    h.settle()
+    workers = h.spawner.of("acme")
+    assert h.sup.parts is not None
+    budget = h.sup.parts.placement.budget(0)
+    # each fake worker's device slot, as a worker claims it at its bind (its pid, its start time)
+    slots = [DeviceBudget.attach(budget.name) for _ in workers]
+    stranger = DeviceBudget.attach(budget.name)  # an owner no death will tell of
+    reads: list[int] = []
+    real = quota._proc_stat
+
+    def counting(pid: int) -> tuple[bytes, int] | None:
+        reads.append(pid)
+        return real(pid)
+
+    try:
+        stranger.consume(MIB)
+        assert stranger.slot is not None
+        _atomics.store(budget._buf, _slot_off(stranger.slot) + _S_PID, workers[2].process.pid + 1000)
+        h.tick(workerset.RECLAIM_SCAN_INTERVAL_S)  # a periodic scan: the stranger's owner is gone
+        assert budget.used_bytes == 0
+        # the next scan is RECLAIM_SCAN_INTERVAL_S away (the clock stands still from here)
+        for handle, worker in zip(slots, workers, strict=True):
+            handle.consume(MIB)
+            assert handle.slot is not None
+            # a fake pid (above pid_max: /proc never has it): any owner whose entry is read looks gone
+            _atomics.store(budget._buf, _slot_off(handle.slot) + _S_PID, worker.process.pid)
+            _atomics.store(budget._buf, _slot_off(handle.slot) + _S_START, 12345)
+        assert budget.used_bytes == 3 * MIB
+        monkeypatch.setattr(quota, "_proc_stat", counting)
+        workers[0].crash()
+        live = h.sup.parts.workers.workers
+        h.until(lambda: workers[0].handle.ident not in live)  # its death handled
+        assert budget.used_bytes == 2 * MIB  # its share only
+        assert set(reads) <= {workers[0].process.pid}  # the dead worker's entry only
+        assert {holder[0] for holder in budget.snapshot().holders} == {slots[1].slot, slots[2].slot}
+    finally:
+        for handle in (*slots, stranger):
+            handle.close()
