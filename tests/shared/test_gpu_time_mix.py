@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from shared import _atomics
-from shared.gpu_time import _GRANT_NS, _HANDOVER_GRACE_NS, _VCLOCK, GpuTimeBoard
+from shared.gpu_time import _CLAIM_SERVE_DEN, _CLAIM_SERVE_NUM, _GRANT_NS, _HANDOVER_GRACE_NS, _VCLOCK, GpuTimeBoard
 from tests.helpers.ns_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
@@ -23,6 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 US = 1_000
 MS = 1_000_000
 QUANTUM = 5 * MS
+#: how long a claim inside the holder's quantum may wait before it is served (its batch's bound)
+SERVE = QUANTUM * _CLAIM_SERVE_NUM // _CLAIM_SERVE_DEN
 
 
 @pytest.fixture
@@ -336,7 +338,7 @@ def test_a_stretch_end_lends_the_device_whatever_the_host_gaps(board: GpuTimeBoa
 def test_a_claim_inside_the_quantum_is_served_in_batches(board: GpuTimeBoard, clock: FakeClock,
                                                          workers: list[GpuTimeBoard]) -> None:
     """A lender (a chatty tenant's queue) waiting for the device takes it back at the holder's last
-    chunk boundary before its wait would pass three quarters of a quantum, not at the very next one:
+    chunk boundary before its wait would pass its bound (SERVE, most of a quantum), not at the very next one:
     its ops queue meanwhile and run as one stretch; its wait stays under a quantum."""
     heavy = attach(board, clock, workers, board.add_tenant(1.0))
     chatty = attach(board, clock, workers, board.add_tenant(1.0))
@@ -356,15 +358,15 @@ def test_a_claim_inside_the_quantum_is_served_in_batches(board: GpuTimeBoard, cl
             break
         assert heavy.try_acquire(clock.t)
     assert chatty.try_acquire(clock.t)
-    # served at the last boundary before the next 0.5 ms chunk would end past 3/4 of a quantum of waiting
-    assert boundaries and 3 * QUANTUM // 4 - 500 * US <= boundaries[0] < 3 * QUANTUM // 4
+    # served at the last boundary before the next 0.5 ms chunk would end past the bound
+    assert boundaries and SERVE - 500 * US <= boundaries[0] < SERVE
 
 
 @pytest.mark.parametrize("chunk_us", [200, 500, 1_000, 2_000])
 def test_a_claim_is_served_before_the_holders_next_chunk_would_carry_it_past_its_bound(
         board: GpuTimeBoard, clock: FakeClock, workers: list[GpuTimeBoard], chunk_us: int) -> None:
     """The boundary that serves a claim depends on how long the holder's chunks last: the longer they
-    are, the earlier the claim is served, so that the wait ends within three quarters of a quantum
+    are, the earlier the claim is served, so that the wait ends within its bound (most of a quantum)
     whatever the holder runs (a fixed wait before serving plus a 2 ms chunk would end past it)."""
     heavy = attach(board, clock, workers, board.add_tenant(1.0))
     chatty = attach(board, clock, workers, board.add_tenant(1.0))
@@ -382,8 +384,8 @@ def test_a_claim_is_served_before_the_holders_next_chunk_would_carry_it_past_its
             served = clock.t - asked
         else:
             assert heavy.try_acquire(clock.t)
-    assert served <= 3 * QUANTUM // 4, "the wait ran past its bound"
-    assert served > 3 * QUANTUM // 4 - 2 * chunk_us * US, "served earlier than one chunk before the bound"
+    assert served <= SERVE, "the wait ran past its bound"
+    assert served > SERVE - 2 * chunk_us * US, "served earlier than one chunk before the bound"
 
 
 @pytest.mark.parametrize("spin", [True, False])
@@ -423,3 +425,4 @@ def test_a_waiter_yields_the_cpu_in_a_loop_only_where_the_cpu_is_not_the_device(
         assert yields
     else:
         assert not yields and sleeps
+
