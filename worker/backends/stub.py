@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["StubBackend", "StubBuffer"]
+__all__ = ["StubBackend", "StubBuffer", "load_numpy"]
 
 
 def _np_dtype(dtype: int) -> Any:
@@ -54,6 +54,20 @@ class StubBuffer(DeviceBuffer):
         self.data = bytearray(nbytes)
 
 
+def load_numpy() -> None:
+    """Import numpy with one BLAS thread (unless the operator set the thread counts).
+
+    The simulated device is one serial executor (shared.gpu_time): one BLAS thread per op, like one
+    kernel at a time; a multi-threaded OpenBLAS spinning on a loaded host was measured 14x slower on a
+    2-core machine. The thread counts are read when numpy loads, so they are set only before it does.
+    The import takes tens of ms: a worker does it before its first op (the backend's construction, or
+    a pool worker's idle warm-up before it is bound), never under the device lease or in a bind."""
+    if "numpy" not in sys.modules:
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
+    import numpy  # noqa: F401
+
+
 class StubBackend(Backend):
     """Host-memory simulation of one device context with ``capacity_bytes`` of memory."""
 
@@ -66,17 +80,11 @@ class StubBackend(Backend):
     serial_device = True
 
     def __init__(self, capacity_bytes: int = 16 << 30, device_index: int = 0) -> None:
-        # The simulated device is one serial executor (shared.gpu_time): one BLAS thread per op, like
-        # one kernel at a time. A multi-threaded OpenBLAS spinning on a loaded host was measured 14x
-        # slower on a 2-core machine. Only before numpy loads, and only when the operator set nothing.
-        if "numpy" not in sys.modules:
-            for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-                os.environ.setdefault(var, "1")
         # numpy loads here, with the context, not in the first op: an op runs under the device lease, and
         # a fresh worker's first op importing numpy held every other tenant's device work up for the
         # import (a healthy tenant's run waited ~1 s for the device after a neighbour's restart, on a
-        # loaded host)
-        import numpy  # noqa: F401
+        # loaded host). A pool worker has loaded it while it idled (worker.server.wasm_warm_up).
+        load_numpy()
         self.capacity_bytes = capacity_bytes
         self.device_index = device_index
         self.in_use = 0
