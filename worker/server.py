@@ -305,13 +305,9 @@ def wasm_warm_up() -> Iterator[None]:
     step by step (:func:`worker.wasm.host.pool_warm_up`: the engine, the linker with the host
     functions, the engine's fingerprint, one run of our own module). Runs while the worker waits
     in the pool, so an activation and its first ``run_wasm`` pay only for the tenant's own state
-    and module. numpy first (one BLAS thread: :func:`worker.backends.stub.load_numpy`), then
-    worker.wasm, which pulls in wasmtime."""
+    and module. Lazily imported: worker.wasm pulls in wasmtime; numpy loads before a worker's first
+    device op (:meth:`worker.backends.base.Backend.prepare`), not here: most tenants run none."""
     yield  # nothing before the loop has looked at the queue once
-    from worker.backends.stub import load_numpy
-
-    load_numpy()  # every backend's ops use it; a bind would otherwise import it (~50 ms)
-    yield
     for op in _LAZY_OPS:  # an activation's ops (import_buffer, import_modules, run_wasm ...): their modules
         if op not in _OPS:
             _resolve(op)

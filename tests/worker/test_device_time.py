@@ -79,15 +79,27 @@ def whole_and_chunked(be: Backend, block: QuotaBlock, name: str, make: Callable[
     return whole, result(args), gate
 
 
-def test_the_stub_loads_numpy_with_the_backend_not_under_the_first_ops_lease() -> None:
+def test_the_stub_loads_numpy_before_the_first_ops_lease_not_under_it() -> None:
     """A stub op runs under the device lease: a fresh worker whose first op imported numpy held every other
-    tenant's device work up for the import. In a fresh process, numpy is loaded once the backend exists."""
-    code = ("import sys\nfrom worker.backends.stub import StubBackend\nassert 'numpy' not in sys.modules\n"
-            "StubBackend()\nprint('numpy' in sys.modules)")
+    tenant's device work up for the import. In a fresh process: the backend's construction (a bind)
+    imports nothing, and numpy is loaded by the time the gate asks for the lease for the first op."""
+    code = (
+        "import sys\n"
+        "from shared.gpu_time import GpuTimeBoard\nfrom shared.quota import QuotaBlock\n"
+        "from worker.backends.stub import StubBackend\nfrom worker.device_time import DeviceGate\n"
+        "board = GpuTimeBoard.create(0)\nowner = QuotaBlock.create('np')\n"
+        "blk = QuotaBlock.attach(owner.name, instance=0)\n"
+        "w = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant(1.0))\n"
+        "be = StubBackend()\nprint('numpy' in sys.modules)\n"
+        "gate = DeviceGate(blk, be, w)\nseen = []\nacquire = gate._acquire\n"
+        "gate._acquire = lambda *a: seen.append('numpy' in sys.modules) or acquire(*a)\n"
+        "buf = be.alloc(256)\ngate.op('scale_f32', be.scale_f32, (buf, 2.0, 64))\nprint(seen[0])\n"
+        "gate.release(); gate.close(); w.close(); blk.close(); owner.unlink(); owner.close()\n"
+        "board.unlink(); board.close()\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeouts.scaled(60),
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "True"
+    assert proc.stdout.split() == ["False", "True"]
 
 
 def test_gemm_by_row_blocks_matches_within_rounding(backend: Backend, block: QuotaBlock) -> None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["StubBackend", "StubBuffer", "load_numpy"]
+__all__ = ["StubBackend", "StubBuffer", "load_numpy", "one_blas_thread"]
 
 
 def _np_dtype(dtype: int) -> Any:
@@ -60,12 +60,21 @@ def load_numpy() -> None:
     The simulated device is one serial executor (shared.gpu_time): one BLAS thread per op, like one
     kernel at a time; a multi-threaded OpenBLAS spinning on a loaded host was measured 14x slower on a
     2-core machine. The thread counts are read when numpy loads, so they are set only before it does.
-    The import takes tens of ms: a worker does it before its first op (the backend's construction, or
-    a pool worker's idle warm-up before it is bound), never under the device lease or in a bind."""
+    The import takes tens of ms: a worker does it before its first device op, outside the device lease
+    (:meth:`StubBackend.prepare`) - a fresh worker's first op importing numpy under the lease held every
+    other tenant's device work up (a healthy tenant's run waited ~1 s for the device after a
+    neighbour's restart, on a loaded host) - and not in a bind (a worker that runs no device op, a
+    pool worker's activation, never pays it)."""
+    one_blas_thread()
+    import numpy  # noqa: F401
+
+
+def one_blas_thread() -> None:
+    """Set numpy's BLAS to one thread where numpy has not loaded yet and the operator set nothing
+    (see :func:`load_numpy`)."""
     if "numpy" not in sys.modules:
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, "1")
-    import numpy  # noqa: F401
 
 
 class StubBackend(Backend):
@@ -80,15 +89,15 @@ class StubBackend(Backend):
     serial_device = True
 
     def __init__(self, capacity_bytes: int = 16 << 30, device_index: int = 0) -> None:
-        # numpy loads here, with the context, not in the first op: an op runs under the device lease, and
-        # a fresh worker's first op importing numpy held every other tenant's device work up for the
-        # import (a healthy tenant's run waited ~1 s for the device after a neighbour's restart, on a
-        # loaded host). A pool worker has loaded it while it idled (worker.server.wasm_warm_up).
-        load_numpy()
+        one_blas_thread()  # whatever imports numpy first in this worker
         self.capacity_bytes = capacity_bytes
         self.device_index = device_index
         self.in_use = 0
         self._live: set[int] = set()
+
+    def prepare(self, op: str) -> None:
+        """numpy, before the device gate takes the lease for the first op (:func:`load_numpy`)."""
+        load_numpy()
 
     def alloc(self, nbytes: int) -> StubBuffer:
         if self.in_use + nbytes > self.capacity_bytes:
