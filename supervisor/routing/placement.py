@@ -319,33 +319,23 @@ class Placement:
 
     def reclaim_dead(self) -> int:
         """Return the shares of dead workers on every device; bytes reclaimed in all."""
-        total = 0
-        for d in self._devices.values():
-            if d.budget.closed:
-                continue
-            for slot, pid, share in d.budget.reclaim_dead():
-                total += share
-                if share:
-                    log_event(_log, logging.INFO, "device.budget_reclaimed", device=d.index, slot=slot, pid=pid,
-                              bytes=share)
-        for index, board in self.boards.items():
-            if board.closed:
-                continue
-            for slot, pid, held in board.reclaim_dead():
-                if held:
-                    log_event(_log, logging.INFO, "device.gpu_lease_reclaimed", device=index, worker_slot=slot,
-                              pid=pid)
-        return total
+        return self._reclaim(lambda budget: budget.reclaim_dead(), lambda board: board.reclaim_dead())
 
     def reclaim_pid(self, pid: int) -> int:
         """Return the shares and the GPU-time slots of one worker the supervisor saw die (it
         reaped it) on every device; bytes reclaimed in all. Reads that pid's ``/proc`` entry
         only; :meth:`reclaim_dead`'s scan of every owner is the periodic safety net."""
+        return self._reclaim(lambda budget: budget.reclaim_pid(pid), lambda board: board.reclaim_pid(pid))
+
+    def _reclaim(self, budgets: Callable[[DeviceBudget], list[tuple[int, int, int]]],
+                 boards: Callable[[GpuTimeBoard], list[tuple[int, int, bool]]]) -> int:
+        """Free what ``budgets`` and ``boards`` find dead on every open budget and board, logged;
+        the bytes of budget shares returned."""
         total = 0
         for d in self._devices.values():
             if d.budget.closed:
                 continue
-            for slot, _, share in d.budget.reclaim_pid(pid):
+            for slot, pid, share in budgets(d.budget):
                 total += share
                 if share:
                     log_event(_log, logging.INFO, "device.budget_reclaimed", device=d.index, slot=slot, pid=pid,
@@ -353,7 +343,7 @@ class Placement:
         for index, board in self.boards.items():
             if board.closed:
                 continue
-            for slot, _, held in board.reclaim_pid(pid):
+            for slot, pid, held in boards(board):
                 if held:
                     log_event(_log, logging.INFO, "device.gpu_lease_reclaimed", device=index, worker_slot=slot,
                               pid=pid)
