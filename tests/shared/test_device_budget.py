@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared import _atomics, quota
+from shared import _atomics
+from tests.helpers.proc_reads import count_proc_reads
 from shared.device_budget import _S_PID, _S_START, DeviceBudget, _slot_off
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,15 +38,7 @@ def _name_owner(owner: DeviceBudget, handle: DeviceBudget, pid: int, start: int 
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Every pid whose ``/proc`` entry is read (the liveness check's one read)."""
-    seen: list[int] = []
-    real = quota._proc_stat
-
-    def counting(pid: int) -> tuple[bytes, int] | None:
-        seen.append(pid)
-        return real(pid)
-
-    monkeypatch.setattr(quota, "_proc_stat", counting)
-    yield seen
+    yield count_proc_reads(monkeypatch)
 
 
 def test_a_reclaim_by_pid_reads_only_that_pids_proc_entry_and_frees_its_share(reads: list[int]) -> None:

@@ -309,19 +309,12 @@ def test_a_reclaim_by_pid_reads_only_that_pids_proc_entry_and_passes_its_lease_o
     """The supervisor reclaims a worker it saw die by its pid: only that pid's ``/proc`` entry is
     read (a full scan reads one per live worker), its slot is freed and a lease it held passes on;
     the other slots - even ones naming pids that are gone - wait for the periodic full scan."""
-    from shared import quota
+    from tests.helpers.proc_reads import count_proc_reads
 
     a, b = board.add_tenant(1.0), board.add_tenant(1.0)
     wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
     wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
     wc = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
-    reads: list[int] = []
-    real = quota._proc_stat
-
-    def counting(pid: int) -> tuple[bytes, int] | None:
-        reads.append(pid)
-        return real(pid)
-
     try:
         assert wa.try_acquire(clock.t)  # a holds the device, busy
         wb.want(clock.t)
@@ -332,7 +325,7 @@ def test_a_reclaim_by_pid_reads_only_that_pids_proc_entry_and_passes_its_lease_o
 
         assert wa.worker_slot is not None
         dead = _atomics.load(board._buf, board._w_off(wa.worker_slot) + _W_PID)
-        monkeypatch.setattr(quota, "_proc_stat", counting)
+        reads = count_proc_reads(monkeypatch)
         assert board.reclaim_pid(os.getpid()) == []  # wb lives: kept
         reads.clear()
         assert board.reclaim_pid(dead) == [(wa.worker_slot, dead, True)]

@@ -678,7 +678,7 @@ def test_a_workers_death_reclaims_its_device_slot_by_its_pid_reading_no_other_wo
     read of any other worker (a scan of every owner held the loop ~0.3 ms a live worker on a loaded
     host). The full scan stays as the periodic net: a slot whose owner is gone unseen is freed
     within ``RECLAIM_SCAN_INTERVAL_S``."""
-    from shared import quota
+    from tests.helpers.proc_reads import count_proc_reads
     from shared.device_budget import _S_PID, _S_START, DeviceBudget, _slot_off
 
     h.register("acme", instances=3)
@@ -689,13 +689,6 @@ def test_a_workers_death_reclaims_its_device_slot_by_its_pid_reading_no_other_wo
     # each fake worker's device slot, as a worker claims it at its bind (its pid, its start time)
     slots = [DeviceBudget.attach(budget.name) for _ in workers]
     stranger = DeviceBudget.attach(budget.name)  # an owner no death will tell of
-    reads: list[int] = []
-    real = quota._proc_stat
-
-    def counting(pid: int) -> tuple[bytes, int] | None:
-        reads.append(pid)
-        return real(pid)
-
     try:
         stranger.consume(MIB)
         assert stranger.slot is not None
@@ -710,7 +703,7 @@ def test_a_workers_death_reclaims_its_device_slot_by_its_pid_reading_no_other_wo
             _atomics.store(budget._buf, _slot_off(handle.slot) + _S_PID, worker.process.pid)
             _atomics.store(budget._buf, _slot_off(handle.slot) + _S_START, 12345)
         assert budget.used_bytes == 3 * MIB
-        monkeypatch.setattr(quota, "_proc_stat", counting)
+        reads = count_proc_reads(monkeypatch)
         workers[0].crash()
         live = h.sup.parts.workers.workers
         h.until(lambda: workers[0].handle.ident not in live)  # its death handled
