@@ -46,7 +46,9 @@ memory, and the run's end::
   (the quantum's end, a waiter's claim) - and when the queue runs empty and
   no op follows within :data:`QUEUE_LINGER_S` (the stretch's end: the device
   is lent to a waiter at once; a worker whose ops come far apart does not
-  wait for its next op while another worker waits). The board charges
+  wait for its next op while another worker waits, and ends its stretch with
+  a pass of small ops even with more queued: :meth:`DeviceGate._lend_after_pass`).
+  The board charges
   the device time of what ran in between; an op's wait is the time it was
   ready (submitted, its worker's earlier ops done) and not running.
 * **Pending device time** (cuda: a ``PendingTimer``). The launches return
@@ -175,7 +177,7 @@ class DeviceQueue:
 
     def __init__(self, run: Callable[[list[_Item]], tuple[int, BaseException | None]], end: Callable[[], None], *,
                  max_ops: int = MAX_QUEUED_OPS, max_bytes: int = MAX_QUEUED_BYTES,
-                 linger: Callable[[], bool] | None = None) -> None:
+                 linger: Callable[[], bool] | None = None, lend: Callable[[], bool] | None = None) -> None:
         self.max_ops = max_ops
         self.max_bytes = max_bytes
         #: runs the ops taken off the queue, in order: (how many ran whole, the error of the next
@@ -184,6 +186,8 @@ class DeviceQueue:
         self._end_stretch = end
         #: whether an empty queue waits :data:`QUEUE_LINGER_S` for the guest's next op (None: always)
         self._linger = linger
+        #: whether the stretch ends after a pass although ops were queued during it (None: never)
+        self._lend = lend
         self._cond = threading.Condition()
         self._items: deque[_Item] = deque()
         self._bytes = 0
@@ -317,11 +321,14 @@ class DeviceQueue:
                     self._bytes -= sum(item.nbytes for item in self._items)
                     self._items.clear()
                 idle = not self._items
+                # a chatty worker's stretch ends after its pass, the ops its guest queued meanwhile
+                # still queued: they wait for its claim, a turn later (DeviceGate._lend_after_pass)
+                lend = not idle and err is None and self._lend is not None and self._lend()
                 if idle and not self._closed and err is None and not self._syncing and (
                         self._linger is None or self._linger()):
                     cond.wait(QUEUE_LINGER_S)  # the guest's next op may be a host call away
                     idle = not self._items
-            if idle:
+            if idle or lend:
                 try:
                     self._end_stretch()  # the board hears of the stretch's end before anyone syncs
                 except Exception as exc:  # noqa: BLE001 - a closed board at shutdown: logged
@@ -403,6 +410,9 @@ class DeviceGate:
         #: (:meth:`_queued_batch`)
         self._batch_ran = 0
         self._batch_plans: list[tuple[Plan, int]] = []
+        #: the op or batch being run is small (:meth:`_small_run`) and the last of the device thread's
+        #: pass (:meth:`_queued_items`); after the pass: the pass ended with small ops
+        self._pass_end = False
         #: with the scheduler off on a host-serial backend (the stub): the fd whose flock serialises
         #: the device (-1 not opened, -2 unavailable)
         self._serial = -1
@@ -431,7 +441,8 @@ class DeviceGate:
             raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
         queue = self.queue
         if queue is None:
-            queue = self.queue = DeviceQueue(self._queued_items, self._end_stretch, linger=self._linger)
+            queue = self.queue = DeviceQueue(self._queued_items, self._end_stretch, linger=self._linger,
+                                             lend=self._lend_after_pass)
         if name not in self._prepared and not queue.pending:
             self._prepare(name)
         nbytes = sum(a.nbytes for a in args if isinstance(a, DeviceBuffer))
@@ -515,6 +526,8 @@ class DeviceGate:
                     return i, exc
                 queue.take_more(items)  # what the guest queued during the wait joins this stretch
             batch = self._small_run(items, i)
+            self._pass_end = i + max(1, batch) >= len(items) and (
+                batch >= 1 or 0 <= items[i].est <= self.chunk_ns // _SMALL_DIV)  # (cuda: small ops launch alone)
             t0 = time.monotonic_ns()
             try:
                 if batch > 1:
@@ -639,6 +652,14 @@ class DeviceGate:
         gap = self._submit_gap_ns
         return not (gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns and board.others_waiting())
 
+    def _lend_after_pass(self) -> bool:
+        """Whether the stretch ends after a pass with ops still queued: the pass ended with small ops
+        of a worker that would not linger (:meth:`_linger`: its ops come far apart, another worker
+        waits). A chatty tenant's guest queues an op or two during each pass; a stretch that went on
+        through them held the device for a few us of work per pass, pass after pass. A worker of
+        bigger ops keeps its stretch through them (their device work is the stretch)."""
+        return self._pass_end and not self._linger()
+
     def _queued(self, item: _Item) -> None:
         """A queued op on the device thread. Its wait: from when it was ready (submitted, and the
         worker's own earlier ops done) to its start, the lease wait of its first chunk included."""
@@ -707,9 +728,13 @@ class DeviceGate:
                     self._unsettled_est_ns += est
                 held = self._unsettled_est_ns
             waiting = board is not None and held >= self.chunk_ns // 4 and board.others_waiting()
-            if waiting and last and pending is None and self._pending_ns * _LEND_BUSY_DIV < held:
+            if last and board is not None and ((
+                    waiting and pending is None and self._pending_ns * _LEND_BUSY_DIV < held) or (
+                    self._pass_end and not self._linger())):
                 # the device mostly idle under this stretch: its pace is the worker's host side (a
-                # chatty tenant's ops arriving as fast as this thread runs them), not device work
+                # chatty tenant's ops arriving as fast as this thread runs them), not device work;
+                # or a chatty worker's pass ends (DeviceGate._lend_after_pass): lent here, before the
+                # pass's bookkeeping (waits observed, costs learnt)
                 self._flush(last=True, idle=True)
             elif not last or held >= self.chunk_ns or waiting:
                 self._flush(last=False)

@@ -182,6 +182,46 @@ def test_an_empty_queue_lends_at_once_for_a_chatty_worker_while_another_waits(
         gate.close()
 
 
+@pytest.mark.parametrize("kind", ["stub", "cuda"])
+@pytest.mark.parametrize("chatty", [True, False])
+def test_a_chatty_workers_stretch_ends_after_its_pass_while_another_waits(block: QuotaBlock, chatty: bool,
+                                                                          kind: str) -> None:
+    """Ops a chatty worker's guest queues while its device thread runs a pass do not continue the
+    stretch while another worker waits: the stretch ends (lent) after the pass, and the next pass
+    asks for the lease again (a trickle of ops held the device pass after pass for a few us of work
+    each). A busy worker's stretch goes on through them (one acquire, one finish). On cuda too,
+    where small ops launch alone (fake driver)."""
+    board = WaitedBoard(True)
+    be = make_backend(kind)
+    gate = DeviceGate(block, be, cast(GpuTimeBoard, board), chunk_s=3600.0)
+    slow = _Slow()
+
+    def slow_fill(buf: object, value: float, n: int) -> None:
+        slow()
+        be.fill_f32(buf, value, n)  # type: ignore[arg-type]
+
+    try:
+        buf = be.alloc(64 * 4)
+        # chatty: its ops 10 s apart on average, each ~1 us on the device; busy: back to back
+        gate._submit_gap_ns, gate._op_dev_ns = (10**10, 1_000) if chatty else (20_000, 10**9)
+        gate._submit_at = 0
+        gate.submit("fill_f32", slow_fill, (buf, 0.0, 64))  # a small op (planned as a fill)
+        assert slow.started.wait(WAIT_S)
+        for i in range(3):  # queued while the first pass runs
+            gate._submit_at = 0  # (the test's own pace is no gap)
+            gate.submit("fill_f32", be.fill_f32, (buf, float(i + 1), 64))
+        slow.go.set()
+        gate.sync()
+        assert _values(be, buf, 64) == [3.0] * 64  # type: ignore[arg-type]  # every op ran, in order
+        if chatty:
+            assert board.calls["acquire"] == 2 and board.idle == [True, True]
+        else:
+            assert board.calls["acquire"] == 1 and board.idle == [False]
+    finally:
+        slow.go.set()
+        gate.close()
+
+
 def test_ops_queued_while_the_lease_is_awaited_join_the_first_ones_launch(block: QuotaBlock) -> None:
     """The device thread takes the lease before it looks at the queue's ops: what the guest queues
     during the wait goes to the device in the same launch as the op that started the wait."""
