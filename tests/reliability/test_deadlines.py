@@ -7,6 +7,8 @@ does not answer.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -33,6 +35,9 @@ BLOCKER_S = 60.0
 #: the restart backoff while the two requests are sent and seen parked (at least this long: two sends
 #: and a few status polls, on a loaded machine)
 PARK_AT_LEAST_S = 3.2
+#: heartbeats a worker may miss before it is taken for hung (0.2 s each here): a window (20 s)
+#: longer than the ping's deadline, which the stopped worker outlives
+HUNG_AFTER_BEATS = 100
 
 
 def _spec() -> TenantSpec:
@@ -79,10 +84,15 @@ def test_parked_then_dispatched_request_keeps_its_deadline() -> None:
     its one executor for ``BLOCKER_S`` (the run's own limit, shortened to fit its deadline; a
     loaded machine only makes it later), far past the ping's deadline. So nothing here races the
     host's speed - no fault armed after the dispatch, no window in which to observe the dispatch.
+
+    Once both are seen dispatched the worker is stopped (SIGSTOP): it could not have answered the
+    ping anyway (its executor is the runaway's), and the runaway no longer burns a core until the
+    deadline (~6 s of CPU). The liveness window is longer than the ping's deadline, so the stopped
+    worker is killed for the missed deadline, as the busy one is, never taken for hung first.
     """
     spec = TenantSpec("parky", request_timeout_s=PING_DEADLINE_S, wasm_timeout_s=BLOCKER_S,
                       wasm_fuel=(1 << 62), max_restarts=50, restart_window_s=600.0)
-    with supervisor(pool_size=1, log_level="error") as sup:
+    with supervisor(pool_size=1, log_level="error", heartbeat_liveness=HUNG_AFTER_BEATS) as sup:
         c = sup.client
         cap = c.register(None, spec)
         runaway = guest_path("runaway").read_bytes()
@@ -95,6 +105,10 @@ def test_parked_then_dispatched_request_keeps_its_deadline() -> None:
             t0 = time.monotonic()
             ping = waiter.send("ping", cap)
             wait_for(lambda: tenant(c.status(), "parky").parked == 2, interval_s=0.002, what="both parked")
+            # both dispatched, in order, to the restarted worker: the runaway holds its executor
+            rec = wait_for(lambda: (r := tenant(c.status(), "parky")).parked == 0 and r.in_flight == 2 and r,
+                           what="both dispatched")
+            os.kill(rec.instances[0].pid, signal.SIGSTOP)  # killed (SIGKILL) at the missed deadline
             replies = {}
             while ping not in replies:
                 rid, ok, payload, _ = waiter.recv()
