@@ -30,6 +30,7 @@ import hmac
 import logging
 import math
 import signal
+import statistics
 import time
 from collections.abc import Mapping
 from typing import Protocol
@@ -93,6 +94,13 @@ POOL_BURST_MIN_STARTS = 3
 POOL_BURST_MIN_SPAN_S = 0.25
 #: a pool worker's spawn-to-ready time until one has been measured
 POOL_DEFAULT_REFILL_S = 1.0
+#: how long a taken pool worker's replacement waits before it starts: refills start at the
+#: housekeeping tick (every 0.05 s, supervisor.supervisor.TICK_S), one tick later when one is put
+#: off for a bind in flight - half a tick on average, a tick and a half at most; one tick counted
+POOL_REFILL_LAG_S = 0.05
+#: the share of activations that should find a warm pool worker: the pool holds the demand of one
+#: refill's time at this quantile (a Poisson count of starts at the rate measured), not its mean
+POOL_WARM_SHARE = 0.99
 #: how often every device-budget and GPU-time slot's owner is checked for life (a ``/proc`` read per
 #: live worker: tens of ms at tens of workers on a loaded host, so not at every death - a death
 #: the loop saw is reclaimed by its pid alone); the net for an owner gone unseen
@@ -297,22 +305,29 @@ class WorkerSet:
         return any(w.state is WorkerState.BINDING for w in self.workers.values())
 
     def pool_target_now(self, now: float) -> int:
-        """The warm pool's size for the demand now: ``pool_size`` plus the workers taken while one
-        refill starts (the start rate times a pool worker's mean spawn-to-ready time, rounded up:
-        at least one while there is recent demand, POOL_MIN_DEMAND), at most ``pool_max``. The
-        rate is the larger of two decayed rates: over POOL_RATE_WINDOW_S (it keeps the pool up
-        through a steady stream) and over POOL_BURST_WINDOW_S (a burst of activations raises the
-        target within it; the long rate rises by 1/30 a start, and a pool of ``pool_size`` runs
-        dry first). Without ``pool_max`` it is ``pool_size``."""
+        """The warm pool's size for the demand now, ``pool_size`` .. ``pool_max``: enough that an
+        activation finds a warm worker POOL_WARM_SHARE of the time. A taken worker's replacement
+        is warm a refill time later (POOL_REFILL_LAG_S to its start plus a pool worker's mean
+        spawn-to-ready time); the starts within that time are a Poisson count at the start rate,
+        so the pool holds that count's POOL_WARM_SHARE quantile plus one (a base-stock policy:
+        an activation finds none warm when the starts of the last refill time reach the pool's
+        size). The mean alone (the rate times the refill time) left the pool dry for about a
+        third of a stream's clumps. At least one beyond ``pool_size`` while there is recent
+        demand (POOL_MIN_DEMAND). The rate is the larger of two decayed rates: over
+        POOL_RATE_WINDOW_S (it keeps the pool up through a steady stream) and over
+        POOL_BURST_WINDOW_S (a burst of activations raises the target within it; the long rate
+        rises by 1/30 a start, and a pool of ``pool_size`` runs dry first). Without ``pool_max``
+        it is ``pool_size``."""
         cfg = self.config
         if cfg.pool_max is None or cfg.pool_max <= cfg.pool_size:
             return cfg.pool_size
         rate = self._decayed_rate(now)
-        refill_s = self._refill_s if self._refill_s is not None else POOL_DEFAULT_REFILL_S
+        refill_s = (self._refill_s if self._refill_s is not None else POOL_DEFAULT_REFILL_S) + POOL_REFILL_LAG_S
         if rate * POOL_RATE_WINDOW_S < POOL_MIN_DEMAND:
             return cfg.pool_size
         rate = max(rate, self._burst_estimate(now))
-        return min(cfg.pool_max, cfg.pool_size + max(1, math.ceil(rate * refill_s)))
+        need = poisson_quantile(rate * refill_s, POOL_WARM_SHARE) + 1
+        return min(cfg.pool_max, max(cfg.pool_size + 1, need))
 
     def _burst_estimate(self, now: float) -> float:
         """The burst window's rate, read over the burst's span while that is short (see
@@ -874,3 +889,19 @@ def pool_retry_delay_s(failures: int) -> float:
     """How long the pool waits before refilling after ``failures`` workers in a row failed to start:
     0.2 s, 0.4 s, 0.8 s ... up to 30 s."""
     return float(min(30.0, 0.1 * 2 ** min(failures, 9)))
+
+
+def poisson_quantile(mean: float, share: float) -> int:
+    """The least ``k`` with P(N <= k) >= ``share`` for N Poisson with ``mean`` (0 for no mean): how
+    many pool workers one refill time's starts take, but in 1 - ``share`` of refill times."""
+    if mean <= 0.0:
+        return 0
+    if mean > 100.0:  # exp(-mean) underflows from ~745: the normal approximation is close there
+        return math.ceil(mean + statistics.NormalDist().inv_cdf(share) * math.sqrt(mean))
+    term = cdf = math.exp(-mean)
+    k = 0
+    while cdf < share and k < 10_000:
+        k += 1
+        term *= mean / k
+        cdf += term
+    return k
