@@ -341,11 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         [f"restart to ready, {total} tenants stored parked (s)", r["parked_restart_s"]],
         [f"Zipf({parking.ZIPF_S}) stream: requests, distinct tenants, s", f"{st['requests']}, {st['distinct_tenants']}, "
          f"{st['stream_s']:.1f}"],
-        ["  ping: warm p50 (ms) [n]", f"{st['ping_warm_p50_s'] * ms:.2f} [{st['ping_warm_n']}]"],
+        ["  ping: warm p50 / p99 (ms) [n]", f"{pair(st['ping_warm_p50_s'], st.get('ping_warm_p99_s'))} [{st['ping_warm_n']}]"],
         ["  ping: activating p50 / p99 (ms) [n]",
          f"{pair(st['ping_cold_p50_s'], st['ping_cold_p99_s'])} [{st['ping_cold_n']}]"],
         ["  ping: activation overhead p50 / p99 (ms)", pair(st["ping_overhead_p50_s"], st["ping_overhead_p99_s"])],
-        ["  run_wasm: warm p50 (ms) [n]", f"{st['run_wasm_warm_p50_s'] * ms:.2f} [{st['run_wasm_warm_n']}]"],
+        ["  run_wasm: warm p50 / p99 (ms) [n]",
+         f"{pair(st['run_wasm_warm_p50_s'], st.get('run_wasm_warm_p99_s'))} [{st['run_wasm_warm_n']}]"],
         ["  run_wasm: activating p50 / p99 (ms) [n]",
          f"{pair(st['run_wasm_cold_p50_s'], st['run_wasm_cold_p99_s'])} [{st['run_wasm_cold_n']}]"],
         ["  run_wasm: activation overhead p50 / p99 (ms)",
@@ -359,6 +360,14 @@ def main(argv: list[str] | None = None) -> int:
         ["  activations' workers: warm from the pool / still warming up / a pool worker starting / spawned",
          " / ".join(str(st["activation_workers"].get(k, 0)) for k in ("warm", "warming", "starting", "spawned"))],
         ["  activations that found a warm pool worker (%)", f"{warm_share(st):.1f}"],
+        ["  activating requests beyond their activation and the op's warm p50: p50 / p99 (ms)",
+         " / ".join("none" if st.get(f"activate_outside_{q}_ms") is None else f"{st[f'activate_outside_{q}_ms']:.2f}"
+                    for q in ("p50", "p99"))],
+        ["    of them waiting for room (an early park not kept ahead): n, p50 / p99 (ms); the worst (ms)",
+         f"{st.get('activate_room_n', 0)}, "
+         + " / ".join("none" if st.get(f"activate_room_{q}_ms") is None else f"{st[f'activate_room_{q}_ms']:.2f}"
+                      for q in ("p50", "p99"))
+         + "; " + ", ".join(st.get("activate_outside_worst", []))],
         ["  activations with a warm pool worker; with another: whole p50 / p99 (ms) [n]",
          "; ".join(f"{by_how(k)} [{st[f'activate_{k}_n']}]" for k in ("warm", "other"))],
         ["  activations without a warm worker: when, s into the stream",
