@@ -398,12 +398,12 @@ class WorkerSet:
         so the pool holds that count's POOL_WARM_SHARE quantile plus one (a base-stock policy:
         an activation finds none warm when the starts of the last refill time reach the pool's
         size). Sized for the mean alone (the rate times the refill time), 7-10 % of the density
-        bench's activations found no warm worker, in the stream's clumps. At least one beyond ``pool_size`` while there is recent
-        demand (POOL_MIN_DEMAND). The rate is the larger of two decayed rates: over
-        POOL_RATE_WINDOW_S (it keeps the pool up through a steady stream) and over
-        POOL_BURST_WINDOW_S (a burst of activations raises the target within it; the long rate
-        rises by 1/30 a start, and a pool of ``pool_size`` runs dry first). Without ``pool_max``
-        it is ``pool_size``."""
+        bench's activations found no warm worker, in the stream's clumps. At least one beyond
+        ``pool_size`` while there is recent demand (POOL_MIN_DEMAND). The rate is the larger of
+        two decayed rates: over POOL_RATE_WINDOW_S (it keeps the pool up through a steady
+        stream) and over POOL_BURST_WINDOW_S (a burst of activations raises the target within
+        it; the long rate rises by 1/30 a start, and a pool of ``pool_size`` runs dry first).
+        Without ``pool_max`` it is ``pool_size``."""
         cfg = self.config
         if cfg.pool_max is None or cfg.pool_max <= cfg.pool_size:
             return cfg.pool_size
@@ -1024,8 +1024,9 @@ class _Starter:
     ``submit`` (loop thread) queues a prepared start with the handle the loop made for it; the
     thread starts the process and posts (handle, started, error), then writes a byte to a pipe the
     loop polls, whose handler ``take``s what finished (loop thread). ``close`` ends the thread
-    after the starts queued (bounded) and hands back what they started, for teardown to kill; a
-    start still running then is killed by the thread as it ends (``orphans``, set by teardown).
+    after the start in flight (bounded) and hands back what finished, for teardown to kill; once
+    teardown set ``orphans``, a start still running is killed by the thread as it ends, and the
+    starts queued behind it are never made.
     """
 
     def __init__(self, start: Callable[[PreparedStart], WorkerHandle], loop: Loop, on_done: Callable[[], None]) -> None:
@@ -1047,6 +1048,8 @@ class _Starter:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             prepared, worker = job
+            if self.orphans is not None:
+                continue  # queued when the teardown began: never started
             try:
                 started: WorkerHandle | None = self._start(prepared)
                 error: BaseException | None = None
@@ -1078,7 +1081,8 @@ class _Starter:
         return out
 
     def close(self, loop: Loop, timeout_s: float) -> list[_Started]:
-        """End the thread once the queued starts are done (at most ``timeout_s``); what they started."""
+        """End the thread once the start in flight is done (at most ``timeout_s``); what finished
+        and was not taken yet."""
         self._jobs.put(None)
         self._thread.join(timeout_s)
         loop.unregister(self._read)

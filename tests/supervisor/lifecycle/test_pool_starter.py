@@ -181,6 +181,8 @@ def test_a_start_in_flight_at_teardown_is_waited_for_and_its_worker_killed(tmp_p
     rig = Rig(tmp_path)
     try:
         _held_pool_start(rig)
+        queued = [rig.workers._spawn() for _ in range(2)]  # two more starts queued behind the held one
+        assert not any(w.started for w in queued)
         threading.Timer(0.2, rig.spawner.release.set).start()  # the start finishes during the teardown
     finally:
         rig.client.close(0)
@@ -189,6 +191,7 @@ def test_a_start_in_flight_at_teardown_is_waited_for_and_its_worker_killed(tmp_p
     held = rig.spawner.handles[-1]
     with pytest.raises(ValueError, match="closed"):  # killed, reaped and closed by the teardown
         _ = held.process.exitcode
+    assert len(rig.spawner.handles) == 2  # the pool's first worker and the held one: the queued never started
 
 
 def test_a_worker_whose_start_ends_after_the_stop_began_is_stopped(rig: Rig) -> None:
