@@ -492,7 +492,7 @@ class WorkerSet:
         """No warm worker and no start left for the next instance: the pool refills now, not at
         the next housekeeping tick (the next instance would start a process of its own) - where
         starts run on the starter thread, so that a start costs the loop no wait here."""
-        if self._starter is not None and not self.pool and not self.pool_starting:
+        if self._starter is not None and not self.pool and not self.pool_starting and not self.hooks.is_stopping():
             self.refill_pool()
 
     def _starting_pool_worker(self) -> WorkerHandle | None:
