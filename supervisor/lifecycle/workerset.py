@@ -11,7 +11,15 @@ of a dead instance (reclaim), placement (a dead instance's device bytes),
 events and metrics. What a death or a bind means for the *tenant*
 (registration answered, parked requests sent or refused, tenant failed) is
 decided by the parts above, told through :class:`TenantHooks` (the tenant
-signals, :mod:`supervisor.lifecycle.signals`). Loop thread only.
+signals, :mod:`supervisor.lifecycle.signals`). Loop thread only, but for
+one thread that starts workers' processes (:class:`_Starter`: the wait for a
+fork is off the loop) and touches nothing else.
+
+A worker's handle is made on the loop before its process exists (its
+identity and token are known first): a hello it says before its start is
+taken in finds it, an instance with no warm worker takes a start still in
+flight (or queued) rather than starting another, and a stop or kill asked of
+it meanwhile is carried out as its start ends (:meth:`WorkerSet._signal`).
 
 A slot whose buffers are parked (``InstanceSlot.keep_incarnation``, set by
 :mod:`supervisor.lifecycle.parking`) keeps its incarnation when a worker starts in it, so the
@@ -29,8 +37,13 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import os
+import queue
 import signal
+import statistics
+import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Protocol
 from collections.abc import Callable
@@ -70,7 +83,15 @@ from supervisor.runtime.restart_policy import (
     after_exit,
 )
 from supervisor.runtime.tenants import InstanceSlot, TenantRuntime, TenantState
-from supervisor.runtime.workers import SpawnerLike, WorkerHandle, WorkerState, exit_status
+from supervisor.runtime.workers import (
+    NOT_STARTED,
+    OffLoopSpawner,
+    PreparedStart,
+    SpawnerLike,
+    WorkerHandle,
+    WorkerState,
+    exit_status,
+)
 
 __all__ = ["TenantHooks", "WorkerSet"]
 
@@ -93,6 +114,13 @@ POOL_BURST_MIN_STARTS = 3
 POOL_BURST_MIN_SPAN_S = 0.25
 #: a pool worker's spawn-to-ready time until one has been measured
 POOL_DEFAULT_REFILL_S = 1.0
+#: how long a taken pool worker's replacement waits before it starts: refills start at the
+#: housekeeping tick (every 0.05 s, supervisor.supervisor.TICK_S), one tick later when one is put
+#: off for a bind in flight - half a tick on average, a tick and a half at most; one tick counted
+POOL_REFILL_LAG_S = 0.05
+#: the share of activations that should find a warm pool worker: the pool holds the demand of one
+#: refill's time at this quantile (a Poisson count of starts at the rate measured), not its mean
+POOL_WARM_SHARE = 0.99
 #: how often every device-budget and GPU-time slot's owner is checked for life (a ``/proc`` read per
 #: live worker: tens of ms at tens of workers on a loaded host, so not at every death - a death
 #: the loop saw is reclaimed by its pid alone); the net for an owner gone unseen
@@ -187,6 +215,9 @@ class WorkerSet:
         self._refill_s: float | None = None
         self._last_beat = 0.0
         self._last_reclaim_scan = 0.0
+        #: workers' processes start on this thread (made at the first start; None: none yet, or a
+        #: spawner that starts on the loop - the in-process tests' stand-in)
+        self._starter: _Starter | None = None
         #: a worker that missed a beat: its last beat then, and its threads' run-queue waits then
         #: (ns by thread id)
         self._starve_base: dict[str, tuple[float, dict[int, int]]] = {}
@@ -255,12 +286,75 @@ class WorkerSet:
     # ------------------------------------------------------------ pool and start
 
     def _spawn(self) -> WorkerHandle:
-        worker = self.spawner.spawn()
+        """A new worker: its handle now; its process on the starter thread where the spawner can
+        start one there (a start waits for the fork server's fork - 1-5 ms quiet, tens of ms on a
+        loaded host - which on the loop held every request behind it), else here."""
+        spawner = self.spawner
+        if not isinstance(spawner, OffLoopSpawner):
+            worker = spawner.spawn()
+            self._track(worker)
+            self._took_in(worker)
+            return worker
+        prepared = spawner.prepare()
+        worker = WorkerHandle(worker_id=prepared.worker_id, token=prepared.token, process=NOT_STARTED, pid=0,
+                              sentinel=-1, spawned_at=self.clock(), routing_id=prepared.routing_id, started=False)
+        self._track(worker)
+        if self._starter is None:
+            self._starter = _Starter(spawner.start, self.loop, self._on_started)
+        self._starter.submit(prepared, worker)
+        return worker
+
+    def _track(self, worker: WorkerHandle) -> None:
+        """The worker set knows ``worker`` by identity and token (its hellos find it)."""
         self.workers[worker.ident] = worker
         self.by_token[worker.token] = worker
+
+    def _took_in(self, worker: WorkerHandle) -> None:
+        """``worker``'s process exists: its sentinel goes on the loop."""
         self.loop.register(worker.sentinel, lambda: self.on_death(worker))
         self.events.emit("spawn", worker=worker.worker_id, pid=worker.pid, method=self.spawner.method)
-        return worker
+
+    def _on_started(self) -> None:
+        """Starts the starter thread finished (loop thread): each worker's process goes into its
+        handle, and what was asked of the handle meanwhile is carried out - a signal (a stop or a
+        kill: the process gets it now), a stop of the whole supervisor that began after it was
+        asked for (it is stopped too), its hellos (both in: it is connected now). A start that
+        failed is the worker's death (a pool worker's counts as a failed pool start)."""
+        if self._starter is None:
+            return
+        for worker, started, error in self._starter.take():
+            self._start_ended(worker, started, error)
+
+    def _start_ended(self, worker: WorkerHandle, started: WorkerHandle | None, error: BaseException | None) -> None:
+        if started is None:
+            log_event(_log, logging.ERROR, "worker.start_failed", worker=worker.worker_id, tenant=worker.tenant,
+                      error=repr(error))
+            if not worker.expected_exit:
+                worker.kill_reason = worker.kill_reason or f"could not start: {error!r}"
+            if worker.state is not WorkerState.DEAD:
+                self.on_death(worker)
+            return
+        worker.process, worker.pid, worker.sentinel = started.process, started.pid, started.sentinel
+        worker.started = True
+        if self.workers.get(worker.ident) is not worker:  # forgotten meanwhile (teardown): it goes at once
+            self.spawner.signal(worker, signal.SIGKILL)
+            return
+        self._took_in(worker)
+        if worker.pending_signal is not None:
+            sig, worker.pending_signal = worker.pending_signal, None
+            self.spawner.signal(worker, sig)
+        elif self.hooks.is_stopping() and worker.state not in (WorkerState.STOPPING, WorkerState.DEAD):
+            self.stop_worker(worker, "shutdown")  # asked for after the stop's stop_all: it goes too
+        elif worker.connected and worker.state is WorkerState.STARTING:
+            self._on_connected(worker)
+
+    def _signal(self, worker: WorkerHandle, sig: int) -> None:
+        """Signal ``worker``'s process, or, its start still in flight, as the start ends (SIGKILL
+        is not lowered to SIGTERM)."""
+        if worker.started:
+            self.spawner.signal(worker, sig)
+        elif worker.pending_signal != signal.SIGKILL:
+            worker.pending_signal = sig
 
     def refill_pool(self) -> None:
         """Start pool workers up to the target (and stop idle ones beyond it). Not while a bind
@@ -297,22 +391,29 @@ class WorkerSet:
         return any(w.state is WorkerState.BINDING for w in self.workers.values())
 
     def pool_target_now(self, now: float) -> int:
-        """The warm pool's size for the demand now: ``pool_size`` plus the workers taken while one
-        refill starts (the start rate times a pool worker's mean spawn-to-ready time, rounded up:
-        at least one while there is recent demand, POOL_MIN_DEMAND), at most ``pool_max``. The
-        rate is the larger of two decayed rates: over POOL_RATE_WINDOW_S (it keeps the pool up
-        through a steady stream) and over POOL_BURST_WINDOW_S (a burst of activations raises the
-        target within it; the long rate rises by 1/30 a start, and a pool of ``pool_size`` runs
-        dry first). Without ``pool_max`` it is ``pool_size``."""
+        """The warm pool's size for the demand now, ``pool_size`` .. ``pool_max``: enough that an
+        activation finds a warm worker POOL_WARM_SHARE of the time. A taken worker's replacement
+        is warm a refill time later (POOL_REFILL_LAG_S to its start plus a pool worker's mean
+        spawn-to-ready time); the starts within that time are a Poisson count at the start rate,
+        so the pool holds that count's POOL_WARM_SHARE quantile plus one (a base-stock policy:
+        an activation finds none warm when the starts of the last refill time reach the pool's
+        size). Sized for the mean alone (the rate times the refill time), 7-10 % of the density
+        bench's activations found no warm worker, in the stream's clumps. At least one beyond
+        ``pool_size`` while there is recent demand (POOL_MIN_DEMAND). The rate is the larger of
+        two decayed rates: over POOL_RATE_WINDOW_S (it keeps the pool up through a steady
+        stream) and over POOL_BURST_WINDOW_S (a burst of activations raises the target within
+        it; the long rate rises by 1/30 a start, and a pool of ``pool_size`` runs dry first).
+        Without ``pool_max`` it is ``pool_size``."""
         cfg = self.config
         if cfg.pool_max is None or cfg.pool_max <= cfg.pool_size:
             return cfg.pool_size
         rate = self._decayed_rate(now)
-        refill_s = self._refill_s if self._refill_s is not None else POOL_DEFAULT_REFILL_S
+        refill_s = (self._refill_s if self._refill_s is not None else POOL_DEFAULT_REFILL_S) + POOL_REFILL_LAG_S
         if rate * POOL_RATE_WINDOW_S < POOL_MIN_DEMAND:
             return cfg.pool_size
         rate = max(rate, self._burst_estimate(now))
-        return min(cfg.pool_max, cfg.pool_size + max(1, math.ceil(rate * refill_s)))
+        need = poisson_quantile(rate * refill_s, POOL_WARM_SHARE) + 1
+        return min(cfg.pool_max, max(cfg.pool_size + 1, need))
 
     def _burst_estimate(self, now: float) -> float:
         """The burst window's rate, read over the burst's span while that is short (see
@@ -351,8 +452,9 @@ class WorkerSet:
         and a new one would compete with it for the CPU); else a fresh process. Returns which:
         ``warm``, ``warming`` (connected, its warm-up cut short), ``starting`` or ``spawned`` (an
         activation's ``activate`` event counts them).
-        The pool is refilled by housekeeping, never here: starting a process blocks the loop for
-        a few ms, which would delay this very request's bind."""
+        The pool is refilled by housekeeping (a new process's start and warm-up compete with
+        this very request's bind for the CPU), but where this take leaves it with no warm worker
+        and no start (:meth:`_refill_if_dry`): the next instance would start its own."""
         self._note_demand()
         slot.restart_at = None
         slot.completed = False
@@ -371,6 +473,7 @@ class WorkerSet:
             worker.instance = slot.index
             slot.worker = worker
             self._bind(rt, slot, worker, self.clock())  # a pool worker: its startup is the bind, not its spawn
+            self._refill_if_dry()
             return how
         worker = self._starting_pool_worker()
         how = "starting"
@@ -382,7 +485,15 @@ class WorkerSet:
         worker.tenant = rt.tenant_id
         worker.instance = slot.index
         slot.worker = worker
+        self._refill_if_dry()
         return how  # bound when its hellos arrive
+
+    def _refill_if_dry(self) -> None:
+        """No warm worker and no start left for the next instance: the pool refills now, not at
+        the next housekeeping tick (the next instance would start a process of its own) - where
+        starts run on the starter thread, so that a start costs the loop no wait here."""
+        if self._starter is not None and not self.pool and not self.pool_starting and not self.hooks.is_stopping():
+            self.refill_pool()
 
     def _starting_pool_worker(self) -> WorkerHandle | None:
         """The pool worker started first among those not connected yet (None: none is starting)."""
@@ -393,8 +504,8 @@ class WorkerSet:
         return min(starting, key=lambda w: w.spawned_at) if starting else None
 
     def _on_connected(self, worker: WorkerHandle) -> None:
-        if not worker.connected:
-            return
+        if not worker.connected or not worker.started:
+            return  # its start ends later: the starter's report calls this again (_start_ended)
         if worker.tenant is None:
             worker.state = WorkerState.IDLE
             if worker.worker_id in self._will_warm:
@@ -523,7 +634,7 @@ class WorkerSet:
         if worker.control_hello:
             self.send_control(worker, proto.encode_control("stop"))
         else:
-            self.spawner.signal(worker, signal.SIGTERM)
+            self._signal(worker, signal.SIGTERM)
         worker.kill_at = self.clock() + self.config.stop_timeout_s
 
     def stop_all(self, reason: str) -> None:
@@ -543,14 +654,24 @@ class WorkerSet:
         self.events.emit("kill", **fields, reason=reason)
         self._leave_pool(worker)
         worker.state = WorkerState.STOPPING
-        self.spawner.signal(worker, signal.SIGTERM)
+        self._signal(worker, signal.SIGTERM)
         worker.kill_at = self.clock() + self.config.kill_grace_s
 
     def kill_all_now(self, timeout_s: float = 5.0) -> None:
-        """Teardown: SIGKILL whatever is alive, wait (bounded) for it, forget every worker."""
+        """Teardown: SIGKILL whatever is alive, wait (bounded) for it, forget every worker. Starts
+        in flight on the starter thread are waited for first (half the time at most), and die with
+        the rest; one that ends later still is killed as it ends (_start_ended: forgotten)."""
         deadline = time.monotonic() + timeout_s
+        if self._starter is not None:
+            self._starter.orphans = self.spawner.signal  # a start that ends from now on is killed by the thread
+            for worker, started, _ in self._starter.close(self.loop, timeout_s / 2):
+                if started is not None:
+                    worker.process, worker.pid, worker.sentinel = started.process, started.pid, started.sentinel
+                    worker.started = True
+            self._starter = None
         for worker in list(self.workers.values()):
-            self.spawner.signal(worker, signal.SIGKILL)
+            if worker.started:
+                self.spawner.signal(worker, signal.SIGKILL)
         for worker in list(self.workers.values()):
             worker.process.join(max(0.0, deadline - time.monotonic()))
             if worker.process.exitcode is not None:
@@ -560,8 +681,9 @@ class WorkerSet:
     # ------------------------------------------------------------ death and restart
 
     def on_death(self, worker: WorkerHandle) -> None:
-        """The sentinel fired: answer, reclaim, publish, restart."""
-        self.loop.unregister(worker.sentinel)
+        """The sentinel fired (or the start failed): answer, reclaim, publish, restart."""
+        if worker.started:
+            self.loop.unregister(worker.sentinel)
         self.workers.pop(worker.ident, None)
         self.by_token.pop(worker.token, None)
         was_pool = worker.tenant is None
@@ -593,7 +715,8 @@ class WorkerSet:
             reclaimed = rt.block.reclaim_instance(index)
         # its device-budget share and GPU-time slot, by slot owner (exact even if it died mid-alloc):
         # this pid's slots only, not a /proc read per live worker (the periodic scan is the net)
-        self.placement.reclaim_pid(worker.pid)
+        if worker.started:
+            self.placement.reclaim_pid(worker.pid)
         # 3. tell the world
         if worker.rss_exceeded:
             cause = "rss"
@@ -725,7 +848,7 @@ class WorkerSet:
                     self.kill(worker, "never said hello", "startup")
         for worker in list(self.workers.values()):
             if worker.kill_at is not None and now >= worker.kill_at and worker.state is not WorkerState.DEAD:
-                self.spawner.signal(worker, signal.SIGKILL)
+                self._signal(worker, signal.SIGKILL)
                 worker.kill_at = float("inf")
         if now - self._last_reclaim_scan >= RECLAIM_SCAN_INTERVAL_S:
             self._last_reclaim_scan = now
@@ -874,3 +997,97 @@ def pool_retry_delay_s(failures: int) -> float:
     """How long the pool waits before refilling after ``failures`` workers in a row failed to start:
     0.2 s, 0.4 s, 0.8 s ... up to 30 s."""
     return float(min(30.0, 0.1 * 2 ** min(failures, 9)))
+
+
+def poisson_quantile(mean: float, share: float) -> int:
+    """The least ``k`` with P(N <= k) >= ``share`` for N Poisson with ``mean`` (0 for no mean): how
+    many pool workers one refill time's starts take, but in 1 - ``share`` of refill times."""
+    if mean <= 0.0:
+        return 0
+    if mean > 100.0:  # exp(-mean) underflows from ~745: the normal approximation is close there
+        return math.ceil(mean + statistics.NormalDist().inv_cdf(share) * math.sqrt(mean))
+    term = cdf = math.exp(-mean)
+    k = 0
+    while cdf < share and k < 10_000:
+        k += 1
+        term *= mean / k
+        cdf += term
+    return k
+
+
+_Started = tuple[WorkerHandle, WorkerHandle | None, BaseException | None]
+
+
+class _Starter:
+    """Starts workers' processes on a thread of its own, so that the loop does not wait for a fork.
+
+    ``submit`` (loop thread) queues a prepared start with the handle the loop made for it; the
+    thread starts the process and posts (handle, started, error), then writes a byte to a pipe the
+    loop polls, whose handler ``take``s what finished (loop thread). ``close`` ends the thread
+    after the start in flight (bounded) and hands back what finished, for teardown to kill; once
+    teardown set ``orphans``, a start still running is killed by the thread as it ends, and the
+    starts queued behind it are never made.
+    """
+
+    def __init__(self, start: Callable[[PreparedStart], WorkerHandle], loop: Loop, on_done: Callable[[], None]) -> None:
+        self._start = start
+        self._jobs: queue.SimpleQueue[tuple[PreparedStart, WorkerHandle] | None] = queue.SimpleQueue()
+        self._done: deque[_Started] = deque()
+        #: set once the loop no longer takes starts in (teardown): how the thread kills one itself
+        self.orphans: Callable[[WorkerHandle, int], None] | None = None
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        loop.register(self._read, on_done)
+        self._thread = threading.Thread(target=self._run, name="twt-worker-starter", daemon=True)
+        self._thread.start()
+
+    def submit(self, prepared: PreparedStart, worker: WorkerHandle) -> None:
+        self._jobs.put((prepared, worker))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            prepared, worker = job
+            if self.orphans is not None:
+                continue  # queued when the teardown began: never started
+            try:
+                started: WorkerHandle | None = self._start(prepared)
+                error: BaseException | None = None
+            except BaseException as exc:  # noqa: BLE001 - the loop thread reports it (a start that failed)
+                started, error = None, exc
+            orphans = self.orphans
+            if orphans is not None and started is not None:
+                orphans(started, signal.SIGKILL)  # the loop is gone: nobody would take it in
+                started.process.join(5.0)
+                if started.process.exitcode is not None:
+                    started.process.close()  # reaped
+                continue
+            self._done.append((worker, started, error))
+            try:
+                os.write(self._write, b"\0")
+            except OSError:
+                pass  # pipe full (the loop is woken already) or closed (teardown)
+
+    def take(self) -> list[_Started]:
+        """What finished since the last take (loop thread)."""
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except OSError:  # BlockingIOError: drained
+            pass
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def close(self, loop: Loop, timeout_s: float) -> list[_Started]:
+        """End the thread once the start in flight is done (at most ``timeout_s``); what finished
+        and was not taken yet."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        loop.unregister(self._read)
+        found = self.take()
+        if not self._thread.is_alive():  # else it may still write: its fds stay (a daemon thread, at teardown)
+            os.close(self._read)
+            os.close(self._write)
+        return found

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from collections.abc import Callable
 
 import psutil
@@ -37,7 +37,7 @@ from supervisor.runtime.requests import Pending
 if TYPE_CHECKING:
     from shared.worker_link import FaultAck, FaultExit
 
-__all__ = ["ProcessLike", "Spawner", "SpawnerFactory", "SpawnerLike", "WorkerHandle", "WorkerState", "kill_tree"]
+__all__ = ["NOT_STARTED", "OffLoopSpawner", "PreparedStart", "ProcessLike", "Spawner", "SpawnerFactory", "SpawnerLike", "WorkerHandle", "WorkerState", "kill_tree"]
 
 _log = get_logger("supervisor.runtime.workers")
 _WORKER_ENTRY = EntryPoint("worker.main:run")
@@ -107,6 +107,11 @@ class WorkerHandle:
     kill_cause: str | None = None  # why _kill() ran: heartbeat, deadline, protocol, rss ...
     expected_exit: bool = False  # stopped on purpose (evict, scale down, shutdown)
     served: int = 0
+    #: its process exists: False while its start is in flight on the worker set's starter thread
+    #: (``process`` is :data:`NOT_STARTED`, ``pid`` 0 and ``sentinel`` -1 until then)
+    started: bool = True
+    #: a signal asked for before the process existed: sent as the start ends (SIGKILL over SIGTERM)
+    pending_signal: int | None = None
 
     @property
     def ident(self) -> bytes:
@@ -115,6 +120,24 @@ class WorkerHandle:
     @property
     def connected(self) -> bool:
         return self.data_hello and self.control_hello
+
+
+class _NotStarted:
+    """The process of a worker whose start is in flight: no exit code yet, nothing to join or close."""
+
+    @property
+    def exitcode(self) -> int | None:
+        return None
+
+    def join(self, timeout: float | None = None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+#: the stand-in ``process`` of a handle made before its process (see :attr:`WorkerHandle.started`)
+NOT_STARTED: ProcessLike = _NotStarted()
 
 
 def _detach_main_module() -> None:
@@ -195,7 +218,9 @@ class Spawner:
         except psutil.Error:
             return None
 
-    def spawn(self) -> WorkerHandle:
+    def prepare(self) -> PreparedStart:
+        """A new worker's identity and boot message (loop thread: the sequence number is not
+        locked). Its routing id and token are known from here, before its process can say hello."""
         self._seq += 1
         worker_id = f"w{self._nonce}-{self._seq}"
         token = secrets.token_hex(16)
@@ -217,24 +242,55 @@ class Spawner:
             supervisor_pid=os.getpid(),
             supervisor_started=self._started,
         )
+        return PreparedStart(worker_id, token, routing_id, boot)
+
+    def start(self, prepared: PreparedStart) -> WorkerHandle:
+        """Start the prepared worker's process; returns once it has a pid (the fork server has
+        forked, or the spawn has exec'd). Safe on a thread other than the loop's (the worker
+        set's starter), as long as every start runs on that one thread: it touches nothing of
+        the supervisor's, and multiprocessing's set of children is not locked."""
         t0 = time.monotonic()
         process_cls = getattr(self.ctx, "Process")  # noqa: B009 - typeshed's BaseContext lacks Process
-        proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(boot,), name=f"twt-worker-{worker_id}", daemon=False)
+        proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(prepared.boot,),
+                                        name=f"twt-worker-{prepared.worker_id}", daemon=False)
         proc.start()
         _untrack(proc)
         assert proc.pid is not None
         handle = WorkerHandle(
-            worker_id=worker_id,
-            token=token,
-            routing_id=routing_id,
+            worker_id=prepared.worker_id,
+            token=prepared.token,
+            routing_id=prepared.routing_id,
             process=proc,
             pid=proc.pid,
             sentinel=proc.sentinel,
             spawned_at=t0,
         )
-        log_event(_log, logging.DEBUG, "worker.process_started", worker=worker_id, pid=proc.pid, method=self.method,
-                  start_ms=round((time.monotonic() - t0) * 1000, 3))
+        log_event(_log, logging.DEBUG, "worker.process_started", worker=prepared.worker_id, pid=proc.pid,
+                  method=self.method, start_ms=round((time.monotonic() - t0) * 1000, 3))
         return handle
+
+    def spawn(self) -> WorkerHandle:
+        """Prepare and start a worker on this thread."""
+        return self.start(self.prepare())
+
+
+@dataclass(frozen=True)
+class PreparedStart:
+    """A worker about to start: its public id, hello token, routing id and boot message."""
+
+    worker_id: str
+    token: str
+    routing_id: str
+    boot: BootMessage
+
+
+@runtime_checkable
+class OffLoopSpawner(Protocol):
+    """A spawner whose starts can run on another thread: the identity first (loop thread), the
+    process then (:class:`Spawner`; the in-process tests' stand-in has no process to start)."""
+
+    def prepare(self) -> PreparedStart: ...
+    def start(self, prepared: PreparedStart) -> WorkerHandle: ...
 
 
 class SpawnerLike(Protocol):

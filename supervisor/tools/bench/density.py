@@ -69,6 +69,9 @@ RSS_PER_TENANT = 2 * KiB
 ACTIVATION_OVERHEAD_S = 0.020
 RESTORE_VS_MEMCPY = 0.5
 FIRST_RUN_VS_WARM = 2.0
+#: the share of the stream's activations that should find a warm pool worker (%): the others
+#: wait for a worker's start or warm-up, the activation tail
+WARM_SHARE = 99.0
 #: records in the status page read (the table twt status shows by default)
 STATUS_PAGE = 100
 
@@ -81,6 +84,13 @@ def _start(state_dir: str, metrics: bool) -> AbstractContextManager[SupervisorHa
         metrics_addr="127.0.0.1:0" if metrics else None,
         ready_timeout_s=600.0,
     )
+
+
+def warm_share(stream: dict[str, Any]) -> float:
+    """The share of the stream's activation workers that came warm from the pool (%; 100 for none)."""
+    got = stream["activation_workers"]
+    total = sum(int(n) for n in got.values())
+    return 100.0 * int(got.get("warm", 0)) / total if total else 100.0
 
 
 def _rss(pid: int) -> int:
@@ -331,11 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         [f"restart to ready, {total} tenants stored parked (s)", r["parked_restart_s"]],
         [f"Zipf({parking.ZIPF_S}) stream: requests, distinct tenants, s", f"{st['requests']}, {st['distinct_tenants']}, "
          f"{st['stream_s']:.1f}"],
-        ["  ping: warm p50 (ms) [n]", f"{st['ping_warm_p50_s'] * ms:.2f} [{st['ping_warm_n']}]"],
+        ["  ping: warm p50 / p99 (ms) [n]", f"{pair(st['ping_warm_p50_s'], st.get('ping_warm_p99_s'))} [{st['ping_warm_n']}]"],
         ["  ping: activating p50 / p99 (ms) [n]",
          f"{pair(st['ping_cold_p50_s'], st['ping_cold_p99_s'])} [{st['ping_cold_n']}]"],
         ["  ping: activation overhead p50 / p99 (ms)", pair(st["ping_overhead_p50_s"], st["ping_overhead_p99_s"])],
-        ["  run_wasm: warm p50 (ms) [n]", f"{st['run_wasm_warm_p50_s'] * ms:.2f} [{st['run_wasm_warm_n']}]"],
+        ["  run_wasm: warm p50 / p99 (ms) [n]",
+         f"{pair(st['run_wasm_warm_p50_s'], st.get('run_wasm_warm_p99_s'))} [{st['run_wasm_warm_n']}]"],
         ["  run_wasm: activating p50 / p99 (ms) [n]",
          f"{pair(st['run_wasm_cold_p50_s'], st['run_wasm_cold_p99_s'])} [{st['run_wasm_cold_n']}]"],
         ["  run_wasm: activation overhead p50 / p99 (ms)",
@@ -348,6 +359,15 @@ def main(argv: list[str] | None = None) -> int:
                     for k in ("bind", "restore", "total"))],
         ["  activations' workers: warm from the pool / still warming up / a pool worker starting / spawned",
          " / ".join(str(st["activation_workers"].get(k, 0)) for k in ("warm", "warming", "starting", "spawned"))],
+        ["  activations that found a warm pool worker (%)", f"{warm_share(st):.1f}"],
+        ["  activating requests beyond their activation and the op's warm p50: p50 / p99 (ms)",
+         " / ".join("none" if st.get(f"activate_outside_{q}_ms") is None else f"{st[f'activate_outside_{q}_ms']:.2f}"
+                    for q in ("p50", "p99"))],
+        ["    of them waiting for room (an early park not kept ahead): n, p50 / p99 (ms); the worst (ms)",
+         f"{st.get('activate_room_n', 0)}, "
+         + " / ".join("none" if st.get(f"activate_room_{q}_ms") is None else f"{st[f'activate_room_{q}_ms']:.2f}"
+                      for q in ("p50", "p99"))
+         + "; " + ", ".join(st.get("activate_outside_worst", []))],
         ["  activations with a warm pool worker; with another: whole p50 / p99 (ms) [n]",
          "; ".join(f"{by_how(k)} [{st[f'activate_{k}_n']}]" for k in ("warm", "other"))],
         ["  activations without a warm worker: when, s into the stream",
@@ -380,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         for op, value in (("ping", fig(overhead[0])), ("run_wasm", fig(overhead[1])))
         if isinstance(value, float)
     ]
+    report.targets.append(Target("activations that found a warm pool worker", warm_share(st), WARM_SHARE,
+                                 unit=" %"))
     report.targets += [
         Target("64 MiB restore vs memcpy into fresh memory", pk["restore_bytes_per_s"] / pk["memcpy_bytes_per_s"],
                RESTORE_VS_MEMCPY),

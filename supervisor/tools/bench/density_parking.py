@@ -152,7 +152,13 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
     by_how: dict[str, list[float]] = {"warm": [], "other": []}
     #: when (s into the stream) each activation that did not get a warm worker happened
     cold_at: list[float] = []
+    #: each activating request's client time beyond its activation's whole time (the supervisor's
+    #: account, ``activate_ms``) and its op's warm time: the tail outside the activation itself
+    outside: list[float] = []
     got: dict[str, int] = {}
+    outside_ops: list[str] = []
+    outside_room: list[bool] = []
+    outside_how: list[str] = []
     with sup.connect(timeout_s=120.0) as c:
         digest = ""
         t_stream = time.perf_counter()
@@ -191,6 +197,15 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
                 by_how["warm" if pooled else "other"].append(float(event.get("activate_ms", 0.0)))
                 if not pooled:
                     cold_at.append(time.perf_counter() - t_stream)
+            if woke and not (op == "run_wasm" and index not in ran):
+                outside.append(dt * 1000 - sum(float(e.get("activate_ms", 0.0)) for e in woke))
+                outside_ops.append(op)
+                parks = c.events_page(None, mark, kinds=["park"])["events"]
+                assert isinstance(parks, list)
+                # an early park that was not one kept ahead: this activation waited for room
+                outside_room.append(any(isinstance(e, dict) and e.get("early") and not e.get("ahead")
+                                        for e in parks))
+                outside_how.append("+".join(sorted({str(k) for e in woke for k in (e.get("workers") or {})})))
             if op == "run_wasm" and index not in ran:
                 # the tenant's first run ever compiles its module: not an activation's cost
                 ran.add(index)
@@ -219,11 +234,28 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
         out[f"activate_{how}_p50_ms"] = statistics.median(values) if values else None
         out[f"activate_{how}_p99_ms"] = _pct(values, 0.99) if values else None
     out["activate_other_at_s"] = [round(t, 2) for t in cold_at]
+    # less the op's warm p50: what an activating request waited for beyond its activation
+    warm_ms = {op: statistics.median(times[(op, False)]) * 1000 if times[(op, False)] else 0.0
+               for op in ("ping", "run_wasm")}
+    beyond = [v - warm_ms[op] for v, op in zip(outside, outside_ops)]
+    out["activate_outside_p50_ms"] = statistics.median(beyond) if beyond else None
+    out["activate_outside_p99_ms"] = _pct(beyond, 0.99) if beyond else None
+    roomed = [v for v, room in zip(beyond, outside_room) if room]
+    out["activate_room_n"] = len(roomed)
+    out["activate_room_p50_ms"] = statistics.median(roomed) if roomed else None
+    out["activate_room_p99_ms"] = _pct(roomed, 0.99) if roomed else None
+    worst = sorted(zip(beyond, outside_room, outside_how, outside_ops), reverse=True)[:8]
+    out["activate_outside_worst"] = [f"{v:.0f} {op} {how}{' room' if room else ''}" for v, room, how, op in worst]
+    for how in ("warm", "other"):  # by how the activation's workers came
+        those = [v for v, h in zip(beyond, outside_how) if (h == "warm") == (how == "warm")]
+        out[f"activate_outside_{how}_p99_ms"] = _pct(those, 0.99) if those else None
+        out[f"activate_outside_{how}_n"] = len(those)
     for op in ("ping", "run_wasm"):
         warm, cold = times[(op, False)], times[(op, True)]
         out[f"{op}_warm_n"], out[f"{op}_cold_n"] = len(warm), len(cold)
         base = statistics.median(warm) if warm else 0.0
         out[f"{op}_warm_p50_s"] = base
+        out[f"{op}_warm_p99_s"] = _pct(warm, 0.99) if warm else None
         out[f"{op}_cold_p50_s"] = statistics.median(cold) if cold else None
         out[f"{op}_cold_p99_s"] = _pct(cold, 0.99) if cold else None
         out[f"{op}_overhead_p50_s"] = statistics.median(cold) - base if cold else None

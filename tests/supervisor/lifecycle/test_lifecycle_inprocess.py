@@ -10,6 +10,7 @@ decided by events, not by how fast the machine is.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import signal
 import time
@@ -640,9 +641,15 @@ def test_a_burst_of_instance_starts_raises_the_pool_target_at_once(tmp_path: Pat
         assert ws.pool_target_now(now) == 1
         for _ in range(10):
             ws._note_demand()
-        # 10 starts at once: 5/s over the burst window, 2.5 workers taken while one refill starts
-        assert ws.pool_target_now(now) == 1 + 3
-        assert ws.pool_target_now(now + 0.5) == 1 + 2  # decayed, not read over a span: they came at one moment
+        refill = 0.5 + workerset.POOL_REFILL_LAG_S
+
+        def covers(rate: float) -> int:  # the pool for that rate: its refill time's starts at the 99th percentile
+            return workerset.poisson_quantile(rate * refill, workerset.POOL_WARM_SHARE) + 1
+
+        # 10 starts at once: 5/s over the burst window, 2.75 workers taken on average while one refill starts
+        assert ws.pool_target_now(now) == min(8, covers(5.0)) == 8
+        # decayed, not read over a span: they came at one moment
+        assert ws.pool_target_now(now + 0.5) == covers(5.0 * math.exp(-0.5 / workerset.POOL_BURST_WINDOW_S)) == 7
         later = now + 10 * workerset.POOL_BURST_WINDOW_S
         assert ws.pool_target_now(later) == 1 + 1  # the long window's: recent demand, one more
     finally:
@@ -653,7 +660,7 @@ def test_the_opening_of_a_stream_of_activations_raises_the_pool_target_to_its_ra
     """Starts at 15/s: half a second in, the pool's target covers 15/s times a refill (a decayed
     count that starts from nothing held a fifth of that rate then: the pool ran dry through a
     stream's opening); seconds in, the burst's reading is its decayed rate as before. Two starts
-    moments apart raise it as little as before."""
+    moments apart are not read over their span (the pool is not filled to its most)."""
     h = Harness(tmp_path, pool_size=1, pool_max=8)
     try:
         ws = h.sup.parts.workers
@@ -661,12 +668,12 @@ def test_the_opening_of_a_stream_of_activations_raises_the_pool_target_to_its_ra
         ws._note_demand()
         h.clock.advance(0.01)
         ws._note_demand()
-        assert ws.pool_target_now(h.clock()) == 1 + 1
+        assert ws.pool_target_now(h.clock()) == 1 + 2  # 1/s over the burst window, not read over their span
         h.clock.advance(10 * workerset.POOL_BURST_WINDOW_S)
         for _ in range(8):
             h.clock.advance(1 / 15)
             ws._note_demand()
-        assert ws.pool_target_now(h.clock()) >= 1 + 3  # 15/s x 0.2 s
+        assert ws.pool_target_now(h.clock()) >= 1 + 3  # 15/s x 0.25 s, and its clumps
         for _ in range(150):
             h.clock.advance(1 / 15)
             ws._note_demand()
@@ -675,6 +682,40 @@ def test_the_opening_of_a_stream_of_activations_raises_the_pool_target_to_its_ra
     finally:
         h.close()
 
+
+
+def test_a_steady_stream_of_starts_sizes_the_pool_for_its_clumps_not_its_mean(tmp_path: Path) -> None:
+    """Starts at 10/s with a refill (tick lag plus spawn-to-ready) of 0.25 s take 2.5 pool workers
+    on average within one refill, but more in a clump: the pool holds the 99th percentile of a
+    Poisson count with that mean (plus the one an activation takes), so that an activation finds
+    a warm worker 99 % of the time - the mean (1 + 3 before) left it dry for a tenth of them."""
+    h = Harness(tmp_path, pool_size=1, pool_max=16)
+    try:
+        ws = h.sup.parts.workers
+        ws._refill_s = 0.2
+        mean = 10.0 * (0.2 + workerset.POOL_REFILL_LAG_S)
+        for _ in range(300):  # 30 s at 10/s: both windows read the rate itself
+            h.clock.advance(0.1)
+            ws._note_demand()
+        target = ws.pool_target_now(h.clock())
+
+        def dry(pool: int) -> float:  # P(the starts of one refill time reach the pool): an activation finds none
+            return 1.0 - sum(math.exp(-mean) * mean ** k / math.factorial(k) for k in range(pool))
+
+        assert dry(target) <= 1 - workerset.POOL_WARM_SHARE < dry(target - 1), target
+        assert target == 8
+    finally:
+        h.close()
+
+
+def test_the_poisson_quantile_is_the_least_count_its_share_of_draws_stay_within() -> None:
+    assert workerset.poisson_quantile(0.0, 0.99) == 0
+    for mean in (0.05, 0.5, 2.5, 7.0, 40.0):
+        k = workerset.poisson_quantile(mean, 0.99)
+        cdf = [sum(math.exp(-mean) * mean ** i / math.factorial(i) for i in range(n + 1)) for n in (k - 1, k)]
+        assert cdf[0] < 0.99 <= cdf[1], (mean, k, cdf)
+    big = workerset.poisson_quantile(1000.0, 0.99)  # exp(-1000) underflows: the normal approximation
+    assert 1060 <= big <= 1080
 
 
 def test_a_workers_death_reclaims_its_device_slot_by_its_pid_reading_no_other_workers_proc_entry(

@@ -55,3 +55,10 @@ def test_park_all_stores_the_tenants_as_parked_with_one_instance_and_an_idle_tim
         assert tenants["other"].generation == 4
     finally:
         store.close()
+
+
+def test_the_warm_share_counts_every_worker_an_activation_got() -> None:
+    from supervisor.tools.bench.density import warm_share
+
+    assert warm_share({"activation_workers": {"warm": 97, "warming": 2, "starting": 0, "spawned": 1}}) == 97.0
+    assert warm_share({"activation_workers": {}}) == 100.0  # no activation: none went without
