@@ -798,8 +798,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="run against the fake driver (tests this script; proves nothing about hardware)")
     args = parser.parse_args(argv)
     if args.dry_run_fake:
+        from tests.helpers.fake_cuda import default_bindings_major
+
+        # FAKE_CUDA_BINDINGS: the major every fake of the run speaks, as each would find it (the
+        # installed cuda-bindings', unless already set), found once here: each process of the run
+        # (children, phase scripts, their tenants, the supervisors' workers) otherwise imported
+        # importlib.metadata to read the same version (~25 ms of CPU a process)
         os.environ.update(GPU_CHECK_DRIVER_MODULE=FAKE, GPU_CHECK_NVRTC_MODULE=FAKE,
-                          TWT_CUDA_DRIVER_MODULE=FAKE, TWT_CUDA_NVRTC_MODULE=FAKE)
+                          TWT_CUDA_DRIVER_MODULE=FAKE, TWT_CUDA_NVRTC_MODULE=FAKE,
+                          FAKE_CUDA_BINDINGS=str(default_bindings_major()))
     if args.child:
         return check_children.run(args.child, args.child_args)
 
