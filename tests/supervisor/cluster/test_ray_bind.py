@@ -31,6 +31,7 @@ from supervisor.cluster.ray_bind import (
     private_ray_temp_dir,
     tighten,
 )
+from tests.helpers import timeouts
 from tests.helpers.tmp import short_temp_dir
 
 # never ``pytest.importorskip("ray")``: that imports Ray at collection in every xdist worker, and
@@ -77,19 +78,21 @@ def _ray_start(extra_env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[byt
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + timeouts.scaled(30)
         while True:
             proc.poll()  # reap the leader: a zombie is still a member of its session
             if not _session(proc.pid) or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
-        proc.wait(30)
+        proc.wait(timeouts.scaled(30))
         assert not _session(proc.pid), "a Ray process outlived its stop"
         shutil.rmtree(os.path.dirname(temp_dir), ignore_errors=True)
 
 
 def _listening(leader: int, timeout_s: float = 120.0) -> list[Listener]:
-    """The session's listeners once its GCS and raylet listen (Ray's start-up is the slow part)."""
+    """The session's listeners once its GCS and raylet listen (Ray's start-up is the slow part);
+    ``timeout_s``: a quiet machine's hang guard, scaled."""
+    timeout_s = timeouts.scaled(timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
         found = listeners_of(_session(leader))
@@ -157,7 +160,7 @@ def test_the_benches_local_ray_listens_on_loopback_only() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update({"RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)})
     proc = subprocess.run([sys.executable, "-c", _BENCH_RAY, short_temp_dir()], capture_output=True, text=True,
-                          env=env, timeout=240, cwd=str(ROOT), start_new_session=True, check=False)
+                          env=env, timeout=timeouts.scaled(240), cwd=str(ROOT), start_new_session=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     found = [Listener(*row) for row in report["listeners"]]
