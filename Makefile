@@ -60,8 +60,8 @@ TEST_WORKERS ?= 4
 #: one before it is done waits for it (the replay takes replay_bindings' install lock and reads its
 #: completion file; a debug build waits on Zig's cache locks, then finds what the step compiled),
 #: never sees half of it. Their output is printed after the tests'; if one failed, make test fails.
-#: (Named through SETUP_MAKE, not $$(MAKE) on the recipe line: GNU make runs every line that names
-#: $$(MAKE) even under `make -n`, which would then run the whole suite.)
+#: (Named through SETUP_MAKE, not $(MAKE) on the recipe line: GNU make runs every line that names
+#: $(MAKE) even under `make -n`, which would then run the whole suite.)
 SETUP_MAKE = $(MAKE) --no-print-directory -j2
 test: $(STAMP)
 	@$(SETUP_MAKE) $(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN) > $(VENV)/.twt-prepare.log 2>&1 & \
