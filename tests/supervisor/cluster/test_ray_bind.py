@@ -70,7 +70,7 @@ def _ray_start(extra_env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[byt
         yield proc, temp_dir
     finally:
         # SIGKILL at once: a SIGTERM to the group stops none of it in time - ``ray start --block``
-        # catches it, the raylet takes ~10 s to go, and the GCS, the ``ray`` CLI and the log monitor
+        # catches it, the raylet takes ~10 s to go, and the GCS, the ``ray`` CLI and a Python helper
         # were still running 20 s later (a SIGTERM phase here only ever waited out its 15 s before
         # the SIGKILL that stopped them). Nothing is checked after the stop but that every process
         # of the session is gone and the temp dir removed.
