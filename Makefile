@@ -55,11 +55,24 @@ TEST_WORKERS ?= 4
 #: rerun it on fresh workers, and once hung after replacing one until CI's time limit).
 #: mypy runs on one core (~10 s of CPU on a fresh clone, no cache): beside the tests it no longer
 #: leaves the other core idle before them; its output is printed after theirs.
-test: $(STAMP) $(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN)
-	$(BIN)/ruff check .
-	@$(BIN)/python -m mypy > $(VENV)/.twt-mypy.log 2>&1 & mypy=$$!; \
+#: The two set-up steps ($(OTHER_BINDINGS), $(DEBUG_TOOLCHAIN)) run beside the lint and the suite's
+#: start (its workers' imports and collection), two at a time, not before them: a test that needs
+#: one before it is done waits for it (the replay takes replay_bindings' install lock and reads its
+#: completion file; a debug build waits on Zig's cache locks, then finds what the step compiled),
+#: never sees half of it. Their output is printed after the tests'; if one failed, make test fails.
+#: (Named through SETUP_MAKE, not $(MAKE) on the recipe line: GNU make runs every line that names
+#: $(MAKE) even under `make -n`, which would then run the whole suite.)
+SETUP_MAKE = $(MAKE) --no-print-directory -j2
+test: $(STAMP)
+	@$(SETUP_MAKE) $(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN) > $(VENV)/.twt-prepare.log 2>&1 & \
+	prep=$$!; \
+	if ! $(BIN)/ruff check .; then wait $$prep; exit 1; fi; \
+	$(BIN)/python -m mypy > $(VENV)/.twt-mypy.log 2>&1 & mypy=$$!; \
 	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart=0 --durations=20; \
-	rc=$$?; wait $$mypy; mrc=$$?; echo "mypy:"; cat $(VENV)/.twt-mypy.log; \
+	rc=$$?; wait $$mypy; mrc=$$?; wait $$prep; prc=$$?; \
+	echo "set-up ($(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN)):"; cat $(VENV)/.twt-prepare.log; \
+	echo "mypy:"; cat $(VENV)/.twt-mypy.log; \
+	if [ $$prc -ne 0 ]; then echo "make test: a set-up step failed (above)"; exit $$prc; fi; \
 	if [ $$mrc -ne 0 ]; then echo "make test: the type check failed (above)"; exit $$mrc; fi; exit $$rc
 
 ## make test-fast: the inner loop - every test that starts no process (no supervisor, worker, Ray),

@@ -53,22 +53,47 @@ and append ``Phase("NAME", phase_NAME)`` to ``PHASES`` where it belongs.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
-import select
-import shutil
-import signal
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
-from collections.abc import Callable
+
+
+def _child_argv(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``--child NAME ARGS...`` as every launcher writes it (no option among ARGS): (NAME, ARGS), else None.
+
+    A child step needs ``check_children`` only: the orchestrator's own imports (argparse, the
+    records, the figures, subprocess ...) cost a child ~60 ms of CPU for nothing, and a dry run
+    starts some twenty children (more through the phase scripts). Anything else - options beside
+    ``--child``, ``--child`` without a name - goes through :func:`main`'s parser as before.
+    """
+    if len(argv) < 2 or argv[0] != "--child" or argv[1].startswith("-"):
+        return None
+    if any(a.startswith("--") for a in argv[2:]):
+        return None
+    return argv[1], argv[2:]
+
+
+if __name__ == "__main__" and (_step := _child_argv(sys.argv[1:])) is not None:
+    _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if _root not in sys.path:
+        sys.path.insert(0, _root)
+    from tests.gpu.check_children import run as _run_step
+
+    sys.exit(_run_step(*_step))
+
+import argparse  # noqa: E402 - after the child steps' early exit above
+import json  # noqa: E402
+import math  # noqa: E402
+import select  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -773,8 +798,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="run against the fake driver (tests this script; proves nothing about hardware)")
     args = parser.parse_args(argv)
     if args.dry_run_fake:
+        from tests.helpers.fake_cuda import default_bindings_major
+
+        # FAKE_CUDA_BINDINGS: the major every fake of the run speaks, as each would find it (the
+        # installed cuda-bindings', unless already set), found once here: each process of the run
+        # (children, phase scripts, their tenants, the supervisors' workers) otherwise imported
+        # importlib.metadata to read the same version (~25 ms of CPU a process)
         os.environ.update(GPU_CHECK_DRIVER_MODULE=FAKE, GPU_CHECK_NVRTC_MODULE=FAKE,
-                          TWT_CUDA_DRIVER_MODULE=FAKE, TWT_CUDA_NVRTC_MODULE=FAKE)
+                          TWT_CUDA_DRIVER_MODULE=FAKE, TWT_CUDA_NVRTC_MODULE=FAKE,
+                          FAKE_CUDA_BINDINGS=str(default_bindings_major()))
     if args.child:
         return check_children.run(args.child, args.child_args)
 

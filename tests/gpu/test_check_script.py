@@ -181,6 +181,42 @@ def test_a_child_that_hangs_is_killed_and_reported(monkeypatch: pytest.MonkeyPat
     assert held.first == {"n": 1} and held.step() == {"n": 2} and held.release() == {"n": 3}
 
 
+#: ``check_gpu.py --child meminfo`` run as the launchers run it (``__main__``), in a process that then says
+#: which of the orchestrator's own modules the child step loaded
+_CHILD_STEP = """
+import json, runpy, sys
+sys.argv = [sys.argv[1], "--child", "meminfo"]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as exc:
+    code = exc.code
+print(json.dumps({"code": code, "loaded": sorted(m for m in ("argparse", "shared.records", "tests.gpu.figures")
+                                                 if m in sys.modules)}))
+"""
+
+
+def test_a_child_step_loads_none_of_the_orchestrators_modules() -> None:
+    """A dry run starts some twenty ``--child`` processes (more through the phase scripts): each runs
+    its step from check_children alone, without the orchestrator's parser, records and figures
+    (~60 ms of CPU a child), and prints the step's JSON line as before."""
+    from tests.gpu.check_gpu import _child_argv
+
+    assert _child_argv(["--child", "meminfo"]) == ("meminfo", [])
+    assert _child_argv(["--child", "residual_reader_most", "0.9", "4", "-1"]) == ("residual_reader_most",
+                                                                                   ["0.9", "4", "-1"])
+    # anything else goes through main()'s parser, as before
+    for argv in (["--child"], ["--child", "--quick"], ["--child", "pool", "--quick"], ["--quick"], []):
+        assert _child_argv(argv) is None, argv
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GPU_CHECK_DRIVER_MODULE": "tests.helpers.fake_cuda",
+           "GPU_CHECK_NVRTC_MODULE": "tests.helpers.fake_cuda"}
+    proc = subprocess.run([sys.executable, "-c", _CHILD_STEP, str(ROOT / "tests" / "gpu" / "check_gpu.py")],
+                          capture_output=True, text=True, timeout=timeouts.scaled(60), cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    step, report = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    assert step["free"] > 0 and step["total"] >= step["free"]
+    assert report == {"code": 0, "loaded": []}
+
+
 def test_mps_on_a_host_without_it_is_not_a_failure() -> None:
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no nvidia-cuda-mps-control here
     proc = _check("--dry-run-fake", "--quick", "--mps", "--only", "mps", env=env)
