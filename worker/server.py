@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import zmq
 
@@ -72,6 +73,41 @@ _OPS: dict[str, Handler] = {}
 
 #: plain ints: pyzmq's flag constants are enum.Flag members, whose arithmetic costs ~1 us a use
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+#: the serve loop's longest wait for a request (ms) before it looks at the stop flag again; a stop
+#: set meanwhile wakes it at once (:class:`StopFlag`)
+_IDLE_POLL_MS = 200
+
+
+class StopFlag(threading.Event):
+    """The worker's stop flag (the control thread's ``stop``, SIGTERM, a lost CUDA context): an
+    event whose ``set`` also writes a byte to a pipe the serve loop polls beside its socket, so an
+    idle worker stops at once rather than at its poll's timeout. A parked tenant's worker is idle
+    when its stop comes; waiting out the poll put ~200 ms into every park, and an activation
+    waiting for the room a park makes waited that long."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wake_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: ``set`` and ``close`` one at a time: a byte is never written to a closed (reused) descriptor
+        self._fd_lock = threading.RLock()  # (SIGTERM's handler may set it on a thread inside set)
+
+    def set(self) -> None:
+        super().set()
+        with self._fd_lock:
+            if self._write_fd < 0:
+                return
+            try:
+                os.write(self._write_fd, b"s")
+            except OSError:  # full: woken already
+                pass
+
+    def close(self) -> None:
+        """Close the pipe (the serve loop is over); a later ``set`` only sets the flag."""
+        with self._fd_lock:
+            for fd in (self.wake_fd, self._write_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self.wake_fd = self._write_fd = -1
 
 
 def register_op(name: str) -> Callable[[Handler], Handler]:
@@ -100,7 +136,7 @@ class WorkerServer:
         self.sock = sock
         self.faults = faults
         self.context: TenantContext | None = None
-        self.stop_event = threading.Event()
+        self.stop_event = StopFlag()
         self.started = time.time()
         self.requests = 0
         #: the process exit code once this worker must end (a lost CUDA context), else None
@@ -119,13 +155,14 @@ class WorkerServer:
         sock = self.sock
         stop = self.stop_event
         recv, events = sock.recv, sock.getsockopt
-        items = [(sock, _POLLIN)]
+        # a stop wakes the poll (StopFlag); zmq_poll takes a plain fd beside sockets (its stub says sockets only)
+        items = cast("list[tuple[zmq.Socket[bytes], int]]", [(sock, _POLLIN), (stop.wake_fd, _POLLIN)])
         while not stop.is_set():
             if not int(events(_EVENTS)) & _POLLIN:
                 if self.idle_work is not None:
                     self._idle_step()  # one step, then look at the queue again
                     continue
-                if not zmq.zmq_poll(items, 200):
+                if not zmq.zmq_poll(items, _IDLE_POLL_MS) or stop.is_set():
                     continue
             try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
                 frame = recv(_NOBLOCK, copy=False)
@@ -227,6 +264,7 @@ class WorkerServer:
         if self.context is not None:
             self.context.close()
             self.context = None
+        self.stop_event.close()
 
 
 # --------------------------------------------------------------------- ops
