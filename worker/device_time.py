@@ -730,7 +730,7 @@ class DeviceGate:
             waiting = board is not None and held >= self.chunk_ns // 4 and board.others_waiting()
             if last and board is not None and ((
                     waiting and pending is None and self._pending_ns * _LEND_BUSY_DIV < held) or (
-                    self._pass_end and not self._linger())):
+                    self._lend_after_pass())):
                 # the device mostly idle under this stretch: its pace is the worker's host side (a
                 # chatty tenant's ops arriving as fast as this thread runs them), not device work;
                 # or a chatty worker's pass ends (DeviceGate._lend_after_pass): lent here, before the
