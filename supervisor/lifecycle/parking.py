@@ -185,6 +185,11 @@ class Parking:
         #: ``activate`` event splits activate_ms into bind_ms and restore_ms from these)
         self._how: dict[str, dict[str, int]] = {}
         self._bound_at: dict[str, float] = {}
+        #: a woken tenant whose activation could not begin at once - it waits for room under
+        #: ``max_active``, or for its own park to end - by tenant: since when (its ``activate``
+        #: event's ``waited_ms``, the time before ``activate_ms`` began)
+        self._waiting_since: dict[str, float] = {}
+        self._waited_ms: dict[str, float] = {}
         #: the workers an activation handed compiled modules to, by tenant: told to load them
         #: (``load_modules``) after the requests the activation was made for
         self._load_after: dict[str, list[tuple[InstanceSlot, WorkerHandle]]] = {}
@@ -534,12 +539,15 @@ class Parking:
             self._cancel(rt, rec)
         elif rec.phase is ParkPhase.STOPPING:
             rec.wanted = True  # activated once its workers are gone
+            self._waiting_since.setdefault(rt.tenant_id, self.clock())
         elif rec.phase is ParkPhase.PARKED and not self.stopping() and rt not in self._room_waiters:
             room = self._make_room(rt)
             if room is True:
                 self.activate(rt)
             elif isinstance(room, CapacityExhausted):
                 raise room
+            else:
+                self._waiting_since.setdefault(rt.tenant_id, self.clock())  # for room
 
     # ------------------------------------------------------------ room (max_active)
 
@@ -661,6 +669,7 @@ class Parking:
     def _refuse_room(self, rt: TenantRuntime, need: int, total: int, on_device: int,
                      bound: int | None) -> CapacityExhausted:
         """No room and none can be made: the waiting requests are answered, the tenant stays parked."""
+        self._waiting_since.pop(rt.tenant_id, None)
         if self.max_active is not None and (bound is None or total + need - self.max_active > 0):
             in_use, limit, setting = total, self.max_active, "max_active"
         else:
@@ -698,6 +707,7 @@ class Parking:
                 rec = rt.park
                 if (self.tenants.get(rt.tenant_id) is not rt or rec is None or rec.phase is not ParkPhase.PARKED
                         or not rt.waiting or self.stopping()):
+                    self._waiting_since.pop(rt.tenant_id, None)
                     continue
                 if self._make_room(rt) is True:
                     self.activate(rt)
@@ -711,6 +721,8 @@ class Parking:
         assert rec is not None
         rec.phase = ParkPhase.ACTIVATING
         rec.since = self.clock()
+        woken = self._waiting_since.pop(rt.tenant_id, None)
+        self._waited_ms[rt.tenant_id] = round((rec.since - woken) * 1000, 3) if woken is not None else 0.0
         rec.wanted = False
         rec.todo = {slot.index for slot in rt.wanted_slots()}
         rec.importing.clear()
@@ -935,6 +947,8 @@ class Parking:
         bound_at = self._bound_at.pop(rt.tenant_id, now)
         fields: dict[str, object] = {"buffers": restored, "host_bytes": host_bytes,
                                      "activate_ms": round((now - rec.since) * 1000, 3),
+                                     # before it began: room being made, or the tenant's own park ending
+                                     "waited_ms": self._waited_ms.pop(rt.tenant_id, 0.0),
                                      # its phases: workers bound (a warm one: the bind; else the
                                      # process start too), then the buffers imported
                                      "bind_ms": round((bound_at - rec.since) * 1000, 3),
@@ -1000,6 +1014,7 @@ class Parking:
         self._lost.pop(tid, None)
         self._how.pop(tid, None)
         self._bound_at.pop(tid, None)
+        self._waited_ms.pop(tid, None)
         self._load_after.pop(tid, None)
 
     # ------------------------------------------------------------ sending

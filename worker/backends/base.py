@@ -81,8 +81,8 @@ class Backend(abc.ABC):
         """Load now what op ``op`` loads on its first use (compiled kernels, a BLAS handle). The device
         gate calls this before it takes the device lease for a worker's first op of each kind: an op
         runs under the lease, and a load inside it (a compile of hundreds of ms) held every other
-        tenant's device work up. Nothing here: the stub loads what it needs with the backend. A load
-        that fails here fails again in the op itself, where its error is reported."""
+        tenant's device work up. Nothing here: a backend that loads nothing on an op's first use. A
+        load that fails here fails again in the op itself, where its error is reported."""
 
     def begin_run(self, limit: float | None) -> None:
         """A WASM run starts; no wait for its device work may last past ``limit`` (``time.monotonic()``)."""

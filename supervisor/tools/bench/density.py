@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         ["  activating requests beyond their activation and the op's warm p50: p50 / p99 (ms)",
          " / ".join("none" if st.get(f"activate_outside_{q}_ms") is None else f"{st[f'activate_outside_{q}_ms']:.2f}"
                     for q in ("p50", "p99"))],
-        ["    of them waiting for room (an early park not kept ahead): n, p50 / p99 (ms); the worst (ms)",
+        ["    of them waiting before their activation began (room, their own park): n, p50 / p99 (ms); the worst (ms)",
          f"{st.get('activate_room_n', 0)}, "
          + " / ".join("none" if st.get(f"activate_room_{q}_ms") is None else f"{st[f'activate_room_{q}_ms']:.2f}"
                       for q in ("p50", "p99"))

@@ -55,6 +55,9 @@ def test_past_max_active_the_least_recently_used_idle_tenant_parks_early() -> No
         assert c.ping(caps["wanted"]).tenant == "wanted"  # waits for "old" to park, then is served
         early = wait_event(c, "park", "old", mark)
         assert early["early"] is True
+        # its activation began only once that park made room: the wait is its own figure, outside
+        # activate_ms (a bench reading activate_ms alone missed it)
+        assert wait_event(c, "activate", "wanted", mark)["waited_ms"] > 0
         assert tenant(c.status(), "old").state == "parked"
         assert tenant(c.status(), "recent").state == "running"
         wait_for(lambda: _alive(c) <= 2, what="at most max_active workers alive")
@@ -82,7 +85,7 @@ def test_park_ahead_keeps_a_place_free_so_the_next_activation_waits_for_no_park(
         assert tenant(c.status(), "mid").state == "running" and tenant(c.status(), "new").state == "running"
         mark = event_cursor(c)
         c.ping(caps["next"])  # a free place: activated without a park made for it ...
-        wait_event(c, "activate", "next", mark)
+        assert wait_event(c, "activate", "next", mark)["waited_ms"] == 0.0  # it began at once
         wait_event(c, "park", "mid", mark)  # ... and the place it took is made again ahead
         parks = c.events_page(None, mark, kinds=["park"])["events"]
         assert isinstance(parks, list) and parks

@@ -106,6 +106,7 @@ def test_idle_tenant_parks_and_its_buffers_come_back_with_the_same_handles() -> 
         assert sum(activated["workers"].values()) == 1 and set(activated["workers"]) <= {"warm", "starting", "spawned"}
         assert activated["bind_ms"] >= 0 and activated["restore_ms"] >= 0
         assert abs(activated["bind_ms"] + activated["restore_ms"] - activated["activate_ms"]) < 0.01
+        assert activated["waited_ms"] == 0.0  # no max_active: it began at the read
         assert c.read(cap, small, 4096) == pattern(4096, 1)
         new_pid = _ready_pid(c, "sleepy")
         assert new_pid is not None and new_pid != old_pid
