@@ -357,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         ["  activations: bind / restore / whole, p99 (ms)",
          " / ".join("none" if st[f"activate_{k}_p99_ms"] is None else f"{st[f'activate_{k}_p99_ms']:.2f}"
                     for k in ("bind", "restore", "total"))],
+        ["  the stream's CPU per activation: supervisor / fork server / workers / all (ms) [activations]",
+         "none" if not st.get("cpu_per_activation_ms") else
+         " / ".join(f"{v:.1f}" for v in (*st["cpu_per_activation_ms"].values(),
+                                          sum(st["cpu_per_activation_ms"].values())))
+         + f" [{st['activations']}]"],
         ["  activations' workers: warm from the pool / still warming up / a pool worker starting / spawned",
          " / ".join(str(st["activation_workers"].get(k, 0)) for k in ("warm", "warming", "starting", "spawned"))],
         ["  activations that found a warm pool worker (%)", f"{warm_share(st):.1f}"],

@@ -14,6 +14,8 @@ Measured in one run (stub backend, each figure beside its baseline):
   ``activate`` events split each activation: its workers bound (``bind_ms``: a warm pool worker's
   bind, or a pool worker still starting, or a new process), its buffers restored (``restore_ms``),
   and count how its workers came (warm / starting / spawned): where a tail comes from.
+* **CPU** of the stream, per activation: the supervisor's, the fork server's own (its forks) and
+  its workers' (the pool workers' starts, binds, restores, requests, parks and exits).
 * **fds and /dev/shm segments** of the supervisor after the stream, beside the workers alive.
 * **64 MiB restore**: a tenant holding one 64 MiB buffer is parked and woken by a ping; its
   restore time is its activation time (the ``activate`` event's ``activate_ms``) minus that of a
@@ -133,6 +135,61 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _thread_cpu_s(pid: int) -> float:
+    """Every thread's CPU time of a live process so far (s; ``/proc/PID/task/*/schedstat``, ns
+    resolution); 0.0 when it is gone or there is no /proc."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
+def _reaped_cpu_s(pid: int) -> float:
+    """The CPU of ``pid``'s reaped children (``cutime + cstime``, clock ticks), s."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[13]) + int(fields[14])) / _TICKS
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cpu_sample(supervisor_pid: int) -> dict[str, float]:
+    """The CPU so far (s) of the supervisor process, of its fork server's own process, and of every
+    worker it forked (those alive, read per thread, plus those it reaped). Two samples' difference is
+    what a stretch of work cost each part; a worker that lived through only part of it is counted
+    only for that part (alive at the first sample: its CPU then is subtracted; born later: from 0).
+    Without a fork server (``spawn`` workers are the supervisor's children) the workers read 0."""
+    import psutil
+
+    out = {"supervisor": _thread_cpu_s(supervisor_pid), "fork_server": 0.0, "workers": 0.0}
+    try:
+        children = psutil.Process(supervisor_pid).children()
+    except psutil.Error:
+        return out
+    for child in children:
+        try:
+            if not any("forkserver" in part for part in child.cmdline()):
+                continue
+            workers = child.children()
+        except psutil.Error:
+            continue
+        out["fork_server"] += _thread_cpu_s(child.pid)
+        out["workers"] += _reaped_cpu_s(child.pid) + sum(_thread_cpu_s(w.pid) for w in workers)
+    return out
+
+
 def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed: int) -> dict[str, Any]:
     """The Zipf stream over ``names`` on a restarted ``max_active`` supervisor (see the module docstring)."""
     module = guest_path("probe").read_bytes()
@@ -161,6 +218,7 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
     outside_how: list[str] = []
     with sup.connect(timeout_s=120.0) as c:
         digest = ""
+        cpu_before = cpu_sample(sup.pid)
         t_stream = time.perf_counter()
         for index in stream:
             tid = names[index]
@@ -212,6 +270,8 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
                 artifact_misses += 1  # compiled before, parked since: the artifact should have served it
             times[(op, activated)].append(dt)
         out["stream_s"] = time.perf_counter() - t_stream
+        cpu_after = cpu_sample(sup.pid)
+        out["cpu_s"] = {part: cpu_after[part] - cpu_before[part] for part in cpu_before}
         status = c.status(limit=1)
         out["workers_alive"] = status.supervisor.workers
         out["pool_idle"] = status.supervisor.pool.idle
@@ -226,6 +286,12 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
         out[f"activate_{phase}_p50_ms"] = statistics.median(values) if values else None
         out[f"activate_{phase}_p99_ms"] = _pct(values, 0.99) if values else None
     out["activation_workers"] = got
+    # the stream's CPU per activation (ms): each activation's cycle (a pool worker's fork and start,
+    # its bind and restore, past max_active a park and a worker's exit) plus its share of the
+    # requests' routing - what contends with the requests on a small host
+    wakes = len(phases["total"])
+    out["activations"] = wakes
+    out["cpu_per_activation_ms"] = ({part: 1000 * v / wakes for part, v in out["cpu_s"].items()} if wakes else None)
     for how, values in by_how.items():
         out[f"activate_{how}_n"] = len(values)
         out[f"activate_{how}_p50_ms"] = statistics.median(values) if values else None

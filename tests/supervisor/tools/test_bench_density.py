@@ -4,15 +4,19 @@ stream and the parked state a restart starts from (the bench itself is a program
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from shared.spec import TenantSpec
 from supervisor.store.state import StateStore
-from supervisor.tools.bench.density_parking import IDLE_S, park_all, zipf_stream
+from supervisor.tools.bench.density_parking import IDLE_S, cpu_sample, park_all, zipf_stream
+from tests.helpers import timeouts
 from tests.helpers.tmp import short_temp_dir
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,3 +66,53 @@ def test_the_warm_share_counts_every_worker_an_activation_got() -> None:
 
     assert warm_share({"activation_workers": {"warm": 97, "warming": 2, "starting": 0, "spawned": 1}}) == 97.0
     assert warm_share({"activation_workers": {}}) == 100.0  # no activation: none went without
+
+
+_FORKING_PARENT = """
+import multiprocessing, sys, time
+from multiprocessing import forkserver
+
+def burn() -> None:
+    t = time.process_time()
+    while time.process_time() - t < 0.3:
+        pass
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("forkserver")
+    forkserver.ensure_running()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    p = ctx.Process(target=burn)
+    p.start()
+    p.join()
+    print("done", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_the_streams_cpu_counts_the_fork_servers_workers_after_they_exit(tmp_path: Any) -> None:
+    """The stream's CPU per activation reads the supervisor, its fork server and the workers the
+    fork server forked: a worker that burned 0.3 s and exited between two samples is counted (the
+    fork server reaped it), the supervisor's own CPU is not taken for a worker's."""
+    script = tmp_path / "forking_parent.py"
+    script.write_text(_FORKING_PARENT)
+    with subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, cwd=str(tmp_path)) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            assert proc.stdout.readline().strip() == "ready"
+            before = cpu_sample(proc.pid)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "done"
+            after = cpu_sample(proc.pid)
+            proc.stdin.write("end\n")
+            proc.stdin.flush()
+            proc.wait(timeouts.scaled(30))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert after["workers"] - before["workers"] >= 0.25
+    assert after["fork_server"] >= before["fork_server"] > 0.0
+    assert after["supervisor"] - before["supervisor"] < 0.25
