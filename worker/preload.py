@@ -1,8 +1,8 @@
 """Imported once by the forkserver (``--start-method forkserver``) so forked workers start warm.
 
-Only modules that start no threads at import: zmq, msgpack, psutil, wasmtime
-(its engine and compiler threads are created later, in each worker), and
-the worker's own modules. numpy is left out on purpose: its BLAS may start a
+Only what starts no thread: zmq, msgpack, psutil, wasmtime, the worker's own
+modules (the lazy ops' too), and a pool host's engine and linker (its epoch
+thread and wasmtime's compiler threads start later, in each worker). numpy is left out on purpose: its BLAS may start a
 thread pool at import, and threads do not survive a fork.
 """
 
@@ -20,16 +20,26 @@ import worker.control
 import worker.main
 import worker.server
 
+# The modules of the ops an activation sends (worker.server's lazy ops: regions, parking): a pool
+# worker's warm-up imported them one a step, ~2 ms of CPU in every forked worker.
+import worker.parking
+import worker.regions
+
 try:
     import wasmtime  # noqa: F401
 
+    import worker.wasm.artifacts  # export/import/load_modules
     import worker.wasm.ops  # noqa: F401  (the host and the ABI; no engine or thread until a run)
-    from worker.wasm.host import engine_fingerprint
+    from worker.wasm.host import engine_fingerprint, preload_pool_host
 
     # Found once here (cached), not in each pool worker's warm-up: the wasmtime version's lookup
     # reads the installed packages' metadata, ~3 ms of CPU a worker, and an activation's
     # import_modules asks for it. It reads only the environment the forked workers inherit.
     engine_fingerprint()
+    # The pool host (engine, linker, host functions), made once here: a forked pool worker's
+    # warm-up then only compiles and runs its module (~3 ms less of each worker's start; no thread
+    # is started and nothing compiled here - see preload_pool_host).
+    preload_pool_host()
 except ImportError:  # pragma: no cover - wasmtime is a dependency; stay startable without it
     pass
 

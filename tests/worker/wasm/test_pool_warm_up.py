@@ -223,3 +223,63 @@ def test_the_fork_servers_preload_finds_the_engine_fingerprint_for_every_forked_
             "print(engine_fingerprint.cache_info().currsize)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "1"
+
+
+_PRELOADED_FORK = """
+import json, os, sys, threading
+import worker.preload                     # as the fork server does
+from worker.wasm import host as host_mod
+made = host_mod._pool_host
+before = {"made": made is not None, "warmed": bool(made and made.warmed),
+          "threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),
+          "numpy": "numpy" in sys.modules,
+          "ops": all(m in sys.modules for m in ("worker.parking", "worker.regions", "worker.wasm.artifacts"))}
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:                              # a forked pool worker: its warm-up warms the inherited host
+    from worker.server import wasm_warm_up
+    steps = sum(1 for _ in wasm_warm_up())
+    host = host_mod._pool_host
+    os.write(w, json.dumps({"same": host is made, "warmed": bool(host and host.warmed),
+                            "steps": steps, "ticker": bool(host and host.ticker.running)}).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 4096))
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"before": before, "child": child, "status": status}))
+"""
+
+
+def test_the_fork_servers_preload_makes_the_pool_host_and_a_forked_worker_warms_it() -> None:
+    """The fork server's preload makes the pool host (engine, linker, host functions) and imports the
+    lazy ops' modules, starting no thread and loading no numpy; a worker forked from it warms that
+    very host (compile, runs, its epoch thread started in the worker) instead of making its own."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run([sys.executable, "-c", _PRELOADED_FORK], capture_output=True, text=True, cwd=root,
+                          timeout=timeouts.scaled(120), env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["before"] == {"made": True, "warmed": False, "threads": 1, "tasks": 1, "numpy": False, "ops": True}
+    assert got["status"] == 0
+    assert got["child"]["same"] and got["child"]["warmed"] and got["child"]["ticker"]
+    assert got["child"]["steps"] >= 5  # the compile and the runs, in the worker
+
+
+def test_a_preloaded_host_is_warmed_once_and_never_after_its_adoption() -> None:
+    made = host_mod.preload_pool_host()
+    assert host_mod.preload_pool_host() is made and not made.warmed  # once a process
+    for _ in host_mod.pool_warm_up():
+        pass
+    assert host_mod._pool_host is made and made.warmed
+    assert list(host_mod.pool_warm_up()) == []  # warmed: a second warm-up does nothing
+    host_mod._pool_host = None
+    made.close()
+    unwarmed = host_mod.preload_pool_host()
+    with tenant_env("adopts", StubBackend()) as env:
+        env.ctx.extensions.pop(WasmHost.EXTENSION).close()
+        assert WasmHost.for_context(env.ctx) is unwarmed  # adopted before any warm-up
+        host_mod._pool_host = unwarmed  # (as if still offered) a bound host is never warmed
+        assert list(host_mod.pool_warm_up()) == [] and not unwarmed.warmed
+        host_mod._pool_host = None
