@@ -1237,17 +1237,21 @@ class WasmHost:
 
     def warm_up_steps(self) -> Iterator[None]:
         """:meth:`warm_up` one step at a time (each ~1 ms on a quiet host: assemble, compile,
-        deserialize, link, one run, the other): a pool worker's loop runs one step and looks at
+        deserialize, link, one run, the other; a worker forked from the fork server deserializes
+        the module the preload compiled instead of assembling and compiling it): a pool worker's loop runs one step and looks at
         its queue again, so a bind that arrives mid-way waits for one step, not the whole
         warm-up, and the loop stops calling it once bound. Refused once the host is bound."""
         if self._ctx is not None:
             raise InvalidArgument("a bound WASM host is not warmed: its runs are the tenant's")
-        wasm = _binary(WARM_UP_WAT)
+        preloaded = _preloaded_warm_up  # compiled by the fork server: deserialized, not compiled here
+        wasm = preloaded[0] if preloaded is not None else _binary(WARM_UP_WAT)
         yield
-        module = wasmtime.Module(self.engine, wasm)
+        module = (wasmtime.Module.deserialize(self.engine, preloaded[1]) if preloaded is not None
+                  else wasmtime.Module(self.engine, wasm))
         yield
         # an activation deserializes the tenant's artifacts: the engine's first deserialize is here
-        module = wasmtime.Module.deserialize(self.engine, module.serialize())
+        if preloaded is None:
+            module = wasmtime.Module.deserialize(self.engine, module.serialize())
         unpack_artifact(pack_artifact(b"warm-up", wasm))
         yield
         self._check_imports(module)
@@ -1319,6 +1323,9 @@ WARM_UP_FUEL: Final = 100_000
 
 #: a pool worker's host, warmed before its bind and adopted by the tenant's first use (one per process)
 _pool_host: WasmHost | None = None
+#: :data:`WARM_UP_WAT`'s binary and compiled artifact, made once by the fork server's preload
+#: (:func:`preload_pool_host`); None elsewhere (the warm-up then assembles and compiles it)
+_preloaded_warm_up: tuple[bytes, bytes] | None = None
 
 
 def _adopt_pool_host(ctx: TenantContext) -> WasmHost | None:
@@ -1332,14 +1339,20 @@ def _adopt_pool_host(ctx: TenantContext) -> WasmHost | None:
 
 
 def preload_pool_host() -> WasmHost:
-    """Make this process's pool host now, unwarmed (the fork server's preload, :mod:`worker.preload`):
-    its engine, linker and host functions are then made once, and every forked pool worker
-    inherits them instead of making its own (~3 ms of each worker's start, ~45 starts a second at
-    a busy density stream's rate). Starts no thread: the epoch ticker's starts at the warm-up's
-    runs, in the worker (threads do not survive a fork), and nothing is compiled here (wasmtime's
-    parallel compilation would start its thread pool in the fork server). Holds nothing of a
-    tenant: the fork server never binds."""
-    global _pool_host
+    """Make this process's pool host now, unwarmed, and compile the warm-up module once (the fork
+    server's preload, :mod:`worker.preload`): every forked pool worker inherits the engine, the
+    linker with the host functions and the warm-up module's compiled artifact instead of making
+    them (~6 ms of each worker's start, ~45 starts a second at a busy density stream's rate).
+    Starts no thread: the compile here is serial, on an engine of its own with the same settings
+    (wasmtime's parallel compilation would start its thread pool, and threads do not survive a
+    fork); the epoch ticker's thread starts at the warm-up's runs, in the worker. Holds nothing of
+    a tenant: the fork server never binds."""
+    global _pool_host, _preloaded_warm_up
+    if _preloaded_warm_up is None:
+        config = _config()
+        config.parallel_compilation = False  # not part of an artifact's compatibility
+        wasm = _binary(WARM_UP_WAT)
+        _preloaded_warm_up = (wasm, bytes(wasmtime.Module(wasmtime.Engine(config), wasm).serialize()))
     if _pool_host is None:
         _pool_host = WasmHost(None)
     return _pool_host

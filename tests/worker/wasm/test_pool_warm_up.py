@@ -232,15 +232,22 @@ from worker.wasm import host as host_mod
 made = host_mod._pool_host
 before = {"made": made is not None, "warmed": bool(made and made.warmed),
           "threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),
-          "numpy": "numpy" in sys.modules,
+          "numpy": "numpy" in sys.modules, "artifact": host_mod._preloaded_warm_up is not None,
           "ops": all(m in sys.modules for m in ("worker.parking", "worker.regions", "worker.wasm.artifacts"))}
 r, w = os.pipe()
 pid = os.fork()
 if pid == 0:                              # a forked pool worker: its warm-up warms the inherited host
+    import wasmtime
+    compiled = []
+    real_init = wasmtime.Module.__init__
+    def counted(self, *args, **kwargs):
+        compiled.append(1)
+        real_init(self, *args, **kwargs)
+    wasmtime.Module.__init__ = counted
     from worker.server import wasm_warm_up
     steps = sum(1 for _ in wasm_warm_up())
     host = host_mod._pool_host
-    os.write(w, json.dumps({"same": host is made, "warmed": bool(host and host.warmed),
+    os.write(w, json.dumps({"same": host is made, "warmed": bool(host and host.warmed), "compiled": len(compiled),
                             "steps": steps, "ticker": bool(host and host.ticker.running)}).encode())
     os._exit(0)
 os.close(w)
@@ -251,9 +258,10 @@ print(json.dumps({"before": before, "child": child, "status": status}))
 
 
 def test_the_fork_servers_preload_makes_the_pool_host_and_a_forked_worker_warms_it() -> None:
-    """The fork server's preload makes the pool host (engine, linker, host functions) and imports the
-    lazy ops' modules, starting no thread and loading no numpy; a worker forked from it warms that
-    very host (compile, runs, its epoch thread started in the worker) instead of making its own."""
+    """The fork server's preload makes the pool host (engine, linker, host functions), compiles the
+    warm-up module (serially) and imports the lazy ops' modules, starting no thread and loading no
+    numpy; a worker forked from it warms that very host (the preload's artifact deserialized, not
+    compiled; the runs; its epoch thread started in the worker) instead of making its own."""
     import json
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -261,10 +269,12 @@ def test_the_fork_servers_preload_makes_the_pool_host_and_a_forked_worker_warms_
                           timeout=timeouts.scaled(120), env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["before"] == {"made": True, "warmed": False, "threads": 1, "tasks": 1, "numpy": False, "ops": True}
+    assert got["before"] == {"made": True, "warmed": False, "threads": 1, "tasks": 1, "numpy": False, "ops": True,
+                             "artifact": True}
     assert got["status"] == 0
     assert got["child"]["same"] and got["child"]["warmed"] and got["child"]["ticker"]
-    assert got["child"]["steps"] >= 5  # the compile and the runs, in the worker
+    assert got["child"]["steps"] >= 5  # the module's load, its link and the runs, in the worker ...
+    assert got["child"]["compiled"] == 0  # ... which compiles nothing: the preload's artifact is deserialized
 
 
 def test_a_preloaded_host_is_warmed_once_and_never_after_its_adoption() -> None:
