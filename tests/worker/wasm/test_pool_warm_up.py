@@ -233,6 +233,7 @@ made = host_mod._pool_host
 before = {"made": made is not None, "warmed": bool(made and made.warmed),
           "threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),
           "numpy": "numpy" in sys.modules, "artifact": host_mod._preloaded_warm_up is not None,
+          "libc": __import__("shared.prctl").prctl._libc.cache_info().currsize == 1,
           "ops": all(m in sys.modules for m in ("worker.parking", "worker.regions", "worker.wasm.artifacts"))}
 r, w = os.pipe()
 pid = os.fork()
@@ -259,7 +260,8 @@ print(json.dumps({"before": before, "child": child, "status": status}))
 
 def test_the_fork_servers_preload_makes_the_pool_host_and_a_forked_worker_warms_it() -> None:
     """The fork server's preload makes the pool host (engine, linker, host functions), compiles the
-    warm-up module (serially) and imports the lazy ops' modules, starting no thread and loading no
+    warm-up module (serially), loads the C library's symbols and imports the lazy ops' modules,
+    starting no thread and loading no
     numpy; a worker forked from it warms that very host (the preload's artifact deserialized, not
     compiled; the runs; its epoch thread started in the worker) instead of making its own."""
     import json
@@ -270,7 +272,7 @@ def test_the_fork_servers_preload_makes_the_pool_host_and_a_forked_worker_warms_
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["before"] == {"made": True, "warmed": False, "threads": 1, "tasks": 1, "numpy": False, "ops": True,
-                             "artifact": True}
+                             "artifact": True, "libc": True}
     assert got["status"] == 0
     assert got["child"]["same"] and got["child"]["warmed"] and got["child"]["ticker"]
     assert got["child"]["steps"] >= 5  # the module's load, its link and the runs, in the worker ...
