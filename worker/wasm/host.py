@@ -1238,9 +1238,10 @@ class WasmHost:
     def warm_up_steps(self) -> Iterator[None]:
         """:meth:`warm_up` one step at a time (each ~1 ms on a quiet host: assemble, compile,
         deserialize, link, one run, the other; a worker forked from the fork server deserializes
-        the module the preload compiled instead of assembling and compiling it): a pool worker's loop runs one step and looks at
-        its queue again, so a bind that arrives mid-way waits for one step, not the whole
-        warm-up, and the loop stops calling it once bound. Refused once the host is bound."""
+        the module the preload compiled instead of assembling and compiling it): a pool worker's
+        loop runs one step and looks at its queue again, so a bind that arrives mid-way waits for
+        one step, not the whole warm-up, and the loop stops calling it once bound. Refused once
+        the host is bound."""
         if self._ctx is not None:
             raise InvalidArgument("a bound WASM host is not warmed: its runs are the tenant's")
         preloaded = _preloaded_warm_up  # compiled by the fork server: deserialized, not compiled here
@@ -1361,8 +1362,9 @@ def preload_pool_host() -> WasmHost:
 def pool_warm_up() -> Iterator[None]:
     """A pool worker's WASM warm-up in steps (``WorkerServer.idle_work``: one step at a time, while
     no request waits, never after the bind): the engine and the linker with the host functions
-    (unless the fork server's preload made them: :func:`preload_pool_host`), then one warm-up run (:meth:`WasmHost.warm_up`). The host is offered for adoption from the
-    first step on, so a bind that comes mid-way still finds the engine made."""
+    (unless the fork server's preload made them: :func:`preload_pool_host`), then one warm-up run
+    (:meth:`WasmHost.warm_up`). The host is offered for adoption from the first step on, so a
+    bind that comes mid-way still finds the engine made."""
     global _pool_host
     host = _pool_host
     if host is None:
