@@ -14,7 +14,10 @@ the CPU (user + system) of:
   hellos, warmed), and per warm ping - each less its idle housekeeping rate over the same time.
 
 Live processes are read from ``/proc/PID/task/*/schedstat`` (ns, every thread); exited workers
-from the fork server's ``cutime + cstime`` (clock ticks, summed over every cycle).
+from the fork server's ``cutime + cstime`` (clock ticks, 10 ms: read the park's *mean* over the
+cycles, not its p50). The supervisor's parts with a poll in them (the park's, the refill's) count
+the bench's own status and event reads; its clean whole cycle does not. On a shared host pair
+each run with one of the tree to compare against, in the same minutes.
 """
 
 from __future__ import annotations
