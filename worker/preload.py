@@ -11,6 +11,8 @@ tenant ever is (the fork server never binds).
 
 from __future__ import annotations
 
+import sys
+
 import msgpack  # noqa: F401
 import psutil  # noqa: F401
 import zmq  # noqa: F401
@@ -42,8 +44,13 @@ try:
     engine_fingerprint()
     # The pool host (engine, linker, host functions) and the warm-up module's artifact, made once
     # here: a forked pool worker's warm-up then only loads that artifact and runs it (~6 ms less of
-    # each worker's start; no thread is started here - see preload_pool_host).
-    preload_pool_host()
+    # each worker's start; no thread is started here - see preload_pool_host). An optimisation
+    # only: should it fail, the fork server still serves, and each worker makes its own.
+    try:
+        preload_pool_host()
+    except Exception as exc:  # noqa: BLE001 - a fork server that died here would start no worker at all
+        sys.stderr.write(f"twt fork server: the pool's WASM host was not preloaded ({exc!r}); "
+                         "each worker makes its own\n")
 except ImportError:  # pragma: no cover - wasmtime is a dependency; stay startable without it
     pass
 

@@ -295,3 +295,24 @@ def test_a_preloaded_host_is_warmed_once_and_never_after_its_adoption() -> None:
         host_mod._pool_host = unwarmed  # (as if still offered) a bound host is never warmed
         assert list(host_mod.pool_warm_up()) == [] and not unwarmed.warmed
         host_mod._pool_host = None
+
+
+def test_a_fork_server_whose_pool_host_fails_still_comes_up() -> None:
+    """The preload's pool host is an optimisation: if it cannot be made, the fork server's preload
+    still completes (a fork server that died there would start no worker at all), says so on
+    stderr, and each worker makes its own host in its warm-up."""
+    import json
+
+    code = ("import json, sys\n"
+            "import worker.wasm.host as host_mod\n"
+            "def broken(*args, **kwargs):\n"
+            "    raise RuntimeError('no engine here')\n"
+            "host_mod.WasmHost = broken\n"
+            "import worker.preload\n"
+            "print(json.dumps({'pool_host': host_mod._pool_host is not None}))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                          timeout=timeouts.scaled(120), env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"pool_host": False}
+    assert "the pool's WASM host was not preloaded" in proc.stderr and "no engine here" in proc.stderr
