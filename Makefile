@@ -44,10 +44,11 @@ $(DEBUG_TOOLCHAIN): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/twt demo
 
-#: pytest-xdist workers for make test, 2 per core of the reference machine: the suite is bound by CPU,
-#: and each worker costs ~3 s of CPU to start and collect (6 workers: 18.7 s, 4: 12.9 s) while a quiet
-#: run takes as long on 4 as on 6 (docs/BUILD.md, "Parallel workers")
-TEST_WORKERS ?= 4
+#: pytest-xdist workers for make test, 3 per core of the reference machine: each worker costs ~3 s of
+#: CPU to start and collect, but a fifth of the suite's modules mostly wait (Ray, drains, deadlines,
+#: TCP sessions), and with 4 workers the cores sat idle 13 % of a quiet run (docs/BUILD.md, "Parallel
+#: workers")
+TEST_WORKERS ?= 6
 
 ## make test: the whole suite (lint first, then pytest in a fresh temp root, tests/run-suite.sh, with the
 ## type check beside it); it fails if either fails
