@@ -154,3 +154,29 @@ print(json.dumps(seen))
 """)
     assert seen["changed"] is False and seen["spawner"] is False
     assert seen["me"] == seen["base"] and seen["child"] == seen["base"]
+
+
+def test_a_refused_setpriority_is_logged_and_lowers_nothing() -> None:
+    """A kernel (or seccomp policy) that refuses ``setpriority``: the bind goes on at the normal
+    priority, the thread is not counted as lowered (its threads start plainly), a warning says why."""
+    seen = child(r"""
+import errno, logging, io
+from shared.log import get_logger
+buf = io.StringIO()
+get_logger("worker").addHandler(logging.StreamHandler(buf))
+def refuse(*args):
+    raise PermissionError(errno.EACCES, "refused")
+os.setpriority = refuse
+
+def body():
+    return {"changed": priority.lower_current_thread(5), "lowered": priority.lowered(),
+            "me": nice(threading.get_native_id())}
+
+seen = in_thread(body)
+seen["base"] = base
+seen["log"] = buf.getvalue()
+print(json.dumps(seen))
+""")
+    assert seen["changed"] is False and seen["lowered"] is False
+    assert seen["me"] == seen["base"]
+    assert "worker.guest_nice_failed" in str(seen["log"])
