@@ -172,8 +172,9 @@ class SupervisorConfig:
     gpu_time_quantum_s: float = 0.01
     gpu_time_scheduler: bool = True
     #: nice steps a bound worker's guest thread (WASM and its host calls) runs below the worker's
-    #: threads that drive the device, and so below the supervisor (worker.priority; 0: same priority)
-    worker_guest_nice: int = 5
+    #: threads that drive the device, and so below the supervisor (worker.priority; 0: same priority -
+    #: the default: on the stub it gained no measurable device time and slowed guests' host loops)
+    worker_guest_nice: int = 0
     #: tenants registered at once, and tenant instances (worker processes) of all tenants at once:
     #: a registration or scale past either is refused (CapacityExhausted); each device's GPU-time
     #: board is sized from them at start

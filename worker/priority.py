@@ -6,8 +6,9 @@ under the GPU-time lease), its control thread (heartbeats, faults) and the
 epoch thread (deadlines). On a host whose CPUs are all busy - and on the stub,
 whose "device" is this host's CPU - a device thread that was just handed the
 lease waits for a core while guest code (of this tenant or another) runs: the
-device sits idle for that wait, and every tenant pays for it. So at bind the
-executor thread lowers its own priority by ``worker_guest_nice`` steps
+device sits idle for that wait, and every tenant pays for it. So with
+``worker_guest_nice`` > 0 (off by default: docs/GPU-QUOTAS.md has the paired
+runs) the executor thread lowers its own priority by that many steps at bind
 (``setpriority`` on its thread id; Linux keeps a nice value per thread), and the
 threads that drive the device keep the worker's normal one: a woken device
 thread is given a core before guest code, and the supervisor (at its normal
