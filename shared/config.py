@@ -171,6 +171,10 @@ class SupervisorConfig:
     #: scheduled at all (false: the device is only serialised and time still accounted)
     gpu_time_quantum_s: float = 0.01
     gpu_time_scheduler: bool = True
+    #: nice steps a bound worker's guest thread (WASM and its host calls) runs below the worker's
+    #: threads that drive the device, and so below the supervisor (worker.priority; 0: same priority -
+    #: the default: on the stub it gained no measurable device time and slowed guests' host loops)
+    worker_guest_nice: int = 0
     #: tenants registered at once, and tenant instances (worker processes) of all tenants at once:
     #: a registration or scale past either is refused (CapacityExhausted); each device's GPU-time
     #: board is sized from them at start
@@ -280,6 +284,7 @@ class SupervisorConfig:
             if self.pool_max < self.pool_size:
                 raise ValueError(f"pool_max must be at least pool_size ({self.pool_size}); got {self.pool_max!r}")
         s(self, "gpu_time_scheduler", _bool(self.gpu_time_scheduler, "gpu_time_scheduler"))
+        _int(self.worker_guest_nice, "worker_guest_nice", 0, 19)
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -444,6 +449,7 @@ _ENV_FIELDS = (
     "tcp_drops_per_s",
     "gpu_time_quantum_s",
     "gpu_time_scheduler",
+    "worker_guest_nice",
     "max_tenants",
     "max_workers",
     "max_active",
@@ -452,7 +458,7 @@ _ENV_FIELDS = (
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
                "max_tenants", "max_workers", "metrics_max_connections", "max_active", "park_ahead",
-               "pool_max"}
+               "pool_max", "worker_guest_nice"}
 _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "drain_timeout_s", "kill_grace_s", "register_timeout_s",
                  "tcp_handshake_timeout_s", "tcp_idle_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
                  "unauthenticated_requests_per_s", "tcp_drops_per_s",

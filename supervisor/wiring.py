@@ -261,6 +261,7 @@ def _placement(s: Surroundings, choice: BackendChoice) -> Placement:
         gpu_time_scheduler=cfg.gpu_time_scheduler,
         gpu_time_tenants=min(tenant_slots, LIMIT_TENANT_SLOTS),
         gpu_time_workers=min(worker_slots, LIMIT_WORKER_SLOTS),
+        guest_nice=cfg.worker_guest_nice,
     )
 
 

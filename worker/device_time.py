@@ -97,6 +97,7 @@ from shared.quota import QuotaBlock
 from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.timing import OpTimer, PendingTimer
 from worker.chunks import CostModel, Plan, plan
+from worker.priority import name_thread, start_thread
 
 __all__ = ["CHUNK_S", "MAX_QUEUED_BYTES", "MAX_QUEUED_OPS", "QUEUE_GRACE_S", "DeviceGate", "DeviceQueue",
            "QueueOverrun"]
@@ -246,7 +247,7 @@ class DeviceQueue:
                 self.overlapped += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="twt-device", daemon=True)
-                self._thread.start()
+                start_thread(self._thread)  # the worker's normal priority, above its guest's
             self._cond.notify_all()
 
     def sync(self, deadline_ns: int | None = None, *, raise_error: bool = True) -> bool:
@@ -295,6 +296,7 @@ class DeviceQueue:
         return True
 
     def _loop(self) -> None:
+        name_thread()
         cond = self._cond
         while True:
             with cond:

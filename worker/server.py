@@ -45,6 +45,7 @@ from shared.frames import decode_worker_request, encode_worker_reply
 from shared.worker_link import WORKER_WARMED, BindMessage
 from worker.context import TenantContext
 from worker.faults import FaultState
+from worker.priority import lower_current_thread
 
 __all__ = ["Reply", "WorkerServer", "register_op", "warm_bind_path", "wasm_warm_up"]
 
@@ -297,6 +298,8 @@ def op_bind(server: WorkerServer, args: dict[str, object], body: zmq.Frame | Non
     if board_segment:
         board = GpuTimeBoard.attach(str(board_segment), tenant_slot=_int_arg(options, "gpu_time_slot"))
     options.pop("gpu_time_slot", None)
+    guest_nice = _int_arg(options, "guest_nice", 0)
+    options.pop("guest_nice", None)
     try:
         server.context = TenantContext.create(
             spec,
@@ -313,6 +316,8 @@ def op_bind(server: WorkerServer, args: dict[str, object], body: zmq.Frame | Non
         if board is not None:
             board.close()  # its worker slot is free again at once, not only at this process's death
         raise
+    # this thread runs the guest from now on: below the threads that drive the device (worker.priority)
+    lower_current_thread(guest_nice)
     return {"pid": os.getpid(), **server.context.info()}, None
 
 

@@ -109,6 +109,8 @@ class Placement:
             raise ValueError(f"placement must be one of {', '.join(POLICIES)}; got {policy!r}")
         self.backend = backend
         self.policy = policy
+        #: nice steps a bound worker's guest thread runs below its device thread (worker.priority)
+        self.guest_nice = 0
         self._devices = {d.index: d for d in devices}
         self._detect = detect
         self._isolation: dict[str, MpsDecision] = {}
@@ -133,6 +135,7 @@ class Placement:
         gpu_time_scheduler: bool = True,
         gpu_time_tenants: int = DEFAULT_TENANT_SLOTS,
         gpu_time_workers: int = DEFAULT_WORKER_SLOTS,
+        guest_nice: int = 0,
     ) -> Placement:
         """One budget segment per device. Capacity: the probe's free bytes (else total) minus
         ``reserve_bytes`` for cuda; the simulated capacity for the stub. And one GPU-time board
@@ -174,6 +177,7 @@ class Placement:
                       segment=d.budget.name, context_bytes=d.context_bytes)
         placement = cls(backend, made, policy, detect, no_mps_dir)
         placement.boards = boards
+        placement.guest_nice = guest_nice
         return placement
 
     @property
@@ -306,6 +310,8 @@ class Placement:
         if held is not None and held[0] == device and device in self.boards:
             opts["gpu_time_segment"] = self.boards[device].name
             opts["gpu_time_slot"] = held[1]
+        if self.guest_nice:
+            opts["guest_nice"] = self.guest_nice
         decision = self._isolation.get(spec.tenant_id)
         if isinstance(decision, Mps):
             opts["environment"] = mps_environment(decision.pipe_dir, device, spec.gpu_memory_bytes_cap,

@@ -69,6 +69,7 @@ from shared.errors import (
 from shared.log import get_logger, log_event
 from shared.sizes import MAX_MODULE_BYTES  # the largest module body the worker compiles
 from worker.context import TenantContext
+from worker.priority import name_thread, start_thread
 from worker.wasm.abi import (
     HANDLERS,
     IMPORT_MODULE,
@@ -204,13 +205,14 @@ class EpochTicker:
     def _start_locked(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="twt-wasm-epoch", daemon=True)
-            self._thread.start()
+            start_thread(self._thread)  # the worker's normal priority, above its guest's
 
     def release(self) -> None:
         with self._cond:
             self._active -= 1
 
     def _loop(self) -> None:
+        name_thread()
         cond = self._cond
         while True:
             with cond:

@@ -270,3 +270,63 @@ def test_cli_register_set_quota_and_status(sup: SupervisorHandle) -> None:
         assert r.returncode == 2 and "fraction" in r.stderr
     finally:
         sup.client.evict(None, "cli")
+
+
+def _thread_nices(pid: int) -> dict[str, int]:
+    """The worker's threads by kernel name (the main thread under its own tid) -> nice value."""
+    out: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        out["main" if int(tid) == pid else name] = nice
+    return out
+
+
+def test_worker_guest_nice_is_checked_and_reaches_the_bind() -> None:
+    """The key takes 0..19 (a file or ``TWT_WORKER_GUEST_NICE``); the placement passes a non-zero
+    value in a worker's bind options, and none for 0."""
+    from shared.config import load_config
+    from shared.records import ProbedDevice
+    from supervisor.routing.placement import Placement
+
+    assert load_config(environ={"TWT_WORKER_GUEST_NICE": "3"}).worker_guest_nice == 3
+    for bad in ("-1", "20", "x"):
+        with pytest.raises(Exception, match="WORKER_GUEST_NICE|worker_guest_nice"):
+            load_config(environ={"TWT_WORKER_GUEST_NICE": bad})
+    for nice, want in ((4, 4), (0, None)):
+        p = Placement.create("stub", (ProbedDevice(0, 1 << 30, 1 << 30, "stub"),), reserve_bytes=0, guest_nice=nice)
+        try:
+            assert p.worker_options(TenantSpec("t"), 0).get("guest_nice") == want
+        finally:
+            p.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values: Linux /proc")
+def test_the_guest_runs_below_the_threads_that_drive_the_device() -> None:
+    """``worker_guest_nice``: a bound worker's executor thread (the guest and its host calls) runs
+    that many nice steps below its device thread and its epoch thread (read from /proc: what the
+    kernel schedules by); those keep the worker's normal priority."""
+    with supervisor(worker_guest_nice=7) as sup2:
+        cap = register(sup2, "nice")
+        client = sup2.connect(timeout_s=120.0)
+        try:
+            digest = client.put_module(cap, GUEST)
+            assert client.run_wasm(cap, digest, "gemm_loop", [16, 2]).results == (2,)  # queued fills
+            pid = tenant(sup2.client.status(), "nice").pids[0]
+
+            def named() -> dict[str, int] | None:
+                t = _thread_nices(pid)
+                return t if {"twt-device", "twt-wasm-epoch"} <= set(t) else None
+
+            threads = wait_for(named, timeout_s=60, what="the device and epoch threads named")
+            assert threads is not None
+            normal = threads["twt-device"]
+            assert threads["twt-wasm-epoch"] == normal, threads
+            assert threads["main"] == min(19, normal + 7), threads
+        finally:
+            client.close()
