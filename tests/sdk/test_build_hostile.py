@@ -228,6 +228,9 @@ def _nobody_can_run(zig: Path, user: pwd.struct_passwd) -> bool:
     return done.returncode == 0
 
 
+_BOXED = '#include <stdio.h>\n#include "tensorwasm.h"\nTWT_EXPORT(f) int f(void) {{ return printf("{}\\n"); }}\n'
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="--sandbox switches to the user nobody, which needs root")
 def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     nobody = pwd.getpwnam("nobody")
@@ -239,14 +242,27 @@ def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     holder = Path(tempfile.mkdtemp())
     holder.chmod(0o711)
     cache = holder / "zig"
-    seed_sandbox_cache(builder.cache_dir(), cache, nobody.pw_uid, nobody.pw_gid)
+    source = builder.cache_dir()
+    probe_dir = tmp_path / "probe"
+    (probe_dir / "tmp").mkdir(parents=True)
+    (probe_dir / "probe.c").write_text(_BOXED.format(uuid.uuid4().hex))
+
+    def probe() -> None:
+        """A trusted build of the same kind, as the sandbox's compile runs it (the toolchain's own
+        lib path), on the user's cache: what it opens there is what the seed needs of ``h``."""
+        cmd = builder.compile_command([probe_dir / "probe.c"], probe_dir / "probe.wasm", cache=source)
+        with cache_lock(source, timeout_s=builder.LOCK_TIMEOUT_S):
+            done = subprocess.run(cmd, cwd=probe_dir, env=builder._compiler_env(probe_dir, source),
+                                  capture_output=True, text=True, timeout=builder.BUILD_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr
+
+    seed_sandbox_cache(source, cache, nobody.pw_uid, nobody.pw_gid, probe=probe)
     # what the build makes is what is newer than this mark (find(1), not a Python walk of the seed's
     # hundred thousand entries twice: ~4 s of CPU); the seed's links keep their files' times
     mark = holder / "mark"
     mark.touch()
     src = tmp_path / "boxed.c"
-    src.write_text(f'#include <stdio.h>\n#include "tensorwasm.h"\n'
-                   f'TWT_EXPORT(f) int f(void) {{ return printf("{uuid.uuid4().hex}\\n"); }}\n')
+    src.write_text(_BOXED.format(uuid.uuid4().hex))
     result = build_module([src], tmp_path / "boxed.wasm", sandbox=True, cache=cache)
     assert result.exports == ("f",) and result.wasi
     def newer(*test: str) -> str:
