@@ -26,7 +26,7 @@ from supervisor.cli import main
 from supervisor.tools.build import BuildError, build_module
 from supervisor.tools.build_guard import cache_lock
 from tests.helpers.cluster import wait_for
-from tests.helpers.sdk_build import SdkBuilder, seed_sandbox_cache
+from tests.helpers.sdk_build import SdkBuilder, opened_in, seed_sandbox_cache
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
@@ -309,6 +309,31 @@ def test_the_sandbox_cache_seed_shares_objects_read_only_and_copies_what_a_build
     assert {p.stat().st_uid for p in (cache, cache / "o", cache / "h", cache / "z")} == {nobody.pw_uid}
     assert not (cache / "tmp").exists()
     assert (source / "o" / "aa" / "libc.a").stat().st_uid == 0  # the user's cache unchanged
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving the seeded cache to nobody needs root")
+def test_a_probe_limits_the_seeds_manifests_to_those_it_opened(tmp_path: Path) -> None:
+    """With a probe, ``h`` gets nobody's copies of the manifests the probe opened, and no other."""
+    nobody = pwd.getpwnam("nobody")
+    source = tmp_path / "user-zig"
+    for rel in ("h/used", "h/timestamp", "h/stale", "o/aa/libc.a"):
+        (source / rel).parent.mkdir(parents=True, exist_ok=True)
+        (source / rel).write_bytes(rel.encode())
+    holder = tmp_path / "holder"
+    holder.mkdir(mode=0o711)
+
+    def probe() -> None:
+        for name in ("used", "timestamp"):
+            with open(source / "h" / name, "rb"):
+                pass
+
+    assert opened_in(source / "h", probe) == {"used", "timestamp"}
+    seed_sandbox_cache(source, holder / "zig", nobody.pw_uid, nobody.pw_gid, probe=probe)
+    h = holder / "zig" / "h"
+    assert sorted(os.listdir(h)) == ["timestamp", "used"]
+    assert (h / "used").read_bytes() == b"h/used" and (h / "used").stat().st_uid == nobody.pw_uid
+    assert (h / "used").stat().st_ino != (source / "h" / "used").stat().st_ino
+    assert (holder / "zig" / "o" / "aa" / "libc.a").stat().st_ino == (source / "o" / "aa" / "libc.a").stat().st_ino
 
 
 def test_sandbox_without_root_is_refused_plainly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
