@@ -33,8 +33,10 @@ $(OTHER_BINDINGS): $(STAMP) tests/helpers/replay_bindings.py
 	$(BIN)/python -m tests.helpers.replay_bindings --prepare
 	@touch $@
 
-#: Zig's Debug-mode wasi-libc and runtimes (what a `twt build -O debug` compiles first: ~70 s of CPU on a
-#: fresh machine, which tests/sdk/test_trap_lines.py's debug build paid inside the suite), once beside the venv
+#: Zig's Debug-mode wasi-libc and runtimes (what a `twt build -O debug` compiles first: ~18-70 s of CPU on a
+#: fresh machine, which tests/sdk/test_trap_lines.py's debug build paid inside the suite), once beside the venv;
+#: compiled once per Zig version per Zig cache (twt build's stable lib path, docs/BUILD.md): a later clone's
+#: step finds them
 DEBUG_TOOLCHAIN := $(VENV)/.twt-debug-toolchain
 $(DEBUG_TOOLCHAIN): $(STAMP)
 	$(BIN)/twt build --prepare -O debug

@@ -205,6 +205,45 @@ def _compiler_env(root: Path, cache: Path) -> dict[str, str]:
             "ZIG_GLOBAL_CACHE_DIR": str(cache), "ZIG_LOCAL_CACHE_DIR": str(cache), "LANG": "C.UTF-8"}
 
 
+def _stable_lib_dir(toolchain: Path, cache: Path) -> Path | None:
+    """The toolchain's ``lib/`` at a path that is the same in every checkout using ``cache``:
+    ``<cache>/twt-zig-lib-<zig version>``, made once (hard links to this checkout's files, a copy on
+    another filesystem; built aside, then renamed into place). Call it holding the cache's lock, as
+    every build on the cache does. None if the version is unknown or the folder cannot be made (the
+    build then uses the toolchain's own ``lib/``).
+
+    Why: Zig keys what it builds with debug info (``-O debug``: wasi-libc and the runtimes, ~18 s of
+    CPU) on the path of the lib folder that debug info names, so through each checkout's own
+    ``.venv/.../ziglang/lib`` every checkout (a fresh clone, a worktree) compiled them again; through
+    this one path, once per Zig version per cache. It must be a folder, not a link: Zig resolves a
+    link's files to their real paths, which then key even the release builds on the checkout. The
+    folder's name says its Zig version, and a version's files are the same in every checkout.
+    """
+    versions = [p.name[len(TOOLCHAIN) + 1:-len(".dist-info")] for p in toolchain.parent.glob(f"{TOOLCHAIN}-*.dist-info")]
+    if len(versions) != 1 or not re.fullmatch(r"[0-9A-Za-z.+_-]+", versions[0]):
+        return None
+    stable = cache / f"twt-zig-lib-{versions[0]}"
+    if stable.is_dir() and not stable.is_symlink():
+        return stable
+    aside = cache / f".twt-zig-lib-{versions[0]}.{os.getpid()}"
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.copytree(toolchain / "lib", aside, copy_function=link_or_copy)
+        os.rename(aside, stable)
+    except OSError:
+        shutil.rmtree(aside, ignore_errors=True)
+        return stable if stable.is_dir() and not stable.is_symlink() else None
+    return stable
+
+
 def _sandbox_cache(user: SandboxUser, cache: Path) -> Path:
     """The sandbox's Zig cache, created for ``user``; BuildError if another user owns it (or it is a link)."""
     try:
@@ -301,7 +340,11 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
                 except NoDependencyList as exc:
                     unlisted = exc  # refused whatever happens; the compile below says what is missing
                     break
-            code, output = run_compiler(cmd, cwd=root, env=env, timeout_s=timeout_s, user=user)
+            # the compile reads the toolchain through a path shared by every checkout (not the
+            # sandbox's: its cache is another user's); the dependency check above ran on the real one
+            lib = _stable_lib_dir(toolchain, cache) if user is None else None
+            code, output = run_compiler(cmd, cwd=root, env=env if lib is None else {**env, "ZIG_LIB_DIR": str(lib)},
+                                        timeout_s=timeout_s, user=user)
         output = _unstage(output, dirs)
         if code != 0:
             raise BuildError(f"compiling failed ({tool} exit {code}; its messages are above)", output)

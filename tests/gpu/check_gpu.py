@@ -807,6 +807,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(GPU_CHECK_DRIVER_MODULE=FAKE, GPU_CHECK_NVRTC_MODULE=FAKE,
                           TWT_CUDA_DRIVER_MODULE=FAKE, TWT_CUDA_NVRTC_MODULE=FAKE,
                           FAKE_CUDA_BINDINGS=str(default_bindings_major()))
+        # the fake device computes with numpy in every process of the run (children, phase scripts,
+        # their tenants' workers): one BLAS thread each, as the stub backend's workers have
+        # (worker.backends.stub.one_blas_thread). OpenBLAS's own threads spin between calls: with
+        # one per core in each of these short processes the run's CPU went to their waiting
+        # (numpy's import plus a few small GEMMs: ~130 -> 85 ms of CPU a process). Set unless the
+        # caller set them.
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
     if args.child:
         return check_children.run(args.child, args.child_args)
 

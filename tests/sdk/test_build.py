@@ -169,3 +169,64 @@ def test_twt_build_then_twt_run(tmp_path: Path) -> None:
         assert bye.returncode == 1 and bye.stdout.splitlines()[-2:] == ["log: bye 3", "exit code: 3"]
         ok = twt("run", "acme", str(wasm), "--invoke", "bye", "--arg", "0", "--run-dir", rd)
         assert ok.returncode == 0 and ok.stdout.splitlines()[-1] == "exit code: 0"
+
+
+def _fake_toolchain(tmp_path: Path, version: str = "0.99.1") -> Path:
+    """A ``ziglang`` folder as pip lays it out: ``lib/`` beside ``ziglang-<version>.dist-info``."""
+    toolchain = tmp_path / "site" / builder.TOOLCHAIN
+    (toolchain / "lib" / "libc" / "include").mkdir(parents=True)
+    (toolchain / "lib" / "libc" / "include" / "stdio.h").write_text("/* stdio */\n")
+    (toolchain / "lib" / "std.zig").write_text("// std\n")
+    (tmp_path / "site" / f"{builder.TOOLCHAIN}-{version}.dist-info").mkdir()
+    return toolchain
+
+
+def test_the_stable_lib_dir_is_one_real_folder_per_zig_version(tmp_path: Path) -> None:
+    """Debug builds are keyed on the lib folder's path: every checkout names the same one (a real
+    folder of hard links, not a link, whose files Zig would resolve to the checkout's own paths)."""
+    toolchain, cache = _fake_toolchain(tmp_path), tmp_path / "cache"
+    stable = builder._stable_lib_dir(toolchain, cache)
+    assert stable == cache / "twt-zig-lib-0.99.1" and stable.is_dir() and not stable.is_symlink()
+    copy, original = stable / "libc" / "include" / "stdio.h", toolchain / "lib" / "libc" / "include" / "stdio.h"
+    assert copy.read_text() == "/* stdio */\n" and copy.stat().st_ino == original.stat().st_ino
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # nothing left aside
+    # another checkout of the same version finds it and names the same path
+    assert builder._stable_lib_dir(_fake_toolchain(tmp_path / "other"), cache) == stable
+
+
+def test_no_stable_lib_dir_where_the_version_is_unknown_or_a_link_holds_its_name(tmp_path: Path) -> None:
+    toolchain, cache = _fake_toolchain(tmp_path), tmp_path / "cache"
+    (tmp_path / "site" / f"{builder.TOOLCHAIN}-1.0.0.dist-info").mkdir()  # two versions: which?
+    assert builder._stable_lib_dir(toolchain, cache) is None
+    toolchain = _fake_toolchain(tmp_path / "b")
+    cache.mkdir(exist_ok=True)
+    (cache / "twt-zig-lib-0.99.1").symlink_to(tmp_path)
+    assert builder._stable_lib_dir(toolchain, cache) is None  # the build then uses the toolchain's own lib
+    assert (cache / "twt-zig-lib-0.99.1").is_symlink() and not [p for p in cache.iterdir() if p.name.startswith(".")]
+
+
+def test_the_compile_reads_the_stable_lib_dir_and_the_dependency_check_the_real_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[list[str], dict[str, str]]] = []
+
+    def compiler(cmd: list[str], **kw: object) -> tuple[int, str]:
+        env = kw["env"]
+        assert isinstance(env, dict)
+        seen.append((cmd, env))
+        if "-E" in cmd:  # the preprocessor's pass: an empty dependency list
+            (Path(str(kw["cwd"])) / "deps" / "0.d").write_text("deps/0.i:\n")
+            return 0, ""
+        return 1, "stopped here"
+
+    monkeypatch.setattr(builder, "run_compiler", compiler)
+    toolchain = _fake_toolchain(tmp_path)
+    monkeypatch.setattr(builder, "_toolchain_dir", lambda: toolchain)
+    src = tmp_path / "a.c"
+    src.write_text("int f(void) { return 1; }\n")
+    with pytest.raises(BuildError, match="compiling failed"):
+        build_module([src], tmp_path / "a.wasm", cache=tmp_path / "cache", optimize="debug")
+    (pre, pre_env), (_, env) = seen
+    assert "-E" in pre and "ZIG_LIB_DIR" not in pre_env
+    lib = Path(env["ZIG_LIB_DIR"])
+    assert lib == tmp_path / "cache" / "twt-zig-lib-0.99.1" and not lib.is_symlink()
+    assert (lib / "std.zig").read_text() == "// std\n"

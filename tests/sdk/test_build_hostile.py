@@ -26,7 +26,7 @@ from supervisor.cli import main
 from supervisor.tools.build import BuildError, build_module
 from supervisor.tools.build_guard import cache_lock
 from tests.helpers.cluster import wait_for
-from tests.helpers.sdk_build import SdkBuilder, seed_sandbox_cache
+from tests.helpers.sdk_build import SdkBuilder, opened_in, seed_sandbox_cache
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
@@ -228,6 +228,9 @@ def _nobody_can_run(zig: Path, user: pwd.struct_passwd) -> bool:
     return done.returncode == 0
 
 
+_BOXED = '#include <stdio.h>\n#include "tensorwasm.h"\nTWT_EXPORT(f) int f(void) {{ return printf("{}\\n"); }}\n'
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="--sandbox switches to the user nobody, which needs root")
 def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     nobody = pwd.getpwnam("nobody")
@@ -239,16 +242,36 @@ def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     holder = Path(tempfile.mkdtemp())
     holder.chmod(0o711)
     cache = holder / "zig"
-    seed_sandbox_cache(builder.cache_dir(), cache, nobody.pw_uid, nobody.pw_gid)
-    before = {p for p in cache.rglob("*")} if cache.exists() else set()
+    source = builder.cache_dir()
+    probe_dir = tmp_path / "probe"
+    (probe_dir / "tmp").mkdir(parents=True)
+    (probe_dir / "probe.c").write_text(_BOXED.format(uuid.uuid4().hex))
+
+    def probe() -> None:
+        """A trusted build of the same kind, as the sandbox's compile runs it (the toolchain's own
+        lib path), on the user's cache: what it opens there is what the seed needs of ``h``."""
+        cmd = builder.compile_command([probe_dir / "probe.c"], probe_dir / "probe.wasm", cache=source)
+        with cache_lock(source, timeout_s=builder.LOCK_TIMEOUT_S):
+            done = subprocess.run(cmd, cwd=probe_dir, env=builder._compiler_env(probe_dir, source),
+                                  capture_output=True, text=True, timeout=builder.BUILD_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr
+
+    seed_sandbox_cache(source, cache, nobody.pw_uid, nobody.pw_gid, probe=probe)
+    # what the build makes is what is newer than this mark (find(1), not a Python walk of the seed's
+    # hundred thousand entries twice: ~4 s of CPU); the seed's links keep their files' times
+    mark = holder / "mark"
+    mark.touch()
     src = tmp_path / "boxed.c"
-    src.write_text(f'#include <stdio.h>\n#include "tensorwasm.h"\n'
-                   f'TWT_EXPORT(f) int f(void) {{ return printf("{uuid.uuid4().hex}\\n"); }}\n')
+    src.write_text(_BOXED.format(uuid.uuid4().hex))
     result = build_module([src], tmp_path / "boxed.wasm", sandbox=True, cache=cache)
     assert result.exports == ("f",) and result.wasi
-    made = [p for p in cache.rglob("*") if p not in before]
-    assert made, "the sandboxed compiler wrote nothing into its cache"
-    assert {p.lstat().st_uid for p in made} == {nobody.pw_uid}  # what the compiler made, it made as nobody
+    def newer(*test: str) -> str:
+        done = subprocess.run(["find", str(cache), "-newer", str(mark), *test, "-print", "-quit"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done
+        return done.stdout
+    assert newer(), "the sandboxed compiler wrote nothing into its cache"
+    assert newer("!", "-user", str(nobody.pw_uid)) == ""  # what the compiler made, it made as nobody
     assert os.lstat(cache).st_uid == nobody.pw_uid
     # the seed's objects shared with the user's cache (hard links) are nobody's to read, never to write
     shared = subprocess.run(["find", str(cache / "o"), "-type", "f", "-links", "+1", "(", "-user", str(nobody.pw_uid),
@@ -286,6 +309,31 @@ def test_the_sandbox_cache_seed_shares_objects_read_only_and_copies_what_a_build
     assert {p.stat().st_uid for p in (cache, cache / "o", cache / "h", cache / "z")} == {nobody.pw_uid}
     assert not (cache / "tmp").exists()
     assert (source / "o" / "aa" / "libc.a").stat().st_uid == 0  # the user's cache unchanged
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving the seeded cache to nobody needs root")
+def test_a_probe_limits_the_seeds_manifests_to_those_it_opened(tmp_path: Path) -> None:
+    """With a probe, ``h`` gets nobody's copies of the manifests the probe opened, and no other."""
+    nobody = pwd.getpwnam("nobody")
+    source = tmp_path / "user-zig"
+    for rel in ("h/used", "h/timestamp", "h/stale", "o/aa/libc.a"):
+        (source / rel).parent.mkdir(parents=True, exist_ok=True)
+        (source / rel).write_bytes(rel.encode())
+    holder = tmp_path / "holder"
+    holder.mkdir(mode=0o711)
+
+    def probe() -> None:
+        for name in ("used", "timestamp"):
+            with open(source / "h" / name, "rb"):
+                pass
+
+    assert opened_in(source / "h", probe) == {"used", "timestamp"}
+    seed_sandbox_cache(source, holder / "zig", nobody.pw_uid, nobody.pw_gid, probe=probe)
+    h = holder / "zig" / "h"
+    assert sorted(os.listdir(h)) == ["timestamp", "used"]
+    assert (h / "used").read_bytes() == b"h/used" and (h / "used").stat().st_uid == nobody.pw_uid
+    assert (h / "used").stat().st_ino != (source / "h" / "used").stat().st_ino
+    assert (holder / "zig" / "o" / "aa" / "libc.a").stat().st_ino == (source / "o" / "aa" / "libc.a").stat().st_ino
 
 
 def test_sandbox_without_root_is_refused_plainly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
