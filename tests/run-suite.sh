@@ -24,4 +24,10 @@ export TMPDIR="$root" RAY_TMPDIR="$root" PYTEST_TWT_ROOT="$root"
 # ($PYTHONPYCACHEPREFIX) would hide the installed packages' caches: each of the first processes of
 # every run compiled numpy, hypothesis, wasmtime, Ray, ... again (~1 s of CPU per process).
 unset PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX
+# One BLAS thread in every process of the run unless the caller says otherwise, as the stub
+# backend's workers and the GPU check's fake runs set for themselves: numpy's OpenBLAS starts a
+# thread per core at import (~25 ms more of it) and its threads spin between small products, CPU
+# the other test workers' processes need on a 2-core machine.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+  MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
 .venv/bin/python -m pytest --basetemp="$root/pt" "$@"
