@@ -40,20 +40,7 @@ from supervisor.tools.bench import density_parking as dp
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_ns(pid: int) -> int:
-    """Every thread's CPU time so far (ns); 0 for a process that is gone."""
-    total = 0
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
+cpu_ns = dp.thread_cpu_ns  # every thread's CPU time so far (ns); 0 for a process that is gone
 
 
 def reaped_ns(pid: int) -> int:

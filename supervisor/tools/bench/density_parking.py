@@ -138,21 +138,26 @@ def _pct(values: list[float], q: float) -> float:
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _thread_cpu_s(pid: int) -> float:
-    """Every thread's CPU time of a live process so far (s; ``/proc/PID/task/*/schedstat``, ns
-    resolution); 0.0 when it is gone or there is no /proc."""
+def thread_cpu_ns(pid: int) -> int:
+    """Every thread's CPU time of a live process so far (ns; ``/proc/PID/task/*/schedstat``, ns
+    resolution, not the clock ticks of ``/proc/PID/stat``); 0 when it is gone or there is no /proc."""
     total = 0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0
+        return 0
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 total += int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
-            pass
-    return total / 1e9
+            pass  # a thread that ended between the listing and the read
+    return total
+
+
+def _thread_cpu_s(pid: int) -> float:
+    """:func:`thread_cpu_ns` in seconds."""
+    return thread_cpu_ns(pid) / 1e9
 
 
 def _reaped_cpu_s(pid: int) -> float:
