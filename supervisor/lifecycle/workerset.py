@@ -70,7 +70,7 @@ from supervisor.observe.metrics import Metrics
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.placement import Placement
 from supervisor.runtime.requests import Pending
-from supervisor.runtime.stall import run_delay_ns
+from supervisor.runtime.stall import run_delay_ns, thread_report
 from supervisor.runtime.restart_policy import (
     AbortRegistration,
     Backoff,
@@ -641,8 +641,11 @@ class WorkerSet:
         for worker in list(self.workers.values()):
             self.stop_worker(worker, reason)
 
-    def kill(self, worker: WorkerHandle, reason: str, cause: str) -> None:
-        """Forced stop: SIGTERM now, SIGKILL of the whole tree after ``kill_grace_s``."""
+    def kill(self, worker: WorkerHandle, reason: str, cause: str, threads: str = "") -> None:
+        """Forced stop: SIGTERM now, SIGKILL of the whole tree after ``kill_grace_s``.
+
+        ``threads``: what the worker's threads were doing (:func:`thread_report`), logged with a
+        kill for silence so that the log says why it was silent."""
         if worker.state is WorkerState.DEAD or worker.killed:
             return
         worker.killed = True
@@ -650,7 +653,8 @@ class WorkerSet:
         if not worker.expected_exit:
             worker.kill_reason = reason
         fields = dict(worker=worker.worker_id, pid=worker.pid, tenant=worker.tenant, instance=worker.instance)
-        log_event(_log, logging.WARNING, "worker.kill", **fields, reason=reason, cause=cause)
+        extra = {"threads": threads} if threads else {}
+        log_event(_log, logging.WARNING, "worker.kill", **fields, reason=reason, cause=cause, **extra)
         self.events.emit("kill", **fields, reason=reason)
         self._leave_pool(worker)
         worker.state = WorkerState.STOPPING
@@ -843,7 +847,9 @@ class WorkerSet:
                     self.send_control(worker, beat)
                     silent = quiet(worker.last_heartbeat, now)
                     if worker.kill_at is None and silent - self._starved(worker, silent) > silent_after:
-                        self.kill(worker, f"missed heartbeats for {silent:.1f} s", "heartbeat")
+                        taken = self._starve_base.get(worker.worker_id)
+                        self.kill(worker, f"missed heartbeats for {silent:.1f} s", "heartbeat",
+                                  threads=thread_report(worker.pid, taken[1] if taken else None))
                 elif worker.kill_at is None and quiet(worker.spawned_at, now) > HELLO_TIMEOUT_S:
                     self.kill(worker, "never said hello", "startup")
         for worker in list(self.workers.values()):

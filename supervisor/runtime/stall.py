@@ -139,3 +139,46 @@ def run_delay_ns(pid: int) -> dict[int, int] | None:
         except (OSError, ValueError, IndexError):
             continue  # ended meanwhile, or no schedstats
     return delays or None
+
+
+def thread_report(pid: int, base: dict[int, int] | None = None) -> str:
+    """One line on what each thread of process ``pid`` is doing now: name, scheduler state (R
+    runs or waits for a CPU, S sleeps, D waits on I/O, T stopped), the kernel function it sleeps
+    in, and - given ``base`` from :func:`run_delay_ns` - how long it waited for a CPU since:
+    ``TID:NAME:STATE:WCHAN[:waited=MSms]``, space-separated.
+
+    Read only when a worker is killed for silence, so that a log shows why it was silent (a
+    thread stuck in one syscall, one waiting for the interpreter, a stopped process) instead of
+    only that it was; "" where procfs cannot say."""
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except (OSError, ValueError):
+        return ""
+    parts: list[str] = []
+    for tid in tids:
+        root = f"/proc/{pid}/task/{tid}"
+        try:
+            with open(f"{root}/stat", "rb") as f:
+                stat = f.read()
+            name = stat[stat.index(b"(") + 1 : stat.rindex(b")")].decode(errors="replace")
+            name = name.replace(" ", "_").replace(":", "_") or "?"
+            state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3].decode()
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+        try:
+            with open(f"{root}/wchan", "rb") as f:
+                wchan = f.read().decode(errors="replace").strip() or "-"
+        except OSError:
+            wchan = "?"
+        if wchan == "0":
+            wchan = "-"
+        waited = ""
+        if base is not None:
+            try:
+                with open(f"{root}/schedstat", "rb") as f:
+                    ns = int(f.read().split()[1])
+                waited = f":waited={(ns - base.get(int(tid), ns)) / 1e6:.0f}ms"
+            except (OSError, ValueError, IndexError):
+                pass
+        parts.append(f"{tid}:{name}:{state}:{wchan}{waited}")
+    return " ".join(parts)

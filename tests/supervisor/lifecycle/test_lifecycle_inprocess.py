@@ -224,6 +224,22 @@ def test_silent_worker_is_killed_for_missed_heartbeats(h: Harness) -> None:
     assert signal.SIGTERM in worker.signals and not worker.alive
 
 
+def test_a_kill_for_silence_logs_what_the_workers_threads_were_doing(
+        h: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    h.register("acme", instances=1)
+    (worker,) = h.spawner.of("acme")
+    seen: list[int] = []
+    monkeypatch.setattr(workerset, "thread_report",
+                        lambda pid, base=None: seen.append(pid) or "7:twt-control:D:pipe_write")
+    worker.silent = True
+    cfg = h.sup.config
+    with caplog.at_level("WARNING", logger="twt.supervisor"):
+        h.tick(cfg.heartbeat_interval_s * (cfg.heartbeat_liveness + 2))
+    assert not worker.alive and seen == [worker.process.pid]
+    kills = [r.getMessage() + str(getattr(r, "__dict__", {})) for r in caplog.records if "worker.kill" in r.getMessage()]
+    assert any("7:twt-control:D:pipe_write" in k for k in kills), kills
+
+
 def _starving(waited_s: Callable[[], float]) -> Callable[[int], dict[int, int]]:
     """A run-queue reading whose one thread has waited ``waited_s()`` seconds for a CPU by now."""
     return lambda pid: {pid: int(waited_s() * 1e9)}
