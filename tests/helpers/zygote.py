@@ -52,6 +52,8 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tests.helpers.timeouts import scaled
+
 __all__ = ["ZygoteProcess", "enabled", "install", "popen", "run", "server_pids", "stop"]
 
 #: the modules a ``supervise`` start imports (what the zygote loads once)
@@ -608,7 +610,12 @@ def run(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = N
         cwd: str | None = None) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
     check=False)``, the child forked by :func:`popen` where it can be: output read through pipes
-    until both close (as ``communicate`` does), the child killed and reaped at the timeout."""
+    until both close (as ``communicate`` does), the child killed and reaped at the timeout.
+
+    ``timeout`` is a hang guard, scaled like every timeout of the suite
+    (:func:`~tests.helpers.timeouts.scaled`): a command that takes 30 s on a quiet machine takes 90 on
+    one three times slower, and is not hung."""
+    timeout = scaled(timeout)
     kwargs: dict[str, Any] = {"env": env, "cwd": cwd} if cwd is not None else {"env": env}
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
