@@ -709,9 +709,14 @@ class DeviceGate:
         serial = self._serial_fd() if board is None else -1
         if serial >= 0:
             fcntl.flock(serial, fcntl.LOCK_EX)
+        trace = board.trace if board is not None else None
+        if trace is not None and board is not None:
+            trace.launch(board.worker_slot or 0, time.monotonic_ns())
         try:
             ns = qtimer.time(lambda: result.append(fn(*args)))
         finally:
+            if trace is not None:
+                trace.chunk_end = time.monotonic_ns()
             if serial >= 0:
                 fcntl.flock(serial, fcntl.LOCK_UN)
             self.chunks += 1
@@ -851,9 +856,14 @@ class DeviceGate:
         serial = self._serial_fd() if board is None else -1
         if serial >= 0:
             fcntl.flock(serial, fcntl.LOCK_EX)
+        trace = board.trace if board is not None else None
+        if trace is not None and board is not None:
+            trace.launch(board.worker_slot or 0, time.monotonic_ns())
         try:
             ns = self._timer_().time(lambda: result.append(fn(*args)))
         finally:
+            if trace is not None:
+                trace.chunk_end = time.monotonic_ns()
             if serial >= 0:
                 fcntl.flock(serial, fcntl.LOCK_UN)
             self.chunks += 1
