@@ -387,6 +387,8 @@ class DeviceGate:
         #: busy) with ``_pending_ns`` of device time not yet told to the board
         self._held_since = 0
         self._pending_ns = 0
+        #: ns the device thread waited for the lease, all told (one writer: the device thread)
+        self._lease_wait_ns = 0
         #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
         self._held_board = False
         self._qtimer: OpTimer | None = None
@@ -513,14 +515,17 @@ class DeviceGate:
 
     def _queued_items(self, items: list[_Item]) -> tuple[int, BaseException | None]:
         """The device thread's turn: every op queued when it looked, in order (the queue's runner).
-        The lease is taken first (:meth:`_hold`), then what was queued meanwhile is taken too; a run
-        of small ops (:meth:`_small_run`) goes to the device as one launch (:meth:`_queued_batch`),
-        any other op alone (:meth:`_queued`). Returns (ops run whole, the error of the next or None)."""
+        Before a small op the lease is taken first (:meth:`_hold`), then what was queued meanwhile is
+        taken too; a run of small ops (:meth:`_small_run`) goes to the device as one launch
+        (:meth:`_queued_batch`), any other op alone (:meth:`_queued`), which takes the lease at its
+        launch - its plan and first chunk made before the wait, not after it while the device idles.
+        Returns (ops run whole, the error of the next or None)."""
         queue = self.queue
         assert queue is not None
+        small = self.chunk_ns // _SMALL_DIV
         i = 0
         while i < len(items):
-            if not self._held_since and self._scheduling_board() is not None:
+            if not self._held_since and 0 <= items[i].est <= small and self._scheduling_board() is not None:
                 try:
                     self._hold(items[i].deadline_ns)
                 except BaseException as exc:  # noqa: BLE001 - refused: the op's own error
@@ -529,8 +534,9 @@ class DeviceGate:
                 queue.take_more(items)  # what the guest queued during the wait joins this stretch
             batch = self._small_run(items, i)
             self._pass_end = i + max(1, batch) >= len(items) and (
-                batch >= 1 or 0 <= items[i].est <= self.chunk_ns // _SMALL_DIV)  # (cuda: small ops launch alone)
+                batch >= 1 or 0 <= items[i].est <= small)  # (cuda: small ops launch alone)
             t0 = time.monotonic_ns()
+            w0 = self._lease_wait_ns
             try:
                 if batch > 1:
                     self._queued_batch(items[i:i + batch])
@@ -539,7 +545,8 @@ class DeviceGate:
             except BaseException as exc:  # noqa: BLE001 - the queue keeps it for the next sync
                 return i + (self._batch_ran if batch > 1 else 0), exc
             finally:
-                queue.own_busy_ns += time.monotonic_ns() - t0  # one writer: this thread
+                # one writer: this thread; a lease wait at the launch is no time running this worker's ops
+                queue.own_busy_ns += time.monotonic_ns() - t0 - (self._lease_wait_ns - w0)
             i += max(1, batch)
         return len(items), None
 
@@ -552,6 +559,7 @@ class DeviceGate:
                 deadline_ns is not None and time.monotonic_ns() > deadline_ns):
             return
         waited = self._acquire(board, deadline_ns)
+        self._lease_wait_ns += waited
         self._held_since = time.monotonic_ns()
         self._held_board = True
         self.run_wait_ns += waited
@@ -690,14 +698,6 @@ class DeviceGate:
             self._flush(last=True)
             raise self._refuse(KernelTimeout(0.0, message="the run's deadline passed with device work queued"))
         board = self._scheduling_board()
-        waited = 0
-        if board is not None and not self._held_since:
-            waited = self._acquire(board, deadline_ns)
-            self._held_since = time.monotonic_ns()
-            self._held_board = True
-        elif not self._held_since:
-            self._held_since = time.monotonic_ns()
-        self.run_wait_ns += waited
         qtimer = self._queue_timer()
         self._stretch_deadline_ns = deadline_ns
         pending = self._pending_timer
@@ -707,6 +707,17 @@ class DeviceGate:
         result: list[T] = []
         ns = 0
         serial = self._serial_fd() if board is None else -1
+        waited = 0
+        # the lease last, right before the launch: whatever this thread does after the grant, the device
+        # waits for (after a handover the thread runs cold, on a core it had to win)
+        if board is not None and not self._held_since:
+            waited = self._acquire(board, deadline_ns)
+            self._lease_wait_ns += waited
+            self._held_since = time.monotonic_ns()
+            self._held_board = True
+        elif not self._held_since:
+            self._held_since = time.monotonic_ns()
+        self.run_wait_ns += waited
         if serial >= 0:
             fcntl.flock(serial, fcntl.LOCK_EX)
         trace = board.trace if board is not None else None

@@ -80,7 +80,7 @@ def test_an_op_failing_inside_a_batch_keeps_the_ops_before_and_drops_the_rest(bl
     slow = _Slow()
 
     def fault(*_: object) -> None:
-        raise CudaError("cuLaunchKernel", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+        raise CudaError("cuLaunchKernel", "CUDA_ERROR_ILLEGAL_ADDRESS", 700)
 
     gate, be, timer = _gate(block, chunk_s=3600.0)
     try:
@@ -254,3 +254,46 @@ def test_ops_queued_while_the_lease_is_awaited_join_the_first_ones_launch(block:
     finally:
         board.unlink()
         board.close()
+
+
+class _LeaseAfterPlanning(CountingBoard):
+    """A board whose lease takes ``wait_s`` to come, noting which chunk the gate had planned when it
+    asked (``DeviceGate._chunk``: the op name of the chunk about to launch)."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(True)
+        self.wait_s = wait_s
+        self.gate: DeviceGate | None = None
+        self.planned: list[str] = []
+
+    def acquire(self, deadline_ns: int | None = None) -> int:
+        super().acquire(deadline_ns)
+        assert self.gate is not None
+        self.planned.append(self.gate._chunk[0])
+        t0 = time.monotonic_ns()
+        time.sleep(self.wait_s)  # the lease is another worker's meanwhile
+        return time.monotonic_ns() - t0
+
+
+def test_a_big_op_is_planned_before_the_lease_is_asked_for_and_its_wait_still_counts(block: QuotaBlock) -> None:
+    """After a handover the device waits for whatever the grantee's device thread does between its
+    grant and its launch (cold, on a core it had to win): an op that is not small has its plan and
+    first chunk made before the wait. The lease wait is still every waiting op's wait - the second
+    GEMM, queued behind the first during it, waited for the device too (it is not this worker's own
+    busy time)."""
+    wait_s = 0.05
+    board = _LeaseAfterPlanning(wait_s)
+    gate, be, _ = _gate(block, board)
+    board.gate = gate
+    try:
+        n = 256
+        a, b, c = (be.alloc(4 * n * n) for _ in range(3))
+        gate.submit("matmul_f32", be.matmul_f32, (a, b, c, n, n, n))
+        gate.submit("matmul_f32", be.matmul_f32, (a, b, c, n, n, n))
+        gate.sync()
+        assert board.planned and board.planned[0] == "matmul_f32"  # planned when the lease was asked for
+        snap = block.snapshot()
+        assert snap.gpu_waits >= 2
+        assert snap.gpu_wait_ns >= 2 * wait_s * 1e9 * 0.95  # both GEMMs waited out the lease
+    finally:
+        gate.close()
