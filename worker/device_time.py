@@ -80,7 +80,9 @@ queue's condition.
 
 from __future__ import annotations
 
+import bisect
 import fcntl
+import itertools
 import logging
 import os
 import threading
@@ -138,6 +140,8 @@ _BATCH_DIV = 8
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
 QUEUE_LINGER_S = 50e-6
+#: an op's ``small_est`` when it cannot join a batch (larger than any batch's budget)
+_NOT_SMALL = 1 << 62
 #: how long past the run's deadline a wait for queued work may last (one chunk in flight ends well
 #: inside it; work that does not is a queue overrun: the run ends and the worker exits)
 QUEUE_GRACE_S = 1.0
@@ -165,6 +169,9 @@ class _Item:
     plan: Plan | None = None
     est: int = -1
     planned: bool = False
+    #: its estimate when it may join a batch of small ops (planned, one launch whole, small), else
+    #: :data:`_NOT_SMALL`: the device thread then finds a batch's end without a walk in Python
+    small_est: int = -1
 
 
 class DeviceQueue:
@@ -457,8 +464,10 @@ class DeviceGate:
         self._submit_at = now
         p = plan(name, self.backend, args)
         est = int(self.costs.predict_ns(name, p, p.units)) if p is not None else -1
+        small = p is not None and p.combine is None and 0 <= est <= self.chunk_ns // _SMALL_DIV
         try:
-            queue.submit(_Item(name, fn, args, deadline_ns, nbytes, now, queue.own_busy_ns, p, est, True))
+            queue.submit(_Item(name, fn, args, deadline_ns, nbytes, now, queue.own_busy_ns, p, est, True,
+                               est if small else _NOT_SMALL))
         except KernelTimeout as exc:
             raise self._refuse(exc) from None
 
@@ -580,6 +589,11 @@ class DeviceGate:
         costs = self.costs
         j = i
         end = min(len(items), i + MAX_QUEUED_OPS)
+        ests = [item.small_est for item in items[i:end]]
+        if ests and min(ests) >= 0:
+            # planned by their submitters (every submit): the batch's end by C loops, not a Python walk
+            # - after a handover the device waits for this thread, cold, to reach its launch
+            return bisect.bisect_right(list(itertools.accumulate(ests)), budget)  # (plans: _learn_batch)
         while j < end:
             item = items[j]
             p, est = item.plan, item.est
@@ -640,7 +654,7 @@ class DeviceGate:
     def _learn_batch(self, items: list[_Item], ns: int) -> None:
         """The cost model learns from a batch: its device time shared by the ops' estimates, one
         observation per op and shape (a batch of one shape is one observation of all its units)."""
-        plans = self._batch_plans
+        plans = self._batch_plans or [(it.plan, it.est) for it in items if it.plan is not None]
         total = sum(est for _, est in plans)
         if ns <= 0 or total <= 0 or len(plans) != len(items):
             return
