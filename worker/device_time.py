@@ -791,8 +791,13 @@ class DeviceGate:
         # the board that granted the stretch hears of its end even if the scheduler was switched off since
         board = self.board if self._held_board else None
         self._held_board = False
-        if board is not None and board.finish(pending, last=last, idle=idle) and board.throttled_wait_ns():
-            self.block.count_gpu_throttled()
+        if board is not None and board.finish(pending, last=last, idle=idle):
+            # handed over: the grantee's device thread was just woken, often onto this very CPU (the
+            # waker's), where it waits until this thread sleeps or is preempted - and the device with
+            # it. What this thread does next is its own bookkeeping: it gives the CPU up first
+            os.sched_yield()
+            if board.throttled_wait_ns():
+                self.block.count_gpu_throttled()
         if error is not None:
             raise error
 
