@@ -36,9 +36,11 @@ memory, and the run's end::
                             ◄── sync ───  waits until the queue is empty; raises a queued op's error
 
 * **One stretch of work.** The device thread treats the queued work as one
-  stretch: it acquires the lease once - before it looks at the queue, so
-  that what the guest queues during the wait joins the stretch - runs op
-  after op (each chunked as above; a run of *small* ops, each planned and
+  stretch: it acquires the lease once - before a small op, before it looks
+  at the queue, so that what the guest queues during the wait joins its
+  launch; before a bigger op, at its launch, the op planned before the
+  wait (after a handover the device idles until the grantee launches) -
+  runs op after op (each chunked as above; a run of *small* ops, each planned and
   estimated by the submitting thread, as one launch: one lease check, one
   measurement, one flush decision, each op still its own call with its own
   wait and error), and tells the board (``finish``) only at a chunk boundary after
@@ -900,8 +902,10 @@ class DeviceGate:
             self.run_time_ns += ns
             self.block.charge_gpu_time(ns)
             if board is not None:
-                if board.finish(ns, last=last) and board.throttled_wait_ns():
-                    self.block.count_gpu_throttled()
+                if board.finish(ns, last=last):
+                    os.sched_yield()  # handed over: the grantee first (see _flush)
+                    if board.throttled_wait_ns():
+                        self.block.count_gpu_throttled()
         return ns, waited, result[0] if result else None
 
     def _serial_fd(self) -> int:

@@ -323,9 +323,12 @@ def test_the_device_thread_gives_its_cpu_up_right_after_a_handover(block: QuotaB
     gate, be, _ = _gate(block, board)
     try:
         buf = be.alloc(64 * 4)
-        gate.submit("fill_f32", be.fill_f32, (buf, 1.0, 64))
+        gate.submit("fill_f32", be.fill_f32, (buf, 1.0, 64))  # queued: the device thread's stretch
         gate.sync()
-        assert board.calls["finish"] >= 1
+        queued = board.calls["finish"]
+        assert queued >= 1
+        gate.op("fill_f32", be.fill_f32, (buf, 2.0, 64))  # synchronous: on this thread
+        assert board.calls["finish"] > queued
         assert len(yields) == (board.calls["finish"] if hands_over else 0)
     finally:
         gate.close()
