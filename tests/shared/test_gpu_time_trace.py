@@ -64,6 +64,8 @@ def test_a_handover_is_traced_from_both_sides_and_joined(board: GpuTimeBoard, tm
         th.join(30)
         wa.trace.flush()
         wb.trace.flush()
+        with open(tmp_path / "1.handover", "w", encoding="ascii") as f:  # a worker killed mid-row
+            f.write("G 12 34 5x 6 7 0 1 h\nA 1")
         legs = handover_legs(str(tmp_path))
         assert (legs["given"], legs["joined"]) == (1, 1)
         table = legs["legs"]

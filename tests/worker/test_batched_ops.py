@@ -23,7 +23,8 @@ from shared.quota import QuotaBlock
 from tests.worker.test_async_ops import WAIT_S, CountingBoard, WaitedBoard, _Slow, make_backend, wait_for
 from worker.backends.stub import StubBackend
 from worker.backends.timing import ThreadTimer
-from worker.device_time import _BATCH_DIV, DeviceGate, _Item
+from worker.chunks import plan
+from worker.device_time import _BATCH_DIV, _NOT_SMALL, _SMALL_DIV, DeviceGate, _Item
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,7 +114,7 @@ def test_a_batch_stays_inside_the_preemption_bound(block: QuotaBlock) -> None:
     original = gate._queued_batch
 
     def record(items: list[_Item]) -> None:
-        assert sum(est for _, est in gate._batch_plans) <= gate.chunk_ns // _BATCH_DIV
+        assert sum(it.est for it in items) <= gate.chunk_ns // _BATCH_DIV
         sizes.append(len(items))
         original(items)
 
@@ -330,5 +331,37 @@ def test_the_device_thread_gives_its_cpu_up_right_after_a_handover(block: QuotaB
         gate.op("fill_f32", be.fill_f32, (buf, 2.0, 64))  # synchronous: on this thread
         assert board.calls["finish"] > queued
         assert len(yields) == (board.calls["finish"] if hands_over else 0)
+    finally:
+        gate.close()
+
+
+def test_a_batchs_end_from_the_submitters_estimates_is_the_walks(block: QuotaBlock) -> None:
+    """The device thread finds a batch's end from the estimates the submitting thread recorded
+    (``_Item.small_est``: C loops) - the same end as the walk that plans each op itself (an item
+    queued unplanned): at a big op, at the batch's bound, at the list's end."""
+    gate, be, _ = _gate(block, chunk_s=200e-6)  # ~12-24 fills of 1024 floats per launch
+    try:
+        n = 256
+        fill = (be.alloc(1024 * 4), 1.0, 1024)
+        a, b, c = (be.alloc(4 * n * n) for _ in range(3))
+        shapes = [["fill_f32"] * 5 + ["matmul_f32"] + ["fill_f32"] * 3, ["fill_f32"] * 60, ["fill_f32"] * 3,
+                  ["matmul_f32", "fill_f32"]]
+        runs: dict[int, int] = {}
+        for names in shapes:
+            planned: list[_Item] = []
+            for name in names:
+                args: tuple[object, ...] = fill if name == "fill_f32" else (a, b, c, n, n, n)
+                fn = be.fill_f32 if name == "fill_f32" else be.matmul_f32
+                p = plan(name, be, args)
+                assert p is not None
+                est = int(gate.costs.predict_ns(name, p, p.units))
+                small = p.combine is None and 0 <= est <= gate.chunk_ns // _SMALL_DIV
+                planned.append(_Item(name, fn, args, None, 0, 0, 0, p, est, True, est if small else _NOT_SMALL))
+            walked = [_Item(it.name, it.fn, it.args, None, 0, 0, 0) for it in planned]  # unplanned
+            for i in range(len(names)):
+                assert gate._small_run(planned, i) == gate._small_run(walked, i), (names, i)
+            runs[len(names)] = gate._small_run(planned, 0)
+        assert runs[9] == 5 and runs[2] == 0  # a big op ends a batch; a big op first is no batch
+        assert 1 < runs[60] < 60  # the bound cuts a long run of small ops
     finally:
         gate.close()

@@ -680,18 +680,19 @@ def handover_legs(directory: str) -> dict[str, object]:
         with open(path, encoding="ascii") as f:
             for line in f:
                 p = line.split()
-                if not p:
-                    continue
-                if p[0] == "G" and len(p) == 9:
-                    grant, cas, woken, last_end, chunk_end, _giver, nxt = (int(x) for x in p[1:8])
-                    gives[(grant, nxt)] = [cas, woken, last_end, chunk_end]
-                elif p[0] == "A" and len(p) == 7:
-                    grant, _wait0, wake, acq, slot = (int(x) for x in p[1:6])
-                    takes[(grant, slot)] = [wake, acq]
-                elif p[0] == "L" and len(p) == 4:
-                    launches[(int(p[1]), int(p[3]))] = int(p[2])
-                elif p[0] == "S":
-                    idle_wakes += 1
+                try:
+                    if p and p[0] == "G" and len(p) == 9:
+                        grant, cas, woken, last_end, chunk_end, _giver, nxt = (int(x) for x in p[1:8])
+                        gives[(grant, nxt)] = [cas, woken, last_end, chunk_end]
+                    elif p and p[0] == "A" and len(p) == 7:
+                        grant, _wait0, wake, acq, slot = (int(x) for x in p[1:6])
+                        takes[(grant, slot)] = [wake, acq]
+                    elif p and p[0] == "L" and len(p) == 4:
+                        launches[(int(p[1]), int(p[3]))] = int(p[2])
+                    elif p and p[0] == "S":
+                        idle_wakes += 1
+                except ValueError:
+                    continue  # a row cut short (a worker killed while it wrote): left out
     legs: dict[str, list[float]] = {name: [] for name in HANDOVER_LEGS}
     awake = joined = 0
     for key, (_cas, woken, last_end, chunk_end) in gives.items():
