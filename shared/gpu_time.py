@@ -220,6 +220,69 @@ _CAP_BURST_QUANTA = 4
 _SPIN_NS = 2_000_000
 _MAX_SPIN = 20_000
 
+#: a directory in this variable turns the handover trace on (:class:`HandoverTrace`; off by default)
+HANDOVER_TRACE_ENV: Final = "TWT_HANDOVER_TRACE"
+
+
+class HandoverTrace:
+    """Timestamps of every handover, from both sides, for measuring where its device idle goes.
+
+    On only where :data:`HANDOVER_TRACE_ENV` names a directory when a worker attaches (a tool
+    sets it: ``twt bench share --mix --handover-trace DIR``); off, each hook costs one ``is None``.
+    Each process appends rows to ``DIR/<pid>.handover`` (CLOCK_MONOTONIC ns, which every process
+    shares), flushed every :attr:`FLUSH` rows and at exit; a process killed loses its unflushed tail.
+    Rows (``grant`` joins the two sides: the board's grant stamp, which the giver writes and the
+    grantee reads on success)::
+
+        G grant cas woken last_end chunk_end giver nxt kind   giver: its CAS won at ``cas``, the wake
+                                                              syscall returned at ``woken``; ``kind`` h
+                                                              (handoff) or s (a steal for ``nxt``)
+        A grant wait0 wake acq slot wakes                     grantee: waited from ``wait0``; its last
+                                                              futex return ``wake``; holds it at ``acq``
+        L grant launch slot                                   grantee: its first op's launch began
+        S wake slot                                           a futex return that did not acquire
+
+    :func:`supervisor.tools.bench.share.handover_legs` joins them into the legs of a handover.
+    """
+
+    FLUSH = 2048
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, f"{os.getpid()}.handover")
+        self.rows: list[tuple[object, ...]] = []
+        #: the device thread's last chunk end (set by the gate; a giver's G row carries it)
+        self.chunk_end = 0
+        #: a grant this worker waited for whose first launch is not recorded yet (0: none)
+        self.pending_grant = 0
+        import atexit
+
+        atexit.register(self.flush)
+
+    @classmethod
+    def from_env(cls) -> HandoverTrace | None:
+        directory = os.environ.get(HANDOVER_TRACE_ENV, "")
+        return cls(directory) if directory and os.path.isdir(directory) else None
+
+    def add(self, *row: object) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.FLUSH:
+            self.flush()
+
+    def launch(self, slot: int, now: int) -> None:
+        """The device thread begins a launch: the first since a grant it waited for closes that grant."""
+        if self.pending_grant:
+            self.add("L", self.pending_grant, now, slot)
+            self.pending_grant = 0
+
+    def flush(self) -> None:
+        rows, self.rows = self.rows, []
+        if rows:
+            try:
+                with open(self.path, "a", encoding="ascii") as f:
+                    f.write("".join(" ".join(map(str, r)) + "\n" for r in rows))
+            except OSError:
+                pass  # a trace is a measurement aid: a full disk loses rows, never an op
+
 
 def _t_off(t: int) -> int:
     return _TENANTS + t * _LINE
@@ -334,6 +397,8 @@ class GpuTimeBoard(MappedSegment):
         #: is then a third runnable thread beside the holder's device thread and the guests, and
         #: takes its CPU share from the device itself (set by the worker's gate)
         self.spin = True
+        #: the handover trace (None: off; see :class:`HandoverTrace`)
+        self.trace: HandoverTrace | None = HandoverTrace.from_env() if worker is not None else None
         self._bind_counters()
 
     # ------------------------------------------------------------ lifecycle
@@ -670,10 +735,16 @@ class GpuTimeBoard(MappedSegment):
         the ``counter`` (handoffs or steals) and a wake-up. False: someone else changed it first."""
         if not _atomics.compare_exchange(buf, _OWNER, current, (nxt + 1) << 1):
             return False
+        trace = self.trace
+        cas = time.monotonic_ns() if trace is not None else 0
         held = _atomics.load(buf, self._w_off((current >> 1) - 1) + _W_TENANT) if current else 0
         self._grant(buf, nxt, now, sibling=held != 0 and held == _atomics.load(buf, self._w_off(nxt) + _W_TENANT))
         _atomics.fetch_add(buf, counter, 1)
         _wake(buf)
+        if trace is not None:
+            trace.add("G", now, cas, time.monotonic_ns(), _atomics.load(buf, _LAST_END),
+                      trace.chunk_end if current == self._mine else 0, (current >> 1) - 1, nxt,
+                      "h" if counter == _HANDOFFS else "s")
         return True
 
     def _steal(self, buf: memoryview, current: int, nxt: int, now: int) -> None:
@@ -867,12 +938,21 @@ class GpuTimeBoard(MappedSegment):
         t0 = clock()
         self.want(t0)
         spun = 0
+        trace = self.trace
+        woke = wakes = 0
         try:
             while True:
                 seq = _atomics.load(buf, _SEQ)  # before looking: a wake-up after this cuts the sleep short
                 now = clock()
                 if self.try_acquire(now):
+                    if trace is not None:
+                        grant = _atomics.load(buf, _GRANT_NS)
+                        trace.add("A", grant, t0, woke, time.monotonic_ns(), w, wakes)
+                        trace.pending_grant = grant
                     return now - t0
+                if trace is not None and woke:
+                    trace.add("S", woke, w)
+                    woke = 0
                 if deadline_ns is not None and now >= deadline_ns:
                     raise TimeoutError(f"no GPU time on device {self.device_index} before the run's deadline")
                 owner = _atomics.load(buf, _OWNER)
@@ -886,6 +966,9 @@ class GpuTimeBoard(MappedSegment):
                 if deadline_ns is not None:
                     sleep = min(sleep, max(deadline_ns - now, _MIN_SLEEP_NS))
                 _atomics.futex_wait(buf, _SEQ, seq & _MASK32, sleep)
+                if trace is not None:
+                    woke = time.monotonic_ns()
+                    wakes += 1
         finally:
             self.unwant()
 

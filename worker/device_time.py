@@ -36,9 +36,11 @@ memory, and the run's end::
                             ◄── sync ───  waits until the queue is empty; raises a queued op's error
 
 * **One stretch of work.** The device thread treats the queued work as one
-  stretch: it acquires the lease once - before it looks at the queue, so
-  that what the guest queues during the wait joins the stretch - runs op
-  after op (each chunked as above; a run of *small* ops, each planned and
+  stretch: it acquires the lease once - before a small op, before it looks
+  at the queue, so that what the guest queues during the wait joins its
+  launch; before a bigger op, at its launch, the op planned before the
+  wait (after a handover the device idles until the grantee launches) -
+  runs op after op (each chunked as above; a run of *small* ops, each planned and
   estimated by the submitting thread, as one launch: one lease check, one
   measurement, one flush decision, each op still its own call with its own
   wait and error), and tells the board (``finish``) only at a chunk boundary after
@@ -80,7 +82,9 @@ queue's condition.
 
 from __future__ import annotations
 
+import bisect
 import fcntl
+import itertools
 import logging
 import os
 import threading
@@ -138,6 +142,8 @@ _BATCH_DIV = 8
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
 QUEUE_LINGER_S = 50e-6
+#: an op's ``small_est`` when it cannot join a batch (larger than any batch's budget)
+_NOT_SMALL = 1 << 62
 #: how long past the run's deadline a wait for queued work may last (one chunk in flight ends well
 #: inside it; work that does not is a queue overrun: the run ends and the worker exits)
 QUEUE_GRACE_S = 1.0
@@ -165,6 +171,9 @@ class _Item:
     plan: Plan | None = None
     est: int = -1
     planned: bool = False
+    #: its estimate when it may join a batch of small ops (planned, one launch whole, small), else
+    #: :data:`_NOT_SMALL`: the device thread then finds a batch's end without a walk in Python
+    small_est: int = -1
 
 
 class DeviceQueue:
@@ -387,6 +396,8 @@ class DeviceGate:
         #: busy) with ``_pending_ns`` of device time not yet told to the board
         self._held_since = 0
         self._pending_ns = 0
+        #: ns the device thread waited for the lease, all told (one writer: the device thread)
+        self._lease_wait_ns = 0
         #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
         self._held_board = False
         self._qtimer: OpTimer | None = None
@@ -455,8 +466,10 @@ class DeviceGate:
         self._submit_at = now
         p = plan(name, self.backend, args)
         est = int(self.costs.predict_ns(name, p, p.units)) if p is not None else -1
+        small = p is not None and p.combine is None and 0 <= est <= self.chunk_ns // _SMALL_DIV
         try:
-            queue.submit(_Item(name, fn, args, deadline_ns, nbytes, now, queue.own_busy_ns, p, est, True))
+            queue.submit(_Item(name, fn, args, deadline_ns, nbytes, now, queue.own_busy_ns, p, est, True,
+                               est if small else _NOT_SMALL))
         except KernelTimeout as exc:
             raise self._refuse(exc) from None
 
@@ -513,14 +526,17 @@ class DeviceGate:
 
     def _queued_items(self, items: list[_Item]) -> tuple[int, BaseException | None]:
         """The device thread's turn: every op queued when it looked, in order (the queue's runner).
-        The lease is taken first (:meth:`_hold`), then what was queued meanwhile is taken too; a run
-        of small ops (:meth:`_small_run`) goes to the device as one launch (:meth:`_queued_batch`),
-        any other op alone (:meth:`_queued`). Returns (ops run whole, the error of the next or None)."""
+        Before a small op the lease is taken first (:meth:`_hold`), then what was queued meanwhile is
+        taken too; a run of small ops (:meth:`_small_run`) goes to the device as one launch
+        (:meth:`_queued_batch`), any other op alone (:meth:`_queued`), which takes the lease at its
+        launch - its plan and first chunk made before the wait, not after it while the device idles.
+        Returns (ops run whole, the error of the next or None)."""
         queue = self.queue
         assert queue is not None
+        small = self.chunk_ns // _SMALL_DIV
         i = 0
         while i < len(items):
-            if not self._held_since and self._scheduling_board() is not None:
+            if not self._held_since and 0 <= items[i].est <= small and self._scheduling_board() is not None:
                 try:
                     self._hold(items[i].deadline_ns)
                 except BaseException as exc:  # noqa: BLE001 - refused: the op's own error
@@ -529,8 +545,9 @@ class DeviceGate:
                 queue.take_more(items)  # what the guest queued during the wait joins this stretch
             batch = self._small_run(items, i)
             self._pass_end = i + max(1, batch) >= len(items) and (
-                batch >= 1 or 0 <= items[i].est <= self.chunk_ns // _SMALL_DIV)  # (cuda: small ops launch alone)
+                batch >= 1 or 0 <= items[i].est <= small)  # (cuda: small ops launch alone)
             t0 = time.monotonic_ns()
+            w0 = self._lease_wait_ns
             try:
                 if batch > 1:
                     self._queued_batch(items[i:i + batch])
@@ -539,7 +556,8 @@ class DeviceGate:
             except BaseException as exc:  # noqa: BLE001 - the queue keeps it for the next sync
                 return i + (self._batch_ran if batch > 1 else 0), exc
             finally:
-                queue.own_busy_ns += time.monotonic_ns() - t0  # one writer: this thread
+                # one writer: this thread; a lease wait at the launch is no time running this worker's ops
+                queue.own_busy_ns += time.monotonic_ns() - t0 - (self._lease_wait_ns - w0)
             i += max(1, batch)
         return len(items), None
 
@@ -552,6 +570,7 @@ class DeviceGate:
                 deadline_ns is not None and time.monotonic_ns() > deadline_ns):
             return
         waited = self._acquire(board, deadline_ns)
+        self._lease_wait_ns += waited
         self._held_since = time.monotonic_ns()
         self._held_board = True
         self.run_wait_ns += waited
@@ -572,6 +591,11 @@ class DeviceGate:
         costs = self.costs
         j = i
         end = min(len(items), i + MAX_QUEUED_OPS)
+        ests = [item.small_est for item in items[i:end]]
+        if ests and min(ests) >= 0:
+            # planned by their submitters (every submit): the batch's end by C loops, not a Python walk
+            # - after a handover the device waits for this thread, cold, to reach its launch
+            return bisect.bisect_right(list(itertools.accumulate(ests)), budget)  # (plans: _learn_batch)
         while j < end:
             item = items[j]
             p, est = item.plan, item.est
@@ -632,7 +656,7 @@ class DeviceGate:
     def _learn_batch(self, items: list[_Item], ns: int) -> None:
         """The cost model learns from a batch: its device time shared by the ops' estimates, one
         observation per op and shape (a batch of one shape is one observation of all its units)."""
-        plans = self._batch_plans
+        plans = self._batch_plans or [(it.plan, it.est) for it in items if it.plan is not None]
         total = sum(est for _, est in plans)
         if ns <= 0 or total <= 0 or len(plans) != len(items):
             return
@@ -690,14 +714,6 @@ class DeviceGate:
             self._flush(last=True)
             raise self._refuse(KernelTimeout(0.0, message="the run's deadline passed with device work queued"))
         board = self._scheduling_board()
-        waited = 0
-        if board is not None and not self._held_since:
-            waited = self._acquire(board, deadline_ns)
-            self._held_since = time.monotonic_ns()
-            self._held_board = True
-        elif not self._held_since:
-            self._held_since = time.monotonic_ns()
-        self.run_wait_ns += waited
         qtimer = self._queue_timer()
         self._stretch_deadline_ns = deadline_ns
         pending = self._pending_timer
@@ -707,11 +723,27 @@ class DeviceGate:
         result: list[T] = []
         ns = 0
         serial = self._serial_fd() if board is None else -1
+        waited = 0
+        # the lease last, right before the launch: whatever this thread does after the grant, the device
+        # waits for (after a handover the thread runs cold, on a core it had to win)
+        if board is not None and not self._held_since:
+            waited = self._acquire(board, deadline_ns)
+            self._lease_wait_ns += waited
+            self._held_since = time.monotonic_ns()
+            self._held_board = True
+        elif not self._held_since:
+            self._held_since = time.monotonic_ns()
+        self.run_wait_ns += waited
         if serial >= 0:
             fcntl.flock(serial, fcntl.LOCK_EX)
+        trace = board.trace if board is not None else None
+        if trace is not None and board is not None:
+            trace.launch(board.worker_slot or 0, time.monotonic_ns())
         try:
             ns = qtimer.time(lambda: result.append(fn(*args)))
         finally:
+            if trace is not None:
+                trace.chunk_end = time.monotonic_ns()
             if serial >= 0:
                 fcntl.flock(serial, fcntl.LOCK_UN)
             self.chunks += 1
@@ -761,8 +793,13 @@ class DeviceGate:
         # the board that granted the stretch hears of its end even if the scheduler was switched off since
         board = self.board if self._held_board else None
         self._held_board = False
-        if board is not None and board.finish(pending, last=last, idle=idle) and board.throttled_wait_ns():
-            self.block.count_gpu_throttled()
+        if board is not None and board.finish(pending, last=last, idle=idle):
+            # handed over: the grantee's device thread was just woken, often onto this very CPU (the
+            # waker's), where it waits until this thread sleeps or is preempted - and the device with
+            # it. What this thread does next is its own bookkeeping: it gives the CPU up first
+            os.sched_yield()
+            if board.throttled_wait_ns():
+                self.block.count_gpu_throttled()
         if error is not None:
             raise error
 
@@ -851,17 +888,24 @@ class DeviceGate:
         serial = self._serial_fd() if board is None else -1
         if serial >= 0:
             fcntl.flock(serial, fcntl.LOCK_EX)
+        trace = board.trace if board is not None else None
+        if trace is not None and board is not None:
+            trace.launch(board.worker_slot or 0, time.monotonic_ns())
         try:
             ns = self._timer_().time(lambda: result.append(fn(*args)))
         finally:
+            if trace is not None:
+                trace.chunk_end = time.monotonic_ns()
             if serial >= 0:
                 fcntl.flock(serial, fcntl.LOCK_UN)
             self.chunks += 1
             self.run_time_ns += ns
             self.block.charge_gpu_time(ns)
             if board is not None:
-                if board.finish(ns, last=last) and board.throttled_wait_ns():
-                    self.block.count_gpu_throttled()
+                if board.finish(ns, last=last):
+                    os.sched_yield()  # handed over: the grantee first (see _flush)
+                    if board.throttled_wait_ns():
+                        self.block.count_gpu_throttled()
         return ns, waited, result[0] if result else None
 
     def _serial_fd(self) -> int:

@@ -210,6 +210,8 @@ class CountingBoard:
     """A board that counts what the gate asks of it (the real board's methods, no device)."""
 
     name = "twt-test-no-such-board"  # no /dev/shm file: the stub's serialising flock is skipped (logged)
+    trace = None  # the handover trace: off
+    worker_slot = 0
 
     def __init__(self, scheduler: bool) -> None:
         self.scheduler = scheduler

@@ -23,7 +23,8 @@ from shared.quota import QuotaBlock
 from tests.worker.test_async_ops import WAIT_S, CountingBoard, WaitedBoard, _Slow, make_backend, wait_for
 from worker.backends.stub import StubBackend
 from worker.backends.timing import ThreadTimer
-from worker.device_time import _BATCH_DIV, DeviceGate, _Item
+from worker.chunks import plan
+from worker.device_time import _BATCH_DIV, _NOT_SMALL, _SMALL_DIV, DeviceGate, _Item
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,7 +81,7 @@ def test_an_op_failing_inside_a_batch_keeps_the_ops_before_and_drops_the_rest(bl
     slow = _Slow()
 
     def fault(*_: object) -> None:
-        raise CudaError("cuLaunchKernel", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+        raise CudaError("cuLaunchKernel", "CUDA_ERROR_ILLEGAL_ADDRESS", 700)
 
     gate, be, timer = _gate(block, chunk_s=3600.0)
     try:
@@ -113,7 +114,7 @@ def test_a_batch_stays_inside_the_preemption_bound(block: QuotaBlock) -> None:
     original = gate._queued_batch
 
     def record(items: list[_Item]) -> None:
-        assert sum(est for _, est in gate._batch_plans) <= gate.chunk_ns // _BATCH_DIV
+        assert sum(it.est for it in items) <= gate.chunk_ns // _BATCH_DIV
         sizes.append(len(items))
         original(items)
 
@@ -254,3 +255,113 @@ def test_ops_queued_while_the_lease_is_awaited_join_the_first_ones_launch(block:
     finally:
         board.unlink()
         board.close()
+
+
+class _LeaseAfterPlanning(CountingBoard):
+    """A board whose lease takes ``wait_s`` to come, noting which chunk the gate had planned when it
+    asked (``DeviceGate._chunk``: the op name of the chunk about to launch)."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(True)
+        self.wait_s = wait_s
+        self.gate: DeviceGate | None = None
+        self.planned: list[str] = []
+
+    def acquire(self, deadline_ns: int | None = None) -> int:
+        super().acquire(deadline_ns)
+        assert self.gate is not None
+        self.planned.append(self.gate._chunk[0])
+        t0 = time.monotonic_ns()
+        time.sleep(self.wait_s)  # the lease is another worker's meanwhile
+        return time.monotonic_ns() - t0
+
+
+def test_a_big_op_is_planned_before_the_lease_is_asked_for_and_its_wait_still_counts(block: QuotaBlock) -> None:
+    """After a handover the device waits for whatever the grantee's device thread does between its
+    grant and its launch (cold, on a core it had to win): an op that is not small has its plan and
+    first chunk made before the wait. The lease wait is still every waiting op's wait - the second
+    GEMM, queued behind the first during it, waited for the device too (it is not this worker's own
+    busy time)."""
+    wait_s = 0.05
+    board = _LeaseAfterPlanning(wait_s)
+    gate, be, _ = _gate(block, board)
+    board.gate = gate
+    try:
+        n = 256
+        a, b, c = (be.alloc(4 * n * n) for _ in range(3))
+        gate.submit("matmul_f32", be.matmul_f32, (a, b, c, n, n, n))
+        gate.submit("matmul_f32", be.matmul_f32, (a, b, c, n, n, n))
+        gate.sync()
+        assert board.planned and board.planned[0] == "matmul_f32"  # planned when the lease was asked for
+        snap = block.snapshot()
+        assert snap.gpu_waits >= 2
+        assert snap.gpu_wait_ns >= 2 * wait_s * 1e9 * 0.95  # both GEMMs waited out the lease
+    finally:
+        gate.close()
+
+
+class _HandingOver(CountingBoard):
+    """A board on which every stretch's end hands the device over (``finish`` returns True)."""
+
+    def __init__(self, hands_over: bool) -> None:
+        super().__init__(True)
+        self.hands_over = hands_over
+
+    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False) -> bool:
+        super().finish(charged_ns, now, last=last, idle=idle)
+        return self.hands_over
+
+
+@pytest.mark.parametrize("hands_over", [True, False])
+def test_the_device_thread_gives_its_cpu_up_right_after_a_handover(block: QuotaBlock, hands_over: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grantee's device thread is woken onto the giver's CPU as often as not, where it waits until
+    the giver sleeps or is preempted - and the device with it: after a handover the giver yields
+    before its own bookkeeping. Keeping the device, it does not."""
+    yields: list[int] = []
+    monkeypatch.setattr("os.sched_yield", lambda: yields.append(1))
+    board = _HandingOver(hands_over)
+    gate, be, _ = _gate(block, board)
+    try:
+        buf = be.alloc(64 * 4)
+        gate.submit("fill_f32", be.fill_f32, (buf, 1.0, 64))  # queued: the device thread's stretch
+        gate.sync()
+        queued = board.calls["finish"]
+        assert queued >= 1
+        gate.op("fill_f32", be.fill_f32, (buf, 2.0, 64))  # synchronous: on this thread
+        assert board.calls["finish"] > queued
+        assert len(yields) == (board.calls["finish"] if hands_over else 0)
+    finally:
+        gate.close()
+
+
+def test_a_batchs_end_from_the_submitters_estimates_is_the_walks(block: QuotaBlock) -> None:
+    """The device thread finds a batch's end from the estimates the submitting thread recorded
+    (``_Item.small_est``: C loops) - the same end as the walk that plans each op itself (an item
+    queued unplanned): at a big op, at the batch's bound, at the list's end."""
+    gate, be, _ = _gate(block, chunk_s=200e-6)  # ~12-24 fills of 1024 floats per launch
+    try:
+        n = 256
+        fill = (be.alloc(1024 * 4), 1.0, 1024)
+        a, b, c = (be.alloc(4 * n * n) for _ in range(3))
+        shapes = [["fill_f32"] * 5 + ["matmul_f32"] + ["fill_f32"] * 3, ["fill_f32"] * 60, ["fill_f32"] * 3,
+                  ["matmul_f32", "fill_f32"]]
+        runs: dict[int, int] = {}
+        for names in shapes:
+            planned: list[_Item] = []
+            for name in names:
+                args: tuple[object, ...] = fill if name == "fill_f32" else (a, b, c, n, n, n)
+                fn = be.fill_f32 if name == "fill_f32" else be.matmul_f32
+                p = plan(name, be, args)
+                assert p is not None
+                est = int(gate.costs.predict_ns(name, p, p.units))
+                small = p.combine is None and 0 <= est <= gate.chunk_ns // _SMALL_DIV
+                planned.append(_Item(name, fn, args, None, 0, 0, 0, p, est, True, est if small else _NOT_SMALL))
+            walked = [_Item(it.name, it.fn, it.args, None, 0, 0, 0) for it in planned]  # unplanned
+            for i in range(len(names)):
+                assert gate._small_run(planned, i) == gate._small_run(walked, i), (names, i)
+            runs[len(names)] = gate._small_run(planned, 0)
+        assert runs[9] == 5 and runs[2] == 0  # a big op ends a batch; a big op first is no batch
+        assert 1 < runs[60] < 60  # the bound cuts a long run of small ops
+    finally:
+        gate.close()

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -56,7 +57,7 @@ from multiprocessing.synchronize import Event
 from typing import TypedDict
 
 from shared.capability import TenantCapability
-from shared.gpu_time import GpuTimeBoard
+from shared.gpu_time import HANDOVER_TRACE_ENV, GpuTimeBoard
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, seconds
@@ -656,10 +657,77 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
     return gaps, kres
 
 
+#: the legs of a handover, in order, as :func:`handover_legs` names them
+HANDOVER_LEGS = ("giver: chunk end -> grant", "giver: grant -> wake call returned",
+                 "wake call -> grantee's futex return", "grantee: futex return -> holds",
+                 "grantee: holds -> launch", "device idle: chunk end -> launch", "board's gap: grant -> look")
+
+
+def handover_legs(directory: str) -> dict[str, object]:
+    """The legs of every handover traced in ``directory`` (:class:`shared.gpu_time.HandoverTrace`
+    files): each giver's row joined with its grantee's by the grant stamp and the grantee's slot.
+    Per leg the count, p50 and p90 (us); also handovers joined, given (G rows), how many grantees
+    were already awake at the grant (their last futex return before it: the wake leg then
+    measures nothing), and futex returns that did not acquire per handover (waiters woken for
+    another's grant: runnable threads at the moment the grantee needs a core)."""
+    import glob
+
+    gives: dict[tuple[int, int], list[int]] = {}
+    takes: dict[tuple[int, int], list[int]] = {}
+    launches: dict[tuple[int, int], int] = {}
+    idle_wakes = 0
+    for path in glob.glob(f"{directory}/*.handover"):
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                p = line.split()
+                try:
+                    if p and p[0] == "G" and len(p) == 9:
+                        grant, cas, woken, last_end, chunk_end, _giver, nxt = (int(x) for x in p[1:8])
+                        gives[(grant, nxt)] = [cas, woken, last_end, chunk_end]
+                    elif p and p[0] == "A" and len(p) == 7:
+                        grant, _wait0, wake, acq, slot = (int(x) for x in p[1:6])
+                        takes[(grant, slot)] = [wake, acq]
+                    elif p and p[0] == "L" and len(p) == 4:
+                        launches[(int(p[1]), int(p[3]))] = int(p[2])
+                    elif p and p[0] == "S":
+                        idle_wakes += 1
+                except ValueError:
+                    continue  # a row cut short (a worker killed while it wrote): left out
+    legs: dict[str, list[float]] = {name: [] for name in HANDOVER_LEGS}
+    awake = joined = 0
+    for key, (_cas, woken, last_end, chunk_end) in gives.items():
+        take = takes.get(key)
+        launch_ns = launches.get(key)
+        if take is None or launch_ns is None:
+            continue
+        grant = key[0]
+        wake, acq = take
+        joined += 1
+        end = chunk_end or last_end
+        if chunk_end:
+            legs[HANDOVER_LEGS[0]].append((grant - chunk_end) / 1e3)
+        legs[HANDOVER_LEGS[1]].append((woken - grant) / 1e3)
+        if wake > grant:
+            legs[HANDOVER_LEGS[2]].append((wake - woken) / 1e3)
+            legs[HANDOVER_LEGS[3]].append((acq - wake) / 1e3)
+        else:
+            awake += 1
+        legs[HANDOVER_LEGS[4]].append((launch_ns - acq) / 1e3)
+        legs[HANDOVER_LEGS[5]].append((launch_ns - end) / 1e3)
+        legs[HANDOVER_LEGS[6]].append((acq - grant) / 1e3)
+    table = {name: {"n": len(v), "p50_us": percentile(v, 0.5) if v else 0.0, "p90_us": percentile(v, 0.9) if v else 0.0}
+             for name, v in legs.items()}
+    return {"given": len(gives), "joined": joined, "grantee_awake": awake,
+            "idle_wakes_per_handover": idle_wakes / max(1, len(gives)), "legs": table}
+
+
 def _mix_main(args: argparse.Namespace) -> int:
     report = Report("share --mix")
     base = {"log_level": "warning", "pool_size": 0, "backend": "stub", "gpu_time_quantum_s": args.quantum}
     q_ms = args.quantum * 1e3
+    if args.handover_trace:
+        os.makedirs(args.handover_trace, exist_ok=True)
+        os.environ[HANDOVER_TRACE_ENV] = os.path.abspath(args.handover_trace)  # the workers inherit it
     with launch({"supervisor": {**base, "gpu_time_scheduler": True}}) as on:
         gaps, kres = _mix(on, args)
     rows = []
@@ -699,6 +767,19 @@ def _mix_main(args: argparse.Namespace) -> int:
                                  abs(kres["tenant_share"] - 0.5) * 100, 5.0, higher_is_better=False, unit=pts))
     report.targets.append(Target("load threads that failed", float(len(ERRORS)), 0.0, higher_is_better=False,
                                  unit=""))
+    if args.handover_trace:
+        legs = handover_legs(args.handover_trace)
+        report.data["handover_legs"] = legs
+        table = legs["legs"]
+        assert isinstance(table, dict)
+        report.sections.append((
+            f"handover legs, traced ({legs['joined']} of {legs['given']} handovers joined, all rounds; "
+            f"{legs['grantee_awake']} grantees awake at the grant; "
+            f"{legs['idle_wakes_per_handover']:.2f} futex returns without the lease per handover)",
+            format_table(["leg", "n", "p50 us", "p90 us"],
+                         [[name, row["n"], f"{row['p50_us']:.0f}", f"{row['p90_us']:.0f}"]
+                          for name, row in table.items()]),
+        ))
     if ERRORS:
         report.sections.append(("errors", "\n".join(ERRORS[:20])))
     return report.emit(as_json=args.json)
@@ -853,6 +934,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gaps", type=_gap_list, default=[0.1, 0.3, 1.0],
                         help="--mix: the chatty tenant's host gaps, ms, comma-separated (default 0.1,0.3,1)")
     parser.add_argument("--k", type=count, default=3, help="--mix: instances of the many-instance tenant (default 3)")
+    parser.add_argument("--handover-trace", metavar="DIR",
+                        help="--mix: trace every handover's timestamps into DIR and print where its device idle "
+                             "goes, leg by leg (slows each handover by a few us)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
