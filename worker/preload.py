@@ -6,11 +6,14 @@ and linker with the warm-up module compiled serially (its epoch thread and
 wasmtime's compiler threads start later, in each worker). numpy is left out on
 purpose: its BLAS may start a thread pool at import, and threads do not survive
 a fork. Whatever is made here is shared by every tenant's worker: nothing of a
-tenant ever is (the fork server never binds).
+tenant ever is (the fork server never binds). Last, everything made here is
+frozen out of the collector's walks (``gc.freeze``), so it must stay the fork
+server's last preload module.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import msgpack  # noqa: F401
@@ -66,3 +69,12 @@ BindMessage.from_wire(BindMessage(spec=TenantSpec("preload"), instance=0, incarn
 # The C library's symbols (ctypes.CDLL, cached): every worker's start sets its parent-death
 # signal and its name through them, ~0.4 ms of each forked worker's CPU to load.
 shared.prctl._libc()
+
+# Last (worker.preload is the fork server's last preload module): every object made above goes to
+# the collector's permanent generation. A forked worker's collections then never walk them: a
+# walk writes each object's GC header, and on memory shared with the fork server that write is a
+# copy-on-write fault per page - ~2 ms of every pool worker's start to warm, and a full collection
+# in a worker (~20 ms over the preload's objects) would fall on whichever request set it off. The
+# collect first keeps the preload's garbage out of what is frozen. Nothing frozen is a tenant's.
+gc.collect()
+gc.freeze()
