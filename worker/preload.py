@@ -73,8 +73,9 @@ shared.prctl._libc()
 # Last (worker.preload is the fork server's last preload module): every object made above goes to
 # the collector's permanent generation. A forked worker's collections then never walk them: a
 # walk writes each object's GC header, and on memory shared with the fork server that write is a
-# copy-on-write fault per page - ~2 ms of every pool worker's start to warm, and a full collection
-# in a worker (~20 ms over the preload's objects) would fall on whichever request set it off. The
-# collect first keeps the preload's garbage out of what is frozen. Nothing frozen is a tenant's.
+# copy-on-write fault per page - a full collection in a worker over the preload's ~35,000 objects
+# took ~20 ms, on whichever request set it off (the fork server's own collections no longer
+# write them after each fork either). The collect first keeps the preload's garbage out of what is
+# frozen. Nothing frozen is a tenant's.
 gc.collect()
 gc.freeze()

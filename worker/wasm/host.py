@@ -1355,10 +1355,11 @@ def _adopt_pool_host(ctx: TenantContext) -> WasmHost | None:
 
 
 def preload_pool_host() -> WasmHost:
-    """Make this process's pool host now, unwarmed, and compile the warm-up module once (the fork
-    server's preload, :mod:`worker.preload`): every forked pool worker inherits the engine, the
-    linker with the host functions and the warm-up module's compiled artifact instead of making
-    them (~6 ms of each worker's start, ~45 starts a second at a busy density stream's rate).
+    """Make this process's pool host now, unwarmed, compile the warm-up module once and run it
+    once (the fork server's preload, :mod:`worker.preload`): every forked pool worker inherits the
+    engine, the linker with the host functions and the warm-up module's compiled artifact instead
+    of making them (~6 ms of each worker's start, ~45 starts a second at a busy density stream's
+    rate), and runs the module once where it ran it twice.
     Starts no thread: the compile here is serial, on an engine of its own with the same settings
     (wasmtime's parallel compilation would start its thread pool, and threads do not survive a
     fork); the epoch ticker's thread starts at the warm-up's runs, in the worker. Holds nothing of
@@ -1371,11 +1372,12 @@ def preload_pool_host() -> WasmHost:
         _preloaded_warm_up = (wasm, bytes(wasmtime.Module(wasmtime.Engine(config), wasm).serialize()))
     if _pool_host is None:
         _pool_host = WasmHost(None)
-    if not _preloaded_runs:
+    host = _pool_host
+    if not _preloaded_runs and host._ctx is None and not host._closed:
         # One warm-up run here (the runtime's lazy state: its first store, instantiate and call,
         # made once for every forked worker), without the epoch thread; each worker then runs
-        # once, not twice (~1.3 ms of each pool worker's start).
-        host = _pool_host
+        # once, not twice (~0.8 ms less of each pool worker's warm-up; the run after its warm-up,
+        # ~0.2 ms, measured the same within noise).
         module = wasmtime.Module.deserialize(host.engine, _preloaded_warm_up[1])
         host._warm_run(host.linker.instantiate_pre(module), ticker=False)
         _preloaded_runs = 1

@@ -51,8 +51,8 @@ from supervisor.client.launch import SupervisorHandle, launch
 from supervisor.store.state import StateStore
 from supervisor.tools.demo import guest_path
 
-__all__ = ["MAX_ACTIVE", "RUN_WASM_SHARE", "STREAM_REQUESTS", "ZIPF_S", "measure_buffers_and_first_run", "measure_first_run", "measure_stream", "park_all",
-           "zipf_stream"]
+__all__ = ["MAX_ACTIVE", "RUN_WASM_SHARE", "STREAM_REQUESTS", "ZIPF_S", "measure_buffers_and_first_run",
+           "measure_first_run", "measure_stream", "park_all", "zipf_stream"]
 
 MiB = 1 << 20
 MAX_ACTIVE = 64
