@@ -326,3 +326,52 @@ def test_a_fork_server_whose_pool_host_fails_still_comes_up() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"pool_host": False}
     assert "the pool's WASM host was not preloaded" in proc.stderr and "no engine here" in proc.stderr
+
+
+_TRAP_AFTER_PRELOAD = """
+import json, os
+import worker.preload                     # as the fork server does: its warm-up run included
+from worker.wasm import host as host_mod
+import wasmtime
+WAT = b'(module (memory 1 1) (func (export "oob") (result i32) (i32.load (i32.const 70000)))' \\
+      b' (func (export "spin") (loop (br 0))))'
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:                              # a forked pool worker, warmed, then a guest that traps
+    from worker.server import wasm_warm_up
+    for _ in wasm_warm_up():
+        pass
+    h = host_mod._pool_host
+    module = wasmtime.Module(h.engine, wasmtime.wat2wasm(WAT))
+    out = {}
+    for name in ("oob", "spin"):
+        store = wasmtime.Store(h.engine)
+        store.set_fuel(100_000)
+        store.set_epoch_deadline(1000)
+        try:
+            wasmtime.Instance(store, module, []).exports(store)[name](store)
+            out[name] = "returned"
+        except wasmtime.Trap:
+            out[name] = "trap"
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 4096) or b"{}")
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"runs": host_mod._preloaded_runs, "child": child, "status": status}))
+"""
+
+
+def test_a_worker_forked_after_the_preloads_warm_up_run_still_traps_a_guests_faults() -> None:
+    """The fork server ran the warm-up module before forking (the runtime's lazy state, its signal
+    handlers and alternate signal stack among it, are inherited): a guest's out-of-bounds load (a
+    SIGSEGV the runtime turns into a trap) and its fuel running out still trap in the forked
+    worker, which lives on."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run([sys.executable, "-c", _TRAP_AFTER_PRELOAD], capture_output=True, text=True, cwd=root,
+                          timeout=timeouts.scaled(120), env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"runs": 1, "child": {"oob": "trap", "spin": "trap"}, "status": 0}
