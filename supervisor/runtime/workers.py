@@ -45,7 +45,8 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _HAS_PROC = os.path.isdir("/proc/self")
 #: what a forkserver preloads so a forked worker starts warm: the worker's modules and set-up
 #: (worker.preload), and the entry point's module every worker unpickles its target from (~0.5 ms
-#: of each forked worker's start, importing it there)
+#: of each forked worker's start, importing it there); worker.preload last: it freezes what the
+#: preload made out of the collector's walks
 FORKSERVER_PRELOAD = [_WORKER_ENTRY.__class__.__module__, "worker.preload"]
 
 

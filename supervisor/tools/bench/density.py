@@ -279,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="tenants registered with instances = 0 (default 10000)")
     parser.add_argument("--active", type=at_least(0), default=8, help="tenants with one worker each (default 8)")
     parser.add_argument("--clients", type=at_least(1), default=16, help="concurrent registering clients (default 16)")
-    parser.add_argument("--requests", type=at_least(1), default=2000,
-                        help="requests of the Zipf(1.1) stream over the parked tenants (default 2000)")
+    parser.add_argument("--requests", type=at_least(1), default=parking.STREAM_REQUESTS,
+                        help="requests of the Zipf(1.1) stream over the parked tenants (default "
+                             f"{parking.STREAM_REQUESTS}: each op's p99 on >= 5 activating requests)")
     parser.add_argument("--rounds", type=at_least(1), default=3,
                         help="rounds of the 64 MiB restore and the first run after activation (default 3)")
     parser.add_argument("--seed", type=int, default=1)

@@ -51,12 +51,19 @@ from supervisor.client.launch import SupervisorHandle, launch
 from supervisor.store.state import StateStore
 from supervisor.tools.demo import guest_path
 
-__all__ = ["MAX_ACTIVE", "ZIPF_S", "measure_buffers_and_first_run", "measure_first_run", "measure_stream", "park_all",
-           "zipf_stream"]
+__all__ = ["MAX_ACTIVE", "RUN_WASM_SHARE", "STREAM_REQUESTS", "ZIPF_S", "measure_buffers_and_first_run",
+           "measure_first_run", "measure_stream", "park_all", "zipf_stream"]
 
 MiB = 1 << 20
 MAX_ACTIVE = 64
 ZIPF_S = 1.1
+#: the share of the stream's requests that are a ``run_wasm`` (the rest: ``ping``)
+RUN_WASM_SHARE = 0.5
+#: the full stream's length: long enough that each op's activation overhead p99 rests on >= 5
+#: activating requests. A tenant's first ``run_wasm`` ever compiles and is not counted, and over
+#: 10,000 tenants most run_wasm activations are such a first run: 2,000 requests left ~139
+#: activating runs (their p99 the second-worst), 5,000 leave ~550 (and ~1,300 pings).
+STREAM_REQUESTS = 5000
 #: the parked tenants' idle time: long enough that the stream's parks are max_active's (LRU)
 IDLE_S = 30.0
 #: a tiny idle time that parks a tenant at the next housekeeping
@@ -230,7 +237,7 @@ def measure_stream(sup: SupervisorHandle, names: list[str], requests: int, seed:
             cap = caps.get(index)
             if cap is None:
                 cap = caps[index] = c.tenant_capability(None, tid)
-            op = "run_wasm" if rng.random() < 0.5 else "ping"
+            op = "run_wasm" if rng.random() < RUN_WASM_SHARE else "ping"
             if op == "run_wasm" and index not in stored:
                 digest = c.put_module(cap, module)  # served by the supervisor: no activation
                 stored.add(index)

@@ -234,7 +234,8 @@ before = {"made": made is not None, "warmed": bool(made and made.warmed),
           "threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),
           "numpy": "numpy" in sys.modules, "artifact": host_mod._preloaded_warm_up is not None,
           "libc": __import__("shared.prctl").prctl._libc.cache_info().currsize == 1,
-          "ops": all(m in sys.modules for m in ("worker.parking", "worker.regions", "worker.wasm.artifacts"))}
+          "ops": all(m in sys.modules for m in ("worker.parking", "worker.regions", "worker.wasm.artifacts")),
+          "runs": getattr(host_mod, "_preloaded_runs", 0)}
 r, w = os.pipe()
 pid = os.fork()
 if pid == 0:                              # a forked pool worker: its warm-up warms the inherited host
@@ -245,11 +246,18 @@ if pid == 0:                              # a forked pool worker: its warm-up wa
         compiled.append(1)
         real_init(self, *args, **kwargs)
     wasmtime.Module.__init__ = counted
+    stores = []
+    real_store = wasmtime.Store
+    def store(*args, **kwargs):
+        stores.append(1)
+        return real_store(*args, **kwargs)
+    wasmtime.Store = store
     from worker.server import wasm_warm_up
     steps = sum(1 for _ in wasm_warm_up())
     host = host_mod._pool_host
     os.write(w, json.dumps({"same": host is made, "warmed": bool(host and host.warmed), "compiled": len(compiled),
-                            "steps": steps, "ticker": bool(host and host.ticker.running)}).encode())
+                            "steps": steps, "ticker": bool(host and host.ticker.running),
+                            "runs": len(stores)}).encode())
     os._exit(0)
 os.close(w)
 child = json.loads(os.read(r, 4096))
@@ -260,8 +268,8 @@ print(json.dumps({"before": before, "child": child, "status": status}))
 
 def test_the_fork_servers_preload_makes_the_pool_host_and_a_forked_worker_warms_it() -> None:
     """The fork server's preload makes the pool host (engine, linker, host functions), compiles the
-    warm-up module (serially), loads the C library's symbols and imports the lazy ops' modules,
-    starting no thread and loading no
+    warm-up module (serially) and runs it once (without the epoch thread), loads the C library's
+    symbols and imports the lazy ops' modules, starting no thread and loading no
     numpy; a worker forked from it warms that very host (the preload's artifact deserialized, not
     compiled; the runs; its epoch thread started in the worker) instead of making its own."""
     import json
@@ -272,7 +280,8 @@ def test_the_fork_servers_preload_makes_the_pool_host_and_a_forked_worker_warms_
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["before"] == {"made": True, "warmed": False, "threads": 1, "tasks": 1, "numpy": False, "ops": True,
-                             "artifact": True, "libc": True}
+                             "artifact": True, "libc": True, "runs": 1}  # one warm-up run, and still no thread
+    assert got["child"]["runs"] == 1  # the worker's own run: one, not two (the preload ran the other)
     assert got["status"] == 0
     assert got["child"]["same"] and got["child"]["warmed"] and got["child"]["ticker"]
     assert got["child"]["steps"] >= 5  # the module's load, its link and the runs, in the worker ...
@@ -287,6 +296,7 @@ def test_a_preloaded_host_is_warmed_once_and_never_after_its_adoption() -> None:
     assert host_mod._pool_host is made and made.warmed
     assert list(host_mod.pool_warm_up()) == []  # warmed: a second warm-up does nothing
     host_mod._pool_host = None
+    host_mod._preloaded_runs = 0  # this process is no fork server: later tests' hosts warm with both runs
     made.close()
     unwarmed = host_mod.preload_pool_host()
     with tenant_env("adopts", StubBackend()) as env:
@@ -316,3 +326,52 @@ def test_a_fork_server_whose_pool_host_fails_still_comes_up() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"pool_host": False}
     assert "the pool's WASM host was not preloaded" in proc.stderr and "no engine here" in proc.stderr
+
+
+_TRAP_AFTER_PRELOAD = """
+import json, os
+import worker.preload                     # as the fork server does: its warm-up run included
+from worker.wasm import host as host_mod
+import wasmtime
+WAT = b'(module (memory 1 1) (func (export "oob") (result i32) (i32.load (i32.const 70000)))' \\
+      b' (func (export "spin") (loop (br 0))))'
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:                              # a forked pool worker, warmed, then a guest that traps
+    from worker.server import wasm_warm_up
+    for _ in wasm_warm_up():
+        pass
+    h = host_mod._pool_host
+    module = wasmtime.Module(h.engine, wasmtime.wat2wasm(WAT))
+    out = {}
+    for name in ("oob", "spin"):
+        store = wasmtime.Store(h.engine)
+        store.set_fuel(100_000)
+        store.set_epoch_deadline(1000)
+        try:
+            wasmtime.Instance(store, module, []).exports(store)[name](store)
+            out[name] = "returned"
+        except wasmtime.Trap:
+            out[name] = "trap"
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 4096) or b"{}")
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"runs": host_mod._preloaded_runs, "child": child, "status": status}))
+"""
+
+
+def test_a_worker_forked_after_the_preloads_warm_up_run_still_traps_a_guests_faults() -> None:
+    """The fork server ran the warm-up module before forking (the runtime's lazy state, its signal
+    handlers and alternate signal stack among it, are inherited): a guest's out-of-bounds load (a
+    SIGSEGV the runtime turns into a trap) and its fuel running out still trap in the forked
+    worker, which lives on."""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run([sys.executable, "-c", _TRAP_AFTER_PRELOAD], capture_output=True, text=True, cwd=root,
+                          timeout=timeouts.scaled(120), env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"runs": 1, "child": {"oob": "trap", "spin": "trap"}, "status": 0}
