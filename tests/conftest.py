@@ -28,13 +28,14 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import hypothesis.configuration as hypothesis_configuration
 import pytest
 
 import supervisor.client.launch
-from tests.helpers import cpu_profile, gpu_dry_run, hygiene, timeouts, zygote
+from tests.helpers import cpu_profile, gpu_dry_run, hygiene, timeouts, warm_bytecode, zygote
 
 hygiene.mark_session()
 # every launched supervisor is forked from a preloaded interpreter (tests/helpers/zygote.py): a
@@ -81,6 +82,9 @@ def pytest_configure(config: pytest.Config) -> None:
         # beside the workers' start-up (interpreter, plugins, test modules: seconds), which it
         # does not delay; they reach the constants at the end of their collection
         threading.Thread(target=_warm_hypothesis_constants, name="twt-warm-constants", daemon=True).start()
+        # before the workers start (pytest_sessionstart): each would otherwise compile every test
+        # module whose cache is missing (a fresh clone: all of them) - the same ~3 s of CPU 6 times
+        warm_bytecode.warm(config, Path(__file__).parent)
 
 
 #: callables (``module.qualname``) outside the test suite that start processes when called
