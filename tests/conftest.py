@@ -42,6 +42,13 @@ hygiene.mark_session()
 # fresh one spends ~0.2 s of CPU importing what each of the suite's ~1,000 starts imports again
 zygote.install(supervisor.client.launch)
 
+# The fake CUDA driver's real NVRTC compiles (tests/helpers/fake_cuda.py), shared by every process of a
+# make test run (inherited by the workers, supervisors, tenants' workers and the GPU check's children)
+# through a folder of its temp root: the same two kernel sources were compiled ~140 times a run, ~65 ms
+# of CPU each. Only under tests/run-suite.sh: a bare pytest's temp root is /tmp, kept across runs.
+if os.environ.get(hygiene.ROOT_ENV):
+    os.environ.setdefault("FAKE_CUDA_NVRTC_CACHE", os.path.join(hygiene.temp_root(), "twt-nvrtc"))
+
 # Hypothesis keeps its example database and constants cache in its home directory (by default
 # .hypothesis/ in the checkout): keep it in this run's temp root (make test: fresh every run).
 hypothesis_configuration.set_hypothesis_home_dir(os.path.join(hygiene.temp_root(), "twt-hypothesis"))
