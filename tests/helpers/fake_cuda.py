@@ -1826,7 +1826,8 @@ class FakeDriver:
 _real_nvrtc_state: list[Any] = []  # [module or None], probed once
 _compiled: dict[tuple[str, tuple[bytes, ...]], tuple[bool, bytes]] = {}
 #: a folder where every process of one test run keeps the real NVRTC's results (the suite sets it to a
-#: folder of the run's temp root: tests/conftest.py); unset or empty, each process compiles for itself
+#: folder of the run's temp root: tests/conftest.py; never a folder kept across runs, whose results
+#: another NVRTC made); unset or empty, each process compiles for itself
 NVRTC_CACHE_ENV = "FAKE_CUDA_NVRTC_CACHE"
 
 
@@ -1851,18 +1852,20 @@ def compile_with_real_nvrtc(src: str, options: list[bytes]) -> tuple[bool, bytes
     across a test run's processes through the folder ``FAKE_CUDA_NVRTC_CACHE`` names
     (:func:`_nvrtc_cache_path`).
     """
-    mod = real_nvrtc_module()
-    if mod is None:
-        return None
+    if _real_nvrtc_state and _real_nvrtc_state[0] is None:
+        return None  # probed: no NVRTC in this process
     opts = tuple(o.replace(b"=sm_", b"=compute_") for o in options)
     key = (src, opts)
     if key in _compiled:
         return _compiled[key]
-    shared_path = _nvrtc_cache_path(mod, src, opts)
+    shared_path = _nvrtc_cache_path(src, opts)
     kept = _read_nvrtc_result(shared_path)
-    if kept is not None:
+    if kept is not None:  # another process of this run compiled it: NVRTC is not even loaded here
         _compiled[key] = kept
         return kept
+    mod = real_nvrtc_module()
+    if mod is None:
+        return None
     result = _compile_with(mod, src, opts)
     if result is not None:
         _compiled[key] = result
@@ -1892,26 +1895,24 @@ def _compile_with(mod: Any, src: str, opts: tuple[bytes, ...]) -> tuple[bool, by
     return result
 
 
-def _nvrtc_cache_path(mod: Any, src: str, opts: tuple[bytes, ...]) -> str | None:
+def _nvrtc_cache_path(src: str, opts: tuple[bytes, ...]) -> str | None:
     """Where one run's processes share the real NVRTC's result for ``src`` compiled with ``opts``.
 
     Why: every process that loads the kernels through the fake (a cuda-backend worker, a GPU check
-    child) compiled the same two sources with the real NVRTC (~65 ms of CPU each; ~60 times in one
-    hardware-check dry run, ~80 in the cuda tests). The first compile of each source in a run is real
-    and its result (PTX, or the error log) is the one every other process reads: the key is the
-    NVRTC version, the source and the options, so a changed kernel compiles again. None (no sharing)
-    unless :data:`NVRTC_CACHE_ENV` names a folder.
+    child) compiled the same two sources with the real NVRTC (~65 ms of CPU each, after ~70 ms of
+    importing the bindings and loading the library; ~60 times in one hardware-check dry run). The first
+    compile of each source in a run is real, and its result (PTX, or the error log) is the one every
+    other process reads, without loading NVRTC at all: keyed on the source and the options, so a
+    changed kernel compiles again. The folder is one run's (the suite's is in the run's temp root,
+    removed with it): within a run the NVRTC library cannot change. None (no sharing) unless
+    :data:`NVRTC_CACHE_ENV` names a folder.
     """
     folder = os.environ.get(NVRTC_CACHE_ENV)
     if not folder:
         return None
     import hashlib
 
-    err, major, minor = mod.nvrtcVersion()
-    if err:
-        return None
-    digest = hashlib.sha256(f"{major}.{minor}\0".encode())
-    digest.update(src.encode())
+    digest = hashlib.sha256(src.encode())
     for o in opts:
         digest.update(b"\0" + o)
     return os.path.join(folder, digest.hexdigest() + ".nvrtc")

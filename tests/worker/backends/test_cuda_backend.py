@@ -691,8 +691,8 @@ def test_kernel_sources_compile_with_the_real_nvrtc_and_a_syntax_error_fails() -
 def test_a_runs_processes_share_each_real_nvrtc_result_and_a_changed_source_compiles_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With FAKE_CUDA_NVRTC_CACHE set (as the suite sets it), a source compiled by one process is read
-    by the next one: the same PTX, or the same error log, and no second real compile; a changed source
-    or other options compile for real again."""
+    by the next one: the same PTX, or the same error log, with no second real compile and without
+    loading NVRTC; a changed source or other options compile for real again."""
     if fake_cuda.real_nvrtc_module() is None:
         pytest.skip("NVRTC not loadable here (pip install -e '.[cuda]' brings it)")
     from worker.backends import kernels
@@ -714,10 +714,19 @@ def test_a_runs_processes_share_each_real_nvrtc_result_and_a_changed_source_comp
     assert first is not None and first[0] and b".entry twt_fill_f32" in first[1], first
     assert failed is not None and not failed[0] and b"expected an expression" in failed[1], failed
     assert len(compiles) == 2 and len(list((tmp_path / "nvrtc").iterdir())) == 2
-    monkeypatch.setattr(fake_cuda, "_compiled", {})  # another process of the run
+    monkeypatch.setattr(fake_cuda, "_compiled", {})  # another process of the run: NVRTC not loaded yet
+    monkeypatch.setattr(fake_cuda, "_real_nvrtc_state", [])
+    loads: list[int] = []
+    real_module = fake_cuda.real_nvrtc_module
+    monkeypatch.setattr(fake_cuda, "real_nvrtc_module", lambda: loads.append(1) or real_module())
     assert fake_cuda.compile_with_real_nvrtc(kernels.KERNEL_SOURCE, opts) == first
     assert fake_cuda.compile_with_real_nvrtc(broken, opts) == failed
     assert len(compiles) == 2, "a second process compiled again"
+    assert loads == [], "a second process loaded NVRTC to read what the first compiled"
+    monkeypatch.setattr(fake_cuda, "_compiled", {})  # a process where NVRTC does not load: nothing, as before
+    monkeypatch.setattr(fake_cuda, "_real_nvrtc_state", [None])
+    assert fake_cuda.compile_with_real_nvrtc(kernels.KERNEL_SOURCE, opts) is None
+    monkeypatch.setattr(fake_cuda, "_real_nvrtc_state", [])
     changed = kernels.KERNEL_SOURCE + "\n// changed\n"
     assert fake_cuda.compile_with_real_nvrtc(changed, opts) is not None
     assert fake_cuda.compile_with_real_nvrtc(kernels.KERNEL_SOURCE, [b"--gpu-architecture=compute_80"]) is not None
