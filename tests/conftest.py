@@ -28,18 +28,27 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import hypothesis.configuration as hypothesis_configuration
 import pytest
 
 import supervisor.client.launch
-from tests.helpers import cpu_profile, gpu_dry_run, hygiene, timeouts, zygote
+from tests.helpers import cpu_profile, gpu_dry_run, hygiene, timeouts, warm_bytecode, zygote
 
 hygiene.mark_session()
 # every launched supervisor is forked from a preloaded interpreter (tests/helpers/zygote.py): a
 # fresh one spends ~0.2 s of CPU importing what each of the suite's ~1,000 starts imports again
 zygote.install(supervisor.client.launch)
+
+# The fake CUDA driver's real NVRTC compiles (tests/helpers/fake_cuda.py), shared by every process of a
+# make test run (inherited by the workers, supervisors, tenants' workers and the GPU check's children)
+# through a folder of its temp root: the same two kernel sources were compiled ~60 times in the GPU
+# check's dry run and ~80 in the cuda modules, ~0.13 s of CPU each with NVRTC's load. Only under
+# tests/run-suite.sh: a bare pytest's temp root is /tmp, kept across runs.
+if os.environ.get(hygiene.ROOT_ENV):
+    os.environ.setdefault("FAKE_CUDA_NVRTC_CACHE", os.path.join(hygiene.temp_root(), "twt-nvrtc"))
 
 # Hypothesis keeps its example database and constants cache in its home directory (by default
 # .hypothesis/ in the checkout): keep it in this run's temp root (make test: fresh every run).
@@ -81,6 +90,9 @@ def pytest_configure(config: pytest.Config) -> None:
         # beside the workers' start-up (interpreter, plugins, test modules: seconds), which it
         # does not delay; they reach the constants at the end of their collection
         threading.Thread(target=_warm_hypothesis_constants, name="twt-warm-constants", daemon=True).start()
+        # before the workers start (pytest_sessionstart): each would otherwise compile every test
+        # module whose cache is missing (a fresh clone: all of them) - the same ~3 s of CPU 6 times
+        warm_bytecode.warm(config, Path(__file__).parent)
 
 
 #: callables (``module.qualname``) outside the test suite that start processes when called

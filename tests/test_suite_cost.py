@@ -131,3 +131,36 @@ def test_tree_cpu_counts_what_outlives_its_parent() -> None:
     line = done.stderr.strip().splitlines()[-1]
     cpu = float(line.split("CPU ", 1)[1].split(" s", 1)[0])
     assert cpu >= 0.4 and "0 descendant(s) still running" in line, line
+
+
+def test_the_controller_writes_the_bytecode_each_worker_would_compile(
+        tmp_path: Path, pytestconfig: pytest.Config) -> None:
+    """warm_bytecode.warm leaves, for a test module, the rewritten pyc pytest's import hook accepts
+    (asserts rewritten, keyed on the source's hash) and, for a helper, the interpreter's own pyc;
+    valid caches are left alone, a changed source is compiled again."""
+    import importlib.util
+
+    from _pytest.assertion import rewrite
+
+    from tests.helpers import warm_bytecode
+
+    top = tmp_path / "suite"
+    top.mkdir()
+    (top / "__init__.py").write_text("")
+    test_file, helper = top / "test_sample.py", top / "helper.py"
+    test_file.write_text("def test_it() -> None:\n    value = 1\n    assert value == 1\n")
+    helper.write_text("VALUE = 2\n")
+    assert warm_bytecode.warm(pytestconfig, top) == (1, 2)  # the test module; the helper and __init__
+    pyc = rewrite.get_cache_dir(test_file) / (test_file.name[:-3] + rewrite.PYC_TAIL)
+    code = rewrite._read_pyc(test_file, pyc)
+    assert code is not None, "no rewritten pyc the import hook would read"
+    test_code = next(c for c in code.co_consts if getattr(c, "co_name", "") == "test_it")
+    assert any(n.startswith("@py_assert") for n in test_code.co_varnames), "the asserts are not rewritten"
+    plain = Path(importlib.util.cache_from_source(str(helper)))
+    assert plain.read_bytes()[:4] == importlib.util.MAGIC_NUMBER
+    assert not Path(importlib.util.cache_from_source(str(test_file))).exists()  # no unused plain pyc
+    assert warm_bytecode.warm(pytestconfig, top) == (0, 0)  # valid caches: nothing written
+    test_file.write_text("def test_it() -> None:\n    assert 2 == 2\n")
+    os.utime(helper, ns=(1, 1))  # an older mtime than the cache recorded: stale
+    assert warm_bytecode.warm(pytestconfig, top) == (1, 1)
+    assert rewrite._read_pyc(test_file, pyc) is not None

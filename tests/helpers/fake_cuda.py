@@ -52,6 +52,7 @@ Use it two ways:
   ``FAKE_CUDA_MEMORY`` (bytes per device), ``FAKE_CUDA_CONTEXT_BYTES``,
   ``FAKE_CUDA_GRANULARITY``, ``FAKE_CUDA_DRIVER_VERSION`` (``cuDriverGetVersion``, 13000),
   ``FAKE_CUDA_BINDINGS`` (12 | 13: which cuda-bindings major's call shapes it has, below),
+  ``FAKE_CUDA_NVRTC_CACHE`` (a folder where a run's processes share the real NVRTC's results),
   ``FAKE_CUDA_RECORD_DIR`` (each process writes
   ``<pid>.json`` there: the ``CUDA_MPS_*`` variables it saw at ``cuInit`` and
   the devices it retained a primary context on).
@@ -1824,6 +1825,10 @@ class FakeDriver:
 
 _real_nvrtc_state: list[Any] = []  # [module or None], probed once
 _compiled: dict[tuple[str, tuple[bytes, ...]], tuple[bool, bytes]] = {}
+#: a folder where every process of one test run keeps the real NVRTC's results (the suite sets it to a
+#: folder of the run's temp root: tests/conftest.py; never a folder kept across runs, whose results
+#: another NVRTC made); unset or empty, each process compiles for itself
+NVRTC_CACHE_ENV = "FAKE_CUDA_NVRTC_CACHE"
 
 
 def real_nvrtc_module() -> Any | None:
@@ -1843,15 +1848,33 @@ def compile_with_real_nvrtc(src: str, options: list[bytes]) -> tuple[bool, bytes
     """Compile ``src`` to PTX with the real NVRTC: (True, ptx) or (False, log); None without NVRTC.
 
     ``--gpu-architecture=sm_XY`` becomes ``compute_XY`` (PTX is all that can be
-    checked without a device); results are cached per (source, options).
+    checked without a device); results are cached per (source, options): in this process, and
+    across a test run's processes through the folder ``FAKE_CUDA_NVRTC_CACHE`` names
+    (:func:`_nvrtc_cache_path`).
     """
-    mod = real_nvrtc_module()
-    if mod is None:
-        return None
+    if _real_nvrtc_state and _real_nvrtc_state[0] is None:
+        return None  # probed: no NVRTC in this process
     opts = tuple(o.replace(b"=sm_", b"=compute_") for o in options)
     key = (src, opts)
     if key in _compiled:
         return _compiled[key]
+    shared_path = _nvrtc_cache_path(src, opts)
+    kept = _read_nvrtc_result(shared_path)
+    if kept is not None:  # another process of this run compiled it: NVRTC is not even loaded here
+        _compiled[key] = kept
+        return kept
+    mod = real_nvrtc_module()
+    if mod is None:
+        return None
+    result = _compile_with(mod, src, opts)
+    if result is not None:
+        _compiled[key] = result
+        _write_nvrtc_result(shared_path, result)
+    return result
+
+
+def _compile_with(mod: Any, src: str, opts: tuple[bytes, ...]) -> tuple[bool, bytes] | None:
+    """One real NVRTC compile: (True, ptx), (False, log), or None when NVRTC would not make a program."""
     err, prog = mod.nvrtcCreateProgram(src.encode(), b"twt_fake_check.cu", 0, [], [])
     if err:
         return None
@@ -1869,8 +1892,62 @@ def compile_with_real_nvrtc(src: str, options: list[bytes]) -> tuple[bool, bytes
             result = (True, bytes(ptx).rstrip(b"\0"))
     finally:
         mod.nvrtcDestroyProgram(prog)
-    _compiled[key] = result
     return result
+
+
+def _nvrtc_cache_path(src: str, opts: tuple[bytes, ...]) -> str | None:
+    """Where one run's processes share the real NVRTC's result for ``src`` compiled with ``opts``.
+
+    Why: every process that loads the kernels through the fake (a cuda-backend worker, a GPU check
+    child) compiled the same two sources with the real NVRTC (~65 ms of CPU each, after ~70 ms of
+    importing the bindings and loading the library; ~60 times in one hardware-check dry run). The first
+    compile of each source in a run is real, and its result (PTX, or the error log) is the one every
+    other process reads, without loading NVRTC at all: keyed on the source and the options, so a
+    changed kernel compiles again. The folder is one run's (the suite's is in the run's temp root,
+    removed with it): within a run the NVRTC library cannot change. None (no sharing) unless
+    :data:`NVRTC_CACHE_ENV` names a folder.
+    """
+    folder = os.environ.get(NVRTC_CACHE_ENV)
+    if not folder:
+        return None
+    import hashlib
+
+    digest = hashlib.sha256(src.encode())
+    for o in opts:
+        digest.update(b"\0" + o)
+    return os.path.join(folder, digest.hexdigest() + ".nvrtc")
+
+
+def _read_nvrtc_result(path: str | None) -> tuple[bool, bytes] | None:
+    """A result another process of the run wrote (a complete file: written whole, then renamed)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if data[:1] not in (b"1", b"0"):
+        return None
+    return data[:1] == b"1", data[1:]
+
+
+def _write_nvrtc_result(path: str | None, result: tuple[bool, bytes]) -> None:
+    """Keep ``result`` for the run's other processes; a folder this process cannot write (another
+    user's) only means they compile for themselves."""
+    if path is None:
+        return
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write((b"1" if result[0] else b"0") + result[1])
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 # ----------------------------------------------------------------- kernels, by name

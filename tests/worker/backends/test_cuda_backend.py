@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -684,3 +686,51 @@ def test_kernel_sources_compile_with_the_real_nvrtc_and_a_syntax_error_fails() -
         assert exc.value.result_name == "NVRTC_ERROR_COMPILATION" and "expected an expression" in str(exc.value)
     finally:
         b2.close()
+
+
+def test_a_runs_processes_share_each_real_nvrtc_result_and_a_changed_source_compiles_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FAKE_CUDA_NVRTC_CACHE set (as the suite sets it), a source compiled by one process is read
+    by the next one: the same PTX, or the same error log, with no second real compile and without
+    loading NVRTC; a changed source or other options compile for real again."""
+    if fake_cuda.real_nvrtc_module() is None:
+        pytest.skip("NVRTC not loadable here (pip install -e '.[cuda]' brings it)")
+    from worker.backends import kernels
+
+    monkeypatch.setenv(fake_cuda.NVRTC_CACHE_ENV, str(tmp_path / "nvrtc"))
+    real = fake_cuda._compile_with
+    compiles: list[str] = []
+
+    def counting(mod: Any, src: str, opts: tuple[bytes, ...]) -> tuple[bool, bytes] | None:
+        compiles.append(src)
+        return real(mod, src, opts)
+
+    monkeypatch.setattr(fake_cuda, "_compile_with", counting)
+    monkeypatch.setattr(fake_cuda, "_compiled", {})  # this process has compiled nothing yet
+    opts = [b"--gpu-architecture=compute_75"]
+    broken = kernels.KERNEL_SOURCE.replace("p[i] = v;", "p[i] = v +;")
+    first = fake_cuda.compile_with_real_nvrtc(kernels.KERNEL_SOURCE, opts)
+    failed = fake_cuda.compile_with_real_nvrtc(broken, opts)
+    assert first is not None and first[0] and b".entry twt_fill_f32" in first[1], first
+    assert failed is not None and not failed[0] and b"expected an expression" in failed[1], failed
+    assert len(compiles) == 2 and len(list((tmp_path / "nvrtc").iterdir())) == 2
+    monkeypatch.setattr(fake_cuda, "_compiled", {})  # another process of the run: NVRTC not loaded yet
+    monkeypatch.setattr(fake_cuda, "_real_nvrtc_state", [])
+    loads: list[int] = []
+    real_module = fake_cuda.real_nvrtc_module
+    monkeypatch.setattr(fake_cuda, "real_nvrtc_module", lambda: loads.append(1) or real_module())
+    assert fake_cuda.compile_with_real_nvrtc(kernels.KERNEL_SOURCE, opts) == first
+    assert fake_cuda.compile_with_real_nvrtc(broken, opts) == failed
+    assert len(compiles) == 2, "a second process compiled again"
+    assert loads == [], "a second process loaded NVRTC to read what the first compiled"
+    monkeypatch.setattr(fake_cuda, "_compiled", {})  # a process where NVRTC does not load: nothing, as before
+    monkeypatch.setattr(fake_cuda, "_real_nvrtc_state", [None])
+    assert fake_cuda.compile_with_real_nvrtc(kernels.KERNEL_SOURCE, opts) is None
+    monkeypatch.setattr(fake_cuda, "_real_nvrtc_state", [])
+    changed = kernels.KERNEL_SOURCE + "\n// changed\n"
+    assert fake_cuda.compile_with_real_nvrtc(changed, opts) is not None
+    assert fake_cuda.compile_with_real_nvrtc(kernels.KERNEL_SOURCE, [b"--gpu-architecture=compute_80"]) is not None
+    assert compiles[2:] == [changed, kernels.KERNEL_SOURCE], "a new source or new options were not compiled"
+    monkeypatch.delenv(fake_cuda.NVRTC_CACHE_ENV)  # unset: nothing shared, every process compiles
+    monkeypatch.setattr(fake_cuda, "_compiled", {})
+    assert fake_cuda.compile_with_real_nvrtc(kernels.KERNEL_SOURCE, opts) == first and len(compiles) == 5
