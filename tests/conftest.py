@@ -58,6 +58,10 @@ hypothesis_configuration.set_hypothesis_home_dir(os.path.join(hygiene.temp_root(
 _LOCAL_PACKAGES = ("shared", "supervisor", "worker", "sdk", "tests")
 
 
+#: set once the session starts: hypothesis's initialisation is over by then
+_SESSION_STARTED = threading.Event()
+
+
 def _warm_hypothesis_constants() -> None:
     """Fill hypothesis's cache of our modules' constants once, in the xdist controller (a thread).
 
@@ -70,6 +74,10 @@ def _warm_hypothesis_constants() -> None:
     try:
         from hypothesis.internal.constants_ast import constants_from_module
     except ImportError:
+        return
+    # hypothesis refuses disk work while pytest initialises (a HypothesisSideeffectWarning, an error
+    # here): every file reached before the session starts would be lost to it
+    if not _SESSION_STARTED.wait(timeouts.scaled(60)):
         return
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for package in _LOCAL_PACKAGES:
@@ -93,6 +101,11 @@ def pytest_configure(config: pytest.Config) -> None:
         # before the workers start (pytest_sessionstart): each would otherwise compile every test
         # module whose cache is missing (a fresh clone: all of them) - the same ~3 s of CPU 6 times
         warm_bytecode.warm(config, Path(__file__).parent)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _SESSION_STARTED.set()  # after hypothesis's own hook: its initialisation has ended
 
 
 #: callables (``module.qualname``) outside the test suite that start processes when called
