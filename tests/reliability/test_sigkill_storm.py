@@ -141,7 +141,10 @@ def test_hundreds_of_sigkills_under_load() -> None:
         def settled() -> StatusRecord | None:
             st = c.status()
             recs = st.tenants
-            done = all(r.state == "running" and r.in_flight == 0 and r.parked == 0 for r in recs)
+            # every killed worker's death handled: none of them is still listed (a SIGKILL the loop has
+            # not reaped yet leaves its instance "ready" under its old pid - on a loaded host, seconds)
+            done = all(r.state == "running" and r.in_flight == 0 and r.parked == 0 for r in recs) and all(
+                i.state == "ready" and i.pid not in killed for r in recs for i in r.instances)
             return st if done else None
 
         status = wait_for(settled, timeout_s=20, what="every instance back and idle")
