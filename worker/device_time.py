@@ -793,13 +793,10 @@ class DeviceGate:
         # the board that granted the stretch hears of its end even if the scheduler was switched off since
         board = self.board if self._held_board else None
         self._held_board = False
-        if board is not None and board.finish(pending, last=last, idle=idle):
-            # handed over: the grantee's device thread was just woken, often onto this very CPU (the
-            # waker's), where it waits until this thread sleeps or is preempted - and the device with
-            # it. What this thread does next is its own bookkeeping: it gives the CPU up first
-            os.sched_yield()
-            if board.throttled_wait_ns():
-                self.block.count_gpu_throttled()
+        if board is not None and board.finish(pending, last=last, idle=idle) and board.throttled_wait_ns():
+            # (no sched_yield after a handover: on a host loaded past its cores it hands the giver's
+            # slice to any runnable process and the giver asks again late - GPU-QUOTAS.md)
+            self.block.count_gpu_throttled()
         if error is not None:
             raise error
 
@@ -902,10 +899,8 @@ class DeviceGate:
             self.run_time_ns += ns
             self.block.charge_gpu_time(ns)
             if board is not None:
-                if board.finish(ns, last=last):
-                    os.sched_yield()  # handed over: the grantee first (see _flush)
-                    if board.throttled_wait_ns():
-                        self.block.count_gpu_throttled()
+                if board.finish(ns, last=last) and board.throttled_wait_ns():
+                    self.block.count_gpu_throttled()
         return ns, waited, result[0] if result else None
 
     def _serial_fd(self) -> int:

@@ -300,41 +300,6 @@ def test_a_big_op_is_planned_before_the_lease_is_asked_for_and_its_wait_still_co
         gate.close()
 
 
-class _HandingOver(CountingBoard):
-    """A board on which every stretch's end hands the device over (``finish`` returns True)."""
-
-    def __init__(self, hands_over: bool) -> None:
-        super().__init__(True)
-        self.hands_over = hands_over
-
-    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False) -> bool:
-        super().finish(charged_ns, now, last=last, idle=idle)
-        return self.hands_over
-
-
-@pytest.mark.parametrize("hands_over", [True, False])
-def test_the_device_thread_gives_its_cpu_up_right_after_a_handover(block: QuotaBlock, hands_over: bool,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The grantee's device thread is woken onto the giver's CPU as often as not, where it waits until
-    the giver sleeps or is preempted - and the device with it: after a handover the giver yields
-    before its own bookkeeping. Keeping the device, it does not."""
-    yields: list[int] = []
-    monkeypatch.setattr("os.sched_yield", lambda: yields.append(1))
-    board = _HandingOver(hands_over)
-    gate, be, _ = _gate(block, board)
-    try:
-        buf = be.alloc(64 * 4)
-        gate.submit("fill_f32", be.fill_f32, (buf, 1.0, 64))  # queued: the device thread's stretch
-        gate.sync()
-        queued = board.calls["finish"]
-        assert queued >= 1
-        gate.op("fill_f32", be.fill_f32, (buf, 2.0, 64))  # synchronous: on this thread
-        assert board.calls["finish"] > queued
-        assert len(yields) == (board.calls["finish"] if hands_over else 0)
-    finally:
-        gate.close()
-
-
 def test_a_batchs_end_from_the_submitters_estimates_is_the_walks(block: QuotaBlock) -> None:
     """The device thread finds a batch's end from the estimates the submitting thread recorded
     (``_Item.small_est``: C loops) - the same end as the walk that plans each op itself (an item
