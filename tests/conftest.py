@@ -79,18 +79,15 @@ def _warm_hypothesis_constants() -> None:
     # here): every file reached before the session starts would be lost to it
     if not _SESSION_STARTED.wait(timeouts.scaled(60)):
         return
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = Path(__file__).resolve().parent.parent
     for package in _LOCAL_PACKAGES:
-        for folder, dirs, files in os.walk(os.path.join(root, package)):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
-            for name in sorted(files):
-                if name.endswith(".py"):
-                    stand_in = types.ModuleType("twt_constants_stand_in")  # only its __file__ is read
-                    stand_in.__file__ = os.path.join(folder, name)
-                    try:
-                        constants_from_module(stand_in)
-                    except Exception:  # noqa: BLE001 - a cache warm-up: the workers compute what it missed
-                        continue
+        for path in warm_bytecode.python_sources(root / package):
+            stand_in = types.ModuleType("twt_constants_stand_in")  # only its __file__ is read
+            stand_in.__file__ = str(path)
+            try:
+                constants_from_module(stand_in)
+            except Exception:  # noqa: BLE001 - a cache warm-up: the workers compute what it missed
+                continue
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 
-def _sources(root: Path) -> list[Path]:
+def python_sources(root: Path) -> list[Path]:
     """Every ``.py`` file below ``root``, sorted; caches and hidden folders skipped."""
     found: list[Path] = []
     for folder, dirs, files in os.walk(root):
@@ -77,7 +77,7 @@ def warm(config: pytest.Config, root: Path) -> tuple[int, int]:
         return 0, 0
     rewriter = _rewriter(config)
     rewritten = compiled = 0
-    for path in _sources(root):
+    for path in python_sources(root):
         try:
             if rewriter is not None:
                 rewrite, state, hook = rewriter
