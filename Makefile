@@ -65,16 +65,22 @@ TEST_WORKERS ?= 6
 #: never sees half of it. Their output is printed after the tests'; if one failed, make test fails.
 #: (Named through SETUP_MAKE, not $(MAKE) on the recipe line: GNU make runs every line that names
 #: $(MAKE) even under `make -n`, which would then run the whole suite.)
+#: Its last line says where the wall time went outside pytest's own clock: the lint, the suite's
+#: script (pytest's process and the temp root's removal: run-suite.sh's own line) and the wait
+#: for mypy and the set-up steps after the tests.
 SETUP_MAKE = $(MAKE) --no-print-directory -j2
 test: $(STAMP)
-	@$(SETUP_MAKE) $(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN) > $(VENV)/.twt-prepare.log 2>&1 & \
+	@t0=$$(date +%s.%N); \
+	$(SETUP_MAKE) $(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN) > $(VENV)/.twt-prepare.log 2>&1 & \
 	prep=$$!; \
 	if ! $(BIN)/ruff check .; then wait $$prep; exit 1; fi; \
+	t1=$$(date +%s.%N); \
 	$(BIN)/python -m mypy > $(VENV)/.twt-mypy.log 2>&1 & mypy=$$!; \
 	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart=0 --durations=20; \
-	rc=$$?; wait $$mypy; mrc=$$?; wait $$prep; prc=$$?; \
+	rc=$$?; t2=$$(date +%s.%N); wait $$mypy; mrc=$$?; wait $$prep; prc=$$?; t3=$$(date +%s.%N); \
 	echo "set-up ($(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN)):"; cat $(VENV)/.twt-prepare.log; \
 	echo "mypy:"; cat $(VENV)/.twt-mypy.log; \
+	echo "$$t0 $$t1 $$t2 $$t3" | awk '{printf "make test (wall): lint %.1f s, tests/run-suite.sh %.1f s, then %.1f s waiting for mypy and the set-up\n", $$2-$$1, $$3-$$2, $$4-$$3}'; \
 	if [ $$prc -ne 0 ]; then echo "make test: a set-up step failed (above)"; exit $$prc; fi; \
 	if [ $$mrc -ne 0 ]; then echo "make test: the type check failed (above)"; exit $$mrc; fi; exit $$rc
 
