@@ -212,12 +212,14 @@ def _stable_lib_dir(toolchain: Path, cache: Path) -> Path | None:
     every build on the cache does. None if the version is unknown or the folder cannot be made (the
     build then uses the toolchain's own ``lib/``).
 
-    Why: Zig keys what it builds with debug info (``-O debug``: wasi-libc and the runtimes, ~18 s of
-    CPU) on the path of the lib folder that debug info names, so through each checkout's own
-    ``.venv/.../ziglang/lib`` every checkout (a fresh clone, a worktree) compiled them again; through
-    this one path, once per Zig version per cache. It must be a folder, not a link: Zig resolves a
-    link's files to their real paths, which then key even the release builds on the checkout. The
-    folder's name says its Zig version, and a version's files are the same in every checkout.
+    Why: Zig keys what it builds on the path of the lib folder (the libraries' compile commands
+    name it), so through each checkout's own ``.venv/.../ziglang/lib`` every checkout (a fresh
+    clone, a worktree) compiled the Debug-mode wasi-libc and runtimes (``-O debug``, ~20 s of CPU)
+    again; through this one path, once per Zig version per cache. Only debug builds use it: the
+    release libraries stay keyed on the toolchain's own path, the one a sandboxed build compiles
+    through (its cache, seeded from the user's, then finds them). It must be a folder, not a link:
+    Zig resolves a link's files to their real paths. The folder's name says its Zig version, and a
+    version's files are the same in every checkout.
     """
     versions = [p.name[len(TOOLCHAIN) + 1:-len(".dist-info")] for p in toolchain.parent.glob(f"{TOOLCHAIN}-*.dist-info")]
     if len(versions) != 1 or not re.fullmatch(r"[0-9A-Za-z.+_-]+", versions[0]):
@@ -340,9 +342,12 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
                 except NoDependencyList as exc:
                     unlisted = exc  # refused whatever happens; the compile below says what is missing
                     break
-            # the compile reads the toolchain through a path shared by every checkout (not the
-            # sandbox's: its cache is another user's); the dependency check above ran on the real one
-            lib = _stable_lib_dir(toolchain, cache) if user is None else None
+            # a debug compile reads the toolchain through a path shared by every checkout (not the
+            # sandbox's: its cache is another user's); the dependency check above ran on the real one.
+            # A release compile reads the toolchain's own path: Zig keys its libraries on the lib
+            # folder's path in every mode, and this is the path a sandboxed build (the toolchain's
+            # own, whatever its cache) shares with the user's builds
+            lib = _stable_lib_dir(toolchain, cache) if user is None and optimize == "debug" else None
             code, output = run_compiler(cmd, cwd=root, env=env if lib is None else {**env, "ZIG_LIB_DIR": str(lib)},
                                         timeout_s=timeout_s, user=user)
         output = _unstage(output, dirs)

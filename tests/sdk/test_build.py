@@ -205,8 +205,11 @@ def test_no_stable_lib_dir_where_the_version_is_unknown_or_a_link_holds_its_name
     assert (cache / "twt-zig-lib-0.99.1").is_symlink() and not [p for p in cache.iterdir() if p.name.startswith(".")]
 
 
-def test_the_compile_reads_the_stable_lib_dir_and_the_dependency_check_the_real_one(
+def test_a_debug_compile_reads_the_stable_lib_dir_and_the_dependency_check_and_a_release_compile_the_real_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zig keys its libraries on the lib folder's path in every mode: the Debug ones are shared by every
+    checkout through the stable folder; the release ones stay on the toolchain's own path, which a
+    sandboxed build (whose cache is seeded from the user's) compiles through too."""
     seen: list[tuple[list[str], dict[str, str]]] = []
 
     def compiler(cmd: list[str], **kw: object) -> tuple[int, str]:
@@ -230,3 +233,8 @@ def test_the_compile_reads_the_stable_lib_dir_and_the_dependency_check_the_real_
     lib = Path(env["ZIG_LIB_DIR"])
     assert lib == tmp_path / "cache" / "twt-zig-lib-0.99.1" and not lib.is_symlink()
     assert (lib / "std.zig").read_text() == "// std\n"
+    seen.clear()
+    with pytest.raises(BuildError, match="compiling failed"):
+        build_module([src], tmp_path / "a.wasm", cache=tmp_path / "cache")
+    (pre, pre_env), (_, env) = seen
+    assert "-E" in pre and "ZIG_LIB_DIR" not in pre_env and "ZIG_LIB_DIR" not in env
