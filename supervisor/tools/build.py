@@ -317,7 +317,7 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
             (root / "sdk" / part).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(sdk / part, root / "sdk" / part)
         refuse_cimport(root)
-        for sub in ("out", "deps", "tmp"):
+        for sub in ("out", "deps", "tmp", "objs"):
             (root / sub).mkdir()
         if user is not None:
             chown_tree(root, user)
@@ -342,14 +342,23 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
                 except NoDependencyList as exc:
                     unlisted = exc  # refused whatever happens; the compile below says what is missing
                     break
-            # a debug compile reads the toolchain through a path shared by every checkout (not the
-            # sandbox's: its cache is another user's); the dependency check above ran on the real one.
-            # A release compile reads the toolchain's own path: Zig keys its libraries on the lib
-            # folder's path in every mode, and this is the path a sandboxed build (the toolchain's
-            # own, whatever its cache) shares with the user's builds
-            lib = _stable_lib_dir(toolchain, cache) if user is None and optimize == "debug" else None
-            code, output = run_compiler(cmd, cwd=root, env=env if lib is None else {**env, "ZIG_LIB_DIR": str(lib)},
-                                        timeout_s=timeout_s, user=user)
+            linked = None
+            if optimize == "debug" and cmd[1] == "cc" and unlisted is None:
+                linked = _debug_c_build([s for s in staged if s.suffix in _C_SUFFIXES], staged_out, cache=cache,
+                                        root=root, env=env, stack_size=stack_size, max_memory=max_memory,
+                                        werror=werror, timeout_s=timeout_s, user=user)
+            if linked is not None:
+                (code, output), cmd = linked
+            else:
+                # a debug compile reads the toolchain through a path shared by every checkout (not the
+                # sandbox's: its cache is another user's); the dependency check above ran on the real
+                # one. A release compile reads the toolchain's own path: Zig keys its libraries on the
+                # lib folder's path in every mode, and this is the path a sandboxed build (the
+                # toolchain's own, whatever its cache) shares with the user's builds
+                lib = _stable_lib_dir(toolchain, cache) if user is None and optimize == "debug" else None
+                code, output = run_compiler(cmd, cwd=root,
+                                            env=env if lib is None else {**env, "ZIG_LIB_DIR": str(lib)},
+                                            timeout_s=timeout_s, user=user)
         output = _unstage(output, dirs)
         if code != 0:
             raise BuildError(f"compiling failed ({tool} exit {code}; its messages are above)", output)
@@ -365,6 +374,64 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
         tmp_out.write_bytes(wasm)
         tmp_out.replace(out)
     return BuildResult(out, len(wasm), exports, wasi, tuple(cmd), output)
+
+
+#: a debug C build's link: the release libraries (those ``twt build --prepare`` compiles), stripped
+_DEBUG_LINK_MODE = "ReleaseSafe"
+#: the linker options that strip the output, left out of a debug C build's final link
+_STRIP_OPTIONS = frozenset({"-s", "--strip-all", "-S", "--strip-debug"})
+
+
+def _debug_c_build(sources: list[Path], out: Path, *, cache: Path, root: Path, env: dict[str, str],
+                   stack_size: int, max_memory: int | None, werror: bool, timeout_s: float,
+                   user: SandboxUser | None) -> tuple[tuple[int, str], list[str]] | None:
+    """A C debug build (``-O debug``) linked against the release libraries: ``((exit code, output),
+    the final command)``, or None where that link cannot be made (the caller then builds as before).
+
+    Why: a single ``zig cc -O0 -g`` links libraries built with debug info, which Zig compiles once
+    more (wasi-libc and the runtimes again, ~20-30 s of CPU on a fresh cache), though a trap's
+    source lines come from the tenant's own objects. So each source is compiled alone (``-O0 -g``,
+    undefined behaviour trapping where it happens, named by that line: there is no UBSan runtime
+    without those libraries), ``zig build-exe`` links the objects against the release libraries
+    (stripped, those of a release build: in the cache once anything was built) and prints the
+    linker's command line, which then runs again without its strip options, so the module keeps
+    the objects' debug info. A compile error is the build's answer; a link that fails or prints no
+    command line (another Zig release) gives None.
+    """
+    zig = _zig()
+    c_flags, _ = OPTIMIZE["debug"]
+    warn = ["-Wall", *(["-Werror"] if werror else [])]
+    outputs: list[str] = []
+    objects: list[str] = []
+    for i, src in enumerate(sources):
+        obj = f"objs/{i}.o"
+        cmd = [*zig, "cc", "--target=wasm32-wasi", *c_flags, "-fsanitize-trap=undefined", *warn, "-I", "sdk/c",
+               "-c", "-o", obj, str(src)]
+        code, output = run_compiler(cmd, cwd=root, env=env, timeout_s=timeout_s, user=user)
+        outputs.append(output)
+        if code != 0:
+            return (code, "".join(outputs)), cmd
+        objects.append(obj)
+    if any(c.isspace() for c in str(cache) + str(root)):  # the printed command line splits at spaces
+        return None
+    linked = "objs/module.wasm"  # a name of ours: nothing the caller or a source named is in the command
+    cmd = [*zig, "build-exe", "-target", "wasm32-wasi", "-mexec-model=reactor", "-fno-entry", "-O", _DEBUG_LINK_MODE,
+           "-fstrip", "--stack", str(stack_size), *([f"--max-memory={max_memory}"] if max_memory else []),
+           "--cache-dir", str(cache), "-lc", *objects, f"-femit-bin={linked}", "--name", "module", "--verbose-link"]
+    code, output = run_compiler(cmd, cwd=root, env=env, timeout_s=timeout_s, user=user)
+    lines = [line.split(" ") for line in output.splitlines() if line.startswith("wasm-ld ")]
+    if code != 0 or len(lines) != 1:
+        return None
+    args = [arg for arg in lines[0][1:] if arg and arg not in _STRIP_OPTIONS]
+    outs = [i for i, arg in enumerate(args) if arg == "-o"]
+    if len(outs) != 1 or args[outs[0] + 1:outs[0] + 2] != [linked] or not set(objects) <= set(args):
+        return None
+    link = [*zig, "wasm-ld", *args]
+    code, output = run_compiler(link, cwd=root, env=env, timeout_s=timeout_s, user=user)
+    if code != 0:
+        return None
+    os.replace(root / linked, root / out)
+    return (0, "".join(outputs) + output), link
 
 
 def _relative(arg: str, root: Path) -> str:
