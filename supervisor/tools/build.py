@@ -423,8 +423,7 @@ def _debug_c_build(sources: list[Path], out: Path, *, cache: Path, root: Path, e
     if code != 0 or len(lines) != 1:
         return None
     args = [arg for arg in lines[0][1:] if arg and arg not in _STRIP_OPTIONS]
-    outs = [i for i, arg in enumerate(args) if arg == "-o"]
-    if len(outs) != 1 or args[outs[0] + 1:outs[0] + 2] != [linked] or not set(objects) <= set(args):
+    if not _known_link(args, linked, objects, cache):
         return None
     link = [*zig, "wasm-ld", *args]
     code, output = run_compiler(link, cwd=root, env=env, timeout_s=timeout_s, user=user)
@@ -432,6 +431,40 @@ def _debug_c_build(sources: list[Path], out: Path, *, cache: Path, root: Path, e
         return None
     os.replace(root / linked, root / out)
     return (0, "".join(outputs) + output), link
+
+
+#: the linker options a debug C build's printed link may hold (a value after ``=``); any other, and the
+#: build links as before: the command line is run again, so nothing in it may write or read elsewhere
+_LINK_FLAGS = ("--error-limit=", "--export-memory", "--stack-first", "--no-entry", "--build-id=", "--max-memory=",
+               "--initial-memory=", "--export-dynamic", "--export-table", "--growable-table")
+
+
+def _known_link(args: list[str], linked: str, objects: list[str], cache: Path) -> bool:
+    """Whether ``args`` (a printed link, its strip options dropped) is the link this build asked for:
+    one output, ``linked``; every object; the rest options of :data:`_LINK_FLAGS`, ``-z
+    stack-size=N``, or libraries in the cache's ``o/``."""
+    libraries = f"{cache}/o/"
+    outputs = 0
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "-o":
+            if args[i + 1:i + 2] != [linked]:
+                return False
+            outputs += 1
+            i += 2
+            continue
+        if arg == "-z":
+            if not re.fullmatch(r"stack-size=[0-9]+", args[i + 1] if i + 1 < len(args) else ""):
+                return False
+            i += 2
+            continue
+        known = (arg in objects or (arg.startswith(libraries) and ".." not in arg)
+                 or any(arg == f or (f.endswith("=") and arg.startswith(f)) for f in _LINK_FLAGS))
+        if not known:
+            return False
+        i += 1
+    return outputs == 1 and set(objects) <= set(args)
 
 
 def _relative(arg: str, root: Path) -> str:

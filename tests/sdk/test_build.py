@@ -289,11 +289,16 @@ def test_a_debug_c_build_links_its_objects_against_the_release_libraries_unstrip
 
 
 @pytest.mark.parametrize("printed", [None, "", "wasm-ld -s -o out/elsewhere.wasm objs/0.o\n",
-                                     "wasm-ld -s -o objs/module.wasm -o /etc/x objs/0.o\n"])
+                                     "wasm-ld -s -o objs/module.wasm -o /etc/x objs/0.o\n",
+                                     "wasm-ld -s -o objs/module.wasm objs/0.o --Map=/etc/x\n",
+                                     "wasm-ld -s -o objs/module.wasm objs/0.o /etc/x.a\n",
+                                     "wasm-ld -s -o objs/module.wasm -z stack-size=1,x objs/0.o\n",
+                                     "wasm-ld -o objs/module.wasm objs/0.o\nwasm-ld -o objs/module.wasm objs/0.o\n"])
 def test_a_debug_c_build_without_a_usable_link_line_builds_in_one_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, printed: str | None) -> None:
-    """A link that fails, or prints no command line, or one that writes elsewhere than asked: the
-    single ``zig cc -O0 -g`` build (its own Debug-mode libraries, through the stable lib folder)."""
+    """A link that fails, or prints no command line, or two, or one that writes elsewhere than asked or
+    holds an option or an input not known here (the command is run again): the single ``zig cc -O0
+    -g`` build (its own Debug-mode libraries, through the stable lib folder)."""
     seen: list[tuple[list[str], dict[str, str]]] = []
     monkeypatch.setattr(builder, "run_compiler", _recording_compiler(seen, printed))
     toolchain = _fake_toolchain(tmp_path)
