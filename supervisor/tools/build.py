@@ -15,7 +15,10 @@ module with none is an error (the host could call nothing).
 Defaults: optimised (``-O2`` / ``ReleaseSafe``), debug info stripped, a
 256 KiB stack (the linker's default is 16 MiB of linear memory, all charged
 to the tenant's quota while the module runs: docs/GUESTS.md). The output is
-written only when the build and the export check succeed.
+written only when the build and the export check succeed. A C debug build
+(``-O debug``) compiles each source alone (``-O0 -g``) and links the objects
+against the release build's libraries, its debug info kept
+(:func:`_debug_c_build`).
 
 The SDK is the ``sdk/`` folder of the checkout this package is installed
 from (``pip install -e``, as ``make`` does).
@@ -214,10 +217,11 @@ def _stable_lib_dir(toolchain: Path, cache: Path) -> Path | None:
 
     Why: Zig keys what it builds on the path of the lib folder (the libraries' compile commands
     name it), so through each checkout's own ``.venv/.../ziglang/lib`` every checkout (a fresh
-    clone, a worktree) compiled the Debug-mode wasi-libc and runtimes (``-O debug``, ~20 s of CPU)
-    again; through this one path, once per Zig version per cache. Only debug builds use it: the
-    release libraries stay keyed on the toolchain's own path, the one a sandboxed build compiles
-    through (its cache, seeded from the user's, then finds them). It must be a folder, not a link:
+    clone, a worktree) compiled the Debug-mode wasi-libc and runtimes (a Zig root's ``-O debug``
+    build, or a C one whose link-only build could not be made: ~20 s of CPU) again; through this
+    one path, once per Zig version per cache. Only those builds use it: the release libraries stay
+    keyed on the toolchain's own path, the one a sandboxed build compiles through (its cache,
+    seeded from the user's, then finds them). It must be a folder, not a link:
     Zig resolves a link's files to their real paths. The folder's name says its Zig version, and a
     version's files are the same in every checkout.
     """
