@@ -429,11 +429,12 @@ def _debug_c_build(sources: list[Path], out: Path, *, cache: Path, root: Path, e
     args = [arg for arg in lines[0][1:] if arg and arg not in _STRIP_OPTIONS]
     if not _known_link(args, linked, objects, cache):
         return None
-    link = [*zig, "wasm-ld", *args]
+    # the module goes where the one-step build writes it, written by the compiler (as the sandbox's
+    # user with --sandbox), not moved there by this process
+    link = [*zig, "wasm-ld", *(str(out) if arg == linked else arg for arg in args)]
     code, output = run_compiler(link, cwd=root, env=env, timeout_s=timeout_s, user=user)
     if code != 0:
         return None
-    os.replace(root / linked, root / out)
     return (0, "".join(outputs) + output), link
 
 

@@ -282,8 +282,9 @@ def test_a_debug_c_build_links_its_objects_against_the_release_libraries_unstrip
     assert {"-fstrip", "--verbose-link", "-lc", "objs/0.o", "objs/1.o"} <= set(exe) and "ZIG_LIB_DIR" not in exe_env
     assert exe[exe.index("-O") + 1] == "ReleaseSafe"
     (link, _), = [(cmd, env) for cmd, env in seen if cmd[1] == "wasm-ld"]
-    assert link[2:] == ["--error-limit=0", "--no-entry", "-o", "objs/module.wasm", f"{cache}/o/ab/libc.a",
-                        "objs/0.o", "objs/1.o"]  # the printed line, less its strip option
+    # the printed line, less its strip option, writing where the one-step build writes
+    assert link[2:] == ["--error-limit=0", "--no-entry", "-o", "out/dbg.wasm", f"{cache}/o/ab/libc.a",
+                        "objs/0.o", "objs/1.o"]
     assert result.command == tuple(link)
     assert not (cache / "twt-zig-lib-0.99.1").exists()  # no Debug-mode libraries asked for
 
