@@ -33,15 +33,6 @@ $(OTHER_BINDINGS): $(STAMP) tests/helpers/replay_bindings.py
 	$(BIN)/python -m tests.helpers.replay_bindings --prepare
 	@touch $@
 
-#: Zig's Debug-mode wasi-libc and runtimes (what a `twt build -O debug` compiles first: ~18-70 s of CPU on a
-#: fresh machine, which tests/sdk/test_trap_lines.py's debug build paid inside the suite), once beside the venv;
-#: compiled once per Zig version per Zig cache (twt build's stable lib path, docs/BUILD.md): a later clone's
-#: step finds them
-DEBUG_TOOLCHAIN := $(VENV)/.twt-debug-toolchain
-$(DEBUG_TOOLCHAIN): $(STAMP)
-	$(BIN)/twt build --prepare -O debug
-	@touch $@
-
 ## make demo: the main job - a supervisor, five tenants, bundled WASM guests
 demo: $(STAMP)
 	$(BIN)/twt demo
@@ -58,24 +49,30 @@ TEST_WORKERS ?= 6
 #: rerun it on fresh workers, and once hung after replacing one until CI's time limit).
 #: mypy runs on one core (~10 s of CPU on a fresh clone, no cache): beside the tests it no longer
 #: leaves the other core idle before them; its output is printed after theirs.
-#: The two set-up steps ($(OTHER_BINDINGS), $(DEBUG_TOOLCHAIN)) run beside the lint and the suite's
-#: start (its workers' imports and collection), two at a time, not before them: a test that needs
-#: one before it is done waits for it (the replay takes replay_bindings' install lock and reads its
-#: completion file; a debug build waits on Zig's cache locks, then finds what the step compiled),
-#: never sees half of it. Their output is printed after the tests'; if one failed, make test fails.
+#: The set-up step ($(OTHER_BINDINGS)) runs beside the lint and the suite's start (its workers'
+#: imports and collection), not before them: a replay that needs it before it is done waits for it
+#: (it takes replay_bindings' install lock and reads its completion file), never sees half of it.
+#: Its output is printed after the tests'; if it failed, make test fails. (The suite's debug build
+#: needs no set-up: a C debug build links the release libraries the install step prepared.)
 #: (Named through SETUP_MAKE, not $(MAKE) on the recipe line: GNU make runs every line that names
 #: $(MAKE) even under `make -n`, which would then run the whole suite.)
-SETUP_MAKE = $(MAKE) --no-print-directory -j2
+#: Its last line says where the wall time went outside pytest's own clock: the lint, the suite's
+#: script (pytest's process and the temp root's removal: run-suite.sh's own line) and the wait
+#: for mypy and the set-up step after the tests.
+SETUP_MAKE = $(MAKE) --no-print-directory
 test: $(STAMP)
-	@$(SETUP_MAKE) $(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN) > $(VENV)/.twt-prepare.log 2>&1 & \
+	@t0=$$(date +%s.%N); \
+	$(SETUP_MAKE) $(OTHER_BINDINGS) > $(VENV)/.twt-prepare.log 2>&1 & \
 	prep=$$!; \
 	if ! $(BIN)/ruff check .; then wait $$prep; exit 1; fi; \
+	t1=$$(date +%s.%N); \
 	$(BIN)/python -m mypy > $(VENV)/.twt-mypy.log 2>&1 & mypy=$$!; \
 	tests/run-suite.sh -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart=0 --durations=20; \
-	rc=$$?; wait $$mypy; mrc=$$?; wait $$prep; prc=$$?; \
-	echo "set-up ($(OTHER_BINDINGS) $(DEBUG_TOOLCHAIN)):"; cat $(VENV)/.twt-prepare.log; \
+	rc=$$?; t2=$$(date +%s.%N); wait $$mypy; mrc=$$?; wait $$prep; prc=$$?; t3=$$(date +%s.%N); \
+	echo "set-up ($(OTHER_BINDINGS)):"; cat $(VENV)/.twt-prepare.log; \
 	echo "mypy:"; cat $(VENV)/.twt-mypy.log; \
-	if [ $$prc -ne 0 ]; then echo "make test: a set-up step failed (above)"; exit $$prc; fi; \
+	echo "$$t0 $$t1 $$t2 $$t3" | awk '{printf "make test (wall): lint %.1f s, tests/run-suite.sh %.1f s, then %.1f s waiting for mypy and the set-up\n", $$2-$$1, $$3-$$2, $$4-$$3}'; \
+	if [ $$prc -ne 0 ]; then echo "make test: the set-up step failed (above)"; exit $$prc; fi; \
 	if [ $$mrc -ne 0 ]; then echo "make test: the type check failed (above)"; exit $$mrc; fi; exit $$rc
 
 ## make test-fast: the inner loop - every test that starts no process (no supervisor, worker, Ray),

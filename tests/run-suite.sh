@@ -12,7 +12,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # short, and under /tmp whatever $TMPDIR says: unix socket paths below it are limited to 107 bytes
 root=$(mktemp -d /tmp/twt.XXXXXX)
-trap 'rm -rf "$root"' EXIT
+start=$(date +%s.%N)
+# its one line says where run-suite's wall time went besides pytest's own clock: pytest's process
+# (its start-up before the session's clock, its exit) and the temp root's removal
+finish() {
+  local ended; ended=$(date +%s.%N)
+  rm -rf "$root"
+  echo "$start $ended $(date +%s.%N)" |
+    awk '{printf "run-suite: the pytest process %.1f s, the temp root removed in %.1f s\n", $2-$1, $3-$2}' >&2
+}
+trap finish EXIT
 # traverse-only for others: the client_group tests run a client as a second user below it
 chmod 0711 "$root"
 export TMPDIR="$root" RAY_TMPDIR="$root" PYTEST_TWT_ROOT="$root"

@@ -15,7 +15,10 @@ module with none is an error (the host could call nothing).
 Defaults: optimised (``-O2`` / ``ReleaseSafe``), debug info stripped, a
 256 KiB stack (the linker's default is 16 MiB of linear memory, all charged
 to the tenant's quota while the module runs: docs/GUESTS.md). The output is
-written only when the build and the export check succeed.
+written only when the build and the export check succeed. A C debug build
+(``-O debug``) compiles each source alone (``-O0 -g``) and links the objects
+against the release build's libraries, its debug info kept
+(:func:`_debug_c_build`).
 
 The SDK is the ``sdk/`` folder of the checkout this package is installed
 from (``pip install -e``, as ``make`` does).
@@ -212,12 +215,15 @@ def _stable_lib_dir(toolchain: Path, cache: Path) -> Path | None:
     every build on the cache does. None if the version is unknown or the folder cannot be made (the
     build then uses the toolchain's own ``lib/``).
 
-    Why: Zig keys what it builds with debug info (``-O debug``: wasi-libc and the runtimes, ~18 s of
-    CPU) on the path of the lib folder that debug info names, so through each checkout's own
-    ``.venv/.../ziglang/lib`` every checkout (a fresh clone, a worktree) compiled them again; through
-    this one path, once per Zig version per cache. It must be a folder, not a link: Zig resolves a
-    link's files to their real paths, which then key even the release builds on the checkout. The
-    folder's name says its Zig version, and a version's files are the same in every checkout.
+    Why: Zig keys what it builds on the path of the lib folder (the libraries' compile commands
+    name it), so through each checkout's own ``.venv/.../ziglang/lib`` every checkout (a fresh
+    clone, a worktree) compiled the Debug-mode wasi-libc and runtimes (a Zig root's ``-O debug``
+    build, or a C one whose link-only build could not be made: ~20 s of CPU) again; through this
+    one path, once per Zig version per cache. Only those builds use it: the release libraries stay
+    keyed on the toolchain's own path, the one a sandboxed build compiles through (its cache,
+    seeded from the user's, then finds them). It must be a folder, not a link:
+    Zig resolves a link's files to their real paths. The folder's name says its Zig version, and a
+    version's files are the same in every checkout.
     """
     versions = [p.name[len(TOOLCHAIN) + 1:-len(".dist-info")] for p in toolchain.parent.glob(f"{TOOLCHAIN}-*.dist-info")]
     if len(versions) != 1 or not re.fullmatch(r"[0-9A-Za-z.+_-]+", versions[0]):
@@ -315,7 +321,7 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
             (root / "sdk" / part).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(sdk / part, root / "sdk" / part)
         refuse_cimport(root)
-        for sub in ("out", "deps", "tmp"):
+        for sub in ("out", "deps", "tmp", "objs"):
             (root / sub).mkdir()
         if user is not None:
             chown_tree(root, user)
@@ -340,11 +346,23 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
                 except NoDependencyList as exc:
                     unlisted = exc  # refused whatever happens; the compile below says what is missing
                     break
-            # the compile reads the toolchain through a path shared by every checkout (not the
-            # sandbox's: its cache is another user's); the dependency check above ran on the real one
-            lib = _stable_lib_dir(toolchain, cache) if user is None else None
-            code, output = run_compiler(cmd, cwd=root, env=env if lib is None else {**env, "ZIG_LIB_DIR": str(lib)},
-                                        timeout_s=timeout_s, user=user)
+            linked = None
+            if optimize == "debug" and cmd[1] == "cc" and unlisted is None:
+                linked = _debug_c_build([s for s in staged if s.suffix in _C_SUFFIXES], staged_out, cache=cache,
+                                        root=root, env=env, stack_size=stack_size, max_memory=max_memory,
+                                        werror=werror, timeout_s=timeout_s, user=user)
+            if linked is not None:
+                (code, output), cmd = linked
+            else:
+                # a debug compile reads the toolchain through a path shared by every checkout (not the
+                # sandbox's: its cache is another user's); the dependency check above ran on the real
+                # one. A release compile reads the toolchain's own path: Zig keys its libraries on the
+                # lib folder's path in every mode, and this is the path a sandboxed build (the
+                # toolchain's own, whatever its cache) shares with the user's builds
+                lib = _stable_lib_dir(toolchain, cache) if user is None and optimize == "debug" else None
+                code, output = run_compiler(cmd, cwd=root,
+                                            env=env if lib is None else {**env, "ZIG_LIB_DIR": str(lib)},
+                                            timeout_s=timeout_s, user=user)
         output = _unstage(output, dirs)
         if code != 0:
             raise BuildError(f"compiling failed ({tool} exit {code}; its messages are above)", output)
@@ -360,6 +378,98 @@ def build_module(sources: list[Path], out: Path, *, optimize: str = "safe", stac
         tmp_out.write_bytes(wasm)
         tmp_out.replace(out)
     return BuildResult(out, len(wasm), exports, wasi, tuple(cmd), output)
+
+
+#: a debug C build's link: the release libraries (those ``twt build --prepare`` compiles), stripped
+_DEBUG_LINK_MODE = "ReleaseSafe"
+#: the linker options that strip the output, left out of a debug C build's final link
+_STRIP_OPTIONS = frozenset({"-s", "--strip-all", "-S", "--strip-debug"})
+
+
+def _debug_c_build(sources: list[Path], out: Path, *, cache: Path, root: Path, env: dict[str, str],
+                   stack_size: int, max_memory: int | None, werror: bool, timeout_s: float,
+                   user: SandboxUser | None) -> tuple[tuple[int, str], list[str]] | None:
+    """A C debug build (``-O debug``) linked against the release libraries: ``((exit code, output),
+    the final command)``, or None where that link cannot be made (the caller then builds as before).
+
+    Why: a single ``zig cc -O0 -g`` links libraries built with debug info, which Zig compiles once
+    more (wasi-libc and the runtimes again, ~20-30 s of CPU on a fresh cache), though a trap's
+    source lines come from the tenant's own objects. So each source is compiled alone (``-O0 -g``,
+    undefined behaviour trapping where it happens, named by that line: there is no UBSan runtime
+    without those libraries), ``zig build-exe`` links the objects against the release libraries
+    (stripped, those of a release build: in the cache once anything was built) and prints the
+    linker's command line, which then runs again without its strip options, so the module keeps
+    the objects' debug info. A compile error is the build's answer; a link that fails or prints no
+    command line (another Zig release) gives None.
+    """
+    zig = _zig()
+    c_flags, _ = OPTIMIZE["debug"]
+    warn = ["-Wall", *(["-Werror"] if werror else [])]
+    outputs: list[str] = []
+    objects: list[str] = []
+    for i, src in enumerate(sources):
+        obj = f"objs/{i}.o"
+        cmd = [*zig, "cc", "--target=wasm32-wasi", *c_flags, "-fsanitize-trap=undefined", *warn, "-I", "sdk/c",
+               "-c", "-o", obj, str(src)]
+        code, output = run_compiler(cmd, cwd=root, env=env, timeout_s=timeout_s, user=user)
+        outputs.append(output)
+        if code != 0:
+            return (code, "".join(outputs)), cmd
+        objects.append(obj)
+    if any(c.isspace() for c in str(cache) + str(root)):  # the printed command line splits at spaces
+        return None
+    linked = "objs/module.wasm"  # a name of ours: nothing the caller or a source named is in the command
+    cmd = [*zig, "build-exe", "-target", "wasm32-wasi", "-mexec-model=reactor", "-fno-entry", "-O", _DEBUG_LINK_MODE,
+           "-fstrip", "--stack", str(stack_size), *([f"--max-memory={max_memory}"] if max_memory else []),
+           "--cache-dir", str(cache), "-lc", *objects, f"-femit-bin={linked}", "--name", "module", "--verbose-link"]
+    code, output = run_compiler(cmd, cwd=root, env=env, timeout_s=timeout_s, user=user)
+    lines = [line.split(" ") for line in output.splitlines() if line.startswith("wasm-ld ")]
+    if code != 0 or len(lines) != 1:
+        return None
+    args = [arg for arg in lines[0][1:] if arg and arg not in _STRIP_OPTIONS]
+    if not _known_link(args, linked, objects, cache):
+        return None
+    # the module goes where the one-step build writes it, written by the compiler (as the sandbox's
+    # user with --sandbox), not moved there by this process
+    link = [*zig, "wasm-ld", *(str(out) if arg == linked else arg for arg in args)]
+    code, output = run_compiler(link, cwd=root, env=env, timeout_s=timeout_s, user=user)
+    if code != 0:
+        return None
+    return (0, "".join(outputs) + output), link
+
+
+#: the linker options a debug C build's printed link may hold (a value after ``=``); any other, and the
+#: build links as before: the command line is run again, so nothing in it may write or read elsewhere
+_LINK_FLAGS = ("--error-limit=", "--export-memory", "--stack-first", "--no-entry", "--build-id=", "--max-memory=",
+               "--initial-memory=", "--export-dynamic", "--export-table", "--growable-table")
+
+
+def _known_link(args: list[str], linked: str, objects: list[str], cache: Path) -> bool:
+    """Whether ``args`` (a printed link, its strip options dropped) is the link this build asked for:
+    one output, ``linked``; every object; the rest options of :data:`_LINK_FLAGS`, ``-z
+    stack-size=N``, or libraries in the cache's ``o/``."""
+    libraries = f"{cache}/o/"
+    outputs = 0
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "-o":
+            if args[i + 1:i + 2] != [linked]:
+                return False
+            outputs += 1
+            i += 2
+            continue
+        if arg == "-z":
+            if not re.fullmatch(r"stack-size=[0-9]+", args[i + 1] if i + 1 < len(args) else ""):
+                return False
+            i += 2
+            continue
+        known = (arg in objects or (arg.startswith(libraries) and ".." not in arg)
+                 or any(arg == f or (f.endswith("=") and arg.startswith(f)) for f in _LINK_FLAGS))
+        if not known:
+            return False
+        i += 1
+    return outputs == 1 and set(objects) <= set(args)
 
 
 def _relative(arg: str, root: Path) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import hashlib
 import os
@@ -30,7 +31,7 @@ import pytest
 
 from supervisor.tools.build import build_module, sdk_dir
 
-__all__ = ["EXAMPLES", "ROOT", "SdkBuilder", "opened_in", "seed_sandbox_cache", "shared_build_dir"]
+__all__ = ["EXAMPLES", "ROOT", "SdkBuilder", "opened_during", "opened_in", "seed_sandbox_cache", "shared_build_dir"]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "sdk" / "examples"
@@ -57,8 +58,8 @@ _WRITTEN = ("h", "z", "b")
 _READ_ONLY = ("o",)
 
 
-#: inotify(7): a file in the watched folder was opened; the event queue overflowed
-_IN_OPEN, _IN_Q_OVERFLOW = 0x20, 0x4000
+#: inotify(7): a file in the watched folder was opened; watch only a directory; the event queue overflowed
+_IN_OPEN, _IN_ONLYDIR, _IN_Q_OVERFLOW = 0x20, 0x1000000, 0x4000
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then len bytes of name)
 
 
@@ -66,6 +67,17 @@ def opened_in(folder: Path, action: Callable[[], object]) -> set[str] | None:
     """The names of the files in ``folder`` that were opened while ``action`` ran (by anyone: a
     superset of what ``action`` opened), through inotify; None where that cannot be known (no
     inotify, the event queue overflowed)."""
+    found = opened_during(action, folder)
+    return None if found is None else found[0]
+
+
+def opened_during(action: Callable[[], object], folder: Path,
+                  below: Path | None = None) -> tuple[set[str], set[str]] | None:
+    """What was opened while ``action`` ran (by anyone), through inotify: the names of the files in
+    ``folder`` and, with ``below``, the names of ``below``'s subfolders in which a file was opened
+    (one watch per subfolder, those that exist when it starts: a folder made meanwhile is not
+    named). None where that cannot be known (no inotify, too many watches, the event queue
+    overflowed)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -74,23 +86,35 @@ def opened_in(folder: Path, action: Callable[[], object]) -> set[str] | None:
     if fd < 0:
         return None
     try:
-        if libc.inotify_add_watch(fd, os.fsencode(folder), _IN_OPEN) < 0:
+        top = libc.inotify_add_watch(fd, os.fsencode(folder), _IN_OPEN)
+        if top < 0:
             return None
+        subfolders: dict[int, str] = {}
+        for name in os.listdir(below) if below is not None else ():
+            assert below is not None
+            wd = libc.inotify_add_watch(fd, os.fsencode(below / name), _IN_OPEN | _IN_ONLYDIR)
+            if wd >= 0:
+                subfolders[wd] = name
+            elif ctypes.get_errno() not in (errno.ENOTDIR, errno.ENOENT):  # not a folder, gone: not one
+                return None  # the user's watch limit: unknown
         action()
         names: set[str] = set()
+        used: set[str] = set()
         while True:
             try:
                 data = os.read(fd, 1 << 16)
             except BlockingIOError:
-                return names
+                return names, used
             at = 0
             while at + _EVENT.size <= len(data):
-                _, mask, _, size = _EVENT.unpack_from(data, at)
+                wd, mask, _, size = _EVENT.unpack_from(data, at)
                 if mask & _IN_Q_OVERFLOW:
                     return None
                 name = data[at + _EVENT.size:at + _EVENT.size + size].rstrip(b"\0")
-                if name:
+                if wd == top and name:
                     names.add(os.fsdecode(name))
+                elif wd in subfolders:
+                    used.add(subfolders[wd])
                 at += _EVENT.size + size
     finally:
         os.close(fd)
@@ -112,15 +136,19 @@ def seed_sandbox_cache(source: Path, cache: Path, uid: int, gid: int,
     halfway is left out (a build compiles it again if it needs it).
 
     ``probe``: a trusted build on ``source`` of the kind the sandbox will run. Then ``h`` gets only
-    the manifests opened while it ran (:func:`opened_in`), not every manifest the user's cache ever
-    wrote (on a machine where many checkouts built, ~40,000 files and 200 MB copied, then removed:
-    ~3 s of CPU); a manifest it missed only means that the sandboxed build compiles that part again.
-    Without inotify, every manifest, as without a probe."""
+    the manifests opened while it ran, and ``o`` only the object folders in which it opened a file
+    (:func:`opened_during`), not every manifest and object the user's cache ever wrote (on a machine
+    where many checkouts built, ~40,000 manifests, 200 MB copied, and ~45,000 object folders, ~90,000
+    links made, then all removed: ~9 s of CPU); one it missed only means that the sandboxed build
+    compiles that part again. Without inotify (or past the user's watch limit), every manifest and
+    every object, as without a probe."""
     cache.mkdir(mode=0o700)
     os.chown(cache, uid, gid)
     if not source.is_dir():
         return
-    manifests = opened_in(source / "h", probe) if probe is not None and (source / "h").is_dir() else None
+    opened = (opened_during(probe, source / "h", source / "o")
+              if probe is not None and (source / "h").is_dir() and (source / "o").is_dir() else None)
+    manifests, objects = opened if opened is not None else (None, None)
     linkable = os.stat(source).st_dev == os.stat(cache).st_dev
     for name in sorted(os.listdir(source)):
         if name not in _WRITTEN + _READ_ONLY:  # tmp: a build's scratch
@@ -128,7 +156,13 @@ def seed_sandbox_cache(source: Path, cache: Path, uid: int, gid: int,
         src, dst = source / name, cache / name
         if name in _READ_ONLY and linkable:
             # cp's exit status is ignored: a file removed under it is reported and skipped
-            subprocess.run(["cp", "-al", "--", str(src), str(dst)], stderr=subprocess.DEVNULL, check=False)
+            if objects is None:
+                subprocess.run(["cp", "-al", "--", str(src), str(dst)], stderr=subprocess.DEVNULL, check=False)
+            else:  # the folders the probe read from, each a tree of links in a folder of the user's
+                dst.mkdir()
+                if objects:
+                    subprocess.run(["cp", "-al", "--", *(str(src / o) for o in sorted(objects)), str(dst)],
+                                   stderr=subprocess.DEVNULL, check=False)
             writable = subprocess.run(["find", str(dst), "-type", "f", "-perm", "-o+w", "-print0"],
                                       capture_output=True, check=False).stdout
             for path in filter(None, writable.split(b"\0")):  # a file others may write: not shared

@@ -7,6 +7,7 @@ process against a real supervisor and worker.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -205,28 +206,108 @@ def test_no_stable_lib_dir_where_the_version_is_unknown_or_a_link_holds_its_name
     assert (cache / "twt-zig-lib-0.99.1").is_symlink() and not [p for p in cache.iterdir() if p.name.startswith(".")]
 
 
-def test_the_compile_reads_the_stable_lib_dir_and_the_dependency_check_the_real_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[tuple[list[str], dict[str, str]]] = []
+def _recording_compiler(seen: list[tuple[list[str], dict[str, str]]],
+                        verbose_link: str | None = None) -> Callable[..., tuple[int, str]]:
+    """A stand-in for run_compiler that records each command and its environment: the preprocessor's
+    pass writes an empty dependency list; ``cc -c`` writes its object; ``build-exe`` prints
+    ``verbose_link`` (when given; else it fails); ``wasm-ld`` writes a module exporting ``f`` where
+    its ``-o`` says; anything else fails."""
 
     def compiler(cmd: list[str], **kw: object) -> tuple[int, str]:
-        env = kw["env"]
+        env, cwd = kw["env"], Path(str(kw["cwd"]))
         assert isinstance(env, dict)
         seen.append((cmd, env))
-        if "-E" in cmd:  # the preprocessor's pass: an empty dependency list
-            (Path(str(kw["cwd"])) / "deps" / "0.d").write_text("deps/0.i:\n")
+        if "-E" in cmd:
+            (cwd / cmd[cmd.index("-MF") + 1]).write_text("deps/x.i:\n")
+            return 0, ""
+        if cmd[1] == "cc" and "-c" in cmd:
+            (cwd / cmd[cmd.index("-o") + 1]).write_bytes(b"\0asm object")
+            return 0, ""
+        if cmd[1] == "build-exe" and verbose_link is not None:
+            return 0, verbose_link
+        if cmd[1] == "wasm-ld":
+            (cwd / cmd[cmd.index("-o") + 1]).write_bytes(wasmtime.wat2wasm('(module (func (export "f")))'))
             return 0, ""
         return 1, "stopped here"
 
-    monkeypatch.setattr(builder, "run_compiler", compiler)
+    return compiler
+
+
+def test_a_debug_compile_reads_the_stable_lib_dir_and_the_dependency_check_and_a_release_compile_the_real_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zig keys its libraries on the lib folder's path in every mode: the Debug ones (a Zig root's debug
+    build) are shared by every checkout through the stable folder; the release ones stay on the
+    toolchain's own path, which a sandboxed build (whose cache is seeded from the user's) compiles
+    through too."""
+    seen: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(builder, "run_compiler", _recording_compiler(seen))
     toolchain = _fake_toolchain(tmp_path)
     monkeypatch.setattr(builder, "_toolchain_dir", lambda: toolchain)
-    src = tmp_path / "a.c"
+    src, root = tmp_path / "a.c", tmp_path / "a.zig"
     src.write_text("int f(void) { return 1; }\n")
+    root.write_text("export fn g() i32 { return 1; }\n")
     with pytest.raises(BuildError, match="compiling failed"):
-        build_module([src], tmp_path / "a.wasm", cache=tmp_path / "cache", optimize="debug")
-    (pre, pre_env), (_, env) = seen
-    assert "-E" in pre and "ZIG_LIB_DIR" not in pre_env
+        build_module([root, src], tmp_path / "a.wasm", cache=tmp_path / "cache", optimize="debug")
+    (pre, pre_env), (cmd, env) = seen
+    assert "-E" in pre and "ZIG_LIB_DIR" not in pre_env and cmd[1] == "build-exe"
     lib = Path(env["ZIG_LIB_DIR"])
     assert lib == tmp_path / "cache" / "twt-zig-lib-0.99.1" and not lib.is_symlink()
     assert (lib / "std.zig").read_text() == "// std\n"
+    seen.clear()
+    with pytest.raises(BuildError, match="compiling failed"):
+        build_module([src], tmp_path / "a.wasm", cache=tmp_path / "cache")
+    (pre, pre_env), (_, env) = seen
+    assert "-E" in pre and "ZIG_LIB_DIR" not in pre_env and "ZIG_LIB_DIR" not in env
+
+
+def test_a_debug_c_build_links_its_objects_against_the_release_libraries_unstripped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``-O debug`` of C sources: each compiled alone with debug info, linked by ``build-exe`` against
+    the release libraries (stripped, on the toolchain's own path: what a release build left in the
+    cache), then that link's own command run again without its strip option - no Debug-mode
+    wasi-libc to compile, and the module keeps the sources' debug info."""
+    seen: list[tuple[list[str], dict[str, str]]] = []
+    cache = tmp_path / "cache"
+    printed = f"wasm-ld --error-limit=0 -s --no-entry -o objs/module.wasm {cache}/o/ab/libc.a objs/0.o objs/1.o\n"
+    monkeypatch.setattr(builder, "run_compiler", _recording_compiler(seen, printed))
+    toolchain = _fake_toolchain(tmp_path)
+    monkeypatch.setattr(builder, "_toolchain_dir", lambda: toolchain)
+    sources = [write(tmp_path, "a.c", "int f(void) { return 1; }\n"), write(tmp_path, "b.c", "int g;\n")]
+    result = build_module(sources, tmp_path / "dbg.wasm", cache=cache, optimize="debug", werror=True)
+    assert result.exports == ("f",) and (tmp_path / "dbg.wasm").read_bytes()[:4] == b"\0asm"
+    compiles = [cmd for cmd, _ in seen if cmd[1] == "cc" and "-c" in cmd]
+    assert [c[c.index("-o") + 1] for c in compiles] == ["objs/0.o", "objs/1.o"]
+    assert all({"-O0", "-g", "-Werror", "-fsanitize-trap=undefined"} <= set(c) for c in compiles)
+    (exe, exe_env), = [(cmd, env) for cmd, env in seen if cmd[1] == "build-exe"]
+    assert {"-fstrip", "--verbose-link", "-lc", "objs/0.o", "objs/1.o"} <= set(exe) and "ZIG_LIB_DIR" not in exe_env
+    assert exe[exe.index("-O") + 1] == "ReleaseSafe"
+    (link, _), = [(cmd, env) for cmd, env in seen if cmd[1] == "wasm-ld"]
+    # the printed line, less its strip option, writing where the one-step build writes
+    assert link[2:] == ["--error-limit=0", "--no-entry", "-o", "out/dbg.wasm", f"{cache}/o/ab/libc.a",
+                        "objs/0.o", "objs/1.o"]
+    assert result.command == tuple(link)
+    assert not (cache / "twt-zig-lib-0.99.1").exists()  # no Debug-mode libraries asked for
+
+
+@pytest.mark.parametrize("printed", [None, "", "wasm-ld -s -o out/elsewhere.wasm objs/0.o\n",
+                                     "wasm-ld -s -o objs/module.wasm -o /etc/x objs/0.o\n",
+                                     "wasm-ld -s -o objs/module.wasm objs/0.o --Map=/etc/x\n",
+                                     "wasm-ld -s -o objs/module.wasm objs/0.o /etc/x.a\n",
+                                     "wasm-ld -s -o objs/module.wasm -z stack-size=1,x objs/0.o\n",
+                                     "wasm-ld -o objs/module.wasm objs/0.o\nwasm-ld -o objs/module.wasm objs/0.o\n"])
+def test_a_debug_c_build_without_a_usable_link_line_builds_in_one_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, printed: str | None) -> None:
+    """A link that fails, or prints no command line, or two, or one that writes elsewhere than asked or
+    holds an option or an input not known here (the command is run again): the single ``zig cc -O0
+    -g`` build (its own Debug-mode libraries, through the stable lib folder)."""
+    seen: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(builder, "run_compiler", _recording_compiler(seen, printed))
+    toolchain = _fake_toolchain(tmp_path)
+    monkeypatch.setattr(builder, "_toolchain_dir", lambda: toolchain)
+    src = write(tmp_path, "a.c", "int f(void) { return 1; }\n")
+    with pytest.raises(BuildError, match="compiling failed"):
+        build_module([src], tmp_path / "a.wasm", cache=tmp_path / "cache", optimize="debug")
+    assert not [cmd for cmd, _ in seen if cmd[1] == "wasm-ld"]
+    last, env = seen[-1]
+    assert last[1] == "cc" and "-c" not in last and {"-O0", "-g"} <= set(last)
+    assert env["ZIG_LIB_DIR"] == str(tmp_path / "cache" / "twt-zig-lib-0.99.1")

@@ -26,7 +26,7 @@ from supervisor.cli import main
 from supervisor.tools.build import BuildError, build_module
 from supervisor.tools.build_guard import cache_lock
 from tests.helpers.cluster import wait_for
-from tests.helpers.sdk_build import SdkBuilder, opened_in, seed_sandbox_cache
+from tests.helpers.sdk_build import SdkBuilder, opened_during, opened_in, seed_sandbox_cache
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
@@ -257,8 +257,8 @@ def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
 
     seed_sandbox_cache(source, cache, nobody.pw_uid, nobody.pw_gid, probe=probe)
-    # what the build makes is what is newer than this mark (find(1), not a Python walk of the seed's
-    # hundred thousand entries twice: ~4 s of CPU); the seed's links keep their files' times
+    # what the build makes is what is newer than this mark (find(1), not a Python walk: without inotify
+    # the seed links every object of the user's cache); the seed's links keep their files' times
     mark = holder / "mark"
     mark.touch()
     src = tmp_path / "boxed.c"
@@ -274,6 +274,9 @@ def test_a_sandboxed_build_runs_the_compiler_as_nobody(tmp_path: Path) -> None:
     assert newer("!", "-user", str(nobody.pw_uid)) == ""  # what the compiler made, it made as nobody
     assert os.lstat(cache).st_uid == nobody.pw_uid
     # the seed's objects shared with the user's cache (hard links) are nobody's to read, never to write
+    linked = subprocess.run(["find", str(cache / "o"), "-type", "f", "-links", "+1", "-print", "-quit"],
+                            capture_output=True, text=True, timeout=120)
+    assert linked.returncode == 0 and linked.stdout, "the seed shares no object with the user's cache"
     shared = subprocess.run(["find", str(cache / "o"), "-type", "f", "-links", "+1", "(", "-user", str(nobody.pw_uid),
                              "-o", "-perm", "-o+w", ")", "-print", "-quit"], capture_output=True, text=True, timeout=120)
     assert shared.returncode == 0 and shared.stdout == "", shared
@@ -312,28 +315,36 @@ def test_the_sandbox_cache_seed_shares_objects_read_only_and_copies_what_a_build
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving the seeded cache to nobody needs root")
-def test_a_probe_limits_the_seeds_manifests_to_those_it_opened(tmp_path: Path) -> None:
-    """With a probe, ``h`` gets nobody's copies of the manifests the probe opened, and no other."""
+def test_a_probe_limits_the_seed_to_the_manifests_and_objects_it_opened(tmp_path: Path) -> None:
+    """With a probe, ``h`` gets nobody's copies of the manifests the probe opened, and ``o`` the object
+    folders it read from (the user's files, linked), and no other."""
     nobody = pwd.getpwnam("nobody")
     source = tmp_path / "user-zig"
-    for rel in ("h/used", "h/timestamp", "h/stale", "o/aa/libc.a"):
+    for rel in ("h/used", "h/timestamp", "h/stale", "o/aa/libc.a", "o/bb/crt1.o", "o/cc/stale.o", "o/dd/open.o"):
         (source / rel).parent.mkdir(parents=True, exist_ok=True)
         (source / rel).write_bytes(rel.encode())
+    (source / "o" / "dd" / "open.o").chmod(0o666)
     holder = tmp_path / "holder"
     holder.mkdir(mode=0o711)
 
     def probe() -> None:
-        for name in ("used", "timestamp"):
-            with open(source / "h" / name, "rb"):
+        for rel in ("h/used", "h/timestamp", "o/aa/libc.a", "o/bb/crt1.o", "o/dd/open.o"):
+            with open(source / rel, "rb"):
                 pass
 
     assert opened_in(source / "h", probe) == {"used", "timestamp"}
+    assert opened_during(probe, source / "h", source / "o") == ({"used", "timestamp"}, {"aa", "bb", "dd"})
     seed_sandbox_cache(source, holder / "zig", nobody.pw_uid, nobody.pw_gid, probe=probe)
-    h = holder / "zig" / "h"
+    h, o = holder / "zig" / "h", holder / "zig" / "o"
     assert sorted(os.listdir(h)) == ["timestamp", "used"]
     assert (h / "used").read_bytes() == b"h/used" and (h / "used").stat().st_uid == nobody.pw_uid
     assert (h / "used").stat().st_ino != (source / "h" / "used").stat().st_ino
-    assert (holder / "zig" / "o" / "aa" / "libc.a").stat().st_ino == (source / "o" / "aa" / "libc.a").stat().st_ino
+    assert sorted(os.listdir(o)) == ["aa", "bb", "dd"] and o.stat().st_uid == nobody.pw_uid
+    for rel in ("aa/libc.a", "bb/crt1.o"):  # the user's files, linked, in folders of the user's
+        assert (o / rel).stat().st_ino == (source / "o" / rel).stat().st_ino and (o / rel).parent.stat().st_uid == 0
+    private = o / "dd" / "open.o"  # one others may write: nobody's own copy, as without a probe
+    assert private.stat().st_ino != (source / "o" / "dd" / "open.o").stat().st_ino
+    assert private.stat().st_uid == nobody.pw_uid and private.read_bytes() == b"o/dd/open.o"
 
 
 def test_sandbox_without_root_is_refused_plainly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
