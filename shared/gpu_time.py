@@ -97,6 +97,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -284,6 +286,101 @@ class HandoverTrace:
                 pass  # a trace is a measurement aid: a full disk loses rows, never an op
 
 
+#: a directory in this variable turns the work trace on (:class:`WorkTrace`; off by default)
+WORK_TRACE_ENV: Final = "TWT_WORK_TRACE"
+
+
+class WorkTrace:
+    """Per worker, when it had device work and when the device ran it: the intervals whose unions
+    across workers say how busy the device was *while any tenant had work* (``twt bench share --mix``).
+
+    On only where :data:`WORK_TRACE_ENV` names a directory when a worker attaches (``twt bench
+    share --mix`` sets it); off, each hook in the gate costs one ``is None``. A row is three
+    little-endian int64 (kind, start ns, end ns; CLOCK_MONOTONIC, which every process shares),
+    appended to ``DIR/<pid>.work``; rows are written at each run's end (the gate's ``release``),
+    every :attr:`FLUSH` rows, and at exit. Kinds:
+
+    * :data:`WORK` - the worker had an op its guest submitted that had not finished: from the
+      submit into an empty queue (or a synchronous op's call) until the queue ran empty again
+      (or the op returned): queued, waiting for the lease and on the device all count.
+    * :data:`BUSY` - the device ran this worker's work: on a backend whose device is the host's
+      CPU (the stub), each launch's charged time (the device thread's CPU time) ending at the
+      launch's end; on cuda, each settled chunk's event time placed at its launch, after the
+      chunk before it on the stream.
+    * :data:`LAUNCH` - a host-synchronous launch's wall span (the stub; a sync op): the device
+      held and in a launch. On the stub the span less its busy time is the device thread waiting
+      for a core (the host's CPUs, not the lease); not written for cuda's asynchronous launches.
+    """
+
+    WORK: Final = 0
+    BUSY: Final = 1
+    LAUNCH: Final = 2
+    FLUSH = 3 * 8192
+
+    def __init__(self, directory: str) -> None:
+        from array import array
+
+        self.path = os.path.join(directory, f"{os.getpid()}.work")
+        self.rows = array("q")
+        self._lock = threading.Lock()
+        import atexit
+
+        atexit.register(self.flush)
+
+    @classmethod
+    def from_env(cls) -> WorkTrace | None:
+        directory = os.environ.get(WORK_TRACE_ENV, "")
+        return cls(directory) if directory and os.path.isdir(directory) else None
+
+    def add(self, kind: int, start_ns: int, end_ns: int) -> None:
+        """One interval (the executor and device threads both add: under a lock, so that a flush on
+        the other thread never takes the array from under a row)."""
+        with self._lock:
+            rows = self.rows
+            rows.extend((kind, start_ns, end_ns))
+            full = len(rows) >= self.FLUSH
+        if full:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the rows kept so far to the file (never raises: a full disk loses rows, never an op)."""
+        from array import array
+
+        with self._lock:
+            rows, self.rows = self.rows, array("q")
+            if not rows:
+                return
+            try:
+                if sys.byteorder != "little":
+                    rows.byteswap()
+                with open(self.path, "ab") as f:
+                    rows.tofile(f)
+            except OSError:
+                pass
+
+
+def read_work_trace(directory: str) -> dict[int, list[tuple[int, int]]]:
+    """Every :class:`WorkTrace` row in ``directory``: the intervals of each kind (``WorkTrace.WORK``,
+    ``BUSY``, ``LAUNCH``; all workers together); a file's last row cut short (a worker killed while
+    it wrote) is left out, and so is a row of an unknown kind."""
+    import glob
+    from array import array
+
+    out: dict[int, list[tuple[int, int]]] = {WorkTrace.WORK: [], WorkTrace.BUSY: [], WorkTrace.LAUNCH: []}
+    for path in glob.glob(os.path.join(directory, "*.work")):
+        with open(path, "rb") as f:
+            data = f.read()
+        rows = array("q")
+        rows.frombytes(data[:len(data) // 24 * 24])
+        if sys.byteorder != "little":
+            rows.byteswap()
+        for i in range(0, len(rows), 3):
+            kind, start, end = rows[i], rows[i + 1], rows[i + 2]
+            if end >= start and kind in out:
+                out[kind].append((start, end))
+    return out
+
+
 def _t_off(t: int) -> int:
     return _TENANTS + t * _LINE
 
@@ -399,6 +496,8 @@ class GpuTimeBoard(MappedSegment):
         self.spin = True
         #: the handover trace (None: off; see :class:`HandoverTrace`)
         self.trace: HandoverTrace | None = HandoverTrace.from_env() if worker is not None else None
+        #: the work trace (None: off; see :class:`WorkTrace`)
+        self.work: WorkTrace | None = WorkTrace.from_env() if worker is not None else None
         self._bind_counters()
 
     # ------------------------------------------------------------ lifecycle

@@ -95,7 +95,7 @@ from dataclasses import dataclass
 from typing import TypeVar, cast
 
 from shared.errors import KernelTimeout
-from shared.gpu_time import GpuTimeBoard
+from shared.gpu_time import GpuTimeBoard, WorkTrace
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock
 from worker.backends.base import Backend, DeviceBuffer
@@ -187,7 +187,8 @@ class DeviceQueue:
 
     def __init__(self, run: Callable[[list[_Item]], tuple[int, BaseException | None]], end: Callable[[], None], *,
                  max_ops: int = MAX_QUEUED_OPS, max_bytes: int = MAX_QUEUED_BYTES,
-                 linger: Callable[[], bool] | None = None, lend: Callable[[], bool] | None = None) -> None:
+                 linger: Callable[[], bool] | None = None, lend: Callable[[], bool] | None = None,
+                 work: WorkTrace | None = None, settles: Callable[[], bool] | None = None) -> None:
         self.max_ops = max_ops
         self.max_bytes = max_bytes
         #: runs the ops taken off the queue, in order: (how many ran whole, the error of the next
@@ -212,6 +213,13 @@ class DeviceQueue:
         self._syncing = 0
         #: wall ns the device thread spent running this worker's ops (an op's wait excludes them)
         self.own_busy_ns = 0
+        #: the work trace (None: off): the queue's work interval, open since ``_work_since`` (0: none
+        #: open) - from the submit into a queue with no work to the end of its last op; ``settles``:
+        #: the ops' device work is complete only once the stretch's end settled it (cuda's pending
+        #: timer), so the interval closes after the stretch's end, not when the last launch returned
+        self._work = work
+        self._work_since = 0
+        self._settles = settles
         self.submitted = 0
         self.ran = 0
         self.dropped = 0
@@ -247,6 +255,8 @@ class DeviceQueue:
                 return
             if self._closed:
                 raise RuntimeError("the device queue is closed")
+            if self._work is not None and not self._work_since:
+                self._work_since = item.submit_ns  # (stamped before this lock: the op's submit)
             self._items.append(item)
             self._bytes += item.nbytes
             self.submitted += 1
@@ -322,6 +332,8 @@ class DeviceQueue:
                 ran, err = self._run_items(items)
             except BaseException as exc:  # noqa: BLE001 - kept for the next call into the gate
                 ran, err = 0, exc
+            work = self._work
+            done_at = time.monotonic_ns() if work is not None else 0
             with cond:
                 self.ran += ran + (1 if err is not None else 0)
                 self._bytes -= sum(item.nbytes for item in items)
@@ -332,6 +344,12 @@ class DeviceQueue:
                     self._bytes -= sum(item.nbytes for item in self._items)
                     self._items.clear()
                 idle = not self._items
+                if work is not None and idle and self._work_since and not (
+                        self._settles is not None and self._settles()):
+                    # its last op has finished: no work from here to its next submit (a linger, a
+                    # stretch's end with the device held, are no work of this worker's)
+                    work.add(WorkTrace.WORK, self._work_since, done_at)
+                    self._work_since = 0
                 # a chatty worker's stretch ends after its pass, the ops its guest queued meanwhile
                 # still queued: they wait for its claim, a turn later (DeviceGate._lend_after_pass)
                 lend = not idle and err is None and self._lend is not None and self._lend()
@@ -349,6 +367,9 @@ class DeviceQueue:
                             self._error = exc
             with cond:
                 self._running = False
+                if work is not None and self._work_since and not self._items:
+                    work.add(WorkTrace.WORK, self._work_since, time.monotonic_ns())  # settled: done
+                    self._work_since = 0
                 cond.notify_all()
 
     def close(self, timeout_s: float = QUEUE_GRACE_S) -> None:
@@ -429,6 +450,12 @@ class DeviceGate:
         #: with the scheduler off on a host-serial backend (the stub): the fd whose flock serialises
         #: the device (-1 not opened, -2 unavailable)
         self._serial = -1
+        #: the board's work trace (None: off; shared.gpu_time.WorkTrace): this worker's work and busy
+        #: intervals; with a pending timer, the unsettled chunks' launch stamps and where the last
+        #: settled chunk ended (the next one starts after it on the stream)
+        self._work: WorkTrace | None = board.work if board is not None else None
+        self._unsettled_at: list[int] = []
+        self._busy_end = 0
 
     def _timer_(self) -> OpTimer:
         if self._timer is None:
@@ -440,7 +467,14 @@ class DeviceGate:
         any, is raised first), in chunks where it splits (see module doc); its result (a sum), or None."""
         self.sync(deadline_ns)
         self._prepare(name)
-        return cast("T | None", self._op(name, fn, args, deadline_ns, self._run))
+        work = self._work
+        if work is None:
+            return cast("T | None", self._op(name, fn, args, deadline_ns, self._run))
+        t0 = time.monotonic_ns()  # the op is this worker's work from here until it returns
+        try:
+            return cast("T | None", self._op(name, fn, args, deadline_ns, self._run))
+        finally:
+            work.add(WorkTrace.WORK, t0, time.monotonic_ns())
 
     def submit(self, name: str, fn: Callable[..., object], args: tuple[object, ...],
                deadline_ns: int | None = None) -> None:
@@ -455,7 +489,8 @@ class DeviceGate:
         queue = self.queue
         if queue is None:
             queue = self.queue = DeviceQueue(self._queued_items, self._end_stretch, linger=self._linger,
-                                             lend=self._lend_after_pass)
+                                             lend=self._lend_after_pass, work=self._work,
+                                             settles=lambda: self._pending_timer is not None)
         if name not in self._prepared and not queue.pending:
             self._prepare(name)
         nbytes = sum(a.nbytes for a in args if isinstance(a, DeviceBuffer))
@@ -739,6 +774,8 @@ class DeviceGate:
         trace = board.trace if board is not None else None
         if trace is not None and board is not None:
             trace.launch(board.worker_slot or 0, time.monotonic_ns())
+        work = self._work
+        launched = time.monotonic_ns() if work is not None else 0
         try:
             ns = qtimer.time(lambda: result.append(fn(*args)))
         finally:
@@ -746,6 +783,8 @@ class DeviceGate:
                 trace.chunk_end = time.monotonic_ns()
             if serial >= 0:
                 fcntl.flock(serial, fcntl.LOCK_UN)
+            if work is not None:
+                self._busy(work, launched, ns, pending is not None and pending.pending > before)
             self.chunks += 1
             self.run_time_ns += ns
             self._pending_ns += ns
@@ -815,6 +854,8 @@ class DeviceGate:
             self.queue_overrun = True
             raise
         done, self._unsettled = self._unsettled[:len(times)], self._unsettled[len(times):]
+        if self._work is not None:
+            self._busy_settled(self._work, times)
         total = 0
         for (name, p, units, _), ns in zip(done, times):
             if p is not None:
@@ -826,10 +867,39 @@ class DeviceGate:
             if self._unsettled:
                 self.failed_op = self._unsettled[0][0]
             self._unsettled = []
+            self._unsettled_at = []
             self._settle_error = error
         self._unsettled_est_ns = sum(est for *_, est in self._unsettled)
         if error is not None:
             raise error
+
+    def _busy(self, work: WorkTrace, launched: int, ns: int, pending: bool) -> None:
+        """The work trace's rows of a launch that just returned: its wall span, and its charged time
+        ending at the launch's end (a host-synchronous timer: the stub's CPU time, a sync op's
+        events) - or, for a chunk pending on the stream (``pending``), its launch stamp, kept until
+        the settle."""
+        if pending:
+            self._unsettled_at.append(launched)
+            return
+        end = time.monotonic_ns()
+        work.add(WorkTrace.LAUNCH, launched, end)
+        if ns > 0:
+            work.add(WorkTrace.BUSY, max(launched, end - ns), end)
+
+    def _busy_settled(self, work: WorkTrace, times: list[int]) -> None:
+        """The busy rows of settled chunks (``times``, in launch order): each placed on the stream at
+        its launch or the previous chunk's end, whichever is later, and ending by the settle's return
+        (it waited for them all)."""
+        now = time.monotonic_ns()
+        stamps, self._unsettled_at = self._unsettled_at[:len(times)], self._unsettled_at[len(times):]
+        prev = self._busy_end
+        for launched, ns in zip(stamps, times):
+            start = max(launched, prev)
+            end = min(start + ns, now)
+            if ns > 0:
+                work.add(WorkTrace.BUSY, min(start, end), end)
+            prev = max(prev, end)
+        self._busy_end = prev
 
     def _end_stretch(self) -> None:
         """The queue ran empty: the stretch ends. A worker whose ops come far apart next to their
@@ -888,6 +958,8 @@ class DeviceGate:
         trace = board.trace if board is not None else None
         if trace is not None and board is not None:
             trace.launch(board.worker_slot or 0, time.monotonic_ns())
+        work = self._work
+        launched = time.monotonic_ns() if work is not None else 0
         try:
             ns = self._timer_().time(lambda: result.append(fn(*args)))
         finally:
@@ -895,6 +967,8 @@ class DeviceGate:
                 trace.chunk_end = time.monotonic_ns()
             if serial >= 0:
                 fcntl.flock(serial, fcntl.LOCK_UN)
+            if work is not None:
+                self._busy(work, launched, ns, False)
             self.chunks += 1
             self.run_time_ns += ns
             self.block.charge_gpu_time(ns)
@@ -943,6 +1017,8 @@ class DeviceGate:
                 log_event(_log, logging.WARNING, "device_time.queued_op_failed", op=self.failed_op, error=repr(err))
         self._run_refused = None
         self._submit_at = 0  # the time to the next run is no gap between this run's ops
+        if self._work is not None:
+            self._work.flush()  # a run's rows are on disk when its reply goes out
         if self.queue_overrun:  # (a settle's too: its work may still run on the device)
             ok = False
         if self.board is None or not ok:
