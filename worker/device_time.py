@@ -73,6 +73,11 @@ memory, and the run's end::
   up at the deadline plus :data:`QUEUE_GRACE_S` (``QueueOverrun``: the
   worker exits, as for the cuda backend's queue).
 
+**The work trace** (off by default; ``shared.gpu_time.WorkTrace``, the board's ``work``):
+the worker's work intervals (from a submit into a queue with none open until its last op is
+done; a synchronous op's call) and the device's busy and launch spans, for ``twt bench share
+--mix``'s "device busy while any tenant has work"; off, each hook is one ``is None`` test.
+
 Threads: the executor thread submits and syncs; queued ops run on the device
 thread; a synchronous op runs on the executor thread once the queue is empty
 (and the device thread has told the board its stretch ended). The board,

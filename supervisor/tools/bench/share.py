@@ -30,8 +30,11 @@ memory, sampled by this process every few milliseconds.
                   control whose chatty loop makes the same host call with a count of 0 (the host's
                   work without the device's: the same CPU competition): the heavy tenant's work
                   rate vs the control's, the chatty op's wait for the device (p99 from the
-                  tenant's wait histogram), the device busy time vs the control's, and how often
-                  the lease changed hands (handoffs + steals per second, from the board)
+                  tenant's wait histogram), the device busy while any tenant has work (every
+                  worker's work and busy intervals from the work trace, ``shared.gpu_time.WorkTrace``,
+                  unioned across workers: :func:`busy_while_work`), the device busy time vs the
+                  control's (a figure), and how often the lease changed hands (handoffs + steals
+                  per second, from the board)
     k instances   a tenant of k instances against one of one instance, all saturating: the
                   accounted shares by tenant (50/50) and by instance
 
