@@ -53,7 +53,10 @@ released, so the worker's heartbeats go on) on a wake sequence that grows
 each time the owner word changes hands (see :func:`_wake`); their timeout is
 the holder's quantum end, when they may steal an idle lease; the one next
 up yields the CPU in a loop from about a chunk before that end, so that it is
-running when the device passes to it.
+running when the device passes to it. A holder that will lend the device
+after the chunk it is about to launch wakes the lend's pick ahead
+(:meth:`GpuTimeBoard.hand_over_soon`): it looks at the owner word in a loop
+until the grant, for no longer than that chunk's estimate.
 
 Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label)::
 
