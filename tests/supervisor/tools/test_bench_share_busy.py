@@ -83,3 +83,52 @@ def test_the_trace_file_is_read_back_by_kind_and_a_row_cut_short_left_out(tmp_pa
     assert sorted(rows) == [W, B, L]
     assert sorted(rows[W]) == [(5, 9), (100, 200)]  # (files in any order)
     assert rows[B] == [(120, 150)] and rows[L] == [(110, 160)]
+
+
+@pytest.mark.timeout(180)
+def test_a_supervisors_workers_trace_their_queued_work_end_to_end(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a real supervisor on the stub: two tenants' GEMM loops (queued ops, the lease between
+    them) - every worker writes its work and busy intervals, every busy span lies inside some work,
+    and the work has time outside any launch (ops queued behind the other tenant's lease)."""
+    import threading
+
+    from shared.gpu_time import WORK_TRACE_ENV
+    from shared.spec import TenantSpec
+    from supervisor.tools.demo import guest_path
+    from tests.helpers.cluster import supervisor
+
+    monkeypatch.setenv(WORK_TRACE_ENV, str(tmp_path))  # the workers inherit it
+    guest = guest_path("share").read_bytes()
+    errors: list[BaseException] = []
+    with supervisor(start_method="spawn") as sup:
+        caps = [sup.client.register(sup.admin_capability, TenantSpec.from_dict(
+            {"tenant_id": f"t{i}", "wasm_timeout_s": 120.0, "request_timeout_s": 120.0})) for i in range(2)]
+
+        def loop(cap: object) -> None:
+            client = sup.connect(timeout_s=120.0)
+            try:
+                digest = client.put_module(cap, guest)  # type: ignore[arg-type]
+                for _ in range(3):
+                    client.run_wasm(cap, digest, "gemm_loop", [128, 16])  # type: ignore[arg-type]
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=loop, args=(cap,)) for cap in caps]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+    assert not errors, errors
+    files = list(tmp_path.glob("*.work"))
+    assert len(files) >= 2  # one per worker process (both tenants' workers)
+    rows = read_work_trace(str(tmp_path))
+    work, busy, launches = union(rows[W]), union(rows[B]), union(rows[L])
+    assert work and busy and launches
+    assert all(any(s <= b0 and b1 <= e for s, e in work) for b0, b1 in busy)
+    span = (work[0][0], work[-1][1])
+    got = busy_while_work(rows, [span])
+    assert got["busy"] is not None and 0.0 < got["busy"] < 1.0
+    assert got["launched"] is not None and got["launched"] < 1.0
