@@ -901,9 +901,10 @@ class DeviceGate:
             self._unsettled_at.append(launched)
             return
         end = time.monotonic_ns()
-        work.add(WorkTrace.LAUNCH, launched, end)
         if ns > 0:
-            work.add(WorkTrace.BUSY, max(launched, end - ns), end)
+            work.add(WorkTrace.LAUNCH, launched, end, WorkTrace.BUSY, max(launched, end - ns), end)
+        else:
+            work.add(WorkTrace.LAUNCH, launched, end)
 
     def _busy_settled(self, work: WorkTrace, times: list[int]) -> None:
         """The busy rows of settled chunks (``times``, in launch order): each placed on the stream at
