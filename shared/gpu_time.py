@@ -109,7 +109,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import EllipsisType
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
@@ -126,6 +126,10 @@ from shared.quota import (
     new_segment_name,
     write_header,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
 
 __all__ = [
     "DEFAULT_QUANTUM_S",
@@ -367,25 +371,26 @@ class WorkTrace:
                 pass
 
 
-def read_work_trace(directory: str) -> dict[int, list[tuple[int, int]]]:
+def read_work_trace(directory: str) -> dict[int, NDArray[np.int64]]:
     """Every :class:`WorkTrace` row in ``directory``: the intervals of each kind (``WorkTrace.WORK``,
-    ``BUSY``, ``LAUNCH``; all workers together); a file's last row cut short (a worker killed while
-    it wrote) is left out, and so is a row of an unknown kind."""
+    ``BUSY``, ``LAUNCH``; all workers together) as (n, 2) arrays of (start, end) ns - a full
+    ``twt bench share --mix`` writes millions; a file's last row cut short (a worker killed while it
+    wrote) is left out, and so is a backwards row or one of an unknown kind. numpy is imported here,
+    by the bench, never by a worker."""
     import glob
 
-    out: dict[int, list[tuple[int, int]]] = {WorkTrace.WORK: [], WorkTrace.BUSY: [], WorkTrace.LAUNCH: []}
+    import numpy
+
+    parts: dict[int, list[NDArray[np.int64]]] = {WorkTrace.WORK: [], WorkTrace.BUSY: [], WorkTrace.LAUNCH: []}
     for path in glob.glob(os.path.join(directory, "*.work")):
         with open(path, "rb") as f:
             data = f.read()
-        rows = array("q")
-        rows.frombytes(data[:len(data) // 24 * 24])
-        if sys.byteorder != "little":
-            rows.byteswap()
-        for i in range(0, len(rows), 3):
-            kind, start, end = rows[i], rows[i + 1], rows[i + 2]
-            if end >= start and kind in out:
-                out[kind].append((start, end))
-    return out
+        rows = numpy.frombuffer(data[:len(data) // 24 * 24], dtype="<i8").reshape(-1, 3).astype(numpy.int64)
+        for kind, kept in parts.items():
+            mine = rows[(rows[:, 0] == kind) & (rows[:, 2] >= rows[:, 1])]
+            kept.append(mine[:, 1:])
+    return {kind: numpy.concatenate(kept) if kept else numpy.empty((0, 2), numpy.int64)
+            for kind, kept in parts.items()}
 
 
 def _t_off(t: int) -> int:

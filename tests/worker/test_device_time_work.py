@@ -134,7 +134,7 @@ def test_an_op_queued_behind_a_running_one_leaves_no_gap_in_the_work(
         gate.release()
         rows = read_work_trace(str(tmp_path))
         assert len(rows[W]) == 2, rows[W]  # one per stretch of queued work, however many ops
-        first, second = sorted(rows[W])
+        first, second = sorted(map(tuple, rows[W].tolist()))
         assert first[0] < mid < first[1] <= second[0]
         assert all(_inside(b, union(rows[W])) for b in union(rows[B]))
     finally:
@@ -178,8 +178,8 @@ def test_cuda_chunks_settled_later_are_placed_one_after_another_inside_the_work(
         gate.sync()
         gate.release()
         rows = read_work_trace(str(tmp_path))
-        busy = rows[B]
-        assert busy and not rows[L]  # asynchronous launches have no wall span of their own
+        busy = [tuple(b) for b in rows[B].tolist()]
+        assert busy and not len(rows[L])  # asynchronous launches have no wall span of their own
         assert all(b[1] <= c[0] for b, c in zip(busy, busy[1:]))  # serial on the stream, in order
         assert all(_inside(b, union(rows[W])) for b in busy)
     finally:

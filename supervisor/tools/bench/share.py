@@ -54,10 +54,10 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from shared.capability import TenantCapability
 from shared.gpu_time import HANDOVER_TRACE_ENV, WORK_TRACE_ENV, GpuTimeBoard, WorkTrace, read_work_trace
@@ -66,6 +66,15 @@ from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, seconds
 from supervisor.tools.demo import guest_path
 from supervisor.client.launch import SupervisorHandle, launch
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import numpy as np
+    from numpy.typing import NDArray
+
+    #: intervals: (start, end) pairs, or an (n, 2) int64 array of them
+    Spans: TypeAlias = Sequence[tuple[int, int]] | NDArray[np.int64]
 
 __all__ = ["main"]
 
@@ -679,44 +688,75 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
     return gaps, kres
 
 
-def union(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def _spans(intervals: Spans) -> NDArray[np.int64]:
+    """Intervals as an (n, 2) int64 array (a list of pairs, or one already)."""
+    import numpy
+
+    arr = numpy.asarray(intervals, dtype=numpy.int64)
+    return arr.reshape(-1, 2)
+
+
+def _union(intervals: Spans) -> NDArray[np.int64]:
+    """:func:`union` as an array, vectorised: a full ``--mix`` run traces millions of intervals."""
+    import numpy
+
+    arr = _spans(intervals)
+    arr = arr[arr[:, 1] > arr[:, 0]]
+    if not len(arr):
+        return arr
+    arr = arr[numpy.argsort(arr[:, 0], kind="stable")]
+    reach = numpy.maximum.accumulate(arr[:, 1])  # the furthest end so far
+    new = numpy.empty(len(arr), dtype=bool)
+    new[0] = True
+    new[1:] = arr[1:, 0] > reach[:-1]  # a gap before it: a new span starts (touching ones merge)
+    firsts = numpy.flatnonzero(new)
+    lasts = numpy.append(firsts[1:] - 1, len(arr) - 1)
+    return numpy.stack([arr[firsts, 0], reach[lasts]], axis=1)
+
+
+def _pairs(arr: NDArray[np.int64]) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in arr.tolist()]
+
+
+def union(intervals: Spans) -> list[tuple[int, int]]:
     """The union of ``intervals`` ((start, end), any order; empty ones dropped) as sorted, disjoint
     intervals (touching ones merged)."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(iv for iv in intervals if iv[1] > iv[0]):
-        if out and start <= out[-1][1]:
-            if end > out[-1][1]:
-                out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
-    return out
+    return _pairs(_union(intervals))
 
 
-def covered(spans: Sequence[tuple[int, int]], t0: int, t1: int) -> int:
+def covered(spans: Spans, t0: int, t1: int) -> int:
     """How much of [t0, t1) the sorted, disjoint ``spans`` (a :func:`union`) cover."""
-    import bisect
+    import numpy
 
-    total = 0
-    for start, end in spans[max(0, bisect.bisect_right(spans, (t0, t0)) - 1):]:
-        if start >= t1:
-            break
-        total += max(0, min(end, t1) - max(start, t0))
-    return total
+    arr = _spans(spans)
+    if not len(arr) or t1 <= t0:
+        return 0
+    return int(numpy.maximum(0, numpy.minimum(arr[:, 1], t1) - numpy.maximum(arr[:, 0], t0)).sum())
 
 
-def intersect(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def _intersect(a: NDArray[np.int64], b: NDArray[np.int64]) -> NDArray[np.int64]:
+    """:func:`intersect` as an array, vectorised: every piece of an intersection of two disjoint
+    sorted unions starts at a start of one and ends at the first end after it of either."""
+    import numpy
+
+    if not len(a) or not len(b):
+        return numpy.empty((0, 2), dtype=numpy.int64)
+    out = []
+    for x, y in ((a, b), (b, a)):
+        # each span of x against the span of y holding its start (the last y starting at or before it)
+        i = numpy.searchsorted(y[:, 0], x[:, 0], side="right") - 1
+        ok = i >= 0
+        xs, ys = x[ok], y[i[ok]]
+        hit = ys[:, 1] > xs[:, 0]
+        out.append(numpy.stack([xs[hit, 0], numpy.minimum(xs[hit, 1], ys[hit, 1])], axis=1))
+        # ... and the spans of y that start inside a span of x (strictly after its start)
+    both = numpy.concatenate(out)
+    return _union(both)
+
+
+def intersect(a: Spans, b: Spans) -> list[tuple[int, int]]:
     """The intersection of two unions (sorted, disjoint), sorted and disjoint."""
-    out: list[tuple[int, int]] = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if start < end:
-            out.append((start, end))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
+    return _pairs(_intersect(_union(a), _union(b)))
 
 
 class WhileWork(TypedDict):
@@ -725,23 +765,37 @@ class WhileWork(TypedDict):
     launched: float | None  # |launch ∩ work| / |work|: the device in a launch (None: no launch rows)
 
 
-def busy_while_work(rows: dict[int, list[tuple[int, int]]], windows: Sequence[tuple[int, int]]) -> WhileWork:
+@dataclass
+class WorkSpans:
+    """The unions :func:`busy_while_work` measures, made once for every window of a run."""
+
+    work: NDArray[np.int64]
+    busy: NDArray[np.int64]  # busy ∩ work
+    launched: NDArray[np.int64] | None  # launch ∩ work (None: no launch rows: cuda)
+
+
+def work_spans(rows: Mapping[int, Spans]) -> WorkSpans:
+    """Each kind's union over all workers (:func:`shared.gpu_time.read_work_trace`), intersected with
+    the work's."""
+    work = _union(rows.get(WorkTrace.WORK, []))
+    launches = _union(rows.get(WorkTrace.LAUNCH, []))
+    return WorkSpans(work, _intersect(work, _union(rows.get(WorkTrace.BUSY, []))),
+                     _intersect(work, launches) if len(launches) else None)
+
+
+def busy_while_work(rows: Mapping[int, Spans] | WorkSpans, windows: Sequence[tuple[int, int]]) -> WhileWork:
     """The issue's own measure over ``windows`` (monotonic ns spans, pooled), from every worker's
-    intervals (:func:`shared.gpu_time.read_work_trace`; each kind's union over all workers): the
-    device busy while any tenant had work, |busy ∩ work| / |work|; the same for launches; the
-    share of the wall time with work. All None when no work fell in the windows (nothing traced)."""
-    any_work = union(rows.get(WorkTrace.WORK, []))
-    w = sum(covered(any_work, t0, t1) for t0, t1 in windows)
+    intervals (or their :func:`work_spans`): the device busy while any tenant had work, |busy ∩
+    work| / |work|; the same for launches; the share of the wall time with work. All None when no
+    work fell in the windows (nothing traced)."""
+    spans = rows if isinstance(rows, WorkSpans) else work_spans(rows)
+    w = sum(covered(spans.work, t0, t1) for t0, t1 in windows)
     wall = sum(t1 - t0 for t0, t1 in windows)
     if not w or wall <= 0:
         return {"any_work": None, "busy": None, "launched": None}
-
-    def share(kind: int) -> float:
-        both = intersect(any_work, union(rows.get(kind, [])))
-        return sum(covered(both, t0, t1) for t0, t1 in windows) / w
-
-    return {"any_work": w / wall, "busy": share(WorkTrace.BUSY),
-            "launched": share(WorkTrace.LAUNCH) if rows.get(WorkTrace.LAUNCH) else None}
+    launched = spans.launched
+    return {"any_work": w / wall, "busy": sum(covered(spans.busy, t0, t1) for t0, t1 in windows) / w,
+            "launched": None if launched is None else sum(covered(launched, t0, t1) for t0, t1 in windows) / w}
 
 
 #: the legs of a handover, in order, as :func:`handover_legs` names them
@@ -827,7 +881,7 @@ def _mix_main(args: argparse.Namespace) -> int:
     try:
         with launch({"supervisor": {**base, "gpu_time_scheduler": True}}) as on:
             gaps, kres = _mix(on, args)
-        traced = read_work_trace(work_dir)  # the workers have exited: every row is on disk
+        traced = work_spans(read_work_trace(work_dir))  # the workers have exited: every row is on disk
     finally:
         os.environ.pop(WORK_TRACE_ENV, None)
         shutil.rmtree(work_dir, ignore_errors=True)
