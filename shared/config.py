@@ -466,7 +466,7 @@ _FLOAT_FIELDS = {"heartbeat_interval_s", "stop_timeout_s", "drain_timeout_s", "k
 
 
 #: TWT_* names that are not supervisor fields but are read elsewhere
-_OTHER_ENV = ("RUN_DIR", "HANDOVER_TRACE")
+_OTHER_ENV = ("RUN_DIR", "HANDOVER_TRACE", "WORK_TRACE")
 
 
 def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -53,7 +53,10 @@ released, so the worker's heartbeats go on) on a wake sequence that grows
 each time the owner word changes hands (see :func:`_wake`); their timeout is
 the holder's quantum end, when they may steal an idle lease; the one next
 up yields the CPU in a loop from about a chunk before that end, so that it is
-running when the device passes to it.
+running when the device passes to it. A holder that will lend the device
+after the chunk it is about to launch wakes the lend's pick ahead
+(:meth:`GpuTimeBoard.hand_over_soon`): it looks at the owner word in a loop
+until the grant, for no longer than that chunk's estimate.
 
 Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label)::
 
@@ -65,7 +68,9 @@ Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label):
                            handover gap ns | handovers timed (the device idle from a grant another
                            process made to the grantee's first chunk: what a handover costs) |
                            held idle ns (the device held idle before each steal: from the holder's
-                           last chunk end, or its grant, to the steal)
+                           last chunk end, or its grant, to the steal) | soon: the worker slot + 1 a
+                           holder will lend to after the chunk it launches (0: none) | soon until ns
+                           (that worker stays on a CPU until then: :meth:`GpuTimeBoard.hand_over_soon`)
     line 5+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
                            credit stamp ns | throttled
     line 5+T+w    worker w claimed | pid | start ms | tenant + 1 | waiting since ns | idle charged ns |
@@ -97,11 +102,14 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import EllipsisType
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
@@ -118,6 +126,10 @@ from shared.quota import (
     new_segment_name,
     write_header,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
 
 __all__ = [
     "DEFAULT_QUANTUM_S",
@@ -157,7 +169,8 @@ _OWNER, _GRANT_NS, _VCLOCK, _WAITING, _GRANTS, _STEALS, _HANDOFFS, _HIGH = (_CTR
 _CONF = 3 * _LINE
 _C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ, _T_HIGH = (_CONF + 8 * i for i in range(8))
 _LEASE = 4 * _LINE
-_BUSY_SINCE, _LAYOUT_MARK, _GAP_NS, _GAP_N, _STOLEN_IDLE_NS = (_LEASE + 8 * i for i in range(5))
+_BUSY_SINCE, _LAYOUT_MARK, _GAP_NS, _GAP_N, _STOLEN_IDLE_NS, _SOON_W, _SOON_UNTIL = (
+    _LEASE + 8 * i for i in range(7))
 #: this build's board layout, written by its creator and checked by every attach: a worker of another
 #: build (an in-place upgrade while a supervisor runs) must not read tenant lines at the wrong offsets.
 #: "twtgt" and a version: larger than any weight word, which a board without this line has there
@@ -219,6 +232,10 @@ _CAP_BURST_QUANTA = 4
 #: in a loop instead (about one chunk), at most _MAX_SPIN times per wait
 _SPIN_NS = 2_000_000
 _MAX_SPIN = 20_000
+
+#: the longest a worker woken ahead of a grant (:meth:`GpuTimeBoard.hand_over_soon`) stays on a CPU
+#: for it: a batch of small ops is estimated under ~250 us; the grant's own path adds tens of us
+_SOON_MAX_NS = 400_000
 
 #: a directory in this variable turns the handover trace on (:class:`HandoverTrace`; off by default)
 HANDOVER_TRACE_ENV: Final = "TWT_HANDOVER_TRACE"
@@ -282,6 +299,98 @@ class HandoverTrace:
                     f.write("".join(" ".join(map(str, r)) + "\n" for r in rows))
             except OSError:
                 pass  # a trace is a measurement aid: a full disk loses rows, never an op
+
+
+#: a directory in this variable turns the work trace on (:class:`WorkTrace`; off by default)
+WORK_TRACE_ENV: Final = "TWT_WORK_TRACE"
+
+
+class WorkTrace:
+    """Per worker, when it had device work and when the device ran it: the intervals whose unions
+    across workers say how busy the device was *while any tenant had work* (``twt bench share --mix``).
+
+    On only where :data:`WORK_TRACE_ENV` names a directory when a worker attaches (``twt bench
+    share --mix`` sets it); off, each hook in the gate costs one ``is None``. A row is three
+    little-endian int64 (kind, start ns, end ns; CLOCK_MONOTONIC, which every process shares),
+    appended to ``DIR/<pid>.work``; rows are written at each run's end (the gate's ``release``),
+    every :attr:`FLUSH` rows, and at exit. Kinds:
+
+    * :data:`WORK` - the worker had an op its guest submitted that had not finished: from the
+      submit into an empty queue (or a synchronous op's call) until the queue ran empty again
+      (or the op returned): queued, waiting for the lease and on the device all count.
+    * :data:`BUSY` - the device ran this worker's work: on a backend whose device is the host's
+      CPU (the stub), each launch's charged time (the device thread's CPU time) ending at the
+      launch's end; on cuda, each settled chunk's event time placed at its launch, after the
+      chunk before it on the stream.
+    * :data:`LAUNCH` - a host-synchronous launch's wall span (the stub; a sync op): the device
+      held and in a launch. On the stub the span less its busy time is the device thread waiting
+      for a core (the host's CPUs, not the lease); not written for cuda's asynchronous launches.
+    """
+
+    WORK: Final = 0
+    BUSY: Final = 1
+    LAUNCH: Final = 2
+    FLUSH = 3 * 8192
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, f"{os.getpid()}.work")
+        self.rows = array("q")
+        self._lock = threading.Lock()
+        import atexit
+
+        atexit.register(self.flush)
+
+    @classmethod
+    def from_env(cls) -> WorkTrace | None:
+        directory = os.environ.get(WORK_TRACE_ENV, "")
+        return cls(directory) if directory and os.path.isdir(directory) else None
+
+    def add(self, *rows: int) -> None:
+        """Intervals, each ``kind, start ns, end ns`` (one call for a launch's two rows: ~0.9 us a
+        call). The executor and device threads both add: under a lock, so that a flush on the other
+        thread never takes the array from under a row."""
+        with self._lock:
+            kept = self.rows
+            kept.extend(rows)
+            full = len(kept) >= self.FLUSH
+        if full:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the rows kept so far to the file (never raises: a full disk loses rows, never an op)."""
+        with self._lock:
+            rows, self.rows = self.rows, array("q")
+            if not rows:
+                return
+            try:
+                if sys.byteorder != "little":
+                    rows.byteswap()
+                with open(self.path, "ab") as f:
+                    rows.tofile(f)
+            except OSError:
+                pass
+
+
+def read_work_trace(directory: str) -> dict[int, NDArray[np.int64]]:
+    """Every :class:`WorkTrace` row in ``directory``: the intervals of each kind (``WorkTrace.WORK``,
+    ``BUSY``, ``LAUNCH``; all workers together) as (n, 2) arrays of (start, end) ns - a full
+    ``twt bench share --mix`` writes millions; a file's last row cut short (a worker killed while it
+    wrote) is left out, and so is a backwards row or one of an unknown kind. numpy is imported here,
+    by the bench, never by a worker."""
+    import glob
+
+    import numpy
+
+    parts: dict[int, list[NDArray[np.int64]]] = {WorkTrace.WORK: [], WorkTrace.BUSY: [], WorkTrace.LAUNCH: []}
+    for path in glob.glob(os.path.join(directory, "*.work")):
+        with open(path, "rb") as f:
+            data = f.read()
+        rows = numpy.frombuffer(data[:len(data) // 24 * 24], dtype="<i8").reshape(-1, 3).astype(numpy.int64)
+        for kind, kept in parts.items():
+            mine = rows[(rows[:, 0] == kind) & (rows[:, 2] >= rows[:, 1])]
+            kept.append(mine[:, 1:])
+    return {kind: numpy.concatenate(kept) if kept else numpy.empty((0, 2), numpy.int64)
+            for kind, kept in parts.items()}
 
 
 def _t_off(t: int) -> int:
@@ -399,6 +508,8 @@ class GpuTimeBoard(MappedSegment):
         self.spin = True
         #: the handover trace (None: off; see :class:`HandoverTrace`)
         self.trace: HandoverTrace | None = HandoverTrace.from_env() if worker is not None else None
+        #: the work trace (None: off; see :class:`WorkTrace`)
+        self.work: WorkTrace | None = WorkTrace.from_env() if worker is not None else None
         self._bind_counters()
 
     # ------------------------------------------------------------ lifecycle
@@ -955,6 +1066,8 @@ class GpuTimeBoard(MappedSegment):
                     woke = 0
                 if deadline_ns is not None and now >= deadline_ns:
                     raise TimeoutError(f"no GPU time on device {self.device_index} before the run's deadline")
+                if _atomics.load(buf, _SOON_W) == w + 1 and now < _atomics.load(buf, _SOON_UNTIL):
+                    continue  # the holder lends to us after its chunk (hand_over_soon): stay on the CPU
                 owner = _atomics.load(buf, _OWNER)
                 if self.spin and spun < _MAX_SPIN and self._next_up(buf, owner, now):
                     # the device passes to us within a chunk: be on a CPU when it does, not a
@@ -971,6 +1084,25 @@ class GpuTimeBoard(MappedSegment):
                     wakes += 1
         finally:
             self.unwant()
+
+    def hand_over_soon(self, within_ns: int, now: int | None = None) -> int | None:
+        """The holder is about to launch a chunk after which it lends the device (a chatty worker's
+        pass ends with it): the waiter it would lend to (finish's pick for a lend) is woken now and
+        stays on a CPU - looking at the owner word in a loop, not sleeping, not yielding - until the
+        grant or ``within_ns`` (at most :data:`_SOON_MAX_NS`: the chunk's estimate and the giver's
+        own work to its grant), so that the grant finds it running instead of a scheduler wake-up
+        after it (~120 us p50 on a loaded 2-core host). The slot woken, or None (nobody waits)."""
+        buf, w = self._need_worker()
+        if not _atomics.load(buf, _WAITING):
+            return None
+        now = self._clock() if now is None else now
+        nxt = self.pick(now, prefer_tenant=self._tenant)
+        if nxt is None or nxt == w:
+            return None
+        _atomics.store(buf, _SOON_UNTIL, now + max(0, min(within_ns, _SOON_MAX_NS)))
+        _atomics.store(buf, _SOON_W, nxt + 1)
+        _wake(buf)
+        return nxt
 
     def _next_up(self, buf: memoryview, owner: int, now: int) -> bool:
         """True when a busy holder's quantum ends within a chunk, or it runs short ops (a chatty

@@ -73,6 +73,11 @@ memory, and the run's end::
   up at the deadline plus :data:`QUEUE_GRACE_S` (``QueueOverrun``: the
   worker exits, as for the cuda backend's queue).
 
+**The work trace** (off by default; ``shared.gpu_time.WorkTrace``, the board's ``work``):
+the worker's work intervals (from a submit into a queue with none open until its last op is
+done; a synchronous op's call) and the device's busy and launch spans, for ``twt bench share
+--mix``'s "device busy while any tenant has work"; off, each hook is one ``is None`` test.
+
 Threads: the executor thread submits and syncs; queued ops run on the device
 thread; a synchronous op runs on the executor thread once the queue is empty
 (and the device thread has told the board its stretch ended). The board,
@@ -95,7 +100,7 @@ from dataclasses import dataclass
 from typing import TypeVar, cast
 
 from shared.errors import KernelTimeout
-from shared.gpu_time import GpuTimeBoard
+from shared.gpu_time import GpuTimeBoard, WorkTrace
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock
 from worker.backends.base import Backend, DeviceBuffer
@@ -142,6 +147,12 @@ _BATCH_DIV = 8
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
 QUEUE_LINGER_S = 50e-6
+#: a pass that ends in a lend wakes its grantee ahead (``GpuTimeBoard.hand_over_soon``) for the pass's
+#: last launch's estimate plus this: the giver's own work from its chunk's end to the grant (~25 us p50,
+#: ~30 us p90 traced for a chatty giver on a loaded 2-core host), with a margin
+_SOON_MARGIN_NS = 60_000
+#: no pass's last launch (``DeviceGate._pass_ops``)
+_NO_OPS: tuple[list[_Item], int, int] = ([], 0, 0)
 #: an op's ``small_est`` when it cannot join a batch (larger than any batch's budget)
 _NOT_SMALL = 1 << 62
 #: how long past the run's deadline a wait for queued work may last (one chunk in flight ends well
@@ -187,7 +198,8 @@ class DeviceQueue:
 
     def __init__(self, run: Callable[[list[_Item]], tuple[int, BaseException | None]], end: Callable[[], None], *,
                  max_ops: int = MAX_QUEUED_OPS, max_bytes: int = MAX_QUEUED_BYTES,
-                 linger: Callable[[], bool] | None = None, lend: Callable[[], bool] | None = None) -> None:
+                 linger: Callable[[], bool] | None = None, lend: Callable[[], bool] | None = None,
+                 work: WorkTrace | None = None, settles: Callable[[], bool] | None = None) -> None:
         self.max_ops = max_ops
         self.max_bytes = max_bytes
         #: runs the ops taken off the queue, in order: (how many ran whole, the error of the next
@@ -212,6 +224,13 @@ class DeviceQueue:
         self._syncing = 0
         #: wall ns the device thread spent running this worker's ops (an op's wait excludes them)
         self.own_busy_ns = 0
+        #: the work trace (None: off): the queue's work interval, open since ``_work_since`` (0: none
+        #: open) - from the submit into a queue with no work to the end of its last op; ``settles``:
+        #: the ops' device work is complete only once the stretch's end settled it (cuda's pending
+        #: timer), so the interval closes after the stretch's end, not when the last launch returned
+        self._work = work
+        self._work_since = 0
+        self._settles = settles
         self.submitted = 0
         self.ran = 0
         self.dropped = 0
@@ -247,6 +266,8 @@ class DeviceQueue:
                 return
             if self._closed:
                 raise RuntimeError("the device queue is closed")
+            if self._work is not None and not self._work_since:
+                self._work_since = item.submit_ns  # (stamped before this lock: the op's submit)
             self._items.append(item)
             self._bytes += item.nbytes
             self.submitted += 1
@@ -322,6 +343,8 @@ class DeviceQueue:
                 ran, err = self._run_items(items)
             except BaseException as exc:  # noqa: BLE001 - kept for the next call into the gate
                 ran, err = 0, exc
+            work = self._work
+            done_at = time.monotonic_ns() if work is not None else 0
             with cond:
                 self.ran += ran + (1 if err is not None else 0)
                 self._bytes -= sum(item.nbytes for item in items)
@@ -332,6 +355,12 @@ class DeviceQueue:
                     self._bytes -= sum(item.nbytes for item in self._items)
                     self._items.clear()
                 idle = not self._items
+                if work is not None and idle and self._work_since and not (
+                        self._settles is not None and self._settles()):
+                    # its last op has finished: no work from here to its next submit (a linger, a
+                    # stretch's end with the device held, are no work of this worker's)
+                    work.add(WorkTrace.WORK, self._work_since, done_at)
+                    self._work_since = 0
                 # a chatty worker's stretch ends after its pass, the ops its guest queued meanwhile
                 # still queued: they wait for its claim, a turn later (DeviceGate._lend_after_pass)
                 lend = not idle and err is None and self._lend is not None and self._lend()
@@ -349,6 +378,9 @@ class DeviceQueue:
                             self._error = exc
             with cond:
                 self._running = False
+                if work is not None and self._work_since and not self._items:
+                    work.add(WorkTrace.WORK, self._work_since, time.monotonic_ns())  # settled: done
+                    self._work_since = 0
                 cond.notify_all()
 
     def close(self, timeout_s: float = QUEUE_GRACE_S) -> None:
@@ -426,9 +458,18 @@ class DeviceGate:
         #: the op or batch being run is small (:meth:`_small_run`) and the last of the device thread's
         #: pass (:meth:`_queued_items`); after the pass: the pass ended with small ops
         self._pass_end = False
+        #: the pass's last launch (set with ``_pass_end``): its ops, ``items[i:j]`` - their estimate is
+        #: summed only when a lend follows it (:meth:`_soon_ns`), off the common path
+        self._pass_ops: tuple[list[_Item], int, int] = _NO_OPS
         #: with the scheduler off on a host-serial backend (the stub): the fd whose flock serialises
         #: the device (-1 not opened, -2 unavailable)
         self._serial = -1
+        #: the board's work trace (None: off; shared.gpu_time.WorkTrace): this worker's work and busy
+        #: intervals; with a pending timer, the unsettled chunks' launch stamps and where the last
+        #: settled chunk ended (the next one starts after it on the stream)
+        self._work: WorkTrace | None = getattr(board, "work", None)  # (a test's stand-in board has none)
+        self._unsettled_at: list[int] = []
+        self._busy_end = 0
 
     def _timer_(self) -> OpTimer:
         if self._timer is None:
@@ -440,7 +481,14 @@ class DeviceGate:
         any, is raised first), in chunks where it splits (see module doc); its result (a sum), or None."""
         self.sync(deadline_ns)
         self._prepare(name)
-        return cast("T | None", self._op(name, fn, args, deadline_ns, self._run))
+        work = self._work
+        if work is None:
+            return cast("T | None", self._op(name, fn, args, deadline_ns, self._run))
+        t0 = time.monotonic_ns()  # the op is this worker's work from here until it returns
+        try:
+            return cast("T | None", self._op(name, fn, args, deadline_ns, self._run))
+        finally:
+            work.add(WorkTrace.WORK, t0, time.monotonic_ns())
 
     def submit(self, name: str, fn: Callable[..., object], args: tuple[object, ...],
                deadline_ns: int | None = None) -> None:
@@ -455,7 +503,8 @@ class DeviceGate:
         queue = self.queue
         if queue is None:
             queue = self.queue = DeviceQueue(self._queued_items, self._end_stretch, linger=self._linger,
-                                             lend=self._lend_after_pass)
+                                             lend=self._lend_after_pass, work=self._work,
+                                             settles=lambda: self._pending_timer is not None)
         if name not in self._prepared and not queue.pending:
             self._prepare(name)
         nbytes = sum(a.nbytes for a in args if isinstance(a, DeviceBuffer))
@@ -546,6 +595,8 @@ class DeviceGate:
             batch = self._small_run(items, i)
             self._pass_end = i + max(1, batch) >= len(items) and (
                 batch >= 1 or 0 <= items[i].est <= small)  # (cuda: small ops launch alone)
+            if self._pass_end:
+                self._pass_ops = (items, i, i + max(1, batch))
             t0 = time.monotonic_ns()
             w0 = self._lease_wait_ns
             try:
@@ -558,6 +609,7 @@ class DeviceGate:
             finally:
                 # one writer: this thread; a lease wait at the launch is no time running this worker's ops
                 queue.own_busy_ns += time.monotonic_ns() - t0 - (self._lease_wait_ns - w0)
+                self._pass_ops = _NO_OPS  # (no op outlives its pass here: their buffers are the guest's)
             i += max(1, batch)
         return len(items), None
 
@@ -739,6 +791,14 @@ class DeviceGate:
         trace = board.trace if board is not None else None
         if trace is not None and board is not None:
             trace.launch(board.worker_slot or 0, time.monotonic_ns())
+        if last and pending is None and self._pass_end and self._held_board and self._lend_after_pass():
+            # this launch ends a pass that lends the device (below): its grantee, woken now, is on a
+            # CPU when the grant lands instead of a scheduler wake-up after it (bounded: the launch's
+            # estimate and the giver's way to its grant)
+            assert board is not None
+            board.hand_over_soon(self._soon_ns())
+        work = self._work
+        launched = time.monotonic_ns() if work is not None else 0
         try:
             ns = qtimer.time(lambda: result.append(fn(*args)))
         finally:
@@ -746,6 +806,8 @@ class DeviceGate:
                 trace.chunk_end = time.monotonic_ns()
             if serial >= 0:
                 fcntl.flock(serial, fcntl.LOCK_UN)
+            if work is not None:
+                self._busy(work, launched, ns, pending is not None and pending.pending > before)
             self.chunks += 1
             self.run_time_ns += ns
             self._pending_ns += ns
@@ -815,6 +877,8 @@ class DeviceGate:
             self.queue_overrun = True
             raise
         done, self._unsettled = self._unsettled[:len(times)], self._unsettled[len(times):]
+        if self._work is not None:
+            self._busy_settled(self._work, times)
         total = 0
         for (name, p, units, _), ns in zip(done, times):
             if p is not None:
@@ -826,10 +890,46 @@ class DeviceGate:
             if self._unsettled:
                 self.failed_op = self._unsettled[0][0]
             self._unsettled = []
+            self._unsettled_at = []
             self._settle_error = error
         self._unsettled_est_ns = sum(est for *_, est in self._unsettled)
         if error is not None:
             raise error
+
+    def _soon_ns(self) -> int:
+        """How long a grantee woken ahead of the pass's last launch waits on a CPU: that launch's
+        estimate and the giver's way from its end to the grant."""
+        items, i, j = self._pass_ops
+        return sum(max(0, it.est) for it in items[i:j]) + _SOON_MARGIN_NS
+
+    def _busy(self, work: WorkTrace, launched: int, ns: int, pending: bool) -> None:
+        """The work trace's rows of a launch that just returned: its wall span, and its charged time
+        ending at the launch's end (a host-synchronous timer: the stub's CPU time, a sync op's
+        events) - or, for a chunk pending on the stream (``pending``), its launch stamp, kept until
+        the settle."""
+        if pending:
+            self._unsettled_at.append(launched)
+            return
+        end = time.monotonic_ns()
+        if ns > 0:
+            work.add(WorkTrace.LAUNCH, launched, end, WorkTrace.BUSY, max(launched, end - ns), end)
+        else:
+            work.add(WorkTrace.LAUNCH, launched, end)
+
+    def _busy_settled(self, work: WorkTrace, times: list[int]) -> None:
+        """The busy rows of settled chunks (``times``, in launch order): each placed on the stream at
+        its launch or the previous chunk's end, whichever is later, and ending by the settle's return
+        (it waited for them all)."""
+        now = time.monotonic_ns()
+        stamps, self._unsettled_at = self._unsettled_at[:len(times)], self._unsettled_at[len(times):]
+        prev = self._busy_end
+        for launched, ns in zip(stamps, times):
+            start = max(launched, prev)
+            end = min(start + ns, now)
+            if ns > 0:
+                work.add(WorkTrace.BUSY, min(start, end), end)
+            prev = max(prev, end)
+        self._busy_end = prev
 
     def _end_stretch(self) -> None:
         """The queue ran empty: the stretch ends. A worker whose ops come far apart next to their
@@ -888,6 +988,8 @@ class DeviceGate:
         trace = board.trace if board is not None else None
         if trace is not None and board is not None:
             trace.launch(board.worker_slot or 0, time.monotonic_ns())
+        work = self._work
+        launched = time.monotonic_ns() if work is not None else 0
         try:
             ns = self._timer_().time(lambda: result.append(fn(*args)))
         finally:
@@ -895,6 +997,8 @@ class DeviceGate:
                 trace.chunk_end = time.monotonic_ns()
             if serial >= 0:
                 fcntl.flock(serial, fcntl.LOCK_UN)
+            if work is not None:
+                self._busy(work, launched, ns, False)
             self.chunks += 1
             self.run_time_ns += ns
             self.block.charge_gpu_time(ns)
@@ -943,6 +1047,8 @@ class DeviceGate:
                 log_event(_log, logging.WARNING, "device_time.queued_op_failed", op=self.failed_op, error=repr(err))
         self._run_refused = None
         self._submit_at = 0  # the time to the next run is no gap between this run's ops
+        if self._work is not None:
+            self._work.flush()  # a run's rows are on disk when its reply goes out
         if self.queue_overrun:  # (a settle's too: its work may still run on the device)
             ok = False
         if self.board is None or not ok:
