@@ -7,9 +7,8 @@ Start-up order matters:
 2. name the process ``twt-worker`` (``ps``, ``top``, the tests' leak check);
 3. connect the data socket (executor, this thread) and start the control
    thread (heartbeats, faults, stop) - both say hello with the one-time token;
-4. warm up on a thread below this one's priority (a pool worker, until its bind);
-5. serve until ``stop``; then, every thread lowered, free every buffer, destroy
-   the context and exit 0.
+4. serve until ``stop``; then, every thread lowered (worker.priority), free
+   every buffer, destroy the context and exit 0.
 
 Heavy imports (numpy, wasmtime, cuda) happen only when a request needs them.
 """
@@ -70,13 +69,11 @@ def run(boot: BootMessage) -> None:
 
     from shared.frames import encode_worker_reply
     from worker.priority import BACKGROUND_NICE, lower_process
-    from worker.server import wasm_warm_up
+    from worker.server import warm_bind_path, wasm_warm_up
 
-    # The warm-up (the bind path's rehearsal, the ops' modules, the WASM host's run) comes after the
-    # hello, while the worker idles in the pool (never after the bind), on a thread of its own below
-    # this one's priority (worker.server.IdleRunner: no request waits for it); the worker says
-    # ``warmed`` when done, and the supervisor counts it ready only then (a bind may still come
-    # before: it wins). This thread, which serves the tenant, keeps the normal priority.
+    warm_bind_path()  # before the hello: a pool worker's bind is on a registration's critical path
+    # after the hello, while it idles in the pool (never after the bind); it says ``warmed`` when
+    # done, and the supervisor counts it ready only then (a bind may still come before: it wins)
     server.idle_work = wasm_warm_up()
     data.send(encode_worker_reply(0, True, WorkerHello(boot.token, os.getpid(), warming=True).to_wire()))
     log_event(log, logging.DEBUG, "worker.started", worker=boot.worker_id, pid=os.getpid())
@@ -89,9 +86,10 @@ def run(boot: BootMessage) -> None:
         code = WORKER_CRASHED
     finally:
         if server.exit_code is None:
-            # An orderly stop (a park's, a scale-down's): no request waits for the teardown - the
-            # buffers' free, the context's end, the exit's unmapping - so it runs below every
-            # request of the host. Not after a lost CUDA context: its error reply is still to flush.
+            # An orderly stop (a park's, a scale-down's, shutdown): no request waits for the
+            # teardown - the buffers' free, the context's end, the exit's unmapping - so every
+            # thread runs it below the requests of the host (worker.priority). Not after a lost
+            # CUDA context: its error reply is still to flush.
             lower_process(BACKGROUND_NICE)
         server.close()
         control.closed.wait(2)

@@ -21,14 +21,11 @@ it has the spawner - a thread made at the normal priority before the executor
 lowered itself - start them. Threads started plainly (the module compiler's)
 run at the guest's priority, which is what they are.
 
-The same mechanism puts a pool worker's background work below every request:
-its warm-up (everything after its hello until it says ``warmed``) runs on a
-thread of its own lowered by :data:`BACKGROUND_NICE` (the executor, which
-serves the tenant later, is never lowered for it), and a worker that stops in
-order lowers all its threads by as much before its teardown
-(:func:`lower_process`). No request waits for either: a pool worker is counted
-ready only once warm, and a stopping worker no longer counts under
-``max_active``.
+A worker that stops in order (a park, a scale-down, shutdown) lowers every one
+of its threads by :data:`BACKGROUND_NICE` before its teardown
+(:func:`lower_process`): no request waits for it (a stopping worker no longer
+counts under ``max_active``), so the buffers' free, the context's end and the
+exit's unmapping take a core only when no request-serving thread wants it.
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ _log = get_logger("worker")
 
 #: the most a nice value can be (Linux)
 NICE_MAX = 19
-#: how many steps below the worker's normal priority the work no request waits for runs: a pool
-#: worker's warm-up and an orderly exit's teardown. Weight 110 against 1,024 (CFS): beside a busy
-#: request thread such a thread gets ~10 % of a core, and all of an idle one.
+#: how many steps below the worker's normal priority an orderly exit's teardown runs: weight 110
+#: against 1,024 (CFS), ~10 % of a core beside a busy request thread, all of an idle one
 BACKGROUND_NICE = 10
 
 _lock = threading.Lock()
@@ -117,11 +113,10 @@ def start_thread(thread: threading.Thread) -> None:
         spawner.start(thread)
 
 
-def lower_current_thread(steps: int, *, why: str = "guest") -> bool:
+def lower_current_thread(steps: int) -> bool:
     """Raise the calling thread's nice value by ``steps`` (at most to 19), for good: the threads it
     starts through :func:`start_thread` keep the priority it had. False when nothing changed
-    (``steps`` <= 0, no ``setpriority`` on this platform, or the call failed: logged as
-    ``worker.<why>_nice_failed``)."""
+    (``steps`` <= 0, no ``setpriority`` on this platform, or the call failed: logged)."""
     global _spawner
     if steps <= 0 or not hasattr(os, "setpriority"):
         return False
@@ -135,7 +130,7 @@ def lower_current_thread(steps: int, *, why: str = "guest") -> bool:
                 return False
             os.setpriority(os.PRIO_PROCESS, tid, min(NICE_MAX, now + steps))
         except OSError as exc:
-            log_event(_log, logging.WARNING, f"worker.{why}_nice_failed", steps=steps, error=repr(exc))
+            log_event(_log, logging.WARNING, "worker.guest_nice_failed", steps=steps, error=repr(exc))
             return False
         _lowered.add(tid)
     return True

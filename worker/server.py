@@ -45,7 +45,7 @@ from shared.frames import decode_worker_request, encode_worker_reply
 from shared.worker_link import WORKER_WARMED, BindMessage
 from worker.context import TenantContext
 from worker.faults import FaultState
-from worker.priority import BACKGROUND_NICE, lower_current_thread, name_thread
+from worker.priority import lower_current_thread
 
 __all__ = ["Reply", "WorkerServer", "register_op", "warm_bind_path", "wasm_warm_up"]
 
@@ -111,97 +111,6 @@ class StopFlag(threading.Event):
             self.wake_fd = self._write_fd = -1
 
 
-class IdleRunner:
-    """A pool worker's idle work (:func:`wasm_warm_up`'s steps) on a thread of its own, below the
-    executor's priority (:data:`worker.priority.BACKGROUND_NICE`): no request waits for a warm-up,
-    so on a busy host it takes a core only when no request-serving thread wants one. The executor
-    itself is never lowered for it (it serves the tenant later, and a raised nice value cannot be
-    lowered again without privilege).
-
-    One step at a time, as on the executor before: the executor :meth:`pause` s it while it serves
-    a request (it waits for the step in progress to end, never for the rest), :meth:`resume` s it
-    after while unbound, and :meth:`cancel` s it at the bind or the stop. So the pool host is never
-    touched by the two threads at once. When the work is done (or failed: a warm-up is an
-    optimisation) it writes a byte to :attr:`done_fd`, which the executor polls beside its socket,
-    and the executor says ``warmed`` (the data socket is the executor's only)."""
-
-    def __init__(self, work: Iterator[None], nice: int = BACKGROUND_NICE) -> None:
-        self._work = work
-        self._nice = nice
-        self._cond = threading.Condition()
-        self._paused = False
-        self._cancelled = False
-        self._stepping = False
-        #: the work ran to its end (or to its first error)
-        self.finished = False
-        self.done_fd, self._done_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._thread = threading.Thread(target=self._run, name="twt-warm-up", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        name_thread()
-        lower_current_thread(self._nice, why="background")
-        cond = self._cond
-        while True:
-            with cond:
-                while self._paused and not self._cancelled:
-                    cond.wait()
-                if self._cancelled:
-                    return
-                self._stepping = True
-            done = False
-            try:
-                next(self._work)
-            except StopIteration:
-                done = True
-            except Exception:  # noqa: BLE001 - the first run then does the set-up itself
-                _log.exception("worker.warm_up_failed")
-                done = True
-            finally:
-                with cond:
-                    self._stepping = False
-                    if done:
-                        self.finished = True
-                    cond.notify_all()
-            if done:
-                with cond:
-                    if self._done_write >= 0:
-                        os.write(self._done_write, b"d")
-                return
-
-    def pause(self) -> None:
-        """Hold the work at its next step's start; returns once no step is in progress."""
-        with self._cond:
-            self._paused = True
-            while self._stepping:
-                self._cond.wait()
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
-
-    def cancel(self) -> None:
-        """End the work at its next step's start; returns once no step is in progress (the
-        thread then ends without touching anything more)."""
-        with self._cond:
-            self._cancelled = True
-            self._cond.notify_all()
-            while self._stepping:
-                self._cond.wait()
-
-    def close(self) -> None:
-        """Cancel, and close the pipe (the serve loop is over)."""
-        self.cancel()
-        with self._cond:
-            for fd in (self.done_fd, self._done_write):
-                if fd >= 0:
-                    os.close(fd)
-            self.done_fd = self._done_write = -1
-
-
 def register_op(name: str) -> Callable[[Handler], Handler]:
     """Decorator: make ``fn(server, args, body) -> (result, body)`` the handler of ``name``."""
 
@@ -233,12 +142,9 @@ class WorkerServer:
         self.requests = 0
         #: the process exit code once this worker must end (a lost CUDA context), else None
         self.exit_code: int | None = None
-        #: work for an unbound (pool) worker while no request waits (:func:`wasm_warm_up`): run by
-        #: the serve loop on an :class:`IdleRunner` at :attr:`idle_nice` steps below this thread,
-        #: paused while a request is served; dropped at the bind, or at its first error
+        #: work for an unbound (pool) worker while no request waits, one step per empty look at
+        #: the queue (:func:`wasm_warm_up`); dropped at the bind, or at its first error
         self.idle_work: Iterator[None] | None = None
-        self.idle_nice = BACKGROUND_NICE
-        self._runner: IdleRunner | None = None
 
     # --------------------------------------------------------------- loop
 
@@ -252,57 +158,43 @@ class WorkerServer:
         recv, events = sock.recv, sock.getsockopt
         # a stop wakes the poll (StopFlag); zmq_poll takes a plain fd beside sockets (its stub says sockets only)
         items = cast("list[tuple[zmq.Socket[bytes], int]]", [(sock, _POLLIN), (stop.wake_fd, _POLLIN)])
-        try:
-            while not stop.is_set():
-                if not int(events(_EVENTS)) & _POLLIN:
-                    if self.idle_work is not None and self._runner is None and self.context is None:
-                        # the queue was looked at once: the warm-up starts now, beside this thread
-                        self._runner = IdleRunner(self.idle_work, self.idle_nice)
-                        items.append((self._runner.done_fd, _POLLIN))  # type: ignore[arg-type]
-                        self._runner.start()
-                    if not zmq.zmq_poll(items, _IDLE_POLL_MS) or stop.is_set():
-                        continue
-                    if self._runner is not None and self._runner.finished:
-                        self._idle_done(items)
-                        continue
-                try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
+        while not stop.is_set():
+            if not int(events(_EVENTS)) & _POLLIN:
+                if self.idle_work is not None:
+                    self._idle_step()  # one step, then look at the queue again
+                    continue
+                if not zmq.zmq_poll(items, _IDLE_POLL_MS) or stop.is_set():
+                    continue
+            try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
+                frame = recv(_NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:
                     frame = recv(_NOBLOCK, copy=False)
-                    frames = [frame]
-                    while frame.more:
-                        frame = recv(_NOBLOCK, copy=False)
-                        frames.append(frame)
-                except zmq.Again:  # a spurious wake-up (a message is delivered whole): look again
-                    continue
-                self.requests += 1
-                self.faults.block_if_hung()
-                runner = self._runner
-                if runner is None:
-                    self.handle(frames)
-                    continue
-                runner.pause()  # its step in progress ends first: the pool host is one thread's at a time
-                try:
-                    self.handle(frames)
-                finally:
-                    if self.context is not None:  # bound: this process's time is the tenant's now
-                        self._idle_drop(items)
-                    else:
-                        runner.resume()
-        finally:
-            if self._runner is not None:
-                self._idle_drop(items)
+                    frames.append(frame)
+            except zmq.Again:  # a spurious wake-up (a message is delivered whole): look again
+                continue
+            self.requests += 1
+            self.faults.block_if_hung()
+            self.handle(frames)
 
-    def _idle_drop(self, items: list[tuple[zmq.Socket[bytes], int]]) -> None:
-        """End the idle work without a ``warmed`` notice (the bind or the stop came first)."""
-        runner, self._runner = self._runner, None
+    def _idle_step(self) -> None:
+        """One step of :attr:`idle_work`; none once the worker is bound (its time is the tenant's)
+        or the work is done. An error ends the work, never the worker: a warm-up is an optimisation."""
+        work = self.idle_work
+        if work is None:
+            return
+        if self.context is not None:
+            self.idle_work = None
+            return
+        try:
+            next(work)
+            return
+        except StopIteration:
+            pass
+        except Exception:  # noqa: BLE001 - the first run then does the set-up itself
+            _log.exception("worker.warm_up_failed")
         self.idle_work = None
-        if runner is not None:
-            runner.close()
-            del items[2:]
-
-    def _idle_done(self, items: list[tuple[zmq.Socket[bytes], int]]) -> None:
-        """The idle work is done (or given up): the supervisor counts this pool worker ready from
-        now on."""
-        self._idle_drop(items)
+        # done (or given up): the supervisor counts this pool worker ready from now on
         try:
             self.sock.send(encode_worker_reply(0, True, WORKER_WARMED), _NOBLOCK)
         except zmq.Again:
@@ -430,8 +322,7 @@ def op_bind(server: WorkerServer, args: dict[str, object], body: zmq.Frame | Non
 
 
 def warm_bind_path() -> None:
-    """Run the parts of a first ``bind`` that need no tenant: the first step of a pool worker's
-    warm-up (:func:`wasm_warm_up`).
+    """Run the parts of a first ``bind`` that need no tenant, before the worker says hello.
 
     A pool worker binds once, and that bind was the first time this process ran the
     spec's decode and checks, the reply's encoding and the read of its own start time
@@ -452,8 +343,7 @@ def warm_bind_path() -> None:
 
 
 def wasm_warm_up() -> Iterator[None]:
-    """A pool worker's idle work (:attr:`WorkerServer.idle_work`, run on an :class:`IdleRunner`):
-    rehearse the bind's path, import the modules of the ops
+    """A pool worker's idle work (:attr:`WorkerServer.idle_work`): import the modules of the ops
     an activation sends (the parking imports, the WASM host; one a step), then warm the host
     step by step (:func:`worker.wasm.host.pool_warm_up`: the engine, the linker with the host
     functions, the engine's fingerprint, one run of our own module). Runs while the worker waits
@@ -461,8 +351,6 @@ def wasm_warm_up() -> Iterator[None]:
     and module. Lazily imported: worker.wasm pulls in wasmtime; numpy loads before a worker's first
     device op (:meth:`worker.backends.base.Backend.prepare`), not here: most tenants run none."""
     yield  # nothing before the loop has looked at the queue once
-    warm_bind_path()  # first: a bind that comes before the rest finds its path run once
-    yield
     for op in _LAZY_OPS:  # an activation's ops (import_buffer, import_modules, run_wasm ...): their modules
         if op not in _OPS:
             _resolve(op)

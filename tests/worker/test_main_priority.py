@@ -1,7 +1,6 @@
-"""A real worker process (worker.main.run) against a stand-in supervisor: the work no request waits
-for runs below the thread that serves requests - the pool warm-up on its own lowered thread, an
-orderly stop's teardown with every thread lowered - and the executor keeps its normal priority up to
-the stop.
+"""A real worker process (worker.main.run) against a stand-in supervisor: an orderly stop's teardown
+- which no request waits for - runs with every thread lowered, and the executor serves at its normal
+priority up to the stop.
 
 The worker runs in a child process (a raised nice value cannot be lowered again, and the worker
 ends with ``os._exit``); the child wraps ``WorkerServer.close`` (the teardown's first step) to write
@@ -54,21 +53,11 @@ close = server_mod.WorkerServer.close
 
 def recording_close(self):
     with open(out, "w") as f:
-        json.dump({"base": base, "at_close": nices(), "warm": warm, "served": served}, f)
+        json.dump({"base": base, "at_close": nices(), "served": served}, f)
     close(self)
 
 server_mod.WorkerServer.close = recording_close
 
-warm = []  # each warm-up step's (thread, nice)
-warm_up = server_mod.wasm_warm_up
-
-def recording_warm_up():
-    for _ in warm_up():
-        tid = threading.get_native_id()
-        warm.append((tid, nices()[str(tid)]))
-        yield
-
-server_mod.wasm_warm_up = recording_warm_up
 ping = server_mod._OPS["ping"]
 served = []  # the executor's (thread, nice) at each ping
 
@@ -82,7 +71,7 @@ worker.main.run(BootMessage.from_wire(json.loads(sys.argv[1])))
 """
 
 
-def test_a_pool_worker_warms_below_its_executor_and_tears_down_below_every_request() -> None:
+def test_a_worker_serves_at_its_priority_and_tears_down_below_every_request() -> None:
     zctx = zmq.Context()
     data: zmq.Socket[Any] = zctx.socket(zmq.ROUTER)
     control: zmq.Socket[Any] = zctx.socket(zmq.ROUTER)
@@ -96,13 +85,11 @@ def test_a_pool_worker_warms_below_its_executor_and_tears_down_below_every_reque
         proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(boot.to_wire()), out], cwd=ROOT,
                                 stderr=subprocess.PIPE, text=True)
         try:
-            ident, frame = data.recv_multipart()  # the hello, before the warm-up
+            ident, frame = data.recv_multipart()  # the hello
             assert proto.decode_worker_reply(frame)[:2] == (0, True)
-            # a request while it warms: served (between two of the warm-up's steps)
             data.send_multipart([ident, proto.encode_worker_request(1, "ping", {})])
             replies = [proto.decode_worker_reply(data.recv_multipart()[1]) for _ in range(2)]
             assert (0, True, WORKER_WARMED) in replies and any(r[:2] == (1, True) for r in replies)
-            # the warm-up's thread is gone: the process's threads all run at the normal priority
             cid = control.recv_multipart()[0]
             control.send_multipart([cid, encode_control("stop")])
             assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
@@ -124,7 +111,5 @@ def test_a_pool_worker_warms_below_its_executor_and_tears_down_below_every_reque
     assert len(at_close) >= 2  # the executor and the control thread at least
     lowered = min(NICE_MAX, base + BACKGROUND_NICE)
     assert set(at_close.values()) == {lowered}, at_close  # every thread, before the teardown
-    warm, served = seen["warm"], seen["served"]
-    assert warm and {nice for _, nice in warm} == {lowered}, warm  # the warm-up: its own lowered thread
+    served = seen["served"]
     assert served and {nice for _, nice in served} == {base}, served  # the executor: the normal priority
-    assert not {tid for tid, _ in warm} & {tid for tid, _ in served}

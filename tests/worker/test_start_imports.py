@@ -49,7 +49,7 @@ import shared.worker_link             # unpickled: the boot message
 for name in json.loads(sys.argv[1]):
     importlib.import_module(name)
 from worker.server import warm_bind_path
-warm_bind_path()                      # the first step of its warm-up
+warm_bind_path()                      # what run() does before its hello
 print(json.dumps(sorted(sys.modules)))
 """
 
