@@ -89,3 +89,31 @@ def test_the_fork_servers_preload_leaves_its_objects_out_of_a_forked_workers_col
     assert got["frozen"] > 20_000  # the preload's modules, the wasmtime host, the compiled decoders
     assert got["child"]["frozen"] > got["frozen"] * 0.9  # inherited as frozen ...
     assert got["child"]["tracked"] < got["frozen"] // 20  # ... and not walked by the worker's collections
+
+
+class _Exited:
+    """A process whose status is there (``ready_at_once``) or appears only once it is waited for."""
+
+    def __init__(self, code: int, ready_at_once: bool) -> None:
+        self.code, self.ready, self.joins = code, ready_at_once, 0
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.code if self.ready else None
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joins += 1
+        self.ready = True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_dead_workers_status_is_read_without_a_wait_when_it_is_there() -> None:
+    """At a worker's death (its sentinel fired) the status is read with one look; only when it is
+    not there yet (a spawned child whose fds closed a moment before it became reapable) does the
+    supervisor wait for it - a forkserver child's join made two selectors a death."""
+    there = _Exited(-signal.SIGKILL, ready_at_once=True)
+    assert exit_status(there) == (None, signal.SIGKILL) and there.joins == 0
+    later = _Exited(3, ready_at_once=False)
+    assert exit_status(later) == (3, None) and later.joins == 1
