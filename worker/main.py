@@ -7,8 +7,7 @@ Start-up order matters:
 2. name the process ``twt-worker`` (``ps``, ``top``, the tests' leak check);
 3. connect the data socket (executor, this thread) and start the control
    thread (heartbeats, faults, stop) - both say hello with the one-time token;
-4. serve until ``stop``; then, every thread lowered (worker.priority), free
-   every buffer, destroy the context and exit 0.
+4. serve until ``stop``; then free every buffer, destroy the context and exit 0.
 
 Heavy imports (numpy, wasmtime, cuda) happen only when a request needs them.
 """
@@ -68,7 +67,6 @@ def run(boot: BootMessage) -> None:
     control.start()
 
     from shared.frames import encode_worker_reply
-    from worker.priority import BACKGROUND_NICE, lower_process
     from worker.server import warm_bind_path, wasm_warm_up
 
     warm_bind_path()  # before the hello: a pool worker's bind is on a registration's critical path
@@ -85,12 +83,6 @@ def run(boot: BootMessage) -> None:
         log.exception("worker.crashed")
         code = WORKER_CRASHED
     finally:
-        if server.exit_code is None:
-            # An orderly stop (a park's, a scale-down's, shutdown): no request waits for the
-            # teardown - the buffers' free, the context's end, the exit's unmapping - so every
-            # thread runs it below the requests of the host (worker.priority). Not after a lost
-            # CUDA context: its error reply is still to flush.
-            lower_process(BACKGROUND_NICE)
         server.close()
         control.closed.wait(2)
         if server.exit_code is not None:

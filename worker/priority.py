@@ -20,12 +20,6 @@ priority are started through :func:`start_thread`: called on a lowered thread,
 it has the spawner - a thread made at the normal priority before the executor
 lowered itself - start them. Threads started plainly (the module compiler's)
 run at the guest's priority, which is what they are.
-
-A worker that stops in order (a park, a scale-down, shutdown) lowers every one
-of its threads by :data:`BACKGROUND_NICE` before its teardown
-(:func:`lower_process`): no request waits for it (a stopping worker no longer
-counts under ``max_active``), so the buffers' free, the context's end and the
-exit's unmapping take a core only when no request-serving thread wants it.
 """
 
 from __future__ import annotations
@@ -37,15 +31,12 @@ import threading
 from shared.log import get_logger, log_event
 from shared.prctl import set_process_name
 
-__all__ = ["BACKGROUND_NICE", "lower_current_thread", "lower_process", "lowered", "name_thread", "start_thread"]
+__all__ = ["lower_current_thread", "lowered", "name_thread", "start_thread"]
 
 _log = get_logger("worker")
 
 #: the most a nice value can be (Linux)
 NICE_MAX = 19
-#: how many steps below the worker's normal priority an orderly exit's teardown runs: weight 110
-#: against 1,024 (CFS), ~10 % of a core beside a busy request thread, all of an idle one
-BACKGROUND_NICE = 10
 
 _lock = threading.Lock()
 #: native ids of the threads of this process that lowered themselves (:func:`lower_current_thread`)
@@ -134,28 +125,3 @@ def lower_current_thread(steps: int) -> bool:
             return False
         _lowered.add(tid)
     return True
-
-
-def lower_process(steps: int) -> int:
-    """Raise the nice value of every thread of this process by ``steps`` (at most to 19): a worker
-    about to tear itself down (its buffers freed, its context destroyed, its memory unmapped at the
-    exit) does it below every request of the host. Returns how many threads were lowered; never
-    raises (a thread that ended meanwhile, or a refused call, is skipped: the exit goes on)."""
-    if steps <= 0 or not hasattr(os, "setpriority"):
-        return 0
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [threading.get_native_id()]
-    done = 0
-    with _lock:
-        for tid in tids:
-            try:
-                now = os.getpriority(os.PRIO_PROCESS, tid)
-                if now < NICE_MAX:
-                    os.setpriority(os.PRIO_PROCESS, tid, min(NICE_MAX, now + steps))
-                    _lowered.add(tid)
-                    done += 1
-            except OSError:
-                continue
-    return done

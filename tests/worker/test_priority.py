@@ -180,29 +180,3 @@ print(json.dumps(seen))
     assert seen["changed"] is False and seen["lowered"] is False
     assert seen["me"] == seen["base"]
     assert "worker.guest_nice_failed" in str(seen["log"])
-
-
-def test_lower_process_lowers_every_thread_and_never_raises() -> None:
-    """An orderly exit's teardown (worker.main): every thread of the process, started plainly or
-    not, is lowered; a refused ``setpriority`` is skipped (the exit goes on), never raised."""
-    seen = child(r"""
-import errno
-hold = threading.Event()
-threads = [threading.Thread(target=hold.wait, args=(60,)) for _ in range(2)]
-for t in threads:
-    t.start()
-done = priority.lower_process(3)
-seen = {"done": done, "nices": sorted({nice(int(t)) for t in os.listdir("/proc/self/task")})}
-def refuse(*args):
-    raise PermissionError(errno.EACCES, "refused")
-os.setpriority = refuse
-seen["refused"] = priority.lower_process(3)
-hold.set()
-for t in threads:
-    t.join(30)
-seen["base"] = base
-print(json.dumps(seen))
-""")
-    base = int(seen["base"])  # type: ignore[call-overload]
-    assert seen["done"] == 3 and seen["nices"] == [min(19, base + 3)]
-    assert seen["refused"] == 0
