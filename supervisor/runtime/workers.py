@@ -351,7 +351,7 @@ def _forkserver_status(proc: ProcessLike) -> int | None:
     written it there (None: not such a child, or not written yet). ``Process.exitcode`` and
     ``join`` read the same bytes, but each look first waits on a fresh selector
     (``multiprocessing.connection.wait``: ~90 us of CPU, ~80 % of a death's reap, ~45 deaths a
-    second in the density stream); a zero-timeout ``select`` says the same. The status is stored
+    second in the density stream); a zero-timeout ``poll`` says the same. The status is stored
     where ``multiprocessing`` keeps it (``Popen.returncode``), so ``exitcode`` and ``close``
     work as before; unreadable, it is 255, as ``multiprocessing`` has it."""
     popen = getattr(proc, "_popen", None)
@@ -359,7 +359,9 @@ def _forkserver_status(proc: ProcessLike) -> int | None:
             or popen.returncode is not None):
         return None
     sentinel = popen.sentinel
-    if not select.select([sentinel], [], [], 0)[0]:
+    look = select.poll()  # not select(): a busy supervisor's fds pass FD_SETSIZE
+    look.register(sentinel, select.POLLIN)
+    if not look.poll(0):
         return None
     try:
         code = int(forkserver.read_signed(sentinel))
