@@ -130,13 +130,22 @@ def exit_with(code):
     os._exit(code)
 
 if __name__ == "__main__":
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard >= 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    # a busy supervisor's fds: the sentinels land past FD_SETSIZE (1024), where select() fails
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(min(1100, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64))]
     ctx = multiprocessing.get_context("forkserver")
     procs = [ctx.Process(target=exit_with, args=(3,)), ctx.Process(target=signal.pause)]
     for p in procs:
         p.start()
+    high = all(p.sentinel >= 1024 for p in procs)
     kill_tree(procs[1].pid, signal.SIGKILL)
-    for p in procs:
-        assert select.select([p.sentinel], [], [], float(sys.argv[1]))[0]  # its death, as the loop sees it
+    for p in procs:  # its death, as the loop sees it
+        look = select.poll()
+        look.register(p.sentinel, select.POLLIN)
+        assert look.poll(float(sys.argv[1]) * 1000)
 
     def no_selector(*args, **kwargs):
         raise AssertionError("a selector was made to read a status that was there")
@@ -147,15 +156,16 @@ if __name__ == "__main__":
     assert procs[0].exitcode == 3 and procs[1].exitcode == -signal.SIGKILL
     for p in procs:
         p.close()
-    print("ok")
+    print("ok" if high else "ok, low fds")
 """
 
 
 def test_a_forkserver_childs_status_is_read_from_its_sentinel_without_a_selector(tmp_path: Path) -> None:
     """A forkserver child's status is in its sentinel pipe once the fork server reaped it: read
     there directly (multiprocessing's own look waits on a fresh selector first, ~90 us of CPU a
-    death); exited or killed, the status is right, and the process closes as before. In a child
-    interpreter: a fork server of this test process would be every later test's."""
+    death); exited or killed, the status is right, and the process closes as before - also past
+    FD_SETSIZE. In a child interpreter: a fork server of this test process would be every later
+    test's."""
     import subprocess
     import sys
 
@@ -163,4 +173,4 @@ def test_a_forkserver_childs_status_is_read_from_its_sentinel_without_a_selector
     script.write_text(_FORKSERVER_REAP)
     out = subprocess.run([sys.executable, str(script), str(timeouts.scaled(60))], cwd=REPO, capture_output=True,
                          text=True, timeout=timeouts.scaled(120))
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.returncode == 0 and out.stdout.strip().startswith("ok"), out.stderr
