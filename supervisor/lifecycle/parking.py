@@ -241,12 +241,12 @@ class Parking:
         """Housekeeping: park every tenant idle past its ``idle_timeout_s``; activations waiting
         for room look again (room also comes from evictions and deaths)."""
         self._retry_room_waiters()
-        self._keep_room()
+        working = self._keep_room()
         for tid in [t for t in self._files if (o := self.tenants.get(t)) is None or o.park is None]:
             self._drop_files(tid)  # evicted while parked (or parking): its files go with it
         if self._refused_at:
             self._refused_at = {t: at for t, at in self._refused_at.items() if now - at < EARLY_PARK_BACKOFF_S}
-        for rt in self._working():  # only a tenant that a worker serves can park
+        for rt in working if working is not None else self._working():  # only a tenant a worker serves can park
             timeout = rt.spec.idle_timeout_s
             if timeout is None or rt.park is not None:
                 continue
@@ -568,7 +568,15 @@ class Parking:
         return list(seen.values())
 
     def _alive(self) -> tuple[int, dict[int, int]]:
-        """Tenant workers that take room now, in all (``max_active``) and per device.
+        """Tenant workers that take room now, in all (``max_active``) and per device
+        (:meth:`_census`)."""
+        total, per, _ = self._census()
+        return total, per
+
+    def _census(self) -> tuple[int, dict[int, int], list[TenantRuntime]]:
+        """One pass over the workers for what room needs: the tenant workers that take room now,
+        in all and per device, and the tenants a live worker serves (:meth:`_working`, in the
+        same order). Two passes before, after every activation and at every housekeeping tick.
 
         In all: every worker bound to a tenant and not dead (starting, ready, stopping) except
         the stopping workers of a tenant whose buffers are already whole in host memory (its
@@ -578,15 +586,24 @@ class Parking:
         context takes the device's memory until its process is gone."""
         total = 0
         per: dict[int, int] = {}
+        seen: dict[str, TenantRuntime] = {}
+        tenants = self.tenants
+        dead = WorkerState.DEAD
         for worker in self.workers.workers.values():
-            if worker.tenant is None or worker.state is WorkerState.DEAD:
+            tid = worker.tenant
+            if tid is None or worker.state is dead:
                 continue
-            owner = self.tenants.get(worker.tenant)
-            if owner is not None:
-                per[owner.device] = per.get(owner.device, 0) + 1
+            owner = seen.get(tid)
+            if owner is None:
+                owner = tenants.get(tid)
+                if owner is None:
+                    total += 1  # its tenant is gone (being evicted): it takes room until it exits
+                    continue
+                seen[tid] = owner
+            per[owner.device] = per.get(owner.device, 0) + 1
             if not _leaving(owner, worker):
                 total += 1
-        return total, per
+        return total, per, list(seen.values())
 
     def _make_room(self, rt: TenantRuntime) -> bool | CapacityExhausted:
         """Whether parked ``rt`` may start its workers now (True), waits for the room early parks
@@ -596,12 +613,11 @@ class Parking:
         if self.max_active is None and bound is None:
             return True
         need = len(rt.wanted_slots())
-        total, per = self._alive()
+        total, per, working = self._census()
         short_all = total + need - self.max_active if self.max_active is not None else 0
         short_dev = per.get(rt.device, 0) + need - bound if bound is not None else 0
         if short_all <= 0 and short_dev <= 0:
             return True
-        working = self._working()
         for other in working:  # parks in progress free their workers' room soon
             if other is not rt and other.park is not None and other.park.phase in (ParkPhase.EXPORTING,
                                                                                    ParkPhase.STOPPING):
@@ -646,23 +662,24 @@ class Parking:
             if _parkable(o) and now - self._refused_at.get(o.tenant_id, -math.inf) >= EARLY_PARK_BACKOFF_S:
                 yield o
 
-    def _keep_room(self) -> None:
+    def _keep_room(self) -> list[TenantRuntime] | None:
         """Keep ``park_ahead`` of ``max_active``'s places free: park the least recently used idle
         tenants past ``max_active - park_ahead`` now, after an activation took a place and at each
         housekeeping look, so that the next activation binds at once. Without it, every activation
         at the bound waited for an early park of another tenant (its export round trip and its
-        workers' stop: ~15 ms quiet, a p50 of 20 ms at the density bench's 10,000 tenants)."""
+        workers' stop: ~15 ms quiet, a p50 of 20 ms at the density bench's 10,000 tenants).
+        Returns the tenants a live worker serves as it found them (:meth:`_census`; the same
+        tenants after its parks, which only begin), None when it did not look."""
         ahead = self.park_ahead
         if self.max_active is None or ahead <= 0 or self.stopping() or self._room_waiters:
-            return  # (room waiters: _make_room is making room for them)
-        total, _ = self._alive()
+            return None  # (room waiters: _make_room is making room for them)
+        total, _, working = self._census()
         free = self.max_active - total
-        working = self._working()
         for other in working:  # an export in progress frees its workers' places soon
             if other.park is not None and other.park.phase is ParkPhase.EXPORTING:
                 free += sum(1 for s in other.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD)
         if free >= ahead:
-            return
+            return working
         now = self.clock()
         victims = self._idle_lru(working, now, None)  # the least recently used first
         while free < ahead:  # (looked at only while places are still short)
@@ -675,6 +692,7 @@ class Parking:
             log_event(_log, logging.INFO, "tenant.park_ahead", tenant=victim.tenant_id, free=free, ahead=ahead)
             self.park(victim, now)
             free += len(victim.wanted_slots())
+        return working
 
     def _refuse_room(self, rt: TenantRuntime, need: int, total: int, on_device: int,
                      bound: int | None) -> CapacityExhausted:

@@ -18,10 +18,12 @@ import logging
 import multiprocessing
 import os
 import secrets
+import select
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from collections.abc import Callable
@@ -41,6 +43,10 @@ __all__ = ["NOT_STARTED", "OffLoopSpawner", "PreparedStart", "ProcessLike", "Spa
 
 _log = get_logger("supervisor.runtime.workers")
 _WORKER_ENTRY = EntryPoint("worker.main:run")
+try:
+    from multiprocessing.popen_forkserver import Popen as _ForkserverPopen
+except ImportError:  # pragma: no cover - no fd passing on this platform: no forkserver either
+    _ForkserverPopen = None  # type: ignore[assignment,misc]
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _HAS_PROC = os.path.isdir("/proc/self")
 #: what a forkserver preloads so a forked worker starts warm: the worker's modules and set-up
@@ -320,16 +326,49 @@ SpawnerFactory = Callable[[SupervisorConfig, dict[str, str]], SpawnerLike]
 def exit_status(proc: ProcessLike) -> tuple[int | None, int | None]:
     """(exit_code, signal) of a finished process; reaps it.
 
-    The sentinel becomes readable when the child's fds close, a moment
-    before the kernel makes it reapable: wait (briefly) instead of polling.
+    One look that does not wait first: called when the sentinel fired, the
+    status is almost always there already (a forkserver child's is in the pipe
+    the sentinel is: the fork server wrote it, :func:`_forkserver_status`).
+    Only if the look finds none - a spawned child's sentinel becomes readable
+    when its fds close, a moment before the kernel makes it reapable - wait
+    (briefly) instead of polling.
     """
-    proc.join(5.0)
-    code = proc.exitcode
+    code = _forkserver_status(proc)
+    if code is None:
+        code = proc.exitcode
+    if code is None:
+        proc.join(5.0)
+        code = proc.exitcode
     if code is None:
         return None, None
     if code < 0:
         return None, -code
     return code, None
+
+
+def _forkserver_status(proc: ProcessLike) -> int | None:
+    """A forkserver child's exit status, read straight from its sentinel when the fork server has
+    written it there (None: not such a child, or not written yet). ``Process.exitcode`` and
+    ``join`` read the same bytes, but each look first waits on a fresh selector
+    (``multiprocessing.connection.wait``: ~90 us of CPU, ~80 % of a death's reap, ~45 deaths a
+    second in the density stream); a zero-timeout ``poll`` says the same. The status is stored
+    where ``multiprocessing`` keeps it (``Popen.returncode``), so ``exitcode`` and ``close``
+    work as before; unreadable, it is 255, as ``multiprocessing`` has it."""
+    popen = getattr(proc, "_popen", None)
+    if (popen is None or _ForkserverPopen is None or not isinstance(popen, _ForkserverPopen)
+            or popen.returncode is not None):
+        return None
+    sentinel = popen.sentinel
+    look = select.poll()  # not select(): a busy supervisor's fds pass FD_SETSIZE
+    look.register(sentinel, select.POLLIN)
+    if not look.poll(0):
+        return None
+    try:
+        code = int(forkserver.read_signed(sentinel))
+    except (OSError, EOFError):
+        code = 255
+    popen.returncode = code
+    return code
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:

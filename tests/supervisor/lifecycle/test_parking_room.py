@@ -163,3 +163,35 @@ def test_an_early_park_looks_at_the_least_recently_used_tenants_only_until_it_ha
         assert parking._make_room(wanted) is False  # waits for the export of its victim
     assert sent == [("t18", "export_buffers")]
     assert looks == ["t18"]
+
+
+class _CountedWorkers(dict[str, WorkerHandle]):
+    """The worker table, counting the passes over it."""
+
+    passes = 0
+
+    def values(self) -> Any:
+        type(self).passes += 1
+        return super().values()
+
+
+def test_a_housekeeping_look_passes_over_the_workers_once() -> None:
+    """Every 50 ms (and after each activation) the loop counts the room taken and the tenants a
+    worker serves: one pass over the worker table for both, not one for each (three a tick before,
+    with the idle parks' own). What it finds is the same: the idle tenant is parked, the busy one
+    not, and the count of room agrees with a fresh look."""
+    sent: list[tuple[str, str]] = []
+    idle, w1 = _idle("idle", sent)
+    busy, w2 = _idle("busy", sent)
+    busy.last_request = 99.9  # not idle for its 1 s
+    gone = WorkerHandle("w-gone", "t", None, 1, -1, 0.0)  # type: ignore[arg-type]  # its tenant evicted
+    gone.tenant, gone.state = "evicted", WorkerState.STOPPING
+    parking = _parking_over_many([idle, busy], [w1, w2, gone], sent, max_active=8, park_ahead=1)
+    table = _CountedWorkers(parking.workers.workers)
+    parking.workers.workers = table  # type: ignore[misc]
+    _CountedWorkers.passes = 0
+    parking.check_idle(100.0)
+    assert _CountedWorkers.passes == 1
+    assert sent == [("idle", "export_buffers")]
+    assert parking._census() == (3, {0: 2}, [idle, busy])  # the evicted tenant's worker takes room
+    assert parking._alive() == (3, {0: 2})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,8 @@ from tests.helpers import timeouts
 from supervisor.runtime.workers import Spawner, exit_status, kill_tree
 
 pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_a_started_worker_is_left_out_of_multiprocessings_children_and_still_reaped() -> None:
@@ -89,3 +92,85 @@ def test_the_fork_servers_preload_leaves_its_objects_out_of_a_forked_workers_col
     assert got["frozen"] > 20_000  # the preload's modules, the wasmtime host, the compiled decoders
     assert got["child"]["frozen"] > got["frozen"] * 0.9  # inherited as frozen ...
     assert got["child"]["tracked"] < got["frozen"] // 20  # ... and not walked by the worker's collections
+
+
+class _Exited:
+    """A process whose status is there (``ready_at_once``) or appears only once it is waited for."""
+
+    def __init__(self, code: int, ready_at_once: bool) -> None:
+        self.code, self.ready, self.joins = code, ready_at_once, 0
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.code if self.ready else None
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joins += 1
+        self.ready = True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_dead_workers_status_is_read_without_a_wait_when_it_is_there() -> None:
+    """At a worker's death (its sentinel fired) the status is read with one look; only when it is
+    not there yet (a spawned child whose fds closed a moment before it became reapable) does the
+    supervisor wait for it - a forkserver child's join made two selectors a death."""
+    there = _Exited(-signal.SIGKILL, ready_at_once=True)
+    assert exit_status(there) == (None, signal.SIGKILL) and there.joins == 0
+    later = _Exited(3, ready_at_once=False)
+    assert exit_status(later) == (3, None) and later.joins == 1
+
+
+_FORKSERVER_REAP = r"""
+import multiprocessing, multiprocessing.connection, os, select, signal, sys
+from supervisor.runtime.workers import exit_status, kill_tree
+
+def exit_with(code):
+    os._exit(code)
+
+if __name__ == "__main__":
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard >= 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    # a busy supervisor's fds: the sentinels land past FD_SETSIZE (1024), where select() fails
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(min(1100, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64))]
+    ctx = multiprocessing.get_context("forkserver")
+    procs = [ctx.Process(target=exit_with, args=(3,)), ctx.Process(target=signal.pause)]
+    for p in procs:
+        p.start()
+    high = all(p.sentinel >= 1024 for p in procs)
+    kill_tree(procs[1].pid, signal.SIGKILL)
+    for p in procs:  # its death, as the loop sees it
+        look = select.poll()
+        look.register(p.sentinel, select.POLLIN)
+        assert look.poll(float(sys.argv[1]) * 1000)
+
+    def no_selector(*args, **kwargs):
+        raise AssertionError("a selector was made to read a status that was there")
+
+    multiprocessing.connection.wait = no_selector
+    got = [exit_status(p) for p in procs]
+    assert got == [(3, None), (None, signal.SIGKILL)], got
+    assert procs[0].exitcode == 3 and procs[1].exitcode == -signal.SIGKILL
+    for p in procs:
+        p.close()
+    print("ok" if high else "ok, low fds")
+"""
+
+
+def test_a_forkserver_childs_status_is_read_from_its_sentinel_without_a_selector(tmp_path: Path) -> None:
+    """A forkserver child's status is in its sentinel pipe once the fork server reaped it: read
+    there directly (multiprocessing's own look waits on a fresh selector first, ~90 us of CPU a
+    death); exited or killed, the status is right, and the process closes as before - also past
+    FD_SETSIZE. In a child interpreter: a fork server of this test process would be every later
+    test's."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "reap.py"
+    script.write_text(_FORKSERVER_REAP)
+    out = subprocess.run([sys.executable, str(script), str(timeouts.scaled(60))], cwd=REPO, capture_output=True,
+                         text=True, timeout=timeouts.scaled(120))
+    assert out.returncode == 0 and out.stdout.strip().startswith("ok"), out.stderr
