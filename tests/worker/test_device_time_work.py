@@ -150,9 +150,9 @@ def test_a_synchronous_op_is_work_from_its_call_to_its_return(
     be = StubBackend()
     gate = DeviceGate(block, be, mine, chunk_s=1e-9)  # in many chunks: a busy and a launch row each
     try:
-        buf = be.alloc(4 * 4096)
+        buf = be.alloc(4 * 64)
         t0 = time.monotonic_ns()
-        gate.op("scale_f32", be.scale_f32, (buf, 2.0, 4096))
+        gate.op("scale_f32", be.scale_f32, (buf, 2.0, 64))
         t1 = time.monotonic_ns()
         gate.release()
         rows = read_work_trace(str(tmp_path))
