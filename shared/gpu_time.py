@@ -53,10 +53,7 @@ released, so the worker's heartbeats go on) on a wake sequence that grows
 each time the owner word changes hands (see :func:`_wake`); their timeout is
 the holder's quantum end, when they may steal an idle lease; the one next
 up yields the CPU in a loop from about a chunk before that end, so that it is
-running when the device passes to it. A holder that will lend the device
-after the chunk it is about to launch wakes the lend's pick ahead
-(:meth:`GpuTimeBoard.hand_over_soon`): it looks at the owner word in a loop
-until the grant, for no longer than that chunk's estimate.
+running when the device passes to it.
 
 Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label)::
 
@@ -68,9 +65,7 @@ Layout (``uint64`` words; lines 0-1 are :mod:`shared.quota`'s header and label):
                            handover gap ns | handovers timed (the device idle from a grant another
                            process made to the grantee's first chunk: what a handover costs) |
                            held idle ns (the device held idle before each steal: from the holder's
-                           last chunk end, or its grant, to the steal) | soon: the worker slot + 1 a
-                           holder will lend to after the chunk it launches (0: none) | soon until ns
-                           (that worker stays on a CPU until then: :meth:`GpuTimeBoard.hand_over_soon`)
+                           last chunk end, or its grant, to the steal)
     line 5+t      tenant t active | weight (1e-6) | cap (ppm, 0 none) | pass | used ns | credit (+2**62) |
                            credit stamp ns | throttled
     line 5+T+w    worker w claimed | pid | start ms | tenant + 1 | waiting since ns | idle charged ns |
@@ -169,8 +164,7 @@ _OWNER, _GRANT_NS, _VCLOCK, _WAITING, _GRANTS, _STEALS, _HANDOFFS, _HIGH = (_CTR
 _CONF = 3 * _LINE
 _C_DEVICE, _C_QUANTUM, _C_MODE, _C_TENANTS, _C_WORKERS, _LAST_END, _SEQ, _T_HIGH = (_CONF + 8 * i for i in range(8))
 _LEASE = 4 * _LINE
-_BUSY_SINCE, _LAYOUT_MARK, _GAP_NS, _GAP_N, _STOLEN_IDLE_NS, _SOON_W, _SOON_UNTIL = (
-    _LEASE + 8 * i for i in range(7))
+_BUSY_SINCE, _LAYOUT_MARK, _GAP_NS, _GAP_N, _STOLEN_IDLE_NS = (_LEASE + 8 * i for i in range(5))
 #: this build's board layout, written by its creator and checked by every attach: a worker of another
 #: build (an in-place upgrade while a supervisor runs) must not read tenant lines at the wrong offsets.
 #: "twtgt" and a version: larger than any weight word, which a board without this line has there
@@ -232,10 +226,6 @@ _CAP_BURST_QUANTA = 4
 #: in a loop instead (about one chunk), at most _MAX_SPIN times per wait
 _SPIN_NS = 2_000_000
 _MAX_SPIN = 20_000
-
-#: the longest a worker woken ahead of a grant (:meth:`GpuTimeBoard.hand_over_soon`) stays on a CPU
-#: for it: a batch of small ops is estimated under ~250 us; the grant's own path adds tens of us
-_SOON_MAX_NS = 400_000
 
 #: a directory in this variable turns the handover trace on (:class:`HandoverTrace`; off by default)
 HANDOVER_TRACE_ENV: Final = "TWT_HANDOVER_TRACE"
@@ -1066,8 +1056,6 @@ class GpuTimeBoard(MappedSegment):
                     woke = 0
                 if deadline_ns is not None and now >= deadline_ns:
                     raise TimeoutError(f"no GPU time on device {self.device_index} before the run's deadline")
-                if _atomics.load(buf, _SOON_W) == w + 1 and now < _atomics.load(buf, _SOON_UNTIL):
-                    continue  # the holder lends to us after its chunk (hand_over_soon): stay on the CPU
                 owner = _atomics.load(buf, _OWNER)
                 if self.spin and spun < _MAX_SPIN and self._next_up(buf, owner, now):
                     # the device passes to us within a chunk: be on a CPU when it does, not a
@@ -1084,25 +1072,6 @@ class GpuTimeBoard(MappedSegment):
                     wakes += 1
         finally:
             self.unwant()
-
-    def hand_over_soon(self, within_ns: int, now: int | None = None) -> int | None:
-        """The holder is about to launch a chunk after which it lends the device (a chatty worker's
-        pass ends with it): the waiter it would lend to (finish's pick for a lend) is woken now and
-        stays on a CPU - looking at the owner word in a loop, not sleeping, not yielding - until the
-        grant or ``within_ns`` (at most :data:`_SOON_MAX_NS`: the chunk's estimate and the giver's
-        own work to its grant), so that the grant finds it running instead of a scheduler wake-up
-        after it (~120 us p50 on a loaded 2-core host). The slot woken, or None (nobody waits)."""
-        buf, w = self._need_worker()
-        if not _atomics.load(buf, _WAITING):
-            return None
-        now = self._clock() if now is None else now
-        nxt = self.pick(now, prefer_tenant=self._tenant)
-        if nxt is None or nxt == w:
-            return None
-        _atomics.store(buf, _SOON_UNTIL, now + max(0, min(within_ns, _SOON_MAX_NS)))
-        _atomics.store(buf, _SOON_W, nxt + 1)
-        _wake(buf)
-        return nxt
 
     def _next_up(self, buf: memoryview, owner: int, now: int) -> bool:
         """True when a busy holder's quantum ends within a chunk, or it runs short ops (a chatty

@@ -147,12 +147,6 @@ _BATCH_DIV = 8
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
 QUEUE_LINGER_S = 50e-6
-#: a pass that ends in a lend wakes its grantee ahead (``GpuTimeBoard.hand_over_soon``) for the pass's
-#: last launch's estimate plus this: the giver's own work from its chunk's end to the grant (~25 us p50,
-#: ~30 us p90 traced for a chatty giver on a loaded 2-core host), with a margin
-_SOON_MARGIN_NS = 60_000
-#: no pass's last launch (``DeviceGate._pass_ops``)
-_NO_OPS: tuple[list[_Item], int, int] = ([], 0, 0)
 #: an op's ``small_est`` when it cannot join a batch (larger than any batch's budget)
 _NOT_SMALL = 1 << 62
 #: how long past the run's deadline a wait for queued work may last (one chunk in flight ends well
@@ -458,9 +452,6 @@ class DeviceGate:
         #: the op or batch being run is small (:meth:`_small_run`) and the last of the device thread's
         #: pass (:meth:`_queued_items`); after the pass: the pass ended with small ops
         self._pass_end = False
-        #: the pass's last launch (set with ``_pass_end``): its ops, ``items[i:j]`` - their estimate is
-        #: summed only when a lend follows it (:meth:`_soon_ns`), off the common path
-        self._pass_ops: tuple[list[_Item], int, int] = _NO_OPS
         #: with the scheduler off on a host-serial backend (the stub): the fd whose flock serialises
         #: the device (-1 not opened, -2 unavailable)
         self._serial = -1
@@ -595,8 +586,6 @@ class DeviceGate:
             batch = self._small_run(items, i)
             self._pass_end = i + max(1, batch) >= len(items) and (
                 batch >= 1 or 0 <= items[i].est <= small)  # (cuda: small ops launch alone)
-            if self._pass_end:
-                self._pass_ops = (items, i, i + max(1, batch))
             t0 = time.monotonic_ns()
             w0 = self._lease_wait_ns
             try:
@@ -609,7 +598,6 @@ class DeviceGate:
             finally:
                 # one writer: this thread; a lease wait at the launch is no time running this worker's ops
                 queue.own_busy_ns += time.monotonic_ns() - t0 - (self._lease_wait_ns - w0)
-                self._pass_ops = _NO_OPS  # (no op outlives its pass here: their buffers are the guest's)
             i += max(1, batch)
         return len(items), None
 
@@ -791,12 +779,6 @@ class DeviceGate:
         trace = board.trace if board is not None else None
         if trace is not None and board is not None:
             trace.launch(board.worker_slot or 0, time.monotonic_ns())
-        if last and pending is None and self._pass_end and self._held_board and self._lend_after_pass():
-            # this launch ends a pass that lends the device (below): its grantee, woken now, is on a
-            # CPU when the grant lands instead of a scheduler wake-up after it (bounded: the launch's
-            # estimate and the giver's way to its grant)
-            assert board is not None
-            board.hand_over_soon(self._soon_ns())
         work = self._work
         launched = time.monotonic_ns() if work is not None else 0
         try:
@@ -895,12 +877,6 @@ class DeviceGate:
         self._unsettled_est_ns = sum(est for *_, est in self._unsettled)
         if error is not None:
             raise error
-
-    def _soon_ns(self) -> int:
-        """How long a grantee woken ahead of the pass's last launch waits on a CPU: that launch's
-        estimate and the giver's way from its end to the grant."""
-        items, i, j = self._pass_ops
-        return sum(max(0, it.est) for it in items[i:j]) + _SOON_MARGIN_NS
 
     def _busy(self, work: WorkTrace, launched: int, ns: int, pending: bool) -> None:
         """The work trace's rows of a launch that just returned: its wall span, and its charged time

@@ -218,8 +218,6 @@ class CountingBoard:
         self.calls: dict[str, int] = {"acquire": 0, "finish": 0, "release": 0, "throttled_wait_ns": 0}
         #: the ``idle`` flag of every finish (a stretch's end that lends the device)
         self.idle: list[bool] = []
-        #: the bound of every grantee woken ahead of a lend (hand_over_soon)
-        self.soon: list[int] = []
 
     def acquire(self, deadline_ns: int | None = None) -> int:
         self.calls["acquire"] += 1
@@ -240,11 +238,6 @@ class CountingBoard:
 
     def release(self) -> None:
         self.calls["release"] += 1
-
-    def hand_over_soon(self, within_ns: int, now: int | None = None) -> int | None:
-        self.calls["hand_over_soon"] = self.calls.get("hand_over_soon", 0) + 1
-        self.soon.append(within_ns)
-        return None
 
     def close(self) -> None:
         pass
