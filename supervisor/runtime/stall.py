@@ -154,6 +154,7 @@ def thread_report(pid: int, base: dict[int, int] | None = None) -> str:
         tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
     except (OSError, ValueError):
         return ""
+    delays = run_delay_ns(pid) if base is not None else None
     parts: list[str] = []
     for tid in tids:
         root = f"/proc/{pid}/task/{tid}"
@@ -173,12 +174,7 @@ def thread_report(pid: int, base: dict[int, int] | None = None) -> str:
         if wchan == "0":
             wchan = "-"
         waited = ""
-        if base is not None:
-            try:
-                with open(f"{root}/schedstat", "rb") as f:
-                    ns = int(f.read().split()[1])
-                waited = f":waited={(ns - base.get(int(tid), ns)) / 1e6:.0f}ms"
-            except (OSError, ValueError, IndexError):
-                pass
+        if base is not None and delays is not None and (ns := delays.get(int(tid))) is not None:
+            waited = f":waited={(ns - base.get(int(tid), ns)) / 1e6:.0f}ms"
         parts.append(f"{tid}:{name}:{state}:{wchan}{waited}")
     return " ".join(parts)
