@@ -6,8 +6,10 @@ tracker (gh-82300), and spawned/forkserver children share their parent's
 tracker, so a worker that attaches and exits can make the tracker unlink the
 supervisor's segment, or print "leaked shared_memory" warnings. Here:
 
-* :func:`create` is for the one owner (the supervisor, or a test). It uses
-  ``SharedMemory(create=True)``, which *is* tracked: if the owner is killed,
+* :func:`create` is for the one owner (the supervisor, or a test). Its segment
+  *is* tracked, as ``SharedMemory(create=True)``'s is (one message to the
+  tracker each at create and unlink, :func:`_tell_tracker`, without the probe
+  ``SharedMemory`` writes before each): if the owner is killed,
   its resource tracker unlinks the segment, and a later supervisor on the
   same run dir removes anything left with
   :func:`shared.quota.cleanup_stale_segments` (names carry the run dir's
@@ -44,21 +46,16 @@ class Segment(Protocol):
 class _Owned:
     """A created segment (tracked by the resource tracker of the creating process)."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, *, keep_fd: bool = False) -> None:
-        self._shm = shm
-        # The mapping is all most segments need: the shm fd would cost the supervisor one
-        # more descriptor each for nothing (SharedMemory keeps it only for close()). A
-        # segment whose size is checked before it is touched (:meth:`truncated`) keeps it.
-        # That check needs no descriptor of its own: CPython's mmap keeps a duplicate of the
-        # segment's fd, and ``mmap.size()`` is an fstat of it - one fd per segment either way.
-        fd = getattr(shm, "_fd", -1)
-        self._sized: mmap.mmap | None = getattr(shm, "_mmap", None) if keep_fd else None
-        if isinstance(fd, int) and fd >= 0:
-            os.close(fd)
-            shm._fd = -1  # type: ignore[attr-defined]
-        self.name: str = shm.name
-        self.size: int = shm.size
-        self.buf: memoryview = shm.buf  # type: ignore[assignment]
+    def __init__(self, name: str, mapping: mmap.mmap, size: int, *, keep_fd: bool = False) -> None:
+        # The mapping is all most segments need: no shm fd is kept (it would cost the supervisor
+        # one more descriptor each for nothing). A segment whose size is checked before it is
+        # touched (:meth:`truncated`) needs none of its own either: CPython's mmap keeps a
+        # duplicate of the segment's fd, and ``mmap.size()`` is an fstat of it.
+        self._mmap: mmap.mmap | None = mapping
+        self._sized: mmap.mmap | None = mapping if keep_fd else None
+        self.name: str = name
+        self.size: int = size
+        self.buf: memoryview = memoryview(mapping)
 
     def truncated(self) -> bool:
         """Has someone shrunk the segment under our mapping (``ftruncate`` by a process of
@@ -72,19 +69,47 @@ class _Owned:
 
     def close(self) -> None:
         self._sized = None
-        self._shm.close()
+        self.buf.release()
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
 
     def unlink(self) -> None:
-        try:
-            self._shm.unlink()
-        except FileNotFoundError:
-            # Someone else removed the name (stale cleanup, an operator): still
-            # drop our tracker registration, or the tracker warns about a
-            # "leaked" segment at exit and tries to unlink the name again.
-            from multiprocessing import resource_tracker
+        import _posixshmem  # type: ignore[import-not-found, unused-ignore]  # CPython's module behind SharedMemory
 
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
-            raise
+        try:
+            _posixshmem.shm_unlink("/" + self.name)
+        finally:
+            # Removed here or by someone else (stale cleanup, an operator: FileNotFoundError,
+            # raised): either way off the tracker's books, or it warns about a "leaked" segment
+            # at exit and tries to unlink the name again.
+            _tell_tracker("UNREGISTER", self.name)
+
+
+def _tell_tracker(cmd: str, name: str) -> None:
+    """``REGISTER`` or ``UNREGISTER`` segment ``name`` with this process's resource tracker: one
+    write to its pipe.
+
+    ``resource_tracker.register`` / ``unregister`` write a probe to the pipe before each message
+    (``ensure_running``: is the tracker still there?), so every message woke the tracker process
+    twice; a supervisor sends two per tenant activation (its quota segment made at the bind,
+    removed when its last worker is gone), on its loop. The message itself is that probe here:
+    once the tracker runs, it is written straight to the pipe (under ``PIPE_BUF``: atomic), and
+    only a failed write - the tracker is gone, or none was started yet - goes through
+    ``multiprocessing``'s own call, which starts it again first."""
+    from multiprocessing import resource_tracker
+
+    fd = getattr(getattr(resource_tracker, "_resource_tracker", None), "_fd", None)
+    if isinstance(fd, int):
+        try:
+            os.write(fd, f"{cmd}:/{name}:shared_memory\n".encode("ascii"))
+            return
+        except OSError:
+            pass  # the tracker is gone: the call below starts a new one
+    if cmd == "REGISTER":
+        resource_tracker.register("/" + name, "shared_memory")
+    else:
+        resource_tracker.unregister("/" + name, "shared_memory")
 
 
 class _Attached:
@@ -101,7 +126,7 @@ class _Attached:
             self._mmap: mmap.mmap | None = None
             return
         self._mmap = None
-        import _posixshmem  # type: ignore[import-not-found]  # CPython's module behind SharedMemory
+        import _posixshmem  # type: ignore[import-not-found, unused-ignore]  # CPython's module behind SharedMemory
 
         self._shm = None
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
@@ -138,20 +163,36 @@ def create(name: str, size: int, *, keep_fd: bool = False,
     """
     from shared.errors import SegmentError
 
-    shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+    import _posixshmem  # type: ignore[import-not-found, unused-ignore]  # CPython's module behind SharedMemory
+
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    _tell_tracker("REGISTER", name)  # from here on: a killed owner's tracker unlinks it
     try:
-        for offset, length in ((0, size),) if reserve is None else reserve:
-            _reserve(shm._fd, offset, min(length, size - offset))  # type: ignore[attr-defined]
+        try:
+            os.ftruncate(fd, size)
+            for offset, length in ((0, size),) if reserve is None else reserve:
+                _reserve(fd, offset, min(length, size - offset))
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)  # the mapping keeps its own duplicate
     except OSError as exc:
-        shm.close()
-        shm.unlink()
+        _unlink_created(name)
         raise SegmentError(name, f"no room in {SHM_DIR} for {size:,} B ({exc.strerror}); free some "
                                  "(released regions, evicted tenants) or enlarge it") from None
     except BaseException:
-        shm.close()
-        shm.unlink()
+        _unlink_created(name)
         raise
-    return _Owned(shm, keep_fd=keep_fd)
+    return _Owned(name, mapping, size, keep_fd=keep_fd)
+
+
+def _unlink_created(name: str) -> None:
+    """Take back a segment whose creation failed half-way."""
+    import _posixshmem  # type: ignore[import-not-found, unused-ignore]
+
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    finally:
+        _tell_tracker("UNREGISTER", name)
 
 
 def _reserve(fd: int, offset: int, length: int) -> None:

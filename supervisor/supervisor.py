@@ -495,9 +495,9 @@ class Supervisor:
                 quiet.discard(tid)
             else:
                 quiet.add(tid)
-            snap = rt.block.snapshot()
-            total = snap.cpu_refusals + snap.gpu_refusals
+            cpu_refusals, gpu_refusals = rt.block.refusals()  # two loads, not a whole snapshot
+            total = cpu_refusals + gpu_refusals
             if total > rt.seen_refusals:
                 self.events.emit("quota_refusal", tenant=rt.tenant_id, new=total - rt.seen_refusals,
-                                 cpu_refusals=snap.cpu_refusals, gpu_refusals=snap.gpu_refusals)
+                                 cpu_refusals=cpu_refusals, gpu_refusals=gpu_refusals)
                 rt.seen_refusals = total

@@ -886,20 +886,25 @@ class WorkerSet:
         return min(waited, cfg.heartbeat_interval_s * cfg.heartbeat_liveness)
 
     def check_rss(self) -> None:
-        """The RSS backstop: a worker above its tenant's memory quota plus an allowance is killed."""
+        """The RSS backstop: a worker above its tenant's memory quota plus an allowance is killed.
+
+        A pass over the workers (the ready ones are read), not over every registered tenant: at
+        10,000 tenants, parked or without a worker, that pass held the loop for 7-12 ms each
+        second (an activating request that came meanwhile waited for it)."""
         allowance = self.config.rss_allowance_bytes
-        for rt in self.tenants.values():
+        for worker in list(self.workers.values()):
+            if worker.state is not WorkerState.READY or worker.tenant is None or worker.instance is None:
+                continue
+            rt = self.tenants.get(worker.tenant)
+            if rt is None or worker.instance >= len(rt.slots) or rt.slots[worker.instance].worker is not worker:
+                continue
+            rss = self.spawner.rss(worker)
+            if rss is None:
+                continue
             limit = rt.spec.memory_quota_bytes + allowance
-            for slot in rt.slots:
-                worker = slot.worker
-                if worker is None or worker.state is not WorkerState.READY:
-                    continue
-                rss = self.spawner.rss(worker)
-                if rss is None:
-                    continue
-                if rss > limit:
-                    worker.rss_exceeded = (rss, limit)
-                    self.kill(worker, f"RSS {rss:,} B above {limit:,} B (memory quota + allowance)", "rss")
+            if rss > limit:
+                worker.rss_exceeded = (rss, limit)
+                self.kill(worker, f"RSS {rss:,} B above {limit:,} B (memory quota + allowance)", "rss")
 
     # ------------------------------------------------------------ sockets in
 

@@ -221,6 +221,13 @@ class TenantQuota:
         found = [(c, g) for i, c, g in self._rec().instance_shares if i == index]
         return found[0] if found else (0, 0)
 
+    def refusals(self) -> tuple[int, int]:
+        """(cpu, gpu) refusal counts (:meth:`shared.quota.QuotaBlock.refusals`)."""
+        if self._block is not None:
+            return self._block.refusals()
+        record = self._rec()
+        return record.cpu_refusals, record.gpu_refusals
+
     def snapshot(self) -> QuotaSnapshot:
         if self._block is not None:
             return self._block.snapshot()

@@ -227,8 +227,7 @@ class _Untouchable:
 
 
 def _block(gpu_ns: int = 0, refusals: int = 0) -> Any:
-    snap = SimpleNamespace(cpu_refusals=refusals, gpu_refusals=0)
-    return SimpleNamespace(closed=False, gpu_time_ns=gpu_ns, snapshot=lambda: snap)
+    return SimpleNamespace(closed=False, gpu_time_ns=gpu_ns, refusals=lambda: (refusals, 0))
 
 
 def _scanned(quiet: set[str]) -> tuple[dict[str, Any], Any]:
@@ -270,3 +269,35 @@ def test_the_refusal_scan_reads_only_tenants_served_or_not_quiet_yet() -> None:
     Supervisor._scan_refusals(fake)
     assert sorted(emitted) == [("busy", 2), ("gone", 1)]
     assert "gone" in records.quiet_refusals and "busy" not in records.quiet_refusals
+
+
+def test_the_rss_backstop_reads_only_ready_workers() -> None:
+    """The RSS backstop (every second) passes over the workers, never over every registered
+    tenant: a tenant without a worker is not looked at, a pool or stopping worker is not read,
+    and a ready worker above its tenant's quota plus the allowance is killed."""
+    from supervisor.lifecycle.workerset import WorkerSet
+    from supervisor.runtime.workers import WorkerState
+
+    quiet = {f"q{i:04d}" for i in range(1000)}
+    tenants: dict[str, Any] = {tid: _Untouchable() for tid in quiet}
+    big = SimpleNamespace(state=WorkerState.READY, tenant="big", instance=0, rss_exceeded=None, rss=900)
+    small = SimpleNamespace(state=WorkerState.READY, tenant="small", instance=0, rss_exceeded=None, rss=100)
+    pool = SimpleNamespace(state=WorkerState.IDLE, tenant=None, instance=None, rss=10**9)
+    stopping = SimpleNamespace(state=WorkerState.STOPPING, tenant="big", instance=1, rss=10**9)
+    for w in (big, small):
+        tenants[w.tenant] = SimpleNamespace(spec=SimpleNamespace(memory_quota_bytes=400),
+                                            slots=[SimpleNamespace(worker=w)])
+    read: list[object] = []
+    killed: list[tuple[object, str]] = []
+
+    def rss(worker: Any) -> int:
+        read.append(worker)
+        return int(worker.rss)
+
+    fake: Any = SimpleNamespace(config=SimpleNamespace(rss_allowance_bytes=100), tenants=tenants,
+                                workers={b"1": big, b"2": small, b"3": pool, b"4": stopping},
+                                spawner=SimpleNamespace(rss=rss),
+                                kill=lambda worker, reason, cause: killed.append((worker, cause)))
+    WorkerSet.check_rss(fake)
+    assert read == [big, small]
+    assert killed == [(big, "rss")] and big.rss_exceeded == (900, 500)
