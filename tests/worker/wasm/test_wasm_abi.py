@@ -10,7 +10,6 @@ the run go on.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import struct
 from collections.abc import Iterator
@@ -35,24 +34,10 @@ MEM_PATTERN = bytes((i * 7) & 0xFF for i in range(PAGE))
 BUF_PATTERN = bytes((i * 13 + 5) & 0xFF for i in range(256))
 
 
-#: (digest, artifact) of the probe guest as the first context of this module compiled it
-_PROBE_ARTIFACT: list[tuple[str, bytes]] = []
-
-
 @pytest.fixture(params=[True, False], ids=["unchecked", "checked"])
 def env(request: pytest.FixtureRequest) -> Iterator[Env]:
-    """A fresh context (quota block, WasmHost) per test, its probe guest loaded from the compiled
-    form the module's first context made (``hold_artifact``, as an activated worker loads its
-    tenant's modules) rather than compiled again: a compile is ~25-45 ms of CPU, most of a test's
-    cost here, and what these tests check is the imports, on the same machine code. Compiling the
-    probe is checked by the module's first test and by test_wasm_host."""
-    digest = hashlib.sha256(PROBE).hexdigest()
     with make_env(request.param) as e:
-        if _PROBE_ARTIFACT:
-            e.host.hold_artifact(PROBE, *_PROBE_ARTIFACT[0])
         yield e
-        if not _PROBE_ARTIFACT:
-            _PROBE_ARTIFACT.extend(e.host.artifacts([digest], 1 << 30))
 
 
 # ------------------------------------------------------------------ alloc / free
