@@ -63,6 +63,39 @@ _LOCAL_PACKAGES = ("shared", "supervisor", "worker", "sdk", "tests")
 _SESSION_STARTED = threading.Event()
 
 
+def _warm_hypothesis_unicode() -> None:
+    """Hypothesis's Unicode tables for this run, written once (the xdist controller, after the
+    session starts) rather than computed by each worker that draws text.
+
+    ``st.text()`` draws from ``characters(codec="utf-8")``, whose code points hypothesis finds by
+    encoding and decoding every one of the 1.1 million (``intervals_from_codec``: ~2.8 s of CPU on
+    this machine), then keeps in its home directory - this run's temp root, fresh each run. So each
+    worker that ran a text-drawing module (the frontend fuzz, the protocol schema) computed it
+    again. UTF-8 encodes every code point but the surrogates (U+D800-U+DFFF) and decodes each back
+    to itself: the file is written with that, as hypothesis writes it (checked against its own
+    computation with hypothesis 6.170: ``[[[0, 55295], [57344, 1114111]], []]``). The category
+    table (``charmap``, ~0.2 s) is computed here through hypothesis itself. Through hypothesis's
+    internal ``charmap_file``: a release that renames the file reads nothing of this and computes
+    it as before - slower, never wrong.
+    """
+    import gzip
+
+    try:
+        from hypothesis.internal import charmap as hypothesis_charmap
+
+        path = hypothesis_charmap.charmap_file("codec-v2-utf-8")
+        if not path.exists():
+            encodable = [[0, 0xD7FF], [0xE000, sys.maxunicode]]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_name(f".{path.name}.{os.getpid()}")
+            with gzip.GzipFile(part, "wb", mtime=1) as f:
+                f.write(json.dumps([encodable, []]).encode())
+            os.replace(part, path)
+        hypothesis_charmap.charmap()
+    except Exception:  # noqa: BLE001 - a cache warm-up: the workers compute what it missed
+        return
+
+
 def _warm_hypothesis_constants() -> None:
     """Fill hypothesis's cache of our modules' constants once, in the xdist controller (a thread).
 
@@ -80,6 +113,7 @@ def _warm_hypothesis_constants() -> None:
     # here): every file reached before the session starts would be lost to it
     if not _SESSION_STARTED.wait(timeouts.scaled(60)):
         return
+    _warm_hypothesis_unicode()
     root = Path(__file__).resolve().parent.parent
     for package in _LOCAL_PACKAGES:
         for path in warm_bytecode.python_sources(root / package):

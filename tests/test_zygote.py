@@ -4,6 +4,7 @@ cannot reproduce is a plain process."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -146,3 +147,23 @@ def test_a_supervisors_resource_tracker_is_forked_and_unlinks_a_killed_superviso
         wait_for(lambda: not os.path.exists(f"/dev/shm/{segment}"), what="the killed supervisor's segment unlinked")
         wait_for(lambda: not psutil.pid_exists(trackers[0]) or psutil.Process(trackers[0]).status() == psutil.STATUS_ZOMBIE,
                  what="the tracker's end")
+
+
+def test_a_supervise_that_names_no_start_method_gets_the_forked_fork_server(tmp_path: Path) -> None:
+    """``zygote.with_start_method``: a method is added only where the arguments, the environment
+    and the config file name none; a file it cannot read is left to the supervisor."""
+    add = ["--start-method", "forkserver"]
+    base = ["supervise", "--run-dir", str(tmp_path / "rd")]
+    cwd = str(tmp_path)
+    assert zygote.with_start_method(base, {}, cwd) == [*base, *add]
+    for named in (["--start-method", "spawn"], ["--start-method=spawn"]):
+        assert zygote.with_start_method([*base, *named], {}, cwd) == [*base, *named]
+    assert zygote.with_start_method(base, {"TWT_START_METHOD": "spawn"}, cwd) == base
+    assert zygote.with_start_method(["status", "--json"], {}, cwd) == ["status", "--json"]
+    (tmp_path / "plain.json").write_text(json.dumps({"supervisor": {"pool_size": 0}, "tenant": []}))
+    (tmp_path / "named.json").write_text(json.dumps({"supervisor": {"start_method": "spawn"}, "tenant": []}))
+    (tmp_path / "named.toml").write_text('[supervisor]\nstart_method = "spawn"\n')
+    plain = [*base, "--config", str(tmp_path / "plain.json")]
+    assert zygote.with_start_method(plain, {}, cwd) == [*plain, *add]
+    for config in ("--config=named.json", "--config=named.toml", "--config=missing.toml"):
+        assert zygote.with_start_method([*base, config], {}, cwd) == [*base, config]

@@ -37,8 +37,10 @@ def default_start_method() -> str | None:
     imported already, so each worker costs a fork (~0.03 s of CPU) instead of a fresh ``spawn``
     interpreter (~0.15 s), and the fork server itself almost nothing; the suite starts hundreds of
     workers. Without the zygote (``PYTEST_TWT_ZYGOTE=0``) the product's default (``spawn``): a
-    cold fork server costs more than it saves for one or two workers. ``spawn`` stays covered:
-    every test that names it, and every supervisor started through ``launch()`` directly.
+    cold fork server costs more than it saves for one or two workers. A supervisor started through
+    ``launch()`` directly, or ``twt supervise``, that names no method gets the same from the zygote
+    (:func:`tests.helpers.zygote.with_start_method`). ``spawn`` stays covered by every test that
+    names it and by the supervisors that are not forked.
     """
     return "forkserver" if zygote.enabled() else None
 

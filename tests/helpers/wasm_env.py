@@ -4,12 +4,13 @@ Shared by the host and ABI tests (tests/worker/wasm/test_wasm_host.py,
 test_wasm_abi.py, test_wasm_tensor_ops.py, test_cuda_tensor_ops.py):
 ``tenant_env`` builds the context on any backend, ``make_env`` the ABI tests'
 stub one, ``probe`` opens a session on ``worker/guests/probe.wat`` (every
-import re-exported one to one), ``mlp_forward`` runs the MLP guest on client
+import re-exported one to one; compiled once per process, see :func:`probe`), ``mlp_forward`` runs the MLP guest on client
 buffers, and the small helpers read and poke guest memory and buffers.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,10 +74,24 @@ def make_env(fast: bool, *, gpu_cap: int | None = 1 * MiB, capacity: int = 16 <<
         yield env
 
 
+_PROBE_DIGEST = hashlib.sha256(PROBE).hexdigest()
+#: (digest, artifact) of the probe guest as the first host of this process that ran it compiled it
+_probe_artifact: list[tuple[str, bytes]] = []
+
+
 @contextmanager
 def probe(env: Env, *, timeout_s: float = 10.0) -> Iterator[WasmSession]:
+    """A session on the probe guest. Its module comes from the compiled form the process's first
+    host made (``hold_artifact``, as an activated worker loads its tenant's modules) where this
+    host has not compiled it: a compile is ~25-45 ms of CPU, most of an ABI test's cost, and what
+    these tests check is the imports, on the same machine code (each host links them itself).
+    Compiling the probe stays covered by each process's first one and by test_wasm_host."""
+    if _probe_artifact:
+        env.host.hold_artifact(PROBE, *_probe_artifact[0])
     with env.host.session(PROBE, fuel=10**9, timeout_s=timeout_s) as s:
         yield s
+    if not _probe_artifact:
+        _probe_artifact.extend(env.host.artifacts([_PROBE_DIGEST], 1 << 30))
 
 
 def mem(s: WasmSession) -> bytes:

@@ -54,7 +54,7 @@ from typing import Any
 
 from tests.helpers.timeouts import scaled
 
-__all__ = ["ZygoteProcess", "enabled", "install", "popen", "run", "server_pids", "stop"]
+__all__ = ["ZygoteProcess", "enabled", "install", "popen", "run", "server_pids", "stop", "with_start_method"]
 
 #: the modules a ``supervise`` start imports (what the zygote loads once)
 PRELOAD = ("supervisor.cli", "supervisor.supervisor", "supervisor.wiring", "supervisor.client.api")
@@ -541,6 +541,48 @@ def server_pids() -> set[int]:
     return {z.pid for z in list(_zygotes.values()) if z.proc.poll() is None}
 
 
+#: how a forked ``supervise`` starts its workers when neither its command, its environment nor its
+#: config file names a method: see :func:`with_start_method`
+FORKED_START_METHOD = "forkserver"
+
+
+def with_start_method(args: Sequence[str], env: Mapping[str, str], cwd: str) -> list[str]:
+    """``args`` of a forked start, with ``--start-method forkserver`` added to a ``supervise`` that
+    names no start method: not in ``args``, not as ``TWT_START_METHOD`` in ``env``, not in the
+    ``--config`` file (read as the supervisor reads it; a file it cannot read is left to the
+    supervisor to refuse).
+
+    Its fork server is then a fork of the zygote's child (:func:`_start_forkserver`), which has the
+    workers' preload imported, so each worker it starts is a fork of a warm process (~0.04 s of CPU
+    on the reference machine's successor, against ~0.2 s for a fresh ``spawn`` interpreter that
+    imports the worker's modules). The suite's supervisors started through ``launch()`` or ``twt
+    supervise`` without a method spawned some 190 workers a run (~38 s of CPU). ``spawn`` stays
+    covered by every start that names it (the start-method tests, the logs' ``event.spawn``, the
+    status table's), by the supervisors that are not forked (the hardware check's dry run, the Ray
+    nodes', the cold starts read through a pipe) and by the whole suite under ``PYTEST_TWT_ZYGOTE=0``.
+    """
+    args = list(args)
+    if args[:1] != ["supervise"] or env.get("TWT_START_METHOD"):
+        return args
+    config = None
+    for i, arg in enumerate(args):
+        if arg == "--start-method" or arg.startswith("--start-method="):
+            return args
+        if arg == "--config" and i + 1 < len(args):
+            config = args[i + 1]
+        elif arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+    if config is not None:
+        from shared.config import read_config_file
+
+        try:
+            if "start_method" in read_config_file(os.path.join(cwd, config)):
+                return args
+        except (OSError, ValueError):
+            return args
+    return [*args, "--start-method", FORKED_START_METHOD]
+
+
 def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
     key = frozenset(_interpreter_env(env).items())
     with _start_lock:
@@ -594,7 +636,7 @@ def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignor
             # the same audit event a Popen raises: the suite's hygiene hook records the run dir and the start
             sys.audit("subprocess.Popen", cmd[0], list(cmd), None, env)
             cwd = os.path.abspath(os.fspath(kwargs.get("cwd") or os.getcwd()))
-            child = zygote.start(cmd[3:], env, (stdio[0], stdio[1], stdio[2]), cwd)
+            child = zygote.start(with_start_method(cmd[3:], env, cwd), env, (stdio[0], stdio[1], stdio[2]), cwd)
     except ValueError:
         return subprocess.Popen(cmd, **kwargs)
     except OSError:

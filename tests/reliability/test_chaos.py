@@ -286,6 +286,9 @@ def test_short_campaign_passes_every_invariant(capsys: pytest.CaptureFixture[str
     assert sum(s.get("deaths", 0) for s in report["faults"].values()) >= 1
     assert all(t["errors"] == {} for t in report["tenants"] if t["healthy"])
     assert report["requests"]["total"] > 0
+    # the report times its steps (a slow run says which one waited)
+    assert {"start", "warm-up", "faults", "heal", "settle", "free", "settle after free", "leak check"} <= set(
+        report["phases_s"])
 
 
 @pytest.mark.slow

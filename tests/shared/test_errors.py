@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
 import typing
@@ -333,8 +334,11 @@ def test_unknown_code_keeps_message() -> None:
 # ------------------------------------------------- every class, any field values, over the wire
 
 
+@functools.cache
 def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
-    """Values of a field's type that msgpack carries (it is what the wire does with them)."""
+    """Values of a field's type that msgpack carries (it is what the wire does with them). Built once
+    per type (strategies are immutable): built per draw, they were most of the round-trip test's
+    CPU outside hypothesis's engine (~60 classes x 40 examples)."""
     if hint is str:
         return st.text(st.characters(exclude_categories=("Cs",)), max_size=40)  # no lone surrogates in UTF-8
     if hint is int:
@@ -346,6 +350,11 @@ def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
     args = typing.get_args(hint)
     assert args, f"no strategy for field type {hint!r}: add one here"
     return st.one_of(*(_strategy_for(arg) for arg in args))
+
+
+@functools.cache
+def _hints(cls: type[TensorWasmError]) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _registered() -> list[type[TensorWasmError]]:
@@ -361,7 +370,7 @@ def _registered() -> list[type[TensorWasmError]]:
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_every_error_round_trips_over_the_wire_with_any_fields(cls: type[TensorWasmError], data: st.DataObject) -> None:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {name: data.draw(_strategy_for(hints[name]), label=name) for name in cls._fields}
     if issubclass(cls, Overloaded):  # the cause picks the class: its own, or one no class has (the base)
         fields["cause"] = cls.cause if cls is not Overloaded else data.draw(

@@ -9,16 +9,13 @@ import gc
 import logging
 import multiprocessing as mp
 import os
-import random
 import secrets
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from multiprocessing import resource_tracker
 from typing import Any
 
 import pytest
@@ -36,6 +33,7 @@ from shared.quota import (
     cleanup_stale_segments,
     read_header,
 )
+from tests.helpers.quota_children import attach_consume_exit, create_and_wait_to_be_killed, hammer, hold_some
 from tests.helpers.segments import dead_owner
 from tests.helpers.timeouts import scaled
 
@@ -232,35 +230,6 @@ def test_generation_and_label() -> None:
 # ---------------------------------------------------------------- contention
 
 
-def _hammer(name: str, line: str, instance: int, iterations: int, chunk: int, seed: int, ready: Any, go: Any, out: Any) -> None:
-    block = QuotaBlock.attach(name, instance=instance)
-    try:
-        consume = block.consume_bytes if line == "cpu" else block.consume_gpu_bytes
-        release = block.release_bytes if line == "cpu" else block.release_gpu_bytes
-        rng = random.Random(seed)
-        held: list[int] = []
-        ok = refused = 0
-        ready.put(os.getpid())
-        if not go.wait(30):
-            raise SystemExit(3)
-        for _ in range(iterations):
-            n = rng.randint(1, chunk)
-            try:
-                consume(n)
-            except MemoryExhausted:  # GpuMemoryExhausted is one too
-                refused += 1
-            else:
-                ok += 1
-                held.append(n)
-            if held and (len(held) > 3 or rng.random() < 0.5):
-                release(held.pop(rng.randrange(len(held))))
-        for n in held:
-            release(n)
-        out.put((instance, ok, refused))
-    finally:
-        block.close()
-
-
 @contextmanager
 def running(target: Callable[..., None], arg_sets: list[tuple[Any, ...]]) -> Iterator[tuple[list[Any], Any]]:
     """Start spawn children ``target(*args, ready, go, out)``; yield once all are ready, go set.
@@ -295,7 +264,7 @@ def test_contention_never_exceeds_limit(line: str) -> None:
     )
     with QuotaBlock.create("contend", **kwargs) as block:
         args = [(block.name, line, i, iterations, chunk, 1234 + i) for i in range(2)]
-        with running(_hammer, args) as (procs, out):
+        with running(hammer, args) as (procs, out):
             # This process is the third: it samples while the two hammer.
             # The use is the sum of the instances' shares, read one by one: a
             # reading is not one instant (a share published for the check of a
@@ -337,37 +306,10 @@ def test_contention_never_exceeds_limit(line: str) -> None:
         assert samples > 0 and nonzero > 0
 
 
-def _hold_some(name: str, instance: int, iterations: int, seed: int, ready: Any, go: Any, out: Any) -> None:
-    block = QuotaBlock.attach(name, instance=instance)
-    try:
-        rng = random.Random(seed)
-        held_cpu: list[int] = []
-        held_gpu: list[int] = []
-        ready.put(os.getpid())
-        if not go.wait(30):
-            raise SystemExit(3)
-        for _ in range(iterations):
-            for held, consume, release in (
-                (held_cpu, block.consume_bytes, block.release_bytes),
-                (held_gpu, block.consume_gpu_bytes, block.release_gpu_bytes),
-            ):
-                n = rng.randint(1, 4096)
-                try:
-                    consume(n)
-                    held.append(n)
-                except MemoryExhausted:
-                    pass
-                if len(held) > 8:
-                    release(held.pop(rng.randrange(len(held))))
-        out.put((instance, sum(held_cpu), sum(held_gpu)))  # exits still holding these
-    finally:
-        block.close()
-
-
 @pytest.mark.timeout(90)
 def test_reclaim_instance_returns_exactly_its_share() -> None:
     with QuotaBlock.create("shares", memory_quota_bytes=64 << 10, gpu_memory_bytes_cap=48 << 10) as block:
-        with running(_hold_some, [(block.name, 3, 20_000, 1), (block.name, 9, 20_000, 2)]) as (procs, out):
+        with running(hold_some, [(block.name, 3, 20_000, 1), (block.name, 9, 20_000, 2)]) as (procs, out):
             held = {r[0]: (r[1], r[2]) for r in (out.get(timeout=60) for _ in procs)}
             for p in procs:
                 p.join(30)
@@ -454,17 +396,10 @@ def test_attached_close_and_gc_never_unlink() -> None:
         assert segment_exists(owner.name)
 
 
-def _attach_consume_exit(name: str) -> None:
-    block = QuotaBlock.attach(name, instance=4)
-    block.consume_bytes(100)
-    block.consume_gpu_bytes(7)
-    block.close()
-
-
 def test_spawned_child_attach_then_exit_keeps_segment(capfd: pytest.CaptureFixture[str]) -> None:
     with QuotaBlock.create("hyg") as block:
         for _ in range(2):  # twice: a second child must find it too
-            p = SPAWN.Process(target=_attach_consume_exit, args=(block.name,))
+            p = SPAWN.Process(target=attach_consume_exit, args=(block.name,))
             p.start()
             p.join(60)
             assert p.exitcode == 0
@@ -563,18 +498,6 @@ def read_segment_file(name: str) -> bytes:
         return f.read()
 
 
-def _create_and_wait_to_be_killed(name: str, ready: Any, go: Any, out: Any) -> None:
-    block = QuotaBlock.create("killed", name=name)  # kept referenced: GC would unlink it
-    # The test SIGKILLs this process: take the segment off the resource
-    # tracker's books, so only cleanup_stale_segments can remove it (the
-    # tracker may be shared with the parent and would otherwise unlink and
-    # warn at an unpredictable time).
-    resource_tracker.unregister("/" + name, "shared_memory")
-    ready.put(os.getpid())
-    threading.Event().wait()
-    block.close()  # not reached
-
-
 @pytest.mark.timeout(90)
 def test_cleanup_removes_only_dead_owners_segments() -> None:
     prefix = unique_prefix()
@@ -600,7 +523,7 @@ def test_cleanup_removes_only_dead_owners_segments() -> None:
             write_segment(prefix + suffix, data)
             created.append(prefix + suffix)
         live = QuotaBlock.create("live", name=prefix + "live")
-        with live, running(_create_and_wait_to_be_killed, [(prefix + "killed",)]) as (procs, _):
+        with live, running(create_and_wait_to_be_killed, [(prefix + "killed",)]) as (procs, _):
             created.append(prefix + "killed")
             procs[0].kill()
             procs[0].join(30)

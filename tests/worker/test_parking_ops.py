@@ -73,7 +73,9 @@ def block() -> Iterator[QuotaBlock]:
 
 
 def _pattern(n: int, seed: int) -> bytes:
-    return bytes((i * 7 + seed) & 0xFF for i in range(n))
+    """Byte ``i`` is ``(i * 7 + seed) & 0xFF``: one 256-byte period, repeated."""
+    period = bytes((i * 7 + seed) & 0xFF for i in range(256))
+    return (period * (n // 256 + 1))[:n]
 
 
 def _export(alloc: MeteredAllocator) -> tuple[list[tuple[int, bytes]], int]:

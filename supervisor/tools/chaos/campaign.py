@@ -104,6 +104,9 @@ class _Campaign:
     def __init__(self, cfg: ChaosConfig, progress: IO[str] | None, live: TextIO | None = None) -> None:
         self.cfg, self.progress, self.live = cfg, progress, live
         self.t_start = time.monotonic()
+        #: seconds per step, in order (the report's ``phases_s``): a slow run says where it waited
+        self.phases: dict[str, float] = {}
+        self._phase_t0 = self.t_start
         self.roles = cfg.roles()
         suffix = "" if cfg.run_dir is None else f"-{os.getpid()}"  # beside a running supervisor's tenants
         self.names = {role: f"{role}{suffix}" for role, _, _ in self.roles}
@@ -147,6 +150,12 @@ class _Campaign:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         }
 
+    def lap(self, name: str) -> None:
+        """Close the step ``name``: the time since the previous step ended goes to it."""
+        now = time.monotonic()
+        self.phases[name] = round(self.phases.get(name, 0.0) + now - self._phase_t0, 2)
+        self._phase_t0 = now
+
     def say(self, msg: str) -> None:
         if self.progress is not None:
             self.progress.write(f"chaos: {msg}\n")
@@ -176,6 +185,7 @@ class _Campaign:
                 self.prefix = f"{SEGMENT_PREFIX}{segment_namespace(run_dir)}-"
                 stack.callback(main.close)
                 self.start(main, sup_pid)
+                self.lap("start")
                 self.workload(run_dir)
                 self.settle_and_reconcile(main)
                 self.cleanup(main)
@@ -189,8 +199,11 @@ class _Campaign:
                 events.stop_event.set()
                 events.join(5)
                 self.events = events.events
+                self.lap("event log")
             # here the supervisor we started has stopped
+            self.lap("supervisor stop")
             self.leak_check(sup_pid, descendants)
+            self.lap("leak check")
         return self.finish()
 
     def start(self, main: SupervisorClient, sup_pid: int | None) -> None:
@@ -244,20 +257,25 @@ class _Campaign:
                 warmed.wait(120)
             except threading.BrokenBarrierError:
                 pass
+            self.lap("warm-up")
             self.recorder.phase = "baseline"
             self.say(f"baseline {cfg.baseline:g} s, {len(self.clients)} clients on {len(self.order)} tenants")
             time.sleep(cfg.baseline)
+            self.lap("baseline")
             self.recorder.phase = "faults"
             faults_on.set()
             self.say(f"faults {cfg.fault_phase:g} s at {cfg.rate:g}/s into {cfg.n_faulty} tenants")
             self._fault_phase(nemesis, cfg.fault_phase)
+            self.lap("faults")
         finally:
             stop_nemesis.set()
             nemesis.join(60)
+            self.lap("nemesis stop")
             stop_clients.set()
             for c in self.clients:
                 c.join(120)
             self.host.stop()
+            self.lap("clients stop")
         self.fault_end = time.time()
         self.recorder.phase = "cleanup"
         self.actions = nemesis.actions
@@ -299,24 +317,33 @@ class _Campaign:
     def settle_and_reconcile(self, main: SupervisorClient) -> None:
         """Counters against the buffers the clients hold, once nothing moves."""
         self.say("settling: heal slow and park faults, wait for every instance")
+        # what the heal's calls answered with instead of a result (not a verdict: an instance that is
+        # restarting has nothing to heal), with how long each took - the main client waits up to
+        # 60 s for an answer, so a slow "heal" step in phases_s is explained here
+        unhealed: list[str] = self.report.setdefault("heal_errors", [])
         for role, healthy, _ in self.roles:  # parks healed first: a parked tenant activated again
             if healthy or "park" not in self.cfg.faults:
                 continue
+            t0 = time.monotonic()
             try:
                 main.set_quota(None, self.names[role], idle_timeout_s=None)
                 main.ping(self.caps[self.names[role]])
-            except TensorWasmError:
-                pass  # an instance restarting: the settle waits for it
+            except TensorWasmError as exc:  # an instance restarting: the settle waits for it
+                unhealed.append(f"{self.names[role]} park: {exc.code} after {time.monotonic() - t0:.1f} s")
         for role, healthy, instances in self.roles:
             for i in range(0 if healthy else instances):
+                t0 = time.monotonic()
                 try:
                     main.inject_fault(None, self.names[role], "slow", instance=i, ms=0)
-                except TensorWasmError:
-                    pass  # not running: nothing to heal
+                except TensorWasmError as exc:  # not running: nothing to heal
+                    unhealed.append(f"{self.names[role]}/{i} slow: {exc.code} after {time.monotonic() - t0:.1f} s")
+        self.lap("heal")
         # an armed hang shows only once heartbeats are missed: settle, wait that long, settle again
         settled, first = self._settle(main)
+        self.lap("settle")
         time.sleep(HANG_SHOWS_WITHIN_S)
         settled2, recs = self._settle(main)
+        self.lap("hang window, settle again")
         for rec in recs:
             for inst in rec.instances:
                 self.note_pid(inst.pid)
@@ -364,7 +391,11 @@ class _Campaign:
         self.say("cleanup: free every buffer, evict every tenant")
         for c in self.clients:
             c.free_all(main)
-        self._settle(main)
+        self.lap("free")
+        # not a verdict of its own (the counters below are): whether the tenants settled after the
+        # frees, or this waited out SETTLE_TIMEOUT_S, says the report
+        self.report["settled_after_free"] = self._settle(main)[0]
+        self.lap("settle after free")
         deadline = time.monotonic() + 5.0
         while True:
             recs = self._records(main)
@@ -379,12 +410,14 @@ class _Campaign:
             time.sleep(0.1)
         self.segments = {r.quota.name for r in recs if r.quota}
         problems = list(nonzero)
+        self.lap("counters to zero")
         for name in self.specs:
             try:
                 for pid in main.evict(None, name).pids:
                     self.note_pid(pid)
             except TensorWasmError as exc:
                 problems.append(f"evict {name}: {exc}")
+        self.lap("evict")
         self.checks.append(
             Check(
                 "counters zero after cleanup",
@@ -493,6 +526,7 @@ class _Campaign:
                 "checks": [c.to_dict() for c in self.checks],
                 "ok": all(c.ok for c in self.checks),
                 "elapsed_s": round(time.monotonic() - self.t_start, 1),
+                "phases_s": dict(self.phases),
             }
         )
         return self.report

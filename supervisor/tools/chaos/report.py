@@ -91,6 +91,13 @@ def format_report(report: Mapping[str, Any]) -> str:
     lines.append("")
     for c in report.get("checks", []):
         lines.append(f"{'PASS' if c['ok'] else 'FAIL'}  {c['name']}: {c['detail']}")
+    phases = report.get("phases_s")
+    if phases:
+        lines.append("\nsteps (s): " + ", ".join(f"{name} {seconds:g}" for name, seconds in phases.items()))
+    if report.get("heal_errors"):
+        lines.append("heal answered: " + "; ".join(report["heal_errors"]))
+    if report.get("settled_after_free") is False:
+        lines.append("the tenants did not settle after the frees (waited out the settle bound)")
     verdict = "all invariants hold" if report.get("ok") else "INVARIANT VIOLATED"
     lines.append(f"\nchaos: {verdict} ({report.get('elapsed_s')} s)")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ supervisor's own refusal, and always with the schema the more lenient side.
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 from typing import Any
@@ -125,6 +126,12 @@ _OF_TYPE: dict[type, st.SearchStrategy[Any]] = {
 }
 
 
+# The strategies below are built once per argument or key (functools.cache; strategies are
+# immutable) rather than per draw: built per draw - a regex strategy, unions - they cost much of the
+# generated tests' CPU outside hypothesis's engine (1,300 examples).
+
+
+@functools.cache
 def _value_for(arg: proto.Arg, op: str) -> st.SearchStrategy[Any]:
     """Mostly a value of a declared type (so acceptance is tested as much as refusal), else anything."""
     if op == "set_quota" and arg.name in proto.QUOTA_KEYS:
@@ -134,6 +141,7 @@ def _value_for(arg: proto.Arg, op: str) -> st.SearchStrategy[Any]:
 
 
 _SPEC_SCHEMA = tenant_spec_schema()["properties"]
+_SPEC_KEYS = list(_SPEC_SCHEMA)
 
 
 def _valid_spec_value(key: str) -> st.SearchStrategy[Any]:
@@ -155,6 +163,7 @@ def _valid_spec_value(key: str) -> st.SearchStrategy[Any]:
     return st.from_regex(r"[a-z0-9][a-z0-9._-]{0,62}", fullmatch=True)
 
 
+@functools.cache
 def _spec_value(key: str) -> st.SearchStrategy[Any]:
     valid = _valid_spec_value(key)
     return st.one_of(valid, valid, valid, _any_spec_value(key))
@@ -177,8 +186,7 @@ def _any_spec_value(key: str) -> st.SearchStrategy[Any]:
 
 @st.composite
 def specs(draw: st.DrawFn) -> dict[str, Any]:
-    keys = list(tenant_spec_schema()["properties"])
-    chosen = draw(st.lists(st.sampled_from(keys), unique=True, max_size=6))
+    chosen = draw(st.lists(st.sampled_from(_SPEC_KEYS), unique=True, max_size=6))
     spec = {key: draw(_spec_value(key)) for key in chosen}
     if draw(st.integers(0, 3)):  # mostly a valid name, so the other keys get looked at
         spec.setdefault("tenant_id", "acme")

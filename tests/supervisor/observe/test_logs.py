@@ -42,7 +42,8 @@ def test_json_logs_of_the_supervisor_and_its_workers(tmp_path: Path) -> None:
     log = tmp_path / "supervisor.log"
     with open(log, "ab") as err:
         settings = {**FAST, "log_format": "json"}
-        with launch({"supervisor": settings, "tenant": [{"name": "acme"}]}, stderr=err, log_level="info") as sup:
+        with launch({"supervisor": settings, "tenant": [{"name": "acme"}]}, stderr=err, log_level="info",
+                    start_method="spawn") as sup:
             sup_pid = sup.pid
             c = sup.client
             c.register(None, TenantSpec.from_dict({"name": "beta"}))
