@@ -422,6 +422,9 @@ class DeviceGate:
         #: busy) with ``_pending_ns`` of device time not yet told to the board
         self._held_since = 0
         self._pending_ns = 0
+        #: the last chunk boundary of the stretch not told to the board (0: none since the last flush):
+        #: the board's answer still held there (``GpuTimeBoard.quiet``)
+        self._quiet_at = 0
         #: ns the device thread waited for the lease, all told (one writer: the device thread)
         self._lease_wait_ns = 0
         #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
@@ -550,6 +553,14 @@ class DeviceGate:
         lo = 0
         wait = wait0
         results: list[object] = []
+        if p.call is None and p.combine is None and costs.units_for(name, p, self.chunk_ns, p.units) >= p.units:
+            # one chunk: the op on its own arguments (the views of a chunk [0, units) name the same
+            # memory; making them was a few us of this thread's Python per GEMM, the device idle)
+            self._chunk = (name, p, p.units)
+            ns, waited, _ = run(fn, args, deadline_ns, last=True)
+            costs.observe(name, p, p.units, ns)
+            self.block.observe_gpu_wait(wait + waited)
+            return None
         while lo < p.units:
             hi = lo + costs.units_for(name, p, self.chunk_ns, p.units - lo)
             self._chunk = (name, p, hi - lo)
@@ -624,9 +635,11 @@ class DeviceGate:
         tenant's stretch held the device idle for it. Only where a chunk's time is known when it
         returns (the stub): cuda's event pairs name the op that faulted, one pair per op."""
         self._batch_plans = []
+        budget = self.chunk_ns // _BATCH_DIV
+        if items[i].small_est > budget:
+            return 0  # (a big op, planned by its submitter: the common case of a GEMM loop, no walk)
         if self._run_refused is not None or self._queue_timer() is self._pending_timer:
             return 0
-        budget = self.chunk_ns // _BATCH_DIV
         small = self.chunk_ns // _SMALL_DIV
         costs = self.costs
         j = i
@@ -814,8 +827,16 @@ class DeviceGate:
                 # or a chatty worker's pass ends (DeviceGate._lend_after_pass): lent here, before the
                 # pass's bookkeeping (waits observed, costs learnt)
                 self._flush(last=True, idle=True)
-            elif not last or held >= self.chunk_ns or waiting:
+            elif not last or held >= self.chunk_ns:
                 self._flush(last=False)
+            elif waiting:
+                if board is not None and board.quiet():
+                    # the board's last answer holds (no claim due, the quantum not over): asking the
+                    # policy again at every GEMM's end cost the device thread 10-20 us each, the device
+                    # idle; the next boundary tells it where its last chunk began
+                    self._quiet_at = time.monotonic_ns()
+                else:
+                    self._flush(last=False)
         return ns, waited, result[0] if result else None
 
     def _flush(self, *, last: bool, idle: bool = False) -> None:
@@ -837,7 +858,9 @@ class DeviceGate:
         # the board that granted the stretch hears of its end even if the scheduler was switched off since
         board = self.board if self._held_board else None
         self._held_board = False
-        if board is not None and board.finish(pending, last=last, idle=idle) and board.throttled_wait_ns():
+        chunk_from, self._quiet_at = self._quiet_at, 0
+        if board is not None and board.finish(pending, last=last, idle=idle, chunk_from=chunk_from) and (
+                board.throttled_wait_ns()):
             # (no sched_yield after a handover: on a host loaded past its cores it hands the giver's
             # slice to any runnable process and the giver asks again late - GPU-QUOTAS.md)
             self.block.count_gpu_throttled()

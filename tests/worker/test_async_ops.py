@@ -223,7 +223,8 @@ class CountingBoard:
         self.calls["acquire"] += 1
         return 0
 
-    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False) -> bool:
+    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False,
+               chunk_from: int = 0) -> bool:
         self.calls["finish"] += 1
         self.idle.append(idle)
         return False
@@ -234,6 +235,9 @@ class CountingBoard:
 
     def others_waiting(self) -> bool:
         self.calls["others_waiting"] = self.calls.get("others_waiting", 0) + 1
+        return False
+
+    def quiet(self) -> bool:
         return False
 
     def release(self) -> None:
