@@ -255,6 +255,51 @@ class WaitedBoard(CountingBoard):
         return True
 
 
+class QuietBoard(WaitedBoard):
+    """A waited board whose last answer always holds (``GpuTimeBoard.quiet``: only siblings wait inside
+    the quantum); every finish's charge and ``chunk_from`` recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+        self.told: list[tuple[int, int, int]] = []  # (charged ns, chunk_from, when)
+
+    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False,
+               chunk_from: int = 0) -> bool:
+        self.told.append((charged_ns, chunk_from, time.monotonic_ns()))
+        return super().finish(charged_ns, now, last=last, idle=idle, chunk_from=chunk_from)
+
+    def quiet(self) -> bool:
+        self.calls["quiet"] = self.calls.get("quiet", 0) + 1
+        return True
+
+
+def test_boundaries_skipped_while_the_board_is_quiet_still_tell_it_all_the_device_time(block: QuotaBlock) -> None:
+    """A stretch of big queued ops beside a waiter whose board stays quiet: the gate may skip the
+    boundaries between them (no finish), and every op still runs, the board is told all of their
+    device time by the stretch's end, and a finish after skipped boundaries names where the last
+    chunk began - inside the stretch, before the finish (never a timing: what was told, in order)."""
+    board = QuietBoard()
+    be = StubBackend()
+    gate = DeviceGate(block, be, cast(GpuTimeBoard, board))
+    n = 128
+    try:
+        a, b, c = be.alloc(n * n * 4), be.alloc(n * n * 4), be.alloc(n * n * 4)
+        be.fill_f32(a, 1.0, n * n)
+        be.fill_f32(b, 1.0, n * n)
+        t0 = time.monotonic_ns()
+        for _ in range(16):
+            gate.submit("matmul_f32", be.matmul_f32, (a, b, c, n, n, n), time.monotonic_ns() + 10**10)
+        gate.sync()
+        assert be.read(c, 0, 4) == struct.pack("<f", float(n))
+        assert gate.queue is not None and gate.queue.ran == 16
+        assert sum(ns for ns, _, _ in board.told) == gate.run_time_ns > 0  # all of it told
+        for _, chunk_from, when in board.told:
+            assert chunk_from == 0 or t0 < chunk_from <= when
+        gate.release()
+    finally:
+        gate.close()
+
+
 @pytest.mark.parametrize("scheduler", [False, True])
 def test_with_the_scheduler_off_the_board_is_never_asked(block: QuotaBlock, scheduler: bool) -> None:
     board = CountingBoard(scheduler)
