@@ -425,6 +425,9 @@ class DeviceGate:
         #: the last chunk boundary of the stretch not told to the board (0: none since the last flush):
         #: the board's answer still held there (``GpuTimeBoard.quiet``)
         self._quiet_at = 0
+        #: the executor waits in :meth:`release` for the run's queued work: its stretch's end passes
+        #: the device on (the board's ``release``), not the executor once it woke
+        self._run_ending = False
         #: ns the device thread waited for the lease, all told (one writer: the device thread)
         self._lease_wait_ns = 0
         #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
@@ -937,7 +940,15 @@ class DeviceGate:
         was late) keeps it within its grace, as the board decides for any op's end - lending to
         such tenants at every hiccup of a loaded host turned a 7:3 split into 58:42."""
         gap = self._submit_gap_ns
+        held = self._held_board and bool(self._held_since)
         self._flush(last=True, idle=gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns)
+        board = self.board
+        queue = self.queue
+        if held and self._run_ending and board is not None and board.scheduler and (
+                queue is not None and not queue.pending):
+            # the run's last op is done and its guest waits in release(): the device goes on now, as
+            # release() would pass it once its thread woke from that wait (the device idle meanwhile)
+            board.release()
 
     def _refuse(self, exc: KernelTimeout) -> KernelTimeout:
         """Count a refused op; log at most one line a second (with how many were not logged)."""
@@ -1037,7 +1048,12 @@ class DeviceGate:
         queue = self.queue
         if queue is not None:
             bound = None if deadline_ns is None else deadline_ns + int(QUEUE_GRACE_S * 1e9)
-            if not queue.sync(bound, raise_error=False):
+            self._run_ending = True  # no op of this run follows: the stretch's end passes the device on
+            try:
+                synced = queue.sync(bound, raise_error=False)
+            finally:
+                self._run_ending = False
+            if not synced:
                 ok = False
                 self.queue_overrun = True
                 log_event(_log, logging.WARNING, "device_time.queue_overrun", pending=queue.pending)

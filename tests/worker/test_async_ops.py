@@ -700,3 +700,42 @@ def test_a_stretch_end_lends_only_for_a_mostly_idle_worker(block: QuotaBlock, ga
         assert board.idle[-1] is lends
     finally:
         gate.close()
+
+
+def test_the_runs_last_stretch_passes_the_device_on_from_the_device_thread(block: QuotaBlock) -> None:
+    """At a run's end (``release``) the device thread whose queue drains passes the device on itself
+    (the board's ``release``), not the executor thread after it woke from its wait; the executor's own
+    release then finds nothing held. Ordered by an event the op waits for, never by durations."""
+    board = GpuTimeBoard.create(0, quantum_s=0.005)
+    mine = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant())
+    released_by: list[str] = []
+    real_release = mine.release
+
+    def release() -> None:
+        released_by.append(threading.current_thread().name)
+        real_release()
+
+    mine.release = release  # type: ignore[method-assign]
+    be = StubBackend()
+    gate = DeviceGate(block, be, mine)
+    go = threading.Event()
+    try:
+        buf = be.alloc(4096)
+        gate.submit("fill_f32", lambda *args: (go.wait(30), be.fill_f32(*args)), (buf, 1.0, 1024))
+        ender = threading.Thread(target=gate.release)
+        ender.start()
+        deadline = time.monotonic() + 30
+        while not (gate.queue is not None and gate.queue._syncing):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        go.set()
+        ender.join(30)
+        assert not ender.is_alive()
+        assert released_by[0] == "twt-device", released_by
+        assert not mine.holds()
+        assert be.read(buf, 0, 4) == struct.pack("<f", 1.0)
+    finally:
+        go.set()
+        gate.close()
+        board.unlink()
+        board.close()
