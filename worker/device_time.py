@@ -44,12 +44,14 @@ memory, and the run's end::
   estimated by the submitting thread, as one launch: one lease check, one
   measurement, one flush decision, each op still its own call with its own
   wait and error), and tells the board (``finish``) only at a chunk boundary after
-  ~:data:`CHUNK_S` of holding - where the board may hand the device over
-  (the quantum's end, a waiter's claim) - and when the queue runs empty and
+  ~:data:`CHUNK_S` of holding (a quarter of it while another worker waits, unless the
+  board's last answer still holds: ``GpuTimeBoard.quiet``) - where the board may hand the
+  device over (the quantum's end, a waiter's claim) - and when the queue runs empty and
   no op follows within :data:`QUEUE_LINGER_S` (the stretch's end: the device
   is lent to a waiter at once; a worker whose ops come far apart does not
   wait for its next op while another worker waits, and ends its stretch with
-  a pass of small ops even with more queued: :meth:`DeviceGate._lend_after_pass`).
+  a pass of small ops even with more queued: :meth:`DeviceGate._lend_after_pass`; at a
+  run's end, the executor waiting in :meth:`DeviceGate.release`, it passes the device on).
   The board charges
   the device time of what ran in between; an op's wait is the time it was
   ready (submitted, its worker's earlier ops done) and not running.
