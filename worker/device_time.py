@@ -942,12 +942,11 @@ class DeviceGate:
         was late) keeps it within its grace, as the board decides for any op's end - lending to
         such tenants at every hiccup of a loaded host turned a 7:3 split into 58:42."""
         gap = self._submit_gap_ns
-        held = self._held_board and bool(self._held_since)
         self._flush(last=True, idle=gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns)
         board = self.board
         queue = self.queue
-        if held and self._run_ending and board is not None and board.scheduler and (
-                queue is not None and not queue.pending):
+        if self._run_ending and board is not None and board.scheduler and (
+                queue is not None and not queue.pending) and board.holds():
             # the run's last op is done and its guest waits in release(): the device goes on now, as
             # release() would pass it once its thread woke from that wait (the device idle meanwhile)
             board.release()

@@ -240,6 +240,9 @@ class CountingBoard:
     def quiet(self) -> bool:
         return False
 
+    def holds(self) -> bool:
+        return False  # (the executor's release passes the device on: counted once)
+
     def release(self) -> None:
         self.calls["release"] += 1
 
