@@ -491,6 +491,15 @@ class GpuTimeBoard(MappedSegment):
         #: the grant under which this worker last started a chunk (a new one at a chunk start: the
         #: device was handed to it by another process since, and the gap is timed)
         self._grant_seen = 0
+        #: this holder's last :meth:`finish` inside its quantum passed nothing on, and no boundary can
+        #: before this time while as many workers wait under the same grant (see :meth:`quiet`): the
+        #: quantum's end, or before it the earliest claim of another tenant's waiter could come due
+        self._quiet_until = 0
+        self._quiet_waiting = 0
+        self._quiet_grant = 0
+        #: the last :meth:`pick` with a holder: when the longest-waiting worker of another tenant began
+        #: to wait (0: only the holder's own tenant's workers wait; -1: not known)
+        self._claim_from = -1
         #: a waiter may yield the CPU in a loop to be running when the device passes to it (see
         #: :meth:`acquire`). False where the device *is* this host's CPU (the stub): a spinning waiter
         #: is then a third runnable thread beside the holder's device thread and the guests, and
@@ -750,6 +759,7 @@ class GpuTimeBoard(MappedSegment):
         the tenant keeps its share.
         """
         buf = self._check()
+        self._claim_from = -1
         vclock = _atomics.load(buf, _VCLOCK)
         quantum = _atomics.load(buf, _C_QUANTUM)
         high = _atomics.load(buf, _HIGH)
@@ -788,6 +798,8 @@ class GpuTimeBoard(MappedSegment):
                     best = (p, since, w, t)
         if best is None:
             return None
+        if holder_tenant is not None:
+            self._claim_from = min((since for since, _, t in waiting if t != holder_tenant), default=0)
         if prefer_tenant is not None and seen.get(prefer_tenant) is not None:
             return seen[prefer_tenant]  # a lend within the tenant: its share stays its own
         if holder_tenant is not None and 0 <= holder_tenant < self.tenant_slots:
@@ -879,6 +891,23 @@ class GpuTimeBoard(MappedSegment):
         """True when a worker other than this one waits for the device (one atomic load)."""
         buf, _ = self._need_worker()
         return _atomics.load(buf, _WAITING) - (1 if self._waiting_since else 0) > 0
+
+    def quiet(self) -> bool:
+        """True when a chunk boundary of this holder now could not pass the device on: its last
+        :meth:`finish`, inside its quantum, passed nothing on, and the earliest time :meth:`pick` could
+        have since has not come - the quantum's end (a sibling's turn) or, before it, when the claim
+        of the longest-waiting worker of another tenant falls due - under the same grant, with as many
+        workers waiting as then (a clock read and two atomic loads). A holder's device thread skips the
+        boundaries that would only ask the policy again (``worker.device_time``); a waiter that
+        arrives changes the count, and the next boundary asks."""
+        if not self._quiet_until:
+            return False
+        buf, _ = self._need_worker()
+        if (self._clock() < self._quiet_until and _atomics.load(buf, _WAITING) == self._quiet_waiting
+                and _atomics.load(buf, _GRANT_NS) == self._quiet_grant):
+            return True
+        self._quiet_until = 0
+        return False
 
     def holds(self) -> bool:
         """True while this worker holds the device (idle or busy)."""
@@ -1122,7 +1151,8 @@ class GpuTimeBoard(MappedSegment):
                     sleep = max(sleep, (1 - credit) * _MICRO // cap)
         return int(min(_MAX_SLEEP_NS, max(_MIN_SLEEP_NS, sleep)))
 
-    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False) -> bool:
+    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False,
+               chunk_from: int = 0) -> bool:
         """End a chunk that ran ``charged_ns`` on the device: charge it, maybe hand the device over.
 
         ``last``: the chunk ends an op (False: another chunk of the same op follows at once, so
@@ -1132,13 +1162,17 @@ class GpuTimeBoard(MappedSegment):
         worker's host gaps between ops are longer than the grace (it would hold the device
         idle: it hands over now rather than be stolen from later). ``idle`` (with ``last``): the
         holder has nothing queued to run next (a worker's queue ran empty: the end of a stretch of
-        queued work), so it lends the device to a waiter now whatever its host gaps.
+        queued work), so it lends the device to a waiter now whatever its host gaps. ``chunk_from``:
+        where the last chunk began when the holder ran several since its last ``finish`` (it skipped
+        the boundaries between them: :meth:`quiet`) - the chunk's wall time, which decides when a
+        claim is served, is then the last one's, not theirs together.
         """
         buf, w = self._need_worker()
         now = self._clock() if now is None else now
         mine = self._mine
         t = self._tenant
         capped_out = False
+        self._quiet_until = 0
         if t is not None and charged_ns > 0:
             t_off = _t_off(t)
             weight = _atomics.load(buf, t_off + _T_WEIGHT) or 1
@@ -1157,7 +1191,7 @@ class GpuTimeBoard(MappedSegment):
                 capped_out = credit <= 0 and _atomics.load(buf, _C_MODE) == 1
         # the chunk's wall time (its start to now): what the next one will likely take, for a claim's
         # deadline (see pick's next_ns) - the larger of the last and the average, a claim errs early
-        chunk = max(0, now - _atomics.load(buf, _BUSY_SINCE))
+        chunk = max(0, now - max(_atomics.load(buf, _BUSY_SINCE), chunk_from))
         self._chunk_ns += (chunk - self._chunk_ns) >> _GAP_EWMA_SHIFT if self._chunk_ns else chunk
         self._op_open = not last
         self._last_end = now
@@ -1183,19 +1217,32 @@ class GpuTimeBoard(MappedSegment):
             _atomics.fetch_add(buf, _t_off(t) + _T_THROTTLED, 1)
             self._hand_over(buf, mine, now)
             return True
-        if not _atomics.load(buf, _WAITING):
+        waiting = _atomics.load(buf, _WAITING)
+        if not waiting:
             return False
         if last and (idle or self._gap_ns > max(_LEND_GAP_NS, self._grace_ns * 3 // 4)):
             nxt = self.pick(now, prefer_tenant=t)  # not the holder: it has no op to run now
             if nxt is not None:
                 _atomics.store(buf, self._w_off(w) + _W_LENT, 1)
         else:
-            quantum_over = now - _atomics.load(buf, _GRANT_NS) >= _atomics.load(buf, _C_QUANTUM)
+            grant = _atomics.load(buf, _GRANT_NS)
+            quantum = _atomics.load(buf, _C_QUANTUM)
+            quantum_over = now - grant >= quantum
             nxt = self.pick(now, holder_tenant=t, quantum_over=quantum_over, next_ns=max(chunk, self._chunk_ns))
             if nxt is None:
                 if quantum_over:
                     _atomics.store(buf, _GRANT_NS, now)  # the holder's pass is still the smallest: renew
                     self._grant_seen = now
+                elif self._claim_from >= 0:
+                    # a sibling's turn comes with the quantum's end, another tenant's claim when it is due
+                    # (pick: its wait plus the next chunk reaching the claim's fraction of a quantum; the
+                    # chunk counted twice, as the next may run longer): the boundaries before need not ask
+                    until = grant + quantum
+                    if self._claim_from:
+                        until = min(until, self._claim_from + quantum * _CLAIM_SERVE_NUM // _CLAIM_SERVE_DEN
+                                    - 2 * max(chunk, self._chunk_ns))
+                    if until > now:
+                        self._quiet_until, self._quiet_waiting, self._quiet_grant = until, waiting, grant
                 return False
         if nxt is None:
             return False

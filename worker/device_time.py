@@ -44,12 +44,14 @@ memory, and the run's end::
   estimated by the submitting thread, as one launch: one lease check, one
   measurement, one flush decision, each op still its own call with its own
   wait and error), and tells the board (``finish``) only at a chunk boundary after
-  ~:data:`CHUNK_S` of holding - where the board may hand the device over
-  (the quantum's end, a waiter's claim) - and when the queue runs empty and
+  ~:data:`CHUNK_S` of holding (a quarter of it while another worker waits, unless the
+  board's last answer still holds: ``GpuTimeBoard.quiet``) - where the board may hand the
+  device over (the quantum's end, a waiter's claim) - and when the queue runs empty and
   no op follows within :data:`QUEUE_LINGER_S` (the stretch's end: the device
   is lent to a waiter at once; a worker whose ops come far apart does not
   wait for its next op while another worker waits, and ends its stretch with
-  a pass of small ops even with more queued: :meth:`DeviceGate._lend_after_pass`).
+  a pass of small ops even with more queued: :meth:`DeviceGate._lend_after_pass`; at a
+  run's end, the executor waiting in :meth:`DeviceGate.release`, it passes the device on).
   The board charges
   the device time of what ran in between; an op's wait is the time it was
   ready (submitted, its worker's earlier ops done) and not running.
@@ -422,6 +424,12 @@ class DeviceGate:
         #: busy) with ``_pending_ns`` of device time not yet told to the board
         self._held_since = 0
         self._pending_ns = 0
+        #: the last chunk boundary of the stretch not told to the board (0: none since the last flush):
+        #: the board's answer still held there (``GpuTimeBoard.quiet``)
+        self._quiet_at = 0
+        #: the executor waits in :meth:`release` for the run's queued work: its stretch's end passes
+        #: the device on (the board's ``release``), not the executor once it woke
+        self._run_ending = False
         #: ns the device thread waited for the lease, all told (one writer: the device thread)
         self._lease_wait_ns = 0
         #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
@@ -550,6 +558,14 @@ class DeviceGate:
         lo = 0
         wait = wait0
         results: list[object] = []
+        if p.call is None and p.combine is None and costs.units_for(name, p, self.chunk_ns, p.units) >= p.units:
+            # one chunk: the op on its own arguments (the views of a chunk [0, units) name the same
+            # memory; making them was a few us of this thread's Python per GEMM, the device idle)
+            self._chunk = (name, p, p.units)
+            ns, waited, _ = run(fn, args, deadline_ns, last=True)
+            costs.observe(name, p, p.units, ns)
+            self.block.observe_gpu_wait(wait + waited)
+            return None
         while lo < p.units:
             hi = lo + costs.units_for(name, p, self.chunk_ns, p.units - lo)
             self._chunk = (name, p, hi - lo)
@@ -624,9 +640,11 @@ class DeviceGate:
         tenant's stretch held the device idle for it. Only where a chunk's time is known when it
         returns (the stub): cuda's event pairs name the op that faulted, one pair per op."""
         self._batch_plans = []
+        budget = self.chunk_ns // _BATCH_DIV
+        if items[i].small_est > budget:
+            return 0  # (a big op, planned by its submitter: the common case of a GEMM loop, no walk)
         if self._run_refused is not None or self._queue_timer() is self._pending_timer:
             return 0
-        budget = self.chunk_ns // _BATCH_DIV
         small = self.chunk_ns // _SMALL_DIV
         costs = self.costs
         j = i
@@ -814,8 +832,16 @@ class DeviceGate:
                 # or a chatty worker's pass ends (DeviceGate._lend_after_pass): lent here, before the
                 # pass's bookkeeping (waits observed, costs learnt)
                 self._flush(last=True, idle=True)
-            elif not last or held >= self.chunk_ns or waiting:
+            elif not last or held >= self.chunk_ns:
                 self._flush(last=False)
+            elif waiting:
+                if board is not None and board.quiet():
+                    # the board's last answer holds (no claim due, the quantum not over): asking the
+                    # policy again at every GEMM's end cost the device thread 10-20 us each, the device
+                    # idle; the next boundary tells it where its last chunk began
+                    self._quiet_at = time.monotonic_ns()
+                else:
+                    self._flush(last=False)
         return ns, waited, result[0] if result else None
 
     def _flush(self, *, last: bool, idle: bool = False) -> None:
@@ -837,7 +863,9 @@ class DeviceGate:
         # the board that granted the stretch hears of its end even if the scheduler was switched off since
         board = self.board if self._held_board else None
         self._held_board = False
-        if board is not None and board.finish(pending, last=last, idle=idle) and board.throttled_wait_ns():
+        chunk_from, self._quiet_at = self._quiet_at, 0
+        if board is not None and board.finish(pending, last=last, idle=idle, chunk_from=chunk_from) and (
+                board.throttled_wait_ns()):
             # (no sched_yield after a handover: on a host loaded past its cores it hands the giver's
             # slice to any runnable process and the giver asks again late - GPU-QUOTAS.md)
             self.block.count_gpu_throttled()
@@ -915,6 +943,13 @@ class DeviceGate:
         such tenants at every hiccup of a loaded host turned a 7:3 split into 58:42."""
         gap = self._submit_gap_ns
         self._flush(last=True, idle=gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns)
+        board = self.board
+        queue = self.queue
+        if self._run_ending and board is not None and board.scheduler and (
+                queue is not None and not queue.pending) and board.holds():
+            # the run's last op is done and its guest waits in release(): the device goes on now, as
+            # release() would pass it once its thread woke from that wait (the device idle meanwhile)
+            board.release()
 
     def _refuse(self, exc: KernelTimeout) -> KernelTimeout:
         """Count a refused op; log at most one line a second (with how many were not logged)."""
@@ -1014,7 +1049,12 @@ class DeviceGate:
         queue = self.queue
         if queue is not None:
             bound = None if deadline_ns is None else deadline_ns + int(QUEUE_GRACE_S * 1e9)
-            if not queue.sync(bound, raise_error=False):
+            self._run_ending = True  # no op of this run follows: the stretch's end passes the device on
+            try:
+                synced = queue.sync(bound, raise_error=False)
+            finally:
+                self._run_ending = False
+            if not synced:
                 ok = False
                 self.queue_overrun = True
                 log_event(_log, logging.WARNING, "device_time.queue_overrun", pending=queue.pending)

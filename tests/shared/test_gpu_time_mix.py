@@ -426,3 +426,86 @@ def test_a_waiter_yields_the_cpu_in_a_loop_only_where_the_cpu_is_not_the_device(
     else:
         assert not yields and sleeps
 
+
+
+def _chunks_until_handover(holder: GpuTimeBoard, clock: FakeClock, chunk: int, *, skip_quiet: bool) -> tuple[int, int]:
+    """The holder runs chunks of ``chunk`` ns back to back, as a device thread does: at each boundary
+    it tells the board (``finish``) - or, with ``skip_quiet``, only where :meth:`GpuTimeBoard.quiet`
+    says the board's last answer no longer holds, naming where its last chunk began. (When the device
+    passed on, boundaries told).  Bounded: 20 quanta."""
+    told = 0
+    quiet_at = 0
+    for _ in range(20 * QUANTUM // chunk):
+        clock.t += chunk
+        if skip_quiet and holder.others_waiting() and holder.quiet():
+            quiet_at = clock.t
+            continue
+        told += 1
+        if holder.finish(chunk, clock.t, last=False, chunk_from=quiet_at):
+            return clock.t, told
+        quiet_at = 0
+        assert holder.try_acquire(clock.t)
+    raise AssertionError("the device never passed on")
+
+
+@pytest.mark.parametrize("chunk_us", [300, 500, 1_000])
+def test_a_holder_skipping_its_quiet_boundaries_hands_over_when_asking_at_each_would(
+        clock: FakeClock, chunk_us: int) -> None:
+    """A holder whose last finish passed nothing on inside its quantum is quiet until the board's
+    answer could change: the quantum's end (a sibling's turn) or a claim of another tenant falling
+    due. Its device thread skips those boundaries (no policy call per GEMM); the device passes on at
+    the same boundary as when every boundary asks - for a sibling and for a chatty tenant's claim."""
+    for scenario in ("sibling", "claim"):
+        got = []
+        for skip in (False, True):
+            clock.t = 1_000 * MS
+            b = GpuTimeBoard.create(0, quantum_s=QUANTUM / 1e9, clock=clock)
+            made: list[GpuTimeBoard] = []
+            try:
+                heavy_t = b.add_tenant(1.0)
+                holder = attach(b, clock, made, heavy_t)
+                if scenario == "sibling":
+                    other = attach(b, clock, made, heavy_t)
+                    assert holder.try_acquire(clock.t)
+                    other.want(clock.t)
+                else:
+                    other = attach(b, clock, made, b.add_tenant(1.0))
+                    assert other.try_acquire(clock.t)
+                    holder.want(clock.t)
+                    clock.t += 20 * US
+                    assert other.finish(20 * US, clock.t, last=True, idle=True)  # lent to the heavy one
+                    assert holder.try_acquire(clock.t)
+                    other.want(clock.t + 100 * US)  # its next op: a claim
+                at, told = _chunks_until_handover(holder, clock, chunk_us * US, skip_quiet=skip)
+                assert other.try_acquire(clock.t)
+                got.append((at, told))
+            finally:
+                for w in made:
+                    w.close()
+                b.unlink()
+                b.close()
+        (at_all, told_all), (at_skip, told_skip) = got
+        assert at_skip == at_all, scenario
+        assert told_skip <= told_all, scenario
+        if scenario == "sibling" or chunk_us < 1_000:
+            assert told_skip < told_all, scenario  # boundaries were skipped
+
+
+def test_a_new_waiter_ends_a_holders_quiet(board: GpuTimeBoard, clock: FakeClock,
+                                           workers: list[GpuTimeBoard]) -> None:
+    """Quiet holds for as many waiters as the finish saw, under its grant: another tenant's worker
+    that starts waiting makes the next boundary ask the board (its claim is the policy's to judge)."""
+    heavy_t = board.add_tenant(1.0)
+    holder, sibling = attach(board, clock, workers, heavy_t), attach(board, clock, workers, heavy_t)
+    chatty = attach(board, clock, workers, board.add_tenant(1.0))
+    assert holder.try_acquire(clock.t)
+    assert not holder.quiet()  # nothing asked yet
+    sibling.want(clock.t)
+    clock.t += 500 * US
+    assert not holder.finish(500 * US, clock.t, last=False)
+    assert holder.try_acquire(clock.t)
+    assert holder.quiet()
+    chatty.want(clock.t)
+    assert not holder.quiet()
+    chatty.unwant()
+    assert not holder.quiet()  # (ended for good: the next finish decides again)

@@ -223,7 +223,8 @@ class CountingBoard:
         self.calls["acquire"] += 1
         return 0
 
-    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False) -> bool:
+    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False,
+               chunk_from: int = 0) -> bool:
         self.calls["finish"] += 1
         self.idle.append(idle)
         return False
@@ -235,6 +236,12 @@ class CountingBoard:
     def others_waiting(self) -> bool:
         self.calls["others_waiting"] = self.calls.get("others_waiting", 0) + 1
         return False
+
+    def quiet(self) -> bool:
+        return False
+
+    def holds(self) -> bool:
+        return False  # (the executor's release passes the device on: counted once)
 
     def release(self) -> None:
         self.calls["release"] += 1
@@ -249,6 +256,51 @@ class WaitedBoard(CountingBoard):
     def others_waiting(self) -> bool:
         super().others_waiting()
         return True
+
+
+class QuietBoard(WaitedBoard):
+    """A waited board whose last answer always holds (``GpuTimeBoard.quiet``: only siblings wait inside
+    the quantum); every finish's charge and ``chunk_from`` recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+        self.told: list[tuple[int, int, int]] = []  # (charged ns, chunk_from, when)
+
+    def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False,
+               chunk_from: int = 0) -> bool:
+        self.told.append((charged_ns, chunk_from, time.monotonic_ns()))
+        return super().finish(charged_ns, now, last=last, idle=idle, chunk_from=chunk_from)
+
+    def quiet(self) -> bool:
+        self.calls["quiet"] = self.calls.get("quiet", 0) + 1
+        return True
+
+
+def test_boundaries_skipped_while_the_board_is_quiet_still_tell_it_all_the_device_time(block: QuotaBlock) -> None:
+    """A stretch of big queued ops beside a waiter whose board stays quiet: the gate may skip the
+    boundaries between them (no finish), and every op still runs, the board is told all of their
+    device time by the stretch's end, and a finish after skipped boundaries names where the last
+    chunk began - inside the stretch, before the finish (never a timing: what was told, in order)."""
+    board = QuietBoard()
+    be = StubBackend()
+    gate = DeviceGate(block, be, cast(GpuTimeBoard, board))
+    n = 128
+    try:
+        a, b, c = be.alloc(n * n * 4), be.alloc(n * n * 4), be.alloc(n * n * 4)
+        be.fill_f32(a, 1.0, n * n)
+        be.fill_f32(b, 1.0, n * n)
+        t0 = time.monotonic_ns()
+        for _ in range(16):
+            gate.submit("matmul_f32", be.matmul_f32, (a, b, c, n, n, n), time.monotonic_ns() + 10**10)
+        gate.sync()
+        assert be.read(c, 0, 4) == struct.pack("<f", float(n))
+        assert gate.queue is not None and gate.queue.ran == 16
+        assert sum(ns for ns, _, _ in board.told) == gate.run_time_ns > 0  # all of it told
+        for _, chunk_from, when in board.told:
+            assert chunk_from == 0 or t0 < chunk_from <= when
+        gate.release()
+    finally:
+        gate.close()
 
 
 @pytest.mark.parametrize("scheduler", [False, True])
@@ -651,3 +703,42 @@ def test_a_stretch_end_lends_only_for_a_mostly_idle_worker(block: QuotaBlock, ga
         assert board.idle[-1] is lends
     finally:
         gate.close()
+
+
+def test_the_runs_last_stretch_passes_the_device_on_from_the_device_thread(block: QuotaBlock) -> None:
+    """At a run's end (``release``) the device thread whose queue drains passes the device on itself
+    (the board's ``release``), not the executor thread after it woke from its wait; the executor's own
+    release then finds nothing held. Ordered by an event the op waits for, never by durations."""
+    board = GpuTimeBoard.create(0, quantum_s=0.005)
+    mine = GpuTimeBoard.attach(board.name, tenant_slot=board.add_tenant())
+    released_by: list[str] = []
+    real_release = mine.release
+
+    def release() -> None:
+        released_by.append(threading.current_thread().name)
+        real_release()
+
+    mine.release = release  # type: ignore[method-assign]
+    be = StubBackend()
+    gate = DeviceGate(block, be, mine)
+    go = threading.Event()
+    try:
+        buf = be.alloc(4096)
+        gate.submit("fill_f32", lambda *args: (go.wait(30), be.fill_f32(*args)), (buf, 1.0, 1024))
+        ender = threading.Thread(target=gate.release)
+        ender.start()
+        deadline = time.monotonic() + 30
+        while not (gate.queue is not None and gate.queue._syncing):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        go.set()
+        ender.join(30)
+        assert not ender.is_alive()
+        assert released_by[0] == "twt-device", released_by
+        assert not mine.holds()
+        assert be.read(buf, 0, 4) == struct.pack("<f", 1.0)
+    finally:
+        go.set()
+        gate.close()
+        board.unlink()
+        board.close()

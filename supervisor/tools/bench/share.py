@@ -876,7 +876,9 @@ def _mix_main(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    work_dir = tempfile.mkdtemp(prefix="twt-work-trace-")
+    work_dir = args.work_trace or tempfile.mkdtemp(prefix="twt-work-trace-")
+    if args.work_trace:
+        os.makedirs(work_dir, exist_ok=True)
     os.environ[WORK_TRACE_ENV] = work_dir  # every worker records its work and busy intervals
     try:
         with launch({"supervisor": {**base, "gpu_time_scheduler": True}}) as on:
@@ -884,7 +886,8 @@ def _mix_main(args: argparse.Namespace) -> int:
         traced = work_spans(read_work_trace(work_dir))  # the workers have exited: every row is on disk
     finally:
         os.environ.pop(WORK_TRACE_ENV, None)
-        shutil.rmtree(work_dir, ignore_errors=True)
+        if not args.work_trace:
+            shutil.rmtree(work_dir, ignore_errors=True)
     for g in gaps:
         control, mix = busy_while_work(traced, g["windows_control"]), busy_while_work(traced, g["windows_mix"])
         g["any_work_control"], g["busy_while_work_control"] = control["any_work"], control["busy"]
@@ -1111,6 +1114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handover-trace", metavar="DIR",
                         help="--mix: trace every handover's timestamps into DIR and print where its device idle "
                              "goes, leg by leg (slows each handover by a few us)")
+    parser.add_argument("--work-trace", metavar="DIR",
+                        help="--mix: keep the work trace (every worker's DIR/<pid>.work) in DIR, and the rounds' "
+                             "windows in the JSON, for an analysis of its own")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
