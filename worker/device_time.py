@@ -558,18 +558,15 @@ class DeviceGate:
         lo = 0
         wait = wait0
         results: list[object] = []
-        if p.call is None and p.combine is None and costs.units_for(name, p, self.chunk_ns, p.units) >= p.units:
-            # one chunk: the op on its own arguments (the views of a chunk [0, units) name the same
-            # memory; making them was a few us of this thread's Python per GEMM, the device idle)
-            self._chunk = (name, p, p.units)
-            ns, waited, _ = run(fn, args, deadline_ns, last=True)
-            costs.observe(name, p, p.units, ns)
-            self.block.observe_gpu_wait(wait + waited)
-            return None
         while lo < p.units:
             hi = lo + costs.units_for(name, p, self.chunk_ns, p.units - lo)
             self._chunk = (name, p, hi - lo)
-            ns, waited, got = run(call, p.chunk(lo, hi), deadline_ns, last=hi >= p.units)
+            if lo == 0 and hi >= p.units and p.call is None and p.combine is None:
+                # one chunk: the op on its own arguments (the views of a chunk [0, units) name the same
+                # memory; making them was a few us of this thread's Python per GEMM, the device idle)
+                ns, waited, got = run(fn, args, deadline_ns, last=True)
+            else:
+                ns, waited, got = run(call, p.chunk(lo, hi), deadline_ns, last=hi >= p.units)
             wait += waited
             costs.observe(name, p, hi - lo, ns)
             if p.combine is not None:
