@@ -9,14 +9,15 @@ the stream (``activate``, ``park``, ``spawn``, ``exit``, ``ready``, ``kill``; th
 the same clock) and prints, per op, the activating requests (a tenant's first ``run_wasm`` left
 out, as in the bench) in latency bands - the fastest half, p50-p90, p90-p99, the slowest 1 % - with
 the pool workers forked (``spawn``) and the workers ended (``exit``) from 30 ms before each request
-to its answer; the spawns' bursts (spawns less than 10 ms apart); how the activations' workers came.
+to its answer, also as a multiple of what the stream's own rates put in windows that long (a slow
+request's longer window holds more by chance); the spawns' bursts (spawns less than 10 ms apart); how the activations' workers came.
 
 With ``--perf`` (root, or ``perf_event_paranoid`` <= 0; ``perf`` installed) a ``perf sched record
 -a -k CLOCK_MONOTONIC`` runs for the stream's span, and each band also gets the CPU that ran while
 its requests were out, by role: the supervisor, the activated tenant's own worker (``bound``, from
 its ``ready`` event), this supervisor's other workers (pool workers starting, workers exiting), the
-fork server, this process, and everything else on the host by command name (other people's work);
-beside it the scheduling delay (runnable, not running) of the slices that began inside it. The
+fork server, this process, and everything else on the host by command name (other people's work),
+in ms and as cores (that CPU over the band's mean time out); beside it the scheduling delay (runnable, not running) of the slices that began inside it. The
 slowest requests are listed one by one with their activation's phases and the events around them.
 
 ``--out PREFIX`` keeps the raw record (``PREFIX.json``, and ``PREFIX.perf.data``); ``--report PREFIX``
@@ -166,8 +167,8 @@ class Slices:
         return cpu, delay
 
 
-def _top(values: dict[str, float], n: int) -> str:
-    return ", ".join(f"{k} {v:.1f}" for k, v in sorted(values.items(), key=lambda kv: -kv[1])[:n])
+def _top(values: dict[str, float], n: int, digits: int = 1) -> str:
+    return ", ".join(f"{k} {v:.{digits}f}" for k, v in sorted(values.items(), key=lambda kv: -kv[1])[:n])
 
 
 def report(data: dict[str, Any], perf_path: str | None) -> None:
@@ -190,6 +191,8 @@ def report(data: dict[str, Any], perf_path: str | None) -> None:
             for op in ("ping", "run_wasm")}
     print(f"load {data.get('load', 0.0):.1f}; stream {rows[-1]['t1'] - rows[0]['t0']:.1f} s; warm p50 ms: "
           + ", ".join(f"{op} {v * 1000:.2f}" for op, v in warm.items()))
+    span_s = max(1e-9, rows[-1]["t1"] - rows[0]["t0"])
+    spawn_rate, exit_rate = len(spawns) / span_s, len(exits) / span_s
     slices = Slices(perf_path) if perf_path is not None and os.path.exists(perf_path) else None
     sup, bench, fork_servers = data["supervisor"], data["bench"], set(data["fork_servers"])
 
@@ -229,9 +232,16 @@ def report(data: dict[str, Any], perf_path: str | None) -> None:
         for label, band in bands:
             if not band:
                 continue
-            line = (f"  {label:12s} [{len(band):4d}] mean {statistics.mean((r['t1'] - r['t0']) * 1000 for r in band):6.1f}"
-                    f" ms; around each: spawns {statistics.mean(count(spawns, r['t0'] - BEFORE_S, r['t1']) for r in band):.2f}"
-                    f", exits {statistics.mean(count(exits, r['t0'] - BEFORE_S, r['t1']) for r in band):.2f}")
+            mean_ms = statistics.mean((r["t1"] - r["t0"]) * 1000 for r in band)
+            # a longer request's window holds more of anything by chance: each count also against
+            # what the stream's own rate puts in windows that long
+            window_s = sum(r["t1"] - r["t0"] + BEFORE_S for r in band)
+            seen_spawns = sum(count(spawns, r["t0"] - BEFORE_S, r["t1"]) for r in band)
+            seen_exits = sum(count(exits, r["t0"] - BEFORE_S, r["t1"]) for r in band)
+            line = (f"  {label:12s} [{len(band):4d}] mean {mean_ms:6.1f} ms; around each: spawns "
+                    f"{seen_spawns / len(band):.2f} ({seen_spawns / max(1e-9, window_s * spawn_rate):.2f}x the "
+                    f"stream's rate), exits {seen_exits / len(band):.2f} "
+                    f"({seen_exits / max(1e-9, window_s * exit_rate):.2f}x)")
             if slices is not None:
                 cpu: dict[str, float] = defaultdict(float)
                 delay: dict[str, float] = defaultdict(float)
@@ -241,7 +251,9 @@ def report(data: dict[str, Any], perf_path: str | None) -> None:
                         cpu[k] += v / len(band)
                     for k, v in d.items():
                         delay[k] += v / len(band)
-                line += f"\n      CPU ms while out: {_top(cpu, 7)}\n      schedule delay ms: {_top(delay, 4)}"
+                cores = {k: v / mean_ms for k, v in cpu.items()}
+                line += (f"\n      CPU ms while out: {_top(cpu, 7)}\n      as cores (CPU / the time out): "
+                         f"{_top(cores, 5, 2)}\n      schedule delay ms: {_top(delay, 4)}")
             print(line)
         for r in sel[-max(3, n // 100):][::-1]:
             a, b = r["t0"], r["t1"]
