@@ -179,7 +179,7 @@ def test_a_forked_chaos_campaign_launches_its_supervisor_through_a_zygote_of_its
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "wb") as o, open(err, "wb") as e:
-        chaos = zygote.popen([*TWT, "chaos", "--duration", "2", "--baseline", "0.5", "--seed", "2", "--rate", "2",
+        chaos = zygote.popen([*TWT, "chaos", "--duration", "1", "--baseline", "0.5", "--seed", "2", "--rate", "2",
                               "--tenants", "2", "--latency-factor", "0", "--json"],
                              stdout=o, stderr=e, stdin=subprocess.DEVNULL, env=env)
         try:

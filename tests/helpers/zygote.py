@@ -21,7 +21,9 @@ the supervisor's modules once and then forks one child per start. The child beco
 A ``supervise`` child also gets its multiprocessing resource tracker, and with ``--start-method
 forkserver`` its fork server, as forks of itself rather than fresh interpreters (the zygote has the
 fork server's preload, ``worker.preload``, imported too): see :func:`_start_forkserver` and
-:func:`_fork_resource_tracker_on_first_use`. The zygote is its descendants' subreaper, and its
+:func:`_fork_resource_tracker_on_first_use`. A child that runs ``twt chaos`` or ``twt demo``
+(:data:`LAUNCHERS`), which ``launch()`` supervisors of their own, first forks a zygote for itself and
+starts them through it (:func:`_fork_zygote`). The zygote is its descendants' subreaper, and its
 preloaded objects are frozen out of the garbage collector's walks before it forks.
 
 The caller gets a :class:`ZygoteProcess` shaped like :class:`subprocess.Popen` (``pid``,
