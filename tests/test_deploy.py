@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+# yaml is imported by the functions that read a manifest, not here: every xdist worker imports every
+# test module at collection
 from shared.config import SupervisorConfig, config_dict_to_fields, load_config
 from supervisor.observe.prometheus import DEFAULT_METRICS_PORT, HEALTHZ_PATH, METRICS_PATH, READYZ_PATH, parse_metrics_addr
 
@@ -30,6 +31,7 @@ def _local_config(doc: dict[str, Any]) -> bool:
 
 def _docs() -> dict[str, dict[str, Any]]:
     """Every object the manifests apply, by kind (one each); local config left out."""
+    import yaml
     out: dict[str, dict[str, Any]] = {}
     for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
@@ -65,6 +67,7 @@ def _shipped_config(docs: dict[str, dict[str, Any]]) -> SupervisorConfig:
 
 
 def test_kustomization_lists_every_manifest() -> None:
+    import yaml
     kust = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
     files = {p.name for p in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kust["resources"]) == files
@@ -135,6 +138,7 @@ def test_daemonset_gpu_user_volumes_and_grace() -> None:
 
 
 def test_dockerfile_stages_user_volumes_and_port() -> None:
+    import yaml
     steps = _dockerfile()
     froms = [args for word, args in steps if word == "FROM"]
     assert len(froms) == 2 and all("-slim" in f for f in froms)  # slim base, a separate build stage
@@ -194,6 +198,7 @@ def test_the_state_directory_the_manifests_give_is_on_persistent_storage(tmp_pat
     """Resolve the config as `twt supervise --config` does in the pod: the ConfigMap's file, the
     image ENV and the DaemonSet env, the container's flags. The state dir must be on the hostPath
     (a rollout keeps tenants and the registry key), the run dir on the emptyDir."""
+    import yaml
     docs = _docs()
     c = _container(docs["DaemonSet"])
     config_file = tmp_path / "tenants.toml"
@@ -423,6 +428,7 @@ def test_priority_class_and_the_metrics_network_policy() -> None:
 
 
 def _values() -> dict[str, Any]:
+    import yaml
     (doc,) = list(yaml.safe_load_all((DEPLOY / "k8s" / "values.yaml").read_text()))
     assert _local_config(doc)
     return dict(doc)
@@ -440,6 +446,7 @@ def _field(obj: Any, path: str) -> Any:
 
 
 def test_the_gpu_count_per_node_comes_from_the_values() -> None:
+    import yaml
     kust = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
     values = _values()
     (rep,) = kust["replacements"]

@@ -13,7 +13,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -71,45 +73,92 @@ def test_selftest_starts_a_process_unmarked() -> None:
     hidden.run([sys.executable, "-c", "pass"], check=True, timeout=60)
 
 
-def _selftest(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
+#: the leaky tests above, each with what the fixture must make of it (the tests below check it)
+LEAKS_OWN_SEGMENT = ("test_selftest_leaks_a_live_segment", "test_selftest_leaks_a_dead_supervisors_segment")
+SELFTESTS = (*LEAKS_OWN_SEGMENT, "test_selftest_sees_another_runs_dead_segment",
+             "test_selftest_writes_outside_its_temp_root", "test_selftest_writes_inside_its_temp_root",
+             "test_selftest_starts_a_process_unmarked")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One self-test's result in the child run: its outcome (``passed``, ``failed``: a failure or an
+    error, the fixture's verdict being a tear-down error) and every message and report text it got."""
+
+    outcome: str
+    text: str
+
+
+def _selftest(tmp_path: Path, names: tuple[str, ...]) -> tuple[subprocess.CompletedProcess[str], dict[str, Verdict]]:
+    """Run ``names`` in one child pytest (its own temp root, as make test gives one to each run): its
+    exit and each test's :class:`Verdict`, read from its JUnit XML report. One child for all of them,
+    not one each: a pytest start (interpreter, plugins, this suite's conftest) is ~1 s of CPU, and the
+    fixture judges each test of a run by itself, as it does in every run."""
     tmp_path.mkdir(exist_ok=True)
-    root = tmp_path / "root"  # the child's own temp root, as make test gives one to each run
+    root = tmp_path / "root"
     root.mkdir(exist_ok=True)
+    report = tmp_path / "report.xml"
     env = {**os.environ, SELFTEST: str(tmp_path), "TMPDIR": str(root), hygiene.ROOT_ENV: str(root)}
     env.pop("PYTEST_XDIST_WORKER", None)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:xdist",
-                           f"--basetemp={root / 'pt'}", f"tests/test_hygiene.py::{name}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:xdist",
+                          f"--basetemp={root / 'pt'}", f"--junitxml={report}",
+                          *(f"tests/test_hygiene.py::{name}" for name in names)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    verdicts: dict[str, Verdict] = {}
+    if report.exists():
+        for case in ElementTree.parse(report).iter("testcase"):
+            bad = [e for e in case if e.tag in ("failure", "error")]
+            text = "\n".join(f"{e.get('message', '')}\n{e.text or ''}" for e in bad)
+            verdicts[case.get("name", "")] = Verdict("failed" if bad else "passed", text)
+    return out, verdicts
+
+
+@dataclass(frozen=True)
+class SelfTests:
+    """The child run's verdicts by test name, its ``PYTEST_TWT_HYGIENE_SELFTEST`` folder and the
+    name of the other run's segment that one self-test left."""
+
+    verdicts: dict[str, Verdict]
+    folder: Path
+    foreign: str
+
+
+@pytest.fixture(scope="module")
+def selftests(tmp_path_factory: pytest.TempPathFactory) -> SelfTests:
+    """Every self-test's verdict, from one child run (a leak test the fixture let pass is tried again,
+    at most twice: a parallel test run of an older build, before namespaces, removes every dead
+    owner's segment at its supervisors' starts, maybe within the fixture's grace period; a fixture
+    that never reports the leak fails all three)."""
+    where = tmp_path_factory.mktemp("selftests")
+    out, verdicts = _selftest(where / "0", SELFTESTS)
+    assert set(verdicts) == set(SELFTESTS), out.stdout + out.stderr
+    foreign = (where / "0" / "root" / "foreign").read_text()
+    fab.remove(foreign)  # the other run's segment, which the fixture left alone
+    for attempt in (1, 2):
+        again = tuple(name for name in LEAKS_OWN_SEGMENT if verdicts[name].outcome == "passed")
+        if again:
+            out, retried = _selftest(where / str(attempt), again)
+            assert set(retried) == set(again), out.stdout + out.stderr
+            verdicts.update(retried)
+    return SelfTests(verdicts, where / "0", foreign)
 
 
 @pytest.mark.timeout(330)
-@pytest.mark.parametrize("name", ["test_selftest_leaks_a_live_segment", "test_selftest_leaks_a_dead_supervisors_segment"])
-def test_a_test_that_leaks_its_own_segment_fails(tmp_path: Path, name: str) -> None:
-    # Up to three tries: a parallel test run of an older build (before namespaces) removes every
-    # dead owner's segment at its supervisors' starts, maybe within the fixture's grace period;
-    # the child then passes. A fixture that never reports the leak fails all three.
-    for attempt in range(3):
-        out = _selftest(tmp_path / str(attempt), name)
-        if out.returncode != 0:
-            break
-    assert out.returncode == 1, out.stdout + out.stderr
-    assert f"{name} leaked segments=['twt-" in out.stdout, out.stdout
-    leaked = out.stdout.split("leaked segments=[", 1)[1].split("]", 1)[0]
+@pytest.mark.parametrize("name", LEAKS_OWN_SEGMENT)
+def test_a_test_that_leaks_its_own_segment_fails(selftests: SelfTests, name: str) -> None:
+    verdict = selftests.verdicts[name]
+    assert verdict.outcome == "failed", verdict
+    assert f"{name} leaked segments=['twt-" in verdict.text, verdict.text
+    leaked = verdict.text.split("leaked segments=[", 1)[1].split("]", 1)[0]
     assert not any(fab.exists(n.strip(" '")) for n in leaked.split(","))  # and the fixture removed them
 
 
-@pytest.mark.timeout(110)
-def test_another_runs_dead_segment_is_not_blamed(tmp_path: Path) -> None:
-    foreign = ""
-    try:
-        out = _selftest(tmp_path, "test_selftest_sees_another_runs_dead_segment")
-        foreign = (tmp_path / "root" / "foreign").read_text()
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "1 passed" in out.stdout and "leaked" not in out.stdout
-        # left alone: neither reported nor unlinked (unless a parallel older build's start removed it)
-        assert namespace_of(foreign) not in hygiene.session_namespaces()
-    finally:
-        fab.remove(foreign)
+@pytest.mark.timeout(330)
+def test_another_runs_dead_segment_is_not_blamed(selftests: SelfTests) -> None:
+    verdict = selftests.verdicts["test_selftest_sees_another_runs_dead_segment"]
+    assert verdict.outcome == "passed" and "leaked" not in verdict.text, verdict
+    # neither reported nor ours (the selftests fixture removed it after the run)
+    assert namespace_of(selftests.foreign) not in hygiene.session_namespaces()
 
 
 def test_this_sessions_run_dirs_are_recorded(tmp_path: Path) -> None:
@@ -123,25 +172,25 @@ def test_this_sessions_run_dirs_are_recorded(tmp_path: Path) -> None:
     assert segment_namespace(str(tmp_path / "never-seen")) not in ours
 
 
-@pytest.mark.timeout(110)
-def test_a_write_outside_the_temp_root_fails_the_test_that_made_it(tmp_path: Path) -> None:
-    out = _selftest(tmp_path, "test_selftest_writes_outside_its_temp_root")
-    assert out.returncode == 1, out.stdout + out.stderr
-    assert "wrote outside its temp root" in out.stdout and str(tmp_path / "outside") in out.stdout, out.stdout
+@pytest.mark.timeout(330)
+def test_a_write_outside_the_temp_root_fails_the_test_that_made_it(selftests: SelfTests) -> None:
+    verdict = selftests.verdicts["test_selftest_writes_outside_its_temp_root"]
+    assert verdict.outcome == "failed", verdict
+    assert "wrote outside its temp root" in verdict.text and str(selftests.folder / "outside") in verdict.text, \
+        verdict.text
 
 
-@pytest.mark.timeout(110)
-def test_writes_inside_the_temp_root_pass(tmp_path: Path) -> None:
-    out = _selftest(tmp_path, "test_selftest_writes_inside_its_temp_root")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "1 passed" in out.stdout
+@pytest.mark.timeout(330)
+def test_writes_inside_the_temp_root_pass(selftests: SelfTests) -> None:
+    verdict = selftests.verdicts["test_selftest_writes_inside_its_temp_root"]
+    assert verdict.outcome == "passed", verdict
 
 
-@pytest.mark.timeout(110)
-def test_an_unmarked_test_that_starts_a_process_fails(tmp_path: Path) -> None:
-    out = _selftest(tmp_path, "test_selftest_starts_a_process_unmarked")
-    assert out.returncode == 1, out.stdout + out.stderr
-    assert "is not marked `process`" in out.stdout, out.stdout
+@pytest.mark.timeout(330)
+def test_an_unmarked_test_that_starts_a_process_fails(selftests: SelfTests) -> None:
+    verdict = selftests.verdicts["test_selftest_starts_a_process_unmarked"]
+    assert verdict.outcome == "failed", verdict
+    assert "is not marked `process`" in verdict.text, verdict.text
 
 
 def test_the_process_marker_is_applied_at_collection(request: pytest.FixtureRequest) -> None:

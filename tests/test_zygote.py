@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.process,
               pytest.mark.skipif(not zygote.enabled(), reason="the zygote is turned off (PYTEST_TWT_ZYGOTE=0)")]
 
 TWT = [sys.executable, "-m", "supervisor"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path: Path, *args: str, **kwargs: object) -> tuple[subprocess.Popen[bytes], int, str, str]:
@@ -167,3 +168,41 @@ def test_a_supervise_that_names_no_start_method_gets_the_forked_fork_server(tmp_
     assert zygote.with_start_method(plain, {}, cwd) == [*plain, *add]
     for config in ("--config=named.json", "--config=named.toml", "--config=missing.toml"):
         assert zygote.with_start_method([*base, config], {}, cwd) == [*base, config]
+
+
+def test_a_forked_chaos_campaign_launches_its_supervisor_through_a_zygote_of_its_own(tmp_path: Path) -> None:
+    """``twt chaos`` (and ``twt demo``) launch() their own supervisor: forked to run one, the command
+    first forks a zygote for itself, and its supervisor is a fork of that one, not a fresh interpreter.
+    The command's zygote goes when the command does."""
+    # PYTHONPATH as tests.helpers.cli.twt() sets it: launch() puts the checkout first again, which the
+    # zygote's match takes for the same path (a start with another path is a plain one)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        chaos = zygote.popen([*TWT, "chaos", "--duration", "1", "--baseline", "0.5", "--seed", "2", "--rate", "2",
+                              "--tenants", "2", "--latency-factor", "0", "--json"],
+                             stdout=o, stderr=e, stdin=subprocess.DEVNULL, env=env)
+        try:
+            assert isinstance(chaos, zygote.ZygoteProcess)
+
+            def campaign_supervisor() -> psutil.Process | None:
+                try:
+                    kids = psutil.Process(chaos.pid).children(recursive=True)
+                    return next((p for p in kids if p.name() == "twt-supervisor"), None)
+                except psutil.Error:
+                    return None
+
+            sup = wait_for(campaign_supervisor, what="the campaign's supervisor")
+            assert sup is not None
+            own = sup.ppid()
+            assert _forked(sup.pid) and _forked(own)  # both forks of a preloaded process, neither exec'd
+            assert psutil.Process(own).ppid() == chaos.pid and own not in zygote.server_pids()
+            assert chaos.wait(120) in (0, 4), (out.read_text() + err.read_text())[-2000:]  # the verdict is a latency check's
+        finally:
+            if chaos.poll() is None:
+                chaos.kill()
+                chaos.wait(60)
+    started = json.loads(out.read_text())["supervisor"]
+    assert started["pid"] == sup.pid and started["started_here"] and started["start_method"] == "forkserver"
+    wait_for(lambda: not psutil.pid_exists(own) or psutil.Process(own).status() == psutil.STATUS_ZOMBIE,
+             what="the command's zygote's end")

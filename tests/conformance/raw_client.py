@@ -18,6 +18,7 @@ that), so it is what a client in another language does, step by step:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import msgpack
 import zmq
 
@@ -39,15 +39,21 @@ def _strict_int(_: Any, value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-Validator = jsonschema.validators.extend(
-    jsonschema.Draft202012Validator,
-    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _strict_int),
-)
+@functools.cache
+def _validator_class() -> Any:
+    """Draft 2020-12 with msgpack's integers; jsonschema imported on first use (with referencing,
+    attrs and rpds ~0.2 s of imports, which every xdist worker would pay at collection otherwise)."""
+    import jsonschema
+
+    return jsonschema.validators.extend(
+        jsonschema.Draft202012Validator,
+        type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _strict_int),
+    )
 
 
 def validator(pointer: str) -> Any:
     """A validator for one part of the schema (``#/$defs/...``), refs resolved within the document."""
-    return Validator({**SCHEMA, "$ref": pointer})
+    return _validator_class()({**SCHEMA, "$ref": pointer})
 
 
 def read_ready(run_dir: str) -> dict[str, Any]:

@@ -21,7 +21,9 @@ the supervisor's modules once and then forks one child per start. The child beco
 A ``supervise`` child also gets its multiprocessing resource tracker, and with ``--start-method
 forkserver`` its fork server, as forks of itself rather than fresh interpreters (the zygote has the
 fork server's preload, ``worker.preload``, imported too): see :func:`_start_forkserver` and
-:func:`_fork_resource_tracker_on_first_use`. The zygote is its descendants' subreaper, and its
+:func:`_fork_resource_tracker_on_first_use`. A child that runs ``twt chaos`` or ``twt demo``
+(:data:`LAUNCHERS`), which ``launch()`` supervisors of their own, first forks a zygote for itself and
+starts them through it (:func:`_fork_zygote`). The zygote is its descendants' subreaper, and its
 preloaded objects are frozen out of the garbage collector's walks before it forks.
 
 The caller gets a :class:`ZygoteProcess` shaped like :class:`subprocess.Popen` (``pid``,
@@ -54,7 +56,7 @@ from typing import Any
 
 from tests.helpers.timeouts import scaled
 
-__all__ = ["ZygoteProcess", "enabled", "install", "popen", "run", "server_pids", "stop", "with_start_method"]
+__all__ = ["ZygoteProcess", "adopt", "enabled", "install", "popen", "run", "server_pids", "stop", "with_start_method"]
 
 #: the modules a ``supervise`` start imports (what the zygote loads once)
 PRELOAD = ("supervisor.cli", "supervisor.supervisor", "supervisor.wiring", "supervisor.client.api")
@@ -68,8 +70,13 @@ _READY_TIMEOUT_S = 120.0
 
 def _interpreter_env(env: Mapping[str, str]) -> dict[str, str]:
     """The variables an interpreter reads before running code: a start that differs in one of
-    them cannot be a fork of a zygote that was started without it."""
-    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_"))}
+    them cannot be a fork of a zygote that was started without it. A folder named twice in
+    ``PYTHONPATH`` counts once: ``site`` drops the repeats from ``sys.path`` (``launch()`` puts the
+    checkout first on a path that may hold it already: ``twt chaos`` forked from a zygote)."""
+    found = {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_"))}
+    if "PYTHONPATH" in found:
+        found["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(found["PYTHONPATH"].split(os.pathsep)))
+    return found
 
 
 # --------------------------------------------------------------------------- the server
@@ -157,9 +164,15 @@ def _reap(children: dict[int, socket.socket]) -> None:
             sock.close()
 
 
+#: the commands that launch() supervisors of their own: a child forked to run one gets a zygote of
+#: its own (:func:`_fork_zygote`)
+LAUNCHERS = frozenset({"chaos", "demo"})
+
+
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """In a forked child: take the caller's descriptors, environment and directory, then run
     the module as ``python -m`` does (an exception or SystemExit ends the interpreter as usual)."""
+    zygote = _fork_zygote(fds) if request["args"][:1] and request["args"][0] in LAUNCHERS else None
     os.close(fds[3])
     for target, fd in enumerate(fds[:3]):
         if fd != target:
@@ -181,10 +194,51 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         _start_forkserver()
     if request["args"][:1] == ["supervise"]:  # after the fork server: its workers keep multiprocessing's own
         _fork_resource_tracker_on_first_use()
+    if zygote is not None:
+        _launch_through(*zygote, cwd=request["zygote_cwd"])
     sys.argv = ["-m", *request["args"]]
     import runpy
 
     runpy._run_module_as_main(MODULE, alter_argv=True)  # type: ignore[attr-defined]  # what -m runs
+
+
+def _fork_zygote(fds: list[int]) -> tuple[socket.socket, int, dict[str, str]]:
+    """In a child forked to run a command that launches its own supervisors (``twt chaos``, ``twt
+    demo``: :data:`LAUNCHERS`), before it takes anything of its request: fork a zygote for it - a
+    copy of this process as the zygote made it (one thread, the preload, nothing of a caller's) that
+    serves that command's starts as the suite's zygote serves a test's. So the campaign's and the
+    demo's supervisors (and their fork servers, trackers and workers) are forks too, not fresh
+    interpreters (~0.2 s of CPU each, and a fresh fork server's preload or a spawned interpreter per
+    worker).
+
+    Returns (the control socket, the new zygote's pid, this interpreter's own environment, which
+    that zygote's starts must match). The new zygote is a child of the command; it ends when the
+    command closes the socket (when it exits), and the suite's zygote reaps it (the subreaper)."""
+    interpreter = _interpreter_env(os.environ)  # this interpreter's: the request's comes later
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid:
+        theirs.close()
+        return ours, pid, interpreter
+    ours.close()
+    for fd in fds:
+        os.close(fd)
+    forked = _serve(theirs)
+    if forked is None:  # the command is gone
+        os._exit(0)
+    _become(*forked)  # a start of the command's: this process is now what it asked for
+    raise SystemExit(0)  # the module ran to its end without exiting: as the interpreter would
+
+
+def _launch_through(ctl: socket.socket, pid: int, interpreter: dict[str, str], cwd: str) -> None:
+    """In the command that :func:`_fork_zygote` forked a zygote for: ``launch()`` starts its
+    supervisors through it (this module's client, imported here as the tests import it)."""
+    import supervisor.client.launch
+
+    from tests.helpers import zygote as client
+
+    client.adopt(ctl, pid, interpreter, cwd)
+    client.install(supervisor.client.launch)
 
 
 def _wants_forkserver(args: Sequence[str]) -> bool:
@@ -515,6 +569,15 @@ class _Zygote:
             return None
         return ZygoteProcess(int(answer["pid"]), [sys.executable, "-m", MODULE, *args], ours)
 
+    @classmethod
+    def forked(cls, ctl: socket.socket, pid: int, env: Mapping[str, str], cwd: str) -> _Zygote:
+        """A zygote that is already running: a child of this process, forked by :func:`_fork_zygote`."""
+        self = cls.__new__(cls)
+        self.ctl, self.env, self.pid, self.cwd = ctl, dict(env), pid, cwd
+        self.proc = _Child(pid)  # type: ignore[assignment]
+        self.lock = threading.Lock()
+        return self
+
     def close(self) -> None:
         self.ctl.close()  # the zygote sees EOF and exits; its children live on
         try:
@@ -524,11 +587,48 @@ class _Zygote:
             self.proc.wait()
 
 
+class _Child:
+    """What :attr:`_Zygote.proc` is for a forked zygote: a child of this process, but no Popen's."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere
+                self.returncode = 0
+                return 0
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 #: the zygotes, by the interpreter-level environment they were started with (a few at most: the
 #: launcher's, a test's own PYTHONPATH...)
 _zygotes: dict[frozenset[tuple[str, str]], _Zygote] = {}
 _MAX_ZYGOTES = 4
 _broken = False
+#: set in a command forked with a zygote of its own (:func:`adopt`): that one serves its starts
+#: that match it, and no other zygote is started (a start that does not match is a plain Popen)
+_adopted = False
 _start_lock = threading.Lock()
 
 
@@ -583,12 +683,22 @@ def with_start_method(args: Sequence[str], env: Mapping[str, str], cwd: str) -> 
     return [*args, "--start-method", FORKED_START_METHOD]
 
 
+def adopt(ctl: socket.socket, pid: int, interpreter: Mapping[str, str], cwd: str) -> None:
+    """Serve this process's starts through the zygote :func:`_fork_zygote` forked for it (and only
+    through it): see :func:`_launch_through`."""
+    global _adopted
+    _adopted = True
+    _zygotes[frozenset(interpreter.items())] = _Zygote.forked(ctl, pid, interpreter, cwd)
+
+
 def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
     key = frozenset(_interpreter_env(env).items())
     with _start_lock:
         found = _zygotes.get(key)
         if found is not None and found.proc.poll() is None:
             return found
+        if _adopted:
+            return None
         if found is not None:
             found.close()  # died (killed by a test?): a new one in its place
         elif len(_zygotes) >= _MAX_ZYGOTES:

@@ -16,7 +16,6 @@ import math
 import string
 from typing import Any
 
-import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,15 +35,26 @@ def _strict_int(_: Any, value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-Validator = jsonschema.validators.extend(
-    jsonschema.Draft202012Validator,
-    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _strict_int),
-)
-_VALIDATORS = {op: Validator({**SCHEMA, "$ref": f"#/$defs/args/{op}"}) for op in proto.OPS}
+@functools.cache
+def _validator_class() -> Any:
+    """Draft 2020-12 with msgpack's integers; jsonschema imported on first use (with referencing,
+    attrs and rpds ~0.2 s of imports, which every xdist worker would pay at collection otherwise)."""
+    import jsonschema
+
+    return jsonschema.validators.extend(
+        jsonschema.Draft202012Validator,
+        type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _strict_int),
+    )
+
+
+@functools.cache
+def _validator(op: str) -> Any:
+    """The schema of ``op``'s arguments (built once per op)."""
+    return _validator_class()({**SCHEMA, "$ref": f"#/$defs/args/{op}"})
 
 
 def schema_accepts(op: str, args: dict[str, Any]) -> bool:
-    return bool(_VALIDATORS[op].is_valid(args))
+    return bool(_validator(op).is_valid(args))
 
 
 def supervisor_accepts(op: str, args: dict[str, Any]) -> tuple[bool, str]:
@@ -90,7 +100,7 @@ def check(op: str, args: dict[str, Any]) -> None:
     by_supervisor, why = supervisor_accepts(op, args)
     if by_schema and not by_supervisor and _gap(why):
         return  # a declared gap: the schema is the lenient side, never the strict one
-    assert by_schema == by_supervisor, (op, args, why, list(_VALIDATORS[op].iter_errors(args))[:2])
+    assert by_schema == by_supervisor, (op, args, why, list(_validator(op).iter_errors(args))[:2])
 
 
 # ------------------------------------------------------------------ strategies
@@ -218,6 +228,8 @@ def op_args(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 
 def test_the_schema_is_a_valid_json_schema_and_the_shipped_file_is_current() -> None:
+    import jsonschema
+
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
     assert load_schema() == SCHEMA, "run: python -m supervisor.docgen.protocol_doc --write"
 

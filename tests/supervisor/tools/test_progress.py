@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.tools.progress import LiveLine, progress_stream
+from tests.helpers import zygote
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -23,8 +24,12 @@ ROOT = Path(__file__).resolve().parents[3]
 def _in_pty(*args: str, timeout_s: float = 120.0) -> tuple[int, str]:
     """Run ``twt ARGS`` with stdout and stderr on a pseudo-terminal; its exit status and everything it wrote."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor", *args], cwd=ROOT, stdout=slave, stderr=slave,
-                            stdin=subprocess.DEVNULL)
+    # forked from the suite's zygote where it can be (a terminal is a descriptor it passes on), with
+    # the checkout on PYTHONPATH as tests.helpers.cli.twt() sets it, so that `twt chaos`'s own
+    # supervisor is a fork too (tests/helpers/zygote.py)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = zygote.popen([sys.executable, "-m", "supervisor", *args], cwd=ROOT, stdout=slave, stderr=slave,
+                        stdin=subprocess.DEVNULL, env=env)
     os.close(slave)
     chunks: list[bytes] = []
     deadline = time.monotonic() + timeout_s
