@@ -43,7 +43,9 @@ memory, and the run's end::
   runs op after op (each chunked as above; a run of *small* ops, each planned and
   estimated by the submitting thread, as one launch: one lease check, one
   measurement, one flush decision, each op still its own call with its own
-  wait and error), and tells the board (``finish``) only at a chunk boundary after
+  wait and error; a run of big one-chunk ops of one kind and shape - a GEMM loop - through
+  one lean loop, :meth:`DeviceGate._queued_run`, each op launched and timed alone), and
+  tells the board (``finish``) only at a chunk boundary after
   ~:data:`CHUNK_S` of holding (a quarter of it while another worker waits, unless the
   board's last answer still holds: ``GpuTimeBoard.quiet``) - where the board may hand the
   device over (the quantum's end, a waiter's claim) - and when the queue runs empty and

@@ -1232,7 +1232,9 @@ def main(argv: list[str] | None = None) -> int:
     costs = _decision_costs()
 
     on_rate, off_rate = statistics.median(solo["rates"]["on"]), statistics.median(solo["rates"]["off"])
-    on_off = statistics.median(a / b for a, b in zip(solo["rates"]["on"], solo["rates"]["off"]))
+    on_off_pairs = [a / b for a, b in zip(solo["rates"]["on"], solo["rates"]["off"]) if b]
+    on_off = statistics.median(on_off_pairs) if on_off_pairs else 0.0
+    on_off_ci = median_ci(on_off_pairs)
     work, acc = split["work"], split["accounted_s"]
     work_share = work[0] / sum(work)
     time_share = acc[0] / sum(acc)
@@ -1248,7 +1250,10 @@ def main(argv: list[str] | None = None) -> int:
         f"one tenant alone (weight 7), {args.rounds} interleaved rounds of {args.solo_seconds:g} s, GEMM {args.n}^3",
         format_table(["scheduler", "GEMMs/s (median)", "rounds"],
                      [["on", on_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["on"])],
-                      ["off", off_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["off"])]]),
+                      ["off", off_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["off"])]])
+        + "\non / off per pair of rounds: " + " ".join(f"{r:.2f}" for r in on_off_pairs)
+        + f"; median {on_off:.2f}x, 95 % interval of the median [{on_off_ci[0]:.2f}-{on_off_ci[1]:.2f}]"
+        + (" (fewer than 6 pairs: their range)" if len(on_off_pairs) < 6 else ""),
     ))
     report.sections.append((
         f"weights 7:3 for {args.seconds:g} s in {args.rounds} rounds, both saturating (2 instances, 2 client "
