@@ -43,7 +43,9 @@ memory, and the run's end::
   runs op after op (each chunked as above; a run of *small* ops, each planned and
   estimated by the submitting thread, as one launch: one lease check, one
   measurement, one flush decision, each op still its own call with its own
-  wait and error), and tells the board (``finish``) only at a chunk boundary after
+  wait and error; a run of big one-chunk ops of one kind and shape - a GEMM loop - through
+  one lean loop, :meth:`DeviceGate._queued_run`, each op launched and timed alone), and
+  tells the board (``finish``) only at a chunk boundary after
   ~:data:`CHUNK_S` of holding (a quarter of it while another worker waits, unless the
   board's last answer still holds: ``GpuTimeBoard.quiet``) - where the board may hand the
   device over (the quantum's end, a waiter's claim) - and when the queue runs empty and
@@ -596,6 +598,13 @@ class DeviceGate:
                     self.failed_op = items[i].name
                     return i, exc
                 queue.take_more(items)  # what the guest queued during the wait joins this stretch
+            if items[i].small_est == _NOT_SMALL:
+                ran, err = self._queued_run(items, i)
+                if err is not None:
+                    return i + ran, err
+                if ran:
+                    i += ran
+                    continue
             batch = self._small_run(items, i)
             self._pass_end = i + max(1, batch) >= len(items) and (
                 batch >= 1 or 0 <= items[i].est <= small)  # (cuda: small ops launch alone)
@@ -613,6 +622,115 @@ class DeviceGate:
                 queue.own_busy_ns += time.monotonic_ns() - t0 - (self._lease_wait_ns - w0)
             i += max(1, batch)
         return len(items), None
+
+    def _queued_run(self, items: list[_Item], i: int) -> tuple[int, BaseException | None]:
+        """A run of consecutive big queued ops of one kind and shape from ``items[i]`` on, each one
+        chunk, on a host-synchronous timer (the stub): one lean loop. Per op
+        only what the op needs - its deadline, its launch timed, the lease's boundary (the same rule
+        as :meth:`_run_queued`'s) - and per run what was per op before: the cost model learns the
+        run's mean once, the ops' waits are observed in one call, the op-length average moves once.
+        Between two GEMMs of a busy worker the device (the stub: this thread) idled for this thread's
+        own Python, ~35 us an op through :meth:`_queued`. Returns (ops run whole, the error of the next
+        or None); (0, None) when ``items[i]`` does not start such a run (the caller runs it alone).
+        The lease is taken at each launch that does not hold it, as :meth:`_run_queued` takes it; the
+        run stops where an op does not fit and past a deadline (the op path refuses it)."""
+        first = items[i]
+        p = first.plan
+        if (p is None or not first.planned or p.call is not None or p.combine is not None
+                or self._pending_timer is not None or self._run_refused is not None):
+            return 0, None
+        board = self._scheduling_board()
+        if board is not None and board.trace is not None:
+            return 0, None  # (the handover trace stamps every launch: the op path does)
+        qtimer = self._queue_timer()
+        if self._pending_timer is not None:
+            return 0, None
+        name, shape, units = first.name, p.shape, p.units
+        costs = self.costs
+        if costs.units_for(name, p, self.chunk_ns, units) < units:
+            return 0, None  # more than one chunk: the chunk loop (_queued)
+        queue = self.queue
+        assert queue is not None
+        serial = self._serial_fd() if board is None else -1
+        work = self._work
+        chunk_ns = self.chunk_ns
+        quarter = chunk_ns // 4
+        mono = time.monotonic_ns
+        waits: list[int] = []
+        total = 0
+        j = i
+        end = len(items)
+        own = queue.own_busy_ns
+        self._chunk = (name, p, units)
+        self._pass_end = False
+        error: BaseException | None = None
+        while j < end:
+            it = items[j]
+            ip = it.plan
+            if j > i and (ip is None or it.name != name or ip.units != units or ip.shape != shape
+                          or ip.call is not None or ip.combine is not None):
+                break
+            start = mono()
+            dl = it.deadline_ns
+            if dl is not None and start > dl:
+                break  # refused by the op path (it ends the stretch first)
+            wait = max(0, start - it.submit_ns - (own - it.own_busy_ns))
+            waited = ns = now = 0
+            try:
+                if not self._held_since:
+                    # a boundary gave the lease up: taken back at the launch, as _run_queued does (its
+                    # fast path while still ours; a wait, this op's, when the device went on)
+                    if board is not None:
+                        waited = self._acquire(board, dl)
+                        self._lease_wait_ns += waited
+                        self.run_wait_ns += waited
+                        self._held_board = True
+                    self._held_since = mono()
+                if serial >= 0:
+                    fcntl.flock(serial, fcntl.LOCK_EX)
+                launched = mono() if work is not None else 0
+                try:
+                    ns = qtimer.time(it.fn, *it.args)
+                finally:
+                    if serial >= 0:
+                        fcntl.flock(serial, fcntl.LOCK_UN)
+                    if work is not None:
+                        self._busy(work, launched, ns, False)
+                    self.chunks += 1
+                    self.run_time_ns += ns
+                    self._pending_ns += ns
+                    total += ns
+                    now = mono()
+                # the chunk boundary, as _run_queued's at an op's last chunk
+                held = now - self._held_since
+                waiting = board is not None and held >= quarter and board.others_waiting()
+                if waiting and self._pending_ns * _LEND_BUSY_DIV < held:
+                    self._flush(last=True, idle=True)
+                elif held >= chunk_ns:
+                    self._flush(last=False)
+                elif waiting:
+                    if board is not None and board.quiet():
+                        self._quiet_at = now
+                    else:
+                        self._flush(last=False)
+            except BaseException as exc:  # noqa: BLE001 - the op's own error (kept by the queue)
+                self.failed_op = it.name
+                error = exc
+            finally:
+                own += (now if now else mono()) - start - waited
+                queue.own_busy_ns = own  # one writer: this thread (the submitter reads it)
+            if error is not None:
+                break
+            waits.append(wait + waited)
+            j += 1
+        ran = j - i
+        if ran:
+            per = total // ran
+            costs.observe(name, p, units, per)
+            self._op_dev_ns += (per - self._op_dev_ns) >> _EWMA_SHIFT if self._op_dev_ns else per
+        if waits:
+            self.block.observe_gpu_waits(waits)
+        return ran, error
 
     def _hold(self, deadline_ns: int | None) -> None:
         """The lease for the stretch ahead, before its ops are looked at: the guest's ops queued

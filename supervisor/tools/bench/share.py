@@ -26,10 +26,12 @@ memory, sampled by this process every few milliseconds.
 ``--mix`` runs tenants that differ instead (one supervisor, scheduler on, weights 1:1):
 
     heavy+chatty  a heavy GEMM tenant beside a chatty one (``chatty``: a 64-float fill, then
-                  0.1 / 0.3 / 1 ms of guest arithmetic, in a loop), in rounds alternating with a
-                  control whose chatty loop makes the same host call with a count of 0 (the host's
-                  work without the device's: the same CPU competition): the heavy tenant's work
-                  rate vs the control's, the chatty op's wait for the device (p99 from the
+                  0.1 / 0.3 / 1 ms of guest arithmetic, in a loop), in blocks of ``--block-seconds``
+                  alternating (A B B A, the heavy loops running throughout) with a control whose
+                  chatty loop makes the same host call with a count of 0 (the host's work without
+                  the device's: the same CPU competition): the heavy tenant's work rate vs the
+                  control's (the median of neighbouring pairs' ratios, with a 95 % confidence
+                  interval: :func:`pair_ratios`, :func:`median_ci`), the chatty op's wait for the device (p99 from the
                   tenant's wait histogram), the device busy while any tenant has work (every
                   worker's work and busy intervals from the work trace, ``shared.gpu_time.WorkTrace``,
                   unioned across workers: :func:`busy_while_work`), the device busy time vs the
@@ -49,6 +51,7 @@ for the report, its targets and the plot.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -57,7 +60,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from shared.capability import TenantCapability
 from shared.gpu_time import HANDOVER_TRACE_ENV, WORK_TRACE_ENV, GpuTimeBoard, WorkTrace, read_work_trace
@@ -496,7 +499,9 @@ class MixGap(TypedDict):
     spin: int
     control_rates: list[float]  # heavy GEMMs/s beside the chatty loop without device ops
     mix_rates: list[float]  # ... with them
-    ratio: float  # median of paired rounds
+    ratio: float  # the median of the pairs' ratios (:func:`pair_ratios`)
+    pair_ratios: list[float]  # mix / control rate of each pair of neighbouring blocks
+    ratio_ci: tuple[float, float]  # a 95 % confidence interval of that median (:func:`median_ci`)
     chatty_ops: int
     chatty_wait_bins: list[int]  # per-op waits (GPU_WAIT_BUCKETS_S and +Inf) over the mix rounds
     chatty_p99_ms: float  # the upper edge of the bin holding the 99th percentile
@@ -607,6 +612,101 @@ def _handovers(board: GpuTimeBoard | None) -> int:
     return snap.handoffs + snap.steals
 
 
+class MixBlock(TypedDict):
+    """One measured block of a gap: the chatty loop with (1) or without (0) its device ops."""
+
+    device: int
+    window: tuple[int, int]  # monotonic ns
+    rate: float  # the heavy tenant's GEMMs/s
+    busy: float  # accounted device s per wall s, both tenants
+    handovers: float  # per wall s
+    idle: float  # the device idle at handovers per wall s (the board's handover gap)
+    bins: list[int]  # the chatty op's wait histogram over the block
+    chatty_waits: int
+
+
+def _mix_blocks(phase: Phase, heavy: Tenant, chatty: Tenant, board: GpuTimeBoard | None, order: Sequence[int],
+                block_s: float, ops: int, spin: int) -> list[MixBlock]:
+    """The heavy tenant's two loops run throughout; the chatty loop runs blocks of ``block_s`` in
+    ``order``, each with its device ops (1) or the same host call with a count of 0 (0, the control).
+    A block's first chatty run (~0.25 s) is not measured: the mode changes at a run's start, and the
+    queues and the lease settle into it. Blocks of each kind are paired with their neighbours
+    (:func:`pair_ratios`): the host's load drifts over seconds to minutes, so a control measured a
+    few seconds from its mix block shares most of its load, where one round of each, tens of
+    seconds apart, did not."""
+    heavy.runs.clear()
+    stop = threading.Event()
+    blocks: list[MixBlock] = []
+
+    def chatty_loop() -> None:
+        client = phase.sup.connect(timeout_s=600.0)
+        try:
+            for device in order:
+                client.run_wasm(chatty.cap, chatty.digest, "chatty", [ops, spin, device], fuel=1 << 62)  # settle
+                before = chatty.block.snapshot()
+                h0, g0 = _handovers(board), _gap(board)
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < block_s:
+                    client.run_wasm(chatty.cap, chatty.digest, "chatty", [ops, spin, device], fuel=1 << 62)
+                t1 = time.monotonic()
+                h1, g1 = _handovers(board), _gap(board)
+                after = chatty.block.snapshot()
+                time.sleep(0.03)  # the sampler's next reading (every 10 ms) is past t1
+                acc = sum(phase.accounted(n, t1) - phase.accounted(n, t0) for n in ("heavy", "chatty"))
+                blocks.append({"device": device, "window": (round(t0 * 1e9), round(t1 * 1e9)),
+                               "rate": 0.0, "busy": acc / (t1 - t0), "handovers": (h1 - h0) / (t1 - t0),
+                               "idle": _gap_rates(g0, g1, t1 - t0)[0],
+                               "bins": [a - b for a, b in zip(after.gpu_wait_bins, before.gpu_wait_bins)],
+                               "chatty_waits": after.gpu_waits - before.gpu_waits})
+        finally:
+            client.close()
+            stop.set()
+
+    loops = [phase.gemm_loop(heavy, stop) for _ in range(2)]
+    threads = phase.start(loops)
+    time.sleep(0.5)
+    chatty_thread = phase.start([chatty_loop])
+    for th in chatty_thread + threads:
+        th.join(3600)
+    for b in blocks:
+        t0, t1 = b["window"][0] / 1e9, b["window"][1] / 1e9
+        b["rate"] = heavy.work_between(t0, t1) / (t1 - t0)
+    return blocks
+
+
+def pair_ratios(blocks: Sequence[Mapping[str, object]]) -> list[float]:
+    """Mix rate over control rate for each pair of neighbouring blocks (blocks 0-1, 2-3, ...: one of
+    each kind, in either order); a pair without both kinds, or with a zero control, is left out."""
+    out = []
+    for i in range(0, len(blocks) - 1, 2):
+        pair = {int(cast(int, b["device"])): float(cast(float, b["rate"])) for b in blocks[i:i + 2]}
+        if set(pair) == {0, 1} and pair[0] > 0:
+            out.append(pair[1] / pair[0])
+    return out
+
+
+def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median (order statistics, the sign test's
+    binomial): the widest [x_(j), x_(n+1-j)] with P(Binomial(n, 1/2) < j) <= (1 - level) / 2 - for
+    fewer than six values no such j exists and the range (min, max) is returned (its coverage is
+    then 1 - 2^(1-n)). (0, 0) for no values."""
+    xs = sorted(values)
+    n = len(xs)
+    if not n:
+        return 0.0, 0.0
+    tail = (1 - level) / 2
+    j, cum = 0, 0.0
+    while True:
+        p = math.comb(n, j) / 2 ** n
+        if cum + p > tail:
+            break
+        cum += p
+        j += 1
+    # cum = P(X < j) <= tail: the interval [x_(j), x_(n+1-j)] (1-indexed); j = 0: no such interval
+    j = max(j, 1)
+    return xs[j - 1], xs[n - j]
+
+
 def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap], KResult]:
     from shared.quota import GPU_WAIT_BUCKETS_S
 
@@ -619,49 +719,31 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
         phase.sample_every(0.01)
         per_ms = _calibrate_spin(phase, chatty)
         gaps: list[MixGap] = []
+        block_s = args.block_seconds
+        # as much measured time of each kind as rounds x seconds, in blocks alternating A B B A ...
+        pairs = max(1, round(args.rounds * args.seconds / block_s))
+        order = [d for p in range(pairs) for d in ((0, 1) if p % 2 == 0 else (1, 0))]
         for gap_ms in args.gaps:
             spin = max(1, round(per_ms * gap_ms))
             ops = max(10, round(250 / (gap_ms + 0.05)))  # runs of ~0.25 s: the lease's run-end release is rare
-            rates: dict[int, list[float]] = {0: [], 1: []}
-            busy: dict[int, list[float]] = {0: [], 1: []}
-            hands: dict[int, list[float]] = {0: [], 1: []}
-            idle: list[float] = []
-            windows: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
-            bins = [0] * (len(GPU_WAIT_BUCKETS_S) + 1)
-            chatty_ops = 0
-            for r in range(args.rounds):
-                for device in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    heavy.runs.clear()
-                    stop = threading.Event()
-                    counts: list[int] = []
-                    before = chatty.block.snapshot()
-                    loops = [phase.gemm_loop(heavy, stop) for _ in range(2)]
-                    loops.append(_chatty_loop(phase, chatty, stop, ops, spin, device, counts))
-                    h0 = [0]
-                    g0 = [_gap(board)]
-
-                    def at_start() -> None:
-                        h0[0], g0[0] = _handovers(board), _gap(board)
-
-                    t0, t1 = run_for(phase, loops, stop, args.seconds, warm_s=0.5, at_start=at_start)
-                    windows[device].append((round(t0 * 1e9), round(t1 * 1e9)))
-                    hands[device].append((_handovers(board) - h0[0]) / (t1 - t0))
-                    if device:
-                        idle.append(_gap_rates(g0[0], _gap(board), t1 - t0)[0])
-                    rates[device].append(heavy.work_between(t0, t1) / (t1 - t0))
-                    acc = (phase.accounted("heavy", t1) - phase.accounted("heavy", t0)
-                           + phase.accounted("chatty", t1) - phase.accounted("chatty", t0))
-                    busy[device].append(acc / (t1 - t0))
-                    if device:
-                        after = chatty.block.snapshot()
-                        bins = [b + a - c for b, a, c in zip(bins, after.gpu_wait_bins, before.gpu_wait_bins)]
-                        chatty_ops += after.gpu_waits - before.gpu_waits
+            blocks = _mix_blocks(phase, heavy, chatty, board, order, block_s, ops, spin)
+            rates = {d: [b["rate"] for b in blocks if b["device"] == d] for d in (0, 1)}
+            busy = {d: [b["busy"] for b in blocks if b["device"] == d] for d in (0, 1)}
+            hands = {d: [b["handovers"] for b in blocks if b["device"] == d] for d in (0, 1)}
+            idle = [b["idle"] for b in blocks if b["device"] == 1]
+            windows = {d: [b["window"] for b in blocks if b["device"] == d] for d in (0, 1)}
+            bins = [sum(col) for col in zip(*(b["bins"] for b in blocks if b["device"] == 1))] or (
+                [0] * (len(GPU_WAIT_BUCKETS_S) + 1))
+            chatty_ops = sum(b["chatty_waits"] for b in blocks if b["device"] == 1)
+            ratios = pair_ratios(blocks)
+            lo, hi = median_ci(ratios)
             gaps.append({"gap_ms": gap_ms, "spin": spin, "control_rates": rates[0], "mix_rates": rates[1],
-                         "ratio": statistics.median(m / c for m, c in zip(rates[1], rates[0]) if c),
+                         "ratio": statistics.median(ratios) if ratios else 0.0, "pair_ratios": ratios,
+                         "ratio_ci": (lo, hi),
                          "chatty_ops": chatty_ops, "chatty_wait_bins": bins, "chatty_p99_ms": _p99_ms(bins),
-                         "busy_control": statistics.median(busy[0]), "busy_mix": statistics.median(busy[1]),
-                         "handovers_control": statistics.median(hands[0]),
-                         "handovers_mix": statistics.median(hands[1]), "idle_at_handovers_mix": _median_or_0(idle),
+                         "busy_control": _median_or_0(busy[0]), "busy_mix": _median_or_0(busy[1]),
+                         "handovers_control": _median_or_0(hands[0]),
+                         "handovers_mix": _median_or_0(hands[1]), "idle_at_handovers_mix": _median_or_0(idle),
                          "windows_control": windows[0], "windows_mix": windows[1],
                          "busy_while_work_control": None, "busy_while_work_mix": None,
                          "launched_while_work_control": None, "launched_while_work_mix": None,
@@ -862,6 +944,13 @@ def handover_legs(directory: str) -> dict[str, object]:
             "idle_wakes_per_handover": idle_wakes / max(1, len(gives)), "legs": table}
 
 
+def _spread(values: Sequence[float]) -> str:
+    """The median and the range of a list of rates: "1,650 (1,420-1,900)"."""
+    if not values:
+        return "-"
+    return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
@@ -896,15 +985,18 @@ def _mix_main(args: argparse.Namespace) -> int:
             mix["any_work"], mix["busy"], mix["launched"])
     rows = []
     for g in gaps:
-        rows.append([f"{g['gap_ms']:g}", " ".join(f"{r:.0f}" for r in g["control_rates"]),
-                     " ".join(f"{r:.0f}" for r in g["mix_rates"]), f"{g['ratio']:.2f}x", g["chatty_ops"],
+        lo, hi = g["ratio_ci"]
+        rows.append([f"{g['gap_ms']:g}", _spread(g["control_rates"]), _spread(g["mix_rates"]),
+                     f"{g['ratio']:.2f}x [{lo:.2f}-{hi:.2f}], {len(g['pair_ratios'])} pairs", g["chatty_ops"],
                      f"<= {g['chatty_p99_ms']:g}", f"{g['busy_control']:.0%}", f"{g['busy_mix']:.0%}",
                      f"{g['handovers_control']:.0f}", f"{g['handovers_mix']:.0f}",
                      f"{g['idle_at_handovers_mix']:.1%}"])
     report.sections.append((
         f"a heavy GEMM tenant ({args.n}^3, 2 instances) beside a chatty one (fill of 64 floats, then host work), "
-        f"weights 1:1, {args.rounds} rounds of {args.seconds:g} s alternating with the control",
-        format_table(["host gap ms", "heavy GEMMs/s control", "beside chatty", "ratio", "chatty ops",
+        f"weights 1:1, control and mix in alternating blocks of {args.block_seconds:g} s (A B B A), the ratio the "
+        "median of neighbouring pairs' mix / control with its 95 % confidence interval (GEMMs/s: median, min-max "
+        "of the blocks)",
+        format_table(["host gap ms", "heavy GEMMs/s control", "beside chatty", "ratio [95 % CI]", "chatty ops",
                       "chatty wait p99 ms", "busy control", "busy mix", "handovers/s control", "handovers/s mix",
                       "idle at handovers mix"],
                      rows),
@@ -930,7 +1022,8 @@ def _mix_main(args: argparse.Namespace) -> int:
     ))
     report.data.update({"mix": gaps, "k_instances": kres,
                         "config": {"n": args.n, "reps": args.reps, "seconds": args.seconds, "rounds": args.rounds,
-                                   "quantum_s": args.quantum, "gaps_ms": args.gaps, "k": args.k}})
+                                   "block_seconds": args.block_seconds, "quantum_s": args.quantum,
+                                   "gaps_ms": args.gaps, "k": args.k}})
     pts = " pts"
     for g in gaps:
         report.targets += [
@@ -1110,6 +1203,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="tenants that differ: a heavy one beside a chatty one, k instances against one")
     parser.add_argument("--gaps", type=_gap_list, default=[0.1, 0.3, 1.0],
                         help="--mix: the chatty tenant's host gaps, ms, comma-separated (default 0.1,0.3,1)")
+    parser.add_argument("--block-seconds", type=seconds, default=2.0,
+                        help="--mix: seconds of each measured block; control and mix blocks alternate A B B A, "
+                             "as many of each as --rounds x --seconds fill, each pair of neighbours one ratio "
+                             "(default 2)")
     parser.add_argument("--k", type=count, default=3, help="--mix: instances of the many-instance tenant (default 3)")
     parser.add_argument("--handover-trace", metavar="DIR",
                         help="--mix: trace every handover's timestamps into DIR and print where its device idle "
@@ -1135,7 +1232,9 @@ def main(argv: list[str] | None = None) -> int:
     costs = _decision_costs()
 
     on_rate, off_rate = statistics.median(solo["rates"]["on"]), statistics.median(solo["rates"]["off"])
-    on_off = statistics.median(a / b for a, b in zip(solo["rates"]["on"], solo["rates"]["off"]))
+    on_off_pairs = [a / b for a, b in zip(solo["rates"]["on"], solo["rates"]["off"]) if b]
+    on_off = statistics.median(on_off_pairs) if on_off_pairs else 0.0
+    on_off_ci = median_ci(on_off_pairs)
     work, acc = split["work"], split["accounted_s"]
     work_share = work[0] / sum(work)
     time_share = acc[0] / sum(acc)
@@ -1151,7 +1250,10 @@ def main(argv: list[str] | None = None) -> int:
         f"one tenant alone (weight 7), {args.rounds} interleaved rounds of {args.solo_seconds:g} s, GEMM {args.n}^3",
         format_table(["scheduler", "GEMMs/s (median)", "rounds"],
                      [["on", on_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["on"])],
-                      ["off", off_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["off"])]]),
+                      ["off", off_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["off"])]])
+        + "\non / off per pair of rounds: " + " ".join(f"{r:.2f}" for r in on_off_pairs)
+        + f"; median {on_off:.2f}x, 95 % interval of the median [{on_off_ci[0]:.2f}-{on_off_ci[1]:.2f}]"
+        + (" (fewer than 6 pairs: their range)" if len(on_off_pairs) < 6 else ""),
     ))
     report.sections.append((
         f"weights 7:3 for {args.seconds:g} s in {args.rounds} rounds, both saturating (2 instances, 2 client "
