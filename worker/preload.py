@@ -61,11 +61,15 @@ except ImportError:  # pragma: no cover - wasmtime is a dependency; stay startab
 # The wire decoders a bind runs (shared.wire compiles one per record class on first use): compiled
 # here once, every forked worker inherits them. Measured on a forked child's first bind: 5-7 ms
 # before, 1.7-3.4 ms after (the rest: copy-on-write faults on the pages the bind touches).
-from shared.worker_link import BindMessage
+from shared.worker_link import BindMessage, WorkerHello
 from shared.spec import TenantSpec
 
 BindMessage.from_wire(BindMessage(spec=TenantSpec("preload"), instance=0, incarnation=0, segment="-",
                                   backend="stub", backend_options={}).to_wire())
+# ... and the hello's encoder every worker's start runs twice (both sockets): compiled in each
+# forked worker it was ~2 ms of CPU and ~250 copy-on-write faults of its start (the control
+# thread's hello), 0.04 ms here.
+WorkerHello("preload", 0).to_wire()
 
 # The ops an activation sends, resolved (their handlers in worker.server's op table): a forked
 # pool worker's warm-up then finds each resolved instead of resolving it in a step of its own
