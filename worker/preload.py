@@ -1,7 +1,7 @@
 """Imported once by the forkserver (``--start-method forkserver``) so forked workers start warm.
 
 Only what starts no thread: zmq, msgpack, psutil, wasmtime, the worker's own
-modules (the lazy ops' too), the C library's symbols, and a pool host's engine
+modules (the lazy ops' too, resolved), the logging set-up, the C library's symbols, and a pool host's engine
 and linker with the warm-up module compiled serially (its epoch thread and
 wasmtime's compiler threads start later, in each worker). numpy is left out on
 purpose: its BLAS may start a thread pool at import, and threads do not survive
@@ -21,6 +21,7 @@ import psutil  # noqa: F401
 import zmq  # noqa: F401
 
 import shared.frames
+import shared.log
 import shared.prctl
 import shared.quota
 import shared.spec
@@ -38,7 +39,7 @@ try:
     import wasmtime  # noqa: F401
 
     import worker.wasm.artifacts  # export/import/load_modules
-    import worker.wasm.ops  # noqa: F401  (the host and the ABI; no engine or thread until a run)
+    import worker.wasm.ops  # (the host and the ABI; no engine or thread until a run)
     from worker.wasm.host import engine_fingerprint, preload_pool_host
 
     # Found once here (cached), not in each pool worker's warm-up: the wasmtime version's lookup
@@ -60,11 +61,29 @@ except ImportError:  # pragma: no cover - wasmtime is a dependency; stay startab
 # The wire decoders a bind runs (shared.wire compiles one per record class on first use): compiled
 # here once, every forked worker inherits them. Measured on a forked child's first bind: 5-7 ms
 # before, 1.7-3.4 ms after (the rest: copy-on-write faults on the pages the bind touches).
-from shared.worker_link import BindMessage
+from shared.worker_link import BindMessage, WorkerHello
 from shared.spec import TenantSpec
 
 BindMessage.from_wire(BindMessage(spec=TenantSpec("preload"), instance=0, incarnation=0, segment="-",
                                   backend="stub", backend_options={}).to_wire())
+# ... and the hello's encoder every worker's start runs twice (both sockets): compiled in each
+# forked worker it was ~2 ms of CPU and ~250 copy-on-write faults of its start (the control
+# thread's hello), 0.04 ms here.
+WorkerHello("preload", 0).to_wire()
+
+# The ops an activation sends, resolved (their handlers in worker.server's op table): a forked
+# pool worker's warm-up then finds each resolved instead of resolving it in a step of its own
+# (11 steps, each a turn of its loop; ~0.3 ms of each forked worker's start).
+for _op in worker.server._LAZY_OPS:
+    try:
+        worker.server._resolve(_op)
+    except ImportError:  # pragma: no cover - wasmtime missing: the worker resolves it (and fails) itself
+        pass
+
+# The worker's logging as a supervisor's defaults configure it (text to stderr, INFO): a forked
+# worker's configure_logging then keeps this handler and level instead of making its own and
+# clearing every logger's cache (~0.5 ms and ~90 copy-on-write faults of each forked worker's start).
+shared.log.configure_logging()
 
 # The C library's symbols (ctypes.CDLL, cached): every worker's start sets its parent-death
 # signal and its name through them, ~0.4 ms of each forked worker's CPU to load.

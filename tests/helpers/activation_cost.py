@@ -6,7 +6,8 @@ pool to be full, activate it with a ping; then 200 pings to the active tenant. P
 the CPU (user + system) of:
 
 * a pool worker's start to warm: the forked worker's own CPU when it is idle and warmed in the
-  pool (read before its bind), and the fork server's own CPU per fork;
+  pool (read before its bind), its minor (copy-on-write) faults so far (a count, not ms), and the
+  fork server's own CPU per fork;
 * the bind + restore + the waking ping, in the worker (its CPU after the ping less before it);
 * the park in the worker (export, stop, exit: the fork server's reaped children's CPU less the
   worker's CPU read before the park began);
@@ -50,6 +51,15 @@ def reaped_ns(pid: int) -> int:
     return (int(fields[13]) + int(fields[14])) * 1_000_000_000 // _TICKS
 
 
+def minor_faults(pid: int) -> int:
+    """``pid``'s minor page faults so far (every thread's, ``/proc/PID/stat``); 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _forkserver(sup_pid: int) -> int:
     for child in psutil.Process(sup_pid).children():
         if any("forkserver" in part for part in child.cmdline()):
@@ -79,7 +89,7 @@ def main() -> None:
     cycles = int(sys.argv[1]) if len(sys.argv) > 1 else 30
     state = tempfile.mkdtemp(prefix="twt-activation-cost-", dir=temp_parent())
     parts: dict[str, list[float]] = {k: [] for k in (
-        "pool_worker_start_to_warm", "forkserver_per_fork", "worker_bind_restore_ping", "worker_park_exit",
+        "pool_worker_start_to_warm", "pool_worker_start_faults", "forkserver_per_fork", "worker_bind_restore_ping", "worker_park_exit",
         "sup_activation", "sup_park", "sup_refill")}
     try:
         with dp.start_dense(state, max_active=None) as sup, sup.connect(timeout_s=120.0) as c:
@@ -121,6 +131,7 @@ def main() -> None:
                 for pid in fresh:
                     counted.add(pid)
                     parts["pool_worker_start_to_warm"].append(pool[pid] / 1e6)
+                    parts["pool_worker_start_faults"].append(minor_faults(pid))
                 if fresh:
                     parts["forkserver_per_fork"].append((cpu_ns(fs) - f0) / 1e6 / len(fresh))
                 # activate

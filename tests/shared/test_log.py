@@ -151,3 +151,22 @@ def test_configure_logging_routes_twt_loggers(fmt: str, restore_twt_logger: logg
 def test_configure_logging_rejects_unknown_format(restore_twt_logger: logging.Logger) -> None:
     with pytest.raises(ValueError, match="log format"):
         configure_logging("xml")  # type: ignore[arg-type]
+
+
+def test_configure_logging_keeps_an_equal_handler_and_replaces_another(restore_twt_logger: logging.Logger) -> None:
+    """What a forked worker relies on: the fork server's handler is kept when the format and the
+    stream are the same, replaced when either differs; the level follows each call."""
+    stream = io.StringIO()
+    configure_logging("text", level="INFO", stream=stream)
+    (kept,) = [h for h in restore_twt_logger.handlers if getattr(h, "_twt_handler", False)]
+    configure_logging("text", level="DEBUG", stream=stream)
+    assert [h for h in restore_twt_logger.handlers if getattr(h, "_twt_handler", False)] == [kept]
+    assert restore_twt_logger.level == logging.DEBUG
+    configure_logging("json", level=logging.WARNING, stream=stream)
+    (json_handler,) = [h for h in restore_twt_logger.handlers if getattr(h, "_twt_handler", False)]
+    assert json_handler is not kept and isinstance(json_handler.formatter, JsonFormatter)
+    assert restore_twt_logger.level == logging.WARNING
+    other = io.StringIO()
+    configure_logging("json", level=logging.WARNING, stream=other)
+    (moved,) = [h for h in restore_twt_logger.handlers if getattr(h, "_twt_handler", False)]
+    assert moved is not json_handler and isinstance(moved, logging.StreamHandler) and moved.stream is other
