@@ -653,8 +653,6 @@ class DeviceGate:
         assert queue is not None
         serial = self._serial_fd() if board is None else -1
         work = self._work
-        chunk_ns = self.chunk_ns
-        quarter = chunk_ns // 4
         mono = time.monotonic_ns
         waits: list[int] = []
         total = 0
@@ -701,18 +699,7 @@ class DeviceGate:
                     self._pending_ns += ns
                     total += ns
                     now = mono()
-                # the chunk boundary, as _run_queued's at an op's last chunk
-                held = now - self._held_since
-                waiting = board is not None and held >= quarter and board.others_waiting()
-                if waiting and self._pending_ns * _LEND_BUSY_DIV < held:
-                    self._flush(last=True, idle=True)
-                elif held >= chunk_ns:
-                    self._flush(last=False)
-                elif waiting:
-                    if board is not None and board.quiet():
-                        self._quiet_at = now
-                    else:
-                        self._flush(last=False)
+                self._boundary(board, now - self._held_since, last=True, pending=False)  # (_pass_end: False)
             except BaseException as exc:  # noqa: BLE001 - the op's own error (kept by the queue)
                 self.failed_op = it.name
                 error = exc
@@ -926,8 +913,6 @@ class DeviceGate:
             self.chunks += 1
             self.run_time_ns += ns
             self._pending_ns += ns
-            # a chunk boundary every ~chunk held; a quarter of that while another worker waits (its
-            # claim is served at the first boundary after it is due: a boundary costs a few us)
             held = time.monotonic_ns() - self._held_since
             if pending is not None:
                 # launches return in microseconds: what is held is the device work pending, the
@@ -938,26 +923,35 @@ class DeviceGate:
                     self._unsettled.append((name, p, units, est))
                     self._unsettled_est_ns += est
                 held = self._unsettled_est_ns
-            waiting = board is not None and held >= self.chunk_ns // 4 and board.others_waiting()
-            if last and board is not None and ((
-                    waiting and pending is None and self._pending_ns * _LEND_BUSY_DIV < held) or (
-                    self._lend_after_pass())):
-                # the device mostly idle under this stretch: its pace is the worker's host side (a
-                # chatty tenant's ops arriving as fast as this thread runs them), not device work;
-                # or a chatty worker's pass ends (DeviceGate._lend_after_pass): lent here, before the
-                # pass's bookkeeping (waits observed, costs learnt)
-                self._flush(last=True, idle=True)
-            elif not last or held >= self.chunk_ns:
-                self._flush(last=False)
-            elif waiting:
-                if board is not None and board.quiet():
-                    # the board's last answer holds (no claim due, the quantum not over): asking the
-                    # policy again at every GEMM's end cost the device thread 10-20 us each, the device
-                    # idle; the next boundary tells it where its last chunk began
-                    self._quiet_at = time.monotonic_ns()
-                else:
-                    self._flush(last=False)
+            self._boundary(board, held, last=last, pending=pending is not None)
         return ns, waited, result[0] if result else None
+
+    def _boundary(self, board: GpuTimeBoard | None, held: int, *, last: bool, pending: bool) -> None:
+        """A chunk boundary of a queued launch (:meth:`_run_queued`'s and :meth:`_queued_run`'s):
+        whether the board hears of the stretch now (:meth:`_flush`), lends the device, or - its last
+        answer still holding - is not asked. ``held``: ns held busy (with ``pending``, asynchronous
+        launches, the estimate of the unsettled chunks); ``last``: the op's last chunk."""
+        # a boundary every ~chunk held; a quarter of that while another worker waits (its claim is
+        # served at the first boundary after it is due: a boundary costs a few us)
+        waiting = board is not None and held >= self.chunk_ns // 4 and board.others_waiting()
+        if last and board is not None and ((
+                waiting and not pending and self._pending_ns * _LEND_BUSY_DIV < held) or (
+                self._lend_after_pass())):
+            # the device mostly idle under this stretch: its pace is the worker's host side (a
+            # chatty tenant's ops arriving as fast as this thread runs them), not device work;
+            # or a chatty worker's pass ends (DeviceGate._lend_after_pass): lent here, before the
+            # pass's bookkeeping (waits observed, costs learnt)
+            self._flush(last=True, idle=True)
+        elif not last or held >= self.chunk_ns:
+            self._flush(last=False)
+        elif waiting:
+            if board is not None and board.quiet():
+                # the board's last answer holds (no claim due, the quantum not over): asking the
+                # policy again at every GEMM's end cost the device thread 10-20 us each, the device
+                # idle; the next boundary tells it where its last chunk began
+                self._quiet_at = time.monotonic_ns()
+            else:
+                self._flush(last=False)
 
     def _flush(self, *, last: bool, idle: bool = False) -> None:
         """Tell the board and the quota block what ran since the last flush (a chunk boundary:
