@@ -5,8 +5,10 @@
 and in what their counters mean, not in how they are owned: the creating
 process unlinks; attached processes only unmap; an owner that forgets
 ``close()`` still unlinks at garbage collection or interpreter exit, without
-a resource-tracker warning; and the C counters hold buffer exports, so they
-are closed before the mapping is.
+a resource-tracker warning - in the process that made the segment only (a
+child forked from it that exits normally runs the same finalizers) and only
+while the name still names that segment; and the C counters hold buffer
+exports, so they are closed before the mapping is.
 """
 
 from __future__ import annotations
@@ -150,6 +152,9 @@ def _unlink(segment: _shm.Segment) -> None:
 
 
 def _finalize_owned(counters: tuple[_atomics.Counter | _atomics.ShareCounter, ...], segment: _shm.Segment) -> None:
-    """GC / interpreter-exit cleanup of an owned segment the caller forgot to close."""
+    """GC / interpreter-exit cleanup of an owned segment the caller forgot to close. In a child
+    that inherited the object through ``fork()`` only the child's mapping goes: the segment is its
+    parent's (a forked child that exits normally runs every pending finalizer at exit)."""
     _close_only(counters, segment)
-    _unlink(segment)
+    if isinstance(segment, _shm._Owned) and segment.created_here:
+        _unlink(segment)

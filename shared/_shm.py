@@ -16,10 +16,17 @@ supervisor's segment, or print "leaked shared_memory" warnings. Here:
   namespace, so it never removes another supervisor's).
 * :func:`attach` is for everybody else and never touches the tracker
   (``track=False`` on 3.13+, ``_posixshmem`` + ``mmap`` before that).
+* A created segment's unlink removes the name only while it still names
+  that segment (device and inode compared): once someone else removed it, a
+  new segment may carry the name, and it is not this object's to remove.
+  The owners' garbage-collection / exit cleanup (:mod:`shared._segment`)
+  unlinks only in the process that made the segment, never in a child that
+  inherited the object through ``fork()``.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import sys
@@ -46,7 +53,8 @@ class Segment(Protocol):
 class _Owned:
     """A created segment (tracked by the resource tracker of the creating process)."""
 
-    def __init__(self, name: str, mapping: mmap.mmap, size: int, *, keep_fd: bool = False) -> None:
+    def __init__(self, name: str, mapping: mmap.mmap, size: int, ident: tuple[int, int], *,
+                 keep_fd: bool = False) -> None:
         # The mapping is all most segments need: no shm fd is kept (it would cost the supervisor
         # one more descriptor each for nothing). A segment whose size is checked before it is
         # touched (:meth:`truncated`) needs none of its own either: CPython's mmap keeps a
@@ -56,6 +64,27 @@ class _Owned:
         self.name: str = name
         self.size: int = size
         self.buf: memoryview = memoryview(mapping)
+        #: (st_dev, st_ino) of the segment made: its name may later name another one (below)
+        self._ident = ident
+        self._creator = os.getpid()
+        self._tracked = True
+
+    @property
+    def created_here(self) -> bool:
+        """Whether this process made the segment - not a child that inherited this object
+        through ``fork()``: such a child exiting (atexit runs the owners' finalizers) or
+        collecting its copy must leave its parent's segment alone."""
+        return os.getpid() == self._creator
+
+    def names_this(self) -> bool:
+        """Whether the name still names the segment this object made. Once someone else removed
+        it (stale-segment cleanup, an operator), a new segment may carry the same name (a
+        registry's numbered slots, a test's fixed name): that one is not ours to remove."""
+        try:
+            st = os.stat(os.path.join(SHM_DIR, self.name))
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._ident
 
     def truncated(self) -> bool:
         """Has someone shrunk the segment under our mapping (``ftruncate`` by a process of
@@ -78,12 +107,38 @@ class _Owned:
         import _posixshmem  # type: ignore[import-not-found, unused-ignore]  # CPython's module behind SharedMemory
 
         try:
+            if not self.names_this():
+                raise FileNotFoundError(errno.ENOENT, "no longer names the segment this object made",
+                                        "/" + self.name)
             _posixshmem.shm_unlink("/" + self.name)
         finally:
             # Removed here or by someone else (stale cleanup, an operator: FileNotFoundError,
             # raised): either way off the tracker's books, or it warns about a "leaked" segment
             # at exit and tries to unlink the name again.
-            _tell_tracker("UNREGISTER", self.name)
+            if self._tracked:
+                self._tracked = False
+                _untrack(self.name)
+
+
+#: names this process made and has not unlinked, with how many of its objects hold each. The
+#: resource tracker keeps a *set* of names: when a name was removed by someone else and made again
+#: here, two objects hold it, and the tracker must hear UNREGISTER only when the last one lets go.
+_made: dict[str, int] = {}
+
+
+def _track(name: str) -> None:
+    held = _made.get(name, 0)
+    _made[name] = held + 1
+    if not held:
+        _tell_tracker("REGISTER", name)
+
+
+def _untrack(name: str) -> None:
+    held = _made.pop(name, 1) - 1
+    if held:
+        _made[name] = held
+    else:
+        _tell_tracker("UNREGISTER", name)
 
 
 def _tell_tracker(cmd: str, name: str) -> None:
@@ -166,9 +221,10 @@ def create(name: str, size: int, *, keep_fd: bool = False,
     import _posixshmem  # type: ignore[import-not-found, unused-ignore]  # CPython's module behind SharedMemory
 
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-    _tell_tracker("REGISTER", name)  # from here on: a killed owner's tracker unlinks it
+    _track(name)  # from here on: a killed owner's tracker unlinks it
     try:
         try:
+            st = os.fstat(fd)
             os.ftruncate(fd, size)
             for offset, length in ((0, size),) if reserve is None else reserve:
                 _reserve(fd, offset, min(length, size - offset))
@@ -182,7 +238,7 @@ def create(name: str, size: int, *, keep_fd: bool = False,
     except BaseException:
         _unlink_created(name)
         raise
-    return _Owned(name, mapping, size, keep_fd=keep_fd)
+    return _Owned(name, mapping, size, (st.st_dev, st.st_ino), keep_fd=keep_fd)
 
 
 def _unlink_created(name: str) -> None:
@@ -192,7 +248,7 @@ def _unlink_created(name: str) -> None:
     try:
         _posixshmem.shm_unlink("/" + name)
     finally:
-        _tell_tracker("UNREGISTER", name)
+        _untrack(name)
 
 
 def _reserve(fd: int, offset: int, length: int) -> None:

@@ -466,6 +466,55 @@ def test_owner_exiting_without_cleanup_unlinks() -> None:
     assert not segment_exists(name)
 
 
+@pytest.mark.timeout(90)
+def test_a_forked_child_leaves_its_parents_segments() -> None:
+    # A child that inherited an owner through fork() and exits as an interpreter does (atexit runs
+    # the owners' finalizers), or collects its copy: the segment is its parent's, named and tracked.
+    name = unique_prefix() + "fork"
+    r = _run_python(
+        "import gc, os, sys\n"
+        "from shared.quota import QuotaBlock\n"
+        f"b = QuotaBlock.create('parent', name={name!r})\n"
+        "for collect in (False, True):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        if collect:\n"
+        "            del b\n"
+        "            gc.collect()\n"
+        "            os._exit(0)\n"
+        "        sys.exit(0)\n"
+        "    assert os.waitpid(pid, 0)[1] == 0\n"
+        f"    assert os.path.exists('/dev/shm/{name}'), ('removed by a child', collect)\n"
+        "b.consume_bytes(7)\n"
+        "assert b.bytes_in_use == 7\n"
+        "b.unlink()\n"
+        "b.close()\n"
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr  # stderr: no tracker complaint either
+    assert not segment_exists(name)
+
+
+def test_an_owner_never_removes_a_newer_segment_of_its_name() -> None:
+    # Someone else (a stale-segment cleanup, an operator) removed an owner's segment and a new one took
+    # the name (a registry's numbered slots, a test's fixed name): the old owner's unlink - explicit or
+    # at garbage collection - leaves the new segment alone.
+    explicit, collected = unique_prefix() + "a", unique_prefix() + "b"
+    old = QuotaBlock.create("old", name=explicit)
+    gone = QuotaBlock.create("gone", name=collected)
+    _shm.unlink(explicit)
+    _shm.unlink(collected)
+    with QuotaBlock.create("new", name=explicit) as new, QuotaBlock.create("new", name=collected) as other:
+        old.unlink()
+        old.close()
+        del gone
+        gc.collect()
+        assert segment_exists(explicit) and segment_exists(collected)
+        new.consume_bytes(5)
+        other.consume_bytes(6)
+        assert (new.bytes_in_use, other.bytes_in_use) == (5, 6)
+    assert not segment_exists(explicit) and not segment_exists(collected)
+
+
 # ------------------------------------------------------ stale-segment cleanup
 
 
