@@ -128,6 +128,10 @@ def _warm_hypothesis_constants() -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        # what the controller has loaded (pytest, its plugins, hypothesis, the conftests) lives as
+        # long as it does: out of the collector's walks, which the warm-ups below (every source's
+        # syntax tree, the bytecode) would otherwise set off ~11 times over all of it
+        gc.freeze()
         # beside the workers' start-up (interpreter, plugins, test modules: seconds), which it
         # does not delay; they reach the constants at the end of their collection
         threading.Thread(target=_warm_hypothesis_constants, name="twt-warm-constants", daemon=True).start()
