@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -464,6 +463,8 @@ def child_kernels(args: list[str]) -> dict[str, Any]:
 
 def child_timing(args: list[str]) -> dict[str, Any]:
     """Context + stream + pool ready time; metered alloc+free against raw pool calls (medians of 7)."""
+    import statistics  # here: the one step that takes a median (~8 ms of imports in every other child)
+
     from shared.device_budget import DeviceBudget
     from shared.quota import QuotaBlock
     from worker.allocator import MeteredAllocator

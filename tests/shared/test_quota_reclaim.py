@@ -39,7 +39,7 @@ def test_two_step_scheme_loses_an_allocation_when_killed_between_its_steps(name:
     assert any("SIGKILL" in step for step in info.value.trace)
 
 
-#: the three-instance exploration walks ~520,000 states (~8 s of CPU): make test runs it, make test-fast not
+#: the three-instance exploration walks ~520,000 states (~5 s of CPU): make test runs it, make test-fast not
 _EXHAUSTIVE = [pytest.param(n, marks=pytest.mark.slow) if n == "three-instances" else n for n in sorted(PROGRAMS)]
 
 
