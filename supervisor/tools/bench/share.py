@@ -109,6 +109,52 @@ class Tenant:
         return total
 
 
+class Valve:
+    """Lets a set of load loops run (open) or pause (closed) between measured blocks: a loop calls
+    :meth:`enter` before each guest run and :meth:`leave` after it; :meth:`close` returns once the
+    runs in flight have ended, so the next block's load starts on an otherwise quiet device."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = False
+        self._stopped = False
+        self._running = 0
+
+    def enter(self) -> bool:
+        """Wait until the valve is open (True: run once, then :meth:`leave`) or stopped (False)."""
+        with self._cond:
+            while not self._open and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                return False
+            self._running += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._running -= 1
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Let no new run start and wait for those in flight."""
+        with self._cond:
+            self._open = False
+            while self._running:
+                self._cond.wait()
+
+    def stop(self) -> None:
+        """End the loops (each at its next :meth:`enter`)."""
+        with self._cond:
+            self._stopped = True
+            self._open = False
+            self._cond.notify_all()
+
+
 class Phase:
     """Tenants on one supervisor, client threads, and a sampler of their accounted time."""
 
@@ -149,6 +195,29 @@ class Phase:
                     t0 = time.monotonic()
                     done = client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, self.reps]).results[0]
                     t.runs.append((t0, time.monotonic(), int(done)))
+            finally:
+                client.close()
+
+        return loop
+
+    def valved_gemm_loop(self, t: Tenant, valve: Valve) -> Callable[[], None]:
+        """A GEMM loop that runs a guest run only while ``valve`` is open (it ends when the valve is
+        stopped): blocks of one kind and another alternate without restarting clients or guests."""
+        def loop() -> None:
+            client = self.sup.connect(timeout_s=600.0)
+            try:
+                warm = True
+                while valve.enter():
+                    try:
+                        if warm:  # compiled, BLAS warm: not counted
+                            client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, 1])
+                            warm = False
+                            continue
+                        t0 = time.monotonic()
+                        done = client.run_wasm(t.cap, t.digest, "gemm_loop", [self.n, self.reps]).results[0]
+                        t.runs.append((t0, time.monotonic(), int(done)))
+                    finally:
+                        valve.leave()
             finally:
                 client.close()
 
@@ -262,8 +331,9 @@ def _jain(values: Sequence[float]) -> float:
 
 
 class SoloRounds(TypedDict):
-    rates: dict[str, list[float]]  # "on"/"off": GEMMs/s of each round
+    rates: dict[str, list[float]]  # "on"/"off": GEMMs/s of each block
     accounted_s: dict[str, list[float]]
+    pair_ratios: list[float]  # on / off of each pair of neighbouring blocks (:func:`pair_ratios`)
 
 
 class SplitWindow(TypedDict):
@@ -282,7 +352,8 @@ class SplitResult(TypedDict):
     solo_device_rate: float
     solo_work_rates: list[float]
     together_rates: list[float]
-    together_ratio: float
+    together_ratio: float  # the median of the pairs' ratios
+    together_pair_ratios: list[float]  # together / alone of each pair of neighbouring blocks
     work: tuple[float, float]  # (weight 7, weight 3)
     accounted_s: tuple[float, float]
     together_rate: float
@@ -326,35 +397,106 @@ class CapResult(TypedDict):
     throttled: int
 
 
+def abba(pairs: int) -> list[int]:
+    """The kinds of ``pairs`` pairs of blocks in the order 0 1 1 0 0 1 1 0 ...: each pair one block of
+    each kind, the order alternating pair by pair, so that a drift of the host's load across a pair
+    favours neither kind over the run."""
+    return [k for p in range(pairs) for k in ((0, 1) if p % 2 == 0 else (1, 0))]
+
+
+class PairBlock(TypedDict):
+    """One measured block of a paired row: its kind (1: the side measured, 0: its baseline - the key
+    :func:`pair_ratios` pairs by), its span (monotonic s) and GEMMs/s, and what ``probe`` read."""
+
+    device: int
+    t0: float
+    t1: float
+    rate: float
+    probe: dict[str, float]
+
+
+def paired_blocks(valves: Mapping[int, Valve], rate: Mapping[int, Callable[[float, float], float]], pairs: int,
+                  block_s: float, settle_s: float = 0.25, warm_s: float = 0.5,
+                  probe: Callable[[], Callable[[float], dict[str, float]]] | None = None) -> list[PairBlock]:
+    """Blocks of ``block_s`` of two kinds of load in :func:`abba` order, each kind's loops paused
+    (its valve closed) while the other runs - never restarted. A block's first ``settle_s`` is not
+    measured (the queues and the lease settle into the new load). ``probe()`` runs at a block's
+    start and returns what to call at its end with the block's wall seconds (counters read across
+    the block). Each kind runs ``warm_s`` first, unmeasured (its loops' first runs warm BLAS). The
+    rates are taken once every loop has paused (runs that straddle a block's end are counted in
+    proportion, :meth:`Tenant.work_between`)."""
+    for kind in (0, 1):
+        valves[kind].open()
+        time.sleep(warm_s)
+        valves[kind].close()
+    blocks: list[PairBlock] = []
+    for kind in abba(pairs):
+        valves[kind].open()
+        time.sleep(settle_s)
+        end = probe() if probe is not None else None
+        t0 = time.monotonic()
+        time.sleep(block_s)
+        t1 = time.monotonic()
+        got = end(t1 - t0) if end is not None else {}
+        valves[kind].close()
+        blocks.append({"device": kind, "t0": t0, "t1": t1, "rate": 0.0, "probe": got})
+    for b in blocks:
+        b["rate"] = rate[b["device"]](b["t0"], b["t1"])
+    return blocks
+
+
+def _valved(phase: Phase, loops: Sequence[Tenant]) -> tuple[Valve, list[threading.Thread]]:
+    """One valve for a GEMM loop per entry of ``loops`` (a tenant twice: two client threads)."""
+    valve = Valve()
+    return valve, phase.start([phase.valved_gemm_loop(t, valve) for t in loops])
+
+
+def _stop(valves: Sequence[Valve], threads: Sequence[threading.Thread]) -> None:
+    for v in valves:
+        v.stop()
+    for th in threads:
+        th.join(600)
+
+
 def _solo_rounds(on: SupervisorHandle, off: SupervisorHandle, args: argparse.Namespace) -> SoloRounds:
-    """The same tenant alone, rounds alternating between the supervisor with the scheduler on and off."""
-    rates: dict[str, list[float]] = {"on": [], "off": []}
-    acc: dict[str, list[float]] = {"on": [], "off": []}
+    """The same tenant alone (two instances, two client threads) on the supervisor with the
+    scheduler on and on the one with it off, in short paired blocks (:func:`paired_blocks`)."""
     phases = {"on": Phase(on, args.n, args.reps), "off": Phase(off, args.n, args.reps)}
+    valves: list[Valve] = []
+    threads: list[threading.Thread] = []
     try:
-        for phase in phases.values():
-            phase.add("solo", gpu_time_weight=7.0)
-        for r in range(args.rounds):
-            # the order alternates round by round: a load that drifts during the run favours neither
-            for key in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                phase = phases[key]
-                t = phase.tenants["solo"]
-                t.runs.clear()
-                stop = threading.Event()
-                g0 = t.block.gpu_time_ns
-                t0, t1 = run_for(phase, [phase.gemm_loop(t, stop) for _ in range(2)], stop, args.solo_seconds,
-                                  warm_s=0.5)
-                rates[key].append(t.work_between(t0, t1) / (t1 - t0))
-                acc[key].append((t.block.gpu_time_ns - g0) / 1e9)
+        ts = {key: phase.add("solo", gpu_time_weight=7.0) for key, phase in phases.items()}
+        for key in ("off", "on"):  # kind 0: off (the baseline), 1: on
+            v, th = _valved(phases[key], [ts[key], ts[key]])
+            valves.append(v)
+            threads += th
+
+        def rate(key: str) -> Callable[[float, float], float]:
+            return lambda t0, t1: ts[key].work_between(t0, t1) / (t1 - t0)
+
+        def probe() -> Callable[[float], dict[str, float]]:
+            g0 = {key: t.block.gpu_time_ns for key, t in ts.items()}
+            return lambda wall: {key: (t.block.gpu_time_ns - g0[key]) / 1e9 for key, t in ts.items()}
+
+        blocks = paired_blocks({0: valves[0], 1: valves[1]}, {0: rate("off"), 1: rate("on")}, args.pairs,
+                               args.pair_seconds, probe=probe)
+        _stop(valves, threads)
+        valves = []
     finally:
+        _stop(valves, threads)
         for phase in phases.values():
             phase.close()
-    return {"rates": rates, "accounted_s": acc}
+    kinds = {0: "off", 1: "on"}
+    return {"rates": {key: [b["rate"] for b in blocks if kinds[b["device"]] == key] for key in ("on", "off")},
+            "accounted_s": {key: [b["probe"][key] for b in blocks if kinds[b["device"]] == key]
+                            for key in ("on", "off")},
+            "pair_ratios": pair_ratios(blocks)}
 
 
 def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
-    """7:3 in rounds alternating with one tenant alone (the "together" baseline under the same load),
-    then the weight-3 tenant stops (idle), then a light tenant beside a hog, all on one supervisor.
+    """7:3 in short blocks paired with one tenant alone (:func:`paired_blocks`: the "together"
+    baseline under the same load), then the weight-3 tenant stops (idle), then a light tenant beside
+    a hog, all on one supervisor.
 
     "Alone" is a tenant of weight 7 with four instances driven by four client threads: as many
     worker processes, guest threads and client threads as 7:3 runs (two instances of each tenant).
@@ -363,44 +505,52 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
     same device busy time - a loss of the stub's device, not of the scheduler (the split's
     diagnosis line reports both figures)."""
     phase = Phase(sup, args.n, args.reps)
+    valves: list[Valve] = []
+    threads: list[threading.Thread] = []
     try:
         a = phase.add("w7", gpu_time_weight=7.0)
         b = phase.add("w3", gpu_time_weight=3.0)
         solo = phase.add("alone", instances=4, gpu_time_weight=7.0)
         phase.sample_every()
-        solo_work: list[float] = []
-        solo_dev: list[float] = []
-        together: list[float] = []
-        together_dev: list[float] = []
-        hands: dict[str, list[float]] = {"solo": [], "together": []}
-        gaps: dict[str, list[tuple[float, float, float]]] = {"solo": [], "together": []}
-        segments: list[tuple[float, float]] = []
         board = _board(sup)
         try:
-            for _ in range(args.rounds):
-                stop = threading.Event()
+            for loops in ([solo] * 4, [a, a, b, b]):  # kind 0: alone (the baseline), 1: together
+                v, started = _valved(phase, loops)
+                valves.append(v)
+                threads += started
+
+            def probe() -> Callable[[float], dict[str, float]]:
                 h0, g0 = _handovers(board), _gap(board)
-                w0 = time.monotonic()
-                t0, t1 = run_for(phase, [phase.gemm_loop(solo, stop) for _ in range(4)], stop, args.solo_seconds,
-                                  warm_s=0.5)
-                hands["solo"].append((_handovers(board) - h0) / (time.monotonic() - w0))
-                gaps["solo"].append(_gap_rates(g0, _gap(board), time.monotonic() - w0))
-                solo_work.append(solo.work_between(t0, t1) / (t1 - t0))
-                solo_dev.append((phase.accounted("alone", t1) - phase.accounted("alone", t0)) / (t1 - t0))
-                stop = threading.Event()
-                h0, g0 = _handovers(board), _gap(board)
-                w0 = time.monotonic()
-                t0, t1 = run_for(phase, [phase.gemm_loop(t, stop) for t in (a, a, b, b)], stop,
-                                  args.seconds / args.rounds, warm_s=0.5)
-                hands["together"].append((_handovers(board) - h0) / (time.monotonic() - w0))
-                gaps["together"].append(_gap_rates(g0, _gap(board), time.monotonic() - w0))
-                segments.append((t0, t1))
-                together.append((a.work_between(t0, t1) + b.work_between(t0, t1)) / (t1 - t0))
-                together_dev.append((phase.accounted("w7", t1) - phase.accounted("w7", t0)
-                                     + phase.accounted("w3", t1) - phase.accounted("w3", t0)) / (t1 - t0))
+
+                def end(wall: float) -> dict[str, float]:
+                    idle, each, held = _gap_rates(g0, _gap(board), wall)
+                    return {"handovers": (_handovers(board) - h0) / wall, "gap": idle, "gap_us": each,
+                            "held_idle": held}
+
+                return end
+
+            blocks = paired_blocks({0: valves[0], 1: valves[1]},
+                                   {0: lambda t0, t1: solo.work_between(t0, t1) / (t1 - t0),
+                                    1: lambda t0, t1: (a.work_between(t0, t1) + b.work_between(t0, t1)) / (t1 - t0)},
+                                   args.pairs, args.pair_seconds, probe=probe)
+            _stop(valves, threads)
+            valves = []
         finally:
             if board is not None:
                 board.close()
+        time.sleep(0.03)  # the sampler's next reading is past the last block's end
+
+        def dev(names: Sequence[str], t0: float, t1: float) -> float:
+            return sum(phase.accounted(n, t1) - phase.accounted(n, t0) for n in names) / (t1 - t0)
+
+        alone_blocks = [x for x in blocks if x["device"] == 0]
+        together_blocks = [x for x in blocks if x["device"] == 1]
+        solo_work = [x["rate"] for x in alone_blocks]
+        solo_dev = [dev(["alone"], x["t0"], x["t1"]) for x in alone_blocks]
+        together = [x["rate"] for x in together_blocks]
+        together_dev = [dev(["w7", "w3"], x["t0"], x["t1"]) for x in together_blocks]
+        segments = [(x["t0"], x["t1"]) for x in together_blocks]
+        ratios = pair_ratios(blocks)
         windows: list[SplitWindow] = []
         for s0, s1 in segments:
             for w0, w1 in one_s_windows(s0, s1):
@@ -414,15 +564,15 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
                sum(phase.accounted("w3", s1) - phase.accounted("w3", s0) for s0, s1 in segments))
         # idle: both run, then w3 stops; w7's accounted rate one quantum after w3's last chunk
         stop_a, stop_b = threading.Event(), threading.Event()
-        threads = phase.start([phase.gemm_loop(a, stop_a) for _ in range(2)]
-                              + [phase.gemm_loop(b, stop_b) for _ in range(2)])
+        idle_threads = phase.start([phase.gemm_loop(a, stop_a) for _ in range(2)]
+                                   + [phase.gemm_loop(b, stop_b) for _ in range(2)])
         time.sleep(1.5)
         stop_b.set()
-        for th in threads[2:]:
+        for th in idle_threads[2:]:
             th.join(600)
         time.sleep(1.0 + 21 * args.quantum)
         stop_a.set()
-        for th in threads[:2]:
+        for th in idle_threads[:2]:
             th.join(600)
         final_b = phase.samples[-1][1]["w3"]
         last_b = min(ts for ts, v in phase.samples if v["w3"] >= final_b)  # its last chunk ended by then
@@ -434,26 +584,27 @@ def _split(sup: SupervisorHandle, args: argparse.Namespace) -> SplitResult:
         stop = threading.Event()
         run_for(phase, [phase.gemm_loop(a, stop) for _ in range(2)] + [phase.light_loop(light, stop, 0.010, 64)],
                  stop, args.seconds)
+
+        def probed(key: str, kind: int) -> float:
+            return _median_or_0([x["probe"][key] for x in blocks if x["device"] == kind])
+
         return {
             "solo_work_rate": statistics.median(solo_work), "solo_device_rate": statistics.median(solo_dev),
             "solo_work_rates": solo_work, "together_rates": together,
-            "together_ratio": statistics.median(t / s for t, s in zip(together, solo_work)),
+            "together_ratio": _median_or_0(ratios), "together_pair_ratios": ratios,
             "work": work, "accounted_s": acc, "together_rate": statistics.median(together), "windows": windows,
             "idle": {"rate_after_one_quantum": after},
             "light_waits_s": light.waits,
-            "solo_handovers": statistics.median(hands["solo"]),
-            "together_handovers": statistics.median(hands["together"]),
+            "solo_handovers": probed("handovers", 0), "together_handovers": probed("handovers", 1),
             "solo_busy": statistics.median(solo_dev), "together_busy": statistics.median(together_dev),
             "solo_per_device_s": _median_or_0([w / d for w, d in zip(solo_work, solo_dev) if d > 0]),
             "together_per_device_s": _median_or_0([w / d for w, d in zip(together, together_dev) if d > 0]),
-            "solo_gap": statistics.median(g[0] for g in gaps["solo"]),
-            "together_gap": statistics.median(g[0] for g in gaps["together"]),
-            "solo_gap_us": statistics.median(g[1] for g in gaps["solo"]),
-            "together_gap_us": statistics.median(g[1] for g in gaps["together"]),
-            "solo_held_idle": statistics.median(g[2] for g in gaps["solo"]),
-            "together_held_idle": statistics.median(g[2] for g in gaps["together"]),
+            "solo_gap": probed("gap", 0), "together_gap": probed("gap", 1),
+            "solo_gap_us": probed("gap_us", 0), "together_gap_us": probed("gap_us", 1),
+            "solo_held_idle": probed("held_idle", 0), "together_held_idle": probed("held_idle", 1),
         }
     finally:
+        _stop(valves, threads)
         phase.close()
 
 
@@ -722,7 +873,7 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
         block_s = args.block_seconds
         # as much measured time of each kind as rounds x seconds, in blocks alternating A B B A ...
         pairs = max(1, round(args.rounds * args.seconds / block_s))
-        order = [d for p in range(pairs) for d in ((0, 1) if p % 2 == 0 else (1, 0))]
+        order = abba(pairs)
         for gap_ms in args.gaps:
             spin = max(1, round(per_ms * gap_ms))
             ops = max(10, round(250 / (gap_ms + 0.05)))  # runs of ~0.25 s: the lease's run-end release is rare
@@ -1192,9 +1343,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench share", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     parser.add_argument("--seconds", type=seconds, default=10.0, help="measured seconds of each phase (default 10)")
-    parser.add_argument("--solo-seconds", type=seconds, default=2.0, help="seconds of each solo round (default 2)")
+    parser.add_argument("--pairs", type=count, default=20,
+                        help="pairs of blocks of the paired rows: one tenant alone with the scheduler on / off, "
+                             "7:3 together / one tenant alone; blocks alternate A B B A (default 20)")
+    parser.add_argument("--pair-seconds", type=seconds, default=1.0,
+                        help="measured seconds of each block of the paired rows (default 1)")
     parser.add_argument("--rounds", type=count, default=5,
-                        help="rounds: solo on/off, and 7:3 alternating with solo (default 5)")
+                        help="--mix: rounds x --seconds is each gap's measured time of each kind (default 5)")
     parser.add_argument("--n", type=count, default=256, help="GEMM size (n x n @ n x n; default 256)")
     parser.add_argument("--reps", type=count, default=64, help="GEMMs per guest run (default 64)")
     parser.add_argument("--quantum", type=seconds, default=0.01, help="gpu_time_quantum_s (default 0.01)")
@@ -1232,9 +1387,10 @@ def main(argv: list[str] | None = None) -> int:
     costs = _decision_costs()
 
     on_rate, off_rate = statistics.median(solo["rates"]["on"]), statistics.median(solo["rates"]["off"])
-    on_off_pairs = [a / b for a, b in zip(solo["rates"]["on"], solo["rates"]["off"]) if b]
+    on_off_pairs = solo["pair_ratios"]
     on_off = statistics.median(on_off_pairs) if on_off_pairs else 0.0
     on_off_ci = median_ci(on_off_pairs)
+    together_ci = median_ci(split["together_pair_ratios"])
     work, acc = split["work"], split["accounted_s"]
     work_share = work[0] / sum(work)
     time_share = acc[0] / sum(acc)
@@ -1247,26 +1403,28 @@ def main(argv: list[str] | None = None) -> int:
     jain_work, jain_time = _jain(eight["work"]), _jain(eight["accounted_s"])
 
     report.sections.append((
-        f"one tenant alone (weight 7), {args.rounds} interleaved rounds of {args.solo_seconds:g} s, GEMM {args.n}^3",
-        format_table(["scheduler", "GEMMs/s (median)", "rounds"],
-                     [["on", on_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["on"])],
-                      ["off", off_rate, " ".join(f"{r:.0f}" for r in solo["rates"]["off"])]])
-        + "\non / off per pair of rounds: " + " ".join(f"{r:.2f}" for r in on_off_pairs)
-        + f"; median {on_off:.2f}x, 95 % interval of the median [{on_off_ci[0]:.2f}-{on_off_ci[1]:.2f}]"
+        f"one tenant alone (weight 7), scheduler on / off in {args.pairs} pairs of {args.pair_seconds:g} s blocks "
+        f"(A B B A), GEMM {args.n}^3",
+        format_table(["scheduler", "GEMMs/s (median)", "range of the blocks"],
+                     [["on", on_rate, _spread(solo["rates"]["on"])],
+                      ["off", off_rate, _spread(solo["rates"]["off"])]])
+        + "\non / off per pair of blocks: " + " ".join(f"{r:.2f}" for r in on_off_pairs)
+        + f"\nmedian {on_off:.2f}x, 95 % interval of the median [{on_off_ci[0]:.2f}-{on_off_ci[1]:.2f}]"
         + (" (fewer than 6 pairs: their range)" if len(on_off_pairs) < 6 else ""),
     ))
     report.sections.append((
-        f"weights 7:3 for {args.seconds:g} s in {args.rounds} rounds, both saturating (2 instances, 2 client "
-        "threads each)",
+        f"weights 7:3 in {args.pairs} blocks of {args.pair_seconds:g} s, both saturating (2 instances, 2 client "
+        "threads each), each block paired with one of one tenant alone (A B B A)",
         format_table(["", "weight 7", "weight 3", "share of weight 7"],
                      [["work (GEMMs)", work[0], work[1], f"{work_share:.1%}"],
                       ["accounted device s", acc[0], acc[1], f"{time_share:.1%}"]])
         + "\nper 1 s window, share of weight 7 (work / accounted): "
         + ", ".join(f"{w['work_share']:.0%}/{w['time_share']:.0%}" for w in split["windows"])
-        + f"\ntogether {split['together_rate']:.0f} GEMMs/s vs {split['solo_work_rate']:.0f} alone (medians of "
-        f"{args.rounds} rounds alternating with one tenant alone, 4 instances and 4 client threads: "
-        + ", ".join(f"{t:.0f}/{s:.0f}" for t, s in zip(split["together_rates"], split["solo_work_rates"])) + ")"
-        + f"; device busy {statistics.mean(w['device_busy'] for w in split['windows']):.0%} of the wall time"
+        + f"\ntogether {_spread(split['together_rates'])} GEMMs/s vs {_spread(split['solo_work_rates'])} alone "
+        "(one tenant, 4 instances and 4 client threads; medians and ranges of the blocks)"
+        + "\ntogether / alone per pair of blocks: " + " ".join(f"{r:.2f}" for r in split["together_pair_ratios"])
+        + f"\nmedian {together:.2f}x, 95 % interval of the median [{together_ci[0]:.2f}-{together_ci[1]:.2f}]"
+        + (" (fewer than 6 pairs: their range)" if len(split["together_pair_ratios"]) < 6 else "")
         + f"\nwhere the rate goes (medians, together / alone): device busy {split['together_busy']:.0%} / "
         f"{split['solo_busy']:.0%} of the wall time, {split['together_per_device_s']:.0f} / "
         f"{split['solo_per_device_s']:.0f} GEMMs per accounted device s, the lease changing hands "
@@ -1310,8 +1468,8 @@ def main(argv: list[str] | None = None) -> int:
                         "light_wait_ms": {"p50": percentile(waits_ms, 0.5) if waits_ms else None, "p99": p99,
                                           "n": len(waits_ms)},
                         "eight": eight, "cap": capped, "decision_us": costs,
-                        "config": {"n": args.n, "reps": args.reps, "seconds": args.seconds,
-                                   "quantum_s": args.quantum}})
+                        "config": {"n": args.n, "reps": args.reps, "seconds": args.seconds, "pairs": args.pairs,
+                                   "pair_seconds": args.pair_seconds, "quantum_s": args.quantum}})
     pts = " pts"
     report.targets += [
         Target("7:3 work share of weight 7, distance from 70 % over the run", abs(work_share - 0.7) * 100, 3.0,
@@ -1322,9 +1480,9 @@ def main(argv: list[str] | None = None) -> int:
                higher_is_better=False, unit=pts),
         Target("7:3 accounted share, worst 1 s window's distance from 70 %", win_time_dev * 100, 5.0,
                higher_is_better=False, unit=pts),
-        Target("7:3 together vs one tenant alone, as many processes (work rate, median of paired rounds)",
+        Target("7:3 together vs one tenant alone, as many processes (work rate, median of paired blocks)",
                together, 0.97),
-        Target("alone with weights, scheduler on vs off (work rate, median of paired rounds)", on_off, 0.98),
+        Target("alone with weights, scheduler on vs off (work rate, median of paired blocks)", on_off, 0.98),
         Target("8 equal tenants, Jain's index of accounted time", jain_time, 0.98, unit=""),
         Target("8 equal tenants, Jain's index of work", jain_work, 0.98, unit=""),
         Target("other tenant idle: rate one quantum later vs alone", idle_ratio, 0.95),
