@@ -63,7 +63,7 @@ from multiprocessing.synchronize import Event
 from typing import TYPE_CHECKING, TypedDict, cast
 
 from shared.capability import TenantCapability
-from shared.gpu_time import HANDOVER_TRACE_ENV, WORK_TRACE_ENV, GpuTimeBoard, WorkTrace, read_work_trace
+from shared.gpu_time import HANDOVER_TRACE_ENV, WORK_TRACE_ENV, GpuTimeBoard, WorkTrace
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, seconds
@@ -674,6 +674,9 @@ class MixGap(TypedDict):
     launched_while_work_mix: float | None
     any_work_control: float | None
     any_work_mix: float | None
+    #: where the device was not busy while any tenant had work, by cause (:func:`idle_causes`)
+    idle_causes_control: dict[str, dict[str, float]] | None
+    idle_causes_mix: dict[str, dict[str, float]] | None
 
 
 class KResult(TypedDict):
@@ -898,7 +901,8 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
                          "windows_control": windows[0], "windows_mix": windows[1],
                          "busy_while_work_control": None, "busy_while_work_mix": None,
                          "launched_while_work_control": None, "launched_while_work_mix": None,
-                         "any_work_control": None, "any_work_mix": None})
+                         "any_work_control": None, "any_work_mix": None,
+                         "idle_causes_control": None, "idle_causes_mix": None})
     finally:
         if board is not None:
             board.close()
@@ -1031,6 +1035,105 @@ def busy_while_work(rows: Mapping[int, Spans] | WorkSpans, windows: Sequence[tup
             "launched": None if launched is None else sum(covered(launched, t0, t1) for t0, t1 in windows) / w}
 
 
+#: the causes :func:`idle_causes` sorts the device's idle time while any tenant had work into
+IDLE_CAUSES = ("in a launch, not busy", "between one worker's ops", "a worker's gap in its own work",
+               "a handover inside the giver's work", "a handover at the giver's work end", "no launch within 50 ms")
+
+
+def read_work_trace_by_worker(directory: str) -> dict[int, dict[int, NDArray[np.int64]]]:
+    """Every worker's :class:`shared.gpu_time.WorkTrace` rows in ``directory`` (``<pid>.work``), by
+    pid and kind, as :func:`shared.gpu_time.read_work_trace` reads them all together."""
+    import glob
+
+    import numpy
+
+    out: dict[int, dict[int, NDArray[np.int64]]] = {}
+    for path in glob.glob(os.path.join(directory, "*.work")):
+        try:
+            pid = int(os.path.basename(path).split(".")[0])
+        except ValueError:
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        rows = numpy.frombuffer(data[:len(data) // 24 * 24], dtype="<i8").reshape(-1, 3).astype(numpy.int64)
+        out[pid] = {kind: rows[(rows[:, 0] == kind) & (rows[:, 2] >= rows[:, 1])][:, 1:]
+                    for kind in (WorkTrace.WORK, WorkTrace.BUSY, WorkTrace.LAUNCH)}
+    return out
+
+
+def idle_causes(by_worker: Mapping[int, Mapping[int, Spans]],
+                windows: Sequence[tuple[int, int]]) -> dict[str, dict[str, float]]:
+    """Where the device was not busy while any tenant had work, over ``windows`` (pooled), by cause:
+    for each of :data:`IDLE_CAUSES` its share of the work time, its stretches per wall second and
+    their mean (us). A launch without busy time is the device thread waiting for a core (the stub:
+    its device is that CPU). Each stretch of work outside every launch is named by the launches on
+    either side (the last to end before it, the first to start after it): one worker's both -
+    *between its ops* (its own thread's time from one launch to the next), or *a gap in its own
+    work* when its work ended or began in the stretch (another worker's work open meanwhile: the
+    device held, or not yet passed on, across it); two workers' - *a handover*, at the giver's work
+    end when the giver's work ended in it (a run's end, a stretch's), else inside it (a claim
+    served, a quantum's end). Empty without work in the windows (nothing traced)."""
+    import numpy
+
+    def kind(k: int) -> NDArray[np.int64]:
+        parts = [_spans(rows.get(k, [])) for rows in by_worker.values()]
+        return numpy.concatenate(parts) if parts else numpy.empty((0, 2), numpy.int64)
+
+    work = _intersect(_union(kind(WorkTrace.WORK)), _union(_spans(list(windows))))
+    total = int((work[:, 1] - work[:, 0]).sum()) if len(work) else 0
+    wall = sum(t1 - t0 for t0, t1 in windows)
+    if not total or wall <= 0:
+        return {}
+    launches = _union(kind(WorkTrace.LAUNCH))
+    busy = _intersect(_union(kind(WorkTrace.BUSY)), work)
+    launched = _intersect(launches, work)
+    out: dict[str, dict[str, float]] = {c: {"share": 0.0, "per_s": 0.0, "mean_us": 0.0} for c in IDLE_CAUSES}
+
+    def put(cause: str, n: int, ns: int) -> None:
+        out[cause] = {"share": ns / total, "per_s": n / (wall / 1e9), "mean_us": ns / n / 1e3 if n else 0.0}
+
+    def length(a: NDArray[np.int64]) -> int:
+        return int((a[:, 1] - a[:, 0]).sum()) if len(a) else 0
+
+    put(IDLE_CAUSES[0], len(launched), max(0, length(launched) - length(busy)))
+    # the work outside every launch: the work minus the launches' union (its complement's pieces)
+    lo, hi = numpy.iinfo(numpy.int64).min, numpy.iinfo(numpy.int64).max
+    between = numpy.stack([numpy.concatenate([[lo], launches[:, 1]]), numpy.concatenate([launches[:, 0], [hi]])],
+                          axis=1) if len(launches) else numpy.array([[lo, hi]], numpy.int64)
+    outside = _intersect(work, _union(between))
+    if not len(outside):
+        return out
+    labelled = [(_spans(rows.get(WorkTrace.LAUNCH, [])), pid) for pid, rows in by_worker.items()]
+    spans = numpy.concatenate([a for a, _ in labelled])
+    pids = numpy.concatenate([numpy.full(len(a), pid, numpy.int64) for a, pid in labelled])
+    by_end, by_start = numpy.argsort(spans[:, 1], kind="stable"), numpy.argsort(spans[:, 0], kind="stable")
+    s, e = outside[:, 0], outside[:, 1]
+    i = numpy.searchsorted(spans[by_end, 1], s, side="right") - 1  # the last launch ended by s
+    j = numpy.searchsorted(spans[by_start, 0], e, side="left")  # the first launch starting at e or later
+    near = 50_000_000
+    ok = (i >= 0) & (j < len(spans))
+    before = numpy.where(ok, pids[by_end[numpy.clip(i, 0, None)]], -1)
+    after = numpy.where(ok, pids[by_start[numpy.clip(j, 0, len(spans) - 1)]], -1)
+    ok &= (s - spans[by_end[numpy.clip(i, 0, None)], 1] < near) & (
+        spans[by_start[numpy.clip(j, 0, len(spans) - 1)], 0] - e < near)
+    bounds_in = numpy.zeros(len(outside), dtype=bool)  # the earlier launch's worker's work began or ended in it
+    for pid, rows in by_worker.items():
+        mine = before == pid
+        if not mine.any():
+            continue
+        w = _spans(rows.get(WorkTrace.WORK, []))
+        b = numpy.sort(numpy.concatenate([w[:, 0], w[:, 1]]))
+        bounds_in[mine] = numpy.searchsorted(b, e[mine], side="right") > numpy.searchsorted(b, s[mine], side="left")
+    same = ok & (before == after)
+    other = ok & (before != after)
+    lengths = e - s
+    for cause, mask in ((IDLE_CAUSES[1], same & ~bounds_in), (IDLE_CAUSES[2], same & bounds_in),
+                        (IDLE_CAUSES[3], other & ~bounds_in), (IDLE_CAUSES[4], other & bounds_in),
+                        (IDLE_CAUSES[5], ~ok)):
+        put(cause, int(mask.sum()), int(lengths[mask].sum()))
+    return out
+
+
 #: the legs of a handover, in order, as :func:`handover_legs` names them
 HANDOVER_LEGS = ("giver: chunk end -> grant", "giver: grant -> wake call returned",
                  "wake call -> grantee's futex return", "grantee: futex return -> holds",
@@ -1102,6 +1205,20 @@ def _spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
+def _cause(causes: Mapping[str, Mapping[str, float]] | None, cause: str) -> str:
+    """One cell of the idle causes' table: "6.8 % (1,526/s, 44 us)", "-" without a trace."""
+    got = (causes or {}).get(cause)
+    if not got:
+        return "-"
+    return f"{got['share']:.1%} ({got['per_s']:,.0f}/s, {got['mean_us']:.0f} us)"
+
+
+def _concat(parts: Sequence[NDArray[np.int64]]) -> NDArray[np.int64]:
+    import numpy
+
+    return numpy.concatenate(parts) if parts else numpy.empty((0, 2), numpy.int64)
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
@@ -1123,7 +1240,9 @@ def _mix_main(args: argparse.Namespace) -> int:
     try:
         with launch({"supervisor": {**base, "gpu_time_scheduler": True}}) as on:
             gaps, kres = _mix(on, args)
-        traced = work_spans(read_work_trace(work_dir))  # the workers have exited: every row is on disk
+        by_worker = read_work_trace_by_worker(work_dir)  # the workers have exited: every row is on disk
+        traced = work_spans({k: _concat([rows[k] for rows in by_worker.values()])
+                             for k in (WorkTrace.WORK, WorkTrace.BUSY, WorkTrace.LAUNCH)})
     finally:
         os.environ.pop(WORK_TRACE_ENV, None)
         if not args.work_trace:
@@ -1134,6 +1253,8 @@ def _mix_main(args: argparse.Namespace) -> int:
         g["launched_while_work_control"] = control["launched"]
         g["any_work_mix"], g["busy_while_work_mix"], g["launched_while_work_mix"] = (
             mix["any_work"], mix["busy"], mix["launched"])
+        g["idle_causes_control"] = idle_causes(by_worker, g["windows_control"])
+        g["idle_causes_mix"] = idle_causes(by_worker, g["windows_mix"])
     rows = []
     for g in gaps:
         lo, hi = g["ratio_ci"]
@@ -1164,6 +1285,17 @@ def _mix_main(args: argparse.Namespace) -> int:
                           _pct(g["busy_while_work_control"]), _pct(g["launched_while_work_control"]), ""],
                          [f"{g['gap_ms']:g}", "mix", _pct(g["any_work_mix"]), _pct(g["busy_while_work_mix"]),
                           _pct(g["launched_while_work_mix"]), f"{g['busy_mix'] / (g['busy_control'] or 1.0):.2f}x"])]),
+    ))
+    report.sections.append((
+        "where the device was not busy while any tenant had work, by cause (% of the work time; stretches per "
+        "wall s, mean us): a launch without busy time is the device thread waiting for a core (the stub: its "
+        "device is that CPU); work outside every launch is named by the launches on either side - one "
+        "worker's (between its ops; a gap in its own work, its work ending or beginning inside) or two "
+        "workers' (a handover inside the giver's work, or at its end)",
+        format_table(["host gap ms", "round", *IDLE_CAUSES],
+                     [[f"{g['gap_ms']:g}", key, *[_cause(causes, c) for c in IDLE_CAUSES]]
+                      for g in gaps for key, causes in (("control", g["idle_causes_control"]),
+                                                        ("mix", g["idle_causes_mix"]))]),
     ))
     report.sections.append((
         f"{kres['k']} instances of one tenant against one instance of another, weights 1:1",
