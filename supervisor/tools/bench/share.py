@@ -1072,7 +1072,8 @@ def idle_causes(by_worker: Mapping[int, Mapping[int, Spans]],
     work* when its work ended or began in the stretch (another worker's work open meanwhile: the
     device held, or not yet passed on, across it); two workers' - *a handover*, at the giver's work
     end when the giver's work ended in it (a run's end, a stretch's), else inside it (a claim
-    served, a quantum's end). Empty without work in the windows (nothing traced)."""
+    served, a quantum's end). Empty without work in the windows (nothing traced) or without launch
+    rows (cuda's launches are asynchronous: not traced)."""
     import numpy
 
     def kind(k: int) -> NDArray[np.int64]:
@@ -1085,6 +1086,8 @@ def idle_causes(by_worker: Mapping[int, Mapping[int, Spans]],
     if not total or wall <= 0:
         return {}
     launches = _union(kind(WorkTrace.LAUNCH))
+    if not len(launches):
+        return {}  # (cuda: no host-synchronous launches traced, nothing to name a stretch by)
     busy = _intersect(_union(kind(WorkTrace.BUSY)), work)
     launched = _intersect(launches, work)
     out: dict[str, dict[str, float]] = {c: {"share": 0.0, "per_s": 0.0, "mean_us": 0.0} for c in IDLE_CAUSES}
@@ -1099,7 +1102,7 @@ def idle_causes(by_worker: Mapping[int, Mapping[int, Spans]],
     # the work outside every launch: the work minus the launches' union (its complement's pieces)
     lo, hi = numpy.iinfo(numpy.int64).min, numpy.iinfo(numpy.int64).max
     between = numpy.stack([numpy.concatenate([[lo], launches[:, 1]]), numpy.concatenate([launches[:, 0], [hi]])],
-                          axis=1) if len(launches) else numpy.array([[lo, hi]], numpy.int64)
+                          axis=1)
     outside = _intersect(work, _union(between))
     if not len(outside):
         return out

@@ -209,3 +209,9 @@ def test_the_trace_read_back_by_worker(tmp_path: Path) -> None:
     assert sorted(got) == [11, 12]
     assert got[11][W].tolist() == [[0, 10]] and got[11][L].tolist() == [[1, 5]] and got[11][B].tolist() == [[1, 4]]
     assert got[12][W].tolist() == [[3, 8]] and len(got[12][L]) == 0  # a backwards row is left out
+
+
+def test_without_launch_rows_nothing_is_named() -> None:
+    """cuda's launches are asynchronous and leave no launch rows: no stretch can be named."""
+    causes = idle_causes({1: {W: [(0, 100)], B: [(10, 50)]}}, [(0, 100)])
+    assert causes == {}
