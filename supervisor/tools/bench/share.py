@@ -8,12 +8,14 @@ the device). Work is what the guests count (GEMMs done, spread evenly over
 each run's span); accounted time is the tenants' ``gpu_time_ns`` in shared
 memory, sampled by this process every few milliseconds.
 
-    solo on/off   one tenant (weight 7) alone, rounds alternating between the two supervisors:
-                  its work rate with the scheduler on vs off (the scheduler's overhead)
-    7:3           weights 7 and 3, both saturating: work and accounted shares over the run and
-                  per 1 s window; together vs one tenant alone with as many worker processes and
-                  client threads (4 instances of weight 7: what the scheduler costs, not what the
-                  stub's host-CPU device loses to more processes beside it)
+    solo on/off   one tenant (weight 7) alone on each supervisor, in ``--pairs`` pairs of short
+                  blocks A B B A (:func:`paired_blocks`; each side's loops paused, not restarted,
+                  while the other runs): its work rate with the scheduler on vs off (the
+                  scheduler's overhead), the median of the pairs' ratios with its 95 % interval
+    7:3           weights 7 and 3, both saturating: work and accounted shares over the blocks and
+                  per 1 s window; together vs one tenant alone, paired the same way, with as many
+                  worker processes and client threads (4 instances of weight 7: what the scheduler
+                  costs, not what the stub's host-CPU device loses to more processes beside it)
     idle          then the weight-3 tenant stops: the other's accounted rate from one quantum
                   after the last chunk of the stopped one, vs its solo rate
     light         one GEMM of 64x64 every 10 ms beside a saturating hog: each op's wait for the
