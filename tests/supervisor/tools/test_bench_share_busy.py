@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from shared.gpu_time import WorkTrace, read_work_trace
-from supervisor.tools.bench.share import busy_while_work, covered, intersect, union, work_spans
+from supervisor.tools.bench.share import (IDLE_CAUSES, busy_while_work, covered, idle_causes, intersect,
+                                           read_work_trace_by_worker, union, work_spans)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -156,3 +157,61 @@ def test_a_supervisors_workers_trace_their_queued_work_end_to_end(tmp_path: Path
     got = busy_while_work(rows, [span])
     assert got["busy"] is not None and 0.0 < got["busy"] < 1.0
     assert got["launched"] is not None and got["launched"] < 1.0
+
+
+# -- where the device was not busy while any tenant had work, by cause (idle_causes)
+
+
+def _worker(work: list[tuple[int, int]], launches: list[tuple[int, int]],
+            busy: list[tuple[int, int]] | None = None) -> dict[int, list[tuple[int, int]]]:
+    return {W: work, L: launches, B: launches if busy is None else busy}
+
+
+def test_idle_causes_name_each_stretch_by_the_launches_on_either_side() -> None:
+    us = 1_000
+    a = _worker([(0, 21 * us), (30 * us, 60 * us)], [(0, 10 * us), (12 * us, 20 * us), (31 * us, 40 * us)],
+                busy=[(0, 10 * us), (12 * us, 18 * us), (31 * us, 40 * us)])  # 2 us of a launch not busy
+    b = _worker([(5 * us, 100 * us)], [(25 * us, 29 * us), (45 * us, 100 * us)])
+    causes = idle_causes({1: a, 2: b}, [(0, 100 * us)])
+    assert set(causes) == set(IDLE_CAUSES)
+
+    def ns(cause: str) -> float:
+        return causes[cause]["share"] * 100 * us  # work: any worker's, 0-100 us
+
+    assert ns("in a launch, not busy") == pytest.approx(2 * us)
+    assert ns("between one worker's ops") == pytest.approx(2 * us)  # a: 10-12
+    assert ns("a handover at the giver's work end") == pytest.approx(5 * us)  # a -> b, 20-25: a's work ends at 21
+    assert ns("a handover inside the giver's work") == pytest.approx(2 * us + 5 * us)  # b -> a 29-31, a -> b 40-45
+    assert ns("a worker's gap in its own work") == 0
+    assert causes["between one worker's ops"]["per_s"] == pytest.approx(1 / 100e-6)
+    assert causes["a handover inside the giver's work"]["mean_us"] == pytest.approx(3.5)
+
+
+def test_a_worker_holding_across_a_gap_in_its_own_work_and_the_windows() -> None:
+    us = 1_000
+    a = _worker([(0, 10 * us), (15 * us, 30 * us)], [(0, 10 * us), (15 * us, 30 * us)])  # its work pauses 10-15
+    b = _worker([(2 * us, 40 * us)], [(30 * us, 40 * us)])  # b waits meanwhile
+    causes = idle_causes({1: a, 2: b}, [(0, 40 * us)])
+    assert causes["a worker's gap in its own work"]["share"] * 40 * us == pytest.approx(5 * us)
+    assert sum(c["share"] for c in causes.values()) == pytest.approx(5 / 40)
+    # only the windows count, and nothing traced gives nothing
+    assert idle_causes({1: a, 2: b}, [(20 * us, 40 * us)])["a worker's gap in its own work"]["share"] == 0
+    assert idle_causes({}, [(0, 10)]) == {} and idle_causes({1: a}, [(50 * us, 60 * us)]) == {}
+
+
+def test_the_trace_read_back_by_worker(tmp_path: Path) -> None:
+    import numpy
+
+    for pid, rows in ((11, [(W, 0, 10), (L, 1, 5), (B, 1, 4)]), (12, [(W, 3, 8), (W, 9, 7)])):
+        numpy.array(rows, dtype="<i8").tofile(tmp_path / f"{pid}.work")
+    (tmp_path / "x.work").write_bytes(b"")
+    got = read_work_trace_by_worker(str(tmp_path))
+    assert sorted(got) == [11, 12]
+    assert got[11][W].tolist() == [[0, 10]] and got[11][L].tolist() == [[1, 5]] and got[11][B].tolist() == [[1, 4]]
+    assert got[12][W].tolist() == [[3, 8]] and len(got[12][L]) == 0  # a backwards row is left out
+
+
+def test_without_launch_rows_nothing_is_named() -> None:
+    """cuda's launches are asynchronous and leave no launch rows: no stretch can be named."""
+    causes = idle_causes({1: {W: [(0, 100)], B: [(10, 50)]}}, [(0, 100)])
+    assert causes == {}
