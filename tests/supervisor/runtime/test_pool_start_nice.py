@@ -70,3 +70,32 @@ def test_warmed_and_bound_pool_workers_run_at_the_normal_priority() -> None:
         bound = [i.pid for t in c.status().tenants if t.tenant_id == "t" for i in t.instances]
         assert bound and bound[0] is not None
         assert _nices(int(bound[0])) == {base}
+
+
+@pytest.mark.skipif(not _permitted(), reason="a thread here may not raise its priority back (CAP_SYS_NICE, RLIMIT_NICE)")
+def test_the_supervisor_raises_a_starting_pool_worker_taken_for_a_tenant() -> None:
+    """``raise_priority``: every thread of a process started below (a starting pool worker bound to
+    a tenant before it warmed) back at the supervisor's priority."""
+    import subprocess
+
+    from supervisor.runtime.workers import raise_priority
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    code = ("import os, sys, threading, time\n"
+            "os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + 4))\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "print('up', flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        assert _nices(proc.pid) == {min(19, base + 4)}
+        raise_priority(proc.pid, 4)
+        assert _nices(proc.pid) == {base}
+        raise_priority(proc.pid, 0)  # nothing asked: nothing done
+        raise_priority(-1, 4)  # no such process: nothing done, no error
+    finally:
+        proc.kill()
+        proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
