@@ -475,6 +475,12 @@ class WorkerSet:
             worker.instance = slot.index
             slot.worker = worker
             self._bind(rt, slot, worker, self.clock())  # a pool worker: its startup is the bind, not its spawn
+            if not self.pool:
+                # no warm worker left: the next instance waits for the first start in line, which
+                # started below the normal priority (Spawner.start_nice) - it runs at ours from now
+                following = self.warming[0] if self.warming else self._starting_pool_worker()
+                if following is not None:
+                    raise_priority(following.pid, getattr(self.spawner, "start_nice", 0))
             self._refill_if_dry()
             return how
         worker = self._starting_pool_worker()

@@ -25,8 +25,8 @@ def _permitted() -> bool:
 
 
 def test_pool_start_nice_is_checked_and_read_from_the_environment() -> None:
-    assert SupervisorConfig().pool_start_nice == 5
-    assert load_config(environ={"TWT_POOL_START_NICE": "0"}).pool_start_nice == 0
+    assert SupervisorConfig().pool_start_nice == 0  # off by default
+    assert load_config(environ={"TWT_POOL_START_NICE": "5"}).pool_start_nice == 5
     for bad in ("20", "-1"):
         with pytest.raises(ValueError, match="pool_start_nice"):
             load_config(environ={"TWT_POOL_START_NICE": bad})
