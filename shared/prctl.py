@@ -22,7 +22,7 @@ import signal
 import sys
 from functools import cache
 
-__all__ = ["set_parent_death_signal", "set_process_name"]
+__all__ = ["may_raise_priority", "set_parent_death_signal", "set_process_name"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -45,6 +45,30 @@ def set_process_name(name: str) -> bool:
     if libc is None:
         return False
     return bool(libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0)
+
+
+#: CAP_SYS_NICE's bit in a capability set (linux/capability.h)
+_CAP_SYS_NICE = 23
+
+
+def may_raise_priority(to_nice: int) -> bool:
+    """Whether a thread of this process, its nice value raised, may lower it again to ``to_nice``
+    (Linux: with CAP_SYS_NICE, or where RLIMIT_NICE allows ``to_nice``); False off Linux or when
+    it cannot be told. An unprivileged process may lower its priority but never raise it back."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import resource
+
+        if resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - to_nice:
+            return True
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_NICE & 1)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return False
 
 
 def set_parent_death_signal(sig: signal.Signals) -> bool:

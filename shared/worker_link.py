@@ -42,6 +42,9 @@ class BootMessage(Record):
     #: only when this process is gone (worker.control), never because it is slow
     supervisor_pid: int | None = None
     supervisor_started: float | None = None
+    #: nice steps the worker's threads run below the normal priority until it is warmed or bound
+    #: (a pool worker's start: worker.priority.lower_start); 0: none
+    start_nice: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from shared.prctl import set_parent_death_signal, set_process_name
 from shared.worker_link import BootMessage, WorkerHello
 from worker.control import ControlThread
 from worker.faults import FaultState
+from worker.priority import lower_start
 from worker.server import WorkerServer, warm_bind_path, wasm_warm_up
 
 __all__ = ["run"]
@@ -39,6 +40,8 @@ __all__ = ["run"]
 def run(boot: BootMessage) -> None:
     """Serve one tenant instance (or wait in the pool to be bound to one)."""
     set_parent_death_signal(signal.SIGKILL)  # off Linux: heartbeats and the parent check end the worker
+    # a pool worker's start yields to the work being served, until it is warmed or bound (restore_start)
+    lower_start(boot.start_nice)
     expected_parent = boot.parent_pid
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(WORKER_PARENT_GONE)  # the supervisor died while we were starting

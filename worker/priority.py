@@ -14,6 +14,13 @@ threads that drive the device keep the worker's normal one: a woken device
 thread is given a core before guest code, and the supervisor (at its normal
 priority) before every guest.
 
+A pool worker starts below the normal priority too (``pool_start_nice``, where its threads
+may raise their priority back: :func:`lower_start`): its start - the fork server's child, zmq,
+the control thread, the WASM warm-up, ~12 ms of CPU - then yields the CPU to the supervisor and
+the bound workers serving requests, most of all to the activation that took the pool worker it
+replaces. Every thread of it is back at the normal priority once it is warmed or bound
+(:func:`restore_start`), before any tenant's work.
+
 An unprivileged thread may raise its nice value but never lower it again, and a
 new thread starts with its creator's. So the threads that must keep the normal
 priority are started through :func:`start_thread`: called on a lowered thread,
@@ -31,7 +38,7 @@ import threading
 from shared.log import get_logger, log_event
 from shared.prctl import set_process_name
 
-__all__ = ["lower_current_thread", "lowered", "name_thread", "start_thread"]
+__all__ = ["lower_current_thread", "lower_start", "lowered", "name_thread", "restore_start", "start_thread"]
 
 _log = get_logger("worker")
 
@@ -42,6 +49,8 @@ _lock = threading.Lock()
 #: native ids of the threads of this process that lowered themselves (:func:`lower_current_thread`)
 _lowered: set[int] = set()
 _spawner: _Spawner | None = None
+#: the nice value this process's threads go back to at :func:`restore_start`; None: not lowered
+_start_base: int | None = None
 
 
 class _Spawner:
@@ -102,6 +111,47 @@ def start_thread(thread: threading.Thread) -> None:
         thread.start()
     else:
         spawner.start(thread)
+
+
+def lower_start(steps: int) -> bool:
+    """A pool worker's start, first thing in its process (before it starts a thread: each inherits
+    the value): the calling thread ``steps`` nice values below its priority, until
+    :func:`restore_start`. The caller has made sure the threads may raise theirs back (the
+    supervisor asks only where they may: ``shared.prctl.may_raise_priority``). False when
+    nothing changed."""
+    global _start_base
+    if steps <= 0 or not hasattr(os, "setpriority") or _start_base is not None:
+        return False
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, min(NICE_MAX, base + steps))
+    except OSError as exc:
+        log_event(_log, logging.WARNING, "worker.start_nice_failed", steps=steps, error=repr(exc))
+        return False
+    _start_base = base
+    return True
+
+
+def restore_start() -> None:
+    """Every thread of this process back to the priority it had before :func:`lower_start` (once;
+    nothing when it was not lowered): the worker is warmed, or bound to a tenant. Called before a
+    bind lowers its guest's thread (:func:`lower_current_thread`). A refusal is logged: the worker
+    then serves at the lower priority."""
+    global _start_base
+    base, _start_base = _start_base, None
+    if base is None:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [threading.get_native_id()]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+        except OSError as exc:
+            log_event(_log, logging.WARNING, "worker.start_nice_not_restored", thread=tid, error=repr(exc))
 
 
 def lower_current_thread(steps: int) -> bool:

@@ -45,7 +45,7 @@ from shared.frames import decode_worker_request, encode_worker_reply
 from shared.worker_link import WORKER_WARMED, BindMessage
 from worker.context import TenantContext
 from worker.faults import FaultState
-from worker.priority import lower_current_thread
+from worker.priority import lower_current_thread, restore_start
 
 __all__ = ["Reply", "WorkerServer", "register_op", "warm_bind_path", "wasm_warm_up"]
 
@@ -194,6 +194,7 @@ class WorkerServer:
         except Exception:  # noqa: BLE001 - the first run then does the set-up itself
             _log.exception("worker.warm_up_failed")
         self.idle_work = None
+        restore_start()  # a pool worker's start below the normal priority is over (worker.priority)
         # done (or given up): the supervisor counts this pool worker ready from now on
         try:
             self.sock.send(encode_worker_reply(0, True, WORKER_WARMED), _NOBLOCK)
@@ -286,6 +287,7 @@ def op_bind(server: WorkerServer, args: dict[str, object], body: zmq.Frame | Non
     """
     if server.context is not None:
         raise InvalidArgument(f"worker is already bound to {server.context.tenant_id!r}")
+    restore_start()  # a pool worker bound before it was warmed: the tenant's from now on (worker.priority)
     msg = BindMessage.from_wire(args)
     spec = msg.spec
     options = dict(msg.backend_options)

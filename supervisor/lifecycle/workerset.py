@@ -91,6 +91,7 @@ from supervisor.runtime.workers import (
     WorkerHandle,
     WorkerState,
     exit_status,
+    raise_priority,
 )
 
 __all__ = ["TenantHooks", "WorkerSet"]
@@ -285,17 +286,18 @@ class WorkerSet:
 
     # ------------------------------------------------------------ pool and start
 
-    def _spawn(self) -> WorkerHandle:
+    def _spawn(self, pool: bool = False) -> WorkerHandle:
         """A new worker: its handle now; its process on the starter thread where the spawner can
         start one there (a start waits for the fork server's fork - 1-5 ms quiet, tens of ms on a
-        loaded host - which on the loop held every request behind it), else here."""
+        loaded host - which on the loop held every request behind it), else here. ``pool``: a
+        pool worker (it starts below the normal priority: Spawner.start_nice)."""
         spawner = self.spawner
         if not isinstance(spawner, OffLoopSpawner):
             worker = spawner.spawn()
             self._track(worker)
             self._took_in(worker)
             return worker
-        prepared = spawner.prepare()
+        prepared = spawner.prepare(pool=pool)
         worker = WorkerHandle(worker_id=prepared.worker_id, token=prepared.token, process=NOT_STARTED, pid=0,
                               sentinel=-1, spawned_at=self.clock(), routing_id=prepared.routing_id, started=False)
         self._track(worker)
@@ -374,7 +376,7 @@ class WorkerSet:
             self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
         target = self.pool_target = self.pool_target_now(now)
         while len(self.pool) + self.pool_starting < target:
-            worker = self._spawn()
+            worker = self._spawn(pool=True)
             worker.tenant = None
             self.pool_starting += 1
         while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
@@ -473,12 +475,20 @@ class WorkerSet:
             worker.instance = slot.index
             slot.worker = worker
             self._bind(rt, slot, worker, self.clock())  # a pool worker: its startup is the bind, not its spawn
+            if not self.pool:
+                # no warm worker left: the next instance waits for the first start in line, which
+                # started below the normal priority (Spawner.start_nice) - it runs at ours from now
+                following = self.warming[0] if self.warming else self._starting_pool_worker()
+                if following is not None:
+                    raise_priority(following.pid, getattr(self.spawner, "start_nice", 0))
             self._refill_if_dry()
             return how
         worker = self._starting_pool_worker()
         how = "starting"
         if worker is not None:
             self.pool_starting -= 1  # the tenant's now: not the pool's (its death is the instance's)
+            # it started below the normal priority (a pool worker's start): the tenant waits for it now
+            raise_priority(worker.pid, getattr(self.spawner, "start_nice", 0))
         else:
             worker = self._spawn()
             how = "spawned"

@@ -33,6 +33,7 @@ import psutil
 from shared.config import SupervisorConfig
 from supervisor.runtime.entry import EntryPoint
 from shared.log import get_logger, log_event
+from shared.prctl import may_raise_priority
 from shared.worker_link import BootMessage
 from supervisor.runtime.requests import Pending
 
@@ -195,6 +196,9 @@ class Spawner:
         self._nonce = secrets.token_hex(3)
         self._started = psutil.Process().create_time()
         self._seq = 0
+        #: a pool worker's start below the normal priority (worker.priority.lower_start), where its
+        #: threads may raise theirs back to ours once it is warmed or bound; else 0
+        self.start_nice = pool_start_nice(config.pool_start_nice)
 
     def warm_up(self) -> None:
         """Start the forkserver now (with its preload) instead of on the first registration."""
@@ -227,9 +231,10 @@ class Spawner:
         except psutil.Error:
             return None
 
-    def prepare(self) -> PreparedStart:
+    def prepare(self, pool: bool = False) -> PreparedStart:
         """A new worker's identity and boot message (loop thread: the sequence number is not
-        locked). Its routing id and token are known from here, before its process can say hello."""
+        locked). Its routing id and token are known from here, before its process can say hello.
+        ``pool``: a pool worker, which starts below the normal priority (:attr:`start_nice`)."""
         self._seq += 1
         worker_id = f"w{self._nonce}-{self._seq}"
         token = secrets.token_hex(16)
@@ -250,6 +255,7 @@ class Spawner:
             # a silent supervisor is only given up on when this process is gone (worker.control)
             supervisor_pid=os.getpid(),
             supervisor_started=self._started,
+            start_nice=self.start_nice if pool else 0,
         )
         return PreparedStart(worker_id, token, routing_id, boot)
 
@@ -298,7 +304,7 @@ class OffLoopSpawner(Protocol):
     """A spawner whose starts can run on another thread: the identity first (loop thread), the
     process then (:class:`Spawner`; the in-process tests' stand-in has no process to start)."""
 
-    def prepare(self) -> PreparedStart: ...
+    def prepare(self, pool: bool = False) -> PreparedStart: ...
     def start(self, prepared: PreparedStart) -> WorkerHandle: ...
 
 
@@ -317,6 +323,42 @@ class SpawnerLike(Protocol):
     def spawn(self) -> WorkerHandle: ...
     def signal(self, worker: WorkerHandle, sig: int) -> None: ...
     def rss(self, worker: WorkerHandle) -> int | None: ...
+
+
+def pool_start_nice(steps: int) -> int:
+    """The nice steps a pool worker starts below this process's priority: ``steps`` (the config's
+    ``pool_start_nice``) where a thread may raise its priority back to this process's (see
+    :func:`shared.prctl.may_raise_priority`), else 0 - logged once, at start."""
+    if steps <= 0 or not hasattr(os, "getpriority"):
+        return 0
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, 0)
+    except OSError:
+        return 0
+    if may_raise_priority(now):
+        return steps
+    log_event(_log, logging.DEBUG, "supervisor.pool_start_nice_off", steps=steps,
+              detail="pool workers start at the normal priority: a worker could not raise its priority back "
+                     "(no CAP_SYS_NICE, RLIMIT_NICE too low)")
+    return 0
+
+
+def raise_priority(pid: int, steps: int) -> None:
+    """Every thread of worker ``pid`` back to this process's priority, from ``steps`` below it (a
+    starting pool worker taken for a tenant: the tenant's requests wait for its start now). Best
+    effort: a thread that is gone or a refusal is skipped (the worker raises its own at its bind)."""
+    if steps <= 0 or pid <= 0 or not _HAS_PROC:
+        return
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, 0)
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), now)
+        except (OSError, ValueError):
+            pass
 
 
 #: builds the spawner once the supervisor knows its worker endpoints ({"backend", "control"})

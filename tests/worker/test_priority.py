@@ -180,3 +180,45 @@ print(json.dumps(seen))
     assert seen["changed"] is False and seen["lowered"] is False
     assert seen["me"] == seen["base"]
     assert "worker.guest_nice_failed" in str(seen["log"])
+
+
+def test_a_pool_workers_start_runs_below_and_every_thread_comes_back() -> None:
+    """``lower_start`` (a pool worker's start, first thing in its process): the calling thread and
+    the threads it starts afterwards run below the normal priority; ``restore_start`` (warmed or
+    bound) brings every one of them back, once; a second call changes nothing."""
+    seen = child(r"""
+import os
+from shared.prctl import may_raise_priority
+me = threading.get_native_id()
+if not may_raise_priority(base):
+    print(json.dumps({"skip": True}))
+    raise SystemExit(0)
+assert priority.lower_start(4)
+assert not priority.lower_start(4)  # once a process
+stop = threading.Event()
+t = threading.Thread(target=stop.wait, daemon=True)
+t.start()
+while t.native_id is None:
+    pass
+seen = {"me_low": nice(me), "thread_low": nice(t.native_id)}
+priority.restore_start()
+seen.update(me_back=nice(me), thread_back=nice(t.native_id))
+priority.restore_start()
+seen.update(me_again=nice(me), base=base)
+stop.set()
+print(json.dumps(seen))
+""")
+    if seen.get("skip"):
+        pytest.skip("a thread here may not raise its priority back (no CAP_SYS_NICE, RLIMIT_NICE)")
+    low = min(19, int(seen["base"]) + 4)  # type: ignore[call-overload]
+    assert seen["me_low"] == low and seen["thread_low"] == low
+    assert seen["me_back"] == seen["base"] and seen["thread_back"] == seen["base"] and seen["me_again"] == seen["base"]
+
+
+def test_no_start_steps_changes_nothing() -> None:
+    seen = child(r"""
+changed = priority.lower_start(0)
+priority.restore_start()
+print(json.dumps({"changed": changed, "me": nice(threading.get_native_id()), "base": base}))
+""")
+    assert seen["changed"] is False and seen["me"] == seen["base"]
