@@ -514,6 +514,7 @@ def test_a_pool_worker_that_warms_up_joins_the_pool_once_it_says_warmed(h: Harne
     h.register("first", instances=1)  # takes the pool's worker
     h.tick(0.25)  # housekeeping refills: a worker that warms up after its hello
     fresh = h.spawner.workers[-1]
+    h.until(lambda: fresh.handle.connected)  # its hello handled (a loaded host is slow to send it)
     ws = h.sup.parts.workers
     assert fresh.handle.tenant is None and fresh.handle.connected
     assert ws.pool == [] and ws.warming == [fresh.handle] and ws.pool_starting == 1  # not ready yet
@@ -535,6 +536,7 @@ def test_with_the_pool_empty_a_warming_worker_is_bound_rather_than_a_process_spa
     h.register("first", instances=1)
     h.tick(0.25)
     warming = h.spawner.workers[-1]
+    h.until(lambda: warming.handle.connected)  # warming up, not still starting (its hello handled)
     spawned = len(h.spawner.workers)
     h.register("second", instances=1)  # no warm worker: the warming one is bound, its warm-up cut short
     assert [w.handle.worker_id for w in h.spawner.of("second")] == [warming.handle.worker_id]
