@@ -18,11 +18,12 @@ libc, so its symbols are already in the process's global namespace.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 from functools import cache
 
-__all__ = ["may_raise_priority", "set_parent_death_signal", "set_process_name"]
+__all__ = ["may_raise_priority", "set_parent_death_signal", "set_process_name", "set_threads_nice"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -69,6 +70,25 @@ def may_raise_priority(to_nice: int) -> bool:
     except (OSError, ValueError, AttributeError):
         pass
     return False
+
+
+def set_threads_nice(pid: int, nice: int) -> list[tuple[int, OSError]]:
+    """Set every thread of process ``pid`` to nice value ``nice`` (Linux keeps one per thread, and
+    ``setpriority`` on a process id sets only its main thread); returns the threads refused, with
+    why. A thread that ended meanwhile is skipped; a process that is gone has no threads."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+    refused = []
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            pass
+        except OSError as exc:
+            refused.append((tid, exc))
+    return refused
 
 
 def set_parent_death_signal(sig: signal.Signals) -> bool:

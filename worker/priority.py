@@ -36,7 +36,7 @@ import os
 import threading
 
 from shared.log import get_logger, log_event
-from shared.prctl import set_process_name
+from shared.prctl import set_process_name, set_threads_nice
 
 __all__ = ["lower_current_thread", "lower_start", "lowered", "name_thread", "restore_start", "start_thread"]
 
@@ -141,17 +141,8 @@ def restore_start() -> None:
     base, _start_base = _start_base, None
     if base is None:
         return
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [threading.get_native_id()]
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, base)
-        except ProcessLookupError:
-            pass  # a thread that ended meanwhile
-        except OSError as exc:
-            log_event(_log, logging.WARNING, "worker.start_nice_not_restored", thread=tid, error=repr(exc))
+    for tid, exc in set_threads_nice(os.getpid(), base):
+        log_event(_log, logging.WARNING, "worker.start_nice_not_restored", thread=tid, error=repr(exc))
 
 
 def lower_current_thread(steps: int) -> bool:

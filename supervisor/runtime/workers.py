@@ -33,7 +33,7 @@ import psutil
 from shared.config import SupervisorConfig
 from supervisor.runtime.entry import EntryPoint
 from shared.log import get_logger, log_event
-from shared.prctl import may_raise_priority
+from shared.prctl import may_raise_priority, set_threads_nice
 from shared.worker_link import BootMessage
 from supervisor.runtime.requests import Pending
 
@@ -351,14 +351,9 @@ def raise_priority(pid: int, steps: int) -> None:
         return
     try:
         now = os.getpriority(os.PRIO_PROCESS, 0)
-        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), now)
-        except (OSError, ValueError):
-            pass
+    set_threads_nice(pid, now)
 
 
 #: builds the spawner once the supervisor knows its worker endpoints ({"backend", "control"})
