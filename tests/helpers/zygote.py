@@ -219,7 +219,9 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     multiprocessing.current_process().authkey = os.urandom(32)
     if _wants_forkserver(request["args"]):
         _start_forkserver()
-    if request["args"][:1] == ["supervise"]:  # after the fork server: its workers keep multiprocessing's own
+    if (request["args"][:1] == ["supervise"] and script is None) or launches and script is not None:
+        # after the fork server: its workers keep multiprocessing's own; a phase script's tenants'
+        # segments are tracked too
         _fork_resource_tracker_on_first_use()
     if zygote is not None:
         _launch_through(*zygote, cwd=request["zygote_cwd"])
