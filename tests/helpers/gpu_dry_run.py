@@ -1,9 +1,11 @@
 """One ``check_gpu.py --dry-run-fake --quick`` per test run, for every test that reads it.
 
-The hardware check's dry run on the fake driver takes about 10 s of CPU (30 s of wall time, most of
-it the share phase's timed rounds). Three test modules read one: tests/gpu/test_check_script.py (the
-phases, the JSON, the figures the docs name), tests/gpu/test_phase_share.py (the share phase's
-result) and tests/worker/backends/test_replay_bindings.py (every driver, NVRTC and cuBLAS call the check
+The hardware check's dry run on the fake driver, its processes forked from one preloaded
+interpreter (:func:`run_check`'s ``forked``), takes about 12 s of CPU and 11 s of wall time on a
+quiet 2-core machine (started fresh, as on the device: 26 s and 24 s). Five test modules read one:
+tests/gpu/test_check_script.py (the phases, the JSON, the figures the docs name),
+tests/gpu/test_phase_share.py, test_phase_mix.py and test_phases_tenancy.py (their phases' results)
+and tests/worker/backends/test_replay_bindings.py (every driver, NVRTC and cuBLAS call the check
 makes, recorded through ``FAKE_CUDA_RECORD_CALLS`` and replayed into the real bindings). Each used
 to run its own. :func:`dry_run` runs it once, with the calls recorded, and hands every caller the
 same result:

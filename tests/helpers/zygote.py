@@ -746,7 +746,7 @@ def with_start_method(args: Sequence[str], env: Mapping[str, str], cwd: str) -> 
     imports the worker's modules). The suite's supervisors started through ``launch()`` or ``twt
     supervise`` without a method spawned some 190 workers a run (~38 s of CPU). ``spawn`` stays
     covered by every start that names it (the start-method tests, the logs' ``event.spawn``, the
-    status table's), by the supervisors that are not forked (the hardware check's dry run, the Ray
+    status table's), by the supervisors that are not forked (the hardware check's plain runs, the Ray
     nodes', the cold starts read through a pipe) and by the whole suite under ``PYTEST_TWT_ZYGOTE=0``.
     """
     args = list(args)
