@@ -223,6 +223,8 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         # after the fork server: its workers keep multiprocessing's own; a phase script's tenants'
         # segments are tracked too
         _fork_resource_tracker_on_first_use()
+    if launches and script is not None:
+        _fork_forkserver_on_first_use()
     if zygote is not None:
         _launch_through(*zygote, cwd=request["zygote_cwd"])
     import runpy
@@ -376,7 +378,7 @@ def _fork_resource_tracker(resource_tracker: types.ModuleType) -> tuple[int, int
     return w, pid
 
 
-def _start_forkserver() -> None:
+def _start_forkserver(preload: Sequence[str] | None = None) -> None:
     """In a forked child about to become ``supervise --start-method forkserver``: start its fork
     server as a fork of this process rather than as a fresh interpreter.
 
@@ -395,6 +397,7 @@ def _start_forkserver() -> None:
 
     from supervisor.runtime.workers import FORKSERVER_PRELOAD
 
+    modules = list(FORKSERVER_PRELOAD if preload is None else preload)
     server = forkserver._forkserver  # type: ignore[attr-defined]
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
@@ -413,7 +416,7 @@ def _start_forkserver() -> None:
                             os.close(fd)
                         except OSError:
                             pass
-                forkserver.main(listener.fileno(), alive_r, list(FORKSERVER_PRELOAD))
+                forkserver.main(listener.fileno(), alive_r, modules)
                 code = 0
             except SystemExit as exc:  # main's end: every holder of the alive pipe is gone
                 code = exc.code if isinstance(exc.code, int) else 0
@@ -427,7 +430,29 @@ def _start_forkserver() -> None:
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
-    server._preload_modules = list(FORKSERVER_PRELOAD)
+    server._preload_modules = modules
+
+
+def _fork_forkserver_on_first_use() -> None:
+    """In a forked script that starts processes (a phase script of the hardware check): its
+    multiprocessing fork server (its tenants'), when first wanted while the script has one thread,
+    is a fork of the script (:func:`_start_forkserver` with the preload the script set) rather than
+    a fresh interpreter that imports that preload (~0.3 s of CPU a phase). Its tenants then find
+    the script's ``__main__`` loaded, where a fresh fork server's re-import it. With more than one
+    thread it starts one as usual."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    original = type(server).ensure_running
+
+    def ensure_running() -> None:
+        if server._forkserver_pid is None and _one_thread():
+            resource_tracker.ensure_running()  # first, as the original does (forked on first use too)
+            _start_forkserver(server._preload_modules)
+        original(server)
+
+    server.ensure_running = ensure_running
+    forkserver.ensure_running = ensure_running  # type: ignore[attr-defined]  # the module's alias
 
 
 def _become_subreaper() -> None:
