@@ -139,6 +139,8 @@ def _serve(ctl: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
                 os.close(fd)
             ctl.send(json.dumps({"error": problem or f"{len(fds)} descriptors"}).encode())
             continue
+        if "script" in request:
+            _script_code(request["script"])  # compiled here once: every fork of this zygote has it
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
@@ -154,6 +156,25 @@ def _serve(ctl: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
             os.close(fd)
         ctl.send(json.dumps({"pid": pid}).encode())
         _reap(children)
+
+
+#: a forked script's code, compiled in the zygote on its first start: (path, mtime, size) -> code
+_compiled: dict[tuple[str, int, int], types.CodeType] = {}
+
+
+def _script_code(path: str) -> types.CodeType | None:
+    """``path``'s code as ``python PATH`` compiles it (source, not a cached ``.pyc``), compiled once
+    per zygote (and its copies: the check's orchestrator's zygote holds check_gpu.py's for its
+    some twenty ``--child`` steps, ~14 ms of CPU each); None when it cannot be read."""
+    try:
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size)
+        if key not in _compiled:
+            with open(path, "rb") as f:
+                _compiled[key] = compile(f.read(), path, "exec")
+        return _compiled[key]
+    except (OSError, SyntaxError, ValueError):
+        return None  # the child compiles it and reports as python SCRIPT would
 
 
 def _unfit() -> str:
@@ -231,7 +252,11 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
     if script is not None:
         sys.argv = [script, *request["args"]]
-        runpy.run_path(script, run_name="__main__")  # what python SCRIPT runs
+        code = _script_code(script)
+        if code is None:
+            runpy.run_path(script, run_name="__main__")  # what python SCRIPT runs (its errors too)
+        else:  # run_path's own way with the code compiled in the zygote
+            runpy._run_module_code(code, None, "__main__", pkg_name="", script_name=script)  # type: ignore[attr-defined]
         return
     sys.argv = ["-m", *request["args"]]
     runpy._run_module_as_main(MODULE, alter_argv=True)  # type: ignore[attr-defined]  # what -m runs
