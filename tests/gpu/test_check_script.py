@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.check_gpu import PHASES, Row
-from tests.helpers import gpu_dry_run, timeouts
+from tests.helpers import gpu_dry_run, timeouts, zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,9 +32,11 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comple
 
 
 def test_dry_run_on_the_fake_passes_every_phase_and_writes_the_json(
-        dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+        dry_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path_factory: pytest.TempPathFactory) -> None:
     proc, out = dry_run
     assert proc.returncode == 0, gpu_dry_run.why_failed(proc)
+    # its processes forked from a preloaded interpreter (the device's fresh starts: the plain runs below)
+    assert gpu_dry_run.dry_run(tmp_path_factory).forked is zygote.enabled()
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("PASSED")  # the table comes last
     doc = json.loads(out.read_text())

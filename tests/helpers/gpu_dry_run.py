@@ -52,11 +52,13 @@ STOP_GRACE_S = timeouts.scaled(10)
 
 @dataclass(frozen=True)
 class DryRun:
-    """What one dry run left: its exit, output, JSON file and the calls it made through the fakes."""
+    """What one dry run left: its exit, output, JSON file and the calls it made through the fakes, and
+    whether its processes were forked (:func:`_forked`) or started as on the device."""
 
     proc: subprocess.CompletedProcess[str]
     json_out: Path
     record_dir: Path
+    forked: bool = False
 
 
 _memo: list[DryRun] = []
@@ -130,7 +132,7 @@ def run_check(argv: list[str], *, timeout_s: float, env: dict[str, str] | None =
     ``forked``: the check and every process it starts that can be are forks of one preloaded
     interpreter (:func:`_forked`) rather than fresh ones; otherwise each is started as on the device."""
     if forked and zygote.enabled():
-        return _forked(argv, timeout_s=timeout_s, env=dict(os.environ if env is None else env))
+        return _forked(argv, timeout_s=timeout_s, env=dict(os.environ if env is None else env))[0]
     proc = subprocess.Popen([sys.executable, str(CHECK), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT, env=env, start_new_session=True)
     return _communicate(proc, proc, timeout_s)
@@ -151,7 +153,8 @@ def _communicate(proc: subprocess.Popen[str], leader: subprocess.Popen[str],
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _forked(argv: list[str], *, timeout_s: float, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _forked(argv: list[str], *, timeout_s: float,
+            env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], bool]:
     """The check as :func:`run_check` runs it, its processes forked: the orchestrator from a zygote
     of its own (:func:`tests.helpers.zygote.script_server`: the check's modules, numpy and the fake
     preloaded), and through a copy of that zygote every ``--child`` step, phase script and
@@ -159,18 +162,19 @@ def _forked(argv: list[str], *, timeout_s: float, env: dict[str, str]) -> subpro
     from a fork server forked from them (``--start-method forkserver``, as the suite's other forked
     supervisors). The device's path - each process a fresh interpreter, the workers spawned - is
     what the suite's other runs of the check take (tests/gpu/test_check_script.py). The zygote leads
-    the tree's process group, so a timeout stops all of it."""
+    the tree's process group, so a timeout stops all of it. Returns the check's result and whether
+    the orchestrator was forked (a zygote that cannot start or fork: a plain start)."""
     env = {**env, **{k: env.get(k, v) for k, v in _ONE_BLAS_THREAD.items()}}  # as the dry run sets them
     try:
         server = zygote.script_server(env, scripts=str(CHECK.parent), preload=FORK_PRELOAD)
     except OSError:
         proc = subprocess.Popen([sys.executable, str(CHECK), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=ROOT, env=env, start_new_session=True)
-        return _communicate(proc, proc, timeout_s)
+        return _communicate(proc, proc, timeout_s), False
     try:
         proc = zygote.start_script(server, [sys.executable, str(CHECK), *argv], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-        return _communicate(proc, server.proc, timeout_s)
+        return _communicate(proc, server.proc, timeout_s), isinstance(proc, zygote.ZygoteProcess)
     finally:
         server.close()
 
@@ -179,9 +183,11 @@ def _run(where: Path) -> DryRun:
     out, records = where / "check.json", where / "calls"
     records.mkdir(exist_ok=True)
     env = {**os.environ, "FAKE_CUDA_RECORD_CALLS": str(records), "PYTHONPATH": str(ROOT)}
-    proc = run_check(["--dry-run-fake", "--quick", "--json-out", str(out)], timeout_s=TIMEOUT_S, env=env,
-                     forked=True)
-    return DryRun(proc, out, records)
+    argv = ["--dry-run-fake", "--quick", "--json-out", str(out)]
+    if not zygote.enabled():  # PYTEST_TWT_ZYGOTE=0: every process as on the device
+        return DryRun(run_check(argv, timeout_s=TIMEOUT_S, env=env), out, records)
+    proc, forked = _forked(argv, timeout_s=TIMEOUT_S, env=env)
+    return DryRun(proc, out, records, forked)
 
 
 def dry_run(factory: pytest.TempPathFactory) -> DryRun:
@@ -196,13 +202,13 @@ def dry_run(factory: pytest.TempPathFactory) -> DryRun:
             if done.exists():
                 doc = json.loads(done.read_text())
                 result = DryRun(subprocess.CompletedProcess(doc["args"], doc["returncode"], doc["stdout"], doc["stderr"]),
-                                where / "check.json", where / "calls")
+                                where / "check.json", where / "calls", doc["forked"])
             else:
                 result = _run(where)
                 p = result.proc
                 tmp = where / "done.json.tmp"
                 tmp.write_text(json.dumps({"args": p.args, "returncode": p.returncode, "stdout": p.stdout,
-                                           "stderr": p.stderr}))
+                                           "stderr": p.stderr, "forked": result.forked}))
                 tmp.rename(done)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
