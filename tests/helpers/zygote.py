@@ -240,11 +240,10 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     multiprocessing.current_process().authkey = os.urandom(32)
     if _wants_forkserver(request["args"]):
         _start_forkserver()
-    if (request["args"][:1] == ["supervise"] and script is None) or launches and script is not None:
-        # after the fork server: its workers keep multiprocessing's own; a phase script's tenants'
-        # segments are tracked too
+    if script is None and request["args"][:1] == ["supervise"]:
+        _fork_resource_tracker_on_first_use()  # after the fork server: its workers keep multiprocessing's own
+    elif script is not None and launches:  # a phase script: its tenants' segments and fork server
         _fork_resource_tracker_on_first_use()
-    if launches and script is not None:
         _fork_forkserver_on_first_use()
     if zygote is not None:
         _launch_through(*zygote, cwd=request["zygote_cwd"])
