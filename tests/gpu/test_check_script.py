@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.check_gpu import PHASES, Row
-from tests.helpers import gpu_dry_run, timeouts
+from tests.helpers import gpu_dry_run, timeouts, zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,9 +32,11 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comple
 
 
 def test_dry_run_on_the_fake_passes_every_phase_and_writes_the_json(
-        dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+        dry_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path_factory: pytest.TempPathFactory) -> None:
     proc, out = dry_run
     assert proc.returncode == 0, gpu_dry_run.why_failed(proc)
+    # its processes forked from a preloaded interpreter (the device's fresh starts: the plain runs below)
+    assert gpu_dry_run.dry_run(tmp_path_factory).forked is zygote.enabled()
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("PASSED")  # the table comes last
     doc = json.loads(out.read_text())
@@ -146,10 +148,15 @@ def test_a_dry_run_has_no_deadline_of_its_own(fake: bool) -> None:
 
 
 def test_the_json_is_rewritten_after_every_phase(tmp_path: Path) -> None:
-    """A run killed by an outer timeout keeps what it measured: the JSON exists after the first phase."""
+    """A run killed by an outer timeout keeps what it measured: the JSON exists after the first phase.
+
+    Every process of this run starts as on the device (the run's one dry run forks them:
+    tests/helpers/gpu_dry_run.py): ``--child`` steps through ``run_child`` and ``Held`` (isolation)
+    and a phase script (settle); test_the_mps_phase_runs_with_a_stand_in_daemon's supervisor, with
+    its spawned worker, is the device's too."""
     out = tmp_path / "check.json"
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake", "--quick",
-                             "--only", "environment,pool,isolation", "--json-out", str(out)],
+                             "--only", "environment,pool,isolation,settle", "--json-out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     seen: list[dict[str, object]] = []
     try:
@@ -163,7 +170,9 @@ def test_the_json_is_rewritten_after_every_phase(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert seen and seen[0]["complete"] is False and "environment" in seen[0]["phases"]  # type: ignore[operator]
     final = json.loads(out.read_text())
-    assert final["complete"] is True and {"environment", "pool", "isolation"} <= set(final["phases"])
+    assert final["complete"] is True and {"environment", "pool", "isolation", "settle"} <= set(final["phases"])
+    checks = [r for r in final["rows"] if r["kind"] == "check" and r["ok"] is not None]
+    assert {r["phase"] for r in checks} >= {"isolation", "settle"} and all(r["ok"] for r in checks), checks
 
 
 def test_a_child_that_hangs_is_killed_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:

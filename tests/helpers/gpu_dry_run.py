@@ -1,9 +1,11 @@
 """One ``check_gpu.py --dry-run-fake --quick`` per test run, for every test that reads it.
 
-The hardware check's dry run on the fake driver takes about 10 s of CPU (30 s of wall time, most of
-it the share phase's timed rounds). Three test modules read one: tests/gpu/test_check_script.py (the
-phases, the JSON, the figures the docs name), tests/gpu/test_phase_share.py (the share phase's
-result) and tests/worker/backends/test_replay_bindings.py (every driver, NVRTC and cuBLAS call the check
+The hardware check's dry run on the fake driver, its processes forked from one preloaded
+interpreter (:func:`run_check`'s ``forked``), takes about 12 s of CPU and 11 s of wall time on a
+quiet 2-core machine (started fresh, as on the device: 26 s and 24 s). Five test modules read one:
+tests/gpu/test_check_script.py (the phases, the JSON, the figures the docs name),
+tests/gpu/test_phase_share.py, test_phase_mix.py and test_phases_tenancy.py (their phases' results)
+and tests/worker/backends/test_replay_bindings.py (every driver, NVRTC and cuBLAS call the check
 makes, recorded through ``FAKE_CUDA_RECORD_CALLS`` and replayed into the real bindings). Each used
 to run its own. :func:`dry_run` runs it once, with the calls recorded, and hands every caller the
 same result:
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import timeouts
+from tests.helpers import timeouts, zygote
 
 __all__ = ["DryRun", "dry_run", "run_check", "why_failed"]
 
@@ -50,11 +52,13 @@ STOP_GRACE_S = timeouts.scaled(10)
 
 @dataclass(frozen=True)
 class DryRun:
-    """What one dry run left: its exit, output, JSON file and the calls it made through the fakes."""
+    """What one dry run left: its exit, output, JSON file and the calls it made through the fakes, and
+    whether its processes were forked (:func:`_forked`) or started as on the device."""
 
     proc: subprocess.CompletedProcess[str]
     json_out: Path
     record_dir: Path
+    forked: bool = False
 
 
 _memo: list[DryRun] = []
@@ -81,12 +85,13 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _stop_group(proc: subprocess.Popen[str]) -> None:
+def _stop_group(leader: subprocess.Popen[str]) -> None:
     """Stop a timed-out check and everything it started (its supervisor, their workers): SIGTERM to
     the whole group - the supervisor stops gracefully and unlinks its segments - then SIGKILL to
     whatever is left after :data:`STOP_GRACE_S`. Killing the check alone would leave its supervisor
-    running, and the next test's hygiene check would report it."""
-    pgid = proc.pid  # start_new_session: the check leads a group of its own
+    running, and the next test's hygiene check would report it. ``leader``: the check, or the zygote
+    it was forked from (:func:`_forked`), started in a session of its own: it leads the group."""
+    pgid = leader.pid
     for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
         try:
             os.killpg(pgid, sig)
@@ -94,7 +99,7 @@ def _stop_group(proc: subprocess.Popen[str]) -> None:
             return
         until = time.monotonic() + grace
         while time.monotonic() < until:
-            proc.poll()  # reap the leader: a zombie still counts as a member of its group
+            leader.poll()  # reap the leader: a zombie still counts as a member of its group
             if not _group_alive(pgid):
                 return
             time.sleep(0.05)
@@ -109,30 +114,80 @@ def _rest(proc: subprocess.Popen[str]) -> tuple[str, str]:
         return "", ""
 
 
-def run_check(argv: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+#: what the forked check's processes import before they are forked (tests/helpers/zygote.py's
+#: script_server, beside the supervisor's and the workers' modules): the orchestrator and its
+#: phase helpers, the fake driver and cuBLAS, numpy (one BLAS thread: the check's own setting on the
+#: fake) and what the phases' tenants import
+FORK_PRELOAD = ("numpy", "tests.helpers.fake_cuda", "tests.helpers.fake_cublas", "tests.gpu.check_gpu",
+                "tests.gpu.phase_kit", "tests.gpu.phase_child", "shared.gpu_time", "worker.device_time",
+                "worker.backends.cuda")
+_ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def run_check(argv: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
+              forked: bool = False) -> subprocess.CompletedProcess[str]:
     """``check_gpu.py`` with ``argv`` (output captured, text), in a session of its own so that a
-    timeout stops the whole tree it started (:func:`_stop_group`) before ``TimeoutExpired`` is raised."""
+    timeout stops the whole tree it started (:func:`_stop_group`) before ``TimeoutExpired`` is raised.
+
+    ``forked``: the check and every process it starts that can be are forks of one preloaded
+    interpreter (:func:`_forked`) rather than fresh ones; otherwise each is started as on the device."""
+    if forked and zygote.enabled():
+        return _forked(argv, timeout_s=timeout_s, env=dict(os.environ if env is None else env))[0]
     proc = subprocess.Popen([sys.executable, str(CHECK), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT, env=env, start_new_session=True)
+    return _communicate(proc, proc, timeout_s)
+
+
+def _communicate(proc: subprocess.Popen[str], leader: subprocess.Popen[str],
+                 timeout_s: float) -> subprocess.CompletedProcess[str]:
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _stop_group(proc)
+        _stop_group(leader)
         out, err = _rest(proc)
         raise subprocess.TimeoutExpired(proc.args, timeout_s, out, err) from None
     except BaseException:  # an interrupt (pytest-timeout's signal): the tree goes with the test
-        _stop_group(proc)
+        _stop_group(leader)
         _rest(proc)
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _forked(argv: list[str], *, timeout_s: float,
+            env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """The check as :func:`run_check` runs it, its processes forked: the orchestrator from a zygote
+    of its own (:func:`tests.helpers.zygote.script_server`: the check's modules, numpy and the fake
+    preloaded), and through a copy of that zygote every ``--child`` step, phase script and
+    supervisor it starts (each phase script through a copy of its own); the supervisors' workers come
+    from a fork server forked from them (``--start-method forkserver``, as the suite's other forked
+    supervisors). The device's path - each process a fresh interpreter, the workers spawned - is
+    what the suite's other runs of the check take (tests/gpu/test_check_script.py). The zygote leads
+    the tree's process group, so a timeout stops all of it. Returns the check's result and whether
+    the orchestrator was forked (a zygote that cannot start or fork: a plain start)."""
+    env = {**env, **{k: env.get(k, v) for k, v in _ONE_BLAS_THREAD.items()}}  # as the dry run sets them
+    try:
+        server = zygote.script_server(env, scripts=str(CHECK.parent), preload=FORK_PRELOAD)
+    except OSError:
+        proc = subprocess.Popen([sys.executable, str(CHECK), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT, env=env, start_new_session=True)
+        return _communicate(proc, proc, timeout_s), False
+    try:
+        proc = zygote.start_script(server, [sys.executable, str(CHECK), *argv], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        return _communicate(proc, server.proc, timeout_s), isinstance(proc, zygote.ZygoteProcess)
+    finally:
+        server.close()
 
 
 def _run(where: Path) -> DryRun:
     out, records = where / "check.json", where / "calls"
     records.mkdir(exist_ok=True)
     env = {**os.environ, "FAKE_CUDA_RECORD_CALLS": str(records), "PYTHONPATH": str(ROOT)}
-    proc = run_check(["--dry-run-fake", "--quick", "--json-out", str(out)], timeout_s=TIMEOUT_S, env=env)
-    return DryRun(proc, out, records)
+    argv = ["--dry-run-fake", "--quick", "--json-out", str(out)]
+    if not zygote.enabled():  # PYTEST_TWT_ZYGOTE=0: every process as on the device
+        return DryRun(run_check(argv, timeout_s=TIMEOUT_S, env=env), out, records)
+    proc, forked = _forked(argv, timeout_s=TIMEOUT_S, env=env)
+    return DryRun(proc, out, records, forked)
 
 
 def dry_run(factory: pytest.TempPathFactory) -> DryRun:
@@ -147,13 +202,13 @@ def dry_run(factory: pytest.TempPathFactory) -> DryRun:
             if done.exists():
                 doc = json.loads(done.read_text())
                 result = DryRun(subprocess.CompletedProcess(doc["args"], doc["returncode"], doc["stdout"], doc["stderr"]),
-                                where / "check.json", where / "calls")
+                                where / "check.json", where / "calls", doc["forked"])
             else:
                 result = _run(where)
                 p = result.proc
                 tmp = where / "done.json.tmp"
                 tmp.write_text(json.dumps({"args": p.args, "returncode": p.returncode, "stdout": p.stdout,
-                                           "stderr": p.stderr}))
+                                           "stderr": p.stderr, "forked": result.forked}))
                 tmp.rename(done)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -30,6 +30,15 @@ The caller gets a :class:`ZygoteProcess` shaped like :class:`subprocess.Popen` (
 ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``): the zygote reaps
 the child and sends its exit status over a socket of that child's own.
 
+A zygote started by :func:`script_server` also forks ``python SCRIPT ARGS`` for the scripts under
+one folder (the hardware check's orchestrator, its ``--child`` steps and phase scripts, in the
+suite's dry run: tests/helpers/gpu_dry_run.py), with extra modules preloaded and pipes for stdio
+where the caller asks for them (``stdout=PIPE``, ``capture_output``): the child runs the script as
+``python SCRIPT`` does (``runpy.run_path`` as ``__main__``, the script's folder first on
+``sys.path``). A forked script that starts processes of its own (anything but a ``--child`` step)
+gets a zygote of its own, as a launcher does, and ``subprocess.Popen`` in it forks through that
+zygote what fits - the scripts, ``python -m supervisor`` - and starts anything else as before.
+
 Only a start the zygote can make identical is forked: the same interpreter and the same
 interpreter-level environment (every ``PYTHON*`` and ``LD_*`` variable, read before any code
 runs). Any other start - and any start when the zygote cannot run - is a plain
@@ -40,6 +49,7 @@ product's configuration, and a supervisor warns about a ``TWT_`` variable it doe
 from __future__ import annotations
 
 import gc
+import io
 import json
 import locale
 import os
@@ -56,7 +66,11 @@ from typing import Any
 
 from tests.helpers.timeouts import scaled
 
-__all__ = ["ZygoteProcess", "adopt", "enabled", "install", "popen", "run", "server_pids", "stop", "with_start_method"]
+__all__ = ["ZygoteProcess", "adopt", "enabled", "install", "popen", "run", "script_server", "server_pids", "stop",
+           "with_start_method"]
+
+#: the real class, before :func:`_fork_through_zygote` puts :class:`_ForkingPopen` in its place
+_RealPopen = subprocess.Popen
 
 #: the modules a ``supervise`` start imports (what the zygote loads once)
 PRELOAD = ("supervisor.cli", "supervisor.supervisor", "supervisor.wiring", "supervisor.client.api")
@@ -66,6 +80,13 @@ _ENABLE_ENV = "PYTEST_TWT_ZYGOTE"
 _MAX_REQUEST = 1 << 20
 #: how long the zygote's imports may take (a hang guard: a loaded machine is slow)
 _READY_TIMEOUT_S = 120.0
+#: a zygote's extra modules (comma-separated; :func:`script_server`) and the folder whose scripts it forks
+_PRELOAD_ENV = "PYTEST_TWT_ZYGOTE_PRELOAD"
+_SCRIPTS_ENV = "PYTEST_TWT_ZYGOTE_SCRIPTS"
+#: read at numpy's import (its BLAS's thread count): a forked script's must be the zygote's
+_BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: in a zygote started by :func:`script_server` and in its forks: the folder whose scripts are forked
+_script_root: str | None = None
 
 
 def _interpreter_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -118,6 +139,8 @@ def _serve(ctl: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
                 os.close(fd)
             ctl.send(json.dumps({"error": problem or f"{len(fds)} descriptors"}).encode())
             continue
+        if "script" in request:
+            _script_code(request["script"])  # compiled here once: every fork of this zygote has it
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
@@ -133,6 +156,25 @@ def _serve(ctl: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
             os.close(fd)
         ctl.send(json.dumps({"pid": pid}).encode())
         _reap(children)
+
+
+#: a forked script's code, compiled in the zygote on its first start: (path, mtime, size) -> code
+_compiled: dict[tuple[str, int, int], types.CodeType] = {}
+
+
+def _script_code(path: str) -> types.CodeType | None:
+    """``path``'s code as ``python PATH`` compiles it (source, not a cached ``.pyc``), compiled once
+    per zygote (and its copies: the check's orchestrator's zygote holds check_gpu.py's for its
+    some twenty ``--child`` steps, ~14 ms of CPU each); None when it cannot be read."""
+    try:
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size)
+        if key not in _compiled:
+            with open(path, "rb") as f:
+                _compiled[key] = compile(f.read(), path, "exec")
+        return _compiled[key]
+    except (OSError, SyntaxError, ValueError):
+        return None  # the child compiles it and reports as python SCRIPT would
 
 
 def _unfit() -> str:
@@ -172,7 +214,12 @@ LAUNCHERS = frozenset({"chaos", "demo"})
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """In a forked child: take the caller's descriptors, environment and directory, then run
     the module as ``python -m`` does (an exception or SystemExit ends the interpreter as usual)."""
-    zygote = _fork_zygote(fds) if request["args"][:1] and request["args"][0] in LAUNCHERS else None
+    script = request.get("script")
+    if script is None:
+        launches = bool(request["args"][:1]) and request["args"][0] in LAUNCHERS
+    else:
+        launches = request["args"][:1] != ["--child"]  # a check step starts no process; a phase script may
+    zygote = _fork_zygote(fds) if launches else None
     os.close(fds[3])
     for target, fd in enumerate(fds[:3]):
         if fd != target:
@@ -185,24 +232,36 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     os.environ.update(request["env"])
     cwd = os.getcwd()
     if sys.path and sys.path[0] == request["zygote_cwd"]:
-        sys.path[0] = cwd  # -m puts the working directory first
+        # -m puts the working directory first, python SCRIPT the script's folder
+        sys.path[0] = cwd if script is None else os.path.dirname(script)
     import multiprocessing.process
 
     multiprocessing.process.ORIGINAL_DIR = cwd  # type: ignore[attr-defined]  # spawn hands it to workers
     multiprocessing.current_process().authkey = os.urandom(32)
     if _wants_forkserver(request["args"]):
         _start_forkserver()
-    if request["args"][:1] == ["supervise"]:  # after the fork server: its workers keep multiprocessing's own
+    if script is None and request["args"][:1] == ["supervise"]:
+        _fork_resource_tracker_on_first_use()  # after the fork server: its workers keep multiprocessing's own
+    elif script is not None and launches:  # a phase script: its tenants' segments and fork server
         _fork_resource_tracker_on_first_use()
+        _fork_forkserver_on_first_use()
     if zygote is not None:
         _launch_through(*zygote, cwd=request["zygote_cwd"])
-    sys.argv = ["-m", *request["args"]]
     import runpy
 
+    if script is not None:
+        sys.argv = [script, *request["args"]]
+        code = _script_code(script)
+        if code is None:
+            runpy.run_path(script, run_name="__main__")  # what python SCRIPT runs (its errors too)
+        else:  # run_path's own way with the code compiled in the zygote
+            runpy._run_module_code(code, None, "__main__", pkg_name="", script_name=script)  # type: ignore[attr-defined]
+        return
+    sys.argv = ["-m", *request["args"]]
     runpy._run_module_as_main(MODULE, alter_argv=True)  # type: ignore[attr-defined]  # what -m runs
 
 
-def _fork_zygote(fds: list[int]) -> tuple[socket.socket, int, dict[str, str]]:
+def _fork_zygote(fds: list[int]) -> tuple[socket.socket, int, dict[str, str], dict[str, str | None]]:
     """In a child forked to run a command that launches its own supervisors (``twt chaos``, ``twt
     demo``: :data:`LAUNCHERS`), before it takes anything of its request: fork a zygote for it - a
     copy of this process as the zygote made it (one thread, the preload, nothing of a caller's) that
@@ -212,14 +271,15 @@ def _fork_zygote(fds: list[int]) -> tuple[socket.socket, int, dict[str, str]]:
     worker).
 
     Returns (the control socket, the new zygote's pid, this interpreter's own environment, which
-    that zygote's starts must match). The new zygote is a child of the command; it ends when the
+    that zygote's starts must match, and its BLAS thread variables, which its forked scripts' must). The new zygote is a child of the command; it ends when the
     command closes the socket (when it exits), and the suite's zygote reaps it (the subreaper)."""
     interpreter = _interpreter_env(os.environ)  # this interpreter's: the request's comes later
+    blas = {k: os.environ.get(k) for k in _BLAS_ENV}
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid:
         theirs.close()
-        return ours, pid, interpreter
+        return ours, pid, interpreter, blas
     ours.close()
     for fd in fds:
         os.close(fd)
@@ -230,15 +290,20 @@ def _fork_zygote(fds: list[int]) -> tuple[socket.socket, int, dict[str, str]]:
     raise SystemExit(0)  # the module ran to its end without exiting: as the interpreter would
 
 
-def _launch_through(ctl: socket.socket, pid: int, interpreter: dict[str, str], cwd: str) -> None:
+def _launch_through(ctl: socket.socket, pid: int, interpreter: dict[str, str], blas: dict[str, str | None],
+                    cwd: str) -> None:
     """In the command that :func:`_fork_zygote` forked a zygote for: ``launch()`` starts its
-    supervisors through it (this module's client, imported here as the tests import it)."""
+    supervisors through it (this module's client, imported here as the tests import it); in a zygote
+    that forks scripts, every ``subprocess.Popen`` of the process tries it first."""
     import supervisor.client.launch
 
     from tests.helpers import zygote as client
 
-    client.adopt(ctl, pid, interpreter, cwd)
+    client._script_root = _script_root
+    client.adopt(ctl, pid, interpreter, cwd, blas=blas)
     client.install(supervisor.client.launch)
+    if client._script_root is not None:
+        client._fork_through_zygote()
 
 
 def _wants_forkserver(args: Sequence[str]) -> bool:
@@ -337,7 +402,7 @@ def _fork_resource_tracker(resource_tracker: types.ModuleType) -> tuple[int, int
     return w, pid
 
 
-def _start_forkserver() -> None:
+def _start_forkserver(preload: Sequence[str] | None = None) -> None:
     """In a forked child about to become ``supervise --start-method forkserver``: start its fork
     server as a fork of this process rather than as a fresh interpreter.
 
@@ -356,6 +421,7 @@ def _start_forkserver() -> None:
 
     from supervisor.runtime.workers import FORKSERVER_PRELOAD
 
+    modules = list(FORKSERVER_PRELOAD if preload is None else preload)
     server = forkserver._forkserver  # type: ignore[attr-defined]
     with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
@@ -374,7 +440,7 @@ def _start_forkserver() -> None:
                             os.close(fd)
                         except OSError:
                             pass
-                forkserver.main(listener.fileno(), alive_r, list(FORKSERVER_PRELOAD))
+                forkserver.main(listener.fileno(), alive_r, modules)
                 code = 0
             except SystemExit as exc:  # main's end: every holder of the alive pipe is gone
                 code = exc.code if isinstance(exc.code, int) else 0
@@ -388,7 +454,29 @@ def _start_forkserver() -> None:
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w
     server._forkserver_pid = pid
-    server._preload_modules = list(FORKSERVER_PRELOAD)
+    server._preload_modules = modules
+
+
+def _fork_forkserver_on_first_use() -> None:
+    """In a forked script that starts processes (a phase script of the hardware check): its
+    multiprocessing fork server (its tenants'), when first wanted while the script has one thread,
+    is a fork of the script (:func:`_start_forkserver` with the preload the script set) rather than
+    a fresh interpreter that imports that preload (~0.3 s of CPU a phase). Its tenants then find
+    the script's ``__main__`` loaded, where a fresh fork server's re-import it. With more than one
+    thread it starts one as usual."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    original = type(server).ensure_running
+
+    def ensure_running() -> None:
+        if server._forkserver_pid is None and _one_thread():
+            resource_tracker.ensure_running()  # first, as the original does (forked on first use too)
+            _start_forkserver(server._preload_modules)
+        original(server)
+
+    server.ensure_running = ensure_running
+    forkserver.ensure_running = ensure_running  # type: ignore[attr-defined]  # the module's alias
 
 
 def _become_subreaper() -> None:
@@ -419,11 +507,14 @@ def _main() -> None:
 
     import multiprocessing.forkserver  # noqa: F401  (its main loop runs in a forked child)
 
-    for name in (*FORKSERVER_PRELOAD, *PRELOAD):
+    extra = [m for m in os.environ.get(_PRELOAD_ENV, "").split(",") if m]
+    for name in (*FORKSERVER_PRELOAD, *PRELOAD, *extra):
         __import__(name)
-    problem = _unfit()
+    problem = _unfit() or ("" if not extra or _one_thread() else "a native thread (a BLAS pool?)")
     if problem:
         sys.exit(f"zygote: preloading left {problem}")
+    global _script_root
+    _script_root = os.environ.get(_SCRIPTS_ENV) or None
     # The preloaded objects into the collector's permanent generation (what CPython's gc docs
     # advise before fork without exec): a forked supervisor, fork server or worker's collections
     # never walk them, which would cost CPU and copy the pages they touch (the objects' headers).
@@ -448,12 +539,17 @@ def _alive(pid: int) -> bool:
 
 
 class ZygoteProcess(subprocess.Popen):  # type: ignore[type-arg]
-    """A forked ``python -m supervisor``, as :class:`subprocess.Popen` shows a child.
+    """A forked ``python -m supervisor`` (or script), as :class:`subprocess.Popen` shows a child.
 
     Not a child of this process (the zygote's): its exit status comes from the zygote, over
-    ``status`` (a socket of its own, readable once the child is reaped)."""
+    ``status`` (a socket of its own, readable once the child is reaped). ``pipes``: this end of
+    each stdio pipe the caller asked for (``stdin``, ``stdout``, ``stderr``; None where it did not),
+    made into file objects as Popen makes them (``text``, ``encoding``, ``errors``, ``bufsize``), so
+    that Popen's own ``communicate`` reads and writes them."""
 
-    def __init__(self, pid: int, args: Sequence[str], status: socket.socket) -> None:
+    def __init__(self, pid: int, args: Sequence[str], status: socket.socket,
+                 pipes: tuple[int | None, int | None, int | None] = (None, None, None), *, text: bool = False,
+                 encoding: str | None = None, errors: str | None = None, bufsize: int = -1) -> None:
         self.args = list(args)
         self.pid = pid
         self.returncode: int | None = None
@@ -462,6 +558,31 @@ class ZygoteProcess(subprocess.Popen):  # type: ignore[type-arg]
         self._status = status
         self._orphan = False
         self._lock = threading.Lock()
+        # what Popen.__init__ sets and its communicate() reads
+        self._waitpid_lock = threading.Lock()
+        self._input = None
+        self._communication_started = False
+        self._sigint_wait_secs = 0.25
+        self._closed_child_pipe_fds = True
+        self.pipesize = -1
+        self.text_mode = bool(encoding or errors or text)
+        self.encoding = (encoding or locale.getpreferredencoding(False)) if self.text_mode else encoding
+        self.errors = errors
+        line_buffering = self.text_mode and bufsize == 1
+        if line_buffering:
+            bufsize = -1
+        stdin, stdout, stderr = pipes
+        if stdin is not None:
+            self.stdin = open(stdin, "wb", bufsize)
+            if self.text_mode:
+                self.stdin = io.TextIOWrapper(self.stdin, write_through=True, line_buffering=line_buffering,
+                                              encoding=self.encoding, errors=errors)
+        for name, fd in (("stdout", stdout), ("stderr", stderr)):
+            if fd is not None:
+                stream: Any = open(fd, "rb", bufsize)
+                if self.text_mode:
+                    stream = io.TextIOWrapper(stream, encoding=self.encoding, errors=errors)
+                setattr(self, name, stream)
 
     def _read_status(self, timeout: float | None) -> int | None:
         with self._lock:
@@ -512,12 +633,19 @@ class ZygoteProcess(subprocess.Popen):  # type: ignore[type-arg]
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[None, None]:
-        self.wait(timeout)
-        return None, None
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        if self.stdin is None and self.stdout is None and self.stderr is None:
+            self.wait(timeout)
+            return None, None
+        return super().communicate(input, timeout)
 
     def __exit__(self, *exc: object) -> None:
-        self.wait()
+        try:
+            for stream in (self.stdout, self.stderr, self.stdin):
+                if stream is not None:
+                    stream.close()
+        finally:
+            self.wait()
 
     def __del__(self) -> None:
         status = getattr(self, "_status", None)
@@ -526,14 +654,15 @@ class ZygoteProcess(subprocess.Popen):  # type: ignore[type-arg]
 
 
 class _Zygote:
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], *, new_session: bool = False) -> None:
         self.ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = dict(env)
+        self.blas = {k: self.env.get(k) for k in _BLAS_ENV}
         # the zygote's own stdio: nothing of the test's (each child gets the caller's per start)
         with open(os.devnull, "rb") as null_in, open(os.devnull, "wb") as null_out:
-            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], env=self.env,
-                                         pass_fds=(theirs.fileno(),), stdin=null_in, stdout=null_out,
-                                         stderr=None, close_fds=True)
+            self.proc = _RealPopen([sys.executable, "-m", "tests.helpers.zygote", str(theirs.fileno())],
+                                   env=self.env, pass_fds=(theirs.fileno(),), stdin=null_in, stdout=null_out,
+                                   stderr=None, close_fds=True, start_new_session=new_session)
         theirs.close()
         self.ctl.settimeout(_READY_TIMEOUT_S)
         try:
@@ -551,9 +680,14 @@ class _Zygote:
         self.lock = threading.Lock()
 
     def start(self, args: Sequence[str], env: Mapping[str, str], stdio: tuple[int, int, int],
-              cwd: str) -> ZygoteProcess | None:
+              cwd: str, *, script: str | None = None, pipes: tuple[int | None, int | None, int | None] = (None, None, None),
+              text: dict[str, Any] | None = None) -> ZygoteProcess | None:
+        """A forked ``python -m supervisor ARGS`` (``python SCRIPT ARGS`` with ``script``); None when the
+        zygote may not fork now. ``pipes`` and ``text``: what :class:`ZygoteProcess` makes of the
+        caller's ends of the pipes given as ``stdio``."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = {"args": list(args), "env": dict(env), "cwd": cwd, "zygote_cwd": self.cwd}
+        request = {"args": list(args), "env": dict(env), "cwd": cwd, "zygote_cwd": self.cwd,
+                   **({"script": script} if script is not None else {})}
         try:
             with self.lock:
                 socket.send_fds(self.ctl, [json.dumps(request).encode()], [*stdio, theirs.fileno()])
@@ -567,13 +701,16 @@ class _Zygote:
         if "pid" not in answer:
             ours.close()
             return None
-        return ZygoteProcess(int(answer["pid"]), [sys.executable, "-m", MODULE, *args], ours)
+        cmd = [sys.executable, "-m", MODULE, *args] if script is None else [sys.executable, script, *args]
+        return ZygoteProcess(int(answer["pid"]), cmd, ours, pipes, **(text or {}))
 
     @classmethod
-    def forked(cls, ctl: socket.socket, pid: int, env: Mapping[str, str], cwd: str) -> _Zygote:
+    def forked(cls, ctl: socket.socket, pid: int, env: Mapping[str, str], cwd: str,
+               blas: Mapping[str, str | None] | None = None) -> _Zygote:
         """A zygote that is already running: a child of this process, forked by :func:`_fork_zygote`."""
         self = cls.__new__(cls)
         self.ctl, self.env, self.pid, self.cwd = ctl, dict(env), pid, cwd
+        self.blas = dict(blas or {})
         self.proc = _Child(pid)  # type: ignore[assignment]
         self.lock = threading.Lock()
         return self
@@ -658,7 +795,7 @@ def with_start_method(args: Sequence[str], env: Mapping[str, str], cwd: str) -> 
     imports the worker's modules). The suite's supervisors started through ``launch()`` or ``twt
     supervise`` without a method spawned some 190 workers a run (~38 s of CPU). ``spawn`` stays
     covered by every start that names it (the start-method tests, the logs' ``event.spawn``, the
-    status table's), by the supervisors that are not forked (the hardware check's dry run, the Ray
+    status table's), by the supervisors that are not forked (the hardware check's plain runs, the Ray
     nodes', the cold starts read through a pipe) and by the whole suite under ``PYTEST_TWT_ZYGOTE=0``.
     """
     args = list(args)
@@ -683,12 +820,13 @@ def with_start_method(args: Sequence[str], env: Mapping[str, str], cwd: str) -> 
     return [*args, "--start-method", FORKED_START_METHOD]
 
 
-def adopt(ctl: socket.socket, pid: int, interpreter: Mapping[str, str], cwd: str) -> None:
+def adopt(ctl: socket.socket, pid: int, interpreter: Mapping[str, str], cwd: str, *,
+          blas: Mapping[str, str | None] | None = None) -> None:
     """Serve this process's starts through the zygote :func:`_fork_zygote` forked for it (and only
     through it): see :func:`_launch_through`."""
     global _adopted
     _adopted = True
-    _zygotes[frozenset(interpreter.items())] = _Zygote.forked(ctl, pid, interpreter, cwd)
+    _zygotes[frozenset(interpreter.items())] = _Zygote.forked(ctl, pid, interpreter, cwd, blas)
 
 
 def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
@@ -721,41 +859,138 @@ def _stdio_fd(stream: Any, default: int) -> tuple[int, bool]:
     raise ValueError(f"cannot pass {stream!r} to a forked child")
 
 
-def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignore[type-arg]
-    """``subprocess.Popen(cmd, **kwargs)``, forked from a zygote when ``cmd`` is ``python -m
-    supervisor ...`` with arguments a zygote reproduces exactly (env, cwd, stdin/stdout/stderr as a
-    descriptor, DEVNULL or inherited; nothing else); a plain Popen otherwise."""
-    global _broken
-    env = kwargs.get("env")
-    env = dict(os.environ if env is None else env)
-    fits = (enabled() and len(cmd) >= 3 and list(cmd[:3]) == [sys.executable, "-m", MODULE]
-            and set(kwargs) <= {"env", "cwd", "stdin", "stdout", "stderr"})
-    if not fits:
-        return subprocess.Popen(cmd, **kwargs)
+#: what a forked script's start may pass (anything else is Popen's to do)
+_SCRIPT_KWARGS = frozenset({"env", "cwd", "stdin", "stdout", "stderr", "text", "universal_newlines", "encoding",
+                            "errors", "bufsize"})
+
+
+def _script(cmd: Sequence[str], root: str | None) -> str | None:
+    """The script of ``cmd`` when it is ``python SCRIPT ...`` for a script under ``root``, else None."""
+    if root is None or isinstance(cmd, (str, bytes)) or len(cmd) < 2 or cmd[0] != sys.executable:
+        return None
+    path = os.path.abspath(os.fspath(cmd[1]))
+    if not (path.startswith(root.rstrip(os.sep) + os.sep) and path.endswith(".py") and os.path.isfile(path)):
+        return None
+    return path
+
+
+def _start(zygote: _Zygote, cmd: Sequence[str], env: dict[str, str], kwargs: Mapping[str, Any],
+           script: str | None) -> ZygoteProcess | None:
+    """``cmd`` forked from ``zygote`` (None when it may not fork now); raises ValueError for a stdio
+    argument a forked child cannot share. A script's start may ask for pipes."""
     opened: list[int] = []
+    pipes: list[int | None] = [None, None, None]
     try:
         stdio = []
-        for name, default in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
-            fd, mine = _stdio_fd(kwargs.get(name), default)
+        for i, (name, default) in enumerate((("stdin", 0), ("stdout", 1), ("stderr", 2))):
+            stream = kwargs.get(name)
+            if script is not None and stream == subprocess.PIPE:
+                r, w = os.pipe()
+                pipes[i], theirs = (w, r) if i == 0 else (r, w)
+                stdio.append(theirs)
+                opened.append(theirs)
+                continue
+            fd, mine = _stdio_fd(stream, default)
             stdio.append(fd)
             if mine:
                 opened.append(fd)
-        zygote = _zygote_for(env)
-        child = None
-        if zygote is not None:
-            # the same audit event a Popen raises: the suite's hygiene hook records the run dir and the start
-            sys.audit("subprocess.Popen", cmd[0], list(cmd), None, env)
-            cwd = os.path.abspath(os.fspath(kwargs.get("cwd") or os.getcwd()))
+        # the same audit event a Popen raises: the suite's hygiene hook records the run dir and the start
+        sys.audit("subprocess.Popen", cmd[0], list(cmd), None, env)
+        cwd = os.path.abspath(os.fspath(kwargs.get("cwd") or os.getcwd()))
+        if script is None:
             child = zygote.start(with_start_method(cmd[3:], env, cwd), env, (stdio[0], stdio[1], stdio[2]), cwd)
-    except ValueError:
-        return subprocess.Popen(cmd, **kwargs)
-    except OSError:
-        _broken = True  # no zygote on this host: every start is a plain one from now on
-        return subprocess.Popen(cmd, **kwargs)
+        else:
+            text = {"text": bool(kwargs.get("text") or kwargs.get("universal_newlines")),
+                    "encoding": kwargs.get("encoding"), "errors": kwargs.get("errors"),
+                    "bufsize": kwargs.get("bufsize", -1)}
+            child = zygote.start([os.fspath(a) for a in cmd[2:]], env, (stdio[0], stdio[1], stdio[2]), cwd,
+                                 script=script, pipes=(pipes[0], pipes[1], pipes[2]), text=text)
+    except BaseException:
+        child = None
+        raise
     finally:
         for fd in opened:
             os.close(fd)
-    return child if child is not None else subprocess.Popen(cmd, **kwargs)
+        if child is None:
+            for end in pipes:
+                if end is not None:
+                    os.close(end)
+    return child
+
+
+def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignore[type-arg]
+    """``subprocess.Popen(cmd, **kwargs)``, forked from a zygote when ``cmd`` is ``python -m
+    supervisor ...`` with arguments a zygote reproduces exactly (env, cwd, stdin/stdout/stderr as a
+    descriptor, DEVNULL or inherited; nothing else), or - in a script forked by a :func:`script_server`
+    zygote - ``python SCRIPT ...`` for a script it forks (pipes and text mode too, with its BLAS
+    thread variables); a plain Popen otherwise."""
+    global _broken
+    env = kwargs.get("env")
+    env = dict(os.environ if env is None else env)
+    script = _script(cmd, _script_root) if _adopted else None
+    if script is not None:
+        fits = enabled() and set(kwargs) <= _SCRIPT_KWARGS
+    else:
+        fits = (enabled() and not isinstance(cmd, (str, bytes)) and len(cmd) >= 3
+                and list(cmd[:3]) == [sys.executable, "-m", MODULE]
+                and set(kwargs) <= {"env", "cwd", "stdin", "stdout", "stderr"})
+    if not fits:
+        return _RealPopen(cmd, **kwargs)
+    try:
+        zygote = _zygote_for(env)
+        if zygote is not None and script is not None and zygote.blas != {k: env.get(k) for k in _BLAS_ENV}:
+            zygote = None
+        child = _start(zygote, cmd, env, kwargs, script) if zygote is not None else None
+    except ValueError:
+        return _RealPopen(cmd, **kwargs)
+    except OSError:
+        _broken = True  # no zygote on this host: every start is a plain one from now on
+        return _RealPopen(cmd, **kwargs)
+    return child if child is not None else _RealPopen(cmd, **kwargs)
+
+
+class _ForkingPopen(_RealPopen):  # type: ignore[type-arg]
+    """``subprocess.Popen`` in a forked script that starts processes (:func:`_fork_through_zygote`):
+    :func:`popen` - a fork where it fits, the real class's object otherwise (so ``__init__`` here
+    never runs)."""
+
+    def __new__(cls, args: Any, *rest: Any, **kwargs: Any) -> Any:
+        if rest:
+            return _RealPopen(args, *rest, **kwargs)
+        return popen(args, **kwargs)
+
+
+def _fork_through_zygote() -> None:
+    """Every ``subprocess.Popen`` (and so ``subprocess.run``) of this process through :func:`popen`:
+    in a script forked by a :func:`script_server` zygote, whose ``__main__`` code and modules call
+    ``subprocess`` themselves."""
+    subprocess.Popen = _ForkingPopen  # type: ignore[misc]
+
+
+def script_server(env: Mapping[str, str], *, scripts: str, preload: Sequence[str] = ()) -> _Zygote:
+    """A zygote of one caller's own (not one of the suite's), started with ``env`` in a session of its
+    own (its process group is the whole tree it forks: one ``killpg`` stops it), that also imports
+    ``preload`` (it must start no native thread: set the BLAS thread variables to 1 for numpy) and
+    forks ``python SCRIPT`` for the scripts under ``scripts``: see :func:`start_script`. Close it
+    (``.close()``) when done; :class:`OSError` when it cannot start."""
+    return _Zygote({**env, _PRELOAD_ENV: ",".join(preload), _SCRIPTS_ENV: os.path.abspath(scripts)},
+                   new_session=True)
+
+
+def start_script(zygote: _Zygote, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignore[type-arg]
+    """``subprocess.Popen(cmd, **kwargs)`` for ``cmd`` = ``python SCRIPT ...``, forked from a
+    :func:`script_server` zygote (SCRIPT under its folder; the same interpreter variables); a plain
+    Popen where it cannot be."""
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+    script = _script(cmd, zygote.env.get(_SCRIPTS_ENV))
+    if (script is None or not set(kwargs) <= _SCRIPT_KWARGS or _interpreter_env(env) != _interpreter_env(zygote.env)
+            or zygote.blas != {k: env.get(k) for k in _BLAS_ENV}):
+        return _RealPopen(cmd, **kwargs)
+    try:
+        child = _start(zygote, cmd, env, kwargs, script)
+    except ValueError:
+        return _RealPopen(cmd, **kwargs)
+    return child if child is not None else _RealPopen(cmd, **kwargs)
 
 
 def run(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,

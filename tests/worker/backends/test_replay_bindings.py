@@ -161,9 +161,9 @@ def test_every_call_through_the_fake_is_accepted_by_the_real_bindings(major: int
         for recorded in check.record_dir.iterdir():
             shutil.copyfile(recorded, tmp_path / recorded.name)
     else:
-        other = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "check_gpu.py"), "--dry-run-fake",
-                                "--quick", "--only", OTHER_MAJOR_PHASES], capture_output=True, text=True,
-                               timeout=gpu_dry_run.TIMEOUT_S, cwd=ROOT, env=env)
+        # its processes forked from a preloaded interpreter, as the run's one dry run's
+        other = gpu_dry_run.run_check(["--dry-run-fake", "--quick", "--only", OTHER_MAJOR_PHASES],
+                                      timeout_s=gpu_dry_run.TIMEOUT_S, env=env, forked=True)
         assert other.returncode == 0, gpu_dry_run.why_failed(other)
     exercise = subprocess.run([sys.executable, "-c", EXERCISE], capture_output=True, text=True, timeout=60,
                               cwd=ROOT, env=env)
