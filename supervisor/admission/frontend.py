@@ -518,7 +518,8 @@ class Frontend:
         if key is None:
             err = self.guard.unauthenticated_error(client, exc)
             if err is not None:
-                self.guard.errors.sent(client, self.replies.error_tracked(client, rid, err))
+                errors = self.guard.errors
+                errors.sent(client, self.replies.error_tracked(client, rid, err, errors.track(client)))
             else:  # dropped: too many of its peer's error replies unread
                 self.dropped_unanswered(client[:1])
             self.pending.count_refusal("", op, exc.code)
@@ -531,10 +532,11 @@ class Frontend:
         and goes the way of a refusal to an unauthenticated peer (its turn after verified
         requests, the same budget, sent tracked through ``guard.errors``), so a flood of
         probes costs what a flood of bad tokens costs."""
-        if not self.guard.errors.allow(client):
+        errors = self.guard.errors
+        if not errors.allow(client):
             return
-        self.guard.errors.sent(client, self.replies.ok_tracked(
-            client, rid, {"protocol": proto.PROTOCOL_VERSION, "ready": self.ready}))
+        errors.sent(client, self.replies.ok_tracked(
+            client, rid, {"protocol": proto.PROTOCOL_VERSION, "ready": self.ready}, errors.track(client)))
 
     # ------------------------------------------------------------ either capability (``events``)
 

@@ -29,7 +29,14 @@ buffers are full meets the bound. 1,024, not less: a tracker is done only once
 pyzmq's garbage thread has seen libzmq release the frame, and that thread needs
 the GIL the loop holds, so on a loaded host trackers lag the loop by many turns
 of 16 replies (at 256, 300 pipelined forged requests from a reading peer lost
-replies under load); 1,024 small replies are ~300 KiB per peer. The table of peers is itself
+replies under load); 1,024 small replies are ~300 KiB per peer. Only every
+:data:`TRACK_EVERY`-th reply to a peer carries a tracker; the others are plain
+sends, counted unread until a tracked one sent after them is done (a peer's
+replies leave through one pipe, in order): a tracked frame costs a
+``threading.Event`` and a message to pyzmq's garbage thread, most of what an
+answered forged request cost the loop (a flood of 110,000 of them:
+tests/reliability/test_frontend_flood.py), and the count stays conservative -
+never fewer than what libzmq still holds, at most ``TRACK_EVERY - 1`` more. The table of peers is itself
 bounded (least recently seen forgotten).
 
 Idle TCP sessions. A completed CURVE handshake needs no allow-listed key (by default), so
@@ -68,7 +75,7 @@ from typing import Literal
 
 import zmq
 
-__all__ = ["EVICT_MIN_IDLE_S", "ConnectionGate", "Seen", "UnreadErrors", "shed", "shed_tcp", "short", "source_key",
+__all__ = ["EVICT_MIN_IDLE_S", "TRACK_EVERY", "ConnectionGate", "Seen", "UnreadErrors", "shed", "shed_tcp", "short", "source_key",
            "tcp_peer", "tcp_peer_of"]
 
 #: the longest text an error to an unauthenticated peer carries
@@ -80,6 +87,22 @@ def short(text: str, limit: int = MAX_ERROR_TEXT) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+#: one reply in this many to an unauthenticated peer is sent tracked (see the module docstring)
+TRACK_EVERY = 16
+
+
+class _Unread:
+    """One peer's replies that libzmq may still hold."""
+
+    __slots__ = ("count", "since", "trackers")
+
+    def __init__(self) -> None:
+        self.count = 0  # replies sent and not known to be written out
+        self.since = 0  # of them, those sent untracked after the last tracked one
+        #: (tracker, replies it covers: itself and the untracked ones sent before it)
+        self.trackers: deque[tuple[zmq.MessageTracker, int]] = deque()
+
+
 @dataclass
 class UnreadErrors:
     """Per peer, the error replies to unauthenticated requests it has not taken yet."""
@@ -87,28 +110,41 @@ class UnreadErrors:
     max_unread: int = 1024
     max_peers: int = 4096
     dropped: int = field(default=0, init=False)
-    _peers: OrderedDict[bytes, deque[zmq.MessageTracker]] = field(default_factory=OrderedDict, init=False)
+    _peers: OrderedDict[bytes, _Unread] = field(default_factory=OrderedDict, init=False)
 
     def allow(self, peer: bytes) -> bool:
         """True when ``peer`` may be sent one more error reply now."""
-        queue = self._peers.pop(peer, None)
-        if queue is None:
-            queue = deque()
-        while queue and queue[0].done:
-            queue.popleft()
-        self._peers[peer] = queue
+        state = self._peers.pop(peer, None)
+        if state is None:
+            state = _Unread()
+        trackers = state.trackers
+        while trackers and trackers[0][0].done:
+            state.count -= trackers.popleft()[1]
+        self._peers[peer] = state
         while len(self._peers) > self.max_peers:
             self._peers.popitem(last=False)
-        if len(queue) >= self.max_unread:
+        if state.count >= self.max_unread:
             self.dropped += 1
             return False
         return True
 
-    def sent(self, peer: bytes, tracker: zmq.MessageTracker | None) -> None:
-        """Remember a reply sent to ``peer`` (a ``zmq.MessageTracker``: ``done`` once taken)."""
-        queue = self._peers.get(peer)
-        if queue is not None and tracker is not None:
-            queue.append(tracker)
+    def track(self, peer: bytes) -> bool:
+        """Whether the reply about to be sent to ``peer`` (just allowed) must carry a tracker."""
+        state = self._peers.get(peer)
+        return state is None or state.since + 1 >= TRACK_EVERY
+
+    def sent(self, peer: bytes, tracker: zmq.MessageTracker | bool | None) -> None:
+        """Remember a reply sent to ``peer``: its ``zmq.MessageTracker`` (``done`` once taken), True
+        when it was sent untracked (:meth:`track` said so), False or None when it was not queued."""
+        state = self._peers.get(peer)
+        if state is None or tracker is None or tracker is False:
+            return
+        state.count += 1
+        if tracker is True:
+            state.since += 1
+        else:
+            state.trackers.append((tracker, state.since + 1))
+            state.since = 0
 
     def __len__(self) -> int:
         return len(self._peers)

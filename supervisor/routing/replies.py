@@ -90,32 +90,37 @@ class Replies:
             self.held.release(tenant, "replies", held)
         return True
 
-    def error_tracked(self, client: bytes, rid: int, err: dict[str, object]) -> zmq.MessageTracker | None:
-        """An error reply whose tracker tells when libzmq let go of it (None: not queued).
+    def error_tracked(self, client: bytes, rid: int, err: dict[str, object],
+                      track: bool = True) -> zmq.MessageTracker | bool:
+        """An error reply whose tracker tells when libzmq let go of it; ``track`` False: a plain
+        send, True back when it was queued (False: not queued, whichever way it was sent).
 
         ``copy=False`` matters: pyzmq copies a frame below its copy threshold (64 KiB) and hands
         back a tracker that is done at once, so a small reply (every one of these) would never
         count as unread and the per-peer bound (:class:`supervisor.admission.peers.UnreadErrors`)
         would never hold. A zero-copy frame is done only once libzmq has written it to the
-        connection - what a peer that stops reading prevents."""
-        try:
-            frame = zmq.Frame(proto.encode_reply(rid, False, err), track=True, copy=False)
-            tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
-                [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
-            return tracker
-        except zmq.ZMQError:
-            return None  # gone, or not reading at all: nothing queued
+        connection - what a peer that stops reading prevents. It costs a ``threading.Event`` and
+        a message to pyzmq's garbage thread, so the bound tracks one reply in
+        :data:`supervisor.admission.peers.TRACK_EVERY` and sends the others plainly."""
+        return self._unauthenticated(client, proto.encode_reply(rid, False, err), track)
 
-    def ok_tracked(self, client: bytes, rid: int, result: object) -> zmq.MessageTracker | None:
+    def ok_tracked(self, client: bytes, rid: int, result: object, track: bool = True) -> zmq.MessageTracker | bool:
         """A small answer to a peer without a verified capability (``hello``'s liveness part),
-        tracked exactly as :meth:`error_tracked` is, so it shares that bound on a peer's replies."""
+        sent as :meth:`error_tracked` sends, so it shares that bound on a peer's replies."""
+        return self._unauthenticated(client, proto.encode_reply(rid, True, result), track)
+
+    def _unauthenticated(self, client: bytes, reply: bytes, track: bool) -> zmq.MessageTracker | bool:
         try:
-            frame = zmq.Frame(proto.encode_reply(rid, True, result), track=True, copy=False)
-            tracker: zmq.MessageTracker | None = self.sockets[client[0]].send_multipart(
-                [client[1:], frame], zmq.NOBLOCK, copy=False, track=True)
-            return tracker
+            sock = self.sockets[client[0]]
+            if not track:
+                sock.send(client[1:], _MORE)
+                sock.send(reply, _NOBLOCK)
+                return True
+            tracker: zmq.MessageTracker | None = sock.send_multipart(
+                [client[1:], zmq.Frame(reply, track=True, copy=False)], zmq.NOBLOCK, copy=False, track=True)
+            return False if tracker is None else tracker
         except zmq.ZMQError:
-            return None
+            return False  # gone, or not reading at all: nothing queued
 
     def error(self, client: bytes | None, rid: int, err: object) -> None:
         """An error reply: ``err`` is an error map (a worker's is relayed as it came; the client checks it)."""

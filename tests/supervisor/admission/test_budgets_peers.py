@@ -11,7 +11,7 @@ import pytest
 
 from shared.errors import HeldBytesLimit, Overloaded, error_from_dict
 from supervisor.routing.budgets import HeldBytes
-from supervisor.admission.peers import ConnectionGate, UnreadErrors, shed, short
+from supervisor.admission.peers import TRACK_EVERY, ConnectionGate, UnreadErrors, shed, short
 
 
 def test_held_bytes_per_tenant_and_total() -> None:
@@ -256,3 +256,29 @@ def test_a_full_queue_reads_what_the_last_turn_served_up_to_a_hard_ceiling() -> 
     for i in range(12, 16):
         turn.add(True, "a", f"a{i}")
     assert turn.backlog == 12 and turn.read_budget(16, 8) == 0  # 4 + 8: the hard ceiling
+
+
+def test_unread_errors_track_one_reply_in_track_every_and_count_the_rest_until_it_is_done() -> None:
+    errors = UnreadErrors(max_unread=3 * TRACK_EVERY)
+    trackers: list[_Tracker] = []
+
+    def send() -> None:
+        assert errors.allow(b"p")
+        if errors.track(b"p"):
+            trackers.append(_Tracker())
+            errors.sent(b"p", trackers[-1])
+        else:
+            errors.sent(b"p", True)  # sent untracked
+
+    for _ in range(3 * TRACK_EVERY):
+        send()
+    assert len(trackers) == 3  # every TRACK_EVERY-th
+    errors.sent(b"p", False)  # not queued: not counted
+    assert not errors.allow(b"p")  # every reply counts as unread, the untracked ones too
+    trackers[0].done = True  # libzmq let go of the first tracked reply: of every one sent before it too
+    for _ in range(TRACK_EVERY):
+        send()
+    assert len(trackers) == 4 and not errors.allow(b"p")
+    for t in trackers:
+        t.done = True
+    assert errors.allow(b"p") and errors.dropped == 2
