@@ -22,6 +22,7 @@ from shared.errors import ProtocolError
 from shared.records import PoolRecord, StatusRecord, SupervisorRecord, TenantRecord
 from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
+from tests.helpers import timeouts
 
 Answer = Callable[[int], list[bytes]]
 
@@ -52,7 +53,7 @@ def fake(tmp_path: Path) -> Iterator[Callable[[Answer], SupervisorClient]]:
 
     def make(answer: Answer) -> SupervisorClient:
         answers[:] = [answer]
-        c = SupervisorClient(str(run), timeout_s=10)
+        c = SupervisorClient(str(run), timeout_s=timeouts.scaled(10))  # a hang guard, not a speed bound
         clients.append(c)
         return c
 
