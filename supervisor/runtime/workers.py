@@ -14,6 +14,7 @@ sockets: a worker's death is seen the moment it happens.
 from __future__ import annotations
 
 import enum
+import io
 import logging
 import multiprocessing
 import os
@@ -31,7 +32,7 @@ from collections.abc import Callable
 import psutil
 
 from shared.config import SupervisorConfig
-from supervisor.runtime.entry import EntryPoint
+from supervisor.runtime.entry import EntryPoint, ForkedStart
 from shared.log import get_logger, log_event
 from shared.prctl import may_raise_priority, set_threads_nice
 from shared.worker_link import BootMessage
@@ -40,7 +41,7 @@ from supervisor.runtime.requests import Pending
 if TYPE_CHECKING:
     from shared.worker_link import FaultAck, FaultExit
 
-__all__ = ["NOT_STARTED", "OffLoopSpawner", "PreparedStart", "ProcessLike", "Spawner", "SpawnerFactory", "SpawnerLike", "WorkerHandle", "WorkerState", "kill_tree"]
+__all__ = ["NOT_STARTED", "ForkedProcess", "OffLoopSpawner", "PreparedStart", "ProcessLike", "Spawner", "SpawnerFactory", "SpawnerLike", "WorkerHandle", "WorkerState", "kill_tree"]
 
 _log = get_logger("supervisor.runtime.workers")
 _WORKER_ENTRY = EntryPoint("worker.main:run")
@@ -148,6 +149,77 @@ class _NotStarted:
 
 #: the stand-in ``process`` of a handle made before its process (see :attr:`WorkerHandle.started`)
 NOT_STARTED: ProcessLike = _NotStarted()
+
+
+class ForkedProcess:
+    """A worker the fork server forked from a :class:`~supervisor.runtime.entry.ForkedStart`
+    (:func:`fork_start`): its pid, and its sentinel - the pipe the fork server wrote the pid to and
+    writes the exit status to once it has reaped the child (readable then; EOF, read as 255, should
+    the fork server die first). What ``multiprocessing``'s process object offers the worker set
+    (``exitcode``, ``join``, ``close``), without its object's weight or its selector per look."""
+
+    __slots__ = ("pid", "returncode", "sentinel")
+
+    def __init__(self, pid: int, sentinel: int) -> None:
+        self.pid = pid
+        self.sentinel = sentinel
+        self.returncode: int | None = None
+
+    def poll(self, timeout: float | None = 0.0) -> int | None:
+        """The exit status (negative: the signal), read when it is there within ``timeout`` seconds
+        (None: wait for it); None while the process runs."""
+        if self.returncode is None and self.sentinel >= 0:
+            look = select.poll()  # not select(): a busy supervisor's fds pass FD_SETSIZE
+            look.register(self.sentinel, select.POLLIN)
+            if not look.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))):
+                return None
+            try:
+                self.returncode = int(forkserver.read_signed(self.sentinel))
+            except (OSError, EOFError):
+                self.returncode = 255  # the fork server is gone: multiprocessing's reading too
+        return self.returncode
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.poll(0.0)
+
+    def join(self, timeout: float | None = None) -> None:
+        self.poll(timeout)
+
+    def close(self) -> None:
+        """Close the sentinel (once the status is read; the worker set reaps before it closes)."""
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+    def __del__(self) -> None:
+        if getattr(self, "sentinel", -1) >= 0:
+            try:
+                os.close(self.sentinel)
+            except OSError:
+                pass
+
+
+def fork_start(target: EntryPoint, args: tuple[object, ...]) -> ForkedProcess:
+    """Have the fork server (started first if it is not running) fork a child that calls ``target(*args)``: multiprocessing's
+    protocol with the fork server (a connection that hands it the child's two pipe ends, then the
+    pickled preparation data and process object down the child's pipe), carrying empty preparation
+    data and a :class:`~supervisor.runtime.entry.ForkedStart` instead of a ``Process``. Returns
+    once the fork server has forked (the pid is in)."""
+    from multiprocessing import reduction
+
+    buf = io.BytesIO()
+    reduction.dump({}, buf)  # the preparation data: what a worker needs of it is in the ForkedStart
+    reduction.dump(ForkedStart(target.spec, args, list(sys.path), os.getcwd()), buf)
+    sentinel, w = forkserver.connect_to_new_process([])
+    try:
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        pid = int(forkserver.read_signed(sentinel))
+    except BaseException:
+        os.close(sentinel)
+        raise
+    return ForkedProcess(pid, sentinel)
 
 
 def _detach_main_module() -> None:
@@ -265,22 +337,28 @@ class Spawner:
         set's starter), as long as every start runs on that one thread: it touches nothing of
         the supervisor's, and multiprocessing's set of children is not locked."""
         t0 = time.monotonic()
-        process_cls = getattr(self.ctx, "Process")  # noqa: B009 - typeshed's BaseContext lacks Process
-        proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(prepared.boot,),
-                                        name=f"twt-worker-{prepared.worker_id}", daemon=False)
-        proc.start()
-        _untrack(proc)
-        assert proc.pid is not None
+        process: ProcessLike
+        if self.method == "forkserver":
+            forked = fork_start(_WORKER_ENTRY, (prepared.boot,))
+            process, pid, sentinel = forked, forked.pid, forked.sentinel
+        else:
+            process_cls = getattr(self.ctx, "Process")  # noqa: B009 - typeshed's BaseContext lacks Process
+            proc: BaseProcess = process_cls(target=_WORKER_ENTRY, args=(prepared.boot,),
+                                            name=f"twt-worker-{prepared.worker_id}", daemon=False)
+            proc.start()
+            _untrack(proc)
+            assert proc.pid is not None
+            process, pid, sentinel = proc, proc.pid, proc.sentinel
         handle = WorkerHandle(
             worker_id=prepared.worker_id,
             token=prepared.token,
             routing_id=prepared.routing_id,
-            process=proc,
-            pid=proc.pid,
-            sentinel=proc.sentinel,
+            process=process,
+            pid=pid,
+            sentinel=sentinel,
             spawned_at=t0,
         )
-        log_event(_log, logging.DEBUG, "worker.process_started", worker=prepared.worker_id, pid=proc.pid,
+        log_event(_log, logging.DEBUG, "worker.process_started", worker=prepared.worker_id, pid=pid,
                   method=self.method, start_ms=round((time.monotonic() - t0) * 1000, 3))
         return handle
 
@@ -391,6 +469,8 @@ def _forkserver_status(proc: ProcessLike) -> int | None:
     second in the density stream); a zero-timeout ``poll`` says the same. The status is stored
     where ``multiprocessing`` keeps it (``Popen.returncode``), so ``exitcode`` and ``close``
     work as before; unreadable, it is 255, as ``multiprocessing`` has it."""
+    if isinstance(proc, ForkedProcess):
+        return proc.poll(0.0)
     popen = getattr(proc, "_popen", None)
     if (popen is None or _ForkserverPopen is None or not isinstance(popen, _ForkserverPopen)
             or popen.returncode is not None):

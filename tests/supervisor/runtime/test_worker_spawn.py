@@ -34,8 +34,8 @@ def test_a_started_worker_is_left_out_of_multiprocessings_children_and_still_rea
 
 
 def test_a_forked_worker_unpickles_its_target_without_an_import() -> None:
-    """Every forked worker unpickles its target (the entry point naming worker.main:run) and its boot
-    message first: the fork server's preload has imported their modules, so a worker's start
+    """Every forked worker unpickles its start first (a ForkedStart naming worker.main:run, with its
+    boot message): the fork server's preload has imported their modules, so a worker's start
     imports nothing for them (the entry point's package was ~0.5 ms of each start). A fresh
     interpreter preloads as the fork server does."""
     import json
@@ -43,15 +43,21 @@ def test_a_forked_worker_unpickles_its_target_without_an_import() -> None:
     import subprocess
     import sys
 
+    from supervisor.runtime.entry import ForkedStart
     from supervisor.runtime.workers import _WORKER_ENTRY, FORKSERVER_PRELOAD
 
     code = ("import importlib, json, pickle, sys\n"
             "for name in json.loads(sys.argv[1]):\n"
             "    importlib.import_module(name)\n"
             "before = set(sys.modules)\n"
-            "pickle.loads(bytes.fromhex(sys.argv[2]))\n"
+            "import io\n"
+            "f = io.BytesIO(bytes.fromhex(sys.argv[2]))\n"
+            "assert pickle.load(f) == {} and pickle.load(f).spec == 'worker.main:run'\n"
             "print(json.dumps(sorted(set(sys.modules) - before)))\n")
-    target = pickle.dumps(_WORKER_ENTRY).hex()
+    spawner = Spawner(SupervisorConfig(start_method="spawn"),
+                      {"backend": "tcp://127.0.0.1:9", "control": "tcp://127.0.0.1:9"})
+    start = ForkedStart(_WORKER_ENTRY.spec, (spawner.prepare(pool=True).boot,), list(sys.path), str(REPO))
+    target = (pickle.dumps({}) + pickle.dumps(start)).hex()
     out = subprocess.run([sys.executable, "-c", code, json.dumps(FORKSERVER_PRELOAD), target], capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert json.loads(out) == []
@@ -174,3 +180,69 @@ def test_a_forkserver_childs_status_is_read_from_its_sentinel_without_a_selector
     out = subprocess.run([sys.executable, str(script), str(timeouts.scaled(60))], cwd=REPO, capture_output=True,
                          text=True, timeout=timeouts.scaled(120))
     assert out.returncode == 0 and out.stdout.strip().startswith("ok"), out.stderr
+
+
+_FORKED_START = r"""
+import multiprocessing, multiprocessing.connection, os, select, signal, sys
+from multiprocessing import forkserver
+from supervisor.runtime.entry import EntryPoint
+from supervisor.runtime.workers import ForkedProcess, exit_status, fork_start, kill_tree
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["supervisor.runtime.entry"])
+    forkserver.ensure_running()
+    # after the fork server started: a module only this process's sys.path finds, and its cwd
+    sys.path.insert(0, sys.argv[2])
+    os.chdir(sys.argv[2])
+    procs = [
+        fork_start(EntryPoint("os:_exit"), (3,)),
+        fork_start(EntryPoint("signal:pause"), ()),
+        fork_start(EntryPoint("sys:exit"), (5,)),
+        fork_start(EntryPoint("os:getpid"), ()),                 # returns: status 0
+        fork_start(EntryPoint("importlib:import_module"), ("forked_probe",)),
+    ]
+    assert all(isinstance(p, ForkedProcess) and p.pid > 0 for p in procs)
+    assert procs[1].exitcode is None  # alive
+    kill_tree(procs[1].pid, signal.SIGKILL)
+    for p in procs:  # its death, as the loop sees it
+        look = select.poll()
+        look.register(p.sentinel, select.POLLIN)
+        assert look.poll(float(sys.argv[1]) * 1000)
+
+    def no_selector(*args, **kwargs):
+        raise AssertionError("a selector was made to read a status that was there")
+
+    multiprocessing.connection.wait = no_selector
+    got = [exit_status(p) for p in procs]
+    assert got == [(3, None), (None, signal.SIGKILL), (5, None), (0, None), (9, None)], got
+    assert [p.exitcode for p in procs] == [3, -signal.SIGKILL, 5, 0, 9]
+    for p in procs:
+        p.close()
+        p.close()  # once only
+    assert all(p.sentinel == -1 for p in procs)
+    print("ok")
+"""
+
+_FORKED_PROBE_MODULE = """
+import os, sys
+os._exit(9 if os.getcwd() == os.path.dirname(os.path.abspath(__file__)) else 8)
+"""
+
+
+def test_a_forked_start_runs_its_target_and_reports_its_status(tmp_path: Path) -> None:
+    """A worker forked from a ForkedStart (the fork server's child without multiprocessing's
+    process object, preparation and bootstrap) runs its target with the starter's sys.path and
+    working directory, and its status - exited, returned, SystemExit, killed - is read from its
+    sentinel with one look. In a child interpreter: a fork server of this test process would be
+    every later test's."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "forked.py"
+    script.write_text(_FORKED_START)
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "forked_probe.py").write_text(_FORKED_PROBE_MODULE)
+    out = subprocess.run([sys.executable, str(script), str(timeouts.scaled(60)), str(tmp_path / "mods")], cwd=REPO,
+                         capture_output=True, text=True, timeout=timeouts.scaled(120))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
