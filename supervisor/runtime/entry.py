@@ -67,7 +67,11 @@ class ForkedStart:
 
         if parent_sentinel is not None:
             os.close(parent_sentinel)  # multiprocessing's parent_process() only: a worker watches its parent itself
-        threading.main_thread()._set_native_id()  # type: ignore[attr-defined]  # still the fork server's
+        # the main thread's native id is still the fork server's (multiprocessing's own bootstrap resets it
+        # the same way); a Python without this private method only keeps the stale id in threading's record
+        reset = getattr(threading.main_thread(), "_set_native_id", None)
+        if reset is not None:
+            reset()
         if sys.path != self.sys_path:
             sys.path[:] = self.sys_path
         if os.getcwd() != self.cwd:
