@@ -462,8 +462,6 @@ class DeviceGate:
         #: the op or batch being run is small (:meth:`_small_run`) and the last of the device thread's
         #: pass (:meth:`_queued_items`); after the pass: the pass ended with small ops
         self._pass_end = False
-        #: ops of the current back-to-back launch that returned (:meth:`_launch_each`)
-        self._launched = 0
         #: with the scheduler off on a host-serial backend (the stub): the fd whose flock serialises
         #: the device (-1 not opened, -2 unavailable)
         self._serial = -1
@@ -675,8 +673,7 @@ class DeviceGate:
             if dl is not None and start > dl:
                 break  # refused by the op path (it ends the stretch first)
             wait = max(0, start - it.submit_ns - (own - it.own_busy_ns))
-            waited = ns = now = ran_k = 0
-            k = 1
+            waited = ns = now = 0
             try:
                 if not self._held_since:
                     # a boundary gave the lease up: taken back at the launch, as _run_queued does (its
@@ -689,35 +686,22 @@ class DeviceGate:
                     self._held_since = mono()
                 if serial >= 0:
                     fcntl.flock(serial, fcntl.LOCK_EX)
-                k = 1 if board is None else self._back_to_back(items, j, end, board, mono() - self._held_since)
                 launched = mono() if work is not None else 0
                 try:
-                    if k == 1:
-                        ns = qtimer.time(it.fn, *it.args)
-                    else:
-                        ns = qtimer.time(self._launch_each, items, j, k)
-                    ran_k = k
+                    ns = qtimer.time(it.fn, *it.args)
                 finally:
                     if serial >= 0:
                         fcntl.flock(serial, fcntl.LOCK_UN)
-                    if ran_k < k:
-                        ran_k = self._launched if k > 1 else 0  # an op raised: the ones before it ran
                     if work is not None:
                         self._busy(work, launched, ns, False)
-                    self.chunks += ran_k if ran_k == k else ran_k + 1  # (the op that raised counts, as alone)
+                    self.chunks += 1
                     self.run_time_ns += ns
                     self._pending_ns += ns
                     total += ns
                     now = mono()
                 self._boundary(board, now - self._held_since, last=True, pending=False)  # (_pass_end: False)
             except BaseException as exc:  # noqa: BLE001 - the op's own error (kept by the queue)
-                # an op raised: the ones of its launch before it ran; the boundary raised: the last one
-                done = ran_k if ran_k < k else k - 1
-                if done:
-                    waits.append(wait + waited)
-                    waits.extend([0] * (done - 1))
-                    j += done
-                self.failed_op = items[j].name
+                self.failed_op = it.name
                 error = exc
             finally:
                 own += (now if now else mono()) - start - waited
@@ -725,9 +709,7 @@ class DeviceGate:
             if error is not None:
                 break
             waits.append(wait + waited)
-            if k > 1:
-                waits.extend([0] * (k - 1))  # each ran the moment the op before it ended: no wait
-            j += k
+            j += 1
         ran = j - i
         if ran:
             per = total // ran
@@ -736,48 +718,6 @@ class DeviceGate:
         if waits:
             self.block.observe_gpu_waits(waits)
         return ran, error
-
-    def _back_to_back(self, items: list[_Item], j: int, end: int, board: GpuTimeBoard, held: int) -> int:
-        """How many ops of a run from ``items[j]`` on go to the device in one launch (at least 1): the
-        stub's device is this thread, and between two launches it idled for this thread's Python
-        (~40 us an op, run cold after each GEMM); a GPU's launches are asynchronous, its next kernel
-        already queued when one ends. Only ops of the run (one kind and shape, one chunk each, within
-        their deadlines), and only as many as end, by their estimates, before the stretch's next
-        boundary could pass the device on: ~a chunk held, a quarter of one while another worker waits
-        and the board's last answer no longer holds (:meth:`_boundary`'s rule, so the device passes
-        on at the same boundaries as op by op)."""
-        first = items[j]
-        est = first.est
-        p = first.plan
-        if est <= 0 or j + 1 >= end or p is None:
-            return 1
-        limit = self.chunk_ns
-        if board.others_waiting() and not board.quiet():
-            limit //= 4
-        room = (limit - max(0, held)) // est
-        if room < 2:
-            return 1
-        now = time.monotonic_ns()
-        k = 1
-        stop = min(end, j + room)
-        while j + k < stop:
-            it = items[j + k]
-            ip = it.plan
-            if (ip is None or it.name != first.name or ip.units != p.units or ip.shape != p.shape
-                    or ip.call is not None or ip.combine is not None
-                    or (it.deadline_ns is not None and now > it.deadline_ns)):
-                break
-            k += 1
-        return k
-
-    def _launch_each(self, items: list[_Item], j: int, k: int) -> None:
-        """``items[j:j+k]`` back to back, one after another (one timed launch); :attr:`_launched`
-        counts the ones that returned (an op that raises ends the launch)."""
-        self._launched = 0
-        for n in range(j, j + k):
-            it = items[n]
-            it.fn(*it.args)
-            self._launched += 1
 
     def _hold(self, deadline_ns: int | None) -> None:
         """The lease for the stretch ahead, before its ops are looked at: the guest's ops queued

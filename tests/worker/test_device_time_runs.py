@@ -43,15 +43,12 @@ class _CountingTimer(ThreadTimer):
         return super().time(fn, *args)
 
 
-def _gate(block: QuotaBlock, board: object, chunk_s: float = 0.002,
-          per_chunk: int = 0) -> tuple[DeviceGate, StubBackend, _CountingTimer]:
-    """A gate whose cost model is pinned: every op one chunk, none small; an op's estimate 100 chunks
-    (none fit a chunk together), or 1/``per_chunk`` of a chunk (that many fit back to back in one)."""
+def _gate(block: QuotaBlock, board: object, chunk_s: float = 0.002) -> tuple[DeviceGate, StubBackend, _CountingTimer]:
     be = StubBackend()
     timer = _CountingTimer()
     be.queue_timer = lambda: timer  # type: ignore[method-assign]
     gate = DeviceGate(block, be, cast(GpuTimeBoard, board), chunk_s=chunk_s)
-    big = gate.chunk_ns // per_chunk if per_chunk else 100 * gate.chunk_ns
+    big = 100 * gate.chunk_ns
 
     def predict_ns(name: str, p: Plan, units: int) -> float:
         return float(big)  # never small (no batch)
@@ -164,80 +161,6 @@ def test_an_op_failing_inside_a_run_keeps_the_ops_before_and_drops_the_rest(bloc
         assert gate.queue is not None and gate.queue.dropped == 2
         assert block.snapshot().gpu_waits == 4  # the slow op and the three GEMMs that ran
         gate.sync()  # the error was raised once
-        gate.release()
-    finally:
-        gate.close()
-
-
-class _WaitedBoard(CountingBoard):
-    """Another worker waits, and the board's last answer never holds: boundaries a quarter chunk apart."""
-
-    def others_waiting(self) -> bool:
-        return True
-
-
-@pytest.mark.parametrize("waited", [False, True])
-def test_a_runs_ops_go_to_the_device_back_to_back_up_to_the_next_boundary(block: QuotaBlock, waited: bool) -> None:
-    """The ops of a run that end, by their estimates, before the stretch's next boundary could pass the
-    device on run in one launch, one after another (the stub's device is the device thread: its
-    Python between launches was device idle) - ~a chunk of them, a quarter chunk's while another
-    worker waits and the board's last answer does not hold; each op still runs on its own arguments
-    in order, counted, its wait observed (the ones behind the first in a launch: none)."""
-    board = _WaitedBoard(True) if waited else CountingBoard(True)
-    gate, be, timer = _gate(block, board, chunk_s=3600.0, per_chunk=10)  # no boundary reached: held time tiny
-    try:
-        rng = np.random.default_rng(2)
-        a_vals = [rng.standard_normal((N, N)) for _ in range(12)]
-        b_vals = rng.standard_normal((N, N))
-        b = _matrix(be, b_vals)
-        pairs = [(_matrix(be, av), be.alloc(4 * N * N)) for av in a_vals]
-        slow = _held_back(gate, be)
-        for a, c in pairs:
-            gate.submit("matmul_f32", be.matmul_f32, (a, b, c, N, N, N))
-        slow.go.set()
-        gate.sync()
-        for av, (_, c) in zip(a_vals, pairs):
-            np.testing.assert_allclose(_read(be, c, N, N), (av.astype(np.float32) @ b_vals.astype(np.float32)),
-                                       rtol=1e-4, atol=1e-4)
-        # 9 of 10 fit what is left of the chunk (a few ns held), then the 3 left; 2 of a quarter's 2.5
-        assert timer.calls == 1 + (6 if waited else 2)
-        assert gate.chunks == 13 and block.snapshot().gpu_waits == 13
-        gate.release()
-    finally:
-        slow.go.set()
-        gate.close()
-
-
-def test_an_op_failing_inside_a_back_to_back_launch_keeps_the_ops_before_and_drops_the_rest(block: QuotaBlock) -> None:
-    board = CountingBoard(True)
-    gate, be, _ = _gate(block, board, chunk_s=3600.0, per_chunk=10)
-    try:
-        b = _matrix(be, np.eye(N))
-        outs = [be.alloc(4 * N * N) for _ in range(6)]
-        a = _matrix(be, np.full((N, N), 2.0))
-        calls = {"n": 0}
-
-        def gemm(*args: object) -> None:
-            calls["n"] += 1
-            if calls["n"] == 4:
-                raise RuntimeError("the fourth GEMM failed")
-            be.matmul_f32(*args)  # type: ignore[arg-type]
-
-        slow = _held_back(gate, be)
-        for c in outs:
-            gate.submit("matmul_f32", gemm, (a, b, c, N, N, N))
-        slow.go.set()
-        with pytest.raises(RuntimeError, match="fourth"):
-            gate.sync()
-        assert gate.failed_op == "matmul_f32" and calls["n"] == 4  # one launch; the ops after it dropped
-        for c in outs[:3]:
-            assert (_read(be, c, N, N) == 2.0).all()
-        for c in outs[4:]:
-            assert (_read(be, c, N, N) == 0.0).all()
-        assert gate.queue is not None and gate.queue.dropped == 2
-        assert block.snapshot().gpu_waits == 4  # the slow op and the three GEMMs that ran
-        assert gate.chunks == 5  # the slow op, the three, and the one that raised
-        gate.sync()
         gate.release()
     finally:
         gate.close()
