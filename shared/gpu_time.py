@@ -1197,18 +1197,7 @@ class GpuTimeBoard(MappedSegment):
         self._last_end = now
         self._op_sum += max(0, charged_ns)
         if last:
-            op, self._op_sum = self._op_sum, 0
-            self._op_ns += (op - self._op_ns) >> _GAP_EWMA_SHIFT if self._op_ns else op
-            # the idle time this worker may hold between ops before a waiter takes the device: four
-            # times its ops' length, at least the grace. Lending costs the lender up to a chunk at
-            # its next op and hands its idle time to whoever waits, whatever the passes: right for a
-            # tenant mostly idle (a chatty one: 20 us ops, 0.1-1 ms gaps), wrong for one that keeps
-            # the device busy between host hiccups (GEMMs of 0.3 ms, 0.3-1 ms apart on a loaded
-            # 2-core host: lending to them turned 7:3 into 58:42 - weights no longer decided)
-            grace = min(max(_HANDOVER_GRACE_NS, 4 * self._op_ns), _atomics.load(buf, _C_QUANTUM) // 2)
-            if grace != self._grace_ns:
-                self._grace_ns = grace
-                _atomics.store(buf, self._w_off(w) + _W_GRACE, grace)
+            self._op_ended(buf, w)
         _atomics.store(buf, _LAST_END, now)
         if not _atomics.compare_exchange(buf, _OWNER, mine | 1, mine):
             return True  # not ours any more (the supervisor took it: should not happen while alive)
@@ -1220,7 +1209,7 @@ class GpuTimeBoard(MappedSegment):
         waiting = _atomics.load(buf, _WAITING)
         if not waiting:
             return False
-        if last and (idle or self._gap_ns > max(_LEND_GAP_NS, self._grace_ns * 3 // 4)):
+        if last and self._lends(idle):
             nxt = self.pick(now, prefer_tenant=t)  # not the holder: it has no op to run now
             if nxt is not None:
                 _atomics.store(buf, self._w_off(w) + _W_LENT, 1)
@@ -1243,11 +1232,65 @@ class GpuTimeBoard(MappedSegment):
                                     - 2 * max(chunk, self._chunk_ns))
                     if until > now:
                         self._quiet_until, self._quiet_waiting, self._quiet_grant = until, waiting, grant
+                if last:
+                    # the op ended and the holder keeps the device, idle, within its grace: the waiters,
+                    # asleep until their next look (a busy holder's: every 1 ms at most), look now and
+                    # sleep to the grace's end, when an idle holder is stolen from (_sleep_ns)
+                    _wake(buf)
                 return False
         if nxt is None:
             return False
         self._give(buf, mine, nxt, now, _HANDOFFS)
         return True
+
+    def _lends(self, idle: bool) -> bool:
+        """At an op's end while others wait: whether this holder hands the device over now (``idle``:
+        nothing queued behind the op; or its host gaps are long next to its grace)."""
+        return idle or self._gap_ns > max(_LEND_GAP_NS, self._grace_ns * 3 // 4)
+
+    def _op_ended(self, buf: memoryview, w: int) -> None:
+        """An op of this worker ended: its length joins the average, and the grace follows it."""
+        op, self._op_sum = self._op_sum, 0
+        self._op_ns += (op - self._op_ns) >> _GAP_EWMA_SHIFT if self._op_ns else op
+        # the idle time this worker may hold between ops before a waiter takes the device: four
+        # times its ops' length, at least the grace. Lending costs the lender up to a chunk at
+        # its next op and hands its idle time to whoever waits, whatever the passes: right for a
+        # tenant mostly idle (a chatty one: 20 us ops, 0.1-1 ms gaps), wrong for one that keeps
+        # the device busy between host hiccups (GEMMs of 0.3 ms, 0.3-1 ms apart on a loaded
+        # 2-core host: lending to them turned 7:3 into 58:42 - weights no longer decided)
+        grace = min(max(_HANDOVER_GRACE_NS, 4 * self._op_ns), _atomics.load(buf, _C_QUANTUM) // 2)
+        if grace != self._grace_ns:
+            self._grace_ns = grace
+            _atomics.store(buf, self._w_off(w) + _W_GRACE, grace)
+
+    def end_op(self, *, idle: bool = False) -> bool:
+        """The op this worker's last :meth:`finish` left open (``last=False``: a chunk boundary) ended
+        without another chunk - a queued stretch whose last op ended at a boundary it already told,
+        the lease held idle since. The board hears of the op's end as :meth:`finish` with ``last``
+        would have told it: while others wait, the device is lent now (``idle``, or long host gaps),
+        else the waiters are woken to time their sleep to this holder's grace. Without it the board
+        took the op as still running: no host gap measured at the next request, no idle hold
+        charged, and the waiters asleep to their next poll. True when the device was handed over;
+        nothing when no op is open or the device is not held idle by this worker."""
+        buf, w = self._need_worker()
+        if not self._op_open:
+            return False
+        mine = self._mine
+        if _atomics.load(buf, _OWNER) != mine:
+            return False  # busy again (its next chunk), or not ours: that chunk's finish ends the op
+        self._op_open = False
+        self._op_ended(buf, w)
+        if not _atomics.load(buf, _WAITING):
+            return False
+        if self._lends(idle):
+            now = self._clock()
+            nxt = self.pick(now, prefer_tenant=self._tenant)
+            if nxt is not None and self._give(buf, mine, nxt, now, _HANDOFFS):
+                _atomics.store(buf, self._w_off(w) + _W_LENT, 1)
+                return True
+            return False
+        _wake(buf)
+        return False
 
     def release(self) -> None:
         """Give the device up at the end of a run (handed to the pick, or freed)."""

@@ -1051,8 +1051,14 @@ class DeviceGate:
         was late) keeps it within its grace, as the board decides for any op's end - lending to
         such tenants at every hiccup of a loaded host turned a 7:3 split into 58:42."""
         gap = self._submit_gap_ns
-        self._flush(last=True, idle=gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns)
+        idle = gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns
         board = self.board
+        if not self._held_since and board is not None and board.scheduler:
+            # its last op ended at a chunk boundary already told (the lease held idle since): the board
+            # hears of the op's end now - a lend, or the waiters woken - rather than take it as running
+            board.end_op(idle=idle)
+        else:
+            self._flush(last=True, idle=idle)
         queue = self.queue
         if self._run_ending and board is not None and board.scheduler and (
                 queue is not None and not queue.pending) and board.holds():

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from shared import _atomics
-from shared.gpu_time import _CLAIM_SERVE_DEN, _CLAIM_SERVE_NUM, _GRANT_NS, _HANDOVER_GRACE_NS, _VCLOCK, GpuTimeBoard
+from shared.gpu_time import (_CLAIM_SERVE_DEN, _CLAIM_SERVE_NUM, _GRANT_NS, _HANDOVER_GRACE_NS, _SEQ, _VCLOCK,
+                              GpuTimeBoard)
 from tests.helpers.ns_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
@@ -313,6 +314,66 @@ def test_a_holder_of_long_ops_keeps_the_device_through_a_short_gap(board: GpuTim
     assert not waiter.try_acquire(clock.t)  # idle 0.6 ms: within its grace (2.5 ms: half a quantum)
     clock.t += 2 * MS  # idle 2.6 ms: past it, now it is
     assert waiter.try_acquire(clock.t)
+
+
+def _wakes(board: GpuTimeBoard) -> int:
+    """The board's wake sequence: bumped at every wake-up of its waiters."""
+    return _atomics.load(board._check(), _SEQ)
+
+
+def test_an_op_end_that_keeps_the_device_idle_wakes_the_waiters(board: GpuTimeBoard, clock: FakeClock,
+                                                                 workers: list[GpuTimeBoard]) -> None:
+    """A holder whose op ends while another worker waits, and that keeps the device (within its
+    grace), wakes the waiters: asleep until their next look at a busy holder (1 ms at most) they
+    would take an idle device that late; woken, they time their sleep to the grace's end. A chunk
+    boundary inside an op (``last=False``) keeps the device busy and wakes nobody."""
+    holder = attach(board, clock, workers, board.add_tenant())
+    waiter = attach(board, clock, workers, board.add_tenant())
+    assert holder.try_acquire(clock.t)
+    waiter.want(clock.t)
+    clock.t += 100 * US
+    seq = _wakes(board)
+    assert not holder.finish(100 * US, last=False)  # inside an op: kept, nobody woken
+    assert _wakes(board) == seq
+    assert holder.try_acquire(clock.t)
+    clock.t += 100 * US
+    assert not holder.finish(100 * US, last=True)  # the op's end, kept (no host gap known): idle now
+    assert _wakes(board) == seq + 1 and holder.holds()
+    clock.t += _HANDOVER_GRACE_NS // 2
+    assert not waiter.try_acquire(clock.t)  # within the holder's grace
+    clock.t += 2 * MS
+    assert waiter.try_acquire(clock.t)  # past it: stolen, as before
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_an_op_that_ended_at_a_told_boundary_is_ended_on_the_board(board: GpuTimeBoard, clock: FakeClock,
+                                                                   workers: list[GpuTimeBoard], idle: bool) -> None:
+    """A queued stretch whose last op ended at a chunk boundary it already told (``finish`` with
+    ``last=False``, the lease held idle since) tells the board the op's end (``end_op``): while another
+    worker waits the device is lent now when nothing is queued behind (``idle``), else the waiters are
+    woken to time their sleep to the holder's grace; the next request measures its host gap again
+    (the op is no longer open) - and alone, or with no op open, nothing happens."""
+    holder = attach(board, clock, workers, board.add_tenant())
+    waiter = attach(board, clock, workers, board.add_tenant())
+    assert not holder.end_op(idle=idle)  # no op open: nothing
+    assert holder.try_acquire(clock.t)
+    clock.t += 2 * MS
+    assert not holder.finish(2 * MS, last=False)  # a boundary inside the op: held idle after it
+    assert not holder.end_op(idle=idle) and holder.holds()  # nobody waits: kept, the op closed
+    assert not holder.end_op(idle=idle)  # (once)
+    assert holder.try_acquire(clock.t)
+    clock.t += 2 * MS
+    assert not holder.finish(2 * MS, last=False)
+    waiter.want(clock.t)
+    seq = _wakes(board)
+    assert holder.end_op(idle=idle) is idle
+    assert _wakes(board) == seq + 1  # lent (the grant's wake-up) or the waiters woken
+    if idle:
+        assert waiter.try_acquire(clock.t) and board.snapshot().handoffs == 1
+    else:
+        assert holder.holds() and not waiter.try_acquire(clock.t)  # within the holder's grace (half a quantum)
+        clock.t += QUANTUM
+        assert waiter.try_acquire(clock.t)  # idle past it: stolen
 
 
 # ------------------------------------------------------------------ stretches of queued work

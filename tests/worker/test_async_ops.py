@@ -218,6 +218,8 @@ class CountingBoard:
         self.calls: dict[str, int] = {"acquire": 0, "finish": 0, "release": 0, "throttled_wait_ns": 0}
         #: the ``idle`` flag of every finish (a stretch's end that lends the device)
         self.idle: list[bool] = []
+        #: the ``idle`` flag of every end_op
+        self.ended: list[bool] = []
 
     def acquire(self, deadline_ns: int | None = None) -> int:
         self.calls["acquire"] += 1
@@ -227,6 +229,12 @@ class CountingBoard:
                chunk_from: int = 0) -> bool:
         self.calls["finish"] += 1
         self.idle.append(idle)
+        return False
+
+    def end_op(self, *, idle: bool = False) -> bool:
+        """A stretch whose last op ended at a boundary already told (``last=False``)."""
+        self.calls["end_op"] = self.calls.get("end_op", 0) + 1
+        self.ended.append(idle)
         return False
 
     def throttled_wait_ns(self) -> int:

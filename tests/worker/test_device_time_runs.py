@@ -233,6 +233,38 @@ def test_a_run_takes_the_lease_again_after_a_boundary_gave_it_up_and_that_wait_i
         gate.close()
 
 
+def test_a_stretch_whose_last_op_ended_at_a_told_boundary_tells_the_board_the_ops_end(block: QuotaBlock) -> None:
+    """Every op's end a boundary (``finish`` with ``last=False``, the lease held idle after it): when the
+    queue then runs empty the board hears of the op's end (``end_op``: a lend or a wake-up) instead of
+    taking the op as running until the worker's next request; a stretch that ends holding the lease
+    busy ends with ``finish(last=True)`` as before, and no ``end_op``."""
+    board = CountingBoard(True)
+    gate, be, _ = _gate(block, board, chunk_s=1e-9)  # a boundary after every op
+    try:
+        a, b, c = _matrix(be, np.ones((N, N))), _matrix(be, np.ones((N, N))), be.alloc(4 * N * N)
+        slow = _held_back(gate, be)
+        for _ in range(3):
+            gate.submit("matmul_f32", be.matmul_f32, (a, b, c, N, N, N))
+        slow.go.set()
+        gate.sync()
+        assert board.calls.get("end_op") == 1 and len(board.ended) == 1
+        finish = board.calls["finish"]
+        gate.release()
+    finally:
+        slow.go.set()
+        gate.close()
+    board = CountingBoard(True)
+    gate, be, _ = _gate(block, board, chunk_s=3600.0)  # no boundary inside the stretch
+    try:
+        a, b, c = _matrix(be, np.ones((N, N))), _matrix(be, np.ones((N, N))), be.alloc(4 * N * N)
+        gate.submit("matmul_f32", be.matmul_f32, (a, b, c, N, N, N))
+        gate.sync()
+        assert "end_op" not in board.calls and board.calls["finish"] == 1 and finish >= 4
+        gate.release()
+    finally:
+        gate.close()
+
+
 def test_with_the_scheduler_off_a_run_takes_the_devices_flock_per_op(block: QuotaBlock,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     board = GpuTimeBoard.create(0, scheduler=False)
