@@ -17,6 +17,7 @@ import argparse
 import gc
 import math
 import json
+import os
 import platform
 import statistics
 import sys
@@ -281,9 +282,32 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def session_nice() -> int | None:
+    """This process's session group's nice value where the kernel shares the CPUs between sessions
+    before it looks at nice values (Linux's ``sched_autogroup_enabled``); None where it does not.
+
+    With autogroups on, every busy session (a shell, an ssh login, a CI job) gets an equal share of
+    the CPUs whatever its processes' nice values: a benchmark run ``nice -n -20`` still gets only
+    half of them beside one other busy session. Its report says so, so that a reader does not take
+    figures measured beside other work for a quiet machine's; the group's own priority is set with
+    ``echo N > /proc/self/autogroup`` in the session's shell (lowering N needs CAP_SYS_NICE)."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled", encoding="ascii") as f:
+            if f.read().strip() != "1":
+                return None
+        with open("/proc/self/autogroup", encoding="ascii") as f:
+            return int(f.read().split()[-1])  # "/autogroup-123 nice 0"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def environment() -> dict[str, object]:
-    """Where the figures were measured."""
+    """Where the figures were measured, and how busy the machine was when the benchmark began."""
     usable = usable_cpus()
+    try:
+        load: float | None = round(os.getloadavg()[0], 2)
+    except OSError:
+        load = None
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "python": platform.python_version(),
@@ -291,7 +315,23 @@ def environment() -> dict[str, object]:
         "platform": platform.platform(terse=True),
         "cpus": usable,
         "cpu_model": _cpu_model(),
+        "load_1m": load,
+        "nice": os.nice(0) if hasattr(os, "nice") else None,
+        "session_nice": session_nice(),
     }
+
+
+def _machine_line(env: Mapping[str, object]) -> str:
+    """The report's second line: the load at the start, this process's nice, the session group's."""
+    parts = []
+    if env.get("load_1m") is not None:
+        parts.append(f"load {env['load_1m']} at the start")
+    if env.get("nice") is not None:
+        parts.append(f"nice {env['nice']}")
+    if env.get("session_nice") is not None:
+        parts.append(f"session group nice {env['session_nice']} (the kernel shares the CPUs between busy sessions "
+                     "first: beside other work this benchmark gets its session's share, whatever its nice)")
+    return "; ".join(parts)
 
 
 @dataclass
@@ -327,6 +367,9 @@ class Report:
                 f"{env['cpus']} CPUs ({env['cpu_model']})",
                 file=out,
             )
+            machine = _machine_line(env)
+            if machine:
+                print(machine, file=out)
             for title, text in self.sections:
                 print(f"\n{title}\n{text}", file=out)
             if self.targets:
