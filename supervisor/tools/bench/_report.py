@@ -19,6 +19,7 @@ import math
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -296,9 +297,17 @@ def session_nice() -> int | None:
             if f.read().strip() != "1":
                 return None
         with open("/proc/self/autogroup", encoding="ascii") as f:
-            return int(f.read().split()[-1])  # "/autogroup-123 nice 0"
-    except (OSError, ValueError, IndexError):
+            return autogroup_nice(f.read())
+    except OSError:
         return None
+
+
+def autogroup_nice(text: str) -> int | None:
+    """The nice value in ``/proc/<pid>/autogroup``'s text (``/autogroup-123 nice 0``); None where the
+    text is not of that form - some kernels and sandboxes leave the file empty though the sysctl
+    says autogroups are on, and a report must still be written there."""
+    match = re.fullmatch(r"/autogroup-\d+\s+nice\s+(-?\d+)\s*", text)
+    return int(match.group(1)) if match else None
 
 
 def environment() -> dict[str, object]:
