@@ -24,6 +24,7 @@ import fcntl
 import gc
 import importlib
 import json
+import marshal
 import os
 import sys
 import threading
@@ -40,6 +41,33 @@ import supervisor.client.launch
 from tests.helpers import cpu_profile, gpu_dry_run, hygiene, timeouts, warm_bytecode, zygote
 
 hygiene.mark_session()
+
+
+def _read_rewritten_modules_whole() -> None:
+    """pytest's cached test modules (their asserts rewritten) read with one ``read``, not through
+    ``marshal.load(file)``.
+
+    ``marshal.load`` on a file reads it a field at a time, a method call for each of the tens of
+    thousands of objects in a large test module: our ~190 test modules took 0.25 s of CPU to load
+    that way against 0.04 s read whole and decoded with ``marshal.loads`` - in every xdist worker,
+    since each imports every test module at collection. The same bytes give the same code object
+    (``marshal.loads`` ignores what follows the object, as ``load`` leaves it unread). Through
+    pytest's internal module global: if a pytest release stops reading with ``marshal.load``, this
+    changes nothing - slower, never wrong.
+    """
+    try:
+        from _pytest.assertion import rewrite
+    except ImportError:
+        return
+    if getattr(rewrite, "marshal", None) is not marshal:
+        return
+    whole = types.ModuleType("marshal", marshal.__doc__)
+    whole.__dict__.update({k: v for k, v in vars(marshal).items() if not k.startswith("__")})
+    whole.load = lambda file: marshal.loads(file.read())  # type: ignore[attr-defined]
+    rewrite.marshal = whole  # type: ignore[attr-defined]
+
+
+_read_rewritten_modules_whole()
 # every launched supervisor is forked from a preloaded interpreter (tests/helpers/zygote.py): a
 # fresh one spends ~0.2 s of CPU importing what each of the suite's ~1,000 starts imports again
 zygote.install(supervisor.client.launch)
@@ -56,7 +84,8 @@ if os.environ.get(hygiene.ROOT_ENV):
 # .hypothesis/ in the checkout): keep it in this run's temp root (make test: fresh every run).
 hypothesis_configuration.set_hypothesis_home_dir(os.path.join(hygiene.temp_root(), "twt-hypothesis"))
 
-#: the packages whose modules hypothesis treats as local (their literals seed its generation)
+#: the packages whose modules hypothesis may treat as local (their literals seed its generation);
+#: of their files it reads only those its ``is_local_module_file`` accepts: none of tests/
 _LOCAL_PACKAGES = ("shared", "supervisor", "worker", "sdk", "tests")
 
 
@@ -107,7 +136,7 @@ def _warm_hypothesis_constants() -> None:
     moves it, this warms nothing and each worker parses as before - slower, never wrong.
     """
     try:
-        from hypothesis.internal.constants_ast import constants_from_module
+        from hypothesis.internal.constants_ast import constants_from_module, is_local_module_file
     except ImportError:
         return
     # hypothesis refuses disk work while pytest initialises (a HypothesisSideeffectWarning, an error
@@ -118,6 +147,14 @@ def _warm_hypothesis_constants() -> None:
     root = Path(__file__).resolve().parent.parent
     for package in _LOCAL_PACKAGES:
         for path in warm_bytecode.python_sources(root / package):
+            # only the files whose constants a worker's hypothesis reads: it leaves out every file
+            # below a ``tests`` folder and every ``test_*.py`` (half of our source's bytes, which
+            # cost the controller ~1.5 s of CPU to parse for nothing)
+            try:
+                if not is_local_module_file(str(path)):
+                    continue
+            except Exception:  # noqa: BLE001 - a cache warm-up: the workers compute what it missed
+                continue
             stand_in = types.ModuleType("twt_constants_stand_in")  # only its __file__ is read
             stand_in.__file__ = str(path)
             try:
