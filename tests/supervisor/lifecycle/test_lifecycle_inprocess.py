@@ -173,7 +173,7 @@ def test_crash_is_answered_and_restarted_after_backoff(h: Harness) -> None:
     (worker,) = h.spawner.of("acme")
     worker.hang_ops.add("ping")
     rid = h.send("ping", {}, cap)
-    h.turn(5)
+    h.until(lambda: "ping" in worker.received)  # in flight on the worker when it crashes
     worker.crash(signal.SIGSEGV)
     ok, err = h.answer(rid)
     assert not ok and err["code"] == "worker_lost" and err["fields"]["signal"] == signal.SIGSEGV
@@ -390,7 +390,8 @@ def test_an_empty_pool_hands_over_a_pool_worker_already_starting_rather_than_spa
     h.tick(0.25)  # housekeeping refills the pool: one worker starting
     assert len(held) == 1 and held[0].handle.tenant is None and h.sup.parts.workers.pool_starting == 1
     rid = h.send("register", {"spec": TenantSpec("second").to_dict()})
-    h.turn(5)
+    # the registration placed (its durable write is a writer thread's: turns until then, not a count)
+    h.until(lambda: held[0].handle.tenant is not None or len(h.spawner.workers) > 2)
     starting = held[0]
     assert starting.handle.tenant == "second", "the starting pool worker was handed over"
     assert len(h.spawner.workers) == 2 and h.sup.parts.workers.pool_starting == 0  # no process spawned for it
