@@ -320,3 +320,46 @@ def test_a_run_past_its_deadline_is_refused_by_the_op_path(block: QuotaBlock) ->
         gate.release()
     finally:
         gate.close()
+
+
+def test_a_submit_of_the_op_submitted_last_reuses_its_plan(block: QuotaBlock,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.device_time as device_time
+
+    plans: list[str] = []
+    real_plan = device_time.plan
+
+    def counting_plan(name: str, backend: object, args: tuple[object, ...]) -> object:
+        plans.append(name)
+        return real_plan(name, backend, args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(device_time, "plan", counting_plan)
+    board = CountingBoard(True)
+    gate, be, _ = _gate(block, board, chunk_s=3600.0)
+    try:
+        a, b = _matrix(be, np.ones((N, N))), _matrix(be, np.full((N, N), 2.0))
+        c, d = be.alloc(4 * N * N), be.alloc(4 * N * N)
+        for _ in range(3):
+            gate.submit("matmul_f32", be.matmul_f32, (a, b, c, N, N, N))
+        assert len(plans) == 1  # the same op on the same buffers and sizes: planned once
+        gate.submit("matmul_f32", be.matmul_f32, (a, b, d, N, N, N))  # another output buffer
+        gate.submit("matmul_f32", be.matmul_f32, (a, b, d, N // 2, N, N))  # another size
+        gate.submit("matmul_f32", be.matmul_f32, (a, b, d, N // 2, N, N))
+        assert len(plans) == 3
+        gate.sync()
+        np.testing.assert_allclose(_read(be, c, N, N), np.full((N, N), 2.0 * N))
+        assert gate.queue is not None and gate.queue.ran == 6
+        gate.release()
+    finally:
+        gate.close()
+
+
+def test_arguments_are_the_same_only_as_the_same_objects_or_equal_ints() -> None:
+    from worker.device_time import _same_args
+
+    buf = object()
+    assert _same_args((buf, 256, 3), (buf, int("256"), 3))
+    assert not _same_args((buf, 1), (object(), 1))
+    assert not _same_args((buf, 1), (buf, 1, 2))
+    assert not _same_args((memoryview(b"ab"),), (memoryview(b"ab"),))  # equal contents, other memory
+    assert not _same_args((1.0,), (1,))  # a float is compared as an object (the plan may close over it)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from worker.backends.base import Backend, DeviceBuffer, DeviceOutOfMemory
 from worker.backends.timing import OpTimer, ThreadTimer
@@ -45,13 +45,36 @@ class _Binary:
 
 _BINARY = _Binary()
 
+_MATMUL: Any = None
+
+
+def _matmul() -> Any:
+    """``numpy.matmul``, looked up once (numpy loads on first use: :func:`load_numpy`)."""
+    global _MATMUL
+    if _MATMUL is None:
+        import numpy as np
+
+        _MATMUL = np.matmul
+    return _MATMUL
+
+
+#: the most float32 views a buffer keeps (:meth:`StubBackend._f32`): a guest using one buffer with
+#: ever new shapes makes its cache start again, not grow
+_VIEWS_KEPT = 8
+
 
 class StubBuffer(DeviceBuffer):
-    __slots__ = ("data",)
+    """Host bytes (``data``: a ``bytearray``, or a ``memoryview`` window on another buffer's) and the
+    float32 numpy views of them made so far (``views``, by (rows, cols); cols -1: flat): a launch
+    reuses its buffers' views instead of making three arrays per GEMM (the stub's launch overhead,
+    ~6-10 us of the device thread's time a GEMM here, most of it those arrays)."""
+
+    __slots__ = ("data", "views")
 
     def __init__(self, nbytes: int) -> None:
         super().__init__(nbytes)
         self.data = bytearray(nbytes)
+        self.views: dict[tuple[int, int], Any] | None = None
 
 
 def load_numpy() -> None:
@@ -116,6 +139,7 @@ class StubBackend(Backend):
             self._live.discard(id(buf))
             self.in_use -= buf.nbytes
             buf.data = bytearray()
+            buf.views = None  # (they name the freed bytes)
 
     def write(self, buf: DeviceBuffer, offset: int, data: memoryview) -> None:
         assert isinstance(buf, StubBuffer)
@@ -132,6 +156,7 @@ class StubBackend(Backend):
         part = StubBuffer.__new__(StubBuffer)  # no bytearray of its own: a window on buf's
         part.nbytes = nbytes
         part.data = memoryview(buf.data)[offset : offset + nbytes]  # type: ignore[assignment]
+        part.views = None
         return part
 
     def read(self, buf: DeviceBuffer, offset: int, nbytes: int) -> bytes:
@@ -144,10 +169,28 @@ class StubBackend(Backend):
 
     @staticmethod
     def _f32(buf: DeviceBuffer, count: int) -> npt.NDArray[np.float32]:
+        """The first ``count`` float32 of ``buf`` (a view, made once per buffer and count)."""
+        assert isinstance(buf, StubBuffer)
+        views = buf.views
+        if views is not None:
+            got = views.get((count, -1))
+            if got is not None:
+                return cast("npt.NDArray[np.float32]", got)
+        return cast("npt.NDArray[np.float32]", StubBackend._keep(buf, (count, -1), count))
+
+    @staticmethod
+    def _keep(buf: StubBuffer, key: tuple[int, int], count: int) -> Any:
+        """A new float32 view of ``buf`` for ``key`` ((rows, cols), cols -1: flat), kept on the buffer."""
         import numpy as np
 
-        assert isinstance(buf, StubBuffer)
-        return np.frombuffer(buf.data, dtype=np.float32, count=count)
+        view = np.frombuffer(buf.data, dtype=np.float32, count=count)
+        if key[1] >= 0:
+            view = view.reshape(key)
+        views = buf.views
+        if views is None or len(views) >= _VIEWS_KEPT:
+            views = buf.views = {}
+        views[key] = view
+        return view
 
     def fill_f32(self, buf: DeviceBuffer, value: float, count: int) -> None:
         self._f32(buf, count).fill(value)
@@ -180,14 +223,20 @@ class StubBackend(Backend):
 
     @staticmethod
     def _mat(buf: DeviceBuffer, rows: int, cols: int) -> npt.NDArray[np.float32]:
-        return StubBackend._f32(buf, rows * cols).reshape(rows, cols)
+        """``buf``'s first ``rows * cols`` float32 as a (rows, cols) matrix (kept as :meth:`_f32`'s)."""
+        assert isinstance(buf, StubBuffer)
+        views = buf.views
+        if views is not None:
+            got = views.get((rows, cols))
+            if got is not None:
+                return cast("npt.NDArray[np.float32]", got)
+        return cast("npt.NDArray[np.float32]", StubBackend._keep(buf, (rows, cols), rows * cols))
 
     def matmul_f32(self, a: DeviceBuffer, b: DeviceBuffer, c: DeviceBuffer, m: int, k: int, n: int, *,
                    workspace: DeviceBuffer | None = None) -> None:
-        import numpy as np
-
         # numpy's BLAS sgemm writes straight into C (contiguous, float32, no overlap with A or B)
-        np.matmul(self._mat(a, m, k), self._mat(b, k, n), out=self._mat(c, m, n))
+        mat = self._mat
+        _matmul()(mat(a, m, k), mat(b, k, n), out=mat(c, m, n))
 
     def add_f32(self, x: DeviceBuffer, y: DeviceBuffer, out: DeviceBuffer, n: int) -> None:
         import numpy as np
