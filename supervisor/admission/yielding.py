@@ -19,7 +19,8 @@ libzmq's pipe, the kernel and its sender - in two cases:
   worker, at most ``max_hold_s`` (one that ran that long is followed by as
   long without one); it ends at the loop's turn after the answer;
 * its contended budget: past ``contended_share`` of its rate (a burst of
-  ``contended_burst``), until the budget is back.
+  ``contended_burst``), until the budget is back (at most
+  ``max_budget_hold_s`` at a time).
 
 Never held: an over-rate tenant on a socket an active tenant within its rate
 also sends on (the local ipc socket a local victim shares with a local
@@ -57,6 +58,9 @@ class Yielding:
     #: a tenant within its rate is active this long after it was served
     contended_s: float = 0.005
     contended_burst: float = 16.0
+    #: the longest single hold for a budget (a tenant with a tiny rate would owe seconds): what a
+    #: bystander's first request on that socket may wait
+    max_budget_hold_s: float = MAX_HOLD_S
     #: holds so far; of those, the ones that ran ``max_hold_s``; holds for a contended budget
     holds: int = field(default=0, init=False)
     full_holds: int = field(default=0, init=False)
@@ -104,8 +108,9 @@ class Yielding:
 
     def charge(self, tenant: str, rate: float, now: float) -> float:
         """One request of over-rate ``tenant`` (whose rate is ``rate``) served while another tenant
-        is active: 0.0 within its contended budget, else the seconds until the budget is back -
-        then it is still over its rate (on each of its sockets), held or not."""
+        is active: 0.0 within its contended budget, else the seconds to hold it (until the budget
+        is back, at most ``max_budget_hold_s``) - then it is still over its rate (on each of its
+        sockets), held or not."""
         share = self.contended_share * rate
         if share <= 0.0 or share == float("inf"):
             return 0.0
@@ -117,7 +122,7 @@ class Yielding:
         for tenants in self._over.values():
             if tenant in tenants:
                 tenants[tenant] = now
-        return -credit / share
+        return min(-credit / share, self.max_budget_hold_s)
 
     def forget(self, tenant: str) -> None:
         """An evicted tenant: nothing of it is kept."""

@@ -92,3 +92,12 @@ def test_take_skips_the_held_and_keeps_them() -> None:
     assert turn.take() == [] and turn.queued == 3
     turn.held = frozenset()
     assert turn.take() == ["a0", "a1"] and turn.take() == ["a2"]
+
+
+def test_a_budget_hold_is_short_whatever_the_rate() -> None:
+    """A tenant with a tiny rate owes seconds past its budget; the socket it sends on is left unread
+    for at most ``max_budget_hold_s`` at a time (a bystander's first request waits no longer)."""
+    y = Yielding(contended_share=0.5, contended_burst=1.0, max_budget_hold_s=0.002)
+    y.refused(b"\x01", "slow", 0.0)
+    assert y.charge("slow", 1.0, 0.0) == 0.0
+    assert y.charge("slow", 1.0, 0.0) == 0.002  # owes 2 s at half of 1 a second: held 2 ms
