@@ -23,6 +23,12 @@ bounded :meth:`FairTurn.take`:
    or a message that does not decode - one per *peer* in turn, at most
    ``unauthenticated_per_turn`` of them.
 
+The tenants in :attr:`FairTurn.held` are not served while they are held
+(:mod:`supervisor.admission.yielding`: over their rate while another
+tenant's request is in flight); their items keep their place, and
+:attr:`FairTurn.backlog` does not count them (nothing to serve: the loop may
+sleep).
+
 What a turn does not serve waits here, oldest first. Once this queue holds
 ``backlog_max`` items (or ``backlog_bytes_max`` bytes) the frontend reads only
 a few messages a turn (:attr:`FairTurn.backlog_full`), so a flood waits in
@@ -99,10 +105,20 @@ class FairTurn(Generic[T]):
     _credit: dict[Hashable, float] = field(default_factory=dict, init=False)
     #: items the last turn served (what a socket may read while the queue is full)
     _served_last: int = field(default=0, init=False)
+    #: tenants whose items are not served now (they keep their place): see the module docstring
+    held: frozenset[Hashable] = field(default=frozenset(), init=False)
 
     @property
     def backlog(self) -> int:
-        """Items waiting for a turn."""
+        """Items waiting for a turn, less those of :attr:`held` tenants (they wait for the hold's end)."""
+        if self.held:
+            known = self._known
+            return self._count - sum(len(known[k]) for k in self.held if k in known)
+        return self._count
+
+    @property
+    def queued(self) -> int:
+        """Every item waiting here, held ones included."""
         return self._count
 
     @property
@@ -148,7 +164,15 @@ class FairTurn(Generic[T]):
         """One turn: the items to serve now, in order (see the module docstring)."""
         if not self._count:
             return []
-        first = _round_robin(self._known, self.per_tenant_per_turn, None) if self._known else []
+        known = self._known
+        if self.held and known:  # held tenants keep their place, out of this turn
+            known = OrderedDict((k, q) for k, q in known.items() if k not in self.held)
+        first = _round_robin(known, self.per_tenant_per_turn, None) if known else []
+        if known is not self._known:
+            for key in [k for k in self._known if k not in known and k not in self.held]:
+                del self._known[key]  # emptied this turn
+            for key in known:  # served and not emptied: to the back, as _round_robin left them
+                self._known.move_to_end(key)
         rest = _round_robin(self._unknown, None, self.unauthenticated_per_turn) if self._unknown else []
         out = first + rest
         self._served_last = len(out)
@@ -161,7 +185,8 @@ class FairTurn(Generic[T]):
 
     def run_turn(self, serve: Callable[[T], None], clock: Callable[[], float]) -> int:
         """One turn served through ``serve`` (the order of :meth:`take`, but each tenant also
-        bounded by ``quantum_s`` of measured time); returns how many items were served."""
+        bounded by ``quantum_s`` of measured time); returns how many items were served. The
+        :attr:`held` tenants are skipped (``serve`` may hold them: asked before each item)."""
         if not self._count:
             return 0
         served = 0
@@ -176,7 +201,7 @@ class FairTurn(Generic[T]):
                 progressed = False
                 for key in list(known):
                     n = taken.get(key, 0)
-                    if n >= per_key or credit[key] <= 0.0:
+                    if n >= per_key or credit[key] <= 0.0 or key in self.held:
                         continue
                     queue = known[key]
                     item = queue.popleft()

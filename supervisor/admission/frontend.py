@@ -44,6 +44,7 @@ from shared import protocol as proto
 from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability, capability_from_bytes
 from shared.config import SupervisorConfig
 from shared.errors import (
+    AdmissionRate,
     ClientRepliesQueued,
     Draining,
     InFlightLimit,
@@ -60,7 +61,7 @@ from shared.log import get_logger
 from shared.sizes import MAX_MODULE_BYTES
 from supervisor.admission.guard import FrontendGuard
 from supervisor.admission.rates import RefusalUnanswered
-from supervisor.runtime.loop import Loop
+from supervisor.runtime.loop import Loop, Timer
 from supervisor.routing.dispatcher import Body, Dispatcher
 from supervisor.routing.pending import PendingTable
 from supervisor.routing.regions import RegionTable, ipc_peer_pid
@@ -221,15 +222,32 @@ class Frontend:
             signals.on_key_rotated(self._key_rotated)
         #: each frontend socket's neighbour (ipc <-> tcp): what a read of one looks at (see _on_readable)
         self._other: dict[bytes, tuple[zmq.Socket[bytes], bytes]] = {}
-        loop.register(sock, lambda: self._on_readable(sock, _IPC))
+        #: each frontend socket and its read handler, by prefix (unregistered while not read)
+        self._sources: dict[bytes, tuple[zmq.Socket[bytes], Callable[[], None]]] = {
+            _IPC: (sock, lambda: self._on_readable(sock, _IPC))}
         #: the TCP socket and its read handler (unregistered while paced: supervisor.admission.pacing)
         self._tcp: tuple[zmq.Socket[bytes], Callable[[], None]] | None = None
-        #: the TCP socket is not read now (a pause of the pacer)
-        self.tcp_paused = False
         if tcp_sock is not None:
             self._other = {_IPC: (tcp_sock, _TCP), _TCP: (sock, _IPC)}
-            self._tcp = (tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
-            loop.register(tcp_sock, self._tcp[1])
+            self._tcp = self._sources[_TCP] = (tcp_sock, lambda: self._on_readable(tcp_sock, _TCP))
+        for source, handler in self._sources.values():
+            loop.register(source, handler)
+        #: the sockets not read now, by prefix, and why ("paced": the TCP pacer; "held": a hold,
+        #: supervisor.admission.yielding); read again once no reason is left
+        self._unread: dict[bytes, set[str]] = {}
+        #: the tenants over their rate now (supervisor.admission.yielding), as of this turn
+        self._over: frozenset[str] = frozenset()
+        #: the hold on now (its longest end's timer) and the tenants it holds
+        self._hold: Timer | None = None
+        self._hold_tenants: frozenset[str] = frozenset()
+        #: no hold begins before this (after a hold that ran its full length: as long again)
+        self._no_hold_until = 0.0
+        #: until when a tenant within its rate counts as active (the over-rate ones are contended)
+        self._contended_until = 0.0
+        #: socket -> until when a tenant within its rate is active on it (never held then)
+        self._light_sources: dict[bytes, float] = {}
+        #: over-rate tenants held past their contended budgets, and the timers that end it
+        self._budget_held: dict[str, Timer] = {}
         #: the TCP connections' activity (supervisor.admission.peers: the idle rule and the eviction)
         self._sessions = guard.connections if tcp_sock is not None else None
         if self._sessions is not None:
@@ -252,10 +270,12 @@ class Frontend:
         # messages the other is asked for input, and when it has some the batch ends and the
         # other is read right after this one is served (a tcp-ping flood's victim on
         # ipc waited ~0.5 ms before the loop read it, a whole batch and its serving).
-        if self.tcp_paused and prefix == _TCP:  # (polled before the pause began, this turn)
+        if prefix in self._unread:  # (polled before the pause or hold began, this turn)
             return
         recv, events = sock.recv, sock.getsockopt
-        other = self._other.get(prefix) if follow and not self.tcp_paused else None
+        other = self._other.get(prefix) if follow else None
+        if other is not None and other[1] in self._unread:
+            other = None
         other_events = other[0].getsockopt if other is not None else None
         fair, admission = self.guard.fair, self.guard.admission
         now = self.clock()
@@ -334,16 +354,134 @@ class Frontend:
         pause = pacer.dropped(n, self.clock())
         if not pause or self.tcp_paused or self._tcp is None:
             return
-        self.tcp_paused = True
-        self.loop.unregister(self._tcp[0])
+        self._stop_reading(_TCP, "paced")
         pacer.paused(pause)
-        self.loop.timers.after(pause, self._resume_tcp)
+        self.loop.timers.after(pause, lambda: self._start_reading(_TCP, "paced"))
 
-    def _resume_tcp(self) -> None:
-        """The end of a pause: read the TCP socket again (unless it was closed meanwhile)."""
-        self.tcp_paused = False
-        if self._tcp is not None and not self._tcp[0].closed:
-            self.loop.register(*self._tcp)
+    @property
+    def tcp_paused(self) -> bool:
+        """The TCP socket is not read now (a pause of the pacer)."""
+        return "paced" in self._unread.get(_TCP, ())
+
+    def _stop_reading(self, prefix: bytes, why: str) -> None:
+        """Leave the socket ``prefix`` names unread, for ``why``, until :meth:`_start_reading` says so."""
+        reasons = self._unread.get(prefix)
+        if reasons is None:
+            reasons = self._unread[prefix] = set()
+            self.loop.unregister(self._sources[prefix][0])
+        reasons.add(why)
+
+    def _start_reading(self, prefix: bytes, why: str) -> None:
+        """``why`` no longer keeps the socket ``prefix`` names unread: read it again once nothing
+        does (unless it was closed meanwhile)."""
+        reasons = self._unread.get(prefix)
+        if reasons is None or why not in reasons:
+            return
+        reasons.discard(why)
+        if reasons:
+            return
+        del self._unread[prefix]
+        sock, handler = self._sources[prefix]
+        if not sock.closed:
+            self.loop.register(sock, handler)
+
+    # ------------------------------------------------------------ holds (supervisor.admission.yielding)
+
+    def _serve_turn(self, msg: ClientMessage) -> None:
+        """Serve one request while some tenant is over its rate (supervisor.admission.yielding): an
+        over-rate tenant's is charged to its contended budget while another tenant is active; a
+        request of a tenant within its rate may begin a hold."""
+        self.serve(msg)
+        key = msg.key
+        if key is None:
+            return
+        now = self.clock()
+        if key in self._over:
+            if now < self._contended_until:
+                self._charge(key, now)
+            return
+        yielding = self.guard.yielding
+        self._contended_until = until = now + yielding.contended_s
+        self._light_sources[msg.client[:1]] = until
+        if self._hold is None and yielding.max_hold_s > 0.0 and now >= self._no_hold_until:
+            self._begin_hold(now)
+
+    def _unshared(self, tenant: str, now: float) -> bool:
+        """No tenant within its rate is active on a socket ``tenant`` sent on lately: leaving those
+        sockets unread delays nobody else."""
+        light = self._light_sources
+        return not any(light.get(source, 0.0) > now for source in self.guard.yielding.sources_of(tenant))
+
+    def _begin_hold(self, now: float) -> None:
+        """Hold the tenants over their rate (on sockets no other active tenant sends on) while
+        another tenant's request is in flight."""
+        held = frozenset(t for t in self._over if self._unshared(t, now))
+        if not held or not self._others_in_flight():
+            return
+        yielding = self.guard.yielding
+        yielding.holds += 1
+        self._hold_tenants = held
+        self._hold = self.loop.timers.after(yielding.max_hold_s, lambda: self._end_hold(full=True))
+        self._set_held(now)
+
+    def _others_in_flight(self) -> bool:
+        """A request of a tenant not over its rate is in flight at a worker."""
+        heavy = 0
+        tenants = self.tenants
+        for tenant in self._over:
+            rt = tenants.get(tenant)
+            if rt is not None:
+                heavy += rt.in_flight
+        return len(self.pending) > heavy
+
+    def _end_hold(self, full: bool = False) -> None:
+        """The hold is over: the requests it waited for were answered, or (``full``) it ran its
+        longest - then no hold begins for as long again."""
+        timer, self._hold = self._hold, None
+        if timer is None:
+            return
+        now = self.clock()
+        if full:
+            self.guard.yielding.full_holds += 1
+            self._no_hold_until = now + self.guard.yielding.max_hold_s
+        else:
+            timer.cancel()
+        self._hold_tenants = frozenset()
+        self._set_held(now)
+
+    def _charge(self, tenant: str, now: float) -> None:
+        """One request of an over-rate tenant served while another tenant is active: past its
+        contended budget, it is held until the budget is back (when its sockets are its own)."""
+        if tenant in self._budget_held or not self._unshared(tenant, now):
+            return
+        rt = self.tenants.get(tenant)
+        rate = self.guard.admission.requests_per_s
+        if rt is not None and rt.spec.requests_per_s is not None:
+            rate = rt.spec.requests_per_s
+        yielding = self.guard.yielding
+        wait = yielding.charge(tenant, rate, now)
+        if not wait:
+            return
+        yielding.budget_holds += 1
+        self._budget_held[tenant] = self.loop.timers.after(wait, lambda: self._budget_back(tenant))
+        self._set_held(now)
+
+    def _budget_back(self, tenant: str) -> None:
+        """An over-rate tenant's contended budget is back: served and read again (unless held)."""
+        if self._budget_held.pop(tenant, None) is not None:
+            self._set_held(self.clock())
+
+    def _set_held(self, now: float) -> None:
+        """The held tenants - the hold's and those past their budgets - wait in the fair queue,
+        and the sockets they send on are not read; the others are read again."""
+        held = self._hold_tenants | frozenset(self._budget_held)
+        self.guard.fair.held = held
+        sources = {source for t in held for source in self.guard.yielding.sources_of(t)}
+        for prefix in self._sources:
+            if prefix in sources:
+                self._stop_reading(prefix, "held")
+            else:
+                self._start_reading(prefix, "held")
 
     def _take(self, batch: list[ClientMessage]) -> None:
         """Serve or queue one read batch (see _on_readable)."""
@@ -355,11 +493,12 @@ class Frontend:
         first = batch[0].key
         add = fair.add
         if (not fair.backlog and first is not None and len(batch) <= fair.per_tenant_per_turn
-                and all(m.key == first for m in batch)):
+                and first not in fair.held and all(m.key == first for m in batch)):
             clock = time.perf_counter
             end = clock() + fair.quantum_s
+            serve = self._serve_turn if self._over else self.serve
             for i, msg in enumerate(batch):
-                self.serve(msg)
+                serve(msg)
                 if clock() >= end:
                     for rest in batch[i + 1:]:
                         add(True, first, rest)
@@ -373,9 +512,15 @@ class Frontend:
             self.dropped_unanswered(batch[0].client[:1], dropped)
 
     def end_turn(self) -> None:
-        """End of a loop turn: serve one bounded turn of what was read (supervisor.admission.fairness)."""
+        """End of a loop turn: serve one bounded turn of what was read (supervisor.admission.fairness);
+        end the hold once the requests it waited for were answered (supervisor.admission.yielding)."""
+        yielding = self.guard.yielding
+        if self._hold is not None and not self._others_in_flight():
+            self._end_hold()
+        if yielding.enabled:
+            self._over = frozenset(yielding.over_rate(self.clock()))
         if self.guard.fair.backlog:
-            self.guard.fair.run_turn(self.serve, time.perf_counter)
+            self.guard.fair.run_turn(self._serve_turn if self._over else self.serve, time.perf_counter)
 
     def decode(self, frames: list[zmq.Frame], prefix: bytes = _IPC) -> ClientMessage | None:
         """Decode one client message (None: unanswerable, dropped) and note whose it is:
@@ -558,8 +703,7 @@ class Frontend:
             self.registry.verify_admin(cap)
         else:
             rt = self._verify(cap_raw)
-            self.guard.admission.admit(rt.tenant_id, rt.spec, size, self.clock(),
-                                       in_flight=rt.in_flight + rt.waiting)
+            self._admit(client, rt, size)
         proto.check_args(op, args)
         result = self._either_ops[op](self, rt, args)
         self.pending.answer(client, rid, op, result, tenant="" if rt is None else rt.tenant_id)
@@ -577,7 +721,7 @@ class Frontend:
         # Every limit applies to every op, before anything is done for it: admission
         # (requests and bytes per second), the failed tenant, max_in_flight (quota and
         # put_module count, though answered at once), the module cap.
-        self.guard.admission.admit(tid, rt.spec, size, self.clock(), in_flight=rt.in_flight + rt.waiting)
+        self._admit(client, rt, size)
         proto.check_args(op, args)
         if rt.state is TenantState.FAILED:
             raise TenantFailed(tid, len(rt.restart_times), rt.spec.restart_window_s)
@@ -613,6 +757,17 @@ class Frontend:
                 raise ClientRepliesQueued(tid, in_flight, max_in_flight, queued=queued,
                                           budget=self.config.max_client_reply_bytes)
         self.dispatcher.route(rt, client, rid, op, args, body, in_flight=in_flight, max_in_flight=max_in_flight)
+
+    def _admit(self, client: bytes, rt: TenantRuntime, size: int) -> None:
+        """Charge one request of ``rt``'s to admission (supervisor.admission.rates); refused for its
+        rate, its tenant is over its rate on the socket it came on (supervisor.admission.yielding)."""
+        now = self.clock()
+        try:
+            self.guard.admission.admit(rt.tenant_id, rt.spec, size, now, in_flight=rt.in_flight + rt.waiting)
+        except (AdmissionRate, RefusalUnanswered):
+            if self.guard.yielding.refused(client[:1], rt.tenant_id, now):
+                self._over = self._over | {rt.tenant_id}
+            raise
 
     def mark_ready(self) -> None:
         """Every configured tenant is up: ``hello`` without a capability says ready from now on."""
@@ -656,6 +811,13 @@ class Frontend:
             self.module_store.drop(rt.tenant_id, rt.generation)
         self.guard.held.forget(rt.tenant_id)
         self.guard.admission.forget(rt.tenant_id)
+        self.guard.yielding.forget(rt.tenant_id)
+        self._over = self._over - {rt.tenant_id}
+        self._hold_tenants = self._hold_tenants - {rt.tenant_id}
+        timer = self._budget_held.pop(rt.tenant_id, None)
+        if timer is not None:
+            timer.cancel()
+        self._set_held(self.clock())
 
 
 def _check_ops(admin_ops: Mapping[str, AdminHandler], local_ops: Mapping[str, LocalOp],

@@ -26,6 +26,7 @@ from typing import Any
 from shared.config import SupervisorConfig
 from shared.errors import TensorWasmError
 from supervisor.admission.pacing import Pacer
+from supervisor.admission.yielding import Yielding
 from supervisor.admission.rates import Admission, AdmissionStatus
 from supervisor.routing.budgets import HeldBytes
 from supervisor.admission.connections import ConnectionStatus, FrontendConnections
@@ -64,6 +65,8 @@ class FrontendGuard:
         self.admission = Admission.from_config(config)
         #: the TCP frontend's debt of dropped messages (paused past it)
         self.pacer = Pacer(config.tcp_drops_per_s)
+        #: the over-rate tenants, held while another tenant is active (supervisor.admission.yielding)
+        self.yielding = Yielding()
         self.connections = connections
 
     def unauthenticated_error(self, client: bytes, exc: TensorWasmError) -> dict[str, object] | None:

@@ -297,3 +297,66 @@ def test_a_tcp_client_ignoring_its_refusals_pauses_the_tcp_frontend_and_nothing_
             text = resp.read().decode()
         assert "twt_tcp_pauses_total " in text and "twt_tcp_paused_seconds_total " in text
         assert c.status().supervisor.internal_errors == 0
+
+
+def test_a_tcp_flooder_held_for_an_ipc_tenant_loses_nothing_keeps_its_order_and_is_read_again() -> None:
+    """A remote tenant past its rate is held (supervisor.admission.yielding) while an ipc tenant
+    within its rate is active: its TCP socket left unread and its queued requests kept waiting
+    while the other's request is in flight, and served at most half its rate meanwhile. Held,
+    never lost or reordered: alone it is served (nobody else is active), beside a busy ipc tenant
+    every one of its requests is served or refused (answered or not), its answers in the order
+    it sent them, the ipc tenant is answered throughout, and TCP is read again afterwards."""
+    tenants = [{"name": "flooder", "requests_per_s": 400, "max_in_flight": 1024}, {"name": "other"}]
+    with supervisor(tenants, listen=[LOOPBACK], log_level="error", tenant_refusals_per_s=5) as sup:
+        c = sup.client
+        other = c.tenant_capability(None, "other")
+        flooder = c.tenant_capability(None, "flooder").to_bytes()
+        ctx: zmq.Context[Any] = zmq.Context()
+        s = _curve_flooder(ctx, sup.info)
+        sent, ok_rids, answered = 0, [], 0
+
+        def flood(n: int) -> None:
+            nonlocal sent
+            for _ in range(n):
+                sent += 1
+                s.send(proto.encode_request(sent, "ping", flooder, {}))
+
+        def read() -> None:
+            nonlocal answered
+            while s.poll(0):
+                rid, good, payload = proto.decode_reply(s.recv_multipart()[0])
+                if good:
+                    ok_rids.append(rid)
+                else:
+                    assert (payload["code"], payload["fields"]["cause"]) == ("overloaded", "rate"), payload
+                    answered += 1
+
+        def taken() -> bool:  # every request sent served or refused (answered or not)
+            read()
+            return len(ok_rids) + c.status().supervisor.admission_refused == sent
+
+        try:
+            flood(1500)  # alone: served (its rate's worth), the rest refused
+            wait_for(taken, timeout_s=120, what="the lone flooder's requests taken")
+            alone = len(ok_rids)
+            assert alone > 0
+            flood(3000)
+            pings = 0
+            while not taken():  # an ipc tenant busy throughout the flood: answered every time
+                assert c.ping(other).tenant == "other"
+                pings += 1
+            assert pings > 0 and len(ok_rids) > alone
+            status = c.status().supervisor
+            while answered < status.admission_refused - status.admission_unanswered:
+                got = len(ok_rids) + answered
+                assert s.poll(30_000), "an answered refusal did not arrive"
+                read()
+                assert len(ok_rids) + answered > got
+        finally:
+            s.close(0)
+            ctx.destroy(0)
+        assert len(ok_rids) + answered + status.admission_unanswered == sent  # nothing lost
+        assert ok_rids == sorted(ok_rids)  # nothing reordered
+        with _remote(sup.info, timeout_s=60) as after:
+            assert after.ping(other).tenant == "other"  # TCP is read again
+        assert c.status().supervisor.internal_errors == 0

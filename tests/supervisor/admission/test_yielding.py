@@ -1,0 +1,103 @@
+"""Yielding (supervisor.admission.yielding) as pure policy with a hand-driven clock, and the fair
+queue's held tenants (supervisor.admission.fairness): held requests keep their place, are
+never served while held, and none is lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.admission.fairness import FairTurn
+from supervisor.admission.yielding import Yielding
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_tenant_refused_for_its_rate_is_over_it_for_the_window_on_the_sockets_it_sent_on() -> None:
+    y = Yielding(window_s=0.1)
+    assert y.over_rate(0.0) == set()
+    assert y.refused(b"\x01", "flooder", 0.0) is True  # newly over its rate
+    assert y.refused(b"\x01", "flooder", 0.01) is False  # still
+    assert y.over_rate(0.05) == {"flooder"} and y.sources_of("flooder") == [b"\x01"]
+    assert y.sources_of("victim") == []
+    assert y.over_rate(0.2) == set()  # past the window: forgotten, its sockets too
+    assert y.sources_of("flooder") == []
+
+
+def test_the_contended_budget_is_a_share_of_the_rate_and_past_it_the_tenant_stays_over() -> None:
+    y = Yielding(window_s=0.1, contended_share=0.5, contended_burst=4.0)
+    y.refused(b"\x00", "flooder", 0.0)
+    waits = [y.charge("flooder", 1000.0, 0.0) for _ in range(5)]
+    assert waits[:4] == [0.0] * 4  # the burst
+    assert waits[4] == pytest.approx(1 / 500)  # one past it, paid back at half of 1,000 a second
+    # past its budget it is still over its rate, after the window that began at its refusal
+    assert y.over_rate(0.09) == {"flooder"} and y.over_rate(0.15) == set()
+    y.refused(b"\x00", "flooder", 0.2)
+    assert y.charge("flooder", 1000.0, 1.0) == 0.0  # a second later the budget is back
+    y.forget("flooder")
+    assert y.over_rate(0.2) == set() and y.sources_of("flooder") == []
+
+
+def test_yielding_off_keeps_no_tenant_over_its_rate() -> None:
+    y = Yielding(max_hold_s=0.0, contended_share=1.0)
+    assert not y.enabled
+    assert y.refused(b"\x00", "flooder", 0.0) is False
+    assert y.over_rate(0.0) == set()
+
+
+def test_held_tenants_keep_their_place_and_lose_nothing() -> None:
+    turn: FairTurn[str] = FairTurn(per_tenant_per_turn=16, quantum_s=1.0)
+    for i in range(4):
+        turn.add(True, "flooder", f"f{i}")
+    turn.add(True, "victim", "v0")
+    turn.held = frozenset({"flooder"})
+    assert turn.backlog == 1 and turn.queued == 5  # the held ones are not waiting for a turn
+    served: list[str] = []
+    assert turn.run_turn(served.append, lambda: 0.0) == 1 and served == ["v0"]
+    assert turn.run_turn(served.append, lambda: 0.0) == 0 and turn.backlog == 0
+    turn.add(True, "flooder", "f4")  # read while held: behind the others
+    turn.held = frozenset()
+    assert turn.backlog == 5
+    served.clear()
+    assert turn.run_turn(served.append, lambda: 0.0) == 5 and served == ["f0", "f1", "f2", "f3", "f4"]
+    assert turn.queued == 0
+
+
+def test_a_tenant_held_in_the_middle_of_a_turn_is_served_no_further() -> None:
+    turn: FairTurn[str] = FairTurn(per_tenant_per_turn=16, quantum_s=1.0)
+    for i in range(3):
+        turn.add(True, "flooder", f"f{i}")
+    turn.add(True, "victim", "v0")
+    served: list[str] = []
+
+    def serve(item: str) -> None:  # the victim's request in flight holds the flooder
+        served.append(item)
+        if item == "v0":
+            turn.held = frozenset({"flooder"})
+
+    turn.run_turn(serve, lambda: 0.0)
+    assert served == ["v0"]  # the victim's first (it had nothing waiting), then none of the held
+    turn.held = frozenset()
+    turn.run_turn(serve, lambda: 0.0)
+    assert served == ["v0", "f0", "f1", "f2"]
+
+
+def test_take_skips_the_held_and_keeps_them() -> None:
+    turn: FairTurn[str] = FairTurn(per_tenant_per_turn=2)
+    for i in range(3):
+        turn.add(True, "a", f"a{i}")
+        turn.add(True, "b", f"b{i}")
+    turn.held = frozenset({"a"})
+    assert turn.take() == ["b0", "b1"]
+    assert turn.take() == ["b2"]
+    assert turn.take() == [] and turn.queued == 3
+    turn.held = frozenset()
+    assert turn.take() == ["a0", "a1"] and turn.take() == ["a2"]
+
+
+def test_a_budget_hold_is_short_whatever_the_rate() -> None:
+    """A tenant with a tiny rate owes seconds past its budget; the socket it sends on is left unread
+    for at most ``max_budget_hold_s`` at a time (a bystander's first request waits no longer)."""
+    y = Yielding(contended_share=0.5, contended_burst=1.0, max_budget_hold_s=0.002)
+    y.refused(b"\x01", "slow", 0.0)
+    assert y.charge("slow", 1.0, 0.0) == 0.0
+    assert y.charge("slow", 1.0, 0.0) == 0.002  # owes 2 s at half of 1 a second: held 2 ms
