@@ -517,7 +517,7 @@ class Frontend:
         yielding = self.guard.yielding
         if self._hold is not None and not self._others_in_flight():
             self._end_hold()
-        if yielding.enabled:
+        if self._over or yielding.tracking:  # (none refused for its rate lately: nothing to ask)
             self._over = frozenset(yielding.over_rate(self.clock()))
         if self.guard.fair.backlog:
             self.guard.fair.run_turn(self._serve_turn if self._over else self.serve, time.perf_counter)

@@ -74,6 +74,12 @@ class Yielding:
     def enabled(self) -> bool:
         return self.max_hold_s > 0.0 or self.contended_share < 1.0
 
+    @property
+    def tracking(self) -> bool:
+        """Some tenant was refused for its rate and not yet forgotten: only then is
+        :meth:`over_rate` worth asking (the frontend asks at every loop turn otherwise)."""
+        return bool(self._over)
+
     def refused(self, source: bytes, tenant: str, now: float) -> bool:
         """``tenant`` was refused for its rate (answered or not) on a request read from ``source``.
         True when that makes it over its rate (it was not already)."""

@@ -14,13 +14,14 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_a_tenant_refused_for_its_rate_is_over_it_for_the_window_on_the_sockets_it_sent_on() -> None:
     y = Yielding(window_s=0.1)
-    assert y.over_rate(0.0) == set()
+    assert y.over_rate(0.0) == set() and not y.tracking
     assert y.refused(b"\x01", "flooder", 0.0) is True  # newly over its rate
+    assert y.tracking
     assert y.refused(b"\x01", "flooder", 0.01) is False  # still
     assert y.over_rate(0.05) == {"flooder"} and y.sources_of("flooder") == [b"\x01"]
     assert y.sources_of("victim") == []
     assert y.over_rate(0.2) == set()  # past the window: forgotten, its sockets too
-    assert y.sources_of("flooder") == []
+    assert y.sources_of("flooder") == [] and not y.tracking
 
 
 def test_the_contended_budget_is_a_share_of_the_rate_and_past_it_the_tenant_stays_over() -> None:
@@ -41,7 +42,7 @@ def test_yielding_off_keeps_no_tenant_over_its_rate() -> None:
     y = Yielding(max_hold_s=0.0, contended_share=1.0)
     assert not y.enabled
     assert y.refused(b"\x00", "flooder", 0.0) is False
-    assert y.over_rate(0.0) == set()
+    assert y.over_rate(0.0) == set() and not y.tracking
 
 
 def test_held_tenants_keep_their_place_and_lose_nothing() -> None:
