@@ -95,19 +95,21 @@ def test_eviction_drops_cached_tokens_runtimes_and_modules() -> None:
         def cycle(i: int) -> None:
             cap = c.register(None, TenantSpec(f"cycle{i}"))
             for j in range(3):
-                c.put_module(cap, bytes([j]) * (30 * MiB))
+                c.put_module(cap, bytes([j]) * (10 * MiB))
             c.ping(cap)  # its token is now in the frontend's verified cache
             c.evict(None, f"cycle{i}")
 
-        per_cycle = 3 * 30 * MiB
+        per_cycle = 3 * 10 * MiB
         cycle(0)
         rss0 = proc.memory_info().rss
         for i in range(1, 7):
             cycle(i)
         growth = proc.memory_info().rss - rss0
-        # A leak keeps every cycle's modules (6 x 90 MiB); the allocator may keep the
+        # A leak keeps every cycle's modules (6 x 30 MiB); the allocator may keep the
         # last cycle's freed buffers and the module writer the one it is writing, so
-        # the bound is two cycles' bytes - the test is about growth with the count.
+        # the bound is two cycles' bytes - the test is about growth with the count. With 10 MiB
+        # modules it grew 0-29 MiB in three runs, and 180 MiB (failed) with each evicted tenant's
+        # modules kept; 30 MiB ones (-60..89 MiB) cost twice the CPU (copies on both sides).
         assert growth < 2 * per_cycle, f"supervisor grew {growth >> 20} MiB over 6 cycles with no tenant left"
         held = c.status().supervisor.held_bytes
         assert held["modules"] == 0 and held["total"] == 0
