@@ -193,6 +193,12 @@ class SupervisorRecord(HelloInfo):
     #: more than tcp_drops_per_s (supervisor.admission.pacing)
     tcp_pauses: int = 0
     tcp_paused_s: float = 0.0
+    #: times a tenant over its rate was held (its socket unread, its queued requests kept) while another
+    #: tenant's request was in flight; of those, the holds that ran their longest (max 2 ms); holds for
+    #: its contended budget (past half its rate while another tenant is active; supervisor.admission.yielding)
+    yield_holds: int = 0
+    yield_full_holds: int = 0
+    yield_budget_holds: int = 0
     #: the backend's driver: the NVIDIA kernel driver's version and the CUDA version it supports
     #: ("" on the stub; the same as twt_backend_info's labels)
     driver_version: str = ""

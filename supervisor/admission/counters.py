@@ -18,7 +18,7 @@ __all__ = ["FrontendCounters"]
 class FrontendCounters:
     """The frontend's guard counters (supervisor.admission.guard): admission refusals by tenant and
     what was exceeded, unauthenticated requests dropped and connections shed by reason,
-    connections now and their budget."""
+    connections now and their budget, the TCP frontend's pauses and the over-rate tenants' holds."""
 
     admission_refused: tuple[tuple[str, str, int], ...] = ()  # (tenant, "requests" | "bytes", count)
     admission_unanswered: tuple[tuple[str, int], ...] = ()  # (tenant, count): refused and dropped unanswered
@@ -29,3 +29,8 @@ class FrontendCounters:
     connection_budget: int = 0
     tcp_pauses: int = 0  # the TCP frontend not read for a while (supervisor.admission.pacing)
     tcp_paused_s: float = 0.0
+    #: an over-rate tenant held while another tenant's request was in flight; of those, the holds that
+    #: ran their longest; holds for a contended budget (supervisor.admission.yielding)
+    yield_holds: int = 0
+    yield_full_holds: int = 0
+    yield_budget_holds: int = 0

@@ -13,6 +13,7 @@ counters status reports:
 * ``admission``: requests and bytes per second per tenant, and per peer for
   the unauthenticated (token buckets);
 * ``pacer``: the TCP frontend's debt of dropped messages (paused past it);
+* ``yielding``: the tenants over their rate, held while another tenant is active (and its holds);
 * ``connections``: the frontend's connections (ipc and TCP) against the fd
   budget and the TCP bounds.
 
@@ -44,6 +45,9 @@ class GuardStatus(AdmissionStatus):
     held_bytes: dict[str, int]
     tcp_pauses: int
     tcp_paused_s: float
+    yield_holds: int
+    yield_full_holds: int
+    yield_budget_holds: int
     unauthenticated_dropped: int
     unauthenticated_dropped_by: dict[str, int]
     unauthenticated_backlog: int
@@ -111,6 +115,9 @@ class FrontendGuard:
             connection_budget=gate.budget if gate is not None else 0,
             tcp_pauses=self.pacer.pauses,
             tcp_paused_s=self.pacer.paused_s,
+            yield_holds=self.yielding.holds,
+            yield_full_holds=self.yielding.full_holds,
+            yield_budget_holds=self.yielding.budget_holds,
         )
 
     def status(self) -> GuardStatus | WatchedGuardStatus:
@@ -122,6 +129,9 @@ class FrontendGuard:
             "unauthenticated_backlog": self.fair.backlog,
             "tcp_pauses": self.pacer.pauses,
             "tcp_paused_s": round(self.pacer.paused_s, 6),
+            "yield_holds": self.yielding.holds,
+            "yield_full_holds": self.yielding.full_holds,
+            "yield_budget_holds": self.yielding.budget_holds,
             **self.admission.status(),
         }
         if self.connections is None:

@@ -249,6 +249,14 @@ class _StateCollector:
                                   "dropped more than tcp_drops_per_s", value=fc.tcp_pauses)
         yield CounterMetricFamily("twt_tcp_paused_seconds", "Seconds the TCP frontend was not read (its pauses "
                                   "as planned)", value=fc.tcp_paused_s)
+        yield CounterMetricFamily("twt_yield_holds", "Times a tenant over its rate was held (its socket unread, "
+                                  "its queued requests kept) while another tenant's request was in flight",
+                                  value=fc.yield_holds)
+        yield CounterMetricFamily("twt_yield_full_holds", "Of those holds, the ones that ran their longest "
+                                  "(then none begins for as long again)", value=fc.yield_full_holds)
+        yield CounterMetricFamily("twt_yield_budget_holds", "Times a tenant over its rate was held past its "
+                                  "contended budget (half its rate while another tenant is active)",
+                                  value=fc.yield_budget_holds)
         dropped = CounterMetricFamily("twt_unauthenticated_dropped",
                                       "Requests without a verified capability dropped unanswered, by reason "
                                       "(peer_rate, unread_replies, backlog_bytes)", labels=["reason"])

@@ -1,13 +1,19 @@
-"""Yielding (supervisor.admission.yielding) as pure policy with a hand-driven clock, and the fair
+"""Yielding (supervisor.admission.yielding) as pure policy with a hand-driven clock, the fair
 queue's held tenants (supervisor.admission.fairness): held requests keep their place, are
-never served while held, and none is lost."""
+never served while held, and none is lost - and, against a real supervisor, its holds counted."""
 
 from __future__ import annotations
 
-import pytest
+import urllib.request
+from typing import Any
 
+import pytest
+import zmq
+
+from shared import protocol as proto
 from supervisor.admission.fairness import FairTurn
 from supervisor.admission.yielding import Yielding
+from tests.helpers.cluster import supervisor, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -102,3 +108,66 @@ def test_a_budget_hold_is_short_whatever_the_rate() -> None:
     y.refused(b"\x01", "slow", 0.0)
     assert y.charge("slow", 1.0, 0.0) == 0.0
     assert y.charge("slow", 1.0, 0.0) == 0.002  # owes 2 s at half of 1 a second: held 2 ms
+
+
+@pytest.mark.timeout(180)
+def test_a_held_flood_shows_in_the_status_and_metrics_counters() -> None:
+    """A tenant over its rate on the TCP frontend while a local tenant within its rate pings: it
+    is held (its socket unread while the other's request is at a worker, and past its contended
+    budget), and each kind of hold is counted in ``status.supervisor`` and on /metrics. Nothing
+    of the flood is lost: every request sent is answered or counted as dropped unanswered."""
+    tenants = [{"name": "flooder", "requests_per_s": 20}, {"name": "victim"}]
+    with supervisor(tenants, listen=["tcp://127.0.0.1:0"], log_level="error", metrics_addr="127.0.0.1:0") as sup:
+        c = sup.client
+        before = c.status().supervisor
+        assert (before.yield_holds, before.yield_full_holds, before.yield_budget_holds) == (0, 0, 0)
+        victim = c.tenant_capability(None, "victim")
+        ping = proto.encode_request(1, "ping", c.tenant_capability(None, "flooder").to_bytes(), {})
+        ctx: zmq.Context[Any] = zmq.Context()
+        s: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.curve_serverkey = str(sup.info["server_public_key"]).encode()
+        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+        s.connect(str(sup.info["listen"][0]))
+        sent = answered = 0
+
+        def read() -> None:
+            nonlocal answered
+            while s.poll(0):
+                s.recv_multipart()
+                answered += 1
+
+        def held() -> bool:  # the flood goes on (over its rate) while the victim pings
+            nonlocal sent
+            for _ in range(50):
+                s.send(ping)
+            sent += 50
+            read()
+            assert c.ping(victim).tenant == "victim"
+            status = c.status().supervisor
+            return status.yield_holds >= 1 and status.yield_budget_holds >= 1
+
+        try:
+            wait_for(held, timeout_s=60, what="a hold and a budget hold counted")
+
+            def all_taken() -> bool:
+                read()
+                status = c.status().supervisor
+                return answered + status.admission_unanswered >= sent
+
+            wait_for(all_taken, timeout_s=60, what="every flood request answered or dropped")
+        finally:
+            s.close(0)
+            ctx.destroy(0)
+        status = c.status().supervisor
+        assert answered + status.admission_unanswered == sent  # held, never lost
+        assert status.yield_full_holds <= status.yield_holds
+        with urllib.request.urlopen(c.info["metrics_url"], timeout=10) as resp:
+            text = resp.read().decode()
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith("twt_yield_")}
+        assert values["twt_yield_holds_total"] >= status.yield_holds >= 1
+        assert values["twt_yield_budget_holds_total"] >= 1
+        assert "twt_yield_full_holds_total" in values
+        assert c.status().supervisor.internal_errors == 0
