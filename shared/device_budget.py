@@ -378,12 +378,23 @@ class DeviceBudget(MappedSegment):
 
 
 def _claim_slot(name: str, buf: memoryview) -> int:
+    """Claim the first free slot. The claim words are read in bulk first (a worker's bind claims
+    one, and at 70 bound workers a load per claimed slot cost ~30 us of the bind); a slot seen
+    free is then taken with a test-and-set, and one taken meanwhile is passed over."""
     pid = os.getpid()
     start = _process_start_ms(pid)
-    for i in range(MAX_SLOTS):
+    words = buf[_SLOTS:_LAYOUT_BYTES].cast("Q")
+    try:
+        claims = words[::_LINE // 8].tolist()
+    finally:
+        words.release()
+    i = -1
+    while True:
+        try:
+            i = claims.index(0, i + 1)
+        except ValueError:
+            break
         off = _slot_off(i)
-        if _atomics.load(buf, off):
-            continue
         if _atomics.consume(buf, off, 1) is None:  # test-and-set: we own slot i now
             _atomics.store(buf, off + _S_SHARE, 0)
             _atomics.store(buf, off + _S_START, start)
