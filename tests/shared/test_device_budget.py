@@ -95,3 +95,25 @@ def test_a_closed_budget_refuses_a_reclaim_by_pid() -> None:
     owner.close()
     with pytest.raises(SegmentError):
         owner.reclaim_pid(1)
+
+
+def test_the_bulk_reads_find_the_claimed_slots_and_a_pids_slots_at_both_ends_of_the_table() -> None:
+    """The supervisor's scans read the slot lines in bulk (``_claimed_slots``; ``_slots_of`` for a
+    death): they must agree with the slots read one by one, the first and the last included; a
+    slot that still names a pid but is no longer claimed is not reclaimed."""
+    from shared.device_budget import MAX_SLOTS, _claimed_slots, _slots_of
+
+    with DeviceBudget.create(0, 64 * MiB) as owner:
+        buf = owner._buf
+        dead = _dead_pid()
+        for i in (0, 7, MAX_SLOTS - 1):
+            off = _slot_off(i)
+            _atomics.consume(buf, off, 1)
+            _atomics.store(buf, off + _S_PID, dead)
+            _atomics.store(buf, off + _S_START, 1)
+        _atomics.store(buf, _slot_off(9) + _S_PID, dead)  # unclaimed: a stale owner word
+        assert _claimed_slots(buf) == [0, 7, MAX_SLOTS - 1]
+        assert _slots_of(buf, dead) == [0, 7, 9, MAX_SLOTS - 1]
+        assert _slots_of(buf, dead + 1) == []
+        assert sorted(slot for slot, _, _ in owner.reclaim_pid(dead)) == [0, 7, MAX_SLOTS - 1]
+        assert _claimed_slots(buf) == []
