@@ -31,7 +31,7 @@ from shared.prctl import set_parent_death_signal, set_process_name
 from shared.worker_link import BootMessage, WorkerHello
 from worker.control import ControlThread
 from worker.faults import FaultState
-from worker.priority import lower_for_exit, lower_start
+from worker.priority import lower_start
 from worker.server import WorkerServer, warm_bind_path, wasm_warm_up
 
 __all__ = ["run"]
@@ -85,8 +85,6 @@ def run(boot: BootMessage) -> None:
         log.exception("worker.crashed")
         code = WORKER_CRASHED
     finally:
-        if server.exit_code is None:
-            lower_for_exit()  # it serves nothing more: its teardown yields to those that do
         server.close()
         control.closed.wait(2)
         if server.exit_code is not None:

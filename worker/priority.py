@@ -21,12 +21,6 @@ the bound workers serving requests, most of all to the activation that took the 
 replaces. Every thread of it is back at the normal priority once it is warmed or bound
 (:func:`restore_start`), before any tenant's work.
 
-A worker told to stop (a parked tenant's, whose buffers are already in the supervisor's copy)
-serves nothing more: its teardown - the context's close, the threads' ends, the kernel's unmap
-of its address space at the exit, ~1-2 ms of CPU - runs at the lowest priority
-(:func:`lower_for_exit`), behind the activations and requests it would otherwise share the
-cores with.
-
 An unprivileged thread may raise its nice value but never lower it again, and a
 new thread starts with its creator's. So the threads that must keep the normal
 priority are started through :func:`start_thread`: called on a lowered thread,
@@ -44,8 +38,7 @@ import threading
 from shared.log import get_logger, log_event
 from shared.prctl import set_process_name, set_threads_nice
 
-__all__ = ["lower_current_thread", "lower_for_exit", "lower_start", "lowered", "name_thread", "restore_start",
-           "start_thread"]
+__all__ = ["lower_current_thread", "lower_start", "lowered", "name_thread", "restore_start", "start_thread"]
 
 _log = get_logger("worker")
 
@@ -173,11 +166,3 @@ def lower_current_thread(steps: int) -> bool:
             return False
         _lowered.add(tid)
     return True
-
-
-def lower_for_exit() -> None:
-    """Every thread of this process to the lowest priority (nice 19) for its teardown: called once
-    the worker stops serving, before its context is closed. Lowering needs no privilege; a refusal
-    costs only the priority (not logged: the process is ending)."""
-    if hasattr(os, "setpriority"):
-        set_threads_nice(os.getpid(), NICE_MAX)

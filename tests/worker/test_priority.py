@@ -222,21 +222,3 @@ priority.restore_start()
 print(json.dumps({"changed": changed, "me": nice(threading.get_native_id()), "base": base}))
 """)
     assert seen["changed"] is False and seen["me"] == seen["base"]
-
-
-def test_a_stopping_worker_lowers_every_thread_to_the_lowest_priority_for_its_teardown() -> None:
-    """``lower_for_exit`` (a worker that stops serving): every thread of the process at nice 19,
-    the ones started before it included - its teardown yields to the workers still serving."""
-    seen = child(r"""
-me = threading.get_native_id()
-stop = threading.Event()
-t = threading.Thread(target=stop.wait, daemon=True)
-t.start()
-while t.native_id is None:
-    pass
-priority.lower_for_exit()
-seen = {"me": nice(me), "thread": nice(t.native_id)}
-stop.set()
-print(json.dumps(seen))
-""")
-    assert seen == {"me": 19, "thread": 19}
