@@ -80,7 +80,7 @@ def _worker(n: int, state: WorkerState = WorkerState.READY) -> WorkerHandle:
 def _runtime(spec: TenantSpec | None = None, instances: int = 1, ready: bool = True) -> TenantRuntime:
     spec = spec or TenantSpec("acme")
     rt = TenantRuntime(spec, FakeBlock(), 1)  # type: ignore[arg-type]
-    rt.slots = [InstanceSlot(i, worker=_worker(i) if ready else None) for i in range(instances)]
+    rt.slots = tuple(InstanceSlot(i, worker=_worker(i) if ready else None) for i in range(instances))
     return rt
 
 
