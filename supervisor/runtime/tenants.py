@@ -172,12 +172,14 @@ class TenantRuntime:
     """A registered tenant in the supervisor's loop.
 
     Small, because ten thousand registered tenants, most of them parked, must cost the
-    supervisor little more than their records (docs/OPERATIONS.md, "What a tenant costs"):
+    supervisor little more than their records (docs/PERFORMANCE.md, "Ten thousand tenants"):
     slotted; its queues made on first use (``parked``, ``restart_times``, ``rolling``,
     ``modules``, ``register_waiters``, ``ready_waiters``: an empty deque costs 760 B); what
     only some tenants ever set (restarts, a rolling restart, a failure, refusals seen) kept in
     a :class:`_Rare` made at its first write; and ``slots`` a tuple (``()`` for a tenant without
-    instances: shared). Read them all freely; only a tenant that uses one pays for it.
+    instances: shared). Read them all freely; only a tenant that uses one pays for it. It is
+    also the registry's entry of the tenant (:meth:`~supervisor.store.registry.TenantRegistry.register_entry`):
+    one record a tenant, not two.
     """
 
     spec: TenantSpec
