@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shared.checks import is_int
 
-__all__ = ["InstanceId", "TenantId"]
+__all__ = ["InstanceId", "TenantId", "tenant_name"]
 
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 
@@ -30,17 +30,35 @@ class TenantId(str):
     def __new__(cls, value: object) -> TenantId:
         if isinstance(value, TenantId):
             return value
-        if not isinstance(value, str):
-            raise TypeError(f"tenant id must be a str, not {type(value).__name__}")
-        if not _TENANT_RE.fullmatch(value):
-            raise ValueError(
-                f"invalid tenant id {value!r}: use 1-63 characters of lowercase letters, "
-                "digits, '-', '_' and '.', starting with a letter or digit"
-            )
-        return super().__new__(cls, value)
+        return super().__new__(cls, _checked(value))
 
     def __repr__(self) -> str:
         return str.__repr__(self)
+
+
+def _checked(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"tenant id must be a str, not {type(value).__name__}")
+    if not _TENANT_RE.fullmatch(value):
+        raise ValueError(
+            f"invalid tenant id {value!r}: use 1-63 characters of lowercase letters, "
+            "digits, '-', '_' and '.', starting with a letter or digit"
+        )
+    return value
+
+
+def tenant_name(value: object) -> str:
+    """``value`` checked as a :class:`TenantId` is (``TypeError`` / ``ValueError`` the same), kept
+    as a plain ``str``: the very object given when it is one. What a record held per tenant
+    keeps (a spec, a quota): a ``str`` subclass is stored in two blocks (~100 B for a short name
+    against ~56 B), at 10,000 tenants ~470 KiB for nothing a plain one lacks.
+
+    >>> tenant_name("acme-prod.1")
+    'acme-prod.1'
+    """
+    if type(value) is str:
+        return _checked(value)
+    return str.__str__(TenantId(value))
 
 
 @dataclass(frozen=True, order=True, slots=True)

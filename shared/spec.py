@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 
 from shared.gpu_time import check_gpu_time_cap, check_gpu_time_weight
 from shared.checks import is_int, is_number
-from shared.ids import TenantId
+from shared.ids import TenantId, tenant_name
 from shared.quota import DEFAULT_QUOTA_BYTES, MAX_INSTANCES
 from shared.sizes import parse_size
 
@@ -107,7 +107,7 @@ class TenantSpec:
     (docs/ARCHITECTURE.md, "Parked tenants").
     """
 
-    tenant_id: str  # validated into a TenantId
+    tenant_id: str  # validated as a TenantId, kept a plain str (shared.ids.tenant_name)
     memory_quota_bytes: int = DEFAULT_QUOTA_BYTES
     gpu_memory_bytes_cap: int | None = None
     recorded_cuda_mem_pool_quota: int | None = None
@@ -136,7 +136,7 @@ class TenantSpec:
 
     def __post_init__(self) -> None:
         s = object.__setattr__
-        s(self, "tenant_id", TenantId(self.tenant_id))
+        s(self, "tenant_id", tenant_name(self.tenant_id))
         s(self, "memory_quota_bytes", _size(self.memory_quota_bytes, "memory_quota_bytes"))
         s(self, "gpu_memory_bytes_cap", _opt_size(self.gpu_memory_bytes_cap, "gpu_memory_bytes_cap"))
         s(

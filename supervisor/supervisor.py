@@ -481,20 +481,19 @@ class Supervisor:
         parts = self.parts
         if parts is None:
             return
-        quiet = parts.records.quiet_refusals
-        if len(quiet) > len(self.tenants):
-            quiet.intersection_update(self.tenants)
+        unread = parts.records.unread_refusals
         serving = parts.workers.serving_tenants()
-        # those a worker serves, and those not quiet yet: not a pass over every registered tenant
-        for tid in serving | (self.tenants.keys() - quiet):
+        # those a worker serves, and those whose last worker went since the last look: not a pass
+        # over every registered tenant
+        for tid in serving | unread:
             rt = self.tenants.get(tid)
             if rt is None or rt.block.closed:
+                unread.discard(tid)
                 continue
-            working = tid in serving
-            if working:
-                quiet.discard(tid)
+            if tid in serving:
+                unread.add(tid)
             else:
-                quiet.add(tid)
+                unread.discard(tid)
             cpu_refusals, gpu_refusals = rt.block.refusals()  # two loads, not a whole snapshot
             total = cpu_refusals + gpu_refusals
             if total > rt.seen_refusals:

@@ -189,7 +189,7 @@ class AdminOps:
         if fresh:  # the board slot before the registry: CapacityExhausted leaves nothing behind
             self.placement.gpu_time_join(spec, device)
         try:
-            cap = self.registry.register_with_capability(self.admin_cap, spec)
+            cap, rt = self.registry.register_entry(self.admin_cap, spec, TenantRuntime)
         except BaseException:
             if fresh:
                 self.placement.gpu_time_leave(spec.tenant_id)
@@ -204,7 +204,7 @@ class AdminOps:
             self._submit_registration(spec, cap.generation, stored_origin)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=cap.generation)
         done: Completion[Registered] = Completion()
-        rt = self._start_tenant(spec, cap.generation, device, isolation, origin, (done, cap.to_bytes()))
+        self._start_tenant(rt, device, isolation, origin, (done, cap.to_bytes()))
         if asked:
             return done
         try:
@@ -345,33 +345,35 @@ class AdminOps:
         device = self.placement.place(spec, self._tenants_on())
         isolation = self.placement.isolation(spec)
         kept = quota if parked and failed_reason is None else None
-        cap = self.registry.restore_with_capability(self.admin_cap, spec, generation, kept)
+        cap, rt = self.registry.register_entry(self.admin_cap, spec, TenantRuntime, generation=generation,
+                                               counters=kept)
         self.events.emit("register", tenant=spec.tenant_id, instances=spec.instances, generation=generation,
                          restored=True, failed=failed_reason is not None, parked=parked)
         if failed_reason is not None:
-            rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
+            self._start_tenant(rt, device, isolation, origin, None, start=False)
             rt.state = TenantState.FAILED
             rt.failed_reason = failed_reason
         elif parked and spec.instances > 0:
-            rt = self._start_tenant(spec, generation, device, isolation, origin, None, start=False)
+            self._start_tenant(rt, device, isolation, origin, None, start=False)
             rt.park = ParkRecord(ParkPhase.PARKED, self.clock())
         else:
-            rt = self._start_tenant(spec, generation, device, isolation, origin, (Completion(), cap.to_bytes()))
+            self._start_tenant(rt, device, isolation, origin, (Completion(), cap.to_bytes()))
             rt.restoring = True  # nobody waits for its completion: it marks the tenant as coming up
         self._check_registered(rt)
 
-    def _start_tenant(self, spec: TenantSpec, generation: int, device: int, isolation: MpsDecision, origin: str,
-                      waiter: tuple[Completion[Registered], bytes] | None, *, start: bool = True) -> TenantRuntime:
-        block = self.registry.block(self.admin_cap, spec.tenant_id)
-        rt = TenantRuntime(spec, block, generation)
+    def _start_tenant(self, rt: TenantRuntime, device: int, isolation: MpsDecision, origin: str,
+                      waiter: tuple[Completion[Registered], bytes] | None, *, start: bool = True) -> None:
+        """A tenant just registered (``rt``: the registry's entry of it): placed, in the tenants
+        table, its instances started (unless ``start`` is false)."""
+        spec = rt.spec
         rt.device = device
         rt.origin = origin
         self.placement.add(spec.tenant_id, isolation)
         self.placement.gpu_time_join(spec, device)  # before any worker binds: it gets the board slot
-        rt.slots = [InstanceSlot(i) for i in range(spec.instances)]
+        rt.slots = tuple(InstanceSlot(i) for i in range(spec.instances))  # () without instances: shared
         self.tenants[spec.tenant_id] = rt
-        if not start or not rt.slots:  # no worker will write its new block: nothing to read until one does
-            self.records.quiet(spec.tenant_id)
+        if start and rt.slots:  # a worker will write its block: read it until one is found without a worker
+            self.records.unread(spec.tenant_id)
         if waiter is not None:
             rt.register_waiters.append(waiter)
             if start and rt.slots:  # only a worker can keep it waiting (a timer costs ~330 B until it is due)
@@ -379,7 +381,6 @@ class AdminOps:
         if start:
             for slot in rt.slots:
                 self.workers.start_instance(rt, slot)
-        return rt
 
     def _check_registered(self, rt: TenantRuntime) -> None:
         rt.refresh_state()
@@ -519,7 +520,7 @@ class AdminOps:
                     if len(rt.slots) >= MAX_INSTANCES:
                         raise InvalidArgument(f"no free instance slot (at most {MAX_INSTANCES})")
                     slot = InstanceSlot(len(rt.slots))
-                    rt.slots.append(slot)
+                    rt.slots = (*rt.slots, slot)
                 slot.draining = False
                 self.workers.start_instance(rt, slot)
         else:

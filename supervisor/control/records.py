@@ -3,10 +3,11 @@
 The read-only side of the admin ops: ``hello``, ``status`` (paged by tenant id)
 and ``tenant_status`` answer from here, as do the records the lifecycle ops
 return (a scale, a quota change, a reset). It also keeps the GPU-time share
-window, sampled once a second by a loop timer, and which tenants are quiet (no
-worker writes their block: sampled once, then skipped).
+window, sampled once a second by a loop timer, and which tenants are unread (a
+worker may have written their block since it was last read: the others, most of
+10,000 parked tenants, are skipped).
 
-Owns: the share window, the quiet sets, the start time. May touch (read): the
+Owns: the share window, the unread sets, the start time. May touch (read): the
 tenants table, the worker set's pool, placement, regions, the guard's counters,
 the run dir's path. Loop thread only.
 """
@@ -92,18 +93,22 @@ class Records:
         self.tenant_label = tenant_label
         self._internal_errors = counters
         self.started = time.time()
-        #: tenants without a worker whose block was read since their last worker went (or that never
-        #: had one: a new block is all zeros): sample_gpu_time and the refusal scan skip them
-        self._quiet_sampled: set[str] = set()
-        self.quiet_refusals: set[str] = set()
+        #: tenants whose block a worker may have written since the sample (or the refusal scan) last
+        #: read it: those registered with a worker to start, and those a worker served at the last
+        #: look (read once more after it went). Every other tenant - most of 10,000 parked ones - is
+        #: quiet and skipped; kept as the few unread rather than the many quiet (a set of 10,000
+        #: names costs ~50 B a tenant)
+        self._unread_sampled: set[str] = set()
+        self.unread_refusals: set[str] = set()
         #: each tenant's GPU-time share over the last window (sampled by a loop timer)
         self.gpu_share = GpuShareWindow()
         loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 
-    def quiet(self, tid: str) -> None:
-        """No worker will write the new block of ``tid``: nothing to read in it until one does."""
-        self._quiet_sampled.add(tid)
-        self.quiet_refusals.add(tid)
+    def unread(self, tid: str) -> None:
+        """A worker is about to serve ``tid`` (registered with instances to start): read its block
+        at the next looks, until one finds it without a worker."""
+        self._unread_sampled.add(tid)
+        self.unread_refusals.add(tid)
 
     def forget(self, tid: str) -> None:
         """``tid`` was evicted: its share window goes."""
@@ -123,20 +128,20 @@ class Records:
     def sample_gpu_time(self) -> None:
         """Feed each tenant's accounted GPU time to the share window (a loop timer, every second)."""
         now = time.monotonic()
-        quiet = self._quiet_sampled  # without a worker, its time cannot grow: sampled once, then skipped
-        if len(quiet) > len(self.tenants):
-            quiet.intersection_update(self.tenants)
+        unread = self._unread_sampled  # without a worker, its time cannot grow: sampled once, then skipped
         serving = self.workers.serving_tenants()
-        # those a worker serves, and those not quiet yet: not a pass over every registered tenant
-        for tid in serving | (self.tenants.keys() - quiet):
+        # those a worker serves, and those whose last worker went since the last look: not a pass
+        # over every registered tenant
+        for tid in serving | unread:
             rt = self.tenants.get(tid)
-            if rt is not None and not rt.block.closed:
-                working = tid in serving
-                if working:
-                    quiet.discard(tid)
-                else:
-                    quiet.add(tid)
-                self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
+            if rt is None or rt.block.closed:
+                unread.discard(tid)
+                continue
+            if tid in serving:
+                unread.add(tid)
+            else:
+                unread.discard(tid)
+            self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
         self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
 
     def _gpu_time_record(self, rt: TenantRuntime, snap: QuotaSnapshot) -> dict[str, object]:

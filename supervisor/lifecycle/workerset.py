@@ -796,7 +796,7 @@ class WorkerSet:
         if isinstance(decision, Drop):
             if decision.trim and index == len(rt.slots) - 1:
                 while rt.slots and rt.slots[-1].draining and rt.slots[-1].worker is None:
-                    rt.slots.pop()
+                    rt.slots = rt.slots[:-1]
             rt.refresh_state()
         elif isinstance(decision, Replace):
             self.start_instance(rt, slot)

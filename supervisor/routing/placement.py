@@ -58,6 +58,9 @@ MiB = 1 << 20
 #: added to a tenant's GPU cap in its MPS memory limit: module images, the sum kernel's scratch,
 #: and the pool's granularity rounding must not make MPS refuse below the metered cap
 MPS_HEADROOM_MIB = 64
+#: a device index fits in this many bits (TenantSpec.cuda_device_index <= 1023)
+_DEVICE_BITS: Final = 10
+_DEVICE_MASK: Final = (1 << _DEVICE_BITS) - 1
 #: the isolation decision of every tenant that asks for process isolation on a host without MPS
 _PROCESS: Final = Fallback("isolation='process'")
 
@@ -113,12 +116,15 @@ class Placement:
         self.guest_nice = 0
         self._devices = {d.index: d for d in devices}
         self._detect = detect
-        self._isolation: dict[str, MpsDecision] = {}
+        #: the tenants whose workers go through MPS, with the daemon's decision (the others, process
+        #: isolation, are not named: at 10,000 tenants a map entry each would be ~30 B a tenant)
+        self._mps: dict[str, Mps] = {}
         self._opt_out: set[str] = set()  # process tenants while a daemon is alive
         self.no_mps_dir = no_mps_dir
-        #: device -> its GPU-time lease board; tenant -> (device, tenant slot on that board)
+        #: device -> its GPU-time lease board; tenant -> its tenant slot on that board and the device,
+        #: as one int (``slot << _DEVICE_BITS | device``: an int each, not a tuple and two ints)
         self.boards: dict[int, GpuTimeBoard] = {}
-        self._gpu_time: dict[str, tuple[int, int]] = {}
+        self._gpu_time: dict[str, int] = {}
 
     @classmethod
     def create(
@@ -234,14 +240,16 @@ class Placement:
 
     def add(self, tenant_id: str, decision: MpsDecision) -> None:
         """Record a registered tenant's isolation (replacing a previous registration's)."""
-        self._isolation[tenant_id] = decision
+        if isinstance(decision, Mps):
+            self._mps[tenant_id] = decision
+        else:
+            self._mps.pop(tenant_id, None)
         self._opt_out.discard(tenant_id)
         if isinstance(decision, Fallback) and "opting out" in decision.reason and self.no_mps_dir:
             self._opt_out.add(tenant_id)
 
     def isolation_of(self, tenant_id: str) -> str:
-        decision = self._isolation.get(tenant_id)
-        return "mps" if isinstance(decision, Mps) else "process"
+        return "mps" if tenant_id in self._mps else "process"
 
     # ----------------------------------------------------------- GPU time
 
@@ -255,7 +263,7 @@ class Placement:
         """
         tid = spec.tenant_id
         board = self.boards.get(device)
-        held = self._gpu_time.get(tid)
+        held = self.gpu_time_slot(tid)
         if held is not None and held[0] != device:
             self.gpu_time_leave(tid)
             held = None
@@ -272,7 +280,7 @@ class Placement:
                                         message=f"all {limit} GPU-time tenant slots of device {device} are "
                                                 "taken (evicted tenants' workers still stopping); retry once "
                                                 "they have exited, or raise max_tenants") from exc
-            self._gpu_time[tid] = (device, slot)
+            self._gpu_time[tid] = slot << _DEVICE_BITS | device
         else:
             board.set_policy(held[1], weight=spec.gpu_time_weight, cap=spec.gpu_time_cap)
 
@@ -280,13 +288,14 @@ class Placement:
         """Free the tenant's board slot (eviction: its workers are stopping)."""
         held = self._gpu_time.pop(tenant_id, None)
         if held is not None:
-            board = self.boards.get(held[0])
+            board = self.boards.get(held & _DEVICE_MASK)
             if board is not None and not board.closed:
-                board.remove_tenant(held[1])
+                board.remove_tenant(held >> _DEVICE_BITS)
 
     def gpu_time_slot(self, tenant_id: str) -> tuple[int, int] | None:
         """(device, tenant slot) of the tenant on a GPU-time board, or None."""
-        return self._gpu_time.get(tenant_id)
+        held = self._gpu_time.get(tenant_id)
+        return None if held is None else (held & _DEVICE_MASK, held >> _DEVICE_BITS)
 
     # --------------------------------------------------------------- bind
 
@@ -306,14 +315,14 @@ class Placement:
         }
         if self._devices[device].context_bytes is not None:  # measured once, not by each worker at its start
             opts["context_bytes"] = self._devices[device].context_bytes
-        held = self._gpu_time.get(spec.tenant_id)
+        held = self.gpu_time_slot(spec.tenant_id)
         if held is not None and held[0] == device and device in self.boards:
             opts["gpu_time_segment"] = self.boards[device].name
             opts["gpu_time_slot"] = held[1]
         if self.guest_nice:
             opts["guest_nice"] = self.guest_nice
-        decision = self._isolation.get(spec.tenant_id)
-        if isinstance(decision, Mps):
+        decision = self._mps.get(spec.tenant_id)
+        if decision is not None:
             opts["environment"] = mps_environment(decision.pipe_dir, device, spec.gpu_memory_bytes_cap,
                                                   spec.sm_percentage)
         elif spec.tenant_id in self._opt_out and self.no_mps_dir:

@@ -27,6 +27,7 @@ import collections
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Final, Generic, TypeVar
 
 from shared.records import ExitRecord
 from shared.spec import TenantSpec
@@ -121,15 +122,64 @@ class InstanceSlot:
         return not self.draining and (self.worker is not None or self.restart_at is not None)
 
 
+T = TypeVar("T")
+
+
+@dataclass(eq=False, slots=True)
+class _Rare:
+    """What only some tenants ever hold - a restart, a rolling restart, a failure, a module sent,
+    a reset waiting - kept apart from :class:`TenantRuntime` and made at its first write: ten
+    thousand parked tenants hold none (8 B a field each otherwise)."""
+
+    restarts_total: int = 0
+    failed_reason: str | None = None
+    seen_refusals: int = 0
+    rr: int = 0
+    restoring: bool = False
+    rolling_slot: InstanceSlot | None = None
+    rolling_incarnation: int = 0
+    restart_times: collections.deque[float] | None = None
+    modules: collections.OrderedDict[str, bytes] | None = None
+    rolling: collections.deque[int] | None = None
+    ready_waiters: list[Completion[dict[str, object]]] | None = None
+
+
+#: the values a tenant without its own :class:`_Rare` reads (never written)
+_NO_RARE: Final = _Rare()
+
+
+class _RareField(Generic[T]):
+    """A :class:`TenantRuntime` attribute kept in its :class:`_Rare` (read: the default while it
+    has none; written: the record is made, unless the value written is the default)."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, rt: TenantRuntime, owner: type | None = None) -> T:
+        value: T = getattr(rt._rare or _NO_RARE, self.name)
+        return value
+
+    def __set__(self, rt: TenantRuntime, value: T) -> None:
+        if rt._rare is None and value == getattr(_NO_RARE, self.name):
+            return  # its default: nothing to hold
+        setattr(rt.own_rare(), self.name, value)
+
+
 @dataclass(eq=False, slots=True)
 class TenantRuntime:
     """A registered tenant in the supervisor's loop.
 
-    Slotted, and its queues made on first use (``parked``, ``restart_times``, ``rolling``,
-    ``modules``, ``register_waiters``, ``ready_waiters``): an empty deque costs 760 B, and ten thousand registered tenants most of which
-    never queue a request, restart or roll must cost the supervisor little more than their
-    records (docs/OPERATIONS.md, "What a tenant costs"). Read them freely; only a tenant that
-    uses one pays for it.
+    Small, because ten thousand registered tenants, most of them parked, must cost the
+    supervisor little more than their records (docs/PERFORMANCE.md, "Ten thousand tenants"):
+    slotted; its queues made on first use (``parked``, ``restart_times``, ``rolling``,
+    ``modules``, ``register_waiters``, ``ready_waiters``: an empty deque costs 760 B); what
+    only some tenants ever set (restarts, a rolling restart, a failure, refusals seen) kept in
+    a :class:`_Rare` made at its first write; and ``slots`` a tuple (``()`` for a tenant without
+    instances: shared). Read them all freely; only a tenant that uses one pays for it. It is
+    also the registry's entry of the tenant (:meth:`~supervisor.store.registry.TenantRegistry.register_entry`):
+    one record a tenant, not two.
     """
 
     spec: TenantSpec
@@ -137,30 +187,36 @@ class TenantRuntime:
     generation: int
     registered_at: float = field(default_factory=time.time)
     state: TenantState = TenantState.STARTING
-    slots: list[InstanceSlot] = field(default_factory=list)
-    restarts_total: int = 0
+    #: its instances by index; replaced, never changed in place (a scale builds a new tuple)
+    slots: tuple[InstanceSlot, ...] = ()
     in_flight: int = 0
-    failed_reason: str | None = None
     device: int = 0
-    seen_refusals: int = 0
-    rr: int = 0  # round-robin start for pick_slot
     #: where the tenant came from: the config file ("file") or a register request ("runtime")
     origin: str = "runtime"
-    #: brought back from the state at start: a failure to start marks it failed, never evicts it
-    restoring: bool = False
-    rolling_slot: InstanceSlot | None = None
-    rolling_incarnation: int = 0
     #: the loop clock of the last tenant request (0: none yet): the idle time before parking
     last_request: float = 0.0
     #: parked, parking or activating (supervisor.lifecycle.parking); None: active
     park: ParkRecord | None = None
     # the containers behind the properties below: None until first used
-    _restart_times: collections.deque[float] | None = None
     _parked: collections.deque[Parked] | None = None
-    _modules: collections.OrderedDict[str, bytes] | None = None
-    _rolling: collections.deque[int] | None = None
     _register_waiters: list[tuple[Completion[dict[str, object]], bytes]] | None = None
-    _ready_waiters: list[Completion[dict[str, object]]] | None = None
+    _rare: _Rare | None = None
+
+    restarts_total = _RareField[int]()
+    failed_reason = _RareField[str | None]()
+    #: quota refusals already reported (``quota_refusal`` events)
+    seen_refusals = _RareField[int]()
+    rr = _RareField[int]()  # round-robin start for pick_slot
+    #: brought back from the state at start: a failure to start marks it failed, never evicts it
+    restoring = _RareField[bool]()
+    rolling_slot = _RareField[InstanceSlot | None]()
+    rolling_incarnation = _RareField[int]()
+
+    def own_rare(self) -> _Rare:
+        """The tenant's own :class:`_Rare` (made now if it has none)."""
+        if self._rare is None:
+            self._rare = _Rare()
+        return self._rare
 
     @property
     def register_waiters(self) -> list[tuple[Completion[dict[str, object]], bytes]]:
@@ -178,26 +234,29 @@ class TenantRuntime:
     def ready_waiters(self) -> list[Completion[dict[str, object]]]:
         """(client, rid, op) of reset/restart requests answered once the tenant runs (ServiceOps).
         Assigning an empty list drops the list (it is made again when next used)."""
-        if self._ready_waiters is None:
-            self._ready_waiters = []
-        return self._ready_waiters
+        rare = self.own_rare()
+        if rare.ready_waiters is None:
+            rare.ready_waiters = []
+        return rare.ready_waiters
 
     @ready_waiters.setter
     def ready_waiters(self, value: list[Completion[dict[str, object]]]) -> None:
-        self._ready_waiters = value or None
+        if value or self._rare is not None:
+            self.own_rare().ready_waiters = value or None
 
     @property
     def waiters(self) -> bool:
         """Whether a register, reset or restart request waits for the tenant (read without making
         the lists)."""
-        return bool(self._register_waiters) or bool(self._ready_waiters)
+        return bool(self._register_waiters) or (self._rare is not None and bool(self._rare.ready_waiters))
 
     @property
     def restart_times(self) -> collections.deque[float]:
         """When the restarts within ``restart_window_s`` happened (the restart intensity)."""
-        if self._restart_times is None:
-            self._restart_times = collections.deque()
-        return self._restart_times
+        rare = self.own_rare()
+        if rare.restart_times is None:
+            rare.restart_times = collections.deque()
+        return rare.restart_times
 
     @property
     def parked(self) -> collections.deque[Parked]:
@@ -214,22 +273,25 @@ class TenantRuntime:
     @property
     def rolling_left(self) -> int:
         """How many instances a rolling restart still has to replace (read without making the queue)."""
-        return len(self._rolling) if self._rolling is not None else 0
+        rolling = self._rare.rolling if self._rare is not None else None
+        return len(rolling) if rolling is not None else 0
 
     @property
     def modules(self) -> collections.OrderedDict[str, bytes]:
         """Modules sent with put_module (digest -> bytes), least recently used first."""
-        if self._modules is None:
-            self._modules = collections.OrderedDict()
-        return self._modules
+        rare = self.own_rare()
+        if rare.modules is None:
+            rare.modules = collections.OrderedDict()
+        return rare.modules
 
     @property
     def rolling(self) -> collections.deque[int]:
         """A rolling restart: the instance indexes still to replace (``rolling_slot``: the one
         being replaced)."""
-        if self._rolling is None:
-            self._rolling = collections.deque()
-        return self._rolling
+        rare = self.own_rare()
+        if rare.rolling is None:
+            rare.rolling = collections.deque()
+        return rare.rolling
 
     @property
     def tenant_id(self) -> str:

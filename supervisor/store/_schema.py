@@ -24,6 +24,10 @@ SCHEMA_VERSION = 4
 OLDEST_READER = 2
 #: ``state.commits`` holds the count as this many decimal digits and a newline (one in-place write)
 _COMMITS_WIDTH = 20
+#: the connection's page cache (KiB; SQLite's default is 2,000): a registration writes a few pages
+#: at the end of a table and a start reads each table once, so a small cache serves them as fast,
+#: and the default's 2 MiB would be ~190 B of the supervisor's RSS per tenant at 10,000 tenants
+CACHE_KIB = 256
 
 #: names in ``key_material`` the store owns; other names are free for callers
 #: (e.g. ``curve.public`` / ``curve.secret`` for the TCP frontend)
@@ -237,6 +241,7 @@ def _migrate(conn: sqlite3.Connection, path: str, version: int) -> None:
         conn.execute("PRAGMA journal_mode = WAL").fetchone()
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute(f"PRAGMA cache_size = {-CACHE_KIB}")
         if 0 < version < SCHEMA_VERSION:
             log_event(_log, logging.INFO, "state.migrate", state=path, version=version, to=SCHEMA_VERSION)
         for target in range(version + 1, SCHEMA_VERSION + 1):

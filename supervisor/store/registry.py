@@ -24,7 +24,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol, TypeVar
 
 from shared import capability as _cap
 from shared.capability import MonitorCapability, RegistryAdminCapability, TenantCapability
@@ -45,7 +46,7 @@ from supervisor.store.audit import Denial
 from supervisor.store.state import RegistryKey, StateStore
 from supervisor.store.tenant_quota import TenantQuota
 
-__all__ = ["TenantInfo", "TenantRegistry"]
+__all__ = ["RegistryEntry", "TenantInfo", "TenantRegistry"]
 
 _VERIFIED_MAX = 1 << 16
 #: distinct (generation, limits) whose fresh quota record tenants share (past it: a record each)
@@ -74,6 +75,20 @@ class TenantInfo:
         }
 
 
+class RegistryEntry(Protocol):
+    """What the registry keeps of a registered tenant. Its own record by default; the supervisor
+    has it keep the tenant's runtime record instead (:meth:`TenantRegistry.register_entry`), so a
+    tenant is one object, not two (at 10,000 tenants a second one was ~90 B a tenant)."""
+
+    spec: TenantSpec
+    block: TenantQuota
+    generation: int
+    registered_at: float
+
+
+E = TypeVar("E", bound=RegistryEntry)
+
+
 class _Tenant:
     __slots__ = ("spec", "block", "generation", "registered_at")
 
@@ -97,7 +112,9 @@ class TenantRegistry:
         self._secret = _secret
         self._rid = _registry_id
         self._prefix = segment_prefix or _registry_id.hex()[:8]
-        self._tenants: dict[str, _Tenant] = {}
+        self._tenants: dict[str, RegistryEntry] = {}
+        #: the last generation issued to each tenant id not registered now (a registered one's is
+        #: its entry's): an evicted tenant's capabilities stay revoked, also after a restart
         self._generations: dict[str, int] = {}
         self._slot = 0
         self._lock = threading.Lock()
@@ -213,7 +230,8 @@ class TenantRegistry:
 
     def generations(self) -> dict[str, int]:
         """The last generation issued per tenant id, evicted tenants included."""
-        return dict(self._generations)
+        with self._lock:
+            return {**self._generations, **{tid: entry.generation for tid, entry in self._tenants.items()}}
 
     @property
     def registry_id(self) -> str:
@@ -234,7 +252,7 @@ class TenantRegistry:
         if not self._mac_ok(cap):
             raise TenantIsolationViolation(None, "admin operations (forged capability)", "forged")
 
-    def _check_tenant(self, cap: object, strict: bool) -> _Tenant:
+    def _check_tenant(self, cap: object, strict: bool) -> RegistryEntry:
         if not isinstance(cap, TenantCapability):
             raise TenantIsolationViolation(None, "tenant operations (not a tenant capability)", "wrong_kind")
         tid = cap._tenant_id
@@ -318,12 +336,12 @@ class TenantRegistry:
     # ---------------------------------------------------------- registration
 
     def register_with_capability(self, admin_cap: RegistryAdminCapability, spec: TenantSpec) -> TenantCapability:
-        return self._register(admin_cap, spec, False)
+        return self._register(admin_cap, spec, False, _Tenant)[0]
 
     def register_with_capability_strict(
         self, admin_cap: RegistryAdminCapability, spec: TenantSpec
     ) -> TenantCapability:
-        return self._register(admin_cap, spec, True)
+        return self._register(admin_cap, spec, True, _Tenant)[0]
 
     def restore_with_capability(
         self, admin_cap: RegistryAdminCapability, spec: TenantSpec, generation: int,
@@ -335,16 +353,33 @@ class TenantRegistry:
         ``counters``: the quota counters a parked tenant kept in the state (its marks,
         refusals, GPU time), its own record from now on; its limits and generation are
         ``spec``'s and ``generation`` whatever the record says."""
+        self._check_restore(generation, counters)
+        return self._register(admin_cap, spec, False, _Tenant, generation, counters)[0]
+
+    def register_entry(
+        self, admin_cap: RegistryAdminCapability, spec: TenantSpec, make: Callable[[TenantSpec, TenantQuota, int], E],
+        *, generation: int | None = None, counters: QuotaCounters | None = None,
+    ) -> tuple[TenantCapability, E]:
+        """:meth:`register_with_capability` (``generation`` None) or :meth:`restore_with_capability`
+        (checked as there) keeping ``make(spec, block, generation)`` as the tenant's entry: the
+        caller's own record of the tenant (the supervisor's runtime record), returned with the
+        capability."""
+        if generation is not None:
+            self._check_restore(generation, counters)
+        return self._register(admin_cap, spec, False, make, generation, counters)
+
+    @staticmethod
+    def _check_restore(generation: int, counters: QuotaCounters | None) -> None:
         if not is_int(generation) or generation < 1:
             raise ValueError(f"generation must be an int >= 1; got {generation!r}")
         if counters is not None and not isinstance(counters, QuotaCounters):
             raise TypeError(f"counters must be QuotaCounters, not {type(counters).__name__}")
-        return self._register(admin_cap, spec, False, generation, counters)
 
     def _register(
-        self, admin_cap: RegistryAdminCapability, spec: TenantSpec, strict: bool, restore: int | None = None,
+        self, admin_cap: RegistryAdminCapability, spec: TenantSpec, strict: bool,
+        make: Callable[[TenantSpec, TenantQuota, int], E], restore: int | None = None,
         counters: QuotaCounters | None = None,
-    ) -> TenantCapability:
+    ) -> tuple[TenantCapability, E]:
         self._check_admin(admin_cap, strict)
         if not isinstance(spec, TenantSpec):
             raise TypeError(f"spec must be a TenantSpec, not {type(spec).__name__}")
@@ -371,9 +406,10 @@ class TenantRegistry:
                 block = TenantQuota(tid, record, self._namer, shared=key in self._records)
             if not self._lazy:
                 block.open()
-            self._generations[tid] = generation
-            self._tenants[tid] = _Tenant(spec, block, generation)
-        return _cap.mint(TenantCapability, self._secret, self._rid, generation, tid)
+            entry = make(spec, block, generation)
+            self._tenants[tid] = entry
+            self._generations.pop(tid, None)  # its entry holds it while it is registered
+        return _cap.mint(TenantCapability, self._secret, self._rid, generation, tid), entry
 
     def tenant_capability(self, admin_cap: RegistryAdminCapability, tenant_id: str) -> TenantCapability:
         """The capability of a registered tenant (what register returned), for its current generation.
@@ -398,6 +434,8 @@ class TenantRegistry:
         self._check_admin(admin_cap, strict)
         with self._lock:
             entry = self._tenants.pop(tenant_id, None)
+            if entry is not None:
+                self._generations[tenant_id] = entry.generation
         if entry is None:
             raise UnknownTenant(tenant_id)
         entry.block.unlink()
@@ -484,7 +522,7 @@ class TenantRegistry:
             raise UnknownTenant(tenant_id)
         return entry.block
 
-    def _info(self, tid: str, entry: _Tenant) -> TenantInfo:
+    def _info(self, tid: str, entry: RegistryEntry) -> TenantInfo:
         return TenantInfo(
             tenant_id=tid,
             generation=entry.generation,
@@ -596,6 +634,7 @@ class TenantRegistry:
         with self._lock:
             self._closed = True
             entries = list(self._tenants.values())
+            self._generations.update((tid, entry.generation) for tid, entry in self._tenants.items())
             self._tenants.clear()
         for entry in entries:
             entry.block.unlink()

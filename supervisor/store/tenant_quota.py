@@ -33,7 +33,7 @@ import json
 from collections.abc import Callable
 
 from shared.errors import SegmentError
-from shared.ids import TenantId
+from shared.ids import tenant_name
 from shared.quota import GPU_WAIT_BUCKETS_S, UNCHANGED, QuotaBlock, QuotaCounters, QuotaSnapshot, Unchanged
 
 __all__ = ["TenantQuota", "kept_counters", "kept_counters_json"]
@@ -112,7 +112,7 @@ class TenantQuota:
         """``namer()`` names each new segment (the registry's prefix and a fresh slot). With
         ``block``, the tenant starts with its segment (``record`` is then unused). ``shared``:
         ``record`` is shared with other tenants (copied before this one changes it)."""
-        self.tenant_id = TenantId(tenant_id)
+        self.tenant_id = tenant_name(tenant_id)  # the spec's own str: no copy
         self._block = block
         self._record: QuotaCounters | None = None if block is not None else record
         self._namer = namer

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from shared.ids import InstanceId, TenantId
+from shared.ids import InstanceId, TenantId, tenant_name
 
 VALID = [
     "a",
@@ -63,6 +63,18 @@ def test_invalid_tenant_ids_raise_value_error(value: str) -> None:
 def test_non_str_tenant_id_raises_type_error(value: Any) -> None:
     with pytest.raises(TypeError, match="must be a str"):
         TenantId(value)
+
+
+def test_tenant_name_checks_as_tenant_id_and_keeps_a_plain_str() -> None:
+    """What a spec or a quota keeps per tenant: the very str given (no copy), or a plain one."""
+    name = "".join(["ac", "me"])
+    assert tenant_name(name) is name
+    kept = tenant_name(TenantId("acme"))
+    assert kept == "acme" and type(kept) is str
+    with pytest.raises(ValueError, match="invalid tenant id"):
+        tenant_name("Acme")
+    with pytest.raises(TypeError, match="must be a str"):
+        tenant_name(b"acme")
 
 
 def test_tenant_id_pickles() -> None:

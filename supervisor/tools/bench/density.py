@@ -24,6 +24,8 @@ In one run:
   or with ``--no-ray``: starting Ray costs about ten seconds and a few hundred MiB).
 
 ``--quick`` is a small run (500 tenants, 300 requests, one round, no Ray) that checks the bench.
+``--rss-only`` stops after the registration and the RSS, fds and segments rows (about a minute at
+10,000 tenants): the registration and RSS targets alone.
 
 Goals (the issue's): >= 200 registrations/s; restart-to-ready <= 5 s; status and ``twt status``
 < 1 s; /metrics <= 5 MB and < 1 s; RSS <= 2 KiB per registered tenant (a tenant without a worker
@@ -215,6 +217,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:  # a JSON report row, 
             out["rss_per_tenant"] = (out["rss_bytes"] - rss0) / total
             out["fds"], out["fds_per_tenant"] = _fds(sup.pid), (_fds(sup.pid) - fds0) / total
             out["segments"], out["segments_per_tenant"] = _segments(), (_segments() - seg0) / total
+            if args.rss_only:
+                return out
             with sup.connect(timeout_s=120.0) as client:
                 pages = []
                 for _ in range(3):
@@ -293,12 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-run-only", action="store_true",
                         help="only the first run_wasm after activation against a warm one, --rounds activations "
                              "(a short run; the load average is printed with it)")
+    parser.add_argument("--rss-only", action="store_true",
+                        help="only the registration and the supervisor's RSS, fds and segments per tenant "
+                             "(no status, /metrics, restart, parking or Ray)")
     args = parser.parse_args(argv)
     if args.first_run_only:
         return _first_run_report(args)
     if args.quick:
         args.tenants, args.requests, args.rounds, args.ray, args.active = 500, 300, 1, False, min(args.active, 2)
     r = _measure(args)
+    if args.rss_only:
+        return _rss_report(args, r)
     report = Report("density")
     total = args.tenants + args.active
     summary = r.get("status_summary") or {}
@@ -430,6 +439,29 @@ def main(argv: list[str] | None = None) -> int:
             Target("/metrics scrape", r["metrics_s"], METRICS_S, higher_is_better=False, unit=" s"),
             Target("/metrics size", float(r["metrics_bytes"]), METRICS_BYTES, higher_is_better=False, unit=" B"),
         ]
+    report.data.update(r)
+    return report.emit(as_json=args.json)
+
+
+def _rss_report(args: argparse.Namespace, r: dict[str, Any]) -> int:
+    """``--rss-only``: the registration and the supervisor's footprint per registered tenant."""
+    report = Report("density")
+    rows: list[list[object]] = [
+        [f"registrations/s ({args.tenants} tenants, instances=0, {args.clients} clients, durable)",
+         r["registrations_per_s"]],
+        ["supervisor RSS (MiB), before the tenants", r["rss0_bytes"] / MiB],
+        ["supervisor RSS (MiB), with them", r["rss_bytes"] / MiB],
+        ["RSS per registered tenant (bytes)", r["rss_per_tenant"]],
+        ["open fds (per registered tenant)", f"{r['fds']} ({r['fds_per_tenant']:.2f})"],
+        ["/dev/shm segments (per registered tenant)", f"{r['segments']} ({r['segments_per_tenant']:.2f})"],
+        ["load average (1 min) after", os.getloadavg()[0]],
+    ]
+    report.sections.append((f"{args.tenants + args.active} registered tenants ({args.active} with a worker), "
+                            "stub backend", format_table(["figure", "value"], rows)))
+    report.targets += [
+        Target("registrations/s with durable state", r["registrations_per_s"], REGISTRATIONS_PER_S, unit="/s"),
+        Target("RSS per registered tenant", r["rss_per_tenant"], RSS_PER_TENANT, higher_is_better=False, unit=" B"),
+    ]
     report.data.update(r)
     return report.emit(as_json=args.json)
 

@@ -231,7 +231,8 @@ def _block(gpu_ns: int = 0, refusals: int = 0) -> Any:
 
 
 def _scanned(quiet: set[str]) -> tuple[dict[str, Any], Any]:
-    """1,000 quiet tenants, ``busy`` (a worker serves it) and ``gone`` (its last worker went)."""
+    """1,000 quiet tenants, ``busy`` (a worker serves it) and ``gone`` (its last worker went since
+    the last look: unread)."""
     tenants: dict[str, Any] = {tid: _Untouchable() for tid in quiet}
     tenants["busy"] = SimpleNamespace(tenant_id="busy", block=_block(5, 2), seen_refusals=0)
     tenants["gone"] = SimpleNamespace(tenant_id="gone", block=_block(7, 1), seen_refusals=0)
@@ -247,12 +248,12 @@ def test_the_gpu_time_sample_reads_only_tenants_served_or_not_quiet_yet() -> Non
     quiet = {f"q{i:04d}" for i in range(1000)}
     tenants, workers = _scanned(quiet)
     seen: list[tuple[str, int]] = []
-    fake: Any = SimpleNamespace(_quiet_sampled=set(quiet), tenants=tenants, workers=workers,
+    fake: Any = SimpleNamespace(_unread_sampled={"gone", "evicted"}, tenants=tenants, workers=workers,
                                 gpu_share=SimpleNamespace(observe=lambda tid, now, ns: seen.append((tid, ns))),
                                 loop=SimpleNamespace(timers=SimpleNamespace(after=lambda *_: None)), sample_gpu_time=None)
     Records.sample_gpu_time(fake)
     assert sorted(seen) == [("busy", 5), ("gone", 7)]
-    assert "gone" in fake._quiet_sampled and "busy" not in fake._quiet_sampled
+    assert fake._unread_sampled == {"busy"}  # gone and evicted are read: no longer unread
     Records.sample_gpu_time(fake)  # gone is quiet now: read once only
     assert sorted(seen) == [("busy", 5), ("busy", 5), ("gone", 7)]
 
@@ -263,12 +264,14 @@ def test_the_refusal_scan_reads_only_tenants_served_or_not_quiet_yet() -> None:
     quiet = {f"q{i:04d}" for i in range(1000)}
     tenants, workers = _scanned(quiet)
     emitted: list[tuple[str, int]] = []
-    records = SimpleNamespace(quiet_refusals=set(quiet))
+    records = SimpleNamespace(unread_refusals={"gone", "evicted"})
     fake: Any = SimpleNamespace(parts=SimpleNamespace(records=records, workers=workers), tenants=tenants,
                                 events=SimpleNamespace(emit=lambda kind, tenant, new, **_: emitted.append((tenant, new))))
     Supervisor._scan_refusals(fake)
     assert sorted(emitted) == [("busy", 2), ("gone", 1)]
-    assert "gone" in records.quiet_refusals and "busy" not in records.quiet_refusals
+    assert records.unread_refusals == {"busy"}
+    Supervisor._scan_refusals(fake)  # gone is quiet now: read once only
+    assert sorted(emitted) == [("busy", 2), ("gone", 1)]
 
 
 def test_the_rss_backstop_reads_only_ready_workers() -> None:

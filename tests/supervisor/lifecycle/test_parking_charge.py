@@ -39,7 +39,7 @@ class _Block:
 def _parked(phase: ParkPhase) -> tuple[Parking, TenantRuntime, ParkRecord, list[int]]:
     block = _Block(COPY)  # the host copy's charge, nothing else
     rt = TenantRuntime(TenantSpec("keeper"), block, 1)  # type: ignore[arg-type]  # the block's parking side
-    rt.slots.append(InstanceSlot(0))
+    rt.slots = (InstanceSlot(0),)
     rec = ParkRecord(phase, 0.0)
     rec.charged = COPY
     rec.buffers[0] = [ParkedBuffer(1, bytearray(COPY))]

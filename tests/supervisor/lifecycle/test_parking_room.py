@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def _tenant(name: str, phase: ParkPhase | None) -> TenantRuntime:
     rt = TenantRuntime(TenantSpec(name), None, 1)  # type: ignore[arg-type]  # no block: never read here
-    rt.slots.append(InstanceSlot(0))
+    rt.slots = (InstanceSlot(0),)
     rt.park = ParkRecord(phase, 0.0) if phase is not None else None
     rt.state = TenantState.RUNNING if phase is None else TenantState.PARKED
     return rt
@@ -80,7 +80,7 @@ class _Untouchable:
 
 def _idle(name: str, sent: list[tuple[str, str]]) -> tuple[TenantRuntime, WorkerHandle]:
     rt = TenantRuntime(TenantSpec(name, idle_timeout_s=1.0), SimpleNamespace(closed=False), 0)  # type: ignore[arg-type]
-    rt.slots.append(InstanceSlot(0))
+    rt.slots = (InstanceSlot(0),)
     rt.state, rt.last_request = TenantState.RUNNING, 10.0
     return rt, _worker(rt, WorkerState.READY, expected_exit=False)
 

@@ -413,7 +413,7 @@ def test_region_table_binds_each_region_to_one_tenant_and_reaps_dead_clients() -
     from supervisor.runtime.tenants import InstanceSlot, TenantRuntime
 
     rt = TenantRuntime(TenantSpec("acme"), None, 1)  # type: ignore[arg-type]  # no block needed here
-    rt.slots = [InstanceSlot(i) for i in range(4)]
+    rt.slots = tuple(InstanceSlot(i) for i in range(4))
     assert pinned_instance(rt, "write_region", {"handle": proto.make_handle(3, 1, 7), "region": 1}) == 3
     assert pinned_instance(rt, "read_region", {"handle": proto.make_handle(0, 1, 7), "region": 1}) == 0
 

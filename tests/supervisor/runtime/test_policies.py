@@ -80,7 +80,7 @@ def _worker(n: int, state: WorkerState = WorkerState.READY) -> WorkerHandle:
 def _runtime(spec: TenantSpec | None = None, instances: int = 1, ready: bool = True) -> TenantRuntime:
     spec = spec or TenantSpec("acme")
     rt = TenantRuntime(spec, FakeBlock(), 1)  # type: ignore[arg-type]
-    rt.slots = [InstanceSlot(i, worker=_worker(i) if ready else None) for i in range(instances)]
+    rt.slots = tuple(InstanceSlot(i, worker=_worker(i) if ready else None) for i in range(instances))
     return rt
 
 
@@ -556,3 +556,21 @@ def test_the_rss_backstop_reads_what_psutil_reads_and_none_for_a_gone_process() 
     with open("/proc/sys/kernel/pid_max") as f:
         never = int(f.read())  # pids stay below pid_max: no process has this one
     assert spawner.rss(WorkerHandle("w2", "t", process=None, pid=never, sentinel=-1, spawned_at=0.0)) is None  # type: ignore[arg-type]
+
+
+def test_a_tenant_holds_no_rare_record_until_it_sets_one() -> None:
+    """What only some tenants set (restarts, a failure, a rolling restart, refusals seen) is read
+    as its default without a record; writing a default makes none; writing a value makes it."""
+    rt = TenantRuntime(TenantSpec("acme"), None, 1)  # type: ignore[arg-type]  # no block needed here
+    assert rt.restarts_total == 0 and rt.failed_reason is None and rt.rolling_slot is None and not rt.restoring
+    assert rt.slots == () and not rt.waiters and rt.rolling_left == 0
+    rt.restoring = False
+    rt.seen_refusals = 0
+    assert rt._rare is None
+    rt.failed_reason = "boom"
+    rt.restarts_total += 1
+    assert rt._rare is not None and (rt.failed_reason, rt.restarts_total) == ("boom", 1)
+    other = TenantRuntime(TenantSpec("beta"), None, 1)  # type: ignore[arg-type]
+    assert other.failed_reason is None and other.restarts_total == 0  # the defaults are never written
+    rt.ready_waiters = []
+    assert not rt.waiters

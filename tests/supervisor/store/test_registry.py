@@ -27,6 +27,7 @@ from shared.errors import (
 )
 from shared.spec import TenantSpec
 from supervisor.store.registry import TenantRegistry
+from supervisor.store.tenant_quota import TenantQuota
 from tests.helpers import hygiene
 
 
@@ -110,6 +111,37 @@ def test_revocation_and_reregistration() -> None:
             registry.consume_bytes_with_capability_strict(old, 1)
         registry.consume_bytes_with_capability(new, 5)
         assert registry.get(admin, "acme").quota.bytes_in_use == 5  # fresh block
+
+
+def test_register_entry_keeps_the_callers_record_and_generations_name_every_tenant() -> None:
+    """The supervisor's registry keeps the tenant's runtime record as its entry (one record a
+    tenant); the generations map holds only tenants not registered now, yet generations()
+    names every one, evicted ones included, and a name registered again moves on from it."""
+
+    @dataclass(eq=False)
+    class Entry:
+        spec: TenantSpec
+        block: TenantQuota
+        generation: int
+        registered_at: float = 1.5
+
+    registry, admin = TenantRegistry.new(generations={"gone": 4})
+    with registry:
+        cap, entry = registry.register_entry(admin, TenantSpec("acme"), Entry)
+        assert isinstance(entry, Entry) and entry.generation == cap.generation == 1
+        assert registry.block(admin, "acme") is entry.block and registry.get(admin, "acme").registered_at == 1.5
+        assert registry.verify(cap) == "acme"
+        with pytest.raises(ValueError, match="behind"):  # would un-revoke generation 4's capabilities
+            registry.register_entry(admin, TenantSpec("gone"), Entry, generation=3)
+        cap2, again = registry.register_entry(admin, TenantSpec("gone"), Entry, generation=4)
+        assert again.generation == cap2.generation == 4
+        assert registry.generations() == {"acme": 1, "gone": 4}
+        registry.unregister(admin, "acme")
+        assert registry.generations() == {"acme": 1, "gone": 4}
+        cap3, back = registry.register_entry(admin, TenantSpec("acme"), Entry)
+        assert back.generation == cap3.generation == 2 and back is not entry
+        with pytest.raises(CapabilityRevoked):
+            registry.verify(cap)
 
 
 def test_wrong_kinds_refused() -> None:
