@@ -481,19 +481,7 @@ class Supervisor:
         parts = self.parts
         if parts is None:
             return
-        unread = parts.records.unread_refusals
-        serving = parts.workers.serving_tenants()
-        # those a worker serves, and those whose last worker went since the last look: not a pass
-        # over every registered tenant
-        for tid in serving | unread:
-            rt = self.tenants.get(tid)
-            if rt is None or rt.block.closed:
-                unread.discard(tid)
-                continue
-            if tid in serving:
-                unread.add(tid)
-            else:
-                unread.discard(tid)
+        for rt in parts.records.to_read(parts.records.unread_refusals):
             cpu_refusals, gpu_refusals = rt.block.refusals()  # two loads, not a whole snapshot
             total = cpu_refusals + gpu_refusals
             if total > rt.seen_refusals:

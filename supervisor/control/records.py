@@ -128,10 +128,17 @@ class Records:
     def sample_gpu_time(self) -> None:
         """Feed each tenant's accounted GPU time to the share window (a loop timer, every second)."""
         now = time.monotonic()
-        unread = self._unread_sampled  # without a worker, its time cannot grow: sampled once, then skipped
+        for rt in self.to_read(self._unread_sampled):  # without a worker its time cannot grow
+            self.gpu_share.observe(rt.tenant_id, now, rt.block.gpu_time_ns)
+        self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
+
+    def to_read(self, unread: set[str]) -> list[TenantRuntime]:
+        """The tenants a once-a-second look at the blocks reads (``unread``: that look's set, kept
+        up to date here): those a worker serves, and those whose last worker went since the last
+        look - not a pass over every registered tenant. Only workers write what the looks read,
+        so a tenant without a worker is read once after its last one went, then skipped."""
         serving = self.workers.serving_tenants()
-        # those a worker serves, and those whose last worker went since the last look: not a pass
-        # over every registered tenant
+        out: list[TenantRuntime] = []
         for tid in serving | unread:
             rt = self.tenants.get(tid)
             if rt is None or rt.block.closed:
@@ -141,8 +148,8 @@ class Records:
                 unread.add(tid)
             else:
                 unread.discard(tid)
-            self.gpu_share.observe(tid, now, rt.block.gpu_time_ns)
-        self.loop.timers.after(SAMPLE_EVERY_S, self.sample_gpu_time)
+            out.append(rt)
+        return out
 
     def _gpu_time_record(self, rt: TenantRuntime, snap: QuotaSnapshot) -> dict[str, object]:
         """What status and top show of the tenant's GPU time (docs/GPU-QUOTAS.md)."""

@@ -251,6 +251,7 @@ def test_the_gpu_time_sample_reads_only_tenants_served_or_not_quiet_yet() -> Non
     fake: Any = SimpleNamespace(_unread_sampled={"gone", "evicted"}, tenants=tenants, workers=workers,
                                 gpu_share=SimpleNamespace(observe=lambda tid, now, ns: seen.append((tid, ns))),
                                 loop=SimpleNamespace(timers=SimpleNamespace(after=lambda *_: None)), sample_gpu_time=None)
+    fake.to_read = lambda unread: Records.to_read(fake, unread)
     Records.sample_gpu_time(fake)
     assert sorted(seen) == [("busy", 5), ("gone", 7)]
     assert fake._unread_sampled == {"busy"}  # gone and evicted are read: no longer unread
@@ -259,12 +260,14 @@ def test_the_gpu_time_sample_reads_only_tenants_served_or_not_quiet_yet() -> Non
 
 
 def test_the_refusal_scan_reads_only_tenants_served_or_not_quiet_yet() -> None:
+    from supervisor.control.records import Records
     from supervisor.supervisor import Supervisor
 
     quiet = {f"q{i:04d}" for i in range(1000)}
     tenants, workers = _scanned(quiet)
     emitted: list[tuple[str, int]] = []
-    records = SimpleNamespace(unread_refusals={"gone", "evicted"})
+    records: Any = SimpleNamespace(unread_refusals={"gone", "evicted"}, tenants=tenants, workers=workers)
+    records.to_read = lambda unread: Records.to_read(records, unread)
     fake: Any = SimpleNamespace(parts=SimpleNamespace(records=records, workers=workers), tenants=tenants,
                                 events=SimpleNamespace(emit=lambda kind, tenant, new, **_: emitted.append((tenant, new))))
     Supervisor._scan_refusals(fake)
