@@ -315,9 +315,10 @@ class TenantRuntime:
         n = len(self.slots)
         if n == 1:
             return self.slots[0] if self.slots[0].ready else None
-        self.rr = (self.rr + 1) % max(n, 1)
+        rr = self.rr = (self.rr + 1) % max(n, 1)  # (kept in the tenant's rare record: read once)
+        slots = self.slots
         for k in range(n):
-            slot = self.slots[(self.rr + k) % n]
+            slot = slots[(rr + k) % n]
             if slot.ready:
                 assert slot.worker is not None
                 load = len(slot.worker.in_flight)
