@@ -36,3 +36,5 @@ def test_the_preload_holds_no_module_of_the_suite_and_none_pytest_rewrites() -> 
     modules = xdist_fork.preload_modules(marked=marked)
     assert "numpy" in modules and "supervisor.client.launch" in modules and "pytest" in modules
     assert not [m for m in modules if m.split(".", 1)[0] in ("tests", "conftest", *marked)]
+    assert "worker.preload" not in modules  # its wasmtime engine's fault handlers: see xdist_fork
+

@@ -47,6 +47,13 @@ _IMPORT = re.compile(r"^(?:from[ \t]+([A-Za-z_][\w.]*)[ \t]+import|import[ \t]+(
                      r"(?:[ \t]*,[ \t]*[A-Za-z_][\w.]*)*))", re.M)
 #: how long the preload may take (a hang guard: a loaded machine is slow)
 _READY_TIMEOUT_S = 120.0
+#: never preloaded: ``worker.preload`` builds a wasmtime engine at import, which installs wasmtime's
+#: handlers of the fault signals (a guest's trap is a SIGSEGV or SIGILL it turns into a ``Trap``). In a
+#: fresh worker pytest's faulthandler is installed first and wasmtime's on top of it; a worker forked
+#: after the engine was built gets faulthandler on top, and a trap ends the worker ("Fatal Python error")
+_NOT_PRELOADED = frozenset({"worker.preload"})
+#: the signals whose process-wide (native) handlers must still be the default ones when the preload ends
+_FAULT_SIGNALS = ("SIGSEGV", "SIGILL", "SIGBUS", "SIGFPE")
 
 
 def marked_for_rewrite() -> frozenset[str]:
@@ -86,7 +93,8 @@ def preload_modules(root: Path = _ROOT, marked: frozenset[str] = frozenset()) ->
             continue
         for m in _IMPORT.finditer(text):
             for name in ([m.group(1)] if m.group(1) else [n.strip() for n in m.group(2).split(",")]):
-                if name.split(".", 1)[0] not in ("tests", "conftest", "__future__", *marked):
+                if name.split(".", 1)[0] not in ("tests", "conftest", "__future__", *marked) \
+                        and name not in _NOT_PRELOADED:
                     found[name] = None
     return list(found)
 
@@ -106,6 +114,7 @@ def _serve_main() -> None:
     leaked = sorted(n for n in sys.modules if n.split(".", 1)[0] in marked)
     problem = zygote._unfit() or ("" if zygote._one_thread() else "a native thread")
     problem = problem or (f"{leaked[:3]} imported (pytest rewrites them)" if leaked else "")
+    problem = problem or (f"handlers of {caught} installed" if (caught := _fault_handlers()) else "")
     if problem:
         sys.exit(f"xdist_fork: preloading left {problem}")
     import gc
@@ -118,6 +127,28 @@ def _serve_main() -> None:
         _reap_all()
         return
     _become_worker(*forked)
+
+
+def _fault_handlers() -> list[str]:
+    """The fault signals (:data:`_FAULT_SIGNALS`) with a native handler that is not the default
+    (``sigaction``: what a C library installed, which Python's ``signal`` module does not show)."""
+    import ctypes
+    import signal
+
+    class SigAction(ctypes.Structure):  # glibc's struct sigaction: handler, mask, flags, restorer
+        _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16), ("flags", ctypes.c_int),
+                    ("restorer", ctypes.c_void_p)]
+
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return []
+    found = []
+    for name in _FAULT_SIGNALS:
+        action = SigAction()
+        if libc.sigaction(int(getattr(signal, name)), None, ctypes.byref(action)) == 0 and action.handler:
+            found.append(name)
+    return found
 
 
 def _reap_all() -> None:
