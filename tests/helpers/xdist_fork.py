@@ -26,6 +26,7 @@ import importlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -104,6 +105,9 @@ def preload_modules(root: Path = _ROOT, marked: frozenset[str] = frozenset()) ->
 
 def _serve_main() -> None:
     """The preloading interpreter (``python -u -c``, as a worker is started): import, then fork."""
+    # it shares the terminal's process group: a ^C is the controller's and its workers' to handle
+    # (each worker gets Python's own handler back), not a second traceback from here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctl = socket.socket(fileno=int(sys.argv[1]))
     marked = marked_for_rewrite()
     for name in preload_modules(marked=marked):
@@ -171,6 +175,7 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
     for fd in fds[:3]:
         if fd > 2:
             os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has it
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
