@@ -38,7 +38,7 @@ import hypothesis.configuration as hypothesis_configuration
 import pytest
 
 import supervisor.client.launch
-from tests.helpers import cpu_profile, gpu_dry_run, hygiene, timeouts, warm_bytecode, zygote
+from tests.helpers import cpu_profile, gpu_dry_run, hygiene, timeouts, warm_bytecode, xdist_fork, zygote
 
 hygiene.mark_session()
 
@@ -169,6 +169,9 @@ def pytest_configure(config: pytest.Config) -> None:
         # long as it does: out of the collector's walks, which the warm-ups below (every source's
         # syntax tree, the bytecode) would otherwise set off ~11 times over all of it
         gc.freeze()
+        # the workers are forked from one interpreter that imports what each imported for itself (the
+        # third-party and product modules: ~0.6 s of CPU a worker); it preloads beside the warm-ups
+        xdist_fork.install()
         # beside the workers' start-up (interpreter, plugins, test modules: seconds), which it
         # does not delay; they reach the constants at the end of their collection
         threading.Thread(target=_warm_hypothesis_constants, name="twt-warm-constants", daemon=True).start()
@@ -469,6 +472,7 @@ if _CPU_LOG:  # CPU per test, for finding where the suite's time goes (tests/hel
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     zygote.stop()
+    xdist_fork.stop()
 
 
 def _children() -> set[int]:

@@ -72,8 +72,12 @@ __all__ = ["ZygoteProcess", "adopt", "enabled", "install", "popen", "run", "scri
 #: the real class, before :func:`_fork_through_zygote` puts :class:`_ForkingPopen` in its place
 _RealPopen = subprocess.Popen
 
-#: the modules a ``supervise`` start imports (what the zygote loads once)
-PRELOAD = ("supervisor.cli", "supervisor.supervisor", "supervisor.wiring", "supervisor.client.api")
+#: the modules a ``supervise`` start imports (what the zygote loads once); the supervise command's
+#: own module and the ``twt`` commands' are imported on first use by the command line, so each forked
+#: child imported them again
+PRELOAD = ("supervisor.cli", "supervisor.cli.supervise", "supervisor.supervisor", "supervisor.wiring",
+           "supervisor.client.api", "supervisor.cli.commands", "supervisor.cli.ops", "supervisor.cli.status",
+           "supervisor.control.ops", "zmq.utils.garbage")
 #: the module each forked child runs (as ``python -m``)
 MODULE = "supervisor"
 _ENABLE_ENV = "PYTEST_TWT_ZYGOTE"
@@ -494,6 +498,33 @@ def _become_subreaper() -> None:
         pass  # not Linux: orphans go to init, as a plain Popen's do
 
 
+def _warm() -> None:
+    """What every forked supervisor and ``twt`` command otherwise made for itself after the fork, made
+    once here: the modules its command line imports on first use (the supervise command, each ``twt``
+    command's module, the admin op classes behind the frontend's dispatch table) and the wire codec of
+    every record (``shared.wire`` writes a decoder per record class on its first use and keeps it:
+    ~10 of them in each supervisor's start). Pure caches, filled as the first use would fill them:
+    a forked child only finds them made."""
+    import importlib
+    import pkgutil
+
+    import shared.wire
+    import supervisor.cli.commands
+    import supervisor.control.ops
+
+    for info in pkgutil.iter_modules(supervisor.cli.commands.__path__):
+        importlib.import_module(f"{supervisor.cli.commands.__name__}.{info.name}")
+    supervisor.control.ops.op_table()  # imports every op module; cached for the process
+    todo = list(shared.wire.Record.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        try:
+            shared.wire._plan(cls)  # the decoder and encoders a first decode or encode would write
+        except Exception:  # noqa: BLE001 - a record the codec cannot plan fails where it is used, as before
+            continue
+
+
 def _main() -> None:
     import warnings
 
@@ -510,6 +541,7 @@ def _main() -> None:
     extra = [m for m in os.environ.get(_PRELOAD_ENV, "").split(",") if m]
     for name in (*FORKSERVER_PRELOAD, *PRELOAD, *extra):
         __import__(name)
+    _warm()
     problem = _unfit() or ("" if not extra or _one_thread() else "a native thread (a BLAS pool?)")
     if problem:
         sys.exit(f"zygote: preloading left {problem}")
