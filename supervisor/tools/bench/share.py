@@ -42,6 +42,12 @@ memory, sampled by this process every few milliseconds.
     k instances   a tenant of k instances against one of one instance, all saturating: the
                   accounted shares by tenant (50/50) and by instance
 
+The stub's device runs on a CPU of its own (``--device-cpus last``, the default: every supervisor's
+``stub_device_cpus``, and this program's clients on the CPUs left), in every arm of the run alike; a
+GPU runs launched work whatever the host's load, and a device thread sharing two cores with the guests,
+the supervisor and the clients waited for one of them (docs/GPU-QUOTAS.md, "The stub device").
+``--device-cpus none`` measures without it.
+
 ``--plot FILE.png`` (the ``plot`` extra: matplotlib) draws each tenant's
 share per 1 s window of the 7:3 and 8-tenant phases. Exit status 0 when
 every target is met, 4 when one is missed, 2 for bad usage.
