@@ -86,7 +86,8 @@ Threads: the executor thread submits and syncs; queued ops run on the device
 thread; a synchronous op runs on the executor thread once the queue is empty
 (and the device thread has told the board its stretch ended). The board,
 timers and totals are thus used by one thread at a time, ordered by the
-queue's condition.
+queue's condition. With ``stub_device_cpus`` (shared.device_cpus) the device thread runs only on
+its device's CPU and the worker's other threads on the rest (:func:`pin_device`, at bind).
 """
 
 from __future__ import annotations
