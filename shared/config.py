@@ -29,6 +29,7 @@ from typing import Literal
 from collections.abc import Callable, Iterable, Mapping
 
 from shared.checks import is_int, is_number
+from shared.device_cpus import parse_device_cpus
 from shared.errors import ConfigError
 from shared.sizes import parse_size
 from shared.spec import TenantSpec
@@ -195,6 +196,11 @@ class SupervisorConfig:
     park_ahead: int | None = None
     #: the warm pool grows with the activation rate up to this many (None: ``pool_size``, a fixed pool)
     pool_max: int | None = None
+    #: the stub's device as a core of its own (shared.device_cpus): the CPUs on which every stub
+    #: worker's device thread of each device runs, the worker's other threads and the supervisor on the
+    #: rest; "last" (the last CPUs of the affinity set, one a device) or CPU numbers; () off - the
+    #: default, for a user who runs the stub beside other work (docs/GPU-QUOTAS.md, "The stub device")
+    stub_device_cpus: tuple[int, ...] | str = ()
     tenants: tuple[TenantSpec, ...] = ()
     #: the file the settings came from (``twt reload`` and SIGHUP read it again); set by :func:`load_config`
     config_file: str | None = None
@@ -291,6 +297,7 @@ class SupervisorConfig:
                 raise ValueError(f"pool_max must be at least pool_size ({self.pool_size}); got {self.pool_max!r}")
         s(self, "gpu_time_scheduler", _bool(self.gpu_time_scheduler, "gpu_time_scheduler"))
         _int(self.worker_guest_nice, "worker_guest_nice", 0, 19)
+        s(self, "stub_device_cpus", parse_device_cpus(self.stub_device_cpus))
         tenants = tuple(t if isinstance(t, TenantSpec) else TenantSpec.from_dict(t) for t in self.tenants)
         names = [t.tenant_id for t in tenants]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -331,6 +338,8 @@ class SupervisorConfig:
         out = {f: getattr(self, f) for f in self.field_names() if f not in ("tenants", "config_file")}
         out["devices"] = list(self.devices) if isinstance(self.devices, tuple) else self.devices
         out["listen"] = list(self.listen)
+        if isinstance(self.stub_device_cpus, tuple):
+            out["stub_device_cpus"] = list(self.stub_device_cpus)
         out["tenants"] = [t.to_dict() for t in self.tenants]
         return out
 
@@ -462,6 +471,7 @@ _ENV_FIELDS = (
     "max_active",
     "park_ahead",
     "pool_max",
+    "stub_device_cpus",
 )
 _INT_FIELDS = {"pool_size", "heartbeat_liveness", "max_tcp_peers", "event_log_size", "max_tcp_peers_per_source",
                "max_tenants", "max_workers", "metrics_max_connections", "max_active", "park_ahead",

@@ -24,6 +24,7 @@ supervisor's teardown has no :class:`Parts` to undo then).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -36,6 +37,7 @@ import zmq
 from shared import protocol as proto
 from shared.capability import RegistryAdminCapability, capability_from_bytes
 from shared.config import SupervisorConfig
+from shared.device_cpus import resolve, set_threads_affinity
 from shared.errors import TenantIsolationViolation
 from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
 from shared.log import get_logger, log_event
@@ -149,7 +151,7 @@ def build_parts(s: Surroundings) -> Parts:
     stale_parked = remove_stale_parked(s.rundir.path)  # a killed supervisor's host copies: never restored
     if stale_parked:
         log_event(_log, logging.INFO, "supervisor.stale_parked_files_removed", count=stale_parked)
-    choice = select_backend(cfg)
+    choice = _stub_device_cpus(cfg, select_backend(cfg))
     with ExitStack() as undo:  # a failure half-way undoes what was made, newest first
         placement = _placement(s, choice)
         undo.callback(placement.close)  # unlink the device budget segments
@@ -240,6 +242,31 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
     )
     return Parts(z, events, signals, placement, regions, replies, pending, workers, parking, dispatcher, records,
                  admin, service, frontend, audit, tcp)
+
+
+def _stub_device_cpus(cfg: SupervisorConfig, choice: BackendChoice) -> BackendChoice:
+    """The stub's device as a core of its own (``stub_device_cpus``, shared.device_cpus): the bind
+    options name each device's CPU, and this process keeps to the rest (it, its forkserver and the
+    workers it starts inherit that; a worker's device thread moves onto its device's CPU). A setting
+    that cannot apply here is logged and dropped: every thread then keeps every CPU."""
+    if choice.name != "stub" or not cfg.stub_device_cpus:
+        return choice
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not Linux
+        allowed = set()
+    cpus, why = resolve(cfg.stub_device_cpus, [d.index for d in choice.devices], allowed)
+    if not cpus:
+        log_event(_log, logging.WARNING, "supervisor.stub_device_cpus_ignored", setting=str(cfg.stub_device_cpus),
+                  reason=why or "this host gives no affinity set")
+        return choice
+    rest = allowed - set(cpus.values())
+    for tid, exc in set_threads_affinity(rest):
+        log_event(_log, logging.WARNING, "supervisor.affinity_refused", thread=tid, error=repr(exc))
+    log_event(_log, logging.INFO, "supervisor.stub_device_cpus", devices={str(d): c for d, c in cpus.items()},
+              rest=sorted(rest))
+    return dataclasses.replace(choice, options={**choice.options,
+                                                "device_cpus": [[d, c] for d, c in sorted(cpus.items())]})
 
 
 def _placement(s: Surroundings, choice: BackendChoice) -> Placement:

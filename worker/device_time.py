@@ -86,7 +86,8 @@ Threads: the executor thread submits and syncs; queued ops run on the device
 thread; a synchronous op runs on the executor thread once the queue is empty
 (and the device thread has told the board its stretch ended). The board,
 timers and totals are thus used by one thread at a time, ordered by the
-queue's condition.
+queue's condition. With ``stub_device_cpus`` (shared.device_cpus) the device thread runs only on
+its device's CPU and the worker's other threads on the rest (:func:`pin_device`, at bind).
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
+from shared.device_cpus import set_threads_affinity
 from shared.errors import KernelTimeout
 from shared.gpu_time import GpuTimeBoard, WorkTrace
 from shared.log import get_logger, log_event
@@ -113,7 +115,7 @@ from worker.chunks import CostModel, Plan, plan
 from worker.priority import name_thread, start_thread
 
 __all__ = ["CHUNK_S", "MAX_QUEUED_BYTES", "MAX_QUEUED_OPS", "QUEUE_GRACE_S", "DeviceGate", "DeviceQueue",
-           "QueueOverrun"]
+           "QueueOverrun", "pin_device"]
 
 T = TypeVar("T")
 
@@ -156,6 +158,56 @@ _NOT_SMALL = 1 << 62
 #: how long past the run's deadline a wait for queued work may last (one chunk in flight ends well
 #: inside it; work that does not is a queue overrun: the run ends and the worker exits)
 QUEUE_GRACE_S = 1.0
+
+
+def pin_device(gate: DeviceGate, cpus: Iterable[int]) -> bool:
+    """The stub's device as a core of its own (shared.device_cpus), at a worker's bind: every thread
+    of this process onto the CPUs of its affinity set other than ``cpus``, and the gate's device
+    thread (now, or when it starts) onto ``cpus``. A set that cannot apply (no CPU would be left, or
+    ``cpus`` not usable by this process) is logged and changes nothing: the device thread then shares
+    the worker's CPUs, as without the setting. True when applied."""
+    device = frozenset(cpus)
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError) as exc:  # not Linux
+        log_event(_log, logging.WARNING, "device_time.device_cpus_fallback", cpus=sorted(device), reason=repr(exc))
+        return False
+    rest = allowed - device
+    if not device or not rest:
+        log_event(_log, logging.WARNING, "device_time.device_cpus_fallback", cpus=sorted(device),
+                  allowed=sorted(allowed), reason="no CPU of the worker's affinity set would be left for its "
+                                                  "other threads" if device else "no CPU given")
+        return False
+    try:  # may this process run there at all (its cpuset)? tried on this thread, then put back
+        os.sched_setaffinity(0, device)
+    except OSError as exc:
+        log_event(_log, logging.WARNING, "device_time.device_cpus_fallback", cpus=sorted(device),
+                  allowed=sorted(allowed), reason=repr(exc))
+        return False
+    queue = gate.queue
+    device_tid = queue.thread_id if queue is not None else None
+    refused = set_threads_affinity(rest, skip=() if device_tid is None else (device_tid,))
+    for tid, why in refused:
+        log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=tid, error=repr(why))
+    gate.device_cpus = device
+    if queue is not None:
+        queue.cpus = device
+        if device_tid is not None:
+            try:
+                os.sched_setaffinity(device_tid, device)
+            except OSError as exc:
+                log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=device_tid, error=repr(exc))
+    log_event(_log, logging.INFO, "device_time.device_cpus", device=sorted(device), rest=sorted(rest))
+    return True
+
+
+def _pin_self(cpus: frozenset[int]) -> None:
+    """The calling thread (the device thread, at its start) onto ``cpus``; a refusal is logged."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=threading.get_native_id(),
+                  error=repr(exc))
 
 
 def _same_args(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
@@ -229,6 +281,8 @@ class DeviceQueue:
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        #: the CPUs the device thread runs on (None: the worker's; :func:`pin_device`)
+        self.cpus: frozenset[int] | None = None
         #: threads waiting in :meth:`sync` (the device thread does not linger for more work then)
         self._syncing = 0
         #: wall ns the device thread spent running this worker's ops (an op's wait excludes them)
@@ -334,8 +388,16 @@ class DeviceQueue:
         self._cond.wait(left / 1e9)
         return True
 
+    @property
+    def thread_id(self) -> int | None:
+        """The device thread's native id (None: not started)."""
+        thread = self._thread
+        return None if thread is None else thread.native_id
+
     def _loop(self) -> None:
         name_thread()
+        if self.cpus is not None:
+            _pin_self(self.cpus)
         cond = self._cond
         while True:
             with cond:
@@ -489,6 +551,8 @@ class DeviceGate:
         self._last_args: tuple[object, ...] = ()
         self._last_plan: Plan | None = None
         self._last_nbytes = 0
+        #: the CPUs the device thread runs on (None: the worker's own; :func:`pin_device`)
+        self.device_cpus: frozenset[int] | None = None
 
     def _timer_(self) -> OpTimer:
         if self._timer is None:
@@ -524,6 +588,7 @@ class DeviceGate:
             queue = self.queue = DeviceQueue(self._queued_items, self._end_stretch, linger=self._linger,
                                              lend=self._lend_after_pass, work=self._work,
                                              settles=lambda: self._pending_timer is not None)
+            queue.cpus = self.device_cpus
         if name not in self._prepared and not queue.pending:
             self._prepare(name)
         if name == self._last_name and _same_args(args, self._last_args):

@@ -44,6 +44,7 @@ from shared.exitcodes import context_lost_exit_code
 from shared.frames import decode_worker_request, encode_worker_reply
 from shared.worker_link import WORKER_WARMED, BindMessage
 from worker.context import TenantContext
+from worker.device_time import pin_device
 from worker.faults import FaultState
 from worker.priority import lower_current_thread, restore_start
 
@@ -302,6 +303,7 @@ def op_bind(server: WorkerServer, args: dict[str, object], body: zmq.Frame | Non
     options.pop("gpu_time_slot", None)
     guest_nice = _int_arg(options, "guest_nice", 0)
     options.pop("guest_nice", None)
+    device_cpus = _device_cpus(options.pop("device_cpus", None), options.get("device_index", 0))
     try:
         server.context = TenantContext.create(
             spec,
@@ -318,9 +320,19 @@ def op_bind(server: WorkerServer, args: dict[str, object], body: zmq.Frame | Non
         if board is not None:
             board.close()  # its worker slot is free again at once, not only at this process's death
         raise
+    if device_cpus:  # the stub's device on a core of its own (shared.device_cpus)
+        pin_device(server.context.gate, device_cpus)
     # this thread runs the guest from now on: below the threads that drive the device (worker.priority)
     lower_current_thread(guest_nice)
     return {"pid": os.getpid(), **server.context.info()}, None
+
+
+def _device_cpus(pairs: object, device: object) -> tuple[int, ...]:
+    """The CPUs of ``device`` in a bind's ``device_cpus`` option (``[[device, cpu], ...]``)."""
+    if not isinstance(pairs, (list, tuple)):
+        return ()
+    return tuple(int(p[1]) for p in pairs
+                 if isinstance(p, (list, tuple)) and len(p) == 2 and p[0] == device and is_int(p[1]))
 
 
 def warm_bind_path() -> None:

@@ -42,6 +42,12 @@ memory, sampled by this process every few milliseconds.
     k instances   a tenant of k instances against one of one instance, all saturating: the
                   accounted shares by tenant (50/50) and by instance
 
+The stub's device runs on a CPU of its own (``--device-cpus last``, the default: every supervisor's
+``stub_device_cpus``, and this program's clients on the CPUs left), in every arm of the run alike; a
+GPU runs launched work whatever the host's load, and a device thread sharing two cores with the guests,
+the supervisor and the clients waited for one of them (docs/GPU-QUOTAS.md, "The stub device").
+``--device-cpus none`` measures without it.
+
 ``--plot FILE.png`` (the ``plot`` extra: matplotlib) draws each tenant's
 share per 1 s window of the 7:3 and 8-tenant phases. Exit status 0 when
 every target is met, 4 when one is missed, 2 for bad usage.
@@ -65,6 +71,7 @@ from multiprocessing.synchronize import Event
 from typing import TYPE_CHECKING, TypedDict, cast
 
 from shared.capability import TenantCapability
+from shared.device_cpus import parse_device_cpus, resolve, set_threads_affinity
 from shared.gpu_time import HANDOVER_TRACE_ENV, WORK_TRACE_ENV, GpuTimeBoard, WorkTrace
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
@@ -1228,9 +1235,53 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
+#: the benchmark's stub configuration: its device on a core of its own (docs/GPU-QUOTAS.md, "The stub device")
+DEVICE_CPUS = "last"
+
+
+def _device_cpus_arg(text: str) -> tuple[int, ...] | str:
+    try:
+        return parse_device_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _device_core(args: argparse.Namespace, report: Report) -> dict[str, object]:
+    """The supervisors' ``stub_device_cpus`` for ``--device-cpus``, this process (the clients) onto the
+    CPUs left, and a line saying which: every arm of the run (on and off, control and mix) the same."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = set()
+    cpus, why = resolve(args.device_cpus, [0], allowed)
+    if not cpus:
+        note = "the stub's device shares the host's CPUs with everything else" + (f" ({why})" if why else "")
+        report.sections.append(("the stub's device", note))
+        report.data["device_cpus"] = None
+        return {}
+    rest = allowed - set(cpus.values())
+    report.sections.append((
+        "the stub's device",
+        f"a core of its own: every stub worker's device thread on CPU {cpus[0]}, the host's other work - the "
+        f"guests, the supervisor, this program's clients - on CPU {','.join(map(str, sorted(rest)))} "
+        "(stub_device_cpus; --device-cpus none: the device thread shares every CPU)"))
+    report.data["device_cpus"] = {"device": cpus[0], "rest": sorted(rest)}
+    return {"stub_device_cpus": list(cpus.values())}
+
+
+def _clients_off_device(report: Report) -> None:
+    """This process's threads (the clients' load loops start from them) onto the CPUs the device left,
+    once the supervisors have started (they inherit this process's affinity, and need the device's CPU
+    in it to hand it on); best effort."""
+    plan = report.data.get("device_cpus")
+    if isinstance(plan, dict):
+        set_threads_affinity(plan["rest"])
+
+
 def _mix_main(args: argparse.Namespace) -> int:
     report = Report("share --mix")
-    base = {"log_level": "warning", "pool_size": 0, "backend": "stub", "gpu_time_quantum_s": args.quantum}
+    base = {"log_level": "warning", "pool_size": 0, "backend": "stub", "gpu_time_quantum_s": args.quantum,
+            **_device_core(args, report)}
     q_ms = args.quantum * 1e3
     if args.handover_trace:
         os.makedirs(args.handover_trace, exist_ok=True)
@@ -1244,6 +1295,7 @@ def _mix_main(args: argparse.Namespace) -> int:
     os.environ[WORK_TRACE_ENV] = work_dir  # every worker records its work and busy intervals
     try:
         with launch({"supervisor": {**base, "gpu_time_scheduler": True}}) as on:
+            _clients_off_device(report)
             gaps, kres = _mix(on, args)
         by_worker = read_work_trace_by_worker(work_dir)  # the workers have exited: every row is on disk
         traced = work_spans({k: _concat([rows[k] for rows in by_worker.values()])
@@ -1506,6 +1558,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-trace", metavar="DIR",
                         help="--mix: keep the work trace (every worker's DIR/<pid>.work) in DIR, and the rounds' "
                              "windows in the JSON, for an analysis of its own")
+    parser.add_argument("--device-cpus", type=_device_cpus_arg, default=DEVICE_CPUS,
+                        help="stub_device_cpus of every supervisor this run starts, and this process's clients on "
+                             "the CPUs left: the stub's device as a core of its own ('last': the last CPU of the "
+                             "affinity set; CPU numbers; 'none': the device thread shares every CPU; default "
+                             f"{DEVICE_CPUS})")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -1513,10 +1570,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.mix:
         return _mix_main(args)
     report = Report("share")
-    base = {"log_level": "warning", "pool_size": 0, "backend": "stub", "gpu_time_quantum_s": args.quantum}
+    base = {"log_level": "warning", "pool_size": 0, "backend": "stub", "gpu_time_quantum_s": args.quantum,
+            **_device_core(args, report)}
     q_ms = args.quantum * 1e3
     with launch({"supervisor": {**base, "gpu_time_scheduler": True}}) as on, \
             launch({"supervisor": {**base, "gpu_time_scheduler": False}}) as off:
+        _clients_off_device(report)
         solo = _solo_rounds(on, off, args)
         split = _split(on, args)
         eight = _eight(on, args)
