@@ -743,7 +743,7 @@ class WorkerSet:
         self.metrics.worker_exit(tid, cause)
         self.events.emit(
             "exit", worker=worker.worker_id, pid=worker.pid, tenant=tid, instance=index, exit_code=code,
-            signal=sig, reason=reason, expected=expected, reclaimed_cpu=reclaimed[0], reclaimed_gpu=reclaimed[1],
+            signal=sig, reason=reason, cause=cause, expected=expected, reclaimed_cpu=reclaimed[0], reclaimed_gpu=reclaimed[1],
         )
         for waiter in worker.fault_waiters:
             waiter(FaultExit(code, sig))

@@ -159,8 +159,13 @@ def test_death_check_counts_a_faulty_tenants_enforced_run_deadline_apart() -> No
     overrun = exit_("faulty-0", 11, WORKER_GPU_QUEUE_OVERRUN)
     check, unexplained, enforced = chaos_checks._check_deaths([overrun], tenants, healthy, set(), until=10.0)
     assert check.ok and (unexplained, enforced) == (0, 1) and "1 more" in check.detail, check.detail
+    # the supervisor's kill at a request's deadline (the exit's cause): the same deadline, enforced from outside
+    killed = {**exit_("faulty-0", 18, None), "signal": 15, "cause": "deadline"}
+    check, unexplained, enforced = chaos_checks._check_deaths([overrun, killed], tenants, healthy, set(), until=10.0)
+    assert check.ok and (unexplained, enforced) == (0, 2), check.detail
     for bad in (exit_("healthy-0", 12, WORKER_GPU_QUEUE_OVERRUN), exit_("faulty-0", 13, 1),
-                exit_("faulty-0", 14, None)):
+                exit_("faulty-0", 14, None), {**exit_("healthy-0", 19, None), "signal": 15, "cause": "deadline"},
+                {**exit_("faulty-0", 20, None), "signal": 15, "cause": "heartbeat"}):
         check, unexplained, _ = chaos_checks._check_deaths([overrun, bad], tenants, healthy, set(), until=10.0)
         assert not check.ok and unexplained == 1 and f"pid {bad['pid']}" in check.detail, check.detail
     faulted = exit_("faulty-0", 15, 1)
@@ -354,3 +359,31 @@ def test_the_chaos_client_keeps_a_buffer_an_unrelated_invalid_argument_names() -
     client.last_detail = ""
     client._after_error(8, "buffer_lost", mutating=True)
     assert 8 not in client.live
+
+
+def test_the_warm_up_skips_a_buffer_op_once_an_error_took_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's warm-up runs each buffer op only while it still has a buffer: a fill whose instance died
+    drops the buffer (its handle named a gone incarnation), and the read after it must not pick from an
+    empty set (an IndexError that ended the client and failed the campaign's "harness ran to the end")."""
+    import threading
+
+    from shared.spec import TenantSpec
+    from supervisor.tools.chaos import workload
+
+    client = workload._Client(0, "faulty-0", False, TenantSpec(tenant_id="faulty-0"), None, "", 1,  # type: ignore[arg-type]
+                              None, threading.Event(), None, None)  # type: ignore[arg-type]
+    calls: list[str] = []
+
+    def alloc() -> None:
+        client.live[0x10] = workload._Buf(4096)
+        calls.append("alloc")
+
+    def fill() -> None:
+        client.live.clear()  # the instance died under the run: the buffer went with it
+        calls.append("fill")
+
+    monkeypatch.setattr(client, "op_wasm_job", lambda: calls.append("job"))
+    monkeypatch.setattr(client, "op_alloc", alloc)
+    monkeypatch.setattr(client, "op_wasm_fill", fill)
+    client.warm_up()  # the real op_read: with no buffer it would raise
+    assert calls == ["job", "alloc", "fill"]

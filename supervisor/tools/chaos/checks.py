@@ -183,9 +183,11 @@ def _check_deaths(events: Sequence[Mapping[str, object]], tenants: Collection[st
     faulted; (the check, deaths not from a fault, deadline exits of faulty tenants).
 
     A faulty tenant's runs have a 1 s deadline (its hangs must end quickly). A run whose queued device
-    work or compile is still going past it ends its worker (:data:`DEADLINE_EXITS`): the deadline
-    enforced as designed - on a loaded host that happens with no fault, the stub's device being the
-    host's CPU. Those exits are counted, not violations; a healthy tenant's (a 10 s hang guard) is one.
+    work or compile is still going past it ends its worker (:data:`DEADLINE_EXITS`), and a request
+    still unanswered at its own deadline has its worker killed by the supervisor (the exit's
+    ``cause`` is ``deadline``): the deadline enforced as designed - on a loaded host that happens
+    with no fault (a first run's compile, the stub's device being the host's CPU). Those exits are
+    counted, not violations; a healthy tenant's (a 10 s hang guard) is one.
     """
     unexplained: list[Mapping[str, object]] = []
     deadline_exits = 0
@@ -193,7 +195,7 @@ def _check_deaths(events: Sequence[Mapping[str, object]], tenants: Collection[st
         if (e.get("event") != "exit" or e.get("expected") or e.get("tenant") not in tenants or _ts(e) >= until
                 or e.get("pid") in faulted):
             continue
-        if e.get("exit_code") in DEADLINE_EXITS and e.get("tenant") not in healthy:
+        if (e.get("exit_code") in DEADLINE_EXITS or e.get("cause") == "deadline") and e.get("tenant") not in healthy:
             deadline_exits += 1
         else:
             unexplained.append(e)
@@ -201,8 +203,8 @@ def _check_deaths(events: Sequence[Mapping[str, object]], tenants: Collection[st
         f"{e.get('tenant')}/{e.get('instance')} pid {e.get('pid')}: {e.get('reason')}" for e in unexplained[:5]
     ) or "every unplanned exit followed a fault to that worker"
     if deadline_exits:
-        detail += (f" ({deadline_exits} more: a faulty tenant's run deadline enforced - its queued GPU work or "
-                   "compile past it ended the worker)")
+        detail += (f" ({deadline_exits} more: a faulty tenant's deadline enforced - its queued GPU work or "
+                   "compile past it ended the worker, or the supervisor killed it at its request's deadline)")
     return Check("no worker died without a fault", not unexplained, detail), len(unexplained), deadline_exits
 
 

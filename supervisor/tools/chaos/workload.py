@@ -255,10 +255,9 @@ class _Client(threading.Thread):
         """Every op once (compiles both guests in the worker) before anything is measured."""
         self.op_wasm_job()
         self.op_alloc()
-        if self.live:
-            self.op_wasm_fill()
-            self.op_read()
-            self.op_free()
+        for op in (self.op_wasm_fill, self.op_read, self.op_free):
+            if self.live:  # an op's error can take the buffer with it (its instance gone)
+                op()
 
     def run(self) -> None:
         try:

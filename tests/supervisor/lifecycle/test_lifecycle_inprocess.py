@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import zmq
 
-from shared import _atomics
+from shared import _atomics, log
 from shared import protocol as proto
 from shared.config import SupervisorConfig
 from shared.spec import TenantSpec
@@ -183,7 +183,8 @@ def test_crash_is_answered_and_restarted_after_backoff(h: Harness) -> None:
     assert h.call("ping", {}, cap)["pid"] == again.process.pid
 
 
-def test_a_hung_request_meets_its_deadline_and_the_worker_is_replaced(tmp_path: Path) -> None:
+def test_a_hung_request_meets_its_deadline_and_the_worker_is_replaced(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     h = Harness(tmp_path)
     try:
         cap = h.register("acme", instances=1, request_timeout_s=2.0)
@@ -192,10 +193,14 @@ def test_a_hung_request_meets_its_deadline_and_the_worker_is_replaced(tmp_path: 
         rid = h.send("ping", {}, cap)
         h.turn(5)
         assert h.client.poll(0) == 0  # not answered: the op hangs
-        h.tick(2.5)
+        with caplog.at_level("WARNING", logger="twt.supervisor"):
+            h.tick(2.5)
         ok, err = h.answer(rid)
         assert not ok and err["code"] in ("kernel_timeout", "worker_lost"), err
         assert signal.SIGTERM in worker.signals and not worker.alive
+        # the exit event says why: the supervisor's kill at the request's deadline (twt chaos reads it)
+        exits = [r for r in caplog.records if r.getMessage().startswith("event.exit")]
+        assert [log._fields_of(r).get("cause") for r in exits] == ["deadline"], [r.__dict__ for r in exits]
         h.tick(5.0)
         (again,) = h.spawner.of("acme")
         assert again is not worker

@@ -68,11 +68,13 @@ def test_json_logs_of_the_supervisor_and_its_workers(tmp_path: Path) -> None:
     killed = _find(records, "event.exit", field_pid=beta_pid)
     assert len(killed) == 1
     assert killed[0]["signal"] == 9 and killed[0]["exit_code"] is None and killed[0]["expected"] is False
+    assert killed[0]["cause"] == "signal"  # the twt_worker_exits_total label, in the event too
     assert killed[0]["level"] == "warning" and killed[0]["tenant"] == "beta" and killed[0]["instance"] == 0
     assert _find(records, "event.restart", tenant="beta", instance=0, restarts=1)
     evicted = _find(records, "event.exit", field_pid=acme_pid)
     assert len(evicted) == 1 and evicted[0]["exit_code"] == 0 and evicted[0]["expected"] is True
     assert evicted[0]["level"] == "info" and evicted[0]["reason"] == "evicted"
+    assert evicted[0]["cause"] == "stop"
     # context create / destroy, logged by the worker processes themselves (the crate's spans)
     created = _find(records, "context.create", tenant="acme", instance=0, backend="stub")
     assert len(created) == 1 and created[0]["pid"] == acme_pid and created[0]["logger"] == "twt.worker.context"
