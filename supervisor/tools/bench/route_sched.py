@@ -37,7 +37,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["HostTimes", "RoleSplit", "ThreadTimes", "host_snapshot", "parse_schedstat", "snapshot", "split"]
+__all__ = ["HostTimes", "RoleSplit", "ThreadTimes", "host_busy_cpus", "host_snapshot", "parse_proc_stat", "parse_schedstat",
+           "snapshot", "split"]
 
 
 @dataclass(frozen=True)
