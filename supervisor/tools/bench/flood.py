@@ -41,6 +41,10 @@ under its rate. The TCP flooder past its rate has the TCP frontend paused
 (``tcp_drops_per_s``, :mod:`supervisor.admission.pacing`); the admission
 table shows how often and for how long.
 
+``--sched`` adds, per flood, where the victim's pings waited: each role's
+CPU run and run-queue wait per ping from the kernel's per-thread counters
+(:mod:`supervisor.tools.bench.route_sched`), and how busy the whole host was.
+
 Typing: what a flooder process reports is a :class:`FloodResult`; the figures of each flood
 a ``dict[str, float]``.
 """
@@ -61,6 +65,7 @@ import zmq
 from shared import protocol as proto
 from shared.errors import ProtocolError
 from shared.spec import TenantSpec
+from supervisor.tools.bench import route_sched
 from supervisor.tools.bench._relay import RawRelay
 from supervisor.tools.bench._report import (Report, Target, byte_size, count, format_table, per_second, percentile,
                                              socket_rtts_us)
@@ -155,11 +160,44 @@ def _both_rtts_us(victim: zmq.Socket[bytes], header: bytes, relay: zmq.Socket[by
     return socket_rtts_us(victim, header, n), socket_rtts_us(relay, header, n)
 
 
+class _Sched:
+    """The ``--sched`` figures of one flood's victim window (:mod:`supervisor.tools.bench.route_sched`)."""
+
+    def __init__(self, roles: dict[str, list[int]]) -> None:
+        self.roles = roles
+        self.splits: list[route_sched.RoleSplit] = []
+        self.host_cpus: float | None = None
+
+    def victim_pings(self, flooder: int | None, sock: zmq.Socket[bytes], header: bytes, n: int) -> list[float]:
+        roles = dict(self.roles, flooder=[flooder] if flooder is not None else [])
+        pids = [pid for group in roles.values() for pid in group]
+        host0, before = route_sched.host_snapshot(), route_sched.snapshot(pids)
+        t0 = time.perf_counter()
+        rtts = socket_rtts_us(sock, header, n)
+        seconds = time.perf_counter() - t0
+        after, host1 = route_sched.snapshot(pids), route_sched.host_snapshot()
+        self.splits = route_sched.split(before, after, roles, n, seconds)
+        self.host_cpus = route_sched.host_busy_cpus(host0, host1)
+        return rtts
+
+    def rows(self, kind: str, data: dict[str, dict[str, float]]) -> list[list[object]]:
+        """The last window's table rows (``kind`` on the first), its figures added to ``data``."""
+        host = "" if self.host_cpus is None else f"{self.host_cpus:.2f}"
+        out: list[list[object]] = []
+        for part in self.splits:
+            out.append([kind if not out else "", part.role, part.threads, part.run_us, part.wait_us,
+                        f"{part.cpu_share:.2f}", host if not out else ""])
+            data[f"{kind}/{part.role}"] = {"run_us": part.run_us, "wait_us": part.wait_us, "cpus": part.cpu_share}
+        if self.host_cpus is not None:
+            data[f"{kind}/host"] = {"cpus": self.host_cpus}
+        return out
+
+
 def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int,
                victim: tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None, header: bytes, n: int, seconds: float,
-               nice: int = 0) -> tuple[tuple[list[float], list[float]], FloodResult]:
+               nice: int = 0, sched: _Sched | None = None) -> tuple[tuple[list[float], list[float]], FloodResult]:
     """Flood with ``kind`` while the victim (and the relay beside it) pings ``n`` times
-    (none: the flooder alone)."""
+    (none: the flooder alone); ``sched``: the kernel's per-thread figures over the victim's pings."""
     tcp = kind == "tcp-ping"
     endpoint = sup.info["listen"][0] if tcp else f"ipc://{sup.run_dir}/frontend.ipc"
     out, started = _SPAWN.Queue(), _SPAWN.Event()
@@ -171,7 +209,12 @@ def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int,
         if not started.wait(60):
             raise RuntimeError(f"the {kind} flooder did not start")
         time.sleep(min(0.3, seconds / 4))  # let the flood fill the queues
-        rtts = _both_rtts_us(victim[0], header, victim[1], n) if victim is not None else ([], [])
+        if victim is None:
+            rtts: tuple[list[float], list[float]] = ([], [])
+        elif sched is not None and proc.pid is not None:
+            rtts = sched.victim_pings(proc.pid, victim[0], header, n), socket_rtts_us(victim[1], header, n)
+        else:
+            rtts = _both_rtts_us(victim[0], header, victim[1], n)
         result: FloodResult = out.get(timeout=seconds + 60)
     finally:
         proc.join(10)
@@ -197,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flooder-bytes", type=byte_size, default=None,
                         metavar="SIZE", help="the flooder tenant's bytes_per_s, e.g. 256MiB (default: "
                         "the supervisor's tenant_bytes_per_s)")
+    parser.add_argument("--sched", action="store_true",
+                        help="per flood, each role's CPU run and run-queue wait per victim ping (the kernel's "
+                        "per-thread schedstat) and how busy the host was")
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
@@ -208,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[list[object]] = []
     targets: list[Target] = []
     data: dict[str, dict[str, float]] = {}
+    sched_rows: list[list[object]] = []
+    sched_data: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="twt-bench-", dir=temp_parent()) as tmp, launch(
         {"supervisor": {"pool_size": 0, "log_level": "error", "listen": ["tcp://127.0.0.1:0"]}, "tenant": []},
         backend="stub",
@@ -218,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
             "flooder", requests_per_s=args.flooder_rate, bytes_per_s=args.flooder_bytes))
         handle = client.alloc(flooder, _WRITE_BYTES)
         flood_cap = flooder.to_bytes()
+        sched: _Sched | None = None
+        if args.sched:
+            pids = {t.tenant_id: list(t.pids) for t in client.status().tenants}
+            sched = _Sched({"victim client": [os.getpid()], "supervisor": [sup.pid],
+                            "victim worker": pids.get("victim", []), "flood worker": pids.get("flooder", [])})
         header = proto.encode_request(1, "ping", victim_cap.to_bytes(), {})
         victim = ctx.socket(zmq.DEALER)
         victim.setsockopt(zmq.LINGER, 0)
@@ -234,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         pair = (victim, raw)
         try:
             _both_rtts_us(victim, header, raw, 300)  # warm up
-            quiet, quiet_raw = _both_rtts_us(victim, header, raw, args.pings)
+            if sched is not None:
+                quiet = sched.victim_pings(None, victim, header, args.pings)
+                quiet_raw = socket_rtts_us(raw, header, args.pings)
+                sched_rows += sched.rows("quiet", sched_data)
+            else:
+                quiet, quiet_raw = _both_rtts_us(victim, header, raw, args.pings)
             q50, q99 = percentile(quiet, 0.5), percentile(quiet, 0.99)
             base = max(q50, _FLOOR_US)
             rows.append(["quiet", q50, q99, percentile(quiet_raw, 0.5), percentile(quiet_raw, 0.99), "", ""])
@@ -244,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                 _, solo = _run_flood("ping", sup, flood_cap, handle, None, header, 0, 2.0, args.nice)
             for kind in kinds:
                 (rtts, raw_rtts), res = _run_flood(kind, sup, flood_cap, handle, pair, header, args.pings,
-                                                   seconds, args.nice)
+                                                   seconds, args.nice, sched)
+                if sched is not None:
+                    sched_rows += sched.rows(kind, sched_data)
                 p50, p99 = percentile(rtts, 0.5), percentile(rtts, 0.99)
                 r50, r99 = percentile(raw_rtts, 0.5), percentile(raw_rtts, 0.99)
                 rate = res["ok"] / res["seconds"]
@@ -273,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         f"(the flooder's tenant: {limits or 'the supervisor defaults'})",
         format_table(["flood", "p50", "p99", "relay p50", "relay p99", "flood sent/s", "flood ok/s"], rows),
     ))
+    if sched_rows:
+        report.sections.append((
+            "where the victim's pings waited (--sched): each role's threads over the victim's pings, per ping: CPU "
+            "run and run-queue wait (us; the supervisor's and the flooder's include the flood's own work), the CPUs "
+            "it used, and the CPUs the whole host used (every session)",
+            format_table(["flood", "role", "threads", "run us", "rq-wait us", "CPUs", "host CPUs"], sched_rows)))
     report.sections.append(("admission", format_table(["counter", "value"], [
         ["unauthenticated_dropped", stats.unauthenticated_dropped], ["admission_refused", stats.admission_refused],
         ["admission_unanswered", stats.admission_unanswered], ["tcp_pauses", stats.tcp_pauses],
@@ -283,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "relay_p99": percentile(quiet_raw, 0.99)}, floods=data,
                        flooder_spec={"requests_per_s": args.flooder_rate, "bytes_per_s": args.flooder_bytes},
                        victim=args.victim)
+    if sched_data:
+        report.data["sched"] = sched_data
     return report.emit(as_json=args.json)
 
 
