@@ -119,6 +119,10 @@ POOL_DEFAULT_REFILL_S = 1.0
 #: housekeeping tick (every 0.05 s, supervisor.supervisor.TICK_S), one tick later when one is put
 #: off for a bind in flight - half a tick on average, a tick and a half at most; one tick counted
 POOL_REFILL_LAG_S = 0.05
+#: pool workers starting at once (forked, not yet warmed): a refill of several starts them one
+#: after another as each is warmed, not all at the housekeeping tick - a start is ~10 ms of CPU,
+#: and a burst of them at a tick took the cores from the activations of that moment
+POOL_STARTS_AT_ONCE = 2
 #: the share of activations that should find a warm pool worker: the pool holds the demand of one
 #: refill's time at this quantile (a Poisson count of starts at the rate measured), not its mean
 POOL_WARM_SHARE = 0.99
@@ -375,12 +379,17 @@ class WorkerSet:
         if self._pool_failures:
             self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
         target = self.pool_target = self.pool_target_now(now)
-        while len(self.pool) + self.pool_starting < target:
+        self._start_pool_workers(target)
+        while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
+            self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
+
+    def _start_pool_workers(self, target: int) -> None:
+        """Start pool workers towards ``target``, at most POOL_STARTS_AT_ONCE in flight (starting or
+        warming up); each one's readiness starts the next (:meth:`_pool_ready`)."""
+        while len(self.pool) + self.pool_starting < target and self.pool_starting < POOL_STARTS_AT_ONCE:
             worker = self._spawn(pool=True)
             worker.tenant = None
             self.pool_starting += 1
-        while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
-            self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
 
     def serving_tenants(self) -> set[str]:
         """The tenants some live worker of this set serves (starting, binding, ready or stopping).
@@ -489,6 +498,8 @@ class WorkerSet:
             self.pool_starting -= 1  # the tenant's now: not the pool's (its death is the instance's)
             # it started below the normal priority (a pool worker's start): the tenant waits for it now
             raise_priority(worker.pid, getattr(self.spawner, "start_nice", 0))
+            if not self._pool_failures and not self.hooks.is_stopping():
+                self._start_pool_workers(self.pool_target)  # its place among the starts: the next one
         else:
             worker = self._spawn()
             how = "spawned"
@@ -542,6 +553,8 @@ class WorkerSet:
         self._refill_s = took if self._refill_s is None else 0.8 * self._refill_s + 0.2 * took
         self.pool.append(worker)
         self.events.emit("ready", worker=worker.worker_id, pid=worker.pid, pool=True)
+        if not self._pool_failures and not self.hooks.is_stopping():
+            self._start_pool_workers(self.pool_target)  # the next start in line, now: not at the tick
 
     def _on_warmed(self, worker: WorkerHandle) -> None:
         """A pool worker says its warm-up is done: it joins the pool. Ignored from a worker not
