@@ -483,7 +483,9 @@ class WorkerSet:
             worker.tenant = rt.tenant_id
             worker.instance = slot.index
             slot.worker = worker
-            self._bind(rt, slot, worker, self.clock())  # a pool worker: its startup is the bind, not its spawn
+            # a pool worker: its startup is the bind, not its spawn; a warm one is replaced once the
+            # bind is done (one still warming up is the pool's last: the housekeeping tick refills)
+            self._bind(rt, slot, worker, self.clock(), replace=how == "warm")
             if not self.pool:
                 # no warm worker left: the next instance waits for the first start in line, which
                 # started below the normal priority (Spawner.start_nice) - it runs at ours from now
@@ -498,8 +500,6 @@ class WorkerSet:
             self.pool_starting -= 1  # the tenant's now: not the pool's (its death is the instance's)
             # it started below the normal priority (a pool worker's start): the tenant waits for it now
             raise_priority(worker.pid, getattr(self.spawner, "start_nice", 0))
-            if not self._pool_failures and not self.hooks.is_stopping():
-                self._start_pool_workers(self.pool_target)  # its place among the starts: the next one
         else:
             worker = self._spawn()
             how = "spawned"
@@ -580,9 +580,11 @@ class WorkerSet:
             self.pool_starting -= 1
         self._will_warm.discard(worker.worker_id)
 
-    def _bind(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, asked_at: float) -> None:
+    def _bind(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, asked_at: float, *,
+              replace: bool = False) -> None:
         """``asked_at``: when the instance asked for this worker (its spawn, or the bind of a pool
-        worker); the ``ready`` event's ``startup_ms`` counts from there."""
+        worker); the ``ready`` event's ``startup_ms`` counts from there. ``replace``: a warm pool
+        worker, whose replacement starts once the bind is done (:meth:`_on_bound`)."""
         worker.state = WorkerState.BINDING
         worker.incarnation = slot.incarnation
         opts = dict(self.backend_options)
@@ -591,7 +593,7 @@ class WorkerSet:
         now = self.clock()
 
         def done(ok: bool, payload: object) -> None:
-            self._on_bound(rt, slot, worker, ok, payload, asked_at)
+            self._on_bound(rt, slot, worker, ok, payload, asked_at, replace)
 
         pending = Pending(None, 0, "bind", rt.tenant_id, slot.index, now, now + self.config.register_timeout_s, done)
         try:
@@ -610,7 +612,7 @@ class WorkerSet:
         self.hooks.bind_sent(rt, slot, worker)
 
     def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: object,
-                  asked_at: float) -> None:
+                  asked_at: float, replace: bool = False) -> None:
         if self.tenants.get(rt.tenant_id) is not rt or slot.worker is not worker:
             self.stop_worker(worker, "tenant gone during bind")
             return
@@ -637,6 +639,10 @@ class WorkerSet:
         )
         rt.refresh_state()
         self.hooks.instance_ready(rt)
+        if replace and not self._pool_failures and not self.hooks.is_stopping():
+            # a warm pool worker went to a tenant: its replacement starts now that the bind is done
+            # (within the starts at once), not at the next housekeeping tick
+            self._start_pool_workers(self.pool_target)
 
     # ------------------------------------------------------------ stop and kill
 

@@ -47,29 +47,19 @@ def test_a_refill_of_many_starts_two_at_once_and_the_next_as_each_is_warmed(tmp_
         h.close()
 
 
-def test_an_instance_that_takes_a_starting_pool_worker_lets_the_next_start_begin(tmp_path: Path) -> None:
-    h = Harness(tmp_path, pool_size=0, pool_max=8)
+def test_a_warm_pool_worker_bound_to_a_tenant_is_replaced_when_its_bind_is_done(tmp_path: Path) -> None:
+    """Not at the next housekeeping tick (the clock does not move here): the replacement starts
+    as the bind completes - after it, so it does not compete with the bind itself."""
+    h = Harness(tmp_path, pool_size=2)
     try:
         ws = h.sup.parts.workers
         h.settle()
-        ws._refill_s = 0.5
-        for _ in range(10):
-            ws._note_demand()
-        held: list[Any] = []
-
-        def hold(worker: Any) -> None:
-            held.append(worker)
-            worker.say_hello = lambda: None
-
-        h.spawner.on_spawn.append(hold)
-        ws.refill_pool()
-        assert len(held) == 2 and ws.pool_starting == 2 and not ws.pool
-        rid = h.send("register", {"spec": {"tenant_id": "first", "instances": 1}})
-        h.until(lambda: len(held) == 3)  # it took a start in flight; the next start is in its place
-        assert ws.pool_starting == 2
-        for worker in held:
-            type(worker).say_hello(worker)
-        ok, payload = h.answer(rid)
+        assert len(ws.pool) == 2 and ws.pool_starting == 0
+        spawned = len(h.spawner.workers)
+        ok, payload = h.answer(h.send("register", {"spec": {"tenant_id": "first", "instances": 1}}))
         assert ok, payload
+        h.settle()
+        assert len(h.spawner.workers) == spawned + 1
+        assert len(ws.pool) == 2 and ws.pool_starting == 0
     finally:
         h.close()
