@@ -119,6 +119,10 @@ POOL_DEFAULT_REFILL_S = 1.0
 #: housekeeping tick (every 0.05 s, supervisor.supervisor.TICK_S), one tick later when one is put
 #: off for a bind in flight - half a tick on average, a tick and a half at most; one tick counted
 POOL_REFILL_LAG_S = 0.05
+#: pool workers starting at once (forked, not yet warmed): a refill of several starts them one
+#: after another as each is warmed, not all at the housekeeping tick - a start is ~10 ms of CPU,
+#: and a burst of them at a tick took the cores from the activations of that moment
+POOL_STARTS_AT_ONCE = 2
 #: the share of activations that should find a warm pool worker: the pool holds the demand of one
 #: refill's time at this quantile (a Poisson count of starts at the rate measured), not its mean
 POOL_WARM_SHARE = 0.99
@@ -375,12 +379,17 @@ class WorkerSet:
         if self._pool_failures:
             self._pool_retry_at = now + pool_retry_delay_s(self._pool_failures)
         target = self.pool_target = self.pool_target_now(now)
-        while len(self.pool) + self.pool_starting < target:
+        self._start_pool_workers(target)
+        while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
+            self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
+
+    def _start_pool_workers(self, target: int) -> None:
+        """Start pool workers towards ``target``, at most POOL_STARTS_AT_ONCE in flight (starting or
+        warming up); each one's readiness starts the next (:meth:`_pool_ready`)."""
+        while len(self.pool) + self.pool_starting < target and self.pool_starting < POOL_STARTS_AT_ONCE:
             worker = self._spawn(pool=True)
             worker.tenant = None
             self.pool_starting += 1
-        while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
-            self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
 
     def serving_tenants(self) -> set[str]:
         """The tenants some live worker of this set serves (starting, binding, ready or stopping).
@@ -474,7 +483,9 @@ class WorkerSet:
             worker.tenant = rt.tenant_id
             worker.instance = slot.index
             slot.worker = worker
-            self._bind(rt, slot, worker, self.clock())  # a pool worker: its startup is the bind, not its spawn
+            # a pool worker: its startup is the bind, not its spawn; a warm one is replaced once the
+            # bind is done (one still warming up is the pool's last: the housekeeping tick refills)
+            self._bind(rt, slot, worker, self.clock(), replace=how == "warm")
             if not self.pool:
                 # no warm worker left: the next instance waits for the first start in line, which
                 # started below the normal priority (Spawner.start_nice) - it runs at ours from now
@@ -542,6 +553,8 @@ class WorkerSet:
         self._refill_s = took if self._refill_s is None else 0.8 * self._refill_s + 0.2 * took
         self.pool.append(worker)
         self.events.emit("ready", worker=worker.worker_id, pid=worker.pid, pool=True)
+        if not self._pool_failures and not self.hooks.is_stopping():
+            self._start_pool_workers(self.pool_target)  # the next start in line, now: not at the tick
 
     def _on_warmed(self, worker: WorkerHandle) -> None:
         """A pool worker says its warm-up is done: it joins the pool. Ignored from a worker not
@@ -567,9 +580,11 @@ class WorkerSet:
             self.pool_starting -= 1
         self._will_warm.discard(worker.worker_id)
 
-    def _bind(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, asked_at: float) -> None:
+    def _bind(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, asked_at: float, *,
+              replace: bool = False) -> None:
         """``asked_at``: when the instance asked for this worker (its spawn, or the bind of a pool
-        worker); the ``ready`` event's ``startup_ms`` counts from there."""
+        worker); the ``ready`` event's ``startup_ms`` counts from there. ``replace``: a warm pool
+        worker, whose replacement starts once the bind is done (:meth:`_on_bound`)."""
         worker.state = WorkerState.BINDING
         worker.incarnation = slot.incarnation
         opts = dict(self.backend_options)
@@ -578,7 +593,7 @@ class WorkerSet:
         now = self.clock()
 
         def done(ok: bool, payload: object) -> None:
-            self._on_bound(rt, slot, worker, ok, payload, asked_at)
+            self._on_bound(rt, slot, worker, ok, payload, asked_at, replace)
 
         pending = Pending(None, 0, "bind", rt.tenant_id, slot.index, now, now + self.config.register_timeout_s, done)
         try:
@@ -597,7 +612,7 @@ class WorkerSet:
         self.hooks.bind_sent(rt, slot, worker)
 
     def _on_bound(self, rt: TenantRuntime, slot: InstanceSlot, worker: WorkerHandle, ok: bool, payload: object,
-                  asked_at: float) -> None:
+                  asked_at: float, replace: bool = False) -> None:
         if self.tenants.get(rt.tenant_id) is not rt or slot.worker is not worker:
             self.stop_worker(worker, "tenant gone during bind")
             return
@@ -624,6 +639,10 @@ class WorkerSet:
         )
         rt.refresh_state()
         self.hooks.instance_ready(rt)
+        if replace and not self._pool_failures and not self.hooks.is_stopping():
+            # a warm pool worker went to a tenant: its replacement starts now that the bind is done
+            # (within the starts at once), not at the next housekeeping tick
+            self._start_pool_workers(self.pool_target)
 
     # ------------------------------------------------------------ stop and kill
 
