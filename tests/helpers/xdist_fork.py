@@ -168,13 +168,7 @@ def _reap_all() -> None:
 def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
     """In a forked child: the controller's pipes, environment and directory, then execnet's bootstrap
     line in a ``__main__`` as ``python -c`` has it."""
-    os.close(fds[3])
-    for target, fd in enumerate(fds[:3]):
-        if fd != target:
-            os.dup2(fd, target)
-    for fd in fds[:3]:
-        if fd > 2:
-            os.close(fd)
+    zygote.take_stdio(fds)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has it
     os.chdir(request["cwd"])
     os.environ.clear()

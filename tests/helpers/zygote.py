@@ -215,6 +215,19 @@ def _reap(children: dict[int, socket.socket]) -> None:
 LAUNCHERS = frozenset({"chaos", "demo"})
 
 
+def take_stdio(fds: list[int]) -> None:
+    """In a forked child: the request's three stdio descriptors become 0, 1 and 2; the fourth (the
+    socket through which the server reports the child's exit to the caller) is the server's, not the
+    child's, and is closed."""
+    os.close(fds[3])
+    for target, fd in enumerate(fds[:3]):
+        if fd != target:
+            os.dup2(fd, target)
+    for fd in fds[:3]:
+        if fd > 2:
+            os.close(fd)
+
+
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """In a forked child: take the caller's descriptors, environment and directory, then run
     the module as ``python -m`` does (an exception or SystemExit ends the interpreter as usual)."""
@@ -224,13 +237,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     else:
         launches = request["args"][:1] != ["--child"]  # a check step starts no process; a phase script may
     zygote = _fork_zygote(fds) if launches else None
-    os.close(fds[3])
-    for target, fd in enumerate(fds[:3]):
-        if fd != target:
-            os.dup2(fd, target)
-    for fd in fds[:3]:
-        if fd > 2:
-            os.close(fd)
+    take_stdio(fds)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
