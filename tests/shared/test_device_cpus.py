@@ -72,8 +72,8 @@ def test_resolve_falls_back_where_the_setting_cannot_apply(setting: tuple[int, .
     assert why in reason
 
 
-def _child(code: str) -> dict[str, object]:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+def _child(code: str, *args: str) -> dict[str, object]:
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           timeout=timeouts.scaled(30), cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -86,7 +86,7 @@ from shared.config import SupervisorConfig
 from supervisor.lifecycle.backend_select import BackendChoice
 from shared.records import ProbedDevice
 from supervisor.wiring import _stub_device_cpus
-cfg = SupervisorConfig(run_dir=sys.argv[1] if len(sys.argv) > 1 else '/tmp/x', stub_device_cpus=SETTING)
+cfg = SupervisorConfig(run_dir=sys.argv[1], stub_device_cpus=SETTING)
 choice = BackendChoice('stub', '', {'capacity_bytes': 1 << 20}, (ProbedDevice(0, 1 << 20, 1 << 20, 'stub'),))
 before = sorted(os.sched_getaffinity(0))
 out = _stub_device_cpus(cfg, choice)
@@ -95,17 +95,17 @@ print(json.dumps({'before': before, 'after': sorted(os.sched_getaffinity(0)),
 """
 
 
-def test_the_supervisor_names_the_device_cpu_and_keeps_to_the_rest() -> None:
+def test_the_supervisor_names_the_device_cpu_and_keeps_to_the_rest(tmp_path: Path) -> None:
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip("needs two CPUs")
-    out = _child(_SUPERVISOR_SIDE.replace("SETTING", "'last'"))
+    out = _child(_SUPERVISOR_SIDE.replace("SETTING", "'last'"), str(tmp_path))
     assert out["device_cpus"] == [[0, allowed[-1]]]
     assert out["after"] == allowed[:-1]
 
 
 @pytest.mark.parametrize("setting", ["(65000,)", "()"])
-def test_the_supervisor_ignores_a_setting_that_cannot_apply(setting: str) -> None:
-    out = _child(_SUPERVISOR_SIDE.replace("SETTING", setting))
+def test_the_supervisor_ignores_a_setting_that_cannot_apply(setting: str, tmp_path: Path) -> None:
+    out = _child(_SUPERVISOR_SIDE.replace("SETTING", setting), str(tmp_path))
     assert out["device_cpus"] is None
     assert out["after"] == out["before"]
