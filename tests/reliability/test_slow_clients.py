@@ -25,6 +25,7 @@ from shared.capability import TenantCapability
 from supervisor.client.launch import SupervisorHandle
 from tests.helpers.cluster import supervisor, tenant, wait_for, wait_for_count
 from tests.helpers.raw_client import dealer as _dealer, request as _req
+from tests.helpers.timeouts import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -74,7 +75,8 @@ class Bystander(threading.Thread):
 
 
 def _metrics(sup: SupervisorHandle) -> str:
-    with urllib.request.urlopen(sup.client.info["metrics_url"], timeout=10) as resp:
+    # a hang guard, scaled: a scrape in the flood's thick on a host loaded past its cores is slow
+    with urllib.request.urlopen(sup.client.info["metrics_url"], timeout=scaled(10)) as resp:
         return resp.read().decode()
 
 
