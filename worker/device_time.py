@@ -193,20 +193,17 @@ def pin_device(gate: DeviceGate, cpus: Iterable[int]) -> bool:
     if queue is not None:
         queue.cpus = device
         if device_tid is not None:
-            try:
-                os.sched_setaffinity(device_tid, device)
-            except OSError as exc:
-                log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=device_tid, error=repr(exc))
+            _pin(device_tid, device)
     log_event(_log, logging.INFO, "device_time.device_cpus", device=sorted(device), rest=sorted(rest))
     return True
 
 
-def _pin_self(cpus: frozenset[int]) -> None:
-    """The calling thread (the device thread, at its start) onto ``cpus``; a refusal is logged."""
+def _pin(tid: int, cpus: frozenset[int]) -> None:
+    """Thread ``tid`` (0: the calling one) onto ``cpus``; a refusal is logged."""
     try:
-        os.sched_setaffinity(0, cpus)
+        os.sched_setaffinity(tid, cpus)
     except OSError as exc:
-        log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=threading.get_native_id(),
+        log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=tid or threading.get_native_id(),
                   error=repr(exc))
 
 
@@ -397,7 +394,7 @@ class DeviceQueue:
     def _loop(self) -> None:
         name_thread()
         if self.cpus is not None:
-            _pin_self(self.cpus)
+            _pin(0, self.cpus)  # the device thread, at its start
         cond = self._cond
         while True:
             with cond:

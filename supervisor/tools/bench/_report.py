@@ -29,6 +29,7 @@ from itertools import repeat as _repeat
 from typing import TYPE_CHECKING, TextIO
 
 from shared.config import usable_cpus
+from shared.device_cpus import parse_device_cpus
 from shared.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ __all__ = [
     "at_least",
     "calibrate",
     "count",
+    "device_cpus",
     "environment",
     "format_table",
     "paired_ratio",
@@ -190,6 +192,15 @@ def byte_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return value
+
+
+def device_cpus(text: str) -> tuple[int, ...] | str:
+    """An argparse ``type``: a ``stub_device_cpus`` value (``last``, CPU numbers, ``none``;
+    shared.device_cpus), for the benches that start their supervisors with it."""
+    try:
+        return parse_device_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -49,6 +49,7 @@ from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import SupervisorHandle, launch
 from supervisor.store.state import StateStore
+from supervisor.tools.bench import route_sched
 from supervisor.tools.demo import guest_path
 
 __all__ = ["MAX_ACTIVE", "RUN_WASM_SHARE", "STREAM_REQUESTS", "ZIPF_S", "measure_buffers_and_first_run",
@@ -146,20 +147,10 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def thread_cpu_ns(pid: int) -> int:
-    """Every thread's CPU time of a live process so far (ns; ``/proc/PID/task/*/schedstat``, ns
-    resolution, not the clock ticks of ``/proc/PID/stat``); 0 when it is gone or there is no /proc."""
-    total = 0
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass  # a thread that ended between the listing and the read
-    return total
+    """Every thread's CPU time of a live process so far (ns; ``/proc/PID/task/*/schedstat`` through
+    :func:`route_sched.snapshot`, ns resolution, not the clock ticks of ``/proc/PID/stat``); 0 when
+    it is gone or there is no /proc."""
+    return sum(t.run_ns for t in route_sched.snapshot([pid]).values())
 
 
 def _thread_cpu_s(pid: int) -> float:

@@ -71,11 +71,12 @@ from multiprocessing.synchronize import Event
 from typing import TYPE_CHECKING, TypedDict, cast
 
 from shared.capability import TenantCapability
-from shared.device_cpus import parse_device_cpus, resolve, set_threads_affinity
+from shared.device_cpus import resolve, set_threads_affinity
 from shared.gpu_time import HANDOVER_TRACE_ENV, WORK_TRACE_ENV, GpuTimeBoard, WorkTrace
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, seconds
+from supervisor.tools.bench._report import (Report, Target, count, device_cpus, format_table, percentile,
+                                             seconds)
 from supervisor.tools.demo import guest_path
 from supervisor.client.launch import SupervisorHandle, launch
 
@@ -1239,13 +1240,6 @@ def _pct(value: float | None) -> str:
 DEVICE_CPUS = "last"
 
 
-def _device_cpus_arg(text: str) -> tuple[int, ...] | str:
-    try:
-        return parse_device_cpus(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _device_core(args: argparse.Namespace, report: Report) -> dict[str, object]:
     """The supervisors' ``stub_device_cpus`` for ``--device-cpus``, this process (the clients) onto the
     CPUs left, and a line saying which: every arm of the run (on and off, control and mix) the same."""
@@ -1558,7 +1552,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-trace", metavar="DIR",
                         help="--mix: keep the work trace (every worker's DIR/<pid>.work) in DIR, and the rounds' "
                              "windows in the JSON, for an analysis of its own")
-    parser.add_argument("--device-cpus", type=_device_cpus_arg, default=DEVICE_CPUS,
+    parser.add_argument("--device-cpus", type=device_cpus, default=DEVICE_CPUS,
                         help="stub_device_cpus of every supervisor this run starts, and this process's clients on "
                              "the CPUs left: the stub's device as a core of its own ('last': the last CPU of the "
                              "affinity set; CPU numbers; 'none': the device thread shares every CPU; default "

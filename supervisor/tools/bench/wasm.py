@@ -31,9 +31,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from shared.device_cpus import parse_device_cpus
 from shared.spec import TenantSpec
-from supervisor.tools.bench._report import Report, Target, count, format_table
+from supervisor.tools.bench._report import Report, Target, count, device_cpus, format_table
 from supervisor.tools.demo import guest_path
 from supervisor.client.launch import launch
 
@@ -100,13 +99,6 @@ def _host_vs_numpy(guest_loop: Callable[[int], object], local_op: Callable[[], o
     return host, local
 
 
-def _device_cpus_arg(text: str) -> tuple[int, ...] | str:
-    try:
-        return parse_device_cpus(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twt bench wasm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
@@ -119,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-n", type=count, default=512, help="GEMM size n (n x n @ n x n, default 512)")
     parser.add_argument("--gemm-reps", type=count, default=20, help="matmul calls per guest run (default 20)")
     parser.add_argument("--backend", default="stub", help="supervisor backend (default stub)")
-    parser.add_argument("--device-cpus", type=_device_cpus_arg, default=(),
+    parser.add_argument("--device-cpus", type=device_cpus, default=(),
                         help="the supervisor's stub_device_cpus ('last': the stub's device thread on the last CPU "
                              "of the affinity set, the worker's other threads and the supervisor on the rest; "
                              "default none: the product's default)")
@@ -133,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("wasm")
     config: dict[str, dict[str, object]] = {"supervisor": {"log_level": "warning", "pool_size": 0}}
     if args.device_cpus:
-        config["supervisor"]["stub_device_cpus"] = (args.device_cpus if isinstance(args.device_cpus, str)
-                                                    else list(args.device_cpus))
+        config["supervisor"]["stub_device_cpus"] = args.device_cpus  # "last" or CPU numbers, as the config reads them
         report.sections.append(("the stub's device", f"stub_device_cpus = {args.device_cpus!r}"))
     spec = TenantSpec.from_dict({"tenant_id": "bench", "memory_quota_bytes": 16 << 30, "wasm_timeout_s": 600.0,
                                  "wasm_fuel": 10**15, "request_timeout_s": 600.0})

@@ -8,18 +8,18 @@ import os
 
 import pytest
 
-from supervisor.tools.bench._report import Report
-from supervisor.tools.bench.share import DEVICE_CPUS, _device_core, _device_cpus_arg
+from supervisor.tools.bench._report import Report, device_cpus
+from supervisor.tools.bench.share import DEVICE_CPUS, _device_core
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def test_the_option_parses_like_the_setting() -> None:
-    assert _device_cpus_arg("last") == "last" == DEVICE_CPUS
-    assert _device_cpus_arg("none") == ()
-    assert _device_cpus_arg("1") == (1,)
+    assert device_cpus("last") == "last" == DEVICE_CPUS
+    assert device_cpus("none") == ()
+    assert device_cpus("1") == (1,)
     with pytest.raises(argparse.ArgumentTypeError):
-        _device_cpus_arg("first")
+        device_cpus("first")
 
 
 def test_none_leaves_the_supervisors_as_they_are_and_says_so() -> None:
