@@ -41,6 +41,7 @@ from tests.helpers import hygiene
 from tests.helpers.cluster import FAST as SUITE_FAST
 from tests.helpers.cluster import wait_for
 from tests.helpers.fault_signals import kept_fault_handlers
+from tests.helpers.timeouts import scaled
 from tests.helpers.tmp import short_temp_dir
 
 pytestmark = [pytest.mark.longest, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -95,7 +96,10 @@ def ray_head() -> Iterator[Any]:
     root = tempfile.mkdtemp(prefix="rt-", dir=short_temp_dir())
     temp_dir = os.path.join(root, "ray")
     os.mkdir(temp_dir)
-    env = {**_RAY_ENV, "RAY_TMPDIR": root}
+    # Ray waits 60 s for its dashboard process (started even without the dashboard: it serves
+    # Ray's own API) and then drops it, still running: a host loaded far past its cores missed that
+    # once (a hang guard, scaled like every other)
+    env = {**_RAY_ENV, "RAY_TMPDIR": root, "RAY_DASHBOARD_STARTUP_TIMEOUT_S": str(int(scaled(60)))}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # before Ray is imported: its constants are read at import
     import ray
