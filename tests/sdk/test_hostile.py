@@ -14,6 +14,7 @@ import pytest
 
 from shared.errors import KernelTimeout, WasmTrap
 from tests.helpers.sdk_build import SdkBuilder
+from tests.helpers.timeouts import scaled
 from tests.helpers.wasm_env import Env, tenant_env
 from worker.backends.stub import StubBackend
 from worker.wasm import abi
@@ -107,11 +108,16 @@ TWT_EXPORT(nap) int32_t nap(void) {
 }
 """
 
+#: the runs' deadlines where a deadline is not what a test is about: hang guards, scaled (a 20,000-line
+#: printf flood passed a fixed 30 s on a host loaded far past its cores)
+RUN_S = scaled(30)
+SHORT_RUN_S = scaled(10)
+
 
 @pytest.fixture
 def env() -> Iterator[Env]:
     with tenant_env("hostile", StubBackend(), max_memory=MAX_MEMORY, memory_quota=64 * MiB,
-                    wasm_timeout_s=30.0) as e:
+                    wasm_timeout_s=RUN_S) as e:
         yield e
 
 
@@ -121,7 +127,7 @@ def guest(sdk: SdkBuilder) -> bytes:
 
 
 def still_serves(env: Env, guest: bytes) -> None:
-    reply = env.host.run(guest, "leave", [0], fuel=10**9, timeout_s=10.0)
+    reply = env.host.run(guest, "leave", [0], fuel=10**9, timeout_s=SHORT_RUN_S)
     assert reply["exit_code"] == 0
     # its one line, unless a flood just before emptied the worker's token bucket (then it counts as dropped)
     assert reply["logs"] == ["leaving with 0"] or (reply["logs"], reply["logs_dropped"]) == ([], 1)
@@ -130,13 +136,13 @@ def still_serves(env: Env, guest: bytes) -> None:
 
 def test_a_wild_pointer_store_is_a_bounds_trap(env: Env, guest: bytes) -> None:
     with pytest.raises(WasmTrap) as trap:
-        env.host.run(guest, "wild_store", [7], fuel=10**9, timeout_s=10.0)
+        env.host.run(guest, "wild_store", [7], fuel=10**9, timeout_s=SHORT_RUN_S)
     assert trap.value.trap_code == "memory_out_of_bounds"
     still_serves(env, guest)
 
 
 def test_host_files_cannot_be_opened(env: Env, guest: bytes) -> None:
-    reply = env.host.run(guest, "open_host_files", [], fuel=10**9, timeout_s=10.0)
+    reply = env.host.run(guest, "open_host_files", [], fuel=10**9, timeout_s=SHORT_RUN_S)
     (result,) = reply["results"]
     assert result < 0, reply["logs"]  # no fopen, opendir or create succeeded
     assert not any("OPENED" in line for line in reply["logs"])
@@ -147,7 +153,7 @@ def test_host_files_cannot_be_opened(env: Env, guest: bytes) -> None:
 
 def test_a_printf_flood_is_rate_limited(env: Env, guest: bytes) -> None:
     lines = 20_000
-    reply = env.host.run(guest, "flood", [lines], fuel=10**10, timeout_s=30.0)
+    reply = env.host.run(guest, "flood", [lines], fuel=10**10, timeout_s=RUN_S)
     assert reply["results"] == [lines]
     assert len(reply["logs"]) == abi.MAX_LOG_LINES_IN_REPLY
     assert reply["logs"][0] == "flood line 0 with some padding to make it longer"
@@ -159,13 +165,13 @@ def test_a_printf_flood_is_rate_limited(env: Env, guest: bytes) -> None:
 
 
 def test_a_long_line_is_truncated(env: Env, guest: bytes) -> None:
-    reply = env.host.run(guest, "long_line", [100_000], fuel=10**10, timeout_s=30.0)
+    reply = env.host.run(guest, "long_line", [100_000], fuel=10**10, timeout_s=RUN_S)
     (line,) = reply["logs"]
     assert line == "x" * abi.MAX_LOG_BYTES + " [truncated]"
 
 
 def test_proc_exit_ends_the_run_with_its_code(env: Env, guest: bytes) -> None:
-    reply = env.host.run(guest, "leave", [3], fuel=10**9, timeout_s=10.0)
+    reply = env.host.run(guest, "leave", [3], fuel=10**9, timeout_s=SHORT_RUN_S)
     assert reply["exit_code"] == 3 and reply["results"] == []
     assert reply["logs"] == ["leaving with 3"]  # exit() flushed stdio first
     still_serves(env, guest)
@@ -180,7 +186,7 @@ def test_an_infinite_loop_is_stopped_by_the_deadline(env: Env, guest: bytes) -> 
 
 
 def test_malloc_until_failure_stays_within_the_memory_limit(env: Env, guest: bytes) -> None:
-    reply = env.host.run(guest, "hog", [], fuel=10**11, timeout_s=30.0)
+    reply = env.host.run(guest, "hog", [], fuel=10**11, timeout_s=RUN_S)
     (total,) = reply["results"]
     assert 0 < total < MAX_MEMORY
     assert reply["memory_bytes"] <= MAX_MEMORY
@@ -189,5 +195,5 @@ def test_malloc_until_failure_stays_within_the_memory_limit(env: Env, guest: byt
 
 
 def test_sleeping_is_refused_not_blocking(env: Env, guest: bytes) -> None:
-    reply = env.host.run(guest, "nap", [], fuel=10**9, timeout_s=30.0)
+    reply = env.host.run(guest, "nap", [], fuel=10**9, timeout_s=RUN_S)
     assert reply["results"] == [-58]  # ENOTSUP from poll_oneoff, at once: the 5 s sleep never happens
