@@ -75,6 +75,9 @@ class Bystander(threading.Thread):
         slowest = sorted(zip(self.latencies, self.sent_at), reverse=True)[:5]
         seen = (f"{len(lat)} pings, p50 {lat[len(lat) // 2] * 1000:.0f} ms, the slowest (ms, sent at s): "
                 f"{[(round(x * 1000), round(t, 1)) for x, t in slowest]}") if lat else "no ping"
+        if self.errors or (lat and lat[-1] >= scaled(10)):  # what the bystander's tenant went through
+            polite = tenant(self.sup.client.status(), self.cap.tenant_id)
+            seen += f"; its tenant: restarts {polite.restarts}, instances {polite.instances}"
         assert not self.errors, (what, self.errors[:3], seen)
         assert len(lat) >= 20, (what, seen)
         # Not starved: every ping answered inside its timeout (a scaled hang guard). Not a latency
