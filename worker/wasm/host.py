@@ -55,7 +55,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 import wasmtime
 
@@ -66,7 +66,9 @@ from shared.errors import (
     WasmCompile,
     WasmTrap,
 )
+from shared.frames import encode_worker_reply
 from shared.log import get_logger, log_event
+from shared.spec import TenantSpec
 from shared.sizes import MAX_MODULE_BYTES  # the largest module body the worker compiles
 from worker.context import TenantContext
 from worker.priority import name_thread, start_thread
@@ -342,6 +344,8 @@ class GuestExit(Exception):
 
 
 def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
+    if pos < len(data) and data[pos] < 0x80:  # most numbers in a module (counts, indexes, lengths): one byte
+        return data[pos], pos + 1
     result = shift = 0
     while True:
         if pos >= len(data) or shift > 35:
@@ -981,8 +985,9 @@ class WasmHost:
         return out
 
     def _admit(self, digest: str, module: wasmtime.Module, wasm: bytes, t0: float, *,
-               from_artifact: bool) -> CompiledModule:
-        """Check a compiled (or deserialized) module's imports, link it ahead and cache it.
+               from_artifact: bool, cache: bool = True) -> CompiledModule:
+        """Check a compiled (or deserialized) module's imports, link it ahead and cache it
+        (``cache`` False: only the first two - the pool's rehearsal of a load, :meth:`warm_up_steps`).
 
         A module deserialized from its tenant's artifact was checked in full when it was
         compiled; here its import *names* are checked again (what the guest may reach) and their
@@ -1010,7 +1015,8 @@ class WasmHost:
         exports = interface[1] if interface is not None else _export_types(module)
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
                                   wasi, function_exports(wasm), from_artifact, b"" if from_artifact else wasm)
-        self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
+        if cache:
+            self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         return compiled
 
     @staticmethod
@@ -1207,8 +1213,8 @@ class WasmHost:
             self.stats["traps"] += 1
             raise WasmTrap("error", _short(str(exc))) from None
 
-    def run(self, body: bytes | bytearray | memoryview, export: str, args: Sequence[object] = (), *,
-            fuel: int, timeout_s: float) -> dict[str, object]:
+    def run(self, body: bytes | bytearray | memoryview | CompiledModule, export: str, args: Sequence[object] = (),
+            *, fuel: int, timeout_s: float) -> dict[str, object]:
         """One complete run: the ``run_wasm`` reply, or a typed error."""
         t0 = time.perf_counter()
         self.stats["runs"] += 1
@@ -1217,7 +1223,7 @@ class WasmHost:
         hits = self.stats["cache_hits"] + self.stats["artifact_loads"]
         # Compiling counts against the run's time: the deadline covers both.
         deadline = time.monotonic() + timeout_s
-        compiled = self.compile(body, deadline=deadline)
+        compiled = body if isinstance(body, CompiledModule) else self.compile(body, deadline=deadline)
         left = deadline - time.monotonic()
         if left <= 0:
             self.stats["timeouts"] += 1
@@ -1263,10 +1269,12 @@ class WasmHost:
 
         A worker's first ``run_wasm`` paid for set-up that is the same whatever the module:
         the engine's first store, the linker resolving host functions and WASI, the first
-        instantiate (the runtime's lazy state), the first WAT parse, the epoch thread's start.
-        Done here, on :data:`WARM_UP_WAT` (our module, never a tenant's), the tenant's first run
-        pays only for its own module (and an artifact's load, the engine's first deserialize
-        done here too, only for its own). Holds nothing afterwards: the store, its linear memory
+        instantiate (the runtime's lazy state), the first WAT parse, the epoch thread's start,
+        and the first pass of this process through the run's own Python path (an artifact's
+        load and the runs are rehearsed through the very methods a tenant's take:
+        :meth:`_rehearse`). Done here, on :data:`WARM_UP_WAT` (our module, never a tenant's), the
+        tenant's first run pays only for its own module (and an artifact's load, the engine's
+        first deserialize done here too, only for its own). Holds nothing afterwards: the store, its linear memory
         and the module are dropped, nothing enters the tenant's module cache, and no quota is
         touched (there is no tenant yet). Refused once the host is bound."""
         for _ in self.warm_up_steps():
@@ -1274,7 +1282,7 @@ class WasmHost:
 
     def warm_up_steps(self) -> Iterator[None]:
         """:meth:`warm_up` one step at a time (each ~1 ms on a quiet host: assemble, compile,
-        deserialize, link, one run, the other; a worker forked from the fork server deserializes
+        deserialize, the load's checks and link, one rehearsed run, the other; a worker forked from the fork server deserializes
         the module the preload compiled instead of assembling and compiling it): a pool worker's
         loop runs one step and looks at its queue again, so a bind that arrives mid-way waits for
         one step, not the whole warm-up, and the loop stops calling it once bound. Refused once
@@ -1293,11 +1301,9 @@ class WasmHost:
         unpack_artifact(pack_artifact(b"warm-up", wasm))
         yield
         self._check_imports(module)
-        self._check_import_names(module_interface(wasm)[0])  # an artifact's load reads the bytes
-        pre = self.linker.instantiate_pre(module)
-        memory_limits(wasm)
         _export_types(module)
-        function_exports(wasm)
+        # an artifact's load as ``load_modules`` makes it (its checks read the bytes, its link), not cached
+        compiled = self._admit(_WARM_UP_DIGEST, module, wasm, time.perf_counter(), from_artifact=True, cache=False)
         self.ticker.prestart()
         # the second run of a code path still costs more than a warm one: two runs, less the one
         # the fork server's preload ran before this worker was forked (:func:`preload_pool_host`)
@@ -1305,8 +1311,32 @@ class WasmHost:
             yield
             if self._ctx is not None:
                 return  # adopted by the tenant meanwhile: its runs are the tenant's
-            self._warm_run(pre, ticker=True)
+            self._rehearse(compiled)
         self.warmed = True
+
+    def _rehearse(self, compiled: CompiledModule) -> None:
+        """One run of our warm-up module through the path a tenant's ``run_wasm`` takes - :meth:`run`,
+        :meth:`session`, the run's host state, the call, its release and the reply's encoding - on
+        nobody's account (:class:`_Nobody`: no quota, no buffer, no device), before the bind.
+
+        A worker is forked from the fork server: the first time it runs a stretch of Python it
+        writes to pages the fork server shares with it (reference counts, the interpreter's
+        inline caches) and takes a page fault for each, and its CPU caches hold none of it. When
+        that stretch was the tenant's first ``run_wasm`` after an activation, that run cost about
+        twice a warm one in the worker (56 minor faults against 5) - not the idle gap before it:
+        a run after a 5 ms gap and a round trip elsewhere costs what a warm one does. A raw store's
+        run of the module (:meth:`_warm_run`) left all of that to the tenant. Holds nothing
+        afterwards: the host's counters are as before, nothing is cached, no thread is left
+        beyond the epoch ticker's."""
+        if self._ctx is not None:
+            raise InvalidArgument("a bound WASM host is not warmed: its runs are the tenant's")
+        stats = dict(self.stats)
+        self._ctx = _NOBODY  # the executor thread's own: a bind (which adopts the host) waits behind this step
+        try:
+            encode_worker_reply(0, True, self.run(compiled, "run", [64], fuel=WARM_UP_FUEL, timeout_s=1.0))
+        finally:
+            self._ctx = None
+            self.stats.update(stats)
 
     def _warm_run(self, pre: wasmtime.InstancePre, *, ticker: bool) -> None:
         """One run of the warm-up module (``pre``) in a store of its own, dropped after. Without
@@ -1367,6 +1397,58 @@ WARM_UP_WAT: Final = b"""(module
 """
 #: the warm-up run's fuel: its loop of 64 needs about a thousand units
 WARM_UP_FUEL: Final = 100_000
+#: the name the warm-up module's rehearsal has instead of a tenant module's digest
+_WARM_UP_DIGEST: Final = "warm-up"
+
+
+class _Nobody:
+    """What a rehearsal run (:meth:`WasmHost._rehearse`) has in place of a tenant's context: the
+    fields and methods a run's path reads of it, each on nobody's account - its spec is the
+    defaults, its quota block charges nothing, it has no buffer, its device does nothing. Our
+    warm-up module calls no host function, so nothing else of a context is reached."""
+
+    tenant_id = ""
+    instance = 0
+    memory_quota_bytes = 1 << 40
+    bytes_in_use = 0
+
+    def __init__(self) -> None:
+        self.spec = TenantSpec("warm-up")
+        # one object in each role the run's path reads: the quota block, the allocator, the backend, the gate
+        self.block = self.allocator = self.backend = self.gate = self
+
+    def consume_bytes(self, n: int) -> None:
+        pass
+
+    def release_bytes(self, n: int) -> None:
+        pass
+
+    def lookup(self, handle: int) -> None:
+        raise InvalidArgument("a rehearsal run has no buffers")
+
+    def free_buffer(self, buf: object) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def begin_run(self, limit: float | None) -> None:
+        pass
+
+    def end_run(self, deadline: float | None) -> None:
+        pass
+
+    def take_run_totals(self) -> tuple[int, int]:
+        return 0, 0
+
+    def sync(self, deadline_ns: int | None = None) -> None:
+        pass
+
+    def release(self, deadline_ns: int | None = None) -> bool:
+        return True
+
+
+_NOBODY: Final = cast(TenantContext, _Nobody())
 
 #: a pool worker's host, warmed before its bind and adopted by the tenant's first use (one per process)
 _pool_host: WasmHost | None = None
