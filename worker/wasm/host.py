@@ -426,9 +426,10 @@ def _sections(wasm: bytes) -> Iterator[tuple[int, int]]:
         pos = end
 
 
-def module_interface(wasm: bytes) -> tuple[list[tuple[str, str]], ExportTypes]:
+def module_interface(wasm: bytes, names: dict[int, str] | None = None) -> tuple[list[tuple[str, str]], ExportTypes]:
     """Every import's (module, name) and each exported function's (param kinds, result kinds),
-    read from the type, import, function and export sections of bytes wasmtime has validated.
+    read from the type, import, function and export sections of bytes wasmtime has validated;
+    ``names`` given, also what :func:`function_exports` reads, in the same pass.
 
     What an artifact's load needs of its module, without asking the wasmtime binding for each
     import and export (a Python object and a C call per name and per type: most of a load's
@@ -482,6 +483,8 @@ def module_interface(wasm: bytes) -> tuple[list[tuple[str, str]], ExportTypes]:
                 index, p = _leb_u32(wasm, p + 1)
                 if kind == 0:
                     exports[name] = types[func_types[index]]
+                    if names is not None:
+                        names.setdefault(index, name)
     return imports, exports
 
 
@@ -995,9 +998,10 @@ class WasmHost:
         the host's): reading every import's type through the wasmtime binding is most of what
         loading an artifact costs."""
         interface = None
+        names: dict[int, str] = {}
         if from_artifact:
             try:
-                interface = module_interface(wasm)
+                interface = module_interface(wasm, names)
             except (ValueError, KeyError, IndexError, UnicodeDecodeError):
                 interface = None  # read through the binding instead
         if interface is not None:
@@ -1014,7 +1018,8 @@ class WasmHost:
             raise WasmCompile(last if first in last else f"{first}: {last}") from None
         exports = interface[1] if interface is not None else _export_types(module)
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
-                                  wasi, function_exports(wasm), from_artifact, b"" if from_artifact else wasm)
+                                  wasi, names if interface is not None else function_exports(wasm), from_artifact,
+                                  b"" if from_artifact else wasm)
         if cache:
             self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         return compiled

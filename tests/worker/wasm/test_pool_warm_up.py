@@ -182,9 +182,11 @@ def test_an_artifacts_imports_and_exports_are_read_from_its_bytes_as_wasmtime_re
     for body in bodies:
         wasm = host_mod._binary(body)
         module = wasmtime.Module(engine, wasm)
-        imports, exports = host_mod.module_interface(wasm)
+        names: dict[int, str] = {}
+        imports, exports = host_mod.module_interface(wasm, names)
         assert imports == [(i.module, i.name) for i in module.imports]
         assert exports == host_mod._export_types(module)
+        assert names == host_mod.function_exports(wasm)  # a trap's frame names, read in the same pass
     with pytest.raises(ValueError):
         host_mod.module_interface(host_mod._binary(PROBE)[:200])  # cut short: the binding reads it instead
 
