@@ -21,13 +21,16 @@ code), so this is the trust boundary: an artifact is only ever deserialized by
 a worker of the tenant whose worker produced it, so a compromised worker can at
 worst compromise its own tenant's later workers - what it already controls.
 
-What an artifact holds: wasmtime's serialized module and the module's binary
-(:func:`~worker.wasm.host.pack_artifact`), which the load reads the module's
-imports, memory and export names from - a WAT module's text is assembled once,
-where it was compiled, not again at each load (most of a load's time). The
-binary is trusted exactly as far as the artifact beside it: both come from a
-worker of the same tenant. An artifact stored without it still loads (its
-module's text assembled then).
+What an artifact holds: wasmtime's serialized module, the module's interface
+(its imports, exported functions' types, frame names and memory limits, read
+from the binary once, where it was compiled) and the module's binary
+(:func:`~worker.wasm.host.pack_artifact`) - a load takes the interface as it
+is, and reads the binary only for an interface that does not read back; a WAT
+module's text is assembled once, where it was compiled, not again at each
+load. Both are trusted exactly as far as the artifact beside them: all come
+from a worker of the same tenant. An artifact stored without the interface
+(format 1) or without the binary still loads (its interface read from the
+binary, its module's text assembled then).
 
 Lazy: an import only checks each entry (its fingerprint, and that the module
 bytes are the ones its digest names) and holds the bytes; the artifact is
