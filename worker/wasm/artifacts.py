@@ -59,18 +59,19 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+import zmq
+
 from shared.errors import InvalidArgument, WasmCompile
 from shared.sizes import MAX_MODULE_BYTES
 from worker.wasm.compiler import CACHE_ENTRIES
 from worker.wasm.host import WasmHost, engine_fingerprint
 
 if TYPE_CHECKING:
-    import zmq
-
     from worker.server import Reply, WorkerServer
 
 __all__ = ["MAX_EXPORT_BYTES", "op_export_modules", "op_import_modules", "op_load_modules"]
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 #: artifact bytes one ``export_modules`` reply carries at most (what does not fit is compiled again)
 MAX_EXPORT_BYTES = 32 << 20
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -155,7 +156,7 @@ def op_load_modules(server: WorkerServer, args: dict[str, object], body: zmq.Fra
         return {"loaded": 0, "held": 0}, None
     sock = getattr(server, "sock", None)
 
-    def idle() -> bool:
-        return sock is None or not sock.poll(0)
+    def idle() -> bool:  # ZMQ_EVENTS, one getsockopt (``Socket.poll`` builds a Poller each call)
+        return sock is None or not int(sock.getsockopt(_EVENTS)) & _POLLIN
 
     return {"loaded": host.load_held(idle), "held": host.held_artifacts}, None

@@ -189,9 +189,12 @@ class _Waiting:
     def __init__(self, after: int) -> None:
         self.after = after
 
-    def poll(self, timeout: int) -> bool:
+    def getsockopt(self, option: int) -> int:
+        import zmq
+
+        assert option == zmq.EVENTS  # what a worker's loop reads too: one getsockopt, no Poller
         self.after -= 1
-        return self.after < 0
+        return int(zmq.POLLIN) if self.after < 0 else 0
 
 
 def test_load_modules_deserializes_held_artifacts_until_a_request_waits() -> None:
