@@ -347,22 +347,14 @@ def read_interface(meta: bytes) -> Interface:
     data = msgpack.unpackb(meta, use_list=True, max_str_len=1 << 16, max_bin_len=0, max_ext_len=0,
                            max_array_len=_MAX_INTERFACE_NAMES, max_map_len=0)
     imports_raw, exports_raw, names_raw, memory_raw = data
-    imports: list[tuple[str, str]] = []
-    for module, name in imports_raw:
-        if not (isinstance(module, str) and isinstance(name, str)):
-            raise ValueError("an import's module and name are strings")
-        imports.append((module, name))
-    exports: ExportTypes = {}
-    for name, params, results in exports_raw:
-        kinds = (tuple(params), tuple(results))
-        if not isinstance(name, str) or not all(isinstance(k, str) for k in kinds[0] + kinds[1]):
-            raise ValueError("an export's name and kinds are strings")
-        exports[name] = kinds
-    names: dict[int, str] = {}
-    for index, name in names_raw:
-        if not (is_int(index) and isinstance(name, str)):
-            raise ValueError("a frame name is an index and a string")
-        names[index] = name
+    imports = [(module, name) for module, name in imports_raw]
+    exports: ExportTypes = {name: (tuple(params), tuple(results)) for name, params, results in exports_raw}
+    names = {index: name for index, name in names_raw}
+    # one pass of set checks, not a check per element: this runs in front of a woken tenant's first run
+    strings = {type(x) for pair in imports for x in pair} | {type(x) for x in exports} | {type(x) for x in names.values()}
+    kinds = {k for params, results in exports.values() for k in params + results}
+    if not strings <= {str} or not kinds <= _KIND_NAMES or not {type(i) for i in names} <= {int}:
+        raise ValueError("an artifact's interface names strings, value types and function indexes only")
     memory: tuple[int, int | None] | None = None
     if memory_raw is not None:
         low, high = memory_raw
@@ -459,6 +451,8 @@ _VALTYPE_CODES: Final = {0x7F: "i32", 0x7E: "i64", 0x7D: "f32", 0x7C: "f64", 0x7
                          0x70: str(wasmtime.ValType.funcref()), 0x6F: str(wasmtime.ValType.externref())}
 
 ExportTypes = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+#: every value type's name an interface may hold (what the reader of a module's bytes gives)
+_KIND_NAMES: Final = frozenset(_VALTYPE_CODES.values())
 #: what a load needs of a module besides its compiled code: its imports (module, name), its
 #: exported functions' (param kinds, result kinds), the name of each exported function's index
 #: (a trap's frames) and its memory's (min, max) pages
