@@ -21,13 +21,16 @@ code), so this is the trust boundary: an artifact is only ever deserialized by
 a worker of the tenant whose worker produced it, so a compromised worker can at
 worst compromise its own tenant's later workers - what it already controls.
 
-What an artifact holds: wasmtime's serialized module and the module's binary
-(:func:`~worker.wasm.host.pack_artifact`), which the load reads the module's
-imports, memory and export names from - a WAT module's text is assembled once,
-where it was compiled, not again at each load (most of a load's time). The
-binary is trusted exactly as far as the artifact beside it: both come from a
-worker of the same tenant. An artifact stored without it still loads (its
-module's text assembled then).
+What an artifact holds: wasmtime's serialized module, the module's interface
+(its imports, exported functions' types, frame names and memory limits, read
+from the binary once, where it was compiled) and the module's binary
+(:func:`~worker.wasm.host.pack_artifact`) - a load takes the interface as it
+is, and reads the binary only for an interface that does not read back; a WAT
+module's text is assembled once, where it was compiled, not again at each
+load. Both are trusted exactly as far as the artifact beside them: all come
+from a worker of the same tenant. An artifact stored without the interface
+(format 1) or without the binary still loads (its interface read from the
+binary, its module's text assembled then).
 
 Lazy: an import only checks each entry (its fingerprint, and that the module
 bytes are the ones its digest names) and holds the bytes; the artifact is
@@ -56,18 +59,19 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+import zmq
+
 from shared.errors import InvalidArgument, WasmCompile
 from shared.sizes import MAX_MODULE_BYTES
 from worker.wasm.compiler import CACHE_ENTRIES
 from worker.wasm.host import WasmHost, engine_fingerprint
 
 if TYPE_CHECKING:
-    import zmq
-
     from worker.server import Reply, WorkerServer
 
 __all__ = ["MAX_EXPORT_BYTES", "op_export_modules", "op_import_modules", "op_load_modules"]
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 #: artifact bytes one ``export_modules`` reply carries at most (what does not fit is compiled again)
 MAX_EXPORT_BYTES = 32 << 20
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -152,7 +156,7 @@ def op_load_modules(server: WorkerServer, args: dict[str, object], body: zmq.Fra
         return {"loaded": 0, "held": 0}, None
     sock = getattr(server, "sock", None)
 
-    def idle() -> bool:
-        return sock is None or not sock.poll(0)
+    def idle() -> bool:  # ZMQ_EVENTS, one getsockopt (``Socket.poll`` builds a Poller each call)
+        return sock is None or not int(sock.getsockopt(_EVENTS)) & _POLLIN
 
     return {"loaded": host.load_held(idle), "held": host.held_artifacts}, None

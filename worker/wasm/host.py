@@ -55,10 +55,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
+import msgpack
 import wasmtime
 
+from shared.checks import is_int
 from shared.errors import (
     InvalidArgument,
     KernelTimeout,
@@ -66,7 +68,9 @@ from shared.errors import (
     WasmCompile,
     WasmTrap,
 )
+from shared.frames import encode_worker_reply
 from shared.log import get_logger, log_event
+from shared.spec import TenantSpec
 from shared.sizes import MAX_MODULE_BYTES  # the largest module body the worker compiles
 from worker.context import TenantContext
 from worker.priority import name_thread, start_thread
@@ -275,29 +279,89 @@ class CompiledModule:
 
 #: what begins an exported artifact that carries its module's binary (:func:`pack_artifact`); an
 #: artifact without it is wasmtime's serialized module alone (its binary is assembled at its load)
-ARTIFACT_MAGIC: Final = b"\0twtart1"
+ARTIFACT_MAGIC_V1: Final = b"\0twtart1"
+#: ... and one that also carries the module's interface, read once where it was compiled
+ARTIFACT_MAGIC: Final = b"\0twtart2"
 _ARTIFACT_HEAD: Final = len(ARTIFACT_MAGIC) + 4
+#: the most names an artifact's interface may list (imports, exports, frame names: each)
+_MAX_INTERFACE_NAMES: Final = 100_000
+
 
 
 def pack_artifact(serialized: bytes, wasm: bytes) -> bytes:
-    """An exported artifact: the serialized module and the module's binary, which a load reads
-    the module's imports, memory and export names from. Assembling a WAT module's text again at
-    the load cost 0.6-1.2 ms of its ~1.5 ms (the deserialize itself ~0.25 ms): the load after
-    an activation, in front of the tenant's first run. The binary is no more trusted than the
-    artifact beside it: both come from a worker of the same tenant (see worker.wasm.artifacts)."""
-    return ARTIFACT_MAGIC + len(serialized).to_bytes(4, "little") + serialized + wasm
+    """An exported artifact: the serialized module, the module's interface (its imports, its
+    exported functions' types, their names by index, its memory: read from ``wasm`` once, here,
+    at the park) and the module's binary. A load takes the interface as it is rather than
+    reading it from the binary again (the probe guest: ~22 us against ~137 us, on a load that
+    runs between the request that woke a tenant and its first ``run_wasm``); the binary stays
+    for an interface that does not read back. Assembling a WAT module's text again at the load
+    cost 0.6-1.2 ms of its ~1.5 ms before the binary was carried. Neither is more trusted than
+    the artifact beside it: all come from a worker of the same tenant (see worker.wasm.artifacts).
+    A module whose interface this reader does not follow is packed without one (format 1)."""
+    try:
+        names: dict[int, str] = {}
+        imports, exports = module_interface(wasm, names)
+        meta: bytes = msgpack.packb([[list(i) for i in imports],
+                              [[name, list(kinds[0]), list(kinds[1])] for name, kinds in exports.items()],
+                              [[index, name] for index, name in names.items()],
+                              list(memory) if (memory := memory_limits(wasm)) is not None else None])
+    except (ValueError, KeyError, IndexError, UnicodeDecodeError):
+        return ARTIFACT_MAGIC_V1 + len(serialized).to_bytes(4, "little") + serialized + wasm
+    return (ARTIFACT_MAGIC + len(serialized).to_bytes(4, "little") + serialized
+            + len(meta).to_bytes(4, "little") + meta + wasm)
+
+
+def artifact_parts(artifact: bytes) -> tuple[bytes, bytes | None, bytes | None]:
+    """(serialized module, module binary, interface) of an artifact: the binary None for one
+    without it (stored before artifacts carried it), the interface None for one without it
+    (format 1, or none). ValueError when the lengths do not add up."""
+    if artifact.startswith(ARTIFACT_MAGIC):
+        versioned = True
+    elif artifact.startswith(ARTIFACT_MAGIC_V1):
+        versioned = False
+    else:
+        return artifact, None, None
+    n = int.from_bytes(artifact[len(ARTIFACT_MAGIC):_ARTIFACT_HEAD], "little")
+    end = _ARTIFACT_HEAD + n
+    if len(artifact) < _ARTIFACT_HEAD or end >= len(artifact):
+        raise ValueError("the artifact's parts do not add up to its length")
+    meta = None
+    if versioned:
+        m = int.from_bytes(artifact[end:end + 4], "little")
+        if len(artifact) < end + 4 or end + 4 + m >= len(artifact):
+            raise ValueError("the artifact's parts do not add up to its length")
+        meta, end = artifact[end + 4:end + 4 + m], end + 4 + m
+    return artifact[_ARTIFACT_HEAD:_ARTIFACT_HEAD + n], artifact[end:], meta
 
 
 def unpack_artifact(artifact: bytes) -> tuple[bytes, bytes | None]:
     """(serialized module, module binary) of an artifact; the binary None for an artifact
     without one (stored before artifacts carried it). ValueError when the lengths do not add up."""
-    if not artifact.startswith(ARTIFACT_MAGIC):
-        return artifact, None
-    n = int.from_bytes(artifact[len(ARTIFACT_MAGIC):_ARTIFACT_HEAD], "little")
-    end = _ARTIFACT_HEAD + n
-    if len(artifact) < _ARTIFACT_HEAD or end >= len(artifact):
-        raise ValueError("the artifact's parts do not add up to its length")
-    return artifact[_ARTIFACT_HEAD:end], artifact[end:]
+    serialized, wasm, _ = artifact_parts(artifact)
+    return serialized, wasm
+
+
+def read_interface(meta: bytes) -> Interface:
+    """An artifact's interface (:func:`pack_artifact`), checked for shape: ValueError (or
+    TypeError) for anything else - the load then reads the module's binary instead."""
+    data = msgpack.unpackb(meta, use_list=True, max_str_len=1 << 16, max_bin_len=0, max_ext_len=0,
+                           max_array_len=_MAX_INTERFACE_NAMES, max_map_len=0)
+    imports_raw, exports_raw, names_raw, memory_raw = data
+    imports = [(module, name) for module, name in imports_raw]
+    exports: ExportTypes = {name: (tuple(params), tuple(results)) for name, params, results in exports_raw}
+    names = {index: name for index, name in names_raw}
+    # one pass of set checks, not a check per element: this runs in front of a woken tenant's first run
+    strings = {type(x) for pair in imports for x in pair} | {type(x) for x in exports} | {type(x) for x in names.values()}
+    kinds = {k for params, results in exports.values() for k in params + results}
+    if not strings <= {str} or not kinds <= _KIND_NAMES or not {type(i) for i in names} <= {int}:
+        raise ValueError("an artifact's interface names strings, value types and function indexes only")
+    memory: tuple[int, int | None] | None = None
+    if memory_raw is not None:
+        low, high = memory_raw
+        if not (is_int(low) and (high is None or is_int(high))):
+            raise ValueError("a memory's limits are pages")
+        memory = (low, high)
+    return imports, exports, names, memory
 
 
 def _export_types(module: wasmtime.Module) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
@@ -342,6 +406,8 @@ class GuestExit(Exception):
 
 
 def _leb_u32(data: bytes, pos: int) -> tuple[int, int]:
+    if pos < len(data) and data[pos] < 0x80:  # most numbers in a module (counts, indexes, lengths): one byte
+        return data[pos], pos + 1
     result = shift = 0
     while True:
         if pos >= len(data) or shift > 35:
@@ -385,6 +451,12 @@ _VALTYPE_CODES: Final = {0x7F: "i32", 0x7E: "i64", 0x7D: "f32", 0x7C: "f64", 0x7
                          0x70: str(wasmtime.ValType.funcref()), 0x6F: str(wasmtime.ValType.externref())}
 
 ExportTypes = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+#: every value type's name an interface may hold (what the reader of a module's bytes gives)
+_KIND_NAMES: Final = frozenset(_VALTYPE_CODES.values())
+#: what a load needs of a module besides its compiled code: its imports (module, name), its
+#: exported functions' (param kinds, result kinds), the name of each exported function's index
+#: (a trap's frames) and its memory's (min, max) pages
+Interface = tuple[list[tuple[str, str]], ExportTypes, dict[int, str], "tuple[int, int | None] | None"]
 
 
 def _name(data: bytes, pos: int) -> tuple[str, int]:
@@ -422,9 +494,10 @@ def _sections(wasm: bytes) -> Iterator[tuple[int, int]]:
         pos = end
 
 
-def module_interface(wasm: bytes) -> tuple[list[tuple[str, str]], ExportTypes]:
+def module_interface(wasm: bytes, names: dict[int, str] | None = None) -> tuple[list[tuple[str, str]], ExportTypes]:
     """Every import's (module, name) and each exported function's (param kinds, result kinds),
-    read from the type, import, function and export sections of bytes wasmtime has validated.
+    read from the type, import, function and export sections of bytes wasmtime has validated;
+    ``names`` given, also what :func:`function_exports` reads, in the same pass.
 
     What an artifact's load needs of its module, without asking the wasmtime binding for each
     import and export (a Python object and a C call per name and per type: most of a load's
@@ -478,6 +551,8 @@ def module_interface(wasm: bytes) -> tuple[list[tuple[str, str]], ExportTypes]:
                 index, p = _leb_u32(wasm, p + 1)
                 if kind == 0:
                     exports[name] = types[func_types[index]]
+                    if names is not None:
+                        names.setdefault(index, name)
     return imports, exports
 
 
@@ -947,11 +1022,17 @@ class WasmHost:
         facts (memory limits, export names) come from ``body``, never the artifact."""
         t0 = time.perf_counter()
         try:
-            serialized, wasm = unpack_artifact(artifact)
+            serialized, wasm, meta = artifact_parts(artifact)
             if wasm is None:
                 wasm = _binary(body)  # an artifact without the binary: its text assembled again
+            known = None
+            if meta is not None:
+                try:
+                    known = read_interface(meta)
+                except (ValueError, TypeError):
+                    known = None  # read from the binary instead
             module = wasmtime.Module.deserialize(self.engine, serialized)
-            compiled = self._admit(digest, module, wasm, t0, from_artifact=True)
+            compiled = self._admit(digest, module, wasm, t0, from_artifact=True, known=known)
         except (wasmtime.WasmtimeError, ValueError, WasmCompile) as exc:
             self.stats["artifact_refusals"] += 1
             log_event(_log, logging.WARNING, "wasm.artifact_refused", tenant=self.ctx.tenant_id, digest=digest[:16],
@@ -981,18 +1062,22 @@ class WasmHost:
         return out
 
     def _admit(self, digest: str, module: wasmtime.Module, wasm: bytes, t0: float, *,
-               from_artifact: bool) -> CompiledModule:
-        """Check a compiled (or deserialized) module's imports, link it ahead and cache it.
+               from_artifact: bool, cache: bool = True, known: Interface | None = None) -> CompiledModule:
+        """Check a compiled (or deserialized) module's imports, link it ahead and cache it
+        (``cache`` False: only the first two - the pool's rehearsal of a load, :meth:`warm_up_steps`).
 
         A module deserialized from its tenant's artifact was checked in full when it was
         compiled; here its import *names* are checked again (what the guest may reach) and their
         types are left to the linker (``instantiate_pre`` refuses an import whose type is not
         the host's): reading every import's type through the wasmtime binding is most of what
         loading an artifact costs."""
-        interface = None
-        if from_artifact:
+        interface: tuple[list[tuple[str, str]], ExportTypes] | None = None
+        names: dict[int, str] = {}
+        if known is not None:  # an artifact's, as read where it was compiled (:func:`pack_artifact`)
+            interface, names = (known[0], known[1]), known[2]
+        elif from_artifact:
             try:
-                interface = module_interface(wasm)
+                interface = module_interface(wasm, names)
             except (ValueError, KeyError, IndexError, UnicodeDecodeError):
                 interface = None  # read through the binding instead
         if interface is not None:
@@ -1001,7 +1086,7 @@ class WasmHost:
             wasi = self._check_imports(module, types=not from_artifact)
         try:
             pre = self.linker.instantiate_pre(module)
-            memory = memory_limits(wasm)
+            memory = known[3] if known is not None else memory_limits(wasm)
         except (wasmtime.WasmtimeError, ValueError) as exc:
             # "incompatible import type for `wasi_snapshot_preview1::fd_write`" + the cause's last line
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -1009,8 +1094,10 @@ class WasmHost:
             raise WasmCompile(last if first in last else f"{first}: {last}") from None
         exports = interface[1] if interface is not None else _export_types(module)
         compiled = CompiledModule(digest, module, pre, memory, len(wasm), time.perf_counter() - t0, exports,
-                                  wasi, function_exports(wasm), from_artifact, b"" if from_artifact else wasm)
-        self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
+                                  wasi, names if interface is not None else function_exports(wasm), from_artifact,
+                                  b"" if from_artifact else wasm)
+        if cache:
+            self._cache.put(digest, compiled)  # the budget: entries and module bytes, LRU beyond
         return compiled
 
     @staticmethod
@@ -1207,8 +1294,8 @@ class WasmHost:
             self.stats["traps"] += 1
             raise WasmTrap("error", _short(str(exc))) from None
 
-    def run(self, body: bytes | bytearray | memoryview, export: str, args: Sequence[object] = (), *,
-            fuel: int, timeout_s: float) -> dict[str, object]:
+    def run(self, body: bytes | bytearray | memoryview | CompiledModule, export: str, args: Sequence[object] = (),
+            *, fuel: int, timeout_s: float) -> dict[str, object]:
         """One complete run: the ``run_wasm`` reply, or a typed error."""
         t0 = time.perf_counter()
         self.stats["runs"] += 1
@@ -1217,7 +1304,7 @@ class WasmHost:
         hits = self.stats["cache_hits"] + self.stats["artifact_loads"]
         # Compiling counts against the run's time: the deadline covers both.
         deadline = time.monotonic() + timeout_s
-        compiled = self.compile(body, deadline=deadline)
+        compiled = body if isinstance(body, CompiledModule) else self.compile(body, deadline=deadline)
         left = deadline - time.monotonic()
         if left <= 0:
             self.stats["timeouts"] += 1
@@ -1263,10 +1350,12 @@ class WasmHost:
 
         A worker's first ``run_wasm`` paid for set-up that is the same whatever the module:
         the engine's first store, the linker resolving host functions and WASI, the first
-        instantiate (the runtime's lazy state), the first WAT parse, the epoch thread's start.
-        Done here, on :data:`WARM_UP_WAT` (our module, never a tenant's), the tenant's first run
-        pays only for its own module (and an artifact's load, the engine's first deserialize
-        done here too, only for its own). Holds nothing afterwards: the store, its linear memory
+        instantiate (the runtime's lazy state), the first WAT parse, the epoch thread's start,
+        and the first pass of this process through the run's own Python path (an artifact's
+        load and the runs are rehearsed through the very methods a tenant's take:
+        :meth:`_rehearse`). Done here, on :data:`WARM_UP_WAT` (our module, never a tenant's), the
+        tenant's first run pays only for its own module (and an artifact's load, the engine's
+        first deserialize done here too, only for its own). Holds nothing afterwards: the store, its linear memory
         and the module are dropped, nothing enters the tenant's module cache, and no quota is
         touched (there is no tenant yet). Refused once the host is bound."""
         for _ in self.warm_up_steps():
@@ -1274,7 +1363,7 @@ class WasmHost:
 
     def warm_up_steps(self) -> Iterator[None]:
         """:meth:`warm_up` one step at a time (each ~1 ms on a quiet host: assemble, compile,
-        deserialize, link, one run, the other; a worker forked from the fork server deserializes
+        deserialize, the load's checks and link, one rehearsed run, the other; a worker forked from the fork server deserializes
         the module the preload compiled instead of assembling and compiling it): a pool worker's
         loop runs one step and looks at its queue again, so a bind that arrives mid-way waits for
         one step, not the whole warm-up, and the loop stops calling it once bound. Refused once
@@ -1290,14 +1379,13 @@ class WasmHost:
         # an activation deserializes the tenant's artifacts: the engine's first deserialize is here
         if preloaded is None:
             module = wasmtime.Module.deserialize(self.engine, module.serialize())
-        unpack_artifact(pack_artifact(b"warm-up", wasm))
+        known = read_interface(artifact_parts(pack_artifact(b"warm-up", wasm))[2] or b"")  # an artifact's format
         yield
         self._check_imports(module)
-        self._check_import_names(module_interface(wasm)[0])  # an artifact's load reads the bytes
-        pre = self.linker.instantiate_pre(module)
-        memory_limits(wasm)
         _export_types(module)
-        function_exports(wasm)
+        # an artifact's load as ``load_modules`` makes it (its checks, its link), not cached
+        compiled = self._admit(_WARM_UP_DIGEST, module, wasm, time.perf_counter(), from_artifact=True, cache=False,
+                               known=known)
         self.ticker.prestart()
         # the second run of a code path still costs more than a warm one: two runs, less the one
         # the fork server's preload ran before this worker was forked (:func:`preload_pool_host`)
@@ -1305,8 +1393,32 @@ class WasmHost:
             yield
             if self._ctx is not None:
                 return  # adopted by the tenant meanwhile: its runs are the tenant's
-            self._warm_run(pre, ticker=True)
+            self._rehearse(compiled)
         self.warmed = True
+
+    def _rehearse(self, compiled: CompiledModule) -> None:
+        """One run of our warm-up module through the path a tenant's ``run_wasm`` takes - :meth:`run`,
+        :meth:`session`, the run's host state, the call, its release and the reply's encoding - on
+        nobody's account (:class:`_Nobody`: no quota, no buffer, no device), before the bind.
+
+        A worker is forked from the fork server: the first time it runs a stretch of Python it
+        writes to pages the fork server shares with it (reference counts, the interpreter's
+        inline caches) and takes a page fault for each, and its CPU caches hold none of it. When
+        that stretch was the tenant's first ``run_wasm`` after an activation, that run cost about
+        twice a warm one in the worker (56 minor faults against 5) - not the idle gap before it:
+        a run after a 5 ms gap and a round trip elsewhere costs what a warm one does. A raw store's
+        run of the module (:meth:`_warm_run`) left all of that to the tenant. Holds nothing
+        afterwards: the host's counters are as before, nothing is cached, no thread is left
+        beyond the epoch ticker's."""
+        if self._ctx is not None:
+            raise InvalidArgument("a bound WASM host is not warmed: its runs are the tenant's")
+        stats = dict(self.stats)
+        self._ctx = _NOBODY  # the executor thread's own: a bind (which adopts the host) waits behind this step
+        try:
+            encode_worker_reply(0, True, self.run(compiled, "run", [64], fuel=WARM_UP_FUEL, timeout_s=1.0))
+        finally:
+            self._ctx = None
+            self.stats.update(stats)
 
     def _warm_run(self, pre: wasmtime.InstancePre, *, ticker: bool) -> None:
         """One run of the warm-up module (``pre``) in a store of its own, dropped after. Without
@@ -1367,6 +1479,58 @@ WARM_UP_WAT: Final = b"""(module
 """
 #: the warm-up run's fuel: its loop of 64 needs about a thousand units
 WARM_UP_FUEL: Final = 100_000
+#: the name the warm-up module's rehearsal has instead of a tenant module's digest
+_WARM_UP_DIGEST: Final = "warm-up"
+
+
+class _Nobody:
+    """What a rehearsal run (:meth:`WasmHost._rehearse`) has in place of a tenant's context: the
+    fields and methods a run's path reads of it, each on nobody's account - its spec is the
+    defaults, its quota block charges nothing, it has no buffer, its device does nothing. Our
+    warm-up module calls no host function, so nothing else of a context is reached."""
+
+    tenant_id = ""
+    instance = 0
+    memory_quota_bytes = 1 << 40
+    bytes_in_use = 0
+
+    def __init__(self) -> None:
+        self.spec = TenantSpec("warm-up")
+        # one object in each role the run's path reads: the quota block, the allocator, the backend, the gate
+        self.block = self.allocator = self.backend = self.gate = self
+
+    def consume_bytes(self, n: int) -> None:
+        pass
+
+    def release_bytes(self, n: int) -> None:
+        pass
+
+    def lookup(self, handle: int) -> None:
+        raise InvalidArgument("a rehearsal run has no buffers")
+
+    def free_buffer(self, buf: object) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def begin_run(self, limit: float | None) -> None:
+        pass
+
+    def end_run(self, deadline: float | None) -> None:
+        pass
+
+    def take_run_totals(self) -> tuple[int, int]:
+        return 0, 0
+
+    def sync(self, deadline_ns: int | None = None) -> None:
+        pass
+
+    def release(self, deadline_ns: int | None = None) -> bool:
+        return True
+
+
+_NOBODY: Final = cast(TenantContext, _Nobody())
 
 #: a pool worker's host, warmed before its bind and adopted by the tenant's first use (one per process)
 _pool_host: WasmHost | None = None

@@ -182,9 +182,11 @@ def test_an_artifacts_imports_and_exports_are_read_from_its_bytes_as_wasmtime_re
     for body in bodies:
         wasm = host_mod._binary(body)
         module = wasmtime.Module(engine, wasm)
-        imports, exports = host_mod.module_interface(wasm)
+        names: dict[int, str] = {}
+        imports, exports = host_mod.module_interface(wasm, names)
         assert imports == [(i.module, i.name) for i in module.imports]
         assert exports == host_mod._export_types(module)
+        assert names == host_mod.function_exports(wasm)  # a trap's frame names, read in the same pass
     with pytest.raises(ValueError):
         host_mod.module_interface(host_mod._binary(PROBE)[:200])  # cut short: the binding reads it instead
 
@@ -375,3 +377,58 @@ def test_a_worker_forked_after_the_preloads_warm_up_run_still_traps_a_guests_fau
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"runs": 1, "child": {"oob": "trap", "spin": "trap"}, "status": 0}
+
+
+def test_the_warm_up_rehearses_the_runs_path_on_nobodys_account(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's warm-up runs our module through the tenant's own run path (WasmHost.run, its
+    session, the call, the release): each rehearsal is a real run, and afterwards the host is
+    unbound, its counters untouched, its cache empty, no run left open; it touched no segment
+    (``_warm``). A tenant's run after the adoption gives what it gives on a fresh host."""
+    sessions: list[object] = []
+    real_session = WasmHost.session
+
+    def counted(self: WasmHost, *args: Any, **kwargs: Any) -> Any:
+        sessions.append(self._ctx)
+        return real_session(self, *args, **kwargs)
+
+    monkeypatch.setattr(WasmHost, "session", counted)
+    host = _warm(monkeypatch)
+    # two rehearsed runs, less the one a fork server's preload ran (here: an earlier test's preload)
+    assert len(sessions) == 2 - host_mod._preloaded_runs >= 1 and all(ctx is host_mod._NOBODY for ctx in sessions)
+    assert not host.bound and host._session is None
+    assert host.stats == {k: 0 for k in host.stats} and host.info()["cached_modules"] == 0
+    with tenant_env("after-rehearsal", StubBackend()) as env:
+        env.ctx.extensions.pop(WasmHost.EXTENSION).close()
+        assert WasmHost.for_context(env.ctx) is host
+        reply = host.run(PROBE, "add", [2, 40], fuel=10**6, timeout_s=30.0)
+        assert reply["results"] == [42] and host.stats["runs"] == 1 and host.stats["compiles"] == 1
+        assert env.counters() == (0, 0)
+
+
+def test_a_rehearsal_that_fails_leaves_the_host_unbound_and_its_counters_as_they_were() -> None:
+    host = WasmHost(None)
+    try:
+        wasm = host_mod._binary(b'(module (func (export "other")))')
+        import wasmtime
+
+        compiled = host._admit("no-run", wasmtime.Module(host.engine, wasm), wasm, 0.0, from_artifact=True,
+                               cache=False)
+        before = dict(host.stats)
+        with pytest.raises(InvalidArgument, match="no exported function 'run'"):
+            host._rehearse(compiled)
+        assert not host.bound and host._session is None and host.stats == before
+        assert host.info()["cached_modules"] == 0
+    finally:
+        host.close()
+
+
+def test_a_bound_host_is_never_rehearsed() -> None:
+    with tenant_env("bound", StubBackend()) as env:
+        wasm = host_mod._binary(host_mod.WARM_UP_WAT)
+        import wasmtime
+
+        compiled = env.host._admit("w", wasmtime.Module(env.host.engine, wasm), wasm, 0.0, from_artifact=True,
+                                   cache=False)
+        with pytest.raises(InvalidArgument, match="not warmed"):
+            env.host._rehearse(compiled)
+        assert env.host.ctx is env.ctx and env.host.stats["runs"] == 0

@@ -189,9 +189,12 @@ class _Waiting:
     def __init__(self, after: int) -> None:
         self.after = after
 
-    def poll(self, timeout: int) -> bool:
+    def getsockopt(self, option: int) -> int:
+        import zmq
+
+        assert option == zmq.EVENTS  # what a worker's loop reads too: one getsockopt, no Poller
         self.after -= 1
-        return self.after < 0
+        return int(zmq.POLLIN) if self.after < 0 else 0
 
 
 def test_load_modules_deserializes_held_artifacts_until_a_request_waits() -> None:
@@ -280,3 +283,73 @@ def test_an_artifact_whose_parts_do_not_add_up_is_refused_and_the_run_compiles()
         _import(second, [(module, fp, bad)])
         run = _run(second, PROBE, "add", [1, 2])
         assert run["results"] == [3] and run["cached"] is False and second.host.stats["artifact_refusals"] == 1
+
+
+def test_an_artifact_carries_its_modules_interface_so_a_load_reads_no_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's interface (imports, exported functions' types, frame names, memory) is read
+    once, where the module is compiled, and travels in its artifact: the load after an activation
+    takes it as it is, and the run gives what it gives on a compiled module - a trap's frames named too."""
+    from worker.wasm import GUEST_DIR
+    from worker.wasm import host as host_mod
+
+    for path in sorted(GUEST_DIR.glob("*.wat")):  # what travels is what the reader finds in the binary
+        wasm = host_mod._binary(path.read_bytes())
+        names: dict[int, str] = {}
+        imports, exports = host_mod.module_interface(wasm, names)
+        meta = host_mod.artifact_parts(host_mod.pack_artifact(b"x", wasm))[2]
+        assert meta is not None
+        assert host_mod.read_interface(meta) == (imports, exports, names, host_mod.memory_limits(wasm))
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        (module, fp, artifact), = _artifacts_of(first, PROBE)
+    with env() as second:
+        def no_read(*args: object) -> None:
+            raise AssertionError("a load read the module's bytes again")
+
+        for name in ("module_interface", "function_exports", "memory_limits"):
+            monkeypatch.setattr(host_mod, name, no_read)
+        assert _import(second, [(module, fp, artifact)])["loaded"] == [hashlib.sha256(PROBE).hexdigest()]
+        assert op_load_modules(_Server(second), {}, None)[0] == {"loaded": 1, "held": 0}  # type: ignore[arg-type]
+        run = _run(second, PROBE, "add", [20, 22])
+        assert run["results"] == [42] and run["cached"] is True and second.host.stats["compiles"] == 0
+        assert run["memory_bytes"] > 0  # its memory's limits came with it: the run reserved and had one
+
+
+def test_an_artifact_whose_interface_does_not_read_back_loads_from_the_modules_bytes() -> None:
+    """An interface that is not what pack_artifact writes (damaged, or of another shape) is not
+    used: the load reads the module's binary as for an artifact without one, and the run is the same."""
+    from worker.wasm import host as host_mod
+
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        (module, fp, artifact), = _artifacts_of(first, PROBE)
+    serialized, wasm, meta = host_mod.artifact_parts(artifact)
+    assert meta is not None and wasm is not None
+    for junk in (b"\xc1" * len(meta), host_mod.msgpack.packb([[[1, 2]], [], [], None]),
+                 host_mod.msgpack.packb([[], [["add", ["i32"], [7]]], [], None])):
+        bad = (host_mod.ARTIFACT_MAGIC + len(serialized).to_bytes(4, "little") + serialized
+               + len(junk).to_bytes(4, "little") + junk + wasm)
+        with pytest.raises((ValueError, TypeError)):
+            host_mod.read_interface(junk)
+        with env() as second:
+            _import(second, [(module, fp, bad)])
+            run = _run(second, PROBE, "add", [1, 2])
+            assert run["results"] == [3] and run["cached"] is True and second.host.stats["compiles"] == 0
+
+
+def test_an_artifact_of_the_first_format_still_loads() -> None:
+    """An artifact stored before artifacts carried the interface (the serialized module and the
+    binary) loads as it did: the interface read from the binary."""
+    from worker.wasm import host as host_mod
+
+    with env() as first:
+        _run(first, PROBE, "add", [1, 1])
+        (module, fp, artifact), = _artifacts_of(first, PROBE)
+    serialized, wasm = host_mod.unpack_artifact(artifact)
+    assert wasm is not None
+    old = host_mod.ARTIFACT_MAGIC_V1 + len(serialized).to_bytes(4, "little") + serialized + wasm
+    assert host_mod.artifact_parts(old) == (serialized, wasm, None)
+    with env() as second:
+        _import(second, [(module, fp, old)])
+        run = _run(second, PROBE, "add", [1, 2])
+        assert run["results"] == [3] and run["cached"] is True and second.host.stats["compiles"] == 0
