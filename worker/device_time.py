@@ -527,9 +527,6 @@ class DeviceGate:
         self._qtimer: OpTimer | None = None
         #: ``_qtimer`` when it is the stub's executor (worker.backends.stub_executor), else None
         self._executor: ExecutorTimer | None = None
-        #: device ns of chunks settled after their stretch told the board (:meth:`_drain_carried`):
-        #: added to the next ``finish``
-        self._carried_ns = 0
         #: ``_qtimer`` when its chunks are pending until settled (cuda's stretch timer), else None
         self._pending_timer: PendingTimer | None = None
         #: an asynchronous queue timer's (``PendingTimer``: cuda) chunks not yet settled, in order:
@@ -1144,10 +1141,11 @@ class DeviceGate:
                 self._drain_carried()
             return
         board = self.board if self._held_board else None
-        # the stub's executor: the board hears of what already ran, the launched chunks run on; they
-        # are waited for after it only where the device went on or the stretch ended (a drain before
-        # every boundary idled the device for the driver's wake, the board's call and the next launch)
-        soft = self._executor is not None and board is not None
+        # the stub's executor at a boundary inside the stretch: the board hears of what already ran,
+        # the launched chunks run on, waited for after it only where the device went on (a drain before
+        # every boundary idled the device for the driver's wake, the board's call and the next launch);
+        # at the stretch's end they are waited for first, as cuda's: the board is told all of it
+        soft = self._executor is not None and board is not None and not last
         error: BaseException | None = None
         try:
             self._settle(wait=not soft)  # the lease moves only once this worker's pending work is complete
@@ -1161,10 +1159,9 @@ class DeviceGate:
         # the board that granted the stretch hears of its end even if the scheduler was switched off since
         self._held_board = False
         chunk_from, self._quiet_at = self._quiet_at, 0
-        carried, self._carried_ns = self._carried_ns, 0
         if board is not None:
-            gave = board.finish(pending + carried, last=last, idle=idle, chunk_from=chunk_from)
-            if (gave or last) and self._unsettled:
+            gave = board.finish(pending, last=last, idle=idle, chunk_from=chunk_from)
+            if gave and self._unsettled:
                 # the grantee's first launch may start beside them: at most the driver's run-ahead
                 # (DeviceGate._ahead), each chunk charged its own executor's CPU time
                 self._drain_carried()
@@ -1176,15 +1173,17 @@ class DeviceGate:
             raise error
 
     def _drain_carried(self) -> None:
-        """Chunks a soft boundary (:meth:`_flush`) left running, the stretch over without another
-        launch (or the device passed on): waited for here; the block is charged now, the board at
-        this worker's next ``finish`` (``_carried_ns``)."""
+        """Chunks a soft boundary (:meth:`_flush`) left running when the device went on (or the stretch
+        ended without the lease): waited for here, and charged at once - the block, and the board
+        without touching the lease (``GpuTimeBoard.charge``)."""
         before = self._pending_ns
         self._settle()
         ran = self._pending_ns - before
         self._pending_ns = before
         self.block.charge_gpu_time(ran)
-        self._carried_ns += ran
+        board = self.board
+        if board is not None and ran > 0:
+            board.charge(ran)
 
     def _settle(self, *, wait: bool = True) -> None:
         """An asynchronous queue timer's pending chunks: wait for them (bounded by the run's
@@ -1274,7 +1273,16 @@ class DeviceGate:
         idle = gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns
         board = self.board
         if self._unsettled and not self._held_since:
-            self._drain_carried()  # (a soft boundary's chunks: done before the device can be lent)
+            # a soft boundary's chunks still running: the lease taken busy again (its fast path: still
+            # this worker's), so that the flush below waits for them and tells the board all of it
+            # before the device can be lent; else (it went on meanwhile) waited for and carried
+            if board is not None and board.scheduler and board.holds():
+                try:
+                    self._hold(self._stretch_deadline_ns)
+                except KernelTimeout:
+                    pass
+            if not self._held_since:
+                self._drain_carried()
         if not self._held_since and board is not None and board.scheduler:
             # its last op ended at a chunk boundary already told (the lease held idle since): the board
             # hears of the op's end now - a lend, or the waiters woken - rather than take it as running
