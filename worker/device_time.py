@@ -88,6 +88,15 @@ thread; a synchronous op runs on the executor thread once the queue is empty
 timers and totals are thus used by one thread at a time, ordered by the
 queue's condition. With ``stub_device_cpus`` (shared.device_cpus) the device thread runs only on
 its device's CPU and the worker's other threads on the rest (:func:`pin_device`, at bind).
+
+**The stub's executor** (``worker.backends.stub_executor``: a C thread running launched GEMM chunks
+back to back, the stub's device). The device thread is then its driver: a GEMM chunk is launched and
+pending until settled, as on cuda; a boundary inside a stretch tells the board what already ran and
+lets the launched chunks run on (waited for after its ``finish`` only where the device went on, and
+charged at once: ``GpuTimeBoard.charge``), the stretch's end waits for them first; the driver runs
+at most 1/:data:`_AHEAD_DIV` of a chunk ahead (:meth:`DeviceGate._ahead`); other ops run on the driver
+once the executor is idle. With ``stub_device_cpus`` the executor's thread is the one on the
+device's CPU.
 """
 
 from __future__ import annotations
@@ -167,7 +176,8 @@ QUEUE_GRACE_S = 1.0
 def pin_device(gate: DeviceGate, cpus: Iterable[int]) -> bool:
     """The stub's device as a core of its own (shared.device_cpus), at a worker's bind: every thread
     of this process onto the CPUs of its affinity set other than ``cpus``, and the gate's device
-    thread (now, or when it starts) onto ``cpus``. A set that cannot apply (no CPU would be left, or
+    thread (now, or when it starts) onto ``cpus`` - with the stub's executor, the executor's thread
+    (now, or when it is made) instead. A set that cannot apply (no CPU would be left, or
     ``cpus`` not usable by this process) is logged and changes nothing: the device thread then shares
     the worker's CPUs, as without the setting. True when applied."""
     device = frozenset(cpus)
@@ -741,7 +751,9 @@ class DeviceGate:
         own Python, ~35 us an op through :meth:`_queued`. Returns (ops run whole, the error of the next
         or None); (0, None) when ``items[i]`` does not start such a run (the caller runs it alone).
         The lease is taken at each launch that does not hold it, as :meth:`_run_queued` takes it; the
-        run stops where an op does not fit and past a deadline (the op path refuses it)."""
+        run stops where an op does not fit and past a deadline (the op path refuses it). With the stub's
+        executor each op is launched (pending until settled, the driver kept within its run-ahead) and
+        the boundary counts the launched work's estimate where that is more than the time held."""
         first = items[i]
         p = first.plan
         if (p is None or not first.planned or p.call is not None or p.combine is not None
