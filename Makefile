@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.twt-installed
 
 all: test
 
-$(STAMP): pyproject.toml setup.py shared/_atomics.c
+$(STAMP): pyproject.toml setup.py shared/_atomics.c worker/_stubexec.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# an editable install as a plain path in a .pth file (setuptools' compat mode), not the

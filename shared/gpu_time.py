@@ -1171,24 +1171,8 @@ class GpuTimeBoard(MappedSegment):
         now = self._clock() if now is None else now
         mine = self._mine
         t = self._tenant
-        capped_out = False
         self._quiet_until = 0
-        if t is not None and charged_ns > 0:
-            t_off = _t_off(t)
-            weight = _atomics.load(buf, t_off + _T_WEIGHT) or 1
-            passed = _atomics.fetch_add(buf, t_off + _T_PASS, charged_ns * _MICRO // weight)
-            passed += charged_ns * _MICRO // weight
-            if not _atomics.load(buf, _WAITING) and passed > _atomics.load(buf, _VCLOCK):
-                # alone on the device: the virtual clock moves with it, so a tenant back from idle
-                # catches up at most one quantum (idle time is not banked)
-                _atomics.store(buf, _VCLOCK, passed)
-            _atomics.fetch_add(buf, t_off + _T_USED, charged_ns)
-            cap = _atomics.load(buf, t_off + _T_CAP)
-            if cap:
-                credit = self._credit(buf, t_off, cap, now) - charged_ns
-                _atomics.store(buf, t_off + _T_CREDIT, _BIAS + credit)
-                _atomics.store(buf, t_off + _T_STAMP, now)
-                capped_out = credit <= 0 and _atomics.load(buf, _C_MODE) == 1
+        capped_out = self._charge(buf, charged_ns, now)
         # the chunk's wall time (its start to now): what the next one will likely take, for a claim's
         # deadline (see pick's next_ns) - the larger of the last and the average, a claim errs early
         chunk = max(0, now - max(_atomics.load(buf, _BUSY_SINCE), chunk_from))
@@ -1242,6 +1226,36 @@ class GpuTimeBoard(MappedSegment):
             return False
         self._give(buf, mine, nxt, now, _HANDOFFS)
         return True
+
+    def charge(self, charged_ns: int) -> None:
+        """Charge device time that ran under this worker's lease but ended after the ``finish`` that
+        told its stretch (the stub's executor: launched chunks still running when the device went on,
+        ``worker.device_time``): the tenant's pass, used time and cap credit, as ``finish`` charges;
+        the lease is not touched (a cap run out is enforced at the next ``finish``)."""
+        buf, _ = self._need_worker()
+        self._charge(buf, charged_ns, self._clock())
+
+    def _charge(self, buf: memoryview, charged_ns: int, now: int) -> bool:
+        """The tenant's pass, used time and cap credit for ``charged_ns``; True: its cap ran out."""
+        t = self._tenant
+        capped_out = False
+        if t is not None and charged_ns > 0:
+            t_off = _t_off(t)
+            weight = _atomics.load(buf, t_off + _T_WEIGHT) or 1
+            passed = _atomics.fetch_add(buf, t_off + _T_PASS, charged_ns * _MICRO // weight)
+            passed += charged_ns * _MICRO // weight
+            if not _atomics.load(buf, _WAITING) and passed > _atomics.load(buf, _VCLOCK):
+                # alone on the device: the virtual clock moves with it, so a tenant back from idle
+                # catches up at most one quantum (idle time is not banked)
+                _atomics.store(buf, _VCLOCK, passed)
+            _atomics.fetch_add(buf, t_off + _T_USED, charged_ns)
+            cap = _atomics.load(buf, t_off + _T_CAP)
+            if cap:
+                credit = self._credit(buf, t_off, cap, now) - charged_ns
+                _atomics.store(buf, t_off + _T_CREDIT, _BIAS + credit)
+                _atomics.store(buf, t_off + _T_STAMP, now)
+                capped_out = credit <= 0 and _atomics.load(buf, _C_MODE) == 1
+        return capped_out
 
     def _lends(self, idle: bool) -> bool:
         """At an op's end while others wait: whether this holder hands the device over now (``idle``:

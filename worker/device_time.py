@@ -88,6 +88,15 @@ thread; a synchronous op runs on the executor thread once the queue is empty
 timers and totals are thus used by one thread at a time, ordered by the
 queue's condition. With ``stub_device_cpus`` (shared.device_cpus) the device thread runs only on
 its device's CPU and the worker's other threads on the rest (:func:`pin_device`, at bind).
+
+**The stub's executor** (``worker.backends.stub_executor``: a C thread running launched GEMM chunks
+back to back, the stub's device). The device thread is then its driver: a GEMM chunk is launched and
+pending until settled, as on cuda; a boundary inside a stretch tells the board what already ran and
+lets the launched chunks run on (waited for after its ``finish`` only where the device went on, and
+charged at once: ``GpuTimeBoard.charge``), the stretch's end waits for them first; the driver runs
+at most 1/:data:`_AHEAD_DIV` of a chunk ahead (:meth:`DeviceGate._ahead`); other ops run on the driver
+once the executor is idle. With ``stub_device_cpus`` the executor's thread is the one on the
+device's CPU.
 """
 
 from __future__ import annotations
@@ -110,6 +119,7 @@ from shared.gpu_time import GpuTimeBoard, WorkTrace
 from shared.log import get_logger, log_event
 from shared.quota import QuotaBlock
 from worker.backends.base import Backend, DeviceBuffer
+from worker.backends.stub_executor import ExecutorTimer
 from worker.backends.timing import OpTimer, PendingTimer
 from worker.chunks import CostModel, Plan, plan
 from worker.priority import name_thread, start_thread
@@ -153,6 +163,9 @@ _BATCH_DIV = 8
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
 QUEUE_LINGER_S = 50e-6
+#: the stub's executor: the chunks launched ahead of the running one hold at most 1/this of a chunk
+#: by their estimates (:meth:`DeviceGate._ahead`)
+_AHEAD_DIV = 2
 #: an op's ``small_est`` when it cannot join a batch (larger than any batch's budget)
 _NOT_SMALL = 1 << 62
 #: how long past the run's deadline a wait for queued work may last (one chunk in flight ends well
@@ -163,7 +176,8 @@ QUEUE_GRACE_S = 1.0
 def pin_device(gate: DeviceGate, cpus: Iterable[int]) -> bool:
     """The stub's device as a core of its own (shared.device_cpus), at a worker's bind: every thread
     of this process onto the CPUs of its affinity set other than ``cpus``, and the gate's device
-    thread (now, or when it starts) onto ``cpus``. A set that cannot apply (no CPU would be left, or
+    thread (now, or when it starts) onto ``cpus`` - with the stub's executor, the executor's thread
+    (now, or when it is made) instead. A set that cannot apply (no CPU would be left, or
     ``cpus`` not usable by this process) is logged and changes nothing: the device thread then shares
     the worker's CPUs, as without the setting. True when applied."""
     device = frozenset(cpus)
@@ -185,12 +199,26 @@ def pin_device(gate: DeviceGate, cpus: Iterable[int]) -> bool:
                   allowed=sorted(allowed), reason=repr(exc))
         return False
     queue = gate.queue
-    device_tid = queue.thread_id if queue is not None else None
+    executor = gate._executor
+    if getattr(gate.backend, "device_executor", False):
+        # the stub's executor is the device: its thread there (now, or when made: DeviceGate._queue_timer),
+        # the device thread - its driver - with the worker's other threads
+        device_tid = executor.thread_id if executor is not None else None
+    else:
+        device_tid = queue.thread_id if queue is not None else None
     refused = set_threads_affinity(rest, skip=() if device_tid is None else (device_tid,))
     for tid, why in refused:
         log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=tid, error=repr(why))
     gate.device_cpus = device
-    if queue is not None:
+    if executor is not None:
+        try:
+            executor.pin(device)
+        except OSError as exc:
+            log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=device_tid, error=repr(exc))
+    elif getattr(gate.backend, "device_executor", False):
+        if gate._qtimer is not None and queue is not None and queue.thread_id is not None:
+            _pin(queue.thread_id, device)  # no executor after all (fell back): the device thread runs the ops
+    elif queue is not None:
         queue.cpus = device
         if device_tid is not None:
             _pin(device_tid, device)
@@ -507,6 +535,8 @@ class DeviceGate:
         #: the stretch holds the board's lease (not only the flock or nothing: the scheduler off)
         self._held_board = False
         self._qtimer: OpTimer | None = None
+        #: ``_qtimer`` when it is the stub's executor (worker.backends.stub_executor), else None
+        self._executor: ExecutorTimer | None = None
         #: ``_qtimer`` when its chunks are pending until settled (cuda's stretch timer), else None
         self._pending_timer: PendingTimer | None = None
         #: an asynchronous queue timer's (``PendingTimer``: cuda) chunks not yet settled, in order:
@@ -585,7 +615,8 @@ class DeviceGate:
             queue = self.queue = DeviceQueue(self._queued_items, self._end_stretch, linger=self._linger,
                                              lend=self._lend_after_pass, work=self._work,
                                              settles=lambda: self._pending_timer is not None)
-            queue.cpus = self.device_cpus
+            # (the stub's executor: its thread is the device's, pinned when made - _queue_timer)
+            queue.cpus = None if getattr(self.backend, "device_executor", False) else self.device_cpus
         if name not in self._prepared and not queue.pending:
             self._prepare(name)
         if name == self._last_name and _same_args(args, self._last_args):
@@ -638,7 +669,7 @@ class DeviceGate:
         p = plan(name, self.backend, args) if planned is False else cast("Plan | None", planned)
         if p is None:
             self._chunk = (name, None, 0)
-            ns, waited, result = run(fn, args, deadline_ns, last=True)
+            ns, waited, result = run(fn, args, deadline_ns, last=True, op=name)
             self.block.observe_gpu_wait(wait0 + waited)
             return result
         call = p.call or fn
@@ -652,9 +683,10 @@ class DeviceGate:
             if lo == 0 and hi >= p.units and p.call is None and p.combine is None:
                 # one chunk: the op on its own arguments (the views of a chunk [0, units) name the same
                 # memory; making them was a few us of this thread's Python per GEMM, the device idle)
-                ns, waited, got = run(fn, args, deadline_ns, last=True)
-            else:
-                ns, waited, got = run(call, p.chunk(lo, hi), deadline_ns, last=hi >= p.units)
+                ns, waited, got = run(fn, args, deadline_ns, last=True, op=name)
+            else:  # (a chunk's arguments are the op's own, in its order, unless it has a call of its own)
+                ns, waited, got = run(call, p.chunk(lo, hi), deadline_ns, last=hi >= p.units,
+                                      op="" if p.call is not None else name)
             wait += waited
             costs.observe(name, p, hi - lo, ns)
             if p.combine is not None:
@@ -719,17 +751,20 @@ class DeviceGate:
         own Python, ~35 us an op through :meth:`_queued`. Returns (ops run whole, the error of the next
         or None); (0, None) when ``items[i]`` does not start such a run (the caller runs it alone).
         The lease is taken at each launch that does not hold it, as :meth:`_run_queued` takes it; the
-        run stops where an op does not fit and past a deadline (the op path refuses it)."""
+        run stops where an op does not fit and past a deadline (the op path refuses it). With the stub's
+        executor each op is launched (pending until settled, the driver kept within its run-ahead) and
+        the boundary counts the launched work's estimate where that is more than the time held."""
         first = items[i]
         p = first.plan
         if (p is None or not first.planned or p.call is not None or p.combine is not None
-                or self._pending_timer is not None or self._run_refused is not None):
+                or (self._pending_timer is not None and self._executor is None) or self._run_refused is not None):
             return 0, None
         board = self._scheduling_board()
         if board is not None and board.trace is not None:
             return 0, None  # (the handover trace stamps every launch: the op path does)
         qtimer = self._queue_timer()
-        if self._pending_timer is not None:
+        executor = self._executor  # the stub's executor: each GEMM launched, pending until settled
+        if self._pending_timer is not None and executor is None:
             return 0, None
         name, shape, units = first.name, p.shape, p.units
         costs = self.costs
@@ -748,6 +783,8 @@ class DeviceGate:
         self._chunk = (name, p, units)
         self._pass_end = False
         error: BaseException | None = None
+        est = first.est if first.est >= 0 else self.chunk_ns
+        launches = 0
         while j < end:
             it = items[j]
             ip = it.plan
@@ -773,19 +810,41 @@ class DeviceGate:
                 if serial >= 0:
                     fcntl.flock(serial, fcntl.LOCK_EX)
                 launched = mono() if work is not None else 0
+                went = False
                 try:
-                    ns = qtimer.time(it.fn, *it.args)
+                    if executor is None:
+                        ns = qtimer.time(it.fn, *it.args)
+                    else:
+                        if self._unsettled:
+                            self._ahead(executor)
+                            if executor.full():
+                                self._settle()
+                        went = executor.launch(name, it.args)
+                        if not went:
+                            ns = qtimer.time(it.fn, *it.args)
+                        elif serial >= 0:
+                            executor.drain()  # the scheduler off: one op at a time per device, in the flock
                 finally:
                     if serial >= 0:
                         fcntl.flock(serial, fcntl.LOCK_UN)
-                    if work is not None:
+                    if went:
+                        launches += 1
+                        self._unsettled.append((name, p, units, est))
+                        self._unsettled_est_ns += est
+                        if work is not None:
+                            self._unsettled_at.append(launched)
+                    elif work is not None:
                         self._busy(work, launched, ns, False)
                     self.chunks += 1
                     self.run_time_ns += ns
                     self._pending_ns += ns
                     total += ns
                     now = mono()
-                self._boundary(board, now - self._held_since, last=True, pending=False)  # (_pass_end: False)
+                if executor is None:
+                    self._boundary(board, now - self._held_since, last=True, pending=False)  # (_pass_end: False)
+                else:
+                    self._boundary(board, max(now - self._held_since, self._unsettled_est_ns), last=True,
+                                   pending=bool(self._unsettled))
             except BaseException as exc:  # noqa: BLE001 - the op's own error (kept by the queue)
                 self.failed_op = it.name
                 error = exc
@@ -798,8 +857,10 @@ class DeviceGate:
             j += 1
         ran = j - i
         if ran:
-            per = total // ran
-            costs.observe(name, p, units, per)
+            timed = ran - launches  # (launched ones: the cost model learns each at the settle)
+            per = total // timed if timed else est
+            if timed:
+                costs.observe(name, p, units, per)
             self._op_dev_ns += (per - self._op_dev_ns) >> _EWMA_SHIFT if self._op_dev_ns else per
         if waits:
             self.block.observe_gpu_waits(waits)
@@ -831,8 +892,9 @@ class DeviceGate:
         budget = self.chunk_ns // _BATCH_DIV
         if items[i].small_est > budget:
             return 0  # (a big op, planned by its submitter: the common case of a GEMM loop, no walk)
-        if self._run_refused is not None or self._queue_timer() is self._pending_timer:
-            return 0
+        if self._run_refused is not None or (
+                self._queue_timer() is self._pending_timer and self._executor is None):
+            return 0  # (the stub's executor runs a batch on the driver, host-synchronous: its time known)
         small = self.chunk_ns // _SMALL_DIV
         costs = self.costs
         j = i
@@ -858,8 +920,21 @@ class DeviceGate:
     def _queue_timer(self) -> OpTimer:
         """The timer of queued chunks (made on first use; ``_pending_timer`` too where it is one)."""
         if self._qtimer is None:
-            self._qtimer = self.backend.queue_timer()
-            self._pending_timer = self._qtimer if isinstance(self._qtimer, PendingTimer) else None
+            self._qtimer = timer = self.backend.queue_timer()
+            self._pending_timer = timer if isinstance(timer, PendingTimer) else None
+            self._executor = timer if isinstance(timer, ExecutorTimer) else None
+            cpus = self.device_cpus
+            if cpus is not None and getattr(self.backend, "device_executor", False):
+                # the device's core (pin_device): the executor's thread; without one (not built, no BLAS
+                # found) the device thread itself, which the queue left on the worker's CPUs
+                if self._executor is not None:
+                    try:
+                        self._executor.pin(cpus)
+                    except OSError as exc:
+                        log_event(_log, logging.WARNING, "device_time.affinity_refused",
+                                  thread=self._executor.thread_id, error=repr(exc))
+                else:
+                    _pin(0, cpus)
         return self._qtimer
 
     def _queued_batch(self, items: list[_Item]) -> None:
@@ -952,10 +1027,12 @@ class DeviceGate:
             raise
 
     def _run_queued(self, fn: Callable[..., T], args: tuple[object, ...], deadline_ns: int | None, *,
-                    last: bool) -> tuple[int, int, T | None]:
+                    last: bool, op: str = "") -> tuple[int, int, T | None]:
         """One chunk of a queued op inside the stretch: the lease is acquired only when not already
         held busy; the board hears of it (:meth:`_flush`) once ~a chunk's time has passed since,
-        or at the stretch's end (:meth:`_end_stretch`)."""
+        or at the stretch's end (:meth:`_end_stretch`). ``op``: the op's name when ``args`` are its
+        own arguments in its own order (a chunk of it): the stub's executor may launch it
+        (``worker.backends.stub_executor``), else it runs through the timer."""
         if deadline_ns is not None and time.monotonic_ns() > deadline_ns:
             self._flush(last=True)
             raise self._refuse(KernelTimeout(0.0, message="the run's deadline passed with device work queued"))
@@ -987,8 +1064,15 @@ class DeviceGate:
             trace.launch(board.worker_slot or 0, time.monotonic_ns())
         work = self._work
         launched = time.monotonic_ns() if work is not None else 0
+        executor = self._executor
+        if executor is not None and op and self._unsettled:
+            self._ahead(executor)
         try:
-            ns = qtimer.time(lambda: result.append(fn(*args)))
+            if executor is not None and op and executor.launch(op, args):
+                if serial >= 0:
+                    executor.drain()  # the scheduler off: one op at a time per device, inside the flock
+            else:
+                ns = qtimer.time(lambda: result.append(fn(*args)))
         finally:
             if trace is not None:
                 trace.chunk_end = time.monotonic_ns()
@@ -1000,6 +1084,7 @@ class DeviceGate:
             self.run_time_ns += ns
             self._pending_ns += ns
             held = time.monotonic_ns() - self._held_since
+            is_pending = pending is not None
             if pending is not None:
                 # launches return in microseconds: what is held is the device work pending, the
                 # cost model's estimate of the unsettled chunks (an op it cannot split: a whole chunk)
@@ -1008,9 +1093,29 @@ class DeviceGate:
                     est = self.chunk_ns if p is None else int(self.costs.predict_ns(name, p, units))
                     self._unsettled.append((name, p, units, est))
                     self._unsettled_est_ns += est
-                held = self._unsettled_est_ns
-            self._boundary(board, held, last=last, pending=pending is not None)
+                if executor is None:
+                    held = self._unsettled_est_ns
+                else:
+                    # the stub's executor: the driver is at most a ring ahead, and its host-synchronous
+                    # ops run here - the time held, or the launched work's estimate where that is more
+                    held = max(held, self._unsettled_est_ns)
+                    is_pending = bool(self._unsettled)
+            self._boundary(board, held, last=last, pending=is_pending)
         return ns, waited, result[0] if result else None
+
+    def _ahead(self, executor: ExecutorTimer) -> None:
+        """The stub's executor: how far the driver runs ahead. Before a launch, the chunks launched and
+        not yet run may hold at most 1/:data:`_AHEAD_DIV` of a chunk by their estimates (at least the
+        one running): a boundary that passes the device on waits for them (the preemption bound is
+        one chunk and that), while the next launch is already queued when the running one ends."""
+        while True:
+            running = executor.running
+            if running < 2:
+                return
+            est = sum(e for *_, e in self._unsettled[-running:])
+            if est < self.chunk_ns // _AHEAD_DIV:
+                return
+            executor.wait_below(running - 1)
 
     def _boundary(self, board: GpuTimeBoard | None, held: int, *, last: bool, pending: bool) -> None:
         """A chunk boundary of a queued launch (:meth:`_run_queued`'s and :meth:`_queued_run`'s):
@@ -1044,10 +1149,18 @@ class DeviceGate:
         the board may hand the device over); ``last``: the stretch ended; ``idle``: nothing is queued
         behind it (the board lends the device to a waiter now)."""
         if not self._held_since:
+            if self._unsettled:
+                self._drain_carried()
             return
+        board = self.board if self._held_board else None
+        # the stub's executor at a boundary inside the stretch: the board hears of what already ran,
+        # the launched chunks run on, waited for after it only where the device went on (a drain before
+        # every boundary idled the device for the driver's wake, the board's call and the next launch);
+        # at the stretch's end they are waited for first, as cuda's: the board is told all of it
+        soft = self._executor is not None and board is not None and not last
         error: BaseException | None = None
         try:
-            self._settle()  # the lease moves only once this worker's pending work is complete
+            self._settle(wait=not soft)  # the lease moves only once this worker's pending work is complete
         except KernelTimeout:
             raise  # overran: the work may still run, so the stretch keeps the lease until the exit
         except Exception as exc:  # noqa: BLE001 - a fault: charged what settled, the board told, then raised
@@ -1056,28 +1169,49 @@ class DeviceGate:
         self._held_since = self._pending_ns = 0
         self.block.charge_gpu_time(pending)
         # the board that granted the stretch hears of its end even if the scheduler was switched off since
-        board = self.board if self._held_board else None
         self._held_board = False
         chunk_from, self._quiet_at = self._quiet_at, 0
-        if board is not None and board.finish(pending, last=last, idle=idle, chunk_from=chunk_from) and (
-                board.throttled_wait_ns()):
-            # (no sched_yield after a handover: on a host loaded past its cores it hands the giver's
-            # slice to any runnable process and the giver asks again late - GPU-QUOTAS.md)
-            self.block.count_gpu_throttled()
+        if board is not None:
+            gave = board.finish(pending, last=last, idle=idle, chunk_from=chunk_from)
+            if gave and self._unsettled:
+                # the grantee's first launch may start beside them: at most the driver's run-ahead
+                # (DeviceGate._ahead), each chunk charged its own executor's CPU time
+                self._drain_carried()
+            if gave and board.throttled_wait_ns():
+                # (no sched_yield after a handover: on a host loaded past its cores it hands the giver's
+                # slice to any runnable process and the giver asks again late - GPU-QUOTAS.md)
+                self.block.count_gpu_throttled()
         if error is not None:
             raise error
 
-    def _settle(self) -> None:
+    def _drain_carried(self) -> None:
+        """Chunks a soft boundary (:meth:`_flush`) left running when the device went on (or the stretch
+        ended without the lease): waited for here, and charged at once - the block, and the board
+        without touching the lease (``GpuTimeBoard.charge``)."""
+        before = self._pending_ns
+        self._settle()
+        ran = self._pending_ns - before
+        self._pending_ns = before
+        self.block.charge_gpu_time(ran)
+        board = self.board
+        if board is not None and ran > 0:
+            board.charge(ran)
+
+    def _settle(self, *, wait: bool = True) -> None:
         """An asynchronous queue timer's pending chunks: wait for them (bounded by the run's
         deadline plus :data:`QUEUE_GRACE_S`; past it the timer raises the backend's queue overrun),
         add their device time to what the next flush charges, let the cost model learn each. A
-        fault names the first chunk that failed (``failed_op``) and is raised."""
+        fault names the first chunk that failed (``failed_op``) and is raised. ``wait`` False (the
+        stub's executor only): the chunks that already ran, the rest left pending."""
         timer = self._pending_timer
         if not self._unsettled or timer is None:
             return
         deadline = self._stretch_deadline_ns
         try:
-            times, error = timer.settle(None if deadline is None else deadline + int(QUEUE_GRACE_S * 1e9))
+            if not wait and self._executor is not None:
+                times, error = self._executor.collect_done(), None
+            else:
+                times, error = timer.settle(None if deadline is None else deadline + int(QUEUE_GRACE_S * 1e9))
         except KernelTimeout:
             self.queue_overrun = True
             raise
@@ -1121,6 +1255,17 @@ class DeviceGate:
         (it waited for them all)."""
         now = time.monotonic_ns()
         stamps, self._unsettled_at = self._unsettled_at[:len(times)], self._unsettled_at[len(times):]
+        executor = self._executor
+        if executor is not None and len(executor.spans) == len(times):
+            # the stub's executor stamped each chunk itself: its wall span (a launch row, as a
+            # host-synchronous launch's) and its charged CPU time ending at its end
+            for start, end, ns in executor.spans:
+                if ns > 0:
+                    work.add(WorkTrace.LAUNCH, start, end, WorkTrace.BUSY, max(start, end - ns), end)
+                else:
+                    work.add(WorkTrace.LAUNCH, start, end)
+                self._busy_end = max(self._busy_end, end)
+            return
         prev = self._busy_end
         for launched, ns in zip(stamps, times):
             start = max(launched, prev)
@@ -1139,6 +1284,17 @@ class DeviceGate:
         gap = self._submit_gap_ns
         idle = gap > _LEND_GAP_NS and gap > _LEND_RATIO * self._op_dev_ns
         board = self.board
+        if self._unsettled and not self._held_since:
+            # a soft boundary's chunks still running: the lease taken busy again (its fast path: still
+            # this worker's), so that the flush below waits for them and tells the board all of it
+            # before the device can be lent; else (it went on meanwhile) waited for and carried
+            if board is not None and board.scheduler and board.holds():
+                try:
+                    self._hold(self._stretch_deadline_ns)
+                except KernelTimeout:
+                    pass
+            if not self._held_since:
+                self._drain_carried()
         if not self._held_since and board is not None and board.scheduler:
             # its last op ended at a chunk boundary already told (the lease held idle since): the board
             # hears of the op's end now - a lend, or the waiters woken - rather than take it as running
@@ -1183,8 +1339,9 @@ class DeviceGate:
             raise self._refuse(KernelTimeout(0.0, message=f"waiting for the device: {exc}")) from None
 
     def _run(self, fn: Callable[..., T], args: tuple[object, ...], deadline_ns: int | None, *,
-             last: bool) -> tuple[int, int, T | None]:
-        """One launch under the lease: (device ns, ns waited for the device, its result)."""
+             last: bool, op: str = "") -> tuple[int, int, T | None]:
+        """One launch under the lease: (device ns, ns waited for the device, its result); host-synchronous
+        (``op``, the op's name, is not used here)."""
         waited = 0
         if self._run_refused is not None:
             raise self._refuse(KernelTimeout(0.0, message=str(self._run_refused)))
@@ -1293,4 +1450,4 @@ class DeviceGate:
             self._timer = None
         if self._qtimer is not None:
             self._qtimer.close()
-            self._qtimer = self._pending_timer = None
+            self._qtimer = self._pending_timer = self._executor = None

@@ -283,6 +283,11 @@ class QuietBoard(WaitedBoard):
         self.calls["quiet"] = self.calls.get("quiet", 0) + 1
         return True
 
+    def charge(self, charged_ns: int) -> None:
+        """The stub's executor: chunks launched before a boundary and done after it, charged without
+        a finish (``GpuTimeBoard.charge``) - told too."""
+        self.told.append((charged_ns, 0, time.monotonic_ns()))
+
 
 def test_boundaries_skipped_while_the_board_is_quiet_still_tell_it_all_the_device_time(block: QuotaBlock) -> None:
     """A stretch of big queued ops beside a waiter whose board stays quiet: the gate may skip the

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import timeouts
+from worker.backends import stub_executor
 from worker.server import _device_cpus
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,32 +41,45 @@ if START_FIRST:
     op()  # the device thread exists before the pin
 applied = pin_device(gate, CPUS)
 op()
-dev = gate.queue.thread_id
+driver = gate.queue.thread_id
+executor = gate._executor
+dev = executor.thread_id if executor is not None else driver
 print(json.dumps({'applied': applied, 'before': before, 'main': sorted(os.sched_getaffinity(0)),
                   'other': sorted(os.sched_getaffinity(other.native_id)),
-                  'device': sorted(os.sched_getaffinity(dev))}))
+                  'device': sorted(os.sched_getaffinity(dev)), 'executor': executor is not None,
+                  'driver': sorted(os.sched_getaffinity(driver))}))
 gate.release(); gate.close(); blk.close(); owner.unlink(); owner.close()
 """
 
 
-def _run(cpus: object, start_first: bool) -> dict[str, object]:
+def _run(cpus: object, start_first: bool, executor: bool = True) -> dict[str, object]:
     code = _CHILD.replace("START_FIRST", repr(start_first)).replace("CPUS", repr(cpus))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TWT_STUB_EXECUTOR": "1" if executor else "0"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=timeouts.scaled(60), cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          timeout=timeouts.scaled(60), cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
 
+@pytest.mark.parametrize("executor", [True, False], ids=["executor", "python-device-thread"])
 @pytest.mark.parametrize("start_first", [False, True], ids=["device-thread-later", "device-thread-running"])
-def test_the_device_thread_runs_on_its_cpus_and_the_rest_of_the_worker_elsewhere(start_first: bool) -> None:
+def test_the_device_thread_runs_on_its_cpus_and_the_rest_of_the_worker_elsewhere(start_first: bool,
+                                                                                  executor: bool) -> None:
+    """The device - the stub's executor thread where it is built (its driver, the Python device thread,
+    then stays with the worker's other threads), else the Python device thread - on its CPU."""
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip("needs two CPUs")
-    out = _run([allowed[-1]], start_first)
+    out = _run([allowed[-1]], start_first, executor)
     assert out["applied"] is True
     assert out["device"] == [allowed[-1]]
     assert out["main"] == out["other"] == allowed[:-1]
+    if out["executor"]:
+        assert out["driver"] == allowed[:-1]
+    else:
+        assert not executor or not stub_executor.available()
+        assert out["driver"] == [allowed[-1]]
 
 
 def test_every_cpu_for_the_device_leaves_the_worker_as_it_was() -> None:

@@ -147,9 +147,23 @@ class StubBackend(Backend):
         # bytearray first (CPython), one whole extra copy per write
         memoryview(buf.data)[offset : offset + len(data)] = data
 
+    @property
+    def device_executor(self) -> bool:
+        """Whether queued GEMM chunks go to the executor (``worker.backends.stub_executor``: a thread
+        outside Python, the device's) rather than run on the Python device thread."""
+        from worker.backends import stub_executor
+
+        return stub_executor.available()
+
     def queue_timer(self) -> OpTimer:
-        """The device thread's own CPU time per queued op (:class:`ThreadTimer`)."""
-        return ThreadTimer()
+        """The executor's timer (launched GEMM chunks pending until settled, other ops timed on the
+        calling thread), or - the executor unavailable - the device thread's own CPU time per queued
+        op (:class:`ThreadTimer`)."""
+        from worker.backends import stub_executor
+
+        load_numpy()  # (the BLAS the executor calls is numpy's, with its thread count set first)
+        timer = stub_executor.make()
+        return timer if timer is not None else ThreadTimer()
 
     def view(self, buf: DeviceBuffer, offset: int, nbytes: int) -> StubBuffer:
         assert isinstance(buf, StubBuffer)

@@ -1,0 +1,305 @@
+"""The stub's device as an executor outside Python (worker._stubexec, worker.backends.stub_executor):
+its GEMMs equal numpy's to the byte; a queued chunk's charge is the executor's own stamp; the ring and
+the driver's run-ahead are bounded; a process killed mid-chunk leaves nothing behind; without the
+extension (or with it turned off) the stub keeps its Python path. Never a timing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shared.log import _fields_of
+from shared.quota import QuotaBlock
+from tests.helpers import timeouts
+from tests.worker.test_async_ops import WaitedBoard
+from worker.backends import stub_executor
+from worker.backends.stub import StubBackend, StubBuffer
+from worker.backends.timing import ThreadTimer
+from worker.device_time import _AHEAD_DIV, DeviceGate
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+needs_executor = pytest.mark.skipif(not stub_executor.available(), reason="worker._stubexec is not built")
+
+
+def _buf(be: StubBackend, values: np.ndarray[Any, Any]) -> StubBuffer:
+    buf = be.alloc(values.nbytes)
+    be.write(buf, 0, memoryview(values.astype(np.float32).tobytes()))
+    return buf
+
+
+def _timer() -> stub_executor.ExecutorTimer:
+    timer = stub_executor.make()
+    assert timer is not None
+    return timer
+
+
+@needs_executor
+@pytest.mark.parametrize(("m", "k", "n"), [(2, 1, 2), (7, 3, 5), (64, 64, 64), (100, 256, 33), (256, 17, 128)])
+def test_a_launched_gemm_equals_numpys_matmul_to_the_byte(m: int, k: int, n: int) -> None:
+    be = StubBackend()
+    rng = np.random.default_rng(m * 1000 + k * 10 + n)
+    a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    ba, bb, bc = _buf(be, a), _buf(be, b), be.alloc(4 * m * n)
+    timer = _timer()
+    try:
+        assert timer.launch("matmul_f32", (ba, bb, bc, m, k, n))
+        times, error = timer.settle(None)
+        assert error is None and len(times) == 1 and times[0] >= 0
+        assert be.read(bc, 0, 4 * m * n) == np.matmul(a, b).tobytes()
+    finally:
+        timer.close()
+
+
+@needs_executor
+def test_what_the_kernel_does_not_take_is_left_to_the_caller() -> None:
+    """A vector side (numpy calls gemv: another rounding), an overlap of C with A, a buffer too short,
+    another op: False, nothing launched - the gate then runs the op itself."""
+    be = StubBackend()
+    a, b, c = be.alloc(4 * 64), be.alloc(4 * 64), be.alloc(4 * 64)
+    timer = _timer()
+    try:
+        assert not timer.launch("matmul_f32", (a, b, c, 1, 8, 8))
+        assert not timer.launch("matmul_f32", (a, b, c, 8, 8, 1))
+        assert not timer.launch("matmul_f32", (a, b, a, 8, 8, 8))
+        assert not timer.launch("matmul_f32", (a, b, c, 16, 16, 16))
+        assert not timer.launch("add_f32", (a, b, c, 64))
+        assert timer.pending == 0 and timer.launched == 0
+    finally:
+        timer.close()
+
+
+@needs_executor
+def test_the_ring_is_bounded_and_settling_frees_it() -> None:
+    ext = stub_executor._load()
+    found = stub_executor.find_sgemm()
+    assert found is not None
+    timer = stub_executor.ExecutorTimer(ext.Executor(found[0], found[1], 2))
+    be = StubBackend()
+    a, b, c = be.alloc(4 * 64), be.alloc(4 * 64), be.alloc(4 * 64)
+    try:
+        assert timer.launch("matmul_f32", (a, b, c, 8, 8, 8))
+        assert timer.launch("matmul_f32", (a, b, c, 8, 8, 8))
+        assert timer.full()
+        with pytest.raises(RuntimeError, match="ring is full"):
+            timer.launch("matmul_f32", (a, b, c, 8, 8, 8))
+        times, _ = timer.settle(None)
+        assert len(times) == 2 and not timer.full()
+        assert timer.launch("matmul_f32", (a, b, c, 8, 8, 8))
+        assert len(timer.settle(None)[0]) == 1
+    finally:
+        timer.close()
+
+
+@needs_executor
+def test_a_launched_chunk_keeps_its_buffers_alive_until_collected() -> None:
+    """A buffer freed while its GEMM is in flight: the chunk holds the bytes (a Py_buffer export), so
+    the kernel never writes freed memory; they are let go at the collect."""
+    be = StubBackend()
+    n = 128
+    a, b, c = _buf(be, np.ones((n, n))), _buf(be, np.ones((n, n))), be.alloc(4 * n * n)
+    data = c.data
+    timer = _timer()
+    try:
+        for _ in range(4):
+            assert timer.launch("matmul_f32", (a, b, c, n, n, n))
+        be.free(c)
+        be.free(a)
+        times, _ = timer.settle(None)
+        assert len(times) == 4
+        assert np.frombuffer(data, np.float32)[0] == float(n)
+    finally:
+        timer.close()
+
+
+@needs_executor
+def test_queued_gemms_through_the_gate_are_charged_the_executors_own_stamps(block: QuotaBlock) -> None:
+    """Through the gate on a board where another worker always waits (its boundaries ask): every
+    queued GEMM launched on the executor, each chunk's charge - to the block, the run's totals and the
+    board - the executor's thread CPU stamp; results numpy's. Before each launch the driver is at most
+    its run-ahead in front of the device (``DeviceGate._ahead``)."""
+    be = StubBackend()
+    board = WaitedBoard(True)
+    charged: list[int] = []
+    told: list[int] = []
+    board.finish = lambda ns, now=None, **kw: (told.append(ns), False)[1]  # type: ignore[method-assign]
+    board.charge = told.append  # type: ignore[attr-defined]
+    gate = DeviceGate(block, be, board)  # type: ignore[arg-type]
+    n = 96
+    rng = np.random.default_rng(7)
+    x, y = rng.standard_normal((n, n)).astype(np.float32), rng.standard_normal((n, n)).astype(np.float32)
+    a, b, c = _buf(be, x), _buf(be, y), be.alloc(4 * n * n)
+    ahead: list[tuple[int, int]] = []
+    try:
+        gate.submit("scale_f32", be.scale_f32, (c, 1.0, 1))  # (makes the queue and its timer)
+        gate.sync()
+        timer = gate._executor
+        assert isinstance(timer, stub_executor.ExecutorTimer)
+        launch, settle, collect = timer.launch, timer.settle, timer.collect_done
+
+        def spy_launch(name: str, args: tuple[object, ...]) -> bool:
+            running = timer.running
+            ahead.append((running, sum(e for *_, e in gate._unsettled[len(gate._unsettled) - running:])
+                          if running else 0))
+            return launch(name, args)
+
+        def spy_settle(until_ns: int | None) -> tuple[list[int], BaseException | None]:
+            got = settle(until_ns)
+            charged.extend(got[0])
+            return got
+
+        def spy_collect() -> list[int]:
+            got = collect()
+            charged.extend(got)
+            return got
+
+        timer.launch = spy_launch  # type: ignore[method-assign]
+        timer.settle = spy_settle  # type: ignore[method-assign]
+        timer.collect_done = spy_collect  # type: ignore[method-assign]
+        before_block, before_told = block.gpu_time_ns, sum(told)
+        gate.take_run_totals()
+        launched0 = timer.launched
+        for _ in range(40):
+            gate.submit("matmul_f32", be.matmul_f32, (a, b, c, n, n, n), time.monotonic_ns() + 10**10)
+        gate.sync()
+        assert timer.launched - launched0 == 40 == len(charged)
+        assert be.read(c, 0, 4 * n * n) == np.matmul(x, y).tobytes()
+        run_ns, _ = gate.take_run_totals()
+        assert run_ns == sum(charged) > 0
+        assert block.gpu_time_ns - before_block == sum(charged)
+        assert sum(told) - before_told == sum(charged)
+        for running, est in ahead:
+            assert running < 2 or est < gate.chunk_ns // _AHEAD_DIV
+    finally:
+        gate.release()
+        gate.close()
+
+
+@needs_executor
+def test_a_host_op_after_launched_gemms_runs_after_them(block: QuotaBlock) -> None:
+    """A queued op the executor does not take (an elementwise add) runs on the driver once every GEMM
+    launched before it ran: it reads their result."""
+    be = StubBackend()
+    gate = DeviceGate(block, be)
+    n = 64
+    a, b = _buf(be, np.ones((n, n))), _buf(be, np.ones((n, n)))
+    c, d = be.alloc(4 * n * n), be.alloc(4 * n * n)
+    try:
+        for _ in range(6):
+            gate.submit("matmul_f32", be.matmul_f32, (a, b, c, n, n, n))
+        gate.submit("add_f32", be.add_f32, (c, c, d, n * n))
+        gate.sync()
+        assert isinstance(gate._executor, stub_executor.ExecutorTimer)
+        assert np.all(np.frombuffer(be.read(d, 0, 4 * n * n), np.float32) == 2.0 * n)
+    finally:
+        gate.release()
+        gate.close()
+
+
+_KILLED = """
+import sys, time
+from worker.backends import stub_executor
+from worker.backends.stub import StubBackend
+be = StubBackend()
+timer = stub_executor.make()
+assert timer is not None
+n = 512
+a, b, c = be.alloc(4 * n * n), be.alloc(4 * n * n), be.alloc(4 * n * n)
+for _ in range(timer._ex.ring):
+    assert timer.launch("matmul_f32", (a, b, c, n, n, n))
+print(timer.thread_id, flush=True)
+time.sleep(60)
+"""
+
+
+@needs_executor
+def test_a_process_killed_mid_chunk_leaves_nothing_behind() -> None:
+    """SIGKILL while the executor runs: the process and its executor thread are gone, and nothing of
+    it can stay: the executor has no shared state (its ring is the process's memory - no /dev/shm
+    segment mapped or open while it ran; other tests' segments come and go meanwhile)."""
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout is not None
+        tid = int(proc.stdout.readline())
+        assert os.path.exists(f"/proc/{proc.pid}/task/{tid}")  # the executor thread, running
+        with open(f"/proc/{proc.pid}/maps", encoding="utf-8") as f:
+            assert "/dev/shm/" not in f.read()
+        fds = [os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")]
+        assert not [fd for fd in fds if fd.startswith("/dev/shm/")]
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=timeouts.scaled(30)) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert not os.path.exists(f"/proc/{proc.pid}")
+
+
+_FALLBACK = """
+import json
+from shared.log import _fields_of
+from shared.quota import QuotaBlock
+from worker.backends.stub import StubBackend
+from worker.device_time import DeviceGate
+owner = QuotaBlock.create('fallback')
+blk = QuotaBlock.attach(owner.name, instance=0)
+be = StubBackend()
+gate = DeviceGate(blk, be)
+n = 16
+a, b, c = be.alloc(4 * n * n), be.alloc(4 * n * n), be.alloc(4 * n * n)
+be.fill_f32(a, 1.0, n * n)
+be.fill_f32(b, 2.0, n * n)
+gate.submit('matmul_f32', be.matmul_f32, (a, b, c, n, n, n))
+gate.sync()
+print(json.dumps({'executor': be.device_executor, 'timer': type(gate._qtimer).__name__,
+                  'c0': be.read(c, 0, 4).hex(), 'charged': blk.gpu_time_ns > 0}))
+gate.release(); gate.close(); blk.close(); owner.unlink(); owner.close()
+"""
+
+
+def test_turned_off_the_stub_runs_its_queued_ops_on_the_python_device_thread() -> None:
+    import json
+    import struct
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TWT_STUB_EXECUTOR": "0"}
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=timeouts.scaled(60))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"executor": False, "timer": "ThreadTimer", "c0": struct.pack("<f", 32.0).hex(),
+                   "charged": True}
+
+
+def test_without_the_extension_or_a_blas_the_stub_falls_back_and_says_why_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(stub_executor, "_logged", False)
+    monkeypatch.setattr(stub_executor, "_ext", None)
+    monkeypatch.setattr(stub_executor, "_why_not", "the extension worker._stubexec is not built (test)")
+    be = StubBackend()
+    assert not be.device_executor
+    caplog.set_level(logging.INFO)
+    assert isinstance(be.queue_timer(), ThreadTimer)
+    assert isinstance(be.queue_timer(), ThreadTimer)
+    lines = [_fields_of(r) for r in caplog.records if "stub_executor.unavailable" in r.getMessage()]
+    assert len(lines) == 1 and "not built (test)" in str(lines[0]["reason"])
+    # a BLAS without cblas_sgemm: the same fallback
+    monkeypatch.setattr(stub_executor, "_ext", object())
+    monkeypatch.setattr(stub_executor, "_why_not", "")
+    monkeypatch.setattr(stub_executor, "_logged", False)
+    monkeypatch.setattr(stub_executor, "find_sgemm", lambda: None)
+    assert stub_executor.available()
+    assert stub_executor.make() is None

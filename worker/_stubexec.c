@@ -1,0 +1,486 @@
+/*
+ * worker._stubexec - the stub backend's device as a thread outside Python.
+ *
+ * The stub's device is this host's CPU. Its queued chunks used to run on the worker's Python
+ * device thread, which also did the launching: between two kernels the device idled for that
+ * thread's own Python (the lease, the accounting, the next chunk's plan). Here a GEMM chunk is
+ * *launched* by pushing a descriptor (its buffers, its shape) into a short ring; the executor
+ * thread runs the ring's chunks back to back without the GIL, as a GPU runs a stream's queued
+ * kernels, and stamps each one itself:
+ *
+ *     start   CLOCK_MONOTONIC at the kernel's call   (the work trace's launch row)
+ *     end     CLOCK_MONOTONIC at its return
+ *     cpu     CLOCK_THREAD_CPUTIME_ID across the call: the device time charged (the stub's
+ *             measure, as time.thread_time_ns was on the Python device thread)
+ *
+ * The driver (the Python device thread) collects completions the way a CUDA stream's events are
+ * read: wait() until every launched chunk is done (bounded by a deadline), then collect() the
+ * stamps, oldest first. A launched chunk holds its three buffers (Py_buffer exports: a bytearray
+ * cannot be resized under it, and a freed StubBuffer's old bytes stay alive) until it is collected.
+ *
+ * The kernel is numpy's own BLAS (the sgemm numpy's matmul calls): its address is given by the
+ * Python side (worker.backends.stub_executor), found in the library numpy loaded.
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* cblas enums (plain ints in every cblas.h) */
+#define CBLAS_ROW_MAJOR 101
+#define CBLAS_NO_TRANS 111
+
+typedef void (*sgemm64_t)(int, int, int, int64_t, int64_t, int64_t, float, const float *, int64_t,
+                          const float *, int64_t, float, float *, int64_t);
+typedef void (*sgemm32_t)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t,
+                          const float *, int32_t, float, float *, int32_t);
+
+typedef struct {
+    Py_buffer a, b, c;
+    int64_t m, k, n;
+    int64_t start_ns, end_ns, cpu_ns;
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t work;   /* the executor waits for a launch */
+    pthread_cond_t done_cv; /* the driver waits for completions */
+    Slot *slots;
+    uint64_t cap;
+    uint64_t head;  /* collected */
+    uint64_t done;  /* completed by the executor */
+    uint64_t tail;  /* launched */
+    int stop;
+    int running;    /* the thread was started and not joined */
+    int waiting;    /* drivers in wait() */
+    pid_t tid;
+    pthread_t thread;
+    void *sgemm;
+    int ilp64;
+    uint64_t launched_total;
+} Executor;
+
+static int64_t
+clock_ns(clockid_t clk)
+{
+    struct timespec ts;
+    clock_gettime(clk, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void
+run_slot(Executor *ex, Slot *s)
+{
+    const float *a = (const float *)s->a.buf, *b = (const float *)s->b.buf;
+    float *c = (float *)s->c.buf;
+    if (ex->ilp64)
+        ((sgemm64_t)ex->sgemm)(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, s->m, s->n, s->k, 1.0f, a, s->k,
+                               b, s->n, 0.0f, c, s->n);
+    else
+        ((sgemm32_t)ex->sgemm)(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, (int32_t)s->m, (int32_t)s->n,
+                               (int32_t)s->k, 1.0f, a, (int32_t)s->k, b, (int32_t)s->n, 0.0f, c, (int32_t)s->n);
+}
+
+static void *
+executor_main(void *arg)
+{
+    Executor *ex = (Executor *)arg;
+    pthread_mutex_lock(&ex->mu);
+    ex->tid = (pid_t)syscall(SYS_gettid);
+    pthread_cond_broadcast(&ex->done_cv);  /* the constructor waits for the tid */
+    for (;;) {
+        while (ex->done == ex->tail && !ex->stop)
+            pthread_cond_wait(&ex->work, &ex->mu);
+        if (ex->done == ex->tail)
+            break;  /* stopped, and every launched chunk ran */
+        Slot *s = &ex->slots[ex->done % ex->cap];
+        pthread_mutex_unlock(&ex->mu);
+        int64_t start = clock_ns(CLOCK_MONOTONIC);
+        int64_t c0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+        run_slot(ex, s);
+        int64_t c1 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+        s->end_ns = clock_ns(CLOCK_MONOTONIC);
+        s->start_ns = start;
+        s->cpu_ns = c1 - c0;
+        pthread_mutex_lock(&ex->mu);
+        ex->done++;
+        if (ex->waiting)
+            pthread_cond_broadcast(&ex->done_cv);
+    }
+    pthread_mutex_unlock(&ex->mu);
+    return NULL;
+}
+
+static void
+release_slot(Slot *s)
+{
+    PyBuffer_Release(&s->a);
+    PyBuffer_Release(&s->b);
+    PyBuffer_Release(&s->c);
+}
+
+/* Stops the thread once every launched chunk ran (GIL released while joining). */
+static void
+executor_stop(Executor *ex)
+{
+    if (!ex->running)
+        return;
+    pthread_mutex_lock(&ex->mu);
+    ex->stop = 1;
+    pthread_cond_broadcast(&ex->work);
+    pthread_mutex_unlock(&ex->mu);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(ex->thread, NULL);
+    Py_END_ALLOW_THREADS
+    ex->running = 0;
+    while (ex->head < ex->done) {
+        release_slot(&ex->slots[ex->head % ex->cap]);
+        ex->head++;
+    }
+}
+
+static int
+Executor_init(Executor *ex, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"sgemm", "ilp64", "ring", NULL};
+    unsigned long long addr = 0;
+    int ilp64 = 1;
+    Py_ssize_t ring = 16;
+    if (ex->running || ex->slots != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "an executor is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "K|pn", kwlist, &addr, &ilp64, &ring))
+        return -1;
+    if (addr == 0 || ring < 1 || ring > 4096) {
+        PyErr_SetString(PyExc_ValueError, "an sgemm address and a ring of 1-4096 slots");
+        return -1;
+    }
+    ex->slots = PyMem_Calloc((size_t)ring, sizeof(Slot));
+    if (ex->slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ex->cap = (uint64_t)ring;
+    ex->sgemm = (void *)(uintptr_t)addr;
+    ex->ilp64 = ilp64;
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_mutex_init(&ex->mu, NULL);
+    pthread_cond_init(&ex->work, &attr);
+    pthread_cond_init(&ex->done_cv, &attr);
+    pthread_condattr_destroy(&attr);
+    int err = pthread_create(&ex->thread, NULL, executor_main, ex);
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    ex->running = 1;
+    pthread_setname_np(ex->thread, "twt-stubexec");
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&ex->mu);
+    while (ex->tid == 0)
+        pthread_cond_wait(&ex->done_cv, &ex->mu);
+    pthread_mutex_unlock(&ex->mu);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
+static void
+Executor_dealloc(Executor *ex)
+{
+    executor_stop(ex);
+    if (ex->slots != NULL) {
+        pthread_mutex_destroy(&ex->mu);
+        pthread_cond_destroy(&ex->work);
+        pthread_cond_destroy(&ex->done_cv);
+        PyMem_Free(ex->slots);
+        ex->slots = NULL;
+    }
+    Py_TYPE(ex)->tp_free((PyObject *)ex);
+}
+
+static int
+ready(Executor *ex)
+{
+    if (!ex->running) {
+        PyErr_SetString(PyExc_RuntimeError, "the executor is closed");
+        return 0;
+    }
+    return 1;
+}
+
+/* whether [p, p + n) and [q, q + m) share a byte */
+static int
+overlaps(const Py_buffer *x, const Py_buffer *y)
+{
+    uintptr_t p = (uintptr_t)x->buf, q = (uintptr_t)y->buf;
+    return p < q + (uintptr_t)y->len && q < p + (uintptr_t)x->len;
+}
+
+PyDoc_STRVAR(sgemm_doc,
+"sgemm(a, b, c, m, k, n) -> bool\n\n"
+"Launch c[:m*n] = a[:m*k] @ b[:k*n] (row-major float32, numpy's BLAS) and return at once: True when\n"
+"launched, False when the arguments do not fit the kernel (misaligned, too short, c overlapping a\n"
+"or b, a dimension out of range): the caller runs the op itself. RuntimeError when the ring is full\n"
+"(collect first).");
+
+static PyObject *
+Executor_sgemm(Executor *ex, PyObject *args)
+{
+    PyObject *oa, *ob, *oc;
+    long long m, k, n;
+    if (!PyArg_ParseTuple(args, "OOOLLL", &oa, &ob, &oc, &m, &k, &n))
+        return NULL;
+    if (!ready(ex))
+        return NULL;
+    if (ex->tail - ex->head >= ex->cap) {
+        PyErr_SetString(PyExc_RuntimeError, "the executor's ring is full: collect before launching");
+        return NULL;
+    }
+    int64_t lim = ex->ilp64 ? (INT64_MAX / 8) : INT32_MAX;
+    /* m or n of 1: numpy calls gemv or dot, not sgemm (results differ in rounding) */
+    if (m <= 1 || k <= 0 || n <= 1 || m > lim || k > lim || n > lim)
+        Py_RETURN_FALSE;
+    if ((m > INT64_MAX / 4 / k) || (k > INT64_MAX / 4 / n) || (m > INT64_MAX / 4 / n))
+        Py_RETURN_FALSE;
+    Slot *s = &ex->slots[ex->tail % ex->cap];
+    if (PyObject_GetBuffer(oa, &s->a, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(ob, &s->b, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&s->a);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(oc, &s->c, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&s->a);
+        PyBuffer_Release(&s->b);
+        return NULL;
+    }
+    int fits = s->a.len >= 4 * m * k && s->b.len >= 4 * k * n && s->c.len >= 4 * m * n
+        && ((uintptr_t)s->a.buf % 4) == 0 && ((uintptr_t)s->b.buf % 4) == 0 && ((uintptr_t)s->c.buf % 4) == 0;
+    if (fits) {
+        Py_buffer ca = s->c;
+        ca.len = 4 * m * n;
+        Py_buffer aa = s->a, bb = s->b;
+        aa.len = 4 * m * k;
+        bb.len = 4 * k * n;
+        fits = !overlaps(&ca, &aa) && !overlaps(&ca, &bb);
+    }
+    if (!fits) {
+        release_slot(s);
+        Py_RETURN_FALSE;
+    }
+    s->m = m;
+    s->k = k;
+    s->n = n;
+    s->start_ns = s->end_ns = s->cpu_ns = 0;
+    pthread_mutex_lock(&ex->mu);
+    ex->tail++;
+    ex->launched_total++;
+    pthread_cond_signal(&ex->work);
+    pthread_mutex_unlock(&ex->mu);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(wait_doc,
+"wait(until_ns=-1, below=0) -> bool\n\n"
+"Wait (the GIL released) until at most `below` launched chunks have not run yet (0: every one ran);\n"
+"until_ns: a CLOCK_MONOTONIC bound (-1: none). False when the bound passed first.");
+
+static PyObject *
+Executor_wait(Executor *ex, PyObject *args)
+{
+    long long until = -1, below = 0;
+    if (!PyArg_ParseTuple(args, "|LL", &until, &below))
+        return NULL;
+    uint64_t left = below > 0 ? (uint64_t)below : 0;
+    if (!ready(ex))
+        return NULL;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS  /* (before the lock: a thread holding it never waits for the GIL) */
+    pthread_mutex_lock(&ex->mu);
+    ex->waiting++;
+    while (ex->tail - ex->done > left) {
+        if (until < 0) {
+            pthread_cond_wait(&ex->done_cv, &ex->mu);
+        } else {
+            struct timespec ts = {.tv_sec = until / 1000000000LL, .tv_nsec = until % 1000000000LL};
+            if (pthread_cond_timedwait(&ex->done_cv, &ex->mu, &ts) == ETIMEDOUT && ex->tail - ex->done > left) {
+                ok = 0;
+                break;
+            }
+        }
+    }
+    ex->waiting--;
+    pthread_mutex_unlock(&ex->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
+PyDoc_STRVAR(collect_doc,
+"collect() -> list[tuple[int, int, int]]\n\n"
+"The chunks that ran since the last collect, oldest first: (cpu_ns, start_ns, end_ns) each; their\n"
+"buffers are released.");
+
+static PyObject *
+Executor_collect(Executor *ex, PyObject *Py_UNUSED(ignored))
+{
+    pthread_mutex_lock(&ex->mu);
+    uint64_t done = ex->done;
+    pthread_mutex_unlock(&ex->mu);
+    PyObject *out = PyList_New((Py_ssize_t)(done - ex->head));
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t i = 0;
+    while (ex->head < done) {
+        Slot *s = &ex->slots[ex->head % ex->cap];
+        PyObject *t = Py_BuildValue("(LLL)", (long long)s->cpu_ns, (long long)s->start_ns, (long long)s->end_ns);
+        if (t == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i++, t);
+        release_slot(s);
+        ex->head++;
+    }
+    return out;
+}
+
+PyDoc_STRVAR(pin_doc, "pin(cpus) -> None\n\nThe executor thread onto these CPUs (sched_setaffinity; OSError).");
+
+static PyObject *
+Executor_pin(Executor *ex, PyObject *arg)
+{
+    if (!ready(ex))
+        return NULL;
+    PyObject *it = PyObject_GetIter(arg);
+    if (it == NULL)
+        return NULL;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    PyObject *item;
+    while ((item = PyIter_Next(it)) != NULL) {
+        long cpu = PyLong_AsLong(item);
+        Py_DECREF(item);
+        if (cpu == -1 && PyErr_Occurred())
+            break;
+        if (cpu < 0 || cpu >= CPU_SETSIZE) {
+            PyErr_SetString(PyExc_ValueError, "a CPU number out of range");
+            break;
+        }
+        CPU_SET((int)cpu, &set);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred())
+        return NULL;
+    if (sched_setaffinity(ex->tid, sizeof(set), &set) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Executor_close(Executor *ex, PyObject *Py_UNUSED(ignored))
+{
+    executor_stop(ex);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Executor_get_pending(Executor *ex, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(ex->tail - ex->head);
+}
+
+static PyObject *
+Executor_get_running(Executor *ex, void *Py_UNUSED(closure))
+{
+    pthread_mutex_lock(&ex->mu);
+    uint64_t n = ex->tail - ex->done;
+    pthread_mutex_unlock(&ex->mu);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
+static PyObject *
+Executor_get_tid(Executor *ex, void *Py_UNUSED(closure))
+{
+    if (!ex->running)
+        Py_RETURN_NONE;
+    return PyLong_FromLong((long)ex->tid);
+}
+
+static PyObject *
+Executor_get_ring(Executor *ex, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(ex->cap);
+}
+
+static PyObject *
+Executor_get_launched(Executor *ex, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLongLong(ex->launched_total);
+}
+
+static PyMethodDef Executor_methods[] = {
+    {"sgemm", (PyCFunction)Executor_sgemm, METH_VARARGS, sgemm_doc},
+    {"wait", (PyCFunction)Executor_wait, METH_VARARGS, wait_doc},
+    {"collect", (PyCFunction)Executor_collect, METH_NOARGS, collect_doc},
+    {"pin", (PyCFunction)Executor_pin, METH_O, pin_doc},
+    {"close", (PyCFunction)Executor_close, METH_NOARGS,
+     "close() -> None\n\nStop the thread once every launched chunk ran (idempotent)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Executor_getset[] = {
+    {"pending", (getter)Executor_get_pending, NULL, "chunks launched and not collected", NULL},
+    {"running", (getter)Executor_get_running, NULL, "chunks launched and not yet run", NULL},
+    {"tid", (getter)Executor_get_tid, NULL, "the executor thread's native id (None: closed)", NULL},
+    {"ring", (getter)Executor_get_ring, NULL, "the most chunks launched and not collected", NULL},
+    {"launched", (getter)Executor_get_launched, NULL, "chunks launched, all told", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ExecutorType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "worker._stubexec.Executor",
+    .tp_basicsize = sizeof(Executor),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("Executor(sgemm, ilp64=True, ring=16): a thread running launched GEMM chunks in order"),
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Executor_init,
+    .tp_dealloc = (destructor)Executor_dealloc,
+    .tp_methods = Executor_methods,
+    .tp_getset = Executor_getset,
+};
+
+static struct PyModuleDef stubexec_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "worker._stubexec",
+    .m_doc = "The stub backend's device: a thread outside Python running launched GEMM chunks back to back.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__stubexec(void)
+{
+    if (PyType_Ready(&ExecutorType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&stubexec_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&ExecutorType);
+    if (PyModule_AddObject(m, "Executor", (PyObject *)&ExecutorType) < 0) {
+        Py_DECREF(&ExecutorType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
