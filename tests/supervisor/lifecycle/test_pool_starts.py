@@ -38,7 +38,9 @@ def test_a_refill_of_many_starts_two_at_once_and_the_next_as_each_is_warmed(tmp_
             worker = held[released]
             released += 1
             type(worker).say_hello(worker)
-            h.settle()
+            # its hellos and its warmed word in (they cross real sockets: a loaded host delivers them
+            # after any fixed number of quiet turns), then its readiness's start is checked
+            h.until(lambda: len(ws.pool) == 1 + released)
             assert ws.pool_starting <= 2
             # no tick passed: the warmed worker's readiness started the next one itself
             assert len(held) == min(7, released + 2)
