@@ -174,12 +174,28 @@ class SupervisorClient:
         self.info = info or {}
         self.connect_timeout_s = timeout_s
         verify_run_dir(self.run_dir, self._expected_uid)  # again: the sockets exist now
-        self._open("ipc://" + os.path.join(self.run_dir, "frontend.ipc"), None, None)
+        frontend = "ipc://" + os.path.join(self.run_dir, "frontend.ipc")
+        limit = self.info.get("small_frame_bytes")
+        if "small_frontend" in self.info and is_int(limit) and limit > 0:
+            # requests go to small.ipc; one with a frame above its limit to frontend.ipc (docs/PROTOCOL.md)
+            self._open("ipc://" + os.path.join(self.run_dir, "small.ipc"), None, None)
+            self._big_endpoint: str | None = frontend
+            self._small_limit: int | None = limit
+        else:  # a supervisor without small.ipc: every request on frontend.ipc
+            self._open(frontend, None, None)
         self._bulk = BulkPath(self, enabled=regions, threshold=bulk_threshold, region_bytes=region_bytes)
 
     def _open(self, endpoint: str, keys: CurveKeyPair | None, server_key: bytes | None,
               idle_reconnect_s: float | None = None) -> None:
         self.endpoint = endpoint
+        if not hasattr(self, "_small_limit"):
+            #: local: frontend.ipc, where requests with a frame above ``_small_limit`` go when
+            #: :attr:`endpoint` is small.ipc (None: every request goes to :attr:`endpoint`)
+            self._big_endpoint = None
+            self._small_limit = None
+        #: the DEALER on ``_big_endpoint``, connected at its first request; its poller with ours
+        self._big: zmq.Socket[bytes] | None = None
+        self._both: zmq.Poller | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._keys, self._server_key = keys, server_key
         self.idle_reconnect_s = idle_reconnect_s
@@ -233,6 +249,24 @@ class SupervisorClient:
             self._sock.disable_monitor()
             self._monitor.close(0)
         self._sock.close(0)
+        if self._big is not None:
+            self._big.close(0)
+            self._big = self._both = None
+
+    def _big_socket(self) -> zmq.Socket[bytes]:
+        """The DEALER for requests with a frame above small.ipc's limit (frontend.ipc), made once."""
+        if self._big is None:
+            assert self._big_endpoint is not None
+            big = self._ctx.socket(zmq.DEALER)
+            big.setsockopt(zmq.LINGER, 0)
+            big.setsockopt(zmq.RCVHWM, 10_000)
+            big.setsockopt(zmq.SNDHWM, 10_000)
+            big.connect(self._big_endpoint)
+            self._both = zmq.Poller()
+            self._both.register(self._sock, zmq.POLLIN)
+            self._both.register(big, zmq.POLLIN)
+            self._big = big
+        return self._big
 
     def _fresh_link_if_idle(self) -> None:
         """Remote, before a request: a link idle for ``idle_reconnect_s`` with no reply outstanding is
@@ -358,11 +392,14 @@ class SupervisorClient:
         if self._monitor is not None:
             self._fresh_link_if_idle()
             self._watch_link()
+        limit = self._small_limit
         try:
             if body is None:
                 self._sock.send(header, zmq.NOBLOCK)
-            else:
+            elif limit is None or (len(body) <= limit and len(header) <= limit):
                 self._sock.send_multipart([header, body], zmq.NOBLOCK, copy=len(body) < 65536)
+            else:  # small.ipc would drop the connection: the socket for frames of any size
+                self._big_socket().send_multipart([header, body], zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise RequestTimeout(op, 0, message=f"cannot queue {op!r}: the send queue is full") from None
         if self._monitor is not None:
@@ -469,11 +506,11 @@ class SupervisorClient:
             if self._sock in ready and (reply := self._read_reply()) is not None:
                 return reply
 
-    def _read_reply(self) -> tuple[int, bool, object, bytes | None] | None:
-        """The reply waiting on the socket. One that does not decode is never silence: it
-        comes back as its request's ``protocol_error`` when its rid is readable, else
-        :class:`ProtocolError` is raised to whoever waits."""
-        frames = self._sock.recv_multipart()
+    def _read_reply(self, sock: zmq.Socket[bytes] | None = None) -> tuple[int, bool, object, bytes | None] | None:
+        """The reply waiting on the socket (``sock``: the one that has it, if not ours). One that
+        does not decode is never silence: it comes back as its request's ``protocol_error`` when
+        its rid is readable, else :class:`ProtocolError` is raised to whoever waits."""
+        frames = (sock or self._sock).recv_multipart()
         try:
             rid, ok, payload = proto.decode_reply(frames[0])
         except ProtocolError as exc:
@@ -498,6 +535,13 @@ class SupervisorClient:
             return self._recv_remote(deadline, op)
         while True:
             remaining = deadline - time.monotonic()
+            if self._both is not None:  # a reply leaves by the socket its request came on: either
+                ready = self._both.poll(max(1, int(remaining * 1000))) if remaining > 0 else []
+                if not ready:
+                    raise RequestTimeout(op, round(self.timeout_s, 3))
+                if (reply := self._read_reply(ready[0][0])) is not None:
+                    return reply
+                continue
             if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
                 raise RequestTimeout(op, round(self.timeout_s, 3))
             if (reply := self._read_reply()) is not None:
