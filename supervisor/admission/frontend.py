@@ -252,6 +252,8 @@ class Frontend:
             for prefix in self._sources} if len(self._sources) > 1 else {}
         #: until when ``frontend.ipc`` is read one message a wake-up (see _paced_by_rate)
         self._ipc_paced_until = 0.0
+        #: until when a tenant not over its rate counts as active on ``frontend.ipc`` (never paced then)
+        self._ipc_light_until = 0.0
         for source, handler in self._sources.values():
             loop.register(source, handler)
         #: the sockets not read now, by prefix, and why ("paced": the TCP pacer; "held": a hold,
@@ -610,6 +612,8 @@ class Frontend:
             if msg.key is not None or self.verified_key(msg.cap_raw) is not None:
                 gate.verified(client)  # a tenant's (or the admin's) session: evicted last
             return
+        if client[:1] == _IPC and msg.key is not None and msg.key not in self._over:  # not paced for a while
+            self._ipc_light_until = self.clock() + self.guard.yielding.contended_s
         self._serve(msg)
 
     def _serve(self, msg: ClientMessage) -> None:
@@ -802,7 +806,8 @@ class Frontend:
         (BULK_RCVHWM), the kernel and its sender, never copied to be refused - and then read one
         message a wake-up for RATE_PACED_S. Only while no tenant within its rate sent on it lately
         (a local client that does not know ``small.ipc`` is never delayed by another's flood)."""
-        if wait <= 0.0 or not self._unshared(tenant, now) or "rate" in self._unread.get(_IPC, ()):
+        if (wait <= 0.0 or now < self._ipc_light_until or self._light_sources.get(_IPC, 0.0) > now
+                or "rate" in self._unread.get(_IPC, ())):
             return
         wait = min(wait, MAX_RATE_PAUSE_S)
         self._ipc_paced_until = now + wait + RATE_PACED_S
