@@ -5,8 +5,20 @@ instance, now or parked until one is ready - is the dispatcher's
 (:mod:`supervisor.routing.dispatcher`), to which every admitted tenant request
 that needs a worker is handed.
 
-Owns: the frontend ROUTER sockets' *receive* side (ipc, and the CURVE TCP
-one when ``listen`` is set: the same decode, checks and limits for both; at
+Two local sockets take the same requests (docs/PROTOCOL.md "The two local
+sockets"): ``small.ipc``, whose frames libzmq holds to :data:`SMALL_FRAME_BYTES`
+(``MAXMSGSIZE``: a peer that sends a bigger one is dropped before the frame is
+copied), and ``frontend.ipc``, which takes frames of any size (bulk bodies, and
+every request of a client that does not know ``small.ipc``). A tenant refused for
+its rate on ``frontend.ipc`` would be refused again until its bucket refills, so
+that socket is then not read for that long (``_paced_by_rate``) - its frames wait
+in libzmq's short pipe (16 messages), the kernel and the sender instead of being
+copied to be refused - unless a tenant within its rate sent there in the last few
+milliseconds. A local client's small requests, on ``small.ipc``, are never held
+up by it.
+
+Owns: the frontend ROUTER sockets' *receive* side (the two ipc ones, and the CURVE TCP
+one when ``listen`` is set: the same decode, checks and limits for all; at
 most ``READ_BATCH`` messages per socket per wake-up into the fair queue
 (:mod:`supervisor.admission.fairness`), of which each loop turn serves a bounded part
 per tenant; every request first passes admission

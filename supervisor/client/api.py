@@ -38,6 +38,11 @@ shorter timeout, or one evicted for a new client at ``max_tcp_peers``) is
 reconnected by libzmq by itself; only a request sent in the instant of such a
 drop can be lost, and it is reported (:class:`SupervisorUnavailable`), never
 retried.
+Local sockets: requests go to the supervisor's ``small.ipc`` (frames of at most
+``small_frame_bytes``, from ``supervisor.json``), and one with a bigger frame (a
+module, a ``write`` body in frames) to ``frontend.ipc`` on a second DEALER made at
+its first use; :meth:`recv` reads either (docs/PROTOCOL.md "The two local sockets").
+A supervisor without ``small.ipc`` gets every request on ``frontend.ipc``.
 Bulk bytes: :meth:`write`, :meth:`read`, :meth:`read_into`, :meth:`put_array`
 and :meth:`get_array` move payloads from ``bulk_threshold`` (256 KiB) on
 through a shared-memory region bound to the tenant (``supervisor.client.bulk``),
@@ -379,6 +384,10 @@ class SupervisorClient:
     def send(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None = None,
              body: bytes | memoryview | None = None) -> int:
         """Send one request without waiting; returns its rid (pair with :meth:`recv`).
+
+        A local request with a frame above ``small_frame_bytes`` goes by ``frontend.ipc``, the
+        others by ``small.ipc``: the two are not ordered with each other, so a caller that needs
+        one served before the other waits for its reply first.
 
         Raises :class:`~shared.errors.AdmissionRate` without sending while the supervisor's
         ``retry_after_s`` of an earlier rate refusal of the same tenant has not passed: it
