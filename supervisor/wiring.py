@@ -82,8 +82,9 @@ _log = get_logger("supervisor")
 #: messages libzmq may queue from one client before the loop reads them
 FRONTEND_RCVHWM = 1000
 #: the same on ``frontend.ipc``, which takes frames of any size (bulk bodies): while it is not read
-#: (a hold, or its tenant past its rate: supervisor.admission.frontend), at most this many wait here
-BULK_RCVHWM = 16
+#: (a hold, or its tenant past its rate: supervisor.admission.frontend), at most this many wait here -
+#: in the supervisor's memory (16 of 16 MiB bodies grew it 224 MiB: tests/reliability/test_held_bytes.py)
+BULK_RCVHWM = 4
 #: messages a ROUTER socket queues per peer, each way
 SOCKET_HWM = 10_000
 

@@ -12,7 +12,7 @@ copied), and ``frontend.ipc``, which takes frames of any size (bulk bodies, and
 every request of a client that does not know ``small.ipc``). A tenant refused for
 its rate on ``frontend.ipc`` would be refused again until its bucket refills, so
 that socket is then not read for that long (``_paced_by_rate``) - its frames wait
-in libzmq's short pipe (16 messages), the kernel and the sender instead of being
+in libzmq's short pipe (4 messages), the kernel and the sender instead of being
 copied to be refused - unless a tenant within its rate sent there in the last few
 milliseconds. A local client's small requests, on ``small.ipc``, are never held
 up by it.
