@@ -201,6 +201,8 @@ class SupervisorClient:
         #: the DEALER on ``_big_endpoint``, connected at its first request; its poller with ours
         self._big: zmq.Socket[bytes] | None = None
         self._both: zmq.Poller | None = None
+        #: rids sent by ``_big_endpoint`` whose reply has not been read nor given up on
+        self._big_pending: set[int] = set()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._keys, self._server_key = keys, server_key
         self.idle_reconnect_s = idle_reconnect_s
@@ -385,15 +387,22 @@ class SupervisorClient:
              body: bytes | memoryview | None = None) -> int:
         """Send one request without waiting; returns its rid (pair with :meth:`recv`).
 
-        A local request with a frame above ``small_frame_bytes`` goes by ``frontend.ipc``, the
-        others by ``small.ipc``: the two are not ordered with each other, so a caller that needs
-        one served before the other waits for its reply first.
+        Locally, pipelined requests go by ``frontend.ipc``, the socket that takes frames of any
+        size: the two local sockets are not ordered with each other, and on one socket a
+        tenant's requests are served in the order sent - a pipelined write and the read behind
+        it stay in that order. (A call that waits for its reply, :meth:`request`, goes by
+        ``small.ipc`` when its frames fit and nothing sent by ``frontend.ipc`` is unanswered.)
 
         Raises :class:`~shared.errors.AdmissionRate` without sending while the supervisor's
         ``retry_after_s`` of an earlier rate refusal of the same tenant has not passed: it
         would refuse the request too, and past a few such answers a second it drops
         requests unanswered (``tenant_refusals_per_s``) - a caller that retries at once
         gets the refusal here, at no cost, instead of a request that never comes back."""
+        return self._send(op, cap, args, body, pipelined=True)
+
+    def _send(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None,
+              body: bytes | memoryview | None, *, pipelined: bool) -> int:
+        """:meth:`send`; ``pipelined`` False for a call that waits for its reply before the next."""
         if self._rate_wait:
             self.check_rate_wait(cap)
         rid = next(self._rids)
@@ -402,13 +411,22 @@ class SupervisorClient:
             self._fresh_link_if_idle()
             self._watch_link()
         limit = self._small_limit
+        # small.ipc only for a waited-for call whose frames fit it, with nothing unanswered on
+        # frontend.ipc: it cannot overtake a request sent before it (docs/PROTOCOL.md)
+        big = limit is not None and (pipelined or bool(self._big_pending) or len(header) > limit
+                                     or (body is not None and len(body) > limit))
         try:
-            if body is None:
+            if big:
+                sock = self._big_socket()
+                if body is None:
+                    sock.send(header, zmq.NOBLOCK)
+                else:
+                    sock.send_multipart([header, body], zmq.NOBLOCK, copy=len(body) < 65536)
+                self._big_pending.add(rid)
+            elif body is None:
                 self._sock.send(header, zmq.NOBLOCK)
-            elif limit is None or (len(body) <= limit and len(header) <= limit):
+            else:
                 self._sock.send_multipart([header, body], zmq.NOBLOCK, copy=len(body) < 65536)
-            else:  # small.ipc would drop the connection: the socket for frames of any size
-                self._big_socket().send_multipart([header, body], zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise RequestTimeout(op, 0, message=f"cannot queue {op!r}: the send queue is full") from None
         if self._monitor is not None:
@@ -534,6 +552,8 @@ class SupervisorClient:
             return got, False, error.to_dict(), None
         if not ok:
             self._note_refusal(payload)
+        if sock is not None and sock is self._big:
+            self._big_pending.discard(rid)
         if self._monitor is not None:
             self._outstanding.pop(rid, None)
             self._last_io = time.monotonic()
@@ -572,13 +592,14 @@ class SupervisorClient:
                         body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[object, bytes | None]:
         """:meth:`request` with ``self._lock`` held by the caller."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        rid = self.send(op, cap, args, body)
+        rid = self._send(op, cap, args, body, pipelined=False)
         deadline = time.monotonic() + timeout
         while True:
             try:
                 got, ok, payload, out_body = self._recv_one(deadline, op)
             except RequestTimeout:
                 self._outstanding.pop(rid, None)  # given up: its late reply is dropped
+                self._big_pending.discard(rid)
                 raise RequestTimeout(op, timeout) from None
             except SupervisorUnavailable:
                 self._outstanding.pop(rid, None)  # its link is gone: no reply will come on it

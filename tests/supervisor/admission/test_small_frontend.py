@@ -100,11 +100,23 @@ def test_the_client_sends_big_frames_to_frontend_ipc_and_small_ones_to_small_ipc
                 c.write(cap, handle, b"\xfe" * 100, offset=i * _MIB)  # a small one after a big one
                 assert bytes(c.read(cap, handle, 101, offset=i * _MIB)) == b"\xfe" * 100 + bytes([i + 1])
             assert c._big is not None  # the big frames went there
-            # pipelined on both sockets: every rid answered once
-            rids = {c.send("write", cap, {"handle": handle, "offset": 0}, b"\x01" * (SMALL_FRAME_BYTES + 8)),
-                    c.send("ping", cap), c.send("write", cap, {"handle": handle, "offset": _MIB}, b"\x02" * 64)}
+            # pipelined: one socket (frontend.ipc), so a small write sent after a big one on the same
+            # bytes lands after it, and every rid is answered once
+            rids = [c.send("write", cap, {"handle": handle, "offset": 0}, b"\x01" * (SMALL_FRAME_BYTES + 8)),
+                    c.send("write", cap, {"handle": handle, "offset": 0}, b"\x02" * 64), c.send("ping", cap)]
+            assert c._big_pending == set(rids)
             got = [c.recv() for _ in rids]
             assert sorted(r[0] for r in got) == sorted(rids) and all(r[1] for r in got)
+            assert not c._big_pending
+            assert bytes(c.read(cap, handle, 65)) == b"\x02" * 64 + b"\x01"
+            # a waited-for call made while a pipelined request is unanswered goes where that one went;
+            # with nothing unanswered there, by small.ipc
+            first = c.send("ping", cap)
+            second = c._send("ping", cap, None, None, pipelined=False)
+            assert c._big_pending == {first, second}
+            assert sorted(c.recv()[0] for _ in range(2)) == [first, second] and not c._big_pending
+            third = c._send("ping", cap, None, None, pipelined=False)
+            assert not c._big_pending and c.recv()[0] == third
 
 
 def test_a_tenant_past_its_byte_rate_on_frontend_ipc_loses_nothing_and_keeps_its_order() -> None:
