@@ -1,7 +1,8 @@
 """The run directory as a client reads it: where things are, and whom to trust.
 
     <run dir>/            0700 (0710 with a client_group)
-        frontend.ipc      clients (ROUTER)
+        frontend.ipc      clients (ROUTER): requests with frames of any size (bulk bodies)
+        small.ipc         clients (ROUTER): requests whose frames are all small (docs/PROTOCOL.md)
         events.ipc        lifecycle events (PUB)
         admin/admin.cap   0600 in a 0700 directory: the admin capability for the CLI
         supervisor.json   written last by the supervisor: pid, version, endpoints - "ready"
@@ -39,7 +40,7 @@ __all__ = [
     "verify_run_dir",
 ]
 
-SOCKETS = ("frontend", "backend", "control", "events")
+SOCKETS = ("frontend", "small", "backend", "control", "events")
 READY_FILE = "supervisor.json"
 ADMIN_DIR = "admin"
 ADMIN_CAP_FILE = os.path.join(ADMIN_DIR, "admin.cap")
@@ -100,7 +101,7 @@ def verify_run_dir(run_dir: str, expected_uid: int | None = None) -> None:
     if _check_owned(run_dir, "dir", uid) is None:
         return
     _check_owned(os.path.join(run_dir, READY_FILE), "file", uid)
-    for name in ("frontend", "events"):
+    for name in ("frontend", "small", "events"):
         _check_owned(os.path.join(run_dir, f"{name}.ipc"), "socket", uid)
 
 

@@ -83,6 +83,7 @@ from supervisor.store.modules import MODULES_DIR, ModuleStore
 from supervisor.store.registry import TenantRegistry
 from supervisor.store.rundir import RunDir
 from supervisor.store.state import StateStore
+from supervisor.admission.frontend import small_frame_bytes
 from supervisor.wiring import Parts, Surroundings, build_parts
 
 __all__ = ["Supervisor"]
@@ -423,6 +424,9 @@ class Supervisor:
             "registry_id": admin.registry.registry_id,
             "backend": admin.records.backend_name,
             "frontend": self.rundir.endpoint("frontend"),
+            # requests whose every frame is at most small_frame_bytes (docs/PROTOCOL.md)
+            "small_frontend": self.rundir.endpoint("small"),
+            "small_frame_bytes": small_frame_bytes(self.config),
             "events": self.rundir.endpoint("events"),
             "started": admin.records.started,
             "metrics_url": getattr(self.metrics, "url", None),

@@ -45,9 +45,9 @@ from shared.quota import QuotaSnapshot, cleanup_stale_segments
 from supervisor.admission.connections import FrontendConnections
 from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.host.fdlimit import raise_fd_limit
-from supervisor.admission.frontend import Frontend, Handlers, Holdings, Routes, Sockets
+from supervisor.admission.frontend import Frontend, Handlers, Holdings, Routes, Sockets, small_frame_bytes
 from supervisor.admission.guard import FrontendGuard
-from supervisor.admission.tcp_frontend import LOCAL_IO_AFFINITY, TcpFrontend
+from supervisor.admission.tcp_frontend import IPC_INDEX, LOCAL_IO_AFFINITY, SMALL_INDEX, TCP_INDEX, TcpFrontend
 from supervisor.control import ops as admin_ops
 from supervisor.control.admin import AdminOps
 from supervisor.control.records import Records
@@ -81,6 +81,10 @@ _log = get_logger("supervisor")
 
 #: messages libzmq may queue from one client before the loop reads them
 FRONTEND_RCVHWM = 1000
+#: the same on ``frontend.ipc``, which takes frames of any size (bulk bodies): while it is not read
+#: (a hold, or its tenant past its rate: supervisor.admission.frontend), at most this many wait here -
+#: in the supervisor's memory (16 of 16 MiB bodies grew it 224 MiB: tests/reliability/test_held_bytes.py)
+BULK_RCVHWM = 4
 #: messages a ROUTER socket queues per peer, each way
 SOCKET_HWM = 10_000
 
@@ -176,12 +180,17 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
     # sockets. libzmq queues a client's *incoming* messages up to RCVHWM before the loop reads
     # them: keep that small, so a flood waits in its sender, not in our memory (set before bind:
     # a listener copies the options its connections get).
-    frontend_sock = _router(z, s.rundir, keys, "frontend", cfg.max_message_bytes, FRONTEND_RCVHWM)
+    frontend_sock = _router(z, s.rundir, keys, "frontend", cfg.max_message_bytes, BULK_RCVHWM)
     # one fd budget for every frontend connection, ipc and TCP (supervisor.admission.connections)
     connections = FrontendConnections(frontend_sock, s.rundir.file("frontend.ipc"),
                                       max_tcp_peers=cfg.max_tcp_peers,
                                       max_tcp_peers_per_source=cfg.max_tcp_peers_per_source)
     loop.register(connections.monitor, connections.on_readable)
+    # the small-frame socket: libzmq drops a peer whose frame exceeds it before copying the frame
+    small_sock = _router(z, s.rundir, keys, "small", small_frame_bytes(cfg), FRONTEND_RCVHWM,
+                         watch=lambda sock: connections.watch_small(sock, s.rundir.file("small.ipc")))
+    assert connections.small_monitor is not None
+    loop.register(connections.small_monitor, connections.on_small_readable)
     tcp = None
     if keys is not None:
         tcp = TcpFrontend(z, cfg, keys, SOCKET_HWM, connections, rcvhwm=FRONTEND_RCVHWM)  # OSError: not bound
@@ -201,7 +210,8 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
     spawner.warm_up()
     guard = FrontendGuard(cfg, connections)
     regions = RegionTable(s.registry.segment_prefix)
-    replies = Replies([frontend_sock] + ([tcp.socket] if tcp is not None else []), guard.held)
+    replies = Replies({IPC_INDEX: frontend_sock, SMALL_INDEX: small_sock}
+                      | ({TCP_INDEX: tcp.socket} if tcp is not None else {}), guard.held)
     pending = PendingTable(replies, s.metrics, tenants, loop.clock)
     s.metrics.backend_info(choice.name, choice.device_labels(), choice.driver_version, choice.cuda_version)
     workers = WorkerSet(
@@ -232,7 +242,7 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
         audit.record(registry.explain_refusal(cap_raw, admin=_admin_refusal(op, cap_raw)), op)
 
     frontend = Frontend(
-        cfg, loop=loop, sockets=Sockets(frontend_sock, tcp.socket if tcp is not None else None), guard=guard,
+        cfg, loop=loop, sockets=Sockets(frontend_sock, tcp.socket if tcp is not None else None, small_sock), guard=guard,
         routes=Routes(pending, replies, dispatcher, regions),
         holdings=Holdings(registry, tenants, workers.workers, s.admin_cap.to_bytes(), s.event_log, s.modules),
         # one handler per op the supervisor serves itself (each op's class, supervisor.control.ops)
@@ -293,8 +303,9 @@ def _placement(s: Surroundings, choice: BackendChoice) -> Placement:
 
 
 def _router(z: zmq.Context[zmq.Socket[bytes]], rundir: RunDir, keys: CurveKeyPair | None, name: str, max_msg: int,
-            rcvhwm: int = SOCKET_HWM) -> zmq.Socket[bytes]:
-    """A ROUTER bound in the run dir: never blocks, never silently drops a send to a gone peer."""
+            rcvhwm: int = SOCKET_HWM, watch: Callable[[zmq.Socket[bytes]], object] | None = None) -> zmq.Socket[bytes]:
+    """A ROUTER bound in the run dir: never blocks, never silently drops a send to a gone peer.
+    ``watch``: called with it before it binds (its connections' monitor)."""
     sock: zmq.Socket[bytes] = z.socket(zmq.ROUTER)
     if keys is not None:
         sock.setsockopt(zmq.AFFINITY, LOCAL_IO_AFFINITY)
@@ -303,6 +314,8 @@ def _router(z: zmq.Context[zmq.Socket[bytes]], rundir: RunDir, keys: CurveKeyPai
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
     sock.setsockopt(zmq.SNDHWM, SOCKET_HWM)
     sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    if watch is not None:
+        watch(sock)
     sock.bind(rundir.endpoint(name))
     return sock
 

@@ -2,7 +2,8 @@
 
 libzmq accepts a client's connection on its I/O thread (one fd each) and
 aborts the whole process when an ipc ``accept`` fails with EMFILE. So the
-supervisor watches each frontend socket's monitor: every ACCEPTED event
+supervisor watches each frontend socket's monitor (``frontend.ipc``, the
+small-frame ``small.ipc`` and the TCP one): every ACCEPTED event
 carries the new connection's fd, every DISCONNECTED one ends a connection.
 One :class:`~supervisor.admission.peers.ConnectionGate` counts both transports against
 one budget (:func:`supervisor.host.fdlimit.fd_budget` of the soft limit in force,
@@ -95,6 +96,9 @@ class FrontendConnections:
         self.busy: Callable[[], Container[bytes]] = _nobody
         self.monitor: zmq.Socket[bytes] = watch(sock)
         self.tcp_monitor: zmq.Socket[bytes] | None = None
+        #: the small-frame ipc socket's monitor and path, once watched (:meth:`watch_small`)
+        self.small_monitor: zmq.Socket[bytes] | None = None
+        self.small_path = ""
         self._tcp_sock: zmq.Socket[bytes] | None = None
         #: the local ports of the TCP listeners (a shed fd must still be one of theirs)
         self.tcp_ports: set[int] = set()
@@ -121,18 +125,33 @@ class FrontendConnections:
         self.tcp_monitor = watch(sock)
         return self.tcp_monitor
 
+    def watch_small(self, sock: zmq.Socket[bytes], path: str) -> zmq.Socket[bytes]:
+        """Count the local small-frame socket's connections (``small.ipc``, at ``path``) in the same
+        budget (call before it binds). Returns the monitor socket for the loop (:meth:`on_small_readable`)."""
+        self.small_path = path
+        self.small_monitor = watch(sock)
+        return self.small_monitor
+
     def on_readable(self) -> None:
         """Handle what the ipc monitor reported (registered with the loop): at most
         ``EVENTS_PER_TURN``, so a reconnect storm cannot keep the loop here."""
+        self._ipc_events(self.monitor, self.path)
+
+    def on_small_readable(self) -> None:
+        """The small-frame ipc socket's monitor events (registered with the loop), as :meth:`on_readable`."""
+        assert self.small_monitor is not None
+        self._ipc_events(self.small_monitor, self.small_path)
+
+    def _ipc_events(self, monitor: zmq.Socket[bytes], path: str) -> None:
         for _ in range(EVENTS_PER_TURN):
             try:
-                kind, fd = recv_monitor_event(self.monitor, zmq.NOBLOCK)
+                kind, fd = recv_monitor_event(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             if kind == zmq.EVENT_ACCEPTED:
                 reason = self.gate.accepted(fd)
                 if reason is not None:
-                    shed(fd, self.path)
+                    shed(fd, path)
                     self._log_shed(reason)
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.gate.disconnected(fd)
@@ -212,4 +231,7 @@ class FrontendConnections:
                 self._tcp_sock.monitor(None, 0)
             self.tcp_monitor.close(0)
             self.tcp_monitor = None
+        if self.small_monitor is not None:
+            self.small_monitor.close(0)
+            self.small_monitor = None
         self.monitor.close(0)

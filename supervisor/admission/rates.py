@@ -67,11 +67,12 @@ class AdmissionStatus(TypedDict):
 class RefusalUnanswered(Exception):
     """A request refused for its tenant's rate, past the tenant's answers to such refusals:
     the caller drops it without a reply (it is counted in :attr:`Admission.unanswered`).
-    Not a wire error: nothing is sent."""
+    Not a wire error: nothing is sent. ``retry_after_s``: when its bucket would admit it."""
 
-    def __init__(self, tenant: str) -> None:
+    def __init__(self, tenant: str, retry_after_s: float = 0.0) -> None:
         super().__init__(tenant)
         self.tenant = tenant
+        self.retry_after_s = retry_after_s
 
 
 #: peers whose unauthenticated buckets are remembered (least recently seen forgotten)
@@ -192,7 +193,7 @@ class Admission:
         self.refused[key] = self.refused.get(key, 0) + 1
         if b.answers.take(1.0, now):
             self.unanswered[tenant] = self.unanswered.get(tenant, 0) + 1
-            raise RefusalUnanswered(tenant)
+            raise RefusalUnanswered(tenant, wait)
         raise AdmissionRate(tenant, in_flight, spec.max_in_flight, retry_after_s=round(wait, 6), what=what, rate=rate)
 
     def admit_unauthenticated(self, peer: bytes, now: float) -> bool:

@@ -60,13 +60,15 @@ from supervisor.admission.curve import CurveKeyPair, check_client_keys_dir
 if TYPE_CHECKING:
     from supervisor.admission.zap_gate import ZapGate
 
-__all__ = ["IPC_INDEX", "LOCAL_IO_AFFINITY", "TCP_INDEX", "TCP_IO_AFFINITY", "TcpFrontend"]
+__all__ = ["IPC_INDEX", "LOCAL_IO_AFFINITY", "SMALL_INDEX", "TCP_INDEX", "TCP_IO_AFFINITY", "TcpFrontend"]
 
 _log = get_logger("supervisor.tcp")
 
 #: first byte of a client key: which frontend socket the client came through
 IPC_INDEX = 0
 TCP_INDEX = 1
+#: the local small-frame socket (``small.ipc``: supervisor.admission.frontend)
+SMALL_INDEX = 2
 #: ZMQ_AFFINITY masks when the context has two I/O threads: the first serves the local (ipc)
 #: sockets, the second the CURVE TCP frontend
 LOCAL_IO_AFFINITY = 1

@@ -65,6 +65,8 @@ class Yielding:
     holds: int = field(default=0, init=False)
     full_holds: int = field(default=0, init=False)
     budget_holds: int = field(default=0, init=False)
+    #: pauses of ``frontend.ipc`` for a tenant past its rate (supervisor.admission.frontend._paced_by_rate)
+    rate_pauses: int = field(default=0, init=False)
     #: source -> tenant -> when it was last refused for its rate from that source
     _over: dict[bytes, dict[str, float]] = field(default_factory=dict, init=False)
     #: tenant -> (its contended budget, when last charged)

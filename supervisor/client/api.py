@@ -38,6 +38,11 @@ shorter timeout, or one evicted for a new client at ``max_tcp_peers``) is
 reconnected by libzmq by itself; only a request sent in the instant of such a
 drop can be lost, and it is reported (:class:`SupervisorUnavailable`), never
 retried.
+Local sockets: requests go to the supervisor's ``small.ipc`` (frames of at most
+``small_frame_bytes``, from ``supervisor.json``), and one with a bigger frame (a
+module, a ``write`` body in frames) to ``frontend.ipc`` on a second DEALER made at
+its first use; :meth:`recv` reads either (docs/PROTOCOL.md "The two local sockets").
+A supervisor without ``small.ipc`` gets every request on ``frontend.ipc``.
 Bulk bytes: :meth:`write`, :meth:`read`, :meth:`read_into`, :meth:`put_array`
 and :meth:`get_array` move payloads from ``bulk_threshold`` (256 KiB) on
 through a shared-memory region bound to the tenant (``supervisor.client.bulk``),
@@ -174,12 +179,30 @@ class SupervisorClient:
         self.info = info or {}
         self.connect_timeout_s = timeout_s
         verify_run_dir(self.run_dir, self._expected_uid)  # again: the sockets exist now
-        self._open("ipc://" + os.path.join(self.run_dir, "frontend.ipc"), None, None)
+        frontend = "ipc://" + os.path.join(self.run_dir, "frontend.ipc")
+        limit = self.info.get("small_frame_bytes")
+        if "small_frontend" in self.info and is_int(limit) and limit > 0:
+            # requests go to small.ipc; one with a frame above its limit to frontend.ipc (docs/PROTOCOL.md)
+            self._open("ipc://" + os.path.join(self.run_dir, "small.ipc"), None, None)
+            self._big_endpoint: str | None = frontend
+            self._small_limit: int | None = limit
+        else:  # a supervisor without small.ipc: every request on frontend.ipc
+            self._open(frontend, None, None)
         self._bulk = BulkPath(self, enabled=regions, threshold=bulk_threshold, region_bytes=region_bytes)
 
     def _open(self, endpoint: str, keys: CurveKeyPair | None, server_key: bytes | None,
               idle_reconnect_s: float | None = None) -> None:
         self.endpoint = endpoint
+        if not hasattr(self, "_small_limit"):
+            #: local: frontend.ipc, where requests with a frame above ``_small_limit`` go when
+            #: :attr:`endpoint` is small.ipc (None: every request goes to :attr:`endpoint`)
+            self._big_endpoint = None
+            self._small_limit = None
+        #: the DEALER on ``_big_endpoint``, connected at its first request; its poller with ours
+        self._big: zmq.Socket[bytes] | None = None
+        self._both: zmq.Poller | None = None
+        #: rids sent by ``_big_endpoint`` whose reply has not been read nor given up on
+        self._big_pending: set[int] = set()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._keys, self._server_key = keys, server_key
         self.idle_reconnect_s = idle_reconnect_s
@@ -233,6 +256,24 @@ class SupervisorClient:
             self._sock.disable_monitor()
             self._monitor.close(0)
         self._sock.close(0)
+        if self._big is not None:
+            self._big.close(0)
+            self._big = self._both = None
+
+    def _big_socket(self) -> zmq.Socket[bytes]:
+        """The DEALER for requests with a frame above small.ipc's limit (frontend.ipc), made once."""
+        if self._big is None:
+            assert self._big_endpoint is not None
+            big = self._ctx.socket(zmq.DEALER)
+            big.setsockopt(zmq.LINGER, 0)
+            big.setsockopt(zmq.RCVHWM, 10_000)
+            big.setsockopt(zmq.SNDHWM, 10_000)
+            big.connect(self._big_endpoint)
+            self._both = zmq.Poller()
+            self._both.register(self._sock, zmq.POLLIN)
+            self._both.register(big, zmq.POLLIN)
+            self._big = big
+        return self._big
 
     def _fresh_link_if_idle(self) -> None:
         """Remote, before a request: a link idle for ``idle_reconnect_s`` with no reply outstanding is
@@ -346,11 +387,22 @@ class SupervisorClient:
              body: bytes | memoryview | None = None) -> int:
         """Send one request without waiting; returns its rid (pair with :meth:`recv`).
 
+        Locally, pipelined requests go by ``frontend.ipc``, the socket that takes frames of any
+        size: the two local sockets are not ordered with each other, and on one socket a
+        tenant's requests are served in the order sent - a pipelined write and the read behind
+        it stay in that order. (A call that waits for its reply, :meth:`request`, goes by
+        ``small.ipc`` when its frames fit and nothing sent by ``frontend.ipc`` is unanswered.)
+
         Raises :class:`~shared.errors.AdmissionRate` without sending while the supervisor's
         ``retry_after_s`` of an earlier rate refusal of the same tenant has not passed: it
         would refuse the request too, and past a few such answers a second it drops
         requests unanswered (``tenant_refusals_per_s``) - a caller that retries at once
         gets the refusal here, at no cost, instead of a request that never comes back."""
+        return self._send(op, cap, args, body, pipelined=True)
+
+    def _send(self, op: str, cap: Capability | bytes | None, args: Mapping[str, object] | None,
+              body: bytes | memoryview | None, *, pipelined: bool) -> int:
+        """:meth:`send`; ``pipelined`` False for a call that waits for its reply before the next."""
         if self._rate_wait:
             self.check_rate_wait(cap)
         rid = next(self._rids)
@@ -358,8 +410,20 @@ class SupervisorClient:
         if self._monitor is not None:
             self._fresh_link_if_idle()
             self._watch_link()
+        limit = self._small_limit
+        # small.ipc only for a waited-for call whose frames fit it, with nothing unanswered on
+        # frontend.ipc: it cannot overtake a request sent before it (docs/PROTOCOL.md)
+        big = limit is not None and (pipelined or bool(self._big_pending) or len(header) > limit
+                                     or (body is not None and len(body) > limit))
         try:
-            if body is None:
+            if big:
+                sock = self._big_socket()
+                if body is None:
+                    sock.send(header, zmq.NOBLOCK)
+                else:
+                    sock.send_multipart([header, body], zmq.NOBLOCK, copy=len(body) < 65536)
+                self._big_pending.add(rid)
+            elif body is None:
                 self._sock.send(header, zmq.NOBLOCK)
             else:
                 self._sock.send_multipart([header, body], zmq.NOBLOCK, copy=len(body) < 65536)
@@ -469,11 +533,11 @@ class SupervisorClient:
             if self._sock in ready and (reply := self._read_reply()) is not None:
                 return reply
 
-    def _read_reply(self) -> tuple[int, bool, object, bytes | None] | None:
-        """The reply waiting on the socket. One that does not decode is never silence: it
-        comes back as its request's ``protocol_error`` when its rid is readable, else
-        :class:`ProtocolError` is raised to whoever waits."""
-        frames = self._sock.recv_multipart()
+    def _read_reply(self, sock: zmq.Socket[bytes] | None = None) -> tuple[int, bool, object, bytes | None] | None:
+        """The reply waiting on the socket (``sock``: the one that has it, if not ours). One that
+        does not decode is never silence: it comes back as its request's ``protocol_error`` when
+        its rid is readable, else :class:`ProtocolError` is raised to whoever waits."""
+        frames = (sock or self._sock).recv_multipart()
         try:
             rid, ok, payload = proto.decode_reply(frames[0])
         except ProtocolError as exc:
@@ -488,6 +552,8 @@ class SupervisorClient:
             return got, False, error.to_dict(), None
         if not ok:
             self._note_refusal(payload)
+        if sock is not None and sock is self._big:
+            self._big_pending.discard(rid)
         if self._monitor is not None:
             self._outstanding.pop(rid, None)
             self._last_io = time.monotonic()
@@ -498,6 +564,13 @@ class SupervisorClient:
             return self._recv_remote(deadline, op)
         while True:
             remaining = deadline - time.monotonic()
+            if self._both is not None:  # a reply leaves by the socket its request came on: either
+                ready = self._both.poll(max(1, int(remaining * 1000))) if remaining > 0 else []
+                if not ready:
+                    raise RequestTimeout(op, round(self.timeout_s, 3))
+                if (reply := self._read_reply(ready[0][0])) is not None:
+                    return reply
+                continue
             if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
                 raise RequestTimeout(op, round(self.timeout_s, 3))
             if (reply := self._read_reply()) is not None:
@@ -519,13 +592,14 @@ class SupervisorClient:
                         body: bytes | memoryview | None = None, *, timeout_s: float | None = None) -> tuple[object, bytes | None]:
         """:meth:`request` with ``self._lock`` held by the caller."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        rid = self.send(op, cap, args, body)
+        rid = self._send(op, cap, args, body, pipelined=False)
         deadline = time.monotonic() + timeout
         while True:
             try:
                 got, ok, payload, out_body = self._recv_one(deadline, op)
             except RequestTimeout:
                 self._outstanding.pop(rid, None)  # given up: its late reply is dropped
+                self._big_pending.discard(rid)
                 raise RequestTimeout(op, timeout) from None
             except SupervisorUnavailable:
                 self._outstanding.pop(rid, None)  # its link is gone: no reply will come on it

@@ -1,7 +1,7 @@
 """Sending answers to clients on the frontend sockets, and bounding what queues for them.
 
-Owns: the frontend ROUTER sockets' *send* side (ipc, and the CURVE TCP one
-when ``listen`` is set) and, per client, the big
+Owns: the frontend ROUTER sockets' *send* side (the two ipc ones, and the CURVE
+TCP one when ``listen`` is set) and, per client, the big
 reply bodies libzmq still holds (ZMQ bounds a peer's queue in messages, not
 bytes). Touches nothing else; only :class:`supervisor.routing.pending.PendingTable`
 and the frontend's admission check (:meth:`Replies.queued_bytes`) call it.
@@ -11,7 +11,7 @@ Sends never block: a client that is gone (EHOSTUNREACH) or not reading
 (EAGAIN) loses its reply rather than stalling every other tenant.
 
 A client key is one byte - the index of the socket the request came in on
-(:data:`supervisor.admission.tcp_frontend.IPC_INDEX` / ``TCP_INDEX``) - followed by the
+(:data:`supervisor.admission.tcp_frontend.IPC_INDEX` / ``TCP_INDEX`` / ``SMALL_INDEX``) - followed by the
 peer's ZeroMQ identity, so a reply leaves by the socket its request used.
 Peers choose their identity, never the prefix: no client can be sent another
 frontend's replies.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Mapping
 
 import zmq
 
@@ -44,7 +45,7 @@ _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 class Replies:
     """The frontend's send side (see the module docstring)."""
 
-    def __init__(self, sockets: list[zmq.Socket[bytes]], held: HeldBytes) -> None:
+    def __init__(self, sockets: Mapping[int, zmq.Socket[bytes]] | list[zmq.Socket[bytes]], held: HeldBytes) -> None:
         self.sockets = sockets  # index = the first byte of a client key
         self.held = held
         #: per client: (tracker, body bytes, tenant, reserved bytes to give back once sent)

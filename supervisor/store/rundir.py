@@ -186,10 +186,11 @@ class RunDir:
             os.close(fd)
 
     def secure_sockets(self, names: tuple[str, ...] = SOCKETS) -> None:
-        """After binding: every socket 0600, except ``frontend.ipc`` for the client group (0660)."""
+        """After binding: every socket 0600, except the clients' (``frontend.ipc``, ``small.ipc``)
+        for the client group (0660)."""
         for name in names:
             path = self.file(f"{name}.ipc")
-            if name == "frontend" and self._gid is not None:
+            if name in ("frontend", "small") and self._gid is not None:
                 os.chown(path, -1, self._gid)
                 os.chmod(path, 0o660)
             else:

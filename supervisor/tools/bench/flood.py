@@ -9,7 +9,8 @@ floods the supervisor as fast as it can, one flood kind at a time:
 * ``quota``    - ``quota`` requests (the frontend answers them itself)
 * ``garbage``  - bytes that are not a request at all
 * ``badcap``   - pings with a forged capability (an HMAC check each, unanswerable cheaply)
-* ``write``    - 1 MiB ``write`` requests into the flooder's buffer
+* ``write``    - 1 MiB ``write`` requests into the flooder's buffer, on ``frontend.ipc`` (the local
+  socket for frames of any size; the others flood the victim's own ``small.ipc``)
 * ``tcp-ping`` - the flooder's pings over the CURVE TCP frontend
 
 After the victim's pings, while the same flood goes on, a raw two-hop relay
@@ -67,6 +68,7 @@ from shared.errors import ProtocolError
 from shared.spec import TenantSpec
 from supervisor.tools.bench import route_sched
 from supervisor.tools.bench._relay import RawRelay
+from supervisor.tools.bench.route import local_endpoint
 from supervisor.tools.bench._report import (Report, Target, byte_size, count, format_table, per_second, percentile,
                                              socket_rtts_us)
 from supervisor.client.launch import SupervisorHandle, launch
@@ -199,7 +201,10 @@ def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int,
     """Flood with ``kind`` while the victim (and the relay beside it) pings ``n`` times
     (none: the flooder alone); ``sched``: the kernel's per-thread figures over the victim's pings."""
     tcp = kind == "tcp-ping"
-    endpoint = sup.info["listen"][0] if tcp else f"ipc://{sup.run_dir}/frontend.ipc"
+    # a 1 MiB write goes where frames of any size do (frontend.ipc); the other kinds share the
+    # victim's socket (small.ipc, the local client's path for small requests)
+    endpoint = (sup.info["listen"][0] if tcp else f"ipc://{sup.run_dir}/frontend.ipc" if kind == "write"
+                else local_endpoint(sup))
     out, started = _SPAWN.Queue(), _SPAWN.Event()
     proc = _SPAWN.Process(target=_flood, daemon=True, args=(
         kind, endpoint, sup.info["server_public_key"] if tcp else None, cap, handle, seconds, out, started,
@@ -229,9 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood", action="store_true", help="(this benchmark)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--pings", type=count, default=600, help="victim pings quiet and per flood kind")
-    parser.add_argument("--victim", choices=("ipc", "tcp"), default="ipc",
-                        help="the victim's frontend: ipc (local, the default) or the CURVE TCP one - beside a "
-                        "tcp-ping flooder it shares the socket the pacer pauses (tcp_drops_per_s)")
+    parser.add_argument("--victim", choices=("ipc", "frontend", "tcp"), default="ipc",
+                        help="the victim's frontend: ipc (local, the default: small.ipc, where SupervisorClient "
+                        "sends small requests), frontend (frontend.ipc, as a client that does not know small.ipc) "
+                        "or the CURVE TCP one - beside a tcp-ping flooder it shares the socket the pacer pauses "
+                        "(tcp_drops_per_s)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="flood kinds, comma-separated")
     parser.add_argument("--nice", type=int, default=0,
                         help="the flooder's nice value (a remote flooder does not compete for this host's CPUs)")
@@ -278,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
             victim.curve_serverkey = sup.info["server_public_key"].encode()
             victim.curve_publickey, victim.curve_secretkey = zmq.curve_keypair()
             victim.connect(sup.info["listen"][0])
-        else:
+        elif args.victim == "frontend":
             victim.connect(f"ipc://{sup.run_dir}/frontend.ipc")
+        else:
+            victim.connect(local_endpoint(sup))
         relay = RawRelay(tmp)
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)

@@ -39,10 +39,10 @@ from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
 from supervisor.tools.bench._relay import RawRelay
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, socket_rtts_us
-from supervisor.client.launch import launch
+from supervisor.client.launch import SupervisorHandle, launch
 from shared.rundir import temp_parent
 
-__all__ = ["main"]
+__all__ = ["local_endpoint", "main"]
 
 #: pipelined rounds: the relay's, then ours, each 6,000 requests
 _TP_ROUNDS = 5
@@ -63,6 +63,11 @@ def _pipelined(sock: zmq.Socket[bytes], header: bytes, total: int, depth: int = 
             sock.send(header)
             sent += 1
     return total / (time.perf_counter() - t0)
+
+
+def local_endpoint(sup: SupervisorHandle) -> str:
+    """Where a local client sends small requests: ``small.ipc`` (``frontend.ipc`` on a supervisor without it)."""
+    return f"ipc://{sup.run_dir}/small.ipc" if "small_frontend" in sup.info else f"ipc://{sup.run_dir}/frontend.ipc"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         cap = sup.client.register(sup.admin_capability, spec)
         header = proto.encode_request(1, "ping", cap.to_bytes(), {})
         ours = ctx.socket(zmq.DEALER)
-        ours.connect(f"ipc://{sup.run_dir}/frontend.ipc")
+        ours.connect(local_endpoint(sup))
         remote = ctx.socket(zmq.DEALER)
         remote.curve_serverkey = sup.info["server_public_key"].encode()
         remote.curve_publickey, remote.curve_secretkey = zmq.curve_keypair()
