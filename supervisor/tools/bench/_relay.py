@@ -18,7 +18,14 @@ import multiprocessing as mp
 
 import zmq
 
-__all__ = ["RawRelay"]
+from supervisor.client.launch import SupervisorHandle
+
+__all__ = ["RawRelay", "local_endpoint"]
+
+
+def local_endpoint(sup: SupervisorHandle) -> str:
+    """Where a local client sends small requests: ``small.ipc`` (``frontend.ipc`` on a supervisor without it)."""
+    return f"ipc://{sup.run_dir}/small.ipc" if "small_frontend" in sup.info else f"ipc://{sup.run_dir}/frontend.ipc"
 
 _SPAWN = mp.get_context("spawn")
 

@@ -67,8 +67,7 @@ from shared import protocol as proto
 from shared.errors import ProtocolError
 from shared.spec import TenantSpec
 from supervisor.tools.bench import route_sched
-from supervisor.tools.bench._relay import RawRelay
-from supervisor.tools.bench.route import local_endpoint
+from supervisor.tools.bench._relay import RawRelay, local_endpoint
 from supervisor.tools.bench._report import (Report, Target, byte_size, count, format_table, per_second, percentile,
                                              socket_rtts_us)
 from supervisor.client.launch import SupervisorHandle, launch

@@ -37,12 +37,12 @@ import zmq
 from shared import protocol as proto
 from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
-from supervisor.tools.bench._relay import RawRelay
+from supervisor.tools.bench._relay import RawRelay, local_endpoint
 from supervisor.tools.bench._report import Report, Target, count, format_table, percentile, socket_rtts_us
-from supervisor.client.launch import SupervisorHandle, launch
+from supervisor.client.launch import launch
 from shared.rundir import temp_parent
 
-__all__ = ["local_endpoint", "main"]
+__all__ = ["main"]
 
 #: pipelined rounds: the relay's, then ours, each 6,000 requests
 _TP_ROUNDS = 5
@@ -63,11 +63,6 @@ def _pipelined(sock: zmq.Socket[bytes], header: bytes, total: int, depth: int = 
             sock.send(header)
             sent += 1
     return total / (time.perf_counter() - t0)
-
-
-def local_endpoint(sup: SupervisorHandle) -> str:
-    """Where a local client sends small requests: ``small.ipc`` (``frontend.ipc`` on a supervisor without it)."""
-    return f"ipc://{sup.run_dir}/small.ipc" if "small_frontend" in sup.info else f"ipc://{sup.run_dir}/frontend.ipc"
 
 
 def main(argv: list[str] | None = None) -> int:
