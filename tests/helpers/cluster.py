@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from shared.records import StatusRecord, TenantRecord
 from supervisor.client.launch import SupervisorHandle, launch
 from tests.helpers import zygote
+from tests.helpers.timeouts import scaled
 
 T = TypeVar("T")
 
@@ -71,12 +72,13 @@ def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: fl
     """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout_s``.
 
     The timeout only turns a hang into a failure with a message; it never asserts speed. So it is
-    at least :data:`MIN_WAIT_S`, whatever the caller wrote: on a loaded machine a restart may take
-    many times what it takes on a quiet one, and a passing test returns as soon as the event comes.
+    scaled like every hang guard (:func:`~tests.helpers.timeouts.scaled`) and at least
+    :data:`MIN_WAIT_S`, whatever the caller wrote: on a loaded machine a restart may take many
+    times what it takes on a quiet one, and a passing test returns as soon as the event comes.
     ``interval_s``: a fixed time between polls (a test that must catch a state soon after it comes);
     without it they back off from :data:`FIRST_INTERVAL_S` to :data:`MAX_INTERVAL_S`.
     """
-    timeout_s = max(timeout_s, MIN_WAIT_S)
+    timeout_s = max(scaled(timeout_s), MIN_WAIT_S)
     deadline = time.monotonic() + timeout_s
     last: Any = None
     pause = FIRST_INTERVAL_S if interval_s is None else interval_s
