@@ -26,7 +26,6 @@
 #include <Python.h>
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -355,38 +354,6 @@ Executor_collect(Executor *ex, PyObject *Py_UNUSED(ignored))
     return out;
 }
 
-PyDoc_STRVAR(pin_doc, "pin(cpus) -> None\n\nThe executor thread onto these CPUs (sched_setaffinity; OSError).");
-
-static PyObject *
-Executor_pin(Executor *ex, PyObject *arg)
-{
-    if (!ready(ex))
-        return NULL;
-    PyObject *it = PyObject_GetIter(arg);
-    if (it == NULL)
-        return NULL;
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    PyObject *item;
-    while ((item = PyIter_Next(it)) != NULL) {
-        long cpu = PyLong_AsLong(item);
-        Py_DECREF(item);
-        if (cpu == -1 && PyErr_Occurred())
-            break;
-        if (cpu < 0 || cpu >= CPU_SETSIZE) {
-            PyErr_SetString(PyExc_ValueError, "a CPU number out of range");
-            break;
-        }
-        CPU_SET((int)cpu, &set);
-    }
-    Py_DECREF(it);
-    if (PyErr_Occurred())
-        return NULL;
-    if (sched_setaffinity(ex->tid, sizeof(set), &set) != 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    Py_RETURN_NONE;
-}
-
 static PyObject *
 Executor_close(Executor *ex, PyObject *Py_UNUSED(ignored))
 {
@@ -433,7 +400,6 @@ static PyMethodDef Executor_methods[] = {
     {"sgemm", (PyCFunction)Executor_sgemm, METH_VARARGS, sgemm_doc},
     {"wait", (PyCFunction)Executor_wait, METH_VARARGS, wait_doc},
     {"collect", (PyCFunction)Executor_collect, METH_NOARGS, collect_doc},
-    {"pin", (PyCFunction)Executor_pin, METH_O, pin_doc},
     {"close", (PyCFunction)Executor_close, METH_NOARGS,
      "close() -> None\n\nStop the thread once every launched chunk ran (idempotent)."},
     {NULL, NULL, 0, NULL},

@@ -200,7 +200,7 @@ def pin_device(gate: DeviceGate, cpus: Iterable[int]) -> bool:
         return False
     queue = gate.queue
     executor = gate._executor
-    if getattr(gate.backend, "device_executor", False):
+    if gate.backend.device_executor:
         # the stub's executor is the device: its thread there (now, or when made: DeviceGate._queue_timer),
         # the device thread - its driver - with the worker's other threads
         device_tid = executor.thread_id if executor is not None else None
@@ -211,11 +211,9 @@ def pin_device(gate: DeviceGate, cpus: Iterable[int]) -> bool:
         log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=tid, error=repr(why))
     gate.device_cpus = device
     if executor is not None:
-        try:
-            executor.pin(device)
-        except OSError as exc:
-            log_event(_log, logging.WARNING, "device_time.affinity_refused", thread=device_tid, error=repr(exc))
-    elif getattr(gate.backend, "device_executor", False):
+        if device_tid is not None:
+            _pin(device_tid, device)
+    elif gate.backend.device_executor:
         if gate._qtimer is not None and queue is not None and queue.thread_id is not None:
             _pin(queue.thread_id, device)  # no executor after all (fell back): the device thread runs the ops
     elif queue is not None:
@@ -616,7 +614,7 @@ class DeviceGate:
                                              lend=self._lend_after_pass, work=self._work,
                                              settles=lambda: self._pending_timer is not None)
             # (the stub's executor: its thread is the device's, pinned when made - _queue_timer)
-            queue.cpus = None if getattr(self.backend, "device_executor", False) else self.device_cpus
+            queue.cpus = None if self.backend.device_executor else self.device_cpus
         if name not in self._prepared and not queue.pending:
             self._prepare(name)
         if name == self._last_name and _same_args(args, self._last_args):
@@ -924,17 +922,12 @@ class DeviceGate:
             self._pending_timer = timer if isinstance(timer, PendingTimer) else None
             self._executor = timer if isinstance(timer, ExecutorTimer) else None
             cpus = self.device_cpus
-            if cpus is not None and getattr(self.backend, "device_executor", False):
+            if cpus is not None and self.backend.device_executor:
                 # the device's core (pin_device): the executor's thread; without one (not built, no BLAS
                 # found) the device thread itself, which the queue left on the worker's CPUs
-                if self._executor is not None:
-                    try:
-                        self._executor.pin(cpus)
-                    except OSError as exc:
-                        log_event(_log, logging.WARNING, "device_time.affinity_refused",
-                                  thread=self._executor.thread_id, error=repr(exc))
-                else:
-                    _pin(0, cpus)
+                tid = self._executor.thread_id if self._executor is not None else 0
+                if tid is not None:
+                    _pin(tid, cpus)
         return self._qtimer
 
     def _queued_batch(self, items: list[_Item]) -> None:

@@ -57,6 +57,13 @@ class Backend(abc.ABC):
 
     #: "stub" or "cuda"
     name: str = "abstract"
+
+    @property
+    def device_executor(self) -> bool:
+        """Whether the queue timer launches chunks on a device executor of the process's own (the
+        stub's, ``worker.backends.stub_executor``): the device's CPU is then that thread's."""
+        return False
+
     @property
     def context_lost(self) -> str | None:
         """A sticky driver error's name once the device context is unusable (the worker then exits)."""

@@ -162,9 +162,6 @@ class ExecutorTimer:
     def full(self) -> bool:
         return bool(self._ex.pending >= self._ex.ring)
 
-    def pin(self, cpus: frozenset[int]) -> None:
-        """The executor thread onto ``cpus`` (OSError when refused)."""
-        self._ex.pin(sorted(cpus))
 
     def launch(self, name: str, args: tuple[object, ...]) -> bool:
         """Launch op ``name``'s chunk on the executor when it is a plain float32 GEMM (``matmul_f32``,
@@ -207,13 +204,15 @@ class ExecutorTimer:
         if not self._ex.wait(-1 if until_ns is None else until_ns):
             raise KernelTimeout(0.0, message="the stub executor's launched chunks still running past the "
                                               "run's deadline")
-        got = self._ex.collect()
-        self.spans = [(start, end, cpu) for cpu, start, end in got]
-        return [cpu for cpu, _, _ in got], None
+        return self._collect(), None
 
     def collect_done(self) -> list[int]:
         """The device times of the launched chunks that already ran, oldest first (no wait; the rest
         stay pending); ``spans`` as :meth:`settle` sets it."""
+        return self._collect()
+
+    def _collect(self) -> list[int]:
+        """The stamps of the chunks that ran since the last collection: ``spans`` set, the CPU times returned."""
         got = self._ex.collect()
         self.spans = [(start, end, cpu) for cpu, start, end in got]
         return [cpu for cpu, _, _ in got]
