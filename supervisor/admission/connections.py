@@ -39,19 +39,28 @@ and a connect that finds no path fails (ENOENT) and libzmq's client retries
 every ``reconnect_ivl`` (100 ms), its messages queued meanwhile. Each ipc
 listener's backlog is :data:`IPC_BACKLOG`.
 
-Why no accept can meet EMFILE. At the pause the connections are ``7/8 B``
-(``B`` = :func:`~supervisor.host.fdlimit.fd_budget`, half of the soft limit
-after the 256 reserved and the reservations); the rest of the process keeps
-within the other half and the reserve, so at least ``256 + B/8`` fds are free.
-After the rename, at most :data:`IPC_BACKLOG` + 1 connections per ipc
-listener can still be accepted (those already queued), so an abort needs the
-I/O thread to accept ``256 + B/8 - 2 x 65`` = ``126 + B/8`` more connections
-between the accept that reached the pause and the rename: the guard's reaction
-(woken by the monitor, the GIL taken back from the loop within its switch
-interval, one ``rename``). That is 174 connections at a 1,024-fd limit, 1,360
-at a 20,000 one, 131,000 at 2**20; the worst reaction measured under load is
-in docs/SECURITY.md (the connection row). TCP needs no pause (its accept
-survives EMFILE) but counts: its connections use the same fds.
+Why no accept can meet EMFILE. The guard reads one event ahead: while another
+waits unread, its count lags libzmq's by an unknown number, so it pauses from a
+quarter of the budget (``B`` = :func:`~supervisor.host.fdlimit.fd_budget`, half
+of the soft limit after the 256 reserved and the reservations); caught up, at
+seven eighths of it (:func:`pause_at`), and it resumes only caught up. A flood
+that outruns the guard past ``B/4`` is thereby throttled to the guard's own
+pace (pauses and resumes alternate; each is counted). The rest of the process
+keeps within the other half of the limit and the reserve, so a pause finds at
+least ``256 + B/8`` fds free (caught up) or ``256 + 3B/4`` minus the events
+still queued (lagging). After the rename, at most :data:`IPC_BACKLOG` + 1
+connections per ipc listener can still be accepted (those already queued). So
+an abort needs the I/O thread to accept more connections between the event
+that made the pause and the rename (the queued events plus the guard's
+reaction: woken by the monitor, the GIL taken back from the loop within its
+switch interval, one ``rename``) than ``256 + B/8 - 2 x 33`` = ``190 + B/8``
+(caught up: 238 at a 1,024-fd limit, 1,424 at a 20,000 one, 131,000 at 2**20).
+The most measured under load (8 or 16 flood processes of greeted connections
+beside two CPU burners, load 11: docs/SECURITY.md, the connection row) was 176,
+backlog included: covered 8 times at 20,000 fds, hundreds of times at the
+limits hosts often give (2**20), and only just at 1,024 (raise the hard limit). TCP
+needs no pause (libzmq's TCP accept survives EMFILE) but counts: its
+connections use the same fds.
 
 Owns: the monitor sockets, the guard thread and the gate. The gate, ``on_readable`` /
 ``on_tcp_readable`` (registered with the loop): loop thread only. The guard thread
@@ -105,7 +114,7 @@ _LOG_EVERY_S = 10.0
 #: rounds of EVENTS_PER_TURN events :meth:`FrontendConnections.settle` reads at most
 _SETTLE_ROUNDS = 16
 #: each ipc listener's ``ZMQ_BACKLOG`` (libzmq's default: 100): what it can still accept once paused
-IPC_BACKLOG = 64
+IPC_BACKLOG = 32
 #: where a paused ipc socket waits (in the run dir, 0700)
 PAUSE_DIR = ".paused"
 #: the guard thread's longest block on the monitors (it then looks for new ones and for close)
@@ -185,9 +194,11 @@ class _PathGuard(threading.Thread):
         self.pauses = 0
         #: events the loop's gate did not get (its queue full)
         self.lost = 0
-        #: the most connections seen past :func:`pause_at` while paused (the reaction, measured)
+        #: the most connections accepted during a pause past the count that made it (the backlog and
+        #: the events still queued: the guard's reaction, measured)
         self.overshoot = 0
-        self._overshoot_now = 0
+        self._paused_with = 0
+        self._logged = -_LOG_EVERY_S
 
     def adopt(self, monitor: zmq.Socket[bytes], forward: zmq.Socket[bytes]) -> None:
         self._pending.append((monitor, forward))
@@ -220,42 +231,53 @@ class _PathGuard(threading.Thread):
                 forward.close(0)
             if self.paused:
                 clean_paused(self.run_dir)  # the listeners are closed or closing: nothing to take back
+            if self.pauses:
+                log_event(_log, logging.WARNING, "supervisor.frontend_pauses", pauses=self.pauses,
+                          overshoot=self.overshoot, lost=self.lost)
 
     def _drain(self, monitor: zmq.Socket[bytes], index: int, forward: zmq.Socket[bytes]) -> None:
-        for _ in range(EVENTS_PER_TURN):
-            try:
-                frames = monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        try:
+            frames: list[bytes] | None = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        for turn in range(EVENTS_PER_TURN):
+            assert frames is not None
             kind, fd = monitor_event(frames)
             if kind == zmq.EVENT_ACCEPTED:
                 self._live.add((index, fd))  # a key held already: its DISCONNECTED was lost
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._live.discard((index, fd))
+            try:  # the next one read first: one waiting means the count lags the I/O thread
+                after: list[bytes] | None = monitor.recv_multipart(zmq.NOBLOCK) if turn + 1 < EVENTS_PER_TURN else None
+            except zmq.Again:
+                after = None
             if self._pause:
-                self._decide()
+                self._decide(lagging=after is not None or turn + 1 == EVENTS_PER_TURN)
             try:
                 forward.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
                 self.lost += 1
+            frames = after
+            if frames is None:
+                return
 
-    def _decide(self) -> None:
+    def _decide(self, lagging: bool) -> None:
+        """Pause at :func:`pause_at`, or from a quarter of the budget while events wait unread (the I/O
+        thread is ahead by an unknown count); resume at :func:`resume_at` once caught up."""
         live, budget = len(self._live), self._budget()
         if not self.paused:
-            if live >= pause_at(budget):
+            if live >= pause_at(budget) or (lagging and live >= budget // 4):
                 self._rename(True)
-                self._overshoot_now = 0
-                log_event(_log, logging.WARNING, "supervisor.frontend_paused", connections=live, budget=budget,
-                          pauses=self.pauses)
-        elif live <= resume_at(budget):
+                self._paused_with = live
+                now = time.monotonic()
+                if now - self._logged >= _LOG_EVERY_S:
+                    self._logged = now
+                    log_event(_log, logging.WARNING, "supervisor.frontend_paused", connections=live, budget=budget,
+                              lagging=lagging, pauses=self.pauses, overshoot=self.overshoot)
+        elif live <= resume_at(budget) and not lagging:
             self._rename(False)
-            log_event(_log, logging.WARNING, "supervisor.frontend_resumed", connections=live, budget=budget,
-                      overshoot=self._overshoot_now)
-        else:
-            over = live - pause_at(budget)
-            if over > self._overshoot_now:
-                self._overshoot_now = over
-                self.overshoot = max(self.overshoot, over)
+        elif live - self._paused_with > self.overshoot:
+            self.overshoot = live - self._paused_with
 
     def _rename(self, pause: bool) -> None:
         hidden_dir = os.path.join(self.run_dir, PAUSE_DIR)

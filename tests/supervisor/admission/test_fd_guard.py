@@ -35,32 +35,48 @@ pytestmark = pytest.mark.timeout(240)
 LIMIT = 1024
 STALL_SITE = str(Path(__file__).resolve().parents[2] / "helpers" / "stall_site")
 
-#: connect TOTAL raw unix connections over PATHS (alternating); after WAIT_AT of them, wait (at
-#: most WAIT_S: a hang guard) until the paths are gone; failed connects are counted, not fatal.
-#: Blocking connects (a full backlog waits for the accept, SO_SNDTIMEO bounds it): a flood that
-#: outruns the accepts must not turn into failed connects. Each sends a ZMTP 3.0 greeting (NULL)
-#: and READY as a DEALER, so libzmq's 30 s handshake timer never closes it while the flood waits
+#: connect WAIT_AT raw unix connections over PATHS (alternating; a connect that finds no path is
+#: retried: the guard may pause and resume below its threshold while it catches up), then wait
+#: until the paths are gone, then try TOTAL - WAIT_AT more, counting those that fail (each wait
+#: ends after WAIT_S at most: a hang guard). Blocking connects (a full backlog waits for the
+#: accept, SO_SNDTIMEO bounds it): a flood that outruns the accepts must not fail for that.
+#: Each sends a ZMTP 3.0 greeting (NULL) and READY as a DEALER, so libzmq's 30 s handshake timer
+#: never closes it while the flood waits
 _FLOOD = r"""
 import os, socket, struct, sys, time
 ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
 hello = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32) + bytes([4, len(ready)]) + ready
 paths, total, wait_at, wait_s = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 socks, failed = [], 0
-for i in range(total):
-    if i == wait_at:
-        deadline = time.monotonic() + wait_s
-        while any(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
-            time.sleep(0.01)
+
+def connect(path):
     s = socket.socket(socket.AF_UNIX)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))
     try:
-        s.connect(paths[i % len(paths)])
+        s.connect(path)
         s.sendall(hello)
     except OSError:
         s.close()
+        return None
+    return s
+
+deadline, i = time.monotonic() + wait_s, 0
+while len(socks) < wait_at and time.monotonic() < deadline:
+    s = connect(paths[i % len(paths)])
+    i += 1
+    if s is None:
+        time.sleep(0.01)
+    else:
+        socks.append(s)
+deadline = time.monotonic() + wait_s
+while any(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+    time.sleep(0.01)
+for i in range(total - wait_at):
+    s = connect(paths[i % len(paths)])
+    if s is None:
         failed += 1
-        continue
-    socks.append(s)
+    else:
+        socks.append(s)
 print(len(socks), failed, flush=True)
 sys.stdin.readline()
 for s in socks:
