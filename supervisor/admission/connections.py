@@ -303,7 +303,10 @@ class _PathGuard(threading.Thread):
         if pause:
             self.pauses += 1
         else:
-            clean_paused(self.run_dir)
+            try:
+                os.rmdir(hidden_dir)  # empty unless a rename back failed: then the socket stays there
+            except OSError:
+                pass
 
 
 class FrontendConnections:

@@ -13,7 +13,10 @@ counted at accept - a raw TCP connection that never sends the ZMTP greeting
 never reaches ZAP, so only the accept can see it. libzmq
 sees the peer gone and closes it, the client sees a refused connection (and
 retries), and every connected client keeps working. :class:`ConnectionGate` is
-the count and the decision; :func:`shed` / :func:`shed_tcp` the act.
+the count and the decision; :func:`shed` / :func:`shed_tcp` the act (on libzmq's
+fd itself, never a duplicate: a shed must work at the fd limit). The events reach
+the gate through ``supervisor.admission.connections``' guard thread, which also
+renames the ipc paths away near the budget however far the loop lags.
 
 Unauthenticated peers. A request without a verified capability - garbage,
 forged or foreign tokens - is answered with a small typed error, but a peer

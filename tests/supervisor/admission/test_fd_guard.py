@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor.admission.connections import PAUSE_DIR, pause_at
+from supervisor.admission.connections import PAUSE_DIR, FrontendConnections, pause_at, resume_at
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import SupervisorHandle, launch
 from tests.helpers.cluster import FAST, wait_for
@@ -111,6 +111,50 @@ def _limited(sup: SupervisorHandle) -> int:
                   what="the lowered limit seen")
     assert st and st.connection_budget is not None
     return st.connection_budget
+
+
+def test_the_guard_pauses_near_the_budget_resumes_below_it_and_stops_with_close(tmp_path: Any) -> None:
+    """The guard thread alone (no loop reads the monitor): the path is renamed into .paused at
+    pause_at, accepted connections keep working, and it comes back at resume_at."""
+    import socket
+
+    import zmq
+
+    ctx = zmq.Context()
+    path = str(tmp_path / "f.ipc")
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    conns = FrontendConnections(router, path)
+    router.bind("ipc://" + path)
+    conns.gate.budget = 16
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < pause_at(16):
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(path)
+            except OSError:  # paused and resumed below the threshold while the guard caught up
+                s.close()
+                wait_for(lambda: os.path.exists(path), what="the path back")
+                continue
+            socks.append(s)
+        wait_for(lambda: conns.guard.paused, what="paused")
+        assert not os.path.exists(path) and os.path.exists(tmp_path / PAUSE_DIR / "f.ipc")
+        assert oct(os.stat(tmp_path / PAUSE_DIR).st_mode & 0o777) == "0o700"
+        with socket.socket(socket.AF_UNIX) as late, pytest.raises(FileNotFoundError):
+            late.connect(path)
+        while len(socks) > resume_at(16):
+            socks.pop().close()
+        wait_for(lambda: not conns.guard.paused, what="resumed")
+        assert os.path.exists(path) and not os.path.exists(tmp_path / PAUSE_DIR)
+        assert conns.guard.pauses >= 1 and conns.status()["frontend_pauses"] == conns.guard.pauses
+    finally:
+        for s in socks:
+            s.close()
+        conns.close()
+        assert not conns.guard.is_alive()
+        router.close(0)
+        ctx.term()
 
 
 def _paths(run_dir: str) -> list[str]:
