@@ -117,8 +117,6 @@ _SETTLE_ROUNDS = 16
 IPC_BACKLOG = 32
 #: where a paused ipc socket waits (in the run dir, 0700)
 PAUSE_DIR = ".paused"
-#: the guard thread's longest block on the monitors (it then looks for new ones and for close)
-_GUARD_POLL_MS = 100
 
 
 def pause_at(budget: int) -> int:
@@ -171,11 +169,12 @@ class _PathGuard(threading.Thread):
     """The guard thread (see the module docstring): reads the monitors, counts, pauses, forwards.
 
     Threads: :meth:`adopt` and :meth:`stop` from the loop thread; everything else on the guard
-    thread. A monitor is handed over through ``_pending`` (a list append, read by the guard
-    within :data:`_GUARD_POLL_MS`; its events wait in the monitor's queue meanwhile). The
-    guard's sockets are not the context's tracked ones (``zmq.Socket(ctx, ...)``): the
-    supervisor's teardown (``Context.destroy``, which must not close a socket another thread
-    polls) terminates the context, the guard's poll answers ETERM, and it closes its own.
+    thread. A monitor is handed over through ``_pending`` (a list append), then the guard is
+    woken through an inproc pair (the loop's end sends, the guard's end is in its poll: it
+    blocks with no timeout). The guard's sockets are not the context's tracked ones
+    (``zmq.Socket(ctx, ...)``): the supervisor's teardown (``Context.destroy``, which must not
+    close a socket another thread polls) closes the tracked ones, the loop's end of the pair
+    among them, and terminates the context; the guard's poll answers ETERM and it closes its own.
     """
 
     def __init__(self, budget: Callable[[], int], run_dir: str, pause: bool) -> None:
@@ -199,17 +198,44 @@ class _PathGuard(threading.Thread):
         self.overshoot = 0
         self._paused_with = 0
         self._logged = -_LOG_EVERY_S
+        #: the wake pair (made with the first monitor): the loop's end, the guard's end
+        self._wake: zmq.Socket[bytes] | None = None
+        self._woken: zmq.Socket[bytes] | None = None
 
     def adopt(self, monitor: zmq.Socket[bytes], forward: zmq.Socket[bytes]) -> None:
+        if self._wake is None:
+            ctx = monitor.context
+            addr = f"inproc://twt-fd-guard-{id(self):x}-{time.monotonic_ns():x}"
+            woken: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)
+            woken.setsockopt(zmq.LINGER, 0)
+            woken.bind(addr)
+            self._woken = woken
+            self._wake = ctx.socket(zmq.PAIR)
+            self._wake.setsockopt(zmq.LINGER, 0)
+            self._wake.connect(addr)
         self._pending.append((monitor, forward))
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.closed:
+            try:
+                self._wake.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # its queue full (the guard is awake) or the context gone
 
     def stop(self) -> None:
         self._stopping.set()
+        self._poke()
         if self.is_alive():
             self.join()
+        if self._wake is not None:
+            self._wake.close(0)
 
     def run(self) -> None:
         poller = zmq.Poller()
+        woken = self._woken
+        assert woken is not None
+        poller.register(woken, zmq.POLLIN)
         owned: dict[zmq.Socket[bytes], tuple[int, zmq.Socket[bytes]]] = {}
         try:
             while not self._stopping.is_set():
@@ -217,12 +243,17 @@ class _PathGuard(threading.Thread):
                     monitor, forward = self._pending.pop(0)
                     owned[monitor] = (len(owned), forward)
                     poller.register(monitor, zmq.POLLIN)
-                for monitor, _ in poller.poll(_GUARD_POLL_MS):
-                    index, forward = owned[monitor]
-                    self._drain(monitor, index, forward)
+                for sock, _ in poller.poll():
+                    if sock is woken:
+                        while woken.poll(0):
+                            woken.recv()
+                        continue
+                    index, forward = owned[sock]
+                    self._drain(sock, index, forward)
         except zmq.ContextTerminated:
             pass  # the supervisor's teardown: close ours below
         finally:
+            woken.close(0)
             for monitor, (_, forward) in owned.items():
                 monitor.close(0)
                 forward.close(0)
