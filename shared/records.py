@@ -181,6 +181,9 @@ class SupervisorRecord(HelloInfo):
     connections_shed_by: dict[str, int] = field(default_factory=dict)
     tcp_connections: int = 0
     tcp_sources: int = 0
+    #: frontend.ipc and small.ipc renamed away for fds (connections near the budget), and how often so far
+    frontend_paused: bool = False
+    frontend_pauses: int = 0
     #: unauthenticated_dropped by reason (unread_replies, backlog_bytes, peer_rate; supervisor.admission.rates)
     unauthenticated_dropped_by: dict[str, int] = field(default_factory=dict)
     unauthenticated_rate_dropped: int = 0

@@ -14,7 +14,7 @@ import struct
 
 import zmq
 
-__all__ = ["recv_monitor_event"]
+__all__ = ["monitor_event", "recv_monitor_event"]
 
 _HEAD = struct.Struct("=Hi")
 
@@ -23,7 +23,12 @@ def recv_monitor_event(sock: zmq.Socket[bytes], flags: int = 0) -> tuple[int, in
     """``(event id, value)`` of the next message on monitor socket ``sock`` (``zmq.Again`` with
     ``zmq.NOBLOCK`` when none waits). A message not in libzmq's format is a ``RuntimeError``
     (only libzmq writes to a monitor socket: it would be a bug there, not an input)."""
-    frames = sock.recv_multipart(flags)
+    return monitor_event(sock.recv_multipart(flags))
+
+
+def monitor_event(frames: list[bytes]) -> tuple[int, int]:
+    """``(event id, value)`` of a monitor message already read (its frames, as
+    :func:`recv_monitor_event` reads them)."""
     if len(frames) != 2 or len(frames[0]) != _HEAD.size:
         raise RuntimeError(f"not a zmq monitor event: {frames!r}")
     event, value = _HEAD.unpack(frames[0])

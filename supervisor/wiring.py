@@ -42,7 +42,7 @@ from shared.errors import TenantIsolationViolation
 from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
 from shared.log import get_logger, log_event
 from shared.quota import QuotaSnapshot, cleanup_stale_segments
-from supervisor.admission.connections import FrontendConnections
+from supervisor.admission.connections import IPC_BACKLOG, FrontendConnections
 from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.host.fdlimit import raise_fd_limit
 from supervisor.admission.frontend import Frontend, Handlers, Holdings, Routes, Sockets, small_frame_bytes
@@ -180,7 +180,8 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
     # sockets. libzmq queues a client's *incoming* messages up to RCVHWM before the loop reads
     # them: keep that small, so a flood waits in its sender, not in our memory (set before bind:
     # a listener copies the options its connections get).
-    frontend_sock = _router(z, s.rundir, keys, "frontend", cfg.max_message_bytes, BULK_RCVHWM)
+    frontend_sock = _router(z, s.rundir, keys, "frontend", cfg.max_message_bytes, BULK_RCVHWM,
+                            watch=lambda sock: sock.setsockopt(zmq.BACKLOG, IPC_BACKLOG))  # before bind
     # one fd budget for every frontend connection, ipc and TCP (supervisor.admission.connections)
     connections = FrontendConnections(frontend_sock, s.rundir.file("frontend.ipc"),
                                       max_tcp_peers=cfg.max_tcp_peers,

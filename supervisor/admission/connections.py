@@ -21,14 +21,59 @@ The monitors' queues are deep (:data:`MONITOR_HWM` events): a lost ACCEPTED
 would leave a connection uncounted, a lost DISCONNECTED a slot taken (until
 its fd is reused, which the gate notices).
 
-Owns: the monitor sockets and the gate. Loop thread only (``on_readable`` /
-``on_tcp_readable`` are registered with the loop).
+The pause: what keeps the abort impossible when the loop lags. Shedding needs
+the loop, and libzmq's I/O thread accepts whether the loop reads the monitors
+or not (a loop that lags a few seconds on a busy host let a connection flood
+reach the limit: ``Too many open files (src/ipc_listener.cpp:297)``; libzmq
+4.3.5's ipc accept tolerates EAGAIN, EINTR, ECONNABORTED, EPROTO and ENFILE,
+not EMFILE; its TCP accept reports EMFILE as a failed accept and goes on). So
+a guard thread (:class:`_PathGuard`), not the loop, reads the monitors: it
+blocks on them, counts every live connection (ipc and TCP) and forwards each
+event to the loop's gate unchanged. Once the connections reach
+:func:`pause_at` (seven eighths of the budget) it renames ``frontend.ipc`` and
+``small.ipc`` into ``<run dir>/.paused/`` (0700: a client-group peer cannot
+reach them there); back at :func:`resume_at` (three quarters, what TCP may
+hold) it renames them back. A unix socket's listening fd keeps its accepted
+connections and its backlog across a rename: connected clients never notice,
+and a connect that finds no path fails (ENOENT) and libzmq's client retries
+every ``reconnect_ivl`` (100 ms), its messages queued meanwhile. Each ipc
+listener's backlog is :data:`IPC_BACKLOG`.
+
+Why no accept can meet EMFILE. The guard reads one event ahead: while another
+waits unread, its count lags libzmq's by an unknown number, so it pauses from a
+quarter of the budget (``B`` = :func:`~supervisor.host.fdlimit.fd_budget`, half
+of the soft limit after the 256 reserved and the reservations); caught up, at
+seven eighths of it (:func:`pause_at`), and it resumes only caught up. A flood
+that outruns the guard past ``B/4`` is thereby throttled to the guard's own
+pace (pauses and resumes alternate; each is counted). The rest of the process
+keeps within the other half of the limit and the reserve, so a pause finds at
+least ``256 + B/8`` fds free (caught up) or ``256 + 3B/4`` minus the events
+still queued (lagging). After the rename, at most :data:`IPC_BACKLOG` + 1
+connections per ipc listener can still be accepted (those already queued). So
+an abort needs the I/O thread to accept more connections between the event
+that made the pause and the rename (the queued events plus the guard's
+reaction: woken by the monitor, the GIL taken back from the loop within its
+switch interval, one ``rename``) than ``256 + B/8 - 2 x 33`` = ``190 + B/8``
+(caught up: 238 at a 1,024-fd limit, 1,424 at a 20,000 one, 131,000 at 2**20).
+The most measured under load (8 or 16 flood processes of greeted connections
+beside two CPU burners, load 11: docs/SECURITY.md, the connection row) was 176,
+backlog included: covered 8 times at 20,000 fds, hundreds of times at the
+limits hosts often give (2**20), and only just at 1,024 (raise the hard limit). TCP
+needs no pause (libzmq's TCP accept survives EMFILE) but counts: its
+connections use the same fds.
+
+Owns: the monitor sockets, the guard thread and the gate. The gate, ``on_readable`` /
+``on_tcp_readable`` (registered with the loop): loop thread only. The guard thread
+owns the monitors' own sockets, its count and the renames; it only reads the gate's
+``budget`` (an int, replaced whole); :meth:`FrontendConnections.close` stops it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import threading
 import time
 from collections.abc import Callable, Container
 from typing import TypedDict
@@ -36,11 +81,12 @@ from typing import TypedDict
 import zmq
 
 from shared.log import get_logger, log_event
-from shared.zmq_monitor import recv_monitor_event
+from shared.zmq_monitor import monitor_event, recv_monitor_event
 from supervisor.host.fdlimit import fd_budget
 from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer_of
 
-__all__ = ["ConnectionStatus", "FrontendConnections", "watch"]
+__all__ = ["IPC_BACKLOG", "PAUSE_DIR", "ConnectionStatus", "FrontendConnections", "clean_paused", "pause_at",
+           "resume_at", "watch"]
 
 
 class ConnectionStatus(TypedDict):
@@ -53,6 +99,8 @@ class ConnectionStatus(TypedDict):
     connections_shed_by: dict[str, int]
     tcp_connections: int
     tcp_sources: int
+    frontend_paused: bool
+    frontend_pauses: int
 
 
 _log = get_logger("supervisor.admission.connections")
@@ -65,6 +113,39 @@ MONITOR_HWM = 100_000
 _LOG_EVERY_S = 10.0
 #: rounds of EVENTS_PER_TURN events :meth:`FrontendConnections.settle` reads at most
 _SETTLE_ROUNDS = 16
+#: each ipc listener's ``ZMQ_BACKLOG`` (libzmq's default: 100): what it can still accept once paused
+IPC_BACKLOG = 32
+#: where a paused ipc socket waits (in the run dir, 0700)
+PAUSE_DIR = ".paused"
+
+
+def pause_at(budget: int) -> int:
+    """Connections (ipc and TCP) at which the ipc paths are renamed away: seven eighths of ``budget``."""
+    return budget - max(1, budget // 8)
+
+
+def resume_at(budget: int) -> int:
+    """Connections at or below which a paused frontend takes its paths back: three quarters of
+    ``budget`` (what TCP may hold: local clients are never kept out by remote ones alone)."""
+    return min(budget - budget // 4, pause_at(budget) - 1)
+
+
+def clean_paused(run_dir: str) -> None:
+    """Remove ``<run_dir>/.paused`` and what a crashed supervisor left in it."""
+    where = os.path.join(run_dir, PAUSE_DIR)
+    try:
+        names = os.listdir(where)
+    except FileNotFoundError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(where, name))
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(where)
+    except FileNotFoundError:
+        pass
 
 
 def _nobody() -> Container[bytes]:
@@ -84,17 +165,197 @@ def watch(sock: zmq.Socket[bytes], events: int = _EVENTS) -> zmq.Socket[bytes]:
     return pair
 
 
+class _PathGuard(threading.Thread):
+    """The guard thread (see the module docstring): reads the monitors, counts, pauses, forwards.
+
+    Threads: :meth:`adopt` and :meth:`stop` from the loop thread; everything else on the guard
+    thread. A monitor is handed over through ``_pending`` (a list append), then the guard is
+    woken through an inproc pair (the loop's end sends, the guard's end is in its poll: it
+    blocks with no timeout). The guard's sockets are not the context's tracked ones
+    (``zmq.Socket(ctx, ...)``): the supervisor's teardown (``Context.destroy``, which must not
+    close a socket another thread polls) closes the tracked ones, the loop's end of the pair
+    among them, and terminates the context; the guard's poll answers ETERM and it closes its own.
+    """
+
+    def __init__(self, budget: Callable[[], int], run_dir: str, pause: bool) -> None:
+        super().__init__(name="twt-fd-guard", daemon=True)
+        self._budget = budget
+        self.run_dir = run_dir
+        self._pause = pause
+        #: (monitor, forward) pairs for the guard to take over
+        self._pending: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = []
+        #: the ipc paths renamed away by a pause
+        self.paths: list[str] = []
+        self._live: set[tuple[int, int]] = set()
+        self._stopping = threading.Event()
+        #: read by any thread (a bool and ints, replaced whole)
+        self.paused = False
+        self.pauses = 0
+        #: events the loop's gate did not get (its queue full)
+        self.lost = 0
+        #: the most connections accepted during a pause past the count that made it (the backlog and
+        #: the events still queued: the guard's reaction, measured)
+        self.overshoot = 0
+        self._paused_with = 0
+        self._logged = -_LOG_EVERY_S
+        #: the wake pair (made with the first monitor): the loop's end, the guard's end
+        self._wake: zmq.Socket[bytes] | None = None
+        self._woken: zmq.Socket[bytes] | None = None
+
+    def adopt(self, monitor: zmq.Socket[bytes], forward: zmq.Socket[bytes]) -> None:
+        if self._wake is None:
+            ctx = monitor.context
+            addr = f"inproc://twt-fd-guard-{id(self):x}-{time.monotonic_ns():x}"
+            woken: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)
+            woken.setsockopt(zmq.LINGER, 0)
+            woken.bind(addr)
+            self._woken = woken
+            self._wake = ctx.socket(zmq.PAIR)
+            self._wake.setsockopt(zmq.LINGER, 0)
+            self._wake.connect(addr)
+        self._pending.append((monitor, forward))
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.closed:
+            try:
+                self._wake.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # its queue full (the guard is awake) or the context gone
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._poke()
+        if self.is_alive():
+            self.join()
+        if self._wake is not None:
+            self._wake.close(0)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        woken = self._woken
+        assert woken is not None
+        poller.register(woken, zmq.POLLIN)
+        owned: dict[zmq.Socket[bytes], tuple[int, zmq.Socket[bytes]]] = {}
+        try:
+            while not self._stopping.is_set():
+                while self._pending:
+                    monitor, forward = self._pending.pop(0)
+                    owned[monitor] = (len(owned), forward)
+                    poller.register(monitor, zmq.POLLIN)
+                for sock, _ in poller.poll():
+                    if sock is woken:
+                        while woken.poll(0):
+                            woken.recv()
+                        continue
+                    index, forward = owned[sock]
+                    self._drain(sock, index, forward)
+        except zmq.ContextTerminated:
+            pass  # the supervisor's teardown: close ours below
+        finally:
+            woken.close(0)
+            for monitor, (_, forward) in owned.items():
+                monitor.close(0)
+                forward.close(0)
+            for monitor, forward in self._pending:
+                monitor.close(0)
+                forward.close(0)
+            if self.paused:
+                clean_paused(self.run_dir)  # the listeners are closed or closing: nothing to take back
+            if self.pauses:
+                log_event(_log, logging.WARNING, "supervisor.frontend_pauses", pauses=self.pauses,
+                          overshoot=self.overshoot, lost=self.lost)
+
+    def _drain(self, monitor: zmq.Socket[bytes], index: int, forward: zmq.Socket[bytes]) -> None:
+        try:
+            frames: list[bytes] | None = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        for turn in range(EVENTS_PER_TURN):
+            assert frames is not None
+            kind, fd = monitor_event(frames)
+            if kind == zmq.EVENT_ACCEPTED:
+                self._live.add((index, fd))  # a key held already: its DISCONNECTED was lost
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._live.discard((index, fd))
+            try:  # the next one read first: one waiting means the count lags the I/O thread
+                after: list[bytes] | None = monitor.recv_multipart(zmq.NOBLOCK) if turn + 1 < EVENTS_PER_TURN else None
+            except zmq.Again:
+                after = None
+            if self._pause:
+                self._decide(lagging=after is not None or turn + 1 == EVENTS_PER_TURN)
+            try:
+                forward.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                self.lost += 1
+            frames = after
+            if frames is None:
+                return
+
+    def _decide(self, lagging: bool) -> None:
+        """Pause at :func:`pause_at`, or from a quarter of the budget while events wait unread (the I/O
+        thread is ahead by an unknown count); resume at :func:`resume_at` once caught up."""
+        live, budget = len(self._live), self._budget()
+        if not self.paused:
+            if live >= pause_at(budget) or (lagging and live >= budget // 4):
+                self._rename(True)
+                self._paused_with = live
+                now = time.monotonic()
+                if now - self._logged >= _LOG_EVERY_S:
+                    self._logged = now
+                    log_event(_log, logging.WARNING, "supervisor.frontend_paused", connections=live, budget=budget,
+                              lagging=lagging, pauses=self.pauses, overshoot=self.overshoot)
+        elif live <= resume_at(budget) and not lagging:
+            self._rename(False)
+        elif live - self._paused_with > self.overshoot:
+            self.overshoot = live - self._paused_with
+
+    def _rename(self, pause: bool) -> None:
+        hidden_dir = os.path.join(self.run_dir, PAUSE_DIR)
+        if pause:
+            try:
+                os.mkdir(hidden_dir, 0o700)
+            except FileExistsError:
+                pass
+            os.chmod(hidden_dir, 0o700)
+        for path in self.paths:
+            hidden = os.path.join(hidden_dir, os.path.basename(path))
+            try:
+                if pause:
+                    os.replace(path, hidden)
+                else:
+                    os.replace(hidden, path)
+            except FileNotFoundError:
+                pass  # unlinked by a stop, or never bound
+            except OSError as exc:  # the run dir unwritable: shedding still holds the budget
+                log_event(_log, logging.ERROR, "supervisor.frontend_pause_failed", path=path, pause=pause,
+                          error=str(exc))
+        self.paused = pause
+        if pause:
+            self.pauses += 1
+        else:
+            try:
+                os.rmdir(hidden_dir)  # empty unless a rename back failed: then the socket stays there
+            except OSError:
+                pass
+
+
 class FrontendConnections:
     """Counts the frontend's connections and sheds those past the bounds."""
 
     def __init__(self, sock: zmq.Socket[bytes], path: str, *, max_tcp_peers: int = 1 << 30,
-                 max_tcp_peers_per_source: int = 1 << 30, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_tcp_peers_per_source: int = 1 << 30, clock: Callable[[], float] = time.monotonic,
+                 pause: bool = True) -> None:
+        """``pause``: rename the ipc paths away near the budget (False: only shed past it)."""
         self.path = path
         self.clock = clock
         #: the client keys with a request in flight (the frontend's answer, given once it exists):
         #: a session with one is never dropped for idleness nor evicted
         self.busy: Callable[[], Container[bytes]] = _nobody
-        self.monitor: zmq.Socket[bytes] = watch(sock)
+        #: the guard thread: reads the monitors, pauses the ipc paths near the budget
+        self.guard = _PathGuard(lambda: self.gate.budget, os.path.dirname(path), pause)
+        clean_paused(self.guard.run_dir)  # a crashed supervisor's
+        self.monitor: zmq.Socket[bytes] = self._guarded(sock, path)
         self.tcp_monitor: zmq.Socket[bytes] | None = None
         #: the small-frame ipc socket's monitor and path, once watched (:meth:`watch_small`)
         self.small_monitor: zmq.Socket[bytes] | None = None
@@ -106,6 +367,31 @@ class FrontendConnections:
         self.limit = self.soft_limit()
         self.gate = ConnectionGate(fd_budget(self.limit), max_tcp_peers, max_tcp_peers_per_source)
         self._logged: dict[str, float] = {}
+        self.guard.start()
+
+    def _guarded(self, sock: zmq.Socket[bytes], path: str | None) -> zmq.Socket[bytes]:
+        """Watch ``sock`` through the guard thread (before it binds): the socket the loop reads its
+        monitor's events from, forwarded. ``path``: an ipc listener's, paused near the budget."""
+        if path is not None:
+            sock.setsockopt(zmq.BACKLOG, IPC_BACKLOG)
+            self.guard.paths.append(path)
+        ctx = sock.context
+        addr = f"inproc://twt-monitor-{id(sock):x}-{time.monotonic_ns():x}"
+        sock.monitor(addr, _EVENTS)
+        monitor: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)  # the guard's (see _PathGuard)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.setsockopt(zmq.RCVHWM, MONITOR_HWM)
+        monitor.connect(addr)
+        forward: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)
+        forward.setsockopt(zmq.LINGER, 0)
+        forward.setsockopt(zmq.SNDHWM, MONITOR_HWM)
+        forward.bind(addr + "-fwd")
+        out: zmq.Socket[bytes] = ctx.socket(zmq.PAIR)  # the loop's
+        out.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.RCVHWM, MONITOR_HWM)
+        out.connect(addr + "-fwd")
+        self.guard.adopt(monitor, forward)
+        return out
 
     @staticmethod
     def soft_limit() -> int:
@@ -122,14 +408,14 @@ class FrontendConnections:
         """Count the TCP frontend's connections too (call before it binds; then add each
         bound port to :attr:`tcp_ports`). Returns the monitor socket for the loop."""
         self._tcp_sock = sock
-        self.tcp_monitor = watch(sock)
+        self.tcp_monitor = self._guarded(sock, None)
         return self.tcp_monitor
 
     def watch_small(self, sock: zmq.Socket[bytes], path: str) -> zmq.Socket[bytes]:
         """Count the local small-frame socket's connections (``small.ipc``, at ``path``) in the same
         budget (call before it binds). Returns the monitor socket for the loop (:meth:`on_small_readable`)."""
         self.small_path = path
-        self.small_monitor = watch(sock)
+        self.small_monitor = self._guarded(sock, path)
         return self.small_monitor
 
     def on_readable(self) -> None:
@@ -223,9 +509,12 @@ class FrontendConnections:
             "connections_shed_by": dict(gate.shed_by),
             "tcp_connections": gate.tcp,
             "tcp_sources": gate.sources(),
+            "frontend_paused": self.guard.paused,
+            "frontend_pauses": self.guard.pauses,
         }
 
     def close(self) -> None:
+        self.guard.stop()
         if self._tcp_sock is not None and self.tcp_monitor is not None:
             if not self._tcp_sock.closed:
                 self._tcp_sock.monitor(None, 0)

@@ -27,6 +27,8 @@ class FrontendCounters:
     connections: int = 0
     tcp_connections: int = 0
     connection_budget: int = 0
+    frontend_paused: bool = False  # the ipc paths renamed away for fds (supervisor.admission.connections)
+    frontend_pauses: int = 0
     tcp_pauses: int = 0  # the TCP frontend not read for a while (supervisor.admission.pacing)
     tcp_paused_s: float = 0.0
     #: an over-rate tenant held while another tenant's request was in flight; of those, the holds that

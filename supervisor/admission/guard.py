@@ -113,6 +113,8 @@ class FrontendGuard:
             connections=gate.connected if gate is not None else 0,
             tcp_connections=gate.tcp if gate is not None else 0,
             connection_budget=gate.budget if gate is not None else 0,
+            frontend_paused=self.connections.guard.paused if self.connections is not None else False,
+            frontend_pauses=self.connections.guard.pauses if self.connections is not None else 0,
             tcp_pauses=self.pacer.pauses,
             tcp_paused_s=self.pacer.paused_s,
             yield_holds=self.yielding.holds,

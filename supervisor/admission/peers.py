@@ -13,7 +13,10 @@ counted at accept - a raw TCP connection that never sends the ZMTP greeting
 never reaches ZAP, so only the accept can see it. libzmq
 sees the peer gone and closes it, the client sees a refused connection (and
 retries), and every connected client keeps working. :class:`ConnectionGate` is
-the count and the decision; :func:`shed` / :func:`shed_tcp` the act.
+the count and the decision; :func:`shed` / :func:`shed_tcp` the act (on libzmq's
+fd itself, never a duplicate: a shed must work at the fd limit). The events reach
+the gate through ``supervisor.admission.connections``' guard thread, which also
+renames the ipc paths away near the budget however far the loop lags.
 
 Unauthenticated peers. A request without a verified capability - garbage,
 forged or foreign tokens - is answered with a small typed error, but a peer
@@ -66,7 +69,6 @@ Loop thread only.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Container
@@ -413,12 +415,21 @@ def tcp_peer(fd: int, ports: Collection[int]) -> str | None:
     return None if peer is None else peer[0]
 
 
+def _borrow(fd: int) -> socket.socket | None:
+    """A socket object on libzmq's ``fd`` itself, no duplicate (``os.dup`` needs a free fd, and
+    a shed matters most at the fd limit): the caller must ``detach()`` it, never close it.
+    None when ``fd`` is closed or not a socket."""
+    try:
+        return socket.socket(fileno=fd)
+    except OSError:
+        return None
+
+
 def tcp_peer_of(fd: int, ports: Collection[int]) -> Peer | None:
     """``(address, port)`` of the peer of ``fd`` if it is a TCP connection accepted on one of
     ``ports``; None when the fd is gone or is something else now (closed and reused)."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    sock = _borrow(fd)
+    if sock is None:
         return None
     try:
         if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
@@ -430,16 +441,15 @@ def tcp_peer_of(fd: int, ports: Collection[int]) -> Peer | None:
     except OSError:
         return None
     finally:
-        sock.close()  # our duplicate only
+        sock.detach()  # libzmq's fd: never closed here
 
 
 def shed_tcp(fd: int, ports: Collection[int], peer: Peer | None = None) -> bool:
     """Shut down the accepted TCP connection ``fd`` if it is still one of ``ports``' (and, given
     ``peer``, still that peer's: the fd may have been closed and reused by a new connection);
     libzmq closes it on seeing EOF, its handshake done or not. False when it is gone or reused."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    sock = _borrow(fd)
+    if sock is None:
         return False
     try:
         if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.getsockname()[1] not in ports:
@@ -452,15 +462,15 @@ def shed_tcp(fd: int, ports: Collection[int], peer: Peer | None = None) -> bool:
     except OSError:
         return False
     finally:
-        sock.close()
+        sock.detach()
 
 
 def shed(fd: int, path: str) -> bool:
     """Shut down the accepted connection ``fd`` if it is still one of ``path``'s (libzmq
-    closes it on seeing EOF); False when the fd is gone or now something else."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    closes it on seeing EOF); False when the fd is gone or now something else. An accepted
+    unix connection keeps its listener's bound name through a pause's rename."""
+    sock = _borrow(fd)
+    if sock is None:
         return False
     try:
         if sock.family != socket.AF_UNIX or sock.getsockname() != path:
@@ -470,4 +480,4 @@ def shed(fd: int, path: str) -> bool:
     except OSError:
         return False
     finally:
-        sock.close()  # our duplicate only
+        sock.detach()  # libzmq's fd: never closed here

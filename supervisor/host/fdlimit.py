@@ -6,8 +6,10 @@ sockets, a sentinel pipe). At the soft limit libzmq's ipc accept asserts
 (``Too many open files (src/ipc_listener.cpp:297)``) and the process aborts,
 taking every tenant's workers with it. So the supervisor starts by raising
 its soft limit as far as it may (the hard limit, and the kernel's
-``fs.nr_open``), and the frontend sheds connections well before the limit
-(``fd_budget``): the limit is a resource like any other, never a crash.
+``fs.nr_open``), and the frontend keeps its connections well below the limit
+(``fd_budget``: a guard thread renames the ipc paths away near it, and what
+still gets in past it is shed; see ``supervisor.admission.connections``): the
+limit is a resource like any other, never a crash.
 
 Other parts of the supervisor that open descriptors on behalf of peers (the
 metrics HTTP server: its listener, its event loop and at most

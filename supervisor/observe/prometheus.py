@@ -277,6 +277,12 @@ class _StateCollector:
                         "Frontend connections (ipc and TCP together) allowed by the fd budget", [])
         budget.add_metric([], fc.connection_budget)
         yield budget
+        paused = _gauge("twt_frontend_paused", "1 while frontend.ipc and small.ipc are renamed away "
+                        "(connections near the fd budget)", [])
+        paused.add_metric([], int(fc.frontend_paused))
+        yield paused
+        yield CounterMetricFamily("twt_frontend_pauses", "Times frontend.ipc and small.ipc were renamed away "
+                                  "for the fd budget", value=fc.frontend_pauses)
 
     @staticmethod
     def _pool_and_devices(snap: MetricsSnapshot) -> Iterator[Metric]:

@@ -172,7 +172,9 @@ for s in socks:
 
 def test_connections_past_the_fd_limit_are_shed_never_an_abort() -> None:
     """Before: with a 1,024 fd limit about 1,000 connections aborted the supervisor
-    (libzmq asserts on EMFILE in accept), taking every tenant's workers with it."""
+    (libzmq asserts on EMFILE in accept), taking every tenant's workers with it. Now the
+    paths pause near the budget (the flooders' libzmq retries) and what still gets in past
+    it is shed (the loop stalled during a flood: test_fd_guard.py)."""
     with supervisor([{"name": "bystander"}], log_level="error") as sup:
         c = sup.client
         cap = c.tenant_capability(None, "bystander")
@@ -185,7 +187,8 @@ def test_connections_past_the_fd_limit_are_shed_never_an_abort() -> None:
         )
         try:
             assert flood.stdout is not None and flood.stdout.readline().strip() == "connected"
-            wait_for(lambda: c.status().supervisor.connections_shed > 0, timeout_s=30, what="shedding")
+            wait_for(lambda: (st := c.status().supervisor).connections_shed > 0 or st.frontend_pauses > 0,
+                     timeout_s=30, what="shedding or a pause")
             assert psutil.Process(sup.pid).num_fds() < 1024
             assert c.ping(cap).tenant == "bystander"  # a connected client keeps working
         finally:
