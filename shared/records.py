@@ -202,6 +202,8 @@ class SupervisorRecord(HelloInfo):
     yield_holds: int = 0
     yield_full_holds: int = 0
     yield_budget_holds: int = 0
+    #: times frontend.ipc was not read while a tenant refused for its rate there waited for its bucket
+    rate_pauses: int = 0
     #: the backend's driver: the NVIDIA kernel driver's version and the CUDA version it supports
     #: ("" on the stub; the same as twt_backend_info's labels)
     driver_version: str = ""

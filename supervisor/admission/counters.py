@@ -36,3 +36,4 @@ class FrontendCounters:
     yield_holds: int = 0
     yield_full_holds: int = 0
     yield_budget_holds: int = 0
+    rate_pauses: int = 0  # frontend.ipc not read while a tenant refused for its rate waits for its bucket

@@ -455,9 +455,9 @@ class Frontend:
         return not any(light.get(source, 0.0) > now for source in self.guard.yielding.sources_of(tenant))
 
     def _begin_hold(self, now: float) -> None:
-        """Hold the tenants over their rate (on sockets no other active tenant sends on) while
-        another tenant's request is in flight."""
-        held = frozenset(t for t in self._over if self._unshared(t, now))
+        """Hold the tenants over their rate while another tenant's request is in flight (their
+        sockets unread where no other active tenant sends: _set_held)."""
+        held = self._over
         if not held or not self._others_in_flight():
             return
         yielding = self.guard.yielding
@@ -493,8 +493,9 @@ class Frontend:
 
     def _charge(self, tenant: str, now: float) -> None:
         """One request of an over-rate tenant served while another tenant is active: past its
-        contended budget, it is held until the budget is back (when its sockets are its own)."""
-        if tenant in self._budget_held or not self._unshared(tenant, now):
+        contended budget, it is held until the budget is back (its sockets unread where they are
+        its own: _set_held)."""
+        if tenant in self._budget_held:
             return
         rt = self.tenants.get(tenant)
         rate = self.guard.admission.requests_per_s
@@ -515,10 +516,14 @@ class Frontend:
 
     def _set_held(self, now: float) -> None:
         """The held tenants - the hold's and those past their budgets - wait in the fair queue,
-        and the sockets they send on are not read; the others are read again."""
+        and the sockets they send on are not read unless another tenant within its rate is active
+        there (``small.ipc``, shared by local clients: read on, so the other's next request is read
+        as soon as it comes, and the held tenant's read requests wait in order); the others are
+        read again."""
         held = self._hold_tenants | frozenset(self._budget_held)
         self.guard.fair.held = held
-        sources = {source for t in held for source in self.guard.yielding.sources_of(t)}
+        sources_of = self.guard.yielding.sources_of
+        sources = {source for t in held if self._unshared(t, now) for source in sources_of(t)}
         for prefix in self._sources:
             if prefix in sources:
                 self._stop_reading(prefix, "held")

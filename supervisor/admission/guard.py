@@ -48,6 +48,7 @@ class GuardStatus(AdmissionStatus):
     yield_holds: int
     yield_full_holds: int
     yield_budget_holds: int
+    rate_pauses: int
     unauthenticated_dropped: int
     unauthenticated_dropped_by: dict[str, int]
     unauthenticated_backlog: int
@@ -120,6 +121,7 @@ class FrontendGuard:
             yield_holds=self.yielding.holds,
             yield_full_holds=self.yielding.full_holds,
             yield_budget_holds=self.yielding.budget_holds,
+            rate_pauses=self.yielding.rate_pauses,
         )
 
     def status(self) -> GuardStatus | WatchedGuardStatus:
@@ -134,6 +136,7 @@ class FrontendGuard:
             "yield_holds": self.yielding.holds,
             "yield_full_holds": self.yielding.full_holds,
             "yield_budget_holds": self.yielding.budget_holds,
+            "rate_pauses": self.yielding.rate_pauses,
             **self.admission.status(),
         }
         if self.connections is None:

@@ -1,4 +1,4 @@
-"""Yielding: a flooder's own socket is held while another tenant's request is in flight.
+"""Yielding: a flooder is held while another tenant's request is in flight.
 
 Admission (:mod:`supervisor.admission.rates`) holds a tenant to its rate and
 the fair queue (:mod:`supervisor.admission.fairness`) serves the tenants in
@@ -22,12 +22,16 @@ libzmq's pipe, the kernel and its sender - in two cases:
   ``contended_burst``), until the budget is back (at most
   ``max_budget_hold_s`` at a time).
 
-Never held: an over-rate tenant on a socket an active tenant within its rate
-also sends on (the local ipc socket a local victim shares with a local
-flooder): leaving that socket unread would delay the other tenant too (a
-hold on the shared ipc socket was measured: a write flood's victim p50 rose).
-A lone flooder is never held (nobody else is active); a busy tenant within
-its rate is never over it. Nothing read is dropped or reordered here: held
+On a socket an active tenant within its rate also sends on (``small.ipc``,
+which a local victim shares with a local flooder), the socket is still read -
+leaving it unread would delay the other tenant too (a hold of the shared ipc
+socket was measured: a write flood's victim p50 rose) - and only the
+over-rate tenant's requests read there wait in the fair queue: while they
+wait its worker gets no new work, and once the fair queue is full the
+socket is read a few messages a turn, so the rest of the flood waits in its
+sender (libzmq's ROUTER hands out one message per peer in turn: the other
+tenant's request is among the first two read). A lone flooder is never held
+(nobody else is active); a busy tenant within its rate is never over it. Nothing read is dropped or reordered here: held
 requests keep their place, and a socket is only read later.
 
 Pure policy with an injected clock: no sockets, no threads. Loop thread only.

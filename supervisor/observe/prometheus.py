@@ -257,6 +257,8 @@ class _StateCollector:
         yield CounterMetricFamily("twt_yield_budget_holds", "Times a tenant over its rate was held past its "
                                   "contended budget (half its rate while another tenant is active)",
                                   value=fc.yield_budget_holds)
+        yield CounterMetricFamily("twt_rate_pauses", "Times frontend.ipc was not read while a tenant refused for "
+                                  "its rate there waited for its bucket", value=fc.rate_pauses)
         dropped = CounterMetricFamily("twt_unauthenticated_dropped",
                                       "Requests without a verified capability dropped unanswered, by reason "
                                       "(peer_rate, unread_replies, backlog_bytes)", labels=["reason"])

@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         ["unauthenticated_dropped", stats.unauthenticated_dropped], ["admission_refused", stats.admission_refused],
         ["admission_unanswered", stats.admission_unanswered], ["tcp_pauses", stats.tcp_pauses],
         ["tcp_paused_s", stats.tcp_paused_s], ["yield_holds", stats.yield_holds],
-        ["yield_full_holds", stats.yield_full_holds], ["yield_budget_holds", stats.yield_budget_holds]])))
+        ["yield_full_holds", stats.yield_full_holds], ["yield_budget_holds", stats.yield_budget_holds],
+        ["rate_pauses", stats.rate_pauses]])))
     report.targets += targets
     report.data.update(quiet_us={"p50": q50, "p99": q99, "relay_p50": percentile(quiet_raw, 0.5),
                                  "relay_p99": percentile(quiet_raw, 0.99)}, floods=data,

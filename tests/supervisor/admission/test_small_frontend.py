@@ -5,6 +5,7 @@ sockets". Correctness only: what is answered, by which socket, in which order; n
 from __future__ import annotations
 
 import os
+import urllib.request
 from typing import Any
 
 import zmq
@@ -122,9 +123,12 @@ def test_the_client_sends_big_frames_to_frontend_ipc_and_small_ones_to_small_ipc
 def test_a_tenant_past_its_byte_rate_on_frontend_ipc_loses_nothing_and_keeps_its_order() -> None:
     """frontend.ipc is not read while its tenant waits for its bucket: every request sent there is
     answered exactly once (OK or the typed rate refusal), the OK ones in the order sent; a request
-    of another tenant on small.ipc is answered meanwhile."""
+    of another tenant on small.ipc is answered meanwhile. Each pause is counted: ``rate_pauses`` in
+    the status and ``twt_rate_pauses_total`` on /metrics."""
     # (a byte bucket saves up max(its rate, max_message_bytes): 4 MiB here, so that 100 MiB overflow it)
-    with supervisor(log_level="error", tenant_refusals_per_s=1e6, max_message_bytes=4 * _MIB) as sup:
+    with supervisor(log_level="error", tenant_refusals_per_s=1e6, max_message_bytes=4 * _MIB,
+                    metrics_addr="127.0.0.1:0") as sup:
+        assert sup.client.status().supervisor.rate_pauses == 0
         cap = sup.client.register(sup.admin_capability, TenantSpec("bulk", bytes_per_s=8 * _MIB, max_in_flight=1024))
         other = sup.client.register(sup.admin_capability, TenantSpec("other"))
         handle = sup.client.alloc(cap, _MIB)
@@ -148,5 +152,11 @@ def test_a_tenant_past_its_byte_rate_on_frontend_ipc_loses_nothing_and_keeps_its
             assert all(p["code"] == "overloaded" and p["fields"]["cause"] == "rate" for p in refused)
             assert order == sorted(order) and len(order) >= 1
             assert refused  # the rate bound (8 MiB/s against 100 MiB sent at once)
+            pauses = sup.client.status().supervisor.rate_pauses
+            assert pauses >= 1
+            with urllib.request.urlopen(sup.client.info["metrics_url"], timeout=10) as resp:
+                metrics = {line.split()[0]: float(line.split()[1]) for line in resp.read().decode().splitlines()
+                           if line.startswith("twt_rate_pauses")}
+            assert metrics["twt_rate_pauses_total"] >= pauses
         finally:
             sock.close(0)

@@ -171,3 +171,66 @@ def test_a_held_flood_shows_in_the_status_and_metrics_counters() -> None:
         assert values["twt_yield_budget_holds_total"] >= 1
         assert "twt_yield_full_holds_total" in values
         assert c.status().supervisor.internal_errors == 0
+
+
+@pytest.mark.timeout(180)
+def test_an_over_rate_tenant_on_the_victims_own_socket_waits_in_the_fair_queue_in_order() -> None:
+    """A tenant over its rate on ``small.ipc``, the socket a tenant within its rate pings on too:
+    the socket is still read (the other's next request is never behind an unread socket), but the
+    over-rate tenant's requests read meanwhile wait in the fair queue while the other's request is
+    at a worker (a hold) and past its contended budget (a budget hold). Every request of its is
+    answered exactly once or counted unanswered, the answered ones in the order sent, each refusal
+    the typed rate refusal with its ``retry_after_s``."""
+    tenants = [{"name": "flooder", "requests_per_s": 200}, {"name": "victim"}]
+    with supervisor(tenants, log_level="error", tenant_refusals_per_s=1e6) as sup:
+        c = sup.client
+        before = c.status().supervisor
+        assert (before.yield_holds, before.yield_budget_holds) == (0, 0)
+        victim = c.tenant_capability(None, "victim")
+        assert c.endpoint.endswith("/small.ipc")
+        flooder = c.tenant_capability(None, "flooder").to_bytes()
+        ctx: zmq.Context[Any] = zmq.Context()
+        s: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.connect(str(sup.info["small_frontend"]))
+        sent = 0
+        answers: dict[int, tuple[bool, Any]] = {}
+        order: list[int] = []
+
+        def read() -> None:
+            while s.poll(0):
+                rid, ok, payload = proto.decode_reply(s.recv_multipart()[0])
+                assert rid not in answers, f"rid {rid} answered twice"
+                answers[rid] = (ok, payload)
+                if ok:
+                    order.append(rid)
+
+        def held() -> bool:  # the flood goes on (over its rate) while the victim pings
+            nonlocal sent
+            for _ in range(50):
+                sent += 1
+                s.send(proto.encode_request(sent, "ping", flooder, {}))
+            read()
+            assert c.ping(victim).tenant == "victim"
+            status = c.status().supervisor
+            return status.yield_holds >= 1 and status.yield_budget_holds >= 1
+
+        try:
+            wait_for(held, timeout_s=60, what="a hold and a budget hold on the shared socket counted")
+
+            def all_taken() -> bool:
+                read()
+                return len(answers) + c.status().supervisor.admission_unanswered >= sent
+
+            wait_for(all_taken, timeout_s=60, what="every flood request answered or dropped")
+        finally:
+            s.close(0)
+            ctx.destroy(0)
+        status = c.status().supervisor
+        assert len(answers) + status.admission_unanswered == sent  # held, never lost
+        assert order == sorted(order) and order  # served in the order sent
+        refused = [p for ok, p in answers.values() if not ok]
+        assert refused and all(p["code"] == "overloaded" and p["fields"]["cause"] == "rate"
+                               and p["fields"]["retry_after_s"] > 0 for p in refused)
+        assert status.internal_errors == 0
