@@ -91,9 +91,9 @@ its device's CPU and the worker's other threads on the rest (:func:`pin_device`,
 
 **The stub's executor** (``worker.backends.stub_executor``: a C thread running launched GEMM chunks
 back to back, the stub's device). The device thread is then its driver: a GEMM chunk is launched and
-pending until settled, as on cuda; a boundary inside a stretch tells the board what already ran and
-lets the launched chunks run on (waited for after its ``finish`` only where the device went on, and
-charged at once: ``GpuTimeBoard.charge``), the stretch's end waits for them first; the driver runs
+pending until settled, as on cuda; a boundary tells the board what already ran and lets the launched
+chunks run on - waited for after its ``finish`` where the device went on or the stretch ended, and
+charged at once (``GpuTimeBoard.charge``): a grantee's first launch queues behind them; the driver runs
 at most 1/:data:`_AHEAD_DIV` of a chunk ahead (:meth:`DeviceGate._ahead`); other ops run on the driver
 once the executor is idle. With ``stub_device_cpus`` the executor's thread is the one on the
 device's CPU.
@@ -1146,14 +1146,14 @@ class DeviceGate:
                 self._drain_carried()
             return
         board = self.board if self._held_board else None
-        # the stub's executor at a boundary inside the stretch: the board hears of what already ran,
-        # the launched chunks run on, waited for after it only where the device went on (a drain before
-        # every boundary idled the device for the driver's wake, the board's call and the next launch);
-        # at the stretch's end they are waited for first, as cuda's: the board is told all of it
-        soft = self._executor is not None and board is not None and not last
+        # the stub's executor: the board hears of what already ran, the launched chunks run on, waited
+        # for after it where the device went on or the stretch ended, and charged then (a drain before
+        # every boundary idled the device for the driver's wake, the board's call and the next launch;
+        # before a stretch's end, the grantee's first launch waited for the giver's drain)
+        soft = self._executor is not None and board is not None
         error: BaseException | None = None
         try:
-            self._settle(wait=not soft)  # the lease moves only once this worker's pending work is complete
+            self._settle(wait=not soft)  # (cuda) the lease moves only once this worker's pending work is complete
         except KernelTimeout:
             raise  # overran: the work may still run, so the stretch keeps the lease until the exit
         except Exception as exc:  # noqa: BLE001 - a fault: charged what settled, the board told, then raised
@@ -1166,9 +1166,10 @@ class DeviceGate:
         chunk_from, self._quiet_at = self._quiet_at, 0
         if board is not None:
             gave = board.finish(pending, last=last, idle=idle, chunk_from=chunk_from)
-            if gave and self._unsettled:
+            if self._unsettled and (gave or last):
                 # the grantee's first launch may start beside them: at most the driver's run-ahead
-                # (DeviceGate._ahead), each chunk charged its own executor's CPU time
+                # (DeviceGate._ahead), each chunk charged its own executor's CPU time; at the stretch's
+                # end the board is told the rest before the flush returns (GpuTimeBoard.charge)
                 self._drain_carried()
             if gave and board.throttled_wait_ns():
                 # (no sched_yield after a handover: on a host loaded past its cores it hands the giver's

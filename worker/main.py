@@ -36,6 +36,12 @@ from worker.server import WorkerServer, warm_bind_path, wasm_warm_up
 
 __all__ = ["run"]
 
+#: the worker's GIL switch interval (s). CPython's default is 5 ms, and a worker's threads - the guest's
+#: executor, the device thread that launches its next op, the control thread - hand the GIL over only at
+#: a blocking call or when its holder has run that long: a device thread woken to launch the next op
+#: could wait that long for a guest busy in Python (GPU-QUOTAS.md "Hand over first, and the GIL")
+SWITCH_INTERVAL_S = 0.0002
+
 
 def run(boot: BootMessage) -> None:
     """Serve one tenant instance (or wait in the pool to be bound to one)."""
@@ -49,6 +55,7 @@ def run(boot: BootMessage) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     set_process_name("twt-worker")
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     configure_logging(boot.log_format, boot.log_level.upper())  # type: ignore[arg-type]
     log = get_logger("worker")
 

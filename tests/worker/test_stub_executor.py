@@ -187,6 +187,78 @@ def test_queued_gemms_through_the_gate_are_charged_the_executors_own_stamps(bloc
 
 
 @needs_executor
+@pytest.mark.parametrize("gave", [True, False])
+def test_a_stretchs_end_tells_the_board_before_it_waits_for_the_launched_chunks(block: QuotaBlock, gave: bool) -> None:
+    """At the end of a stretch of launched GEMMs the board hears of it (``finish``, where it may pass the
+    device on) before the driver waits for the chunks still running - the grantee's first launch queued
+    behind them, not after the giver's wait - and those chunks are charged at once after it
+    (``GpuTimeBoard.charge``): every chunk's stamp told to the board once, whether the device went on
+    or stayed."""
+    be = StubBackend()
+    board = WaitedBoard(True)
+    events: list[str] = []
+    told: list[int] = []
+
+    def finish(ns: int, now: int | None = None, *, last: bool = True, **kw: object) -> bool:
+        told.append(ns)
+        events.append("finish-last" if last else "finish")
+        return gave and last
+
+    def charge(ns: int) -> None:
+        told.append(ns)
+        events.append("charge")
+
+    board.finish = finish  # type: ignore[method-assign]
+    board.charge = charge  # type: ignore[attr-defined]
+    board.holds = lambda: True  # type: ignore[method-assign]  # (the lease held idle since the last boundary)
+    gate = DeviceGate(block, be, board)  # type: ignore[arg-type]
+    n = 128
+    a, b, c = _buf(be, np.ones((n, n))), _buf(be, np.ones((n, n))), be.alloc(4 * n * n)
+    charged: list[int] = []
+    try:
+        gate.submit("scale_f32", be.scale_f32, (c, 1.0, 1))  # (makes the queue and its timer)
+        gate.sync()
+        timer = gate._executor
+        assert isinstance(timer, stub_executor.ExecutorTimer)
+        launch, settle, collect = timer.launch, timer.settle, timer.collect_done
+
+        def spy_launch(name: str, args: tuple[object, ...]) -> bool:
+            events.append("launch")
+            return launch(name, args)
+
+        def spy_settle(until_ns: int | None) -> tuple[list[int], BaseException | None]:
+            events.append("settle")
+            got = settle(until_ns)
+            charged.extend(got[0])
+            return got
+
+        def spy_collect() -> list[int]:
+            got = collect()
+            charged.extend(got)
+            return got
+
+        timer.launch = spy_launch  # type: ignore[method-assign]
+        timer.settle = spy_settle  # type: ignore[method-assign]
+        timer.collect_done = spy_collect  # type: ignore[method-assign]
+        told.clear()
+        events.clear()
+        for _ in range(12):
+            gate.submit("matmul_f32", be.matmul_f32, (a, b, c, n, n, n), time.monotonic_ns() + 10**10)
+        gate.sync()
+        assert events.count("launch") == 12
+        end = len(events) - 1 - events[::-1].index("finish-last")
+        last_launch = len(events) - 1 - events[::-1].index("launch")
+        assert last_launch < end
+        assert "settle" not in events[last_launch:end]  # the board first, the wait after
+        assert len(charged) == 12
+        assert sum(told) == sum(charged) > 0
+        assert np.all(np.frombuffer(be.read(c, 0, 4 * n * n), np.float32) == n)
+    finally:
+        gate.release()
+        gate.close()
+
+
+@needs_executor
 def test_a_host_op_after_launched_gemms_runs_after_them(block: QuotaBlock) -> None:
     """A queued op the executor does not take (an elementwise add) runs on the driver once every GEMM
     launched before it ran: it reads their result."""
