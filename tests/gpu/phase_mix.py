@@ -183,8 +183,30 @@ def _round(tenants: list[tuple[str, str]], *, n: int, seconds: float, fake: bool
         board.close()
 
 
+#: kill rounds tried until one kills the holder while it holds the device (see _kill_round)
+KILL_TRIES = 5
+
+
 def _kill_round(*, n: int, fake: bool) -> dict[str, Any]:
-    """The holder SIGKILLed mid-chunk while another tenant waits: reclaimed, the waiter's op runs."""
+    """The holder SIGKILLed mid-chunk while another tenant waits: reclaimed, the waiter's op runs.
+
+    The waiter's want makes the holder hand the device over at its op's end, and on the fake an op is
+    a few microseconds: a checker descheduled between seeing the holder busy and the kill (a loaded
+    host) kills a holder that already gave the device away - the scenario did not happen, nothing
+    failed. So a round that did not kill a holder holding the device is tried again (at most
+    :data:`KILL_TRIES`); the answer says how many rounds it took.
+    """
+    result: dict[str, Any] = {}
+    for tries in range(1, KILL_TRIES + 1):
+        result = _kill_once(n=n, fake=fake)
+        result["tries"] = tries
+        if "error" in result or result.get("held"):
+            break
+    return result
+
+
+def _kill_once(*, n: int, fake: bool) -> dict[str, Any]:
+    """One round of :func:`_kill_round`."""
     from shared.gpu_time import GpuTimeBoard
     from shared.quota import QuotaBlock
 
@@ -438,8 +460,8 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, str, str, bool | None,
         rows.append(("mix: holder SIGKILLed mid-chunk", kill["error"][:160], "reclaimed", False, "check"))
     elif kill:
         rows.append(("mix: holder SIGKILLed mid-chunk, its lease reclaimed, the waiter runs",
-                     f"held={kill['held']}, {kill['waiter_got_it_s'] * 1e3:.1f} ms", "held=True", bool(kill["held"]),
-                     "check"))
+                     f"held={kill['held']}, {kill['waiter_got_it_s'] * 1e3:.1f} ms, round {kill.get('tries', 1)}",
+                     "held=True", bool(kill["held"]), "check"))
         if "used_before_ns" in kill:
             after, block_after = kill["used_after_ns"], kill["block_after_ns"]
             kept = after is not None and after >= kill["used_before_ns"] and block_after >= kill["block_before_ns"]
