@@ -432,3 +432,23 @@ def test_a_bound_host_is_never_rehearsed() -> None:
         with pytest.raises(InvalidArgument, match="not warmed"):
             env.host._rehearse(compiled)
         assert env.host.ctx is env.ctx and env.host.stats["runs"] == 0
+
+
+def test_the_warm_up_module_imports_every_host_function_and_passes_a_tenants_checks() -> None:
+    import wasmtime
+
+    from worker.wasm.abi import IMPORT_MODULE, IMPORTS
+
+    host = WasmHost(None)
+    try:
+        wasm = host_mod._binary(host_mod.WARM_UP_WAT)
+        module = wasmtime.Module(host.engine, wasm)
+        imported = {(imp.module, imp.name) for imp in module.imports}
+        assert {(IMPORT_MODULE, name) for name in IMPORTS} <= imported
+        assert {m for m, _ in imported} == {IMPORT_MODULE, "wasi_snapshot_preview1"}
+        host._check_imports(module)  # every import's type is the host's (a tenant's load checks the same)
+        compiled = host._admit("w", module, wasm, 0.0, from_artifact=True, cache=False)
+        host._rehearse(compiled)  # links every import, instantiates and runs: nothing held after it
+        assert host.info()["cached_modules"] == 0 and host.stats["runs"] == 0 and not host.bound
+    finally:
+        host.close()
