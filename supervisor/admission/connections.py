@@ -249,7 +249,12 @@ class _PathGuard(threading.Thread):
                             woken.recv()
                         continue
                     index, forward = owned[sock]
-                    self._drain(sock, index, forward)
+                    try:
+                        self._drain(sock, index, forward)
+                    except zmq.ContextTerminated:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - the guard must outlive any one event
+                        log_event(_log, logging.ERROR, "supervisor.fd_guard_error", error=repr(exc))
         except zmq.ContextTerminated:
             pass  # the supervisor's teardown: close ours below
         finally:
@@ -317,6 +322,10 @@ class _PathGuard(threading.Thread):
                 os.mkdir(hidden_dir, 0o700)
             except FileExistsError:
                 pass
+            except OSError as exc:  # the run dir unwritable: no pause, shedding still holds the budget
+                log_event(_log, logging.ERROR, "supervisor.frontend_pause_failed", path=hidden_dir, pause=pause,
+                          error=str(exc))
+                return
             os.chmod(hidden_dir, 0o700)
         for path in self.paths:
             hidden = os.path.join(hidden_dir, os.path.basename(path))

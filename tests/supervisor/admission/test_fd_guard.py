@@ -157,6 +157,53 @@ def test_the_guard_pauses_near_the_budget_resumes_below_it_and_stops_with_close(
         ctx.term()
 
 
+def test_the_guard_outlives_an_error_in_one_event_and_pauses_at_the_next(tmp_path: Any) -> None:
+    """An error while handling one event (here the first pause's rename) is logged and the guard
+    goes on: a dead guard would leave the loop's gate without events - nothing counted, nothing shed."""
+    import socket
+
+    import zmq
+
+    ctx = zmq.Context()
+    path = str(tmp_path / "f.ipc")
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    conns = FrontendConnections(router, path)
+    router.bind("ipc://" + path)
+    conns.gate.budget = 16
+    guard = conns.guard
+    real, failed = guard._rename, []
+
+    def failing_once(pause: bool) -> None:
+        if not failed:
+            failed.append(pause)
+            raise RuntimeError("the first rename fails")
+        real(pause)
+
+    guard._rename = failing_once  # type: ignore[method-assign]
+    socks: list[socket.socket] = []
+    try:
+        while not guard.paused and len(socks) < 16:
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(path)
+            except OSError:  # paused meanwhile
+                s.close()
+                break
+            socks.append(s)
+            wait_for(lambda: len(guard._live) >= len(socks), what="the guard counted it")
+        wait_for(lambda: guard.paused, what="paused after the failed one")
+        assert failed == [True] and guard.is_alive()
+        assert not os.path.exists(path)
+    finally:
+        for s in socks:
+            s.close()
+        conns.close()
+        assert not guard.is_alive()
+        router.close(0)
+        ctx.term()
+
+
 def _paths(run_dir: str) -> list[str]:
     return [os.path.join(run_dir, "frontend.ipc"), os.path.join(run_dir, "small.ipc")]
 
