@@ -10,6 +10,7 @@ once memory passes the bound, memory comes back under it, a client connected bef
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import launch
-from tests.helpers.cluster import FAST, wait_for
+from tests.helpers.cluster import FAST, supervisor, wait_for
 from tests.helpers.timeouts import scaled
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,8 +53,75 @@ print(sent, int(shed), flush=True)
 """
 
 
-def _attack(path: str, limit: int) -> tuple[int, bool]:
-    out = subprocess.run([sys.executable, "-c", _ENDLESS, path, str(limit)], capture_output=True, text=True,
+#: the same over the CURVE TCP frontend: a raw CurveZMQ client (libsodium through ctypes: a DEALER's
+#: libzmq keeps an incomplete message's parts until its last one) with a fresh key, no allow-list;
+#: argv: host, port, the server's public key (Z85), the bytes to send
+_CURVE_ENDLESS = r"""
+import ctypes, ctypes.util, os, socket, struct, sys
+import zmq.utils.z85 as z85
+na = ctypes.CDLL(ctypes.util.find_library("sodium")); na.sodium_init()
+def keypair():
+    pk, sk = ctypes.create_string_buffer(32), ctypes.create_string_buffer(32)
+    na.crypto_box_keypair(pk, sk); return pk.raw, sk.raw
+def box(m, n, pk, sk):
+    c = ctypes.create_string_buffer(len(m) + 16)
+    assert na.crypto_box_easy(c, m, ctypes.c_ulonglong(len(m)), n, pk, sk) == 0; return c.raw
+def unbox(c, n, pk, sk):
+    m = ctypes.create_string_buffer(len(c) - 16)
+    assert na.crypto_box_open_easy(m, c, ctypes.c_ulonglong(len(c)), n, pk, sk) == 0, "bad box"; return m.raw
+def recv_exact(s, n):
+    b = b""
+    while len(b) < n:
+        x = s.recv(n - len(b))
+        if not x: raise ConnectionError("closed")
+        b += x
+    return b
+def recv_frame(s):
+    flags = recv_exact(s, 1)[0]
+    size = struct.unpack(">Q", recv_exact(s, 8))[0] if flags & 2 else recv_exact(s, 1)[0]
+    return flags, recv_exact(s, size)
+def frame(body, flags):
+    return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body if len(body) > 255 else bytes([flags, len(body)]) + body
+host, port, server_z85, limit = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+S = z85.decode(server_z85.encode())
+C, c = keypair(); Cp, cp = keypair()
+s = socket.create_connection((host, port), timeout=30)
+s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"CURVE".ljust(20, b"\0") + b"\x00" + bytes(31))
+recv_exact(s, 64)
+nonce = 1
+hello = b"\x05HELLO" + b"\x01\x00" + bytes(72) + Cp + struct.pack(">Q", nonce) + box(bytes(64), b"CurveZMQHELLO---" + struct.pack(">Q", nonce), S, cp)
+s.sendall(frame(hello, 4))
+_, welcome = recv_frame(s)
+assert welcome[:8] == b"\x07WELCOME", welcome[:8]
+plain = unbox(welcome[24:], b"WELCOME-" + welcome[8:24], S, cp)
+Sp, cookie = plain[:32], plain[32:]
+vn = os.urandom(16)
+vouch = vn + box(Cp + S, b"VOUCH---" + vn, Sp, c)
+meta = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+nonce += 1
+initiate = b"\x08INITIATE" + cookie + struct.pack(">Q", nonce) + box(C + vouch + meta, b"CurveZMQINITIATE" + struct.pack(">Q", nonce), Sp, cp)
+s.sendall(frame(initiate, 4))
+_, ready = recv_frame(s)
+assert ready[:6] == b"\x05READY", ready[:8]
+k = ctypes.create_string_buffer(32); na.crypto_box_beforenm(k, Sp, cp)
+payload = b"\x01" + b"x" * 65536
+out = ctypes.create_string_buffer(len(payload) + 16)
+sent, shed = 0, False
+try:
+    while sent < limit:
+        nonce += 1
+        n = b"CurveZMQMESSAGEC" + struct.pack(">Q", nonce)
+        na.crypto_box_easy_afternm(out, payload, ctypes.c_ulonglong(len(payload)), n, k)
+        s.sendall(frame(b"\x07MESSAGE" + struct.pack(">Q", nonce) + out.raw, 0))
+        sent += len(payload)
+except OSError:
+    shed = True
+print(sent, int(shed), flush=True)
+"""
+
+
+def _attack(args: list[str], limit: int, script: str = _ENDLESS) -> tuple[int, bool]:
+    out = subprocess.run([sys.executable, "-c", script, *args, str(limit)], capture_output=True, text=True,
                          timeout=scaled(60), check=True).stdout.split()
     return int(out[0]), bool(int(out[1]))
 
@@ -71,7 +139,7 @@ def test_a_message_that_never_ends_is_shed_and_memory_comes_back(tmp_path: Any, 
             assert idle.ping(cap).tenant == "bystander"
             proc = psutil.Process(sup.pid)
             before = proc.memory_info().rss
-            sent, shed = _attack(os.path.join(run_dir, socket_name), 4 * BOUND)
+            sent, shed = _attack([os.path.join(run_dir, socket_name)], 4 * BOUND)
             assert sup.process.poll() is None
             assert shed and sent < 4 * BOUND, f"not shed after {sent >> 20} MiB"
             st = wait_for(lambda: (s := c.status().supervisor).connections_shed_by.get("memory") and s,
@@ -83,3 +151,28 @@ def test_a_message_that_never_ends_is_shed_and_memory_comes_back(tmp_path: Any, 
                      what="memory back under the bound")
         finally:
             idle.close()
+
+
+@pytest.mark.skipif(ctypes.util.find_library("sodium") is None, reason="needs libsodium for a raw CURVE client")
+def test_a_message_that_never_ends_over_curve_tcp_is_shed() -> None:
+    """The CURVE TCP frontend without an allow-list: any key completes the handshake, then sends
+    MORE frames forever. Shed the same way; a remote and a local client are served after."""
+    with supervisor([{"name": "bystander"}], listen=["tcp://127.0.0.1:0"], frontend_memory_bytes=BOUND,
+                    log_level="error") as sup:
+        c = sup.client
+        cap = c.tenant_capability(None, "bystander")
+        proc = psutil.Process(sup.pid)
+        before = proc.memory_info().rss
+        host, _, port = str(sup.info["listen"][0]).removeprefix("tcp://").rpartition(":")
+        sent, shed = _attack([host, port, str(sup.info["server_public_key"])], 4 * BOUND, _CURVE_ENDLESS)
+        assert sup.process.poll() is None
+        assert shed and sent < 4 * BOUND, f"not shed after {sent >> 20} MiB"
+        st = wait_for(lambda: (s := c.status().supervisor).connections_shed_by.get("memory") and s,
+                      timeout_s=scaled(10), what="the memory shed counted")
+        assert st and st.connections_shed_by["memory"] >= 1
+        assert c.ping(cap).tenant == "bystander"
+        with SupervisorClient.remote(str(sup.info["listen"][0]), str(sup.info["server_public_key"]),
+                                     timeout_s=scaled(30)) as remote:
+            assert remote.ping(cap).tenant == "bystander"
+        wait_for(lambda: proc.memory_info().rss < before + BOUND, timeout_s=scaled(10),
+                 what="memory back under the bound")
