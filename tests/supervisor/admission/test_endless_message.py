@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import socket
+import struct
 import subprocess
 import sys
+import time
 from typing import Any
 
 import psutil
 import pytest
+import zmq
 
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import launch
@@ -40,7 +44,13 @@ s.settimeout(30)
 s.connect(sys.argv[1])
 ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
 s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32) + bytes([4, len(ready)]) + ready)
-s.recv(64)
+def take(n):
+    got = b""
+    while len(got) < n:
+        got += s.recv(n - len(got)) or sys.exit("closed in the handshake")
+    return got
+take(64)  # its greeting, then its READY: a frame before that is a protocol error (closed)
+take(take(2)[1])
 frame = b"\x03" + struct.pack(">Q", 65536) + b"x" * 65536
 sent, limit, shed = 0, int(sys.argv[2]), False
 try:
@@ -176,3 +186,93 @@ def test_a_message_that_never_ends_over_curve_tcp_is_shed() -> None:
             assert remote.ping(cap).tenant == "bystander"
         wait_for(lambda: proc.memory_info().rss < before + BOUND, timeout_s=scaled(10),
                  what="memory back under the bound")
+
+
+def _zmtp_peer(path: str, body: bytes | None) -> socket.socket:
+    """A raw ZMTP 3.0 NULL DEALER on ``path``; sends one complete one-frame message ``body``."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(scaled(10))
+    s.connect(path)
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32) + bytes([4, len(ready)]) + ready)
+    def take(n: int) -> bytes:
+        got = b""
+        while len(got) < n:
+            more = s.recv(n - len(got))
+            assert more, "closed in the handshake"
+            got += more
+        return got
+
+    take(64)  # its greeting, then its READY: a message before that is a protocol error (closed)
+    take(take(2)[1])
+    if body is not None:
+        s.sendall(bytes([0, len(body)]) + body)
+    return s
+
+
+def _closed(s: socket.socket) -> bool:
+    """True once the supervisor's side shut ``s`` down (EOF; its greeting read past)."""
+    s.settimeout(0.05)
+    try:
+        while True:
+            if not s.recv(4096):
+                return True
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_the_guard_sheds_stale_connections_first_and_in_flight_ones_only_as_memory_grows(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard alone, its memory readings set by the test: past the bound it sheds the connection
+    that completed nothing and the idle one, keeps the active one and the one with a request in
+    flight; memory past the bound but not growing sheds nothing more; grown another quarter of the
+    bound, the in-flight one goes too. Never the active one."""
+    import supervisor.admission.connections as connections
+
+    level = [100 * MiB]
+    monkeypatch.setattr(connections, "rss_bytes", lambda: level[0])
+    ctx: zmq.Context[Any] = zmq.Context()
+    path = str(tmp_path / "f.ipc")
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    conns = connections.FrontendConnections(router, path, memory_bytes=BOUND, pause=False)
+    router.bind("ipc://" + path)
+    peers: dict[bytes, socket.socket] = {}
+    try:
+        for name in (b"active", b"idle", b"in-flight"):
+            peers[name] = _zmtp_peer(path, name)
+        peers[b"silent"] = _zmtp_peer(path, None)
+        frames: dict[bytes, tuple[int, zmq.Frame]] = {}
+        router.setsockopt(zmq.RCVTIMEO, int(scaled(10) * 1000))
+        while len(frames) < 3:
+            rid = router.recv(copy=False)
+            frames[router.recv()] = (int(rid.get(zmq.SRCFD)), rid)
+        conns.guard.busy = lambda: {b"\0" + frames[b"in-flight"][1].bytes}
+
+        def complete(*names: bytes) -> None:
+            for name in names:
+                fd, rid = frames[name]
+                conns.completed(fd, time.monotonic(), b"\0", rid)
+
+        complete(b"idle", b"in-flight")
+        time.sleep(3 * connections.MEMORY_SAMPLE_S)  # calm samples after those
+        level[0] += BOUND * 3 // 4  # past half the bound: no longer calm, not past it
+        time.sleep(3 * connections.MEMORY_SAMPLE_S)
+        complete(b"active")
+        level[0] += BOUND // 2  # past the bound
+        wait_for(lambda: _closed(peers[b"silent"]) and _closed(peers[b"idle"]), what="the stale ones shed")
+        assert conns.status()["connections_shed_by"]["memory"] == 2
+        time.sleep(3 * connections.MEMORY_SAMPLE_S)  # past the bound, not growing: nothing more
+        assert not _closed(peers[b"in-flight"]) and conns.guard.memory_shed == 2
+        complete(b"active")
+        level[0] += BOUND // 4 + MiB  # grown another quarter
+        wait_for(lambda: _closed(peers[b"in-flight"]), what="the in-flight one shed")
+        assert conns.guard.memory_shed == 3 and not _closed(peers[b"active"])
+    finally:
+        for s in peers.values():
+            s.close()
+        conns.close()
+        router.close(0)
+        ctx.term()
