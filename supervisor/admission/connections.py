@@ -73,10 +73,14 @@ it started). The frontend records, per connection (the ``ZMQ_SRCFD`` of each mes
 reads), when its last message completed (:meth:`FrontendConnections.completed`); such
 an attack's connection completes none while memory grows. Past the bound the guard
 sheds (shuts down) every connection that completed no message since memory was last
-below half the bound (a connection that completed none since its accept among them) -
-those with no request in flight; then, each time memory has grown another quarter of
-the bound, every such connection, in flight or not (their replies are lost: the client
-gets its typed timeout) - counted as ``connections_shed_by["memory"]``. Memory past the
+below half the bound (a connection that completed none at all among them) - those with
+no request in flight; then, each time memory has grown another quarter of the bound,
+every connection that completed no message since the last shed, in flight or not
+(their replies are lost: the client gets its typed timeout; an attacker that completed
+one message just before its endless one is among them) - counted as
+``connections_shed_by["memory"]``. The first rule needs memory to take longer than a
+sample to grow from half the bound to the bound: a bound of a few hundred MiB or more
+(libzmq's I/O thread read ~1 GiB/s from one connection here). Memory past the
 bound but not growing is held for the clients (replies, parked bodies: up to
 ``max_held_bytes``), not a message that never ends: nothing more is shed for it. libzmq
 drops a shed connection's partial message with its pipe; the guard then returns the
@@ -96,6 +100,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import resource
 import threading
@@ -145,6 +150,9 @@ PAUSE_DIR = ".paused"
 #: how often the guard samples the process's memory (a bound set): at ~1 GiB/s of an attack, the
 #: bound is passed by at most ~100 MiB before the shed
 MEMORY_SAMPLE_S = 0.1
+#: after a shed, while memory stays past half the bound, the freed heap is given back this often
+#: (libzmq frees a shed connection's pipe on its I/O thread, some time after the shutdown)
+_TRIM_EVERY_S = 1.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -250,11 +258,15 @@ class _PathGuard(threading.Thread):
         self.tcp_ports: Collection[int] = ()
         #: per adopted monitor (by index): its ipc listener's path, None for TCP
         self._where: list[str | None] = []
-        self._accepted_at: dict[int, float] = {}
-        self._calm_at = time.monotonic()  # memory last below half the bound
+        #: fd -> when the guard saw its last connection end (a completion before it was that one's)
+        self._closed_at: dict[int, float] = {}
+        self._shed_at = 0.0  # the last shed
+        #: when memory was last sampled below half the bound; samples taken (read by any thread)
+        self.calm_at = time.monotonic()
+        self.samples = 0
         self._shed_rss = 0  # the RSS at the last shed
         self._passes = 0  # sheds since memory was last below half the bound
-        self._trim_due = False
+        self._trim_at = math.inf  # when the heap is next given back (after a shed)
         self._sampled = 0.0
         self._memory_logged = -_LOG_EVERY_S
         self.run_dir = run_dir
@@ -363,9 +375,9 @@ class _PathGuard(threading.Thread):
             kind, fd = monitor_event(frames)
             if kind == zmq.EVENT_ACCEPTED:
                 self._live.add((index, fd))  # a key held already: its DISCONNECTED was lost
-                self._accepted_at[fd] = time.monotonic()
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._live.discard((index, fd))
+                self._closed_at[fd] = time.monotonic()
             try:  # the next one read first: one waiting means the count lags the I/O thread
                 after: list[bytes] | None = monitor.recv_multipart(zmq.NOBLOCK) if turn + 1 < EVENTS_PER_TURN else None
             except zmq.Again:
@@ -402,13 +414,15 @@ class _PathGuard(threading.Thread):
         """Sample the process's memory; past the bound, shed the connections that completed no
         message since it was last below half the bound (see the module docstring)."""
         rss = rss_bytes()
+        self.samples += 1
         bound = self.memory_bytes
         if rss - self.baseline <= bound // 2:
-            self._calm_at = now
+            self.calm_at = now
             self._passes = 0
+            self._trim_at = math.inf
             return
-        if self._trim_due and _TRIM is not None:  # the shed connections' messages freed: give them back
-            self._trim_due = False
+        if now >= self._trim_at and _TRIM is not None:  # the shed connections' messages freed: give them back
+            self._trim_at = now + _TRIM_EVERY_S
             _TRIM(0)
             rss = rss_bytes()
         if rss - self.baseline <= bound:
@@ -417,18 +431,20 @@ class _PathGuard(threading.Thread):
             return  # not growing since the last shed: memory held for the clients, not a message
         self._shed_stale(now, rss, everyone=self._passes > 0)
         self._passes += 1
-        self._trim_due = True
+        self._trim_at = now
 
     def _shed_stale(self, now: float, rss: int, everyone: bool) -> None:
-        """Shed every connection that completed no message since memory was calm; ``everyone``
-        False: those with a request in flight are kept (for the next pass)."""
+        """Shed every connection that completed no message since memory was calm, those with a request
+        in flight kept (for the next pass); ``everyone``: every one that completed none since the
+        last shed, in flight or not (it sent one complete message just before its endless one)."""
         stale: list[tuple[int, int, bytes | None]] = []
         completed = self.completed
+        since = max(self.calm_at, self._shed_at) if everyone else self.calm_at
         for index, fd in list(self._live):
             seen = completed.get(fd)
-            if seen is None or seen[0] < self._accepted_at.get(fd, 0.0):  # none since it was accepted
+            if seen is None or seen[0] < self._closed_at.get(fd, -math.inf):  # none on this connection
                 stale.append((index, fd, None))
-            elif seen[0] < self._calm_at:
+            elif seen[0] < since:
                 stale.append((index, fd, seen[1] + seen[2].bytes))
         busy = None if everyone or not any(c is not None for _, _, c in stale) else self._in_flight()
         shed_n = kept = 0
@@ -440,7 +456,7 @@ class _PathGuard(threading.Thread):
             if shed(fd, where) if where is not None else shed_tcp(fd, self.tcp_ports):
                 shed_n += 1
         self.memory_shed += shed_n
-        self._shed_rss = rss
+        self._shed_rss, self._shed_at = rss, now
         if now - self._memory_logged >= _LOG_EVERY_S:
             self._memory_logged = now
             log_event(_log, logging.WARNING, "supervisor.memory_shed", rss=rss, baseline=self.baseline,

@@ -52,14 +52,14 @@ def take(n):
 take(64)  # its greeting, then its READY: a frame before that is a protocol error (closed)
 take(take(2)[1])
 frame = b"\x03" + struct.pack(">Q", 65536) + b"x" * 65536
-sent, limit, shed = 0, int(sys.argv[2]), False
+sent, limit, shed = 0, int(sys.argv[2]), ""
 try:
     while sent < limit:
         s.sendall(frame)
         sent += len(frame)
-except OSError:
-    shed = True
-print(sent, int(shed), flush=True)
+except OSError as exc:
+    shed = repr(exc).replace(" ", "")
+print(sent, int(bool(shed)), shed, flush=True)
 """
 
 
@@ -116,7 +116,7 @@ assert ready[:6] == b"\x05READY", ready[:8]
 k = ctypes.create_string_buffer(32); na.crypto_box_beforenm(k, Sp, cp)
 payload = b"\x01" + b"x" * 65536
 out = ctypes.create_string_buffer(len(payload) + 16)
-sent, shed = 0, False
+sent, shed = 0, ""
 try:
     while sent < limit:
         nonce += 1
@@ -124,23 +124,24 @@ try:
         na.crypto_box_easy_afternm(out, payload, ctypes.c_ulonglong(len(payload)), n, k)
         s.sendall(frame(b"\x07MESSAGE" + struct.pack(">Q", nonce) + out.raw, 0))
         sent += len(payload)
-except OSError:
-    shed = True
-print(sent, int(shed), flush=True)
+except OSError as exc:
+    shed = repr(exc).replace(" ", "")
+print(sent, int(bool(shed)), shed, flush=True)
 """
 
 
-def _attack(args: list[str], limit: int, script: str = _ENDLESS) -> tuple[int, bool]:
+def _attack(args: list[str], limit: int, script: str = _ENDLESS) -> tuple[int, str]:
+    """The bytes sent and how the connection ended ("": not closed)."""
     out = subprocess.run([sys.executable, "-c", script, *args, str(limit)], capture_output=True, text=True,
                          timeout=scaled(60), check=True).stdout.split()
-    return int(out[0]), bool(int(out[1]))
+    return int(out[0]), out[2] if int(out[1]) else ""
 
 
 @pytest.mark.parametrize("socket_name", ["frontend.ipc", "small.ipc"])
 def test_a_message_that_never_ends_is_shed_and_memory_comes_back(tmp_path: Any, socket_name: str) -> None:
     run_dir = str(tmp_path / "run")
     config = {"supervisor": {**FAST, "frontend_memory_bytes": BOUND}, "tenant": [{"name": "bystander"}]}
-    with launch(config, run_dir=run_dir, log_level="error") as sup:
+    with launch(config, run_dir=run_dir, log_level="warning") as sup:
         c = sup.client
         cap = c.tenant_capability(None, "bystander")
         assert c.ping(cap).tenant == "bystander"
@@ -153,7 +154,7 @@ def test_a_message_that_never_ends_is_shed_and_memory_comes_back(tmp_path: Any, 
             assert sup.process.poll() is None
             assert shed and sent < 4 * BOUND, f"not shed after {sent >> 20} MiB"
             st = wait_for(lambda: (s := c.status().supervisor).connections_shed_by.get("memory") and s,
-                          timeout_s=scaled(10), what="the memory shed counted")
+                          timeout_s=scaled(10), what=f"the memory shed counted (the attacker: {sent} bytes, {shed})")
             assert st and st.connections_shed >= st.connections_shed_by["memory"] >= 1
             assert c.ping(cap).tenant == "bystander"  # the bystander is served
             assert idle.ping(cap).tenant == "bystander"  # shed with the attacker or not: served again
@@ -168,7 +169,7 @@ def test_a_message_that_never_ends_over_curve_tcp_is_shed() -> None:
     """The CURVE TCP frontend without an allow-list: any key completes the handshake, then sends
     MORE frames forever. Shed the same way; a remote and a local client are served after."""
     with supervisor([{"name": "bystander"}], listen=["tcp://127.0.0.1:0"], frontend_memory_bytes=BOUND,
-                    log_level="error") as sup:
+                    log_level="warning") as sup:
         c = sup.client
         cap = c.tenant_capability(None, "bystander")
         proc = psutil.Process(sup.pid)
@@ -178,7 +179,7 @@ def test_a_message_that_never_ends_over_curve_tcp_is_shed() -> None:
         assert sup.process.poll() is None
         assert shed and sent < 4 * BOUND, f"not shed after {sent >> 20} MiB"
         st = wait_for(lambda: (s := c.status().supervisor).connections_shed_by.get("memory") and s,
-                      timeout_s=scaled(10), what="the memory shed counted")
+                      timeout_s=scaled(10), what=f"the memory shed counted (the attacker: {sent} bytes, {shed})")
         assert st and st.connections_shed_by["memory"] >= 1
         assert c.ping(cap).tenant == "bystander"
         with SupervisorClient.remote(str(sup.info["listen"][0]), str(sup.info["server_public_key"]),
@@ -226,9 +227,10 @@ def _closed(s: socket.socket) -> bool:
 def test_the_guard_sheds_stale_connections_first_and_in_flight_ones_only_as_memory_grows(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard alone, its memory readings set by the test: past the bound it sheds the connection
-    that completed nothing and the idle one, keeps the active one and the one with a request in
-    flight; memory past the bound but not growing sheds nothing more; grown another quarter of the
-    bound, the in-flight one goes too. Never the active one."""
+    that completed nothing and the idle one, keeps the active one, the one with a request in flight
+    and the one that completed a message just before (after the last calm sample); memory past the
+    bound but not growing sheds nothing more; grown another quarter of the bound, those that
+    completed nothing since the first shed go too. Never the active one."""
     import supervisor.admission.connections as connections
 
     level = [100 * MiB]
@@ -241,12 +243,12 @@ def test_the_guard_sheds_stale_connections_first_and_in_flight_ones_only_as_memo
     router.bind("ipc://" + path)
     peers: dict[bytes, socket.socket] = {}
     try:
-        for name in (b"active", b"idle", b"in-flight"):
+        for name in (b"active", b"idle", b"in-flight", b"primed"):
             peers[name] = _zmtp_peer(path, name)
         peers[b"silent"] = _zmtp_peer(path, None)
         frames: dict[bytes, tuple[int, zmq.Frame]] = {}
         router.setsockopt(zmq.RCVTIMEO, int(scaled(10) * 1000))
-        while len(frames) < 3:
+        while len(frames) < 4:
             rid = router.recv(copy=False)
             frames[router.recv()] = (int(rid.get(zmq.SRCFD)), rid)
         conns.guard.busy = lambda: {b"\0" + frames[b"in-flight"][1].bytes}
@@ -256,20 +258,27 @@ def test_the_guard_sheds_stale_connections_first_and_in_flight_ones_only_as_memo
                 fd, rid = frames[name]
                 conns.completed(fd, time.monotonic(), b"\0", rid)
 
+        def sampled() -> None:  # two more samples taken (the second one wholly after this call)
+            n = conns.guard.samples
+            wait_for(lambda: conns.guard.samples >= n + 2, interval_s=0.01, what="two samples")
+
         complete(b"idle", b"in-flight")
-        time.sleep(3 * connections.MEMORY_SAMPLE_S)  # calm samples after those
+        completed_at = time.monotonic()
+        wait_for(lambda: conns.guard.calm_at > completed_at, interval_s=0.01, what="a calm sample after those")
         level[0] += BOUND * 3 // 4  # past half the bound: no longer calm, not past it
-        time.sleep(3 * connections.MEMORY_SAMPLE_S)
-        complete(b"active")
+        sampled()
+        complete(b"active", b"primed")  # primed: one message just before its endless one
         level[0] += BOUND // 2  # past the bound
         wait_for(lambda: _closed(peers[b"silent"]) and _closed(peers[b"idle"]), what="the stale ones shed")
-        assert conns.status()["connections_shed_by"]["memory"] == 2
-        time.sleep(3 * connections.MEMORY_SAMPLE_S)  # past the bound, not growing: nothing more
-        assert not _closed(peers[b"in-flight"]) and conns.guard.memory_shed == 2
+        wait_for(lambda: conns.guard.memory_shed >= 2, what="counted")  # (just after the shutdowns)
+        assert conns.status()["connections_shed_by"]["memory"] == 2, (conns.guard.memory_shed, [_closed(p) for p in peers.values()])
+        sampled()  # past the bound, not growing: nothing more
+        assert not _closed(peers[b"in-flight"]) and not _closed(peers[b"primed"]) and conns.guard.memory_shed == 2
         complete(b"active")
         level[0] += BOUND // 4 + MiB  # grown another quarter
-        wait_for(lambda: _closed(peers[b"in-flight"]), what="the in-flight one shed")
-        assert conns.guard.memory_shed == 3 and not _closed(peers[b"active"])
+        wait_for(lambda: _closed(peers[b"in-flight"]) and _closed(peers[b"primed"]), what="the second pass")
+        wait_for(lambda: conns.guard.memory_shed >= 4, what="counted")
+        assert conns.guard.memory_shed == 4 and not _closed(peers[b"active"])
     finally:
         for s in peers.values():
             s.close()
