@@ -285,3 +285,14 @@ def test_the_guard_sheds_stale_connections_first_and_in_flight_ones_only_as_memo
         conns.close()
         router.close(0)
         ctx.term()
+
+
+def test_the_bound_defaults_to_max_held_bytes_plus_a_gib_and_takes_sizes() -> None:
+    from shared.config import SupervisorConfig
+
+    assert SupervisorConfig().frontend_memory_bytes == SupervisorConfig().max_held_bytes + (1 << 30)
+    assert SupervisorConfig(max_held_bytes="1GiB").frontend_memory_bytes == 2 << 30
+    assert SupervisorConfig(frontend_memory_bytes="512MiB").frontend_memory_bytes == 512 * MiB
+    assert SupervisorConfig(frontend_memory_bytes=0).frontend_memory_bytes == 0  # no bound
+    with pytest.raises(ValueError, match="frontend_memory_bytes"):
+        SupervisorConfig(frontend_memory_bytes=-1)
