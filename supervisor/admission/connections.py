@@ -348,7 +348,10 @@ class _PathGuard(threading.Thread):
                     now = time.monotonic()
                     if now - self._sampled >= MEMORY_SAMPLE_S:
                         self._sampled = now
-                        self._check_memory(now)
+                        try:
+                            self._check_memory(now)
+                        except Exception as exc:  # noqa: BLE001 - the guard must outlive any one sample
+                            log_event(_log, logging.ERROR, "supervisor.fd_guard_error", error=repr(exc))
         except zmq.ContextTerminated:
             pass  # the supervisor's teardown: close ours below
         finally:
