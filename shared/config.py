@@ -153,6 +153,10 @@ class SupervisorConfig:
     #: a TCP connection that carried no request (and has none in flight) for this long is closed; the
     #: client reconnects before its next request (supervisor.admission.peers: the idle rule and eviction)
     tcp_idle_timeout_s: float = 60.0
+    #: the supervisor's memory over its RSS at start past which the frontend's connections that complete
+    #: no message are shed (a message that never ends: supervisor.admission.connections); 0: no bound.
+    #: None: max_held_bytes + 1 GiB (what the frontend may hold for its clients, and room for libzmq's queues)
+    frontend_memory_bytes: int | None = None
     #: admission defaults per tenant (a spec's requests_per_s / bytes_per_s override them): token buckets
     #: (bursts: supervisor.admission.rates); past them Overloaded with retry_after_s. By default a share of
     #: the host: so many per CPU the supervisor may run on (see REQUESTS_PER_S_PER_CPU)
@@ -271,6 +275,11 @@ class SupervisorConfig:
         s(self, "drain_timeout_s", float(self.drain_timeout_s))
         _int(self.max_tcp_peers, "max_tcp_peers", 1, 1_000_000)
         _int(self.max_tcp_peers_per_source, "max_tcp_peers_per_source", 1, 1_000_000)
+        if self.frontend_memory_bytes is None:
+            s(self, "frontend_memory_bytes", self.max_held_bytes + (1 << 30))
+        else:
+            s(self, "frontend_memory_bytes", parse_size(self.frontend_memory_bytes, what="frontend_memory_bytes"))
+        _int(self.frontend_memory_bytes, "frontend_memory_bytes", 0, 1 << 50)
         for name in ("tcp_handshake_timeout_s", "tcp_idle_timeout_s", "tenant_requests_per_s", "tenant_refusals_per_s",
                      "unauthenticated_requests_per_s"):
             s(self, name, _pos(getattr(self, name), name))
@@ -458,6 +467,7 @@ _ENV_FIELDS = (
     "max_tcp_peers_per_source",
     "tcp_handshake_timeout_s",
     "tcp_idle_timeout_s",
+    "frontend_memory_bytes",
     "tenant_requests_per_s",
     "tenant_refusals_per_s",
     "unauthenticated_requests_per_s",

@@ -185,7 +185,8 @@ def _build(s: Surroundings, z: zmq.Context[zmq.Socket[bytes]], keys: CurveKeyPai
     # one fd budget for every frontend connection, ipc and TCP (supervisor.admission.connections)
     connections = FrontendConnections(frontend_sock, s.rundir.file("frontend.ipc"),
                                       max_tcp_peers=cfg.max_tcp_peers,
-                                      max_tcp_peers_per_source=cfg.max_tcp_peers_per_source)
+                                      max_tcp_peers_per_source=cfg.max_tcp_peers_per_source,
+                                      memory_bytes=cfg.frontend_memory_bytes or 0)
     loop.register(connections.monitor, connections.on_readable)
     # the small-frame socket: libzmq drops a peer whose frame exceeds it before copying the frame
     small_sock = _router(z, s.rundir, keys, "small", small_frame_bytes(cfg), FRONTEND_RCVHWM,

@@ -62,6 +62,33 @@ limits hosts often give (2**20), and only just at 1,024 (raise the hard limit). 
 needs no pause (libzmq's TCP accept survives EMFILE) but counts: its
 connections use the same fds.
 
+A message that never ends. libzmq counts a multipart message once against RCVHWM and
+``MAXMSGSIZE`` bounds a frame, not a message: a peer that sends frames with the MORE flag
+and never a last one is read into memory without end (libzmq hands a message over only
+once complete; its pipe takes an incomplete one's parts without limit, ~1 GiB/s over one
+ipc connection), and libzmq has no option to bound a message's frames or bytes. So the
+guard thread also samples the process's memory (``/proc/self/statm``, every
+:data:`MEMORY_SAMPLE_S`) against ``frontend_memory_bytes`` over its baseline (its RSS when
+it started). The frontend records, per connection (the ``ZMQ_SRCFD`` of each message it
+reads), when its last message completed (:meth:`FrontendConnections.completed`); such
+an attack's connection completes none while memory grows. Past the bound the guard
+sheds (shuts down) every connection that completed no message since memory was last
+below half the bound (a connection that completed none at all among them) - those with
+no request in flight; then, each time memory has grown another quarter of the bound,
+every connection that completed no message since the last shed, in flight or not
+(their replies are lost: the client gets its typed timeout; an attacker that completed
+one message just before its endless one is among them) - counted as
+``connections_shed_by["memory"]``. The first rule needs memory to take longer than a
+sample to grow from half the bound to the bound: a bound of a few hundred MiB or more
+(libzmq's I/O thread read ~1 GiB/s from one connection here). Memory past the
+bound but not growing is held for the clients (replies, parked bodies: up to
+``max_held_bytes``), not a message that never ends: nothing more is shed for it. libzmq
+drops a shed connection's partial message with its pipe; the guard then returns the
+freed heap to the system (``malloc_trim``). A legitimate idle client is shed with them
+and reconnects on its next request (libzmq's reconnect; a TCP client opens a new session
+after an idle link anyway). The bound's default (``max_held_bytes`` + 1 GiB) is above
+what the frontend may hold by its own bounds, plus room for libzmq's receive queues.
+
 Owns: the monitor sockets, the guard thread and the gate. The gate, ``on_readable`` /
 ``on_tcp_readable`` (registered with the loop): loop thread only. The guard thread
 owns the monitors' own sockets, its count and the renames; it only reads the gate's
@@ -70,12 +97,15 @@ owns the monitors' own sockets, its count and the renames; it only reads the gat
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import math
 import os
 import resource
 import threading
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Collection, Container
 from typing import TypedDict
 
 import zmq
@@ -117,6 +147,39 @@ _SETTLE_ROUNDS = 16
 IPC_BACKLOG = 32
 #: where a paused ipc socket waits (in the run dir, 0700)
 PAUSE_DIR = ".paused"
+#: how often the guard samples the process's memory (a bound set): at ~1 GiB/s of an attack, the
+#: bound is passed by at most ~100 MiB before the shed
+MEMORY_SAMPLE_S = 0.1
+#: after a shed, while memory stays past half the bound, the freed heap is given back this often
+#: (libzmq frees a shed connection's pipe on its I/O thread, some time after the shutdown)
+_TRIM_EVERY_S = 1.0
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """The process's resident memory (``/proc/self/statm``: ~10 us, no psutil object); 0 where none."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None  # not glibc
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+#: glibc's malloc_trim (None elsewhere): returns the freed heap of a shed message to the system
+_TRIM = _malloc_trim()
 
 
 def pause_at(budget: int) -> int:
@@ -177,9 +240,35 @@ class _PathGuard(threading.Thread):
     among them, and terminates the context; the guard's poll answers ETERM and it closes its own.
     """
 
-    def __init__(self, budget: Callable[[], int], run_dir: str, pause: bool) -> None:
+    def __init__(self, budget: Callable[[], int], run_dir: str, pause: bool, memory_bytes: int = 0) -> None:
         super().__init__(name="twt-fd-guard", daemon=True)
         self._budget = budget
+        #: the memory bound over :attr:`baseline` (0: none; see the module docstring)
+        self.memory_bytes = memory_bytes
+        #: the process's RSS when the guard started
+        self.baseline = 0
+        #: connections shed for memory (read by any thread)
+        self.memory_shed = 0
+        #: fd -> (when its last message completed, its socket's prefix, that message's routing-id
+        #: frame): written by the loop thread (:meth:`FrontendConnections.completed`), read here
+        self.completed: dict[int, tuple[float, bytes, zmq.Frame]] = {}
+        #: the client keys with a request in flight (the frontend's answer; called from this thread)
+        self.busy: Callable[[], Container[bytes]] = _nobody
+        #: the TCP listeners' ports (FrontendConnections.tcp_ports)
+        self.tcp_ports: Collection[int] = ()
+        #: per adopted monitor (by index): its ipc listener's path, None for TCP
+        self._where: list[str | None] = []
+        #: fd -> when the guard saw its last connection end (a completion before it was that one's)
+        self._closed_at: dict[int, float] = {}
+        self._shed_at = 0.0  # the last shed
+        #: when memory was last sampled below half the bound; samples taken (read by any thread)
+        self.calm_at = time.monotonic()
+        self.samples = 0
+        self._shed_rss = 0  # the RSS at the last shed
+        self._passes = 0  # sheds since memory was last below half the bound
+        self._trim_at = math.inf  # when the heap is next given back (after a shed)
+        self._sampled = 0.0
+        self._memory_logged = -_LOG_EVERY_S
         self.run_dir = run_dir
         self._pause = pause
         #: (monitor, forward) pairs for the guard to take over
@@ -202,7 +291,10 @@ class _PathGuard(threading.Thread):
         self._wake: zmq.Socket[bytes] | None = None
         self._woken: zmq.Socket[bytes] | None = None
 
-    def adopt(self, monitor: zmq.Socket[bytes], forward: zmq.Socket[bytes]) -> None:
+    def adopt(self, monitor: zmq.Socket[bytes], forward: zmq.Socket[bytes], path: str | None = None) -> None:
+        """Take over ``monitor`` (its events forwarded to ``forward``); ``path``: its ipc listener's
+        (None: TCP)."""
+        self._where.append(path)
         if self._wake is None:
             ctx = monitor.context
             addr = f"inproc://twt-fd-guard-{id(self):x}-{time.monotonic_ns():x}"
@@ -237,13 +329,15 @@ class _PathGuard(threading.Thread):
         assert woken is not None
         poller.register(woken, zmq.POLLIN)
         owned: dict[zmq.Socket[bytes], tuple[int, zmq.Socket[bytes]]] = {}
+        timeout = int(MEMORY_SAMPLE_S * 1000) if self.memory_bytes else None
+        self.baseline = rss_bytes()
         try:
             while not self._stopping.is_set():
                 while self._pending:
                     monitor, forward = self._pending.pop(0)
                     owned[monitor] = (len(owned), forward)
                     poller.register(monitor, zmq.POLLIN)
-                for sock, _ in poller.poll():
+                for sock, _ in poller.poll(timeout):
                     if sock is woken:
                         while woken.poll(0):
                             woken.recv()
@@ -255,6 +349,14 @@ class _PathGuard(threading.Thread):
                         raise
                     except Exception as exc:  # noqa: BLE001 - the guard must outlive any one event
                         log_event(_log, logging.ERROR, "supervisor.fd_guard_error", error=repr(exc))
+                if timeout is not None:
+                    now = time.monotonic()
+                    if now - self._sampled >= MEMORY_SAMPLE_S:
+                        self._sampled = now
+                        try:
+                            self._check_memory(now)
+                        except Exception as exc:  # noqa: BLE001 - the guard must outlive any one sample
+                            log_event(_log, logging.ERROR, "supervisor.fd_guard_error", error=repr(exc))
         except zmq.ContextTerminated:
             pass  # the supervisor's teardown: close ours below
         finally:
@@ -283,6 +385,7 @@ class _PathGuard(threading.Thread):
                 self._live.add((index, fd))  # a key held already: its DISCONNECTED was lost
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._live.discard((index, fd))
+                self._closed_at[fd] = time.monotonic()
             try:  # the next one read first: one waiting means the count lags the I/O thread
                 after: list[bytes] | None = monitor.recv_multipart(zmq.NOBLOCK) if turn + 1 < EVENTS_PER_TURN else None
             except zmq.Again:
@@ -314,6 +417,69 @@ class _PathGuard(threading.Thread):
             self._rename(False)
         elif live - self._paused_with > self.overshoot:
             self.overshoot = live - self._paused_with
+
+    def _check_memory(self, now: float) -> None:
+        """Sample the process's memory; past the bound, shed the connections that completed no
+        message since it was last below half the bound (see the module docstring)."""
+        rss = rss_bytes()
+        self.samples += 1
+        bound = self.memory_bytes
+        if rss - self.baseline <= bound // 2:
+            self.calm_at = now
+            self._passes = 0
+            self._trim_at = math.inf
+            return
+        if now >= self._trim_at and _TRIM is not None:  # the shed connections' messages freed: give them back
+            self._trim_at = now + _TRIM_EVERY_S
+            _TRIM(0)
+            rss = rss_bytes()
+        if rss - self.baseline <= bound:
+            return
+        if self._passes and rss < self._shed_rss + bound // 4:
+            return  # not growing since the last shed: memory held for the clients, not a message
+        self._shed_stale(now, rss, everyone=self._passes > 0)
+        self._passes += 1
+        self._trim_at = now
+
+    def _shed_stale(self, now: float, rss: int, everyone: bool) -> None:
+        """Shed every connection that completed no message since memory was calm, those with a request
+        in flight kept (for the next pass); ``everyone``: every one that completed none since the
+        last shed, in flight or not (it sent one complete message just before its endless one)."""
+        stale: list[tuple[int, int, bytes | None]] = []
+        completed = self.completed
+        since = max(self.calm_at, self._shed_at) if everyone else self.calm_at
+        for index, fd in list(self._live):
+            seen = completed.get(fd)
+            if seen is None or seen[0] < self._closed_at.get(fd, -math.inf):  # none on this connection
+                stale.append((index, fd, None))
+            elif seen[0] < since:
+                stale.append((index, fd, seen[1] + seen[2].bytes))
+        busy = None if everyone or not any(c is not None for _, _, c in stale) else self._in_flight()
+        shed_n = kept = 0
+        for index, fd, client in stale:
+            if not everyone and client is not None and (busy is None or client in busy):
+                kept += 1
+                continue
+            where = self._where[index] if index < len(self._where) else None
+            if shed(fd, where) if where is not None else shed_tcp(fd, self.tcp_ports):
+                shed_n += 1
+        self.memory_shed += shed_n
+        self._shed_rss, self._shed_at = rss, now
+        if now - self._memory_logged >= _LOG_EVERY_S:
+            self._memory_logged = now
+            log_event(_log, logging.WARNING, "supervisor.memory_shed", rss=rss, baseline=self.baseline,
+                      bound=self.memory_bytes, shed=shed_n, kept_in_flight=kept, in_flight_too=everyone,
+                      connections=len(self._live), memory_shed=self.memory_shed)
+
+    def _in_flight(self) -> Container[bytes] | None:
+        """The frontend's clients with a request in flight, read from this thread (None: the loop kept
+        changing its tables as they were read)."""
+        for _ in range(3):
+            try:
+                return self.busy()
+            except RuntimeError:  # a dict changed size during iteration: the loop's turn
+                continue
+        return None
 
     def _rename(self, pause: bool) -> None:
         hidden_dir = os.path.join(self.run_dir, PAUSE_DIR)
@@ -354,15 +520,17 @@ class FrontendConnections:
 
     def __init__(self, sock: zmq.Socket[bytes], path: str, *, max_tcp_peers: int = 1 << 30,
                  max_tcp_peers_per_source: int = 1 << 30, clock: Callable[[], float] = time.monotonic,
-                 pause: bool = True) -> None:
-        """``pause``: rename the ipc paths away near the budget (False: only shed past it)."""
+                 pause: bool = True, memory_bytes: int = 0) -> None:
+        """``pause``: rename the ipc paths away near the budget (False: only shed past it).
+        ``memory_bytes``: the process's memory bound over its baseline, past which connections that
+        complete no message are shed (0: none; see the module docstring)."""
         self.path = path
         self.clock = clock
         #: the client keys with a request in flight (the frontend's answer, given once it exists):
         #: a session with one is never dropped for idleness nor evicted
         self.busy: Callable[[], Container[bytes]] = _nobody
         #: the guard thread: reads the monitors, pauses the ipc paths near the budget
-        self.guard = _PathGuard(lambda: self.gate.budget, os.path.dirname(path), pause)
+        self.guard = _PathGuard(lambda: self.gate.budget, os.path.dirname(path), pause, memory_bytes)
         clean_paused(self.guard.run_dir)  # a crashed supervisor's
         self.monitor: zmq.Socket[bytes] = self._guarded(sock, path)
         self.tcp_monitor: zmq.Socket[bytes] | None = None
@@ -372,6 +540,9 @@ class FrontendConnections:
         self._tcp_sock: zmq.Socket[bytes] | None = None
         #: the local ports of the TCP listeners (a shed fd must still be one of theirs)
         self.tcp_ports: set[int] = set()
+        self.guard.tcp_ports = self.tcp_ports
+        #: the loop's view of the guard's table (see :meth:`completed`)
+        self.seen = self.guard.completed
         #: the soft limit the budget was computed from
         self.limit = self.soft_limit()
         self.gate = ConnectionGate(fd_budget(self.limit), max_tcp_peers, max_tcp_peers_per_source)
@@ -399,8 +570,13 @@ class FrontendConnections:
         out.setsockopt(zmq.LINGER, 0)
         out.setsockopt(zmq.RCVHWM, MONITOR_HWM)
         out.connect(addr + "-fwd")
-        self.guard.adopt(monitor, forward)
+        self.guard.adopt(monitor, forward, path)
         return out
+
+    def completed(self, fd: int, now: float, prefix: bytes, routing_id: zmq.Frame) -> None:
+        """A message from ``prefix + routing_id`` completed on connection ``fd`` (its ``ZMQ_SRCFD``) at
+        ``now`` (``time.monotonic``): it is not the one sending a message that never ends."""
+        self.seen[fd] = (now, prefix, routing_id)
 
     @staticmethod
     def soft_limit() -> int:
@@ -510,12 +686,15 @@ class FrontendConnections:
 
     def status(self) -> ConnectionStatus:
         gate = self.gate
+        by = dict(gate.shed_by)
+        if self.guard.memory_shed:
+            by["memory"] = self.guard.memory_shed
         return {
             "fd_limit": self.limit,
             "connections": gate.connected,
             "connection_budget": gate.budget,
-            "connections_shed": gate.shed,
-            "connections_shed_by": dict(gate.shed_by),
+            "connections_shed": sum(by.values()),
+            "connections_shed_by": by,
             "tcp_connections": gate.tcp,
             "tcp_sources": gate.sources(),
             "frontend_paused": self.guard.paused,

@@ -294,6 +294,10 @@ class Frontend:
             self._sessions.busy = self._tcp_clients_busy
             self._sweep_s = min(IDLE_SWEEP_S, config.tcp_idle_timeout_s / 4)
             loop.timers.after(self._sweep_s, self._sweep_idle_tcp)
+        #: each message's connection, for the memory guard (supervisor.admission.connections)
+        self._conns = guard.connections
+        if self._conns is not None:
+            self._conns.guard.busy = self._clients_busy
 
     # ------------------------------------------------------------ decode
 
@@ -320,6 +324,7 @@ class Frontend:
         yielded = False
         dropped = 0
         budget = fair.read_budget(READ_BATCH, BATCH_BACKLOGGED)
+        conns, read_at = self._conns, time.monotonic()
         if prefix == _IPC and now < self._ipc_paced_until:
             budget = 1  # its tenant was past its rate a moment ago: read what the bucket may admit
         for i in range(1, budget + 1):
@@ -331,7 +336,10 @@ class Frontend:
                     frames.append(frame)
             except zmq.Again:
                 break
-            if prefix == _TCP and self._sessions is not None and not self._tcp_seen(frames[0], now):
+            fd = _srcfd(frames[0])
+            if conns is not None and fd >= 0:  # it completed: not a message that never ends
+                conns.completed(fd, read_at, prefix, frames[0])
+            if prefix == _TCP and self._sessions is not None and fd >= 0 and not self._tcp_seen(frames[0], fd, now):
                 msg = None  # its session was dropped: never served, never executed
             else:
                 msg = self.decode(frames, prefix)
@@ -353,15 +361,11 @@ class Frontend:
                 if other_prefix not in self._unread and int(other_sock.getsockopt(_EVENTS)) & _POLLIN:
                     self._on_readable(other_sock, other_prefix, follow=False)
 
-    def _tcp_seen(self, frame: zmq.Frame, now: float) -> bool:
-        """A request came on the TCP socket: note its connection's activity (by the fd libzmq read
-        it from). False: its session was dropped by the supervisor, and it must not be served."""
+    def _tcp_seen(self, frame: zmq.Frame, fd: int, now: float) -> bool:
+        """A request came on the TCP socket: note its connection's activity (``fd``: the one libzmq
+        read it from). False: its session was dropped by the supervisor, and it must not be served."""
         sessions = self._sessions
         assert sessions is not None
-        try:
-            fd = int(frame.get(zmq.SRCFD))
-        except zmq.ZMQError:  # a libzmq without ZMQ_SRCFD: no activity is known, none is dropped
-            return True
         client = _TCP + frame.bytes
         seen = sessions.gate.seen(fd, client, now)
         if seen != "ok":  # an ACCEPTED still in the monitor's queue may explain it
@@ -375,6 +379,14 @@ class Frontend:
         busy = {p.client for w in self.workers.values() for p in w.in_flight.values()
                 if p.client is not None and p.client[:1] == _TCP}
         busy.update(p.client for rt in self.tenants.values() if rt.waiting for p in rt.parked if p.client[:1] == _TCP)
+        return busy
+
+    def _clients_busy(self) -> set[bytes]:
+        """Every client with a request in flight (any socket): called from the fd guard's thread, so
+        a table changing under it raises RuntimeError (the guard asks again)."""
+        busy = {p.client for w in list(self.workers.values()) for p in list(w.in_flight.values())
+                if p.client is not None}
+        busy.update(p.client for rt in list(self.tenants.values()) if rt.waiting for p in list(rt.parked))
         return busy
 
     def _sweep_idle_tcp(self) -> None:
@@ -899,6 +911,14 @@ def _check_ops(admin_ops: Mapping[str, AdminHandler], local_ops: Mapping[str, Lo
     ):
         if set(handlers) != declared:  # the op table and the handlers disagree: a bug, at start
             raise RuntimeError(f"{kind} ops {sorted(declared)} declared, {sorted(handlers)} served")
+
+
+def _srcfd(frame: zmq.Frame) -> int:
+    """The fd of the connection libzmq read ``frame`` from (``ZMQ_SRCFD``); -1 where unknown."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:  # a libzmq without ZMQ_SRCFD: no activity is known, none is dropped
+        return -1
 
 
 def _peer_pid(frame: zmq.Frame) -> int | None:

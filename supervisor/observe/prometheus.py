@@ -266,8 +266,10 @@ class _StateCollector:
             dropped.add_metric([reason], n)
         yield dropped
         shed = CounterMetricFamily("twt_connections_shed",
-                                   "Frontend connections shut down at accept, by reason "
-                                   "(fd_budget, per_source, max_tcp_peers)", labels=["reason"])
+                                   "Frontend connections shut down, by reason (at accept: fd_budget, "
+                                   "per_source, max_tcp_peers; TCP sessions: idle, evicted; memory: no "
+                                   "message completed while memory passed frontend_memory_bytes)",
+                                   labels=["reason"])
         for reason, n in fc.connections_shed:
             shed.add_metric([reason], n)
         yield shed
