@@ -111,7 +111,7 @@ from typing import TypedDict
 import zmq
 
 from shared.log import get_logger, log_event
-from shared.zmq_monitor import monitor_event, recv_monitor_event
+from shared.zmq_monitor import monitor_event
 from supervisor.host.fdlimit import fd_budget
 from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer_of
 
@@ -143,6 +143,11 @@ MONITOR_HWM = 100_000
 _LOG_EVERY_S = 10.0
 #: rounds of EVENTS_PER_TURN events :meth:`FrontendConnections.settle` reads at most
 _SETTLE_ROUNDS = 16
+#: what the guard forwards on the TCP monitor's queue once it has read every event libzmq queued
+#: before a :meth:`FrontendConnections.settle` asked for it (never a libzmq event: one frame)
+SYNC = b"twt-fd-guard-sync"
+#: the longest :meth:`FrontendConnections.settle` waits for the guard's SYNC (the loop blocks, GIL released)
+SETTLE_WAIT_MS = 2000
 #: each ipc listener's ``ZMQ_BACKLOG`` (libzmq's default: 100): what it can still accept once paused
 IPC_BACKLOG = 32
 #: where a paused ipc socket waits (in the run dir, 0700)
@@ -315,6 +320,30 @@ class _PathGuard(threading.Thread):
             except zmq.ZMQError:
                 pass  # its queue full (the guard is awake) or the context gone
 
+    def sync(self) -> bool:
+        """(Loop thread) Ask the guard to read every event its monitors hold now and then forward
+        :data:`SYNC` on the TCP monitor's queue. False: it cannot be asked (not started, stopping)."""
+        if self._wake is None or self._wake.closed or self._stopping.is_set():
+            return False
+        try:
+            self._wake.send(SYNC, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def _sync(self, owned: dict[zmq.Socket[bytes], tuple[int, zmq.Socket[bytes]]]) -> None:
+        """Drain every monitor (the events libzmq queued before the ask: an ACCEPTED precedes any
+        message on its connection), then mark the TCP queue: what the loop reads before the mark is
+        everything it asked about."""
+        for monitor, (index, forward) in owned.items():
+            while monitor.poll(0):
+                self._drain(monitor, index, forward)
+            if index < len(self._where) and self._where[index] is None:
+                try:
+                    forward.send(SYNC, zmq.NOBLOCK)
+                except zmq.Again:
+                    self.lost += 1
+
     def stop(self) -> None:
         self._stopping.set()
         self._poke()
@@ -339,8 +368,11 @@ class _PathGuard(threading.Thread):
                     poller.register(monitor, zmq.POLLIN)
                 for sock, _ in poller.poll(timeout):
                     if sock is woken:
+                        asked = False
                         while woken.poll(0):
-                            woken.recv()
+                            asked = woken.recv() == SYNC or asked
+                        if asked:
+                            self._sync(owned)
                         continue
                     index, forward = owned[sock]
                     try:
@@ -616,9 +648,12 @@ class FrontendConnections:
     def _ipc_events(self, monitor: zmq.Socket[bytes], path: str) -> None:
         for _ in range(EVENTS_PER_TURN):
             try:
-                kind, fd = recv_monitor_event(monitor, zmq.NOBLOCK)
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if frames == [SYNC]:
+                continue
+            kind, fd = monitor_event(frames)
             if kind == zmq.EVENT_ACCEPTED:
                 reason = self.gate.accepted(fd)
                 if reason is not None:
@@ -629,12 +664,20 @@ class FrontendConnections:
 
     def on_tcp_readable(self) -> None:
         """The TCP monitor's events (registered with the loop), ``EVENTS_PER_TURN`` at most."""
+        self._tcp_events()
+
+    def _tcp_events(self) -> bool:
+        """:meth:`on_tcp_readable`'s turn. True: the guard's :data:`SYNC` was among the events (the
+        turn ends there: :meth:`settle`)."""
         assert self.tcp_monitor is not None
         for _ in range(EVENTS_PER_TURN):
             try:
-                kind, fd = recv_monitor_event(self.tcp_monitor, zmq.NOBLOCK)
+                frames = self.tcp_monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return False
+            if frames == [SYNC]:
+                return True
+            kind, fd = monitor_event(frames)
             if kind == zmq.EVENT_ACCEPTED:
                 peer = tcp_peer_of(fd, self.tcp_ports)
                 if peer is None:
@@ -652,16 +695,27 @@ class FrontendConnections:
                     self._log_shed(reason, source=peer[0])
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.gate.disconnected(fd, tcp=True)
+        return False
 
     def settle(self) -> None:
-        """Read the TCP monitor's queued events now (a message came on a connection whose ACCEPTED
-        is still queued: libzmq reports it before the connection can carry a message)."""
-        if self.tcp_monitor is None:
+        """Read every TCP event libzmq has reported so far, now (a message came on a connection whose
+        ACCEPTED is not read yet: libzmq reports it before the connection can carry a message). The
+        events pass through the guard thread, so the guard is asked to forward all it holds and a
+        :data:`SYNC` after them; the loop reads up to that mark (waiting at most
+        :data:`SETTLE_WAIT_MS`: a guard starved that long leaves it as before, best effort)."""
+        monitor = self.tcp_monitor
+        if monitor is None:
             return
-        for _ in range(_SETTLE_ROUNDS):
-            if not self.tcp_monitor.poll(0):
+        if not self.guard.sync():
+            for _ in range(_SETTLE_ROUNDS):
+                if not monitor.poll(0):
+                    return
+                self.on_tcp_readable()
+            return
+        deadline = time.monotonic() + SETTLE_WAIT_MS / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            if monitor.poll(max(1, int(left * 1000))) and self._tcp_events():
                 return
-            self.on_tcp_readable()
 
     def expire_idle(self, idle_s: float) -> int:
         """Close the TCP sessions idle for ``idle_s`` (no request, none in flight: see

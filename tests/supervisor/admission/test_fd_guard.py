@@ -204,6 +204,50 @@ def test_the_guard_outlives_an_error_in_one_event_and_pauses_at_the_next(tmp_pat
         ctx.term()
 
 
+def test_settle_reads_a_tcp_accept_the_guard_has_not_forwarded_yet(tmp_path: Any) -> None:
+    """A message on a TCP connection proves libzmq reported its ACCEPTED; the loop then settles to
+    know the connection (the per-source cap, the idle rule). The event passes through the guard
+    thread: settle must wait for the guard to forward what it holds, not read only what is forwarded
+    (a lagging guard here: each event's handling starts 0.3 s late)."""
+    import time
+
+    import zmq
+
+    ctx = zmq.Context()
+    ipc = ctx.socket(zmq.ROUTER)
+    ipc.setsockopt(zmq.LINGER, 0)
+    conns = FrontendConnections(ipc, str(tmp_path / "f.ipc"))
+    ipc.bind("ipc://" + str(tmp_path / "f.ipc"))
+    guard = conns.guard
+    real = guard._drain
+
+    def lagging(*args: Any) -> None:
+        time.sleep(0.3)
+        real(*args)
+
+    guard._drain = lagging  # type: ignore[method-assign]
+    tcp = ctx.socket(zmq.ROUTER)
+    tcp.setsockopt(zmq.LINGER, 0)
+    conns.watch_tcp(tcp)
+    port = tcp.bind_to_random_port("tcp://127.0.0.1")
+    conns.tcp_ports.add(port)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"hello")
+        assert tcp.poll(scaled(30_000)), "the message never came"
+        tcp.recv_multipart()  # its connection's ACCEPTED is with libzmq's monitor or the guard now
+        conns.settle()
+        assert conns.gate.tcp == 1
+    finally:
+        dealer.close(0)
+        conns.close()
+        tcp.close(0)
+        ipc.close(0)
+        ctx.term()
+
+
 def _paths(run_dir: str) -> list[str]:
     return [os.path.join(run_dir, "frontend.ipc"), os.path.join(run_dir, "small.ipc")]
 
