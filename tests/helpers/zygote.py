@@ -873,13 +873,17 @@ def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
     with _start_lock:
         found = _zygotes.get(key)
         if found is not None and found.proc.poll() is None:
+            _zygotes[key] = _zygotes.pop(key)  # the most recently used last
             return found
         if _adopted:
             return None
         if found is not None:
+            del _zygotes[key]
             found.close()  # died (killed by a test?): a new one in its place
-        elif len(_zygotes) >= _MAX_ZYGOTES:
-            return None
+        while len(_zygotes) >= _MAX_ZYGOTES:
+            # the least recently used gives way (its children live on): which tests share a worker
+            # is xdist's choice, so a cap that refused would make a test's start plain or forked by chance
+            _zygotes.pop(next(iter(_zygotes))).close()
         _zygotes[key] = _Zygote(env)
         return _zygotes[key]
 
