@@ -564,6 +564,8 @@ class FrontendConnections:
         #: the guard thread: reads the monitors, pauses the ipc paths near the budget
         self.guard = _PathGuard(lambda: self.gate.budget, os.path.dirname(path), pause, memory_bytes)
         clean_paused(self.guard.run_dir)  # a crashed supervisor's
+        #: the sockets whose monitors the guard reads (stopped before the guard: :meth:`close`)
+        self._watched: list[zmq.Socket[bytes]] = []
         self.monitor: zmq.Socket[bytes] = self._guarded(sock, path)
         self.tcp_monitor: zmq.Socket[bytes] | None = None
         #: the small-frame ipc socket's monitor and path, once watched (:meth:`watch_small`)
@@ -584,6 +586,7 @@ class FrontendConnections:
     def _guarded(self, sock: zmq.Socket[bytes], path: str | None) -> zmq.Socket[bytes]:
         """Watch ``sock`` through the guard thread (before it binds): the socket the loop reads its
         monitor's events from, forwarded. ``path``: an ipc listener's, paused near the budget."""
+        self._watched.append(sock)
         if path is not None:
             sock.setsockopt(zmq.BACKLOG, IPC_BACKLOG)
             self.guard.paths.append(path)
@@ -756,10 +759,14 @@ class FrontendConnections:
         }
 
     def close(self) -> None:
+        # libzmq's monitors stop first, while the guard still reads them: an event sent to a monitor
+        # whose reader is closed blocks libzmq's I/O thread (a PAIR without a peer) while it holds the
+        # socket's monitor lock, and stopping the monitor then waits for that lock for ever
+        for sock in self._watched:
+            if not sock.closed:
+                sock.monitor(None, 0)
         self.guard.stop()
         if self._tcp_sock is not None and self.tcp_monitor is not None:
-            if not self._tcp_sock.closed:
-                self._tcp_sock.monitor(None, 0)
             self.tcp_monitor.close(0)
             self.tcp_monitor = None
         if self.small_monitor is not None:
