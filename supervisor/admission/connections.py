@@ -116,7 +116,7 @@ from supervisor.host.fdlimit import fd_budget
 from supervisor.admission.peers import ConnectionGate, shed, shed_tcp, source_key, tcp_peer_of
 
 __all__ = ["IPC_BACKLOG", "PAUSE_DIR", "ConnectionStatus", "FrontendConnections", "clean_paused", "pause_at",
-           "resume_at", "watch"]
+           "resume_at"]
 
 
 class ConnectionStatus(TypedDict):
@@ -218,19 +218,6 @@ def clean_paused(run_dir: str) -> None:
 
 def _nobody() -> Container[bytes]:
     return ()
-
-
-def watch(sock: zmq.Socket[bytes], events: int = _EVENTS) -> zmq.Socket[bytes]:
-    """A monitor socket for ``sock`` with a deep queue (pyzmq's ``get_monitor_socket``
-    keeps libzmq's default of 1,000 events). Call it before ``bind``: a connection
-    accepted before it would never be counted."""
-    addr = f"inproc://twt-monitor-{id(sock):x}-{time.monotonic_ns():x}"
-    sock.monitor(addr, events)
-    pair: zmq.Socket[bytes] = sock.context.socket(zmq.PAIR)
-    pair.setsockopt(zmq.LINGER, 0)
-    pair.setsockopt(zmq.RCVHWM, MONITOR_HWM)
-    pair.connect(addr)
-    return pair
 
 
 class _PathGuard(threading.Thread):

@@ -295,7 +295,8 @@ class Frontend:
             self._sweep_s = min(IDLE_SWEEP_S, config.tcp_idle_timeout_s / 4)
             loop.timers.after(self._sweep_s, self._sweep_idle_tcp)
         #: each message's connection, for the memory guard (supervisor.admission.connections)
-        self._conns = guard.connections
+        conns = guard.connections
+        self._conns = conns if conns is not None and conns.guard.memory_bytes else None  # the bound off: no record
         if self._conns is not None:
             self._conns.guard.busy = self._clients_busy
 
@@ -376,10 +377,7 @@ class Frontend:
     def _tcp_clients_busy(self) -> set[bytes]:
         """The TCP clients with a request in flight (at a worker, or parked): their sessions are
         neither idle nor evicted. (One read and waiting for its turn was active a moment ago.)"""
-        busy = {p.client for w in self.workers.values() for p in w.in_flight.values()
-                if p.client is not None and p.client[:1] == _TCP}
-        busy.update(p.client for rt in self.tenants.values() if rt.waiting for p in rt.parked if p.client[:1] == _TCP)
-        return busy
+        return {c for c in self._clients_busy() if c[:1] == _TCP}
 
     def _clients_busy(self) -> set[bytes]:
         """Every client with a request in flight (any socket): called from the fd guard's thread, so
