@@ -154,7 +154,7 @@ class SupervisorConfig:
     #: client reconnects before its next request (supervisor.admission.peers: the idle rule and eviction)
     tcp_idle_timeout_s: float = 60.0
     #: the supervisor's memory over its RSS at start past which the frontend's connections that complete
-    #: no message are shed (a message that never ends: supervisor.admission.connections); 0: no bound.
+    #: no message are shed (a message that never ends: supervisor.admission.fd_guard); 0: no bound.
     #: None: max_held_bytes + 1 GiB (what the frontend may hold for its clients, and room for libzmq's queues)
     frontend_memory_bytes: int | None = None
     #: admission defaults per tenant (a spec's requests_per_s / bytes_per_s override them): token buckets

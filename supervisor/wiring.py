@@ -42,7 +42,8 @@ from shared.errors import TenantIsolationViolation
 from shared.gpu_time import LIMIT_TENANT_SLOTS, LIMIT_WORKER_SLOTS
 from shared.log import get_logger, log_event
 from shared.quota import QuotaSnapshot, cleanup_stale_segments
-from supervisor.admission.connections import IPC_BACKLOG, FrontendConnections
+from supervisor.admission.connections import FrontendConnections
+from supervisor.admission.fd_guard import IPC_BACKLOG
 from supervisor.admission.curve import CurveKeyPair, load_or_create_server_keys, load_server_key_file
 from supervisor.host.fdlimit import raise_fd_limit
 from supervisor.admission.frontend import Frontend, Handlers, Holdings, Routes, Sockets, small_frame_bytes

@@ -27,7 +27,7 @@ class FrontendCounters:
     connections: int = 0
     tcp_connections: int = 0
     connection_budget: int = 0
-    frontend_paused: bool = False  # the ipc paths renamed away for fds (supervisor.admission.connections)
+    frontend_paused: bool = False  # the ipc paths renamed away for fds (supervisor.admission.fd_guard)
     frontend_pauses: int = 0
     tcp_pauses: int = 0  # the TCP frontend not read for a while (supervisor.admission.pacing)
     tcp_paused_s: float = 0.0

@@ -294,7 +294,7 @@ class Frontend:
             self._sessions.busy = self._tcp_clients_busy
             self._sweep_s = min(IDLE_SWEEP_S, config.tcp_idle_timeout_s / 4)
             loop.timers.after(self._sweep_s, self._sweep_idle_tcp)
-        #: each message's connection, for the memory guard (supervisor.admission.connections)
+        #: each message's connection, for the memory guard (supervisor.admission.fd_guard)
         conns = guard.connections
         self._conns = conns if conns is not None and conns.guard.memory_bytes else None  # the bound off: no record
         if self._conns is not None:

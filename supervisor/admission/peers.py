@@ -15,7 +15,7 @@ sees the peer gone and closes it, the client sees a refused connection (and
 retries), and every connected client keeps working. :class:`ConnectionGate` is
 the count and the decision; :func:`shed` / :func:`shed_tcp` the act (on libzmq's
 fd itself, never a duplicate: a shed must work at the fd limit). The events reach
-the gate through ``supervisor.admission.connections``' guard thread, which also
+the gate through the guard thread (``supervisor.admission.fd_guard``), which also
 renames the ipc paths away near the budget however far the loop lags.
 
 Unauthenticated peers. A request without a verified capability - garbage,

@@ -8,8 +8,9 @@ taking every tenant's workers with it. So the supervisor starts by raising
 its soft limit as far as it may (the hard limit, and the kernel's
 ``fs.nr_open``), and the frontend keeps its connections well below the limit
 (``fd_budget``: a guard thread renames the ipc paths away near it, and what
-still gets in past it is shed; see ``supervisor.admission.connections``): the
-limit is a resource like any other, never a crash.
+still gets in past it is shed; see ``supervisor.admission.connections`` and
+``supervisor.admission.fd_guard``): the limit is a resource like any other,
+never a crash.
 
 Other parts of the supervisor that open descriptors on behalf of peers (the
 metrics HTTP server: its listener, its event loop and at most

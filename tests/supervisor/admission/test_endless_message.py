@@ -240,9 +240,10 @@ def test_the_guard_sheds_stale_connections_first_and_in_flight_ones_only_as_memo
     bound but not growing sheds nothing more; grown another quarter of the bound, those that
     completed nothing since the first shed go too. Never the active one."""
     import supervisor.admission.connections as connections
+    import supervisor.admission.fd_guard as fd_guard
 
     level = [100 * MiB]
-    monkeypatch.setattr(connections, "rss_bytes", lambda: level[0])
+    monkeypatch.setattr(fd_guard, "rss_bytes", lambda: level[0])
     ctx: zmq.Context[Any] = zmq.Context()
     path = str(tmp_path / "f.ipc")
     router = ctx.socket(zmq.ROUTER)

@@ -23,7 +23,8 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor.admission.connections import PAUSE_DIR, FrontendConnections, pause_at, resume_at
+from supervisor.admission.connections import FrontendConnections
+from supervisor.admission.fd_guard import PAUSE_DIR, pause_at, resume_at
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import SupervisorHandle, launch
 from tests.helpers.cluster import FAST, wait_for
