@@ -37,17 +37,21 @@ LIMIT = 1024
 STALL_SITE = str(Path(__file__).resolve().parents[2] / "helpers" / "stall_site")
 
 #: connect WAIT_AT raw unix connections over PATHS (alternating; a connect that finds no path is
-#: retried: the guard may pause and resume below its threshold while it catches up), then wait
-#: until the paths are gone, then try TOTAL - WAIT_AT more, counting those that fail (each wait
-#: ends after WAIT_S at most: a hang guard). Blocking connects (a full backlog waits for the
-#: accept, SO_SNDTIMEO bounds it): a flood that outruns the accepts must not fail for that.
-#: Each sends a ZMTP 3.0 greeting (NULL) and READY as a DEALER, so libzmq's 30 s handshake timer
-#: never closes it while the flood waits
+#: retried: the guard may pause and resume below its threshold while it catches up) or fewer: a
+#: guard that lags pauses from a quarter of the budget, and once it paused above HELD_AT (where it
+#: resumes) with every connection accepted (the supervisor's greeting read) it stays paused while
+#: they are held, so the loop ends at a connect that finds no path then (it waited out WAIT_S
+#: before); then wait until the paths are gone, then try TOTAL - WAIT_AT more, counting those
+#: that fail (each wait ends after WAIT_S at most: a hang guard). Blocking connects (a full
+#: backlog waits for the accept, SO_SNDTIMEO bounds it): a flood that outruns the accepts must
+#: not fail for that. Each sends a ZMTP 3.0 greeting (NULL) and READY as a DEALER, so libzmq's
+#: 30 s handshake timer never closes it while the flood waits
 _FLOOD = r"""
-import os, socket, struct, sys, time
+import os, select, socket, struct, sys, time
 ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
 hello = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32) + bytes([4, len(ready)]) + ready
-paths, total, wait_at, wait_s = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+paths, total, wait_at, held_at = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+wait_s = float(sys.argv[5])
 socks, failed = [], 0
 
 def connect(path):
@@ -61,11 +65,25 @@ def connect(path):
         return None
     return s
 
+def accepted(deadline):
+    # until the supervisor greeted every connection (libzmq accepted it: its ACCEPTED event was
+    # queued for the guard before), or the deadline
+    poll, left = select.poll(), {s.fileno() for s in socks}
+    for fd in left:
+        poll.register(fd, select.POLLIN)
+    while left and time.monotonic() < deadline:
+        for fd, _ in poll.poll(100):
+            left.discard(fd)
+            poll.unregister(fd)
+    return not left
+
 deadline, i = time.monotonic() + wait_s, 0
 while len(socks) < wait_at and time.monotonic() < deadline:
     s = connect(paths[i % len(paths)])
     i += 1
     if s is None:
+        if len(socks) > held_at and accepted(deadline) and not any(os.path.exists(p) for p in paths):
+            break  # paused above where it resumes, every connection counted: it stays paused
         time.sleep(0.01)
     else:
         socks.append(s)
@@ -86,9 +104,12 @@ for s in socks:
 
 
 @contextmanager
-def _flood(paths: list[str], total: int, wait_at: int) -> Iterator[subprocess.Popen[str]]:
+def _flood(paths: list[str], total: int, budget: int) -> Iterator[subprocess.Popen[str]]:
+    """The flood (``_FLOOD``) against a frontend whose connection budget is ``budget``: up to its
+    pause, then to ``total``."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _FLOOD, ",".join(paths), str(total), str(wait_at), str(scaled(20))],
+        [sys.executable, "-c", _FLOOD, ",".join(paths), str(total), str(pause_at(budget)), str(resume_at(budget)),
+         str(scaled(20))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (4 * LIMIT, 4 * LIMIT)),
     )
@@ -271,7 +292,7 @@ def test_a_flood_while_the_loop_stalls_pauses_the_paths_and_never_aborts(tmp_pat
         os.kill(sup.pid, signal.SIGUSR2)
         wait_for(lambda: os.path.exists(flag + ".stalled"), what="the loop stalled")
         paths = _paths(run_dir)
-        with _flood(paths, LIMIT + 200, pause_at(budget)) as flood:
+        with _flood(paths, LIMIT + 200, budget) as flood:
             assert flood.stdout is not None
             connected, failed = map(int, flood.stdout.readline().split())
             assert sup.process.poll() is None, "the supervisor died (EMFILE in libzmq's ipc accept)"
@@ -310,7 +331,7 @@ def test_a_stale_paused_path_is_cleaned_at_start_and_a_stop_while_paused_leaves_
         assert not os.path.exists(stale)
         budget = _limited(sup)
         paths = _paths(run_dir)
-        with _flood(paths, LIMIT + 200, pause_at(budget)) as flood:
+        with _flood(paths, LIMIT + 200, budget) as flood:
             assert flood.stdout is not None
             flood.stdout.readline()
             assert sup.process.poll() is None
