@@ -18,8 +18,7 @@ def test_a_refill_of_many_starts_two_at_once_and_the_next_as_each_is_warmed(tmp_
     h = Harness(tmp_path, pool_size=1, pool_max=8)
     try:
         ws = h.sup.parts.workers
-        h.settle()
-        assert len(ws.pool) == 1 and ws.pool_starting == 0
+        h.until(lambda: len(ws.pool) == 1 and ws.pool_starting == 0)  # warmed (as above)
         ws._refill_s = 0.5  # a pool worker's spawn-to-ready time, as measured
         for _ in range(10):  # a burst of activations: the target is the pool's most
             ws._note_demand()
@@ -55,13 +54,14 @@ def test_a_warm_pool_worker_bound_to_a_tenant_is_replaced_when_its_bind_is_done(
     h = Harness(tmp_path, pool_size=2)
     try:
         ws = h.sup.parts.workers
-        h.settle()
-        assert len(ws.pool) == 2 and ws.pool_starting == 0
+        # the pool warmed (hellos and warmed words cross real sockets: a loaded host delivers them
+        # after any fixed number of quiet turns)
+        h.until(lambda: len(ws.pool) == 2 and ws.pool_starting == 0)
         spawned = len(h.spawner.workers)
         ok, payload = h.answer(h.send("register", {"spec": {"tenant_id": "first", "instances": 1}}))
         assert ok, payload
+        h.until(lambda: len(h.spawner.workers) == spawned + 1 and len(ws.pool) == 2 and ws.pool_starting == 0)
         h.settle()
-        assert len(h.spawner.workers) == spawned + 1
-        assert len(ws.pool) == 2 and ws.pool_starting == 0
+        assert len(h.spawner.workers) == spawned + 1  # one replacement, no more
     finally:
         h.close()
