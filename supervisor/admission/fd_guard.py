@@ -16,8 +16,8 @@ blocks on them, counts every live connection (ipc and TCP) and forwards each
 event to the loop's gate unchanged. Once the connections reach
 :func:`pause_at` (seven eighths of the budget) it renames ``frontend.ipc`` and
 ``small.ipc`` into ``<run dir>/.paused/`` (0700: a client-group peer cannot
-reach them there); back at :func:`resume_at` (three quarters, what TCP may
-hold) it renames them back. A unix socket's listening fd keeps its accepted
+reach them there); back at :func:`resume_at` (a sixteenth above the three
+quarters TCP may hold) it renames them back. A unix socket's listening fd keeps its accepted
 connections and its backlog across a rename: connected clients never notice,
 and a connect that finds no path fails (ENOENT) and libzmq's client retries
 every ``reconnect_ivl`` (100 ms), its messages queued meanwhile. Each ipc
@@ -154,9 +154,13 @@ def pause_at(budget: int) -> int:
 
 
 def resume_at(budget: int) -> int:
-    """Connections at or below which a paused frontend takes its paths back: three quarters of
-    ``budget`` (what TCP may hold: local clients are never kept out by remote ones alone)."""
-    return min(budget - budget // 4, pause_at(budget) - 1)
+    """Connections at or below which a paused frontend takes its paths back: thirteen sixteenths
+    of ``budget``, a sixteenth above the three quarters TCP may hold
+    (:attr:`~supervisor.admission.peers.ConnectionGate.tcp_budget`), so that remote connections
+    alone never keep local clients out: at three quarters exactly, one local client connected
+    kept the count past it for as long as the remote ones stayed (below a budget of 16 there is
+    no room for both; the fd budget is never that small outside tests)."""
+    return min(budget - budget // 4 + max(1, budget // 16), pause_at(budget) - 1)
 
 
 def clean_paused(run_dir: str) -> None:

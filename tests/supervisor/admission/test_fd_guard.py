@@ -25,6 +25,7 @@ import pytest
 
 from supervisor.admission.connections import FrontendConnections
 from supervisor.admission.fd_guard import PAUSE_DIR, pause_at, resume_at
+from supervisor.admission.peers import ConnectionGate
 from supervisor.client.api import SupervisorClient
 from supervisor.client.launch import SupervisorHandle, launch
 from tests.helpers.cluster import FAST, wait_for
@@ -347,3 +348,12 @@ def test_a_stale_paused_path_is_cleaned_at_start_and_a_stop_while_paused_leaves_
     assert sup.process.returncode == 0
     assert not os.path.exists(stale)
     assert not any(os.path.exists(p) for p in paths)
+
+
+def test_the_frontend_resumes_above_what_tcp_may_hold_and_below_its_pause() -> None:
+    """Remote connections alone never keep the ipc paths paused: with TCP holding all it may and a
+    local client connected, the count is still at or below ``resume_at`` (it was exactly at it,
+    so one local client kept the paths away while the remote connections stayed)."""
+    for budget in range(16, 5_000):
+        tcp = ConnectionGate(budget).tcp_budget
+        assert tcp + 1 <= resume_at(budget) < pause_at(budget), budget
