@@ -15,7 +15,8 @@
  *
  * The driver (the Python device thread) collects completions the way a CUDA stream's events are
  * read: wait() until every launched chunk is done (bounded by a deadline), then collect() the
- * stamps, oldest first. A launched chunk holds its three buffers (Py_buffer exports: a bytearray
+ * stamps, oldest first. The executor wakes a waiting driver only once what it waits for holds (at
+ * most `below` chunks left), not at every chunk's end: a wake-up is a syscall between two chunks. A launched chunk holds its three buffers (Py_buffer exports: a bytearray
  * cannot be resized under it, and a freed StubBuffer's old bytes stay alive) until it is collected.
  *
  * The kernel is numpy's own BLAS (the sgemm numpy's matmul calls): its address is given by the
@@ -59,11 +60,16 @@ typedef struct {
     int stop;
     int running;    /* the thread was started and not joined */
     int waiting;    /* drivers in wait() */
+    int64_t signal_at; /* wake the drivers in wait() once at most this many launched chunks have not run
+                          (the largest `below` of those waiting; -1: none): a wake-up is a syscall, and
+                          across CPUs in a VM an interrupt - ~10 us of the device's time between two
+                          chunks, paid at every chunk while the driver waited for any completion */
     pid_t tid;
     pthread_t thread;
     void *sgemm;
     int ilp64;
     uint64_t launched_total;
+    uint64_t wakes;  /* drivers woken in wait() */
 } Executor;
 
 static int64_t
@@ -110,8 +116,11 @@ executor_main(void *arg)
         s->cpu_ns = c1 - c0;
         pthread_mutex_lock(&ex->mu);
         ex->done++;
-        if (ex->waiting)
+        if (ex->waiting && (int64_t)(ex->tail - ex->done) <= ex->signal_at) {
+            ex->signal_at = -1;  /* (every waiter woken: each one still waiting registers again) */
+            ex->wakes++;
             pthread_cond_broadcast(&ex->done_cv);
+        }
     }
     pthread_mutex_unlock(&ex->mu);
     return NULL;
@@ -168,6 +177,7 @@ Executor_init(Executor *ex, PyObject *args, PyObject *kwds)
         return -1;
     }
     ex->cap = (uint64_t)ring;
+    ex->signal_at = -1;
     ex->sgemm = (void *)(uintptr_t)addr;
     ex->ilp64 = ilp64;
     pthread_condattr_t attr;
@@ -309,6 +319,8 @@ Executor_wait(Executor *ex, PyObject *args)
     pthread_mutex_lock(&ex->mu);
     ex->waiting++;
     while (ex->tail - ex->done > left) {
+        if ((int64_t)left > ex->signal_at)
+            ex->signal_at = (int64_t)left;
         if (until < 0) {
             pthread_cond_wait(&ex->done_cv, &ex->mu);
         } else {
@@ -396,6 +408,15 @@ Executor_get_launched(Executor *ex, void *Py_UNUSED(closure))
     return PyLong_FromUnsignedLongLong(ex->launched_total);
 }
 
+static PyObject *
+Executor_get_wakes(Executor *ex, void *Py_UNUSED(closure))
+{
+    pthread_mutex_lock(&ex->mu);
+    uint64_t n = ex->wakes;
+    pthread_mutex_unlock(&ex->mu);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
 static PyMethodDef Executor_methods[] = {
     {"sgemm", (PyCFunction)Executor_sgemm, METH_VARARGS, sgemm_doc},
     {"wait", (PyCFunction)Executor_wait, METH_VARARGS, wait_doc},
@@ -411,6 +432,7 @@ static PyGetSetDef Executor_getset[] = {
     {"tid", (getter)Executor_get_tid, NULL, "the executor thread's native id (None: closed)", NULL},
     {"ring", (getter)Executor_get_ring, NULL, "the most chunks launched and not collected", NULL},
     {"launched", (getter)Executor_get_launched, NULL, "chunks launched, all told", NULL},
+    {"wakes", (getter)Executor_get_wakes, NULL, "times the executor woke the drivers waiting in wait()", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

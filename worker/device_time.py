@@ -87,7 +87,10 @@ thread; a synchronous op runs on the executor thread once the queue is empty
 (and the device thread has told the board its stretch ended). The board,
 timers and totals are thus used by one thread at a time, ordered by the
 queue's condition. With ``stub_device_cpus`` (shared.device_cpus) the device thread runs only on
-its device's CPU and the worker's other threads on the rest (:func:`pin_device`, at bind).
+its device's CPU and the worker's other threads on the rest (:func:`pin_device`, at bind). The device
+thread (and the stub's executor thread) ask the kernel for its shortest time slice
+(``worker.priority.short_slice``): woken to launch or to take a handed-over lease, they preempt the guest
+code running on their core instead of waiting out its slice, the device idle meanwhile.
 
 **The stub's executor** (``worker.backends.stub_executor``: a C thread running launched GEMM chunks
 back to back, the stub's device). The device thread is then its driver: a GEMM chunk is launched and
@@ -122,7 +125,7 @@ from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.stub_executor import ExecutorTimer
 from worker.backends.timing import OpTimer, PendingTimer
 from worker.chunks import CostModel, Plan, plan
-from worker.priority import name_thread, start_thread
+from worker.priority import name_thread, short_slice, start_thread
 
 __all__ = ["CHUNK_S", "MAX_QUEUED_BYTES", "MAX_QUEUED_OPS", "QUEUE_GRACE_S", "DeviceGate", "DeviceQueue",
            "QueueOverrun", "pin_device"]
@@ -163,6 +166,10 @@ _BATCH_DIV = 8
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
 QUEUE_LINGER_S = 50e-6
+#: the device thread's time slice (``worker.priority.short_slice``: the kernel's least, 0.1 ms): woken
+#: to launch the device's next work or to take a handed-over lease, it preempts the guest code running
+#: on its core instead of waiting up to that code's slice (~1.4 ms), the device idle meanwhile
+DEVICE_SLICE_NS = 100_000
 #: the stub's executor: the chunks launched ahead of the running one hold at most 1/this of a chunk
 #: by their estimates (:meth:`DeviceGate._ahead`)
 _AHEAD_DIV = 2
@@ -419,6 +426,7 @@ class DeviceQueue:
 
     def _loop(self) -> None:
         name_thread()
+        short_slice(DEVICE_SLICE_NS)  # its wake-ups launch the device's next work: they preempt guest code
         if self.cpus is not None:
             _pin(0, self.cpus)  # the device thread, at its start
         cond = self._cond
@@ -921,6 +929,9 @@ class DeviceGate:
             self._qtimer = timer = self.backend.queue_timer()
             self._pending_timer = timer if isinstance(timer, PendingTimer) else None
             self._executor = timer if isinstance(timer, ExecutorTimer) else None
+            if self._executor is not None and self._executor.thread_id:
+                # the stub's device: back from its wait for a launch, it preempts what runs on its core
+                short_slice(DEVICE_SLICE_NS, self._executor.thread_id)
             cpus = self.device_cpus
             if cpus is not None and self.backend.device_executor:
                 # the device's core (pin_device): the executor's thread; without one (not built, no BLAS
@@ -1101,14 +1112,18 @@ class DeviceGate:
         not yet run may hold at most 1/:data:`_AHEAD_DIV` of a chunk by their estimates (at least the
         one running): a boundary that passes the device on waits for them (the preemption bound is
         one chunk and that), while the next launch is already queued when the running one ends."""
+        limit = self.chunk_ns // _AHEAD_DIV
         while True:
             running = executor.running
             if running < 2:
                 return
-            est = sum(e for *_, e in self._unsettled[-running:])
-            if est < self.chunk_ns // _AHEAD_DIV:
+            ests = [e for *_, e in self._unsettled[-running:]]
+            if sum(ests) < limit:
                 return
-            executor.wait_below(running - 1)
+            # asleep until the newest chunks left hold under half the bound (at least one left): one
+            # wake-up per few chunks, each a syscall of the executor's between two chunks, not one each
+            left = bisect.bisect_left(list(itertools.accumulate(reversed(ests))), limit // 2)
+            executor.wait_below(max(1, min(left, running - 1)))
 
     def _boundary(self, board: GpuTimeBoard | None, held: int, *, last: bool, pending: bool) -> None:
         """A chunk boundary of a queued launch (:meth:`_run_queued`'s and :meth:`_queued_run`'s):

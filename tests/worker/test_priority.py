@@ -222,3 +222,45 @@ priority.restore_start()
 print(json.dumps({"changed": changed, "me": nice(threading.get_native_id()), "base": base}))
 """)
     assert seen["changed"] is False and seen["me"] == seen["base"]
+
+
+def test_the_device_thread_asks_for_the_shortest_time_slice_and_keeps_its_nice_value() -> None:
+    """The device queue's thread runs with the kernel's shortest time slice (``se.slice`` in
+    ``/proc/self/task/<tid>/sched``: 0.1 ms, against the default ~1-3 ms), so that its wake-ups
+    preempt guest code on its core; a thread's nice value is kept when it asks for one. Skipped where
+    the kernel shows no slice (before Linux 6.12's EEVDF custom slices)."""
+    seen = child(r"""
+from worker.device_time import DEVICE_SLICE_NS, DeviceQueue, _Item
+
+def sched_slice(tid):
+    with open(f"/proc/self/task/{tid}/sched") as f:
+        for line in f:
+            if line.startswith("se.slice"):
+                return int(line.split(":")[1])
+    return None
+
+def lowered_thread():
+    me = threading.get_native_id()
+    assert priority.lower_current_thread(2)
+    before = sched_slice(me)
+    asked = priority.short_slice(DEVICE_SLICE_NS)
+    return {"before": before, "asked": asked, "after": sched_slice(me), "nice": nice(me)}
+
+seen = in_thread(lowered_thread)
+queue = DeviceQueue(lambda items: (len(items), None), lambda: None)
+queue.submit(_Item("fill", lambda: None, (), None, 0, 0, 0, None, -1, False))
+assert queue.sync(None)
+tid = queue.thread_id
+seen["device"] = sched_slice(tid)
+seen["device_comm"] = comm(tid)
+queue.close()
+seen["want"] = DEVICE_SLICE_NS
+seen["base"] = base
+print(json.dumps(seen))
+""")
+    if seen["before"] is None:
+        pytest.skip("this kernel shows no time slice per thread (no EEVDF custom slices)")
+    assert seen["asked"] is True and seen["after"] == seen["want"] == 100_000
+    assert seen["nice"] == min(19, int(seen["base"]) + 2)  # type: ignore[call-overload]
+    assert seen["device_comm"] == "twt-device"
+    assert seen["device"] == seen["want"], seen

@@ -102,6 +102,49 @@ def test_the_ring_is_bounded_and_settling_frees_it() -> None:
         timer.close()
 
 
+def _voluntary_switches() -> int:
+    """The calling thread's voluntary context switches so far (each sleep it woke from)."""
+    with open("/proc/thread-self/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc/thread-self/status")
+
+
+@needs_executor
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/status"), reason="per-thread switches: Linux")
+def test_a_driver_waiting_for_several_chunks_is_woken_once_not_at_each_chunks_end() -> None:
+    """A drain while eight GEMMs run: the executor wakes the waiting driver when the last one is done,
+    not at every chunk's end (each wake-up is a syscall the device pays between two chunks, and the
+    driver went back to sleep after each); the same for a wait until at most two are left."""
+    be = StubBackend()
+    n = 256
+    rng = np.random.default_rng(3)
+    a = _buf(be, rng.standard_normal((n, n)).astype(np.float32))
+    b = _buf(be, rng.standard_normal((n, n)).astype(np.float32))
+    c = be.alloc(4 * n * n)
+    timer = stub_executor.make()
+    assert timer is not None
+    try:
+        for below in (0, 2):
+            wakes, switches = timer.wakes, _voluntary_switches()
+            for _ in range(8):
+                assert timer.launch("matmul_f32", (a, b, c, n, n, n))
+            waited = timer.running > below + 1  # (still running once launched: the wait spans their ends)
+            if below:
+                timer.wait_below(below)
+                assert timer.running <= below
+            else:
+                timer.drain()
+            switches = _voluntary_switches() - switches
+            assert timer.wakes - wakes <= 1
+            if waited:
+                assert switches <= 2, f"woken {switches} times waiting for 8 chunks (below={below})"
+            timer.settle(None)
+    finally:
+        timer.close()
+
+
 @needs_executor
 def test_a_launched_chunk_keeps_its_buffers_alive_until_collected() -> None:
     """A buffer freed while its GEMM is in flight: the chunk holds the bytes (a Py_buffer export), so

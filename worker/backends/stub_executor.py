@@ -159,6 +159,12 @@ class ExecutorTimer:
         """Chunks launched on the executor, all told."""
         return int(self._ex.launched)
 
+    @property
+    def wakes(self) -> int:
+        """Times the executor woke a driver waiting in :meth:`wait_below`, :meth:`drain` or :meth:`settle`
+        (once what it waited for held: not at every chunk's end)."""
+        return int(self._ex.wakes)
+
     def full(self) -> bool:
         return bool(self._ex.pending >= self._ex.ring)
 
