@@ -89,7 +89,7 @@ timers and totals are thus used by one thread at a time, ordered by the
 queue's condition. With ``stub_device_cpus`` (shared.device_cpus) the device thread runs only on
 its device's CPU and the worker's other threads on the rest (:func:`pin_device`, at bind). The device
 thread (and the stub's executor thread) ask the kernel for its shortest time slice
-(``worker.priority.short_slice``): woken to launch or to take a handed-over lease, they preempt the guest
+(``shared.prctl.short_slice``): woken to launch or to take a handed-over lease, they preempt the guest
 code running on their core instead of waiting out its slice, the device idle meanwhile.
 
 **The stub's executor** (``worker.backends.stub_executor``: a C thread running launched GEMM chunks
@@ -125,7 +125,8 @@ from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.stub_executor import ExecutorTimer
 from worker.backends.timing import OpTimer, PendingTimer
 from worker.chunks import CostModel, Plan, plan
-from worker.priority import name_thread, short_slice, start_thread
+from shared.prctl import short_slice
+from worker.priority import name_thread, start_thread
 
 __all__ = ["CHUNK_S", "MAX_QUEUED_BYTES", "MAX_QUEUED_OPS", "QUEUE_GRACE_S", "DeviceGate", "DeviceQueue",
            "QueueOverrun", "pin_device"]
@@ -166,7 +167,7 @@ _BATCH_DIV = 8
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
 QUEUE_LINGER_S = 50e-6
-#: the device thread's time slice (``worker.priority.short_slice``: the kernel's least, 0.1 ms): woken
+#: the device thread's time slice (``shared.prctl.short_slice``: the kernel's least, 0.1 ms): woken
 #: to launch the device's next work or to take a handed-over lease, it preempts the guest code running
 #: on its core instead of waiting up to that code's slice (~1.4 ms), the device idle meanwhile
 DEVICE_SLICE_NS = 100_000

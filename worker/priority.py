@@ -31,17 +31,14 @@ run at the guest's priority, which is what they are.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import sys
 import threading
 
 from shared.log import get_logger, log_event
 from shared.prctl import set_process_name, set_threads_nice
 
-__all__ = ["lower_current_thread", "lower_start", "lowered", "name_thread", "restore_start", "short_slice",
-           "start_thread"]
+__all__ = ["lower_current_thread", "lower_start", "lowered", "name_thread", "restore_start", "start_thread"]
 
 _log = get_logger("worker")
 
@@ -99,46 +96,6 @@ def name_thread() -> None:
     """Give the calling thread's Python name to the kernel too (its ``comm``, 15 bytes): ``top -H``
     and ``/proc/<pid>/task/*`` then show which thread runs at which priority."""
     set_process_name(threading.current_thread().name)  # (PR_SET_NAME names the calling thread)
-
-
-class _SchedAttr(ctypes.Structure):
-    """``struct sched_attr`` (linux/sched/types.h, the first version with utilisation clamps)."""
-
-    _fields_ = [("size", ctypes.c_uint32), ("policy", ctypes.c_uint32), ("flags", ctypes.c_uint64),
-                ("nice", ctypes.c_int32), ("priority", ctypes.c_uint32), ("runtime", ctypes.c_uint64),
-                ("deadline", ctypes.c_uint64), ("period", ctypes.c_uint64), ("util_min", ctypes.c_uint32),
-                ("util_max", ctypes.c_uint32)]
-
-
-#: x86-64's and arm64's numbers of sched_setattr / sched_getattr
-_SYS_SCHED_ATTR = {"x86_64": (314, 315), "aarch64": (274, 275)}
-#: SCHED_OTHER, the normal policy: a custom slice is asked for with it only
-_SCHED_OTHER = 0
-
-
-def short_slice(slice_ns: int, tid: int = 0) -> bool:
-    """Ask the kernel for a short time slice for the calling thread (Linux 6.12+, the EEVDF
-    scheduler: ``sched_setattr`` with ``sched_runtime`` on a normal thread; 0.1-100 ms, no privilege
-    needed), its policy and nice value unchanged. A woken thread with a shorter slice than the one
-    running preempts it at once (the kernel's ``PREEMPT_SHORT``) instead of waiting for that thread's
-    slice to end (~1.4 ms by default here); its CPU share is its weight's, as before. For the threads
-    whose wake-up the device waits for and whose work is short (the device thread: a launch, a lease
-    decision). ``tid``: another thread of this process (a native id; 0: the calling thread). False
-    where the kernel or the architecture has no such call, or it was refused (an older kernel takes
-    the call and ignores the slice: the thread runs as before)."""
-    nums = _SYS_SCHED_ATTR.get(os.uname().machine) if sys.platform.startswith("linux") else None
-    if nums is None:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return False
-    attr = _SchedAttr()
-    size = ctypes.sizeof(_SchedAttr)
-    if libc.syscall(nums[1], tid, ctypes.byref(attr), size, 0) != 0 or attr.policy != _SCHED_OTHER:
-        return False  # (a real-time or idle policy: left alone)
-    attr.size, attr.flags, attr.runtime = size, 0, slice_ns
-    return bool(libc.syscall(nums[0], tid, ctypes.byref(attr), 0) == 0)
 
 
 def lowered() -> bool:

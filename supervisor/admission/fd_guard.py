@@ -84,7 +84,6 @@ messages (:attr:`PathGuard.completed`).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import math
 import os
@@ -132,13 +131,12 @@ def rss_bytes() -> int:
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
+    """glibc's ``malloc_trim`` from the symbols already loaded (``CDLL(None)``, as :mod:`shared.prctl`:
+    ``ctypes.util.find_library`` runs ``ldconfig -p`` in a subprocess, at every supervisor's start)."""
     try:
-        fn = ctypes.CDLL(name).malloc_trim if name else None
+        fn = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None  # not glibc
-    if fn is None:
-        return None
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int
     return fn

@@ -230,6 +230,7 @@ def test_the_device_thread_asks_for_the_shortest_time_slice_and_keeps_its_nice_v
     preempt guest code on its core; a thread's nice value is kept when it asks for one. Skipped where
     the kernel shows no slice (before Linux 6.12's EEVDF custom slices)."""
     seen = child(r"""
+from shared.prctl import short_slice
 from worker.device_time import DEVICE_SLICE_NS, DeviceQueue, _Item
 
 def sched_slice(tid):
@@ -243,7 +244,7 @@ def lowered_thread():
     me = threading.get_native_id()
     assert priority.lower_current_thread(2)
     before = sched_slice(me)
-    asked = priority.short_slice(DEVICE_SLICE_NS)
+    asked = short_slice(DEVICE_SLICE_NS)
     return {"before": before, "asked": asked, "after": sched_slice(me), "nice": nice(me)}
 
 seen = in_thread(lowered_thread)
