@@ -131,6 +131,15 @@ RETRY_AFTER_UNKNOWN_S: Final = 1.0
 EARLY_PARK_BACKOFF_S: Final = 5.0
 #: without a ``park_ahead`` setting, 1/this of ``max_active`` is kept free (0 below this many)
 PARK_AHEAD_DIV: Final = 16
+#: the park ahead that an activation asks for (the place it took, made free again) waits while the
+#: woken tenant is served, as long as a place is still free for the next activation: it begins once
+#: the tenant's workers have been quiet (nothing in flight, nothing answered) for this long - an
+#: export round trip and a worker's exit (~5 ms of CPU) ran across the woken tenant's first
+#: requests on a 2-core host ...
+ROOM_HOLD_QUIET_S: Final = 0.005
+#: ... and at most this long after the activation (the housekeeping tick's look, which it stands in
+#: for meanwhile, comes as often)
+ROOM_HOLD_MAX_S: Final = 0.05
 
 
 class Parking:
@@ -211,6 +220,10 @@ class Parking:
         #: when each tenant's last park was refused (see EARLY_PARK_BACKOFF_S)
         self._refused_at: dict[str, float] = {}
         self._retrying = False
+        #: the park ahead put off while woken tenants are served (see ROOM_HOLD_QUIET_S): until when
+        #: at most, and each such tenant with its workers' answers counted when last looked at
+        self._room_until: float | None = None
+        self._room_watch: dict[str, tuple[TenantRuntime, int]] = {}
         #: the death watches of an export in progress, by tenant: taken off when it ends
         self._watches: dict[str, list[tuple[WorkerHandle, Callable[[WorkerHandle], None]]]] = {}
         signals.on_bind_sent(self._on_bind_sent)
@@ -241,7 +254,7 @@ class Parking:
         """Housekeeping: park every tenant idle past its ``idle_timeout_s``; activations waiting
         for room look again (room also comes from evictions and deaths)."""
         self._retry_room_waiters()
-        working = self._keep_room()
+        working = self._keep_room() if self._room_until is None else None  # (else: as the woken are quiet)
         for tid in [t for t in self._files if (o := self.tenants.get(t)) is None or o.park is None]:
             self._drop_files(tid)  # evicted while parked (or parking): its files go with it
         if self._refused_at:
@@ -994,7 +1007,44 @@ class Parking:
         for slot, worker in self._load_after.pop(rt.tenant_id, ()):
             if slot.worker is worker and worker.state is WorkerState.READY:
                 self._send(rt, slot, worker, "load_modules", {}, None, lambda _ok, _payload: None)
-        self._keep_room()  # the place this activation took: made again ahead of the next one
+        self._keep_room_after(rt)  # the place this activation took: made again ahead of the next one
+
+    def _keep_room_after(self, rt: TenantRuntime) -> None:
+        """The park ahead that ``rt``'s activation asks for (:meth:`_keep_room`), once ``rt`` is
+        quiet (ROOM_HOLD_QUIET_S; ROOM_HOLD_MAX_S at most): a woken tenant's first requests follow
+        its activation within milliseconds, and a park's export and its worker's exit beside them
+        took a core from them on a small host. At once when no place is free for the next
+        activation (it would wait for an early park instead)."""
+        if self.max_active is None or self.park_ahead <= 0 or self.stopping():
+            return
+        if self.max_active - self._alive()[0] < 1:
+            self._keep_room()
+            return
+        self._room_watch[rt.tenant_id] = (rt, _answered(rt))
+        if self._room_until is None:
+            self._room_until = self.clock() + ROOM_HOLD_MAX_S
+            self.workers.loop.timers.after(ROOM_HOLD_QUIET_S, self._room_check)
+
+    def _room_check(self) -> None:
+        """The quiet time of the tenants whose activations put off a park ahead is up: any of them
+        answered something since, or has a request in flight, and the put-off's end is not reached
+        - looked at again; else the park ahead now."""
+        until = self._room_until
+        if until is None:
+            return
+        now = self.clock()
+        busy = False
+        for tid, (rt, answered) in list(self._room_watch.items()):
+            now_answered = _answered(rt)
+            if now_answered != answered or rt.in_flight or any(s.worker.in_flight for s in rt.slots if s.worker):
+                busy = True
+                self._room_watch[tid] = (rt, now_answered)
+        if busy and now < until:
+            self.workers.loop.timers.after(min(ROOM_HOLD_QUIET_S, until - now), self._room_check)
+            return
+        self._room_until = None
+        self._room_watch.clear()
+        self._keep_room()
 
     def _activation_failed(self, rt: TenantRuntime, rec: ParkRecord, payload: object) -> None:
         """An import was refused (the GPU cap was lowered below the buffers while parked): the
@@ -1066,6 +1116,11 @@ def _parkable(rt: TenantRuntime) -> bool:
             and not rt.rolling_left and rt.rolling_slot is None and bool(wanted)
             and all(s.ready and s.worker is not None and not s.worker.in_flight for s in wanted)
             and all(s.worker is None for s in rt.slots if s.draining) and not rt.block.closed)
+
+
+def _answered(rt: TenantRuntime) -> int:
+    """The replies ``rt``'s live workers gave so far (a change: it was served meanwhile)."""
+    return sum(s.worker.served for s in rt.slots if s.worker is not None)
 
 
 def _leaving(owner: TenantRuntime | None, worker: WorkerHandle) -> bool:
