@@ -120,12 +120,12 @@ from shared.device_cpus import set_threads_affinity
 from shared.errors import KernelTimeout
 from shared.gpu_time import GpuTimeBoard, WorkTrace
 from shared.log import get_logger, log_event
+from shared.prctl import short_slice
 from shared.quota import QuotaBlock
 from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.stub_executor import ExecutorTimer
 from worker.backends.timing import OpTimer, PendingTimer
 from worker.chunks import CostModel, Plan, plan
-from shared.prctl import short_slice
 from worker.priority import name_thread, start_thread
 
 __all__ = ["CHUNK_S", "MAX_QUEUED_BYTES", "MAX_QUEUED_OPS", "QUEUE_GRACE_S", "DeviceGate", "DeviceQueue",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 
 import psutil
 import pytest
+import zmq
 
 from supervisor.admission.connections import FrontendConnections
 from supervisor.admission.fd_guard import PAUSE_DIR, pause_at, resume_at
@@ -127,6 +129,30 @@ def _flood(paths: list[str], total: int, budget: int) -> Iterator[subprocess.Pop
         proc.stdout.close()
 
 
+@contextmanager
+def _guard_alone(tmp_path: Any, budget: int) -> Iterator[tuple[FrontendConnections, str, list[socket.socket]]]:
+    """A ROUTER bound on ``<tmp_path>/f.ipc`` whose connections a guard thread counts against
+    ``budget`` with no loop reading the monitor; the connections, the path and a list the test puts
+    its raw connections in (closed at the end, then the guard stopped)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    path = str(tmp_path / "f.ipc")
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    conns = FrontendConnections(router, path)
+    router.bind("ipc://" + path)
+    conns.gate.budget = budget
+    socks: list[socket.socket] = []
+    try:
+        yield conns, path, socks
+    finally:
+        for s in socks:
+            s.close()
+        conns.close()
+        assert not conns.guard.is_alive()
+        router.close(0)
+        ctx.term()
+
+
 def _limited(sup: SupervisorHandle) -> int:
     """Lower the supervisor's fd limit to LIMIT; the connection budget it then uses."""
     resource.prlimit(sup.pid, resource.RLIMIT_NOFILE, (LIMIT, LIMIT))
@@ -141,19 +167,7 @@ def test_the_guard_pauses_near_the_budget_resumes_below_it_and_stops_with_close(
     pause_at (or before it: a guard that lags pauses from a quarter of the budget, and once it
     counts more than resume_at it stays paused), accepted connections keep working, and it comes
     back at resume_at."""
-    import socket
-
-    import zmq
-
-    ctx = zmq.Context()
-    path = str(tmp_path / "f.ipc")
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    conns = FrontendConnections(router, path)
-    router.bind("ipc://" + path)
-    conns.gate.budget = 16
-    socks: list[socket.socket] = []
-    try:
+    with _guard_alone(tmp_path, 16) as (conns, path, socks):
         while len(socks) < pause_at(16):
             s = socket.socket(socket.AF_UNIX)
             try:
@@ -176,41 +190,22 @@ def test_the_guard_pauses_near_the_budget_resumes_below_it_and_stops_with_close(
         wait_for(lambda: not conns.guard.paused, what="resumed")
         assert os.path.exists(path) and not os.path.exists(tmp_path / PAUSE_DIR)
         assert conns.guard.pauses >= 1 and conns.status()["frontend_pauses"] == conns.guard.pauses
-    finally:
-        for s in socks:
-            s.close()
-        conns.close()
-        assert not conns.guard.is_alive()
-        router.close(0)
-        ctx.term()
 
 
 def test_the_guard_outlives_an_error_in_one_event_and_pauses_at_the_next(tmp_path: Any) -> None:
     """An error while handling one event (here the first pause's rename) is logged and the guard
     goes on: a dead guard would leave the loop's gate without events - nothing counted, nothing shed."""
-    import socket
+    with _guard_alone(tmp_path, 16) as (conns, path, socks):
+        guard = conns.guard
+        real, failed = guard._rename, []
 
-    import zmq
+        def failing_once(pause: bool) -> None:
+            if not failed:
+                failed.append(pause)
+                raise RuntimeError("the first rename fails")
+            real(pause)
 
-    ctx = zmq.Context()
-    path = str(tmp_path / "f.ipc")
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    conns = FrontendConnections(router, path)
-    router.bind("ipc://" + path)
-    conns.gate.budget = 16
-    guard = conns.guard
-    real, failed = guard._rename, []
-
-    def failing_once(pause: bool) -> None:
-        if not failed:
-            failed.append(pause)
-            raise RuntimeError("the first rename fails")
-        real(pause)
-
-    guard._rename = failing_once  # type: ignore[method-assign]
-    socks: list[socket.socket] = []
-    try:
+        guard._rename = failing_once  # type: ignore[method-assign]
         while not guard.paused and len(socks) < 16:
             s = socket.socket(socket.AF_UNIX)
             try:
@@ -223,13 +218,6 @@ def test_the_guard_outlives_an_error_in_one_event_and_pauses_at_the_next(tmp_pat
         wait_for(lambda: guard.paused, what="paused after the failed one")
         assert failed == [True] and guard.is_alive()
         assert not os.path.exists(path)
-    finally:
-        for s in socks:
-            s.close()
-        conns.close()
-        assert not guard.is_alive()
-        router.close(0)
-        ctx.term()
 
 
 def test_settle_reads_a_tcp_accept_the_guard_has_not_forwarded_yet(tmp_path: Any) -> None:
@@ -238,8 +226,6 @@ def test_settle_reads_a_tcp_accept_the_guard_has_not_forwarded_yet(tmp_path: Any
     thread: settle must wait for the guard to forward what it holds, not read only what is forwarded
     (a lagging guard here: each event's handling starts 0.3 s late)."""
     import time
-
-    import zmq
 
     ctx = zmq.Context()
     ipc = ctx.socket(zmq.ROUTER)
