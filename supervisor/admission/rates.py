@@ -196,6 +196,25 @@ class Admission:
             raise RefusalUnanswered(tenant, wait)
         raise AdmissionRate(tenant, in_flight, spec.max_in_flight, retry_after_s=round(wait, 6), what=what, rate=rate)
 
+    def refuse(self, tenant: str, spec: TenantSpec, now: float, *, in_flight: int = 0) -> None:
+        """Refuse one request of ``tenant`` for its rate without charging it (a held tenant's
+        request read past the fair queue's ceiling, supervisor.admission.yielding): raises
+        :class:`AdmissionRate` (retry after one request's worth of its rate), or
+        :class:`RefusalUnanswered` once the answers to refusals are spent - counted as any
+        refusal for its rate."""
+        b = self._tenants.get(tenant)
+        if b is None or b.spec is not spec:
+            b = self._buckets(tenant, spec, now)
+        rate = b.requests.rate
+        wait = 1.0 / rate if 0.0 < rate < float("inf") else 0.0
+        key = (tenant, "requests")
+        self.refused[key] = self.refused.get(key, 0) + 1
+        if b.answers.take(1.0, now):
+            self.unanswered[tenant] = self.unanswered.get(tenant, 0) + 1
+            raise RefusalUnanswered(tenant, wait)
+        raise AdmissionRate(tenant, in_flight, spec.max_in_flight, retry_after_s=round(wait, 6), what="requests",
+                            rate=rate)
+
     def admit_unauthenticated(self, peer: bytes, now: float) -> bool:
         """One request without a verified capability from ``peer``: False when its bucket
         is empty (drop it, counted in :attr:`dropped`)."""
