@@ -15,7 +15,13 @@ from typing import Final
 from shared.spec import TenantSpec
 from shared.wire import Record
 
-__all__ = ["BindMessage", "BootMessage", "FaultAck", "FaultExit", "FaultOrder", "WorkerHello"]
+__all__ = ["FORKED_START_KEY", "BindMessage", "BootMessage", "FaultAck", "FaultExit", "FaultOrder", "WorkerHello"]
+
+#: the one key of a worker start's preparation data (``{FORKED_START_KEY: 1}``), the first of the
+#: two pickles the supervisor writes to a fork server's child: the fork server's child path
+#: (worker.fork_child) then runs the start without multiprocessing's preparation; a fork server
+#: without it prepares nothing from it (no key it knows)
+FORKED_START_KEY: Final = "twt_forked_start"
 
 # ------------------------------------------------------------------ supervisor -> worker
 

@@ -9,6 +9,9 @@ only the child process imports it.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+import threading
 
 __all__ = ["EntryPoint", "ForkedStart"]
 
@@ -60,11 +63,8 @@ class ForkedStart:
         return (ForkedStart, (self.spec, self.args, self.sys_path, self.cwd))
 
     def _bootstrap(self, parent_sentinel: int | None = None) -> int:
-        """Called by ``multiprocessing.spawn._main`` in the fork server's child; the exit status."""
-        import os
-        import sys
-        import threading
-
+        """Called in the fork server's child (worker.fork_child, or ``multiprocessing.spawn._main``);
+        the exit status."""
         if parent_sentinel is not None:
             os.close(parent_sentinel)  # multiprocessing's parent_process() only: a worker watches its parent itself
         # the main thread's native id is still the fork server's (multiprocessing's own bootstrap resets it
@@ -76,8 +76,12 @@ class ForkedStart:
             sys.path[:] = self.sys_path
         if os.getcwd() != self.cwd:
             os.chdir(self.cwd)
+        module, _, attr = self.spec.partition(":")
         try:
-            EntryPoint(self.spec)(*self.args)
+            # the target's module, preloaded by the fork server, found where it is (importlib's
+            # import_module runs its own Python: ~50 copy-on-write faults of every forked start)
+            loaded = sys.modules.get(module)
+            getattr(loaded if loaded is not None else importlib.import_module(module), attr)(*self.args)
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

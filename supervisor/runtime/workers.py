@@ -35,7 +35,7 @@ from shared.config import SupervisorConfig
 from supervisor.runtime.entry import EntryPoint, ForkedStart
 from shared.log import get_logger, log_event
 from shared.prctl import may_raise_priority, set_threads_nice
-from shared.worker_link import BootMessage
+from shared.worker_link import FORKED_START_KEY, BootMessage
 from supervisor.runtime.requests import Pending
 
 if TYPE_CHECKING:
@@ -203,13 +203,16 @@ class ForkedProcess:
 def fork_start(target: EntryPoint, args: tuple[object, ...]) -> ForkedProcess:
     """Have the fork server (started first if it is not running) fork a child that calls ``target(*args)``: multiprocessing's
     protocol with the fork server (a connection that hands it the child's two pipe ends, then the
-    pickled preparation data and process object down the child's pipe), carrying empty preparation
-    data and a :class:`~supervisor.runtime.entry.ForkedStart` instead of a ``Process``. Returns
+    pickled preparation data and process object down the child's pipe), carrying a worker start's
+    mark as the preparation data and a :class:`~supervisor.runtime.entry.ForkedStart` instead of a ``Process``. Returns
     once the fork server has forked (the pid is in)."""
     from multiprocessing import reduction
 
     buf = io.BytesIO()
-    reduction.dump({}, buf)  # the preparation data: what a worker needs of it is in the ForkedStart
+    # the preparation data: only the mark of a worker's start (what a worker needs of the
+    # preparation is in the ForkedStart); the fork server's child then skips multiprocessing's
+    # preparation altogether (worker.fork_child), and one without that path prepares nothing
+    reduction.dump({FORKED_START_KEY: 1}, buf)
     reduction.dump(ForkedStart(target.spec, args, list(sys.path), os.getcwd()), buf)
     sentinel, w = forkserver.connect_to_new_process([])
     try:
