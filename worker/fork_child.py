@@ -24,15 +24,17 @@ standard library's after-fork hooks (threading, logging, random: ~300 faults).
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
+import sys
 import _signal  # type: ignore[import-not-found]  # signal's C functions (no stub)
 from multiprocessing import forkserver, process, resource_tracker, spawn
 from typing import Any
 
 from shared.worker_link import FORKED_START_KEY
 
-__all__ = ["install", "serve_one"]
+__all__ = ["install", "installable", "serve_one"]
 
 def serve_one(child_r: int, fds: list[int], unused_fds: list[int], handlers: dict[int, Any]) -> int:
     """The fork server's child: ``forkserver._serve_one``'s resets, then the start read from
@@ -73,7 +75,33 @@ def serve_one(child_r: int, fds: list[int], unused_fds: list[int], handlers: dic
     return int(start._bootstrap(parent_sentinel))
 
 
-def install() -> None:
+#: the ``forkserver._serve_one`` that :func:`serve_one` stands in for: its parameters, and the Python
+#: versions whose fork server and ``spawn._main`` it was read from
+_SERVE_ONE_PARAMS = ("child_r", "fds", "unused_fds", "handlers")
+_KNOWN_VERSIONS = ((3, 11), (3, 14))
+
+
+def installable() -> bool:
+    """Whether this interpreter's fork server is the one :func:`serve_one` mirrors: a Python from
+    3.11 up to (not including) 3.14, whose ``forkserver._serve_one`` takes the parameters above and
+    whose ``spawn._main`` exists. Anywhere else multiprocessing's own child path stays - a worker's
+    start then reads the mark as preparation data that prepares nothing, and costs what it did."""
+    low, high = _KNOWN_VERSIONS
+    if not low <= sys.version_info[:2] < high:
+        return False
+    original = getattr(forkserver, "_serve_one", None)
+    if original is None or not hasattr(spawn, "_main"):
+        return False
+    try:
+        return tuple(inspect.signature(original).parameters) == _SERVE_ONE_PARAMS
+    except (TypeError, ValueError):
+        return False
+
+
+def install() -> bool:
     """Make :func:`serve_one` the fork server's child path (``forkserver.main`` looks the name up
-    at each fork). Only in the fork server (its preload)."""
+    at each fork) where :func:`installable`; whether it did. Only in the fork server (its preload)."""
+    if not installable():
+        return False
     forkserver._serve_one = serve_one  # type: ignore[attr-defined]
+    return True

@@ -77,6 +77,27 @@ if __name__ == "__main__":
 '''
 
 
+def test_the_child_path_is_installed_only_over_the_fork_server_it_mirrors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another ``_serve_one`` (a Python whose fork server changed) keeps multiprocessing's own child path."""
+    from multiprocessing import forkserver
+
+    from worker import fork_child
+
+    def changed(child_r: int, fds: list[int], unused_fds: list[int], handlers: dict[int, object],
+                authkey: bytes) -> int:
+        return 0
+
+    monkeypatch.setattr(forkserver, "_serve_one", changed)
+    assert not fork_child.installable() and not fork_child.install()
+    assert forkserver._serve_one is changed  # type: ignore[attr-defined]
+    monkeypatch.setattr(forkserver, "_serve_one", fork_child.serve_one)
+    assert fork_child.installable()  # the parameters it mirrors
+    monkeypatch.setattr(fork_child, "_KNOWN_VERSIONS", ((3, 0), (3, 1)))  # a Python outside them
+    assert not fork_child.installable()
+
+
+@pytest.mark.skipif(not __import__("worker.fork_child").fork_child.installable(),
+                    reason="this Python's fork server is not the one worker.fork_child mirrors: its own path stays")
 def test_a_forked_worker_start_skips_multiprocessings_preparation_and_a_process_keeps_it(tmp_path: Path) -> None:
     """A worker's start (``fork_start``: the mark as preparation data, a ForkedStart) is unpickled
     and run by the fork server's child path at once - no ``spawn._main``, no preparation, no
