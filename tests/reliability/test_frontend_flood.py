@@ -1,4 +1,4 @@
-"""10^5 hostile frames at the frontend, pipelined as fast as one raw DEALER sends them.
+"""5 x 10^4 hostile frames at the frontend, pipelined as fast as one raw DEALER sends them.
 
 Random bytes, truncated and oversized msgpack, deep nesting, huge declared
 lengths, wrong types, forged capabilities, wrong frame counts. The
@@ -31,14 +31,17 @@ from tests.helpers.timeouts import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-FRAMES = 100_000
+#: frames in the measured flood: a leak of a few hundred bytes a frame shows against the bound below
+#: (one of 400 B a frame, injected into the frontend's decode, failed it), and every frame costs CPU
+#: on both sides (10^5 took twice the CPU; the growth measured was ~1 MiB either way)
+FRAMES = 50_000
 #: the flood before the baseline is read: caches, allocator arenas and socket buffers at their working
 #: size. Every frame family comes up hundreds of times in 10,000; the RSS after it and after 30,000
-#: differed by under 1 MiB (the bound below is 24 MiB), and each frame costs CPU on both sides
+#: differed by under 1 MiB (the bound below is 16 MiB), and each frame costs CPU on both sides
 WARM_UP = 10_000
 MARKER = 7_777_777_777
 MAX_HEADER = 4096  # the supervisor's max_header_bytes here: oversized is cheap to build
-RSS_GROWTH = 24 << 20
+RSS_GROWTH = 16 << 20
 OPS = sorted(proto.TENANT_OPS | proto.ADMIN_OPS)
 
 
@@ -174,7 +177,7 @@ def _flood(sup: SupervisorHandle, fuzz: Fuzzer, count: int) -> tuple[int, Counte
     return replies, codes
 
 
-def test_hundred_thousand_fuzzed_frames_no_crash_bounded_memory(sup: SupervisorHandle) -> None:
+def test_fifty_thousand_fuzzed_frames_no_crash_bounded_memory(sup: SupervisorHandle) -> None:
     c = sup.client
     cap = c.register(None, TenantSpec("acme"))
     proc = psutil.Process(sup.pid)

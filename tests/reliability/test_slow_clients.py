@@ -127,18 +127,21 @@ def test_client_that_never_reads_its_replies(sup: SupervisorHandle) -> None:
     bystander.start()
     greedy = _dealer(sup.run_dir, SNDHWM=0, RCVHWM=100)
     try:
-        for rid in range(1, 40_001):
+        # 20,000: twice what the supervisor's send queue for the peer (its SOCKET_HWM, 10,000) and the
+        # peer's 100 hold, so the supervisor meets a full peer thousands of times and must never wait
+        # for it (40,000 cost twice the CPU for the same cover)
+        for rid in range(1, 20_001):
             # quota is answered by the supervisor itself, ping by the worker (Overloaded past max_in_flight)
             greedy.send(_req(rid, "quota" if rid % 3 else "ping", rude))
             if rid % 2000 == 0:
                 time.sleep(0.01)
         # the flood takes the supervisor seconds to chew through (how many depends on the host and
         # what runs beside it: the wait lasts while the count moves): the bystander pings all along,
-        # and every one of the 40,000 is taken before the checks (its in_flight is 0 for an instant
+        # and every one of the 20,000 is taken before the checks (its in_flight is 0 for an instant
         # many times while the flood still waits in the socket: quota needs no worker)
-        wait_for_count(lambda: _taken(sup, "rude"), 40_000, what="requests of the flood processed")
+        wait_for_count(lambda: _taken(sup, "rude"), 20_000, what="requests of the flood processed")
         text = _metrics(sup)
-        assert _taken(sup, "rude", text) == _taken_parsed(text, "rude") >= 40_000
+        assert _taken(sup, "rude", text) == _taken_parsed(text, "rude") >= 20_000
         bystander.check("greedy client")
         assert tenant(sup.client.status(), "rude").in_flight <= 64
     finally:

@@ -31,23 +31,24 @@ MiB = 1 << 20
 
 def test_unauthenticated_garbage_gets_small_errors_and_a_tiny_queue() -> None:
     """Before: 10,000 requests naming a 32 KiB unknown op, never read: +836 MiB (each
-    error echoed the name twice, and up to 10,000 were queued for the peer)."""
+    error echoed the name twice, and up to 10,000 were queued for the peer). 5,000 here: the
+    same fault grows it ~400 MiB, four times the bound, for half the CPU."""
     with supervisor(log_level="error") as sup:
         proc = psutil.Process(sup.pid)
         rss0 = proc.memory_info().rss
         flood = _dealer(sup.run_dir, SNDHWM=0, RCVHWM=1, RCVBUF=4096)
         try:
             op = "x" * (32 << 10)
-            for rid in range(1, 10_001):
+            for rid in range(1, 5_001):
                 flood.send(proto.encode_request(rid, op, None, {}))
             # wait until the supervisor took them all in: a bystander's call is answered after them
             wait_for(lambda: sup.client.hello().pid == sup.pid, what="supervisor responsive")
             growth = proc.memory_info().rss - rss0
-            assert growth < 96 * MiB, f"supervisor grew {growth >> 20} MiB for 10,000 unread garbage requests"
+            assert growth < 96 * MiB, f"supervisor grew {growth >> 20} MiB for 5,000 unread garbage requests"
             got = []
             while flood.poll(2000):
                 got.append(flood.recv_multipart()[0])
-            assert 1 <= len(got) <= 10_000
+            assert 1 <= len(got) <= 5_000
             for raw in got:
                 assert len(raw) < 1024  # no echo of the 32 KiB name
                 _, ok, err = proto.decode_reply(raw)

@@ -79,11 +79,11 @@ def test_progress_stream_only_for_a_terminal() -> None:
 
 
 def test_chaos_reports_its_fault_phase_once_a_second_on_a_terminal() -> None:
-    # two tenants (one faulty, one healthy) are all the progress line needs: the chaos campaign's own
+    # two tenants (one faulty, one healthy), one client each, are all the progress line needs: the chaos campaign's own
     # checks are tests/reliability/test_chaos.py's. The line is written in the fault phase (1.5 s: two
     # ticks); the baseline before it is only the campaign's reference latency, so half a second of it
     code, text = _in_pty("chaos", "--duration", "2", "--baseline", "0.5", "--seed", "2", "--rate", "2",
-                         "--tenants", "2")
+                         "--tenants", "2", "--clients", "2")
     # the verdict depends on the machine's load (a latency check); the progress line does not
     assert code in (0, 4), text[-2000:]
     ticks = re.findall(r"\rchaos: faults (\d+)/(\d+) delivered, (\d+) requests, (\d+) errors, \d+ s left\x1b\[K", text)
