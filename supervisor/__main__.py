@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
-from supervisor.cli import main
+from supervisor.cli import console
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -43,8 +43,18 @@ __all__ = ["BackendChoice", "cuda_version_text", "nvidia_driver_version", "nvrtc
 NVIDIA_VERSION_FILE = "/proc/driver/nvidia/version"
 
 _PROBE = r"""
-import importlib, json, sys
+import importlib, importlib.util, json, sys
 out = {"ok": False}
+if sys.argv[1] == "cuda.bindings.driver" and importlib.util.find_spec("cuda.bindings") is not None:
+    # the real bindings load the driver (libcuda.so.1) with the system's loader at cuInit, after an
+    # import of ~0.1 s: where that loader finds no driver (a host without one, the laptop's default
+    # backend auto), say so before the import (imports the ``cuda`` namespace only)
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        out["reason"] = f"CUDA driver not loadable: {e}"
+        print(json.dumps(out)); sys.exit(0)
 try:
     d = importlib.import_module(sys.argv[1])
 except Exception as e:

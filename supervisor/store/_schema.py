@@ -35,7 +35,7 @@ _KEY_REGISTRY_ID = "registry.id"
 _KEY_REGISTRY_SECRET = "registry.secret"
 
 #: version -> the statements that bring version-1 to it (applied in order, each
-#: migration one transaction together with its version bump)
+#: migration one transaction together with its version bump; a first start's, all of them one)
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
         "CREATE TABLE key_material (name TEXT PRIMARY KEY, material BLOB NOT NULL, updated_at REAL NOT NULL)",
@@ -236,7 +236,8 @@ def _validate(conn: sqlite3.Connection, path: str, marker: str | None, *, warn: 
 
 
 def _migrate(conn: sqlite3.Connection, path: str, version: int) -> None:
-    """WAL mode, then every migration from ``version`` on, each one transaction with its version bump."""
+    """WAL mode, then every migration from ``version`` on, each one transaction with its version bump
+    (a first start, ``version`` 0: all of them one transaction)."""
     try:
         conn.execute("PRAGMA journal_mode = WAL").fetchone()
         conn.execute("PRAGMA synchronous = FULL")
@@ -244,14 +245,19 @@ def _migrate(conn: sqlite3.Connection, path: str, version: int) -> None:
         conn.execute(f"PRAGMA cache_size = {-CACHE_KIB}")
         if 0 < version < SCHEMA_VERSION:
             log_event(_log, logging.INFO, "state.migrate", state=path, version=version, to=SCHEMA_VERSION)
-        for target in range(version + 1, SCHEMA_VERSION + 1):
+        # a first start makes the whole schema in one transaction: all or nothing, as each step is,
+        # and one commit (one sync of the WAL) where a transaction per step costs one each
+        steps = [range(1, SCHEMA_VERSION + 1)] if version == 0 else [range(t, t + 1) for t in
+                                                                      range(version + 1, SCHEMA_VERSION + 1)]
+        for step in steps:
             conn.execute("BEGIN IMMEDIATE")
-            if target == 1:
-                conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-                conn.execute("INSERT INTO schema_version (version) VALUES (0)")
-            for statement in _MIGRATIONS[target]:
-                conn.execute(statement)
-            conn.execute("UPDATE schema_version SET version = ?", (target,))
+            for target in step:
+                if target == 1:
+                    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+                    conn.execute("INSERT INTO schema_version (version) VALUES (0)")
+                for statement in _MIGRATIONS[target]:
+                    conn.execute(statement)
+                conn.execute("UPDATE schema_version SET version = ?", (target,))
             conn.execute("COMMIT")
     except sqlite3.Error as exc:
         if conn.in_transaction:

@@ -43,6 +43,36 @@ def test_first_start_creates_a_private_directory_and_file(tmp_path: Path) -> Non
         conn.close()
 
 
+def _wal_commits(wal: Path) -> int:
+    """How many transactions a WAL file holds: its frames whose header names the database's size
+    after a commit (SQLite's WAL format: a 32-byte header with the page size at bytes 8-11, then per
+    frame a 24-byte header, whose bytes 4-7 are non-zero only on a commit's last frame, and a page)."""
+    data = wal.read_bytes()
+    page = int.from_bytes(data[8:12], "big")
+    commits, at = 0, 32
+    while at + 24 + page <= len(data):
+        commits += int.from_bytes(data[at + 4:at + 8], "big") != 0
+        at += 24 + page
+    return commits
+
+
+def test_a_first_start_makes_the_whole_schema_in_one_transaction(tmp_path: Path) -> None:
+    """All or nothing, and one commit (one sync of the WAL) where each migration step's own would be
+    one each: a new state directory is every supervisor start's in the test suite."""
+    state_dir = tmp_path / "state"
+    with StateStore.open(str(state_dir)) as store:
+        assert _wal_commits(state_dir / (STATE_FILE + "-wal")) == 1
+        assert store.commits == 0 and store.registry_key() is None
+    conn = sqlite3.connect(state_dir / STATE_FILE)
+    try:
+        assert conn.execute("SELECT version, oldest_reader FROM schema_version").fetchall() == [(SCHEMA_VERSION, 2)]
+        assert conn.execute("SELECT seq FROM commits").fetchall() == [(0,)]
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(tenants)")]
+        assert columns[-2:] == ["parked", "parked_quota"]  # the last steps' columns, in their order
+    finally:
+        conn.close()
+
+
 def test_everything_round_trips_through_a_reopen(tmp_path: Path) -> None:
     spec = TenantSpec("acme").with_memory_quota_bytes("1MiB").with_instances(2)
     with StateStore.open(str(tmp_path)) as store:
