@@ -74,6 +74,18 @@ def test_another_interpreter_environment_gets_a_zygote_of_its_own() -> None:
     assert len(parents) == 2 and parents <= zygote.server_pids()
 
 
+def test_a_zygote_starts_with_this_processs_environment_not_its_first_callers() -> None:
+    """A fork's ``/proc/PID/environ`` is its zygote's: a variable of the start that happened to
+    start the zygote (a test's ``NOTIFY_SOCKET``) must not show in every later fork's."""
+    warnings = "ignore::ResourceWarning,ignore::ImportWarning"  # a zygote of this test's own
+    env = {**os.environ, "PYTHONWARNINGS": warnings, "TWT_TEST_FIRST_CALLER": "1"}
+    with launch({"supervisor": FAST}, env=env) as handle:
+        assert isinstance(handle.process, zygote.ZygoteProcess)
+        started = psutil.Process(psutil.Process(handle.pid).ppid()).environ()
+    assert started.get("PYTHONWARNINGS") == warnings  # what an interpreter reads at its start: the caller's
+    assert "TWT_TEST_FIRST_CALLER" not in started
+
+
 def test_a_launched_supervisor_is_a_forked_process_of_the_callers_group() -> None:
     with supervisor() as handle:
         assert isinstance(handle.process, zygote.ZygoteProcess)

@@ -868,6 +868,16 @@ def adopt(ctl: socket.socket, pid: int, interpreter: Mapping[str, str], cwd: str
     _zygotes[frozenset(interpreter.items())] = _Zygote.forked(ctl, pid, interpreter, cwd, blas)
 
 
+def _zygote_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment a shared zygote starts with: this process's own, with the interpreter-level
+    variables and BLAS thread counts of the start that asked for it (what its key and preload
+    need) - never the rest of that start's variables. Each fork gets its caller's environment in
+    ``os.environ``, but its ``/proc/PID/environ`` is the zygote's start block: a variable one test
+    passed (``NOTIFY_SOCKET``, say) would show there in every later test's forks."""
+    own = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "LD_")) and k not in _BLAS_ENV}
+    return {**own, **{k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_")) or k in _BLAS_ENV}}
+
+
 def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
     key = frozenset(_interpreter_env(env).items())
     with _start_lock:
@@ -884,7 +894,7 @@ def _zygote_for(env: Mapping[str, str]) -> _Zygote | None:
             # the least recently used gives way (its children live on): which tests share a worker
             # is xdist's choice, so a cap that refused would make a test's start plain or forked by chance
             _zygotes.pop(next(iter(_zygotes))).close()
-        _zygotes[key] = _Zygote(env)
+        _zygotes[key] = _Zygote(_zygote_env(env))
         return _zygotes[key]
 
 
