@@ -251,8 +251,13 @@ def test_a_stretchs_end_tells_the_board_before_it_waits_for_the_launched_chunks(
         told.append(ns)
         events.append("charge")
 
+    def end_op(*, idle: bool = False) -> bool:
+        events.append("finish-last")  # (the last op ended at a boundary told, every chunk collected there)
+        return False
+
     board.finish = finish  # type: ignore[method-assign]
     board.charge = charge  # type: ignore[attr-defined]
+    board.end_op = end_op  # type: ignore[method-assign]
     board.holds = lambda: True  # type: ignore[method-assign]  # (the lease held idle since the last boundary)
     gate = DeviceGate(block, be, board)  # type: ignore[arg-type]
     n = 128
