@@ -690,15 +690,24 @@ class DeviceGate:
         except Exception:  # noqa: BLE001 - see the docstring: the op reports it
             pass
 
-    def sync(self, deadline_ns: int | None = None) -> None:
+    def sync(self, deadline_ns: int | None = None, *, run_end: bool = False) -> None:
         """Wait for every queued op; raise a queued op's error (once). The wait ends at the deadline
         plus :data:`QUEUE_GRACE_S` at most (the deadline is checked before every queued chunk, so
-        only a chunk in flight runs past it): :class:`QueueOverrun` beyond."""
+        only a chunk in flight runs past it): :class:`QueueOverrun` beyond. ``run_end``: the guest
+        returned - no op of this run follows, so the stretch that drains the queue passes the device
+        on itself (as for :meth:`release`), not once this thread has woken and reached ``release``."""
         queue = self.queue
         if queue is None:
             return
         bound = None if deadline_ns is None else deadline_ns + int(QUEUE_GRACE_S * 1e9)
-        if not queue.sync(bound):
+        if run_end:
+            self._run_ending = True
+        try:
+            synced = queue.sync(bound)
+        finally:
+            if run_end:
+                self._run_ending = False
+        if not synced:
             raise QueueOverrun(QUEUE_GRACE_S, message="queued device work still running past the run's deadline")
 
     def _op(self, name: str, fn: Callable[..., object], args: tuple[object, ...], deadline_ns: int | None,

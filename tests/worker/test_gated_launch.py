@@ -234,3 +234,43 @@ def test_a_grantee_killed_with_its_gemm_gated_never_runs_it(board: GpuTimeBoard)
         os.close(fd)
         a.close()
         c.close()
+
+
+@pytest.mark.parametrize("run_end", [False, True])
+def test_the_runs_end_sync_passes_the_device_on_as_the_queue_drains(board: GpuTimeBoard, run_end: bool) -> None:
+    """The guest returned (the host's end-of-call sync, ``run_end``): the device thread that drains the
+    queue passes the device on itself (the board's ``release``) before the sync returns - not the
+    guest's thread once it has woken and reached the run's ``release``. A sync inside the run (the
+    guest reads a result) keeps the lease, idle within the holder's grace: more GEMMs may follow."""
+    ta = board.add_tenant()
+    owner = QuotaBlock.create("runend")
+    blk = QuotaBlock.attach(owner.name, instance=0)
+    be = StubBackend()
+    mine = GpuTimeBoard.attach(board.name, tenant_slot=ta)
+    released_by: list[str] = []
+    release = mine.release
+
+    def spy() -> None:
+        released_by.append(threading.current_thread().name)
+        release()
+
+    mine.release = spy  # type: ignore[method-assign]
+    gate = DeviceGate(blk, be, mine)
+    try:
+        ops = [_gemm(be, 20 + i, 192) for i in range(4)]
+        for args, _ in ops:
+            gate.submit("matmul_f32", be.matmul_f32, args)
+        gate.sync(run_end=run_end)
+        for args, want in ops:
+            assert be.read(args[2], 0, len(want)) == want
+        if run_end:
+            assert released_by == ["twt-device"] and _owner(board) == 0  # passed on (freed: nobody waits)
+        else:
+            assert released_by == [] and _owner(board) == _mine(mine)  # kept, idle: the run goes on
+        gate.release()
+        assert _owner(board) == 0
+    finally:
+        gate.close()
+        blk.close()
+        owner.unlink()
+        owner.close()
