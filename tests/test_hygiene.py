@@ -161,6 +161,24 @@ def test_another_runs_dead_segment_is_not_blamed(selftests: SelfTests) -> None:
     assert namespace_of(selftests.foreign) not in hygiene.session_namespaces()
 
 
+@pytest.mark.parametrize("size", [0, 4096])
+def test_a_segment_another_process_is_still_creating_is_never_ours(monkeypatch: pytest.MonkeyPatch,
+                                                                   size: int) -> None:
+    """A segment with no header yet (empty, or sized with no magic: its creator writes the magic
+    last) made by another process is not judged ours even by a serial run - the self-tests' child
+    run is one, beside the parallel run that started it, and took another worker's new quota block
+    between its create and its attach."""
+    name = f"twt-{os.urandom(6).hex()}-0"
+    code = f"import os; fd = os.open('/dev/shm/{name}', os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600); " \
+           f"os.ftruncate(fd, {size}); os.close(fd)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    try:
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # a serial run's judgement
+        assert not hygiene._segment_is_ours(name)
+    finally:
+        fab.remove(name)
+
+
 def test_this_sessions_run_dirs_are_recorded(tmp_path: Path) -> None:
     made = tmp_path / "made-here"
     made.mkdir()

@@ -34,7 +34,11 @@ What a turn does not serve waits here, oldest first. Once this queue holds
 a few messages a turn (:attr:`FairTurn.backlog_full`), so a flood waits in
 its sender (libzmq's high-water marks) rather than in the supervisor; an
 unauthenticated item that would take the queue past its byte bound is
-dropped (counted), unless no other unauthenticated item waits. A client's first request (its token not yet verified) is
+dropped (counted), unless no other unauthenticated item waits. At that hard
+ceiling, while held tenants' items wait, a socket a tenant within its rate
+is active on still reads two messages a turn (:meth:`FairTurn.past_ceiling`,
+at most ``past_ceiling_max`` items past it): the held tenants' messages read
+so are refused, not queued (:mod:`supervisor.admission.yielding`). A client's first request (its token not yet verified) is
 in the second group; it gets its peer's share there.
 
 Pure policy (no sockets): :meth:`FairTurn.add` items as ``(authenticated, key,
@@ -91,6 +95,8 @@ class FairTurn(Generic[T]):
     backlog_max: int = 1024
     backlog_bytes_max: int = 16 << 20
     per_tenant_per_turn: int = 16
+    #: items past the hard ceiling that sockets an active tenant within its rate shares may add (past_ceiling)
+    past_ceiling_max: int = 64
     #: loop time (s) one tenant's requests may take per turn in :meth:`run_turn` (debt carries over)
     quantum_s: float = 0.0002
     #: the bytes an item holds (its header and body), for the backlog's byte bound
@@ -137,6 +143,20 @@ class FairTurn(Generic[T]):
         if self._count >= self.backlog_max + backlogged or self._bytes >= 2 * self.backlog_bytes_max:
             return 0
         return min(backlogged, max(2, self._served_last))
+
+    def past_ceiling(self, backlogged: int) -> int:
+        """At the hard ceiling (:meth:`read_budget` 0) with :attr:`held` tenants' items waiting: how
+        many messages a socket that a tenant within its rate is active on may read anyway - 2, as
+        libzmq hands out one message per peer in turn, so the second reaches that tenant's request
+        behind any flood. Without it the request waited for a turn to serve held items: one every
+        other budget hold (~250 us each) while a ping flood held the queue full, so the victim's
+        round trip fell into two peaks ~500 us apart. The frontend refuses the held tenants'
+        messages read so (they are over their rate) and queues the others, at most
+        ``past_ceiling_max`` items past the ceiling."""
+        if (not self.held or self._count >= self.backlog_max + backlogged + self.past_ceiling_max
+                or self._bytes >= 2 * self.backlog_bytes_max):
+            return 0
+        return 2
 
     def add(self, authenticated: bool, key: Hashable, item: T) -> bool:
         """Queue one message: ``key`` is its tenant when authenticated, else its peer. False:

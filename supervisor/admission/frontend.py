@@ -328,6 +328,11 @@ class Frontend:
         conns, read_at = self._conns, time.monotonic()
         if prefix == _IPC and now < self._ipc_paced_until:
             budget = 1  # its tenant was past its rate a moment ago: read what the bucket may admit
+        # at the hard ceiling, held tenants' items waiting: a socket a tenant within its rate is
+        # active on is still read (FairTurn.past_ceiling), the held tenants' messages refused
+        past = not budget and fair.held and self._light_sources.get(prefix, 0.0) > now
+        if past:
+            budget = fair.past_ceiling(BATCH_BACKLOGGED)
         for i in range(1, budget + 1):
             try:  # recv_multipart, less its getsockopt(RCVMORE) per frame: Frame.more says it
                 frame = recv(_NOBLOCK, copy=False)
@@ -344,7 +349,9 @@ class Frontend:
                 msg = None  # its session was dropped: never served, never executed
             else:
                 msg = self.decode(frames, prefix)
-            if msg is not None and (msg.key is not None or admission.admit_unauthenticated(msg.client, now)):
+            if past and msg is not None and msg.key in fair.held:
+                self._refuse_held(msg, now)
+            elif msg is not None and (msg.key is not None or admission.admit_unauthenticated(msg.client, now)):
                 batch.append(msg)
             else:
                 dropped += 1
@@ -361,6 +368,23 @@ class Frontend:
             for other_sock, other_prefix in others:
                 if other_prefix not in self._unread and int(other_sock.getsockopt(_EVENTS)) & _POLLIN:
                     self._on_readable(other_sock, other_prefix, follow=False)
+
+    def _refuse_held(self, msg: ClientMessage, now: float) -> None:
+        """A held tenant's request read past the fair queue's ceiling (FairTurn.past_ceiling):
+        refused for its rate (it is over it), answered or - past its refusals' answers - dropped
+        and counted, as admission does; it stays over its rate on that socket."""
+        rt = self.tenants.get(msg.key) if msg.key is not None else None
+        if rt is None:  # (evicted since it was held: its requests are refused when served anyway)
+            self.dropped_unanswered(msg.client[:1])
+            return
+        self.guard.yielding.refused(msg.client[:1], rt.tenant_id, now)
+        try:
+            self.guard.admission.refuse(rt.tenant_id, rt.spec, now, in_flight=rt.in_flight + rt.waiting)
+        except RefusalUnanswered as exc:
+            self.pending.count_refusal(exc.tenant, msg.op, "unanswered")
+            self.dropped_unanswered(msg.client[:1])
+        except AdmissionRate as exc:
+            self._refused(msg.client, msg.rid, msg.op, exc, msg.cap_raw)
 
     def _tcp_seen(self, frame: zmq.Frame, fd: int, now: float) -> bool:
         """A request came on the TCP socket: note its connection's activity (``fd``: the one libzmq

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import NoReturn, TypedDict
 
 from shared.config import SupervisorConfig
 from shared.errors import AdmissionRate
@@ -189,12 +189,31 @@ class Admission:
                 return
             b.requests.tokens += 1.0  # not served: the request token goes back
             what, rate = "bytes", b.data.rate
+        self._refuse(b, tenant, what, wait, rate, now, in_flight)
+
+    def refuse(self, tenant: str, spec: TenantSpec, now: float, *, in_flight: int = 0) -> None:
+        """Refuse one request of ``tenant`` for its rate without charging it (a held tenant's
+        request read past the fair queue's ceiling, supervisor.admission.yielding): raises
+        :class:`AdmissionRate` (retry after one request's worth of its rate), or
+        :class:`RefusalUnanswered` once the answers to refusals are spent - counted as any
+        refusal for its rate."""
+        b = self._tenants.get(tenant)
+        if b is None or b.spec is not spec:
+            b = self._buckets(tenant, spec, now)
+        rate = b.requests.rate
+        self._refuse(b, tenant, "requests", 1.0 / rate if 0.0 < rate < float("inf") else 0.0, rate, now, in_flight)
+
+    def _refuse(self, b: _TenantBuckets, tenant: str, what: str, wait: float, rate: float, now: float,
+                in_flight: int) -> NoReturn:
+        """Count a refusal of ``tenant`` for ``what`` and raise it: :class:`AdmissionRate`, or
+        :class:`RefusalUnanswered` once its answers to refusals are spent."""
         key = (tenant, what)
         self.refused[key] = self.refused.get(key, 0) + 1
         if b.answers.take(1.0, now):
             self.unanswered[tenant] = self.unanswered.get(tenant, 0) + 1
             raise RefusalUnanswered(tenant, wait)
-        raise AdmissionRate(tenant, in_flight, spec.max_in_flight, retry_after_s=round(wait, 6), what=what, rate=rate)
+        raise AdmissionRate(tenant, in_flight, b.spec.max_in_flight, retry_after_s=round(wait, 6), what=what,
+                            rate=rate)
 
     def admit_unauthenticated(self, peer: bytes, now: float) -> bool:
         """One request without a verified capability from ``peer``: False when its bucket

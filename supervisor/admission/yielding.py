@@ -30,8 +30,13 @@ over-rate tenant's requests read there wait in the fair queue: while they
 wait its worker gets no new work, and once the fair queue is full the
 socket is read a few messages a turn, so the rest of the flood waits in its
 sender (libzmq's ROUTER hands out one message per peer in turn: the other
-tenant's request is among the first two read). A lone flooder is never held
-(nobody else is active); a busy tenant within its rate is never over it. Nothing read is dropped or reordered here: held
+tenant's request is among the first two read). At the queue's hard ceiling
+that socket still reads two messages a turn (``FairTurn.past_ceiling``): the
+other tenant's request is queued, the held tenant's messages read with it are
+refused for its rate (answered, or past its refusals' answers dropped and
+counted) - else the other's request waited for a turn to serve a held one. A
+lone flooder is never held (nobody else is active); a busy tenant within its
+rate is never over it. Nothing queued is dropped or reordered here: held
 requests keep their place, and a socket is only read later.
 
 Pure policy with an injected clock: no sockets, no threads. Loop thread only.

@@ -244,6 +244,17 @@ def _dead_owners_segment_is_ours(name: str) -> bool:
     return namespace in _namespaces
 
 
+def _unwritten(name: str) -> bool:
+    """True for a segment whose header is not written yet: empty, or no magic (its creator writes
+    the magic last) - a segment another process may be creating this moment."""
+    try:
+        with open(os.path.join(SHM_DIR, name), "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return False
+    return len(head) < 8 or head == bytes(8)
+
+
 def _segment_is_ours(name: str) -> bool:
     try:
         header = read_header(name)
@@ -251,6 +262,11 @@ def _segment_is_ours(name: str) -> bool:
         # Another layout version (a run of another build on this machine) or not
         # ours at all: judge by the recorded owner when there is one.
         owner = _raw_owner(name)
+        if owner is None and _unwritten(name):
+            # no owner recorded yet: its creator may be between its shm_open and its header, in
+            # another run (a serial run beside a parallel one - the self-tests' child run - took
+            # such a segment from another worker's test between its create and its attach)
+            return name in _created_segments
         if owner is None or not _owner_alive(*owner):
             return _dead_owners_segment_is_ours(name)
         return _process_is_ours(owner[0])

@@ -88,6 +88,20 @@ class Harness:
             self.clock.advance(seconds / steps)
             self.sup.turn(0.0)  # due timers and housekeeping at the new time
             self.settle(quiet_turns=2)
+            # the heartbeats sent at this time have come back before the clock moves on: their
+            # round trip crosses real sockets (libzmq's I/O thread), and quiet turns alone let a
+            # starved host's late replies count as missed beats - a worker killed for silence
+            # under a test that never made it silent
+            self.until(self._beats_answered)
+
+    def _beats_answered(self) -> bool:
+        """Every live fake worker that answers heartbeats has answered the supervisor's last one."""
+        assert self.sup.parts is not None
+        workers = self.sup.parts.workers
+        sent_at = workers._last_beat
+        live = workers.workers
+        return all(w.handle.last_heartbeat >= sent_at for w in self.spawner.alive()
+                   if not w.silent and w.handle.control_hello and live.get(w.handle.ident) is w.handle)
 
     def send(self, op: str, args: dict[str, Any], cap: bytes | None = None) -> int:
         rid = next(self._rid)
@@ -221,6 +235,41 @@ def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace(h: Harness) -> 
     assert worker.signals == [signal.SIGTERM] and worker.alive
     h.tick(h.sup.config.kill_grace_s + 0.5)
     assert worker.signals == [signal.SIGTERM, signal.SIGKILL] and not worker.alive
+
+
+def test_the_harness_moves_the_clock_only_after_late_heartbeat_replies_came_back(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness itself: a worker whose heartbeat replies reach the supervisor many polls late (a
+    loaded host's starved I/O thread) is not killed for silence while the test moves the clock - the
+    way a test that never made a worker silent lost one (and the device slot it asserted on)."""
+    h.register("acme")
+    h.settle()
+    (slow,) = h.spawner.of("acme")
+    late: list[int] = []  # polls left before each held reply is sent
+    poll = h.sup.loop.poll
+
+    def late_poll(timeout: float) -> Any:
+        late[:] = [n - 1 for n in late]
+        while late and late[0] <= 0:
+            late.pop(0)
+            slow.control.send(proto.encode_control("hb", {"requests": 0}))
+        return poll(timeout)
+
+    def on_control() -> None:
+        while True:
+            try:
+                kind, _ = proto.decode_control(slow.control.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if kind == "hb":
+                late.append(100)
+
+    monkeypatch.setattr(h.sup.loop, "poll", late_poll)
+    h.sup.loop.unregister(slow.control)
+    h.sup.loop.register(slow.control, on_control)
+    cfg = h.sup.config
+    h.tick(cfg.heartbeat_interval_s * (cfg.heartbeat_liveness + 2))
+    assert slow.alive and not slow.signals
 
 
 def test_silent_worker_is_killed_for_missed_heartbeats(h: Harness) -> None:
