@@ -100,8 +100,7 @@ charged at once (``GpuTimeBoard.charge``): a grantee's first launch queues behin
 at most 1/:data:`_AHEAD_DIV` of a chunk ahead (:meth:`DeviceGate._ahead`); other ops run on the driver
 once the executor is idle. A stretch's first GEMM is launched before the driver waits for the lease
 (:class:`_GatedChunk`): the executor starts it the moment a grant names this worker, its own CAS taking
-the lease busy; a run's last stretch passes the device on before the driver waits for its launched chunks. With ``stub_device_cpus`` the executor's thread is the one on the
-device's CPU.
+the lease busy. With ``stub_device_cpus`` the executor's thread is the one on the device's CPU.
 """
 
 from __future__ import annotations
@@ -1201,12 +1200,10 @@ class DeviceGate:
             else:
                 self._flush(last=False)
 
-    def _flush(self, *, last: bool, idle: bool = False, release: bool = False) -> None:
+    def _flush(self, *, last: bool, idle: bool = False) -> None:
         """Tell the board and the quota block what ran since the last flush (a chunk boundary:
         the board may hand the device over); ``last``: the stretch ended; ``idle``: nothing is queued
-        behind it (the board lends the device to a waiter now); ``release``: the run's last stretch
-        (its guest waits in :meth:`release`): the device goes on at once, before the launched chunks
-        are waited for."""
+        behind it (the board lends the device to a waiter now)."""
         if not self._held_since:
             if self._unsettled:
                 self._drain_carried()
@@ -1232,12 +1229,6 @@ class DeviceGate:
         chunk_from, self._quiet_at = self._quiet_at, 0
         if board is not None:
             gave = board.finish(pending, last=last, idle=idle, chunk_from=chunk_from)
-            if release and not gave and board.holds():
-                # the run is over: the device goes on now, its last launched chunks still running (at
-                # most the run-ahead) - not once this thread has woken from waiting for them: the
-                # grantee's gated GEMM starts at the grant, queued behind them on the device's core
-                board.release()
-                gave = True
             if self._unsettled and (gave or last):
                 # the grantee's first launch may start beside them: at most the driver's run-ahead
                 # (DeviceGate._ahead), each chunk charged its own executor's CPU time; at the stretch's
@@ -1365,15 +1356,13 @@ class DeviceGate:
                     pass
             if not self._held_since:
                 self._drain_carried()
-        queue = self.queue
-        run_end = self._run_ending and board is not None and board.scheduler and (
-            queue is not None and not queue.pending)
         if not self._held_since and board is not None and board.scheduler:
             # its last op ended at a chunk boundary already told (the lease held idle since): the board
             # hears of the op's end now - a lend, or the waiters woken - rather than take it as running
             board.end_op(idle=idle)
         else:
-            self._flush(last=True, idle=idle, release=run_end)
+            self._flush(last=True, idle=idle)
+        queue = self.queue
         if self._run_ending and board is not None and board.scheduler and (
                 queue is not None and not queue.pending) and board.holds():
             # the run's last op is done and its guest waits in release(): the device goes on now, as
