@@ -274,3 +274,41 @@ def test_the_runs_end_sync_passes_the_device_on_as_the_queue_drains(board: GpuTi
         blk.close()
         owner.unlink()
         owner.close()
+
+
+def test_the_runs_end_passes_the_device_on_only_once_its_launched_chunks_ran(board: GpuTimeBoard) -> None:
+    """At the run's end (the end-of-call sync) the device thread passes the device on once the stretch's
+    launched chunks have run, not while they still run on the device: a grantee's gated GEMM, started
+    at that grant, would share the device's core with them (twt bench share's "7:3 together vs one
+    tenant alone" fell under its line with it)."""
+    ta = board.add_tenant()
+    owner = QuotaBlock.create("runend2")
+    blk = QuotaBlock.attach(owner.name, instance=0)
+    be = StubBackend()
+    mine = GpuTimeBoard.attach(board.name, tenant_slot=ta)
+    running_at_release: list[int] = []
+    release = mine.release
+    gate: DeviceGate | None = None
+
+    def spy() -> None:
+        executor = gate._executor if gate is not None else None
+        running_at_release.append(-1 if executor is None else executor.running)
+        release()
+
+    mine.release = spy  # type: ignore[method-assign]
+    gate = DeviceGate(blk, be, mine)
+    try:
+        ops = [_gemm(be, 40 + i, 512) for i in range(3)]  # each longer than the driver's run-ahead
+        for args, _ in ops:
+            gate.submit("matmul_f32", be.matmul_f32, args)
+        gate.sync(run_end=True)
+        assert running_at_release == [0] and _owner(board) == 0
+        for args, want in ops:
+            assert np.allclose(np.frombuffer(be.read(args[2], 0, len(want)), np.float32),
+                               np.frombuffer(want, np.float32), rtol=1e-4, atol=1e-3)
+        gate.release()
+    finally:
+        gate.close()
+        blk.close()
+        owner.unlink()
+        owner.close()
