@@ -104,7 +104,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import EllipsisType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from shared import _atomics, _shm
 from shared._segment import MappedSegment
@@ -128,6 +128,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_QUANTUM_S",
+    "GatedLaunch",
     "KIND_GPU_TIME",
     "DEFAULT_TENANT_SLOTS",
     "DEFAULT_WORKER_SLOTS",
@@ -315,11 +316,17 @@ class WorkTrace:
     * :data:`LAUNCH` - a host-synchronous launch's wall span (the stub; a sync op): the device
       held and in a launch. On the stub the span less its busy time is the device thread waiting
       for a core (the host's CPUs, not the lease); not written for cuda's asynchronous launches.
+    * :data:`CORE` - as :data:`BUSY`, for a chunk the stub's executor ran on its device's one CPU
+      (``stub_device_cpus``): every worker's executor of that device shares the CPU, so no two such
+      rows ran at once, and a reader lays overlapping ones end to end (each is its CPU time placed at
+      its launch's end: two executors sharing the core - a giver's last launched chunk beside the
+      grantee's first - would otherwise overlap and their union count less than the core ran).
     """
 
     WORK: Final = 0
     BUSY: Final = 1
     LAUNCH: Final = 2
+    CORE: Final = 3
     FLUSH = 3 * 8192
 
     def __init__(self, directory: str) -> None:
@@ -363,7 +370,7 @@ class WorkTrace:
 
 def read_work_trace(directory: str) -> dict[int, NDArray[np.int64]]:
     """Every :class:`WorkTrace` row in ``directory``: the intervals of each kind (``WorkTrace.WORK``,
-    ``BUSY``, ``LAUNCH``; all workers together) as (n, 2) arrays of (start, end) ns - a full
+    ``BUSY``, ``LAUNCH``, ``CORE``; all workers together) as (n, 2) arrays of (start, end) ns - a full
     ``twt bench share --mix`` writes millions; a file's last row cut short (a worker killed while it
     wrote) is left out, and so is a backwards row or one of an unknown kind. numpy is imported here,
     by the bench, never by a worker."""
@@ -371,7 +378,8 @@ def read_work_trace(directory: str) -> dict[int, NDArray[np.int64]]:
 
     import numpy
 
-    parts: dict[int, list[NDArray[np.int64]]] = {WorkTrace.WORK: [], WorkTrace.BUSY: [], WorkTrace.LAUNCH: []}
+    parts: dict[int, list[NDArray[np.int64]]] = {WorkTrace.WORK: [], WorkTrace.BUSY: [], WorkTrace.LAUNCH: [],
+                                                 WorkTrace.CORE: []}
     for path in glob.glob(os.path.join(directory, "*.work")):
         with open(path, "rb") as f:
             data = f.read()
@@ -381,6 +389,23 @@ def read_work_trace(directory: str) -> dict[int, NDArray[np.int64]]:
             kept.append(mine[:, 1:])
     return {kind: numpy.concatenate(kept) if kept else numpy.empty((0, 2), numpy.int64)
             for kind, kept in parts.items()}
+
+
+class GatedLaunch(Protocol):
+    """A launch made before a wait for the lease, started by the device itself the moment the owner
+    word names its worker (the stub's executor: ``worker.backends.stub_executor``). :meth:`GpuTimeBoard.acquire`
+    arms it once its fast path failed and resolves it when the wait is over."""
+
+    def arm(self, buf: memoryview, owner_off: int, busy_off: int, mine: int) -> bool:
+        """Launch, gated on the uint64 owner word at ``buf[owner_off]``: started only under ``mine | 1``
+        (a grant's ``mine`` taken busy with a CAS of the device's own, ``buf[busy_off]`` stamped then).
+        False: not launched (the caller launches after the wait, as without a gate)."""
+        ...
+
+    def resolve(self, *, cancel: bool) -> bool:
+        """The wait is over (``cancel``: refused). Whether the launch runs: with ``cancel``, True means
+        the device took the lease for it first - the waiter holds it busy after all."""
+        ...
 
 
 def _t_off(t: int) -> int:
@@ -854,6 +879,7 @@ class GpuTimeBoard(MappedSegment):
         self._grant(buf, nxt, now, sibling=held != 0 and held == _atomics.load(buf, self._w_off(nxt) + _W_TENANT))
         _atomics.fetch_add(buf, counter, 1)
         _wake(buf)
+        _atomics.futex_wake(buf, _OWNER)  # a gated launch of the grantee's (GatedLaunch) starts now
         if trace is not None:
             trace.add("G", now, cas, time.monotonic_ns(), _atomics.load(buf, _LAST_END),
                       trace.chunk_end if current == self._mine else 0, (current >> 1) - 1, nxt,
@@ -1010,6 +1036,8 @@ class GpuTimeBoard(MappedSegment):
                 if owner == mine:
                     _atomics.store(buf, _BUSY_SINCE, now)
                     self._timed_handover(buf, now)
+                else:  # taken busy for this worker by its gated launch (GatedLaunch), at "busy since"
+                    self._timed_handover(buf, _atomics.load(buf, _BUSY_SINCE))
                 if owner == mine and _atomics.load(buf, _WAITING) - (1 if self._waiting_since else 0) > 0:
                     self._charge_idle(buf, now)
                 self._began(self._waiting_since or now)
@@ -1045,11 +1073,15 @@ class GpuTimeBoard(MappedSegment):
             return True
         return False
 
-    def acquire(self, deadline_ns: int | None = None) -> int:
+    def acquire(self, deadline_ns: int | None = None, gated: GatedLaunch | None = None) -> int:
         """Block until this worker may run a chunk; the ns it waited (0 on the fast path).
 
         Raises :class:`TimeoutError` past ``deadline_ns`` (the run's deadline,
-        ``clock`` time), leaving nothing held.
+        ``clock`` time), leaving nothing held. ``gated``: the chunk, launched before the wait when the
+        fast path fails, and started by the device the moment a grant names this worker (its own CAS
+        on the owner word, idle to busy) - a handover then costs the device no wake-up of this
+        thread; resolved before this returns or raises (a refused wait cancels it unless the device
+        took the lease first: then this returns, holding it).
         """
         buf, w = self._need_worker()
         mine = self._mine
@@ -1070,11 +1102,16 @@ class GpuTimeBoard(MappedSegment):
         spun = 0
         trace = self.trace
         woke = wakes = 0
+        armed = gated is not None and gated.arm(buf, _OWNER, _BUSY_SINCE, mine)
         try:
             while True:
                 seq = _atomics.load(buf, _SEQ)  # before looking: a wake-up after this cuts the sleep short
                 now = clock()
                 if self.try_acquire(now):
+                    if armed:
+                        armed = False
+                        assert gated is not None
+                        gated.resolve(cancel=False)
                     if trace is not None:
                         grant = _atomics.load(buf, _GRANT_NS)
                         trace.add("A", grant, t0, woke, time.monotonic_ns(), w, wakes)
@@ -1084,6 +1121,11 @@ class GpuTimeBoard(MappedSegment):
                     trace.add("S", woke, w)
                     woke = 0
                 if deadline_ns is not None and now >= deadline_ns:
+                    if armed:
+                        armed = False
+                        assert gated is not None
+                        if gated.resolve(cancel=True):
+                            continue  # the device took the lease for it first: held busy, returned next look
                     raise TimeoutError(f"no GPU time on device {self.device_index} before the run's deadline")
                 owner = _atomics.load(buf, _OWNER)
                 if self.spin and spun < _MAX_SPIN and self._next_up(buf, owner, now):
@@ -1100,6 +1142,9 @@ class GpuTimeBoard(MappedSegment):
                     woke = time.monotonic_ns()
                     wakes += 1
         finally:
+            if armed:  # (an exception inside the wait: the launch must not outlive it)
+                assert gated is not None
+                gated.resolve(cancel=True)
             self.unwant()
 
     def _next_up(self, buf: memoryview, owner: int, now: int) -> bool:

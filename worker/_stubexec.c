@@ -21,11 +21,23 @@
  *
  * The kernel is numpy's own BLAS (the sgemm numpy's matmul calls): its address is given by the
  * Python side (worker.backends.stub_executor), found in the library numpy loaded.
+ *
+ * A gated launch (sgemm_gated): the first chunk of a stretch, pushed before the driver waits for
+ * the device's lease. The executor starts it the moment the board's owner word names its worker
+ * idle (the grant): it takes the lease busy itself with a CAS on that word (idle -> busy, as the
+ * driver's own acquire would) and runs the chunk - the driver's wake, its look at the board and its
+ * launch are no longer between a handover and the device's next kernel. It runs the chunk only
+ * under its worker's busy lease: its own CAS won, or the driver's (the word already busy and its
+ * worker's). A lost CAS runs nothing; the driver that gives up its wait cancels the chunk under the
+ * executor's lock (gate_resolve), so a chunk is either cancelled or started, never both; a killed
+ * process's executor dies with it. The executor sleeps on a futex on the owner word's low half
+ * (shared.gpu_time wakes it at every change of hands), at most GATE_POLL_NS between looks.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/syscall.h>
@@ -40,6 +52,11 @@ typedef void (*sgemm64_t)(int, int, int, int64_t, int64_t, int64_t, float, const
                           const float *, int64_t, float, float *, int64_t);
 typedef void (*sgemm32_t)(int, int, int, int32_t, int32_t, int32_t, float, const float *, int32_t,
                           const float *, int32_t, float, float *, int32_t);
+
+/* a gated slot's longest sleep between two looks at the owner word (a lost wake-up costs this) */
+#define GATE_POLL_NS 2000000LL
+
+enum { GATE_NONE = 0, GATE_ARMED = 1, GATE_TAKEN = 2 };
 
 typedef struct {
     Py_buffer a, b, c;
@@ -70,6 +87,18 @@ typedef struct {
     int ilp64;
     uint64_t launched_total;
     uint64_t wakes;  /* drivers woken in wait() */
+    /* the gated launch (at most one: the ring's only slot when armed; see the header) */
+    int gate_state;
+    uint64_t gate_slot;           /* its index (== done while armed) */
+    Py_buffer gate_board;         /* the board's mapping, exported while armed or taken and not resolved */
+    int gate_has_board;
+    uint64_t *gate_owner;         /* the owner word */
+    int64_t *gate_busy_since;     /* the lease line's "busy since": written after a won CAS */
+    uint64_t gate_mine;           /* the owner word naming this worker, idle */
+    int gate_won;                 /* this gate's lease was taken by the executor's own CAS */
+    uint64_t gated_total;         /* gated launches */
+    uint64_t gate_cas_won;        /* ... whose lease the executor took itself */
+    uint64_t gate_cancelled;      /* ... cancelled by the driver (its wait refused) */
 } Executor;
 
 static int64_t
@@ -105,6 +134,36 @@ executor_main(void *arg)
             pthread_cond_wait(&ex->work, &ex->mu);
         if (ex->done == ex->tail)
             break;  /* stopped, and every launched chunk ran */
+        if (ex->gate_state == GATE_ARMED && ex->gate_slot == ex->done) {
+            if (ex->stop) {
+                /* closing with the driver's wait unresolved: never run without the lease */
+                Slot *g = &ex->slots[ex->done % ex->cap];
+                g->start_ns = g->end_ns = g->cpu_ns = 0;
+                ex->gate_state = GATE_NONE;
+                ex->done++;
+                continue;
+            }
+            uint64_t mine = ex->gate_mine;
+            uint64_t o = __atomic_load_n(ex->gate_owner, __ATOMIC_SEQ_CST);
+            if (o == mine && __atomic_compare_exchange_n(ex->gate_owner, &o, mine | 1, 0, __ATOMIC_SEQ_CST,
+                                                         __ATOMIC_SEQ_CST)) {
+                __atomic_store_n(ex->gate_busy_since, clock_ns(CLOCK_MONOTONIC), __ATOMIC_SEQ_CST);
+                ex->gate_won = 1;
+                ex->gate_cas_won++;
+                ex->gate_state = GATE_TAKEN;
+            } else if (o == (mine | 1)) {
+                ex->gate_state = GATE_TAKEN;  /* the driver's own CAS won: the lease is its worker's, busy */
+            } else {
+                /* not ours (yet): asleep until the word changes hands (or a poll's end), the lock
+                   released - the driver may cancel meanwhile */
+                uint32_t *word = (uint32_t *)(void *)ex->gate_owner;
+                pthread_mutex_unlock(&ex->mu);
+                struct timespec ts = {0, GATE_POLL_NS};
+                syscall(SYS_futex, word, FUTEX_WAIT, (uint32_t)o, &ts, NULL, 0);
+                pthread_mutex_lock(&ex->mu);
+                continue;
+            }
+        }
         Slot *s = &ex->slots[ex->done % ex->cap];
         pthread_mutex_unlock(&ex->mu);
         int64_t start = clock_ns(CLOCK_MONOTONIC);
@@ -134,6 +193,16 @@ release_slot(Slot *s)
     PyBuffer_Release(&s->c);
 }
 
+/* The board's export, once the gate is resolved (the GIL held). */
+static void
+gate_release_board(Executor *ex)
+{
+    if (ex->gate_has_board) {
+        PyBuffer_Release(&ex->gate_board);
+        ex->gate_has_board = 0;
+    }
+}
+
 /* Stops the thread once every launched chunk ran (GIL released while joining). */
 static void
 executor_stop(Executor *ex)
@@ -145,13 +214,14 @@ executor_stop(Executor *ex)
     pthread_cond_broadcast(&ex->work);
     pthread_mutex_unlock(&ex->mu);
     Py_BEGIN_ALLOW_THREADS
-    pthread_join(ex->thread, NULL);
+    pthread_join(ex->thread, NULL);  /* (a gated slot's sleep ends within GATE_POLL_NS) */
     Py_END_ALLOW_THREADS
     ex->running = 0;
     while (ex->head < ex->done) {
         release_slot(&ex->slots[ex->head % ex->cap]);
         ex->head++;
     }
+    gate_release_board(ex);
 }
 
 static int
@@ -236,6 +306,56 @@ overlaps(const Py_buffer *x, const Py_buffer *y)
     return p < q + (uintptr_t)y->len && q < p + (uintptr_t)x->len;
 }
 
+/* Fills the next slot with a GEMM's buffers: 1 when it fits the kernel, 0 when not (nothing kept),
+   -1 on an error (raised). */
+static int
+fill_slot(Executor *ex, PyObject *oa, PyObject *ob, PyObject *oc, long long m, long long k, long long n)
+{
+    if (!ready(ex))
+        return -1;
+    if (ex->tail - ex->head >= ex->cap) {
+        PyErr_SetString(PyExc_RuntimeError, "the executor's ring is full: collect before launching");
+        return -1;
+    }
+    int64_t lim = ex->ilp64 ? (INT64_MAX / 8) : INT32_MAX;
+    /* m or n of 1: numpy calls gemv or dot, not sgemm (results differ in rounding) */
+    if (m <= 1 || k <= 0 || n <= 1 || m > lim || k > lim || n > lim)
+        return 0;
+    if ((m > INT64_MAX / 4 / k) || (k > INT64_MAX / 4 / n) || (m > INT64_MAX / 4 / n))
+        return 0;
+    Slot *s = &ex->slots[ex->tail % ex->cap];
+    if (PyObject_GetBuffer(oa, &s->a, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (PyObject_GetBuffer(ob, &s->b, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&s->a);
+        return -1;
+    }
+    if (PyObject_GetBuffer(oc, &s->c, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&s->a);
+        PyBuffer_Release(&s->b);
+        return -1;
+    }
+    int fits = s->a.len >= 4 * m * k && s->b.len >= 4 * k * n && s->c.len >= 4 * m * n
+        && ((uintptr_t)s->a.buf % 4) == 0 && ((uintptr_t)s->b.buf % 4) == 0 && ((uintptr_t)s->c.buf % 4) == 0;
+    if (fits) {
+        Py_buffer ca = s->c;
+        ca.len = 4 * m * n;
+        Py_buffer aa = s->a, bb = s->b;
+        aa.len = 4 * m * k;
+        bb.len = 4 * k * n;
+        fits = !overlaps(&ca, &aa) && !overlaps(&ca, &bb);
+    }
+    if (!fits) {
+        release_slot(s);
+        return 0;
+    }
+    s->m = m;
+    s->k = k;
+    s->n = n;
+    s->start_ns = s->end_ns = s->cpu_ns = 0;
+    return 1;
+}
+
 PyDoc_STRVAR(sgemm_doc,
 "sgemm(a, b, c, m, k, n) -> bool\n\n"
 "Launch c[:m*n] = a[:m*k] @ b[:k*n] (row-major float32, numpy's BLAS) and return at once: True when\n"
@@ -250,54 +370,129 @@ Executor_sgemm(Executor *ex, PyObject *args)
     long long m, k, n;
     if (!PyArg_ParseTuple(args, "OOOLLL", &oa, &ob, &oc, &m, &k, &n))
         return NULL;
-    if (!ready(ex))
-        return NULL;
-    if (ex->tail - ex->head >= ex->cap) {
-        PyErr_SetString(PyExc_RuntimeError, "the executor's ring is full: collect before launching");
+    if (ex->gate_state != GATE_NONE && ex->gate_slot >= ex->done) {
+        PyErr_SetString(PyExc_RuntimeError, "a gated launch is not resolved: resolve it first");
         return NULL;
     }
-    int64_t lim = ex->ilp64 ? (INT64_MAX / 8) : INT32_MAX;
-    /* m or n of 1: numpy calls gemv or dot, not sgemm (results differ in rounding) */
-    if (m <= 1 || k <= 0 || n <= 1 || m > lim || k > lim || n > lim)
+    int got = fill_slot(ex, oa, ob, oc, m, k, n);
+    if (got < 0)
+        return NULL;
+    if (!got)
         Py_RETURN_FALSE;
-    if ((m > INT64_MAX / 4 / k) || (k > INT64_MAX / 4 / n) || (m > INT64_MAX / 4 / n))
-        Py_RETURN_FALSE;
-    Slot *s = &ex->slots[ex->tail % ex->cap];
-    if (PyObject_GetBuffer(oa, &s->a, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(ob, &s->b, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&s->a);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(oc, &s->c, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&s->a);
-        PyBuffer_Release(&s->b);
-        return NULL;
-    }
-    int fits = s->a.len >= 4 * m * k && s->b.len >= 4 * k * n && s->c.len >= 4 * m * n
-        && ((uintptr_t)s->a.buf % 4) == 0 && ((uintptr_t)s->b.buf % 4) == 0 && ((uintptr_t)s->c.buf % 4) == 0;
-    if (fits) {
-        Py_buffer ca = s->c;
-        ca.len = 4 * m * n;
-        Py_buffer aa = s->a, bb = s->b;
-        aa.len = 4 * m * k;
-        bb.len = 4 * k * n;
-        fits = !overlaps(&ca, &aa) && !overlaps(&ca, &bb);
-    }
-    if (!fits) {
-        release_slot(s);
-        Py_RETURN_FALSE;
-    }
-    s->m = m;
-    s->k = k;
-    s->n = n;
-    s->start_ns = s->end_ns = s->cpu_ns = 0;
     pthread_mutex_lock(&ex->mu);
     ex->tail++;
     ex->launched_total++;
     pthread_cond_signal(&ex->work);
     pthread_mutex_unlock(&ex->mu);
     Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(sgemm_gated_doc,
+"sgemm_gated(a, b, c, m, k, n, board, owner_off, busy_off, mine) -> bool\n\n"
+"Launch a GEMM as sgemm does, gated on the device's lease: the executor starts it only once the\n"
+"uint64 owner word at board[owner_off] is `mine | 1` (its worker's, busy): when it reads `mine` (its\n"
+"worker's, idle: a grant) it takes it with a CAS to `mine | 1` and stores CLOCK_MONOTONIC ns at\n"
+"board[busy_off]; a lost CAS runs nothing. Only into an empty ring (every launched chunk ran and was\n"
+"collected), one at a time; gate_resolve() must follow before the next launch. False when the\n"
+"arguments do not fit the kernel (nothing launched).");
+
+static PyObject *
+Executor_sgemm_gated(Executor *ex, PyObject *args)
+{
+    PyObject *oa, *ob, *oc, *board;
+    long long m, k, n, owner_off, busy_off;
+    unsigned long long mine;
+    if (!PyArg_ParseTuple(args, "OOOLLLOLLK", &oa, &ob, &oc, &m, &k, &n, &board, &owner_off, &busy_off, &mine))
+        return NULL;
+    if (!ready(ex))
+        return NULL;
+    if (ex->gate_state != GATE_NONE || ex->tail != ex->head) {
+        PyErr_SetString(PyExc_RuntimeError, "a gated launch goes into an empty, collected ring, one at a time");
+        return NULL;
+    }
+    if (mine == 0 || (mine & 1)) {
+        PyErr_SetString(PyExc_ValueError, "mine: an owner word naming a worker, idle (non-zero, even)");
+        return NULL;
+    }
+    Py_buffer bb;
+    if (PyObject_GetBuffer(board, &bb, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (owner_off < 0 || busy_off < 0 || owner_off % 8 || busy_off % 8 || owner_off + 8 > bb.len
+        || busy_off + 8 > bb.len || ((uintptr_t)bb.buf % 8)) {
+        PyBuffer_Release(&bb);
+        PyErr_SetString(PyExc_ValueError, "the owner and busy words: aligned uint64 inside the board");
+        return NULL;
+    }
+    int got = fill_slot(ex, oa, ob, oc, m, k, n);
+    if (got <= 0) {
+        PyBuffer_Release(&bb);
+        if (got < 0)
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    gate_release_board(ex);
+    ex->gate_board = bb;
+    ex->gate_has_board = 1;
+    pthread_mutex_lock(&ex->mu);
+    ex->gate_owner = (uint64_t *)(void *)((char *)bb.buf + owner_off);
+    ex->gate_busy_since = (int64_t *)(void *)((char *)bb.buf + busy_off);
+    ex->gate_mine = (uint64_t)mine;
+    ex->gate_won = 0;
+    ex->gate_slot = ex->tail;
+    ex->gate_state = GATE_ARMED;
+    ex->tail++;
+    ex->launched_total++;
+    ex->gated_total++;
+    pthread_cond_signal(&ex->work);
+    pthread_mutex_unlock(&ex->mu);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(gate_resolve_doc,
+"gate_resolve(cancel) -> int\n\n"
+"The driver's wait for the lease is over. cancel=False: it holds the lease busy (its own CAS, or the\n"
+"executor's) - the gated chunk runs, the executor woken if it sleeps; returns 2 when the executor took\n"
+"the lease itself, 1 when the driver did. cancel=True: the wait was refused - the chunk is taken out\n"
+"unless the executor already took the lease for it; returns 0 when cancelled, 2 when taken (the\n"
+"driver then holds the lease busy). -1 when no gated launch is pending.");
+
+static PyObject *
+Executor_gate_resolve(Executor *ex, PyObject *args)
+{
+    int cancel = 0;
+    if (!PyArg_ParseTuple(args, "p", &cancel))
+        return NULL;
+    if (!ready(ex))
+        return NULL;
+    long out;
+    uint32_t *word = NULL;
+    pthread_mutex_lock(&ex->mu);
+    if (ex->gate_state == GATE_NONE) {
+        out = -1;
+    } else if (ex->gate_state == GATE_TAKEN) {
+        out = ex->gate_won ? 2 : 1;
+        ex->gate_state = GATE_NONE;
+    } else if (cancel) {
+        /* armed and not started: out of the ring (it is the only slot launched and not collected) */
+        ex->tail--;
+        ex->launched_total--;
+        ex->gate_cancelled++;
+        release_slot(&ex->slots[ex->tail % ex->cap]);
+        ex->gate_state = GATE_NONE;
+        word = (uint32_t *)(void *)ex->gate_owner;
+        out = 0;
+    } else {
+        /* the driver's CAS won: the slot runs as a plain one now (the executor checks no word),
+           the executor woken if it sleeps on the word */
+        ex->gate_state = GATE_NONE;
+        word = (uint32_t *)(void *)ex->gate_owner;
+        out = 1;
+    }
+    pthread_mutex_unlock(&ex->mu);
+    if (word != NULL)
+        syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    gate_release_board(ex);
+    return PyLong_FromLong(out);
 }
 
 PyDoc_STRVAR(wait_doc,
@@ -419,6 +614,8 @@ Executor_get_wakes(Executor *ex, void *Py_UNUSED(closure))
 
 static PyMethodDef Executor_methods[] = {
     {"sgemm", (PyCFunction)Executor_sgemm, METH_VARARGS, sgemm_doc},
+    {"sgemm_gated", (PyCFunction)Executor_sgemm_gated, METH_VARARGS, sgemm_gated_doc},
+    {"gate_resolve", (PyCFunction)Executor_gate_resolve, METH_VARARGS, gate_resolve_doc},
     {"wait", (PyCFunction)Executor_wait, METH_VARARGS, wait_doc},
     {"collect", (PyCFunction)Executor_collect, METH_NOARGS, collect_doc},
     {"close", (PyCFunction)Executor_close, METH_NOARGS,
@@ -426,7 +623,19 @@ static PyMethodDef Executor_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *
+Executor_get_gated(Executor *ex, void *Py_UNUSED(closure))
+{
+    pthread_mutex_lock(&ex->mu);
+    PyObject *t = Py_BuildValue("(KKK)", (unsigned long long)ex->gated_total, (unsigned long long)ex->gate_cas_won,
+                                (unsigned long long)ex->gate_cancelled);
+    pthread_mutex_unlock(&ex->mu);
+    return t;
+}
+
 static PyGetSetDef Executor_getset[] = {
+    {"gated", (getter)Executor_get_gated, NULL,
+     "(gated launches, those whose lease the executor took with its own CAS, those cancelled)", NULL},
     {"pending", (getter)Executor_get_pending, NULL, "chunks launched and not collected", NULL},
     {"running", (getter)Executor_get_running, NULL, "chunks launched and not yet run", NULL},
     {"tid", (getter)Executor_get_tid, NULL, "the executor thread's native id (None: closed)", NULL},

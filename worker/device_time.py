@@ -98,8 +98,9 @@ pending until settled, as on cuda; a boundary tells the board what already ran a
 chunks run on - waited for after its ``finish`` where the device went on or the stretch ended, and
 charged at once (``GpuTimeBoard.charge``): a grantee's first launch queues behind them; the driver runs
 at most 1/:data:`_AHEAD_DIV` of a chunk ahead (:meth:`DeviceGate._ahead`); other ops run on the driver
-once the executor is idle. With ``stub_device_cpus`` the executor's thread is the one on the
-device's CPU.
+once the executor is idle. A stretch's first GEMM is launched before the driver waits for the lease
+(:class:`_GatedChunk`): the executor starts it the moment a grant names this worker, its own CAS taking
+the lease busy. With ``stub_device_cpus`` the executor's thread is the one on the device's CPU.
 """
 
 from __future__ import annotations
@@ -174,6 +175,9 @@ DEVICE_SLICE_NS = 100_000
 #: the stub's executor: the chunks launched ahead of the running one hold at most 1/this of a chunk
 #: by their estimates (:meth:`DeviceGate._ahead`)
 _AHEAD_DIV = 2
+#: the stub's executor starts a stretch's first GEMM at the grant (:class:`_GatedChunk`);
+#: ``TWT_GATED_LAUNCH=0`` turns it off (an A/B of the handover)
+_GATED = os.environ.get("TWT_GATED_LAUNCH", "1") != "0"
 #: an op's ``small_est`` when it cannot join a batch (larger than any batch's budget)
 _NOT_SMALL = 1 << 62
 #: how long past the run's deadline a wait for queued work may last (one chunk in flight ends well
@@ -277,6 +281,31 @@ class _Item:
     #: its estimate when it may join a batch of small ops (planned, one launch whole, small), else
     #: :data:`_NOT_SMALL`: the device thread then finds a batch's end without a walk in Python
     small_est: int = -1
+
+
+class _GatedChunk:
+    """A stretch's first chunk on the stub's executor, launched before the driver waits for the lease
+    (``shared.gpu_time.GatedLaunch``): the executor starts it the moment a grant names this worker,
+    its own CAS taking the lease busy - the driver's wake, its look at the board and its launch are
+    then no device idle of the handover. ``runs``: it was launched and runs (the driver launches
+    nothing else for it)."""
+
+    __slots__ = ("executor", "name", "args", "runs", "armed")
+
+    def __init__(self, executor: ExecutorTimer, name: str, args: tuple[object, ...]) -> None:
+        self.executor = executor
+        self.name = name
+        self.args = args
+        self.runs = False
+        self.armed = False
+
+    def arm(self, buf: memoryview, owner_off: int, busy_off: int, mine: int) -> bool:
+        self.armed = self.executor.launch_gated(self.name, self.args, buf, owner_off, busy_off, mine)
+        return self.armed
+
+    def resolve(self, *, cancel: bool) -> bool:
+        self.runs = self.executor.resolve(cancel=cancel)
+        return self.runs
 
 
 class DeviceQueue:
@@ -660,15 +689,24 @@ class DeviceGate:
         except Exception:  # noqa: BLE001 - see the docstring: the op reports it
             pass
 
-    def sync(self, deadline_ns: int | None = None) -> None:
+    def sync(self, deadline_ns: int | None = None, *, run_end: bool = False) -> None:
         """Wait for every queued op; raise a queued op's error (once). The wait ends at the deadline
         plus :data:`QUEUE_GRACE_S` at most (the deadline is checked before every queued chunk, so
-        only a chunk in flight runs past it): :class:`QueueOverrun` beyond."""
+        only a chunk in flight runs past it): :class:`QueueOverrun` beyond. ``run_end``: the guest
+        returned - no op of this run follows, so the stretch that drains the queue passes the device
+        on itself (as for :meth:`release`), not once this thread has woken and reached ``release``."""
         queue = self.queue
         if queue is None:
             return
         bound = None if deadline_ns is None else deadline_ns + int(QUEUE_GRACE_S * 1e9)
-        if not queue.sync(bound):
+        if run_end:
+            self._run_ending = True
+        try:
+            synced = queue.sync(bound)
+        finally:
+            if run_end:
+                self._run_ending = False
+        if not synced:
             raise QueueOverrun(QUEUE_GRACE_S, message="queued device work still running past the run's deadline")
 
     def _op(self, name: str, fn: Callable[..., object], args: tuple[object, ...], deadline_ns: int | None,
@@ -804,12 +842,15 @@ class DeviceGate:
                 break  # refused by the op path (it ends the stretch first)
             wait = max(0, start - it.submit_ns - (own - it.own_busy_ns))
             waited = ns = now = 0
+            gated = None
             try:
                 if not self._held_since:
                     # a boundary gave the lease up: taken back at the launch, as _run_queued does (its
-                    # fast path while still ours; a wait, this op's, when the device went on)
+                    # fast path while still ours; a wait, this op's, when the device went on - the GEMM
+                    # launched before it, started by the executor at the grant: _GatedChunk)
                     if board is not None:
-                        waited = self._acquire(board, dl)
+                        gated = self._gate(name, it.args) if executor is not None else None
+                        waited = self._acquire(board, dl, gated)
                         self._lease_wait_ns += waited
                         self.run_wait_ns += waited
                         self._held_board = True
@@ -822,11 +863,14 @@ class DeviceGate:
                     if executor is None:
                         ns = qtimer.time(it.fn, *it.args)
                     else:
-                        if self._unsettled:
-                            self._ahead(executor)
-                            if executor.full():
-                                self._settle()
-                        went = executor.launch(name, it.args)
+                        if gated is not None and gated.runs:
+                            went = True  # launched before the wait, started at the grant
+                        else:
+                            if self._unsettled:
+                                self._ahead(executor)
+                                if executor.full():
+                                    self._settle()
+                            went = executor.launch(name, it.args)
                         if not went:
                             ns = qtimer.time(it.fn, *it.args)
                         elif serial >= 0:
@@ -1054,8 +1098,10 @@ class DeviceGate:
         waited = 0
         # the lease last, right before the launch: whatever this thread does after the grant, the device
         # waits for (after a handover the thread runs cold, on a core it had to win)
+        gated = None
         if board is not None and not self._held_since:
-            waited = self._acquire(board, deadline_ns)
+            gated = self._gate(op, args)  # (the stub's executor: the chunk launched before the wait)
+            waited = self._acquire(board, deadline_ns, gated)
             self._lease_wait_ns += waited
             self._held_since = time.monotonic_ns()
             self._held_board = True
@@ -1070,10 +1116,11 @@ class DeviceGate:
         work = self._work
         launched = time.monotonic_ns() if work is not None else 0
         executor = self._executor
-        if executor is not None and op and self._unsettled:
+        prelaunched = gated is not None and gated.runs
+        if executor is not None and op and self._unsettled and not prelaunched:
             self._ahead(executor)
         try:
-            if executor is not None and op and executor.launch(op, args):
+            if executor is not None and op and (prelaunched or executor.launch(op, args)):
                 if serial >= 0:
                     executor.drain()  # the scheduler off: one op at a time per device, inside the flock
             else:
@@ -1268,10 +1315,14 @@ class DeviceGate:
         executor = self._executor
         if executor is not None and len(executor.spans) == len(times):
             # the stub's executor stamped each chunk itself: its wall span (a launch row, as a
-            # host-synchronous launch's) and its charged CPU time ending at its end
+            # host-synchronous launch's) and its charged CPU time ending at its end - on the device's
+            # one CPU (every worker's executor there: no two ran at once) a CORE row, laid end to end
+            # with the others by the reader
+            cpus = self.device_cpus
+            kind = WorkTrace.CORE if cpus is not None and len(cpus) == 1 else WorkTrace.BUSY
             for start, end, ns in executor.spans:
                 if ns > 0:
-                    work.add(WorkTrace.LAUNCH, start, end, WorkTrace.BUSY, max(start, end - ns), end)
+                    work.add(WorkTrace.LAUNCH, start, end, kind, max(start, end - ns), end)
                 else:
                     work.add(WorkTrace.LAUNCH, start, end)
                 self._busy_end = max(self._busy_end, end)
@@ -1335,8 +1386,18 @@ class DeviceGate:
         board = self.board
         return board if board is not None and board.scheduler else None
 
-    def _acquire(self, board: GpuTimeBoard, deadline_ns: int | None) -> int:
-        """The lease for a chunk (ns waited); a refusal past the deadline or for the tenant's cap."""
+    def _gate(self, op: str, args: tuple[object, ...]) -> _GatedChunk | None:
+        """The chunk ``op`` (its own arguments) as a gated launch for the lease wait ahead (the stub's
+        executor, nothing of this worker's launched and not settled), or None."""
+        executor = self._executor
+        if executor is None or not op or self._unsettled or not _GATED:
+            return None
+        return _GatedChunk(executor, op, args)
+
+    def _acquire(self, board: GpuTimeBoard, deadline_ns: int | None, gated: _GatedChunk | None = None) -> int:
+        """The lease for a chunk (ns waited); a refusal past the deadline or for the tenant's cap.
+        ``gated``: the chunk, launched before the wait if the fast path fails (``gated.runs``: it runs,
+        started by the executor under this worker's lease)."""
         if deadline_ns is not None:
             throttled = board.throttled_wait_ns()
             if throttled and time.monotonic_ns() + throttled > deadline_ns:
@@ -1344,7 +1405,7 @@ class DeviceGate:
                     f"waiting for the device: the tenant's GPU-time cap gives it no time before the "
                     f"run's deadline (next in {throttled / 1e6:.1f} ms)"))) from None
         try:
-            return board.acquire(deadline_ns)
+            return board.acquire(deadline_ns, gated)
         except TimeoutError as exc:
             raise self._refuse(KernelTimeout(0.0, message=f"waiting for the device: {exc}")) from None
 
@@ -1452,12 +1513,12 @@ class DeviceGate:
         if self._serial >= 0:
             os.close(self._serial)
             self._serial = -1
+        if self._qtimer is not None:  # (before the board: a gated launch's executor held its mapping)
+            self._qtimer.close()
+            self._qtimer = self._pending_timer = self._executor = None
         if self.board is not None:
             self.board.close()
             self.board = None
         if self._timer is not None:
             self._timer.close()
             self._timer = None
-        if self._qtimer is not None:
-            self._qtimer.close()
-            self._qtimer = self._pending_timer = self._executor = None

@@ -221,7 +221,7 @@ class CountingBoard:
         #: the ``idle`` flag of every end_op
         self.ended: list[bool] = []
 
-    def acquire(self, deadline_ns: int | None = None) -> int:
+    def acquire(self, deadline_ns: int | None = None, gated: object = None) -> int:
         self.calls["acquire"] += 1
         return 0
 

@@ -267,8 +267,8 @@ class _LeaseAfterPlanning(CountingBoard):
         self.gate: DeviceGate | None = None
         self.planned: list[str] = []
 
-    def acquire(self, deadline_ns: int | None = None) -> int:
-        super().acquire(deadline_ns)
+    def acquire(self, deadline_ns: int | None = None, gated: object = None) -> int:
+        super().acquire(deadline_ns, gated)  # type: ignore[arg-type]
         assert self.gate is not None
         self.planned.append(self.gate._chunk[0])
         t0 = time.monotonic_ns()

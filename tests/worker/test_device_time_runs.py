@@ -198,8 +198,8 @@ class _GivingBoard(CountingBoard):
         super().__init__(True)
         self.wait_ns = wait_ns
 
-    def acquire(self, deadline_ns: int | None = None) -> int:
-        super().acquire(deadline_ns)
+    def acquire(self, deadline_ns: int | None = None, gated: object = None) -> int:
+        super().acquire(deadline_ns, gated)  # type: ignore[arg-type]
         return self.wait_ns
 
     def finish(self, charged_ns: int, now: int | None = None, *, last: bool = True, idle: bool = False,

@@ -181,6 +181,35 @@ class ExecutorTimer:
             return False
         return bool(self._ex.sgemm(da, db, dc, m, k, n))
 
+    def launch_gated(self, name: str, args: tuple[object, ...], board: object, owner_off: int, busy_off: int,
+                     mine: int) -> bool:
+        """Launch op ``name``'s chunk as :meth:`launch` does, gated on the device's lease: the executor
+        starts it once the owner word at ``board[owner_off]`` names this worker (``mine``, idle: a grant
+        - it takes the word busy with its own CAS and stamps ``board[busy_off]``) or already holds it
+        busy (``mine | 1``: the driver's CAS won). Into an empty ring only (nothing launched and not
+        collected); :meth:`resolve` must follow once the driver's wait for the lease is over. False:
+        not launched (not a GEMM it runs, or the arguments do not fit)."""
+        if name != "matmul_f32" or len(args) != 6 or self._ex.pending:
+            return False
+        a, b, c, m, k, n = args
+        da, db, dc = getattr(a, "data", None), getattr(b, "data", None), getattr(c, "data", None)
+        if da is None or db is None or dc is None:
+            return False
+        return bool(self._ex.sgemm_gated(da, db, dc, m, k, n, board, owner_off, busy_off, mine))
+
+    def resolve(self, *, cancel: bool) -> bool:
+        """The driver's wait for the lease is over: ``cancel`` False, it holds the lease busy and the
+        gated chunk runs; True, its wait was refused and the chunk is taken out - unless the executor
+        took the lease for it first (then the driver holds the lease: True is returned). Whether the
+        gated chunk runs."""
+        return int(self._ex.gate_resolve(cancel)) > 0
+
+    @property
+    def gated(self) -> tuple[int, int, int]:
+        """(gated launches, those whose lease the executor took with its own CAS, those cancelled)."""
+        g = self._ex.gated
+        return int(g[0]), int(g[1]), int(g[2])
+
     @property
     def running(self) -> int:
         """Chunks launched and not yet run."""

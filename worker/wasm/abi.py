@@ -280,9 +280,10 @@ class GuestRun:
     def end_sync(self) -> None:
         """The guest returned: its queued work is part of the call and is waited for. A deadline
         that passed in it ends the run as a timeout; another error nobody read is logged (the
-        guest never asked for it)."""
+        guest never asked for it). The run's queued work ends here: its last stretch passes the
+        device on as it drains (``DeviceGate.sync``'s ``run_end``)."""
         try:
-            self.gate.sync(self.deadline_ns)
+            self.gate.sync(self.deadline_ns, run_end=True)
         except KernelTimeout as exc:
             self.deadline_passed = exc
         except TensorWasmError as exc:

@@ -1537,7 +1537,7 @@ class _Nobody:
     def take_run_totals(self) -> tuple[int, int]:
         return 0, 0
 
-    def sync(self, deadline_ns: int | None = None) -> None:
+    def sync(self, deadline_ns: int | None = None, *, run_end: bool = False) -> None:
         pass
 
     def release(self, deadline_ns: int | None = None) -> bool:

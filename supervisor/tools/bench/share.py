@@ -680,6 +680,10 @@ class MixGap(TypedDict):
     #: time any tenant had work
     busy_while_work_control: float | None
     busy_while_work_mix: float | None
+    #: the same with the stub executors' rows as placed (``WorkTrace.CORE`` as ``BUSY``: not laid end
+    #: to end, two executors sharing the device's core overlapping - what the bench reported before)
+    busy_as_placed_control: float | None
+    busy_as_placed_mix: float | None
     launched_while_work_control: float | None
     launched_while_work_mix: float | None
     any_work_control: float | None
@@ -910,6 +914,7 @@ def _mix(sup: SupervisorHandle, args: argparse.Namespace) -> tuple[list[MixGap],
                          "handovers_mix": _median_or_0(hands[1]), "idle_at_handovers_mix": _median_or_0(idle),
                          "windows_control": windows[0], "windows_mix": windows[1],
                          "busy_while_work_control": None, "busy_while_work_mix": None,
+                         "busy_as_placed_control": None, "busy_as_placed_mix": None,
                          "launched_while_work_control": None, "launched_while_work_mix": None,
                          "any_work_control": None, "any_work_mix": None,
                          "idle_causes_control": None, "idle_causes_mix": None})
@@ -1021,12 +1026,40 @@ class WorkSpans:
     launched: NDArray[np.int64] | None  # launch ∩ work (None: no launch rows: cuda)
 
 
+def end_to_end(intervals: Spans) -> NDArray[np.int64]:
+    """Busy rows that ran on one CPU (``WorkTrace.CORE``: the stub's executors on their device's
+    core), laid end to end: no two ran at once, but each is its CPU time placed at its launch's end,
+    so two executors that shared the core overlap as placed and their union counts less than the
+    core ran. From the latest end back, each row ends at its own end or where the next one was laid
+    to begin, whichever is earlier; its length stays its CPU time (vectorised: with rows by
+    descending end and P the CPU time laid before a row, a row ends at min over the rows laid before
+    it and itself of (end + P) less its own P)."""
+    import numpy
+
+    arr = _spans(intervals)
+    arr = arr[arr[:, 1] > arr[:, 0]]
+    if not len(arr):
+        return arr
+    arr = arr[numpy.argsort(-arr[:, 1], kind="stable")]
+    length = arr[:, 1] - arr[:, 0]
+    before = numpy.concatenate([[0], numpy.cumsum(length)[:-1]])  # laid after it in time, before it here
+    end = numpy.minimum.accumulate(arr[:, 1] + before) - before
+    return numpy.stack([end - length, end], axis=1)[::-1]
+
+
+def _busy_rows(rows: Mapping[int, Spans]) -> NDArray[np.int64]:
+    """The device's busy rows of every worker: BUSY as placed, CORE laid end to end (:func:`end_to_end`)."""
+    import numpy
+
+    return numpy.concatenate([_spans(rows.get(WorkTrace.BUSY, [])), end_to_end(rows.get(WorkTrace.CORE, []))])
+
+
 def work_spans(rows: Mapping[int, Spans]) -> WorkSpans:
     """Each kind's union over all workers (:func:`shared.gpu_time.read_work_trace`), intersected with
-    the work's."""
+    the work's (busy: :func:`_busy_rows`)."""
     work = _union(rows.get(WorkTrace.WORK, []))
     launches = _union(rows.get(WorkTrace.LAUNCH, []))
-    return WorkSpans(work, _intersect(work, _union(rows.get(WorkTrace.BUSY, []))),
+    return WorkSpans(work, _intersect(work, _union(_busy_rows(rows))),
                      _intersect(work, launches) if len(launches) else None)
 
 
@@ -1067,7 +1100,7 @@ def read_work_trace_by_worker(directory: str) -> dict[int, dict[int, NDArray[np.
             data = f.read()
         rows = numpy.frombuffer(data[:len(data) // 24 * 24], dtype="<i8").reshape(-1, 3).astype(numpy.int64)
         out[pid] = {kind: rows[(rows[:, 0] == kind) & (rows[:, 2] >= rows[:, 1])][:, 1:]
-                    for kind in (WorkTrace.WORK, WorkTrace.BUSY, WorkTrace.LAUNCH)}
+                    for kind in (WorkTrace.WORK, WorkTrace.BUSY, WorkTrace.LAUNCH, WorkTrace.CORE)}
     return out
 
 
@@ -1098,7 +1131,7 @@ def idle_causes(by_worker: Mapping[int, Mapping[int, Spans]],
     launches = _union(kind(WorkTrace.LAUNCH))
     if not len(launches):
         return {}  # (cuda: no host-synchronous launches traced, nothing to name a stretch by)
-    busy = _intersect(_union(kind(WorkTrace.BUSY)), work)
+    busy = _intersect(_union(_busy_rows({k: kind(k) for k in (WorkTrace.BUSY, WorkTrace.CORE)})), work)
     launched = _intersect(launches, work)
     out: dict[str, dict[str, float]] = {c: {"share": 0.0, "per_s": 0.0, "mean_us": 0.0} for c in IDLE_CAUSES}
 
@@ -1292,8 +1325,11 @@ def _mix_main(args: argparse.Namespace) -> int:
             _clients_off_device(report)
             gaps, kres = _mix(on, args)
         by_worker = read_work_trace_by_worker(work_dir)  # the workers have exited: every row is on disk
-        traced = work_spans({k: _concat([rows[k] for rows in by_worker.values()])
-                             for k in (WorkTrace.WORK, WorkTrace.BUSY, WorkTrace.LAUNCH)})
+        kinds = {k: _concat([rows[k] for rows in by_worker.values()])
+                 for k in (WorkTrace.WORK, WorkTrace.BUSY, WorkTrace.LAUNCH, WorkTrace.CORE)}
+        traced = work_spans(kinds)
+        as_placed = work_spans({WorkTrace.WORK: kinds[WorkTrace.WORK], WorkTrace.LAUNCH: kinds[WorkTrace.LAUNCH],
+                                WorkTrace.BUSY: _concat([kinds[WorkTrace.BUSY], kinds[WorkTrace.CORE]])})
     finally:
         os.environ.pop(WORK_TRACE_ENV, None)
         if not args.work_trace:
@@ -1304,6 +1340,8 @@ def _mix_main(args: argparse.Namespace) -> int:
         g["launched_while_work_control"] = control["launched"]
         g["any_work_mix"], g["busy_while_work_mix"], g["launched_while_work_mix"] = (
             mix["any_work"], mix["busy"], mix["launched"])
+        g["busy_as_placed_control"] = busy_while_work(as_placed, g["windows_control"])["busy"]
+        g["busy_as_placed_mix"] = busy_while_work(as_placed, g["windows_mix"])["busy"]
         g["idle_causes_control"] = idle_causes(by_worker, g["windows_control"])
         g["idle_causes_mix"] = idle_causes(by_worker, g["windows_mix"])
     rows = []
@@ -1327,15 +1365,19 @@ def _mix_main(args: argparse.Namespace) -> int:
     report.sections.append((
         "device busy while any tenant has work (every worker's intervals, CLOCK_MONOTONIC, unions across "
         "workers; work: an op submitted and not finished - queued, waiting for the lease or on the device; "
-        "busy: the device's charged time; in a launch: a launch's wall span, on the stub busy plus the device "
-        "thread waiting for a core); beside it the old ratio, busy mix / control",
-        format_table(["host gap ms", "round", "any work (of wall)", "device busy while work",
+        "busy: the device's charged time, the stub executors' chunks on the device's core laid end to end - "
+        "'as placed': each at its launch's end, overlapping where two executors shared the core; in a launch: "
+        "a launch's wall span, on the stub busy plus the device thread waiting for a core); beside it the old "
+        "ratio, busy mix / control",
+        format_table(["host gap ms", "round", "any work (of wall)", "device busy while work", "as placed",
                       "in a launch while work", "busy mix / control"],
                      [row for g in gaps for row in (
                          [f"{g['gap_ms']:g}", "control", _pct(g["any_work_control"]),
-                          _pct(g["busy_while_work_control"]), _pct(g["launched_while_work_control"]), ""],
+                          _pct(g["busy_while_work_control"]), _pct(g["busy_as_placed_control"]),
+                          _pct(g["launched_while_work_control"]), ""],
                          [f"{g['gap_ms']:g}", "mix", _pct(g["any_work_mix"]), _pct(g["busy_while_work_mix"]),
-                          _pct(g["launched_while_work_mix"]), f"{g['busy_mix'] / (g['busy_control'] or 1.0):.2f}x"])]),
+                          _pct(g["busy_as_placed_mix"]), _pct(g["launched_while_work_mix"]),
+                          f"{g['busy_mix'] / (g['busy_control'] or 1.0):.2f}x"])]),
     ))
     report.sections.append((
         "where the device was not busy while any tenant had work, by cause (% of the work time; stretches per "

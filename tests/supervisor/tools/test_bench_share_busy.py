@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from shared.gpu_time import WorkTrace, read_work_trace
-from supervisor.tools.bench.share import (IDLE_CAUSES, busy_while_work, covered, idle_causes, intersect,
+from supervisor.tools.bench.share import (IDLE_CAUSES, busy_while_work, covered, end_to_end, idle_causes, intersect,
                                            read_work_trace_by_worker, union, work_spans)
 
 pytestmark = pytest.mark.timeout(30)
 
-W, B, L = WorkTrace.WORK, WorkTrace.BUSY, WorkTrace.LAUNCH
+W, B, L, C = WorkTrace.WORK, WorkTrace.BUSY, WorkTrace.LAUNCH, WorkTrace.CORE
 
 
 def test_union_merges_overlaps_nesting_and_touching_spans_and_drops_empty_ones() -> None:
@@ -93,6 +93,27 @@ def test_busy_while_work_without_work_is_none_and_without_launch_rows_says_so() 
     assert got["busy"] == pytest.approx(1.0) and got["launched"] is None
 
 
+def test_the_device_cores_chunks_are_laid_end_to_end_not_counted_once_where_they_overlap_as_placed() -> None:
+    """Two executors on the device's one CPU, a giver's last chunk beside the grantee's first: each
+    row is its CPU time placed at its launch's end, so the two overlap as placed although the core
+    ran them one after the other - the union counted 700 of the 1,000 ns the core was busy. CORE
+    rows are laid end to end (each ends at its own end or where the later one begins), BUSY rows
+    (ops on other threads) keep their place; rows that do not overlap are not moved."""
+    assert end_to_end([(300, 800), (500, 1000)]).tolist() == [[0, 500], [500, 1000]]
+    assert end_to_end([(0, 100), (200, 300)]).tolist() == [[0, 100], [200, 300]]
+    assert end_to_end([(500, 1000), (300, 800), (1200, 1300), (1250, 1400)]).tolist() == [
+        [0, 500], [500, 1000], [1150, 1250], [1250, 1400]]
+    work = {W: [(0, 1000)], L: [(0, 800), (200, 1000)]}
+    assert busy_while_work({**work, C: [(300, 800), (500, 1000)]}, [(0, 1000)])["busy"] == pytest.approx(1.0)
+    assert busy_while_work({**work, B: [(300, 800), (500, 1000)]}, [(0, 1000)])["busy"] == pytest.approx(0.7)
+    # a host-synchronous op's row (another thread, another CPU) beside a core row: counted as placed
+    got = busy_while_work({W: [(0, 1000)], B: [(0, 100)], C: [(50, 400)]}, [(0, 1000)])
+    assert got["busy"] == pytest.approx(0.4)
+    causes = idle_causes({1: {W: [(0, 1000)], L: [(0, 800)], C: [(300, 800)]},
+                          2: {W: [(0, 1000)], L: [(200, 1000)], C: [(500, 1000)]}}, [(0, 1000)])
+    assert causes[IDLE_CAUSES[0]]["share"] == pytest.approx(0.0)  # no launch time without busy time
+
+
 def test_the_trace_file_is_read_back_by_kind_and_a_row_cut_short_left_out(tmp_path: Path) -> None:
     trace = WorkTrace(str(tmp_path))
     trace.add(W, 100, 200)
@@ -105,7 +126,7 @@ def test_the_trace_file_is_read_back_by_kind_and_a_row_cut_short_left_out(tmp_pa
     with open(tmp_path / "1.work", "wb") as f:  # another worker, killed mid-row
         f.write((0).to_bytes(8, "little") + (5).to_bytes(8, "little") + (9).to_bytes(8, "little") + b"\x00" * 10)
     rows = read_work_trace(str(tmp_path))
-    assert sorted(rows) == [W, B, L]
+    assert sorted(rows) == [W, B, L, C]
     assert sorted(map(tuple, rows[W].tolist())) == [(5, 9), (100, 200)]  # (files in any order)
     assert rows[B].tolist() == [[120, 150]] and rows[L].tolist() == [[110, 160]]
 

@@ -1,0 +1,259 @@
+"""An exhaustive interleaving explorer for the gated launch: a grantee's first chunk started by its
+device (the stub's executor, ``worker/_stubexec.c``) the moment the lease board's owner word names it.
+
+The owner word (``shared.gpu_time``): free, or a worker and a busy bit. Four actors, each step one
+atomic action on shared memory (or, for the executor and the driver, on the executor's mutex):
+
+* **G**, the holder: its chunk ends; ``finish`` (busy -> idle); the hand-over to any waiting worker
+  (every pick the policy could make is explored) or the device freed.
+* **B's driver** (its device thread): arms the gated chunk (under the executor's mutex), looks at
+  the owner word, takes its own grant with a CAS (idle -> busy) or finds it already busy and its own;
+  or gives up (a refused wait, at any look) - either way it *resolves* the gate under the mutex:
+  the chunk runs, or is cancelled unless the executor already took the lease for it.
+* **B's executor**: under its mutex, reads the owner word; when it names B idle, CASes it busy and
+  marks the chunk taken; when B's and busy (the driver's CAS won), taken; else it sleeps (lock
+  released) and looks again. A taken chunk starts, then ends.
+* **C**, another waiter: steals an idle lease from whoever holds it (a grant not started within the
+  quantum: every such moment is explored), takes a free device or a grant to it, runs a chunk,
+  passes the device to B if B waits.
+
+B's process may be SIGKILLed at any step (driver and executor gone, a running kernel with them);
+the supervisor's reclaim then passes a lease that names B on. Checked in every state: a chunk runs
+only while the owner word names its worker busy, at most one at a time; B's chunk runs at most once;
+never after a refused wait; never after B's death. At every end state: B's driver holds the lease
+busy and its chunk ran once, or its wait was refused (or it died) and the chunk never ran.
+
+``variant`` swaps in broken algorithms so the tests show the checker fails when it should:
+``run_on_grant`` (the executor starts on reading its grant, no CAS), ``run_after_lost_cas``,
+``cancel_unlocked`` (the driver's cancel does not wait for the executor's mutex).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+__all__ = ["VARIANTS", "Explored", "State", "Violation", "explore"]
+
+Variant = Literal["correct", "run_on_grant", "run_after_lost_cas", "cancel_unlocked"]
+VARIANTS: tuple[Variant, ...] = ("correct", "run_on_grant", "run_after_lost_cas", "cancel_unlocked")
+
+G, B, C = 0, 1, 2
+#: the owner word: None (free) or (worker, busy)
+Owner = tuple[int, bool] | None
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    owner: Owner = (G, True)
+    running: frozenset[int] = frozenset({G})
+    lock: bool = False  # the executor's mutex, held by the executor (the driver's sections are one step)
+    gate: str = "none"  # none | armed | taken | plain | cancelled
+    b_waiting: bool = True
+    c_waiting: bool = True
+    b_alive: bool = True
+    reclaimed: bool = False
+    ran_b: int = 0
+    ran_b_at_kill: int = -1
+    g_pc: str = "run"
+    d_pc: str = "arm"  # arm | look | cas | ok | cancel | hold | refused | released | dead
+    e_pc: str = "idle"  # idle | locked | read | taken | run | end | done | dead
+    e_reg: Owner = None
+    c_pc: str = "look"  # look | cas | run | end | finish | done
+    c_reg: Owner = None
+
+
+class Violation(AssertionError):
+    def __init__(self, message: str, trace: list[str]) -> None:
+        super().__init__(message + "\ninterleaving:\n  " + "\n  ".join(trace))
+        self.trace = trace
+
+
+@dataclass(frozen=True)
+class Explored:
+    states: int
+    end_states: int
+    #: how the driver's wait ended in some end state (hold / released / dead) and the gate's state then
+    outcomes: frozenset[tuple[str, str]]
+    #: every step taken in some interleaving (the races the exploration reached)
+    steps: frozenset[str]
+
+
+_KILL = "B: SIGKILL"
+
+
+def _check(s: State) -> str | None:
+    if len(s.running) > 1:
+        return f"two workers' chunks run at once: {sorted(s.running)}"
+    for w in s.running:
+        if s.owner != (w, True):
+            return f"worker {w}'s chunk runs while the owner word is {s.owner}"
+    if s.ran_b > 1:
+        return "B's chunk ran twice"
+    if s.d_pc in ("refused", "released") and s.ran_b:
+        return "B's wait was refused but its chunk ran"
+    if s.ran_b_at_kill >= 0 and s.ran_b != s.ran_b_at_kill:
+        return "B's chunk started after B was killed"
+    return None
+
+
+def _check_end(s: State) -> str | None:
+    if s.d_pc == "hold" and (s.ran_b != 1 or s.running):
+        return f"B's driver holds the lease but its chunk ran {s.ran_b} times (running {sorted(s.running)})"
+    if s.d_pc == "hold" and s.owner != (B, True):
+        return f"B's driver holds the lease but the owner word is {s.owner}"
+    if s.d_pc == "released" and s.owner is not None and s.owner[0] == B:
+        return f"B's wait was refused but the owner word names it: {s.owner}"
+    return None
+
+
+def _hand(s: State, frm: Owner, targets: list[int]) -> list[tuple[str, State]]:
+    """CAS the owner word from ``frm`` to each possible pick (idle), or free it when none waits."""
+    if s.owner != frm:
+        return [("cas lost", s)]
+    if not targets:
+        return [("freed", replace(s, owner=None))]
+    return [(f"to {t}", replace(s, owner=(t, False))) for t in targets]
+
+
+def _waiters(s: State) -> list[int]:
+    out = []
+    if s.b_waiting:  # (a dead B still waits on the board until the reclaim clears its slot)
+        out.append(B)
+    if s.c_waiting:
+        out.append(C)
+    return out
+
+
+def _steps(s: State, variant: Variant) -> list[tuple[str, State]]:
+    out: list[tuple[str, State]] = []
+    # --- G, the holder
+    if s.g_pc == "run":
+        out.append(("G: chunk ends", replace(s, running=s.running - {G}, g_pc="finish")))
+    elif s.g_pc == "finish":
+        assert s.owner == (G, True)
+        out.append(("G: finish (idle)", replace(s, owner=(G, False), g_pc="hand")))
+    elif s.g_pc == "hand":
+        for what, t in _hand(s, (G, False), _waiters(s)):
+            out.append((f"G: hand over {what}", replace(t, g_pc="done")))
+    # --- B's driver
+    if s.b_alive:
+        if s.d_pc == "arm" and not s.lock:
+            out.append(("B driver: arm", replace(s, gate="armed", d_pc="look")))
+        elif s.d_pc == "look":
+            if s.owner == (B, False):
+                out.append(("B driver: sees its grant", replace(s, d_pc="cas")))
+            elif s.owner == (B, True):
+                out.append(("B driver: sees it busy, its own", replace(s, d_pc="ok")))
+            out.append(("B driver: refused (deadline)", replace(s, d_pc="cancel")))
+        elif s.d_pc == "cas":
+            if s.owner == (B, False):
+                out.append(("B driver: CAS won", replace(s, owner=(B, True), d_pc="ok")))
+            else:
+                out.append(("B driver: CAS lost", replace(s, d_pc="look")))
+        elif s.d_pc == "ok" and not s.lock:
+            gate = "plain" if s.gate == "armed" else s.gate
+            out.append(("B driver: resolve (runs)", replace(s, gate=gate, d_pc="hold", b_waiting=False)))
+        elif s.d_pc == "cancel" and (not s.lock or variant == "cancel_unlocked"):
+            if s.gate == "armed":
+                out.append(("B driver: resolve (cancelled)",
+                            replace(s, gate="cancelled", d_pc="refused", b_waiting=False)))
+            else:  # the executor took the lease first: the driver holds it after all
+                out.append(("B driver: resolve (taken first)", replace(s, d_pc="ok")))
+        elif s.d_pc == "refused":
+            # the run ends (the gate's release): a grant that reached it meanwhile is passed on
+            if s.owner == (B, False):
+                for what, t in _hand(s, (B, False), [C] if s.c_waiting else []):
+                    out.append((f"B driver: release {what}", replace(t, d_pc="released")))
+            else:
+                out.append(("B driver: release (holds nothing)", replace(s, d_pc="released")))
+    # --- B's executor
+    if s.b_alive:
+        if s.e_pc == "idle" and s.gate != "none" and not s.lock:
+            out.append(("B exec: lock", replace(s, lock=True, e_pc="locked")))
+        elif s.e_pc == "locked":
+            if s.gate == "cancelled":
+                out.append(("B exec: cancelled, unlock", replace(s, lock=False, e_pc="done")))
+            elif s.gate in ("plain", "taken"):
+                out.append(("B exec: resolved, unlock", replace(s, lock=False, e_pc="run")))
+            else:
+                out.append((f"B exec: reads {s.owner}", replace(s, e_reg=s.owner, e_pc="read")))
+        elif s.e_pc == "read":
+            if s.e_reg == (B, False):
+                if variant == "run_on_grant":
+                    out.append(("B exec: grant seen, taken (no CAS)", replace(s, gate="taken", e_pc="taken")))
+                elif s.owner == (B, False):
+                    out.append(("B exec: CAS won", replace(s, owner=(B, True), gate="taken", e_pc="taken")))
+                elif variant == "run_after_lost_cas":
+                    out.append(("B exec: CAS lost, runs anyway", replace(s, gate="taken", e_pc="taken")))
+                else:
+                    out.append(("B exec: CAS lost, sleeps", replace(s, lock=False, e_pc="idle")))
+            elif s.e_reg == (B, True):
+                out.append(("B exec: busy, its own", replace(s, gate="taken", e_pc="taken")))
+            else:
+                out.append(("B exec: not its own, sleeps", replace(s, lock=False, e_pc="idle")))
+        elif s.e_pc == "taken":
+            out.append(("B exec: unlock", replace(s, lock=False, e_pc="run")))
+        elif s.e_pc == "run":
+            out.append(("B exec: chunk starts", replace(s, running=s.running | {B}, ran_b=s.ran_b + 1, e_pc="end")))
+        elif s.e_pc == "end":
+            out.append(("B exec: chunk ends", replace(s, running=s.running - {B}, e_pc="done")))
+        out.append((_KILL, replace(s, b_alive=False, running=s.running - {B}, lock=False, d_pc="dead",
+                                          e_pc="dead", ran_b_at_kill=s.ran_b)))
+    elif not s.reclaimed:
+        # the supervisor saw the death: the slot stops waiting; a lease naming B passes on
+        t = replace(s, reclaimed=True, b_waiting=False)
+        if s.owner is not None and s.owner[0] == B:
+            for what, u in _hand(t, s.owner, [C] if s.c_waiting else []):
+                out.append((f"reclaim: {what}", u))
+        else:
+            out.append(("reclaim: B held nothing", t))
+    # --- C, another waiter
+    if s.c_pc == "look":
+        o = s.owner
+        if o is None or o == (C, False) or (not o[1] and o[0] != C):
+            out.append((f"C: reads {o} (may take it)", replace(s, c_reg=o, c_pc="cas")))
+    elif s.c_pc == "cas":
+        if s.owner == s.c_reg:
+            out.append(("C: CAS won", replace(s, owner=(C, True), c_waiting=False, c_pc="run")))
+        else:
+            out.append(("C: CAS lost", replace(s, c_pc="look")))
+    elif s.c_pc == "run":
+        out.append(("C: chunk starts", replace(s, running=s.running | {C}, c_pc="end")))
+    elif s.c_pc == "end":
+        out.append(("C: chunk ends, finish", replace(s, running=s.running - {C}, owner=(C, False), c_pc="finish")))
+    elif s.c_pc == "finish":
+        for what, t in _hand(s, (C, False), [B] if s.b_waiting else []):
+            out.append((f"C: release {what}", replace(t, c_pc="done")))
+    return out
+
+
+def explore(variant: Variant = "correct") -> Explored:
+    """Every interleaving from the start state (G holding busy, B and C waiting); raises
+    :class:`Violation` with the interleaving that broke a property."""
+    start = State()
+    seen: set[State] = {start}
+    stack: list[tuple[State, list[str]]] = [(start, [])]
+    ends = 0
+    outcomes: set[tuple[str, str]] = set()
+    labels: set[str] = set()
+    while stack:
+        s, trace = stack.pop()
+        steps = _steps(s, variant)
+        if all(label == _KILL for label, _ in steps):
+            # nothing left to do but die: an end state (a kill from it is explored too)
+            ends += 1
+            bad = _check_end(s)
+            if bad:
+                raise Violation(bad, trace)
+            outcomes.add((s.d_pc, s.gate))
+        for label, t in steps:
+            labels.add(label)
+            if t in seen:
+                continue
+            bad = _check(t)
+            if bad:
+                raise Violation(bad, [*trace, label])
+            seen.add(t)
+            stack.append((t, [*trace, label]))
+    return Explored(len(seen), ends, frozenset(outcomes), frozenset(labels))
