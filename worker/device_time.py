@@ -698,16 +698,19 @@ class DeviceGate:
         queue = self.queue
         if queue is None:
             return
-        bound = None if deadline_ns is None else deadline_ns + int(QUEUE_GRACE_S * 1e9)
-        if run_end:
-            self._run_ending = True
-        try:
-            synced = queue.sync(bound)
-        finally:
-            if run_end:
-                self._run_ending = False
-        if not synced:
+        if not self._drain(queue, deadline_ns, run_end=run_end):
             raise QueueOverrun(QUEUE_GRACE_S, message="queued device work still running past the run's deadline")
+
+    def _drain(self, queue: DeviceQueue, deadline_ns: int | None, *, run_end: bool, raise_error: bool = True) -> bool:
+        """Wait for ``queue``'s ops until the deadline plus :data:`QUEUE_GRACE_S` (False: still
+        running then). ``run_end``: no op of this run follows - the stretch that drains the queue
+        passes the device on itself (``_run_ending``, read by the device thread at an op's end)."""
+        bound = None if deadline_ns is None else deadline_ns + int(QUEUE_GRACE_S * 1e9)
+        self._run_ending = run_end
+        try:
+            return queue.sync(bound, raise_error=raise_error)
+        finally:
+            self._run_ending = False
 
     def _op(self, name: str, fn: Callable[..., object], args: tuple[object, ...], deadline_ns: int | None,
             run: Callable[..., tuple[int, int, object]], wait0: int = 0, planned: Plan | None | bool = False) -> object:
@@ -1477,13 +1480,7 @@ class DeviceGate:
         ok = True
         queue = self.queue
         if queue is not None:
-            bound = None if deadline_ns is None else deadline_ns + int(QUEUE_GRACE_S * 1e9)
-            self._run_ending = True  # no op of this run follows: the stretch's end passes the device on
-            try:
-                synced = queue.sync(bound, raise_error=False)
-            finally:
-                self._run_ending = False
-            if not synced:
+            if not self._drain(queue, deadline_ns, run_end=True, raise_error=False):
                 ok = False
                 self.queue_overrun = True
                 log_event(_log, logging.WARNING, "device_time.queue_overrun", pending=queue.pending)
