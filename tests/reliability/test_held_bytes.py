@@ -25,6 +25,7 @@ from shared import protocol as proto
 from supervisor.client.launch import SupervisorHandle, launch
 from tests.helpers.cluster import FAST, default_start_method, supervisor, tenant, wait_for
 from tests.helpers.raw_client import dealer as _dealer, request as _req
+from tests.helpers.timeouts import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -50,10 +51,11 @@ def _supervisor_whose_rss_is_what_it_holds(tenants: list[dict[str, Any]], **sett
         yield handle
 
 
-def _codes(sock: zmq.Socket[Any], expected: int, timeout_s: float = 30.0) -> list[str]:
-    """Read replies until ``expected`` arrived (or ``timeout_s`` passed)."""
+def _codes(sock: zmq.Socket[Any], expected: int, timeout_s: float | None = None) -> list[str]:
+    """Read replies until ``expected`` arrived (or ``timeout_s`` passed: a poll's slice; without it
+    a hang guard, scaled as every one is)."""
     out: list[str] = []
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (scaled(30.0) if timeout_s is None else timeout_s)
     while len(out) < expected and time.monotonic() < deadline:
         if sock.poll(200):
             _, ok, payload = proto.decode_reply(sock.recv_multipart()[0])
@@ -136,7 +138,12 @@ def test_parked_bodies_are_bounded_in_bytes() -> None:
             # every request answered; the held bytes' bound refused some (how many depends on how many
             # of the 960 MiB arrived before the instance was back: those after it are sent, not parked -
             # the bound itself is asserted above, on what waited)
-            assert len(codes) == 60 and codes.count("overloaded") >= 1, codes
+            said = ""
+            if len(codes) != 60:  # what the supervisor says of the missing answers
+                late = c.status()
+                said = (f"; unanswered {late.supervisor.admission_unanswered}, parked "
+                        f"{tenant(late, 'down').parked}, held {late.supervisor.held_bytes}")
+            assert len(codes) == 60 and codes.count("overloaded") >= 1, f"{len(codes)} answers {codes}{said}"
             assert set(codes) <= {"overloaded", "wasm_compile", "kernel_timeout", "worker_lost"}
             assert "wasm_compile" in codes, codes  # parked, then sent once the instance was back
         finally:
