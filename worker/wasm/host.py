@@ -1373,7 +1373,7 @@ class WasmHost:
         artifact = _preloaded_warm_up  # compiled and packed by the fork server: deserialized, not compiled here
         if artifact is None:
             wasm = _binary(WARM_UP_WAT)
-            artifact = pack_artifact(wasmtime.Module(self.engine, wasm).serialize(), wasm)
+            artifact = pack_artifact(bytes(wasmtime.Module(self.engine, wasm).serialize()), wasm)
         yield
         # an artifact's load as ``load_modules`` makes it: its parts, the engine's first deserialize ...
         serialized, wasm_or_none, meta = artifact_parts(artifact)
