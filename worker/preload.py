@@ -116,4 +116,7 @@ gc.freeze()
 # (worker.fork_heap: ~150 fewer copy-on-write faults of a pool worker's warm-up alone).
 import worker.fork_heap  # noqa: E402 - after the freeze: its own objects are not the preload's
 
-worker.fork_heap.fill_holes()
+try:
+    worker.fork_heap.fill_holes()
+except Exception as exc:  # noqa: BLE001 - an optimisation: a fork server that died here would start no worker
+    sys.stderr.write(f"twt fork server: the heap's holes were not filled ({exc!r})\n")
