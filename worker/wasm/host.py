@@ -1370,20 +1370,24 @@ class WasmHost:
         the host is bound."""
         if self._ctx is not None:
             raise InvalidArgument("a bound WASM host is not warmed: its runs are the tenant's")
-        preloaded = _preloaded_warm_up  # compiled by the fork server: deserialized, not compiled here
-        wasm = preloaded[0] if preloaded is not None else _binary(WARM_UP_WAT)
+        artifact = _preloaded_warm_up  # compiled and packed by the fork server: deserialized, not compiled here
+        if artifact is None:
+            wasm = _binary(WARM_UP_WAT)
+            artifact = pack_artifact(bytes(wasmtime.Module(self.engine, wasm).serialize()), wasm)
         yield
-        module = (wasmtime.Module.deserialize(self.engine, preloaded[1]) if preloaded is not None
-                  else wasmtime.Module(self.engine, wasm))
+        # an artifact's load as ``load_modules`` makes it: its parts, the engine's first deserialize ...
+        serialized, wasm_or_none, meta = artifact_parts(artifact)
+        wasm = wasm_or_none or b""
+        module = wasmtime.Module.deserialize(self.engine, serialized)
         yield
-        # an activation deserializes the tenant's artifacts: the engine's first deserialize is here
-        if preloaded is None:
-            module = wasmtime.Module.deserialize(self.engine, module.serialize())
-        known = read_interface(artifact_parts(pack_artifact(b"warm-up", wasm))[2] or b"")  # an artifact's format
+        known = read_interface(meta or b"")
         yield
-        self._check_imports(module)
-        _export_types(module)
-        # an artifact's load as ``load_modules`` makes it (its checks, its link), not cached
+        # ... its name checks and its link, not cached. Not the compile path's reads of every import's
+        # and export's type through the binding (``_check_imports``, ``_export_types``: ~2 ms and ~180
+        # copy-on-write faults of a forked worker's warm-up): an artifact's load reads them from its
+        # interface, and a module compiled in the worker pays its compile anyway. Their one use for an
+        # artifact's load was the malloc heap's pages their allocations made the worker's own: with the
+        # fork server's holes filled (worker.fork_heap) a load then takes ~10 faults more, not ~50
         compiled = self._admit(_WARM_UP_DIGEST, module, wasm, time.perf_counter(), from_artifact=True, cache=False,
                                known=known)
         self.ticker.prestart()
@@ -1548,9 +1552,10 @@ _NOBODY: Final = cast(TenantContext, _Nobody())
 
 #: a pool worker's host, warmed before its bind and adopted by the tenant's first use (one per process)
 _pool_host: WasmHost | None = None
-#: :data:`WARM_UP_WAT`'s binary and compiled artifact, made once by the fork server's preload
-#: (:func:`preload_pool_host`); None elsewhere (the warm-up then assembles and compiles it)
-_preloaded_warm_up: tuple[bytes, bytes] | None = None
+#: :data:`WARM_UP_WAT`'s artifact (:func:`pack_artifact`: serialized, its interface, its binary), made once
+#: by the fork server's preload (:func:`preload_pool_host`); None elsewhere (the warm-up then assembles,
+#: compiles and packs it)
+_preloaded_warm_up: bytes | None = None
 #: warm-up runs the fork server's preload made on the pool host (0 or 1): a forked worker runs that
 #: many fewer (its copy-on-write pages and the epoch thread still need one of its own)
 _preloaded_runs = 0
@@ -1581,7 +1586,7 @@ def preload_pool_host() -> WasmHost:
         config = _config()
         config.parallel_compilation = False  # not part of an artifact's compatibility
         wasm = _binary(WARM_UP_WAT)
-        _preloaded_warm_up = (wasm, bytes(wasmtime.Module(wasmtime.Engine(config), wasm).serialize()))
+        _preloaded_warm_up = pack_artifact(bytes(wasmtime.Module(wasmtime.Engine(config), wasm).serialize()), wasm)
     if _pool_host is None:
         _pool_host = WasmHost(None)
     host = _pool_host
@@ -1590,7 +1595,7 @@ def preload_pool_host() -> WasmHost:
         # made once for every forked worker), without the epoch thread; each worker then runs
         # once, not twice (~0.8 ms less of each pool worker's warm-up; the run after its warm-up,
         # ~0.2 ms, measured the same within noise).
-        module = wasmtime.Module.deserialize(host.engine, _preloaded_warm_up[1])
+        module = wasmtime.Module.deserialize(host.engine, artifact_parts(_preloaded_warm_up)[0])
         host._warm_run(host.linker.instantiate_pre(module), ticker=False)
         _preloaded_runs = 1
     return _pool_host
