@@ -16,8 +16,11 @@
  * The driver (the Python device thread) collects completions the way a CUDA stream's events are
  * read: wait() until every launched chunk is done (bounded by a deadline), then collect() the
  * stamps, oldest first. The executor wakes a waiting driver only once what it waits for holds (at
- * most `below` chunks left), not at every chunk's end: a wake-up is a syscall between two chunks. A launched chunk holds its three buffers (Py_buffer exports: a bytearray
- * cannot be resized under it, and a freed StubBuffer's old bytes stay alive) until it is collected.
+ * most `below` chunks left), not at every chunk's end: a wake-up is a syscall between two chunks. A
+ * launched chunk holds its three buffers (Py_buffer exports: a bytearray cannot be resized under it,
+ * and a freed StubBuffer's old bytes stay alive) until it is collected - or withdrawn: the launched
+ * chunks that have not started can be taken back (withdraw), as a GPU's queued kernels not yet begun,
+ * when the device passes to another worker at a boundary.
  *
  * The kernel is numpy's own BLAS (the sgemm numpy's matmul calls): its address is given by the
  * Python side (worker.backends.stub_executor), found in the library numpy loaded.
@@ -77,6 +80,7 @@ typedef struct {
     int stop;
     int running;    /* the thread was started and not joined */
     int waiting;    /* drivers in wait() */
+    int executing;  /* the slot at `done` is running (started: it can no longer be withdrawn) */
     int64_t signal_at; /* wake the drivers in wait() once at most this many launched chunks have not run
                           (the largest `below` of those waiting; -1: none): a wake-up is a syscall, and
                           across CPUs in a VM an interrupt - ~10 us of the device's time between two
@@ -165,6 +169,7 @@ executor_main(void *arg)
             }
         }
         Slot *s = &ex->slots[ex->done % ex->cap];
+        ex->executing = 1;
         pthread_mutex_unlock(&ex->mu);
         int64_t start = clock_ns(CLOCK_MONOTONIC);
         int64_t c0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
@@ -174,6 +179,7 @@ executor_main(void *arg)
         s->start_ns = start;
         s->cpu_ns = c1 - c0;
         pthread_mutex_lock(&ex->mu);
+        ex->executing = 0;
         ex->done++;
         if (ex->waiting && (int64_t)(ex->tail - ex->done) <= ex->signal_at) {
             ex->signal_at = -1;  /* (every waiter woken: each one still waiting registers again) */
@@ -495,6 +501,38 @@ Executor_gate_resolve(Executor *ex, PyObject *args)
     return PyLong_FromLong(out);
 }
 
+PyDoc_STRVAR(withdraw_doc,
+"withdraw(most) -> int\n\n"
+"Take back up to `most` of the newest launched chunks that have not started (a chunk already running\n"
+"is never touched): a GPU's queued kernels not yet begun, withdrawn when the device passes to another\n"
+"worker at a boundary, so that the handover waits for the running chunk only. Returns how many were\n"
+"taken back (their buffers released; never run, never collected); 0 while a gated launch is pending.");
+
+static PyObject *
+Executor_withdraw(Executor *ex, PyObject *args)
+{
+    long long most = 0;
+    if (!PyArg_ParseTuple(args, "L", &most))
+        return NULL;
+    if (!ready(ex))
+        return NULL;
+    uint64_t first, n = 0;
+    pthread_mutex_lock(&ex->mu);
+    if (ex->gate_state == GATE_NONE && most > 0) {
+        uint64_t idle = ex->tail - ex->done - (uint64_t)(ex->executing && ex->tail > ex->done);
+        n = idle < (uint64_t)most ? idle : (uint64_t)most;
+        ex->tail -= n;
+        ex->launched_total -= n;
+        if (n && ex->waiting)
+            pthread_cond_broadcast(&ex->done_cv);  /* (what a waiter waits for may hold now) */
+    }
+    first = ex->tail;
+    pthread_mutex_unlock(&ex->mu);
+    for (uint64_t i = 0; i < n; i++)  /* (past the tail: the executor never reads them) */
+        release_slot(&ex->slots[(first + i) % ex->cap]);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
 PyDoc_STRVAR(wait_doc,
 "wait(until_ns=-1, below=0) -> bool\n\n"
 "Wait (the GIL released) until at most `below` launched chunks have not run yet (0: every one ran);\n"
@@ -616,6 +654,7 @@ static PyMethodDef Executor_methods[] = {
     {"sgemm", (PyCFunction)Executor_sgemm, METH_VARARGS, sgemm_doc},
     {"sgemm_gated", (PyCFunction)Executor_sgemm_gated, METH_VARARGS, sgemm_gated_doc},
     {"gate_resolve", (PyCFunction)Executor_gate_resolve, METH_VARARGS, gate_resolve_doc},
+    {"withdraw", (PyCFunction)Executor_withdraw, METH_VARARGS, withdraw_doc},
     {"wait", (PyCFunction)Executor_wait, METH_VARARGS, wait_doc},
     {"collect", (PyCFunction)Executor_collect, METH_NOARGS, collect_doc},
     {"close", (PyCFunction)Executor_close, METH_NOARGS,

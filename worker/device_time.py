@@ -97,10 +97,14 @@ back to back, the stub's device). The device thread is then its driver: a GEMM c
 pending until settled, as on cuda; a boundary tells the board what already ran and lets the launched
 chunks run on - waited for after its ``finish`` where the device went on or the stretch ended, and
 charged at once (``GpuTimeBoard.charge``): a grantee's first launch queues behind them; the driver runs
-at most 1/:data:`_AHEAD_DIV` of a chunk ahead (:meth:`DeviceGate._ahead`); other ops run on the driver
-once the executor is idle. A stretch's first GEMM is launched before the driver waits for the lease
-(:class:`_GatedChunk`): the executor starts it the moment a grant names this worker, its own CAS taking
-the lease busy. With ``stub_device_cpus`` the executor's thread is the one on the device's CPU.
+at most 1/:data:`_AHEAD_DIV` of a chunk ahead (:meth:`DeviceGate._ahead`) - in a run of big ops
+(:meth:`DeviceGate._queued_run`) a whole chunk, whose launches not yet started are withdrawn where a
+boundary passes the device on (:meth:`DeviceGate._withdraw`) and launched again after the next grant;
+at the bound the driver sleeps on its own timer by the estimates, not woken by the executor at each
+refill; other ops run on the driver once the executor is idle. A stretch's first GEMM is launched
+before the driver waits for the lease (:class:`_GatedChunk`): the executor starts it the moment a
+grant names this worker, its own CAS taking the lease busy. With ``stub_device_cpus`` the executor's
+thread is the one on the device's CPU.
 """
 
 from __future__ import annotations
@@ -173,8 +177,19 @@ QUEUE_LINGER_S = 50e-6
 #: on its core instead of waiting up to that code's slice (~1.4 ms), the device idle meanwhile
 DEVICE_SLICE_NS = 100_000
 #: the stub's executor: the chunks launched ahead of the running one hold at most 1/this of a chunk
-#: by their estimates (:meth:`DeviceGate._ahead`)
+#: by their estimates (:meth:`DeviceGate._ahead`) ...
 _AHEAD_DIV = 2
+#: ... and in a run of big ops (:meth:`DeviceGate._queued_run`) at most this many chunks: there a
+#: boundary that passes the device on withdraws the launched chunks not yet started (they run again
+#: after the next grant), so the handover waits for the running chunk only, however deep the queue -
+#: and the driver, on the host's busy core, has a chunk's time to wake and refill it, not half of one;
+#: ``TWT_RUN_AHEAD=0`` keeps the half chunk there too (an A/B of the run-ahead)
+_RUN_AHEAD_CHUNKS = 0 if os.environ.get("TWT_RUN_AHEAD", "1") == "0" else 1
+#: at the run-ahead bound the driver sleeps on a timer by the launched chunks' estimates, not woken by
+#: the executor (:meth:`DeviceGate._ahead`); ``TWT_AHEAD_SLEEP=0``: woken by it (an A/B) ...
+_AHEAD_SLEEP = os.environ.get("TWT_AHEAD_SLEEP", "1") != "0"
+#: ... at least this long a sleep (a chunk's estimate of zero never spins)
+_AHEAD_SLEEP_MIN_NS = 20_000
 #: the stub's executor starts a stretch's first GEMM at the grant (:class:`_GatedChunk`);
 #: ``TWT_GATED_LAUNCH=0`` turns it off (an A/B of the handover)
 _GATED = os.environ.get("TWT_GATED_LAUNCH", "1") != "0"
@@ -607,6 +622,11 @@ class DeviceGate:
         self._work: WorkTrace | None = getattr(board, "work", None)  # (a test's stand-in board has none)
         self._unsettled_at: list[int] = []
         self._busy_end = 0
+        #: a run of big ops (:meth:`_queued_run`): how many of the newest unsettled chunks are its own
+        #: launches, which a boundary passing the device on may withdraw (0: none may), and how many
+        #: the last boundary withdrew (the run launches them again)
+        self._withdraw_max = 0
+        self._withdrawn = 0
         #: the last op submitted (name, arguments) and its plan and bytes named: the next submit of the
         #: same op on the same arguments reuses them (the submitting thread's host work, ~5 us a GEMM,
         #: competes with the stub's device for the host's cores)
@@ -833,6 +853,7 @@ class DeviceGate:
         error: BaseException | None = None
         est = first.est if first.est >= 0 else self.chunk_ns
         launches = 0
+        run_ahead = self.chunk_ns * _RUN_AHEAD_CHUNKS if board is not None else 0
         while j < end:
             it = items[j]
             ip = it.plan
@@ -870,7 +891,7 @@ class DeviceGate:
                             went = True  # launched before the wait, started at the grant
                         else:
                             if self._unsettled:
-                                self._ahead(executor)
+                                self._ahead(executor, run_ahead)
                                 if executor.full():
                                     self._settle()
                             went = executor.launch(name, it.args)
@@ -897,6 +918,9 @@ class DeviceGate:
                 if executor is None:
                     self._boundary(board, now - self._held_since, last=True, pending=False)  # (_pass_end: False)
                 else:
+                    # (a run-ahead deeper than the half chunk: its launches not started are withdrawn
+                    # where the device goes on - _flush)
+                    self._withdraw_max = min(launches, len(self._unsettled)) if run_ahead else 0
                     self._boundary(board, max(now - self._held_since, self._unsettled_est_ns), last=True,
                                    pending=bool(self._unsettled))
             except BaseException as exc:  # noqa: BLE001 - the op's own error (kept by the queue)
@@ -905,10 +929,23 @@ class DeviceGate:
             finally:
                 own += (now if now else mono()) - start - waited
                 queue.own_busy_ns = own  # one writer: this thread (the submitter reads it)
+                self._withdraw_max = 0
+            back, self._withdrawn = self._withdrawn, 0
             if error is not None:
+                if back:  # (withdrawn, then the boundary failed: they never ran)
+                    j = max(i, j + 1 - back)
+                    del waits[j - i:]
+                    launches = min(launches, j - i)
                 break
             waits.append(wait + waited)
             j += 1
+            if back:
+                # the device went on at that boundary and the newest launches had not started: they
+                # run again from the first of them, after the next grant (their waits the next ones')
+                j -= back
+                launches -= back
+                self.chunks -= back
+                del waits[len(waits) - back:]
         ran = j - i
         if ran:
             timed = ran - launches  # (launched ones: the cost model learns each at the settle)
@@ -1158,19 +1195,32 @@ class DeviceGate:
             self._boundary(board, held, last=last, pending=is_pending)
         return ns, waited, result[0] if result else None
 
-    def _ahead(self, executor: ExecutorTimer) -> None:
+    def _ahead(self, executor: ExecutorTimer, limit: int = 0) -> None:
         """The stub's executor: how far the driver runs ahead. Before a launch, the chunks launched and
         not yet run may hold at most 1/:data:`_AHEAD_DIV` of a chunk by their estimates (at least the
         one running): a boundary that passes the device on waits for them (the preemption bound is
-        one chunk and that), while the next launch is already queued when the running one ends."""
-        limit = self.chunk_ns // _AHEAD_DIV
+        one chunk and that), while the next launch is already queued when the running one ends.
+        ``limit``: a deeper bound (ns of estimates), where a boundary that passes the device on
+        withdraws the launches not yet started (a run of big ops: :data:`_RUN_AHEAD_CHUNKS`)."""
+        limit = max(limit, self.chunk_ns // _AHEAD_DIV)
         while True:
             running = executor.running
             if running < 2:
                 return
             ests = [e for *_, e in self._unsettled[-running:]]
-            if sum(ests) < limit:
+            total = sum(ests)
+            if total < limit:
                 return
+            if _AHEAD_SLEEP:
+                # asleep for the estimated time until the chunks after the running one hold half the
+                # bound, on a timer of this thread's own core: the executor's wake-up at a count of
+                # chunks left was a syscall of the device's between two of its chunks (a futex wake,
+                # across CPUs in a VM an interrupt: 10-20 us, one per two or three chunks traced).
+                # The executor still wakes it where the last launched chunk starts (estimates too
+                # long: the queue would run dry); an early wake only looks again
+                sleep = max(total - ests[0] - limit // 2, _AHEAD_SLEEP_MIN_NS)
+                executor.wait_below(1, time.monotonic_ns() + sleep)
+                continue
             # asleep until the newest chunks left hold under half the bound (at least one left): one
             # wake-up per few chunks, each a syscall of the executor's between two chunks, not one each
             left = bisect.bisect_left(list(itertools.accumulate(reversed(ests))), limit // 2)
@@ -1232,6 +1282,8 @@ class DeviceGate:
         chunk_from, self._quiet_at = self._quiet_at, 0
         if board is not None:
             gave = board.finish(pending, last=last, idle=idle, chunk_from=chunk_from)
+            if gave and self._withdraw_max and self._executor is not None:
+                self._withdraw()
             if self._unsettled and (gave or last):
                 # the grantee's first launch may start beside them: at most the driver's run-ahead
                 # (DeviceGate._ahead), each chunk charged its own executor's CPU time; at the stretch's
@@ -1243,6 +1295,23 @@ class DeviceGate:
                 self.block.count_gpu_throttled()
         if error is not None:
             raise error
+
+    def _withdraw(self) -> None:
+        """The device went on at a boundary of a run of big ops: its newest launches not yet started are
+        taken back from the executor (at most ``_withdraw_max``: never a chunk of an earlier op path),
+        so that the grantee waits for the running chunk only; the run launches them again
+        (``_withdrawn``)."""
+        executor = self._executor
+        assert executor is not None
+        back = executor.withdraw(self._withdraw_max)
+        self._withdraw_max = 0
+        if not back:
+            return
+        self._withdrawn = back
+        del self._unsettled[len(self._unsettled) - back:]
+        if self._work is not None:
+            del self._unsettled_at[len(self._unsettled_at) - back:]
+        self._unsettled_est_ns = sum(est for *_, est in self._unsettled)
 
     def _drain_carried(self) -> None:
         """Chunks a soft boundary (:meth:`_flush`) left running when the device went on (or the stretch

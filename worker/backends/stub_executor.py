@@ -215,9 +215,16 @@ class ExecutorTimer:
         """Chunks launched and not yet run."""
         return int(self._ex.running)
 
-    def wait_below(self, n: int) -> None:
-        """Wait until at most ``n`` launched chunks have not run yet."""
-        self._ex.wait(-1, n)
+    def withdraw(self, most: int) -> int:
+        """Take back up to ``most`` of the newest launched chunks that have not started (never the running
+        one): they never run and are never settled. How many were taken back (0 while a gated launch
+        is pending)."""
+        return int(self._ex.withdraw(most)) if most > 0 else 0
+
+    def wait_below(self, n: int, until_ns: int = -1) -> bool:
+        """Wait until at most ``n`` launched chunks have not run yet, or ``until_ns`` (CLOCK_MONOTONIC;
+        -1: no bound) passed: whether they have."""
+        return bool(self._ex.wait(until_ns, n))
 
     def drain(self) -> None:
         """Wait until every launched chunk ran (read at the next :meth:`settle`)."""
