@@ -143,7 +143,7 @@ class Supervisor:
         self._last_rss_check = 0.0
         self._restoring = False  # service.restore() runs: not ready yet, whatever has settled
         self._reload_wanted = False
-        # A gap of a second between housekeeping passes (every 50 ms) is a stall - and always one
+        # A gap of a second between housekeeping passes (every 50 ms, 0.2 s idle) is a stall - and always one
         # that reaches the liveness window, the time after which a worker would be judged hung.
         # Deadline expiries then wait STALL_GRACE_S: replies that came during the stall are read first.
         window = config.heartbeat_interval_s * config.heartbeat_liveness
