@@ -92,10 +92,10 @@ _log = get_logger("supervisor")
 
 TICK_S = 0.05
 #: the housekeeping tick of an idle supervisor (:meth:`Supervisor._idle`: nothing in flight, parked,
-#: starting, stopping or due), at most the heartbeat interval and within the stall guard's slack: what a tick still does then is
-#: judged in seconds (heartbeats, parking's idle timeouts, the RSS pass), and anything that makes
-#: work wakes the loop, whose turn brings the short tick back (a parked tenant costs no wake-ups:
-#: at 20 a second, an idle supervisor's loop thread was ~0.4 % of a core)
+#: starting, stopping or due), at most the heartbeat interval and within the stall guard's slack:
+#: what a tick still does then is judged in seconds (heartbeats, parking's idle timeouts, the RSS
+#: pass), and anything that makes work wakes the loop, whose turn brings the short tick back (at 20
+#: a second, an idle supervisor's loop thread was ~0.5 % of a core)
 IDLE_TICK_S = 0.25
 #: after a stall of the loop, how long deadline expiries wait (a few turns of the loop, each
 #: reading up to a batch of queued replies per socket)
