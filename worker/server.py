@@ -75,9 +75,10 @@ _OPS: dict[str, Handler] = {}
 
 #: plain ints: pyzmq's flag constants are enum.Flag members, whose arithmetic costs ~1 us a use
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
-#: the serve loop's longest wait for a request (ms) before it looks at the stop flag again; a stop
-#: set meanwhile wakes it at once (:class:`StopFlag`)
-_IDLE_POLL_MS = 200
+#: the serve loop's longest wait for a request (ms) before it looks at the stop flag again: a
+#: backstop only, as every stop wakes it at once (:class:`StopFlag`); an idle bound worker wakes
+#: every 2 s for it, not 5 times a second
+_IDLE_POLL_MS = 2000
 
 
 class StopFlag(threading.Event):

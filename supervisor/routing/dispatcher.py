@@ -266,6 +266,12 @@ class Dispatcher:
         if keep:
             rt.parked.extend(keep)
 
+    @property
+    def any_parked(self) -> bool:
+        """Some tenant may have a request parked (a tenant is looked at by :meth:`expire_parked` until
+        a tick finds its queue empty): the supervisor's housekeeping keeps its short tick meanwhile."""
+        return bool(self._waiting)
+
     def expire_parked(self, now: float) -> None:
         """Parked requests whose deadline passed get :class:`KernelTimeout` (every tick: one look
         per tenant that had a request parked since the last tick that found its queue empty - not

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests.conformance.raw_client import SCHEMA, VERSION, RawClient, read_admin_cap, read_ready
+from tests.helpers import zygote
 from tests.helpers.timeouts import scaled
 
 pytestmark = pytest.mark.timeout(300)
@@ -94,12 +95,6 @@ class Supervisor:
         return self.client.error(code, op, cap, args, body, **kw)
 
 
-def _twt() -> list[str]:
-    """The `twt` command of this environment (the console script beside the interpreter)."""
-    script = os.path.join(os.path.dirname(sys.executable), "twt")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "supervisor"]
-
-
 @pytest.fixture(scope="module", params=["ipc", "tcp"])
 def sup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
     transport: str = request.param
@@ -107,13 +102,15 @@ def sup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     run_dir = str(base / "rd")
     config = base / "tenants.toml"
     config.write_text(CONFIG)
-    cmd = [*_twt(), "supervise", "--config", str(config), "--run-dir", run_dir, "--backend", "stub",
+    cmd = [sys.executable, "-m", "supervisor", "supervise", "--config", str(config), "--run-dir", run_dir, "--backend", "stub",
            "--listen", "tcp://127.0.0.1:0"]
     if transport == "tcp":
         cmd.append("--allow-remote-admin")
     log = base / "supervisor.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+        # `twt supervise`, forked from the suite's zygote as every other supervisor of the suite
+        # (its workers from a forked fork server): the wire is the same as a fresh process's
+        proc = zygote.popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
     clients: list[RawClient] = []
     try:
         deadline = time.monotonic() + scaled(120)

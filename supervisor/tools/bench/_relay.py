@@ -14,11 +14,11 @@ policy of the supervisor can take away).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import zmq
 
 from supervisor.client.launch import SupervisorHandle
+from supervisor.tools.bench._children import forked_context
 
 __all__ = ["RawRelay", "local_endpoint"]
 
@@ -27,7 +27,8 @@ def local_endpoint(sup: SupervisorHandle) -> str:
     """Where a local client sends small requests: ``small.ipc`` (``frontend.ipc`` on a supervisor without it)."""
     return f"ipc://{sup.run_dir}/small.ipc" if "small_frontend" in sup.info else f"ipc://{sup.run_dir}/frontend.ipc"
 
-_SPAWN = mp.get_context("spawn")
+#: the helpers are forks of a preloaded fork server (supervisor.tools.bench._children)
+_CTX = forked_context(__name__)
 
 
 def _relay(frontend: str, backend: str) -> None:
@@ -72,8 +73,8 @@ class RawRelay:
     def __init__(self, directory: str) -> None:
         self.frontend = f"ipc://{directory}/relay-front.ipc"
         backend = f"ipc://{directory}/relay-back.ipc"
-        self.procs = [_SPAWN.Process(target=_relay, args=(self.frontend, backend), daemon=True),
-                      _SPAWN.Process(target=_echo, args=(backend,), daemon=True)]
+        self.procs = [_CTX.Process(target=_relay, args=(self.frontend, backend), daemon=True),
+                      _CTX.Process(target=_echo, args=(backend,), daemon=True)]
         for p in self.procs:
             p.start()
 

@@ -53,7 +53,6 @@ a ``dict[str, float]``.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -72,11 +71,13 @@ from supervisor.tools.bench._report import (Report, Target, byte_size, count, fo
                                              socket_rtts_us)
 from supervisor.client.launch import SupervisorHandle, launch
 from shared.rundir import temp_parent
+from supervisor.tools.bench._children import forked_context
 
 __all__ = ["KINDS", "main"]
 
 KINDS = ("ping", "quota", "garbage", "badcap", "write", "tcp-ping")
-_SPAWN = mp.get_context("spawn")
+#: the helpers are forks of a preloaded fork server (supervisor.tools.bench._children)
+_CTX = forked_context(__name__)
 #: the quiet p50 the targets scale from is at least this (3x it = the 1 ms floor)
 _FLOOR_US = 1000.0 / 3
 _WRITE_BYTES = 1 << 20
@@ -204,8 +205,8 @@ def _run_flood(kind: str, sup: SupervisorHandle, cap: bytes, handle: int,
     # victim's socket (small.ipc, the local client's path for small requests)
     endpoint = (sup.info["listen"][0] if tcp else f"ipc://{sup.run_dir}/frontend.ipc" if kind == "write"
                 else local_endpoint(sup))
-    out, started = _SPAWN.Queue(), _SPAWN.Event()
-    proc = _SPAWN.Process(target=_flood, daemon=True, args=(
+    out, started = _CTX.Queue(), _CTX.Event()
+    proc = _CTX.Process(target=_flood, daemon=True, args=(
         kind, endpoint, sup.info["server_public_key"] if tcp else None, cap, handle, seconds, out, started,
         nice))
     proc.start()

@@ -27,17 +27,18 @@ has this host's figures.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import time
 from multiprocessing.queues import Queue
 from typing import TypedDict
 
 from shared.config import usable_cpus
 from supervisor.tools.bench._report import Report, Target, format_table, seconds
+from supervisor.tools.bench._children import forked_context
 
 __all__ = ["main", "probe"]
 
-_SPAWN = mp.get_context("spawn")
+#: the helpers are forks of a preloaded fork server (supervisor.tools.bench._children)
+_CTX = forked_context(__name__)
 #: a gap between two clock reads longer than this is time the probe did not run (a read is ~0.1 us)
 _GAP_NS = 200_000
 #: pauses counted, and the clock lost, are those longer than this
@@ -80,9 +81,9 @@ def _probe_into(out: Queue[ProbeResult], start_at: float, duration_s: float) -> 
 
 def _phase(n: int, duration_s: float) -> list[ProbeResult]:
     """``n`` probe processes at once (they start together, once every one is up)."""
-    out: Queue[ProbeResult] = _SPAWN.Queue()
+    out: Queue[ProbeResult] = _CTX.Queue()
     start_at = time.time() + 1.0 + 0.1 * n  # past every probe's interpreter start-up
-    procs = [_SPAWN.Process(target=_probe_into, args=(out, start_at, duration_s), daemon=True) for _ in range(n)]
+    procs = [_CTX.Process(target=_probe_into, args=(out, start_at, duration_s), daemon=True) for _ in range(n)]
     for p in procs:
         p.start()
     try:

@@ -11,7 +11,7 @@ every figure and its baseline share the same machine state):
     Python wrapper        a ``def`` around the bound method: what the hot path avoids
     multiprocessing.Value ``with v.get_lock(): check; v.value += n`` and ``-= n``
 
-Two processes (spawned, each attached with ``QuotaBlock.attach``), ops/s
+Two processes (forked, each attached with ``QuotaBlock.attach``), ops/s
 (one op = one consume or release): one process alone, both on the same
 counter line, each on its own line (CPU line vs GPU line, 64 bytes apart).
 
@@ -23,7 +23,6 @@ Exit status 0 when both are met, 4 when one is missed, 2 for bad usage.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
@@ -35,12 +34,14 @@ from typing import Any
 from shared import _atomics, quota
 from shared.quota import QuotaBlock
 from supervisor.tools.bench._report import Report, Target, count, format_table, paired_ratio, seconds, time_loops
+from supervisor.tools.bench._children import forked_context
 
 __all__ = ["main"]
 
 _N = 64  # bytes per consume/release: the value does not matter to the cost
 _CPU_LINE = quota._CPU
-_SPAWN = mp.get_context("spawn")
+#: the helpers are forks of a preloaded fork server (supervisor.tools.bench._children)
+_CTX = forked_context(__name__)
 #: an atomics call on one counter line: (buffer, offset, bytes), bound once outside the timed loop
 _LineOp = Callable[[memoryview, int, int], object]
 
@@ -92,7 +93,7 @@ def _loops(block: QuotaBlock) -> dict[str, tuple[Callable[[int], object], int]]:
             c(n)
             r(n)
 
-    value = _SPAWN.Value("Q", 0)
+    value = _CTX.Value("Q", 0)
     limit = block.memory_quota_bytes
 
     # multiprocessing's synchronized Value and its lock (dynamically typed proxies), bound as fast locals
@@ -157,9 +158,9 @@ def _two_process(block: QuotaBlock, duration: float, rounds: int) -> dict[str, f
         "two processes, same line": ("cpu", "cpu"),
         "two processes, separate lines": ("cpu", "gpu"),
     }
-    barrier = _SPAWN.Barrier(3)
-    pipes = [_SPAWN.Pipe() for _ in range(2)]
-    procs = [_SPAWN.Process(target=_hammer, args=(block.name, child, barrier), daemon=True) for _, child in pipes]
+    barrier = _CTX.Barrier(3)
+    pipes = [_CTX.Pipe() for _ in range(2)]
+    procs = [_CTX.Process(target=_hammer, args=(block.name, child, barrier), daemon=True) for _, child in pipes]
     results: dict[str, list[float]] = {m: [] for m in modes}
     try:
         for p in procs:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import multiprocessing as mp
 import statistics
 import time
 from multiprocessing.queues import Queue
@@ -40,10 +39,12 @@ from shared.spec import TenantSpec
 from supervisor.client.launch import launch
 from supervisor.tools.bench._report import (Report, Target, at_least, count, format_table, per_second, percentile,
                                              socket_rtts_us)
+from supervisor.tools.bench._children import forked_context
 
 __all__ = ["main"]
 
-_SPAWN = mp.get_context("spawn")
+#: the helpers are forks of a preloaded fork server (supervisor.tools.bench._children)
+_CTX = forked_context(__name__)
 #: the target: ping p99 while scraped over the quiet p99
 P99_LIMIT = 1.5
 
@@ -126,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         header = proto.encode_request(1, "ping", cap.to_bytes(), {})
         sock = ctx.socket(zmq.DEALER)
         sock.connect(f"ipc://{sup.run_dir}/frontend.ipc")
-        go, stop = _SPAWN.Event(), _SPAWN.Event()
-        results: Queue[ScrapeResult] = _SPAWN.Queue()
-        scraper = _SPAWN.Process(target=_scrape_loop, args=(port, args.scrape_rate, go, stop, results),
+        go, stop = _CTX.Event(), _CTX.Event()
+        results: Queue[ScrapeResult] = _CTX.Queue()
+        scraper = _CTX.Process(target=_scrape_loop, args=(port, args.scrape_rate, go, stop, results),
                                  name="twt-bench-scraper", daemon=True)
         scraper.start()
         quiet: list[float] = []

@@ -838,3 +838,26 @@ def test_a_workers_death_reclaims_its_device_slot_by_its_pid_reading_no_other_wo
     finally:
         for handle in (*slots, stranger):
             handle.close()
+
+
+def test_an_idle_supervisor_ticks_slowly_and_a_request_brings_the_short_tick_back(h: Harness) -> None:
+    """Idle (nothing in flight, parked, starting, stopping or due), housekeeping runs at the idle
+    tick: an idle supervisor's loop wakes a few times a second, not twenty. A request that comes
+    meanwhile brings the short tick back in the turn that reads it, so its deadline is watched as
+    closely as on a supervisor that was never idle: the hung request is killed one short tick past
+    its deadline."""
+    from supervisor.supervisor import IDLE_TICK_S, TICK_S
+
+    cap = h.register("acme", instances=1, request_timeout_s=1.0)
+    (worker,) = h.spawner.of("acme")
+    h.tick(1.0)  # settled: the instance bound, the pool refilled
+    sup = h.sup
+    assert TICK_S < sup._next_tick - h.clock() <= IDLE_TICK_S, "an idle supervisor kept the short tick"
+    worker.hang_ops.add("ping")
+    h.send("ping", {}, cap)
+    h.until(lambda: "ping" in worker.received)
+    assert sup._next_tick - h.clock() <= TICK_S, "a request in flight left the idle tick in place"
+    # to the deadline and one short tick (less than an idle one) past it, in steps the stall guard
+    # takes for ordinary turns
+    h.tick(1.0 + TICK_S * 1.1, step=0.15)
+    assert signal.SIGTERM in worker.signals, "the hung request was not killed at its deadline"
