@@ -481,8 +481,6 @@ class Parking:
             self._parked(rt, rec)
         else:
             self._retry_room_waiters()  # its stopping workers take no room in all now (see _alive)
-            if rt.tenant_id in self._ahead:
-                self._keep_room(paced=True)  # the next park ahead still owed, one at a time
 
     def _parked(self, rt: TenantRuntime, rec: ParkRecord) -> None:
         rec.phase = ParkPhase.PARKED
@@ -499,6 +497,8 @@ class Parking:
         if (rec.wanted or rt.waiting) and not self.stopping() and self._make_room(rt) is True:
             self.activate(rt)
         self._retry_room_waiters()  # its workers' room is free now
+        if ahead:
+            self._keep_room(paced=True)  # the next park ahead still owed, one at a time
 
     def _persist_parked(self, rt: TenantRuntime) -> None:
         """Store that ``rt`` is parked, with its quota counters as they are now (its workers are
@@ -684,8 +684,7 @@ class Parking:
         at the bound waited for an early park of another tenant (its export round trip and its
         workers' stop: ~15 ms quiet, a p50 of 20 ms at the density bench's 10,000 tenants).
         ``paced``: while a place is free for the next activation, one park ahead at a time - none
-        while another one's export is under way, the next as its copy is whole and its workers are
-        told to stop (:meth:`_exported`; their exits overlap the next export). Begun together, the
+        while another is under way, the next as it ends (:meth:`_parked`). Begun together, the
         parks owed after the woken tenants' hold (ROOM_HOLD_QUIET_S) exported, stopped and exited
         together: 2-4 exports, exits and deaths within a few ms, across whichever activation came
         then (at the density bench, 3 of 4 parks ahead came in such bursts, and the activating
@@ -698,9 +697,8 @@ class Parking:
         total, _, working = self._census()
         free = self.max_active - total
         paced = paced and free >= 1  # (no place free: the next activation would wait for these parks)
-        if paced and any((o := self.tenants.get(t)) is not None and o.park is not None
-                         and o.park.phase is ParkPhase.EXPORTING for t in self._ahead):
-            return working  # one park ahead exporting: the next begins as its copy is whole
+        if paced and any((o := self.tenants.get(t)) is not None and o.park is not None for t in self._ahead):
+            return working  # one park ahead under way: the next begins as it ends
         for other in working:  # an export in progress frees its workers' places soon
             if other.park is not None and other.park.phase is ParkPhase.EXPORTING:
                 free += sum(1 for s in other.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD)

@@ -83,8 +83,7 @@ def test_an_activation_that_takes_the_last_place_parks_ahead_at_once(tmp_path: P
 
 def test_the_parks_ahead_owed_after_the_hold_begin_one_at_a_time_while_a_place_is_free(tmp_path: Path) -> None:
     """Two activations in one hold owe two parks ahead; with a place still free for the next
-    activation they begin one after the other (each as the copy of the one before it is whole), not
-    together:
+    activation they begin one after the other (each as the one before it ends), not together:
     begun together, their exports, exits and deaths ran across whichever activation came then."""
     state = str(tmp_path / "state")
     first = Harness(tmp_path / "first", state_dir=state)
@@ -129,8 +128,8 @@ def test_the_parks_ahead_owed_after_the_hold_begin_one_at_a_time_while_a_place_i
         first_tenant = worker.tenant
         # an empty manifest: its copy is whole, it stops and exits
         worker.data.send(proto.encode_worker_reply(rid, True, {"buffers": [], "seq": 0}))
-        h.until(lambda: len(held) == 2)  # the next one begins as the first one's copy is whole
         h.until(lambda: h.tenant(first_tenant)["state"] == "parked")
+        h.until(lambda: len(held) == 2)  # the next one begins as the first ends
         assert {w.tenant for w, _ in held} == {"old", "mid"}
     finally:
         h.close()
