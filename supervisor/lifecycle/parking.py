@@ -254,7 +254,7 @@ class Parking:
         """Housekeeping: park every tenant idle past its ``idle_timeout_s``; activations waiting
         for room look again (room also comes from evictions and deaths)."""
         self._retry_room_waiters()
-        working = self._keep_room(paced=True) if self._room_until is None else None  # (else: as the woken are quiet)
+        working = self._keep_room() if self._room_until is None else None  # (else: as the woken are quiet)
         for tid in [t for t in self._files if (o := self.tenants.get(t)) is None or o.park is None]:
             self._drop_files(tid)  # evicted while parked (or parking): its files go with it
         if self._refused_at:
@@ -497,8 +497,6 @@ class Parking:
         if (rec.wanted or rt.waiting) and not self.stopping() and self._make_room(rt) is True:
             self.activate(rt)
         self._retry_room_waiters()  # its workers' room is free now
-        if ahead:
-            self._keep_room(paced=True)  # the next park ahead still owed, one at a time
 
     def _persist_parked(self, rt: TenantRuntime) -> None:
         """Store that ``rt`` is parked, with its quota counters as they are now (its workers are
@@ -677,18 +675,12 @@ class Parking:
             if _parkable(o) and now - self._refused_at.get(o.tenant_id, -math.inf) >= EARLY_PARK_BACKOFF_S:
                 yield o
 
-    def _keep_room(self, *, paced: bool = False) -> list[TenantRuntime] | None:
+    def _keep_room(self) -> list[TenantRuntime] | None:
         """Keep ``park_ahead`` of ``max_active``'s places free: park the least recently used idle
         tenants past ``max_active - park_ahead`` now, after an activation took a place and at each
         housekeeping look, so that the next activation binds at once. Without it, every activation
         at the bound waited for an early park of another tenant (its export round trip and its
         workers' stop: ~15 ms quiet, a p50 of 20 ms at the density bench's 10,000 tenants).
-        ``paced``: while a place is free for the next activation, one park ahead at a time - none
-        while another is under way, the next as it ends (:meth:`_parked`). Begun together, the
-        parks owed after the woken tenants' hold (ROOM_HOLD_QUIET_S) exported, stopped and exited
-        together: 2-4 exports, exits and deaths within a few ms, across whichever activation came
-        then (at the density bench, 3 of 4 parks ahead came in such bursts, and the activating
-        requests that met one were the slowest). With no place free, every owed park begins now.
         Returns the tenants a live worker serves as it found them (:meth:`_census`; the same
         tenants after its parks, which only begin), None when it did not look."""
         ahead = self.park_ahead
@@ -696,9 +688,6 @@ class Parking:
             return None  # (room waiters: _make_room is making room for them)
         total, _, working = self._census()
         free = self.max_active - total
-        paced = paced and free >= 1  # (no place free: the next activation would wait for these parks)
-        if paced and any((o := self.tenants.get(t)) is not None and o.park is not None for t in self._ahead):
-            return working  # one park ahead under way: the next begins as it ends
         for other in working:  # an export in progress frees its workers' places soon
             if other.park is not None and other.park.phase is ParkPhase.EXPORTING:
                 free += sum(1 for s in other.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD)
@@ -716,8 +705,6 @@ class Parking:
             log_event(_log, logging.INFO, "tenant.park_ahead", tenant=victim.tenant_id, free=free, ahead=ahead)
             self.park(victim, now)
             free += len(victim.wanted_slots())
-            if paced:
-                break
         return working
 
     def _refuse_room(self, rt: TenantRuntime, need: int, total: int, on_device: int,
@@ -1057,7 +1044,7 @@ class Parking:
             return
         self._room_until = None
         self._room_watch.clear()
-        self._keep_room(paced=True)
+        self._keep_room()
 
     def _activation_failed(self, rt: TenantRuntime, rec: ParkRecord, payload: object) -> None:
         """An import was refused (the GPU cap was lowered below the buffers while parked): the

@@ -4,11 +4,9 @@ fake clock): its export and its worker's exit would run across the woken tenant'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from shared import protocol as proto
 from supervisor.lifecycle import parking
 from supervisor.store.state import StateStore
 from tests.supervisor.lifecycle.test_lifecycle_inprocess import Harness
@@ -77,59 +75,5 @@ def test_an_activation_that_takes_the_last_place_parks_ahead_at_once(tmp_path: P
         # the clock does not move: no tick, no quiet time's end; two places short of park_ahead
         h.until(lambda: len(_exports(h)) == 2)
         assert sorted(_exports(h)) == ["mid", "old"]
-    finally:
-        h.close()
-
-
-def test_the_parks_ahead_owed_after_the_hold_begin_one_at_a_time_while_a_place_is_free(tmp_path: Path) -> None:
-    """Two activations in one hold owe two parks ahead; with a place still free for the next
-    activation they begin one after the other (each as the one before it ends), not together:
-    begun together, their exports, exits and deaths ran across whichever activation came then."""
-    state = str(tmp_path / "state")
-    first = Harness(tmp_path / "first", state_dir=state)
-    try:
-        for name in ("old", "mid", "sleepy", "drowsy"):
-            first.register(name, instances=1, idle_timeout_s=3600.0)
-    finally:
-        first.close()
-    store = StateStore.open(state)
-    try:
-        store.set_parked_many(["sleepy", "drowsy"], True)
-    finally:
-        store.close()
-    # 2 of 5 places taken, 3 kept free ahead: the two wakes leave one free and owe two parks
-    h = Harness(tmp_path / "second", state_dir=state, max_active=5, park_ahead=3)
-    try:
-        h.settle()
-        h.until(lambda: all(h.tenant(n)["state"] == "running" for n in ("old", "mid")))
-        held: list[tuple[Any, int]] = []  # (worker, request id) of each export, unanswered until released
-        for worker in list(h.spawner.alive()):
-            if worker.tenant not in ("old", "mid"):
-                continue
-
-            def hold_export(worker: Any = worker) -> None:
-                for rid, op, _args, _frames in worker.requests():
-                    if op == "export_buffers":
-                        held.append((worker, rid))
-                    else:
-                        worker.data.send(proto.encode_worker_reply(rid, True, {}))
-
-            h.sup.loop.unregister(worker.data)
-            h.sup.loop.register(worker.data, hold_export)
-        for name in ("sleepy", "drowsy"):
-            h.call("ping", {}, h.call("capability", {"tenant": name})["capability"])
-        assert held == [], "no park ahead while the woken tenants are served"
-        for _ in range(4):  # the hold's quiet time, then a housekeeping tick: the parks ahead begin
-            _step(h, parking.ROOM_HOLD_MAX_S)
-        h.until(lambda: bool(held))
-        _step(h, parking.ROOM_HOLD_MAX_S)
-        assert len(held) == 1, f"one park ahead at a time while a place is free, not {len(held)}"
-        worker, rid = held[0]
-        first_tenant = worker.tenant
-        # an empty manifest: its copy is whole, it stops and exits
-        worker.data.send(proto.encode_worker_reply(rid, True, {"buffers": [], "seq": 0}))
-        h.until(lambda: h.tenant(first_tenant)["state"] == "parked")
-        h.until(lambda: len(held) == 2)  # the next one begins as the first ends
-        assert {w.tenant for w, _ in held} == {"old", "mid"}
     finally:
         h.close()
