@@ -17,6 +17,13 @@ atomic action on shared memory (or, for the executor and the driver, on the exec
   quantum: every such moment is explored), takes a free device or a grant to it, runs a chunk,
   passes the device to B if B waits.
 
+With ``small`` (a stretch's small op gated in the executor: a run's fill, the chatty tenant's fill)
+the executor also *passes the lease back* at the op's end when another worker waits and the driver
+has not resolved the gate yet: under its mutex it marks the gate handed, then ``finish`` (its CAS,
+busy -> idle) and a hand-over to any waiting worker (every pick explored; a lost CAS - a waiter stole
+the idle lease first - passes nothing). The driver, whenever it looks (or resolves), finds the gate
+handed: its op ran, and it holds only what its own CAS won since (a later grant), which it releases.
+
 B's process may be SIGKILLed at any step (driver and executor gone, a running kernel with them);
 the supervisor's reclaim then passes a lease that names B on. Checked in every state: a chunk runs
 only while the owner word names its worker busy, at most one at a time; B's chunk runs at most once;
@@ -25,7 +32,12 @@ busy and its chunk ran once, or its wait was refused (or it died) and the chunk 
 
 ``variant`` swaps in broken algorithms so the tests show the checker fails when it should:
 ``run_on_grant`` (the executor starts on reading its grant, no CAS), ``run_after_lost_cas``,
-``cancel_unlocked`` (the driver's cancel does not wait for the executor's mutex).
+``cancel_unlocked`` (the driver's cancel does not wait for the executor's mutex); with ``small``:
+``handback_after_resolve`` (the executor passes the lease on even when the driver resolved the gate
+first and holds it), ``handback_at_start`` (passed on when the op starts, not when it ends),
+``handback_blind`` (the hand-over's second step a store, not a CAS from its own idle word),
+``handed_keeps_grant`` (the driver, its op passed back, leaves a grant that reached it while it still
+waited - the device then idles with it until a steal).
 """
 
 from __future__ import annotations
@@ -33,10 +45,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-__all__ = ["VARIANTS", "Explored", "State", "Violation", "explore"]
+__all__ = ["SMALL_VARIANTS", "VARIANTS", "Explored", "State", "Violation", "explore"]
 
-Variant = Literal["correct", "run_on_grant", "run_after_lost_cas", "cancel_unlocked"]
+Variant = Literal["correct", "run_on_grant", "run_after_lost_cas", "cancel_unlocked", "handback_after_resolve",
+                  "handback_at_start", "handback_blind", "handed_keeps_grant"]
 VARIANTS: tuple[Variant, ...] = ("correct", "run_on_grant", "run_after_lost_cas", "cancel_unlocked")
+#: the broken variants of the small op's hand-back (``explore(..., small=True)``)
+SMALL_VARIANTS: tuple[Variant, ...] = ("correct", "handback_after_resolve", "handback_at_start", "handback_blind",
+                                       "handed_keeps_grant")
 
 G, B, C = 0, 1, 2
 #: the owner word: None (free) or (worker, busy)
@@ -48,16 +64,18 @@ class State:
     owner: Owner = (G, True)
     running: frozenset[int] = frozenset({G})
     lock: bool = False  # the executor's mutex, held by the executor (the driver's sections are one step)
-    gate: str = "none"  # none | armed | taken | plain | cancelled
+    gate: str = "none"  # none | armed | taken | plain | cancelled | handed
     b_waiting: bool = True
     c_waiting: bool = True
     b_alive: bool = True
     reclaimed: bool = False
     ran_b: int = 0
     ran_b_at_kill: int = -1
+    d_cas: bool = False  # B's driver's own CAS won a grant (with the gate handed: a later grant, its own)
+    e_won: bool = False  # B's executor's own CAS took the lease for the gated op
     g_pc: str = "run"
-    d_pc: str = "arm"  # arm | look | cas | ok | cancel | hold | refused | released | dead
-    e_pc: str = "idle"  # idle | locked | read | taken | run | end | done | dead
+    d_pc: str = "arm"  # arm | look | cas | ok | cancel | hold | refused | released | hback | handed | dead
+    e_pc: str = "idle"  # idle | locked | read | taken | run | end | back | finish | hand | done | dead
     e_reg: Owner = None
     c_pc: str = "look"  # look | cas | run | end | finish | done
     c_reg: Owner = None
@@ -92,6 +110,8 @@ def _check(s: State) -> str | None:
         return "B's chunk ran twice"
     if s.d_pc in ("refused", "released") and s.ran_b:
         return "B's wait was refused but its chunk ran"
+    if s.d_pc == "hold" and s.gate != "handed" and s.e_pc in ("done", "dead") and s.owner != (B, True):
+        return f"B's driver holds the lease, its executor done, but the owner word is {s.owner}"
     if s.ran_b_at_kill >= 0 and s.ran_b != s.ran_b_at_kill:
         return "B's chunk started after B was killed"
     return None
@@ -104,6 +124,8 @@ def _check_end(s: State) -> str | None:
         return f"B's driver holds the lease but the owner word is {s.owner}"
     if s.d_pc == "released" and s.owner is not None and s.owner[0] == B:
         return f"B's wait was refused but the owner word names it: {s.owner}"
+    if s.d_pc == "handed" and (s.ran_b != 1 or s.running or (s.owner is not None and s.owner[0] == B)):
+        return f"B's op was passed back but it ran {s.ran_b} times, the owner word {s.owner}"
     return None
 
 
@@ -125,7 +147,7 @@ def _waiters(s: State) -> list[int]:
     return out
 
 
-def _steps(s: State, variant: Variant) -> list[tuple[str, State]]:
+def _steps(s: State, variant: Variant, small: bool = False) -> list[tuple[str, State]]:
     out: list[tuple[str, State]] = []
     # --- G, the holder
     if s.g_pc == "run":
@@ -141,6 +163,8 @@ def _steps(s: State, variant: Variant) -> list[tuple[str, State]]:
         if s.d_pc == "arm" and not s.lock:
             out.append(("B driver: arm", replace(s, gate="armed", d_pc="look")))
         elif s.d_pc == "look":
+            if s.gate == "handed":
+                out.append(("B driver: sees its op passed back", replace(s, d_pc="hback", b_waiting=False)))
             if s.owner == (B, False):
                 out.append(("B driver: sees its grant", replace(s, d_pc="cas")))
             elif s.owner == (B, True):
@@ -148,14 +172,33 @@ def _steps(s: State, variant: Variant) -> list[tuple[str, State]]:
             out.append(("B driver: refused (deadline)", replace(s, d_pc="cancel")))
         elif s.d_pc == "cas":
             if s.owner == (B, False):
-                out.append(("B driver: CAS won", replace(s, owner=(B, True), d_pc="ok")))
+                out.append(("B driver: CAS won", replace(s, owner=(B, True), d_pc="ok", d_cas=True)))
             else:
                 out.append(("B driver: CAS lost", replace(s, d_pc="look")))
         elif s.d_pc == "ok" and not s.lock:
-            gate = "plain" if s.gate == "armed" else s.gate
-            out.append(("B driver: resolve (runs)", replace(s, gate=gate, d_pc="hold", b_waiting=False)))
+            if s.gate == "handed":  # its op ran and was passed on by the executor
+                out.append(("B driver: resolve (passed back)", replace(s, d_pc="hback", b_waiting=False)))
+            else:
+                gate = "plain" if s.gate == "armed" else s.gate
+                out.append(("B driver: resolve (runs)", replace(s, gate=gate, d_pc="hold", b_waiting=False)))
+        elif s.d_pc == "hback":
+            # the op ran and its lease was passed on: the driver holds only what its own CAS won since
+            # (a later grant), and passes on a grant that reached it while it still waited
+            targets = [C] if s.c_waiting else []
+            if variant == "handed_keeps_grant" and s.owner != (B, True):
+                out.append(("B driver: holds nothing (not looked)", replace(s, d_pc="handed")))
+            elif s.owner == (B, True) and s.d_cas:
+                for what, t in _hand(replace(s, owner=(B, False)), (B, False), targets):
+                    out.append((f"B driver: release the later grant {what}", replace(t, d_pc="handed")))
+            elif s.owner == (B, False):
+                for what, t in _hand(s, (B, False), targets):
+                    out.append((f"B driver: pass a grant on {what}", replace(t, d_pc="handed")))
+            else:
+                out.append(("B driver: holds nothing", replace(s, d_pc="handed")))
         elif s.d_pc == "cancel" and (not s.lock or variant == "cancel_unlocked"):
-            if s.gate == "armed":
+            if s.gate == "handed":
+                out.append(("B driver: resolve (cancel: passed back)", replace(s, d_pc="hback", b_waiting=False)))
+            elif s.gate == "armed":
                 out.append(("B driver: resolve (cancelled)",
                             replace(s, gate="cancelled", d_pc="refused", b_waiting=False)))
             else:  # the executor took the lease first: the driver holds it after all
@@ -183,7 +226,8 @@ def _steps(s: State, variant: Variant) -> list[tuple[str, State]]:
                 if variant == "run_on_grant":
                     out.append(("B exec: grant seen, taken (no CAS)", replace(s, gate="taken", e_pc="taken")))
                 elif s.owner == (B, False):
-                    out.append(("B exec: CAS won", replace(s, owner=(B, True), gate="taken", e_pc="taken")))
+                    out.append(("B exec: CAS won", replace(s, owner=(B, True), gate="taken", e_pc="taken",
+                                                          e_won=True)))
                 elif variant == "run_after_lost_cas":
                     out.append(("B exec: CAS lost, runs anyway", replace(s, gate="taken", e_pc="taken")))
                 else:
@@ -195,9 +239,37 @@ def _steps(s: State, variant: Variant) -> list[tuple[str, State]]:
         elif s.e_pc == "taken":
             out.append(("B exec: unlock", replace(s, lock=False, e_pc="run")))
         elif s.e_pc == "run":
-            out.append(("B exec: chunk starts", replace(s, running=s.running | {B}, ran_b=s.ran_b + 1, e_pc="end")))
+            t = replace(s, running=s.running | {B}, ran_b=s.ran_b + 1, e_pc="end")
+            if (small and variant == "handback_at_start" and s.gate == "taken" and s.e_won and s.d_pc != "hold"
+                    and s.c_waiting):
+                t = replace(t, owner=(C, False), gate="handed", e_pc="end")
+            out.append(("B exec: chunk starts", t))
         elif s.e_pc == "end":
-            out.append(("B exec: chunk ends", replace(s, running=s.running - {B}, e_pc="done")))
+            out.append(("B exec: chunk ends", replace(s, running=s.running - {B}, e_pc="back" if small else "done")))
+        elif s.e_pc == "back" and not s.lock:
+            # under its mutex: the driver has not resolved the gate (it sleeps) and another waits -
+            # the op's lease is passed back by the executor, not by the driver once it woke
+            # (only a lease its own CAS took: one the driver's CAS took is the driver's, awake, to pass on)
+            unresolved = s.gate == "taken" and s.e_won and (
+                s.d_pc != "hold" or variant == "handback_after_resolve")
+            if unresolved and s.c_waiting:
+                out.append(("B exec: passes the lease back", replace(s, gate="handed", e_pc="finish")))
+            else:
+                out.append(("B exec: keeps the lease (resolved, or none waits)", replace(s, e_pc="done")))
+        elif s.e_pc == "finish":
+            if s.owner == (B, True):
+                out.append(("B exec: finish (idle)", replace(s, owner=(B, False), e_pc="hand")))
+            else:  # (a broken variant passed it on already)
+                out.append(("B exec: finish, not its own", replace(s, e_pc="done")))
+        elif s.e_pc == "hand":
+            targets = [C] if s.c_waiting else []
+            if variant == "handback_blind":
+                stores: list[Owner] = [(t_, False) for t_ in targets] or [None]
+                for owner in stores:
+                    out.append((f"B exec: hand over (store) {owner}", replace(s, owner=owner, e_pc="done")))
+            else:
+                for what, t in _hand(s, (B, False), targets):
+                    out.append((f"B exec: hand over {what}", replace(t, e_pc="done")))
         out.append((_KILL, replace(s, b_alive=False, running=s.running - {B}, lock=False, d_pc="dead",
                                           e_pc="dead", ran_b_at_kill=s.ran_b)))
     elif not s.reclaimed:
@@ -228,7 +300,7 @@ def _steps(s: State, variant: Variant) -> list[tuple[str, State]]:
     return out
 
 
-def explore(variant: Variant = "correct") -> Explored:
+def explore(variant: Variant = "correct", *, small: bool = False) -> Explored:
     """Every interleaving from the start state (G holding busy, B and C waiting); raises
     :class:`Violation` with the interleaving that broke a property."""
     start = State()
@@ -239,7 +311,7 @@ def explore(variant: Variant = "correct") -> Explored:
     labels: set[str] = set()
     while stack:
         s, trace = stack.pop()
-        steps = _steps(s, variant)
+        steps = _steps(s, variant, small)
         if all(label == _KILL for label, _ in steps):
             # nothing left to do but die: an end state (a kill from it is explored too)
             ends += 1
