@@ -45,6 +45,25 @@ def _timer() -> stub_executor.ExecutorTimer:
     return timer
 
 
+def _record_charges(timer: stub_executor.ExecutorTimer, charged: list[int]) -> None:
+    """Every chunk charge the gate takes from ``timer`` (its settles and collections) is appended to
+    ``charged`` as well."""
+    settle, collect = timer.settle, timer.collect_done
+
+    def spy_settle(until_ns: int | None) -> tuple[list[int], BaseException | None]:
+        got = settle(until_ns)
+        charged.extend(got[0])
+        return got
+
+    def spy_collect() -> list[int]:
+        got = collect()
+        charged.extend(got)
+        return got
+
+    timer.settle = spy_settle  # type: ignore[method-assign]
+    timer.collect_done = spy_collect  # type: ignore[method-assign]
+
+
 @needs_executor
 @pytest.mark.parametrize(("m", "k", "n"), [(2, 1, 2), (7, 3, 5), (64, 64, 64), (100, 256, 33), (256, 17, 128)])
 def test_a_launched_gemm_equals_numpys_matmul_to_the_byte(m: int, k: int, n: int) -> None:
@@ -239,21 +258,12 @@ def test_a_run_handed_over_at_a_boundary_withdraws_its_queued_gemms_and_runs_eac
         gate.sync()
         timer = gate._executor
         assert isinstance(timer, stub_executor.ExecutorTimer)
-        launch, settle, collect, withdraw = timer.launch, timer.settle, timer.collect_done, timer.withdraw
+        launch, withdraw = timer.launch, timer.withdraw
+        _record_charges(timer, charged)
 
         def spy_launch(name: str, args: tuple[object, ...]) -> bool:
             launches[0] += 1
             return launch(name, args)
-
-        def spy_settle(until_ns: int | None) -> tuple[list[int], BaseException | None]:
-            got = settle(until_ns)
-            charged.extend(got[0])
-            return got
-
-        def spy_collect() -> list[int]:
-            got = collect()
-            charged.extend(got)
-            return got
 
         def spy_withdraw(most: int) -> int:
             back = withdraw(most)
@@ -261,8 +271,6 @@ def test_a_run_handed_over_at_a_boundary_withdraws_its_queued_gemms_and_runs_eac
             return back
 
         timer.launch = spy_launch  # type: ignore[method-assign]
-        timer.settle = spy_settle  # type: ignore[method-assign]
-        timer.collect_done = spy_collect  # type: ignore[method-assign]
         timer.withdraw = spy_withdraw  # type: ignore[method-assign]
         told.clear()
         for _ in range(48):
@@ -374,7 +382,8 @@ def test_queued_gemms_through_the_gate_are_charged_the_executors_own_stamps(bloc
         gate.sync()
         timer = gate._executor
         assert isinstance(timer, stub_executor.ExecutorTimer)
-        launch, settle, collect = timer.launch, timer.settle, timer.collect_done
+        launch = timer.launch
+        _record_charges(timer, charged)
 
         def spy_launch(name: str, args: tuple[object, ...]) -> bool:
             running = timer.running
@@ -382,19 +391,7 @@ def test_queued_gemms_through_the_gate_are_charged_the_executors_own_stamps(bloc
                           if running else 0))
             return launch(name, args)
 
-        def spy_settle(until_ns: int | None) -> tuple[list[int], BaseException | None]:
-            got = settle(until_ns)
-            charged.extend(got[0])
-            return got
-
-        def spy_collect() -> list[int]:
-            got = collect()
-            charged.extend(got)
-            return got
-
         timer.launch = spy_launch  # type: ignore[method-assign]
-        timer.settle = spy_settle  # type: ignore[method-assign]
-        timer.collect_done = spy_collect  # type: ignore[method-assign]
         before_block, before_told = block.gpu_time_ns, sum(told)
         gate.take_run_totals()
         launched0 = timer.launched
