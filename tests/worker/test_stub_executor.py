@@ -45,12 +45,14 @@ def _timer() -> stub_executor.ExecutorTimer:
     return timer
 
 
-def _record_charges(timer: stub_executor.ExecutorTimer, charged: list[int]) -> None:
+def _record_charges(timer: stub_executor.ExecutorTimer, charged: list[int], events: list[str] | None = None) -> None:
     """Every chunk charge the gate takes from ``timer`` (its settles and collections) is appended to
-    ``charged`` as well."""
+    ``charged`` as well; each settle is noted in ``events``, if given, before it waits."""
     settle, collect = timer.settle, timer.collect_done
 
     def spy_settle(until_ns: int | None) -> tuple[list[int], BaseException | None]:
+        if events is not None:
+            events.append("settle")
         got = settle(until_ns)
         charged.extend(got[0])
         return got
@@ -451,26 +453,14 @@ def test_a_stretchs_end_tells_the_board_before_it_waits_for_the_launched_chunks(
         gate.sync()
         timer = gate._executor
         assert isinstance(timer, stub_executor.ExecutorTimer)
-        launch, settle, collect = timer.launch, timer.settle, timer.collect_done
+        launch = timer.launch
+        _record_charges(timer, charged, events)
 
         def spy_launch(name: str, args: tuple[object, ...]) -> bool:
             events.append("launch")
             return launch(name, args)
 
-        def spy_settle(until_ns: int | None) -> tuple[list[int], BaseException | None]:
-            events.append("settle")
-            got = settle(until_ns)
-            charged.extend(got[0])
-            return got
-
-        def spy_collect() -> list[int]:
-            got = collect()
-            charged.extend(got)
-            return got
-
         timer.launch = spy_launch  # type: ignore[method-assign]
-        timer.settle = spy_settle  # type: ignore[method-assign]
-        timer.collect_done = spy_collect  # type: ignore[method-assign]
         told.clear()
         events.clear()
         for _ in range(12):
