@@ -51,9 +51,12 @@ A message that never ends. libzmq counts a multipart message once against RCVHWM
 and never a last one is read into memory without end (libzmq hands a message over only
 once complete; its pipe takes an incomplete one's parts without limit, ~1 GiB/s over one
 ipc connection), and libzmq has no option to bound a message's frames or bytes. So the
-guard thread also samples the process's memory (``/proc/self/statm``, every
-:data:`MEMORY_SAMPLE_S`) against ``frontend_memory_bytes`` over its baseline (its RSS when
-it started). The frontend records, per connection (the ``ZMQ_SRCFD`` of each message it
+guard thread also samples the process's memory (``/proc/self/statm``) against
+``frontend_memory_bytes`` over its baseline (its RSS when it started): every
+:data:`MEMORY_SAMPLE_S` once memory could reach the bound before a later sample, and far below
+the bound only as often as growth at :data:`MEMORY_GROWTH_BPS` could bring it that near
+(:func:`memory_sample_delay`; at the default bound, 3 GiB, every 0.75 s while calm - an idle
+supervisor's guard thread woke ten times a second for nothing). The frontend records, per connection (the ``ZMQ_SRCFD`` of each message it
 reads), when its last message completed (:meth:`~supervisor.admission.connections.FrontendConnections.completed`); such
 an attack's connection completes none while memory grows. Past the bound the guard
 sheds (shuts down) every connection that completed no message since memory was last
@@ -97,8 +100,8 @@ from shared.log import get_logger, log_event
 from shared.zmq_monitor import monitor_event
 from supervisor.admission.peers import shed, shed_tcp
 
-__all__ = ["EVENTS_PER_TURN", "IPC_BACKLOG", "MEMORY_SAMPLE_S", "PAUSE_DIR", "SYNC", "PathGuard", "clean_paused",
-           "nobody", "pause_at", "resume_at", "rss_bytes"]
+__all__ = ["EVENTS_PER_TURN", "IPC_BACKLOG", "MEMORY_GROWTH_BPS", "MEMORY_SAMPLE_MAX_S", "MEMORY_SAMPLE_S", "PAUSE_DIR",
+           "SYNC", "PathGuard", "clean_paused", "memory_sample_delay", "nobody", "pause_at", "resume_at", "rss_bytes"]
 
 _log = get_logger("supervisor.admission.fd_guard")
 #: monitor events handled per turn, by the guard and by the loop (the rest wait in the monitor's queue)
@@ -112,9 +115,14 @@ SYNC = b"twt-fd-guard-sync"
 IPC_BACKLOG = 32
 #: where a paused ipc socket waits (in the run dir, 0700)
 PAUSE_DIR = ".paused"
-#: how often the guard samples the process's memory (a bound set): at ~1 GiB/s of an attack, the
-#: bound is passed by at most ~100 MiB before the shed
+#: how often the guard samples the process's memory near the bound (a bound set): at ~1 GiB/s of an
+#: attack, the bound is passed by at most ~100 MiB before the shed
 MEMORY_SAMPLE_S = 0.1
+#: the fastest growth the samples further apart allow for (bytes/s): four times the ~1 GiB/s that
+#: libzmq's I/O thread read from one connection here (:func:`memory_sample_delay`)
+MEMORY_GROWTH_BPS = 4 << 30
+#: the longest wait between two samples, however far below the bound
+MEMORY_SAMPLE_MAX_S = 1.0
 #: after a shed, while memory stays past half the bound, the freed heap is given back this often
 #: (libzmq frees a shed connection's pipe on its I/O thread, some time after the shutdown)
 _TRIM_EVERY_S = 1.0
@@ -144,6 +152,17 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 #: glibc's malloc_trim (None elsewhere): returns the freed heap of a shed message to the system
 _TRIM = _malloc_trim()
+
+
+def memory_sample_delay(bound: int, grown: int) -> float:
+    """How long the guard may wait for its next memory sample, ``grown`` bytes over its baseline.
+
+    As long as growth at :data:`MEMORY_GROWTH_BPS` cannot take memory past ``bound`` before it:
+    so the bound is passed by no more between two samples than it is with a sample every
+    :data:`MEMORY_SAMPLE_S` (the delay near the bound, and the shortest), for any attack up to
+    that rate; at most :data:`MEMORY_SAMPLE_MAX_S`."""
+    room = (bound - grown) / MEMORY_GROWTH_BPS
+    return min(MEMORY_SAMPLE_MAX_S, max(MEMORY_SAMPLE_S, room))
 
 
 def pause_at(budget: int) -> int:
@@ -223,7 +242,6 @@ class PathGuard(threading.Thread):
         self._shed_rss = 0  # the RSS at the last shed
         self._passes = 0  # sheds since memory was last below half the bound
         self._trim_at = math.inf  # when the heap is next given back (after a shed)
-        self._sampled = 0.0
         self._memory_logged = -_LOG_EVERY_S
         self.run_dir = run_dir
         self._pause = pause
@@ -309,14 +327,17 @@ class PathGuard(threading.Thread):
         assert woken is not None
         poller.register(woken, zmq.POLLIN)
         owned: dict[zmq.Socket[bytes], tuple[int, zmq.Socket[bytes]]] = {}
-        timeout = int(MEMORY_SAMPLE_S * 1000) if self.memory_bytes else None
         self.baseline = rss_bytes()
+        next_sample = time.monotonic()  # the first sample at once (memory_sample_delay)
         try:
             while not self._stopping.is_set():
                 while self._pending:
                     monitor, forward = self._pending.pop(0)
                     owned[monitor] = (len(owned), forward)
                     poller.register(monitor, zmq.POLLIN)
+                timeout = None
+                if self.memory_bytes:
+                    timeout = max(0, math.ceil((next_sample - time.monotonic()) * 1000))
                 for sock, _ in poller.poll(timeout):
                     if sock is woken:
                         asked = False
@@ -332,14 +353,16 @@ class PathGuard(threading.Thread):
                         raise
                     except Exception as exc:  # noqa: BLE001 - the guard must outlive any one event
                         log_event(_log, logging.ERROR, "supervisor.fd_guard_error", error=repr(exc))
-                if timeout is not None:
+                if self.memory_bytes:
                     now = time.monotonic()
-                    if now - self._sampled >= MEMORY_SAMPLE_S:
-                        self._sampled = now
+                    if now >= next_sample:
+                        next_sample = now + MEMORY_SAMPLE_S
                         try:
-                            self._check_memory(now)
+                            rss = self._check_memory(now)
                         except Exception as exc:  # noqa: BLE001 - the guard must outlive any one sample
                             log_event(_log, logging.ERROR, "supervisor.fd_guard_error", error=repr(exc))
+                        else:
+                            next_sample = now + memory_sample_delay(self.memory_bytes, rss - self.baseline)
         except zmq.ContextTerminated:
             pass  # the supervisor's teardown: close ours below
         finally:
@@ -401,9 +424,10 @@ class PathGuard(threading.Thread):
         elif live - self._paused_with > self.overshoot:
             self.overshoot = live - self._paused_with
 
-    def _check_memory(self, now: float) -> None:
+    def _check_memory(self, now: float) -> int:
         """Sample the process's memory; past the bound, shed the connections that completed no
-        message since it was last below half the bound (see the module docstring)."""
+        message since it was last below half the bound (see the module docstring). Returns the
+        RSS read last."""
         rss = rss_bytes()
         self.samples += 1
         bound = self.memory_bytes
@@ -411,18 +435,19 @@ class PathGuard(threading.Thread):
             self.calm_at = now
             self._passes = 0
             self._trim_at = math.inf
-            return
+            return rss
         if now >= self._trim_at and _TRIM is not None:  # the shed connections' messages freed: give them back
             self._trim_at = now + _TRIM_EVERY_S
             _TRIM(0)
             rss = rss_bytes()
         if rss - self.baseline <= bound:
-            return
+            return rss
         if self._passes and rss < self._shed_rss + bound // 4:
-            return  # not growing since the last shed: memory held for the clients, not a message
+            return rss  # not growing since the last shed: memory held for the clients, not a message
         self._shed_stale(now, rss, everyone=self._passes > 0)
         self._passes += 1
         self._trim_at = now
+        return rss
 
     def _shed_stale(self, now: float, rss: int, everyone: bool) -> None:
         """Shed every connection that completed no message since memory was calm, those with a request

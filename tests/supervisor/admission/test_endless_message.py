@@ -305,3 +305,47 @@ def test_the_bound_defaults_to_max_held_bytes_plus_a_gib_and_takes_sizes() -> No
     assert SupervisorConfig(frontend_memory_bytes=0).frontend_memory_bytes == 0  # no bound
     with pytest.raises(ValueError, match="frontend_memory_bytes"):
         SupervisorConfig(frontend_memory_bytes=-1)
+
+
+def test_the_guard_samples_memory_far_below_the_bound_only_as_often_as_growth_could_reach_it(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Far below a large bound the guard waits as long as growth at ``MEMORY_GROWTH_BPS`` would take to
+    bring memory within a short sample of it (an idle supervisor's guard woke ten times a second);
+    near the bound, and for a small bound, it samples every ``MEMORY_SAMPLE_S`` as before, so an
+    attack up to that rate passes the bound by no more than it did."""
+    import supervisor.admission.connections as connections
+    import supervisor.admission.fd_guard as fd_guard
+
+    big = 3 << 30  # the default: max_held_bytes + 1 GiB
+    rate, short, most = fd_guard.MEMORY_GROWTH_BPS, fd_guard.MEMORY_SAMPLE_S, fd_guard.MEMORY_SAMPLE_MAX_S
+    assert fd_guard.memory_sample_delay(big, 0) == pytest.approx(big / rate) and big / rate > 5 * short
+    assert fd_guard.memory_sample_delay(BOUND, 0) == short  # the tests' bound: every sample as before
+    assert fd_guard.memory_sample_delay(1 << 40, 0) == most
+    for grown in range(-big, 2 * big, big // 97):  # the next sample comes before growth at `rate` passes it
+        delay = fd_guard.memory_sample_delay(big, grown)
+        assert short <= delay <= most
+        assert delay == short or grown + rate * delay <= big, grown
+
+    sampled_at: list[float] = []
+
+    def rss() -> int:
+        sampled_at.append(time.monotonic())
+        return 100 * MiB
+
+    monkeypatch.setattr(fd_guard, "rss_bytes", rss)
+    ctx: zmq.Context[Any] = zmq.Context()
+    path = str(tmp_path / "f.ipc")
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    conns = connections.FrontendConnections(router, path, memory_bytes=big, pause=False)
+    router.bind("ipc://" + path)
+    try:
+        wait_for(lambda: conns.guard.samples >= 3, interval_s=0.05, what="three samples")
+        # the baseline, then samples: the waits between them never shorter than the delay (a slow host
+        # only makes them longer), where a sample every MEMORY_SAMPLE_S took 0.1 s
+        gaps = [b - a for a, b in zip(sampled_at[1:], sampled_at[2:], strict=False)]
+        assert gaps and min(gaps) >= big / rate - 0.01, gaps
+    finally:
+        conns.close()
+        router.close(0)
+        ctx.term()
