@@ -64,9 +64,13 @@ memory, and the run's end::
   full. The flush rule then counts the cost model's estimate of the pending
   chunks, not the time held (docs/GPU-QUOTAS.md, "Asynchronous cuda under
   the gate").
-* **Bounded.** At most :data:`MAX_QUEUED_OPS` ops and :data:`MAX_QUEUED_BYTES`
+* **Bounded.** At most :data:`MAX_QUEUED_OPS` ops queued or taken by the device
+  thread and not complete (besides the one running) and :data:`MAX_QUEUED_BYTES`
   bytes of the device buffers they name (an op larger alone is admitted into
-  an empty queue); a full queue makes ``submit`` wait, until the deadline.
+  an empty queue); a full queue makes ``submit`` wait, until the deadline. Room
+  is made as each op completes (:meth:`DeviceQueue.completed`: launched chunks
+  count once they ran or settled), not when the device thread's whole pass
+  returns: a guest run of more ops than the bound keeps the queue fed.
 * **Errors** of a queued op are kept and raised at the next synchronising
   call, once - the exception the op would have raised; the ops behind it
   are dropped (as on a CUDA stream after a fault). A ``KernelTimeout`` is
