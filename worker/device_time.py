@@ -64,9 +64,13 @@ memory, and the run's end::
   full. The flush rule then counts the cost model's estimate of the pending
   chunks, not the time held (docs/GPU-QUOTAS.md, "Asynchronous cuda under
   the gate").
-* **Bounded.** At most :data:`MAX_QUEUED_OPS` ops and :data:`MAX_QUEUED_BYTES`
+* **Bounded.** At most :data:`MAX_QUEUED_OPS` ops queued or taken by the device
+  thread and not complete (besides the one running) and :data:`MAX_QUEUED_BYTES`
   bytes of the device buffers they name (an op larger alone is admitted into
-  an empty queue); a full queue makes ``submit`` wait, until the deadline.
+  an empty queue); a full queue makes ``submit`` wait, until the deadline. Room
+  is made as each op completes (:meth:`DeviceQueue.completed`: launched chunks
+  count once they ran or settled), not when the device thread's whole pass
+  returns: a guest run of more ops than the bound keeps the queue fed.
 * **Errors** of a queued op are kept and raised at the next synchronising
   call, once - the exception the op would have raised; the ops behind it
   are dropped (as on a CUDA stream after a fault). A ``KernelTimeout`` is
@@ -350,9 +354,20 @@ class DeviceQueue:
         self._items: deque[_Item] = deque()
         self._bytes = 0
         self._running = False
-        #: ops taken off the queue by the device thread and not finished (all but the one running
-        #: still count as queued)
+        #: ops taken off the queue by the device thread in its current pass (the list it runs,
+        #: ``_batch``), of which the first ``_done`` are complete (the device thread's
+        #: :meth:`completed`, written without the lock) and the first ``_freed`` had their bytes
+        #: given back (under the lock): the ops taken and not complete, all but the one running, still
+        #: count as queued - room is made as each op completes, not when the whole pass returns
         self._inflight = 0
+        self._batch: list[_Item] = []
+        self._done = 0
+        self._freed = 0
+        #: submitters waiting for room (the device thread wakes them as ops complete, at ``low_ops``)
+        self._room_waiters = 0
+        #: a submitter waiting for room is woken once the pass's ops not complete are this few: it
+        #: then queues several ops in one wake-up, not one op per op completed
+        self.low_ops = max(1, max_ops // 2)
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -388,13 +403,19 @@ class DeviceQueue:
         a failed queued op the item is dropped (the next :meth:`sync` reports the failure); a queued
         op's ``KernelTimeout`` is raised here (once): the run is over."""
         with self._cond:
-            while (self._items or self._running) and (
-                    len(self._items) + max(0, self._inflight - 1) >= self.max_ops or self._bytes + item.nbytes > self.max_bytes):
-                if self._error is not None:
-                    break
-                self.waited_full += 1
-                if not self._wait(item.deadline_ns):
-                    raise KernelTimeout(0.0, message="waiting for room in the device queue: the run's deadline passed")
+            if self._full(item) and self._error is None:
+                # counted as waiting before the room is looked at again: the device thread stores its
+                # completions, then reads the count - one of the two sees the other's write (the GIL
+                # orders them), so a completion never passes a waiter unwoken
+                self._room_waiters += 1
+                try:
+                    while self._full(item) and self._error is None:
+                        self.waited_full += 1
+                        if not self._wait(item.deadline_ns):
+                            raise KernelTimeout(0.0, message="waiting for room in the device queue: the run's "
+                                                             "deadline passed")
+                finally:
+                    self._room_waiters -= 1
             err = self._error
             if err is not None:
                 if isinstance(err, KernelTimeout):
@@ -409,7 +430,7 @@ class DeviceQueue:
             self._items.append(item)
             self._bytes += item.nbytes
             self.submitted += 1
-            self.peak_ops = max(self.peak_ops, len(self._items) + max(0, self._inflight - 1))
+            self.peak_ops = max(self.peak_ops, len(self._items) + max(0, self._inflight - self._done - 1))
             self.peak_bytes = max(self.peak_bytes, self._bytes)
             if self._running:
                 self.overlapped += 1
@@ -417,6 +438,30 @@ class DeviceQueue:
                 self._thread = threading.Thread(target=self._loop, name="twt-device", daemon=True)
                 start_thread(self._thread)  # the worker's normal priority, above its guest's
             self._cond.notify_all()
+
+    def _full(self, item: _Item) -> bool:
+        """Whether ``item`` must wait for room (under the lock): at most :attr:`max_ops` ops queued or
+        taken and not complete besides the one running, :attr:`max_bytes` of the buffers they name (an op
+        larger alone goes into an empty queue). The bytes of the ops completed since are given back here."""
+        done = self._done
+        if done > self._freed:
+            self._bytes -= sum(it.nbytes for it in self._batch[self._freed:done])
+            self._freed = done
+        return bool(self._items or self._running) and (
+            len(self._items) + max(0, self._inflight - done - 1) >= self.max_ops
+            or self._bytes + item.nbytes > self.max_bytes)
+
+    def completed(self, done: int) -> None:
+        """The device thread: the first ``done`` ops of the pass it runs are complete (they ran, or
+        their launched chunks did: never one still running or pending) - room for as many. A submitter
+        waiting for room is woken once the pass has :attr:`low_ops` ops or fewer not complete (and at
+        the pass's end). Without the lock unless a submitter waits: one store per op."""
+        if done <= self._done:
+            return
+        self._done = done
+        if self._room_waiters and self._inflight - done <= self.low_ops:
+            with self._cond:
+                self._cond.notify_all()
 
     def sync(self, deadline_ns: int | None = None, *, raise_error: bool = True) -> bool:
         """Wait until every queued op ran (or was dropped); raise a queued op's error (once) unless
@@ -485,7 +530,11 @@ class DeviceQueue:
                 items = list(self._items)
                 self._items.clear()
                 self._inflight = len(items)
+                self._batch = items  # (take_more extends this list: the same pass)
+                self._done = self._freed = 0
                 self._running = True
+                if self._room_waiters:
+                    cond.notify_all()  # the op about to run no longer counts: room for one
             try:
                 ran, err = self._run_items(items)
             except BaseException as exc:  # noqa: BLE001 - kept for the next call into the gate
@@ -494,8 +543,12 @@ class DeviceQueue:
             done_at = time.monotonic_ns() if work is not None else 0
             with cond:
                 self.ran += ran + (1 if err is not None else 0)
-                self._bytes -= sum(item.nbytes for item in items)
+                self._bytes -= sum(item.nbytes for item in items[self._freed:])
                 self._inflight = 0
+                self._batch = []
+                self._done = self._freed = 0
+                if self._room_waiters:
+                    cond.notify_all()  # room for the pass's ops: a submitter queues before any linger
                 if err is not None:
                     self._error = err
                     self.dropped += len(items) - ran - 1 + len(self._items)
@@ -790,6 +843,7 @@ class DeviceGate:
                     return i + ran, err
                 if ran:
                     i += ran
+                    self._completed(queue, i)
                     continue
             batch = self._small_run(items, i)
             self._pass_end = i + max(1, batch) >= len(items) and (
@@ -807,7 +861,20 @@ class DeviceGate:
                 # one writer: this thread; a lease wait at the launch is no time running this worker's ops
                 queue.own_busy_ns += time.monotonic_ns() - t0 - (self._lease_wait_ns - w0)
             i += max(1, batch)
+            self._completed(queue, i)
         return len(items), None
+
+    def _completed(self, queue: DeviceQueue, launched: int) -> None:
+        """Room in the queue as the pass's ops complete (:meth:`DeviceQueue.completed`): of its first
+        ``launched`` ops, those whose chunks are no longer on the device - each chunk launched and not
+        yet run (the stub's executor) or not settled (cuda's pending timer) may be one more op not
+        complete, so an op counts complete only once every chunk launched before its end has."""
+        executor = self._executor
+        if executor is not None:
+            launched -= executor.running
+        elif self._pending_timer is not None:
+            launched -= self._pending_timer.pending
+        queue.completed(launched)
 
     def _queued_run(self, items: list[_Item], i: int) -> tuple[int, BaseException | None]:
         """A run of consecutive big queued ops of one kind and shape from ``items[i]`` on, each one
@@ -946,6 +1013,8 @@ class DeviceGate:
                 launches -= back
                 self.chunks -= back
                 del waits[len(waits) - back:]
+            # room in the queue for the ops complete: the guest queues the rest of its run meanwhile
+            queue.completed(j - executor.running if executor is not None else j)
         ran = j - i
         if ran:
             timed = ran - launches  # (launched ones: the cost model learns each at the settle)

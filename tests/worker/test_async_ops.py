@@ -160,6 +160,52 @@ def test_the_queue_is_bounded_in_bytes_too(block: QuotaBlock) -> None:
         gate.close()
 
 
+def test_a_run_longer_than_the_bound_keeps_the_queue_fed_as_its_ops_complete(block: QuotaBlock) -> None:
+    """A guest queueing more ops than the bound gets room as the device thread's ops complete, not
+    only once every op the device thread took has run: with four ops taken and two of them done, the
+    guest's waiting submits go in while the other two still run - the queue never runs dry behind a
+    pass (a run's last submits used to wait for the whole pass, the device idle until they came)."""
+    gate = DeviceGate(block, StubBackend())
+    queue = gate.queue = DeviceQueue(gate._queued_items, gate._end_stretch, max_ops=4)
+    slow = [_Slow() for _ in range(5)]
+    admitted: list[int] = []
+    ran: list[int] = []
+
+    def host() -> None:
+        for i in range(1, 8):
+            gate.submit("op", slow[i] if i < 5 else ran.append, () if i < 5 else (i,))
+            admitted.append(i)
+
+    t = threading.Thread(target=host)
+    try:
+        gate.submit("op", slow[0], ())
+        assert slow[0].started.wait(WAIT_S)  # the first pass: op 0 alone, held
+        t.start()
+        wait_for(lambda: queue.waited_full > 0)
+        assert admitted == [1, 2, 3, 4]  # four queued behind the running op: op 5 waits for room
+        slow[0].go.set()  # the next pass takes ops 1-4: op 5 goes in, op 6 waits
+        assert slow[1].started.wait(WAIT_S)
+        wait_for(lambda: len(admitted) == 5 and queue.waited_full > 1)
+        slow[1].go.set()
+        slow[2].go.set()
+        assert slow[3].started.wait(WAIT_S)
+        # ops 3 and 4 of the pass not complete (3 running): room for ops 6 and 7 now, not after op 4
+        wait_for(lambda: len(admitted) == 7)
+        assert not slow[4].started.is_set()
+        assert queue.peak_ops <= 4
+        slow[3].go.set()
+        slow[4].go.set()
+        t.join(WAIT_S)
+        gate.sync()
+        assert ran == [5, 6, 7] and queue.ran == 8
+    finally:
+        for op in slow:
+            op.go.set()
+        if t.ident is not None:
+            t.join(WAIT_S)
+        gate.close()
+
+
 def test_a_queued_ops_error_surfaces_at_the_next_sync_and_drops_the_rest(block: QuotaBlock) -> None:
     gate = DeviceGate(block, StubBackend())
     after: list[int] = []

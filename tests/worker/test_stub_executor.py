@@ -10,9 +10,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -288,6 +289,68 @@ def test_a_run_handed_over_at_a_boundary_withdraws_its_queued_gemms_and_runs_eac
         assert sum(told) == sum(charged) > 0
         assert be.read(c, 0, 4 * n * n) == np.matmul(x, y).tobytes()
     finally:
+        gate.release()
+        gate.close()
+
+
+@needs_executor
+def test_a_run_of_launched_gemms_makes_room_in_the_queue_only_as_they_run(block: QuotaBlock) -> None:
+    """More GEMMs than the queue's bound, launched on the executor: the device thread makes room for
+    the guest inside its pass, as the GEMMs complete - and counts a GEMM complete only once the executor
+    ran it (its output written), never at its launch: the bound stays on ops queued and not complete."""
+    be = StubBackend()
+    board = WaitedBoard(True)
+    board.finish = lambda ns, now=None, **kw: False  # type: ignore[method-assign]
+    board.charge = lambda ns: None  # type: ignore[attr-defined]
+    gate = DeviceGate(block, be, board)  # type: ignore[arg-type]
+    n, count = 160, 24  # (big enough not to be batched as small ops: each its own launch)
+    rng = np.random.default_rng(11)
+    x, y = rng.standard_normal((n, n)).astype(np.float32), rng.standard_normal((n, n)).astype(np.float32)
+    want = np.matmul(x, y)
+
+    def written(buf: StubBuffer) -> bool:
+        """The GEMM's output, all of it (no NaN left; to rounding: a GEMM split in chunks may differ
+        from numpy's in its last bits)."""
+        got = np.frombuffer(be.read(buf, 0, want.nbytes), np.float32).reshape(n, n)
+        return bool(np.allclose(got, want, rtol=1e-4, atol=1e-4))
+
+    a, b = _buf(be, x), _buf(be, y)
+    outs = [_buf(be, np.full((n, n), np.nan, np.float32)) for _ in range(count)]
+    reports: list[tuple[int, int, bool]] = []  # (done, ops in the pass, the newest done GEMM's output written)
+    go = threading.Event()
+    try:
+        gate.submit("scale_f32", be.scale_f32, (outs[0], 1.0, 1))  # (makes the queue and its timer)
+        gate.sync()
+        queue = gate.queue
+        assert queue is not None and isinstance(gate._executor, stub_executor.ExecutorTimer)
+        queue.max_ops, queue.low_ops = 4, 2
+        completed = queue.completed
+
+        def spy(done: int) -> None:
+            last = queue._batch[done - 1] if done > 0 else None
+            reports.append((done, len(queue._batch), last is None or last.name != "matmul_f32"
+                            or written(cast("StubBuffer", last.args[2]))))
+            completed(done)
+
+        queue.completed = spy  # type: ignore[method-assign]
+        gate.submit("hold", lambda: go.wait(timeouts.scaled(30)), ())  # the device thread held: the GEMMs queue
+        host = threading.Thread(target=lambda: [
+            gate.submit("matmul_f32", be.matmul_f32, (a, b, out, n, n, n), time.monotonic_ns() + 10**10)
+            for out in outs])
+        host.start()
+        end = time.monotonic() + timeouts.scaled(30)
+        while queue.waited_full == 0:  # four GEMMs queued, the fifth waits for room
+            assert host.is_alive() and time.monotonic() < end
+            time.sleep(0.001)
+        go.set()
+        host.join(timeouts.scaled(30))
+        gate.sync()
+        assert all(written(out) for out in outs)
+        assert queue.peak_ops <= 4
+        assert any(done < ops for done, ops, _ in reports), "no room made inside a pass"
+        assert all(ok for *_, ok in reports), "a GEMM counted complete before it ran"
+    finally:
+        go.set()
         gate.release()
         gate.close()
 
