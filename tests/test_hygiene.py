@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import importlib
 import os
+import struct
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from xml.etree import ElementTree
 
 import pytest
 
+from shared import _shm, quota
 from shared.quota import QuotaBlock, namespace_of, segment_namespace
 from tests.helpers import hygiene
 from tests.helpers.cluster import wait_for
@@ -175,6 +178,56 @@ def test_a_segment_another_process_is_still_creating_is_never_ours(monkeypatch: 
     try:
         monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # a serial run's judgement
         assert not hygiene._segment_is_ours(name)
+    finally:
+        fab.remove(name)
+
+
+@pytest.mark.parametrize("look", [1, 2, 3, 4])
+def test_a_segment_whose_creator_finishes_while_it_is_judged_is_never_ours(monkeypatch: pytest.MonkeyPatch,
+                                                                           look: int) -> None:
+    """Another run's creator writes its header (magic last) between two of the judge's looks at
+    the segment - a loaded host preempts the judge anywhere. Whichever look saw which state, the
+    segment of a live owner that is not ours is never ours: a verdict must not combine "no owner"
+    from one read with "written" from a later one (a serial run's leak fixture would unlink a
+    worker's live region between its create and its first attach). The creator here finishes
+    just before the judge's ``look``-th look (its reads of the file, and of the header)."""
+    name = f"twt-test{os.getpid()}-r{os.urandom(16).hex()}"  # a region name as the worker tests make it
+    size = 2 * 4096
+    code = f"import os; fd = os.open('/dev/shm/{name}', os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600); " \
+           f"os.ftruncate(fd, {size}); os.close(fd)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)  # made by another process
+    try:
+        assert name not in hygiene._created_segments
+        seg = _shm.attach(name)
+        looks = 0
+
+        def finish_creating() -> None:
+            nonlocal looks
+            looks += 1
+            if looks == look:  # a live owner of another run (pid 1: never ours), the magic last
+                struct.pack_into("<7Q", seg.buf, 8, quota.LAYOUT_VERSION, quota.KIND_REGION, 1,
+                                 quota.process_start_ms(1), 0, size, quota.MAX_INSTANCES)
+                struct.pack_into("<Q", seg.buf, 0, quota.MAGIC)
+
+        real_open, real_read_header = open, quota.read_header  # what hygiene imported
+
+        def looking_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+            if os.fsdecode(file).endswith("/" + name):
+                finish_creating()
+            return real_open(file, *args, **kwargs)
+
+        def looking_read_header(seg_name: str) -> Any:
+            if seg_name == name:
+                finish_creating()
+            return real_read_header(seg_name)
+
+        monkeypatch.setattr(hygiene, "open", looking_open, raising=False)
+        monkeypatch.setattr(hygiene, "read_header", looking_read_header)
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # a serial run's judgement
+        try:
+            assert not hygiene._segment_is_ours(name), f"judged ours after {looks} looks"
+        finally:
+            seg.close()
     finally:
         fab.remove(name)
 

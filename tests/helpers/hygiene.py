@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
 
 import psutil
 
@@ -216,14 +216,27 @@ def _process_is_ours(pid: int) -> bool:
     return marker is not None and env.get(SESSION_ENV) == marker
 
 
-def _raw_owner(name: str) -> tuple[int, int] | None:
-    """(owner pid, owner start) from any layout version's header (the first line is the
-    same in all), or None when the file is not a tensor-wasm-tenant segment."""
+#: what :func:`_raw_owner` reports for a segment whose header is not written yet
+_UNWRITTEN: Final = "unwritten"
+
+
+def _raw_owner(name: str) -> tuple[int, int] | Literal["unwritten"] | None:
+    """(owner pid, owner start) from any layout version's header (the first line is the same in
+    all); :data:`_UNWRITTEN` for a segment whose header is not written yet (empty, or no magic:
+    its creator writes the magic last - another process may be creating it this moment); None
+    when the file is gone or not a tensor-wasm-tenant segment.
+
+    One read answers both questions. Two (the owner, then "is it written yet?") may straddle the
+    creator's header write: the first finds no owner, the second a header, and a live owner's
+    segment passes for an ownerless leftover - which a serial run's leak fixture unlinks, under
+    another worker's test between its create and its first attach."""
     try:
         with open(os.path.join(SHM_DIR, name), "rb") as f:
             head = f.read(40)
     except OSError:
         return None
+    if len(head) < 8 or head[:8] == bytes(8):
+        return _UNWRITTEN
     if len(head) < 40:
         return None
     magic, _version, _kind, pid, start = struct.unpack("<5Q", head)
@@ -244,17 +257,6 @@ def _dead_owners_segment_is_ours(name: str) -> bool:
     return namespace in _namespaces
 
 
-def _unwritten(name: str) -> bool:
-    """True for a segment whose header is not written yet: empty, or no magic (its creator writes
-    the magic last) - a segment another process may be creating this moment."""
-    try:
-        with open(os.path.join(SHM_DIR, name), "rb") as f:
-            head = f.read(8)
-    except OSError:
-        return False
-    return len(head) < 8 or head == bytes(8)
-
-
 def _segment_is_ours(name: str) -> bool:
     try:
         header = read_header(name)
@@ -262,7 +264,7 @@ def _segment_is_ours(name: str) -> bool:
         # Another layout version (a run of another build on this machine) or not
         # ours at all: judge by the recorded owner when there is one.
         owner = _raw_owner(name)
-        if owner is None and _unwritten(name):
+        if owner == _UNWRITTEN:
             # no owner recorded yet: its creator may be between its shm_open and its header, in
             # another run (a serial run beside a parallel one - the self-tests' child run - took
             # such a segment from another worker's test between its create and its attach)
