@@ -83,6 +83,10 @@ The rules that keep bytes and quota whole:
   no longer counts, and for the moments until it exits the processes may
   number ``max_active`` plus those stopping ones. A device's bound counts every
   worker until its process is gone (its context holds the device's memory).
+  The parks that keep ``park_ahead`` places free, and idle tenants' parks, wait
+  while an activation is out (:mod:`supervisor.lifecycle.quiet`: from
+  :meth:`Parking.activate` until the requests it woke are answered), each to its
+  bound; the one owed for room - no place free - does not.
 
 Owns: every tenant's :class:`~supervisor.runtime.tenants.ParkRecord` and its
 transitions. May touch: the worker set (requests, start, stop), the frontend's
