@@ -2,8 +2,11 @@
 
     Parking.activate ──► out(tenant) ── bind, restore ──► the waiting requests sent ─┐
                                                           (their ids: ``served``)     │
-        the last of them answered (WorkerSet's reply path), the activation failed ◄───┘
-        or stopped, the worker died, or OUT_MAX_S passed ──► in(tenant)
+        the last of them answered (WorkerSet's reply path) ◄─────────────────────────┘
+            │ its next request, if it is the next one sent (``next_sent``), and until it
+            │ is answered; FOLLOW_S at most for it to come, another tenant's request first: none
+            ▼
+        the activation failed or stopped, the worker died, or OUT_MAX_S passed ──► in(tenant)
                                                               │ nothing else out
                                                               ▼
         held work runs, in the order it was held: pool refills and replacements
@@ -22,6 +25,15 @@ tenant's park. What does not: a pool with no warm worker left refills at once
 and a park owed for room - an activation that finds no place, or the last
 place taken - begins at once (:mod:`supervisor.lifecycle.parking`).
 
+A woken tenant stays out past its waking requests' answers for its next
+request: a client that woke its tenant sends the work it woke it for as the
+answer comes (a ping, then the first ``run_wasm``), and the replacement
+released at the ping's answer started beside that run. The window is bounded
+twice - FOLLOW_S for the request to come, and it ends as the first request of
+another tenant is sent - so that under a stream of many tenants' requests the
+gate opens as before (held refills waiting to their bound left the pool
+without warm workers).
+
 Held work is keyed: holding a key already held keeps the earlier hold (and
 its earlier bound), so a burst of takes or ticks is one refill when the gate
 opens, not one each. Each held callback looks at the state again when it
@@ -38,12 +50,16 @@ from typing import Final
 
 from supervisor.runtime.loop import Timer, Timers
 
-__all__ = ["OUT_MAX_S", "QuietGate"]
+__all__ = ["FOLLOW_S", "OUT_MAX_S", "QuietGate"]
 
 #: an activation counts as out for this long at most: a request that hangs (or a path that ends an
 #: activation without telling the gate) does not keep held work waiting beyond its own bound, nor
 #: the pool at one start at a time, for longer
 OUT_MAX_S: Final = 1.0
+#: a woken tenant whose waking requests are answered stays out this long at most for its next
+#: request to come (a client's turn from an answer to its next request: well under a millisecond
+#: quiet, a few on the loaded 2-core host)
+FOLLOW_S: Final = 0.005
 
 
 class _Held:
@@ -65,6 +81,11 @@ class QuietGate:
         self._out: dict[str, float] = {}
         #: of those whose waiting requests were sent: the ids not answered yet
         self._rids: dict[str, set[int]] = {}
+        #: of those whose waiting requests are answered: waiting for their next request (FOLLOW_S
+        #: at most); the worker set looks at it as it sends each request
+        self.following: dict[str, Timer] = {}
+        #: of those: the next request was sent - in once it is answered
+        self._followed: set[str] = set()
         #: held work, in the order it was held, by key
         self._held: dict[str, _Held] = {}
         #: held callbacks run as the gate opened, and at their bound with an activation out (status
@@ -89,7 +110,7 @@ class QuietGate:
     def out(self, tenant: str) -> None:
         """``tenant``'s activation began: held work waits until its requests are answered."""
         self._out[tenant] = self.clock()
-        self._rids.pop(tenant, None)
+        self._forget(tenant)
 
     def sent(self, tenant: str, rids: set[int]) -> None:
         """``tenant``'s activation is done and its waiting requests went out as ``rids``: it is
@@ -110,7 +131,25 @@ class QuietGate:
         rids.discard(rid)
         if rids:
             return False
-        self.done(tenant)
+        if tenant in self._followed:
+            self.done(tenant)
+        else:  # out a little longer, for its next request
+            self.following[tenant] = self.timers.after(FOLLOW_S, lambda: self.done(tenant))
+        return True
+
+    def next_sent(self, tenant: str, rid: int) -> bool:
+        """A request ``rid`` of ``tenant`` was sent while some woken tenant waits for its next
+        one: True when it is that request (``tenant`` is out until it is answered; the caller
+        marks its worker). Every other tenant waiting so is in now: the supervisor serves
+        another tenant's request first."""
+        mine = self.following.pop(tenant, None)
+        for other in list(self.following):
+            self.done(other)
+        if mine is None:
+            return False
+        mine.cancel()
+        self._followed.add(tenant)
+        self._rids[tenant] = {rid}
         return True
 
     def done(self, tenant: str) -> None:
@@ -118,13 +157,20 @@ class QuietGate:
         with nothing else out, the held work runs now."""
         if self._out.pop(tenant, None) is None:
             return
-        self._rids.pop(tenant, None)
+        self._forget(tenant)
         if not self._out:
             self._release()
 
     def _end(self, tenant: str) -> None:
         self._out.pop(tenant, None)
+        self._forget(tenant)
+
+    def _forget(self, tenant: str) -> None:
         self._rids.pop(tenant, None)
+        self._followed.discard(tenant)
+        timer = self.following.pop(tenant, None)
+        if timer is not None:
+            timer.cancel()
 
     def hold(self, key: str, fn: Callable[[], None], max_wait_s: float) -> bool:
         """Run ``fn`` now if no activation is out (True), else once none is or ``max_wait_s`` from

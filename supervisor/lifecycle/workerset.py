@@ -269,6 +269,8 @@ class WorkerSet:
                                       queued=len(worker.in_flight)) from None
             raise WorkerLost(pending.tenant, pending.instance, reason=f"worker unreachable: {exc.strerror}") from None
         self.pending.add(worker, rid, pending)
+        if self.quiet.following and self.quiet.next_sent(pending.tenant, rid):
+            worker.gated = True  # a woken tenant's next request: held work waits for its answer
 
     def free_undelivered(self, tenant: str, handle: int) -> None:
         """An ``alloc`` succeeded but its client was never told (its reply could not be sent):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.lifecycle import quiet
 from supervisor.store.state import StateStore
 from tests.supervisor.lifecycle.test_lifecycle_inprocess import Harness
 
@@ -45,7 +46,11 @@ def test_an_activation_that_takes_the_last_place_parks_ahead_at_once(tmp_path: P
     try:
         cap = h.call("capability", {"tenant": "sleepy"})["capability"]
         h.call("ping", {}, cap)
-        # the clock does not move: no tick, no quiet time's end; two places short of park_ahead
+        # the clock does not move: no tick; the place owed for the next activation is made at once
+        h.until(lambda: len(_exports(h)) == 1)
+        assert len(_exports(h)) == 1, "the rest of park_ahead waits while sleepy may send its next request"
+        h.clock.advance(quiet.FOLLOW_S * 1.2)  # it sent none
+        h.sup.turn(0.0)
         h.until(lambda: len(_exports(h)) == 2)
         assert sorted(_exports(h)) == ["mid", "old"]
     finally:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from shared import protocol as proto
-from supervisor.lifecycle import parking, workerset
+from supervisor.lifecycle import parking, quiet, workerset
 from supervisor.lifecycle.quiet import QuietGate
 from supervisor.runtime.loop import Timers
 from supervisor.store.state import StateStore
@@ -103,8 +103,9 @@ def _exports(h: Harness) -> list[str]:
 def test_a_pool_refill_waits_while_another_tenants_woken_request_is_out_and_starts_as_it_is_answered(
         tmp_path: Path) -> None:
     """``a`` is woken and answered; while ``b``'s woken request is out, no pool worker starts -
-    neither ``a``'s replacement nor ``b``'s - until it is answered (each tenant's own quiet time
-    let ``a``'s start run across ``b``'s activation)."""
+    neither ``a``'s replacement nor ``b``'s - until it is answered and no next request of ``b``'s
+    came within FOLLOW_S (each tenant's own quiet time let ``a``'s start run across ``b``'s
+    activation)."""
     catch = _Catch()
     h = _harness(tmp_path, parked=("a", "b"), catch=catch, pool_size=3)
     try:
@@ -125,7 +126,7 @@ def test_a_pool_refill_waits_while_another_tenants_woken_request_is_out_and_star
         catch.answer_all()
         ok, _ = h.answer(rid)
         assert ok
-        h.settle()
+        _step(h, quiet.FOLLOW_S * 1.2)  # and no next request of b's came
         assert len(h.spawner.workers) > before, "the held refill starts as b's request is answered"
         h.until(lambda: len(ws.pool) == 3 and ws.pool_starting == 0)
     finally:
@@ -151,7 +152,7 @@ def test_a_held_refill_starts_at_its_bound_one_at_a_time_while_an_activation_is_
         assert len(h.spawner.workers) == spawned + 1 and ws.pool_starting == workerset.POOL_STARTS_WHILE_OUT == 1
         catch.answer_all()
         _answered(h, rids)
-        h.settle()
+        _step(h, quiet.FOLLOW_S * 1.2)  # no next request of a's or b's
         assert len(h.spawner.workers) == spawned + 2 and ws.pool_starting == 2  # the gate open: the rest
     finally:
         h.close()
@@ -178,7 +179,7 @@ def test_a_take_that_leaves_the_pool_without_a_warm_worker_starts_the_held_refil
         assert len(h.spawner.workers) == spawned + 1 and ws.pool_starting == 1, "one start at once"
         catch.answer_all()
         _answered(h, rids)
-        h.settle()
+        _step(h, quiet.FOLLOW_S * 1.2)
         assert len(h.spawner.workers) == spawned + 2
     finally:
         h.close()
@@ -205,7 +206,7 @@ def test_a_park_ahead_waits_while_another_activation_restores_and_begins_as_its_
         catch.when = lambda _w, _op: False
         catch.answer_all()
         assert h.answer(rid)[0]
-        h.settle()
+        _step(h, quiet.FOLLOW_S * 1.2)
         assert len(_exports(h)) > len(began)
     finally:
         h.close()
@@ -247,7 +248,7 @@ def test_an_idle_park_waits_while_an_activation_is_out(tmp_path: Path) -> None:
         assert _exports(h) == [], "no idle park while s1's woken request is out"
         catch.answer_all()
         assert h.answer(rid)[0]
-        h.settle()
+        _step(h, quiet.FOLLOW_S * 1.2)
         assert _exports(h) == ["idle"]
     finally:
         h.close()
@@ -265,7 +266,8 @@ def test_the_gate_counts_an_activation_out_until_its_requests_are_answered_or_it
     assert not gate.hold("x", lambda: ran.append("again"), 0.05)  # held already: one run
     gate.sent("a", {1, 2})
     assert not gate.answered("a", 1) and ran == []
-    assert gate.answered("a", 2) and ran == []  # a is in; b still out
+    assert gate.answered("a", 2) and ran == []  # a's answered; b still out
+    assert not gate.next_sent("z", 9)  # another tenant's request: a is in
     gate.sent("b", set())  # nothing was sent for b: in at once
     assert ran == ["x"] and gate.quiet and gate.released == 1
     gate.out("c")
@@ -277,3 +279,68 @@ def test_the_gate_counts_an_activation_out_until_its_requests_are_answered_or_it
     assert ran == ["x", "y"] and gate.forced == 1 and not gate.quiet
     now[0] += 1.0  # an activation out past OUT_MAX_S no longer counts
     assert gate.quiet
+
+
+def test_a_woken_tenants_replacement_waits_for_its_next_request_and_starts_as_that_is_answered(
+        tmp_path: Path) -> None:
+    """``a`` is woken by a ping and answered: its taken worker's replacement does not start then,
+    nor while ``a``'s next request (the work it was woken for) is out, but as that is answered."""
+    catch = _Catch()
+    h = _harness(tmp_path, parked=("a",), catch=catch, pool_size=3)
+    try:
+        ws = h.sup.parts.workers
+        h.until(lambda: len(ws.pool) == 3 and ws.pool_starting == 0)
+        cap = h.call("capability", {"tenant": "a"})["capability"]
+        before = len(h.spawner.workers)
+        assert h.call("ping", {}, cap) is not None
+        h.settle()
+        assert len(h.spawner.workers) == before, "no start at the waking request's answer"
+        catch.when = lambda w, op: op == "ping" and w.tenant == "a"
+        rid = h.send("ping", {}, cap)
+        h.until(lambda: bool(catch.caught))
+        _step(h, quiet.FOLLOW_S * 2)  # past the window for it to come: it came, and is out
+        assert len(h.spawner.workers) == before, "no start while a's next request is out"
+        catch.when = lambda _w, _op: False
+        catch.answer_all()
+        assert h.answer(rid)[0]
+        h.settle()
+        assert len(h.spawner.workers) > before, "the held replacement starts as it is answered"
+        h.until(lambda: len(ws.pool) == 3 and ws.pool_starting == 0)
+    finally:
+        h.close()
+
+
+def test_a_woken_tenant_is_in_when_no_next_request_comes_within_the_bound_or_another_tenants_comes_first(
+        ) -> None:
+    now = [100.0]
+    timers = Timers(lambda: now[0])
+    gate = QuietGate(timers, lambda: now[0])
+    ran: list[str] = []
+
+    def due() -> None:
+        for timer in list(timers._heap):
+            if timer.when <= now[0] and not timer.cancelled:
+                timer.cancelled = True
+                timer.fn()
+
+    gate.out("a")
+    assert not gate.hold("x", lambda: ran.append("x"), 0.05)
+    gate.sent("a", {1})
+    assert gate.answered("a", 1) and not gate.quiet and ran == []  # out for its next request
+    now[0] += quiet.FOLLOW_S * 1.2
+    due()
+    assert ran == ["x"] and gate.quiet  # none came within the bound
+    gate.out("b")
+    assert not gate.hold("y", lambda: ran.append("y"), 0.05)
+    gate.sent("b", {2})
+    assert gate.answered("b", 2) and not gate.quiet
+    assert not gate.next_sent("c", 3)  # another tenant's request first: b is in
+    assert ran == ["x", "y"] and gate.quiet
+    gate.out("d")
+    gate.sent("d", {4})
+    assert gate.answered("d", 4)
+    assert gate.next_sent("d", 5) and not gate.quiet  # its next request: out until answered
+    now[0] += quiet.FOLLOW_S * 2
+    due()
+    assert not gate.quiet
+    assert gate.answered("d", 5) and gate.quiet
