@@ -4,7 +4,8 @@
                                                           (their ids: ``served``)     │
         the last of them answered (WorkerSet's reply path) ◄─────────────────────────┘
             │ its next request, if it is the next one sent (``next_sent``), and until it
-            │ is answered; FOLLOW_S at most for it to come, another tenant's request first: none
+            │ is answered; FOLLOW_S at most for it to come; another tenant's request sent or
+            │ activation begun first: none
             ▼
         the activation failed or stopped, the worker died, or OUT_MAX_S passed ──► in(tenant)
                                                               │ nothing else out
@@ -29,10 +30,12 @@ A woken tenant stays out past its waking requests' answers for its next
 request: a client that woke its tenant sends the work it woke it for as the
 answer comes (a ping, then the first ``run_wasm``), and the replacement
 released at the ping's answer started beside that run. The window is bounded
-twice - FOLLOW_S for the request to come, and it ends as the first request of
-another tenant is sent - so that under a stream of many tenants' requests the
-gate opens as before (held refills waiting to their bound left the pool
-without warm workers).
+twice - FOLLOW_S for the request to come, and it ends as another tenant's
+request is sent or another activation begins, before that one counts as out -
+so that under a stream of many tenants' requests the gate opens between
+activations as before (a window that ran on into the next activation kept
+the gate shut across runs of activations: refills one at a time at their
+bound, 95-97 % of activations with a warm worker).
 
 Held work is keyed: holding a key already held keeps the earlier hold (and
 its earlier bound), so a burst of takes or ticks is one refill when the gate
@@ -108,7 +111,11 @@ class QuietGate:
         return key in self._held
 
     def out(self, tenant: str) -> None:
-        """``tenant``'s activation began: held work waits until its requests are answered."""
+        """``tenant``'s activation began: held work waits until its requests are answered. A woken
+        tenant waiting for its next request is in first (another tenant's request came first):
+        the work it held runs now, as it would have at its answer, not after this activation."""
+        for other in [t for t in self.following if t != tenant]:
+            self.done(other)
         self._out[tenant] = self.clock()
         self._forget(tenant)
 

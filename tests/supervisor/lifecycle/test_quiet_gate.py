@@ -114,7 +114,7 @@ def test_a_pool_refill_waits_while_another_tenants_woken_request_is_out_and_star
         cap_a = h.call("capability", {"tenant": "a"})["capability"]
         cap_b = h.call("capability", {"tenant": "b"})["capability"]
         h.call("ping", {}, cap_a)
-        h.settle()
+        _step(h, quiet.FOLLOW_S * 1.2)  # no next request of a's: its replacement started
         before = len(h.spawner.workers)
         catch.when = lambda w, op: op == "ping" and w.tenant == "b"
         rid = h.send("ping", {}, cap_b)
@@ -195,7 +195,7 @@ def test_a_park_ahead_waits_while_another_activation_restores_and_begins_as_its_
     try:
         caps = [h.call("capability", {"tenant": n})["capability"] for n in ("s1", "s2")]
         h.call("ping", {}, caps[0])
-        h.settle()
+        _step(h, quiet.FOLLOW_S * 1.2)  # no next request of s1's
         began = _exports(h)
         catch.when = lambda w, op: op == "import_buffer" and w.tenant == "s2"
         rid = h.send("ping", {}, caps[1])
@@ -344,3 +344,18 @@ def test_a_woken_tenant_is_in_when_no_next_request_comes_within_the_bound_or_ano
     due()
     assert not gate.quiet
     assert gate.answered("d", 5) and gate.quiet
+
+
+def test_another_activation_ends_a_woken_tenants_wait_for_its_next_request_before_it_counts_out() -> None:
+    """The work held through ``a``'s activation runs as ``b``'s begins (as it would have at
+    ``a``'s answer), not after ``b``'s requests are answered too."""
+    now = [100.0]
+    timers = Timers(lambda: now[0])
+    gate = QuietGate(timers, lambda: now[0])
+    ran: list[str] = []
+    gate.out("a")
+    assert not gate.hold("x", lambda: ran.append("x"), 0.05)
+    gate.sent("a", {1})
+    assert gate.answered("a", 1) and ran == []
+    gate.out("b")
+    assert ran == ["x"] and not gate.quiet and gate.released == 1
