@@ -83,6 +83,10 @@ The rules that keep bytes and quota whole:
   no longer counts, and for the moments until it exits the processes may
   number ``max_active`` plus those stopping ones. A device's bound counts every
   worker until its process is gone (its context holds the device's memory).
+  The parks that keep ``park_ahead`` places free, and idle tenants' parks, wait
+  while an activation is out (:mod:`supervisor.lifecycle.quiet`: from
+  :meth:`Parking.activate` until the requests it woke are answered), each to its
+  bound; the one owed for room - no place free - does not.
 
 Owns: every tenant's :class:`~supervisor.runtime.tenants.ParkRecord` and its
 transitions. May touch: the worker set (requests, start, stop), the frontend's
@@ -131,15 +135,15 @@ RETRY_AFTER_UNKNOWN_S: Final = 1.0
 EARLY_PARK_BACKOFF_S: Final = 5.0
 #: without a ``park_ahead`` setting, 1/this of ``max_active`` is kept free (0 below this many)
 PARK_AHEAD_DIV: Final = 16
-#: the park ahead that an activation asks for (the place it took, made free again) waits while the
-#: woken tenant is served, as long as a place is still free for the next activation: it begins once
-#: the tenant's workers have been quiet (nothing in flight, nothing answered) for this long - an
-#: export round trip and a worker's exit (~5 ms of CPU) ran across the woken tenant's first
-#: requests on a 2-core host ...
-ROOM_HOLD_QUIET_S: Final = 0.005
-#: ... and at most this long after the activation (the housekeeping tick's look, which it stands in
-#: for meanwhile, comes as often)
+#: a park ahead (the place an activation took, made free again) waits while an activation is out
+#: (supervisor.lifecycle.quiet), as long as a place is still free for the next activation - an
+#: export round trip and a worker's exit (~5 ms of CPU) ran across the woken tenant's restore and
+#: first requests on a 2-core host - at most this long from when it was first held (the
+#: housekeeping tick's look comes as often); one owed for room (no place free) begins at once
 ROOM_HOLD_MAX_S: Final = 0.05
+#: an idle tenant's park waits while an activation is out, at most this long (its idle timeout is
+#: seconds or more: this is a small part of it, and no request waits for it)
+IDLE_HOLD_MAX_S: Final = 0.25
 
 
 class Parking:
@@ -220,10 +224,9 @@ class Parking:
         #: when each tenant's last park was refused (see EARLY_PARK_BACKOFF_S)
         self._refused_at: dict[str, float] = {}
         self._retrying = False
-        #: the park ahead put off while woken tenants are served (see ROOM_HOLD_QUIET_S): until when
-        #: at most, and each such tenant with its workers' answers counted when last looked at
-        self._room_until: float | None = None
-        self._room_watch: dict[str, tuple[TenantRuntime, int]] = {}
+        #: while an activation is out, parks ahead and idle parks wait (ROOM_HOLD_MAX_S,
+        #: IDLE_HOLD_MAX_S at most); the worker set's refills wait at the same gate
+        self.quiet = workers.quiet
         #: the death watches of an export in progress, by tenant: taken off when it ends
         self._watches: dict[str, list[tuple[WorkerHandle, Callable[[WorkerHandle], None]]]] = {}
         signals.on_bind_sent(self._on_bind_sent)
@@ -254,11 +257,22 @@ class Parking:
         """Housekeeping: park every tenant idle past its ``idle_timeout_s``; activations waiting
         for room look again (room also comes from evictions and deaths)."""
         self._retry_room_waiters()
-        working = self._keep_room() if self._room_until is None else None  # (else: as the woken are quiet)
+        working = self._keep_room()
         for tid in [t for t in self._files if (o := self.tenants.get(t)) is None or o.park is None]:
             self._drop_files(tid)  # evicted while parked (or parking): its files go with it
         if self._refused_at:
             self._refused_at = {t: at for t, at in self._refused_at.items() if now - at < EARLY_PARK_BACKOFF_S}
+        if self.quiet.held("idle") or not self.quiet.hold("idle", self._park_idle_held, IDLE_HOLD_MAX_S):
+            return  # an activation is out: the idle parks wait for it (IDLE_HOLD_MAX_S at most)
+        self._park_idle(now, working)
+
+    def _park_idle_held(self) -> None:
+        if not self.stopping():
+            self._park_idle(self.clock(), None)
+
+    def _park_idle(self, now: float, working: list[TenantRuntime] | None) -> None:
+        """Park every tenant idle past its ``idle_timeout_s`` (``working``: the tenants a live
+        worker serves, when the caller has them)."""
         for rt in working if working is not None else self._working():  # only a tenant a worker serves can park
             timeout = rt.spec.idle_timeout_s
             if timeout is None or rt.park is not None:
@@ -675,14 +689,20 @@ class Parking:
             if _parkable(o) and now - self._refused_at.get(o.tenant_id, -math.inf) >= EARLY_PARK_BACKOFF_S:
                 yield o
 
-    def _keep_room(self) -> list[TenantRuntime] | None:
+    def _keep_room_held(self) -> None:
+        self._keep_room(held=True)
+
+    def _keep_room(self, *, held: bool = False) -> list[TenantRuntime] | None:
         """Keep ``park_ahead`` of ``max_active``'s places free: park the least recently used idle
-        tenants past ``max_active - park_ahead`` now, after an activation took a place and at each
+        tenants past ``max_active - park_ahead``, after an activation took a place and at each
         housekeeping look, so that the next activation binds at once. Without it, every activation
         at the bound waited for an early park of another tenant (its export round trip and its
         workers' stop: ~15 ms quiet, a p50 of 20 ms at the density bench's 10,000 tenants).
-        Returns the tenants a live worker serves as it found them (:meth:`_census`; the same
-        tenants after its parks, which only begin), None when it did not look."""
+        While an activation is out, only the park owed for room - no place free - begins; the
+        rest wait for the quiet gate (ROOM_HOLD_MAX_S at most; ``held``: this is that look, and
+        parks them all). Returns the tenants a live worker serves as it found them
+        (:meth:`_census`; the same tenants after its parks, which only begin), None when it did
+        not look."""
         ahead = self.park_ahead
         if self.max_active is None or ahead <= 0 or self.stopping() or self._room_waiters:
             return None  # (room waiters: _make_room is making room for them)
@@ -693,9 +713,14 @@ class Parking:
                 free += sum(1 for s in other.slots if s.worker is not None and s.worker.state is not WorkerState.DEAD)
         if free >= ahead:
             return working
+        want = ahead
+        if not held and not self.quiet.quiet:
+            if not self.quiet.held("room"):
+                self.quiet.hold("room", self._keep_room_held, ROOM_HOLD_MAX_S)
+            want = 1  # a place for the next activation: owed now; the rest as the gate opens
         now = self.clock()
         victims = self._idle_lru(working, now, None)  # the least recently used first
-        while free < ahead:  # (looked at only while places are still short)
+        while free < want:  # (looked at only while places are still short)
             victim = next(victims, None)
             if victim is None:
                 break
@@ -762,6 +787,7 @@ class Parking:
         assert rec is not None
         rec.phase = ParkPhase.ACTIVATING
         rec.since = self.clock()
+        self.quiet.out(rt.tenant_id)  # held work waits until its requests are answered
         woken = self._waiting_since.pop(rt.tenant_id, None)
         self._waited_ms[rt.tenant_id] = round((rec.since - woken) * 1000, 3) if woken is not None else 0.0
         rec.wanted = False
@@ -1003,48 +1029,27 @@ class Parking:
             self._emit_activate(rt.tenant_id, fields)
         if self.persist is not None:
             self.persist(rt.tenant_id, False, None)
+        before = {id(s.worker): set(s.worker.in_flight) for s in rt.slots if s.worker is not None}
         self.on_active(rt)  # its waiting requests are sent: they go first
+        self._gate_sent(rt, before)  # held work waits for their answers
         for slot, worker in self._load_after.pop(rt.tenant_id, ()):
             if slot.worker is worker and worker.state is WorkerState.READY:
                 self._send(rt, slot, worker, "load_modules", {}, None, lambda _ok, _payload: None)
-        self._keep_room_after(rt)  # the place this activation took: made again ahead of the next one
+        self._keep_room()  # the place this activation took: made again ahead of the next one
 
-    def _keep_room_after(self, rt: TenantRuntime) -> None:
-        """The park ahead that ``rt``'s activation asks for (:meth:`_keep_room`), once ``rt`` is
-        quiet (ROOM_HOLD_QUIET_S; ROOM_HOLD_MAX_S at most): a woken tenant's first requests follow
-        its activation within milliseconds, and a park's export and its worker's exit beside them
-        took a core from them on a small host. At once when no place is free for the next
-        activation (it would wait for an early park instead)."""
-        if self.max_active is None or self.park_ahead <= 0 or self.stopping():
-            return
-        if self.max_active - self._alive()[0] < 1:
-            self._keep_room()
-            return
-        self._room_watch[rt.tenant_id] = (rt, _answered(rt))
-        if self._room_until is None:
-            self._room_until = self.clock() + ROOM_HOLD_MAX_S
-            self.workers.loop.timers.after(ROOM_HOLD_QUIET_S, self._room_check)
-
-    def _room_check(self) -> None:
-        """The quiet time of the tenants whose activations put off a park ahead is up: any of them
-        answered something since, or has a request in flight, and the put-off's end is not reached
-        - looked at again; else the park ahead now."""
-        until = self._room_until
-        if until is None:
-            return
-        now = self.clock()
-        busy = False
-        for tid, (rt, answered) in list(self._room_watch.items()):
-            now_answered = _answered(rt)
-            if now_answered != answered or rt.in_flight or any(s.worker.in_flight for s in rt.slots if s.worker):
-                busy = True
-                self._room_watch[tid] = (rt, now_answered)
-        if busy and now < until:
-            self.workers.loop.timers.after(min(ROOM_HOLD_QUIET_S, until - now), self._room_check)
-            return
-        self._room_until = None
-        self._room_watch.clear()
-        self._keep_room()
+    def _gate_sent(self, rt: TenantRuntime, before: dict[int, set[int]]) -> None:
+        """``rt``'s waiting requests went out (``before``: each worker's requests in flight before
+        they did, by ``id``): the quiet gate holds its work until they are answered."""
+        rids: set[int] = set()
+        for slot in rt.slots:
+            worker = slot.worker
+            if worker is None:
+                continue
+            new = worker.in_flight.keys() - before.get(id(worker), set())
+            if new:
+                worker.gated = True
+                rids |= new
+        self.quiet.sent(rt.tenant_id, rids)
 
     def _activation_failed(self, rt: TenantRuntime, rec: ParkRecord, payload: object) -> None:
         """An import was refused (the GPU cap was lowered below the buffers while parked): the
@@ -1087,7 +1092,9 @@ class Parking:
                     rt.refresh_state()
 
     def _forget_activation(self, tid: str) -> None:
-        """An activation ended without being done: what its ``activate`` event would have said goes."""
+        """An activation ended without being done: what its ``activate`` event would have said
+        goes, and it is no longer out (the quiet gate)."""
+        self.quiet.done(tid)
         self._artifacts_loaded.pop(tid, None)
         self._lost.pop(tid, None)
         self._how.pop(tid, None)
@@ -1116,11 +1123,6 @@ def _parkable(rt: TenantRuntime) -> bool:
             and not rt.rolling_left and rt.rolling_slot is None and bool(wanted)
             and all(s.ready and s.worker is not None and not s.worker.in_flight for s in wanted)
             and all(s.worker is None for s in rt.slots if s.draining) and not rt.block.closed)
-
-
-def _answered(rt: TenantRuntime) -> int:
-    """The replies ``rt``'s live workers gave so far (a change: it was served meanwhile)."""
-    return sum(s.worker.served for s in rt.slots if s.worker is not None)
 
 
 def _leaving(owner: TenantRuntime | None, worker: WorkerHandle) -> bool:

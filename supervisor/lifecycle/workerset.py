@@ -64,6 +64,7 @@ from shared.exitcodes import exit_cause, exit_reason
 from shared.log import get_logger, log_event
 from shared.records import ExitRecord
 from shared.worker_link import WORKER_WARMED, BindMessage, FaultAck, FaultExit, WorkerHello
+from supervisor.lifecycle.quiet import QuietGate
 from supervisor.observe.events import EventBus
 from supervisor.runtime.loop import Loop
 from supervisor.observe.metrics import Metrics
@@ -123,18 +124,17 @@ POOL_REFILL_LAG_S = 0.05
 #: after another as each is warmed, not all at the housekeeping tick - a start is ~10 ms of CPU,
 #: and a burst of them at a tick took the cores from the activations of that moment
 POOL_STARTS_AT_ONCE = 2
-#: a warm pool worker's replacement waits while the tenant it went to is being served: it starts
-#: once that worker has been quiet (nothing in flight, nothing answered) for this long, so that a
-#: start's CPU (~11 ms: fork, the child's start, the warm-up) does not run across the woken
-#: tenant's restore and first requests - on a 2-core host it took a core from them, and a first
-#: ``run_wasm`` after an activation ran beside it in 18 of 20 activations
-POOL_HOLD_QUIET_S = 0.005
-#: and at most this long after the take (a tenant kept busy does not keep the pool short): no
-#: later than the housekeeping tick's refill it replaced (POOL_REFILL_LAG_S, counted in the
-#: pool's size)
+#: and while an activation is out (supervisor.lifecycle.quiet): a start beside it takes a core from
+#: the woken tenant's restore and first requests on a 2-core host
+POOL_STARTS_WHILE_OUT = 1
+#: a refill - a warm pool worker's replacement, the housekeeping tick's, the next start in line -
+#: waits while an activation is out (the quiet gate: a start's CPU, ~11 ms - fork, the child's
+#: start, the warm-up - ran across the woken tenant's restore and first requests), at most this
+#: long from when it was first held (no later than the housekeeping tick's refill it replaced:
+#: POOL_REFILL_LAG_S, counted in the pool's size), and then one start at a time
 POOL_HOLD_MAX_S = 0.05
-#: a replacement waits only while the pool keeps at least this many warm workers for the next
-#: activation; a take that leaves fewer starts every waiting replacement at once
+#: a refill waits only while the pool keeps at least this many warm workers for the next
+#: activation; a take that leaves fewer starts the held refill at once
 POOL_HOLD_FLOOR = 1
 #: the share of activations that should find a warm pool worker: the pool holds the demand of one
 #: refill's time at this quantile (a Poisson count of starts at the rate measured), not its mean
@@ -215,9 +215,9 @@ class WorkerSet:
         self.pool_starting = 0
         #: the last refill was put off for a bind in flight (the next one is not: see refill_pool)
         self._refill_put_off = False
-        #: replacements of warm pool workers taken, waiting while their tenants are served (see
-        #: POOL_HOLD_QUIET_S), by the taken worker's id: not started while the pool keeps its floor
-        self._holds: dict[str, _Hold] = {}
+        #: while an activation is out, refills wait (POOL_HOLD_MAX_S at most) and so do parks ahead
+        #: (supervisor.lifecycle.parking): the one gate both hold their work at
+        self.quiet = QuietGate(loop.timers, self.clock)
         self._pool_failures = 0
         self._pool_retry_at = 0.0
         #: the warm pool's size now: ``pool_size`` .. ``pool_max``, following the demand (see pool_target_now)
@@ -269,6 +269,8 @@ class WorkerSet:
                                       queued=len(worker.in_flight)) from None
             raise WorkerLost(pending.tenant, pending.instance, reason=f"worker unreachable: {exc.strerror}") from None
         self.pending.add(worker, rid, pending)
+        if self.quiet.following and self.quiet.next_sent(pending.tenant, rid):
+            worker.gated = True  # a woken tenant's next request: held work waits for its answer
 
     def free_undelivered(self, tenant: str, handle: int) -> None:
         """An ``alloc`` succeeded but its client was never told (its reply could not be sent):
@@ -399,16 +401,25 @@ class WorkerSet:
         while self.config.pool_max is not None and self.pool and len(self.pool) + self.pool_starting > target:
             self.stop_worker(self.pool[0], "pool shrunk")  # the demand fell: the oldest idle worker goes
 
-    def _start_pool_workers(self, target: int) -> None:
+    def _start_pool_workers(self, target: int, *, held: bool = False) -> None:
         """Start pool workers towards ``target``, at most POOL_STARTS_AT_ONCE in flight (starting or
-        warming up); each one's readiness starts the next (:meth:`_pool_ready`). The replacements
-        held while their tenants are served (:meth:`_hold`) are not started here while the pool
-        keeps POOL_HOLD_FLOOR warm workers: each starts as its hold ends."""
-        held = len(self._holds) if len(self.pool) >= POOL_HOLD_FLOOR else 0
-        while len(self.pool) + self.pool_starting + held < target and self.pool_starting < POOL_STARTS_AT_ONCE:
+        warming up) - POOL_STARTS_WHILE_OUT while an activation is out; each one's readiness starts
+        the next (:meth:`_pool_ready`). While an activation is out and the pool keeps
+        POOL_HOLD_FLOOR warm workers, the refill waits for the quiet gate (POOL_HOLD_MAX_S at
+        most); ``held``: this is that refill (it starts now, whatever is out)."""
+        if len(self.pool) + self.pool_starting >= target:
+            return
+        quiet = self.quiet.quiet
+        if not quiet and not held and len(self.pool) >= POOL_HOLD_FLOOR:
+            self.quiet.hold("pool", self._start_held, POOL_HOLD_MAX_S)
+            return
+        at_once = POOL_STARTS_AT_ONCE if quiet else POOL_STARTS_WHILE_OUT
+        while len(self.pool) + self.pool_starting < target and self.pool_starting < at_once:
             worker = self._spawn(pool=True)
             worker.tenant = None
             self.pool_starting += 1
+        if not quiet and len(self.pool) + self.pool_starting < target:
+            self.quiet.hold("pool", self._start_held, POOL_HOLD_MAX_S)  # the rest as the gate opens
 
     def serving_tenants(self) -> set[str]:
         """The tenants some live worker of this set serves (starting, binding, ready or stopping).
@@ -503,12 +514,11 @@ class WorkerSet:
             worker.instance = slot.index
             slot.worker = worker
             # a pool worker: its startup is the bind, not its spawn; a warm one is replaced once the
-            # bind is done (one still warming up is the pool's last: the housekeeping tick refills)
+            # bind is done (one still warming up is the pool's last: the housekeeping tick refills),
+            # and then as the quiet gate opens (the woken tenant's requests answered)
             self._bind(rt, slot, worker, self.clock(), replace=how == "warm")
-            if how == "warm" and len(self.pool) >= POOL_HOLD_FLOOR:
-                self._hold(worker)
-            elif len(self.pool) < POOL_HOLD_FLOOR:
-                self._end_holds()  # the next activation needs them now
+            if len(self.pool) < POOL_HOLD_FLOOR:
+                self.quiet.run_now("pool")  # a held refill: the next activation needs it now
             if not self.pool:
                 # no warm worker left: the next instance waits for the first start in line, which
                 # started below the normal priority (Spawner.start_nice) - it runs at ours from now
@@ -532,44 +542,11 @@ class WorkerSet:
         self._refill_if_dry()
         return how  # bound when its hellos arrive
 
-    def _hold(self, worker: WorkerHandle) -> None:
-        """Hold the replacement of warm pool worker ``worker``, just taken, while its tenant is
-        served: until the worker has been quiet for POOL_HOLD_QUIET_S, POOL_HOLD_MAX_S at most.
-        A woken tenant's first requests follow its activation within milliseconds (the request
-        that woke it, then what its client sends on its answer); a start beside them took a core
-        from them on a small host. The pool still holds a warm worker for the next activation
-        (POOL_HOLD_FLOOR; a take below it ends every hold: :meth:`_end_holds`)."""
-        now = self.clock()
-        hold = _Hold(worker, now + POOL_HOLD_MAX_S, worker.served)
-        self._holds[worker.worker_id] = hold
-        self.loop.timers.after(POOL_HOLD_QUIET_S, lambda: self._check_hold(hold))
-
-    def _check_hold(self, hold: _Hold) -> None:
-        """A hold's quiet time is up: its worker answered nothing since and has nothing in flight
-        (the replacement starts), or it is still serving its tenant (checked again, until the
-        hold's end)."""
-        if self._holds.get(hold.worker.worker_id) is not hold:
-            return  # ended already (the pool ran short)
-        worker = hold.worker
-        now = self.clock()
-        alive = worker.state in (WorkerState.BINDING, WorkerState.READY)
-        busy = bool(worker.in_flight) or worker.served != hold.served or worker.state is WorkerState.BINDING
-        if alive and busy and now < hold.until:
-            hold.served = worker.served
-            self.loop.timers.after(min(POOL_HOLD_QUIET_S, hold.until - now), lambda: self._check_hold(hold))
-            return
-        del self._holds[worker.worker_id]
-        self._start_held()
-
-    def _end_holds(self) -> None:
-        """Every held replacement starts now (within POOL_STARTS_AT_ONCE): the pool fell below its floor."""
-        if self._holds:
-            self._holds.clear()
-            self._start_held()
-
     def _start_held(self) -> None:
+        """The refill held at the quiet gate: it opened, the hold's bound passed, or the pool fell
+        below its floor."""
         if not self._pool_failures and not self.hooks.is_stopping():
-            self._start_pool_workers(self.pool_target)
+            self._start_pool_workers(self.pool_target, held=True)
 
     def _refill_if_dry(self) -> None:
         """No warm worker and no start left for the next instance: the pool refills now, not at
@@ -703,8 +680,8 @@ class WorkerSet:
         self.hooks.instance_ready(rt)
         if replace and not self._pool_failures and not self.hooks.is_stopping():
             # a warm pool worker went to a tenant: its replacement starts now that the bind is done
-            # (within the starts at once), not at the next housekeeping tick - or, held while the
-            # tenant is served (_hold), as its hold ends
+            # (within the starts at once), not at the next housekeeping tick - or, an activation
+            # out, as the quiet gate opens (POOL_HOLD_MAX_S at most)
             self._start_pool_workers(self.pool_target)
 
     # ------------------------------------------------------------ stop and kill
@@ -833,6 +810,9 @@ class WorkerSet:
         for on_dead in worker.death_waiters:
             on_dead(worker)
         worker.death_waiters.clear()
+        if worker.gated and tid is not None:
+            worker.gated = False
+            self.quiet.done(tid)  # its requests were answered above (WorkerLost)
         if was_pool and not expected and worker.ready_at is None:
             self._pool_failures += 1  # a worker that cannot even start: back off refilling
         elif was_pool:
@@ -1032,6 +1012,8 @@ class WorkerSet:
                 for tenant, handle in self.pending.take_undelivered():
                     self.free_undelivered(tenant, handle)
             worker.served += 1
+            if worker.gated and self.quiet.answered(worker.tenant or "", rid):
+                worker.gated = False  # the woken tenant's requests are answered: held work may run
             if worker.state is WorkerState.DRAINING and not worker.in_flight:
                 self.stop_worker(worker, "scaled down")
 
@@ -1116,19 +1098,6 @@ def poisson_quantile(mean: float, share: float) -> int:
         term *= mean / k
         cdf += term
     return k
-
-
-class _Hold:
-    """A warm pool worker's replacement waiting while the tenant it went to is served
-    (:meth:`WorkerSet._hold`): the taken worker, the hold's end, its replies counted when last
-    looked at."""
-
-    __slots__ = ("worker", "until", "served")
-
-    def __init__(self, worker: WorkerHandle, until: float, served: int) -> None:
-        self.worker = worker
-        self.until = until
-        self.served = served
 
 
 _Started = tuple[WorkerHandle, WorkerHandle | None, BaseException | None]

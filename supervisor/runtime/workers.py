@@ -118,6 +118,9 @@ class WorkerHandle:
     kill_cause: str | None = None  # why _kill() ran: heartbeat, deadline, protocol, rss ...
     expected_exit: bool = False  # stopped on purpose (evict, scale down, shutdown)
     served: int = 0
+    #: it serves requests of an activation not answered yet (supervisor.lifecycle.quiet): its
+    #: replies are looked at by the quiet gate
+    gated: bool = False
     #: its process exists: False while its start is in flight on the worker set's starter thread
     #: (``process`` is :data:`NOT_STARTED`, ``pid`` 0 and ``sentinel`` -1 until then)
     started: bool = True

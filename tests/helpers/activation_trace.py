@@ -10,7 +10,9 @@ the same clock) and prints, per op, the activating requests (a tenant's first ``
 out, as in the bench) in latency bands - the fastest half, p50-p90, p90-p99, the slowest 1 % - with
 the pool workers forked (``spawn``) and the workers ended (``exit``) from 30 ms before each request
 to its answer, also as a multiple of what the stream's own rates put in windows that long (a slow
-request's longer window holds more by chance); the spawns' bursts (spawns less than 10 ms apart); how the activations' workers came.
+request's longer window holds more by chance); the overhead's p50 / p90 by the pool workers forked
+from 5 ms before a request to its answer and by the parks ahead that ended inside it; the spawns'
+bursts (spawns less than 10 ms apart); how the activations' workers came.
 
 With ``--perf`` (root, or ``perf_event_paranoid`` <= 0; ``perf`` installed) a ``perf sched record
 -a -k CLOCK_MONOTONIC`` runs for the stream's span, and each band also gets the CPU that ran while
@@ -51,6 +53,8 @@ from supervisor.tools.demo import guest_path
 KINDS = ["activate", "park", "spawn", "exit", "ready", "kill"]
 #: how far before a request a spawn or exit still counts as around it (a start's CPU lasts ~15 ms)
 BEFORE_S = 0.03
+#: how far before a request a pool worker's fork still counts as beside it, by the start's count
+SPAWN_BEFORE_S = 0.005
 _SLICE = re.compile(r"\s*([\d.]+)\s+\[(\d+)\]\s+(.+?)\[(\d+)(?:/(\d+))?\]\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)")
 
 
@@ -183,6 +187,7 @@ def report(data: dict[str, Any], perf_path: str | None) -> None:
             ours.add(int(e["pid"]))
     spawns = [e["t"] for e in events if e["event"] == "spawn"]
     exits = [e["t"] for e in events if e["event"] == "exit"]
+    ahead_ends = [e["t"] for e in events if e["event"] == "park" and e.get("ahead")]
     served_by: dict[str, list[tuple[float, int]]] = defaultdict(list)
     for e in events:
         if e["event"] == "ready" and e.get("tenant"):
@@ -255,6 +260,15 @@ def report(data: dict[str, Any], perf_path: str | None) -> None:
                 line += (f"\n      CPU ms while out: {_top(cpu, 7)}\n      as cores (CPU / the time out): "
                          f"{_top(cores, 5, 2)}\n      schedule delay ms: {_top(delay, 4)}")
             print(line)
+        # the work beside each request: pool workers forked from SPAWN_BEFORE_S before it to its
+        # answer, and parks ahead that ended inside it (overhead p50 / p90 [n] by their count)
+        for label, ts, before, cap in (("pool starts", spawns, SPAWN_BEFORE_S, 2), ("parks ahead ending", ahead_ends, 0.0, 3)):
+            groups: dict[int, list[float]] = defaultdict(list)
+            for r, o in zip(sel, over):
+                groups[min(cap, count(ts, r["t0"] - before, r["t1"]))].append(o)
+            print(f"  by the {label} in its window: " + "; ".join(
+                f"{k}{'+' if k == cap else ''}: {_pct(v, 0.5):.1f} / {_pct(v, 0.9):.1f} [{len(v)}]"
+                for k, v in sorted(groups.items())))
         for r in sel[-max(3, n // 100):][::-1]:
             a, b = r["t0"], r["t1"]
             act = r["act"][0]

@@ -16,11 +16,18 @@ import pytest
 
 from shared.spec import TenantSpec
 from supervisor.lifecycle.parking import Parking
+from supervisor.lifecycle.quiet import QuietGate
 from supervisor.lifecycle.signals import TenantSignals
 from supervisor.observe.events import EventBus
+from supervisor.runtime.loop import Timers
 from supervisor.runtime.tenants import InstanceSlot, ParkedBuffer, ParkPhase, ParkRecord, TenantRuntime
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def _gate() -> QuietGate:
+    """The worker set's quiet gate, on the fakes' fixed clock (nothing out: held work runs at once)."""
+    return QuietGate(Timers(lambda: 100.0), lambda: 100.0)
 
 COPY = 256 << 10
 
@@ -44,7 +51,7 @@ def _parked(phase: ParkPhase) -> tuple[Parking, TenantRuntime, ParkRecord, list[
     rec.charged = COPY
     rec.buffers[0] = [ParkedBuffer(1, bytearray(COPY))]
     rt.park = rec
-    fake_set: Any = SimpleNamespace(workers={})
+    fake_set: Any = SimpleNamespace(workers={}, quiet=_gate())
     parking = Parking(tenants={"keeper": rt}, workers=fake_set, events=EventBus(None),
                       signals=TenantSignals(stopping=lambda: False), clock=lambda: 100.0)
     seen: list[int] = []

@@ -13,12 +13,19 @@ import pytest
 
 from shared.spec import TenantSpec
 from supervisor.lifecycle.parking import Parking
+from supervisor.lifecycle.quiet import QuietGate
 from supervisor.lifecycle.signals import TenantSignals
 from supervisor.observe.events import EventBus
+from supervisor.runtime.loop import Timers
 from supervisor.runtime.tenants import InstanceSlot, ParkPhase, ParkRecord, TenantRuntime, TenantState
 from supervisor.runtime.workers import WorkerHandle, WorkerState
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def _gate() -> QuietGate:
+    """The worker set's quiet gate, on the fakes' fixed clock (nothing out: held work runs at once)."""
+    return QuietGate(Timers(lambda: 100.0), lambda: 100.0)
 
 
 def _tenant(name: str, phase: ParkPhase | None) -> TenantRuntime:
@@ -37,7 +44,7 @@ def _worker(rt: TenantRuntime, state: WorkerState, *, expected_exit: bool) -> Wo
 
 
 def _parking(tenants: list[TenantRuntime], workers: list[WorkerHandle], **kw: Any) -> Parking:
-    fake_set: Any = SimpleNamespace(workers={w.worker_id: w for w in workers})
+    fake_set: Any = SimpleNamespace(workers={w.worker_id: w for w in workers}, quiet=_gate())
     return Parking(tenants={t.tenant_id: t for t in tenants}, workers=fake_set, events=EventBus(None),
                    signals=TenantSignals(stopping=lambda: False), clock=lambda: 100.0, **kw)
 
@@ -94,7 +101,8 @@ def _parking_over_many(rts: list[TenantRuntime], workers: list[WorkerHandle], se
     def send_request(worker: WorkerHandle, op: str, *_: Any) -> None:
         sent.append((str(worker.tenant), op))
 
-    fake_set: Any = SimpleNamespace(workers={w.worker_id: w for w in workers}, send_request=send_request)
+    fake_set: Any = SimpleNamespace(workers={w.worker_id: w for w in workers}, send_request=send_request,
+                                     quiet=_gate())
     return Parking(tenants=tenants, workers=fake_set, events=EventBus(None),
                    signals=TenantSignals(stopping=lambda: False), clock=lambda: 100.0, **kw)
 
