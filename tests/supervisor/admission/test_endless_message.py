@@ -17,6 +17,8 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -232,6 +234,26 @@ def _closed(s: socket.socket) -> bool:
         return True
 
 
+@contextmanager
+def _guarded_router(path: str, memory_bytes: int) -> Iterator[tuple[zmq.Socket[Any], Any]]:
+    """A ROUTER bound at ``path`` with the frontend's connection bookkeeping and its guard thread
+    (memory bound ``memory_bytes``, no pausing), as the guard tests drive it alone; closed, and its
+    context ended, afterwards."""
+    import supervisor.admission.connections as connections
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    conns = connections.FrontendConnections(router, path, memory_bytes=memory_bytes, pause=False)
+    router.bind("ipc://" + path)
+    try:
+        yield router, conns
+    finally:
+        conns.close()
+        router.close(0)
+        ctx.term()
+
+
 def test_the_guard_sheds_stale_connections_first_and_in_flight_ones_only_as_memory_grows(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard alone, its memory readings set by the test: past the bound it sheds the connection
@@ -239,61 +261,53 @@ def test_the_guard_sheds_stale_connections_first_and_in_flight_ones_only_as_memo
     and the one that completed a message just before (after the last calm sample); memory past the
     bound but not growing sheds nothing more; grown another quarter of the bound, those that
     completed nothing since the first shed go too. Never the active one."""
-    import supervisor.admission.connections as connections
     import supervisor.admission.fd_guard as fd_guard
 
     level = [100 * MiB]
     monkeypatch.setattr(fd_guard, "rss_bytes", lambda: level[0])
-    ctx: zmq.Context[Any] = zmq.Context()
     path = str(tmp_path / "f.ipc")
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    conns = connections.FrontendConnections(router, path, memory_bytes=BOUND, pause=False)
-    router.bind("ipc://" + path)
     peers: dict[bytes, socket.socket] = {}
-    try:
-        for name in (b"active", b"idle", b"in-flight", b"primed"):
-            peers[name] = _zmtp_peer(path, name)
-        peers[b"silent"] = _zmtp_peer(path, None)
-        frames: dict[bytes, tuple[int, zmq.Frame]] = {}
-        router.setsockopt(zmq.RCVTIMEO, int(scaled(10) * 1000))
-        while len(frames) < 4:
-            rid = router.recv(copy=False)
-            frames[router.recv()] = (int(rid.get(zmq.SRCFD)), rid)
-        conns.guard.busy = lambda: {b"\0" + frames[b"in-flight"][1].bytes}
+    with _guarded_router(path, BOUND) as (router, conns):
+        try:
+            for name in (b"active", b"idle", b"in-flight", b"primed"):
+                peers[name] = _zmtp_peer(path, name)
+            peers[b"silent"] = _zmtp_peer(path, None)
+            frames: dict[bytes, tuple[int, zmq.Frame]] = {}
+            router.setsockopt(zmq.RCVTIMEO, int(scaled(10) * 1000))
+            while len(frames) < 4:
+                rid = router.recv(copy=False)
+                frames[router.recv()] = (int(rid.get(zmq.SRCFD)), rid)
+            conns.guard.busy = lambda: {b"\0" + frames[b"in-flight"][1].bytes}
 
-        def complete(*names: bytes) -> None:
-            for name in names:
-                fd, rid = frames[name]
-                conns.completed(fd, time.monotonic(), b"\0", rid)
+            def complete(*names: bytes) -> None:
+                for name in names:
+                    fd, rid = frames[name]
+                    conns.completed(fd, time.monotonic(), b"\0", rid)
 
-        def sampled() -> None:  # two more samples taken (the second one wholly after this call)
-            n = conns.guard.samples
-            wait_for(lambda: conns.guard.samples >= n + 2, interval_s=0.01, what="two samples")
+            def sampled() -> None:  # two more samples taken (the second one wholly after this call)
+                n = conns.guard.samples
+                wait_for(lambda: conns.guard.samples >= n + 2, interval_s=0.01, what="two samples")
 
-        complete(b"idle", b"in-flight")
-        completed_at = time.monotonic()
-        wait_for(lambda: conns.guard.calm_at > completed_at, interval_s=0.01, what="a calm sample after those")
-        level[0] += BOUND * 3 // 4  # past half the bound: no longer calm, not past it
-        sampled()
-        complete(b"active", b"primed")  # primed: one message just before its endless one
-        level[0] += BOUND // 2  # past the bound
-        wait_for(lambda: _closed(peers[b"silent"]) and _closed(peers[b"idle"]), what="the stale ones shed")
-        wait_for(lambda: conns.guard.memory_shed >= 2, what="counted")  # (just after the shutdowns)
-        assert conns.status()["connections_shed_by"]["memory"] == 2, (conns.guard.memory_shed, [_closed(p) for p in peers.values()])
-        sampled()  # past the bound, not growing: nothing more
-        assert not _closed(peers[b"in-flight"]) and not _closed(peers[b"primed"]) and conns.guard.memory_shed == 2
-        complete(b"active")
-        level[0] += BOUND // 4 + MiB  # grown another quarter
-        wait_for(lambda: _closed(peers[b"in-flight"]) and _closed(peers[b"primed"]), what="the second pass")
-        wait_for(lambda: conns.guard.memory_shed >= 4, what="counted")
-        assert conns.guard.memory_shed == 4 and not _closed(peers[b"active"])
-    finally:
-        for s in peers.values():
-            s.close()
-        conns.close()
-        router.close(0)
-        ctx.term()
+            complete(b"idle", b"in-flight")
+            completed_at = time.monotonic()
+            wait_for(lambda: conns.guard.calm_at > completed_at, interval_s=0.01, what="a calm sample after those")
+            level[0] += BOUND * 3 // 4  # past half the bound: no longer calm, not past it
+            sampled()
+            complete(b"active", b"primed")  # primed: one message just before its endless one
+            level[0] += BOUND // 2  # past the bound
+            wait_for(lambda: _closed(peers[b"silent"]) and _closed(peers[b"idle"]), what="the stale ones shed")
+            wait_for(lambda: conns.guard.memory_shed >= 2, what="counted")  # (just after the shutdowns)
+            assert conns.status()["connections_shed_by"]["memory"] == 2, (conns.guard.memory_shed, [_closed(p) for p in peers.values()])
+            sampled()  # past the bound, not growing: nothing more
+            assert not _closed(peers[b"in-flight"]) and not _closed(peers[b"primed"]) and conns.guard.memory_shed == 2
+            complete(b"active")
+            level[0] += BOUND // 4 + MiB  # grown another quarter
+            wait_for(lambda: _closed(peers[b"in-flight"]) and _closed(peers[b"primed"]), what="the second pass")
+            wait_for(lambda: conns.guard.memory_shed >= 4, what="counted")
+            assert conns.guard.memory_shed == 4 and not _closed(peers[b"active"])
+        finally:
+            for s in peers.values():
+                s.close()
 
 
 def test_the_bound_defaults_to_max_held_bytes_plus_a_gib_and_takes_sizes() -> None:
@@ -313,7 +327,6 @@ def test_the_guard_samples_memory_far_below_the_bound_only_as_often_as_growth_co
     bring memory within a short sample of it (an idle supervisor's guard woke ten times a second);
     near the bound, and for a small bound, it samples every ``MEMORY_SAMPLE_S`` as before, so an
     attack up to that rate passes the bound by no more than it did."""
-    import supervisor.admission.connections as connections
     import supervisor.admission.fd_guard as fd_guard
 
     big = 3 << 30  # the default: max_held_bytes + 1 GiB
@@ -333,19 +346,9 @@ def test_the_guard_samples_memory_far_below_the_bound_only_as_often_as_growth_co
         return 100 * MiB
 
     monkeypatch.setattr(fd_guard, "rss_bytes", rss)
-    ctx: zmq.Context[Any] = zmq.Context()
-    path = str(tmp_path / "f.ipc")
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    conns = connections.FrontendConnections(router, path, memory_bytes=big, pause=False)
-    router.bind("ipc://" + path)
-    try:
+    with _guarded_router(str(tmp_path / "f.ipc"), big) as (_router, conns):
         wait_for(lambda: conns.guard.samples >= 3, interval_s=0.05, what="three samples")
         # the baseline, then samples: the waits between them never shorter than the delay (a slow host
         # only makes them longer), where a sample every MEMORY_SAMPLE_S took 0.1 s
         gaps = [b - a for a, b in zip(sampled_at[1:], sampled_at[2:], strict=False)]
         assert gaps and min(gaps) >= big / rate - 0.01, gaps
-    finally:
-        conns.close()
-        router.close(0)
-        ctx.term()
