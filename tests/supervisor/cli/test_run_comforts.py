@@ -25,8 +25,10 @@ NAMED = """
 def test_twt_run_says_where_what_was_capped_and_answers_json(tmp_path: Path) -> None:
     named = tmp_path / "named.wat"
     named.write_text(NAMED)
-    # one small module for every run, compiled once (below): the tenant's 0.3 s ceiling keeps the spins short
-    with supervisor([{"name": "acme", "wasm_timeout_s": 0.3, "wasm_fuel": 10**9}]) as sup:
+    # one small module for every run, compiled once (below): the tenant's 0.3 s ceiling keeps the spins short.
+    # The fuel ceiling is far above what any host spends in 0.3 s (a tight loop burns a few billion units a
+    # second on a fast one), so a spin ends at its deadline, never out of fuel
+    with supervisor([{"name": "acme", "wasm_timeout_s": 0.3, "wasm_fuel": 10**13}]) as sup:
         rd = ("--run-dir", sup.run_dir)
         # the module compiled in the tenant's worker first: a run's deadline covers its module's
         # compile, which a loaded host stretches past 0.3 s; the compiled module is kept, so the
@@ -42,10 +44,10 @@ def test_twt_run_says_where_what_was_capped_and_answers_json(tmp_path: Path) -> 
         assert slow.returncode == 1 and "KernelTimeout" in slow.stderr
         assert "--timeout 5 s is above tenant acme's ceiling" in slow.stderr and "capped to 0.3 s" in slow.stderr
 
-        ok = twt("run", "acme", str(named), "--invoke", "ok", "--timeout", "9", "--fuel", str(10**12), *rd)
+        ok = twt("run", "acme", str(named), "--invoke", "ok", "--timeout", "9", "--fuel", str(10**14), *rd)
         assert ok.returncode == 0 and "results: [7]" in ok.stdout
         assert "note: --timeout 9 s" in ok.stdout and "capped to 0.3 s" in ok.stdout
-        assert "note: --fuel 1,000,000,000,000" in ok.stdout and "capped to 1,000,000,000" in ok.stdout
+        assert "note: --fuel 100,000,000,000,000" in ok.stdout and "capped to 10,000,000,000,000" in ok.stdout
 
         fuel = twt("run", "acme", str(named), "--invoke", "spin", "--fuel", "5000", *rd)
         assert fuel.returncode == 1 and "out_of_fuel" in fuel.stderr

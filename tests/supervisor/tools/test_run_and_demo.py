@@ -31,7 +31,9 @@ SPIN = b'(module (func (export "spin") (loop $l (br $l))))'
 def test_run_wasm_through_the_supervisor() -> None:
     spec = TenantSpec.from_dict({"tenant_id": "acme", "gpu_memory_bytes_cap": 16 * MiB,
                                  "wasm_timeout_s": HANG_GUARD_S, "wasm_fuel": 10**12})
-    capped_spec = TenantSpec.from_dict({"tenant_id": "capped", "wasm_timeout_s": 0.5})
+    # the spins end at their deadline, never out of fuel: a tight loop burns a few billion units a second on
+    # a fast host, more than the default ceiling holds in 0.5 s
+    capped_spec = TenantSpec.from_dict({"tenant_id": "capped", "wasm_timeout_s": 0.5, "wasm_fuel": 10**13})
     traps = guest_path("traps").read_bytes()
     with supervisor() as sup:
         c = sup.client
@@ -113,7 +115,8 @@ def test_twt_run_end_to_end(tmp_path: Path) -> None:
     wasm.write_bytes(bytes(wasmtime.wat2wasm(guest_path("traps").read_text())))
     spin = tmp_path / "spin.wat"
     spin.write_bytes(SPIN)
-    with supervisor([{"name": "acme", "wasm_timeout_s": HANG_GUARD_S}, {"name": "capped", "wasm_timeout_s": 0.3}]) as sup:
+    with supervisor([{"name": "acme", "wasm_timeout_s": HANG_GUARD_S}, {"name": "capped", "wasm_timeout_s": 0.3,
+                                                                             "wasm_fuel": 10**13}]) as sup:
         rd = sup.run_dir
         ok = twt("run", "acme", str(wat), "--invoke", "add", "--arg", "2", "--arg", "3", "--run-dir", rd)
         assert ok.returncode == 0, ok.stderr
