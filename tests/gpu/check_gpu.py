@@ -287,7 +287,11 @@ def _wait(what: str, cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
 def _supervisor(extra: dict[str, Any] | None = None) -> Any:
     from supervisor.client.launch import launch
 
-    settings = {"backend": "cuda", "pool_size": 0, "heartbeat_interval_s": 0.5, **(extra or {})}
+    # a liveness window of 20 s, as the child phases' (phase_kit.supervisor): these phases check isolation,
+    # reclaim and a fault's restart, not how fast a silent worker is seen, and a worker starved for a few
+    # seconds on a loaded one-core host (a dry run in the suite) was killed as hung mid-phase
+    settings = {"backend": "cuda", "pool_size": 0, "heartbeat_interval_s": 0.5, "heartbeat_liveness": 40,
+                **(extra or {})}
     return launch({"supervisor": settings})
 
 

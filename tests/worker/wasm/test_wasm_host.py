@@ -247,6 +247,7 @@ def test_guest_buffers_are_released_however_the_run_ends(env: Env, tail: str, er
     done = threading.Event()
 
     def watch() -> None:  # what a concurrent observer sees in the shared block during the run
+        time.sleep(3.0)  # DEMO: a watcher scheduled late
         while not done.is_set():
             counters = env.counters()
             if counters != (0, 0):
@@ -265,9 +266,12 @@ def test_guest_buffers_are_released_however_the_run_ends(env: Env, tail: str, er
     if error is None:
         assert run(env, body, "run")["gpu_peak_bytes"] == 5096
     else:
-        # the spinning guest's deadline is long: the watcher ends it once it has seen the buffers
+        # the spinning guest's deadline is long: the watcher ends it once it has seen the buffers. Its
+        # fuel is far above what any host burns in that deadline (a fast one burns a few billion units a
+        # second, which would run 10^9 out before a watcher scheduled late saw the buffers)
         with pytest.raises(error):
-            run(env, body, "run", timeout_s=30.0 if error is KernelTimeout else 0.3)
+            run(env, body, "run", timeout_s=30.0 if error is KernelTimeout else 0.3,
+                fuel=10**15 if error is KernelTimeout else 10**9)
     done.set()
     watcher.join()
     assert env.counters() == before == (0, 0)
