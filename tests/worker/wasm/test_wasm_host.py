@@ -247,7 +247,6 @@ def test_guest_buffers_are_released_however_the_run_ends(env: Env, tail: str, er
     done = threading.Event()
 
     def watch() -> None:  # what a concurrent observer sees in the shared block during the run
-        time.sleep(3.0)  # DEMO: a watcher scheduled late
         while not done.is_set():
             counters = env.counters()
             if counters != (0, 0):
