@@ -63,6 +63,7 @@ from shared.log import get_logger, log_event
 from shared.prctl import set_process_name
 from supervisor.control.admin import AdminOps
 from supervisor.control.ops.put_module import restore_modules
+from supervisor.lifecycle.backend_select import select_backend
 from supervisor.lifecycle.drain import Drain
 from supervisor.observe.event_log import EventLog
 from supervisor.observe.events import EventBus
@@ -176,13 +177,16 @@ class Supervisor:
     def _setup(self) -> Parts:
         """Build the parts (:func:`supervisor.wiring.build_parts`), then bring back every stored
         tenant and the config file's difference, their stored modules, and the warm pool."""
+        # the backend first, while this process has one thread: its probe is then a fork of it
+        # (supervisor.lifecycle.backend_select), not a fresh interpreter
+        backend = select_backend(self.config)
         state, registry, admin_cap = self._open_state()
         stored = state.tenants()
         parts = self.parts = build_parts(Surroundings(
             self.config, self.loop, self.rundir, state, registry, admin_cap, self.tenants, self.metrics,
             self.event_log, self.modules, self._spawner_factory, stored, stopping=lambda: self._stopping,
             internal_errors=lambda: self.internal_errors, on_settled=self._maybe_ready,
-            on_key_rotated=self._key_rotated,
+            on_key_rotated=self._key_rotated, backend=backend,
         ))
         self.events = parts.events
         self.metrics.bind_source(self.metrics_snapshot)

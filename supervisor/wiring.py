@@ -117,6 +117,9 @@ class Surroundings:
     on_settled: Callable[[], None]
     #: the registry key was rotated (the supervisor rewrites the admin capability and ready files)
     on_key_rotated: Callable[[RegistryAdminCapability], None]
+    #: the backend chosen before the state was opened (None: chosen here). The probe forks the
+    #: supervisor only while it has one thread, and the state store starts its sync thread
+    backend: BackendChoice | None = None
 
 
 @dataclass
@@ -156,7 +159,7 @@ def build_parts(s: Surroundings) -> Parts:
     stale_parked = remove_stale_parked(s.rundir.path)  # a killed supervisor's host copies: never restored
     if stale_parked:
         log_event(_log, logging.INFO, "supervisor.stale_parked_files_removed", count=stale_parked)
-    choice = _stub_device_cpus(cfg, select_backend(cfg))
+    choice = _stub_device_cpus(cfg, s.backend or select_backend(cfg))
     with ExitStack() as undo:  # a failure half-way undoes what was made, newest first
         placement = _placement(s, choice)
         undo.callback(placement.close)  # unlink the device budget segments

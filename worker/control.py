@@ -1,8 +1,10 @@
 """The worker's control thread: heartbeats both ways, faults, stop, and parent watching.
 
 Runs beside the executor on its own DEALER socket to the supervisor's control
-ROUTER, so a long request never starves heartbeats (Paranoid Pirate: the
-worker beats every ``interval``).
+ROUTER, so a long request never starves heartbeats. The supervisor beats every
+``interval``; the worker answers each beat at once and sends none on a clock of
+its own, so an idle worker's thread wakes once per interval, and the
+supervisor reads the answers of all its workers close together.
 
 A worker ends when its supervisor is *gone*, never because it is merely
 *slow*: a supervisor stopped with SIGSTOP, or starved on a loaded host, stays
@@ -115,13 +117,18 @@ class ControlThread(threading.Thread):
         last_heard = time.monotonic()
         interval = self.boot.heartbeat_interval_s
         silent_after = interval * self.boot.heartbeat_liveness
-        next_beat = last_heard + interval
         next_look = last_heard  # when silence is next checked against the supervisor's process
         stalled = False  # logged supervisor_slow for the current silence
         sup_pid, sup_started = self.boot.supervisor_pid, self.boot.supervisor_started
         while not self.stop_event.is_set():
+            # no clock of its own: the supervisor's beats wake it (each answered at once). Without
+            # them it wakes for the silence's first look and then its looks, and every two
+            # intervals at least (the parent check); never one interval after the last beat, which
+            # the next beat, a little later than that, would follow with a second wake-up
             now = time.monotonic()
-            if sock.poll(max(0, int((next_beat - now) * 1000)) + 1):
+            due = last_heard + silent_after
+            wake = min(due if now < due else next_look, now + 2 * interval)
+            if sock.poll(max(0, int((wake - now) * 1000)) + 1):
                 try:
                     kind, args = decode_control(sock.recv())
                 except ProtocolError as exc:
@@ -130,10 +137,6 @@ class ControlThread(threading.Thread):
                 last_heard = time.monotonic()
                 self._on_message(sock, kind, args)
             now = time.monotonic()
-            if now >= next_beat:
-                if not self.faults.hang.is_set():
-                    sock.send(encode_control("hb", {"requests": self.stats.requests}), zmq.NOBLOCK)
-                next_beat = now + interval
             silent = now - last_heard
             if silent > silent_after and now >= next_look and sock.poll(_QUEUED_LOOK_MS):
                 # A message is waiting: this thread was itself starved (the poll timed out, then
@@ -169,7 +172,10 @@ class ControlThread(threading.Thread):
                                   f"{name or 'no backend yet'!r})")
 
     def _on_message(self, sock: zmq.Socket[bytes], kind: str, args: dict[str, object]) -> None:
-        if kind == "stop":
+        if kind == "hb":  # answered, not sent on a clock of its own; a hung worker answers nothing
+            if not self.faults.hang.is_set():
+                sock.send(encode_control("hb", {"requests": self.stats.requests}), zmq.NOBLOCK)
+        elif kind == "stop":
             log_event(_log, logging.INFO, "worker.stop_requested")
             self.stop_event.set()
         elif kind == "fault":

@@ -239,8 +239,8 @@ class WorkerSet:
         #: workers' processes start on this thread (made at the first start; None: none yet, or a
         #: spawner that starts on the loop - the in-process tests' stand-in)
         self._starter: _Starter | None = None
-        #: a worker that missed a beat: its last beat then, and its threads' run-queue waits then
-        #: (ns by thread id)
+        #: a worker that left a beat unanswered: when that beat was sent, and its threads' run-queue
+        #: waits when the silence was first seen (ns by thread id)
         self._starve_base: dict[str, tuple[float, dict[int, int]]] = {}
         loop.register(backend, self._on_backend)
         loop.register(control, self._on_control)
@@ -900,6 +900,10 @@ class WorkerSet:
     def check_liveness(self, now: float, silence: Callable[[float, float], float] | None = None) -> None:
         """Heartbeats out, silence and missing hellos punished, SIGKILL escalation.
 
+        A worker answers each beat (it sends none of its own): one wake-up of each side per
+        interval per worker, where two clocks made two. Its silence runs from the oldest beat it
+        has not answered, so a worker on time is never silent at all here, and one that stops
+        answering is killed ``interval x liveness`` after the first beat it left unanswered.
         ``silence(since, now)``: how long a worker counts as silent; the supervisor's
         :class:`~supervisor.runtime.stall.StallGuard` leaves out time the loop itself was stalled.
         """
@@ -916,12 +920,18 @@ class WorkerSet:
                 if worker.state is WorkerState.DEAD:
                     continue
                 if worker.control_hello:
+                    due = worker.beat_due
+                    if due is None:  # the last beat answered: this one is now owed
+                        worker.beat_due = now
+                        if self._starve_base:
+                            self._starve_base.pop(worker.worker_id, None)
+                    elif worker.kill_at is None:
+                        silent = quiet(due, now)
+                        if silent - self._starved(worker, due) > silent_after:
+                            taken = self._starve_base.get(worker.worker_id)
+                            self.kill(worker, f"missed heartbeats for {silent:.1f} s", "heartbeat",
+                                      threads=thread_report(worker.pid, taken[1] if taken else None))
                     self.send_control(worker, beat)
-                    silent = quiet(worker.last_heartbeat, now)
-                    if worker.kill_at is None and silent - self._starved(worker, silent) > silent_after:
-                        taken = self._starve_base.get(worker.worker_id)
-                        self.kill(worker, f"missed heartbeats for {silent:.1f} s", "heartbeat",
-                                  threads=thread_report(worker.pid, taken[1] if taken else None))
                 elif worker.kill_at is None and quiet(worker.spawned_at, now) > HELLO_TIMEOUT_S:
                     self.kill(worker, "never said hello", "startup")
         for worker in list(self.workers.values()):
@@ -932,23 +942,21 @@ class WorkerSet:
             self._last_reclaim_scan = now
             self.placement.reclaim_dead()  # the safety net: any owner gone that no death told of
 
-    def _starved(self, worker: WorkerHandle, silent: float) -> float:
-        """How much of ``worker``'s silence it spent waiting for a CPU (seconds, at most one
-        liveness window): a worker starved on a loaded host beats late, it is not hung.
+    def _starved(self, worker: WorkerHandle, due: float) -> float:
+        """How much of ``worker``'s silence (since the beat sent at ``due``, which it has not
+        answered) it spent waiting for a CPU (seconds, at most one liveness window): a worker
+        starved on a loaded host answers late, it is not hung.
 
-        Measured from the moment it first missed a beat (a baseline of its threads' run-queue
-        waits, :func:`~supervisor.runtime.stall.run_delay_ns`, read only then: a worker that beats
-        on time costs nothing) as the longest wait of any one of its threads since: the thread
-        that beats, or the one holding the interpreter it needs. A stopped or really hung worker
-        does not wait on a run queue, so it is killed on time; one that spins without beating is
-        killed one window later at most."""
+        Measured from the first check that finds a beat unanswered (a baseline of its threads'
+        run-queue waits, :func:`~supervisor.runtime.stall.run_delay_ns`, read only then: a worker
+        that answers on time costs nothing) as the longest wait of any one of its threads since:
+        the thread that answers, or the one holding the interpreter it needs. A stopped or really
+        hung worker does not wait on a run queue, so it is killed on time; one that spins without
+        answering is killed one window later at most."""
         cfg = self.config
-        if silent <= cfg.heartbeat_interval_s:
-            self._starve_base.pop(worker.worker_id, None)
-            return 0.0
         taken = self._starve_base.get(worker.worker_id)
-        if taken is None or taken[0] != worker.last_heartbeat:  # none yet, or it beat since: a new silence
-            self._starve_base[worker.worker_id] = (worker.last_heartbeat, run_delay_ns(worker.pid) or {})
+        if taken is None or taken[0] != due:  # none yet, or it answered since: a new silence
+            self._starve_base[worker.worker_id] = (due, run_delay_ns(worker.pid) or {})
             return 0.0
         base = taken[1]
         now = run_delay_ns(worker.pid)
@@ -1050,12 +1058,12 @@ class WorkerSet:
                     self.kill(worker, "bad hello on the control socket", "protocol")
                     continue
                 worker.control_hello = True
-                worker.last_heartbeat = now
+                worker.last_heartbeat, worker.beat_due = now, None
                 self._on_connected(worker)
             elif kind == "hb":
-                worker.last_heartbeat = now
+                worker.last_heartbeat, worker.beat_due = now, None
             elif kind == "fault_ack":
-                worker.last_heartbeat = now
+                worker.last_heartbeat, worker.beat_due = now, None
                 try:
                     ack = FaultAck.from_wire(args)
                 except ProtocolError:

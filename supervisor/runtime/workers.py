@@ -105,6 +105,8 @@ class WorkerHandle:
     control_hello: bool = False
     ready_at: float | None = None
     last_heartbeat: float = 0.0
+    #: when the supervisor sent the oldest beat this worker has not answered (None: all answered)
+    beat_due: float | None = None
     #: this worker's requests in flight: owned by supervisor.routing.pending.PendingTable (its length is the load)
     in_flight: dict[int, Pending] = field(default_factory=dict)
     kill_reason: str | None = None

@@ -11,11 +11,14 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from supervisor.client.launch import CHECKOUT
 from supervisor.lifecycle.backend_select import _PROBE, probe_cuda
 from tests.helpers.timeouts import scaled
 
@@ -48,3 +51,49 @@ def test_a_configured_driver_module_is_probed_as_before() -> None:
     """A module named in ``cuda_driver_module`` (the suite's fake here) is imported and asked, driver or not."""
     result = probe_cuda(driver_module="tests.helpers.fake_cuda", nvrtc_module="tests.helpers.fake_cuda")
     assert result["ok"] is True and result["devices"], result
+
+
+#: run in a fresh interpreter (one thread, this checkout and the drivers' folder on its path): probe
+#: with the driver module named, and print the verdict; the caller then knows the prober survived
+_PROBING = """
+import json, sys
+from supervisor.lifecycle.backend_select import probe_cuda
+print(json.dumps(probe_cuda(timeout_s=float(sys.argv[2]), driver_module=sys.argv[1], nvrtc_module=sys.argv[1])))
+"""
+
+#: driver modules that say where they were imported, crash their process, or never return
+_DRIVERS = {
+    "where_probed": "import sys\n"
+                    "raise ImportError(f\"preloaded={'supervisor.lifecycle.backend_select' in sys.modules}\")\n",
+    "crashing_driver": "import os, sys\nsys.stderr.write('the driver blew up\\n')\nsys.stderr.flush()\nos.abort()\n",
+    "hanging_driver": "import time\ntime.sleep(3600)\n",
+}
+
+
+def _probe_with(tmp_path: Path, module: str, timeout_s: float = 60.0) -> dict[str, object]:
+    for name, source in _DRIVERS.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(CHECKOUT)])}
+    done = subprocess.run([sys.executable, "-c", _PROBING, module, str(timeout_s)], capture_output=True, text=True,
+                          env=env, timeout=scaled(60), check=True)
+    verdict = json.loads(done.stdout.splitlines()[-1])
+    assert isinstance(verdict, dict)
+    return verdict
+
+
+def test_the_probe_is_a_fork_of_the_supervisor_that_has_its_modules_already(tmp_path: Path) -> None:
+    """One thread and the driver not imported: the probe forks (no interpreter start, no imports made
+    twice), and still imports the driver fresh."""
+    verdict = _probe_with(tmp_path, "where_probed")
+    assert verdict == {"ok": False, "reason": "cuda-bindings not importable: ImportError: preloaded=True"}
+
+
+def test_a_driver_that_crashes_the_probe_leaves_the_supervisor_its_reason(tmp_path: Path) -> None:
+    verdict = _probe_with(tmp_path, "crashing_driver")
+    assert verdict["ok"] is False
+    assert "CUDA probe crashed" in str(verdict["reason"]) and "the driver blew up" in str(verdict["reason"]), verdict
+
+
+def test_a_driver_that_hangs_the_probe_is_given_up_at_the_timeout(tmp_path: Path) -> None:
+    verdict = _probe_with(tmp_path, "hanging_driver", timeout_s=1.0)
+    assert verdict == {"ok": False, "reason": "CUDA probe did not finish within 1 s"}

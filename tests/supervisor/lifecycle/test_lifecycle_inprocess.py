@@ -331,6 +331,46 @@ def test_a_silent_worker_that_is_not_waiting_for_a_cpu_is_killed_on_time(
     assert signal.SIGTERM in worker.signals and not worker.alive
 
 
+def _at_a_beat(h: Harness) -> None:
+    """Move the clock until the supervisor has just sent its beats (and had them answered)."""
+    workers = h.sup.parts.workers
+    while workers._last_beat != h.clock():
+        h.tick(0.25)
+
+
+def test_a_worker_is_given_the_whole_window_from_the_first_beat_it_leaves_unanswered(h: Harness) -> None:
+    """Silence runs from the oldest beat not answered, not from the last answer: an answer comes
+    only after a beat, so the time from the last answer to the next beat is no silence."""
+    h.register("acme", instances=1)
+    (worker,) = h.spawner.of("acme")
+    cfg = h.sup.config
+    _at_a_beat(h)
+    worker.silent = True
+    h.tick(cfg.heartbeat_interval_s)  # the first beat it leaves unanswered
+    assert h.sup.parts.workers._last_beat == h.clock()
+    h.tick(cfg.heartbeat_interval_s * cfg.heartbeat_liveness)  # a whole window since that beat
+    assert worker.alive and worker.signals == []
+    h.tick(cfg.heartbeat_interval_s * 2)
+    assert signal.SIGTERM in worker.signals and not worker.alive
+
+
+def test_a_worker_that_answers_every_beat_is_never_read_for_starvation(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run-queue baseline (a /proc read of every thread) is taken only for a worker that left a
+    beat unanswered. The beats ride on housekeeping ticks, which come a little later than the
+    interval (steps of 0.22 s here, each an ordinary turn: no lateness), so at each beat the last
+    answer is a little more than an interval old - and that worker is on time."""
+    h.register("acme", instances=1)
+    (worker,) = h.spawner.of("acme")
+    reads: list[int] = []
+    monkeypatch.setattr(workerset, "run_delay_ns", lambda pid: reads.append(pid) or {pid: 0})
+    h.tick(h.sup.config.heartbeat_interval_s * 10, step=0.22)
+    assert worker.alive and reads == []
+    worker.silent = True
+    h.tick(h.sup.config.heartbeat_interval_s * 3, step=0.22)
+    assert reads  # one that leaves a beat unanswered is
+
+
 def test_too_many_restarts_mark_the_tenant_failed_and_reset_revives_it(h: Harness) -> None:
     cap = h.register("acme", instances=1, max_restarts=2, restart_window_s=600)
     live = h.sup.parts.workers.workers
