@@ -196,9 +196,9 @@ def test_a_restart_restores_every_stored_tenant(many: tuple[SupervisorHandle, st
     with tempfile.TemporaryFile() as log:
         with launch({"supervisor": {**FAST, "log_level": "info"}, "tenant": []}, run_dir=run_dir,
                     ready_timeout_s=300, stderr=log) as again:
-            # ready is every stored tenant back, not every worker serving: on a loaded host a
-            # running tenant's worker may still be starting then, or restarting (a heartbeat late
-            # past FAST's liveness) - its state comes to running, and that is the event waited for
+            # ready is every stored tenant back with its first worker ready; on a loaded host that
+            # worker may be restarting a moment later (its heartbeat late past FAST's 2.5 s
+            # liveness: the tenant degraded) - its state comes back to running, the event waited for
             want = {"stopped": STOPPED, "running": RUNNING}
 
             def states() -> dict[str, int] | None:
