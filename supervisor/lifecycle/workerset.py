@@ -308,19 +308,18 @@ class WorkerSet:
 
     # ------------------------------------------------------------ pool and start
 
-    def _spawn(self, pool: bool = False, held: bool = False) -> WorkerHandle:
+    def _spawn(self, pool: bool = False) -> WorkerHandle:
         """A new worker: its handle now; its process on the starter thread where the spawner can
         start one there (a start waits for the fork server's fork - 1-5 ms quiet, tens of ms on a
         loaded host - which on the loop held every request behind it), else here. ``pool``: a
-        pool worker (it starts below the normal priority: Spawner.start_nice); ``held``: a
-        refill held at the quiet gate starts it (Spawner.held_start_nice)."""
+        pool worker (it starts below the normal priority: Spawner.start_nice)."""
         spawner = self.spawner
         if not isinstance(spawner, OffLoopSpawner):
             worker = spawner.spawn()
             self._track(worker)
             self._took_in(worker)
             return worker
-        prepared = spawner.prepare(pool=pool, held=held) if held else spawner.prepare(pool=pool)
+        prepared = spawner.prepare(pool=pool)
         worker = WorkerHandle(worker_id=prepared.worker_id, token=prepared.token, process=NOT_STARTED, pid=0,
                               sentinel=-1, spawned_at=self.clock(), routing_id=prepared.routing_id, started=False)
         self._track(worker)
@@ -415,11 +414,8 @@ class WorkerSet:
             self.quiet.hold("pool", self._start_held, POOL_HOLD_MAX_S)
             return
         at_once = POOL_STARTS_AT_ONCE if quiet else POOL_STARTS_WHILE_OUT
-        # a refill the gate held, while the pool keeps a warm worker, starts below the normal
-        # priority (Spawner.held_start_nice): no request waits for it
-        lowered = held and len(self.pool) >= POOL_HOLD_FLOOR
         while len(self.pool) + self.pool_starting < target and self.pool_starting < at_once:
-            worker = self._spawn(pool=True, held=lowered)
+            worker = self._spawn(pool=True)
             worker.tenant = None
             self.pool_starting += 1
         if not quiet and len(self.pool) + self.pool_starting < target:
@@ -528,7 +524,7 @@ class WorkerSet:
                 # started below the normal priority (Spawner.start_nice) - it runs at ours from now
                 following = self.warming[0] if self.warming else self._starting_pool_worker()
                 if following is not None:
-                    raise_priority(following.pid, self._lowered_by())
+                    raise_priority(following.pid, getattr(self.spawner, "start_nice", 0))
             self._refill_if_dry()
             return how
         worker = self._starting_pool_worker()
@@ -536,7 +532,7 @@ class WorkerSet:
         if worker is not None:
             self.pool_starting -= 1  # the tenant's now: not the pool's (its death is the instance's)
             # it started below the normal priority (a pool worker's start): the tenant waits for it now
-            raise_priority(worker.pid, self._lowered_by())
+            raise_priority(worker.pid, getattr(self.spawner, "start_nice", 0))
         else:
             worker = self._spawn()
             how = "spawned"
@@ -545,12 +541,6 @@ class WorkerSet:
         slot.worker = worker
         self._refill_if_dry()
         return how  # bound when its hellos arrive
-
-    def _lowered_by(self) -> int:
-        """The most nice steps a starting pool worker may run below ours (a held refill's or any
-        pool start's: Spawner.held_start_nice, start_nice)."""
-        spawner = self.spawner
-        return max(getattr(spawner, "start_nice", 0), getattr(spawner, "held_start_nice", 0))
 
     def _start_held(self) -> None:
         """The refill held at the quiet gate: it opened, the hold's bound passed, or the pool fell

@@ -55,14 +55,6 @@ _HAS_PROC = os.path.isdir("/proc/self")
 #: (worker.preload), and the entry point's module every worker unpickles its target from (~0.5 ms
 #: of each forked worker's start, importing it there); worker.preload last: it freezes what the
 #: preload made out of the collector's walks
-#: nice steps a pool worker started by a refill held at the quiet gate (supervisor.lifecycle.quiet)
-#: runs below the supervisor until it is warmed or bound, where its threads may raise theirs back:
-#: no request waits for it (the pool still holds a warm worker), and its start's CPU (~11 ms: the
-#: child's imports, zmq, the WASM warm-up) lands beside the warm requests of the moment - at the
-#: normal priority it took a core from them on the 2-core host. A start the pool needs now (none
-#: warm left) keeps ``pool_start_nice``, and the first in line is raised when the pool runs dry.
-HELD_START_NICE = 10
-
 FORKSERVER_PRELOAD = [_WORKER_ENTRY.__class__.__module__, "worker.preload"]
 
 
@@ -285,9 +277,6 @@ class Spawner:
         #: a pool worker's start below the normal priority (worker.priority.lower_start), where its
         #: threads may raise theirs back to ours once it is warmed or bound; else 0
         self.start_nice = pool_start_nice(config.pool_start_nice)
-        #: a held refill's start (HELD_START_NICE, or ``pool_start_nice`` where that is more); 0 where
-        #: a worker could not raise its priority back
-        self.held_start_nice = pool_start_nice(max(config.pool_start_nice, HELD_START_NICE))
 
     def warm_up(self) -> None:
         """Start the forkserver now (with its preload) instead of on the first registration."""
@@ -320,11 +309,10 @@ class Spawner:
         except psutil.Error:
             return None
 
-    def prepare(self, pool: bool = False, held: bool = False) -> PreparedStart:
+    def prepare(self, pool: bool = False) -> PreparedStart:
         """A new worker's identity and boot message (loop thread: the sequence number is not
         locked). Its routing id and token are known from here, before its process can say hello.
-        ``pool``: a pool worker, which starts below the normal priority (:attr:`start_nice`);
-        ``held``: one a refill held at the quiet gate starts (:attr:`held_start_nice`)."""
+        ``pool``: a pool worker, which starts below the normal priority (:attr:`start_nice`)."""
         self._seq += 1
         worker_id = f"w{self._nonce}-{self._seq}"
         token = secrets.token_hex(16)
@@ -345,7 +333,7 @@ class Spawner:
             # a silent supervisor is only given up on when this process is gone (worker.control)
             supervisor_pid=os.getpid(),
             supervisor_started=self._started,
-            start_nice=(self.held_start_nice if held else self.start_nice) if pool else 0,
+            start_nice=self.start_nice if pool else 0,
         )
         return PreparedStart(worker_id, token, routing_id, boot)
 
@@ -400,7 +388,7 @@ class OffLoopSpawner(Protocol):
     """A spawner whose starts can run on another thread: the identity first (loop thread), the
     process then (:class:`Spawner`; the in-process tests' stand-in has no process to start)."""
 
-    def prepare(self, pool: bool = False, held: bool = False) -> PreparedStart: ...
+    def prepare(self, pool: bool = False) -> PreparedStart: ...
     def start(self, prepared: PreparedStart) -> WorkerHandle: ...
 
 

@@ -49,9 +49,9 @@ class HeldSpawner(Spawner):
         self.signals.append((worker.pid, sig))
         super().signal(worker, sig)
 
-    def prepare(self, pool: bool = False, held: bool = False) -> PreparedStart:
+    def prepare(self, pool: bool = False) -> PreparedStart:
         self.prepared += 1
-        return super().prepare(pool, held)
+        return super().prepare(pool)
 
     def start(self, prepared: PreparedStart) -> WorkerHandle:
         handle = super().start(prepared)

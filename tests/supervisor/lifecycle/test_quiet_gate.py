@@ -5,7 +5,6 @@ room and a pool without a warm worker do not wait (fake workers, fake clock)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -14,12 +13,9 @@ from typing import Any
 import pytest
 
 from shared import protocol as proto
-from shared.config import SupervisorConfig
-from shared.prctl import may_raise_priority
 from supervisor.lifecycle import parking, quiet, workerset
 from supervisor.lifecycle.quiet import QuietGate
 from supervisor.runtime.loop import Timers
-from supervisor.runtime.workers import HELD_START_NICE, Spawner
 from supervisor.store.state import StateStore
 from tests.helpers.fake_workers import FakeWorker
 from tests.supervisor.lifecycle.test_lifecycle_inprocess import Harness
@@ -434,47 +430,3 @@ def test_a_woken_tenants_replacement_waits_while_another_tenants_request_sent_fi
         h.until(lambda: len(ws.pool) == 3 and ws.pool_starting == 0)
     finally:
         h.close()
-
-
-def test_a_held_refills_start_goes_below_the_normal_priority_and_one_the_dry_pool_needs_now_does_not(
-        tmp_path: Path) -> None:
-    """A refill the gate held while the pool kept a warm worker starts lowered (no request waits
-    for it); the start a take that leaves no warm worker makes at once keeps the normal priority."""
-    catch = _Catch()
-    h = _harness(tmp_path, parked=("a", "b", "c"), catch=catch, pool_size=2)
-    try:
-        ws = h.sup.parts.workers
-        h.until(lambda: len(ws.pool) == 2 and ws.pool_starting == 0)
-        lowered: list[bool] = []
-        plain = ws._spawn
-
-        def spawn(*args: Any, **kwargs: Any) -> Any:
-            lowered.append(bool(kwargs.get("held")))
-            return plain(*args, **kwargs)
-
-        ws._spawn = spawn  # type: ignore[method-assign]
-        caps = [h.call("capability", {"tenant": n})["capability"] for n in ("a", "b", "c")]
-        assert h.call("ping", {}, caps[0]) is not None  # one warm worker left: the refill is held
-        _step(h, quiet.FOLLOW_S * 1.2)  # no next request of a's: the gate opens
-        assert lowered == [True], "the held refill's start goes lowered"
-        h.until(lambda: len(ws.pool) == 2 and ws.pool_starting == 0)
-        h.spawner.on_spawn.append(lambda w: setattr(w, "say_hello", lambda: None))  # new ones stay starting
-        catch.when = lambda _w, op: op == "ping"
-        h.send("ping", {}, caps[1])
-        h.until(lambda: len(catch.caught) == 1)
-        assert lowered == [True] and len(ws.pool) == 1  # held: one warm left
-        h.send("ping", {}, caps[2])  # takes the last warm one: its start runs at once
-        h.until(lambda: len(catch.caught) == 2)
-        assert lowered == [True, False], "the start the dry pool needs keeps the normal priority"
-    finally:
-        h.close()
-
-
-def test_a_spawners_held_start_boots_lowered_by_held_start_nice(tmp_path: Path) -> None:
-    config = SupervisorConfig(run_dir=str(tmp_path / "run"), backend="stub", start_method="spawn")
-    spawner = Spawner(config, {"backend": "ipc://none-b", "control": "ipc://none-c"})
-    may = may_raise_priority(os.getpriority(os.PRIO_PROCESS, 0))
-    assert spawner.held_start_nice == (HELD_START_NICE if may else 0)
-    assert spawner.prepare(pool=True, held=True).boot.start_nice == spawner.held_start_nice
-    assert spawner.prepare(pool=True).boot.start_nice == spawner.start_nice == 0  # pool_start_nice 0
-    assert spawner.prepare(held=True).boot.start_nice == 0  # a tenant's own start: never lowered
