@@ -4,9 +4,8 @@
                                                           (their ids: ``served``)     │
         the last of them answered (WorkerSet's reply path) ◄─────────────────────────┘
             │ its next request, if it is the next one sent (``next_sent``), and until it
-            │ is answered; another tenant's request sent first: until that one is answered
-            │ (the held work runs between requests, not beside one); FOLLOW_S at most from
-            │ the answer for either; another activation begun first: none
+            │ is answered; FOLLOW_S at most for it to come; another tenant's request sent or
+            │ activation begun first: none
             ▼
         the activation failed or stopped, the worker died, or OUT_MAX_S passed ──► in(tenant)
                                                               │ nothing else out
@@ -30,19 +29,13 @@ place taken - begins at once (:mod:`supervisor.lifecycle.parking`).
 A woken tenant stays out past its waking requests' answers for its next
 request: a client that woke its tenant sends the work it woke it for as the
 answer comes (a ping, then the first ``run_wasm``), and the replacement
-released at the ping's answer started beside that run. When another tenant's
-request is the next one sent, the woken tenant stays out until *that* one is
-answered: the held work - the supervisor's part of a start or a park (the
-fork server's fork, a park's export) and the new process's first
-milliseconds - then begins as a reply has gone out, in the client's turn,
-not on the loop while that request's reply is on its way back (released as
-it was sent, it delayed the warm requests of a stream: their p50 doubled).
-The window is bounded twice - FOLLOW_S from the answer, and it ends as
-another activation begins, before that one counts as out - so that under a
-stream of many tenants' requests the gate opens between activations as
-before (a window that ran on into the next activation kept the gate shut
-across runs of activations: refills one at a time at their bound, 95-97 %
-of activations with a warm worker).
+released at the ping's answer started beside that run. The window is bounded
+twice - FOLLOW_S for the request to come, and it ends as another tenant's
+request is sent or another activation begins, before that one counts as out -
+so that under a stream of many tenants' requests the gate opens between
+activations as before (a window that ran on into the next activation kept
+the gate shut across runs of activations: refills one at a time at their
+bound, 95-97 % of activations with a warm worker).
 
 Held work is keyed: holding a key already held keeps the earlier hold (and
 its earlier bound), so a burst of takes or ticks is one refill when the gate
@@ -96,11 +89,6 @@ class QuietGate:
         self.following: dict[str, Timer] = {}
         #: of those: the next request was sent - in once it is answered
         self._followed: set[str] = set()
-        #: of those whose waiting requests are answered: another tenant's request was sent first -
-        #: in once it is answered (by its id; ``_bound``: their FOLLOW_S timers, still running)
-        self._after: dict[int, set[str]] = {}
-        self._watching: dict[str, int] = {}
-        self._bound: dict[str, Timer] = {}
         #: held work, in the order it was held, by key
         self._held: dict[str, _Held] = {}
         #: held callbacks run as the gate opened, and at their bound with an activation out (status
@@ -124,10 +112,9 @@ class QuietGate:
 
     def out(self, tenant: str) -> None:
         """``tenant``'s activation began: held work waits until its requests are answered. A woken
-        tenant waiting for its next request, or for the answer of another tenant's request sent
-        before it, is in first: the work it held runs now, as it would have at its answer, not
-        after this activation."""
-        for other in [t for t in (*self.following, *self._watching) if t != tenant]:
+        tenant waiting for its next request is in first (another tenant's request came first):
+        the work it held runs now, as it would have at its answer, not after this activation."""
+        for other in [t for t in self.following if t != tenant]:
             self.done(other)
         self._out[tenant] = self.clock()
         self._forget(tenant)
@@ -145,10 +132,6 @@ class QuietGate:
     def answered(self, tenant: str, rid: int) -> bool:
         """A reply to ``rid`` for ``tenant`` came: True when that was the last one it waited for
         (the caller clears its worker's mark)."""
-        waiting = self._after.pop(rid, None) if self._after else None
-        if waiting is not None:  # the request sent before a woken tenant's next one: they are in
-            for other in waiting:
-                self.done(other)
         rids = self._rids.get(tenant)
         if rids is None:
             return tenant not in self._out
@@ -163,19 +146,14 @@ class QuietGate:
 
     def next_sent(self, tenant: str, rid: int) -> bool:
         """A request ``rid`` of ``tenant`` was sent while some woken tenant waits for its next
-        one: True when its answer matters to the gate (the caller marks its worker; its reply
-        path calls :meth:`answered`). Is it that tenant's, that tenant is out until it is
-        answered. Every other tenant waiting so is out until this one is answered (FOLLOW_S from
-        their answers at most): the held work then begins as its reply has gone out, not beside it."""
+        one: True when it is that request (``tenant`` is out until it is answered; the caller
+        marks its worker). Every other tenant waiting so is in now: the supervisor serves
+        another tenant's request first."""
         mine = self.following.pop(tenant, None)
-        others = list(self.following)
-        for other in others:
-            self._bound[other] = self.following.pop(other)
-            self._watching[other] = rid
-        if others:
-            self._after.setdefault(rid, set()).update(others)
+        for other in list(self.following):
+            self.done(other)
         if mine is None:
-            return bool(others)
+            return False
         mine.cancel()
         self._followed.add(tenant)
         self._rids[tenant] = {rid}
@@ -200,15 +178,6 @@ class QuietGate:
         timer = self.following.pop(tenant, None)
         if timer is not None:
             timer.cancel()
-        if self._watching:
-            rid = self._watching.pop(tenant, None)
-            if rid is not None:
-                self._bound.pop(tenant).cancel()
-                waiting = self._after.get(rid)
-                if waiting is not None:
-                    waiting.discard(tenant)
-                    if not waiting:
-                        del self._after[rid]
 
     def hold(self, key: str, fn: Callable[[], None], max_wait_s: float) -> bool:
         """Run ``fn`` now if no activation is out (True), else once none is or ``max_wait_s`` from
