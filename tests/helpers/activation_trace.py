@@ -12,7 +12,9 @@ the pool workers forked (``spawn``) and the workers ended (``exit``) from 30 ms 
 to its answer, also as a multiple of what the stream's own rates put in windows that long (a slow
 request's longer window holds more by chance); the overhead's p50 / p90 by the pool workers forked
 from 5 ms before a request to its answer and by the parks ahead that ended inside it; the spawns'
-bursts (spawns less than 10 ms apart); how the activations' workers came.
+bursts (spawns less than 10 ms apart); how the activations' workers came; and the warm requests' (no
+activation during them) p50 / p90 by the pool workers forked and the workers ended from 5 ms before
+each to its answer - the held work that ran beside them.
 
 With ``--perf`` (root, or ``perf_event_paranoid`` <= 0; ``perf`` installed) a ``perf sched record
 -a -k CLOCK_MONOTONIC`` runs for the stream's span, and each band also gets the CPU that ran while
@@ -279,6 +281,28 @@ def report(data: dict[str, Any], perf_path: str | None) -> None:
             if slices is not None:
                 c, d = slices.within(a, b, role_for(bound_of(r)))
                 print(f"      CPU ms: {_top(c, 6)} | delay: {_top(d, 3)}")
+    # the warm requests (no activation during them): their time by the pool workers forked and the
+    # workers ended from SPAWN_BEFORE_S before each to its answer - the held work beside them
+    for op in ("ping", "run_wasm"):
+        sel = [r for r in rows if r["op"] == op and not r["act"] and not r["first"]]
+        if not sel:
+            continue
+        took = [(r["t1"] - r["t0"]) * 1000 for r in sel]
+        print(f"\n{op}: {len(sel)} warm; p50 {_pct(took, 0.5):.2f} / p90 {_pct(took, 0.9):.2f} ms")
+        for label, ts, cap in (("pool starts", spawns, 2), ("exits", exits, 2)):
+            groups = defaultdict(list)
+            for r, t in zip(sel, took):
+                groups[min(cap, count(ts, r["t0"] - SPAWN_BEFORE_S, r["t1"]))].append(t)
+            print(f"  by the {label} in its window: " + "; ".join(
+                f"{k}{'+' if k == cap else ''}: {_pct(v, 0.5):.2f} / {_pct(v, 0.9):.2f} [{len(v)}]"
+                for k, v in sorted(groups.items())))
+        if slices is not None:
+            cpu = defaultdict(float)
+            for r in sel:
+                c, _d = slices.within(r["t0"], r["t1"], role_for(bound_of(r)))
+                for k, v in c.items():
+                    cpu[k] += v / len(sel)
+            print(f"  CPU ms while out (mean): {_top(cpu, 7, 2)}")
     bursts: list[int] = []
     run = 1
     for x, y in zip(spawns, spawns[1:]):
