@@ -92,7 +92,7 @@ thread; a synchronous op runs on the executor thread once the queue is empty
 timers and totals are thus used by one thread at a time, ordered by the
 queue's condition. With ``stub_device_cpus`` (shared.device_cpus) the device thread runs only on
 its device's CPU and the worker's other threads on the rest (:func:`pin_device`, at bind). The device
-thread (and the stub's executor thread) ask the kernel for its shortest time slice
+thread asks the kernel for a short time slice, the stub's executor thread for its shortest
 (``shared.prctl.short_slice``): woken to launch or to take a handed-over lease, they preempt the guest
 code running on their core instead of waiting out its slice, the device idle meanwhile.
 
@@ -176,10 +176,15 @@ _BATCH_DIV = 8
 #: ends the stretch (and lends the device): a guest loop's next submit (one host call, ~10-60 us)
 #: continues the stretch; a tenant's host work (0.1 ms and more) does not keep an idle device
 QUEUE_LINGER_S = 50e-6
-#: the device thread's time slice (``shared.prctl.short_slice``: the kernel's least, 0.1 ms): woken
-#: to launch the device's next work or to take a handed-over lease, it preempts the guest code running
-#: on its core instead of waiting up to that code's slice (~1.4 ms), the device idle meanwhile
+#: the stub's executor's time slice (``shared.prctl.short_slice``: the kernel's least, 0.1 ms): woken
+#: by a launch or a grant, it preempts what runs on the device's core instead of waiting up to that
+#: code's slice (~1.4 ms), the device idle meanwhile
 DEVICE_SLICE_NS = 100_000
+#: the device thread's slice (the stub executor's driver): short enough that its wake-ups preempt the
+#: guests' code (their ~1.4 ms), long enough that a burst of launches and board calls (0.1-0.3 ms) is
+#: not rescheduled past its first 0.1 ms by any wake-up on that core - a thread rescheduled there waits,
+#: runnable, until a tick (4 ms at HZ 250) or a sleep; ``TWT_DRIVER_SLICE_NS`` sets it (an A/B)
+DRIVER_SLICE_NS = int(os.environ.get("TWT_DRIVER_SLICE_NS", "300000"))
 #: the stub's executor: the chunks launched ahead of the running one hold at most 1/this of a chunk
 #: by their estimates (:meth:`DeviceGate._ahead`) ...
 _AHEAD_DIV = 2
@@ -516,7 +521,7 @@ class DeviceQueue:
 
     def _loop(self) -> None:
         name_thread()
-        short_slice(DEVICE_SLICE_NS)  # its wake-ups launch the device's next work: they preempt guest code
+        short_slice(DRIVER_SLICE_NS)  # its wake-ups launch the device's next work: they preempt guest code
         if self.cpus is not None:
             _pin(0, self.cpus)  # the device thread, at its start
         cond = self._cond
