@@ -49,6 +49,12 @@ def test_an_activation_that_takes_the_last_place_parks_ahead_at_once(tmp_path: P
         # the clock does not move: no tick; the place owed for the next activation is made at once
         h.until(lambda: len(_exports(h)) == 1)
         assert len(_exports(h)) == 1, "the rest of park_ahead waits while sleepy may send its next request"
+        # that park's export answered before the clock moves (a fake worker's manifest is not usable:
+        # the park is abandoned and its tenant's idle clock restarts now). Answered after the move,
+        # it made that tenant the most recently used, and the held look parked sleepy in its place
+        assert h.sup.parts is not None
+        parking = h.sup.parts.parking
+        h.until(lambda: all(parking.tenants[n].park is None for n in ("old", "mid")))
         h.clock.advance(quiet.FOLLOW_S * 1.2)  # it sent none
         h.sup.turn(0.0)
         h.until(lambda: len(_exports(h)) == 2)
