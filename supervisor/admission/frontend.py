@@ -603,7 +603,7 @@ class Frontend:
         does not verify). Asked only of a message the backlog's byte bound for the unauthenticated
         would drop (supervisor.admission.fairness): a client's pipelined first requests with big
         bodies arrive before the first is served and its token cached, and all but one of them
-        were dropped unanswered - a client with a valid capability, refused nothing, told
+        would be dropped unanswered - a client with a valid capability, refused nothing, told
         nothing. Verified, they are its tenant's, queued and admitted as every other request of
         it; a forged or revoked token is still dropped (it cost one MAC, as serving it would)."""
         key = self.verified_key(cap_raw)
