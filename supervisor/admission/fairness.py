@@ -34,7 +34,11 @@ What a turn does not serve waits here, oldest first. Once this queue holds
 a few messages a turn (:attr:`FairTurn.backlog_full`), so a flood waits in
 its sender (libzmq's high-water marks) rather than in the supervisor; an
 unauthenticated item that would take the queue past its byte bound is
-dropped (counted), unless no other unauthenticated item waits. At that hard
+dropped (counted), unless no other unauthenticated item waits - or its token
+verifies once asked there (the frontend asks before dropping: a client's
+pipelined first requests are read before the first is served, and a valid
+token's are its tenant's; :meth:`FairTurn.promote` moves the ones it queued
+before, in order). At that hard
 ceiling, while held tenants' items wait, a socket a tenant within its rate
 is active on still reads two messages a turn (:meth:`FairTurn.past_ceiling`,
 at most ``past_ceiling_max`` items past it): the held tenants' messages read
@@ -158,6 +162,31 @@ class FairTurn(Generic[T]):
             return 0
         return 2
 
+    def fits_unauthenticated(self, size: int) -> bool:
+        """An unauthenticated item of ``size`` bytes would be queued, not dropped (:meth:`add`)."""
+        return not self._unknown_bytes or self._bytes + size <= self.backlog_bytes_max
+
+    def promote(self, peer: Hashable, key: Hashable, moves: Callable[[T], bool]) -> list[T]:
+        """The unauthenticated items of ``peer`` that ``moves`` picks are ``key``'s from now on (the
+        token they carry was verified after they were queued): they go ahead of ``key``'s queue, in
+        their order, so a client's requests are still served in the order it sent them. Returns them."""
+        queue = self._unknown.get(peer)
+        moved = [item for item in queue if moves(item)] if queue else []
+        if not moved or queue is None:
+            return moved
+        kept = deque(item for item in queue if not moves(item))
+        if kept:
+            self._unknown[peer] = kept
+        else:
+            del self._unknown[peer]
+        self._unknown_bytes -= sum(self.size_of(item) for item in moved)
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = deque()
+            self._known.move_to_end(key, last=False)  # as add: nothing of it waited
+        known.extendleft(reversed(moved))
+        return moved
+
     def add(self, authenticated: bool, key: Hashable, item: T) -> bool:
         """Queue one message: ``key`` is its tenant when authenticated, else its peer. False:
         dropped (an unauthenticated one past the backlog's bytes), counted in :attr:`dropped`."""
@@ -165,7 +194,7 @@ class FairTurn(Generic[T]):
         if not authenticated:
             # the byte bound is hard for the unauthenticated, but one always fits when none
             # waits (a client's first request may carry a big body: its token is not verified yet)
-            if self._unknown_bytes and self._bytes + size > self.backlog_bytes_max:
+            if not self.fits_unauthenticated(size):
                 self.dropped += 1
                 return False
             self._unknown_bytes += size

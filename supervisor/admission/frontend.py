@@ -588,9 +588,31 @@ class Frontend:
         dropped = 0
         for msg in batch:
             key = msg.key
+            if key is None and not fair.fits_unauthenticated(msg.size):
+                key = msg.key = self._verified_now(msg.cap_raw)
+                if key is not None:  # what its client sent before with the same token, queued unverified
+                    cap = msg.cap_raw
+                    for earlier in fair.promote(msg.client, key, lambda m: bool(m.cap_raw == cap)):
+                        earlier.key = key
             dropped += not add(key is not None, key if key is not None else msg.client, msg)
         if dropped:  # a batch is one socket's (_on_readable)
             self.dropped_unanswered(batch[0].client[:1], dropped)
+
+    def _verified_now(self, cap_raw: bytes | None) -> str | None:
+        """The tenant a capability not verified yet names, verified now (None: none, or one that
+        does not verify). Asked only of a message the backlog's byte bound for the unauthenticated
+        would drop (supervisor.admission.fairness): a client's pipelined first requests with big
+        bodies arrive before the first is served and its token cached, and all but one of them
+        would be dropped unanswered - a client with a valid capability, refused nothing, told
+        nothing. Verified, they are its tenant's, queued and admitted as every other request of
+        it; a forged or revoked token is still dropped (it cost one MAC, as serving it would)."""
+        key = self.verified_key(cap_raw)
+        if key is not None or cap_raw is None:
+            return key
+        try:
+            return self._verify(cap_raw).tenant_id
+        except TensorWasmError:  # forged, malformed, revoked, its tenant gone: unauthenticated still
+            return None
 
     def end_turn(self) -> None:
         """End of a loop turn: serve one bounded turn of what was read (supervisor.admission.fairness);

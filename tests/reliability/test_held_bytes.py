@@ -63,6 +63,19 @@ def _codes(sock: zmq.Socket[Any], expected: int, timeout_s: float | None = None)
     return out
 
 
+def _unanswered_told(status: Any) -> str:
+    """Every count of the supervisor's that could explain a missing answer: requests dropped
+    unanswered (refused past the refusals' answers; without a verified capability, by reason),
+    refusals by what was exceeded, what is parked and in flight, held bytes, and the instance's
+    restarts and last exit."""
+    sup, t = status.supervisor, tenant(status, "down")
+    inst = t.instances[0]
+    return (f"; admission_unanswered {sup.admission_unanswered}, refused_by {sup.admission_refused_by}, "
+            f"unauthenticated_dropped {sup.unauthenticated_dropped} {sup.unauthenticated_dropped_by}, "
+            f"parked {t.parked}, in_flight {t.in_flight}, held {sup.held_bytes}, restarts {t.restarts}, "
+            f"instance {inst.state} last_exit {inst.last_exit}")
+
+
 def test_slow_readers_on_many_identities_are_bounded_per_tenant() -> None:
     tenants = [{"name": "reader", "gpu_memory_bytes_cap": "8MiB", "max_in_flight": 512}, {"name": "other"}]
     with supervisor(tenants, log_level="error", max_tenant_held_bytes=HELD) as sup:
@@ -138,12 +151,12 @@ def test_parked_bodies_are_bounded_in_bytes() -> None:
             # every request answered; the held bytes' bound refused some (how many depends on how many
             # of the 960 MiB arrived before the instance was back: those after it are sent, not parked -
             # the bound itself is asserted above, on what waited)
-            said = ""
-            if len(codes) != 60:  # what the supervisor says of the missing answers
-                late = c.status()
-                said = (f"; unanswered {late.supervisor.admission_unanswered}, parked "
-                        f"{tenant(late, 'down').parked}, held {late.supervisor.held_bytes}")
+            said = "" if len(codes) == 60 else _unanswered_told(c.status())
             assert len(codes) == 60 and codes.count("overloaded") >= 1, f"{len(codes)} answers {codes}{said}"
+            # nothing dropped unanswered: these requests carried a valid capability (their client's
+            # first, pipelined before the first was served: the supervisor verified it then)
+            late = c.status().supervisor
+            assert late.unauthenticated_dropped == 0 and late.admission_unanswered == 0, _unanswered_told(c.status())
             assert set(codes) <= {"overloaded", "wasm_compile", "kernel_timeout", "worker_lost"}
             assert "wasm_compile" in codes, codes  # parked, then sent once the instance was back
         finally:
