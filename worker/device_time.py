@@ -183,8 +183,8 @@ DEVICE_SLICE_NS = 100_000
 #: the device thread's slice (the stub executor's driver): short enough that its wake-ups preempt the
 #: guests' code (their ~1.4 ms), long enough that a burst of launches and board calls (0.1-0.3 ms) is
 #: not rescheduled past its first 0.1 ms by any wake-up on that core - a thread rescheduled there waits,
-#: runnable, until a tick (4 ms at HZ 250) or a sleep; ``TWT_DRIVER_SLICE_NS`` sets it (an A/B)
-DRIVER_SLICE_NS = int(os.environ.get("TWT_DRIVER_SLICE_NS", "300000"))
+#: runnable, until a tick (4 ms at HZ 250) or a sleep
+DRIVER_SLICE_NS = 300_000
 #: the stub's executor: the chunks launched ahead of the running one hold at most 1/this of a chunk
 #: by their estimates (:meth:`DeviceGate._ahead`) ...
 _AHEAD_DIV = 2
