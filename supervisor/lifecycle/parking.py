@@ -414,6 +414,8 @@ class Parking:
         unwritten: list[str] = []
 
         def on_body(body: zmq.Frame | bytes | memoryview | None) -> None:
+            if not self._current(rt, rec, ParkPhase.EXPORTING):
+                return  # the park was cancelled (a request came) while this chunk was on its way: its file is gone
             data = memoryview(body.buffer if isinstance(body, zmq.Frame) else body or b"")
             if len(data) != n:
                 return
