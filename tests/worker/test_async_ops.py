@@ -25,6 +25,7 @@ from shared.quota import QuotaBlock
 from shared.spec import TenantSpec
 from tests.helpers.fake_cublas import FakeCublas
 from tests.helpers.fake_cuda import FakeDriver
+from tests.helpers.timeouts import scaled
 from worker.backends.base import Backend, DeviceBuffer
 from worker.backends.cuda import CudaBackend
 from worker.backends.stub import StubBackend
@@ -35,7 +36,7 @@ from worker.wasm import ErrorCode, WasmHost
 pytestmark = pytest.mark.timeout(120)
 
 #: how long a test waits for a state it means (a thread blocked, an op started) before failing
-WAIT_S = 30.0
+WAIT_S = scaled(30.0)
 
 
 def wait_for(cond: Callable[[], bool]) -> None:
