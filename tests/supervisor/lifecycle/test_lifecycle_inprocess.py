@@ -29,6 +29,7 @@ from supervisor.lifecycle import workerset
 from supervisor.store.rundir import read_admin_capability
 from supervisor.supervisor import Supervisor
 from tests.helpers.fake_workers import FakeClock, FakeSpawner
+from tests.helpers.timeouts import scaled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +37,7 @@ MIB = 1 << 20
 
 #: real seconds a call may take before the test calls it stuck: messages cross real sockets
 #: (libzmq's I/O thread), so the loop waits on its poller for them - never a fixed sleep
-STUCK_S = 30.0
+STUCK_S = scaled(30.0)
 #: the longest one turn waits on the poller for a message (a reply to the raw client is not on it)
 TURN_WAIT_S = 0.005
 
