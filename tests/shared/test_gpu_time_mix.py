@@ -347,9 +347,9 @@ def test_a_change_of_hands_wakes_only_the_worker_it_names(board: GpuTimeBoard, c
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A grant wakes its grantee (its driver on the wake sequence, its executor's gated launch on the
     owner word) and nobody else: the other waiters have nothing to take, and each of their wake-ups
-    preempted a busy thread on the host's CPUs for nothing. A steal for another worker, a lend at an
-    op's end alike; the sequence still moves at each, so that a waiter between its read
-    of the sequence and its sleep looks again."""
+    preempted a busy thread on the host's CPUs for nothing. Lends at an op's end and a release alike;
+    the sequence still moves at each, so that a waiter between its read of the sequence and its sleep
+    looks again."""
     holder = attach(board, clock, workers, board.add_tenant())
     first = attach(board, clock, workers, board.add_tenant())
     other = attach(board, clock, workers, board.add_tenant())
