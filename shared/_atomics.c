@@ -1093,6 +1093,88 @@ mod_futex_wake(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(futex_wait_bits_doc,
+"futex_wait_bits(buffer, offset, expected, timeout_ns, bits) -> None\n\n"
+"As futex_wait, woken only by a futex_wake_bits whose bits share one with `bits` (a uint32\n"
+"mask, non-zero) or by a futex_wake: a waker names whom it wakes, the others sleep on.");
+
+static PyObject *
+mod_futex_wait_bits(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    Region view;
+    uint64_t expected, timeout_ns, bits;
+    if (check_nargs("futex_wait_bits", nargs, 5) < 0 || parse_u64(args[2], &expected) < 0 ||
+        parse_u64(args[3], &timeout_ns) < 0 || parse_u64(args[4], &bits) < 0) {
+        return NULL;
+    }
+    if (bits == 0 || bits > 0xFFFFFFFFu) {
+        PyErr_SetString(PyExc_ValueError, "bits: a non-zero uint32 mask");
+        return NULL;
+    }
+    uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+#ifdef __linux__
+    uint32_t *word = (uint32_t *)(void *)p;
+    Py_BEGIN_ALLOW_THREADS
+    /* FUTEX_WAIT_BITSET's timeout is absolute, on CLOCK_MONOTONIC */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t ns = (uint64_t)ts.tv_nsec + timeout_ns % 1000000000u;
+    ts.tv_sec += (time_t)(timeout_ns / 1000000000u + ns / 1000000000u);
+    ts.tv_nsec = (long)(ns % 1000000000u);
+    syscall(SYS_futex, word, FUTEX_WAIT_BITSET, (uint32_t)expected, &ts, NULL, (uint32_t)bits);
+    Py_END_ALLOW_THREADS
+#else
+    (void)bits;
+    if (timeout_ns > 1000000u) {
+        timeout_ns = 1000000u;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    usleep((useconds_t)(timeout_ns / 1000u));
+    Py_END_ALLOW_THREADS
+#endif
+    region_release(&view);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(futex_wake_bits_doc,
+"futex_wake_bits(buffer, offset, bits) -> int\n\n"
+"Wake the futex_wait_bits on the word at offset whose bits share one with `bits` (a non-zero uint32\n"
+"mask), and every plain futex_wait on it (any process); how many were woken (0 without futexes).");
+
+static PyObject *
+mod_futex_wake_bits(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)m;
+    Region view;
+    uint64_t bits;
+    if (check_nargs("futex_wake_bits", nargs, 3) < 0 || parse_u64(args[2], &bits) < 0) {
+        return NULL;
+    }
+    if (bits == 0 || bits > 0xFFFFFFFFu) {
+        PyErr_SetString(PyExc_ValueError, "bits: a non-zero uint32 mask");
+        return NULL;
+    }
+    uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+    long woken = 0;
+#ifdef __linux__
+    woken = syscall(SYS_futex, (uint32_t *)(void *)p, FUTEX_WAKE_BITSET, INT32_MAX, NULL, NULL, (uint32_t)bits);
+    if (woken < 0) {
+        woken = 0;
+    }
+#else
+    (void)bits;
+#endif
+    region_release(&view);
+    return PyLong_FromLong(woken);
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
@@ -1106,6 +1188,8 @@ static PyMethodDef module_methods[] = {
     {"compare_exchange", (PyCFunction)(void (*)(void))mod_compare_exchange, METH_FASTCALL, compare_exchange_doc},
     {"futex_wait", (PyCFunction)(void (*)(void))mod_futex_wait, METH_FASTCALL, futex_wait_doc},
     {"futex_wake", (PyCFunction)(void (*)(void))mod_futex_wake, METH_FASTCALL, futex_wake_doc},
+    {"futex_wait_bits", (PyCFunction)(void (*)(void))mod_futex_wait_bits, METH_FASTCALL, futex_wait_bits_doc},
+    {"futex_wake_bits", (PyCFunction)(void (*)(void))mod_futex_wake_bits, METH_FASTCALL, futex_wake_bits_doc},
     {NULL, NULL, 0, NULL},
 };
 

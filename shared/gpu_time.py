@@ -8,14 +8,14 @@ take turns through this board, and each turn is charged exactly::
     worker (tenant t)                 board (shared memory, one per device)
     ─────────────────                 ──────────────────────────────────────
     acquire()  ── owner word == mine? ──► yes: run (fast path: one CAS, no syscall)
-               ── else: mark waiting, try_acquire / futex_wait on the owner word
+               ── else: mark waiting, try_acquire / futex_wait on the wake sequence
     op chunk (<= ~2 ms of device time)
     finish(ns) ── pass[t] += ns / weight[t]; used[t] += ns; cap bucket -= ns
                ── someone waits? ──► op end, host gaps long next to its ops: *lend* it now
                                      (a sibling first); else pick(): at the quantum's end
                                      min pass among eligible waiters *and* the holder, inside
                                      it only a waiter a quantum behind or one that lent it;
-                                     hand the owner word over (CAS, then the grant), futex_wake
+                                     hand the owner word over (CAS, then the grant), wake the grantee
     (guest code) an idle holder past its grace (4x its op length, >= 100 us) is stolen from;
                retaking an idle lease while others wait charges the idle span to its pass
     release()  ── end of the run: hand over (or free) the device
@@ -48,9 +48,10 @@ waiting count and each worker's own waiting stamp. No supervisor round trip
 per quantum: ``twt bench share`` measures both costs (docs/GPU-QUOTAS.md).
 
 Owner word: ``0`` free, else ``(worker slot + 1) << 1 | busy``; ``busy`` is set
-while a chunk runs. Waiters sleep with a futex (``_atomics.futex_wait``, GIL
+while a chunk runs. Waiters sleep with a futex (``_atomics.futex_wait_bits``, GIL
 released, so the worker's heartbeats go on) on a wake sequence that grows
-each time the owner word changes hands (see :func:`_wake`); their timeout is
+each time the owner word changes hands, each with its worker's wake bit: a
+change of hands wakes only the worker it names (see :func:`_wake`); their timeout is
 the holder's quantum end, when they may steal an idle lease; the one next
 up yields the CPU in a loop from about a chunk before that end, so that it is
 running when the device passes to it.
@@ -525,6 +526,9 @@ class GpuTimeBoard(MappedSegment):
         #: the last :meth:`pick` with a holder: when the longest-waiting worker of another tenant began
         #: to wait (0: only the holder's own tenant's workers wait; -1: not known)
         self._claim_from = -1
+        #: the last :meth:`pick`'s choice with the holder left out (-1: none eligible): the waiter a holder
+        #: that keeps the device idle wakes (:meth:`finish`)
+        self._best = -1
         #: a waiter may yield the CPU in a loop to be running when the device passes to it (see
         #: :meth:`acquire`). False where the device *is* this host's CPU (the stub): a spinning waiter
         #: is then a third runnable thread beside the holder's device thread and the guests, and
@@ -785,6 +789,7 @@ class GpuTimeBoard(MappedSegment):
         """
         buf = self._check()
         self._claim_from = -1
+        self._best = -1
         vclock = _atomics.load(buf, _VCLOCK)
         quantum = _atomics.load(buf, _C_QUANTUM)
         high = _atomics.load(buf, _HIGH)
@@ -798,9 +803,10 @@ class GpuTimeBoard(MappedSegment):
             words.release()
         if _atomics.load(buf, _C_MODE) != 1:
             # scheduler off: the driver's time-slicing - round robin by arrival, no weights, no caps
+            active = [w for since, w, t in sorted(waiting) if 0 <= t < self.tenant_slots]
+            self._best = active[0] if active else -1
             if holder_tenant is not None and not quantum_over:
                 return None
-            active = [w for since, w, t in sorted(waiting) if 0 <= t < self.tenant_slots]
             return active[0] if active else None
         best: tuple[int, int, int, int] | None = None  # (pass, since, worker, tenant)
         lender: dict[int, bool] = {}  # tenant -> one of its waiting workers lent the device
@@ -823,6 +829,7 @@ class GpuTimeBoard(MappedSegment):
                     best = (p, since, w, t)
         if best is None:
             return None
+        self._best = best[2]
         if holder_tenant is not None:
             self._claim_from = min((since for since, _, t in waiting if t != holder_tenant), default=0)
         if prefer_tenant is not None and seen.get(prefer_tenant) is not None:
@@ -878,8 +885,9 @@ class GpuTimeBoard(MappedSegment):
         held = _atomics.load(buf, self._w_off((current >> 1) - 1) + _W_TENANT) if current else 0
         self._grant(buf, nxt, now, sibling=held != 0 and held == _atomics.load(buf, self._w_off(nxt) + _W_TENANT))
         _atomics.fetch_add(buf, counter, 1)
-        _wake(buf)
-        _atomics.futex_wake(buf, _OWNER)  # a gated launch of the grantee's (GatedLaunch) starts now
+        bit = _wake_bit(nxt)
+        _wake(buf, bit)  # the grantee alone: the other waiters have nothing to take (see _wake)
+        _atomics.futex_wake_bits(buf, _OWNER, bit)  # a gated launch of the grantee's (GatedLaunch) starts now
         if trace is not None:
             trace.add("G", now, cas, time.monotonic_ns(), _atomics.load(buf, _LAST_END),
                       trace.chunk_end if current == self._mine else 0, (current >> 1) - 1, nxt,
@@ -901,6 +909,8 @@ class GpuTimeBoard(MappedSegment):
         nxt = self.pick(now)
         if nxt is None:
             if _atomics.compare_exchange(buf, _OWNER, current, 0) and _atomics.load(buf, _WAITING):
+                # a free device while workers wait (each held back by its cap, or one whose mark the
+                # pick did not see yet): every waiter looks, whoever may take it does
                 _wake(buf)
             return
         self._give(buf, current, nxt, now, _HANDOFFS)
@@ -1137,7 +1147,7 @@ class GpuTimeBoard(MappedSegment):
                 sleep = self._sleep_ns(buf, owner, now)
                 if deadline_ns is not None:
                     sleep = min(sleep, max(deadline_ns - now, _MIN_SLEEP_NS))
-                _atomics.futex_wait(buf, _SEQ, seq & _MASK32, sleep)
+                _atomics.futex_wait_bits(buf, _SEQ, seq & _MASK32, sleep, _wake_bit(w))
                 if trace is not None:
                     woke = time.monotonic_ns()
                     wakes += 1
@@ -1261,11 +1271,12 @@ class GpuTimeBoard(MappedSegment):
                                     - 2 * max(chunk, self._chunk_ns))
                     if until > now:
                         self._quiet_until, self._quiet_waiting, self._quiet_grant = until, waiting, grant
-                if last:
-                    # the op ended and the holder keeps the device, idle, within its grace: the waiters,
-                    # asleep until their next look (a busy holder's: every 1 ms at most), look now and
-                    # sleep to the grace's end, when an idle holder is stolen from (_sleep_ns)
-                    _wake(buf)
+                if last and self._best >= 0:
+                    # the op ended and the holder keeps the device, idle, within its grace: the waiter
+                    # that would take it (the pick, the holder left out), asleep until its next look (a
+                    # busy holder's: every 1 ms at most), looks now and sleeps to the grace's end, when
+                    # an idle holder is stolen from (_sleep_ns); any other waiter would steal for it
+                    _wake(buf, _wake_bit(self._best))
                 return False
         if nxt is None:
             return False
@@ -1348,8 +1359,15 @@ class GpuTimeBoard(MappedSegment):
                 _atomics.store(buf, self._w_off(w) + _W_LENT, 1)
                 return True
             return False
-        _wake(buf)
+        self._wake_pick(buf)
         return False
+
+    def _wake_pick(self, buf: memoryview) -> None:
+        """The holder keeps the device idle within its grace: wake the waiter that would take it (the
+        pick, the holder left out) to time its sleep to the grace's end (finish's rule)."""
+        nxt = self.pick(self._clock())
+        if nxt is not None:
+            _wake(buf, _wake_bit(nxt))
 
     def release(self) -> None:
         """Give the device up at the end of a run (handed to the pick, or freed)."""
@@ -1439,6 +1457,14 @@ class GpuTimeBoard(MappedSegment):
                     self._charge_in_flight(buf, tenant, now)
                 owner &= ~1
             self._hand_over(buf, owner, now)
+        elif owner == 0:
+            if _atomics.load(buf, _WAITING):
+                _wake(buf)  # it may have died between freeing the device and its wake
+        elif not owner & 1:
+            # it may have died between a hand-over's CAS and its wake: the grantee the word names wakes
+            bit = _wake_bit((owner >> 1) - 1)
+            _wake(buf, bit)
+            _atomics.futex_wake_bits(buf, _OWNER, bit)
         _atomics.store(buf, off + _W_PID, 0)
         _atomics.store(buf, off + _W_START, 0)
         _atomics.store(buf, off + _W_CLAIMED, 0)
@@ -1505,16 +1531,35 @@ class GpuTimeBoard(MappedSegment):
         )
 
 
-def _wake(buf: memoryview) -> None:
-    """Wake every waiter of the board: after the owner word changed hands (or a policy changed).
+#: a wake naming every waiter (a policy changed; a device freed while workers wait)
+_WAKE_ALL: Final = _MASK32
+
+
+def _wake_bit(worker: int) -> int:
+    """The wake bit of worker slot ``worker``: a waiter sleeps on the wake sequence with it, a wake that
+    names the worker sets it (slots 32 apart share one: a wake-up for nothing, never a lost one)."""
+    return 1 << (worker & 31)
+
+
+def _wake(buf: memoryview, bits: int = _WAKE_ALL) -> None:
+    """Bump the wake sequence and wake the waiters ``bits`` names (:func:`_wake_bit`; all by default).
 
     Waiters sleep on the wake sequence, not on the owner word itself: the owner
     word can return to the value a waiter saw (free, taken again by the same
     worker for its next chunk), and a futex on it would then sleep through the
-    change (ABA). The sequence only grows.
+    change (ABA). The sequence only grows. Every change of the board a waiter must see bumps it,
+    so a waiter that read the sequence before the change and has not slept yet returns at once and
+    looks again; of the sleepers only those named wake. One wake per change of hands: a grant wakes
+    its grantee (the others have nothing to take: a grant to another worker leaves them waiting, and
+    their sleeps, timed to their steal deadlines, do not grow with it), a holder that keeps the
+    device idle wakes the waiter that would take it, and only a policy change or a device freed
+    while workers wait wakes every one. Waking every waiter at each change of hands cost ~5.6
+    wake-ups a handover that found nothing to do, each preempting a busy thread on the host's CPUs.
+    The rule, and that no waiter sleeps while the lease is free or names it, are model-checked
+    (``tests/helpers/gated_launch_model.py``).
     """
     _atomics.fetch_add(buf, _SEQ, 1)
-    _atomics.futex_wake(buf, _SEQ)
+    _atomics.futex_wake_bits(buf, _SEQ, bits)
 
 
 def _raise_to(buf: memoryview, offset: int, floor: int) -> int:

@@ -34,7 +34,8 @@
  * worker's). A lost CAS runs nothing; the driver that gives up its wait cancels the chunk under the
  * executor's lock (gate_resolve), so a chunk is either cancelled or started, never both; a killed
  * process's executor dies with it. The executor sleeps on a futex on the owner word's low half
- * (shared.gpu_time wakes it at every change of hands), at most GATE_POLL_NS between looks.
+ * with its worker's wake bit (shared.gpu_time's _wake_bit: a grant wakes its grantee's executor
+ * only, never every armed one on the board), at most GATE_POLL_NS between looks.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -113,6 +114,14 @@ clock_ns(clockid_t clk)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* The wake bit of the worker the owner word `mine` names (shared.gpu_time's _wake_bit: worker slot
+   mod 32): a grant to that worker wakes the executors asleep with it, not every one on the board. */
+static uint32_t
+gate_bit(uint64_t mine)
+{
+    return 1u << ((((mine >> 1) - 1)) & 31u);
+}
+
 static void
 run_slot(Executor *ex, Slot *s)
 {
@@ -161,9 +170,13 @@ executor_main(void *arg)
                 /* not ours (yet): asleep until the word changes hands (or a poll's end), the lock
                    released - the driver may cancel meanwhile */
                 uint32_t *word = (uint32_t *)(void *)ex->gate_owner;
+                uint32_t bit = gate_bit(mine);
                 pthread_mutex_unlock(&ex->mu);
-                struct timespec ts = {0, GATE_POLL_NS};
-                syscall(SYS_futex, word, FUTEX_WAIT, (uint32_t)o, &ts, NULL, 0);
+                struct timespec ts;  /* FUTEX_WAIT_BITSET's timeout: absolute, CLOCK_MONOTONIC */
+                int64_t until = clock_ns(CLOCK_MONOTONIC) + GATE_POLL_NS;
+                ts.tv_sec = (time_t)(until / 1000000000LL);
+                ts.tv_nsec = (long)(until % 1000000000LL);
+                syscall(SYS_futex, word, FUTEX_WAIT_BITSET, (uint32_t)o, &ts, NULL, bit);
                 pthread_mutex_lock(&ex->mu);
                 continue;
             }
@@ -472,6 +485,7 @@ Executor_gate_resolve(Executor *ex, PyObject *args)
         return NULL;
     long out;
     uint32_t *word = NULL;
+    uint32_t bit = 0;
     pthread_mutex_lock(&ex->mu);
     if (ex->gate_state == GATE_NONE) {
         out = -1;
@@ -486,17 +500,19 @@ Executor_gate_resolve(Executor *ex, PyObject *args)
         release_slot(&ex->slots[ex->tail % ex->cap]);
         ex->gate_state = GATE_NONE;
         word = (uint32_t *)(void *)ex->gate_owner;
+        bit = gate_bit(ex->gate_mine);
         out = 0;
     } else {
         /* the driver's CAS won: the slot runs as a plain one now (the executor checks no word),
            the executor woken if it sleeps on the word */
         ex->gate_state = GATE_NONE;
         word = (uint32_t *)(void *)ex->gate_owner;
+        bit = gate_bit(ex->gate_mine);
         out = 1;
     }
     pthread_mutex_unlock(&ex->mu);
-    if (word != NULL)
-        syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    if (word != NULL)  /* (its own executor: the bit it sleeps with) */
+        syscall(SYS_futex, word, FUTEX_WAKE_BITSET, INT32_MAX, NULL, NULL, bit);
     gate_release_board(ex);
     return PyLong_FromLong(out);
 }

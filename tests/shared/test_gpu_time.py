@@ -700,3 +700,89 @@ def test_the_handover_gap_is_the_device_idle_from_a_grant_to_the_grantees_first_
     finally:
         wa.close()
         wb.close()
+
+
+def test_a_reclaim_wakes_the_grantee_a_dead_giver_may_not_have_woken(
+        board: GpuTimeBoard, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A change of hands wakes only its grantee, in a step after its CAS: a giver killed between the
+    two leaves the grantee asleep with an idle grant. The reclaim of any dead worker that held nothing
+    wakes the worker an idle owner word names (and every waiter of a free device), so no wake-up is
+    lost to a death (tests/helpers/gated_launch_model.py: ``reclaim_wakes_nobody``)."""
+    from shared import _atomics
+    from shared.gpu_time import _OWNER, _SEQ
+
+    a, b = board.add_tenant(1.0), board.add_tenant(1.0)
+    wa = GpuTimeBoard.attach(board.name, tenant_slot=a, clock=clock)
+    wb = GpuTimeBoard.attach(board.name, tenant_slot=b, clock=clock)
+    try:
+        assert wa.try_acquire(clock.t)
+        wb.want(clock.t)
+        clock.t += MS
+        wa.finish(MS, idle=True)  # lent to wb: its wake sent (this process's own: not lost here)
+        assert wb.holds() and wb.worker_slot is not None
+        woken: list[tuple[int, int]] = []
+
+        def wake_bits(buf: object, offset: int, bits: int) -> int:
+            woken.append((offset, bits))
+            return 0
+
+        monkeypatch.setattr(_atomics, "futex_wake_bits", wake_bits, raising=False)
+        monkeypatch.setattr(_atomics, "futex_wake", lambda buf, offset: woken.append((offset, 0xFFFFFFFF)))
+        _dies(board, wa)  # ... as if killed before that wake
+        assert [(w, held) for w, _, held in board.reclaim_dead()] == [(wa.worker_slot, False)]
+        bit = 1 << (wb.worker_slot % 32)
+        assert woken == [(_SEQ, bit), (_OWNER, bit)]
+        assert wb.try_acquire(clock.t)
+    finally:
+        wb.close()
+        wa._worker = None  # its slot was freed by the reclaim
+        wa.close()
+
+
+def test_a_wake_names_whom_it_wakes() -> None:
+    """``futex_wake_bits`` wakes the sleepers whose bits it names, and no other (it says how many it
+    woke): the board wakes a grant's grantee alone; ``futex_wake`` still wakes every one."""
+    import threading
+    import time
+
+    from shared import _atomics
+
+    buf = memoryview(bytearray(64))
+    with pytest.raises(ValueError):
+        _atomics.futex_wake_bits(buf, 16, 0)
+    t0 = time.monotonic()
+    _atomics.futex_wait_bits(buf, 8, 4, 30 * 10**9, 1)  # the value differs: returns at once
+    assert time.monotonic() - t0 < 15
+    tids: list[int] = []
+    woke = threading.Event()
+
+    def sleeper() -> None:
+        tids.append(threading.get_native_id())
+        _atomics.futex_wait_bits(buf, 16, 0, 30 * 10**9, 1 << 5)  # until woken (or 30 s)
+        woke.set()
+
+    th = threading.Thread(target=sleeper)
+    th.start()
+    try:
+        while not tids:
+            time.sleep(0.001)
+        deadline = time.monotonic() + 20
+        # asleep once its state reads S (the futex, or the GIL on its way there: then nothing is woken
+        # either, and the wake with its bit below still must reach it)
+        while _thread_state(tids[0]) != "S":
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert _atomics.futex_wake_bits(buf, 16, 1 << 6) == 0  # another worker's bit: still asleep
+        assert not woke.is_set()
+        while not woke.is_set():
+            if _atomics.futex_wake_bits(buf, 16, 1 << 5 | 1 << 6):
+                break
+        assert woke.wait(10)
+    finally:
+        _atomics.futex_wake(buf, 16)
+        th.join(10)
+
+
+def _thread_state(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]

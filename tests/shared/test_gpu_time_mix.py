@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from shared import _atomics
-from shared.gpu_time import (_CLAIM_SERVE_DEN, _CLAIM_SERVE_NUM, _GRANT_NS, _HANDOVER_GRACE_NS, _SEQ, _VCLOCK,
-                              GpuTimeBoard)
+from shared.gpu_time import (_CLAIM_SERVE_DEN, _CLAIM_SERVE_NUM, _GRANT_NS, _HANDOVER_GRACE_NS, _OWNER, _SEQ,
+                              _VCLOCK, GpuTimeBoard)
 from tests.helpers.ns_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
@@ -321,24 +321,88 @@ def _wakes(board: GpuTimeBoard) -> int:
     return _atomics.load(board._check(), _SEQ)
 
 
-def test_an_op_end_that_keeps_the_device_idle_wakes_the_waiters(board: GpuTimeBoard, clock: FakeClock,
-                                                                 workers: list[GpuTimeBoard]) -> None:
-    """A holder whose op ends while another worker waits, and that keeps the device (within its
-    grace), wakes the waiters: asleep until their next look at a busy holder (1 ms at most) they
-    would take an idle device that late; woken, they time their sleep to the grace's end. A chunk
-    boundary inside an op (``last=False``) keeps the device busy and wakes nobody."""
+def _record_wakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every futex wake the board makes from now on, as (word offset, wake bits; all: 0xFFFFFFFF)."""
+    woken: list[tuple[int, int]] = []
+
+    def wake_bits(buf: object, offset: int, bits: int) -> int:
+        woken.append((offset, bits))
+        return 0
+
+    def wake(buf: object, offset: int) -> None:  # (every waiter of the word)
+        woken.append((offset, 0xFFFFFFFF))
+
+    monkeypatch.setattr(_atomics, "futex_wake_bits", wake_bits, raising=False)
+    monkeypatch.setattr(_atomics, "futex_wake", wake)
+    return woken
+
+
+def _bit(worker: GpuTimeBoard) -> int:
+    assert worker.worker_slot is not None
+    return 1 << (worker.worker_slot % 32)
+
+
+def test_a_change_of_hands_wakes_only_the_worker_it_names(board: GpuTimeBoard, clock: FakeClock,
+                                                          workers: list[GpuTimeBoard],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant wakes its grantee (its driver on the wake sequence, its executor's gated launch on the
+    owner word) and nobody else: the other waiters have nothing to take, and each of their wake-ups
+    preempted a busy thread on the host's CPUs for nothing. Lends at an op's end and a release alike;
+    the sequence still moves at each, so that a waiter between its read of the sequence and its sleep
+    looks again."""
+    holder = attach(board, clock, workers, board.add_tenant())
+    first = attach(board, clock, workers, board.add_tenant())
+    other = attach(board, clock, workers, board.add_tenant())
+    assert holder.try_acquire(clock.t)
+    first.want(clock.t)
+    clock.t += 1 * US
+    other.want(clock.t)  # waits less long, the same pass: the pick is `first`
+    woken = _record_wakes(monkeypatch)
+    seq = _wakes(board)
+    clock.t += 100 * US
+    assert holder.finish(100 * US, idle=True)  # nothing queued: lent at the op's end
+    assert first.holds() and _wakes(board) == seq + 1
+    assert woken == [(_SEQ, _bit(first)), (_OWNER, _bit(first))]
+    woken.clear()
+    assert first.try_acquire(clock.t)
+    clock.t += 100 * US
+    first.finish(100 * US, idle=True)  # lent on to the one still waiting
+    assert other.holds()
+    assert woken == [(_SEQ, _bit(other)), (_OWNER, _bit(other))]
+    woken.clear()
+    assert other.try_acquire(clock.t)
+    holder.want(clock.t)
+    clock.t += 100 * US
+    other.finish(100 * US, idle=True)
+    other.release()
+    assert holder.holds() and woken == [(_SEQ, _bit(holder)), (_OWNER, _bit(holder))]
+
+
+def test_an_op_end_that_keeps_the_device_idle_wakes_the_waiter_that_would_take_it(
+        board: GpuTimeBoard, clock: FakeClock, workers: list[GpuTimeBoard], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder whose op ends while others wait, and that keeps the device (within its grace), wakes
+    the waiter that would take it - the pick, the holder left out: asleep until its next look at a
+    busy holder (1 ms at most) it would take an idle device that late; woken, it times its sleep to
+    the grace's end. Not every waiter: another one would steal for the pick anyway. A chunk boundary
+    inside an op (``last=False``) keeps the device busy and wakes nobody."""
     holder = attach(board, clock, workers, board.add_tenant())
     waiter = attach(board, clock, workers, board.add_tenant())
+    later = attach(board, clock, workers, board.add_tenant())
     assert holder.try_acquire(clock.t)
     waiter.want(clock.t)
+    clock.t += 1 * US
+    later.want(clock.t)
     clock.t += 100 * US
+    woken = _record_wakes(monkeypatch)
     seq = _wakes(board)
     assert not holder.finish(100 * US, last=False)  # inside an op: kept, nobody woken
-    assert _wakes(board) == seq
+    assert _wakes(board) == seq and not woken
     assert holder.try_acquire(clock.t)
     clock.t += 100 * US
     assert not holder.finish(100 * US, last=True)  # the op's end, kept (no host gap known): idle now
     assert _wakes(board) == seq + 1 and holder.holds()
+    assert woken == [(_SEQ, _bit(waiter))]
+    later.unwant()
     clock.t += _HANDOVER_GRACE_NS // 2
     assert not waiter.try_acquire(clock.t)  # within the holder's grace
     clock.t += 2 * MS
@@ -474,12 +538,12 @@ def test_a_waiter_yields_the_cpu_in_a_loop_only_where_the_cpu_is_not_the_device(
         yields.append(1)
         clock.t += 100 * US
 
-    def sleep(buf: object, offset: int, value: int, ns: int) -> None:
+    def sleep(buf: object, offset: int, value: int, ns: int, bits: int) -> None:
         sleeps.append(ns)
         clock.t += ns
 
     monkeypatch.setattr(gpu_time.os, "sched_yield", yield_cpu)
-    monkeypatch.setattr(gpu_time._atomics, "futex_wait", sleep)
+    monkeypatch.setattr(gpu_time._atomics, "futex_wait_bits", sleep)
     with pytest.raises(TimeoutError):
         waiter.acquire(deadline_ns=clock() + 3 * MS)  # the holder never finishes its chunk here
     if spin:

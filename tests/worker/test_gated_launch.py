@@ -106,6 +106,42 @@ def test_a_gated_gemm_starts_at_the_grant_with_the_executors_own_cas(board: GpuT
         b.close()
 
 
+def _thread_state(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_gated_executor_sleeps_with_its_workers_wake_bit(board: GpuTimeBoard) -> None:
+    """An armed executor sleeps on the owner word with its worker's wake bit: a change of hands to
+    another worker (its bit) wakes nobody of B's; a wake with B's bit reaches it. Before, every armed
+    executor on the board woke at every change of hands, each a wake-up on the device's core."""
+    ta, tb = board.add_tenant(), board.add_tenant()
+    a = GpuTimeBoard.attach(board.name, tenant_slot=ta)
+    b = GpuTimeBoard.attach(board.name, tenant_slot=tb)
+    be = StubBackend()
+    args, _ = _gemm(be, 5)
+    timer = stub_executor.make()
+    assert timer is not None and a.worker_slot is not None and b.worker_slot is not None
+    mine, other = 1 << (b.worker_slot % 32), 1 << (a.worker_slot % 32)
+    assert mine != other
+    try:
+        a.acquire()  # A's, busy: B's gated GEMM waits, its executor asleep on the owner word
+        assert timer.launch_gated("matmul_f32", args, b._buf, _OWNER, _BUSY_SINCE, _mine(b))
+        tid = timer.thread_id
+        assert tid is not None
+        # its own bit reaches it once it sleeps there (it looks again, and sleeps again: not its own)
+        _wait_for(lambda: _atomics.futex_wake_bits(board._buf, _OWNER, mine) == 1, "the executor asleep")
+        for _ in range(3):
+            _wait_for(lambda: _thread_state(tid) == "S", "the executor asleep again")
+            assert _atomics.futex_wake_bits(board._buf, _OWNER, other) == 0  # A's bit: nobody of B's
+        assert timer.running == 1
+        assert not timer.resolve(cancel=True)  # B's wait refused: taken out, never run
+    finally:
+        timer.close()
+        a.close()
+        b.close()
+
+
 def test_a_grant_to_another_worker_runs_nothing_and_the_refused_wait_cancels_it(board: GpuTimeBoard) -> None:
     """B's GEMM is gated while A holds; the device goes to C instead (the owner word never names B):
     the executor runs nothing, and B's wait, refused at its deadline, takes the chunk out."""
