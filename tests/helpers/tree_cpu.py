@@ -9,6 +9,11 @@ here. Once CMD exits it waits up to ``--linger`` seconds (default 30) for what i
 one line: wall time, user + system CPU of everything reaped, and how many descendants still ran
 (their CPU is missing from the figure). It exits with CMD's status.
 
+What a process that ignores SIGCHLD starts is reaped by the kernel and its usage reaches no one:
+Ray's raylet does (its dashboard and runtime-env agents and its Python workers, ~12 s of a run's
+CPU in the cluster module), so for Ray's share ``perf stat -e task-clock -- CMD`` (its counters
+are inherited at fork, whoever reaps) is the figure.
+
     python -m tests.helpers.tree_cpu -- make test
 """
 

@@ -25,6 +25,7 @@ from supervisor.tools import build_guard
 from supervisor.cli import main
 from supervisor.tools.build import BuildError, build_module
 from supervisor.tools.build_guard import cache_lock
+from tests.helpers import zygote
 from tests.helpers.cluster import wait_for
 from tests.helpers.sdk_build import SdkBuilder, opened_during, opened_in, seed_sandbox_cache
 
@@ -200,9 +201,9 @@ def test_concurrent_builds_on_one_cache_wait_for_each_other_and_both_succeed(tmp
                 src.write_text(f'#include "tensorwasm.h"\nTWT_EXPORT(f) int f(void) {{ return {i}; }}\n')
                 err = tmp_path / f"turn{i}.err"
                 with open(err, "wb") as sink:
-                    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "build", str(src), "-o",
-                                             str(tmp_path / f"turn{i}.wasm")], stdout=subprocess.DEVNULL,
-                                            stderr=sink)
+                    # forked from the suite's zygote where it can be (the lock's wait is the point)
+                    proc = zygote.popen([sys.executable, "-m", "supervisor", "build", str(src), "-o",
+                                         str(tmp_path / f"turn{i}.wasm")], stdout=subprocess.DEVNULL, stderr=sink)
                 procs.append((proc, err, tmp_path / f"turn{i}.wasm"))
             for proc, err, _ in procs:
                 wait_for(lambda err=err: b"waiting for another build" in err.read_bytes() or  # type: ignore[misc]

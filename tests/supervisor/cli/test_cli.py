@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import psutil
 import pytest
@@ -219,16 +219,34 @@ def _wait_line(lines: queue.Queue[str], seen: list[str], pred: object, timeout_s
     raise AssertionError(f"no {what} line within {timeout_s} s; got {seen!r}")
 
 
-def test_events_show_a_sigkilled_worker_exit_and_its_restart() -> None:
+def _forked_follower(argv: list[str], err: Path) -> tuple[subprocess.Popen[bytes], TextIO]:
+    """``python -m supervisor ARGV`` forked from the suite's zygote where it can be (the followers'
+    output is what is checked, not an interpreter's start): its stdout a pipe read here as text, its
+    stderr the file ``err``."""
+    r, w = os.pipe()
+    try:
+        with open(err, "wb") as sink:
+            proc = zygote.popen([sys.executable, "-m", "supervisor", *argv], stdin=subprocess.DEVNULL, stdout=w,
+                                stderr=sink)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return proc, os.fdopen(r, "r")
+
+
+def test_events_show_a_sigkilled_worker_exit_and_its_restart(tmp_path: Path) -> None:
     with supervisor([{"name": "acme"}]) as sup:
         c = sup.client
-        base = [sys.executable, "-m", "supervisor", "events", "--timeout", "3", "--run-dir", sup.run_dir]
-        text = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        as_json = subprocess.Popen([*base, "--json", "--filter", "exit,restart", "--filter", "set_quota",
-                                    "--tenant", "acme"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        base = ["events", "--timeout", "3", "--run-dir", sup.run_dir]
+        errs = (tmp_path / "text.err", tmp_path / "json.err")
+        text, text_out = _forked_follower(base, errs[0])
+        as_json, json_out = _forked_follower([*base, "--json", "--filter", "exit,restart", "--filter", "set_quota",
+                                       "--tenant", "acme"], errs[1])
         qt: queue.Queue[str] = queue.Queue()
         qj: queue.Queue[str] = queue.Queue()
-        readers = [_reader(text.stdout, qt), _reader(as_json.stdout, qj)]
+        readers = [_reader(text_out, qt), _reader(json_out, qj)]
         try:
             seen_t: list[str] = []
             seen_j: list[str] = []
@@ -259,8 +277,7 @@ def test_events_show_a_sigkilled_worker_exit_and_its_restart() -> None:
             assert ev["event"] == "restart" and ev["tenant"] == "acme" and ev["instance"] == 0
             # --timeout: both end by themselves after 3 s without a matching event
             assert text.wait(30) == 0 and as_json.wait(30) == 0
-            for proc in (text, as_json):
-                assert proc.stderr is not None and proc.stderr.read() == ""
+            assert [err.read_text() for err in errs] == ["", ""]
             for reader in readers:
                 reader.join(10)
             kinds = [json.loads(s)["event"] for s in seen_j + _drain(qj)]
@@ -272,10 +289,8 @@ def test_events_show_a_sigkilled_worker_exit_and_its_restart() -> None:
                 proc.wait(10)
             for reader in readers:
                 reader.join(10)  # EOF once the process is gone; then the pipes can be closed
-            for proc in (text, as_json):
-                for pipe in (proc.stdout, proc.stderr):
-                    if pipe is not None:
-                        pipe.close()
+            text_out.close()
+            json_out.close()
 
 
 def _drain(q: queue.Queue[str]) -> list[str]:

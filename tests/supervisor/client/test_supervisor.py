@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import stat
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from shared.spec import TenantSpec
 from supervisor.client.api import SupervisorClient
 from shared.capability import TenantCapability
 from supervisor.client.launch import SupervisorHandle, launch
-from tests.helpers import hygiene
+from tests.helpers import hygiene, zygote
 from tests.helpers.cluster import instance_pid, supervisor, tenant, wait_for
 from tests.helpers.tmp import short_temp_dir
 
@@ -83,10 +82,9 @@ def test_run_dir_permissions_and_lock() -> None:
         assert stat.S_IMODE(os.stat(sup.run_dir).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(os.path.join(sup.run_dir, "admin")).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(os.path.join(sup.run_dir, "admin", "admin.cap")).st_mode) == 0o600
-        proc = subprocess.run(
-            [sys.executable, "-m", "supervisor", "supervise", "--run-dir", sup.run_dir, "--backend", "stub"],
-            capture_output=True, text=True, timeout=60,
-        )
+        # forked from the suite's zygote: the lock is what is checked, not the interpreter's start
+        proc = zygote.run([sys.executable, "-m", "supervisor", "supervise", "--run-dir", sup.run_dir,
+                           "--backend", "stub"], timeout=60)
         assert proc.returncode == 1
         assert "another supervisor" in proc.stderr and str(sup.pid) in proc.stderr
         assert sup.client.hello().pid == sup.pid  # the first one is untouched
