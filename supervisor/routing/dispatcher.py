@@ -280,8 +280,17 @@ class Dispatcher:
             if not rt.waiting or self.tenants.get(tid) is not rt:
                 del self._waiting[tid]  # nothing waits (or the tenant went): its next parked request adds it
                 continue
-            while rt.waiting and rt.parked[0].deadline <= now:  # waiting: no queue made for a look
-                p = rt.parked.popleft()
+            # the whole queue, not its head: it is in arrival order, and deadlines differ by op (a
+            # guest run's is its run time plus grace) - a run parked before a ping must not hold the
+            # ping past its deadline. A queue is bounded by the tenant's max_in_flight.
+            queue = rt.parked
+            if all(p.deadline > now for p in queue):
+                continue
+            due = [p for p in queue if p.deadline <= now]
+            kept = [p for p in queue if p.deadline > now]
+            queue.clear()
+            queue.extend(kept)
+            for p in due:
                 waited = p.deadline - p.started
                 self.pending.refuse_parked(rt.tenant_id, p, KernelTimeout(
                     waited, p.op, message=f"no instance of {rt.tenant_id!r} became ready within {waited:g} s"))

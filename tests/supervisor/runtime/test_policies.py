@@ -276,6 +276,27 @@ def test_requests_park_while_no_instance_is_ready_bounded_by_max_in_flight() -> 
 
 
 
+def test_a_parked_request_expires_at_its_deadline_behind_one_with_a_later_deadline() -> None:
+    """The parked queue is in arrival order, not deadline order: a guest run (its run time plus
+    grace) parked before a ping (``request_timeout_s``) must not hold the ping past its deadline."""
+    table, replies, _, clock, tenants = _table()
+    rt = _runtime(TenantSpec("acme", request_timeout_s=2.0), ready=False)
+    rt.slots[0].restart_at = clock.now + 0.1  # restarting: worth waiting for
+    tenants["acme"] = rt
+    fe, cap = _frontend(table, replies, clock, tenants, rt)
+    fe._tenant_request(b"c", 1, "run_wasm", cap, {"export": "run", "timeout_s": 20.0}, b"\0asm")
+    fe._tenant_request(b"c", 2, "ping", cap, {}, None)
+    fe._tenant_request(b"c", 3, "run_wasm", cap, {"export": "run", "timeout_s": 20.0}, b"\0asm")
+    assert len(rt.parked) == 3 and not replies.sent
+    clock.now += 2.5  # past the ping's deadline, well before the runs'
+    fe.dispatcher.expire_parked(clock.now)
+    assert [(rid, ok, err["code"]) for _, rid, ok, err in replies.sent] == [(2, False, "kernel_timeout")]
+    assert [p.rid for p in rt.parked] == [1, 3]  # the runs wait on, in their order
+    clock.now += 30.0
+    fe.dispatcher.expire_parked(clock.now)
+    assert not rt.parked and [rid for _, rid, _, _ in replies.sent] == [2, 1, 3]
+
+
 class _Untouchable:
     """A registered tenant that nothing waits for: the tick's expiry must not read it."""
 
