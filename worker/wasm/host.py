@@ -1297,6 +1297,8 @@ class WasmHost:
     def run(self, body: bytes | bytearray | memoryview | CompiledModule, export: str, args: Sequence[object] = (),
             *, fuel: int, timeout_s: float) -> dict[str, object]:
         """One complete run: the ``run_wasm`` reply, or a typed error."""
+        if self._ctx is None:  # a pool host: refused before a tenant's module is compiled (or cached) here
+            raise InvalidArgument("the WASM host is not bound to a tenant yet")
         t0 = time.perf_counter()
         self.stats["runs"] += 1
         # "cached": not compiled by this run - found in the cache, or deserialized from the

@@ -60,6 +60,8 @@ def test_the_warm_up_runs_our_module_and_holds_nothing_of_a_tenant(monkeypatch: 
     assert host.info()["cached_modules"] == 0 and host.stats["runs"] == 0 and host.held_artifacts == 0
     with pytest.raises(InvalidArgument, match="not bound"):
         host.run(PROBE, "add", [1, 2], fuel=10**6, timeout_s=5.0)  # a pool host runs no tenant module
+    # refused before the tenant's module is compiled: nothing of it compiled, kept or counted
+    assert host.info()["cached_modules"] == 0 and host.stats["compiles"] == 0 and host.stats["runs"] == 0
 
 
 def test_the_first_use_after_the_bind_adopts_the_warm_host(monkeypatch: pytest.MonkeyPatch) -> None:
