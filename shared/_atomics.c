@@ -1038,6 +1038,36 @@ PyDoc_STRVAR(futex_wait_doc,
 "change of value or a signal. Without futexes (not Linux) it sleeps the timeout\n"
 "(capped at 1 ms). Waiters re-check their condition after it returns.");
 
+/* Sleep on the low half of the word at p (a little-endian word: what a waker changes together
+   with the word) while it holds `expected`, at most timeout_ns; woken by a wake whose bits share
+   one with `bits` (all ones: every wake, as a plain FUTEX_WAIT). Without futexes: a sleep of at most 1 ms. */
+static void
+futex_sleep(uint64_t *p, uint64_t expected, uint64_t timeout_ns, uint32_t bits)
+{
+#ifdef __linux__
+    uint32_t *word = (uint32_t *)(void *)p;
+    Py_BEGIN_ALLOW_THREADS
+    /* FUTEX_WAIT_BITSET's timeout is absolute, on CLOCK_MONOTONIC */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t ns = (uint64_t)ts.tv_nsec + timeout_ns % 1000000000u;
+    ts.tv_sec += (time_t)(timeout_ns / 1000000000u + ns / 1000000000u);
+    ts.tv_nsec = (long)(ns % 1000000000u);
+    syscall(SYS_futex, word, FUTEX_WAIT_BITSET, (uint32_t)expected, &ts, NULL, bits);
+    Py_END_ALLOW_THREADS
+#else
+    (void)p;
+    (void)expected;
+    (void)bits;
+    if (timeout_ns > 1000000u) {
+        timeout_ns = 1000000u;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    usleep((useconds_t)(timeout_ns / 1000u));
+    Py_END_ALLOW_THREADS
+#endif
+}
+
 static PyObject *
 mod_futex_wait(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1052,21 +1082,7 @@ mod_futex_wait(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     if (p == NULL) {
         return NULL;
     }
-#ifdef __linux__
-    struct timespec ts = {(time_t)(timeout_ns / 1000000000u), (long)(timeout_ns % 1000000000u)};
-    /* the low half of a little-endian word: what the waker changes together with the word */
-    uint32_t *word = (uint32_t *)(void *)p;
-    Py_BEGIN_ALLOW_THREADS
-    syscall(SYS_futex, word, FUTEX_WAIT, (uint32_t)expected, &ts, NULL, 0);
-    Py_END_ALLOW_THREADS
-#else
-    if (timeout_ns > 1000000u) {
-        timeout_ns = 1000000u;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    usleep((useconds_t)(timeout_ns / 1000u));
-    Py_END_ALLOW_THREADS
-#endif
+    futex_sleep(p, expected, timeout_ns, 0xFFFFFFFFu);  /* every wake */
     region_release(&view);
     Py_RETURN_NONE;
 }
@@ -1093,6 +1109,20 @@ mod_futex_wake(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* A futex wake mask (futex_wait_bits / futex_wake_bits): a non-zero uint32. */
+static int
+parse_bits(PyObject *o, uint64_t *bits)
+{
+    if (parse_u64(o, bits) < 0) {
+        return -1;
+    }
+    if (*bits == 0 || *bits > 0xFFFFFFFFu) {
+        PyErr_SetString(PyExc_ValueError, "bits: a non-zero uint32 mask");
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(futex_wait_bits_doc,
 "futex_wait_bits(buffer, offset, expected, timeout_ns, bits) -> None\n\n"
 "As futex_wait, woken only by a futex_wake_bits whose bits share one with `bits` (a uint32\n"
@@ -1105,37 +1135,14 @@ mod_futex_wait_bits(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     Region view;
     uint64_t expected, timeout_ns, bits;
     if (check_nargs("futex_wait_bits", nargs, 5) < 0 || parse_u64(args[2], &expected) < 0 ||
-        parse_u64(args[3], &timeout_ns) < 0 || parse_u64(args[4], &bits) < 0) {
-        return NULL;
-    }
-    if (bits == 0 || bits > 0xFFFFFFFFu) {
-        PyErr_SetString(PyExc_ValueError, "bits: a non-zero uint32 mask");
+        parse_u64(args[3], &timeout_ns) < 0 || parse_bits(args[4], &bits) < 0) {
         return NULL;
     }
     uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
     if (p == NULL) {
         return NULL;
     }
-#ifdef __linux__
-    uint32_t *word = (uint32_t *)(void *)p;
-    Py_BEGIN_ALLOW_THREADS
-    /* FUTEX_WAIT_BITSET's timeout is absolute, on CLOCK_MONOTONIC */
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t ns = (uint64_t)ts.tv_nsec + timeout_ns % 1000000000u;
-    ts.tv_sec += (time_t)(timeout_ns / 1000000000u + ns / 1000000000u);
-    ts.tv_nsec = (long)(ns % 1000000000u);
-    syscall(SYS_futex, word, FUTEX_WAIT_BITSET, (uint32_t)expected, &ts, NULL, (uint32_t)bits);
-    Py_END_ALLOW_THREADS
-#else
-    (void)bits;
-    if (timeout_ns > 1000000u) {
-        timeout_ns = 1000000u;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    usleep((useconds_t)(timeout_ns / 1000u));
-    Py_END_ALLOW_THREADS
-#endif
+    futex_sleep(p, expected, timeout_ns, (uint32_t)bits);
     region_release(&view);
     Py_RETURN_NONE;
 }
@@ -1151,11 +1158,7 @@ mod_futex_wake_bits(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     (void)m;
     Region view;
     uint64_t bits;
-    if (check_nargs("futex_wake_bits", nargs, 3) < 0 || parse_u64(args[2], &bits) < 0) {
-        return NULL;
-    }
-    if (bits == 0 || bits > 0xFFFFFFFFu) {
-        PyErr_SetString(PyExc_ValueError, "bits: a non-zero uint32 mask");
+    if (check_nargs("futex_wake_bits", nargs, 3) < 0 || parse_bits(args[2], &bits) < 0) {
         return NULL;
     }
     uint64_t *p = peek_region(args[0], args[1], 8, 1, &view);
