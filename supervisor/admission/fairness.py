@@ -171,10 +171,14 @@ class FairTurn(Generic[T]):
         token they carry was verified after they were queued): they go ahead of ``key``'s queue, in
         their order, so a client's requests are still served in the order it sent them. Returns them."""
         queue = self._unknown.get(peer)
-        moved = [item for item in queue if moves(item)] if queue else []
-        if not moved or queue is None:
+        if not queue:
+            return []
+        moved: list[T] = []
+        kept: deque[T] = deque()
+        for item in queue:
+            (moved if moves(item) else kept).append(item)
+        if not moved:
             return moved
-        kept = deque(item for item in queue if not moves(item))
         if kept:
             self._unknown[peer] = kept
         else:

@@ -284,9 +284,9 @@ class Dispatcher:
             # guest run's is its run time plus grace) - a run parked before a ping must not hold the
             # ping past its deadline. A queue is bounded by the tenant's max_in_flight.
             queue = rt.parked
-            if all(p.deadline > now for p in queue):
-                continue
             due = [p for p in queue if p.deadline <= now]
+            if not due:
+                continue
             kept = [p for p in queue if p.deadline > now]
             queue.clear()
             queue.extend(kept)
