@@ -44,6 +44,7 @@ Pure policy with an injected clock: no sockets, no threads. Loop thread only.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NoReturn, TypedDict
@@ -95,6 +96,16 @@ def request_burst(rate: float) -> float:
     if rate <= BURST_REQUESTS:
         return max(rate, 1.0)
     return max(BURST_REQUESTS, rate / 10.0)
+
+
+def retry_after(wait: float) -> float:
+    """``wait`` (seconds) as the ``retry_after_s`` a refusal carries: rounded *up* to the
+    microsecond. A refusal always has a wait > 0 (a bucket a hair short of a token), and rounded to
+    the nearest microsecond that hair - a refill of 1e-4 tokens at 200 a second is 0.5 us - said
+    "retry after 0 s": a client honouring it comes back at once and is refused again."""
+    if wait <= 0.0:
+        return 0.0
+    return math.ceil(wait * 1e6) / 1e6
 
 
 class TokenBucket:
@@ -212,7 +223,7 @@ class Admission:
         if b.answers.take(1.0, now):
             self.unanswered[tenant] = self.unanswered.get(tenant, 0) + 1
             raise RefusalUnanswered(tenant, wait)
-        raise AdmissionRate(tenant, in_flight, b.spec.max_in_flight, retry_after_s=round(wait, 6), what=what,
+        raise AdmissionRate(tenant, in_flight, b.spec.max_in_flight, retry_after_s=retry_after(wait), what=what,
                             rate=rate)
 
     def admit_unauthenticated(self, peer: bytes, now: float) -> bool:

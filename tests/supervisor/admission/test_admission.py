@@ -39,6 +39,29 @@ def test_a_tenant_past_its_requests_per_second_is_refused_with_retry_after() -> 
     assert adm.status()["admission_refused"] == 1
 
 
+def test_a_refusal_a_hair_short_of_a_token_says_retry_later_never_after_zero_seconds() -> None:
+    """A bucket a hair short of its next token (a hundred-thousandth of one at 200 a second: a
+    wait of 5e-8 s) refuses; its ``retry_after_s`` is rounded up to the microsecond, never to 0 -
+    "retry after 0 s" sends a client honouring it straight back into the same refusal (seen on a
+    loaded host, where the refill between two reads of the clock is that small)."""
+    adm = Admission(requests_per_s=1000.0, bytes_per_s=1e9, max_message_bytes=1 << 20)
+    spec = TenantSpec("t", requests_per_s=200.0, max_in_flight=1_000)
+    burst = request_burst(200.0)
+    for _ in range(int(burst)):
+        adm.admit("t", spec, 1, 0.0)
+    refill = (1.0 - 1e-5) / 200.0  # the bucket at 0.99999 of a token
+    with pytest.raises(AdmissionRate) as info:
+        adm.admit("t", spec, 1, refill)
+    assert info.value.retry_after_s == pytest.approx(1e-6) and info.value.retry_after_s > 0
+    assert "after 0 s" not in str(info.value)
+    other = TenantSpec("u", requests_per_s=200.0, max_in_flight=1_000)
+    for _ in range(int(burst)):
+        adm.admit("u", other, 1, 0.0)
+    with pytest.raises(AdmissionRate) as info:  # an ordinary wait keeps its value to the microsecond
+        adm.admit("u", other, 1, 0.0025)  # half a token back: 2.5 ms to the next
+    assert info.value.retry_after_s == pytest.approx(0.0025, abs=1e-6)
+
+
 def test_bytes_per_second_and_a_changed_spec_take_effect() -> None:
     adm = Admission(requests_per_s=1e6, bytes_per_s=1e9, max_message_bytes=1000)
     spec = TenantSpec("big", bytes_per_s=2000)
