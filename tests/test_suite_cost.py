@@ -143,7 +143,7 @@ def test_a_zygotes_live_descendants_count_while_they_run(tmp_path: Path) -> None
         server.wait(timeout=60)
         server.stdout.close()
     (line,) = [json.loads(x) for x in (tmp_path / "cpu.gw0").read_text(encoding="utf-8").splitlines()]
-    assert line["cpu"] >= 0.3, line
+    assert line["cpu"] >= 0.25, line  # /proc's 10 ms ticks, sampled: 0.29 once (the old record: 0.01)
 
 
 def test_tree_cpu_counts_what_outlives_its_parent() -> None:
