@@ -37,15 +37,13 @@ $(OTHER_BINDINGS): $(STAMP) tests/helpers/replay_bindings.py
 demo: $(STAMP)
 	$(BIN)/twt demo
 
-#: pytest-xdist workers for make test: 4 per core this process may run on (`nproc` reads the CPU
-#: affinity, so `taskset -c 1 make test` gets 4; OMP_* variables, which nproc would also obey, are
-#: left out), at most 6, the count the suite is run and measured with on 2 cores. Each worker costs
-#: ~1.3 s of CPU to start and collect (more with its own zygote and caches), but a fifth of the
-#: suite's modules mostly wait (Ray, drains, deadlines, TCP sessions): on one core 3 workers left
-#: it idle ~6 % of a run (every worker waiting at once), 4 workers ~2 %, for no CPU measurably
-#: more (docs/BUILD.md, "Parallel workers")
-TEST_WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); \
-	echo $$(( n * 4 < 6 ? n * 4 : 6 )))
+#: pytest-xdist workers for make test: 6, whatever the cores (the count the suite is run and
+#: measured with on 2 cores). Each worker costs ~1.3 s of CPU to start and collect (more with its
+#: own zygote), but a fifth of the suite's modules mostly wait (Ray, drains, deadlines, TCP
+#: sessions), and a core idles while every worker on it waits at once: on one core 3 workers left
+#: it idle 5-7 % of a run, 4 workers 1-4 %, 6 workers 0.1-0.2 %, for ~2 s of CPU more than 4
+#: (docs/BUILD.md, "Parallel workers")
+TEST_WORKERS ?= 6
 
 ## make test: the whole suite (lint first, then pytest in a fresh temp root, tests/run-suite.sh, with the
 ## type check beside it); it fails if either fails

@@ -3,11 +3,14 @@
 With ``PYTEST_TWT_CPU_LOG`` set, every test process (each xdist worker) appends one JSON line per
 test to ``PATH.<worker>``: its node id, its wall start and end, and the CPU it cost - the test
 process's own, its reaped children's (``RUSAGE_CHILDREN``: fresh ``python -m supervisor``
-processes, ``twt`` commands, Ray's processes once shut down) and the suite's zygotes' (their own
-and their reaped children's: every forked supervisor, read from ``/proc``). A module-scoped
-fixture's set-up lands on the module's first test, its tear-down on its last. Children that were
-orphaned (re-parented away from the test process) are not counted, nor is CPU still unreaped at
-the end of a test (a process that outlives it counts where it is reaped).
+processes, ``twt`` commands, Ray's processes once shut down) and the suite's zygotes' whole trees,
+read from ``/proc``: each zygote's and every live descendant's own CPU and reaped children's (every
+forked supervisor, its fork server and workers). So a module fixture's supervisor's work lands on
+the tests that made it, not on the test at whose end the fixture stops it (its tree is reaped only
+then: a module's GEMM load once showed as 9-10 s of a 0.1 s test). A module-scoped fixture's
+set-up lands on the module's first test, its tear-down on its last. Not counted: children
+orphaned away from the test process, and the CPU of a live child of the test process itself
+started outside a zygote (counted where it is reaped).
 
 ``python -m tests.helpers.cpu_profile PATH [N]`` sums the lines per module and per worker: the
 top N modules by CPU, and each worker's busy wall time (the critical path of a parallel run).
@@ -29,6 +32,35 @@ __all__ = ["ENV", "Recorder", "summarize"]
 #: where the lines go (unset: nothing is recorded)
 ENV = "PYTEST_TWT_CPU_LOG"
 _TICK = float(os.sysconf("SC_CLK_TCK"))
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s descendants, from each thread's /proc children list ([] once it is gone)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children", "rb") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found.extend(kids)
+            todo.extend(kids)
+    return found
+
+
+def _live_tree_cpu(pid: int) -> float:
+    """The CPU of ``pid`` and every live descendant, each with its reaped children's: a child's
+    CPU moves into its parent's reaped figure when the parent reaps it, so the sum only grows
+    (a descendant reaped by a process outside the tree would take its CPU away: a zygote is its
+    tree's subreaper, so none is)."""
+    return _tree_cpu(pid) + sum(_tree_cpu(kid) for kid in _descendants(pid))
 
 
 def _tree_cpu(pid: int) -> float:
@@ -55,7 +87,7 @@ class Recorder:
         me = resource.getrusage(resource.RUSAGE_SELF)
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
         own = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-        return own + sum(_tree_cpu(pid) for pid in self._servers())
+        return own + sum(_live_tree_cpu(pid) for pid in self._servers())
 
     def start(self) -> None:
         self._start_wall = time.time()

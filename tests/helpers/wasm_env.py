@@ -4,7 +4,7 @@ Shared by the host and ABI tests (tests/worker/wasm/test_wasm_host.py,
 test_wasm_abi.py, test_wasm_tensor_ops.py, test_cuda_tensor_ops.py):
 ``tenant_env`` builds the context on any backend, ``make_env`` the ABI tests'
 stub one, ``probe`` opens a session on ``worker/guests/probe.wat`` (every
-import re-exported one to one; compiled once per process, see :func:`probe`), ``mlp_forward`` runs the MLP guest on client
+import re-exported one to one; compiled once per process, see :func:`compiled_once`), ``mlp_forward`` runs the MLP guest on client
 buffers, and the small helpers read and poke guest memory and buffers.
 """
 
@@ -26,7 +26,7 @@ from worker.context import TenantContext
 from worker.wasm import WasmHost, WasmSession, guest_source
 
 __all__ = [
-    "MLP", "PAGE", "PROBE", "Env", "MlpRun", "buffer_bytes", "call", "make_env", "mem", "mlp_forward",
+    "MLP", "PAGE", "PROBE", "Env", "MlpRun", "buffer_bytes", "call", "compiled_once", "make_env", "mem", "mlp_forward",
     "mlp_inputs", "poke", "probe", "softmax", "tenant_env",
 ]
 
@@ -74,24 +74,34 @@ def make_env(fast: bool, *, gpu_cap: int | None = 1 * MiB, capacity: int = 16 <<
         yield env
 
 
-_PROBE_DIGEST = hashlib.sha256(PROBE).hexdigest()
-#: (digest, artifact) of the probe guest as the first host of this process that ran it compiled it
-_probe_artifact: list[tuple[str, bytes]] = []
+#: digest -> the compiled form (``WasmHost.artifacts``) of a module as the first host of this process
+#: that ran it compiled it
+_artifacts: dict[str, bytes] = {}
+
+
+@contextmanager
+def compiled_once(env: Env, body: bytes) -> Iterator[None]:
+    """Runs of ``body`` (a module's binary, or the probe's text) inside, on ``env``'s host, from the
+    compiled form the process's first host of it made (``hold_artifact``, as an activated worker
+    loads its tenant's modules) where one did; the first compiles it, and its form is kept on the
+    way out. A compile is ~25-150 ms of CPU, the larger part of a run of a small guest, and the
+    tests that use this check what the guest's runs do, on the same machine code (each host still
+    links the imports itself); compiling stays covered by each process's first run of each module
+    and by test_wasm_host and test_wasm_artifacts."""
+    digest = hashlib.sha256(body).hexdigest()
+    if digest in _artifacts:
+        env.host.hold_artifact(body, digest, _artifacts[digest])
+    yield
+    if digest not in _artifacts:
+        _artifacts.update(env.host.artifacts([digest], 1 << 30))
 
 
 @contextmanager
 def probe(env: Env, *, timeout_s: float = 10.0) -> Iterator[WasmSession]:
-    """A session on the probe guest. Its module comes from the compiled form the process's first
-    host made (``hold_artifact``, as an activated worker loads its tenant's modules) where this
-    host has not compiled it: a compile is ~25-45 ms of CPU, most of an ABI test's cost, and what
-    these tests check is the imports, on the same machine code (each host links them itself).
-    Compiling the probe stays covered by each process's first one and by test_wasm_host."""
-    if _probe_artifact:
-        env.host.hold_artifact(PROBE, *_probe_artifact[0])
-    with env.host.session(PROBE, fuel=10**9, timeout_s=timeout_s) as s:
+    """A session on the probe guest, compiled once per process (:func:`compiled_once`): a compile
+    is most of an ABI test's cost, and what these tests check is the imports."""
+    with compiled_once(env, PROBE), env.host.session(PROBE, fuel=10**9, timeout_s=timeout_s) as s:
         yield s
-    if not _probe_artifact:
-        _probe_artifact.extend(env.host.artifacts([_PROBE_DIGEST], 1 << 30))
 
 
 def mem(s: WasmSession) -> bytes:

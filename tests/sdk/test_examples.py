@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.sdk_build import SdkBuilder
-from tests.helpers.wasm_env import MLP, Env, mlp_inputs, softmax, tenant_env
+from tests.helpers.wasm_env import MLP, Env, compiled_once, mlp_inputs, softmax, tenant_env
 from worker.backends.stub import StubBackend
 
 pytestmark = pytest.mark.timeout(300)  # the first build of a session compiles wasi-libc
@@ -54,7 +54,10 @@ def read(env: Env, handle: int, dtype: Any, count: int) -> Any:
 
 
 def run(env: Env, module: bytes, export: str, args: list[Any]) -> dict[str, Any]:
-    return env.host.run(module, export, args, fuel=10**10, timeout_s=30.0)
+    """A run of an example, compiled once per process (several tests run each example; what they
+    check is the runs' results)."""
+    with compiled_once(env, module):
+        return env.host.run(module, export, args, fuel=10**10, timeout_s=30.0)
 
 
 # ------------------------------------------------------------------ axpy + sum

@@ -15,7 +15,7 @@ import pytest
 from shared.errors import KernelTimeout, WasmTrap
 from tests.helpers.sdk_build import SdkBuilder
 from tests.helpers.timeouts import scaled
-from tests.helpers.wasm_env import Env, tenant_env
+from tests.helpers.wasm_env import Env, compiled_once, tenant_env
 from worker.backends.stub import StubBackend
 from worker.wasm import abi
 
@@ -115,15 +115,17 @@ SHORT_RUN_S = scaled(10)
 
 
 @pytest.fixture
-def env() -> Iterator[Env]:
-    with tenant_env("hostile", StubBackend(), max_memory=MAX_MEMORY, memory_quota=64 * MiB,
-                    wasm_timeout_s=RUN_S) as e:
-        yield e
+def guest(sdk: SdkBuilder) -> bytes:
+    return sdk.source("hostile.c", HOSTILE)
 
 
 @pytest.fixture
-def guest(sdk: SdkBuilder) -> bytes:
-    return sdk.source("hostile.c", HOSTILE)
+def env(guest: bytes) -> Iterator[Env]:
+    """A fresh host per test; the guest compiled by the process's first one (each test checks its
+    runs, on the same machine code)."""
+    with tenant_env("hostile", StubBackend(), max_memory=MAX_MEMORY, memory_quota=64 * MiB,
+                    wasm_timeout_s=RUN_S) as e, compiled_once(e, guest):
+        yield e
 
 
 def still_serves(env: Env, guest: bytes) -> None:
