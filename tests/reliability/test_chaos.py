@@ -12,6 +12,7 @@ from shared import protocol as proto
 from shared.quota import QuotaSnapshot
 from shared.records import InstanceRecord, TenantRecord
 from supervisor.tools import chaos
+from supervisor.tools.chaos import campaign
 from supervisor.tools.chaos import checks as chaos_checks
 from supervisor.tools.chaos import (
     Action,
@@ -230,6 +231,21 @@ def test_reconcile_counts_live_buffers_and_writes_off_dead_incarnations() -> Non
     assert not under.ok and "gpu_bytes_in_use 0 B" in under.problems[0]
     cpu = reconcile(_record([(0, 3, "ready"), (1, 4, "ready")], [(0, 4096)], 4096, cpu=65536), live)
     assert not cpu.ok
+
+
+def test_the_settle_waits_for_each_instance_not_only_the_tenant() -> None:
+    """A worker killed for a missed deadline is "stopping" while its tenant runs with nothing in
+    flight (the request was answered); its share still holds what that request made (an alloc its
+    client was told timed out) until it is reaped. Reconciled then, the share read as drift: a
+    four-burner suite run once failed "instance 1 share 73,728 B, expected 0 B" that way. The
+    settle waits for every instance's worker to be ready."""
+    stopping = _record([(0, 3, "ready"), (1, 2, "stopping")], [(1, 8192)], 8192)
+    assert not campaign.is_settled(stopping)
+    assert not reconcile(stopping, {}).ok  # the clients hold nothing: what reconciling it then reported
+    back = _record([(0, 3, "ready"), (1, 3, "ready")], [], 0)  # reaped, reclaimed, restarted
+    assert campaign.is_settled(back) and reconcile(back, {}).ok
+    for state in ("restarting", "starting", "binding", "down", "draining"):
+        assert not campaign.is_settled(_record([(0, 3, "ready"), (1, 3, state)], [], 0))
 
 
 def test_cli_exits_4_when_an_invariant_fails(monkeypatch: pytest.MonkeyPatch,

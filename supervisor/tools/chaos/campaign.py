@@ -98,6 +98,18 @@ def _supervisor(cfg: ChaosConfig, stack: ExitStack) -> Iterator[tuple[str, int |
         yield handle.run_dir, handle.pid
 
 
+def is_settled(rec: TenantRecord) -> bool:
+    """A tenant running with nothing in flight or parked, and every instance's worker ready.
+
+    The instances count on their own: a worker killed for a missed deadline leaves the tenant
+    running and its request answered (nothing in flight) while it is still stopping - its quota
+    share still holding what the answered request made (an ``alloc`` its client was told timed
+    out) until it is dead and reclaimed, which on a loaded host can be seconds later. Reconciled
+    then, that share reads as drift of the instance's current incarnation."""
+    return (rec.state == "running" and rec.in_flight == 0 and rec.parked == 0
+            and all(inst.state == "ready" for inst in rec.instances))
+
+
 class _Campaign:
     """One run of :func:`run_chaos`, step by step (each step appends its checks)."""
 
@@ -303,13 +315,11 @@ class _Campaign:
         return [r for r in main.status().tenants if r.tenant_id in self.specs]
 
     def _settle(self, main: SupervisorClient, timeout_s: float = SETTLE_TIMEOUT_S) -> tuple[bool, list[TenantRecord]]:
-        """Wait until every tenant runs every instance with nothing in flight or parked."""
+        """Wait until every tenant runs every instance with nothing in flight or parked (:func:`is_settled`)."""
         deadline = time.monotonic() + timeout_s
         while True:
             recs = self._records(main)
-            if len(recs) == len(self.specs) and all(
-                r.state == "running" and r.in_flight == 0 and r.parked == 0 for r in recs
-            ):
+            if len(recs) == len(self.specs) and all(map(is_settled, recs)):
                 return True, recs
             if time.monotonic() >= deadline:
                 return False, recs
@@ -363,7 +373,7 @@ class _Campaign:
                 problems.append(f"{name}: the worker holds {len(held)} buffers, the clients {len(live[name])}")
         if not (settled and settled2):
             unsettled = [r for r in (recs if not settled2 else first)
-                         if not (r.state == "running" and r.in_flight == 0 and r.parked == 0)]
+                         if not is_settled(r)]
             problems.insert(
                 0,
                 f"tenants did not settle within {SETTLE_TIMEOUT_S:g} s "
