@@ -27,6 +27,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
+from tests.helpers import hygiene
+
 __all__ = ["ENV", "Recorder", "summarize"]
 
 #: where the lines go (unset: nothing is recorded)
@@ -34,33 +36,12 @@ ENV = "PYTEST_TWT_CPU_LOG"
 _TICK = float(os.sysconf("SC_CLK_TCK"))
 
 
-def _descendants(pid: int) -> list[int]:
-    """``pid``'s descendants, from each thread's /proc children list ([] once it is gone)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            threads = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in threads:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children", "rb") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            found.extend(kids)
-            todo.extend(kids)
-    return found
-
-
 def _live_tree_cpu(pid: int) -> float:
     """The CPU of ``pid`` and every live descendant, each with its reaped children's: a child's
     CPU moves into its parent's reaped figure when the parent reaps it, so the sum only grows
     (a descendant reaped by a process outside the tree would take its CPU away: a zygote is its
     tree's subreaper, so none is)."""
-    return _tree_cpu(pid) + sum(_tree_cpu(kid) for kid in _descendants(pid))
+    return _tree_cpu(pid) + sum(_tree_cpu(kid) for kid in hygiene.descendants(pid))
 
 
 def _tree_cpu(pid: int) -> float:

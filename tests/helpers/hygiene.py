@@ -336,19 +336,19 @@ def twt_processes() -> set[tuple[int, float]]:
     return out
 
 
-def descendants() -> set[int]:
-    """Every process below this one: its children, their children, ...
+def descendants(pid: int | None = None) -> set[int]:
+    """Every process below ``pid`` (default: this one): its children, their children, ...
 
     From each thread's /proc children list where the kernel has them (a process's children are
     listed under the thread that started them), so the cost is that of our own process tree;
     psutil's ``children(recursive=True)`` reads every process on the machine to build it."""
     if not _PROC_SCANS:
         try:
-            return {c.pid for c in psutil.Process().children(recursive=True)}
+            return {c.pid for c in psutil.Process(pid).children(recursive=True)}
         except psutil.Error:
             return set()
     found: set[int] = set()
-    todo = [os.getpid()]
+    todo = [os.getpid() if pid is None else pid]
     while todo:
         parent = todo.pop()
         try:

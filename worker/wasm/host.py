@@ -825,6 +825,10 @@ class WasmSession:
 # ------------------------------------------------------------------ the host
 
 
+#: the refusal of a pool host (not adopted by a tenant yet): it has no context and runs no module
+_NOT_BOUND = "the WASM host is not bound to a tenant yet"
+
+
 class WasmHost:
     """Runs untrusted modules for one tenant instance (one per worker; see :meth:`for_context`)."""
 
@@ -878,7 +882,7 @@ class WasmHost:
         """The bound tenant's context; a pool host (not adopted yet) has none and runs no module."""
         ctx = self._ctx
         if ctx is None:
-            raise InvalidArgument("the WASM host is not bound to a tenant yet")
+            raise InvalidArgument(_NOT_BOUND)
         return ctx
 
     @property
@@ -1298,7 +1302,7 @@ class WasmHost:
             *, fuel: int, timeout_s: float) -> dict[str, object]:
         """One complete run: the ``run_wasm`` reply, or a typed error."""
         if self._ctx is None:  # a pool host: refused before a tenant's module is compiled (or cached) here
-            raise InvalidArgument("the WASM host is not bound to a tenant yet")
+            raise InvalidArgument(_NOT_BOUND)
         t0 = time.perf_counter()
         self.stats["runs"] += 1
         # "cached": not compiled by this run - found in the cache, or deserialized from the
